@@ -1,0 +1,24 @@
+"""The embedded tiny calculator model: a ~0.73M-parameter Qwen2 trained from scratch, shipped in assets/.
+
+Built by build_tokenizer.py and train.py, checked by evaluate.py; everything loads offline.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+ASSET_DIR = Path(__file__).resolve().parent / "assets"
+
+
+def load_tokenizer():
+    """The fast tokenizer with its chat template (pad `<|endoftext|>`, eos `<|im_end|>`, no bos)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(ASSET_DIR, local_files_only=True)
+
+
+def load_model():
+    """The float32 Qwen2ForCausalLM in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(ASSET_DIR, local_files_only=True).eval()
