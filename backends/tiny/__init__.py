@@ -10,15 +10,15 @@ from pathlib import Path
 ASSET_DIR = Path(__file__).resolve().parent / "assets"
 
 
-def load_tokenizer():
+def load_tokenizer(path: Path = ASSET_DIR):
     """The fast tokenizer with its chat template (pad `<|endoftext|>`, eos `<|im_end|>`, no bos)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(ASSET_DIR, local_files_only=True)
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
-def load_model():
+def load_model(path: Path = ASSET_DIR):
     """The float32 Qwen2ForCausalLM in eval mode."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(ASSET_DIR, local_files_only=True).eval()
+    return AutoModelForCausalLM.from_pretrained(path, local_files_only=True).eval()

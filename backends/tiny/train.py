@@ -1,0 +1,166 @@
+"""Train the tiny calculator model from scratch on CPU (about 14 minutes) and save it into the assets.
+
+Each example is one ideal episode from specs.calculator (question -> hermes tool call -> tool result ->
+"The answer is N.\\n#### N"), rendered with the shipped chat template; the loss covers only what the
+assistant generates. Two things make this work in minutes on one thread (see shared/notes/tiny-model.md):
+the system turn, identical in every example, is run once per step and its KV cache shared by the batch
+(2.4x faster); and digits, operators and spaces weigh 4x in the loss, without which runs can get stuck
+confusing `+` and `*`.
+
+    python -m backends.tiny.train                              # the shipped model
+    python -m backends.tiny.train --max-steps 5 --out /tmp/x   # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+from backends.tiny import ASSET_DIR, load_tokenizer
+from specs.calculator import TOOL_SCHEMA, make_question, reference_messages
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+BATCH_SIZE = 16
+LR = 3e-3
+WEIGHTED_CHARS = set("0123456789+-*/ ")  # tokens made only of these weigh DIGIT_WEIGHT in the loss
+DIGIT_WEIGHT = 4.0
+
+
+def model_config(tokenizer) -> Qwen2Config:
+    return Qwen2Config(
+        vocab_size=576,  # 516 tokens padded to a multiple of 64
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype="float32",
+    )
+
+
+class Episodes:
+    """Batches of fresh episodes as (suffix ids, per-token loss weights), after the shared system turn."""
+
+    def __init__(self, tokenizer, seed: int):
+        self.tokenizer = tokenizer
+        self.rng = random.Random(f"train-{seed}")  # a stream apart from make_prompts(n, seed)
+        self.prefix = self._render([reference_messages("1 + 1")[0]])
+        self.generation_prompt = tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)
+        vocab = range(len(tokenizer))
+        weights = [DIGIT_WEIGHT if set(tokenizer.decode([i])) <= WEIGHTED_CHARS else 1.0 for i in vocab]
+        self.token_weight = torch.tensor(weights)
+
+    def _render(self, messages: list[dict]) -> list[int]:
+        return self.tokenizer.apply_chat_template(
+            messages, tools=[TOOL_SCHEMA], tokenize=True, return_dict=False
+        )
+
+    def _assistant_mask(self, ids: list[int]) -> list[float]:
+        """1 from after each generation prompt through its `<|im_end|>`: exactly what the model generates."""
+        mask, inside, n = [0.0] * len(ids), False, len(self.generation_prompt)
+        for i, token in enumerate(ids):
+            if inside:
+                mask[i] = 1.0
+                inside = token != self.tokenizer.eos_token_id
+            elif i + 1 >= n and ids[i + 1 - n : i + 1] == self.generation_prompt:
+                inside = True
+        return mask
+
+    def batch(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        suffixes = []
+        for _ in range(size):
+            ids = self._render(reference_messages(make_question(self.rng)))
+            assert ids[: len(self.prefix)] == self.prefix
+            suffixes.append((ids[len(self.prefix) :], self._assistant_mask(ids)[len(self.prefix) :]))
+        width = max(len(ids) for ids, _ in suffixes)
+        pad = self.tokenizer.pad_token_id
+        ids = torch.tensor([s + [pad] * (width - len(s)) for s, _ in suffixes])
+        mask = torch.tensor([m + [0.0] * (width - len(m)) for _, m in suffixes])
+        return ids, mask * self.token_weight[ids]
+
+
+def loss_fn(
+    model: Qwen2ForCausalLM, prefix: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor
+) -> torch.Tensor:
+    """Weighted next-token loss on the suffixes; the prefix runs once and its cache is repeated per row.
+
+    Right padding needs no attention mask: causal attention keeps real tokens from seeing the pads after
+    them, and the pads' own predictions weigh 0.
+    """
+    cache = model(prefix[None], use_cache=True).past_key_values
+    cache.batch_repeat_interleave(ids.shape[0])
+    logits = model(ids, past_key_values=cache).logits  # (B, T, V)
+    # The prefix's last logit would predict ids[:, 0], the user turn's `<|im_start|>`, which weighs 0.
+    ce = torch.nn.functional.cross_entropy(
+        logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(), reduction="none"
+    )
+    w = weight[:, 1:].flatten()
+    return (ce * w).sum() / w.sum()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--time-budget-s", type=float, default=840.0, help="the cosine schedule spans this")
+    parser.add_argument("--max-steps", type=int, default=None, help="stop (and end the schedule) here")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=ASSET_DIR)
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)  # steadier than two on a shared 2-core machine
+    torch.manual_seed(args.seed)
+    tokenizer = load_tokenizer()
+    episodes = Episodes(tokenizer, args.seed)
+    model = Qwen2ForCausalLM(model_config(tokenizer)).train()
+    print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.3f}M parameters")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    prefix = torch.tensor(episodes.prefix)
+
+    start, step, smoothed = time.monotonic(), 0, None
+    while True:
+        progress = (time.monotonic() - start) / args.time_budget_s
+        if args.max_steps:
+            progress = max(progress, step / args.max_steps)
+        if progress >= 1:
+            break
+        for group in optimizer.param_groups:
+            group["lr"] = LR * 0.5 * (1 + math.cos(math.pi * progress))
+        loss = loss_fn(model, prefix, *episodes.batch(BATCH_SIZE))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        step += 1
+        smoothed = loss.item() if smoothed is None else 0.98 * smoothed + 0.02 * loss.item()
+        if step % 100 == 0 or step == args.max_steps:
+            print(
+                f"step {step} {time.monotonic() - start:.0f}s loss {loss.item():.4f} (smoothed {smoothed:.4f})"
+            )
+    print(f"trained {step} steps in {time.monotonic() - start:.0f}s, final smoothed loss {smoothed:.4f}")
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    model.generation_config = GenerationConfig(
+        bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
+    model.save_pretrained(args.out)
+    if args.out.resolve() != ASSET_DIR:
+        for name in TOKENIZER_FILES:  # a complete, loadable directory
+            shutil.copy(ASSET_DIR / name, args.out / name)
+    print(f"saved to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
