@@ -1,0 +1,98 @@
+"""The token-in-token-out contract every backend honours.
+
+The engine (`fsm`) sees only this module's types. A backend takes the full running context of one
+trajectory as token ids and returns the tokens it generated, with the engine's logprob of each. Sampling
+parameters use SGLang's names (`max_new_tokens`, `temperature`, `top_p`, `top_k`, `stop_token_ids`,
+`sampling_seed`, `repetition_penalty`) so that the SGLang client can pass them through unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+
+@dataclass(slots=True)
+class GenerateRequest:
+    session_id: str  # trajectory id: the sticky routing key for every turn of one trajectory
+    prompt_ids: list[int]  # the whole context so far (prompt + every earlier turn)
+    sampling_params: dict[str, Any]  # SGLang names; max_new_tokens already clamped by the engine
+    rid: str | None = None  # per-turn request id, "{session_id}_t{turn:02d}": never a prefix of another live rid
+    group_id: str | None = None  # GRPO group (the row's uid): samples of a group share their prompt
+    return_logprob: bool = True
+
+
+@dataclass(slots=True)
+class GenerateResult:
+    token_ids: list[int]  # generated ids, the matched stop token included (as SGLang's output_ids)
+    logprobs: list[float] | None  # one per token id, or None when not requested
+    finish_reason: str  # "stop" | "length" | "abort"
+    prompt_tokens: int | None = None  # absent when SGLang aborted the request in its waiting queue
+    cached_tokens: int | None = None  # prompt tokens served from the server's prefix cache
+    weight_version: str | None = None
+    server: str | None = None  # which server answered (base URL, or a backend name)
+    route: str | None = None  # how a router placed the call: "sticky" | "new" | "group" | "moved"
+    abort_message: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class BackendError(Exception):
+    """A generation that failed. `retryable` says whether trying again (maybe elsewhere) can help."""
+
+    retryable: bool = False
+
+    def __init__(self, message: str, *, server: str | None = None, status: int | None = None):
+        super().__init__(message)
+        self.server = server
+        self.status = status
+
+
+class BackendRequestError(BackendError):
+    """The server refused the request itself (HTTP 400: bad parameters, input too long): do not retry."""
+
+    retryable = False
+
+
+class BackendUnavailable(BackendError):
+    """The server could not be reached, disconnected, timed out or answered 5xx: retry, maybe elsewhere."""
+
+    retryable = True
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What the engine needs from a model server (or a fleet of them behind a router)."""
+
+    model_name: str  # shown in spans as `text_completion {model_name}`
+    provider: str  # `gen_ai.provider.name`: "sglang", "transformers", "scripted"...
+    context_length: int | None  # the server's max context, or None when unknown
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult: ...
+
+    async def release(self, session_id: str) -> None:
+        """The trajectory ended: a router may forget its session."""
+        ...
+
+
+class BaseBackend:
+    """Convenience base: no-op lifecycle so simple backends only write `generate`."""
+
+    model_name: str = "unknown"
+    provider: str = "unknown"
+    context_length: int | None = None
+
+    async def start(self) -> None:
+        """Open connections / start background work. Idempotent."""
+
+    async def close(self) -> None:
+        """Stop background work and release resources. Idempotent."""
+
+    async def release(self, session_id: str) -> None:
+        return None
+
+    async def __aenter__(self):
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

@@ -1,0 +1,140 @@
+"""The built-in actions: the work each standard state does. The driver awaits them; guards then decide.
+
+`encode_prompt` (PENDING), `generate` (GENERATING), `call_tools` (PROCESSING_TOOLS), `interact`
+(INTERACTING). A user action has the same signature, `async def action(ctx, traj)`, and uses the same
+helpers (`ctx.add_observation`, `ctx.generate`), so it inherits the token rules for free.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, Any
+
+from backends.base import GenerateRequest
+from fsm.registry import action
+from fsm.trajectory import Trajectory
+
+if TYPE_CHECKING:
+    from fsm.runtime import RunContext
+
+
+class RowError(Exception):
+    """The row itself is unusable (missing raw_prompt, prompt too long under the 'error' policy)."""
+
+
+@action("encode_prompt")
+async def encode_prompt(ctx: RunContext, traj: Trajectory) -> None:
+    row = traj.row
+    messages = row.get("raw_prompt")
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+        raise RowError("bad row: 'raw_prompt' must be a non-empty list of chat messages")
+    traj.messages = [dict(m) for m in messages]
+    ids = ctx.prompt_cache.get(traj.uid) if ctx.share_prompts else None
+    if ids is None:
+        ids = ctx.codec.encode_prompt(traj.messages, traj.tool_schemas)
+        if ctx.share_prompts:
+            ctx.prompt_cache[traj.uid] = ids
+    limit = ctx.agent.limits.prompt_length
+    if len(ids) > limit:
+        if ctx.agent.limits.prompt_overflow == "error":
+            raise RowError(f"prompt_too_long: {len(ids)} tokens > prompt_length {limit}")
+        ids = ids[-limit:]
+        traj.extra["prompt_truncated"] = True
+    traj.prompt_ids.extend(ids)
+
+
+@action("generate")
+async def generate(ctx: RunContext, traj: Trajectory) -> None:
+    """One model turn: request the continuation of the whole context, append it, parse tool calls."""
+    limits = ctx.agent.limits
+    budget = limits.response_length - len(traj.response_mask)
+    max_new = budget if limits.max_new_tokens is None else min(budget, limits.max_new_tokens)
+    if max_new <= 0:
+        traj.last_finish_reason = "length"
+        return
+    params = dict(ctx.sampling_for(traj), max_new_tokens=max_new)
+    request = GenerateRequest(
+        session_id=traj.session_id,
+        prompt_ids=traj.context_ids(),
+        sampling_params=params,
+        rid=f"{traj.session_id}_t{traj.assistant_turns:02d}",
+        group_id=traj.uid,
+        return_logprob=ctx.logprobs,
+    )
+    t0 = time.perf_counter()
+    result = await ctx.call_backend(traj, request)
+    traj.metrics.generate_sequences += time.perf_counter() - t0
+    traj.metrics.cached_tokens += result.cached_tokens or 0
+    traj.metrics.prompt_tokens_sent += result.prompt_tokens or len(request.prompt_ids)
+    ids = result.token_ids[:max_new]
+    logprobs = result.logprobs[: len(ids)] if result.logprobs is not None else None
+    traj.append_generated(ids, logprobs if ctx.logprobs else None)
+    traj.needs_tail = True
+    traj.assistant_turns += 1
+    traj.last_finish_reason = result.finish_reason
+    text = ctx.codec.decode(
+        ids[:-1] if ids and ids[-1] == ctx.codec.eos_id else ids, skip_special_tokens=False
+    )
+    traj.messages.append({"role": "assistant", "content": text})
+    traj.pending_calls = ctx.parser.parse(text) if ctx.agent.tools.by_name else []
+
+
+@action("call_tools")
+async def call_tools(ctx: RunContext, traj: Trajectory) -> None:
+    """Run the pending calls concurrently (up to max_parallel_calls) and append their results."""
+    limits = ctx.agent.limits
+    calls, traj.pending_calls = traj.pending_calls, []
+    run, extra = calls[: limits.max_parallel_calls], calls[limits.max_parallel_calls :]
+    active = traj.extra.get("active_tools")
+    t0 = time.perf_counter()
+    outcomes = await asyncio.gather(*(
+        ctx.run_tool(traj, call, f"{traj.session_id}_c{traj.user_turns}_{k}", active) for k, call in enumerate(run)
+    ))  # fmt: skip
+    traj.metrics.tool_calls += time.perf_counter() - t0
+    messages: list[dict[str, Any]] = []
+    for outcome in outcomes:
+        traj.tool_rewards.append(outcome.reward)
+        if outcome.score is not None:
+            traj.tool_scores.append(outcome.score)
+        if outcome.error:
+            traj.metrics.tool_errors += 1
+        messages.append(_tool_message(outcome.text, outcome.call_id))
+    for call in extra:
+        traj.metrics.dropped_calls += 1
+        if limits.extra_calls == "error":
+            text = (f"Error: too many tool calls in one turn; at most {limits.max_parallel_calls} run per turn, "
+                    f"so the call to '{call.name}' was not executed.")  # fmt: skip
+            messages.append(_tool_message(text, call.id))
+    if messages and ctx.add_observation(traj, messages, role="tool"):
+        traj.user_turns += 1
+
+
+def _tool_message(text: str, call_id: str | None) -> dict[str, Any]:
+    msg: dict[str, Any] = {"role": "tool", "content": text}
+    if call_id:
+        msg["tool_call_id"] = call_id
+    return msg
+
+
+@action("interact")
+async def interact(ctx: RunContext, traj: Trajectory) -> None:
+    """Ask the user/environment simulator for its reply; it may end the conversation."""
+    inter = ctx.interaction
+    if inter is None:
+        raise RowError("the spec reached an interact action but declares no interaction")
+    kwargs = traj.interaction_kwargs or {}
+    if not traj.interaction_started:
+        await inter.start_interaction(traj.session_id, **kwargs)
+        traj.interaction_started = True
+    done, content, score, metrics = await inter.generate_response(traj.session_id, traj.messages, **kwargs)
+    if score is not None:
+        traj.turn_scores.append(float(score))
+    if metrics:
+        traj.extra.setdefault("interaction_metrics", []).append(metrics)
+    traj.should_terminate = bool(done)
+    if done:
+        traj.extra["final_feedback"] = content  # the model never answers it, so it is not appended
+        return
+    if ctx.add_observation(traj, [{"role": "user", "content": content}], role="user"):
+        traj.user_turns += 1

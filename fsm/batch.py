@@ -1,0 +1,172 @@
+"""Trajectories -> verl's padded batch, vectorized over the batch (no per-sample tokenizer.pad).
+
+Layout (P = prompt_length, R = response_length), exactly verl's `_agent_loop_postprocess` + `_postprocess`:
+  prompts          [B, P]   int64  left-padded with pad_token_id
+  responses        [B, R]   int64  right-padded, cut to R
+  response_mask    [B, R]   int64  1 on generated tokens, times the response attention mask
+  input_ids        [B, P+R] int64  cat(prompts, responses)
+  attention_mask   [B, P+R] int64  0 on every pad
+  position_ids     [B, P+R] int64  clip(cumsum(attention_mask) - 1, 0)
+  rollout_log_probs[B, R]   float32 (when logprobs were requested), 0.0 on pads and observations
+  rm_scores        [B, R]   float32 (when every row has a score): the score on the last valid response token
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+
+from fsm.trajectory import Trajectory
+
+
+@dataclass
+class RolloutBatch:
+    """DataProto-shaped: `batch` (tensors), `non_tensor_batch` (numpy object arrays), `meta_info`."""
+
+    batch: TensorDict
+    non_tensor_batch: dict[str, np.ndarray] = field(default_factory=dict)
+    meta_info: dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return int(self.batch.batch_size[0])
+
+
+def _place(
+    seqs: Sequence[np.ndarray], width: int, fill: float, dtype: Any, left: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """Pad variable-length rows into [B, width] with one scatter; returns (values, lengths)."""
+    lens = np.fromiter((min(len(s), width) for s in seqs), dtype=np.int64, count=len(seqs))
+    out = np.full((len(seqs), width), fill, dtype=dtype)
+    total = int(lens.sum())
+    if total:
+        # Left padding keeps a row's tail (verl cuts long prompts on the left), right padding its head.
+        flat = np.concatenate([s[len(s) - n :] if left else s[:n] for s, n in zip(seqs, lens)]).astype(
+            dtype, copy=False
+        )
+        rows = np.repeat(np.arange(len(seqs)), lens)
+        within = np.arange(total) - np.repeat(np.cumsum(lens) - lens, lens)
+        cols = within + (width - lens)[rows] if left else within
+        out[rows, cols] = flat
+    return out, lens
+
+
+def collate(trajs: Sequence[Trajectory], *, prompt_length: int, response_length: int, pad_token_id: int,
+            logprobs: bool = True) -> RolloutBatch:  # fmt: skip
+    """Pad finished trajectories into verl's batch. Row order is the trajectories' order."""
+    P, R = prompt_length, response_length
+
+    def arr(a: Any, dtype: Any) -> np.ndarray:
+        return np.frombuffer(a, dtype=dtype) if len(a) else np.zeros(0, dtype=dtype)
+
+    prompts, p_len = _place(
+        [arr(t.prompt_ids, np.int32) for t in trajs], P, pad_token_id, np.int64, left=True
+    )
+    responses, r_len = _place(
+        [arr(t.response_ids, np.int32) for t in trajs], R, pad_token_id, np.int64, left=False
+    )
+    mask, _ = _place([arr(t.response_mask, np.int8) for t in trajs], R, 0, np.int64, left=False)
+
+    cols = np.arange(max(P, R))
+    prompt_att = (cols[:P] >= (P - p_len)[:, None]).astype(np.int64)
+    response_att = (cols[:R] < r_len[:, None]).astype(np.int64)
+    attention = np.concatenate([prompt_att, response_att], axis=1)
+    position = np.clip(np.cumsum(attention, axis=1) - 1, 0, None)
+
+    tensors: dict[str, torch.Tensor] = {
+        "prompts": torch.from_numpy(prompts),
+        "responses": torch.from_numpy(responses),
+        "response_mask": torch.from_numpy(mask * response_att),
+        "input_ids": torch.from_numpy(np.concatenate([prompts, responses], axis=1)),
+        "attention_mask": torch.from_numpy(attention),
+        "position_ids": torch.from_numpy(position),
+    }
+    if logprobs:
+        lp, _ = _place([arr(t.response_logprobs, np.float32) for t in trajs], R, 0.0, np.float32, left=False)
+        tensors["rollout_log_probs"] = torch.from_numpy(lp)
+    scores = [t.reward_score for t in trajs]
+    if trajs and all(s is not None for s in scores):
+        rm = np.zeros((len(trajs), R), dtype=np.float32)
+        has = r_len > 0  # an empty (failed) response has no token to carry a score
+        rm[np.nonzero(has)[0], r_len[has] - 1] = np.asarray(scores, dtype=np.float32)[has]
+        tensors["rm_scores"] = torch.from_numpy(rm)
+
+    batch = TensorDict(tensors, batch_size=[len(trajs)])
+    return RolloutBatch(batch, _non_tensors(trajs), {"metrics": [t.metrics.as_dict() for t in trajs],
+                                                      "timing": timing(trajs, r_len, p_len)})  # fmt: skip
+
+
+def _objects(values: list[Any]) -> np.ndarray:
+    out = np.empty(len(values), dtype=object)
+    out[:] = values
+    return out
+
+
+def _non_tensors(trajs: Sequence[Trajectory]) -> dict[str, np.ndarray]:
+    """verl's non-tensor keys plus agentfsm's; every input row column comes back, one entry per sample."""
+    out = {
+        "__num_turns__": np.array([t.num_turns for t in trajs], dtype=np.int32),
+        "termination_reason": _objects([t.termination_reason for t in trajs]),
+        "uid": _objects([t.uid for t in trajs]),
+        "state_path": _objects([list(t.path) for t in trajs]),
+        "turn_scores": _objects([list(t.turn_scores) for t in trajs]),
+        "tool_rewards": _objects([list(t.tool_rewards) for t in trajs]),
+        "raw_prompt": _objects([t.row.get("raw_prompt") for t in trajs]),
+    }
+    columns = {key for t in trajs for key in t.row} - set(out) - {"agent_name"}
+    for key in sorted(columns):
+        out[key] = _objects([t.row.get(key) for t in trajs])
+    extra_keys = {key for t in trajs for key in t.extra.get("reward_extra_info", {})}
+    for key in sorted(extra_keys):
+        out[key] = _objects([t.extra.get("reward_extra_info", {}).get(key) for t in trajs])
+    return out
+
+
+def timing(trajs: Sequence[Trajectory], r_len: np.ndarray, p_len: np.ndarray) -> dict[str, float]:
+    """verl's `agent_loop/...` timing keys (min/max/mean over samples, and the slowest sample)."""
+    if not trajs:
+        return {}
+    cols = {
+        "generate_sequences": np.array([t.metrics.generate_sequences for t in trajs]),
+        "tool_calls": np.array([t.metrics.tool_calls for t in trajs]),
+        "compute_score": np.array([t.metrics.compute_score for t in trajs]),
+        "num_preempted": np.array([t.metrics.num_preempted for t in trajs], dtype=np.float64),
+    }
+    out = {}
+    for name, values in cols.items():
+        out[f"agent_loop/{name}/min"] = float(values.min())
+        out[f"agent_loop/{name}/max"] = float(values.max())
+        out[f"agent_loop/{name}/mean"] = float(values.mean())
+    slowest = int(np.argmax(cols["generate_sequences"] + cols["tool_calls"] + cols["compute_score"]))
+    for name, values in cols.items():
+        out[f"agent_loop/slowest/{name}"] = float(values[slowest])
+    out["agent_loop/slowest/prompt_length"] = float(p_len[slowest])
+    out["agent_loop/slowest/response_length"] = float(r_len[slowest])
+    return out
+
+
+def summarize(trajs: Sequence[Trajectory]) -> dict[str, Any]:
+    """Counts a person reads after a run: termination reasons, failures, turns, rewards, tokens."""
+    reasons: dict[str, int] = {}
+    for t in trajs:
+        key = t.termination_reason or "?"
+        key = key.split(":", 2)[0] + ": " + key.split(":", 2)[1].strip() if key.startswith("error:") else key
+        reasons[key] = reasons.get(key, 0) + 1
+    scores = [t.reward_score for t in trajs if t.reward_score is not None]
+    return {
+        "trajectories": len(trajs),
+        "failed": sum(t.failed for t in trajs),
+        "termination_reasons": dict(sorted(reasons.items(), key=lambda kv: -kv[1])),
+        "reward_mean": float(np.mean(scores)) if scores else None,
+        "accuracy": float(np.mean([s > 0 for s in scores])) if scores else None,
+        "turns_mean": float(np.mean([t.num_turns for t in trajs])) if trajs else 0.0,
+        "response_tokens_mean": float(np.mean([len(t.response_ids) for t in trajs])) if trajs else 0.0,
+        "model_tokens": int(sum(t.response_mask.count(1) for t in trajs)),
+        "tool_errors": int(sum(t.metrics.tool_errors for t in trajs)),
+        "dropped_calls": int(sum(t.metrics.dropped_calls for t in trajs)),
+        "token_check_failures": sum(t.token_check is not None for t in trajs),
+    }

@@ -1,0 +1,82 @@
+"""Chat-template arithmetic, done once per tokenizer: prompts, observation suffixes, the turn closer.
+
+An observation (tool results, a user reply) is rendered as the *suffix* it adds to a conversation: the
+template renders `BASE + observation` and the tokens of `BASE` are cut off. BASE is a fixed two-message
+conversation rendered once, so nothing already in a trajectory is re-tokenized. The "turn closer" is what
+the template puts after the end-of-turn token of an assistant message (Qwen's `\\n` after `<|im_end|>`):
+the model stops at `<|im_end|>`, so those tokens are owed, with mask 0, before the next observation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class TemplateError(Exception):
+    """The chat template cannot be used append-only (e.g. it rewrites earlier turns)."""
+
+
+_BASE = [{"role": "user", "content": "U"}, {"role": "assistant", "content": "A"}]
+
+
+class ChatCodec:
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.eos_id: int = tokenizer.eos_token_id
+        pad = tokenizer.pad_token_id
+        self.pad_id: int = pad if pad is not None else 0
+        self._base_ids = self.render(_BASE, add_generation_prompt=False)
+        if self.eos_id not in self._base_ids:
+            raise TemplateError(f"the chat template never emits eos {tokenizer.eos_token!r} after a turn")
+        last_eos = len(self._base_ids) - 1 - self._base_ids[::-1].index(self.eos_id)
+        self.turn_closer: list[int] = [self.eos_id, *self._base_ids[last_eos + 1 :]]
+
+    def render(
+        self, messages: list[dict[str, Any]], *, tools: list[dict] | None = None, add_generation_prompt: bool
+    ) -> list[int]:
+        return self.tokenizer.apply_chat_template(
+            messages, tools=tools or None, add_generation_prompt=add_generation_prompt,
+            tokenize=True, return_dict=False,
+        )  # fmt: skip
+
+    def encode_prompt(self, messages: list[dict[str, Any]], tools: list[dict] | None) -> list[int]:
+        return self.render(messages, tools=tools, add_generation_prompt=True)
+
+    def encode_observation(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Token ids that `messages` (tool/user turns) append, generation prompt included."""
+        full = self.render(_BASE + messages, add_generation_prompt=True)
+        n = len(self._base_ids)
+        if full[:n] != self._base_ids:
+            raise TemplateError(
+                "the chat template is not append-only: rendering more turns changed earlier tokens"
+            )
+        return full[n:]
+
+    def closer_for(self, generated: list[int]) -> list[int]:
+        """Template tokens owed after a model turn: the tail after eos, or eos + tail if the turn was cut."""
+        if generated and generated[-1] == self.eos_id:
+            return self.turn_closer[1:]
+        return self.turn_closer
+
+    def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def check(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict] | None,
+        ids: list[int],
+        ends_with_observation: bool,
+    ) -> str | None:
+        """Compare a trajectory's ids with a full re-render of its messages; describe the first difference."""
+        expected = self.render(messages, tools=tools, add_generation_prompt=ends_with_observation)
+        if not ends_with_observation and expected[len(ids) :] == self.turn_closer[1:]:
+            expected = expected[: len(ids)]  # a final model turn owes no closer
+        if expected == ids:
+            return None
+        i = next((k for k, (a, b) in enumerate(zip(ids, expected)) if a != b), min(len(ids), len(expected)))
+        got, want = (
+            self.decode(ids[i : i + 8], skip_special_tokens=False),
+            self.decode(expected[i : i + 8], skip_special_tokens=False),
+        )
+        return f"token {i}: trajectory has {got!r}, a re-render has {want!r} ({len(ids)} vs {len(expected)} tokens)"

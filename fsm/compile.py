@@ -1,0 +1,348 @@
+"""AgentSpec -> CompiledAgent: every name resolved, every check done, one shared state machine.
+
+Compilation is validation: unknown states, guards, actions, tools, parsers, import paths, missing default
+edges, unreachable states, dead ends and contradictory limits are all reported here, with positions, so a
+running batch never meets an unknown name.
+
+The machine is a `transitions.Machine` shared by every trajectory of the spec. Trajectories are passed to
+its event as the model instead of being attached with `add_model` (which is O(n) per add and builds
+reference cycles). Its transitions are lean: they evaluate the compiled guard and change the state, with
+no callback lists, because model calls, tools and spans belong to the driver (see
+../shared/reference/transitions-notes.md for the measurements behind this).
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import inspect
+import json
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from transitions import Machine, Transition
+
+from fsm.guards import GuardError, Predicate, compile_guard
+from fsm.interaction import REQUIRED_METHODS
+from fsm.loader import Diagnostic, LoadedSpec, SpecError, load_spec
+from fsm.parsers import PARSERS
+from fsm.registry import ACTIONS, GUARDS, ImportPathError, is_import_path, resolve
+from fsm.spec import AgentSpec
+from fsm.tools import BoundTool, ToolSet, build_tool
+
+BUILTIN_ACTIONS = ("encode_prompt", "generate", "call_tools", "interact")
+TRIGGER = "advance"
+
+
+@dataclass(frozen=True, slots=True)
+class Edge:
+    """A compiled transition. `index` is global (stable across runs): run statistics key on it."""
+
+    index: int
+    source: str
+    dest: str
+    guard: Predicate | None
+    label: str  # the guard as written, or "default"
+    reason: str | None
+
+
+class _LeanTransition(Transition):
+    """Guard, then state change. The driver owns every side effect, so no callback lists run here."""
+
+    edge: Edge
+
+    def execute(self, event_data) -> bool:
+        traj = event_data.model
+        guard = self.edge.guard
+        if guard is not None and not guard(traj):
+            return False
+        traj.state = self.dest
+        traj.transitions_fired.append(self.edge.index)
+        return True
+
+
+class _SharedMachine(Machine):
+    transition_cls = _LeanTransition
+
+
+@dataclass
+class Reward:
+    fn: Any
+    kwargs: dict[str, Any]
+
+
+class CompiledAgent:
+    """Immutable after construction; safe to share across trajectories, tasks and runs."""
+
+    def __init__(self, spec: AgentSpec, source: LoadedSpec | None, edges: list[Edge], actions: dict[str, Any],
+                 tools: ToolSet, interaction_cls: Any, reward: Reward | None):  # fmt: skip
+        self.spec = spec
+        self.name = spec.name
+        self.source = source
+        self.path = source.path if source else None
+        self.limits = spec.limits
+        self.initial = spec.initial
+        self.final_states = frozenset(spec.final_states)
+        self.edges = edges
+        self.edges_from: dict[str, tuple[Edge, ...]] = {
+            s: tuple(e for e in edges if e.source == s) for s in spec.states
+        }
+        self.actions = actions
+        self.tools = tools
+        self.interaction_cls = interaction_cls
+        self.reward = reward
+        self.hash = hashlib.sha256(
+            json.dumps(spec.model_dump(mode="json", by_alias=True), sort_keys=True).encode()
+        ).hexdigest()[:12]
+        self.machine = _SharedMachine(model=None, states=list(spec.states), initial=spec.initial,
+                                      auto_transitions=False, send_event=False)  # fmt: skip
+        for edge in edges:
+            self.machine.add_transition(TRIGGER, edge.source, edge.dest)
+            self.machine.events[TRIGGER].transitions[edge.source][-1].edge = edge
+        self._event = self.machine.events[TRIGGER]
+
+    def advance(self, traj: Any) -> Edge:
+        """Fire the first edge out of `traj.state` whose guard holds (through the machine)."""
+        if not self._event.trigger(traj):
+            raise RuntimeError(f"no transition fired from {traj.state}; validation guarantees a default edge")
+        return self.edges[traj.transitions_fired[-1]]
+
+    def which(self, state: str, traj: Any) -> Edge:
+        """Pure query: which edge would fire from `state` for this trajectory. Changes nothing."""
+        for edge in self.edges_from[state]:
+            if edge.guard is None or edge.guard(traj):
+                return edge
+        raise RuntimeError(f"no edge from {state}")
+
+
+# --- compilation ------------------------------------------------------------------------------------------
+
+
+def compile_spec(spec_or_path: AgentSpec | LoadedSpec | str | Path) -> CompiledAgent:
+    """Load (if given a path), validate and compile. Raises SpecError listing every problem."""
+    loaded = spec_or_path if isinstance(spec_or_path, LoadedSpec) else None
+    if isinstance(spec_or_path, (str, Path)):
+        loaded = load_spec(spec_or_path)
+    spec = loaded.spec if loaded else spec_or_path
+    return _Compiler(spec, loaded).compile()
+
+
+class _Compiler:
+    def __init__(self, spec: AgentSpec, loaded: LoadedSpec | None):
+        self.spec, self.loaded = spec, loaded
+        self.diags: list[Diagnostic] = []
+
+    def error(self, code: str, message: str, *loc: Any, key: bool = True) -> None:
+        if self.loaded:
+            self.diags.append(self.loaded.diagnostic(code, message, *loc, key=key))
+        else:
+            self.diags.append(Diagnostic("<spec>", 0, 0, code, f"{'.'.join(map(str, loc))}: {message}"))
+
+    def compile(self) -> CompiledAgent:
+        spec = self.spec
+        for module in spec.imports:
+            try:
+                resolve(f"{module}:__name__")
+            except ImportPathError as exc:
+                self.error("import", str(exc), "imports", spec.imports.index(module), key=False)
+        self._check_limits()
+        self._check_graph()
+        edges = self._edges()
+        actions = self._actions()
+        tools = self._tools()
+        interaction_cls = self._interaction()
+        reward = self._reward()
+        if spec.parser not in PARSERS:
+            self.error("unknown-parser", f"unknown tool-call parser {spec.parser!r}{_suggest(spec.parser, PARSERS)}",
+                       "parser", key=False)  # fmt: skip
+        if self.diags:
+            raise SpecError(self.diags)
+        return CompiledAgent(spec, self.loaded, edges, actions, tools, interaction_cls, reward)
+
+    def _check_limits(self) -> None:
+        lim = self.spec.limits
+        if lim.max_new_tokens is not None and lim.max_new_tokens > lim.response_length:
+            self.error("limits", f"max_new_tokens ({lim.max_new_tokens}) exceeds response_length "
+                       f"({lim.response_length}): a single turn could never use it", "limits", "max_new_tokens")  # fmt: skip
+        if lim.max_tool_response_length >= lim.response_length * 8:
+            self.error("limits", f"max_tool_response_length ({lim.max_tool_response_length} characters) cannot fit "
+                       f"in response_length ({lim.response_length} tokens)", "limits", "max_tool_response_length")  # fmt: skip
+
+    def _check_graph(self) -> None:
+        spec, states = self.spec, self.spec.states
+        if spec.initial not in states:
+            self.error("unknown-state", f"initial state {spec.initial!r} is not declared{_suggest(spec.initial, states)}",
+                       "initial", key=False)  # fmt: skip
+        if not spec.final_states:
+            self.error("no-final", "no state is final: add e.g. `TERMINATED: {final: true}`", "states")
+        for name, st in states.items():
+            if st.final:
+                if st.action:
+                    self.error(
+                        "final-action", f"final state {name} cannot have an action", "states", name, "action"
+                    )
+                if st.next:
+                    self.error(
+                        "final-edges",
+                        f"final state {name} cannot have outgoing edges",
+                        "states",
+                        name,
+                        "next",
+                    )
+                continue
+            if not st.action:
+                self.error("missing-key", f"state {name} needs an action (or `final: true`)", "states", name)
+            if not st.next:
+                self.error("no-default", f"state {name} has no outgoing edges", "states", name)
+                continue
+            for i, t in enumerate(st.next):
+                if t.to not in states:
+                    self.error("unknown-state", f"edge to unknown state {t.to!r}{_suggest(t.to, states)}",
+                               "states", name, "next", i, "to", key=False)  # fmt: skip
+            if st.next[-1].when is not None:
+                self.error("no-default", f"the last edge out of {name} is guarded: add an unguarded default edge "
+                           "last, so every trajectory can leave the state", "states", name, "next", len(st.next) - 1)  # fmt: skip
+            for i, t in enumerate(st.next[:-1]):
+                if t.when is None:
+                    self.error("shadowed", f"edge {i} out of {name} has no guard, so edges after it never fire",
+                               "states", name, "next", i)  # fmt: skip
+        reachable = _reach(spec.initial, {s: [t.to for t in st.next] for s, st in states.items()})
+        for name in states:
+            if name not in reachable and spec.initial in states:
+                self.error(
+                    "unreachable", f"state {name} cannot be reached from {spec.initial}", "states", name
+                )
+        reverse: dict[str, list[str]] = {s: [] for s in states}
+        for s, st in states.items():
+            for t in st.next:
+                if t.to in reverse:
+                    reverse[t.to].append(s)
+        can_finish = (
+            set().union(*(_reach(f, reverse) for f in spec.final_states)) if spec.final_states else set()
+        )
+        for name in states:
+            if name in reachable and name not in can_finish and spec.final_states:
+                self.error("dead-end", f"no path leads from {name} to a final state", "states", name)
+
+    def _edges(self) -> list[Edge]:
+        edges = []
+        for name, st in self.spec.states.items():
+            for i, t in enumerate(st.next):
+                guard, label = None, "default"
+                if t.when is not None:
+                    try:
+                        guard, label = compile_guard(t.when, self.spec.limits)
+                    except GuardError as exc:
+                        msg = str(exc)
+                        if exc.code == "unknown-guard" and isinstance(t.when, (str, dict)):
+                            name_ = t.when if isinstance(t.when, str) else next(iter(t.when))
+                            msg += _suggest(str(name_), GUARDS)
+                        self.error(exc.code, msg, "states", name, "next", i, "when", key=False)
+                edges.append(Edge(len(edges), name, t.to, guard, label, t.reason))
+        return edges
+
+    def _actions(self) -> dict[str, Any]:
+        from fsm import actions as builtin  # the built-in actions register themselves on import
+
+        actions = {}
+        for name, st in self.spec.states.items():
+            ref = st.action
+            if st.final or not ref:
+                continue
+            if ref in ACTIONS:
+                actions[name] = ACTIONS[ref]
+            elif is_import_path(ref):
+                try:
+                    fn = resolve(ref)
+                except ImportPathError as exc:
+                    self.error("import", str(exc), "states", name, "action", key=False)
+                    continue
+                if not inspect.iscoroutinefunction(fn):
+                    self.error(
+                        "type",
+                        f"action {ref!r} must be an async function (ctx, traj)",
+                        "states",
+                        name,
+                        "action",
+                        key=False,
+                    )
+                actions[name] = fn
+            else:
+                self.error("unknown-action", f"unknown action {ref!r}{_suggest(ref, ACTIONS)}; built-in: "
+                           f"{', '.join(BUILTIN_ACTIONS)}", "states", name, "action", key=False)  # fmt: skip
+        del builtin
+        return actions
+
+    def _tools(self) -> ToolSet:
+        bound: list[BoundTool] = []
+        for i, tool_spec in enumerate(self.spec.tools):
+            try:
+                tool = build_tool(tool_spec)
+            except ImportPathError as exc:
+                field = "function" if tool_spec.function else "class"
+                self.error("import", str(exc), "tools", i, field, key=False)
+                continue
+            except Exception as exc:  # a tool constructor may raise anything; report it where it is declared
+                self.error("tool", f"{type(exc).__name__}: {exc}", "tools", i)
+                continue
+            if any(t.name == tool.name for t in bound):
+                self.error("duplicate", f"two tools are named {tool.name!r}", "tools", i)
+            bound.append(tool)
+        return ToolSet(bound, self.spec.limits)
+
+    def _interaction(self) -> Any:
+        spec = self.spec.interaction
+        if spec is None:
+            return None
+        try:
+            cls = resolve(spec.class_)
+        except ImportPathError as exc:
+            self.error("import", str(exc), "interaction", "class", key=False)
+            return None
+        missing = [m for m in REQUIRED_METHODS if not callable(getattr(cls, m, None))]
+        if missing:
+            self.error(
+                "type",
+                f"interaction {spec.class_!r} lacks {', '.join(missing)}",
+                "interaction",
+                "class",
+                key=False,
+            )
+        return cls
+
+    def _reward(self) -> Reward | None:
+        spec = self.spec.reward
+        if spec is None:
+            return None
+        try:
+            fn = resolve(spec.function)
+        except ImportPathError as exc:
+            self.error("import", str(exc), "reward", "function", key=False)
+            return None
+        return Reward(fn, dict(spec.kwargs))
+
+
+def _reach(start: str, graph: dict[str, list[str]]) -> set[str]:
+    seen, todo = {start}, deque([start])
+    while todo:
+        for nxt in graph.get(todo.popleft(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+def _suggest(word: str, choices: Any) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def validate_file(path: str | Path) -> list[Diagnostic]:
+    """Every problem of a spec file (empty when it is valid)."""
+    try:
+        compile_spec(path)
+    except SpecError as err:
+        return err.diagnostics
+    return []

@@ -1,0 +1,118 @@
+"""Guards: pure, synchronous predicates over a trajectory, compiled once per spec.
+
+A guard expression in YAML is a name, `{name: param}`, or `{all: [...]}` / `{any: [...]}` / `{not: ...}`.
+`compile_guard` turns it into one closure; nothing is parsed or looked up per trajectory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from fsm.registry import GUARDS, ImportPathError, _user_guard_factory, is_import_path, resolve
+from fsm.spec import LimitsSpec
+
+Predicate = Callable[[Any], bool]
+
+
+class GuardError(Exception):
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def _builtin(name: str):
+    def register(factory):
+        GUARDS[name] = factory
+        return factory
+
+    return register
+
+
+@_builtin("response_budget_exhausted")
+def _response_budget(param: Any, limits: LimitsSpec) -> Predicate:
+    budget = int(param) if param is not None else limits.response_length
+    return lambda t: len(t.response_mask) >= budget
+
+
+def _turn_limit(name: str, attr: str):
+    @_builtin(name)
+    def factory(param: Any, limits: LimitsSpec) -> Predicate:
+        n = param if param is not None else getattr(limits, name)
+        if n is None:  # as in verl, an unset limit never stops a trajectory
+            return lambda t: False
+        if not isinstance(n, int) or n < 1:
+            raise GuardError("type", f"guard {name!r} takes a positive integer, got {n!r}")
+        return lambda t: getattr(t, attr) >= n
+
+    return factory
+
+
+_turn_limit("max_assistant_turns", "assistant_turns")
+_turn_limit("max_user_turns", "user_turns")
+
+
+@_builtin("has_tool_calls")
+def _has_tool_calls(param: Any, limits: LimitsSpec) -> Predicate:
+    return lambda t: bool(t.pending_calls)
+
+
+@_builtin("should_terminate")
+def _should_terminate(param: Any, limits: LimitsSpec) -> Predicate:
+    return lambda t: t.should_terminate
+
+
+@_builtin("has_interaction")
+def _has_interaction(param: Any, limits: LimitsSpec) -> Predicate:
+    return lambda t: t.interaction_kwargs is not None
+
+
+@_builtin("finish_reason")
+def _finish_reason(param: Any, limits: LimitsSpec) -> Predicate:
+    if param not in ("stop", "length", "abort"):
+        raise GuardError("type", f"finish_reason takes stop, length or abort, got {param!r}")
+    return lambda t: t.last_finish_reason == param
+
+
+def _all(preds: list[Predicate]) -> Predicate:
+    return lambda t: all(p(t) for p in preds)
+
+
+def _any(preds: list[Predicate]) -> Predicate:
+    return lambda t: any(p(t) for p in preds)
+
+
+def compile_guard(expr: Any, limits: LimitsSpec) -> tuple[Predicate, str]:
+    """Guard expression -> (predicate, label for diagrams and spans). Raises GuardError."""
+    if isinstance(expr, str):
+        return _named(expr, None, limits), expr
+    if isinstance(expr, dict) and len(expr) == 1:
+        ((key, value),) = expr.items()
+        if key in ("all", "any"):
+            if not isinstance(value, list) or not value:
+                raise GuardError("type", f"{key}: expects a non-empty list of guards")
+            parts = [compile_guard(v, limits) for v in value]
+            combine = _all if key == "all" else _any
+            return combine([p for p, _ in parts]), f" {'and' if key == 'all' else 'or'} ".join(
+                lbl for _, lbl in parts
+            )
+        if key == "not":
+            pred, label = compile_guard(value, limits)
+            return (lambda t: not pred(t)), f"not {label}"
+        return _named(str(key), value, limits), f"{key}={value}"
+    raise GuardError("type", f"a guard is a name, {{name: param}}, or {{all|any|not: ...}}; got {expr!r}")
+
+
+def _named(name: str, param: Any, limits: LimitsSpec) -> Predicate:
+    factory = GUARDS.get(name)
+    if factory is None and is_import_path(name):
+        try:
+            fn = resolve(name)
+        except ImportPathError as exc:
+            raise GuardError("import", str(exc)) from None
+        if not callable(fn):
+            raise GuardError("import", f"{name!r} is not callable")
+        factory = _user_guard_factory(fn)
+    if factory is None:
+        raise GuardError("unknown-guard", f"unknown guard {name!r}; built-in: {', '.join(sorted(GUARDS))}")
+    return factory(param, limits)

@@ -1,0 +1,273 @@
+"""YAML -> AgentSpec with every problem reported as `path:line:col: code: message`.
+
+Positions come from ruamel.yaml's round-trip loader. `extends:` merges a child over its base (mappings
+merge key by key, lists and scalars replace); each merged key keeps the position of the file that defined
+it, so a problem inherited from a base spec points into the base file.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from pathlib import Path
+from types import UnionType
+from typing import Any, Union, get_args, get_origin
+
+from pydantic import BaseModel, ValidationError
+from ruamel.yaml import YAML
+from ruamel.yaml.comments import CommentedMap, CommentedSeq
+from ruamel.yaml.constructor import DuplicateKeyError
+from ruamel.yaml.error import MarkedYAMLError
+
+from fsm.spec import AgentSpec
+
+
+@dataclass(frozen=True)
+class Diagnostic:
+    path: str
+    line: int
+    col: int
+    code: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}:{self.col}: {self.code}: {self.message}"
+
+
+class SpecError(Exception):
+    """A spec that does not validate. `diagnostics` holds every problem found, in file order."""
+
+    def __init__(self, diagnostics: list[Diagnostic]):
+        self.diagnostics = sorted(diagnostics, key=lambda d: (d.path, d.line, d.col))
+        super().__init__("\n".join(str(d) for d in self.diagnostics))
+
+
+Pos = tuple[str, int, int]  # (file, 1-based line, 1-based col)
+
+
+class Positions:
+    """Where each mapping key and sequence item of a loaded document came from."""
+
+    def __init__(self) -> None:
+        self._key: dict[tuple[int, Any], Pos] = {}
+        self._value: dict[tuple[int, Any], Pos] = {}
+        self._node: dict[int, Pos] = {}
+        self._keep: list[Any] = []  # keeps nodes alive so their ids stay unique
+
+    def record(self, node: Any, path: str) -> None:
+        self._keep.append(node)
+        if isinstance(node, (CommentedMap, CommentedSeq)):
+            self._node[id(node)] = (path, node.lc.line + 1, node.lc.col + 1)
+        if isinstance(node, CommentedMap):
+            for key in node:
+                kl, kc = node.lc.key(key)[:2]
+                vl, vc = node.lc.value(key)[:2]
+                self._key[(id(node), key)] = (path, kl + 1, kc + 1)
+                self._value[(id(node), key)] = (path, vl + 1, vc + 1)
+                self.record(node[key], path)
+        elif isinstance(node, CommentedSeq):
+            for i, item in enumerate(node):
+                il, ic = node.lc.item(i)[:2]
+                self._key[(id(node), i)] = self._value[(id(node), i)] = (path, il + 1, ic + 1)
+                self.record(item, path)
+
+    def copy_key(self, src: Any, dst: Any, key: Any) -> None:
+        for table in (self._key, self._value):
+            if (id(src), key) in table:
+                table[(id(dst), key)] = table[(id(src), key)]
+
+    def locate(self, root: Any, loc: tuple[Any, ...], *, key: bool = True) -> Pos:
+        """Position of the deepest node of `loc` present in the document (unknown loc parts are skipped)."""
+        node, best = root, self._node.get(id(root), ("?", 1, 1))
+        for i, part in enumerate(loc):
+            last = i == len(loc) - 1
+            if isinstance(node, dict) and part in node:
+                table = self._key if (key or not last) else self._value
+                best = table.get((id(node), part), self._node.get(id(node[part]), best))
+                node = node[part]
+            elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+                best = self._key.get((id(node), part), best)
+                node = node[part]
+        return best
+
+
+def _yaml() -> YAML:
+    yaml = YAML(typ="rt")
+    yaml.allow_duplicate_keys = False
+    return yaml
+
+
+def _read(path: Path, positions: Positions, diags: list[Diagnostic]) -> Any:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        diags.append(Diagnostic(str(path), 1, 1, "io", f"cannot read spec: {exc.strerror or exc}"))
+        return None
+    try:
+        doc = _yaml().load(text)
+    except DuplicateKeyError as exc:
+        mark = exc.problem_mark
+        key = str(exc.problem).split('"')[1] if '"' in str(exc.problem) else "?"
+        diags.append(
+            Diagnostic(str(path), mark.line + 1, mark.column + 1, "duplicate", f"duplicate key {key!r}")
+        )
+        return None
+    except MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        line, col = (mark.line + 1, mark.column + 1) if mark else (1, 1)
+        diags.append(Diagnostic(str(path), line, col, "yaml-syntax", f"{exc.problem or exc.context}"))
+        return None
+    if doc is None:
+        doc = CommentedMap()
+    if not isinstance(doc, CommentedMap):
+        diags.append(Diagnostic(str(path), 1, 1, "type", "a spec must be a YAML mapping"))
+        return None
+    positions.record(doc, str(path))
+    return doc
+
+
+def _merge(base: Any, child: Any, positions: Positions) -> Any:
+    """Child over base: mappings merge recursively, everything else is replaced by the child."""
+    if not (isinstance(base, dict) and isinstance(child, dict)):
+        return child
+    for key, value in base.items():
+        if key not in child:
+            child[key] = value
+            positions.copy_key(base, child, key)
+        elif isinstance(value, dict) and isinstance(child[key], dict):
+            child[key] = _merge(value, child[key], positions)
+    return child
+
+
+def load_document(path: str | Path, positions: Positions, diags: list[Diagnostic], _seen: tuple = ()) -> Any:
+    """Read one spec file with its `extends:` chain merged in."""
+    path = Path(path)
+    doc = _read(path, positions, diags)
+    if doc is None:
+        return None
+    parent = doc.get("extends")
+    if parent is None:
+        return doc
+    file, line, col = positions.locate(doc, ("extends",), key=False)
+    if not isinstance(parent, str):
+        diags.append(Diagnostic(file, line, col, "type", "extends: expects a file path"))
+        return doc
+    base_path = (path.parent / parent).resolve()
+    if base_path in _seen or base_path == path.resolve():
+        diags.append(Diagnostic(file, line, col, "extends", f"extends cycle through {parent!r}"))
+        return doc
+    if not base_path.exists():
+        diags.append(Diagnostic(file, line, col, "extends", f"base spec {parent!r} not found ({base_path})"))
+        return doc
+    base = load_document(base_path, positions, diags, (*_seen, path.resolve()))
+    if base is None:
+        return doc
+    base.pop("name", None) if "name" in doc else None
+    return _merge(base, doc, positions)
+
+
+def _plain(node: Any) -> Any:
+    if isinstance(node, dict):
+        return {
+            str(k) if not isinstance(k, (str, int, float, bool)) else k: _plain(v) for k, v in node.items()
+        }
+    if isinstance(node, list):
+        return [_plain(v) for v in node]
+    return node
+
+
+def _unwrap(tp: Any) -> Any:
+    """Optional[X] -> X; leaves list/dict alone."""
+    if get_origin(tp) is Union or get_origin(tp) is UnionType:
+        args = [a for a in get_args(tp) if a is not type(None)]
+        models = [a for a in args if isinstance(a, type) and issubclass(a, BaseModel)]
+        return models[0] if models else args[0]
+    return tp
+
+
+def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The pydantic model class that owns the last part of `loc` (for "did you mean" suggestions)."""
+    current: Any = AgentSpec
+    for part in loc[:-1]:
+        current = _unwrap(current)
+        if isinstance(current, type) and issubclass(current, BaseModel):
+            field = next((f for n, f in current.model_fields.items() if part in (n, f.alias)), None)
+            if field is None:
+                return None
+            current = field.annotation
+        elif get_origin(current) in (list, dict):
+            current = get_args(current)[-1]  # the part is an index or a key
+        else:
+            return None
+    current = _unwrap(current)
+    return current if isinstance(current, type) and issubclass(current, BaseModel) else None
+
+
+def _did_you_mean(loc: tuple[Any, ...]) -> str:
+    model = _model_at(loc)
+    if model is None:
+        return ""
+    names = [f.alias or n for n, f in model.model_fields.items()]
+    close = difflib.get_close_matches(str(loc[-1]), names, n=1, cutoff=0.5)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return f"{hint} (allowed: {', '.join(sorted(names))})"
+
+
+def _pydantic_diagnostics(err: ValidationError, doc: Any, positions: Positions) -> list[Diagnostic]:
+    out = []
+    for e in err.errors():
+        loc = tuple(e["loc"])
+        kind = e["type"]
+        if kind == "extra_forbidden":
+            file, line, col = positions.locate(doc, loc, key=True)
+            out.append(
+                Diagnostic(file, line, col, "unknown-key", f"unknown key {loc[-1]!r}{_did_you_mean(loc)}")
+            )
+        elif kind == "missing":
+            file, line, col = positions.locate(doc, loc[:-1], key=True)
+            where = ".".join(map(str, loc[:-1])) or "the spec"
+            out.append(Diagnostic(file, line, col, "missing-key", f"{where} needs {loc[-1]!r}"))
+        else:
+            file, line, col = positions.locate(doc, loc, key=False)
+            where = ".".join(str(p) for p in loc if not (isinstance(p, str) and "[" in p))
+            out.append(Diagnostic(file, line, col, "type", f"{where}: {e['msg']}"))
+    return _dedupe(out)
+
+
+def _dedupe(diags: list[Diagnostic]) -> list[Diagnostic]:
+    seen, out = set(), []
+    for d in diags:
+        if (d.path, d.line, d.col, d.code) not in seen:
+            seen.add((d.path, d.line, d.col, d.code))
+            out.append(d)
+    return out
+
+
+@dataclass
+class LoadedSpec:
+    """A spec plus what is needed to point diagnostics at its source."""
+
+    spec: AgentSpec
+    path: Path
+    doc: Any
+    positions: Positions
+
+    def where(self, *loc: Any, key: bool = True) -> Pos:
+        return self.positions.locate(self.doc, loc, key=key)
+
+    def diagnostic(self, code: str, message: str, *loc: Any, key: bool = True) -> Diagnostic:
+        file, line, col = self.where(*loc, key=key)
+        return Diagnostic(file, line, col, code, message)
+
+
+def load_spec(path: str | Path) -> LoadedSpec:
+    """Parse and type-check a spec file (semantic checks live in fsm.validate). Raises SpecError."""
+    positions, diags = Positions(), []
+    doc = load_document(path, positions, diags)
+    if doc is None or diags:
+        raise SpecError(diags)
+    try:
+        spec = AgentSpec.model_validate(_plain(doc))
+    except ValidationError as err:
+        raise SpecError(_pydantic_diagnostics(err, doc, positions)) from None
+    return LoadedSpec(spec, Path(path), doc, positions)

@@ -1,0 +1,68 @@
+"""Tool-call parsers behind a registry (verl's `multi_turn.format`). Hermes ships first.
+
+A parser turns a model turn's text into tool calls. Unlike verl, a call that cannot be parsed is returned
+with `error` set, so the engine answers it with an error observation instead of dropping it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from typing import Protocol
+
+from fsm.trajectory import ToolCall
+
+
+class ToolCallParser(Protocol):
+    stop_token_ids: list[int]
+
+    def parse(self, text: str) -> list[ToolCall]: ...
+
+
+PARSERS: dict[str, Callable[[object], ToolCallParser]] = {}  # name -> factory(tokenizer)
+
+
+def register_parser(name: str):
+    def register(factory):
+        PARSERS[name] = factory
+        return factory
+
+    return register
+
+
+@register_parser("hermes")
+class HermesParser:
+    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number per turn."""
+
+    _call = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+    def __init__(self, tokenizer: object = None):
+        self.stop_token_ids: list[int] = []
+
+    def parse(self, text: str) -> list[ToolCall]:
+        calls = [self._parse_one(m.group(1)) for m in self._call.finditer(text)]
+        end = text.rfind("</tool_call>")
+        tail = text[end + len("</tool_call>") :] if end >= 0 else text
+        if "<tool_call>" in tail:
+            raw = tail[tail.index("<tool_call>") + len("<tool_call>") :]
+            calls.append(ToolCall(None, None, raw, error="unterminated <tool_call>: missing </tool_call>"))
+        return calls
+
+    @staticmethod
+    def _parse_one(raw: str) -> ToolCall:
+        try:
+            obj = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            return ToolCall(None, None, raw, error=f"Invalid JSON in tool call: {exc}")
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return ToolCall(None, None, raw, error='a tool call must be a JSON object with a string "name"')
+        name, args = obj["name"], obj.get("arguments", {})
+        if isinstance(args, str):  # some models emit arguments as a JSON string
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError as exc:
+                return ToolCall(name, None, raw, error=f"Invalid JSON in arguments for '{name}': {exc}")
+        if not isinstance(args, dict):
+            return ToolCall(name, None, raw, error=f"arguments for '{name}' must be a JSON object")
+        return ToolCall(name, args, raw, id=obj.get("id"))

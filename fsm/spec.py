@@ -1,0 +1,173 @@
+"""Agent specs: the YAML format as pydantic models, plus loading with `extends:` and JSON Schema export.
+
+A spec is data. Guards, actions, tools, interactions and reward functions are referenced by name (built-ins
+or registered) or by import path `package.module:attr`; `fsm.validate` resolves them and reports problems
+with file positions. This module only knows the shape of a spec.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+STANDARD_STATES = ("PENDING", "GENERATING", "PROCESSING_TOOLS", "INTERACTING", "TERMINATED")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# A guard expression: a name ("has_tool_calls"), a name with a parameter ({max_assistant_turns: 5}),
+# or a combination ({all: [...]}, {any: [...]}, {not: ...}). Kept as plain data; fsm.guards compiles it.
+GuardExpr = Union[str, dict[str, Any]]
+
+
+class TransitionSpec(_Strict):
+    """One outgoing edge. Edges of a state are tried in order; the first whose guard holds fires."""
+
+    to: str = Field(description="Destination state.")
+    when: GuardExpr | None = Field(
+        default=None,
+        description="Guard: a name, {name: param}, {all: [...]}, {any: [...]} or {not: ...}. "
+        "Omitted means always (the default edge, which must come last).",
+    )
+    reason: str | None = Field(
+        default=None, description="Recorded as the trajectory's termination_reason when this edge fires."
+    )
+
+
+class StateSpec(_Strict):
+    action: str | None = Field(
+        default=None,
+        description="encode_prompt | generate | call_tools | interact | a registered name | module:function.",
+    )
+    final: bool = Field(default=False, description="A final state ends the trajectory; it has no action.")
+    next: list[TransitionSpec] = Field(default_factory=list, description="Outgoing edges, tried in order.")
+    description: str | None = None
+
+
+class RetrySpec(_Strict):
+    max_attempts: int = Field(default=1, ge=1, description="Total attempts, the first included.")
+    backoff_s: float = Field(default=0.0, ge=0, description="Sleep before attempt k is backoff_s * 2**(k-2).")
+
+
+class ToolSpec(_Strict):
+    """A tool: a plain function (`function:`) or a verl-style BaseTool class (`class:`)."""
+
+    name: str | None = Field(default=None, description="Defaults to the schema's function name.")
+    function: str | None = Field(default=None, description="module:function, async or sync.")
+    class_: str | None = Field(
+        default=None, alias="class", description="module:Class with the verl lifecycle."
+    )
+    config: dict[str, Any] = Field(default_factory=dict, description="Passed to the class constructor.")
+    schema_: dict[str, Any] | None = Field(
+        default=None,
+        alias="schema",
+        description="OpenAI function schema; inferred from a function's signature and docstring if omitted.",
+    )
+    timeout_s: float | None = Field(
+        default=None, gt=0, description="Per attempt; a timeout becomes an observation."
+    )
+    retry: RetrySpec = Field(default_factory=RetrySpec)
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class InteractionSpec(_Strict):
+    class_: str = Field(alias="class", description="module:Class implementing the interaction protocol.")
+    name: str | None = None
+    config: dict[str, Any] = Field(default_factory=dict)
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class RewardSpec(_Strict):
+    function: str = Field(description="module:function(data_source, solution_str, ground_truth, extra_info).")
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+
+class SamplingSpec(_Strict):
+    """Defaults sent to the backend (SGLang names). Call-site parameters override them."""
+
+    temperature: float = Field(default=1.0, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int = Field(default=-1, description="-1 means the whole vocabulary.")
+    repetition_penalty: float = Field(default=1.0, gt=0, le=2)
+    logprobs: bool = Field(default=True, description="Ask for logprobs (rollout_log_probs).")
+    seed: int | None = Field(default=None, description="Base seed; sample k of a batch uses seed + k.")
+    stop_token_ids: list[int] = Field(
+        default_factory=list, description="In addition to eos and the parser's."
+    )
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v: int) -> int:
+        if v != -1 and v < 1:
+            raise ValueError("top_k must be -1 (whole vocabulary) or >= 1")
+        return v
+
+
+class LimitsSpec(_Strict):
+    prompt_length: int = Field(default=1024, gt=0, description="P: prompts are left-padded to this.")
+    response_length: int = Field(default=1024, gt=0, description="R: the whole trajectory's response budget.")
+    max_new_tokens: int | None = Field(
+        default=None, gt=0, description="Per model turn; default: remaining budget."
+    )
+    max_assistant_turns: int | None = Field(default=None, gt=0)
+    max_user_turns: int | None = Field(default=None, gt=0)
+    max_parallel_calls: int = Field(default=1, gt=0)
+    extra_calls: Literal["error", "drop"] = Field(
+        default="error",
+        description="Calls beyond max_parallel_calls: 'error' answers each with an error observation; "
+        "'drop' ignores them (verl's behaviour), counted in metrics.",
+    )
+    max_tool_response_length: int = Field(default=256, gt=0, description="Characters, as verl.")
+    tool_response_truncate_side: Literal["left", "right", "middle"] = Field(
+        default="middle", description="verl >= 0.8 meaning: left keeps the tail, right keeps the head."
+    )
+    prompt_overflow: Literal["error", "truncate_left"] = Field(
+        default="error", description="A prompt longer than prompt_length: fail the row, or keep its tail."
+    )
+    action_timeout_s: float | None = Field(
+        default=None, gt=0, description="Wall-clock limit for any one action (a model call, a tool round)."
+    )
+
+
+class AgentSpec(_Strict):
+    """The whole agent. `extends:` is resolved by the loader before this model is built."""
+
+    name: str = Field(description="Agent name: spans are `invoke_agent {name}`.")
+    description: str | None = None
+    extends: str | None = Field(default=None, description="Base spec file, relative to this one.")
+    imports: list[str] = Field(
+        default_factory=list, description="Modules imported first (they may register guards)."
+    )
+    initial: str = "PENDING"
+    states: dict[str, StateSpec]
+    limits: LimitsSpec = Field(default_factory=LimitsSpec)
+    sampling: SamplingSpec = Field(default_factory=SamplingSpec)
+    val_sampling: SamplingSpec = Field(
+        default_factory=lambda: SamplingSpec(temperature=0.0),
+        description="Used by validate=True (verl val_kwargs).",
+    )
+    parser: str = Field(default="hermes", description="Tool-call parser name.")
+    tools: list[ToolSpec] = Field(default_factory=list)
+    interaction: InteractionSpec | None = None
+    reward: RewardSpec | None = None
+
+    @property
+    def final_states(self) -> list[str]:
+        return [name for name, st in self.states.items() if st.final]
+
+
+def json_schema() -> dict[str, Any]:
+    """The JSON Schema editors use for completion (`# yaml-language-server: $schema=...`)."""
+    schema = AgentSpec.model_json_schema(by_alias=True)
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = "agentfsm agent spec"
+    return schema
+
+
+SPECS_DIR = Path(__file__).resolve().parent.parent / "specs"

@@ -1,0 +1,274 @@
+"""Tools: verl's lifecycle (create -> execute -> calc_reward -> release, per call), plain functions,
+timeouts, retries, argument checks and response truncation.
+
+Every way a call can go wrong ends as text the model reads (an error observation) plus a counter; only
+the engine's own bugs raise. Tool instances are built once per compiled spec and shared.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fsm.registry import resolve
+from fsm.spec import LimitsSpec, ToolSpec
+from fsm.trajectory import ToolCall
+
+
+@dataclass
+class ToolResponse:
+    """verl's ToolResponse: text, plus optional multimodal lists."""
+
+    text: str | None = None
+    image: list | None = None
+    video: list | None = None
+
+
+class BaseTool:
+    """verl-compatible tool base. Subclass and override `execute` (and the rest as needed)."""
+
+    def __init__(self, config: dict, tool_schema: dict):
+        self.config = config
+        self.tool_schema = tool_schema
+        self.name = tool_schema["function"]["name"]
+
+    async def create(self, instance_id: str | None = None, **kwargs) -> tuple[str, ToolResponse]:
+        return instance_id or "", ToolResponse()
+
+    async def execute(
+        self, instance_id: str, parameters: dict[str, Any], **kwargs
+    ) -> tuple[ToolResponse, float, dict]:
+        raise NotImplementedError
+
+    async def calc_reward(self, instance_id: str, **kwargs) -> float:
+        return 0.0
+
+    async def release(self, instance_id: str, **kwargs) -> None:
+        return None
+
+
+def normalize_return(ret: Any) -> tuple[ToolResponse, float, dict]:
+    """verl's normalize_function_tool_return: str, dict, ToolResponse or a (response, reward, metrics) tuple."""
+    if isinstance(ret, tuple):
+        if not 1 <= len(ret) <= 3:
+            raise TypeError(f"a tool may return a tuple of 1 to 3 items, got {len(ret)}")
+        response, reward, metrics = (*ret, None, None)[:3]
+        return normalize_return(response)[0], float(reward or 0.0), dict(metrics or {})
+    if isinstance(ret, ToolResponse):
+        return ret, 0.0, {}
+    if isinstance(ret, str):
+        return ToolResponse(text=ret), 0.0, {}
+    if isinstance(ret, dict):
+        return ToolResponse(text=json.dumps(ret, ensure_ascii=False)), 0.0, {}
+    return ToolResponse(text=str(ret)), 0.0, {}
+
+
+class FunctionTool(BaseTool):
+    """A plain function as a tool. Sync functions run in a thread so they never block the event loop."""
+
+    def __init__(self, fn: Callable[..., Any], tool_schema: dict):
+        super().__init__({}, tool_schema)
+        self.fn = fn
+        self._is_async = inspect.iscoroutinefunction(fn)
+
+    async def execute(
+        self, instance_id: str, parameters: dict[str, Any], **kwargs
+    ) -> tuple[ToolResponse, float, dict]:
+        if self._is_async:
+            ret = await self.fn(**parameters)
+        else:
+            ret = await asyncio.to_thread(self.fn, **parameters)
+        return normalize_return(ret)
+
+
+def infer_schema(fn: Callable[..., Any]) -> dict:
+    """OpenAI function schema from type hints and a Google-style docstring (transformers' helper)."""
+    from transformers.utils import get_json_schema
+
+    return get_json_schema(fn)
+
+
+_JSON_TYPES = {
+    "string": str,
+    "integer": int,
+    "number": (int, float),
+    "boolean": bool,
+    "array": list,
+    "object": dict,
+}
+
+
+def check_arguments(schema: dict, args: dict[str, Any]) -> str | None:
+    """A readable complaint about arguments that do not fit the schema, or None."""
+    params = schema.get("function", schema).get("parameters") or {}
+    props: dict = params.get("properties") or {}
+    missing = [name for name in params.get("required", []) if name not in args]
+    if missing:
+        return f"missing required argument(s) {', '.join(map(repr, missing))}"
+    unknown = [name for name in args if props and name not in props]
+    if unknown:
+        return (
+            f"unexpected argument(s) {', '.join(map(repr, unknown))}; expected {', '.join(map(repr, props))}"
+        )
+    for name, value in args.items():
+        want = _JSON_TYPES.get((props.get(name) or {}).get("type"))
+        if want and (not isinstance(value, want) or (want is not bool and isinstance(value, bool))):
+            return f"argument {name!r} should be {props[name]['type']}, got {type(value).__name__}"
+    return None
+
+
+def truncate(text: str, limit: int, side: str) -> str:
+    """verl >= 0.8 semantics: 'left' keeps the tail, 'right' keeps the head, 'middle' keeps both ends."""
+    if len(text) <= limit:
+        return text
+    if side == "left":
+        return "(truncated)..." + text[-limit:]
+    if side == "right":
+        return text[:limit] + "...(truncated)"
+    return text[: limit // 2] + "...(truncated)..." + text[-(limit // 2) :]
+
+
+@dataclass
+class CallOutcome:
+    """What one tool call produced: the observation text, rewards, and whether it failed (and why)."""
+
+    name: str
+    text: str
+    reward: float = 0.0
+    score: float | None = None  # calc_reward
+    error: str | None = None  # error.type for spans: "timeout", "exception", "unknown_tool", ...
+    attempts: int = 0
+    call_id: str | None = None
+    metrics: dict = field(default_factory=dict)
+
+
+@dataclass
+class BoundTool:
+    """A tool instance with its policy (timeout, retries), built once per compiled spec."""
+
+    name: str
+    tool: Any  # BaseTool-like
+    schema: dict
+    timeout_s: float | None
+    max_attempts: int
+    backoff_s: float
+
+    @property
+    def description(self) -> str:
+        return self.schema.get("function", {}).get("description", "")
+
+    async def run(
+        self, call: ToolCall, instance_id: str, create_kwargs: dict, agent_data: Any
+    ) -> CallOutcome:
+        """create -> execute (with timeout and retries) -> calc_reward, then release no matter what."""
+        outcome = CallOutcome(self.name, "", call_id=call.id)
+        created_id, _ = await self.tool.create(instance_id, create_kwargs=create_kwargs)
+        instance_id = created_id or instance_id
+        try:
+            for attempt in range(1, self.max_attempts + 1):
+                outcome.attempts = attempt
+                try:
+                    async with asyncio.timeout(self.timeout_s):
+                        response, reward, metrics = await self.tool.execute(
+                            instance_id, call.arguments or {}, agent_data=agent_data
+                        )
+                    outcome.text, outcome.reward, outcome.metrics, outcome.error = (
+                        response.text or "",
+                        reward,
+                        metrics,
+                        None,
+                    )
+                    break
+                except TimeoutError:
+                    outcome.error, outcome.text = (
+                        "timeout",
+                        f"Error: tool '{self.name}' timed out after {self.timeout_s:g}s",
+                    )
+                except Exception as exc:  # a tool may raise anything; the model is told what happened
+                    outcome.error, outcome.text = "exception", f"Error executing tool '{self.name}': {exc}"
+                if attempt < self.max_attempts and self.backoff_s:
+                    await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
+            if outcome.error is None:
+                outcome.score = float(await self.tool.calc_reward(instance_id))
+        finally:
+            await self.tool.release(instance_id)
+        return outcome
+
+
+class ToolSet:
+    """The tools of one spec: schemas for the chat template, and call execution with every policy applied."""
+
+    def __init__(self, tools: list[BoundTool], limits: LimitsSpec):
+        self.by_name = {t.name: t for t in tools}
+        self.schemas = [t.schema for t in tools]
+        self.limits = limits
+
+    def schemas_for(self, selection: list[str] | None) -> list[dict] | None:
+        """verl's extra_info.tool_selection: only the named tools are active for this sample."""
+        if not self.schemas:
+            return None
+        if selection is None:
+            return self.schemas
+        return [t.schema for name, t in self.by_name.items() if name in selection]
+
+    async def call(
+        self,
+        call: ToolCall,
+        instance_id: str,
+        tools_kwargs: dict,
+        agent_data: Any,
+        active: set[str] | None = None,
+    ) -> CallOutcome:
+        """Run one call; every failure becomes an observation with `error` set."""
+        if call.error is not None:
+            return CallOutcome(
+                call.name or "?", f"Error: {call.error}", error="malformed_call", call_id=call.id
+            )
+        tool = self.by_name.get(call.name or "")
+        if tool is None or (active is not None and call.name not in active):
+            names = sorted(active if active is not None else self.by_name)
+            return CallOutcome(call.name or "?", f"Unknown function '{call.name}'. Available tools: {names}",
+                               error="unknown_tool", call_id=call.id)  # fmt: skip
+        problem = check_arguments(tool.schema, call.arguments or {})
+        if problem:
+            return CallOutcome(tool.name, f"Error: invalid arguments for '{tool.name}': {problem}",
+                               error="bad_arguments", call_id=call.id)  # fmt: skip
+        create_kwargs = (tools_kwargs.get(tool.name) or {}).get("create_kwargs", {})
+        outcome = await tool.run(call, instance_id, create_kwargs, agent_data)
+        outcome.text = truncate(
+            outcome.text, self.limits.max_tool_response_length, self.limits.tool_response_truncate_side
+        )
+        return outcome
+
+
+def build_tool(spec: ToolSpec) -> BoundTool:
+    """ToolSpec -> BoundTool. Raises ImportPathError / TypeError / ValueError with a readable message."""
+    if bool(spec.function) == bool(spec.class_):
+        raise ValueError("a tool needs exactly one of 'function' or 'class'")
+    if spec.function:
+        fn = resolve(spec.function)
+        if not callable(fn):
+            raise TypeError(f"{spec.function!r} is not callable")
+        schema = dict(spec.schema_) if spec.schema_ else infer_schema(fn)
+        tool: Any = FunctionTool(fn, schema)
+    else:
+        cls = resolve(spec.class_)
+        if spec.schema_ is None:
+            raise ValueError(f"tool class {spec.class_!r} needs a 'schema' (OpenAI function schema)")
+        schema = dict(spec.schema_)
+        tool = cls(dict(spec.config), schema)
+        for method in ("create", "execute", "calc_reward", "release"):
+            if not callable(getattr(tool, method, None)):
+                raise TypeError(f"tool class {spec.class_!r} lacks the lifecycle method {method!r}")
+    name = spec.name or schema.get("function", {}).get("name")
+    if not name:
+        raise ValueError("the tool schema has no function name")
+    if spec.name and schema.get("function", {}).get("name") != spec.name:
+        schema = {**schema, "function": {**schema.get("function", {}), "name": spec.name}}
+    if hasattr(tool, "name"):
+        tool.name = name
+    return BoundTool(name, tool, schema, spec.timeout_s, spec.retry.max_attempts, spec.retry.backoff_s)

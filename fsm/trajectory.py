@@ -1,0 +1,180 @@
+"""Per-sample state, and the one place tokens are appended.
+
+Tokens are append-only: generated tokens go in with mask 1 and the engine's logprobs; everything else
+(observations, template scaffolding) with mask 0 and logprob 0.0. Ids live in compact arrays (4 bytes per
+token) because 10,000 trajectories may be in flight at once.
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class ToolCall:
+    """A parsed tool call. `error` set means it was malformed: the model is told so, not silently ignored."""
+
+    name: str | None
+    arguments: dict[str, Any] | None
+    raw: str
+    id: str | None = None
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class Segment:
+    """A run of response tokens with one origin, for transcripts: response_ids[start:end]."""
+
+    role: str  # "assistant" (mask 1), "tool" / "user" (observations), "template" (scaffolding, mask 0)
+    start: int
+    end: int
+
+
+@dataclass(slots=True)
+class Metrics:
+    """verl's AgentLoopMetrics plus engine counters. Times are seconds summed over turns."""
+
+    generate_sequences: float = 0.0
+    tool_calls: float = 0.0
+    compute_score: float = 0.0
+    num_preempted: int = -1
+    cached_tokens: int = 0
+    prompt_tokens_sent: int = 0
+    tool_errors: int = 0
+    dropped_calls: int = 0
+    retries: int = 0
+
+    def as_dict(self) -> dict[str, float]:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+
+class Trajectory:
+    """One rollout: identity, conversation, tokens, counters and outcome."""
+
+    __slots__ = (
+        # identity
+        "index", "sample", "session_id", "uid", "row",
+        # conversation
+        "messages", "tool_schemas", "tools_kwargs", "interaction_kwargs", "interaction_started",
+        # tokens
+        "prompt_ids", "response_ids", "response_mask", "response_logprobs", "segments", "needs_tail",
+        # machine
+        "state", "path", "transitions_fired",
+        # counters used by guards
+        "assistant_turns", "user_turns", "pending_calls", "last_finish_reason", "should_terminate",
+        "observation_overflow",
+        # outcome
+        "termination_reason", "error", "reward_score", "tool_rewards", "tool_scores", "turn_scores",
+        "interaction_score", "token_check", "metrics", "extra",
+    )  # fmt: skip
+
+    def __init__(self, index: int, sample: int, session_id: str, uid: str, row: dict[str, Any], initial: str):
+        self.index, self.sample, self.session_id, self.uid, self.row = index, sample, session_id, uid, row
+        self.messages: list[dict[str, Any]] = []
+        self.tool_schemas: list[dict[str, Any]] | None = None
+        self.tools_kwargs: dict[str, Any] = {}
+        self.interaction_kwargs: dict[str, Any] | None = None
+        self.interaction_started = False
+        self.prompt_ids = array("i")
+        self.response_ids = array("i")
+        self.response_mask = array("b")
+        self.response_logprobs = array("f")
+        self.segments: list[Segment] = []
+        self.needs_tail = False  # the last turn was the model's: the template's turn closer is still owed
+        self.state = initial
+        self.path: list[str] = [initial]
+        self.transitions_fired: list[int] = []  # global edge indices, in order
+        self.assistant_turns = 0
+        self.user_turns = 0
+        self.pending_calls: list[ToolCall] = []
+        self.last_finish_reason: str | None = None
+        self.should_terminate = False
+        self.observation_overflow = False
+        self.termination_reason: str | None = None
+        self.error: str | None = None
+        self.reward_score: float | None = None
+        self.tool_rewards: list[float] = []
+        self.tool_scores: list[float] = []
+        self.turn_scores: list[float] = []
+        self.interaction_score: float | None = None
+        self.token_check: str | None = None
+        self.metrics = Metrics()
+        self.extra: dict[str, Any] = {}
+
+    # --- tokens -----------------------------------------------------------------------------------------
+
+    def append_generated(self, ids: list[int], logprobs: list[float] | None) -> None:
+        """The model's own tokens: mask 1, with the engine's logprobs (0.0 when none were returned)."""
+        start = len(self.response_ids)
+        self.response_ids.extend(ids)
+        self.response_mask.extend(b"\x01" * len(ids))
+        self.response_logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
+        self.segments.append(Segment("assistant", start, len(self.response_ids)))
+
+    def append_context(self, ids: list[int], role: str) -> None:
+        """Tokens the model did not generate (observations, template scaffolding): mask 0, logprob 0.0."""
+        if not ids:
+            return
+        start = len(self.response_ids)
+        self.response_ids.extend(ids)
+        self.response_mask.extend(bytes(len(ids)))
+        self.response_logprobs.extend([0.0] * len(ids))
+        self.segments.append(Segment(role, start, len(self.response_ids)))
+
+    def context_ids(self) -> list[int]:
+        """Everything the model has seen so far: the next request's input_ids."""
+        return self.prompt_ids.tolist() + self.response_ids.tolist()
+
+    @property
+    def response_length(self) -> int:
+        return len(self.response_ids)
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+    def fail(self, reason: str) -> None:
+        """Record a failure: the row keeps its place in the batch with an empty response and mask 0."""
+        self.error = reason
+        self.termination_reason = reason if reason.startswith("error:") else f"error: {reason}"
+        del self.response_ids[:], self.response_mask[:], self.response_logprobs[:]
+        self.segments.clear()
+
+    @property
+    def num_turns(self) -> int:
+        """verl's count: user turns + assistant turns + 1 (the prompt)."""
+        return self.user_turns + self.assistant_turns + 1
+
+    # --- export -----------------------------------------------------------------------------------------
+
+    def to_output(self) -> dict[str, Any]:
+        """verl AgentLoopOutput fields (plain lists) plus agentfsm's own."""
+        return {
+            "prompt_ids": self.prompt_ids.tolist(),
+            "response_ids": self.response_ids.tolist(),
+            "response_mask": self.response_mask.tolist(),
+            "response_logprobs": self.response_logprobs.tolist(),
+            "reward_score": self.reward_score,
+            "num_turns": self.num_turns,
+            "metrics": self.metrics.as_dict(),
+            "extra_fields": {
+                "turn_scores": list(self.turn_scores),
+                "tool_rewards": list(self.tool_rewards),
+                "tool_scores": list(self.tool_scores),
+                "interaction_score": self.interaction_score,
+                "termination_reason": self.termination_reason,
+                "state_path": list(self.path),
+            },
+        }
+
+
+@dataclass
+class Row:
+    """A dataset row after normalisation (verl keeps tools_kwargs/interaction_kwargs in extra_info too)."""
+
+    raw_prompt: list[dict[str, Any]]
+    tools_kwargs: dict[str, Any] = field(default_factory=dict)
+    interaction_kwargs: dict[str, Any] | None = None
+    extra_info: dict[str, Any] = field(default_factory=dict)
