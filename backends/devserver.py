@@ -1,0 +1,709 @@
+"""An SGLang-protocol HTTP server over any in-process Backend: for laptops, CI and router tests.
+
+It answers the endpoints of reference/sglang-http.md with the same JSON shapes and status codes as SGLang
+0.5.23 under `--skip-tokenizer-init` (no `text`), so `SGLangBackend` and the router run unchanged against
+it. Each server keeps a prefix cache of what it has served (a radix tree bounded by an LRU token budget) and
+reports `cached_tokens` as SGLang does, which makes routing quality measurable without a GPU.
+
+    async with DevServer(backend, port=0) as srv: ...srv.url...
+    python -m backends.devserver --model DIR --port 30000      # the embedded transformers model
+    python -m backends.devserver --scripted --port 30000       # a deterministic echo "model", no weights
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import re
+import signal
+import time
+import uuid
+import zlib
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from backends.base import Backend, BackendRequestError, BackendUnavailable, GenerateRequest, GenerateResult
+from backends.scripted import ScriptedBackend
+
+log = logging.getLogger("agentfsm.devserver")
+
+VERSION = "0.5.23"  # the SGLang release whose wire format this server speaks
+
+# SamplingParams fields (reference §1); anything else in `sampling_params` is a 400 contract violation.
+SAMPLING_KEYS = (
+    "max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
+    "presence_penalty", "repetition_penalty", "stop", "stop_token_ids", "stop_regex", "ignore_eos", "no_stop_trim",
+    "skip_special_tokens", "spaces_between_special_tokens", "n", "json_schema", "regex", "ebnf", "structural_tag",
+    "logit_bias", "sampling_seed", "stream_interval", "custom_params", "beam_width", "watermark", "choice",
+)  # fmt: skip
+_FLOAT_KEYS = {"temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"}
+_INT_KEYS = {"max_new_tokens", "min_new_tokens", "top_k", "n", "sampling_seed", "stream_interval"}
+_TURN_SUFFIX = re.compile(r"_t\d+$")
+
+
+# -- prefix cache ----------------------------------------------------------------------------------
+
+
+class _Node:
+    __slots__ = ("key", "children", "parent")
+
+    def __init__(self, key: tuple[int, ...], parent: _Node | None):
+        self.key = key  # the edge label from the parent
+        self.children: dict[int, _Node] = {}  # first token of the child's key -> child
+        self.parent = parent
+
+
+def _common(key: tuple[int, ...], ids: Sequence[int], i: int) -> int:
+    """Length of the common prefix of `key` and `ids[i:]`."""
+    n = len(key)
+    if tuple(ids[i : i + n]) == key:
+        return n
+    j = 0
+    while j < n and i + j < len(ids) and key[j] == ids[i + j]:
+        j += 1
+    return j
+
+
+class PrefixCache:
+    """What a server has seen, as SGLang's radix cache would hold it: a radix tree over token ids whose
+    least recently used leaves are trimmed once it holds more than `max_tokens` tokens."""
+
+    def __init__(self, max_tokens: int = 1 << 20):
+        self.max_tokens = max_tokens
+        self.clear()
+
+    def clear(self) -> None:
+        self.root = _Node((), None)
+        self.size = 0  # tokens held
+        self._leaves: OrderedDict[_Node, None] = OrderedDict()  # least recently used first
+
+    def match(self, ids: Sequence[int]) -> int:
+        """Length of the longest prefix of `ids` already in the cache."""
+        node, i = self.root, 0
+        while i < len(ids):
+            child = node.children.get(ids[i])
+            if child is None:
+                break
+            j = _common(child.key, ids, i)
+            i += j
+            if j < len(child.key):
+                break
+            node = child
+        if node is not self.root and not node.children:
+            self._leaves.move_to_end(node)
+        return i
+
+    def insert(self, ids: Sequence[int]) -> None:
+        node, i = self.root, 0
+        while i < len(ids):
+            child = node.children.get(ids[i])
+            if child is None:
+                if node is not self.root and not node.children:
+                    self._leaves.pop(node, None)  # it gets a child: no longer a leaf
+                child = node.children[ids[i]] = _Node(tuple(ids[i:]), node)
+                self._leaves[child] = None
+                self.size += len(ids) - i
+                node = child
+                break
+            j = _common(child.key, ids, i)
+            if j < len(child.key):  # split the edge: the shared part becomes an inner node
+                mid = node.children[ids[i]] = _Node(child.key[:j], node)
+                child.key, child.parent = child.key[j:], mid
+                mid.children[child.key[0]] = child
+                child = mid
+            i += j
+            node = child
+        if node is not self.root and not node.children:
+            self._leaves.move_to_end(node)
+        self._evict()
+
+    def _evict(self) -> None:
+        while self.size > self.max_tokens and self._leaves:
+            leaf = next(iter(self._leaves))
+            excess = self.size - self.max_tokens
+            if len(leaf.key) > excess:  # trim the tail, keep the shared head
+                leaf.key = leaf.key[: len(leaf.key) - excess]
+                self.size -= excess
+                return
+            del self._leaves[leaf]
+            parent = leaf.parent
+            assert parent is not None
+            del parent.children[leaf.key[0]]
+            self.size -= len(leaf.key)
+            if parent is not self.root and not parent.children:
+                self._leaves[parent] = None
+                self._leaves.move_to_end(parent, last=False)  # as old as the leaf it held
+
+
+# -- the server ------------------------------------------------------------------------------------
+
+
+class _Refused(Exception):
+    """An HTTP error answer: status and JSON body exactly as SGLang sends them."""
+
+    def __init__(self, status: int, body: Any):
+        super().__init__(str(body))
+        self.status, self.body = status, body
+
+    @classmethod
+    def value_error(cls, message: str) -> _Refused:
+        """A ValueError in SGLang's tokenizer manager (input too long, duplicate rid, ...)."""
+        return cls(400, {"error": {"message": message}})
+
+    @classmethod
+    def http(cls, status: int, message: str, kind: str | None = None) -> _Refused:
+        """FastAPI's parse failure, or a scheduler abort with a non-400 status."""
+        body = {
+            "object": "error",
+            "message": message,
+            "type": kind or str(status),
+            "param": None,
+            "code": status,
+        }
+        return cls(status, body)
+
+
+@dataclass(eq=False)
+class _Live:
+    rid: str
+    task: asyncio.Task[GenerateResult] | None = None
+    started: bool = False  # left the waiting queue
+    cached: int = 0
+    t0: float = field(default_factory=time.time)
+
+
+def _contract_error(params: Any) -> str | None:
+    """SGLang's generated contract check of `sampling_params` (a 400 with `error` as a string)."""
+    if not isinstance(params, dict):
+        return f"invalid type: {type(params).__name__}, expected struct SamplingParams"
+    for key, value in params.items():
+        if key not in SAMPLING_KEYS:
+            expected = ", ".join(f"`{k}`" for k in SAMPLING_KEYS)
+            return f"unknown field `{key}`, expected one of {expected}"
+        if value is None:
+            continue
+        if key in _FLOAT_KEYS and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            return f"invalid type: {_describe(value)}, expected f64"
+        if key in _INT_KEYS and (isinstance(value, bool) or not isinstance(value, int)):
+            return f"invalid type: {_describe(value)}, expected i64"
+    return None
+
+
+def _describe(value: Any) -> str:
+    return f"string {json.dumps(value)}" if isinstance(value, str) else f"{type(value).__name__} `{value}`"
+
+
+class DevServer:
+    """SGLang's HTTP surface over one in-process backend. The caller owns the backend's lifecycle."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,  # 0: any free port (read `url` after start)
+        context_length: int | None = None,  # default: the backend's, else 4096
+        cache_tokens: int = 1 << 20,  # prefix cache budget (SGLang: max_total_num_tokens)
+        max_running_requests: int | None = None,  # beyond it requests wait (and can be aborted while waiting)
+        model_path: str | None = None,
+    ):
+        self.backend = backend
+        self.host, self.port = host, port
+        self.context_length = context_length or backend.context_length or 4096
+        self.cache = PrefixCache(cache_tokens)
+        self.model_path = model_path or backend.model_name
+        self.weight_version = str(getattr(backend, "weight_version", "default"))
+        self.failing = False  # fault injection: /health and /generate answer 503
+        self.paused = False
+        self.memory_released: set[str] = set()
+        self.log: deque[dict[str, Any]] = deque(maxlen=100_000)  # one entry per finished /generate
+        self.prompt_tokens = self.cached_tokens = 0
+        self._live: dict[str, _Live] = {}
+        self._unpaused = asyncio.Event()
+        self._unpaused.set()
+        self._slots = asyncio.Semaphore(max_running_requests) if max_running_requests else None
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._runner is not None:
+            return
+        app = web.Application(client_max_size=64 << 20)
+        routes: list[tuple[str, str, Any]] = [
+            ("*", "/generate", self._generate),
+            ("GET", "/health", self._health),
+            ("GET", "/health_generate", self._health),
+            ("GET", "/ready", self._ready),
+            ("GET", "/model_info", self._model_info),
+            ("GET", "/get_model_info", self._model_info),
+            ("GET", "/server_info", self._server_info),
+            ("GET", "/get_server_info", self._server_info),
+            ("GET", "/v1/loads", self._loads),
+            ("*", "/flush_cache", self._flush_cache),
+            ("POST", "/abort_request", self._abort_request),
+            ("POST", "/pause_generation", self._pause),
+            ("POST", "/continue_generation", self._continue),
+            ("*", "/release_memory_occupation", self._release_memory),
+            ("*", "/resume_memory_occupation", self._resume_memory),
+            ("POST", "/update_weights_from_disk", self._update_weights),
+        ]
+        for method, path, handler in routes:
+            app.router.add_route(method, path, handler)
+        start = getattr(self.backend, "start", None)
+        if start is not None:
+            await start()
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        self.port = self._runner.addresses[0][1]
+
+    async def close(self) -> None:
+        for rec in list(self._live.values()):
+            if rec.task is not None:
+                rec.task.cancel()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def __aenter__(self) -> DevServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- /generate -------------------------------------------------------------------------------
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = await request.json()
+        except ValueError as e:
+            return _error(_Refused.http(400, f"JSON decode error: {e}", "Bad Request"))
+        if not isinstance(body, dict):
+            return _error(_Refused.http(400, "request body must be a JSON object", "Bad Request"))
+        if self.failing:
+            return _error(_Refused.http(503, "dev server is failing (fault injection)"))
+        params = body.get("sampling_params") or {}
+        contract = _contract_error(params)
+        if contract is not None:
+            return web.json_response({"error": contract}, status=400)
+        if body.get("stream"):
+            return await self._stream(request, body, params)
+        try:
+            rec, ids, res = await self._run(body, params)
+        except _Refused as r:
+            return _error(r)
+        return web.json_response(self._response(rec, ids, params, res, bool(body.get("return_logprob"))))
+
+    async def _stream(
+        self, request: web.Request, body: dict[str, Any], params: dict[str, Any]
+    ) -> web.StreamResponse:
+        """Cumulative SSE chunks, then `data: [DONE]`; a refusal becomes an in-stream error event."""
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        try:
+            rec, ids, res = await self._run(body, params)
+        except _Refused as r:
+            err = (
+                r.body["error"]
+                if isinstance(r.body.get("error"), dict)
+                else {"message": r.body.get("message")}
+            )
+            retryable = r.status >= 500
+            event = {
+                "error": {**err, "type": "invalid_request_error", "code": r.status, "retryable": retryable}
+            }
+            await resp.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+        else:
+            logprob = bool(body.get("return_logprob"))
+            n = len(res.token_ids) if res is not None else 0
+            every = max(1, int(params.get("stream_interval") or 1))
+            for upto in [i for i in range(1, n) if i % every == 0] + [n]:
+                chunk = self._response(rec, ids, params, res, logprob, upto=upto if upto < n else None)
+                await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    def _admit(self, body: dict[str, Any], params: dict[str, Any]) -> tuple[str, list[int]]:
+        """The tokenizer manager's checks (ValueError -> 400 {"error": {"message"}})."""
+        ids = body.get("input_ids")
+        if ids is None:
+            raise _Refused.value_error("the dev server takes input_ids only (it runs without a tokenizer)")
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise _Refused.value_error("input_ids must be a list of ints (batches are not supported here)")
+        if not ids:
+            raise _Refused.value_error("input_ids cannot be empty")
+        if (params.get("n") or 1) != 1:
+            raise _Refused.value_error("n > 1 is not supported by the dev server")
+        if len(ids) >= self.context_length:
+            raise _Refused.value_error(
+                f"The input ({len(ids)} tokens) is longer than the model's context length ({self.context_length} tokens)."
+            )
+        new = params.get("max_new_tokens")
+        if new is not None and new < 0:
+            raise _Refused.value_error(f"max_new_tokens must be at least 0, got {new}.")
+        if new is not None and new + len(ids) >= self.context_length:
+            raise _Refused.value_error(
+                f"Requested token count exceeds the model's maximum context length of {self.context_length} tokens. "
+                f"You requested a total of {new + len(ids)} tokens: {len(ids)} tokens from the input messages and "
+                f"{new} tokens for the completion. Please reduce the number of tokens in the input messages or the "
+                f"completion to fit within the limit."
+            )
+        temperature = params.get("temperature")
+        if temperature is not None and temperature < 0:
+            raise _Refused.value_error(f"temperature must be non-negative, got {temperature}.")
+        rid = body.get("rid") or uuid.uuid4().hex
+        if not isinstance(rid, str):
+            raise _Refused.value_error("rid must be a string (batches are not supported here)")
+        if rid in self._live:
+            raise _Refused.value_error(f"Duplicate request ID detected: {rid}")
+        return rid, ids
+
+    async def _run(
+        self, body: dict[str, Any], params: dict[str, Any]
+    ) -> tuple[_Live, list[int], GenerateResult | None]:
+        """Run one request; the result is None when it was aborted (while waiting or running)."""
+        rid, ids = self._admit(body, params)
+        rec = self._live[rid] = _Live(rid)
+        request = GenerateRequest(
+            session_id=_TURN_SUFFIX.sub("", rid), prompt_ids=ids, sampling_params=dict(params), rid=rid,
+            return_logprob=bool(body.get("return_logprob")),
+        )  # fmt: skip
+        rec.task = asyncio.ensure_future(self._work(rec, request))
+        try:
+            await asyncio.wait({rec.task})
+        finally:
+            rec.task.cancel()  # no-op when done; stops the work if our client went away
+            self._live.pop(rid, None)
+        if rec.task.cancelled():
+            return rec, ids, None
+        exc = rec.task.exception()
+        if isinstance(exc, BackendRequestError):
+            raise _Refused.value_error(str(exc))
+        if exc is not None:
+            status = 503 if isinstance(exc, BackendUnavailable) else 500
+            raise _Refused.http(status, f"{type(exc).__name__}: {exc}")
+        res = rec.task.result()
+        self.cache.insert(ids + list(res.token_ids))
+        self.prompt_tokens += len(ids)
+        self.cached_tokens += rec.cached
+        n_out = len(res.token_ids)
+        self.log.append(
+            {"rid": rid, "prompt_tokens": len(ids), "cached_tokens": rec.cached, "output_tokens": n_out}
+        )
+        log.info("generate rid=%s prompt=%d cached=%d out=%d", rid, len(ids), rec.cached, n_out)
+        return rec, ids, res
+
+    async def _work(self, rec: _Live, request: GenerateRequest) -> GenerateResult:
+        await self._unpaused.wait()
+        async with self._slots or contextlib.nullcontext():
+            await self._unpaused.wait()
+            rec.started = True
+            ids = request.prompt_ids
+            rec.cached = max(0, min(self.cache.match(ids), len(ids) - 1))  # SGLang computes >= 1 token
+            self.cache.insert(ids)  # concurrent requests with this prompt now hit, as in SGLang
+            return await self.backend.generate(request)
+
+    def _response(
+        self,
+        rec: _Live,
+        ids: list[int],
+        params: dict[str, Any],
+        res: GenerateResult | None,
+        logprob: bool,
+        upto: int | None = None,  # a streaming chunk's cumulative length; None for the final object
+    ) -> dict[str, Any]:
+        """The response object, key for key as SGLang 0.5.23 orders it (reference §2)."""
+        out = list(res.token_ids) if res is not None else []
+        lps = (res.logprobs if res is not None else None) or []
+        if upto is not None:
+            out, lps = out[:upto], lps[:upto]
+        lp_keys: dict[str, Any] = {}
+        if logprob:
+            triples = [[lp, tok, None] for lp, tok in zip(lps, out)]
+            lp_keys = {"input_token_logprobs": [], "output_token_logprobs": triples,
+                       "output_token_logprobs_length": len(triples)}  # fmt: skip
+        latency = round(time.time() - rec.t0, 6)
+        if res is None and not rec.started:  # aborted in the waiting queue: no prompt_tokens/cached_tokens
+            meta = {"id": rec.rid, "finish_reason": {"type": "abort", "message": "Abort in waiting queue"},
+                    "weight_version": self.weight_version, "e2e_latency": latency, **lp_keys, "completion_tokens": 0}  # fmt: skip
+            return {"output_ids": [], "meta_info": meta}
+        if upto is not None:
+            finish: Any = None
+        elif res is None or res.finish_reason == "abort":
+            message = res.abort_message if res is not None and res.abort_message else "Aborted"
+            finish = {"type": "abort", "message": message, "status_code": None, "err_type": None}
+        elif res.finish_reason == "length":
+            finish = {"type": "length", "length": params.get("max_new_tokens", 128)}
+        else:
+            finish = {"type": "stop", "matched": out[-1] if out else None}
+        meta = {"id": rec.rid, "finish_reason": finish, "prompt_tokens": len(ids), "weight_version": self.weight_version,
+                "num_retractions": 0, **lp_keys, "reasoning_tokens": 0, "completion_tokens": len(out),
+                "cached_tokens": rec.cached, "cached_tokens_details": None, "dp_rank": 0}  # fmt: skip
+        if upto is None:
+            meta["e2e_latency"] = latency
+            meta["response_sent_to_client_ts"] = time.time()
+        return {"output_ids": out, "meta_info": meta}
+
+    # -- control endpoints -----------------------------------------------------------------------
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=503 if self.failing else 200)
+
+    async def _ready(self, request: web.Request) -> web.Response:
+        return web.Response(status=503 if self.failing or self.paused else 200)
+
+    async def _model_info(self, request: web.Request) -> web.Response:
+        return web.json_response({
+            "model_path": self.model_path, "served_model_name": self.backend.model_name,
+            "tokenizer_path": self.model_path, "is_generation": True, "preferred_sampling_params": None,
+            "weight_version": self.weight_version, "load_format": "auto", "reasoning_parser": None,
+            "tool_call_parser": None, "disaggregation_mode": "null", "has_image_understanding": False,
+            "has_audio_understanding": False, "model_type": None, "architectures": None,
+        })  # fmt: skip
+
+    async def _server_info(self, request: web.Request) -> web.Response:
+        return web.json_response({
+            "model_path": self.model_path, "host": self.host, "port": self.port,
+            "context_length": self.context_length, "skip_tokenizer_init": True,
+            "max_total_num_tokens": self.cache.max_tokens, "max_req_input_len": self.context_length - 1,
+            "internal_states": [{"memory_released": sorted(self.memory_released), "paused": self.paused}],
+            "version": VERSION,
+        })  # fmt: skip
+
+    async def _loads(self, request: web.Request) -> web.Response:
+        running = sum(rec.started for rec in self._live.values())
+        return web.json_response({"timestamp": time.time(), "version": VERSION, "loads": [{
+            "dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": len(self._live) - running,
+            "num_used_tokens": self.cache.size, "token_usage": self.cache.size / max(1, self.cache.max_tokens),
+            "gen_throughput": 0.0, "cache_hit_rate": self.cached_tokens / max(1, self.prompt_tokens),
+        }]})  # fmt: skip
+
+    async def _flush_cache(self, request: web.Request) -> web.Response:
+        text = ("Cache flushed.\nPlease check backend logs for more details. "
+                "(When there are running or waiting requests, the operation will not be performed.)\n")  # fmt: skip
+        if self._live:
+            return web.Response(text=text, status=400)
+        self.cache.clear()
+        flush = getattr(self.backend, "flush_cache", None)
+        if flush is not None:
+            await flush()
+        return web.Response(text=text)
+
+    async def _abort_request(self, request: web.Request) -> web.Response:
+        """SGLang semantics: the rid must itself be live; then every live rid it prefixes is aborted."""
+        body = await _body(request)
+        rid = body.get("rid") or ""
+        if body.get("abort_all"):
+            self._abort(lambda r: True)
+        elif rid in self._live:
+            self._abort(lambda r: r.startswith(rid))
+        return web.Response(status=200)
+
+    def _abort(self, which: Callable[[str], bool]) -> None:
+        for rid, rec in list(self._live.items()):
+            if which(rid) and rec.task is not None:
+                rec.task.cancel()
+
+    async def _pause(self, request: web.Request) -> web.Response:
+        """New requests wait until /continue_generation; mode "abort" also aborts the running ones.
+        ("retract"/"in_place" let running requests finish: an in-process backend cannot be paused mid-call.)"""
+        mode = (await _body(request)).get("mode", "abort")
+        if mode not in ("abort", "retract", "in_place"):
+            return _error(_Refused.value_error(f"unknown pause mode {mode!r}"))
+        self.paused = True
+        self._unpaused.clear()
+        if mode == "abort":
+            self._abort(lambda r: self._live[r].started)
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def _continue(self, request: web.Request) -> web.Response:
+        self.paused = False
+        self._unpaused.set()
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def _release_memory(self, request: web.Request) -> web.Response:
+        tags = (await _body(request)).get("tags") or ["weights", "kv_cache"]
+        self.memory_released.update(tags)
+        if "kv_cache" in tags:
+            self.cache.clear()
+        return web.json_response(None)
+
+    async def _resume_memory(self, request: web.Request) -> web.Response:
+        tags = (await _body(request)).get("tags") or ["weights", "kv_cache"]
+        self.memory_released.difference_update(tags)
+        return web.json_response(None)
+
+    async def _update_weights(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        path, version = body.get("model_path"), body.get("weight_version")
+        update = getattr(self.backend, "update_weights_from_disk", None)
+        try:
+            if not path:
+                raise ValueError("model_path is required")
+            if update is not None:
+                await update(path, weight_version=version)
+        except (ValueError, OSError, BackendRequestError) as e:
+            return web.json_response(
+                {"success": False, "message": str(e), "num_paused_requests": 0}, status=400
+            )
+        if body.get("abort_all_requests"):
+            self._abort(lambda r: True)
+        if body.get("flush_cache", True):
+            self.cache.clear()
+        message = "Succeeded to update model weights."
+        if version is not None:
+            self.weight_version = str(version)
+            message += f" Weight version updated to {version}."
+        return web.json_response({"success": True, "message": message, "num_paused_requests": 0})
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    """Optional JSON object body of a control call ({} when empty)."""
+    if not request.can_read_body:
+        return {}
+    with contextlib.suppress(ValueError):
+        body = await request.json()
+        return body if isinstance(body, dict) else {}
+    return {}
+
+
+def _error(r: _Refused) -> web.Response:
+    return web.json_response(r.body, status=r.status)
+
+
+# -- scripted echo "model" ---------------------------------------------------------------------------
+
+
+def echo_backend(
+    *, length: int = 8, vocab: int = 1000, eos: int = 2, latency_s: float = 0.0
+) -> ScriptedBackend:
+    """A deterministic function of the prompt: `length` ids derived from a CRC of the prompt, then `eos`.
+
+    The same prompt gives the same answer on every server and in every process, so a session's turns are
+    reproducible wherever the router sends them.
+    """
+
+    def turn(session_id: str, turn: int, prompt: list[int]) -> list[int]:
+        seed = zlib.crc32(b",".join(str(t).encode() for t in prompt))
+        return [10 + (seed + 7919 * k) % (vocab - 10) for k in range(length)] + [eos]
+
+    backend = ScriptedBackend(turn, latency_s=latency_s, model_name="echo", context_length=None)
+    backend.record_requests = False  # a long-lived server must not grow a request list
+    return backend
+
+
+# -- benchmark -------------------------------------------------------------------------------------
+
+
+async def _bench_prefix_cache(
+    n_groups: int, n: int, affinity: bool, turns: int, servers: int
+) -> dict[str, Any]:
+    from backends.router import Router
+    from backends.sglang import SGLangBackend
+
+    system = list(range(100, 132))  # a system prompt shared by every row
+    async with contextlib.AsyncExitStack() as stack:
+        devs = [
+            await stack.enter_async_context(DevServer(echo_backend(latency_s=0.005))) for _ in range(servers)
+        ]
+        router = await stack.enter_async_context(
+            Router([SGLangBackend(d.url) for d in devs], group_affinity=affinity, health_interval_s=0)
+        )
+
+        first = [0, 0]  # first-turn prompt and cached tokens: where group affinity makes its difference
+
+        async def sample(g: int, k: int) -> None:
+            context = system + [1000 + (g * 7919 + j) % 5000 for j in range(64)]  # the group's prompt
+            for t in range(turns):
+                req = GenerateRequest(f"g{g}s{k}", context, {"max_new_tokens": 16}, rid=f"g{g}s{k}_t{t:02d}",
+                                      group_id=f"g{g}")  # fmt: skip
+                res = await router.generate(req)
+                if t == 0:
+                    first[0] += len(context)
+                    first[1] += res.cached_tokens or 0
+                context = context + res.token_ids + [3, 4 + k, 5 + t]  # a per-sample observation turn
+            await router.release(f"g{g}s{k}")
+
+        await asyncio.gather(*(sample(g, k) for g in range(n_groups) for k in range(n)))
+        stats = router.stats()
+    return {
+        "n_groups": n_groups, "n": n, "turns": turns, "servers": servers, "affinity": affinity,
+        "hit_rate": stats["cache_hit_rate"], "first_turn_hit_rate": first[1] / max(1, first[0]),
+        "prompt_tokens": stats["prompt_tokens"],
+        "cached_tokens": stats["cached_tokens"], "group_routes": stats["group"], "new_routes": stats["new"],
+        "requests_per_server": [s["requests"] for s in stats["servers"]],
+    }  # fmt: skip
+
+
+def bench_prefix_cache(
+    n_groups: int = 16, n: int = 8, affinity: bool = True, *, turns: int = 3, servers: int = 3
+) -> dict[str, Any]:
+    """Prefix-cache hit rate (cached/prompt tokens) of `servers` scripted dev servers behind the router, for
+    `n_groups` GRPO groups of `n` samples running `turns` turns concurrently. Call outside an event loop."""
+    return asyncio.run(_bench_prefix_cache(n_groups, n, affinity, turns, servers))
+
+
+# -- CLI -------------------------------------------------------------------------------------------
+
+
+async def _serve(backend: Backend, host: str, port: int, **options: Any) -> None:
+    """Serve until SIGTERM/SIGINT, then stop cleanly."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    async with DevServer(backend, host=host, port=port, **options) as srv:
+        log.info("The server is fired up and ready to roll! %s", srv.url)
+        await stop.wait()
+    close = getattr(backend, "close", None)
+    if close is not None:
+        await close()
+
+
+def serve_model(model_dir: str, host: str = "127.0.0.1", port: int = 30000, **options: Any) -> None:
+    """Serve the embedded transformers backend (`backends.hf`, imported only here) over the SGLang protocol."""
+    from backends.hf import HFBackend
+
+    asyncio.run(_serve(HFBackend(model_dir), host, port, model_path=model_dir, **options))
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", "--model-path", dest="model", help="model directory (transformers format)")
+    ap.add_argument("--scripted", action="store_true", help="serve the deterministic echo backend (no model)")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=30000)
+    ap.add_argument("--context-length", type=int, default=None)
+    ap.add_argument("--max-running-requests", type=int, default=None)
+    ap.add_argument("--latency", type=float, default=0.0, help="scripted mode: seconds per request")
+    ap.add_argument("--log-level", default="info")
+    args, ignored = ap.parse_known_args(argv)  # SGLang launch flags (--tp-size, ...) are accepted and ignored
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
+    if ignored:
+        log.info("ignoring SGLang flags: %s", " ".join(ignored))
+    options = {"context_length": args.context_length, "max_running_requests": args.max_running_requests}
+    if args.scripted:
+        asyncio.run(_serve(echo_backend(latency_s=args.latency), args.host, args.port, **options))
+    elif args.model:
+        serve_model(args.model, args.host, args.port, **options)
+    else:
+        ap.error("give --model DIR or --scripted")
+
+
+if __name__ == "__main__":
+    main()

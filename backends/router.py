@@ -1,0 +1,330 @@
+"""A Backend over several backends (design.md §6): sticky sessions, least-requests placement, group affinity.
+
+Placement, in order:
+1. a session already pinned to a healthy server stays there ("sticky"): every turn reuses its prefix cache;
+2. with `group_affinity`, a new session of a GRPO group goes where its group went ("group"), unless that
+   server has more than `group_imbalance` requests in flight above the least-loaded one;
+3. otherwise the healthy server with the fewest requests in flight ("new"). Ties go to the server with the
+   fewest pinned sessions, then the lowest index: placement is deterministic.
+A session whose server is down is re-pinned by rule 3 and counted as "moved". When no server is marked
+healthy, all of them are candidates again (a mark may be stale; a dead fleet then fails per request).
+
+This is manual/min_load routing in smg's terms (reference §5), plus what smg's HTTP router lacks: exact
+abort targeting and control calls broadcast to every server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from backends.base import Backend, BackendError, BaseBackend, GenerateRequest, GenerateResult
+
+
+@dataclass(eq=False, slots=True)
+class _Server:
+    backend: Backend
+    name: str
+    healthy: bool = True
+    in_flight: int = 0
+    requests: int = 0
+    failures: int = 0
+    sessions: int = 0  # sessions pinned here now
+
+
+@dataclass(slots=True)
+class _Session:
+    server: int
+    group: str | None
+
+
+@dataclass(slots=True)
+class _Group:
+    server: int
+    sessions: int = 0  # live sessions of the group: the entry goes when the last one is released
+
+
+class Router(BaseBackend):
+    """Routes each trajectory's turns to one of `backends`. Owns them: `start()`/`close()` reach every one."""
+
+    def __init__(
+        self,
+        backends: Sequence[Backend],
+        *,
+        group_affinity: bool = False,
+        group_imbalance: int = 8,  # in-flight excess over the least-loaded server a group may cause (≈ one group)
+        max_retries: int = 2,  # re-routes after a retryable failure, each maybe to another server
+        health_interval_s: float = 5.0,  # 0 disables the background health checks
+        health_timeout_s: float = 30.0,  # SGLang's /health itself waits up to 20 s
+    ):
+        if not backends:
+            raise ValueError("Router needs at least one backend")
+        self.servers = [
+            _Server(b, getattr(b, "url", None) or f"{b.model_name}#{i}") for i, b in enumerate(backends)
+        ]
+        self.group_affinity = group_affinity
+        self.group_imbalance = group_imbalance
+        self.max_retries = max_retries
+        self.health_interval_s = health_interval_s
+        self.health_timeout_s = health_timeout_s
+        self.model_name = backends[0].model_name
+        self.provider = backends[0].provider
+        self._sessions: dict[str, _Session] = {}
+        self._groups: dict[str, _Group] = {}
+        self._health_task: asyncio.Task[None] | None = None
+        self.counts = {"sticky": 0, "new": 0, "group": 0, "moved": 0, "retries": 0}
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+
+    @property  # type: ignore[override]
+    def context_length(self) -> int | None:
+        known = [s.backend.context_length for s in self.servers if s.backend.context_length]
+        return min(known) if known else None
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        for s in self.servers:
+            start = getattr(s.backend, "start", None)
+            if start is not None:
+                await start()
+        if self._health_task is None and self.health_interval_s > 0:
+            self._health_task = asyncio.create_task(self._health_loop(), name="router health checks")
+
+    async def close(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+            self._health_task = None
+        for s in self.servers:
+            close = getattr(s.backend, "close", None)
+            if close is not None:
+                await close()
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval_s)
+            await self.check_health()
+
+    async def check_health(self) -> list[bool]:
+        """Probe every server once; a backend without `health()` is assumed healthy (it cannot be checked)."""
+
+        async def probe(s: _Server) -> None:
+            health = getattr(s.backend, "health", None)
+            ok = True
+            if health is not None:
+                try:
+                    ok = bool(await asyncio.wait_for(health(), self.health_timeout_s))
+                except Exception:
+                    ok = False
+            s.healthy = ok
+
+        await asyncio.gather(*(probe(s) for s in self.servers))
+        return [s.healthy for s in self.servers]
+
+    async def health(self) -> bool:
+        return any(s.healthy for s in self.servers)
+
+    # -- placement -------------------------------------------------------------------------------
+
+    def _least_loaded(self) -> int:
+        best, best_key = -1, (0, 0)
+        for i, s in enumerate(self.servers):
+            if s.healthy and (best < 0 or (s.in_flight, s.sessions) < best_key):
+                best, best_key = i, (s.in_flight, s.sessions)
+        if best < 0:  # nothing marked healthy: the marks may be stale, so every server is a candidate
+            best = min(
+                range(len(self.servers)), key=lambda i: (self.servers[i].in_flight, self.servers[i].sessions)
+            )
+        return best
+
+    def choose(self, session_id: str, group_id: str | None = None) -> int:
+        """Which server the next request of `session_id` goes to. Pure: nothing is recorded."""
+        pinned = self._sessions.get(session_id)
+        if pinned is not None and self.servers[pinned.server].healthy:
+            return pinned.server
+        least = self._least_loaded()
+        if self.group_affinity and group_id is not None and pinned is None:
+            g = self._groups.get(group_id)
+            if g is not None:
+                home = self.servers[g.server]
+                if home.healthy and home.in_flight - self.servers[least].in_flight <= self.group_imbalance:
+                    return g.server
+        return least
+
+    def _pin(self, request: GenerateRequest, idx: int) -> str:
+        """Record that `request` goes to server `idx`; returns the route kind."""
+        sid, gid = request.session_id, request.group_id
+        s = self._sessions.get(sid)
+        if s is None:
+            self._sessions[sid] = _Session(idx, gid if self.group_affinity else None)
+            self.servers[idx].sessions += 1
+            route = "new"
+            if self.group_affinity and gid is not None:
+                g = self._groups.get(gid)
+                if g is None:
+                    self._groups[gid] = _Group(idx, 1)
+                else:
+                    g.sessions += 1
+                    if g.server == idx:
+                        route = "group"
+                    elif not self.servers[g.server].healthy:
+                        g.server = idx  # the group's server is down: its later sessions follow this one
+        elif s.server == idx:
+            route = "sticky"
+        else:
+            self.servers[s.server].sessions -= 1
+            self.servers[idx].sessions += 1
+            g = self._groups.get(s.group) if s.group is not None else None
+            if g is not None and g.server == s.server:
+                g.server = idx
+            s.server = idx
+            route = "moved"
+        self.counts[route] += 1
+        return route
+
+    # -- generation ------------------------------------------------------------------------------
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        for attempt in range(self.max_retries + 1):
+            idx = self.choose(request.session_id, request.group_id)
+            route = self._pin(request, idx)
+            s = self.servers[idx]
+            s.in_flight += 1
+            s.requests += 1
+            try:
+                result = await s.backend.generate(request)
+            except BackendError as e:
+                if not e.retryable:
+                    raise
+                s.failures += 1
+                s.healthy = False  # until a health check says otherwise; the session moves on retry
+                if attempt == self.max_retries:
+                    raise
+                self.counts["retries"] += 1
+                continue
+            finally:
+                s.in_flight -= 1
+            result.route = route
+            result.server = result.server or s.name
+            self.prompt_tokens += len(request.prompt_ids)
+            self.cached_tokens += result.cached_tokens or 0
+            return result
+        raise AssertionError("unreachable")
+
+    async def release(self, session_id: str) -> None:
+        """The trajectory ended: forget its pin (and its group's, with the group's last session)."""
+        s = self._sessions.pop(session_id, None)
+        if s is None:
+            return
+        self.servers[s.server].sessions -= 1
+        if s.group is not None:
+            g = self._groups.get(s.group)
+            if g is not None:
+                g.sessions -= 1
+                if g.sessions <= 0:
+                    del self._groups[s.group]
+        await self.servers[s.server].backend.release(session_id)
+
+    async def abort(self, session_id: str) -> None:
+        """Abort the session's in-flight request on the one server that runs it."""
+        s = self._sessions.get(session_id)
+        if s is not None:
+            abort = getattr(self.servers[s.server].backend, "abort", None)
+            if abort is not None:
+                await abort(session_id)
+
+    # -- control calls, to every server that has them -------------------------------------------
+
+    async def _broadcast(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Call `method` on every backend that has it (down ones too: they must not keep stale weights
+        unnoticed). Raises the first failure after all calls ended."""
+        calls = [
+            getattr(s.backend, method)(*args, **kwargs) for s in self.servers if hasattr(s.backend, method)
+        ]
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        return results
+
+    async def flush_cache(self) -> list[Any]:
+        return await self._broadcast("flush_cache")
+
+    async def sleep(self, tags: list[str] | None = None) -> list[Any]:
+        return await self._broadcast("sleep", tags)
+
+    async def wake_up(self, tags: list[str] | None = None) -> list[Any]:
+        return await self._broadcast("wake_up", tags)
+
+    async def update_weights_from_disk(self, path: str, weight_version: str | None = None) -> list[Any]:
+        return await self._broadcast("update_weights_from_disk", path, weight_version=weight_version)
+
+    async def pause_generation(self, mode: str = "abort") -> list[Any]:
+        return await self._broadcast("pause_generation", mode)
+
+    async def continue_generation(self) -> list[Any]:
+        return await self._broadcast("continue_generation")
+
+    # -- numbers ---------------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "servers": [
+                {
+                    "server": s.name,
+                    "healthy": s.healthy,
+                    "in_flight": s.in_flight,
+                    "requests": s.requests,
+                    "failures": s.failures,
+                    "sessions": s.sessions,
+                }
+                for s in self.servers
+            ],  # fmt: skip
+            **self.counts,
+            "sessions": len(self._sessions),
+            "groups": len(self._groups),
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "cache_hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
+        }
+
+
+def bench_router(
+    n: int = 100_000, servers: int = 8, sessions: int = 4096, group_size: int = 8
+) -> dict[str, Any]:
+    """µs per `choose()` decision: for pinned sessions (every turn after the first) and for new sessions of
+    GRPO groups under group affinity (first turns). Prints one line and returns the numbers."""
+    from backends.scripted import ScriptedBackend
+
+    router = Router([ScriptedBackend({}, model_name=f"s{i}") for i in range(servers)], group_affinity=True)
+    for i in range(sessions):  # pin sessions and groups as a running batch would have
+        req = GenerateRequest(f"traj{i}", [], {}, group_id=f"g{i // group_size}")
+        router._pin(req, router.choose(req.session_id, req.group_id))
+    for i, s in enumerate(router.servers):
+        s.in_flight = i % 3
+    pinned = [f"traj{i % sessions}" for i in range(n)]
+    fresh = [(f"new{i}", f"g{i // group_size}") for i in range(n)]
+    choose = router.choose
+    t0 = time.perf_counter()
+    for sid in pinned:
+        choose(sid, None)
+    t1 = time.perf_counter()
+    for sid, gid in fresh:
+        choose(sid, gid)
+    t2 = time.perf_counter()
+    out = {
+        "decisions": 2 * n,
+        "servers": servers,
+        "sticky_us": (t1 - t0) / n * 1e6,
+        "new_us": (t2 - t1) / n * 1e6,
+    }
+    print(
+        f"router decision: {out['sticky_us']:.2f} µs sticky, {out['new_us']:.2f} µs new ({servers} servers)"
+    )
+    return out

@@ -1,0 +1,246 @@
+"""The router over three scripted dev servers on loopback: stickiness, balance, group affinity, failures."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections import defaultdict
+from typing import Any
+
+import aiohttp
+
+from backends.base import GenerateRequest, GenerateResult
+from backends.devserver import DevServer, bench_prefix_cache, echo_backend
+from backends.router import Router, bench_router
+from backends.sglang import SGLangBackend, SGLangLauncher
+
+
+@contextlib.asynccontextmanager
+async def fleet(latency_s: float = 0.02, **router_kw: Any):
+    """Three in-process dev servers and a router over SGLang clients to them."""
+    async with contextlib.AsyncExitStack() as stack:
+        devs = [
+            await stack.enter_async_context(DevServer(echo_backend(latency_s=latency_s))) for _ in range(3)
+        ]
+        clients = [SGLangBackend(d.url, max_retries=1, backoff_s=0.01) for d in devs]
+        router = await stack.enter_async_context(Router(clients, **{"health_interval_s": 0, **router_kw}))
+        yield devs, router
+
+
+def servers_of(devs: list[DevServer]) -> dict[str, set[int]]:
+    """From each server's own log: session -> the servers that served any of its turns."""
+    seen: dict[str, set[int]] = defaultdict(set)
+    for i, d in enumerate(devs):
+        for entry in d.log:
+            seen[entry["rid"].rsplit("_t", 1)[0]].add(i)
+    return seen
+
+
+async def run_session(router: Router, sid: str, turns: int, group: str | None = None) -> list[GenerateResult]:
+    context, results = [1, 2, 3, sum(map(ord, sid)) % 500 + 10], []
+    for t in range(turns):
+        res = await router.generate(GenerateRequest(sid, context, {"max_new_tokens": 16}, rid=f"{sid}_t{t:02d}",
+                                                    group_id=group))  # fmt: skip
+        results.append(res)
+        context = context + res.token_ids + [3, 4, 5]
+    return results
+
+
+async def test_every_turn_of_a_session_stays_on_one_server():
+    async with fleet() as (devs, router):
+        runs = await asyncio.gather(*(run_session(router, f"s{i}", 4) for i in range(12)))
+        seen = servers_of(devs)
+        assert len(seen) == 12 and all(len(servers) == 1 for servers in seen.values())
+        assert all([r.route for r in run] == ["new", "sticky", "sticky", "sticky"] for run in runs)
+        for i, run in enumerate(runs):
+            [server] = seen[f"s{i}"]
+            assert {r.server for r in run} == {devs[server].url}
+            assert all(r.cached_tokens > 0 for r in run[1:])  # later turns reuse the session's prefix
+        stats = router.stats()
+        assert (stats["new"], stats["sticky"], stats["moved"], stats["retries"]) == (12, 36, 0, 0)
+        assert stats["cache_hit_rate"] > 0.5
+        assert sorted(s["sessions"] for s in stats["servers"]) == [4, 4, 4]
+
+
+async def test_in_flight_spread_within_one_of_even():
+    async with fleet(latency_s=0.3) as (devs, router):
+        batch = [asyncio.create_task(run_session(router, f"b{i}", 1)) for i in range(31)]
+        await asyncio.sleep(0.1)
+        in_flight = [s["in_flight"] for s in router.stats()["servers"]]
+        async with aiohttp.ClientSession() as http:  # what the servers themselves report
+            running = []
+            for d in devs:
+                async with http.get(d.url + "/v1/loads") as r:
+                    running.append((await r.json())["loads"][0]["num_running_reqs"])
+        assert sum(in_flight) == 31 and max(in_flight) - min(in_flight) <= 1
+        assert running == in_flight
+        await asyncio.gather(*batch)
+        assert [s["in_flight"] for s in router.stats()["servers"]] == [0, 0, 0]
+
+
+async def test_group_affinity_keeps_a_group_on_one_server():
+    async with fleet(group_affinity=True, group_imbalance=8) as (devs, router):
+        runs = await asyncio.gather(
+            *(run_session(router, f"g{g}s{k}", 2, group=f"g{g}") for g in range(3) for k in range(4))
+        )
+        seen = servers_of(devs)
+        homes = [{i for k in range(4) for i in seen[f"g{g}s{k}"]} for g in range(3)]
+        assert all(len(h) == 1 for h in homes)  # one server per group
+        assert len(set.union(*homes)) == 3  # and the groups spread over all servers
+        assert sorted(r[0].route for r in runs) == ["group"] * 9 + ["new"] * 3
+        stats = router.stats()
+        assert (stats["group"], stats["new"], stats["groups"]) == (9, 3, 3)
+        # The first turn of samples 2..4 of a group reuses the prompt its first sample brought to that server.
+        assert all(r[0].cached_tokens > 0 for r in runs if r[0].route == "group")
+
+
+async def test_group_spills_past_the_imbalance_threshold():
+    async with fleet(latency_s=0.2, group_affinity=True, group_imbalance=2) as (devs, router):
+        await asyncio.gather(*(run_session(router, f"big{k}", 1, group="big") for k in range(8)))
+        stats = router.stats()
+        per_server = sorted((s["requests"] for s in stats["servers"]), reverse=True)
+        assert per_server[0] >= 3 and per_server[1] >= 1  # the home server took most, the rest spilled
+        assert stats["group"] + stats["new"] == 8 and stats["new"] >= 3
+        assert len({i for servers in servers_of(devs).values() for i in servers}) >= 2
+
+
+async def test_health_check_takes_a_server_out_and_brings_it_back():
+    async with fleet(health_interval_s=0.05) as (devs, router):
+        first = await run_session(router, "keep", 1)
+        home = [d.url for d in devs].index(first[0].server)
+        devs[home].failing = True
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if not router.stats()["servers"][home]["healthy"]:
+                break
+        assert not router.stats()["servers"][home]["healthy"]
+        fresh = await asyncio.gather(*(run_session(router, f"n{i}", 1) for i in range(6)))
+        assert all(r[0].server != devs[home].url for r in fresh)
+        # The pinned session moves to a live server on its next turn, and the move is counted.
+        moved = await router.generate(GenerateRequest("keep", [1, 2, 3, 4], {}, rid="keep_t01"))
+        assert moved.route == "moved" and moved.server != devs[home].url and router.stats()["moved"] == 1
+        devs[home].failing = False
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if router.stats()["servers"][home]["healthy"]:
+                break
+        assert router.stats()["servers"][home]["healthy"]
+        assert router.stats()["servers"][home]["failures"] == 0  # taken out by the checks, not by a request
+
+
+async def test_a_failed_request_is_retried_on_another_server():
+    async with fleet() as (devs, router):
+        first = await run_session(router, "r", 1)
+        home = [d.url for d in devs].index(first[0].server)
+        devs[home].failing = True  # /generate answers 503 (the client retries once, then gives up)
+        res = await router.generate(GenerateRequest("r", [1, 2, 3, 9], {}, rid="r_t01"))
+        stats = router.stats()
+        assert res.route == "moved" and res.server != devs[home].url
+        assert (stats["retries"], stats["moved"], stats["servers"][home]["failures"]) == (1, 1, 1)
+        assert not stats["servers"][home]["healthy"]
+
+
+def _free_ports(n: int) -> int:
+    """A base port with n consecutive free ports after it."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n >= 65535:
+            continue
+        try:
+            with contextlib.ExitStack() as stack:
+                for p in range(base, base + n):
+                    sock = stack.enter_context(socket.socket())
+                    sock.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError("no free port range")
+
+
+async def test_a_server_killed_mid_batch_loses_nothing(tmp_path):
+    launcher = SGLangLauncher(
+        "unused", dp=3, base_port=_free_ports(3), log_dir=tmp_path, module="backends.devserver",
+        extra_args=["--scripted", "--latency", "0.05"], startup_timeout_s=60, stop_grace_s=5,
+    )  # fmt: skip
+    async with launcher:
+        clients = [SGLangBackend(url, max_retries=1, backoff_s=0.01) for url in launcher.urls]
+        async with Router(clients, health_interval_s=0.2, max_retries=3) as router:
+            batch = asyncio.gather(*(run_session(router, f"k{i}", 4) for i in range(24)))
+            await asyncio.sleep(0.12)  # turns are in flight on every server
+            launcher.kill(1)
+            runs = await batch
+            stats = router.stats()
+        # Every session completed every turn, with the same tokens a single healthy server would produce.
+        ref = echo_backend()
+        for i, run in enumerate(runs):
+            assert [r.finish_reason for r in run] == ["stop"] * 4
+            context = [1, 2, 3, sum(map(ord, f"k{i}")) % 500 + 10]
+            for r in run:
+                expected = await ref.generate(GenerateRequest(f"k{i}", context, {"max_new_tokens": 16}))
+                assert r.token_ids == expected.token_ids
+                context = context + r.token_ids + [3, 4, 5]
+        assert stats["moved"] >= 1 and stats["retries"] >= 1
+        assert not stats["servers"][1]["healthy"] and stats["servers"][1]["failures"] >= 1
+        assert all(r.server != launcher.urls[1] for run in runs for r in run[-1:])
+        assert stats["sticky"] + stats["new"] + stats["moved"] == 24 * 4 + stats["retries"]
+    assert all(p.poll() is not None for p in launcher.procs)
+    assert "generate rid=k" in (tmp_path / f"replica0_port{launcher.base_port}.log").read_text()
+
+
+async def test_release_drops_sessions_and_groups():
+    async with fleet(group_affinity=True) as (devs, router):
+        sids = [f"g{g}s{k}" for g in range(2) for k in range(3)]
+        await asyncio.gather(*(run_session(router, sid, 1, group=sid.split("s")[0]) for sid in sids))
+        assert (router.stats()["sessions"], router.stats()["groups"]) == (6, 2)
+        for sid in sids[:3]:
+            await router.release(sid)
+        assert (router.stats()["sessions"], router.stats()["groups"]) == (3, 1)
+        for sid in sids[3:]:
+            await router.release(sid)
+        await router.release("never-seen")
+        stats = router.stats()
+        assert (stats["sessions"], stats["groups"]) == (0, 0)
+        assert [s["sessions"] for s in stats["servers"]] == [0, 0, 0]
+        assert not router._sessions and not router._groups
+
+
+async def test_control_calls_reach_every_server_and_abort_targets_one():
+    async with fleet(latency_s=0.3) as (devs, router):
+        await run_session(router, "warm", 1)
+        await router.flush_cache()
+        assert all(d.cache.size == 0 for d in devs)
+        await router.update_weights_from_disk("/ckpt/7", weight_version="7")
+        assert [d.weight_version for d in devs] == ["7", "7", "7"]
+        await router.sleep()
+        await router.wake_up()
+        await router.pause_generation("retract")
+        assert all(d.paused for d in devs)
+        await router.continue_generation()
+        assert not any(d.paused for d in devs)
+        tasks = {sid: asyncio.create_task(run_session(router, sid, 1)) for sid in ("x", "y", "z")}
+        await asyncio.sleep(0.05)
+        await router.abort("y")
+        out = {sid: (await t)[0] for sid, t in tasks.items()}
+        assert (
+            out["y"].finish_reason == "abort" and out["x"].finish_reason == out["z"].finish_reason == "stop"
+        )
+        assert out["x"].weight_version == "7"
+
+
+def test_choose_is_pure_and_bench_numbers():
+    router = Router([echo_backend(), echo_backend()], group_affinity=True)
+    before = router.stats()
+    assert router.choose("a", "g") == router.choose("a", "g") == 0
+    assert router.stats() == before
+    r = bench_router(n=2000, servers=4)
+    assert r["decisions"] == 4000 and 0 < r["sticky_us"] < 100 and 0 < r["new_us"] < 100
+
+
+def test_bench_prefix_cache_affinity_helps():
+    off = bench_prefix_cache(n_groups=3, n=4, affinity=False, turns=2)
+    on = bench_prefix_cache(n_groups=3, n=4, affinity=True, turns=2)
+    assert on["first_turn_hit_rate"] > off["first_turn_hit_rate"] and on["group_routes"] == 9
+    assert on["prompt_tokens"] == off["prompt_tokens"] > 0
