@@ -353,12 +353,8 @@ class SGLangBackend(BaseBackend):
         payload: dict[str, Any] = {"model_path": path, **options}
         if weight_version is not None:
             payload["weight_version"] = weight_version
-        body = await self._control("POST", "/update_weights_from_disk", payload, timeout_s=self.timeout_s)
-        if isinstance(body, dict) and body.get("success") is False:
-            raise BackendRequestError(
-                f"{self.url}: weight update failed: {body.get('message')}", server=self.url
-            )
-        return body
+        # A failed load is a 400 {"success": false, "message": ...}: _control raises it as BackendRequestError.
+        return await self._control("POST", "/update_weights_from_disk", payload, timeout_s=self.timeout_s)
 
     async def pause_generation(self, mode: str = "abort") -> dict[str, Any]:
         return await self._control("POST", "/pause_generation", {"mode": mode})
