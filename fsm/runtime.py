@@ -174,22 +174,29 @@ class Runner:
     async def drive(self, ctx: RunContext, traj: Trajectory) -> None:
         """Run one trajectory to a final state. Never raises for the trajectory's own failures."""
         agent, tracer = self.agent, self.tracer
-        root = tracer.trajectory(traj) if tracer is not None else None
+        timeout = agent.limits.action_timeout_s
+        root = tracer.trajectory(traj, ctx) if tracer is not None else None
         if root is not None:
             root.__enter__()
+        traj.path_times.append(time.perf_counter())  # per-state durations for run statistics (viz.stats)
         try:
             while traj.state not in agent.final_states:
                 source = traj.state
                 span = tracer.state(traj, source) if tracer is not None else None
                 mark = len(traj.segments)  # the span counts the tokens appended after this mark
                 try:
-                    await self._act(ctx, traj, source)
+                    if timeout is None:
+                        await agent.actions[source](ctx, traj)
+                    else:
+                        async with asyncio.timeout(timeout):
+                            await agent.actions[source](ctx, traj)
+                    edge = agent.advance(traj)
                 except BaseException as exc:
                     if span is not None:
                         span.fail(traj, exc)
                     raise
-                edge = agent.advance(traj)
                 traj.path.append(edge.dest)
+                traj.path_times.append(time.perf_counter())
                 if edge.reason is not None:
                     traj.termination_reason = edge.reason
                 if span is not None:
@@ -206,15 +213,6 @@ class Runner:
             await self._finish(ctx, traj)
             if root is not None:
                 root.__exit__(None, None, None)
-
-    async def _act(self, ctx: RunContext, traj: Trajectory, state: str) -> None:
-        action = self.agent.actions[state]
-        timeout = self.agent.limits.action_timeout_s
-        if timeout is None:
-            await action(ctx, traj)
-        else:
-            async with asyncio.timeout(timeout):
-                await action(ctx, traj)
 
     async def _finish(self, ctx: RunContext, traj: Trajectory) -> None:
         """Release the session, close the interaction, score, and (optionally) check the tokens."""

@@ -1,0 +1,192 @@
+"""`agentfsm bench engine`: what the engine costs per transition, next to a hand-written loop.
+
+Both loops do the same work on the same inputs: N tool-calling trajectories against a zero-latency
+scripted backend, the same codec, parser and tools, the same token appends. The hand-written loop is
+ToolAgentLoop's control flow written out inline; the difference between the two is what the declarative
+machine (action dispatch, guard evaluation through `transitions`, path bookkeeping) costs.
+
+The codec is a table lookup (the chat template's jinja rendering costs ~100x a transition and would bury
+the number being measured); tokens are real token ids, appended exactly as in a real run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import statistics
+import time
+import tracemalloc
+from typing import Any
+
+from backends.scripted import ScriptedBackend
+from fsm.actions import call_tools, encode_prompt, generate
+from fsm.chat import ChatCodec
+from fsm.compile import CompiledAgent, compile_spec
+from fsm.runtime import RunContext, Runner
+from fsm.spec import SPECS_DIR, LimitsSpec, ToolSpec
+from fsm.trajectory import Trajectory
+
+ECHO_SCHEMA = {
+    "type": "function",
+    "function": {
+        "name": "echo",
+        "description": "Return the text.",
+        "parameters": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]},
+    },
+}
+
+
+async def echo(text: str) -> str:
+    return text
+
+
+class TableCodec(ChatCodec):
+    """A ChatCodec whose renders are precomputed: same interface and token ids, no jinja per call."""
+
+    def __init__(self, prompt: list[int], observation: list[int], turns: dict[tuple[int, ...], str], eos: int):
+        self.tokenizer, self.eos_id, self.pad_id = None, eos, 0
+        self.turn_closer = [eos, 198]
+        self._prompt, self._observation, self._turns = prompt, observation, turns
+
+    def encode_prompt(self, messages, tools):
+        return self._prompt
+
+    def encode_observation(self, messages):
+        return self._observation
+
+    def decode(self, ids, *, skip_special_tokens=True):
+        return self._turns[tuple(ids)]
+
+
+def _workload(tool_turns: int) -> tuple[TableCodec, ScriptedBackend]:
+    eos = 2
+    call = [60 + (i % 40) for i in range(24)] + [eos]  # a 25-token model turn holding one tool call
+    answer = [70 + (i % 30) for i in range(12)] + [eos]
+    codec = TableCodec(
+        prompt=[5 + (i % 200) for i in range(64)],
+        observation=[90 + (i % 20) for i in range(16)],
+        turns={tuple(call[:-1]): '<tool_call>{"name": "echo", "arguments": {"text": "hi"}}</tool_call>',
+               tuple(answer[:-1]): "The answer is 3.\n#### 3"},  # fmt: skip
+        eos=eos,
+    )
+    backend = ScriptedBackend(lambda session, turn, prompt: call if turn < tool_turns else answer, logprob=-0.25)
+    backend.record_requests = False
+    return codec, backend
+
+
+def bench_agent(tool_turns: int) -> CompiledAgent:
+    agent = compile_spec(SPECS_DIR / "tool_agent.yaml")
+    limits = LimitsSpec(prompt_length=128, response_length=4096, max_assistant_turns=tool_turns + 2)
+    spec = agent.spec.model_copy(update={
+        "limits": limits, "tools": [ToolSpec(function="fsm.bench:echo", schema=ECHO_SCHEMA)],
+    })  # fmt: skip
+    return compile_spec(spec)
+
+
+async def reference_loop(ctx: RunContext, traj: Trajectory) -> None:
+    """ToolAgentLoop's control flow, hand-written over the same actions: the engine's baseline."""
+    limits = ctx.agent.limits
+    await encode_prompt(ctx, traj)
+    while True:
+        await generate(ctx, traj)
+        if len(traj.response_mask) >= limits.response_length:
+            traj.termination_reason = "response_length"
+            break
+        if limits.max_assistant_turns and traj.assistant_turns >= limits.max_assistant_turns:
+            traj.termination_reason = "max_assistant_turns"
+            break
+        if not traj.pending_calls:
+            traj.termination_reason = "done"
+            break
+        await call_tools(ctx, traj)
+        if traj.observation_overflow:
+            traj.termination_reason = "response_length"
+            break
+    await ctx.backend.release(traj.session_id)
+
+
+async def _run(kind: str, n: int, concurrency: int, tool_turns: int) -> tuple[float, int, list[Trajectory]]:
+    agent = bench_agent(tool_turns)
+    codec, backend = _workload(tool_turns)
+    runner = Runner(agent, backend, codec, max_concurrency=concurrency)
+    rows = [{"raw_prompt": [{"role": "user", "content": "hi"}]} for _ in range(n)]
+    if kind == "engine":
+        t0 = time.process_time()
+        trajs = await runner.run(rows)
+        elapsed = time.process_time() - t0
+        return elapsed, sum(len(t.transitions_fired) for t in trajs), trajs
+    ctx = runner.make_context(None, False)
+    trajs = runner.trajectories(rows)
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(traj: Trajectory) -> None:
+        async with gate:
+            await reference_loop(ctx, traj)
+
+    t0 = time.process_time()
+    async with asyncio.TaskGroup() as tg:
+        for traj in trajs:
+            tg.create_task(one(traj))
+    elapsed = time.process_time() - t0
+    # The same trajectories take 2 + 2*tool_turns transitions in the spec; count them the same way.
+    return elapsed, n * (2 + 2 * tool_turns), trajs
+
+
+def _peak_bytes_per_trajectory(kind: str, n: int, concurrency: int, tool_turns: int) -> float:
+    gc.collect()
+    tracemalloc.start()
+    asyncio.run(_run(kind, n, concurrency, tool_turns))
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    return peak / n
+
+
+def bench_step(tool_turns: int = 4, steps: int = 200_000) -> dict[str, float]:
+    """µs for one machine step (guards + state change), lean path vs transitions' stock Event.trigger."""
+    agent = bench_agent(tool_turns)
+    traj = Trajectory(0, 0, "s", "u", {}, agent.initial)
+    out = {}
+    for name, step in (("advance", agent.advance), ("stock_trigger", agent.trigger)):
+        runs = []
+        for _ in range(5):
+            t0 = time.process_time()
+            for i in range(steps):
+                traj.state = "GENERATING"  # the busiest state: 6 edges, 5 guards before the default
+                step(traj)
+                if i % 1024 == 0:
+                    traj.transitions_fired.clear()
+            runs.append((time.process_time() - t0) / steps * 1e6)
+        out[f"{name}_us"] = round(statistics.median(runs), 3)
+    return out
+
+
+def bench_engine(n: int = 10_000, concurrency: int = 10_000, tool_turns: int = 4, repeats: int = 5,
+                 memory_n: int = 2_000) -> dict[str, Any]:  # fmt: skip
+    """Median over `repeats` of alternating engine/reference runs (CPU seconds of this process, so other
+    load on the machine does not count), peak memory per trajectory, and one machine step in isolation."""
+    times: dict[str, list[float]] = {"engine": [], "reference": []}
+    transitions = 0
+    for _ in range(repeats):
+        for kind in ("engine", "reference"):
+            gc.collect()
+            elapsed, transitions, trajs = asyncio.run(_run(kind, n, concurrency, tool_turns))
+            expected = 64 + tool_turns * (25 + 1 + 16) + 13  # prompt, tool rounds (turn, closer, observation), answer
+            bad = [t for t in trajs if t.termination_reason != "done" or len(t.prompt_ids) + len(t.response_ids) != expected]
+            assert not bad, f"{kind}: {bad[0].termination_reason} {bad[0].error}"
+            times[kind].append(elapsed)
+    out: dict[str, Any] = {"trajectories": n, "concurrency": concurrency, "tool_turns": tool_turns,
+                           "transitions_per_trajectory": transitions // n, "repeats": repeats}  # fmt: skip
+    for kind, ts in times.items():
+        med = statistics.median(ts)
+        out[kind] = {
+            "median_cpu_s": round(med, 4),
+            "us_per_transition": round(med / transitions * 1e6, 2),
+            "trajectories_per_cpu_s": round(n / med, 1),
+            "peak_bytes_per_trajectory": round(_peak_bytes_per_trajectory(kind, memory_n, memory_n, tool_turns)),
+        }
+    out["engine_overhead_us_per_transition"] = round(
+        out["engine"]["us_per_transition"] - out["reference"]["us_per_transition"], 2
+    )
+    out["ratio_engine_to_reference"] = round(out["engine"]["median_cpu_s"] / out["reference"]["median_cpu_s"], 3)
+    out["machine_step"] = bench_step(tool_turns)
+    return out
