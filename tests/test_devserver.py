@@ -9,7 +9,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from backends.base import GenerateRequest
+from backends.base import BackendRequestError, GenerateRequest
 from backends.devserver import DevServer, PrefixCache, echo_backend
 from backends.sglang import SGLangBackend
 
@@ -220,6 +220,8 @@ async def test_control_calls_through_the_client(srv, http):
                        "message": "Succeeded to update model weights. Weight version updated to step-3."}  # fmt: skip
         res = await b.generate(GenerateRequest("c", [7, 8], {}, rid="c_t03"))
         assert res.weight_version == "step-3"
+        with pytest.raises(BackendRequestError, match="model_path is required"):  # 400 {"success": false}
+            await b.update_weights_from_disk("")
 
 
 def test_prefix_cache_radix_and_lru_budget():
