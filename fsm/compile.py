@@ -166,6 +166,11 @@ class _Compiler:
         tools = self._tools()
         interaction_cls = self._interaction()
         reward = self._reward()
+        if spec.demo_data is not None:
+            try:
+                resolve(spec.demo_data)
+            except ImportPathError as exc:
+                self.error("import", str(exc), "demo_data", key=False)
         if spec.parser not in PARSERS:
             self.error("unknown-parser", f"unknown tool-call parser {spec.parser!r}{_suggest(spec.parser, PARSERS)}",
                        "parser", key=False)  # fmt: skip

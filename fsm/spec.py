@@ -156,6 +156,9 @@ class AgentSpec(_Strict):
     tools: list[ToolSpec] = Field(default_factory=list)
     interaction: InteractionSpec | None = None
     reward: RewardSpec | None = None
+    demo_data: str | None = Field(
+        default=None, description="module:function(n, seed) -> rows; `agentfsm run` uses it when no --data is given."
+    )
 
     @property
     def final_states(self) -> list[str]:
