@@ -18,7 +18,6 @@ from backends.hf import HFBackend, bench_hf
 
 VOCAB, CONTEXT = 600, 256
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
-torch.set_num_threads(1)
 
 
 def make_model(path: Path, seed: int) -> Path:
