@@ -49,11 +49,13 @@ async def generate(ctx: RunContext, traj: Trajectory) -> None:
     """One model turn: request the continuation of the whole context, append it, parse tool calls."""
     limits = ctx.agent.limits
     budget = limits.response_length - len(traj.response_mask)
-    max_new = budget if limits.max_new_tokens is None else min(budget, limits.max_new_tokens)
+    sampling = ctx.sampling_for(traj)
+    cap = sampling.get("max_new_tokens", limits.max_new_tokens)  # a call-site value overrides the spec's
+    max_new = budget if cap is None else min(budget, cap)
     if max_new <= 0:
         traj.last_finish_reason = "length"
         return
-    params = dict(ctx.sampling_for(traj), max_new_tokens=max_new)
+    params = dict(sampling, max_new_tokens=max_new)
     request = GenerateRequest(
         session_id=traj.session_id,
         prompt_ids=traj.context_ids(),
@@ -99,6 +101,7 @@ async def call_tools(ctx: RunContext, traj: Trajectory) -> None:
             traj.tool_scores.append(outcome.score)
         if outcome.error:
             traj.metrics.tool_errors += 1
+        traj.metrics.retries += max(outcome.attempts - 1, 0)
         messages.append(_tool_message(outcome.text, outcome.call_id))
     for call in extra:
         traj.metrics.dropped_calls += 1

@@ -70,8 +70,8 @@ class ChatCodec:
     ) -> str | None:
         """Compare a trajectory's ids with a full re-render of its messages; describe the first difference."""
         expected = self.render(messages, tools=tools, add_generation_prompt=ends_with_observation)
-        if not ends_with_observation and expected[len(ids) :] == self.turn_closer[1:]:
-            expected = expected[: len(ids)]  # a final model turn owes no closer
+        if not ends_with_observation and expected[len(ids) :] in (self.turn_closer[1:], self.turn_closer):
+            expected = expected[: len(ids)]  # a final model turn owes no closer (nor eos, if the budget cut it)
         if expected == ids:
             return None
         i = next((k for k, (a, b) in enumerate(zip(ids, expected)) if a != b), min(len(ids), len(expected)))

@@ -183,7 +183,7 @@ class _Compiler:
         if lim.max_new_tokens is not None and lim.max_new_tokens > lim.response_length:
             self.error("limits", f"max_new_tokens ({lim.max_new_tokens}) exceeds response_length "
                        f"({lim.response_length}): a single turn could never use it", "limits", "max_new_tokens")  # fmt: skip
-        if lim.max_tool_response_length >= lim.response_length * 8:
+        if self.spec.tools and lim.max_tool_response_length >= lim.response_length * 8:  # only tools answer with it
             self.error("limits", f"max_tool_response_length ({lim.max_tool_response_length} characters) cannot fit "
                        f"in response_length ({lim.response_length} tokens)", "limits", "max_tool_response_length")  # fmt: skip
 

@@ -16,9 +16,10 @@ Predicate = Callable[[Any], bool]
 
 
 class GuardError(Exception):
-    def __init__(self, code: str, message: str):
+    def __init__(self, code: str, message: str, name: str | None = None):
         super().__init__(message)
         self.code = code
+        self.name = name  # the guard name at fault, for "did you mean" (it may sit deep inside all/any/not)
 
 
 def _builtin(name: str):
@@ -32,7 +33,9 @@ def _builtin(name: str):
 @_builtin("response_budget_exhausted")
 def _response_budget(param: Any, limits: LimitsSpec) -> Predicate:
     budget = int(param) if param is not None else limits.response_length
-    return lambda t: len(t.response_mask) >= budget
+    # An observation that did not fit was not appended, and the budget counts as spent (verl): without
+    # the flag the trajectory would go on generating as if the tool or user had never answered.
+    return lambda t: t.observation_overflow or len(t.response_mask) >= budget
 
 
 def _turn_limit(name: str, attr: str):
@@ -114,5 +117,5 @@ def _named(name: str, param: Any, limits: LimitsSpec) -> Predicate:
             raise GuardError("import", f"{name!r} is not callable")
         factory = _user_guard_factory(fn)
     if factory is None:
-        raise GuardError("unknown-guard", f"unknown guard {name!r}; built-in: {', '.join(sorted(GUARDS))}")
+        raise GuardError("unknown-guard", f"unknown guard {name!r}; built-in: {', '.join(sorted(GUARDS))}", name)
     return factory(param, limits)

@@ -56,8 +56,8 @@ class Positions:
 
     def record(self, node: Any, path: str) -> None:
         self._keep.append(node)
-        if isinstance(node, (CommentedMap, CommentedSeq)):
-            self._node[id(node)] = (path, node.lc.line + 1, node.lc.col + 1)
+        if isinstance(node, (CommentedMap, CommentedSeq)):  # an empty document's map has no position: 1:1
+            self._node[id(node)] = (path, (node.lc.line or 0) + 1, (node.lc.col or 0) + 1)
         if isinstance(node, CommentedMap):
             for key in node:
                 kl, kc = node.lc.key(key)[:2]
@@ -237,8 +237,11 @@ def _pydantic_diagnostics(err: ValidationError, doc: Any, positions: Positions) 
 def _dedupe(diags: list[Diagnostic]) -> list[Diagnostic]:
     seen, out = set(), []
     for d in diags:
-        if (d.path, d.line, d.col, d.code) not in seen:
-            seen.add((d.path, d.line, d.col, d.code))
+        # One diagnostic per position and code (a union type fails once per member), except that each
+        # missing key is its own problem even though they all point at the same parent.
+        key = (d.path, d.line, d.col, d.code, d.message if d.code == "missing-key" else None)
+        if key not in seen:
+            seen.add(key)
             out.append(d)
     return out
 

@@ -166,7 +166,11 @@ class BoundTool:
     ) -> CallOutcome:
         """create -> execute (with timeout and retries) -> calc_reward, then release no matter what."""
         outcome = CallOutcome(self.name, "", call_id=call.id)
-        created_id, _ = await self.tool.create(instance_id, create_kwargs=create_kwargs)
+        try:
+            created_id, _ = await self.tool.create(instance_id, create_kwargs=create_kwargs)
+        except Exception as exc:  # e.g. a sandbox that cannot start: nothing was created, nothing to release
+            outcome.error, outcome.text = "exception", f"Error executing tool '{self.name}': {exc}"
+            return outcome
         instance_id = created_id or instance_id
         try:
             for attempt in range(1, self.max_attempts + 1):
@@ -183,17 +187,22 @@ class BoundTool:
                         None,
                     )
                     break
-                except TimeoutError:
+                except TimeoutError as exc:  # ours, or the tool's own (an HTTP client's) when timeout_s is None
                     outcome.error, outcome.text = (
                         "timeout",
-                        f"Error: tool '{self.name}' timed out after {self.timeout_s:g}s",
+                        f"Error: tool '{self.name}' timed out after {self.timeout_s:g}s"
+                        if self.timeout_s is not None
+                        else f"Error executing tool '{self.name}': {exc or 'timed out'}",
                     )
                 except Exception as exc:  # a tool may raise anything; the model is told what happened
                     outcome.error, outcome.text = "exception", f"Error executing tool '{self.name}': {exc}"
                 if attempt < self.max_attempts and self.backoff_s:
                     await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
             if outcome.error is None:
-                outcome.score = float(await self.tool.calc_reward(instance_id))
+                try:
+                    outcome.score = float(await self.tool.calc_reward(instance_id))
+                except Exception:  # the observation stands; the failure is counted, the score left out
+                    outcome.error = "calc_reward"
         finally:
             await self.tool.release(instance_id)
         return outcome
