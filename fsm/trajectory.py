@@ -61,7 +61,7 @@ class Trajectory:
         # tokens
         "prompt_ids", "response_ids", "response_mask", "response_logprobs", "segments", "needs_tail",
         # machine
-        "state", "path", "transitions_fired",
+        "state", "path", "path_times", "transitions_fired",
         # counters used by guards
         "assistant_turns", "user_turns", "pending_calls", "last_finish_reason", "should_terminate",
         "observation_overflow",
@@ -85,6 +85,7 @@ class Trajectory:
         self.needs_tail = False  # the last turn was the model's: the template's turn closer is still owed
         self.state = initial
         self.path: list[str] = [initial]
+        self.path_times: list[float] = []  # perf_counter() when the driver entered each state of `path`
         self.transitions_fired: list[int] = []  # global edge indices, in order
         self.assistant_turns = 0
         self.user_turns = 0
