@@ -6,10 +6,12 @@ trajs = await runner.run(rows, n=8)                      # one trajectory per (r
 batch = fsm.collate(trajs, ...)                          # verl's padded batch (TensorDict)
 """
 
+from fsm.api import RolloutEngine, RowsError, load_rows
 from fsm.batch import RolloutBatch, collate, summarize
 from fsm.compile import CompiledAgent, Edge, compile_spec, validate_file
 from fsm.interaction import BaseInteraction
 from fsm.loader import Diagnostic, SpecError, load_spec
+from fsm.ray_runner import RayRunner
 from fsm.registry import action, guard
 from fsm.runtime import RunContext, Runner
 from fsm.spec import AgentSpec
@@ -17,7 +19,8 @@ from fsm.tools import BaseTool, ToolResponse
 from fsm.trajectory import ToolCall, Trajectory
 
 __all__ = [
-    "AgentSpec", "BaseInteraction", "BaseTool", "CompiledAgent", "Diagnostic", "Edge", "RolloutBatch",
-    "RunContext", "Runner", "SpecError", "ToolCall", "ToolResponse", "Trajectory", "action", "collate",
-    "compile_spec", "guard", "load_spec", "summarize", "validate_file",
+    "AgentSpec", "BaseInteraction", "BaseTool", "CompiledAgent", "Diagnostic", "Edge", "RayRunner",
+    "RolloutBatch", "RolloutEngine", "RowsError", "RunContext", "Runner", "SpecError", "ToolCall",
+    "ToolResponse", "Trajectory", "action", "collate", "compile_spec", "guard", "load_rows", "load_spec",
+    "summarize", "validate_file",
 ]  # fmt: skip

@@ -1,0 +1,398 @@
+"""The rollout API a trainer embeds: rows in, verl's padded batch out.
+
+    engine = RolloutEngine("specs/calculator.yaml")                    # the embedded tiny model (backends.hf)
+    engine = RolloutEngine(spec, tokenizer=path, servers=[url, ...])   # SGLang servers behind a Router
+    batch = engine.generate_sequences(rows, n=8)          # sync: runs the engine's own event loop
+    batch = await engine.agenerate_sequences(rows, n=8)   # async: runs on the caller's loop
+
+`rows` is what a verl dataset yields: a list of row dicts, a dict of columns (`non_tensor_batch`:
+{"raw_prompt": array([...]), "uid": ...}), or a verl `DataProto` (then a `DataProto` comes back). The result
+is one row per (input row, sample), samples of a row contiguous and in input order (verl's `repeat(n,
+interleave=True)` layout); `uid` marks the GRPO group. Control calls (`sleep`, `wake_up`,
+`update_weights_from_disk`, `flush_cache`) reach every server. Each has an `a`-prefixed async form, as
+`generate_sequences` has; the sync forms refuse to run inside a running event loop.
+
+This is the one `fsm` module (with cli.py) that may import concrete backends, lazily, to compose them:
+`servers=` builds `Router([SGLangBackend(url), ...])`, no backend at all builds `HFBackend` over a model
+directory (by default the tiny model in backends/tiny/assets).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Coroutine, Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+
+from backends.base import Backend
+from fsm.batch import collate
+from fsm.chat import ChatCodec
+from fsm.compile import CompiledAgent, compile_spec
+from fsm.loader import LoadedSpec
+from fsm.runtime import Runner
+from fsm.spec import SPECS_DIR, AgentSpec
+from fsm.trajectory import Trajectory
+
+T = TypeVar("T")
+SpecLike = CompiledAgent | AgentSpec | LoadedSpec | str | Path
+Rows = Sequence[Mapping[str, Any]] | Mapping[str, Sequence[Any] | np.ndarray] | Any  # Any: a verl DataProto
+
+
+# --- inputs ------------------------------------------------------------------------------------------------
+
+
+class RowsError(ValueError):
+    """A dataset file with unusable rows. `problems` lists each one as `path:line: message`."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        shown = problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
+        super().__init__("\n".join(shown))
+
+
+def load_rows(path: str | Path, *, prompt_key: str = "raw_prompt") -> list[dict[str, Any]]:
+    """Rows of a `.jsonl` or `.parquet` file, in verl's dataset format, checked before anything runs.
+
+    Each row is an object whose `prompt_key` holds the chat messages (verl's parquet files keep them under
+    `prompt`, used when `prompt_key` is absent); a plain string becomes one user message. Problems are
+    collected and raised together as `RowsError`, located by line (jsonl, 1-based) or row (parquet, 0-based).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file")
+    problems: list[str] = []
+    rows: list[dict[str, Any]] = []
+    if path.suffix == ".jsonl":
+        with path.open(encoding="utf-8") as f:
+            for line_no, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    problems.append(f"{path}:{line_no}:{e.colno}: invalid JSON: {e.msg}")
+                    continue
+                _check_row(row, f"{path}:{line_no}", prompt_key, problems, rows)
+    elif path.suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError as e:
+            raise ImportError("reading .parquet needs pyarrow: pip install 'agentfsm[parquet]'") from e
+        for i, row in enumerate(pq.read_table(path).to_pylist()):
+            _check_row(row, f"{path}: row {i}", prompt_key, problems, rows)
+    else:
+        raise ValueError(f"{path}: unsupported file type {path.suffix!r}; use .jsonl or .parquet")
+    if problems:
+        raise RowsError(problems)
+    return rows
+
+
+def _check_row(row: Any, where: str, key: str, problems: list[str], rows: list[dict[str, Any]]) -> None:
+    if not isinstance(row, dict):
+        problems.append(f"{where}: a row must be an object, got {type(row).__name__}")
+        return
+    found = key if key in row else "prompt" if key == "raw_prompt" and "prompt" in row else None
+    if found is None:
+        keys = ", ".join(sorted(row)) or "none"
+        problems.append(f"{where}: no {key!r} (the chat messages) in the row; its keys: {keys}")
+        return
+    messages = row.pop(found)
+    if isinstance(messages, str):
+        messages = [{"role": "user", "content": messages}]
+    row["raw_prompt"] = messages
+    if not isinstance(messages, list) or not messages:
+        problems.append(f"{where}: {found!r} must be a non-empty list of messages, got {messages!r:.60}")
+        return
+    for j, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            problems.append(f"{where}: {found!r} message {j} must be an object with a 'role', got {m!r:.60}")
+            return
+    rows.append(row)
+
+
+def is_dataproto(obj: Any) -> bool:
+    """A verl DataProto, recognised by shape (verl is never imported here)."""
+    return (
+        type(obj).__name__ == "DataProto" and hasattr(obj, "non_tensor_batch") and hasattr(obj, "meta_info")
+    )
+
+
+def to_rows(batch: Rows) -> tuple[list[Any], dict[str, Any]]:
+    """Any accepted batch form -> (row dicts, the input's meta_info)."""
+    meta: dict[str, Any] = {}
+    if hasattr(batch, "non_tensor_batch") and hasattr(batch, "meta_info"):  # DataProto, RolloutBatch
+        meta = dict(batch.meta_info or {})
+        batch = batch.non_tensor_batch
+    if isinstance(batch, Mapping):
+        if "raw_prompt" not in batch:
+            raise ValueError("the batch has no 'raw_prompt' column (the chat messages of each row); "
+                             f"columns: {', '.join(map(str, batch)) or 'none'}. In verl, set data.return_raw_chat=True")  # fmt: skip
+        columns = {
+            k: v.tolist() if isinstance(v, np.ndarray) and v.dtype != object else list(v)
+            for k, v in batch.items()
+        }
+        sizes = {k: len(v) for k, v in columns.items()}
+        if len(set(sizes.values())) > 1:
+            raise ValueError(f"columns differ in length: {sizes}")
+        n = next(iter(sizes.values()), 0)
+        rows: list[Any] = [{k: columns[k][i] for k in columns} for i in range(n)]
+    elif isinstance(batch, Sequence) and not isinstance(batch, (str, bytes)):
+        rows = list(batch)
+    else:
+        raise TypeError(
+            f"rows must be a list of dicts, a dict of columns or a DataProto, not {type(batch).__name__}"
+        )
+    for i, row in enumerate(rows):
+        prompt = row.get("raw_prompt") if isinstance(row, Mapping) else None
+        if isinstance(prompt, np.ndarray):  # verl keeps messages in object arrays
+            rows[i] = {**row, "raw_prompt": prompt.tolist()}
+    return rows, meta
+
+
+# --- composition ---------------------------------------------------------------------------------------
+
+
+def load_agent(spec: SpecLike) -> CompiledAgent:
+    """A compiled agent from a path, a shipped spec's name ("calculator"), an AgentSpec or a compiled one."""
+    if isinstance(spec, CompiledAgent):
+        return spec
+    if isinstance(spec, str) and not Path(spec).exists() and (SPECS_DIR / f"{spec}.yaml").exists():
+        spec = SPECS_DIR / f"{spec}.yaml"
+    return compile_spec(spec)
+
+
+def load_tokenizer(tokenizer: Any) -> Any:
+    """A tokenizer object as given, or `AutoTokenizer.from_pretrained(path)`."""
+    if isinstance(tokenizer, (str, Path)):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(tokenizer))
+    return tokenizer
+
+
+def tiny_model_dir() -> Path:
+    from backends.tiny import ASSET_DIR
+
+    return ASSET_DIR
+
+
+def make_backend(*, servers: Sequence[str] | None = None, model: str | Path | None = None,
+                 group_affinity: bool = True) -> Backend:  # fmt: skip
+    """`Router` over SGLang servers, or the in-process `HFBackend` over a model directory (default: tiny)."""
+    if servers:
+        from backends.router import Router
+        from backends.sglang import SGLangBackend
+
+        return Router([SGLangBackend(url) for url in servers], group_affinity=group_affinity)
+    from backends.hf import HFBackend
+
+    model_dir = Path(model) if model is not None else tiny_model_dir()
+    if not (model_dir / "config.json").exists():
+        hint = " (train it: python -m backends.tiny.train)" if model is None else ""
+        raise FileNotFoundError(f"no model in {model_dir}{hint}; or pass servers=[...] or backend=...")
+    return HFBackend(model_dir)
+
+
+def wants_logprobs(agent: CompiledAgent, sampling_params: Mapping[str, Any] | None, validate: bool) -> bool:
+    spec = agent.spec.val_sampling if validate else agent.spec.sampling
+    return bool((sampling_params or {}).get("logprobs", spec.logprobs))
+
+
+def to_batch(trajs: Sequence[Trajectory], agent: CompiledAgent, codec: ChatCodec, *, logprobs: bool,
+             like: Any = None) -> Any:  # fmt: skip
+    """Finished trajectories -> RolloutBatch, or a `DataProto` of the input's class when `like` is one
+    (then, as verl's AgentLoopManager returns it: per-sample `metrics` popped, `reward_extra_keys` added)."""
+    limits = agent.limits
+    out = collate(trajs, prompt_length=limits.prompt_length, response_length=limits.response_length,
+                  pad_token_id=codec.pad_id, logprobs=logprobs)  # fmt: skip
+    if "rm_scores" in out.batch.keys():
+        out.meta_info["reward_extra_keys"] = sorted(
+            {k for t in trajs for k in t.extra.get("reward_extra_info", {})}
+        )
+    if like is not None and is_dataproto(like):
+        out.meta_info.pop("metrics", None)
+        return type(like)(batch=out.batch, non_tensor_batch=out.non_tensor_batch, meta_info=out.meta_info)
+    return out
+
+
+# --- engines -------------------------------------------------------------------------------------------
+
+
+class _Engine:
+    """The `generate_sequences` contract over `arun` (trajectories), shared by RolloutEngine and RayRunner."""
+
+    agent: CompiledAgent
+    codec: ChatCodec
+    _own_loop: asyncio.AbstractEventLoop | None = None
+
+    async def arun(self, rows: Sequence[Any], *, n: int = 1, sampling_params: Mapping[str, Any] | None = None,
+                   validate: bool = False) -> list[Trajectory]:  # fmt: skip
+        raise NotImplementedError
+
+    async def agenerate_sequences(self, batch: Rows, sampling_params: Mapping[str, Any] | None = None,
+                                  validate: bool = False, n: int = 1) -> Any:  # fmt: skip
+        """Roll out every row `n` times; verl's padded batch back (a DataProto when given one).
+
+        `validate=True` (or a DataProto's `meta_info["validate"]`) samples with the spec's `val_sampling`;
+        `sampling_params` override either (SGLang names, plus `seed` and `logprobs`).
+        """
+        rows, meta = to_rows(batch)
+        validate = bool(validate or meta.get("validate", False))
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        trajs = await self.arun(rows, n=n, sampling_params=sampling_params, validate=validate)
+        return to_batch(trajs, self.agent, self.codec, logprobs=wants_logprobs(self.agent, sampling_params, validate),
+                        like=batch)  # fmt: skip
+
+    def generate_sequences(self, batch: Rows, sampling_params: Mapping[str, Any] | None = None,
+                           validate: bool = False, n: int = 1) -> Any:  # fmt: skip
+        """Sync form of `agenerate_sequences`, on the engine's own event loop."""
+        self._refuse_in_loop("generate_sequences", "agenerate_sequences")
+        return self._run_sync(self.agenerate_sequences(batch, sampling_params, validate, n))
+
+    def _refuse_in_loop(self, name: str, async_name: str) -> None:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        raise RuntimeError(f"{type(self).__name__}.{name}() was called inside a running event loop, which it "
+                           f"would block; use `await {async_name}(...)` there")  # fmt: skip
+
+    def _run_sync(self, coro: Coroutine[Any, Any, T]) -> T:
+        if self._own_loop is None or self._own_loop.is_closed():
+            self._own_loop = asyncio.new_event_loop()
+        return self._own_loop.run_until_complete(coro)
+
+
+class RolloutEngine(_Engine):
+    """One spec, one backend (or fleet), one event loop: the single-process rollout engine.
+
+    spec: a spec path, a shipped spec's name ("calculator"), an AgentSpec or a CompiledAgent.
+    tokenizer: a tokenizer object or a path to load one from; default: the model's (embedded backend only).
+    backend: any `backends.base.Backend`; or `servers`: SGLang base URLs, routed by a sticky Router with
+        group affinity; or neither: `HFBackend` in this process over `model` (default the tiny model).
+    max_concurrency: trajectories in flight at once.
+    The engine owns its backend, given or built: `close()` / `async with` closes it. An engine is bound to
+    the event loop of its first call; use either the sync forms or the async ones with one engine.
+    """
+
+    def __init__(self, spec: SpecLike, tokenizer: Any = None, *, backend: Backend | None = None,
+                 servers: Sequence[str] | None = None, model: str | Path | None = None, max_concurrency: int = 512,
+                 tracer: Any = None, check_tokens: bool = False):  # fmt: skip
+        if backend is not None and servers:
+            raise ValueError("give backend= or servers=, not both")
+        self.agent = load_agent(spec)
+        if tokenizer is None:
+            if backend is not None or servers:
+                raise ValueError(
+                    "a tokenizer is needed with backend= or servers= (a tokenizer object or a path)"
+                )
+            tokenizer = model if model is not None else tiny_model_dir()
+        self.backend: Backend = backend if backend is not None else make_backend(servers=servers, model=model)
+        self.runner = Runner(self.agent, self.backend, load_tokenizer(tokenizer), max_concurrency=max_concurrency,
+                             tracer=tracer, check_tokens=check_tokens)  # fmt: skip
+        self.codec = self.runner.codec
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop the backend was started on
+        self._closed = False
+
+    async def start(self) -> None:
+        """Start the backend (connections, health checks) on the running loop. Called by the first use."""
+        loop = asyncio.get_running_loop()
+        if self._loop is loop:
+            return
+        if self._closed:
+            raise RuntimeError("this RolloutEngine is closed")
+        if self._loop is not None:
+            raise RuntimeError("this RolloutEngine's backend runs on another event loop (an engine is bound to "
+                               "the loop of its first call): use one engine per loop, and either the sync or "
+                               "the async forms")  # fmt: skip
+        self._loop = loop
+        start = getattr(self.backend, "start", None)
+        if start is not None:
+            await start()
+
+    async def arun(self, rows: Sequence[Any], *, n: int = 1, sampling_params: Mapping[str, Any] | None = None,
+                   validate: bool = False) -> list[Trajectory]:  # fmt: skip
+        """The finished trajectories themselves (transcripts, segments, state paths), in input order."""
+        await self.start()
+        return await self.runner.run(rows, n=n, sampling_params=sampling_params, validate=validate)
+
+    # -- control calls -------------------------------------------------------------------------------------
+
+    async def _control(self, method: str, *args: Any, required: bool = False, **kwargs: Any) -> Any:
+        await self.start()
+        fn = getattr(self.backend, method, None)
+        if fn is None:
+            if required:
+                raise NotImplementedError(f"backend {self.backend.model_name!r} ({type(self.backend).__name__}) "
+                                          f"has no {method}()")  # fmt: skip
+            return None  # e.g. sleep on an in-process model: nothing to release
+        return await fn(*args, **kwargs)
+
+    async def asleep(self, tags: list[str] | None = None) -> Any:
+        """Release server memory (SGLang release_memory_occupation; tags "weights", "kv_cache")."""
+        return await self._control("sleep", tags)
+
+    async def awake_up(self, tags: list[str] | None = None) -> Any:
+        """Take the memory back (SGLang resume_memory_occupation)."""
+        return await self._control("wake_up", tags)
+
+    async def aupdate_weights_from_disk(self, path: str | Path, weight_version: str | None = None) -> Any:
+        """Reload weights on every server (or the in-process model) from a checkpoint directory."""
+        return await self._control("update_weights_from_disk", str(path), weight_version=weight_version,
+                                   required=True)  # fmt: skip
+
+    async def aflush_cache(self) -> Any:
+        return await self._control("flush_cache")
+
+    def sleep(self, tags: list[str] | None = None) -> Any:
+        self._refuse_in_loop("sleep", "asleep")
+        return self._run_sync(self.asleep(tags))
+
+    def wake_up(self, tags: list[str] | None = None) -> Any:
+        self._refuse_in_loop("wake_up", "awake_up")
+        return self._run_sync(self.awake_up(tags))
+
+    def update_weights_from_disk(self, path: str | Path, weight_version: str | None = None) -> Any:
+        self._refuse_in_loop("update_weights_from_disk", "aupdate_weights_from_disk")
+        return self._run_sync(self.aupdate_weights_from_disk(path, weight_version))
+
+    def flush_cache(self) -> Any:
+        self._refuse_in_loop("flush_cache", "aflush_cache")
+        return self._run_sync(self.aflush_cache())
+
+    # -- lifecycle -----------------------------------------------------------------------------------------
+
+    async def aclose(self) -> None:
+        close = getattr(self.backend, "close", None)
+        if close is not None and self._loop is not None and not self._closed:
+            await close()
+        self._closed = True
+
+    def close(self) -> None:
+        """Close the backend (and the engine's own loop, when the sync forms ran on it)."""
+        self._refuse_in_loop("close", "aclose")
+        if self._loop is not None and self._loop is not self._own_loop and not self._loop.is_closed():
+            raise RuntimeError("the engine runs on a caller's event loop: `await engine.aclose()` there")
+        if self._loop is not None and self._loop is self._own_loop:
+            self._own_loop.run_until_complete(self.aclose())
+        if self._own_loop is not None:
+            self._own_loop.close()
+            self._own_loop = None
+        self._closed = True
+
+    async def __aenter__(self) -> RolloutEngine:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def __enter__(self) -> RolloutEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

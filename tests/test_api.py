@@ -1,0 +1,256 @@
+"""The trainer-facing API: RolloutEngine's input forms, sync/async forms, validation sampling, servers and
+control calls over in-process dev servers, and load_rows."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import pickle
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from backends.devserver import DevServer, echo_backend
+from backends.scripted import ScriptedBackend
+from fsm import RolloutEngine, RowsError, load_rows
+from fsm.api import make_backend, to_rows
+from specs.calculator import make_prompts
+from tests.conftest import ASSETS
+
+
+def echo(latency_s: float = 0.0) -> ScriptedBackend:
+    """In-process twin of the dev servers' scripted model: a deterministic function of the prompt."""
+    return echo_backend(latency_s=latency_s)
+
+
+@dataclass
+class DataProto:  # verl's shape, recognised by class name (verl is not installed here)
+    batch: Any = None
+    non_tensor_batch: dict[str, np.ndarray] = field(default_factory=dict)
+    meta_info: dict[str, Any] = field(default_factory=dict)
+
+
+def columns(rows: list[dict]) -> dict[str, np.ndarray]:
+    """Rows as verl's non_tensor_batch: one object array per column."""
+    out = {}
+    for key in rows[0]:
+        col = np.empty(len(rows), dtype=object)
+        col[:] = [r[key] for r in rows]
+        out[key] = col
+    return out
+
+
+def same_tensors(a, b) -> None:
+    assert set(a.batch.keys()) == set(b.batch.keys())
+    for key in a.batch.keys():
+        assert torch.equal(a.batch[key], b.batch[key]), key
+
+
+def test_list_rows_sync_form_layout(tok):
+    rows = make_prompts(3)
+    with RolloutEngine("calculator", tok, backend=echo()) as engine:
+        out = engine.generate_sequences(rows, n=2)
+    assert len(out) == 6
+    assert list(out.non_tensor_batch["uid"]) == ["calc-0-0"] * 2 + ["calc-0-1"] * 2 + ["calc-0-2"] * 2
+    limits = engine.agent.limits
+    assert out.batch["prompts"].shape == (6, limits.prompt_length)
+    assert out.batch["responses"].shape == (6, limits.response_length)
+    assert {"rm_scores", "rollout_log_probs", "position_ids"} <= set(out.batch.keys())
+    assert out.meta_info["timing"]["agent_loop/generate_sequences/max"] >= 0.0
+    assert out.meta_info["reward_extra_keys"] == []
+    assert all(r == "done" for r in out.non_tensor_batch["termination_reason"])
+    # samples of a row share the prompt; the echo model answers the prompt, so their responses agree too
+    assert torch.equal(out.batch["input_ids"][0], out.batch["input_ids"][1])
+
+
+async def test_column_dict_and_dataproto_inputs_match_rows(tok):
+    rows = make_prompts(4)
+    async with RolloutEngine("calculator", tok, backend=echo()) as engine:
+        by_rows = await engine.agenerate_sequences(rows)
+        by_columns = await engine.agenerate_sequences(columns(rows))
+        proto = await engine.agenerate_sequences(
+            DataProto(non_tensor_batch=columns(rows), meta_info={"step": 3})
+        )
+    same_tensors(by_rows, by_columns)
+    assert list(by_columns.non_tensor_batch["uid"]) == [r["uid"] for r in rows]
+    assert type(proto) is DataProto
+    same_tensors(by_rows, proto)
+    assert "metrics" not in proto.meta_info and "timing" in proto.meta_info  # as verl's manager returns it
+    assert list(proto.non_tensor_batch["data_source"]) == ["calculator"] * 4
+
+
+def test_to_rows_rejects_bad_batches():
+    with pytest.raises(ValueError, match="raw_prompt"):
+        to_rows({"prompt": np.array(["x"])})
+    with pytest.raises(ValueError, match="differ in length"):
+        to_rows({"raw_prompt": np.array([None, None]), "uid": np.array(["a"])})
+    with pytest.raises(TypeError):
+        to_rows("raw_prompt")
+
+
+async def test_sync_form_refuses_inside_a_running_loop(tok):
+    engine = RolloutEngine("calculator", tok, backend=echo())
+    with pytest.raises(RuntimeError, match=r"await agenerate_sequences"):
+        engine.generate_sequences(make_prompts(1))
+    with pytest.raises(RuntimeError, match=r"await asleep"):
+        engine.sleep()
+    await engine.aclose()
+
+
+def test_engine_is_bound_to_one_loop(tok):
+    engine = RolloutEngine("calculator", tok, backend=echo())
+    engine.generate_sequences(make_prompts(1))  # the engine's own loop
+
+    async def elsewhere():
+        await engine.agenerate_sequences(make_prompts(1))
+
+    with pytest.raises(RuntimeError, match="another event loop"):
+        asyncio.run(elsewhere())
+    engine.close()
+
+
+async def test_validate_uses_val_sampling(tok):
+    backend = echo()
+    backend.record_requests = True
+    async with RolloutEngine("calculator", tok, backend=backend) as engine:
+        spec = engine.agent.spec
+        assert spec.sampling.temperature != spec.val_sampling.temperature
+        await engine.agenerate_sequences(make_prompts(2))
+        train = [r.sampling_params["temperature"] for r in backend.requests]
+        backend.requests.clear()
+        await engine.agenerate_sequences(make_prompts(2), validate=True)
+        val = [r.sampling_params["temperature"] for r in backend.requests]
+        backend.requests.clear()
+        await engine.agenerate_sequences(
+            DataProto(non_tensor_batch=columns(make_prompts(2)), meta_info={"validate": True})
+        )
+        proto_val = [r.sampling_params["temperature"] for r in backend.requests]
+        backend.requests.clear()
+        await engine.agenerate_sequences(make_prompts(1), {"temperature": 0.5}, validate=True)
+        override = [r.sampling_params["temperature"] for r in backend.requests]
+    assert set(train) == {spec.sampling.temperature}
+    assert set(val) == set(proto_val) == {spec.val_sampling.temperature}
+    assert override == [0.5]
+
+
+@contextlib.asynccontextmanager
+async def dev_servers(count: int, latency_s: float = 0.0):
+    async with contextlib.AsyncExitStack() as stack:
+        yield [await stack.enter_async_context(DevServer(echo(latency_s))) for _ in range(count)]
+
+
+async def test_over_dev_servers_matches_in_process(tok):
+    rows = make_prompts(6)
+    async with RolloutEngine("calculator", tok, backend=echo()) as engine:
+        local = await engine.agenerate_sequences(rows, n=3)
+    async with dev_servers(2, latency_s=0.005) as devs:
+        async with RolloutEngine("calculator", tok, servers=[d.url for d in devs]) as engine:
+            remote = await engine.agenerate_sequences(rows, n=3)
+            stats = engine.backend.stats()
+        logs = [[e["rid"] for e in d.log] for d in devs]
+    same_tensors(local, remote)
+    assert all(r == "done" for r in remote.non_tensor_batch["termination_reason"])
+    assert all(logs)  # both servers worked
+    assert stats["group"] == 12  # group affinity: each group's later samples followed its first
+    servers_of: dict[str, set[int]] = {}  # session -> servers that saw it; group -> servers
+    for server, rids in enumerate(logs):
+        for rid in rids:
+            session = rid.rsplit("_t", 1)[0]  # "{run}-{row}-{sample}_t{turn}"
+            servers_of.setdefault(session, set()).add(server)
+            servers_of.setdefault(session.rsplit("-", 1)[0], set()).add(server)
+    assert len(servers_of) == 18 + 6
+    assert all(len(s) == 1 for s in servers_of.values())  # sticky sessions, and groups met one server
+
+
+async def test_control_calls_reach_every_dev_server(tok):
+    async with dev_servers(2) as devs:
+        async with RolloutEngine("calculator", tok, servers=[d.url for d in devs]) as engine:
+            await engine.asleep()
+            assert all(d.memory_released == {"weights", "kv_cache"} for d in devs)
+            await engine.awake_up(["kv_cache"])
+            assert all(d.memory_released == {"weights"} for d in devs)
+            await engine.awake_up()
+            assert all(not d.memory_released for d in devs)
+            await engine.aupdate_weights_from_disk("/ckpt/step-7", weight_version="step-7")
+            assert all(d.weight_version == "step-7" for d in devs)
+            out = await engine.agenerate_sequences(make_prompts(2))
+            assert await engine.aflush_cache() == [True, True]
+            assert all(d.cache.size == 0 for d in devs)
+    assert len(out) == 2
+
+
+async def test_update_weights_needs_a_backend_that_can(tok):
+    async with RolloutEngine("calculator", tok, backend=echo()) as engine:
+        assert await engine.asleep() is None  # nothing to release in process: a no-op
+        with pytest.raises(NotImplementedError, match="update_weights_from_disk"):
+            await engine.aupdate_weights_from_disk("/ckpt")
+
+
+def test_constructor_errors(tok):
+    with pytest.raises(ValueError, match="not both"):
+        RolloutEngine("calculator", tok, backend=echo(), servers=["http://127.0.0.1:1"])
+    with pytest.raises(ValueError, match="tokenizer is needed"):
+        RolloutEngine("calculator", servers=["http://127.0.0.1:1"])
+    with pytest.raises(FileNotFoundError, match="no model"):
+        make_backend(model="/nonexistent")
+
+
+def test_trajectories_pickle(tok):
+    engine = RolloutEngine("calculator", tok, backend=echo())
+    trajs = engine._run_sync(engine.arun(make_prompts(2), n=2))
+    engine.close()
+    back = pickle.loads(pickle.dumps(trajs))
+    assert [t.to_output() for t in back] == [t.to_output() for t in trajs]
+    assert [t.segments for t in back] == [t.segments for t in trajs]
+
+
+def test_load_rows_jsonl(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    good = {"raw_prompt": [{"role": "user", "content": "hi"}], "uid": "a"}
+    lines = [json.dumps(good), "", json.dumps({"prompt": [{"role": "user", "content": "verl"}]}),
+             json.dumps({"raw_prompt": "plain text"})]  # fmt: skip
+    path.write_text("\n".join(lines) + "\n")
+    rows = load_rows(path)
+    assert [r["raw_prompt"][0]["content"] for r in rows] == ["hi", "verl", "plain text"]
+
+    path.write_text("\n".join([json.dumps(good), "{not json", json.dumps([1]), json.dumps({"raw_prompt": []}),
+                               json.dumps({"question": "x"})]) + "\n")  # fmt: skip
+    with pytest.raises(RowsError) as err:
+        load_rows(path)
+    problems = err.value.problems
+    assert [p.split(": ", 1)[0] for p in problems] == [f"{path}:2:2", f"{path}:3", f"{path}:4", f"{path}:5"]
+    assert "no 'raw_prompt'" in problems[3] and "question" in problems[3]
+    assert "non-empty list" in problems[2]
+
+
+def test_load_rows_parquet(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "rows.parquet"
+    pq.write_table(pa.Table.from_pylist(make_prompts(3)), path)
+    rows = load_rows(path)
+    assert [r["uid"] for r in rows] == ["calc-0-0", "calc-0-1", "calc-0-2"]
+    pq.write_table(
+        pa.Table.from_pylist([{"prompt": [{"role": "user", "content": "a"}]}, {"prompt": None}]), path
+    )
+    with pytest.raises(RowsError, match=r"rows.parquet: row 1: 'prompt' must be a non-empty list"):
+        load_rows(path)
+    other = tmp_path / "rows.csv"
+    other.touch()
+    with pytest.raises(ValueError, match="unsupported file type"):
+        load_rows(other)
+
+
+@pytest.mark.skipif(not (ASSETS / "model.safetensors").exists(), reason="the tiny model is not trained yet")
+def test_embedded_default_runs_the_tiny_model():
+    with RolloutEngine("calculator") as engine:  # no backend, no servers: backends.hf over the tiny model
+        out = engine.generate_sequences(make_prompts(2), validate=True)
+        again = engine.generate_sequences(make_prompts(2), validate=True)
+    assert engine.backend.provider == "transformers"
+    assert out.batch["response_mask"].sum() > 0
+    same_tensors(out, again)  # greedy
