@@ -30,11 +30,16 @@ async def encode_prompt(ctx: RunContext, traj: Trajectory) -> None:
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
         raise RowError("bad row: 'raw_prompt' must be a non-empty list of chat messages")
     traj.messages = [dict(m) for m in messages]
-    ids = ctx.prompt_cache.get(traj.uid) if ctx.share_prompts else None
-    if ids is None:
+    # Samples of a group share one encoding. The uid comes from the row, so a reused uid must not hand
+    # one row's prompt to another: a hit also needs the same messages and tool schemas.
+    key = (traj.messages, traj.tool_schemas)
+    cached = ctx.prompt_cache.get(traj.uid) if ctx.share_prompts else None
+    if cached is not None and cached[0] == key:
+        ids = cached[1]
+    else:
         ids = ctx.codec.encode_prompt(traj.messages, traj.tool_schemas)
         if ctx.share_prompts:
-            ctx.prompt_cache[traj.uid] = ids
+            ctx.prompt_cache[traj.uid] = (key, ids)
     limit = ctx.agent.limits.prompt_length
     if len(ids) > limit:
         if ctx.agent.limits.prompt_overflow == "error":

@@ -47,9 +47,8 @@ class RunContext:
         self.seed = seed
         self.interaction = agent.interaction_cls(dict(agent.spec.interaction.config, name=agent.spec.interaction.name
                                                       or agent.spec.name)) if agent.interaction_cls else None  # fmt: skip
-        self.prompt_cache: dict[
-            str, list[int]
-        ] = {}  # uid -> prompt ids: samples of a group share one encoding
+        # uid -> ((messages, tool schemas), prompt ids): samples of a group share one encoding
+        self.prompt_cache: dict[str, tuple[tuple[Any, Any], list[int]]] = {}
         self.share_prompts = True
 
     def sampling_for(self, traj: Trajectory) -> dict[str, Any]:

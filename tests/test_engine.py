@@ -648,6 +648,16 @@ async def test_grpo_samples_are_contiguous_groups(tok):
     assert list(batch.non_tensor_batch["uid"]) == [t.uid for t in trajs]
 
 
+async def test_reused_uid_does_not_share_a_different_prompt(tok):
+    """Samples of a group share one prompt encoding, but a uid reused by different rows must not."""
+    agent = fsm.compile_spec(SPECS / "single_turn.yaml")
+    rows = [user_row("first question", uid="same"), user_row("another question", uid="same")]
+    first, second = (await run_agent(agent, scripted([model_turn(tok, "ok")]), tok, rows, n=2))[::2]
+    assert tok.decode(first.prompt_ids.tolist()).count("first question") == 1
+    assert tok.decode(second.prompt_ids.tolist()).count("another question") == 1
+    assert first.token_check is None and second.token_check is None
+
+
 # --- the machine without a backend ------------------------------------------------------------------------
 
 
