@@ -67,7 +67,7 @@ def _should_terminate(param: Any, limits: LimitsSpec) -> Predicate:
 
 @_builtin("has_interaction")
 def _has_interaction(param: Any, limits: LimitsSpec) -> Predicate:
-    return lambda t: t.interaction_kwargs is not None
+    return lambda t: t.interaction_kwargs is not None  # the row carries interaction_kwargs (verl's rule)
 
 
 @_builtin("finish_reason")

@@ -8,6 +8,7 @@ it, so a problem inherited from a base spec points into the base file.
 from __future__ import annotations
 
 import difflib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from types import UnionType
@@ -152,8 +153,8 @@ def load_document(path: str | Path, positions: Positions, diags: list[Diagnostic
     if not isinstance(parent, str):
         diags.append(Diagnostic(file, line, col, "type", "extends: expects a file path"))
         return doc
-    base_path = (path.parent / parent).resolve()
-    if base_path in _seen or base_path == path.resolve():
+    base_path = Path(os.path.normpath(path.parent / parent))  # shown as relative as the child's path
+    if base_path.resolve() in _seen or base_path.resolve() == path.resolve():
         diags.append(Diagnostic(file, line, col, "extends", f"extends cycle through {parent!r}"))
         return doc
     if not base_path.exists():

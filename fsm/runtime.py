@@ -141,10 +141,9 @@ class Runner:
         row, extra = traj.row, traj.row.get("extra_info") or {}
         extra = extra if isinstance(extra, Mapping) else {}
         traj.tools_kwargs = row.get("tools_kwargs") or extra.get("tools_kwargs") or {}
-        if self.agent.interaction_cls is not None:
-            traj.interaction_kwargs = dict(
-                row.get("interaction_kwargs") or extra.get("interaction_kwargs") or {}
-            )
+        kwargs = row.get("interaction_kwargs", extra.get("interaction_kwargs"))
+        if self.agent.interaction_cls is not None and kwargs is not None:
+            traj.interaction_kwargs = dict(kwargs)  # as verl: a row opts in to the interaction with its kwargs
         selection = extra.get("tool_selection")
         traj.tool_schemas = self.agent.tools.schemas_for(selection)
         if selection is not None:

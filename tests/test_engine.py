@@ -178,7 +178,7 @@ async def test_tool_agent_with_interaction_done(tok, compile_yaml):
     backend = scripted(
         [tool_turn(tok, ("echo", {"text": "hi"})), model_turn(tok, "first"), model_turn(tok, "second")]
     )
-    (traj,) = await run_agent(agent, backend, tok, [user_row()])
+    (traj,) = await run_agent(agent, backend, tok, [user_row(interaction_kwargs={})])
     assert traj.termination_reason == "interaction_done"
     assert traj.path == ["PENDING", "GENERATING", "PROCESSING_TOOLS", "GENERATING", "INTERACTING",
                          "GENERATING", "INTERACTING", "TERMINATED"]  # fmt: skip
@@ -200,11 +200,23 @@ async def test_tool_agent_with_interaction_response_length(tok, compile_yaml):
         interaction: {{class: "{PARTS}:EndsAfter"}}
     """)
     first = model_turn(tok, "hi")
-    (traj,) = await run_agent(agent, scripted([first, model_turn(tok, "again")]), tok, [user_row()])
+    row = user_row(interaction_kwargs={})
+    (traj,) = await run_agent(agent, scripted([first, model_turn(tok, "again")]), tok, [row])
     assert traj.termination_reason == "response_length"
     assert traj.path == ["PENDING", "GENERATING", "INTERACTING", "TERMINATED"]
     assert traj.response_ids.tolist() == first and traj.turn_scores == [0.1]
     assert traj.interaction_score == 1.0  # the interaction is still scored and finalized
+
+
+async def test_tool_agent_interacts_only_with_rows_that_opt_in(tok, compile_yaml):
+    """As in verl, a row takes part in the interaction only when it carries interaction_kwargs."""
+    agent = compile_yaml(f"""
+        name: talk_with_tools
+        extends: {{specs}}/tool_agent.yaml
+        interaction: {{class: "{PARTS}:EndsAfter"}}
+    """)
+    (traj,) = await run_agent(agent, scripted([model_turn(tok, "hi")]), tok, [user_row()])
+    assert traj.path == ["PENDING", "GENERATING", "TERMINATED"] and traj.termination_reason == "done"
 
 
 # --- interaction_agent ------------------------------------------------------------------------------------
