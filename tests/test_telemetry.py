@@ -1,0 +1,464 @@
+"""Tracing against a real OTLP/HTTP receiver on loopback: one trace per trajectory, the span tree, GenAI
+attributes, error spans, whole-trajectory sampling, counted drops, and nothing at all when tracing is off.
+
+The receiver is an aiohttp app in a background thread decoding `ExportTraceServiceRequest` protobufs; the
+exporter is the SDK's real OTLPSpanExporter (gzip, retries, headers from the OTEL_* variables).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import logging
+import threading
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+from opentelemetry import trace as otel_trace
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+from transformers import AutoTokenizer
+
+import fsm
+from backends.base import BackendUnavailable
+from backends.scripted import ScriptedBackend
+from fsm import telemetry as T
+from fsm.telemetry import Telemetry
+from specs.calculator import make_prompts
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# --- an OTLP/HTTP receiver --------------------------------------------------------------------------------
+
+
+def _value(v: Any) -> Any:
+    kind = v.WhichOneof("value")
+    if kind == "array_value":
+        return tuple(_value(x) for x in v.array_value.values)
+    return getattr(v, kind) if kind else None
+
+
+class Receiver:
+    """POST /v1/traces on 127.0.0.1 in its own thread and loop. `gate` cleared = hold every request."""
+
+    def __init__(self) -> None:
+        self.spans: list[dict[str, Any]] = []
+        self.headers: list[dict[str, str]] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.first_request = threading.Event()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="otlp-receiver", daemon=True)
+
+    def __enter__(self) -> Receiver:
+        self._thread.start()
+        assert self._ready.wait(10), "receiver did not start"
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.gate.set()
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(10)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def _traces(self, request: web.Request) -> web.Response:
+        body = await request.read()
+        if body[:2] == b"\x1f\x8b":  # gzip (aiohttp may already have decoded it)
+            body = gzip.decompress(body)
+        message = ExportTraceServiceRequest()
+        message.ParseFromString(body)
+        self.headers.append(dict(request.headers))
+        self.first_request.set()
+        while not self.gate.is_set():
+            await asyncio.sleep(0.01)
+        for rs in message.resource_spans:
+            resource = {a.key: _value(a.value) for a in rs.resource.attributes}
+            for ss in rs.scope_spans:
+                for s in ss.spans:
+                    self.spans.append({
+                        "name": s.name, "trace_id": s.trace_id.hex(), "span_id": s.span_id.hex(),
+                        "parent": s.parent_span_id.hex() or None, "kind": s.kind, "start": s.start_time_unix_nano,
+                        "end": s.end_time_unix_nano, "status": s.status.code, "status_message": s.status.message,
+                        "attrs": {a.key: _value(a.value) for a in s.attributes}, "resource": resource,
+                        "scope": ss.scope.name, "events": [e.name for e in s.events],
+                    })  # fmt: skip
+        return web.Response(body=ExportTraceServiceResponse().SerializeToString(),
+                            content_type="application/x-protobuf")  # fmt: skip
+
+    def _serve(self) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._loop.run_until_complete(self._main())
+
+    async def _main(self) -> None:
+        self._stop = asyncio.Event()
+        app = web.Application(client_max_size=64 * 2**20)
+        app.router.add_post("/v1/traces", self._traces)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+        self._ready.set()
+        await self._stop.wait()
+        await runner.cleanup()
+
+
+@pytest.fixture
+def receiver():
+    with Receiver() as r:
+        yield r
+
+
+@pytest.fixture(autouse=True)
+def _no_ambient_otel_env(monkeypatch):
+    for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_SERVICE_NAME",
+                 "OTEL_TRACES_SAMPLER", "OTEL_TRACES_SAMPLER_ARG", "OTEL_SDK_DISABLED", "OTEL_TRACES_EXPORTER",
+                 "OTEL_EXPORTER_OTLP_HEADERS", "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT",
+                 "OTEL_BSP_MAX_QUEUE_SIZE"):  # fmt: skip
+        monkeypatch.delenv(name, raising=False)
+
+
+# --- the workload: specs/calculator.yaml, the tiny tokenizer, a scripted model -----------------------------
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(REPO / "backends/tiny/assets")
+
+
+@pytest.fixture(scope="module")
+def agent():
+    return fsm.compile_spec(REPO / "specs/calculator.yaml")
+
+
+def _row_of(session_id: str) -> int:
+    return int(session_id.rsplit("-", 2)[1])
+
+
+def calculator_model(tokenizer, *, fail_rows=(), dead_rows=(), on_call=None, **kwargs) -> ScriptedBackend:
+    """Turn 0 calls the calculator ("1 / 0" on `fail_rows`: the tool raises), turn 1 answers;
+    `dead_rows` have no model at all (the backend raises)."""
+
+    def ids(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+
+    def turn(session_id: str, k: int, prompt: list[int]) -> list[int]:
+        row = _row_of(session_id)
+        if on_call is not None:
+            on_call(session_id)
+        if row in dead_rows:
+            raise BackendUnavailable(f"no server for row {row}")
+        if k == 0:
+            expr = "1 / 0" if row in fail_rows else "1 + 2"
+            return ids(
+                f'<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{expr}"}}}}\n</tool_call>'
+            )
+        return ids("The answer is 3.\n#### 3")
+
+    return ScriptedBackend(turn, **kwargs)
+
+
+def expected_spans(traj) -> int:
+    """Root + one per transition + one per model call + one per tool call."""
+    calls = sum(1 for s in traj.path[:-1] if s == "GENERATING")
+    tools = sum(1 for s in traj.path[:-1] if s == "PROCESSING_TOOLS")
+    return 1 + len(traj.path) - 1 + calls + tools
+
+
+def by_trace(spans: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    out: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for s in spans:
+        out[s["trace_id"]].append(s)
+    return out
+
+
+# --- tests --------------------------------------------------------------------------------------------------
+
+
+async def test_otlp_receiver_gets_one_trace_per_trajectory(receiver, tokenizer, agent, monkeypatch):
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.url)  # the standard way: + /v1/traces
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", "x-team=rl,x-token=abc")
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "agentfsm-test")
+    tel = Telemetry.from_env()
+    assert tel is not None and tel.otlp_endpoint == f"{receiver.url}/v1/traces"
+    rows = make_prompts(3)
+    backend = calculator_model(tokenizer, fail_rows={1}, latency_s=0.002)
+    with tel:
+        trajs = await fsm.Runner(agent, backend, tokenizer, tracer=tel).run(rows, n=2)
+        stats = tel.stats()  # Runner.run flushed
+    assert stats["exported"] == len(receiver.spans) == sum(map(expected_spans, trajs))
+    assert stats["dropped"] == 0 and stats["trajectories"] == 6
+    assert receiver.headers[0]["x-team"] == "rl" and receiver.headers[0]["x-token"] == "abc"
+
+    traces = by_trace(receiver.spans)
+    assert len(traces) == len(trajs) == 6  # one trace per trajectory, distinct ids
+    roots = {}
+    for spans in traces.values():
+        (root,) = [s for s in spans if s["parent"] is None]
+        roots[root["attrs"]["gen_ai.conversation.id"]] = (root, spans)
+    assert set(roots) == {t.session_id for t in trajs}
+
+    for traj in trajs:
+        root, spans = roots[traj.session_id]
+        ra = root["attrs"]
+        assert root["name"] == "invoke_agent calculator" and root["kind"] == 1  # INTERNAL
+        assert root["resource"]["service.name"] == "agentfsm-test" and root["scope"] == "agentfsm"
+        assert ra["gen_ai.operation.name"] == "invoke_agent" and ra["gen_ai.agent.name"] == "calculator"
+        assert ra["gen_ai.provider.name"] == "scripted" and ra["agentfsm.agent.hash"] == agent.hash
+        assert (ra["agentfsm.index"], ra["agentfsm.uid"], ra["agentfsm.sample"]) == (
+            traj.index,
+            traj.uid,
+            traj.sample,
+        )
+        assert ra["agentfsm.reward_score"] == traj.reward_score
+        assert ra["fsm.termination_reason"] == traj.termination_reason == "done"
+        assert ra["fsm.turns"] == traj.num_turns and ra["fsm.transitions"] == len(traj.path) - 1
+        assert ra["agentfsm.tokens.prompt"] == len(traj.prompt_ids)
+        assert ra["agentfsm.tokens.response"] == len(traj.response_ids)
+        assert ra["gen_ai.usage.output_tokens"] == traj.response_mask.count(1)
+        assert root["status"] == 0  # UNSET
+
+        # the tree: root -> transition spans (in the trajectory's order) -> model / tool calls
+        children = defaultdict(list)
+        for s in spans:
+            children[s["parent"]].append(s)
+        steps = sorted(children[root["span_id"]], key=lambda s: s["start"])
+        assert [s["name"] for s in steps] == [f"{a} -> {b}" for a, b in zip(traj.path, traj.path[1:])]
+        assert [s["attrs"]["fsm.edge"] for s in steps] == traj.transitions_fired
+        model_total = obs_total = 0
+        for step in steps:
+            a = step["attrs"]
+            edge = agent.edges[a["fsm.edge"]]
+            assert (a["fsm.source"], a["fsm.dest"], a["fsm.guard"]) == (edge.source, edge.dest, edge.label)
+            assert a.get("fsm.reason") == edge.reason
+            assert root["start"] <= step["start"] <= step["end"] <= root["end"]
+            model_total += a["fsm.tokens.model"]
+            obs_total += a["fsm.tokens.observation"]
+            kids = children[step["span_id"]]
+            if a["fsm.source"] == "GENERATING":
+                (call,) = kids
+                c = call["attrs"]
+                assert call["name"] == "text_completion scripted" and call["kind"] == 3  # CLIENT
+                assert c["gen_ai.operation.name"] == "text_completion"
+                assert c["gen_ai.request.model"] == "scripted" and c["gen_ai.provider.name"] == "scripted"
+                assert c["gen_ai.request.max_tokens"] == 64 and c["gen_ai.request.temperature"] == 1.0
+                assert c["gen_ai.response.finish_reasons"] == ("stop",)
+                assert c["gen_ai.usage.input_tokens"] > 0 and c["gen_ai.usage.output_tokens"] > 0
+                assert c["gen_ai.usage.cache_read.input_tokens"] == 0 and c["server.address"] == "scripted"
+                assert c["gen_ai.conversation.id"] == traj.session_id
+                assert step["start"] <= call["start"] <= call["end"] <= step["end"]
+            elif a["fsm.source"] == "PROCESSING_TOOLS":
+                (tool,) = kids
+                t = tool["attrs"]
+                assert tool["name"] == "execute_tool calculator"
+                assert t["gen_ai.operation.name"] == "execute_tool" and t["gen_ai.tool.name"] == "calculator"
+                assert t["gen_ai.tool.type"] == "function"
+                assert t["gen_ai.tool.description"] == "Evaluate an arithmetic expression."
+                if _row_of(traj.session_id) == 1:  # "1 / 0": the calculator raised
+                    assert tool["status"] == 2 and t["error.type"] == "exception"  # ERROR
+                    assert "division by zero" in tool["status_message"]
+                else:
+                    assert tool["status"] == 0 and "error.type" not in t
+            else:
+                assert kids == []
+        assert steps[-1]["attrs"]["fsm.termination_reason"] == "done"
+        assert model_total == traj.response_mask.count(1)
+        assert model_total + obs_total == len(traj.response_ids)
+        # content is opt-in
+        assert not any(k.startswith(("gen_ai.input", "gen_ai.output", "agentfsm.input_token"))
+                       for s in spans for k in s["attrs"])  # fmt: skip
+
+
+async def test_failures_become_error_spans(tokenizer, agent):
+    with Telemetry(otlp=False, memory=True) as tel:
+        trajs = await fsm.Runner(
+            agent, calculator_model(tokenizer, dead_rows={0}), tokenizer, tracer=tel
+        ).run(make_prompts(2))
+        spans = tel.finished_spans()
+    dead, alive = trajs
+    assert dead.failed and not alive.failed
+    mine = [s for s in spans if s.context.trace_id == _root(spans, dead).context.trace_id]
+    names = {s.name: s for s in mine}
+    assert set(names) == {"invoke_agent calculator", "PENDING -> GENERATING", "GENERATING -> error",
+                          "text_completion scripted"}  # fmt: skip
+    for name in ("GENERATING -> error", "text_completion scripted"):
+        span = names[name]
+        assert span.status.status_code is otel_trace.StatusCode.ERROR
+        assert span.attributes["error.type"] == "BackendUnavailable"
+        assert [e.name for e in span.events] == ["exception"]
+    root = names["invoke_agent calculator"]
+    assert root.status.status_code is otel_trace.StatusCode.ERROR
+    assert root.attributes["error.type"] == "backend"
+    assert root.attributes["fsm.termination_reason"] == dead.termination_reason
+
+
+def _root(spans, traj):
+    (root,) = [
+        s for s in spans if s.parent is None and s.attributes["gen_ai.conversation.id"] == traj.session_id
+    ]
+    return root
+
+
+async def test_spans_are_current_where_the_work_runs(tokenizer, agent):
+    """Inside the backend, the current span is that trajectory's model call, child of its GENERATING span;
+    trajectories interleave (latency) without seeing each other's spans; a span user code starts there
+    (through the SDK tracer) nests under it and leaves through the same exporters."""
+    tel = Telemetry(otlp=False, memory=True)
+    seen: list[tuple[str, Any]] = []
+
+    def on_call(session_id: str) -> None:
+        seen.append((session_id, otel_trace.get_current_span()))
+        with tel.tracer.start_as_current_span("user work"):
+            pass
+
+    backend = calculator_model(tokenizer, on_call=on_call, latency_s=0.005)
+    with tel:
+        trajs = await fsm.Runner(agent, backend, tokenizer, tracer=tel).run(make_prompts(4))
+        spans = {s.context.span_id: s for s in tel.finished_spans()}
+    roots = {t.session_id: _root(spans.values(), t) for t in trajs}
+    assert len(seen) == 8
+    for session_id, current in seen:
+        ctx = current.get_span_context()
+        span = spans[ctx.span_id]
+        assert span.name == "text_completion scripted"
+        assert ctx.trace_id == roots[session_id].context.trace_id
+        assert spans[span.parent.span_id].attributes["fsm.source"] == "GENERATING"
+    user = [s for s in spans.values() if s.name == "user work"]
+    assert len(user) == 8 and all(spans[s.parent.span_id].name == "text_completion scripted" for s in user)
+    assert otel_trace.get_current_span() is otel_trace.INVALID_SPAN  # nothing leaks out of the run
+
+
+async def test_sampling_keeps_whole_trajectories(tokenizer, agent):
+    rows = make_prompts(20)
+    with Telemetry(otlp=False, memory=True, sample=0.4) as tel:
+        trajs = await fsm.Runner(agent, calculator_model(tokenizer), tokenizer, tracer=tel).run(rows, n=2)
+        spans = tel.finished_spans()
+        stats = tel.stats()
+    kept = [t for t in trajs if tel.keeps(t.session_id)]
+    assert 4 <= len(kept) <= 28  # 40 trajectories at 0.4
+    assert stats["trajectories"] == len(kept) and stats["trajectories_sampled_out"] == 40 - len(kept)
+    traces = by_trace([{"trace_id": s.context.trace_id, "span": s} for s in spans])
+    assert len(traces) == len(kept)
+    conv = {}
+    for items in traces.values():
+        (root,) = [i["span"] for i in items if i["span"].parent is None]
+        conv[root.attributes["gen_ai.conversation.id"]] = len(items)
+    assert conv == {t.session_id: expected_spans(t) for t in kept}  # every kept trajectory is whole
+    # deterministic by session id: another tracer with the same fraction keeps the same ones
+    other = Telemetry(otlp=False, sample=0.4)
+    assert [other.keeps(t.session_id) for t in trajs] == [tel.keeps(t.session_id) for t in trajs]
+    other.close()
+    with Telemetry(otlp=False, memory=True, sample=0.0) as none:
+        await fsm.Runner(agent, calculator_model(tokenizer), tokenizer, tracer=none).run(rows[:3])
+        assert none.finished_spans() == () and none.stats()["trajectories_sampled_out"] == 3
+
+
+async def test_dropped_spans_are_counted_never_silent(receiver, tokenizer, agent, monkeypatch, caplog):
+    """A tiny queue behind a blocked collector: the spans evicted are counted, warned about, and are exactly
+    the ones the receiver never got."""
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "60")  # the held request must not time out
+    receiver.gate.clear()
+    rows = make_prompts(6)
+    done = []
+
+    def on_done(traj) -> None:  # all spans of a trajectory have ended when it is done
+        done.append(traj)
+        if len(done) == len(rows):
+            receiver.gate.set()
+
+    tel = Telemetry(otlp=receiver.url, max_queue_size=4, max_export_batch_size=2, schedule_delay_millis=5)
+    with caplog.at_level(logging.WARNING, logger="fsm.telemetry"), tel:
+        runner = fsm.Runner(agent, calculator_model(tokenizer, latency_s=0.01), tokenizer, tracer=tel)
+        run = asyncio.create_task(runner.run(rows, on_done=on_done))
+        await asyncio.to_thread(receiver.first_request.wait, 10)  # the exporter is now stuck on request 1
+        trajs = await run
+        stats = tel.stats()
+    produced = sum(map(expected_spans, trajs))
+    assert stats["ended"] == produced
+    assert stats["dropped_queue_full"] > 0 and stats["export_failed"] == 0
+    assert stats["dropped"] == produced - len(receiver.spans)
+    assert stats["exported"] == len(receiver.spans)
+    assert stats["by_exporter"]["otlp"]["dropped"] == stats["dropped"]
+    assert any(
+        "spans dropped" in r.getMessage() and "max_queue_size" in r.getMessage() for r in caplog.records
+    )
+
+
+async def test_capture_content_is_opt_in(tokenizer, agent):
+    with Telemetry(otlp=False, memory=True, capture_content=True) as tel:
+        (traj,) = await fsm.Runner(agent, calculator_model(tokenizer), tokenizer, tracer=tel).run(
+            make_prompts(1)
+        )
+        spans = tel.finished_spans()
+    root = _root(spans, traj)
+    assert '"role": "user"' in root.attributes["gen_ai.input.messages"]
+    assert "#### 3" in root.attributes["gen_ai.output.messages"]
+    assert "calculator" in root.attributes["gen_ai.tool.definitions"]
+    (tool,) = [s for s in spans if s.name == "execute_tool calculator"]
+    assert tool.attributes["gen_ai.tool.call.arguments"] == '{"expression": "1 + 2"}'
+    assert tool.attributes["gen_ai.tool.call.result"] == "3"
+    calls = [s for s in spans if s.name.startswith("text_completion")]
+    assert list(calls[0].attributes["agentfsm.input_token_ids"]) == traj.prompt_ids.tolist()
+
+
+async def test_tracing_off_calls_nothing(tokenizer, agent, monkeypatch):
+    def boom(*args, **kwargs):
+        raise AssertionError("a tracer hook ran with tracing off")
+
+    for name in ("trajectory", "state", "model_call", "tool_call", "flush", "stats"):
+        monkeypatch.setattr(Telemetry, name, boom)
+    monkeypatch.setattr(T._Span, "_open", boom)
+    trajs = await fsm.Runner(agent, calculator_model(tokenizer), tokenizer).run(make_prompts(3))
+    assert all(t.termination_reason == "done" and not t.failed for t in trajs)
+
+
+def test_from_env(monkeypatch):
+    assert Telemetry.from_env() is None  # nothing configured: tracing off
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://127.0.0.1:9/custom/path")
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "traceidratio")
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", "0.25")
+    tel = Telemetry.from_env()
+    assert tel.otlp_endpoint == "http://127.0.0.1:9/custom/path" and tel.sample == 0.25  # verbatim
+    assert tel.resource.attributes["service.name"] == "agentfsm"
+    tel.close()
+    explicit = Telemetry(otlp="http://127.0.0.1:9", sample=1.0)  # --otlp wins over the environment
+    assert explicit.otlp_endpoint == "http://127.0.0.1:9/v1/traces" and explicit.sample == 1.0
+    explicit.close()
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
+    assert Telemetry.from_env(otlp="http://127.0.0.1:9") is None
+    with pytest.raises(ValueError, match="fraction"):
+        Telemetry(otlp=False, sample=1.5)
+
+
+def test_gen_ai_names_match_semconv():
+    """Our literals equal the (deprecated-marked) semconv constants where those exist."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from opentelemetry.semconv._incubating.attributes import gen_ai_attributes as G
+    for name in dir(T):
+        if name.startswith("GEN_AI_") and hasattr(G, name):
+            assert getattr(T, name) == getattr(G, name), name
+    from opentelemetry.semconv.attributes import error_attributes, server_attributes
+
+    assert (T.ERROR_TYPE, T.SERVER_ADDRESS, T.SERVER_PORT) == (
+        error_attributes.ERROR_TYPE, server_attributes.SERVER_ADDRESS, server_attributes.SERVER_PORT)  # fmt: skip
+
+
+def test_server_address_and_port():
+    assert T._server("http://10.0.0.7:30000") == {"server.address": "10.0.0.7", "server.port": 30000}
+    assert T._server("https://gpu.example") == {"server.address": "gpu.example", "server.port": 443}
+    assert T._server("hf-local") == {"server.address": "hf-local"}
+    assert T._error_type("error: backend: 503 from x") == "backend"
+    assert T._error_type("error: ValueError in GENERATING: boom") == "ValueError"
+    assert T._error_type("error: bad row: 'raw_prompt' must be ...") == "bad_row"

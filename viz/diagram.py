@@ -1,0 +1,225 @@
+"""Draw a spec as a state diagram (Graphviz or Mermaid), optionally annotated with a run's statistics.
+
+    diagram(agent)                      -> graphviz.Digraph (left to right, in the order trajectories flow)
+    diagram(agent, run_stats=stats)     -> the same with counts, shares, pen widths, times and end reasons
+    to_mermaid(agent, run_stats=None)   -> a `stateDiagram-v2` string (renders in GitHub markdown)
+    render(agent, "fsm.svg")            -> .svg .png .pdf (Graphviz's `dot` program), .dot/.gv, .mmd (none)
+
+What it shows: an entry point into the initial state; standard states (fsm.spec.STANDARD_STATES) in blue
+and custom ones in amber, each with its action; final states as double circles; every edge with its guard
+as written (dashed and "default" for the unguarded last edge) and its reason. With run statistics, every
+edge also carries how many times it fired and in what share of trajectories (pen width by count), every
+state its mean time, final states how trajectories ended there, and states where trajectories failed how
+many. `agent` is a CompiledAgent, an AgentSpec / LoadedSpec, or a spec file path (compiled here).
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import graphviz
+
+from fsm.compile import CompiledAgent, Edge, compile_spec
+from fsm.spec import STANDARD_STATES
+
+STANDARD_FILL = "#dbeafe"  # blue-100
+CUSTOM_FILL = "#fde68a"  # amber-200
+FINAL_FILL = "#e5e7eb"  # gray-200
+FAILED_COLOR = "#b91c1c"  # red-700
+UNUSED_COLOR = "#9ca3af"  # gray-400: an edge no trajectory took
+FORMATS = {".svg": "svg", ".png": "png", ".pdf": "pdf"}
+
+
+class RenderError(Exception):
+    """A diagram could not be written (unknown extension, Graphviz's `dot` missing)."""
+
+
+def _agent(agent: Any) -> CompiledAgent:
+    return agent if isinstance(agent, CompiledAgent) else compile_spec(agent)
+
+
+def flow_order(agent: CompiledAgent) -> list[str]:
+    """States breadth-first from the initial one, following edges in declared order."""
+    seen, todo = [agent.initial], deque([agent.initial])
+    while todo:
+        for edge in agent.edges_from.get(todo.popleft(), ()):
+            if edge.dest not in seen:
+                seen.append(edge.dest)
+                todo.append(edge.dest)
+    return seen + [s for s in agent.spec.states if s not in seen]
+
+
+def _edge_stats(edge: Edge, run_stats: dict[str, Any] | None) -> dict[str, Any] | None:
+    """This edge's entry in run statistics, if it is the same edge (the spec may have changed since)."""
+    if not run_stats:
+        return None
+    e = run_stats.get("edges", {}).get(str(edge.index))
+    if e is None or (e.get("source"), e.get("dest")) != (edge.source, edge.dest):
+        return None
+    return e
+
+
+def _seconds(s: float) -> str:
+    if s >= 1:
+        return f"{s:.2f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.1f} ms"
+    return f"{s * 1e6:.0f} µs"
+
+
+def _pct(share: float) -> str:
+    return f"{share * 100:.0f}%" if share >= 0.01 or share == 0 else f"{share * 100:.1f}%"
+
+
+def edge_label(edge: Edge, stats: dict[str, Any] | None = None, *, sep: str = "\n") -> str:
+    """`guard`, `reason: ...`, and with statistics `12× · 60%` (count, share of trajectories)."""
+    parts = [edge.label]
+    if edge.reason is not None:
+        parts.append(f"reason: {edge.reason}")
+    if stats is not None:
+        parts.append(f"{stats['count']}× · {_pct(stats.get('share', 0.0))}")
+    return sep.join(parts)
+
+
+def state_lines(agent: CompiledAgent, name: str, run_stats: dict[str, Any] | None) -> list[str]:
+    """The lines under a state's name: its action, then run figures."""
+    spec = agent.spec.states[name]
+    lines = [] if spec.final else [f"{spec.action}()"]
+    s = (run_stats or {}).get("states", {}).get(name)
+    if s:
+        if s.get("mean_s") is not None:
+            lines.append(f"{s['visits']} visits, mean {_seconds(s['mean_s'])}")
+        for reason, count in sorted(
+            (run_stats.get("final_states", {}).get(name) or {}).items(), key=lambda kv: -kv[1]
+        ):
+            lines.append(f"{reason}: {count}")
+        if s.get("failed"):
+            lines.append(f"failed: {s['failed']}")
+    return lines
+
+
+def diagram(agent: Any, run_stats: dict[str, Any] | None = None) -> graphviz.Digraph:
+    """The spec as a left-to-right Graphviz digraph; see the module docstring for what is drawn."""
+    agent = _agent(agent)
+    g = graphviz.Digraph(agent.name, graph_attr={
+        "rankdir": "LR", "label": _title(agent, run_stats), "labelloc": "t", "fontname": "Helvetica",
+        "fontsize": "16", "nodesep": "0.5", "ranksep": "0.9",
+    }, node_attr={"fontname": "Helvetica", "fontsize": "12"}, edge_attr={"fontname": "Helvetica", "fontsize": "10"})  # fmt: skip
+    g.node("__start__", "", shape="point", width="0.18", tooltip="entry point")
+    for name in flow_order(agent):
+        spec = agent.spec.states[name]
+        lines = state_lines(agent, name, run_stats)
+        failed = ((run_stats or {}).get("states", {}).get(name) or {}).get("failed")
+        attrs = {"style": "filled", "tooltip": spec.description or name}
+        if spec.final:
+            attrs.update(shape="doublecircle", fillcolor=FINAL_FILL)
+        else:
+            custom = name not in STANDARD_STATES
+            attrs.update(
+                shape="box", style="rounded,filled", fillcolor=CUSTOM_FILL if custom else STANDARD_FILL
+            )
+            if custom:
+                attrs["tooltip"] = f"custom state: {spec.description or name}"
+        if failed:
+            attrs.update(color=FAILED_COLOR, penwidth="2")
+        g.node(name, "\n".join([name, *lines]), **attrs)
+    g.edge("__start__", agent.initial, tooltip="initial state")
+    counts = [e["count"] for e in (run_stats or {}).get("edges", {}).values()] or [0]
+    top = max(counts) or 1
+    for edge in agent.edges:
+        stats = _edge_stats(edge, run_stats)
+        attrs = {
+            "label": edge_label(edge, stats),
+            "tooltip": f"edge #{edge.index}: {edge.source} -> {edge.dest}",
+        }
+        if edge.guard is None:
+            attrs["style"] = "dashed"
+        if stats is not None:
+            attrs["penwidth"] = f"{1 + 4 * stats['count'] / top:.2f}"
+            if stats["count"] == 0:
+                attrs.update(color=UNUSED_COLOR, fontcolor=UNUSED_COLOR)
+        g.edge(edge.source, edge.dest, **attrs)
+    return g
+
+
+def _title(agent: CompiledAgent, run_stats: dict[str, Any] | None) -> str:
+    title = f"{agent.name}  ({agent.hash})"
+    if run_stats:
+        title += f"\n{run_stats.get('trajectories', 0)} trajectories"
+        if run_stats.get("agent_hash") not in (None, agent.hash):
+            title += f"; run of spec {run_stats['agent_hash']}: changed edges are not annotated"
+    return title
+
+
+# --- Mermaid --------------------------------------------------------------------------------------------------
+
+
+_MERMAID_ESCAPES = {ord("#"): "#35;", ord(":"): "#58;", ord(";"): "#59;", ord("\n"): " "}
+
+
+def _mermaid_text(text: str) -> str:
+    """Mermaid ends a label at ':' and ';' and reads '#...;' as an entity: write them as entities."""
+    return text.translate(_MERMAID_ESCAPES)
+
+
+def to_mermaid(agent: Any, run_stats: dict[str, Any] | None = None) -> str:
+    """The spec as a Mermaid `stateDiagram-v2` (renders in GitHub markdown and mermaid.live)."""
+    agent = _agent(agent)
+    lines = ["---", f"title: {_mermaid_text(_title(agent, run_stats))}", "---", "stateDiagram-v2",
+             "    direction LR"]  # fmt: skip
+    for name in flow_order(agent):
+        extra = state_lines(agent, name, run_stats)
+        if extra:  # "S: S" first makes the name the box's title and each later description a line under it
+            lines.append(f"    {name}: {name}")
+            lines.extend(f"    {name}: {_mermaid_text(line)}" for line in extra)
+    lines.append(f"    [*] --> {agent.initial}")
+    for edge in agent.edges:
+        label = edge_label(edge, _edge_stats(edge, run_stats), sep=" / ")
+        lines.append(f"    {edge.source} --> {edge.dest}: {_mermaid_text(label)}")
+    for name in agent.final_states:
+        lines.append(f"    {name} --> [*]")
+    custom = [s for s in flow_order(agent) if s not in STANDARD_STATES and s not in agent.final_states]
+    lines.append(f"    classDef standard fill:{STANDARD_FILL}")
+    lines.append(f"    classDef custom fill:{CUSTOM_FILL}")
+    lines.append(f"    classDef final fill:{FINAL_FILL}")
+    standard = [s for s in flow_order(agent) if s in STANDARD_STATES and s not in agent.final_states]
+    for cls, names in (("standard", standard), ("custom", custom), ("final", sorted(agent.final_states))):
+        if names:
+            lines.append(f"    class {','.join(names)} {cls}")
+    return "\n".join(lines) + "\n"
+
+
+# --- files ----------------------------------------------------------------------------------------------------
+
+
+def render(agent: Any, path: str | Path, run_stats: dict[str, Any] | None = None) -> Path:
+    """Write the diagram; the format follows the extension: .svg .png .pdf (need Graphviz's `dot`),
+    .dot/.gv (DOT source) or .mmd (Mermaid), which need nothing."""
+    path = Path(path)
+    ext = path.suffix.lower()
+    if ext in (".dot", ".gv"):
+        path.write_text(diagram(agent, run_stats).source, encoding="utf-8")
+    elif ext == ".mmd":
+        path.write_text(to_mermaid(agent, run_stats), encoding="utf-8")
+    elif ext in FORMATS:
+        graph = diagram(agent, run_stats)
+        if shutil.which("dot") is None:
+            raise RenderError(f"writing {path.name} needs Graphviz's `dot` program, which is not on PATH: install "
+                              "graphviz (apt-get install graphviz, brew install graphviz or conda install graphviz), "
+                              "or write .dot or .mmd instead, which need nothing")  # fmt: skip
+        if ext == ".png":
+            graph.graph_attr["dpi"] = "144"  # sharp on high-density screens and in READMEs
+        try:
+            path.write_bytes(graph.pipe(format=FORMATS[ext]))
+        except graphviz.ExecutableNotFound as exc:
+            raise RenderError(
+                f"Graphviz's `dot` could not run ({exc}): install graphviz (apt-get install graphviz)"
+            ) from exc
+    else:
+        raise RenderError(
+            f"{path.name}: unknown diagram format {ext or '(none)'!r}; use .svg, .png, .pdf, .dot or .mmd"
+        )
+    return path

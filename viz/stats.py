@@ -1,0 +1,105 @@
+"""Run statistics for annotated diagrams: how often each edge fired, how long each state took, how runs ended.
+
+`run_stats(agent, trajectories)` is what `agentfsm run` stores as the "fsm" section of summary.json, and
+`load_run_stats(run_dir)` reads it back. The result is plain JSON:
+
+    {"trajectories": 40, "agent": "calculator", "agent_hash": "94ce80949a6e",
+     "edges": {"4": {"source": "GENERATING", "dest": "PROCESSING_TOOLS", "guard": "has_tool_calls",
+                     "reason": null, "count": 52, "trajectories": 38, "share": 0.95}, ...},
+     "states": {"GENERATING": {"visits": 90, "mean_s": 0.41, "total_s": 36.9, "failed": 2}, ...},
+     "termination_reasons": {"done": 30, "response_length": 8, "error: backend": 2},
+     "final_states": {"TERMINATED": {"done": 30, "response_length": 8}}}
+
+Edges are keyed by their global index (`Edge.index`, stable for a given spec; `fsm.edge` on the trace
+spans); `count` is how many times the edge fired, `share` the fraction of trajectories in which it fired
+at least once. A state's time runs from entering it to leaving it (the driver's `Trajectory.path_times`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+
+def reason_key(reason: str | None) -> str:
+    """Group termination reasons as `summarize` does: errors by their kind ("error: backend")."""
+    if reason is None:
+        return "?"
+    if reason.startswith("error:"):
+        parts = reason.split(":", 2)
+        return f"error: {parts[1].strip()}" if len(parts) > 1 else "error"
+    return reason
+
+
+def run_stats(agent: Any, trajectories: Sequence[Any] | None = None) -> dict[str, Any]:
+    """Statistics of finished trajectories (`run_stats(agent, trajs)`, or `run_stats(trajs)` without the
+    agent, which then leaves out guard labels and reasons)."""
+    if trajectories is None:
+        agent, trajectories = None, agent
+    edges: dict[int, dict[str, Any]] = {}
+    if agent is not None:
+        for e in agent.edges:
+            edges[e.index] = {"source": e.source, "dest": e.dest, "guard": e.label, "reason": e.reason,
+                              "count": 0, "trajectories": 0}  # fmt: skip
+    states: dict[str, dict[str, Any]] = {}
+    if agent is not None:
+        for name in agent.spec.states:
+            states[name] = {"visits": 0, "total_s": 0.0, "failed": 0}
+    timed: dict[str, int] = {}  # visits with a duration (not a final state, not the state a failure left)
+    reasons: dict[str, int] = {}
+    finals: dict[str, dict[str, int]] = {}
+    for traj in trajectories:
+        path, times, fired = traj.path, getattr(traj, "path_times", ()), traj.transitions_fired
+        for k, index in enumerate(fired):
+            e = edges.get(index)
+            if e is None:  # no agent given: what the path says
+                e = edges[index] = {"source": path[k], "dest": path[k + 1], "guard": None, "reason": None,
+                                    "count": 0, "trajectories": 0}  # fmt: skip
+            e["count"] += 1
+        for index in set(fired):
+            edges[index]["trajectories"] += 1
+        for k, state in enumerate(path):
+            s = states.setdefault(state, {"visits": 0, "total_s": 0.0, "failed": 0})
+            s["visits"] += 1
+            if k + 1 < len(times):  # left the state: it has a duration
+                s["total_s"] += times[k + 1] - times[k]
+                timed[state] = timed.get(state, 0) + 1
+        key = reason_key(traj.termination_reason)
+        reasons[key] = reasons.get(key, 0) + 1
+        if traj.error is not None:
+            states[traj.state]["failed"] += 1
+        else:
+            final = finals.setdefault(traj.state, {})
+            final[key] = final.get(key, 0) + 1
+    n = len(trajectories)
+    for e in edges.values():
+        e["share"] = round(e["trajectories"] / n, 6) if n else 0.0
+    for name, s in states.items():
+        s["mean_s"] = s["total_s"] / timed[name] if timed.get(name) else None
+    return {
+        "trajectories": n,
+        "agent": getattr(agent, "name", None),
+        "agent_hash": getattr(agent, "hash", None),
+        "edges": {str(i): edges[i] for i in sorted(edges)},
+        "states": states,
+        "termination_reasons": dict(sorted(reasons.items(), key=lambda kv: -kv[1])),
+        "final_states": finals,
+    }
+
+
+def load_run_stats(run_dir: str | Path) -> dict[str, Any]:
+    """The "fsm" section of a run's summary.json (`run_dir` is the run directory or the file itself)."""
+    path = Path(run_dir)
+    if path.is_dir():
+        path = path / "summary.json"
+    if not path.exists():
+        raise FileNotFoundError(
+            f"{path}: no run summary here; pass the directory `agentfsm run -o DIR` wrote"
+        )
+    summary = json.loads(path.read_text(encoding="utf-8"))
+    stats = summary.get("fsm")
+    if not isinstance(stats, dict) or "edges" not in stats:
+        raise ValueError(f'{path} has no "fsm" run statistics section (written by `agentfsm run`)')
+    return stats

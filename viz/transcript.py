@@ -1,0 +1,175 @@
+"""Transcripts of finished trajectories: what the model wrote (mask 1) and what it was shown (mask 0).
+
+`trajectory_record(traj, codec)` is the JSON line `agentfsm run` writes to trajectories.jsonl, one per
+trajectory:
+
+    {"index": 3, "uid": "calc-0-1", "sample": 1, "session_id": "...", "termination_reason": "done",
+     "reward_score": 1.0, "state_path": ["PENDING", "GENERATING", ...], "num_turns": 4, "error": null,
+     "prompt": "<|im_start|>system ...", "prompt_tokens": 216,
+     "turns": [{"role": "assistant", "text": "<tool_call>...", "mask": 1, "n_tokens": 22},
+               {"role": "template", "text": "\\n", "mask": 0, "n_tokens": 1},
+               {"role": "tool", "text": "<|im_start|>user\\n<tool_response>...", "mask": 0, "n_tokens": 13}, ...]}
+
+`turns` are the trajectory's response segments in order: "assistant" (the model's tokens, mask 1), "tool"
+and "user" (observations, mask 0) and "template" (chat-template scaffolding the model did not generate,
+mask 0), decoded with special tokens kept. `render_transcript` and `show` print them.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console, Group, RenderableType
+from rich.rule import Rule
+from rich.text import Text
+
+ROLE_STYLES = {"assistant": "bold green", "tool": "cyan", "user": "yellow", "template": "dim"}
+PROMPT_TAIL_CHARS = 400  # the prompt's end (the question); system prompts and tool schemas are long
+
+
+def trajectory_record(traj: Any, codec: Any = None) -> dict[str, Any]:
+    """The JSON-ready record of one finished trajectory; `codec` (fsm.chat.ChatCodec, or a tokenizer)
+    decodes the text, and without one only token counts are kept."""
+    ids = traj.response_ids.tolist()
+
+    def decode(part: list[int]) -> str | None:
+        if codec is None:
+            return None
+        return codec.decode(part, skip_special_tokens=False)
+
+    turns = [
+        {"role": seg.role, "text": decode(ids[seg.start : seg.end]), "mask": 1 if seg.role == "assistant" else 0,
+         "n_tokens": seg.end - seg.start}
+        for seg in traj.segments
+    ]  # fmt: skip
+    return {
+        "index": traj.index,
+        "uid": traj.uid,
+        "sample": traj.sample,
+        "session_id": traj.session_id,
+        "termination_reason": traj.termination_reason,
+        "reward_score": traj.reward_score,
+        "state_path": list(traj.path),
+        "num_turns": traj.num_turns,
+        "error": traj.error,
+        "prompt": decode(traj.prompt_ids.tolist()),
+        "prompt_tokens": len(traj.prompt_ids),
+        "turns": turns,
+    }
+
+
+def mask_ratio(record: dict[str, Any]) -> tuple[int, int]:
+    """(tokens with mask 1, response tokens)."""
+    turns = record.get("turns") or []
+    return sum(t["n_tokens"] for t in turns if t.get("mask")), sum(t["n_tokens"] for t in turns)
+
+
+def _tokens(n: int) -> str:
+    return f"{n} token" if n == 1 else f"{n} tokens"
+
+
+def _header(record: dict[str, Any]) -> list[tuple[str, str]]:
+    """(text, style) lines describing the trajectory."""
+    ones, total = mask_ratio(record)
+    ratio = f"{ones}/{total} tokens mask=1 ({100 * ones / total:.1f}%)" if total else "no response tokens"
+    reward = record.get("reward_score")
+    reward = "-" if reward is None else f"{reward:g}"
+    lines = [
+        (f"trajectory {record.get('index')}  uid {record.get('uid')}  sample {record.get('sample')}", "bold"),
+        ("path: " + " -> ".join(record.get("state_path") or []), ""),
+        (
+            f"end: {record.get('termination_reason')}   reward: {reward}   turns: {record.get('num_turns')}   {ratio}",
+            "",
+        ),
+    ]
+    if record.get("error"):
+        lines.append((f"error: {record['error']}", "bold red"))
+    return lines
+
+
+def _prompt_tail(record: dict[str, Any]) -> str | None:
+    prompt = record.get("prompt")
+    if prompt is None:
+        return None
+    return prompt if len(prompt) <= PROMPT_TAIL_CHARS else "…" + prompt[-PROMPT_TAIL_CHARS:]
+
+
+def render_transcript(record: dict[str, Any], color: bool = True) -> str | RenderableType:
+    """One trajectory: a header (path, end, reward, mask-1 ratio), the prompt's tail, then every turn with
+    its role, mask and token count. `color=False` gives plain text; `color=True` a rich renderable in
+    which the model's tokens and each kind of observation have their own colour."""
+    header = _header(record)
+    prompt = _prompt_tail(record)
+    turns = record.get("turns") or []
+    if not color:
+        out = [f"=== {header[0][0]} ==="] + [text for text, _ in header[1:]]
+        if prompt is not None:
+            out += [f"--- prompt ({record.get('prompt_tokens')} tokens, the end shown)", prompt]
+        for t in turns:
+            out.append(f"--- {t['role']} [mask {t['mask']}] ({_tokens(t['n_tokens'])})")
+            out.append(t["text"] if t.get("text") is not None else f"({_tokens(t['n_tokens'])})")
+        return "\n".join(out) + "\n"
+    parts: list[RenderableType] = [Rule(Text(header[0][0], style="bold"), align="left")]
+    parts += [Text(text, style=style) for text, style in header[1:]]
+    if prompt is not None:
+        parts.append(
+            Text(f"prompt ({record.get('prompt_tokens')} tokens, the end shown)", style="dim italic")
+        )
+        parts.append(Text(prompt, style="bright_black"))
+    body = Text()
+    for t in turns:
+        style = ROLE_STYLES.get(t["role"], "magenta")
+        if t["role"] != "template":
+            body.append(
+                f"\n[{t['role']} · mask {t['mask']} · {_tokens(t['n_tokens'])}]\n", style=f"{style} reverse"
+            )
+        body.append(t["text"] if t.get("text") is not None else f"({_tokens(t['n_tokens'])})", style=style)
+    parts.append(body)
+    return Group(*parts)
+
+
+def read_records(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The records of a run's trajectories.jsonl (`run_dir` is the run directory or the file itself)."""
+    path = Path(run_dir)
+    if path.is_dir():
+        path = path / "trajectories.jsonl"
+    if not path.exists():
+        raise FileNotFoundError(
+            f"{path}: no trajectories here; pass the directory `agentfsm run -o DIR` wrote"
+        )
+    with path.open(encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def select(records: Iterable[dict[str, Any]], row: int | None = None, worst: bool = False,
+           failed: bool = False) -> list[dict[str, Any]]:  # fmt: skip
+    """`row`: only the trajectory with that index; `failed`: only those with an error; `worst`: lowest
+    reward first (no reward counts as lowest)."""
+    chosen = [r for r in records if (row is None or r.get("index") == row) and (not failed or r.get("error"))]
+    if worst:
+        chosen.sort(key=lambda r: (r.get("reward_score") is not None, r.get("reward_score") or 0.0))
+    return chosen
+
+
+def show(run_dir: str | Path, row: int | None = None, worst: bool = False, failed: bool = False, *,
+         color: bool | None = None, console: Console | None = None) -> int:  # fmt: skip
+    """Print a run's transcripts (see `select`); colour when printing to a terminal. Returns how many."""
+    records = select(read_records(run_dir), row=row, worst=worst, failed=failed)
+    console = console or Console(highlight=False)
+    if color is None:
+        color = console.is_terminal
+    if not records:
+        what = f"trajectory {row}" if row is not None else "failed trajectories" if failed else "trajectories"
+        (console.print if color else print)(f"no {what} in {run_dir}")
+        return 0
+    for record in records:
+        if color:
+            console.print(render_transcript(record, color=True))
+            console.print()
+        else:
+            sys.stdout.write(render_transcript(record, color=False) + "\n")
+    return len(records)
