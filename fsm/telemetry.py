@@ -17,17 +17,23 @@ Spans leave through a BatchSpanProcessor per exporter (OTLP/HTTP, console, in-me
 that what the SDK drops when its queue is full is counted and reported by `flush()`/`stats()` and logged,
 never lost silently. The TracerProvider is our own: the global one is never touched.
 
+Costs, measured by `bench_tracing` on a 2-core CI machine: the driver's spans are lean (`_Span`, ~7-15 µs
+of event-loop CPU each, ~8 per tool-calling trajectory, against ~1.2 ms of engine CPU per trajectory when
+no model runs); the SDK's OTLP protobuf encoding, in the export thread but holding the GIL, costs ~65 µs a
+span on the same machine, so large CPU-bound runs should sample (`sample=0.05`). With a real model, every
+model call takes far longer than its spans.
+
 The `gen_ai.*` names are kept here as string literals: the semconv package marks its GenAI constants
 deprecated (they moved to the semantic-conventions-genai repository; the strings are unchanged).
 """
 
 from __future__ import annotations
 
-import contextvars
 import hashlib
 import json
 import logging
 import os
+import random
 import threading
 import time
 import traceback
@@ -114,14 +120,16 @@ INPUT_TOKEN_IDS = "agentfsm.input_token_ids"  # opt-in content
 OUTPUT_TOKEN_IDS = "agentfsm.output_token_ids"  # opt-in content
 
 _EMPTY = otel_context.Context()
+_random_bits = random.getrandbits
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED | TraceFlags.RANDOM_TRACE_ID)
 _UNSET = Status(StatusCode.UNSET)
+_INTERNAL, _CLIENT = SpanKind.INTERNAL.value, SpanKind.CLIENT.value  # spans keep ints: enum access is slow
 _MAX_ATTRIBUTES = 128  # the SDK's default span limit, for attributes and events set through the API
 _SAMPLING_ATTRS = ((GEN_AI_REQUEST_TEMPERATURE, "temperature"), (GEN_AI_REQUEST_TOP_P, "top_p"),
                    (GEN_AI_REQUEST_TOP_K, "top_k"))  # fmt: skip
-_REQUEST_ATTRS = (*_SAMPLING_ATTRS, (GEN_AI_REQUEST_MAX_TOKENS, "max_new_tokens"),
-                  (GEN_AI_REQUEST_SEED, "sampling_seed"))  # fmt: skip
-_ROOT: contextvars.ContextVar[_Root | None] = contextvars.ContextVar("agentfsm_trajectory_span", default=None)
+# What a sampled-out trajectory runs under: no current span, so the hooks return no-ops (and spans the
+# caller had open are not parents of anything in it).
+_UNTRACED = otel_trace.set_span_in_context(otel_trace.INVALID_SPAN, _EMPTY)
 
 
 # --- counting what the batch processor keeps and drops ------------------------------------------------------
@@ -151,15 +159,15 @@ class SpanCounts:
 
 
 class _CountingExporter(SpanExporter):
-    """Turns queued span records into ReadableSpans, passes batches on, and counts how each export went."""
+    """Turns queued driver spans into ReadableSpans, passes batches on, and counts how each export went."""
 
     def __init__(self, inner: SpanExporter, resource: Resource, scope: InstrumentationScope):
         self.inner, self.resource, self.scope = inner, resource, scope
         self.submitted = self.exported = self.failed = 0
 
-    def export(self, spans: Sequence[ReadableSpan | tuple]) -> SpanExportResult:
+    def export(self, spans: Sequence[ReadableSpan | _Span]) -> SpanExportResult:
         self.submitted += len(spans)
-        spans = [s if isinstance(s, ReadableSpan) else _readable(s, self.resource, self.scope) for s in spans]
+        spans = [_readable(s, self.resource, self.scope) if isinstance(s, _Span) else s for s in spans]
         try:
             result = self.inner.export(spans)
         except Exception:
@@ -200,10 +208,10 @@ class CountingBatchSpanProcessor(BatchSpanProcessor):
             self.ended += 1
             self._batch_processor.emit(span)
 
-    def emit_record(self, record: tuple) -> None:
-        """A driver span, as the record `_Span.end` makes."""
+    def emit_ended(self, span: _Span) -> None:
+        """A driver span (`_Span`), ended."""
         self.ended += 1
-        self._batch_processor.emit(record)
+        self._batch_processor.emit(span)
 
     def counts(self) -> SpanCounts:
         queued = len(getattr(self._batch_processor, "_queue", ()))
@@ -216,23 +224,24 @@ class CountingBatchSpanProcessor(BatchSpanProcessor):
 
 
 class _Span(otel_trace.Span):
-    """A recording span that costs a dict and a ReadableSpan, not the SDK's span machinery.
+    """A recording span that costs one slotted object and its attribute dict on the event loop.
 
-    The SDK's `Tracer.start_span` + `end` costs ~10x this per span (sampler, id checks, locks, attribute
-    cleaning on every set, a copy at end) and an agent trajectory makes ~8 spans per model turn, so the
-    spans the driver opens are these. They are real spans to everything else: current in the context
-    (so any span started inside, by user code or instrumentation through `Telemetry.tracer` or the global
-    provider, becomes a child), attributes/events/status settable through the API, and at end the same
-    ReadableSpan the SDK hands to its processors, handed to ours. Our own attributes are plain
-    str/int/float/bool/tuple values and skip cleaning; values set through the public API are checked.
+    The SDK's `Tracer.start_span` + `end` costs ~10x this (sampler, SpanContext checks, a lock and
+    attribute cleaning on every set, a ReadableSpan copy at end) and a trajectory opens ~4 spans per model
+    turn, so the spans the driver opens are these. They are real spans to everything else: current in the
+    context (so a span started inside, by user code through `Telemetry.tracer` or the global provider,
+    becomes a child), attributes/events/status settable through the API, and the export thread turns each
+    into the SDK's ReadableSpan for the exporters. Our own attributes are plain str/int/float/bool/tuple
+    values and skip cleaning; values set through the public API are checked.
     """
 
     __slots__ = ("tel", "_name", "_trace_id", "_span_id", "_parent_id", "_context", "_kind", "_attrs", "_events",
                  "_links", "_status", "_start", "_end")  # fmt: skip
 
-    def _open(self, tel: Telemetry, name: str, parent: Any, kind: SpanKind, attrs: dict[str, Any],
+    def _open(self, tel: Telemetry, name: str, parent: Any, kind: int, attrs: dict[str, Any],
               links: tuple = ()) -> None:  # fmt: skip
-        """Start; `parent` is a `_Span`, another span (user code's), or None for a new trace."""
+        """Start; `parent` is a `_Span`, another span (user code's), or None for a new trace; `kind` is a
+        SpanKind value."""
         if parent is None:
             self._trace_id, self._parent_id = tel._ids.generate_trace_id(), 0
         elif isinstance(parent, _Span):
@@ -240,7 +249,7 @@ class _Span(otel_trace.Span):
         else:
             ctx = parent.get_span_context()
             self._trace_id, self._parent_id = ctx.trace_id, ctx.span_id
-        self._span_id = tel._ids.generate_span_id()
+        self._span_id = _random_bits(64) or 1  # as the SDK's RandomIdGenerator: 64 random bits, never 0
         self.tel, self._name, self._kind, self._attrs, self._links = tel, name, kind, attrs, links
         self._context: SpanContext | None = None  # made when asked for
         self._events: tuple | list[Event] = ()  # a list once an event is added
@@ -276,10 +285,11 @@ class _Span(otel_trace.Span):
             self._links = (*self._links, Link(context, attributes))
 
     def update_name(self, name: str) -> None:
-        self._name = name
+        if self._end is None:
+            self._name = name
 
     def set_status(self, status: Status | StatusCode, description: str | None = None) -> None:
-        if self._status.status_code is StatusCode.OK:  # as the SDK: OK is final, UNSET is ignored
+        if self._end is not None or self._status.status_code is StatusCode.OK:  # OK is final, as in the SDK
             return
         if isinstance(status, StatusCode):
             status = Status(status, description)
@@ -303,31 +313,26 @@ class _Span(otel_trace.Span):
         if self._end is not None:
             return
         self._end = end_time or time.time_ns()
-        # A flat tuple of ints, strs and a dict of plain values: the garbage collector stops tracking it, so
-        # thousands of queued spans do not trigger full collections. The exporter thread makes ReadableSpans.
-        status = self._status
-        record = (self._name, self._trace_id, self._span_id, self._parent_id, self._kind.value, self._attrs,
-                  tuple(self._events), self._links, status.status_code.value, status.description, self._start,
-                  self._end)  # fmt: skip
+        # The span itself is queued (nothing new to allocate, which would make the garbage collector run more
+        # often); the export thread turns it into the SDK's ReadableSpan.
         for processor in self.tel.processors:
-            processor.emit_record(record)
+            processor.emit_ended(self)
 
     def _error(self, error_type: str, message: str) -> None:
         self._attrs[ERROR_TYPE] = error_type
         self._status = Status(StatusCode.ERROR, message)
 
 
-_STATUS = {StatusCode.UNSET.value: _UNSET, StatusCode.OK.value: Status(StatusCode.OK)}
 _KINDS = {kind.value: kind for kind in SpanKind}
 
 
-def _readable(record: tuple, resource: Resource, scope: InstrumentationScope) -> ReadableSpan:
-    """The ReadableSpan (what exporters take) of a record made by `_Span.end`."""
-    name, trace_id, span_id, parent_id, kind, attrs, events, links, code, description, start, end = record
-    status = _STATUS.get(code) or Status(StatusCode(code), description)
+def _readable(span: _Span, resource: Resource, scope: InstrumentationScope) -> ReadableSpan:
+    """The ReadableSpan (what exporters take) of an ended `_Span`."""
+    trace_id, parent_id = span._trace_id, span._parent_id
     parent = SpanContext(trace_id, parent_id, False, _SAMPLED) if parent_id else None
-    return ReadableSpan(name, SpanContext(trace_id, span_id, False, _SAMPLED), parent, resource, attrs, events,
-                        links, _KINDS[kind], None, status, start, end, scope)  # fmt: skip
+    return ReadableSpan(span._name, SpanContext(trace_id, span._span_id, False, _SAMPLED), parent, resource,
+                        span._attrs, tuple(span._events), span._links, _KINDS[span._kind], None, span._status,
+                        span._start, span._end, scope)  # fmt: skip
 
 
 def _attribute_value(value: Any) -> Any:
@@ -366,22 +371,23 @@ _NOOP = _Noop()
 
 
 class _SampledOut:
-    """Root of a trajectory that is not traced: hides any enclosing trajectory from the hooks."""
+    """Root of a trajectory that is not traced: no current span while it runs, so every hook is a no-op."""
 
     __slots__ = ("_token",)
 
     def __enter__(self) -> _SampledOut:
-        self._token = _ROOT.set(None)
+        self._token = otel_context.attach(_UNTRACED)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        _ROOT.reset(self._token)
+        otel_context.detach(self._token)
 
 
 class _Root(_Span):
-    """`invoke_agent {agent}`: current span (and `_ROOT`) from enter to exit, in the trajectory's task."""
+    """`invoke_agent {agent}`: the current span from enter to exit, in the trajectory's own task (so its
+    contextvars keep trajectories apart), and again between states, which is how `state` finds it."""
 
-    __slots__ = ("traj", "run", "context", "finals", "_tokens")
+    __slots__ = ("traj", "run", "context", "finals", "_token")
 
     def __init__(self, tel: Telemetry, traj: Any, run: Any):
         self.tel, self.traj, self.run = tel, traj, run
@@ -405,11 +411,11 @@ class _Root(_Span):
                 attrs[key] = sampling[name]
         # A trajectory is its own trace; a span the caller has open (a training step...) is linked to it.
         ambient = otel_trace.get_current_span().get_span_context()
-        self._open(self.tel, f"invoke_agent {agent.name}", None, SpanKind.INTERNAL, attrs,
+        self._open(self.tel, f"invoke_agent {agent.name}", None, _INTERNAL, attrs,
                    (Link(ambient),) if ambient.is_valid else ())  # fmt: skip
         self.context = otel_trace.set_span_in_context(self, _EMPTY)
         self.finals = agent.final_states
-        self._tokens = (otel_context.attach(self.context), _ROOT.set(self))
+        self._token = otel_context.attach(self.context)
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -433,8 +439,7 @@ class _Root(_Span):
         if traj.error is not None:
             attrs[ERROR] = traj.error
             self._error(_error_type(traj.error), traj.error)
-        otel_context.detach(self._tokens[0])
-        _ROOT.reset(self._tokens[1])
+        otel_context.detach(self._token)
         self.end()
         # self.context holds this span: break the cycle so refcounting frees both (and the trajectory)
         self.context = self.traj = self.run = None
@@ -530,7 +535,7 @@ _FINISH_REASONS: dict[str, tuple[str]] = {}
 
 
 def _finish_reasons(reason: str) -> tuple[str]:
-    """One shared tuple per reason: a fresh one would make the span's attribute dict GC-tracked."""
+    """One shared tuple per reason, not one per call."""
     value = _FINISH_REASONS.get(reason)
     if value is None:
         value = _FINISH_REASONS.setdefault(str(reason), (str(reason),))
@@ -734,17 +739,18 @@ class Telemetry:
         return _SampledOut()
 
     def state(self, traj: Any, source: str) -> _StateSpan | _Noop:
-        root = _ROOT.get()
-        if root is None:
+        root = otel_trace.get_current_span()  # between states the trajectory's root is current
+        if type(root) is not _Root:
             return _NOOP
         span = _StateSpan()
-        span._open(self, source, root, SpanKind.INTERNAL, {FSM_SOURCE: source})
+        span._open(self, source, root, _INTERNAL, {FSM_SOURCE: source})
         span.root = root
         span.token = otel_context.attach(otel_trace.set_span_in_context(span, root.context))
         return span
 
     def model_call(self, traj: Any, request: Any, backend: Any) -> _ModelSpan | _Noop:
-        if _ROOT.get() is None:
+        parent = otel_trace.get_current_span()  # the state span (or a span user code opened in it)
+        if not parent.is_recording():
             return _NOOP
         params = request.sampling_params
         attrs: dict[str, Any] = {
@@ -752,20 +758,25 @@ class Telemetry:
             GEN_AI_PROVIDER_NAME: backend.provider,
             GEN_AI_REQUEST_MODEL: backend.model_name,
             GEN_AI_CONVERSATION_ID: request.session_id,
+            GEN_AI_REQUEST_MAX_TOKENS: params.get("max_new_tokens"),
+            GEN_AI_REQUEST_TEMPERATURE: params.get("temperature"),
+            GEN_AI_REQUEST_TOP_P: params.get("top_p"),
+            GEN_AI_REQUEST_TOP_K: params.get("top_k"),
         }
-        for key, name in _REQUEST_ATTRS:
-            if params.get(name) is not None:
-                attrs[key] = params[name]
+        if None in attrs.values():  # an unset parameter is left out, not exported as null
+            attrs = {k: v for k, v in attrs.items() if v is not None}
+        if params.get("sampling_seed") is not None:
+            attrs[GEN_AI_REQUEST_SEED] = params["sampling_seed"]
         if self.capture_content:
             attrs[INPUT_TOKEN_IDS] = tuple(request.prompt_ids)
         span = _ModelSpan()
-        span._open(self, f"text_completion {backend.model_name}", otel_trace.get_current_span(), SpanKind.CLIENT,
-                   attrs)  # fmt: skip
+        span._open(self, f"text_completion {backend.model_name}", parent, _CLIENT, attrs)
         span.capture = self.capture_content
         return span
 
     def tool_call(self, traj: Any, call: Any, tool: Any) -> _ToolSpan | _Noop:
-        if _ROOT.get() is None:
+        parent = otel_trace.get_current_span()
+        if not parent.is_recording():
             return _NOOP
         name = call.name or "unknown"
         attrs: dict[str, Any] = {
@@ -781,7 +792,7 @@ class Telemetry:
             args = call.raw if call.arguments is None else json.dumps(call.arguments, ensure_ascii=False)
             attrs[GEN_AI_TOOL_CALL_ARGUMENTS] = args
         span = _ToolSpan()
-        span._open(self, f"execute_tool {name}", otel_trace.get_current_span(), SpanKind.INTERNAL, attrs)
+        span._open(self, f"execute_tool {name}", parent, _INTERNAL, attrs)
         span.capture = self.capture_content
         return span
 
@@ -847,14 +858,19 @@ class Telemetry:
 # --- overhead -----------------------------------------------------------------------------------------------
 
 
-def bench_tracing(n: int = 2000, *, repeats: int = 5, exporter: str = "memory") -> dict[str, Any]:
-    """Trajectories/s of one scripted workload with tracing off and on, alternating runs; best run of each.
+def bench_tracing(n: int = 2000, *, repeats: int = 4, exporter: str = "memory", sample: float = 1.0,
+                  collect: bool = True) -> dict[str, Any]:  # fmt: skip
+    """Trajectories/s of one scripted workload with tracing off and on, in alternating runs.
 
     The workload is specs/calculator.yaml on the tiny tokenizer with a replayed two-turn model (a tool
     call, then the answer): prompt, generate, the calculator, generate, the reward: 8 spans a trajectory.
     No model runs, so this is the engine's own cost, the worst case for relative overhead. Tracing on is
-    every trajectory sampled, the default BatchSpanProcessor, and `exporter`: "memory" (the SDK's
-    InMemorySpanExporter, which keeps every span) or "null" (counts and drops, like a collector would).
+    `sample` of the trajectories, the default BatchSpanProcessor, and `exporter`: "memory" (the SDK's
+    InMemorySpanExporter, which keeps every span), "null" (drops them) or "otlp" (encodes each batch to
+    OTLP protobuf as OTLPSpanExporter does, without sending it).
+    Totals over all runs of a mode are compared, so garbage collections (whose cost grows with what stays
+    alive across awaits, spans included) land in proportion; `collect=False` disables the collector during
+    runs to show the tracer's own CPU cost.
     """
     import asyncio
     import gc
@@ -883,47 +899,69 @@ def bench_tracing(n: int = 2000, *, repeats: int = 5, exporter: str = "memory") 
             return GenerateResult(list(ids), [-0.5] * n, "stop", len(request.prompt_ids), 0, server="replay")
 
     class Null(SpanExporter):
+        def __init__(self, encode: bool):
+            self.encode = encode
+
         def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+            if self.encode:  # what OTLPSpanExporter does before it sends
+                from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+
+                encode_spans(spans).SerializeToString()
             return SpanExportResult.SUCCESS
 
         def shutdown(self) -> None:
             return None
 
     rows = make_prompts(n)
-    best = {"off": 0.0, "on": 0.0}
-    cpu = {"off": float("inf"), "on": float("inf")}  # process CPU seconds per trajectory (all threads)
+    wall = {"off": 0.0, "on": 0.0}
+    cpu = {"off": 0.0, "on": 0.0}  # process CPU seconds (all threads: the export thread included)
     stats: dict[str, Any] = {}
+    asyncio.run(Runner(agent, Replay(), tok).run(rows[:50]))  # warm caches
+    gc.collect()
     for _ in range(repeats):
         for mode in ("off", "on"):
             tel = None
             if mode == "on":
-                tel = Telemetry(otlp=False, sample=1.0, memory=exporter == "memory",
-                                exporters=[Null()] if exporter != "memory" else ())  # fmt: skip
+                tel = Telemetry(otlp=False, sample=sample, memory=exporter == "memory",
+                                exporters=[Null(exporter == "otlp")] if exporter != "memory" else ())  # fmt: skip
             runner = Runner(agent, Replay(), tok, tracer=tel)
-            gc.collect()  # every run starts from the same collector state
+            if not collect:
+                gc.collect()
+                gc.disable()
             t0, c0 = time.perf_counter(), time.process_time()
             trajs = asyncio.run(runner.run(rows))
-            best[mode] = max(best[mode], len(trajs) / (time.perf_counter() - t0))
-            cpu[mode] = min(cpu[mode], (time.process_time() - c0) / len(trajs))
+            wall[mode] += time.perf_counter() - t0
+            cpu[mode] += time.process_time() - c0
+            gc.enable()
             if tel is not None:
                 stats = tel.close()
             del trajs, runner, tel
+    runs = n * repeats
     return {
         "trajectories": n,
+        "repeats": repeats,
         "exporter": exporter,
-        "off_traj_per_s": round(best["off"], 1),
-        "on_traj_per_s": round(best["on"], 1),
-        "overhead": round(best["off"] / best["on"] - 1.0, 4),  # extra time per trajectory, as a fraction
-        "off_cpu_us_per_traj": round(cpu["off"] * 1e6, 1),
-        "on_cpu_us_per_traj": round(cpu["on"] * 1e6, 1),
+        "gc": "on" if collect else "off during runs",
+        "off_traj_per_s": round(runs / wall["off"], 1),
+        "on_traj_per_s": round(runs / wall["on"], 1),
+        "overhead": round(wall["on"] / wall["off"] - 1.0, 4),  # extra wall time per trajectory, a fraction
+        "off_cpu_us_per_traj": round(cpu["off"] / runs * 1e6, 1),
+        "on_cpu_us_per_traj": round(cpu["on"] / runs * 1e6, 1),
         "overhead_cpu": round(cpu["on"] / cpu["off"] - 1.0, 4),
+        "sample": sample,
         "spans_per_trajectory": stats["exported"] / n,
         "dropped": stats["dropped"],
     }
 
 
-if __name__ == "__main__":  # python -m fsm.telemetry [n] [memory|null]
+if __name__ == "__main__":  # python -m fsm.telemetry [n] [memory|null|otlp] [sample] [nogc]
     import sys
 
-    n_ = int(sys.argv[1]) if len(sys.argv) > 1 else 2000
-    print(json.dumps(bench_tracing(n_, exporter=sys.argv[2] if len(sys.argv) > 2 else "memory"), indent=1))
+    args = sys.argv[1:]
+    result = bench_tracing(
+        int(args[0]) if args else 2000,
+        exporter=args[1] if len(args) > 1 else "memory",
+        sample=float(args[2]) if len(args) > 2 else 1.0,
+        collect="nogc" not in args,
+    )
+    print(json.dumps(result, indent=1))

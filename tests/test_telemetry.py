@@ -462,3 +462,9 @@ def test_server_address_and_port():
     assert T._error_type("error: backend: 503 from x") == "backend"
     assert T._error_type("error: ValueError in GENERATING: boom") == "ValueError"
     assert T._error_type("error: bad row: 'raw_prompt' must be ...") == "bad_row"
+
+
+def test_bench_tracing_runs():
+    result = T.bench_tracing(20, repeats=1, exporter="null")
+    assert result["spans_per_trajectory"] == 8.0 and result["dropped"] == 0
+    assert result["off_traj_per_s"] > 0 and result["on_traj_per_s"] > 0

@@ -18,6 +18,7 @@ mask 0), decoded with special tokens kept. `render_transcript` and `show` print 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -166,10 +167,14 @@ def show(run_dir: str | Path, row: int | None = None, worst: bool = False, faile
         what = f"trajectory {row}" if row is not None else "failed trajectories" if failed else "trajectories"
         (console.print if color else print)(f"no {what} in {run_dir}")
         return 0
-    for record in records:
-        if color:
-            console.print(render_transcript(record, color=True))
-            console.print()
-        else:
-            sys.stdout.write(render_transcript(record, color=False) + "\n")
+    try:
+        for record in records:
+            if color:
+                console.print(render_transcript(record, color=True))
+                console.print()
+            else:
+                sys.stdout.write(render_transcript(record, color=False) + "\n")
+        sys.stdout.flush()
+    except BrokenPipeError:  # `agentfsm show run | head`: the reader has had enough
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
     return len(records)
