@@ -6,9 +6,10 @@ trajs = await runner.run(rows, n=8)                      # one trajectory per (r
 batch = fsm.collate(trajs, ...)                          # verl's padded batch (TensorDict)
 """
 
-from fsm.api import RolloutEngine, RowsError, load_rows
+from fsm.api import RolloutEngine
 from fsm.batch import RolloutBatch, collate, summarize
 from fsm.compile import CompiledAgent, Edge, compile_spec, validate_file
+from fsm.data import DataError, load_rows
 from fsm.interaction import BaseInteraction
 from fsm.loader import Diagnostic, SpecError, load_spec
 from fsm.ray_runner import RayRunner
@@ -19,8 +20,8 @@ from fsm.tools import BaseTool, ToolResponse
 from fsm.trajectory import ToolCall, Trajectory
 
 __all__ = [
-    "AgentSpec", "BaseInteraction", "BaseTool", "CompiledAgent", "Diagnostic", "Edge", "RayRunner",
-    "RolloutBatch", "RolloutEngine", "RowsError", "RunContext", "Runner", "SpecError", "ToolCall",
+    "AgentSpec", "BaseInteraction", "BaseTool", "CompiledAgent", "DataError", "Diagnostic", "Edge", "RayRunner",
+    "RolloutBatch", "RolloutEngine", "RunContext", "Runner", "SpecError", "ToolCall",
     "ToolResponse", "Trajectory", "action", "collate", "compile_spec", "guard", "load_rows", "load_spec",
     "summarize", "validate_file",
 ]  # fmt: skip

@@ -20,7 +20,6 @@ directory (by default the tiny model in backends/tiny/assets).
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -42,75 +41,6 @@ Rows = Sequence[Mapping[str, Any]] | Mapping[str, Sequence[Any] | np.ndarray] | 
 
 
 # --- inputs ------------------------------------------------------------------------------------------------
-
-
-class RowsError(ValueError):
-    """A dataset file with unusable rows. `problems` lists each one as `path:line: message`."""
-
-    def __init__(self, problems: list[str]):
-        self.problems = problems
-        shown = problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
-        super().__init__("\n".join(shown))
-
-
-def load_rows(path: str | Path, *, prompt_key: str = "raw_prompt") -> list[dict[str, Any]]:
-    """Rows of a `.jsonl` or `.parquet` file, in verl's dataset format, checked before anything runs.
-
-    Each row is an object whose `prompt_key` holds the chat messages (verl's parquet files keep them under
-    `prompt`, used when `prompt_key` is absent); a plain string becomes one user message. Problems are
-    collected and raised together as `RowsError`, located by line (jsonl, 1-based) or row (parquet, 0-based).
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such file")
-    problems: list[str] = []
-    rows: list[dict[str, Any]] = []
-    if path.suffix == ".jsonl":
-        with path.open(encoding="utf-8") as f:
-            for line_no, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    problems.append(f"{path}:{line_no}:{e.colno}: invalid JSON: {e.msg}")
-                    continue
-                _check_row(row, f"{path}:{line_no}", prompt_key, problems, rows)
-    elif path.suffix == ".parquet":
-        try:
-            import pyarrow.parquet as pq
-        except ImportError as e:
-            raise ImportError("reading .parquet needs pyarrow: pip install 'agentfsm[parquet]'") from e
-        for i, row in enumerate(pq.read_table(path).to_pylist()):
-            _check_row(row, f"{path}: row {i}", prompt_key, problems, rows)
-    else:
-        raise ValueError(f"{path}: unsupported file type {path.suffix!r}; use .jsonl or .parquet")
-    if problems:
-        raise RowsError(problems)
-    return rows
-
-
-def _check_row(row: Any, where: str, key: str, problems: list[str], rows: list[dict[str, Any]]) -> None:
-    if not isinstance(row, dict):
-        problems.append(f"{where}: a row must be an object, got {type(row).__name__}")
-        return
-    found = key if key in row else "prompt" if key == "raw_prompt" and "prompt" in row else None
-    if found is None:
-        keys = ", ".join(sorted(row)) or "none"
-        problems.append(f"{where}: no {key!r} (the chat messages) in the row; its keys: {keys}")
-        return
-    messages = row.pop(found)
-    if isinstance(messages, str):
-        messages = [{"role": "user", "content": messages}]
-    row["raw_prompt"] = messages
-    if not isinstance(messages, list) or not messages:
-        problems.append(f"{where}: {found!r} must be a non-empty list of messages, got {messages!r:.60}")
-        return
-    for j, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            problems.append(f"{where}: {found!r} message {j} must be an object with a 'role', got {m!r:.60}")
-            return
-    rows.append(row)
 
 
 def is_dataproto(obj: Any) -> bool:

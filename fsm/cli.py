@@ -425,7 +425,11 @@ def main(argv: list[str] | None = None) -> int:
         for d in err.diagnostics:
             print(d, file=sys.stderr)
         return 2
-    except (CLIError, DataError) as exc:
+    except DataError as exc:
+        for problem in exc.problems:
+            print(f"agentfsm: {problem}", file=sys.stderr)
+        return 1
+    except CLIError as exc:
         print(f"agentfsm: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

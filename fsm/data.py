@@ -1,4 +1,10 @@
-"""Dataset rows from .jsonl or .parquet files (verl's dataset columns), with errors that name the row."""
+"""Dataset rows from .jsonl or .parquet files, in verl's dataset format.
+
+A file that cannot be read as rows (missing, unknown type, a line that is not a JSON object) is refused,
+with every problem located as `path:line:col`. A row that reads fine but cannot run (no prompt, messages of
+the wrong shape) is kept: the engine fails that row alone, with an `error: bad row` reason, so one bad row
+never stops a batch and none is silently dropped.
+"""
 
 from __future__ import annotations
 
@@ -7,28 +13,37 @@ from pathlib import Path
 from typing import Any
 
 
-class DataError(Exception):
-    """A data file that cannot be used; the message names the file (and line) and what to do."""
+class DataError(ValueError):
+    """A data file that cannot be used. `problems` lists each one as `path:line[:col]: message`."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        shown = problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
+        super().__init__("\n".join(shown))
 
 
-def load_rows(path: str | Path) -> list[dict[str, Any]]:
-    """Rows of a .jsonl (one JSON object per line) or .parquet file. Each needs `raw_prompt` messages."""
+def load_rows(path: str | Path, *, prompt_key: str = "raw_prompt") -> list[dict[str, Any]]:
+    """Rows of a `.jsonl` (one JSON object per line) or `.parquet` file.
+
+    The chat messages are read from `prompt_key`, or from verl's `prompt` column when that is absent; a
+    plain string becomes one user message.
+    """
     path = Path(path)
-    if not path.exists():
-        raise DataError(f"{path}: no such data file (give a .jsonl or .parquet file with a raw_prompt column)")
-    if path.suffix == ".parquet":
-        rows = _parquet(path)
-    elif path.suffix in (".jsonl", ".json"):
+    if not path.is_file():
+        raise DataError([f"{path}: no such data file (give a .jsonl or .parquet file with a raw_prompt column)"])
+    if path.suffix == ".jsonl":
         rows = _jsonl(path)
+    elif path.suffix == ".parquet":
+        rows = _parquet(path)
     else:
-        raise DataError(f"{path}: unknown data format {path.suffix!r}; use .jsonl or .parquet")
+        raise DataError([f"{path}: unsupported file type {path.suffix!r}; use .jsonl or .parquet"])
     if not rows:
-        raise DataError(f"{path}: the file has no rows")
-    return rows
+        raise DataError([f"{path}: the file has no rows"])
+    return [_normalize(row, prompt_key) for row in rows]
 
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:
-    rows = []
+    rows, problems = [], []
     with path.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -36,10 +51,14 @@ def _jsonl(path: Path) -> list[dict[str, Any]]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+                problems.append(f"{path}:{lineno}:{exc.colno}: invalid JSON: {exc.msg}")
+                continue
             if not isinstance(row, dict):
-                raise DataError(f"{path}:{lineno}: each line must be a JSON object, got {type(row).__name__}")
+                problems.append(f"{path}:{lineno}: a row must be a JSON object, got {type(row).__name__}")
+                continue
             rows.append(row)
+    if problems:
+        raise DataError(problems)
     return rows
 
 
@@ -47,9 +66,18 @@ def _parquet(path: Path) -> list[dict[str, Any]]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise DataError(f"{path}: reading parquet needs pyarrow (pip install 'agentfsm[parquet]')") from None
+        raise DataError([f"{path}: reading parquet needs pyarrow (pip install 'agentfsm[parquet]')"]) from None
     try:
-        table = pq.read_table(path)
+        return pq.read_table(path).to_pylist()
     except Exception as exc:  # pyarrow raises several types for corrupt files
-        raise DataError(f"{path}: cannot read parquet: {exc}") from None
-    return table.to_pylist()
+        raise DataError([f"{path}: cannot read parquet: {exc}"]) from None
+
+
+def _normalize(row: dict[str, Any], prompt_key: str) -> dict[str, Any]:
+    if prompt_key != "raw_prompt" and prompt_key in row:
+        row["raw_prompt"] = row.pop(prompt_key)
+    elif "raw_prompt" not in row and "prompt" in row:
+        row["raw_prompt"] = row.pop("prompt")
+    if isinstance(row.get("raw_prompt"), str):
+        row["raw_prompt"] = [{"role": "user", "content": row["raw_prompt"]}]
+    return row

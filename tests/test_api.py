@@ -16,7 +16,7 @@ import torch
 
 from backends.devserver import DevServer, echo_backend
 from backends.scripted import ScriptedBackend
-from fsm import RolloutEngine, RowsError, load_rows
+from fsm import DataError, RolloutEngine, load_rows
 from fsm.api import make_backend, to_rows
 from specs.calculator import make_prompts
 from tests.conftest import ASSETS
@@ -212,19 +212,16 @@ def test_load_rows_jsonl(tmp_path):
     path = tmp_path / "rows.jsonl"
     good = {"raw_prompt": [{"role": "user", "content": "hi"}], "uid": "a"}
     lines = [json.dumps(good), "", json.dumps({"prompt": [{"role": "user", "content": "verl"}]}),
-             json.dumps({"raw_prompt": "plain text"})]  # fmt: skip
+             json.dumps({"raw_prompt": "plain text"}), json.dumps({"question": "no prompt"})]  # fmt: skip
     path.write_text("\n".join(lines) + "\n")
     rows = load_rows(path)
-    assert [r["raw_prompt"][0]["content"] for r in rows] == ["hi", "verl", "plain text"]
+    assert [r["raw_prompt"][0]["content"] for r in rows[:3]] == ["hi", "verl", "plain text"]
+    assert rows[3] == {"question": "no prompt"}  # kept: the engine fails this row alone
 
-    path.write_text("\n".join([json.dumps(good), "{not json", json.dumps([1]), json.dumps({"raw_prompt": []}),
-                               json.dumps({"question": "x"})]) + "\n")  # fmt: skip
-    with pytest.raises(RowsError) as err:
+    path.write_text("\n".join([json.dumps(good), "{not json", json.dumps([1])]) + "\n")
+    with pytest.raises(DataError) as err:
         load_rows(path)
-    problems = err.value.problems
-    assert [p.split(": ", 1)[0] for p in problems] == [f"{path}:2:2", f"{path}:3", f"{path}:4", f"{path}:5"]
-    assert "no 'raw_prompt'" in problems[3] and "question" in problems[3]
-    assert "non-empty list" in problems[2]
+    assert [p.split(": ", 1)[0] for p in err.value.problems] == [f"{path}:2:2", f"{path}:3"]
 
 
 def test_load_rows_parquet(tmp_path):
@@ -235,15 +232,26 @@ def test_load_rows_parquet(tmp_path):
     pq.write_table(pa.Table.from_pylist(make_prompts(3)), path)
     rows = load_rows(path)
     assert [r["uid"] for r in rows] == ["calc-0-0", "calc-0-1", "calc-0-2"]
-    pq.write_table(
-        pa.Table.from_pylist([{"prompt": [{"role": "user", "content": "a"}]}, {"prompt": None}]), path
-    )
-    with pytest.raises(RowsError, match=r"rows.parquet: row 1: 'prompt' must be a non-empty list"):
+    pq.write_table(pa.Table.from_pylist([{"prompt": [{"role": "user", "content": "a"}]}]), path)
+    assert load_rows(path)[0]["raw_prompt"] == [{"role": "user", "content": "a"}]
+    path.write_bytes(b"not parquet")
+    with pytest.raises(DataError, match="cannot read parquet"):
         load_rows(path)
     other = tmp_path / "rows.csv"
     other.touch()
-    with pytest.raises(ValueError, match="unsupported file type"):
+    with pytest.raises(DataError, match="unsupported file type"):
         load_rows(other)
+
+
+def test_bad_row_in_a_file_fails_alone(tmp_path, tok):
+    """A row without a prompt runs as one error row; the others are unaffected."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [*make_prompts(2), {"question": "x"}]) + "\n")
+    with RolloutEngine("calculator", tok, backend=echo()) as engine:
+        batch = engine.generate_sequences(load_rows(path))
+    reasons = list(batch.non_tensor_batch["termination_reason"])
+    assert not reasons[0].startswith("error") and not reasons[1].startswith("error")
+    assert reasons[2].startswith("error: bad row")
 
 
 @pytest.mark.skipif(not (ASSETS / "model.safetensors").exists(), reason="the tiny model is not trained yet")
