@@ -645,6 +645,7 @@ class Telemetry:
         memory: bool = False,  # keep spans in memory, see `finished_spans()` (tests)
         exporters: Sequence[SpanExporter] = (),  # any other exporters
         sample: float | None = None,  # fraction of trajectories traced, whole; decided from the session id
+        sample_groups: bool = False,  # decide from the uid instead: a GRPO group is traced whole or not at all
         capture_content: bool | None = None,  # messages, token ids, tool arguments/results (opt-in)
         service_name: str | None = None,  # None: OTEL_SERVICE_NAME, else "agentfsm"
         max_queue_size: int | None = None,  # spans waiting per exporter; beyond it they are dropped (counted)
@@ -653,6 +654,7 @@ class Telemetry:
         flush_timeout_s: float = 30.0,  # flush() waits at most this long for a slow collector
     ):
         self.sample = _sample_from_env() if sample is None else float(sample)
+        self.sample_groups = sample_groups
         if not 0.0 <= self.sample <= 1.0:
             raise ValueError(f"sample must be a fraction in [0, 1], got {sample}")
         if capture_content is None:
@@ -719,20 +721,21 @@ class Telemetry:
 
     # --- sampling -------------------------------------------------------------------------------------------
 
-    def keeps(self, session_id: str) -> bool:
-        """Whether the trajectory with this session id is traced (the same answer in every process)."""
+    def keeps(self, key: str) -> bool:
+        """Whether the trajectory with this session id (or uid, with `sample_groups`) is traced: a hash of
+        the key against the fraction, so every process and every re-run gives the same answer."""
         if self.sample >= 1.0:
             return True
         if self.sample <= 0.0:
             return False
-        digest = hashlib.blake2b(session_id.encode(), digest_size=8).digest()
+        digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
         return int.from_bytes(digest, "big") < self._threshold
 
     # --- the hooks fsm/runtime.py calls --------------------------------------------------------------------
 
     def trajectory(self, traj: Any, run: Any) -> _Root | _SampledOut:
         """Root span of one trajectory; `run` is the RunContext (agent, backend, sampling)."""
-        if self.keeps(traj.session_id):
+        if self.keeps(traj.uid if self.sample_groups else traj.session_id):
             self._traced += 1
             return _Root(self, traj, run)
         self._sampled_out += 1

@@ -357,6 +357,14 @@ async def test_sampling_keeps_whole_trajectories(tokenizer, agent):
     other = Telemetry(otlp=False, sample=0.4)
     assert [other.keeps(t.session_id) for t in trajs] == [tel.keeps(t.session_id) for t in trajs]
     other.close()
+    with Telemetry(otlp=False, memory=True, sample=0.5, sample_groups=True) as groups:
+        trajs = await fsm.Runner(agent, calculator_model(tokenizer), tokenizer, tracer=groups).run(rows, n=3)
+        traced = {s.attributes["gen_ai.conversation.id"] for s in groups.finished_spans() if s.parent is None}
+    by_uid = defaultdict(set)
+    for t in trajs:
+        by_uid[t.uid].add(t.session_id in traced)
+    assert all(len(kept) == 1 for kept in by_uid.values())  # a group is traced whole or not at all
+    assert {True, False} <= set().union(*by_uid.values())
     with Telemetry(otlp=False, memory=True, sample=0.0) as none:
         await fsm.Runner(agent, calculator_model(tokenizer), tokenizer, tracer=none).run(rows[:3])
         assert none.finished_spans() == () and none.stats()["trajectories_sampled_out"] == 3
