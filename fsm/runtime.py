@@ -208,9 +208,11 @@ class Runner:
         except Exception as exc:  # a user action or guard bug ends this trajectory only
             traj.fail(f"{type(exc).__name__} in {traj.state}: {exc}")
         finally:
-            await self._finish(ctx, traj)
-            if root is not None:
-                root.__exit__(None, None, None)
+            try:
+                await self._finish(ctx, traj)
+            finally:  # the root span ends even when finishing is cancelled
+                if root is not None:
+                    root.__exit__(None, None, None)
 
     async def _finish(self, ctx: RunContext, traj: Trajectory) -> None:
         """Release the session, close the interaction, score, and (optionally) check the tokens."""
