@@ -145,8 +145,8 @@ def test_mermaid(tool_agent):
     lines = mmd.splitlines()
     assert "stateDiagram-v2" in lines and "    direction LR" in lines
     assert "    [*] --> PENDING" in lines and "    TERMINATED --> [*]" in lines
-    assert "    GENERATING --> PROCESSING_TOOLS: has_tool_calls" in lines
-    assert "    GENERATING --> TERMINATED: response_budget_exhausted / reason#58; response_length" in lines
+    assert "    GENERATING --> PROCESSING_TOOLS: 4. has_tool_calls" in lines
+    assert "    GENERATING --> TERMINATED: 1. response_budget_exhausted / reason#58; response_length" in lines
     assert "    PROCESSING_TOOLS --> GENERATING: default" in lines
     assert sum(" --> " in line and "[*]" not in line for line in lines) == len(tool_agent.edges)
     assert "    GENERATING: generate()" in lines
@@ -228,7 +228,7 @@ def test_annotated_diagram(calculator_run, tmp_path):
     assert re.search(r"GENERATING\n\S+\(\)\n\d+ visits, mean [\d.]+ ms", src)
     assert "40 trajectories" in src
     mmd = to_mermaid(agent, stats)
-    assert "    GENERATING --> PROCESSING_TOOLS: has_tool_calls / 36× · 60%" in mmd
+    assert "    GENERATING --> PROCESSING_TOOLS: 4. has_tool_calls / 36× · 60%" in mmd
     assert "    TERMINATED: done#58; 24" in mmd
     assert render(agent, tmp_path / "run.svg", run_stats=stats).read_text().count("36× · 60%") == 2
 

@@ -74,9 +74,15 @@ def _pct(share: float) -> str:
     return f"{share * 100:.0f}%" if share >= 0.01 or share == 0 else f"{share * 100:.1f}%"
 
 
-def edge_label(edge: Edge, stats: dict[str, Any] | None = None, *, sep: str = "\n") -> str:
-    """`guard`, `reason: ...`, and with statistics `12× · 60%` (count, share of trajectories)."""
-    parts = [edge.label]
+def edge_order(agent: CompiledAgent, edge: Edge) -> int | None:
+    """1-based position among its state's edges (they are tried in this order), None for a lone edge."""
+    siblings = agent.edges_from[edge.source]
+    return siblings.index(edge) + 1 if len(siblings) > 1 else None
+
+
+def edge_label(edge: Edge, stats: dict[str, Any] | None = None, *, sep: str = "\n", order: int | None = None) -> str:
+    """`2. guard`, `reason: ...`, and with statistics `12× · 60%` (count, share of trajectories)."""
+    parts = [f"{order}. {edge.label}" if order is not None else edge.label]
     if edge.reason is not None:
         parts.append(f"reason: {edge.reason}")
     if stats is not None:
@@ -132,7 +138,7 @@ def diagram(agent: Any, run_stats: dict[str, Any] | None = None) -> graphviz.Dig
     for edge in agent.edges:
         stats = _edge_stats(edge, run_stats)
         attrs = {
-            "label": edge_label(edge, stats),
+            "label": edge_label(edge, stats, order=edge_order(agent, edge)),
             "tooltip": f"edge #{edge.index}: {edge.source} -> {edge.dest}",
         }
         if edge.guard is None:
@@ -177,7 +183,7 @@ def to_mermaid(agent: Any, run_stats: dict[str, Any] | None = None) -> str:
             lines.extend(f"    {name}: {_mermaid_text(line)}" for line in extra)
     lines.append(f"    [*] --> {agent.initial}")
     for edge in agent.edges:
-        label = edge_label(edge, _edge_stats(edge, run_stats), sep=" / ")
+        label = edge_label(edge, _edge_stats(edge, run_stats), sep=" / ", order=edge_order(agent, edge))
         lines.append(f"    {edge.source} --> {edge.dest}: {_mermaid_text(label)}")
     for name in agent.final_states:
         lines.append(f"    {name} --> [*]")
