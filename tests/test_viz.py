@@ -147,7 +147,7 @@ def test_mermaid(tool_agent):
     assert "    [*] --> PENDING" in lines and "    TERMINATED --> [*]" in lines
     assert "    GENERATING --> PROCESSING_TOOLS: 4. has_tool_calls" in lines
     assert "    GENERATING --> TERMINATED: 1. response_budget_exhausted / reason#58; response_length" in lines
-    assert "    PROCESSING_TOOLS --> GENERATING: default" in lines
+    assert "    PROCESSING_TOOLS --> GENERATING: 2. default" in lines
     assert sum(" --> " in line and "[*]" not in line for line in lines) == len(tool_agent.edges)
     assert "    GENERATING: generate()" in lines
 
