@@ -110,8 +110,9 @@ def tiny_model_dir() -> Path:
 
 
 def make_backend(*, servers: Sequence[str] | None = None, model: str | Path | None = None,
-                 group_affinity: bool = True) -> Backend:  # fmt: skip
-    """`Router` over SGLang servers, or the in-process `HFBackend` over a model directory (default: tiny)."""
+                 group_affinity: bool = True, **hf_options: Any) -> Backend:  # fmt: skip
+    """`Router` over SGLang servers, or the in-process `HFBackend` over a model directory (default: tiny);
+    `hf_options` go to HFBackend (torch_threads, max_batch_size...)."""
     if servers:
         from backends.router import Router
         from backends.sglang import SGLangBackend
@@ -123,7 +124,7 @@ def make_backend(*, servers: Sequence[str] | None = None, model: str | Path | No
     if not (model_dir / "config.json").exists():
         hint = " (train it: python -m backends.tiny.train)" if model is None else ""
         raise FileNotFoundError(f"no model in {model_dir}{hint}; or pass servers=[...] or backend=...")
-    return HFBackend(model_dir)
+    return HFBackend(model_dir, **hf_options)
 
 
 def wants_logprobs(agent: CompiledAgent, sampling_params: Mapping[str, Any] | None, validate: bool) -> bool:

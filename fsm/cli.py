@@ -16,6 +16,7 @@ from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
 
+from fsm.chat import ChatCodec
 from fsm.compile import CompiledAgent, compile_spec
 from fsm.data import DataError, load_rows
 from fsm.loader import SpecError
@@ -95,22 +96,18 @@ async def _backend(args: argparse.Namespace, stack: AsyncExitStack) -> tuple[Any
             raise CLIError(str(exc).splitlines()[0]) from None
         servers += launcher.urls
         tokenizer = tokenizer or args.launch_sglang
+    from fsm.api import make_backend
+
     if not servers:
-        from backends.hf import HFBackend
-        from backends.tiny import ASSET_DIR
-
-        model = args.model or str(ASSET_DIR)
-        if not (Path(model) / "config.json").exists():
-            raise CLIError(f"{model}: no model there (config.json missing); train it with backends/tiny/train.py")
-        backend = HFBackend(model, torch_threads=args.threads, max_batch_size=args.batch_size)
+        try:
+            backend = make_backend(model=args.model, torch_threads=args.threads, max_batch_size=args.batch_size)
+        except FileNotFoundError as exc:
+            raise CLIError(str(exc)) from None
         await stack.enter_async_context(backend)
-        return backend, tokenizer or (args.model if args.model else None)
-    from backends.router import Router
-    from backends.sglang import SGLangBackend
-
-    clients = [SGLangBackend(url) for url in servers]
-    router = Router(clients, group_affinity=args.group_affinity)
+        return backend, tokenizer or args.model
+    router = make_backend(servers=servers, group_affinity=args.group_affinity)
     await stack.enter_async_context(router)
+    clients = [server.backend for server in router.servers]
     for url, client in zip(servers, clients):
         if not await client.ready():
             raise CLIError(f"{url}: the server does not answer /ready; start it (agentfsm dev-server or sglang) "
@@ -150,28 +147,46 @@ async def _run_async(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     sampling = {k: v for k, v in (("temperature", args.temperature), ("seed", args.seed)) if v is not None}
     t_start = time.perf_counter()
+    router_stats = None
     async with AsyncExitStack() as stack:
-        backend, tok_path = await _backend(args, stack)
-        tokenizer = _tokenizer(tok_path)
-        tracer = _tracer(args)
         if args.ray is not None:
-            from fsm.ray_runner import RayRunner
-
-            runner: Any = RayRunner(args.spec, tokenizer=tok_path, servers=list(args.server or []),
-                                    workers=args.workers, address=args.ray or None)  # fmt: skip
-            trajs = await runner.arun(rows, n=args.n, sampling_params=sampling)
+            trajs, codec = await _run_on_ray(args, rows, sampling)
         else:
-            runner = Runner(agent, backend, tokenizer, max_concurrency=args.concurrency, tracer=tracer,
+            backend, tok_path = await _backend(args, stack)
+            codec = ChatCodec(_tokenizer(tok_path))
+            runner = Runner(agent, backend, codec, max_concurrency=args.concurrency, tracer=_tracer(args),
                             check_tokens=args.check_tokens)  # fmt: skip
             trajs = await _with_progress(runner, rows, args, sampling, console)
-        router_stats = backend.stats() if hasattr(backend, "stats") else None
+            router_stats = backend.stats() if hasattr(backend, "stats") else None
     wall = time.perf_counter() - t_start
     batch = collate(trajs, prompt_length=agent.limits.prompt_length, response_length=agent.limits.response_length,
-                    pad_token_id=runner.codec.pad_id if hasattr(runner, "codec") else 0)  # fmt: skip
-    summary = _write_outputs(out, agent, trajs, batch, runner, wall, router_stats, tracer)
+                    pad_token_id=codec.pad_id)  # fmt: skip
+    tracer = runner.tracer if args.ray is None else None
+    summary = _write_outputs(out, agent, trajs, batch, codec, wall, router_stats, tracer)
     _print_summary(summary, console)
     console.print(f"wrote {out}/batch.pt, trajectories.jsonl, summary.json")
     return 0
+
+
+async def _run_on_ray(args: argparse.Namespace, rows: list[dict], sampling: dict) -> tuple[list, Any]:
+    """Spread the rows over Ray actors; each actor routes over the same servers (or its own tiny model)."""
+    from fsm.ray_runner import RayRunner
+
+    servers = list(args.server or [])
+    if servers:
+        from backends.sglang import SGLangBackend
+
+        for url in servers:
+            async with SGLangBackend(url) as client:
+                if not await client.ready():
+                    raise CLIError(f"{url}: the server does not answer /ready; start it or fix --server")
+    runner = RayRunner(args.spec, tokenizer=args.tokenizer, servers=servers or None, workers=args.workers,
+                       address=args.ray or None)  # fmt: skip
+    try:
+        trajs = await runner.arun(rows, n=args.n, sampling_params=sampling)
+    finally:
+        runner.close()
+    return trajs, ChatCodec(_tokenizer(args.tokenizer))
 
 
 async def _with_progress(runner: Any, rows: list[dict], args: argparse.Namespace, sampling: dict, console: Any) -> list:
@@ -196,7 +211,7 @@ async def _with_progress(runner: Any, rows: list[dict], args: argparse.Namespace
         return await runner.run(rows, n=args.n, sampling_params=sampling, on_done=done)
 
 
-def _write_outputs(out: Path, agent: CompiledAgent, trajs: list, batch: Any, runner: Any, wall: float,
+def _write_outputs(out: Path, agent: CompiledAgent, trajs: list, batch: Any, codec: Any, wall: float,
                    router_stats: Any, tracer: Any) -> dict[str, Any]:  # fmt: skip
     import torch
 
@@ -204,7 +219,6 @@ def _write_outputs(out: Path, agent: CompiledAgent, trajs: list, batch: Any, run
 
     torch.save({"batch": {k: v for k, v in batch.batch.items()}, "non_tensor_batch": batch.non_tensor_batch,
                 "meta_info": batch.meta_info}, out / "batch.pt")  # fmt: skip
-    codec = getattr(runner, "codec", None)
     with (out / "trajectories.jsonl").open("w") as f:
         for traj in trajs:
             f.write(json.dumps(_record(traj, codec), ensure_ascii=False) + "\n")
