@@ -168,7 +168,7 @@ class SGLangBackend(BaseBackend):
             try:
                 async with self._session.request(method, url, json=payload, timeout=timeout) as resp:
                     status, text = resp.status, await resp.text()
-            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            except (TimeoutError, aiohttp.ClientError) as e:
                 status, last = None, f"{type(e).__name__} {e}".strip()
                 if rid is not None and isinstance(e, asyncio.TimeoutError):
                     with contextlib.suppress(BackendError):

@@ -59,10 +59,16 @@ class RunContext:
     async def call_backend(self, traj: Trajectory, request: GenerateRequest) -> GenerateResult:
         if self.tracer is None:
             return await self.backend.generate(request)
-        with self.tracer.model_call(traj, request, self.backend) as span:
+        span = self.tracer.model_call(traj, request, self.backend)  # started, and current
+        if span is None:  # this trajectory is not traced
+            return await self.backend.generate(request)
+        try:
             result = await self.backend.generate(request)
-            span.record(result)
-            return result
+        except BaseException as exc:
+            span.fail(exc)
+            raise
+        span.done(result)
+        return result
 
     async def run_tool(
         self, traj: Trajectory, call: ToolCall, instance_id: str, active: set[str] | None
@@ -70,10 +76,16 @@ class RunContext:
         tools = self.agent.tools
         if self.tracer is None:
             return await tools.call(call, instance_id, traj.tools_kwargs, traj, active)
-        with self.tracer.tool_call(traj, call, tools.by_name.get(call.name or "")) as span:
+        span = self.tracer.tool_call(traj, call, tools.by_name.get(call.name or ""))  # started, and current
+        if span is None:  # this trajectory is not traced
+            return await tools.call(call, instance_id, traj.tools_kwargs, traj, active)
+        try:
             outcome = await tools.call(call, instance_id, traj.tools_kwargs, traj, active)
-            span.record(outcome)
-            return outcome
+        except BaseException as exc:
+            span.fail(exc)
+            raise
+        span.done(outcome)
+        return outcome
 
     def add_observation(self, traj: Trajectory, messages: list[dict[str, Any]], *, role: str) -> bool:
         """Append tool/user turns as mask-0 tokens; False (nothing appended) if they overflow the budget.
@@ -173,15 +185,11 @@ class Runner:
         """Run one trajectory to a final state. Never raises for the trajectory's own failures."""
         agent, tracer = self.agent, self.tracer
         timeout = agent.limits.action_timeout_s
-        root = tracer.trajectory(traj, ctx) if tracer is not None else None
-        if root is not None:
-            root.__enter__()
+        root = tracer.trajectory(traj, ctx) if tracer is not None else None  # None: not traced
         traj.path_times.append(time.perf_counter())  # per-state durations for run statistics (viz.stats)
         try:
             while traj.state not in agent.final_states:
                 source = traj.state
-                span = tracer.state(traj, source) if tracer is not None else None
-                mark = len(traj.segments)  # the span counts the tokens appended after this mark
                 try:
                     if timeout is None:
                         await agent.actions[source](ctx, traj)
@@ -190,15 +198,15 @@ class Runner:
                             await agent.actions[source](ctx, traj)
                     edge = agent.advance(traj)
                 except BaseException as exc:
-                    if span is not None:
-                        span.fail(traj, exc)
+                    if root is not None:
+                        root.state_failed(exc)
                     raise
                 traj.path.append(edge.dest)
                 traj.path_times.append(time.perf_counter())
                 if edge.reason is not None:
                     traj.termination_reason = edge.reason
-                if span is not None:
-                    span.transition(traj, edge, mark)
+                if root is not None:
+                    root.transition(edge)  # ends this state's span, starts the next state's
         except RowError as exc:
             traj.fail(str(exc))
         except BackendError as exc:
@@ -212,7 +220,7 @@ class Runner:
                 await self._finish(ctx, traj)
             finally:  # the root span ends even when finishing is cancelled
                 if root is not None:
-                    root.__exit__(None, None, None)
+                    root.finish()
 
     async def _finish(self, ctx: RunContext, traj: Trajectory) -> None:
         """Release the session, close the interaction, score, and (optionally) check the tokens."""

@@ -422,9 +422,9 @@ async def test_tracing_off_calls_nothing(tokenizer, agent, monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError("a tracer hook ran with tracing off")
 
-    for name in ("trajectory", "state", "model_call", "tool_call", "flush", "stats"):
+    for name in ("trajectory", "model_call", "tool_call", "flush", "stats"):
         monkeypatch.setattr(Telemetry, name, boom)
-    monkeypatch.setattr(T._Span, "_open", boom)
+    monkeypatch.setattr(T._Span, "__init__", boom)
     trajs = await fsm.Runner(agent, calculator_model(tokenizer), tokenizer).run(make_prompts(3))
     assert all(t.termination_reason == "done" and not t.failed for t in trajs)
 
@@ -464,15 +464,21 @@ def test_gen_ai_names_match_semconv():
 
 
 def test_server_address_and_port():
-    assert T._server("http://10.0.0.7:30000") == {"server.address": "10.0.0.7", "server.port": 30000}
-    assert T._server("https://gpu.example") == {"server.address": "gpu.example", "server.port": 443}
-    assert T._server("hf-local") == {"server.address": "hf-local"}
+    assert T._server("http://10.0.0.7:30000") == ("10.0.0.7", 30000)  # server.address, server.port
+    assert T._server("https://gpu.example") == ("gpu.example", 443)
+    assert T._server("hf-local") == ("hf-local", None)
     assert T._error_type("error: backend: 503 from x") == "backend"
     assert T._error_type("error: ValueError in GENERATING: boom") == "ValueError"
     assert T._error_type("error: bad row: 'raw_prompt' must be ...") == "bad_row"
 
 
 def test_bench_tracing_runs():
-    result = T.bench_tracing(20, repeats=1, exporter="null")
-    assert result["spans_per_trajectory"] == 8.0 and result["dropped"] == 0
-    assert result["off_traj_per_s"] > 0 and result["on_traj_per_s"] > 0
+    runs = (("null", 1.0), ("otlp", 1.0), ("memory", 0.0))
+    result = T.bench_tracing(20, repeats=1, runs=runs, show=False)  # the engine workload: 20 spans each
+    null, otlp, none = result["on"]
+    assert null["spans_per_traj"] == otlp["spans_per_traj"] == result["spans_per_traced_trajectory"] == 20
+    assert none["spans_per_traj"] == 0 and all(r["dropped"] == 0 for r in result["on"])
+    assert result["off"]["traj_per_cpu_s"] > 0 and otlp["traj_per_cpu_s"] > 0
+    assert "overhead" in T._bench_table(result)
+    calc = T.bench_tracing(10, repeats=1, workload="calculator", runs=(("encode", 1.0),), show=False)
+    assert calc["on"][0]["spans_per_traj"] == calc["spans_per_traced_trajectory"] == 8
