@@ -161,7 +161,7 @@ def bench_step(tool_turns: int = 4, steps: int = 200_000) -> dict[str, float]:
 
 
 def bench_engine(n: int = 10_000, concurrency: int = 10_000, tool_turns: int = 4, repeats: int = 5,
-                 memory_n: int = 2_000) -> dict[str, Any]:  # fmt: skip
+                 memory_n: int | None = None) -> dict[str, Any]:  # fmt: skip
     """Median over `repeats` of alternating engine/reference runs (CPU seconds of this process, so other
     load on the machine does not count), peak memory per trajectory, and one machine step in isolation."""
     times: dict[str, list[float]] = {"engine": [], "reference": []}
@@ -182,7 +182,7 @@ def bench_engine(n: int = 10_000, concurrency: int = 10_000, tool_turns: int = 4
             "median_cpu_s": round(med, 4),
             "us_per_transition": round(med / transitions * 1e6, 2),
             "trajectories_per_cpu_s": round(n / med, 1),
-            "peak_bytes_per_trajectory": round(_peak_bytes_per_trajectory(kind, memory_n, memory_n, tool_turns)),
+            "peak_bytes_per_trajectory": round(_peak_bytes_per_trajectory(kind, memory_n or n, memory_n or concurrency, tool_turns)),
         }
     out["engine_overhead_us_per_transition"] = round(
         out["engine"]["us_per_transition"] - out["reference"]["us_per_transition"], 2

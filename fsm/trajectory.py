@@ -85,7 +85,7 @@ class Trajectory:
         self.needs_tail = False  # the last turn was the model's: the template's turn closer is still owed
         self.state = initial
         self.path: list[str] = [initial]
-        self.path_times: list[float] = []  # perf_counter() when the driver entered each state of `path`
+        self.path_times = array("d")  # perf_counter() when the driver entered each state of `path`
         self.transitions_fired: list[int] = []  # global edge indices, in order
         self.assistant_turns = 0
         self.user_turns = 0
