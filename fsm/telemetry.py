@@ -202,7 +202,7 @@ _FIXED32 = struct.Struct("<I").pack
 _FLAGS = b"\x85\x01" + _FIXED32(0x100)  # field 16: SPAN_FLAGS_CONTEXT_HAS_IS_REMOTE_MASK, parent local
 _FLAGS_REMOTE = b"\x85\x01" + _FIXED32(0x300)  # ... and CONTEXT_IS_REMOTE
 _STATUS_UNSET = b"\x7a\x00"  # the SDK always writes the status, an empty message when UNSET
-_CACHE_MAX = 4096  # encoded attributes kept per shape slot (token counts, finish reasons, servers...)
+_CACHE_MAX = 4096  # encoded attributes kept per shape slot (counts, names; recent ids), cleared when full
 
 
 def _uvarint(n: int) -> bytes:
@@ -275,8 +275,8 @@ def _events(events: Sequence[Event]) -> bytes:
     for e in events:
         dropped = getattr(e, "dropped_attributes", 0)
         out.append(_ld(b"\x5a", b"\x09" + _FIXED64(e.timestamp) + _ld(b"\x12", e.name.encode("utf-8", "replace"))
-                       + _attributes(b"\x1a", e.attributes) + (b"\x20" + _uvarint(dropped) if dropped else b"")))
-    return b"".join(out)  # fmt: skip
+                       + _attributes(b"\x1a", e.attributes) + (b"\x20" + _uvarint(dropped) if dropped else b"")))  # fmt: skip
+    return b"".join(out)
 
 
 def _links(links: Sequence[Link]) -> bytes:
@@ -285,8 +285,8 @@ def _links(links: Sequence[Link]) -> bytes:
         c, dropped = link.context, getattr(link, "dropped_attributes", 0)
         out.append(_ld(b"\x6a", _IDS_ROOT(0x0A10, c.trace_id >> 64, c.trace_id & _M64, 0x1208, c.span_id)
                        + _attributes(b"\x22", link.attributes) + (b"\x28" + _uvarint(dropped) if dropped else b"")
-                       + b"\x35" + _FIXED32(0x300 if c.is_remote else 0x100)))
-    return b"".join(out)  # fmt: skip
+                       + b"\x35" + _FIXED32(0x300 if c.is_remote else 0x100)))  # fmt: skip
+    return b"".join(out)
 
 
 def _scope(scope: InstrumentationScope | None) -> bytes:
@@ -328,12 +328,46 @@ def _span_message(name: str, kind: int, trace_id: int, span_id: int, parent_id: 
 
 # --- shapes ---------------------------------------------------------------------------------------------------
 
-_CACHED, _PLAIN, _ONE = 0, 1, 2  # a slot's values: encoded once per distinct value; every time; as [value]
+# How a shape slot's value becomes attributes: as it is, encoded once per distinct value (counts, names) or
+# every time (ids, content); as a one-item array (finish reasons); a request's sampling parameters, read in
+# the export thread (gen_ai.request.*); a server URL (server.address/port).
+_CACHED, _PLAIN, _ONE, _PARAMS, _SERVER = range(5)
+_PARAM_KEYS = ((GEN_AI_REQUEST_TEMPERATURE, "temperature"), (GEN_AI_REQUEST_TOP_P, "top_p"),
+               (GEN_AI_REQUEST_TOP_K, "top_k"), (GEN_AI_REQUEST_MAX_TOKENS, "max_new_tokens"),
+               (GEN_AI_REQUEST_SEED, "sampling_seed"))  # fmt: skip
 # Every shape, by id. Queued spans name their shape by id: a tuple of ints and strings is one the garbage
-# collector stops tracking, and the engine's own GC cost is large (~40% of its CPU at 10k in flight).
+# collector stops tracking, and the engine's own GC cost is large (~40% of its CPU at 2k in flight).
 # Shapes are made per (agent, backend, sampling), edge, tool: a few per run, never freed.
 _SHAPES: list[_Shape] = []
 _SHAPES_LOCK = threading.Lock()
+
+
+def _expanded(how: int, value: Any) -> list[tuple[str, Any]]:
+    if how == _PARAMS:
+        return [(key, value.get(name)) for key, name in _PARAM_KEYS]
+    address, port = _server(value)
+    return [(SERVER_ADDRESS, address), (SERVER_PORT, port)]
+
+
+_ATTR_CACHES: dict[tuple[str, type], dict[Any, bytes]] = {}
+_BLOCKS: dict[Any, bytes] = {}  # encoded attributes of an expanded value (sampling parameters, a server)
+
+
+def _span_attr(key: str, value: Any) -> bytes:
+    """The Span.attributes field (key, value), cached per key and type for str/int/float values."""
+    t = type(value)
+    if t is str or t is int or t is float:
+        cache = _ATTR_CACHES.get((key, t))
+        if cache is None:
+            cache = _ATTR_CACHES.setdefault((key, t), {})
+        b = cache.get(value)
+        if b is None:
+            b = _ld(b"\x4a", _key_value(key, value))
+            if len(cache) < _CACHE_MAX:
+                cache[value] = b
+        return b
+    encoded = _any_value(value)
+    return b"" if encoded is None else _ld(b"\x4a", _ld(b"\x0a", key.encode()) + _ld(b"\x12", encoded))
 
 
 class _Shape:
@@ -341,7 +375,7 @@ class _Shape:
 
     A span of this shape carries only its values, lined up with `slots` (None: not set). The export thread
     encodes the name, kind and constant attributes once, and keeps the encoded (key, value) of values that
-    repeat (counts, finish reasons, servers, state names) per slot.
+    repeat (counts, finish reasons, state names) per slot.
     """
 
     __slots__ = ("id", "name", "kind", "const", "keys", "hows", "_pb")
@@ -359,8 +393,14 @@ class _Shape:
     def attributes(self, values: Sequence[Any], extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
         attrs = dict(self.const)
         for key, how, v in zip(self.keys, self.hows, values):
-            if v is not None:
-                attrs[key] = (v,) if how == _ONE else v
+            if v is None:
+                continue
+            if how <= _PLAIN:
+                attrs[key] = v
+            elif how == _ONE:
+                attrs[key] = (v,)
+            else:
+                attrs.update((k, x) for k, x in _expanded(how, v) if x is not None)
         if extra:
             attrs.update(extra)
         return attrs
@@ -368,7 +408,8 @@ class _Shape:
     def encoded(self) -> tuple[bytes, bytes, list[tuple[bytes, int, dict | None]]]:
         if self._pb is None:
             head = _ld(b"\x2a", self.name.encode("utf-8", "replace")) + b"\x30" + _U8[self.kind + 1]
-            slots = [(_ld(b"\x0a", k.encode()), h, None if h == _PLAIN else {}) for k, h in zip(self.keys, self.hows)]
+            slots = [(_ld(b"\x0a", k.encode()), h, {} if h in (_CACHED, _ONE) else None)
+                     for k, h in zip(self.keys, self.hows)]  # fmt: skip
             self._pb = (head, _attributes(b"\x4a", self.const), slots)
         return self._pb
 
@@ -387,16 +428,28 @@ def _lean_message(shape: _Shape, trace_id: int, span_id: int, parent_id: int, st
         if cache is not None and (type(v) is str or type(v) is int):
             b = cache.get(v)
             if b is None:
-                value = _any_value((v,) if how == _ONE else v)
-                b = _ld(b"\x4a", key + _ld(b"\x12", value))
-                if len(cache) < _CACHE_MAX:
-                    cache[v] = b
-        else:
+                b = _ld(b"\x4a", key + _ld(b"\x12", _any_value((v,) if how == _ONE else v)))
+                if len(cache) >= _CACHE_MAX:  # ids: what recurs soon (a trajectory's spans) stays cached
+                    cache.clear()
+                cache[v] = b
+            append(b)
+        elif how <= _ONE:
             value = _any_value((v,) if how == _ONE else v)
-            if value is None:
-                continue
-            b = _ld(b"\x4a", key + _ld(b"\x12", value))
-        append(b)
+            if value is not None:
+                append(_ld(b"\x4a", key + _ld(b"\x12", value)))
+        else:  # one value, several attributes: cached as a block (params by their values and types)
+            if how == _PARAMS:
+                g = v.get
+                t, p, k = g("temperature"), g("top_p"), g("top_k")
+                block_key: Any = (t, p, k, g("max_new_tokens"), g("sampling_seed"), type(t), type(p), type(k))
+            else:
+                block_key = v
+            b = _BLOCKS.get(block_key)
+            if b is None:
+                b = b"".join(_span_attr(k, x) for k, x in _expanded(how, v) if x is not None)
+                if len(_BLOCKS) < _CACHE_MAX:
+                    _BLOCKS[block_key] = b
+            append(b)
     if links:
         append(links)
     append(status)
@@ -415,7 +468,7 @@ class _Encoder:
         self._scopes: dict[Any, bytes] = {}
 
     def _scope_head(self, scope: InstrumentationScope | None) -> bytes:
-        key = None if scope is None else (scope.name, scope.version, scope.schema_url)
+        key = self._key(scope)
         head = self._scopes.get(key)
         if head is None:
             schema = scope.schema_url if scope is not None else ""
@@ -424,28 +477,30 @@ class _Encoder:
         return head
 
     def request(self, items: Sequence[Any]) -> bytes:
-        ours: list[bytes] = []
-        others: dict[Any, list[bytes]] = {}
+        """ResourceSpans{resource, ScopeSpans per instrumentation scope, spans in queue order}, as the SDK's
+        encoder groups them."""
+        ours = self._key(self.scope)
+        groups: dict[Any, list[bytes]] = {ours: [self._scope_head(self.scope)]}
+        spans = groups[ours]
         for item in items:
             if type(item) is tuple:  # (shape id, trace id, span id, parent id, start, end, *values)
                 body = _lean_message(_SHAPES[item[0]], item[1], item[2], item[3], item[4], item[5], item[6:])
+                spans.append(_ld(b"\x12", body))  # ScopeSpans.spans
             elif isinstance(item, _Span):
-                body = item._message()
+                spans.append(_ld(b"\x12", item._message()))
             else:  # a ReadableSpan (a span of `Telemetry.tracer`)
                 scope = item.instrumentation_scope
-                key = None if scope is None else (scope.name, scope.version, scope.schema_url)
-                if scope == self.scope:
-                    key = ()
-                others.setdefault(key, [self._scope_head(scope)]).append(_ld(b"\x12", _readable_message(item)))
-                continue
-            ours.append(_ld(b"\x12", body))  # ScopeSpans.spans
-        scope_spans = []
-        if ours or () in others:
-            ours[:0] = [self._scope_head(self.scope)]
-            ours.extend(others.pop((), [])[1:])
-            scope_spans.append(_ld(b"\x12", b"".join(ours)))
-        scope_spans.extend(_ld(b"\x12", b"".join(parts)) for parts in others.values())
-        return _ld(b"\x0a", self.resource + b"".join(scope_spans) + self.resource_schema)
+                key = self._key(scope)
+                group = groups.get(key)
+                if group is None:
+                    group = groups[key] = [self._scope_head(scope)]
+                group.append(_ld(b"\x12", _readable_message(item)))
+        scope_spans = b"".join(_ld(b"\x12", b"".join(group)) for group in groups.values() if len(group) > 1)
+        return _ld(b"\x0a", self.resource + scope_spans + self.resource_schema)
+
+    @staticmethod
+    def _key(scope: InstrumentationScope | None) -> Any:
+        return None if scope is None else (scope.name, scope.version, scope.schema_url)
 
 
 def _readable_message(span: ReadableSpan) -> bytes:
@@ -568,11 +623,13 @@ class _Span(otel_trace.Span):
         freed now, and a tuple of ints and strings is one the garbage collector stops tracking), else as it is."""
         tel, x = self.tel, self._extra
         tel._ended += 1
-        if x is None or (x.status is _UNSET and not x.attrs and not x.events and not x.links and x.name is None):
+        if x is None or (x.status is _UNSET and not (x.attrs or x.events or x.links) and x.name is None):
             tel._emit((self.shape.id, self._trace_id, self._span_id, self._parent_id, self._start, self._end,
                        *self.values))  # fmt: skip
         else:
             tel._emit(self)
+        if len(tel._queue) >= tel._batch:
+            tel._wake_exporters()
 
     # ours
     def _fail(self, exc: BaseException) -> None:
@@ -645,7 +702,7 @@ def _attribute_value(value: Any) -> Any:
 
 # The varying attributes of each kind of span, in the order of the values the spans carry.
 _ROOT_SLOTS = (
-    (GEN_AI_CONVERSATION_ID, _PLAIN), (INDEX, _PLAIN), (UID, _PLAIN), (SAMPLE, _CACHED),
+    (GEN_AI_CONVERSATION_ID, _CACHED), (INDEX, _CACHED), (UID, _CACHED), (SAMPLE, _CACHED),
     (FSM_TERMINATION_REASON, _CACHED), (FSM_FINAL_STATE, _CACHED), (FSM_TRANSITIONS, _CACHED),
     (FSM_TURNS, _CACHED), (PROMPT_TOKENS, _CACHED), (RESPONSE_TOKENS, _CACHED), (MODEL_TOKENS, _CACHED),
     (GEN_AI_USAGE_INPUT_TOKENS, _CACHED), (GEN_AI_USAGE_OUTPUT_TOKENS, _CACHED),
@@ -655,15 +712,13 @@ _ROOT_SLOTS = (
 _EDGE_SLOTS = ((FSM_TURN, _CACHED), (FSM_TOKENS_MODEL, _CACHED), (FSM_TOKENS_OBSERVATION, _CACHED),
                (FSM_TERMINATION_REASON, _CACHED))  # fmt: skip
 _MODEL_SLOTS = (
-    (GEN_AI_CONVERSATION_ID, _PLAIN), (GEN_AI_REQUEST_MAX_TOKENS, _CACHED), (GEN_AI_REQUEST_SEED, _CACHED),
-    (INPUT_TOKEN_IDS, _PLAIN), (GEN_AI_RESPONSE_FINISH_REASONS, _ONE), (GEN_AI_USAGE_OUTPUT_TOKENS, _CACHED),
-    (GEN_AI_USAGE_INPUT_TOKENS, _CACHED), (GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS, _CACHED),
-    (SERVER_ADDRESS, _CACHED), (SERVER_PORT, _CACHED), (ROUTE, _CACHED), (WEIGHT_VERSION, _CACHED),
+    (GEN_AI_CONVERSATION_ID, _CACHED), ("", _PARAMS), (INPUT_TOKEN_IDS, _PLAIN), (GEN_AI_RESPONSE_FINISH_REASONS, _ONE),
+    (GEN_AI_USAGE_OUTPUT_TOKENS, _CACHED), (GEN_AI_USAGE_INPUT_TOKENS, _CACHED),
+    (GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS, _CACHED), ("", _SERVER), (ROUTE, _CACHED), (WEIGHT_VERSION, _CACHED),
     (GEN_AI_RESPONSE_ID, _PLAIN), (OUTPUT_TOKEN_IDS, _PLAIN),
 )  # fmt: skip
 _TOOL_SLOTS = ((GEN_AI_TOOL_CALL_ID, _PLAIN), (GEN_AI_TOOL_CALL_ARGUMENTS, _PLAIN), (TOOL_ATTEMPTS, _CACHED),
                (ERROR_TYPE, _CACHED), (GEN_AI_TOOL_CALL_RESULT, _PLAIN))  # fmt: skip
-_NO_SERVER = (None, None)
 
 
 class _Shapes:
@@ -676,7 +731,9 @@ class _Shapes:
         self.finals = agent.final_states
         # States whose action is user code (which may start spans under the state's): their span is current.
         builtin = (actions.encode_prompt, actions.generate, actions.call_tools)
-        self.user_states = frozenset(s for s, fn in agent.actions.items() if all(fn is not b for b in builtin))
+        self.user_states = frozenset(
+            s for s, fn in agent.actions.items() if not any(fn is b for b in builtin)
+        )
         const = {
             GEN_AI_OPERATION_NAME: "invoke_agent",
             GEN_AI_PROVIDER_NAME: backend.provider,
@@ -692,7 +749,8 @@ class _Shapes:
             for e in agent.edges
         ]  # fmt: skip
         self.states: dict[str, _Shape] = {}  # a state's span before an edge fires (user actions, failures)
-        self.models: dict[tuple, _Shape] = {}
+        self.models: dict[str, _Shape] = {}
+        self.run_model: _Shape | None = None  # the run backend's
         self.tools: dict[str, _Shape] = {}
 
     def state(self, source: str) -> _Shape:
@@ -701,19 +759,19 @@ class _Shapes:
             shape = self.states[source] = _Shape(source, _INTERNAL, {FSM_SOURCE: source}, _EDGE_SLOTS)
         return shape
 
-    def model(self, backend: Any, key: tuple) -> _Shape:
-        """key: (model name, temperature, top_p, top_k): what a call's span has as constants."""
-        shape = self.models.get(key)
+    def model(self, backend: Any) -> _Shape:
+        """The shape of calls to `backend` (the request's sampling parameters are values: a call may set
+        its own)."""
+        if backend is self.backend and self.run_model is not None:
+            return self.run_model
+        name = backend.model_name
+        shape = self.models.get(name)
         if shape is None:
-            const = {
-                GEN_AI_OPERATION_NAME: "text_completion",
-                GEN_AI_PROVIDER_NAME: backend.provider,
-                GEN_AI_REQUEST_MODEL: key[0],
-                GEN_AI_REQUEST_TEMPERATURE: key[1],
-                GEN_AI_REQUEST_TOP_P: key[2],
-                GEN_AI_REQUEST_TOP_K: key[3],
-            }
-            shape = self.models[key] = _Shape(f"text_completion {key[0]}", _CLIENT, const, _MODEL_SLOTS)
+            const = {GEN_AI_OPERATION_NAME: "text_completion", GEN_AI_PROVIDER_NAME: backend.provider,
+                     GEN_AI_REQUEST_MODEL: name}  # fmt: skip
+            shape = self.models[name] = _Shape(f"text_completion {name}", _CLIENT, const, _MODEL_SLOTS)
+        if backend is self.backend:
+            self.run_model = shape
         return shape
 
     def tool(self, name: str, tool: Any) -> _Shape:
@@ -741,17 +799,19 @@ class _Root(_Span):
 
     def __init__(self, tel: Telemetry, traj: Any, shapes: _Shapes):
         ambient = _current_span()  # a span the caller has open (a training step...) is linked, not a parent
-        ambient = ambient.get_span_context() if ambient is not None else None
-        super().__init__(tel, shapes.root, _random_bits(128) or 1, _random_bits(64) or 1, 0)
-        if ambient is not None and ambient.is_valid:
-            self._x().links.append(Link(ambient))
-        self.traj, self.shapes = traj, shapes
+        self.tel, self.shape, self.values = tel, shapes.root, ()
+        self._trace_id, self._span_id, self._parent_id = _random_bits(128) or 1, _random_bits(64) or 1, 0
+        self._extra = self._end = None
+        if ambient is not None:
+            ambient = ambient.get_span_context()
+            if ambient.is_valid:
+                self._x().links.append(Link(ambient))
+        self.traj, self.shapes, self.state_span = traj, shapes, None
         tel._live[self._trace_id] = self
-        self._token = _attach(self, alone=True)
-        self.state_span: _Span | None = None
+        self._token = _CV.set(_Context({_SPAN_KEY: self})) if _CV is not None else _attach(self, alone=True)
         self.state_mark = len(traj.segments)  # the span counts the tokens appended after this mark
         self.state_id = _random_bits(64) or 1
-        self.state_start = self._start
+        self._start = self.state_start = _time_ns()
         if traj.state in shapes.user_states:
             self._user_state(traj.state)
 
@@ -787,7 +847,8 @@ class _Root(_Span):
                 tel._wake_exporters()
         else:
             span, self.state_span = self.state_span, None
-            span.shape, span.values = shapes.edges[edge.index], (traj.assistant_turns, model, observation, reason)
+            span.shape = shapes.edges[edge.index]
+            span.values = (traj.assistant_turns, model, observation, reason)
             if span._extra is not None:
                 span._extra.name = None  # the edge names it
             _detach(span._token)
@@ -836,8 +897,6 @@ class _Root(_Span):
         tel._live.pop(self._trace_id, None)
         self.traj = None  # the root may wait in the export queue; the trajectory need not
         self.end()
-        if len(tel._queue) >= tel._batch:
-            tel._wake_exporters()
 
 
 class _CallSpan(_Span):
@@ -862,40 +921,37 @@ class _ModelSpan(_CallSpan):
     __slots__ = ()
 
     def _request_values(self) -> tuple:
-        request, params = self.values, self.values.sampling_params
-        return (request.session_id, params.get("max_new_tokens"), params.get("sampling_seed"),
+        request = self.values
+        return (request.session_id, request.sampling_params,
                 tuple(request.prompt_ids) if self.tel.capture_content else None)  # fmt: skip
 
     def done(self, result: Any) -> None:
         """The backend answered: usage, finish reason, the server that answered; the span ends. (Flat: it
-        runs once per model call.)"""
+        runs once per model call; what can wait, the sampling parameters and the server's address, is read
+        in the export thread.)"""
         if _CV is not None:
             _CV.reset(self._token)
         else:
             _detach(self._token)
         request, tel = self.values, self.tel
-        params = request.sampling_params
-        server = result.server
-        if server is not None:
-            server = _SERVERS.get(server) or _server(server)
-        else:
-            server = _NO_SERVER
-        extra = result.extra
-        values = (
-            request.session_id, params.get("max_new_tokens"), params.get("sampling_seed"),
-            tuple(request.prompt_ids) if tel.capture_content else None, str(result.finish_reason),
-            len(result.token_ids), result.prompt_tokens, result.cached_tokens, server[0], server[1], result.route,
-            None if result.weight_version is None else str(result.weight_version),
+        version, extra = result.weight_version, result.extra
+        self._end = end = _time_ns()
+        if self._extra is None and not tel.capture_content:  # the common case, as a tuple (`_queue`, inlined)
+            tel._ended += 1
+            tel._emit((self.shape.id, self._trace_id, self._span_id, self._parent_id, self._start, end,
+                       request.session_id, request.sampling_params, None, result.finish_reason,
+                       len(result.token_ids), result.prompt_tokens, result.cached_tokens, result.server, result.route,
+                       None if version is None else str(version), str(extra["id"]) if extra and extra.get("id") else None))  # fmt: skip
+            if len(tel._queue) >= tel._batch:
+                tel._wake_exporters()
+            return
+        self.values = (
+            *self._request_values(), result.finish_reason, len(result.token_ids), result.prompt_tokens,
+            result.cached_tokens, result.server, result.route, None if version is None else str(version),
             str(extra["id"]) if extra and extra.get("id") else None,
             tuple(result.token_ids) if tel.capture_content else None,
         )  # fmt: skip
-        self._end = end = _time_ns()
-        if self._extra is None:  # `_queue`, inlined: the common case
-            tel._ended += 1
-            tel._emit((self.shape.id, self._trace_id, self._span_id, self._parent_id, self._start, end, *values))
-        else:
-            self.values = values
-            self._queue()
+        self._queue()
 
 
 class _ToolSpan(_CallSpan):
@@ -915,20 +971,20 @@ class _ToolSpan(_CallSpan):
         else:
             _detach(self._token)
         call, tel = self.values, self.tel
-        if tel.capture_content:
-            args = call.raw if call.arguments is None else json.dumps(call.arguments, ensure_ascii=False)
-            values = (call.id or None, args, outcome.attempts, outcome.error, outcome.text)
-        else:
-            values = (call.id or None, None, outcome.attempts, outcome.error)
         self._end = end = _time_ns()
-        if outcome.error is not None:
-            self._x().status = Status(StatusCode.ERROR, outcome.text[:200])
-        if self._extra is None:
+        error = outcome.error
+        if error is None and self._extra is None and not tel.capture_content:  # `_queue`, inlined
             tel._ended += 1
-            tel._emit((self.shape.id, self._trace_id, self._span_id, self._parent_id, self._start, end, *values))
-        else:
-            self.values = values
-            self._queue()
+            tel._emit((self.shape.id, self._trace_id, self._span_id, self._parent_id, self._start, end, call.id or None,
+                       None, outcome.attempts))  # fmt: skip
+            if len(tel._queue) >= tel._batch:
+                tel._wake_exporters()
+            return
+        self.values = (*self._request_values(), outcome.attempts, error,
+                       outcome.text if tel.capture_content else None)  # fmt: skip
+        if error is not None:
+            self._x().status = Status(StatusCode.ERROR, outcome.text[:200])
+        self._queue()
 
 
 _SERVERS: dict[str, tuple[str, int | None]] = {}
@@ -1016,15 +1072,15 @@ class SpanPipeline(SpanProcessor):
 
     The queue is a deque(maxlen=max_queue_size) that the driver's spans are appended to as they end (a bare
     `deque.append`, no Python call): appending to a full one evicts the oldest span, and the caller never
-    blocks. The thread wakes every `schedule_delay_millis`, or when the driver sees a batch queued (it looks
-    once per transition and per trajectory), and exports everything queued in batches of
+    blocks. The thread wakes every `schedule_delay_millis`, or when the tracer sees a batch queued (it looks
+    after queueing each span), and exports everything queued in batches of
     `max_export_batch_size`. The tracer counts the spans it queues, so evicted = ended - submitted - queued,
     exact once the trajectories have finished (as after a flush).
     Spans of `Telemetry.tracer` (SDK spans) come in through `on_end`, like any span processor's.
     """
 
     def __init__(self, exporter: SpanExporter | NativeExporter, name: str, resource: Resource,
-                 scope: InstrumentationScope, *, max_queue_size: int = 2048, max_export_batch_size: int = 512,
+                 scope: InstrumentationScope, *, max_queue_size: int = 16384, max_export_batch_size: int = 512,
                  schedule_delay_millis: float = 5000):  # fmt: skip
         self.exporter, self.name, self.resource, self.scope = exporter, name, resource, scope
         self.native = isinstance(exporter, NativeExporter)
@@ -1039,7 +1095,7 @@ class SpanPipeline(SpanProcessor):
         self._warned_evicted = 0
         self._closed = False
         self._start()
-        if hasattr(os, "register_at_fork"):  # as the SDK: a forked child gets an empty queue and its own thread
+        if hasattr(os, "register_at_fork"):  # as the SDK: a forked child gets an empty queue, its own thread
             ref = weakref.WeakMethod(self._start)
             os.register_at_fork(after_in_child=lambda: (ref() or (lambda: None))())
 
@@ -1175,8 +1231,8 @@ class OtlpHttpExporter(NativeExporter):
             return env.get(f"OTEL_EXPORTER_OTLP_TRACES_{name}") or env.get(f"OTEL_EXPORTER_OTLP_{name}")
 
         if endpoint is None:
-            endpoint = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or (
-                (env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or "http://localhost:4318").removesuffix("/") + "/v1/traces")
+            base = env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or "http://localhost:4318"
+            endpoint = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or base.removesuffix("/") + "/v1/traces"
         self.endpoint = endpoint
         url = urlsplit(endpoint)
         if url.scheme not in ("http", "https") or not url.hostname:
@@ -1191,7 +1247,9 @@ class OtlpHttpExporter(NativeExporter):
             self.timeout_s = 10.0
         self.compression = (compression or setting("COMPRESSION") or "none").strip().lower()
         if self.compression not in ("none", "gzip", "deflate"):
-            log.warning("agentfsm telemetry: unsupported OTLP compression %r, sending uncompressed", self.compression)
+            log.warning(
+                "agentfsm telemetry: unknown OTLP compression %r, sending uncompressed", self.compression
+            )
             self.compression = "none"
         self.compression_level = compression_level
         self.max_request_size = max_request_size
@@ -1350,6 +1408,11 @@ def _env_int(name: str, default: int) -> int:
         return default
 
 
+# The SDK's default queue (2048) overflows when thousands of trajectories move in lockstep on a CPU-bound
+# run (the export thread gets the GIL every few ms); 16384 queued spans are ~3 MB.
+DEFAULT_MAX_QUEUE_SIZE = 16384
+
+
 class Telemetry:
     """The tracer `Runner(..., tracer=...)` calls. Owns its queues, export threads and TracerProvider.
 
@@ -1361,8 +1424,8 @@ class Telemetry:
     Configuration follows the standard variables wherever an argument is left at None:
     OTEL_EXPORTER_OTLP_TRACES_ENDPOINT (verbatim) or OTEL_EXPORTER_OTLP_ENDPOINT (+ /v1/traces) turn OTLP on,
     OTEL_EXPORTER_OTLP_[TRACES_]HEADERS/TIMEOUT/COMPRESSION/CERTIFICATE apply to it (gzip unless a
-    compression is set), OTEL_SERVICE_NAME names the service, OTEL_BSP_MAX_QUEUE_SIZE /
-    OTEL_BSP_MAX_EXPORT_BATCH_SIZE / OTEL_BSP_SCHEDULE_DELAY size the queues,
+    compression is set), OTEL_SERVICE_NAME names the service, OTEL_BSP_MAX_QUEUE_SIZE (16384 here, the
+    SDK's 2048 overflows in bursts) / OTEL_BSP_MAX_EXPORT_BATCH_SIZE / OTEL_BSP_SCHEDULE_DELAY size the queues,
     OTEL_TRACES_SAMPLER(_ARG) = always_off | traceidratio + fraction set `sample`, and
     OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=true sets `capture_content`.
 
@@ -1383,7 +1446,7 @@ class Telemetry:
         sample_groups: bool = False,  # decide from the uid instead: a GRPO group is traced whole or not at all
         capture_content: bool | None = None,  # messages, token ids, tool arguments/results (opt-in)
         service_name: str | None = None,  # None: OTEL_SERVICE_NAME, else "agentfsm"
-        max_queue_size: int | None = None,  # spans waiting per exporter; beyond it they are dropped (counted)
+        max_queue_size: int | None = None,  # spans waiting per exporter (16384); beyond: dropped, counted
         max_export_batch_size: int | None = None,  # spans per export request
         schedule_delay_millis: float | None = None,  # the export thread wakes at least this often
         flush_timeout_s: float = 30.0,  # flush() waits at most this long for a slow collector
@@ -1402,7 +1465,10 @@ class Telemetry:
             resource = resource.merge(Resource({"service.name": "agentfsm"}))
         self.provider = TracerProvider(resource=resource, sampler=ALWAYS_ON, shutdown_on_exit=False)
         self.resource = self.provider.resource
-        self.scope = InstrumentationScope("agentfsm")
+        # `tracer` is the SDK's, for spans of your own (in a custom action, a backend...); the driver's spans
+        # share its instrumentation scope and leave through the same queues.
+        self.tracer = self.provider.get_tracer("agentfsm")
+        self.scope = getattr(self.tracer, "instrumentation_scope", None) or InstrumentationScope("agentfsm")
         self.memory = MemoryExporter(self.resource, self.scope) if memory else None
         self.otlp_endpoint: str | None = None
         named: list[tuple[str, SpanExporter | NativeExporter]] = []
@@ -1411,7 +1477,7 @@ class Telemetry:
             exporter = OtlpHttpExporter(
                 self.resource,
                 self.scope,
-                _traces_url(otlp) if isinstance(otlp, str) else None,  # None: the exporter reads the variables
+                _traces_url(otlp) if isinstance(otlp, str) else None,  # None: from the OTEL_* variables
                 headers=headers,
                 compression=None if compressed else "gzip",
             )
@@ -1422,7 +1488,7 @@ class Telemetry:
         if self.memory is not None:
             named.append(("memory", self.memory))
         named.extend((f"{type(e).__name__}{i}", e) for i, e in enumerate(exporters))
-        queue = max_queue_size or _env_int("OTEL_BSP_MAX_QUEUE_SIZE", 2048)
+        queue = max_queue_size or _env_int("OTEL_BSP_MAX_QUEUE_SIZE", DEFAULT_MAX_QUEUE_SIZE)
         batch = max_export_batch_size or _env_int("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512)
         delay = schedule_delay_millis or _env_int("OTEL_BSP_SCHEDULE_DELAY", 5000)
         self.processors = [
@@ -1432,9 +1498,6 @@ class Telemetry:
         ]  # fmt: skip
         for p in self.processors:
             self.provider.add_span_processor(p)
-        # Ended driver spans go straight to the queues; `tracer` is the SDK's, for spans of your own (in a
-        # custom action, a backend...), exported through the same queues.
-        self.tracer = self.provider.get_tracer("agentfsm")
         # Ended driver spans are appended straight to the queues, and counted here (one exporter: a bare
         # deque.append, the cheapest way to hand a span over).
         self._ended = 0
@@ -1524,17 +1587,18 @@ class Telemetry:
         the trajectory is not traced. (Flat: it runs once per model call.)"""
         context = _CV.get() if _CV is not None else otel_context.get_current()
         current = context.get(_SPAN_KEY)
-        if type(current) is _Root and current.tel is self:  # in a built-in action: the state's span is the parent
+        # in a built-in action, the root is current and the state's span is the parent
+        if type(current) is _Root and current.tel is self:
             root, parent = current, current.state_id
         else:
             root, parent = self._joined(current)
             if root is None:
                 return None
-        params = request.sampling_params
         shapes = root.shapes
-        key = (backend.model_name, params.get("temperature"), params.get("top_p"), params.get("top_k"))
         span = _new(_ModelSpan)
-        span.tel, span.shape, span.values = self, shapes.models.get(key) or shapes.model(backend, key), request
+        span.tel, span.values = self, request
+        run_model = backend is shapes.backend and shapes.run_model
+        span.shape = run_model or shapes.model(backend)
         span._trace_id, span._span_id, span._parent_id = root._trace_id, _random_bits(64) or 1, parent
         span._extra = span._end = None
         span._start = _time_ns()
@@ -1554,7 +1618,8 @@ class Telemetry:
                 return None
         name = call.name or "unknown"
         span = _new(_ToolSpan)
-        span.tel, span.shape, span.values = self, root.shapes.tools.get(name) or root.shapes.tool(name, tool), call
+        span.tel, span.values = self, call
+        span.shape = root.shapes.tools.get(name) or root.shapes.tool(name, tool)
         span._trace_id, span._span_id, span._parent_id = root._trace_id, _random_bits(64) or 1, parent
         span._extra = span._end = None
         span._start = _time_ns()
@@ -1797,7 +1862,9 @@ def _bench_workload(workload: str, n: int, tool_turns: int, concurrency: int) ->
 
         async def generate(self, request: Any) -> GenerateResult:
             ids = call if request.rid.endswith("_t00") else answer
-            return GenerateResult(list(ids), [-0.5] * len(ids), "stop", len(request.prompt_ids), 0, server="replay")
+            return GenerateResult(
+                list(ids), [-0.5] * len(ids), "stop", len(request.prompt_ids), 0, server="replay"
+            )
 
     rows = make_prompts(n)
 
@@ -1844,5 +1911,7 @@ if __name__ == "__main__":  # python -m fsm.telemetry [n] [workload] [exporter:s
 
     args = sys.argv[1:]
     chosen = tuple((a.split(":")[0], float(a.split(":")[1])) for a in args[2:]) or BENCH_RUNS
-    out = bench_tracing(int(args[0]) if args else 2000, workload=args[1] if len(args) > 1 else "engine", runs=chosen)
+    out = bench_tracing(
+        int(args[0]) if args else 2000, workload=args[1] if len(args) > 1 else "engine", runs=chosen
+    )
     print(json.dumps(out, indent=1))

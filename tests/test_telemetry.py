@@ -1,8 +1,9 @@
 """Tracing against a real OTLP/HTTP receiver on loopback: one trace per trajectory, the span tree, GenAI
 attributes, error spans, whole-trajectory sampling, counted drops, and nothing at all when tracing is off.
 
-The receiver is an aiohttp app in a background thread decoding `ExportTraceServiceRequest` protobufs; the
-exporter is the SDK's real OTLPSpanExporter (gzip, retries, headers from the OTEL_* variables).
+The receiver is an aiohttp app in a background thread decoding `ExportTraceServiceRequest` protobufs with the
+official classes; the exporter is ours (hand-encoded protobuf, gzip, the SDK's retry rules, headers from the
+OTEL_* variables), and its bytes are checked against the SDK's own encoder, span for span.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 from opentelemetry import trace as otel_trace
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
@@ -45,11 +47,13 @@ def _value(v: Any) -> Any:
 
 
 class Receiver:
-    """POST /v1/traces on 127.0.0.1 in its own thread and loop. `gate` cleared = hold every request."""
+    """POST /v1/traces on 127.0.0.1 in its own thread and loop. `gate` cleared = hold every request;
+    `responses` = (status, headers) to answer the next requests with (then 200); spans are kept on 200 only."""
 
     def __init__(self) -> None:
         self.spans: list[dict[str, Any]] = []
         self.headers: list[dict[str, str]] = []
+        self.responses: list[tuple[int, dict[str, str]]] = []
         self.gate = threading.Event()
         self.gate.set()
         self.first_request = threading.Event()
@@ -80,6 +84,9 @@ class Receiver:
         self.first_request.set()
         while not self.gate.is_set():
             await asyncio.sleep(0.01)
+        if self.responses:
+            status, headers = self.responses.pop(0)
+            return web.Response(status=status, headers=headers)
         for rs in message.resource_spans:
             resource = {a.key: _value(a.value) for a in rs.resource.attributes}
             for ss in rs.scope_spans:
@@ -482,3 +489,138 @@ def test_bench_tracing_runs():
     assert "overhead" in T._bench_table(result)
     calc = T.bench_tracing(10, repeats=1, workload="calculator", runs=(("encode", 1.0),), show=False)
     assert calc["on"][0]["spans_per_traj"] == calc["spans_per_traced_trajectory"] == 8
+
+
+# --- the hand-written OTLP encoding and exporter --------------------------------------------------------------
+
+
+async def test_otlp_encoding_matches_the_sdk_encoder(tokenizer, agent):
+    """Every kind of span we queue (transition tuples, model/tool calls, roots with outcome and a link to the
+    caller's span, error spans with exception events, attributes set through the API, opt-in content, spans
+    of `Telemetry.tracer`) encodes to the very bytes the SDK's encoder makes of the same spans."""
+    tel = Telemetry(otlp=False, memory=True, capture_content=True)
+
+    def on_call(session_id: str) -> None:
+        current = otel_trace.get_current_span()
+        current.set_attributes({"x.neg": -5, "x.float": 0.25, "x.bool": False, "x.list": ["a", "b"]})
+        with tel.tracer.start_as_current_span("user work", attributes={"x.n": 2**40}):
+            pass
+
+    backend = calculator_model(tokenizer, fail_rows={1}, dead_rows={2}, on_call=on_call)
+    with tel.tracer.start_as_current_span("training step"):  # roots link to it
+        trajs = await fsm.Runner(agent, backend, tokenizer, tracer=tel).run(make_prompts(4), n=2)
+    tel.flush()
+    items = list(tel.memory._items)  # as queued: tuples, span objects, ReadableSpans
+    assert {type(i).__name__ for i in items} >= {"tuple", "_ModelSpan", "_Span", "ReadableSpan"}
+    ours = T._Encoder(tel.resource, tel.scope).request(items)
+    sdk = encode_spans([T._readable(i, tel.resource, tel.scope) for i in items])
+    assert ExportTraceServiceRequest.FromString(ours) == sdk
+    assert ours == sdk.SerializeToString()
+    spans = tel.finished_spans()
+    failed = sum(2 for t in trajs if t.failed)  # "GENERATING -> error" and the failed model call
+    user = len(backend.requests)  # "user work", one per model call
+    assert len(spans) == sum(map(expected_spans, trajs)) + failed + user + 1  # + the training step
+    links = [s.links for s in spans if s.name == "invoke_agent calculator"]
+    step = next(s for s in spans if s.name == "training step")
+    assert all(link.context.span_id == step.context.span_id for (link,) in links)
+    tel.close()
+
+
+def test_otlp_encoding_of_values():
+    """Attribute values of every OTLP type, and the attributes a shape derives from one value (sampling
+    parameters, a server URL), decode as the SDK's encoding of the same span does."""
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+
+    shape = T._Shape(
+        "text_completion m", T._CLIENT, {"gen_ai.request.model": "m", "x.pi": 3.5}, T._MODEL_SLOTS
+    )
+    params = {"temperature": 1, "top_p": 0.9, "top_k": -1, "max_new_tokens": 300, "sampling_seed": 2**63 - 1}
+    values = ("conv-ü", params, (1, 2, 3), "length", 300, 2**20, 0, "https://10.0.0.7:30000", "sticky", "v3", None,
+              (7, 8))  # fmt: skip
+    item = (shape.id, 2**128 - 1, 2**64 - 1, 1, 1_700_000_000_000_000_000, 1_700_000_000_000_000_001, *values)
+    resource, scope = (
+        Resource.create({"service.name": "t", "x.list": (1.5, -2.0)}),
+        InstrumentationScope("agentfsm"),
+    )
+    readable = T._readable(item, resource, scope)
+    assert (
+        readable.attributes["gen_ai.request.temperature"] == 1 and readable.attributes["server.port"] == 30000
+    )
+    assert readable.attributes["gen_ai.response.finish_reasons"] == ("length",)
+    ours = T._Encoder(resource, scope).request([item, item])  # the second from the caches
+    assert ours == encode_spans([readable, readable]).SerializeToString()
+
+
+async def test_otlp_exporter_retries_as_the_sdk(receiver, tokenizer, agent, monkeypatch):
+    """429/502/503/504 are retried (Retry-After honoured), other errors are not; failures are counted."""
+    receiver.responses = [(503, {"Retry-After": "0"}), (429, {"Retry-After": "0"})]
+    tel = Telemetry(otlp=receiver.url)
+    with tel:
+        (traj,) = await fsm.Runner(agent, calculator_model(tokenizer), tokenizer, tracer=tel).run(
+            make_prompts(1)
+        )
+        stats = tel.stats()
+    assert len(receiver.headers) == 3 and stats["exported"] == len(receiver.spans) == expected_spans(traj)
+    assert receiver.headers[0]["Content-Encoding"] == "gzip"
+    assert receiver.headers[0]["Content-Type"] == "application/x-protobuf"
+    receiver.responses = [(400, {})]
+    with Telemetry(otlp=receiver.url) as tel:
+        await fsm.Runner(agent, calculator_model(tokenizer), tokenizer, tracer=tel).run(make_prompts(1))
+        stats = tel.stats()
+    assert len(receiver.headers) == 4 and stats["export_failed"] == stats["ended"] and stats["exported"] == 0
+    # nobody listens: retried until the deadline
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "0.5")
+    with Telemetry(otlp="http://127.0.0.1:9") as tel:
+        await fsm.Runner(agent, calculator_model(tokenizer), tokenizer, tracer=tel).run(make_prompts(1))
+        assert tel.stats()["export_failed"] == tel.stats()["ended"] > 0
+
+
+async def test_sampled_out_trajectories_cost_no_spans(tokenizer, agent, monkeypatch):
+    """A trajectory sampled out gets no root, and its model and tool calls no span objects, even under a span
+    the caller has open."""
+
+    def boom(*args, **kwargs):
+        raise AssertionError("a span was made for a sampled-out trajectory")
+
+    monkeypatch.setattr(T._Root, "__init__", boom)
+    monkeypatch.setattr(T, "_new", boom)
+    with Telemetry(otlp=False, memory=True, sample=0.0) as tel:
+        with tel.tracer.start_as_current_span("caller"):
+            trajs = await fsm.Runner(agent, calculator_model(tokenizer), tokenizer, tracer=tel).run(
+                make_prompts(3)
+            )
+        tel.flush()
+        assert [s.name for s in tel.finished_spans()] == ["caller"]
+    assert all(t.termination_reason == "done" for t in trajs)
+
+
+async def test_spans_a_user_action_starts_are_children_of_its_state(tokenizer, monkeypatch):
+    """A state whose action is user code (here the interaction) has its span current while it runs."""
+    from specs.interactions import GuessNumber
+
+    agent = fsm.compile_spec(REPO / "specs/interaction_agent.yaml")
+    tel = Telemetry(otlp=False, memory=True)
+    reply = GuessNumber.generate_response
+
+    async def generate_response(self, instance_id, messages, **kwargs):
+        with tel.tracer.start_as_current_span("simulator"):
+            return await reply(self, instance_id, messages, **kwargs)
+
+    monkeypatch.setattr(GuessNumber, "generate_response", generate_response)
+    turns = [tokenizer.encode(t, add_special_tokens=False) + [tokenizer.eos_token_id] for t in ("3", "5")]
+    backend = ScriptedBackend(lambda session, k, prompt: turns[k])
+    row = {
+        "raw_prompt": [{"role": "user", "content": "Guess my number."}],
+        "interaction_kwargs": {"secret": 5},
+    }
+    with tel:
+        (traj,) = await fsm.Runner(agent, backend, tokenizer, tracer=tel).run([row])
+        spans = {s.context.span_id: s for s in tel.finished_spans()}
+    assert traj.termination_reason == "interaction_done"
+    user = [s for s in spans.values() if s.name == "simulator"]
+    assert [spans[s.parent.span_id].name for s in user] == [
+        "INTERACTING -> GENERATING",
+        "INTERACTING -> TERMINATED",
+    ]
+    assert len(spans) == expected_spans(traj) + 2
