@@ -62,10 +62,11 @@ class ToolSpec(_Strict):
         default=None, alias="class", description="module:Class with the verl lifecycle."
     )
     config: dict[str, Any] = Field(default_factory=dict, description="Passed to the class constructor.")
-    schema_: dict[str, Any] | None = Field(
+    schema_: dict[str, Any] | str | None = Field(
         default=None,
         alias="schema",
-        description="OpenAI function schema; inferred from a function's signature and docstring if omitted.",
+        description="OpenAI function schema, inline or as module:NAME (keep it exactly what the model was "
+        "trained on); inferred from a function's signature and docstring if omitted.",
     )
     timeout_s: float | None = Field(
         default=None, gt=0, description="Per attempt; a timeout becomes an observation."
