@@ -356,9 +356,17 @@ def _suggest(word: str, choices: Any) -> str:
 
 
 def validate_file(path: str | Path) -> list[Diagnostic]:
-    """Every problem of a spec file (empty when it is valid)."""
+    """Every problem of a spec file (empty when it is valid): type errors, then the semantic checks of
+    what remains once the ill-typed keys are set aside."""
     try:
         compile_spec(path)
     except SpecError as err:
-        return err.diagnostics
+        diags = list(err.diagnostics)
+        if err.salvaged is not None:
+            try:
+                compile_spec(err.salvaged)
+            except SpecError as more:
+                seen = {(d.path, d.line, d.col, d.code) for d in diags}
+                diags += [d for d in more.diagnostics if (d.path, d.line, d.col, d.code) not in seen]
+        return sorted(diags, key=lambda d: (d.path, d.line, d.col))
     return []

@@ -36,10 +36,15 @@ class Diagnostic:
 
 
 class SpecError(Exception):
-    """A spec that does not validate. `diagnostics` holds every problem found, in file order."""
+    """A spec that does not validate. `diagnostics` holds every problem found, in file order.
 
-    def __init__(self, diagnostics: list[Diagnostic]):
+    `salvaged` is the spec with its ill-typed and unknown keys dropped, when that much validates: the
+    semantic checks run on it too, so one typo does not hide the rest of the problems.
+    """
+
+    def __init__(self, diagnostics: list[Diagnostic], salvaged: LoadedSpec | None = None):
         self.diagnostics = sorted(diagnostics, key=lambda d: (d.path, d.line, d.col))
+        self.salvaged = salvaged
         super().__init__("\n".join(str(d) for d in self.diagnostics))
 
 
@@ -270,8 +275,39 @@ def load_spec(path: str | Path) -> LoadedSpec:
     doc = load_document(path, positions, diags)
     if doc is None or diags:
         raise SpecError(diags)
+    plain = _plain(doc)
     try:
-        spec = AgentSpec.model_validate(_plain(doc))
+        spec = AgentSpec.model_validate(plain)
     except ValidationError as err:
-        raise SpecError(_pydantic_diagnostics(err, doc, positions)) from None
+        salvaged = _salvage(plain, err)
+        loaded = LoadedSpec(salvaged, Path(path), doc, positions) if salvaged else None
+        raise SpecError(_pydantic_diagnostics(err, doc, positions), loaded) from None
     return LoadedSpec(spec, Path(path), doc, positions)
+
+
+def _salvage(plain: dict[str, Any], err: ValidationError, rounds: int = 3) -> AgentSpec | None:
+    """The spec without the keys pydantic rejected (defaults take their place), if that validates."""
+    for _ in range(rounds):
+        for e in err.errors():
+            if e["type"] == "missing":
+                return None  # nothing to drop: a required key has no default
+            _drop(plain, tuple(e["loc"]))
+        try:
+            return AgentSpec.model_validate(plain)
+        except ValidationError as again:
+            err = again
+    return None
+
+
+def _drop(node: Any, loc: tuple[Any, ...]) -> None:
+    """Delete the deepest existing key of `loc` (parts pydantic adds for union members are skipped)."""
+    parent, key = None, None
+    for part in loc:
+        if isinstance(node, dict) and part in node:
+            parent, key, node = node, part, node[part]
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            parent, key, node = node, part, node[part]
+    if isinstance(parent, dict):
+        del parent[key]
+    elif isinstance(parent, list):
+        parent[key] = None
