@@ -13,6 +13,7 @@ timeout, a user action raising) ends only that trajectory, with `termination_rea
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import inspect
 import time
 import uuid
@@ -26,6 +27,10 @@ from fsm.compile import CompiledAgent
 from fsm.parsers import PARSERS
 from fsm.tools import CallOutcome
 from fsm.trajectory import ToolCall, Trajectory
+
+# The root span of the trajectory this task runs when it is traced (fsm/telemetry.py). The model and tool
+# calls of one that is not (tracing off, or sampled out) call no tracer hook.
+_TRACED: contextvars.ContextVar[Any] = contextvars.ContextVar("agentfsm_traced", default=None)
 
 _SAMPLING_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty", "min_p", "max_new_tokens", "stop_token_ids",
                   "sampling_seed", "frequency_penalty", "presence_penalty")  # fmt: skip
@@ -57,10 +62,10 @@ class RunContext:
         return {**self.sampling, "sampling_seed": self.seed + traj.index * 1000 + traj.sample}
 
     async def call_backend(self, traj: Trajectory, request: GenerateRequest) -> GenerateResult:
-        if self.tracer is None:
+        if self.tracer is None or _TRACED.get() is None:
             return await self.backend.generate(request)
         span = self.tracer.model_call(traj, request, self.backend)  # started, and current
-        if span is None:  # this trajectory is not traced
+        if span is None:  # a call outside the trajectory's trace
             return await self.backend.generate(request)
         try:
             result = await self.backend.generate(request)
@@ -74,10 +79,10 @@ class RunContext:
         self, traj: Trajectory, call: ToolCall, instance_id: str, active: set[str] | None
     ) -> CallOutcome:
         tools = self.agent.tools
-        if self.tracer is None:
+        if self.tracer is None or _TRACED.get() is None:
             return await tools.call(call, instance_id, traj.tools_kwargs, traj, active)
         span = self.tracer.tool_call(traj, call, tools.by_name.get(call.name or ""))  # started, and current
-        if span is None:  # this trajectory is not traced
+        if span is None:  # a call outside the trajectory's trace
             return await tools.call(call, instance_id, traj.tools_kwargs, traj, active)
         try:
             outcome = await tools.call(call, instance_id, traj.tools_kwargs, traj, active)
@@ -186,6 +191,7 @@ class Runner:
         agent, tracer = self.agent, self.tracer
         timeout = agent.limits.action_timeout_s
         root = tracer.trajectory(traj, ctx) if tracer is not None else None  # None: not traced
+        traced = _TRACED.set(root) if tracer is not None else None
         traj.path_times.append(time.perf_counter())  # per-state durations for run statistics (viz.stats)
         try:
             while traj.state not in agent.final_states:
@@ -221,6 +227,8 @@ class Runner:
             finally:  # the root span ends even when finishing is cancelled
                 if root is not None:
                     root.finish()
+                if traced is not None:
+                    _TRACED.reset(traced)
 
     async def _finish(self, ctx: RunContext, traj: Trajectory) -> None:
         """Release the session, close the interaction, score, and (optionally) check the tokens."""

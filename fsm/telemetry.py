@@ -337,7 +337,7 @@ _PARAM_KEYS = ((GEN_AI_REQUEST_TEMPERATURE, "temperature"), (GEN_AI_REQUEST_TOP_
                (GEN_AI_REQUEST_SEED, "sampling_seed"))  # fmt: skip
 # Every shape, by id. Queued spans name their shape by id: a tuple of ints and strings is one the garbage
 # collector stops tracking, and the engine's own GC cost is large (~40% of its CPU at 2k in flight).
-# Shapes are made per (agent, backend, sampling), edge, tool: a few per run, never freed.
+# Shapes are interned by content (`_shape`) and never freed: a few per spec, backend and sampling setting.
 _SHAPES: list[_Shape] = []
 _SHAPES_LOCK = threading.Lock()
 
@@ -412,6 +412,22 @@ class _Shape:
                      for k, h in zip(self.keys, self.hows)]  # fmt: skip
             self._pb = (head, _attributes(b"\x4a", self.const), slots)
         return self._pb
+
+
+_INTERNED: dict[tuple, _Shape] = {}
+
+
+def _shape(name: str, kind: int, const: Mapping[str, Any], slots: Sequence[tuple[str, int]]) -> _Shape:
+    """The shape with this content, made once per process: the registry stays as small as the set of specs,
+    backends and sampling settings traced, and the export caches stay warm across runs and tracers."""
+    key = (name, kind, tuple((k, v, type(v)) for k, v in const.items()), tuple(slots))  # 1 and 1.0 differ
+    with _SHAPES_LOCK:
+        shape = _INTERNED.get(key)
+    if shape is None:
+        shape = _Shape(name, kind, const, slots)
+        with _SHAPES_LOCK:
+            shape = _INTERNED.setdefault(key, shape)
+    return shape
 
 
 def _lean_message(shape: _Shape, trace_id: int, span_id: int, parent_id: int, start: int, end: int,
@@ -631,7 +647,6 @@ class _Span(otel_trace.Span):
         if len(tel._queue) >= tel._batch:
             tel._wake_exporters()
 
-    # ours
     def _fail(self, exc: BaseException) -> None:
         """The work of this span raised: status ERROR, error.type, and the exception as an event."""
         x = self._x()
@@ -742,9 +757,9 @@ class _Shapes:
             AGENT_HASH: agent.hash,
             **{key: sampling.get(name) for key, name in _SAMPLING_ATTRS},
         }
-        self.root = _Shape(f"invoke_agent {agent.name}", _INTERNAL, const, _ROOT_SLOTS)
+        self.root = _shape(f"invoke_agent {agent.name}", _INTERNAL, const, _ROOT_SLOTS)
         self.edges = [
-            _Shape(f"{e.source} -> {e.dest}", _INTERNAL, {FSM_SOURCE: e.source, FSM_DEST: e.dest, FSM_GUARD: e.label,
+            _shape(f"{e.source} -> {e.dest}", _INTERNAL, {FSM_SOURCE: e.source, FSM_DEST: e.dest, FSM_GUARD: e.label,
                                                          FSM_EDGE: e.index, FSM_REASON: e.reason}, _EDGE_SLOTS)
             for e in agent.edges
         ]  # fmt: skip
@@ -756,7 +771,7 @@ class _Shapes:
     def state(self, source: str) -> _Shape:
         shape = self.states.get(source)
         if shape is None:
-            shape = self.states[source] = _Shape(source, _INTERNAL, {FSM_SOURCE: source}, _EDGE_SLOTS)
+            shape = self.states[source] = _shape(source, _INTERNAL, {FSM_SOURCE: source}, _EDGE_SLOTS)
         return shape
 
     def model(self, backend: Any) -> _Shape:
@@ -769,7 +784,7 @@ class _Shapes:
         if shape is None:
             const = {GEN_AI_OPERATION_NAME: "text_completion", GEN_AI_PROVIDER_NAME: backend.provider,
                      GEN_AI_REQUEST_MODEL: name}  # fmt: skip
-            shape = self.models[name] = _Shape(f"text_completion {name}", _CLIENT, const, _MODEL_SLOTS)
+            shape = self.models[name] = _shape(f"text_completion {name}", _CLIENT, const, _MODEL_SLOTS)
         if backend is self.backend:
             self.run_model = shape
         return shape
@@ -783,7 +798,7 @@ class _Shapes:
                 GEN_AI_TOOL_TYPE: "function",
                 GEN_AI_TOOL_DESCRIPTION: (tool.description or None) if tool is not None else None,
             }
-            shape = self.tools[name] = _Shape(f"execute_tool {name}", _INTERNAL, const, _TOOL_SLOTS)
+            shape = self.tools[name] = _shape(f"execute_tool {name}", _INTERNAL, const, _TOOL_SLOTS)
         return shape
 
 
@@ -1123,8 +1138,9 @@ class SpanPipeline(SpanProcessor):
         while not self._closed:
             self._wake.wait(max(0.0, due - time.monotonic()))
             self._wake.clear()
-            if len(self.queue) >= self.batch_size or time.monotonic() >= due:
-                self._export()
+            timer = time.monotonic() >= due
+            if timer or len(self.queue) >= self.batch_size:
+                self._export(everything=timer)  # woken by a full batch: full batches only
                 due = time.monotonic() + self.delay_s
                 evicted = self.counts().dropped_queue_full
                 if evicted > self._warned_evicted:
@@ -1133,12 +1149,13 @@ class SpanPipeline(SpanProcessor):
                     self._warned_evicted = evicted * 2  # warn again only when it doubles
         self._export()
 
-    def _export(self) -> None:
+    def _export(self, everything: bool = True) -> None:
         with self._lock:
             queue = self.queue
+            least = 1 if everything else self.batch_size
             token = otel_context.attach(otel_context.set_value(_SUPPRESS_KEY, True))  # no spans of the export
             try:
-                while queue:
+                while len(queue) >= least:
                     batch = []
                     for _ in range(min(len(queue), self.batch_size)):
                         try:
@@ -1573,8 +1590,6 @@ class Telemetry:
 
     def _joined(self, current: Any) -> tuple[_Root | None, int]:
         """(root, parent span id) when the current span is in a trajectory this tracer traces."""
-        if current is None:
-            return None, 0
         if isinstance(current, _Span):
             return self._live.get(current._trace_id), current._span_id
         if not current.is_recording():  # INVALID_SPAN, or a span another tracer sampled out
@@ -1590,6 +1605,8 @@ class Telemetry:
         # in a built-in action, the root is current and the state's span is the parent
         if type(current) is _Root and current.tel is self:
             root, parent = current, current.state_id
+        elif current is None:
+            return None
         else:
             root, parent = self._joined(current)
             if root is None:
@@ -1612,6 +1629,8 @@ class Telemetry:
         current = context.get(_SPAN_KEY)
         if type(current) is _Root and current.tel is self:
             root, parent = current, current.state_id
+        elif current is None:
+            return None
         else:
             root, parent = self._joined(current)
             if root is None:
@@ -1726,10 +1745,10 @@ def bench_tracing(n: int = 2000, *, repeats: int = 5, workload: str = "engine",
     against a zero-latency scripted backend, a table-lookup codec; 20 spans a trajectory at 4 rounds);
     "calculator" is specs/calculator.yaml on the tiny tokenizer (its chat template rendered per turn: a
     heavier engine, 8 spans a trajectory). Each of `runs` is (exporter, sample), exporters as in
-    BENCH_EXPORTERS. Every repeat runs tracing off and then each of `runs`; the CPU time is this process's
-    (all threads: export included, the collector's process not), from the first trajectory to the end of the
-    flush that `Runner.run` ends with; overhead is the median over repeats of on/off - 1. `show` prints a
-    table on stderr (stdout stays JSON for `agentfsm bench tracing`).
+    BENCH_EXPORTERS. Every repeat runs each of `runs` right after a run with tracing off; the CPU time is
+    this process's (all threads: export included, the collector's process not), from the first trajectory
+    to the end of the flush that `Runner.run` ends with; overhead is the median over repeats of on/off - 1
+    of those pairs. `show` prints a table on stderr (stdout stays JSON for `agentfsm bench tracing`).
     """
     import asyncio
     import gc
@@ -1781,23 +1800,25 @@ def bench_tracing(n: int = 2000, *, repeats: int = 5, workload: str = "engine",
     try:
         runner, rows = make_run(None)  # warm up (imports, caches)
         asyncio.run(runner.run(rows[:200]))
-        off: list[float] = []
+        # Each run with tracing on right after its own run with tracing off: a run's cost depends on what
+        # the runs before it left behind (heap, caches), so pairs drift together.
+        off: dict[int, list[float]] = {i: [] for i in range(len(runs))}
         on: dict[int, list[float]] = {i: [] for i in range(len(runs))}
         stats: dict[int, dict[str, Any]] = {}
         for _ in range(repeats):
-            off.append(once(None, 0.0)[0])
             for i, (kind, sample) in enumerate(runs):
+                off[i].append(once(None, 0.0)[0])
                 cpu, stats[i] = once(kind, sample)
                 on[i].append(cpu)
     finally:
         if receiver is not None:
             receiver.terminate()
             receiver.wait()
-    off_us = statistics.median(off) / n * 1e6
+    off_us = statistics.median(x for i in off for x in off[i]) / n * 1e6
     rows_out = []
     for i, (kind, sample) in enumerate(runs):
         cpu_us = statistics.median(on[i]) / n * 1e6
-        overhead = statistics.median(b / a - 1.0 for a, b in zip(off, on[i]))
+        overhead = statistics.median(b / a - 1.0 for a, b in zip(off[i], on[i]))
         spans = stats[i]["exported"] / n
         rows_out.append({
             "exporter": kind,
