@@ -191,7 +191,8 @@ class Runner:
         agent, tracer = self.agent, self.tracer
         timeout = agent.limits.action_timeout_s
         root = tracer.trajectory(traj, ctx) if tracer is not None else None  # None: not traced
-        traced = _TRACED.set(root) if tracer is not None else None
+        # marked only when traced (or inside a traced one): a sampled-out trajectory allocates nothing for it
+        traced = _TRACED.set(root) if root is not None or _TRACED.get() is not None else None
         traj.path_times.append(time.perf_counter())  # per-state durations for run statistics (viz.stats)
         try:
             while traj.state not in agent.final_states:

@@ -13,8 +13,8 @@ Where the cost goes, and how it is kept down (`agentfsm bench tracing` measures 
 
 - Tracing off: the driver (fsm/runtime.py) calls nothing when no tracer is given.
 - Sampling keeps or drops whole trajectories, decided once in `trajectory()` from a hash of the session id
-  (a re-run of the same ids keeps the same ones). A sampled-out trajectory gets None: the driver calls no
-  state hook for it, and its model and tool calls find no trace to join (one context lookup each).
+  (a re-run of the same ids keeps the same ones). A sampled-out trajectory gets None and no hook is called
+  for it: the driver marks the tasks of traced ones (a ContextVar), which its model and tool calls check.
 - A traced trajectory's spans are not SDK spans. A span's attributes are values lined up with a `_Shape`
   (one per edge, backend, tool and agent: name, kind, the constant attributes), so nothing builds a dict.
   A transition span is one tuple queued when the edge fires; its id and start wait on the root meanwhile,
@@ -27,11 +27,14 @@ Where the cost goes, and how it is kept down (`agentfsm bench tracing` measures 
   tests), gzipped and POSTed with the SDK's retry rules (`OtlpHttpExporter`). Any other exporter (console,
   the SDK's in-memory one, yours) gets the SDK's ReadableSpans, made in the export thread.
 
-The floor is what Python pays per span: ~1-2 µs on the event loop (ids, clock, one tuple or a slotted
-object, the context switch of a call span) and ~2.5 µs in the export thread (encoding, gzip, HTTP). That
-is ~2-3% of the engine's ~25 µs CPU per transition for each span of a transition, so tracing every trajectory of
-a CPU-bound run costs ~10-15% and sampling a tenth ~1-2%; with a real model, each call outlasts its spans
-by orders of magnitude.
+What it costs, on `agentfsm bench engine`'s workload (the engine alone, ~50 µs CPU per transition on a
+2-core CI machine, 20 spans a trajectory; `agentfsm bench tracing`): every trajectory traced, +20% CPU
+kept in memory and +42% exported over OTLP/HTTP (~5 µs a span on the event loop, ~5 in the export thread);
+a tenth traced +8%; a hundredth +2%; none (sample 0) within noise. The floor is Python's: the bare hooks
+cost ~0.5 µs (a transition) to ~1.5 µs (a model or tool call) a span with hot caches and 2-3x that among
+thousands of trajectories in flight, and encoding ~2 µs plus gzip ~0.8, so 5% of this engine (~1.2 µs a span)
+is out of reach at sample 1.0: sample 0.05 or less on a CPU-bound run. With a real model, each call
+outlasts its spans by orders of magnitude.
 
 The TracerProvider is our own (for `Telemetry.tracer`): the global one is never touched. The `gen_ai.*` names
 are kept here as string literals: the semconv package marks its GenAI constants deprecated (they moved to
@@ -1095,7 +1098,7 @@ class SpanPipeline(SpanProcessor):
     """
 
     def __init__(self, exporter: SpanExporter | NativeExporter, name: str, resource: Resource,
-                 scope: InstrumentationScope, *, max_queue_size: int = 16384, max_export_batch_size: int = 512,
+                 scope: InstrumentationScope, *, max_queue_size: int = 16384, max_export_batch_size: int = 2048,
                  schedule_delay_millis: float = 5000):  # fmt: skip
         self.exporter, self.name, self.resource, self.scope = exporter, name, resource, scope
         self.native = isinstance(exporter, NativeExporter)
@@ -1223,8 +1226,8 @@ class MemoryExporter(NativeExporter):
 
 
 class OtlpHttpExporter(NativeExporter):
-    """OTLP/HTTP with protobuf bodies encoded here (`_Encoder`: ~1.5 µs a span, the SDK's encoder ~35-65),
-    sent with http.client over one kept-alive connection.
+    """OTLP/HTTP with protobuf bodies encoded here (`_Encoder`: ~2 µs a span, the same bytes as the SDK's
+    encoder, which takes ~35), sent with http.client over one kept-alive connection.
 
     Configured as the SDK's OTLPSpanExporter, argument first, then the variable for traces, then the general
     one: endpoint (used verbatim; OTEL_EXPORTER_OTLP_ENDPOINT gets /v1/traces appended; default
@@ -1425,9 +1428,11 @@ def _env_int(name: str, default: int) -> int:
         return default
 
 
-# The SDK's default queue (2048) overflows when thousands of trajectories move in lockstep on a CPU-bound
-# run (the export thread gets the GIL every few ms); 16384 queued spans are ~3 MB.
+# The SDK's defaults (2048 queued, 512 per request) lose spans when thousands of trajectories move in
+# lockstep on a CPU-bound run: the export thread waits ~5 ms for the GIL at every wake-up and every socket
+# call, so it keeps up only with bigger requests. 16384 queued spans are ~3 MB; 2048 a request ~80 kB gzipped.
 DEFAULT_MAX_QUEUE_SIZE = 16384
+DEFAULT_MAX_EXPORT_BATCH_SIZE = 2048
 
 
 class Telemetry:
@@ -1441,8 +1446,9 @@ class Telemetry:
     Configuration follows the standard variables wherever an argument is left at None:
     OTEL_EXPORTER_OTLP_TRACES_ENDPOINT (verbatim) or OTEL_EXPORTER_OTLP_ENDPOINT (+ /v1/traces) turn OTLP on,
     OTEL_EXPORTER_OTLP_[TRACES_]HEADERS/TIMEOUT/COMPRESSION/CERTIFICATE apply to it (gzip unless a
-    compression is set), OTEL_SERVICE_NAME names the service, OTEL_BSP_MAX_QUEUE_SIZE (16384 here, the
-    SDK's 2048 overflows in bursts) / OTEL_BSP_MAX_EXPORT_BATCH_SIZE / OTEL_BSP_SCHEDULE_DELAY size the queues,
+    compression is set), OTEL_SERVICE_NAME names the service, OTEL_BSP_MAX_QUEUE_SIZE (16384 here) /
+    OTEL_BSP_MAX_EXPORT_BATCH_SIZE (2048 here; the SDK's 2048/512 lose spans in bursts, see
+    DEFAULT_MAX_QUEUE_SIZE) / OTEL_BSP_SCHEDULE_DELAY size the queues,
     OTEL_TRACES_SAMPLER(_ARG) = always_off | traceidratio + fraction set `sample`, and
     OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=true sets `capture_content`.
 
@@ -1464,7 +1470,7 @@ class Telemetry:
         capture_content: bool | None = None,  # messages, token ids, tool arguments/results (opt-in)
         service_name: str | None = None,  # None: OTEL_SERVICE_NAME, else "agentfsm"
         max_queue_size: int | None = None,  # spans waiting per exporter (16384); beyond: dropped, counted
-        max_export_batch_size: int | None = None,  # spans per export request
+        max_export_batch_size: int | None = None,  # spans per export request (2048)
         schedule_delay_millis: float | None = None,  # the export thread wakes at least this often
         flush_timeout_s: float = 30.0,  # flush() waits at most this long for a slow collector
     ):
@@ -1506,7 +1512,9 @@ class Telemetry:
             named.append(("memory", self.memory))
         named.extend((f"{type(e).__name__}{i}", e) for i, e in enumerate(exporters))
         queue = max_queue_size or _env_int("OTEL_BSP_MAX_QUEUE_SIZE", DEFAULT_MAX_QUEUE_SIZE)
-        batch = max_export_batch_size or _env_int("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512)
+        batch = max_export_batch_size or _env_int(
+            "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", DEFAULT_MAX_EXPORT_BATCH_SIZE
+        )
         delay = schedule_delay_millis or _env_int("OTEL_BSP_SCHEDULE_DELAY", 5000)
         self.processors = [
             SpanPipeline(e, name, self.resource, self.scope, max_queue_size=queue, max_export_batch_size=batch,
@@ -1828,7 +1836,7 @@ def bench_tracing(n: int = 2000, *, repeats: int = 5, workload: str = "engine",
             "overhead": round(overhead, 4),
             "spans_per_traj": round(spans, 3),
             # extra CPU per span exported (sampled-out trajectories' cost included)
-            "us_per_span": round(overhead * off_us / spans, 2) if spans else None,
+            "us_per_span": round(overhead * off_us / spans, 2) if spans >= 1 else None,  # noise below
             "dropped": stats[i]["dropped"],
         })  # fmt: skip
     result = {
@@ -1898,8 +1906,8 @@ def _bench_workload(workload: str, n: int, tool_turns: int, concurrency: int) ->
 def _bench_table(r: dict[str, Any]) -> str:
     lines = [
         f"agentfsm bench tracing: {r['workload']} workload, {r['trajectories']} trajectories "
-        f"({r['spans_per_traced_trajectory']} spans each when traced), median of {r['repeats']} alternating runs, "
-        "CPU time of this process (export thread included)",
+        f"({r['spans_per_traced_trajectory']} spans each when traced), CPU time of this process (export thread "
+        f"included), median of {r['repeats']} runs, each right after a run with tracing off",
         f"{'tracing':<9} {'sample':>6} {'traj/CPU-s':>11} {'CPU µs/traj':>12} {'overhead':>9} {'µs/span':>8} "
         f"{'spans/traj':>10} {'dropped':>8}",
         f"{'off':<9} {'-':>6} {r['off']['traj_per_cpu_s']:>11.0f} {r['off']['cpu_us_per_traj']:>12.1f} {'-':>9} "
