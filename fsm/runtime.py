@@ -190,9 +190,11 @@ class Runner:
         """Run one trajectory to a final state. Never raises for the trajectory's own failures."""
         agent, tracer = self.agent, self.tracer
         timeout = agent.limits.action_timeout_s
-        root = tracer.trajectory(traj, ctx) if tracer is not None else None  # None: not traced
-        # marked only when traced (or inside a traced one): a sampled-out trajectory allocates nothing for it
-        traced = _TRACED.set(root) if root is not None or _TRACED.get() is not None else None
+        root = traced = None
+        if tracer is not None:
+            root = tracer.trajectory(traj, ctx)  # None: sampled out
+            if root is not None or _TRACED.get() is not None:  # a sampled-out one costs no ContextVar copy
+                traced = _TRACED.set(root)
         traj.path_times.append(time.perf_counter())  # per-state durations for run statistics (viz.stats)
         try:
             while traj.state not in agent.final_states:

@@ -261,4 +261,9 @@ def test_embedded_default_runs_the_tiny_model():
         again = engine.generate_sequences(make_prompts(2), validate=True)
     assert engine.backend.provider == "transformers"
     assert out.batch["response_mask"].sum() > 0
-    same_tensors(out, again)  # greedy
+    # Greedy: the same tokens; logprobs agree up to float summation order (batch composition differs).
+    for key in out.batch.keys():
+        if key == "rollout_log_probs":
+            torch.testing.assert_close(out.batch[key], again.batch[key], atol=1e-4, rtol=0)
+        else:
+            assert torch.equal(out.batch[key], again.batch[key]), key
