@@ -1605,20 +1605,25 @@ class Telemetry:
         ctx = current.get_span_context()
         return self._live.get(ctx.trace_id), ctx.span_id
 
+    def _call_parent(self) -> tuple[Any, Any, int] | None:
+        """(context, root, parent span id) for a model or tool call span; None when not traced. In a
+        built-in action the root is current and the state's span is the parent."""
+        context = _CV.get() if _CV is not None else otel_context.get_current()
+        current = context.get(_SPAN_KEY)
+        if type(current) is _Root and current.tel is self:
+            return context, current, current.state_id
+        if current is None:
+            return None
+        root, parent = self._joined(current)
+        return (context, root, parent) if root is not None else None
+
     def model_call(self, traj: Any, request: Any, backend: Any) -> _ModelSpan | None:
         """The started span of one backend call, current until its `done(result)` or `fail(exc)`; None when
         the trajectory is not traced. (Flat: it runs once per model call.)"""
-        context = _CV.get() if _CV is not None else otel_context.get_current()
-        current = context.get(_SPAN_KEY)
-        # in a built-in action, the root is current and the state's span is the parent
-        if type(current) is _Root and current.tel is self:
-            root, parent = current, current.state_id
-        elif current is None:
+        found = self._call_parent()
+        if found is None:
             return None
-        else:
-            root, parent = self._joined(current)
-            if root is None:
-                return None
+        context, root, parent = found
         shapes = root.shapes
         span = _new(_ModelSpan)
         span.tel, span.values = self, request
@@ -1633,16 +1638,10 @@ class Telemetry:
     def tool_call(self, traj: Any, call: Any, tool: Any) -> _ToolSpan | None:
         """The started span of one tool call, current until its `done(outcome)` or `fail(exc)`; None when
         the trajectory is not traced."""
-        context = _CV.get() if _CV is not None else otel_context.get_current()
-        current = context.get(_SPAN_KEY)
-        if type(current) is _Root and current.tel is self:
-            root, parent = current, current.state_id
-        elif current is None:
+        found = self._call_parent()
+        if found is None:
             return None
-        else:
-            root, parent = self._joined(current)
-            if root is None:
-                return None
+        context, root, parent = found
         name = call.name or "unknown"
         span = _new(_ToolSpan)
         span.tel, span.values = self, call
