@@ -92,6 +92,12 @@ class CompiledAgent:
             s: tuple(e for e in edges if e.source == s) for s in spec.states
         }
         self.actions = actions
+        # States whose action runs user code (a user action, or `interact` calling the user's interaction),
+        # which may start spans of its own: telemetry makes their state span current. Decided once, here.
+        self.user_code_states = frozenset(
+            name for name, st in spec.states.items()
+            if not st.final and st.action not in ("encode_prompt", "generate", "call_tools")
+        )
         self.tools = tools
         self.interaction_cls = interaction_cls
         self.reward = reward

@@ -743,15 +743,10 @@ class _Shapes:
     """The shapes of one run's spans (agent, backend, sampling), shared by its trajectories."""
 
     def __init__(self, agent: Any, backend: Any, sampling: Mapping[str, Any]):
-        from fsm import actions
-
         self.agent, self.backend = agent, backend  # kept alive: the tracer's cache is keyed by their ids
         self.finals = agent.final_states
         # States whose action is user code (which may start spans under the state's): their span is current.
-        builtin = (actions.encode_prompt, actions.generate, actions.call_tools)
-        self.user_states = frozenset(
-            s for s, fn in agent.actions.items() if not any(fn is b for b in builtin)
-        )
+        self.user_states = agent.user_code_states
         const = {
             GEN_AI_OPERATION_NAME: "invoke_agent",
             GEN_AI_PROVIDER_NAME: backend.provider,
