@@ -1,6 +1,8 @@
 """Token-in-token-out client for an SGLang 0.5.23 server, and a launcher for SGLang replicas.
 
-The wire contract is /work/shared/reference/sglang-http.md. What this module adds on top of a bare POST:
+The wire contract is SGLang's native HTTP API (`/generate` with `input_ids`, `/abort_request`, `/model_info`,
+the memory and weight endpoints); backends/devserver.py serves the same contract for tests. What this module
+adds on top of a bare POST:
 - `max_new_tokens` is clamped to the room left in the context (SGLang answers 400 instead of truncating);
 - 400s become `BackendRequestError` with the server's own message, whatever the body shape;
 - transport failures and 5xx are retried with jittered exponential backoff, then `BackendUnavailable`;
@@ -42,7 +44,8 @@ _DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default when the key is absent
 
 
 def error_message(body: Any, fallback: str) -> str:
-    """The server's message from any of SGLang's error shapes (reference §2 'Errors')."""
+    """The server's message from any of SGLang's error shapes (`{"error": str}`, `{"error": {"message"}}`,
+    `{"message"}`), else `fallback`."""
     if isinstance(body, dict):
         err = body.get("error")
         if isinstance(err, str):
@@ -264,7 +267,8 @@ class SGLangBackend(BaseBackend):
         await self._ensure_info()
         ids = list(request.prompt_ids)
         params = self._clamp(ids, dict(request.sampling_params))
-        # A fixed-width random suffix cannot be a prefix of another live rid (reference §3 abort caveats).
+        # A fixed-width random suffix cannot be a prefix of another live rid: SGLang's abort matches rids
+        # by prefix, so aborting one must never abort another.
         rid = request.rid or f"{request.session_id}_g{uuid.uuid4().hex}"
         payload = {
             "input_ids": ids,

@@ -9,19 +9,21 @@ batch = fsm.collate(trajs, ...)                          # verl's padded batch (
 from fsm.api import RolloutEngine
 from fsm.batch import RolloutBatch, collate, summarize
 from fsm.compile import CompiledAgent, Edge, compile_spec, validate_file
+from fsm.context import RunContext, Sampling
 from fsm.data import DataError, load_rows
 from fsm.interaction import BaseInteraction
 from fsm.loader import Diagnostic, SpecError, load_spec
+from fsm.parsers import ToolCall
 from fsm.ray_runner import RayRunner
 from fsm.registry import action, guard
-from fsm.runtime import RunContext, Runner
+from fsm.runtime import Runner
 from fsm.spec import AgentSpec
 from fsm.tools import BaseTool, ToolResponse
-from fsm.trajectory import ToolCall, Trajectory
+from fsm.trajectory import Trajectory
 
 __all__ = [
     "AgentSpec", "BaseInteraction", "BaseTool", "CompiledAgent", "DataError", "Diagnostic", "Edge", "RayRunner",
-    "RolloutBatch", "RolloutEngine", "RunContext", "Runner", "SpecError", "ToolCall",
+    "RolloutBatch", "RolloutEngine", "RunContext", "Runner", "Sampling", "SpecError", "ToolCall",
     "ToolResponse", "Trajectory", "action", "collate", "compile_spec", "guard", "load_rows", "load_spec",
     "summarize", "validate_file",
 ]  # fmt: skip

@@ -1,35 +1,26 @@
 """The built-in actions: the work each standard state does. The driver awaits them; guards then decide.
 
 `encode_prompt` (PENDING), `generate` (GENERATING), `call_tools` (PROCESSING_TOOLS), `interact`
-(INTERACTING). A user action has the same signature, `async def action(ctx, traj)`, and uses the same
-helpers (`ctx.add_observation`, `ctx.generate`), so it inherits the token rules for free.
+(INTERACTING); `BUILTIN_ACTIONS` is the table the compiler reads. A user action has the same signature,
+`async def action(ctx, traj)`, and uses the same helpers (`ctx.call_backend`, `ctx.add_observation`), so it
+inherits the token rules for free.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from backends.base import GenerateRequest
-from fsm.registry import action
+from fsm.context import RunContext
+from fsm.rows import RowError, prompt_messages
 from fsm.trajectory import Trajectory
 
-if TYPE_CHECKING:
-    from fsm.runtime import RunContext
 
-
-class RowError(Exception):
-    """The row itself is unusable (missing raw_prompt, prompt too long under the 'error' policy)."""
-
-
-@action("encode_prompt")
 async def encode_prompt(ctx: RunContext, traj: Trajectory) -> None:
-    row = traj.row
-    messages = row.get("raw_prompt")
-    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-        raise RowError("bad row: 'raw_prompt' must be a non-empty list of chat messages")
-    traj.messages = [dict(m) for m in messages]
+    traj.messages = prompt_messages(traj.row)
     # Samples of a group share one encoding. The uid comes from the row, so a reused uid must not hand
     # one row's prompt to another: a hit also needs the same messages and tool schemas.
     key = (traj.messages, traj.tool_schemas)
@@ -49,25 +40,21 @@ async def encode_prompt(ctx: RunContext, traj: Trajectory) -> None:
     traj.prompt_ids.extend(ids)
 
 
-@action("generate")
 async def generate(ctx: RunContext, traj: Trajectory) -> None:
     """One model turn: request the continuation of the whole context, append it, parse tool calls."""
-    limits = ctx.agent.limits
-    budget = limits.response_length - len(traj.response_mask)
-    sampling = ctx.sampling_for(traj)
-    cap = sampling.get("max_new_tokens", limits.max_new_tokens)  # a call-site value overrides the spec's
-    max_new = budget if cap is None else min(budget, cap)
-    if max_new <= 0:
+    budget = ctx.agent.limits.response_length - len(traj.response_mask)
+    if budget <= 0 or ctx.sampling.max_new_tokens == 0:
         traj.last_finish_reason = "length"
         return
-    params = dict(sampling, max_new_tokens=max_new)
+    params = ctx.sampling.for_turn(traj, budget)
+    max_new = params["max_new_tokens"]
     request = GenerateRequest(
         session_id=traj.session_id,
         prompt_ids=traj.context_ids(),
         sampling_params=params,
         rid=f"{traj.session_id}_t{traj.assistant_turns:02d}",
         group_id=traj.uid,
-        return_logprob=ctx.logprobs,
+        return_logprob=ctx.sampling.logprobs,
     )
     t0 = time.perf_counter()
     result = await ctx.call_backend(traj, request)
@@ -76,7 +63,7 @@ async def generate(ctx: RunContext, traj: Trajectory) -> None:
     traj.metrics.prompt_tokens_sent += result.prompt_tokens or len(request.prompt_ids)
     ids = result.token_ids[:max_new]
     logprobs = result.logprobs[: len(ids)] if result.logprobs is not None else None
-    traj.append_generated(ids, logprobs if ctx.logprobs else None)
+    traj.append_generated(ids, logprobs if ctx.sampling.logprobs else None)
     traj.needs_tail = True
     traj.assistant_turns += 1
     traj.last_finish_reason = result.finish_reason
@@ -87,7 +74,6 @@ async def generate(ctx: RunContext, traj: Trajectory) -> None:
     traj.pending_calls = ctx.parser.parse(text) if ctx.agent.tools.by_name else []
 
 
-@action("call_tools")
 async def call_tools(ctx: RunContext, traj: Trajectory) -> None:
     """Run the pending calls concurrently (up to max_parallel_calls) and append their results."""
     limits = ctx.agent.limits
@@ -125,7 +111,6 @@ def _tool_message(text: str, call_id: str | None) -> dict[str, Any]:
     return msg
 
 
-@action("interact")
 async def interact(ctx: RunContext, traj: Trajectory) -> None:
     """Ask the user/environment simulator for its reply; it may end the conversation."""
     inter = ctx.interaction
@@ -146,3 +131,11 @@ async def interact(ctx: RunContext, traj: Trajectory) -> None:
         return
     if ctx.add_observation(traj, [{"role": "user", "content": content}], role="user"):
         traj.user_turns += 1
+
+
+BUILTIN_ACTIONS: dict[str, Callable[[RunContext, Trajectory], Awaitable[None]]] = {
+    "encode_prompt": encode_prompt,
+    "generate": generate,
+    "call_tools": call_tools,
+    "interact": interact,
+}

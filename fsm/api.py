@@ -20,7 +20,7 @@ directory (by default the tiny model in backends/tiny/assets).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -30,9 +30,12 @@ from backends.base import Backend
 from fsm.batch import collate
 from fsm.chat import ChatCodec
 from fsm.compile import CompiledAgent, compile_spec
+from fsm.context import Sampling
 from fsm.loader import LoadedSpec
+from fsm.rows import is_dataproto, to_rows
 from fsm.runtime import Runner
 from fsm.spec import SPECS_DIR, AgentSpec
+from fsm.tracing import Tracer
 from fsm.trajectory import Trajectory
 
 T = TypeVar("T")
@@ -41,45 +44,6 @@ Rows = Sequence[Mapping[str, Any]] | Mapping[str, Sequence[Any] | np.ndarray] | 
 
 
 # --- inputs ------------------------------------------------------------------------------------------------
-
-
-def is_dataproto(obj: Any) -> bool:
-    """A verl DataProto, recognised by shape (verl is never imported here)."""
-    return (
-        type(obj).__name__ == "DataProto" and hasattr(obj, "non_tensor_batch") and hasattr(obj, "meta_info")
-    )
-
-
-def to_rows(batch: Rows) -> tuple[list[Any], dict[str, Any]]:
-    """Any accepted batch form -> (row dicts, the input's meta_info)."""
-    meta: dict[str, Any] = {}
-    if hasattr(batch, "non_tensor_batch") and hasattr(batch, "meta_info"):  # DataProto, RolloutBatch
-        meta = dict(batch.meta_info or {})
-        batch = batch.non_tensor_batch
-    if isinstance(batch, Mapping):
-        if "raw_prompt" not in batch:
-            raise ValueError("the batch has no 'raw_prompt' column (the chat messages of each row); "
-                             f"columns: {', '.join(map(str, batch)) or 'none'}. In verl, set data.return_raw_chat=True")  # fmt: skip
-        columns = {
-            k: v.tolist() if isinstance(v, np.ndarray) and v.dtype != object else list(v)
-            for k, v in batch.items()
-        }
-        sizes = {k: len(v) for k, v in columns.items()}
-        if len(set(sizes.values())) > 1:
-            raise ValueError(f"columns differ in length: {sizes}")
-        n = next(iter(sizes.values()), 0)
-        rows: list[Any] = [{k: columns[k][i] for k in columns} for i in range(n)]
-    elif isinstance(batch, Sequence) and not isinstance(batch, (str, bytes)):
-        rows = list(batch)
-    else:
-        raise TypeError(
-            f"rows must be a list of dicts, a dict of columns or a DataProto, not {type(batch).__name__}"
-        )
-    for i, row in enumerate(rows):
-        prompt = row.get("raw_prompt") if isinstance(row, Mapping) else None
-        if isinstance(prompt, np.ndarray):  # verl keeps messages in object arrays
-            rows[i] = {**row, "raw_prompt": prompt.tolist()}
-    return rows, meta
 
 
 # --- composition ---------------------------------------------------------------------------------------
@@ -127,9 +91,23 @@ def make_backend(*, servers: Sequence[str] | None = None, model: str | Path | No
     return HFBackend(model_dir, **hf_options)
 
 
-def wants_logprobs(agent: CompiledAgent, sampling_params: Mapping[str, Any] | None, validate: bool) -> bool:
-    spec = agent.spec.val_sampling if validate else agent.spec.sampling
-    return bool((sampling_params or {}).get("logprobs", spec.logprobs))
+class ServerNotReady(Exception):
+    """A server given by URL does not answer /ready."""
+
+
+async def probe_servers(urls: Sequence[str]) -> str | None:
+    """Check that every SGLang server answers /ready (ServerNotReady names the first that does not); the
+    tokenizer path the first one serves, when it reports one."""
+    from backends.sglang import SGLangBackend
+
+    info: dict[str, Any] = {}
+    for i, url in enumerate(urls):
+        async with SGLangBackend(url) as client:
+            if not await client.ready():
+                raise ServerNotReady(url)
+            if i == 0:
+                info = await client.model_info()
+    return info.get("tokenizer_path") or info.get("model_path")
 
 
 def to_batch(trajs: Sequence[Trajectory], agent: CompiledAgent, codec: ChatCodec, *, logprobs: bool,
@@ -160,7 +138,7 @@ class _Engine:
     _own_loop: asyncio.AbstractEventLoop | None = None
 
     async def arun(self, rows: Sequence[Any], *, n: int = 1, sampling_params: Mapping[str, Any] | None = None,
-                   validate: bool = False) -> list[Trajectory]:  # fmt: skip
+                   validate: bool = False, sampling: Sampling | None = None) -> list[Trajectory]:  # fmt: skip
         raise NotImplementedError
 
     async def agenerate_sequences(self, batch: Rows, sampling_params: Mapping[str, Any] | None = None,
@@ -174,9 +152,17 @@ class _Engine:
         validate = bool(validate or meta.get("validate", False))
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
-        trajs = await self.arun(rows, n=n, sampling_params=sampling_params, validate=validate)
-        return to_batch(trajs, self.agent, self.codec, logprobs=wants_logprobs(self.agent, sampling_params, validate),
-                        like=batch)  # fmt: skip
+        sampling = self.sampling(sampling_params, validate)
+        trajs = await self.arun(rows, n=n, sampling=sampling)
+        return self.to_batch(trajs, sampling, like=batch)
+
+    def to_batch(self, trajs: Sequence[Trajectory], sampling: Sampling, like: Any = None) -> Any:
+        """Finished trajectories -> verl's padded batch (see the module-level `to_batch`)."""
+        return to_batch(trajs, self.agent, self.codec, logprobs=sampling.logprobs, like=like)
+
+    def sampling(self, sampling_params: Mapping[str, Any] | None = None, validate: bool = False) -> Sampling:
+        """The run's sampling, resolved once (pass it to `arun` and `to_batch`)."""
+        return Sampling.resolve(self.agent, self.codec, sampling_params, validate=validate)
 
     def generate_sequences(self, batch: Rows, sampling_params: Mapping[str, Any] | None = None,
                            validate: bool = False, n: int = 1) -> Any:  # fmt: skip
@@ -205,14 +191,16 @@ class RolloutEngine(_Engine):
     tokenizer: a tokenizer object or a path to load one from; default: the model's (embedded backend only).
     backend: any `backends.base.Backend`; or `servers`: SGLang base URLs, routed by a sticky Router with
         group affinity; or neither: `HFBackend` in this process over `model` (default the tiny model).
-    max_concurrency: trajectories in flight at once.
+    max_concurrency: trajectories in flight at once. tracer: e.g. `fsm.telemetry.Telemetry(...)`.
+    backend_options: for the backend it builds (`group_affinity` for servers; `torch_threads`,
+        `max_batch_size` for the in-process model).
     The engine owns its backend, given or built: `close()` / `async with` closes it. An engine is bound to
     the event loop of its first call; use either the sync forms or the async ones with one engine.
     """
 
     def __init__(self, spec: SpecLike, tokenizer: Any = None, *, backend: Backend | None = None,
                  servers: Sequence[str] | None = None, model: str | Path | None = None, max_concurrency: int = 512,
-                 tracer: Any = None, check_tokens: bool = False):  # fmt: skip
+                 tracer: Tracer | None = None, check_tokens: bool = False, **backend_options: Any):  # fmt: skip
         if backend is not None and servers:
             raise ValueError("give backend= or servers=, not both")
         self.agent = load_agent(spec)
@@ -222,10 +210,15 @@ class RolloutEngine(_Engine):
                     "a tokenizer is needed with backend= or servers= (a tokenizer object or a path)"
                 )
             tokenizer = model if model is not None else tiny_model_dir()
-        self.backend: Backend = backend if backend is not None else make_backend(servers=servers, model=model)
+        if backend is None:
+            backend = make_backend(servers=servers, model=model, **backend_options)
+        elif backend_options:
+            raise ValueError(f"backend options {sorted(backend_options)} go with servers= or model=, not backend=")
+        self.backend: Backend = backend
         self.runner = Runner(self.agent, self.backend, load_tokenizer(tokenizer), max_concurrency=max_concurrency,
                              tracer=tracer, check_tokens=check_tokens)  # fmt: skip
         self.codec = self.runner.codec
+        self.tracer = tracer
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop the backend was started on
         self._closed = False
 
@@ -246,10 +239,12 @@ class RolloutEngine(_Engine):
             await start()
 
     async def arun(self, rows: Sequence[Any], *, n: int = 1, sampling_params: Mapping[str, Any] | None = None,
-                   validate: bool = False) -> list[Trajectory]:  # fmt: skip
+                   validate: bool = False, sampling: Sampling | None = None,
+                   on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:  # fmt: skip
         """The finished trajectories themselves (transcripts, segments, state paths), in input order."""
         await self.start()
-        return await self.runner.run(rows, n=n, sampling_params=sampling_params, validate=validate)
+        return await self.runner.run(rows, n=n, sampling_params=sampling_params, validate=validate,
+                                     sampling=sampling, on_done=on_done)  # fmt: skip
 
     # -- control calls -------------------------------------------------------------------------------------
 

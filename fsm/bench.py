@@ -22,7 +22,8 @@ from backends.scripted import ScriptedBackend
 from fsm.actions import call_tools, encode_prompt, generate
 from fsm.chat import ChatCodec
 from fsm.compile import CompiledAgent, compile_spec
-from fsm.runtime import RunContext, Runner
+from fsm.context import RunContext
+from fsm.runtime import Runner
 from fsm.spec import SPECS_DIR, LimitsSpec, ToolSpec
 from fsm.trajectory import Trajectory
 
@@ -142,11 +143,15 @@ def _peak_bytes_per_trajectory(kind: str, n: int, concurrency: int, tool_turns: 
 
 
 def bench_step(tool_turns: int = 4, steps: int = 200_000) -> dict[str, float]:
-    """µs for one machine step (guards + state change), lean path vs transitions' stock Event.trigger."""
+    """µs for one machine step (guards + recording the edge), lean path vs transitions' stock Event.trigger."""
     agent = bench_agent(tool_turns)
     traj = Trajectory(0, 0, "s", "u", {}, agent.initial)
     out = {}
-    for name, step in (("advance", agent.advance), ("stock_trigger", agent.trigger)):
+
+    def advance(t: Trajectory) -> None:
+        t.enter(agent.advance(t))
+
+    for name, step in (("advance", advance), ("stock_trigger", agent.trigger)):
         runs = []
         for _ in range(5):
             t0 = time.process_time()
@@ -154,7 +159,7 @@ def bench_step(tool_turns: int = 4, steps: int = 200_000) -> dict[str, float]:
                 traj.state = "GENERATING"  # the busiest state: 6 edges, 5 guards before the default
                 step(traj)
                 if i % 1024 == 0:
-                    traj.transitions_fired.clear()
+                    del traj.transitions_fired[:], traj.path[:], traj.path_times[:]
             runs.append((time.process_time() - t0) / steps * 1e6)
         out[f"{name}_us"] = round(statistics.median(runs), 3)
     return out

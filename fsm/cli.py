@@ -16,7 +16,6 @@ from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
 
-from fsm.chat import ChatCodec
 from fsm.compile import CompiledAgent, compile_spec
 from fsm.data import DataError, load_rows
 from fsm.loader import SpecError
@@ -68,21 +67,9 @@ def _rows(args: argparse.Namespace, agent: CompiledAgent) -> list[dict[str, Any]
     return resolve(agent.spec.demo_data)(args.num_prompts or 64, seed=args.seed)
 
 
-def _tokenizer(path: str | None) -> Any:
-    from transformers import AutoTokenizer
-
-    if path is None:
-        from backends.tiny import load_tokenizer
-
-        return load_tokenizer()
-    try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except Exception as exc:
-        raise CLIError(f"{path}: cannot load a tokenizer there ({type(exc).__name__}); pass --tokenizer DIR") from None
-
-
-async def _backend(args: argparse.Namespace, stack: AsyncExitStack) -> tuple[Any, str | None]:
-    """The backend the flags ask for, entered on `stack`; and the tokenizer path that goes with it."""
+async def _servers(args: argparse.Namespace, stack: AsyncExitStack) -> tuple[list[str], str | None]:
+    """The server URLs the flags name (launching SGLang first when asked), all ready; and the tokenizer
+    path that goes with them."""
     servers = list(args.server or [])
     tokenizer = args.tokenizer
     if args.launch_sglang:
@@ -96,28 +83,45 @@ async def _backend(args: argparse.Namespace, stack: AsyncExitStack) -> tuple[Any
             raise CLIError(str(exc).splitlines()[0]) from None
         servers += launcher.urls
         tokenizer = tokenizer or args.launch_sglang
-    from fsm.api import make_backend
-
     if not servers:
-        try:
-            backend = make_backend(model=args.model, torch_threads=args.threads, max_batch_size=args.batch_size)
-        except FileNotFoundError as exc:
-            raise CLIError(str(exc)) from None
-        await stack.enter_async_context(backend)
-        return backend, tokenizer or args.model
-    router = make_backend(servers=servers, group_affinity=args.group_affinity)
-    await stack.enter_async_context(router)
-    clients = [server.backend for server in router.servers]
-    for url, client in zip(servers, clients):
-        if not await client.ready():
-            raise CLIError(f"{url}: the server does not answer /ready; start it (agentfsm dev-server or sglang) "
-                           "or fix --server")  # fmt: skip
+        return servers, tokenizer
+    from fsm.api import ServerNotReady, probe_servers
+
+    try:
+        served = await probe_servers(servers)
+    except ServerNotReady as exc:
+        raise CLIError(f"{exc}: the server does not answer /ready; start it (agentfsm dev-server or sglang) "
+                       "or fix --server") from None  # fmt: skip
     if tokenizer is None:
-        info = await clients[0].model_info()
-        tokenizer = info.get("tokenizer_path") or info.get("model_path")
-        if not tokenizer or not Path(tokenizer).exists():
-            raise CLIError(f"{servers[0]}: serves {tokenizer!r}, which is not a local directory; pass --tokenizer DIR")
-    return router, tokenizer
+        if not served or not Path(served).exists():
+            raise CLIError(f"{servers[0]}: serves {served!r}, which is not a local directory; pass --tokenizer DIR")
+        tokenizer = served
+    return servers, tokenizer
+
+
+def _engine(args: argparse.Namespace, servers: list[str], tokenizer: str | None) -> Any:
+    """The engine the flags ask for: RayRunner, or RolloutEngine over servers or the embedded model."""
+    from fsm.api import RolloutEngine
+
+    if tokenizer is not None and not Path(tokenizer).is_dir():
+        raise CLIError(f"{tokenizer}: no tokenizer directory there; pass --tokenizer DIR")
+    try:
+        if args.ray is not None:
+            from fsm.ray_runner import RayRunner
+
+            return RayRunner(args.spec, tokenizer=tokenizer, servers=servers or None, workers=args.workers,
+                             address=args.ray or None)  # fmt: skip
+        if servers:
+            return RolloutEngine(args.spec, tokenizer, servers=servers, max_concurrency=args.concurrency,
+                                 tracer=_tracer(args), check_tokens=args.check_tokens,
+                                 group_affinity=args.group_affinity)  # fmt: skip
+        return RolloutEngine(args.spec, tokenizer, model=args.model, max_concurrency=args.concurrency,
+                             tracer=_tracer(args), check_tokens=args.check_tokens, torch_threads=args.threads,
+                             max_batch_size=args.batch_size)  # fmt: skip
+    except FileNotFoundError as exc:
+        raise CLIError(str(exc)) from None
+    except OSError as exc:  # transformers: a directory without tokenizer or model files
+        raise CLIError(f"{tokenizer or args.model}: cannot load a tokenizer there ({exc}); pass --tokenizer DIR") from None
 
 
 def _tracer(args: argparse.Namespace) -> Any:
@@ -137,59 +141,31 @@ def _env_tracing() -> bool:
 async def _run_async(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from fsm.batch import collate
-    from fsm.runtime import Runner
-
     console = Console(stderr=True)
     agent = compile_spec(args.spec)
     rows = _rows(args, agent)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    sampling = {k: v for k, v in (("temperature", args.temperature), ("seed", args.seed)) if v is not None}
+    params = {k: v for k, v in (("temperature", args.temperature), ("seed", args.seed)) if v is not None}
     t_start = time.perf_counter()
-    router_stats = None
     async with AsyncExitStack() as stack:
-        if args.ray is not None:
-            trajs, codec = await _run_on_ray(args, rows, sampling)
-        else:
-            backend, tok_path = await _backend(args, stack)
-            codec = ChatCodec(_tokenizer(tok_path))
-            runner = Runner(agent, backend, codec, max_concurrency=args.concurrency, tracer=_tracer(args),
-                            check_tokens=args.check_tokens)  # fmt: skip
-            trajs = await _with_progress(runner, rows, args, sampling, console)
-            router_stats = backend.stats() if hasattr(backend, "stats") else None
+        servers, tokenizer = await _servers(args, stack)
+        engine = _engine(args, servers, tokenizer)
+        stack.push_async_callback(engine.aclose)
+        sampling = engine.sampling(params)
+        trajs = await _with_progress(engine, rows, args, sampling, console)
+        backend = getattr(engine, "backend", None)
+        router_stats = backend.stats() if hasattr(backend, "stats") else None
     wall = time.perf_counter() - t_start
-    batch = collate(trajs, prompt_length=agent.limits.prompt_length, response_length=agent.limits.response_length,
-                    pad_token_id=codec.pad_id)  # fmt: skip
-    tracer = runner.tracer if args.ray is None else None
-    summary = _write_outputs(out, agent, trajs, batch, codec, wall, router_stats, tracer)
+    batch = engine.to_batch(trajs, sampling)
+    tracer = getattr(engine, "tracer", None)
+    summary = _write_outputs(out, engine.agent, trajs, batch, engine.codec, wall, router_stats, tracer)
     _print_summary(summary, console)
     console.print(f"wrote {out}/batch.pt, trajectories.jsonl, summary.json")
     return 0
 
 
-async def _run_on_ray(args: argparse.Namespace, rows: list[dict], sampling: dict) -> tuple[list, Any]:
-    """Spread the rows over Ray actors; each actor routes over the same servers (or its own tiny model)."""
-    from fsm.ray_runner import RayRunner
-
-    servers = list(args.server or [])
-    if servers:
-        from backends.sglang import SGLangBackend
-
-        for url in servers:
-            async with SGLangBackend(url) as client:
-                if not await client.ready():
-                    raise CLIError(f"{url}: the server does not answer /ready; start it or fix --server")
-    runner = RayRunner(args.spec, tokenizer=args.tokenizer, servers=servers or None, workers=args.workers,
-                       address=args.ray or None)  # fmt: skip
-    try:
-        trajs = await runner.arun(rows, n=args.n, sampling_params=sampling)
-    finally:
-        runner.close()
-    return trajs, ChatCodec(_tokenizer(args.tokenizer))
-
-
-async def _with_progress(runner: Any, rows: list[dict], args: argparse.Namespace, sampling: dict, console: Any) -> list:
+async def _with_progress(engine: Any, rows: list[dict], args: argparse.Namespace, sampling: Any, console: Any) -> list:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     total = len(rows) * args.n
@@ -208,7 +184,7 @@ async def _with_progress(runner: Any, rows: list[dict], args: argparse.Namespace
             rate = f"{counters['tokens'] / elapsed:,.0f} tok/s · {counters['turns'] / counters['done']:.1f} turns"
             progress.update(task, advance=1, rate=rate)
 
-        return await runner.run(rows, n=args.n, sampling_params=sampling, on_done=done)
+        return await engine.arun(rows, n=args.n, sampling=sampling, on_done=done)
 
 
 def _write_outputs(out: Path, agent: CompiledAgent, trajs: list, batch: Any, codec: Any, wall: float,

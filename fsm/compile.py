@@ -1,139 +1,27 @@
-"""AgentSpec -> CompiledAgent: every name resolved, every check done, one shared state machine.
+"""AgentSpec -> CompiledAgent (fsm/agent.py): every name resolved, every check done.
 
 Compilation is validation: unknown states, guards, actions, tools, parsers, import paths, missing default
 edges, unreachable states, dead ends and contradictory limits are all reported here, with positions, so a
 running batch never meets an unknown name.
-
-The machine is a `transitions.Machine` shared by every trajectory of the spec. Trajectories are passed to
-its event as the model instead of being attached with `add_model` (which is O(n) per add and builds
-reference cycles). Its transitions are lean: they evaluate the compiled guard and change the state, with
-no callback lists, because model calls, tools and spans belong to the driver (see
-../shared/reference/transitions-notes.md for the measurements behind this).
 """
 
 from __future__ import annotations
 
 import difflib
-import hashlib
 import inspect
-import json
 from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from transitions import Machine, Transition
-
-from fsm.guards import GuardError, Predicate, compile_guard
+from fsm.actions import BUILTIN_ACTIONS
+from fsm.agent import CompiledAgent, Edge, Reward
+from fsm.guards import GuardError, compile_guard
 from fsm.interaction import REQUIRED_METHODS
 from fsm.loader import Diagnostic, LoadedSpec, SpecError, load_spec
 from fsm.parsers import PARSERS
 from fsm.registry import ACTIONS, GUARDS, ImportPathError, is_import_path, resolve
 from fsm.spec import AgentSpec
 from fsm.tools import BoundTool, ToolSet, build_tool
-
-BUILTIN_ACTIONS = ("encode_prompt", "generate", "call_tools", "interact")
-TRIGGER = "advance"
-
-
-@dataclass(frozen=True, slots=True)
-class Edge:
-    """A compiled transition. `index` is global (stable across runs): run statistics key on it."""
-
-    index: int
-    source: str
-    dest: str
-    guard: Predicate | None
-    label: str  # the guard as written, or "default"
-    reason: str | None
-
-
-class _LeanTransition(Transition):
-    """Guard, then state change. The driver owns every side effect, so no callback lists run here."""
-
-    edge: Edge
-
-    def fire(self, traj: Any) -> bool:
-        guard = self.edge.guard
-        if guard is not None and not guard(traj):
-            return False
-        traj.state = self.dest
-        traj.transitions_fired.append(self.edge.index)
-        return True
-
-    def execute(self, event_data) -> bool:  # the stock `machine.events[...].trigger(model)` path
-        return self.fire(event_data.model)
-
-
-class _SharedMachine(Machine):
-    transition_cls = _LeanTransition
-
-
-@dataclass
-class Reward:
-    fn: Any
-    kwargs: dict[str, Any]
-
-
-class CompiledAgent:
-    """Immutable after construction; safe to share across trajectories, tasks and runs."""
-
-    def __init__(self, spec: AgentSpec, source: LoadedSpec | None, edges: list[Edge], actions: dict[str, Any],
-                 tools: ToolSet, interaction_cls: Any, reward: Reward | None):  # fmt: skip
-        self.spec = spec
-        self.name = spec.name
-        self.source = source
-        self.path = source.path if source else None
-        self.limits = spec.limits
-        self.initial = spec.initial
-        self.final_states = frozenset(spec.final_states)
-        self.edges = edges
-        self.edges_from: dict[str, tuple[Edge, ...]] = {
-            s: tuple(e for e in edges if e.source == s) for s in spec.states
-        }
-        self.actions = actions
-        # States whose action runs user code (a user action, or `interact` calling the user's interaction),
-        # which may start spans of its own: telemetry makes their state span current. Decided once, here.
-        self.user_code_states = frozenset(
-            name for name, st in spec.states.items()
-            if not st.final and st.action not in ("encode_prompt", "generate", "call_tools")
-        )
-        self.tools = tools
-        self.interaction_cls = interaction_cls
-        self.reward = reward
-        self.hash = hashlib.sha256(
-            json.dumps(spec.model_dump(mode="json", by_alias=True), sort_keys=True).encode()
-        ).hexdigest()[:12]
-        self.machine = _SharedMachine(model=None, states=list(spec.states), initial=spec.initial,
-                                      auto_transitions=False, send_event=False)  # fmt: skip
-        for edge in edges:
-            self.machine.add_transition(TRIGGER, edge.source, edge.dest)
-            self.machine.events[TRIGGER].transitions[edge.source][-1].edge = edge
-        # The machine's own per-state transition lists, in declared order. `advance` walks them directly:
-        # `Event.trigger` would wrap each step in an EventData, a partial and empty callback lists, which
-        # cost ~4x the guards themselves (`agentfsm bench engine` measures both paths).
-        self._table: dict[str, list[_LeanTransition]] = dict(self.machine.events[TRIGGER].transitions)
-
-    def advance(self, traj: Any) -> Edge:
-        """Fire the first edge out of `traj.state` whose guard holds, changing `traj.state`."""
-        for transition in self._table[traj.state]:
-            if transition.fire(traj):
-                return transition.edge
-        raise RuntimeError(f"no transition fired from {traj.state}; validation guarantees a default edge")
-
-    def trigger(self, traj: Any) -> Edge:
-        """The same step through transitions' stock `Event.trigger` (slower; kept to prove equivalence)."""
-        if not self.machine.events[TRIGGER].trigger(traj):
-            raise RuntimeError(f"no transition fired from {traj.state}")
-        return self.edges[traj.transitions_fired[-1]]
-
-    def which(self, state: str, traj: Any) -> Edge:
-        """Pure query: which edge would fire from `state` for this trajectory. Changes nothing."""
-        for edge in self.edges_from[state]:
-            if edge.guard is None or edge.guard(traj):
-                return edge
-        raise RuntimeError(f"no edge from {state}")
-
 
 # --- compilation ------------------------------------------------------------------------------------------
 
@@ -266,15 +154,13 @@ class _Compiler:
         return edges
 
     def _actions(self) -> dict[str, Any]:
-        from fsm import actions as builtin  # the built-in actions register themselves on import
-
         actions = {}
         for name, st in self.spec.states.items():
             ref = st.action
             if st.final or not ref:
                 continue
-            if ref in ACTIONS:
-                actions[name] = ACTIONS[ref]
+            if ref in BUILTIN_ACTIONS or ref in ACTIONS:
+                actions[name] = BUILTIN_ACTIONS.get(ref) or ACTIONS[ref]
             elif is_import_path(ref):
                 try:
                     fn = resolve(ref)
@@ -292,9 +178,8 @@ class _Compiler:
                     )
                 actions[name] = fn
             else:
-                self.error("unknown-action", f"unknown action {ref!r}{_suggest(ref, ACTIONS)}; built-in: "
+                self.error("unknown-action", f"unknown action {ref!r}{_suggest(ref, [*BUILTIN_ACTIONS, *ACTIONS])}; built-in: "
                            f"{', '.join(BUILTIN_ACTIONS)}", "states", name, "action", key=False)  # fmt: skip
-        del builtin
         return actions
 
     def _tools(self) -> ToolSet:

@@ -12,6 +12,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from fsm.rows import normalize_record
+
 
 class DataError(ValueError):
     """A data file that cannot be used. `problems` lists each one as `path:line[:col]: message`."""
@@ -23,11 +25,8 @@ class DataError(ValueError):
 
 
 def load_rows(path: str | Path, *, prompt_key: str = "raw_prompt") -> list[dict[str, Any]]:
-    """Rows of a `.jsonl` (one JSON object per line) or `.parquet` file.
-
-    The chat messages are read from `prompt_key`, or from verl's `prompt` column when that is absent; a
-    plain string becomes one user message.
-    """
+    """Rows of a `.jsonl` (one JSON object per line) or `.parquet` file, normalised as every input is
+    (fsm/rows.py); the chat messages are read from `prompt_key`."""
     path = Path(path)
     if not path.is_file():
         raise DataError([f"{path}: no such data file (give a .jsonl or .parquet file with a raw_prompt column)"])
@@ -39,7 +38,7 @@ def load_rows(path: str | Path, *, prompt_key: str = "raw_prompt") -> list[dict[
         raise DataError([f"{path}: unsupported file type {path.suffix!r}; use .jsonl or .parquet"])
     if not rows:
         raise DataError([f"{path}: the file has no rows"])
-    return [_normalize(row, prompt_key) for row in rows]
+    return [normalize_record(row, prompt_key) for row in rows]
 
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:
@@ -71,13 +70,3 @@ def _parquet(path: Path) -> list[dict[str, Any]]:
         return pq.read_table(path).to_pylist()
     except Exception as exc:  # pyarrow raises several types for corrupt files
         raise DataError([f"{path}: cannot read parquet: {exc}"]) from None
-
-
-def _normalize(row: dict[str, Any], prompt_key: str) -> dict[str, Any]:
-    if prompt_key != "raw_prompt" and prompt_key in row:
-        row["raw_prompt"] = row.pop(prompt_key)
-    elif "raw_prompt" not in row and "prompt" in row:
-        row["raw_prompt"] = row.pop("prompt")
-    if isinstance(row.get("raw_prompt"), str):
-        row["raw_prompt"] = [{"role": "user", "content": row["raw_prompt"]}]
-    return row

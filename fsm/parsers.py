@@ -9,9 +9,19 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
-from fsm.trajectory import ToolCall
+
+@dataclass(slots=True)
+class ToolCall:
+    """A parsed tool call. `error` set means it was malformed: the model is told so, not silently ignored."""
+
+    name: str | None
+    arguments: dict[str, Any] | None
+    raw: str
+    id: str | None = None
+    error: str | None = None
 
 
 class ToolCallParser(Protocol):

@@ -43,6 +43,7 @@ from typing import Any
 from backends.base import Backend
 from fsm.api import SpecLike, _Engine, load_agent, load_tokenizer, make_backend, tiny_model_dir
 from fsm.chat import ChatCodec
+from fsm.context import Sampling
 from fsm.trajectory import Trajectory
 
 
@@ -82,13 +83,13 @@ class _Worker:
             if start is not None:
                 await start()
 
-    async def run(self, key: str, sampling_params: Mapping[str, Any] | None, validate: bool,
-                  rows: list[Any], row_ids: list[int], n: int) -> list[Trajectory]:  # fmt: skip
+    async def run(self, key: str, sampling: Sampling, rows: list[Any], row_ids: list[int],
+                  n: int) -> list[Trajectory]:  # fmt: skip
         """Run a chunk of groups; trajectories come back without their rows (the driver holds them)."""
         await self._start()
         ctx = self._contexts.get(key)
         if ctx is None:
-            ctx = self._contexts[key] = self.runner.make_context(sampling_params, validate)
+            ctx = self._contexts[key] = self.runner.make_context(sampling=sampling)
             while len(self._contexts) > 4:
                 del self._contexts[next(iter(self._contexts))]
         trajs = self.runner.trajectories(rows, n)
@@ -208,10 +209,14 @@ class RayRunner(_Engine):
     # -- the batch -----------------------------------------------------------------------------------------
 
     async def arun(self, rows: Sequence[Any], *, n: int = 1, sampling_params: Mapping[str, Any] | None = None,
-                   validate: bool = False) -> list[Trajectory]:  # fmt: skip
-        """Every row n times across the actors; trajectories in input order."""
+                   validate: bool = False, sampling: Sampling | None = None,
+                   on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:  # fmt: skip
+        """Every row n times across the actors; trajectories in input order. The sampling is resolved here,
+        once, and sent to the actors; `on_done` hears each trajectory as its chunk comes back."""
         from ray.exceptions import RayActorError
 
+        if sampling is None:
+            sampling = Sampling.resolve(self.agent, self.codec, sampling_params, validate=validate)
         self.start()
         rows = list(rows)
         key = uuid.uuid4().hex[:8]
@@ -231,9 +236,7 @@ class RayRunner(_Engine):
         self.stats = stats
 
         def submit(rank: int, chunk: list[int]) -> None:
-            ref = self.actors[rank].run.remote(
-                key, sampling_params, validate, [sent[i] for i in chunk], chunk, n
-            )
+            ref = self.actors[rank].run.remote(key, sampling, [sent[i] for i in chunk], chunk, n)
             inflight[ref] = (rank, chunk)
             busy[rank] += 1
             fut = asyncio.wrap_future(ref.future())
@@ -268,6 +271,8 @@ class RayRunner(_Engine):
                         row = rows[t.index // n]  # a non-dict row is wrapped as the Runner wraps it
                         t.row = row if isinstance(row, Mapping) else {"__bad_row__": row}
                         out[t.index] = t
+                        if on_done is not None:
+                            on_done(t)
                     stats["chunks"] += 1
                     stats["rows_done"] += len(chunk)
                     stats["rows_per_actor"][rank] += len(chunk)
@@ -350,8 +355,11 @@ class RayRunner(_Engine):
     async def __aenter__(self) -> RayRunner:
         return self
 
-    async def __aexit__(self, *exc: object) -> None:
+    async def aclose(self) -> None:
         await asyncio.to_thread(self.close)
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
 
 
 # -- benchmark -------------------------------------------------------------------------------------------------

@@ -1583,7 +1583,7 @@ class Telemetry:
         if last is not None and last[0] is run:
             shapes = last[1]
         else:
-            sampling = run.sampling
+            sampling = run.sampling.params
             key = (id(run.agent), id(run.backend), *(sampling.get(name) for _, name in _SAMPLING_ATTRS))
             shapes = self._shapes.get(key)
             if shapes is None:

@@ -14,9 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from fsm.parsers import ToolCall
 from fsm.registry import resolve
 from fsm.spec import LimitsSpec, ToolSpec
-from fsm.trajectory import ToolCall
 
 
 @dataclass

@@ -7,20 +7,14 @@ token) because 10,000 trajectories may be in flight at once.
 
 from __future__ import annotations
 
+import time
 from array import array
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-
-@dataclass(slots=True)
-class ToolCall:
-    """A parsed tool call. `error` set means it was malformed: the model is told so, not silently ignored."""
-
-    name: str | None
-    arguments: dict[str, Any] | None
-    raw: str
-    id: str | None = None
-    error: str | None = None
+if TYPE_CHECKING:
+    from fsm.agent import Edge
+    from fsm.parsers import ToolCall
 
 
 @dataclass(slots=True)
@@ -104,6 +98,21 @@ class Trajectory:
         self.metrics = Metrics()
         self.extra: dict[str, Any] = {}
 
+    # --- machine ----------------------------------------------------------------------------------------
+
+    def begin(self) -> None:
+        """The driver starts this trajectory: its initial state is entered now (not when it was queued)."""
+        self.path_times.append(time.perf_counter())
+
+    def enter(self, edge: Edge) -> None:
+        """`edge` fired: the one place the state, the path, its times, fired edges and the reason change."""
+        self.state = edge.dest
+        self.path.append(edge.dest)
+        self.path_times.append(time.perf_counter())
+        self.transitions_fired.append(edge.index)
+        if edge.reason is not None:
+            self.termination_reason = edge.reason
+
     # --- tokens -----------------------------------------------------------------------------------------
 
     def append_generated(self, ids: list[int], logprobs: list[float] | None) -> None:
@@ -169,13 +178,3 @@ class Trajectory:
                 "state_path": list(self.path),
             },
         }
-
-
-@dataclass
-class Row:
-    """A dataset row after normalisation (verl keeps tools_kwargs/interaction_kwargs in extra_info too)."""
-
-    raw_prompt: list[dict[str, Any]]
-    tools_kwargs: dict[str, Any] = field(default_factory=dict)
-    interaction_kwargs: dict[str, Any] | None = None
-    extra_info: dict[str, Any] = field(default_factory=dict)

@@ -304,7 +304,7 @@ class FSMAgentLoop(AgentLoopBase):
         if traj.failed:
             logger.warning("fsm_agent: trajectory failed (%s); it stays in the batch with an empty response",
                            traj.termination_reason)  # fmt: skip
-        return self._output(traj, backend, logprobs=ctx.logprobs)
+        return self._output(traj, backend, logprobs=ctx.sampling.logprobs)
 
     def _output(self, traj: Trajectory, backend: VerlServerBackend, *, logprobs: bool) -> AgentLoopOutput:
         R = self.response_length

@@ -17,7 +17,8 @@ import torch
 from backends.devserver import DevServer, echo_backend
 from backends.scripted import ScriptedBackend
 from fsm import DataError, RolloutEngine, load_rows
-from fsm.api import make_backend, to_rows
+from fsm.api import make_backend
+from fsm.rows import to_rows
 from specs.calculator import make_prompts
 from tests.conftest import ASSETS
 

@@ -673,34 +673,34 @@ async def test_reused_uid_does_not_share_a_different_prompt(tok):
 # --- the machine without a backend ------------------------------------------------------------------------
 
 
-def test_which_answers_without_a_backend():
+def test_advance_answers_without_a_backend():
     agent = fsm.compile_spec(SPECS / "tool_agent.yaml")
     traj = Trajectory(0, 0, "s", "u", {}, agent.initial)
-    assert agent.which("PENDING", traj).dest == "GENERATING"
-    assert agent.which("GENERATING", traj).reason == "done"
+    assert agent.advance(traj, "PENDING").dest == "GENERATING"
+    assert agent.advance(traj, "GENERATING").reason == "done"
     traj.pending_calls = [fsm.ToolCall("echo", {}, "{}")]
-    edge = agent.which("GENERATING", traj)
+    edge = agent.advance(traj, "GENERATING")
     assert (edge.dest, edge.label) == ("PROCESSING_TOOLS", "has_tool_calls")
     traj.interaction_kwargs = {}
     traj.pending_calls = []
-    assert agent.which("GENERATING", traj).dest == "INTERACTING"
+    assert agent.advance(traj, "GENERATING").dest == "INTERACTING"
     traj.response_mask.extend(b"\x01" * agent.limits.response_length)
-    assert agent.which("GENERATING", traj).reason == "response_length"
+    assert agent.advance(traj, "GENERATING").reason == "response_length"
     traj.should_terminate = True
-    assert agent.which("INTERACTING", traj).reason == "interaction_done"
+    assert agent.advance(traj, "INTERACTING").reason == "interaction_done"
     # a pure query: nothing changed
     assert traj.state == "PENDING" and traj.transitions_fired == [] and traj.path == ["PENDING"]
 
 
-def test_which_with_turn_limits():
+def test_advance_with_turn_limits():
     agent = fsm.compile_spec(SPECS / "calculator.yaml")  # max_assistant_turns: 3, no user-turn limit
     traj = Trajectory(0, 0, "s", "u", {}, agent.initial)
     traj.assistant_turns = 2
-    assert agent.which("GENERATING", traj).reason == "done"
+    assert agent.advance(traj, "GENERATING").reason == "done"
     traj.assistant_turns = 3
-    assert agent.which("GENERATING", traj).reason == "max_assistant_turns"
+    assert agent.advance(traj, "GENERATING").reason == "max_assistant_turns"
     traj.assistant_turns, traj.user_turns = 0, 100  # unset max_user_turns never stops (verl)
-    assert agent.which("GENERATING", traj).reason == "done"
+    assert agent.advance(traj, "GENERATING").reason == "done"
 
 
 # --- custom states, actions and guards --------------------------------------------------------------------

@@ -1,0 +1,132 @@
+"""What actions share during one run: the agent, the backend, the chat codec, the resolved sampling, tools
+and tracing. It sits below the actions (fsm/actions.py and user actions import it) and above nothing they
+use, so a model call and a tool call each have one path: an action asks the context, the context asks the
+backend or the tool set and, when the trajectory is traced, wraps the call in a span.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from backends.base import Backend, GenerateRequest, GenerateResult
+from fsm.agent import CompiledAgent
+from fsm.chat import ChatCodec
+from fsm.parsers import PARSERS, ToolCall
+from fsm.tools import CallOutcome
+from fsm.tracing import Tracer
+from fsm.trajectory import Trajectory
+
+# The root span of the trajectory this task runs, when it is traced. The model and tool calls of one that
+# is not (tracing off, or sampled out) call no tracer hook.
+TRACED: contextvars.ContextVar[Any] = contextvars.ContextVar("agentfsm_traced", default=None)
+
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty", "min_p", "max_new_tokens", "stop_token_ids",
+                 "sampling_seed", "frequency_penalty", "presence_penalty")  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """A run's sampling, resolved once from the spec's `sampling` (or `val_sampling`), the call site's
+    overrides, and the stop tokens the codec and parser need. Every request and the batch read it here."""
+
+    params: Mapping[str, Any]  # sent with every request (SGLang names), stop_token_ids included
+    seed: int | None  # base seed: sample (index, k) draws with seed + index * 1000 + k
+    logprobs: bool  # ask for logprobs; the batch carries rollout_log_probs only then
+    max_new_tokens: int | None  # per-turn cap: the call site's, else the spec's limit, else the budget
+
+    @classmethod
+    def resolve(cls, agent: CompiledAgent, codec: ChatCodec, overrides: Mapping[str, Any] | None = None, *,
+                validate: bool = False) -> Sampling:  # fmt: skip
+        """`overrides`: SGLang sampling names, plus `seed` and `logprobs`; `validate` picks val_sampling."""
+        spec = agent.spec
+        base = (spec.val_sampling if validate else spec.sampling).model_dump()
+        overrides = dict(overrides or {})
+        seed = overrides.pop("seed", base.pop("seed"))
+        logprobs = bool(overrides.pop("logprobs", base.pop("logprobs")))
+        unknown = set(overrides) - set(SAMPLING_KEYS)
+        if unknown:
+            raise ValueError(
+                f"unknown sampling parameter(s) {sorted(unknown)}; known: {', '.join(SAMPLING_KEYS)}"
+            )
+        parser_stops = PARSERS[spec.parser](codec.tokenizer).stop_token_ids
+        stops = sorted({codec.eos_id, *parser_stops, *base.pop("stop_token_ids"), *overrides.pop("stop_token_ids", [])})
+        cap = overrides.pop("max_new_tokens", agent.limits.max_new_tokens)
+        params = {**base, **overrides, "stop_token_ids": stops}
+        return cls(params, seed, logprobs, cap)
+
+    def for_turn(self, traj: Trajectory, budget: int) -> dict[str, Any]:
+        """The request's sampling params for one turn of `traj` with `budget` tokens left (> 0)."""
+        max_new = budget if self.max_new_tokens is None else min(budget, self.max_new_tokens)
+        params = {**self.params, "max_new_tokens": max_new}
+        if self.seed is not None:
+            params["sampling_seed"] = self.seed + traj.index * 1000 + traj.sample
+        return params
+
+
+class RunContext:
+    """What actions share during one run: the agent, the backend, the codec, sampling, tools, tracing."""
+
+    def __init__(self, agent: CompiledAgent, backend: Backend, codec: ChatCodec, sampling: Sampling, *,
+                 tracer: Tracer | None = None):  # fmt: skip
+        self.agent = agent
+        self.backend = backend
+        self.codec = codec
+        self.parser = PARSERS[agent.spec.parser](codec.tokenizer)
+        self.sampling = sampling
+        self.tracer = tracer
+        self.interaction = agent.interaction_cls(dict(agent.spec.interaction.config, name=agent.spec.interaction.name
+                                                      or agent.spec.name)) if agent.interaction_cls else None  # fmt: skip
+        # uid -> ((messages, tool schemas), prompt ids): samples of a group share one encoding
+        self.prompt_cache: dict[str, tuple[tuple[Any, Any], list[int]]] = {}
+        self.share_prompts = True
+
+    async def call_backend(self, traj: Trajectory, request: GenerateRequest) -> GenerateResult:
+        if self.tracer is None or TRACED.get() is None:
+            return await self.backend.generate(request)
+        span = self.tracer.model_call(traj, request, self.backend)  # started, and current
+        if span is None:  # a call outside the trajectory's trace
+            return await self.backend.generate(request)
+        try:
+            result = await self.backend.generate(request)
+        except BaseException as exc:
+            span.fail(exc)
+            raise
+        span.done(result)
+        return result
+
+    async def run_tool(
+        self, traj: Trajectory, call: ToolCall, instance_id: str, active: set[str] | None
+    ) -> CallOutcome:
+        tools = self.agent.tools
+        if self.tracer is None or TRACED.get() is None:
+            return await tools.call(call, instance_id, traj.tools_kwargs, traj, active)
+        span = self.tracer.tool_call(traj, call, tools.by_name.get(call.name or ""))  # started, and current
+        if span is None:  # a call outside the trajectory's trace
+            return await tools.call(call, instance_id, traj.tools_kwargs, traj, active)
+        try:
+            outcome = await tools.call(call, instance_id, traj.tools_kwargs, traj, active)
+        except BaseException as exc:
+            span.fail(exc)
+            raise
+        span.done(outcome)
+        return outcome
+
+    def add_observation(self, traj: Trajectory, messages: list[dict[str, Any]], *, role: str) -> bool:
+        """Append tool/user turns as mask-0 tokens; False (nothing appended) if they overflow the budget.
+
+        The template's turn closer owed after a model turn is appended first, also with mask 0. As in verl,
+        an observation that does not fit in response_length is not appended and the budget counts as spent.
+        """
+        closer = self.codec.closer_for(traj.response_ids[-1:].tolist()) if traj.needs_tail else []
+        ids = self.codec.encode_observation(messages)
+        if len(traj.response_mask) + len(closer) + len(ids) >= self.agent.limits.response_length:
+            traj.observation_overflow = True
+            return False
+        traj.append_context(closer, "template")
+        traj.append_context(ids, role)
+        traj.needs_tail = False
+        traj.messages.extend(messages)
+        return True

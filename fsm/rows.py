@@ -1,0 +1,100 @@
+"""Rows: every input form becomes the same row, in one place.
+
+A trainer hands rows as a list of dicts, verl's dict of columns, or a DataProto; `agentfsm run` reads them
+from files (fsm/data.py). Whatever the form, the same rules apply here: verl's `prompt` column is
+`raw_prompt`, a plain string is one user message, numpy object arrays become lists, and `tools_kwargs`,
+`interaction_kwargs` and `tool_selection` may sit at the top level or in `extra_info` (verl keeps them
+there). A row that cannot run is not refused here: it runs as an error row (`RowError`), so one bad row
+never stops a batch and none is dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+class RowError(Exception):
+    """The row itself is unusable (no usable raw_prompt, prompt too long under the 'error' policy)."""
+
+
+def is_dataproto(obj: Any) -> bool:
+    """A verl DataProto, recognised by shape (verl is never imported here)."""
+    return (
+        type(obj).__name__ == "DataProto" and hasattr(obj, "non_tensor_batch") and hasattr(obj, "meta_info")
+    )
+
+
+def normalize_record(row: dict[str, Any], prompt_key: str = "raw_prompt") -> dict[str, Any]:
+    """One record, in place: the chat messages under `raw_prompt` (from `prompt_key`, or verl's `prompt`),
+    a plain string as one user message, verl's object arrays as lists."""
+    if prompt_key != "raw_prompt" and prompt_key in row:
+        row["raw_prompt"] = row.pop(prompt_key)
+    elif "raw_prompt" not in row and "prompt" in row:
+        row["raw_prompt"] = row.pop("prompt")
+    prompt = row.get("raw_prompt")
+    if isinstance(prompt, np.ndarray):
+        row["raw_prompt"] = prompt.tolist()
+    elif isinstance(prompt, str):
+        row["raw_prompt"] = [{"role": "user", "content": prompt}]
+    return row
+
+
+def to_rows(batch: Any) -> tuple[list[Any], dict[str, Any]]:
+    """Any accepted batch form -> (rows, the input's meta_info). A non-dict row is kept, to fail alone;
+    the engine normalises each row as it makes its trajectories."""
+    meta: dict[str, Any] = {}
+    if hasattr(batch, "non_tensor_batch") and hasattr(batch, "meta_info"):  # DataProto, RolloutBatch
+        meta = dict(batch.meta_info or {})
+        batch = batch.non_tensor_batch
+    if isinstance(batch, Mapping):
+        if "raw_prompt" not in batch:
+            raise ValueError("the batch has no 'raw_prompt' column (the chat messages of each row); "
+                             f"columns: {', '.join(map(str, batch)) or 'none'}. In verl, set data.return_raw_chat=True")  # fmt: skip
+        columns = {
+            k: v.tolist() if isinstance(v, np.ndarray) and v.dtype != object else list(v)
+            for k, v in batch.items()
+        }
+        sizes = {k: len(v) for k, v in columns.items()}
+        if len(set(sizes.values())) > 1:
+            raise ValueError(f"columns differ in length: {sizes}")
+        n = next(iter(sizes.values()), 0)
+        rows: list[Any] = [{k: columns[k][i] for k in columns} for i in range(n)]
+    elif isinstance(batch, Sequence) and not isinstance(batch, (str, bytes)):
+        rows = list(batch)
+    else:
+        raise TypeError(
+            f"rows must be a list of dicts, a dict of columns or a DataProto, not {type(batch).__name__}"
+        )
+    return rows, meta
+
+
+@dataclass(slots=True)
+class RowInputs:
+    """What the engine reads from a row besides its prompt."""
+
+    tools_kwargs: dict[str, Any]
+    interaction_kwargs: dict[str, Any] | None  # None: the row does not opt in to the interaction (verl's rule)
+    tool_selection: list[str] | None  # verl's extra_info.tool_selection: the tools active for this row
+
+
+def row_inputs(row: Mapping[str, Any]) -> RowInputs:
+    extra = row.get("extra_info") or {}
+    extra = extra if isinstance(extra, Mapping) else {}
+    kwargs = row.get("interaction_kwargs", extra.get("interaction_kwargs"))
+    return RowInputs(
+        tools_kwargs=dict(row.get("tools_kwargs") or extra.get("tools_kwargs") or {}),
+        interaction_kwargs=dict(kwargs) if kwargs is not None else None,
+        tool_selection=extra.get("tool_selection"),
+    )
+
+
+def prompt_messages(row: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The row's chat messages (copied), or RowError saying what is wrong with them."""
+    messages = row.get("raw_prompt")
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, Mapping) for m in messages):
+        raise RowError("bad row: 'raw_prompt' must be a non-empty list of chat messages")
+    return [dict(m) for m in messages]

@@ -1,0 +1,114 @@
+"""The layering rules of the code base, checked on the source (nothing is imported).
+
+- no import cycles among the project's modules, counting every import: module level, under
+  TYPE_CHECKING, and inside functions (a lazy import hides a cycle from Python, not from a reader);
+- `fsm` imports a concrete backend (anything in `backends` but `backends.base`) only in its composition
+  modules: fsm/api.py, fsm/cli.py, fsm/verl_adapter.py;
+- `backends` never imports `fsm`, and no engine or backend module imports `bench`.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("fsm", "backends", "viz", "bench", "specs")
+COMPOSITION = {"fsm.api", "fsm.cli", "fsm.verl_adapter"}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for pkg in PACKAGES if (ROOT / pkg).is_dir() for p in (ROOT / pkg).rglob("*.py")}
+
+
+def _imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """Project modules `name` imports anywhere in its source (`from a import b` counts a.b if a module)."""
+    found: set[str] = set()
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join([*package.split(".")[: len(package.split(".")) - node.level + 1], base]).strip(".")
+            targets = [base] + [f"{base}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in known:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(name, path, set(modules)) for name, path in modules.items()}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle, as the list of modules along it, or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt.startswith(node + "."):  # a package importing its own submodules is no cycle
+                continue
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt) :] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def _parents(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Each module's imports, with `pkg.mod` standing for the package `pkg` too (a module imports its
+    package's __init__ on import, so a package that imports its own modules is no cycle)."""
+    return {name: {t for t in targets if not name.startswith(t + ".")} for name, targets in graph.items()}
+
+
+def test_no_import_cycles(graph):
+    cycle = _cycle(_parents(graph))
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_cycle_finder_finds_one():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_only_composition_modules_import_concrete_backends(graph):
+    offenders = {
+        name: sorted(t for t in targets if t.startswith("backends") and t not in ("backends", "backends.base"))
+        for name, targets in graph.items()
+        if name.startswith("fsm") and name not in COMPOSITION
+    }
+    assert not {k: v for k, v in offenders.items() if v}
+
+
+def test_backends_never_import_fsm_and_nothing_imports_bench(graph):
+    assert not {n: sorted(t for t in ts if t.startswith("fsm")) for n, ts in graph.items()
+                if n.startswith("backends") and any(t.startswith("fsm") for t in ts)}  # fmt: skip
+    engine = [n for n in graph if n.split(".")[0] in ("fsm", "backends", "viz") and n != "fsm.cli"]
+    assert not {n: sorted(t for t in graph[n] if t.startswith("bench")) for n in engine
+                if any(t.startswith("bench") for t in graph[n])}  # fmt: skip
