@@ -1,11 +1,12 @@
 """An SGLang-protocol HTTP server over any in-process Backend: for laptops, CI and router tests.
 
-It answers the endpoints of reference/sglang-http.md with the same JSON shapes and status codes as SGLang
-0.5.23 under `--skip-tokenizer-init` (no `text`), so `SGLangBackend` and the router run unchanged against
-it. Each server keeps a prefix cache of what it has served (a radix tree bounded by an LRU token budget) and
-reports `cached_tokens` as SGLang does, which makes routing quality measurable without a GPU.
+It answers SGLang's HTTP endpoints with the same JSON shapes and status codes as SGLang 0.5.23 under
+`--skip-tokenizer-init` (no `text`), so `SGLangBackend` and the router run unchanged against it. Each
+server keeps a prefix cache of what it has served (a radix tree bounded by an LRU token budget) and reports
+`cached_tokens` as SGLang does, which makes routing quality measurable without a GPU.
 
     async with DevServer(backend, port=0) as srv: ...srv.url...
+    with scripted_servers(2) as urls: ...                      # scripted servers in subprocesses
     python -m backends.devserver --model DIR --port 30000      # the embedded transformers model
     python -m backends.devserver --scripted --port 30000       # a deterministic echo "model", no weights
 """
@@ -40,7 +41,7 @@ log = logging.getLogger("agentfsm.devserver")
 
 VERSION = "0.5.23"  # the SGLang release whose wire format this server speaks
 
-# SamplingParams fields (reference §1); anything else in `sampling_params` is a 400 contract violation.
+# SGLang's SamplingParams fields; anything else in `sampling_params` is a 400 contract violation.
 SAMPLING_KEYS = (
     "max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
     "presence_penalty", "repetition_penalty", "stop", "stop_token_ids", "stop_regex", "ignore_eos", "no_stop_trim",
@@ -431,7 +432,7 @@ class DevServer:
         logprob: bool,
         upto: int | None = None,  # a streaming chunk's cumulative length; None for the final object
     ) -> dict[str, Any]:
-        """The response object, key for key as SGLang 0.5.23 orders it (reference §2)."""
+        """The response object, key for key as SGLang 0.5.23 orders it."""
         out = list(res.token_ids) if res is not None else []
         lps = (res.logprobs if res is not None else None) or []
         if upto is not None:

@@ -3,8 +3,8 @@
 Concurrent `generate()` calls queue up. One worker, owned by the backend, takes everything pending (up to
 `max_batch_size`) and decodes it as one batch in a thread, so the event loop stays responsive; requests that
 arrive meanwhile join the next batch. Rows are left-padded and carry explicit position ids and an attention
-mask, so a request's greedy tokens do not depend on what it was batched with. Sampling follows SGLang
-(reference/sglang-http.md §1): temperature < 1e-6 is greedy; the logprob of a token is
+mask, so a request's greedy tokens do not depend on what it was batched with. Sampling follows SGLang's
+sampling parameters: temperature < 1e-6 is greedy; the logprob of a token is
 log_softmax(logits / temperature) over the whole vocabulary (plain log_softmax when greedy), whatever top-k /
 top-p cut; the matched stop id is the last generated token.
 """

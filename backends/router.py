@@ -1,4 +1,4 @@
-"""A Backend over several backends (design.md §6): sticky sessions, least-requests placement, group affinity.
+"""A Backend over several backends: sticky sessions, least-requests placement, group affinity.
 
 Placement, in order:
 1. a session already pinned to a healthy server stays there ("sticky"): every turn reuses its prefix cache;
@@ -9,8 +9,8 @@ Placement, in order:
 A session whose server is down is re-pinned by rule 3 and counted as "moved". When no server is marked
 healthy, all of them are candidates again (a mark may be stale; a dead fleet then fails per request).
 
-This is manual/min_load routing in smg's terms (reference §5), plus what smg's HTTP router lacks: exact
-abort targeting and control calls broadcast to every server.
+This is manual/min_load routing in the terms of SGLang's model gateway (smg), plus what smg's HTTP router
+lacks: exact abort targeting and control calls broadcast to every server.
 """
 
 from __future__ import annotations
