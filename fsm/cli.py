@@ -285,21 +285,21 @@ def cmd_show(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     what = args.what
     if what == "engine":
-        from fsm.bench import bench_engine
+        from bench.engine import bench_engine
 
         result = bench_engine(n=args.n, concurrency=args.concurrency or args.n, tool_turns=args.tool_turns,
                               repeats=args.repeats)  # fmt: skip
     elif what == "router":
-        from backends.router import bench_router
+        from bench.router import bench_router
 
         result = bench_router()
     elif what == "hf":
-        from backends.hf import bench_hf
         from backends.tiny import ASSET_DIR
+        from bench.hf import bench_hf
 
         result = bench_hf(args.model or str(ASSET_DIR))
     elif what == "prefix-cache":
-        from backends.devserver import bench_prefix_cache
+        from bench.prefix_cache import bench_prefix_cache
 
         result = {f"affinity={a}": bench_prefix_cache(n=8, affinity=a) for a in (False, True)}
     elif what == "tracing":
@@ -307,7 +307,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         result = bench_tracing()
     elif what == "ray":
-        from fsm.ray_runner import bench_ray
+        from bench.ray import bench_ray
 
         result = bench_ray()
     else:  # argparse restricts the choices

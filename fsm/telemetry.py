@@ -1853,7 +1853,7 @@ def _bench_workload(workload: str, n: int, tool_turns: int, concurrency: int) ->
     from fsm.runtime import Runner
 
     if workload == "engine":
-        from fsm.bench import _workload, bench_agent
+        from bench.engine import _workload, bench_agent
 
         agent = bench_agent(tool_turns)
         rows = [{"raw_prompt": [{"role": "user", "content": "hi"}]} for _ in range(n)]
