@@ -480,14 +480,16 @@ def test_server_address_and_port():
 
 
 def test_bench_tracing_runs():
+    from bench.tracing import _bench_table, bench_tracing
+
     runs = (("null", 1.0), ("otlp", 1.0), ("memory", 0.0))
-    result = T.bench_tracing(20, repeats=1, runs=runs, show=False)  # the engine workload: 20 spans each
+    result = bench_tracing(20, repeats=1, runs=runs, show=False)  # the engine workload: 20 spans each
     null, otlp, none = result["on"]
     assert null["spans_per_traj"] == otlp["spans_per_traj"] == result["spans_per_traced_trajectory"] == 20
     assert none["spans_per_traj"] == 0 and all(r["dropped"] == 0 for r in result["on"])
     assert result["off"]["traj_per_cpu_s"] > 0 and otlp["traj_per_cpu_s"] > 0
-    assert "overhead" in T._bench_table(result)
-    calc = T.bench_tracing(10, repeats=1, workload="calculator", runs=(("encode", 1.0),), show=False)
+    assert "overhead" in _bench_table(result)
+    calc = bench_tracing(10, repeats=1, workload="calculator", runs=(("encode", 1.0),), show=False)
     assert calc["on"][0]["spans_per_traj"] == calc["spans_per_traced_trajectory"] == 8
 
 
@@ -584,7 +586,7 @@ async def test_sampled_out_trajectories_cost_no_spans(tokenizer, agent, monkeypa
         raise AssertionError("a span was made for a sampled-out trajectory")
 
     monkeypatch.setattr(T._Root, "__init__", boom)
-    monkeypatch.setattr(T, "_new", boom)
+    monkeypatch.setattr("fsm.telemetry.tracer._new", boom)  # call spans are made with it
     with Telemetry(otlp=False, memory=True, sample=0.0) as tel:
         with tel.tracer.start_as_current_span("caller"):
             trajs = await fsm.Runner(agent, calculator_model(tokenizer), tokenizer, tracer=tel).run(
