@@ -33,6 +33,7 @@ from fsm.compile import CompiledAgent, compile_spec
 from fsm.loader import LoadedSpec
 from fsm.runtime import Runner
 from fsm.spec import SPECS_DIR, AgentSpec
+from fsm.tracing import Tracer
 from fsm.trajectory import Trajectory
 
 T = TypeVar("T")
@@ -212,7 +213,7 @@ class RolloutEngine(_Engine):
 
     def __init__(self, spec: SpecLike, tokenizer: Any = None, *, backend: Backend | None = None,
                  servers: Sequence[str] | None = None, model: str | Path | None = None, max_concurrency: int = 512,
-                 tracer: Any = None, check_tokens: bool = False):  # fmt: skip
+                 tracer: Tracer | None = None, check_tokens: bool = False):  # fmt: skip
         if backend is not None and servers:
             raise ValueError("give backend= or servers=, not both")
         self.agent = load_agent(spec)

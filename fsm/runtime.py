@@ -26,6 +26,7 @@ from fsm.chat import ChatCodec
 from fsm.compile import CompiledAgent
 from fsm.parsers import PARSERS
 from fsm.tools import CallOutcome
+from fsm.tracing import Tracer
 from fsm.trajectory import ToolCall, Trajectory
 
 # The root span of the trajectory this task runs when it is traced (fsm/telemetry.py). The model and tool
@@ -40,7 +41,7 @@ class RunContext:
     """What actions share during one run: the agent, the backend, the codec, sampling, tools, tracing."""
 
     def __init__(self, agent: CompiledAgent, backend: Backend, codec: ChatCodec, *, sampling: dict[str, Any],
-                 seed: int | None, logprobs: bool, tracer: Any = None):  # fmt: skip
+                 seed: int | None, logprobs: bool, tracer: Tracer | None = None):  # fmt: skip
         self.agent = agent
         self.backend = backend
         self.codec = codec
@@ -114,7 +115,7 @@ class Runner:
     """Runs rows through a compiled agent. Reusable across batches; one per (agent, backend, tokenizer)."""
 
     def __init__(self, agent: CompiledAgent, backend: Backend, tokenizer: Any, *, max_concurrency: int = 512,
-                 tracer: Any = None, check_tokens: bool = False):  # fmt: skip
+                 tracer: Tracer | None = None, check_tokens: bool = False):  # fmt: skip
         self.agent = agent
         self.backend = backend
         self.codec = tokenizer if isinstance(tokenizer, ChatCodec) else ChatCodec(tokenizer)

@@ -436,6 +436,47 @@ async def test_tracing_off_calls_nothing(tokenizer, agent, monkeypatch):
     assert all(t.termination_reason == "done" and not t.failed for t in trajs)
 
 
+async def test_telemetry_is_a_tracer(tokenizer, agent):
+    """Telemetry and the spans its hooks return have every member of fsm/tracing.py's protocols, each taking
+    the arguments the driver passes (positionally)."""
+    import inspect
+
+    from fsm.tracing import CallSpan, RootSpan, Tracer
+
+    def check(obj: Any, protocol: type) -> None:
+        members = {
+            name: fn for name, fn in vars(protocol).items() if not name.startswith("_") and callable(fn)
+        }
+        assert members, protocol
+        for name, fn in members.items():
+            args = list(inspect.signature(fn).parameters)[1:]  # the driver's arguments, without self
+            inspect.signature(getattr(obj, name)).bind(*args)  # TypeError when obj cannot take them
+
+    with Telemetry(otlp=False, memory=True) as tel:
+        tracer: Tracer = tel  # what a type checker verifies
+        check(tracer, Tracer)
+        returned: list[Any] = []  # the spans the hooks give the driver
+
+        def keeping(hook: Any) -> Any:
+            def kept(*args: Any) -> Any:
+                returned.append(hook(*args))
+                return returned[-1]
+
+            return kept
+
+        for name in ("trajectory", "model_call", "tool_call"):
+            setattr(tel, name, keeping(getattr(tel, name)))
+        trajs = await fsm.Runner(agent, calculator_model(tokenizer), tokenizer, tracer=tel).run(
+            make_prompts(1)
+        )
+    assert trajs[0].termination_reason == "done"
+    by_kind = {type(span).__name__: span for span in returned}
+    assert set(by_kind) == {"_Root", "_ModelSpan", "_ToolSpan"}
+    check(by_kind.pop("_Root"), RootSpan)
+    for span in by_kind.values():
+        check(span, CallSpan)
+
+
 def test_from_env(monkeypatch):
     assert Telemetry.from_env() is None  # nothing configured: tracing off
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://127.0.0.1:9/custom/path")
