@@ -303,7 +303,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         result = {f"affinity={a}": bench_prefix_cache(n=8, affinity=a) for a in (False, True)}
     elif what == "tracing":
-        from fsm.telemetry import bench_tracing
+        from bench.tracing import bench_tracing
 
         result = bench_tracing()
     elif what == "ray":
