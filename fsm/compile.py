@@ -123,7 +123,8 @@ class CompiledAgent:
         # The machine's own per-state transition lists, in declared order. `advance` walks them directly:
         # `Event.trigger` would wrap each step in an EventData, a partial and empty callback lists, which
         # cost ~4x the guards themselves (`agentfsm bench engine` measures both paths).
-        self._table: dict[str, list[_LeanTransition]] = dict(self.machine.events[TRIGGER].transitions)
+        event = self.machine.events.get(TRIGGER)  # none when the initial state is final: no edges at all
+        self._table: dict[str, list[_LeanTransition]] = dict(event.transitions) if event else {}
 
     def advance(self, traj: Any) -> Edge:
         """Fire the first edge out of `traj.state` whose guard holds, changing `traj.state`."""
