@@ -136,6 +136,17 @@ class LimitsSpec(_Strict):
     )
 
 
+class TrustSpec(_Strict):
+    """What the spec's author vouches for. A spec is code; this only lifts agentfsm's guard-rail."""
+
+    allow_modules: list[str] = Field(
+        default_factory=list,
+        description="Standard-library modules agentfsm refuses in import paths by default (os, subprocess, "
+        "sys, builtins, importlib, socket, pickle, ...: fsm.registry.UNSAFE_MODULES) that this spec may use "
+        "anyway, e.g. [os] for `function: os:getcwd`. A tool's arguments are chosen by the model.",
+    )
+
+
 class AgentSpec(_Strict):
     """The whole agent. `extends:` is resolved by the loader before this model is built."""
 
@@ -160,6 +171,7 @@ class AgentSpec(_Strict):
     demo_data: str | None = Field(
         default=None, description="module:function(n, seed) -> rows; `agentfsm run` uses it when no --data is given."
     )
+    trust: TrustSpec = Field(default_factory=TrustSpec, description="Opt-ins to what agentfsm refuses by default.")
 
     @property
     def final_states(self) -> list[str]:
@@ -167,8 +179,24 @@ class AgentSpec(_Strict):
 
 
 def json_schema() -> dict[str, Any]:
-    """The JSON Schema editors use for completion (`# yaml-language-server: $schema=...`)."""
+    """The JSON Schema editors use for completion (`# yaml-language-server: $schema=...`).
+
+    It describes a spec file as written. A file with `extends:` is merged over its base before it is
+    checked (mappings key by key), so it may leave out anything its base says: the keys AgentSpec requires,
+    and those required inside the mappings it merges (`interaction`, `reward`), are required only of a
+    file without `extends:`.
+    """
     schema = AgentSpec.model_json_schema(by_alias=True)
+    defs = schema["$defs"]
+    merged: dict[str, Any] = {}
+    for name, prop in schema["properties"].items():
+        for ref in [p["$ref"] for p in prop.get("anyOf", [prop]) if "$ref" in p]:
+            required = defs[ref.rsplit("/", 1)[-1]].pop("required", None)
+            if required:
+                merged[name] = {"required": required}
+    standalone = {"required": schema.pop("required"), "properties": merged}
+    schema["if"] = {"required": ["extends"]}
+    schema["else"] = standalone
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     schema["title"] = "agentfsm agent spec"
     return schema

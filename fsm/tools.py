@@ -254,29 +254,32 @@ class ToolSet:
         return outcome
 
 
-def _declared_schema(spec: ToolSpec) -> dict | None:
+def _declared_schema(spec: ToolSpec, resolve_ref: Callable[[str], Any]) -> dict | None:
     """The spec's schema: inline, or the dict an import path names."""
     if isinstance(spec.schema_, str):
-        schema = resolve(spec.schema_)
+        schema = resolve_ref(spec.schema_)
         if not isinstance(schema, dict):
             raise TypeError(f"schema {spec.schema_!r} is a {type(schema).__name__}, not an OpenAI function schema dict")
         return dict(schema)
     return dict(spec.schema_) if spec.schema_ is not None else None
 
 
-def build_tool(spec: ToolSpec) -> BoundTool:
-    """ToolSpec -> BoundTool. Raises ImportPathError / TypeError / ValueError with a readable message."""
+def build_tool(spec: ToolSpec, resolve_ref: Callable[[str], Any] = resolve) -> BoundTool:
+    """ToolSpec -> BoundTool. Raises ImportPathError / TypeError / ValueError with a readable message.
+
+    `resolve_ref` turns import paths into objects (fsm.compile passes one with the spec's trust opt-ins).
+    """
     if bool(spec.function) == bool(spec.class_):
         raise ValueError("a tool needs exactly one of 'function' or 'class'")
-    declared = _declared_schema(spec)
+    declared = _declared_schema(spec, resolve_ref)
     if spec.function:
-        fn = resolve(spec.function)
+        fn = resolve_ref(spec.function)
         if not callable(fn):
             raise TypeError(f"{spec.function!r} is not callable")
         schema = declared or infer_schema(fn)
         tool: Any = FunctionTool(fn, schema)
     else:
-        cls = resolve(spec.class_)
+        cls = resolve_ref(spec.class_)
         if declared is None:
             raise ValueError(f"tool class {spec.class_!r} needs a 'schema' (OpenAI function schema)")
         schema = declared
