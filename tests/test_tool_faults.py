@@ -9,6 +9,7 @@ and replaced) and a 50 MB answer. Every hostile tool is bounded: tests/fixtures/
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import signal
 import subprocess
@@ -21,7 +22,9 @@ import tracemalloc
 import pytest
 
 import fsm
+from backends.base import GenerateRequest
 from fsm.isolation import LoopLane, ThreadLane, ToolUnavailable
+from fsm.parsers import ToolCall
 from fsm.tools import BaseTool, truncate
 from tests.conftest import ASSETS, REPO, model_turn, run_agent, scripted, tool_messages, tool_turn, user_row
 from tests.fixtures import faulty
@@ -154,36 +157,44 @@ def test_exit_and_ctrl_c_do_not_wait_for_hung_tool_threads(tmp_path):
 
 
 async def test_hung_sync_tool_does_not_slow_the_embedded_model(compile_yaml):
-    """The tiny model calls its calculator; one that never answers (timeout 0.2 s) leaves a stuck thread per
-    call. Decode runs in the loop's default executor, which tools no longer touch: generate time holds."""
+    """The tiny model's decode runs in the event loop's default executor. Twelve calls of a calculator that
+    never answers (timeout 0.2 s) leave twelve threads stuck for good, more than that executor has; they
+    are the tool's own, so generate takes as long as before, and a whole run still finishes."""
     from specs.calculator import make_prompts
 
-    hung = compile_yaml(f"""
+    agent = compile_yaml(f"""
         name: hung_calculator
         extends: {{specs}}/calculator.yaml
         limits:
-          action_timeout_s: 60      # were decode starved, the test fails instead of hanging
+          action_timeout_s: 60      # were decode starved, the test would fail here instead of hanging
         tools:
           - function: {FAULTY}:hung_calculator
             name: calculator
             schema: specs.calculator:TOOL_SCHEMA
             timeout_s: 0.2
     """)
-    rows = make_prompts(12, seed=0)
+    rows = make_prompts(8, seed=0)
+    async with fsm.RolloutEngine(agent) as engine:
+        prompt = engine.codec.encode_prompt(rows[0]["raw_prompt"], agent.tools.schemas)
 
-    async def mean_generate_s(agent) -> tuple[float, int]:
-        async with fsm.RolloutEngine(agent, max_batch_size=4) as engine:
-            trajs = await engine.arun(rows, validate=True)
-        assert not any(t.failed for t in trajs), [t.termination_reason for t in trajs]
-        turns = sum(t.assistant_turns for t in trajs)
-        return sum(t.metrics.generate_sequences for t in trajs) / turns, sum(t.metrics.tool_errors for t in trajs)
+        async def mean_generate_s(n: int = 5) -> float:
+            t0 = time.perf_counter()
+            for k in range(n):
+                await engine.backend.generate(GenerateRequest(f"probe-{k}", prompt, {"temperature": 0.0,
+                                                              "max_new_tokens": 24}, return_logprob=False))  # fmt: skip
+            return (time.perf_counter() - t0) / n
 
-    base, _ = await mean_generate_s(fsm.compile_spec(REPO / "specs" / "calculator.yaml"))
-    with_hung, timeouts = await mean_generate_s(hung)
-    print(f"mean generate: {base * 1e3:.0f} ms without, {with_hung * 1e3:.0f} ms with {timeouts} hung calls")
-    assert timeouts >= 8  # the tool was called and hung: more stuck threads than the default executor has
-    assert lane_of(hung, "calculator").stuck == timeouts
-    assert with_hung < 3 * base + 0.05
+        await mean_generate_s(1)  # warm-up
+        before = await mean_generate_s()
+        call = ToolCall("calculator", {"expression": "1+1"}, "")
+        outcomes = await asyncio.gather(*(agent.tools.call(call, f"i{k}", {}, None) for k in range(12)))
+        assert {o.error for o in outcomes} == {"timeout"}
+        assert lane_of(agent, "calculator").stuck == 12 > concurrent.futures.ThreadPoolExecutor()._max_workers
+        during = await asyncio.wait_for(mean_generate_s(), 60)  # starved decode fails, never hangs
+        trajs = await engine.arun(rows, validate=True)
+    print(f"mean generate: {before * 1e3:.0f} ms before, {during * 1e3:.0f} ms with 12 tool threads stuck")
+    assert during < 2 * before + 0.05
+    assert not any(t.failed for t in trajs) and sum(t.metrics.tool_errors for t in trajs) >= 4
 
 
 # --- async tools that hang or spin ------------------------------------------------------------------------
