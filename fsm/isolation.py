@@ -9,6 +9,7 @@ reward scoring run there: a tool stuck in it once starved decode for a minute).
   cannot stop a thread, so a call that outlives its timeout is *written off*: counted, no longer a slot,
   and a replacement thread serves the next call. Past `max_stuck` written-off threads the lane refuses
   calls (an error observation) instead of growing without bound. Daemon threads never delay process exit.
+  A CPU-bound call goes on spinning (and taking the GIL) after its timeout: use `isolation: process`.
 - `LoopLane` (coroutines: async function tools and class tools' lifecycle methods): the tool's own event
   loop in a daemon thread. A coroutine that never awaits cannot be interrupted by the loop that runs it,
   so measuring the main loop's lag would only notice the damage afterwards (and never, if it spins for
@@ -216,9 +217,12 @@ class _ToolLoop:
         try:
             self.loop.run_forever()
         except BaseException as exc:  # a tool's callback raised SystemExit/KeyboardInterrupt: the loop is gone
-            for future in list(self.pending):
-                if not future.done():
-                    future.set_exception(crashed(self.name, exc))
+            gone = crashed(self.name, exc)
+        else:  # close()
+            gone = ToolCrashed(f"tool {self.name!r}: its event loop was stopped during the call")
+        for future in list(self.pending):  # nobody else would ever answer their callers
+            if not future.done():
+                future.set_exception(gone)
 
     def alive(self, grace_s: float) -> bool:
         sent = self.cancel_sent
@@ -330,10 +334,11 @@ class _Worker:
 
     def kill(self) -> None:
         """SIGKILL the worker and whatever it started (it leads its own process group); never waits."""
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        if self.proc.returncode is None:  # once reaped, its pid may belong to someone else
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         try:
             self.writer.close()
         except RuntimeError:  # its event loop is closed already (an engine's, a test's): nothing to flush
@@ -382,7 +387,7 @@ class ProcessLane:
         """Run the function at `self.path` (the parent's `fn` is its copy) with `kwargs` in a worker."""
         pool = self._pool()
         async with pool.slots:
-            worker = pool.idle.pop() if pool.idle else await self._start(pool)
+            worker = self._idle_worker(pool) or await self._start(pool)
             try:
                 await worker.send((kwargs, self.keep_chars))
                 reply = await worker.receive()
@@ -400,6 +405,14 @@ class ProcessLane:
         if is_exception:
             raise ToolRaised(type_name, message)
         raise ToolCrashed(f"tool {self.name!r} raised {type_name}" + (f": {message}" if message else ""))
+
+    def _idle_worker(self, pool: _Pool) -> _Worker | None:
+        while pool.idle:
+            worker = pool.idle.pop()
+            if worker.proc.returncode is None:
+                return worker
+            self._discard(pool, worker)  # died while idle (the OOM killer, a stray signal): not this call's fault
+        return None
 
     async def _start(self, pool: _Pool) -> _Worker:
         parent, child = socket.socketpair()
