@@ -10,9 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 STANDARD_STATES = ("PENDING", "GENERATING", "PROCESSING_TOOLS", "INTERACTING", "TERMINATED")
+DEFAULT_TOOL_WORKERS = 8  # ToolSpec.workers
 
 
 class _Strict(BaseModel):
@@ -72,8 +73,35 @@ class ToolSpec(_Strict):
         default=None, gt=0, description="Per attempt; a timeout becomes an observation."
     )
     retry: RetrySpec = Field(default_factory=RetrySpec)
+    isolation: Literal["thread", "process"] = Field(
+        default="thread",
+        description="Where the tool's code runs (never on the event loop). thread: a sync function in the "
+        "tool's own daemon threads, a coroutine on the tool's own event-loop thread; a call past timeout_s "
+        "is abandoned and its thread written off. process: worker processes (function tools only); a call "
+        "past timeout_s kills its worker, which is replaced. Use process for CPU-bound or crash-prone tools.",
+    )
+    workers: int = Field(
+        default=DEFAULT_TOOL_WORKERS,
+        gt=0,
+        description="Calls of this tool running at once: threads of a sync function, or worker processes; "
+        "more calls wait their turn. Coroutines on the tool's own loop are not limited.",
+    )
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    @field_validator("isolation")
+    @classmethod
+    def _isolation(cls, v: str, info: ValidationInfo) -> str:
+        if v == "process" and info.data.get("class_"):
+            # A class tool is one stateful object shared by every trajectory (create/release keyed by
+            # instance id) whose execute gets the live trajectory: neither crosses a process boundary, and
+            # killing the worker at one call's timeout would destroy every other trajectory's instance.
+            raise ValueError(
+                "isolation: process runs function tools only; a class tool keeps state shared by all "
+                "trajectories and receives the live trajectory. Put the CPU-bound part in a function tool "
+                "with isolation: process, or have the class start its own subprocess"
+            )
+        return v
 
 
 class InteractionSpec(_Strict):
