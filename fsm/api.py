@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import signal
 import threading
 import weakref
 from collections.abc import Callable, Coroutine, Mapping, Sequence
@@ -153,6 +154,8 @@ class _LoopThread:
         self._thread.start()
 
     def _main(self) -> None:
+        if hasattr(signal, "pthread_sigmask"):  # Ctrl-C belongs to the main thread (and this one's executor's
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # threads inherit the mask)
         asyncio.set_event_loop(self.loop)
         try:
             self.loop.run_forever()

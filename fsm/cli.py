@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
+import signal
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -233,6 +236,7 @@ async def _rollout(args: argparse.Namespace, rows: list[dict[str, Any]], console
     interrupted = False
     t_start = time.perf_counter()
     async with AsyncExitStack() as stack:
+        stack.enter_context(_ctrl_c_cancels(asyncio.current_task()))
         servers, tokenizer = await _servers(args, stack)
         engine = _engine(args, servers, tokenizer)
         stack.push_async_callback(engine.aclose)
@@ -247,6 +251,23 @@ async def _rollout(args: argparse.Namespace, rows: list[dict[str, Any]], console
         router_stats = backend.stats() if hasattr(backend, "stats") else None
     wall = time.perf_counter() - t_start
     return _Rollout(engine, sampling, trajs, len(rows) * args.n, wall, router_stats, interrupted)
+
+
+@contextlib.contextmanager
+def _ctrl_c_cancels(task: Any) -> Iterator[None]:
+    """Ctrl-C cancels `task`, through the loop's wakeup fd: the loop wakes whichever thread the signal hit
+    (asyncio.run's own handler waits for the main thread to run Python, which it does not while it sleeps
+    on a rollout in the engine's thread)."""
+    loop = asyncio.get_running_loop()
+    try:
+        loop.add_signal_handler(signal.SIGINT, task.cancel)
+    except (ValueError, RuntimeError, NotImplementedError):  # not the main thread, or no signals here
+        yield
+        return
+    try:
+        yield
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
 
 
 async def _with_progress(engine: Any, rows: list[dict], args: argparse.Namespace, sampling: Any, console: Any,
@@ -374,7 +395,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     agent = compile_spec(args.spec)
     rows = _rows(args, agent)
     out = _out_dir(args)
-    run = asyncio.run(_rollout(args, rows, Console(stderr=True)))
+    try:
+        run = asyncio.run(_rollout(args, rows, Console(stderr=True)))
+    except asyncio.CancelledError:  # Ctrl-C before the rollout began (launching, probing, loading)
+        raise Interrupted(f"interrupted before the rollout; {out} holds what it held before") from None
     if not run.trajs:
         raise Interrupted(f"interrupted before any trajectory finished; {out} holds what it held before")
     batch = run.engine.to_batch(run.trajs, run.sampling)
@@ -386,12 +410,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     if run.interrupted:
         raise Interrupted(f"interrupted: {len(run.trajs)} of {run.expected} trajectories finished and are written "
                           f"to {out} (summary.json: \"status\": \"interrupted\")")  # fmt: skip
-    failed = summary["failed"]
-    if failed / len(run.trajs) > args.max_error_rate:
-        reasons = [(count, r) for r, count in summary["termination_reasons"].items() if r.startswith("error")]
-        top = f"; most often {max(reasons)[1]!r}" if reasons else ""
-        raise CLIError(f"{failed} of {len(run.trajs)} rows ended in error ({failed / len(run.trajs):.0%}), more "
-                       f"than --max-error-rate {args.max_error_rate:g}{top}; see {out}/summary.json")  # fmt: skip
+    failed = [t.error or t.termination_reason for t in run.trajs if t.failed]
+    if len(failed) / len(run.trajs) > args.max_error_rate:
+        common = " ".join(max(set(failed), key=failed.count).split())  # names the server, row or tool
+        common = common if len(common) <= 200 else common[:199] + "…"
+        raise CLIError(f"{len(failed)} of {len(run.trajs)} rows ended in error ({len(failed) / len(run.trajs):.0%}), "
+                       f"more than --max-error-rate {args.max_error_rate:g}; the most common: {common}; "
+                       f"see {out}/summary.json")  # fmt: skip
     return 0
 
 

@@ -6,8 +6,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import pickle
+import signal
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -132,6 +135,20 @@ def test_one_engine_serves_async_then_sync(tok):
     same_tensors(out, engine.generate_sequences(make_prompts(2)))
     engine.close()
     assert not [t for t in threading.enumerate() if t.name.startswith("agentfsm engine")]
+
+
+def test_ctrl_c_interrupts_a_sync_call_promptly(tok):
+    """The engine's thread blocks SIGINT, so Ctrl-C reaches the main thread waiting on it."""
+    engine = RolloutEngine("calculator", tok, backend=echo(latency_s=0.5), max_concurrency=1)
+    engine.generate_sequences(make_prompts(1))  # started
+    timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT))
+    t0 = time.perf_counter()
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate_sequences(make_prompts(8))  # 4 s uninterrupted
+    assert time.perf_counter() - t0 < 2.0
+    assert len(engine.generate_sequences(make_prompts(1))) == 1  # the engine still works
+    engine.close()
 
 
 async def test_cancelling_the_caller_cancels_the_rollout(tok):
