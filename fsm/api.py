@@ -263,7 +263,7 @@ class _Engine:
 
     def generate_sequences(self, batch: Rows, sampling_params: Mapping[str, Any] | None = None,
                            validate: bool = False, n: int = 1) -> Any:  # fmt: skip
-        """Sync form of `agenerate_sequences`, on the engine's own event loop."""
+        """Sync form of `agenerate_sequences`, on the engine's own event loop; blocks until the batch is back."""
         self._refuse_in_loop("generate_sequences", "agenerate_sequences")
         return self._run_sync(self.agenerate_sequences(batch, sampling_params, validate, n))
 
@@ -276,6 +276,8 @@ class _Engine:
                            f"would block; use `await {async_name}(...)` there")  # fmt: skip
 
     def _run_sync(self, coro: Coroutine[Any, Any, T]) -> T:
+        # RayRunner's: its arun keeps nothing bound to a loop, so a private loop in this thread serves the sync
+        # forms and any caller's loop the async ones. RolloutEngine overrides this (its backend has one home).
         if self._own_loop is None or self._own_loop.is_closed():
             self._own_loop = asyncio.new_event_loop()
         return self._own_loop.run_until_complete(coro)

@@ -243,7 +243,7 @@ async def _rollout(args: argparse.Namespace, rows: list[dict[str, Any]], console
         sampling = engine.sampling(params)
         try:
             trajs = await _with_progress(engine, rows, args, sampling, console, finished)
-        except asyncio.CancelledError:  # Ctrl-C (asyncio.run cancels us): keep what finished
+        except asyncio.CancelledError:  # Ctrl-C (_ctrl_c_cancels): keep what finished
             asyncio.current_task().uncancel()  # type: ignore[union-attr]
             interrupted = True
             trajs = sorted(finished, key=lambda t: (t.index, t.sample))
