@@ -2,15 +2,20 @@
 
     engine = RolloutEngine("specs/calculator.yaml")                    # the embedded tiny model (backends.hf)
     engine = RolloutEngine(spec, tokenizer=path, servers=[url, ...])   # SGLang servers behind a Router
-    batch = engine.generate_sequences(rows, n=8)          # sync: runs the engine's own event loop
-    batch = await engine.agenerate_sequences(rows, n=8)   # async: runs on the caller's loop
+    batch = engine.generate_sequences(rows, n=8)          # sync: blocks until the batch is back
+    batch = await engine.agenerate_sequences(rows, n=8)   # async: from any event loop, the same engine
 
 `rows` is what a verl dataset yields: a list of row dicts, a dict of columns (`non_tensor_batch`:
 {"raw_prompt": array([...]), "uid": ...}), or a verl `DataProto` (then a `DataProto` comes back). The result
 is one row per (input row, sample), samples of a row contiguous and in input order (verl's `repeat(n,
 interleave=True)` layout); `uid` marks the GRPO group. Control calls (`sleep`, `wake_up`,
 `update_weights_from_disk`, `flush_cache`) reach every server. Each has an `a`-prefixed async form, as
-`generate_sequences` has; the sync forms refuse to run inside a running event loop.
+`generate_sequences` has; the sync forms refuse to run inside a running event loop (they would block it).
+
+A RolloutEngine's backend lives on one event loop that the engine owns, running in a daemon thread it
+starts on first use and stops on `close()`/`aclose()`: sync calls block on that loop, and async calls from
+any loop are bridged to it, so one engine serves both forms in any order (aiohttp sessions and the
+in-process model's batching task never see a second loop).
 
 This is the one `fsm` module (with cli.py) that may import concrete backends, lazily, to compose them:
 `servers=` builds `Router([SGLangBackend(url), ...])`, no backend at all builds `HFBackend` over a model
@@ -20,6 +25,11 @@ directory (by default the tiny model in backends/tiny/assets).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
+import signal
+import threading
+import weakref
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -130,6 +140,93 @@ def to_batch(trajs: Sequence[Trajectory], agent: CompiledAgent, codec: ChatCodec
 # --- engines -------------------------------------------------------------------------------------------
 
 
+class _LoopThread:
+    """A private event loop in a daemon thread: the one loop an engine's backend lives on.
+
+    `run(coro)` blocks a thread that runs no loop until `coro` has run there; `await call(coro)` does the same
+    from another loop. Cancelling (Ctrl-C for `run`) cancels the task on this loop and waits for it to unwind,
+    so the backend is never closed under a trajectory still running.
+    """
+
+    def __init__(self, name: str):
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._thread.start()
+
+    def _main(self) -> None:
+        if hasattr(signal, "pthread_sigmask"):  # Ctrl-C belongs to the main thread (and this one's executor's
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # threads inherit the mask)
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_forever()
+        finally:  # stopped: cancel what is left (an unclosed backend's tasks), then release the executor
+            tasks = asyncio.all_tasks(self.loop)
+            for task in tasks:
+                task.cancel()
+            self.loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+            self.loop.run_until_complete(self.loop.shutdown_default_executor())
+            self.loop.close()
+
+    def current(self) -> bool:
+        """Whether the caller runs on this loop."""
+        try:
+            return asyncio.get_running_loop() is self.loop
+        except RuntimeError:
+            return False
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> tuple[concurrent.futures.Future[T], Callable[[], None]]:
+        """Start `coro` as a task here: a future settled when the task has ended, and a canceller."""
+        done: concurrent.futures.Future[T] = concurrent.futures.Future()
+        tasks: list[asyncio.Task[T]] = []
+
+        def settle(task: asyncio.Task[T]) -> None:
+            if task.cancelled():
+                done.cancel()
+            elif task.exception() is not None:
+                done.set_exception(task.exception())  # type: ignore[arg-type]
+            else:
+                done.set_result(task.result())
+
+        def start() -> None:  # runs in the caller's context (contextvars: an open span carries over)
+            tasks.append(self.loop.create_task(coro))
+            tasks[0].add_done_callback(settle)
+
+        self.loop.call_soon_threadsafe(start)
+        return done, lambda: self.loop.call_soon_threadsafe(lambda: tasks and tasks[0].cancel())
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        done, cancel = self.submit(coro)
+        try:
+            return done.result()
+        except BaseException:
+            if not done.done():  # interrupted while waiting: stop the task, let it unwind
+                cancel()
+                with contextlib.suppress(BaseException):
+                    done.result()
+            raise
+
+    async def call(self, coro: Coroutine[Any, Any, T]) -> T:
+        done, cancel = self.submit(coro)
+        waiter = asyncio.wrap_future(done)
+        try:
+            return await asyncio.shield(waiter)
+        except asyncio.CancelledError:
+            if not done.done():
+                cancel()
+                with contextlib.suppress(BaseException):
+                    await asyncio.shield(waiter)
+            raise
+
+    def close(self) -> None:
+        """Stop the loop (cancelling what still runs there) and wait for its thread to end."""
+        if self._thread.is_alive() and not self.loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # closed meanwhile
+                self.loop.call_soon_threadsafe(self.loop.stop)
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+
 class _Engine:
     """The `generate_sequences` contract over `arun` (trajectories), shared by RolloutEngine and RayRunner."""
 
@@ -166,7 +263,7 @@ class _Engine:
 
     def generate_sequences(self, batch: Rows, sampling_params: Mapping[str, Any] | None = None,
                            validate: bool = False, n: int = 1) -> Any:  # fmt: skip
-        """Sync form of `agenerate_sequences`, on the engine's own event loop."""
+        """Sync form of `agenerate_sequences`, on the engine's own event loop; blocks until the batch is back."""
         self._refuse_in_loop("generate_sequences", "agenerate_sequences")
         return self._run_sync(self.agenerate_sequences(batch, sampling_params, validate, n))
 
@@ -179,6 +276,8 @@ class _Engine:
                            f"would block; use `await {async_name}(...)` there")  # fmt: skip
 
     def _run_sync(self, coro: Coroutine[Any, Any, T]) -> T:
+        # RayRunner's: its arun keeps nothing bound to a loop, so a private loop in this thread serves the sync
+        # forms and any caller's loop the async ones. RolloutEngine overrides this (its backend has one home).
         if self._own_loop is None or self._own_loop.is_closed():
             self._own_loop = asyncio.new_event_loop()
         return self._own_loop.run_until_complete(coro)
@@ -194,8 +293,8 @@ class RolloutEngine(_Engine):
     max_concurrency: trajectories in flight at once. tracer: e.g. `fsm.telemetry.Telemetry(...)`.
     backend_options: for the backend it builds (`group_affinity` for servers; `torch_threads`,
         `max_batch_size` for the in-process model).
-    The engine owns its backend, given or built: `close()` / `async with` closes it. An engine is bound to
-    the event loop of its first call; use either the sync forms or the async ones with one engine.
+    The engine owns its backend, given or built, and the thread whose event loop runs it (see the module
+    docstring): `close()` / `aclose()` / `with` / `async with` closes both. Sync and async forms mix freely.
     """
 
     def __init__(self, spec: SpecLike, tokenizer: Any = None, *, backend: Backend | None = None,
@@ -219,37 +318,68 @@ class RolloutEngine(_Engine):
                              tracer=tracer, check_tokens=check_tokens)  # fmt: skip
         self.codec = self.runner.codec
         self.tracer = tracer
-        self._loop: asyncio.AbstractEventLoop | None = None  # the loop the backend was started on
+        self._home: _LoopThread | None = None  # started by the first call; the backend lives on its loop
+        self._started: asyncio.Future[None] | None = None  # the backend's start(), on the home loop
         self._closed = False
 
-    async def start(self) -> None:
-        """Start the backend (connections, health checks) on the running loop. Called by the first use."""
-        loop = asyncio.get_running_loop()
-        if self._loop is loop:
-            return
+    def _home_loop(self) -> _LoopThread:
         if self._closed:
             raise RuntimeError("this RolloutEngine is closed")
-        if self._loop is not None:
-            raise RuntimeError("this RolloutEngine's backend runs on another event loop (an engine is bound to "
-                               "the loop of its first call): use one engine per loop, and either the sync or "
-                               "the async forms")  # fmt: skip
-        self._loop = loop
-        start = getattr(self.backend, "start", None)
-        if start is not None:
-            await start()
+        if self._home is None:
+            self._home = home = _LoopThread(f"agentfsm engine ({self.agent.name})")
+            weakref.finalize(self, home.close).atexit = False  # an engine dropped unclosed stops its thread
+        return self._home
+
+    async def _on_home(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Await `coro` on the engine's loop, from whichever loop the caller runs."""
+        try:
+            home = self._home_loop()
+        except RuntimeError:
+            coro.close()
+            raise
+        if home.current():
+            return await coro
+        return await home.call(coro)
+
+    def _run_sync(self, coro: Coroutine[Any, Any, T]) -> T:
+        try:
+            home = self._home_loop()
+        except RuntimeError:
+            coro.close()
+            raise
+        return home.run(coro)
+
+    async def start(self) -> None:
+        """Start the backend (connections, health checks) on the engine's loop. Called by the first use."""
+        await self._on_home(self._start())
+
+    async def _start(self) -> None:
+        if self._started is None:
+            start = getattr(self.backend, "start", None)
+            self._started = asyncio.ensure_future(start() if start is not None else asyncio.sleep(0))
+        await asyncio.shield(self._started)
 
     async def arun(self, rows: Sequence[Any], *, n: int = 1, sampling_params: Mapping[str, Any] | None = None,
                    validate: bool = False, sampling: Sampling | None = None,
                    on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:  # fmt: skip
-        """The finished trajectories themselves (transcripts, segments, state paths), in input order."""
-        await self.start()
+        """The finished trajectories themselves (transcripts, segments, state paths), in input order.
+        `on_done` hears each trajectory as it finishes, on the engine's thread."""
+        return await self._on_home(self._arun(rows, n, sampling_params, validate, sampling, on_done))
+
+    async def _arun(self, rows: Sequence[Any], n: int, sampling_params: Mapping[str, Any] | None, validate: bool,
+                    sampling: Sampling | None, on_done: Callable[[Trajectory], None] | None) -> list[Trajectory]:  # fmt: skip
+        await self._start()
         return await self.runner.run(rows, n=n, sampling_params=sampling_params, validate=validate,
                                      sampling=sampling, on_done=on_done)  # fmt: skip
 
     # -- control calls -------------------------------------------------------------------------------------
 
     async def _control(self, method: str, *args: Any, required: bool = False, **kwargs: Any) -> Any:
-        await self.start()
+        return await self._on_home(self._control_here(method, args, kwargs, required))
+
+    async def _control_here(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                            required: bool) -> Any:  # fmt: skip
+        await self._start()
         fn = getattr(self.backend, method, None)
         if fn is None:
             if required:
@@ -292,23 +422,38 @@ class RolloutEngine(_Engine):
 
     # -- lifecycle -----------------------------------------------------------------------------------------
 
-    async def aclose(self) -> None:
+    async def _close_backend(self) -> None:
         close = getattr(self.backend, "close", None)
-        if close is not None and self._loop is not None and not self._closed:
+        if close is not None and self._started is not None:
             await close()
         self.agent.tools.close()  # idle tool threads, loops and worker processes (tools restart on use)
+
+    async def aclose(self) -> None:
+        """Close the backend, then stop the engine's thread."""
+        if self._closed:
+            return
+        if self._home is not None:
+            try:
+                await self._on_home(self._close_backend())
+            finally:
+                home, self._home, self._closed = self._home, None, True
+                if home.current():  # e.g. from an on_done callback: the loop stops after this task
+                    home.close()
+                else:
+                    await asyncio.to_thread(home.close)
         self._closed = True
 
     def close(self) -> None:
-        """Close the backend (and the engine's own loop, when the sync forms ran on it)."""
+        """Close the backend, then stop the engine's thread."""
         self._refuse_in_loop("close", "aclose")
-        if self._loop is not None and self._loop is not self._own_loop and not self._loop.is_closed():
-            raise RuntimeError("the engine runs on a caller's event loop: `await engine.aclose()` there")
-        if self._loop is not None and self._loop is self._own_loop:
-            self._own_loop.run_until_complete(self.aclose())
-        if self._own_loop is not None:
-            self._own_loop.close()
-            self._own_loop = None
+        if self._closed:
+            return
+        if self._home is not None:
+            try:
+                self._home.run(self._close_backend())
+            finally:
+                home, self._home, self._closed = self._home, None, True
+                home.close()
         self._closed = True
 
     async def __aenter__(self) -> RolloutEngine:

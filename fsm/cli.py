@@ -1,28 +1,50 @@
 """`agentfsm`: validate, schema, run, render, show, bench, dev-server.
 
 This module is the composition root: the one place in `fsm` that picks concrete backends (lazily, so
-`import fsm` never loads transformers models or aiohttp servers). Every user error ends as one line that
-names the file, row or server and what to do, with a non-zero exit code and no traceback.
+`import fsm` never loads transformers models or aiohttp servers). Every user error ends as one line on
+stderr that names the file, flag, row or server and what to do, with a non-zero exit code and no traceback.
+Exit codes: 0 done; 1 a user error, or a run whose error rows exceed --max-error-rate; 2 a bad command
+line or spec diagnostics; 130 interrupted. `run` replaces its three output files together (fsm/rundir.py).
+
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
+import signal
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import AsyncExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fsm.cli_args import COUNT, PORT, Help, Parser, float_in, int_in
 from fsm.compile import CompiledAgent, compile_spec
 from fsm.data import DataError, load_rows
 from fsm.loader import SpecError
 
+DEMO_PROMPTS = 64  # `run` without --data or --num-prompts
+SHOW_LIMIT = 5  # transcripts `show --worst/--failed` prints without --limit
+
 
 class CLIError(Exception):
-    """A user-facing failure: printed as one line, exit code 1."""
+    """A user-facing failure: printed as one line, exit code `exit_code`."""
+
+    exit_code = 1
+
+
+class Interrupted(CLIError):
+    exit_code = 130
+
+
+def _warn(message: str) -> None:
+    print(f"agentfsm: warning: {message}", file=sys.stderr)
 
 
 # --- validate / schema ---------------------------------------------------------------------------------
@@ -47,7 +69,10 @@ def cmd_schema(args: argparse.Namespace) -> int:
 
     text = json.dumps(json_schema(), indent=2) + "\n"
     if args.output:
-        Path(args.output).write_text(text)
+        try:
+            Path(args.output).write_text(text)
+        except OSError as exc:
+            raise CLIError(f"-o {args.output}: cannot write it ({exc.strerror or exc})") from None
     else:
         sys.stdout.write(text)
     return 0
@@ -56,15 +81,60 @@ def cmd_schema(args: argparse.Namespace) -> int:
 # --- run -----------------------------------------------------------------------------------------------
 
 
+def _check_run_flags(args: argparse.Namespace) -> None:
+    """What argparse cannot check alone: refuse flags that cannot work together, warn about ones that would
+    do nothing."""
+    servers = bool(args.server or args.launch_sglang)
+    if args.request_timeout is not None and not servers:
+        raise CLIError("--request-timeout: it times SGLang requests; give --server URL or --launch-sglang MODEL "
+                       "(the embedded model makes no requests)")  # fmt: skip
+    if args.ray is not None:
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            raise CLIError("--ray: Ray is not installed in this Python; pip install 'agentfsm[ray]', "
+                           "or run without --ray") from None  # fmt: skip
+        if args.request_timeout is not None:
+            raise CLIError("--request-timeout: not passed to Ray actors yet; drop --ray or --request-timeout")
+    tracing = bool(args.otlp or args.trace or _env_tracing())
+    if args.trace_sample is not None and not tracing:
+        _warn("--trace-sample does nothing without --otlp URL, --trace console or OTEL_EXPORTER_OTLP_ENDPOINT")
+    if args.ray is not None and tracing:
+        _warn("tracing is not passed to Ray actors yet: this --ray run exports no spans")
+
+
+def _out_dir(args: argparse.Namespace) -> Path:
+    """--out, made now: a bad path fails before the rollout, not after it."""
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise CLIError(f"--out {out}: exists and is not a directory; pass a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CLIError(f"--out {out}: cannot create it ({exc.strerror or exc})") from None
+    return out
+
+
 def _rows(args: argparse.Namespace, agent: CompiledAgent) -> list[dict[str, Any]]:
     if args.data:
         rows = load_rows(args.data)
-        return rows[: args.num_prompts] if args.num_prompts else rows
+        return rows[: args.num_prompts] if args.num_prompts is not None else rows
     if agent.spec.demo_data is None:
         raise CLIError(f"{args.spec}: no --data given and the spec declares no demo_data; pass --data FILE.jsonl")
     from fsm.registry import resolve
 
-    return resolve(agent.spec.demo_data, agent.spec.trust.allow_modules)(args.num_prompts or 64, seed=args.seed)
+    count = args.num_prompts if args.num_prompts is not None else DEMO_PROMPTS
+    return resolve(agent.spec.demo_data, agent.spec.trust.allow_modules)(count, seed=args.seed)
+
+
+def _launch_failure(message: str) -> str:
+    """A LaunchError's message ("... log X ends with:\\n<tail>") as one line: the head and the log's last line,
+    which is where a Python process says why it died."""
+    head, _, tail = message.partition(" ends with:\n")
+    lines = [line.strip() for line in tail.splitlines() if line.strip()]
+    cause = lines[-1] if lines else "its log is empty"
+    hint = "; pip install sglang (on a GPU host), or pass --server URL" if "No module named" in cause else ""
+    return f"--launch-sglang: {head.strip()}: {cause}{hint}"
 
 
 async def _servers(args: argparse.Namespace, stack: AsyncExitStack) -> tuple[list[str], str | None]:
@@ -80,7 +150,7 @@ async def _servers(args: argparse.Namespace, stack: AsyncExitStack) -> tuple[lis
         try:
             await stack.enter_async_context(launcher)
         except LaunchError as exc:
-            raise CLIError(str(exc).splitlines()[0]) from None
+            raise CLIError(_launch_failure(str(exc))) from None
         servers += launcher.urls
         tokenizer = tokenizer or args.launch_sglang
     if not servers:
@@ -99,12 +169,21 @@ async def _servers(args: argparse.Namespace, stack: AsyncExitStack) -> tuple[lis
     return servers, tokenizer
 
 
+def _quiet_transformers() -> None:
+    """No "Loading weights" progress bar or load-report chatter from transformers in our output."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
 def _engine(args: argparse.Namespace, servers: list[str], tokenizer: str | None) -> Any:
     """The engine the flags ask for: RayRunner, or RolloutEngine over servers or the embedded model."""
     from fsm.api import RolloutEngine
 
     if tokenizer is not None and not Path(tokenizer).is_dir():
         raise CLIError(f"{tokenizer}: no tokenizer directory there; pass --tokenizer DIR")
+    _quiet_transformers()
     try:
         if args.ray is not None:
             from fsm.ray_runner import RayRunner
@@ -112,9 +191,10 @@ def _engine(args: argparse.Namespace, servers: list[str], tokenizer: str | None)
             return RayRunner(args.spec, tokenizer=tokenizer, servers=servers or None, workers=args.workers,
                              address=args.ray or None)  # fmt: skip
         if servers:
+            options = {} if args.request_timeout is None else {"request_timeout_s": args.request_timeout}
             return RolloutEngine(args.spec, tokenizer, servers=servers, max_concurrency=args.concurrency,
                                  tracer=_tracer(args), check_tokens=args.check_tokens,
-                                 group_affinity=args.group_affinity)  # fmt: skip
+                                 group_affinity=args.group_affinity, **options)  # fmt: skip
         return RolloutEngine(args.spec, tokenizer, model=args.model, max_concurrency=args.concurrency,
                              tracer=_tracer(args), check_tokens=args.check_tokens, torch_threads=args.threads,
                              max_batch_size=args.batch_size)  # fmt: skip
@@ -129,43 +209,69 @@ def _tracer(args: argparse.Namespace) -> Any:
         return None
     from fsm.telemetry import Telemetry
 
-    return Telemetry(otlp=args.otlp, console=args.trace == "console", sample=args.trace_sample)
+    sample = 1.0 if args.trace_sample is None else args.trace_sample
+    return Telemetry(otlp=args.otlp, console=args.trace == "console", sample=sample)
 
 
 def _env_tracing() -> bool:
-    import os
-
     return bool(os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
 
 
-async def _run_async(args: argparse.Namespace) -> int:
-    from rich.console import Console
+@dataclass
+class _Rollout:
+    """What `run` rolled out: every trajectory, or (interrupted) those that finished, in input order."""
 
-    console = Console(stderr=True)
-    agent = compile_spec(args.spec)
-    rows = _rows(args, agent)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    engine: Any
+    sampling: Any
+    trajs: list
+    expected: int  # rows x n
+    wall: float
+    router_stats: Any
+    interrupted: bool
+
+
+async def _rollout(args: argparse.Namespace, rows: list[dict[str, Any]], console: Any) -> _Rollout:
     params = {k: v for k, v in (("temperature", args.temperature), ("seed", args.seed)) if v is not None}
+    finished: list = []
+    interrupted = False
     t_start = time.perf_counter()
     async with AsyncExitStack() as stack:
+        stack.enter_context(_ctrl_c_cancels(asyncio.current_task()))
         servers, tokenizer = await _servers(args, stack)
         engine = _engine(args, servers, tokenizer)
         stack.push_async_callback(engine.aclose)
         sampling = engine.sampling(params)
-        trajs = await _with_progress(engine, rows, args, sampling, console)
+        try:
+            trajs = await _with_progress(engine, rows, args, sampling, console, finished)
+        except asyncio.CancelledError:  # Ctrl-C (_ctrl_c_cancels): keep what finished
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            interrupted = True
+            trajs = sorted(finished, key=lambda t: (t.index, t.sample))
         backend = getattr(engine, "backend", None)
         router_stats = backend.stats() if hasattr(backend, "stats") else None
     wall = time.perf_counter() - t_start
-    batch = engine.to_batch(trajs, sampling)
-    tracer = getattr(engine, "tracer", None)
-    summary = _write_outputs(out, engine.agent, trajs, batch, engine.codec, wall, router_stats, tracer)
-    _print_summary(summary, console)
-    console.print(f"wrote {out}/batch.pt, trajectories.jsonl, summary.json")
-    return 0
+    return _Rollout(engine, sampling, trajs, len(rows) * args.n, wall, router_stats, interrupted)
 
 
-async def _with_progress(engine: Any, rows: list[dict], args: argparse.Namespace, sampling: Any, console: Any) -> list:
+@contextlib.contextmanager
+def _ctrl_c_cancels(task: Any) -> Iterator[None]:
+    """Ctrl-C cancels `task`, through the loop's wakeup fd: the loop wakes whichever thread the signal hit
+    (asyncio.run's own handler waits for the main thread to run Python, which it does not while it sleeps
+    on a rollout in the engine's thread)."""
+    loop = asyncio.get_running_loop()
+    try:
+        loop.add_signal_handler(signal.SIGINT, task.cancel)
+    except (ValueError, RuntimeError, NotImplementedError):  # not the main thread, or no signals here
+        yield
+        return
+    try:
+        yield
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
+
+
+async def _with_progress(engine: Any, rows: list[dict], args: argparse.Namespace, sampling: Any, console: Any,
+                         finished: list) -> list:  # fmt: skip
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     total = len(rows) * args.n
@@ -176,7 +282,8 @@ async def _with_progress(engine: Any, rows: list[dict], args: argparse.Namespace
     with Progress(*columns, console=console, disable=args.quiet or not console.is_terminal) as progress:
         task = progress.add_task("trajectories", total=total, rate="")
 
-        def done(traj: Any) -> None:
+        def done(traj: Any) -> None:  # on the engine's thread; rich's Progress takes its own lock
+            finished.append(traj)
             counters["done"] += 1
             counters["tokens"] += traj.response_mask.count(1)
             counters["turns"] += traj.num_turns
@@ -185,6 +292,33 @@ async def _with_progress(engine: Any, rows: list[dict], args: argparse.Namespace
             progress.update(task, advance=1, rate=rate)
 
         return await engine.arun(rows, n=args.n, sampling=sampling, on_done=done)
+
+
+def _write_run(out: Path, run: _Rollout, batch: Any) -> dict[str, Any]:
+    """The run's three files into `out` (fsm/rundir.py), its summary saying how the run ended and how many
+    rows each file holds."""
+    from fsm.rundir import WriteInterrupted, write_run
+
+    engine = run.engine
+
+    def write(staging: Path) -> dict[str, Any]:
+        summary = _write_outputs(staging, engine.agent, run.trajs, batch, engine.codec, run.wall, run.router_stats,
+                                 getattr(engine, "tracer", None))  # fmt: skip
+        failed = sum(t.failed for t in run.trajs)
+        summary = {"status": "interrupted" if run.interrupted else "completed", "rows_expected": run.expected,
+                   "files": {"batch.pt": {"rows": len(batch)}, "trajectories.jsonl": {"rows": len(run.trajs)}},
+                   "error_rate": round(failed / len(run.trajs), 4), **summary}  # fmt: skip
+        (staging / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+        return summary
+
+    try:
+        return write_run(out, write)
+    except WriteInterrupted as exc:
+        if exc.committed:
+            raise Interrupted(f"interrupted; the run had finished and is written to {out}") from None
+        raise Interrupted(f"interrupted while writing; {out} holds what it held before this run") from None
+    except OSError as exc:
+        raise CLIError(f"--out {out}: cannot write the run's outputs ({exc.strerror or exc})") from None
 
 
 def _write_outputs(out: Path, agent: CompiledAgent, trajs: list, batch: Any, codec: Any, wall: float,
@@ -255,19 +389,57 @@ def _print_summary(summary: dict[str, Any], console: Any) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    return asyncio.run(_run_async(args))
+    from rich.console import Console
+
+    _check_run_flags(args)
+    agent = compile_spec(args.spec)
+    rows = _rows(args, agent)
+    out = _out_dir(args)
+    try:
+        run = asyncio.run(_rollout(args, rows, Console(stderr=True)))
+    except asyncio.CancelledError:  # Ctrl-C before the rollout began (launching, probing, loading)
+        raise Interrupted(f"interrupted before the rollout; {out} holds what it held before") from None
+    if not run.trajs:
+        raise Interrupted(f"interrupted before any trajectory finished; {out} holds what it held before")
+    batch = run.engine.to_batch(run.trajs, run.sampling)
+    replacing = (out / "summary.json").exists()
+    summary = _write_run(out, run, batch)
+    if not args.quiet:
+        _print_summary(summary, Console())
+    print(f"wrote {out}/batch.pt, trajectories.jsonl, summary.json" + (" (replacing the run there)" if replacing else ""))
+    if run.interrupted:
+        raise Interrupted(f"interrupted: {len(run.trajs)} of {run.expected} trajectories finished and are written "
+                          f"to {out} (summary.json: \"status\": \"interrupted\")")  # fmt: skip
+    failed = [t.error or t.termination_reason for t in run.trajs if t.failed]
+    if len(failed) / len(run.trajs) > args.max_error_rate:
+        common = " ".join(max(set(failed), key=failed.count).split())  # names the server, row or tool
+        common = common if len(common) <= 200 else common[:199] + "…"
+        raise CLIError(f"{len(failed)} of {len(run.trajs)} rows ended in error ({len(failed) / len(run.trajs):.0%}), "
+                       f"more than --max-error-rate {args.max_error_rate:g}; the most common: {common}; "
+                       f"see {out}/summary.json")  # fmt: skip
+    return 0
 
 
 # --- render / show -------------------------------------------------------------------------------------
 
 
 def cmd_render(args: argparse.Namespace) -> int:
-    from viz.diagram import render
+    from viz.diagram import RenderError, render
     from viz.stats import load_run_stats
 
     agent = compile_spec(args.spec)
-    stats = load_run_stats(args.run) if args.run else None
-    render(agent, args.output, run_stats=stats)
+    try:
+        stats = load_run_stats(args.run) if args.run else None
+    except json.JSONDecodeError as exc:
+        raise CLIError(f"--run {args.run}: its summary.json is not JSON ({exc.msg}, line {exc.lineno})") from None
+    except (FileNotFoundError, ValueError) as exc:
+        raise CLIError(str(exc)) from None
+    try:
+        render(agent, args.output, run_stats=stats)
+    except RenderError as exc:
+        raise CLIError(str(exc)) from None
+    except OSError as exc:
+        raise CLIError(f"-o {args.output}: cannot write it ({exc.strerror or exc})") from None
     print(args.output)
     return 0
 
@@ -275,7 +447,13 @@ def cmd_render(args: argparse.Namespace) -> int:
 def cmd_show(args: argparse.Namespace) -> int:
     from viz.transcript import show
 
-    show(args.run_dir, row=args.row, worst=args.worst, failed=args.failed)
+    limit = args.limit
+    if limit is None and (args.worst or args.failed):
+        limit = SHOW_LIMIT
+    try:
+        show(args.run_dir, row=args.row, worst=args.worst, failed=args.failed, limit=limit)
+    except (FileNotFoundError, LookupError, ValueError) as exc:
+        raise CLIError(str(exc)) from None
     return 0
 
 
@@ -321,7 +499,12 @@ def cmd_dev_server(args: argparse.Namespace) -> int:
 
     argv = ["--host", args.host, "--port", str(args.port)]
     argv += ["--scripted"] if args.scripted else ["--model", args.model or _default_model()]
-    devserver_main(argv)
+    if not args.scripted:
+        _quiet_transformers()
+    try:
+        devserver_main(argv)
+    except OSError as exc:  # the port is taken, or the host is not ours
+        raise CLIError(f"--port {args.port}: cannot serve on {args.host}:{args.port} ({exc.strerror or exc})") from None
     return 0
 
 
@@ -334,84 +517,123 @@ def _default_model() -> str:
 # --- parser --------------------------------------------------------------------------------------------
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="agentfsm", description="Declarative agent loops for RL rollouts.")
-    sub = ap.add_subparsers(dest="command", required=True)
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
 
-    p = sub.add_parser("validate", help="check specs; prints path:line:col: code: message")
-    p.add_argument("specs", nargs="+")
-    p.add_argument("-q", "--quiet", action="store_true")
+    try:
+        return version("agentfsm")
+    except PackageNotFoundError:
+        return "unknown (not installed: pip install -e .)"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = Parser(prog="agentfsm", description="Declarative agent loops for RL rollouts.", formatter_class=Help,
+                 epilog="exit codes: 0 done; 1 a user error, or more error rows than --max-error-rate; 2 a bad "
+                        "command line or spec diagnostics; 130 interrupted")  # fmt: skip
+    ap.add_argument("--version", action="version", version=f"agentfsm {_version()}")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, text: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".", formatter_class=Help)
+
+    p = command("validate", "check specs; prints path:line:col: code: message for each problem")
+    p.add_argument("specs", nargs="+", metavar="SPEC", help="spec files (YAML)")
+    p.add_argument("-q", "--quiet", action="store_true", help="print only problems (no 'SPEC: ok')")
     p.add_argument("--static", action="store_true",
                    help="import nothing the spec names (for editors and CI on unvetted specs): schema, graph and "
                    "built-in names; import paths checked for form and the deny-list only")  # fmt: skip
     p.set_defaults(fn=cmd_validate)
 
-    p = sub.add_parser("schema", help="write the JSON Schema of the spec format")
-    p.add_argument("-o", "--output")
+    p = command("schema", "write the JSON Schema of the spec format (editors use it for completion)")
+    p.add_argument("-o", "--output", metavar="FILE", help="write it here (default: print it)")
     p.set_defaults(fn=cmd_schema)
 
-    p = sub.add_parser("run", help="run a spec over prompts and write the padded batch")
-    p.add_argument("spec")
-    p.add_argument("--data", help=".jsonl or .parquet rows with raw_prompt (default: the spec's demo_data)")
-    p.add_argument("--num-prompts", type=int, help="use the first N rows (demo: generate N; default 64)")
-    p.add_argument("--n", type=int, default=1, help="samples per prompt (GRPO group size)")
-    p.add_argument("--out", default="runs/latest")
-    p.add_argument("--server", action="append", help="SGLang (or dev) server URL; repeat for a fleet")
-    p.add_argument("--launch-sglang", metavar="MODEL", help="launch SGLang servers for MODEL first (GPU hosts)")
-    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas to launch")
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--port", type=int, default=30000, help="first port for launched servers")
-    p.add_argument("--model", help="model dir for the embedded backend (default: the tiny calculator model)")
-    p.add_argument("--tokenizer", help="tokenizer dir (default: the model's)")
+    p = command("run", "run a spec over prompts and write the padded batch")
+    p.add_argument("spec", metavar="SPEC", help="the spec file (YAML), e.g. specs/calculator.yaml")
+    p.add_argument("--data", metavar="FILE", help=".jsonl or .parquet rows with raw_prompt (default: the spec's "
+                   "demo_data)")  # fmt: skip
+    p.add_argument("--num-prompts", type=COUNT, metavar="N", help=f"the first N rows of --data, or N demo prompts "
+                   f"(default: every row of --data; {DEMO_PROMPTS} demo prompts)")  # fmt: skip
+    p.add_argument("--n", type=COUNT, default=1, metavar="N", help="samples per prompt (GRPO group size)")
+    p.add_argument("--out", default="runs/latest", metavar="DIR",
+                   help="where batch.pt, trajectories.jsonl and summary.json go (a previous run's are replaced)")
+    p.add_argument("--server", action="append", metavar="URL", help="SGLang (or dev) server URL; repeat for a fleet")
+    p.add_argument("--launch-sglang", metavar="MODEL", help="launch SGLang servers for MODEL first (GPU hosts); "
+                   "logs go to DIR/sglang_logs")  # fmt: skip
+    p.add_argument("--dp", type=COUNT, default=1, metavar="N", help="data-parallel replicas to launch")
+    p.add_argument("--tp", type=COUNT, default=1, metavar="N", help="tensor-parallel GPUs per launched replica")
+    p.add_argument("--port", type=PORT, default=30000, help="first port for launched servers")
+    p.add_argument("--model", metavar="DIR", help="model dir for the embedded backend (default: the tiny "
+                   "calculator model)")  # fmt: skip
+    p.add_argument("--tokenizer", metavar="DIR", help="tokenizer dir (default: the model's, or the one a server "
+                   "reports)")  # fmt: skip
     p.add_argument("--group-affinity", action="store_true", help="route a GRPO group's samples to one server")
-    p.add_argument("--temperature", type=float)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--concurrency", type=int, default=256)
-    p.add_argument("--threads", type=int, default=None, help="torch threads for the embedded model")
-    p.add_argument("--batch-size", type=int, default=64, help="max batch of the embedded model")
+    p.add_argument("--temperature", type=float_in(0.0), metavar="T", help="sampling temperature, 0 = greedy "
+                   "(default: the spec's sampling)")  # fmt: skip
+    p.add_argument("--seed", type=int_in(0), default=0, help="sampling seed, and the demo prompts' seed")
+    p.add_argument("--concurrency", type=COUNT, default=256, metavar="N", help="trajectories in flight at once")
+    p.add_argument("--threads", type=COUNT, metavar="N", help="torch threads for the embedded model (default: "
+                   "torch's choice)")  # fmt: skip
+    p.add_argument("--batch-size", type=COUNT, default=64, metavar="N", help="max batch of the embedded model")
     p.add_argument("--check-tokens", action="store_true", help="compare ids with a full re-render")
-    p.add_argument("--otlp", metavar="URL", help="export spans to an OTLP/HTTP endpoint (e.g. Jaeger :4318)")
+    p.add_argument("--request-timeout", type=float_in(0.0, above=True), metavar="SECONDS",
+                   help="seconds per request attempt to a server (default: the backend's)")
+    p.add_argument("--max-error-rate", type=float_in(0.0, 1.0), default=0.5, metavar="RATE",
+                   help="exit 1 when more than this share of rows end in error (the outputs are written anyway)")
+    p.add_argument("--otlp", metavar="URL", help="export spans to an OTLP/HTTP endpoint (Jaeger :4318, Phoenix "
+                   ":6006)")  # fmt: skip
     p.add_argument("--trace", choices=["console"], help="print spans to the console")
-    p.add_argument("--trace-sample", type=float, default=1.0, help="fraction of trajectories traced")
-    p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS", help="spread rows over Ray actors")
-    p.add_argument("--workers", type=int, default=2, help="Ray actors")
-    p.add_argument("-q", "--quiet", action="store_true")
+    p.add_argument("--trace-sample", type=float_in(0.0, 1.0), metavar="P", help="share of trajectories traced, "
+                   "with --otlp, --trace or OTEL_EXPORTER_OTLP_ENDPOINT (default: 1.0)")  # fmt: skip
+    p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                   help="spread rows over Ray actors (ADDRESS: a cluster to join; default: a local one)")
+    p.add_argument("--workers", type=COUNT, default=2, metavar="N", help="Ray actors")
+    p.add_argument("-q", "--quiet", action="store_true", help="print only errors, warnings and the final "
+                   "'wrote ...' line")  # fmt: skip
     p.set_defaults(fn=cmd_run)
 
-    p = sub.add_parser("render", help="draw a spec (.svg .png .pdf .dot .mmd), optionally annotated by a run")
-    p.add_argument("spec")
-    p.add_argument("-o", "--output", required=True)
-    p.add_argument("--run", metavar="DIR", help="annotate with a run's summary.json")
+    p = command("render", "draw a spec (.svg .png .pdf .dot .mmd), optionally annotated by a run")
+    p.add_argument("spec", metavar="SPEC", help="the spec file (YAML)")
+    p.add_argument("-o", "--output", required=True, metavar="FILE", help="the diagram; its extension picks the "
+                   "format (.svg .png .pdf need Graphviz's dot)")  # fmt: skip
+    p.add_argument("--run", metavar="DIR", help="annotate with the run in DIR (its summary.json)")
     p.set_defaults(fn=cmd_render)
 
-    p = sub.add_parser("show", help="print a run's trajectories as transcripts")
-    p.add_argument("run_dir")
-    p.add_argument("--row", type=int)
+    p = command("show", "print a run's trajectories as transcripts")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a directory `agentfsm run --out DIR` wrote (or its "
+                   "trajectories.jsonl)")  # fmt: skip
+    p.add_argument("--row", type=int_in(0), metavar="INDEX", help="only the row with this index (all its samples)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--worst", action="store_true", help="lowest reward first")
-    g.add_argument("--failed", action="store_true", help="only failed rows")
+    g.add_argument("--failed", action="store_true", help="only rows that ended in error")
+    p.add_argument("--limit", type=COUNT, metavar="N", help=f"print at most N transcripts (default: {SHOW_LIMIT} "
+                   "with --worst or --failed, else all)")  # fmt: skip
     p.set_defaults(fn=cmd_show)
 
-    p = sub.add_parser("bench", help="benchmarks that print numbers")
-    p.add_argument("what", choices=["engine", "router", "hf", "prefix-cache", "tracing", "ray"])
-    p.add_argument("--n", type=int, default=10_000)
-    p.add_argument("--concurrency", type=int)
-    p.add_argument("--tool-turns", type=int, default=4)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--model")
+    p = command("bench", "benchmarks that print numbers (JSON)")
+    p.add_argument("what", choices=["engine", "router", "hf", "prefix-cache", "tracing", "ray"],
+                   help="which benchmark")
+    p.add_argument("--n", type=COUNT, default=10_000, metavar="N", help="engine: trajectories")
+    p.add_argument("--concurrency", type=COUNT, metavar="N", help="engine: trajectories in flight (default: --n)")
+    p.add_argument("--tool-turns", type=int_in(0), default=4, metavar="N", help="engine: tool turns per trajectory")
+    p.add_argument("--repeats", type=COUNT, default=5, metavar="N", help="engine: repeats (the median is kept)")
+    p.add_argument("--model", metavar="DIR", help="hf: model dir (default: the tiny model)")
     p.set_defaults(fn=cmd_bench)
 
-    p = sub.add_parser("dev-server", help="an SGLang-protocol server over the embedded model")
-    p.add_argument("--model", help="model dir (default: the tiny calculator model)")
+    p = command("dev-server", "an SGLang-protocol server over the embedded model")
+    p.add_argument("--model", metavar="DIR", help="model dir (default: the tiny calculator model)")
     p.add_argument("--scripted", action="store_true", help="a deterministic echo model, no weights")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=PORT, default=30000, help="port to listen on")
     p.set_defaults(fn=cmd_dev_server)
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # --help, --version, or a usage error (printed as one line)
+        return exc.code if isinstance(exc.code, int) else 1
     try:
         return args.fn(args)
     except SpecError as err:
@@ -424,7 +646,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except CLIError as exc:
         print(f"agentfsm: {exc}", file=sys.stderr)
-        return 1
+        return exc.exit_code
     except KeyboardInterrupt:
         print("agentfsm: interrupted", file=sys.stderr)
         return 130

@@ -6,7 +6,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import pickle
+import signal
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,16 +106,61 @@ async def test_sync_form_refuses_inside_a_running_loop(tok):
     await engine.aclose()
 
 
-def test_engine_is_bound_to_one_loop(tok):
+def test_one_engine_serves_sync_then_async_then_sync(tok):
     engine = RolloutEngine("calculator", tok, backend=echo())
-    engine.generate_sequences(make_prompts(1))  # the engine's own loop
+    first = engine.generate_sequences(make_prompts(2))  # the engine's own loop, in its thread
 
     async def elsewhere():
-        await engine.agenerate_sequences(make_prompts(1))
+        return await engine.agenerate_sequences(make_prompts(2))
 
-    with pytest.raises(RuntimeError, match="another event loop"):
-        asyncio.run(elsewhere())
+    second = asyncio.run(elsewhere())  # a caller's loop, bridged to the engine's
+    third = asyncio.run(elsewhere())  # another loop: the first one is closed by now
+    fourth = engine.generate_sequences(make_prompts(2))
+    for out in (second, third, fourth):
+        same_tensors(first, out)
     engine.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.generate_sequences(make_prompts(1))
+
+
+def test_one_engine_serves_async_then_sync(tok):
+    engine = RolloutEngine("calculator", tok, backend=echo())
+
+    async def first():
+        out = await engine.agenerate_sequences(make_prompts(2))
+        assert await engine.asleep() is None
+        return out
+
+    out = asyncio.run(first())
+    same_tensors(out, engine.generate_sequences(make_prompts(2)))
+    engine.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("agentfsm engine")]
+
+
+def test_ctrl_c_interrupts_a_sync_call_promptly(tok):
+    """The engine's thread blocks SIGINT, so Ctrl-C reaches the main thread waiting on it."""
+    engine = RolloutEngine("calculator", tok, backend=echo(latency_s=0.5), max_concurrency=1)
+    engine.generate_sequences(make_prompts(1))  # started
+    timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT))
+    t0 = time.perf_counter()
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate_sequences(make_prompts(8))  # 4 s uninterrupted
+    assert time.perf_counter() - t0 < 2.0
+    assert len(engine.generate_sequences(make_prompts(1))) == 1  # the engine still works
+    engine.close()
+
+
+async def test_cancelling_the_caller_cancels_the_rollout(tok):
+    engine = RolloutEngine("calculator", tok, backend=echo(latency_s=0.5))
+    task = asyncio.ensure_future(engine.agenerate_sequences(make_prompts(4)))
+    await asyncio.sleep(0.1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    out = await engine.agenerate_sequences(make_prompts(1))  # the engine still works
+    assert len(out) == 1
+    await engine.aclose()
 
 
 async def test_validate_uses_val_sampling(tok):

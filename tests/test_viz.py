@@ -281,7 +281,12 @@ def test_transcripts(calculator_run, tmp_path, capsys):
     assert out.count("=== trajectory") == 4 and "error: backend: no server" in out
     assert show(run_dir, row=tool_row["index"], color=False) == 1
     assert "--- tool [mask 0]" in capsys.readouterr().out
-    assert show(run_dir, row=999, color=False) == 0
+    with pytest.raises(LookupError, match="no row 999"):
+        show(run_dir, row=999, color=False)
+    assert show(run_dir, worst=True, limit=2, color=False) == 2
+    out = capsys.readouterr().out
+    assert out.count("=== trajectory") == 2 and "(showed 2 of " in out
+    assert "ground truth: " in out and "answer: " in out
 
 
 def test_records_without_a_codec(calculator_run):

@@ -96,7 +96,7 @@ def load_run_stats(run_dir: str | Path) -> dict[str, Any]:
         path = path / "summary.json"
     if not path.exists():
         raise FileNotFoundError(
-            f"{path}: no run summary here; pass the directory `agentfsm run -o DIR` wrote"
+            f"{path}: no run summary here; pass the directory `agentfsm run --out DIR` wrote"
         )
     summary = json.loads(path.read_text(encoding="utf-8"))
     stats = summary.get("fsm")

@@ -4,7 +4,8 @@
 trajectory:
 
     {"index": 3, "uid": "calc-0-1", "sample": 1, "session_id": "...", "termination_reason": "done",
-     "reward_score": 1.0, "state_path": ["PENDING", "GENERATING", ...], "num_turns": 4, "error": null,
+     "reward_score": 1.0, "ground_truth": "449", "state_path": ["PENDING", "GENERATING", ...], "num_turns": 4,
+     "error": null,
      "prompt": "<|im_start|>system ...", "prompt_tokens": 216,
      "turns": [{"role": "assistant", "text": "<tool_call>...", "mask": 1, "n_tokens": 22},
                {"role": "template", "text": "\\n", "mask": 0, "n_tokens": 1},
@@ -12,13 +13,15 @@ trajectory:
 
 `turns` are the trajectory's response segments in order: "assistant" (the model's tokens, mask 1), "tool"
 and "user" (observations, mask 0) and "template" (chat-template scaffolding the model did not generate,
-mask 0), decoded with special tokens kept. `render_transcript` and `show` print them.
+mask 0), decoded with special tokens kept; `ground_truth` is the row's `reward_model.ground_truth` (None
+when it has none). `render_transcript` and `show` print them, with the answer beside the ground truth.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -30,6 +33,17 @@ from rich.text import Text
 
 ROLE_STYLES = {"assistant": "bold green", "tool": "cyan", "user": "yellow", "template": "dim"}
 PROMPT_TAIL_CHARS = 400  # the prompt's end (the question); system prompts and tool schemas are long
+ANSWER_CHARS = 120  # the answer and ground truth in a transcript's header
+_SPECIAL = re.compile(r"<\|[^|<>]*\|>")  # chat-template tokens such as <|im_end|>
+
+
+def _ground_truth(row: Any) -> Any:
+    """The row's `reward_model.ground_truth`, JSON-ready (parquet rows may hold numpy values)."""
+    reward_model = row.get("reward_model") if isinstance(row, dict) else None
+    truth = reward_model.get("ground_truth") if isinstance(reward_model, dict) else None
+    if truth is None or isinstance(truth, (str, int, float, bool)):
+        return truth
+    return str(truth.tolist() if hasattr(truth, "tolist") else truth)
 
 
 def trajectory_record(traj: Any, codec: Any = None) -> dict[str, Any]:
@@ -54,6 +68,7 @@ def trajectory_record(traj: Any, codec: Any = None) -> dict[str, Any]:
         "session_id": traj.session_id,
         "termination_reason": traj.termination_reason,
         "reward_score": traj.reward_score,
+        "ground_truth": _ground_truth(traj.row),
         "state_path": list(traj.path),
         "num_turns": traj.num_turns,
         "error": traj.error,
@@ -87,9 +102,27 @@ def _header(record: dict[str, Any]) -> list[tuple[str, str]]:
             "",
         ),
     ]
+    answer = final_answer(record)
+    if answer is not None or record.get("ground_truth") is not None:
+        lines.append((f"answer: {_clip(answer)}   ground truth: {_clip(record.get('ground_truth'))}", "bold"))
     if record.get("error"):
         lines.append((f"error: {record['error']}", "bold red"))
     return lines
+
+
+def final_answer(record: dict[str, Any]) -> str | None:
+    """The last non-empty line the model wrote (chat-template tokens removed); None without decoded text."""
+    for turn in reversed(record.get("turns") or []):
+        if turn.get("role") == "assistant" and turn.get("text") is not None:
+            lines = [line.strip() for line in _SPECIAL.sub("", turn["text"]).splitlines() if line.strip()]
+            if lines:
+                return lines[-1]
+    return None
+
+
+def _clip(value: Any) -> str:
+    text = "-" if value is None else str(value)
+    return text if len(text) <= ANSWER_CHARS else text[: ANSWER_CHARS - 1] + "…"
 
 
 def _prompt_tail(record: dict[str, Any]) -> str | None:
@@ -138,12 +171,22 @@ def read_records(run_dir: str | Path) -> list[dict[str, Any]]:
     path = Path(run_dir)
     if path.is_dir():
         path = path / "trajectories.jsonl"
-    if not path.exists():
-        raise FileNotFoundError(
-            f"{path}: no trajectories here; pass the directory `agentfsm run -o DIR` wrote"
-        )
-    with path.open(encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no trajectories here; pass the directory `agentfsm run --out DIR` wrote")
+    records = []
+    with path.open(encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{lineno}: not a trajectory record ({exc.msg}); is this a run's "
+                                 "trajectories.jsonl?") from None  # fmt: skip
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}:{lineno}: not a trajectory record (a JSON object per line)")
+            records.append(record)
+    return records
 
 
 def select(records: Iterable[dict[str, Any]], row: int | None = None, worst: bool = False,
@@ -157,24 +200,33 @@ def select(records: Iterable[dict[str, Any]], row: int | None = None, worst: boo
 
 
 def show(run_dir: str | Path, row: int | None = None, worst: bool = False, failed: bool = False, *,
-         color: bool | None = None, console: Console | None = None) -> int:  # fmt: skip
-    """Print a run's transcripts (see `select`); colour when printing to a terminal. Returns how many."""
-    records = select(read_records(run_dir), row=row, worst=worst, failed=failed)
+         limit: int | None = None, color: bool | None = None, console: Console | None = None) -> int:  # fmt: skip
+    """Print a run's transcripts (see `select`), at most `limit` of them; colour when printing to a terminal.
+    Returns how many it printed. A `row` the run does not have raises LookupError."""
+    records = read_records(run_dir)
+    chosen = select(records, row=row, worst=worst, failed=failed)
+    if row is not None and not chosen:
+        indices = sorted({r.get("index") for r in records if isinstance(r.get("index"), int)})
+        have = f"its rows are {indices[0]}..{indices[-1]}" if indices else "it has no trajectories"
+        raise LookupError(f"{run_dir}: no row {row} in this run ({have})")
     console = console or Console(highlight=False)
     if color is None:
         color = console.is_terminal
-    if not records:
-        what = f"trajectory {row}" if row is not None else "failed trajectories" if failed else "trajectories"
-        (console.print if color else print)(f"no {what} in {run_dir}")
+    say = console.print if color else print
+    if not chosen:
+        say(f"no {'failed trajectories' if failed else 'trajectories'} in {run_dir}")
         return 0
+    shown = chosen[:limit] if limit is not None else chosen
     try:
-        for record in records:
+        for record in shown:
             if color:
                 console.print(render_transcript(record, color=True))
                 console.print()
             else:
                 sys.stdout.write(render_transcript(record, color=False) + "\n")
+        if len(shown) < len(chosen):
+            say(f"(showed {len(shown)} of {len(chosen)}; --limit N shows more)")
         sys.stdout.flush()
     except BrokenPipeError:  # `agentfsm show run | head`: the reader has had enough
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
-    return len(records)
+    return len(shown)
