@@ -45,7 +45,7 @@ SAMPLING_KEYS = (
 )  # fmt: skip
 _FLOAT_KEYS = {"temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"}
 _INT_KEYS = {"max_new_tokens", "min_new_tokens", "top_k", "n", "sampling_seed", "stream_interval"}
-_TURN_SUFFIX = re.compile(r"_t\d+$")
+_TURN_SUFFIX = re.compile(r"_t\d+(_r\d+)?$")  # a turn, and a resume of it
 
 
 # -- prefix cache ----------------------------------------------------------------------------------
