@@ -8,6 +8,13 @@ reports `cached_tokens` as SGLang does, which makes routing quality measurable w
     async with DevServer(backend, port=0) as srv: ...srv.url...
     python -m backends.devserver --model DIR --port 30000      # the embedded transformers model
     python -m backends.devserver --scripted --port 30000       # a deterministic echo "model", no weights
+
+Aborts on demand: a /generate carrying the header `X-Agentfsm-Fault: abort_waiting` is aborted in the waiting
+queue (SGLang's shape: no prompt_tokens, no cached_tokens); `abort_running[:K]` is aborted mid-generation
+after K tokens (default a quarter of max_new_tokens) and answers with those partial output_ids and their
+logprobs, `finish_reason {"type": "abort", "message": "Aborted", ...}`, as SGLang does for a running request.
+backends/faults.py's proxy sets the header; /abort_request, /pause_generation and a weight update with
+abort_all_requests abort for real (with no partial output: an in-process backend cannot be stopped mid-call).
 """
 
 from __future__ import annotations
@@ -24,12 +31,19 @@ import uuid
 import zlib
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from aiohttp import web
 
-from backends.base import Backend, BackendRequestError, BackendUnavailable, GenerateRequest, GenerateResult
+from backends.base import (
+    Backend,
+    BackendRequestError,
+    BackendUnavailable,
+    BaseBackend,
+    GenerateRequest,
+    GenerateResult,
+)
 from backends.scripted import ScriptedBackend
 
 log = logging.getLogger("agentfsm.devserver")
@@ -45,6 +59,7 @@ SAMPLING_KEYS = (
 )  # fmt: skip
 _FLOAT_KEYS = {"temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"}
 _INT_KEYS = {"max_new_tokens", "min_new_tokens", "top_k", "n", "sampling_seed", "stream_interval"}
+FAULT_HEADER = "X-Agentfsm-Fault"  # abort_waiting | abort_running[:K]: an abort on demand (module docstring)
 _TURN_SUFFIX = re.compile(r"_t\d+(_r\d+)?$")  # a turn, and a resume of it
 
 
@@ -303,7 +318,7 @@ class DevServer:
         if body.get("stream"):
             return await self._stream(request, body, params)
         try:
-            rec, ids, res = await self._run(body, params)
+            rec, ids, res = await self._run(body, params, request.headers.get(FAULT_HEADER))
         except _Refused as r:
             return _error(r)
         return web.json_response(self._response(rec, ids, params, res, bool(body.get("return_logprob"))))
@@ -374,11 +389,22 @@ class DevServer:
         return rid, ids
 
     async def _run(
-        self, body: dict[str, Any], params: dict[str, Any]
+        self, body: dict[str, Any], params: dict[str, Any], fault: str | None = None
     ) -> tuple[_Live, list[int], GenerateResult | None]:
-        """Run one request; the result is None when it was aborted (while waiting or running)."""
+        """Run one request; the result is None when it was aborted (while waiting or running). `fault`: the
+        FAULT_HEADER's abort on demand."""
         rid, ids = self._admit(body, params)
         rec = self._live[rid] = _Live(rid)
+        wanted = params.get("max_new_tokens")
+        wanted = 128 if wanted is None else wanted
+        if fault == "abort_waiting":
+            del self._live[rid]
+            return rec, ids, None  # never left the waiting queue
+        cut = None  # abort_running: stop after `cut` tokens and answer as an abort
+        if fault is not None and fault.startswith("abort_running"):
+            _, _, k = fault.partition(":")
+            cut = min(wanted, int(k) if k else max(1, wanted // 4))
+            params = {**params, "max_new_tokens": cut}
         request = GenerateRequest(
             session_id=_TURN_SUFFIX.sub("", rid), prompt_ids=ids, sampling_params=dict(params), rid=rid,
             return_logprob=bool(body.get("return_logprob")),
@@ -398,6 +424,8 @@ class DevServer:
             status = 503 if isinstance(exc, BackendUnavailable) else 500
             raise _Refused.http(status, f"{type(exc).__name__}: {exc}")
         res = rec.task.result()
+        if cut is not None and res.finish_reason == "length" and len(res.token_ids) < wanted:
+            res = replace(res, finish_reason="abort", abort_message="Aborted")  # partial output, as SGLang's
         self.cache.insert(ids + list(res.token_ids))
         self.prompt_tokens += len(ids)
         self.cached_tokens += rec.cached
@@ -605,6 +633,43 @@ def echo_backend(
     backend = ScriptedBackend(turn, latency_s=latency_s, model_name="echo", context_length=None)
     backend.record_requests = False  # a long-lived server must not grow a request list
     return backend
+
+
+class MarkovBackend(BaseBackend):
+    """A deterministic autoregressive toy model: each token (and its logprob) is a function of the token
+    before it. A generation aborted and resumed from its partial output therefore continues exactly as the
+    uninterrupted one would have, as greedy decoding does: the stand-in for a model in resume tests."""
+
+    provider = "scripted"
+
+    def __init__(self, *, vocab: int = 1000, eos: int = 2, stop_every: int = 7, latency_s: float = 0.0,
+                 per_token_s: float = 0.0, model_name: str = "markov"):  # fmt: skip
+        self.vocab, self.eos, self.stop_every = vocab, eos, stop_every
+        self.latency_s, self.per_token_s = latency_s, per_token_s
+        self.model_name = model_name
+
+    def step(self, prev: int) -> tuple[int, float]:
+        h = (prev * 2654435761 + 97) % (1 << 32)
+        token = self.eos if h % self.stop_every == 0 else 10 + h % (self.vocab - 10)
+        return token, -((h >> 8) % 1000) / 1000.0 - 0.001
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        params = request.sampling_params
+        max_new = params.get("max_new_tokens")
+        max_new = 128 if max_new is None else int(max_new)
+        stops = {self.eos, *(params.get("stop_token_ids") or ())}
+        prev, ids, logprobs, finish = request.prompt_ids[-1], [], [], "length"
+        while len(ids) < max_new:
+            prev, logprob = self.step(prev)
+            ids.append(prev)
+            logprobs.append(logprob)
+            if prev in stops:
+                finish = "stop"
+                break
+        if self.latency_s or self.per_token_s:
+            await asyncio.sleep(self.latency_s + self.per_token_s * len(ids))
+        return GenerateResult(ids, logprobs if request.return_logprob else None, finish,
+                              prompt_tokens=len(request.prompt_ids), cached_tokens=0, server=self.model_name)  # fmt: skip
 
 
 # -- benchmark -------------------------------------------------------------------------------------

@@ -239,7 +239,7 @@ class SGLangBackend(BaseBackend):
         try:
             return await retry(policy, counted, retryable=retryable)
         except BackendUnavailable as e:
-            message = f"{self.url} unavailable after {tries} attempt(s) of {what}: {e}"
+            message = f"{self.url} unavailable after {tries} attempt(s) of {what}: {str(e).removeprefix(self.url + ': ')}"
             raise type(e)(message, server=self.url, status=e.status, kind=e.kind) from e
 
     async def _call(self, method: str, path: str, payload: Any = None, *, timeout_s: float = 30.0,
