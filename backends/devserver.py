@@ -635,35 +635,41 @@ def echo_backend(
     return backend
 
 
-class MarkovBackend(BaseBackend):
-    """A deterministic autoregressive toy model: each token (and its logprob) is a function of the token
-    before it. A generation aborted and resumed from its partial output therefore continues exactly as the
-    uninterrupted one would have, as greedy decoding does: the stand-in for a model in resume tests."""
+class HashLM(BaseBackend):
+    """A deterministic autoregressive toy language model: each token (and its logprob) is a hash of everything
+    before it, prompt included. A generation aborted and resumed from its partial output therefore goes on
+    exactly as the uninterrupted one would have, as greedy decoding does, and different prompts get different
+    answers: the stand-in for a model in resume and failover tests. Turns end with `eos` after about
+    `stop_every` tokens on average."""
 
     provider = "scripted"
 
-    def __init__(self, *, vocab: int = 1000, eos: int = 2, stop_every: int = 7, latency_s: float = 0.0,
-                 per_token_s: float = 0.0, model_name: str = "markov"):  # fmt: skip
+    def __init__(self, *, vocab: int = 1000, eos: int = 2, stop_every: int = 8, latency_s: float = 0.0,
+                 per_token_s: float = 0.0, model_name: str = "hashlm"):  # fmt: skip
         self.vocab, self.eos, self.stop_every = vocab, eos, stop_every
         self.latency_s, self.per_token_s = latency_s, per_token_s
         self.model_name = model_name
+        self.context_length = None
 
-    def step(self, prev: int) -> tuple[int, float]:
-        h = (prev * 2654435761 + 97) % (1 << 32)
-        token = self.eos if h % self.stop_every == 0 else 10 + h % (self.vocab - 10)
-        return token, -((h >> 8) % 1000) / 1000.0 - 0.001
+    @staticmethod
+    def _hash(ids: Sequence[int], h: int = 0) -> int:
+        return zlib.crc32(b"".join(t.to_bytes(4, "little", signed=True) for t in ids), h)
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         params = request.sampling_params
         max_new = params.get("max_new_tokens")
         max_new = 128 if max_new is None else int(max_new)
         stops = {self.eos, *(params.get("stop_token_ids") or ())}
-        prev, ids, logprobs, finish = request.prompt_ids[-1], [], [], "length"
+        h = self._hash(request.prompt_ids)
+        ids: list[int] = []
+        logprobs: list[float] = []
+        finish = "length"
         while len(ids) < max_new:
-            prev, logprob = self.step(prev)
-            ids.append(prev)
-            logprobs.append(logprob)
-            if prev in stops:
+            token = self.eos if (h >> 3) % self.stop_every == 0 else 10 + (h >> 7) % (self.vocab - 10)
+            ids.append(token)
+            logprobs.append(-((h >> 11) % 1000) / 1000.0 - 0.001)
+            h = self._hash((token,), h)
+            if token in stops:
                 finish = "stop"
                 break
         if self.latency_s or self.per_token_s:
@@ -751,23 +757,27 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", "--model-path", dest="model", help="model directory (transformers format)")
     ap.add_argument("--scripted", action="store_true", help="serve the deterministic echo backend (no model)")
+    ap.add_argument("--hashlm", action="store_true", help="serve HashLM, the deterministic autoregressive toy")
+    ap.add_argument("--vocab", type=int, default=1000, help="HashLM: vocabulary size")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=30000)
     ap.add_argument("--context-length", type=int, default=None)
     ap.add_argument("--max-running-requests", type=int, default=None)
-    ap.add_argument("--latency", type=float, default=0.0, help="scripted mode: seconds per request")
+    ap.add_argument("--latency", type=float, default=0.0, help="scripted/hashlm: seconds per request")
     ap.add_argument("--log-level", default="info")
     args, ignored = ap.parse_known_args(argv)  # SGLang launch flags (--tp-size, ...) are accepted and ignored
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
     if ignored:
         log.info("ignoring SGLang flags: %s", " ".join(ignored))
     options = {"context_length": args.context_length, "max_running_requests": args.max_running_requests}
-    if args.scripted:
+    if args.hashlm:
+        asyncio.run(_serve(HashLM(vocab=args.vocab, latency_s=args.latency), args.host, args.port, **options))
+    elif args.scripted:
         asyncio.run(_serve(echo_backend(latency_s=args.latency), args.host, args.port, **options))
     elif args.model:
         serve_model(args.model, args.host, args.port, **options)
     else:
-        ap.error("give --model DIR or --scripted")
+        ap.error("give --model DIR, --scripted or --hashlm")
 
 
 if __name__ == "__main__":

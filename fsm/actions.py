@@ -117,7 +117,7 @@ async def _resumed_turn(
         new = result.token_ids[: max_new - len(ids)]
         new_logprobs = result.logprobs[: len(new)] if result.logprobs is not None else None
         if aborted and want_logprobs and new_logprobs is None:
-            new = []  # an abort without its logprob payload: regenerate those tokens rather than invent values
+            new, new_logprobs = [], []  # an abort without its logprob payload: regenerate, never invent them
         ids += new
         if logprobs is not None:
             logprobs = logprobs + new_logprobs if new_logprobs is not None else None
