@@ -189,23 +189,27 @@ def summarize(trajs: Sequence[Trajectory]) -> dict[str, Any]:
 
 
 def fault_summary(trajs: Sequence[Trajectory], backend_stats: Mapping[str, Any] | None) -> dict[str, Any]:
-    """What went wrong with the servers and what the engine did about it, so injected faults add up.
+    """What the servers did wrong and what the engine did about it, so that injected faults add up.
 
-    `faults`: what the clients met on /generate, by kind (each a failed attempt, or an abort answer);
-    `retries` (same server), `failovers` (another server), `aborts_sent` (deadline aborts), `resumes` (aborted
-    turns continued), and the rows that still ended as errors, by reason.
+    `faults`: what the clients met on /generate, by kind: failed attempts (http_errors, refused, disconnects,
+    resets, timeouts, malformed) and abort answers (aborts_waiting, aborts_running). Each failed attempt is
+    followed by exactly one of: a retry on the same server (`retries`), a failover to another (`failovers`),
+    or the end of its row (an error row). Each abort is resumed (`resumes`) or ends its row ("error: aborted").
+    `aborts_sent`: requests past their deadline aborted at the server.
     """
     stats = dict(backend_stats or {})
+    reroutes = int(stats.get("retries", 0)) if "client_retries" in stats else 0  # a router's re-routes
+    failovers = int(stats.get("failovers", 0))
+    same_server = int(stats.get("client_retries", stats.get("retries", 0))) + reroutes - failovers
     errors: dict[str, int] = {}
     for t in trajs:
         if t.failed:
-            reason = (t.termination_reason or "error: ?").removeprefix("error: ")
-            kind = reason.split(":", 1)[0]
+            kind = (t.termination_reason or "error: ?").removeprefix("error: ").split(":", 1)[0]
             errors[kind] = errors.get(kind, 0) + 1
     return {
         "faults": dict(stats.get("faults", {})),
-        "retries": int(stats.get("client_retries", stats.get("retries", 0))),
-        "failovers": int(stats.get("failovers", 0)),
+        "retries": same_server,
+        "failovers": failovers,
         "aborts_sent": int(stats.get("aborts_sent", 0)),
         "resumes": int(sum(t.metrics.num_preempted for t in trajs)),
         "error_rows": sum(t.failed for t in trajs),
