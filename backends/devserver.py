@@ -759,6 +759,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--scripted", action="store_true", help="serve the deterministic echo backend (no model)")
     ap.add_argument("--hashlm", action="store_true", help="serve HashLM, the deterministic autoregressive toy")
     ap.add_argument("--vocab", type=int, default=1000, help="HashLM: vocabulary size")
+    ap.add_argument("--stop-every", type=int, default=8, help="HashLM: mean tokens per turn")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=30000)
     ap.add_argument("--context-length", type=int, default=None)
@@ -771,7 +772,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         log.info("ignoring SGLang flags: %s", " ".join(ignored))
     options = {"context_length": args.context_length, "max_running_requests": args.max_running_requests}
     if args.hashlm:
-        asyncio.run(_serve(HashLM(vocab=args.vocab, latency_s=args.latency), args.host, args.port, **options))
+        model = HashLM(vocab=args.vocab, stop_every=args.stop_every, latency_s=args.latency)
+        asyncio.run(_serve(model, args.host, args.port, **options))
     elif args.scripted:
         asyncio.run(_serve(echo_backend(latency_s=args.latency), args.host, args.port, **options))
     elif args.model:

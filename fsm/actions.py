@@ -52,17 +52,18 @@ async def generate(ctx: RunContext, traj: Trajectory) -> None:
         traj.last_finish_reason = "length"
         return
     params = ctx.sampling.for_turn(traj, budget)
+    rid = f"{traj.session_id}_t{traj.assistant_turns:02d}"
     t0 = time.perf_counter()
     try:
         async with asyncio.timeout(limits.turn_timeout_s) as deadline:
-            ids, logprobs, finish = await _resumed_turn(ctx, traj, params)
+            ids, logprobs, finish = await _resumed_turn(ctx, traj, params, rid)
     except TimeoutError:
         if not deadline.expired():
             raise
         where = getattr(ctx.backend, "where", None)
         server = (where(traj.session_id) if where is not None else None) or ctx.backend.model_name
         raise BackendTimeout(f"model turn {traj.assistant_turns} exceeded limits.turn_timeout_s "
-                             f"{limits.turn_timeout_s:g} s on {server}", server=server) from None  # fmt: skip
+                             f"{limits.turn_timeout_s:g} s on {server} (rid {rid})", server=server) from None  # fmt: skip
     finally:
         traj.metrics.generate_sequences += time.perf_counter() - t0
     if ctx.sampling.logprobs and logprobs is None:
@@ -79,7 +80,7 @@ async def generate(ctx: RunContext, traj: Trajectory) -> None:
 
 
 async def _resumed_turn(
-    ctx: RunContext, traj: Trajectory, params: dict[str, Any]
+    ctx: RunContext, traj: Trajectory, params: dict[str, Any], rid: str
 ) -> tuple[list[int], list[float] | None, str]:
     """The turn's tokens, their logprobs (None: asked for and not given) and its finish reason.
 
@@ -95,7 +96,6 @@ async def _resumed_turn(
     want_logprobs = ctx.sampling.logprobs
     stops = set(params.get("stop_token_ids") or ())
     context = traj.context_ids()
-    rid = f"{traj.session_id}_t{traj.assistant_turns:02d}"
     ids: list[int] = []
     logprobs: list[float] | None = [] if want_logprobs else None
     resumes = 0

@@ -238,7 +238,7 @@ class Runner:
             for t in sorted(running, key=lambda t: t.path_times[-1])[:10]:
                 server = where(t.session_id) if where is not None else None
                 lines.append(f"row {t.index} sample {t.sample} ({t.session_id}) in {t.state} for "
-                             f"{now - t.path_times[-1]:.0f} s" + (f" on {server}" if server else ""))  # fmt: skip
+                             f"{now - t.path_times[-1]:.1f} s" + (f" on {server}" if server else ""))  # fmt: skip
             more = f" (the 10 longest of {len(running)})" if len(running) > 10 else ""
-            log.warning("watchdog: no trajectory has changed state for %.0f s; %d in flight%s:\n  %s",
+            log.warning("watchdog: no trajectory has changed state for %.1f s; %d in flight%s:\n  %s",
                         now - last, len(running), more, "\n  ".join(lines))  # fmt: skip
