@@ -319,6 +319,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from fsm.ray_runner import bench_ray
 
         result = bench_ray()
+    elif what == "faults":
+        from bench.faults import bench_faults
+
+        result = bench_faults()
     else:  # argparse restricts the choices
         raise CLIError(f"unknown benchmark {what!r}")
     print(json.dumps(result, indent=2))
@@ -399,7 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_show)
 
     p = sub.add_parser("bench", help="benchmarks that print numbers")
-    p.add_argument("what", choices=["engine", "router", "hf", "prefix-cache", "tracing", "ray"])
+    p.add_argument("what", choices=["engine", "router", "hf", "prefix-cache", "tracing", "ray", "faults"])
     p.add_argument("--n", type=int, default=10_000)
     p.add_argument("--concurrency", type=int)
     p.add_argument("--tool-turns", type=int, default=4)

@@ -1,0 +1,1 @@
+"""Benchmarks behind `agentfsm bench ...`; imported lazily by the CLI, never by the engine."""
