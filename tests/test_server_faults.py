@@ -299,3 +299,73 @@ async def test_the_watchdog_names_stuck_rows_their_state_and_server(agent, tok, 
     assert "no trajectory has changed state for" in message and "2 in flight" in message
     assert "in GENERATING for" in message and f"on {dev.url} (rid " in message and "_t00)" in message
     assert not [t for t in asyncio.all_tasks() if t.get_coro().__qualname__ == "Runner._watchdog"]  # stopped
+
+
+# --- the pieces: retry policy, cooldown, the proxy's HTTP control ------------------------------------------
+
+
+async def test_retry_policy_backoff_retry_after_and_what_is_retried():
+    from backends.base import BackendRequestError, BackendUnavailable
+    from backends.retry import RetryPolicy, parse_retry_after, retry
+
+    policy = RetryPolicy(attempts=4, backoff_s=0.01, multiplier=2.0, backoff_max_s=0.03, jitter=0.2)
+    for attempt, base in ((1, 0.01), (2, 0.02), (3, 0.03), (4, 0.03)):  # doubling, capped, ±20 % jitter
+        assert 0.8 * base <= policy.delay(attempt) <= 1.2 * base
+    assert policy.delay(1, retry_after=0.05) >= 0.05 and policy.delay(1, retry_after=99) <= 30.0
+    assert parse_retry_after("2") == 2.0 and parse_retry_after("soon") is None and parse_retry_after(None) is None
+    assert 0 < parse_retry_after("Wed, 21 Oct 2099 07:28:00 GMT") and parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT") == 0
+
+    waits: list[float] = []
+    calls: list[int] = []
+
+    async def flaky(attempt: int) -> str:
+        calls.append(attempt)
+        if attempt < 3:
+            raise BackendUnavailable("busy", retry_after=0.02 if attempt == 2 else None)
+        return "ok"
+
+    assert await retry(policy, flaky, on_retry=lambda a, e, w: waits.append(w)) == "ok"
+    assert calls == [1, 2, 3] and waits[1] >= 0.02
+
+    async def refused(attempt: int) -> str:
+        calls.append(attempt)
+        raise BackendRequestError("bad request")
+
+    calls.clear()
+    with pytest.raises(BackendRequestError):
+        await retry(policy, refused)
+    assert calls == [1]  # not retryable: one attempt
+    with pytest.raises(ValueError, match="attempts must be >= 1"):
+        RetryPolicy(attempts=0)
+
+
+async def test_a_failed_server_sits_out_its_cooldown_despite_a_healthy_health_check(agent, tok):
+    async with fleet(1, rates={"hang": 1.0}) as (devs, (proxy,)):
+        clients = [SGLangBackend(proxy.url, request_timeout_s=0.1, abort_grace_s=0.01)]
+        async with Router(clients, health_interval_s=0, max_retries=0, cooldown_s=0.3) as r:
+            with pytest.raises(Exception, match="no answer within 0.1 s"):
+                from backends.base import GenerateRequest
+
+                await r.generate(GenerateRequest("s", [1, 2, 3], {"max_new_tokens": 4}, rid="s_t00"))
+            assert await r.check_health() == [False]  # /health answers 200, but /generate just hung
+            await asyncio.sleep(0.35)
+            assert await r.check_health() == [True]
+
+
+async def test_the_proxy_is_driven_over_http():
+    import aiohttp
+
+    async with fleet(1) as (_, (proxy,)), aiohttp.ClientSession() as http:
+        async with http.post(proxy.url + "/_faults", json={"script": ["http_503", None, "wrong_schema"]}) as r:
+            assert r.status == 200
+        statuses = []
+        for i in range(3):
+            body = {"input_ids": [1, 2, 3], "rid": f"p_t0{i}", "sampling_params": {"max_new_tokens": 4}}
+            async with http.post(proxy.url + "/generate", json=body) as r:
+                statuses.append((r.status, "output_ids" in await r.json()))
+        async with http.get(proxy.url + "/_faults") as r:
+            counts = await r.json()
+        async with http.post(proxy.url + "/_faults", json={"every": {"melt": 2}}) as r:
+            assert r.status == 400 and "unknown fault kind 'melt'" in (await r.json())["error"]
+    assert statuses == [(503, False), (200, True), (200, False)]
+    assert counts == {"requests": 3, "injected": {"http_503": 1, "wrong_schema": 1}, "abort_requests": []}
