@@ -126,7 +126,7 @@ async def reference(agent, tok):
 async def test_each_fault_kind_is_counted_and_every_row_is_right(agent, tok, reference, kind):
     async with fleet(2, every={kind: 3}) as (_, proxies):
         trajs, batch, stats = await run(agent, tok, router([p.url for p in proxies]), rows(16))
-    assert injected(proxies)[kind] >= 3
+    assert injected(proxies)[kind] >= (1 if kind == "abort_running" else 3)  # a turn may end before the cut
     assert_rows_right_or_errors(trajs, batch, reference)
     summary = assert_faults_add_up(trajs, stats, proxies)
     assert summary["error_rows"] == 0  # one fault in three is always absorbed by retries and failovers
