@@ -1,11 +1,12 @@
 """An SGLang-protocol HTTP server over any in-process Backend: for laptops, CI and router tests.
 
-It answers the endpoints of reference/sglang-http.md with the same JSON shapes and status codes as SGLang
-0.5.23 under `--skip-tokenizer-init` (no `text`), so `SGLangBackend` and the router run unchanged against
-it. Each server keeps a prefix cache of what it has served (a radix tree bounded by an LRU token budget) and
-reports `cached_tokens` as SGLang does, which makes routing quality measurable without a GPU.
+It answers SGLang's HTTP endpoints with the same JSON shapes and status codes as SGLang 0.5.23 under
+`--skip-tokenizer-init` (no `text`), so `SGLangBackend` and the router run unchanged against it. Each
+server keeps a prefix cache of what it has served (a radix tree bounded by an LRU token budget) and reports
+`cached_tokens` as SGLang does, which makes routing quality measurable without a GPU.
 
     async with DevServer(backend, port=0) as srv: ...srv.url...
+    with scripted_servers(2) as urls: ...                      # scripted servers in subprocesses
     python -m backends.devserver --model DIR --port 30000      # the embedded transformers model
     python -m backends.devserver --scripted --port 30000       # a deterministic echo "model", no weights
 
@@ -26,11 +27,15 @@ import json
 import logging
 import re
 import signal
+import socket
+import subprocess
+import sys
 import time
+import urllib.request
 import uuid
 import zlib
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -50,7 +55,7 @@ log = logging.getLogger("agentfsm.devserver")
 
 VERSION = "0.5.23"  # the SGLang release whose wire format this server speaks
 
-# SamplingParams fields (reference §1); anything else in `sampling_params` is a 400 contract violation.
+# SGLang's SamplingParams fields; anything else in `sampling_params` is a 400 contract violation.
 SAMPLING_KEYS = (
     "max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
     "presence_penalty", "repetition_penalty", "stop", "stop_token_ids", "stop_regex", "ignore_eos", "no_stop_trim",
@@ -455,7 +460,7 @@ class DevServer:
         logprob: bool,
         upto: int | None = None,  # a streaming chunk's cumulative length; None for the final object
     ) -> dict[str, Any]:
-        """The response object, key for key as SGLang 0.5.23 orders it (reference §2)."""
+        """The response object, key for key as SGLang 0.5.23 orders it."""
         out = list(res.token_ids) if res is not None else []
         lps = (res.logprobs if res is not None else None) or []
         if upto is not None:
@@ -678,55 +683,47 @@ class HashLM(BaseBackend):
                               prompt_tokens=len(request.prompt_ids), cached_tokens=0, server=self.model_name)  # fmt: skip
 
 
-# -- benchmark -------------------------------------------------------------------------------------
+# -- scripted servers in subprocesses ---------------------------------------------------------------
 
 
-async def _bench_prefix_cache(
-    n_groups: int, n: int, affinity: bool, turns: int, servers: int
-) -> dict[str, Any]:
-    from backends.router import Router
-    from backends.sglang import SGLangBackend
+@contextlib.contextmanager
+def scripted_servers(count: int = 2, latency_s: float = 0.0, timeout_s: float = 60.0) -> Iterator[list[str]]:
+    """`count` SGLang-protocol dev servers in scripted mode (`python -m backends.devserver --scripted`), as
+    subprocesses on free loopback ports; yields their URLs once each answers /health, stops them on exit.
 
-    system = list(range(100, 132))  # a system prompt shared by every row
-    async with contextlib.AsyncExitStack() as stack:
-        devs = [
-            await stack.enter_async_context(DevServer(echo_backend(latency_s=0.005))) for _ in range(servers)
-        ]
-        router = await stack.enter_async_context(
-            Router([SGLangBackend(d.url) for d in devs], group_affinity=affinity, health_interval_s=0)
-        )
-
-        first = [0, 0]  # first-turn prompt and cached tokens: where group affinity makes its difference
-
-        async def sample(g: int, k: int) -> None:
-            context = system + [1000 + (g * 7919 + j) % 5000 for j in range(64)]  # the group's prompt
-            for t in range(turns):
-                req = GenerateRequest(f"g{g}s{k}", context, {"max_new_tokens": 16}, rid=f"g{g}s{k}_t{t:02d}",
-                                      group_id=f"g{g}")  # fmt: skip
-                res = await router.generate(req)
-                if t == 0:
-                    first[0] += len(context)
-                    first[1] += res.cached_tokens or 0
-                context = context + res.token_ids + [3, 4 + k, 5 + t]  # a per-sample observation turn
-            await router.release(f"g{g}s{k}")
-
-        await asyncio.gather(*(sample(g, k) for g in range(n_groups) for k in range(n)))
-        stats = router.stats()
-    return {
-        "n_groups": n_groups, "n": n, "turns": turns, "servers": servers, "affinity": affinity,
-        "hit_rate": stats["cache_hit_rate"], "first_turn_hit_rate": first[1] / max(1, first[0]),
-        "prompt_tokens": stats["prompt_tokens"],
-        "cached_tokens": stats["cached_tokens"], "group_routes": stats["group"], "new_routes": stats["new"],
-        "requests_per_server": [s["requests"] for s in stats["servers"]],
-    }  # fmt: skip
-
-
-def bench_prefix_cache(
-    n_groups: int = 16, n: int = 8, affinity: bool = True, *, turns: int = 3, servers: int = 3
-) -> dict[str, Any]:
-    """Prefix-cache hit rate (cached/prompt tokens) of `servers` scripted dev servers behind the router, for
-    `n_groups` GRPO groups of `n` samples running `turns` turns concurrently. Call outside an event loop."""
-    return asyncio.run(_bench_prefix_cache(n_groups, n, affinity, turns, servers))
+    Unlike `DevServer`, which serves from the caller's event loop, these keep serving while the caller blocks
+    (a synchronous `generate_sequences`, a `ray.get`) and do not compete for the caller's GIL."""
+    procs, urls = [], []
+    try:
+        for _ in range(count):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            cmd = [sys.executable, "-m", "backends.devserver", "--scripted", "--port", str(port),
+                   "--latency", str(latency_s), "--log-level", "warning"]  # fmt: skip
+            procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL))
+            urls.append(f"http://127.0.0.1:{port}")
+        deadline = time.monotonic() + timeout_s
+        for proc, url in zip(procs, urls):
+            while True:
+                try:
+                    with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                        if r.status == 200:
+                            break
+                except OSError:
+                    pass
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"dev server {url} did not come up (exit code {proc.poll()})")
+                time.sleep(0.05)
+        yield urls
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
 
 
 # -- CLI -------------------------------------------------------------------------------------------

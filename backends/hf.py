@@ -3,8 +3,8 @@
 Concurrent `generate()` calls queue up. One worker, owned by the backend, takes everything pending (up to
 `max_batch_size`) and decodes it as one batch in a thread, so the event loop stays responsive; requests that
 arrive meanwhile join the next batch. Rows are left-padded and carry explicit position ids and an attention
-mask, so a request's greedy tokens do not depend on what it was batched with. Sampling follows SGLang
-(reference/sglang-http.md §1): temperature < 1e-6 is greedy; the logprob of a token is
+mask, so a request's greedy tokens do not depend on what it was batched with. Sampling follows SGLang's
+sampling parameters: temperature < 1e-6 is greedy; the logprob of a token is
 log_softmax(logits / temperature) over the whole vocabulary (plain log_softmax when greedy), whatever top-k /
 top-p cut; the matched stop id is the last generated token.
 """
@@ -15,7 +15,6 @@ import asyncio
 import math
 import os
 import random
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -392,48 +391,3 @@ class HFBackend(BaseBackend):
     async def flush_cache(self) -> None:
         """Nothing to flush: there is no prefix cache across requests."""
 
-
-def bench_hf(
-    model_dir: str | os.PathLike[str] | PreTrainedModel,
-    batch_sizes: Sequence[int] = (1, 32),
-    prompt_len: int = 170,
-    new_tokens: int = 64,
-    *,
-    torch_threads: int | None = 2,
-    device: str | None = None,
-    repeats: int = 3,
-) -> dict[str, Any]:
-    """Greedy generated tokens/s at each batch size: `batch` concurrent requests of random prompts.
-
-    Every request generates exactly `new_tokens` (eos ignored). A warm-up batch runs first, then each batch
-    size `repeats` times; the best run counts (on a shared machine the others measure the neighbours). Call
-    it outside an event loop. Returns {"tokens_per_s": {batch: total generated tokens/s}, ...}.
-    """
-
-    async def run() -> dict[str, Any]:
-        backend = HFBackend(
-            model_dir, device=device, torch_threads=torch_threads, max_batch_size=max(batch_sizes)
-        )
-        rng = random.Random(0)
-        params = {"max_new_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True}
-
-        async def rate(n: int) -> float:
-            prompts = [[rng.randrange(backend.vocab_size) for _ in range(prompt_len)] for _ in range(n)]
-            requests = [GenerateRequest(f"bench{i}", p, params) for i, p in enumerate(prompts)]
-            start = time.perf_counter()
-            results = await asyncio.gather(*(backend.generate(r) for r in requests))
-            return sum(len(r.token_ids) for r in results) / (time.perf_counter() - start)
-
-        async with backend:
-            await rate(1)  # warm-up
-            best = {n: max([await rate(n) for _ in range(repeats)]) for n in batch_sizes}
-        return {
-            "model": backend.model_name,
-            "device": str(backend.device),
-            "threads": torch.get_num_threads(),
-            "prompt_len": prompt_len,
-            "new_tokens": new_tokens,
-            "tokens_per_s": best,
-        }
-
-    return asyncio.run(run())

@@ -26,7 +26,7 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
-# smg's retryable statuses (reference/sglang-http.md §5): timeouts, throttling, and the 5xx a restart gives.
+# The retryable statuses of SGLang's model gateway (smg): timeouts, throttling, and the 5xx a restart gives.
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 
 

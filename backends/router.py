@@ -1,4 +1,4 @@
-"""A Backend over several backends (design.md §6): sticky sessions, least-requests placement, group affinity.
+"""A Backend over several backends: sticky sessions, least-requests placement, group affinity.
 
 Placement, in order:
 1. a session already pinned to a healthy server stays there ("sticky"): every turn reuses its prefix cache;
@@ -16,8 +16,8 @@ out for a cooldown that doubles with each consecutive failure (5 s, 10 s, ... up
 health interval. A success resets it. Every re-route is counted ("retries"; "failovers" when it changed
 server), and `stats()["faults"]` sums what the clients met, by kind.
 
-This is manual/min_load routing in smg's terms (reference §5), plus what smg's HTTP router lacks: exact
-abort targeting and control calls broadcast to every server.
+This is manual/min_load routing in the terms of SGLang's model gateway (smg), plus what smg's HTTP router
+lacks: exact abort targeting and control calls broadcast to every server.
 """
 
 from __future__ import annotations
@@ -340,38 +340,3 @@ class Router(BaseBackend):
             "cached_tokens": self.cached_tokens,
             "cache_hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
         }
-
-
-def bench_router(
-    n: int = 100_000, servers: int = 8, sessions: int = 4096, group_size: int = 8
-) -> dict[str, Any]:
-    """µs per `choose()` decision: for pinned sessions (every turn after the first) and for new sessions of
-    GRPO groups under group affinity (first turns). Prints one line and returns the numbers."""
-    from backends.scripted import ScriptedBackend
-
-    router = Router([ScriptedBackend({}, model_name=f"s{i}") for i in range(servers)], group_affinity=True)
-    for i in range(sessions):  # pin sessions and groups as a running batch would have
-        req = GenerateRequest(f"traj{i}", [], {}, group_id=f"g{i // group_size}")
-        router._pin(req, router.choose(req.session_id, req.group_id))
-    for i, s in enumerate(router.servers):
-        s.in_flight = i % 3
-    pinned = [f"traj{i % sessions}" for i in range(n)]
-    fresh = [(f"new{i}", f"g{i // group_size}") for i in range(n)]
-    choose = router.choose
-    t0 = time.perf_counter()
-    for sid in pinned:
-        choose(sid, None)
-    t1 = time.perf_counter()
-    for sid, gid in fresh:
-        choose(sid, gid)
-    t2 = time.perf_counter()
-    out = {
-        "decisions": 2 * n,
-        "servers": servers,
-        "sticky_us": (t1 - t0) / n * 1e6,
-        "new_us": (t2 - t1) / n * 1e6,
-    }
-    print(
-        f"router decision: {out['sticky_us']:.2f} µs sticky, {out['new_us']:.2f} µs new ({servers} servers)"
-    )
-    return out

@@ -103,7 +103,7 @@ def parse_generate(body: Any, *, server: str, return_logprob: bool, rid: str | N
     assert isinstance(meta, dict) and isinstance(out, list)
     kind = fr["type"]
     extra: dict[str, Any] = {"id": meta.get("id"), "finish": fr}
-    if kind == "abort":  # a waiting-queue abort carries no prompt_tokens (reference §2)
+    if kind == "abort":  # SGLang answers a waiting-queue abort without prompt_tokens
         extra["abort_kind"] = "running" if "prompt_tokens" in meta else "waiting"
     logprobs: list[float] | None = None
     if return_logprob:

@@ -100,7 +100,8 @@ class CompiledAgent:
             self.machine.events[TRIGGER].transitions[edge.source][-1].edge = edge
         # The machine's own per-state transition lists, in declared order. `advance` walks them directly:
         # `Event.trigger` would wrap each step in an EventData, a partial and empty callback lists.
-        self._table: dict[str, list[_LeanTransition]] = dict(self.machine.events[TRIGGER].transitions)
+        event = self.machine.events.get(TRIGGER)  # none when the initial state is final: no edges at all
+        self._table: dict[str, list[_LeanTransition]] = dict(event.transitions) if event else {}
 
     def advance(self, traj: Any, state: str | None = None) -> Edge:
         """The first edge out of `state` (default: the trajectory's) whose guard holds.

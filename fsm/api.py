@@ -299,6 +299,7 @@ class RolloutEngine(_Engine):
         close = getattr(self.backend, "close", None)
         if close is not None and self._loop is not None and not self._closed:
             await close()
+        self.agent.tools.close()  # idle tool threads, loops and worker processes (tools restart on use)
         self._closed = True
 
     def close(self) -> None:

@@ -33,7 +33,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
     problems = 0
     for path in args.specs:
-        diags = validate_file(path)
+        diags = validate_file(path, static=args.static)
         for d in diags:
             print(d)
         problems += len(diags)
@@ -64,7 +64,7 @@ def _rows(args: argparse.Namespace, agent: CompiledAgent) -> list[dict[str, Any]
         raise CLIError(f"{args.spec}: no --data given and the spec declares no demo_data; pass --data FILE.jsonl")
     from fsm.registry import resolve
 
-    return resolve(agent.spec.demo_data)(args.num_prompts or 64, seed=args.seed)
+    return resolve(agent.spec.demo_data, agent.spec.trust.allow_modules)(args.num_prompts or 64, seed=args.seed)
 
 
 async def _servers(args: argparse.Namespace, stack: AsyncExitStack) -> tuple[list[str], str | None]:
@@ -294,29 +294,29 @@ def cmd_show(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     what = args.what
     if what == "engine":
-        from fsm.bench import bench_engine
+        from bench.engine import bench_engine
 
         result = bench_engine(n=args.n, concurrency=args.concurrency or args.n, tool_turns=args.tool_turns,
                               repeats=args.repeats)  # fmt: skip
     elif what == "router":
-        from backends.router import bench_router
+        from bench.router import bench_router
 
         result = bench_router()
     elif what == "hf":
-        from backends.hf import bench_hf
         from backends.tiny import ASSET_DIR
+        from bench.hf import bench_hf
 
         result = bench_hf(args.model or str(ASSET_DIR))
     elif what == "prefix-cache":
-        from backends.devserver import bench_prefix_cache
+        from bench.prefix_cache import bench_prefix_cache
 
         result = {f"affinity={a}": bench_prefix_cache(n=8, affinity=a) for a in (False, True)}
     elif what == "tracing":
-        from fsm.telemetry import bench_tracing
+        from bench.tracing import bench_tracing
 
         result = bench_tracing()
     elif what == "ray":
-        from fsm.ray_runner import bench_ray
+        from bench.ray import bench_ray
 
         result = bench_ray()
     elif what == "faults":
@@ -354,6 +354,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("validate", help="check specs; prints path:line:col: code: message")
     p.add_argument("specs", nargs="+")
     p.add_argument("-q", "--quiet", action="store_true")
+    p.add_argument("--static", action="store_true",
+                   help="import nothing the spec names (for editors and CI on unvetted specs): schema, graph and "
+                   "built-in names; import paths checked for form and the deny-list only")  # fmt: skip
     p.set_defaults(fn=cmd_validate)
 
     p = sub.add_parser("schema", help="write the JSON Schema of the spec format")

@@ -2,7 +2,9 @@
 
 Compilation is validation: unknown states, guards, actions, tools, parsers, import paths, missing default
 edges, unreachable states, dead ends and contradictory limits are all reported here, with positions, so a
-running batch never meets an unknown name.
+running batch never meets an unknown name. `static=True` (`agentfsm validate --static`, what editors and CI
+run on specs nobody has vetted) does every check that needs no import: schema, graph, built-in names,
+and import paths checked for form and against the deny-list of fsm.registry; nothing the spec names runs.
 """
 
 from __future__ import annotations
@@ -19,7 +21,16 @@ from fsm.guards import GuardError, compile_guard
 from fsm.interaction import REQUIRED_METHODS
 from fsm.loader import Diagnostic, LoadedSpec, SpecError, load_spec
 from fsm.parsers import PARSERS
-from fsm.registry import ACTIONS, GUARDS, ImportPathError, is_import_path, resolve
+from fsm.registry import (
+    ACTIONS,
+    GUARDS,
+    ImportPathError,
+    check_import_path,
+    check_module,
+    import_module,
+    is_import_path,
+    resolve,
+)
 from fsm.spec import AgentSpec
 from fsm.tools import BoundTool, ToolSet, build_tool
 
@@ -28,17 +39,49 @@ from fsm.tools import BoundTool, ToolSet, build_tool
 
 def compile_spec(spec_or_path: AgentSpec | LoadedSpec | str | Path) -> CompiledAgent:
     """Load (if given a path), validate and compile. Raises SpecError listing every problem."""
+    agent = _compile(spec_or_path, static=False)
+    assert agent is not None
+    return agent
+
+
+def _compile(spec_or_path: AgentSpec | LoadedSpec | str | Path, static: bool) -> CompiledAgent | None:
     loaded = spec_or_path if isinstance(spec_or_path, LoadedSpec) else None
     if isinstance(spec_or_path, (str, Path)):
         loaded = load_spec(spec_or_path)
     spec = loaded.spec if loaded else spec_or_path
-    return _Compiler(spec, loaded).compile()
+    return _Compiler(spec, loaded, static).compile()
+
+
+class _Unchecked:
+    """What a static check gets for an import path it may not import: any call is a bug."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("a statically checked spec cannot run")
+
+
+UNCHECKED = _Unchecked()
 
 
 class _Compiler:
-    def __init__(self, spec: AgentSpec, loaded: LoadedSpec | None):
-        self.spec, self.loaded = spec, loaded
+    def __init__(self, spec: AgentSpec, loaded: LoadedSpec | None, static: bool = False):
+        self.spec, self.loaded, self.static = spec, loaded, static
+        self.allow = tuple(spec.trust.allow_modules)
         self.diags: list[Diagnostic] = []
+
+    def resolve(self, ref: str) -> Any:
+        """An import path -> its object, within the spec's trust opt-ins; UNCHECKED when static."""
+        if self.static:
+            check_import_path(ref, self.allow)
+            return UNCHECKED
+        return resolve(ref, self.allow)
+
+    def _ref(self, ref: str, *loc: Any) -> Any:
+        """`resolve`, with a failure reported at `loc` (then None)."""
+        try:
+            return self.resolve(ref)
+        except ImportPathError as exc:
+            self.error(exc.code, str(exc), *loc, key=False)
+            return None
 
     def error(self, code: str, message: str, *loc: Any, key: bool = True) -> None:
         if self.loaded:
@@ -46,13 +89,13 @@ class _Compiler:
         else:
             self.diags.append(Diagnostic("<spec>", 0, 0, code, f"{'.'.join(map(str, loc))}: {message}"))
 
-    def compile(self) -> CompiledAgent:
+    def compile(self) -> CompiledAgent | None:
         spec = self.spec
-        for module in spec.imports:
+        for i, module in enumerate(spec.imports):
             try:
-                resolve(f"{module}:__name__")
+                check_module(module, self.allow) if self.static else import_module(module, self.allow)
             except ImportPathError as exc:
-                self.error("import", str(exc), "imports", spec.imports.index(module), key=False)
+                self.error(exc.code, str(exc), "imports", i, key=False)
         self._check_limits()
         self._check_graph()
         edges = self._edges()
@@ -61,15 +104,14 @@ class _Compiler:
         interaction_cls = self._interaction()
         reward = self._reward()
         if spec.demo_data is not None:
-            try:
-                resolve(spec.demo_data)
-            except ImportPathError as exc:
-                self.error("import", str(exc), "demo_data", key=False)
+            self._ref(spec.demo_data, "demo_data")
         if spec.parser not in PARSERS:
             self.error("unknown-parser", f"unknown tool-call parser {spec.parser!r}{_suggest(spec.parser, PARSERS)}",
                        "parser", key=False)  # fmt: skip
         if self.diags:
             raise SpecError(self.diags)
+        if self.static:
+            return None
         return CompiledAgent(spec, self.loaded, edges, actions, tools, interaction_cls, reward)
 
     def _check_limits(self) -> None:
@@ -144,12 +186,14 @@ class _Compiler:
                 guard, label = None, "default"
                 if t.when is not None:
                     try:
-                        guard, label = compile_guard(t.when, self.spec.limits)
+                        guard, label = compile_guard(t.when, self.spec.limits, self.resolve)
                     except GuardError as exc:
                         msg = str(exc)
                         if exc.code == "unknown-guard" and exc.name is not None:
                             msg += _suggest(exc.name, GUARDS)
-                        self.error(exc.code, msg, "states", name, "next", i, "when", key=False)
+                        # Statically, an unknown name may be one the spec's imports (not run) register.
+                        if not (exc.code == "unknown-guard" and self.static and self.spec.imports):
+                            self.error(exc.code, msg, "states", name, "next", i, "when", key=False)
                 edges.append(Edge(len(edges), name, t.to, guard, label, t.reason))
         return edges
 
@@ -162,12 +206,10 @@ class _Compiler:
             if ref in BUILTIN_ACTIONS or ref in ACTIONS:
                 actions[name] = BUILTIN_ACTIONS.get(ref) or ACTIONS[ref]
             elif is_import_path(ref):
-                try:
-                    fn = resolve(ref)
-                except ImportPathError as exc:
-                    self.error("import", str(exc), "states", name, "action", key=False)
+                fn = self._ref(ref, "states", name, "action")
+                if fn is None:
                     continue
-                if not inspect.iscoroutinefunction(fn):
+                if fn is not UNCHECKED and not inspect.iscoroutinefunction(fn):
                     self.error(
                         "type",
                         f"action {ref!r} must be an async function (ctx, traj)",
@@ -177,19 +219,22 @@ class _Compiler:
                         key=False,
                     )
                 actions[name] = fn
-            else:
+            elif not (self.static and self.spec.imports):  # else the imports, not run here, may register it
                 self.error("unknown-action", f"unknown action {ref!r}{_suggest(ref, [*BUILTIN_ACTIONS, *ACTIONS])}; built-in: "
                            f"{', '.join(BUILTIN_ACTIONS)}", "states", name, "action", key=False)  # fmt: skip
         return actions
 
     def _tools(self) -> ToolSet:
+        if self.static:
+            self._tool_refs()
+            return ToolSet([], self.spec.limits)
         bound: list[BoundTool] = []
         for i, tool_spec in enumerate(self.spec.tools):
             try:
-                tool = build_tool(tool_spec)
+                tool = build_tool(tool_spec, self.resolve)
             except ImportPathError as exc:
                 field = "function" if tool_spec.function else "class"
-                self.error("import", str(exc), "tools", i, field, key=False)
+                self.error(exc.code, str(exc), "tools", i, field, key=False)
                 continue
             except Exception as exc:  # a tool constructor may raise anything; report it where it is declared
                 self.error("tool", f"{type(exc).__name__}: {exc}", "tools", i)
@@ -199,15 +244,30 @@ class _Compiler:
             bound.append(tool)
         return ToolSet(bound, self.spec.limits)
 
+    def _tool_refs(self) -> None:
+        """The static part of `_tools`: one of function/class, import paths by form, names unique."""
+        names: set[str] = set()
+        for i, t in enumerate(self.spec.tools):
+            if bool(t.function) == bool(t.class_):
+                self.error("tool", "ValueError: a tool needs exactly one of 'function' or 'class'", "tools", i)
+            for field, ref in (("function", t.function), ("class", t.class_), ("schema", t.schema_)):
+                if isinstance(ref, str):
+                    self._ref(ref, "tools", i, field)
+            if t.class_ and t.schema_ is None:
+                self.error("tool", f"ValueError: tool class {t.class_!r} needs a 'schema' (OpenAI function schema)",
+                           "tools", i)  # fmt: skip
+            name = t.name or (t.schema_.get("function", {}).get("name") if isinstance(t.schema_, dict) else None)
+            if name in names:
+                self.error("duplicate", f"two tools are named {name!r}", "tools", i)
+            names.add(name) if name else None
+
     def _interaction(self) -> Any:
         spec = self.spec.interaction
         if spec is None:
             return None
-        try:
-            cls = resolve(spec.class_)
-        except ImportPathError as exc:
-            self.error("import", str(exc), "interaction", "class", key=False)
-            return None
+        cls = self._ref(spec.class_, "interaction", "class")
+        if cls is None or cls is UNCHECKED:
+            return cls
         missing = [m for m in REQUIRED_METHODS if not callable(getattr(cls, m, None))]
         if missing:
             self.error(
@@ -223,12 +283,8 @@ class _Compiler:
         spec = self.spec.reward
         if spec is None:
             return None
-        try:
-            fn = resolve(spec.function)
-        except ImportPathError as exc:
-            self.error("import", str(exc), "reward", "function", key=False)
-            return None
-        return Reward(fn, dict(spec.kwargs))
+        fn = self._ref(spec.function, "reward", "function")
+        return None if fn is None else Reward(fn, dict(spec.kwargs))
 
 
 def _reach(start: str, graph: dict[str, list[str]]) -> set[str]:
@@ -246,16 +302,19 @@ def _suggest(word: str, choices: Any) -> str:
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
-def validate_file(path: str | Path) -> list[Diagnostic]:
+def validate_file(path: str | Path, *, static: bool = False) -> list[Diagnostic]:
     """Every problem of a spec file (empty when it is valid): type errors, then the semantic checks of
-    what remains once the ill-typed keys are set aside."""
+    what remains once the ill-typed keys are set aside.
+
+    `static=True` imports nothing the spec names (see the module docstring); the default compiles it,
+    which runs its `imports:` and the modules of its import paths."""
     try:
-        compile_spec(path)
+        _compile(path, static)
     except SpecError as err:
         diags = list(err.diagnostics)
         if err.salvaged is not None:
             try:
-                compile_spec(err.salvaged)
+                _compile(err.salvaged, static)
             except SpecError as more:
                 seen = {(d.path, d.line, d.col, d.code) for d in diags}
                 diags += [d for d in more.diagnostics if (d.path, d.line, d.col, d.code) not in seen]

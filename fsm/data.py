@@ -1,18 +1,23 @@
 """Dataset rows from .jsonl or .parquet files, in verl's dataset format.
 
-A file that cannot be read as rows (missing, unknown type, a line that is not a JSON object) is refused,
-with every problem located as `path:line:col`. A row that reads fine but cannot run (no prompt, messages of
-the wrong shape) is kept: the engine fails that row alone, with an `error: bad row` reason, so one bad row
-never stops a batch and none is silently dropped.
+A file that cannot be read as rows (missing, unknown type, a line that is not a JSON object, not UTF-8,
+nested past Python's recursion limit, or longer than MAX_LINE_BYTES) is refused, with every problem located
+as `path:line:col`; reading stops after MAX_PROBLEMS of them, so a binary file fails fast. A row that reads
+fine but cannot run (no prompt, messages of the wrong shape) is kept: the engine fails that row alone, with an
+`error: bad row` reason, so one bad row never stops a batch and none is silently dropped.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from fsm.rows import normalize_record
+
+MAX_LINE_BYTES = 16 * 1024 * 1024  # one row: a long-context prompt, even inline images, fits
+MAX_PROBLEMS = 100
 
 
 class DataError(ValueError):
@@ -43,14 +48,32 @@ def load_rows(path: str | Path, *, prompt_key: str = "raw_prompt") -> list[dict[
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:
     rows, problems = [], []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(_lines(f), 1):
+            if len(problems) >= MAX_PROBLEMS:
+                problems.append(f"{path}:{lineno}: stopped reading after {MAX_PROBLEMS} problems")
+                break
+            if raw is None:
+                problems.append(f"{path}:{lineno}: line longer than {MAX_LINE_BYTES // 2**20} MiB; one row per line")
+                continue
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                col = len(raw[: exc.start].decode("utf-8", "replace")) + 1
+                problems.append(f"{path}:{lineno}:{col}: not UTF-8: byte 0x{raw[exc.start]:02x}; save the file as UTF-8")
+                continue
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
                 problems.append(f"{path}:{lineno}:{exc.colno}: invalid JSON: {exc.msg}")
+                continue
+            except RecursionError:
+                problems.append(f"{path}:{lineno}: JSON nested too deeply to read")
+                continue
+            except ValueError as exc:  # e.g. an integer of more than 4300 digits
+                problems.append(f"{path}:{lineno}: invalid JSON: {exc}")
                 continue
             if not isinstance(row, dict):
                 problems.append(f"{path}:{lineno}: a row must be a JSON object, got {type(row).__name__}")
@@ -59,6 +82,17 @@ def _jsonl(path: Path) -> list[dict[str, Any]]:
     if problems:
         raise DataError(problems)
     return rows
+
+
+def _lines(f: IO[bytes]) -> Iterator[bytes | None]:
+    """The file's lines, each read MAX_LINE_BYTES at most at a time: None for a longer one (skipped)."""
+    while line := f.readline(MAX_LINE_BYTES + 1):
+        if len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):
+            while (rest := f.readline(1 << 20)) and not rest.endswith(b"\n"):
+                pass
+            yield None
+        else:
+            yield line
 
 
 def _parquet(path: Path) -> list[dict[str, Any]]:

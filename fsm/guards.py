@@ -85,34 +85,38 @@ def _any(preds: list[Predicate]) -> Predicate:
     return lambda t: any(p(t) for p in preds)
 
 
-def compile_guard(expr: Any, limits: LimitsSpec) -> tuple[Predicate, str]:
-    """Guard expression -> (predicate, label for diagrams and spans). Raises GuardError."""
+def compile_guard(expr: Any, limits: LimitsSpec, resolve_ref: Callable[[str], Any] = resolve) -> tuple[Predicate, str]:
+    """Guard expression -> (predicate, label for diagrams and spans). Raises GuardError.
+
+    `resolve_ref` turns a `module:function` guard into the function (fsm.compile passes one that applies
+    the spec's trust opt-ins, or, for static checks, one that imports nothing).
+    """
     if isinstance(expr, str):
-        return _named(expr, None, limits), expr
+        return _named(expr, None, limits, resolve_ref), expr
     if isinstance(expr, dict) and len(expr) == 1:
         ((key, value),) = expr.items()
         if key in ("all", "any"):
             if not isinstance(value, list) or not value:
                 raise GuardError("type", f"{key}: expects a non-empty list of guards")
-            parts = [compile_guard(v, limits) for v in value]
+            parts = [compile_guard(v, limits, resolve_ref) for v in value]
             combine = _all if key == "all" else _any
             return combine([p for p, _ in parts]), f" {'and' if key == 'all' else 'or'} ".join(
                 lbl for _, lbl in parts
             )
         if key == "not":
-            pred, label = compile_guard(value, limits)
+            pred, label = compile_guard(value, limits, resolve_ref)
             return (lambda t: not pred(t)), f"not {label}"
-        return _named(str(key), value, limits), f"{key}={value}"
+        return _named(str(key), value, limits, resolve_ref), f"{key}={value}"
     raise GuardError("type", f"a guard is a name, {{name: param}}, or {{all|any|not: ...}}; got {expr!r}")
 
 
-def _named(name: str, param: Any, limits: LimitsSpec) -> Predicate:
+def _named(name: str, param: Any, limits: LimitsSpec, resolve_ref: Callable[[str], Any]) -> Predicate:
     factory = GUARDS.get(name)
     if factory is None and is_import_path(name):
         try:
-            fn = resolve(name)
+            fn = resolve_ref(name)
         except ImportPathError as exc:
-            raise GuardError("import", str(exc)) from None
+            raise GuardError(exc.code, str(exc)) from None
         if not callable(fn):
             raise GuardError("import", f"{name!r} is not callable")
         factory = _user_guard_factory(fn)

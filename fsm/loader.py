@@ -2,25 +2,26 @@
 
 Positions come from ruamel.yaml's round-trip loader. `extends:` merges a child over its base (mappings
 merge key by key, lists and scalars replace); each merged key keeps the position of the file that defined
-it, so a problem inherited from a base spec points into the base file.
+it, so a problem inherited from a base spec points into the base file, and says which spec it was reached
+from. Reading is bounded (bytes, nodes, depth) and refuses YAML tags: see fsm.safeyaml.
 """
 
 from __future__ import annotations
 
 import difflib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import UnionType
 from typing import Any, Union, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
-from ruamel.yaml import YAML
 from ruamel.yaml.comments import CommentedMap, CommentedSeq
-from ruamel.yaml.constructor import DuplicateKeyError
-from ruamel.yaml.error import MarkedYAMLError
 
+from fsm.safeyaml import Budget, YamlProblem, load, read_text
 from fsm.spec import AgentSpec
+
+MAX_EXTENDS = 16  # files in one `extends:` chain (each is also within fsm.safeyaml's shared budget)
 
 
 @dataclass(frozen=True)
@@ -62,20 +63,22 @@ class Positions:
 
     def record(self, node: Any, path: str) -> None:
         self._keep.append(node)
-        if isinstance(node, (CommentedMap, CommentedSeq)):  # an empty document's map has no position: 1:1
-            self._node[id(node)] = (path, (node.lc.line or 0) + 1, (node.lc.col or 0) + 1)
-        if isinstance(node, CommentedMap):
-            for key in node:
-                kl, kc = node.lc.key(key)[:2]
-                vl, vc = node.lc.value(key)[:2]
-                self._key[(id(node), key)] = (path, kl + 1, kc + 1)
+        if not isinstance(node, (CommentedMap, CommentedSeq)):
+            return
+        # an empty document's map has no position: 1:1. Keys merged in by `<<: *anchor` have no position of
+        # their own: they take the mapping's.
+        here = self._node[id(node)] = (path, (node.lc.line or 0) + 1, (node.lc.col or 0) + 1)
+        marks = node.lc.data  # key or index -> [line, col(, value line, value col)], 0-based
+        items = node.items() if isinstance(node, CommentedMap) else enumerate(node)
+        for key, value in items:
+            lc = marks.get(key) if isinstance(marks, dict) else None
+            if lc is None or len(lc) < 2:
+                self._key[(id(node), key)] = self._value[(id(node), key)] = here
+            else:
+                self._key[(id(node), key)] = (path, lc[0] + 1, lc[1] + 1)
+                vl, vc = lc[2:4] if len(lc) >= 4 else lc[:2]
                 self._value[(id(node), key)] = (path, vl + 1, vc + 1)
-                self.record(node[key], path)
-        elif isinstance(node, CommentedSeq):
-            for i, item in enumerate(node):
-                il, ic = node.lc.item(i)[:2]
-                self._key[(id(node), i)] = self._value[(id(node), i)] = (path, il + 1, ic + 1)
-                self.record(item, path)
+            self.record(value, path)
 
     def copy_key(self, src: Any, dst: Any, key: Any) -> None:
         for table in (self._key, self._value):
@@ -97,31 +100,12 @@ class Positions:
         return best
 
 
-def _yaml() -> YAML:
-    yaml = YAML(typ="rt")
-    yaml.allow_duplicate_keys = False
-    return yaml
-
-
-def _read(path: Path, positions: Positions, diags: list[Diagnostic]) -> Any:
+def _read(path: Path, positions: Positions, diags: list[Diagnostic], budget: Budget) -> Any:
+    """One file, bounded and plain data only (see fsm.safeyaml), with its positions recorded."""
     try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        diags.append(Diagnostic(str(path), 1, 1, "io", f"cannot read spec: {exc.strerror or exc}"))
-        return None
-    try:
-        doc = _yaml().load(text)
-    except DuplicateKeyError as exc:
-        mark = exc.problem_mark
-        key = str(exc.problem).split('"')[1] if '"' in str(exc.problem) else "?"
-        diags.append(
-            Diagnostic(str(path), mark.line + 1, mark.column + 1, "duplicate", f"duplicate key {key!r}")
-        )
-        return None
-    except MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        line, col = (mark.line + 1, mark.column + 1) if mark else (1, 1)
-        diags.append(Diagnostic(str(path), line, col, "yaml-syntax", f"{exc.problem or exc.context}"))
+        doc = load(read_text(path, budget), budget)
+    except YamlProblem as p:
+        diags.append(Diagnostic(str(path), p.line, p.col, p.code, p.message))
         return None
     if doc is None:
         doc = CommentedMap()
@@ -145,10 +129,12 @@ def _merge(base: Any, child: Any, positions: Positions) -> Any:
     return child
 
 
-def load_document(path: str | Path, positions: Positions, diags: list[Diagnostic], _seen: tuple = ()) -> Any:
+def load_document(path: str | Path, positions: Positions, diags: list[Diagnostic], _seen: tuple = (),
+                  _budget: Budget | None = None) -> Any:  # fmt: skip
     """Read one spec file with its `extends:` chain merged in."""
     path = Path(path)
-    doc = _read(path, positions, diags)
+    budget = _budget or Budget()
+    doc = _read(path, positions, diags, budget)
     if doc is None:
         return None
     parent = doc.get("extends")
@@ -165,7 +151,13 @@ def load_document(path: str | Path, positions: Positions, diags: list[Diagnostic
     if not base_path.exists():
         diags.append(Diagnostic(file, line, col, "extends", f"base spec {parent!r} not found ({base_path})"))
         return doc
-    base = load_document(base_path, positions, diags, (*_seen, path.resolve()))
+    if not base_path.is_file():
+        diags.append(Diagnostic(file, line, col, "extends", f"base spec {parent!r} is not a regular file"))
+        return doc
+    if len(_seen) + 1 >= MAX_EXTENDS:
+        diags.append(Diagnostic(file, line, col, "extends", f"an extends chain may hold at most {MAX_EXTENDS} files"))
+        return doc
+    base = load_document(base_path, positions, diags, (*_seen, path.resolve()), budget)
     if base is None:
         return doc
     base.pop("name", None) if "name" in doc else None
@@ -266,7 +258,14 @@ class LoadedSpec:
 
     def diagnostic(self, code: str, message: str, *loc: Any, key: bool = True) -> Diagnostic:
         file, line, col = self.where(*loc, key=key)
-        return Diagnostic(file, line, col, code, message)
+        return reached_from(Diagnostic(file, line, col, code, message), self.path)
+
+
+def reached_from(d: Diagnostic, root: str | Path) -> Diagnostic:
+    """A diagnostic inside a base spec says which spec extended it, so the reader knows why it shows."""
+    if d.path == str(root) or d.message.endswith(f"(reached from {root})"):
+        return d
+    return replace(d, message=f"{d.message} (reached from {root})")
 
 
 def load_spec(path: str | Path) -> LoadedSpec:
@@ -274,14 +273,15 @@ def load_spec(path: str | Path) -> LoadedSpec:
     positions, diags = Positions(), []
     doc = load_document(path, positions, diags)
     if doc is None or diags:
-        raise SpecError(diags)
+        raise SpecError([reached_from(d, Path(path)) for d in diags])
     plain = _plain(doc)
     try:
         spec = AgentSpec.model_validate(plain)
     except ValidationError as err:
         salvaged = _salvage(plain, err)
         loaded = LoadedSpec(salvaged, Path(path), doc, positions) if salvaged else None
-        raise SpecError(_pydantic_diagnostics(err, doc, positions), loaded) from None
+        diags = [reached_from(d, Path(path)) for d in _pydantic_diagnostics(err, doc, positions)]
+        raise SpecError(diags, loaded) from None
     return LoadedSpec(spec, Path(path), doc, positions)
 
 

@@ -26,17 +26,11 @@ How work moves:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import os
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -109,7 +103,7 @@ class _Worker:
         return trajs
 
     async def echo(self, payload: Any) -> Any:
-        """A no-op round trip, for measuring the Ray hop."""
+        """A no-op round trip: `bench/ray.py` measures the bare Ray hop with it."""
         return payload
 
     async def pid(self) -> int:
@@ -360,123 +354,3 @@ class RayRunner(_Engine):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
-
-
-# -- benchmark -------------------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def scripted_servers(count: int = 2, latency_s: float = 0.0, timeout_s: float = 60.0) -> Iterator[list[str]]:
-    """`count` SGLang-protocol dev servers in scripted mode (`python -m backends.devserver --scripted`), as
-    subprocesses on free loopback ports; yields their URLs once each answers /health, stops them on exit."""
-    procs, urls = [], []
-    try:
-        for _ in range(count):
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            cmd = [sys.executable, "-m", "backends.devserver", "--scripted", "--port", str(port),
-                   "--latency", str(latency_s), "--log-level", "warning"]  # fmt: skip
-            procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL))
-            urls.append(f"http://127.0.0.1:{port}")
-        deadline = time.monotonic() + timeout_s
-        for proc, url in zip(procs, urls):
-            while True:
-                try:
-                    with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                        if r.status == 200:
-                            break
-                except OSError:
-                    pass
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"dev server {url} did not come up (exit code {proc.poll()})")
-                time.sleep(0.05)
-        yield urls
-    finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-
-
-def _best_rate(fn: Callable[[], Any], items: int, repeats: int) -> float:
-    best = math.inf
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return items / best
-
-
-def bench_ray(workers: Sequence[int] = (1, 2, 4), rows: int = 128, n: int = 4, *, servers: int = 2,
-              latency_s: float = 0.05, concurrency: int = 256, hop_rows: int = 200, repeats: int = 3) -> dict[str, Any]:  # fmt: skip
-    """Trajectories/s of the calculator spec over `servers` scripted dev servers (each request waits
-    `latency_s`): one process (RolloutEngine), then RayRunner with each count of `workers`, the same total
-    `concurrency` of trajectories in flight in every case. Then the per-row cost of the Ray hop: one row at
-    a time through an actor vs in process, both over an in-process zero-latency echo model. Actor start-up
-    is excluded (`ready()` first, then one warm-up batch); each rate is the best of `repeats` batches (the
-    machine may be shared). Call outside an event loop; prints and returns."""
-    from backends.devserver import echo_backend
-    from backends.tiny import ASSET_DIR
-    from fsm.api import RolloutEngine
-    from specs.calculator import make_prompts
-
-    ray = _ray()
-    started = not ray.is_initialized()
-    if started:
-        ray.init(include_dashboard=False, log_to_driver=False)
-    data, tok = make_prompts(rows, seed=1), str(ASSET_DIR)
-    result: dict[str, Any] = {"rows": rows, "n": n, "servers": servers, "latency_s": latency_s,
-                              "concurrency": concurrency, "cpus": os.cpu_count()}  # fmt: skip
-    try:
-        with scripted_servers(servers, latency_s=latency_s) as urls:
-            with RolloutEngine("calculator", tok, servers=urls, max_concurrency=concurrency) as engine:
-                engine.generate_sequences(data[:16], n=n)
-                result["single_process"] = _best_rate(
-                    lambda: engine.generate_sequences(data, n=n), rows * n, repeats
-                )
-            for k in workers:
-                with RayRunner("calculator", tok, servers=urls, workers=k,
-                               max_concurrency=max(1, concurrency // k)) as runner:  # fmt: skip
-                    runner.ready()
-                    runner.generate_sequences(data[: 8 * k], n=n)
-                    result[f"ray_{k}"] = _best_rate(
-                        lambda: runner.generate_sequences(data, n=n), rows * n, repeats
-                    )
-                    result[f"ray_{k}_rows_per_actor"] = list(runner.stats["rows_per_actor"].values())
-        # The hop: the same zero-latency model in process and behind one actor, one row at a time.
-        hop_data = make_prompts(hop_rows, seed=2)
-        with RolloutEngine("calculator", tok, backend=echo_backend()) as engine:
-            engine.generate_sequences(hop_data[:10])
-            t0 = time.perf_counter()
-            for row in hop_data:
-                engine.generate_sequences([row])
-            local = (time.perf_counter() - t0) / hop_rows
-        with RayRunner("calculator", tok, backend_factory=echo_backend, workers=1) as runner:
-            runner.ready()
-            runner.generate_sequences(hop_data[:10])
-            t0 = time.perf_counter()
-            for row in hop_data:
-                runner.generate_sequences([row])
-            remote = (time.perf_counter() - t0) / hop_rows
-            actor = runner.actors[0]
-            t0 = time.perf_counter()
-            for row in hop_data:
-                ray.get(actor.echo.remote(row))
-            echo = (time.perf_counter() - t0) / hop_rows
-        result.update(row_in_process_ms=local * 1e3, row_through_actor_ms=remote * 1e3,
-                      ray_hop_ms=(remote - local) * 1e3, bare_actor_call_ms=echo * 1e3)  # fmt: skip
-    finally:
-        if started:
-            ray.shutdown()
-    scaling = ", ".join(f"{k} actors {result[f'ray_{k}']:.0f}" for k in workers)
-    print(
-        f"trajectories/s: 1 process {result['single_process']:.0f}, {scaling} "
-        f"({rows}x{n} trajectories, {servers} servers, {latency_s * 1e3:.0f} ms per request, {os.cpu_count()} cpus)"
-    )
-    print(f"per row: {result['row_in_process_ms']:.2f} ms in process, {result['row_through_actor_ms']:.2f} ms "
-          f"through an actor (hop {result['ray_hop_ms']:.2f} ms; a bare actor call {result['bare_actor_call_ms']:.2f} ms)")  # fmt: skip
-    return result

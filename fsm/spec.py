@@ -10,9 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 STANDARD_STATES = ("PENDING", "GENERATING", "PROCESSING_TOOLS", "INTERACTING", "TERMINATED")
+DEFAULT_TOOL_WORKERS = 8  # ToolSpec.workers
 
 
 class _Strict(BaseModel):
@@ -72,8 +73,35 @@ class ToolSpec(_Strict):
         default=None, gt=0, description="Per attempt; a timeout becomes an observation."
     )
     retry: RetrySpec = Field(default_factory=RetrySpec)
+    isolation: Literal["thread", "process"] = Field(
+        default="thread",
+        description="Where the tool's code runs (never on the event loop). thread: a sync function in the "
+        "tool's own daemon threads, a coroutine on the tool's own event-loop thread; a call past timeout_s "
+        "is abandoned and its thread written off. process: worker processes (function tools only); a call "
+        "past timeout_s kills its worker, which is replaced. Use process for CPU-bound or crash-prone tools.",
+    )
+    workers: int = Field(
+        default=DEFAULT_TOOL_WORKERS,
+        gt=0,
+        description="Calls of this tool running at once: threads of a sync function, or worker processes; "
+        "more calls wait their turn. Coroutines on the tool's own loop are not limited.",
+    )
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    @field_validator("isolation")
+    @classmethod
+    def _isolation(cls, v: str, info: ValidationInfo) -> str:
+        if v == "process" and info.data.get("class_"):
+            # A class tool is one stateful object shared by every trajectory (create/release keyed by
+            # instance id) whose execute gets the live trajectory: neither crosses a process boundary, and
+            # killing the worker at one call's timeout would destroy every other trajectory's instance.
+            raise ValueError(
+                "isolation: process runs function tools only; a class tool keeps state shared by all "
+                "trajectories and receives the live trajectory. Put the CPU-bound part in a function tool "
+                "with isolation: process, or have the class start its own subprocess"
+            )
+        return v
 
 
 class InteractionSpec(_Strict):
@@ -152,6 +180,17 @@ class LimitsSpec(_Strict):
     )
 
 
+class TrustSpec(_Strict):
+    """What the spec's author vouches for. A spec is code; this only lifts agentfsm's guard-rail."""
+
+    allow_modules: list[str] = Field(
+        default_factory=list,
+        description="Standard-library modules agentfsm refuses in import paths by default (os, subprocess, "
+        "sys, builtins, importlib, socket, pickle, ...: fsm.registry.UNSAFE_MODULES) that this spec may use "
+        "anyway, e.g. [os] for `function: os:getcwd`. A tool's arguments are chosen by the model.",
+    )
+
+
 class AgentSpec(_Strict):
     """The whole agent. `extends:` is resolved by the loader before this model is built."""
 
@@ -176,6 +215,7 @@ class AgentSpec(_Strict):
     demo_data: str | None = Field(
         default=None, description="module:function(n, seed) -> rows; `agentfsm run` uses it when no --data is given."
     )
+    trust: TrustSpec = Field(default_factory=TrustSpec, description="Opt-ins to what agentfsm refuses by default.")
 
     @property
     def final_states(self) -> list[str]:
@@ -183,8 +223,24 @@ class AgentSpec(_Strict):
 
 
 def json_schema() -> dict[str, Any]:
-    """The JSON Schema editors use for completion (`# yaml-language-server: $schema=...`)."""
+    """The JSON Schema editors use for completion (`# yaml-language-server: $schema=...`).
+
+    It describes a spec file as written. A file with `extends:` is merged over its base before it is
+    checked (mappings key by key), so it may leave out anything its base says: the keys AgentSpec requires,
+    and those required inside the mappings it merges (`interaction`, `reward`), are required only of a
+    file without `extends:`.
+    """
     schema = AgentSpec.model_json_schema(by_alias=True)
+    defs = schema["$defs"]
+    merged: dict[str, Any] = {}
+    for name, prop in schema["properties"].items():
+        for ref in [p["$ref"] for p in prop.get("anyOf", [prop]) if "$ref" in p]:
+            required = defs[ref.rsplit("/", 1)[-1]].pop("required", None)
+            if required:
+                merged[name] = {"required": required}
+    standalone = {"required": schema.pop("required"), "properties": merged}
+    schema["if"] = {"required": ["extends"]}
+    schema["else"] = standalone
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     schema["title"] = "agentfsm agent spec"
     return schema

@@ -1,8 +1,11 @@
 """Tools: verl's lifecycle (create -> execute -> calc_reward -> release, per call), plain functions,
 timeouts, retries, argument checks and response truncation.
 
-Every way a call can go wrong ends as text the model reads (an error observation) plus a counter; only
-the engine's own bugs raise. Tool instances are built once per compiled spec and shared.
+Every way a call can go wrong ends as text the model reads (an error observation) plus a counter, except a
+tool that raises a BaseException (SystemExit, KeyboardInterrupt, its own CancelledError) or whose worker
+process dies: that ends its trajectory (`ToolCrashed`). Tool code runs in the tool's own lane
+(fsm/isolation.py), never on the event loop nor in its default executor, so a timeout always fires on time.
+Tool instances are built once per compiled spec and shared.
 """
 
 from __future__ import annotations
@@ -14,9 +17,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from fsm.isolation import Lane, LoopLane, ProcessLane, ThreadLane, ToolCrashed, ToolUnavailable, crashed
 from fsm.parsers import ToolCall
 from fsm.registry import resolve
-from fsm.spec import LimitsSpec, ToolSpec
+from fsm.spec import DEFAULT_TOOL_WORKERS, LimitsSpec, ToolSpec
+
+__all__ = ["BaseTool", "BoundTool", "CallOutcome", "FunctionTool", "ToolCrashed", "ToolResponse", "ToolSet",
+           "ToolUnavailable", "build_tool", "normalize_return"]  # fmt: skip
 
 
 @dataclass
@@ -68,21 +75,21 @@ def normalize_return(ret: Any) -> tuple[ToolResponse, float, dict]:
 
 
 class FunctionTool(BaseTool):
-    """A plain function as a tool. Sync functions run in a thread so they never block the event loop."""
+    """A plain function as a tool, run in its lane: by default its own threads for a sync function and its
+    own event loop for a coroutine function; worker processes under `isolation: process`."""
 
-    def __init__(self, fn: Callable[..., Any], tool_schema: dict):
+    def __init__(self, fn: Callable[..., Any], tool_schema: dict, lane: Lane | None = None):
         super().__init__({}, tool_schema)
         self.fn = fn
-        self._is_async = inspect.iscoroutinefunction(fn)
+        if lane is None:
+            is_async = inspect.iscoroutinefunction(fn)
+            lane = LoopLane(self.name) if is_async else ThreadLane(self.name, DEFAULT_TOOL_WORKERS)
+        self.lane = lane
 
     async def execute(
         self, instance_id: str, parameters: dict[str, Any], **kwargs
     ) -> tuple[ToolResponse, float, dict]:
-        if self._is_async:
-            ret = await self.fn(**parameters)
-        else:
-            ret = await asyncio.to_thread(self.fn, **parameters)
-        return normalize_return(ret)
+        return normalize_return(await self.lane.call(self.fn, **parameters))
 
 
 def infer_schema(fn: Callable[..., Any]) -> dict:
@@ -148,7 +155,7 @@ class CallOutcome:
 
 @dataclass
 class BoundTool:
-    """A tool instance with its policy (timeout, retries), built once per compiled spec."""
+    """A tool instance with its policy (timeout, retries) and its lane, built once per compiled spec."""
 
     name: str
     tool: Any  # BaseTool-like
@@ -156,37 +163,79 @@ class BoundTool:
     timeout_s: float | None
     max_attempts: int
     backoff_s: float
+    lane: Lane | None = None  # default: a FunctionTool's own; a class tool's methods run on a LoopLane
+    keep_chars: int | None = None  # an answer is cut to its first and last this many characters at once
+
+    def __post_init__(self) -> None:
+        if self.lane is None:
+            self.lane = self.tool.lane if isinstance(self.tool, FunctionTool) else LoopLane(self.name)
 
     @property
     def description(self) -> str:
         return self.schema.get("function", {}).get("description", "")
 
+    def keep(self, chars: int) -> None:
+        """Answers only ever need their first and last `chars` characters (the response limit)."""
+        self.keep_chars = chars
+        if isinstance(self.lane, ProcessLane):
+            self.lane.keep_chars = chars  # cut in the worker: a 50 MB answer never crosses the socket
+
     async def run(
         self, call: ToolCall, instance_id: str, create_kwargs: dict, agent_data: Any
     ) -> CallOutcome:
-        """create -> execute (with timeout and retries) -> calc_reward, then release no matter what."""
+        """create -> execute (with timeout and retries) -> calc_reward, then release no matter what.
+
+        An Exception from the tool is an error observation; a BaseException (SystemExit, KeyboardInterrupt,
+        GeneratorExit, a CancelledError of its own) raises ToolCrashed. Only our caller's cancellation
+        (the action's timeout, shutdown) passes through as such."""
+        try:
+            return await self._run(call, instance_id, create_kwargs, agent_data)
+        except asyncio.CancelledError as exc:
+            if asyncio.current_task().cancelling():
+                raise
+            raise crashed(self.name, exc) from exc
+        except Exception:
+            raise
+        except BaseException as exc:  # from lifecycle methods run outside a lane (a FunctionTool's own)
+            raise crashed(self.name, exc) from exc
+
+    async def _step(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """One lifecycle method, timed. A class tool's run on its lane; a FunctionTool's are ours and
+        trivial, except `execute`, which puts the function in the lane itself."""
+        ours = isinstance(self.tool, FunctionTool)
+        async with asyncio.timeout(self.timeout_s):
+            return await (method(*args, **kwargs) if ours else self.lane.call(method, *args, **kwargs))
+
+    async def _run(
+        self, call: ToolCall, instance_id: str, create_kwargs: dict, agent_data: Any
+    ) -> CallOutcome:
         outcome = CallOutcome(self.name, "", call_id=call.id)
         try:
-            created_id, _ = await self.tool.create(instance_id, create_kwargs=create_kwargs)
+            created_id, _ = await self._step(self.tool.create, instance_id, create_kwargs=create_kwargs)
+        except ToolCrashed:
+            raise
         except Exception as exc:  # e.g. a sandbox that cannot start: nothing was created, nothing to release
-            outcome.error, outcome.text = "exception", f"Error executing tool '{self.name}': {exc}"
+            outcome.error, outcome.text = "exception", f"Error executing tool '{self.name}': {self._why(exc)}"
             return outcome
         instance_id = created_id or instance_id
         try:
             for attempt in range(1, self.max_attempts + 1):
                 outcome.attempts = attempt
                 try:
-                    async with asyncio.timeout(self.timeout_s):
-                        response, reward, metrics = await self.tool.execute(
-                            instance_id, call.arguments or {}, agent_data=agent_data
-                        )
+                    await self.lane.ready()  # a worker process starts outside the timeout
+                    response, reward, metrics = await self._step(
+                        self.tool.execute, instance_id, call.arguments or {}, agent_data=agent_data
+                    )
                     outcome.text, outcome.reward, outcome.metrics, outcome.error = (
-                        response.text or "",
+                        self._cut(response.text or ""),
                         reward,
                         metrics,
                         None,
                     )
+                    del response  # a 50 MB answer is not held while calc_reward and release run
                     break
+                except ToolCrashed:
+                    raise
                 except TimeoutError as exc:  # ours, or the tool's own (an HTTP client's) when timeout_s is None
                     outcome.error, outcome.text = (
                         "timeout",
@@ -200,12 +249,29 @@ class BoundTool:
                     await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
             if outcome.error is None:
                 try:
-                    outcome.score = float(await self.tool.calc_reward(instance_id))
+                    outcome.score = float(await self._step(self.tool.calc_reward, instance_id))
+                except ToolCrashed:
+                    raise
                 except Exception:  # the observation stands; the failure is counted, the score left out
                     outcome.error = "calc_reward"
         finally:
-            await self.tool.release(instance_id)
+            await self._release(instance_id)
         return outcome
+
+    async def _release(self, instance_id: str) -> None:
+        try:
+            await self._step(self.tool.release, instance_id)
+        except TimeoutError:
+            raise RuntimeError(f"tool '{self.name}': release timed out after {self.timeout_s:g}s") from None
+
+    def _why(self, exc: Exception) -> str:
+        if isinstance(exc, TimeoutError) and self.timeout_s is not None:
+            return f"timed out after {self.timeout_s:g}s"
+        return str(exc)
+
+    def _cut(self, text: str) -> str:
+        keep = self.keep_chars
+        return text if keep is None or len(text) <= 2 * keep else text[:keep] + text[-keep:]
 
 
 class ToolSet:
@@ -215,6 +281,14 @@ class ToolSet:
         self.by_name = {t.name: t for t in tools}
         self.schemas = [t.schema for t in tools]
         self.limits = limits
+        for tool in tools:  # truncation keeps at most this many characters at either end
+            tool.keep(limits.max_tool_response_length)
+
+    def close(self) -> None:
+        """Stop the tools' idle threads and loops and kill their worker processes (stuck threads are
+        daemons, abandoned). Optional: nothing here delays process exit. Tools start afresh when called."""
+        for tool in self.by_name.values():
+            tool.lane.close()
 
     def schemas_for(self, selection: list[str] | None) -> list[dict] | None:
         """verl's extra_info.tool_selection: only the named tools are active for this sample."""
@@ -254,41 +328,53 @@ class ToolSet:
         return outcome
 
 
-def _declared_schema(spec: ToolSpec) -> dict | None:
+def _declared_schema(spec: ToolSpec, resolve_ref: Callable[[str], Any]) -> dict | None:
     """The spec's schema: inline, or the dict an import path names."""
     if isinstance(spec.schema_, str):
-        schema = resolve(spec.schema_)
+        schema = resolve_ref(spec.schema_)
         if not isinstance(schema, dict):
             raise TypeError(f"schema {spec.schema_!r} is a {type(schema).__name__}, not an OpenAI function schema dict")
         return dict(schema)
     return dict(spec.schema_) if spec.schema_ is not None else None
 
 
-def build_tool(spec: ToolSpec) -> BoundTool:
-    """ToolSpec -> BoundTool. Raises ImportPathError / TypeError / ValueError with a readable message."""
+def build_tool(spec: ToolSpec, resolve_ref: Callable[[str], Any] = resolve) -> BoundTool:
+    """ToolSpec -> BoundTool. Raises ImportPathError / TypeError / ValueError with a readable message.
+
+    `resolve_ref` turns import paths into objects (fsm.compile passes one with the spec's trust opt-ins).
+    """
     if bool(spec.function) == bool(spec.class_):
         raise ValueError("a tool needs exactly one of 'function' or 'class'")
-    declared = _declared_schema(spec)
+    declared = _declared_schema(spec, resolve_ref)
     if spec.function:
-        fn = resolve(spec.function)
+        fn = resolve_ref(spec.function)
         if not callable(fn):
             raise TypeError(f"{spec.function!r} is not callable")
         schema = declared or infer_schema(fn)
-        tool: Any = FunctionTool(fn, schema)
     else:
-        cls = resolve(spec.class_)
+        cls = resolve_ref(spec.class_)
         if declared is None:
             raise ValueError(f"tool class {spec.class_!r} needs a 'schema' (OpenAI function schema)")
         schema = declared
-        tool = cls(dict(spec.config), schema)
-        for method in ("create", "execute", "calc_reward", "release"):
-            if not callable(getattr(tool, method, None)):
-                raise TypeError(f"tool class {spec.class_!r} lacks the lifecycle method {method!r}")
     name = spec.name or schema.get("function", {}).get("name")
     if not name:
         raise ValueError("the tool schema has no function name")
     if spec.name and schema.get("function", {}).get("name") != spec.name:
         schema = {**schema, "function": {**schema.get("function", {}), "name": spec.name}}
+    if spec.function:
+        if spec.isolation == "process":
+            lane: Lane = ProcessLane(name, spec.function, spec.workers)
+        elif inspect.iscoroutinefunction(fn):
+            lane = LoopLane(name)
+        else:
+            lane = ThreadLane(name, spec.workers)
+        tool: Any = FunctionTool(fn, schema, lane)
+    else:
+        tool = cls(dict(spec.config), schema)
+        for method in ("create", "execute", "calc_reward", "release"):
+            if not callable(getattr(tool, method, None)):
+                raise TypeError(f"tool class {spec.class_!r} lacks the lifecycle method {method!r}")
+        lane = LoopLane(name)
     if hasattr(tool, "name"):
         tool.name = name
-    return BoundTool(name, tool, schema, spec.timeout_s, spec.retry.max_attempts, spec.retry.backoff_s)
+    return BoundTool(name, tool, schema, spec.timeout_s, spec.retry.max_attempts, spec.retry.backoff_s, lane)

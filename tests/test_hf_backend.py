@@ -14,7 +14,8 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from backends.base import Backend, BackendRequestError, BackendUnavailable, GenerateRequest, GenerateResult
-from backends.hf import HFBackend, bench_hf
+from backends.hf import HFBackend
+from bench.hf import bench_hf
 
 VOCAB, CONTEXT = 600, 256
 GREEDY = {"temperature": 0.0, "ignore_eos": True}

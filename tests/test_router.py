@@ -11,9 +11,11 @@ from typing import Any
 import aiohttp
 
 from backends.base import GenerateRequest, GenerateResult
-from backends.devserver import DevServer, bench_prefix_cache, echo_backend
-from backends.router import Router, bench_router
+from backends.devserver import DevServer, echo_backend
+from backends.router import Router
 from backends.sglang import SGLangBackend, SGLangLauncher
+from bench.prefix_cache import bench_prefix_cache
+from bench.router import bench_router
 
 
 @contextlib.asynccontextmanager

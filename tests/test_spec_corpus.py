@@ -14,7 +14,9 @@ import json
 import re
 from pathlib import Path
 
+import jsonschema
 import pytest
+from ruamel.yaml import YAML
 
 import fsm
 from fsm.spec import json_schema
@@ -34,7 +36,7 @@ DIAGNOSTIC = re.compile(
 
 def expectations(path: Path) -> tuple[list[tuple[str, Path, int]], list[str]]:
     expected, texts = [], []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in path.read_bytes().decode("utf-8", "replace").splitlines():  # not_utf8.yaml is not
         if m := re.match(r"#\s*expect:\s*(\S+)\s+(?:(\S+):)?(\d+)\s*$", line):
             code, file, lineno = m.groups()
             target = (path.parent / file).resolve() if file else path.resolve()
@@ -93,7 +95,7 @@ def test_shipped_specs_present():
 
 def test_json_schema_is_fresh():
     """specs/agentfsm.schema.json must equal fsm.spec.json_schema(). If this fails, regenerate it with
-    python -c "import json; from fsm.spec import json_schema; open('specs/agentfsm.schema.json','w').write(json.dumps(json_schema(), indent=2) + '\\n')"
+    `agentfsm schema -o specs/agentfsm.schema.json`.
     """
     assert SCHEMA.exists(), "specs/agentfsm.schema.json is missing: regenerate it (see this test's docstring)"
     on_disk = SCHEMA.read_text(encoding="utf-8")
@@ -106,9 +108,47 @@ def test_json_schema_is_fresh():
 def test_json_schema_describes_the_spec():
     schema = json_schema()
     assert schema["$schema"].startswith("https://json-schema.org/")
-    assert {"name", "states"} <= set(schema["required"])
-    assert {"limits", "sampling", "tools", "interaction", "reward", "extends"} <= set(schema["properties"])
+    assert {"name", "states"} <= set(schema["else"]["required"])  # of a spec without `extends:`
+    assert schema["if"] == {"required": ["extends"]}
+    assert {"limits", "sampling", "tools", "interaction", "reward", "extends", "trust"} <= set(schema["properties"])
     assert "class" in schema["$defs"]["ToolSpec"]["properties"]  # aliases, as users write them
+
+
+def test_schema_file_is_what_the_cli_writes(tmp_path):
+    """`agentfsm schema -o FILE` is how specs/agentfsm.schema.json is made: its output is the file."""
+    from fsm.cli import main
+
+    out = tmp_path / "schema.json"
+    assert main(["schema", "-o", str(out)]) == 0
+    assert out.read_text(encoding="utf-8") == SCHEMA.read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.stem for p in SHIPPED])
+def test_shipped_specs_pass_the_json_schema(path: Path):
+    """What an editor checks: every shipped spec, `extends:` children included, under a standard validator."""
+    schema = json.loads(SCHEMA.read_text(encoding="utf-8"))
+    jsonschema.Draft202012Validator.check_schema(schema)
+    doc = YAML(typ="safe").load(path.read_text(encoding="utf-8"))
+    errors = [e.message for e in jsonschema.Draft202012Validator(schema).iter_errors(doc)]
+    assert errors == [], f"{path.name}: {errors}"
+
+
+@pytest.mark.parametrize(
+    ("doc", "ok"),
+    [
+        ({"extends": "base.yaml", "limits": {"response_length": 8}}, True),  # a child need not repeat states
+        ({"extends": "base.yaml", "interaction": {"config": {"k": 1}}}, True),  # nor a merged mapping's keys
+        ({"name": "x", "states": {"A": {"final": True}}}, True),
+        ({"name": "x"}, False),  # without extends, states is required
+        ({"states": {"A": {"final": True}}}, False),  # ... and so is name
+        ({"name": "x", "states": {}, "interaction": {"config": {}}}, False),  # ... and interaction.class
+        ({"extends": "base.yaml", "limts": {}}, False),  # unknown keys stay unknown in a child
+        ({"name": "x", "states": {}, "trust": {"allow_modules": ["os"]}}, True),
+    ],
+)
+def test_json_schema_requires_keys_only_without_extends(doc, ok):
+    valid = jsonschema.Draft202012Validator(json_schema()).is_valid(doc)
+    assert valid is ok, doc
 
 
 def test_shipped_specs_reference_the_schema():

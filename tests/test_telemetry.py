@@ -436,6 +436,47 @@ async def test_tracing_off_calls_nothing(tokenizer, agent, monkeypatch):
     assert all(t.termination_reason == "done" and not t.failed for t in trajs)
 
 
+async def test_telemetry_is_a_tracer(tokenizer, agent):
+    """Telemetry and the spans its hooks return have every member of fsm/tracing.py's protocols, each taking
+    the arguments the driver passes (positionally)."""
+    import inspect
+
+    from fsm.tracing import CallSpan, RootSpan, Tracer
+
+    def check(obj: Any, protocol: type) -> None:
+        members = {
+            name: fn for name, fn in vars(protocol).items() if not name.startswith("_") and callable(fn)
+        }
+        assert members, protocol
+        for name, fn in members.items():
+            args = list(inspect.signature(fn).parameters)[1:]  # the driver's arguments, without self
+            inspect.signature(getattr(obj, name)).bind(*args)  # TypeError when obj cannot take them
+
+    with Telemetry(otlp=False, memory=True) as tel:
+        tracer: Tracer = tel  # what a type checker verifies
+        check(tracer, Tracer)
+        returned: list[Any] = []  # the spans the hooks give the driver
+
+        def keeping(hook: Any) -> Any:
+            def kept(*args: Any) -> Any:
+                returned.append(hook(*args))
+                return returned[-1]
+
+            return kept
+
+        for name in ("trajectory", "model_call", "tool_call"):
+            setattr(tel, name, keeping(getattr(tel, name)))
+        trajs = await fsm.Runner(agent, calculator_model(tokenizer), tokenizer, tracer=tel).run(
+            make_prompts(1)
+        )
+    assert trajs[0].termination_reason == "done"
+    by_kind = {type(span).__name__: span for span in returned}
+    assert set(by_kind) == {"_Root", "_ModelSpan", "_ToolSpan"}
+    check(by_kind.pop("_Root"), RootSpan)
+    for span in by_kind.values():
+        check(span, CallSpan)
+
+
 def test_from_env(monkeypatch):
     assert Telemetry.from_env() is None  # nothing configured: tracing off
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://127.0.0.1:9/custom/path")
@@ -480,14 +521,16 @@ def test_server_address_and_port():
 
 
 def test_bench_tracing_runs():
+    from bench.tracing import _bench_table, bench_tracing
+
     runs = (("null", 1.0), ("otlp", 1.0), ("memory", 0.0))
-    result = T.bench_tracing(20, repeats=1, runs=runs, show=False)  # the engine workload: 20 spans each
+    result = bench_tracing(20, repeats=1, runs=runs, show=False)  # the engine workload: 20 spans each
     null, otlp, none = result["on"]
     assert null["spans_per_traj"] == otlp["spans_per_traj"] == result["spans_per_traced_trajectory"] == 20
     assert none["spans_per_traj"] == 0 and all(r["dropped"] == 0 for r in result["on"])
     assert result["off"]["traj_per_cpu_s"] > 0 and otlp["traj_per_cpu_s"] > 0
-    assert "overhead" in T._bench_table(result)
-    calc = T.bench_tracing(10, repeats=1, workload="calculator", runs=(("encode", 1.0),), show=False)
+    assert "overhead" in _bench_table(result)
+    calc = bench_tracing(10, repeats=1, workload="calculator", runs=(("encode", 1.0),), show=False)
     assert calc["on"][0]["spans_per_traj"] == calc["spans_per_traced_trajectory"] == 8
 
 
@@ -584,7 +627,7 @@ async def test_sampled_out_trajectories_cost_no_spans(tokenizer, agent, monkeypa
         raise AssertionError("a span was made for a sampled-out trajectory")
 
     monkeypatch.setattr(T._Root, "__init__", boom)
-    monkeypatch.setattr(T, "_new", boom)
+    monkeypatch.setattr("fsm.telemetry.tracer._new", boom)  # call spans are made with it
     with Telemetry(otlp=False, memory=True, sample=0.0) as tel:
         with tel.tracer.start_as_current_span("caller"):
             trajs = await fsm.Runner(agent, calculator_model(tokenizer), tokenizer, tracer=tel).run(

@@ -229,9 +229,11 @@ def test_training_smoke_run(tmp_path):
 
 
 @pytest.mark.skipif(not (ASSET_DIR / "model.safetensors").exists(), reason="no shipped weights")
-def test_shipped_model_solves_a_prompt(tokenizer):
-    from backends.tiny.evaluate import run_episodes
+async def test_shipped_model_solves_a_prompt():
+    from backends.tiny.evaluate import SPEC, describe, fully_correct
+    from fsm.api import RolloutEngine
 
     row = {"raw_prompt": reference_messages("37 * 12 + 5")[:2], "reward_model": {"ground_truth": "449"}}
-    (episode,) = run_episodes(load_model(), tokenizer, [row])
-    assert episode.correct, episode
+    async with RolloutEngine(SPEC) as engine:
+        (traj,) = await engine.arun([row], sampling_params={"temperature": 0.0})
+    assert fully_correct(traj), describe(traj)

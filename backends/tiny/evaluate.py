@@ -1,9 +1,12 @@
-"""Greedy evaluation of the tiny model on fresh calculator prompts, with the tool really executed.
+"""Evaluate the tiny model through the rollout engine, exactly as `agentfsm run specs/calculator.yaml` runs it.
 
-An episode is fully correct when the model's tool call carries the question's exact expression and its
-final turn ends with the right `#### answer`.
+An episode is fully correct when its first assistant turn is a hermes tool call carrying the question's
+exact expression and the episode's reward (the last `#### answer` against the ground truth) is 1. Two
+prompt sets: fresh prompts (`make_prompts(n, seed=1000)`, apart from the demo's seed and from training's
+own stream) and the demo's prompts (`make_prompts(64, seed=0)`, what `agentfsm run` uses with no --data).
+Two samplings: the spec's default (its `sampling:` block, with `--samples` samples per prompt) and greedy.
 
-    python -m backends.tiny.evaluate [--n 200] [--seed 1000] [--model-dir DIR]
+    python -m backends.tiny.evaluate [--n 200] [--seed 1000] [--samples 4] [--model-dir DIR]
 """
 
 from __future__ import annotations
@@ -12,114 +15,83 @@ import argparse
 import asyncio
 import json
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
-import torch
+from backends.tiny import ASSET_DIR
+from specs.calculator import make_prompts
 
-from backends.tiny import ASSET_DIR, load_model, load_tokenizer
-from specs.calculator import TOOL_SCHEMA, calculator, compute_score, make_prompts
-
-MAX_NEW_TOKENS = 64  # an ideal turn is under 40 tokens
 TOOL_CALL = re.compile(r"<tool_call>\n(.*?)\n</tool_call>", re.DOTALL)
+SPEC = Path(__file__).resolve().parents[2] / "specs" / "calculator.yaml"
+DEMO_PROMPTS, DEMO_SEED = 64, 0  # fsm.cli's defaults: `agentfsm run` with no --data or --num-prompts
 
 
-@dataclass
-class Episode:
-    question: str
-    expected_expression: str
-    ground_truth: str
-    first_turn: str
-    final_turn: str = ""
-    error: str = ""
-
-    @property
-    def correct(self) -> bool:
-        call = TOOL_CALL.search(self.first_turn)
-        expected = json.dumps({"name": "calculator", "arguments": {"expression": self.expected_expression}})
-        return (
-            bool(call)
-            and call.group(1) == expected
-            and compute_score(self.final_turn, self.ground_truth) == 1.0
-        )
+def fully_correct(traj) -> bool:
+    """The first assistant turn calls the calculator with the question's exact expression, reward 1."""
+    question = traj.row["raw_prompt"][-1]["content"]
+    expected = json.dumps(
+        {"name": "calculator", "arguments": {"expression": question.removeprefix("What is ").removesuffix("?")}}
+    )
+    turns = [m["content"] for m in traj.messages if m["role"] == "assistant"]
+    call = TOOL_CALL.search(turns[0]) if turns else None
+    return bool(call) and call.group(1) == expected and traj.reward_score == 1.0
 
 
-def generate(model, tokenizer, conversations: list[list[dict]]) -> list[str]:
-    """The greedy next assistant turn of each conversation, batched with left padding."""
-    texts = [
-        tokenizer.apply_chat_template(c, tools=[TOOL_SCHEMA], add_generation_prompt=True, tokenize=False)
-        for c in conversations
-    ]
-    batch = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
-    with torch.no_grad():
-        out = model.generate(**batch, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
-    # skip_special_tokens drops <|im_end|> and padding but keeps <tool_call> (an ordinary added token).
-    return tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+def describe(traj) -> str:
+    turns = [(m["role"], m["content"]) for m in traj.messages[2:]]
+    return f"{traj.row['raw_prompt'][-1]['content']!r}: {turns} ({traj.termination_reason})"
 
 
-def call_tool(turn: str) -> tuple[dict, str]:
-    """Parse the turn's hermes tool call and run the calculator on it."""
-    match = TOOL_CALL.search(turn)
-    if match is None:
-        raise ValueError("no <tool_call> in the turn")
-    call = json.loads(match.group(1))
-    return call, asyncio.run(calculator(**call["arguments"]))
+async def evaluate(args: argparse.Namespace) -> tuple[dict, list[str], list[str]]:
+    """{(sampling, prompt set): (fully correct, episodes)}, through RolloutEngine on HFBackend."""
+    from backends.hf import HFBackend
+    from fsm.api import RolloutEngine
 
-
-def run_episodes(model, tokenizer, rows: list[dict], batch_size: int = 32) -> list[Episode]:
-    """Question -> tool call -> calculator -> final answer, for every row."""
-    episodes = []
-    for start in range(0, len(rows), batch_size):
-        chunk = rows[start : start + batch_size]
-        prompts = [row["raw_prompt"] for row in chunk]
-        followups, waiting = [], []
-        for row, prompt, turn in zip(chunk, prompts, generate(model, tokenizer, prompts), strict=True):
-            question = prompt[-1]["content"]
-            episode = Episode(
-                question=question,
-                expected_expression=question.removeprefix("What is ").removesuffix("?"),
-                ground_truth=row["reward_model"]["ground_truth"],
-                first_turn=turn,
-            )
-            episodes.append(episode)
-            try:
-                call, result = call_tool(turn)
-            except Exception as exc:  # a missing or malformed call, or a failing tool, ends the episode
-                episode.error = f"{type(exc).__name__}: {exc}"
-                continue
-            assistant = {
-                "role": "assistant",
-                "content": "",
-                "tool_calls": [{"type": "function", "function": call}],
-            }
-            followups.append([*prompt, assistant, {"role": "tool", "name": call["name"], "content": result}])
-            waiting.append(episode)
-        if followups:
-            for episode, turn in zip(waiting, generate(model, tokenizer, followups), strict=True):
-                episode.final_turn = turn
-    return episodes
+    backend = HFBackend(args.model_dir, torch_threads=args.threads, max_batch_size=64)  # as `agentfsm run`
+    sets = {
+        f"fresh (seed {args.seed})": make_prompts(args.n, seed=args.seed),
+        f"demo (seed {DEMO_SEED})": make_prompts(DEMO_PROMPTS, seed=DEMO_SEED),
+    }
+    table = {}
+    async with RolloutEngine(args.spec, tokenizer=args.model_dir, backend=backend) as engine:
+        sampling = engine.agent.spec.sampling
+        modes = {  # mode: (samples per prompt, sampling_params over the spec's)
+            f"spec default (T={sampling.temperature:g}, top_p={sampling.top_p:g}) x{args.samples}": (
+                args.samples,
+                {"seed": args.sampling_seed},
+            ),
+            "greedy": (1, {"temperature": 0.0, "seed": args.sampling_seed}),
+        }
+        for mode, (n, params) in modes.items():
+            for name, rows in sets.items():
+                trajs = await engine.arun(rows, n=n, sampling_params=params)
+                ok = [fully_correct(t) for t in trajs]
+                table[mode, name] = (sum(ok), len(ok))
+                for t in [t for t, good in zip(trajs, ok, strict=True) if not good][: args.show_failures]:
+                    print(f"FAIL [{mode}, {name}] {describe(t)}")
+    return table, list(modes), list(sets)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--n", type=int, default=200)
-    parser.add_argument(
-        "--seed", type=int, default=1000, help="prompt seed; training draws from its own stream"
-    )
+    parser.add_argument("--n", type=int, default=200, help="fresh prompts")
+    parser.add_argument("--seed", type=int, default=1000, help="seed of the fresh prompts (the demo uses 0)")
+    parser.add_argument("--samples", type=int, default=4, help="samples per prompt at the default sampling")
+    parser.add_argument("--sampling-seed", type=int, default=0, help="as `agentfsm run --seed`")
     parser.add_argument("--model-dir", type=Path, default=ASSET_DIR)
+    parser.add_argument("--spec", type=Path, default=SPEC)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--show-failures", type=int, default=5)
     args = parser.parse_args()
 
-    torch.set_num_threads(1)
-    episodes = run_episodes(
-        load_model(args.model_dir), load_tokenizer(args.model_dir), make_prompts(args.n, args.seed)
-    )
-    failures = [e for e in episodes if not e.correct]
-    for e in failures[:10]:
-        print(f"FAIL {e.question!r}: {e.first_turn!r} -> {e.final_turn!r} {e.error}")
-    correct = len(episodes) - len(failures)
-    print(f"fully correct: {correct}/{len(episodes)} = {correct / len(episodes):.1%}")
+    table, modes, names = asyncio.run(evaluate(args))
+    print(f"\nfully correct ({args.model_dir}):")
+    width = max(len(m) for m in modes)
+    print(f"{'sampling':<{width}}  " + "  ".join(f"{n:>22}" for n in names))
+    for mode in modes:
+        cells = [table[mode, n] for n in names]
+        print(f"{mode:<{width}}  " + "  ".join(f"{c}/{t} = {c / t:6.1%}".rjust(22) for c, t in cells))
 
 
 if __name__ == "__main__":

@@ -5,8 +5,11 @@ scripted backend, the same codec, parser and tools, the same token appends. The 
 ToolAgentLoop's control flow written out inline; the difference between the two is what the declarative
 machine (action dispatch, guard evaluation through `transitions`, path bookkeeping) costs.
 
-The codec is a table lookup (the chat template's jinja rendering costs ~100x a transition and would bury
-the number being measured); tokens are real token ids, appended exactly as in a real run.
+The codec is a table lookup (rendering the chat template with jinja costs far more than a transition and
+would bury the number being measured); tokens are real token ids, appended exactly as in a real run.
+
+It lives outside `fsm` because the engine never imports a concrete backend (here `backends.scripted`) or
+benchmark code; `agentfsm bench engine` imports it lazily.
 """
 
 from __future__ import annotations
@@ -79,7 +82,7 @@ def bench_agent(tool_turns: int) -> CompiledAgent:
     agent = compile_spec(SPECS_DIR / "tool_agent.yaml")
     limits = LimitsSpec(prompt_length=128, response_length=4096, max_assistant_turns=tool_turns + 2)
     spec = agent.spec.model_copy(update={
-        "limits": limits, "tools": [ToolSpec(function="fsm.bench:echo", schema=ECHO_SCHEMA)],
+        "limits": limits, "tools": [ToolSpec(function="bench.engine:echo", schema=ECHO_SCHEMA)],
     })  # fmt: skip
     return compile_spec(spec)
 

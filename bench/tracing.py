@@ -1,0 +1,244 @@
+"""What tracing costs the engine: `agentfsm bench tracing`.
+
+The engine's own CPU is the worst case for a tracer (with a real model, every call outlasts its spans by
+far), so this measures trajectories per CPU second on a model-free workload, with tracing off and on, per
+exporter and sampling rate. The README's benchmark table comes from here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+
+from fsm.runtime import Runner
+from fsm.telemetry import NativeExporter, OtlpHttpExporter, Telemetry
+from fsm.telemetry.export import _sample_from_env
+
+# A collector that discards (a separate process: its CPU is not the tracer's).
+_RECEIVER = """
+import http.server
+class H(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("content-length") or 0))
+        self.send_response(200)
+        self.send_header("content-type", "application/x-protobuf")
+        self.send_header("content-length", "0")
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+print(server.server_address[1], flush=True)
+server.serve_forever()
+"""
+
+# label -> what it measures
+BENCH_EXPORTERS = {
+    "memory": "Telemetry(memory=True): spans kept as queued, ReadableSpans made when read",
+    "null": "queued, then discarded by the export thread",
+    "encode": "OTLP protobuf encoded here and gzipped, not sent",
+    "otlp": "OTLP/HTTP, encoded here, gzip, POSTed to a loopback collector that discards",
+    "sdk-memory": "the SDK's InMemorySpanExporter (ReadableSpans made in the export thread)",
+    "sdk-otlp": "the SDK's OTLPSpanExporter (its encoder, gzip level 9, requests) to the same collector",
+}
+BENCH_RUNS = (("memory", 1.0), ("otlp", 1.0), ("otlp", 0.1), ("otlp", 0.01), ("otlp", 0.0))
+
+
+def bench_tracing(n: int = 2000, *, repeats: int = 5, workload: str = "engine",
+                  runs: Sequence[tuple[str, float]] = BENCH_RUNS, tool_turns: int = 4,
+                  concurrency: int | None = None, show: bool = True) -> dict[str, Any]:  # fmt: skip
+    """Trajectories per CPU second with tracing off and on: the engine's own cost, so the worst case.
+
+    `workload` "engine" is `agentfsm bench engine`'s (tool_agent, `tool_turns` tool rounds
+    against a zero-latency scripted backend, a table-lookup codec; 20 spans a trajectory at 4 rounds);
+    "calculator" is specs/calculator.yaml on the tiny tokenizer (its chat template rendered per turn: a
+    heavier engine, 8 spans a trajectory). Each of `runs` is (exporter, sample), exporters as in
+    BENCH_EXPORTERS. Every repeat runs each of `runs` right after a run with tracing off; the CPU time is
+    this process's (all threads: export included, the collector's process not), from the first trajectory
+    to the end of the flush that `Runner.run` ends with; overhead is the median over repeats of on/off - 1
+    of those pairs. `show` prints a table on stderr (stdout stays JSON for `agentfsm bench tracing`).
+    """
+    make_run, spans_per_traj = _bench_workload(workload, n, tool_turns, concurrency or n)
+    receiver = None
+    if any(kind in ("otlp", "sdk-otlp") for kind, _ in runs):
+        receiver = subprocess.Popen([sys.executable, "-c", _RECEIVER], stdout=subprocess.PIPE, text=True)
+        url = f"http://127.0.0.1:{int(receiver.stdout.readline())}"
+
+    def tracer(kind: str, sample: float) -> Telemetry:
+        if kind == "memory":
+            return Telemetry(otlp=False, memory=True, sample=sample)
+        if kind == "otlp":
+            return Telemetry(otlp=url, sample=sample)
+        if kind == "null":
+            return Telemetry(otlp=False, exporters=[_Discard()], sample=sample)
+        if kind == "encode":
+            return Telemetry(otlp=False, sample=sample, exporters=[
+                _EncodeOnly(Resource.create({"service.name": "agentfsm"}), InstrumentationScope("agentfsm"),
+                            "http://127.0.0.1:9/v1/traces", compression="gzip")])  # fmt: skip
+        if kind == "sdk-memory":
+            return Telemetry(otlp=False, exporters=[InMemorySpanExporter()], sample=sample)
+        if kind == "sdk-otlp":
+            from opentelemetry.exporter.otlp.proto.http import Compression
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+            return Telemetry(otlp=False, sample=sample, exporters=[
+                OTLPSpanExporter(endpoint=f"{url}/v1/traces", compression=Compression.Gzip)])  # fmt: skip
+        raise ValueError(f"unknown exporter {kind!r}; known: {', '.join(BENCH_EXPORTERS)}")
+
+    def once(kind: str | None, sample: float) -> tuple[float, dict[str, Any]]:
+        tel = tracer(kind, sample) if kind is not None else None
+        runner, rows = make_run(tel)
+        gc.collect()
+        t0 = time.process_time()
+        trajs = asyncio.run(runner.run(rows))  # flushes the tracer at its end
+        cpu = time.process_time() - t0
+        bad = [t for t in trajs if t.failed]
+        assert not bad, f"{workload}: {bad[0].error}"
+        stats = tel.close() if tel is not None else {}
+        return cpu, stats
+
+    try:
+        runner, rows = make_run(None)  # warm up (imports, caches)
+        asyncio.run(runner.run(rows[:200]))
+        # Each run with tracing on right after its own run with tracing off: a run's cost depends on what
+        # the runs before it left behind (heap, caches), so pairs drift together.
+        off: dict[int, list[float]] = {i: [] for i in range(len(runs))}
+        on: dict[int, list[float]] = {i: [] for i in range(len(runs))}
+        stats: dict[int, dict[str, Any]] = {}
+        for _ in range(repeats):
+            for i, (kind, sample) in enumerate(runs):
+                off[i].append(once(None, 0.0)[0])
+                cpu, stats[i] = once(kind, sample)
+                on[i].append(cpu)
+    finally:
+        if receiver is not None:
+            receiver.terminate()
+            receiver.wait()
+    off_us = statistics.median(x for i in off for x in off[i]) / n * 1e6
+    rows_out = []
+    for i, (kind, sample) in enumerate(runs):
+        cpu_us = statistics.median(on[i]) / n * 1e6
+        overhead = statistics.median(b / a - 1.0 for a, b in zip(off[i], on[i]))
+        spans = stats[i]["exported"] / n
+        rows_out.append({
+            "exporter": kind,
+            "sample": sample,
+            "traj_per_cpu_s": round(1e6 / cpu_us, 1),
+            "cpu_us_per_traj": round(cpu_us, 1),
+            "overhead": round(overhead, 4),
+            "spans_per_traj": round(spans, 3),
+            # extra CPU per span exported (sampled-out trajectories' cost included)
+            "us_per_span": round(overhead * off_us / spans, 2) if spans >= 1 else None,  # noise below
+            "dropped": stats[i]["dropped"],
+        })  # fmt: skip
+    result = {
+        "workload": workload,
+        "trajectories": n,
+        "concurrency": concurrency or n,
+        "repeats": repeats,
+        "spans_per_traced_trajectory": spans_per_traj,
+        "default_sample": _sample_from_env(),
+        "off": {"traj_per_cpu_s": round(1e6 / off_us, 1), "cpu_us_per_traj": round(off_us, 1)},
+        "on": rows_out,
+    }
+    if show:
+        print(_bench_table(result), file=sys.stderr)
+    return result
+
+
+def _bench_workload(workload: str, n: int, tool_turns: int, concurrency: int) -> tuple[Any, int]:
+    """(make_run(tracer) -> (runner, rows), spans per traced trajectory)."""
+    if workload == "engine":
+        from bench.engine import _workload, bench_agent
+
+        agent = bench_agent(tool_turns)
+        rows = [{"raw_prompt": [{"role": "user", "content": "hi"}]} for _ in range(n)]
+
+        def make_run(tel: Telemetry | None) -> tuple[Runner, list]:
+            codec, backend = _workload(tool_turns)
+            return Runner(agent, backend, codec, max_concurrency=concurrency, tracer=tel), rows
+
+        return make_run, 1 + (2 + 2 * tool_turns) + (tool_turns + 1) + tool_turns
+    if workload != "calculator":
+        raise ValueError(f"unknown workload {workload!r}: engine | calculator")
+    from transformers import AutoTokenizer
+
+    from backends.base import BaseBackend, GenerateResult
+    from fsm.compile import compile_spec
+    from specs.calculator import make_prompts
+
+    repo = Path(__file__).resolve().parent.parent
+    tok = AutoTokenizer.from_pretrained(str(repo / "backends/tiny/assets"))
+    agent = compile_spec(repo / "specs/calculator.yaml")
+    call = tok.encode('<tool_call>\n{"name": "calculator", "arguments": {"expression": "1 + 2"}}\n</tool_call>',
+                      add_special_tokens=False) + [tok.eos_token_id]  # fmt: skip
+    answer = tok.encode("The answer is 3.\n#### 3", add_special_tokens=False) + [tok.eos_token_id]
+
+    class Replay(BaseBackend):
+        provider, model_name = "scripted", "replay"
+
+        async def generate(self, request: Any) -> GenerateResult:
+            ids = call if request.rid.endswith("_t00") else answer
+            return GenerateResult(
+                list(ids), [-0.5] * len(ids), "stop", len(request.prompt_ids), 0, server="replay"
+            )
+
+    rows = make_prompts(n)
+
+    def make_calculator_run(tel: Telemetry | None) -> tuple[Runner, list]:
+        return Runner(agent, Replay(), tok, max_concurrency=concurrency, tracer=tel), rows
+
+    return make_calculator_run, 8
+
+
+def _bench_table(r: dict[str, Any]) -> str:
+    lines = [
+        f"agentfsm bench tracing: {r['workload']} workload, {r['trajectories']} trajectories "
+        f"({r['spans_per_traced_trajectory']} spans each when traced), CPU time of this process (export thread "
+        f"included), median of {r['repeats']} runs, each right after a run with tracing off",
+        f"{'tracing':<9} {'sample':>6} {'traj/CPU-s':>11} {'CPU µs/traj':>12} {'overhead':>9} {'µs/span':>8} "
+        f"{'spans/traj':>10} {'dropped':>8}",
+        f"{'off':<9} {'-':>6} {r['off']['traj_per_cpu_s']:>11.0f} {r['off']['cpu_us_per_traj']:>12.1f} {'-':>9} "
+        f"{'-':>8} {0:>10} {'-':>8}",
+    ]
+    for row in r["on"]:
+        sample = f"{row['sample']:g}" + ("*" if row["sample"] == r["default_sample"] else "")
+        per_span = "-" if row["us_per_span"] is None else f"{row['us_per_span']:.2f}"
+        lines.append(
+            f"{row['exporter']:<9} {sample:>6} {row['traj_per_cpu_s']:>11.0f} {row['cpu_us_per_traj']:>12.1f} "
+            f"{row['overhead']:>+9.1%} {per_span:>8} {row['spans_per_traj']:>10.2f} {row['dropped']:>8}"
+        )
+    lines.append(f"* the default sampling (OTEL_TRACES_SAMPLER unset: {r['default_sample']:g}). Exporters: "
+                 + "; ".join(f"{k}: {BENCH_EXPORTERS[k]}" for k in dict.fromkeys(x["exporter"] for x in r["on"])))  # fmt: skip
+    return "\n".join(lines)
+
+
+class _Discard(NativeExporter):
+    def export_spans(self, items: Sequence[Any]) -> bool:
+        return True
+
+
+class _EncodeOnly(OtlpHttpExporter):
+    def send(self, data: bytes) -> bool:
+        return True
+
+
+if __name__ == "__main__":  # python -m bench.tracing [n] [workload] [exporter:sample ...]
+    args = sys.argv[1:]
+    chosen = tuple((a.split(":")[0], float(a.split(":")[1])) for a in args[2:]) or BENCH_RUNS
+    out = bench_tracing(
+        int(args[0]) if args else 2000, workload=args[1] if len(args) > 1 else "engine", runs=chosen
+    )
+    print(json.dumps(out, indent=1))

@@ -1,0 +1,469 @@
+"""Export: where ended spans go, and the rules they leave by, kept off the event loop.
+
+The driver's spans end on the event loop, thousands a second; anything slow there slows every trajectory.
+So an ended span is only appended to a queue (a bare `deque.append`), and one thread per exporter does the
+rest, with the rules of the SDK's BatchSpanProcessor (OTEL_BSP_*): a full queue evicts its oldest span,
+counted (`SpanCounts`, reported by the tracer's `flush()`/`stats()`), never silently. OTLP/HTTP is encoded
+straight from the queued spans (`_Encoder`, `OtlpHttpExporter`); any other exporter (console, the SDK's
+in-memory one, yours) gets the SDK's ReadableSpans, made in the export thread.
+"""
+
+from __future__ import annotations
+
+import gzip
+import http.client
+import logging
+import math
+import os
+import random
+import ssl
+import threading
+import time
+import weakref
+import zlib
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from email.utils import parsedate_to_datetime
+from typing import Any
+from urllib.parse import urlsplit
+
+from opentelemetry import context as otel_context
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.util.re import parse_env_headers
+
+from fsm.telemetry.shapes import _SHAPES, _lean_message
+from fsm.telemetry.spans import _readable, _Span
+from fsm.telemetry.wire import _attributes, _ld, _readable_message, _scope
+
+log = logging.getLogger("fsm.telemetry")  # the package's one logger, whichever module logs
+
+_SUPPRESS_KEY = getattr(otel_context, "_SUPPRESS_INSTRUMENTATION_KEY", "suppress_instrumentation")
+# The SDK's defaults (2048 queued, 512 per request) lose spans when thousands of trajectories move in
+# lockstep on a CPU-bound run: the export thread waits for the GIL at every wake-up and every socket call,
+# so it keeps up only with bigger requests, and a deeper queue absorbs the bursts.
+DEFAULT_MAX_QUEUE_SIZE = 16384
+DEFAULT_MAX_EXPORT_BATCH_SIZE = 2048
+
+
+@dataclass
+class SpanCounts:
+    """Spans per fate. Exact after a flush; between flushes `dropped_queue_full` may lag by a batch."""
+
+    ended: int = 0  # sampled spans handed to the processors (one per exporter)
+    exported: int = 0  # accepted by an exporter
+    dropped_queue_full: int = 0  # evicted from a full queue before export
+    export_failed: int = 0  # in a batch the exporter reported as failed (collector down, 4xx, too large)
+    queued: int = 0  # still waiting for export
+    trajectories: int = 0  # traced
+    trajectories_sampled_out: int = 0
+
+    @property
+    def dropped(self) -> int:
+        return self.dropped_queue_full + self.export_failed
+
+    def as_dict(self) -> dict[str, int]:
+        return {**asdict(self), "dropped": self.dropped}
+
+    def __add__(self, other: SpanCounts) -> SpanCounts:
+        return SpanCounts(*(a + b for a, b in zip(asdict(self).values(), asdict(other).values())))
+
+
+class NativeExporter:
+    """An exporter that takes queued spans as they are (tuples and `_Span`s of shapes, and the SDK's
+    ReadableSpans) instead of ReadableSpans. `export_spans` returns whether the batch was accepted."""
+
+    def export_spans(self, items: Sequence[Any]) -> bool:
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        return None
+
+
+class SpanPipeline(SpanProcessor):
+    """One exporter's queue and export thread, with the rules of the SDK's BatchSpanProcessor.
+
+    The queue is a deque(maxlen=max_queue_size) that the driver's spans are appended to as they end (a bare
+    `deque.append`, no Python call): appending to a full one evicts the oldest span, and the caller never
+    blocks. The thread wakes every `schedule_delay_millis`, or when the tracer sees a batch queued (it looks
+    after queueing each span), and exports everything queued in batches of
+    `max_export_batch_size`. The tracer counts the spans it queues, so evicted = ended - submitted - queued,
+    exact once the trajectories have finished (as after a flush).
+    Spans of `Telemetry.tracer` (SDK spans) come in through `on_end`, like any span processor's.
+    """
+
+    def __init__(self, exporter: SpanExporter | NativeExporter, name: str, resource: Resource,
+                 scope: InstrumentationScope, *, max_queue_size: int = 16384, max_export_batch_size: int = 2048,
+                 schedule_delay_millis: float = 5000):  # fmt: skip
+        self.exporter, self.name, self.resource, self.scope = exporter, name, resource, scope
+        self.native = isinstance(exporter, NativeExporter)
+        self.max_queue_size = max_queue_size
+        self.batch_size = max(1, min(max_export_batch_size, max_queue_size))
+        self.delay_s = schedule_delay_millis / 1e3
+        self.queue: deque[Any] = deque(maxlen=max_queue_size)
+        self.append = self.queue.append  # what ended spans are queued with, from any thread
+        self.ended_here = 0  # spans that came in through on_end (the tracer counts its own)
+        self.submitted = self.exported = self.failed = 0
+        self.ended_total = lambda: self.ended_here  # replaced by the Telemetry that owns this pipeline
+        self._warned_evicted = 0
+        self._closed = False
+        self._start()
+        if hasattr(os, "register_at_fork"):  # as the SDK: a forked child gets an empty queue, its own thread
+            ref = weakref.WeakMethod(self._start)
+            os.register_at_fork(after_in_child=lambda: (ref() or (lambda: None))())
+
+    def _start(self) -> None:
+        self.queue.clear()
+        self._lock = threading.Lock()  # one export at a time: the thread's or a flush's
+        self._wake = threading.Event()
+        self._thread = threading.Thread(target=self._work, name=f"agentfsm-export-{self.name}", daemon=True)
+        self._thread.start()
+
+    def on_end(self, span: ReadableSpan) -> None:
+        if span.context.trace_flags.sampled:
+            self.ended_here += 1
+            self.append(span)
+            if len(self.queue) >= self.batch_size:
+                self.wake()
+
+    def wake(self) -> None:
+        """A batch is queued: export now (a no-op while the thread is already awake)."""
+        if not self._wake.is_set():
+            self._wake.set()
+
+    def _work(self) -> None:
+        due = time.monotonic() + self.delay_s
+        while not self._closed:
+            self._wake.wait(max(0.0, due - time.monotonic()))
+            self._wake.clear()
+            timer = time.monotonic() >= due
+            if timer or len(self.queue) >= self.batch_size:
+                self._export(everything=timer)  # woken by a full batch: full batches only
+                due = time.monotonic() + self.delay_s
+                evicted = self.counts().dropped_queue_full
+                if evicted > self._warned_evicted:
+                    log.warning("agentfsm telemetry: the %s export queue was full (%d spans): %d spans dropped so "
+                                "far, counted in stats()", self.name, self.max_queue_size, evicted)  # fmt: skip
+                    self._warned_evicted = evicted * 2  # warn again only when it doubles
+        self._export()
+
+    def _export(self, everything: bool = True) -> None:
+        with self._lock:
+            queue = self.queue
+            least = 1 if everything else self.batch_size
+            token = otel_context.attach(otel_context.set_value(_SUPPRESS_KEY, True))  # no spans of the export
+            try:
+                while len(queue) >= least:
+                    batch = []
+                    for _ in range(min(len(queue), self.batch_size)):
+                        try:
+                            batch.append(queue.popleft())
+                        except IndexError:  # emptied meanwhile
+                            break
+                    self.submitted += len(batch)
+                    try:
+                        if self.native:
+                            ok = self.exporter.export_spans(batch)
+                        else:
+                            spans = [_readable(item, self.resource, self.scope) for item in batch]
+                            ok = self.exporter.export(spans) is SpanExportResult.SUCCESS
+                    except Exception:
+                        log.exception("agentfsm telemetry: exporter %s raised", self.name)
+                        ok = False
+                    if ok:
+                        self.exported += len(batch)
+                    else:
+                        self.failed += len(batch)
+            finally:
+                otel_context.detach(token)
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        if not self._closed:
+            self._export()
+        return True
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._wake.set()
+        self._thread.join(30)
+        self.exporter.shutdown()
+
+    def counts(self) -> SpanCounts:
+        queued, ended = len(self.queue), self.ended_total()
+        evicted = max(0, ended - self.submitted - queued)
+        return SpanCounts(ended, self.exported, evicted, self.failed, queued)
+
+
+class MemoryExporter(NativeExporter):
+    """Keeps every span; `finished_spans()` makes the SDK's ReadableSpans of them when asked (tests)."""
+
+    def __init__(self, resource: Resource, scope: InstrumentationScope):
+        self.resource, self.scope = resource, scope
+        self._items: list[Any] = []
+        self._spans: list[ReadableSpan] = []
+        self._lock = threading.Lock()
+
+    def export_spans(self, items: Sequence[Any]) -> bool:
+        with self._lock:
+            self._items.extend(items)
+        return True
+
+    def finished_spans(self) -> tuple[ReadableSpan, ...]:
+        with self._lock:
+            items, self._items = self._items, []
+            self._spans.extend(_readable(item, self.resource, self.scope) for item in items)
+            return tuple(self._spans)
+
+
+class _Encoder:
+    """Batches of queued spans -> an ExportTraceServiceRequest (bytes). One per exporter (not thread-safe
+    beyond the GIL; the shapes' caches are shared and only ever grow by whole entries)."""
+
+    def __init__(self, resource: Resource, scope: InstrumentationScope):
+        self.resource = _ld(b"\x0a", _attributes(b"\x0a", resource.attributes))  # ResourceSpans.resource
+        self.resource_schema = _ld(b"\x1a", resource.schema_url.encode()) if resource.schema_url else b""
+        self.scope = scope
+        self._scopes: dict[Any, bytes] = {}
+
+    def _scope_head(self, scope: InstrumentationScope | None) -> bytes:
+        key = self._key(scope)
+        head = self._scopes.get(key)
+        if head is None:
+            schema = scope.schema_url if scope is not None else ""
+            head = self._scopes[key] = _ld(b"\x0a", _scope(scope)) + (
+                _ld(b"\x1a", schema.encode()) if schema else b"")  # fmt: skip
+        return head
+
+    def request(self, items: Sequence[Any]) -> bytes:
+        """ResourceSpans{resource, ScopeSpans per instrumentation scope, spans in queue order}, as the SDK's
+        encoder groups them."""
+        ours = self._key(self.scope)
+        groups: dict[Any, list[bytes]] = {ours: [self._scope_head(self.scope)]}
+        spans = groups[ours]
+        for item in items:
+            if type(item) is tuple:  # (shape id, trace id, span id, parent id, start, end, *values)
+                body = _lean_message(_SHAPES[item[0]], item[1], item[2], item[3], item[4], item[5], item[6:])
+                spans.append(_ld(b"\x12", body))  # ScopeSpans.spans
+            elif isinstance(item, _Span):
+                spans.append(_ld(b"\x12", item._message()))
+            else:  # a ReadableSpan (a span of `Telemetry.tracer`)
+                scope = item.instrumentation_scope
+                key = self._key(scope)
+                group = groups.get(key)
+                if group is None:
+                    group = groups[key] = [self._scope_head(scope)]
+                group.append(_ld(b"\x12", _readable_message(item)))
+        scope_spans = b"".join(_ld(b"\x12", b"".join(group)) for group in groups.values() if len(group) > 1)
+        return _ld(b"\x0a", self.resource + scope_spans + self.resource_schema)
+
+    @staticmethod
+    def _key(scope: InstrumentationScope | None) -> Any:
+        return None if scope is None else (scope.name, scope.version, scope.schema_url)
+
+
+class OtlpHttpExporter(NativeExporter):
+    """OTLP/HTTP with protobuf bodies encoded here (`_Encoder`: the same bytes as the SDK's encoder, at a
+    fraction of its cost), sent with http.client over one kept-alive connection.
+
+    Configured as the SDK's OTLPSpanExporter, argument first, then the variable for traces, then the general
+    one: endpoint (used verbatim; OTEL_EXPORTER_OTLP_ENDPOINT gets /v1/traces appended; default
+    http://localhost:4318/v1/traces), headers (OTEL_EXPORTER_OTLP_[TRACES_]HEADERS), timeout in seconds
+    (OTEL_EXPORTER_OTLP_[TRACES_]TIMEOUT, 10), compression none|gzip|deflate
+    (OTEL_EXPORTER_OTLP_[TRACES_]COMPRESSION), TLS files (OTEL_EXPORTER_OTLP_[TRACES_]CERTIFICATE,
+    _CLIENT_CERTIFICATE, _CLIENT_KEY). gzip runs at level 1, not the SDK's 9: the random ids and timestamps
+    that dominate a span do not compress further, so a higher level only costs CPU.
+    Retries as the SDK's: up to 6 attempts on 429/502/503/504 and connection errors, backing off
+    2**attempt × U(0.8, 1.2) s or as the server's Retry-After says, never past the timeout; a kept-alive
+    connection found broken is retried at once. A request over `max_request_size` bytes is dropped (counted).
+    """
+
+    def __init__(self, resource: Resource, scope: InstrumentationScope, endpoint: str | None = None, *,
+                 headers: Mapping[str, str] | None = None, timeout_s: float | None = None,
+                 compression: str | None = None, compression_level: int = 1,
+                 max_request_size: int = 64 * 2**20):  # fmt: skip
+        env = os.environ
+
+        def setting(name: str) -> str | None:
+            return env.get(f"OTEL_EXPORTER_OTLP_TRACES_{name}") or env.get(f"OTEL_EXPORTER_OTLP_{name}")
+
+        if endpoint is None:
+            base = env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or "http://localhost:4318"
+            endpoint = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or base.removesuffix("/") + "/v1/traces"
+        self.endpoint = endpoint
+        url = urlsplit(endpoint)
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise ValueError(f"OTLP endpoint {endpoint!r}: expected http(s)://host[:port]/path")
+        self._https = url.scheme == "https"
+        self._host, self._port = url.hostname, url.port or (443 if self._https else 80)
+        self._path = (url.path or "/") + (f"?{url.query}" if url.query else "")
+        try:
+            self.timeout_s = float(timeout_s if timeout_s is not None else setting("TIMEOUT") or 10.0)
+        except ValueError:
+            log.warning("agentfsm telemetry: invalid OTLP timeout %r, using 10 s", setting("TIMEOUT"))
+            self.timeout_s = 10.0
+        self.compression = (compression or setting("COMPRESSION") or "none").strip().lower()
+        if self.compression not in ("none", "gzip", "deflate"):
+            log.warning(
+                "agentfsm telemetry: unknown OTLP compression %r, sending uncompressed", self.compression
+            )
+            self.compression = "none"
+        self.compression_level = compression_level
+        self.max_request_size = max_request_size
+        self.headers = {"content-type": "application/x-protobuf", "user-agent": "agentfsm-otlp"}
+        self.headers.update(parse_env_headers(setting("HEADERS") or "", liberal=True))
+        self.headers.update({k.lower(): v for k, v in (headers or {}).items()})
+        if self.compression != "none":
+            self.headers.setdefault("content-encoding", self.compression)
+        self._ssl: ssl.SSLContext | None = None
+        if self._https:
+            self._ssl = ssl.create_default_context(cafile=setting("CERTIFICATE"))
+            if setting("CLIENT_CERTIFICATE"):
+                self._ssl.load_cert_chain(setting("CLIENT_CERTIFICATE"), setting("CLIENT_KEY"))
+        self._encoder = _Encoder(resource, scope)
+        self._conn: http.client.HTTPConnection | None = None
+        self._stop = threading.Event()
+
+    def encode(self, items: Sequence[Any]) -> bytes:
+        """The request body, uncompressed."""
+        return self._encoder.request(items)
+
+    def compress(self, body: bytes) -> bytes:
+        if self.compression == "gzip":
+            return gzip.compress(body, self.compression_level, mtime=0)
+        if self.compression == "deflate":
+            return zlib.compress(body, self.compression_level)
+        return body
+
+    def export_spans(self, items: Sequence[Any]) -> bool:
+        if self._stop.is_set():
+            return False
+        body = self.encode(items)
+        if 0 < self.max_request_size < len(body):
+            log.error("agentfsm telemetry: dropping %d spans: the request (%d bytes) exceeds max_request_size %d",
+                      len(items), len(body), self.max_request_size)  # fmt: skip
+            return False
+        return self.send(self.compress(body))
+
+    def send(self, data: bytes) -> bool:
+        """POST one request body, retrying as the SDK does. True if the collector accepted it."""
+        deadline = time.monotonic() + self.timeout_s
+        for attempt in range(6):
+            backoff = 2**attempt * random.uniform(0.8, 1.2)
+            status, retry_after, error = self._submit(data, deadline)
+            if status is not None and 200 <= status < 400:
+                return True
+            retryable = status in (429, 502, 503, 504) if status is not None else error is not None
+            if not retryable:
+                log.error("agentfsm telemetry: OTLP export to %s failed: %s", self.endpoint,
+                          f"HTTP {status}" if status is not None else error or "timed out")  # fmt: skip
+                return False
+            if retry_after is not None:
+                backoff = retry_after
+            if attempt == 5 or backoff > deadline - time.monotonic() or self._stop.is_set():
+                log.error("agentfsm telemetry: OTLP export to %s failed after %d attempts (%s)", self.endpoint,
+                          attempt + 1, f"HTTP {status}" if status is not None else error)  # fmt: skip
+                return False
+            log.warning("agentfsm telemetry: OTLP export to %s: %s, retrying in %.2f s", self.endpoint,
+                        f"HTTP {status}" if status is not None else error, backoff)  # fmt: skip
+            if self._stop.wait(backoff):
+                return False
+        return False
+
+    def _submit(self, data: bytes, deadline: float) -> tuple[int | None, float | None, Exception | None]:
+        """(HTTP status, Retry-After seconds, connection error); a broken kept-alive connection is retried
+        at once, as the SDK does."""
+        error: Exception | None = None
+        for _ in range(2):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None, None, error
+            conn = self._conn
+            try:
+                if conn is None:
+                    conn = self._conn = (
+                        http.client.HTTPSConnection(self._host, self._port, timeout=remaining, context=self._ssl)
+                        if self._https else http.client.HTTPConnection(self._host, self._port, timeout=remaining)
+                    )  # fmt: skip
+                conn.timeout = remaining
+                if conn.sock is not None:
+                    conn.sock.settimeout(remaining)
+                conn.request("POST", self._path, data, self.headers)
+                response = conn.getresponse()
+                response.read()
+                if response.will_close:
+                    self._close()
+                return response.status, _retry_after(response.getheader("retry-after")), None
+            except TimeoutError:  # the deadline passed while waiting: as the SDK, not retried
+                self._close()
+                return None, None, None
+            except (OSError, http.client.HTTPException) as exc:
+                self._close()
+                error = exc
+        return None, None, error
+
+    def _close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._close()
+
+
+def _retry_after(value: str | None) -> float | None:
+    """A Retry-After header (seconds or an HTTP date) in seconds from now."""
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+        return max(seconds, 0.0) if math.isfinite(seconds) else None
+    except ValueError:
+        pass
+    try:
+        return max(parsedate_to_datetime(value).timestamp() - time.time(), 0.0)
+    except (TypeError, ValueError):
+        return None
+
+
+# --- configuration from the standard OTEL_* variables ---------------------------------------------------------
+
+
+def _traces_url(url: str) -> str:
+    """--otlp accepts a base URL (http://host:4318) or the full traces URL (.../v1/traces)."""
+    url = url.rstrip("/")
+    return url if url.endswith("/v1/traces") else f"{url}/v1/traces"
+
+
+def _truthy(value: str | None) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def otlp_from_env() -> bool:
+    """Whether the standard variables ask for OTLP export (an endpoint set, OTEL_TRACES_EXPORTER not none)."""
+    env = os.environ
+    if _truthy(env.get("OTEL_SDK_DISABLED")) or env.get("OTEL_TRACES_EXPORTER", "").strip().lower() == "none":
+        return False
+    return bool(env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
+
+
+def _sample_from_env() -> float:
+    sampler = os.environ.get("OTEL_TRACES_SAMPLER", "").strip().lower()
+    if sampler == "always_off":
+        return 0.0
+    if sampler in ("traceidratio", "parentbased_traceidratio"):
+        return min(1.0, max(0.0, float(os.environ.get("OTEL_TRACES_SAMPLER_ARG", "1.0"))))
+    return 1.0
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name) or default)
+    except ValueError:
+        log.warning("agentfsm telemetry: %s=%r is not an integer, using %d", name, os.environ[name], default)
+        return default

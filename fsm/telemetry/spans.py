@@ -1,0 +1,499 @@
+"""The spans the driver opens: recording OpenTelemetry spans that are cheap enough for every transition.
+
+An SDK span builds dicts, locks and a ReadableSpan for each span, on the event loop. These keep ids, times
+and the values of their `_Shape` (shapes.py), and reach the export queues as a tuple when nothing else was
+set on them, so the export thread does the rest. They are still real spans to everything else: current in
+the context where the driver makes them so, settable through the Span API, and a ReadableSpan to an SDK
+exporter (`_readable`). The hot methods (`_Root.transition`, the call spans' `done`) are written flat, with
+`_queue` inlined: they run once per transition or call of every trajectory.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import logging
+import random
+import time
+import traceback
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace as otel_trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import Event, ReadableSpan
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
+
+from fsm.telemetry.semconv import ERROR_TYPE
+from fsm.telemetry.shapes import _SHAPES, _lean_message, _Shape, _Shapes
+from fsm.telemetry.wire import _UNSET, _links, _span_message, _status
+
+log = logging.getLogger("fsm.telemetry")  # the package's one logger, whichever module logs
+
+_random_bits = random.getrandbits
+_time_ns = time.time_ns
+_Context = otel_context.Context
+_SAMPLED = TraceFlags(TraceFlags.SAMPLED | TraceFlags.RANDOM_TRACE_ID)
+_KINDS = {kind.value: kind for kind in SpanKind}
+_MAX_ATTRIBUTES = 128  # the SDK's default span limit, for attributes and events set through the API
+
+
+# --- the current span -----------------------------------------------------------------------------------------
+# The OTel API's attach/detach wrap a ContextVar in layers of calls; with the default (contextvars) runtime
+# context we set that ContextVar directly, with the same Context objects the API would make.
+
+_SPAN_KEY = next(iter(otel_trace.set_span_in_context(otel_trace.INVALID_SPAN, otel_context.Context())))
+_CV = getattr(getattr(otel_context, "_RUNTIME_CONTEXT", None), "_current_context", None)
+if not isinstance(_CV, contextvars.ContextVar):  # another runtime context (OTEL_PYTHON_CONTEXT): use the API
+    _CV = None
+
+
+def _current_span() -> Any:
+    """The current span, or None."""
+    return (_CV.get() if _CV is not None else otel_context.get_current()).get(_SPAN_KEY)
+
+
+def _attach(span: Any, alone: bool = False) -> Any:
+    """Make `span` current (in a copy of the current context, or `alone` in an otherwise empty one)."""
+    if _CV is not None:
+        return _CV.set(otel_context.Context({_SPAN_KEY: span} if alone else {**_CV.get(), _SPAN_KEY: span}))
+    base = otel_context.Context() if alone else None
+    return otel_context.attach(otel_trace.set_span_in_context(span, base))
+
+
+def _detach(token: Any) -> None:
+    if _CV is None:
+        otel_context.detach(token)
+        return
+    try:
+        _CV.reset(token)
+    except ValueError:  # detached in another context than it was attached in: what the API would log
+        log.exception("agentfsm telemetry: failed to detach a span's context")
+
+
+class _Owner(Protocol):
+    """What a span needs of the tracer that made it (tracer.py's Telemetry): ended spans go straight onto
+    its export queues, counted, without a call into the tracer."""
+
+    capture_content: bool
+    _ended: int  # spans ended so far
+    _queue: Sequence[Any]  # the first exporter's queue: its length says when a batch is ready
+    _batch: int  # a batch queued wakes the export threads
+    _live: dict[int, _Root]  # trace id -> root, for the traced trajectories running now
+
+    def _emit(self, item: Any) -> None: ...
+
+    def _wake_exporters(self) -> None: ...
+
+
+# --- spans ----------------------------------------------------------------------------------------------------
+
+
+class _Extra:
+    """What few spans have: things set through the Span API, an error, the root's link to the caller's span."""
+
+    __slots__ = ("name", "attrs", "events", "links", "status", "context")
+
+    def __init__(self) -> None:
+        self.name: str | None = None
+        self.attrs: dict[str, Any] = {}
+        self.events: list[Event] = []
+        self.links: list[Link] = []
+        self.status = _UNSET
+        self.context: SpanContext | None = None
+
+
+class _Span(otel_trace.Span):
+    """A recording span of a `_Shape`: ids, times, values, and `_extra` once anything else is set.
+
+    It is a real span to everything else: current in the context where the driver makes it so (a span
+    started inside, by user code through `Telemetry.tracer` or the global provider, becomes a child),
+    attributes/events/status/links settable through the API (values set that way are checked as the SDK
+    does), and an exporter gets the SDK's ReadableSpan of it. Ended, it is queued as it is.
+    """
+
+    __slots__ = ("tel", "shape", "values", "_trace_id", "_span_id", "_parent_id", "_start", "_end", "_extra",
+                 "_token")  # fmt: skip
+
+    def __init__(self, tel: _Owner, shape: _Shape, trace_id: int, span_id: int, parent_id: int,
+                 values: tuple = (), start: int | None = None):  # fmt: skip
+        self.tel, self.shape, self.values = tel, shape, values
+        self._trace_id, self._span_id, self._parent_id = trace_id, span_id, parent_id
+        self._extra: _Extra | None = None
+        self._end: int | None = None
+        self._start = _time_ns() if start is None else start
+
+    def _x(self) -> _Extra:
+        if self._extra is None:
+            self._extra = _Extra()
+        return self._extra
+
+    # the opentelemetry.trace.Span API
+    def get_span_context(self) -> SpanContext:
+        x = self._x()
+        if x.context is None:
+            x.context = SpanContext(self._trace_id, self._span_id, False, _SAMPLED)
+        return x.context
+
+    def is_recording(self) -> bool:
+        return self._end is None
+
+    def set_attribute(self, key: str, value: Any) -> None:
+        if self._end is None and isinstance(key, str) and key:
+            attrs = self._x().attrs
+            value = _attribute_value(value)
+            if value is not None and (key in attrs or len(attrs) < _MAX_ATTRIBUTES):
+                attrs[key] = value
+
+    def set_attributes(self, attributes: Any) -> None:
+        for key, value in attributes.items():
+            self.set_attribute(key, value)
+
+    def add_event(self, name: str, attributes: Any = None, timestamp: int | None = None) -> None:
+        x = self._x()
+        if self._end is None and len(x.events) < _MAX_ATTRIBUTES:
+            x.events.append(Event(name, dict(attributes or {}), timestamp or _time_ns()))
+
+    def add_link(self, context: SpanContext, attributes: Any = None) -> None:
+        if self._end is None and context.is_valid:
+            self._x().links.append(Link(context, attributes))
+
+    def update_name(self, name: str) -> None:
+        if self._end is None:
+            self._x().name = name
+
+    def set_status(self, status: Status | StatusCode, description: str | None = None) -> None:
+        x = self._x()
+        if self._end is not None or x.status.status_code is StatusCode.OK:  # OK is final, as in the SDK
+            return
+        if isinstance(status, StatusCode):
+            status = Status(status, description)
+        if status.status_code is not StatusCode.UNSET:
+            x.status = status
+
+    def record_exception(self, exception: BaseException, attributes: Any = None, timestamp: int | None = None,
+                         escaped: bool = False) -> None:  # fmt: skip
+        cls = type(exception)
+        name = cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+        attrs = {
+            "exception.type": name,
+            "exception.message": str(exception),
+            "exception.stacktrace": "".join(traceback.format_exception(exception)),
+            "exception.escaped": str(escaped),
+            **(attributes or {}),
+        }
+        self.add_event("exception", attrs, timestamp)
+
+    def end(self, end_time: int | None = None) -> None:
+        if self._end is None:
+            self._end = end_time or _time_ns()
+            self._queue()
+
+    # ours
+    def _queue(self) -> None:
+        """Hand the ended span to the exporters: as a tuple when only its values are set (this object is
+        freed now, and a tuple of ints and strings is one the garbage collector stops tracking), else as it is."""
+        tel, x = self.tel, self._extra
+        tel._ended += 1
+        if x is None or (x.status is _UNSET and not (x.attrs or x.events or x.links) and x.name is None):
+            tel._emit((self.shape.id, self._trace_id, self._span_id, self._parent_id, self._start, self._end,
+                       *self.values))  # fmt: skip
+        else:
+            tel._emit(self)
+        if len(tel._queue) >= tel._batch:
+            tel._wake_exporters()
+
+    def _fail(self, exc: BaseException) -> None:
+        """The work of this span raised: status ERROR, error.type, and the exception as an event."""
+        x = self._x()
+        x.attrs[ERROR_TYPE] = type(exc).__qualname__
+        x.status = Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}")
+        self.record_exception(exc, escaped=True)
+
+    def _message(self) -> bytes:
+        """The OTLP Span message (in the export thread)."""
+        x, shape = self._extra, self.shape
+        if x is None:
+            return _lean_message(shape, self._trace_id, self._span_id, self._parent_id, self._start, self._end,
+                                 self.values)  # fmt: skip
+        if not x.attrs and not x.events and x.name is None:
+            return _lean_message(shape, self._trace_id, self._span_id, self._parent_id, self._start, self._end,
+                                 self.values, _status(x.status), _links(x.links))  # fmt: skip
+        return _span_message(x.name or shape.name, shape.kind, self._trace_id, self._span_id, self._parent_id,
+                             self._start, self._end, shape.attributes(self.values, x.attrs), x.events, x.links,
+                             x.status)  # fmt: skip
+
+    def _readable(self, resource: Resource, scope: InstrumentationScope) -> ReadableSpan:
+        x, shape = self._extra, self.shape
+        return _make_readable(
+            shape, self._trace_id, self._span_id, self._parent_id, self._start, self._end, self.values, resource,
+            scope, x,
+        )  # fmt: skip
+
+
+def _make_readable(shape: _Shape, trace_id: int, span_id: int, parent_id: int, start: int, end: int,
+                   values: Sequence[Any], resource: Resource, scope: InstrumentationScope,
+                   x: _Extra | None = None) -> ReadableSpan:  # fmt: skip
+    return ReadableSpan(
+        name=(x.name if x is not None else None) or shape.name,
+        context=SpanContext(trace_id, span_id, False, _SAMPLED),
+        parent=SpanContext(trace_id, parent_id, False, _SAMPLED) if parent_id else None,
+        resource=resource,
+        attributes=shape.attributes(values, x.attrs if x is not None else None),
+        events=tuple(x.events) if x is not None else (),
+        links=tuple(x.links) if x is not None else (),
+        kind=_KINDS[shape.kind],
+        status=x.status if x is not None else _UNSET,
+        start_time=start,
+        end_time=end,
+        instrumentation_scope=scope,
+    )
+
+
+def _readable(item: Any, resource: Resource, scope: InstrumentationScope) -> ReadableSpan:
+    """The ReadableSpan (what SDK exporters take) of a queued span."""
+    if type(item) is tuple:
+        return _make_readable(_SHAPES[item[0]], item[1], item[2], item[3], item[4], item[5], item[6:], resource,
+                              scope)  # fmt: skip
+    if isinstance(item, _Span):
+        return item._readable(resource, scope)
+    return item
+
+
+def _attribute_value(value: Any) -> Any:
+    """An OTel attribute value (str/bool/int/float/bytes or a homogeneous sequence of them), or None."""
+    if isinstance(value, (str, bool, int, float, bytes)):
+        return value
+    if isinstance(value, Sequence):
+        items = tuple(value)
+        if all(isinstance(v, (str, bool, int, float)) for v in items) and len({type(v) for v in items}) <= 1:
+            return items
+    return None
+
+
+class _Root(_Span):
+    """`invoke_agent {agent}`, current in the trajectory's task from `trajectory()` to `finish()`.
+
+    It also holds the open transition span: its id, start, and the token count when it opened. The driver
+    calls `transition(edge)` once per edge, which ends that span and opens the next state's (the next
+    state's work starts where this one's ends), so a transition costs one call and one queued tuple.
+    """
+
+    __slots__ = ("traj", "shapes", "state_id", "state_start", "state_mark", "state_span")
+
+    def __init__(self, tel: _Owner, traj: Any, shapes: _Shapes):
+        ambient = _current_span()  # a span the caller has open (a training step...) is linked, not a parent
+        self.tel, self.shape, self.values = tel, shapes.root, ()
+        self._trace_id, self._span_id, self._parent_id = _random_bits(128) or 1, _random_bits(64) or 1, 0
+        self._extra = self._end = None
+        if ambient is not None:
+            ambient = ambient.get_span_context()
+            if ambient.is_valid:
+                self._x().links.append(Link(ambient))
+        self.traj, self.shapes, self.state_span = traj, shapes, None
+        tel._live[self._trace_id] = self
+        self._token = _CV.set(_Context({_SPAN_KEY: self})) if _CV is not None else _attach(self, alone=True)
+        self.state_mark = len(traj.segments)  # the span counts the tokens appended after this mark
+        self.state_id = _random_bits(64) or 1
+        self._start = self.state_start = _time_ns()
+        if traj.state in shapes.user_states:
+            self._user_state(traj.state)
+
+    def _user_state(self, source: str) -> None:
+        """A user action runs in `source`: the state's span is a span object, current, so that spans the
+        action starts are its children. (Built-in actions start no spans but model and tool calls, which
+        are given their parent.)"""
+        span = self.state_span = _Span(self.tel, self.shapes.state(source), self._trace_id, self.state_id,
+                                       self._span_id, (), self.state_start)  # fmt: skip
+        span._token = _attach(span)
+
+    def transition(self, edge: Any) -> None:
+        """`edge` fired: the span `{SOURCE} -> {DEST}` ends, with the tokens the state appended, and the
+        span of the state entered starts. (Written flat: it runs once per transition of every trajectory.)"""
+        now = _time_ns()
+        traj, shapes = self.traj, self.shapes
+        segments = traj.segments
+        model = observation = 0
+        for seg in segments[self.state_mark :]:
+            if seg.role == "assistant":
+                model += seg.end - seg.start
+            else:
+                observation += seg.end - seg.start
+        dest = edge.dest
+        final = dest in shapes.finals
+        reason = (traj.termination_reason or "") if final else None
+        if self.state_span is None:
+            tel = self.tel
+            tel._ended += 1
+            tel._emit((shapes.edges[edge.index].id, self._trace_id, self.state_id, self._span_id, self.state_start,
+                       now, traj.assistant_turns, model, observation, reason))  # fmt: skip
+            if len(tel._queue) >= tel._batch:
+                tel._wake_exporters()
+        else:
+            span, self.state_span = self.state_span, None
+            span.shape = shapes.edges[edge.index]
+            span.values = (traj.assistant_turns, model, observation, reason)
+            if span._extra is not None:
+                span._extra.name = None  # the edge names it
+            _detach(span._token)
+            span.end(now)
+        if not final:
+            self.state_mark = len(segments)
+            self.state_id = _random_bits(64) or 1
+            self.state_start = now
+            if dest in shapes.user_states:
+                self._user_state(dest)
+
+    def state_failed(self, exc: BaseException) -> None:
+        """The state's action (or its guards) raised: the span is `{SOURCE} -> error`, status ERROR."""
+        span = self.state_span
+        if span is None:
+            source = self.traj.state
+            span = _Span(self.tel, self.shapes.state(source), self._trace_id, self.state_id, self._span_id, (),
+                         self.state_start)  # fmt: skip
+        else:
+            self.state_span = None
+            _detach(span._token)
+        span._x().name = f"{self.traj.state} -> error"
+        span._fail(exc)
+        span.end()
+
+    def finish(self) -> None:
+        """The trajectory is done (scored, released): the root ends with its outcome."""
+        traj, tel = self.traj, self.tel
+        model_tokens = traj.response_mask.count(1)
+        content = _conversation(traj) if tel.capture_content else _NO_CONTENT
+        error = traj.error
+        self.values = (
+            traj.session_id, traj.index, traj.uid, traj.sample, traj.termination_reason or "", traj.state,
+            len(traj.transitions_fired), traj.num_turns, len(traj.prompt_ids), len(traj.response_ids), model_tokens,
+            traj.metrics.prompt_tokens_sent, model_tokens, traj.metrics.cached_tokens,
+            None if traj.reward_score is None else float(traj.reward_score), error,
+            None if error is None else _error_type(error), *content,
+        )  # fmt: skip
+        if error is not None:
+            self._x().status = Status(StatusCode.ERROR, error)
+        if self.state_span is not None:  # a user action's span left open (cancelled): it ends here
+            _detach(self.state_span._token)
+            self.state_span.end()
+            self.state_span = None
+        _detach(self._token)
+        tel._live.pop(self._trace_id, None)
+        self.traj = None  # the root may wait in the export queue; the trajectory need not
+        self.end()
+
+
+class _CallSpan(_Span):
+    """A model or tool call, current from its start (`Telemetry.model_call`/`tool_call`) to `done(...)` or
+    `fail(exc)`: spans a backend or a tool starts are its children. `values` holds what the start knew
+    until `done` lines the values up with the shape."""
+
+    __slots__ = ()
+
+    def fail(self, exc: BaseException) -> None:
+        """The call raised: status ERROR, error.type, the exception as an event."""
+        _detach(self._token)
+        self.values = self._request_values()
+        self._fail(exc)
+        self.end()
+
+    def _request_values(self) -> tuple:
+        return ()
+
+
+class _ModelSpan(_CallSpan):
+    __slots__ = ()
+
+    def _request_values(self) -> tuple:
+        request = self.values
+        return (request.session_id, request.sampling_params,
+                tuple(request.prompt_ids) if self.tel.capture_content else None)  # fmt: skip
+
+    def done(self, result: Any) -> None:
+        """The backend answered: usage, finish reason, the server that answered; the span ends. (Flat: it
+        runs once per model call; what can wait, the sampling parameters and the server's address, is read
+        in the export thread.)"""
+        if _CV is not None:
+            _CV.reset(self._token)
+        else:
+            _detach(self._token)
+        request, tel = self.values, self.tel
+        version, extra = result.weight_version, result.extra
+        self._end = end = _time_ns()
+        if self._extra is None and not tel.capture_content:  # the common case, as a tuple (`_queue`, inlined)
+            tel._ended += 1
+            tel._emit((self.shape.id, self._trace_id, self._span_id, self._parent_id, self._start, end,
+                       request.session_id, request.sampling_params, None, result.finish_reason,
+                       len(result.token_ids), result.prompt_tokens, result.cached_tokens, result.server, result.route,
+                       None if version is None else str(version), str(extra["id"]) if extra and extra.get("id") else None))  # fmt: skip
+            if len(tel._queue) >= tel._batch:
+                tel._wake_exporters()
+            return
+        self.values = (
+            *self._request_values(), result.finish_reason, len(result.token_ids), result.prompt_tokens,
+            result.cached_tokens, result.server, result.route, None if version is None else str(version),
+            str(extra["id"]) if extra and extra.get("id") else None,
+            tuple(result.token_ids) if tel.capture_content else None,
+        )  # fmt: skip
+        self._queue()
+
+
+class _ToolSpan(_CallSpan):
+    __slots__ = ()
+
+    def _request_values(self) -> tuple:
+        call = self.values
+        args = None
+        if self.tel.capture_content:
+            args = call.raw if call.arguments is None else json.dumps(call.arguments, ensure_ascii=False)
+        return (call.id or None, args)
+
+    def done(self, outcome: Any) -> None:
+        """The tool call finished (maybe with an error outcome: status ERROR); the span ends."""
+        if _CV is not None:
+            _CV.reset(self._token)
+        else:
+            _detach(self._token)
+        call, tel = self.values, self.tel
+        self._end = end = _time_ns()
+        error = outcome.error
+        if error is None and self._extra is None and not tel.capture_content:  # `_queue`, inlined
+            tel._ended += 1
+            tel._emit((self.shape.id, self._trace_id, self._span_id, self._parent_id, self._start, end, call.id or None,
+                       None, outcome.attempts))  # fmt: skip
+            if len(tel._queue) >= tel._batch:
+                tel._wake_exporters()
+            return
+        self.values = (*self._request_values(), outcome.attempts, error,
+                       outcome.text if tel.capture_content else None)  # fmt: skip
+        if error is not None:
+            self._x().status = Status(StatusCode.ERROR, outcome.text[:200])
+        self._queue()
+
+
+def _error_type(error: str) -> str:
+    """A low-cardinality error.type from a trajectory's error ('backend: ...' -> 'backend')."""
+    head = error.removeprefix("error:").strip().split(":", 1)[0].split(" in ", 1)[0].strip()
+    return head.replace(" ", "_") or "_OTHER"
+
+
+def _parts(messages: list[dict[str, Any]]) -> str:
+    """Chat messages in the GenAI JSON shape: [{"role", "parts": [{"type": "text", "content"}]}]."""
+    return json.dumps(
+        [{"role": m.get("role"), "parts": [{"type": "text", "content": m.get("content")}]} for m in messages],
+        ensure_ascii=False,
+        default=str,
+    )
+
+
+_NO_CONTENT = (None, None, None)
+
+
+def _conversation(traj: Any) -> tuple[str, str, str | None]:
+    """(input messages, output messages, tool definitions) as GenAI JSON: opt-in content."""
+    prompt = traj.row.get("raw_prompt") or []
+    n = len(prompt) if isinstance(prompt, list) else 0
+    tools = json.dumps(traj.tool_schemas, ensure_ascii=False) if traj.tool_schemas else None
+    return (_parts(prompt) if n else "[]"), _parts(traj.messages[n:]), tools

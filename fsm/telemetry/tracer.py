@@ -1,0 +1,332 @@
+"""The tracer: `Telemetry`, what the driver is given as `tracer=`, and the owner of everything else here.
+
+It decides which trajectories are traced (a hash of the session id against `sample`, so a re-run of the
+same ids traces the same ones), opens their spans (spans.py) with the shapes of the run (shapes.py), and
+owns the export pipelines (export.py) and a TracerProvider of its own for spans of your code: the global
+provider is never touched. Tracing off costs nothing because there is no tracer at all, not a disabled one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from opentelemetry import context as otel_context
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SpanExporter
+from opentelemetry.sdk.trace.sampling import ALWAYS_ON
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+
+from fsm.telemetry.export import (
+    DEFAULT_MAX_EXPORT_BATCH_SIZE,
+    DEFAULT_MAX_QUEUE_SIZE,
+    MemoryExporter,
+    NativeExporter,
+    OtlpHttpExporter,
+    SpanCounts,
+    SpanPipeline,
+    _env_int,
+    _sample_from_env,
+    _traces_url,
+    _truthy,
+    otlp_from_env,
+)
+from fsm.telemetry.shapes import _SAMPLING_ATTRS, _Shapes
+from fsm.telemetry.spans import (
+    _CV,
+    _SPAN_KEY,
+    _attach,
+    _Context,
+    _ModelSpan,
+    _random_bits,
+    _Root,
+    _Span,
+    _time_ns,
+    _ToolSpan,
+)
+
+log = logging.getLogger("fsm.telemetry")  # the package's one logger, whichever module logs
+
+_new = object.__new__  # call spans are made without __init__: `model_call`/`tool_call` set every slot
+
+
+class Telemetry:
+    """The tracer `Runner(..., tracer=...)` calls. Owns its queues, export threads and TracerProvider.
+
+    telemetry = Telemetry(otlp="http://localhost:4318", sample=0.1)   # or Telemetry.from_env()
+    with telemetry:                                                   # close(): flush, stop the threads
+        await Runner(agent, backend, tok, tracer=telemetry).run(rows)  # run() flushes at its end
+    telemetry.stats()         # {"exported": ..., "dropped": ..., "by_exporter": {...}, ...}
+
+    Configuration follows the standard variables wherever an argument is left at None:
+    OTEL_EXPORTER_OTLP_TRACES_ENDPOINT (verbatim) or OTEL_EXPORTER_OTLP_ENDPOINT (+ /v1/traces) turn OTLP on,
+    OTEL_EXPORTER_OTLP_[TRACES_]HEADERS/TIMEOUT/COMPRESSION/CERTIFICATE apply to it (gzip unless a
+    compression is set), OTEL_SERVICE_NAME names the service, OTEL_BSP_MAX_QUEUE_SIZE (16384 here) /
+    OTEL_BSP_MAX_EXPORT_BATCH_SIZE (2048 here; the SDK's 2048/512 lose spans in bursts, see
+    DEFAULT_MAX_QUEUE_SIZE) / OTEL_BSP_SCHEDULE_DELAY size the queues,
+    OTEL_TRACES_SAMPLER(_ARG) = always_off | traceidratio + fraction set `sample`, and
+    OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=true sets `capture_content`.
+
+    The driver's hooks are fsm/tracing.py's `Tracer`: `trajectory()` (per trajectory: its root, or None when
+    it is not traced), the root's `transition`/`state_failed`/`finish`, and `model_call`/`tool_call` around
+    backend and tool calls, whose spans end with `done`/`fail`.
+    """
+
+    def __init__(
+        self,
+        *,
+        # an OTLP/HTTP URL (base or .../v1/traces); None: the OTEL_EXPORTER_OTLP_* endpoint if set; False: none
+        otlp: str | bool | None = None,
+        headers: dict[str, str] | None = None,  # OTLP headers; None: OTEL_EXPORTER_OTLP_[TRACES_]HEADERS
+        console: bool = False,  # print finished spans as JSON on stdout
+        memory: bool = False,  # keep spans in memory, see `finished_spans()` (tests)
+        exporters: Sequence[SpanExporter | NativeExporter] = (),  # any other exporters
+        sample: float | None = None,  # fraction of trajectories traced, whole; decided from the session id
+        sample_groups: bool = False,  # decide from the uid instead: a GRPO group is traced whole or not at all
+        capture_content: bool | None = None,  # messages, token ids, tool arguments/results (opt-in)
+        service_name: str | None = None,  # None: OTEL_SERVICE_NAME, else "agentfsm"
+        max_queue_size: int | None = None,  # spans waiting per exporter (16384); beyond: dropped, counted
+        max_export_batch_size: int | None = None,  # spans per export request (2048)
+        schedule_delay_millis: float | None = None,  # the export thread wakes at least this often
+        flush_timeout_s: float = 30.0,  # flush() waits at most this long for a slow collector
+    ):
+        self.sample = _sample_from_env() if sample is None else float(sample)
+        self.sample_groups = sample_groups
+        if not 0.0 <= self.sample <= 1.0:
+            raise ValueError(f"sample must be a fraction in [0, 1], got {sample}")
+        if capture_content is None:
+            capture_content = _truthy(os.environ.get("OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT"))
+        self.capture_content = capture_content
+        self.flush_timeout_s = flush_timeout_s
+        self._threshold = int(self.sample * 2**64)
+        resource = Resource.create({"service.name": service_name} if service_name else {})
+        if str(resource.attributes.get("service.name", "")).startswith("unknown_service"):
+            resource = resource.merge(Resource({"service.name": "agentfsm"}))
+        self.provider = TracerProvider(resource=resource, sampler=ALWAYS_ON, shutdown_on_exit=False)
+        self.resource = self.provider.resource
+        # `tracer` is the SDK's, for spans of your own (in a custom action, a backend...); the driver's spans
+        # share its instrumentation scope and leave through the same queues.
+        self.tracer = self.provider.get_tracer("agentfsm")
+        self.scope = getattr(self.tracer, "instrumentation_scope", None) or InstrumentationScope("agentfsm")
+        self.memory = MemoryExporter(self.resource, self.scope) if memory else None
+        self.otlp_endpoint: str | None = None
+        named: list[tuple[str, SpanExporter | NativeExporter]] = []
+        if isinstance(otlp, str) or (otlp is None and otlp_from_env()):
+            compressed = any(os.environ.get(f"OTEL_EXPORTER_OTLP_{k}COMPRESSION") for k in ("TRACES_", ""))
+            exporter = OtlpHttpExporter(
+                self.resource,
+                self.scope,
+                _traces_url(otlp) if isinstance(otlp, str) else None,  # None: from the OTEL_* variables
+                headers=headers,
+                compression=None if compressed else "gzip",
+            )
+            self.otlp_endpoint = exporter.endpoint
+            named.append(("otlp", exporter))
+        if console:
+            named.append(("console", ConsoleSpanExporter()))
+        if self.memory is not None:
+            named.append(("memory", self.memory))
+        named.extend((f"{type(e).__name__}{i}", e) for i, e in enumerate(exporters))
+        queue = max_queue_size or _env_int("OTEL_BSP_MAX_QUEUE_SIZE", DEFAULT_MAX_QUEUE_SIZE)
+        batch = max_export_batch_size or _env_int(
+            "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", DEFAULT_MAX_EXPORT_BATCH_SIZE
+        )
+        delay = schedule_delay_millis or _env_int("OTEL_BSP_SCHEDULE_DELAY", 5000)
+        self.processors = [
+            SpanPipeline(e, name, self.resource, self.scope, max_queue_size=queue, max_export_batch_size=batch,
+                         schedule_delay_millis=delay)
+            for name, e in named
+        ]  # fmt: skip
+        for p in self.processors:
+            self.provider.add_span_processor(p)
+        # Ended driver spans are appended straight to the queues, and counted here (one exporter: a bare
+        # deque.append, the cheapest way to hand a span over).
+        self._ended = 0
+        appends = [p.append for p in self.processors]
+        if len(appends) == 1:
+            self._emit = appends[0]
+        else:
+
+            def emit_all(item: Any) -> None:
+                for append in appends:
+                    append(item)
+
+            self._emit = emit_all
+        for p in self.processors:
+            p.ended_total = lambda p=p: self._ended + p.ended_here
+        # the driver wakes the export threads when a batch is queued (they also wake every schedule delay)
+        self._queue: Sequence[Any] = self.processors[0].queue if self.processors else ()
+        self._batch = min((p.batch_size for p in self.processors), default=1)
+        self._live: dict[int, _Root] = {}  # trace id -> root, for the traced trajectories running now
+        self._shapes: dict[tuple, _Shapes] = {}
+        self._last: tuple[Any, _Shapes] | None = None  # (run context, its shapes)
+        self._traced = self._sampled_out = 0
+        self._warned_dropped = 0
+        self._closed = False
+
+    @classmethod
+    def from_env(cls, **options: Any) -> Telemetry | None:
+        """A Telemetry when `otlp=`/`console=`/`memory=`/`exporters=` or the OTEL_* variables ask for one;
+        None otherwise (tracing off costs nothing) and when OTEL_SDK_DISABLED=true."""
+        if _truthy(os.environ.get("OTEL_SDK_DISABLED")):
+            return None
+        wanted = any(options.get(k) for k in ("otlp", "console", "memory", "exporters"))
+        if not wanted and not (options.get("otlp") is None and otlp_from_env()):
+            return None
+        return cls(**options)
+
+    def _wake_exporters(self) -> None:
+        for p in self.processors:
+            p.wake()
+
+    # --- sampling -------------------------------------------------------------------------------------------
+
+    def keeps(self, key: str) -> bool:
+        """Whether the trajectory with this session id (or uid, with `sample_groups`) is traced: a hash of
+        the key against the fraction, so every process and every re-run gives the same answer."""
+        if self.sample >= 1.0:
+            return True
+        if self.sample <= 0.0:
+            return False
+        digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "big") < self._threshold
+
+    # --- the hooks fsm/runtime.py calls --------------------------------------------------------------------
+
+    def trajectory(self, traj: Any, run: Any) -> _Root | None:
+        """The started root span of one trajectory, current in the calling task until its `finish()`; None
+        when the trajectory is sampled out (then nothing of it is traced). `run` is the RunContext."""
+        if self.sample < 1.0 and not self.keeps(traj.uid if self.sample_groups else traj.session_id):
+            self._sampled_out += 1
+            return None
+        self._traced += 1
+        last = self._last
+        if last is not None and last[0] is run:
+            shapes = last[1]
+        else:
+            sampling = run.sampling.params
+            key = (id(run.agent), id(run.backend), *(sampling.get(name) for _, name in _SAMPLING_ATTRS))
+            shapes = self._shapes.get(key)
+            if shapes is None:
+                shapes = self._shapes[key] = _Shapes(run.agent, run.backend, sampling)
+            self._last = (run, shapes)
+        return _Root(self, traj, shapes)
+
+    def _joined(self, current: Any) -> tuple[_Root | None, int]:
+        """(root, parent span id) when the current span is in a trajectory this tracer traces."""
+        if isinstance(current, _Span):
+            return self._live.get(current._trace_id), current._span_id
+        if not current.is_recording():  # INVALID_SPAN, or a span another tracer sampled out
+            return None, 0
+        ctx = current.get_span_context()
+        return self._live.get(ctx.trace_id), ctx.span_id
+
+    def _call_parent(self) -> tuple[Any, Any, int] | None:
+        """(context, root, parent span id) for a model or tool call span; None when not traced. In a
+        built-in action the root is current and the state's span is the parent."""
+        context = _CV.get() if _CV is not None else otel_context.get_current()
+        current = context.get(_SPAN_KEY)
+        if type(current) is _Root and current.tel is self:
+            return context, current, current.state_id
+        if current is None:
+            return None
+        root, parent = self._joined(current)
+        return (context, root, parent) if root is not None else None
+
+    def model_call(self, traj: Any, request: Any, backend: Any) -> _ModelSpan | None:
+        """The started span of one backend call, current until its `done(result)` or `fail(exc)`; None when
+        the trajectory is not traced. (Flat: it runs once per model call.)"""
+        found = self._call_parent()
+        if found is None:
+            return None
+        context, root, parent = found
+        shapes = root.shapes
+        span = _new(_ModelSpan)
+        span.tel, span.values = self, request
+        run_model = backend is shapes.backend and shapes.run_model
+        span.shape = run_model or shapes.model(backend)
+        span._trace_id, span._span_id, span._parent_id = root._trace_id, _random_bits(64) or 1, parent
+        span._extra = span._end = None
+        span._start = _time_ns()
+        span._token = _CV.set(_Context({**context, _SPAN_KEY: span})) if _CV is not None else _attach(span)
+        return span
+
+    def tool_call(self, traj: Any, call: Any, tool: Any) -> _ToolSpan | None:
+        """The started span of one tool call, current until its `done(outcome)` or `fail(exc)`; None when
+        the trajectory is not traced."""
+        found = self._call_parent()
+        if found is None:
+            return None
+        context, root, parent = found
+        name = call.name or "unknown"
+        span = _new(_ToolSpan)
+        span.tel, span.values = self, call
+        span.shape = root.shapes.tools.get(name) or root.shapes.tool(name, tool)
+        span._trace_id, span._span_id, span._parent_id = root._trace_id, _random_bits(64) or 1, parent
+        span._extra = span._end = None
+        span._start = _time_ns()
+        span._token = _CV.set(_Context({**context, _SPAN_KEY: span})) if _CV is not None else _attach(span)
+        return span
+
+    # --- export ---------------------------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """What happened to the spans, summed over exporters (a span sent to two exporters counts twice):
+        ended, exported, dropped (= dropped_queue_full + export_failed), queued; trajectories traced and
+        sampled out; the same per exporter under "by_exporter". Exact after a flush."""
+        total = SpanCounts(trajectories=self._traced, trajectories_sampled_out=self._sampled_out)
+        by = {}
+        for p in self.processors:
+            counts = p.counts()
+            by[p.name] = counts.as_dict()
+            total = total + counts
+        return {**total.as_dict(), "by_exporter": by}
+
+    def flush(self, timeout_s: float | None = None) -> dict[str, Any]:
+        """Export everything queued (waiting at most `timeout_s`); returns `stats()`; warns about drops."""
+        timeout_s = self.flush_timeout_s if timeout_s is None else timeout_s
+        if not self._closed:
+            # wait from the side, so that a hung collector costs at most the timeout
+            worker = threading.Thread(target=self.provider.force_flush, name="agentfsm-flush", daemon=True)
+            worker.start()
+            worker.join(timeout_s)
+            if worker.is_alive():
+                log.warning("agentfsm telemetry: still exporting after %.0f s; is the collector at %s up?",
+                            timeout_s, self.otlp_endpoint)  # fmt: skip
+        stats = self.stats()
+        if stats["dropped"] > self._warned_dropped:
+            log.warning(
+                "agentfsm telemetry: %d of %d spans dropped (%d queue full, %d export failed): %s. Raise "
+                "max_queue_size (OTEL_BSP_MAX_QUEUE_SIZE, now %s) or check the collector.",
+                stats["dropped"], stats["ended"], stats["dropped_queue_full"], stats["export_failed"],
+                {name: c["dropped"] for name, c in stats["by_exporter"].items()},
+                ", ".join(str(p.max_queue_size) for p in self.processors),
+            )  # fmt: skip
+            self._warned_dropped = stats["dropped"]
+        return stats
+
+    def finished_spans(self) -> tuple[ReadableSpan, ...]:
+        """Spans the in-memory exporter received (flush first). Requires `memory=True`."""
+        if self.memory is None:
+            raise RuntimeError("finished_spans() needs Telemetry(memory=True)")
+        return self.memory.finished_spans()
+
+    def close(self) -> dict[str, Any]:
+        """Flush, stop the export threads, and return the final stats. Idempotent."""
+        if self._closed:
+            return self.stats()
+        stats = self.flush()
+        self._closed = True
+        self.provider.shutdown()
+        return stats
+
+    def __enter__(self) -> Telemetry:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

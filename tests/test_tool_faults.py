@@ -1,0 +1,344 @@
+"""Hostile tools: nothing a tool does may hang, stall, kill or poison a run.
+
+Sync tools that hang (their own threads, written off at the timeout; exit and Ctrl-C do not wait for them;
+the embedded model's decode is not slowed), async tools that hang or busy-loop (their own event loop),
+BaseExceptions (that row alone ends as an error row), `isolation: process` (a timed-out worker is killed
+and replaced) and a 50 MB answer. Every hostile tool is bounded: tests/fixtures/faulty.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import tracemalloc
+
+import pytest
+
+import fsm
+from backends.base import GenerateRequest
+from fsm.isolation import LoopLane, ThreadLane, ToolUnavailable
+from fsm.parsers import ToolCall
+from fsm.tools import BaseTool, truncate
+from tests.conftest import ASSETS, REPO, model_turn, run_agent, scripted, tool_messages, tool_turn, user_row
+from tests.fixtures import faulty
+
+FAULTY = "tests.fixtures.faulty"
+
+
+@pytest.fixture(autouse=True)
+def release_hostile_tools():
+    """Hung tools return and spinning ones stop when the test ends, so none outlives it by much."""
+    faulty.RELEASE.clear()
+    yield
+    faulty.RELEASE.set()
+    time.sleep(0.05)  # a spinning thread sees it at its next GIL turn
+
+
+def spec(*tools: str, **limits: object) -> str:
+    """A spec extending the shipped tool_agent with these tools (YAML entries) and limits."""
+    lines = ["name: faults", "extends: {specs}/tool_agent.yaml", "limits:", "  prompt_length: 1024",
+             "  response_length: 1024", *(f"  {k}: {v}" for k, v in limits.items()), "tools:", *tools]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def tool(function: str, **options: object) -> str:
+    return "\n".join([f"  - function: {FAULTY}:{function}", *(f"    {k}: {v}" for k, v in options.items())])
+
+
+async def run(tok, agent, script: dict[int, list], *, rows: int | None = None, **kw):
+    """Rows by index, each with its own scripted turns (a final "done" turn is added to each)."""
+    backend = scripted({i: turns + [model_turn(tok, "done")] for i, turns in script.items()})
+    return await run_agent(agent, backend, tok, [user_row() for _ in range(rows or len(script))], **kw)
+
+
+def lane_of(agent, name: str):
+    return agent.tools.by_name[name].lane
+
+
+# --- sync tools that hang ---------------------------------------------------------------------------------
+
+
+async def test_hung_sync_tool_times_out_and_other_rows_go_on(tok, compile_yaml):
+    agent = compile_yaml(spec(tool("hang", timeout_s=0.2), tool("echo")))
+    t0 = time.perf_counter()
+    trajs = await run(tok, agent, {0: [tool_turn(tok, ("hang", {"text": "x"}))],
+                                   1: [tool_turn(tok, ("echo", {"text": "fine"}))],
+                                   2: [tool_turn(tok, ("echo", {"text": "also fine"}))]})  # fmt: skip
+    assert time.perf_counter() - t0 < 5
+    assert tool_messages(trajs[0]) == ["Error: tool 'hang' timed out after 0.2s"]
+    assert [tool_messages(t) for t in trajs[1:]] == [["fine"], ["also fine"]]
+    assert all(t.termination_reason == "done" for t in trajs)
+    lane = lane_of(agent, "hang")
+    assert lane.stuck == 1 and lane.written_off == 1  # counted, and no longer a slot
+    assert all(t.daemon for t in threading.enumerate() if t.name.startswith("agentfsm-tool"))
+
+
+async def test_timed_out_call_frees_its_slot(tok, compile_yaml):
+    """workers: 1 and the only thread stuck: the next call gets a replacement thread, not a queue."""
+    agent = compile_yaml(spec(tool("nap", timeout_s=0.3, workers=1)))
+    (traj,) = await run(tok, agent, {0: [tool_turn(tok, ("nap", {"seconds": 3})), tool_turn(tok, ("nap", {"seconds": 0}))]})
+    assert tool_messages(traj) == ["Error: tool 'nap' timed out after 0.3s", "rested"]
+    assert lane_of(agent, "nap").written_off == 1
+
+
+async def test_thread_lane_accounting_and_its_cap():
+    lane = ThreadLane("hang", workers=1, max_stuck=2)
+    for _ in range(2):
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.1):
+                await lane.call(faulty.hang, text="x")
+    assert (lane.stuck, lane.written_off) == (2, 2)
+    with pytest.raises(ToolUnavailable, match="2 calls still running past their timeout"):
+        await lane.call(faulty.echo, text="refused")
+    faulty.RELEASE.set()  # the stuck calls return: their threads leave, the lane serves again
+    for _ in range(100):
+        if lane.stuck == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert lane.stuck == 0 and await lane.call(faulty.echo, text="back") == "back"
+    lane.close()
+
+
+def test_exit_and_ctrl_c_do_not_wait_for_hung_tool_threads(tmp_path):
+    """In a fresh interpreter: a run whose tool hangs finishes; then a run hung in a tool without a timeout
+    gets Ctrl-C. Neither the interrupt nor the exit waits for the stuck threads."""
+    for name, options in (("timeout", "    timeout_s: 0.2\n"), ("forever", "")):
+        (tmp_path / f"{name}.yaml").write_text(f"name: hung\nextends: {REPO / 'specs' / 'tool_agent.yaml'}\n"
+                                               f"tools:\n  - function: {FAULTY}:hang\n{options}")  # fmt: skip
+    script = tmp_path / "hung.py"
+    script.write_text(textwrap.dedent(f"""
+        import asyncio, json, threading, time
+        from transformers import AutoTokenizer
+        import fsm
+        from tests.conftest import model_turn, scripted, tool_turn, user_row
+
+        tok = AutoTokenizer.from_pretrained({str(ASSETS)!r})
+        def run(name):
+            agent = fsm.compile_spec({str(tmp_path)!r} + "/" + name + ".yaml")
+            backend = scripted([tool_turn(tok, ("hang", {{"text": "x"}})), model_turn(tok, "done")])
+            return asyncio.run(fsm.Runner(agent, backend, tok).run([user_row()] * 3))
+        trajs = run("timeout")
+        print("FINISHED", json.dumps([t.termination_reason for t in trajs]), flush=True)
+        def watch():
+            while sum(t.name == "agentfsm-tool-hang" for t in threading.enumerate()) < 6:
+                time.sleep(0.01)
+            print("HUNG", flush=True)
+        threading.Thread(target=watch, daemon=True).start()
+        try:
+            run("forever")
+        except KeyboardInterrupt:
+            print("INTERRUPTED", flush=True)
+    """))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
+    t0, watchdog = None, threading.Timer(120, proc.kill)  # a script that never ends fails, never hangs
+    watchdog.start()
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line.strip())
+            if line.startswith("HUNG"):
+                t0 = time.monotonic()
+                proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=120)
+        assert lines[0] == 'FINISHED ["done", "done", "done"]', lines
+        assert lines[-1] == "INTERRUPTED", lines
+        assert t0 is not None and time.monotonic() - t0 < 10  # interrupt and exit, 6 threads stuck for good
+    finally:
+        watchdog.cancel()
+        proc.kill()
+
+
+async def test_hung_sync_tool_does_not_slow_the_embedded_model(compile_yaml):
+    """The tiny model's decode runs in the event loop's default executor. Twelve calls of a calculator that
+    never answers (timeout 0.2 s) leave twelve threads stuck for good, more than that executor has; they
+    are the tool's own, so generate takes as long as before, and a whole run still finishes."""
+    from specs.calculator import make_prompts
+
+    agent = compile_yaml(f"""
+        name: hung_calculator
+        extends: {{specs}}/calculator.yaml
+        limits:
+          action_timeout_s: 60      # were decode starved, the test would fail here instead of hanging
+        tools:
+          - function: {FAULTY}:hung_calculator
+            name: calculator
+            schema: specs.calculator:TOOL_SCHEMA
+            timeout_s: 0.2
+    """)
+    rows = make_prompts(8, seed=0)
+    async with fsm.RolloutEngine(agent) as engine:
+        prompt = engine.codec.encode_prompt(rows[0]["raw_prompt"], agent.tools.schemas)
+
+        async def mean_generate_s(n: int = 5) -> float:
+            t0 = time.perf_counter()
+            for k in range(n):
+                await engine.backend.generate(GenerateRequest(f"probe-{k}", prompt, {"temperature": 0.0,
+                                                              "max_new_tokens": 24}, return_logprob=False))  # fmt: skip
+            return (time.perf_counter() - t0) / n
+
+        await mean_generate_s(1)  # warm-up
+        before = await mean_generate_s()
+        call = ToolCall("calculator", {"expression": "1+1"}, "")
+        outcomes = await asyncio.gather(*(agent.tools.call(call, f"i{k}", {}, None) for k in range(12)))
+        assert {o.error for o in outcomes} == {"timeout"}
+        assert lane_of(agent, "calculator").stuck == 12 > concurrent.futures.ThreadPoolExecutor()._max_workers
+        during = await asyncio.wait_for(mean_generate_s(), 60)  # starved decode fails, never hangs
+        trajs = await engine.arun(rows, validate=True)
+    print(f"mean generate: {before * 1e3:.0f} ms before, {during * 1e3:.0f} ms with 12 tool threads stuck")
+    assert during < 2 * before + 0.05
+    assert not any(t.failed for t in trajs) and sum(t.metrics.tool_errors for t in trajs) >= 4
+
+
+# --- async tools that hang or spin ------------------------------------------------------------------------
+
+
+async def test_async_tool_that_awaits_forever_times_out(tok, compile_yaml):
+    agent = compile_yaml(spec(tool("ahang", timeout_s=0.2)))
+    (traj,) = await run(tok, agent, {0: [tool_turn(tok, ("ahang", {"text": "x"}))]})
+    assert tool_messages(traj) == ["Error: tool 'ahang' timed out after 0.2s"]
+    assert traj.termination_reason == "done"
+
+
+async def test_async_busy_loop_is_contained(tok, compile_yaml):
+    """aspin never awaits (it spins until released, up to 10 s). On the main loop it would stall every
+    trajectory and finish "successfully"; on its own loop it blocks only that thread and times out."""
+    agent = compile_yaml(spec(tool("aspin", timeout_s=1.0), tool("atick")))
+    ticks = [tool_turn(tok, ("atick", {"text": f"tick {k}"})) for k in range(5)]
+    finished: dict[int, float] = {}
+    t0 = time.perf_counter()
+    trajs = await run(tok, agent, {0: [tool_turn(tok, ("aspin", {"text": "x"}))], 1: ticks},
+                      on_done=lambda t: finished.setdefault(t.index, time.perf_counter() - t0))  # fmt: skip
+    assert tool_messages(trajs[0]) == ["Error: tool 'aspin' timed out after 1s"]
+    assert tool_messages(trajs[1]) == [f"tick {k}" for k in range(5)]
+    assert finished[1] < finished[0] and finished[1] < 1.0  # row 1 went on while aspin spun
+    assert finished[0] < 5  # the spin itself goes on until released (10 s at most)
+    assert all(t.termination_reason == "done" for t in trajs)
+
+
+async def test_wedged_tool_loop_is_replaced():
+    lane = LoopLane("aspin", grace_s=0.05)
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.2):
+            await lane.call(faulty.aspin, "x")
+    await asyncio.sleep(0.1)  # the loop never ran the cancellation: wedged
+    assert await lane.call(faulty.atick, "after") == "after"  # on a fresh loop
+    assert lane.written_off == 1
+    lane.close()
+
+
+# --- BaseExceptions ---------------------------------------------------------------------------------------
+
+
+class ExitingTool(BaseTool):
+    """A verl-style class tool whose execute raises SystemExit (its methods run on the tool's own loop)."""
+
+    async def execute(self, instance_id: str, parameters: dict, **kwargs):
+        raise SystemExit("class tool quits")
+
+
+EXITING_SCHEMA = {"type": "function", "function": {"name": "exiting", "description": "Quit.",
+                                                   "parameters": {"type": "object", "properties": {}}}}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["SystemExit", "KeyboardInterrupt", "GeneratorExit", "CancelledError"])
+@pytest.mark.parametrize("function", ["raise_base", "araise_base"])
+async def test_base_exception_ends_that_row_only(tok, compile_yaml, function, kind):
+    agent = compile_yaml(spec(tool(function, timeout_s=5), tool("echo")))
+    trajs = await run(tok, agent, {0: [tool_turn(tok, (function, {"kind": kind}))],
+                                   1: [tool_turn(tok, ("echo", {"text": "fine"}))],
+                                   2: [tool_turn(tok, ("echo", {"text": "fine"}))]})  # fmt: skip
+    assert trajs[0].failed and trajs[0].termination_reason.startswith("error: ")  # finished, as an error row
+    assert f"tool '{function}' raised {kind}" in trajs[0].termination_reason, trajs[0].termination_reason
+    assert [t.termination_reason for t in trajs[1:]] == ["done", "done"]
+    assert [tool_messages(t) for t in trajs[1:]] == [["fine"], ["fine"]]
+
+
+async def test_class_tool_raising_system_exit_ends_that_row_only(tok, compile_yaml):
+    exiting = "  - class: tests.test_tool_faults:ExitingTool\n    schema: tests.test_tool_faults:EXITING_SCHEMA"
+    agent = compile_yaml(spec(exiting, tool("echo")))
+    trajs = await run(tok, agent, {0: [tool_turn(tok, ("exiting", {}))], 1: [tool_turn(tok, ("echo", {"text": "ok"}))]})
+    assert "tool 'exiting' raised SystemExit: class tool quits" in trajs[0].termination_reason
+    assert trajs[1].termination_reason == "done"
+
+
+# --- isolation: process -----------------------------------------------------------------------------------
+
+
+async def test_process_worker_past_its_timeout_is_killed_and_replaced(tok, compile_yaml):
+    agent = compile_yaml(spec(tool("crunch", isolation="process", timeout_s=0.5, workers=1)))
+    lane = lane_of(agent, "crunch")
+    try:
+        (traj,) = await run(tok, agent, {0: [tool_turn(tok, ("crunch", {"seconds": -1})),  # spins forever
+                                             tool_turn(tok, ("crunch", {"seconds": 0}))]})  # fmt: skip
+        first, second = tool_messages(traj)
+        assert first == "Error: tool 'crunch' timed out after 0.5s"
+        pid = int(second)
+        assert pid != os.getpid() and os.kill(pid, 0) is None  # a live worker answered
+        assert (lane.started, lane.killed) == (2, 1)
+    finally:
+        lane.close()
+
+
+async def test_process_tool_crashes_end_that_row_only(tok, compile_yaml):
+    agent = compile_yaml(spec(*(tool(name, isolation="process") for name in ("raise_base", "die", "echo"))))
+    try:
+        trajs = await run(tok, agent, {0: [tool_turn(tok, ("raise_base", {"kind": "SystemExit"}))],
+                                       1: [tool_turn(tok, ("die", {"code": 7}))],
+                                       2: [tool_turn(tok, ("echo", {"text": "fine"}))]})  # fmt: skip
+        assert "tool 'raise_base' raised SystemExit: 3" in trajs[0].termination_reason
+        assert "tool 'die': its worker process died (exit code 7)" in trajs[1].termination_reason
+        assert trajs[2].termination_reason == "done" and tool_messages(trajs[2]) == ["fine"]
+    finally:
+        agent.tools.close()
+
+
+# --- a 50 MB answer ---------------------------------------------------------------------------------------
+
+N = 50_000_000
+
+
+@pytest.mark.parametrize("side", ["left", "right", "middle"])
+async def test_50_mb_answer_is_truncated_without_holding_it(tok, compile_yaml, side):
+    agent = compile_yaml(spec(tool("big"), max_tool_response_length=20, tool_response_truncate_side=side))
+    tracemalloc.start()
+    try:
+        faulty.big(N)
+        _, tool_peak = tracemalloc.get_traced_memory()  # what the tool itself needs to build its answer
+        tracemalloc.reset_peak()
+        base, _ = tracemalloc.get_traced_memory()
+        (traj,) = await run(tok, agent, {0: [tool_turn(tok, ("big", {"n": N}))]})
+        for _ in range(100):  # the tool's thread drops its last reference a moment after it answers
+            after, peak = tracemalloc.get_traced_memory()
+            if after - base < 4 << 20:
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        tracemalloc.stop()
+    assert tool_messages(traj) == [truncate("a" + "b" * 100 + "z", 20, side)]
+    assert peak - base < tool_peak + (8 << 20)  # no copy of the 50 MB beyond the tool's own
+    assert after - base < 4 << 20  # and nothing kept
+
+
+async def test_50_mb_answer_from_a_worker_is_cut_before_it_crosses(tok, compile_yaml):
+    agent = compile_yaml(spec(tool("big", isolation="process"), max_tool_response_length=20))
+    try:
+        await agent.tools.by_name["big"].lane.ready()  # the worker's start is not measured
+        tracemalloc.start()
+        try:
+            (traj,) = await run(tok, agent, {0: [tool_turn(tok, ("big", {"n": N}))]})
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert tool_messages(traj) == [truncate("a" + "b" * 100 + "z", 20, "middle")]
+        assert peak < 16 << 20  # the parent never saw the 50 MB
+    finally:
+        agent.tools.close()
+
