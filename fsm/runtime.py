@@ -98,8 +98,8 @@ class Runner:
             if on_done is not None:
                 on_done(traj)
 
-        async with asyncio.TaskGroup() as run:
-            watchdog = run.create_task(self._watchdog(trajs, finished)) if self.watchdog_s else None
+        async with asyncio.TaskGroup() as owner:  # the watchdog lives exactly as long as the rows
+            watchdog = owner.create_task(self._watchdog(trajs, finished)) if self.watchdog_s else None
             try:
                 async with asyncio.TaskGroup() as tg:
                     for traj in trajs:
