@@ -20,6 +20,8 @@ class GenerateRequest:
     rid: str | None = None  # per-turn request id, "{session_id}_t{turn:02d}": never a prefix of another live rid
     group_id: str | None = None  # GRPO group (the row's uid): samples of a group share their prompt
     return_logprob: bool = True
+    timeout_s: float | None = None  # per-attempt deadline (the spec's request_timeout_s); None: the backend's
+    resumed: int = 0  # how often this turn was aborted and resumed before this request (0: a fresh turn)
 
 
 @dataclass(slots=True)
@@ -37,14 +39,18 @@ class GenerateResult:
 
 
 class BackendError(Exception):
-    """A generation that failed. `retryable` says whether trying again (maybe elsewhere) can help."""
+    """A generation that failed. `retryable` says whether trying again (maybe elsewhere) can help; `kind`
+    names the fault for counting ("http_errors", "disconnects", "timeouts", "malformed", ...)."""
 
     retryable: bool = False
 
-    def __init__(self, message: str, *, server: str | None = None, status: int | None = None):
+    def __init__(self, message: str, *, server: str | None = None, status: int | None = None,
+                 kind: str | None = None, retry_after: float | None = None):  # fmt: skip
         super().__init__(message)
         self.server = server
         self.status = status
+        self.kind = kind
+        self.retry_after = retry_after  # seconds the server asked us to wait (Retry-After), if it did
 
 
 class BackendRequestError(BackendError):
@@ -57,6 +63,22 @@ class BackendUnavailable(BackendError):
     """The server could not be reached, disconnected, timed out or answered 5xx: retry, maybe elsewhere."""
 
     retryable = True
+
+
+class BackendMalformed(BackendUnavailable):
+    """The server answered 200 with a body that is not a /generate response (not JSON, an HTML page, another
+    schema): a server fault like a 5xx, never an empty turn."""
+
+
+class BackendTimeout(BackendUnavailable):
+    """No answer within the request deadline; the request was aborted at the server. Retried elsewhere: a
+    server that hangs once tends to hang again."""
+
+
+class GenerationAborted(BackendError):
+    """The server aborted one model turn more often than the spec's resume budget (`limits.max_resumes`)."""
+
+    retryable = False
 
 
 @runtime_checkable
@@ -74,6 +96,11 @@ class Backend(Protocol):
         ...
 
 
+# Optional, looked up with getattr: `where(session_id) -> str | None` (the server and request a trajectory is
+# waiting on, for the watchdog's report) and `stats() -> dict` (counters for the run summary; a "faults"
+# entry holds the server faults seen, by kind).
+
+
 class BaseBackend:
     """Convenience base: no-op lifecycle so simple backends only write `generate`."""
 
@@ -88,6 +115,9 @@ class BaseBackend:
         """Stop background work and release resources. Idempotent."""
 
     async def release(self, session_id: str) -> None:
+        return None
+
+    def where(self, session_id: str) -> str | None:
         return None
 
     async def __aenter__(self):

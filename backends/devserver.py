@@ -9,6 +9,13 @@ server keeps a prefix cache of what it has served (a radix tree bounded by an LR
     with scripted_servers(2) as urls: ...                      # scripted servers in subprocesses
     python -m backends.devserver --model DIR --port 30000      # the embedded transformers model
     python -m backends.devserver --scripted --port 30000       # a deterministic echo "model", no weights
+
+Aborts on demand: a /generate carrying the header `X-Agentfsm-Fault: abort_waiting` is aborted in the waiting
+queue (SGLang's shape: no prompt_tokens, no cached_tokens); `abort_running[:K]` is aborted mid-generation
+after K tokens (default a quarter of max_new_tokens) and answers with those partial output_ids and their
+logprobs, `finish_reason {"type": "abort", "message": "Aborted", ...}`, as SGLang does for a running request.
+backends/faults.py's proxy sets the header; /abort_request, /pause_generation and a weight update with
+abort_all_requests abort for real (with no partial output: an in-process backend cannot be stopped mid-call).
 """
 
 from __future__ import annotations
@@ -29,12 +36,19 @@ import uuid
 import zlib
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from aiohttp import web
 
-from backends.base import Backend, BackendRequestError, BackendUnavailable, GenerateRequest, GenerateResult
+from backends.base import (
+    Backend,
+    BackendRequestError,
+    BackendUnavailable,
+    BaseBackend,
+    GenerateRequest,
+    GenerateResult,
+)
 from backends.scripted import ScriptedBackend
 
 log = logging.getLogger("agentfsm.devserver")
@@ -50,7 +64,8 @@ SAMPLING_KEYS = (
 )  # fmt: skip
 _FLOAT_KEYS = {"temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"}
 _INT_KEYS = {"max_new_tokens", "min_new_tokens", "top_k", "n", "sampling_seed", "stream_interval"}
-_TURN_SUFFIX = re.compile(r"_t\d+$")
+FAULT_HEADER = "X-Agentfsm-Fault"  # abort_waiting | abort_running[:K]: an abort on demand (module docstring)
+_TURN_SUFFIX = re.compile(r"_t\d+(_r\d+)?$")  # a turn, and a resume of it
 
 
 # -- prefix cache ----------------------------------------------------------------------------------
@@ -308,7 +323,7 @@ class DevServer:
         if body.get("stream"):
             return await self._stream(request, body, params)
         try:
-            rec, ids, res = await self._run(body, params)
+            rec, ids, res = await self._run(body, params, request.headers.get(FAULT_HEADER))
         except _Refused as r:
             return _error(r)
         return web.json_response(self._response(rec, ids, params, res, bool(body.get("return_logprob"))))
@@ -379,11 +394,22 @@ class DevServer:
         return rid, ids
 
     async def _run(
-        self, body: dict[str, Any], params: dict[str, Any]
+        self, body: dict[str, Any], params: dict[str, Any], fault: str | None = None
     ) -> tuple[_Live, list[int], GenerateResult | None]:
-        """Run one request; the result is None when it was aborted (while waiting or running)."""
+        """Run one request; the result is None when it was aborted (while waiting or running). `fault`: the
+        FAULT_HEADER's abort on demand."""
         rid, ids = self._admit(body, params)
         rec = self._live[rid] = _Live(rid)
+        wanted = params.get("max_new_tokens")
+        wanted = 128 if wanted is None else wanted
+        if fault == "abort_waiting":
+            del self._live[rid]
+            return rec, ids, None  # never left the waiting queue
+        cut = None  # abort_running: stop after `cut` tokens and answer as an abort
+        if fault is not None and fault.startswith("abort_running"):
+            _, _, k = fault.partition(":")
+            cut = min(wanted, int(k) if k else max(1, wanted // 4))
+            params = {**params, "max_new_tokens": cut}
         request = GenerateRequest(
             session_id=_TURN_SUFFIX.sub("", rid), prompt_ids=ids, sampling_params=dict(params), rid=rid,
             return_logprob=bool(body.get("return_logprob")),
@@ -403,6 +429,8 @@ class DevServer:
             status = 503 if isinstance(exc, BackendUnavailable) else 500
             raise _Refused.http(status, f"{type(exc).__name__}: {exc}")
         res = rec.task.result()
+        if cut is not None and res.finish_reason == "length" and len(res.token_ids) < wanted:
+            res = replace(res, finish_reason="abort", abort_message="Aborted")  # partial output, as SGLang's
         self.cache.insert(ids + list(res.token_ids))
         self.prompt_tokens += len(ids)
         self.cached_tokens += rec.cached
@@ -612,6 +640,49 @@ def echo_backend(
     return backend
 
 
+class HashLM(BaseBackend):
+    """A deterministic autoregressive toy language model: each token (and its logprob) is a hash of everything
+    before it, prompt included. A generation aborted and resumed from its partial output therefore goes on
+    exactly as the uninterrupted one would have, as greedy decoding does, and different prompts get different
+    answers: the stand-in for a model in resume and failover tests. Turns end with `eos` after about
+    `stop_every` tokens on average."""
+
+    provider = "scripted"
+
+    def __init__(self, *, vocab: int = 1000, eos: int = 2, stop_every: int = 8, latency_s: float = 0.0,
+                 per_token_s: float = 0.0, model_name: str = "hashlm"):  # fmt: skip
+        self.vocab, self.eos, self.stop_every = vocab, eos, stop_every
+        self.latency_s, self.per_token_s = latency_s, per_token_s
+        self.model_name = model_name
+        self.context_length = None
+
+    @staticmethod
+    def _hash(ids: Sequence[int], h: int = 0) -> int:
+        return zlib.crc32(b"".join(t.to_bytes(4, "little", signed=True) for t in ids), h)
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        params = request.sampling_params
+        max_new = params.get("max_new_tokens")
+        max_new = 128 if max_new is None else int(max_new)
+        stops = {self.eos, *(params.get("stop_token_ids") or ())}
+        h = self._hash(request.prompt_ids)
+        ids: list[int] = []
+        logprobs: list[float] = []
+        finish = "length"
+        while len(ids) < max_new:
+            token = self.eos if (h >> 3) % self.stop_every == 0 else 10 + (h >> 7) % (self.vocab - 10)
+            ids.append(token)
+            logprobs.append(-((h >> 11) % 1000) / 1000.0 - 0.001)
+            h = self._hash((token,), h)
+            if token in stops:
+                finish = "stop"
+                break
+        if self.latency_s or self.per_token_s:
+            await asyncio.sleep(self.latency_s + self.per_token_s * len(ids))
+        return GenerateResult(ids, logprobs if request.return_logprob else None, finish,
+                              prompt_tokens=len(request.prompt_ids), cached_tokens=0, server=self.model_name)  # fmt: skip
+
+
 # -- scripted servers in subprocesses ---------------------------------------------------------------
 
 
@@ -683,23 +754,29 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", "--model-path", dest="model", help="model directory (transformers format)")
     ap.add_argument("--scripted", action="store_true", help="serve the deterministic echo backend (no model)")
+    ap.add_argument("--hashlm", action="store_true", help="serve HashLM, the deterministic autoregressive toy")
+    ap.add_argument("--vocab", type=int, default=1000, help="HashLM: vocabulary size")
+    ap.add_argument("--stop-every", type=int, default=8, help="HashLM: mean tokens per turn")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=30000)
     ap.add_argument("--context-length", type=int, default=None)
     ap.add_argument("--max-running-requests", type=int, default=None)
-    ap.add_argument("--latency", type=float, default=0.0, help="scripted mode: seconds per request")
+    ap.add_argument("--latency", type=float, default=0.0, help="scripted/hashlm: seconds per request")
     ap.add_argument("--log-level", default="info")
     args, ignored = ap.parse_known_args(argv)  # SGLang launch flags (--tp-size, ...) are accepted and ignored
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
     if ignored:
         log.info("ignoring SGLang flags: %s", " ".join(ignored))
     options = {"context_length": args.context_length, "max_running_requests": args.max_running_requests}
-    if args.scripted:
+    if args.hashlm:
+        model = HashLM(vocab=args.vocab, stop_every=args.stop_every, latency_s=args.latency)
+        asyncio.run(_serve(model, args.host, args.port, **options))
+    elif args.scripted:
         asyncio.run(_serve(echo_backend(latency_s=args.latency), args.host, args.port, **options))
     elif args.model:
         serve_model(args.model, args.host, args.port, **options)
     else:
-        ap.error("give --model DIR or --scripted")
+        ap.error("give --model DIR, --scripted or --hashlm")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,13 @@ Placement, in order:
 A session whose server is down is re-pinned by rule 3 and counted as "moved". When no server is marked
 healthy, all of them are candidates again (a mark may be stale; a dead fleet then fails per request).
 
+Failover: a retryable failure (a server fault the client already retried, or a timeout) marks the server
+down and re-runs placement, under the `failover` retry policy (`backends.retry`). A server that failed stays
+out for a cooldown that doubles with each consecutive failure (5 s, 10 s, ... up to 5 min), whatever its
+/health says: a server whose /health answers while its /generate hangs must not take new sessions every
+health interval. A success resets it. Every re-route is counted ("retries"; "failovers" when it changed
+server), and `stats()["faults"]` sums what the clients met, by kind.
+
 This is manual/min_load routing in the terms of SGLang's model gateway (smg), plus what smg's HTTP router
 lacks: exact abort targeting and control calls broadcast to every server.
 """
@@ -17,11 +24,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from backends.base import Backend, BackendError, BaseBackend, GenerateRequest, GenerateResult
+from backends.retry import RetryPolicy, retry
 
 
 @dataclass(eq=False, slots=True)
@@ -33,6 +42,8 @@ class _Server:
     requests: int = 0
     failures: int = 0
     sessions: int = 0  # sessions pinned here now
+    streak: int = 0  # consecutive failed requests (a success resets it)
+    down_until: float = 0.0  # monotonic time before which health checks may not bring it back
 
 
 @dataclass(slots=True)
@@ -59,6 +70,9 @@ class Router(BaseBackend):
         max_retries: int = 2,  # re-routes after a retryable failure, each maybe to another server
         health_interval_s: float = 5.0,  # 0 disables the background health checks
         health_timeout_s: float = 30.0,  # SGLang's /health itself waits up to 20 s
+        failover: RetryPolicy | None = None,  # replaces max_retries: attempts and the wait between re-routes
+        cooldown_s: float = 5.0,  # a failed server stays out this long, doubled per consecutive failure...
+        cooldown_max_s: float = 300.0,  # ...up to this
     ):
         if not backends:
             raise ValueError("Router needs at least one backend")
@@ -67,7 +81,10 @@ class Router(BaseBackend):
         ]
         self.group_affinity = group_affinity
         self.group_imbalance = group_imbalance
-        self.max_retries = max_retries
+        # Re-route at once (another server is likely fine), then back off a little if the whole fleet fails.
+        self.failover = failover or RetryPolicy(attempts=1 + max_retries, backoff_s=0.0, backoff_max_s=1.0)
+        self.max_retries = self.failover.attempts - 1
+        self.cooldown_s, self.cooldown_max_s = cooldown_s, cooldown_max_s
         self.health_interval_s = health_interval_s
         self.health_timeout_s = health_timeout_s
         self.model_name = backends[0].model_name
@@ -75,7 +92,8 @@ class Router(BaseBackend):
         self._sessions: dict[str, _Session] = {}
         self._groups: dict[str, _Group] = {}
         self._health_task: asyncio.Task[None] | None = None
-        self.counts = {"sticky": 0, "new": 0, "group": 0, "moved": 0, "retries": 0}
+        # placements by route; re-routes after a failure (failovers: to another server); resumed requests
+        self.counts = {"sticky": 0, "new": 0, "group": 0, "moved": 0, "retries": 0, "failovers": 0, "resumes": 0}
         self.prompt_tokens = 0
         self.cached_tokens = 0
 
@@ -121,7 +139,7 @@ class Router(BaseBackend):
                     ok = bool(await asyncio.wait_for(health(), self.health_timeout_s))
                 except Exception:
                     ok = False
-            s.healthy = ok
+            s.healthy = ok and time.monotonic() >= s.down_until  # a failed server sits out its cooldown
 
         await asyncio.gather(*(probe(s) for s in self.servers))
         return [s.healthy for s in self.servers]
@@ -190,8 +208,14 @@ class Router(BaseBackend):
     # -- generation ------------------------------------------------------------------------------
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
-        for attempt in range(self.max_retries + 1):
+        previous: list[int] = []  # servers tried for this request, in order
+
+        async def attempt(n: int) -> GenerateResult:
             idx = self.choose(request.session_id, request.group_id)
+            if n > 1:
+                self.counts["retries"] += 1
+                self.counts["failovers"] += int(idx != previous[-1])
+            previous.append(idx)
             route = self._pin(request, idx)
             s = self.servers[idx]
             s.in_flight += 1
@@ -199,22 +223,29 @@ class Router(BaseBackend):
             try:
                 result = await s.backend.generate(request)
             except BackendError as e:
-                if not e.retryable:
-                    raise
-                s.failures += 1
-                s.healthy = False  # until a health check says otherwise; the session moves on retry
-                if attempt == self.max_retries:
-                    raise
-                self.counts["retries"] += 1
-                continue
+                if e.retryable:
+                    self._failed(s)
+                raise
             finally:
                 s.in_flight -= 1
+            s.streak = 0
             result.route = route
             result.server = result.server or s.name
             self.prompt_tokens += len(request.prompt_ids)
             self.cached_tokens += result.cached_tokens or 0
             return result
-        raise AssertionError("unreachable")
+
+        if request.resumed:
+            self.counts["resumes"] += 1
+        return await retry(self.failover, attempt)
+
+    def _failed(self, s: _Server) -> None:
+        """Take `s` out until a health check after its cooldown says otherwise; its sessions move on retry."""
+        s.failures += 1
+        s.streak += 1
+        s.healthy = False
+        cooldown = min(self.cooldown_max_s, self.cooldown_s * 2 ** (s.streak - 1))
+        s.down_until = time.monotonic() + cooldown
 
     async def release(self, session_id: str) -> None:
         """The trajectory ended: forget its pin (and its group's, with the group's last session)."""
@@ -229,6 +260,15 @@ class Router(BaseBackend):
                 if g.sessions <= 0:
                     del self._groups[s.group]
         await self.servers[s.server].backend.release(session_id)
+
+    def where(self, session_id: str) -> str | None:
+        """The server (and request) a session is pinned to: for the engine's watchdog report."""
+        s = self._sessions.get(session_id)
+        if s is None:
+            return None
+        server = self.servers[s.server]
+        where = getattr(server.backend, "where", None)
+        return (where(session_id) if where is not None else None) or server.name
 
     async def abort(self, session_id: str) -> None:
         """Abort the session's in-flight request on the one server that runs it."""
@@ -273,19 +313,27 @@ class Router(BaseBackend):
     # -- numbers ---------------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
+        """Placement, failover and cache counters; `faults` sums what each server's client met, by kind."""
+        servers = []
+        faults: dict[str, int] = {}
+        client_totals = {"client_retries": 0, "aborts_sent": 0}
+        for s in self.servers:
+            entry: dict[str, Any] = {"server": s.name, "healthy": s.healthy, "in_flight": s.in_flight,
+                                     "requests": s.requests, "failures": s.failures, "sessions": s.sessions}  # fmt: skip
+            backend_stats = getattr(s.backend, "stats", None)
+            if backend_stats is not None:
+                own = backend_stats()
+                entry["faults"] = dict(own.get("faults", {}))
+                for kind, count in entry["faults"].items():
+                    faults[kind] = faults.get(kind, 0) + count
+                client_totals["client_retries"] += own.get("retries", 0)
+                client_totals["aborts_sent"] += own.get("aborts_sent", 0)
+            servers.append(entry)
         return {
-            "servers": [
-                {
-                    "server": s.name,
-                    "healthy": s.healthy,
-                    "in_flight": s.in_flight,
-                    "requests": s.requests,
-                    "failures": s.failures,
-                    "sessions": s.sessions,
-                }
-                for s in self.servers
-            ],  # fmt: skip
+            "servers": servers,
             **self.counts,
+            **client_totals,
+            "faults": faults,
             "sessions": len(self._sessions),
             "groups": len(self._groups),
             "prompt_tokens": self.prompt_tokens,

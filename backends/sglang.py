@@ -5,7 +5,16 @@ the memory and weight endpoints); backends/devserver.py serves the same contract
 adds on top of a bare POST:
 - `max_new_tokens` is clamped to the room left in the context (SGLang answers 400 instead of truncating);
 - 400s become `BackendRequestError` with the server's own message, whatever the body shape;
-- transport failures and 5xx are retried with jittered exponential backoff, then `BackendUnavailable`;
+- a server fault is retried on the same server (`backends.retry` policy: jittered exponential backoff,
+  Retry-After honoured), then raised as a retryable `BackendUnavailable` the router fails over on. Faults
+  are: 408/429/5xx, a refused, dropped or mid-response reset connection, and a 200 whose body is not a
+  /generate response (`BackendMalformed`: not JSON, an HTML page, another schema), never an empty turn;
+- every /generate attempt has a deadline (`request_timeout_s`, default 300 s). Past it the rid is aborted at
+  the server (`/abort_request`); a live server then answers with its partial output (finish_reason abort,
+  which the engine resumes), a hung one does not and the attempt fails with `BackendTimeout`, which is not
+  retried here (a hung server stays hung) but fails over in the router;
+- aborts (`finish_reason.type == "abort"`) are returned as results, with the tokens produced before the abort:
+  the engine resumes them. Every fault is counted by kind in `stats()["faults"]`;
 - the connector's keep-alive is below uvicorn's 5 s, so a pooled connection is never reused as it closes.
 `sglang` itself is never imported: the launcher runs it in subprocesses.
 """
@@ -17,30 +26,38 @@ import contextlib
 import json
 import logging
 import os
-import random
 import signal
 import subprocess
 import sys
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 
 from backends.base import (
     BackendError,
+    BackendMalformed,
     BackendRequestError,
+    BackendTimeout,
     BackendUnavailable,
     BaseBackend,
     GenerateRequest,
     GenerateResult,
 )
+from backends.retry import RetryPolicy, parse_retry_after, retry
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
-_RETRY_STATUS = {408, 429, 500, 502, 503, 504}  # smg's retryable set
+DEFAULT_REQUEST_TIMEOUT_S = 300.0  # per /generate attempt; SGLang's own watchdog_timeout is also 300 s
 _DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default when the key is absent
+_WEIGHTS_TIMEOUT_S = 600.0  # a weight reload may take minutes
+# What a /generate can meet, counted in stats()["faults"]; each is one failed attempt or one abort.
+FAULT_KINDS = ("http_errors", "refused", "disconnects", "resets", "timeouts", "malformed", "aborts_waiting",
+               "aborts_running")  # fmt: skip
 
 
 def error_message(body: Any, fallback: str) -> str:
@@ -57,18 +74,47 @@ def error_message(body: Any, fallback: str) -> str:
     return fallback
 
 
-def parse_generate(body: dict[str, Any], *, server: str, return_logprob: bool) -> GenerateResult:
-    """One /generate response object -> GenerateResult. Optional keys stay optional (waiting-queue aborts)."""
-    out: list[int] = list(body.get("output_ids") or [])
-    meta: dict[str, Any] = body.get("meta_info") or {}
-    fr = meta.get("finish_reason") or {}
-    kind = fr.get("type", "abort") if isinstance(fr, dict) else str(fr)
-    abort_message = fr.get("message") if kind == "abort" and isinstance(fr, dict) else None
+def _snippet(value: Any, n: int = 120) -> str:
+    text = value if isinstance(value, str) else json.dumps(value)[: n + 1]
+    text = " ".join(text.split())
+    return repr(text[:n] + ("..." if len(text) > n else ""))
+
+
+def _is_int_list(value: Any) -> bool:
+    return isinstance(value, list) and all(type(t) is int for t in value)
+
+
+def parse_generate(body: Any, *, server: str, return_logprob: bool, rid: str | None = None) -> GenerateResult:
+    """One /generate response object -> GenerateResult. Optional keys stay optional (waiting-queue aborts);
+    a body that does not follow the schema raises BackendMalformed, so it is retried, never taken as a turn."""
+
+    def malformed(what: str) -> BackendMalformed:
+        return BackendMalformed(f"{server}: /generate (rid {rid}) answered 200 with {what}; a server fault",
+                                server=server, status=200, kind="malformed")  # fmt: skip
+
+    if isinstance(body, list) and len(body) == 1:  # never sent as a batch, but be exact about what came back
+        body = body[0]
+    if not isinstance(body, dict):
+        raise malformed(f"JSON {type(body).__name__} {_snippet(body)} instead of a response object")
+    out, meta = body.get("output_ids"), body.get("meta_info")
+    fr = meta.get("finish_reason") if isinstance(meta, dict) else None
+    if not _is_int_list(out) or not isinstance(fr, dict) or fr.get("type") not in ("stop", "length", "abort"):
+        raise malformed(f"a body without output_ids and meta_info.finish_reason: {_snippet(body)}")
+    assert isinstance(meta, dict) and isinstance(out, list)
+    kind = fr["type"]
     extra: dict[str, Any] = {"id": meta.get("id"), "finish": fr}
+    if kind == "abort":  # SGLang answers a waiting-queue abort without prompt_tokens
+        extra["abort_kind"] = "running" if "prompt_tokens" in meta else "waiting"
     logprobs: list[float] | None = None
     if return_logprob:
-        triples = meta.get("output_token_logprobs") or []
-        if len(triples) == len(out):
+        triples = meta.get("output_token_logprobs")
+        if triples is None:
+            extra["logprobs_missing"] = True  # asked for, not given: never invent values
+        elif not isinstance(triples, list) or not all(
+            isinstance(t, list) and t and isinstance(t[0], (int, float)) for t in triples
+        ):
+            raise malformed(f"output_token_logprobs that are not [logprob, id, text] triples: {_snippet(triples)}")
+        elif len(triples) == len(out):
             logprobs = [float(t[0]) for t in triples]
         elif not out:
             logprobs = []  # phantom entry with max_new_tokens=0
@@ -77,21 +123,29 @@ def parse_generate(body: dict[str, Any], *, server: str, return_logprob: bool) -
         elif kind == "abort":
             extra["logprobs_missing"] = True  # aborts may carry no logprob payload; never invent values
         else:
-            raise BackendError(
-                f"{server}: {len(triples)} output logprobs for {len(out)} output ids (rid {meta.get('id')})",
-                server=server,
-            )
+            raise malformed(f"{len(triples)} output logprobs for {len(out)} output ids")
     return GenerateResult(
-        token_ids=out,
+        token_ids=list(out),
         logprobs=logprobs,
         finish_reason=kind,
         prompt_tokens=meta.get("prompt_tokens"),
         cached_tokens=meta.get("cached_tokens"),
         weight_version=meta.get("weight_version"),
         server=server,
-        abort_message=abort_message,
+        abort_message=fr.get("message") if kind == "abort" else None,
         extra=extra,
     )
+
+
+def _decode(data: bytes) -> Any:
+    """The JSON body, else the text (an error page, an empty body: None)."""
+    text = data.decode("utf-8", errors="replace")
+    if not text:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 class SGLangBackend(BaseBackend):
@@ -103,20 +157,25 @@ class SGLangBackend(BaseBackend):
         self,
         url: str,
         *,
-        timeout_s: float = 600.0,  # per /generate call, all of it
+        # Per /generate attempt; when set it overrides the spec's limits.request_timeout_s carried by each
+        # request; neither set: DEFAULT_REQUEST_TIMEOUT_S.
+        request_timeout_s: float | None = None,
         max_retries: int = 3,  # retries after the first attempt, for retryable failures only
         backoff_s: float = 0.05,  # first retry delay; doubles each retry, ±20 % jitter
         backoff_max_s: float = 5.0,
+        retry: RetryPolicy | None = None,  # the whole policy; replaces max_retries/backoff_s/backoff_max_s
+        # After a deadline's /abort_request, how long the partial answer is awaited; None: min(5 s, deadline/10).
+        abort_grace_s: float | None = None,
         keepalive_s: float = 4.0,  # must stay below uvicorn's 5 s keep-alive
         context_length: int | None = None,  # skip discovery when given
         model_name: str | None = None,
         api_key: str | None = None,
     ):
         self.url = url.rstrip("/")
-        self.timeout_s = timeout_s
-        self.max_retries = max_retries
-        self.backoff_s = backoff_s
-        self.backoff_max_s = backoff_max_s
+        self.request_timeout_s = request_timeout_s
+        self.retry_policy = retry or RetryPolicy(attempts=1 + max_retries, backoff_s=backoff_s,
+                                                 backoff_max_s=backoff_max_s)  # fmt: skip
+        self.abort_grace_s = abort_grace_s
         self.keepalive_s = keepalive_s
         self.context_length = context_length
         self.max_input_len: int | None = None  # server's max_req_input_len when it reports one
@@ -126,14 +185,19 @@ class SGLangBackend(BaseBackend):
         self._session: aiohttp.ClientSession | None = None
         self._info_lock = asyncio.Lock()
         self._info: dict[str, Any] | None = None
-        self._live: dict[str, str] = {}  # rid -> session_id, for abort(session_id)
+        self._live: dict[str, str] = {}  # rid -> session_id, for abort(session_id) and where()
+        # /generate attempts, re-sends of one, and deadline aborts sent; then the faults met, by kind
+        self.counts = {"requests": 0, "retries": 0, "aborts_sent": 0}
+        self.faults = dict.fromkeys(FAULT_KINDS, 0)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
     async def start(self) -> None:
         if self._session is None or self._session.closed:
             connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=self.keepalive_s)
-            self._session = aiohttp.ClientSession(connector=connector, headers=self._headers)
+            # No aiohttp timeout (its default is 5 min): every call here has its own deadline.
+            self._session = aiohttp.ClientSession(connector=connector, headers=self._headers,
+                                                  timeout=aiohttp.ClientTimeout(total=None))  # fmt: skip
 
     async def close(self) -> None:
         if self._session is not None:
@@ -142,54 +206,62 @@ class SGLangBackend(BaseBackend):
 
     # -- HTTP plumbing ---------------------------------------------------------------------------
 
-    async def _call(
-        self,
-        method: str,
-        path: str,
-        payload: Any = None,
-        *,
-        timeout_s: float | None = None,
-        retries: int | None = None,
-        rid: str | None = None,
-    ) -> tuple[int, Any]:
-        """One request with retries; returns (status, parsed body) for 2xx and 4xx, raises otherwise.
-
-        With `rid` (a /generate call), a timed-out attempt may still be running server-side: it is aborted
-        before the retry, and a retry answered "Duplicate request ID" is retried again rather than a 400.
-        """
+    async def _send(self, method: str, path: str, payload: Any = None) -> tuple[int, Mapping[str, str], bytes]:
+        """One HTTP exchange, unbounded (callers set the deadline). A transport failure becomes a
+        retryable BackendUnavailable whose kind says when it happened: refused, before or during the body."""
         await self.start()
         assert self._session is not None
-        url = self.url + path
-        timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)
-        attempts = 1 + (self.max_retries if retries is None else retries)
-        last = ""
-        status: int | None = None
-        for attempt in range(attempts):
-            if attempt:
-                delay = min(self.backoff_max_s, self.backoff_s * 2 ** (attempt - 1))
-                await asyncio.sleep(delay * random.uniform(0.8, 1.2))
+        what = f"{self.url}: {method} {path}"
+        try:
+            async with self._session.request(method, self.url + path, json=payload) as resp:
+                try:
+                    data = await resp.read()
+                except (aiohttp.ClientError, ConnectionError) as e:  # the headers came, the body did not
+                    raise BackendUnavailable(f"{what}: connection lost mid-response ({type(e).__name__} {e})",
+                                             server=self.url, status=resp.status, kind="resets") from e  # fmt: skip
+                return resp.status, resp.headers, data
+        except aiohttp.ClientConnectorError as e:
+            raise BackendUnavailable(f"{what}: cannot connect ({e})", server=self.url, kind="refused") from e
+        except (aiohttp.ClientError, ConnectionError) as e:
+            raise BackendUnavailable(f"{what}: connection dropped before a response ({type(e).__name__} {e})",
+                                     server=self.url, kind="disconnects") from e  # fmt: skip
+
+    async def _retrying(self, what: str, attempt_fn: Callable[[int], Awaitable[T]], policy: RetryPolicy,
+                        retryable: Callable[[BaseException], bool] | None = None) -> T:  # fmt: skip
+        """`retry()` with this client's message: the last failure, named by server and attempt count."""
+        tries = 0
+
+        async def counted(n: int) -> T:
+            nonlocal tries
+            tries = n
+            return await attempt_fn(n)
+
+        try:
+            return await retry(policy, counted, retryable=retryable)
+        except BackendUnavailable as e:
+            message = f"{self.url} unavailable after {tries} attempt(s) of {what}: {str(e).removeprefix(self.url + ': ')}"
+            raise type(e)(message, server=self.url, status=e.status, kind=e.kind) from e
+
+    async def _call(self, method: str, path: str, payload: Any = None, *, timeout_s: float = 30.0,
+                    retries: int | None = None) -> tuple[int, Any]:  # fmt: skip
+        """A control call with retries: (status, parsed body) for 2xx and 4xx; raises BackendUnavailable."""
+        policy = self.retry_policy if retries is None else replace(self.retry_policy, attempts=1 + retries)
+
+        async def attempt(n: int) -> tuple[int, Any]:
             try:
-                async with self._session.request(method, url, json=payload, timeout=timeout) as resp:
-                    status, text = resp.status, await resp.text()
-            except (TimeoutError, aiohttp.ClientError) as e:
-                status, last = None, f"{type(e).__name__} {e}".strip()
-                if rid is not None and isinstance(e, asyncio.TimeoutError):
-                    with contextlib.suppress(BackendError):
-                        await self._call("POST", "/abort_request", {"rid": rid}, timeout_s=10, retries=0)
-                continue
-            body: Any = text
-            with contextlib.suppress(ValueError):
-                body = json.loads(text) if text else None
-            message = error_message(body, text[:200])
-            if status in _RETRY_STATUS or (rid is not None and attempt and "Duplicate request ID" in message):
-                last = f"HTTP {status}: {message}"
-                continue
+                async with asyncio.timeout(timeout_s):
+                    status, headers, data = await self._send(method, path, payload)
+            except TimeoutError:
+                raise BackendTimeout(f"{self.url}: {method} {path}: no answer within {timeout_s:g} s",
+                                     server=self.url, kind="timeouts") from None  # fmt: skip
+            body = _decode(data)
+            if policy.retryable_status(status) or status >= 500:
+                raise BackendUnavailable(f"HTTP {status}: {error_message(body, str(body)[:200])}", server=self.url,
+                                         status=status, kind="http_errors",
+                                         retry_after=parse_retry_after(headers.get("Retry-After")))  # fmt: skip
             return status, body
-        raise BackendUnavailable(
-            f"{self.url} unavailable after {attempts} attempt(s) of {method} {path}: {last}",
-            server=self.url,
-            status=status,
-        )
+
+        return await self._retrying(f"{method} {path}", attempt, policy)
 
     async def _get_info(self, paths: Sequence[str]) -> dict[str, Any]:
         """GET the first path that exists (new name, then the deprecated alias)."""
@@ -263,6 +335,12 @@ class SGLangBackend(BaseBackend):
             params = {**params, "max_new_tokens": clamped}
         return params
 
+    def deadline(self, request: GenerateRequest) -> float:
+        """Seconds one /generate attempt may take: ours if set (the CLI's), else the request's (the spec's)."""
+        if self.request_timeout_s is not None:
+            return self.request_timeout_s
+        return request.timeout_s if request.timeout_s is not None else DEFAULT_REQUEST_TIMEOUT_S
+
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         await self._ensure_info()
         ids = list(request.prompt_ids)
@@ -276,20 +354,81 @@ class SGLangBackend(BaseBackend):
             "return_logprob": request.return_logprob,
             "rid": rid,
         }
+        timeout_s = self.deadline(request)
+
+        async def attempt(n: int) -> GenerateResult:
+            if n > 1:
+                self.counts["retries"] += 1
+            try:
+                return await self._generate_once(payload, rid, timeout_s, request.return_logprob)
+            except BackendError as e:
+                if e.kind in self.faults:
+                    self.faults[e.kind] += 1
+                raise
+
+        def retryable(e: BaseException) -> bool:  # a hung server stays hung: the router fails over instead
+            return self.retry_policy.retryable(e) and not isinstance(e, BackendTimeout)
+
         self._live[rid] = request.session_id
         try:
-            status, body = await self._call("POST", "/generate", payload, rid=rid)
+            return await self._retrying(f"POST /generate (rid {rid})", attempt, self.retry_policy, retryable)
         finally:
             self._live.pop(rid, None)
-        if status >= 400:
-            raise BackendRequestError(
-                f"{self.url} rejected rid {rid}: {error_message(body, str(body)[:500])}",
-                server=self.url,
-                status=status,
-            )
-        if isinstance(body, list):  # never sent as a batch, but be exact about what came back
-            body = body[0]
-        return parse_generate(body, server=self.url, return_logprob=request.return_logprob)
+
+    async def _generate_once(self, payload: dict[str, Any], rid: str, timeout_s: float,
+                             return_logprob: bool) -> GenerateResult:  # fmt: skip
+        """One /generate attempt under its deadline; every answer that is not a response raises."""
+        self.counts["requests"] += 1
+        exchange = asyncio.ensure_future(self._send("POST", "/generate", payload))  # owned: ends in `finally`
+        try:
+            done, _ = await asyncio.wait({exchange}, timeout=timeout_s)
+            if not done:
+                # Past the deadline: abort the rid at the server. A live server answers this very request
+                # with what it generated so far (finish_reason abort), which the engine resumes.
+                await self._abort_quietly(rid)
+                grace = self.abort_grace_s if self.abort_grace_s is not None else min(5.0, timeout_s / 10)
+                done, _ = await asyncio.wait({exchange}, timeout=grace)
+                if not done:
+                    raise BackendTimeout(f"{self.url}: /generate rid {rid} had no answer within {timeout_s:g} s "
+                                         "(request_timeout_s); aborted at the server", server=self.url,
+                                         kind="timeouts")  # fmt: skip
+            status, headers, data = exchange.result()
+        finally:
+            if not exchange.done():
+                exchange.cancel()  # closes the connection: SGLang aborts a request whose client went away
+                await asyncio.wait({exchange})
+        body = _decode(data)
+        if status == 200:
+            if not isinstance(body, (dict, list)):
+                kind = headers.get("Content-Type", "no content type").split(";")[0]
+                raise BackendMalformed(f"{self.url}: /generate (rid {rid}) answered 200 with a {kind} body that "
+                                       f"is not JSON: {_snippet(body or '')}; a server fault", server=self.url,
+                                       status=200, kind="malformed")  # fmt: skip
+            result = parse_generate(body, server=self.url, return_logprob=return_logprob, rid=rid)
+            if result.finish_reason == "abort":
+                self.faults[f"aborts_{result.extra['abort_kind']}"] += 1
+            return result
+        message = error_message(body, str(body)[:200])
+        if self.retry_policy.retryable_status(status) or status >= 500:
+            raise BackendUnavailable(f"HTTP {status} for rid {rid}: {message}", server=self.url, status=status,
+                                     kind="http_errors", retry_after=parse_retry_after(headers.get("Retry-After")))  # fmt: skip
+        if "Duplicate request ID" in message:  # an earlier attempt of ours is still live there: retry later
+            raise BackendUnavailable(f"HTTP {status} for rid {rid}: {message}", server=self.url, status=status,
+                                     kind="duplicate")  # fmt: skip
+        raise BackendRequestError(f"{self.url} rejected rid {rid}: {message}", server=self.url, status=status)
+
+    async def _abort_quietly(self, rid: str) -> None:
+        """Best effort `/abort_request` for a rid past its deadline (the server may be the thing that hangs)."""
+        self.counts["aborts_sent"] += 1
+        with contextlib.suppress(BackendError):
+            await self._call("POST", "/abort_request", {"rid": rid}, timeout_s=5, retries=0)
+
+    def where(self, session_id: str) -> str | None:
+        rids = [rid for rid, sid in self._live.items() if sid == session_id]
+        return f"{self.url} (rid {', '.join(rids)})" if rids else self.url
+
+    def stats(self) -> dict[str, Any]:
+        return {"server": self.url, **self.counts, "faults": dict(self.faults)}
 
     # -- control ---------------------------------------------------------------------------------
 
@@ -358,7 +497,7 @@ class SGLangBackend(BaseBackend):
         if weight_version is not None:
             payload["weight_version"] = weight_version
         # A failed load is a 400 {"success": false, "message": ...}: _control raises it as BackendRequestError.
-        return await self._control("POST", "/update_weights_from_disk", payload, timeout_s=self.timeout_s)
+        return await self._control("POST", "/update_weights_from_disk", payload, timeout_s=_WEIGHTS_TIMEOUT_S)
 
     async def pause_generation(self, mode: str = "abort") -> dict[str, Any]:
         return await self._control("POST", "/pause_generation", {"mode": mode})

@@ -13,7 +13,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from backends.base import GenerateRequest
+from backends.base import BackendTimeout, GenerateRequest, GenerationAborted
 from fsm.context import RunContext
 from fsm.rows import RowError, prompt_messages
 from fsm.trajectory import Trajectory
@@ -41,37 +41,100 @@ async def encode_prompt(ctx: RunContext, traj: Trajectory) -> None:
 
 
 async def generate(ctx: RunContext, traj: Trajectory) -> None:
-    """One model turn: request the continuation of the whole context, append it, parse tool calls."""
-    budget = ctx.agent.limits.response_length - len(traj.response_mask)
+    """One model turn: request the continuation of the whole context, append it, parse tool calls.
+
+    The turn runs under `limits.turn_timeout_s` (retries, failovers and resumes included). A turn the server
+    aborts is resumed rather than taken as output (`_resumed_turn`).
+    """
+    limits = ctx.agent.limits
+    budget = limits.response_length - len(traj.response_mask)
     if budget <= 0 or ctx.sampling.max_new_tokens == 0:
         traj.last_finish_reason = "length"
         return
     params = ctx.sampling.for_turn(traj, budget)
-    max_new = params["max_new_tokens"]
-    request = GenerateRequest(
-        session_id=traj.session_id,
-        prompt_ids=traj.context_ids(),
-        sampling_params=params,
-        rid=f"{traj.session_id}_t{traj.assistant_turns:02d}",
-        group_id=traj.uid,
-        return_logprob=ctx.sampling.logprobs,
-    )
+    rid = f"{traj.session_id}_t{traj.assistant_turns:02d}"
     t0 = time.perf_counter()
-    result = await ctx.call_backend(traj, request)
-    traj.metrics.generate_sequences += time.perf_counter() - t0
-    traj.metrics.cached_tokens += result.cached_tokens or 0
-    traj.metrics.prompt_tokens_sent += result.prompt_tokens or len(request.prompt_ids)
-    ids = result.token_ids[:max_new]
-    logprobs = result.logprobs[: len(ids)] if result.logprobs is not None else None
-    traj.append_generated(ids, logprobs if ctx.sampling.logprobs else None)
+    try:
+        async with asyncio.timeout(limits.turn_timeout_s) as deadline:
+            ids, logprobs, finish = await _resumed_turn(ctx, traj, params, rid)
+    except TimeoutError:
+        if not deadline.expired():
+            raise
+        where = getattr(ctx.backend, "where", None)
+        server = (where(traj.session_id) if where is not None else None) or ctx.backend.model_name
+        raise BackendTimeout(f"model turn {traj.assistant_turns} exceeded limits.turn_timeout_s "
+                             f"{limits.turn_timeout_s:g} s on {server} (rid {rid})", server=server) from None  # fmt: skip
+    finally:
+        traj.metrics.generate_sequences += time.perf_counter() - t0
+    if ctx.sampling.logprobs and logprobs is None:
+        traj.logprobs_missing = True  # the batch then omits rollout_log_probs (fsm/batch.py says why)
+    traj.append_generated(ids, logprobs)
     traj.needs_tail = True
     traj.assistant_turns += 1
-    traj.last_finish_reason = result.finish_reason
+    traj.last_finish_reason = finish
     text = ctx.codec.decode(
         ids[:-1] if ids and ids[-1] == ctx.codec.eos_id else ids, skip_special_tokens=False
     )
     traj.messages.append({"role": "assistant", "content": text})
     traj.pending_calls = ctx.parser.parse(text) if ctx.agent.tools.by_name else []
+
+
+async def _resumed_turn(
+    ctx: RunContext, traj: Trajectory, params: dict[str, Any], rid: str
+) -> tuple[list[int], list[float] | None, str]:
+    """The turn's tokens, their logprobs (None: asked for and not given) and its finish reason.
+
+    An abort (finish_reason "abort": a waiting-queue abort, /pause_generation, a weight update with
+    abort_all_requests, a drain, our own deadline's /abort_request) is not the model's output. The tokens it
+    produced are kept (mask 1, their logprobs) and the request is re-issued with them appended to its input and
+    its max_new_tokens shrunk by as many, so the turn goes on where it stopped, as verl's fully-async
+    rollouter and slime's partial rollouts do. Each resume has its own rid `{turn rid}_r{k}`: the aborted one
+    may still be live at the server, which refuses a duplicate. Past `limits.max_resumes` the row fails.
+    """
+    limits = ctx.agent.limits
+    max_new = params["max_new_tokens"]
+    want_logprobs = ctx.sampling.logprobs
+    stops = set(params.get("stop_token_ids") or ())
+    context = traj.context_ids()
+    ids: list[int] = []
+    logprobs: list[float] | None = [] if want_logprobs else None
+    resumes = 0
+    while True:
+        request = GenerateRequest(
+            session_id=traj.session_id,
+            prompt_ids=context + ids,
+            sampling_params={**params, "max_new_tokens": max_new - len(ids)},
+            rid=f"{rid}_r{resumes}" if resumes else rid,
+            group_id=traj.uid,
+            return_logprob=want_logprobs,
+            timeout_s=limits.request_timeout_s,
+            resumed=resumes,
+        )
+        result = await ctx.call_backend(traj, request)
+        traj.metrics.cached_tokens += result.cached_tokens or 0
+        traj.metrics.prompt_tokens_sent += result.prompt_tokens or len(request.prompt_ids)
+        aborted = result.finish_reason == "abort"
+        new = result.token_ids[: max_new - len(ids)]
+        new_logprobs = result.logprobs[: len(new)] if result.logprobs is not None else None
+        if aborted and want_logprobs and new_logprobs is None:
+            new, new_logprobs = [], []  # an abort without its logprob payload: regenerate, never invent them
+        ids += new
+        if logprobs is not None:
+            logprobs = logprobs + new_logprobs if new_logprobs is not None else None
+        if not aborted:
+            return ids, logprobs, result.finish_reason
+        if ids and ids[-1] in stops:
+            return ids, logprobs, "stop"  # the abort raced the turn's own end
+        if len(ids) >= max_new:
+            return ids, logprobs, "length"
+        if resumes >= limits.max_resumes:
+            raise GenerationAborted(
+                f"model turn {traj.assistant_turns} was aborted {resumes + 1} times, past limits.max_resumes "
+                f"{limits.max_resumes}; last by {result.server}: {result.abort_message or 'no message'!r}",
+                server=result.server,
+            )
+        resumes += 1
+        traj.metrics.num_preempted += 1
 
 
 async def call_tools(ctx: RunContext, traj: Trajectory) -> None:

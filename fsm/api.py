@@ -84,14 +84,17 @@ def tiny_model_dir() -> Path:
 
 
 def make_backend(*, servers: Sequence[str] | None = None, model: str | Path | None = None,
-                 group_affinity: bool = True, **hf_options: Any) -> Backend:  # fmt: skip
+                 group_affinity: bool = True, request_timeout_s: float | None = None,
+                 **hf_options: Any) -> Backend:  # fmt: skip
     """`Router` over SGLang servers, or the in-process `HFBackend` over a model directory (default: tiny);
-    `hf_options` go to HFBackend (torch_threads, max_batch_size...)."""
+    `hf_options` go to HFBackend (torch_threads, max_batch_size...). `request_timeout_s` is each server
+    request's deadline (overriding the spec's limits.request_timeout_s; default 300 s); servers only."""
     if servers:
         from backends.router import Router
         from backends.sglang import SGLangBackend
 
-        return Router([SGLangBackend(url) for url in servers], group_affinity=group_affinity)
+        clients = [SGLangBackend(url, request_timeout_s=request_timeout_s) for url in servers]
+        return Router(clients, group_affinity=group_affinity)
     from backends.hf import HFBackend
 
     model_dir = Path(model) if model is not None else tiny_model_dir()

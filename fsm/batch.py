@@ -7,13 +7,15 @@ Layout (P = prompt_length, R = response_length), exactly verl's `_agent_loop_pos
   input_ids        [B, P+R] int64  cat(prompts, responses)
   attention_mask   [B, P+R] int64  0 on every pad
   position_ids     [B, P+R] int64  clip(cumsum(attention_mask) - 1, 0)
-  rollout_log_probs[B, R]   float32 (when logprobs were requested), 0.0 on pads and observations
+  rollout_log_probs[B, R]   float32 (when logprobs were requested and every row has them), 0.0 on pads
+                            and observations
   rm_scores        [B, R]   float32 (when every row has a score): the score on the last valid response token
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +24,8 @@ import torch
 from tensordict import TensorDict
 
 from fsm.trajectory import Trajectory
+
+log = logging.getLogger("agentfsm.batch")
 
 
 @dataclass
@@ -85,7 +89,13 @@ def collate(trajs: Sequence[Trajectory], *, prompt_length: int, response_length:
         "attention_mask": torch.from_numpy(attention),
         "position_ids": torch.from_numpy(position),
     }
-    if logprobs:
+    # A server that was asked for logprobs and gave none (an adapter without them, a misconfigured engine) must
+    # not have them invented: a 0.0 reads as probability 1 in a PPO ratio. Such rows keep their tokens, which
+    # are right, and the batch then carries no rollout_log_probs at all, as verl's does when a sample lacks
+    # them; a trainer that needs them fails on the missing key instead of training on made-up values. Failing
+    # the rows instead would throw away good samples for what is a fleet-wide setting, batch after batch.
+    missing = [i for i, t in enumerate(trajs) if t.logprobs_missing]
+    if logprobs and not missing:
         lp, _ = _place([arr(t.response_logprobs, np.float32) for t in trajs], R, 0.0, np.float32, left=False)
         tensors["rollout_log_probs"] = torch.from_numpy(lp)
     scores = [t.reward_score for t in trajs]
@@ -96,8 +106,12 @@ def collate(trajs: Sequence[Trajectory], *, prompt_length: int, response_length:
         tensors["rm_scores"] = torch.from_numpy(rm)
 
     batch = TensorDict(tensors, batch_size=[len(trajs)])
-    return RolloutBatch(batch, _non_tensors(trajs), {"metrics": [t.metrics.as_dict() for t in trajs],
-                                                      "timing": timing(trajs, r_len, p_len)})  # fmt: skip
+    meta = {"metrics": [t.metrics.as_dict() for t in trajs], "timing": timing(trajs, r_len, p_len)}
+    if logprobs and missing:
+        meta["rollout_log_probs_missing"] = missing  # rows whose server returned no logprobs
+        log.warning("rollout_log_probs left out of the batch: %d row(s) got no logprobs from their server "
+                    "(rows %s)", len(missing), missing[:10])  # fmt: skip
+    return RolloutBatch(batch, _non_tensors(trajs), meta)
 
 
 def _objects(values: list[Any]) -> np.ndarray:
@@ -169,4 +183,35 @@ def summarize(trajs: Sequence[Trajectory]) -> dict[str, Any]:
         "tool_errors": int(sum(t.metrics.tool_errors for t in trajs)),
         "dropped_calls": int(sum(t.metrics.dropped_calls for t in trajs)),
         "token_check_failures": sum(t.token_check is not None for t in trajs),
+        "resumes": int(sum(t.metrics.num_preempted for t in trajs)),
+        "logprobs_missing_rows": sum(t.logprobs_missing for t in trajs),
+    }
+
+
+def fault_summary(trajs: Sequence[Trajectory], backend_stats: Mapping[str, Any] | None) -> dict[str, Any]:
+    """What the servers did wrong and what the engine did about it, so that injected faults add up.
+
+    `faults`: what the clients met on /generate, by kind: failed attempts (http_errors, refused, disconnects,
+    resets, timeouts, malformed) and abort answers (aborts_waiting, aborts_running). Each failed attempt is
+    followed by exactly one of: a retry on the same server (`retries`), a failover to another (`failovers`),
+    or the end of its row (an error row). Each abort is resumed (`resumes`) or ends its row ("error: aborted").
+    `aborts_sent`: requests past their deadline aborted at the server.
+    """
+    stats = dict(backend_stats or {})
+    reroutes = int(stats.get("retries", 0)) if "client_retries" in stats else 0  # a router's re-routes
+    failovers = int(stats.get("failovers", 0))
+    same_server = int(stats.get("client_retries", stats.get("retries", 0))) + reroutes - failovers
+    errors: dict[str, int] = {}
+    for t in trajs:
+        if t.failed:
+            kind = (t.termination_reason or "error: ?").removeprefix("error: ").split(":", 1)[0]
+            errors[kind] = errors.get(kind, 0) + 1
+    return {
+        "faults": dict(stats.get("faults", {})),
+        "retries": same_server,
+        "failovers": failovers,
+        "aborts_sent": int(stats.get("aborts_sent", 0)),
+        "resumes": int(sum(t.metrics.num_preempted for t in trajs)),
+        "error_rows": sum(t.failed for t in trajs),
+        "error_reasons": dict(sorted(errors.items(), key=lambda kv: -kv[1])),
     }

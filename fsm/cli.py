@@ -325,7 +325,7 @@ def _write_outputs(out: Path, agent: CompiledAgent, trajs: list, batch: Any, cod
                    router_stats: Any, tracer: Any) -> dict[str, Any]:  # fmt: skip
     import torch
 
-    from fsm.batch import summarize
+    from fsm.batch import fault_summary, summarize
 
     torch.save({"batch": {k: v for k, v in batch.batch.items()}, "non_tensor_batch": batch.non_tensor_batch,
                 "meta_info": batch.meta_info}, out / "batch.pt")  # fmt: skip
@@ -335,6 +335,7 @@ def _write_outputs(out: Path, agent: CompiledAgent, trajs: list, batch: Any, cod
     summary = summarize(trajs)
     summary.update(spec=str(agent.path), agent=agent.name, spec_hash=agent.hash, wall_s=round(wall, 3),
                    timing=batch.meta_info["timing"], router=router_stats)  # fmt: skip
+    summary["server_faults"] = fault_summary(trajs, router_stats)
     summary["fsm"] = _run_stats(agent, trajs)
     if tracer is not None:
         summary["tracing"] = tracer.stats()
@@ -382,9 +383,17 @@ def _print_summary(summary: dict[str, Any], console: Any) -> None:
     router = summary.get("router")
     if router:
         totals = router.get("totals", router)
-        for key in ("sticky", "new", "group", "moved", "retries", "cache_hit_rate"):
+        for key in ("sticky", "new", "group", "moved", "cache_hit_rate"):
             if key in totals:
                 add(f"router {key}", totals[key])
+    faults = summary.get("server_faults")
+    if faults:  # what the servers did wrong, then what it cost: each fault is retried, failed over or an error row
+        for kind, count in faults["faults"].items():
+            if count:
+                add(f"server fault: {kind.replace('_', ' ')}", count)
+        for key in ("retries", "failovers", "aborts_sent", "resumes"):
+            if faults[key] or any(faults["faults"].values()):
+                add(f"{key.replace('_', ' ')}", faults[key])
     console.print(table)
 
 
@@ -488,6 +497,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from bench.ray import bench_ray
 
         result = bench_ray()
+    elif what == "faults":
+        from bench.faults import bench_faults
+
+        result = bench_faults()
     else:  # argparse restricts the choices
         raise CLIError(f"unknown benchmark {what!r}")
     print(json.dumps(result, indent=2))
@@ -611,7 +624,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_show)
 
     p = command("bench", "benchmarks that print numbers (JSON)")
-    p.add_argument("what", choices=["engine", "router", "hf", "prefix-cache", "tracing", "ray"],
+    p.add_argument("what", choices=["engine", "router", "hf", "prefix-cache", "tracing", "ray", "faults"],
                    help="which benchmark")
     p.add_argument("--n", type=COUNT, default=10_000, metavar="N", help="engine: trajectories")
     p.add_argument("--concurrency", type=COUNT, metavar="N", help="engine: trajectories in flight (default: --n)")

@@ -7,19 +7,23 @@ For each trajectory the loop is:
         fire the first outgoing edge whose guard holds (through the shared machine)
 
 Each trajectory is one task; a semaphore bounds how many are in flight. A failure (bad row, dead server,
-timeout, a user action raising) ends only that trajectory, with `termination_reason` "error: ...".
+timeout, a user action raising anything, even a BaseException such as a stray CancelledError) ends only that
+trajectory, with `termination_reason` "error: ...", and so does ending in a state that is not final. Only a
+real cancellation of the run itself (or Ctrl-C) goes through. A watchdog owned by the run logs which rows
+are stuck, in which state and on which server, when no trajectory has moved for `watchdog_s`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from backends.base import Backend, BackendError
+from backends.base import Backend, BackendError, BackendTimeout, GenerationAborted
 from fsm.agent import CompiledAgent
 from fsm.chat import ChatCodec
 from fsm.context import TRACED, RunContext, Sampling
@@ -27,18 +31,25 @@ from fsm.rows import RowError, normalize_record, row_inputs
 from fsm.tracing import Tracer
 from fsm.trajectory import Trajectory
 
+log = logging.getLogger("agentfsm.runtime")
+
+WATCHDOG_S = 90.0  # default: longer than a healthy turn of a long response, far shorter than a hang
+
 
 class Runner:
     """Runs rows through a compiled agent. Reusable across batches; one per (agent, backend, tokenizer)."""
 
     def __init__(self, agent: CompiledAgent, backend: Backend, tokenizer: Any, *, max_concurrency: int = 512,
-                 tracer: Tracer | None = None, check_tokens: bool = False):  # fmt: skip
+                 tracer: Tracer | None = None, check_tokens: bool = False,
+                 watchdog_s: float | None = WATCHDOG_S):  # fmt: skip
         self.agent = agent
         self.backend = backend
         self.codec = tokenizer if isinstance(tokenizer, ChatCodec) else ChatCodec(tokenizer)
         self.max_concurrency = max_concurrency
         self.tracer = tracer
         self.check_tokens = check_tokens
+        self.watchdog_s = watchdog_s  # None or 0: no watchdog
+        self.stalls = 0  # watchdog reports so far
 
     def make_context(self, sampling_params: Mapping[str, Any] | None = None, validate: bool = False, *,
                      sampling: Sampling | None = None) -> RunContext:  # fmt: skip
@@ -78,15 +89,24 @@ class Runner:
         trajs = self.trajectories(rows, n)
         gate = asyncio.Semaphore(self.max_concurrency)
 
+        finished = [False] * len(trajs)
+
         async def one(traj: Trajectory) -> None:
             async with gate:
                 await self.drive(ctx, traj)
+            finished[traj.index] = True
             if on_done is not None:
                 on_done(traj)
 
-        async with asyncio.TaskGroup() as tg:
-            for traj in trajs:
-                tg.create_task(one(traj))
+        async with asyncio.TaskGroup() as owner:  # the watchdog lives exactly as long as the rows
+            watchdog = owner.create_task(self._watchdog(trajs, finished)) if self.watchdog_s else None
+            try:
+                async with asyncio.TaskGroup() as tg:
+                    for traj in trajs:
+                        tg.create_task(one(traj))
+            finally:
+                if watchdog is not None:
+                    watchdog.cancel()
         if self.tracer is not None:
             self.tracer.flush()
         return trajs
@@ -118,13 +138,27 @@ class Runner:
                 traj.enter(edge)
                 if root is not None:
                     root.transition(edge)  # ends this state's span, starts the next state's
+        except asyncio.CancelledError as exc:
+            task = asyncio.current_task()
+            if task is None or task.cancelling():
+                raise  # the run itself is being cancelled: not this trajectory's failure
+            traj.fail(f"CancelledError raised in {traj.state} by the action, not by a cancellation of the run"
+                      f"{': ' + str(exc) if str(exc) else ''}")  # fmt: skip
         except RowError as exc:
             traj.fail(str(exc))
+        except GenerationAborted as exc:
+            traj.fail(f"aborted: {exc}")
+        except BackendTimeout as exc:
+            traj.fail(f"timeout: {exc}")
         except BackendError as exc:
             traj.fail(f"backend: {exc}")
         except TimeoutError:
             traj.fail(f"timeout: action of {traj.state} exceeded {agent.limits.action_timeout_s}s")
         except Exception as exc:  # a user action or guard bug ends this trajectory only
+            traj.fail(f"{type(exc).__name__} in {traj.state}: {exc}")
+        except KeyboardInterrupt:
+            raise  # a real Ctrl-C cannot be told from a raised one; swallowing it would keep the run going
+        except BaseException as exc:  # SystemExit, GeneratorExit... from user code: this trajectory only
             traj.fail(f"{type(exc).__name__} in {traj.state}: {exc}")
         finally:
             try:
@@ -137,6 +171,8 @@ class Runner:
 
     async def _finish(self, ctx: RunContext, traj: Trajectory) -> None:
         """Release the session, close the interaction, score, and (optionally) check the tokens."""
+        if traj.state not in self.agent.final_states and not traj.failed:
+            traj.fail(f"ended in {traj.state}, which is not a final state")  # never a row that looks finished
         if traj.termination_reason is None:
             traj.termination_reason = traj.state.lower()
         try:
@@ -179,3 +215,30 @@ class Runner:
             traj.extra["reward_extra_info"] = dict(score)
             score = score["score"]
         traj.reward_score = float(score)
+
+    async def _watchdog(self, trajs: list[Trajectory], finished: list[bool]) -> None:
+        """Log the stuck rows when no trajectory has changed state for `watchdog_s` (then every `watchdog_s`
+        while it lasts). Owned by `run()`, which cancels it when the rows are done."""
+        assert self.watchdog_s
+        limit = self.watchdog_s
+        reported = 0.0  # the progress time already reported on
+        while True:
+            await asyncio.sleep(max(0.01, limit / 4))
+            now = time.perf_counter()
+            running = [t for t in trajs if t.path_times and not finished[t.index]]
+            if not running:
+                continue
+            last = max(t.path_times[-1] for t in trajs if t.path_times)
+            if now - last < limit or now - max(last, reported) < limit:
+                continue
+            reported = now
+            self.stalls += 1
+            where = getattr(self.backend, "where", None)
+            lines = []
+            for t in sorted(running, key=lambda t: t.path_times[-1])[:10]:
+                server = where(t.session_id) if where is not None else None
+                lines.append(f"row {t.index} sample {t.sample} ({t.session_id}) in {t.state} for "
+                             f"{now - t.path_times[-1]:.1f} s" + (f" on {server}" if server else ""))  # fmt: skip
+            more = f" (the 10 longest of {len(running)})" if len(running) > 10 else ""
+            log.warning("watchdog: no trajectory has changed state for %.1f s; %d in flight%s:\n  %s",
+                        now - last, len(running), more, "\n  ".join(lines))  # fmt: skip

@@ -162,6 +162,22 @@ class LimitsSpec(_Strict):
     action_timeout_s: float | None = Field(
         default=None, gt=0, description="Wall-clock limit for any one action (a model call, a tool round)."
     )
+    max_resumes: int = Field(
+        default=3, ge=0,
+        description="A model turn the server aborts (preemption, weight update, drain) is resumed from the tokens "
+        "it produced, at most this many times per turn; past it the row ends 'error: aborted ...'.",
+    )
+    request_timeout_s: float | None = Field(
+        default=None, gt=0,
+        description="Deadline of one generate request to a server (per attempt); past it the request is aborted "
+        "at the server and retried on another. Default: the backend's (300 s for SGLang); the CLI's "
+        "--request-timeout overrides it.",
+    )
+    turn_timeout_s: float | None = Field(
+        default=1200.0, gt=0,
+        description="Deadline of one model turn, its retries, failovers and resumes included; past it the row "
+        "ends 'error: timeout: ...'. null: none.",
+    )
 
 
 class TrustSpec(_Strict):

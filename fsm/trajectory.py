@@ -33,7 +33,7 @@ class Metrics:
     generate_sequences: float = 0.0
     tool_calls: float = 0.0
     compute_score: float = 0.0
-    num_preempted: int = -1
+    num_preempted: int = 0  # aborted model turns resumed (verl: -1 when unknown; the engine always knows)
     cached_tokens: int = 0
     prompt_tokens_sent: int = 0
     tool_errors: int = 0
@@ -54,6 +54,7 @@ class Trajectory:
         "messages", "tool_schemas", "tools_kwargs", "interaction_kwargs", "interaction_started",
         # tokens
         "prompt_ids", "response_ids", "response_mask", "response_logprobs", "segments", "needs_tail",
+        "logprobs_missing",
         # machine
         "state", "path", "path_times", "transitions_fired",
         # counters used by guards
@@ -77,6 +78,8 @@ class Trajectory:
         self.response_logprobs = array("f")
         self.segments: list[Segment] = []
         self.needs_tail = False  # the last turn was the model's: the template's turn closer is still owed
+        self.logprobs_missing = False  # logprobs were asked for and a server gave none: response_logprobs
+        # then holds placeholders, and the batch carries no rollout_log_probs
         self.state = initial
         self.path: list[str] = [initial]
         self.path_times = array("d")  # perf_counter() when the driver entered each state of `path`
@@ -116,7 +119,8 @@ class Trajectory:
     # --- tokens -----------------------------------------------------------------------------------------
 
     def append_generated(self, ids: list[int], logprobs: list[float] | None) -> None:
-        """The model's own tokens: mask 1, with the engine's logprobs (0.0 when none were returned)."""
+        """The model's own tokens: mask 1, with the engine's logprobs (placeholders 0.0 when there are none:
+        not asked for, or `logprobs_missing`; never read as values then)."""
         start = len(self.response_ids)
         self.response_ids.extend(ids)
         self.response_mask.extend(b"\x01" * len(ids))
@@ -151,6 +155,7 @@ class Trajectory:
         self.termination_reason = reason if reason.startswith("error:") else f"error: {reason}"
         del self.response_ids[:], self.response_mask[:], self.response_logprobs[:]
         self.segments.clear()
+        self.logprobs_missing = False  # nothing left to lack them
 
     @property
     def num_turns(self) -> int:
@@ -165,7 +170,7 @@ class Trajectory:
             "prompt_ids": self.prompt_ids.tolist(),
             "response_ids": self.response_ids.tolist(),
             "response_mask": self.response_mask.tolist(),
-            "response_logprobs": self.response_logprobs.tolist(),
+            "response_logprobs": None if self.logprobs_missing else self.response_logprobs.tolist(),
             "reward_score": self.reward_score,
             "num_turns": self.num_turns,
             "metrics": self.metrics.as_dict(),

@@ -11,7 +11,13 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from backends.base import BackendError, BackendRequestError, BackendUnavailable, GenerateRequest
+from backends.base import (
+    BackendError,
+    BackendRequestError,
+    BackendTimeout,
+    BackendUnavailable,
+    GenerateRequest,
+)
 from backends.sglang import LaunchError, SGLangBackend, SGLangLauncher
 
 PROMPT = [151644, 872, 198, 9707, 151645, 198, 151644, 77091, 198]
@@ -124,7 +130,7 @@ async def fake():
     srv = FakeSGLang()
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", srv.handle)
-    runner = web.AppRunner(app, access_log=None)
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)  # a client that leaves ends its handler
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
@@ -240,13 +246,28 @@ async def test_server_disconnect_is_retried(fake):
     assert res.finish_reason == "stop" and len(fake.paths("/generate")) == 2
 
 
-async def test_timeout_aborts_the_rid_before_retrying(fake):
-    fake.on("/generate", ("sleep", 0.5, (200, OK_STOP)), (200, OK_STOP))
+async def test_deadline_aborts_the_rid_and_takes_the_late_partial_answer(fake):
+    # A live server answers an aborted request itself, with what it generated so far: that answer is kept.
+    fake.on("/generate", ("sleep", 0.4, (200, ABORT_RUNNING)), (200, OK_STOP))
     fake.on("/abort_request", (200, None))
-    async with client(fake.url, timeout_s=0.2) as b:
-        res = await b.generate(req())
-    assert res.finish_reason == "stop"
-    assert fake.paths("/abort_request") == [{"rid": "traj42_t03"}]
+    async with client(fake.url, request_timeout_s=0.2, abort_grace_s=2) as b:
+        res = await b.generate(req("traj42_t05"))
+        stats = b.stats()
+    assert (res.finish_reason, res.token_ids) == ("abort", [9707, 0])
+    assert fake.paths("/abort_request") == [{"rid": "traj42_t05"}] and len(fake.paths("/generate")) == 1
+    assert (stats["aborts_sent"], stats["faults"]["aborts_running"], stats["faults"]["timeouts"]) == (1, 1, 0)
+
+
+async def test_a_hung_generate_is_aborted_and_not_retried_on_the_same_server(fake):
+    fake.on("/generate", ("sleep", 30, (200, OK_STOP)))
+    fake.on("/abort_request", (200, None))
+    async with client(fake.url, abort_grace_s=0.05) as b:
+        with pytest.raises(BackendTimeout, match="no answer within 0.2 s") as ei:
+            await b.generate(GenerateRequest("traj42", list(PROMPT), {}, rid="traj42_t03", timeout_s=0.2))
+        stats = b.stats()
+    assert ei.value.retryable and ei.value.server == fake.url  # the router fails over on it
+    assert fake.paths("/abort_request") == [{"rid": "traj42_t03"}] and len(fake.paths("/generate")) == 1
+    assert (stats["faults"]["timeouts"], stats["aborts_sent"], stats["retries"]) == (1, 1, 0)
 
 
 async def test_connection_refused():

@@ -1,0 +1,168 @@
+"""`agentfsm bench faults`: what each server fault (and a misbehaving tool) costs, and proof that none loses
+or corrupts a row.
+
+Each case runs the same batch through two HashLM dev servers (deterministic, so the fault-free run is the
+reference for every row), each behind backends/faults.py's proxy injecting one fault kind at a rate, with the
+SGLang client and the router as a run would use them. Per case: faults injected; what absorbed them (retries on
+the same server, failovers, resumes of aborted turns); error rows; rows lost (missing from the output) and
+rows wrong (not an error row, yet different from the fault-free run), which must both be 0; wall time against
+the fault-free run in the same process. The request deadline is 2 s: a hang costs about that per request, and
+a deadline met by a live server (a slow, loaded machine) shows as a deadline abort and a resume. Two tool cases run a spec whose model calls a tool that raises, or
+one that sleeps past its timeout: both must become observations, not failed rows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import tempfile
+import time
+from contextlib import AsyncExitStack
+from pathlib import Path
+from typing import Any
+
+from backends.base import BaseBackend, GenerateRequest, GenerateResult
+from backends.devserver import DevServer, HashLM
+from backends.faults import FAULT_KINDS, FaultProxy
+from backends.router import Router
+from backends.sglang import SGLangBackend
+from backends.tiny import ASSET_DIR
+
+SPECS = Path(__file__).resolve().parents[1] / "specs"
+ROWS_SPEC = """name: bench_faults
+extends: {specs}/single_turn.yaml
+limits: {{prompt_length: 64, response_length: 48, max_resumes: 20, request_timeout_s: 2.0}}
+"""
+TOOLS_SPEC = """name: bench_tools
+extends: {specs}/tool_agent.yaml
+limits: {{prompt_length: 1024, response_length: 256, max_assistant_turns: 2}}
+tools:
+  - function: bench.faults:broken_tool
+  - function: bench.faults:slow_tool
+    timeout_s: 0.05
+"""
+
+
+async def broken_tool(text: str) -> str:
+    """A tool that always raises.
+
+    Args:
+        text: Ignored.
+    """
+    raise RuntimeError("the sandbox crashed")
+
+
+async def slow_tool(text: str) -> str:
+    """A tool that sleeps far past its timeout.
+
+    Args:
+        text: Ignored.
+    """
+    await asyncio.sleep(30)
+    return "too late"
+
+
+class _ToolCaller(BaseBackend):
+    """Calls `tool` on its first turn and answers on the next: a function of the prompt, like HashLM."""
+
+    def __init__(self, tok: Any, tool: str):
+        call = json.dumps({"name": tool, "arguments": {"text": "x"}})
+        self.call = tok.encode(f"<tool_call>\n{call}\n</tool_call>", add_special_tokens=False) + [tok.eos_token_id]
+        self.answer = tok.encode("#### 42", add_special_tokens=False) + [tok.eos_token_id]
+        self.marker = tok.convert_tokens_to_ids("<tool_response>")
+        self.model_name = f"calls-{tool}"
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        ids = self.answer if self.marker in request.prompt_ids else self.call
+        ids = ids[: request.sampling_params.get("max_new_tokens") or len(ids)]
+        return GenerateResult(ids, [-0.1] * len(ids) if request.return_logprob else None, "stop",
+                              prompt_tokens=len(request.prompt_ids), cached_tokens=0)  # fmt: skip
+
+
+async def _case(agent: Any, tok: Any, rows: list[dict], make_model: Any, rates: dict[str, float]) -> dict[str, Any]:
+    from fsm.api import RolloutEngine
+    from fsm.batch import fault_summary
+
+    async with AsyncExitStack() as stack:
+        devs = [await stack.enter_async_context(DevServer(make_model())) for _ in range(2)]
+        proxies = [await stack.enter_async_context(FaultProxy(d.url, rates=rates, seed=i)) for i, d in enumerate(devs)]
+        clients = [SGLangBackend(p.url, backoff_s=0.01) for p in proxies]
+        backend = Router(clients, health_interval_s=0.2, cooldown_s=0.2)
+        engine = await stack.enter_async_context(RolloutEngine(agent, tok, backend=backend))
+        sampling = engine.sampling({"temperature": 0.0})
+        t0 = time.perf_counter()
+        trajs = await engine.arun(rows, sampling=sampling)
+        wall = time.perf_counter() - t0
+        stats = backend.stats()
+    faults = fault_summary(trajs, stats)
+    return {"injected": sum(sum(p.injected.values()) for p in proxies), "retried": faults["retries"],
+            "failed_over": faults["failovers"], "deadline_aborts": faults["aborts_sent"],
+            "resumed": faults["resumes"], "error_rows": faults["error_rows"],
+            "tool_errors": sum(t.metrics.tool_errors for t in trajs), "wall_s": wall,
+            "_trajs": trajs}  # fmt: skip
+
+
+def _check(case: dict[str, Any], rows: int, clean: list[Any] | None) -> dict[str, Any]:
+    """rows lost (missing) and rows wrong (not an error row, yet unlike the fault-free run's)."""
+    trajs = case.pop("_trajs")
+    case["rows_lost"] = rows - len(trajs)
+    case["rows_wrong"] = 0
+    if clean is not None:
+        case["rows_wrong"] = sum(
+            not t.failed and (t.response_ids.tolist(), t.response_logprobs.tolist())
+            != (c.response_ids.tolist(), c.response_logprobs.tolist())
+            for t, c in zip(trajs, clean)
+        )
+    return case
+
+
+async def _bench(rows: int, rate: float) -> dict[str, dict[str, Any]]:
+    from transformers import AutoTokenizer
+
+    from fsm.compile import compile_spec
+    from fsm.rows import RowError  # noqa: F401  (the engine's modules load before timing starts)
+
+    tok = AutoTokenizer.from_pretrained(str(ASSET_DIR))
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "rows.yaml").write_text(ROWS_SPEC.format(specs=SPECS))
+        (Path(tmp) / "tools.yaml").write_text(TOOLS_SPEC.format(specs=SPECS))
+        agent, tools_agent = compile_spec(Path(tmp) / "rows.yaml"), compile_spec(Path(tmp) / "tools.yaml")
+    data = [{"raw_prompt": [{"role": "user", "content": f"What is {i} * {i + 7}?"}]} for i in range(rows)]
+
+    def model() -> HashLM:
+        return HashLM(vocab=len(tok), eos=tok.eos_token_id, stop_every=30, per_token_s=0.002)
+
+    out: dict[str, dict[str, Any]] = {}
+    await _case(agent, tok, data, model, {})  # warm-up: the first run pays for imports and template caches
+    clean = await _case(agent, tok, data, model, {})
+    reference = clean["_trajs"]
+    out["none"] = _check(clean, rows, None)
+    plans = {kind: {kind: rate} for kind in FAULT_KINDS}
+    plans["mixed"] = {kind: rate / len(FAULT_KINDS) * 2 for kind in FAULT_KINDS}
+    for name, plan in plans.items():
+        out[name] = _check(await _case(agent, tok, data, model, plan), rows, reference)
+    for tool in ("broken_tool", "slow_tool"):
+        case = await _case(tools_agent, tok, data, lambda t=tool: _ToolCaller(tok, t), {})
+        case["injected"] = case["tool_errors"]
+        out[tool] = _check(case, rows, None)
+    base = out["none"]["wall_s"]
+    for case in out.values():
+        case["vs_clean"] = case["wall_s"] / base if base else float("nan")
+    return out
+
+
+def bench_faults(rows: int = 128, rate: float = 0.1) -> dict[str, dict[str, Any]]:
+    """Run every case (fault kinds at `rate` per /generate, "mixed", two bad tools); print a table, return
+    the numbers. Call outside an event loop."""
+    out = asyncio.run(_bench(rows, rate))
+    head = ("case", "injected", "retried", "failed over", "timeout abort", "resumed", "error rows", "rows lost",
+            "rows wrong", "wall s", "vs clean")  # fmt: skip
+    keys = ("injected", "retried", "failed_over", "deadline_aborts", "resumed", "error_rows", "rows_lost",
+            "rows_wrong")  # fmt: skip
+    lines = [f"{head[0]:<14}" + "".join(f"{h:>14}" for h in head[1:])]
+    for name, case in out.items():
+        cells = [f"{case[k]:>14}" for k in keys] + [f"{case['wall_s']:>14.2f}", f"{case['vs_clean']:>13.2f}x"]
+        lines.append(f"{name:<14}" + "".join(cells))
+    print(f"faults: {rows} rows over 2 HashLM dev servers behind fault proxies, each kind at {rate:.0%} of /generate")
+    print("\n".join(lines))
+    return out
