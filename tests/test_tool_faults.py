@@ -23,6 +23,7 @@ import pytest
 
 import fsm
 from backends.base import GenerateRequest
+from fsm.api import make_backend
 from fsm.isolation import LoopLane, ThreadLane, ToolUnavailable
 from fsm.parsers import ToolCall
 from fsm.tools import BaseTool, truncate
@@ -174,14 +175,16 @@ async def test_hung_sync_tool_does_not_slow_the_embedded_model(compile_yaml):
             timeout_s: 0.2
     """)
     rows = make_prompts(8, seed=0)
-    async with fsm.RolloutEngine(agent) as engine:
+    # The probe's model runs on this test's loop (an engine runs its backend on a loop of its own), so its
+    # decode uses this loop's default executor: the one the stuck tool threads would have starved.
+    async with fsm.RolloutEngine(agent) as engine, make_backend() as probe:
         prompt = engine.codec.encode_prompt(rows[0]["raw_prompt"], agent.tools.schemas)
 
         async def mean_generate_s(n: int = 5) -> float:
             t0 = time.perf_counter()
             for k in range(n):
-                await engine.backend.generate(GenerateRequest(f"probe-{k}", prompt, {"temperature": 0.0,
-                                                              "max_new_tokens": 24}, return_logprob=False))  # fmt: skip
+                await probe.generate(GenerateRequest(f"probe-{k}", prompt, {"temperature": 0.0,
+                                                     "max_new_tokens": 24}, return_logprob=False))  # fmt: skip
             return (time.perf_counter() - t0) / n
 
         await mean_generate_s(1)  # warm-up
