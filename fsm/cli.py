@@ -117,7 +117,7 @@ def _engine(args: argparse.Namespace, servers: list[str], tokenizer: str | None)
                                  group_affinity=args.group_affinity)  # fmt: skip
         return RolloutEngine(args.spec, tokenizer, model=args.model, max_concurrency=args.concurrency,
                              tracer=_tracer(args), check_tokens=args.check_tokens, torch_threads=args.threads,
-                             max_batch_size=args.batch_size)  # fmt: skip
+                             max_batch_size=args.batch_size, device=args.device, dtype=args.dtype)  # fmt: skip
     except FileNotFoundError as exc:
         raise CLIError(str(exc)) from None
     except OSError as exc:  # transformers: a directory without tokenizer or model files
@@ -321,6 +321,7 @@ def cmd_dev_server(args: argparse.Namespace) -> int:
 
     argv = ["--host", args.host, "--port", str(args.port)]
     argv += ["--scripted"] if args.scripted else ["--model", args.model or _default_model()]
+    argv += [f"--{k}={v}" for k, v in (("device", args.device), ("dtype", args.dtype)) if v]
     devserver_main(argv)
     return 0
 
@@ -332,6 +333,9 @@ def _default_model() -> str:
 
 
 # --- parser --------------------------------------------------------------------------------------------
+
+
+DTYPE_CHOICES = ["auto", "float32", "bfloat16", "float16"]  # the embedded model's (backends/hf.py)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -366,6 +370,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=256)
     p.add_argument("--threads", type=int, default=None, help="torch threads for the embedded model")
     p.add_argument("--batch-size", type=int, default=64, help="max batch of the embedded model")
+    p.add_argument("--device", help="embedded model's device: cpu, cuda, cuda:1 (default: cuda if available)")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, help="embedded model's dtype (default auto: see backends/hf.py)")
     p.add_argument("--check-tokens", action="store_true", help="compare ids with a full re-render")
     p.add_argument("--otlp", metavar="URL", help="export spans to an OTLP/HTTP endpoint (e.g. Jaeger :4318)")
     p.add_argument("--trace", choices=["console"], help="print spans to the console")
@@ -403,6 +409,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scripted", action="store_true", help="a deterministic echo model, no weights")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda if available)")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, help="default auto: see backends/hf.py")
     p.set_defaults(fn=cmd_dev_server)
     return ap
 
