@@ -743,11 +743,14 @@ async def _serve(backend: Backend, host: str, port: int, **options: Any) -> None
         await close()
 
 
-def serve_model(model_dir: str, host: str = "127.0.0.1", port: int = 30000, **options: Any) -> None:
-    """Serve the embedded transformers backend (`backends.hf`, imported only here) over the SGLang protocol."""
+def serve_model(model_dir: str, host: str = "127.0.0.1", port: int = 30000, *,
+                hf_options: dict[str, Any] | None = None, **options: Any) -> None:  # fmt: skip
+    """Serve the embedded transformers backend (`backends.hf`, imported only here) over the SGLang protocol;
+    `hf_options` go to HFBackend (device, dtype...)."""
     from backends.hf import HFBackend
 
-    asyncio.run(_serve(HFBackend(model_dir), host, port, model_path=model_dir, **options))
+    backend = HFBackend(model_dir, **(hf_options or {}))
+    asyncio.run(_serve(backend, host, port, model_path=model_dir, **options))
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -763,6 +766,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--max-running-requests", type=int, default=None)
     ap.add_argument("--latency", type=float, default=0.0, help="scripted/hashlm: seconds per request")
     ap.add_argument("--log-level", default="info")
+    ap.add_argument("--device", help="model mode: cpu, cuda, cuda:1 (default: cuda if available)")
+    ap.add_argument("--dtype", help="model mode: auto, float32, bfloat16, float16 (default auto: see backends/hf.py)")
     args, ignored = ap.parse_known_args(argv)  # SGLang launch flags (--tp-size, ...) are accepted and ignored
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
     if ignored:
@@ -774,7 +779,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     elif args.scripted:
         asyncio.run(_serve(echo_backend(latency_s=args.latency), args.host, args.port, **options))
     elif args.model:
-        serve_model(args.model, args.host, args.port, **options)
+        serve_model(args.model, args.host, args.port, hf_options={"device": args.device, "dtype": args.dtype},
+                    **options)  # fmt: skip
     else:
         ap.error("give --model DIR, --scripted or --hashlm")
 

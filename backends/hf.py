@@ -1,4 +1,4 @@
-"""The embedded default backend: a transformers causal LM in this process (CPU here, CUDA when there is one).
+"""The embedded default backend: a transformers causal LM in this process, on CPU or a CUDA GPU.
 
 Concurrent `generate()` calls queue up. One worker, owned by the backend, takes everything pending (up to
 `max_batch_size`) and decodes it as one batch in a thread, so the event loop stays responsive; requests that
@@ -7,20 +7,41 @@ mask, so a request's greedy tokens do not depend on what it was batched with. Sa
 sampling parameters: temperature < 1e-6 is greedy; the logprob of a token is
 log_softmax(logits / temperature) over the whole vocabulary (plain log_softmax when greedy), whatever top-k /
 top-p cut; the matched stop id is the last generated token.
+
+Device and dtype (`device=`, `dtype=`; `agentfsm run/dev-server --device --dtype`):
+- device: cuda when `torch.cuda.is_available()`, else cpu.
+- dtype, for a model loaded from a directory: float32 on CPU; on CUDA, float32 for models under
+  `SMALL_MODEL_PARAMS` (1e9) parameters and bfloat16 above. Small models are bound by per-step overhead, not
+  by arithmetic, so bfloat16 buys them little (the tiny model, 64 calculator prompts, one turn on an H100:
+  0.17 s in bfloat16, 0.22 s in float32, 0.31 s on the CPU), and it breaks the batching promise above: in
+  bfloat16 a row's logprobs change with the batch it is decoded in (up to 6e-2 between batch 1 and 64; its
+  greedy tokens can change too), where float32 holds (7e-6, the same tokens). Large models get bfloat16 for
+  memory and speed; pass dtype="float32" to keep the promise with them. A model object passed in keeps its
+  own dtype unless `dtype=` is given.
+- attention: in float16/bfloat16 on CUDA, PyTorch's SDPA would pick cuDNN attention, which builds a plan
+  for every new (batch, cache length) shape: ~650 µs of CPU per call and 57-70 ms per decode step, since a
+  decode step's shape is nearly always new (the 64 prompts above: 5.0 s with it, 0.17 s without). Decoding
+  here therefore excludes the cuDNN kernel (flash / memory-efficient / math SDPA, which need no plan).
+- seeds: each sampled row draws its uniforms from its own `torch.Generator` on the CPU, whatever the model's
+  device, so a `sampling_seed` picks the same tokens on CPU and CUDA (64/64 rows above; only the logits'
+  float differences between devices could flip a draw that lands on a boundary).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import os
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 from backends.base import (
     BackendError,
@@ -32,6 +53,12 @@ from backends.base import (
 )
 
 GREEDY_BELOW = 1e-6  # SGLang: a smaller temperature means greedy
+SMALL_MODEL_PARAMS = 1_000_000_000  # below this, float32 on CUDA too (see the module docstring)
+TINY_SERVED_NAME = "agentfsm-tiny-calculator"  # the served name of the bundled model (backends/tiny/assets)
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}  # fmt: skip
+# SDPA kernels used in float16/bfloat16 on CUDA: all but cuDNN attention, which plans per shape
+_NO_CUDNN_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 # SGLang sampling keys that only shape `text` (we return token ids only): accepted and ignored.
 _TEXT_ONLY = frozenset(
@@ -80,15 +107,15 @@ def _draw(
 ) -> torch.Tensor:
     """Sample one token per row from exp(logp) cut to top-k / top-p, by inverse CDF.
 
-    Each row draws its single uniform from its own generator, so a seeded request picks the same tokens
-    whatever it is batched with.
+    Each row draws its single uniform from its own generator (on the CPU, whatever the model's device), so a
+    seeded request picks the same tokens whatever it is batched with, and on whichever device.
     """
     probs, order = logp.exp().sort(dim=-1, descending=True)  # (B, V)
     rank = torch.arange(probs.shape[-1], device=probs.device)
     mass_before = probs.cumsum(-1) - probs
     keep = (rank < top_k[:, None]) & ((mass_before <= top_p[:, None]) | (top_p[:, None] >= 1.0))
     cdf = (probs * keep).cumsum(-1)
-    u = torch.stack([torch.rand((), generator=g, device=probs.device) for g in gens]) * cdf[:, -1]
+    u = torch.stack([torch.rand((), generator=g) for g in gens]).to(probs.device) * cdf[:, -1]
     pick = torch.searchsorted(cdf, u[:, None]).clamp_(max=probs.shape[-1] - 1)
     return order.gather(-1, pick).squeeze(-1)
 
@@ -114,6 +141,57 @@ def _ids(value: int | list[int] | None) -> list[int]:
     return [value] if isinstance(value, int) else list(value or ())
 
 
+def _dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """A torch dtype from a dtype or its name ("float32", "bf16"...); None for None or "auto"."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    name = str(dtype).strip().lower().removeprefix("torch.")
+    if name == "auto":
+        return None
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}: expected auto or one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def default_dtype(device: torch.device, parameters: int | None) -> torch.dtype:
+    """float32 on CPU, and on CUDA for models under SMALL_MODEL_PARAMS; bfloat16 for larger (or unknown)
+    ones on CUDA. See the module docstring for why."""
+    if device.type != "cuda":
+        return torch.float32
+    return torch.float32 if parameters is not None and parameters < SMALL_MODEL_PARAMS else torch.bfloat16
+
+
+def _parameter_count(path: str | os.PathLike[str]) -> int | None:
+    """The model's parameter count, from its config alone (built on the meta device: no memory, no weights
+    read); None when it cannot be built."""
+    try:
+        config = AutoConfig.from_pretrained(path)
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config)
+        return sum(p.numel() for p in skeleton.parameters())
+    except Exception:  # an unusual layout: fall back to the large-model default
+        return None
+
+
+def _served_name(model: Any, config: Any) -> str:
+    """The bundled tiny model's name, a `served_model_name` in the config, or the model folder's name."""
+    named = getattr(config, "served_model_name", None)
+    if isinstance(named, str) and named:
+        return named
+    path = model if not isinstance(model, PreTrainedModel) else config.name_or_path
+    if path:
+        from backends.tiny import ASSET_DIR
+
+        try:
+            if Path(path).resolve() == ASSET_DIR:
+                return TINY_SERVED_NAME
+        except OSError:
+            pass
+    if path and not os.path.isdir(path):
+        return str(path)  # a hub id ("Qwen/Qwen3-0.6B"), as SGLang names it
+    return os.path.basename(os.path.normpath(str(path or ""))) or "hf"
+
+
 class HFBackend(BaseBackend):
     """A transformers causal LM served token-in-token-out, with batching across concurrent calls."""
 
@@ -124,27 +202,41 @@ class HFBackend(BaseBackend):
         model: str | os.PathLike[str] | PreTrainedModel,
         *,
         device: str | torch.device | None = None,  # default: cuda when available, else cpu
-        dtype: torch.dtype
-        | None = None,  # default: a given model's own; loading: float32 on CPU, bf16 on CUDA
+        # default: a given model's own; loading: float32 on CPU, and on CUDA below SMALL_MODEL_PARAMS, else
+        # bfloat16 (see the module docstring). Also by name: "float32", "bfloat16", "float16", "auto".
+        dtype: torch.dtype | str | None = None,
         max_batch_size: int = 32,
         torch_threads: int | None = None,  # sets torch's (process-wide) intra-op thread count
         eos_token_ids: Sequence[int] | None = None,  # default: the model config's eos ids
         pad_token_id: int | None = None,  # any id works (padding is masked); default: config's pad or eos
-        model_name: str | None = None,
+        # the model's name in spans (`text_completion {name}`) and /model_info; default: TINY_SERVED_NAME for
+        # the bundled model, else the config's `served_model_name` if it has one, else the model's folder name
+        served_model_name: str | None = None,
+        model_name: str | None = None,  # the same, by its older name
         seed: int | None = None,  # seeds the generators of requests that bring no sampling_seed
     ):
         if torch_threads is not None:
             torch.set_num_threads(torch_threads)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = _dtype(dtype)
         if isinstance(model, PreTrainedModel):
             self.dtype = dtype or model.dtype
             self.model = model
         else:
-            self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+            if dtype is None:  # counting parameters builds a skeleton: only where the answer matters
+                count = _parameter_count(model) if self.device.type == "cuda" else None
+                dtype = default_dtype(self.device, count)
+            self.dtype = dtype
             self.model = AutoModelForCausalLM.from_pretrained(model, dtype=self.dtype)
         self.model.to(device=self.device, dtype=self.dtype).eval()
+        # cuDNN attention plans per shape (slow in decode); float32 never uses it
+        self._attention = (
+            _NO_CUDNN_ATTENTION
+            if self.device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16)
+            else None
+        )
         config = self.model.config
-        self.model_name = model_name or os.path.basename(os.path.normpath(config.name_or_path or "")) or "hf"
+        self.model_name = served_model_name or model_name or _served_name(model, config)
         self.context_length = getattr(config, "max_position_embeddings", None)
         self.vocab_size: int = config.vocab_size
         if eos_token_ids is None:  # like SGLang: the config's and the generation config's eos ids
@@ -198,7 +290,7 @@ class HFBackend(BaseBackend):
         await self.start()
         generator = None
         if sampling.temperature > 0.0:
-            generator = torch.Generator(self.device)
+            generator = torch.Generator()  # on the CPU: a seed means the same on every device
             generator.manual_seed(sampling.seed if sampling.seed is not None else self._rng.getrandbits(63))
         job = _Job(request, sampling, asyncio.get_running_loop().create_future(), generator)
         self._queue.put_nowait(job)
@@ -264,7 +356,7 @@ class HFBackend(BaseBackend):
             prompt_tokens=len(request.prompt_ids),
             cached_tokens=0,
             weight_version=self.weight_version,
-            server=self.model_name,
+            server=None,  # in this process: no server (spans get no server.address)
             abort_message=f"{self.model_name}: HFBackend closed" if finish == "abort" else None,
             extra=extra,
         )
@@ -317,7 +409,8 @@ class HFBackend(BaseBackend):
 
     def _decode(self, jobs: list[_Job], finished: Callable[[_Job, str], None]) -> None:
         """Generate for one batch, calling `finished(job, reason)` as each row ends. Runs in a thread."""
-        with torch.inference_mode():
+        kernels = sdpa_kernel(self._attention) if self._attention else contextlib.nullcontext()
+        with torch.inference_mode(), kernels:
             dev = self.device
             width = max(len(job.request.prompt_ids) for job in jobs)
             ids = torch.full((len(jobs), width), self.pad_token_id, dtype=torch.long)

@@ -87,7 +87,6 @@ class Router(BaseBackend):
         self.cooldown_s, self.cooldown_max_s = cooldown_s, cooldown_max_s
         self.health_interval_s = health_interval_s
         self.health_timeout_s = health_timeout_s
-        self.model_name = backends[0].model_name
         self.provider = backends[0].provider
         self._sessions: dict[str, _Session] = {}
         self._groups: dict[str, _Group] = {}
@@ -96,6 +95,10 @@ class Router(BaseBackend):
         self.counts = {"sticky": 0, "new": 0, "group": 0, "moved": 0, "retries": 0, "failovers": 0, "resumes": 0}
         self.prompt_tokens = 0
         self.cached_tokens = 0
+
+    @property  # type: ignore[override]
+    def model_name(self) -> str:  # the served name, once the first server has read it from /model_info
+        return self.servers[0].backend.model_name
 
     @property  # type: ignore[override]
     def context_length(self) -> int | None:

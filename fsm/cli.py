@@ -197,7 +197,7 @@ def _engine(args: argparse.Namespace, servers: list[str], tokenizer: str | None)
                                  group_affinity=args.group_affinity, **options)  # fmt: skip
         return RolloutEngine(args.spec, tokenizer, model=args.model, max_concurrency=args.concurrency,
                              tracer=_tracer(args), check_tokens=args.check_tokens, torch_threads=args.threads,
-                             max_batch_size=args.batch_size)  # fmt: skip
+                             max_batch_size=args.batch_size, device=args.device, dtype=args.dtype)  # fmt: skip
     except FileNotFoundError as exc:
         raise CLIError(str(exc)) from None
     except OSError as exc:  # transformers: a directory without tokenizer or model files
@@ -380,6 +380,9 @@ def _print_summary(summary: dict[str, Any], console: Any) -> None:
         add("generate s (mean / max)", f"{timing['agent_loop/generate_sequences/mean']:.3f} / "
             f"{timing['agent_loop/generate_sequences/max']:.3f}")  # fmt: skip
         add("tool calls s (mean)", timing["agent_loop/tool_calls/mean"])
+    tracing = summary.get("tracing")
+    if tracing:
+        add("spans exported / dropped", f"{tracing['exported']} / {tracing['dropped']}")
     router = summary.get("router")
     if router:
         totals = router.get("totals", router)
@@ -514,6 +517,7 @@ def cmd_dev_server(args: argparse.Namespace) -> int:
     argv += ["--scripted"] if args.scripted else ["--model", args.model or _default_model()]
     if not args.scripted:
         _quiet_transformers()
+    argv += [f"--{k}={v}" for k, v in (("device", args.device), ("dtype", args.dtype)) if v]
     try:
         devserver_main(argv)
     except OSError as exc:  # the port is taken, or the host is not ours
@@ -528,6 +532,9 @@ def _default_model() -> str:
 
 
 # --- parser --------------------------------------------------------------------------------------------
+
+
+DTYPE_CHOICES = ["auto", "float32", "bfloat16", "float16"]  # the embedded model's (backends/hf.py)
 
 
 def _version() -> str:
@@ -588,6 +595,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=COUNT, metavar="N", help="torch threads for the embedded model (default: "
                    "torch's choice)")  # fmt: skip
     p.add_argument("--batch-size", type=COUNT, default=64, metavar="N", help="max batch of the embedded model")
+    p.add_argument("--device", help="the embedded model's device: cpu, cuda, cuda:1 (default: cuda if available)")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, help="the embedded model's dtype (default: auto, see "
+                   "backends/hf.py)")  # fmt: skip
     p.add_argument("--check-tokens", action="store_true", help="compare ids with a full re-render")
     p.add_argument("--request-timeout", type=float_in(0.0, above=True), metavar="SECONDS",
                    help="seconds per request attempt to a server (default: the backend's)")
@@ -638,6 +648,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scripted", action="store_true", help="a deterministic echo model, no weights")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=PORT, default=30000, help="port to listen on")
+    p.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda if available)")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, help="default: auto, see backends/hf.py")
     p.set_defaults(fn=cmd_dev_server)
     return ap
 

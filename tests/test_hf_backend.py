@@ -1,11 +1,14 @@
 """HFBackend against a tiny random-init Qwen2 built here (no shared assets, no tokenizer, no network).
 
-Everything runs on CPU in float32, so logprobs can be compared with a direct forward pass to 1e-4.
+Every test that takes `backend` (or `device`) runs on each device present: the CPU always, CUDA when torch
+sees a GPU. The model is far below SMALL_MODEL_PARAMS, so it runs in float32 by default on both, and logprobs
+can be compared with a direct forward pass to 1e-4.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 from pathlib import Path
 
@@ -14,11 +17,13 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from backends.base import Backend, BackendRequestError, BackendUnavailable, GenerateRequest, GenerateResult
-from backends.hf import HFBackend
+from backends.hf import SMALL_MODEL_PARAMS, TINY_SERVED_NAME, HFBackend, _dtype, default_dtype
 from bench.hf import bench_hf
 
 VOCAB, CONTEXT = 600, 256
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 def make_model(path: Path, seed: int) -> Path:
@@ -38,9 +43,14 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_model(tmp_path_factory.mktemp("tiny"), seed=0)
 
 
+@pytest.fixture(params=DEVICES)
+def device(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
 @pytest.fixture
-async def backend(model_dir: Path):
-    async with HFBackend(model_dir, device="cpu", torch_threads=1, max_batch_size=32) as b:
+async def backend(model_dir: Path, device: str):
+    async with HFBackend(model_dir, device=device, torch_threads=1, max_batch_size=32) as b:
         yield b
 
 
@@ -56,14 +66,14 @@ def req(ids: list[int], **params) -> GenerateRequest:
 def reference_logprobs(model, ids: list[int], out: list[int], temperature: float) -> torch.Tensor:
     """log_softmax(logits / T) of each generated token, from one unpadded forward pass over prompt + output."""
     with torch.no_grad():
-        logits = model(torch.tensor([ids + out])).logits[0, len(ids) - 1 : -1].float()
-    return torch.log_softmax(logits / temperature, -1)
+        logits = model(torch.tensor([ids + out], device=model.device)).logits[0, len(ids) - 1 : -1].float()
+    return torch.log_softmax(logits / temperature, -1).cpu()
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
 async def test_logprobs_match_a_direct_forward_pass(backend: HFBackend, temperature: float):
     assert isinstance(backend, Backend) and backend.provider == "transformers"
-    assert backend.context_length == CONTEXT
+    assert backend.context_length == CONTEXT and backend.dtype == torch.float32  # small: float32 everywhere
     ids = prompt(23, seed=1)
     res = await backend.generate(req(ids, temperature=temperature, sampling_seed=7, ignore_eos=True))
     assert len(res.token_ids) == len(res.logprobs) == 16 and res.finish_reason == "length"
@@ -94,7 +104,7 @@ async def test_stop_ids_are_honoured_and_included(backend: HFBackend):
     res = await backend.generate(req(ids, stop_token_ids=[free[k]], **GREEDY))
     assert res.token_ids == free[: k + 1] and res.finish_reason == "stop" and len(res.logprobs) == k + 1
     # The model's eos ids stop too, unless ignore_eos.
-    async with HFBackend(backend.model, device="cpu", eos_token_ids=[free[k]]) as eos_backend:
+    async with HFBackend(backend.model, device=backend.device, eos_token_ids=[free[k]]) as eos_backend:
         res = await eos_backend.generate(req(ids, temperature=0.0))
         assert res.token_ids == free[: k + 1] and res.finish_reason == "stop"
         res = await eos_backend.generate(req(ids, **GREEDY))
@@ -208,8 +218,8 @@ async def test_bad_requests_are_refused(backend: HFBackend):
         await backend.generate(req([]))
 
 
-async def test_close_aborts_open_requests_and_stops_the_worker(model_dir: Path):
-    backend = HFBackend(model_dir, device="cpu", max_batch_size=2)
+async def test_close_aborts_open_requests_and_stops_the_worker(model_dir: Path, device: str):
+    backend = HFBackend(model_dir, device=device, max_batch_size=2)
     await backend.start()
     long = {**GREEDY, "max_new_tokens": 200}
     calls = [asyncio.ensure_future(backend.generate(req(prompt(20, seed=i), **long))) for i in range(3)]
@@ -237,8 +247,61 @@ async def test_update_weights_from_disk(backend: HFBackend, tmp_path: Path):
         await backend.update_weights_from_disk(str(tmp_path / "missing"))
 
 
-def test_bench_hf(model_dir: Path):
+def test_bench_hf(model_dir: Path, device: str):
     result = bench_hf(
-        model_dir, batch_sizes=(1, 4), prompt_len=20, new_tokens=8, torch_threads=1, device="cpu"
+        model_dir, batch_sizes=(1, 4), prompt_len=20, new_tokens=8, torch_threads=1, device=device
     )
     assert set(result["tokens_per_s"]) == {1, 4} and all(v > 0 for v in result["tokens_per_s"].values())
+
+
+def test_default_dtype_and_dtype_names():
+    """float32 on CPU, and on CUDA below SMALL_MODEL_PARAMS; bfloat16 on CUDA above it or when unknown."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert default_dtype(cpu, None) == default_dtype(cpu, 10**11) == torch.float32
+    assert default_dtype(cuda, 730_000) == default_dtype(cuda, SMALL_MODEL_PARAMS - 1) == torch.float32
+    assert default_dtype(cuda, SMALL_MODEL_PARAMS) == default_dtype(cuda, None) == torch.bfloat16
+    assert _dtype("bf16") == _dtype("bfloat16") == _dtype(torch.bfloat16) == torch.bfloat16
+    assert _dtype("auto") is None and _dtype(None) is None and _dtype("float32") == torch.float32
+    with pytest.raises(ValueError, match="unknown dtype"):
+        _dtype("int8")
+
+
+async def test_dtype_option(model_dir: Path, device: str):
+    """dtype= casts the weights; in half precision on CUDA decoding avoids the cuDNN attention kernel (it
+    plans every new shape); float32 needs no such choice."""
+    async with HFBackend(model_dir, device=device, dtype="bfloat16") as b:
+        assert b.dtype == torch.bfloat16 and next(b.model.parameters()).dtype == torch.bfloat16
+        assert (b._attention is not None) == (device == "cuda")
+        res = await b.generate(req(prompt(12, seed=8), **GREEDY))
+        assert len(res.token_ids) == 16 and all(math.isfinite(lp) for lp in res.logprobs)
+    async with HFBackend(model_dir, device=device) as b:
+        assert b.dtype == torch.float32 and b._attention is None
+
+
+async def test_served_model_name(model_dir: Path):
+    """Spans and /model_info name the model by its served name: the argument, else the bundled model's name,
+    else the model folder's; an in-process model answers from no server."""
+    async with HFBackend(model_dir, device="cpu") as b:
+        assert b.model_name == model_dir.name
+        res = await b.generate(req(prompt(4, seed=1), **{**GREEDY, "max_new_tokens": 1}))
+        assert res.server is None
+    async with HFBackend(model_dir, device="cpu", served_model_name="my-model") as b:
+        assert b.model_name == "my-model"
+    from backends.tiny import ASSET_DIR
+
+    async with HFBackend(ASSET_DIR, device="cpu") as b:
+        assert b.model_name == TINY_SERVED_NAME == "agentfsm-tiny-calculator"
+
+
+@needs_cuda
+async def test_a_seed_means_the_same_on_cpu_and_cuda(model_dir: Path):
+    """Seeded rows draw their uniforms on the CPU whatever the device: the same seed gives the same tokens on
+    CUDA as on the CPU (up to the devices' float differences in the logits, which could flip a draw that lands
+    on a boundary: none here)."""
+    sampled = {"temperature": 1.0, "top_p": 0.95, "sampling_seed": 99, "ignore_eos": True, "max_new_tokens": 24}
+    requests = [req(prompt(5 + i, seed=200 + i), **{**sampled, "sampling_seed": i}) for i in range(16)]
+    runs = []
+    for device in ("cpu", "cuda"):
+        async with HFBackend(model_dir, device=device) as b:
+            runs.append([r.token_ids for r in await asyncio.gather(*(b.generate(r) for r in requests))])
+    assert runs[0] == runs[1]

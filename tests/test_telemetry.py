@@ -219,6 +219,7 @@ async def test_otlp_receiver_gets_one_trace_per_trajectory(receiver, tokenizer, 
         ra = root["attrs"]
         assert root["name"] == "invoke_agent calculator" and root["kind"] == 1  # INTERNAL
         assert root["resource"]["service.name"] == "agentfsm-test" and root["scope"] == "agentfsm"
+        assert ra["openinference.span.kind"] == "AGENT"  # what Phoenix classifies spans by
         assert ra["gen_ai.operation.name"] == "invoke_agent" and ra["gen_ai.agent.name"] == "calculator"
         assert ra["gen_ai.provider.name"] == "scripted" and ra["agentfsm.agent.hash"] == agent.hash
         assert (ra["agentfsm.index"], ra["agentfsm.uid"], ra["agentfsm.sample"]) == (
@@ -244,6 +245,7 @@ async def test_otlp_receiver_gets_one_trace_per_trajectory(receiver, tokenizer, 
         model_total = obs_total = 0
         for step in steps:
             a = step["attrs"]
+            assert a["openinference.span.kind"] == "CHAIN"
             edge = agent.edges[a["fsm.edge"]]
             assert (a["fsm.source"], a["fsm.dest"], a["fsm.guard"]) == (edge.source, edge.dest, edge.label)
             assert a.get("fsm.reason") == edge.reason
@@ -261,14 +263,14 @@ async def test_otlp_receiver_gets_one_trace_per_trajectory(receiver, tokenizer, 
                 assert c["gen_ai.response.finish_reasons"] == ("stop",)
                 assert c["gen_ai.usage.input_tokens"] > 0 and c["gen_ai.usage.output_tokens"] > 0
                 assert c["gen_ai.usage.cache_read.input_tokens"] == 0 and c["server.address"] == "scripted"
-                assert c["gen_ai.conversation.id"] == traj.session_id
+                assert c["gen_ai.conversation.id"] == traj.session_id and c["openinference.span.kind"] == "LLM"
                 assert step["start"] <= call["start"] <= call["end"] <= step["end"]
             elif a["fsm.source"] == "PROCESSING_TOOLS":
                 (tool,) = kids
                 t = tool["attrs"]
                 assert tool["name"] == "execute_tool calculator"
                 assert t["gen_ai.operation.name"] == "execute_tool" and t["gen_ai.tool.name"] == "calculator"
-                assert t["gen_ai.tool.type"] == "function"
+                assert t["gen_ai.tool.type"] == "function" and t["openinference.span.kind"] == "TOOL"
                 assert t["gen_ai.tool.description"] == "Evaluate an arithmetic expression."
                 if _row_of(traj.session_id) == 1:  # "1 / 0": the calculator raised
                     assert tool["status"] == 2 and t["error.type"] == "exception"  # ERROR
@@ -283,6 +285,67 @@ async def test_otlp_receiver_gets_one_trace_per_trajectory(receiver, tokenizer, 
         # content is opt-in
         assert not any(k.startswith(("gen_ai.input", "gen_ai.output", "agentfsm.input_token"))
                        for s in spans for k in s["attrs"])  # fmt: skip
+
+
+async def test_embedded_model_spans_over_otlp(receiver, tokenizer, agent):
+    """The embedded model (backends/hf.py) is named by its served name in span names and gen_ai.request.model
+    (not after its folder), with no server.address (it runs in this process); with content capture, every model
+    span carries its input and output decoded as GenAI messages (roles from the prompt and the trajectory's
+    segments; the parts' texts join up to the decoded token ids); every span has its OpenInference kind."""
+    import json
+
+    from backends.hf import TINY_SERVED_NAME, HFBackend
+    from backends.tiny import ASSET_DIR
+
+    def text(messages: str) -> str:
+        return "".join(part["content"] for m in json.loads(messages) for part in m["parts"])
+
+    async with HFBackend(ASSET_DIR, device="cpu", torch_threads=1) as backend:
+        assert backend.model_name == TINY_SERVED_NAME == "agentfsm-tiny-calculator"
+        with Telemetry(otlp=receiver.url, capture_content=True) as tel:
+            trajs = await fsm.Runner(agent, backend, tokenizer, tracer=tel).run(make_prompts(3))
+            stats = tel.stats()
+    assert stats["exported"] == len(receiver.spans) == sum(map(expected_spans, trajs)) and stats["dropped"] == 0
+    kinds = {"invoke_agent": "AGENT", "text_completion": "LLM", "execute_tool": "TOOL"}
+    roles_seen = set()
+    for s in receiver.spans:
+        a = s["attrs"]
+        assert a["openinference.span.kind"] == kinds.get(s["name"].split(" ")[0], "CHAIN"), s["name"]
+        if s["parent"] is None:
+            assert a["gen_ai.request.model"] == "agentfsm-tiny-calculator" and a["gen_ai.provider.name"] == "transformers"
+        if not s["name"].startswith("text_completion"):
+            continue
+        assert s["name"] == "text_completion agentfsm-tiny-calculator"
+        assert a["gen_ai.request.model"] == "agentfsm-tiny-calculator" and "server.address" not in a
+        ids_in, ids_out = list(a["agentfsm.input_token_ids"]), list(a["agentfsm.output_token_ids"])
+        inputs, (output,) = json.loads(a["gen_ai.input.messages"]), json.loads(a["gen_ai.output.messages"])
+        assert text(a["gen_ai.input.messages"]) == tokenizer.decode(ids_in, skip_special_tokens=False)
+        assert [m["role"] for m in inputs[:2]] == ["system", "user"]  # the prompt, message by message
+        assert "What is" in inputs[1]["parts"][0]["content"]
+        roles_seen.update(m["role"] for m in inputs)
+        assert output["role"] == "assistant" and output["finish_reason"] == a["gen_ai.response.finish_reasons"][0]
+        assert output["parts"] == [{"type": "text", "content": tokenizer.decode(ids_out, skip_special_tokens=False)}]
+    assert roles_seen <= {"system", "user", "assistant", "tool"}
+
+
+async def test_sglang_spans_use_the_served_model_name(tokenizer, agent):
+    """An SGLang client learns the served model name from /model_info with its first call, after the first
+    spans started: they are named when they end. Calls carry the server's address and port."""
+    from backends.devserver import DevServer, echo_backend
+
+    async with DevServer(echo_backend(vocab=500)) as server:
+        with Telemetry(otlp=False, memory=True) as tel:
+            engine = fsm.RolloutEngine(agent, tokenizer, servers=[server.url], tracer=tel)
+            await engine.arun(make_prompts(4))
+            await engine.aclose()
+            spans = tel.finished_spans()
+    calls = [s for s in spans if s.attributes.get("gen_ai.operation.name") == "text_completion"]
+    roots = [s for s in spans if s.parent is None]
+    assert calls and len(roots) == 4
+    assert {s.name for s in calls} == {"text_completion echo"}
+    assert {s.attributes["gen_ai.request.model"] for s in calls + roots} == {"echo"}
+    assert {(s.attributes["server.address"], s.attributes["server.port"]) for s in calls} == {
+        ("127.0.0.1", server.port)}  # fmt: skip
 
 
 async def test_failures_become_error_spans(tokenizer, agent):
@@ -423,6 +486,8 @@ async def test_capture_content_is_opt_in(tokenizer, agent):
     assert tool.attributes["gen_ai.tool.call.result"] == "3"
     calls = [s for s in spans if s.name.startswith("text_completion")]
     assert list(calls[0].attributes["agentfsm.input_token_ids"]) == traj.prompt_ids.tolist()
+    assert "What is" in calls[0].attributes["gen_ai.input.messages"]  # decoded: see the embedded-model test
+    assert "#### 3" in calls[-1].attributes["gen_ai.output.messages"]
 
 
 async def test_tracing_off_calls_nothing(tokenizer, agent, monkeypatch):
@@ -563,6 +628,9 @@ async def test_otlp_encoding_matches_the_sdk_encoder(tokenizer, agent):
     failed = sum(2 for t in trajs if t.failed)  # "GENERATING -> error" and the failed model call
     user = len(backend.requests)  # "user work", one per model call
     assert len(spans) == sum(map(expected_spans, trajs)) + failed + user + 1  # + the training step
+    for span in spans:  # failed model calls carry what they were asked
+        if span.name.startswith("text_completion") and span.status.status_code is otel_trace.StatusCode.ERROR:
+            assert '"role": "user"' in span.attributes["gen_ai.input.messages"]
     links = [s.links for s in spans if s.name == "invoke_agent calculator"]
     step = next(s for s in spans if s.name == "training step")
     assert all(link.context.span_id == step.context.span_id for (link,) in links)

@@ -3,11 +3,19 @@
     invoke_agent calculator                  root, INTERNAL: its own trace, current while the trajectory runs
       PENDING -> GENERATING                  one span per transition, covering the source state's work
       GENERATING -> PROCESSING_TOOLS
-        text_completion tiny                 a model call, CLIENT (GenAI inference span), current during the call
+        text_completion agentfsm-tiny-calculator   a model call, CLIENT (GenAI inference span), current during it
       PROCESSING_TOOLS -> GENERATING
         execute_tool calculator              a tool call, INTERNAL (GenAI tool span), current during the call
       GENERATING -> TERMINATED
-        text_completion tiny
+        text_completion agentfsm-tiny-calculator
+
+Model spans are named by the backend's served model name (an SGLang server's `served_model_name` from
+/model_info, read with the first call: spans started before are named when they end). Every span also has
+OpenInference's `openinference.span.kind` (AGENT, CHAIN for transitions, LLM, TOOL), what Arize Phoenix and
+similar UIs classify by. With content capture on, model spans carry their token ids and, decoded with the
+run's tokenizer when the call ends, `gen_ai.input.messages` / `gen_ai.output.messages` (GenAI JSON: one
+message per prompt message and per segment of the trajectory, special tokens kept); nothing is decoded
+otherwise.
 
 The driver's hooks run on every transition and call of every trajectory, so each idea here is kept where
 its cost can be seen:

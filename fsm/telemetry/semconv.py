@@ -3,7 +3,9 @@
 The `gen_ai.*` names follow the OpenTelemetry GenAI semantic conventions (Development stability). They are
 string literals here, not imports: the semconv package marks its GenAI constants deprecated (they moved to
 the semantic-conventions-genai repository; the strings are unchanged), and tests/test_telemetry.py checks
-that ours still equal them. `fsm.*` and `agentfsm.*` are this project's own.
+that ours still equal them. `fsm.*` and `agentfsm.*` are this project's own. `openinference.span.kind` is
+OpenInference's (what Arize Phoenix and other LLM trace UIs classify spans by; they show a span without it as
+UNKNOWN): every span carries it beside its GenAI attributes, a constant of its shape.
 """
 
 # GenAI semantic conventions
@@ -37,6 +39,9 @@ GEN_AI_TOOL_CALL_RESULT = "gen_ai.tool.call.result"
 ERROR_TYPE = "error.type"
 SERVER_ADDRESS = "server.address"
 SERVER_PORT = "server.port"
+# OpenInference (Arize Phoenix): the span kind, one of its values below
+OPENINFERENCE_SPAN_KIND = "openinference.span.kind"
+OI_AGENT, OI_CHAIN, OI_LLM, OI_TOOL = "AGENT", "CHAIN", "LLM", "TOOL"  # root, transitions, model, tool spans
 # agentfsm's own: the state machine (fsm.*) and the rollout (agentfsm.*)
 FSM_SOURCE = "fsm.source"
 FSM_DEST = "fsm.dest"

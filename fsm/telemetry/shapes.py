@@ -59,6 +59,11 @@ from fsm.telemetry.semconv import (
     INDEX,
     INPUT_TOKEN_IDS,
     MODEL_TOKENS,
+    OI_AGENT,
+    OI_CHAIN,
+    OI_LLM,
+    OI_TOOL,
+    OPENINFERENCE_SPAN_KIND,
     OUTPUT_TOKEN_IDS,
     PROMPT_TOKENS,
     RESPONSE_TOKENS,
@@ -89,6 +94,9 @@ _INTERNAL, _CLIENT = SpanKind.INTERNAL.value, SpanKind.CLIENT.value  # spans kee
 _SAMPLING_ATTRS = ((GEN_AI_REQUEST_TEMPERATURE, "temperature"), (GEN_AI_REQUEST_TOP_P, "top_p"),
                    (GEN_AI_REQUEST_TOP_K, "top_k"))  # fmt: skip
 _CACHE_MAX = 4096  # encoded attributes kept per shape slot (counts, names; recent ids), cleared when full
+# A backend's model_name until it knows it (backends/base.py; an SGLang client reads the served name from the
+# server's /model_info with its first call): spans of such a shape are named again when they end.
+UNKNOWN_MODEL = "unknown"
 
 # How a shape slot's value becomes attributes: as it is, encoded once per distinct value (counts, names) or
 # every time (ids, content); as a one-item array (finish reasons); a request's sampling parameters, read in
@@ -140,7 +148,7 @@ class _Shape:
     repeat (counts, finish reasons, state names) per slot.
     """
 
-    __slots__ = ("id", "name", "kind", "const", "keys", "hows", "_pb")
+    __slots__ = ("id", "name", "kind", "const", "keys", "hows", "unresolved", "_pb")
 
     def __init__(self, name: str, kind: int, const: Mapping[str, Any], slots: Sequence[tuple[str, int]]):
         with _SHAPES_LOCK:
@@ -148,6 +156,7 @@ class _Shape:
             _SHAPES.append(self)
         self.name, self.kind = name, kind
         self.const = {k: v for k, v in const.items() if v is not None}
+        self.unresolved = self.const.get(GEN_AI_REQUEST_MODEL) == UNKNOWN_MODEL  # see UNKNOWN_MODEL
         self.keys = tuple(k for k, _ in slots)
         self.hows = tuple(h for _, h in slots)
         self._pb: tuple[bytes, bytes, list[tuple[bytes, int, dict | None]]] | None = None
@@ -251,31 +260,29 @@ _MODEL_SLOTS = (
     (GEN_AI_USAGE_OUTPUT_TOKENS, _CACHED), (GEN_AI_USAGE_INPUT_TOKENS, _CACHED),
     (GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS, _CACHED), ("", _SERVER), (ROUTE, _CACHED), (WEIGHT_VERSION, _CACHED),
     (GEN_AI_RESPONSE_ID, _PLAIN), (OUTPUT_TOKEN_IDS, _PLAIN),
+    # opt-in content, decoded (spans.py `_messages`); a span without content carries the values up to here
+    (GEN_AI_INPUT_MESSAGES, _PLAIN), (GEN_AI_OUTPUT_MESSAGES, _PLAIN),
 )  # fmt: skip
 _TOOL_SLOTS = ((GEN_AI_TOOL_CALL_ID, _PLAIN), (GEN_AI_TOOL_CALL_ARGUMENTS, _PLAIN), (TOOL_ATTEMPTS, _CACHED),
                (ERROR_TYPE, _CACHED), (GEN_AI_TOOL_CALL_RESULT, _PLAIN))  # fmt: skip
 
 
 class _Shapes:
-    """The shapes of one run's spans (agent, backend, sampling), shared by its trajectories."""
+    """The shapes of one run's spans (agent, backend, sampling), shared by its trajectories; and the run's
+    codec, whose tokenizer decodes opt-in content."""
 
-    def __init__(self, agent: Any, backend: Any, sampling: Mapping[str, Any]):
-        self.agent, self.backend = agent, backend  # kept alive: the tracer's cache is keyed by their ids
+    def __init__(self, agent: Any, backend: Any, sampling: Mapping[str, Any], codec: Any = None):
+        self.agent, self.backend, self.sampling = agent, backend, sampling  # kept alive: the tracer's cache
+        self.codec = codec  # is keyed by their ids
+        self.tokenizer = getattr(codec, "tokenizer", None)
         self.finals = agent.final_states
         # States whose action is user code (which may start spans under the state's): their span is current.
         self.user_states = agent.user_code_states
-        const = {
-            GEN_AI_OPERATION_NAME: "invoke_agent",
-            GEN_AI_PROVIDER_NAME: backend.provider,
-            GEN_AI_AGENT_NAME: agent.name,
-            GEN_AI_REQUEST_MODEL: backend.model_name,
-            AGENT_HASH: agent.hash,
-            **{key: sampling.get(name) for key, name in _SAMPLING_ATTRS},
-        }
-        self.root = _shape(f"invoke_agent {agent.name}", _INTERNAL, const, _ROOT_SLOTS)
+        self.root = self._root()
         self.edges = [
             _shape(f"{e.source} -> {e.dest}", _INTERNAL, {FSM_SOURCE: e.source, FSM_DEST: e.dest, FSM_GUARD: e.label,
-                                                         FSM_EDGE: e.index, FSM_REASON: e.reason}, _EDGE_SLOTS)
+                                                         FSM_EDGE: e.index, FSM_REASON: e.reason,
+                                                         OPENINFERENCE_SPAN_KIND: OI_CHAIN}, _EDGE_SLOTS)
             for e in agent.edges
         ]  # fmt: skip
         self.states: dict[str, _Shape] = {}  # a state's span before an edge fires (user actions, failures)
@@ -283,24 +290,44 @@ class _Shapes:
         self.run_model: _Shape | None = None  # the run backend's
         self.tools: dict[str, _Shape] = {}
 
+    def _root(self) -> _Shape:
+        agent, backend = self.agent, self.backend
+        const = {
+            GEN_AI_OPERATION_NAME: "invoke_agent",
+            GEN_AI_PROVIDER_NAME: backend.provider,
+            GEN_AI_AGENT_NAME: agent.name,
+            GEN_AI_REQUEST_MODEL: backend.model_name,
+            AGENT_HASH: agent.hash,
+            **{key: self.sampling.get(name) for key, name in _SAMPLING_ATTRS},
+            OPENINFERENCE_SPAN_KIND: OI_AGENT,
+        }
+        return _shape(f"invoke_agent {agent.name}", _INTERNAL, const, _ROOT_SLOTS)
+
+    def named_root(self) -> _Shape:
+        """The root's shape, made again once the backend has learnt its model's name (see UNKNOWN_MODEL)."""
+        if self.root.unresolved and self.backend.model_name != UNKNOWN_MODEL:
+            self.root = self._root()
+        return self.root
+
     def state(self, source: str) -> _Shape:
         shape = self.states.get(source)
         if shape is None:
-            shape = self.states[source] = _shape(source, _INTERNAL, {FSM_SOURCE: source}, _EDGE_SLOTS)
+            const = {FSM_SOURCE: source, OPENINFERENCE_SPAN_KIND: OI_CHAIN}
+            shape = self.states[source] = _shape(source, _INTERNAL, const, _EDGE_SLOTS)
         return shape
 
     def model(self, backend: Any) -> _Shape:
         """The shape of calls to `backend` (the request's sampling parameters are values: a call may set
-        its own)."""
+        its own). Kept for the run's backend once it knows its model's name."""
         if backend is self.backend and self.run_model is not None:
             return self.run_model
         name = backend.model_name
         shape = self.models.get(name)
         if shape is None:
             const = {GEN_AI_OPERATION_NAME: "text_completion", GEN_AI_PROVIDER_NAME: backend.provider,
-                     GEN_AI_REQUEST_MODEL: name}  # fmt: skip
+                     GEN_AI_REQUEST_MODEL: name, OPENINFERENCE_SPAN_KIND: OI_LLM}  # fmt: skip
             shape = self.models[name] = _shape(f"text_completion {name}", _CLIENT, const, _MODEL_SLOTS)
-        if backend is self.backend:
+        if backend is self.backend and not shape.unresolved:
             self.run_model = shape
         return shape
 
@@ -312,6 +339,7 @@ class _Shapes:
                 GEN_AI_TOOL_NAME: name,
                 GEN_AI_TOOL_TYPE: "function",
                 GEN_AI_TOOL_DESCRIPTION: (tool.description or None) if tool is not None else None,
+                OPENINFERENCE_SPAN_KIND: OI_TOOL,
             }
             shape = self.tools[name] = _shape(f"execute_tool {name}", _INTERNAL, const, _TOOL_SLOTS)
         return shape

@@ -281,7 +281,7 @@ class _Root(_Span):
     state's work starts where this one's ends), so a transition costs one call and one queued tuple.
     """
 
-    __slots__ = ("traj", "shapes", "state_id", "state_start", "state_mark", "state_span")
+    __slots__ = ("traj", "shapes", "state_id", "state_start", "state_mark", "state_span", "prompt_roles")
 
     def __init__(self, tel: _Owner, traj: Any, shapes: _Shapes):
         ambient = _current_span()  # a span the caller has open (a training step...) is linked, not a parent
@@ -292,7 +292,7 @@ class _Root(_Span):
             ambient = ambient.get_span_context()
             if ambient.is_valid:
                 self._x().links.append(Link(ambient))
-        self.traj, self.shapes, self.state_span = traj, shapes, None
+        self.traj, self.shapes, self.state_span, self.prompt_roles = traj, shapes, None, None
         tel._live[self._trace_id] = self
         self._token = _CV.set(_Context({_SPAN_KEY: self})) if _CV is not None else _attach(self, alone=True)
         self.state_mark = len(traj.segments)  # the span counts the tokens appended after this mark
@@ -381,6 +381,7 @@ class _Root(_Span):
             self.state_span = None
         _detach(self._token)
         tel._live.pop(self._trace_id, None)
+        self.shape = self.shapes.named_root()  # the model's name, learnt meanwhile (shapes.UNKNOWN_MODEL)
         self.traj = None  # the root may wait in the export queue; the trajectory need not
         self.end()
 
@@ -404,12 +405,26 @@ class _CallSpan(_Span):
 
 
 class _ModelSpan(_CallSpan):
-    __slots__ = ()
+    # With content capture on (only then: `Telemetry.model_call` sets it), (tokenizer, the roles of the
+    # request's tokens): what `_input_messages` / `_output_messages` decode the call's content with.
+    __slots__ = ("_content", "_late")  # `_late`: (shapes, backend) for a span of an unresolved shape
 
     def _request_values(self) -> tuple:
         request = self.values
         return (request.session_id, request.sampling_params,
                 tuple(request.prompt_ids) if self.tel.capture_content else None)  # fmt: skip
+
+    def fail(self, exc: BaseException) -> None:
+        if self.shape.unresolved:
+            shapes, backend = self._late
+            self.shape = shapes.model(backend)
+        if not self.tel.capture_content:
+            return super().fail(exc)
+        _detach(self._token)  # with content: what the failed call was asked, as input messages
+        request = self.values
+        self.values = (*self._request_values(), *(None,) * 9, _input_messages(request, *self._content))
+        self._fail(exc)
+        self.end()
 
     def done(self, result: Any) -> None:
         """The backend answered: usage, finish reason, the server that answered; the span ends. (Flat: it
@@ -422,6 +437,9 @@ class _ModelSpan(_CallSpan):
         request, tel = self.values, self.tel
         version, extra = result.weight_version, result.extra
         self._end = end = _time_ns()
+        if self.shape.unresolved:  # started before the backend knew its model's name: named now
+            shapes, backend = self._late
+            self.shape = shapes.model(backend)
         if self._extra is None and not tel.capture_content:  # the common case, as a tuple (`_queue`, inlined)
             tel._ended += 1
             tel._emit((self.shape.id, self._trace_id, self._span_id, self._parent_id, self._start, end,
@@ -431,11 +449,15 @@ class _ModelSpan(_CallSpan):
             if len(tel._queue) >= tel._batch:
                 tel._wake_exporters()
             return
+        content: tuple = (None, None, None)
+        if tel.capture_content:  # token ids, and decoded: input and output messages
+            tokenizer, roles = self._content
+            content = (tuple(result.token_ids), _input_messages(request, tokenizer, roles),
+                       _output_messages(result, tokenizer))  # fmt: skip
         self.values = (
             *self._request_values(), result.finish_reason, len(result.token_ids), result.prompt_tokens,
             result.cached_tokens, result.server, result.route, None if version is None else str(version),
-            str(extra["id"]) if extra and extra.get("id") else None,
-            tuple(result.token_ids) if tel.capture_content else None,
+            str(extra["id"]) if extra and extra.get("id") else None, *content,
         )  # fmt: skip
         self._queue()
 
@@ -489,6 +511,77 @@ def _parts(messages: list[dict[str, Any]]) -> str:
 
 
 _NO_CONTENT = (None, None, None)
+
+
+# --- opt-in content of model calls: the token ids decoded, as GenAI messages ----------------------------------
+# Only with content capture on, when the call ends (on the event loop, where the engine's own tokenizer calls
+# run: a tokenizer is not shared across threads). Special tokens are kept: the text is what the model saw.
+
+_ROLES = ("system", "user", "assistant", "tool")
+
+
+def _roles(root: _Root) -> list[tuple[str, int]]:
+    """Where each message of the model's context ends, as (role, end) in the request's prompt ids: the
+    prompt's messages (found once per trajectory, `_prompt_roles`), then the trajectory's segments (template
+    scaffolding joins the message before it, as turns of the same role join)."""
+    traj = root.traj
+    roles = root.prompt_roles
+    if roles is None:
+        roles = root.prompt_roles = _prompt_roles(traj, root.shapes.codec)
+    roles, base = list(roles), len(traj.prompt_ids)
+    for seg in traj.segments:
+        role = seg.role if seg.role in _ROLES else roles[-1][0]
+        if role == roles[-1][0]:
+            roles[-1] = (role, base + seg.end)
+        else:
+            roles.append((role, base + seg.end))
+    return roles
+
+
+def _prompt_roles(traj: Any, codec: Any) -> list[tuple[str, int]]:
+    """(role, end) of each message of the row's prompt in the prompt ids, from renderings of its first k
+    messages; one user message (as rendered, system turns included) where those are not prefixes."""
+    ids, messages = traj.prompt_ids, traj.row.get("raw_prompt")
+    whole = [("user", len(ids))]
+    if codec is None or not isinstance(messages, list) or not messages:
+        return whole
+    roles: list[tuple[str, int]] = []
+    try:
+        for k in range(1, len(messages)):
+            prefix = codec.render(messages[:k], tools=traj.tool_schemas, add_generation_prompt=False)
+            if ids[: len(prefix)].tolist() != list(prefix):
+                return whole
+            roles.append((str(messages[k - 1].get("role") or "user"), len(prefix)))
+    except Exception:  # a template that cannot render a part of the prompt
+        return whole
+    roles.append((str(messages[-1].get("role") or "user"), len(ids)))  # with the generation prompt
+    return roles
+
+
+def _message(role: str, text: str, **more: Any) -> dict[str, Any]:
+    return {"role": role, "parts": [{"type": "text", "content": text}], **more}
+
+
+def _input_messages(request: Any, tokenizer: Any, roles: list[tuple[str, int]]) -> str | None:
+    """gen_ai.input.messages: the request's prompt ids decoded, message by message."""
+    if tokenizer is None:
+        return None
+    ids, start, messages = request.prompt_ids, 0, []
+    for role, end in roles:
+        if end > start:
+            messages.append(_message(role, tokenizer.decode(ids[start:end], skip_special_tokens=False)))
+            start = end
+    if start < len(ids):  # tokens the trajectory has not recorded (a custom action's request)
+        messages.append(_message("user", tokenizer.decode(ids[start:], skip_special_tokens=False)))
+    return json.dumps(messages, ensure_ascii=False)
+
+
+def _output_messages(result: Any, tokenizer: Any) -> str | None:
+    """gen_ai.output.messages: the generated ids decoded, one assistant message with its finish reason."""
+    if tokenizer is None:
+        return None
+    text = tokenizer.decode(result.token_ids, skip_special_tokens=False)
+    return json.dumps([_message("assistant", text, finish_reason=result.finish_reason)], ensure_ascii=False)
 
 
 def _conversation(traj: Any) -> tuple[str, str, str | None]:

@@ -44,6 +44,7 @@ from fsm.telemetry.spans import (
     _Context,
     _ModelSpan,
     _random_bits,
+    _roles,
     _Root,
     _Span,
     _time_ns,
@@ -210,10 +211,12 @@ class Telemetry:
             shapes = last[1]
         else:
             sampling = run.sampling.params
-            key = (id(run.agent), id(run.backend), *(sampling.get(name) for _, name in _SAMPLING_ATTRS))
+            codec = getattr(run, "codec", None)
+            key = (id(run.agent), id(run.backend), id(codec),
+                   *(sampling.get(name) for _, name in _SAMPLING_ATTRS))  # fmt: skip
             shapes = self._shapes.get(key)
             if shapes is None:
-                shapes = self._shapes[key] = _Shapes(run.agent, run.backend, sampling)
+                shapes = self._shapes[key] = _Shapes(run.agent, run.backend, sampling, codec)
             self._last = (run, shapes)
         return _Root(self, traj, shapes)
 
@@ -249,11 +252,18 @@ class Telemetry:
         span = _new(_ModelSpan)
         span.tel, span.values = self, request
         run_model = backend is shapes.backend and shapes.run_model
-        span.shape = run_model or shapes.model(backend)
+        if run_model:
+            span.shape = run_model
+        else:
+            span.shape = shape = shapes.model(backend)
+            if shape.unresolved:  # named when it ends, as the backend then knows its model (UNKNOWN_MODEL)
+                span._late = (shapes, backend)
         span._trace_id, span._span_id, span._parent_id = root._trace_id, _random_bits(64) or 1, parent
         span._extra = span._end = None
         span._start = _time_ns()
         span._token = _CV.set(_Context({**context, _SPAN_KEY: span})) if _CV is not None else _attach(span)
+        if self.capture_content:  # what decodes the call's content when it ends
+            span._content = (shapes.tokenizer, _roles(root))
         return span
 
     def tool_call(self, traj: Any, call: Any, tool: Any) -> _ToolSpan | None:
