@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from backends.retry import RetryPolicy, retry
 from fsm.isolation import Lane, LoopLane, ProcessLane, ThreadLane, ToolCrashed, ToolUnavailable, crashed
 from fsm.parsers import ToolCall
 from fsm.registry import resolve
@@ -153,6 +154,12 @@ class CallOutcome:
     metrics: dict = field(default_factory=dict)
 
 
+def tool_retry(attempts: int, backoff_s: float) -> RetryPolicy:
+    """The spec's `retry:` as a policy: the wait before attempt k is backoff_s * 2**(k-2), exactly (no jitter:
+    one tool's calls are not a fleet of clients retrying together)."""
+    return RetryPolicy(attempts=attempts, backoff_s=backoff_s, backoff_max_s=float("inf"), jitter=0.0)
+
+
 @dataclass
 class BoundTool:
     """A tool instance with its policy (timeout, retries) and its lane, built once per compiled spec."""
@@ -161,8 +168,7 @@ class BoundTool:
     tool: Any  # BaseTool-like
     schema: dict
     timeout_s: float | None
-    max_attempts: int
-    backoff_s: float
+    retry: RetryPolicy  # `execute` attempts and waits (the spec's `retry:`)
     lane: Lane | None = None  # default: a FunctionTool's own; a class tool's methods run on a LoopLane
     keep_chars: int | None = None  # an answer is cut to its first and last this many characters at once
 
@@ -219,34 +225,7 @@ class BoundTool:
             return outcome
         instance_id = created_id or instance_id
         try:
-            for attempt in range(1, self.max_attempts + 1):
-                outcome.attempts = attempt
-                try:
-                    await self.lane.ready()  # a worker process starts outside the timeout
-                    response, reward, metrics = await self._step(
-                        self.tool.execute, instance_id, call.arguments or {}, agent_data=agent_data
-                    )
-                    outcome.text, outcome.reward, outcome.metrics, outcome.error = (
-                        self._cut(response.text or ""),
-                        reward,
-                        metrics,
-                        None,
-                    )
-                    del response  # a 50 MB answer is not held while calc_reward and release run
-                    break
-                except ToolCrashed:
-                    raise
-                except TimeoutError as exc:  # ours, or the tool's own (an HTTP client's) when timeout_s is None
-                    outcome.error, outcome.text = (
-                        "timeout",
-                        f"Error: tool '{self.name}' timed out after {self.timeout_s:g}s"
-                        if self.timeout_s is not None
-                        else f"Error executing tool '{self.name}': {exc or 'timed out'}",
-                    )
-                except Exception as exc:  # a tool may raise anything; the model is told what happened
-                    outcome.error, outcome.text = "exception", f"Error executing tool '{self.name}': {exc}"
-                if attempt < self.max_attempts and self.backoff_s:
-                    await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
+            await self._execute(outcome, call, instance_id, agent_data)
             if outcome.error is None:
                 try:
                     outcome.score = float(await self._step(self.tool.calc_reward, instance_id))
@@ -257,6 +236,35 @@ class BoundTool:
         finally:
             await self._release(instance_id)
         return outcome
+
+    async def _execute(self, outcome: CallOutcome, call: ToolCall, instance_id: str, agent_data: Any) -> None:
+        """`execute`, retried as the spec's `retry:` says (backends/retry.py runs the loop); the outcome holds
+        the answer, or the last failure as the text the model reads."""
+
+        async def attempt(k: int) -> None:
+            outcome.attempts = k
+            await self.lane.ready()  # a worker process starts outside the timeout
+            response, reward, metrics = await self._step(
+                self.tool.execute, instance_id, call.arguments or {}, agent_data=agent_data
+            )
+            outcome.text, outcome.reward, outcome.metrics, outcome.error = (
+                self._cut(response.text or ""), reward, metrics, None,
+            )  # fmt: skip
+            # a 50 MB answer is not held while calc_reward and release run: `response` dies with this frame
+
+        try:
+            await retry(self.retry, attempt, retryable=lambda exc: not isinstance(exc, ToolCrashed))
+        except ToolCrashed:
+            raise
+        except TimeoutError as exc:  # ours, or the tool's own (an HTTP client's) when timeout_s is None
+            outcome.error, outcome.text = (
+                "timeout",
+                f"Error: tool '{self.name}' timed out after {self.timeout_s:g}s"
+                if self.timeout_s is not None
+                else f"Error executing tool '{self.name}': {exc or 'timed out'}",
+            )
+        except Exception as exc:  # a tool may raise anything; the model is told what happened
+            outcome.error, outcome.text = "exception", f"Error executing tool '{self.name}': {exc}"
 
     async def _release(self, instance_id: str) -> None:
         try:
@@ -377,4 +385,4 @@ def build_tool(spec: ToolSpec, resolve_ref: Callable[[str], Any] = resolve) -> B
         lane = LoopLane(name)
     if hasattr(tool, "name"):
         tool.name = name
-    return BoundTool(name, tool, schema, spec.timeout_s, spec.retry.max_attempts, spec.retry.backoff_s, lane)
+    return BoundTool(name, tool, schema, spec.timeout_s, tool_retry(spec.retry.max_attempts, spec.retry.backoff_s), lane)

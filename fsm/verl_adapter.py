@@ -72,7 +72,7 @@ from fsm.compile import CompiledAgent, compile_spec
 from fsm.loader import load_spec
 from fsm.runtime import Runner
 from fsm.spec import SPECS_DIR, LimitsSpec
-from fsm.tools import BoundTool, FunctionTool, ToolSet
+from fsm.tools import BoundTool, FunctionTool, ToolSet, tool_retry
 from fsm.trajectory import Trajectory
 
 logger = logging.getLogger(__name__)
@@ -150,7 +150,7 @@ def _bind_verl_tool(tool: Any) -> BoundTool:
         impl = FunctionTool(tool.fn, schema)
     else:
         raise TypeError(f"fsm_agent: verl tool {tool!r} has neither execute() nor fn")
-    return BoundTool(tool.name, impl, schema, timeout_s=None, max_attempts=1, backoff_s=0.0)
+    return BoundTool(tool.name, impl, schema, timeout_s=None, retry=tool_retry(1, 0.0))
 
 
 class _TemplateKwargs:

@@ -13,9 +13,7 @@ from __future__ import annotations
 import gzip
 import http.client
 import logging
-import math
 import os
-import random
 import ssl
 import threading
 import time
@@ -24,7 +22,6 @@ import zlib
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
-from email.utils import parsedate_to_datetime
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -35,11 +32,17 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.util.re import parse_env_headers
 
+from backends.retry import RetryPolicy, parse_retry_after
 from fsm.telemetry.shapes import _SHAPES, _lean_message
 from fsm.telemetry.spans import _readable, _Span
 from fsm.telemetry.wire import _attributes, _ld, _readable_message, _scope
 
 log = logging.getLogger("fsm.telemetry")  # the package's one logger, whichever module logs
+
+# The OTLP exporter retries as the OpenTelemetry SDK's does: 6 attempts on 429/502/503/504 and connection
+# errors, waiting 1, 2, 4, 8, 16 s (±20 %), or what Retry-After says, and never past the request's timeout.
+OTLP_RETRY = RetryPolicy(attempts=6, backoff_s=1.0, backoff_max_s=float("inf"),
+                         statuses=frozenset({429, 502, 503, 504}))  # fmt: skip
 
 _SUPPRESS_KEY = getattr(otel_context, "_SUPPRESS_INSTRUMENTATION_KEY", "suppress_instrumentation")
 # The SDK's defaults (2048 queued, 512 per request) lose spans when thousands of trajectories move in
@@ -350,23 +353,23 @@ class OtlpHttpExporter(NativeExporter):
         return self.send(self.compress(body))
 
     def send(self, data: bytes) -> bool:
-        """POST one request body, retrying as the SDK does. True if the collector accepted it."""
+        """POST one request body, retrying as the SDK does (OTLP_RETRY). True if the collector accepted it."""
         deadline = time.monotonic() + self.timeout_s
-        for attempt in range(6):
-            backoff = 2**attempt * random.uniform(0.8, 1.2)
+        policy = OTLP_RETRY
+        for attempt in range(1, policy.attempts + 1):
             status, retry_after, error = self._submit(data, deadline)
             if status is not None and 200 <= status < 400:
                 return True
-            retryable = status in (429, 502, 503, 504) if status is not None else error is not None
+            # A Retry-After is followed as the SDK follows it: exactly, not as a lower bound.
+            backoff = retry_after if retry_after is not None else policy.delay(attempt)
+            retryable = policy.retryable_status(status) if status is not None else error is not None
             if not retryable:
                 log.error("agentfsm telemetry: OTLP export to %s failed: %s", self.endpoint,
                           f"HTTP {status}" if status is not None else error or "timed out")  # fmt: skip
                 return False
-            if retry_after is not None:
-                backoff = retry_after
-            if attempt == 5 or backoff > deadline - time.monotonic() or self._stop.is_set():
+            if attempt == policy.attempts or backoff > deadline - time.monotonic() or self._stop.is_set():
                 log.error("agentfsm telemetry: OTLP export to %s failed after %d attempts (%s)", self.endpoint,
-                          attempt + 1, f"HTTP {status}" if status is not None else error)  # fmt: skip
+                          attempt, f"HTTP {status}" if status is not None else error)  # fmt: skip
                 return False
             log.warning("agentfsm telemetry: OTLP export to %s: %s, retrying in %.2f s", self.endpoint,
                         f"HTTP {status}" if status is not None else error, backoff)  # fmt: skip
@@ -397,7 +400,7 @@ class OtlpHttpExporter(NativeExporter):
                 response.read()
                 if response.will_close:
                     self._close()
-                return response.status, _retry_after(response.getheader("retry-after")), None
+                return response.status, parse_retry_after(response.getheader("retry-after")), None
             except TimeoutError:  # the deadline passed while waiting: as the SDK, not retried
                 self._close()
                 return None, None, None
@@ -414,21 +417,6 @@ class OtlpHttpExporter(NativeExporter):
     def shutdown(self) -> None:
         self._stop.set()
         self._close()
-
-
-def _retry_after(value: str | None) -> float | None:
-    """A Retry-After header (seconds or an HTTP date) in seconds from now."""
-    if not value:
-        return None
-    try:
-        seconds = float(value)
-        return max(seconds, 0.0) if math.isfinite(seconds) else None
-    except ValueError:
-        pass
-    try:
-        return max(parsedate_to_datetime(value).timestamp() - time.time(), 0.0)
-    except (TypeError, ValueError):
-        return None
 
 
 # --- configuration from the standard OTEL_* variables ---------------------------------------------------------
