@@ -254,7 +254,7 @@ def test_cli_summary_counts_equal_what_was_injected(tmp_path, capsys):
     spec.write_text(f"name: faults\nextends: {Path('specs/calculator.yaml').resolve()}\n"
                     "limits:\n  request_timeout_s: 0.5\n  max_resumes: 20\n")  # fmt: skip
     try:
-        code = main(["run", str(spec), "--num-prompts", "24", "--n", "2", "--temperature", "0", "--quiet",
+        code = main(["run", str(spec), "--num-prompts", "24", "--n", "2", "--temperature", "0",
                      "--out", str(tmp_path / "run"), "--tokenizer", str(ASSETS),
                      *[arg for p in proxies for arg in ("--server", p.url)]])  # fmt: skip
     finally:
@@ -279,7 +279,7 @@ def test_cli_summary_counts_equal_what_was_injected(tmp_path, capsys):
     for r in records:  # every row is a finished one or an error row, never a short "done" made of a fault
         assert r["termination_reason"] in ("done", "response_length", "max_assistant_turns") or r[
             "termination_reason"].startswith("error: ")  # fmt: skip
-    table = capsys.readouterr().err
+    table = capsys.readouterr().out  # the run table goes to stdout
     kind = CLIENT_COUNTER[got.most_common(1)[0][0]].replace("_", " ")
     assert f"server fault: {kind}" in table and "failovers" in table and "resumes" in table
 
