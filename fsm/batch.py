@@ -9,6 +9,7 @@ Layout (P = prompt_length, R = response_length), exactly verl's `_agent_loop_pos
   position_ids     [B, P+R] int64  clip(cumsum(attention_mask) - 1, 0)
   rollout_log_probs[B, R]   float32 (when logprobs were requested), 0.0 on pads and observations
   rm_scores        [B, R]   float32 (when every row has a score): the score on the last valid response token
+                            (an empty response: column R-1, where verl's index -1 puts it)
 """
 
 from __future__ import annotations
@@ -91,8 +92,9 @@ def collate(trajs: Sequence[Trajectory], *, prompt_length: int, response_length:
     scores = [t.reward_score for t in trajs]
     if trajs and all(s is not None for s in scores):
         rm = np.zeros((len(trajs), R), dtype=np.float32)
-        has = r_len > 0  # an empty (failed) response has no token to carry a score
-        rm[np.nonzero(has)[0], r_len[has] - 1] = np.asarray(scores, dtype=np.float32)[has]
+        # verl: attention_mask[:, P:].sum(1) - 1, so an empty (failed) response's score lands at -1, the
+        # last column: its reward still counts in a group's sum (GRPO), on a masked position
+        rm[np.arange(len(trajs)), r_len - 1] = np.asarray(scores, dtype=np.float32)
         tensors["rm_scores"] = torch.from_numpy(rm)
 
     batch = TensorDict(tensors, batch_size=[len(trajs)])

@@ -635,6 +635,20 @@ async def test_failed_rows_score_zero_and_rm_scores(tok, compile_yaml):
     assert rm[0, n - 1] == 1.0 and rm[0].sum() == 1.0 and rm[1].sum() == 0.0
 
 
+def test_empty_response_score_sits_in_the_last_column():
+    """verl writes rm_scores at attention_mask[:, P:].sum(1) - 1: -1, the last column, for an empty response.
+    The score still counts where a trainer sums a row's scores (GRPO), as in verl."""
+    rows = []
+    for ids, score in (([5, 6, 7], 1.0), ([], -1.0)):
+        traj = Trajectory(len(rows), 0, "s", "u", {"raw_prompt": []}, "PENDING")
+        traj.prompt_ids.extend([1, 2])
+        traj.append_generated(ids, [-0.5] * len(ids))
+        traj.reward_score = score
+        rows.append(traj)
+    rm = fsm.collate(rows, prompt_length=4, response_length=6, pad_token_id=0).batch["rm_scores"]
+    assert rm.tolist() == [[0, 0, 1.0, 0, 0, 0], [0, 0, 0, 0, 0, -1.0]]
+
+
 # --- GRPO groups ------------------------------------------------------------------------------------------
 
 
