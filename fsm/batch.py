@@ -119,6 +119,10 @@ def _non_tensors(trajs: Sequence[Trajectory]) -> dict[str, np.ndarray]:
         "tool_rewards": _objects([list(t.tool_rewards) for t in trajs]),
         "raw_prompt": _objects([t.row.get("raw_prompt") for t in trajs]),
     }
+    # verl's extra_fields columns: every key any trajectory's tools (or server) set, None where missing;
+    # as in verl they win over a row column of the same name
+    for key in sorted({key for t in trajs for key in t.extra_fields} - set(out)):
+        out[key] = _objects([t.extra_fields.get(key) for t in trajs])
     columns = {key for t in trajs for key in t.row} - set(out) - {"agent_name"}
     for key in sorted(columns):
         out[key] = _objects([t.row.get(key) for t in trajs])

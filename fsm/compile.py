@@ -197,7 +197,7 @@ class _Compiler:
             if any(t.name == tool.name for t in bound):
                 self.error("duplicate", f"two tools are named {tool.name!r}", "tools", i)
             bound.append(tool)
-        return ToolSet(bound, self.spec.limits)
+        return ToolSet(bound, self.spec.limits, self.spec.tool_policy)
 
     def _interaction(self) -> Any:
         spec = self.spec.interaction
