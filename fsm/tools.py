@@ -18,7 +18,6 @@ from typing import Any
 from fsm.parsers import ToolCall
 from fsm.registry import resolve
 from fsm.spec import LimitsSpec, ToolPolicySpec, ToolSpec
-from fsm.trajectory import Trajectory
 
 
 @dataclass
@@ -181,7 +180,7 @@ class AgentData:
     __slots__ = ("_traj",)
     image_data = video_data = audio_data = routed_experts = mm_processor_output = None
 
-    def __init__(self, traj: Trajectory):
+    def __init__(self, traj: Any):  # an fsm.trajectory.Trajectory (not imported: trajectory sits above tools)
         self._traj = traj
 
     extra_fields = property(lambda self: self._traj.extra_fields)
@@ -299,10 +298,11 @@ class ToolSet:
         call: ToolCall,
         instance_id: str,
         tools_kwargs: dict,
-        agent_data: Any,
+        traj: Any,
         active: list[str] | None = None,
     ) -> CallOutcome:
-        """Run one call; every failure becomes an observation with `error` set."""
+        """Run one call of `traj` (its tool gets `agent_data=AgentData(traj)`); every failure becomes an
+        observation with `error` set."""
         if call.error is not None:
             return CallOutcome(
                 call.name or "?", f"Error: {call.error}", error="malformed_call", call_id=call.id
@@ -326,10 +326,8 @@ class ToolSet:
                                    error="bad_arguments", call_id=call.id)  # fmt: skip
         if args is not call.arguments:
             call = dataclasses.replace(call, arguments=args)
-        if isinstance(agent_data, Trajectory):
-            agent_data = AgentData(agent_data)
         create_kwargs = (tools_kwargs.get(tool.name) or {}).get("create_kwargs", {})
-        outcome = await tool.run(call, instance_id, create_kwargs, agent_data)
+        outcome = await tool.run(call, instance_id, create_kwargs, AgentData(traj) if traj is not None else None)
         if outcome.error in (None, "calc_reward") or policy.truncate_errors:  # verl cuts results only
             outcome.text = truncate(
                 outcome.text, self.limits.max_tool_response_length, self.limits.tool_response_truncate_side
