@@ -2,7 +2,7 @@
 # verl 0.9.1, CPU only, in its own virtualenv: the environment of the parity test.
 #
 #   bash .ci/verl_env.sh                                     # builds .venv-verl ($VERL_VENV to move it)
-#   .venv-verl/bin/python -m pytest tests/test_verl_parity.py
+#   .venv-verl/bin/python -m pytest tests/test_verl_parity.py tests/verl
 #
 # verl is installed with --no-deps: its declared dependencies (wandb, tensorboard, peft, accelerate,
 # torchdata, a torch pin that is not the local CPU wheel...) are not what its agent loop imports. DEPS is
@@ -38,7 +38,7 @@ DEPS=(
 stamp="$VENV/.agentfsm-verl-env"
 want="$(cat "$0" "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] \
-  && "$VENV/bin/python" -c "import verl.experimental.agent_loop, fsm.verl_adapter" 2>/dev/null; then
+  && "$VENV/bin/python" -c "import verl.experimental.agent_loop, fsm.verl_adapter, hypothesis" 2>/dev/null; then
   echo "verl env: $VENV is up to date"
   exit 0
 fi
@@ -54,7 +54,7 @@ pip=("$VENV/bin/python" -m pip install -q)
 "${pip[@]}" --no-deps verl==0.9.1
 echo "verl env: pip will list verl's declared dependencies that are left out on purpose (see DEPS)"
 "${pip[@]}" "${DEPS[@]}"
-"${pip[@]}" -e "$ROOT" pytest pytest-asyncio
+"${pip[@]}" -e "$ROOT" pytest pytest-asyncio "hypothesis>=6.100"   # hypothesis: tests/verl/test_generated.py
 cd "$ROOT"
 "$VENV/bin/python" -c "import verl, verl.experimental.agent_loop, fsm.verl_adapter; assert verl.__version__ == '0.9.1'"
 echo "$want" > "$stamp"

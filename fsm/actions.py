@@ -76,7 +76,7 @@ async def generate(ctx: RunContext, traj: Trajectory) -> None:
         ids[:-1] if ids and ids[-1] == ctx.codec.eos_id else ids, skip_special_tokens=False
     )
     traj.messages.append({"role": "assistant", "content": text})
-    traj.pending_calls = ctx.parser.parse(text) if ctx.agent.tools.by_name else []
+    traj.pending_calls = ctx.parser.parse(text)  # with no tools too: a call is answered "Unknown function" (verl)
 
 
 async def _resumed_turn(
@@ -150,7 +150,8 @@ async def call_tools(ctx: RunContext, traj: Trajectory) -> None:
     traj.metrics.tool_calls += time.perf_counter() - t0
     messages: list[dict[str, Any]] = []
     for outcome in outcomes:
-        traj.tool_rewards.append(outcome.reward)
+        if outcome.reward is not None:  # a BaseTool may return None as its reward; verl leaves it out
+            traj.tool_rewards.append(outcome.reward)
         if outcome.score is not None:
             traj.tool_scores.append(outcome.score)
         if outcome.error:

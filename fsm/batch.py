@@ -10,6 +10,7 @@ Layout (P = prompt_length, R = response_length), exactly verl's `_agent_loop_pos
   rollout_log_probs[B, R]   float32 (when logprobs were requested and every row has them), 0.0 on pads
                             and observations
   rm_scores        [B, R]   float32 (when every row has a score): the score on the last valid response token
+                            (an empty response: column R-1, where verl's index -1 puts it)
 """
 
 from __future__ import annotations
@@ -101,8 +102,9 @@ def collate(trajs: Sequence[Trajectory], *, prompt_length: int, response_length:
     scores = [t.reward_score for t in trajs]
     if trajs and all(s is not None for s in scores):
         rm = np.zeros((len(trajs), R), dtype=np.float32)
-        has = r_len > 0  # an empty (failed) response has no token to carry a score
-        rm[np.nonzero(has)[0], r_len[has] - 1] = np.asarray(scores, dtype=np.float32)[has]
+        # verl: attention_mask[:, P:].sum(1) - 1, so an empty (failed) response's score lands at -1, the
+        # last column: its reward still counts in a group's sum (GRPO), on a masked position
+        rm[np.arange(len(trajs)), r_len - 1] = np.asarray(scores, dtype=np.float32)
         tensors["rm_scores"] = torch.from_numpy(rm)
 
     batch = TensorDict(tensors, batch_size=[len(trajs)])
@@ -131,6 +133,10 @@ def _non_tensors(trajs: Sequence[Trajectory]) -> dict[str, np.ndarray]:
         "tool_rewards": _objects([list(t.tool_rewards) for t in trajs]),
         "raw_prompt": _objects([t.row.get("raw_prompt") for t in trajs]),
     }
+    # verl's extra_fields columns: every key any trajectory's tools (or server) set, None where missing;
+    # as in verl they win over a row column of the same name
+    for key in sorted({key for t in trajs for key in t.extra_fields} - set(out)):
+        out[key] = _objects([t.extra_fields.get(key) for t in trajs])
     columns = {key for t in trajs for key in t.row} - set(out) - {"agent_name"}
     for key in sorted(columns):
         out[key] = _objects([t.row.get(key) for t in trajs])

@@ -242,7 +242,7 @@ class _Compiler:
             if any(t.name == tool.name for t in bound):
                 self.error("duplicate", f"two tools are named {tool.name!r}", "tools", i)
             bound.append(tool)
-        return ToolSet(bound, self.spec.limits)
+        return ToolSet(bound, self.spec.limits, self.spec.tool_policy)
 
     def _tool_refs(self) -> None:
         """The static part of `_tools`: one of function/class, import paths by form, names unique."""

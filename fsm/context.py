@@ -98,7 +98,7 @@ class RunContext:
         return result
 
     async def run_tool(
-        self, traj: Trajectory, call: ToolCall, instance_id: str, active: set[str] | None
+        self, traj: Trajectory, call: ToolCall, instance_id: str, active: list[str] | None
     ) -> CallOutcome:
         tools = self.agent.tools
         if self.tracer is None or TRACED.get() is None:

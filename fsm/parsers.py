@@ -18,7 +18,7 @@ class ToolCall:
     """A parsed tool call. `error` set means it was malformed: the model is told so, not silently ignored."""
 
     name: str | None
-    arguments: dict[str, Any] | None
+    arguments: Any  # the JSON value of "arguments" (an object, unless the model wrote something else)
     raw: str
     id: str | None = None
     error: str | None = None
@@ -61,18 +61,13 @@ class HermesParser:
 
     @staticmethod
     def _parse_one(raw: str) -> ToolCall:
+        """One call; malformed exactly when verl's hermes parser drops it (bad JSON, no string "name", no
+        "arguments"). The arguments stay the JSON value the model wrote; the tool policy decides what a
+        string or a non-object there means (fsm.tools.ToolSet.call)."""
         try:
             obj = json.loads(raw)
         except json.JSONDecodeError as exc:
             return ToolCall(None, None, raw, error=f"Invalid JSON in tool call: {exc}")
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            return ToolCall(None, None, raw, error='a tool call must be a JSON object with a string "name"')
-        name, args = obj["name"], obj.get("arguments", {})
-        if isinstance(args, str):  # some models emit arguments as a JSON string
-            try:
-                args = json.loads(args)
-            except json.JSONDecodeError as exc:
-                return ToolCall(name, None, raw, error=f"Invalid JSON in arguments for '{name}': {exc}")
-        if not isinstance(args, dict):
-            return ToolCall(name, None, raw, error=f"arguments for '{name}' must be a JSON object")
-        return ToolCall(name, args, raw, id=obj.get("id"))
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or "arguments" not in obj:
+            return ToolCall(None, None, raw, error='a tool call must be a JSON object with a string "name" and "arguments"')
+        return ToolCall(obj["name"], obj["arguments"], raw, id=obj.get("id"))

@@ -76,8 +76,9 @@ class Runner:
         if self.agent.interaction_cls is not None:
             traj.interaction_kwargs = inputs.interaction_kwargs
         traj.tool_schemas = self.agent.tools.schemas_for(inputs.tool_selection)
-        if inputs.tool_selection is not None:
-            traj.extra["active_tools"] = set(inputs.tool_selection)
+        active = self.agent.tools.active_names(inputs.tool_selection)
+        if active is not None:
+            traj.extra["active_tools"] = active
 
     async def run(self, rows: Iterable[Mapping[str, Any]], *, n: int = 1, sampling_params: Mapping[str, Any] | None = None,
                   validate: bool = False, sampling: Sampling | None = None,

@@ -104,6 +104,26 @@ class ToolSpec(_Strict):
         return v
 
 
+class ToolPolicySpec(_Strict):
+    """How calls are checked and answered. The defaults are agentfsm's; `specs/tool_agent.yaml` sets verl's."""
+
+    validate_arguments: bool = Field(
+        default=True,
+        description="Check arguments against the tool's JSON schema (required, unknown and wrongly typed "
+        "arguments) and answer a mismatch with an error instead of running the tool. verl: false (the tool runs).",
+    )
+    parse_string_arguments: bool = Field(
+        default=True,
+        description='Arguments sent as a JSON string ("arguments": "{...}") are parsed before the call. '
+        "verl: false (the tool receives the string).",
+    )
+    truncate_errors: bool = Field(
+        default=True,
+        description="Error text of a failed execution (a raising tool, a timeout) is cut to "
+        "limits.max_tool_response_length like a result. verl: false (only results are cut).",
+    )
+
+
 class InteractionSpec(_Strict):
     class_: str = Field(alias="class", description="module:Class implementing the interaction protocol.")
     name: str | None = None
@@ -210,6 +230,7 @@ class AgentSpec(_Strict):
     )
     parser: str = Field(default="hermes", description="Tool-call parser name.")
     tools: list[ToolSpec] = Field(default_factory=list)
+    tool_policy: ToolPolicySpec = Field(default_factory=ToolPolicySpec)
     interaction: InteractionSpec | None = None
     reward: RewardSpec | None = None
     demo_data: str | None = Field(

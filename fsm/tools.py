@@ -11,9 +11,10 @@ Tool instances are built once per compiled spec and shared.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,9 +22,9 @@ from backends.retry import RetryPolicy, retry
 from fsm.isolation import Lane, LoopLane, ProcessLane, ThreadLane, ToolCrashed, ToolUnavailable, crashed
 from fsm.parsers import ToolCall
 from fsm.registry import resolve
-from fsm.spec import DEFAULT_TOOL_WORKERS, LimitsSpec, ToolSpec
+from fsm.spec import DEFAULT_TOOL_WORKERS, LimitsSpec, ToolPolicySpec, ToolSpec
 
-__all__ = ["BaseTool", "BoundTool", "CallOutcome", "FunctionTool", "ToolCrashed", "ToolResponse", "ToolSet",
+__all__ = ["AgentData", "BaseTool", "BoundTool", "CallOutcome", "FunctionTool", "ToolCrashed", "ToolResponse", "ToolSet",
            "ToolUnavailable", "build_tool", "normalize_return"]  # fmt: skip
 
 
@@ -90,6 +91,9 @@ class FunctionTool(BaseTool):
     async def execute(
         self, instance_id: str, parameters: dict[str, Any], **kwargs
     ) -> tuple[ToolResponse, float, dict]:
+        if not isinstance(parameters, Mapping):  # verl passes what the model sent: Python's own complaint
+            name = f"{self.fn.__module__}.{self.fn.__qualname__}"
+            raise TypeError(f"{name}() argument after ** must be a mapping, not {type(parameters).__name__}")
         return normalize_return(await self.lane.call(self.fn, **parameters))
 
 
@@ -100,18 +104,35 @@ def infer_schema(fn: Callable[..., Any]) -> dict:
     return get_json_schema(fn)
 
 
-_JSON_TYPES = {
+_JSON_TYPES: dict[str, type | tuple[type, ...]] = {
     "string": str,
     "integer": int,
     "number": (int, float),
     "boolean": bool,
     "array": list,
     "object": dict,
+    "null": type(None),
 }
 
 
-def check_arguments(schema: dict, args: dict[str, Any]) -> str | None:
-    """A readable complaint about arguments that do not fit the schema, or None."""
+def _json_type_ok(value: Any, type_: str) -> bool:
+    """`value` (from json.loads) is a JSON Schema `type_`; an unknown type name accepts anything."""
+    if not isinstance(type_, str) or type_ not in _JSON_TYPES:
+        return True
+    if isinstance(value, bool):  # a bool is an int in Python, never in JSON
+        return type_ == "boolean"
+    if type_ == "integer":  # JSON Schema: a number with no fractional part (2.0 included)
+        return isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    return isinstance(value, _JSON_TYPES[type_])
+
+
+def check_arguments(schema: dict, args: Any) -> str | None:
+    """A readable complaint about arguments that do not fit the schema, or None.
+
+    A property's `type` may be one name or a list of names (`int | float` is ["integer", "number"]); the
+    value must be one of them. `nullable: true` (transformers' Optional) also accepts null."""
+    if not isinstance(args, dict):
+        return f"arguments must be a JSON object, got {type(args).__name__}"
     params = schema.get("function", schema).get("parameters") or {}
     props: dict = params.get("properties") or {}
     missing = [name for name in params.get("required", []) if name not in args]
@@ -123,9 +144,13 @@ def check_arguments(schema: dict, args: dict[str, Any]) -> str | None:
             f"unexpected argument(s) {', '.join(map(repr, unknown))}; expected {', '.join(map(repr, props))}"
         )
     for name, value in args.items():
-        want = _JSON_TYPES.get((props.get(name) or {}).get("type"))
-        if want and (not isinstance(value, want) or (want is not bool and isinstance(value, bool))):
-            return f"argument {name!r} should be {props[name]['type']}, got {type(value).__name__}"
+        prop = props.get(name) or {}
+        types = prop.get("type")
+        if types is None or (value is None and prop.get("nullable")):
+            continue
+        types = [types] if isinstance(types, str) else list(types)
+        if not any(_json_type_ok(value, t) for t in types):
+            return f"argument {name!r} should be {' or '.join(map(str, types))}, got {type(value).__name__}"
     return None
 
 
@@ -146,7 +171,7 @@ class CallOutcome:
 
     name: str
     text: str
-    reward: float = 0.0
+    reward: float | None = 0.0  # None: the tool returned no reward (verl keeps it out of tool_rewards)
     score: float | None = None  # calc_reward
     error: str | None = None  # error.type for spans: "timeout", "exception", "unknown_tool", ...
     attempts: int = 0
@@ -158,6 +183,45 @@ def tool_retry(attempts: int, backoff_s: float) -> RetryPolicy:
     """The spec's `retry:` as a policy: the wait before attempt k is backoff_s * 2**(k-2), exactly (no jitter:
     one tool's calls are not a fleet of clients retrying together)."""
     return RetryPolicy(attempts=attempts, backoff_s=backoff_s, backoff_max_s=float("inf"), jitter=0.0)
+
+
+class AgentData:
+    """What a tool receives as `agent_data`: verl's ToolAgentLoop AgentData, as a view of one trajectory.
+
+    Tools keep per-trajectory state in `extra_fields` (a dict on the trajectory, exported with its extra
+    fields as verl exports agent_data.extra_fields) and read `request_id` (the trajectory's sticky session
+    id), `tools_kwargs`, `messages` and the counters. `prompt_ids` is the whole context so far and
+    `response_ids` the last model turn, as in verl. Text only: the multimodal fields are empty.
+    """
+
+    __slots__ = ("_traj",)
+    image_data = video_data = audio_data = routed_experts = mm_processor_output = None
+
+    def __init__(self, traj: Any):  # an fsm.trajectory.Trajectory (not imported: trajectory sits above tools)
+        self._traj = traj
+
+    extra_fields = property(lambda self: self._traj.extra_fields)
+    request_id = property(lambda self: self._traj.session_id)
+    tools_kwargs = property(lambda self: self._traj.tools_kwargs)
+    messages = property(lambda self: self._traj.messages)
+    turn_scores = property(lambda self: self._traj.turn_scores)
+    tool_rewards = property(lambda self: self._traj.tool_rewards)
+    user_turns = property(lambda self: self._traj.user_turns)
+    assistant_turns = property(lambda self: self._traj.assistant_turns)
+    prompt_ids = property(lambda self: self._traj.context_ids())
+    response_mask = property(lambda self: self._traj.response_mask.tolist())
+    response_logprobs = property(lambda self: self._traj.response_logprobs.tolist())
+    mm_processor_kwargs = property(lambda self: {})
+
+    @property
+    def response_ids(self) -> list[int]:
+        last = next((seg for seg in reversed(self._traj.segments) if seg.role == "assistant"), None)
+        return self._traj.response_ids[last.start : last.end].tolist() if last else []
+
+    @property
+    def metrics(self) -> dict[str, Any]:  # a snapshot, as verl's per-trajectory metrics dict reads
+        m = self._traj.metrics
+        return {"generate_sequences": m.generate_sequences, "tool_calls": m.tool_calls, "num_preempted": m.num_preempted}
 
 
 @dataclass
@@ -245,7 +309,7 @@ class BoundTool:
             outcome.attempts = k
             await self.lane.ready()  # a worker process starts outside the timeout
             response, reward, metrics = await self._step(
-                self.tool.execute, instance_id, call.arguments or {}, agent_data=agent_data
+                self.tool.execute, instance_id, call.arguments, agent_data=agent_data
             )
             outcome.text, outcome.reward, outcome.metrics, outcome.error = (
                 self._cut(response.text or ""), reward, metrics, None,
@@ -285,10 +349,11 @@ class BoundTool:
 class ToolSet:
     """The tools of one spec: schemas for the chat template, and call execution with every policy applied."""
 
-    def __init__(self, tools: list[BoundTool], limits: LimitsSpec):
+    def __init__(self, tools: list[BoundTool], limits: LimitsSpec, policy: ToolPolicySpec | None = None):
         self.by_name = {t.name: t for t in tools}
         self.schemas = [t.schema for t in tools]
         self.limits = limits
+        self.policy = policy or ToolPolicySpec()
         for tool in tools:  # truncation keeps at most this many characters at either end
             tool.keep(limits.max_tool_response_length)
 
@@ -298,41 +363,60 @@ class ToolSet:
         for tool in self.by_name.values():
             tool.lane.close()
 
-    def schemas_for(self, selection: list[str] | None) -> list[dict] | None:
-        """verl's extra_info.tool_selection: only the named tools are active for this sample."""
+    def active_names(self, selection: Any) -> list[str] | None:
+        """verl's extra_info.tool_selection: the named tools that exist, in the selection's order; None (every
+        tool) when there is no selection or it is empty, as in verl."""
+        selection = list(selection) if selection is not None else []
+        if not selection or not self.by_name:
+            return None
+        return [name for name in dict.fromkeys(selection) if name in self.by_name]
+
+    def schemas_for(self, selection: Any) -> list[dict] | None:
+        """The schemas the prompt shows: every tool's in declaration order, or the selection's in its order."""
         if not self.schemas:
             return None
-        if selection is None:
-            return self.schemas
-        return [t.schema for name, t in self.by_name.items() if name in selection]
+        names = self.active_names(selection)
+        return self.schemas if names is None else [self.by_name[name].schema for name in names]
 
     async def call(
         self,
         call: ToolCall,
         instance_id: str,
         tools_kwargs: dict,
-        agent_data: Any,
-        active: set[str] | None = None,
+        traj: Any,
+        active: list[str] | None = None,
     ) -> CallOutcome:
-        """Run one call; every failure becomes an observation with `error` set."""
+        """Run one call of `traj` (its tool gets `agent_data=AgentData(traj)`); every failure becomes an
+        observation with `error` set."""
         if call.error is not None:
             return CallOutcome(
                 call.name or "?", f"Error: {call.error}", error="malformed_call", call_id=call.id
             )
         tool = self.by_name.get(call.name or "")
         if tool is None or (active is not None and call.name not in active):
-            names = sorted(active if active is not None else self.by_name)
+            names = list(active if active is not None else self.by_name)  # verl: the tool list's order
             return CallOutcome(call.name or "?", f"Unknown function '{call.name}'. Available tools: {names}",
                                error="unknown_tool", call_id=call.id)  # fmt: skip
-        problem = check_arguments(tool.schema, call.arguments or {})
-        if problem:
-            return CallOutcome(tool.name, f"Error: invalid arguments for '{tool.name}': {problem}",
-                               error="bad_arguments", call_id=call.id)  # fmt: skip
+        policy, args = self.policy, call.arguments
+        if isinstance(args, str) and policy.parse_string_arguments:
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError as exc:
+                return CallOutcome(tool.name, f"Error: Invalid JSON in arguments for '{tool.name}': {exc}",
+                                   error="bad_arguments", call_id=call.id)  # fmt: skip
+        if policy.validate_arguments:
+            problem = check_arguments(tool.schema, args)
+            if problem:
+                return CallOutcome(tool.name, f"Error: invalid arguments for '{tool.name}': {problem}",
+                                   error="bad_arguments", call_id=call.id)  # fmt: skip
+        if args is not call.arguments:
+            call = dataclasses.replace(call, arguments=args)
         create_kwargs = (tools_kwargs.get(tool.name) or {}).get("create_kwargs", {})
-        outcome = await tool.run(call, instance_id, create_kwargs, agent_data)
-        outcome.text = truncate(
-            outcome.text, self.limits.max_tool_response_length, self.limits.tool_response_truncate_side
-        )
+        outcome = await tool.run(call, instance_id, create_kwargs, AgentData(traj) if traj is not None else None)
+        if outcome.error in (None, "calc_reward") or policy.truncate_errors:  # verl cuts results only
+            outcome.text = truncate(
+                outcome.text, self.limits.max_tool_response_length, self.limits.tool_response_truncate_side
+            )
         return outcome
 
 

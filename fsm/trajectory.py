@@ -62,7 +62,7 @@ class Trajectory:
         "observation_overflow",
         # outcome
         "termination_reason", "error", "reward_score", "tool_rewards", "tool_scores", "turn_scores",
-        "interaction_score", "token_check", "metrics", "extra",
+        "interaction_score", "token_check", "metrics", "extra", "extra_fields",
     )  # fmt: skip
 
     def __init__(self, index: int, sample: int, session_id: str, uid: str, row: dict[str, Any], initial: str):
@@ -100,6 +100,9 @@ class Trajectory:
         self.token_check: str | None = None
         self.metrics = Metrics()
         self.extra: dict[str, Any] = {}
+        # verl's agent_data.extra_fields: what tools (and, through fsm_agent, verl's server) put there;
+        # exported with the trajectory's extra fields, and as batch columns, as verl exports them
+        self.extra_fields: dict[str, Any] = {}
 
     # --- machine ----------------------------------------------------------------------------------------
 
@@ -175,6 +178,7 @@ class Trajectory:
             "num_turns": self.num_turns,
             "metrics": self.metrics.as_dict(),
             "extra_fields": {
+                **self.extra_fields,
                 "turn_scores": list(self.turn_scores),
                 "tool_rewards": list(self.tool_rewards),
                 "tool_scores": list(self.tool_scores),

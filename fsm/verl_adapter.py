@@ -14,6 +14,8 @@ agent_loop_config.yaml (point `actor_rollout_ref.rollout.agent.agent_loop_config
       spec: specs/calculator.yaml     # absolute, relative to the cwd, or to the agentfsm checkout
       limits:                         # optional: this deployment's overrides of the spec's limits
         max_assistant_turns: 5
+      tool_policy:                    # optional: overrides of the spec's tool_policy
+        validate_arguments: true
 
 A dataset row (parquet; RLHFDataset turns `prompt` into `raw_prompt`, and `agent_name` picks the loop):
 
@@ -25,19 +27,26 @@ A dataset row (parquet; RLHFDataset turns `prompt` into `raw_prompt`, and `agent
 
 Where each setting comes from:
   - prompt_length, response_length: verl's rollout config, always. They are the padded batch's shapes, so
-    they replace the spec's (put `prompt_overflow: truncate_left` in `limits:` for verl's prompt policy).
+    they replace the spec's; a longer prompt keeps its tail, as verl's agent loop does (limits.prompt_overflow
+    is truncate_left here whatever the spec says; only the entry's `limits:` may set it back to error).
   - every other limit: the spec, then the entry's `limits:`. verl's `multi_turn.*` is not read; a warning
     names each value that disagrees with the spec.
+  - tool_policy (argument checks, JSON-string arguments, error truncation): the spec's, then the entry's.
   - sampling: verl's sampling_params (temperature, top_p, top_k, repetition_penalty, logprobs) override the
     spec's `sampling`. A max_tokens/max_new_tokens there caps each turn as verl's servers do; otherwise the
     cap is `limits.max_new_tokens`, and always at most the response budget left.
   - tools: the spec's. A spec without tools gets verl's (`multi_turn.tool_config_path` BaseTools and
-    `function_tool_path` functions), with the engine's lifecycle, argument checks and truncation.
+    `function_tool_path` functions), with the engine's lifecycle, the spec's tool_policy and truncation.
+    Tools get `agent_data=` as verl's do: extra_fields, request_id (verl's), tools_kwargs, messages...
   - parser: the spec's `parser` (verl's `multi_turn.format` is not read).
   - reward_score: the spec's `reward:` function if it has one; otherwise None, and verl's reward loop
     scores the sample as usual.
-  - extra_fields: the server's (global_steps, min/max_global_steps... merged across turns as verl does),
-    then turn_scores, tool_rewards, tool_scores (calc_reward) and termination_reason.
+  - extra_fields: one dict per trajectory, as verl's agent_data.extra_fields: the server's (global_steps,
+    min/max_global_steps... merged across turns as verl does) and whatever tools put there, then
+    turn_scores, tool_rewards, tool_scores (calc_reward) and termination_reason.
+  - response_logprobs: the server's. When logprobs were asked for and a turn came back without them (or
+    with a count that is not the token count), the whole trajectory's are None, as verl returns when it has
+    none: never zeros, which a PPO ratio would read as probability 1.
 
 `@register("fsm_agent")` also registers the class itself: a process that imports this module can use
 `agent_name: fsm_agent` without an entry, and then runs specs/tool_agent.yaml (verl's ToolAgentLoop as a
@@ -71,7 +80,7 @@ from fsm.chat import ChatCodec
 from fsm.compile import CompiledAgent, compile_spec
 from fsm.loader import load_spec
 from fsm.runtime import Runner
-from fsm.spec import SPECS_DIR, LimitsSpec
+from fsm.spec import SPECS_DIR, LimitsSpec, ToolPolicySpec
 from fsm.tools import BoundTool, FunctionTool, ToolSet, tool_retry
 from fsm.trajectory import Trajectory
 
@@ -89,7 +98,8 @@ _SPEC_DECODE_KEYS = ("spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_
 # --- per-process caches: nothing below is built per sample -----------------------------------------------
 
 _lock = threading.Lock()
-# (spec path, limit overrides, P, R) -> compiled agent
+# spec path -> the loaded spec; (spec path, limit and tool_policy overrides, P, R) -> compiled agent
+_loaded: dict[str, Any] = {}
 _agents: dict[tuple, CompiledAgent] = {}
 # (agent id, tool ids) -> (agent with verl's tools, the tools: kept alive so their ids stay theirs)
 _with_tools: dict[tuple, tuple[CompiledAgent, list]] = {}
@@ -114,17 +124,21 @@ def resolve_spec_path(spec: str | Path) -> Path:
                             f"and under {SPECS_DIR.parent})")  # fmt: skip
 
 
-def compiled_agent(spec: str | Path, limits: Mapping[str, Any], prompt_length: int, response_length: int) -> CompiledAgent:  # fmt: skip
-    """The spec compiled once per process with verl's batch shapes and the entry's limit overrides."""
+def compiled_agent(spec: str | Path, limits: Mapping[str, Any], prompt_length: int, response_length: int,
+                   tool_policy: Mapping[str, Any] | None = None) -> CompiledAgent:  # fmt: skip
+    """The spec compiled once per process with verl's batch shapes, its prompt policy and the entry's overrides."""
     path = resolve_spec_path(spec)
-    key = (str(path), json.dumps(dict(limits), sort_keys=True, default=str), prompt_length, response_length)
+    policy = dict(tool_policy or {})
+    key = (str(path), json.dumps([dict(limits), policy], sort_keys=True, default=str), prompt_length, response_length)
     with _lock:
         agent = _agents.get(key)
         if agent is None:
-            loaded = load_spec(path)
-            merged = {**loaded.spec.limits.model_dump(), **limits,
+            loaded = _loaded.get(str(path)) or _loaded.setdefault(str(path), load_spec(path))
+            merged = {**loaded.spec.limits.model_dump(), "prompt_overflow": "truncate_left", **limits,
                       "prompt_length": prompt_length, "response_length": response_length}  # fmt: skip
-            spec = loaded.spec.model_copy(update={"limits": LimitsSpec.model_validate(merged)})
+            update = {"limits": LimitsSpec.model_validate(merged),
+                      "tool_policy": ToolPolicySpec.model_validate({**loaded.spec.tool_policy.model_dump(), **policy})}  # fmt: skip
+            spec = loaded.spec.model_copy(update=update)
             agent = _agents[key] = compile_spec(dataclasses.replace(loaded, spec=spec))
         return agent
 
@@ -136,7 +150,7 @@ def agent_with_verl_tools(agent: CompiledAgent, tools: list) -> CompiledAgent:
         hit = _with_tools.get(key)
         if hit is None:
             derived = copy.copy(agent)  # shares the machine, edges and actions; only the tools differ
-            derived.tools = ToolSet([_bind_verl_tool(t) for t in tools], agent.limits)
+            derived.tools = ToolSet([_bind_verl_tool(t) for t in tools], agent.limits, agent.spec.tool_policy)
             hit = _with_tools[key] = (derived, list(tools))
         return hit[0]
 
@@ -206,7 +220,8 @@ class VerlServerBackend(BaseBackend):
         self.extra_params = dict(extra_params or {})
         self.model_name = model_name
         self.num_preempted: int | None = None
-        self.extra_fields: dict[str, Any] = {}
+        self.extra_fields: dict[str, Any] = {}  # the trajectory's own dict (verl's agent_data.extra_fields)
+        self.logprobs_missing = False  # a turn with tokens came back without (matching) logprobs
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         params = {**self.extra_params, **request.sampling_params, "logprobs": request.return_logprob}
@@ -219,6 +234,12 @@ class VerlServerBackend(BaseBackend):
         self._account(out)
         ids = list(out.token_ids)
         logprobs = list(out.log_probs) if request.return_logprob and out.log_probs is not None else None
+        if request.return_logprob and (logprobs is None or len(logprobs) != len(ids)):
+            logprobs = None
+            if ids:
+                self.logprobs_missing = True
+                _warn_once("fsm_agent: the server returned tokens without logprobs (or a different number of "
+                           "them); such trajectories come back with response_logprobs=None")  # fmt: skip
         return GenerateResult(
             token_ids=ids,
             logprobs=logprobs,
@@ -263,10 +284,12 @@ def _finish_reason(stop_reason: str | None, ids: list[int], max_new: int | None,
 
 @register("fsm_agent")
 class FSMAgentLoop(AgentLoopBase):
-    """verl agent loop that runs an agentfsm spec. Entry kwargs: `spec` (a path) and `limits` (overrides)."""
+    """verl agent loop that runs an agentfsm spec. Entry kwargs: `spec` (a path), `limits` and `tool_policy`
+    (overrides)."""
 
     def __init__(self, *args: Any, spec: str | None = None, limits: Mapping[str, Any] | None = None,
-                 tools: ToolListWrap | None = None, **kwargs: Any):  # fmt: skip
+                 tool_policy: Mapping[str, Any] | None = None, tools: ToolListWrap | None = None,
+                 **kwargs: Any):  # fmt: skip
         super().__init__(*args, **kwargs)  # verl's config, server manager, tokenizer, CT builder; `name` too
         rollout = self.rollout_config
         overrides = dict(_plain(limits) or {})
@@ -276,7 +299,8 @@ class FSMAgentLoop(AgentLoopBase):
                              f"actor_rollout_ref.rollout.{shaped[0]} instead of overriding it in the entry")  # fmt: skip
         self.prompt_length = int(rollout.prompt_length)
         self.response_length = int(rollout.response_length)
-        agent = compiled_agent(spec or DEFAULT_SPEC, overrides, self.prompt_length, self.response_length)
+        agent = compiled_agent(spec or DEFAULT_SPEC, overrides, self.prompt_length, self.response_length,
+                               _plain(tool_policy))
         verl_tools = list(tools.tools) if tools is not None else []
         if verl_tools and not agent.tools.by_name:
             agent = agent_with_verl_tools(agent, verl_tools)
@@ -300,11 +324,13 @@ class FSMAgentLoop(AgentLoopBase):
         # validate=False: when validating, verl has already put its val_kwargs into sampling_params
         ctx = runner.make_context(engine_params, validate=False)
         (traj,) = runner.trajectories([row])
+        traj.session_id = request_id  # what tools read as agent_data.request_id, as in verl
+        backend.extra_fields = traj.extra_fields  # one dict for the server's fields and the tools', as in verl
         await runner.drive(ctx, traj)
         if traj.failed:
             logger.warning("fsm_agent: trajectory failed (%s); it stays in the batch with an empty response",
                            traj.termination_reason)  # fmt: skip
-        return self._output(traj, backend, logprobs=ctx.sampling.logprobs)
+        return self._output(traj, backend, logprobs=ctx.sampling.logprobs and not backend.logprobs_missing)
 
     def _output(self, traj: Trajectory, backend: VerlServerBackend, *, logprobs: bool) -> AgentLoopOutput:
         R = self.response_length
@@ -313,7 +339,8 @@ class FSMAgentLoop(AgentLoopBase):
             prompt_ids=traj.prompt_ids.tolist(),
             response_ids=traj.response_ids.tolist()[:R],
             response_mask=traj.response_mask.tolist()[:R],
-            # A list even when empty (verl gives None there, and its batch cat then fails on mixed rows).
+            # None when not asked for or not returned (see the module docstring); a list even when empty (verl
+            # gives None there, and its batch cat then fails on mixed rows).
             response_logprobs=traj.response_logprobs.tolist()[:R] if logprobs else None,
             reward_score=traj.reward_score,
             num_turns=traj.num_turns,
@@ -324,7 +351,7 @@ class FSMAgentLoop(AgentLoopBase):
                 num_preempted=backend.num_preempted if backend.num_preempted is not None else -1,
             ),
             extra_fields={
-                **backend.extra_fields,
+                **traj.extra_fields,
                 "turn_scores": list(traj.turn_scores),
                 "tool_rewards": list(traj.tool_rewards),
                 "tool_scores": list(traj.tool_scores),

@@ -202,13 +202,11 @@ def check_batch(trajs, R, pad):
         )
         # response_mask == mask * response attention
         assert torch.equal(t["response_mask"][i], t["response_mask"][i] * att[i, P:])
-        # rm_scores: the score on the last valid response token only
+        # rm_scores: the score on the last valid response token only; an empty response's at column R-1 (verl)
         rm = t["rm_scores"][i]
-        if r:
-            assert rm[len(r) - 1].item() == traj.reward_score
-            assert torch.count_nonzero(torch.cat([rm[: len(r) - 1], rm[len(r) :]])) == 0
-        else:
-            assert torch.count_nonzero(rm) == 0
+        at = len(r) - 1 if r else R - 1
+        assert rm[at].item() == np.float32(traj.reward_score)
+        assert torch.count_nonzero(torch.cat([rm[:at], rm[at + 1 :]])) == 0
     assert b.non_tensor_batch["__num_turns__"].dtype == np.int32
     assert list(b.non_tensor_batch["__num_turns__"]) == [traj.num_turns for traj in trajs]
     assert len(b.meta_info["metrics"]) == B
@@ -253,6 +251,5 @@ def test_collate_pads_any_trajectories(trajs, p, r):
         for i, traj in enumerate(trajs):
             n = min(len(traj.response_ids), r)
             expect = np.zeros(r, dtype=np.float32)
-            if n:
-                expect[n - 1] = np.float32(traj.reward_score)
+            expect[n - 1] = np.float32(traj.reward_score)  # n == 0: column r-1, as verl's index -1
             np.testing.assert_array_equal(t["rm_scores"][i].numpy(), expect)

@@ -1,0 +1,227 @@
+"""fsm/tools.py: argument checks, the tool policy both ways (verl's in tool_agent.yaml, agentfsm's stricter
+one in calculator.yaml and by default), error texts, tool order under tool_selection, and agent_data.
+
+The same behaviours through verl's own ToolAgentLoop are in tests/verl/test_tools.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import fsm
+from fsm.tools import check_arguments, infer_schema
+from tests.conftest import PARTS, SPECS, model_turn, run_agent, scripted, tool_messages, tool_turn, user_row
+from tests.fixtures import parts
+
+ECHO = f"{PARTS}:echo"
+VERL = "tool_policy: {validate_arguments: false, parse_string_arguments: false, truncate_errors: false}"
+STRICT = "tool_policy: {validate_arguments: true, parse_string_arguments: true, truncate_errors: true}"
+
+
+async def run_tools(tok, compile_yaml, tools: str, turns: list, *, policy: str = "", limits: str = "", rows=None):
+    """tool_agent.yaml (verl's policy) with `tools`, or with another `policy` block; the model ends with "done"."""
+    agent = compile_yaml(f"""
+        name: test_tools
+        extends: {{specs}}/tool_agent.yaml
+        limits:
+          prompt_length: 1024
+          response_length: 512
+        {limits}
+        {policy}
+        tools:
+        {tools}
+    """)
+    backend = scripted(turns + [model_turn(tok, "done")])
+    trajs = await run_agent(agent, backend, tok, rows or [user_row()])
+    return agent, backend, trajs
+
+
+def test_shipped_specs_policies():
+    """tool_agent.yaml is verl's ToolAgentLoop: verl's policy; calculator.yaml switches agentfsm's on, and a spec
+    that says nothing gets agentfsm's."""
+    verl = fsm.load_spec(SPECS / "tool_agent.yaml").spec.tool_policy
+    assert not (verl.validate_arguments or verl.parse_string_arguments or verl.truncate_errors)
+    strict = fsm.load_spec(SPECS / "calculator.yaml").spec.tool_policy
+    assert strict.validate_arguments and strict.parse_string_arguments and strict.truncate_errors
+    assert fsm.load_spec(SPECS / "single_turn.yaml").spec.tool_policy == strict
+
+
+# --- argument checks ----------------------------------------------------------------------------------------
+
+SCALE = {"function": {"name": "scale", "parameters": {"type": "object", "required": ["x"], "properties": {
+    "x": {"type": ["integer", "number"]}, "factor": {"type": "integer", "nullable": True},
+    "tags": {"type": ["array", "null"]}}}}}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "args, problem",
+    [
+        ({"x": 2}, None),
+        ({"x": 2.5}, None),
+        ({"x": 2, "factor": None, "tags": None}, None),  # nullable, and "null" in a type list
+        ({"x": 2, "factor": 3.0}, None),  # JSON Schema: an integer is a number without a fraction
+        ({"x": 2, "tags": ["a"]}, None),
+        ({"x": "2"}, "argument 'x' should be integer or number, got str"),
+        ({"x": True}, "argument 'x' should be integer or number, got bool"),
+        ({"x": 2, "factor": 1.5}, "argument 'factor' should be integer, got float"),
+        ({"x": 2, "tags": "a"}, "argument 'tags' should be array or null, got str"),
+        ({}, "missing required argument(s) 'x'"),
+        ({"x": 1, "y": 2}, "unexpected argument(s) 'y'; expected 'x', 'factor', 'tags'"),
+        ("{}", "arguments must be a JSON object, got str"),
+        ([1], "arguments must be a JSON object, got list"),
+        (None, "arguments must be a JSON object, got NoneType"),
+    ],
+)
+def test_check_arguments(args, problem):
+    """A list `type` (a Python `int | float` annotation) is valid JSON Schema: the value may be any of them."""
+    assert check_arguments(SCALE, args) == problem
+
+
+def test_check_arguments_tolerates_odd_schemas():
+    weird = {"function": {"parameters": {"properties": {"x": {"type": [{"not": "a name"}]}, "y": {"type": "decimal"}}}}}
+    assert check_arguments(weird, {"x": 1, "y": "z"}) is None  # types it cannot name are not enforced
+    assert check_arguments({"function": {"name": "f"}}, {"anything": 1}) is None  # no parameters declared
+
+
+# --- the tool policy, both ways -------------------------------------------------------------------------------
+
+ADD = f"  - function: {PARTS}:add"
+
+
+@pytest.mark.parametrize(
+    "arguments, strict, verl",
+    [
+        ({}, "Error: invalid arguments for 'add': missing required argument(s) 'a', 'b'",
+         "Error executing tool 'add': add() missing 2 required positional arguments: 'a' and 'b'"),
+        ({"a": 1, "b": "2"}, "Error: invalid arguments for 'add': argument 'b' should be integer, got str",
+         "Error executing tool 'add': unsupported operand type(s) for +: 'int' and 'str'"),
+        ({"a": 1, "b": True}, "Error: invalid arguments for 'add': argument 'b' should be integer, got bool",
+         '{"sum": 2}'),
+        ({"a": 1, "b": 2, "c": 3}, "Error: invalid arguments for 'add': unexpected argument(s) 'c'; expected 'a', 'b'",
+         "Error executing tool 'add': add() got an unexpected keyword argument 'c'"),
+        ([1, 2], "Error: invalid arguments for 'add': arguments must be a JSON object, got list",
+         "Error executing tool 'add': "),
+        ({"a": 1, "b": 2}, '{"sum": 3}', '{"sum": 3}'),  # a dict result is JSON (verl's normalization)
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("policy", ["strict", "verl"])
+async def test_argument_validation(tok, compile_yaml, arguments, strict, verl, policy):
+    """Strict: arguments that do not fit the schema are answered with what is wrong. verl: the tool runs."""
+    _, _, (traj,) = await run_tools(tok, compile_yaml, ADD, [tool_turn(tok, ("add", arguments))],
+                                    policy=STRICT if policy == "strict" else "")  # fmt: skip
+    (msg,) = tool_messages(traj)
+    expected = strict if policy == "strict" else verl
+    assert msg.startswith(expected) and (len(msg) == len(expected) or expected.endswith(": "))
+    assert traj.metrics.tool_errors == (0 if msg.startswith("{") else 1)
+
+
+@pytest.mark.parametrize("policy", ["strict", "verl"])
+async def test_arguments_as_a_json_string(tok, compile_yaml, policy):
+    raw = '{"name": "echo", "arguments": "{\\"text\\": \\"via string\\"}"}'
+    bad = '{"name": "echo", "arguments": "{\\"text\\": "}'
+    _, _, (traj,) = await run_tools(tok, compile_yaml, f"  - function: {ECHO}", [tool_turn(tok, raw, bad)],
+                                    policy=STRICT if policy == "strict" else "", limits="  max_parallel_calls: 2")  # fmt: skip
+    if policy == "strict":  # parsed, then checked like any other arguments
+        assert tool_messages(traj) == ["via string", "Error: Invalid JSON in arguments for 'echo': Expecting value: "
+                                       "line 1 column 10 (char 9)"]  # fmt: skip
+    else:  # verl: the tool receives the string itself
+        mapping = "Error executing tool 'echo': tests.fixtures.parts.echo() argument after ** must be a mapping, not str"
+        assert tool_messages(traj) == [mapping, mapping]
+
+
+@pytest.mark.parametrize("policy", ["strict", "verl"])
+async def test_error_text_truncation(tok, compile_yaml, policy):
+    """A raising tool's error text is cut like a result under the strict policy; verl never cuts it."""
+    reason = "x" * 40 + "END"
+    _, _, (traj,) = await run_tools(tok, compile_yaml, f"  - function: {PARTS}:boom",
+                                    [tool_turn(tok, ("boom", {"reason": reason}), ("long_text", {"n": 45}))],
+                                    policy=STRICT if policy == "strict" else "",
+                                    limits="  max_tool_response_length: 20\n          max_parallel_calls: 2")  # fmt: skip
+    full = f"Error executing tool 'boom': {reason}"
+    unknown = "Unknown function 'long_text'. Available tools: ['boom']"  # no error text of our own is cut
+    if policy == "strict":
+        assert tool_messages(traj) == [full[:10] + "...(truncated)..." + full[-10:], unknown]
+    else:
+        assert tool_messages(traj) == [full, unknown]
+
+
+async def test_results_are_truncated_under_both_policies(tok, compile_yaml):
+    for policy in ("", STRICT):
+        _, _, (traj,) = await run_tools(tok, compile_yaml, f"  - function: {PARTS}:long_text",
+                                        [tool_turn(tok, ("long_text", {"n": 45}))], policy=policy,
+                                        limits="  max_tool_response_length: 20")  # fmt: skip
+        assert tool_messages(traj) == ["0123456789...(truncated)...5678901234"]
+
+
+@pytest.mark.parametrize("policy", ["strict", "verl"])
+async def test_call_without_arguments_is_malformed(tok, compile_yaml, policy):
+    """verl's hermes parser drops a call with no "arguments" (KeyError); here it is answered as malformed."""
+    _, _, (traj,) = await run_tools(tok, compile_yaml, f"  - function: {ECHO}", [tool_turn(tok, '{"name": "echo"}')],
+                                    policy=STRICT if policy == "strict" else "")  # fmt: skip
+    assert tool_messages(traj) == ['Error: a tool call must be a JSON object with a string "name" and "arguments"']
+
+
+async def test_list_typed_schema_never_crashes(tok, compile_yaml):
+    """Item: a `int | float` parameter (schema type ["integer", "number"]) used to crash the argument check."""
+    calls = [("scale", {"x": 2.5}), ("scale", {"x": 3, "factor": None}), ("scale", {"x": "3"})]
+    _, _, (traj,) = await run_tools(tok, compile_yaml, f"  - function: {PARTS}:scale", [tool_turn(tok, *calls)],
+                                    policy=STRICT, limits="  max_parallel_calls: 3")  # fmt: skip
+    assert not traj.failed and traj.termination_reason == "done"
+    assert tool_messages(traj) == ["5.0", "6", "Error: invalid arguments for 'scale': argument 'x' should be integer "
+                                   "or number, got str"]  # fmt: skip
+    schema = infer_schema(parts.scale)  # the inferred schema really has a list type
+    assert schema["function"]["parameters"]["properties"]["x"]["type"] == ["integer", "number"]
+
+
+# --- tool order --------------------------------------------------------------------------------------------
+
+TWO = f"  - function: {PARTS}:long_text\n          - function: {ECHO}"  # declared out of alphabetical order
+
+
+async def test_unknown_tool_lists_tools_in_declaration_order(tok, compile_yaml):
+    _, _, (traj,) = await run_tools(tok, compile_yaml, TWO, [tool_turn(tok, ("search", {"q": "x"}))])
+    assert tool_messages(traj) == ["Unknown function 'search'. Available tools: ['long_text', 'echo']"]
+
+
+@pytest.mark.parametrize(
+    "selection, names",
+    [
+        (["echo", "long_text"], ["echo", "long_text"]),  # the selection's order, for the prompt and the error
+        (["echo", "nope", "echo"], ["echo"]),  # unknown names dropped, duplicates once
+        ([], ["long_text", "echo"]),  # verl: an empty selection means every tool
+        (np.array(["echo", "long_text"], dtype=object), ["echo", "long_text"]),  # as parquet hands it over
+    ],
+)
+async def test_tool_selection_order(tok, compile_yaml, selection, names):
+    row = user_row(extra_info={"tool_selection": selection})
+    _, backend, (traj,) = await run_tools(tok, compile_yaml, TWO, [tool_turn(tok, ("search", {}))], rows=[row])
+    assert [s["function"]["name"] for s in traj.tool_schemas] == names
+    prompt = tok.decode(backend.requests[0].prompt_ids)
+    positions = [prompt.index(f'"name": "{n}"') for n in names]
+    assert positions == sorted(positions) and ('"long_text"' in prompt) == ("long_text" in names)
+    assert tool_messages(traj) == [f"Unknown function 'search'. Available tools: {names}"]
+
+
+# --- agent_data ---------------------------------------------------------------------------------------------
+
+
+async def test_tools_keep_state_in_agent_data_extra_fields(tok, compile_yaml):
+    """verl documents agent_data.extra_fields as the place for tool session state; it is exported with the
+    trajectory's extra fields and as a batch column, as verl exports it."""
+    tools = f"""  - class: {PARTS}:TallyTool
+            schema: {parts.TALLY_SCHEMA}"""
+    row = user_row(tools_kwargs={"tally": {"create_kwargs": {}}})
+    turns = [tool_turn(tok, ("tally", {"add": 2})), tool_turn(tok, ("tally", {"add": 0.5}))]
+    agent, _, (traj,) = await run_tools(tok, compile_yaml, tools, turns, rows=[row])
+    first, second = tool_messages(traj)
+    last = len(tok.encode(tok.decode(turns[0]), add_special_tokens=False))
+    assert first == (f"tally=2 request={traj.session_id} turns=1/0 messages=2 context={len(traj.prompt_ids) + last} "
+                     f"last={last} kwargs=['tally']")  # fmt: skip
+    assert second.startswith("tally=2.5 ") and " turns=2/1 messages=4 " in second
+    assert traj.extra_fields == {"tally": 2.5}
+    out = traj.to_output()["extra_fields"]
+    assert out["tally"] == 2.5 and out["tool_rewards"] == [0.0, 0.0]
+    (plain,) = await run_agent(agent, scripted([model_turn(tok, "no tools")]), tok, [user_row()])
+    batch = fsm.collate([traj, plain], prompt_length=1024, response_length=512, pad_token_id=0)
+    assert list(batch.non_tensor_batch["tally"]) == [2.5, None]
