@@ -304,8 +304,31 @@ class Router(BaseBackend):
     async def wake_up(self, tags: list[str] | None = None) -> list[Any]:
         return await self._broadcast("wake_up", tags)
 
-    async def update_weights_from_disk(self, path: str, weight_version: str | None = None) -> list[Any]:
-        return await self._broadcast("update_weights_from_disk", path, weight_version=weight_version)
+    async def update_weights_from_disk(self, path: str, weight_version: str | None = None,
+                                       **options: Any) -> list[Any]:  # fmt: skip
+        return await self._broadcast("update_weights_from_disk", path, weight_version=weight_version, **options)
+
+    async def update_weights_from_tensor(self, weight_version: str | None = None, **payload: Any) -> list[Any]:
+        return await self._broadcast("update_weights_from_tensor", weight_version=weight_version, **payload)
+
+    async def update_weights_from_distributed(self, weight_version: str | None = None,
+                                              **payload: Any) -> list[Any]:  # fmt: skip
+        return await self._broadcast("update_weights_from_distributed", weight_version=weight_version, **payload)
+
+    async def init_weights_update_group(self, **payload: Any) -> list[Any]:
+        return await self._broadcast("init_weights_update_group", **payload)
+
+    async def destroy_weights_update_group(self, **payload: Any) -> list[Any]:
+        return await self._broadcast("destroy_weights_update_group", **payload)
+
+    async def model_info(self) -> dict[str, Any]:
+        """The first server's /model_info that answers (its weight_version is the fleet's after an update)."""
+        for s in self.servers:
+            info = getattr(s.backend, "model_info", None)
+            if info is not None:
+                with contextlib.suppress(Exception):
+                    return await info()
+        return {}
 
     async def pause_generation(self, mode: str = "abort") -> list[Any]:
         return await self._broadcast("pause_generation", mode)

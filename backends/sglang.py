@@ -499,7 +499,30 @@ class SGLangBackend(BaseBackend):
         # A failed load is a 400 {"success": false, "message": ...}: _control raises it as BackendRequestError.
         return await self._control("POST", "/update_weights_from_disk", payload, timeout_s=_WEIGHTS_TIMEOUT_S)
 
+    async def update_weights_from_tensor(self, weight_version: str | None = None, **payload: Any) -> dict[str, Any]:
+        """`/update_weights_from_tensor`: payload passed through (serialized_named_tensors, load_format,
+        flush_cache...)."""
+        if weight_version is not None:
+            payload["weight_version"] = weight_version
+        return await self._control("POST", "/update_weights_from_tensor", payload, timeout_s=_WEIGHTS_TIMEOUT_S)
+
+    async def update_weights_from_distributed(self, weight_version: str | None = None,
+                                              **payload: Any) -> dict[str, Any]:  # fmt: skip
+        """`/update_weights_from_distributed`: payload passed through (names, dtypes, shapes, group_name...)."""
+        if weight_version is not None:
+            payload["weight_version"] = weight_version
+        return await self._control("POST", "/update_weights_from_distributed", payload,
+                                   timeout_s=_WEIGHTS_TIMEOUT_S)  # fmt: skip
+
+    async def init_weights_update_group(self, **payload: Any) -> dict[str, Any]:
+        """`/init_weights_update_group` (master_address, master_port, rank_offset, world_size, group_name...)."""
+        return await self._control("POST", "/init_weights_update_group", payload, timeout_s=_WEIGHTS_TIMEOUT_S)
+
+    async def destroy_weights_update_group(self, **payload: Any) -> dict[str, Any]:
+        return await self._control("POST", "/destroy_weights_update_group", payload)
+
     async def pause_generation(self, mode: str = "abort") -> dict[str, Any]:
+        """`/pause_generation` in SGLang's mode: "abort", "retract" or "in_place"."""
         return await self._control("POST", "/pause_generation", {"mode": mode})
 
     async def continue_generation(self) -> dict[str, Any]:
