@@ -138,8 +138,8 @@ async def _resumed_turn(
         if len(ids) >= max_new:
             return ids, logprobs, versions, "length"
         attempt += 1
-        traj.metrics.num_preempted += 1
         if ctx.gate.paused or ctx.gate.epoch != epoch:
+            traj.metrics.num_preempted += 1
             continue  # the engine's own pause: resumed at the gate, free of the resume budget
         if resumes >= limits.max_resumes:
             raise GenerationAborted(
@@ -148,6 +148,7 @@ async def _resumed_turn(
                 server=result.server,
             )
         resumes += 1
+        traj.metrics.num_preempted += 1
 
 
 async def call_tools(ctx: RunContext, traj: Trajectory) -> None:

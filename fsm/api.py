@@ -488,7 +488,9 @@ class RolloutEngine(_Engine):
                            weight_version: int | None) -> int:  # fmt: skip
         await self._start()
         gate = self.runner.gate
-        version = gate.version + 1 if weight_version is None else int(weight_version)
+        if weight_version is not None and (isinstance(weight_version, bool) or not isinstance(weight_version, int)):
+            raise TypeError(f"weight_version must be an int (the engine counts versions), got {weight_version!r}")
+        version = gate.version + 1 if weight_version is None else weight_version
         await self._control_here(method, args, {**options, "weight_version": str(version)}, True)
         gate.version = version
         self._event("weight_update", {"agentfsm.weight_version": version, "agentfsm.weight_update.method": method})
