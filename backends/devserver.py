@@ -491,6 +491,9 @@ class DevServer:
         meta = {"id": rec.rid, "finish_reason": finish, "prompt_tokens": len(ids), "weight_version": self.weight_version,
                 "num_retractions": 0, **lp_keys, "reasoning_tokens": 0, "completion_tokens": len(out),
                 "cached_tokens": rec.cached, "cached_tokens_details": None, "dp_rank": 0}  # fmt: skip
+        versions = res.extra.get("token_versions") if res is not None else None
+        if versions and len(versions) >= len(out):  # which weights made which tokens (an in-place pause
+            meta["weight_versions"] = _version_spans(versions[: len(out)])  # across an update: two)
         if upto is None:
             meta["e2e_latency"] = latency
             meta["response_sent_to_client_ts"] = time.time()
@@ -621,6 +624,17 @@ class DevServer:
         """Tensor and NCCL weight updates need SGLang's model runner: refused, as a failed load is."""
         message = f"{request.path} is not supported by the dev server; use /update_weights_from_disk"
         return web.json_response({"success": False, "message": message}, status=400)
+
+
+def _version_spans(versions: Sequence[str]) -> list[dict[str, Any]]:
+    """Per-token weight versions -> SGLang's `weight_versions` [{version, start, end}] runs."""
+    spans: list[dict[str, Any]] = []
+    for i, version in enumerate(versions):
+        if spans and spans[-1]["version"] == version:
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": version, "start": i, "end": i + 1})
+    return spans
 
 
 async def _body(request: web.Request) -> dict[str, Any]:

@@ -102,6 +102,7 @@ class _Job:
     batch_size: int = 0
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    versions: list[str] = field(default_factory=list)  # the weight version that made each token
 
 
 def _draw(
@@ -380,7 +381,7 @@ class HFBackend(BaseBackend):
     def _resolve(self, job: _Job, finish: str, message: str | None = None) -> None:
         if not job.future.done():  # the caller may have given up
             result = self._result(job.request, job.tokens, job.logprobs, finish, message, batch=job.batch,
-                                  batch_size=job.batch_size)  # fmt: skip
+                                  batch_size=job.batch_size, token_versions=list(job.versions))  # fmt: skip
             job.future.set_result(result)
 
     def _abort(self, job: _Job | None, message: str | None = None) -> None:
@@ -391,7 +392,7 @@ class HFBackend(BaseBackend):
         """A retracted row: back in the queue, to start over (same seed) once generation continues."""
         if job.future.done():
             return
-        job.tokens, job.logprobs = [], []
+        job.tokens, job.logprobs, job.versions = [], [], []
         if job.generator is not None:
             job.generator.manual_seed(job.seed)
         self._queue.put_nowait(job)
@@ -471,6 +472,7 @@ class HFBackend(BaseBackend):
                 ):
                     job.tokens.append(token)
                     job.logprobs.append(logprob)
+                    job.versions.append(self.weight_version)
                     if token in job.sampling.stop_ids:
                         finished(job, "stop")
                     elif len(job.tokens) >= job.sampling.max_new_tokens:

@@ -124,6 +124,9 @@ def parse_generate(body: Any, *, server: str, return_logprob: bool, rid: str | N
             extra["logprobs_missing"] = True  # aborts may carry no logprob payload; never invent values
         else:
             raise malformed(f"{len(triples)} output logprobs for {len(out)} output ids")
+    versions = _token_versions(meta.get("weight_versions"), len(out))
+    if versions is not None:
+        extra["token_versions"] = versions
     return GenerateResult(
         token_ids=list(out),
         logprobs=logprobs,
@@ -135,6 +138,20 @@ def parse_generate(body: Any, *, server: str, return_logprob: bool, rid: str | N
         abort_message=fr.get("message") if kind == "abort" else None,
         extra=extra,
     )
+
+
+def _token_versions(spans: Any, n: int) -> list[str] | None:
+    """`meta_info.weight_versions` ([{version, start, end}] over output positions, when the server reports
+    which weights made which tokens: a request held across a weight update has two) -> one version per
+    output token; None when absent or not covering exactly the n tokens."""
+    if not isinstance(spans, list) or not spans:
+        return None
+    out: list[str] = []
+    for span in spans:
+        if not isinstance(span, dict) or span.get("start") != len(out) or not isinstance(span.get("end"), int):
+            return None
+        out += [str(span.get("version"))] * (span["end"] - span["start"])
+    return out if len(out) == n else None
 
 
 def _decode(data: bytes) -> Any:

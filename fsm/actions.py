@@ -108,7 +108,7 @@ async def _resumed_turn(
         waited = await ctx.gate.wait()
         if waited and deadline is not None and deadline.when() is not None:
             deadline.reschedule(deadline.when() + waited)  # type: ignore[operator]
-        epoch = ctx.gate.epoch
+        epoch, sent_to = ctx.gate.epoch, ctx.gate.version
         request = GenerateRequest(
             session_id=traj.session_id,
             prompt_ids=context + ids,
@@ -128,7 +128,11 @@ async def _resumed_turn(
         if aborted and want_logprobs and new_logprobs is None:
             new, new_logprobs = [], []  # an abort without its logprob payload: regenerate, never invent them
         ids += new
-        versions += [ctx.gate.version_of(result.weight_version)] * len(new)
+        per_token = result.extra.get("token_versions")  # a request held across an update has two
+        if per_token is not None and len(per_token) >= len(new):
+            versions += [ctx.gate.version_of(v, sent_to) for v in per_token[: len(new)]]
+        else:
+            versions += [ctx.gate.version_of(result.weight_version, sent_to)] * len(new)
         if logprobs is not None:
             logprobs = logprobs + new_logprobs if new_logprobs is not None else None
         if not aborted:

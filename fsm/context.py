@@ -102,13 +102,14 @@ class PauseGate:
         await self._open.wait()
         return time.monotonic() - t0
 
-    def version_of(self, reported: str | None) -> int:
-        """The weight version a response reports, as an int; the engine's counter when it reports none or a
-        name ("default")."""
+    def version_of(self, reported: str | None, fallback: int | None = None) -> int:
+        """The weight version a response reports, as an int. When it reports none, or a name ("default"):
+        `fallback`, the engine's counter when the request was sent (the weights it was sent to), else the
+        counter now."""
         try:
-            return int(reported) if reported is not None else self.version
-        except ValueError:
-            return self.version
+            return int(reported)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            return self.version if fallback is None else fallback
 
 
 class RunContext:

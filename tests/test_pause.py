@@ -148,8 +148,19 @@ async def test_dev_server_pause_modes_over_the_tiny_model():
                     assert len(out["meta_info"]["output_token_logprobs"]) == n
                 else:
                     assert kind == "length" and out["output_ids"] == full["output_ids"], mode
+            # held in place across an update: the request reports which weights made which tokens
+            request = asyncio.ensure_future(generate("held"))
+            await asyncio.sleep(0.1)
+            await control("/pause_generation", {"mode": "in_place"})
             update = await control("/update_weights_from_disk", {"model_path": str(EARLY_DIR), "weight_version": "7"})
             assert update["success"]
+            await control("/continue_generation", {})
+            held = await request
+            spans = held["meta_info"]["weight_versions"]
+            assert [s["version"] for s in spans] == ["default", "7"] and spans[-1]["end"] == 500
+            cut = spans[0]["end"]
+            assert 0 < cut < 500 and held["output_ids"][:cut] == full["output_ids"][:cut]
+            assert held["meta_info"]["weight_version"] == "7"
             async with http.get(dev.url + "/model_info") as r:
                 assert (await r.json())["weight_version"] == "7"
             early = await generate("early")
@@ -195,15 +206,19 @@ def test_pause_update_resume_with_the_same_weights_changes_nothing(tok, delay, m
     asyncio.run(main())
 
 
-async def test_tokens_after_an_update_to_the_early_checkpoint_carry_its_version(tok):
+@pytest.mark.parametrize("mode", MODES)
+async def test_tokens_after_an_update_to_the_early_checkpoint_carry_its_version(tok, mode):
+    """in_place holds turns mid-generation across the update: their tokens then carry both versions, each
+    token the one that made it (the dev server reports SGLang's weight_versions spans)."""
     backend = model()
+    mixed: list[int] = []
     try:
         async with DevServer(backend) as dev:
             ref_trajs, ref = await reference(tok, dev.url)
 
             async def disrupt(engine: RolloutEngine) -> None:
                 await first_turn_done(engine)
-                await engine.apause("abort")
+                await engine.apause(mode)
                 assert await engine.aupdate_weights_from_disk(EARLY_DIR, weight_version=5) == 5
                 await engine.aresume()
 
@@ -220,6 +235,12 @@ async def test_tokens_after_an_update_to_the_early_checkpoint_carry_its_version(
         old = [i for i, v in enumerate(t.response_versions) if v == 0]
         # what the old weights made is what the uninterrupted run made, token for token
         assert [t.response_ids[i] for i in old] == [r.response_ids[i] for i in old]
+        mixed += [k for k, seg in enumerate(t.segments)
+                  if seg.role == "assistant" and set(t.response_versions[seg.start : seg.end]) == {0, 5}]  # fmt: skip
+    if mode == "retract":
+        assert not mixed  # a retracted request starts over on the new weights
+    # (abort and in_place: turns running at the pause usually end up made by both versions; whether one was
+    # running then is timing, so the dev server test checks the per-token versions of a held request)
 
 
 def test_sync_pause_and_resume_on_the_embedded_model(tok):
@@ -245,3 +266,34 @@ def test_unknown_pause_mode_is_refused():
     with RolloutEngine("calculator") as engine, pytest.raises(ValueError, match="unknown pause mode"):
         engine.pause("sideways")
     assert not engine.paused
+
+
+async def test_root_spans_and_records_carry_pause_events_and_versions(tok):
+    from fsm.telemetry import Telemetry
+    from viz.transcript import trajectory_record
+
+    with Telemetry(otlp=False, memory=True) as tel:
+        async with RolloutEngine("calculator", tracer=tel) as engine:
+            sampling = engine.sampling({"temperature": 0.0})
+            run = asyncio.ensure_future(engine.arun(data(), sampling=sampling))
+            await first_turn_done(engine)
+            await engine.apause("in_place")
+            in_flight = {t.session_id for t, _ in engine.runner.live.values()}
+            assert await engine.aupdate_weights_from_disk(ASSETS) == 1
+            await engine.aresume()
+            trajs = await asyncio.wait_for(run, 120)
+        spans = tel.finished_spans()
+    roots = {s.attributes["gen_ai.conversation.id"]: s for s in spans if s.parent is None}
+    assert in_flight and set(roots) == {t.session_id for t in trajs}
+    for sid, root in roots.items():
+        events = [e.name for e in root.events]
+        assert events == (["pause", "weight_update", "resume"] if sid in in_flight else []), sid
+    for t in trajs:
+        low, high = t.weight_versions()
+        assert (roots[t.session_id].attributes["agentfsm.weight_version.min"],
+                roots[t.session_id].attributes["agentfsm.weight_version.max"]) == (low, high)  # fmt: skip
+        record = trajectory_record(t)
+        assert (record["weight_version_min"], record["weight_version_max"]) == (low, high)
+        assert all(turn.get("weight_versions") for turn in record["turns"] if turn["mask"] == 1)
+    pause = next(e for e in roots[next(iter(in_flight))].events if e.name == "pause")
+    assert pause.attributes["agentfsm.pause.mode"] == "in_place"
