@@ -376,8 +376,8 @@ class RolloutEngine(_Engine):
         version = getattr(self.backend, "weight_version", None)
         info = getattr(self.backend, "model_info", None)
         if version is None and info is not None:
-            with contextlib.suppress(Exception):  # a server that cannot say: keep counting from 0
-                info = await info()
+            with contextlib.suppress(Exception):  # a server that cannot say (soon): keep counting from 0
+                info = await asyncio.wait_for(info(), 5.0)
                 version = (info[0] if isinstance(info, list) and info else info or {}).get("weight_version")
         try:
             return int(version) if version is not None else None

@@ -297,3 +297,21 @@ async def test_root_spans_and_records_carry_pause_events_and_versions(tok):
         assert all(turn.get("weight_versions") for turn in record["turns"] if turn["mask"] == 1)
     pause = next(e for e in roots[next(iter(in_flight))].events if e.name == "pause")
     assert pause.attributes["agentfsm.pause.mode"] == "in_place"
+
+
+async def test_the_counter_starts_at_the_servers_version_and_updates_pass_through(tok):
+    from backends.base import BackendRequestError
+    from backends.devserver import HashLM
+
+    async with DevServer(HashLM(vocab=516, eos=2)) as dev:
+        dev.weight_version = "3"  # e.g. a fleet a trainer updated before this engine existed
+        async with RolloutEngine("calculator", tok, backend=router(dev.url)) as engine:
+            assert engine.weight_version == 3
+            assert await engine.aupdate_weights_from_disk(ASSETS) == 4 and dev.weight_version == "4"
+            with pytest.raises(BackendRequestError, match="update_weights_from_tensor is not supported"):
+                await engine.aupdate_weights_from_tensor(serialized_named_tensors=["..."], flush_cache=True)
+            with pytest.raises(BackendRequestError, match="update_weights_from_distributed is not supported"):
+                await engine.aupdate_weights_from_distributed(names=["w"], dtypes=["bf16"], shapes=[[1]])
+            assert engine.weight_version == 4  # a failed update moves nothing
+            batch = await engine.agenerate_sequences(data()[:2], {"temperature": 0.0})
+    assert batch.meta_info["weight_version_min"] == batch.meta_info["weight_version_max"] == 4
