@@ -22,6 +22,12 @@ Device and dtype (`device=`, `dtype=`; `agentfsm run/dev-server --device --dtype
   for every new (batch, cache length) shape: ~650 µs of CPU per call and 57-70 ms per decode step, since a
   decode step's shape is nearly always new (the 64 prompts above: 5.0 s with it, 0.17 s without). Decoding
   here therefore excludes the cuDNN kernel (flash / memory-efficient / math SDPA, which need no plan).
+- pause (`pause_generation(mode)` / `continue_generation()`, what the dev server's /pause_generation calls):
+  the decode loop looks at the mode after every step. "abort" ends the running rows (and the queued ones) as
+  aborts carrying their partial output and logprobs; "retract" puts the running rows back in the queue, to
+  start over (same seed) after continue; "in_place" holds the batch, KV cache and all, between two steps,
+  and a weight update may load meanwhile: the rows then go on with the new weights. No batch starts while
+  paused. Each token records the `weight_version` of the weights that made it (`extra["token_versions"]`).
 - seeds: each sampled row draws its uniforms from its own `torch.Generator` on the CPU, whatever the model's
   device, so a `sampling_seed` picks the same tokens on CPU and CUDA (64/64 rows above; only the logits'
   float differences between devices could flip a draw that lands on a boundary).
