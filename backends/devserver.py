@@ -14,8 +14,10 @@ Aborts on demand: a /generate carrying the header `X-Agentfsm-Fault: abort_waiti
 queue (SGLang's shape: no prompt_tokens, no cached_tokens); `abort_running[:K]` is aborted mid-generation
 after K tokens (default a quarter of max_new_tokens) and answers with those partial output_ids and their
 logprobs, `finish_reason {"type": "abort", "message": "Aborted", ...}`, as SGLang does for a running request.
-backends/faults.py's proxy sets the header; /abort_request, /pause_generation and a weight update with
-abort_all_requests abort for real (with no partial output: an in-process backend cannot be stopped mid-call).
+backends/faults.py's proxy sets the header; /abort_request and a weight update with abort_all_requests abort
+for real (with no partial output). /pause_generation follows SGLang's three modes (abort with partial output,
+retract, in_place) over a backend that can pause mid-generation (HFBackend), and /update_weights_from_disk
+really reloads its weights and bumps the `weight_version` every response and /model_info report.
 """
 
 from __future__ import annotations
@@ -278,6 +280,8 @@ class DevServer:
             ("*", "/release_memory_occupation", self._release_memory),
             ("*", "/resume_memory_occupation", self._resume_memory),
             ("POST", "/update_weights_from_disk", self._update_weights),
+            ("POST", "/update_weights_from_tensor", self._unsupported_update),
+            ("POST", "/update_weights_from_distributed", self._unsupported_update),
         ]
         for method, path, handler in routes:
             app.router.add_route(method, path, handler)
@@ -487,6 +491,9 @@ class DevServer:
         meta = {"id": rec.rid, "finish_reason": finish, "prompt_tokens": len(ids), "weight_version": self.weight_version,
                 "num_retractions": 0, **lp_keys, "reasoning_tokens": 0, "completion_tokens": len(out),
                 "cached_tokens": rec.cached, "cached_tokens_details": None, "dp_rank": 0}  # fmt: skip
+        versions = res.extra.get("token_versions") if res is not None else None
+        if versions and len(versions) >= len(out):  # which weights made which tokens (an in-place pause
+            meta["weight_versions"] = _version_spans(versions[: len(out)])  # across an update: two)
         if upto is None:
             meta["e2e_latency"] = latency
             meta["response_sent_to_client_ts"] = time.time()
@@ -553,18 +560,27 @@ class DevServer:
                 rec.task.cancel()
 
     async def _pause(self, request: web.Request) -> web.Response:
-        """New requests wait until /continue_generation; mode "abort" also aborts the running ones.
-        ("retract"/"in_place" let running requests finish: an in-process backend cannot be paused mid-call.)"""
+        """SGLang's modes. New requests wait until /continue_generation in every mode. "abort" aborts every
+        live request: waiting ones as waiting-queue aborts, running ones with their partial output (when the
+        backend can stop mid-generation: HFBackend; others are cancelled without output). "retract" requeues
+        running requests, which start over after continue; "in_place" holds them mid-generation and continues
+        them. Backends that cannot pause (scripted ones) let running requests finish in those two modes."""
         mode = (await _body(request)).get("mode", "abort")
         if mode not in ("abort", "retract", "in_place"):
             return _error(_Refused.value_error(f"unknown pause mode {mode!r}"))
         self.paused = True
         self._unpaused.clear()
+        pause = getattr(self.backend, "pause_generation", None)
+        if pause is not None:
+            await pause(mode)
         if mode == "abort":
-            self._abort(lambda r: self._live[r].started)
+            self._abort(lambda r: not self._live[r].started or pause is None)
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def _continue(self, request: web.Request) -> web.Response:
+        resume = getattr(self.backend, "continue_generation", None)
+        if resume is not None:
+            await resume()
         self.paused = False
         self._unpaused.set()
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
@@ -603,6 +619,22 @@ class DevServer:
             self.weight_version = str(version)
             message += f" Weight version updated to {version}."
         return web.json_response({"success": True, "message": message, "num_paused_requests": 0})
+
+    async def _unsupported_update(self, request: web.Request) -> web.Response:
+        """Tensor and NCCL weight updates need SGLang's model runner: refused, as a failed load is."""
+        message = f"{request.path} is not supported by the dev server; use /update_weights_from_disk"
+        return web.json_response({"success": False, "message": message}, status=400)
+
+
+def _version_spans(versions: Sequence[str]) -> list[dict[str, Any]]:
+    """Per-token weight versions -> SGLang's `weight_versions` [{version, start, end}] runs."""
+    spans: list[dict[str, Any]] = []
+    for i, version in enumerate(versions):
+        if spans and spans[-1]["version"] == version:
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": version, "start": i, "end": i + 1})
+    return spans
 
 
 async def _body(request: web.Request) -> dict[str, Any]:

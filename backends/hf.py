@@ -22,6 +22,12 @@ Device and dtype (`device=`, `dtype=`; `agentfsm run/dev-server --device --dtype
   for every new (batch, cache length) shape: ~650 µs of CPU per call and 57-70 ms per decode step, since a
   decode step's shape is nearly always new (the 64 prompts above: 5.0 s with it, 0.17 s without). Decoding
   here therefore excludes the cuDNN kernel (flash / memory-efficient / math SDPA, which need no plan).
+- pause (`pause_generation(mode)` / `continue_generation()`, what the dev server's /pause_generation calls):
+  the decode loop looks at the mode after every step. "abort" ends the running rows (and the queued ones) as
+  aborts carrying their partial output and logprobs; "retract" puts the running rows back in the queue, to
+  start over (same seed) after continue; "in_place" holds the batch, KV cache and all, between two steps,
+  and a weight update may load meanwhile: the rows then go on with the new weights. No batch starts while
+  paused. Each token records the `weight_version` of the weights that made it (`extra["token_versions"]`).
 - seeds: each sampled row draws its uniforms from its own `torch.Generator` on the CPU, whatever the model's
   device, so a `sampling_seed` picks the same tokens on CPU and CUDA (64/64 rows above; only the logits'
   float differences between devices could flip a draw that lands on a boundary).
@@ -34,6 +40,7 @@ import contextlib
 import math
 import os
 import random
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -96,10 +103,12 @@ class _Job:
     sampling: _Sampling
     future: asyncio.Future[GenerateResult]
     generator: torch.Generator | None  # None for greedy rows
+    seed: int = 0  # the generator's seed: a retracted row starts over with the same draws
     batch: int = -1  # which batch ran it (a running count), and how many rows that batch started with
     batch_size: int = 0
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    versions: list[str] = field(default_factory=list)  # the weight version that made each token
 
 
 def _draw(
@@ -256,6 +265,16 @@ class HFBackend(BaseBackend):
         self._queue: asyncio.Queue[_Job | None] = asyncio.Queue()
         self._model_lock = asyncio.Lock()  # a batch and a weight reload never overlap
         self._stopping = False  # read by the decode thread: abort the running batch at its next step
+        # Pause (SGLang's /pause_generation modes), read by the decode thread at each step: "abort" ends the
+        # running rows with their partial output, "retract" puts them back in the queue (started over after
+        # continue), "in_place" holds the batch where it is until `continue_generation`.
+        self._pause_mode: str | None = None
+        self._unpaused = asyncio.Event()  # the worker starts no batch while paused
+        self._unpaused.set()
+        self._held = threading.Event()  # an in-place-paused decode thread waits on it
+        self._held.set()
+        self._step = threading.Lock()  # one model step, or one weight load, at a time
+        self._parked = threading.Event()  # set while an in-place pause holds the decode thread
         self._worker: asyncio.Task[None] | None = None
         self._closed = False
         self._batches = 0
@@ -273,6 +292,8 @@ class HFBackend(BaseBackend):
         if self._closed:
             return
         self._closed = self._stopping = True
+        self._held.set()  # a paused worker wakes and aborts what it holds
+        self._unpaused.set()
         self._queue.put_nowait(None)  # wakes an idle worker
         if self._worker is not None:
             await self._worker
@@ -289,11 +310,12 @@ class HFBackend(BaseBackend):
             return self._result(request, [], [], "length")
         await self.start()
         generator = None
+        seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(63)
         if sampling.temperature > 0.0:
             generator = torch.Generator()  # on the CPU: a seed means the same on every device
-            generator.manual_seed(sampling.seed if sampling.seed is not None else self._rng.getrandbits(63))
-        job = _Job(request, sampling, asyncio.get_running_loop().create_future(), generator)
-        self._queue.put_nowait(job)
+            generator.manual_seed(seed)
+        job = _Job(request, sampling, asyncio.get_running_loop().create_future(), generator, seed)
+        self._queue.put_nowait(job)  # while paused it waits there, as at SGLang's tokenizer manager
         return await job.future  # cancelling the caller cancels the future; the decode loop drops the row
 
     def _validate(self, request: GenerateRequest) -> _Sampling:
@@ -347,7 +369,8 @@ class HFBackend(BaseBackend):
         )
 
     def _result(
-        self, request: GenerateRequest, tokens: list[int], logprobs: list[float], finish: str, **extra: Any
+        self, request: GenerateRequest, tokens: list[int], logprobs: list[float], finish: str,
+        abort_message: str | None = None, **extra: Any,
     ) -> GenerateResult:
         return GenerateResult(
             token_ids=tokens,
@@ -357,20 +380,28 @@ class HFBackend(BaseBackend):
             cached_tokens=0,
             weight_version=self.weight_version,
             server=None,  # in this process: no server (spans get no server.address)
-            abort_message=f"{self.model_name}: HFBackend closed" if finish == "abort" else None,
+            abort_message=(abort_message or f"{self.model_name}: HFBackend closed") if finish == "abort" else None,
             extra=extra,
         )
 
-    def _resolve(self, job: _Job, finish: str) -> None:
+    def _resolve(self, job: _Job, finish: str, message: str | None = None) -> None:
         if not job.future.done():  # the caller may have given up
-            result = self._result(
-                job.request, job.tokens, job.logprobs, finish, batch=job.batch, batch_size=job.batch_size
-            )
+            result = self._result(job.request, job.tokens, job.logprobs, finish, message, batch=job.batch,
+                                  batch_size=job.batch_size, token_versions=list(job.versions))  # fmt: skip
             job.future.set_result(result)
 
-    def _abort(self, job: _Job | None) -> None:
+    def _abort(self, job: _Job | None, message: str | None = None) -> None:
         if job is not None:
-            self._resolve(job, "abort")
+            self._resolve(job, "abort", message)
+
+    def _requeue(self, job: _Job) -> None:
+        """A retracted row: back in the queue, to start over (same seed) once generation continues."""
+        if job.future.done():
+            return
+        job.tokens, job.logprobs, job.versions = [], [], []
+        if job.generator is not None:
+            job.generator.manual_seed(job.seed)
+        self._queue.put_nowait(job)
 
     # -- the worker --------------------------------------------------------------------------------------
 
@@ -379,10 +410,15 @@ class HFBackend(BaseBackend):
         loop = asyncio.get_running_loop()
 
         def finished(job: _Job, finish: str) -> None:  # called from the decode thread
-            loop.call_soon_threadsafe(self._resolve, job, finish)
+            if finish == "retract":
+                loop.call_soon_threadsafe(self._requeue, job)
+            else:
+                loop.call_soon_threadsafe(self._resolve, job, finish, "Aborted" if finish == "abort" else None)
 
         while not self._stopping:
             pending = [await self._queue.get()]
+            if pending[0] is not None and not self._unpaused.is_set():
+                await self._unpaused.wait()  # paused: the job waits (closing puts a None to wake us)
             while len(pending) < self.max_batch_size and not self._queue.empty():
                 pending.append(self._queue.get_nowait())
             jobs = [job for job in pending if job is not None and not job.future.done()]
@@ -426,21 +462,23 @@ class HFBackend(BaseBackend):
             top_k = torch.tensor([job.sampling.top_k for job in jobs], device=dev)
             cache = DynamicCache(config=self.model.config)
             while True:
-                out = self.model(
-                    input_ids=ids,
-                    attention_mask=mask,
-                    position_ids=pos,
-                    past_key_values=cache,
-                    use_cache=True,
-                    logits_to_keep=1,
-                )
-                tokens, logprobs = _sample(out.logits[:, -1].float(), jobs, temp, top_p, top_k)
+                with self._step:
+                    out = self.model(
+                        input_ids=ids,
+                        attention_mask=mask,
+                        position_ids=pos,
+                        past_key_values=cache,
+                        use_cache=True,
+                        logits_to_keep=1,
+                    )
+                    tokens, logprobs = _sample(out.logits[:, -1].float(), jobs, temp, top_p, top_k)
                 live = []  # rows that go on
                 for row, (job, token, logprob) in enumerate(
                     zip(jobs, tokens.tolist(), logprobs.tolist(), strict=True)
                 ):
                     job.tokens.append(token)
                     job.logprobs.append(logprob)
+                    job.versions.append(self.weight_version)
                     if token in job.sampling.stop_ids:
                         finished(job, "stop")
                     elif len(job.tokens) >= job.sampling.max_new_tokens:
@@ -449,6 +487,15 @@ class HFBackend(BaseBackend):
                         finished(job, "abort")
                     elif not job.future.done():  # else the caller gave up
                         live.append(row)
+                mode = self._pause_mode
+                if live and mode in ("abort", "retract"):  # paused: the rows end here, partial or requeued
+                    for row in live:
+                        finished(jobs[row], mode)
+                    return
+                if live and mode == "in_place":
+                    self._parked.set()
+                    self._held.wait()  # the weights may change meanwhile: the rows go on with the new ones
+                    self._parked.clear()
                 if not live:
                     return
                 if len(live) < len(jobs):  # drop finished rows: the rest of the batch runs smaller
@@ -463,9 +510,39 @@ class HFBackend(BaseBackend):
 
     # -- control calls (passed through by the dev server) ------------------------------------------------
 
+    async def pause_generation(self, mode: str = "abort") -> None:
+        """SGLang's /pause_generation for the in-process model: no new batch starts until
+        `continue_generation`; the running batch, at its next step, ends its rows as aborts with their partial
+        output ("abort", which also aborts the queued ones; requests arriving later wait), puts them back in the queue to
+        start over ("retract"), or holds them in place ("in_place")."""
+        if mode not in ("abort", "retract", "in_place"):
+            raise BackendRequestError(f"{self.model_name}: unknown pause mode {mode!r}", server=self.model_name)
+        self._unpaused.clear()
+        if mode == "in_place":
+            self._held.clear()
+        self._pause_mode = mode
+        if mode == "abort":
+            while not self._queue.empty():
+                job = self._queue.get_nowait()
+                if job is None:
+                    self._queue.put_nowait(None)  # closing: leave the wake-up for the worker
+                    break
+                self._abort(job, "Aborted")
+        # As SGLang's, the call returns once the pause took effect: the running batch has ended (its rows
+        # answered or requeued) or is held, so a continue right after cannot overtake it.
+        while self._model_lock.locked() and not self._parked.is_set() and not self._stopping:
+            await asyncio.sleep(0.001)
+
+    async def continue_generation(self) -> None:
+        self._pause_mode = None
+        self._held.set()
+        self._unpaused.set()
+
     async def update_weights_from_disk(self, model_path: str, *, weight_version: str | None = None) -> None:
-        """Reload weights in place from a checkpoint of the same architecture, between batches."""
-        async with self._model_lock:
+        """Reload weights in place from a checkpoint of the same architecture: between batches, or between two
+        steps of a batch held by an in-place pause (which then goes on with the new weights)."""
+        held = self._pause_mode == "in_place"
+        async with contextlib.nullcontext() if held else self._model_lock:
             try:
                 await asyncio.to_thread(self._load_weights, model_path)
             except (OSError, ValueError, RuntimeError) as e:
@@ -478,7 +555,7 @@ class HFBackend(BaseBackend):
 
     def _load_weights(self, model_path: str) -> None:
         source = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype)
-        with torch.no_grad():
+        with torch.no_grad(), self._step:
             self.model.load_state_dict(source.state_dict())
 
     async def flush_cache(self) -> None:

@@ -91,6 +91,7 @@ class Router(BaseBackend):
         self._sessions: dict[str, _Session] = {}
         self._groups: dict[str, _Group] = {}
         self._health_task: asyncio.Task[None] | None = None
+        self._paused = False  # between pause_generation and continue_generation: no health checks
         # placements by route; re-routes after a failure (failovers: to another server); resumed requests
         self.counts = {"sticky": 0, "new": 0, "group": 0, "moved": 0, "retries": 0, "failovers": 0, "resumes": 0}
         self.prompt_tokens = 0
@@ -129,7 +130,8 @@ class Router(BaseBackend):
     async def _health_loop(self) -> None:
         while True:
             await asyncio.sleep(self.health_interval_s)
-            await self.check_health()
+            if not self._paused:  # a paused SGLang's /health (a 1-token generate) waits, then answers 503
+                await self.check_health()
 
     async def check_health(self) -> list[bool]:
         """Probe every server once; a backend without `health()` is assumed healthy (it cannot be checked)."""
@@ -304,14 +306,40 @@ class Router(BaseBackend):
     async def wake_up(self, tags: list[str] | None = None) -> list[Any]:
         return await self._broadcast("wake_up", tags)
 
-    async def update_weights_from_disk(self, path: str, weight_version: str | None = None) -> list[Any]:
-        return await self._broadcast("update_weights_from_disk", path, weight_version=weight_version)
+    async def update_weights_from_disk(self, path: str, weight_version: str | None = None,
+                                       **options: Any) -> list[Any]:  # fmt: skip
+        return await self._broadcast("update_weights_from_disk", path, weight_version=weight_version, **options)
+
+    async def update_weights_from_tensor(self, weight_version: str | None = None, **payload: Any) -> list[Any]:
+        return await self._broadcast("update_weights_from_tensor", weight_version=weight_version, **payload)
+
+    async def update_weights_from_distributed(self, weight_version: str | None = None,
+                                              **payload: Any) -> list[Any]:  # fmt: skip
+        return await self._broadcast("update_weights_from_distributed", weight_version=weight_version, **payload)
+
+    async def init_weights_update_group(self, **payload: Any) -> list[Any]:
+        return await self._broadcast("init_weights_update_group", **payload)
+
+    async def destroy_weights_update_group(self, **payload: Any) -> list[Any]:
+        return await self._broadcast("destroy_weights_update_group", **payload)
+
+    async def model_info(self) -> dict[str, Any]:
+        """The first server's /model_info that answers (its weight_version is the fleet's after an update)."""
+        for s in self.servers:
+            info = getattr(s.backend, "model_info", None)
+            if info is not None:
+                with contextlib.suppress(Exception):
+                    return await info()
+        return {}
 
     async def pause_generation(self, mode: str = "abort") -> list[Any]:
+        self._paused = True
         return await self._broadcast("pause_generation", mode)
 
     async def continue_generation(self) -> list[Any]:
-        return await self._broadcast("continue_generation")
+        results = await self._broadcast("continue_generation")
+        self._paused = False
+        return results
 
     # -- numbers ---------------------------------------------------------------------------------
 

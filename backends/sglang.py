@@ -124,6 +124,9 @@ def parse_generate(body: Any, *, server: str, return_logprob: bool, rid: str | N
             extra["logprobs_missing"] = True  # aborts may carry no logprob payload; never invent values
         else:
             raise malformed(f"{len(triples)} output logprobs for {len(out)} output ids")
+    versions = _token_versions(meta.get("weight_versions"), len(out))
+    if versions is not None:
+        extra["token_versions"] = versions
     return GenerateResult(
         token_ids=list(out),
         logprobs=logprobs,
@@ -135,6 +138,20 @@ def parse_generate(body: Any, *, server: str, return_logprob: bool, rid: str | N
         abort_message=fr.get("message") if kind == "abort" else None,
         extra=extra,
     )
+
+
+def _token_versions(spans: Any, n: int) -> list[str] | None:
+    """`meta_info.weight_versions` ([{version, start, end}] over output positions, when the server reports
+    which weights made which tokens: a request held across a weight update has two) -> one version per
+    output token; None when absent or not covering exactly the n tokens."""
+    if not isinstance(spans, list) or not spans:
+        return None
+    out: list[str] = []
+    for span in spans:
+        if not isinstance(span, dict) or span.get("start") != len(out) or not isinstance(span.get("end"), int):
+            return None
+        out += [str(span.get("version"))] * (span["end"] - span["start"])
+    return out if len(out) == n else None
 
 
 def _decode(data: bytes) -> Any:
@@ -499,7 +516,30 @@ class SGLangBackend(BaseBackend):
         # A failed load is a 400 {"success": false, "message": ...}: _control raises it as BackendRequestError.
         return await self._control("POST", "/update_weights_from_disk", payload, timeout_s=_WEIGHTS_TIMEOUT_S)
 
+    async def update_weights_from_tensor(self, weight_version: str | None = None, **payload: Any) -> dict[str, Any]:
+        """`/update_weights_from_tensor`: payload passed through (serialized_named_tensors, load_format,
+        flush_cache...)."""
+        if weight_version is not None:
+            payload["weight_version"] = weight_version
+        return await self._control("POST", "/update_weights_from_tensor", payload, timeout_s=_WEIGHTS_TIMEOUT_S)
+
+    async def update_weights_from_distributed(self, weight_version: str | None = None,
+                                              **payload: Any) -> dict[str, Any]:  # fmt: skip
+        """`/update_weights_from_distributed`: payload passed through (names, dtypes, shapes, group_name...)."""
+        if weight_version is not None:
+            payload["weight_version"] = weight_version
+        return await self._control("POST", "/update_weights_from_distributed", payload,
+                                   timeout_s=_WEIGHTS_TIMEOUT_S)  # fmt: skip
+
+    async def init_weights_update_group(self, **payload: Any) -> dict[str, Any]:
+        """`/init_weights_update_group` (master_address, master_port, rank_offset, world_size, group_name...)."""
+        return await self._control("POST", "/init_weights_update_group", payload, timeout_s=_WEIGHTS_TIMEOUT_S)
+
+    async def destroy_weights_update_group(self, **payload: Any) -> dict[str, Any]:
+        return await self._control("POST", "/destroy_weights_update_group", payload)
+
     async def pause_generation(self, mode: str = "abort") -> dict[str, Any]:
+        """`/pause_generation` in SGLang's mode: "abort", "retract" or "in_place"."""
         return await self._control("POST", "/pause_generation", {"mode": mode})
 
     async def continue_generation(self) -> dict[str, Any]:

@@ -56,7 +56,7 @@ async def generate(ctx: RunContext, traj: Trajectory) -> None:
     t0 = time.perf_counter()
     try:
         async with asyncio.timeout(limits.turn_timeout_s) as deadline:
-            ids, logprobs, finish = await _resumed_turn(ctx, traj, params, rid)
+            ids, logprobs, versions, finish = await _resumed_turn(ctx, traj, params, rid, deadline)
     except TimeoutError:
         if not deadline.expired():
             raise
@@ -68,7 +68,7 @@ async def generate(ctx: RunContext, traj: Trajectory) -> None:
         traj.metrics.generate_sequences += time.perf_counter() - t0
     if ctx.sampling.logprobs and logprobs is None:
         traj.logprobs_missing = True  # the batch then omits rollout_log_probs (fsm/batch.py says why)
-    traj.append_generated(ids, logprobs)
+    traj.append_generated(ids, logprobs, versions)
     traj.needs_tail = True
     traj.assistant_turns += 1
     traj.last_finish_reason = finish
@@ -80,9 +80,10 @@ async def generate(ctx: RunContext, traj: Trajectory) -> None:
 
 
 async def _resumed_turn(
-    ctx: RunContext, traj: Trajectory, params: dict[str, Any], rid: str
-) -> tuple[list[int], list[float] | None, str]:
-    """The turn's tokens, their logprobs (None: asked for and not given) and its finish reason.
+    ctx: RunContext, traj: Trajectory, params: dict[str, Any], rid: str, deadline: asyncio.Timeout | None = None
+) -> tuple[list[int], list[float] | None, list[int], str]:
+    """The turn's tokens, their logprobs (None: asked for and not given), the weight version of each and
+    its finish reason.
 
     An abort (finish_reason "abort": a waiting-queue abort, /pause_generation, a weight update with
     abort_all_requests, a drain, our own deadline's /abort_request) is not the model's output. The tokens it
@@ -90,6 +91,9 @@ async def _resumed_turn(
     its max_new_tokens shrunk by as many, so the turn goes on where it stopped, as verl's fully-async
     rollouter and slime's partial rollouts do. Each resume has its own rid `{turn rid}_r{k}`: the aborted one
     may still be live at the server, which refuses a duplicate. Past `limits.max_resumes` the row fails.
+
+    Every request first passes the engine's pause gate (`ctx.gate`); time spent there does not count against
+    the turn's deadline, and an abort caused by the engine's own pause does not count against max_resumes.
     """
     limits = ctx.agent.limits
     max_new = params["max_new_tokens"]
@@ -98,17 +102,22 @@ async def _resumed_turn(
     context = traj.context_ids()
     ids: list[int] = []
     logprobs: list[float] | None = [] if want_logprobs else None
-    resumes = 0
+    versions: list[int] = []
+    resumes = attempt = 0
     while True:
+        waited = await ctx.gate.wait()
+        if waited and deadline is not None and deadline.when() is not None:
+            deadline.reschedule(deadline.when() + waited)  # type: ignore[operator]
+        epoch, sent_to = ctx.gate.epoch, ctx.gate.version
         request = GenerateRequest(
             session_id=traj.session_id,
             prompt_ids=context + ids,
             sampling_params={**params, "max_new_tokens": max_new - len(ids)},
-            rid=f"{rid}_r{resumes}" if resumes else rid,
+            rid=f"{rid}_r{attempt}" if attempt else rid,
             group_id=traj.uid,
             return_logprob=want_logprobs,
             timeout_s=limits.request_timeout_s,
-            resumed=resumes,
+            resumed=attempt,
         )
         result = await ctx.call_backend(traj, request)
         traj.metrics.cached_tokens += result.cached_tokens or 0
@@ -119,14 +128,23 @@ async def _resumed_turn(
         if aborted and want_logprobs and new_logprobs is None:
             new, new_logprobs = [], []  # an abort without its logprob payload: regenerate, never invent them
         ids += new
+        per_token = result.extra.get("token_versions")  # a request held across an update has two
+        if per_token is not None and len(per_token) >= len(new):
+            versions += [ctx.gate.version_of(v, sent_to) for v in per_token[: len(new)]]
+        else:
+            versions += [ctx.gate.version_of(result.weight_version, sent_to)] * len(new)
         if logprobs is not None:
             logprobs = logprobs + new_logprobs if new_logprobs is not None else None
         if not aborted:
-            return ids, logprobs, result.finish_reason
+            return ids, logprobs, versions, result.finish_reason
         if ids and ids[-1] in stops:
-            return ids, logprobs, "stop"  # the abort raced the turn's own end
+            return ids, logprobs, versions, "stop"  # the abort raced the turn's own end
         if len(ids) >= max_new:
-            return ids, logprobs, "length"
+            return ids, logprobs, versions, "length"
+        attempt += 1
+        if ctx.gate.paused or ctx.gate.epoch != epoch:
+            traj.metrics.num_preempted += 1
+            continue  # the engine's own pause: resumed at the gate, free of the resume budget
         if resumes >= limits.max_resumes:
             raise GenerationAborted(
                 f"model turn {traj.assistant_turns} was aborted {resumes + 1} times, past limits.max_resumes "

@@ -8,8 +8,9 @@
 `rows` is what a verl dataset yields: a list of row dicts, a dict of columns (`non_tensor_batch`:
 {"raw_prompt": array([...]), "uid": ...}), or a verl `DataProto` (then a `DataProto` comes back). The result
 is one row per (input row, sample), samples of a row contiguous and in input order (verl's `repeat(n,
-interleave=True)` layout); `uid` marks the GRPO group. Control calls (`sleep`, `wake_up`,
-`update_weights_from_disk`, `flush_cache`) reach every server. Each has an `a`-prefixed async form, as
+interleave=True)` layout); `uid` marks the GRPO group. Control calls (`sleep`, `wake_up`, `pause`, `resume`,
+`update_weights_from_disk` / `_from_tensor` / `_from_distributed`, `flush_cache`) reach every server; the
+engine counts weight versions (`weight_version`) and records on each generated token the one that made it. Each has an `a`-prefixed async form, as
 `generate_sequences` has; the sync forms refuse to run inside a running event loop (they would block it).
 
 A RolloutEngine's backend lives on one event loop that the engine owns, running in a daemon thread it
@@ -49,6 +50,7 @@ from fsm.tracing import Tracer
 from fsm.trajectory import Trajectory
 
 T = TypeVar("T")
+PAUSE_MODES = ("abort", "retract", "in_place")  # SGLang's /pause_generation modes
 SpecLike = CompiledAgent | AgentSpec | LoadedSpec | str | Path
 Rows = Sequence[Mapping[str, Any]] | Mapping[str, Sequence[Any] | np.ndarray] | Any  # Any: a verl DataProto
 
@@ -358,9 +360,29 @@ class RolloutEngine(_Engine):
 
     async def _start(self) -> None:
         if self._started is None:
-            start = getattr(self.backend, "start", None)
-            self._started = asyncio.ensure_future(start() if start is not None else asyncio.sleep(0))
+            self._started = asyncio.ensure_future(self._start_backend())
         await asyncio.shield(self._started)
+
+    async def _start_backend(self) -> None:
+        start = getattr(self.backend, "start", None)
+        if start is not None:
+            await start()
+        # The servers' weight version, when they report an int: the counter goes on from there.
+        reported = await self._reported_version()
+        if reported is not None and reported > self.runner.gate.version:
+            self.runner.gate.version = reported
+
+    async def _reported_version(self) -> int | None:
+        version = getattr(self.backend, "weight_version", None)
+        info = getattr(self.backend, "model_info", None)
+        if version is None and info is not None:
+            with contextlib.suppress(Exception):  # a server that cannot say (soon): keep counting from 0
+                info = await asyncio.wait_for(info(), 5.0)
+                version = (info[0] if isinstance(info, list) and info else info or {}).get("weight_version")
+        try:
+            return int(version) if version is not None else None
+        except (TypeError, ValueError):
+            return None
 
     async def arun(self, rows: Sequence[Any], *, n: int = 1, sampling_params: Mapping[str, Any] | None = None,
                    validate: bool = False, sampling: Sampling | None = None,
@@ -399,10 +421,87 @@ class RolloutEngine(_Engine):
         """Take the memory back (SGLang resume_memory_occupation)."""
         return await self._control("wake_up", tags)
 
-    async def aupdate_weights_from_disk(self, path: str | Path, weight_version: str | None = None) -> Any:
-        """Reload weights on every server (or the in-process model) from a checkpoint directory."""
-        return await self._control("update_weights_from_disk", str(path), weight_version=weight_version,
-                                   required=True)  # fmt: skip
+    @property
+    def weight_version(self) -> int:
+        """The weights the servers hold: 0 at first (or the int they report), then each update's version."""
+        return self.runner.gate.version
+
+    @property
+    def paused(self) -> bool:
+        """True between `pause()` and `resume()`: no model request is issued meanwhile."""
+        return self.runner.gate.paused
+
+    async def apause(self, mode: str = "abort") -> None:
+        """Stop generation: the engine issues no new model request (turns wait at its gate) and every server
+        pauses (`/pause_generation`; the in-process model the same). `mode`: "abort" ends running requests
+        with their partial output, which the engine keeps and resumes after `resume()`; "retract" requeues
+        them at the server (recomputed after continue); "in_place" holds them mid-generation. Trajectories stay
+        alive with their partial turns; new runs may start meanwhile and wait at the gate."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"unknown pause mode {mode!r}; expected one of {', '.join(PAUSE_MODES)}")
+        await self._on_home(self._pause_here(mode))
+
+    async def _pause_here(self, mode: str) -> None:
+        await self._start()
+        gate = self.runner.gate
+        was_paused = gate.paused
+        gate.close()  # first: nothing slips past while the servers pause
+        try:
+            await self._control_here("pause_generation", (mode,), {}, True)
+        except BaseException:
+            if not was_paused:
+                gate.open()
+            raise
+        self._event("pause", {"agentfsm.pause.mode": mode, "agentfsm.weight_version": gate.version})
+
+    async def aresume(self) -> None:
+        """Continue: every server continues (`/continue_generation`), then the gate opens and paused
+        trajectories go on, on whatever weights the servers now hold."""
+        await self._on_home(self._resume_here())
+
+    async def _resume_here(self) -> None:
+        await self._start()
+        await self._control_here("continue_generation", (), {}, True)
+        self.runner.gate.open()
+        self._event("resume", {"agentfsm.weight_version": self.runner.gate.version})
+
+    async def aupdate_weights_from_disk(self, path: str | Path, weight_version: int | None = None,
+                                        **options: Any) -> int:  # fmt: skip
+        """Reload weights on every server (or the in-process model) from a checkpoint directory, as version
+        `weight_version` (default: the current one + 1), which is returned. `options` go to SGLang's
+        endpoint (load_format, abort_all_requests, flush_cache)."""
+        return await self._on_home(self._update_here("update_weights_from_disk", (str(path),), options,
+                                                     weight_version))  # fmt: skip
+
+    async def aupdate_weights_from_tensor(self, weight_version: int | None = None, **payload: Any) -> int:
+        """SGLang's `/update_weights_from_tensor` on every server (payload passed through:
+        serialized_named_tensors, load_format, flush_cache...); the new version is returned."""
+        return await self._on_home(self._update_here("update_weights_from_tensor", (), payload, weight_version))
+
+    async def aupdate_weights_from_distributed(self, weight_version: int | None = None, **payload: Any) -> int:
+        """SGLang's `/update_weights_from_distributed` on every server (payload passed through: names, dtypes,
+        shapes, group_name...); the new version is returned."""
+        return await self._on_home(self._update_here("update_weights_from_distributed", (), payload,
+                                                     weight_version))  # fmt: skip
+
+    async def _update_here(self, method: str, args: tuple[Any, ...], options: dict[str, Any],
+                           weight_version: int | None) -> int:  # fmt: skip
+        await self._start()
+        gate = self.runner.gate
+        if weight_version is not None and (isinstance(weight_version, bool) or not isinstance(weight_version, int)):
+            raise TypeError(f"weight_version must be an int (the engine counts versions), got {weight_version!r}")
+        version = gate.version + 1 if weight_version is None else weight_version
+        await self._control_here(method, args, {**options, "weight_version": str(version)}, True)
+        gate.version = version
+        self._event("weight_update", {"agentfsm.weight_version": version, "agentfsm.weight_update.method": method})
+        return version
+
+    def _event(self, name: str, attributes: dict[str, Any]) -> None:
+        """A control event on the root span of every trajectory in flight (traced ones)."""
+        for _, root in list(self.runner.live.values()):
+            add = getattr(root, "add_event", None)
+            if add is not None:
+                add(name, attributes)
 
     async def aflush_cache(self) -> Any:
         return await self._control("flush_cache")
@@ -415,9 +514,25 @@ class RolloutEngine(_Engine):
         self._refuse_in_loop("wake_up", "awake_up")
         return self._run_sync(self.awake_up(tags))
 
-    def update_weights_from_disk(self, path: str | Path, weight_version: str | None = None) -> Any:
+    def update_weights_from_disk(self, path: str | Path, weight_version: int | None = None, **options: Any) -> int:
         self._refuse_in_loop("update_weights_from_disk", "aupdate_weights_from_disk")
-        return self._run_sync(self.aupdate_weights_from_disk(path, weight_version))
+        return self._run_sync(self.aupdate_weights_from_disk(path, weight_version, **options))
+
+    def update_weights_from_tensor(self, weight_version: int | None = None, **payload: Any) -> int:
+        self._refuse_in_loop("update_weights_from_tensor", "aupdate_weights_from_tensor")
+        return self._run_sync(self.aupdate_weights_from_tensor(weight_version, **payload))
+
+    def update_weights_from_distributed(self, weight_version: int | None = None, **payload: Any) -> int:
+        self._refuse_in_loop("update_weights_from_distributed", "aupdate_weights_from_distributed")
+        return self._run_sync(self.aupdate_weights_from_distributed(weight_version, **payload))
+
+    def pause(self, mode: str = "abort") -> None:
+        self._refuse_in_loop("pause", "apause")
+        self._run_sync(self.apause(mode))
+
+    def resume(self) -> None:
+        self._refuse_in_loop("resume", "aresume")
+        self._run_sync(self.aresume())
 
     def flush_cache(self) -> Any:
         self._refuse_in_loop("flush_cache", "aflush_cache")

@@ -11,6 +11,8 @@ Layout (P = prompt_length, R = response_length), exactly verl's `_agent_loop_pos
                             and observations
   rm_scores        [B, R]   float32 (when every row has a score): the score on the last valid response token
                             (an empty response: column R-1, where verl's index -1 puts it)
+  weight_versions  [B, R]   int64  the weight version that generated each token; -1 on mask 0 and padding
+meta_info: weight_version_min / weight_version_max over the generated tokens (None when there are none).
 """
 
 from __future__ import annotations
@@ -75,6 +77,8 @@ def collate(trajs: Sequence[Trajectory], *, prompt_length: int, response_length:
         [arr(t.response_ids, np.int32) for t in trajs], R, pad_token_id, np.int64, left=False
     )
     mask, _ = _place([arr(t.response_mask, np.int8) for t in trajs], R, 0, np.int64, left=False)
+    versions, _ = _place([arr(t.response_versions, np.int32) for t in trajs], R, -1, np.int64, left=False)
+    versions[mask == 0] = -1  # a token the model did not generate has no version, whatever was recorded
 
     cols = np.arange(max(P, R))
     prompt_att = (cols[:P] >= (P - p_len)[:, None]).astype(np.int64)
@@ -89,6 +93,7 @@ def collate(trajs: Sequence[Trajectory], *, prompt_length: int, response_length:
         "input_ids": torch.from_numpy(np.concatenate([prompts, responses], axis=1)),
         "attention_mask": torch.from_numpy(attention),
         "position_ids": torch.from_numpy(position),
+        "weight_versions": torch.from_numpy(versions),
     }
     # A server that was asked for logprobs and gave none (an adapter without them, a misconfigured engine) must
     # not have them invented: a 0.0 reads as probability 1 in a PPO ratio. Such rows keep their tokens, which
@@ -109,6 +114,9 @@ def collate(trajs: Sequence[Trajectory], *, prompt_length: int, response_length:
 
     batch = TensorDict(tensors, batch_size=[len(trajs)])
     meta = {"metrics": [t.metrics.as_dict() for t in trajs], "timing": timing(trajs, r_len, p_len)}
+    generated = versions[versions >= 0]
+    meta["weight_version_min"] = int(generated.min()) if generated.size else None
+    meta["weight_version_max"] = int(generated.max()) if generated.size else None
     if logprobs and missing:
         meta["rollout_log_probs_missing"] = missing  # rows whose server returned no logprobs
         log.warning("rollout_log_probs left out of the batch: %d row(s) got no logprobs from their server "

@@ -6,7 +6,9 @@ backend or the tool set and, when the trajectory is traced, wraps the call in a 
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -66,17 +68,62 @@ class Sampling:
         return params
 
 
+class PauseGate:
+    """The engine's pause switch and weight-version counter, shared by every run of one engine.
+
+    Every model request passes `wait()` first, so a paused engine issues none: a new turn waits here, and so
+    does a turn that the pause aborted, before it is resumed. `epoch` counts pauses, which tells an abort the
+    pause caused (not counted against limits.max_resumes) from one the server chose.
+    """
+
+    def __init__(self) -> None:
+        self._open = asyncio.Event()  # bound to a loop on first wait: the engine's
+        self._open.set()
+        self.epoch = 0
+        self.version = 0  # the weights the servers hold now (RolloutEngine.weight_version)
+
+    @property
+    def paused(self) -> bool:
+        return not self._open.is_set()
+
+    def close(self) -> None:
+        if not self.paused:
+            self.epoch += 1
+            self._open.clear()
+
+    def open(self) -> None:
+        self._open.set()
+
+    async def wait(self) -> float:
+        """Return once the gate is open: the seconds spent waiting (0.0 when it was)."""
+        if self._open.is_set():
+            return 0.0
+        t0 = time.monotonic()
+        await self._open.wait()
+        return time.monotonic() - t0
+
+    def version_of(self, reported: str | None, fallback: int | None = None) -> int:
+        """The weight version a response reports, as an int. When it reports none, or a name ("default"):
+        `fallback`, the engine's counter when the request was sent (the weights it was sent to), else the
+        counter now."""
+        try:
+            return int(reported)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            return self.version if fallback is None else fallback
+
+
 class RunContext:
     """What actions share during one run: the agent, the backend, the codec, sampling, tools, tracing."""
 
     def __init__(self, agent: CompiledAgent, backend: Backend, codec: ChatCodec, sampling: Sampling, *,
-                 tracer: Tracer | None = None):  # fmt: skip
+                 tracer: Tracer | None = None, gate: PauseGate | None = None):  # fmt: skip
         self.agent = agent
         self.backend = backend
         self.codec = codec
         self.parser = PARSERS[agent.spec.parser](codec.tokenizer)
         self.sampling = sampling
         self.tracer = tracer
+        self.gate = gate if gate is not None else PauseGate()  # the engine's, shared by its runs
         self.interaction = agent.interaction_cls(dict(agent.spec.interaction.config, name=agent.spec.interaction.name
                                                       or agent.spec.name)) if agent.interaction_cls else None  # fmt: skip
         # uid -> ((messages, tool schemas), prompt ids): samples of a group share one encoding

@@ -26,7 +26,7 @@ from typing import Any
 from backends.base import Backend, BackendError, BackendTimeout, GenerationAborted
 from fsm.agent import CompiledAgent
 from fsm.chat import ChatCodec
-from fsm.context import TRACED, RunContext, Sampling
+from fsm.context import TRACED, PauseGate, RunContext, Sampling
 from fsm.rows import RowError, normalize_record, row_inputs
 from fsm.tracing import Tracer
 from fsm.trajectory import Trajectory
@@ -50,12 +50,15 @@ class Runner:
         self.check_tokens = check_tokens
         self.watchdog_s = watchdog_s  # None or 0: no watchdog
         self.stalls = 0  # watchdog reports so far
+        self.gate = PauseGate()  # closed while the engine is paused: model requests wait there
+        # session_id -> (trajectory, its root span or None) while it is driven: pause events reach them
+        self.live: dict[str, tuple[Trajectory, Any]] = {}
 
     def make_context(self, sampling_params: Mapping[str, Any] | None = None, validate: bool = False, *,
                      sampling: Sampling | None = None) -> RunContext:  # fmt: skip
         if sampling is None:
             sampling = Sampling.resolve(self.agent, self.codec, sampling_params, validate=validate)
-        return RunContext(self.agent, self.backend, self.codec, sampling, tracer=self.tracer)
+        return RunContext(self.agent, self.backend, self.codec, sampling, tracer=self.tracer, gate=self.gate)
 
     def trajectories(self, rows: Iterable[Mapping[str, Any]], n: int = 1) -> list[Trajectory]:
         """Rows -> one trajectory per (row, sample); samples of a row share its uid (a GRPO group)."""
@@ -122,6 +125,7 @@ class Runner:
             if root is not None or TRACED.get() is not None:  # a sampled-out one costs no ContextVar copy
                 traced = TRACED.set(root)
         traj.begin()
+        self.live[traj.session_id] = (traj, root)
         try:
             while traj.state not in agent.final_states:
                 source = traj.state
@@ -162,6 +166,7 @@ class Runner:
         except BaseException as exc:  # SystemExit, GeneratorExit... from user code: this trajectory only
             traj.fail(f"{type(exc).__name__} in {traj.state}: {exc}")
         finally:
+            self.live.pop(traj.session_id, None)
             try:
                 await self._finish(ctx, traj)
             finally:  # the root span ends even when finishing is cancelled
@@ -227,7 +232,7 @@ class Runner:
             await asyncio.sleep(max(0.01, limit / 4))
             now = time.perf_counter()
             running = [t for t in trajs if t.path_times and not finished[t.index]]
-            if not running:
+            if not running or self.gate.paused:  # a paused engine is expected to stand still
                 continue
             last = max(t.path_times[-1] for t in trajs if t.path_times)
             if now - last < limit or now - max(last, reported) < limit:

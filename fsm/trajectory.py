@@ -53,7 +53,8 @@ class Trajectory:
         # conversation
         "messages", "tool_schemas", "tools_kwargs", "interaction_kwargs", "interaction_started",
         # tokens
-        "prompt_ids", "response_ids", "response_mask", "response_logprobs", "segments", "needs_tail",
+        "prompt_ids", "response_ids", "response_mask", "response_logprobs", "response_versions", "segments",
+        "needs_tail",
         "logprobs_missing",
         # machine
         "state", "path", "path_times", "transitions_fired",
@@ -76,6 +77,7 @@ class Trajectory:
         self.response_ids = array("i")
         self.response_mask = array("b")
         self.response_logprobs = array("f")
+        self.response_versions = array("i")  # the weight version that produced each token; -1 on mask 0
         self.segments: list[Segment] = []
         self.needs_tail = False  # the last turn was the model's: the template's turn closer is still owed
         self.logprobs_missing = False  # logprobs were asked for and a server gave none: response_logprobs
@@ -121,13 +123,17 @@ class Trajectory:
 
     # --- tokens -----------------------------------------------------------------------------------------
 
-    def append_generated(self, ids: list[int], logprobs: list[float] | None) -> None:
+    def append_generated(
+        self, ids: list[int], logprobs: list[float] | None, version: int | list[int] = -1
+    ) -> None:
         """The model's own tokens: mask 1, with the engine's logprobs (placeholders 0.0 when there are none:
-        not asked for, or `logprobs_missing`; never read as values then)."""
+        not asked for, or `logprobs_missing`; never read as values then) and the weight version that produced
+        them (one for all, or one per token: a turn resumed across a weight update has two)."""
         start = len(self.response_ids)
         self.response_ids.extend(ids)
         self.response_mask.extend(b"\x01" * len(ids))
         self.response_logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
+        self.response_versions.extend([version] * len(ids) if isinstance(version, int) else version)
         self.segments.append(Segment("assistant", start, len(self.response_ids)))
 
     def append_context(self, ids: list[int], role: str) -> None:
@@ -138,11 +144,17 @@ class Trajectory:
         self.response_ids.extend(ids)
         self.response_mask.extend(bytes(len(ids)))
         self.response_logprobs.extend([0.0] * len(ids))
+        self.response_versions.extend([-1] * len(ids))
         self.segments.append(Segment(role, start, len(self.response_ids)))
 
     def context_ids(self) -> list[int]:
         """Everything the model has seen so far: the next request's input_ids."""
         return self.prompt_ids.tolist() + self.response_ids.tolist()
+
+    def weight_versions(self) -> tuple[int, int] | None:
+        """(min, max) weight version over the generated tokens; None when there are none."""
+        seen = [v for v in self.response_versions if v >= 0]
+        return (min(seen), max(seen)) if seen else None
 
     @property
     def response_length(self) -> int:
@@ -156,7 +168,7 @@ class Trajectory:
         """Record a failure: the row keeps its place in the batch with an empty response and mask 0."""
         self.error = reason
         self.termination_reason = reason if reason.startswith("error:") else f"error: {reason}"
-        del self.response_ids[:], self.response_mask[:], self.response_logprobs[:]
+        del self.response_ids[:], self.response_mask[:], self.response_logprobs[:], self.response_versions[:]
         self.segments.clear()
         self.logprobs_missing = False  # nothing left to lack them
 
@@ -185,5 +197,6 @@ class Trajectory:
                 "interaction_score": self.interaction_score,
                 "termination_reason": self.termination_reason,
                 "state_path": list(self.path),
+                "response_versions": self.response_versions.tolist(),  # weight version per token, -1: mask 0
             },
         }

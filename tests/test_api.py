@@ -225,8 +225,11 @@ async def test_control_calls_reach_every_dev_server(tok):
             assert all(d.memory_released == {"weights"} for d in devs)
             await engine.awake_up()
             assert all(not d.memory_released for d in devs)
-            await engine.aupdate_weights_from_disk("/ckpt/step-7", weight_version="step-7")
-            assert all(d.weight_version == "step-7" for d in devs)
+            assert await engine.aupdate_weights_from_disk("/ckpt/step-7", weight_version=7) == 7
+            assert all(d.weight_version == "7" for d in devs) and engine.weight_version == 7
+            with pytest.raises(TypeError, match="must be an int"):
+                await engine.aupdate_weights_from_disk("/ckpt/step-8", weight_version="step-8")
+            assert await engine.aupdate_weights_from_disk("/ckpt/step-8") == 8
             out = await engine.agenerate_sequences(make_prompts(2))
             assert await engine.aflush_cache() == [True, True]
             assert all(d.cache.size == 0 for d in devs)

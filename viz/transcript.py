@@ -56,11 +56,20 @@ def trajectory_record(traj: Any, codec: Any = None) -> dict[str, Any]:
             return None
         return codec.decode(part, skip_special_tokens=False)
 
+    versions = traj.response_versions.tolist() if hasattr(traj, "response_versions") else []
+
+    def turn_versions(seg: Any) -> list[int] | None:
+        """The distinct weight versions of a model turn's tokens, in order (one unless updated mid-turn)."""
+        if seg.role != "assistant" or not versions:
+            return None
+        return sorted(set(versions[seg.start : seg.end]))
+
     turns = [
         {"role": seg.role, "text": decode(ids[seg.start : seg.end]), "mask": 1 if seg.role == "assistant" else 0,
-         "n_tokens": seg.end - seg.start}
+         "n_tokens": seg.end - seg.start, **({"weight_versions": v} if (v := turn_versions(seg)) else {})}
         for seg in traj.segments
     ]  # fmt: skip
+    span = traj.weight_versions() if hasattr(traj, "weight_versions") else None
     return {
         "index": traj.index,
         "uid": traj.uid,
@@ -74,6 +83,8 @@ def trajectory_record(traj: Any, codec: Any = None) -> dict[str, Any]:
         "error": traj.error,
         "prompt": decode(traj.prompt_ids.tolist()),
         "prompt_tokens": len(traj.prompt_ids),
+        "weight_version_min": span[0] if span else None,  # over the generated tokens
+        "weight_version_max": span[1] if span else None,
         "turns": turns,
     }
 

@@ -1,6 +1,11 @@
 """The embedded tiny calculator model: a ~0.73M-parameter Qwen2 trained from scratch, shipped in assets/.
 
 Built by build_tokenizer.py and train.py, checked by evaluate.py; everything loads offline.
+
+assets/early/ holds a second checkpoint of the same architecture (config and weights only): an early
+training step (`python -m backends.tiny.train --max-steps 300 --time-budget-s 1e9 --out DIR`, 300 steps,
+smoothed loss ~1.5 where the shipped model's is ~0.002), so that a weight update visibly changes what the
+model generates (tests/test_pause.py).
 """
 
 from __future__ import annotations
@@ -8,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 ASSET_DIR = Path(__file__).resolve().parent / "assets"
+EARLY_DIR = ASSET_DIR / "early"  # the early checkpoint: weights only, load with ASSET_DIR's tokenizer
 
 
 def load_tokenizer(path: Path = ASSET_DIR):

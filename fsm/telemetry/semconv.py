@@ -63,6 +63,12 @@ REWARD = "agentfsm.reward_score"
 ERROR = "agentfsm.error"
 PROMPT_TOKENS = "agentfsm.tokens.prompt"
 RESPONSE_TOKENS = "agentfsm.tokens.response"
+WEIGHT_VERSION_MIN = "agentfsm.weight_version.min"  # over the trajectory's generated tokens
+WEIGHT_VERSION_MAX = "agentfsm.weight_version.max"
+# Events on the root spans of trajectories in flight when the engine pauses, resumes or updates weights
+# (fsm/api.py): "pause" {agentfsm.pause.mode}, "resume", "weight_update" {agentfsm.weight_version}.
+PAUSE_MODE = "agentfsm.pause.mode"
+WEIGHT_VERSION = "agentfsm.weight_version"
 MODEL_TOKENS = "agentfsm.tokens.model"
 ROUTE = "agentfsm.route"  # how a router placed the call: sticky | new | group | moved
 WEIGHT_VERSION = "agentfsm.weight_version"

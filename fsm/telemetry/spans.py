@@ -26,6 +26,7 @@ from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
+from fsm.telemetry import semconv
 from fsm.telemetry.semconv import ERROR_TYPE
 from fsm.telemetry.shapes import _SHAPES, _lean_message, _Shape, _Shapes
 from fsm.telemetry.wire import _UNSET, _links, _span_message, _status
@@ -375,6 +376,10 @@ class _Root(_Span):
         )  # fmt: skip
         if error is not None:
             self._x().status = Status(StatusCode.ERROR, error)
+        versions = traj.weight_versions()
+        if versions is not None:  # which weights made its tokens (several when updated mid-trajectory)
+            self.set_attribute(semconv.WEIGHT_VERSION_MIN, versions[0])
+            self.set_attribute(semconv.WEIGHT_VERSION_MAX, versions[1])
         if self.state_span is not None:  # a user action's span left open (cancelled): it ends here
             _detach(self.state_span._token)
             self.state_span.end()
