@@ -11,26 +11,17 @@ top-p cut; the matched stop id is the last generated token.
 Device and dtype (`device=`, `dtype=`; `agentfsm run/dev-server --device --dtype`):
 - device: cuda when `torch.cuda.is_available()`, else cpu.
 - dtype, for a model loaded from a directory: float32 on CPU; on CUDA, float32 for models under
-  `SMALL_MODEL_PARAMS` (1e9) parameters and bfloat16 above. Small models are bound by per-step overhead, not
-  by arithmetic, so bfloat16 buys them little (the tiny model, 64 calculator prompts, one turn on an H100:
-  0.17 s in bfloat16, 0.22 s in float32, 0.31 s on the CPU), and it breaks the batching promise above: in
-  bfloat16 a row's logprobs change with the batch it is decoded in (up to 6e-2 between batch 1 and 64; its
-  greedy tokens can change too), where float32 holds (7e-6, the same tokens). Large models get bfloat16 for
-  memory and speed; pass dtype="float32" to keep the promise with them. A model object passed in keeps its
-  own dtype unless `dtype=` is given.
-- attention: in float16/bfloat16 on CUDA, PyTorch's SDPA would pick cuDNN attention, which builds a plan
-  for every new (batch, cache length) shape: ~650 µs of CPU per call and 57-70 ms per decode step, since a
-  decode step's shape is nearly always new (the 64 prompts above: 5.0 s with it, 0.17 s without). Decoding
-  here therefore excludes the cuDNN kernel (flash / memory-efficient / math SDPA, which need no plan).
-- pause (`pause_generation(mode)` / `continue_generation()`, what the dev server's /pause_generation calls):
-  the decode loop looks at the mode after every step. "abort" ends the running rows (and the queued ones) as
-  aborts carrying their partial output and logprobs; "retract" puts the running rows back in the queue, to
-  start over (same seed) after continue; "in_place" holds the batch, KV cache and all, between two steps,
-  and a weight update may load meanwhile: the rows then go on with the new weights. No batch starts while
-  paused. Each token records the `weight_version` of the weights that made it (`extra["token_versions"]`).
+  `SMALL_MODEL_PARAMS` parameters and bfloat16 above. Small models are bound by per-step overhead, not by
+  arithmetic, so bfloat16 buys them little, and it breaks the batching promise above: in bfloat16 a row's
+  logprobs (and sometimes its greedy tokens) change with the batch it is decoded in, where float32 holds.
+  Large models get bfloat16 for memory and speed; pass dtype="float32" to keep the promise with them. A model
+  object passed in keeps its own dtype unless `dtype=` is given. (The README has the measurements.)
+- attention: in float16/bfloat16 on CUDA, PyTorch's SDPA would pick cuDNN attention, which builds a plan for
+  every new (batch, cache length) shape, and a decode step's shape is nearly always new. Decoding here
+  therefore excludes the cuDNN kernel (flash / memory-efficient / math SDPA, which need no plan).
 - seeds: each sampled row draws its uniforms from its own `torch.Generator` on the CPU, whatever the model's
-  device, so a `sampling_seed` picks the same tokens on CPU and CUDA (64/64 rows above; only the logits'
-  float differences between devices could flip a draw that lands on a boundary).
+  device, so a `sampling_seed` picks the same tokens on CPU and CUDA (only the logits' float differences
+  between devices could flip a draw that lands on a boundary).
 """
 
 from __future__ import annotations

@@ -39,9 +39,8 @@ from ruamel.yaml.parser import RoundTripParser
 from ruamel.yaml.reader import ReaderError
 from ruamel.yaml.scanner import RoundTripScanner
 
-# ruamel's round-trip parser costs ~100 µs of CPU per node on a slow core (shipped specs have ~150 nodes,
-# the largest ~40 lines): these bounds keep the worst case near half a second and a few MB, with room
-# for specs dozens of times larger than any shipped one.
+# ruamel's round-trip parser is slow per node: these bounds keep the worst case well under a second and a
+# few MB (tests/test_faults.py measures it), with room for specs dozens of times larger than any shipped one.
 MAX_BYTES = 128 * 1024  # a spec and its bases together
 MAX_NODES = 5_000  # mappings, sequences and scalars of a spec and its bases, aliases expanded
 MAX_DEPTH = 64  # nesting of mappings and sequences (guards and tool schemas need ~20)
