@@ -45,6 +45,7 @@ from fsm.loader import LoadedSpec
 from fsm.rows import is_dataproto, to_rows
 from fsm.runtime import Runner
 from fsm.spec import SPECS_DIR, AgentSpec
+from fsm.stream import ContinuousMode
 from fsm.tracing import Tracer
 from fsm.trajectory import Trajectory
 
@@ -286,7 +287,7 @@ class _Engine:
         return self._own_loop.run_until_complete(coro)
 
 
-class RolloutEngine(_Engine):
+class RolloutEngine(ContinuousMode, _Engine):
     """One spec, one backend (or fleet), one event loop: the single-process rollout engine.
 
     spec: a spec path, a shipped spec's name ("calculator"), an AgentSpec or a CompiledAgent.
@@ -426,6 +427,7 @@ class RolloutEngine(_Engine):
     # -- lifecycle -----------------------------------------------------------------------------------------
 
     async def _close_backend(self) -> None:
+        await self._stop_stream()
         close = getattr(self.backend, "close", None)
         if close is not None and self._started is not None:
             await close()
