@@ -92,11 +92,19 @@ class Stream:
     # -- ownership -------------------------------------------------------------------------------------------
 
     async def serve(self) -> None:
-        """The owner of every trajectory task; runs until cancelled (the engine's close)."""
-        async with asyncio.TaskGroup() as tg:
-            self._tg = tg
-            self._serving.set()
-            await asyncio.Event().wait()
+        """The owner of every trajectory task; runs until cancelled (the engine's close, a stopping snapshot).
+        Cancelled, it cancels every running trajectory; ready groups stay, to be taken."""
+        try:
+            async with asyncio.TaskGroup() as tg:
+                self._tg = tg
+                self._serving.set()
+                await asyncio.Event().wait()
+        finally:
+            self._serving.clear()
+            self._tg = None
+            self._running.clear()
+            self.stats["running_groups"] = 0
+            self._news.set()
 
     # -- in ----------------------------------------------------------------------------------------------------
 
@@ -284,17 +292,19 @@ class ContinuousMode:
         await self._start()
         if self._stream is None:
             self._stream = Stream(self.runner, self._version)
+        if self._stream_task is None:
             self._stream_task = asyncio.ensure_future(self._stream.serve())
         return self._stream
 
     async def asubmit(self, rows: Any, n: int = 1, sampling_params: Mapping[str, Any] | None = None,
-                      validate: bool = False) -> list[str]:  # fmt: skip
+                      validate: bool = False, sampling: Sampling | None = None) -> list[str]:  # fmt: skip
         """Start rolling out every row `n` times in the continuous mode; returns at once with the groups' uids.
         Their groups come back from `atake` / `stream` as they finish."""
         rows, meta = to_rows(rows)
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
-        sampling = self.sampling(sampling_params, bool(validate or meta.get("validate", False)))
+        if sampling is None:
+            sampling = self.sampling(sampling_params, bool(validate or meta.get("validate", False)))
 
         async def here() -> list[str]:
             return await (await self._stream_here()).submit(rows, n, sampling)
@@ -378,7 +388,7 @@ class ContinuousMode:
         return await self._on_home(here())
 
     async def _stop_stream(self) -> None:
-        task, self._stream_task, self._stream = self._stream_task, None, None
+        task, self._stream_task = self._stream_task, None
         if task is not None:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
