@@ -571,6 +571,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from bench.faults import bench_faults
 
         result = bench_faults()
+    elif what == "async":
+        import importlib
+
+        result = importlib.import_module("bench.async").bench_async()  # `async` is a keyword
     else:  # argparse restricts the choices
         raise CLIError(f"unknown benchmark {what!r}")
     print(json.dumps(result, indent=2))
@@ -703,7 +707,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_show)
 
     p = command("bench", "benchmarks that print numbers (JSON)")
-    p.add_argument("what", choices=["engine", "router", "hf", "prefix-cache", "tracing", "ray", "faults"],
+    p.add_argument("what", choices=["engine", "router", "hf", "prefix-cache", "tracing", "ray", "faults", "async"],
                    help="which benchmark")
     p.add_argument("--n", type=COUNT, default=10_000, metavar="N", help="engine: trajectories")
     p.add_argument("--concurrency", type=COUNT, metavar="N", help="engine: trajectories in flight (default: --n)")
