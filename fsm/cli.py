@@ -28,7 +28,6 @@ from fsm.cli_args import COUNT, PORT, Help, Parser, float_in, int_in
 from fsm.compile import CompiledAgent, compile_spec
 from fsm.data import DataError, load_rows
 from fsm.loader import SpecError
-from fsm.snapshot import SnapshotError
 
 DEMO_PROMPTS = 64  # `run` without --data or --num-prompts
 SHOW_LIMIT = 5  # transcripts `show --worst/--failed` prints without --limit
@@ -458,6 +457,8 @@ def _print_summary(summary: dict[str, Any], console: Any) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from rich.console import Console
+
+    from fsm.snapshot import SnapshotError
 
     _check_run_flags(args)
     agent = compile_spec(args.spec)

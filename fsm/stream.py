@@ -115,12 +115,13 @@ class Stream:
         ctx = self.runner.make_context(sampling=sampling)
         base, self._next_index = self._next_index, self._next_index + len(trajs)
         uids = []
+        waiting = {g.uid for g in self._ready}
         for i in range(0, len(trajs), n):
             members = trajs[i : i + n]
             for t in members:
                 t.index += base  # stream-wide: per-sample seeds differ across submissions
             uid = members[0].uid
-            while uid in self._running:  # a uid still in flight: this group gets its own
+            while uid in self._running or uid in waiting:  # the same row again (another epoch): its own uid
                 uid += "+"
             for t in members:
                 t.uid = uid

@@ -1,8 +1,9 @@
 """RayRunner on a local CPU Ray instance over scripted dev servers (subprocesses): same batch as one process,
-input order kept, control calls reach the servers, and a killed actor loses no rows.
+input order kept, control calls reach the servers, a killed actor loses no rows; the continuous mode streams
+groups back from the actors, and a hung actor is treated as a dead one.
 
-Ray's start-up dominates, so the instance, the servers and the actors are module-scoped; the kill test runs
-last because it leaves the pool one actor short (the next batch would replace it).
+Ray's start-up dominates, so the instance, the servers and the actors are module-scoped; the kill test leaves
+the pool one actor short (the continuous-mode test after it has `submit` replace it).
 """
 
 from __future__ import annotations
