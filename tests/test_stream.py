@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from backends.base import BaseBackend, GenerateRequest, GenerateResult
-from backends.devserver import echo_backend
+from backends.devserver import DevServer, echo_backend
 from fsm import RolloutEngine
 from fsm.stream import StreamEmpty, version_span
 from fsm.trajectory import Trajectory
@@ -141,15 +141,16 @@ class TestAcrossWeightUpdates:
 
     async def test_groups_span_an_update_and_staleness_is_measured(self, tok):
         rows = make_prompts(4)
-        async with RolloutEngine("calculator", tok, backend=SlowRows({}, default_s=0.05)) as engine:
-            await engine.asubmit(rows, n=2)
-            await asyncio.sleep(0.03)
-            await engine.apause(mode="retract")
-            v = await engine.aupdate_weights_from_disk(str(tok.name_or_path))
-            await engine.aresume()
-            batch = await engine.atake(4, max_staleness=1, timeout=30)
+        async with DevServer(SlowRows({}, default_s=0.05)) as server:  # pause and weight loading over HTTP
+            async with RolloutEngine("calculator", tok, servers=[server.url]) as engine:
+                await engine.asubmit(rows, n=2)
+                await asyncio.sleep(0.03)  # some turns in flight
+                await engine.apause(mode="retract")
+                v = await engine.aupdate_weights_from_disk("/checkpoints/step-1")
+                await engine.aresume()
+                batch = await engine.atake(4, max_staleness=1, timeout=30)
         assert engine.weight_version == v
-        assert sorted(set(uids_of(batch))) == sorted(r["uid"] for r in rows)
+        assert sorted(set(uids_of(batch))) == sorted(r["uid"] for r in rows)  # none lost across the update
         assert "weight_versions" in batch.batch.keys()
         assert batch.meta_info["weight_version_max"] == v
         assert all(s <= 1 for s in batch.meta_info["staleness"])
