@@ -4,6 +4,7 @@
     engine = RolloutEngine(spec, tokenizer=path, servers=[url, ...])   # SGLang servers behind a Router
     batch = engine.generate_sequences(rows, n=8)          # sync: blocks until the batch is back
     batch = await engine.agenerate_sequences(rows, n=8)   # async: from any event loop, the same engine
+    engine.submit(rows, n=8); batch = engine.take(16, max_staleness=1)   # continuous mode (fsm/stream.py)
 
 `rows` is what a verl dataset yields: a list of row dicts, a dict of columns (`non_tensor_batch`:
 {"raw_prompt": array([...]), "uid": ...}), or a verl `DataProto` (then a `DataProto` comes back). The result
