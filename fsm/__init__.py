@@ -29,10 +29,12 @@ _EXPORTS = {
     "AgentSpec": "fsm.spec",
     "BaseTool": "fsm.tools", "ToolResponse": "fsm.tools",
     "ToolCall": "fsm.parsers", "Trajectory": "fsm.trajectory",
+    "Group": "fsm.stream", "StreamEmpty": "fsm.stream", "SnapshotError": "fsm.snapshot",
 }  # fmt: skip
 __all__ = [
-    "AgentSpec", "BaseInteraction", "BaseTool", "CompiledAgent", "DataError", "Diagnostic", "Edge", "RayRunner",
-    "RolloutBatch", "RolloutEngine", "RunContext", "Runner", "Sampling", "SpecError", "ToolCall",
+    "AgentSpec", "BaseInteraction", "BaseTool", "CompiledAgent", "DataError", "Diagnostic", "Edge", "Group",
+    "RayRunner", "RolloutBatch", "RolloutEngine", "RunContext", "Runner", "Sampling", "SnapshotError", "SpecError",
+    "StreamEmpty", "ToolCall",
     "ToolResponse", "Trajectory", "action", "collate", "compile_spec", "guard", "load_rows", "load_spec",
     "summarize", "validate_file",
 ]  # fmt: skip
@@ -66,6 +68,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from fsm.ray_runner import RayRunner
     from fsm.registry import action, guard
     from fsm.runtime import Runner
+    from fsm.snapshot import SnapshotError
     from fsm.spec import AgentSpec
+    from fsm.stream import Group, StreamEmpty
     from fsm.tools import BaseTool, ToolResponse
     from fsm.trajectory import Trajectory

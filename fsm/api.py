@@ -4,6 +4,7 @@
     engine = RolloutEngine(spec, tokenizer=path, servers=[url, ...])   # SGLang servers behind a Router
     batch = engine.generate_sequences(rows, n=8)          # sync: blocks until the batch is back
     batch = await engine.agenerate_sequences(rows, n=8)   # async: from any event loop, the same engine
+    engine.submit(rows, n=8); batch = engine.take(16, max_staleness=1)   # continuous mode (fsm/stream.py)
 
 `rows` is what a verl dataset yields: a list of row dicts, a dict of columns (`non_tensor_batch`:
 {"raw_prompt": array([...]), "uid": ...}), or a verl `DataProto` (then a `DataProto` comes back). The result
@@ -46,6 +47,7 @@ from fsm.loader import LoadedSpec
 from fsm.rows import is_dataproto, to_rows
 from fsm.runtime import Runner
 from fsm.spec import SPECS_DIR, AgentSpec
+from fsm.stream import ContinuousMode
 from fsm.tracing import Tracer
 from fsm.trajectory import Trajectory
 
@@ -288,7 +290,7 @@ class _Engine:
         return self._own_loop.run_until_complete(coro)
 
 
-class RolloutEngine(_Engine):
+class RolloutEngine(ContinuousMode, _Engine):
     """One spec, one backend (or fleet), one event loop: the single-process rollout engine.
 
     spec: a spec path, a shipped spec's name ("calculator"), an AgentSpec or a CompiledAgent.
@@ -541,6 +543,7 @@ class RolloutEngine(_Engine):
     # -- lifecycle -----------------------------------------------------------------------------------------
 
     async def _close_backend(self) -> None:
+        await self._stop_stream()
         close = getattr(self.backend, "close", None)
         if close is not None and self._started is not None:
             await close()

@@ -230,27 +230,82 @@ class _Rollout:
     interrupted: bool
 
 
-async def _rollout(args: argparse.Namespace, rows: list[dict[str, Any]], console: Any) -> _Rollout:
+async def _rollout(args: argparse.Namespace, rows: list[dict[str, Any]] | None, console: Any) -> _Rollout:
+    """Roll `rows` out (or, `rows` None, resume the snapshot in --resume DIR). A RolloutEngine runs them in its
+    continuous mode, so that Ctrl-C can snapshot the rows in flight; Ray keeps what finished."""
     params = {k: v for k, v in (("temperature", args.temperature), ("seed", args.seed)) if v is not None}
     finished: list = []
     interrupted = False
     t_start = time.perf_counter()
+    expected = len(rows) * args.n if rows is not None else 0
     async with AsyncExitStack() as stack:
         stack.enter_context(_ctrl_c_cancels(asyncio.current_task()))
         servers, tokenizer = await _servers(args, stack)
         engine = _engine(args, servers, tokenizer)
         stack.push_async_callback(engine.aclose)
         sampling = engine.sampling(params)
-        try:
-            trajs = await _with_progress(engine, rows, args, sampling, console, finished)
-        except asyncio.CancelledError:  # Ctrl-C (_ctrl_c_cancels): keep what finished
-            asyncio.current_task().uncancel()  # type: ignore[union-attr]
-            interrupted = True
-            trajs = sorted(finished, key=lambda t: (t.index, t.sample))
+        if args.ray is None:
+            trajs, interrupted, expected, sampling = await _resumable(engine, rows, args, sampling, console)
+        else:
+            try:
+                trajs = await _with_progress(engine, rows, args, sampling, console, finished)
+            except asyncio.CancelledError:  # Ctrl-C (_ctrl_c_cancels): keep what finished
+                asyncio.current_task().uncancel()  # type: ignore[union-attr]
+                interrupted = True
+                trajs = sorted(finished, key=lambda t: (t.index, t.sample))
         backend = getattr(engine, "backend", None)
         router_stats = backend.stats() if hasattr(backend, "stats") else None
     wall = time.perf_counter() - t_start
-    return _Rollout(engine, sampling, trajs, len(rows) * args.n, wall, router_stats, interrupted)
+    return _Rollout(engine, sampling, trajs, expected, wall, router_stats, interrupted)
+
+
+SNAPSHOT = "snapshot.json"  # in --out: the rows in flight when Ctrl-C came, for `run --resume`
+SNAPSHOT_TIMEOUT_S = 120.0  # waiting for every running trajectory to reach a state boundary
+
+
+async def _resumable(engine: Any, rows: list[dict[str, Any]] | None, args: argparse.Namespace, sampling: Any,
+                     console: Any) -> tuple[list, bool, int, Any]:  # fmt: skip
+    """Every trajectory (sorted), whether Ctrl-C came, rows x n, the sampling. Ctrl-C here parks the running
+    trajectories at their next state boundary and writes them, with the finished ones, to --out/snapshot.json."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    out = Path(args.out)
+    if rows is None:
+        meta = await engine.arestore(out / SNAPSHOT)
+        groups, expected = int(meta["groups"]), int(meta["rows_expected"])
+    else:
+        await engine.asubmit(rows, n=args.n, sampling=sampling)
+        groups, expected = len(rows), len(rows) * args.n
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):  # main thread only
+        loop.add_signal_handler(signal.SIGINT, stop.set)
+    columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
+    with Progress(*columns, console=console, disable=args.quiet or not console.is_terminal) as progress:
+        task = progress.add_task("groups", total=groups)
+        while not stop.is_set():
+            ready = engine.stream_stats.get("ready_groups", 0)
+            progress.update(task, completed=ready)
+            if ready >= groups:
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.1)
+    interrupted = stop.is_set()
+    taken = []
+    if interrupted:
+        meta = {"groups": groups, "rows_expected": expected}
+        try:
+            info = await engine.asnapshot(out / SNAPSHOT, meta=meta, stop=True, timeout=SNAPSHOT_TIMEOUT_S)
+            ready = info["ready_groups"]
+        except TimeoutError:
+            _warn(f"no snapshot: some trajectories did not reach a state boundary in {SNAPSHOT_TIMEOUT_S:g} s")
+            ready = engine.stream_stats.get("ready_groups", 0)
+        if ready:
+            taken = await engine.atake_groups(ready)
+    else:
+        taken = await engine.atake_groups(groups)
+    trajs = sorted((t for g in taken for t in g.trajectories), key=lambda t: (t.index, t.sample))
+    return trajs, interrupted, expected, taken[0].sampling if taken else sampling
 
 
 @contextlib.contextmanager
@@ -403,16 +458,28 @@ def _print_summary(summary: dict[str, Any], console: Any) -> None:
 def cmd_run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    from fsm.snapshot import SnapshotError
+
     _check_run_flags(args)
     agent = compile_spec(args.spec)
-    rows = _rows(args, agent)
+    if args.resume is not None:
+        args.out = args.resume
+        if args.ray is not None:
+            raise CLIError("--resume: resumes a single-process run; drop --ray")
+        if not (Path(args.resume) / SNAPSHOT).is_file():
+            raise CLIError(f"--resume {args.resume}: no {SNAPSHOT} there (a run interrupted with Ctrl-C leaves one)")
+    rows = _rows(args, agent) if args.resume is None else None
     out = _out_dir(args)
     try:
         run = asyncio.run(_rollout(args, rows, Console(stderr=True)))
     except asyncio.CancelledError:  # Ctrl-C before the rollout began (launching, probing, loading)
         raise Interrupted(f"interrupted before the rollout; {out} holds what it held before") from None
+    except SnapshotError as exc:
+        raise CLIError(f"--resume: {exc}") from None
+    resume_hint = (f"; resume with: agentfsm run {args.spec} --resume {out}"
+                   if (out / SNAPSHOT).exists() and run.interrupted else "")  # fmt: skip
     if not run.trajs:
-        raise Interrupted(f"interrupted before any trajectory finished; {out} holds what it held before")
+        raise Interrupted(f"interrupted before any trajectory finished; {out} holds what it held before{resume_hint}")
     batch = run.engine.to_batch(run.trajs, run.sampling)
     replacing = (out / "summary.json").exists()
     summary = _write_run(out, run, batch)
@@ -421,7 +488,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"wrote {out}/batch.pt, trajectories.jsonl, summary.json" + (" (replacing the run there)" if replacing else ""))
     if run.interrupted:
         raise Interrupted(f"interrupted: {len(run.trajs)} of {run.expected} trajectories finished and are written "
-                          f"to {out} (summary.json: \"status\": \"interrupted\")")  # fmt: skip
+                          f"to {out} (summary.json: \"status\": \"interrupted\"){resume_hint}")  # fmt: skip
+    (out / SNAPSHOT).unlink(missing_ok=True)  # the run is complete: nothing left to resume
     failed = [t.error or t.termination_reason for t in run.trajs if t.failed]
     if len(failed) / len(run.trajs) > args.max_error_rate:
         common = " ".join(max(set(failed), key=failed.count).split())  # names the server, row or tool
@@ -504,6 +572,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from bench.faults import bench_faults
 
         result = bench_faults()
+    elif what == "async":
+        import importlib
+
+        result = importlib.import_module("bench.async").bench_async()  # `async` is a keyword
     else:  # argparse restricts the choices
         raise CLIError(f"unknown benchmark {what!r}")
     print(json.dumps(result, indent=2))
@@ -611,6 +683,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
                    help="spread rows over Ray actors (ADDRESS: a cluster to join; default: a local one)")
     p.add_argument("--workers", type=COUNT, default=2, metavar="N", help="Ray actors")
+    p.add_argument("--resume", metavar="DIR", help="complete the run that Ctrl-C interrupted in DIR (its "
+                   "snapshot.json; same spec); the outputs go to DIR")  # fmt: skip
     p.add_argument("-q", "--quiet", action="store_true", help="print only errors, warnings and the final "
                    "'wrote ...' line")  # fmt: skip
     p.set_defaults(fn=cmd_run)
@@ -634,7 +708,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_show)
 
     p = command("bench", "benchmarks that print numbers (JSON)")
-    p.add_argument("what", choices=["engine", "router", "hf", "prefix-cache", "tracing", "ray", "faults"],
+    p.add_argument("what", choices=["engine", "router", "hf", "prefix-cache", "tracing", "ray", "faults", "async"],
                    help="which benchmark")
     p.add_argument("--n", type=COUNT, default=10_000, metavar="N", help="engine: trajectories")
     p.add_argument("--concurrency", type=COUNT, metavar="N", help="engine: trajectories in flight (default: --n)")

@@ -28,9 +28,11 @@ from __future__ import annotations
 import asyncio
 import math
 import os
+import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +40,8 @@ from backends.base import Backend
 from fsm.api import SpecLike, _Engine, load_agent, load_tokenizer, make_backend, tiny_model_dir
 from fsm.chat import ChatCodec
 from fsm.context import Sampling
+from fsm.rows import normalize_record, to_rows
+from fsm.stream import Group, StalePolicy, StreamEmpty, version_span
 from fsm.trajectory import Trajectory
 
 
@@ -67,6 +71,7 @@ class _Worker:
             load_agent(spec), backend, load_tokenizer(tokenizer), max_concurrency=max_concurrency
         )
         self.rank = rank
+        self.progress = 0  # state boundaries passed and trajectories finished: the driver's hang detector reads it
         self._gate: asyncio.Semaphore | None = None
         self._contexts: dict[str, Any] = {}  # batch key -> RunContext (a few recent batches)
 
@@ -93,7 +98,8 @@ class _Worker:
         async def one(t: Trajectory) -> None:
             assert self._gate is not None
             async with self._gate:
-                await self.runner.drive(ctx, t)
+                await self.runner.drive(ctx, t, self._tick)
+            self.progress += 1
 
         async with asyncio.TaskGroup() as tg:
             for t in trajs:
@@ -101,6 +107,13 @@ class _Worker:
         for t in trajs:
             t.row = None  # type: ignore[assignment]
         return trajs
+
+    async def _tick(self, traj: Trajectory) -> None:
+        self.progress += 1
+
+    async def heartbeat(self) -> int:
+        """How far this actor has got; unchanged for `hang_s` while it holds rows: hung."""
+        return self.progress
 
     async def echo(self, payload: Any) -> Any:
         """A no-op round trip: `bench/ray.py` measures the bare Ray hop with it."""
@@ -135,12 +148,16 @@ class RayRunner(_Engine):
     workers: actors. max_concurrency: trajectories in flight per actor. chunk_rows: groups per Ray call.
     address: a Ray cluster to join (default: the running one, else a new local instance).
     actor_options: passed to `.options()` (num_cpus, runtime_env, ...).
+    hang_s: an actor holding rows whose trajectories pass no state boundary for this long is killed and its
+        rows re-run elsewhere, as a dead one's (None: off; make it longer than the slowest model turn).
+    Continuous mode: `submit` / `take` / `stream` / `stream_stats`, as RolloutEngine's (fsm/stream.py).
     After each batch, `stats` holds per-run counters: chunks, rerun_rows, actor_deaths, rows per actor.
     """
 
     def __init__(self, spec: SpecLike, tokenizer: Any = None, *, servers: Sequence[str] | None = None,
                  backend_factory: Callable[[], Backend] | None = None, workers: int = 2, address: str | None = None,
-                 max_concurrency: int = 128, chunk_rows: int = 1, actor_options: Mapping[str, Any] | None = None):  # fmt: skip
+                 max_concurrency: int = 128, chunk_rows: int = 1, actor_options: Mapping[str, Any] | None = None,
+                 hang_s: float | None = None):  # fmt: skip
         if servers and backend_factory is not None:
             raise ValueError("give servers= or backend_factory=, not both")
         if workers < 1 or max_concurrency < 1 or chunk_rows < 1:
@@ -166,7 +183,9 @@ class RayRunner(_Engine):
         self.actors: list[Any] = []  # Ray actor handles, index = rank
         self._dead: set[int] = set()
         self._owns_ray = False
+        self.hang_s = hang_s
         self.stats: dict[str, Any] = {}
+        self._pool: _Pool | None = None  # the continuous mode's
 
     # -- actors --------------------------------------------------------------------------------------------
 
@@ -207,8 +226,6 @@ class RayRunner(_Engine):
                    on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:  # fmt: skip
         """Every row n times across the actors; trajectories in input order. The sampling is resolved here,
         once, and sent to the actors; `on_done` hears each trajectory as its chunk comes back."""
-        from ray.exceptions import RayActorError
-
         if sampling is None:
             sampling = Sampling.resolve(self.agent, self.codec, sampling_params, validate=validate)
         self.start()
@@ -217,65 +234,119 @@ class RayRunner(_Engine):
         # Groups need batch-wide uids before they scatter (a Runner would number them per chunk).
         sent = [{**r, "uid": f"{key}-{i}"} if isinstance(r, Mapping) and not r.get("uid") else r
                 for i, r in enumerate(rows)]  # fmt: skip
-        ids = list(range(len(rows)))
-        pending = deque(ids[i : i + self.chunk_rows] for i in range(0, len(ids), self.chunk_rows))
-        slots = max(1, math.ceil(self.max_concurrency / (n * self.chunk_rows)))
-        alive = [r for r in range(len(self.actors)) if r not in self._dead]
-        busy = dict.fromkeys(alive, 0)
+        pool = _Pool(self, slots=max(1, math.ceil(self.max_concurrency / (n * self.chunk_rows))))
+        self.stats = stats = pool.stats
+        stats.update(rows=len(rows), trajectories=len(rows) * n)
+        for i in range(0, len(rows), self.chunk_rows):
+            ids = list(range(i, min(i + self.chunk_rows, len(rows))))
+            pool.pending.append(_Job(key, sampling, n, [sent[j] for j in ids], ids))
         out: list[Trajectory | None] = [None] * (len(rows) * n)
-        done: asyncio.Queue[tuple[int, list[int], asyncio.Future[Any]]] = asyncio.Queue()
-        inflight: dict[Any, tuple[int, list[int]]] = {}  # ObjectRef -> (rank, chunk)
-        stats = {"rows": len(rows), "trajectories": len(out), "chunks": 0, "rerun_rows": 0, "actor_deaths": 0,
-                 "rows_per_actor": dict.fromkeys(alive, 0), "rows_done": 0}  # fmt: skip
-        self.stats = stats
-
-        def submit(rank: int, chunk: list[int]) -> None:
-            ref = self.actors[rank].run.remote(key, sampling, [sent[i] for i in chunk], chunk, n)
-            inflight[ref] = (rank, chunk)
-            busy[rank] += 1
-            fut = asyncio.wrap_future(ref.future())
-            fut.add_done_callback(lambda f, ref=ref: done.put_nowait((*inflight.pop(ref), f)))
-
-        def fill() -> None:
-            while pending and any(busy[r] < slots for r in alive):
-                for rank in alive:  # round robin over actors with a free slot
-                    if pending and busy[rank] < slots:
-                        submit(rank, pending.popleft())
-
         try:
-            fill()
             while stats["rows_done"] < len(rows):
-                rank, chunk, fut = await done.get()
-                busy[rank] -= 1
-                exc = fut.exception()
-                if isinstance(exc, RayActorError):
-                    if rank in alive:
-                        alive.remove(rank)
-                        self._dead.add(rank)
-                        stats["actor_deaths"] += 1
-                    pending.appendleft(chunk)
-                    stats["rerun_rows"] += len(chunk)
-                    if not alive:
-                        raise RuntimeError(f"all {len(self.actors)} Ray actors died; {len(rows) - stats['rows_done']} "
-                                           f"rows unfinished (last error: {exc})") from exc  # fmt: skip
-                elif exc is not None:
-                    raise exc
-                else:
-                    for t in fut.result():
+                for _job, trajs in await pool.poll():
+                    for t in trajs:
                         row = rows[t.index // n]  # a non-dict row is wrapped as the Runner wraps it
                         t.row = row if isinstance(row, Mapping) else {"__bad_row__": row}
                         out[t.index] = t
                         if on_done is not None:
                             on_done(t)
-                    stats["chunks"] += 1
-                    stats["rows_done"] += len(chunk)
-                    stats["rows_per_actor"][rank] += len(chunk)
-                fill()
         finally:
-            for ref in list(inflight):  # cancelled or failed: stop what still runs
-                _ray().cancel(ref)
+            pool.cancel()
         assert all(t is not None for t in out)
         return out  # type: ignore[return-value]
+
+    # -- continuous mode (as RolloutEngine's: fsm/stream.py) ---------------------------------------------------
+
+    def _version(self) -> int:
+        return int(getattr(self, "weight_version", 0) or 0)
+
+    async def asubmit(self, rows: Any, n: int = 1, sampling_params: Mapping[str, Any] | None = None,
+                      validate: bool = False) -> list[str]:  # fmt: skip
+        """Start rolling out every row `n` times; groups stream back from the actors as they finish."""
+        rows, meta = to_rows(rows)
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        sampling = self.sampling(sampling_params, bool(validate or meta.get("validate", False)))
+        self.start()
+        if self._pool is None:
+            self._pool = _Pool(self, slots=max(1, math.ceil(self.max_concurrency / (n * self.chunk_rows))))
+        pool, key = self._pool, uuid.uuid4().hex[:8]
+        pool.refresh()
+        uids = []
+        for row in rows:
+            gid = len(pool.groups)
+            row = normalize_record(dict(row)) if isinstance(row, Mapping) else {"__bad_row__": row}
+            row["uid"] = str(row.get("uid") or f"{key}-{gid}")
+            pool.groups.append(row)
+            uids.append(row["uid"])
+            pool.pending.append(_Job(key, sampling, n, [row], [gid]))
+        pool.stats["submitted_groups"] += len(rows)
+        return uids
+
+    async def atake_groups(self, num_groups: int, *, max_staleness: int | None = None, stale: StalePolicy = "drop",
+                           timeout: float | None = None, exhausted_ok: bool = False) -> list[Group]:  # fmt: skip
+        """The first `num_groups` finished groups, in completion order (see RolloutEngine.atake_groups)."""
+        if stale not in ("drop", "rerun"):
+            raise ValueError(f"stale must be 'drop' or 'rerun', not {stale!r}")
+        pool = self._pool
+        if pool is None:
+            raise StreamEmpty(f"take({num_groups}): nothing submitted; submit rows first")
+        async with asyncio.timeout(timeout):
+            while True:
+                pool.sweep(max_staleness, stale, self._version())
+                if len(pool.ready) >= num_groups or (exhausted_ok and not pool.running()):
+                    out = [pool.ready.popleft() for _ in range(min(num_groups, len(pool.ready)))]
+                    for g in out:
+                        g.staleness = self._version() - g.version_min
+                        hist = pool.stats["staleness"]
+                        hist[g.staleness] = hist.get(g.staleness, 0) + 1
+                    pool.stats["taken_groups"] += len(out)
+                    return out
+                if not pool.running():
+                    raise StreamEmpty(f"take({num_groups}): {len(pool.ready)} group(s) ready and none running; "
+                                      "submit rows first")  # fmt: skip
+                for job, trajs in await pool.poll():
+                    gid = job.ids[0]
+                    for t in trajs:
+                        t.row = pool.groups[gid]
+                    v = self._version()
+                    spans = [version_span(t, v) for t in trajs]
+                    pool.ready.append(Group(trajs[0].uid, sorted(trajs, key=lambda t: t.sample), job.sampling,
+                                            min(a for a, _ in spans), max(b for _, b in spans)))  # fmt: skip
+                    pool.stats["finished_groups"] += 1
+
+    async def atake(self, num_groups: int, *, max_staleness: int | None = None, stale: StalePolicy = "drop",
+                    timeout: float | None = None) -> Any:  # fmt: skip
+        """verl's padded batch of exactly `num_groups` whole groups, in completion order (RolloutEngine.atake)."""
+        groups = await self.atake_groups(num_groups, max_staleness=max_staleness, stale=stale, timeout=timeout)
+        batch = self.to_batch([t for g in groups for t in g.trajectories], groups[0].sampling)
+        batch.meta_info["staleness"] = [g.staleness for g in groups]
+        return batch
+
+    async def stream(self, *, max_staleness: int | None = None, stale: StalePolicy = "drop") -> AsyncIterator[Group]:
+        while True:
+            groups = await self.atake_groups(1, max_staleness=max_staleness, stale=stale, exhausted_ok=True)
+            if not groups:
+                return
+            yield groups[0]
+
+    @property
+    def stream_stats(self) -> dict[str, Any]:
+        if self._pool is None:
+            return {}
+        stats = dict(self._pool.stats)
+        stats.update(ready_groups=len(self._pool.ready), staleness=dict(stats["staleness"]))
+        return stats
+
+    def submit(self, rows: Any, n: int = 1, sampling_params: Mapping[str, Any] | None = None,
+               validate: bool = False) -> list[str]:  # fmt: skip
+        self._refuse_in_loop("submit", "asubmit")
+        return self._run_sync(self.asubmit(rows, n, sampling_params, validate))
+
+    def take(self, num_groups: int, *, max_staleness: int | None = None, stale: StalePolicy = "drop",
+             timeout: float | None = None) -> Any:  # fmt: skip
+        self._refuse_in_loop("take", "atake")
+        return self._run_sync(self.atake(num_groups, max_staleness=max_staleness, stale=stale, timeout=timeout))
 
     # -- control calls -------------------------------------------------------------------------------------
 
@@ -324,6 +395,9 @@ class RayRunner(_Engine):
     def close(self) -> None:
         """Close the actors' backends, kill the actors, and shut Ray down if this runner started it."""
         ray = _ray()
+        if self._pool is not None:
+            self._pool.cancel()
+            self._pool = None
         live = [a for r, a in enumerate(self.actors) if r not in self._dead]
         if live:
             try:
@@ -354,3 +428,156 @@ class RayRunner(_Engine):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+
+@dataclass
+class _Job:
+    """A chunk of groups for one actor call: rows as sent, their group ids (a batch's row numbers)."""
+
+    key: str  # the actor's RunContext cache key
+    sampling: Sampling
+    n: int
+    rows: list[Any]
+    ids: list[int]
+
+
+class _Pool:
+    """Chunks dispatched to the live actors by work stealing and collected as they come back, whatever loop
+    polls (ray.wait in a thread). A dead actor's chunks, and a hung one's (no progress for `hang_s` while it
+    holds chunks: it is killed), go back to the front of the queue and run on the survivors."""
+
+    def __init__(self, runner: RayRunner, slots: int):
+        self.runner, self.slots = runner, slots
+        self.pending: deque[_Job] = deque()
+        self.inflight: dict[Any, tuple[int, _Job]] = {}  # ObjectRef -> (rank, job)
+        self.alive = [r for r in range(len(runner.actors)) if r not in runner._dead]
+        self.busy = dict.fromkeys(self.alive, 0)
+        self.moved: dict[int, tuple[int, float]] = {}  # rank -> (its progress counter, when it last changed)
+        self.probes: dict[Any, int] = {}  # heartbeat ObjectRef -> rank
+        self.groups: list[dict[str, Any]] = []  # continuous mode: group id -> its row
+        self.ready: deque[Group] = deque()  # continuous mode: finished groups, in completion order
+        self.stats: dict[str, Any] = {"chunks": 0, "rerun_rows": 0, "actor_deaths": 0, "hung_actors": 0,
+                                      "rows_per_actor": dict.fromkeys(self.alive, 0), "rows_done": 0,
+                                      "submitted_groups": 0, "finished_groups": 0, "taken_groups": 0,
+                                      "stale_dropped": 0, "stale_rerun": 0, "staleness": {}}  # fmt: skip
+
+    def running(self) -> bool:
+        return bool(self.pending or self.inflight)
+
+    def fill(self) -> None:
+        while self.pending and any(self.busy[r] < self.slots for r in self.alive):
+            for rank in self.alive:  # round robin over actors with a free slot
+                if self.pending and self.busy[rank] < self.slots:
+                    job = self.pending.popleft()
+                    ref = self.runner.actors[rank].run.remote(job.key, job.sampling, job.rows, job.ids, job.n)
+                    self.inflight[ref] = (rank, job)
+                    if self.busy[rank] == 0 and rank in self.moved:
+                        self.moved[rank] = (self.moved[rank][0], time.monotonic())
+                    self.busy[rank] += 1
+
+    async def poll(self, wait_s: float = 0.05) -> list[tuple[_Job, list[Trajectory]]]:
+        """Dispatch what can go, wait up to `wait_s` for chunks, return those that came back."""
+        from ray.exceptions import RayActorError
+
+        ray = _ray()
+        self.fill()
+        self._check_hangs()
+        refs = list(self.inflight)
+        if not refs:
+            return []
+        ready, _ = await asyncio.to_thread(ray.wait, refs, num_returns=1, timeout=wait_s)
+        if ready:
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        out = []
+        for ref in ready:
+            if ref not in self.inflight:  # its actor was found dead meanwhile: requeued already
+                continue
+            rank, job = self.inflight.pop(ref)
+            self.busy[rank] -= 1
+            try:
+                trajs = ray.get(ref)
+            except RayActorError as exc:
+                self._lost(rank, exc)
+                self.pending.appendleft(job)
+                self.stats["rerun_rows"] += len(job.ids)
+                continue
+            if rank in self.moved:
+                self.moved[rank] = (self.moved[rank][0], time.monotonic())
+            self.stats["chunks"] += 1
+            self.stats["rows_done"] += len(job.ids)
+            self.stats["rows_per_actor"][rank] = self.stats["rows_per_actor"].get(rank, 0) + len(job.ids)
+            out.append((job, trajs))
+        self.fill()
+        return out
+
+    def refresh(self) -> None:
+        """Take in actors that `RayRunner.start()` has put in place of dead ones."""
+        for rank in range(len(self.runner.actors)):
+            if rank not in self.runner._dead and rank not in self.alive:
+                self.alive.append(rank)
+                self.busy[rank] = 0
+
+    def _lost(self, rank: int, exc: BaseException | None) -> None:
+        """`rank` is dead or hung: every chunk it holds goes back to the front of the queue."""
+        if rank in self.alive:
+            self.alive.remove(rank)
+            self.runner._dead.add(rank)
+            self.stats["actor_deaths"] += 1
+        for ref, (r, job) in list(self.inflight.items()):
+            if r == rank:
+                del self.inflight[ref]
+                _ray().cancel(ref)
+                self.pending.appendleft(job)
+                self.stats["rerun_rows"] += len(job.ids)
+        self.busy[rank] = 0
+        if not self.alive:
+            raise RuntimeError(f"all {len(self.runner.actors)} Ray actors died or hung; {len(self.inflight) + len(self.pending)} "
+                               f"chunks unfinished (last error: {exc})") from exc  # fmt: skip
+
+    def _check_hangs(self) -> None:
+        """Probe busy actors' progress; kill one that has not moved for `hang_s` since it first answered (its
+        chunks then fail over)."""
+        hang_s = self.runner.hang_s
+        if not hang_s:
+            return
+        ray, now = _ray(), time.monotonic()
+        if self.probes:
+            answered, _ = ray.wait(list(self.probes), num_returns=len(self.probes), timeout=0)
+            for ref in answered:
+                rank = self.probes.pop(ref)
+                try:
+                    count = ray.get(ref)
+                except Exception:
+                    continue
+                if count != self.moved.get(rank, (-1, 0.0))[0]:
+                    self.moved[rank] = (count, now)
+        probing = set(self.probes.values())
+        for rank in list(self.alive):
+            if self.busy[rank] == 0:
+                continue
+            if rank in self.moved and now - self.moved[rank][1] > hang_s:  # (its clock starts at its first answer:
+                # an actor still starting up is not hung)
+                self.stats["hung_actors"] += 1
+                ray.kill(self.runner.actors[rank])  # its calls now fail with RayActorError: rerun elsewhere
+                self._lost(rank, TimeoutError(f"actor {rank} made no progress for {hang_s:g} s"))
+            elif rank not in probing:
+                self.probes[self.runner.actors[rank].heartbeat.remote()] = rank
+
+    def sweep(self, max_staleness: int | None, stale: StalePolicy, now: int) -> None:
+        if max_staleness is None:
+            return
+        keep: deque[Group] = deque()
+        for g in self.ready:
+            if now - g.version_min <= max_staleness:
+                keep.append(g)
+            elif stale == "rerun":
+                self.stats["stale_rerun"] += 1
+                gid = g.trajectories[0].index // len(g.trajectories)
+                self.pending.append(_Job(uuid.uuid4().hex[:8], g.sampling, len(g.trajectories), [self.groups[gid]], [gid]))
+            else:
+                self.stats["stale_dropped"] += 1
+        self.ready = keep
+
+    def cancel(self) -> None:
+        for ref in list(self.inflight):  # cancelled or failed: stop what still runs
+            _ray().cancel(ref)

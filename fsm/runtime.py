@@ -20,7 +20,7 @@ import inspect
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
 from backends.base import Backend, BackendError, BackendTimeout, GenerationAborted
@@ -115,8 +115,12 @@ class Runner:
             self.tracer.flush()
         return trajs
 
-    async def drive(self, ctx: RunContext, traj: Trajectory) -> None:
-        """Run one trajectory to a final state. Never raises for the trajectory's own failures."""
+    async def drive(self, ctx: RunContext, traj: Trajectory,
+                    boundary: Callable[[Trajectory], Awaitable[None]] | None = None) -> None:  # fmt: skip
+        """Run one trajectory to a final state. Never raises for the trajectory's own failures.
+
+        `boundary`, when given, is awaited before each action: the trajectory is then between states, whole
+        (fsm/snapshot.py parks trajectories there to take a consistent snapshot)."""
         agent, tracer = self.agent, self.tracer
         timeout = agent.limits.action_timeout_s
         root = traced = None
@@ -128,6 +132,8 @@ class Runner:
         self.live[traj.session_id] = (traj, root)
         try:
             while traj.state not in agent.final_states:
+                if boundary is not None:
+                    await boundary(traj)
                 source = traj.state
                 try:
                     if timeout is None:

@@ -306,7 +306,8 @@ def assert_consistent(out, rows: int, status: str = "completed") -> dict:
     assert summary["files"] == {"batch.pt": {"rows": rows}, "trajectories.jsonl": {"rows": rows}}
     assert len((out / "trajectories.jsonl").read_text().splitlines()) == rows
     assert torch.load(out / "batch.pt", weights_only=False)["batch"]["responses"].shape[0] == rows
-    assert sorted(p.name for p in out.iterdir()) == ["batch.pt", "summary.json", "trajectories.jsonl"]
+    resume = ["snapshot.json"] if status == "interrupted" else []  # the rows in flight, for run --resume
+    assert sorted(p.name for p in out.iterdir()) == ["batch.pt", *resume, "summary.json", "trajectories.jsonl"]
     return summary
 
 

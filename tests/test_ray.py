@@ -1,8 +1,9 @@
 """RayRunner on a local CPU Ray instance over scripted dev servers (subprocesses): same batch as one process,
-input order kept, control calls reach the servers, and a killed actor loses no rows.
+input order kept, control calls reach the servers, a killed actor loses no rows; the continuous mode streams
+groups back from the actors, and a hung actor is treated as a dead one.
 
-Ray's start-up dominates, so the instance, the servers and the actors are module-scoped; the kill test runs
-last because it leaves the pool one actor short (the next batch would replace it).
+Ray's start-up dominates, so the instance, the servers and the actors are module-scoped; the kill test leaves
+the pool one actor short (the continuous-mode test after it has `submit` replace it).
 """
 
 from __future__ import annotations
@@ -116,3 +117,37 @@ async def test_killed_actor_loses_no_rows(runner, reference):
     assert stats["actor_deaths"] == 1 and stats["rerun_rows"] >= 1
     assert stats["rows_done"] == 24 and sum(stats["rows_per_actor"].values()) == 24
     same_batch(reference[1], out)  # every row back, in input order, as one process computes it
+
+
+# --- continuous mode and hang detection ----------------------------------------------------------------------
+
+
+def test_continuous_mode_streams_groups_back_from_the_actors(runner, reference):
+    rows = make_prompts(12)
+    assert runner.submit(rows[:8], n=2) == [r["uid"] for r in rows[:8]]
+    first = runner.take(3, timeout=60)
+    runner.submit(rows[8:], n=2)
+    rest = runner.take(9, timeout=60)
+    uids = list(first.non_tensor_batch["uid"]) + list(rest.non_tensor_batch["uid"])
+    assert sorted(uids) == sorted(r["uid"] for r in rows for _ in range(2))  # none lost, none twice
+    assert uids[0::2] == uids[1::2]  # whole groups
+    ref_uids = list(reference[0].non_tensor_batch["uid"])
+    for batch in (first, rest):
+        for i, uid in enumerate(batch.non_tensor_batch["uid"]):
+            j = ref_uids.index(uid) + i % 2
+            assert torch.equal(batch.batch["responses"][i], reference[0].batch["responses"][j])
+    assert runner.stream_stats["taken_groups"] == 12
+
+
+def test_a_hung_actor_is_treated_as_dead(cluster, tmp_path):
+    from tests.fixtures.hang import HangOnce
+
+    rows = make_prompts(6)
+    with RayRunner("calculator", tokenizer=str(ASSETS), backend_factory=HangOnce(str(tmp_path / "hung")),
+                   workers=2, max_concurrency=2, hang_s=2.0) as hung:  # fmt: skip
+        hung.submit(rows, n=2)
+        batch = hung.take(6, timeout=90)
+        stats = hung.stream_stats
+    assert sorted(set(batch.non_tensor_batch["uid"])) == sorted(r["uid"] for r in rows)
+    assert all(r == "done" for r in batch.non_tensor_batch["termination_reason"])
+    assert stats["hung_actors"] == 1 and stats["actor_deaths"] == 1 and stats["rerun_rows"] >= 1

@@ -1,0 +1,200 @@
+"""Snapshots: trajectories as JSON, taken between states, restored into the same compiled agent.
+
+A trajectory is whole only between states: an action in progress may have appended a model turn and not yet
+fired the edge that follows it. So a snapshot parks every running trajectory at its next state boundary
+(`Boundary`, awaited by `Runner.drive` before each action), waits until every running one has parked or
+finished, writes them all, and lets them go. Trajectories still queued behind the concurrency gate are in
+their initial state, which is whole too.
+
+What is written: every slot of `Trajectory` (so slots added later come along), tagged where JSON has no
+type of its own (arrays, sets, the few dataclasses a trajectory holds). Tool instances need nothing: an
+instance lives inside one `call_tools` action (create, execute, release), so none is alive at a boundary.
+An interaction's per-session state is not written; a snapshot refuses a running trajectory whose
+interaction has started (its user simulator would start over).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import time
+from array import array
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fsm.agent import CompiledAgent
+from fsm.context import Sampling
+from fsm.parsers import ToolCall
+from fsm.trajectory import Metrics, Segment, Trajectory
+
+FORMAT = 1
+_TAGS = {"__array__", "__set__", "__tuple__", "__items__", "__dc__"}
+_CLASSES = {cls.__name__: cls for cls in (Segment, Metrics, ToolCall)}
+
+
+class SnapshotError(Exception):
+    """A snapshot that cannot be taken or restored here; the message says why and what to do."""
+
+
+# --- values ------------------------------------------------------------------------------------------------
+
+
+def _encode(value: Any, where: str) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, array):
+        return {"__array__": value.typecode, "items": value.tolist()}
+    if isinstance(value, (set, frozenset)):
+        return {"__set__": [_encode(v, where) for v in sorted(value, key=repr)]}
+    if isinstance(value, tuple):
+        return {"__tuple__": [_encode(v, where) for v in value]}
+    if isinstance(value, list):
+        return [_encode(v, where) for v in value]
+    if isinstance(value, dict):
+        if all(isinstance(k, str) for k in value) and not _TAGS & value.keys():
+            return {k: _encode(v, where) for k, v in value.items()}
+        return {"__items__": [[_encode(k, where), _encode(v, where)] for k, v in value.items()]}
+    if isinstance(value, np.ndarray):
+        return [_encode(v, where) for v in value.tolist()]
+    if isinstance(value, np.generic):
+        return value.item()
+    if dataclasses.is_dataclass(value) and type(value).__name__ in _CLASSES:
+        fields = {f.name: _encode(getattr(value, f.name), where) for f in dataclasses.fields(value)}
+        return {"__dc__": type(value).__name__, "fields": fields}
+    raise SnapshotError(f"{where}: a {type(value).__name__} cannot be written to a snapshot")
+
+
+def _decode(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_decode(v) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if "__array__" in value:
+        return array(value["__array__"], value["items"])
+    if "__set__" in value:
+        return {_decode(v) for v in value["__set__"]}
+    if "__tuple__" in value:
+        return tuple(_decode(v) for v in value["__tuple__"])
+    if "__items__" in value:
+        return {_decode(k): _decode(v) for k, v in value["__items__"]}
+    if "__dc__" in value:
+        return _CLASSES[value["__dc__"]](**{k: _decode(v) for k, v in value["fields"].items()})
+    return {k: _decode(v) for k, v in value.items()}
+
+
+def encode_trajectory(traj: Trajectory) -> dict[str, Any]:
+    """Every slot of `traj` as JSON-ready values."""
+    return {name: _encode(getattr(traj, name), f"trajectory {traj.session_id}: {name}")
+            for name in type(traj).__slots__ if hasattr(traj, name)}  # fmt: skip
+
+
+def decode_trajectory(data: dict[str, Any]) -> Trajectory:
+    """A trajectory from `encode_trajectory`'s output; its state times are moved to end now (durations kept,
+    this process's clock)."""
+    traj = Trajectory.__new__(Trajectory)
+    for name in Trajectory.__slots__:
+        if name in data:
+            setattr(traj, name, _decode(data[name]))
+    if not isinstance(traj.metrics, Metrics):
+        traj.metrics = Metrics(**traj.metrics)
+    if len(traj.path_times):
+        shift = time.perf_counter() - traj.path_times[-1]
+        traj.path_times = array("d", (t + shift for t in traj.path_times))
+        if len(traj.path_times) == len(traj.path):  # the driver's begin() records the current state's entry
+            traj.path_times.pop()
+    return traj
+
+
+def encode_sampling(sampling: Sampling) -> dict[str, Any]:
+    return {"params": _encode(dict(sampling.params), "sampling"), "seed": sampling.seed,
+            "logprobs": sampling.logprobs, "max_new_tokens": sampling.max_new_tokens}  # fmt: skip
+
+
+def decode_sampling(data: dict[str, Any]) -> Sampling:
+    return Sampling(_decode(data["params"]), data["seed"], data["logprobs"], data["max_new_tokens"])
+
+
+# --- files -------------------------------------------------------------------------------------------------
+
+
+def header(agent: CompiledAgent) -> dict[str, Any]:
+    return {"format": FORMAT, "agent": agent.name, "spec_hash": agent.hash,
+            "spec": str(agent.path) if agent.path else None}  # fmt: skip
+
+
+def write(path: str | Path, data: dict[str, Any]) -> None:
+    """Write atomically: a snapshot file is always whole."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.writing")
+    tmp.write_text(json.dumps(data, ensure_ascii=False))
+    os.replace(tmp, path)
+
+
+def read(path: str | Path, agent: CompiledAgent) -> dict[str, Any]:
+    """A snapshot file, checked against `agent` (same format, same spec hash)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise SnapshotError(f"{path}: no snapshot there") from None
+    except json.JSONDecodeError as exc:
+        raise SnapshotError(f"{path}: not a snapshot (bad JSON: {exc.msg}, line {exc.lineno})") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise SnapshotError(f"{path}: not an agentfsm snapshot of format {FORMAT}")
+    if data.get("spec_hash") != agent.hash:
+        raise SnapshotError(f"{path}: taken with agent {data.get('agent')!r} (spec hash {data.get('spec_hash')}), "
+                            f"but this engine runs {agent.name!r} (spec hash {agent.hash}); restore it with the "
+                            f"spec it was taken with ({data.get('spec')})")  # fmt: skip
+    return data
+
+
+# --- the boundary --------------------------------------------------------------------------------------------
+
+
+class Boundary:
+    """Where `Runner.drive` waits before each action while a snapshot is being taken."""
+
+    def __init__(self) -> None:
+        self._open = asyncio.Event()
+        self._open.set()
+        self._moved = asyncio.Event()
+        self.parked = 0
+
+    async def __call__(self, traj: Trajectory) -> None:
+        if self._open.is_set():
+            return
+        self.parked += 1
+        self._moved.set()
+        try:
+            await self._open.wait()
+        finally:
+            self.parked -= 1
+
+    def moved(self) -> None:
+        """A trajectory started or finished: the closer re-counts."""
+        self._moved.set()
+
+    async def close(self, running: Callable[[], int], timeout_s: float | None = None) -> None:
+        """Hold every trajectory at its next boundary; return once the `running()` ones have all parked."""
+        self._open.clear()
+        try:
+            async with asyncio.timeout(timeout_s):
+                while self.parked < running():
+                    self._moved.clear()
+                    await self._moved.wait()
+        except BaseException:
+            self._open.set()
+            raise
+
+    def open(self) -> None:
+        self._open.set()
+
+
+def check_resumable(traj: Trajectory) -> None:
+    if traj.interaction_started:
+        raise SnapshotError(f"trajectory {traj.session_id} is in its interaction, whose state a snapshot does not "
+                            "hold; snapshot between batches, or when no interaction is running")  # fmt: skip

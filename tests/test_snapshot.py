@@ -1,0 +1,193 @@
+"""Snapshots (fsm/snapshot.py): a trajectory round-trips through JSON slot for slot; a snapshot restores only
+into the spec it was taken with; a continuous-mode snapshot taken at any point and restored in a new process
+gives the greedy result of an uninterrupted run; and `agentfsm run`, interrupted by a real SIGINT while rows
+are in flight, resumes with `--resume DIR` to the uninterrupted run's batch, token for token."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from backends.base import BaseBackend, GenerateRequest, GenerateResult
+from backends.devserver import echo_backend
+from fsm import RolloutEngine
+from fsm.snapshot import SnapshotError, decode_trajectory, encode_trajectory
+from specs.calculator import make_prompts
+from tests.conftest import ASSETS
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(REPO)}
+GREEDY = {"temperature": 0}
+
+
+def test_trajectory_round_trips_every_slot(tok):
+    with RolloutEngine("calculator", tok, backend=echo_backend()) as engine:
+        trajs = engine._run_sync(engine.arun(make_prompts(2), n=2))
+    for t in trajs:
+        back = decode_trajectory(json.loads(json.dumps(encode_trajectory(t))))
+        for name in type(t).__slots__:
+            if name != "path_times":  # moved to this process's clock
+                assert getattr(back, name) == getattr(t, name), name
+        assert len(back.path_times) == len(t.path_times) - 1  # the driver's begin() adds the current state's
+
+
+def test_restore_refuses_another_spec(tok, tmp_path):
+    with RolloutEngine("calculator", tok, backend=echo_backend(latency_s=0.2)) as engine:
+        engine.submit(make_prompts(2), n=1)
+        engine.snapshot(tmp_path / "s.json")
+    with RolloutEngine("tool_agent", tok, backend=echo_backend()) as other:
+        with pytest.raises(SnapshotError, match="spec hash"):
+            other.restore(tmp_path / "s.json")
+
+
+class Counting(BaseBackend):
+    """The embedded tiny model, counting its model calls: `reached` is set at the k-th."""
+
+    def __init__(self, inner, k: int):
+        self.inner, self.k, self.calls = inner, k, 0
+        self.reached = asyncio.Event()
+        self.model_name, self.context_length = inner.model_name, inner.context_length
+
+    async def start(self) -> None:
+        await self.inner.start()
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        self.calls += 1
+        if self.calls >= self.k:
+            self.reached.set()
+        return await self.inner.generate(request)
+
+
+RESTORE = """
+import sys, json, torch
+from fsm import RolloutEngine
+with RolloutEngine("calculator", torch_threads=1) as engine:
+    meta = engine.restore(sys.argv[1])
+    batch = engine.take(meta["groups"], timeout=120)
+torch.save({k: v for k, v in batch.batch.items()} | {"uid": list(batch.non_tensor_batch["uid"])}, sys.argv[2])
+"""
+
+
+@pytest.fixture(scope="module")
+def greedy_reference():
+    rows = make_prompts(3)
+    with RolloutEngine("calculator", torch_threads=1) as engine:
+        return rows, engine.generate_sequences(rows, n=2, sampling_params=GREEDY)
+
+
+def same_groups(reference, got) -> None:
+    """The same batch up to group order (completion order varies)."""
+    ref_uids = list(reference.non_tensor_batch["uid"])
+    for key in reference.batch.keys():
+        for i, uid in enumerate(got["uid"]):
+            j = ref_uids.index(uid) + (i % 2)  # samples keep their order inside a group
+            assert torch.equal(reference.batch[key][j], got[key][i]), (key, uid)
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(k=st.integers(min_value=1, max_value=14))
+def test_snapshot_at_any_point_restores_in_a_new_process_to_the_greedy_result(greedy_reference, tmp_path, k):
+    rows, reference = greedy_reference
+    from fsm.api import make_backend
+
+    backend = Counting(make_backend(torch_threads=1), k)
+    path = tmp_path / f"s{k}.json"
+    with RolloutEngine("calculator", ASSETS, backend=backend) as engine:
+
+        async def at_k():
+            await engine.asubmit(rows, n=2, sampling_params=GREEDY)
+            await engine._on_home(asyncio.wait_for(backend.reached.wait(), 120))
+            return await engine.asnapshot(path, meta={"groups": len(rows)}, stop=True)
+
+        asyncio.run(at_k())
+    out = tmp_path / f"b{k}.pt"
+    subprocess.run([sys.executable, "-c", RESTORE, str(path), str(out)], env=ENV, cwd=REPO, check=True, timeout=240)
+    same_groups(reference, torch.load(out, weights_only=False))
+
+
+# --- agentfsm run: Ctrl-C, then --resume --------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return json.loads(r.read())
+
+
+@pytest.fixture(scope="module")
+def tiny_server():
+    """The tiny model behind a dev server: the run's own start-up is short, and the server says when
+    requests are in flight."""
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "backends.devserver", "--model", str(ASSETS), "--device", "cpu",
+                             "--port", str(port), "--log-level", "warning"], env=ENV, cwd=REPO)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5):
+                break
+        except OSError:
+            assert proc.poll() is None and time.monotonic() < deadline, "the tiny dev server did not come up"
+            time.sleep(0.2)
+    yield url
+    proc.terminate()
+    proc.wait(20)
+
+
+def _run(url: str, out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "fsm.cli", "run", "specs/calculator.yaml", "--server", url, "--num-prompts", "6",
+            "--n", "2", "--temperature", "0", "--concurrency", "3", "--out", str(out), "-q", *extra]  # fmt: skip
+
+
+def test_ctrl_c_snapshots_and_resume_completes_the_run_token_for_token(tiny_server, tmp_path):
+    ref, cut = tmp_path / "ref", tmp_path / "cut"
+    subprocess.run(_run(tiny_server, ref), env=ENV, cwd=REPO, check=True, timeout=240)
+    proc = subprocess.Popen(_run(tiny_server, cut), env=ENV, cwd=REPO, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while True:  # interrupt once the rollout is under way: requests at the server
+        load = _get(f"{tiny_server}/v1/loads")["loads"][0]
+        if load["num_running_reqs"] + load["num_waiting_reqs"] > 0:
+            break
+        assert proc.poll() is None and time.monotonic() < deadline, "the run never reached the server"
+        time.sleep(0.02)
+    time.sleep(1.5)  # some groups finish, most do not
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "--resume" in err, err
+    if (cut / "summary.json").exists():  # some rows had finished: written, with the status saying so
+        assert json.loads((cut / "summary.json").read_text())["status"] == "interrupted"
+    snap = json.loads((cut / "snapshot.json").read_text())
+    assert any(g["status"] == "running" for g in snap["groups"]), "nothing was in flight at the interrupt"
+    resumed = subprocess.run(_run(tiny_server, tmp_path / "ignored", "--resume", str(cut)), env=ENV, cwd=REPO,
+                             capture_output=True, text=True, timeout=240)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr
+    assert not (cut / "snapshot.json").exists()
+    a = torch.load(ref / "batch.pt", weights_only=False)
+    b = torch.load(cut / "batch.pt", weights_only=False)
+    assert list(a["non_tensor_batch"]["uid"]) == list(b["non_tensor_batch"]["uid"])
+    for key, value in a["batch"].items():
+        assert torch.equal(value, b["batch"][key]), key
+    assert json.loads((cut / "summary.json").read_text())["status"] == "completed"
