@@ -101,10 +101,8 @@ class Servers:
 
 
 async def _update(engine: Any, step: int) -> None:
-    """A weight update; the bench counts versions while the engine does not (before the async-pause branch)."""
+    """A weight update (the scripted servers load nothing; the engine's version counter moves on)."""
     await engine.aupdate_weights_from_disk("/bench/no-op-checkpoint")
-    if not hasattr(engine, "apause"):
-        engine.weight_version = step + 1
 
 
 async def _sync_steps(engine: Any, rows: list[dict], steps: int, batch: int, n: int, train_s: float) -> dict:

@@ -1,6 +1,6 @@
 """The continuous mode (fsm/stream.py): submit rows, take whole GRPO groups in completion order, staleness
-bounded with a declared policy, none lost or duplicated; and, once the async-pause branch has landed,
-trajectories that keep running across a weight update."""
+bounded with a declared policy, none lost or duplicated; and trajectories that keep running across a weight
+update."""
 
 from __future__ import annotations
 
@@ -88,14 +88,13 @@ def test_take_timeout(tok):
 @pytest.mark.parametrize("policy", ["drop", "rerun"])
 def test_stale_groups_are_dropped_or_rerun_and_counted(tok, policy):
     rows = make_prompts(3)
-    version = [0]
     with RolloutEngine("calculator", tok, backend=echo_backend()) as engine:
-        engine._version = lambda: version[0]  # the weight version the stream reads (a stand-in for updates)
         engine.submit(rows[:2], n=2)
         first = engine.take(1, timeout=30)  # the other group is finished meanwhile or soon
         assert first.meta_info["staleness"] == [0]
         wait_until(lambda: engine.stream_stats["ready_groups"] == 1)  # the second group, finished
-        version[0] = 2  # two updates later, the waiting group is 2 versions old
+        engine.runner.gate.version = 2  # two updates later (the scripted backend has no weights to load),
+        # the waiting group is 2 versions old; rows generated from now on carry version 2
         engine.submit(rows[2:], n=2)
         batch = engine.take(1, max_staleness=1, stale=policy, timeout=30)
         stats = engine.stream_stats
@@ -126,18 +125,14 @@ async def test_async_forms_and_stream_from_another_loop(tok):
 
 def test_version_span_fallback_and_versions():
     t = Trajectory(0, 0, "s", "u", {}, "START")
-    assert version_span(t, 7) == (7, 7)  # no response_versions: the version current at the finish
+    assert version_span(t, 7) == (7, 7)  # no model tokens: the version current at the finish
     t.response_mask.extend(b"\x01\x00\x01")
-    if "response_versions" in Trajectory.__slots__:
-        t.response_versions = array("i", [3, -1, 5])
-        assert version_span(t, 7) == (3, 5)
+    t.response_versions = array("i", [3, -1, 5])
+    assert version_span(t, 7) == (3, 5)
 
 
 class TestAcrossWeightUpdates:
-    """Trajectories in flight keep running across pause / update / resume (needs the async-pause branch)."""
-
-    pytestmark = pytest.mark.skipif(not hasattr(RolloutEngine, "apause"),
-                                    reason="needs engine.apause (async-pause branch)")  # fmt: skip
+    """Trajectories in flight keep running across pause / update / resume."""
 
     async def test_groups_span_an_update_and_staleness_is_measured(self, tok):
         rows = make_prompts(4)
