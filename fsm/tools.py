@@ -91,8 +91,11 @@ class FunctionTool(BaseTool):
     async def execute(
         self, instance_id: str, parameters: dict[str, Any], **kwargs
     ) -> tuple[ToolResponse, float, dict]:
-        if not isinstance(parameters, Mapping):  # verl passes what the model sent: Python's own complaint
-            name = f"{self.fn.__module__}.{self.fn.__qualname__}"
+        if not isinstance(parameters, Mapping):
+            # Arguments that are no JSON object reach the tool as verl passes them, and the model reads the
+            # complaint verl's FunctionTool gets: Python's, from `fn(**args)` or `asyncio.to_thread(fn, **args)`.
+            call = self.fn if inspect.iscoroutinefunction(self.fn) else asyncio.to_thread
+            name = f"{call.__module__}.{call.__qualname__}"
             raise TypeError(f"{name}() argument after ** must be a mapping, not {type(parameters).__name__}")
         return normalize_return(await self.lane.call(self.fn, **parameters))
 
