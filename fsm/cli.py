@@ -24,13 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fsm.cli_args import COUNT, PORT, Help, Parser, float_in, int_in
+from fsm.cli_args import DEMO_PROMPTS, SHOW_LIMIT, command_line
 from fsm.compile import CompiledAgent, compile_spec
 from fsm.data import DataError, load_rows
 from fsm.loader import SpecError
-
-DEMO_PROMPTS = 64  # `run` without --data or --num-prompts
-SHOW_LIMIT = 5  # transcripts `show --worst/--failed` prints without --limit
 
 
 class CLIError(Exception):
@@ -352,12 +349,12 @@ async def _with_progress(engine: Any, rows: list[dict], args: argparse.Namespace
 def _write_run(out: Path, run: _Rollout, batch: Any) -> dict[str, Any]:
     """The run's three files into `out` (fsm/rundir.py), its summary saying how the run ended and how many
     rows each file holds."""
-    from fsm.rundir import WriteInterrupted, write_run
+    from fsm.rundir import WriteInterrupted, write_outputs, write_run
 
     engine = run.engine
 
     def write(staging: Path) -> dict[str, Any]:
-        summary = _write_outputs(staging, engine.agent, run.trajs, batch, engine.codec, run.wall, run.router_stats,
+        summary = write_outputs(staging, engine.agent, run.trajs, batch, engine.codec, run.wall, run.router_stats,
                                  getattr(engine, "tracer", None))  # fmt: skip
         failed = sum(t.failed for t in run.trajs)
         summary = {"status": "interrupted" if run.interrupted else "completed", "rows_expected": run.expected,
@@ -374,85 +371,6 @@ def _write_run(out: Path, run: _Rollout, batch: Any) -> dict[str, Any]:
         raise Interrupted(f"interrupted while writing; {out} holds what it held before this run") from None
     except OSError as exc:
         raise CLIError(f"--out {out}: cannot write the run's outputs ({exc.strerror or exc})") from None
-
-
-def _write_outputs(out: Path, agent: CompiledAgent, trajs: list, batch: Any, codec: Any, wall: float,
-                   router_stats: Any, tracer: Any) -> dict[str, Any]:  # fmt: skip
-    import torch
-
-    from fsm.batch import fault_summary, summarize
-
-    torch.save({"batch": {k: v for k, v in batch.batch.items()}, "non_tensor_batch": batch.non_tensor_batch,
-                "meta_info": batch.meta_info}, out / "batch.pt")  # fmt: skip
-    with (out / "trajectories.jsonl").open("w") as f:
-        for traj in trajs:
-            f.write(json.dumps(_record(traj, codec), ensure_ascii=False) + "\n")
-    summary = summarize(trajs)
-    summary.update(spec=str(agent.path), agent=agent.name, spec_hash=agent.hash, wall_s=round(wall, 3),
-                   timing=batch.meta_info["timing"], router=router_stats)  # fmt: skip
-    summary["server_faults"] = fault_summary(trajs, router_stats)
-    summary["fsm"] = _run_stats(agent, trajs)
-    if tracer is not None:
-        summary["tracing"] = tracer.stats()
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
-    return summary
-
-
-def _record(traj: Any, codec: Any) -> dict[str, Any]:
-    from viz.transcript import trajectory_record
-
-    return trajectory_record(traj, codec)
-
-
-def _run_stats(agent: CompiledAgent, trajs: list) -> dict[str, Any]:
-    from viz.stats import run_stats
-
-    return run_stats(agent, trajs)
-
-
-def _print_summary(summary: dict[str, Any], console: Any) -> None:
-    from rich.table import Table
-
-    table = Table(title=f"{summary['agent']}: {summary['trajectories']} trajectories in {summary['wall_s']:.1f}s")
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-
-    def add(name: str, value: Any) -> None:
-        table.add_row(name, f"{value:.3f}" if isinstance(value, float) else str(value))
-
-    if summary["reward_mean"] is not None:
-        add("reward mean", summary["reward_mean"])
-        add("accuracy (reward > 0)", summary["accuracy"])
-    for reason, count in summary["termination_reasons"].items():
-        add(f"ended: {reason}", count)
-    add("turns (mean)", summary["turns_mean"])
-    add("response tokens (mean)", summary["response_tokens_mean"])
-    add("model tokens / s", round(summary["model_tokens"] / max(summary["wall_s"], 1e-9)))
-    add("failed rows", summary["failed"])
-    add("tool errors", summary["tool_errors"])
-    timing = summary["timing"]
-    if timing:
-        add("generate s (mean / max)", f"{timing['agent_loop/generate_sequences/mean']:.3f} / "
-            f"{timing['agent_loop/generate_sequences/max']:.3f}")  # fmt: skip
-        add("tool calls s (mean)", timing["agent_loop/tool_calls/mean"])
-    tracing = summary.get("tracing")
-    if tracing:
-        add("spans exported / dropped", f"{tracing['exported']} / {tracing['dropped']}")
-    router = summary.get("router")
-    if router:
-        totals = router.get("totals", router)
-        for key in ("sticky", "new", "group", "moved", "cache_hit_rate"):
-            if key in totals:
-                add(f"router {key}", totals[key])
-    faults = summary.get("server_faults")
-    if faults:  # what the servers did wrong, then what it cost: each fault is retried, failed over or an error row
-        for kind, count in faults["faults"].items():
-            if count:
-                add(f"server fault: {kind.replace('_', ' ')}", count)
-        for key in ("retries", "failovers", "aborts_sent", "resumes"):
-            if faults[key] or any(faults["faults"].values()):
-                add(f"{key.replace('_', ' ')}", faults[key])
-    console.print(table)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -484,7 +402,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     replacing = (out / "summary.json").exists()
     summary = _write_run(out, run, batch)
     if not args.quiet:
-        _print_summary(summary, Console())
+        from fsm.rundir import print_summary
+
+        print_summary(summary, Console())
     print(f"wrote {out}/batch.pt, trajectories.jsonl, summary.json" + (" (replacing the run there)" if replacing else ""))
     if run.interrupted:
         raise Interrupted(f"interrupted: {len(run.trajs)} of {run.expected} trajectories finished and are written "
@@ -603,129 +523,12 @@ def _default_model() -> str:
     return str(ASSET_DIR)
 
 
-# --- parser --------------------------------------------------------------------------------------------
-
-
-DTYPE_CHOICES = ["auto", "float32", "bfloat16", "float16"]  # the embedded model's (backends/hf.py)
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("agentfsm")
-    except PackageNotFoundError:
-        return "unknown (not installed: pip install -e .)"
+COMMANDS = {"validate": cmd_validate, "schema": cmd_schema, "run": cmd_run, "render": cmd_render, "show": cmd_show,
+            "bench": cmd_bench, "dev-server": cmd_dev_server}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = Parser(prog="agentfsm", description="Declarative agent loops for RL rollouts.", formatter_class=Help,
-                 epilog="exit codes: 0 done; 1 a user error, or more error rows than --max-error-rate; 2 a bad "
-                        "command line or spec diagnostics; 130 interrupted")  # fmt: skip
-    ap.add_argument("--version", action="version", version=f"agentfsm {_version()}")
-    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    def command(name: str, text: str) -> argparse.ArgumentParser:
-        return sub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".", formatter_class=Help)
-
-    p = command("validate", "check specs; prints path:line:col: code: message for each problem")
-    p.add_argument("specs", nargs="+", metavar="SPEC", help="spec files (YAML)")
-    p.add_argument("-q", "--quiet", action="store_true", help="print only problems (no 'SPEC: ok')")
-    p.add_argument("--static", action="store_true",
-                   help="import nothing the spec names (for editors and CI on unvetted specs): schema, graph and "
-                   "built-in names; import paths checked for form and the deny-list only")  # fmt: skip
-    p.set_defaults(fn=cmd_validate)
-
-    p = command("schema", "write the JSON Schema of the spec format (editors use it for completion)")
-    p.add_argument("-o", "--output", metavar="FILE", help="write it here (default: print it)")
-    p.set_defaults(fn=cmd_schema)
-
-    p = command("run", "run a spec over prompts and write the padded batch")
-    p.add_argument("spec", metavar="SPEC", help="the spec file (YAML), e.g. specs/calculator.yaml")
-    p.add_argument("--data", metavar="FILE", help=".jsonl or .parquet rows with raw_prompt (default: the spec's "
-                   "demo_data)")  # fmt: skip
-    p.add_argument("--num-prompts", type=COUNT, metavar="N", help=f"the first N rows of --data, or N demo prompts "
-                   f"(default: every row of --data; {DEMO_PROMPTS} demo prompts)")  # fmt: skip
-    p.add_argument("--n", type=COUNT, default=1, metavar="N", help="samples per prompt (GRPO group size)")
-    p.add_argument("--out", default="runs/latest", metavar="DIR",
-                   help="where batch.pt, trajectories.jsonl and summary.json go (a previous run's are replaced)")
-    p.add_argument("--server", action="append", metavar="URL", help="SGLang (or dev) server URL; repeat for a fleet")
-    p.add_argument("--launch-sglang", metavar="MODEL", help="launch SGLang servers for MODEL first (GPU hosts); "
-                   "logs go to DIR/sglang_logs")  # fmt: skip
-    p.add_argument("--dp", type=COUNT, default=1, metavar="N", help="data-parallel replicas to launch")
-    p.add_argument("--tp", type=COUNT, default=1, metavar="N", help="tensor-parallel GPUs per launched replica")
-    p.add_argument("--port", type=PORT, default=30000, help="first port for launched servers")
-    p.add_argument("--model", metavar="DIR", help="model dir for the embedded backend (default: the tiny "
-                   "calculator model)")  # fmt: skip
-    p.add_argument("--tokenizer", metavar="DIR", help="tokenizer dir (default: the model's, or the one a server "
-                   "reports)")  # fmt: skip
-    p.add_argument("--group-affinity", action="store_true", help="route a GRPO group's samples to one server")
-    p.add_argument("--temperature", type=float_in(0.0), metavar="T", help="sampling temperature, 0 = greedy "
-                   "(default: the spec's sampling)")  # fmt: skip
-    p.add_argument("--seed", type=int_in(0), default=0, help="sampling seed, and the demo prompts' seed")
-    p.add_argument("--concurrency", type=COUNT, default=256, metavar="N", help="trajectories in flight at once")
-    p.add_argument("--threads", type=COUNT, metavar="N", help="torch threads for the embedded model (default: "
-                   "torch's choice)")  # fmt: skip
-    p.add_argument("--batch-size", type=COUNT, default=64, metavar="N", help="max batch of the embedded model")
-    p.add_argument("--device", help="the embedded model's device: cpu, cuda, cuda:1 (default: cuda if available)")
-    p.add_argument("--dtype", choices=DTYPE_CHOICES, help="the embedded model's dtype (default: auto, see "
-                   "backends/hf.py)")  # fmt: skip
-    p.add_argument("--check-tokens", action="store_true", help="compare ids with a full re-render")
-    p.add_argument("--request-timeout", type=float_in(0.0, above=True), metavar="SECONDS",
-                   help="seconds per request attempt to a server (default: the backend's)")
-    p.add_argument("--max-error-rate", type=float_in(0.0, 1.0), default=0.5, metavar="RATE",
-                   help="exit 1 when more than this share of rows end in error (the outputs are written anyway)")
-    p.add_argument("--otlp", metavar="URL", help="export spans to an OTLP/HTTP endpoint (Jaeger :4318, Phoenix "
-                   ":6006)")  # fmt: skip
-    p.add_argument("--trace", choices=["console"], help="print spans to the console")
-    p.add_argument("--trace-sample", type=float_in(0.0, 1.0), metavar="P", help="share of trajectories traced, "
-                   "with --otlp, --trace or OTEL_EXPORTER_OTLP_ENDPOINT (default: 1.0)")  # fmt: skip
-    p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
-                   help="spread rows over Ray actors (ADDRESS: a cluster to join; default: a local one)")
-    p.add_argument("--workers", type=COUNT, default=2, metavar="N", help="Ray actors")
-    p.add_argument("--resume", metavar="DIR", help="complete the run that Ctrl-C interrupted in DIR (its "
-                   "snapshot.json; same spec); the outputs go to DIR")  # fmt: skip
-    p.add_argument("-q", "--quiet", action="store_true", help="print only errors, warnings and the final "
-                   "'wrote ...' line")  # fmt: skip
-    p.set_defaults(fn=cmd_run)
-
-    p = command("render", "draw a spec (.svg .png .pdf .dot .mmd), optionally annotated by a run")
-    p.add_argument("spec", metavar="SPEC", help="the spec file (YAML)")
-    p.add_argument("-o", "--output", required=True, metavar="FILE", help="the diagram; its extension picks the "
-                   "format (.svg .png .pdf need Graphviz's dot)")  # fmt: skip
-    p.add_argument("--run", metavar="DIR", help="annotate with the run in DIR (its summary.json)")
-    p.set_defaults(fn=cmd_render)
-
-    p = command("show", "print a run's trajectories as transcripts")
-    p.add_argument("run_dir", metavar="RUN_DIR", help="a directory `agentfsm run --out DIR` wrote (or its "
-                   "trajectories.jsonl)")  # fmt: skip
-    p.add_argument("--row", type=int_in(0), metavar="INDEX", help="only the row with this index (all its samples)")
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--worst", action="store_true", help="lowest reward first")
-    g.add_argument("--failed", action="store_true", help="only rows that ended in error")
-    p.add_argument("--limit", type=COUNT, metavar="N", help=f"print at most N transcripts (default: {SHOW_LIMIT} "
-                   "with --worst or --failed, else all)")  # fmt: skip
-    p.set_defaults(fn=cmd_show)
-
-    p = command("bench", "benchmarks that print numbers (JSON)")
-    p.add_argument("what", choices=["engine", "router", "hf", "prefix-cache", "tracing", "ray", "faults", "async"],
-                   help="which benchmark")
-    p.add_argument("--n", type=COUNT, default=10_000, metavar="N", help="engine: trajectories")
-    p.add_argument("--concurrency", type=COUNT, metavar="N", help="engine: trajectories in flight (default: --n)")
-    p.add_argument("--tool-turns", type=int_in(0), default=4, metavar="N", help="engine: tool turns per trajectory")
-    p.add_argument("--repeats", type=COUNT, default=5, metavar="N", help="engine: repeats (the median is kept)")
-    p.add_argument("--model", metavar="DIR", help="hf: model dir (default: the tiny model)")
-    p.set_defaults(fn=cmd_bench)
-
-    p = command("dev-server", "an SGLang-protocol server over the embedded model")
-    p.add_argument("--model", metavar="DIR", help="model dir (default: the tiny calculator model)")
-    p.add_argument("--scripted", action="store_true", help="a deterministic echo model, no weights")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=PORT, default=30000, help="port to listen on")
-    p.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda if available)")
-    p.add_argument("--dtype", choices=DTYPE_CHOICES, help="default: auto, see backends/hf.py")
-    p.set_defaults(fn=cmd_dev_server)
-    return ap
+    return command_line(COMMANDS)
 
 
 def main(argv: list[str] | None = None) -> int:

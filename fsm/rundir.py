@@ -1,5 +1,5 @@
 """The run directory `agentfsm run --out DIR` writes: batch.pt, trajectories.jsonl and summary.json, replaced
-together so that DIR never holds a mix of two runs.
+together so that DIR never holds a mix of two runs; and the summary those files get and the table it prints.
 
 `write_run(out, write)` has `write(staging)` put the three files into a fresh temporary directory inside
 `out` (the same filesystem, so a rename is atomic). Then it removes the previous run's three files,
@@ -12,6 +12,7 @@ may hold other things (sglang_logs/, a rendered diagram) or be ".", which a swap
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -19,7 +20,10 @@ import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from fsm.agent import CompiledAgent
 
 T = TypeVar("T")
 OUTPUT_FILES = ("batch.pt", "trajectories.jsonl", "summary.json")  # summary.json last: it vouches for the rest
@@ -68,3 +72,74 @@ def write_run(out: Path, write: Callable[[Path], T]) -> T:
         raise WriteInterrupted(committed) from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def write_outputs(out: Path, agent: CompiledAgent, trajs: list, batch: Any, codec: Any, wall: float,
+                   router_stats: Any, tracer: Any) -> dict[str, Any]:  # fmt: skip
+    """batch.pt, trajectories.jsonl and summary.json of a run, into `out`; the summary back."""
+    import torch
+
+    from fsm.batch import fault_summary, summarize
+    from viz.stats import run_stats
+    from viz.transcript import trajectory_record
+
+    torch.save({"batch": {k: v for k, v in batch.batch.items()}, "non_tensor_batch": batch.non_tensor_batch,
+                "meta_info": batch.meta_info}, out / "batch.pt")  # fmt: skip
+    with (out / "trajectories.jsonl").open("w") as f:
+        for traj in trajs:
+            f.write(json.dumps(trajectory_record(traj, codec), ensure_ascii=False) + "\n")
+    summary = summarize(trajs)
+    summary.update(spec=str(agent.path), agent=agent.name, spec_hash=agent.hash, wall_s=round(wall, 3),
+                   timing=batch.meta_info["timing"], router=router_stats)  # fmt: skip
+    summary["server_faults"] = fault_summary(trajs, router_stats)
+    summary["fsm"] = run_stats(agent, trajs)
+    if tracer is not None:
+        summary["tracing"] = tracer.stats()
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    return summary
+
+
+def print_summary(summary: dict[str, Any], console: Any) -> None:
+    """The run table: rewards, how rows ended, turns and tokens, time, tracing, routing and server faults."""
+    from rich.table import Table
+
+    table = Table(title=f"{summary['agent']}: {summary['trajectories']} trajectories in {summary['wall_s']:.1f}s")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+
+    def add(name: str, value: Any) -> None:
+        table.add_row(name, f"{value:.3f}" if isinstance(value, float) else str(value))
+
+    if summary["reward_mean"] is not None:
+        add("reward mean", summary["reward_mean"])
+        add("accuracy (reward > 0)", summary["accuracy"])
+    for reason, count in summary["termination_reasons"].items():
+        add(f"ended: {reason}", count)
+    add("turns (mean)", summary["turns_mean"])
+    add("response tokens (mean)", summary["response_tokens_mean"])
+    add("model tokens / s", round(summary["model_tokens"] / max(summary["wall_s"], 1e-9)))
+    add("failed rows", summary["failed"])
+    add("tool errors", summary["tool_errors"])
+    timing = summary["timing"]
+    if timing:
+        add("generate s (mean / max)", f"{timing['agent_loop/generate_sequences/mean']:.3f} / "
+            f"{timing['agent_loop/generate_sequences/max']:.3f}")  # fmt: skip
+        add("tool calls s (mean)", timing["agent_loop/tool_calls/mean"])
+    tracing = summary.get("tracing")
+    if tracing:
+        add("spans exported / dropped", f"{tracing['exported']} / {tracing['dropped']}")
+    router = summary.get("router")
+    if router:
+        totals = router.get("totals", router)
+        for key in ("sticky", "new", "group", "moved", "cache_hit_rate"):
+            if key in totals:
+                add(f"router {key}", totals[key])
+    faults = summary.get("server_faults")
+    if faults:  # what the servers did wrong, then what it cost: each fault is retried, failed over or an error row
+        for kind, count in faults["faults"].items():
+            if count:
+                add(f"server fault: {kind.replace('_', ' ')}", count)
+        for key in ("retries", "failovers", "aborts_sent", "resumes"):
+            if faults[key] or any(faults["faults"].values()):
+                add(f"{key.replace('_', ' ')}", faults[key])
+    console.print(table)
