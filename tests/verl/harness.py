@@ -535,7 +535,8 @@ def model_dir() -> Path:
     model = tool_dir() / "model"
     model.mkdir()
     for f in ASSETS.iterdir():
-        (model / f.name).write_bytes(f.read_bytes())
+        if f.is_file():  # the files of the shipped model (not its other checkpoints, in subfolders)
+            (model / f.name).write_bytes(f.read_bytes())
     (model / "config.json").write_text(json.dumps({
         "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "vocab_size": 576, "hidden_size": 128,
         "intermediate_size": 256, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 8,
