@@ -29,15 +29,10 @@ import json
 import logging
 import re
 import signal
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 import uuid
-import zlib
-from collections import OrderedDict, deque
-from collections.abc import Callable, Iterator, Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -47,11 +42,11 @@ from backends.base import (
     Backend,
     BackendRequestError,
     BackendUnavailable,
-    BaseBackend,
     GenerateRequest,
     GenerateResult,
 )
-from backends.scripted import ScriptedBackend
+from backends.prefix_cache import PrefixCache
+from backends.scripted import HashLM, echo_backend
 
 log = logging.getLogger("agentfsm.devserver")
 
@@ -68,100 +63,6 @@ _FLOAT_KEYS = {"temperature", "top_p", "min_p", "frequency_penalty", "presence_p
 _INT_KEYS = {"max_new_tokens", "min_new_tokens", "top_k", "n", "sampling_seed", "stream_interval"}
 FAULT_HEADER = "X-Agentfsm-Fault"  # abort_waiting | abort_running[:K]: an abort on demand (module docstring)
 _TURN_SUFFIX = re.compile(r"_t\d+(_r\d+)?$")  # a turn, and a resume of it
-
-
-# -- prefix cache ----------------------------------------------------------------------------------
-
-
-class _Node:
-    __slots__ = ("key", "children", "parent")
-
-    def __init__(self, key: tuple[int, ...], parent: _Node | None):
-        self.key = key  # the edge label from the parent
-        self.children: dict[int, _Node] = {}  # first token of the child's key -> child
-        self.parent = parent
-
-
-def _common(key: tuple[int, ...], ids: Sequence[int], i: int) -> int:
-    """Length of the common prefix of `key` and `ids[i:]`."""
-    n = len(key)
-    if tuple(ids[i : i + n]) == key:
-        return n
-    j = 0
-    while j < n and i + j < len(ids) and key[j] == ids[i + j]:
-        j += 1
-    return j
-
-
-class PrefixCache:
-    """What a server has seen, as SGLang's radix cache would hold it: a radix tree over token ids whose
-    least recently used leaves are trimmed once it holds more than `max_tokens` tokens."""
-
-    def __init__(self, max_tokens: int = 1 << 20):
-        self.max_tokens = max_tokens
-        self.clear()
-
-    def clear(self) -> None:
-        self.root = _Node((), None)
-        self.size = 0  # tokens held
-        self._leaves: OrderedDict[_Node, None] = OrderedDict()  # least recently used first
-
-    def match(self, ids: Sequence[int]) -> int:
-        """Length of the longest prefix of `ids` already in the cache."""
-        node, i = self.root, 0
-        while i < len(ids):
-            child = node.children.get(ids[i])
-            if child is None:
-                break
-            j = _common(child.key, ids, i)
-            i += j
-            if j < len(child.key):
-                break
-            node = child
-        if node is not self.root and not node.children:
-            self._leaves.move_to_end(node)
-        return i
-
-    def insert(self, ids: Sequence[int]) -> None:
-        node, i = self.root, 0
-        while i < len(ids):
-            child = node.children.get(ids[i])
-            if child is None:
-                if node is not self.root and not node.children:
-                    self._leaves.pop(node, None)  # it gets a child: no longer a leaf
-                child = node.children[ids[i]] = _Node(tuple(ids[i:]), node)
-                self._leaves[child] = None
-                self.size += len(ids) - i
-                node = child
-                break
-            j = _common(child.key, ids, i)
-            if j < len(child.key):  # split the edge: the shared part becomes an inner node
-                mid = node.children[ids[i]] = _Node(child.key[:j], node)
-                child.key, child.parent = child.key[j:], mid
-                mid.children[child.key[0]] = child
-                child = mid
-            i += j
-            node = child
-        if node is not self.root and not node.children:
-            self._leaves.move_to_end(node)
-        self._evict()
-
-    def _evict(self) -> None:
-        while self.size > self.max_tokens and self._leaves:
-            leaf = next(iter(self._leaves))
-            excess = self.size - self.max_tokens
-            if len(leaf.key) > excess:  # trim the tail, keep the shared head
-                leaf.key = leaf.key[: len(leaf.key) - excess]
-                self.size -= excess
-                return
-            del self._leaves[leaf]
-            parent = leaf.parent
-            assert parent is not None
-            del parent.children[leaf.key[0]]
-            self.size -= len(leaf.key)
-            if parent is not self.root and not parent.children:
-                self._leaves[parent] = None
-                self._leaves.move_to_end(parent, last=False)  # as old as the leaf it held
 
 
 # -- the server ------------------------------------------------------------------------------------
@@ -649,113 +550,6 @@ async def _body(request: web.Request) -> dict[str, Any]:
 
 def _error(r: _Refused) -> web.Response:
     return web.json_response(r.body, status=r.status)
-
-
-# -- scripted echo "model" ---------------------------------------------------------------------------
-
-
-def echo_backend(
-    *, length: int = 8, vocab: int = 1000, eos: int = 2, latency_s: float = 0.0
-) -> ScriptedBackend:
-    """A deterministic function of the prompt: `length` ids derived from a CRC of the prompt, then `eos`.
-
-    The same prompt gives the same answer on every server and in every process, so a session's turns are
-    reproducible wherever the router sends them.
-    """
-
-    def turn(session_id: str, turn: int, prompt: list[int]) -> list[int]:
-        seed = zlib.crc32(b",".join(str(t).encode() for t in prompt))
-        return [10 + (seed + 7919 * k) % (vocab - 10) for k in range(length)] + [eos]
-
-    backend = ScriptedBackend(turn, latency_s=latency_s, model_name="echo", context_length=None)
-    backend.record_requests = False  # a long-lived server must not grow a request list
-    return backend
-
-
-class HashLM(BaseBackend):
-    """A deterministic autoregressive toy language model: each token (and its logprob) is a hash of everything
-    before it, prompt included. A generation aborted and resumed from its partial output therefore goes on
-    exactly as the uninterrupted one would have, as greedy decoding does, and different prompts get different
-    answers: the stand-in for a model in resume and failover tests. Turns end with `eos` after about
-    `stop_every` tokens on average."""
-
-    provider = "scripted"
-
-    def __init__(self, *, vocab: int = 1000, eos: int = 2, stop_every: int = 8, latency_s: float = 0.0,
-                 per_token_s: float = 0.0, model_name: str = "hashlm"):  # fmt: skip
-        self.vocab, self.eos, self.stop_every = vocab, eos, stop_every
-        self.latency_s, self.per_token_s = latency_s, per_token_s
-        self.model_name = model_name
-        self.context_length = None
-
-    @staticmethod
-    def _hash(ids: Sequence[int], h: int = 0) -> int:
-        return zlib.crc32(b"".join(t.to_bytes(4, "little", signed=True) for t in ids), h)
-
-    async def generate(self, request: GenerateRequest) -> GenerateResult:
-        params = request.sampling_params
-        max_new = params.get("max_new_tokens")
-        max_new = 128 if max_new is None else int(max_new)
-        stops = {self.eos, *(params.get("stop_token_ids") or ())}
-        h = self._hash(request.prompt_ids)
-        ids: list[int] = []
-        logprobs: list[float] = []
-        finish = "length"
-        while len(ids) < max_new:
-            token = self.eos if (h >> 3) % self.stop_every == 0 else 10 + (h >> 7) % (self.vocab - 10)
-            ids.append(token)
-            logprobs.append(-((h >> 11) % 1000) / 1000.0 - 0.001)
-            h = self._hash((token,), h)
-            if token in stops:
-                finish = "stop"
-                break
-        if self.latency_s or self.per_token_s:
-            await asyncio.sleep(self.latency_s + self.per_token_s * len(ids))
-        return GenerateResult(ids, logprobs if request.return_logprob else None, finish,
-                              prompt_tokens=len(request.prompt_ids), cached_tokens=0, server=self.model_name)  # fmt: skip
-
-
-# -- scripted servers in subprocesses ---------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def scripted_servers(count: int = 2, latency_s: float = 0.0, timeout_s: float = 60.0) -> Iterator[list[str]]:
-    """`count` SGLang-protocol dev servers in scripted mode (`python -m backends.devserver --scripted`), as
-    subprocesses on free loopback ports; yields their URLs once each answers /health, stops them on exit.
-
-    Unlike `DevServer`, which serves from the caller's event loop, these keep serving while the caller blocks
-    (a synchronous `generate_sequences`, a `ray.get`) and do not compete for the caller's GIL."""
-    procs, urls = [], []
-    try:
-        for _ in range(count):
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            cmd = [sys.executable, "-m", "backends.devserver", "--scripted", "--port", str(port),
-                   "--latency", str(latency_s), "--log-level", "warning"]  # fmt: skip
-            procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL))
-            urls.append(f"http://127.0.0.1:{port}")
-        deadline = time.monotonic() + timeout_s
-        for proc, url in zip(procs, urls):
-            while True:
-                try:
-                    with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                        if r.status == 200:
-                            break
-                except OSError:
-                    pass
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"dev server {url} did not come up (exit code {proc.poll()})")
-                time.sleep(0.05)
-        yield urls
-    finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
 
 
 # -- CLI -------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""A backend that replays scripted token sequences: the stand-in for a model in engine tests and benchmarks.
+"""Stand-ins for a model in engine tests and benchmarks: a backend that replays scripted token sequences,
+deterministic toy models (`echo_backend`, `HashLM`), and scripted dev servers in subprocesses.
 
 A script maps each session to its turns: the token ids the "model" emits on its 1st, 2nd, ... call.
 It honours `max_new_tokens` and `stop_token_ids` the way SGLang does (a matched stop id is returned as the
@@ -9,7 +10,14 @@ cases as with a real server.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+import contextlib
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import zlib
+from collections.abc import Callable, Iterator, Sequence
 
 from backends.base import BackendUnavailable, BaseBackend, GenerateRequest, GenerateResult
 
@@ -82,3 +90,110 @@ class ScriptedBackend(BaseBackend):
 
     async def release(self, session_id: str) -> None:
         self._turns.pop(session_id, None)
+
+
+# -- deterministic stand-ins for a model ------------------------------------------------------------
+
+
+def echo_backend(
+    *, length: int = 8, vocab: int = 1000, eos: int = 2, latency_s: float = 0.0
+) -> ScriptedBackend:
+    """A deterministic function of the prompt: `length` ids derived from a CRC of the prompt, then `eos`.
+
+    The same prompt gives the same answer on every server and in every process, so a session's turns are
+    reproducible wherever the router sends them.
+    """
+
+    def turn(session_id: str, turn: int, prompt: list[int]) -> list[int]:
+        seed = zlib.crc32(b",".join(str(t).encode() for t in prompt))
+        return [10 + (seed + 7919 * k) % (vocab - 10) for k in range(length)] + [eos]
+
+    backend = ScriptedBackend(turn, latency_s=latency_s, model_name="echo", context_length=None)
+    backend.record_requests = False  # a long-lived server must not grow a request list
+    return backend
+
+
+class HashLM(BaseBackend):
+    """A deterministic autoregressive toy language model: each token (and its logprob) is a hash of everything
+    before it, prompt included. A generation aborted and resumed from its partial output therefore goes on
+    exactly as the uninterrupted one would have, as greedy decoding does, and different prompts get different
+    answers: the stand-in for a model in resume and failover tests. Turns end with `eos` after about
+    `stop_every` tokens on average."""
+
+    provider = "scripted"
+
+    def __init__(self, *, vocab: int = 1000, eos: int = 2, stop_every: int = 8, latency_s: float = 0.0,
+                 per_token_s: float = 0.0, model_name: str = "hashlm"):  # fmt: skip
+        self.vocab, self.eos, self.stop_every = vocab, eos, stop_every
+        self.latency_s, self.per_token_s = latency_s, per_token_s
+        self.model_name = model_name
+        self.context_length = None
+
+    @staticmethod
+    def _hash(ids: Sequence[int], h: int = 0) -> int:
+        return zlib.crc32(b"".join(t.to_bytes(4, "little", signed=True) for t in ids), h)
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        params = request.sampling_params
+        max_new = params.get("max_new_tokens")
+        max_new = 128 if max_new is None else int(max_new)
+        stops = {self.eos, *(params.get("stop_token_ids") or ())}
+        h = self._hash(request.prompt_ids)
+        ids: list[int] = []
+        logprobs: list[float] = []
+        finish = "length"
+        while len(ids) < max_new:
+            token = self.eos if (h >> 3) % self.stop_every == 0 else 10 + (h >> 7) % (self.vocab - 10)
+            ids.append(token)
+            logprobs.append(-((h >> 11) % 1000) / 1000.0 - 0.001)
+            h = self._hash((token,), h)
+            if token in stops:
+                finish = "stop"
+                break
+        if self.latency_s or self.per_token_s:
+            await asyncio.sleep(self.latency_s + self.per_token_s * len(ids))
+        return GenerateResult(ids, logprobs if request.return_logprob else None, finish,
+                              prompt_tokens=len(request.prompt_ids), cached_tokens=0, server=self.model_name)  # fmt: skip
+
+
+# -- scripted servers in subprocesses ---------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def scripted_servers(count: int = 2, latency_s: float = 0.0, timeout_s: float = 60.0) -> Iterator[list[str]]:
+    """`count` SGLang-protocol dev servers in scripted mode (`python -m backends.devserver --scripted`), as
+    subprocesses on free loopback ports; yields their URLs once each answers /health, stops them on exit.
+
+    Unlike `DevServer`, which serves from the caller's event loop, these keep serving while the caller blocks
+    (a synchronous `generate_sequences`, a `ray.get`) and do not compete for the caller's GIL."""
+    procs, urls = [], []
+    try:
+        for _ in range(count):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            cmd = [sys.executable, "-m", "backends.devserver", "--scripted", "--port", str(port),
+                   "--latency", str(latency_s), "--log-level", "warning"]  # fmt: skip
+            procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL))
+            urls.append(f"http://127.0.0.1:{port}")
+        deadline = time.monotonic() + timeout_s
+        for proc, url in zip(procs, urls):
+            while True:
+                try:
+                    with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                        if r.status == 200:
+                            break
+                except OSError:
+                    pass
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"dev server {url} did not come up (exit code {proc.poll()})")
+                time.sleep(0.05)
+        yield urls
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()

@@ -26,7 +26,8 @@ from collections import Counter
 from typing import Any
 
 from backends.base import BaseBackend, GenerateRequest, GenerateResult
-from backends.devserver import DevServer, echo_backend
+from backends.devserver import DevServer
+from backends.scripted import echo_backend
 
 
 class TailLatency(BaseBackend):

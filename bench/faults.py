@@ -22,9 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from backends.base import BaseBackend, GenerateRequest, GenerateResult
-from backends.devserver import DevServer, HashLM
+from backends.devserver import DevServer
 from backends.faults import FAULT_KINDS, FaultProxy
 from backends.router import Router
+from backends.scripted import HashLM
 from backends.sglang import SGLangBackend
 from backends.tiny import ASSET_DIR
 

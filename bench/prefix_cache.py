@@ -13,8 +13,9 @@ import contextlib
 from typing import Any
 
 from backends.base import GenerateRequest
-from backends.devserver import DevServer, echo_backend
+from backends.devserver import DevServer
 from backends.router import Router
+from backends.scripted import echo_backend
 from backends.sglang import SGLangBackend
 
 

@@ -1,7 +1,7 @@
 """`agentfsm bench ray`: whether scaling out over Ray actors pays, and what one Ray hop costs a row.
 
 `fsm.ray_runner.RayRunner` spreads GRPO groups over actors by work stealing. The bench runs the calculator
-spec over scripted dev servers that wait a fixed latency per request (`backends.devserver.scripted_servers`),
+spec over scripted dev servers that wait a fixed latency per request (`backends.scripted.scripted_servers`),
 first in one process, then with each number of actors at the same total concurrency; then it times one row
 at a time through an actor against the same row in process, over a zero-latency model, which isolates the
 hop. `ray` stays an optional extra: it is imported when the bench runs.
@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from backends.devserver import echo_backend, scripted_servers
+from backends.scripted import echo_backend, scripted_servers
 from backends.tiny import ASSET_DIR
 from fsm.api import RolloutEngine
 from fsm.ray_runner import RayRunner, _ray

@@ -140,7 +140,7 @@ async def _servers(args: argparse.Namespace, stack: AsyncExitStack) -> tuple[lis
     servers = list(args.server or [])
     tokenizer = args.tokenizer
     if args.launch_sglang:
-        from backends.sglang import LaunchError, SGLangLauncher
+        from backends.launcher import LaunchError, SGLangLauncher
 
         launcher = SGLangLauncher(args.launch_sglang, dp=args.dp, tp=args.tp, base_port=args.port,
                                   log_dir=Path(args.out) / "sglang_logs")  # fmt: skip

@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from backends.base import BaseBackend, GenerateRequest, GenerateResult
-from backends.devserver import FAULT_HEADER, DevServer, HashLM
+from backends.devserver import FAULT_HEADER, DevServer
 from backends.faults import FaultProxy
 from backends.router import Router
+from backends.scripted import HashLM
 from backends.sglang import SGLangBackend
 from fsm.api import RolloutEngine
 from fsm.batch import fault_summary

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from backends.devserver import DevServer, echo_backend
-from backends.scripted import ScriptedBackend
+from backends.devserver import DevServer
+from backends.scripted import ScriptedBackend, echo_backend
 from fsm import DataError, RolloutEngine, load_rows
 from fsm.api import make_backend
 from fsm.rows import to_rows

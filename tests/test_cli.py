@@ -21,8 +21,8 @@ import zlib
 
 import pytest
 
-from backends.devserver import DevServer, echo_backend
-from backends.scripted import ScriptedBackend
+from backends.devserver import DevServer
+from backends.scripted import ScriptedBackend, echo_backend
 from fsm.cli import build_parser, main
 from fsm.cli_args import Parser
 from tests.conftest import ASSETS, REPO

@@ -10,7 +10,9 @@ import aiohttp
 import pytest
 
 from backends.base import BackendRequestError, GenerateRequest
-from backends.devserver import DevServer, PrefixCache, echo_backend
+from backends.devserver import DevServer
+from backends.prefix_cache import PrefixCache
+from backends.scripted import echo_backend
 from backends.sglang import SGLangBackend
 
 

@@ -301,7 +301,7 @@ async def test_root_spans_and_records_carry_pause_events_and_versions(tok):
 
 async def test_the_counter_starts_at_the_servers_version_and_updates_pass_through(tok):
     from backends.base import BackendRequestError
-    from backends.devserver import HashLM
+    from backends.scripted import HashLM
 
     async with DevServer(HashLM(vocab=516, eos=2)) as dev:
         dev.weight_version = "3"  # e.g. a fleet a trainer updated before this engine existed

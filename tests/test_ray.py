@@ -17,7 +17,7 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from backends.devserver import scripted_servers  # noqa: E402
+from backends.scripted import scripted_servers  # noqa: E402
 from fsm import RayRunner, RolloutEngine  # noqa: E402
 from specs.calculator import make_prompts  # noqa: E402
 from tests.conftest import ASSETS  # noqa: E402

@@ -11,9 +11,11 @@ from typing import Any
 import aiohttp
 
 from backends.base import GenerateRequest, GenerateResult
-from backends.devserver import DevServer, echo_backend
+from backends.devserver import DevServer
+from backends.launcher import SGLangLauncher
 from backends.router import Router
-from backends.sglang import SGLangBackend, SGLangLauncher
+from backends.scripted import echo_backend
+from backends.sglang import SGLangBackend
 from bench.prefix_cache import bench_prefix_cache
 from bench.router import bench_router
 

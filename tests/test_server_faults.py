@@ -20,10 +20,12 @@ from typing import Any
 import pytest
 import torch
 
-from backends.devserver import DevServer, HashLM
+from backends.devserver import DevServer
 from backends.faults import CLIENT_COUNTER, FaultProxy
+from backends.launcher import SGLangLauncher
 from backends.router import Router
-from backends.sglang import SGLangBackend, SGLangLauncher
+from backends.scripted import HashLM
+from backends.sglang import SGLangBackend
 from fsm.batch import fault_summary
 from fsm.runtime import Runner
 from tests.conftest import ASSETS, user_row

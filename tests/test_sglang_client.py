@@ -18,7 +18,8 @@ from backends.base import (
     BackendUnavailable,
     GenerateRequest,
 )
-from backends.sglang import LaunchError, SGLangBackend, SGLangLauncher
+from backends.launcher import LaunchError, SGLangLauncher
+from backends.sglang import SGLangBackend
 
 PROMPT = [151644, 872, 198, 9707, 151645, 198, 151644, 77091, 198]
 

@@ -21,8 +21,9 @@ pytestmark = [
 
 
 async def test_calculator_through_real_sglang(tmp_path):
+    from backends.launcher import SGLangLauncher
     from backends.router import Router
-    from backends.sglang import SGLangBackend, SGLangLauncher
+    from backends.sglang import SGLangBackend
     from backends.tiny import ASSET_DIR, load_tokenizer
     from fsm import Runner, collate, compile_spec
     from specs.calculator import make_prompts

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from backends.base import BaseBackend, GenerateRequest, GenerateResult
-from backends.devserver import echo_backend
+from backends.scripted import echo_backend
 from fsm import RolloutEngine
 from fsm.snapshot import SnapshotError, decode_trajectory, encode_trajectory
 from specs.calculator import make_prompts

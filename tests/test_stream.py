@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from backends.base import BaseBackend, GenerateRequest, GenerateResult
-from backends.devserver import DevServer, echo_backend
+from backends.devserver import DevServer
+from backends.scripted import echo_backend
 from fsm import RolloutEngine
 from fsm.stream import StreamEmpty, version_span
 from fsm.trajectory import Trajectory

@@ -331,7 +331,8 @@ async def test_embedded_model_spans_over_otlp(receiver, tokenizer, agent):
 async def test_sglang_spans_use_the_served_model_name(tokenizer, agent):
     """An SGLang client learns the served model name from /model_info with its first call, after the first
     spans started: they are named when they end. Calls carry the server's address and port."""
-    from backends.devserver import DevServer, echo_backend
+    from backends.devserver import DevServer
+    from backends.scripted import echo_backend
 
     async with DevServer(echo_backend(vocab=500)) as server:
         with Telemetry(otlp=False, memory=True) as tel:

@@ -1,0 +1,155 @@
+"""Launch SGLang replicas as subprocesses (`agentfsm run --launch-sglang`): one server per data-parallel
+replica on consecutive ports, each waited for until it answers, stopped on exit; a server that dies while
+starting is reported with the end of its log. `sglang` itself is never imported here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import aiohttp
+
+log = logging.getLogger(__name__)
+
+class LaunchError(RuntimeError):
+    """A replica exited or never became healthy; the message carries the tail of its log."""
+
+
+def _tail(path: Path, n: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+class SGLangLauncher:
+    """Start one `python -m sglang.launch_server` per data-parallel replica; stop them all on exit.
+
+    Replica i listens on `base_port + i` and uses GPUs `[i*tp, (i+1)*tp)` (`--base-gpu-id`). Each process
+    runs in its own process group so that SIGTERM/SIGKILL reach SGLang's scheduler children too.
+    `module` exists so tests can launch `backends.devserver`, which accepts the same core flags.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        dp: int = 1,
+        tp: int = 1,
+        host: str = "127.0.0.1",
+        base_port: int = 30000,
+        mem_fraction: float | None = 0.85,
+        extra_args: Sequence[str] = (),
+        log_dir: str | os.PathLike[str] = "sglang_logs",
+        startup_timeout_s: float = 900.0,
+        stop_grace_s: float = 15.0,
+        module: str = "sglang.launch_server",
+        env: dict[str, str] | None = None,
+    ):
+        self.model_path = model_path
+        self.dp, self.tp, self.host, self.base_port = dp, tp, host, base_port
+        self.mem_fraction = mem_fraction
+        self.extra_args = list(extra_args)
+        self.log_dir = Path(log_dir)
+        self.startup_timeout_s = startup_timeout_s
+        self.stop_grace_s = stop_grace_s
+        self.module = module
+        self.env = env
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.logs: list[Path] = []
+        client_host = "127.0.0.1" if host in ("0.0.0.0", "") else host
+        self.urls = [f"http://{client_host}:{base_port + i}" for i in range(dp)]
+
+    def command(self, i: int) -> list[str]:
+        cmd = [sys.executable, "-m", self.module, "--model-path", self.model_path, "--host", self.host]
+        cmd += ["--port", str(self.base_port + i), "--tp-size", str(self.tp)]
+        if self.dp > 1:
+            cmd += ["--base-gpu-id", str(i * self.tp)]
+        if self.mem_fraction is not None:
+            cmd += ["--mem-fraction-static", str(self.mem_fraction)]
+        return cmd + self.extra_args
+
+    async def __aenter__(self) -> SGLangLauncher:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **(self.env or {})}
+        try:
+            for i in range(self.dp):
+                path = self.log_dir / f"replica{i}_port{self.base_port + i}.log"
+                with open(path, "wb") as fh:
+                    self.procs.append(
+                        subprocess.Popen(
+                            self.command(i),
+                            stdout=fh,
+                            stderr=subprocess.STDOUT,
+                            env=env,
+                            start_new_session=True,
+                        )
+                    )
+                self.logs.append(path)
+            waits = [asyncio.ensure_future(self._wait_healthy(i)) for i in range(self.dp)]
+            try:
+                done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_EXCEPTION)
+                for t in done:
+                    t.result()  # re-raise the first replica's LaunchError
+            finally:
+                for t in waits:
+                    t.cancel()
+                await asyncio.gather(*waits, return_exceptions=True)
+        except BaseException:
+            await self.stop()  # also on Ctrl-C / cancellation during startup
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def _wait_healthy(self, i: int) -> None:
+        proc, url = self.procs[i], self.urls[i]
+        timeout = aiohttp.ClientTimeout(total=25)
+        deadline = asyncio.get_running_loop().time() + self.startup_timeout_s
+        async with aiohttp.ClientSession(timeout=timeout) as http:
+            while True:
+                if proc.poll() is not None:
+                    raise LaunchError(
+                        f"replica {i} ({url}) exited with code {proc.returncode} during startup; "
+                        f"log {self.logs[i]} ends with:\n{_tail(self.logs[i])}"
+                    )
+                with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+                    async with http.get(url + "/health") as resp:
+                        if resp.status == 200:
+                            return
+                if asyncio.get_running_loop().time() > deadline:
+                    raise LaunchError(
+                        f"replica {i} ({url}) not healthy after {self.startup_timeout_s:.0f} s; "
+                        f"log {self.logs[i]} ends with:\n{_tail(self.logs[i])}"
+                    )
+                await asyncio.sleep(0.2)
+
+    def kill(self, i: int, sig: int = signal.SIGKILL) -> None:
+        """Signal replica i's whole process group (tests use this to simulate a crash)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.procs[i].pid, sig)
+
+    async def stop(self) -> None:
+        """SIGTERM every replica, wait `stop_grace_s`, then SIGKILL what is left. Idempotent."""
+        for i, p in enumerate(self.procs):
+            if p.poll() is None:
+                self.kill(i, signal.SIGTERM)
+        deadline = asyncio.get_running_loop().time() + self.stop_grace_s
+        while any(p.poll() is None for p in self.procs) and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        for i, p in enumerate(self.procs):
+            if p.poll() is None:
+                log.warning("replica %d did not stop within %.0f s: SIGKILL", i, self.stop_grace_s)
+                self.kill(i, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                self.kill(i, signal.SIGKILL)  # stray children left in the group
+            p.wait()
