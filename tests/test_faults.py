@@ -5,6 +5,15 @@ positioned, one-line error, or the run going on without the faulty part), and th
 Anything that could go wrong without bound runs in a child process under an address-space and CPU-time
 limit, with a wall-clock timeout, so a regression fails its test instead of hanging or swapping the
 machine that runs the suite.
+
+This file holds the hostile specs and data files. The suite's other parts sit beside the code they test:
+- tests/test_tool_faults.py: tools that hang (sync and async), busy-loop, raise BaseException, return 50 MB,
+  or die in `isolation: process`;
+- tests/test_server_faults.py: 503s, dropped and reset connections, malformed and wrong-schema 200s, hung
+  `/generate` (deadline, `/abort_request`, failover), a server killed mid-batch, the watchdog, and the
+  summary's fault counts against what a proxy injected;
+- tests/test_aborts.py: waiting-queue and mid-generation aborts resumed to the uninterrupted run's tokens;
+- tests/test_cli.py: bad flag values, atomic outputs under interrupts, `--max-error-rate`.
 """
 
 from __future__ import annotations
