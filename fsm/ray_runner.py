@@ -31,7 +31,7 @@ import os
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,7 +41,7 @@ from fsm.api import SpecLike, _Engine, load_agent, load_tokenizer, make_backend,
 from fsm.chat import ChatCodec
 from fsm.context import Sampling
 from fsm.rows import normalize_record, to_rows
-from fsm.stream import Group, StalePolicy, StreamEmpty, version_span
+from fsm.stream import Group, GroupTaking, StalePolicy, StreamEmpty, version_span
 from fsm.trajectory import Trajectory
 
 
@@ -139,7 +139,7 @@ class _Worker:
             await close()
 
 
-class RayRunner(_Engine):
+class RayRunner(_Engine, GroupTaking):
     """`workers` Ray actors rolling out one spec over one shared set of servers (or per-actor backends).
 
     spec, tokenizer: as for RolloutEngine (a path is best for the tokenizer: each actor loads it).
@@ -314,21 +314,6 @@ class RayRunner(_Engine):
                     pool.ready.append(Group(trajs[0].uid, sorted(trajs, key=lambda t: t.sample), job.sampling,
                                             min(a for a, _ in spans), max(b for _, b in spans)))  # fmt: skip
                     pool.stats["finished_groups"] += 1
-
-    async def atake(self, num_groups: int, *, max_staleness: int | None = None, stale: StalePolicy = "drop",
-                    timeout: float | None = None) -> Any:  # fmt: skip
-        """verl's padded batch of exactly `num_groups` whole groups, in completion order (RolloutEngine.atake)."""
-        groups = await self.atake_groups(num_groups, max_staleness=max_staleness, stale=stale, timeout=timeout)
-        batch = self.to_batch([t for g in groups for t in g.trajectories], groups[0].sampling)
-        batch.meta_info["staleness"] = [g.staleness for g in groups]
-        return batch
-
-    async def stream(self, *, max_staleness: int | None = None, stale: StalePolicy = "drop") -> AsyncIterator[Group]:
-        while True:
-            groups = await self.atake_groups(1, max_staleness=max_staleness, stale=stale, exhausted_ok=True)
-            if not groups:
-                return
-            yield groups[0]
 
     @property
     def stream_stats(self) -> dict[str, Any]:

@@ -271,7 +271,36 @@ def _is_done(traj: Trajectory, run: _Running) -> bool:
     return traj.state in run.ctx.agent.final_states or traj.failed
 
 
-class ContinuousMode:
+class GroupTaking:
+    """`atake` and `stream` over an engine's `atake_groups` and `to_batch`: shared by RolloutEngine's
+    continuous mode (below) and RayRunner's."""
+
+    async def atake(self, num_groups: int, *, max_staleness: int | None = None, stale: StalePolicy = "drop",
+                    timeout: float | None = None) -> Any:  # fmt: skip
+        """verl's padded batch of exactly `num_groups` whole groups, in completion order, waiting for them
+        (TimeoutError after `timeout` s; StreamEmpty when too few are running). A group whose oldest model
+        token is more than `max_staleness` weight versions old is dropped or re-run (`stale`), and counted in
+        `stream_stats`. meta_info["staleness"]: each group's, in batch order."""
+        groups = await self.atake_groups(num_groups, max_staleness=max_staleness, stale=stale, timeout=timeout)
+        trajs = [t for g in groups for t in g.trajectories]
+        sampling = groups[0].sampling
+        if not all(g.sampling.logprobs for g in groups):
+            sampling = dataclasses.replace(sampling, logprobs=False)
+        batch = self.to_batch(trajs, sampling)
+        batch.meta_info["staleness"] = [g.staleness for g in groups]
+        return batch
+
+    async def stream(self, *, max_staleness: int | None = None, stale: StalePolicy = "drop") -> AsyncIterator[Group]:
+        """`async for group in engine.stream():` each finished group as it completes, until none is left."""
+        while True:
+            groups = await self.atake_groups(1, max_staleness=max_staleness, stale=stale, exhausted_ok=True)
+            if not groups:
+                return
+            yield groups[0]
+
+
+
+class ContinuousMode(GroupTaking):
     """RolloutEngine's continuous-mode methods (a mixin: the engine provides its loop, runner and batch).
 
     Each call runs on the engine's loop; sync forms block on it, as the engine's other calls do."""
@@ -317,29 +346,6 @@ class ContinuousMode:
                 return await stream.take(num_groups, max_staleness, stale, exhausted_ok)
 
         return await self._on_home(here())
-
-    async def atake(self, num_groups: int, *, max_staleness: int | None = None, stale: StalePolicy = "drop",
-                    timeout: float | None = None) -> Any:  # fmt: skip
-        """verl's padded batch of exactly `num_groups` whole groups, in completion order, waiting for them
-        (TimeoutError after `timeout` s; StreamEmpty when too few are running). A group whose oldest model
-        token is more than `max_staleness` weight versions old is dropped or re-run (`stale`), and counted in
-        `stream_stats`. meta_info["staleness"]: each group's, in batch order."""
-        groups = await self.atake_groups(num_groups, max_staleness=max_staleness, stale=stale, timeout=timeout)
-        trajs = [t for g in groups for t in g.trajectories]
-        sampling = groups[0].sampling
-        if not all(g.sampling.logprobs for g in groups):
-            sampling = dataclasses.replace(sampling, logprobs=False)
-        batch = self.to_batch(trajs, sampling)
-        batch.meta_info["staleness"] = [g.staleness for g in groups]
-        return batch
-
-    async def stream(self, *, max_staleness: int | None = None, stale: StalePolicy = "drop") -> AsyncIterator[Group]:
-        """`async for group in engine.stream():` each finished group as it completes, until none is left."""
-        while True:
-            groups = await self.atake_groups(1, max_staleness=max_staleness, stale=stale, exhausted_ok=True)
-            if not groups:
-                return
-            yield groups[0]
 
     @property
     def stream_stats(self) -> dict[str, Any]:
