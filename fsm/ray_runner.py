@@ -323,16 +323,6 @@ class RayRunner(_Engine, GroupTaking):
         stats.update(ready_groups=len(self._pool.ready), staleness=dict(stats["staleness"]))
         return stats
 
-    def submit(self, rows: Any, n: int = 1, sampling_params: Mapping[str, Any] | None = None,
-               validate: bool = False) -> list[str]:  # fmt: skip
-        self._refuse_in_loop("submit", "asubmit")
-        return self._run_sync(self.asubmit(rows, n, sampling_params, validate))
-
-    def take(self, num_groups: int, *, max_staleness: int | None = None, stale: StalePolicy = "drop",
-             timeout: float | None = None) -> Any:  # fmt: skip
-        self._refuse_in_loop("take", "atake")
-        return self._run_sync(self.atake(num_groups, max_staleness=max_staleness, stale=stale, timeout=timeout))
-
     # -- control calls -------------------------------------------------------------------------------------
 
     async def _control(self, method: str, *args: Any, required: bool = False, **kwargs: Any) -> list[Any]:

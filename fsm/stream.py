@@ -272,8 +272,18 @@ def _is_done(traj: Trajectory, run: _Running) -> bool:
 
 
 class GroupTaking:
-    """`atake` and `stream` over an engine's `atake_groups` and `to_batch`: shared by RolloutEngine's
-    continuous mode (below) and RayRunner's."""
+    """`atake`, `stream` and the sync `submit`/`take` over an engine's `asubmit`, `atake_groups` and
+    `to_batch`: shared by RolloutEngine's continuous mode (below) and RayRunner's."""
+
+    def submit(self, rows: Any, n: int = 1, sampling_params: Mapping[str, Any] | None = None,
+               validate: bool = False) -> list[str]:  # fmt: skip
+        self._refuse_in_loop("submit", "asubmit")
+        return self._run_sync(self.asubmit(rows, n, sampling_params, validate))
+
+    def take(self, num_groups: int, *, max_staleness: int | None = None, stale: StalePolicy = "drop",
+             timeout: float | None = None) -> Any:  # fmt: skip
+        self._refuse_in_loop("take", "atake")
+        return self._run_sync(self.atake(num_groups, max_staleness=max_staleness, stale=stale, timeout=timeout))
 
     async def atake(self, num_groups: int, *, max_staleness: int | None = None, stale: StalePolicy = "drop",
                     timeout: float | None = None) -> Any:  # fmt: skip
@@ -395,16 +405,6 @@ class ContinuousMode(GroupTaking):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-
-    def submit(self, rows: Any, n: int = 1, sampling_params: Mapping[str, Any] | None = None,
-               validate: bool = False) -> list[str]:  # fmt: skip
-        self._refuse_in_loop("submit", "asubmit")
-        return self._run_sync(self.asubmit(rows, n, sampling_params, validate))
-
-    def take(self, num_groups: int, *, max_staleness: int | None = None, stale: StalePolicy = "drop",
-             timeout: float | None = None) -> Any:  # fmt: skip
-        self._refuse_in_loop("take", "atake")
-        return self._run_sync(self.atake(num_groups, max_staleness=max_staleness, stale=stale, timeout=timeout))
 
     def snapshot(self, path: str | Path, *, meta: Mapping[str, Any] | None = None, stop: bool = False) -> dict[str, int]:
         self._refuse_in_loop("snapshot", "asnapshot")
