@@ -45,6 +45,7 @@ from backends.base import (
     GenerateRequest,
     GenerateResult,
 )
+from backends.contract import Refused, contract_error
 from backends.prefix_cache import PrefixCache
 from backends.scripted import HashLM, echo_backend
 
@@ -52,45 +53,11 @@ log = logging.getLogger("agentfsm.devserver")
 
 VERSION = "0.5.23"  # the SGLang release whose wire format this server speaks
 
-# SGLang's SamplingParams fields; anything else in `sampling_params` is a 400 contract violation.
-SAMPLING_KEYS = (
-    "max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
-    "presence_penalty", "repetition_penalty", "stop", "stop_token_ids", "stop_regex", "ignore_eos", "no_stop_trim",
-    "skip_special_tokens", "spaces_between_special_tokens", "n", "json_schema", "regex", "ebnf", "structural_tag",
-    "logit_bias", "sampling_seed", "stream_interval", "custom_params", "beam_width", "watermark", "choice",
-)  # fmt: skip
-_FLOAT_KEYS = {"temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"}
-_INT_KEYS = {"max_new_tokens", "min_new_tokens", "top_k", "n", "sampling_seed", "stream_interval"}
 FAULT_HEADER = "X-Agentfsm-Fault"  # abort_waiting | abort_running[:K]: an abort on demand (module docstring)
 _TURN_SUFFIX = re.compile(r"_t\d+(_r\d+)?$")  # a turn, and a resume of it
 
 
 # -- the server ------------------------------------------------------------------------------------
-
-
-class _Refused(Exception):
-    """An HTTP error answer: status and JSON body exactly as SGLang sends them."""
-
-    def __init__(self, status: int, body: Any):
-        super().__init__(str(body))
-        self.status, self.body = status, body
-
-    @classmethod
-    def value_error(cls, message: str) -> _Refused:
-        """A ValueError in SGLang's tokenizer manager (input too long, duplicate rid, ...)."""
-        return cls(400, {"error": {"message": message}})
-
-    @classmethod
-    def http(cls, status: int, message: str, kind: str | None = None) -> _Refused:
-        """FastAPI's parse failure, or a scheduler abort with a non-400 status."""
-        body = {
-            "object": "error",
-            "message": message,
-            "type": kind or str(status),
-            "param": None,
-            "code": status,
-        }
-        return cls(status, body)
 
 
 @dataclass(eq=False)
@@ -100,27 +67,6 @@ class _Live:
     started: bool = False  # left the waiting queue
     cached: int = 0
     t0: float = field(default_factory=time.time)
-
-
-def _contract_error(params: Any) -> str | None:
-    """SGLang's generated contract check of `sampling_params` (a 400 with `error` as a string)."""
-    if not isinstance(params, dict):
-        return f"invalid type: {type(params).__name__}, expected struct SamplingParams"
-    for key, value in params.items():
-        if key not in SAMPLING_KEYS:
-            expected = ", ".join(f"`{k}`" for k in SAMPLING_KEYS)
-            return f"unknown field `{key}`, expected one of {expected}"
-        if value is None:
-            continue
-        if key in _FLOAT_KEYS and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            return f"invalid type: {_describe(value)}, expected f64"
-        if key in _INT_KEYS and (isinstance(value, bool) or not isinstance(value, int)):
-            return f"invalid type: {_describe(value)}, expected i64"
-    return None
-
-
-def _describe(value: Any) -> str:
-    return f"string {json.dumps(value)}" if isinstance(value, str) else f"{type(value).__name__} `{value}`"
 
 
 class DevServer:
@@ -216,20 +162,20 @@ class DevServer:
         try:
             body = await request.json()
         except ValueError as e:
-            return _error(_Refused.http(400, f"JSON decode error: {e}", "Bad Request"))
+            return _error(Refused.http(400, f"JSON decode error: {e}", "Bad Request"))
         if not isinstance(body, dict):
-            return _error(_Refused.http(400, "request body must be a JSON object", "Bad Request"))
+            return _error(Refused.http(400, "request body must be a JSON object", "Bad Request"))
         if self.failing:
-            return _error(_Refused.http(503, "dev server is failing (fault injection)"))
+            return _error(Refused.http(503, "dev server is failing (fault injection)"))
         params = body.get("sampling_params") or {}
-        contract = _contract_error(params)
+        contract = contract_error(params)
         if contract is not None:
             return web.json_response({"error": contract}, status=400)
         if body.get("stream"):
             return await self._stream(request, body, params)
         try:
             rec, ids, res = await self._run(body, params, request.headers.get(FAULT_HEADER))
-        except _Refused as r:
+        except Refused as r:
             return _error(r)
         return web.json_response(self._response(rec, ids, params, res, bool(body.get("return_logprob"))))
 
@@ -241,7 +187,7 @@ class DevServer:
         await resp.prepare(request)
         try:
             rec, ids, res = await self._run(body, params)
-        except _Refused as r:
+        except Refused as r:
             err = (
                 r.body["error"]
                 if isinstance(r.body.get("error"), dict)
@@ -267,22 +213,22 @@ class DevServer:
         """The tokenizer manager's checks (ValueError -> 400 {"error": {"message"}})."""
         ids = body.get("input_ids")
         if ids is None:
-            raise _Refused.value_error("the dev server takes input_ids only (it runs without a tokenizer)")
+            raise Refused.value_error("the dev server takes input_ids only (it runs without a tokenizer)")
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise _Refused.value_error("input_ids must be a list of ints (batches are not supported here)")
+            raise Refused.value_error("input_ids must be a list of ints (batches are not supported here)")
         if not ids:
-            raise _Refused.value_error("input_ids cannot be empty")
+            raise Refused.value_error("input_ids cannot be empty")
         if (params.get("n") or 1) != 1:
-            raise _Refused.value_error("n > 1 is not supported by the dev server")
+            raise Refused.value_error("n > 1 is not supported by the dev server")
         if len(ids) >= self.context_length:
-            raise _Refused.value_error(
+            raise Refused.value_error(
                 f"The input ({len(ids)} tokens) is longer than the model's context length ({self.context_length} tokens)."
             )
         new = params.get("max_new_tokens")
         if new is not None and new < 0:
-            raise _Refused.value_error(f"max_new_tokens must be at least 0, got {new}.")
+            raise Refused.value_error(f"max_new_tokens must be at least 0, got {new}.")
         if new is not None and new + len(ids) >= self.context_length:
-            raise _Refused.value_error(
+            raise Refused.value_error(
                 f"Requested token count exceeds the model's maximum context length of {self.context_length} tokens. "
                 f"You requested a total of {new + len(ids)} tokens: {len(ids)} tokens from the input messages and "
                 f"{new} tokens for the completion. Please reduce the number of tokens in the input messages or the "
@@ -290,12 +236,12 @@ class DevServer:
             )
         temperature = params.get("temperature")
         if temperature is not None and temperature < 0:
-            raise _Refused.value_error(f"temperature must be non-negative, got {temperature}.")
+            raise Refused.value_error(f"temperature must be non-negative, got {temperature}.")
         rid = body.get("rid") or uuid.uuid4().hex
         if not isinstance(rid, str):
-            raise _Refused.value_error("rid must be a string (batches are not supported here)")
+            raise Refused.value_error("rid must be a string (batches are not supported here)")
         if rid in self._live:
-            raise _Refused.value_error(f"Duplicate request ID detected: {rid}")
+            raise Refused.value_error(f"Duplicate request ID detected: {rid}")
         return rid, ids
 
     async def _run(
@@ -329,10 +275,10 @@ class DevServer:
             return rec, ids, None
         exc = rec.task.exception()
         if isinstance(exc, BackendRequestError):
-            raise _Refused.value_error(str(exc))
+            raise Refused.value_error(str(exc))
         if exc is not None:
             status = 503 if isinstance(exc, BackendUnavailable) else 500
-            raise _Refused.http(status, f"{type(exc).__name__}: {exc}")
+            raise Refused.http(status, f"{type(exc).__name__}: {exc}")
         res = rec.task.result()
         if cut is not None and res.finish_reason == "length" and len(res.token_ids) < wanted:
             res = replace(res, finish_reason="abort", abort_message="Aborted")  # partial output, as SGLang's
@@ -468,7 +414,7 @@ class DevServer:
         them. Backends that cannot pause (scripted ones) let running requests finish in those two modes."""
         mode = (await _body(request)).get("mode", "abort")
         if mode not in ("abort", "retract", "in_place"):
-            return _error(_Refused.value_error(f"unknown pause mode {mode!r}"))
+            return _error(Refused.value_error(f"unknown pause mode {mode!r}"))
         self.paused = True
         self._unpaused.clear()
         pause = getattr(self.backend, "pause_generation", None)
@@ -548,7 +494,7 @@ async def _body(request: web.Request) -> dict[str, Any]:
     return {}
 
 
-def _error(r: _Refused) -> web.Response:
+def _error(r: Refused) -> web.Response:
     return web.json_response(r.body, status=r.status)
 
 

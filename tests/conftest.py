@@ -133,3 +133,18 @@ def observation_texts(tok, traj, role: str = "tool") -> list[str]:
 
 def tool_messages(traj) -> list[str]:
     return [m["content"] for m in traj.messages if m["role"] == "tool"]
+
+
+def tool_spec(tools: str, limits: str = "", extra: str = "") -> str:
+    """A spec extending the shipped tool_agent with the given tools/limits YAML blocks."""
+    return f"""
+        name: test_tools
+        extends: {{specs}}/tool_agent.yaml
+        limits:
+          prompt_length: 1024
+          response_length: 512
+        {limits}
+        tools:
+        {tools}
+        {extra}
+    """

@@ -21,27 +21,13 @@ from tests.conftest import (
     run_agent,
     scripted,
     tool_messages,
+    tool_spec,
     tool_turn,
     user_row,
 )
 from tests.fixtures import parts
 
 ECHO = f"{PARTS}:echo"
-
-
-def tool_spec(tools: str, limits: str = "", extra: str = "") -> str:
-    """A spec extending the shipped tool_agent with the given tools/limits YAML blocks."""
-    return f"""
-        name: test_tools
-        extends: {{specs}}/tool_agent.yaml
-        limits:
-          prompt_length: 1024
-          response_length: 512
-        {limits}
-        tools:
-        {tools}
-        {extra}
-    """
 
 
 def assert_consistent(traj: Trajectory) -> None:

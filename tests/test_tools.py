@@ -11,7 +11,17 @@ import pytest
 
 import fsm
 from fsm.tools import check_arguments, infer_schema
-from tests.conftest import PARTS, SPECS, model_turn, run_agent, scripted, tool_messages, tool_turn, user_row
+from tests.conftest import (
+    PARTS,
+    SPECS,
+    model_turn,
+    run_agent,
+    scripted,
+    tool_messages,
+    tool_spec,
+    tool_turn,
+    user_row,
+)  # fmt: skip
 from tests.fixtures import parts
 
 ECHO = f"{PARTS}:echo"
@@ -21,17 +31,7 @@ STRICT = "tool_policy: {validate_arguments: true, parse_string_arguments: true, 
 
 async def run_tools(tok, compile_yaml, tools: str, turns: list, *, policy: str = "", limits: str = "", rows=None):
     """tool_agent.yaml (verl's policy) with `tools`, or with another `policy` block; the model ends with "done"."""
-    agent = compile_yaml(f"""
-        name: test_tools
-        extends: {{specs}}/tool_agent.yaml
-        limits:
-          prompt_length: 1024
-          response_length: 512
-        {limits}
-        {policy}
-        tools:
-        {tools}
-    """)
+    agent = compile_yaml(tool_spec(tools, limits, extra=policy))
     backend = scripted(turns + [model_turn(tok, "done")])
     trajs = await run_agent(agent, backend, tok, rows or [user_row()])
     return agent, backend, trajs
