@@ -43,7 +43,7 @@ from fsm.context import Sampling
 from fsm.loader import LoadedSpec
 from fsm.loopthread import LoopThread as _LoopThread
 from fsm.rows import is_dataproto, to_rows
-from fsm.runtime import Runner
+from fsm.runtime import WATCHDOG_S, Runner
 from fsm.spec import SPECS_DIR, AgentSpec
 from fsm.stream import ContinuousMode
 from fsm.tracing import Tracer
@@ -208,7 +208,9 @@ class RolloutEngine(ContinuousMode, _Engine):
     tokenizer: a tokenizer object or a path to load one from; default: the model's (embedded backend only).
     backend: any `backends.base.Backend`; or `servers`: SGLang base URLs, routed by a sticky Router with
         group affinity; or neither: `HFBackend` in this process over `model` (default the tiny model).
-    max_concurrency: trajectories in flight at once. tracer: e.g. `fsm.telemetry.Telemetry(...)`.
+    max_concurrency: trajectories in flight at once. tracer: e.g. `fsm.telemetry.Telemetry(...)`; the engine
+        closes it when it closes (every span ended is then exported or counted as dropped).
+    watchdog_s: when no trajectory has changed state for this long, the stuck rows are logged (None: never).
     backend_options: for the backend it builds (`group_affinity` for servers; `torch_threads`,
         `max_batch_size` for the in-process model).
     The engine owns its backend, given or built, and the thread whose event loop runs it (see the module
@@ -217,7 +219,8 @@ class RolloutEngine(ContinuousMode, _Engine):
 
     def __init__(self, spec: SpecLike, tokenizer: Any = None, *, backend: Backend | None = None,
                  servers: Sequence[str] | None = None, model: str | Path | None = None, max_concurrency: int = 512,
-                 tracer: Tracer | None = None, check_tokens: bool = False, **backend_options: Any):  # fmt: skip
+                 tracer: Tracer | None = None, check_tokens: bool = False, watchdog_s: float | None = WATCHDOG_S,
+                 **backend_options: Any):  # fmt: skip
         if backend is not None and servers:
             raise ValueError("give backend= or servers=, not both")
         self.agent = load_agent(spec)
@@ -233,7 +236,7 @@ class RolloutEngine(ContinuousMode, _Engine):
             raise ValueError(f"backend options {sorted(backend_options)} go with servers= or model=, not backend=")
         self.backend: Backend = backend
         self.runner = Runner(self.agent, self.backend, load_tokenizer(tokenizer), max_concurrency=max_concurrency,
-                             tracer=tracer, check_tokens=check_tokens)  # fmt: skip
+                             tracer=tracer, check_tokens=check_tokens, watchdog_s=watchdog_s)  # fmt: skip
         self.codec = self.runner.codec
         self.tracer = tracer
         self._home: _LoopThread | None = None  # started by the first call; the backend lives on its loop

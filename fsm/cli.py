@@ -186,10 +186,11 @@ def _engine(args: argparse.Namespace, servers: list[str], tokenizer: str | None)
         if servers:
             options = {} if args.request_timeout is None else {"request_timeout_s": args.request_timeout}
             return RolloutEngine(args.spec, tokenizer, servers=servers, max_concurrency=args.concurrency,
-                                 tracer=_tracer(args), check_tokens=args.check_tokens,
+                                 tracer=_tracer(args), check_tokens=args.check_tokens, watchdog_s=args.watchdog,
                                  group_affinity=args.group_affinity, **options)  # fmt: skip
         return RolloutEngine(args.spec, tokenizer, model=args.model, max_concurrency=args.concurrency,
-                             tracer=_tracer(args), check_tokens=args.check_tokens, torch_threads=args.threads,
+                             tracer=_tracer(args), check_tokens=args.check_tokens, watchdog_s=args.watchdog,
+                             torch_threads=args.threads,
                              max_batch_size=args.batch_size, device=args.device, dtype=args.dtype)  # fmt: skip
     except FileNotFoundError as exc:
         raise CLIError(str(exc)) from None

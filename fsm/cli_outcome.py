@@ -5,6 +5,7 @@ kept when --out refuses them (fsm/rundir.py writes them). fsm/cli.py composes th
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import json
 import os
@@ -129,3 +130,20 @@ def exit_at_once_on_signals(rc: int) -> None:
     with contextlib.suppress(ValueError):  # not the main thread (tests calling main() from one)
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, now)
+        _ENDED.append(rc)
+
+
+_ENDED: list[int] = []  # set once a command has ended in this process
+
+
+def _ignore_signals_at_the_very_end() -> None:
+    """Registered when this module is imported, before torch and others register theirs, so it runs after
+    them: from here on the interpreter finalizes, where Python puts a handled signal back to its default
+    (death by signal, no message). Ignored instead: the process ends with the command's code."""
+    if _ENDED:
+        with contextlib.suppress(ValueError):
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, signal.SIG_IGN)
+
+
+atexit.register(_ignore_signals_at_the_very_end)
