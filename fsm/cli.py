@@ -30,7 +30,7 @@ from fsm.cli_outcome import (
     SNAPSHOT,
     CLIError,
     Interrupted,
-    exit_at_once_on_signals,
+    ended,
     resume_spec,
     say_now,
     term_is_ctrl_c,
@@ -551,6 +551,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # --help, --version, or a usage error (printed as one line)
         return exc.code if isinstance(exc.code, int) else 1
     rc = 1
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}  # SIGTERM as Ctrl-C: ours
     try:
         rc = args.fn(args)
         return rc
@@ -572,7 +573,10 @@ def main(argv: list[str] | None = None) -> int:
         rc = 130
         return rc
     finally:
-        exit_at_once_on_signals(rc)
+        with contextlib.suppress(ValueError, TypeError):  # not the main thread; a handler set outside Python
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+        ended(rc)
 
 
 if __name__ == "__main__":

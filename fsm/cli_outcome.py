@@ -117,23 +117,28 @@ def resume_spec(args: argparse.Namespace) -> None:
     args.run_id = run_id or uuid.uuid4().hex[:12]
 
 
-def exit_at_once_on_signals(rc: int) -> None:
-    """The command has ended (its outputs written, its message printed): Ctrl-C or SIGTERM from now on, while
-    the interpreter shuts down (torch's and threads' atexit work), exits at once with the command's code
-    instead of a traceback from whatever ran then."""
+def ended(rc: int) -> None:
+    """The command has ended with `rc` (its outputs written, its message printed). When the interpreter then
+    shuts down (torch's and threads' atexit work), Ctrl-C or SIGTERM exits at once with `rc` instead of a
+    traceback from whatever ran then. Only at exit: a process that calls `main()` and goes on (a test)
+    keeps its own handlers."""
+    if not _ENDED:
+        atexit.register(_exit_at_once_on_signals)
+    _ENDED[:] = [rc]
 
+
+_ENDED: list[int] = []  # the last command's exit code, once one has ended in this process
+
+
+def _exit_at_once_on_signals() -> None:
     def now(signum: int, frame: Any) -> None:
         with contextlib.suppress(Exception):
             sys.stdout.flush()
-        os._exit(rc)
+        os._exit(_ENDED[0])
 
-    with contextlib.suppress(ValueError):  # not the main thread (tests calling main() from one)
+    with contextlib.suppress(ValueError):
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, now)
-        _ENDED.append(rc)
-
-
-_ENDED: list[int] = []  # set once a command has ended in this process
 
 
 def _ignore_signals_at_the_very_end() -> None:
