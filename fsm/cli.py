@@ -370,8 +370,8 @@ async def _with_progress(engine: Any, rows: list[dict], args: argparse.Namespace
 def cmd_run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    from fsm import snapshot as snap
     from fsm.rundir import RunDirError, locked
-    from fsm.snapshot import SnapshotError
 
     term_is_ctrl_c()
     if args.resume is not None:
@@ -385,6 +385,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         args.run_id = uuid.uuid4().hex[:12]
     _check_run_flags(args)
     agent = compile_spec(args.spec)
+    if args.resume is not None:  # checked now (but the vocabulary, at restore): refused before anything starts
+        try:
+            snap.read(Path(args.resume) / SNAPSHOT, agent)
+        except snap.SnapshotError as exc:
+            raise CLIError(f"--resume: {exc}") from None
     rows = _rows(args, agent) if args.resume is None else None
     out = args.out = _out_dir(args)
     try:
@@ -392,7 +397,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             return _run_locked(args, rows, out, Console)
     except RunDirError as exc:
         raise CLIError(f"--out {exc}") from None
-    except SnapshotError as exc:
+    except snap.SnapshotError as exc:
         raise CLIError(f"--resume: {exc}") from None
 
 
