@@ -104,8 +104,17 @@ async def _resumed_turn(
     logprobs: list[float] | None = [] if want_logprobs else None
     versions: list[int] = []
     resumes = attempt = 0
+    partial = getattr(traj, "partial_turn", None)  # a turn a pause aborted before a snapshot: go on from it
+    if partial is not None:
+        ids, logprobs, versions = list(partial[0]), partial[1] and list(partial[1]), list(partial[2])
+        attempt = 1  # a fresh rid: the aborted one may be known to the server
+        if want_logprobs and logprobs is None:
+            ids, logprobs, versions = [], [], []
     while True:
+        if ctx.gate.paused:  # whole while it waits: a snapshot taken now keeps what the turn has so far
+            traj.partial_turn = (list(ids), None if logprobs is None else list(logprobs), list(versions))
         waited = await ctx.gate.wait()
+        traj.partial_turn = None
         if waited and deadline is not None and deadline.when() is not None:
             deadline.reschedule(deadline.when() + waited)  # type: ignore[operator]
         epoch, sent_to = ctx.gate.epoch, ctx.gate.version

@@ -27,10 +27,7 @@ directory (by default the tiny model in backends/tiny/assets).
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
-import signal
-import threading
 import weakref
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
@@ -44,8 +41,9 @@ from fsm.chat import ChatCodec
 from fsm.compile import CompiledAgent, compile_spec
 from fsm.context import Sampling
 from fsm.loader import LoadedSpec
+from fsm.loopthread import LoopThread as _LoopThread
 from fsm.rows import is_dataproto, to_rows
-from fsm.runtime import Runner
+from fsm.runtime import WATCHDOG_S, Runner
 from fsm.spec import SPECS_DIR, AgentSpec
 from fsm.stream import ContinuousMode
 from fsm.tracing import Tracer
@@ -147,93 +145,6 @@ def to_batch(trajs: Sequence[Trajectory], agent: CompiledAgent, codec: ChatCodec
 # --- engines -------------------------------------------------------------------------------------------
 
 
-class _LoopThread:
-    """A private event loop in a daemon thread: the one loop an engine's backend lives on.
-
-    `run(coro)` blocks a thread that runs no loop until `coro` has run there; `await call(coro)` does the same
-    from another loop. Cancelling (Ctrl-C for `run`) cancels the task on this loop and waits for it to unwind,
-    so the backend is never closed under a trajectory still running.
-    """
-
-    def __init__(self, name: str):
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
-        self._thread.start()
-
-    def _main(self) -> None:
-        if hasattr(signal, "pthread_sigmask"):  # Ctrl-C belongs to the main thread (and this one's executor's
-            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # threads inherit the mask)
-        asyncio.set_event_loop(self.loop)
-        try:
-            self.loop.run_forever()
-        finally:  # stopped: cancel what is left (an unclosed backend's tasks), then release the executor
-            tasks = asyncio.all_tasks(self.loop)
-            for task in tasks:
-                task.cancel()
-            self.loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
-            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
-            self.loop.run_until_complete(self.loop.shutdown_default_executor())
-            self.loop.close()
-
-    def current(self) -> bool:
-        """Whether the caller runs on this loop."""
-        try:
-            return asyncio.get_running_loop() is self.loop
-        except RuntimeError:
-            return False
-
-    def submit(self, coro: Coroutine[Any, Any, T]) -> tuple[concurrent.futures.Future[T], Callable[[], None]]:
-        """Start `coro` as a task here: a future settled when the task has ended, and a canceller."""
-        done: concurrent.futures.Future[T] = concurrent.futures.Future()
-        tasks: list[asyncio.Task[T]] = []
-
-        def settle(task: asyncio.Task[T]) -> None:
-            if task.cancelled():
-                done.cancel()
-            elif task.exception() is not None:
-                done.set_exception(task.exception())  # type: ignore[arg-type]
-            else:
-                done.set_result(task.result())
-
-        def start() -> None:  # runs in the caller's context (contextvars: an open span carries over)
-            tasks.append(self.loop.create_task(coro))
-            tasks[0].add_done_callback(settle)
-
-        self.loop.call_soon_threadsafe(start)
-        return done, lambda: self.loop.call_soon_threadsafe(lambda: tasks and tasks[0].cancel())
-
-    def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        done, cancel = self.submit(coro)
-        try:
-            return done.result()
-        except BaseException:
-            if not done.done():  # interrupted while waiting: stop the task, let it unwind
-                cancel()
-                with contextlib.suppress(BaseException):
-                    done.result()
-            raise
-
-    async def call(self, coro: Coroutine[Any, Any, T]) -> T:
-        done, cancel = self.submit(coro)
-        waiter = asyncio.wrap_future(done)
-        try:
-            return await asyncio.shield(waiter)
-        except asyncio.CancelledError:
-            if not done.done():
-                cancel()
-                with contextlib.suppress(BaseException):
-                    await asyncio.shield(waiter)
-            raise
-
-    def close(self) -> None:
-        """Stop the loop (cancelling what still runs there) and wait for its thread to end."""
-        if self._thread.is_alive() and not self.loop.is_closed():
-            with contextlib.suppress(RuntimeError):  # closed meanwhile
-                self.loop.call_soon_threadsafe(self.loop.stop)
-        if threading.current_thread() is not self._thread:
-            self._thread.join()
-
-
 class _Engine:
     """The `generate_sequences` contract over `arun` (trajectories), shared by RolloutEngine and RayRunner."""
 
@@ -297,7 +208,9 @@ class RolloutEngine(ContinuousMode, _Engine):
     tokenizer: a tokenizer object or a path to load one from; default: the model's (embedded backend only).
     backend: any `backends.base.Backend`; or `servers`: SGLang base URLs, routed by a sticky Router with
         group affinity; or neither: `HFBackend` in this process over `model` (default the tiny model).
-    max_concurrency: trajectories in flight at once. tracer: e.g. `fsm.telemetry.Telemetry(...)`.
+    max_concurrency: trajectories in flight at once. tracer: e.g. `fsm.telemetry.Telemetry(...)`; the engine
+        closes it when it closes (every span ended is then exported or counted as dropped).
+    watchdog_s: when no trajectory has changed state for this long, the stuck rows are logged (None: never).
     backend_options: for the backend it builds (`group_affinity` for servers; `torch_threads`,
         `max_batch_size` for the in-process model).
     The engine owns its backend, given or built, and the thread whose event loop runs it (see the module
@@ -306,7 +219,8 @@ class RolloutEngine(ContinuousMode, _Engine):
 
     def __init__(self, spec: SpecLike, tokenizer: Any = None, *, backend: Backend | None = None,
                  servers: Sequence[str] | None = None, model: str | Path | None = None, max_concurrency: int = 512,
-                 tracer: Tracer | None = None, check_tokens: bool = False, **backend_options: Any):  # fmt: skip
+                 tracer: Tracer | None = None, check_tokens: bool = False, watchdog_s: float | None = WATCHDOG_S,
+                 **backend_options: Any):  # fmt: skip
         if backend is not None and servers:
             raise ValueError("give backend= or servers=, not both")
         self.agent = load_agent(spec)
@@ -322,7 +236,7 @@ class RolloutEngine(ContinuousMode, _Engine):
             raise ValueError(f"backend options {sorted(backend_options)} go with servers= or model=, not backend=")
         self.backend: Backend = backend
         self.runner = Runner(self.agent, self.backend, load_tokenizer(tokenizer), max_concurrency=max_concurrency,
-                             tracer=tracer, check_tokens=check_tokens)  # fmt: skip
+                             tracer=tracer, check_tokens=check_tokens, watchdog_s=watchdog_s)  # fmt: skip
         self.codec = self.runner.codec
         self.tracer = tracer
         self._home: _LoopThread | None = None  # started by the first call; the backend lives on its loop
@@ -543,11 +457,16 @@ class RolloutEngine(ContinuousMode, _Engine):
     # -- lifecycle -----------------------------------------------------------------------------------------
 
     async def _close_backend(self) -> None:
-        await self._stop_stream()
-        close = getattr(self.backend, "close", None)
-        if close is not None and self._started is not None:
-            await close()
-        self.agent.tools.close()  # idle tool threads, loops and worker processes (tools restart on use)
+        try:
+            await self._stop_stream()
+            close = getattr(self.backend, "close", None)
+            if close is not None and self._started is not None:
+                await close()
+            self.agent.tools.close()  # idle tool threads, loops and worker processes (tools restart on use)
+        finally:  # the run's owner closes its tracer: every span ended is exported or counted as dropped
+            close_tracer = getattr(self.tracer, "close", None)
+            if close_tracer is not None:
+                await asyncio.to_thread(close_tracer)
 
     async def aclose(self) -> None:
         """Close the backend, then stop the engine's thread."""

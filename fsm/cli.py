@@ -4,7 +4,8 @@ This module is the composition root: the one place in `fsm` that picks concrete 
 `import fsm` never loads transformers models or aiohttp servers). Every user error ends as one line on
 stderr that names the file, flag, row or server and what to do, with a non-zero exit code and no traceback.
 Exit codes: 0 done; 1 a user error, or a run whose error rows exceed --max-error-rate; 2 a bad command
-line or spec diagnostics; 130 interrupted. `run` replaces its three output files together (fsm/rundir.py).
+line or spec diagnostics; 130 interrupted (Ctrl-C or SIGTERM). `run` replaces its three output files together
+(fsm/rundir.py), under a lock on --out; how the command ends (errors, signals, kept outputs): fsm/cli_outcome.py.
 
 """
 
@@ -18,6 +19,7 @@ import os
 import signal
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
@@ -25,24 +27,21 @@ from pathlib import Path
 from typing import Any
 
 from fsm.cli_args import DEMO_PROMPTS, SHOW_LIMIT, command_line
+from fsm.cli_outcome import (
+    SNAPSHOT,
+    CLIError,
+    Interrupted,
+    ended,
+    resume_spec,
+    say_now,
+    term_is_ctrl_c,
+    to_stdout,
+    warn,
+    write_run_outputs,
+)
 from fsm.compile import CompiledAgent, compile_spec
 from fsm.data import DataError, load_rows
 from fsm.loader import SpecError
-
-
-class CLIError(Exception):
-    """A user-facing failure: printed as one line, exit code `exit_code`."""
-
-    exit_code = 1
-
-
-class Interrupted(CLIError):
-    exit_code = 130
-
-
-def _warn(message: str) -> None:
-    print(f"agentfsm: warning: {message}", file=sys.stderr)
-
 
 # --- validate / schema ---------------------------------------------------------------------------------
 
@@ -95,21 +94,19 @@ def _check_run_flags(args: argparse.Namespace) -> None:
             raise CLIError("--request-timeout: not passed to Ray actors yet; drop --ray or --request-timeout")
     tracing = bool(args.otlp or args.trace or _env_tracing())
     if args.trace_sample is not None and not tracing:
-        _warn("--trace-sample does nothing without --otlp URL, --trace console or OTEL_EXPORTER_OTLP_ENDPOINT")
+        warn("--trace-sample does nothing without --otlp URL, --trace console or OTEL_EXPORTER_OTLP_ENDPOINT")
     if args.ray is not None and tracing:
-        _warn("tracing is not passed to Ray actors yet: this --ray run exports no spans")
+        warn("tracing is not passed to Ray actors yet: this --ray run exports no spans")
 
 
 def _out_dir(args: argparse.Namespace) -> Path:
-    """--out, made now: a bad path fails before the rollout, not after it."""
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise CLIError(f"--out {out}: exists and is not a directory; pass a directory")
+    """--out, absolute, made and checked writable now: a bad path fails before the rollout, not after it."""
+    from fsm.rundir import RunDirError, prepare
+
     try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise CLIError(f"--out {out}: cannot create it ({exc.strerror or exc})") from None
-    return out
+        return prepare(args.out)
+    except RunDirError as exc:
+        raise CLIError(f"--out {exc}") from None
 
 
 def _rows(args: argparse.Namespace, agent: CompiledAgent) -> list[dict[str, Any]]:
@@ -190,10 +187,11 @@ def _engine(args: argparse.Namespace, servers: list[str], tokenizer: str | None)
         if servers:
             options = {} if args.request_timeout is None else {"request_timeout_s": args.request_timeout}
             return RolloutEngine(args.spec, tokenizer, servers=servers, max_concurrency=args.concurrency,
-                                 tracer=_tracer(args), check_tokens=args.check_tokens,
+                                 tracer=_tracer(args), check_tokens=args.check_tokens, watchdog_s=args.watchdog,
                                  group_affinity=args.group_affinity, **options)  # fmt: skip
         return RolloutEngine(args.spec, tokenizer, model=args.model, max_concurrency=args.concurrency,
-                             tracer=_tracer(args), check_tokens=args.check_tokens, torch_threads=args.threads,
+                             tracer=_tracer(args), check_tokens=args.check_tokens, watchdog_s=args.watchdog,
+                             torch_threads=args.threads,
                              max_batch_size=args.batch_size, device=args.device, dtype=args.dtype)  # fmt: skip
     except FileNotFoundError as exc:
         raise CLIError(str(exc)) from None
@@ -207,7 +205,10 @@ def _tracer(args: argparse.Namespace) -> Any:
     from fsm.telemetry import Telemetry
 
     sample = 1.0 if args.trace_sample is None else args.trace_sample
-    return Telemetry(otlp=args.otlp, console=args.trace == "console", sample=sample)
+    # console spans go to stderr (stdout is the run table); the run's close waits for the collector at most
+    # FLUSH_TIMEOUT_S, then counts what is left as dropped
+    return Telemetry(otlp=args.otlp, console=args.trace == "console", sample=sample,
+                     flush_timeout_s=FLUSH_TIMEOUT_S)  # fmt: skip
 
 
 def _env_tracing() -> bool:
@@ -256,8 +257,10 @@ async def _rollout(args: argparse.Namespace, rows: list[dict[str, Any]] | None, 
     return _Rollout(engine, sampling, trajs, expected, wall, router_stats, interrupted)
 
 
-SNAPSHOT = "snapshot.json"  # in --out: the rows in flight when Ctrl-C came, for `run --resume`
-SNAPSHOT_TIMEOUT_S = 120.0  # waiting for every running trajectory to reach a state boundary
+# waiting for every running trajectory to reach a state boundary; model turns do not count (they are aborted
+# and kept partial), so only a tool or user action still running can take this long
+SNAPSHOT_TIMEOUT_S = 60.0
+FLUSH_TIMEOUT_S = 10.0
 
 
 async def _resumable(engine: Any, rows: list[dict[str, Any]] | None, args: argparse.Namespace, sampling: Any,
@@ -275,8 +278,18 @@ async def _resumable(engine: Any, rows: list[dict[str, Any]] | None, args: argpa
         groups, expected = len(rows), len(rows) * args.n
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def interrupt(name: str) -> None:  # on this (the main) loop, free while the engine's thread runs the rows
+        if stop.is_set():  # the second one: no snapshot, now
+            say_now("agentfsm: exiting without a snapshot")
+            os._exit(130)
+        stop.set()
+        say_now(f"agentfsm: {name}: stopping {len(engine.runner.live)} running trajectories and writing a "
+                 f"snapshot to {out / SNAPSHOT}; Ctrl-C again to exit without a snapshot")  # fmt: skip
+
     with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):  # main thread only
-        loop.add_signal_handler(signal.SIGINT, stop.set)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, interrupt, sig.name)
     columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
     with Progress(*columns, console=console, disable=args.quiet or not console.is_terminal) as progress:
         task = progress.add_task("groups", total=groups)
@@ -290,12 +303,18 @@ async def _resumable(engine: Any, rows: list[dict[str, Any]] | None, args: argpa
     interrupted = stop.is_set()
     taken = []
     if interrupted:
-        meta = {"groups": groups, "rows_expected": expected}
-        try:
-            info = await engine.asnapshot(out / SNAPSHOT, meta=meta, stop=True, timeout=SNAPSHOT_TIMEOUT_S)
+        meta = {"groups": groups, "rows_expected": expected, "run_id": args.run_id,
+                "spec": str(Path(args.spec).resolve())}
+        t0 = time.perf_counter()
+        try:  # abort_turns: model turns in flight end at once, their partial tokens kept in the snapshot
+            info = await engine.asnapshot(out / SNAPSHOT, meta=meta, stop=True, timeout=SNAPSHOT_TIMEOUT_S,
+                                          abort_turns=True)  # fmt: skip
             ready = info["ready_groups"]
+            say_now(f"agentfsm: wrote the snapshot ({info['running_groups']} groups running, {ready} finished) "
+                     f"in {time.perf_counter() - t0:.1f} s")  # fmt: skip
         except TimeoutError:
-            _warn(f"no snapshot: some trajectories did not reach a state boundary in {SNAPSHOT_TIMEOUT_S:g} s")
+            warn(f"no snapshot: some trajectories did not reach a state boundary in {SNAPSHOT_TIMEOUT_S:g} s "
+                  "(a tool or user action still running)")  # fmt: skip
             ready = engine.stream_stats.get("ready_groups", 0)
         if ready:
             taken = await engine.atake_groups(ready)
@@ -312,14 +331,17 @@ def _ctrl_c_cancels(task: Any) -> Iterator[None]:
     on a rollout in the engine's thread)."""
     loop = asyncio.get_running_loop()
     try:
-        loop.add_signal_handler(signal.SIGINT, task.cancel)
+        for sig in (signal.SIGINT, signal.SIGTERM):  # a scheduler's preemption is handled as Ctrl-C
+            loop.add_signal_handler(sig, task.cancel)
     except (ValueError, RuntimeError, NotImplementedError):  # not the main thread, or no signals here
         yield
         return
     try:
         yield
     finally:
-        loop.remove_signal_handler(signal.SIGINT)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        term_is_ctrl_c()  # remove_signal_handler left SIGTERM's default (death) behind
 
 
 async def _with_progress(engine: Any, rows: list[dict], args: argparse.Namespace, sampling: Any, console: Any,
@@ -346,70 +368,68 @@ async def _with_progress(engine: Any, rows: list[dict], args: argparse.Namespace
         return await engine.arun(rows, n=args.n, sampling=sampling, on_done=done)
 
 
-def _write_run(out: Path, run: _Rollout, batch: Any) -> dict[str, Any]:
-    """The run's three files into `out` (fsm/rundir.py), its summary saying how the run ended and how many
-    rows each file holds."""
-    from fsm.rundir import WriteInterrupted, write_outputs, write_run
-
-    engine = run.engine
-
-    def write(staging: Path) -> dict[str, Any]:
-        summary = write_outputs(staging, engine.agent, run.trajs, batch, engine.codec, run.wall, run.router_stats,
-                                 getattr(engine, "tracer", None))  # fmt: skip
-        failed = sum(t.failed for t in run.trajs)
-        summary = {"status": "interrupted" if run.interrupted else "completed", "rows_expected": run.expected,
-                   "files": {"batch.pt": {"rows": len(batch)}, "trajectories.jsonl": {"rows": len(run.trajs)}},
-                   "error_rate": round(failed / len(run.trajs), 4), **summary}  # fmt: skip
-        (staging / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
-        return summary
-
-    try:
-        return write_run(out, write)
-    except WriteInterrupted as exc:
-        if exc.committed:
-            raise Interrupted(f"interrupted; the run had finished and is written to {out}") from None
-        raise Interrupted(f"interrupted while writing; {out} holds what it held before this run") from None
-    except OSError as exc:
-        raise CLIError(f"--out {out}: cannot write the run's outputs ({exc.strerror or exc})") from None
-
-
 def cmd_run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from fsm.snapshot import SnapshotError
+    from fsm import snapshot as snap
+    from fsm.rundir import RunDirError, locked
 
-    _check_run_flags(args)
-    agent = compile_spec(args.spec)
+    term_is_ctrl_c()
     if args.resume is not None:
-        args.out = args.resume
         if args.ray is not None:
             raise CLIError("--resume: resumes a single-process run; drop --ray")
-        if not (Path(args.resume) / SNAPSHOT).is_file():
-            raise CLIError(f"--resume {args.resume}: no {SNAPSHOT} there (a run interrupted with Ctrl-C leaves one)")
+        resume_spec(args)
+        args.out = args.resume
+    elif args.spec is None:
+        raise CLIError("run: give a SPEC (or --resume DIR)")
+    else:
+        args.run_id = uuid.uuid4().hex[:12]
+    _check_run_flags(args)
+    agent = compile_spec(args.spec)
+    if args.resume is not None:  # checked now (but the vocabulary, at restore): refused before anything starts
+        try:
+            snap.read(Path(args.resume) / SNAPSHOT, agent)
+        except snap.SnapshotError as exc:
+            raise CLIError(f"--resume: {exc}") from None
     rows = _rows(args, agent) if args.resume is None else None
-    out = _out_dir(args)
+    out = args.out = _out_dir(args)
     try:
-        run = asyncio.run(_rollout(args, rows, Console(stderr=True)))
+        with locked(out):
+            return _run_locked(args, rows, out, Console)
+    except RunDirError as exc:
+        raise CLIError(f"--out {exc}") from None
+    except snap.SnapshotError as exc:
+        raise CLIError(f"--resume: {exc}") from None
+
+
+def _run_locked(args: argparse.Namespace, rows: list[dict[str, Any]] | None, out: Path, console_cls: Any) -> int:
+    if rows is not None and (out / SNAPSHOT).exists():
+        raise CLIError(f"--out {out} holds the snapshot of an interrupted run; resume it with `agentfsm run "
+                       f"--resume {out}`, or remove {out / SNAPSHOT} to start a new run there")  # fmt: skip
+    try:
+        run = asyncio.run(_rollout(args, rows, console_cls(stderr=True)))
     except asyncio.CancelledError:  # Ctrl-C before the rollout began (launching, probing, loading)
         raise Interrupted(f"interrupted before the rollout; {out} holds what it held before") from None
-    except SnapshotError as exc:
-        raise CLIError(f"--resume: {exc}") from None
-    resume_hint = (f"; resume with: agentfsm run {args.spec} --resume {out}"
+    finally:
+        term_is_ctrl_c()
+    resume_hint = (f"; resume with: agentfsm run --resume {out}"
                    if (out / SNAPSHOT).exists() and run.interrupted else "")  # fmt: skip
     if not run.trajs:
         raise Interrupted(f"interrupted before any trajectory finished; {out} holds what it held before{resume_hint}")
     batch = run.engine.to_batch(run.trajs, run.sampling)
     replacing = (out / "summary.json").exists()
-    summary = _write_run(out, run, batch)
+    summary = write_run_outputs(out, run, batch, args.run_id)
+    if not run.interrupted:
+        (out / SNAPSHOT).unlink(missing_ok=True)  # the run is complete: nothing left to resume
     if not args.quiet:
         from fsm.rundir import print_summary
 
-        print_summary(summary, Console())
-    print(f"wrote {out}/batch.pt, trajectories.jsonl, summary.json" + (" (replacing the run there)" if replacing else ""))
+        to_stdout(lambda: print_summary(summary, console_cls()))
+    to_stdout(lambda: print(f"wrote {out}/batch.pt, trajectories.jsonl, summary.json"
+                          + (" (replacing the run there)" if replacing else "")))  # fmt: skip
     if run.interrupted:
         raise Interrupted(f"interrupted: {len(run.trajs)} of {run.expected} trajectories finished and are written "
                           f"to {out} (summary.json: \"status\": \"interrupted\"){resume_hint}")  # fmt: skip
-    (out / SNAPSHOT).unlink(missing_ok=True)  # the run is complete: nothing left to resume
     failed = [t.error or t.termination_reason for t in run.trajs if t.failed]
     if len(failed) / len(run.trajs) > args.max_error_rate:
         common = " ".join(max(set(failed), key=failed.count).split())  # names the server, row or tool
@@ -536,22 +556,33 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as exc:  # --help, --version, or a usage error (printed as one line)
         return exc.code if isinstance(exc.code, int) else 1
+    rc = 1
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}  # SIGTERM as Ctrl-C: ours
     try:
-        return args.fn(args)
+        rc = args.fn(args)
+        return rc
     except SpecError as err:
         for d in err.diagnostics:
             print(d, file=sys.stderr)
-        return 2
+        rc = 2
+        return rc
     except DataError as exc:
         for problem in exc.problems:
             print(f"agentfsm: {problem}", file=sys.stderr)
         return 1
     except CLIError as exc:
-        print(f"agentfsm: {exc}", file=sys.stderr)
-        return exc.exit_code
+        say_now(f"agentfsm: {exc}")
+        rc = exc.exit_code
+        return rc
     except KeyboardInterrupt:
-        print("agentfsm: interrupted", file=sys.stderr)
-        return 130
+        say_now("agentfsm: interrupted")
+        rc = 130
+        return rc
+    finally:
+        with contextlib.suppress(ValueError, TypeError):  # not the main thread; a handler set outside Python
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+        ended(rc)
 
 
 if __name__ == "__main__":

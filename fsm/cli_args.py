@@ -106,7 +106,8 @@ def command_line(commands: Mapping[str, Callable[[argparse.Namespace], int]]) ->
     p.set_defaults(fn=commands["schema"])
 
     p = command("run", "run a spec over prompts and write the padded batch")
-    p.add_argument("spec", metavar="SPEC", help="the spec file (YAML), e.g. specs/calculator.yaml")
+    p.add_argument("spec", metavar="SPEC", nargs="?", help="the spec file (YAML), e.g. specs/calculator.yaml "
+                   "(with --resume: optional, the snapshot names it)")  # fmt: skip
     p.add_argument("--data", metavar="FILE", help=".jsonl or .parquet rows with raw_prompt (default: the spec's "
                    "demo_data)")  # fmt: skip
     p.add_argument("--num-prompts", type=COUNT, metavar="N", help=f"the first N rows of --data, or N demo prompts "
@@ -138,6 +139,8 @@ def command_line(commands: Mapping[str, Callable[[argparse.Namespace], int]]) ->
     p.add_argument("--check-tokens", action="store_true", help="compare ids with a full re-render")
     p.add_argument("--request-timeout", type=float_in(0.0, above=True), metavar="SECONDS",
                    help="seconds per request attempt to a server (default: the backend's)")
+    p.add_argument("--watchdog", type=float_in(0.0, above=True), default=90.0, metavar="SECONDS",
+                   help="when no row has changed state for this long, log the stuck rows (state, server, rid)")
     p.add_argument("--max-error-rate", type=float_in(0.0, 1.0), default=0.5, metavar="RATE",
                    help="exit 1 when more than this share of rows end in error (the outputs are written anyway)")
     p.add_argument("--otlp", metavar="URL", help="export spans to an OTLP/HTTP endpoint (Jaeger :4318, Phoenix "
@@ -148,8 +151,8 @@ def command_line(commands: Mapping[str, Callable[[argparse.Namespace], int]]) ->
     p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
                    help="spread rows over Ray actors (ADDRESS: a cluster to join; default: a local one)")
     p.add_argument("--workers", type=COUNT, default=2, metavar="N", help="Ray actors")
-    p.add_argument("--resume", metavar="DIR", help="complete the run that Ctrl-C interrupted in DIR (its "
-                   "snapshot.json; same spec); the outputs go to DIR")  # fmt: skip
+    p.add_argument("--resume", metavar="DIR", help="complete the run that Ctrl-C or SIGTERM interrupted in DIR "
+                   "(its snapshot.json names the spec; another one is refused); the outputs go to DIR")  # fmt: skip
     p.add_argument("-q", "--quiet", action="store_true", help="print only errors, warnings and the final "
                    "'wrote ...' line")  # fmt: skip
     p.set_defaults(fn=commands["run"])

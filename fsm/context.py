@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,6 +81,8 @@ class PauseGate:
         self._open.set()
         self.epoch = 0
         self.version = 0  # the weights the servers hold now (RolloutEngine.weight_version)
+        self.waiting = 0  # model turns waiting here now: whole, like trajectories at a state boundary
+        self.on_wait: Callable[[], None] | None = None  # told when one starts or stops waiting (snapshots)
 
     @property
     def paused(self) -> bool:
@@ -99,8 +101,17 @@ class PauseGate:
         if self._open.is_set():
             return 0.0
         t0 = time.monotonic()
-        await self._open.wait()
+        self._count(1)
+        try:
+            await self._open.wait()
+        finally:
+            self._count(-1)
         return time.monotonic() - t0
+
+    def _count(self, step: int) -> None:
+        self.waiting += step
+        if self.on_wait is not None:
+            self.on_wait()
 
     def version_of(self, reported: str | None, fallback: int | None = None) -> int:
         """The weight version a response reports, as an int. When it reports none, or a name ("default"):

@@ -101,7 +101,7 @@ class _Worker:
                 await self.runner.drive(ctx, t, self._tick)
             self.progress += 1
 
-        async with asyncio.TaskGroup() as tg:
+        async with self.runner.watching(), asyncio.TaskGroup() as tg:
             for t in trajs:
                 tg.create_task(one(t))
         for t in trajs:

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from fsm.agent import CompiledAgent
 
 T = TypeVar("T")
+LOCK_FILE = ".agentfsm.lock"  # held by the run writing into the directory (fcntl.flock: freed when it exits)
 OUTPUT_FILES = ("batch.pt", "trajectories.jsonl", "summary.json")  # summary.json last: it vouches for the rest
 
 
@@ -36,6 +37,53 @@ class WriteInterrupted(Exception):
     def __init__(self, committed: bool):
         super().__init__("committed" if committed else "not committed")
         self.committed = committed
+
+
+class RunDirError(Exception):
+    """The run directory cannot be used: the message names it and says why."""
+
+
+def prepare(path: str | Path) -> Path:
+    """--out as an absolute path (a tool that changes the working directory cannot move it), made and
+    checked writable now: a bad directory fails before the rollout, not after it."""
+    out = Path(path).expanduser().resolve()
+    if out.exists() and not out.is_dir():
+        raise RunDirError(f"{out}: exists and is not a directory; pass a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".agentfsm-probe-", dir=out)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise RunDirError(f"{out}: cannot write there ({exc.strerror or exc})") from None
+    return out
+
+
+@contextlib.contextmanager
+def locked(out: Path) -> Iterator[None]:
+    """Hold the directory's lock for the block: a second run into it refuses at once, rather than racing
+    this one's files. The lock is the kernel's (flock), so a killed run leaves none behind."""
+    import fcntl
+
+    fd = os.open(out / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "another process"
+            raise RunDirError(f"{out}: another agentfsm run (pid {holder}) is writing there; wait for it or "
+                              "pass another --out") from None  # fmt: skip
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        os.close(fd)
+
+
+def fallback_dir() -> Path:
+    """Where a run's outputs go when --out refuses them at the end (a full disk, a directory made read-only
+    meanwhile): a fresh directory in the system's temporary directory, named in the error."""
+    return Path(tempfile.mkdtemp(prefix="agentfsm-unsaved-run-"))
 
 
 @contextlib.contextmanager
@@ -83,8 +131,11 @@ def write_outputs(out: Path, agent: CompiledAgent, trajs: list, batch: Any, code
     from viz.stats import run_stats
     from viz.transcript import trajectory_record
 
-    torch.save({"batch": {k: v for k, v in batch.batch.items()}, "non_tensor_batch": batch.non_tensor_batch,
-                "meta_info": batch.meta_info}, out / "batch.pt")  # fmt: skip
+    try:
+        torch.save({"batch": {k: v for k, v in batch.batch.items()}, "non_tensor_batch": batch.non_tensor_batch,
+                    "meta_info": batch.meta_info}, out / "batch.pt")  # fmt: skip
+    except RuntimeError as exc:  # torch's writer reports a full disk as a RuntimeError
+        raise OSError(f"batch.pt: {str(exc).splitlines()[0] if str(exc) else 'write failed'}") from exc
     with (out / "trajectories.jsonl").open("w") as f:
         for traj in trajs:
             f.write(json.dumps(trajectory_record(traj, codec), ensure_ascii=False) + "\n")

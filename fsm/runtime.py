@@ -16,11 +16,12 @@ are stuck, in which state and on which server, when no trajectory has moved for 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
 from backends.base import Backend, BackendError, BackendTimeout, GenerationAborted
@@ -53,6 +54,9 @@ class Runner:
         self.gate = PauseGate()  # closed while the engine is paused: model requests wait there
         # session_id -> (trajectory, its root span or None) while it is driven: pause events reach them
         self.live: dict[str, tuple[Trajectory, Any]] = {}
+        self._watchers = 0  # runs inside `watching()`: the watchdog runs while there is one
+        self._watchdog_task: asyncio.Task[None] | None = None
+        self._moved_at = time.perf_counter()  # the last time a trajectory finished
 
     def make_context(self, sampling_params: Mapping[str, Any] | None = None, validate: bool = False, *,
                      sampling: Sampling | None = None) -> RunContext:  # fmt: skip
@@ -93,26 +97,18 @@ class Runner:
         trajs = self.trajectories(rows, n)
         gate = asyncio.Semaphore(self.max_concurrency)
 
-        finished = [False] * len(trajs)
-
         async def one(traj: Trajectory) -> None:
             async with gate:
                 await self.drive(ctx, traj)
-            finished[traj.index] = True
             if on_done is not None:
                 on_done(traj)
 
-        async with asyncio.TaskGroup() as owner:  # the watchdog lives exactly as long as the rows
-            watchdog = owner.create_task(self._watchdog(trajs, finished)) if self.watchdog_s else None
-            try:
-                async with asyncio.TaskGroup() as tg:
-                    for traj in trajs:
-                        tg.create_task(one(traj))
-            finally:
-                if watchdog is not None:
-                    watchdog.cancel()
-        if self.tracer is not None:
-            self.tracer.flush()
+        async with self.watching():
+            async with asyncio.TaskGroup() as tg:
+                for traj in trajs:
+                    tg.create_task(one(traj))
+        if self.tracer is not None:  # off the loop: a slow collector costs at most the tracer's flush timeout
+            await asyncio.to_thread(self.tracer.flush)
         return trajs
 
     async def drive(self, ctx: RunContext, traj: Trajectory,
@@ -173,6 +169,7 @@ class Runner:
             traj.fail(f"{type(exc).__name__} in {traj.state}: {exc}")
         finally:
             self.live.pop(traj.session_id, None)
+            self._moved_at = time.perf_counter()
             try:
                 await self._finish(ctx, traj)
             finally:  # the root span ends even when finishing is cancelled
@@ -228,19 +225,37 @@ class Runner:
             score = score["score"]
         traj.reward_score = float(score)
 
-    async def _watchdog(self, trajs: list[Trajectory], finished: list[bool]) -> None:
+    @contextlib.asynccontextmanager
+    async def watching(self) -> AsyncIterator[None]:
+        """The watchdog runs while any run is inside this block: every run path (`run`, the continuous mode of
+        fsm/stream.py, a Ray actor) enters it, so each gets the same stuck-row reports."""
+        self._watchers += 1
+        if self._watchers == 1 and self.watchdog_s:
+            self._watchdog_task = asyncio.create_task(self._watchdog(), name="agentfsm watchdog")
+        try:
+            yield
+        finally:
+            self._watchers -= 1
+            task = self._watchdog_task
+            if self._watchers == 0 and task is not None:
+                self._watchdog_task = None
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.shield(task)  # our own cancellation must not leave it running
+
+    async def _watchdog(self) -> None:
         """Log the stuck rows when no trajectory has changed state for `watchdog_s` (then every `watchdog_s`
-        while it lasts). Owned by `run()`, which cancels it when the rows are done."""
+        while it lasts). Owned by `watching()`, which cancels it when the last run inside it ends."""
         assert self.watchdog_s
         limit = self.watchdog_s
         reported = 0.0  # the progress time already reported on
         while True:
             await asyncio.sleep(max(0.01, limit / 4))
             now = time.perf_counter()
-            running = [t for t in trajs if t.path_times and not finished[t.index]]
+            running = [t for t, _ in self.live.values() if t.path_times]
             if not running or self.gate.paused:  # a paused engine is expected to stand still
                 continue
-            last = max(t.path_times[-1] for t in trajs if t.path_times)
+            last = max(self._moved_at, max(t.path_times[-1] for t in running))
             if now - last < limit or now - max(last, reported) < limit:
                 continue
             reported = now

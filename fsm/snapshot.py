@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import json
 import os
 import time
@@ -83,7 +84,10 @@ def _decode(value: Any) -> Any:
     if "__items__" in value:
         return {_decode(k): _decode(v) for k, v in value["__items__"]}
     if "__dc__" in value:
-        return _CLASSES[value["__dc__"]](**{k: _decode(v) for k, v in value["fields"].items()})
+        cls = _CLASSES.get(value["__dc__"])
+        if cls is None:
+            raise SnapshotError(f"unknown record type {value['__dc__']!r}")
+        return cls(**{k: _decode(v) for k, v in value["fields"].items()})
     return {k: _decode(v) for k, v in value.items()}
 
 
@@ -97,6 +101,7 @@ def decode_trajectory(data: dict[str, Any]) -> Trajectory:
     """A trajectory from `encode_trajectory`'s output; its state times are moved to end now (durations kept,
     this process's clock)."""
     traj = Trajectory.__new__(Trajectory)
+    traj.partial_turn = None  # older snapshots have no such slot
     for name in Trajectory.__slots__:
         if name in data:
             setattr(traj, name, _decode(data[name]))
@@ -127,29 +132,75 @@ def header(agent: CompiledAgent) -> dict[str, Any]:
             "spec": str(agent.path) if agent.path else None}  # fmt: skip
 
 
+def _digest(data: dict[str, Any]) -> str:
+    body = {k: v for k, v in data.items() if k != "checksum"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
+
+
 def write(path: str | Path, data: dict[str, Any]) -> None:
-    """Write atomically: a snapshot file is always whole."""
+    """Write atomically (a snapshot file is always whole), with a checksum: an edited snapshot is refused."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.writing")
-    tmp.write_text(json.dumps(data, ensure_ascii=False))
+    tmp.write_text(json.dumps({**data, "checksum": _digest(data)}, ensure_ascii=False))
     os.replace(tmp, path)
 
 
-def read(path: str | Path, agent: CompiledAgent) -> dict[str, Any]:
-    """A snapshot file, checked against `agent` (same format, same spec hash)."""
+def read(path: str | Path, agent: CompiledAgent, vocab_size: int | None = None) -> dict[str, Any]:
+    """A snapshot file, checked against `agent` (same format, same spec hash), its checksum, and its
+    structure: states of this agent, token arrays of consistent sizes within the limits, token ids below
+    `vocab_size`. Every refusal is a SnapshotError of one line."""
     try:
         data = json.loads(Path(path).read_text())
     except FileNotFoundError:
         raise SnapshotError(f"{path}: no snapshot there") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SnapshotError(f"{path}: cannot read it ({exc})") from None
     except json.JSONDecodeError as exc:
         raise SnapshotError(f"{path}: not a snapshot (bad JSON: {exc.msg}, line {exc.lineno})") from None
+    except RecursionError:
+        raise SnapshotError(f"{path}: not a snapshot (nested too deeply)") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise SnapshotError(f"{path}: not an agentfsm snapshot of format {FORMAT}")
+    if data.get("checksum") != _digest(data):
+        raise SnapshotError(f"{path}: its checksum does not match its content (edited or damaged); it cannot be "
+                            "resumed, start the run again")  # fmt: skip
     if data.get("spec_hash") != agent.hash:
         raise SnapshotError(f"{path}: taken with agent {data.get('agent')!r} (spec hash {data.get('spec_hash')}), "
                             f"but this engine runs {agent.name!r} (spec hash {agent.hash}); restore it with the "
                             f"spec it was taken with ({data.get('spec')})")  # fmt: skip
+    try:
+        _check(data, agent, vocab_size)
+    except SnapshotError as exc:
+        raise SnapshotError(f"{path}: {exc}") from None
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError, RecursionError) as exc:
+        raise SnapshotError(f"{path}: malformed snapshot ({type(exc).__name__}: {exc})") from None
     return data
+
+
+def _check(data: dict[str, Any], agent: CompiledAgent, vocab_size: int | None) -> None:
+    """What a restore relies on, checked before anything is restored (see `read`)."""
+    limits, states = agent.limits, agent.spec.states
+    groups = data["groups"]
+    if not isinstance(groups, list):
+        raise SnapshotError("'groups' is not a list")
+    for g in groups:
+        if g["status"] not in ("ready", "running") or not isinstance(g["uid"], str):
+            raise SnapshotError(f"group {g.get('uid')!r}: bad status or uid")
+        decode_sampling(g["sampling"])
+        for td in g["trajectories"]:
+            traj = decode_trajectory(td)
+            where = f"trajectory {traj.session_id!r}"
+            if not isinstance(td["done"], bool) or traj.state not in states:
+                raise SnapshotError(f"{where}: state {traj.state!r} is not one of the agent's")
+            n = len(traj.response_ids)
+            if not (len(traj.response_mask) == len(traj.response_logprobs) == len(traj.response_versions) == n):
+                raise SnapshotError(f"{where}: its response arrays differ in length")
+            if n > limits.response_length or len(traj.prompt_ids) > limits.prompt_length:
+                raise SnapshotError(f"{where}: more tokens than limits.prompt_length/response_length")
+            partial = traj.partial_turn or ((), (), ())
+            ids = [*traj.prompt_ids, *traj.response_ids, *partial[0]]
+            if ids and (min(ids) < 0 or (vocab_size is not None and max(ids) >= vocab_size)):
+                raise SnapshotError(f"{where}: token ids outside the tokenizer's vocabulary ({vocab_size})")
 
 
 # --- the boundary --------------------------------------------------------------------------------------------
@@ -178,12 +229,14 @@ class Boundary:
         """A trajectory started or finished: the closer re-counts."""
         self._moved.set()
 
-    async def close(self, running: Callable[[], int], timeout_s: float | None = None) -> None:
-        """Hold every trajectory at its next boundary; return once the `running()` ones have all parked."""
+    async def close(self, running: Callable[[], int], timeout_s: float | None = None,
+                    held: Callable[[], int] = lambda: 0) -> None:  # fmt: skip
+        """Hold every trajectory at its next boundary; return once the `running()` ones have all parked, here
+        or (`held()` of them) waiting elsewhere while whole (a model turn at a paused engine's gate)."""
         self._open.clear()
         try:
             async with asyncio.timeout(timeout_s):
-                while self.parked < running():
+                while self.parked + held() < running():
                     self._moved.clear()
                     await self._moved.wait()
         except BaseException:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +32,8 @@ from fsm.runtime import Runner
 from fsm.trajectory import Trajectory
 
 StalePolicy = Literal["drop", "rerun"]
+PAUSE_TIMEOUT_S = 10.0  # a snapshot's pause of the servers (abort mode) waits at most this long
+log = logging.getLogger("agentfsm.stream")
 
 
 class StreamEmpty(RuntimeError):
@@ -90,7 +93,7 @@ class Stream:
         """The owner of every trajectory task; runs until cancelled (the engine's close, a stopping snapshot).
         Cancelled, it cancels every running trajectory; ready groups stay, to be taken."""
         try:
-            async with asyncio.TaskGroup() as tg:
+            async with self.runner.watching(), asyncio.TaskGroup() as tg:
                 self._tg = tg
                 self._serving.set()
                 await asyncio.Event().wait()
@@ -217,7 +220,12 @@ class Stream:
     async def snapshot(self, header: Mapping[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
         """Park every running trajectory at a state boundary and write down every group, ready or running.
         The trajectories stay parked until `boundary.open()` (the caller's, once written or stopped)."""
-        await self.boundary.close(lambda: self._active, timeout_s)
+        gate = self.runner.gate
+        gate.on_wait = self.boundary.moved
+        try:
+            await self.boundary.close(lambda: self._active, timeout_s, lambda: gate.waiting)
+        finally:
+            gate.on_wait = None
         try:
             groups = []
             for status, g, done in ([("ready", g, None) for g in self._ready] +
@@ -368,21 +376,40 @@ class ContinuousMode(GroupTaking):
         return stats
 
     async def asnapshot(self, path: str | Path, *, meta: Mapping[str, Any] | None = None, stop: bool = False,
-                        timeout: float | None = None) -> dict[str, int]:  # fmt: skip
+                        timeout: float | None = None, abort_turns: bool = False) -> dict[str, int]:  # fmt: skip
         """Write the continuous mode's groups (finished but not taken, and running) to `path` as JSON, taken
         at state boundaries: running trajectories pause at their next one while it is written. `stop=True`
         then cancels the running ones (their groups live on in the file) instead of letting them go on.
+        `abort_turns=True` never waits for a model turn: the engine pauses in abort mode first (`apause`), so
+        turns in flight end with their partial output, which the snapshot keeps and a restore goes on from.
         `meta` is stored as is (JSON). Returns counts: groups ready and running, trajectories parked."""
 
         async def here() -> dict[str, int]:
             stream = await self._stream_here()
-            data = await stream.snapshot({**snap.header(self.agent), "meta": dict(meta or {})}, timeout)
+            gate = self.runner.gate
+            paused = abort_turns and not gate.paused
+            if paused:
+                gate.close()  # first: no new turn starts while the servers abort the running ones
+                try:
+                    async with asyncio.timeout(PAUSE_TIMEOUT_S):
+                        await self._control_here("pause_generation", ("abort",), {}, False)
+                except Exception as exc:  # a server that cannot pause: its turns are waited for instead
+                    log.warning("snapshot: pausing the servers failed (%s: %s); waiting for turns in flight",
+                                type(exc).__name__, exc)  # fmt: skip
             try:
-                await asyncio.to_thread(snap.write, path, data)
-                if stop:
-                    await self._stop_stream()
-            finally:
-                stream.boundary.open()
+                data = await stream.snapshot({**snap.header(self.agent), "meta": dict(meta or {})}, timeout)
+                try:
+                    await asyncio.to_thread(snap.write, path, data)
+                    if stop:
+                        await self._stop_stream()
+                finally:
+                    stream.boundary.open()
+            finally:  # stopped or going on: the servers serve again (a stop has cancelled our turns by now)
+                if paused:
+                    with contextlib.suppress(Exception):
+                        async with asyncio.timeout(PAUSE_TIMEOUT_S):
+                            await self._control_here("continue_generation", (), {}, False)
+                    gate.open()
             running = sum(g["status"] == "running" for g in data["groups"])
             return {"ready_groups": len(data["groups"]) - running, "running_groups": running}
 
@@ -393,7 +420,7 @@ class ContinuousMode(GroupTaking):
         otherwise); ready groups can be taken, running ones run on. Returns the snapshot's `meta`."""
 
         async def here() -> dict[str, Any]:
-            data = await asyncio.to_thread(snap.read, path, self.agent)
+            data = await asyncio.to_thread(snap.read, path, self.agent, len(self.codec.tokenizer))
             await (await self._stream_here()).restore(data)
             return dict(data.get("meta") or {})
 

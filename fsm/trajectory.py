@@ -54,7 +54,7 @@ class Trajectory:
         "messages", "tool_schemas", "tools_kwargs", "interaction_kwargs", "interaction_started",
         # tokens
         "prompt_ids", "response_ids", "response_mask", "response_logprobs", "response_versions", "segments",
-        "needs_tail",
+        "needs_tail", "partial_turn",
         "logprobs_missing",
         # machine
         "state", "path", "path_times", "transitions_fired",
@@ -80,6 +80,9 @@ class Trajectory:
         self.response_versions = array("i")  # the weight version that produced each token; -1 on mask 0
         self.segments: list[Segment] = []
         self.needs_tail = False  # the last turn was the model's: the template's turn closer is still owed
+        # (ids, logprobs, versions) of a model turn that a pause aborted, while it waits at the engine's gate:
+        # a snapshot taken then keeps them, and the turn goes on from them (fsm/actions.py)
+        self.partial_turn: tuple[list[int], list[float] | None, list[int]] | None = None
         self.logprobs_missing = False  # logprobs were asked for and a server gave none: response_logprobs
         # then holds placeholders, and the batch carries no rollout_log_probs
         self.state = initial

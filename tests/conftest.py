@@ -6,8 +6,11 @@ what SGLang returns for a turn that stopped. Helpers build them from text so tes
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import json
 import textwrap
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -148,3 +151,17 @@ def tool_spec(tools: str, limits: str = "", extra: str = "") -> str:
         {tools}
         {extra}
     """
+
+
+async def until(condition: Callable[[], Any], what: str, timeout_s: float = 60.0) -> None:
+    """Wait for `condition()` (sync or async) to hold: tests wait for a state, never for a fixed time, so they
+    hold on a loaded machine; the timeout only turns a regression into a failure instead of a hang."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s:g} s"
+        await asyncio.sleep(0.005)

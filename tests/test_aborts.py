@@ -22,7 +22,7 @@ from backends.scripted import HashLM
 from backends.sglang import SGLangBackend
 from fsm.api import RolloutEngine
 from fsm.batch import fault_summary
-from tests.conftest import ASSETS, scripted, tool_turn, user_row
+from tests.conftest import ASSETS, scripted, tool_turn, until, user_row
 
 RESUME_SPEC = """
     name: resume
@@ -160,7 +160,7 @@ async def test_server_side_aborts_mid_batch_lose_nothing(tok, compile_yaml, how)
         async with control:
 
             async def disrupt() -> None:
-                await asyncio.sleep(0.1)  # every row's turn is running
+                await until(lambda: any(r.started for r in dev._live.values()), "a turn running at the server")
                 if how == "pause_generation":
                     await control.pause_generation("abort")
                     await asyncio.sleep(0.1)

@@ -138,17 +138,29 @@ def test_one_engine_serves_async_then_sync(tok):
 
 
 def test_ctrl_c_interrupts_a_sync_call_promptly(tok):
-    """The engine's thread blocks SIGINT, so Ctrl-C reaches the main thread waiting on it."""
+    """The engine's thread blocks SIGINT, so Ctrl-C reaches the main thread waiting on it. The test sets
+    Python's Ctrl-C handler itself: a process started with SIGINT ignored (`nohup ... &`) has none."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     engine = RolloutEngine("calculator", tok, backend=echo(latency_s=0.5), max_concurrency=1)
-    engine.generate_sequences(make_prompts(1))  # started
-    timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT))
-    t0 = time.perf_counter()
-    timer.start()
-    with pytest.raises(KeyboardInterrupt):
-        engine.generate_sequences(make_prompts(8))  # 4 s uninterrupted
-    assert time.perf_counter() - t0 < 2.0
-    assert len(engine.generate_sequences(make_prompts(1))) == 1  # the engine still works
-    engine.close()
+    try:
+        engine.generate_sequences(make_prompts(1))  # started
+        sent: list[float] = []
+
+        def ctrl_c_once_under_way() -> None:  # a condition, not a delay: a trajectory is being driven
+            deadline = time.monotonic() + 60
+            while not engine.runner.live and time.monotonic() < deadline:
+                time.sleep(0.005)
+            sent.append(time.perf_counter())
+            os.kill(os.getpid(), signal.SIGINT)
+
+        threading.Thread(target=ctrl_c_once_under_way, daemon=True).start()
+        with pytest.raises(KeyboardInterrupt):
+            engine.generate_sequences(make_prompts(8))  # 4 s uninterrupted
+        assert time.perf_counter() - sent[0] < 2.0
+        assert len(engine.generate_sequences(make_prompts(1))) == 1  # the engine still works
+    finally:
+        engine.close()
+        signal.signal(signal.SIGINT, previous)
 
 
 async def test_cancelling_the_caller_cancels_the_rollout(tok):

@@ -307,7 +307,8 @@ def assert_consistent(out, rows: int, status: str = "completed") -> dict:
     assert len((out / "trajectories.jsonl").read_text().splitlines()) == rows
     assert torch.load(out / "batch.pt", weights_only=False)["batch"]["responses"].shape[0] == rows
     resume = ["snapshot.json"] if status == "interrupted" else []  # the rows in flight, for run --resume
-    assert sorted(p.name for p in out.iterdir()) == ["batch.pt", *resume, "summary.json", "trajectories.jsonl"]
+    assert sorted(p.name for p in out.iterdir()) == [".agentfsm.lock", "batch.pt", *resume, "summary.json",
+                                                     "trajectories.jsonl"]  # the lock: fsm/rundir.py's `locked`
     return summary
 
 
@@ -383,8 +384,10 @@ def test_ctrl_c_during_the_rollout_writes_what_finished(capsys, tmp_path):
         server.close()
     captured = capsys.readouterr()
     assert code == 130 and "Traceback" not in captured.err
-    lines = captured.err.splitlines()
-    assert len(lines) == 1 and "interrupted:" in lines[0] and "of 8 trajectories finished" in lines[0]
+    stopping, wrote, interrupted = captured.err.splitlines()  # at once, when the snapshot is written, at the end
+    assert "SIGINT: stopping" in stopping and "Ctrl-C again to exit without" in stopping
+    assert wrote.startswith("agentfsm: wrote the snapshot")
+    assert "interrupted:" in interrupted and "of 8 trajectories finished" in interrupted
     summary = read_summary(out)
     rows = summary["files"]["batch.pt"]["rows"]
     assert 1 <= rows < 8 and summary["rows_expected"] == 8

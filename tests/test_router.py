@@ -18,6 +18,7 @@ from backends.scripted import echo_backend
 from backends.sglang import SGLangBackend
 from bench.prefix_cache import bench_prefix_cache
 from bench.router import bench_router
+from tests.conftest import until
 
 
 @contextlib.asynccontextmanager
@@ -68,15 +69,23 @@ async def test_every_turn_of_a_session_stays_on_one_server():
 
 
 async def test_in_flight_spread_within_one_of_even():
-    async with fleet(latency_s=0.3) as (devs, router):
+    async with fleet(latency_s=3.0) as (devs, router):  # long turns: the spread is looked at while they run
         batch = [asyncio.create_task(run_session(router, f"b{i}", 1)) for i in range(31)]
-        await asyncio.sleep(0.1)
-        in_flight = [s["in_flight"] for s in router.stats()["servers"]]
         async with aiohttp.ClientSession() as http:  # what the servers themselves report
-            running = []
-            for d in devs:
-                async with http.get(d.url + "/v1/loads") as r:
-                    running.append((await r.json())["loads"][0]["num_running_reqs"])
+
+            async def loads() -> list[int]:
+                out = []
+                for d in devs:
+                    async with http.get(d.url + "/v1/loads") as r:
+                        out.append((await r.json())["loads"][0]["num_running_reqs"])
+                return out
+
+            async def all_running() -> bool:
+                return sum(await loads()) == 31
+
+            await until(all_running, "all 31 requests running at the servers")
+            in_flight = [s["in_flight"] for s in router.stats()["servers"]]
+            running = await loads()
         assert sum(in_flight) == 31 and max(in_flight) - min(in_flight) <= 1
         assert running == in_flight
         await asyncio.gather(*batch)
@@ -164,6 +173,12 @@ def _free_ports(n: int) -> int:
     raise RuntimeError("no free port range")
 
 
+async def _running_at(url: str) -> bool:
+    """Whether the server itself reports requests running (its /v1/loads), not merely sent to it."""
+    async with aiohttp.ClientSession() as http, http.get(url + "/v1/loads") as r:
+        return (await r.json())["loads"][0]["num_running_reqs"] > 0
+
+
 async def test_a_server_killed_mid_batch_loses_nothing(tmp_path):
     launcher = SGLangLauncher(
         "unused", dp=3, base_port=_free_ports(3), log_dir=tmp_path, module="backends.devserver",
@@ -173,7 +188,7 @@ async def test_a_server_killed_mid_batch_loses_nothing(tmp_path):
         clients = [SGLangBackend(url, max_retries=1, backoff_s=0.01) for url in launcher.urls]
         async with Router(clients, health_interval_s=0.2, max_retries=3) as router:
             batch = asyncio.gather(*(run_session(router, f"k{i}", 4) for i in range(24)))
-            await asyncio.sleep(0.12)  # turns are in flight on every server
+            await until(lambda: _running_at(launcher.urls[1]), "turns running at server 1")
             launcher.kill(1)
             runs = await batch
             stats = router.stats()

@@ -28,7 +28,7 @@ from backends.scripted import HashLM
 from backends.sglang import SGLangBackend
 from fsm.batch import fault_summary
 from fsm.runtime import Runner
-from tests.conftest import ASSETS, user_row
+from tests.conftest import ASSETS, until, user_row
 from tests.test_router import _free_ports
 
 SPEC = """
@@ -205,6 +205,14 @@ async def test_the_cli_request_timeout_overrides_the_spec():
 # --- killed servers ------------------------------------------------------------------------------------------
 
 
+async def _running_at(url: str) -> bool:
+    """Whether the server itself reports requests running (its /v1/loads), not merely sent to it."""
+    import aiohttp
+
+    async with aiohttp.ClientSession() as http, http.get(url + "/v1/loads") as r:
+        return (await r.json())["loads"][0]["num_running_reqs"] > 0
+
+
 async def test_a_server_killed_mid_batch_loses_no_row(agent, tok, reference, tmp_path):
     launcher = SGLangLauncher(
         "unused", dp=3, base_port=_free_ports(3), log_dir=tmp_path, module="backends.devserver",
@@ -213,7 +221,7 @@ async def test_a_server_killed_mid_batch_loses_no_row(agent, tok, reference, tmp
     async with launcher:
         backend = router(launcher.urls, max_retries=1, reroutes=3)
         batch_run = asyncio.ensure_future(run(agent, tok, backend, rows(16)))
-        await asyncio.sleep(0.15)  # every server has turns in flight
+        await until(lambda: _running_at(launcher.urls[1]), "turns running at server 1")
         launcher.kill(1)
         trajs, batch, stats = await batch_run
     assert_rows_right_or_errors(trajs, batch, reference)

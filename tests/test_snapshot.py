@@ -167,13 +167,12 @@ def test_ctrl_c_snapshots_and_resume_completes_the_run_token_for_token(tiny_serv
     subprocess.run(_run(tiny_server, ref), env=ENV, cwd=REPO, check=True, timeout=240)
     proc = subprocess.Popen(_run(tiny_server, cut), env=ENV, cwd=REPO, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
-    while True:  # interrupt once the rollout is under way: requests at the server
-        load = _get(f"{tiny_server}/v1/loads")["loads"][0]
+    while True:  # interrupt once the rollout is under way: requests at the server (12 trajectories, 3 at once:
+        load = _get(f"{tiny_server}/v1/loads")["loads"][0]  # most are still to run then)
         if load["num_running_reqs"] + load["num_waiting_reqs"] > 0:
             break
         assert proc.poll() is None and time.monotonic() < deadline, "the run never reached the server"
         time.sleep(0.02)
-    time.sleep(1.5)  # some groups finish, most do not
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err

@@ -18,6 +18,7 @@ from fsm import RolloutEngine
 from fsm.stream import StreamEmpty, version_span
 from fsm.trajectory import Trajectory
 from specs.calculator import make_prompts
+from tests.conftest import until
 
 
 class SlowRows(BaseBackend):
@@ -140,7 +141,7 @@ class TestAcrossWeightUpdates:
         async with DevServer(SlowRows({}, default_s=0.05)) as server:  # pause and weight loading over HTTP
             async with RolloutEngine("calculator", tok, servers=[server.url]) as engine:
                 await engine.asubmit(rows, n=2)
-                await asyncio.sleep(0.03)  # some turns in flight
+                await until(lambda: server._live, "turns in flight at the server")
                 await engine.apause(mode="retract")
                 v = await engine.aupdate_weights_from_disk("/checkpoints/step-1")
                 await engine.aresume()

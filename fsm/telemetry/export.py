@@ -61,12 +61,13 @@ class SpanCounts:
     dropped_queue_full: int = 0  # evicted from a full queue before export
     export_failed: int = 0  # in a batch the exporter reported as failed (collector down, 4xx, too large)
     queued: int = 0  # still waiting for export
+    dropped_at_exit: int = 0  # queued or being exported when the tracer closed (its flush timed out)
     trajectories: int = 0  # traced
     trajectories_sampled_out: int = 0
 
     @property
     def dropped(self) -> int:
-        return self.dropped_queue_full + self.export_failed
+        return self.dropped_queue_full + self.export_failed + self.dropped_at_exit
 
     def as_dict(self) -> dict[str, int]:
         return {**asdict(self), "dropped": self.dropped}
@@ -113,6 +114,7 @@ class SpanPipeline(SpanProcessor):
         self.ended_total = lambda: self.ended_here  # replaced by the Telemetry that owns this pipeline
         self._warned_evicted = 0
         self._closed = False
+        self._final = False  # shut down: what is not exported by now never will be
         self._start()
         if hasattr(os, "register_at_fork"):  # as the SDK: a forked child gets an empty queue, its own thread
             ref = weakref.WeakMethod(self._start)
@@ -188,18 +190,27 @@ class SpanPipeline(SpanProcessor):
             self._export()
         return True
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Stop: the exporter first (a send in its retries gives up), then the thread (waited for at most
+        `timeout_s`). What is still queued or in flight then counts as dropped at exit."""
         if self._closed:
             return
         self._closed = True
+        try:
+            self.exporter.shutdown()
+        except Exception:
+            log.exception("agentfsm telemetry: exporter %s failed to shut down", self.name)
         self._wake.set()
-        self._thread.join(30)
-        self.exporter.shutdown()
+        self._thread.join(timeout_s)
+        self._final = True
 
     def counts(self) -> SpanCounts:
         queued, ended = len(self.queue), self.ended_total()
         evicted = max(0, ended - self.submitted - queued)
-        return SpanCounts(ended, self.exported, evicted, self.failed, queued)
+        if not self._final:
+            return SpanCounts(ended, self.exported, evicted, self.failed, queued)
+        lost = max(0, ended - self.exported - self.failed - evicted)  # queued, or in a batch being sent
+        return SpanCounts(ended, self.exported, evicted, self.failed, 0, lost)
 
 
 class MemoryExporter(NativeExporter):

@@ -11,9 +11,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import sys
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TextIO
 
 from opentelemetry import context as otel_context
 from opentelemetry.sdk.resources import Resource
@@ -84,7 +85,7 @@ class Telemetry:
         # an OTLP/HTTP URL (base or .../v1/traces); None: the OTEL_EXPORTER_OTLP_* endpoint if set; False: none
         otlp: str | bool | None = None,
         headers: dict[str, str] | None = None,  # OTLP headers; None: OTEL_EXPORTER_OTLP_[TRACES_]HEADERS
-        console: bool = False,  # print finished spans as JSON on stdout
+        console: bool | TextIO = False,  # print finished spans as JSON on stderr (True) or this stream
         memory: bool = False,  # keep spans in memory, see `finished_spans()` (tests)
         exporters: Sequence[SpanExporter | NativeExporter] = (),  # any other exporters
         sample: float | None = None,  # fraction of trajectories traced, whole; decided from the session id
@@ -129,7 +130,8 @@ class Telemetry:
             self.otlp_endpoint = exporter.endpoint
             named.append(("otlp", exporter))
         if console:
-            named.append(("console", ConsoleSpanExporter()))
+            # stderr: a program's stdout is its output (agentfsm's run table), never mixed with span dumps
+            named.append(("console", ConsoleSpanExporter(out=sys.stderr if console is True else console)))
         if self.memory is not None:
             named.append(("memory", self.memory))
         named.extend((f"{type(e).__name__}{i}", e) for i, e in enumerate(exporters))
@@ -312,10 +314,11 @@ class Telemetry:
         if stats["dropped"] > self._warned_dropped:
             log.warning(
                 "agentfsm telemetry: %d of %d spans dropped (%d queue full, %d export failed): %s. Raise "
-                "max_queue_size (OTEL_BSP_MAX_QUEUE_SIZE, now %s) or check the collector.",
+                "max_queue_size (OTEL_BSP_MAX_QUEUE_SIZE, now %s) or check the collector%s.",
                 stats["dropped"], stats["ended"], stats["dropped_queue_full"], stats["export_failed"],
                 {name: c["dropped"] for name, c in stats["by_exporter"].items()},
                 ", ".join(str(p.max_queue_size) for p in self.processors),
+                f" at {self.otlp_endpoint}" if self.otlp_endpoint else "",
             )  # fmt: skip
             self._warned_dropped = stats["dropped"]
         return stats
@@ -326,13 +329,25 @@ class Telemetry:
             raise RuntimeError("finished_spans() needs Telemetry(memory=True)")
         return self.memory.finished_spans()
 
-    def close(self) -> dict[str, Any]:
-        """Flush, stop the export threads, and return the final stats. Idempotent."""
+    def close(self, timeout_s: float | None = None) -> dict[str, Any]:
+        """Flush (waiting at most `timeout_s`, default `flush_timeout_s`), stop the exporters and their
+        threads, and return the final stats, in which every span ended is exported or dropped (those still
+        queued or being sent count as `dropped_at_exit`), with a warning naming where they were going.
+        Idempotent."""
         if self._closed:
             return self.stats()
-        stats = self.flush()
+        before = self.flush(timeout_s)
         self._closed = True
-        self.provider.shutdown()
+        for p in self.processors:  # bounded: each exporter is stopped before its thread is waited for
+            p.shutdown()
+        self.provider.shutdown()  # the SDK's bookkeeping (our processors are already down)
+        stats = self.stats()
+        lost = stats["dropped"] - before["dropped"]
+        if lost > 0:
+            where = {name: (self.otlp_endpoint if name == "otlp" else name) for name in stats["by_exporter"]}
+            log.warning("agentfsm telemetry: %d of %d spans were not exported before exit (%s); counted as "
+                        "dropped", lost, stats["ended"], ", ".join(f"{n}: {c['dropped_at_exit']} to {where[n]}"
+                        for n, c in stats["by_exporter"].items() if c["dropped_at_exit"]))  # fmt: skip
         return stats
 
     def __enter__(self) -> Telemetry:

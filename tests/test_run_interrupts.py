@@ -1,0 +1,190 @@
+"""`agentfsm run` interrupted as schedulers and people interrupt it: SIGTERM and Ctrl-C in the middle of a model
+turn that would last ten minutes, a second Ctrl-C while a tool hangs, a run resumed from its snapshot without
+repeating the spec; and the watchdog's report of a hung sync tool, in the path users run.
+
+The servers are dev servers (backends/devserver.py) serving HashLM, the deterministic toy model: one with a
+600 s latency per request (a turn no wait outlasts), one without, which the resumed run uses and whose greedy
+answer the uninterrupted reference run gives.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.test_snapshot import _get
+
+REPO = Path(__file__).resolve().parents[1]
+ASSETS = REPO / "backends/tiny/assets"
+ENV = {**{k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}, "PYTHONPATH": str(REPO)}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve(*args: str) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "backends.devserver", "--hashlm", "--vocab", "500",
+                             "--port", str(port), "--log-level", "warning", *args], env=ENV, cwd=REPO)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            _get(f"{url}/v1/loads")
+            return proc, url
+        except OSError:
+            assert proc.poll() is None and time.monotonic() < deadline, "the dev server did not come up"
+            time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def servers():
+    slow, slow_url = _serve("--latency", "600")
+    fast, fast_url = _serve()
+    yield slow_url, fast_url
+    for proc in (slow, fast):
+        proc.terminate()
+        proc.wait(20)
+
+
+def run_args(out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "fsm.cli", "run", "--tokenizer", str(ASSETS), "--num-prompts", "3", "--n", "2",
+            "--temperature", "0", "--out", str(out), "-q", *extra]  # fmt: skip
+
+
+class Lines:
+    """A process's stderr, line by line, read in a thread: tests wait for a line, never for a fixed time."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.lines: list[str] = []
+        self._q: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, args=(proc,), daemon=True).start()
+
+    def _read(self, proc: subprocess.Popen) -> None:
+        for line in proc.stderr:
+            self._q.put(line)
+        self._q.put(None)
+
+    def wait_for(self, text: str, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self._q.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"no {text!r} in {timeout:g} s; stderr so far:\n{''.join(self.lines)}") from None
+            if line is None:
+                raise AssertionError(f"the process ended without {text!r}; stderr:\n{''.join(self.lines)}")
+            self.lines.append(line)
+            if text in line:
+                return line
+
+    def rest(self, timeout: float = 30) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self._q.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if line is None:
+                break
+            self.lines.append(line)
+        return "".join(self.lines)
+
+
+def _in_flight(url: str) -> int:
+    load = _get(f"{url}/v1/loads")["loads"][0]
+    return load["num_running_reqs"] + load["num_waiting_reqs"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_an_interrupt_mid_turn_snapshots_within_seconds_and_resume_gives_the_same_tokens(servers, tmp_path, sig):
+    slow, fast = servers
+    ref, cut = tmp_path / "ref", tmp_path / "cut"
+    done = subprocess.run(run_args(ref, "specs/calculator.yaml", "--server", fast), env=ENV, cwd=REPO,
+                          capture_output=True, text=True, timeout=240)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    proc = subprocess.Popen(run_args(cut, "specs/calculator.yaml", "--server", slow), env=ENV, cwd=REPO,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while _in_flight(slow) < 6:  # every trajectory is in its first turn, which lasts 600 s
+            assert proc.poll() is None and time.monotonic() < deadline, "the run never reached the server"
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        proc.send_signal(sig)
+        err = Lines(proc)
+        assert "stopping 6 running trajectories" in err.wait_for("stopping", 10)
+        proc.wait(30)
+        took = time.monotonic() - t0
+    finally:
+        proc.kill()
+    err = err.rest()
+    assert proc.returncode == 130, err
+    assert took < 30, f"the snapshot took {took:.1f} s"
+    assert f"resume with: agentfsm run --resume {cut}" in err and "Traceback" not in err
+    assert (cut / "snapshot.json").exists() and not (cut / "summary.json").exists()
+    assert _in_flight(slow) == 0  # the aborted turns are gone from the server, which serves again
+
+    again = subprocess.run(run_args(cut, "specs/calculator.yaml", "--server", fast), env=ENV, cwd=REPO,
+                           capture_output=True, text=True, timeout=240)  # fmt: skip
+    assert again.returncode == 1 and "holds the snapshot of an interrupted run" in again.stderr
+    other = subprocess.run(run_args(cut, "specs/tool_agent.yaml", "--resume", str(cut), "--server", fast), env=ENV,
+                           cwd=REPO, capture_output=True, text=True, timeout=240)  # fmt: skip
+    assert other.returncode == 1 and "restore it with the spec it was taken with" in other.stderr
+    assert len(other.stderr.strip().splitlines()) == 1
+    resumed = subprocess.run(run_args(cut, "--resume", str(cut), "--server", fast), env=ENV, cwd=REPO,
+                             capture_output=True, text=True, timeout=240)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr
+    assert not (cut / "snapshot.json").exists()
+    a = torch.load(ref / "batch.pt", weights_only=False)
+    b = torch.load(cut / "batch.pt", weights_only=False)
+    assert list(a["non_tensor_batch"]["uid"]) == list(b["non_tensor_batch"]["uid"])
+    for key, value in a["batch"].items():
+        assert torch.equal(value, b["batch"][key]), key
+
+
+STUCK_SPEC = """
+name: calculator_stuck
+extends: {specs}/calculator.yaml
+tools:
+  - function: tests.fixtures.parts:stuck
+    schema: specs.calculator:TOOL_SCHEMA
+"""
+
+
+def test_a_hung_sync_tool_gets_a_watchdog_line_and_a_second_ctrl_c_exits_at_once(tmp_path):
+    spec = tmp_path / "stuck.yaml"
+    spec.write_text(STUCK_SPEC.format(specs=REPO / "specs"))
+    proc = subprocess.Popen([sys.executable, "-m", "fsm.cli", "run", str(spec), "--num-prompts", "2", "--watchdog",
+                             "1", "--out", str(tmp_path / "out"), "-q"], env=ENV, cwd=REPO, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    try:
+        err = Lines(proc)
+        line = err.wait_for("watchdog:", 240)
+        assert "no trajectory has changed state for" in line
+        # a slow model turn (a loaded machine) may be reported first: the hung tool's row comes next
+        assert "in PROCESSING_TOOLS for" in err.wait_for("in PROCESSING_TOOLS for", 240)
+        proc.send_signal(signal.SIGINT)
+        err.wait_for("Ctrl-C again to exit without a snapshot", 10)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        proc.wait(10)
+        took = time.monotonic() - t0
+    finally:
+        proc.kill()
+    text = err.rest()
+    assert proc.returncode == 130 and "exiting without a snapshot" in text, text
+    assert took < 10 and "Traceback" not in text
