@@ -138,6 +138,10 @@ def command_line(commands: Mapping[str, Callable[[argparse.Namespace], int]]) ->
     p.add_argument("--check-tokens", action="store_true", help="compare ids with a full re-render")
     p.add_argument("--request-timeout", type=float_in(0.0, above=True), metavar="SECONDS",
                    help="seconds per request attempt to a server (default: the backend's)")
+    p.add_argument("--strict-servers", action="store_true",
+                   help="refuse to start when any --server is down or malformed (default: leave it out, warn)")
+    p.add_argument("--retry-window", type=float_in(0.0), default=60.0, metavar="SECONDS",
+                   help="while every server fails, keep failing over for this long before a row errs (default 60)")
     p.add_argument("--max-error-rate", type=float_in(0.0, 1.0), default=0.5, metavar="RATE",
                    help="exit 1 when more than this share of rows end in error (the outputs are written anyway)")
     p.add_argument("--otlp", metavar="URL", help="export spans to an OTLP/HTTP endpoint (Jaeger :4318, Phoenix "
