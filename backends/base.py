@@ -22,6 +22,7 @@ class GenerateRequest:
     return_logprob: bool = True
     timeout_s: float | None = None  # per-attempt deadline (the spec's request_timeout_s); None: the backend's
     resumed: int = 0  # how often this turn was aborted and resumed before this request (0: a fresh turn)
+    vocab_size: int | None = None  # ids an answer may hold lie in [0, vocab_size); None: not checked
 
 
 @dataclass(slots=True)

@@ -17,6 +17,11 @@ Kinds, applied to /generate only (every other path, /abort_request and /health i
   abort_running  likewise: aborted mid-generation, answering the partial output_ids and logprobs; counted only
                  when the server did abort (a turn that ends by itself before the cut is not a fault)
 The abort kinds need backends/devserver.py upstream (a real SGLang ignores the header).
+Hostile answers (backends/hostile.py: out-of-vocabulary and negative ids, NaN/inf/positive/boolean logprobs,
+tokens past a stop id, more tokens than asked, a timestamp version, a huge version span, a string count, an
+oversize body) forward the request and rewrite the real answer; counted only when the answer could carry it.
+An outage (`outage(seconds)`, or `{"outage_s": s}` over HTTP) answers every /generate 503 for that long: a
+server restart as its clients see it.
 
 What to inject, per /generate in arrival order: `script` (a kind or None per request; then nothing), else
 `every` (kind -> n: every n-th request, the first kind that matches), else `rates` (kind -> probability,
@@ -36,13 +41,15 @@ import aiohttp
 from aiohttp import web
 
 from backends.devserver import FAULT_HEADER
+from backends.hostile import HOSTILE, rewrite
 
 FAULT_KINDS = ("http_503", "drop", "reset", "hang", "non_json", "html", "wrong_schema", "abort_waiting",
-               "abort_running")  # fmt: skip
-# Which counter of the client's stats()["faults"] each kind shows up in.
+               "abort_running", *HOSTILE)  # fmt: skip
+# Which counter of the client's stats()["faults"] each kind shows up in (None: a valid form it absorbs).
 CLIENT_COUNTER = {"http_503": "http_errors", "drop": "disconnects", "reset": "resets", "hang": "timeouts",
                   "non_json": "malformed", "html": "malformed", "wrong_schema": "malformed",
-                  "abort_waiting": "aborts_waiting", "abort_running": "aborts_running"}  # fmt: skip
+                  "abort_waiting": "aborts_waiting", "abort_running": "aborts_running",
+                  **{kind: counter for kind, (_, counter) in HOSTILE.items()}}  # fmt: skip
 
 _ERR_503 = {"object": "error", "message": "Request timed out in the waiting queue (fault injection)", "type": "503",
             "param": None, "code": 503}  # fmt: skip
@@ -62,6 +69,7 @@ class FaultProxy:
         self.requests = 0  # /generate requests seen
         self.abort_requests: list[str] = []  # rids of the /abort_request calls that came through
         self.plan(script=script, every=every, rates=rates, seed=seed)
+        self.outage_until = 0.0  # loop time before which every /generate answers 503
         self._stop = asyncio.Event()  # releases hung requests on close
         self._runner: web.AppRunner | None = None
         self._http: aiohttp.ClientSession | None = None
@@ -81,6 +89,10 @@ class FaultProxy:
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    def outage(self, seconds: float) -> None:
+        """Answer every /generate 503 for the next `seconds` (a restart, as the clients see it)."""
+        self.outage_until = asyncio.get_running_loop().time() + seconds
 
     def _pick(self) -> str | None:
         i = self.requests - self._planned_from
@@ -153,8 +165,19 @@ class FaultProxy:
         return web.Response(status=status, body=data, headers={"Content-Type": ctype})
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
+        if asyncio.get_running_loop().time() < self.outage_until:
+            self.requests += 1
+            self.injected["outage"] += 1
+            return web.json_response(_ERR_503, status=503)
         kind = self._pick()
         body = await request.read()
+        if kind in HOSTILE:
+            status, ctype, data = await self._forward(request, body)
+            bad = rewrite(kind, data, body) if status == 200 else None
+            if bad is not None:
+                self.injected[kind] += 1
+                data = bad
+            return web.Response(status=status, body=data, headers={"Content-Type": ctype})
         if kind is None:
             status, ctype, data = await self._forward(request, body)
             return web.Response(status=status, body=data, headers={"Content-Type": ctype})
@@ -195,8 +218,11 @@ class FaultProxy:
         if request.method == "POST":
             body = await request.json() if request.can_read_body else {}
             try:
-                self.plan(script=body.get("script"), every=body.get("every"), rates=body.get("rates"),
-                          seed=int(body.get("seed", 0)))  # fmt: skip
+                if "outage_s" in body:
+                    self.outage(float(body["outage_s"]))
+                else:
+                    self.plan(script=body.get("script"), every=body.get("every"), rates=body.get("rates"),
+                              seed=int(body.get("seed", 0)))  # fmt: skip
             except (ValueError, TypeError) as e:
                 return web.json_response({"error": str(e)}, status=400)
         return web.json_response({"requests": self.requests, "injected": dict(self.injected),

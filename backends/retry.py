@@ -4,7 +4,8 @@ The SGLang client retries one server, the router fails over across servers, tool
 retry their own calls. Each makes the same three decisions, so each takes a `RetryPolicy` value and (when
 it is async) lets `retry()` run the loop:
 
-    policy = RetryPolicy(attempts=4, backoff_s=0.05)
+    policy = RetryPolicy(attempts=4, backoff_s=0.05)                  # 4 tries, whatever they cost
+    policy = RetryPolicy(attempts=3, backoff_s=0.1, window_s=60.0)   # or on until a minute has passed
     result = await retry(policy, lambda attempt: call(), on_retry=count)
 
 A failure is retried when the policy says so: by default, an exception whose `retryable` attribute is true
@@ -40,6 +41,9 @@ class RetryPolicy:
     jitter: float = 0.2  # ±20 % on every wait, so clients that failed together do not retry together
     statuses: frozenset[int] = RETRY_STATUSES  # HTTP statuses worth another attempt
     retry_after_max_s: float = 30.0  # a server's Retry-After is honoured up to this
+    # Past `attempts`, keep retrying while the next attempt starts within this many seconds of the first:
+    # a budget in time rides out an outage (a server restart) whatever the per-attempt cost. None: count only.
+    window_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.attempts < 1:
@@ -89,18 +93,23 @@ async def retry(
 ) -> T:
     """Await `attempt_fn(attempt)` (attempt is 1-based) until it returns, or raise its last failure.
 
-    A failure is retried while attempts remain and `retryable(exc)` (default: `policy.retryable`) holds;
-    `on_retry(attempt, exc, wait)` is called before each wait (count retries there).
+    A failure is retried while `retryable(exc)` (default: `policy.retryable`) holds and attempts remain, or
+    the policy's time window has room for the next attempt; `on_retry(attempt, exc, wait)` is called before
+    each wait (count retries there).
     """
     should = retryable or policy.retryable
     attempt = 1
+    start = time.monotonic()
     while True:
         try:
             return await attempt_fn(attempt)
         except Exception as exc:
-            if attempt >= policy.attempts or not should(exc):
+            if not should(exc):
                 raise
             wait = policy.delay(attempt, getattr(exc, "retry_after", None))
+            in_window = policy.window_s is not None and time.monotonic() + wait - start < policy.window_s
+            if attempt >= policy.attempts and not in_window:
+                raise
             if on_retry is not None:
                 on_retry(attempt, exc, wait)
         if wait > 0:

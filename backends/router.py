@@ -10,7 +10,9 @@ A session whose server is down is re-pinned by rule 3 and counted as "moved". Wh
 healthy, all of them are candidates again (a mark may be stale; a dead fleet then fails per request).
 
 Failover: a retryable failure (a server fault the client already retried, or a timeout) marks the server
-down and re-runs placement, under the `failover` retry policy (`backends.retry`). A server that failed stays
+down and re-runs placement, under the `failover` retry policy (`backends.retry`): a few re-routes, and
+more while the request is within `retry_window_s` of its first attempt, so an outage of the whole fleet
+shorter than that window is waited out. A server that failed stays
 out for a cooldown that doubles with each consecutive failure (5 s, 10 s, ... up to 5 min), whatever its
 /health says: a server whose /health answers while its /generate hangs must not take new sessions every
 health interval. A success resets it. Every re-route is counted ("retries"; "failovers" when it changed
@@ -70,7 +72,10 @@ class Router(BaseBackend):
         max_retries: int = 2,  # re-routes after a retryable failure, each maybe to another server
         health_interval_s: float = 5.0,  # 0 disables the background health checks
         health_timeout_s: float = 30.0,  # SGLang's /health itself waits up to 20 s
-        failover: RetryPolicy | None = None,  # replaces max_retries: attempts and the wait between re-routes
+        failover: RetryPolicy | None = None,  # replaces max_retries/retry_window_s: attempts and waits
+        # Re-routes go on past max_retries while within this many seconds of a request's first attempt, so a
+        # fleet-wide outage shorter than this (a restart, a 503 window) costs time, not rows.
+        retry_window_s: float = 60.0,
         cooldown_s: float = 5.0,  # a failed server stays out this long, doubled per consecutive failure...
         cooldown_max_s: float = 300.0,  # ...up to this
     ):
@@ -81,8 +86,9 @@ class Router(BaseBackend):
         ]
         self.group_affinity = group_affinity
         self.group_imbalance = group_imbalance
-        # Re-route at once (another server is likely fine), then back off a little if the whole fleet fails.
-        self.failover = failover or RetryPolicy(attempts=1 + max_retries, backoff_s=0.0, backoff_max_s=1.0)
+        # Re-route almost at once (another server is likely fine), backing off up to 2 s while the fleet fails.
+        self.failover = failover or RetryPolicy(attempts=1 + max_retries, backoff_s=0.02, multiplier=3.0,
+                                                backoff_max_s=2.0, window_s=retry_window_s)  # fmt: skip
         self.max_retries = self.failover.attempts - 1
         self.cooldown_s, self.cooldown_max_s = cooldown_s, cooldown_max_s
         self.health_interval_s = health_interval_s

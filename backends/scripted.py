@@ -96,9 +96,11 @@ class ScriptedBackend(BaseBackend):
 
 
 def echo_backend(
-    *, length: int = 8, vocab: int = 1000, eos: int = 2, latency_s: float = 0.0
+    *, length: int = 8, vocab: int = 512, eos: int = 2, latency_s: float = 0.0
 ) -> ScriptedBackend:
     """A deterministic function of the prompt: `length` ids derived from a CRC of the prompt, then `eos`.
+    The default ids are plain tokens of the tiny tokenizer (backends/tiny/assets), so its answers pass the
+    client's vocabulary check (backends/answer.py) when served over HTTP.
 
     The same prompt gives the same answer on every server and in every process, so a session's turns are
     reproducible wherever the router sends them.

@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 
 import aiohttp
 
+from backends.answer import ANSWER_FAULTS, DEFAULT_MAX_NEW_TOKENS, body_limit, parse_generate, snippet
 from backends.base import (
     BackendError,
     BackendMalformed,
@@ -44,14 +45,16 @@ from backends.base import (
 )
 from backends.retry import RetryPolicy, parse_retry_after, retry
 
+__all__ = ["SGLangBackend", "parse_generate", "error_message", "FAULT_KINDS"]
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DEFAULT_REQUEST_TIMEOUT_S = 300.0  # per /generate attempt; SGLang's own watchdog_timeout is also 300 s
-_DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default when the key is absent
 _WEIGHTS_TIMEOUT_S = 600.0  # a weight reload may take minutes
+CONTROL_BODY_BYTES = 16 << 20  # info, health and control answers are small; /generate has its own bound
 # What a /generate can meet, counted in stats()["faults"]; each is one failed attempt or one abort.
-FAULT_KINDS = ("http_errors", "refused", "disconnects", "resets", "timeouts", "malformed", "aborts_waiting",
+FAULT_KINDS = ("http_errors", "refused", "disconnects", "resets", "timeouts", *ANSWER_FAULTS, "aborts_waiting",
                "aborts_running")  # fmt: skip
 
 
@@ -69,86 +72,6 @@ def error_message(body: Any, fallback: str) -> str:
     return fallback
 
 
-def _snippet(value: Any, n: int = 120) -> str:
-    text = value if isinstance(value, str) else json.dumps(value)[: n + 1]
-    text = " ".join(text.split())
-    return repr(text[:n] + ("..." if len(text) > n else ""))
-
-
-def _is_int_list(value: Any) -> bool:
-    return isinstance(value, list) and all(type(t) is int for t in value)
-
-
-def parse_generate(body: Any, *, server: str, return_logprob: bool, rid: str | None = None) -> GenerateResult:
-    """One /generate response object -> GenerateResult. Optional keys stay optional (waiting-queue aborts);
-    a body that does not follow the schema raises BackendMalformed, so it is retried, never taken as a turn."""
-
-    def malformed(what: str) -> BackendMalformed:
-        return BackendMalformed(f"{server}: /generate (rid {rid}) answered 200 with {what}; a server fault",
-                                server=server, status=200, kind="malformed")  # fmt: skip
-
-    if isinstance(body, list) and len(body) == 1:  # never sent as a batch, but be exact about what came back
-        body = body[0]
-    if not isinstance(body, dict):
-        raise malformed(f"JSON {type(body).__name__} {_snippet(body)} instead of a response object")
-    out, meta = body.get("output_ids"), body.get("meta_info")
-    fr = meta.get("finish_reason") if isinstance(meta, dict) else None
-    if not _is_int_list(out) or not isinstance(fr, dict) or fr.get("type") not in ("stop", "length", "abort"):
-        raise malformed(f"a body without output_ids and meta_info.finish_reason: {_snippet(body)}")
-    assert isinstance(meta, dict) and isinstance(out, list)
-    kind = fr["type"]
-    extra: dict[str, Any] = {"id": meta.get("id"), "finish": fr}
-    if kind == "abort":  # SGLang answers a waiting-queue abort without prompt_tokens
-        extra["abort_kind"] = "running" if "prompt_tokens" in meta else "waiting"
-    logprobs: list[float] | None = None
-    if return_logprob:
-        triples = meta.get("output_token_logprobs")
-        if triples is None:
-            extra["logprobs_missing"] = True  # asked for, not given: never invent values
-        elif not isinstance(triples, list) or not all(
-            isinstance(t, list) and t and isinstance(t[0], (int, float)) for t in triples
-        ):
-            raise malformed(f"output_token_logprobs that are not [logprob, id, text] triples: {_snippet(triples)}")
-        elif len(triples) == len(out):
-            logprobs = [float(t[0]) for t in triples]
-        elif not out:
-            logprobs = []  # phantom entry with max_new_tokens=0
-        elif len(triples) > len(out) and [t[1] for t in triples[-len(out) :]] == out:
-            logprobs = [float(t[0]) for t in triples[-len(out) :]]  # leading phantom entry
-        elif kind == "abort":
-            extra["logprobs_missing"] = True  # aborts may carry no logprob payload; never invent values
-        else:
-            raise malformed(f"{len(triples)} output logprobs for {len(out)} output ids")
-    versions = _token_versions(meta.get("weight_versions"), len(out))
-    if versions is not None:
-        extra["token_versions"] = versions
-    return GenerateResult(
-        token_ids=list(out),
-        logprobs=logprobs,
-        finish_reason=kind,
-        prompt_tokens=meta.get("prompt_tokens"),
-        cached_tokens=meta.get("cached_tokens"),
-        weight_version=meta.get("weight_version"),
-        server=server,
-        abort_message=fr.get("message") if kind == "abort" else None,
-        extra=extra,
-    )
-
-
-def _token_versions(spans: Any, n: int) -> list[str] | None:
-    """`meta_info.weight_versions` ([{version, start, end}] over output positions, when the server reports
-    which weights made which tokens: a request held across a weight update has two) -> one version per
-    output token; None when absent or not covering exactly the n tokens."""
-    if not isinstance(spans, list) or not spans:
-        return None
-    out: list[str] = []
-    for span in spans:
-        if not isinstance(span, dict) or span.get("start") != len(out) or not isinstance(span.get("end"), int):
-            return None
-        out += [str(span.get("version"))] * (span["end"] - span["start"])
-    return out if len(out) == n else None
-
-
 def _decode(data: bytes) -> Any:
     """The JSON body, else the text (an error page, an empty body: None)."""
     text = data.decode("utf-8", errors="replace")
@@ -158,6 +81,24 @@ def _decode(data: bytes) -> Any:
         return json.loads(text)
     except ValueError:
         return text
+
+
+async def _read_bounded(resp: aiohttp.ClientResponse, max_bytes: int, what: str) -> bytes:
+    """The whole body, or BackendMalformed once it passes `max_bytes` (the rest is never read)."""
+
+    def oversize(size: str) -> BackendMalformed:
+        return BackendMalformed(f"{what}: answered a body of {size} bytes, past the {max_bytes}-byte bound for "
+                                "this request; a server fault", server=str(resp.url.origin()),
+                                status=resp.status, kind="oversize")  # fmt: skip
+
+    if resp.content_length is not None and resp.content_length > max_bytes:
+        raise oversize(str(resp.content_length))
+    data = bytearray()
+    async for chunk in resp.content.iter_chunked(1 << 16):
+        data += chunk
+        if len(data) > max_bytes:
+            raise oversize(f"more than {len(data)}")
+    return bytes(data)
 
 
 class SGLangBackend(BaseBackend):
@@ -195,8 +136,8 @@ class SGLangBackend(BaseBackend):
         self._name_given = model_name is not None
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
         self._session: aiohttp.ClientSession | None = None
-        self._info_lock = asyncio.Lock()
         self._info: dict[str, Any] | None = None
+        self._info_task: asyncio.Future[dict[str, Any]] | None = None  # one read shared by every waiter
         self._live: dict[str, str] = {}  # rid -> session_id, for abort(session_id) and where()
         # /generate attempts, re-sends of one, and deadline aborts sent; then the faults met, by kind
         self.counts = {"requests": 0, "retries": 0, "aborts_sent": 0}
@@ -212,22 +153,27 @@ class SGLangBackend(BaseBackend):
                                                   timeout=aiohttp.ClientTimeout(total=None))  # fmt: skip
 
     async def close(self) -> None:
+        if self._info_task is not None and not self._info_task.done():
+            self._info_task.cancel()
+            await asyncio.wait({self._info_task})
         if self._session is not None:
             await self._session.close()
             self._session = None
 
     # -- HTTP plumbing ---------------------------------------------------------------------------
 
-    async def _send(self, method: str, path: str, payload: Any = None) -> tuple[int, Mapping[str, str], bytes]:
-        """One HTTP exchange, unbounded (callers set the deadline). A transport failure becomes a
-        retryable BackendUnavailable whose kind says when it happened: refused, before or during the body."""
+    async def _send(self, method: str, path: str, payload: Any = None,
+                    max_bytes: int = CONTROL_BODY_BYTES) -> tuple[int, Mapping[str, str], bytes]:  # fmt: skip
+        """One HTTP exchange, unbounded in time (callers set the deadline) and bounded in size: a body past
+        `max_bytes` is not read on (BackendMalformed "oversize"). A transport failure becomes a retryable
+        BackendUnavailable whose kind says when it happened: refused, before or during the body."""
         await self.start()
         assert self._session is not None
         what = f"{self.url}: {method} {path}"
         try:
             async with self._session.request(method, self.url + path, json=payload) as resp:
                 try:
-                    data = await resp.read()
+                    data = await _read_bounded(resp, max_bytes, what)
                 except (aiohttp.ClientError, ConnectionError) as e:  # the headers came, the body did not
                     raise BackendUnavailable(f"{what}: connection lost mid-response ({type(e).__name__} {e})",
                                              server=self.url, status=resp.status, kind="resets") from e  # fmt: skip
@@ -283,30 +229,50 @@ class SGLangBackend(BaseBackend):
                 return body
         return {}
 
-    async def _ensure_info(self) -> None:
-        """Read /model_info and /server_info once: context length, input limit and model name."""
+    async def _ensure_info(self, timeout_s: float = 30.0) -> None:
+        """Read /model_info and /server_info once: context length, input limit and model name.
+
+        One read is shared by every caller, and each caller waits for it at most `timeout_s` (its own request
+        deadline): a server whose info hangs costs each row one deadline (BackendTimeout, failed over), never
+        a queue behind a lock. A failed read is tried again by the next caller."""
         if self._info is not None:
             return
-        async with self._info_lock:
-            if self._info is not None:
-                return
-            info = await self._get_info(("/model_info", "/get_model_info"))
-            server = await self._get_info(("/server_info", "/get_server_info"))
-            states = server.get("internal_states") or [{}]
-            state = states[0] if isinstance(states, list) and states and isinstance(states[0], dict) else {}
-            max_in = server.get("max_req_input_len") or state.get("max_req_input_len")
-            self.max_input_len = int(max_in) if max_in else None
-            # Server args hold the context length when it was set at launch; else the input limit bounds it.
-            if self.context_length is None:
-                ctx = (
-                    server.get("context_length") or state.get("context_length") or info.get("context_length")
-                )
-                self.context_length = (
-                    int(ctx) if ctx else (self.max_input_len + 1 if self.max_input_len else None)
-                )
-            if not self._name_given:
-                self.model_name = info.get("served_model_name") or info.get("model_path") or self.model_name
-            self._info = info
+        task = self._info_task
+        if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
+            task = self._info_task = asyncio.ensure_future(self._read_info())
+        try:
+            async with asyncio.timeout(timeout_s):
+                await asyncio.shield(task)
+        except TimeoutError:
+            raise BackendTimeout(f"{self.url}: /model_info and /server_info gave no answer within {timeout_s:g} s",
+                                 server=self.url, kind="timeouts") from None  # fmt: skip
+
+    async def _read_info(self) -> dict[str, Any]:
+        info = await self._get_info(("/model_info", "/get_model_info"))
+        server = await self._get_info(("/server_info", "/get_server_info"))
+        states = server.get("internal_states") or [{}]
+        state = states[0] if isinstance(states, list) and states and isinstance(states[0], dict) else {}
+        self.max_input_len = self._count(server.get("max_req_input_len") or state.get("max_req_input_len"),
+                                         "max_req_input_len")  # fmt: skip
+        # Server args hold the context length when it was set at launch; else the input limit bounds it.
+        if self.context_length is None:
+            ctx = server.get("context_length") or state.get("context_length") or info.get("context_length")
+            ctx = self._count(ctx, "context_length")
+            self.context_length = ctx or (self.max_input_len + 1 if self.max_input_len else None)
+        if not self._name_given:
+            name = info.get("served_model_name") or info.get("model_path")
+            self.model_name = name if isinstance(name, str) and name else self.model_name
+        self._info = info
+        return info
+
+    def _count(self, value: Any, key: str) -> int | None:
+        """A positive integer the server info reports, or None when it reports none; else a one-line fault."""
+        if value is None or value == 0:
+            return None
+        if type(value) is int and value > 0:
+            return value
+        raise BackendMalformed(f"{self.url}: server info has {key} {snippet(value)}, not a positive integer",
+                               server=self.url, status=200, kind="bad_fields")  # fmt: skip
 
     async def model_info(self) -> dict[str, Any]:
         """`/model_info`, falling back to the deprecated `/get_model_info` of older servers."""
@@ -341,7 +307,7 @@ class SGLangBackend(BaseBackend):
                 f"{self.context_length}: nothing can be generated; lower the trajectory's budget",
                 server=self.url,
             )
-        wanted = params.get("max_new_tokens", _DEFAULT_MAX_NEW_TOKENS)
+        wanted = params.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
         clamped = room if wanted is None else min(int(wanted), room)
         if clamped != wanted:
             params = {**params, "max_new_tokens": clamped}
@@ -354,25 +320,22 @@ class SGLangBackend(BaseBackend):
         return request.timeout_s if request.timeout_s is not None else DEFAULT_REQUEST_TIMEOUT_S
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
-        await self._ensure_info()
         ids = list(request.prompt_ids)
-        params = self._clamp(ids, dict(request.sampling_params))
         # A fixed-width random suffix cannot be a prefix of another live rid: SGLang's abort matches rids
         # by prefix, so aborting one must never abort another.
         rid = request.rid or f"{request.session_id}_g{uuid.uuid4().hex}"
-        payload = {
-            "input_ids": ids,
-            "sampling_params": params,
-            "return_logprob": request.return_logprob,
-            "rid": rid,
-        }
         timeout_s = self.deadline(request)
 
         async def attempt(n: int) -> GenerateResult:
             if n > 1:
                 self.counts["retries"] += 1
             try:
-                return await self._generate_once(payload, rid, timeout_s, request.return_logprob)
+                await self._ensure_info(timeout_s)
+                params = self._clamp(ids, dict(request.sampling_params))
+                payload = {"input_ids": ids, "sampling_params": params, "return_logprob": request.return_logprob,
+                           "rid": rid}  # fmt: skip
+                asked = replace(request, sampling_params=params, rid=rid)  # what the answer is held to
+                return await self._generate_once(payload, rid, timeout_s, asked)
             except BackendError as e:
                 if e.kind in self.faults:
                     self.faults[e.kind] += 1
@@ -388,10 +351,11 @@ class SGLangBackend(BaseBackend):
             self._live.pop(rid, None)
 
     async def _generate_once(self, payload: dict[str, Any], rid: str, timeout_s: float,
-                             return_logprob: bool) -> GenerateResult:  # fmt: skip
+                             asked: GenerateRequest) -> GenerateResult:  # fmt: skip
         """One /generate attempt under its deadline; every answer that is not a response raises."""
         self.counts["requests"] += 1
-        exchange = asyncio.ensure_future(self._send("POST", "/generate", payload))  # owned: ends in `finally`
+        # owned: ends in `finally`
+        exchange = asyncio.ensure_future(self._send("POST", "/generate", payload, body_limit(asked)))
         try:
             done, _ = await asyncio.wait({exchange}, timeout=timeout_s)
             if not done:
@@ -414,9 +378,10 @@ class SGLangBackend(BaseBackend):
             if not isinstance(body, (dict, list)):
                 kind = headers.get("Content-Type", "no content type").split(";")[0]
                 raise BackendMalformed(f"{self.url}: /generate (rid {rid}) answered 200 with a {kind} body that "
-                                       f"is not JSON: {_snippet(body or '')}; a server fault", server=self.url,
+                                       f"is not JSON: {snippet(body or '')}; a server fault", server=self.url,
                                        status=200, kind="malformed")  # fmt: skip
-            result = parse_generate(body, server=self.url, return_logprob=return_logprob, rid=rid)
+            result = parse_generate(body, server=self.url, return_logprob=asked.return_logprob, rid=rid,
+                                    request=asked)  # fmt: skip
             if result.finish_reason == "abort":
                 self.faults[f"aborts_{result.extra['abort_kind']}"] += 1
             return result

@@ -127,6 +127,7 @@ async def _resumed_turn(
             return_logprob=want_logprobs,
             timeout_s=limits.request_timeout_s,
             resumed=attempt,
+            vocab_size=ctx.codec.vocab_size,
         )
         result = await ctx.call_backend(traj, request)
         traj.metrics.cached_tokens += result.cached_tokens or 0

@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import weakref
 from collections.abc import Callable, Coroutine, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -87,16 +88,17 @@ def tiny_model_dir() -> Path:
 
 def make_backend(*, servers: Sequence[str] | None = None, model: str | Path | None = None,
                  group_affinity: bool = True, request_timeout_s: float | None = None,
-                 **hf_options: Any) -> Backend:  # fmt: skip
+                 retry_window_s: float = 60.0, **hf_options: Any) -> Backend:  # fmt: skip
     """`Router` over SGLang servers, or the in-process `HFBackend` over a model directory (default: tiny);
     `hf_options` go to HFBackend (torch_threads, max_batch_size...). `request_timeout_s` is each server
-    request's deadline (overriding the spec's limits.request_timeout_s; default 300 s); servers only."""
+    request's deadline (overriding the spec's limits.request_timeout_s; default 300 s) and `retry_window_s`
+    how long a request keeps failing over while the whole fleet fails (a restart); servers only."""
     if servers:
         from backends.router import Router
         from backends.sglang import SGLangBackend
 
         clients = [SGLangBackend(url, request_timeout_s=request_timeout_s) for url in servers]
-        return Router(clients, group_affinity=group_affinity)
+        return Router(clients, group_affinity=group_affinity, retry_window_s=retry_window_s)
     from backends.hf import HFBackend
 
     model_dir = Path(model) if model is not None else tiny_model_dir()
@@ -107,22 +109,43 @@ def make_backend(*, servers: Sequence[str] | None = None, model: str | Path | No
 
 
 class ServerNotReady(Exception):
-    """A server given by URL does not answer /ready."""
+    """No server given by URL can serve (or, strict, one cannot): the message names each and why."""
 
 
-async def probe_servers(urls: Sequence[str]) -> str | None:
-    """Check that every SGLang server answers /ready (ServerNotReady names the first that does not); the
-    tokenizer path the first one serves, when it reports one."""
+@dataclass
+class Probe:
+    servers: list[str]  # the servers that answered, in the order given
+    tokenizer: str | None  # the tokenizer path the first of them serves, when it reports one
+    left_out: dict[str, str]  # url -> why it was left out
+
+
+async def probe_servers(urls: Sequence[str], *, strict: bool = False, timeout_s: float = 10.0) -> Probe:
+    """Ask every SGLang server at once for /ready and its info, each within `timeout_s`. A server that does not
+    answer (down, hung, a black hole that accepts and never reads) or answers malformed info is left out
+    while another one serves; with `strict`, any such server is an error (ServerNotReady)."""
+    from backends.base import BackendError
     from backends.sglang import SGLangBackend
 
-    info: dict[str, Any] = {}
-    for i, url in enumerate(urls):
-        async with SGLangBackend(url) as client:
-            if not await client.ready():
-                raise ServerNotReady(url)
-            if i == 0:
-                info = await client.model_info()
-    return info.get("tokenizer_path") or info.get("model_path")
+    async def probe(url: str) -> dict[str, Any] | str:
+        try:
+            async with asyncio.timeout(timeout_s), SGLangBackend(url, request_timeout_s=timeout_s) as client:
+                if not await client.ready(timeout_s=timeout_s):
+                    return "does not answer /ready (starting, paused or down)"
+                await client._ensure_info(timeout_s)
+                return await client.model_info()
+        except TimeoutError:
+            return f"no answer within {timeout_s:g} s"
+        except BackendError as e:
+            return str(e).removeprefix(url.rstrip("/") + ": ")
+
+    answers = await asyncio.gather(*(probe(url) for url in urls))
+    good = [(url, a) for url, a in zip(urls, answers) if isinstance(a, dict)]
+    bad = {url: a for url, a in zip(urls, answers) if isinstance(a, str)}
+    if not good or (strict and bad):
+        raise ServerNotReady("; ".join(f"{url}: {why}" for url, why in bad.items()))
+    info = good[0][1]
+    served = info.get("tokenizer_path") or info.get("model_path")
+    return Probe([url for url, _ in good], served if isinstance(served, str) else None, bad)
 
 
 def to_batch(trajs: Sequence[Trajectory], agent: CompiledAgent, codec: ChatCodec, *, logprobs: bool,

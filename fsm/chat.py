@@ -9,6 +9,9 @@ the model stops at `<|im_end|>`, so those tokens are owed, with mask 0, before t
 
 from __future__ import annotations
 
+import contextlib
+import json
+from pathlib import Path
 from typing import Any
 
 
@@ -17,6 +20,19 @@ class TemplateError(Exception):
 
 
 _BASE = [{"role": "user", "content": "U"}, {"role": "assistant", "content": "A"}]
+
+
+def vocabulary_size(tokenizer: Any) -> int:
+    """How many ids a model answer may use: the tokenizer's, or the model's embedding rows when its
+    config.json sits beside the tokenizer (Qwen pads 151,665 tokens to 151,936 rows; a sampled padding id is
+    a valid, if useless, token the trainer can embed)."""
+    size = len(tokenizer)
+    config = Path(str(getattr(tokenizer, "name_or_path", "") or "")) / "config.json"
+    with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):
+        rows = json.loads(config.read_text()).get("vocab_size")
+        if type(rows) is int and rows > size:
+            size = rows
+    return size
 
 
 class ChatCodec:
@@ -30,6 +46,7 @@ class ChatCodec:
             raise TemplateError(f"the chat template never emits eos {tokenizer.eos_token!r} after a turn")
         last_eos = len(self._base_ids) - 1 - self._base_ids[::-1].index(self.eos_id)
         self.turn_closer: list[int] = [self.eos_id, *self._base_ids[last_eos + 1 :]]
+        self.vocab_size: int = vocabulary_size(tokenizer)
 
     def render(
         self, messages: list[dict[str, Any]], *, tools: list[dict] | None = None, add_generation_prompt: bool

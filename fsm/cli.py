@@ -152,10 +152,14 @@ async def _servers(args: argparse.Namespace, stack: AsyncExitStack) -> tuple[lis
     from fsm.api import ServerNotReady, probe_servers
 
     try:
-        served = await probe_servers(servers)
+        probe = await probe_servers(servers, strict=args.strict_servers)
     except ServerNotReady as exc:
-        raise CLIError(f"{exc}: the server does not answer /ready; start it (agentfsm dev-server or sglang) "
-                       "or fix --server") from None  # fmt: skip
+        raise CLIError(f"no usable server: {exc}; start it (agentfsm dev-server or sglang) or fix --server"
+                       + ("" if args.strict_servers else " (every server failed)")) from None  # fmt: skip
+    for url, why in probe.left_out.items():
+        print(f"warning: {url}: left out of this run: {why} (--strict-servers makes this an error)",
+              file=sys.stderr)  # fmt: skip
+    servers, served = probe.servers, probe.tokenizer
     if tokenizer is None:
         if not served or not Path(served).exists():
             raise CLIError(f"{servers[0]}: serves {served!r}, which is not a local directory; pass --tokenizer DIR")
@@ -185,7 +189,9 @@ def _engine(args: argparse.Namespace, servers: list[str], tokenizer: str | None)
             return RayRunner(args.spec, tokenizer=tokenizer, servers=servers or None, workers=args.workers,
                              address=args.ray or None)  # fmt: skip
         if servers:
-            options = {} if args.request_timeout is None else {"request_timeout_s": args.request_timeout}
+            options = {"retry_window_s": args.retry_window}
+            if args.request_timeout is not None:
+                options["request_timeout_s"] = args.request_timeout
             return RolloutEngine(args.spec, tokenizer, servers=servers, max_concurrency=args.concurrency,
                                  tracer=_tracer(args), check_tokens=args.check_tokens, watchdog_s=args.watchdog,
                                  group_affinity=args.group_affinity, **options)  # fmt: skip

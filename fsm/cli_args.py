@@ -141,6 +141,10 @@ def command_line(commands: Mapping[str, Callable[[argparse.Namespace], int]]) ->
                    help="seconds per request attempt to a server (default: the backend's)")
     p.add_argument("--watchdog", type=float_in(0.0, above=True), default=90.0, metavar="SECONDS",
                    help="when no row has changed state for this long, log the stuck rows (state, server, rid)")
+    p.add_argument("--strict-servers", action="store_true",
+                   help="refuse to start when any --server is down or malformed (default: leave it out, warn)")
+    p.add_argument("--retry-window", type=float_in(0.0), default=60.0, metavar="SECONDS",
+                   help="while every server fails, keep failing over for this long before a row errs (default 60)")
     p.add_argument("--max-error-rate", type=float_in(0.0, 1.0), default=0.5, metavar="RATE",
                    help="exit 1 when more than this share of rows end in error (the outputs are written anyway)")
     p.add_argument("--otlp", metavar="URL", help="export spans to an OTLP/HTTP endpoint (Jaeger :4318, Phoenix "

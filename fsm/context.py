@@ -114,13 +114,14 @@ class PauseGate:
             self.on_wait()
 
     def version_of(self, reported: str | None, fallback: int | None = None) -> int:
-        """The weight version a response reports, as an int. When it reports none, or a name ("default"):
-        `fallback`, the engine's counter when the request was sent (the weights it was sent to), else the
-        counter now."""
-        try:
-            return int(reported)  # type: ignore[arg-type]
-        except (TypeError, ValueError):
-            return self.version if fallback is None else fallback
+        """The weight version a response reports, as an int. When it reports none, a name ("default") or a
+        number the engine did not count (a timestamp a trainer set, a negative): `fallback`, the engine's
+        counter when the request was sent (the weights it was sent to), else the counter now. Versions are
+        stored as int32 next to the tokens, so a reported version is taken only when it fits."""
+        text = str(reported) if reported is not None else ""
+        if 0 < len(text) <= 10 and text.isascii() and text.isdigit() and int(text) < 2**31:
+            return int(text)
+        return self.version if fallback is None else fallback
 
 
 class RunContext:

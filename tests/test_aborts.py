@@ -44,7 +44,7 @@ def rows(n: int) -> list[dict]:
 
 def router(*urls: str, **client_kw: Any) -> Router:
     clients = [SGLangBackend(u, **{"max_retries": 2, "backoff_s": 0.01, **client_kw}) for u in urls]
-    return Router(clients, health_interval_s=0, cooldown_s=0.05)
+    return Router(clients, health_interval_s=0, cooldown_s=0.05, retry_window_s=0)
 
 
 async def run(agent_or_spec: Any, tok: Any, backend: Any, data: list[dict], **kw: Any):

@@ -397,14 +397,14 @@ def test_ctrl_c_during_the_rollout_writes_what_finished(capsys, tmp_path):
 def test_dead_servers_exceed_the_error_rate(capsys, tmp_path, monkeypatch):
     import fsm.api
 
-    async def ready(urls):  # the server "answered /ready", then died
-        return None
+    async def ready(urls, **_):  # the server "answered /ready", then died
+        return fsm.api.Probe(list(urls), None, {})
 
     monkeypatch.setattr(fsm.api, "probe_servers", ready)
     out = tmp_path / "out"
     dead = "http://127.0.0.1:9"
-    line = one_line_error(capsys, run_argv(dead, out, "--num-prompts", "2", "-q"))
+    line = one_line_error(capsys, run_argv(dead, out, "--num-prompts", "2", "-q", "--retry-window", "1"))
     assert "2 of 2 rows ended in error (100%), more than --max-error-rate 0.5" in line and dead in line
     summary = assert_consistent(out, 2)
     assert summary["error_rate"] == 1.0 and summary["failed"] == 2
-    assert main(run_argv(dead, out, "--num-prompts", "1", "-q", "--max-error-rate", "1")) == 0
+    assert main(run_argv(dead, out, "--num-prompts", "1", "-q", "--max-error-rate", "1", "--retry-window", "1")) == 0

@@ -46,7 +46,7 @@ def model():
 
 
 def router(url: str) -> Router:
-    return Router([SGLangBackend(url, max_retries=2, backoff_s=0.01)], health_interval_s=0, cooldown_s=0.05)
+    return Router([SGLangBackend(url, max_retries=2, backoff_s=0.01)], health_interval_s=0, cooldown_s=0.05, retry_window_s=0)
 
 
 def assert_token_invariants(trajs: list, batch: Any) -> None:

@@ -29,7 +29,7 @@ async def fleet(latency_s: float = 0.02, **router_kw: Any):
             await stack.enter_async_context(DevServer(echo_backend(latency_s=latency_s))) for _ in range(3)
         ]
         clients = [SGLangBackend(d.url, max_retries=1, backoff_s=0.01) for d in devs]
-        router = await stack.enter_async_context(Router(clients, **{"health_interval_s": 0, **router_kw}))
+        router = await stack.enter_async_context(Router(clients, **{"health_interval_s": 0, "retry_window_s": 0, **router_kw}))
         yield devs, router
 
 
@@ -186,7 +186,7 @@ async def test_a_server_killed_mid_batch_loses_nothing(tmp_path):
     )  # fmt: skip
     async with launcher:
         clients = [SGLangBackend(url, max_retries=1, backoff_s=0.01) for url in launcher.urls]
-        async with Router(clients, health_interval_s=0.2, max_retries=3) as router:
+        async with Router(clients, health_interval_s=0.2, max_retries=3, retry_window_s=0) as router:
             batch = asyncio.gather(*(run_session(router, f"k{i}", 4) for i in range(24)))
             await until(lambda: _running_at(launcher.urls[1]), "turns running at server 1")
             launcher.kill(1)

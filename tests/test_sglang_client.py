@@ -287,11 +287,11 @@ async def test_max_new_tokens_clamped_to_the_room_left(fake):
     async with client(fake.url) as b:
         await b.generate(req(max_new_tokens=100))  # 9 prompt tokens: room is 16 - 1 - 9 = 6
         await b.generate(req(temperature=0.5))  # absent means SGLang's default 128: clamped too
-        await b.generate(req(max_new_tokens=2))  # fits: sent unchanged
+        await b.generate(req(max_new_tokens=3))  # fits: sent unchanged (the fake's answer has 3 ids)
         with pytest.raises(BackendRequestError, match="nothing can be generated"):
             await b.generate(GenerateRequest("t", list(range(15)), {"max_new_tokens": 4}))
     sent = [body["sampling_params"] for body in fake.paths("/generate")]
-    assert sent == [{"max_new_tokens": 6}, {"temperature": 0.5, "max_new_tokens": 6}, {"max_new_tokens": 2}]
+    assert sent == [{"max_new_tokens": 6}, {"temperature": 0.5, "max_new_tokens": 6}, {"max_new_tokens": 3}]
 
 
 async def test_model_info_falls_back_to_deprecated_routes(fake):

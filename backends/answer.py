@@ -1,0 +1,187 @@
+"""The trust boundary for model servers: one check of every `/generate` answer before it becomes a turn.
+
+A server is outside the trust boundary (../README.md "What can go wrong"): a bug, a proxy or a hostile peer can
+answer 200 with ids outside the vocabulary, NaN or positive logprobs, tokens past a stop id, more tokens than
+were asked for, a weight-version span of a billion tokens or a string where a count belongs. Each of these
+would enter `responses` or `rollout_log_probs` as a plausible row and fail a trainer many steps later, so every
+answer is checked here, once, in the client (backends/sglang.py), and a violation raises `BackendMalformed`
+with a kind that names it. That makes it a server fault like a 5xx: counted by kind, retried, failed over, and
+past the retry budget an error row naming the server. The checks are C-speed builtins over the lists
+(`min`, `max`, `all(map(...))`), cheap next to the HTTP exchange.
+
+What is accepted, exactly:
+- `output_ids`: ints (not bools) in [0, vocab_size) (vocab_size from the request; unchecked above 0 when
+  unknown), at most `max_new_tokens`, no stop id before the last position (SGLang ends a turn at its first
+  stop id);
+- `output_token_logprobs`: [logprob, id, text] triples whose logprobs are finite real numbers <= 0;
+- `prompt_tokens`, `cached_tokens`: absent, null or non-negative ints;
+- `weight_version`: absent, null, a string or an int, kept as a string of at most 256 characters;
+- `meta_info.weight_versions`: well-formed spans are expanded only when they cover exactly the output.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from backends.base import BackendMalformed, GenerateRequest, GenerateResult
+
+# Kinds of malformed answers, counted in a client's stats()["faults"] beside the transport faults.
+ANSWER_FAULTS = ("malformed", "bad_ids", "bad_logprobs", "past_stop", "over_budget", "bad_fields", "oversize")
+MAX_TOKEN_ID = 2**31 - 1  # trajectories hold ids as int32
+MAX_VERSION_CHARS = 256
+# A /generate body is bounded by what was asked: a fixed allowance plus this much per token asked for (ids,
+# logprob triples with their text, spans) is far above any real answer and far below a memory problem.
+BODY_BASE_BYTES = 1 << 20
+BODY_BYTES_PER_TOKEN = 4096
+DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default when the key is absent
+
+
+def body_limit(request: GenerateRequest) -> int:
+    """The most bytes a /generate answer to `request` may have."""
+    asked = request.sampling_params.get("max_new_tokens")
+    asked = DEFAULT_MAX_NEW_TOKENS if asked is None else max(0, int(asked))
+    return BODY_BASE_BYTES + BODY_BYTES_PER_TOKEN * asked
+
+
+def snippet(value: Any, n: int = 120) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, default=repr)[: n + 1]
+    text = " ".join(text.split())
+    return repr(text[:n] + ("..." if len(text) > n else ""))
+
+
+def _is_int_list(value: Any) -> bool:
+    return isinstance(value, list) and all(type(t) is int for t in value)
+
+
+def _real(x: Any) -> bool:
+    return type(x) is float or type(x) is int  # bools and strings are not numbers here
+
+
+def parse_generate(body: Any, *, server: str, return_logprob: bool, rid: str | None = None,
+                   request: GenerateRequest | None = None) -> GenerateResult:  # fmt: skip
+    """One /generate response object -> a checked GenerateResult. Optional keys stay optional (waiting-queue
+    aborts); anything outside the contract raises BackendMalformed, so it is retried, never taken as a turn.
+    With `request`, the answer is also held to what was asked (vocabulary, max_new_tokens, stop ids)."""
+
+    def bad(kind: str, what: str) -> BackendMalformed:
+        return BackendMalformed(f"{server}: /generate (rid {rid}) answered 200 with {what}; a server fault",
+                                server=server, status=200, kind=kind)  # fmt: skip
+
+    if isinstance(body, list) and len(body) == 1:  # never sent as a batch, but be exact about what came back
+        body = body[0]
+    if not isinstance(body, dict):
+        raise bad("malformed", f"JSON {type(body).__name__} {snippet(body)} instead of a response object")
+    out, meta = body.get("output_ids"), body.get("meta_info")
+    fr = meta.get("finish_reason") if isinstance(meta, dict) else None
+    if not _is_int_list(out) or not isinstance(fr, dict) or fr.get("type") not in ("stop", "length", "abort"):
+        raise bad("malformed", f"a body without output_ids and meta_info.finish_reason: {snippet(body)}")
+    assert isinstance(meta, dict) and isinstance(out, list)
+    if request is not None:
+        _check_ids(out, request, bad)
+    kind = fr["type"]
+    extra: dict[str, Any] = {"id": meta.get("id"), "finish": fr}
+    if kind == "abort":  # SGLang answers a waiting-queue abort without prompt_tokens
+        extra["abort_kind"] = "running" if "prompt_tokens" in meta else "waiting"
+    logprobs = _logprobs(meta.get("output_token_logprobs"), out, kind, extra, bad) if return_logprob else None
+    counts = {}
+    for key in ("prompt_tokens", "cached_tokens"):
+        value = meta.get(key)
+        if value is not None and (type(value) is not int or value < 0):
+            raise bad("bad_fields", f"meta_info.{key} {snippet(value)}, not a non-negative integer")
+        counts[key] = value
+    version = meta.get("weight_version")
+    if version is not None:
+        if type(version) not in (str, int) or len(str(version)) > MAX_VERSION_CHARS:
+            raise bad("bad_fields", f"meta_info.weight_version {snippet(version)}, not a short string")
+        version = str(version)
+    try:
+        versions = token_versions(meta.get("weight_versions"), len(out))
+    except ValueError as e:
+        raise bad("bad_fields", f"meta_info.weight_versions that cannot describe the output: {e}") from None
+    if versions is not None:
+        extra["token_versions"] = versions
+    message = fr.get("message") if kind == "abort" else None
+    return GenerateResult(
+        token_ids=out,
+        logprobs=logprobs,
+        finish_reason=kind,
+        prompt_tokens=counts["prompt_tokens"],
+        cached_tokens=counts["cached_tokens"],
+        weight_version=version,
+        server=server,
+        abort_message=message if message is None or isinstance(message, str) else repr(message),
+        extra=extra,
+    )
+
+
+def _check_ids(out: list[int], request: GenerateRequest, bad: Any) -> None:
+    """Ids the engine can decode and the trainer can embed; no more than asked; nothing after a stop id."""
+    if not out:
+        return
+    vocab = request.vocab_size or MAX_TOKEN_ID + 1
+    low, high = min(out), max(out)
+    if low < 0 or high >= vocab:
+        wrong = low if low < 0 else high
+        raise bad("bad_ids", f"token id {wrong} outside the vocabulary [0, {vocab})")
+    asked = request.sampling_params.get("max_new_tokens")
+    if asked is not None and len(out) > asked:
+        raise bad("over_budget", f"{len(out)} output ids where max_new_tokens was {asked}")
+    stops = request.sampling_params.get("stop_token_ids")
+    if stops and not request.sampling_params.get("ignore_eos"):
+        early = set(out[:-1]).intersection(stops)
+        if early:
+            at = next(i for i, t in enumerate(out) if t in early)
+            raise bad("past_stop", f"{len(out) - at - 1} token(s) after stop id {out[at]} (at position {at})")
+
+
+def _logprobs(triples: Any, out: list[int], kind: str, extra: dict[str, Any], bad: Any) -> list[float] | None:
+    """The logprob of each output id from SGLang's [logprob, id, text] triples; None when not given."""
+    if triples is None:
+        extra["logprobs_missing"] = True  # asked for, not given: never invent values
+        return None
+    if not isinstance(triples, list) or not all(isinstance(t, list) and t and _real(t[0]) for t in triples):
+        raise bad("bad_logprobs", f"output_token_logprobs that are not [logprob, id, text] triples: {snippet(triples)}")
+    values: list[float] | None
+    if len(triples) == len(out):
+        values = [float(t[0]) for t in triples]
+    elif not out:
+        values = []  # phantom entry with max_new_tokens=0
+    elif len(triples) > len(out) and [t[1] for t in triples[-len(out) :]] == out:
+        values = [float(t[0]) for t in triples[-len(out) :]]  # leading phantom entry
+    elif kind == "abort":
+        extra["logprobs_missing"] = True  # aborts may carry no logprob payload; never invent values
+        return None
+    else:
+        raise bad("bad_logprobs", f"{len(triples)} output logprobs for {len(out)} output ids")
+    if values and (not all(map(math.isfinite, values)) or max(values) > 0.0):
+        wrong = next(v for v in values if not math.isfinite(v) or v > 0.0)
+        raise bad("bad_logprobs", f"logprob {wrong!r}: logprobs are finite and <= 0")
+    return values
+
+
+def token_versions(spans: Any, n: int) -> list[str] | None:
+    """`meta_info.weight_versions` ([{version, start, end}] over output positions, when the server reports
+    which weights made which tokens: a request held across a weight update has two) -> one version per
+    output token; None when absent or covering fewer tokens (the answer's weight_version then stands for
+    all). Spans are checked before any is expanded: one that cannot describe this output (past its end,
+    overlapping, ill-typed) raises ValueError, so a span claiming a billion tokens costs nothing."""
+    if spans is None or spans == []:
+        return None
+    if not isinstance(spans, list) or len(spans) > n + 1:
+        raise ValueError(f"{len(spans) if isinstance(spans, list) else snippet(spans)} spans for {n} tokens")
+    at = 0
+    for span in spans:
+        end = span.get("end") if isinstance(span, dict) else None
+        version = span.get("version") if isinstance(span, dict) else None
+        if (not isinstance(span, dict) or span.get("start") != at or type(end) is not int or not at <= end <= n
+                or type(version) not in (str, int) or len(str(version)) > MAX_VERSION_CHARS):  # fmt: skip
+            raise ValueError(f"span {snippet(span)} after position {at} of {n} tokens (end {end})")
+        at = end
+    if at != n:
+        return None
+    out: list[str] = []
+    for span in spans:
+        out += [str(span["version"])] * (span["end"] - span["start"])
+    return out

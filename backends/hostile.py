@@ -1,0 +1,127 @@
+"""Hostile /generate answers: a real answer, rewritten the way a buggy or malicious server would send it.
+
+backends/faults.py forwards a request to a real server and, for these kinds, passes the answer through one
+of the functions below before sending it on. Each returns the new body, or None when this answer cannot
+carry the fault (a one-token answer has no position after a stop id): nothing is injected then. What the
+client must make of each (backends/answer.py): "absorbed" kinds are valid forms it maps safely, the others
+are malformed-answer server faults.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+OUT_OF_VOCAB_ID = 9999  # far past any test tokenizer, inside int32
+OVERSIZE_BYTES = 8 << 20  # past the client's bound for any test request (backends/answer.body_limit)
+
+
+def _ids_and_triples(answer: dict[str, Any]) -> tuple[list[int], list[list[Any]] | None]:
+    meta = answer.setdefault("meta_info", {})
+    return answer["output_ids"], meta.get("output_token_logprobs")
+
+
+def out_of_vocab(answer: dict[str, Any], sent: dict[str, Any]) -> dict[str, Any] | None:
+    ids, triples = _ids_and_triples(answer)
+    if not ids:
+        return None
+    ids[-1] = OUT_OF_VOCAB_ID
+    if triples:
+        triples[-1][1] = OUT_OF_VOCAB_ID
+    return answer
+
+
+def negative_id(answer: dict[str, Any], sent: dict[str, Any]) -> dict[str, Any] | None:
+    ids, triples = _ids_and_triples(answer)
+    if not ids:
+        return None
+    ids[0] = -5
+    return answer
+
+
+def _set_logprob(value: Any) -> Callable[[dict[str, Any], dict[str, Any]], dict[str, Any] | None]:
+    def corrupt(answer: dict[str, Any], sent: dict[str, Any]) -> dict[str, Any] | None:
+        _, triples = _ids_and_triples(answer)
+        if not triples:
+            return None
+        triples[len(triples) // 2][0] = value
+        return answer
+
+    return corrupt
+
+
+def past_stop(answer: dict[str, Any], sent: dict[str, Any]) -> dict[str, Any] | None:
+    """A stop id first, the rest of the answer after it (SGLang ends a turn at its first stop id)."""
+    ids, triples = _ids_and_triples(answer)
+    stops = (sent.get("sampling_params") or {}).get("stop_token_ids") or []
+    if len(ids) < 2 or not stops:
+        return None
+    ids[0] = stops[0]
+    if triples:
+        triples[0][1] = stops[0]
+    return answer
+
+
+def more_than_asked(answer: dict[str, Any], sent: dict[str, Any]) -> dict[str, Any] | None:
+    ids, triples = _ids_and_triples(answer)
+    asked = (sent.get("sampling_params") or {}).get("max_new_tokens")
+    if not ids or asked is None:
+        return None
+    extra = asked - len(ids) + 3
+    ids += [ids[0]] * extra
+    if triples:
+        triples += [list(triples[0]) for _ in range(extra)]
+    return answer
+
+
+def timestamp_version(answer: dict[str, Any], sent: dict[str, Any]) -> dict[str, Any] | None:
+    """A trainer's timestamp as the weight version: a valid SGLang form (absorbed: mapped, not stored raw)."""
+    meta = answer.setdefault("meta_info", {})
+    meta["weight_version"] = "1735689600123"
+    meta["weight_versions"] = [{"version": "1735689600123", "start": 0, "end": len(answer["output_ids"])}]
+    return answer
+
+
+def huge_version_span(answer: dict[str, Any], sent: dict[str, Any]) -> dict[str, Any] | None:
+    answer.setdefault("meta_info", {})["weight_versions"] = [{"version": "0", "start": 0, "end": 10**8}]
+    return answer
+
+
+def string_count(answer: dict[str, Any], sent: dict[str, Any]) -> dict[str, Any] | None:
+    answer.setdefault("meta_info", {})["cached_tokens"] = "5"
+    return answer
+
+
+def oversize(answer: dict[str, Any], sent: dict[str, Any]) -> dict[str, Any] | None:
+    answer["text"] = "x" * OVERSIZE_BYTES
+    return answer
+
+
+# kind -> (rewrite, the client's fault counter for it, or None when the client absorbs it)
+HOSTILE: dict[str, tuple[Callable[[dict[str, Any], dict[str, Any]], dict[str, Any] | None], str | None]] = {
+    "out_of_vocab": (out_of_vocab, "bad_ids"),
+    "negative_id": (negative_id, "bad_ids"),
+    "nan_logprob": (_set_logprob(float("nan")), "bad_logprobs"),
+    "inf_logprob": (_set_logprob(float("-inf")), "bad_logprobs"),
+    "positive_logprob": (_set_logprob(7.5), "bad_logprobs"),
+    "bool_logprob": (_set_logprob(True), "bad_logprobs"),
+    "past_stop": (past_stop, "past_stop"),
+    "more_than_asked": (more_than_asked, "over_budget"),
+    "timestamp_version": (timestamp_version, None),
+    "huge_version_span": (huge_version_span, "bad_fields"),
+    "string_count": (string_count, "bad_fields"),
+    "oversize": (oversize, "oversize"),
+}
+
+
+def rewrite(kind: str, data: bytes, sent: bytes) -> bytes | None:
+    """The upstream answer `data` to the request body `sent`, rewritten as `kind`; None if it cannot be."""
+    try:
+        answer, request = json.loads(data), json.loads(sent or b"{}")
+    except ValueError:
+        return None
+    if not isinstance(answer, dict) or not isinstance(answer.get("output_ids"), list):
+        return None
+    out = HOSTILE[kind][0](answer, request)
+    return None if out is None else json.dumps(out).encode()  # NaN and Infinity as JSON's common extension
