@@ -5,15 +5,17 @@ XState-style: the spec names behaviour, Python implements it. A user registers a
 `imports:`, or references a callable directly by import path.
 
 A spec is code: its import paths run when it is compiled, and a tool's arguments come from the model. So
-import paths into the standard library's process, file-system, network and interpreter modules are
-refused unless the spec opts in (`trust: {allow_modules: [os]}`): a guard-rail against a careless or
-model-suggested `function: os:system`, not a sandbox (any other module can do the same things).
+import paths into the standard library are refused, but for a short list of modules that only compute
+(SAFE_STDLIB), unless the spec opts in (`trust: {allow_modules: [os]}`): a guard-rail against a careless or
+model-suggested `function: os:system` or its aliases (`_socket`, `distutils.spawn`), not a sandbox (any
+third-party module can do the same things).
 """
 
 from __future__ import annotations
 
 import importlib
 import re
+import sys
 from collections.abc import Callable, Iterable
 from types import ModuleType
 from typing import Any
@@ -22,29 +24,33 @@ GUARDS: dict[str, Callable[..., Any]] = {}  # name -> factory(param, limits) -> 
 ACTIONS: dict[str, Callable[..., Any]] = {}  # name -> async action(ctx, traj)
 
 
-# Standard-library modules a spec may not name unless it opts in. Each can, given arguments, run a process,
-# read or write a file, reach the network, or turn data into running code; a tool's arguments are chosen
-# by the model. A module is refused with its submodules (`os` covers `os.path`). Third-party and your own
-# modules are not listed: they are what a spec is for, and they run with your rights.
-UNSAFE_MODULES = frozenset({
-    # processes, signals and the OS
-    "os", "posix", "nt", "subprocess", "_posixsubprocess", "pty", "signal", "multiprocessing", "concurrent",
-    "asyncio", "resource", "fcntl", "termios", "_thread", "msvcrt", "winreg", "_winapi",
-    # files
-    "io", "_io", "pathlib", "shutil", "tempfile", "glob", "fileinput", "linecache", "codecs", "mmap",
-    "zipfile", "tarfile", "gzip", "bz2", "lzma", "sqlite3", "dbm", "shelve", "filecmp", "py_compile",
-    "compileall",
-    # the network
-    "socket", "ssl", "select", "selectors", "http", "urllib", "ftplib", "smtplib", "poplib", "imaplib",
-    "telnetlib", "xmlrpc", "socketserver", "webbrowser",
-    # the interpreter: imports, code as data, debuggers and profilers that run a string
-    "sys", "builtins", "importlib", "zipimport", "runpy", "code", "codeop", "ctypes", "_ctypes", "gc",
-    "pickle", "_pickle", "marshal", "pdb", "bdb", "timeit", "trace", "profile", "cProfile", "pydoc",
-    "doctest", "site", "ensurepip", "venv", "atexit", "faulthandler", "logging.config",
+# What a spec may name without opting in: its own and third-party modules, and of the standard library only
+# these, which compute and can neither run a process, touch a file or the network, nor run a string as code.
+# Every other standard-library module (sys.stdlib_module_names: private `_socket`, deprecated `imp` and
+# `distutils` included) is refused with its submodules unless the spec opts in with `trust: {allow_modules:
+# [...]}`: a tool's arguments are chosen by the model. The installers that ship with CPython and the modules
+# Python removed (still importable from setuptools' shim) are refused the same way.
+SAFE_STDLIB = frozenset({
+    "math", "cmath", "statistics", "random", "secrets", "decimal", "fractions", "numbers", "operator",
+    "functools", "itertools", "collections", "heapq", "bisect", "graphlib", "copy", "enum", "dataclasses",
+    "typing", "abc", "json", "re", "string", "textwrap", "difflib", "unicodedata", "stringprep", "keyword",
+    "html", "base64", "binascii", "hashlib", "hmac", "struct", "array", "datetime", "calendar", "time",
+    "ipaddress", "colorsys", "pprint", "reprlib", "errno", "fnmatch",
+    # their C accelerators, where what they offer is defined (`heapq.heappush.__module__` is "_heapq")
+    "_abc", "_bisect", "_functools", "_heapq", "_operator", "_struct", "_hashlib", "_blake2", "_md5", "_sha1",
+    "_sha256", "_sha512", "_sha3", "_json", "_random", "_statistics", "_datetime", "_decimal", "_pydecimal",
+    "_collections", "_collections_abc", "_sre", "_string", "_strptime", "_typing",
 })  # fmt: skip
+_UNSAFE_INSIDE_SAFE = frozenset({"json.tool"})  # a command-line entry point reading files named in argv
+REFUSED_OUTSIDE_STDLIB = frozenset({
+    "distutils", "imp", "asynchat", "asyncore", "smtpd",  # removed from the standard library, shimmed
+    "setuptools", "pkg_resources", "_distutils_hack", "pip",  # the installers CPython ships (ensurepip)
+})  # fmt: skip
+DENIED_MODULES = (frozenset(sys.stdlib_module_names) - SAFE_STDLIB) | REFUSED_OUTSIDE_STDLIB
 # C modules behind public ones: `os.system.__module__` is "posix"; opting in to "os" covers them.
-_PUBLIC = {"posix": "os", "nt": "os", "_io": "io", "_pickle": "pickle", "_ctypes": "ctypes",
-           "_posixsubprocess": "subprocess", "_winapi": "subprocess"}  # fmt: skip
+_PUBLIC = {"posix": "os", "nt": "os", "posixpath": "os.path", "ntpath": "os.path", "genericpath": "os.path", "_io": "io", "_pickle": "pickle", "_ctypes": "ctypes", "_socket": "socket",
+           "_ssl": "ssl", "_signal": "signal", "_posixsubprocess": "subprocess", "_winapi": "subprocess",
+           "_thread": "threading", "_multiprocessing": "multiprocessing", "_sqlite3": "sqlite3"}  # fmt: skip
 _DOTTED = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 
@@ -55,7 +61,7 @@ class ImportPathError(Exception):
 
 
 class UnsafeImportError(ImportPathError):
-    """An import path into a module of UNSAFE_MODULES that the spec did not opt in to."""
+    """An import path into a module of DENIED_MODULES that the spec did not opt in to."""
 
     code = "unsafe-import"
 
@@ -65,10 +71,10 @@ def is_import_path(ref: str) -> bool:
 
 
 def unsafe_module(module: str, allow: Iterable[str] = ()) -> str | None:
-    """The deny-listed module (or package) that `module` is or lies in, unless `allow` names it."""
+    """The refused module (or package) that `module` is or lies in, unless `allow` names it."""
     parts = module.split(".")
     prefixes = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
-    denied = next((p for p in prefixes if p in UNSAFE_MODULES), None)
+    denied = next((p for p in prefixes if p in DENIED_MODULES or p in _UNSAFE_INSIDE_SAFE), None)
     if denied is None or any(p in allow for p in (*prefixes, _PUBLIC.get(denied))):
         return None
     return _PUBLIC.get(denied, denied)
@@ -83,8 +89,9 @@ def check_module(module: str, allow: Iterable[str] = (), ref: str | None = None)
         named = ref or module
         subject = repr(denied) if named == denied else f"{named!r} uses {denied!r}, which"
         raise UnsafeImportError(
-            f"{subject} can run processes, touch files or the network, or run code, with arguments a model "
-            f"may choose; if this spec means it, opt in at its top level: `trust: {{allow_modules: [{denied}]}}`"
+            f"{subject} is a standard-library module outside the safe list (fsm.registry.SAFE_STDLIB): it may "
+            "run processes, touch files or the network, or run code, with arguments a model may choose; if this "
+            f"spec means it, opt in at its top level: `trust: {{allow_modules: [{denied}]}}`"
         )
 
 

@@ -205,9 +205,10 @@ class TrustSpec(_Strict):
 
     allow_modules: list[str] = Field(
         default_factory=list,
-        description="Standard-library modules agentfsm refuses in import paths by default (os, subprocess, "
-        "sys, builtins, importlib, socket, pickle, ...: fsm.registry.UNSAFE_MODULES) that this spec may use "
-        "anyway, e.g. [os] for `function: os:getcwd`. A tool's arguments are chosen by the model.",
+        description="Standard-library modules agentfsm refuses in import paths by default (all but the few "
+        "that only compute, fsm.registry.SAFE_STDLIB: os, subprocess, sys, socket, _socket, pickle, distutils, "
+        "imp, ...) that this spec may use anyway, e.g. [os] for `function: os:getcwd`. A tool's arguments are "
+        "chosen by the model.",
     )
 
 

@@ -272,7 +272,7 @@ def test_static_validate_imports_nothing(tmp_path, baseline):
     marker = tmp_path / "imported"
     spec = tmp_path / "imports.yaml"
     spec.write_text(
-        f"name: x\nextends: {SPECS / 'single_turn.yaml'}\nimports: [sentinel_mod, this]\n"
+        f"name: x\nextends: {SPECS / 'single_turn.yaml'}\nimports: [sentinel_mod, this]\ntrust: {{allow_modules: [this]}}\n"
         "reward: {function: 'sentinel_mod:score'}\n"
         "states:\n  GENERATING:\n    action: generate\n    next:\n"
         "      - {to: TERMINATED, when: registered_by_sentinel}\n      - {to: TERMINATED}\n"
