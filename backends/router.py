@@ -248,7 +248,20 @@ class Router(BaseBackend):
 
         if request.resumed:
             self.counts["resumes"] += 1
-        return await retry(self.failover, attempt)
+        try:
+            return await retry(self.failover, attempt, retryable=self._retryable)
+        except BackendError as e:
+            if not (self._paused and e.retryable):
+                raise
+            # The fleet was paused while this request kept failing (an interrupt's abort-mode pause during an
+            # outage): answer it as aborted with nothing generated, so the engine parks it at its pause gate
+            # and resumes it later, instead of retrying against a paused fleet for the whole window.
+            return GenerateResult(token_ids=[], logprobs=[] if request.return_logprob else None,
+                                  finish_reason="abort", server=e.server, abort_message=f"paused: {e}",
+                                  extra={"abort_kind": "waiting"})  # fmt: skip
+
+    def _retryable(self, e: BaseException) -> bool:
+        return self.failover.retryable(e) and not self._paused
 
     def _failed(self, s: _Server) -> None:
         """Take `s` out until a health check after its cooldown says otherwise; its sessions move on retry."""
