@@ -15,7 +15,7 @@ from typing import Any
 
 from backends.base import BackendTimeout, GenerateRequest, GenerationAborted
 from fsm.context import RunContext
-from fsm.rows import RowError, prompt_messages
+from fsm.rows import RowError, encodable, prompt_messages
 from fsm.trajectory import Trajectory
 
 
@@ -213,6 +213,7 @@ async def interact(ctx: RunContext, traj: Trajectory) -> None:
         await inter.start_interaction(traj.session_id, **kwargs)
         traj.interaction_started = True
     done, content, score, metrics = await inter.generate_response(traj.session_id, traj.messages, **kwargs)
+    content = encodable(content) if isinstance(content, str) else content
     if score is not None:
         traj.turn_scores.append(float(score))
     if metrics:

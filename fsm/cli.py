@@ -54,9 +54,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
         diags = validate_file(path, static=args.static)
         for d in diags:
             print(d)
-        problems += len(diags)
-        if not diags and not args.quiet:
-            print(f"{path}: ok")
+        errors = sum(d.severity == "error" for d in diags)
+        problems += errors
+        if not errors and not args.quiet:
+            print(f"{path}: ok" + (f" ({len(diags)} warning{'s' * (len(diags) > 1)})" if diags else ""))
     return 1 if problems else 0
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import difflib
 import inspect
 from collections import deque
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,8 @@ from fsm.registry import (
 from fsm.spec import AgentSpec
 from fsm.tools import BoundTool, ToolSet, build_tool
 
+BUDGET_ACTIONS = ("generate", "call_tools", "interact")  # built-ins that append tokens to the response
+
 # --- compilation ------------------------------------------------------------------------------------------
 
 
@@ -44,12 +47,17 @@ def compile_spec(spec_or_path: AgentSpec | LoadedSpec | str | Path) -> CompiledA
     return agent
 
 
-def _compile(spec_or_path: AgentSpec | LoadedSpec | str | Path, static: bool) -> CompiledAgent | None:
+def _compile(spec_or_path: AgentSpec | LoadedSpec | str | Path, static: bool,
+             warnings: list[Diagnostic] | None = None) -> CompiledAgent | None:  # fmt: skip
     loaded = spec_or_path if isinstance(spec_or_path, LoadedSpec) else None
     if isinstance(spec_or_path, (str, Path)):
         loaded = load_spec(spec_or_path)
     spec = loaded.spec if loaded else spec_or_path
-    return _Compiler(spec, loaded, static).compile()
+    compiler = _Compiler(spec, loaded, static)
+    agent = compiler.compile()
+    if warnings is not None:
+        warnings += compiler.warnings
+    return agent
 
 
 class _Unchecked:
@@ -67,6 +75,7 @@ class _Compiler:
         self.spec, self.loaded, self.static = spec, loaded, static
         self.allow = tuple(spec.trust.allow_modules)
         self.diags: list[Diagnostic] = []
+        self.warnings: list[Diagnostic] = []  # what `validate` points out but a run accepts
 
     def resolve(self, ref: str) -> Any:
         """An import path -> its object, within the spec's trust opt-ins; UNCHECKED when static."""
@@ -84,10 +93,15 @@ class _Compiler:
             return None
 
     def error(self, code: str, message: str, *loc: Any, key: bool = True) -> None:
+        self.diags.append(self._diagnostic(code, message, loc, key))
+
+    def warn(self, code: str, message: str, *loc: Any, key: bool = True) -> None:
+        self.warnings.append(replace(self._diagnostic(code, message, loc, key), severity="warning"))
+
+    def _diagnostic(self, code: str, message: str, loc: tuple[Any, ...], key: bool) -> Diagnostic:
         if self.loaded:
-            self.diags.append(self.loaded.diagnostic(code, message, *loc, key=key))
-        else:
-            self.diags.append(Diagnostic("<spec>", 0, 0, code, f"{'.'.join(map(str, loc))}: {message}"))
+            return self.loaded.diagnostic(code, message, *loc, key=key)
+        return Diagnostic("<spec>", 0, 0, code, f"{'.'.join(map(str, loc))}: {message}")
 
     def compile(self) -> CompiledAgent | None:
         spec = self.spec
@@ -178,6 +192,26 @@ class _Compiler:
         for name in states:
             if name in reachable and name not in can_finish and spec.final_states:
                 self.error("dead-end", f"no path leads from {name} to a final state", "states", name)
+        self._check_cycles({s: [t.to for t in st.next] for s, st in states.items()})
+
+    def _check_cycles(self, graph: dict[str, list[str]]) -> None:
+        """Warn about a cycle none of whose states runs a built-in action that spends the response budget:
+        unless its own actions do, only limits.max_transitions ends a trajectory caught in it."""
+        states, done = self.spec.states, set()
+        for name in states:
+            if name in done:
+                continue
+            forward, backward = _reach(name, graph), _reach(name, _reversed(graph))
+            loop = forward & backward
+            done |= loop
+            if len(loop) == 1 and name not in graph.get(name, ()):
+                continue  # not on a cycle
+            if not any(states[s].action in BUDGET_ACTIONS for s in loop if s in states):
+                members = ", ".join(s for s in states if s in loop)
+                self.warn("cycle-without-budget", f"the cycle through {members} runs no action that spends the "
+                          f"response budget ({', '.join(BUDGET_ACTIONS)}): unless its own actions do, a trajectory "
+                          f"caught in it ends only at limits.max_transitions ({self.spec.limits.max_transitions})",
+                          "states", name)  # fmt: skip
 
     def _edges(self) -> list[Edge]:
         edges = []
@@ -287,6 +321,14 @@ class _Compiler:
         return None if fn is None else Reward(fn, dict(spec.kwargs))
 
 
+def _reversed(graph: dict[str, list[str]]) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {s: [] for s in graph}
+    for s, nexts in graph.items():
+        for t in nexts:
+            out.setdefault(t, []).append(s)
+    return out
+
+
 def _reach(start: str, graph: dict[str, list[str]]) -> set[str]:
     seen, todo = {start}, deque([start])
     while todo:
@@ -304,12 +346,13 @@ def _suggest(word: str, choices: Any) -> str:
 
 def validate_file(path: str | Path, *, static: bool = False) -> list[Diagnostic]:
     """Every problem of a spec file (empty when it is valid): type errors, then the semantic checks of
-    what remains once the ill-typed keys are set aside.
+    what remains once the ill-typed keys are set aside. A valid spec may get warnings (`severity`).
 
     `static=True` imports nothing the spec names (see the module docstring); the default compiles it,
     which runs its `imports:` and the modules of its import paths."""
+    warnings: list[Diagnostic] = []
     try:
-        _compile(path, static)
+        _compile(path, static, warnings)
     except SpecError as err:
         diags = list(err.diagnostics)
         if err.salvaged is not None:
@@ -319,4 +362,4 @@ def validate_file(path: str | Path, *, static: bool = False) -> list[Diagnostic]
                 seen = {(d.path, d.line, d.col, d.code) for d in diags}
                 diags += [d for d in more.diagnostics if (d.path, d.line, d.col, d.code) not in seen]
         return sorted(diags, key=lambda d: (d.path, d.line, d.col))
-    return []
+    return warnings

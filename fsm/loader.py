@@ -31,9 +31,11 @@ class Diagnostic:
     col: int
     code: str
     message: str
+    severity: str = "error"  # "warning": reported by `validate`, never refused
 
     def __str__(self) -> str:
-        return f"{self.path}:{self.line}:{self.col}: {self.code}: {self.message}"
+        level = "warning: " if self.severity == "warning" else ""
+        return f"{self.path}:{self.line}:{self.col}: {level}{self.code}: {self.message}"
 
 
 class SpecError(Exception):

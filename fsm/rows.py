@@ -10,6 +10,7 @@ never stops a batch and none is dropped.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +19,29 @@ import numpy as np
 
 
 class RowError(Exception):
-    """The row itself is unusable (no usable raw_prompt, prompt too long under the 'error' policy)."""
+    """The row itself is unusable (no usable raw_prompt, a field of the wrong type, prompt too long under the
+    'error' policy)."""
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def encodable(text: str) -> str:
+    """`text` with every lone surrogate (a code point UTF-8 cannot encode, e.g. from JSON's "\\ud800") as
+    U+FFFD. Applied where text enters a trajectory (rows, tool results, user replies, error reasons), so the
+    tokenizer and every output file can take all of it."""
+    return text if text.isascii() else _SURROGATE.sub("\ufffd", text)
+
+
+def encodable_value(value: Any) -> Any:
+    """`encodable` through dicts, lists and tuples (a row's fields); other values as they are."""
+    if isinstance(value, str):
+        return encodable(value)
+    if isinstance(value, dict):
+        return {encodable_value(k): encodable_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(encodable_value(v) for v in value)
+    return value
 
 
 def is_dataproto(obj: Any) -> bool:
@@ -81,14 +104,34 @@ class RowInputs:
     tool_selection: list[str] | None  # verl's extra_info.tool_selection: the tools active for this row
 
 
+def _describe(value: Any) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"
+
+
 def row_inputs(row: Mapping[str, Any]) -> RowInputs:
-    extra = row.get("extra_info") or {}
-    extra = extra if isinstance(extra, Mapping) else {}
+    """What the engine reads from a row besides its prompt; RowError naming the field when a type is wrong."""
+    extra = row.get("extra_info")
+    if extra is not None and not isinstance(extra, Mapping):
+        raise RowError(f"'extra_info' must be a mapping, got {_describe(extra)}")
+    extra = extra or {}
+    tools_kwargs = row.get("tools_kwargs") or extra.get("tools_kwargs") or {}
+    if not isinstance(tools_kwargs, Mapping) or not all(isinstance(v, Mapping) for v in tools_kwargs.values()):
+        raise RowError(f"'tools_kwargs' must map tool names to mappings (create_kwargs, ...), got "
+                       f"{_describe(tools_kwargs)}")  # fmt: skip
     kwargs = row.get("interaction_kwargs", extra.get("interaction_kwargs"))
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+        raise RowError(f"'interaction_kwargs' must be a mapping, got {_describe(kwargs)}")
+    selection = extra.get("tool_selection")
+    if isinstance(selection, np.ndarray):
+        selection = selection.tolist()
+    if selection is not None and (not isinstance(selection, (list, tuple))
+                                  or not all(isinstance(n, str) for n in selection)):  # fmt: skip
+        raise RowError(f"'extra_info.tool_selection' must be a list of tool names, got {_describe(selection)}")
     return RowInputs(
-        tools_kwargs=dict(row.get("tools_kwargs") or extra.get("tools_kwargs") or {}),
+        tools_kwargs=dict(tools_kwargs),
         interaction_kwargs=dict(kwargs) if kwargs is not None else None,
-        tool_selection=extra.get("tool_selection"),
+        tool_selection=list(selection) if selection is not None else None,
     )
 
 

@@ -28,13 +28,19 @@ from backends.base import Backend, BackendError, BackendTimeout, GenerationAbort
 from fsm.agent import CompiledAgent
 from fsm.chat import ChatCodec
 from fsm.context import TRACED, PauseGate, RunContext, Sampling
-from fsm.rows import RowError, normalize_record, row_inputs
+from fsm.isolation import ThreadLane
+from fsm.rows import RowError, encodable_value, normalize_record, row_inputs
+from fsm.spec import DEFAULT_TOOL_WORKERS
 from fsm.tracing import Tracer
 from fsm.trajectory import Trajectory
 
 log = logging.getLogger("agentfsm.runtime")
 
 WATCHDOG_S = 90.0  # default: longer than a healthy turn of a long response, far shorter than a hang
+
+
+class RewardError(Exception):
+    """The spec's reward function failed, hung or returned something that is not a score; names it and the row."""
 
 
 class Runner:
@@ -57,6 +63,7 @@ class Runner:
         self._watchers = 0  # runs inside `watching()`: the watchdog runs while there is one
         self._watchdog_task: asyncio.Task[None] | None = None
         self._moved_at = time.perf_counter()  # the last time a trajectory finished
+        self._reward_lane: ThreadLane | None = None  # a sync reward function's own threads, made on first use
 
     def make_context(self, sampling_params: Mapping[str, Any] | None = None, validate: bool = False, *,
                      sampling: Sampling | None = None) -> RunContext:  # fmt: skip
@@ -69,11 +76,14 @@ class Runner:
         run_id = uuid.uuid4().hex[:8]
         out = []
         for i, row in enumerate(rows):
-            row = normalize_record(dict(row)) if isinstance(row, Mapping) else {"__bad_row__": row}
+            row = encodable_value(normalize_record(dict(row))) if isinstance(row, Mapping) else {"__bad_row__": row}
             uid = str(row.get("uid") or f"{run_id}-{i}")
             for k in range(n):
                 traj = Trajectory(len(out), k, f"{run_id}-{i}-{k}", uid, row, self.agent.initial)
-                self._bind_row(traj)
+                try:
+                    self._bind_row(traj)
+                except RowError as exc:  # runs as an error row: the batch keeps one row per input
+                    traj.extra["row_error"] = f"bad row {i}: {exc}"
                 out.append(traj)
         return out
 
@@ -126,10 +136,19 @@ class Runner:
                 traced = TRACED.set(root)
         traj.begin()
         self.live[traj.session_id] = (traj, root)
+        steps, max_steps = 0, agent.limits.max_transitions
         try:
+            if "row_error" in traj.extra:
+                raise RowError(traj.extra.pop("row_error"))
             while traj.state not in agent.final_states:
                 if boundary is not None:
                     await boundary(traj)
+                steps += 1
+                if steps > max_steps:
+                    raise RowError(f"max_transitions: {max_steps} transitions without reaching a final state "
+                                   f"(a cycle through {traj.state}; limits.max_transitions)")  # fmt: skip
+                if steps % 64 == 0:
+                    await asyncio.sleep(0)  # a cycle of actions that never await still lets Ctrl-C and others in
                 source = traj.state
                 try:
                     if timeout is None:
@@ -190,6 +209,9 @@ class Runner:
                 traj.interaction_score = float(await ctx.interaction.calculate_score(traj.session_id))
                 await ctx.interaction.finalize_interaction(traj.session_id)
             await self._score(ctx, traj)
+        except RewardError as exc:
+            if traj.error is None:
+                traj.fail(f"reward: {exc}")
         except Exception as exc:  # scoring/cleanup failures are recorded, never raised into the batch
             if traj.error is None:
                 traj.fail(f"{type(exc).__name__} while finishing: {exc}")
@@ -215,15 +237,26 @@ class Runner:
             **reward.kwargs,
         )
         t0 = time.perf_counter()
-        if inspect.iscoroutinefunction(reward.fn):
-            score = await reward.fn(**kwargs)
-        else:
-            score = await asyncio.to_thread(reward.fn, **kwargs)
-        traj.metrics.compute_score += time.perf_counter() - t0
-        if isinstance(score, Mapping):
-            traj.extra["reward_extra_info"] = dict(score)
-            score = score["score"]
-        traj.reward_score = float(score)
+        name, limit = self.agent.spec.reward.function, self.agent.limits.reward_timeout_s  # type: ignore[union-attr]
+        try:
+            async with asyncio.timeout(limit):
+                if inspect.iscoroutinefunction(reward.fn):
+                    score = await reward.fn(**kwargs)
+                else:  # its own threads, never the loop's executor (the embedded model decodes there)
+                    if self._reward_lane is None:
+                        self._reward_lane = ThreadLane(f"reward {name}", DEFAULT_TOOL_WORKERS)
+                    score = await self._reward_lane.call(reward.fn, **kwargs)
+            if isinstance(score, Mapping):
+                traj.extra["reward_extra_info"] = dict(score)
+                score = score["score"]
+            traj.reward_score = float(score)
+        except TimeoutError:
+            raise RewardError(f"reward function {name} on row {traj.uid}: no result within {limit:g} s "
+                              "(limits.reward_timeout_s)") from None  # fmt: skip
+        except Exception as exc:
+            raise RewardError(f"reward function {name} on row {traj.uid}: {type(exc).__name__}: {exc}") from None
+        finally:
+            traj.metrics.compute_score += time.perf_counter() - t0
 
     @contextlib.asynccontextmanager
     async def watching(self) -> AsyncIterator[None]:

@@ -158,21 +158,34 @@ class SamplingSpec(_Strict):
         return v
 
 
+# Upper bounds a limit may take: past them a value is a typo (1e12 tokens), not a setting, and would fail
+# only at collation, after the whole rollout. A padded batch is rows x (prompt_length + response_length).
+MAX_TOKENS = 1 << 20
+MAX_TURNS = 100_000
+MAX_SECONDS = 7 * 24 * 3600.0
+
+
 class LimitsSpec(_Strict):
-    prompt_length: int = Field(default=1024, gt=0, description="P: prompts are left-padded to this.")
-    response_length: int = Field(default=1024, gt=0, description="R: the whole trajectory's response budget.")
+    prompt_length: int = Field(default=1024, gt=0, le=MAX_TOKENS, description="P: prompts are left-padded to this.")
+    response_length: int = Field(default=1024, gt=0, le=MAX_TOKENS,
+                                 description="R: the whole trajectory's response budget.")  # fmt: skip
     max_new_tokens: int | None = Field(
-        default=None, gt=0, description="Per model turn; default: remaining budget."
+        default=None, gt=0, le=MAX_TOKENS, description="Per model turn; default: remaining budget."
     )
-    max_assistant_turns: int | None = Field(default=None, gt=0)
-    max_user_turns: int | None = Field(default=None, gt=0)
-    max_parallel_calls: int = Field(default=1, gt=0)
+    max_assistant_turns: int | None = Field(default=None, gt=0, le=MAX_TURNS)
+    max_user_turns: int | None = Field(default=None, gt=0, le=MAX_TURNS)
+    max_transitions: int = Field(
+        default=10_000, gt=0, le=100 * MAX_TURNS,
+        description="Transitions one trajectory may take; past it the row ends 'error: max_transitions ...'. "
+        "Bounds any cycle, including one whose states never consume budget.",
+    )
+    max_parallel_calls: int = Field(default=1, gt=0, le=1024)
     extra_calls: Literal["error", "drop"] = Field(
         default="error",
         description="Calls beyond max_parallel_calls: 'error' answers each with an error observation; "
         "'drop' ignores them (verl's behaviour), counted in metrics.",
     )
-    max_tool_response_length: int = Field(default=256, gt=0, description="Characters, as verl.")
+    max_tool_response_length: int = Field(default=256, gt=0, le=1 << 24, description="Characters, as verl.")
     tool_response_truncate_side: Literal["left", "right", "middle"] = Field(
         default="middle", description="verl >= 0.8 meaning: left keeps the tail, right keeps the head."
     )
@@ -180,21 +193,27 @@ class LimitsSpec(_Strict):
         default="error", description="A prompt longer than prompt_length: fail the row, or keep its tail."
     )
     action_timeout_s: float | None = Field(
-        default=None, gt=0, description="Wall-clock limit for any one action (a model call, a tool round)."
+        default=None, gt=0, le=MAX_SECONDS,
+        description="Wall-clock limit for any one action (a model call, a tool round).",
+    )
+    reward_timeout_s: float | None = Field(
+        default=300.0, gt=0, le=MAX_SECONDS,
+        description="Wall-clock limit for the reward function on one trajectory; past it the row ends "
+        "'error: reward ...' (a sync function's thread is written off). null: none.",
     )
     max_resumes: int = Field(
-        default=3, ge=0,
+        default=3, ge=0, le=1000,
         description="A model turn the server aborts (preemption, weight update, drain) is resumed from the tokens "
         "it produced, at most this many times per turn; past it the row ends 'error: aborted ...'.",
     )
     request_timeout_s: float | None = Field(
-        default=None, gt=0,
+        default=None, gt=0, le=MAX_SECONDS,
         description="Deadline of one generate request to a server (per attempt); past it the request is aborted "
         "at the server and retried on another. Default: the backend's (300 s for SGLang); the CLI's "
         "--request-timeout overrides it.",
     )
     turn_timeout_s: float | None = Field(
-        default=1200.0, gt=0,
+        default=1200.0, gt=0, le=MAX_SECONDS,
         description="Deadline of one model turn, its retries, failovers and resumes included; past it the row "
         "ends 'error: timeout: ...'. null: none.",
     )

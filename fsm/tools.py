@@ -22,6 +22,7 @@ from backends.retry import RetryPolicy, retry
 from fsm.isolation import Lane, LoopLane, ProcessLane, ThreadLane, ToolCrashed, ToolUnavailable, crashed
 from fsm.parsers import ToolCall
 from fsm.registry import resolve
+from fsm.rows import encodable
 from fsm.spec import DEFAULT_TOOL_WORKERS, LimitsSpec, ToolPolicySpec, ToolSpec
 
 __all__ = ["AgentData", "BaseTool", "BoundTool", "CallOutcome", "FunctionTool", "ToolCrashed", "ToolResponse", "ToolSet",
@@ -416,6 +417,7 @@ class ToolSet:
             call = dataclasses.replace(call, arguments=args)
         create_kwargs = (tools_kwargs.get(tool.name) or {}).get("create_kwargs", {})
         outcome = await tool.run(call, instance_id, create_kwargs, AgentData(traj) if traj is not None else None)
+        outcome.text = encodable(outcome.text) if isinstance(outcome.text, str) else outcome.text
         if outcome.error in (None, "calc_reward") or policy.truncate_errors:  # verl cuts results only
             outcome.text = truncate(
                 outcome.text, self.limits.max_tool_response_length, self.limits.tool_response_truncate_side

@@ -12,6 +12,8 @@ from array import array
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from fsm.rows import encodable
+
 if TYPE_CHECKING:
     from fsm.agent import Edge
     from fsm.parsers import ToolCall
@@ -168,7 +170,9 @@ class Trajectory:
         return self.error is not None
 
     def fail(self, reason: str) -> None:
-        """Record a failure: the row keeps its place in the batch with an empty response and mask 0."""
+        """Record a failure: the row keeps its place in the batch with an empty response and mask 0. The reason
+        may quote a server or a tool, so it is made encodable (fsm/rows.py) before it reaches any output."""
+        reason = encodable(reason)
         self.error = reason
         self.termination_reason = reason if reason.startswith("error:") else f"error: {reason}"
         del self.response_ids[:], self.response_mask[:], self.response_logprobs[:], self.response_versions[:]

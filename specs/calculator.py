@@ -112,12 +112,19 @@ _ANSWER = re.compile(r"####\s*(-?[\d,]*\.?\d+)")
 
 
 def compute_score(solution_str: str, ground_truth: str, **kwargs) -> float:
-    """1.0 if the last `#### <number>` in the text equals ground_truth numerically, else 0.0."""
+    """1.0 if the last `#### <number>` in the text equals ground_truth numerically, else 0.0. A row without a
+    numeric ground truth cannot be scored: ValueError, whatever the model wrote."""
+    if ground_truth is None:
+        raise ValueError("the row has no reward_model.ground_truth to score against")
+    try:
+        truth = float(str(ground_truth).replace(",", ""))
+    except ValueError:
+        raise ValueError(f"the row's ground truth {ground_truth!r} is not a number") from None
     found = _ANSWER.findall(solution_str)
     if not found:
         return 0.0
     try:
-        return float(math.isclose(float(found[-1].replace(",", "")), float(ground_truth), abs_tol=1e-6))
+        return float(math.isclose(float(found[-1].replace(",", "")), truth, abs_tol=1e-6))
     except ValueError:
         return 0.0
 
