@@ -48,7 +48,7 @@ class TableCodec(ChatCodec):
     """A ChatCodec whose renders are precomputed: same interface and token ids, no jinja per call."""
 
     def __init__(self, prompt: list[int], observation: list[int], turns: dict[tuple[int, ...], str], eos: int):
-        self.tokenizer, self.eos_id, self.pad_id = None, eos, 0
+        self.tokenizer, self.eos_id, self.pad_id, self.vocab_size = None, eos, 0, 1 << 16
         self.turn_closer = [eos, 198]
         self._prompt, self._observation, self._turns = prompt, observation, turns
 
