@@ -15,6 +15,12 @@ adds on top of a bare POST:
   retried here (a hung server stays hung) but fails over in the router;
 - aborts (`finish_reason.type == "abort"`) are returned as results, with the tokens produced before the abort:
   the engine resumes them. Every fault is counted by kind in `stats()["faults"]`;
+- SGLang aborts every live rid that starts with the rid it is asked to abort, so the rids this client has
+  live are kept prefix-free (`_wire_rid`): a resume `{turn}_r1` sent while `{turn}` still lives gets a suffix;
+- while this client has the server paused (`pause_generation` until `continue_generation`) no deadline runs
+  and no deadline abort is sent: SGLang holds a request that arrives while paused in its front end, where an
+  /abort_request never reaches it (it is lost, a second one too) and it runs after continue. A deadline that
+  does expire never relies on its abort: without an answer in the grace time the connection is closed;
 - the connector's keep-alive is below uvicorn's 5 s, so a pooled connection is never reused as it closes.
 `sglang` itself is never imported.
 """
@@ -49,7 +55,11 @@ T = TypeVar("T")
 
 DEFAULT_REQUEST_TIMEOUT_S = 300.0  # per /generate attempt; SGLang's own watchdog_timeout is also 300 s
 _DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default when the key is absent
+# SGLang 0.5.23 reports max_req_input_len = context length - 6 and refuses an input that long or longer.
+_INPUT_MARGIN = 6
 _WEIGHTS_TIMEOUT_S = 600.0  # a weight reload may take minutes
+# SGLang's 400 for an update that loaded the weights but could not flush the cache (requests held or running)
+_UPDATED_NOT_FLUSHED = "Weights were updated, but the cache was not flushed"
 # What a /generate can meet, counted in stats()["faults"]; each is one failed attempt or one abort.
 FAULT_KINDS = ("http_errors", "refused", "disconnects", "resets", "timeouts", "malformed", "aborts_waiting",
                "aborts_running")  # fmt: skip
@@ -198,6 +208,10 @@ class SGLangBackend(BaseBackend):
         self._info_lock = asyncio.Lock()
         self._info: dict[str, Any] | None = None
         self._live: dict[str, str] = {}  # rid -> session_id, for abort(session_id) and where()
+        self._paused_mode: str | None = None  # the /pause_generation mode in force, sent by this client
+        self._unpaused = asyncio.Event()  # set while not paused: the deadlines of /generate run only then
+        self._unpaused.set()
+        self._paused = asyncio.Event()  # its opposite, to stop a deadline's clock when a pause begins
         # /generate attempts, re-sends of one, and deadline aborts sent; then the faults met, by kind
         self.counts = {"requests": 0, "retries": 0, "aborts_sent": 0}
         self.faults = dict.fromkeys(FAULT_KINDS, 0)
@@ -296,13 +310,14 @@ class SGLangBackend(BaseBackend):
             state = states[0] if isinstance(states, list) and states and isinstance(states[0], dict) else {}
             max_in = server.get("max_req_input_len") or state.get("max_req_input_len")
             self.max_input_len = int(max_in) if max_in else None
-            # Server args hold the context length when it was set at launch; else the input limit bounds it.
+            # Server args hold the context length when it was set at launch (else null); the input limit
+            # is always there, `_INPUT_MARGIN` below it.
             if self.context_length is None:
                 ctx = (
                     server.get("context_length") or state.get("context_length") or info.get("context_length")
                 )
                 self.context_length = (
-                    int(ctx) if ctx else (self.max_input_len + 1 if self.max_input_len else None)
+                    int(ctx) if ctx else (self.max_input_len + _INPUT_MARGIN if self.max_input_len else None)
                 )
             if not self._name_given:
                 self.model_name = info.get("served_model_name") or info.get("model_path") or self.model_name
@@ -326,10 +341,10 @@ class SGLangBackend(BaseBackend):
         which is `context_len - 1`), so the room is `context_len - 1 - len(input_ids)`: one token stricter
         than "≤ context_len − len", and accepted by every release.
         """
-        if self.max_input_len is not None and len(ids) > self.max_input_len:
+        if self.max_input_len is not None and len(ids) >= self.max_input_len:
             raise BackendRequestError(
-                f"{self.url}: prompt of {len(ids)} tokens exceeds the server's max input length "
-                f"{self.max_input_len}; lower the trajectory's prompt/response budget",
+                f"{self.url}: prompt of {len(ids)} tokens reaches the server's max input length "
+                f"{self.max_input_len} (it takes fewer); lower the trajectory's prompt/response budget",
                 server=self.url,
             )
         if self.context_length is None:
@@ -359,7 +374,7 @@ class SGLangBackend(BaseBackend):
         params = self._clamp(ids, dict(request.sampling_params))
         # A fixed-width random suffix cannot be a prefix of another live rid: SGLang's abort matches rids
         # by prefix, so aborting one must never abort another.
-        rid = request.rid or f"{request.session_id}_g{uuid.uuid4().hex}"
+        rid = self._wire_rid(request.rid or f"{request.session_id}_g{uuid.uuid4().hex}")
         payload = {
             "input_ids": ids,
             "sampling_params": params,
@@ -387,20 +402,49 @@ class SGLangBackend(BaseBackend):
         finally:
             self._live.pop(rid, None)
 
+    def _wire_rid(self, rid: str) -> str:
+        """`rid`, or `rid~<hex>` when it and a rid live here would prefix one another (SGLang aborts by prefix)."""
+        while rid in self._live or any(live.startswith(rid) or rid.startswith(live) for live in self._live):
+            rid = f"{rid}~{uuid.uuid4().hex[:8]}"
+        return rid
+
+    async def _wait_unpaused_time(self, exchange: asyncio.Future[Any], timeout_s: float) -> bool:
+        """Wait for `exchange` for up to `timeout_s` seconds of time the server is not paused by this client
+        (a paused server holds requests; they must not time out meanwhile). True when it is done."""
+        loop = asyncio.get_running_loop()
+        left = timeout_s
+        while not exchange.done():
+            if not self._unpaused.is_set():
+                resumed = asyncio.ensure_future(self._unpaused.wait())
+                try:
+                    await asyncio.wait({exchange, resumed}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    resumed.cancel()
+                continue
+            if left <= 0:
+                return False
+            t0 = loop.time()
+            paused = asyncio.ensure_future(self._paused.wait())
+            try:
+                await asyncio.wait({exchange, paused}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                paused.cancel()
+            left -= loop.time() - t0
+        return True
+
     async def _generate_once(self, payload: dict[str, Any], rid: str, timeout_s: float,
                              return_logprob: bool) -> GenerateResult:  # fmt: skip
         """One /generate attempt under its deadline; every answer that is not a response raises."""
         self.counts["requests"] += 1
         exchange = asyncio.ensure_future(self._send("POST", "/generate", payload))  # owned: ends in `finally`
         try:
-            done, _ = await asyncio.wait({exchange}, timeout=timeout_s)
-            if not done:
+            if not await self._wait_unpaused_time(exchange, timeout_s):
                 # Past the deadline: abort the rid at the server. A live server answers this very request
-                # with what it generated so far (finish_reason abort), which the engine resumes.
+                # with what it generated so far (finish_reason abort), which the engine resumes. The abort may
+                # be lost (a request SGLang holds in its front end): then closing the connection ends it.
                 await self._abort_quietly(rid)
                 grace = self.abort_grace_s if self.abort_grace_s is not None else min(5.0, timeout_s / 10)
-                done, _ = await asyncio.wait({exchange}, timeout=grace)
-                if not done:
+                if not await self._wait_unpaused_time(exchange, grace):
                     raise BackendTimeout(f"{self.url}: /generate rid {rid} had no answer within {timeout_s:g} s "
                                          "(request_timeout_s); aborted at the server", server=self.url,
                                          kind="timeouts")  # fmt: skip
@@ -508,8 +552,19 @@ class SGLangBackend(BaseBackend):
         payload: dict[str, Any] = {"model_path": path, **options}
         if weight_version is not None:
             payload["weight_version"] = weight_version
-        # A failed load is a 400 {"success": false, "message": ...}: _control raises it as BackendRequestError.
-        return await self._control("POST", "/update_weights_from_disk", payload, timeout_s=_WEIGHTS_TIMEOUT_S)
+        if self._paused_mode == "in_place":
+            # Held requests keep their cache, so SGLang cannot flush it: it would load the weights and answer
+            # 400 "Weights were updated, but the cache was not flushed". Say so up front instead.
+            payload.setdefault("flush_cache", False)
+        status, body = await self._call("POST", "/update_weights_from_disk", payload, timeout_s=_WEIGHTS_TIMEOUT_S)
+        message = error_message(body, str(body)[:500])
+        if status == 400 and message.startswith(_UPDATED_NOT_FLUSHED):
+            log.warning("%s: %s", self.url, message)  # the new weights serve; only the prefix cache is stale
+            return {**body, "success": True, "cache_flushed": False}
+        if status >= 400:  # a failed load: 400 {"success": false, "message": ...}
+            raise BackendRequestError(f"{self.url}/update_weights_from_disk failed: {message}", server=self.url,
+                                      status=status)  # fmt: skip
+        return body
 
     async def update_weights_from_tensor(self, weight_version: str | None = None, **payload: Any) -> dict[str, Any]:
         """`/update_weights_from_tensor`: payload passed through (serialized_named_tensors, load_format,
@@ -534,8 +589,25 @@ class SGLangBackend(BaseBackend):
         return await self._control("POST", "/destroy_weights_update_group", payload)
 
     async def pause_generation(self, mode: str = "abort") -> dict[str, Any]:
-        """`/pause_generation` in SGLang's mode: "abort", "retract" or "in_place"."""
-        return await self._control("POST", "/pause_generation", {"mode": mode})
+        """`/pause_generation` in SGLang's mode: "abort", "retract" or "in_place". From now until
+        `continue_generation` the deadlines of this client's requests stand still (module docstring)."""
+        self._set_paused(mode)
+        try:
+            return await self._control("POST", "/pause_generation", {"mode": mode})
+        except BaseException:
+            self._set_paused(None)
+            raise
 
     async def continue_generation(self) -> dict[str, Any]:
-        return await self._control("POST", "/continue_generation", {})
+        body = await self._control("POST", "/continue_generation", {})
+        self._set_paused(None)
+        return body
+
+    def _set_paused(self, mode: str | None) -> None:
+        self._paused_mode = mode
+        if mode is None:
+            self._paused.clear()
+            self._unpaused.set()
+        else:
+            self._unpaused.clear()
+            self._paused.set()

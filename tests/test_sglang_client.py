@@ -31,7 +31,7 @@ MODEL_INFO = {
     "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"],
 }  # fmt: skip
 SERVER_INFO = {"model_path": "Qwen/Qwen2.5-0.5B-Instruct", "context_length": None, "max_total_num_tokens": 500000,
-               "max_req_input_len": 32767, "internal_states": [{}], "version": "0.5.23"}  # fmt: skip
+               "max_req_input_len": 32762, "internal_states": [{}], "version": "0.5.23"}  # fmt: skip
 
 # The reference's example, byte for byte.
 OK_STOP = json.loads("""
@@ -155,7 +155,7 @@ async def test_success_with_logprobs_and_exact_payload(fake):
     async with client(fake.url) as b:
         res = await b.generate(req())
         assert b.model_name == "Qwen/Qwen2.5-0.5B-Instruct"
-        assert b.context_length == 32768  # max_req_input_len + 1 when context_length is null
+        assert b.context_length == 32768  # max_req_input_len + 6 when context_length is null (as 0.5.23)
     assert res.token_ids == [9707, 0, 2585, 646, 358, 1492, 30, 151645]  # the stop id included
     assert res.logprobs == [-0.0213, -0.4471, -0.1032, -0.0087, -0.0011, -0.0159, -0.0402, -0.0005]
     assert (res.finish_reason, res.prompt_tokens, res.cached_tokens) == ("stop", 9, 0)
@@ -282,14 +282,14 @@ async def test_connection_refused():
 
 
 async def test_max_new_tokens_clamped_to_the_room_left(fake):
-    fake.on("/server_info", (200, {**SERVER_INFO, "context_length": 16, "max_req_input_len": 15}))
+    fake.on("/server_info", (200, {**SERVER_INFO, "context_length": 16, "max_req_input_len": 10}))
     fake.on("/generate", (200, OK_LENGTH))
     async with client(fake.url) as b:
         await b.generate(req(max_new_tokens=100))  # 9 prompt tokens: room is 16 - 1 - 9 = 6
         await b.generate(req(temperature=0.5))  # absent means SGLang's default 128: clamped too
         await b.generate(req(max_new_tokens=2))  # fits: sent unchanged
-        with pytest.raises(BackendRequestError, match="nothing can be generated"):
-            await b.generate(GenerateRequest("t", list(range(15)), {"max_new_tokens": 4}))
+        with pytest.raises(BackendRequestError, match="reaches the server's max input length 10"):
+            await b.generate(GenerateRequest("t", list(range(10)), {"max_new_tokens": 4}))
     sent = [body["sampling_params"] for body in fake.paths("/generate")]
     assert sent == [{"max_new_tokens": 6}, {"temperature": 0.5, "max_new_tokens": 6}, {"max_new_tokens": 2}]
 
