@@ -16,7 +16,8 @@ adds on top of a bare POST:
 - aborts (`finish_reason.type == "abort"`) are returned as results, with the tokens produced before the abort:
   the engine resumes them. Every fault is counted by kind in `stats()["faults"]`;
 - SGLang aborts every live rid that starts with the rid it is asked to abort, so the rids this client has
-  live are kept prefix-free (`_wire_rid`): a resume `{turn}_r1` sent while `{turn}` still lives gets a suffix;
+  live are kept prefix-free (`_wire_rid`): a resume `{turn}_r1` sent while `{turn}` still lives goes out
+  under another rid;
 - while this client has the server paused (`pause_generation` until `continue_generation`) no deadline runs
   and no deadline abort is sent: SGLang holds a request that arrives while paused in its front end, where an
   /abort_request never reaches it (it is lost, a second one too) and it runs after continue. A deadline that
@@ -374,7 +375,7 @@ class SGLangBackend(BaseBackend):
         params = self._clamp(ids, dict(request.sampling_params))
         # A fixed-width random suffix cannot be a prefix of another live rid: SGLang's abort matches rids
         # by prefix, so aborting one must never abort another.
-        rid = self._wire_rid(request.rid or f"{request.session_id}_g{uuid.uuid4().hex}")
+        rid = self._wire_rid(request.rid or f"{request.session_id}_g{uuid.uuid4().hex}", request.session_id)
         payload = {
             "input_ids": ids,
             "sampling_params": params,
@@ -402,11 +403,19 @@ class SGLangBackend(BaseBackend):
         finally:
             self._live.pop(rid, None)
 
-    def _wire_rid(self, rid: str) -> str:
-        """`rid`, or `rid~<hex>` when it and a rid live here would prefix one another (SGLang aborts by prefix)."""
-        while rid in self._live or any(live.startswith(rid) or rid.startswith(live) for live in self._live):
-            rid = f"{rid}~{uuid.uuid4().hex[:8]}"
-        return rid
+    def _wire_rid(self, rid: str, session_id: str) -> str:
+        """`rid`, unless it and a rid live here would prefix one another (SGLang aborts by prefix: a resume
+        `{turn}_r1` while `{turn}` still lives, after a lost abort): then `{session}_x<random>`, which
+        extends no live rid and which none extends."""
+
+        def clash(r: str) -> bool:
+            return any(live.startswith(r) or r.startswith(live) for live in self._live)
+
+        for _ in range(3):
+            if not clash(rid):
+                return rid
+            rid = f"{session_id}_x{uuid.uuid4().hex[:12]}"
+        return uuid.uuid4().hex  # a session id that is itself a prefix of a live rid: no lineage at all
 
     async def _wait_unpaused_time(self, exchange: asyncio.Future[Any], timeout_s: float) -> bool:
         """Wait for `exchange` for up to `timeout_s` seconds of time the server is not paused by this client

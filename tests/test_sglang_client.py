@@ -330,3 +330,39 @@ async def test_launcher_surfaces_a_crash_with_the_log_tail(tmp_path):
         ei.value
     )
     assert all(p.poll() is not None for p in launcher.procs)
+
+
+# -- what real SGLang does (tests/fixtures/sglang), over the dev server, which answers the same way --------
+
+
+async def test_requests_held_by_a_pause_do_not_time_out_and_send_no_lost_abort():
+    """SGLang holds a request that arrives while paused, and an abort of it is lost: while this client has
+    the server paused its deadlines stand still."""
+    from backends.devserver import DevServer
+    from backends.scripted import echo_backend
+
+    async with DevServer(echo_backend()) as dev, client(dev.url, request_timeout_s=0.2) as b:
+        await b.pause_generation("abort")
+        turn = asyncio.ensure_future(b.generate(GenerateRequest("h", [1, 2, 3], {}, rid="h_t00")))
+        done, _ = await asyncio.wait({turn}, timeout=0.6)  # three deadlines' worth of waiting
+        assert not done
+        await b.continue_generation()
+        res = await turn
+    assert res.finish_reason == "stop" and b.counts["aborts_sent"] == 0 and b.faults["timeouts"] == 0
+
+
+async def test_a_resume_sent_while_its_turn_lives_gets_a_rid_that_no_abort_of_the_turn_reaches():
+    from backends.devserver import DevServer
+    from backends.scripted import echo_backend
+
+    async with DevServer(echo_backend(latency_s=0.5)) as dev, client(dev.url) as b:
+        old = asyncio.ensure_future(b.generate(GenerateRequest("s", [1, 2, 3], {}, rid="s_t00")))
+        while "s_t00" not in dev._live:
+            await asyncio.sleep(0.005)
+        new = asyncio.ensure_future(b.generate(GenerateRequest("s", [1, 2, 3], {}, rid="s_t00_r1")))
+        while len(dev._live) < 2:
+            await asyncio.sleep(0.005)
+        live = list(dev._live)
+        assert "s_t00_r1" not in live and not any(a != c and c.startswith(a) for a in live for c in live)
+        await b.abort_request("s_t00")
+        assert (await old).finish_reason == "abort" and (await new).finish_reason == "stop"

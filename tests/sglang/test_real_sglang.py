@@ -119,8 +119,9 @@ async def test_live_rids_are_never_prefixes_of_one_another(sglang):
         await running(c)
         new = asyncio.ensure_future(c.generate(req("pfx_t00_r1", LONG, ignore_eos=True)))
         await running(c, 2)
-        wire = [rid for rid in c._live if rid.startswith("pfx_t00_r1")]
-        assert len(wire) == 1 and wire[0] != "pfx_t00_r1"
+        live = list(c._live)
+        assert len(live) == 2 and "pfx_t00" in live and "pfx_t00_r1" not in live
+        assert not any(a != b and b.startswith(a) for a in live for b in live)
         await c.abort_request("pfx_t00")
         assert (await old).finish_reason == "abort"
         assert (await new).finish_reason == "length"
