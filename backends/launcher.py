@@ -27,9 +27,10 @@ log = logging.getLogger(__name__)
 
 PYTHON_ENV = "AGENTFSM_SGLANG_PYTHON"  # the interpreter that has sglang, when it is not this one
 # SGLang's CPU engine: torch_native attention (no AMX kernels needed), a KV pool of a fixed size instead of a
-# share of free RAM, and no tokenizer (agentfsm sends token ids).
+# share of free RAM, no tokenizer (agentfsm sends token ids), and a scheduler that sleeps when idle (it spins
+# otherwise, a whole core on a small machine).
 CPU_ARGS = ("--device", "cpu", "--attention-backend", "torch_native", "--max-total-tokens", "32768",
-            "--skip-tokenizer-init")  # fmt: skip
+            "--skip-tokenizer-init", "--sleep-on-idle")  # fmt: skip
 
 
 def cpu_env(python: str) -> dict[str, str]:
