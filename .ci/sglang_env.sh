@@ -41,7 +41,7 @@ if [ -f "$LOCK" ]; then
   "$VENV/bin/python" -m pip check
 else
   "${pip[@]}" "sglang==0.5.23"
-  "$VENV/bin/python" -m pip freeze --exclude-editable > "$LOCK"
+  "$VENV/bin/python" -m pip freeze --all --exclude pip --exclude-editable > "$LOCK"   # --all: setuptools too
   echo "sglang env: wrote $LOCK; commit it"
 fi
 
