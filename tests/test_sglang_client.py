@@ -366,3 +366,25 @@ async def test_a_resume_sent_while_its_turn_lives_gets_a_rid_that_no_abort_of_th
         assert "s_t00_r1" not in live and not any(a != c and c.startswith(a) for a in live for c in live)
         await b.abort_request("s_t00")
         assert (await old).finish_reason == "abort" and (await new).finish_reason == "stop"
+
+
+@pytest.mark.parametrize("scenario, name, kind, n", [
+    ("aborts", "aborted_running", "running", None), ("pauses", "aborted_waiting", "waiting", 0),
+    ("pauses", "paused_abort", "running", None), ("generate", "zero_new", None, 0),
+])  # fmt: skip
+def test_real_sglang_bodies_parse(scenario, name, kind, n):
+    """Real SGLang 0.5.23's recorded answers (tests/fixtures/sglang): a running abort's partial output with its
+    logprobs, a waiting-queue abort (text "", an empty weight_versions span, no prompt/cached tokens), and
+    max_new_tokens 0."""
+    from backends.sglang import parse_generate
+    from tests.conftest import REPO
+
+    exchanges = json.loads((REPO / "tests" / "fixtures" / "sglang" / f"{scenario}.json").read_text())["exchanges"]
+    body = next(e["body"] for e in exchanges if e["name"] == name)
+    res = parse_generate(body, server="sglang", return_logprob=True, rid=name)
+    assert res.token_ids == body["output_ids"] and (n is None or len(res.token_ids) == n)
+    assert res.logprobs is not None and len(res.logprobs) == len(res.token_ids)
+    assert res.extra["token_versions"] == [res.weight_version] * len(res.token_ids)
+    assert res.extra.get("abort_kind") == kind
+    if kind == "waiting":
+        assert res.prompt_tokens is None and res.cached_tokens is None and res.abort_message == "Abort in waiting queue"
