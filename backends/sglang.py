@@ -49,6 +49,7 @@ from backends.base import (
     GenerateRequest,
     GenerateResult,
 )
+from backends.pause_clock import PauseClock
 from backends.retry import RetryPolicy, parse_retry_after, retry
 
 log = logging.getLogger(__name__)
@@ -209,10 +210,7 @@ class SGLangBackend(BaseBackend):
         self._info_lock = asyncio.Lock()
         self._info: dict[str, Any] | None = None
         self._live: dict[str, str] = {}  # rid -> session_id, for abort(session_id) and where()
-        self._paused_mode: str | None = None  # the /pause_generation mode in force, sent by this client
-        self._unpaused = asyncio.Event()  # set while not paused: the deadlines of /generate run only then
-        self._unpaused.set()
-        self._paused = asyncio.Event()  # its opposite, to stop a deadline's clock when a pause begins
+        self._pause = PauseClock()  # the pause this client set: /generate deadlines run only outside it
         # /generate attempts, re-sends of one, and deadline aborts sent; then the faults met, by kind
         self.counts = {"requests": 0, "retries": 0, "aborts_sent": 0}
         self.faults = dict.fromkeys(FAULT_KINDS, 0)
@@ -417,43 +415,19 @@ class SGLangBackend(BaseBackend):
             rid = f"{session_id}_x{uuid.uuid4().hex[:12]}"
         return uuid.uuid4().hex  # a session id that is itself a prefix of a live rid: no lineage at all
 
-    async def _wait_unpaused_time(self, exchange: asyncio.Future[Any], timeout_s: float) -> bool:
-        """Wait for `exchange` for up to `timeout_s` seconds of time the server is not paused by this client
-        (a paused server holds requests; they must not time out meanwhile). True when it is done."""
-        loop = asyncio.get_running_loop()
-        left = timeout_s
-        while not exchange.done():
-            if not self._unpaused.is_set():
-                resumed = asyncio.ensure_future(self._unpaused.wait())
-                try:
-                    await asyncio.wait({exchange, resumed}, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    resumed.cancel()
-                continue
-            if left <= 0:
-                return False
-            t0 = loop.time()
-            paused = asyncio.ensure_future(self._paused.wait())
-            try:
-                await asyncio.wait({exchange, paused}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                paused.cancel()
-            left -= loop.time() - t0
-        return True
-
     async def _generate_once(self, payload: dict[str, Any], rid: str, timeout_s: float,
                              return_logprob: bool) -> GenerateResult:  # fmt: skip
         """One /generate attempt under its deadline; every answer that is not a response raises."""
         self.counts["requests"] += 1
         exchange = asyncio.ensure_future(self._send("POST", "/generate", payload))  # owned: ends in `finally`
         try:
-            if not await self._wait_unpaused_time(exchange, timeout_s):
+            if not await self._pause.wait(exchange, timeout_s):
                 # Past the deadline: abort the rid at the server. A live server answers this very request
                 # with what it generated so far (finish_reason abort), which the engine resumes. The abort may
                 # be lost (a request SGLang holds in its front end): then closing the connection ends it.
                 await self._abort_quietly(rid)
                 grace = self.abort_grace_s if self.abort_grace_s is not None else min(5.0, timeout_s / 10)
-                if not await self._wait_unpaused_time(exchange, grace):
+                if not await self._pause.wait(exchange, grace):
                     raise BackendTimeout(f"{self.url}: /generate rid {rid} had no answer within {timeout_s:g} s "
                                          "(request_timeout_s); aborted at the server", server=self.url,
                                          kind="timeouts")  # fmt: skip
@@ -561,7 +535,7 @@ class SGLangBackend(BaseBackend):
         payload: dict[str, Any] = {"model_path": path, **options}
         if weight_version is not None:
             payload["weight_version"] = weight_version
-        if self._paused_mode == "in_place":
+        if self._pause.mode == "in_place":
             # Held requests keep their cache, so SGLang cannot flush it: it would load the weights and answer
             # 400 "Weights were updated, but the cache was not flushed". Say so up front instead.
             payload.setdefault("flush_cache", False)
@@ -600,23 +574,14 @@ class SGLangBackend(BaseBackend):
     async def pause_generation(self, mode: str = "abort") -> dict[str, Any]:
         """`/pause_generation` in SGLang's mode: "abort", "retract" or "in_place". From now until
         `continue_generation` the deadlines of this client's requests stand still (module docstring)."""
-        self._set_paused(mode)
+        self._pause.set(mode)
         try:
             return await self._control("POST", "/pause_generation", {"mode": mode})
         except BaseException:
-            self._set_paused(None)
+            self._pause.set(None)
             raise
 
     async def continue_generation(self) -> dict[str, Any]:
         body = await self._control("POST", "/continue_generation", {})
-        self._set_paused(None)
+        self._pause.set(None)
         return body
-
-    def _set_paused(self, mode: str | None) -> None:
-        self._paused_mode = mode
-        if mode is None:
-            self._paused.clear()
-            self._unpaused.set()
-        else:
-            self._unpaused.clear()
-            self._paused.set()
