@@ -1,20 +1,28 @@
-"""SGLang's /generate request contract as the dev server (backends/devserver.py) enforces it: the
-SamplingParams fields, their types, and SGLang's error bodies, so a client that passes the dev server sends
-what a real server accepts.
+"""SGLang's wire contract as the dev server (backends/devserver.py) speaks it: the /generate request checks
+(SamplingParams fields, their types, the length limits and SGLang's error bodies and texts), so a client that
+passes the dev server sends what a real server accepts; and the fixed parts of SGLang's answers. Each shape
+here follows real SGLang 0.5.23's recorded answers (tests/fixtures/sglang, compared by
+tests/test_devserver_fidelity.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import time
+from pathlib import Path
 from typing import Any
 
 # SGLang's SamplingParams fields; anything else in `sampling_params` is a 400 contract violation.
+# (In SGLang's order: its "unknown field" message lists them so.)
 SAMPLING_KEYS = (
-    "max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
-    "presence_penalty", "repetition_penalty", "stop", "stop_token_ids", "stop_regex", "ignore_eos", "no_stop_trim",
-    "skip_special_tokens", "spaces_between_special_tokens", "n", "json_schema", "regex", "ebnf", "structural_tag",
-    "logit_bias", "sampling_seed", "stream_interval", "custom_params", "beam_width", "watermark", "choice",
+    "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p",
+    "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n", "json_schema", "regex",
+    "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
+    "stream_interval", "logit_bias", "sampling_seed", "custom_params", "beam_width", "watermark", "choice",
 )  # fmt: skip
+INPUT_MARGIN = 6  # SGLang's max_req_input_len is the context length - 6; an input that long is refused
+OUTPUT_MARGIN = 2  # and max_new_tokens is cut, silently, so that input + output <= context length - 2
 _FLOAT_KEYS = {"temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"}
 _INT_KEYS = {"max_new_tokens", "min_new_tokens", "top_k", "n", "sampling_seed", "stream_interval"}
 
@@ -63,3 +71,78 @@ def contract_error(params: Any) -> str | None:
 
 def describe(value: Any) -> str:
     return f"string {json.dumps(value)}" if isinstance(value, str) else f"{type(value).__name__} `{value}`"
+
+
+def admit_lengths(n_input: int, max_new: int | None, context_length: int) -> int | None:
+    """SGLang's length checks of one request: raises Refused with its words, else the max_new_tokens it runs
+    (cut to the room left, as SGLang cuts it without a word)."""
+    if n_input >= context_length:
+        raise Refused.value_error(
+            f"The input ({n_input} tokens) is longer than the model's context length ({context_length} tokens).")
+    limit = context_length - INPUT_MARGIN
+    if n_input >= limit:
+        raise Refused.value_error(f"Input length ({n_input} tokens) exceeds the maximum allowed length ({limit} "
+                                  "tokens). Use a shorter input or enable --allow-auto-truncate.")  # fmt: skip
+    if max_new is None:
+        return None
+    if max_new < 0:
+        raise Refused.value_error(f"max_new_tokens must be at least 0, got {max_new}.")
+    if max_new + n_input > context_length:
+        raise Refused.value_error(
+            f"Requested token count exceeds the model's maximum context length of {context_length} tokens. "
+            f"You requested a total of {max_new + n_input} tokens: {n_input} tokens from the input messages and "
+            f"{max_new} tokens for the completion. Please reduce the number of tokens in the input messages or the "
+            f"completion to fit within the limit."
+        )
+    return min(max_new, context_length - OUTPUT_MARGIN - n_input)
+
+
+def version_spans(versions: list[str], version: str) -> list[dict[str, Any]]:
+    """Per-token weight versions -> SGLang's `weight_versions` [{version, start, end}] runs; SGLang sends one
+    empty span (the current version) for a request that made no token."""
+    spans: list[dict[str, Any]] = []
+    for i, v in enumerate(versions):
+        if spans and spans[-1]["version"] == v:
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": v, "start": i, "end": i + 1})
+    return spans or [{"version": version, "start": 0, "end": 0}]
+
+
+# /model_info's `embedding`: what SGLang says of a generation model's embedding support (none).
+EMBEDDING_INFO: dict[str, Any] = {
+    "family": "none", "task": "none", "execution": "none", "attention": "none", "pooling": "model_defined",
+    "normalize": False, "postprocessor": "none", "tokenizer_special_tokens": "model_default",
+    "supports_dimensions": False, "supports_token_embeddings": False, "supports_multimodal": False,
+    "requires_embedding_flag": False, "auto_enable_embedding": False, "bcg_eligibility": "disabled",
+    "safe_disable_kv_cache": False, "safe_disable_radix_cache": False, "safe_disable_chunked_prefill": False,
+    "enabled": False, "matryoshka_dimensions": [],
+    "bcg": {"prefill_backend": "disabled", "enabled": False, "capture_token_budget": 4096, "capture_batch_sizes": [4]},
+    "cache": {"kv_cache_disabled": False, "radix_cache_disabled": False, "chunked_prefill_disabled": False},
+}  # fmt: skip
+
+
+def load_entry(*, running: int, waiting: int, used: int, capacity: int, hit_rate: float) -> dict[str, Any]:
+    """One `/v1/loads` entry with SGLang's keys; what the dev server does not measure is 0."""
+    return {
+        "timestamp": time.time(), "dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": waiting,
+        "num_waiting_uncached_tokens": 0, "num_used_tokens": used, "num_total_tokens": used, "num_active_tokens": 0,
+        "num_prealloc_ready_tokens": 0, "max_total_num_tokens": capacity, "max_running_requests": 4096,
+        "token_usage": used / max(1, capacity), "gen_throughput": 0.0, "cache_hit_rate": hit_rate,
+        "utilization": 0.0, "total_prefill_uncached_tokens": 0, "total_prefill_busy_us": 0,
+        "decode_moments": [0.0] * 6,
+        "memory": {"weight_gb": 0.0, "kv_cache_gb": 0.0, "graph_gb": 0.0, "token_capacity": capacity},
+        "disaggregation": {"mode": "null", "prefill_bootstrap_queue_reqs": 0, "prefill_inflight_queue_reqs": 0,
+                           "decode_prealloc_queue_reqs": 0, "decode_transfer_queue_reqs": 0,
+                           "decode_retracted_queue_reqs": 0, "kv_transfer_speed_gb_s": 0.0,
+                           "kv_transfer_latency_ms": 0.0},
+        "queues": {"waiting": waiting, "grammar": 0, "paused": 0, "retracted": 0, "prealloc_ready": 0},
+    }  # fmt: skip
+
+
+def model_config(model_path: str) -> dict[str, Any]:
+    """The model's config.json (model_type, architectures for /model_info), or {} for a backend without one."""
+    with contextlib.suppress(OSError, ValueError):
+        config = json.loads((Path(model_path) / "config.json").read_text())
+        return config if isinstance(config, dict) else {}
+    return {}

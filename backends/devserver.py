@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import datetime
 import json
 import logging
 import re
@@ -45,7 +46,17 @@ from backends.base import (
     GenerateRequest,
     GenerateResult,
 )
-from backends.contract import Refused, contract_error
+from backends.contract import (
+    EMBEDDING_INFO,
+    INPUT_MARGIN,
+    OUTPUT_MARGIN,
+    Refused,
+    admit_lengths,
+    contract_error,
+    load_entry,
+    model_config,
+    version_spans,
+)
 from backends.prefix_cache import PrefixCache
 from backends.scripted import HashLM, echo_backend
 
@@ -66,6 +77,7 @@ class _Live:
     task: asyncio.Task[GenerateResult] | None = None
     started: bool = False  # left the waiting queue
     cached: int = 0
+    max_new: int = 128  # as run: cut to the room left in the context
     t0: float = field(default_factory=time.time)
 
 
@@ -86,8 +98,12 @@ class DevServer:
         self.backend = backend
         self.host, self.port = host, port
         self.context_length = context_length or backend.context_length or 4096
+        self.context_length_set = context_length  # /server_info reports it only when given, as SGLang does
         self.cache = PrefixCache(cache_tokens)
-        self.model_path = model_path or backend.model_name
+        self.model_path = model_path or backend.model_name  # SGLang: the last weights loaded
+        self.tokenizer_path = self.model_path
+        self.served_model_name = backend.model_name  # (SGLang's default is the model path)
+        self.pause_mode: str | None = None
         self.weight_version = str(getattr(backend, "weight_version", "default"))
         self.failing = False  # fault injection: /health and /generate answer 503
         self.paused = False
@@ -217,26 +233,16 @@ class DevServer:
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise Refused.value_error("input_ids must be a list of ints (batches are not supported here)")
         if not ids:
-            raise Refused.value_error("input_ids cannot be empty")
+            raise Refused.value_error("input_ids cannot be empty.")
         if (params.get("n") or 1) != 1:
             raise Refused.value_error("n > 1 is not supported by the dev server")
-        if len(ids) >= self.context_length:
-            raise Refused.value_error(
-                f"The input ({len(ids)} tokens) is longer than the model's context length ({self.context_length} tokens)."
-            )
-        new = params.get("max_new_tokens")
-        if new is not None and new < 0:
-            raise Refused.value_error(f"max_new_tokens must be at least 0, got {new}.")
-        if new is not None and new + len(ids) >= self.context_length:
-            raise Refused.value_error(
-                f"Requested token count exceeds the model's maximum context length of {self.context_length} tokens. "
-                f"You requested a total of {new + len(ids)} tokens: {len(ids)} tokens from the input messages and "
-                f"{new} tokens for the completion. Please reduce the number of tokens in the input messages or the "
-                f"completion to fit within the limit."
-            )
         temperature = params.get("temperature")
         if temperature is not None and temperature < 0:
-            raise Refused.value_error(f"temperature must be non-negative, got {temperature}.")
+            raise Refused.value_error(f"temperature must be a non-negative finite number, got {float(temperature)}.")
+        if params.get("stop"):
+            raise Refused.value_error(f"stop={params['stop']!r} is unavailable when skip_tokenizer_init=True (requires "
+                                      "tokenizer to decode tokens to text for matching).")  # fmt: skip
+        admit_lengths(len(ids), params.get("max_new_tokens"), self.context_length)
         rid = body.get("rid") or uuid.uuid4().hex
         if not isinstance(rid, str):
             raise Refused.value_error("rid must be a string (batches are not supported here)")
@@ -251,8 +257,12 @@ class DevServer:
         FAULT_HEADER's abort on demand."""
         rid, ids = self._admit(body, params)
         rec = self._live[rid] = _Live(rid)
-        wanted = params.get("max_new_tokens")
-        wanted = 128 if wanted is None else wanted
+        new = params.get("max_new_tokens")
+        wanted = admit_lengths(len(ids), new, self.context_length)  # refuses what SGLang refuses
+        if wanted is None:  # absent: SGLang's 128, cut to the room left
+            wanted = min(128, self.context_length - OUTPUT_MARGIN - len(ids))
+        params = {**params, "max_new_tokens": wanted}  # cut to the room left, silently, as SGLang does
+        rec.max_new = wanted
         if fault == "abort_waiting":
             del self._live[rid]
             return rec, ids, None  # never left the waiting queue
@@ -311,7 +321,7 @@ class DevServer:
         logprob: bool,
         upto: int | None = None,  # a streaming chunk's cumulative length; None for the final object
     ) -> dict[str, Any]:
-        """The response object, key for key as SGLang 0.5.23 orders it."""
+        """The response object, key for key as SGLang 0.5.23 orders it (tests/fixtures/sglang)."""
         out = list(res.token_ids) if res is not None else []
         lps = (res.logprobs if res is not None else None) or []
         if upto is not None:
@@ -322,27 +332,35 @@ class DevServer:
             lp_keys = {"input_token_logprobs": [], "output_token_logprobs": triples,
                        "output_token_logprobs_length": len(triples)}  # fmt: skip
         latency = round(time.time() - rec.t0, 6)
-        if res is None and not rec.started:  # aborted in the waiting queue: no prompt_tokens/cached_tokens
+        versions = list(res.extra.get("token_versions") or []) if res is not None else []
+        versions = versions[: len(out)] if len(versions) >= len(out) else [self.weight_version] * len(out)
+        spans = version_spans(versions, self.weight_version)  # always there; one empty span for no tokens
+        waiting = (res is None and not rec.started) or (res is not None and res.extra.get("waiting"))
+        if waiting:  # aborted in the waiting queue: "text" even without a tokenizer, no prompt/cached tokens
             meta = {"id": rec.rid, "finish_reason": {"type": "abort", "message": "Abort in waiting queue"},
-                    "weight_version": self.weight_version, "e2e_latency": latency, **lp_keys, "completion_tokens": 0}  # fmt: skip
-            return {"output_ids": [], "meta_info": meta}
+                    "weight_version": self.weight_version, "e2e_latency": latency, "weight_versions": spans,
+                    **lp_keys, "completion_tokens": 0, "response_sent_to_client_ts": time.time()}  # fmt: skip
+            return {"text": "", "output_ids": [], "meta_info": meta}
         if upto is not None:
             finish: Any = None
         elif res is None or res.finish_reason == "abort":
             message = res.abort_message if res is not None and res.abort_message else "Aborted"
             finish = {"type": "abort", "message": message, "status_code": None, "err_type": None}
         elif res.finish_reason == "length":
-            finish = {"type": "length", "length": params.get("max_new_tokens", 128)}
+            finish = {"type": "length", "length": rec.max_new}
         else:
             finish = {"type": "stop", "matched": out[-1] if out else None}
+        retractions = res.extra.get("num_retractions", 0) if res is not None else 0
         meta = {"id": rec.rid, "finish_reason": finish, "prompt_tokens": len(ids), "weight_version": self.weight_version,
-                "num_retractions": 0, **lp_keys, "reasoning_tokens": 0, "completion_tokens": len(out),
-                "cached_tokens": rec.cached, "cached_tokens_details": None, "dp_rank": 0}  # fmt: skip
-        versions = res.extra.get("token_versions") if res is not None else None
-        if versions and len(versions) >= len(out):  # which weights made which tokens (an in-place pause
-            meta["weight_versions"] = _version_spans(versions[: len(out)])  # across an update: two)
+                "num_retractions": retractions, **lp_keys, "reasoning_tokens": 0, "completion_tokens": len(out),
+                "cached_tokens": rec.cached}  # fmt: skip
+        if upto is None:
+            meta["weight_versions"] = spans
+        meta["cached_tokens_details"] = {"device": rec.cached, "host": 0} if rec.cached else None
+        meta["dp_rank"] = None
         if upto is None:
             meta["e2e_latency"] = latency
+        if upto is None or upto == 1:  # SGLang stamps the first chunk of a stream and the final answer
             meta["response_sent_to_client_ts"] = time.time()
         return {"output_ids": out, "meta_info": meta}
 
@@ -355,56 +373,70 @@ class DevServer:
         return web.Response(status=503 if self.failing or self.paused else 200)
 
     async def _model_info(self, request: web.Request) -> web.Response:
+        config = model_config(self.model_path)
         return web.json_response({
-            "model_path": self.model_path, "served_model_name": self.backend.model_name,
-            "tokenizer_path": self.model_path, "is_generation": True, "preferred_sampling_params": None,
+            "model_path": self.model_path, "served_model_name": self.served_model_name,
+            "tokenizer_path": self.tokenizer_path, "is_generation": True, "preferred_sampling_params": None,
             "weight_version": self.weight_version, "load_format": "auto", "reasoning_parser": None,
             "tool_call_parser": None, "disaggregation_mode": "null", "has_image_understanding": False,
-            "has_audio_understanding": False, "model_type": None, "architectures": None,
+            "has_audio_understanding": False, "model_type": config.get("model_type"),
+            "architectures": config.get("architectures"), "embedding": EMBEDDING_INFO,
         })  # fmt: skip
 
     async def _server_info(self, request: web.Request) -> web.Response:
+        """The fields clients read (SGLang sends every server argument besides): `context_length` is null
+        unless it was set, `max_req_input_len` is INPUT_MARGIN below the context length."""
         return web.json_response({
-            "model_path": self.model_path, "host": self.host, "port": self.port,
-            "context_length": self.context_length, "skip_tokenizer_init": True,
-            "max_total_num_tokens": self.cache.max_tokens, "max_req_input_len": self.context_length - 1,
+            "model_path": self.model_path, "served_model_name": self.served_model_name, "host": self.host,
+            "port": self.port, "context_length": self.context_length_set, "skip_tokenizer_init": True,
+            "max_total_num_tokens": self.cache.max_tokens, "max_req_input_len": self.context_length - INPUT_MARGIN,
+            "weight_version": self.weight_version,
             "internal_states": [{"memory_released": sorted(self.memory_released), "paused": self.paused}],
             "version": VERSION,
         })  # fmt: skip
 
     async def _loads(self, request: web.Request) -> web.Response:
         running = sum(rec.started for rec in self._live.values())
-        return web.json_response({"timestamp": time.time(), "version": VERSION, "loads": [{
-            "dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": len(self._live) - running,
-            "num_used_tokens": self.cache.size, "token_usage": self.cache.size / max(1, self.cache.max_tokens),
-            "gen_throughput": 0.0, "cache_hit_rate": self.cached_tokens / max(1, self.prompt_tokens),
-        }]})  # fmt: skip
+        entry = load_entry(running=running, waiting=len(self._live) - running, used=self.cache.size,
+                           capacity=self.cache.max_tokens, hit_rate=self.cached_tokens / max(1, self.prompt_tokens))
+        stamp = datetime.datetime.now(datetime.UTC).isoformat()
+        return web.json_response({"timestamp": stamp, "version": VERSION, "accelerator": None, "num_accelerators": 1,
+                                  "loads": [entry]})  # fmt: skip
 
     async def _flush_cache(self, request: web.Request) -> web.Response:
-        text = ("Cache flushed.\nPlease check backend logs for more details. "
-                "(When there are running or waiting requests, the operation will not be performed.)\n")  # fmt: skip
+        """SGLang's texts, and no Content-Type: 400 "Flush cache failed." while requests run or wait."""
         if self._live:
-            return web.Response(text=text, status=400)
+            return _Untyped(status=400, body=b"Flush cache failed.\n")
         self.cache.clear()
         flush = getattr(self.backend, "flush_cache", None)
         if flush is not None:
             await flush()
-        return web.Response(text=text)
+        return _Untyped(body=b"Cache flushed.\nPlease check backend logs for more details. (When there are running "
+                             b"or waiting requests, the operation will not be performed.)\n")  # fmt: skip
 
     async def _abort_request(self, request: web.Request) -> web.Response:
-        """SGLang semantics: the rid must itself be live; then every live rid it prefixes is aborted."""
+        """SGLang semantics: the rid must itself be live; then every live rid it prefixes is aborted, a running
+        one with its partial output when the backend can stop one mid-generation (HFBackend). A request that
+        arrived while paused has not reached the scheduler: the abort is lost and it runs after continue."""
         body = await _body(request)
         rid = body.get("rid") or ""
-        if body.get("abort_all"):
-            self._abort(lambda r: True)
-        elif rid in self._live:
-            self._abort(lambda r: r.startswith(rid))
+        abort_all = bool(body.get("abort_all"))
+        if not abort_all and rid not in self._live:
+            return web.Response(status=200)
+        which = (lambda r: True) if abort_all else (lambda r: r.startswith(rid))
+        backend_abort = getattr(self.backend, "abort_request", None)
+        if backend_abort is not None:
+            await backend_abort(rid, abort_all=abort_all)
+            self._abort(lambda r: which(r) and not self._live[r].started and not self.paused)
+        else:
+            self._abort(lambda r: which(r) and (self._live[r].started or not self.paused))
         return web.Response(status=200)
 
     def _abort(self, which: Callable[[str], bool]) -> None:
         for rid, rec in list(self._live.items()):
             if which(rid) and rec.task is not None:
                 rec.task.cancel()
+
 
     async def _pause(self, request: web.Request) -> web.Response:
         """SGLang's modes. New requests wait until /continue_generation in every mode. "abort" aborts every
@@ -415,7 +447,7 @@ class DevServer:
         mode = (await _body(request)).get("mode", "abort")
         if mode not in ("abort", "retract", "in_place"):
             return _error(Refused.value_error(f"unknown pause mode {mode!r}"))
-        self.paused = True
+        self.paused, self.pause_mode = True, mode
         self._unpaused.clear()
         pause = getattr(self.backend, "pause_generation", None)
         if pause is not None:
@@ -428,7 +460,7 @@ class DevServer:
         resume = getattr(self.backend, "continue_generation", None)
         if resume is not None:
             await resume()
-        self.paused = False
+        self.paused, self.pause_mode = False, None
         self._unpaused.set()
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
@@ -459,11 +491,18 @@ class DevServer:
             )
         if body.get("abort_all_requests"):
             self._abort(lambda r: True)
+        self.model_path = path
+        if version is not None:
+            self.weight_version = str(version)
+        if body.get("flush_cache", True) and self.pause_mode == "in_place" and self._live:
+            # SGLang loads the weights, then cannot flush a cache that held requests still use
+            message = ("Weights were updated, but the cache was not flushed because requests are still running or "
+                       "queued. Retract or finish them, then call /flush_cache.")  # fmt: skip
+            return web.json_response({"success": False, "message": message, "num_paused_requests": 0}, status=400)
         if body.get("flush_cache", True):
             self.cache.clear()
         message = "Succeeded to update model weights."
         if version is not None:
-            self.weight_version = str(version)
             message += f" Weight version updated to {version}."
         return web.json_response({"success": True, "message": message, "num_paused_requests": 0})
 
@@ -473,15 +512,12 @@ class DevServer:
         return web.json_response({"success": False, "message": message}, status=400)
 
 
-def _version_spans(versions: Sequence[str]) -> list[dict[str, Any]]:
-    """Per-token weight versions -> SGLang's `weight_versions` [{version, start, end}] runs."""
-    spans: list[dict[str, Any]] = []
-    for i, version in enumerate(versions):
-        if spans and spans[-1]["version"] == version:
-            spans[-1]["end"] = i + 1
-        else:
-            spans.append({"version": version, "start": i, "end": i + 1})
-    return spans
+class _Untyped(web.Response):
+    """A body without a Content-Type, as SGLang's plain-text answers come (aiohttp would add one)."""
+
+    async def _prepare_headers(self) -> None:
+        await super()._prepare_headers()
+        self._headers.pop("Content-Type", None)
 
 
 async def _body(request: web.Request) -> dict[str, Any]:
@@ -555,6 +591,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                     **options)  # fmt: skip
     else:
         ap.error("give --model DIR, --scripted or --hashlm")
+
+
 
 
 if __name__ == "__main__":

@@ -100,6 +100,9 @@ class _Job:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[str] = field(default_factory=list)  # the weight version that made each token
+    running: bool = False  # in the decode loop's batch (else queued)
+    abort: bool = False  # /abort_request: the decode loop ends the row at its next step, with its partial output
+    retractions: int = 0
 
 
 def _draw(
@@ -269,6 +272,7 @@ class HFBackend(BaseBackend):
         self._worker: asyncio.Task[None] | None = None
         self._closed = False
         self._batches = 0
+        self._jobs: set[_Job] = set()  # open requests, for abort_request
 
     # -- lifecycle ---------------------------------------------------------------------------------------
 
@@ -307,7 +311,23 @@ class HFBackend(BaseBackend):
             generator.manual_seed(seed)
         job = _Job(request, sampling, asyncio.get_running_loop().create_future(), generator, seed)
         self._queue.put_nowait(job)  # while paused it waits there, as at SGLang's tokenizer manager
-        return await job.future  # cancelling the caller cancels the future; the decode loop drops the row
+        self._jobs.add(job)
+        try:
+            return await job.future  # cancelling the caller cancels the future; the decode loop drops the row
+        finally:
+            self._jobs.discard(job)
+
+    async def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        """SGLang's /abort_request: every open request whose rid starts with `rid` (or all). A running one ends
+        at the next step with its partial output; a queued one at once, as SGLang's waiting-queue abort (no
+        output, `extra["waiting"]`)."""
+        for job in list(self._jobs):
+            if abort_all or (rid and (job.request.rid or "").startswith(rid)):
+                if job.running:
+                    job.abort = True
+                elif not job.future.done():
+                    job.tokens, job.logprobs, job.versions = [], [], []
+                    self._resolve(job, "abort", "Abort in waiting queue", waiting=True)
 
     def _validate(self, request: GenerateRequest) -> _Sampling:
         """Check a request the way SGLang's server would; raise BackendRequestError (HTTP 400) otherwise."""
@@ -375,10 +395,11 @@ class HFBackend(BaseBackend):
             extra=extra,
         )
 
-    def _resolve(self, job: _Job, finish: str, message: str | None = None) -> None:
+    def _resolve(self, job: _Job, finish: str, message: str | None = None, **extra: Any) -> None:
         if not job.future.done():  # the caller may have given up
             result = self._result(job.request, job.tokens, job.logprobs, finish, message, batch=job.batch,
-                                  batch_size=job.batch_size, token_versions=list(job.versions))  # fmt: skip
+                                  batch_size=job.batch_size, token_versions=list(job.versions),
+                                  num_retractions=job.retractions, **extra)  # fmt: skip
             job.future.set_result(result)
 
     def _abort(self, job: _Job | None, message: str | None = None) -> None:
@@ -386,12 +407,12 @@ class HFBackend(BaseBackend):
             self._resolve(job, "abort", message)
 
     def _requeue(self, job: _Job) -> None:
-        """A retracted row: back in the queue, to start over (same seed) once generation continues."""
+        """A retracted row: back in the queue, with what it generated so far (as SGLang's retract: its context
+        is recomputed and it goes on, on whatever weights are loaded then) once generation continues."""
         if job.future.done():
             return
-        job.tokens, job.logprobs, job.versions = [], [], []
-        if job.generator is not None:
-            job.generator.manual_seed(job.seed)
+        job.running = False
+        job.retractions += 1
         self._queue.put_nowait(job)
 
     # -- the worker --------------------------------------------------------------------------------------
@@ -439,11 +460,12 @@ class HFBackend(BaseBackend):
         kernels = sdpa_kernel(self._attention) if self._attention else contextlib.nullcontext()
         with torch.inference_mode(), kernels:
             dev = self.device
-            width = max(len(job.request.prompt_ids) for job in jobs)
+            width = max(len(job.request.prompt_ids) + len(job.tokens) for job in jobs)  # a retracted row goes on
             ids = torch.full((len(jobs), width), self.pad_token_id, dtype=torch.long)
             mask = torch.zeros_like(ids)
             for row, job in enumerate(jobs):  # left padding: every row's newest token is in the last column
-                prompt = job.request.prompt_ids
+                job.running = True
+                prompt = job.request.prompt_ids + job.tokens
                 ids[row, width - len(prompt) :] = torch.tensor(prompt)
                 mask[row, width - len(prompt) :] = 1
             ids, mask = ids.to(dev), mask.to(dev)
@@ -474,7 +496,7 @@ class HFBackend(BaseBackend):
                         finished(job, "stop")
                     elif len(job.tokens) >= job.sampling.max_new_tokens:
                         finished(job, "length")
-                    elif self._stopping:
+                    elif self._stopping or job.abort:
                         finished(job, "abort")
                     elif not job.future.done():  # else the caller gave up
                         live.append(row)

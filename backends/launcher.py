@@ -1,6 +1,12 @@
 """Launch SGLang replicas as subprocesses (`agentfsm run --launch-sglang`): one server per data-parallel
 replica on consecutive ports, each waited for until it answers, stopped on exit; a server that dies while
 starting is reported with the end of its log. `sglang` itself is never imported here.
+
+SGLang may live in another virtualenv than agentfsm (it pins its own torch): `python` (default
+$AGENTFSM_SGLANG_PYTHON, else this interpreter) runs it. `device="cpu"` starts SGLang's CPU engine on a
+machine without a GPU, with the flags and environment `.ci/sglang_env.sh` documents: its CUDA kernel package
+needs a `libcuda.so.1` to import, and the stand-in that script compiles beside the interpreter's virtualenv
+(`<venv>/cuda-stand-in`) goes on the server's LD_LIBRARY_PATH only.
 """
 
 from __future__ import annotations
@@ -18,6 +24,24 @@ from pathlib import Path
 import aiohttp
 
 log = logging.getLogger(__name__)
+
+PYTHON_ENV = "AGENTFSM_SGLANG_PYTHON"  # the interpreter that has sglang, when it is not this one
+# SGLang's CPU engine: torch_native attention (no AMX kernels needed), a KV pool of a fixed size instead of a
+# share of free RAM, no tokenizer (agentfsm sends token ids), and a scheduler that sleeps when idle (it spins
+# otherwise, a whole core on a small machine).
+CPU_ARGS = ("--device", "cpu", "--attention-backend", "torch_native", "--max-total-tokens", "32768",
+            "--skip-tokenizer-init", "--sleep-on-idle")  # fmt: skip
+
+
+def cpu_env(python: str) -> dict[str, str]:
+    """The environment of SGLang's CPU engine under `python`: the engine switch, no hub lookups, and the
+    stand-in libcuda.so.1 beside the interpreter's virtualenv when there is one."""
+    env = {"SGLANG_USE_CPU_ENGINE": "1", "HF_HUB_OFFLINE": "1"}
+    stand_in = Path(python).absolute().parent.parent / "cuda-stand-in"
+    if (stand_in / "libcuda.so.1").exists():
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(stand_in), os.environ.get("LD_LIBRARY_PATH")]))
+    return env
+
 
 class LaunchError(RuntimeError):
     """A replica exited or never became healthy; the message carries the tail of its log."""
@@ -53,6 +77,8 @@ class SGLangLauncher:
         stop_grace_s: float = 15.0,
         module: str = "sglang.launch_server",
         env: dict[str, str] | None = None,
+        python: str | None = None,  # default: $AGENTFSM_SGLANG_PYTHON, else this interpreter
+        device: str | None = None,  # "cpu": SGLang's CPU engine (CPU_ARGS, cpu_env); None: SGLang's default
     ):
         self.model_path = model_path
         self.dp, self.tp, self.host, self.base_port = dp, tp, host, base_port
@@ -62,24 +88,33 @@ class SGLangLauncher:
         self.startup_timeout_s = startup_timeout_s
         self.stop_grace_s = stop_grace_s
         self.module = module
-        self.env = env
+        real = module == "sglang.launch_server"  # tests launch backends.devserver with this interpreter
+        self.python = python or (os.environ.get(PYTHON_ENV) if real else None) or sys.executable
+        self.device = device
+        self.env = {**(cpu_env(self.python) if device == "cpu" else {}), **(env or {})}
+        if device == "cpu":
+            self.mem_fraction = None  # the KV pool is sized by --max-total-tokens
         self.procs: list[subprocess.Popen[bytes]] = []
         self.logs: list[Path] = []
         client_host = "127.0.0.1" if host in ("0.0.0.0", "") else host
         self.urls = [f"http://{client_host}:{base_port + i}" for i in range(dp)]
 
     def command(self, i: int) -> list[str]:
-        cmd = [sys.executable, "-m", self.module, "--model-path", self.model_path, "--host", self.host]
+        cmd = [self.python, "-m", self.module, "--model-path", self.model_path, "--host", self.host]
         cmd += ["--port", str(self.base_port + i), "--tp-size", str(self.tp)]
         if self.dp > 1:
             cmd += ["--base-gpu-id", str(i * self.tp)]
         if self.mem_fraction is not None:
             cmd += ["--mem-fraction-static", str(self.mem_fraction)]
+        if self.device == "cpu":
+            cmd += CPU_ARGS
+        elif self.device is not None:
+            cmd += ["--device", self.device]
         return cmd + self.extra_args
 
     async def __aenter__(self) -> SGLangLauncher:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **(self.env or {})}
+        env = {**os.environ, **self.env}
         try:
             for i in range(self.dp):
                 path = self.log_dir / f"replica{i}_port{self.base_port + i}.log"

@@ -15,6 +15,13 @@ adds on top of a bare POST:
   retried here (a hung server stays hung) but fails over in the router;
 - aborts (`finish_reason.type == "abort"`) are returned as results, with the tokens produced before the abort:
   the engine resumes them. Every fault is counted by kind in `stats()["faults"]`;
+- SGLang aborts every live rid that starts with the rid it is asked to abort, so the rids this client has
+  live are kept prefix-free (`_wire_rid`): a resume `{turn}_r1` sent while `{turn}` still lives goes out
+  under another rid;
+- while this client has the server paused (`pause_generation` until `continue_generation`) no deadline runs
+  and no deadline abort is sent: SGLang holds a request that arrives while paused in its front end, where an
+  /abort_request never reaches it (it is lost, a second one too) and it runs after continue. A deadline that
+  does expire never relies on its abort: without an answer in the grace time the connection is closed;
 - the connector's keep-alive is below uvicorn's 5 s, so a pooled connection is never reused as it closes.
 `sglang` itself is never imported.
 """
@@ -43,6 +50,7 @@ from backends.base import (
     GenerateRequest,
     GenerateResult,
 )
+from backends.pause_clock import PauseClock
 from backends.retry import RetryPolicy, parse_retry_after, retry
 
 __all__ = ["SGLangBackend", "parse_generate", "error_message", "FAULT_KINDS"]
@@ -53,6 +61,10 @@ T = TypeVar("T")
 DEFAULT_REQUEST_TIMEOUT_S = 300.0  # per /generate attempt; SGLang's own watchdog_timeout is also 300 s
 _WEIGHTS_TIMEOUT_S = 600.0  # a weight reload may take minutes
 CONTROL_BODY_BYTES = 16 << 20  # info, health and control answers are small; /generate has its own bound
+# SGLang 0.5.23 reports max_req_input_len = context length - 6 and refuses an input that long or longer.
+_INPUT_MARGIN = 6
+# SGLang's 400 for an update that loaded the weights but could not flush the cache (requests held or running)
+_UPDATED_NOT_FLUSHED = "Weights were updated, but the cache was not flushed"
 # What a /generate can meet, counted in stats()["faults"]; each is one failed attempt or one abort.
 FAULT_KINDS = ("http_errors", "refused", "disconnects", "resets", "timeouts", *ANSWER_FAULTS, "aborts_waiting",
                "aborts_running")  # fmt: skip
@@ -139,6 +151,7 @@ class SGLangBackend(BaseBackend):
         self._info: dict[str, Any] | None = None
         self._info_task: asyncio.Future[dict[str, Any]] | None = None  # one read shared by every waiter
         self._live: dict[str, str] = {}  # rid -> session_id, for abort(session_id) and where()
+        self._pause = PauseClock()  # the pause this client set: /generate deadlines run only outside it
         # /generate attempts, re-sends of one, and deadline aborts sent; then the faults met, by kind
         self.counts = {"requests": 0, "retries": 0, "aborts_sent": 0}
         self.faults = dict.fromkeys(FAULT_KINDS, 0)
@@ -254,11 +267,12 @@ class SGLangBackend(BaseBackend):
         state = states[0] if isinstance(states, list) and states and isinstance(states[0], dict) else {}
         self.max_input_len = self._count(server.get("max_req_input_len") or state.get("max_req_input_len"),
                                          "max_req_input_len")  # fmt: skip
-        # Server args hold the context length when it was set at launch; else the input limit bounds it.
+        # Server args hold the context length when it was set at launch (else null); the input limit is
+        # always there, `_INPUT_MARGIN` below it.
         if self.context_length is None:
             ctx = server.get("context_length") or state.get("context_length") or info.get("context_length")
             ctx = self._count(ctx, "context_length")
-            self.context_length = ctx or (self.max_input_len + 1 if self.max_input_len else None)
+            self.context_length = ctx or (self.max_input_len + _INPUT_MARGIN if self.max_input_len else None)
         if not self._name_given:
             name = info.get("served_model_name") or info.get("model_path")
             self.model_name = name if isinstance(name, str) and name else self.model_name
@@ -292,10 +306,10 @@ class SGLangBackend(BaseBackend):
         which is `context_len - 1`), so the room is `context_len - 1 - len(input_ids)`: one token stricter
         than "≤ context_len − len", and accepted by every release.
         """
-        if self.max_input_len is not None and len(ids) > self.max_input_len:
+        if self.max_input_len is not None and len(ids) >= self.max_input_len:
             raise BackendRequestError(
-                f"{self.url}: prompt of {len(ids)} tokens exceeds the server's max input length "
-                f"{self.max_input_len}; lower the trajectory's prompt/response budget",
+                f"{self.url}: prompt of {len(ids)} tokens reaches the server's max input length "
+                f"{self.max_input_len} (it takes fewer); lower the trajectory's prompt/response budget",
                 server=self.url,
             )
         if self.context_length is None:
@@ -323,7 +337,7 @@ class SGLangBackend(BaseBackend):
         ids = list(request.prompt_ids)
         # A fixed-width random suffix cannot be a prefix of another live rid: SGLang's abort matches rids
         # by prefix, so aborting one must never abort another.
-        rid = request.rid or f"{request.session_id}_g{uuid.uuid4().hex}"
+        rid = self._wire_rid(request.rid or f"{request.session_id}_g{uuid.uuid4().hex}", request.session_id)
         timeout_s = self.deadline(request)
 
         async def attempt(n: int) -> GenerateResult:
@@ -350,6 +364,20 @@ class SGLangBackend(BaseBackend):
         finally:
             self._live.pop(rid, None)
 
+    def _wire_rid(self, rid: str, session_id: str) -> str:
+        """`rid`, unless it and a rid live here would prefix one another (SGLang aborts by prefix: a resume
+        `{turn}_r1` while `{turn}` still lives, after a lost abort): then `{session}_x<random>`, which
+        extends no live rid and which none extends."""
+
+        def clash(r: str) -> bool:
+            return any(live.startswith(r) or r.startswith(live) for live in self._live)
+
+        for _ in range(3):
+            if not clash(rid):
+                return rid
+            rid = f"{session_id}_x{uuid.uuid4().hex[:12]}"
+        return uuid.uuid4().hex  # a session id that is itself a prefix of a live rid: no lineage at all
+
     async def _generate_once(self, payload: dict[str, Any], rid: str, timeout_s: float,
                              asked: GenerateRequest) -> GenerateResult:  # fmt: skip
         """One /generate attempt under its deadline; every answer that is not a response raises."""
@@ -357,14 +385,13 @@ class SGLangBackend(BaseBackend):
         # owned: ends in `finally`
         exchange = asyncio.ensure_future(self._send("POST", "/generate", payload, body_limit(asked)))
         try:
-            done, _ = await asyncio.wait({exchange}, timeout=timeout_s)
-            if not done:
+            if not await self._pause.wait(exchange, timeout_s):
                 # Past the deadline: abort the rid at the server. A live server answers this very request
-                # with what it generated so far (finish_reason abort), which the engine resumes.
+                # with what it generated so far (finish_reason abort), which the engine resumes. The abort may
+                # be lost (a request SGLang holds in its front end): then closing the connection ends it.
                 await self._abort_quietly(rid)
                 grace = self.abort_grace_s if self.abort_grace_s is not None else min(5.0, timeout_s / 10)
-                done, _ = await asyncio.wait({exchange}, timeout=grace)
-                if not done:
+                if not await self._pause.wait(exchange, grace):
                     raise BackendTimeout(f"{self.url}: /generate rid {rid} had no answer within {timeout_s:g} s "
                                          "(request_timeout_s); aborted at the server", server=self.url,
                                          kind="timeouts")  # fmt: skip
@@ -473,8 +500,19 @@ class SGLangBackend(BaseBackend):
         payload: dict[str, Any] = {"model_path": path, **options}
         if weight_version is not None:
             payload["weight_version"] = weight_version
-        # A failed load is a 400 {"success": false, "message": ...}: _control raises it as BackendRequestError.
-        return await self._control("POST", "/update_weights_from_disk", payload, timeout_s=_WEIGHTS_TIMEOUT_S)
+        if self._pause.mode == "in_place":
+            # Held requests keep their cache, so SGLang cannot flush it: it would load the weights and answer
+            # 400 "Weights were updated, but the cache was not flushed". Say so up front instead.
+            payload.setdefault("flush_cache", False)
+        status, body = await self._call("POST", "/update_weights_from_disk", payload, timeout_s=_WEIGHTS_TIMEOUT_S)
+        message = error_message(body, str(body)[:500])
+        if status == 400 and message.startswith(_UPDATED_NOT_FLUSHED):
+            log.warning("%s: %s", self.url, message)  # the new weights serve; only the prefix cache is stale
+            return {**body, "success": True, "cache_flushed": False}
+        if status >= 400:  # a failed load: 400 {"success": false, "message": ...}
+            raise BackendRequestError(f"{self.url}/update_weights_from_disk failed: {message}", server=self.url,
+                                      status=status)  # fmt: skip
+        return body
 
     async def update_weights_from_tensor(self, weight_version: str | None = None, **payload: Any) -> dict[str, Any]:
         """`/update_weights_from_tensor`: payload passed through (serialized_named_tensors, load_format,
@@ -499,8 +537,16 @@ class SGLangBackend(BaseBackend):
         return await self._control("POST", "/destroy_weights_update_group", payload)
 
     async def pause_generation(self, mode: str = "abort") -> dict[str, Any]:
-        """`/pause_generation` in SGLang's mode: "abort", "retract" or "in_place"."""
-        return await self._control("POST", "/pause_generation", {"mode": mode})
+        """`/pause_generation` in SGLang's mode: "abort", "retract" or "in_place". From now until
+        `continue_generation` the deadlines of this client's requests stand still (module docstring)."""
+        self._pause.set(mode)
+        try:
+            return await self._control("POST", "/pause_generation", {"mode": mode})
+        except BaseException:
+            self._pause.set(None)
+            raise
 
     async def continue_generation(self) -> dict[str, Any]:
-        return await self._control("POST", "/continue_generation", {})
+        body = await self._control("POST", "/continue_generation", {})
+        self._pause.set(None)
+        return body

@@ -141,7 +141,8 @@ async def _servers(args: argparse.Namespace, stack: AsyncExitStack) -> tuple[lis
         from backends.launcher import LaunchError, SGLangLauncher
 
         launcher = SGLangLauncher(args.launch_sglang, dp=args.dp, tp=args.tp, base_port=args.port,
-                                  log_dir=Path(args.out) / "sglang_logs")  # fmt: skip
+                                  log_dir=Path(args.out) / "sglang_logs", python=args.sglang_python,
+                                  device="cpu" if args.device == "cpu" else None)  # fmt: skip
         try:
             await stack.enter_async_context(launcher)
         except LaunchError as exc:

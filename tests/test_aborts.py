@@ -81,7 +81,8 @@ async def test_dev_server_aborts_on_demand_in_sglang_shapes():
         assert len(full["output_ids"]) > 4 and full["meta_info"]["finish_reason"]["type"] == "stop"
         waiting = await post("b_t00", "abort_waiting")
         assert waiting["output_ids"] == []
-        assert set(waiting["meta_info"]) == {"id", "finish_reason", "weight_version", "e2e_latency",
+        assert set(waiting["meta_info"]) == {"id", "finish_reason", "weight_version", "e2e_latency", "weight_versions",
+                                             "response_sent_to_client_ts",
                                              "input_token_logprobs", "output_token_logprobs",
                                              "output_token_logprobs_length", "completion_tokens"}  # fmt: skip
         assert waiting["meta_info"]["finish_reason"] == {"type": "abort", "message": "Abort in waiting queue"}

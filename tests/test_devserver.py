@@ -50,8 +50,8 @@ async def test_generate_shape_and_cached_tokens_grow_across_turns(srv, http):
         assert "text" not in body  # no tokenizer: like --skip-tokenizer-init
         assert list(meta) == ["id", "finish_reason", "prompt_tokens", "weight_version", "num_retractions",
                               "input_token_logprobs", "output_token_logprobs", "output_token_logprobs_length",
-                              "reasoning_tokens", "completion_tokens", "cached_tokens", "cached_tokens_details",
-                              "dp_rank", "e2e_latency", "response_sent_to_client_ts"]  # fmt: skip
+                              "reasoning_tokens", "completion_tokens", "cached_tokens", "weight_versions",
+                              "cached_tokens_details", "dp_rank", "e2e_latency", "response_sent_to_client_ts"]  # fmt: skip
         out = body["output_ids"]
         assert meta["finish_reason"] == {"type": "stop", "matched": 2} and out[-1] == 2  # eos included
         assert [t[1] for t in meta["output_token_logprobs"]] == out
@@ -109,11 +109,18 @@ async def test_refusals_have_sglang_bodies(srv, http):
     status, body = await post(http, url, gen(list(range(64)), "a"))
     assert (status, body) == (400, {"error": {"message": "The input (64 tokens) is longer than the model's "
                                                          "context length (64 tokens)."}})  # fmt: skip
-    status, body = await post(http, url, gen(list(range(60)), "a", max_new_tokens=4))
+    status, body = await post(http, url, gen(list(range(58)), "a"))  # SGLang: max_req_input_len = context - 6
+    assert (status, body) == (400, {"error": {"message": "Input length (58 tokens) exceeds the maximum allowed "
+                                                         "length (58 tokens). Use a shorter input or enable "
+                                                         "--allow-auto-truncate."}})  # fmt: skip
+    status, body = await post(http, url, gen(list(range(50)), "a", max_new_tokens=15))
     assert status == 400 and body["error"]["message"].startswith(
         "Requested token count exceeds the model's maximum context length of 64 tokens. You requested a total "
-        "of 64 tokens: 60 tokens from the input messages and 4 tokens for the completion."
+        "of 65 tokens: 50 tokens from the input messages and 15 tokens for the completion."
     )
+    status, body = await post(http, url, gen(list(range(50)), "a", max_new_tokens=14))  # fits: cut, silently
+    assert status == 200 and body["meta_info"]["finish_reason"] in ({"type": "length", "length": 12},
+                                                                    {"type": "stop", "matched": 2})  # fmt: skip
     async with http.post(url, data=b"{not json", headers={"Content-Type": "application/json"}) as r:
         body = await r.json()
     assert (
@@ -159,10 +166,13 @@ async def test_abort_in_waiting_queue_has_no_prompt_tokens(http):
         await post(http, srv.url + "/abort_request", {"rid": "wait_t00"})
         status, body = await waiting
         assert status == 200 and body["output_ids"] == []
-        assert body["meta_info"] == {"id": "wait_t00", "finish_reason": {"type": "abort", "message": "Abort in waiting queue"},
-                                     "weight_version": "default", "e2e_latency": body["meta_info"]["e2e_latency"],
-                                     "input_token_logprobs": [], "output_token_logprobs": [],
-                                     "output_token_logprobs_length": 0, "completion_tokens": 0}  # fmt: skip
+        meta = body["meta_info"]
+        assert body["text"] == ""  # as SGLang's, even without a tokenizer (tests/fixtures/sglang/pauses.json)
+        assert meta == {"id": "wait_t00", "finish_reason": {"type": "abort", "message": "Abort in waiting queue"},
+                        "weight_version": "default", "e2e_latency": meta["e2e_latency"],
+                        "weight_versions": [{"version": "default", "start": 0, "end": 0}],
+                        "input_token_logprobs": [], "output_token_logprobs": [], "output_token_logprobs_length": 0,
+                        "completion_tokens": 0, "response_sent_to_client_ts": meta["response_sent_to_client_ts"]}  # fmt: skip
         assert (await running)[0] == 200
 
 
@@ -177,10 +187,11 @@ async def test_info_health_and_loads(srv, http):
     assert (
         infos[0] == infos[1] and infos[0]["model_path"] == "echo" and infos[0]["weight_version"] == "default"
     )
-    assert infos[2] == infos[3] and infos[2]["context_length"] == 64 and infos[2]["max_req_input_len"] == 63
+    assert infos[2] == infos[3] and infos[2]["context_length"] == 64 and infos[2]["max_req_input_len"] == 58
     async with http.get(srv.url + "/v1/loads") as r:
         loads = await r.json()
-    assert set(loads) == {"timestamp", "version", "loads"} and loads["loads"][0]["num_running_reqs"] == 0
+    assert set(loads) == {"timestamp", "version", "accelerator", "num_accelerators", "loads"}
+    assert loads["loads"][0]["num_running_reqs"] == 0
     srv.failing = True
     async with http.get(srv.url + "/health") as r:
         assert r.status == 503

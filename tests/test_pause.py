@@ -152,7 +152,9 @@ async def test_dev_server_pause_modes_over_the_tiny_model():
             request = asyncio.ensure_future(generate("held"))
             await asyncio.sleep(0.1)
             await control("/pause_generation", {"mode": "in_place"})
-            update = await control("/update_weights_from_disk", {"model_path": str(EARLY_DIR), "weight_version": "7"})
+            # (SGLang cannot flush the cache that held requests use: flush_cache false, or a 400 that is no failure)
+            update = await control("/update_weights_from_disk", {"model_path": str(EARLY_DIR), "weight_version": "7",
+                                                                 "flush_cache": False})  # fmt: skip
             assert update["success"]
             await control("/continue_generation", {})
             held = await request
@@ -211,7 +213,6 @@ async def test_tokens_after_an_update_to_the_early_checkpoint_carry_its_version(
     """in_place holds turns mid-generation across the update: their tokens then carry both versions, each
     token the one that made it (the dev server reports SGLang's weight_versions spans)."""
     backend = model()
-    mixed: list[int] = []
     try:
         async with DevServer(backend) as dev:
             ref_trajs, ref = await reference(tok, dev.url)
@@ -235,12 +236,9 @@ async def test_tokens_after_an_update_to_the_early_checkpoint_carry_its_version(
         old = [i for i, v in enumerate(t.response_versions) if v == 0]
         # what the old weights made is what the uninterrupted run made, token for token
         assert [t.response_ids[i] for i in old] == [r.response_ids[i] for i in old]
-        mixed += [k for k, seg in enumerate(t.segments)
-                  if seg.role == "assistant" and set(t.response_versions[seg.start : seg.end]) == {0, 5}]  # fmt: skip
-    if mode == "retract":
-        assert not mixed  # a retracted request starts over on the new weights
-    # (abort and in_place: turns running at the pause usually end up made by both versions; whether one was
-    # running then is timing, so the dev server test checks the per-token versions of a held request)
+    # (in every mode turns running at the pause usually end up made by both versions: a retracted request keeps
+    # what it generated, as SGLang's does; whether one was running then is timing, so the dev server test
+    # checks the per-token versions of a held request)
 
 
 def test_sync_pause_and_resume_on_the_embedded_model(tok):

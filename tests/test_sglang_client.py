@@ -31,7 +31,7 @@ MODEL_INFO = {
     "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"],
 }  # fmt: skip
 SERVER_INFO = {"model_path": "Qwen/Qwen2.5-0.5B-Instruct", "context_length": None, "max_total_num_tokens": 500000,
-               "max_req_input_len": 32767, "internal_states": [{}], "version": "0.5.23"}  # fmt: skip
+               "max_req_input_len": 32762, "internal_states": [{}], "version": "0.5.23"}  # fmt: skip
 
 # The reference's example, byte for byte.
 OK_STOP = json.loads("""
@@ -155,7 +155,7 @@ async def test_success_with_logprobs_and_exact_payload(fake):
     async with client(fake.url) as b:
         res = await b.generate(req())
         assert b.model_name == "Qwen/Qwen2.5-0.5B-Instruct"
-        assert b.context_length == 32768  # max_req_input_len + 1 when context_length is null
+        assert b.context_length == 32768  # max_req_input_len + 6 when context_length is null (as 0.5.23)
     assert res.token_ids == [9707, 0, 2585, 646, 358, 1492, 30, 151645]  # the stop id included
     assert res.logprobs == [-0.0213, -0.4471, -0.1032, -0.0087, -0.0011, -0.0159, -0.0402, -0.0005]
     assert (res.finish_reason, res.prompt_tokens, res.cached_tokens) == ("stop", 9, 0)
@@ -282,14 +282,14 @@ async def test_connection_refused():
 
 
 async def test_max_new_tokens_clamped_to_the_room_left(fake):
-    fake.on("/server_info", (200, {**SERVER_INFO, "context_length": 16, "max_req_input_len": 15}))
+    fake.on("/server_info", (200, {**SERVER_INFO, "context_length": 16, "max_req_input_len": 10}))
     fake.on("/generate", (200, OK_LENGTH))
     async with client(fake.url) as b:
         await b.generate(req(max_new_tokens=100))  # 9 prompt tokens: room is 16 - 1 - 9 = 6
         await b.generate(req(temperature=0.5))  # absent means SGLang's default 128: clamped too
         await b.generate(req(max_new_tokens=3))  # fits: sent unchanged (the fake's answer has 3 ids)
-        with pytest.raises(BackendRequestError, match="nothing can be generated"):
-            await b.generate(GenerateRequest("t", list(range(15)), {"max_new_tokens": 4}))
+        with pytest.raises(BackendRequestError, match="reaches the server's max input length 10"):
+            await b.generate(GenerateRequest("t", list(range(10)), {"max_new_tokens": 4}))
     sent = [body["sampling_params"] for body in fake.paths("/generate")]
     assert sent == [{"max_new_tokens": 6}, {"temperature": 0.5, "max_new_tokens": 6}, {"max_new_tokens": 3}]
 
@@ -330,3 +330,61 @@ async def test_launcher_surfaces_a_crash_with_the_log_tail(tmp_path):
         ei.value
     )
     assert all(p.poll() is not None for p in launcher.procs)
+
+
+# -- what real SGLang does (tests/fixtures/sglang), over the dev server, which answers the same way --------
+
+
+async def test_requests_held_by_a_pause_do_not_time_out_and_send_no_lost_abort():
+    """SGLang holds a request that arrives while paused, and an abort of it is lost: while this client has
+    the server paused its deadlines stand still."""
+    from backends.devserver import DevServer
+    from backends.scripted import echo_backend
+
+    async with DevServer(echo_backend()) as dev, client(dev.url, request_timeout_s=0.2) as b:
+        await b.pause_generation("abort")
+        turn = asyncio.ensure_future(b.generate(GenerateRequest("h", [1, 2, 3], {}, rid="h_t00")))
+        done, _ = await asyncio.wait({turn}, timeout=0.6)  # three deadlines' worth of waiting
+        assert not done
+        await b.continue_generation()
+        res = await turn
+    assert res.finish_reason == "stop" and b.counts["aborts_sent"] == 0 and b.faults["timeouts"] == 0
+
+
+async def test_a_resume_sent_while_its_turn_lives_gets_a_rid_that_no_abort_of_the_turn_reaches():
+    from backends.devserver import DevServer
+    from backends.scripted import echo_backend
+
+    async with DevServer(echo_backend(latency_s=0.5)) as dev, client(dev.url) as b:
+        old = asyncio.ensure_future(b.generate(GenerateRequest("s", [1, 2, 3], {}, rid="s_t00")))
+        while "s_t00" not in dev._live:
+            await asyncio.sleep(0.005)
+        new = asyncio.ensure_future(b.generate(GenerateRequest("s", [1, 2, 3], {}, rid="s_t00_r1")))
+        while len(dev._live) < 2:
+            await asyncio.sleep(0.005)
+        live = list(dev._live)
+        assert "s_t00_r1" not in live and not any(a != c and c.startswith(a) for a in live for c in live)
+        await b.abort_request("s_t00")
+        assert (await old).finish_reason == "abort" and (await new).finish_reason == "stop"
+
+
+@pytest.mark.parametrize("scenario, name, kind, n", [
+    ("aborts", "aborted_running", "running", None), ("pauses", "aborted_waiting", "waiting", 0),
+    ("pauses", "paused_abort", "running", None), ("generate", "zero_new", None, 0),
+])  # fmt: skip
+def test_real_sglang_bodies_parse(scenario, name, kind, n):
+    """Real SGLang 0.5.23's recorded answers (tests/fixtures/sglang): a running abort's partial output with its
+    logprobs, a waiting-queue abort (text "", an empty weight_versions span, no prompt/cached tokens), and
+    max_new_tokens 0."""
+    from backends.sglang import parse_generate
+    from tests.conftest import REPO
+
+    exchanges = json.loads((REPO / "tests" / "fixtures" / "sglang" / f"{scenario}.json").read_text())["exchanges"]
+    body = next(e["body"] for e in exchanges if e["name"] == name)
+    res = parse_generate(body, server="sglang", return_logprob=True, rid=name)
+    assert res.token_ids == body["output_ids"] and (n is None or len(res.token_ids) == n)
+    assert res.logprobs is not None and len(res.logprobs) == len(res.token_ids)
+    assert res.extra["token_versions"] == [res.weight_version] * len(res.token_ids)
+    assert res.extra.get("abort_kind") == kind
+    if kind == "waiting":
+        assert res.prompt_tokens is None and res.cached_tokens is None and res.abort_message == "Abort in waiting queue"

@@ -1,0 +1,54 @@
+"""Deadlines that stand still while a server is paused (backends/sglang.py's /generate attempts).
+
+SGLang holds a request that reaches it while `/pause_generation` is in force in its front end, where an
+`/abort_request` never reaches it, and runs it after `/continue_generation` (tests/fixtures/sglang/pauses.json,
+"late"). A client that paused the server itself must therefore neither let such a request time out nor
+send it the deadline's abort: the clock of every wait below runs only while the server is not paused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+
+class PauseClock:
+    """The pause state one client set on its server, and waits timed by unpaused time only."""
+
+    def __init__(self) -> None:
+        self.mode: str | None = None  # the /pause_generation mode in force; None: running
+        self._running = asyncio.Event()
+        self._running.set()
+        self._paused = asyncio.Event()  # the opposite event, to stop a clock the moment a pause begins
+
+    def set(self, mode: str | None) -> None:
+        self.mode = mode
+        if mode is None:
+            self._paused.clear()
+            self._running.set()
+        else:
+            self._running.clear()
+            self._paused.set()
+
+    async def wait(self, future: asyncio.Future[Any], timeout_s: float) -> bool:
+        """Wait for `future` up to `timeout_s` seconds of unpaused time; True when it is done."""
+        loop = asyncio.get_running_loop()
+        left = timeout_s
+        while not future.done():
+            if self.mode is not None:  # paused: wait for the answer or the continue, the clock stopped
+                await _first(future, self._running.wait())
+                continue
+            if left <= 0:
+                return False
+            t0 = loop.time()
+            await _first(future, self._paused.wait(), timeout=left)
+            left -= loop.time() - t0
+        return True
+
+
+async def _first(future: asyncio.Future[Any], event_wait: Any, timeout: float | None = None) -> None:
+    waiter = asyncio.ensure_future(event_wait)
+    try:
+        await asyncio.wait({future, waiter}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
