@@ -48,9 +48,9 @@ Where each setting comes from:
     with a count that is not the token count), the whole trajectory's are None, as verl returns when it has
     none: never zeros, which a PPO ratio would read as probability 1.
 
-`@register("fsm_agent")` also registers the class itself: a process that imports this module can use
-`agent_name: fsm_agent` without an entry, and then runs specs/tool_agent.yaml (verl's ToolAgentLoop as a
-spec). Text only: multimodal prompts and tool images are not supported.
+Importing this module also registers the class as `fsm_agent` when no entry of that name is loaded: a
+process that imports it can use `agent_name: fsm_agent` without an entry, and then runs
+specs/tool_agent.yaml (verl's ToolAgentLoop as a spec). A loaded entry is never replaced (`_register_default`). Text only: multimodal prompts and tool images are not supported.
 """
 
 from __future__ import annotations
@@ -282,7 +282,6 @@ def _finish_reason(stop_reason: str | None, ids: list[int], max_new: int | None,
 # --- the agent loop --------------------------------------------------------------------------------------
 
 
-@register("fsm_agent")
 class FSMAgentLoop(AgentLoopBase):
     """verl agent loop that runs an agentfsm spec. Entry kwargs: `spec` (a path), `limits` and `tool_policy`
     (overrides)."""
@@ -391,3 +390,18 @@ def _check_multi_turn(multi_turn: Any, agent: CompiledAgent) -> None:
         if theirs is not None and theirs != ours:
             _warn_once(f"fsm_agent: verl's multi_turn.{key}={theirs!r} is not used; spec {agent.name!r} has "
                        f"{ours!r} (set it in the entry's `limits:` or in the spec)")  # fmt: skip
+
+
+def _register_default() -> None:
+    """`agent_name: fsm_agent` without an entry: register the class, as verl's `@register` would. But hydra first
+    imports this module while AgentLoopWorker instantiates an `fsm_agent` entry it loaded from
+    agent_loop_config_path, and `register` would replace that entry with a bare `_target_`: from the next
+    sample on, the entry's spec, limits and tool_policy would be gone. So an entry already there is kept."""
+    from verl.experimental.agent_loop import agent_loop
+
+    registry = getattr(agent_loop, "_agent_loop_registry", None)
+    if registry is None or "fsm_agent" not in registry:
+        register("fsm_agent")(FSMAgentLoop)
+
+
+_register_default()

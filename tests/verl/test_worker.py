@@ -1,0 +1,64 @@
+"""The adapter the way verl runs it: verl's own AgentLoopWorker loads an `fsm_agent` entry from
+agent_loop_config_path, and hydra imports fsm.verl_adapter for the first time while instantiating it. The
+entry's spec, limits and tool_policy must hold for every sample of every batch, in a fresh process (where
+importing the adapter's module happens inside the worker, as in a real run).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.conftest import REPO
+from tests.verl.harness import needs_verl
+
+SCRIPT = r"""
+import asyncio, json, sys, tempfile
+from pathlib import Path
+
+assert "fsm.verl_adapter" not in sys.modules
+from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+from tests.conftest import hermes_text
+from tests.verl import harness as h
+
+tmp = Path(tempfile.mkdtemp())
+config = h.trainer_config(h.RESPONSE_LENGTH)
+config.actor_rollout_ref.model.path = str(h.model_dir())
+config.actor_rollout_ref.rollout.agent.agent_loop_config_path = str(
+    h.entry_file(tmp, {"max_assistant_turns": 1}, {"validate_arguments": True}))
+
+
+class Server:  # every turn calls a tool: only the entry's max_assistant_turns ends a trajectory early
+    def __init__(self, tok):
+        self.replay = lambda: h.ReplayServer([], eos=tok.eos_token_id, prompt_length=h.PROMPT_LENGTH,
+                                             response_length=h.RESPONSE_LENGTH,
+                                             after=h.encode_turns(tok, [hermes_text([("calculator", {"expression": "1+1"})])])[0])
+        self.sessions = {}
+
+    async def generate(self, request_id, **kw):
+        return await self.sessions.setdefault(request_id.split("_")[0], self.replay()).generate(request_id, **kw)
+
+
+async def main():
+    worker = AgentLoopWorker(config, llm_client=None)
+    worker.llm_client = Server(worker.tokenizer)
+    out = []
+    for batch in range(3):
+        for i in range(4):
+            info = {"step": batch, "sample_index": i, "rollout_n": 0, "validate": False}
+            res = await worker._run_agent_loop(dict(h.SAMPLING), info, agent_name="fsm_agent", **h.row())
+            out.append([batch, res.num_turns, res.extra_fields.get("termination_reason")])
+    print(json.dumps(out))
+
+asyncio.run(main())
+"""
+
+
+@needs_verl
+def test_the_entry_survives_verl_s_worker_for_every_sample_and_batch():
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(rows) == 12
+    assert [(turns, reason) for _, turns, reason in rows] == [(2, "max_assistant_turns")] * 12, rows
