@@ -7,8 +7,12 @@ SGLang client and the router as a run would use them. Per case: faults injected;
 the same server, failovers, resumes of aborted turns); error rows; rows lost (missing from the output) and
 rows wrong (not an error row, yet different from the fault-free run), which must both be 0; wall time against
 the fault-free run in the same process. The request deadline is 2 s: a hang costs about that per request, and
-a deadline met by a live server (a slow, loaded machine) shows as a deadline abort and a resume. Two tool cases run a spec whose model calls a tool that raises, or
-one that sleeps past its timeout: both must become observations, not failed rows.
+a deadline met by a live server (a slow, loaded machine) shows as a deadline abort and a resume. The hostile
+answers (backends/hostile.py: ids outside the vocabulary, non-finite or positive logprobs, tokens past a stop,
+more than asked, version forms, oversize bodies) are cases of their own, and "outage_2s" answers every
+/generate 503 for the first 2 s on both servers (a fleet restart, ridden out by the router's retry window).
+Two tool cases run a spec whose model calls a tool that raises, or one that sleeps past its timeout: both must
+become observations, not failed rows.
 """
 
 from __future__ import annotations
@@ -80,13 +84,16 @@ class _ToolCaller(BaseBackend):
                               prompt_tokens=len(request.prompt_ids), cached_tokens=0)  # fmt: skip
 
 
-async def _case(agent: Any, tok: Any, rows: list[dict], make_model: Any, rates: dict[str, float]) -> dict[str, Any]:
+async def _case(agent: Any, tok: Any, rows: list[dict], make_model: Any, rates: dict[str, float],
+                outage_s: float = 0.0) -> dict[str, Any]:  # fmt: skip
     from fsm.api import RolloutEngine
     from fsm.batch import fault_summary
 
     async with AsyncExitStack() as stack:
         devs = [await stack.enter_async_context(DevServer(make_model())) for _ in range(2)]
         proxies = [await stack.enter_async_context(FaultProxy(d.url, rates=rates, seed=i)) for i, d in enumerate(devs)]
+        for proxy in proxies:  # the whole fleet answers 503 from the start for this long: a restart
+            proxy.outage(outage_s)
         clients = [SGLangBackend(p.url, backoff_s=0.01) for p in proxies]
         backend = Router(clients, health_interval_s=0.2, cooldown_s=0.2)
         engine = await stack.enter_async_context(RolloutEngine(agent, tok, backend=backend))
@@ -142,6 +149,7 @@ async def _bench(rows: int, rate: float) -> dict[str, dict[str, Any]]:
     plans["mixed"] = {kind: rate / len(FAULT_KINDS) * 2 for kind in FAULT_KINDS}
     for name, plan in plans.items():
         out[name] = _check(await _case(agent, tok, data, model, plan), rows, reference)
+    out["outage_2s"] = _check(await _case(agent, tok, data, model, {}, outage_s=2.0), rows, reference)
     for tool in ("broken_tool", "slow_tool"):
         case = await _case(tools_agent, tok, data, lambda t=tool: _ToolCaller(tok, t), {})
         case["injected"] = case["tool_errors"]
@@ -160,10 +168,10 @@ def bench_faults(rows: int = 128, rate: float = 0.1) -> dict[str, dict[str, Any]
             "rows wrong", "wall s", "vs clean")  # fmt: skip
     keys = ("injected", "retried", "failed_over", "deadline_aborts", "resumed", "error_rows", "rows_lost",
             "rows_wrong")  # fmt: skip
-    lines = [f"{head[0]:<14}" + "".join(f"{h:>14}" for h in head[1:])]
+    lines = [f"{head[0]:<18}" + "".join(f"{h:>14}" for h in head[1:])]
     for name, case in out.items():
         cells = [f"{case[k]:>14}" for k in keys] + [f"{case['wall_s']:>14.2f}", f"{case['vs_clean']:>13.2f}x"]
-        lines.append(f"{name:<14}" + "".join(cells))
+        lines.append(f"{name:<18}" + "".join(cells))
     print(f"faults: {rows} rows over 2 HashLM dev servers behind fault proxies, each kind at {rate:.0%} of /generate")
     print("\n".join(lines))
     return out
