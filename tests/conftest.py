@@ -165,3 +165,14 @@ async def until(condition: Callable[[], Any], what: str, timeout_s: float = 60.0
             return
         assert time.monotonic() < deadline, f"{what}: not within {timeout_s:g} s"
         await asyncio.sleep(0.005)
+
+
+def assert_same_batch_files(ref: Path, out: Path) -> None:
+    """Two run directories hold the same batch.pt: same rows in the same order, every tensor equal."""
+    import torch
+
+    a = torch.load(ref / "batch.pt", weights_only=False)
+    b = torch.load(out / "batch.pt", weights_only=False)
+    assert list(a["non_tensor_batch"]["uid"]) == list(b["non_tensor_batch"]["uid"])
+    for key, value in a["batch"].items():
+        assert torch.equal(value, b["batch"][key]), key

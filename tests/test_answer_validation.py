@@ -21,29 +21,17 @@ from backends.devserver import DevServer
 from backends.hostile import HOSTILE
 from backends.router import Router
 from backends.sglang import SGLangBackend
-from tests.test_server_faults import (
+from tests.test_server_faults import (  # noqa: F401 (agent and reference are fixtures)
+    agent,
     assert_faults_add_up,
     assert_rows_right_or_errors,
     fleet,
     hashlm,
+    reference,
     router,
     rows,
     run,
 )
-
-
-@pytest.fixture
-def agent(compile_yaml):
-    from tests.test_server_faults import SPEC
-
-    return compile_yaml(SPEC % "")
-
-
-@pytest.fixture
-async def reference(agent, tok):
-    async with DevServer(hashlm()) as dev:
-        _, ref, _ = await run(agent, tok, router([dev.url]), rows(16))
-    return ref
 
 
 @pytest.mark.parametrize("kind", list(HOSTILE))

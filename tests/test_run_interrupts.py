@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
+from tests.conftest import assert_same_batch_files
 from tests.test_snapshot import _get
 
 REPO = Path(__file__).resolve().parents[1]
@@ -149,11 +149,7 @@ def test_an_interrupt_mid_turn_snapshots_within_seconds_and_resume_gives_the_sam
                              capture_output=True, text=True, timeout=240)  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr
     assert not (cut / "snapshot.json").exists()
-    a = torch.load(ref / "batch.pt", weights_only=False)
-    b = torch.load(cut / "batch.pt", weights_only=False)
-    assert list(a["non_tensor_batch"]["uid"]) == list(b["non_tensor_batch"]["uid"])
-    for key, value in a["batch"].items():
-        assert torch.equal(value, b["batch"][key]), key
+    assert_same_batch_files(ref, cut)
 
 
 STUCK_SPEC = """

@@ -26,7 +26,7 @@ from backends.scripted import echo_backend
 from fsm import RolloutEngine
 from fsm.snapshot import SnapshotError, decode_trajectory, encode_trajectory
 from specs.calculator import make_prompts
-from tests.conftest import ASSETS
+from tests.conftest import ASSETS, assert_same_batch_files
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -185,9 +185,5 @@ def test_ctrl_c_snapshots_and_resume_completes_the_run_token_for_token(tiny_serv
                              capture_output=True, text=True, timeout=240)  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr
     assert not (cut / "snapshot.json").exists()
-    a = torch.load(ref / "batch.pt", weights_only=False)
-    b = torch.load(cut / "batch.pt", weights_only=False)
-    assert list(a["non_tensor_batch"]["uid"]) == list(b["non_tensor_batch"]["uid"])
-    for key, value in a["batch"].items():
-        assert torch.equal(value, b["batch"][key]), key
+    assert_same_batch_files(ref, cut)
     assert json.loads((cut / "summary.json").read_text())["status"] == "completed"
