@@ -248,8 +248,8 @@ class BoundTool:
     def description(self) -> str:
         return self.schema.get("function", {}).get("description", "")
 
-    def keep(self, chars: int) -> None:
-        """Answers only ever need their first and last `chars` characters (the response limit)."""
+    def keep(self, chars: int | None) -> None:
+        """Answers only ever need their first and last `chars` characters (the response limit); None: all."""
         self.keep_chars = chars
         if isinstance(self.lane, ProcessLane):
             self.lane.keep_chars = chars  # cut in the worker: a 50 MB answer never crosses the socket
@@ -358,8 +358,12 @@ class ToolSet:
         self.schemas = [t.schema for t in tools]
         self.limits = limits
         self.policy = policy or ToolPolicySpec()
-        for tool in tools:  # truncation keeps at most this many characters at either end
-            tool.keep(limits.max_tool_response_length)
+        # Truncation keeps at most this many characters at either end, so answers are cut to that at once. But
+        # middle truncation at a limit of 1 keeps verl's `text[-0:]`, the whole text after the marker.
+        limit = limits.max_tool_response_length
+        whole = limits.tool_response_truncate_side == "middle" and limit // 2 == 0
+        for tool in tools:
+            tool.keep(None if whole else limit)
 
     def close(self) -> None:
         """Stop the tools' idle threads and loops and kill their worker processes (stuck threads are

@@ -225,3 +225,17 @@ async def test_tools_keep_state_in_agent_data_extra_fields(tok, compile_yaml):
     (plain,) = await run_agent(agent, scripted([model_turn(tok, "no tools")]), tok, [user_row()])
     batch = fsm.collate([traj, plain], prompt_length=1024, response_length=512, pad_token_id=0)
     assert list(batch.non_tensor_batch["tally"]) == [2.5, None]
+
+
+@pytest.mark.parametrize("limit, side, expected", [
+    (1, "middle", "...(truncated)...0123456789"),  # verl's text[:0] + marker + text[-0:]: all of it
+    (2, "middle", "0...(truncated)...9"),
+    (3, "middle", "0...(truncated)...9"),
+    (1, "left", "(truncated)...9"),
+    (2, "right", "01...(truncated)"),
+])  # fmt: skip
+async def test_tiny_response_limits_truncate_as_verl_does(tok, compile_yaml, limit, side, expected):
+    limits = f"  max_tool_response_length: {limit}\n          tool_response_truncate_side: {side}"
+    _, _, (traj,) = await run_tools(tok, compile_yaml, f"  - function: {ECHO}",
+                                    [tool_turn(tok, ("echo", {"text": "0123456789"}))], limits=limits)  # fmt: skip
+    assert tool_messages(traj) == [expected]
