@@ -291,7 +291,8 @@ class BoundTool:
         except Exception as exc:  # e.g. a sandbox that cannot start: nothing was created, nothing to release
             outcome.error, outcome.text = "exception", f"Error executing tool '{self.name}': {self._why(exc)}"
             return outcome
-        instance_id = created_id or instance_id
+        # verl passes what create returned, '' included, and releases only a non-empty id
+        instance_id = created_id
         try:
             await self._execute(outcome, call, instance_id, agent_data)
             if outcome.error is None:
@@ -302,7 +303,8 @@ class BoundTool:
                 except Exception:  # the observation stands; the failure is counted, the score left out
                     outcome.error = "calc_reward"
         finally:
-            await self._release(instance_id)
+            if instance_id:
+                await self._release(instance_id)
         return outcome
 
     async def _execute(self, outcome: CallOutcome, call: ToolCall, instance_id: str, agent_data: Any) -> None:

@@ -457,6 +457,17 @@ async def test_tool_create_raising_is_an_observation(tok, compile_yaml):
     assert agent.tools.by_name["recorder"].tool.methods() == ["create"]  # nothing created, nothing released
 
 
+async def test_tool_empty_instance_id_is_passed_on_and_never_released(tok, compile_yaml):
+    tools = f"""  - class: {PARTS}:EmptyIdTool
+            schema: {parts.ECHO_SCHEMA}"""
+    agent, _, (traj,) = await run_tools(
+        tok, compile_yaml, tools, [tool_turn(tok, ("recorder", {"text": "a"}))]
+    )
+    assert tool_messages(traj) == ["recorded a"]
+    events = agent.tools.by_name["recorder"].tool.events
+    assert [(m, i) for m, i, _ in events[1:]] == [("execute", ""), ("calc_reward", "")]  # as verl: no release
+
+
 async def test_tool_calc_reward_raising_keeps_the_observation(tok, compile_yaml):
     tools = f"""  - class: {PARTS}:BrokenRewardTool
             schema: {parts.ECHO_SCHEMA}"""
