@@ -15,6 +15,7 @@ from typing import Any
 
 from backends.base import BackendTimeout, GenerateRequest, GenerationAborted
 from fsm.context import RunContext
+from fsm.parsers import assistant_message
 from fsm.rows import RowError, encodable, prompt_messages
 from fsm.trajectory import Trajectory
 
@@ -72,11 +73,11 @@ async def generate(ctx: RunContext, traj: Trajectory) -> None:
     traj.needs_tail = True
     traj.assistant_turns += 1
     traj.last_finish_reason = finish
-    text = ctx.codec.decode(
-        ids[:-1] if ids and ids[-1] == ctx.codec.eos_id else ids, skip_special_tokens=False
-    )
-    traj.messages.append({"role": "assistant", "content": text})
+    text = ctx.codec.generated_text(ids)
     traj.pending_calls = ctx.parser.parse(text)  # with no tools too: a call is answered "Unknown function" (verl)
+    # verl's message: decoded with the eos, tool-call blocks removed, the calls as `tool_calls`
+    content = ctx.parser.content(text) + (ctx.codec.eos_text if ids[-1:] == [ctx.codec.eos_id] else "")
+    traj.messages.append(assistant_message(content, traj.pending_calls, ctx.agent.limits.max_parallel_calls))
 
 
 async def _resumed_turn(
@@ -166,17 +167,23 @@ async def _resumed_turn(
 
 
 async def call_tools(ctx: RunContext, traj: Trajectory) -> None:
-    """Run the pending calls concurrently (up to max_parallel_calls) and append their results."""
+    """Run the pending calls concurrently and append their results, in call order. Only well-formed calls
+    take one of the max_parallel_calls slots: verl drops malformed calls before it takes the first N."""
     limits = ctx.agent.limits
     calls, traj.pending_calls = traj.pending_calls, []
-    run, extra = calls[: limits.max_parallel_calls], calls[limits.max_parallel_calls :]
+    run, extra, order, valid = [], [], [], 0
+    for call in calls:
+        valid += call.error is None
+        past = call.error is None and valid > limits.max_parallel_calls
+        (extra if past else run).append(call)
+        order.append((past, len(extra if past else run) - 1))
     active = traj.extra.get("active_tools")
     t0 = time.perf_counter()
     outcomes = await asyncio.gather(*(
         ctx.run_tool(traj, call, f"{traj.session_id}_c{traj.user_turns}_{k}", active) for k, call in enumerate(run)
     ))  # fmt: skip
     traj.metrics.tool_calls += time.perf_counter() - t0
-    messages: list[dict[str, Any]] = []
+    answers: list[dict[str, Any]] = []
     for outcome in outcomes:
         if outcome.reward is not None:  # a BaseTool may return None as its reward; verl leaves it out
             traj.tool_rewards.append(outcome.reward)
@@ -185,13 +192,18 @@ async def call_tools(ctx: RunContext, traj: Trajectory) -> None:
         if outcome.error:
             traj.metrics.tool_errors += 1
         traj.metrics.retries += max(outcome.attempts - 1, 0)
-        messages.append(_tool_message(outcome.text, outcome.call_id))
+        answers.append(_tool_message(outcome.text, outcome.call_id))
+    refusals: list[dict[str, Any] | None] = []
     for call in extra:
         traj.metrics.dropped_calls += 1
-        if limits.extra_calls == "error":
-            text = (f"Error: too many tool calls in one turn; at most {limits.max_parallel_calls} run per turn, "
-                    f"so the call to '{call.name}' was not executed.")  # fmt: skip
-            messages.append(_tool_message(text, call.id))
+        text = (f"Error: too many tool calls in one turn; at most {limits.max_parallel_calls} run per turn, "
+                f"so the call to '{call.name}' was not executed.")  # fmt: skip
+        refusals.append(_tool_message(text, call.id) if limits.extra_calls == "error" else None)
+    messages = []
+    for past, k in order:
+        message = refusals[k] if past else answers[k]
+        if message is not None:
+            messages.append(message)
     if messages and ctx.add_observation(traj, messages, role="tool"):
         traj.user_turns += 1
 
@@ -212,7 +224,8 @@ async def interact(ctx: RunContext, traj: Trajectory) -> None:
     if not traj.interaction_started:
         await inter.start_interaction(traj.session_id, **kwargs)
         traj.interaction_started = True
-    done, content, score, metrics = await inter.generate_response(traj.session_id, traj.messages, **kwargs)
+    messages = traj.messages_as_generated(ctx.codec.decode)  # the model's text, special tokens skipped (verl)
+    done, content, score, metrics = await inter.generate_response(traj.session_id, messages, **kwargs)
     content = encodable(content) if isinstance(content, str) else content
     if score is not None:
         traj.turn_scores.append(float(score))

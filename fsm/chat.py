@@ -47,6 +47,7 @@ class ChatCodec:
         last_eos = len(self._base_ids) - 1 - self._base_ids[::-1].index(self.eos_id)
         self.turn_closer: list[int] = [self.eos_id, *self._base_ids[last_eos + 1 :]]
         self.vocab_size: int = vocabulary_size(tokenizer)
+        self.eos_text: str = self.decode([self.eos_id], skip_special_tokens=False)
 
     def render(
         self, messages: list[dict[str, Any]], *, tools: list[dict] | None = None, add_generation_prompt: bool
@@ -74,6 +75,10 @@ class ChatCodec:
         if generated and generated[-1] == self.eos_id:
             return self.turn_closer[1:]
         return self.turn_closer
+
+    def generated_text(self, ids: list[int]) -> str:
+        """A model turn's text as a chat message holds it: special tokens kept, the final eos left out."""
+        return self.decode(ids[:-1] if ids[-1:] == [self.eos_id] else ids, skip_special_tokens=False)
 
     def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)

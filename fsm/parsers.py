@@ -29,6 +29,10 @@ class ToolCallParser(Protocol):
 
     def parse(self, text: str) -> list[ToolCall]: ...
 
+    def content(self, text: str) -> str:
+        """The turn's text without its tool-call blocks: what verl keeps as the assistant message's content."""
+        ...
+
 
 PARSERS: dict[str, Callable[[object], ToolCallParser]] = {}  # name -> factory(tokenizer)
 
@@ -59,6 +63,10 @@ class HermesParser:
             calls.append(ToolCall(None, None, raw, error="unterminated <tool_call>: missing </tool_call>"))
         return calls
 
+    def content(self, text: str) -> str:
+        """verl's hermes parser removes the blocks only when both tags occur, and keeps an unterminated one."""
+        return self._call.sub("", text) if "<tool_call>" in text and "</tool_call>" in text else text
+
     @staticmethod
     def _parse_one(raw: str) -> ToolCall:
         """One call; malformed exactly when verl's hermes parser drops it (bad JSON, no string "name", no
@@ -70,4 +78,20 @@ class HermesParser:
             return ToolCall(None, None, raw, error=f"Invalid JSON in tool call: {exc}")
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or "arguments" not in obj:
             return ToolCall(None, None, raw, error='a tool call must be a JSON object with a string "name" and "arguments"')
-        return ToolCall(obj["name"], obj["arguments"], raw, id=obj.get("id"))
+        return ToolCall(obj["name"], obj["arguments"], raw)  # a model-written "id" is no call id (verl)
+
+
+def assistant_message(content: str, calls: list[ToolCall], max_calls: int) -> dict[str, Any]:
+    """verl's assistant message for a model turn: its content, and `tool_calls` (the first `max_calls`
+    well-formed calls, arguments as a JSON object, or as the JSON text when they are not an object)."""
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    valid = [call for call in calls if call.error is None][:max_calls]
+    if valid:
+        message["tool_calls"] = [
+            {"type": "function", "function": {
+                "name": call.name,
+                "arguments": call.arguments if isinstance(call.arguments, dict)
+                else json.dumps(call.arguments, ensure_ascii=False),
+            }} for call in valid
+        ]  # fmt: skip
+    return message

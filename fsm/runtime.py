@@ -217,9 +217,8 @@ class Runner:
                 traj.fail(f"{type(exc).__name__} while finishing: {exc}")
         if self.check_tokens and not traj.failed and traj.prompt_ids:
             ended_on_observation = traj.segments[-1].role != "assistant" if traj.segments else True
-            traj.token_check = self.codec.check(
-                traj.messages, traj.tool_schemas, traj.context_ids(), ended_on_observation
-            )
+            messages = traj.messages_as_generated(self.codec.generated_text)
+            traj.token_check = self.codec.check(messages, traj.tool_schemas, traj.context_ids(), ended_on_observation)
 
     async def _score(self, ctx: RunContext, traj: Trajectory) -> None:
         reward = self.agent.reward

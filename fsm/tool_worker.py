@@ -38,14 +38,15 @@ def cut(text, keep):
     return text if keep is None or len(text) <= 2 * keep else text[:keep] + text[-keep:]
 
 
-def shrink(ret, keep):
-    """The tool's return with its text cut, shaped as fsm.tools.normalize_return reads it."""
+def shrink(ret, keep, outer=True):
+    """The tool's return with its text cut, shaped as fsm.tools.normalize_return reads it (a tuple inside
+    the (response, reward, metrics) tuple is text: its repr)."""
     if isinstance(ret, str):
         return cut(ret, keep)
     if isinstance(ret, dict):
         return cut(json.dumps(ret, ensure_ascii=False), keep)
-    if isinstance(ret, tuple):
-        return (shrink(ret[0], keep), *ret[1:]) if 1 <= len(ret) <= 3 else ret
+    if isinstance(ret, tuple) and outer:
+        return (shrink(ret[0], keep, outer=False), *ret[1:]) if 1 <= len(ret) <= 3 else ret
     if type(ret).__name__ == "ToolResponse" and isinstance(getattr(ret, "text", None), str):
         ret = copy.copy(ret)
         ret.text = cut(ret.text, keep)

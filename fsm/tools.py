@@ -62,19 +62,34 @@ class BaseTool:
 
 
 def normalize_return(ret: Any) -> tuple[ToolResponse, float, dict]:
-    """verl's normalize_function_tool_return: str, dict, ToolResponse or a (response, reward, metrics) tuple."""
+    """verl's normalize_function_tool_return: str, dict, ToolResponse or a (response, reward, metrics) tuple,
+    with its errors: a tuple of another length, a reward float() refuses ("" included) or metrics dict()
+    refuses become the error observation verl's loop shows."""
     if isinstance(ret, tuple):
         if not 1 <= len(ret) <= 3:
-            raise TypeError(f"a tool may return a tuple of 1 to 3 items, got {len(ret)}")
+            raise TypeError(
+                f"@function_tool return tuple must have length 1, 2, or 3 (got length {len(ret)}: {ret!r}). "
+                "Use (response,), (response, reward), or (response, reward, metrics)."
+            )
         response, reward, metrics = (*ret, None, None)[:3]
-        return normalize_return(response)[0], float(reward or 0.0), dict(metrics or {})
-    if isinstance(ret, ToolResponse):
-        return ret, 0.0, {}
-    if isinstance(ret, str):
-        return ToolResponse(text=ret), 0.0, {}
-    if isinstance(ret, dict):
-        return ToolResponse(text=json.dumps(ret, ensure_ascii=False)), 0.0, {}
-    return ToolResponse(text=str(ret)), 0.0, {}
+        return (
+            _response(response),
+            0.0 if reward is None else float(reward),
+            {} if metrics is None else dict(metrics),
+        )
+    return _response(ret), 0.0, {}
+
+
+def _response(value: Any) -> ToolResponse:
+    """One response value as verl renders it: a tuple inside a tuple is its repr, not a second tuple. verl's
+    own ToolResponse (a pydantic model) passes as ours does."""
+    if isinstance(value, ToolResponse) or type(value).__name__ == "ToolResponse":
+        return value
+    if isinstance(value, str):
+        return ToolResponse(text=value)
+    if isinstance(value, dict):
+        return ToolResponse(text=json.dumps(value, ensure_ascii=False))
+    return ToolResponse(text=str(value))
 
 
 class FunctionTool(BaseTool):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -151,6 +152,24 @@ class Trajectory:
         self.response_logprobs.extend([0.0] * len(ids))
         self.response_versions.extend([-1] * len(ids))
         self.segments.append(Segment(role, start, len(self.response_ids)))
+
+    def messages_as_generated(self, decode: Callable[[list[int]], str]) -> list[dict[str, Any]]:
+        """`messages` with each model turn's message as {"role": "assistant", "content": decode(its ids)}.
+
+        `messages` holds verl's form (tool-call blocks moved to `tool_calls`); a re-render and an interaction
+        need the text itself. The model's turns are the last assistant messages, one per assistant segment
+        (a prompt may hold assistant messages of its own)."""
+        turns = [seg for seg in self.segments if seg.role == "assistant"]
+        out = list(self.messages)
+        k = len(turns)
+        for i in range(len(out) - 1, -1, -1):
+            if k == 0:
+                break
+            if out[i]["role"] == "assistant":
+                k -= 1
+                seg = turns[k]
+                out[i] = {"role": "assistant", "content": decode(self.response_ids[seg.start : seg.end].tolist())}
+        return out
 
     def context_ids(self) -> list[int]:
         """Everything the model has seen so far: the next request's input_ids."""

@@ -392,6 +392,24 @@ async def test_too_many_parallel_calls_drop(tok, compile_yaml):
     assert traj.metrics.dropped_calls == 2 and traj.metrics.tool_errors == 0
 
 
+@pytest.mark.parametrize("extra_calls", ["error", "drop"])
+async def test_malformed_calls_take_no_parallel_slot(tok, compile_yaml, extra_calls):
+    """verl drops malformed calls before taking the first max_parallel_calls: [ok, bad, ok, ok, ok] with
+    limit 3 runs three calls; the fourth well-formed one is the extra."""
+    bad = '{"name": "echo", "arguments": {"text": "hi"'
+    calls = [("echo", {"text": "one"}), bad, ("echo", {"text": "two"}), ("echo", {"text": "three"}),
+             ("echo", {"text": "four"})]  # fmt: skip
+    _, _, (traj,) = await run_tools(tok, compile_yaml, f"  - function: {ECHO}", [tool_turn(tok, *calls)],
+                                    limits=f"  max_parallel_calls: 3\n          extra_calls: {extra_calls}")
+    msgs = tool_messages(traj)
+    assert msgs[0] == "one" and msgs[1].startswith("Error: Invalid JSON") and msgs[2:4] == ["two", "three"]
+    if extra_calls == "error":
+        assert len(msgs) == 5 and "call to 'echo' was not executed" in msgs[4]
+    else:
+        assert len(msgs) == 4
+    assert traj.metrics.dropped_calls == 1
+
+
 async def test_parallel_calls_run_concurrently_in_order(tok, compile_yaml):
     tools = f"  - function: {PARTS}:slow"
     calls = [("slow", {"seconds": 0.3})] * 3
@@ -838,6 +856,8 @@ async def test_token_check_detects_a_corrupted_trajectory(tok, compile_yaml):
     (traj,) = await runner.run([user_row()])
     assert traj.token_check is None
     tool_seg = next(s for s in traj.segments if s.role == "tool")
+    assert "<tool_call>" not in traj.messages[1]["content"]  # verl's form: the call is in tool_calls
+    traj.messages = traj.messages_as_generated(runner.codec.generated_text)
     ids = traj.context_ids()
     k = len(traj.prompt_ids) + tool_seg.start + 3
     assert runner.codec.check(traj.messages, traj.tool_schemas, ids, False) is None

@@ -239,3 +239,29 @@ async def test_tiny_response_limits_truncate_as_verl_does(tok, compile_yaml, lim
     _, _, (traj,) = await run_tools(tok, compile_yaml, f"  - function: {ECHO}",
                                     [tool_turn(tok, ("echo", {"text": "0123456789"}))], limits=limits)  # fmt: skip
     assert tool_messages(traj) == [expected]
+
+
+@pytest.mark.parametrize("ret, text, reward, metrics", [
+    ("plain", "plain", 0.0, {}),
+    ({"k": "ü"}, '{"k": "ü"}', 0.0, {}),
+    ((("héllo", 1),), "('héllo', 1)", 0.0, {}),  # a tuple response is its repr, as verl's
+    (({"k": 1}, "1.5", None), '{"k": 1}', 1.5, {}),
+    (("x", 0, [("k", 1)]), "x", 0.0, {"k": 1}),
+    (3.5, "3.5", 0.0, {}),
+    (None, "None", 0.0, {}),
+])  # fmt: skip
+def test_function_returns_normalize_as_verl(ret, text, reward, metrics):
+    response, got_reward, got_metrics = fsm.tools.normalize_return(ret)
+    assert (response.text, got_reward, got_metrics) == (text, reward, metrics)
+
+
+@pytest.mark.parametrize("ret, error", [
+    (("a", 1.0, {}, "x"), "@function_tool return tuple must have length 1, 2, or 3 (got length 4: ('a', 1.0, {}, 'x'))"),
+    ((), "@function_tool return tuple must have length 1, 2, or 3 (got length 0: ())"),
+    (("x", ""), "could not convert string to float: ''"),  # verl's error, not a reward of 0.0
+    (("x", 1, 5), "'int' object is not iterable"),
+])  # fmt: skip
+def test_function_returns_verl_refuses_are_errors(ret, error):
+    with pytest.raises((TypeError, ValueError)) as info:
+        fsm.tools.normalize_return(ret)
+    assert str(info.value).startswith(error)

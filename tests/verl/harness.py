@@ -127,7 +127,7 @@ class ReplayServer:
 # --- verl's side: tools, config, loops ----------------------------------------------------------------------
 
 TOOLS_PY = '''
-import ast, operator
+import ast, copy, operator
 
 from verl.tools.base_tool import BaseTool
 from verl.tools.schemas import ToolResponse
@@ -179,6 +179,19 @@ class Echo(BaseTool):
         return ToolResponse(text=parameters["text"]), 0.25, {}
 
 
+class Blank(BaseTool):
+    """`create` returns an empty instance id: verl passes it to execute and never releases it."""
+
+    async def create(self, instance_id=None, **kwargs):
+        return "", ToolResponse()
+
+    async def execute(self, instance_id, parameters, **kwargs):
+        return ToolResponse(text=f"id={instance_id!r} {parameters['text']}"), 0.5, {}
+
+    async def release(self, instance_id, **kwargs):
+        raise RuntimeError(f"release({instance_id!r}) of an instance that was never created")
+
+
 class Tally(BaseTool):
     """Keeps a per-trajectory tally in agent_data.extra_fields (where verl documents tool session state) and
     reports what else it read from agent_data; the request id only as whether it is the loop's own."""
@@ -187,6 +200,7 @@ class Tally(BaseTool):
         data = kwargs["agent_data"]
         tally = data.extra_fields["tally"] = data.extra_fields.get("tally", 0) + parameters["add"]
         first = data.extra_fields.setdefault("request_id", data.request_id)
+        data.extra_fields["messages_seen"] = copy.deepcopy(data.messages)  # verl's, exactly (the parity compares)
         text = (f"tally={tally} turns={data.assistant_turns}/{data.user_turns} messages={len(data.messages)} "
                 f"context={len(data.prompt_ids)} last={len(data.response_ids)} mask={len(data.response_mask)} "
                 f"kwargs={sorted(data.tools_kwargs)} same_request={first == data.request_id}")
@@ -212,6 +226,7 @@ def calculator(expression: str) -> str:
 # The generated scripts' function tools (a file of their own: verl's registry is global and by name).
 GEN_FUNCTION_TOOLS_PY = '''
 from verl.tools.function_tool import function_tool
+from verl.tools.schemas import ToolResponse
 
 
 @function_tool
@@ -233,6 +248,22 @@ def scale(x: int | float, factor: int | None = None) -> str:
         factor: The factor, 2 when null.
     """
     return str(x * (2 if factor is None else factor))
+
+
+@function_tool
+def odd(kind: str) -> str:
+    """Answer in one of the shapes a function tool may return, odd ones included.
+
+    Args:
+        kind: Which shape.
+    """
+    shapes = {
+        "quad": ("a", 1.0, {}, "x"), "empty": (), "nested": (("héllo", 1),), "empty_reward": ("x", ""),
+        "text_reward": ("x", "1.5"), "word_reward": ("x", "high"), "none_reward": ("x", None, None),
+        "bad_metrics": ("x", 1, 5), "pairs_metrics": ("x", 2, [("k", 1)]), "number": 3.5, "list": [1, "é"],
+        "dict_in_tuple": ({"k": "ü"}, 2), "response": ToolResponse(text="tr é"), "none": None, "zero": (0, 0),
+    }
+    return shapes.get(kind, kind)
 
 
 @function_tool
@@ -288,6 +319,18 @@ tools:
       function:
         name: echo
         description: Answer the text.
+        parameters:
+          type: object
+          properties:
+            text: {type: string, description: The text.}
+          required: [text]
+  - class_name: parity_tools.Blank
+    config: {type: native}
+    tool_schema:
+      type: function
+      function:
+        name: blank
+        description: Answer with the instance id it was given.
         parameters:
           type: object
           properties:

@@ -9,7 +9,9 @@ and verl is one of these, exactly:
   malformed        verl's hermes parser drops a call (bad JSON, no string "name", no "arguments", no closing
                    tag); agentfsm answers it, in its place, with "Error: <what is wrong>".
   extra_calls      verl drops calls beyond max_parallel_calls silently; agentfsm answers each (extra_calls:
-                   error), with no tool reward.
+                   error), with no tool reward. Only well-formed calls count toward the limit, in both (verl
+                   drops malformed calls before it takes the first N), so a malformed call answered in place
+                   takes no slot.
   closer           after a turn cut without eos, agentfsm appends the template's "<|im_end|>\\n" (mask 0)
                    before the tool turn; verl appends the tool turn right after the cut text.
   empty_response   a trajectory whose model turn was empty (0 tokens) has response_ids [] in agentfsm; verl
@@ -110,22 +112,36 @@ class AgentfsmRules(ToolAgentLoop):
         return out
 
     async def _handle_processing_tools_state(self, agent_data):
-        """extra_calls: every call of the round goes through _call_tool, which answers those past the limit."""
+        """Every answered call of the round goes through _call_tool, which answers those past the limit:
+        the malformed markers, verl's first N well-formed calls and, with extra_calls: error, the rest."""
         self.index = 0
-        if self.extra_calls == "error" and len(agent_data.tool_calls) > self.limit:
+        calls = agent_data.tool_calls
+        extra = [c for c in calls if c.name != MALFORMED][self.limit :]
+        if any(c.name == MALFORMED for c in calls[: self.limit]) and len(calls) > self.limit:
+            self.fired.add("malformed among parallel calls")  # a marker sits where verl's N-th call would
+        if extra and self.extra_calls == "error":
             self.fired.add("extra_calls")
-            self.max_parallel_calls = len(agent_data.tool_calls)
+        answered = [c for c in calls if self.extra_calls == "error" or all(c is not e for e in extra)]
+        agent_data.tool_calls, self.max_parallel_calls = answered, len(answered)
         try:
             return await super()._handle_processing_tools_state(agent_data)
         finally:
-            self.max_parallel_calls = self.limit
+            agent_data.tool_calls, self.max_parallel_calls = calls, self.limit
+
+    def _build_assistant_message(self, content, agent_data):
+        """The message lists verl's own calls: the malformed markers are agentfsm's, not the model's."""
+        calls = agent_data.tool_calls
+        agent_data.tool_calls = [c for c in calls if c.name != MALFORMED]
+        try:
+            return super()._build_assistant_message(content, agent_data)
+        finally:
+            agent_data.tool_calls = calls
 
     def _call_tool(self, tool_call, tools_kwargs, agent_data):  # called in call order; returns the awaitable
-        k, self.index = self.index, self.index + 1
-        if k >= self.limit:
-            name = None if tool_call.name == MALFORMED else tool_call.name
-            return _answer(f"Error: too many tool calls in one turn; at most {self.limit} run per turn, so the "
-                           f"call to '{name}' was not executed.", None)  # fmt: skip
         if tool_call.name == MALFORMED:
             return _answer(json.loads(tool_call.arguments), 0.0)
+        k, self.index = self.index, self.index + 1
+        if k >= self.limit:
+            return _answer(f"Error: too many tool calls in one turn; at most {self.limit} run per turn, so the "
+                           f"call to '{tool_call.name}' was not executed.", None)  # fmt: skip
         return super()._call_tool(tool_call, tools_kwargs, agent_data)

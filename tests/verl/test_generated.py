@@ -74,16 +74,20 @@ REPEATED = st.builds(lambda parts, n: "".join(parts) * n, st.lists(st.sampled_fr
                      st.integers(4, 16))  # fmt: skip
 TOOL_TEXT = st.one_of(TEXT, LONG_TEXT, REPEATED, REPEATED)  # often longer than max_tool_response_length
 
+ODD_RETURNS = ["quad", "empty", "nested", "empty_reward", "text_reward", "word_reward", "none_reward", "bad_metrics",
+               "pairs_metrics", "number", "list", "dict_in_tuple", "response", "none", "zero", "plain"]  # fmt: skip
 GOOD_ARGS = {  # per tool set: tool -> strategy of well-formed arguments (raising ones included)
     "gen_base": {
         "tally": st.fixed_dictionaries({"add": NUMBER}),
         "echo": st.fixed_dictionaries({"text": TOOL_TEXT}) | st.fixed_dictionaries({"fail": LONG_TEXT}),
         "calculator": st.fixed_dictionaries({"expression": EXPRESSION}),
+        "blank": st.fixed_dictionaries({"text": TEXT}),  # an empty instance id from create
     },
     "gen_function": {
         "echo": st.fixed_dictionaries({"text": TOOL_TEXT}),
         "scale": st.fixed_dictionaries({"x": NUMBER}, optional={"factor": st.none() | st.integers(-3, 3)}),
         "shout": st.fixed_dictionaries({"text": TOOL_TEXT}, optional={"fail": LONG_TEXT}),
+        "odd": st.fixed_dictionaries({"kind": st.sampled_from(ODD_RETURNS)}),
     },
 }
 
@@ -155,7 +159,7 @@ def scenario(draw):
         turns = [("", False), *turns]
     limits = {
         "max_parallel_calls": draw(st.integers(1, 3)),
-        "max_tool_response_length": draw(st.integers(4, 60)),
+        "max_tool_response_length": draw(st.integers(4, 60) | st.integers(1, 3)),
         "tool_response_truncate_side": draw(st.sampled_from(["left", "right", "middle"])),
         "max_assistant_turns": draw(st.sampled_from([None, None, 3, 2, 4, 1])),
         "max_user_turns": draw(st.sampled_from([None, None, 2, 1, 1])),
@@ -288,6 +292,10 @@ EXPLICIT = [
     scripted("gen_function", [(tc("shout", {"text": "🎉 party " * 6}) + "\n" + tc("echo", {"text": "x"}) + "\n"
                                + tc("nope", {}), True)], limits={"max_parallel_calls": 2}),  # an extra call
     scripted("gen_base", [('<tool_call>\n{"name": "echo", "arguments": {"text": \n</tool_call>', True)]),  # malformed
+    *({**scripted("gen_base", [("\n".join([tc("tally", {"add": 1}), '<tool_call>\n{"name": "tally"}\n</tool_call>',
+                                            *(tc("tally", {"add": k}) for k in range(2, n))]), True)],
+                  limits={"max_parallel_calls": 3}), "extra_calls": mode}
+      for n, mode in ((4, "drop"), (5, "error"))),  # a malformed call among parallel ones takes no slot
     scripted("gen_base", [(tc("tally", {"add": 2.5}), False)]),  # a turn cut without eos, then a tool round
     scripted("gen_base", [("", False)]),  # the model says nothing at all
     scripted("gen_base", [TALLY, TALLY, TALLY], limits={"max_user_turns": 1}),
@@ -364,7 +372,8 @@ def test_generated_scripts_match_verl(tok):
 
 
 COVERAGE = [
-    *(f"documented difference: {d}" for d in ("none", "malformed", "extra_calls", "closer", "empty_response", "empty_logprobs")),
+    *(f"documented difference: {d}" for d in ("none", "malformed", "extra_calls", "closer", "empty_response",
+                                               "empty_logprobs", "malformed among parallel calls")),
     *(f"termination: {t}" for t in ("done", "response_length", "max_assistant_turns", "max_user_turns")),
     *(f"budget: {b}" for b in ("one before a boundary", "at a boundary", "one past a boundary")),
     "prompt truncated", "tool output truncated", "turn cut inside a call",
