@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# verl 0.9.1, CPU only, in its own virtualenv: the environment of the parity test.
+# verl, CPU only, in its own virtualenv: the environment of the parity tests.
 #
-#   bash .ci/verl_env.sh                                     # builds .venv-verl ($VERL_VENV to move it)
+#   bash .ci/verl_env.sh                                     # verl 0.9.1 in .venv-verl ($VERL_VENV to move it)
 #   .venv-verl/bin/python -m pytest tests/test_verl_parity.py tests/verl
+#   VERL_VERSION=0.7.1 bash .ci/verl_env.sh                  # verl 0.7.1 (INTERACTING) in .venv-verl07
+#   .venv-verl07/bin/python -m pytest tests/verl07
 #
 # verl is installed with --no-deps: its declared dependencies (wandb, tensorboard, peft, accelerate,
 # torchdata, a torch pin that is not the local CPU wheel...) are not what its agent loop imports. DEPS is
@@ -12,11 +14,11 @@
 # with the same script and pyproject.toml only checks the import and returns.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
-VENV="${VERL_VENV:-$ROOT/.venv-verl}"
+VERSION="${VERL_VERSION:-0.9.1}"
 PYTHON="${PYTHON:-python3}"
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
 
-DEPS=(
+DEPS_0_9_1=(
   "transformers==5.10.4"     # verl 0.9.1 wants >=5.5.3,<5.11,!=5.6.0 (agent_loop, tools.function_tool)
   "tensordict==0.10.0"       # verl 0.9.1 wants >=0.8.0,<=0.10.0,!=0.9.0 (verl, protocol, agent_loop)
   "numpy==2.4.6"             # verl 0.9.1 wants >=2.0.0
@@ -34,11 +36,24 @@ DEPS=(
   "pyyaml==6.0.3"            # workers.rollout.utils
   "packaging==25.0"          # verl, protocol, utils.device
 )
+DEPS_0_7_1=(                 # what verl 0.7.1's agent loop imports, at the releases of its time
+  "transformers==4.57.3"     # 0.7.1 predates transformers 5 (apply_chat_template returns ids)
+  "tensordict==0.10.0" "numpy==1.26.4" "pyarrow==21.0.0"   # verl 0.7.1 wants numpy<2 (and so does this pyarrow)
+  "ray==2.60.0" "hydra-core==1.3.8" "datasets==4.4.1" "pillow==12.0.0" "codetiming==1.4.0"
+  "cachetools==6.2.2" "fastapi==0.121.3" "uvicorn==0.38.0" "pydantic==2.12.4" "pyyaml==6.0.3" "packaging==25.0"
+)
+case "$VERSION" in
+  0.9.1) VENV="${VERL_VENV:-$ROOT/.venv-verl}"; DEPS=("${DEPS_0_9_1[@]}")
+         CHECK="verl.experimental.agent_loop, fsm.verl_adapter" ;;
+  0.7.1) VENV="${VERL_VENV:-$ROOT/.venv-verl07}"; DEPS=("${DEPS_0_7_1[@]}")   # the native engine is compared
+         CHECK="verl.experimental.agent_loop.tool_agent_loop, fsm" ;;
+  *) echo "verl env: no dependency list for verl $VERSION (0.9.1, 0.7.1)" >&2; exit 2 ;;
+esac
 
 stamp="$VENV/.agentfsm-verl-env"
 want="$(cat "$0" "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] \
-  && "$VENV/bin/python" -c "import verl.experimental.agent_loop, fsm.verl_adapter, hypothesis" 2>/dev/null; then
+  && "$VENV/bin/python" -c "import $CHECK, hypothesis" 2>/dev/null; then
   echo "verl env: $VENV is up to date"
   exit 0
 fi
@@ -51,11 +66,11 @@ fi
 "$PYTHON" -m venv "$VENV"
 pip=("$VENV/bin/python" -m pip install -q)
 "${pip[@]}" torch==2.13.0                 # first: the local CPU wheel, so nothing below pulls CUDA torch
-"${pip[@]}" --no-deps verl==0.9.1
+"${pip[@]}" --no-deps "verl==$VERSION"
 echo "verl env: pip will list verl's declared dependencies that are left out on purpose (see DEPS)"
 "${pip[@]}" "${DEPS[@]}"
 "${pip[@]}" -e "$ROOT" pytest pytest-asyncio "hypothesis>=6.100"   # hypothesis: tests/verl/test_generated.py
 cd "$ROOT"
-"$VENV/bin/python" -c "import verl, verl.experimental.agent_loop, fsm.verl_adapter; assert verl.__version__ == '0.9.1'"
+"$VENV/bin/python" -c "import verl, $CHECK; assert verl.__version__ == '$VERSION'"
 echo "$want" > "$stamp"
-echo "verl env: built $VENV in $((SECONDS - start)) s"
+echo "verl env: built verl $VERSION in $VENV in $((SECONDS - start)) s"

@@ -232,10 +232,14 @@ async def interact(ctx: RunContext, traj: Trajectory) -> None:
     if metrics:
         traj.extra.setdefault("interaction_metrics", []).append(metrics)
     traj.should_terminate = bool(done)
+    policy = ctx.agent.spec.interaction
     if done:
-        traj.extra["final_feedback"] = content  # the model never answers it, so it is not appended
-        return
-    if ctx.add_observation(traj, [{"role": "user", "content": content}], role="user"):
+        traj.extra["final_feedback"] = content
+        if policy is None or policy.final_reply == "keep_out":
+            return  # the model never answers it: no tokens the model is trained on
+    reply = [{"role": "user", "content": content}]
+    overflow = policy.reply_overflow if policy is not None else "drop"
+    if ctx.add_observation(traj, reply, role="user", overflow=overflow):
         traj.user_turns += 1
 
 

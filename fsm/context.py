@@ -173,17 +173,25 @@ class RunContext:
         span.done(outcome)
         return outcome
 
-    def add_observation(self, traj: Trajectory, messages: list[dict[str, Any]], *, role: str) -> bool:
+    def add_observation(
+        self, traj: Trajectory, messages: list[dict[str, Any]], *, role: str, overflow: str = "drop"
+    ) -> bool:
         """Append tool/user turns as mask-0 tokens; False (nothing appended) if they overflow the budget.
 
-        The template's turn closer owed after a model turn is appended first, also with mask 0. As in verl,
-        an observation that does not fit in response_length is not appended and the budget counts as spent.
+        The template's turn closer owed after a model turn is appended first, also with mask 0 (unless the
+        spec says `turn_closer: none`). As in verl, an observation that does not fit in response_length is
+        not appended and the budget counts as spent; `overflow="cut"` appends it cut at the budget instead
+        (verl 0.7.1's user replies).
         """
-        closer = self.codec.closer_for(traj.response_ids[-1:].tolist()) if traj.needs_tail else []
+        owed = traj.needs_tail and self.agent.spec.turn_closer == "template"
+        closer = self.codec.closer_for(traj.response_ids[-1:].tolist()) if owed else []
         ids = self.codec.encode_observation(messages)
-        if len(traj.response_mask) + len(closer) + len(ids) >= self.agent.limits.response_length:
-            traj.observation_overflow = True
-            return False
+        room = self.agent.limits.response_length - len(traj.response_mask)
+        if len(closer) + len(ids) >= room:
+            if overflow != "cut":
+                traj.observation_overflow = True
+                return False
+            closer, ids = closer[:room], ids[: max(room - len(closer), 0)]
         traj.append_context(closer, "template")
         traj.append_context(ids, role)
         traj.needs_tail = False

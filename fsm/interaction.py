@@ -6,6 +6,7 @@ Unlike verl's loop, all four lifecycle methods are called: `start_interaction` o
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 
@@ -33,3 +34,14 @@ class BaseInteraction:
 
 
 REQUIRED_METHODS = ("start_interaction", "generate_response", "calculate_score", "finalize_interaction")
+
+
+async def call_lifecycle(method: Any, instance_id: str) -> Any:
+    """`calculate_score` / `finalize_interaction` with the instance id, or without it for a verl <= 0.7.1
+    interaction that kept the base class's `(self)` signature (its methods then cover all instances)."""
+    try:
+        params = inspect.signature(method).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C callable: assume the documented form
+        return await method(instance_id)
+    takes_id = any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL) for p in params)
+    return await (method(instance_id) if takes_id else method())

@@ -28,6 +28,7 @@ from backends.base import Backend, BackendError, BackendTimeout, GenerationAbort
 from fsm.agent import CompiledAgent
 from fsm.chat import ChatCodec
 from fsm.context import TRACED, PauseGate, RunContext, Sampling
+from fsm.interaction import call_lifecycle
 from fsm.isolation import ThreadLane
 from fsm.rows import RowError, encodable_value, normalize_record, row_inputs
 from fsm.spec import DEFAULT_TOOL_WORKERS
@@ -206,8 +207,9 @@ class Runner:
         try:
             await ctx.backend.release(traj.session_id)
             if traj.interaction_started:
-                traj.interaction_score = float(await ctx.interaction.calculate_score(traj.session_id))
-                await ctx.interaction.finalize_interaction(traj.session_id)
+                inter = ctx.interaction
+                traj.interaction_score = float(await call_lifecycle(inter.calculate_score, traj.session_id))
+                await call_lifecycle(inter.finalize_interaction, traj.session_id)
             await self._score(ctx, traj)
         except RewardError as exc:
             if traj.error is None:

@@ -128,6 +128,17 @@ class InteractionSpec(_Strict):
     class_: str = Field(alias="class", description="module:Class implementing the interaction protocol.")
     name: str | None = None
     config: dict[str, Any] = Field(default_factory=dict)
+    final_reply: Literal["keep_out", "append"] = Field(
+        default="keep_out",
+        description="The reply that ends the conversation (should_terminate): kept out of the response (in "
+        "extra final_feedback; the model never answers it), or appended with mask 0 and counted as a user turn "
+        "(verl 0.7.1).",
+    )
+    reply_overflow: Literal["drop", "cut"] = Field(
+        default="drop",
+        description="A reply that does not fit in the response budget: not appended and the budget counts as "
+        "spent (as a tool result, in verl 0.9.1 too), or appended cut at the budget (verl 0.7.1).",
+    )
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
@@ -252,6 +263,12 @@ class AgentSpec(_Strict):
     tools: list[ToolSpec] = Field(default_factory=list)
     tool_policy: ToolPolicySpec = Field(default_factory=ToolPolicySpec)
     interaction: InteractionSpec | None = None
+    turn_closer: Literal["template", "none"] = Field(
+        default="template",
+        description="Before an observation: the template's tokens owed after a model turn (Qwen's newline after "
+        "<|im_end|>, and <|im_end|> itself after a turn cut without it), mask 0, as a re-render has them; "
+        "'none': the observation follows the model's last token (verl 0.7.1).",
+    )
     reward: RewardSpec | None = None
     demo_data: str | None = Field(
         default=None, description="module:function(n, seed) -> rows; `agentfsm run` uses it when no --data is given."

@@ -218,10 +218,23 @@ async def test_interaction_agent_done(tok):
     (traj,) = await run_agent(agent, backend, tok, [guess_row(7)])
     assert traj.termination_reason == "interaction_done"
     assert traj.turn_scores == [0.0, 0.0, 1.0]
-    assert [m["content"] for m in traj.messages if m["role"] == "user"][1:] == ["Higher.", "Lower."]
+    assert [m["content"] for m in traj.messages if m["role"] == "user"][1:] == ["Higher.", "Lower.", "Correct!"]
+    assert observation_texts(tok, traj, "user")[-1].startswith("<|im_start|>user\nCorrect!")  # final_reply: append
     assert traj.interaction_score == pytest.approx(1 / 3)
-    assert traj.user_turns == 2 and traj.assistant_turns == 3
+    assert traj.user_turns == 3 and traj.assistant_turns == 3
     assert traj.token_check is None
+
+
+async def test_interaction_final_reply_kept_out(tok, compile_yaml):
+    agent = compile_yaml("""
+        name: talk
+        extends: {specs}/interaction_agent.yaml
+        interaction: {final_reply: keep_out}
+    """)
+    backend = scripted([model_turn(tok, "5"), model_turn(tok, "7")])
+    (traj,) = await run_agent(agent, backend, tok, [guess_row(7)])
+    assert traj.termination_reason == "interaction_done" and traj.extra["final_feedback"] == "Correct!"
+    assert traj.user_turns == 1 and observation_texts(tok, traj, "user") == ["<|im_start|>user\nHigher.<|im_end|>\n<|im_start|>assistant\n"]
 
 
 async def test_interaction_agent_max_user_turns(tok):
@@ -229,7 +242,7 @@ async def test_interaction_agent_max_user_turns(tok):
     backend = scripted([model_turn(tok, "1")] * 10)
     (traj,) = await run_agent(agent, backend, tok, [guess_row(7)])
     assert traj.termination_reason == "max_user_turns"
-    assert traj.user_turns == 4 and traj.assistant_turns == 4
+    assert traj.user_turns == 4 and traj.assistant_turns == 5  # checked after the model's answer (verl)
     assert traj.token_check is None
 
 
@@ -246,11 +259,27 @@ async def test_interaction_agent_response_length_after_generation(tok, compile_y
     assert len(traj.response_ids) == 20
 
 
+async def test_interaction_reply_that_does_not_fit_is_cut(tok, compile_yaml):
+    agent = compile_yaml("""
+        name: short_talk
+        extends: {specs}/interaction_agent.yaml
+        limits: {response_length: 12}
+    """)
+    first = model_turn(tok, "5")
+    backend = scripted([first, model_turn(tok, "6")])
+    (traj,) = await run_agent(agent, backend, tok, [guess_row(7)])
+    assert traj.termination_reason == "response_length"
+    assert traj.path == ["PENDING", "GENERATING", "INTERACTING", "TERMINATED"]
+    assert len(traj.response_ids) == 12 and traj.response_ids.tolist()[: len(first)] == first
+    assert traj.user_turns == 1 and len(backend.requests) == 1  # no request once the budget is spent
+
+
 async def test_interaction_agent_response_length_when_reply_does_not_fit(tok, compile_yaml):
     agent = compile_yaml("""
         name: short_talk
         extends: {specs}/interaction_agent.yaml
         limits: {response_length: 12}
+        interaction: {reply_overflow: drop}
     """)
     first = model_turn(tok, "5")
     backend = scripted([first, model_turn(tok, "6")])
@@ -292,6 +321,20 @@ async def test_interaction_lifecycle(tok, compile_yaml):
     assert long.termination_reason == short.termination_reason == "interaction_done"
     assert long.interaction_score == 3.0 and short.interaction_score == 1.0
     assert long.extra["interaction_metrics"] == [{"k": 1}, {"k": 2}, {"k": 3}]
+
+
+async def test_interaction_with_verl_0_7_base_signatures(tok, compile_yaml):
+    """verl <= 0.7.1's BaseInteraction has calculate_score(self) and finalize_interaction(self): the row
+    must not fail on them."""
+    agent = compile_yaml(f"""
+        name: talk
+        extends: {{specs}}/interaction_agent.yaml
+        interaction:
+          class: {PARTS}:NoIdLifecycle
+    """)
+    (traj,) = await run_agent(agent, scripted([model_turn(tok, "a")]), tok, [user_row(interaction_kwargs={})])
+    assert not traj.failed and traj.termination_reason == "interaction_done"
+    assert traj.interaction_score == 0.25
 
 
 # --- tools ------------------------------------------------------------------------------------------------
