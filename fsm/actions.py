@@ -72,11 +72,9 @@ async def generate(ctx: RunContext, traj: Trajectory) -> None:
     traj.needs_tail = True
     traj.assistant_turns += 1
     traj.last_finish_reason = finish
-    text = ctx.codec.decode(
-        ids[:-1] if ids and ids[-1] == ctx.codec.eos_id else ids, skip_special_tokens=False
-    )
-    traj.messages.append({"role": "assistant", "content": text})
+    text = ctx.codec.turn_text(ids)
     traj.pending_calls = ctx.parser.parse(text)  # with no tools too: a call is answered "Unknown function" (verl)
+    traj.messages.append(ctx.codec.assistant_message(text, traj.pending_calls))
 
 
 async def _resumed_turn(

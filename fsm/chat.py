@@ -69,6 +69,20 @@ class ChatCodec:
             )
         return full[n:]
 
+    def observation(
+        self, messages: list[dict[str, Any]], last: list[int] | None, history: list[dict[str, Any]] | None = None
+    ) -> tuple[list[int], list[int]]:
+        """(the closer owed after the model turn whose last token is `last`, None when none is owed; the
+        observation's ids). fsm/families/codec.py's FamilyCodec also reads `history`."""
+        return (self.closer_for(last) if last is not None else []), self.encode_observation(messages)
+
+    def turn_text(self, ids: list[int]) -> str:
+        """A model turn as text for its parser and the conversation: special tokens kept, eos left out."""
+        return self.decode(ids[:-1] if ids and ids[-1] == self.eos_id else ids, skip_special_tokens=False)
+
+    def assistant_message(self, text: str, calls: list[Any]) -> dict[str, Any]:
+        return {"role": "assistant", "content": text}
+
     def closer_for(self, generated: list[int]) -> list[int]:
         """Template tokens owed after a model turn: the tail after eos, or eos + tail if the turn was cut."""
         if generated and generated[-1] == self.eos_id:

@@ -16,6 +16,7 @@ from typing import Any
 from backends.base import Backend, GenerateRequest, GenerateResult
 from fsm.agent import CompiledAgent
 from fsm.chat import ChatCodec
+from fsm.families import parser_name
 from fsm.parsers import PARSERS, ToolCall
 from fsm.tools import CallOutcome
 from fsm.tracing import Tracer
@@ -53,7 +54,7 @@ class Sampling:
             raise ValueError(
                 f"unknown sampling parameter(s) {sorted(unknown)}; known: {', '.join(SAMPLING_KEYS)}"
             )
-        parser_stops = PARSERS[spec.parser](codec.tokenizer).stop_token_ids
+        parser_stops = PARSERS[parser_name(spec.parser, codec)](codec.tokenizer).stop_token_ids
         stops = sorted({codec.eos_id, *parser_stops, *base.pop("stop_token_ids"), *overrides.pop("stop_token_ids", [])})
         cap = overrides.pop("max_new_tokens", agent.limits.max_new_tokens)
         params = {**base, **overrides, "stop_token_ids": stops}
@@ -132,7 +133,9 @@ class RunContext:
         self.agent = agent
         self.backend = backend
         self.codec = codec
-        self.parser = PARSERS[agent.spec.parser](codec.tokenizer)
+        self.parser = PARSERS[parser_name(agent.spec.parser, codec)](codec.tokenizer)
+        if hasattr(self.parser, "tools"):  # parsers that convert values by the tools' schemas (qwen3_coder)
+            self.parser.tools = agent.tools.schemas
         self.sampling = sampling
         self.tracer = tracer
         self.gate = gate if gate is not None else PauseGate()  # the engine's, shared by its runs
@@ -179,8 +182,8 @@ class RunContext:
         The template's turn closer owed after a model turn is appended first, also with mask 0. As in verl,
         an observation that does not fit in response_length is not appended and the budget counts as spent.
         """
-        closer = self.codec.closer_for(traj.response_ids[-1:].tolist()) if traj.needs_tail else []
-        ids = self.codec.encode_observation(messages)
+        last = traj.response_ids[-1:].tolist() if traj.needs_tail else None
+        closer, ids = self.codec.observation(messages, last, traj.messages)
         if len(traj.response_mask) + len(closer) + len(ids) >= self.agent.limits.response_length:
             traj.observation_overflow = True
             return False

@@ -28,6 +28,7 @@ from backends.base import Backend, BackendError, BackendTimeout, GenerationAbort
 from fsm.agent import CompiledAgent
 from fsm.chat import ChatCodec
 from fsm.context import TRACED, PauseGate, RunContext, Sampling
+from fsm.families import codec_for
 from fsm.isolation import ThreadLane
 from fsm.rows import RowError, encodable_value, normalize_record, row_inputs
 from fsm.spec import DEFAULT_TOOL_WORKERS
@@ -51,7 +52,9 @@ class Runner:
                  watchdog_s: float | None = WATCHDOG_S):  # fmt: skip
         self.agent = agent
         self.backend = backend
-        self.codec = tokenizer if isinstance(tokenizer, ChatCodec) else ChatCodec(tokenizer)
+        model = agent.spec.model
+        self.codec = tokenizer if isinstance(tokenizer, ChatCodec) else codec_for(tokenizer, model.family,
+                                                                                  model.chat_template_kwargs)
         self.max_concurrency = max_concurrency
         self.tracer = tracer
         self.check_tokens = check_tokens
