@@ -16,7 +16,7 @@ from typing import Any
 from backends.base import Backend, GenerateRequest, GenerateResult
 from fsm.agent import CompiledAgent
 from fsm.chat import ChatCodec
-from fsm.families import parser_name
+from fsm.families import make_parser, parser_name
 from fsm.parsers import PARSERS, ToolCall
 from fsm.tools import CallOutcome
 from fsm.tracing import Tracer
@@ -133,9 +133,7 @@ class RunContext:
         self.agent = agent
         self.backend = backend
         self.codec = codec
-        self.parser = PARSERS[parser_name(agent.spec.parser, codec)](codec.tokenizer)
-        if hasattr(self.parser, "tools"):  # parsers that convert values by the tools' schemas (qwen3_coder)
-            self.parser.tools = agent.tools.schemas
+        self.parser = make_parser(agent.spec.parser, codec, agent.tools.schemas)
         self.sampling = sampling
         self.tracer = tracer
         self.gate = gate if gate is not None else PauseGate()  # the engine's, shared by its runs

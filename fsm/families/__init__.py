@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from fsm.chat import ChatCodec
 from fsm.families import parsers as _parsers  # noqa: F401  (registers the families' parsers)
+from fsm.parsers import PARSERS, ToolCall
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,79 @@ def parser_name(spec_parser: str | None, codec: Any) -> str:
     """The spec's `parser:` when it names one, else the codec's family's."""
     family = getattr(codec, "family", None)
     return spec_parser or (family.parser if family is not None else "hermes")
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """A model turn split the family's way: its reasoning, the answer text, and the calls it makes."""
+
+    reasoning: str | None  # None: the turn has no reasoning block (or the family none)
+    content: str
+    calls: list[ToolCall]
+
+
+def split_reasoning(text: str, style: str) -> tuple[str | None, str]:
+    """(reasoning, the rest) of a `think` family's turn. The reasoning is a leading `<think>...</think>`, or
+    everything before a `</think>` when the prompt opened the block; a block never closed is all reasoning."""
+    if style != "think":
+        return None, text
+    head = text.lstrip()
+    if head.startswith("<think>"):
+        body = head[len("<think>") :]
+        end = body.find("</think>")
+        return (body, "") if end < 0 else (body[:end], body[end + len("</think>") :])
+    end = text.find("</think>")
+    if end >= 0 and "<think>" not in text[:end]:
+        return text[:end], text[end + len("</think>") :]
+    return None, text
+
+
+class ReasoningAwareParser:
+    """A family's parser that reads calls only outside the reasoning block: a call the model only thought
+    about is not made (verl's hermes parser makes it)."""
+
+    def __init__(self, parser: Any, style: str):
+        self.inner, self.style = parser, style
+        self.stop_token_ids = parser.stop_token_ids
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in ("inner", "style", "stop_token_ids"):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.inner, name, value)
+
+    def parse(self, text: str) -> list[ToolCall]:
+        return self.inner.parse(split_reasoning(text, self.style)[1])
+
+
+def make_parser(spec_parser: str | None, codec: Any, tool_schemas: list[dict] | None = None) -> Any:
+    """The run's tool-call parser: the spec's or the family's, reading outside the family's reasoning."""
+    parser = PARSERS[parser_name(spec_parser, codec)](codec.tokenizer)
+    if hasattr(parser, "tools"):  # parsers that convert values by the tools' schemas (qwen3_coder)
+        parser.tools = list(tool_schemas or [])
+    family = getattr(codec, "family", None)
+    return ReasoningAwareParser(parser, family.reasoning) if family is not None and family.reasoning == "think" else parser
+
+
+def split_turn(text: str, family: Family, parser: Any) -> Turn:
+    """A turn's reasoning, answer and calls (the answer is the text outside reasoning and call markup)."""
+    if family.reasoning == "harmony":
+        messages = parser.messages(text) if hasattr(parser, "messages") else []
+        reasoning = "\n".join(body for channel, rcpt, body, _ in messages if channel == "analysis" and not rcpt)
+        content = "".join(body for channel, rcpt, body, _ in messages if channel == "final")
+        return Turn(reasoning or None, content, parser.parse(text))
+    reasoning, rest = split_reasoning(text, family.reasoning)
+    calls = parser.parse(rest) if not isinstance(parser, ReasoningAwareParser) else parser.inner.parse(rest)
+    starts = [k for k in (rest.find(m) for m in _CALL_OPENERS) if k >= 0]
+    content = rest[: min(starts)] if starts and calls else rest
+    return Turn(reasoning, content.strip() if calls else rest, calls)
+
+
+_CALL_OPENERS = ("<tool_call>", "<|tool_calls_section_begin|>", "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>",
+                 "<|python_tag|>", '{"name"')  # fmt: skip
 
 
 # --- the families agentfsm ships ----------------------------------------------------------------------------

@@ -183,8 +183,8 @@ class HarmonyParser:
 
     def parse(self, text: str) -> list[ToolCall]:
         calls = []
-        for _channel, recipient, body, end in self.messages(text):
-            if not recipient:
+        for channel, recipient, body, end in self.messages(text):
+            if not recipient or channel == "analysis":  # calls in the reasoning channel are not made (verl)
                 continue
             if end != "<|call|>":
                 calls.append(ToolCall(recipient, None, body, error=f"the call to '{recipient}' never reached <|call|>"))
@@ -265,7 +265,7 @@ class Llama3JsonParser:
         if not body.startswith("{"):
             return []
         decoder, calls, pos = json.JSONDecoder(), [], 0
-        while pos < len(body):
+        while pos < len(body) and (not calls or body[pos] == "{"):  # text after the calls is not a call
             try:
                 obj, end = decoder.raw_decode(body, pos)
             except ValueError as exc:
