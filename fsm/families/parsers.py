@@ -130,13 +130,14 @@ def _convert(value: str, kind: str | None, known_tool: bool) -> Any:
 @register_parser("glm45")
 class GLM45Parser:
     """GLM-4.5/4.6/4.7: `<tool_call>NAME<arg_key>k</arg_key><arg_value>v</arg_value></tool_call>`; values are
-    JSON when they parse, else text. The model ends a calling turn with `<|observation|>`, so it stops there."""
+    JSON when they parse, else text. The model ends a calling turn with `<|observation|>` and an answer with
+    `<|user|>` (its generation_config's eos ids), so it stops at both."""
 
     _call = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
     _pair = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 
     def __init__(self, tokenizer: object = None):
-        self.stop_token_ids = _token_ids(tokenizer, "<|observation|>")
+        self.stop_token_ids = _token_ids(tokenizer, "<|observation|>", "<|user|>")
 
     def parse(self, text: str) -> list[ToolCall]:
         calls = []
