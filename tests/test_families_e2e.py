@@ -84,3 +84,17 @@ async def test_family_end_to_end(family, compile_yaml):
         assert traj.token_check is not None and RERENDER[family] in traj.token_check, traj.token_check
     else:
         assert traj.token_check is None, traj.token_check
+
+
+async def test_spec_template_kwargs(compile_yaml):
+    """The spec's model.chat_template_kwargs reach the prompt (Qwen3 without thinking: an empty block)."""
+    tok = family_tokenizer("qwen3")
+    agent = compile_yaml("""
+        name: fam
+        extends: {specs}/family_calculator.yaml
+        model: {family: auto, chat_template_kwargs: {enable_thinking: false}}
+    """)
+    answer = [*tok.encode("It is #### 5.", add_special_tokens=False), tok.eos_token_id]
+    (traj,) = await run_agent(agent, scripted([answer]), tok, [user_row("2 + 3?", reward_model={"ground_truth": "5"})])
+    assert traj.error is None and traj.token_check is None
+    assert tok.decode(traj.prompt_ids.tolist()).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")

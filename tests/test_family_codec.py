@@ -26,10 +26,10 @@ USER_TURN_DIFFERS = {
 }
 
 
-def simulate(family: str, model_turns: list[str], observations: list[list[dict]]):
+def simulate(family: str, model_turns: list[str], observations: list[list[dict]], **template_kwargs):
     """Prompt, then model turn / observation alternately, as the engine appends them: (ids, messages, codec)."""
     tok = family_tokenizer(family)
-    codec = codec_for(tok, family)
+    codec = codec_for(tok, family, template_kwargs)
     parser = make_parser(None, codec)
     messages = [{"role": "user", "content": "What is 2 + 3?"}]
     ids = codec.encode_prompt(messages, None)
@@ -70,6 +70,20 @@ def test_two_tool_rounds(family):
     ids, messages, codec = simulate(family, [call, call, TURNS[family][1]], [tool, tool])
     problem = codec.check(messages, None, ids, False)
     assert (problem is None) == (family != "gpt_oss"), problem
+
+
+def test_template_kwargs_reach_every_render():
+    """model.chat_template_kwargs: Qwen3 without thinking gets the empty block in its prompt; DeepSeek-V3.1 in
+    thinking mode opens <think> in the prompt, and its re-render drops the reasoning (not append-only)."""
+    codec = codec_for(family_tokenizer("qwen3"), "qwen3", {"enable_thinking": False})
+    prompt = codec.decode(codec.encode_prompt([{"role": "user", "content": "Hi"}], None), skip_special_tokens=False)
+    assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    user = [{"role": "user", "content": "And 3 + 4?"}]
+    ids, messages, codec = simulate("deepseek_v3", ["I add.</think>It is 5.", "Seven."], [user], thinking=True)
+    text = codec.decode(ids, skip_special_tokens=False)
+    assert "<｜Assistant｜><think>I add.</think>It is 5.<｜end▁of▁sentence｜><｜User｜>And 3 + 4?<｜Assistant｜><think>" in text
+    problem = codec.check(messages, None, ids, False)
+    assert problem is not None and "trajectory has '<think>I add." in problem, problem
 
 
 def test_glm_observation_token_is_not_doubled():
