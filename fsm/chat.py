@@ -72,8 +72,9 @@ class ChatCodec:
     def observation(
         self, messages: list[dict[str, Any]], last: list[int] | None, history: list[dict[str, Any]] | None = None
     ) -> tuple[list[int], list[int]]:
-        """(the closer owed after the model turn whose last token is `last`, None when none is owed; the
-        observation's ids). fsm/families/codec.py's FamilyCodec also reads `history`."""
+        """(the template tokens owed after the model turn that ended with `last` (None: the context does not
+        end with a model turn), the observation's ids). FamilyCodec (fsm/families/codec.py) also reads
+        `history`, the conversation so far."""
         return (self.closer_for(last) if last is not None else []), self.encode_observation(messages)
 
     def turn_text(self, ids: list[int]) -> str:
