@@ -98,3 +98,34 @@ async def test_spec_template_kwargs(compile_yaml):
     (traj,) = await run_agent(agent, scripted([answer]), tok, [user_row("2 + 3?", reward_model={"ground_truth": "5"})])
     assert traj.error is None and traj.token_check is None
     assert tok.decode(traj.prompt_ids.tolist()).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+TWO_CALLS = {  # two calls in one turn, where the family's template renders several
+    "qwen2.5": TURNS["qwen2.5"][0] + "\n" + TURNS["qwen2.5"][0].replace("2 + 3", "4 * 5"),
+    "qwen3": TURNS["qwen3"][0] + "\n" + TURNS["qwen2.5"][0].replace("2 + 3", "4 * 5"),
+    "qwen3_coder": TURNS["qwen3_coder"][0] + "\n" + TURNS["qwen3_coder"][0].replace("2 + 3", "4 * 5"),
+    "glm45": TURNS["glm45"][0].replace("<|observation|>", "") + "\n"
+             + TURNS["glm45"][0].split("\n", 2)[2].replace("2 + 3", "4 * 5"),
+    "kimi_k2": TURNS["kimi_k2"][0].replace("<|tool_calls_section_end|>", "<|tool_call_begin|>functions.calculator:1"
+               '<|tool_call_argument_begin|>{"expression": "4 * 5"}<|tool_call_end|><|tool_calls_section_end|>'),
+    "deepseek_v3": TURNS["deepseek_v3"][0].replace("<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>calculator<｜tool▁sep｜>"
+                   '{"expression": "4 * 5"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>'),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", sorted(TWO_CALLS))
+async def test_parallel_calls(family, compile_yaml):
+    tok = family_tokenizer(family)
+    agent = compile_yaml(f"""
+        name: fam
+        extends: {{specs}}/family_calculator.yaml
+        model: {{family: {family}}}
+        limits: {{max_parallel_calls: 2}}
+    """)
+    script = [turns(family)[0], turns(family)[1]]
+    first = tok.encode(TWO_CALLS[family], add_special_tokens=False)
+    script[0] = first if TWO_CALLS[family].endswith("<|observation|>") else [*first, tok.eos_token_id]
+    (traj,) = await run_agent(agent, scripted(script), tok, [user_row("2 + 3?", reward_model={"ground_truth": "5"})])
+    assert traj.error is None, traj.error
+    assert [m["content"] for m in traj.messages if m["role"] == "tool"] == ["5", "20"]
+    assert traj.token_check is None, traj.token_check
