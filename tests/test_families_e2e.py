@@ -72,6 +72,11 @@ async def test_family_end_to_end(family, compile_yaml):
     assert traj.reward_score == 1.0
     assert traj.termination_reason == "done" and traj.assistant_turns == 2 and traj.user_turns == 1
     assert [m["content"] for m in traj.messages if m["role"] == "tool"] == ["5"]
+    # reasoning stays in the context but out of the messages' content, which user simulators read
+    answer = [m for m in traj.messages if m["role"] == "assistant"][-1]
+    assert answer["content"].strip().endswith(ANSWER) and "think" not in answer["content"]
+    assert answer.get("reasoning_content", answer.get("thinking")) == {"qwen3": "\nDone.\n", "glm45": "Done.",
+                                                                      "gpt_oss": None}.get(family)  # fmt: skip
     # the sampled tokens are in the response exactly as generated, with mask 1; everything else has mask 0
     ids, mask = traj.response_ids.tolist(), traj.response_mask.tolist()
     generated = [s for s in traj.segments if s.role == "assistant"]

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from fsm.chat import ChatCodec
 from fsm.families import parsers as _parsers  # noqa: F401  (registers the families' parsers)
+from fsm.families.parsers import split_reasoning
 from fsm.parsers import PARSERS, ToolCall
 
 
@@ -116,22 +117,6 @@ class Turn:
     reasoning: str | None  # None: the turn has no reasoning block (or the family none)
     content: str
     calls: list[ToolCall]
-
-
-def split_reasoning(text: str, style: str) -> tuple[str | None, str]:
-    """(reasoning, the rest) of a `think` family's turn. The reasoning is a leading `<think>...</think>`, or
-    everything before a `</think>` when the prompt opened the block; a block never closed is all reasoning."""
-    if style != "think":
-        return None, text
-    head = text.lstrip()
-    if head.startswith("<think>"):
-        body = head[len("<think>") :]
-        end = body.find("</think>")
-        return (body, "") if end < 0 else (body[:end], body[end + len("</think>") :])
-    end = text.find("</think>")
-    if end >= 0 and "<think>" not in text[:end]:
-        return text[:end], text[end + len("</think>") :]
-    return None, text
 
 
 class ReasoningAwareParser:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from fsm.chat import ChatCodec, TemplateError, vocabulary_size
+from fsm.families.parsers import split_reasoning
 from fsm.parsers import PARSERS, ToolCall
 
 _MARK_ASSISTANT = "agentfsmAssistantMark"  # plain ASCII: every template copies it through unchanged
@@ -56,8 +57,13 @@ class FamilyCodec(ChatCodec):
         return self.decode(ids[:end], skip_special_tokens=False)
 
     def assistant_message(self, text: str, calls: list[ToolCall]) -> dict[str, Any]:
-        """The assistant message kept in the conversation: its text (templates split reasoning out of it
-        themselves), or Harmony's fields (its template refuses channel tokens in content)."""
+        """The assistant message kept in the conversation, as the family's template reads it back: the answer
+        with its `reasoning_content`, Harmony's fields (its template refuses channel tokens in content), or
+        the text. Reasoning stays in the context; a user simulator reads `content`, the answer."""
+        if self.family.reasoning == "think":  # the answer as content, the reasoning beside it (templates
+            reasoning, answer = split_reasoning(text, "think")  # render both back; simulators see the answer)
+            if reasoning is not None:
+                return {"role": "assistant", "content": answer.lstrip("\n"), "reasoning_content": reasoning}
         if self.family.history != "harmony":
             return {"role": "assistant", "content": text}
         final, analysis = "", []

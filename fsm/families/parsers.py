@@ -28,6 +28,22 @@ def _token_ids(tokenizer: Any, *tokens: str) -> list[int]:
     return ids
 
 
+def split_reasoning(text: str, style: str) -> tuple[str | None, str]:
+    """(reasoning, the rest) of a `think` family's turn. The reasoning is a leading `<think>...</think>`, or
+    everything before a `</think>` when the prompt opened the block; a block never closed is all reasoning."""
+    if style != "think":
+        return None, text
+    head = text.lstrip()
+    if head.startswith("<think>"):
+        body = head[len("<think>") :]
+        end = body.find("</think>")
+        return (body, "") if end < 0 else (body[:end], body[end + len("</think>") :])
+    end = text.find("</think>")
+    if end >= 0 and "<think>" not in text[:end]:
+        return text[:end], text[end + len("</think>") :]
+    return None, text
+
+
 def _json_value(raw: str) -> Any:
     """A parameter value as GLM and Seed parsers read it: JSON when it parses, else the text."""
     value = raw.strip()
