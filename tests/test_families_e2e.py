@@ -134,3 +134,38 @@ async def test_parallel_calls(family, compile_yaml):
     assert traj.error is None, traj.error
     assert [m["content"] for m in traj.messages if m["role"] == "tool"] == ["5", "20"]
     assert traj.token_check is None, traj.token_check
+
+
+USER_TURN_DIFFERS = {"qwen3": "trajectory has '<think>", "glm45": "trajectory has 'Done.</think>",
+                     "gpt_oss": "trajectory has '<|return|>"}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+async def test_user_turns(family, compile_yaml):
+    """A simulated user (specs/interaction_agent.yaml's GuessNumber) answers each model turn: its replies are
+    appended with mask 0 and the model's turns kept as sampled; where the family's template drops earlier
+    reasoning or rewrites an answer when a user turn follows, the re-render differs there (README)."""
+    tok = family_tokenizer(family)
+    agent = compile_yaml(f"""
+        name: fam
+        extends: {{specs}}/interaction_agent.yaml
+        model: {{family: {family}}}
+    """)
+    script = []
+    for guess in ("5", "7"):
+        text = TURNS[family][1].replace("#### 5", f"#### {guess}")
+        ids = tok.encode(text, add_special_tokens=False)
+        script.append(ids if text.endswith(("<|return|>", "<|user|>")) else [*ids, tok.eos_token_id])
+    row = user_row("Guess my number.", interaction_kwargs={"secret": 7})
+    (traj,) = await run_agent(agent, scripted(script), tok, [row])
+    assert traj.error is None and traj.termination_reason == "interaction_done", (traj.error, traj.termination_reason)
+    assert [m["content"] for m in traj.messages if m["role"] == "user"][1:] == ["Higher."]
+    ids, mask = traj.response_ids.tolist(), traj.response_mask.tolist()
+    assert [ids[s.start : s.end] for s in traj.segments if s.role == "assistant"] == script
+    assert sum(mask) == sum(map(len, script))
+    (user,) = [s for s in traj.segments if s.role == "user"]
+    assert "Higher." in tok.decode(ids[user.start : user.end]) and not any(mask[user.start : user.end])
+    if family in USER_TURN_DIFFERS:
+        assert traj.token_check is not None and USER_TURN_DIFFERS[family] in traj.token_check, traj.token_check
+    else:
+        assert traj.token_check is None, traj.token_check
