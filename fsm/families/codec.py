@@ -5,7 +5,8 @@ render of the base never changes when turns follow; Qwen3 and GLM drop earlier r
 follows, Harmony rewrites a past final answer. Here the cut is made in the text instead: the template renders
 `base + observation` once with a marker in the first observation's content; the suffix starts after the last
 end-of-turn token (or the base assistant's own marker) before it, so whatever the template does to the base
-turns never reaches the suffix. The suffix is tokenized on its own: it starts at a control token or at the
+turns never reaches the suffix. The text before the cut depends only on the observation's shape (roles, call
+ids, tool names), so it is kept per shape and later observations of that shape render once. The suffix is tokenized on its own: it starts at a control token or at the
 newline after one, which is also where the full render splits.
 """
 
@@ -35,6 +36,7 @@ class FamilyCodec(ChatCodec):
         self.stop_ids: set[int] = {self.eos_id, *self._parser.stop_token_ids}
         self._strip_ids = {self.eos_id, *self._ids(*family.strip_stops)}
         self.turn_closer: list[int] = self._encode(family.cut_closer)
+        self._prefixes: dict[tuple, str] = {}  # an observation's shape -> the render's text before its suffix
         self.encode_observation([{"role": "user", "content": "U"}])  # a template that cannot work fails now
 
     def _ids(self, *tokens: str) -> list[int]:
@@ -109,8 +111,13 @@ class FamilyCodec(ChatCodec):
         """Token ids that `messages` (tool results / a user turn) append after a model turn, generation prompt
         included. Tool results are rendered after a call to the same tools (Harmony names the tool)."""
         base = [{"role": "user", "content": "U"}, self._base_assistant(messages, history)]
-        marked = [dict(messages[0], content=_MARK_OBSERVATION), *messages[1:]]
         text = self._text(base + messages, True)
+        key = (tuple((m.get("role"), m.get("tool_call_id"), m.get("name")) for m in messages),
+               tuple((c["function"]["name"], c["id"]) for c in base[1].get("tool_calls", ())))  # fmt: skip
+        prefix = self._prefixes.get(key)  # what precedes the suffix depends on the turns' shape, not contents
+        if prefix is not None and text.startswith(prefix):
+            return self._encode(text[len(prefix) :])
+        marked = [dict(messages[0], content=_MARK_OBSERVATION), *messages[1:]]
         probe = self._text(base + marked, True)
         at = probe.find(_MARK_OBSERVATION)
         if at < 0 or text[:at] != probe[:at]:
@@ -124,6 +131,9 @@ class FamilyCodec(ChatCodec):
         if cut == 0:
             raise TemplateError(f"the {self.family.name} chat template shows no end of the assistant turn before "
                                 "an observation")  # fmt: skip
+        if len(self._prefixes) >= 4096:
+            self._prefixes.clear()
+        self._prefixes[key] = text[:cut]
         return self._encode(text[cut:])
 
     def _base_assistant(self, messages: list[dict[str, Any]], history: list[dict[str, Any]] | None) -> dict[str, Any]:
