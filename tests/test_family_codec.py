@@ -180,3 +180,18 @@ def test_unknown_family_is_a_spec_error(compile_yaml):
             extends: {specs}/family_calculator.yaml
             model: {family: qwen9}
         """)
+
+
+@pytest.mark.parametrize("family", sorted(set(FAMILIES) - {"qwen2.5"}))
+def test_kept_prefix_gives_the_suffix_a_fresh_codec_gives(family):
+    """Observations of one shape reuse the text before the suffix; each still gets its own content."""
+    tok = family_tokenizer(family)
+    history = [{"role": "user", "content": "2 + 3?"}]
+    warm = codec_for(tok, family)
+    text = warm.turn_text(tok.encode(TURNS[family][0], add_special_tokens=False))
+    history.append(warm.assistant_message(text, make_parser(None, warm).parse(text)))
+    for content in ("5", "a much longer answer\nover two lines", "<tool_response>"):
+        tool = [{"role": "tool", "content": content, "tool_call_id": "functions.calculator:0"}]
+        assert warm.encode_observation(tool, history) == codec_for(tok, family).encode_observation(tool, history)
+    user = [{"role": "user", "content": "thanks"}]
+    assert warm.encode_observation(user, history) == codec_for(tok, family).encode_observation(user, history)
