@@ -1,6 +1,6 @@
 """The families' tool-call parsers: agentfsm's extraction equals verl 0.9.1's on the same texts (recorded in
-tests/fixtures/verl_family_parsers.json by tests/verl/family_parsers_golden.py, and re-checked against verl
-itself when it is installed), except where a documented verl bug loses or invents a call; parse -> render ->
+tests/fixtures/verl_family_parsers.json by tests/verl/family_parsers_golden.py; tests/verl/test_family_parsers.py
+re-checks it against verl itself), except where a documented verl bug loses or invents a call; parse -> render ->
 parse round trips through each family's real chat template; split_turn separates reasoning, answer, calls."""
 
 from __future__ import annotations
@@ -42,17 +42,6 @@ def test_extraction_as_verl(case):
         assert verl and ours == []
     else:  # a call verl misses
         assert verl == [] and made(ours) == [{"name": "add", "arguments": {"a": 2, "b": 3}}]
-
-
-def test_golden_is_verls_own():
-    """With verl installed, its parsers still give the recorded calls (run under .venv-verl)."""
-    pytest.importorskip("verl.experimental.agent_loop.tool_parser")
-    import asyncio
-
-    from tests.verl.family_parsers_golden import verl_calls
-
-    for name, family, verl_parser, text, _ in CASES:
-        assert asyncio.run(verl_calls(family, verl_parser, text)) == GOLDEN["cases"][name], name
 
 
 CALLS = [("add", {"a": 2, "b": 3}), ("add", {"a": 4, "b": 5})]
