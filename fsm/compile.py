@@ -120,7 +120,7 @@ class _Compiler:
         reward = self._reward()
         if spec.demo_data is not None:
             self._ref(spec.demo_data, "demo_data")
-        if spec.model.family not in family_names():
+        if spec.model.family not in family_names() and not (self.static and spec.imports):  # imports may add it
             self.error("unknown-family", f"unknown model family {spec.model.family!r}"
                        f"{_suggest(spec.model.family, family_names())}", "model", "family", key=False)  # fmt: skip
         if spec.parser is not None and spec.parser not in PARSERS:
