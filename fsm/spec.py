@@ -236,8 +236,8 @@ class ModelSpec(_Strict):
 
     family: str = Field(
         default="auto",
-        description="qwen2.5 | qwen3 | qwen3_coder | gpt_oss | glm45 | kimi_k2 | deepseek_v3 | llama3_1 | a "
-        "registered family; auto: from the tokenizer's chat template (qwen2.5 when none matches).",
+        description="qwen2.5 | qwen3 | qwen3_coder | gpt_oss | glm45 | kimi_k2 | deepseek_v3 | llama3_1 | seed_oss "
+        "| a registered family; auto: from the tokenizer's chat template (qwen2.5 when none matches).",
     )
     chat_template_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="Passed to every chat-template render, e.g. {enable_thinking: false}."

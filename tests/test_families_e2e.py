@@ -30,6 +30,8 @@ TURNS = {
     "deepseek_v3": ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>calculator<｜tool▁sep｜>"
                     f'{{"expression": "{CALL}"}}<｜tool▁call▁end｜><｜tool▁calls▁end｜>', ANSWER),
     "llama3_1": (f'{{"name": "calculator", "parameters": {{"expression": "{CALL}"}}}}', ANSWER),
+    "seed_oss": ("<seed:think>I add.</seed:think>\n<seed:tool_call>\n<function=calculator>\n<parameter=expression>"
+                 f"{CALL}</parameter>\n</function>\n</seed:tool_call>", f"<seed:think>Done.</seed:think>\n{ANSWER}"),
 }  # fmt: skip
 # Where a full re-render of the conversation differs from what the model saw (README, "Model families"),
 # the first difference, as check mode reports it; None: identical.
@@ -76,7 +78,7 @@ async def test_family_end_to_end(family, compile_yaml):
     answer = [m for m in traj.messages if m["role"] == "assistant"][-1]
     assert answer["content"].strip().endswith(ANSWER) and "think" not in answer["content"]
     assert answer.get("reasoning_content", answer.get("thinking")) == {"qwen3": "\nDone.\n", "glm45": "Done.",
-                                                                      "gpt_oss": None}.get(family)  # fmt: skip
+                                                                      "seed_oss": "Done."}.get(family)  # fmt: skip
     # the sampled tokens are in the response exactly as generated, with mask 1; everything else has mask 0
     ids, mask = traj.response_ids.tolist(), traj.response_mask.tolist()
     generated = [s for s in traj.segments if s.role == "assistant"]
@@ -113,6 +115,7 @@ TWO_CALLS = {  # two calls in one turn, where the family's template renders seve
              + TURNS["glm45"][0].split("\n", 2)[2].replace("2 + 3", "4 * 5"),
     "kimi_k2": TURNS["kimi_k2"][0].replace("<|tool_calls_section_end|>", "<|tool_call_begin|>functions.calculator:1"
                '<|tool_call_argument_begin|>{"expression": "4 * 5"}<|tool_call_end|><|tool_calls_section_end|>'),
+    "seed_oss": TURNS["seed_oss"][0] + TURNS["seed_oss"][0].split("\n", 1)[1].replace("2 + 3", "4 * 5"),
     "deepseek_v3": TURNS["deepseek_v3"][0].replace("<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>calculator<｜tool▁sep｜>"
                    '{"expression": "4 * 5"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>'),
 }  # fmt: skip

@@ -115,6 +115,7 @@ MALFORMED = {
     "deepseek_v3": '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>calculator<｜tool▁sep｜>{"expression": }<｜tool▁call▁end｜>'
                    "<｜tool▁calls▁end｜>",
     "llama3_1": '{"name": "calculator", "parameters": {"expression": }}',
+    "seed_oss": "<seed:tool_call>\n<function=calculator",
 }  # fmt: skip
 
 

@@ -27,6 +27,7 @@ class Family:
     parser: str  # a name in fsm.parsers.PARSERS
     detect: tuple[str, ...]  # all of these in a chat template identify the family ("auto"); () never matches
     reasoning: Literal["none", "think", "harmony"] = "none"  # <think>...</think>, or Harmony's analysis channel
+    think_tags: tuple[str, str] = ("<think>", "</think>")  # a `think` family's reasoning block
     turn_end: tuple[str, ...] = ()  # what closes an assistant turn in the template (the observation starts after)
     cut_closer: str = ""  # owed (mask 0) after a turn cut before its end token, so the context stays well formed
     strip_stops: tuple[str, ...] = ()  # stop tokens left out of the turn's text (they end it; no content)
@@ -123,21 +124,21 @@ class ReasoningAwareParser:
     """A family's parser that reads calls only outside the reasoning block: a call the model only thought
     about is not made (verl's hermes parser makes it)."""
 
-    def __init__(self, parser: Any, style: str):
-        self.inner, self.style = parser, style
+    def __init__(self, parser: Any, family: Family):
+        self.inner, self.family = parser, family
         self.stop_token_ids = parser.stop_token_ids
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in ("inner", "style", "stop_token_ids"):
+        if name in ("inner", "family", "stop_token_ids"):
             object.__setattr__(self, name, value)
         else:
             setattr(self.inner, name, value)
 
     def parse(self, text: str) -> list[ToolCall]:
-        return self.inner.parse(split_reasoning(text, self.style)[1])
+        return self.inner.parse(split_reasoning(text, "think", self.family.think_tags)[1])
 
 
 def make_parser(spec_parser: str | None, codec: Any, tool_schemas: list[dict] | None = None) -> Any:
@@ -146,7 +147,7 @@ def make_parser(spec_parser: str | None, codec: Any, tool_schemas: list[dict] | 
     if hasattr(parser, "tools"):  # parsers that convert values by the tools' schemas (qwen3_coder)
         parser.tools = list(tool_schemas or [])
     family = getattr(codec, "family", None)
-    return ReasoningAwareParser(parser, family.reasoning) if family is not None and family.reasoning == "think" else parser
+    return ReasoningAwareParser(parser, family) if family is not None and family.reasoning == "think" else parser
 
 
 def split_turn(text: str, family: Family, parser: Any) -> Turn:
@@ -156,14 +157,14 @@ def split_turn(text: str, family: Family, parser: Any) -> Turn:
         reasoning = "\n".join(body for channel, rcpt, body, _ in messages if channel == "analysis" and not rcpt)
         content = "".join(body for channel, rcpt, body, _ in messages if channel == "final")
         return Turn(reasoning or None, content, parser.parse(text))
-    reasoning, rest = split_reasoning(text, family.reasoning)
+    reasoning, rest = split_reasoning(text, family.reasoning, family.think_tags)
     calls = parser.parse(rest) if not isinstance(parser, ReasoningAwareParser) else parser.inner.parse(rest)
     starts = [k for k in (rest.find(m) for m in _CALL_OPENERS) if k >= 0]
     content = rest[: min(starts)] if starts and calls else rest
     return Turn(reasoning, content.strip() if calls else rest, calls)
 
 
-_CALL_OPENERS = ("<tool_call>", "<|tool_calls_section_begin|>", "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>",
+_CALL_OPENERS = ("<tool_call>", "<seed:tool_call>", "<|tool_calls_section_begin|>", "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>",
                  "<|python_tag|>", '{"name"')  # fmt: skip
 
 
@@ -199,6 +200,11 @@ register_family(Family(
 register_family(Family(
     "kimi_k2", "kimi_k2", detect=("<|tool_calls_section_begin|>",), turn_end=("<|im_end|>",),
     cut_closer="<|im_end|>", append_only="yes",
+))  # fmt: skip
+register_family(Family(
+    "seed_oss", "seed", detect=("<seed:tool_call>",), reasoning="think", think_tags=("<seed:think>", "</seed:think>"),
+    turn_end=("<seed:eos>",), cut_closer="<seed:eos>", aliases=("seed",),
+    append_only="yes",
 ))  # fmt: skip
 register_family(Family(
     "glm45", "glm45", detect=("<arg_key>", "<|observation|>"), reasoning="think", turn_end=("</tool_call>",),

@@ -62,8 +62,8 @@ class FamilyCodec(ChatCodec):
         """The assistant message kept in the conversation, as the family's template reads it back: the answer
         with its `reasoning_content`, Harmony's fields (its template refuses channel tokens in content), or
         the text. Reasoning stays in the context; a user simulator reads `content`, the answer."""
-        if self.family.reasoning == "think":  # the answer as content, the reasoning beside it (templates
-            reasoning, answer = split_reasoning(text, "think")  # render both back; simulators see the answer)
+        if self.family.reasoning == "think":  # the answer as content, the reasoning beside it: templates
+            reasoning, answer = split_reasoning(text, "think", self.family.think_tags)  # render both back
             if reasoning is not None:
                 return {"role": "assistant", "content": answer.lstrip("\n"), "reasoning_content": reasoning}
         if self.family.history != "harmony":

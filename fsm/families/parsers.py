@@ -28,19 +28,21 @@ def _token_ids(tokenizer: Any, *tokens: str) -> list[int]:
     return ids
 
 
-def split_reasoning(text: str, style: str) -> tuple[str | None, str]:
-    """(reasoning, the rest) of a `think` family's turn. The reasoning is a leading `<think>...</think>`, or
-    everything before a `</think>` when the prompt opened the block; a block never closed is all reasoning."""
+def split_reasoning(text: str, style: str, tags: tuple[str, str] = ("<think>", "</think>")) -> tuple[str | None, str]:
+    """(reasoning, the rest) of a `think` family's turn. The reasoning is a leading `<think>...</think>` (the
+    family's tags), or everything before a `</think>` when the prompt opened the block; a block never closed
+    is all reasoning."""
     if style != "think":
         return None, text
+    opener, closer = tags
     head = text.lstrip()
-    if head.startswith("<think>"):
-        body = head[len("<think>") :]
-        end = body.find("</think>")
-        return (body, "") if end < 0 else (body[:end], body[end + len("</think>") :])
-    end = text.find("</think>")
-    if end >= 0 and "<think>" not in text[:end]:
-        return text[:end], text[end + len("</think>") :]
+    if head.startswith(opener):
+        body = head[len(opener) :]
+        end = body.find(closer)
+        return (body, "") if end < 0 else (body[:end], body[end + len(closer) :])
+    end = text.find(closer)
+    if end >= 0 and opener not in text[:end]:
+        return text[:end], text[end + len(closer) :]
     return None, text
 
 
@@ -169,6 +171,34 @@ class GLM45Parser:
         if "<tool_call>" in tail:
             raw = tail[tail.index("<tool_call>") + len("<tool_call>") :]
             calls.append(ToolCall(None, None, raw, error="unterminated <tool_call>: missing </tool_call>"))
+        return calls
+
+
+@register_parser("seed")
+class SeedParser:
+    """Seed-OSS: `<seed:tool_call><function=NAME><parameter=K>V</parameter></function></seed:tool_call>`;
+    values are JSON when they parse, else text (verl's `seed` parser reads them so)."""
+
+    _call = re.compile(r"<seed:tool_call>(.*?)</seed:tool_call>", re.DOTALL)
+    _function = re.compile(r"<function=([^>\n]+)>\s*(.*?)</function>", re.DOTALL)
+    _parameter = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
+
+    def __init__(self, tokenizer: object = None):
+        self.stop_token_ids = []
+
+    def parse(self, text: str) -> list[ToolCall]:
+        calls = []
+        for raw in self._call.findall(text):
+            fn = self._function.search(raw)
+            if fn is None:
+                calls.append(ToolCall(None, None, raw, error="a <seed:tool_call> needs <function=NAME>...</function>"))
+                continue
+            args = {k.strip(): _json_value(v) for k, v in self._parameter.findall(fn.group(2))}
+            calls.append(ToolCall(fn.group(1).strip(), args, raw))
+        tail = text[text.rfind("</seed:tool_call>") + len("</seed:tool_call>") :] if "</seed:tool_call>" in text else text
+        if "<seed:tool_call>" in tail:
+            raw = tail[tail.index("<seed:tool_call>") + len("<seed:tool_call>") :]
+            calls.append(ToolCall(None, None, raw, error="unterminated <seed:tool_call>: missing </seed:tool_call>"))
         return calls
 
 
