@@ -28,15 +28,16 @@ _EXPORTS = {
     "RunContext": "fsm.context", "Sampling": "fsm.context", "Runner": "fsm.runtime",
     "AgentSpec": "fsm.spec",
     "BaseTool": "fsm.tools", "ToolResponse": "fsm.tools",
-    "ToolCall": "fsm.parsers", "Trajectory": "fsm.trajectory",
+    "ToolCall": "fsm.parsers", "register_parser": "fsm.parsers", "Trajectory": "fsm.trajectory",
+    "Family": "fsm.families", "register_family": "fsm.families",
     "Group": "fsm.stream", "StreamEmpty": "fsm.stream", "SnapshotError": "fsm.snapshot",
 }  # fmt: skip
 __all__ = [
-    "AgentSpec", "BaseInteraction", "BaseTool", "CompiledAgent", "DataError", "Diagnostic", "Edge", "Group",
+    "AgentSpec", "BaseInteraction", "BaseTool", "CompiledAgent", "DataError", "Diagnostic", "Edge", "Family", "Group",
     "RayRunner", "RolloutBatch", "RolloutEngine", "RunContext", "Runner", "Sampling", "SnapshotError", "SpecError",
     "StreamEmpty", "ToolCall",
     "ToolResponse", "Trajectory", "action", "collate", "compile_spec", "guard", "load_rows", "load_spec",
-    "summarize", "validate_file",
+    "register_family", "register_parser", "summarize", "validate_file",
 ]  # fmt: skip
 
 
@@ -62,9 +63,10 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from fsm.compile import compile_spec, validate_file
     from fsm.context import RunContext, Sampling
     from fsm.data import DataError, load_rows
+    from fsm.families import Family, register_family
     from fsm.interaction import BaseInteraction
     from fsm.loader import Diagnostic, SpecError, load_spec
-    from fsm.parsers import ToolCall
+    from fsm.parsers import ToolCall, register_parser
     from fsm.ray_runner import RayRunner
     from fsm.registry import action, guard
     from fsm.runtime import Runner

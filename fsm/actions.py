@@ -15,7 +15,6 @@ from typing import Any
 
 from backends.base import BackendTimeout, GenerateRequest, GenerationAborted
 from fsm.context import RunContext
-from fsm.parsers import assistant_message
 from fsm.rows import RowError, encodable, prompt_messages
 from fsm.trajectory import Trajectory
 
@@ -73,11 +72,9 @@ async def generate(ctx: RunContext, traj: Trajectory) -> None:
     traj.needs_tail = True
     traj.assistant_turns += 1
     traj.last_finish_reason = finish
-    text = ctx.codec.generated_text(ids)
+    text = ctx.codec.turn_text(ids)
     traj.pending_calls = ctx.parser.parse(text)  # with no tools too: a call is answered "Unknown function" (verl)
-    # verl's message: decoded with the eos, tool-call blocks removed, the calls as `tool_calls`
-    content = ctx.parser.content(text) + (ctx.codec.eos_text if ids[-1:] == [ctx.codec.eos_id] else "")
-    traj.messages.append(assistant_message(content, traj.pending_calls, ctx.agent.limits.max_parallel_calls))
+    traj.messages.append(ctx.codec.assistant_message(text, traj.pending_calls))  # as the template reads it
 
 
 async def _resumed_turn(
@@ -224,7 +221,7 @@ async def interact(ctx: RunContext, traj: Trajectory) -> None:
     if not traj.interaction_started:
         await inter.start_interaction(traj.session_id, **kwargs)
         traj.interaction_started = True
-    messages = traj.messages_as_generated(ctx.codec.decode)  # the model's text, special tokens skipped (verl)
+    messages = traj.messages_with_turns(ctx.codec.interaction_message)
     done, content, score, metrics = await inter.generate_response(traj.session_id, messages, **kwargs)
     content = encodable(content) if isinstance(content, str) else content
     if score is not None:

@@ -14,6 +14,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from fsm.parsers import assistant_message
+
 
 class TemplateError(Exception):
     """The chat template cannot be used append-only (e.g. it rewrites earlier turns)."""
@@ -70,15 +72,37 @@ class ChatCodec:
             )
         return full[n:]
 
+    def observation(
+        self, messages: list[dict[str, Any]], last: list[int] | None, history: list[dict[str, Any]] | None = None
+    ) -> tuple[list[int], list[int]]:
+        """(the template tokens owed after the model turn that ended with `last` (None: the context does not
+        end with a model turn), the observation's ids). FamilyCodec (fsm/families/codec.py) also reads
+        `history`, the conversation so far."""
+        return (self.closer_for(last) if last is not None else []), self.encode_observation(messages)
+
+    def turn_text(self, ids: list[int]) -> str:
+        """A model turn as text for its parser and the conversation: special tokens kept, eos left out."""
+        return self.decode(ids[:-1] if ids and ids[-1] == self.eos_id else ids, skip_special_tokens=False)
+
+    def assistant_message(self, text: str, calls: list[Any]) -> dict[str, Any]:
+        return {"role": "assistant", "content": text}
+
+    def verl_message(self, message: dict[str, Any], ids: list[int], parser: Any, max_calls: int) -> dict[str, Any]:
+        """A model turn's message as verl 0.9.1's AgentData holds it, which tools read: the text decoded with
+        its eos, tool-call blocks moved to `tool_calls` (fsm/parsers.py assistant_message)."""
+        text = message["content"]
+        content = parser.content(text) + (self.eos_text if ids[-1:] == [self.eos_id] else "")
+        return assistant_message(content, parser.parse(text), max_calls)
+
+    def interaction_message(self, message: dict[str, Any], ids: list[int]) -> dict[str, Any]:
+        """A model turn as a user simulator reads it: its text with special tokens skipped (verl 0.7.1)."""
+        return {"role": "assistant", "content": self.decode(ids)}
+
     def closer_for(self, generated: list[int]) -> list[int]:
         """Template tokens owed after a model turn: the tail after eos, or eos + tail if the turn was cut."""
         if generated and generated[-1] == self.eos_id:
             return self.turn_closer[1:]
         return self.turn_closer
-
-    def generated_text(self, ids: list[int]) -> str:
-        """A model turn's text as a chat message holds it: special tokens kept, the final eos left out."""
-        return self.decode(ids[:-1] if ids[-1:] == [self.eos_id] else ids, skip_special_tokens=False)
 
     def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)

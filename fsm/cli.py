@@ -520,10 +520,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from bench.faults import bench_faults
 
         result = bench_faults()
-    elif what == "async":
+    elif what in ("async", "families"):
         import importlib
 
-        result = importlib.import_module("bench.async").bench_async()  # `async` is a keyword
+        result = getattr(importlib.import_module(f"bench.{what}"), f"bench_{what}")()  # `async` is a keyword
     else:  # argparse restricts the choices
         raise CLIError(f"unknown benchmark {what!r}")
     print(json.dumps(result, indent=2))

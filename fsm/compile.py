@@ -18,6 +18,7 @@ from typing import Any
 
 from fsm.actions import BUILTIN_ACTIONS
 from fsm.agent import CompiledAgent, Edge, Reward
+from fsm.families import family_names
 from fsm.guards import GuardError, compile_guard
 from fsm.interaction import REQUIRED_METHODS
 from fsm.loader import Diagnostic, LoadedSpec, SpecError, load_spec
@@ -119,7 +120,10 @@ class _Compiler:
         reward = self._reward()
         if spec.demo_data is not None:
             self._ref(spec.demo_data, "demo_data")
-        if spec.parser not in PARSERS:
+        if spec.model.family not in family_names() and not (self.static and spec.imports):  # imports may add it
+            self.error("unknown-family", f"unknown model family {spec.model.family!r}"
+                       f"{_suggest(spec.model.family, family_names())}", "model", "family", key=False)  # fmt: skip
+        if spec.parser is not None and spec.parser not in PARSERS:
             self.error("unknown-parser", f"unknown tool-call parser {spec.parser!r}{_suggest(spec.parser, PARSERS)}",
                        "parser", key=False)  # fmt: skip
         if self.diags:

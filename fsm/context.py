@@ -16,6 +16,7 @@ from typing import Any
 from backends.base import Backend, GenerateRequest, GenerateResult
 from fsm.agent import CompiledAgent
 from fsm.chat import ChatCodec
+from fsm.families import make_parser, parser_name
 from fsm.parsers import PARSERS, ToolCall
 from fsm.tools import CallOutcome
 from fsm.tracing import Tracer
@@ -53,7 +54,7 @@ class Sampling:
             raise ValueError(
                 f"unknown sampling parameter(s) {sorted(unknown)}; known: {', '.join(SAMPLING_KEYS)}"
             )
-        parser_stops = PARSERS[spec.parser](codec.tokenizer).stop_token_ids
+        parser_stops = PARSERS[parser_name(spec.parser, codec)](codec.tokenizer).stop_token_ids
         stops = sorted({codec.eos_id, *parser_stops, *base.pop("stop_token_ids"), *overrides.pop("stop_token_ids", [])})
         cap = overrides.pop("max_new_tokens", agent.limits.max_new_tokens)
         params = {**base, **overrides, "stop_token_ids": stops}
@@ -132,7 +133,7 @@ class RunContext:
         self.agent = agent
         self.backend = backend
         self.codec = codec
-        self.parser = PARSERS[agent.spec.parser](codec.tokenizer)
+        self.parser = make_parser(agent.spec.parser, codec, agent.tools.schemas)
         self.sampling = sampling
         self.tracer = tracer
         self.gate = gate if gate is not None else PauseGate()  # the engine's, shared by its runs
@@ -161,17 +162,22 @@ class RunContext:
     ) -> CallOutcome:
         tools = self.agent.tools
         if self.tracer is None or TRACED.get() is None:
-            return await tools.call(call, instance_id, traj.tools_kwargs, traj, active)
+            return await tools.call(call, instance_id, traj.tools_kwargs, traj, active, self._tool_view(traj))
         span = self.tracer.tool_call(traj, call, tools.by_name.get(call.name or ""))  # started, and current
         if span is None:  # a call outside the trajectory's trace
-            return await tools.call(call, instance_id, traj.tools_kwargs, traj, active)
+            return await tools.call(call, instance_id, traj.tools_kwargs, traj, active, self._tool_view(traj))
         try:
-            outcome = await tools.call(call, instance_id, traj.tools_kwargs, traj, active)
+            outcome = await tools.call(call, instance_id, traj.tools_kwargs, traj, active, self._tool_view(traj))
         except BaseException as exc:
             span.fail(exc)
             raise
         span.done(outcome)
         return outcome
+
+    def _tool_view(self, traj: Trajectory) -> Callable[[], list[dict[str, Any]]]:
+        """agent_data.messages for a tool, built when it reads them: the model's turns in verl's form."""
+        codec, parser, limit = self.codec, self.parser, self.agent.limits.max_parallel_calls
+        return lambda: traj.messages_with_turns(lambda m, ids: codec.verl_message(m, ids, parser, limit))
 
     def add_observation(
         self, traj: Trajectory, messages: list[dict[str, Any]], *, role: str, overflow: str = "drop"
@@ -184,8 +190,8 @@ class RunContext:
         (verl 0.7.1's user replies).
         """
         owed = traj.needs_tail and self.agent.spec.turn_closer == "template"
-        closer = self.codec.closer_for(traj.response_ids[-1:].tolist()) if owed else []
-        ids = self.codec.encode_observation(messages)
+        closer, ids = self.codec.observation(messages, traj.response_ids[-1:].tolist() if owed else None,
+                                             traj.messages)  # fmt: skip
         room = self.agent.limits.response_length - len(traj.response_mask)
         if len(closer) + len(ids) >= room:
             if overflow != "cut":

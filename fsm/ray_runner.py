@@ -40,6 +40,7 @@ from backends.base import Backend
 from fsm.api import SpecLike, _Engine, load_agent, load_tokenizer, make_backend, tiny_model_dir
 from fsm.chat import ChatCodec
 from fsm.context import Sampling
+from fsm.families import codec_for
 from fsm.rows import normalize_record, to_rows
 from fsm.stream import Group, GroupTaking, StalePolicy, StreamEmpty, version_span
 from fsm.trajectory import Trajectory
@@ -170,9 +171,11 @@ class RayRunner(_Engine, GroupTaking):
         # What each actor compiles: the spec file's absolute path when there is one (workers' cwd differs).
         self._spec = str(self.agent.path.resolve()) if self.agent.path else self.agent.spec
         self._tokenizer = str(tokenizer) if isinstance(tokenizer, Path) else tokenizer
+        model = self.agent.spec.model
         self.codec = (
-            ChatCodec(load_tokenizer(tokenizer)) if not isinstance(tokenizer, ChatCodec) else tokenizer
-        )
+            codec_for(load_tokenizer(tokenizer), model.family, model.chat_template_kwargs)
+            if not isinstance(tokenizer, ChatCodec) else tokenizer
+        )  # fmt: skip
         self.servers = list(servers) if servers else None
         self.backend_factory = backend_factory
         self.workers = workers

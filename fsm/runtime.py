@@ -28,6 +28,7 @@ from backends.base import Backend, BackendError, BackendTimeout, GenerationAbort
 from fsm.agent import CompiledAgent
 from fsm.chat import ChatCodec
 from fsm.context import TRACED, PauseGate, RunContext, Sampling
+from fsm.families import codec_for
 from fsm.interaction import call_lifecycle
 from fsm.isolation import ThreadLane
 from fsm.rows import RowError, encodable_value, normalize_record, row_inputs
@@ -52,7 +53,9 @@ class Runner:
                  watchdog_s: float | None = WATCHDOG_S):  # fmt: skip
         self.agent = agent
         self.backend = backend
-        self.codec = tokenizer if isinstance(tokenizer, ChatCodec) else ChatCodec(tokenizer)
+        model = agent.spec.model
+        self.codec = tokenizer if isinstance(tokenizer, ChatCodec) else codec_for(tokenizer, model.family,
+                                                                                  model.chat_template_kwargs)
         self.max_concurrency = max_concurrency
         self.tracer = tracer
         self.check_tokens = check_tokens
@@ -219,8 +222,9 @@ class Runner:
                 traj.fail(f"{type(exc).__name__} while finishing: {exc}")
         if self.check_tokens and not traj.failed and traj.prompt_ids:
             ended_on_observation = traj.segments[-1].role != "assistant" if traj.segments else True
-            messages = traj.messages_as_generated(self.codec.generated_text)
-            traj.token_check = self.codec.check(messages, traj.tool_schemas, traj.context_ids(), ended_on_observation)
+            traj.token_check = self.codec.check(
+                traj.messages, traj.tool_schemas, traj.context_ids(), ended_on_observation
+            )
 
     async def _score(self, ctx: RunContext, traj: Trajectory) -> None:
         reward = self.agent.reward

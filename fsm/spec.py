@@ -242,6 +242,19 @@ class TrustSpec(_Strict):
     )
 
 
+class ModelSpec(_Strict):
+    """The model family: its tool-call parser, reasoning and observation rendering (fsm/families)."""
+
+    family: str = Field(
+        default="auto",
+        description="qwen2.5 | qwen3 | qwen3_coder | gpt_oss | glm45 | kimi_k2 | deepseek_v3 | llama3_1 | seed_oss "
+        "| a registered family; auto: from the tokenizer's chat template (qwen2.5 when none matches).",
+    )
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Passed to every chat-template render, e.g. {enable_thinking: false}."
+    )
+
+
 class AgentSpec(_Strict):
     """The whole agent. `extends:` is resolved by the loader before this model is built."""
 
@@ -259,7 +272,8 @@ class AgentSpec(_Strict):
         default_factory=lambda: SamplingSpec(temperature=0.0),
         description="Used by validate=True (verl val_kwargs).",
     )
-    parser: str = Field(default="hermes", description="Tool-call parser name.")
+    model: ModelSpec = Field(default_factory=ModelSpec, description="The model family (parser, reasoning, rendering).")
+    parser: str | None = Field(default=None, description="Tool-call parser name; default: the model family's.")
     tools: list[ToolSpec] = Field(default_factory=list)
     tool_policy: ToolPolicySpec = Field(default_factory=ToolPolicySpec)
     interaction: InteractionSpec | None = None

@@ -213,16 +213,17 @@ class AgentData:
     `response_ids` the last model turn, as in verl. Text only: the multimodal fields are empty.
     """
 
-    __slots__ = ("_traj",)
+    __slots__ = ("_traj", "_messages")
     image_data = video_data = audio_data = routed_experts = mm_processor_output = None
 
-    def __init__(self, traj: Any):  # an fsm.trajectory.Trajectory (not imported: trajectory sits above tools)
-        self._traj = traj
+    def __init__(self, traj: Any, messages: Callable[[], list[dict[str, Any]]] | None = None):
+        self._traj = traj  # an fsm.trajectory.Trajectory (not imported: trajectory sits above tools)
+        self._messages = messages  # verl's view of the conversation; default: the trajectory's own
 
     extra_fields = property(lambda self: self._traj.extra_fields)
     request_id = property(lambda self: self._traj.session_id)
     tools_kwargs = property(lambda self: self._traj.tools_kwargs)
-    messages = property(lambda self: self._traj.messages)
+    messages = property(lambda self: self._messages() if self._messages else self._traj.messages)
     turn_scores = property(lambda self: self._traj.turn_scores)
     tool_rewards = property(lambda self: self._traj.tool_rewards)
     user_turns = property(lambda self: self._traj.user_turns)
@@ -410,6 +411,7 @@ class ToolSet:
         tools_kwargs: dict,
         traj: Any,
         active: list[str] | None = None,
+        messages: Callable[[], list[dict[str, Any]]] | None = None,
     ) -> CallOutcome:
         """Run one call of `traj` (its tool gets `agent_data=AgentData(traj)`); every failure becomes an
         observation with `error` set."""
@@ -437,7 +439,7 @@ class ToolSet:
         if args is not call.arguments:
             call = dataclasses.replace(call, arguments=args)
         create_kwargs = (tools_kwargs.get(tool.name) or {}).get("create_kwargs", {})
-        outcome = await tool.run(call, instance_id, create_kwargs, AgentData(traj) if traj is not None else None)
+        outcome = await tool.run(call, instance_id, create_kwargs, AgentData(traj, messages) if traj is not None else None)
         outcome.text = encodable(outcome.text) if isinstance(outcome.text, str) else outcome.text
         if outcome.error in (None, "calc_reward") or policy.truncate_errors:  # verl cuts results only
             outcome.text = truncate(

@@ -153,12 +153,12 @@ class Trajectory:
         self.response_versions.extend([-1] * len(ids))
         self.segments.append(Segment(role, start, len(self.response_ids)))
 
-    def messages_as_generated(self, decode: Callable[[list[int]], str]) -> list[dict[str, Any]]:
-        """`messages` with each model turn's message as {"role": "assistant", "content": decode(its ids)}.
-
-        `messages` holds verl's form (tool-call blocks moved to `tool_calls`); a re-render and an interaction
-        need the text itself. The model's turns are the last assistant messages, one per assistant segment
-        (a prompt may hold assistant messages of its own)."""
+    def messages_with_turns(
+        self, view: Callable[[dict[str, Any], list[int]], dict[str, Any]]
+    ) -> list[dict[str, Any]]:
+        """`messages` with each model turn's message replaced by view(message, its token ids): what a tool
+        (verl's form) or a user simulator reads. The model's turns are the last assistant messages, one per
+        assistant segment (a prompt may hold assistant messages of its own)."""
         turns = [seg for seg in self.segments if seg.role == "assistant"]
         out = list(self.messages)
         k = len(turns)
@@ -168,7 +168,7 @@ class Trajectory:
             if out[i]["role"] == "assistant":
                 k -= 1
                 seg = turns[k]
-                out[i] = {"role": "assistant", "content": decode(self.response_ids[seg.start : seg.end].tolist())}
+                out[i] = view(out[i], self.response_ids[seg.start : seg.end].tolist())
         return out
 
     def context_ids(self) -> list[int]:

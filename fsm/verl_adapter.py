@@ -38,7 +38,8 @@ Where each setting comes from:
   - tools: the spec's. A spec without tools gets verl's (`multi_turn.tool_config_path` BaseTools and
     `function_tool_path` functions), with the engine's lifecycle, the spec's tool_policy and truncation.
     Tools get `agent_data=` as verl's do: extra_fields, request_id (verl's), tools_kwargs, messages...
-  - parser: the spec's `parser` (verl's `multi_turn.format` is not read).
+  - parser: the spec's `parser`, else its model family's (`model.family`, auto: from the tokenizer's chat
+    template); verl's `multi_turn.format` is not read. `model.chat_template_kwargs` go on top of verl's.
   - reward_score: the spec's `reward:` function if it has one; otherwise None, and verl's reward loop
     scores the sample as usual.
   - extra_fields: one dict per trajectory, as verl's agent_data.extra_fields: the server's (global_steps,
@@ -78,6 +79,7 @@ from verl.utils.rollout_trace import rollout_trace_op
 from backends.base import BaseBackend, GenerateRequest, GenerateResult
 from fsm.chat import ChatCodec
 from fsm.compile import CompiledAgent, compile_spec
+from fsm.families import codec_for
 from fsm.loader import load_spec
 from fsm.runtime import Runner
 from fsm.spec import SPECS_DIR, LimitsSpec, ToolPolicySpec
@@ -180,13 +182,13 @@ class _TemplateKwargs:
         return getattr(self._tokenizer, name)
 
 
-def chat_codec(tokenizer: Any, template_kwargs: Mapping[str, Any]) -> ChatCodec:
+def chat_codec(tokenizer: Any, template_kwargs: Mapping[str, Any], family: str = "auto") -> ChatCodec:
     kwargs = dict(template_kwargs)
-    key = (id(tokenizer), json.dumps(kwargs, sort_keys=True, default=str))
+    key = (id(tokenizer), json.dumps(kwargs, sort_keys=True, default=str), family)
     with _lock:
         hit = _codecs.get(key)
         if hit is None:
-            codec = ChatCodec(_TemplateKwargs(tokenizer, kwargs) if kwargs else tokenizer)
+            codec = codec_for(_TemplateKwargs(tokenizer, kwargs) if kwargs else tokenizer, family)
             hit = _codecs[key] = (tokenizer, codec)
         return hit[1]
 
@@ -307,7 +309,9 @@ class FSMAgentLoop(AgentLoopBase):
             _warn_once(f"fsm_agent: spec {agent.name!r} declares its own tools; verl's tool list "
                        f"({', '.join(t.name for t in verl_tools)}) is not used")  # fmt: skip
         self.agent = agent
-        self.codec = chat_codec(self.tokenizer, self.apply_chat_template_kwargs or {})
+        model = agent.spec.model  # verl's apply_chat_template_kwargs, then the spec's on top
+        self.codec = chat_codec(self.tokenizer, {**(self.apply_chat_template_kwargs or {}), **model.chat_template_kwargs},
+                                model.family)  # fmt: skip
         self.full_determinism = bool(_setting(rollout, "full_determinism", False))
         self.rollout_name = _setting(rollout, "name")
         _check_multi_turn(_setting(rollout, "multi_turn"), agent)
@@ -384,7 +388,9 @@ def _check_multi_turn(multi_turn: Any, agent: CompiledAgent) -> None:
     lim = agent.limits
     pairs = [("max_assistant_turns", lim.max_assistant_turns), ("max_user_turns", lim.max_user_turns),
              ("max_parallel_calls", lim.max_parallel_calls), ("max_tool_response_length", lim.max_tool_response_length),
-             ("tool_response_truncate_side", lim.tool_response_truncate_side), ("format", agent.spec.parser)]  # fmt: skip
+             ("tool_response_truncate_side", lim.tool_response_truncate_side)]  # fmt: skip
+    if agent.spec.parser is not None:  # else the model family's parser, whatever verl's format says
+        pairs.append(("format", agent.spec.parser))
     for key, ours in pairs:
         theirs = _setting(multi_turn, key)
         if theirs is not None and theirs != ours:

@@ -218,8 +218,8 @@ def run_both(parts: Path, tok, scn: dict):
 
     theirs, spent = asyncio.run(verl_side())
     fired = {"spent_turn"} if spent else set()
-    script = [t if k < len(turns) else [tok.eos_token_id] for k, t in enumerate(turns + [[]] * 8)]
-    backend = ScriptedBackend(lambda session, k, prompt: script[k], logprob=logprob)
+    backend = ScriptedBackend(lambda session, k, prompt: turns[k] if k < len(turns) else [tok.eos_token_id],
+                              logprob=logprob)  # past the script: eos, as ReplayServer answers
     (ours,) = asyncio.run(fsm.Runner(fsm_agent(parts, scn), backend, tok).run([row(scn)]))
     assert not ours.failed, ours.error
     return theirs, ours.to_output(), fired
