@@ -524,6 +524,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         import importlib
 
         result = importlib.import_module("bench.async").bench_async()  # `async` is a keyword
+    elif what == "collate":
+        from bench.collate import bench_collate
+
+        result = bench_collate()
     else:  # argparse restricts the choices
         raise CLIError(f"unknown benchmark {what!r}")
     print(json.dumps(result, indent=2))

@@ -183,7 +183,8 @@ def command_line(commands: Mapping[str, Callable[[argparse.Namespace], int]]) ->
     p.set_defaults(fn=commands["show"])
 
     p = command("bench", "benchmarks that print numbers (JSON)")
-    p.add_argument("what", choices=["engine", "router", "hf", "prefix-cache", "tracing", "ray", "faults", "async"],
+    p.add_argument("what", choices=["engine", "router", "hf", "prefix-cache", "tracing", "ray", "faults", "async",
+                                    "collate"],
                    help="which benchmark")
     p.add_argument("--n", type=COUNT, default=10_000, metavar="N", help="engine: trajectories")
     p.add_argument("--concurrency", type=COUNT, metavar="N", help="engine: trajectories in flight (default: --n)")

@@ -224,7 +224,7 @@ def raw_trajectory(draw) -> Trajectory:
     for _ in range(draw(st.integers(0, 4))):
         ids = draw(seqs)
         if draw(st.booleans()):
-            traj.append_generated(ids, [-(i + 1) / 7 for i in range(len(ids))])
+            traj.append_generated(ids, [-(i + 1) / 7 for i in range(len(ids))], draw(st.integers(-1, 3)))
         else:
             traj.append_context(ids, "tool")
     traj.reward_score = draw(st.none() | st.floats(-2, 2, width=32))
@@ -245,6 +245,10 @@ def test_collate_pads_any_trajectories(trajs, p, r):
         assert t["responses"][i, : len(resp)].tolist() == resp  # long responses keep their head
         assert int(att[i].sum()) == len(prompt) + len(resp)
         assert t["response_mask"][i].tolist() == traj.response_mask.tolist()[:r] + [0] * (r - len(resp))
+        versions = [v if m else -1 for v, m in zip(traj.response_versions.tolist()[:r], traj.response_mask)]
+        assert t["weight_versions"][i].tolist() == versions + [-1] * (r - len(resp))
+        lps = np.array(traj.response_logprobs.tolist()[:r] + [0.0] * (r - len(resp)), dtype=np.float32)
+        np.testing.assert_array_equal(t["rollout_log_probs"][i].numpy(), lps)
     has_scores = all(traj.reward_score is not None for traj in trajs)
     assert ("rm_scores" in t.keys()) == has_scores
     if has_scores:
