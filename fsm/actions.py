@@ -172,9 +172,12 @@ async def call_tools(ctx: RunContext, traj: Trajectory) -> None:
     run, extra = calls[: limits.max_parallel_calls], calls[limits.max_parallel_calls :]
     active = traj.extra.get("active_tools")
     t0 = time.perf_counter()
-    outcomes = await asyncio.gather(*(
-        ctx.run_tool(traj, call, f"{traj.session_id}_c{traj.user_turns}_{k}", active) for k, call in enumerate(run)
-    ))  # fmt: skip
+    if len(run) == 1:  # the common case: no task and gather for one call
+        outcomes = [await ctx.run_tool(traj, run[0], f"{traj.session_id}_c{traj.user_turns}_0", active)]
+    else:
+        outcomes = await asyncio.gather(*(
+            ctx.run_tool(traj, call, f"{traj.session_id}_c{traj.user_turns}_{k}", active) for k, call in enumerate(run)
+        ))  # fmt: skip
     traj.metrics.tool_calls += time.perf_counter() - t0
     messages: list[dict[str, Any]] = []
     for outcome in outcomes:
