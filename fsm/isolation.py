@@ -18,10 +18,10 @@ reward scoring run there: a tool stuck in it once starved decode for a minute).
   stuck thread and a fresh loop serves the next call (a class tool's loop-bound state stays behind).
 - `InlineLane` (`isolation: none`, coroutines that only await: an HTTP sandbox, a database): the run's own
   event loop, under the call's timeout, with no hand-off at all (a hop to a lane costs more CPU than such a
-  tool's own work). It times every step of the coroutine (the code between two awaits); a step that holds
-  the loop past `blocking_s` moves the tool to a `LoopLane` for the rest of the run and says so in the log.
-  That catches a tool that blocks now and then (a sync HTTP call, a slow parse) after one stall; one that
-  spins for good would hold the loop for good, which is why this lane is opted into, never a default.
+  tool's own work). It times every step of the coroutine (the code between two awaits); a few steps that
+  hold the loop past `blocking_s` within a minute move the tool to a `LoopLane` for the rest of the run,
+  with a warning. That catches a tool that blocks (a sync HTTP call, a slow parse) after a few stalls; one
+  that spins for good would hold the loop for good, which is why this lane is opted into, never a default.
 - `ProcessLane` (`isolation: process`, function tools by import path): worker processes running one call
   at a time. A call past its timeout SIGKILLs its worker's process group; a fresh worker replaces it. The
   worker (fsm/tool_worker.py) cuts a long answer before sending it back. This is fault containment
@@ -59,7 +59,9 @@ log = logging.getLogger("agentfsm.tools")
 
 STUCK_PER_WORKER = 4  # a ThreadLane refuses calls past workers * this many written-off threads
 WEDGED_AFTER_S = 1.0  # a LoopLane that has not run a cancellation this long after it was sent is wedged
-BLOCKING_STEP_S = 0.05  # an InlineLane tool step holding the event loop this long moves the tool to a LoopLane
+BLOCKING_STEP_S = 0.05  # an InlineLane tool step holding the event loop this long is a stall
+BLOCKING_STRIKES = 3  # so many stalls within BLOCKING_WINDOW_S move the tool to a LoopLane (one alone may be a
+BLOCKING_WINDOW_S = 60.0  # garbage collection or the process waiting for a core, not the tool's doing)
 WORKER_START_TIMEOUT_S = 120.0  # a worker process's interpreter start and the tool module's imports
 MAX_REPLY_BYTES = 16 << 20  # a worker's reply beyond this (huge metrics) kills it: the answer is an error
 WORKER_SCRIPT = Path(__file__).with_name("tool_worker.py")
@@ -325,12 +327,14 @@ def _settle(name: str, task: asyncio.Task, done: concurrent.futures.Future) -> N
 
 
 class InlineLane:
-    """A coroutine tool awaited on the caller's loop, each step timed; one step past `blocking_s` moves the
-    tool to its own `LoopLane` (this call finishes where it is: its damage is done)."""
+    """A coroutine tool awaited on the caller's loop, each step timed; `strikes` steps past `blocking_s`
+    within `window_s` move the tool to its own `LoopLane` (the call that stalled finishes where it is)."""
 
-    def __init__(self, name: str, blocking_s: float = BLOCKING_STEP_S):
-        self.name, self.blocking_s = name, blocking_s
-        self.moved: LoopLane | None = None  # where the calls go once a step blocked the loop
+    def __init__(self, name: str, blocking_s: float = BLOCKING_STEP_S, strikes: int = BLOCKING_STRIKES,
+                 window_s: float = BLOCKING_WINDOW_S):  # fmt: skip
+        self.name, self.blocking_s, self.strikes, self.window_s = name, blocking_s, strikes, window_s
+        self.stalls: list[float] = []  # when recent stalls ended (time.monotonic)
+        self.moved: LoopLane | None = None  # where the calls go once the tool has stalled the loop
 
     async def ready(self) -> None:
         return None
@@ -343,11 +347,13 @@ class InlineLane:
 
     def blocked(self, seconds: float) -> None:
         """A step held the loop `seconds` (past `blocking_s`)."""
-        if self.moved is None:
+        now = time.monotonic()
+        self.stalls = [t for t in self.stalls if now - t < self.window_s] + [now]
+        if self.moved is None and len(self.stalls) >= self.strikes:
             self.moved = LoopLane(self.name)
-            log.warning("tool %r (isolation: none) held the event loop for %.3f s in one step; its calls run on "
-                        "an event loop thread of its own from now on (declare it isolation: thread)",
-                        self.name, seconds)  # fmt: skip
+            log.warning("tool %r (isolation: none) held the event loop %d times in %g s, last for %.3f s in one "
+                        "step; its calls run on an event loop thread of its own from now on (declare it "
+                        "isolation: thread)", self.name, len(self.stalls), self.window_s, seconds)  # fmt: skip
 
     def close(self) -> None:
         if self.moved is not None:

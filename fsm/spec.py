@@ -80,8 +80,8 @@ class ToolSpec(_Strict):
         "written off. process: worker processes (function tools only); a call past timeout_s kills its "
         "worker, which is replaced. Use process for CPU-bound or crash-prone tools. none: coroutines (async "
         "functions, or a class whose lifecycle methods are all async) awaited on the run's own event loop, no "
-        "hand-off; for tools that only await (an HTTP sandbox), which must let a cancellation through. A step "
-        "that holds the loop 50 ms moves the tool to its own loop thread, with a warning.",
+        "hand-off; for tools that only await (an HTTP sandbox), which must let a cancellation through. Three "
+        "steps within a minute that hold the loop 50 ms each move the tool to its own loop thread, with a warning.",
     )
     workers: int = Field(
         default=DEFAULT_TOOL_WORKERS,

@@ -24,7 +24,7 @@ import pytest
 import fsm
 from backends.base import GenerateRequest
 from fsm.api import make_backend
-from fsm.isolation import BLOCKING_STEP_S, InlineLane, LoopLane, ThreadLane, ToolUnavailable
+from fsm.isolation import BLOCKING_STEP_S, BLOCKING_STRIKES, InlineLane, LoopLane, ThreadLane, ToolUnavailable
 from fsm.parsers import ToolCall
 from fsm.tools import BaseTool, ToolResponse, truncate
 from tests.conftest import ASSETS, REPO, model_turn, run_agent, scripted, tool_messages, tool_turn, user_row
@@ -251,17 +251,16 @@ async def test_isolation_none_runs_on_the_runs_loop_and_times_out(tok, compile_y
 
 
 async def test_isolation_none_tool_that_blocks_the_loop_moves_to_its_own(tok, compile_yaml, caplog):
-    """A step past BLOCKING_STEP_S (the sync sleep between two awaits) is noticed once; later calls run on a
-    loop thread of the tool's own, so the run's loop is not blocked by it again."""
-    agent = compile_yaml(spec(tool("ablock", isolation="none", timeout_s=5)))
+    """Steps past BLOCKING_STEP_S (the sync sleep between two awaits), BLOCKING_STRIKES of them, move the
+    tool: later calls run on a loop thread of its own, so the run's loop is not blocked by it again."""
+    agent = compile_yaml(spec(tool("ablock", isolation="none", timeout_s=5), max_assistant_turns=9))
     lane = lane_of(agent, "ablock")
-    seconds = BLOCKING_STEP_S * 2
-    (traj,) = await run(tok, agent, {0: [tool_turn(tok, ("ablock", {"seconds": seconds})),
-                                         tool_turn(tok, ("ablock", {"seconds": seconds}))]})  # fmt: skip
-    first, second = tool_messages(traj)
-    assert first == threading.current_thread().name and second == "agentfsm-tool-loop-ablock"
+    turns = [tool_turn(tok, ("ablock", {"seconds": BLOCKING_STEP_S * 2})) for _ in range(BLOCKING_STRIKES + 1)]
+    (traj,) = await run(tok, agent, {0: turns})
+    *first, last = tool_messages(traj)
+    assert first == [threading.current_thread().name] * BLOCKING_STRIKES and last == "agentfsm-tool-loop-ablock"
     assert isinstance(lane.moved, LoopLane)
-    assert "'ablock' (isolation: none) held the event loop" in caplog.text
+    assert f"'ablock' (isolation: none) held the event loop {BLOCKING_STRIKES} times" in caplog.text
     lane.close()
 
 
