@@ -257,3 +257,20 @@ def test_collate_pads_any_trajectories(trajs, p, r):
             expect = np.zeros(r, dtype=np.float32)
             expect[n - 1] = np.float32(traj.reward_score)  # n == 0: column r-1, as verl's index -1
             np.testing.assert_array_equal(t["rm_scores"][i].numpy(), expect)
+
+
+# --- observation suffixes: tokenized alone, exactly as in a full render -----------------------------------
+
+TEXTS = st.text(max_size=40) | st.sampled_from(["", "\n", "\n\n", " x", "<|im_start|>", "<|im_end|>\nx", "🎉 ünï"])
+
+
+@SETTINGS
+@given(turns=st.lists(st.tuples(st.sampled_from(["tool", "user"]), TEXTS), min_size=1, max_size=3))
+def test_observation_suffix_equals_the_full_render(tok, turns):
+    """encode_observation tokenizes only the suffix's text; its ids must be the full render's, cut."""
+    from fsm.chat import _BASE, ChatCodec
+
+    codec = ChatCodec(tok)
+    messages = [{"role": role, "content": text} for role, text in turns]
+    full = codec.render(_BASE + messages, add_generation_prompt=True)
+    assert codec._added_tokens and codec.encode_observation(messages) == full[len(codec._base_ids) :]
