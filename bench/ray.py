@@ -32,8 +32,8 @@ def _best_rate(fn: Callable[[], Any], items: int, repeats: int) -> float:
     return items / best
 
 
-def bench_ray(workers: Sequence[int] = (1, 2, 4), rows: int = 128, n: int = 4, *, servers: int = 2,
-              latency_s: float = 0.05, concurrency: int = 256, hop_rows: int = 200, repeats: int = 3) -> dict[str, Any]:  # fmt: skip
+def bench_ray(workers: Sequence[int] = (1, 2), rows: int = 128, n: int = 4, *, servers: int = 2,
+              latency_s: float = 0.05, concurrency: int = 256, hop_rows: int = 100, repeats: int = 2) -> dict[str, Any]:  # fmt: skip
     """Trajectories/s of the calculator spec over `servers` scripted dev servers (each request waits
     `latency_s`): one process (RolloutEngine), then RayRunner with each count of `workers`, the same total
     `concurrency` of trajectories in flight in every case. Then the per-row cost of the Ray hop: one row at

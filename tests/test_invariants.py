@@ -274,3 +274,10 @@ def test_observation_suffix_equals_the_full_render(tok, turns):
     messages = [{"role": role, "content": text} for role, text in turns]
     full = codec.render(_BASE + messages, add_generation_prompt=True)
     assert codec._added_tokens and codec.encode_observation(messages) == full[len(codec._base_ids) :]
+
+
+def test_bench_collate_runs():
+    from bench.collate import bench_collate
+
+    out = bench_collate(n=6, prompt=16, response=40, repeats=1)
+    assert out["collate_ms"] >= 0 and out["ratio_to_memcpy"] > 0 and out["ratio_to_memcpy_touched"] > 0
