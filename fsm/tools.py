@@ -256,9 +256,9 @@ class BoundTool:
         if self.lane is None:
             self.lane = self.tool.lane if self._ours else LoopLane(self.name)
         # BaseTool's own create/calc_reward/release do nothing: not called at all (no hop, no timeout scope)
-        kind = type(self.tool)
         self._create, self._calc_reward, self._release = (
-            getattr(kind, m, None) is not getattr(BaseTool, m) for m in ("create", "calc_reward", "release")
+            getattr(method := getattr(self.tool, name, None), "__func__", method) is not getattr(BaseTool, name)
+            for name in ("create", "calc_reward", "release")
         )
         self._ready = not isinstance(self.lane, (ThreadLane, LoopLane, InlineLane))  # theirs are no-ops
 
