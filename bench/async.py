@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import sys
 import threading
 import time
 import zlib
@@ -178,7 +179,7 @@ def bench_async(*, servers: int = 2, steps: int = 8, batch: int = 16, n: int = 4
     results["setup"] = {"servers": servers, "steps": steps, "groups_per_step": batch, "n": n, "train_s": train_s,
                         "latency": f"lognormal(median {median_s}s, sigma {sigma}) + {slow_s}s on {slow_share:.0%}",
                         "max_staleness": max_staleness, "stale": "rerun"}  # fmt: skip
-    print(table(results))
+    print(table(results), file=sys.stderr)
     return results
 
 

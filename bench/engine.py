@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import statistics
+import sys
 import time
 import tracemalloc
 from typing import Any
@@ -78,12 +79,11 @@ def _workload(tool_turns: int) -> tuple[TableCodec, ScriptedBackend]:
     return codec, backend
 
 
-def bench_agent(tool_turns: int) -> CompiledAgent:
+def bench_agent(tool_turns: int, isolation: str = "none") -> CompiledAgent:
     agent = compile_spec(SPECS_DIR / "tool_agent.yaml")
     limits = LimitsSpec(prompt_length=128, response_length=4096, max_assistant_turns=tool_turns + 2)
-    spec = agent.spec.model_copy(update={
-        "limits": limits, "tools": [ToolSpec(function="bench.engine:echo", schema=ECHO_SCHEMA)],
-    })  # fmt: skip
+    tool = ToolSpec(function="bench.engine:echo", schema=ECHO_SCHEMA, isolation=isolation)
+    spec = agent.spec.model_copy(update={"limits": limits, "tools": [tool]})
     return compile_spec(spec)
 
 
@@ -110,11 +110,11 @@ async def reference_loop(ctx: RunContext, traj: Trajectory) -> None:
 
 
 async def _run(kind: str, n: int, concurrency: int, tool_turns: int) -> tuple[float, int, list[Trajectory]]:
-    agent = bench_agent(tool_turns)
+    agent = bench_agent(tool_turns, "thread" if kind == "engine_lane" else "none")
     codec, backend = _workload(tool_turns)
     runner = Runner(agent, backend, codec, max_concurrency=concurrency)
     rows = [{"raw_prompt": [{"role": "user", "content": "hi"}]} for _ in range(n)]
-    if kind == "engine":
+    if kind != "reference":
         t0 = time.process_time()
         trajs = await runner.run(rows)
         elapsed = time.process_time() - t0
@@ -145,7 +145,7 @@ def _peak_bytes_per_trajectory(kind: str, n: int, concurrency: int, tool_turns: 
     return peak / n
 
 
-def bench_step(tool_turns: int = 4, steps: int = 200_000) -> dict[str, float]:
+def bench_step(tool_turns: int = 4, steps: int = 20_000) -> dict[str, float]:
     """µs for one machine step (guards + recording the edge), lean path vs transitions' stock Event.trigger."""
     agent = bench_agent(tool_turns)
     traj = Trajectory(0, 0, "s", "u", {}, agent.initial)
@@ -168,33 +168,48 @@ def bench_step(tool_turns: int = 4, steps: int = 200_000) -> dict[str, float]:
     return out
 
 
-def bench_engine(n: int = 10_000, concurrency: int = 10_000, tool_turns: int = 4, repeats: int = 5,
+KINDS = {
+    "engine": "the spec's machine; the echo tool awaited on the run's loop (isolation: none)",
+    "engine_lane": "the same, the echo tool on its own loop thread (isolation: thread, the default)",
+    "reference": "the hand-written loop over the same actions (isolation: none)",
+}
+
+
+def bench_engine(n: int = 2000, concurrency: int | None = None, tool_turns: int = 4, repeats: int = 3,
                  memory_n: int | None = None) -> dict[str, Any]:  # fmt: skip
-    """Median over `repeats` of alternating engine/reference runs (CPU seconds of this process, so other
-    load on the machine does not count), peak memory per trajectory, and one machine step in isolation."""
-    times: dict[str, list[float]] = {"engine": [], "reference": []}
+    """Median over `repeats` of interleaved runs of each of KINDS (CPU seconds of this process, so other load
+    on the machine does not count), peak memory per trajectory, and one machine step in isolation. The
+    defaults take well under a minute; `n` and `concurrency` 10,000 show the cost at scale."""
+    concurrency = concurrency or n
+    times: dict[str, list[float]] = {kind: [] for kind in KINDS}
     transitions = 0
     for _ in range(repeats):
-        for kind in ("engine", "reference"):
+        for kind in KINDS:
             gc.collect()
             elapsed, transitions, trajs = asyncio.run(_run(kind, n, concurrency, tool_turns))
             expected = 64 + tool_turns * (25 + 1 + 16) + 13  # prompt, tool rounds (turn, closer, observation), answer
             bad = [t for t in trajs if t.termination_reason != "done" or len(t.prompt_ids) + len(t.response_ids) != expected]
             assert not bad, f"{kind}: {bad[0].termination_reason} {bad[0].error}"
             times[kind].append(elapsed)
+            del trajs
     out: dict[str, Any] = {"trajectories": n, "concurrency": concurrency, "tool_turns": tool_turns,
-                           "transitions_per_trajectory": transitions // n, "repeats": repeats}  # fmt: skip
+                           "transitions_per_trajectory": transitions // n, "repeats": repeats, "kinds": KINDS}  # fmt: skip
     for kind, ts in times.items():
         med = statistics.median(ts)
         out[kind] = {
             "median_cpu_s": round(med, 4),
             "us_per_transition": round(med / transitions * 1e6, 2),
             "trajectories_per_cpu_s": round(n / med, 1),
-            "peak_bytes_per_trajectory": round(_peak_bytes_per_trajectory(kind, memory_n or n, memory_n or concurrency, tool_turns)),
         }
+        if kind != "engine_lane":
+            m = memory_n or n
+            out[kind]["peak_bytes_per_trajectory"] = round(_peak_bytes_per_trajectory(kind, m, min(m, concurrency), tool_turns))
     out["engine_overhead_us_per_transition"] = round(
         out["engine"]["us_per_transition"] - out["reference"]["us_per_transition"], 2
     )
     out["ratio_engine_to_reference"] = round(out["engine"]["median_cpu_s"] / out["reference"]["median_cpu_s"], 3)
     out["machine_step"] = bench_step(tool_turns)
+    print(f"bench engine: {n} trajectories, {concurrency} in flight, {tool_turns} tool turns, median of {repeats}: "
+          + ", ".join(f"{k} {out[k]['us_per_transition']:.1f} µs" for k in KINDS) + " CPU per transition",
+          file=sys.stderr)  # fmt: skip
     return out

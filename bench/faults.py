@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import tempfile
 import time
 from contextlib import AsyncExitStack
@@ -172,6 +173,6 @@ def bench_faults(rows: int = 128, rate: float = 0.1) -> dict[str, dict[str, Any]
     for name, case in out.items():
         cells = [f"{case[k]:>14}" for k in keys] + [f"{case['wall_s']:>14.2f}", f"{case['vs_clean']:>13.2f}x"]
         lines.append(f"{name:<18}" + "".join(cells))
-    print(f"faults: {rows} rows over 2 HashLM dev servers behind fault proxies, each kind at {rate:.0%} of /generate")
-    print("\n".join(lines))
+    print(f"faults: {rows} rows over 2 HashLM dev servers behind fault proxies, each kind at {rate:.0%} of /generate", file=sys.stderr)
+    print("\n".join(lines), file=sys.stderr)
     return out

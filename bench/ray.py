@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -31,8 +32,8 @@ def _best_rate(fn: Callable[[], Any], items: int, repeats: int) -> float:
     return items / best
 
 
-def bench_ray(workers: Sequence[int] = (1, 2, 4), rows: int = 128, n: int = 4, *, servers: int = 2,
-              latency_s: float = 0.05, concurrency: int = 256, hop_rows: int = 200, repeats: int = 3) -> dict[str, Any]:  # fmt: skip
+def bench_ray(workers: Sequence[int] = (1, 2), rows: int = 128, n: int = 4, *, servers: int = 2,
+              latency_s: float = 0.05, concurrency: int = 256, hop_rows: int = 100, repeats: int = 2) -> dict[str, Any]:  # fmt: skip
     """Trajectories/s of the calculator spec over `servers` scripted dev servers (each request waits
     `latency_s`): one process (RolloutEngine), then RayRunner with each count of `workers`, the same total
     `concurrency` of trajectories in flight in every case. Then the per-row cost of the Ray hop: one row at
@@ -90,8 +91,9 @@ def bench_ray(workers: Sequence[int] = (1, 2, 4), rows: int = 128, n: int = 4, *
     scaling = ", ".join(f"{k} actors {result[f'ray_{k}']:.0f}" for k in workers)
     print(
         f"trajectories/s: 1 process {result['single_process']:.0f}, {scaling} "
-        f"({rows}x{n} trajectories, {servers} servers, {latency_s * 1e3:.0f} ms per request, {os.cpu_count()} cpus)"
+        f"({rows}x{n} trajectories, {servers} servers, {latency_s * 1e3:.0f} ms per request, {os.cpu_count()} cpus)",
+        file=sys.stderr,
     )
     print(f"per row: {result['row_in_process_ms']:.2f} ms in process, {result['row_through_actor_ms']:.2f} ms "
-          f"through an actor (hop {result['ray_hop_ms']:.2f} ms; a bare actor call {result['bare_actor_call_ms']:.2f} ms)")  # fmt: skip
+          f"through an actor (hop {result['ray_hop_ms']:.2f} ms; a bare actor call {result['bare_actor_call_ms']:.2f} ms)", file=sys.stderr)  # fmt: skip
     return result

@@ -7,6 +7,7 @@ sessions (every turn after the first) and for new sessions of GRPO groups (first
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any
 
@@ -43,6 +44,7 @@ def bench_router(
         "new_us": (t2 - t1) / n * 1e6,
     }
     print(
-        f"router decision: {out['sticky_us']:.2f} µs sticky, {out['new_us']:.2f} µs new ({servers} servers)"
+        f"router decision: {out['sticky_us']:.2f} µs sticky, {out['new_us']:.2f} µs new ({servers} servers)",
+        file=sys.stderr,
     )
     return out

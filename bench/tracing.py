@@ -56,7 +56,7 @@ BENCH_EXPORTERS = {
 BENCH_RUNS = (("memory", 1.0), ("otlp", 1.0), ("otlp", 0.1), ("otlp", 0.01), ("otlp", 0.0))
 
 
-def bench_tracing(n: int = 2000, *, repeats: int = 5, workload: str = "engine",
+def bench_tracing(n: int = 2000, *, repeats: int = 3, workload: str = "engine",
                   runs: Sequence[tuple[str, float]] = BENCH_RUNS, tool_turns: int = 4,
                   concurrency: int | None = None, show: bool = True) -> dict[str, Any]:  # fmt: skip
     """Trajectories per CPU second with tracing off and on: the engine's own cost, so the worst case.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from array import array
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -23,14 +24,18 @@ async def encode_prompt(ctx: RunContext, traj: Trajectory) -> None:
     traj.messages = prompt_messages(traj.row)
     # Samples of a group share one encoding. The uid comes from the row, so a reused uid must not hand
     # one row's prompt to another: a hit also needs the same messages and tool schemas.
-    key = (traj.messages, traj.tool_schemas)
-    cached = ctx.prompt_cache.get(traj.uid) if ctx.share_prompts else None
-    if cached is not None and cached[0] == key:
-        ids = cached[1]
-    else:
+    group = ctx.group_size
+    if group == 1:  # nobody shares it: nothing kept
         ids = ctx.codec.encode_prompt(traj.messages, traj.tool_schemas)
-        if ctx.share_prompts:
-            ctx.prompt_cache[traj.uid] = (key, ids)
+    else:
+        key = (traj.messages, traj.tool_schemas)
+        entry = ctx.prompt_cache.get(traj.uid)
+        if entry is None or entry[0] != key:
+            entry = ctx.prompt_cache[traj.uid] = [key, array("i", ctx.codec.encode_prompt(*key)), 0]
+        ids = entry[1]
+        entry[2] += 1
+        if group is not None and entry[2] >= group:  # the group's last sample: no one else needs it
+            del ctx.prompt_cache[traj.uid]
     limit = ctx.agent.limits.prompt_length
     if len(ids) > limit:
         if ctx.agent.limits.prompt_overflow == "error":
@@ -176,9 +181,12 @@ async def call_tools(ctx: RunContext, traj: Trajectory) -> None:
         order.append((past, len(extra if past else run) - 1))
     active = traj.extra.get("active_tools")
     t0 = time.perf_counter()
-    outcomes = await asyncio.gather(*(
-        ctx.run_tool(traj, call, f"{traj.session_id}_c{traj.user_turns}_{k}", active) for k, call in enumerate(run)
-    ))  # fmt: skip
+    if len(run) == 1:  # the common case: no task and gather for one call
+        outcomes = [await ctx.run_tool(traj, run[0], f"{traj.session_id}_c{traj.user_turns}_0", active)]
+    else:
+        outcomes = await asyncio.gather(*(
+            ctx.run_tool(traj, call, f"{traj.session_id}_c{traj.user_turns}_{k}", active) for k, call in enumerate(run)
+        ))  # fmt: skip
     traj.metrics.tool_calls += time.perf_counter() - t0
     answers: list[dict[str, Any]] = []
     for outcome in outcomes:

@@ -43,54 +43,56 @@ class RolloutBatch:
         return int(self.batch.batch_size[0])
 
 
-def _place(
-    seqs: Sequence[np.ndarray], width: int, fill: float, dtype: Any, left: bool
-) -> tuple[np.ndarray, np.ndarray]:
-    """Pad variable-length rows into [B, width] with one scatter; returns (values, lengths)."""
-    lens = np.fromiter((min(len(s), width) for s in seqs), dtype=np.int64, count=len(seqs))
-    out = np.full((len(seqs), width), fill, dtype=dtype)
-    total = int(lens.sum())
-    if total:
+def _place(out: np.ndarray, seqs: Sequence[np.ndarray], fill: float, left: bool) -> np.ndarray:
+    """Pad variable-length rows into `out` ([B, width], written whole), row by row: each row's tokens and its
+    padding are written once, straight from the trajectory's array (a scatter through row/column indices or a
+    mask read everything twice). Returns the rows' lengths cut to the width."""
+    width = out.shape[1]
+    lens = np.empty(len(seqs), dtype=np.int64)
+    for i, (row, s) in enumerate(zip(out, seqs)):
+        n = lens[i] = min(len(s), width)
         # Left padding keeps a row's tail (verl cuts long prompts on the left), right padding its head.
-        flat = np.concatenate([s[len(s) - n :] if left else s[:n] for s, n in zip(seqs, lens)]).astype(
-            dtype, copy=False
-        )
-        rows = np.repeat(np.arange(len(seqs)), lens)
-        within = np.arange(total) - np.repeat(np.cumsum(lens) - lens, lens)
-        cols = within + (width - lens)[rows] if left else within
-        out[rows, cols] = flat
-    return out, lens
+        if left:
+            row[: width - n], row[width - n :] = fill, s[len(s) - n :]
+        else:
+            row[:n], row[n:] = s[:n], fill
+    return lens
 
 
 def collate(trajs: Sequence[Trajectory], *, prompt_length: int, response_length: int, pad_token_id: int,
             logprobs: bool = True) -> RolloutBatch:  # fmt: skip
     """Pad finished trajectories into verl's batch. Row order is the trajectories' order."""
-    P, R = prompt_length, response_length
+    P, R, B = prompt_length, response_length, len(trajs)
 
     def arr(a: Any, dtype: Any) -> np.ndarray:
         return np.frombuffer(a, dtype=dtype) if len(a) else np.zeros(0, dtype=dtype)
 
-    prompts, p_len = _place(
-        [arr(t.prompt_ids, np.int32) for t in trajs], P, pad_token_id, np.int64, left=True
-    )
-    responses, r_len = _place(
-        [arr(t.response_ids, np.int32) for t in trajs], R, pad_token_id, np.int64, left=False
-    )
-    mask, _ = _place([arr(t.response_mask, np.int8) for t in trajs], R, 0, np.int64, left=False)
-    versions, _ = _place([arr(t.response_versions, np.int32) for t in trajs], R, -1, np.int64, left=False)
+    def right(name: str, dtype: Any, fill: float, out_dtype: Any) -> np.ndarray:
+        out = np.empty((B, R), dtype=out_dtype)
+        _place(out, [arr(getattr(t, name), dtype) for t in trajs], fill, left=False)
+        return out
+
+    input_ids = np.empty((B, P + R), dtype=np.int64)
+    p_len = _place(input_ids[:, :P], [arr(t.prompt_ids, np.int32) for t in trajs], pad_token_id, left=True)
+    r_len = _place(input_ids[:, P:], [arr(t.response_ids, np.int32) for t in trajs], pad_token_id, left=False)
+    # mask 1 on generated tokens, times the response attention mask (verl): 0 past r_len, where _place pads
+    mask = right("response_mask", np.int8, 0, np.int64)
+    versions = right("response_versions", np.int32, -1, np.int64)
     versions[mask == 0] = -1  # a token the model did not generate has no version, whatever was recorded
 
-    cols = np.arange(max(P, R))
-    prompt_att = (cols[:P] >= (P - p_len)[:, None]).astype(np.int64)
-    response_att = (cols[:R] < r_len[:, None]).astype(np.int64)
-    attention = np.concatenate([prompt_att, response_att], axis=1)
-    position = np.clip(np.cumsum(attention, axis=1) - 1, 0, None)
+    # attention: 1 on the prompt's last p_len columns and the response's first r_len; positions count them
+    attention = np.empty((B, P + R), dtype=np.int64)
+    position = np.empty((B, P + R), dtype=np.int64)
+    counting = np.arange(P + R, dtype=np.int64)
+    for row, pos, pl, rl in zip(attention, position, (P - p_len).tolist(), (P + r_len).tolist()):
+        row[:pl], row[pl:rl], row[rl:] = 0, 1, 0
+        pos[:pl], pos[pl:rl], pos[rl:] = 0, counting[: rl - pl], max(rl - pl - 1, 0)
 
     tensors: dict[str, torch.Tensor] = {
-        "prompts": torch.from_numpy(prompts),
-        "responses": torch.from_numpy(responses),
-        "response_mask": torch.from_numpy(mask * response_att),
-        "input_ids": torch.from_numpy(np.concatenate([prompts, responses], axis=1)),
+        "prompts": torch.from_numpy(input_ids[:, :P].copy()),
+        "responses": torch.from_numpy(input_ids[:, P:].copy()),
+        "response_mask": torch.from_numpy(mask),
+        "input_ids": torch.from_numpy(input_ids),
         "attention_mask": torch.from_numpy(attention),
         "position_ids": torch.from_numpy(position),
         "weight_versions": torch.from_numpy(versions),
@@ -102,11 +104,10 @@ def collate(trajs: Sequence[Trajectory], *, prompt_length: int, response_length:
     # the rows instead would throw away good samples for what is a fleet-wide setting, batch after batch.
     missing = [i for i, t in enumerate(trajs) if t.logprobs_missing]
     if logprobs and not missing:
-        lp, _ = _place([arr(t.response_logprobs, np.float32) for t in trajs], R, 0.0, np.float32, left=False)
-        tensors["rollout_log_probs"] = torch.from_numpy(lp)
+        tensors["rollout_log_probs"] = torch.from_numpy(right("response_logprobs", np.float32, 0.0, np.float32))
     scores = [t.reward_score for t in trajs]
     if trajs and all(s is not None for s in scores):
-        rm = np.zeros((len(trajs), R), dtype=np.float32)
+        rm = np.zeros((B, R), dtype=np.float32)
         # verl: attention_mask[:, P:].sum(1) - 1, so an empty (failed) response's score lands at -1, the
         # last column: its reward still counts in a group's sum (GRPO), on a masked position
         rm[np.arange(len(trajs)), r_len - 1] = np.asarray(scores, dtype=np.float32)

@@ -50,6 +50,12 @@ class ChatCodec:
         self.turn_closer: list[int] = [self.eos_id, *self._base_ids[last_eos + 1 :]]
         self.vocab_size: int = vocabulary_size(tokenizer)
         self.eos_text: str = self.decode([self.eos_id], skip_special_tokens=False)
+        # An observation's text is tokenized alone, without the base conversation, when it starts with an added
+        # token (Qwen's <|im_start|>): tokenizers split text at added tokens before anything else, so its ids
+        # are exactly those of the full render. Otherwise the full render is tokenized and cut.
+        self._base_text = self.render_text(_BASE, add_generation_prompt=False)
+        added = getattr(tokenizer, "get_added_vocab", None)
+        self._added_tokens = tuple(added()) if callable(added) else ()
 
     def render(
         self, messages: list[dict[str, Any]], *, tools: list[dict] | None = None, add_generation_prompt: bool
@@ -59,11 +65,18 @@ class ChatCodec:
             tokenize=True, return_dict=False,
         )  # fmt: skip
 
+    def render_text(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+
     def encode_prompt(self, messages: list[dict[str, Any]], tools: list[dict] | None) -> list[int]:
         return self.render(messages, tools=tools, add_generation_prompt=True)
 
     def encode_observation(self, messages: list[dict[str, Any]]) -> list[int]:
         """Token ids that `messages` (tool/user turns) append, generation prompt included."""
+        if self._added_tokens:
+            text, n = self.render_text(_BASE + messages, add_generation_prompt=True), len(self._base_text)
+            if text.startswith(self._base_text) and text.startswith(self._added_tokens, n):
+                return self.tokenizer.encode(text[n:], add_special_tokens=False)
         full = self.render(_BASE + messages, add_generation_prompt=True)
         n = len(self._base_ids)
         if full[:n] != self._base_ids:

@@ -184,12 +184,12 @@ def command_line(commands: Mapping[str, Callable[[argparse.Namespace], int]]) ->
 
     p = command("bench", "benchmarks that print numbers (JSON)")
     p.add_argument("what", choices=["engine", "router", "hf", "prefix-cache", "tracing", "ray", "faults", "async",
-                                    "families"],
+                                    "families", "collate"],
                    help="which benchmark")
-    p.add_argument("--n", type=COUNT, default=10_000, metavar="N", help="engine: trajectories")
+    p.add_argument("--n", type=COUNT, default=2000, metavar="N", help="engine: trajectories")
     p.add_argument("--concurrency", type=COUNT, metavar="N", help="engine: trajectories in flight (default: --n)")
     p.add_argument("--tool-turns", type=int_in(0), default=4, metavar="N", help="engine: tool turns per trajectory")
-    p.add_argument("--repeats", type=COUNT, default=5, metavar="N", help="engine: repeats (the median is kept)")
+    p.add_argument("--repeats", type=COUNT, default=3, metavar="N", help="engine: repeats (the median is kept)")
     p.add_argument("--model", metavar="DIR", help="hf: model dir (default: the tiny model)")
     p.set_defaults(fn=commands["bench"])
 

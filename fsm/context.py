@@ -139,9 +139,11 @@ class RunContext:
         self.gate = gate if gate is not None else PauseGate()  # the engine's, shared by its runs
         self.interaction = agent.interaction_cls(dict(agent.spec.interaction.config, name=agent.spec.interaction.name
                                                       or agent.spec.name)) if agent.interaction_cls else None  # fmt: skip
-        # uid -> ((messages, tool schemas), prompt ids): samples of a group share one encoding
-        self.prompt_cache: dict[str, tuple[tuple[Any, Any], list[int]]] = {}
-        self.share_prompts = True
+        # Samples of a group share one prompt encoding: uid -> [(messages, tool schemas), ids, samples served],
+        # kept until the group's `group_size` samples have it (None: a group size the run does not know, so
+        # until the run ends; 1: nobody shares, nothing kept)
+        self.prompt_cache: dict[str, list[Any]] = {}
+        self.group_size: int | None = None
 
     async def call_backend(self, traj: Trajectory, request: GenerateRequest) -> GenerateResult:
         if self.tracer is None or TRACED.get() is None:

@@ -16,6 +16,12 @@ reward scoring run there: a tool stuck in it once starved decode for a minute).
   good); on its own loop a busy call blocks only that thread, and the caller's timeout fires on time. A
   loop that has not run a cancellation `grace_s` after it was sent is wedged: it is written off like a
   stuck thread and a fresh loop serves the next call (a class tool's loop-bound state stays behind).
+- `InlineLane` (`isolation: none`, coroutines that only await: an HTTP sandbox, a database): the run's own
+  event loop, under the call's timeout, with no hand-off at all (a hop to a lane costs more CPU than such a
+  tool's own work). It times every step of the coroutine (the code between two awaits); a few steps that
+  hold the loop past `blocking_s` within a minute move the tool to a `LoopLane` for the rest of the run,
+  with a warning. That catches a tool that blocks (a sync HTTP call, a slow parse) after a few stalls; one
+  that spins for good would hold the loop for good, which is why this lane is opted into, never a default.
 - `ProcessLane` (`isolation: process`, function tools by import path): worker processes running one call
   at a time. A call past its timeout SIGKILLs its worker's process group; a fresh worker replaces it. The
   worker (fsm/tool_worker.py) cuts a long answer before sending it back. This is fault containment
@@ -33,6 +39,7 @@ import concurrent.futures
 import contextvars
 import inspect
 import json
+import logging
 import os
 import pickle
 import queue
@@ -48,8 +55,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+log = logging.getLogger("agentfsm.tools")
+
 STUCK_PER_WORKER = 4  # a ThreadLane refuses calls past workers * this many written-off threads
 WEDGED_AFTER_S = 1.0  # a LoopLane that has not run a cancellation this long after it was sent is wedged
+BLOCKING_STEP_S = 0.05  # an InlineLane tool step holding the event loop this long is a stall
+BLOCKING_STRIKES = 3  # so many stalls within BLOCKING_WINDOW_S move the tool to a LoopLane (one alone may be a
+BLOCKING_WINDOW_S = 60.0  # garbage collection or the process waiting for a core, not the tool's doing)
 WORKER_START_TIMEOUT_S = 120.0  # a worker process's interpreter start and the tool module's imports
 MAX_REPLY_BYTES = 16 << 20  # a worker's reply beyond this (huge metrics) kills it: the answer is an error
 WORKER_SCRIPT = Path(__file__).with_name("tool_worker.py")
@@ -309,6 +321,75 @@ def _settle(name: str, task: asyncio.Task, done: concurrent.futures.Future) -> N
         done.set_exception(task.exception())
     else:
         done.set_result(task.result())
+
+
+# --- the run's own loop: isolation: none -----------------------------------------------------------------
+
+
+class InlineLane:
+    """A coroutine tool awaited on the caller's loop, each step timed; `strikes` steps past `blocking_s`
+    within `window_s` move the tool to its own `LoopLane` (the call that stalled finishes where it is)."""
+
+    def __init__(self, name: str, blocking_s: float = BLOCKING_STEP_S, strikes: int = BLOCKING_STRIKES,
+                 window_s: float = BLOCKING_WINDOW_S):  # fmt: skip
+        self.name, self.blocking_s, self.strikes, self.window_s = name, blocking_s, strikes, window_s
+        self.stalls: list[float] = []  # when recent stalls ended (time.monotonic)
+        self.moved: LoopLane | None = None  # where the calls go once the tool has stalled the loop
+
+    async def ready(self) -> None:
+        return None
+
+    async def call(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        if self.moved is not None:
+            return await self.moved.call(fn, *args, **kwargs)
+        result = fn(*args, **kwargs)
+        return await _Timed(self, result) if inspect.iscoroutine(result) else result
+
+    def blocked(self, seconds: float) -> None:
+        """A step held the loop `seconds` (past `blocking_s`)."""
+        now = time.monotonic()
+        self.stalls = [t for t in self.stalls if now - t < self.window_s] + [now]
+        if self.moved is None and len(self.stalls) >= self.strikes:
+            self.moved = LoopLane(self.name)
+            log.warning("tool %r (isolation: none) held the event loop %d times in %g s, last for %.3f s in one "
+                        "step; its calls run on an event loop thread of its own from now on (declare it "
+                        "isolation: thread)", self.name, len(self.stalls), self.window_s, seconds)  # fmt: skip
+
+    def close(self) -> None:
+        if self.moved is not None:
+            self.moved.close()
+
+
+class _Timed:
+    """Awaits a coroutine step by step (as `await` would: what it yields goes to the task and back), timing
+    each step for its lane."""
+
+    __slots__ = ("coro", "lane")
+
+    def __init__(self, lane: InlineLane, coro: Any):
+        self.lane, self.coro = lane, coro
+
+    def __await__(self) -> Any:
+        coro, lane, clock, limit = self.coro, self.lane, time.perf_counter, self.lane.blocking_s
+        value: Any = None
+        error: BaseException | None = None
+        while True:
+            t0 = clock()
+            try:
+                step = coro.send(value) if error is None else coro.throw(error)
+            except StopIteration as stop:
+                return stop.value
+            finally:
+                if (took := clock() - t0) >= limit:
+                    lane.blocked(took)
+            value = error = None
+            try:
+                value = yield step
+            except GeneratorExit:  # this awaitable is being closed: close the tool's coroutine with it
+                coro.close()
+                raise
+            except BaseException as exc:  # a cancellation (the timeout's): the coroutine gets to handle it
+                error = exc
 
 
 # --- worker processes: isolation: process ----------------------------------------------------------------

@@ -108,6 +108,7 @@ class Runner:
 
         `sampling`, when the caller has resolved it already, replaces `sampling_params` and `validate`."""
         ctx = self.make_context(sampling_params, validate, sampling=sampling)
+        ctx.group_size = n
         trajs = self.trajectories(rows, n)
         gate = asyncio.Semaphore(self.max_concurrency)
 

@@ -73,12 +73,15 @@ class ToolSpec(_Strict):
         default=None, gt=0, description="Per attempt; a timeout becomes an observation."
     )
     retry: RetrySpec = Field(default_factory=RetrySpec)
-    isolation: Literal["thread", "process"] = Field(
+    isolation: Literal["none", "thread", "process"] = Field(
         default="thread",
-        description="Where the tool's code runs (never on the event loop). thread: a sync function in the "
-        "tool's own daemon threads, a coroutine on the tool's own event-loop thread; a call past timeout_s "
-        "is abandoned and its thread written off. process: worker processes (function tools only); a call "
-        "past timeout_s kills its worker, which is replaced. Use process for CPU-bound or crash-prone tools.",
+        description="Where the tool's code runs. thread: a sync function in the tool's own daemon threads, a "
+        "coroutine on the tool's own event-loop thread; a call past timeout_s is abandoned and its thread "
+        "written off. process: worker processes (function tools only); a call past timeout_s kills its "
+        "worker, which is replaced. Use process for CPU-bound or crash-prone tools. none: coroutines (async "
+        "functions, or a class whose lifecycle methods are all async) awaited on the run's own event loop, no "
+        "hand-off; for tools that only await (an HTTP sandbox), which must let a cancellation through. Three "
+        "steps within a minute that hold the loop 50 ms each move the tool to its own loop thread, with a warning.",
     )
     workers: int = Field(
         default=DEFAULT_TOOL_WORKERS,

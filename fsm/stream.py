@@ -111,6 +111,7 @@ class Stream:
         await self._serving.wait()
         trajs = self.runner.trajectories(rows, n)
         ctx = self.runner.make_context(sampling=sampling)
+        ctx.group_size = n
         base, self._next_index = self._next_index, self._next_index + len(trajs)
         uids = []
         waiting = {g.uid for g in self._ready}

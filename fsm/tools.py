@@ -4,8 +4,9 @@ timeouts, retries, argument checks and response truncation.
 Every way a call can go wrong ends as text the model reads (an error observation) plus a counter, except a
 tool that raises a BaseException (SystemExit, KeyboardInterrupt, its own CancelledError) or whose worker
 process dies: that ends its trajectory (`ToolCrashed`). Tool code runs in the tool's own lane
-(fsm/isolation.py), never on the event loop nor in its default executor, so a timeout always fires on time.
-Tool instances are built once per compiled spec and shared.
+(fsm/isolation.py), never in the event loop's default executor, and on the event loop itself only when the
+spec says the tool only awaits (`isolation: none`), so a timeout always fires on time. Tool instances are
+built once per compiled spec and shared.
 """
 
 from __future__ import annotations
@@ -19,7 +20,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from backends.retry import RetryPolicy, retry
-from fsm.isolation import Lane, LoopLane, ProcessLane, ThreadLane, ToolCrashed, ToolUnavailable, crashed
+from fsm.isolation import (
+    InlineLane,
+    Lane,
+    LoopLane,
+    ProcessLane,
+    ThreadLane,
+    ToolCrashed,
+    ToolUnavailable,
+    crashed,
+)
 from fsm.parsers import ToolCall
 from fsm.registry import resolve
 from fsm.rows import encodable
@@ -94,7 +104,8 @@ def _response(value: Any) -> ToolResponse:
 
 class FunctionTool(BaseTool):
     """A plain function as a tool, run in its lane: by default its own threads for a sync function and its
-    own event loop for a coroutine function; worker processes under `isolation: process`."""
+    own event loop for a coroutine function; the run's loop under `isolation: none`, worker processes under
+    `isolation: process`."""
 
     def __init__(self, fn: Callable[..., Any], tool_schema: dict, lane: Lane | None = None):
         super().__init__({}, tool_schema)
@@ -257,8 +268,15 @@ class BoundTool:
     keep_chars: int | None = None  # an answer is cut to its first and last this many characters at once
 
     def __post_init__(self) -> None:
+        self._ours = isinstance(self.tool, FunctionTool)
         if self.lane is None:
-            self.lane = self.tool.lane if isinstance(self.tool, FunctionTool) else LoopLane(self.name)
+            self.lane = self.tool.lane if self._ours else LoopLane(self.name)
+        # BaseTool's own create/calc_reward/release do nothing: not called at all (no hop, no timeout scope)
+        self._create, self._calc_reward, self._release = (
+            getattr(method := getattr(self.tool, name, None), "__func__", method) is not getattr(BaseTool, name)
+            for name in ("create", "calc_reward", "release")
+        )
+        self._ready = not isinstance(self.lane, (ThreadLane, LoopLane, InlineLane))  # theirs are no-ops
 
     @property
     def description(self) -> str:
@@ -290,37 +308,44 @@ class BoundTool:
             raise crashed(self.name, exc) from exc
 
     async def _step(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """One lifecycle method, timed. A class tool's run on its lane; a FunctionTool's are ours and
-        trivial, except `execute`, which puts the function in the lane itself."""
-        ours = isinstance(self.tool, FunctionTool)
+        """One lifecycle method, timed. A class tool's run on its lane; a FunctionTool's `execute` puts the
+        function in the lane itself."""
+        call = method(*args, **kwargs) if self._ours else self.lane.call(method, *args, **kwargs)
+        if self.timeout_s is None:
+            return await call
         async with asyncio.timeout(self.timeout_s):
-            return await (method(*args, **kwargs) if ours else self.lane.call(method, *args, **kwargs))
+            return await call
 
     async def _run(
         self, call: ToolCall, instance_id: str, create_kwargs: dict, agent_data: Any
     ) -> CallOutcome:
         outcome = CallOutcome(self.name, "", call_id=call.id)
-        try:
-            created_id, _ = await self._step(self.tool.create, instance_id, create_kwargs=create_kwargs)
-        except ToolCrashed:
-            raise
-        except Exception as exc:  # e.g. a sandbox that cannot start: nothing was created, nothing to release
-            outcome.error, outcome.text = "exception", f"Error executing tool '{self.name}': {self._why(exc)}"
+        if self._create:
+            try:
+                created_id, _ = await self._step(self.tool.create, instance_id, create_kwargs=create_kwargs)
+            except ToolCrashed:
+                raise
+            except Exception as exc:  # e.g. a sandbox that cannot start: nothing was created, nothing to release
+                outcome.error, outcome.text = "exception", f"Error executing tool '{self.name}': {self._why(exc)}"
+                return outcome
+            instance_id = created_id  # verl passes what create returned, '' included
+        if not (self._calc_reward or self._release):
+            await self._execute(outcome, call, instance_id, agent_data)
+            outcome.score = 0.0 if outcome.error is None else None  # BaseTool.calc_reward's
             return outcome
-        # verl passes what create returned, '' included, and releases only a non-empty id
-        instance_id = created_id
         try:
             await self._execute(outcome, call, instance_id, agent_data)
             if outcome.error is None:
                 try:
-                    outcome.score = float(await self._step(self.tool.calc_reward, instance_id))
+                    score = await self._step(self.tool.calc_reward, instance_id) if self._calc_reward else 0.0
+                    outcome.score = float(score)
                 except ToolCrashed:
                     raise
                 except Exception:  # the observation stands; the failure is counted, the score left out
                     outcome.error = "calc_reward"
         finally:
-            if instance_id:
-                await self._release(instance_id)
+            if self._release and instance_id:  # verl releases only a non-empty id
+                await self._release_instance(instance_id)
         return outcome
 
     async def _execute(self, outcome: CallOutcome, call: ToolCall, instance_id: str, agent_data: Any) -> None:
@@ -329,7 +354,8 @@ class BoundTool:
 
         async def attempt(k: int) -> None:
             outcome.attempts = k
-            await self.lane.ready()  # a worker process starts outside the timeout
+            if self._ready:
+                await self.lane.ready()  # a worker process starts outside the timeout
             response, reward, metrics = await self._step(
                 self.tool.execute, instance_id, call.arguments, agent_data=agent_data
             )
@@ -339,7 +365,10 @@ class BoundTool:
             # a 50 MB answer is not held while calc_reward and release run: `response` dies with this frame
 
         try:
-            await retry(self.retry, attempt, retryable=lambda exc: not isinstance(exc, ToolCrashed))
+            if self.retry.attempts == 1 and self.retry.window_s is None:
+                await attempt(1)
+            else:
+                await retry(self.retry, attempt, retryable=lambda exc: not isinstance(exc, ToolCrashed))
         except ToolCrashed:
             raise
         except TimeoutError as exc:  # ours, or the tool's own (an HTTP client's) when timeout_s is None
@@ -352,7 +381,7 @@ class BoundTool:
         except Exception as exc:  # a tool may raise anything; the model is told what happened
             outcome.error, outcome.text = "exception", f"Error executing tool '{self.name}': {exc}"
 
-    async def _release(self, instance_id: str) -> None:
+    async def _release_instance(self, instance_id: str) -> None:
         try:
             await self._step(self.tool.release, instance_id)
         except TimeoutError:
@@ -482,8 +511,14 @@ def build_tool(spec: ToolSpec, resolve_ref: Callable[[str], Any] = resolve) -> B
     if spec.name and schema.get("function", {}).get("name") != spec.name:
         schema = {**schema, "function": {**schema.get("function", {}), "name": spec.name}}
     if spec.function:
+        if spec.isolation == "none" and not inspect.iscoroutinefunction(fn):
+            raise TypeError(f"isolation: none runs coroutine functions only (they await on the run's event loop), "
+                            f"and {spec.function!r} is a sync function: drop isolation: none to run it in its own "
+                            "threads")  # fmt: skip
         if spec.isolation == "process":
             lane: Lane = ProcessLane(name, spec.function, spec.workers)
+        elif spec.isolation == "none":
+            lane = InlineLane(name)
         elif inspect.iscoroutinefunction(fn):
             lane = LoopLane(name)
         else:
@@ -494,7 +529,10 @@ def build_tool(spec: ToolSpec, resolve_ref: Callable[[str], Any] = resolve) -> B
         for method in ("create", "execute", "calc_reward", "release"):
             if not callable(getattr(tool, method, None)):
                 raise TypeError(f"tool class {spec.class_!r} lacks the lifecycle method {method!r}")
-        lane = LoopLane(name)
+            if spec.isolation == "none" and not inspect.iscoroutinefunction(getattr(tool, method)):
+                raise TypeError(f"isolation: none runs coroutines only, and {spec.class_!r}.{method} is not an "
+                                "async def: drop isolation: none to run it on the tool's own loop thread")  # fmt: skip
+        lane = InlineLane(name) if spec.isolation == "none" else LoopLane(name)
     if hasattr(tool, "name"):
         tool.name = name
     return BoundTool(name, tool, schema, spec.timeout_s, tool_retry(spec.retry.max_attempts, spec.retry.backoff_s), lane)

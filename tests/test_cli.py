@@ -408,3 +408,12 @@ def test_dead_servers_exceed_the_error_rate(capsys, tmp_path, monkeypatch):
     summary = assert_consistent(out, 2)
     assert summary["error_rate"] == 1.0 and summary["failed"] == 2
     assert main(run_argv(dead, out, "--num-prompts", "1", "-q", "--max-error-rate", "1", "--retry-window", "1")) == 0
+
+
+def test_bench_prints_json_on_stdout_and_its_table_on_stderr():
+    """`agentfsm bench ... | jq` works: stdout is the JSON alone, the human-readable line goes to stderr."""
+    proc = subprocess.run([sys.executable, "-m", "fsm.cli", "bench", "router"], capture_output=True, text=True,
+                          cwd=REPO, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["servers"] == 8
+    assert "router decision" in proc.stderr

@@ -715,6 +715,27 @@ async def test_reused_uid_does_not_share_a_different_prompt(tok):
     assert first.token_check is None and second.token_check is None
 
 
+@pytest.mark.parametrize("n", [1, 3])
+async def test_prompt_cache_encodes_a_group_once_and_keeps_nothing(tok, n):
+    """A group's samples share one encoding, held only until the group's last sample has it; with one sample
+    per row nothing is held at all (10,000 prompts in flight would otherwise all stay in memory)."""
+    from fsm.actions import encode_prompt
+
+    agent = fsm.compile_spec(SPECS / "single_turn.yaml")
+    runner = fsm.Runner(agent, scripted([model_turn(tok, "ok")]), tok)
+    ctx = runner.make_context()
+    ctx.group_size = n
+    encoded = []
+    encode = ctx.codec.encode_prompt
+    ctx.codec.encode_prompt = lambda *args: encoded.append(1) or encode(*args)
+    trajs = runner.trajectories([user_row("first"), user_row("second")], n)
+    for traj in trajs:
+        await encode_prompt(ctx, traj)
+        assert len(ctx.prompt_cache) <= 1
+    assert len(encoded) == 2 and ctx.prompt_cache == {}
+    assert [t.prompt_ids for t in trajs[:n]] == [trajs[0].prompt_ids] * n != [trajs[-1].prompt_ids] * n
+
+
 # --- the machine without a backend ------------------------------------------------------------------------
 
 

@@ -224,7 +224,7 @@ def raw_trajectory(draw) -> Trajectory:
     for _ in range(draw(st.integers(0, 4))):
         ids = draw(seqs)
         if draw(st.booleans()):
-            traj.append_generated(ids, [-(i + 1) / 7 for i in range(len(ids))])
+            traj.append_generated(ids, [-(i + 1) / 7 for i in range(len(ids))], draw(st.integers(-1, 3)))
         else:
             traj.append_context(ids, "tool")
     traj.reward_score = draw(st.none() | st.floats(-2, 2, width=32))
@@ -245,6 +245,10 @@ def test_collate_pads_any_trajectories(trajs, p, r):
         assert t["responses"][i, : len(resp)].tolist() == resp  # long responses keep their head
         assert int(att[i].sum()) == len(prompt) + len(resp)
         assert t["response_mask"][i].tolist() == traj.response_mask.tolist()[:r] + [0] * (r - len(resp))
+        versions = [v if m else -1 for v, m in zip(traj.response_versions.tolist()[:r], traj.response_mask)]
+        assert t["weight_versions"][i].tolist() == versions + [-1] * (r - len(resp))
+        lps = np.array(traj.response_logprobs.tolist()[:r] + [0.0] * (r - len(resp)), dtype=np.float32)
+        np.testing.assert_array_equal(t["rollout_log_probs"][i].numpy(), lps)
     has_scores = all(traj.reward_score is not None for traj in trajs)
     assert ("rm_scores" in t.keys()) == has_scores
     if has_scores:
@@ -253,3 +257,27 @@ def test_collate_pads_any_trajectories(trajs, p, r):
             expect = np.zeros(r, dtype=np.float32)
             expect[n - 1] = np.float32(traj.reward_score)  # n == 0: column r-1, as verl's index -1
             np.testing.assert_array_equal(t["rm_scores"][i].numpy(), expect)
+
+
+# --- observation suffixes: tokenized alone, exactly as in a full render -----------------------------------
+
+TEXTS = st.text(max_size=40) | st.sampled_from(["", "\n", "\n\n", " x", "<|im_start|>", "<|im_end|>\nx", "🎉 ünï"])
+
+
+@SETTINGS
+@given(turns=st.lists(st.tuples(st.sampled_from(["tool", "user"]), TEXTS), min_size=1, max_size=3))
+def test_observation_suffix_equals_the_full_render(tok, turns):
+    """encode_observation tokenizes only the suffix's text; its ids must be the full render's, cut."""
+    from fsm.chat import _BASE, ChatCodec
+
+    codec = ChatCodec(tok)
+    messages = [{"role": role, "content": text} for role, text in turns]
+    full = codec.render(_BASE + messages, add_generation_prompt=True)
+    assert codec._added_tokens and codec.encode_observation(messages) == full[len(codec._base_ids) :]
+
+
+def test_bench_collate_runs():
+    from bench.collate import bench_collate
+
+    out = bench_collate(n=6, prompt=16, response=40, repeats=1)
+    assert out["collate_ms"] >= 0 and out["ratio_to_memcpy"] > 0 and out["ratio_to_memcpy_touched"] > 0

@@ -24,9 +24,9 @@ import pytest
 import fsm
 from backends.base import GenerateRequest
 from fsm.api import make_backend
-from fsm.isolation import LoopLane, ThreadLane, ToolUnavailable
+from fsm.isolation import BLOCKING_STEP_S, BLOCKING_STRIKES, InlineLane, LoopLane, ThreadLane, ToolUnavailable
 from fsm.parsers import ToolCall
-from fsm.tools import BaseTool, truncate
+from fsm.tools import BaseTool, ToolResponse, truncate
 from tests.conftest import ASSETS, REPO, model_turn, run_agent, scripted, tool_messages, tool_turn, user_row
 from tests.fixtures import faulty
 
@@ -235,6 +235,86 @@ async def test_wedged_tool_loop_is_replaced():
     assert await lane.call(faulty.atick, "after") == "after"  # on a fresh loop
     assert lane.written_off == 1
     lane.close()
+
+
+# --- isolation: none: coroutines on the run's own loop ---------------------------------------------------
+
+
+async def test_isolation_none_runs_on_the_runs_loop_and_times_out(tok, compile_yaml):
+    agent = compile_yaml(spec(tool("athread", isolation="none"), tool("ahang", isolation="none", timeout_s=0.2)))
+    assert isinstance(lane_of(agent, "athread"), InlineLane)
+    trajs = await run(tok, agent, {0: [tool_turn(tok, ("athread", {"text": "x"}))],
+                                   1: [tool_turn(tok, ("ahang", {"text": "x"}))]})  # fmt: skip
+    assert tool_messages(trajs[0]) == [threading.current_thread().name]  # no hand-off to another thread
+    assert tool_messages(trajs[1]) == ["Error: tool 'ahang' timed out after 0.2s"]
+    assert [t.termination_reason for t in trajs] == ["done", "done"]
+
+
+async def test_isolation_none_tool_that_blocks_the_loop_moves_to_its_own(tok, compile_yaml, caplog):
+    """Steps past BLOCKING_STEP_S (the sync sleep between two awaits), BLOCKING_STRIKES of them, move the
+    tool: later calls run on a loop thread of its own, so the run's loop is not blocked by it again."""
+    agent = compile_yaml(spec(tool("ablock", isolation="none", timeout_s=5), max_assistant_turns=9))
+    lane = lane_of(agent, "ablock")
+    turns = [tool_turn(tok, ("ablock", {"seconds": BLOCKING_STEP_S * 2})) for _ in range(BLOCKING_STRIKES + 1)]
+    (traj,) = await run(tok, agent, {0: turns})
+    *first, last = tool_messages(traj)
+    assert first == [threading.current_thread().name] * BLOCKING_STRIKES and last == "agentfsm-tool-loop-ablock"
+    assert isinstance(lane.moved, LoopLane)
+    assert f"'ablock' (isolation: none) held the event loop {BLOCKING_STRIKES} times" in caplog.text
+    lane.close()
+
+
+async def test_isolation_none_base_exception_ends_that_row_only(tok, compile_yaml):
+    agent = compile_yaml(spec(tool("araise_base", isolation="none", timeout_s=5), tool("echo")))
+    trajs = await run(tok, agent, {0: [tool_turn(tok, ("araise_base", {"kind": "SystemExit"}))],
+                                   1: [tool_turn(tok, ("echo", {"text": "fine"}))]})  # fmt: skip
+    assert "tool 'araise_base' raised SystemExit" in trajs[0].termination_reason
+    assert trajs[1].termination_reason == "done" and tool_messages(trajs[1]) == ["fine"]
+
+
+class InlineTool(BaseTool):
+    """A class tool with isolation: none: its lifecycle runs on the run's loop; it records the calls."""
+
+    calls: list[tuple[str, str]] = []
+
+    async def create(self, instance_id=None, **kwargs):
+        self.calls.append(("create", threading.current_thread().name))
+        return instance_id, None
+
+    async def execute(self, instance_id, parameters, **kwargs):
+        self.calls.append(("execute", threading.current_thread().name))
+        return ToolResponse(text="made"), 0.5, {}
+
+    async def release(self, instance_id, **kwargs):
+        self.calls.append(("release", threading.current_thread().name))
+
+
+class SyncReleaseTool(InlineTool):
+    def release(self, instance_id, **kwargs):  # not a coroutine: cannot run under isolation: none
+        return None
+
+
+INLINE_SCHEMA = {"type": "function", "function": {"name": "inline", "description": "Make.",
+                                                 "parameters": {"type": "object", "properties": {}}}}  # fmt: skip
+
+
+async def test_isolation_none_class_tool_runs_its_lifecycle_inline(tok, compile_yaml):
+    InlineTool.calls.clear()
+    entry = "  - class: tests.test_tool_faults:InlineTool\n    schema: tests.test_tool_faults:INLINE_SCHEMA\n    isolation: none"
+    agent = compile_yaml(spec(entry))
+    (traj,) = await run(tok, agent, {0: [tool_turn(tok, ("inline", {}))]})
+    here = threading.current_thread().name
+    assert InlineTool.calls == [("create", here), ("execute", here), ("release", here)]  # calc_reward: BaseTool's
+    assert tool_messages(traj) == ["made"] and traj.tool_rewards == [0.5] and traj.tool_scores == [0.0]
+
+
+def test_isolation_none_refuses_sync_code(compile_yaml):
+    with pytest.raises(Exception, match="isolation: none runs coroutine functions only"):
+        compile_yaml(spec(tool("echo", isolation="none")))
+    entry = ("  - class: tests.test_tool_faults:SyncReleaseTool\n    schema: tests.test_tool_faults:INLINE_SCHEMA\n"
+             "    isolation: none")  # fmt: skip
+    with pytest.raises(Exception, match=r"SyncReleaseTool'.release is not an async def"):
+        compile_yaml(spec(entry))
 
 
 # --- BaseExceptions ---------------------------------------------------------------------------------------
