@@ -21,7 +21,7 @@ in-process model's batching task never see a second loop).
 
 This is the one `fsm` module (with cli.py) that may import concrete backends, lazily, to compose them:
 `servers=` builds `Router([SGLangBackend(url), ...])`, no backend at all builds `HFBackend` over a model
-directory (by default the tiny model in backends/tiny/assets).
+directory (by default the tiny model in backends/tiny/assets) or a model object (`model=<torch module>`).
 """
 
 from __future__ import annotations
