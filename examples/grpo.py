@@ -157,7 +157,6 @@ class GRPO:
 
     def __init__(self, cfg: Config, log: Callable[[str], None] = print):
         torch.set_num_threads(cfg.threads)
-        torch.manual_seed(cfg.seed)
         self.cfg, self.log = cfg, log
         self.policy = load_model(cfg.init).train()
         # Adam moves every element by about its lr a step, whatever the tensor's scale: a norm gain near 1 and a
@@ -172,6 +171,7 @@ class GRPO:
         self.temperature = self.engine.agent.spec.sampling.temperature  # what rollout_log_probs are over
         self.held_out = make_prompts(cfg.eval_prompts, seed=1000)
         self.past: dict[int, dict[str, torch.Tensor]] = {}  # continuous: older versions' weights, for the check
+        self.before = 0.0  # held-out accuracy before training (set by run)
 
     def close(self) -> None:
         self.engine.close()
@@ -232,7 +232,8 @@ class GRPO:
         cfg = self.cfg
         if cfg.mode == "sync":
             for step in range(cfg.steps):
-                yield self.engine.generate_sequences(self.prompts(step), self.sampling(step), n=cfg.group), step
+                batch = self.engine.generate_sequences(self.prompts(step), self.sampling(step), n=cfg.group)
+                yield batch, self.engine.weight_version
             return
         self.past[0] = self.weights()
         self.engine.submit(self.prompts(0), cfg.group, self.sampling(0))
@@ -255,7 +256,7 @@ class GRPO:
     def run(self) -> list[StepLog]:
         cfg, logs = self.cfg, []
         start = time.monotonic()
-        before = self.evaluate(0)
+        self.before = before = self.evaluate(0)
         self.log(f"GRPO ({cfg.mode}) from {cfg.init.name}: {cfg.prompts} prompts x {cfg.group} samples per step, "
                  f"lr {cfg.lr:g}; held-out sampled accuracy before: {before:.1%}")  # fmt: skip
         self.log("step  version  reward  held-out  loss     clipped  stale  checked  max|dlogp|  step_s")
@@ -286,7 +287,6 @@ class GRPO:
         if cfg.mode == "continuous":
             stats = self.engine.stream_stats
             self.log(f"groups taken by staleness {stats['staleness']}, re-run for staleness {stats['stale_rerun']}")
-        self.before = before
         return logs
 
 
