@@ -181,7 +181,7 @@ def _served_name(model: Any, config: Any) -> str:
     named = getattr(config, "served_model_name", None)
     if isinstance(named, str) and named:
         return named
-    path = model if not isinstance(model, PreTrainedModel) else config.name_or_path
+    path = model if not isinstance(model, torch.nn.Module) else config.name_or_path
     if path:
         from backends.tiny import ASSET_DIR
 
@@ -202,7 +202,7 @@ class HFBackend(BaseBackend):
 
     def __init__(
         self,
-        model: str | os.PathLike[str] | PreTrainedModel,
+        model: str | os.PathLike[str] | PreTrainedModel | torch.nn.Module,  # a directory, or a model in memory
         *,
         device: str | torch.device | None = None,  # default: cuda when available, else cpu
         # default: a given model's own; loading: float32 on CPU, and on CUDA below SMALL_MODEL_PARAMS, else
@@ -222,8 +222,8 @@ class HFBackend(BaseBackend):
             torch.set_num_threads(torch_threads)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = _dtype(dtype)
-        if isinstance(model, PreTrainedModel):
-            self.dtype = dtype or model.dtype
+        if isinstance(model, torch.nn.Module):  # decoded as is: the caller's module (weights shared)
+            self.dtype = dtype or next(model.parameters()).dtype
             self.model = model
         else:
             if dtype is None:  # counting parameters builds a skeleton: only where the answer matters
@@ -570,6 +570,35 @@ class HFBackend(BaseBackend):
         source = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype)
         with torch.no_grad(), self._step:
             self.model.load_state_dict(source.state_dict())
+
+    async def update_weights_from_tensor(self, named_tensors: Any = None, *, load_format: str | None = None,
+                                         flush_cache: bool = True, weight_version: str | None = None,
+                                         serialized_named_tensors: Any = None) -> None:  # fmt: skip
+        """SGLang Engine's in-process `update_weights_from_tensor`: copy `named_tensors` ((name, tensor) pairs
+        or a mapping, e.g. a trainer's `model.state_dict()`) into the model, no disk round-trip. Like a reload
+        from disk it lands between batches, or between two steps of a batch held by an in-place pause."""
+        pairs = list(named_tensors.items() if hasattr(named_tensors, "items") else named_tensors or ())
+        own = self.model.state_dict(keep_vars=True)
+        wrong = next((f"the model has no parameter {name!r}" if name not in own else
+                      f"{name} has shape {tuple(t.shape)}, the model's {tuple(own[name].shape)}"
+                      for name, t in pairs if name not in own or t.shape != own[name].shape), None)  # fmt: skip
+        if serialized_named_tensors is not None:
+            wrong = "pass named_tensors= (tensors in this process), not serialized_named_tensors"
+        elif load_format not in (None, "direct"):
+            wrong = f"load_format {load_format!r} is not supported (only the default)"
+        if wrong:
+            raise BackendRequestError(f"{self.model_name}: update_weights_from_tensor: {wrong}",
+                                      server=self.model_name, status=400)  # fmt: skip
+        held = self._pause_mode == "in_place"
+        async with contextlib.nullcontext() if held else self._model_lock:
+            await asyncio.to_thread(self._copy_weights, own, pairs)
+        if weight_version is not None:
+            self.weight_version = weight_version
+
+    def _copy_weights(self, own: dict[str, torch.Tensor], pairs: list[tuple[str, torch.Tensor]]) -> None:
+        with torch.no_grad(), self._step:
+            for name, tensor in pairs:
+                own[name].data.copy_(tensor.detach())
 
     async def flush_cache(self) -> None:
         """Nothing to flush: there is no prefix cache across requests."""

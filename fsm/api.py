@@ -21,7 +21,7 @@ in-process model's batching task never see a second loop).
 
 This is the one `fsm` module (with cli.py) that may import concrete backends, lazily, to compose them:
 `servers=` builds `Router([SGLangBackend(url), ...])`, no backend at all builds `HFBackend` over a model
-directory (by default the tiny model in backends/tiny/assets).
+directory (by default the tiny model in backends/tiny/assets) or a model object (`model=<torch module>`).
 """
 
 from __future__ import annotations
@@ -86,11 +86,31 @@ def tiny_model_dir() -> Path:
     return ASSET_DIR
 
 
-def make_backend(*, servers: Sequence[str] | None = None, model: str | Path | None = None,
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def model_tokenizer(model: Any) -> Path:
+    """The tokenizer directory of the embedded model: the model directory itself, or for a model object the
+    directory it was loaded from. One clear line (FileNotFoundError) when it holds no tokenizer."""
+    if isinstance(model, (str, Path)):
+        where = Path(model)
+    else:
+        source = getattr(getattr(model, "config", None), "name_or_path", "") or ""
+        if not source or not Path(source).is_dir():
+            raise FileNotFoundError(f"the model object {type(model).__name__} was not loaded from a directory "
+                                    "that could hold its tokenizer; pass tokenizer= (an object or a path)")  # fmt: skip
+        where = Path(source)
+    if not any((where / name).is_file() for name in TOKENIZER_FILES):
+        raise FileNotFoundError(f"no tokenizer in {where} (none of {', '.join(TOKENIZER_FILES)}); pass tokenizer= "
+                                "(an object or a path, e.g. backends/tiny/assets for the tiny model's checkpoints)")  # fmt: skip
+    return where
+
+
+def make_backend(*, servers: Sequence[str] | None = None, model: str | Path | Any = None,
                  group_affinity: bool = True, request_timeout_s: float | None = None,
                  retry_window_s: float = 60.0, **hf_options: Any) -> Backend:  # fmt: skip
-    """`Router` over SGLang servers, or the in-process `HFBackend` over a model directory (default: tiny);
-    `hf_options` go to HFBackend (torch_threads, max_batch_size...). `request_timeout_s` is each server
+    """`Router` over SGLang servers, or the in-process `HFBackend` over a model directory (default: tiny) or
+    a model object in memory (a transformers causal LM, e.g. the one a trainer trains); `hf_options` go to HFBackend (torch_threads, max_batch_size...). `request_timeout_s` is each server
     request's deadline (overriding the spec's limits.request_timeout_s; default 300 s) and `retry_window_s`
     how long a request keeps failing over while the whole fleet fails (a restart); servers only."""
     if servers:
@@ -99,8 +119,17 @@ def make_backend(*, servers: Sequence[str] | None = None, model: str | Path | No
 
         clients = [SGLangBackend(url, request_timeout_s=request_timeout_s) for url in servers]
         return Router(clients, group_affinity=group_affinity, retry_window_s=retry_window_s)
+    import torch
+
     from backends.hf import HFBackend
 
+    if isinstance(model, torch.nn.Module):
+        if not callable(getattr(model, "forward", None)) or getattr(model, "config", None) is None:
+            raise TypeError(f"model={type(model).__name__} is not a transformers causal LM (it has no .config); "
+                            "pass a PreTrainedModel, a model directory, servers= or backend=")  # fmt: skip
+        return HFBackend(model, **hf_options)
+    if not isinstance(model, (str, Path, type(None))):
+        raise TypeError(f"model= takes a model directory or a torch module, got {type(model).__name__}")
     model_dir = Path(model) if model is not None else tiny_model_dir()
     if not (model_dir / "config.json").exists():
         hint = " (train it: python -m backends.tiny.train)" if model is None else ""
@@ -230,7 +259,9 @@ class RolloutEngine(ContinuousMode, _Engine):
     spec: a spec path, a shipped spec's name ("calculator"), an AgentSpec or a CompiledAgent.
     tokenizer: a tokenizer object or a path to load one from; default: the model's (embedded backend only).
     backend: any `backends.base.Backend`; or `servers`: SGLang base URLs, routed by a sticky Router with
-        group affinity; or neither: `HFBackend` in this process over `model` (default the tiny model).
+        group affinity; or neither: `HFBackend` in this process over `model` (default the tiny model): a
+        directory, or a transformers model object in memory (the engine decodes with that very module; a
+        trainer syncs its own copy with `update_weights_from_tensor(named_tensors=...)`).
     max_concurrency: trajectories in flight at once. tracer: e.g. `fsm.telemetry.Telemetry(...)`; the engine
         closes it when it closes (every span ended is then exported or counted as dropped).
     watchdog_s: when no trajectory has changed state for this long, the stuck rows are logged (None: never).
@@ -247,14 +278,12 @@ class RolloutEngine(ContinuousMode, _Engine):
         if backend is not None and servers:
             raise ValueError("give backend= or servers=, not both")
         self.agent = load_agent(spec)
-        if tokenizer is None:
-            if backend is not None or servers:
-                raise ValueError(
-                    "a tokenizer is needed with backend= or servers= (a tokenizer object or a path)"
-                )
-            tokenizer = model if model is not None else tiny_model_dir()
+        if tokenizer is None and (backend is not None or servers):
+            raise ValueError("a tokenizer is needed with backend= or servers= (a tokenizer object or a path)")
         if backend is None:
             backend = make_backend(servers=servers, model=model, **backend_options)
+            if tokenizer is None:  # the embedded model's own
+                tokenizer = model_tokenizer(model if model is not None else tiny_model_dir())
         elif backend_options:
             raise ValueError(f"backend options {sorted(backend_options)} go with servers= or model=, not backend=")
         self.backend: Backend = backend

@@ -264,6 +264,37 @@ def test_constructor_errors(tok):
         make_backend(model="/nonexistent")
 
 
+def test_embedded_model_object_and_weight_sync_from_tensors():
+    from backends.tiny import EARLY_DIR, load_model
+
+    model, early = load_model(ASSETS), load_model(EARLY_DIR)
+    rows, greedy = make_prompts(3, seed=5), {"temperature": 0.0}
+    with RolloutEngine("calculator", model=model, torch_threads=1) as engine:  # its tokenizer: ASSETS'
+        assert engine.backend.model is model
+        before = engine.generate_sequences(rows, greedy)
+        assert engine.update_weights_from_tensor(named_tensors=early.state_dict()) == 1
+        after = engine.generate_sequences(rows, greedy)
+    mask = after.batch["response_mask"].bool()
+    assert (before.batch["weight_versions"][before.batch["response_mask"].bool()] == 0).all()
+    assert (after.batch["weight_versions"][mask] == 1).all() and mask.any()
+    assert not torch.equal(before.batch["responses"], after.batch["responses"])
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in early.state_dict().items())
+
+
+def test_embedded_model_tokenizer_is_found_or_said_missing(tok):
+    from backends.tiny import EARLY_DIR, load_model
+
+    with pytest.raises(FileNotFoundError, match=r"no tokenizer in .*early .*pass tokenizer="):
+        RolloutEngine("calculator", model=EARLY_DIR)
+    with pytest.raises(FileNotFoundError, match=r"no tokenizer in .*early"):
+        RolloutEngine("calculator", model=load_model(EARLY_DIR))
+    with pytest.raises(TypeError, match="not a transformers causal LM"):
+        RolloutEngine("calculator", tok, model=torch.nn.Linear(2, 2))
+    engine = RolloutEngine("calculator", tok, model=EARLY_DIR)  # with a tokenizer given, it serves
+    assert engine.codec.tokenizer is tok
+    engine.close()
+
+
 def test_trajectories_pickle(tok):
     engine = RolloutEngine("calculator", tok, backend=echo())
     trajs = engine._run_sync(engine.arun(make_prompts(2), n=2))

@@ -247,6 +247,35 @@ async def test_update_weights_from_disk(backend: HFBackend, tmp_path: Path):
         await backend.update_weights_from_disk(str(tmp_path / "missing"))
 
 
+async def test_update_weights_from_tensor(backend: HFBackend, tmp_path: Path):
+    ids = prompt(15, seed=7)
+    before = await backend.generate(req(ids, **GREEDY))
+    other = Qwen2ForCausalLM.from_pretrained(make_model(tmp_path / "other", seed=1))
+    await backend.update_weights_from_tensor(named_tensors=list(other.state_dict().items()), weight_version="3")
+    after = await backend.generate(req(ids, **GREEDY))
+    assert after.weight_version == "3" and after.extra["token_versions"] == ["3"] * len(after.token_ids)
+    assert after.token_ids != before.token_ids
+    assert after.token_ids == reference_logprobs(other, ids, after.token_ids, 1.0).argmax(-1).tolist()
+    state = other.state_dict()
+    for bad, match in [({"nope.weight": state["lm_head.weight"]}, "no parameter 'nope.weight'"),
+                       ({"lm_head.weight": state["lm_head.weight"][:3]}, "has shape"),
+                       ({"serialized_named_tensors": ["x"]}, "not serialized_named_tensors")]:  # fmt: skip
+        kwargs = bad if "serialized_named_tensors" in bad else {"named_tensors": bad}
+        with pytest.raises(BackendRequestError, match=match):
+            await backend.update_weights_from_tensor(**kwargs, weight_version="4")
+    assert backend.weight_version == "3"  # a refused update moves nothing
+    assert (await backend.generate(req(ids, **GREEDY))).token_ids == after.token_ids
+
+
+async def test_a_model_object_is_decoded_as_is(model_dir: Path):
+    model = Qwen2ForCausalLM.from_pretrained(model_dir)
+    async with HFBackend(model, torch_threads=1) as b:
+        assert b.model is model and b.model_name == model_dir.name
+        ids = prompt(9, seed=3)
+        out = await b.generate(req(ids, **GREEDY))
+        assert out.token_ids == reference_logprobs(model, ids, out.token_ids, 1.0).argmax(-1).tolist()
+
+
 def test_bench_hf(model_dir: Path, device: str):
     result = bench_hf(
         model_dir, batch_sizes=(1, 4), prompt_len=20, new_tokens=8, torch_threads=1, device=device

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from transformers.utils import get_json_schema
 
 from backends.tiny import ASSET_DIR, load_model, load_tokenizer
@@ -226,6 +227,28 @@ def test_training_smoke_run(tmp_path):
     assert model.config.vocab_size == 576
     assert 0.7e6 < sum(p.numel() for p in model.parameters()) < 0.75e6
     assert load_tokenizer(tmp_path).eos_token_id == model.generation_config.eos_token_id == 2
+
+
+def test_training_stops_partway_saves_checkpoints_and_flattens(tmp_path):
+    """How assets/mid was made: a recipe stopped partway (its schedule unchanged), its logits divided by T."""
+    cmd = [sys.executable, "-m", "backends.tiny.train", "--max-steps", "9000", "--stop-at-step", "2",
+           "--save-every", "1", "--flatten", "2.0", "--out", tmp_path]  # fmt: skip
+    subprocess.run(cmd, cwd=REPO, check=True, capture_output=True)
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-1", "step-2"]
+    assert not (tmp_path / "step-1" / "tokenizer.json").exists()  # checkpoints: weights only, as early and mid
+    last, flat = load_model(tmp_path / "step-2").state_dict(), load_model(tmp_path).state_dict()
+    assert torch.allclose(flat.pop("model.norm.weight") * 2.0, last.pop("model.norm.weight"))
+    assert all(torch.equal(flat[k], v) for k, v in last.items())
+
+
+def test_mid_checkpoint_is_the_tiny_model_flattened():
+    from backends.tiny import MID_DIR
+
+    mid, final = load_model(MID_DIR), load_model(ASSET_DIR)
+    same = {"transformers_version": 0, "_name_or_path": 0}
+    assert mid.config.to_dict() | same == final.config.to_dict() | same
+    gain = mid.model.norm.weight.abs().mean() / final.model.norm.weight.abs().mean()
+    assert gain < 0.9  # its logits are flattened (see backends/tiny/__init__.py)
 
 
 @pytest.mark.skipif(not (ASSET_DIR / "model.safetensors").exists(), reason="no shipped weights")

@@ -6,6 +6,13 @@ assets/early/ holds a second checkpoint of the same architecture (config and wei
 training step (`python -m backends.tiny.train --max-steps 300 --time-budget-s 1e9 --out DIR`, 300 steps,
 smoothed loss ~1.5 where the shipped model's is ~0.002), so that a weight update visibly changes what the
 model generates (tests/test_pause.py).
+
+assets/mid/ holds a checkpoint a binary reward can train from (examples/grpo.py), where `early` never gets a
+reward: step 1,800 of the shipped recipe, run on one CPU thread, its logits flattened by temperature 1.5
+(`train.flatten`: the final norm's gain divided by 1.5) so that it knows most answers but rarely samples
+them whole: the README's benchmark table has its accuracies. Made with
+`python -m backends.tiny.train --max-steps 9000 --time-budget-s 1e9 --stop-at-step 1800 --flatten 1.5
+--out backends/tiny/assets/mid` (then the tokenizer files removed: it loads with ASSET_DIR's).
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from pathlib import Path
 
 ASSET_DIR = Path(__file__).resolve().parent / "assets"
 EARLY_DIR = ASSET_DIR / "early"  # the early checkpoint: weights only, load with ASSET_DIR's tokenizer
+MID_DIR = ASSET_DIR / "mid"  # a checkpoint GRPO can train from (examples/grpo.py): weights only, as early
 
 
 def load_tokenizer(path: Path = ASSET_DIR):

@@ -52,7 +52,9 @@ async def evaluate(args: argparse.Namespace) -> tuple[dict, list[str], list[str]
         f"demo (seed {DEMO_SEED})": make_prompts(DEMO_PROMPTS, seed=DEMO_SEED),
     }
     table = {}
-    async with RolloutEngine(args.spec, tokenizer=args.model_dir, backend=backend) as engine:
+    has_tokenizer = (args.model_dir / "tokenizer.json").exists()  # else a checkpoint of the tiny model (early, mid)
+    tokenizer = args.model_dir if has_tokenizer else ASSET_DIR
+    async with RolloutEngine(args.spec, tokenizer=tokenizer, backend=backend) as engine:
         sampling = engine.agent.spec.sampling
         modes = {  # mode: (samples per prompt, sampling_params over the spec's)
             f"spec default (T={sampling.temperature:g}, top_p={sampling.top_p:g}) x{args.samples}": (

@@ -146,6 +146,17 @@ def main() -> None:
     )
     parser.add_argument("--device", default="cpu", help="for experiments; the shipped model trains on CPU")
     parser.add_argument("--out", type=Path, default=ASSET_DIR)
+    parser.add_argument(
+        "--stop-at-step", type=int, default=None,
+        help="stop here and save, the schedule unchanged (a checkpoint partway through a recipe)",
+    )
+    parser.add_argument(
+        "--flatten", type=float, default=None,
+        help="save with the logits divided by this temperature (how assets/mid was made, see flatten())",
+    )
+    parser.add_argument(
+        "--save-every", type=int, default=None, help="also save weights to OUT/step-N every N steps"
+    )
     args = parser.parse_args()
 
     torch.set_num_threads(1)  # steadier than two on a shared 2-core machine
@@ -162,7 +173,7 @@ def main() -> None:
         progress = (time.process_time() - cpu_start) / args.time_budget_s
         if args.max_steps:
             progress = max(progress, step / args.max_steps)
-        if progress >= 1:
+        if progress >= 1 or step == args.stop_at_step:
             break
         lr = args.lr * 0.5 * (1 + math.cos(math.pi * progress))
         if step < args.warmup_steps:
@@ -176,6 +187,8 @@ def main() -> None:
         optimizer.step()
         step += 1
         smoothed = loss.item() if smoothed is None else 0.98 * smoothed + 0.02 * loss.item()
+        if args.save_every and step % args.save_every == 0:
+            save(model, tokenizer, args.out / f"step-{step}", tokenizer_files=False)
         if step % 100 == 0 or step == args.max_steps:
             print(
                 f"step {step} {time.process_time() - cpu_start:.0f}s cpu {time.monotonic() - start:.0f}s wall"
@@ -186,15 +199,33 @@ def main() -> None:
         f" final smoothed loss {smoothed:.4f}"
     )
 
-    args.out.mkdir(parents=True, exist_ok=True)
+    if args.flatten:
+        flatten(model, args.flatten)
+    save(model, tokenizer, args.out)
+    print(f"saved to {args.out}")
+
+
+def flatten(model: Qwen2ForCausalLM, temperature: float) -> None:
+    """Divide the model's logits by `temperature` for good: the final norm's weight scales the last hidden
+    state, and the (tied) output layer is linear without bias, so its samples at temperature 1 become the
+    trained model's at `temperature`. Greedy answers stay; sampled ones get worse: a checkpoint that knows
+    the answers but rarely samples them whole, which a binary reward can train (examples/grpo.py)."""
+    with torch.no_grad():
+        model.model.norm.weight.div_(temperature)
+
+
+def save(model: Qwen2ForCausalLM, tokenizer, out: Path, tokenizer_files: bool = True) -> None:
+    """Weights and config into `out`; with `tokenizer_files`, also the tokenizer (a complete directory)."""
+    out.mkdir(parents=True, exist_ok=True)
     model.generation_config = GenerationConfig(
         bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
     )
-    model.cpu().save_pretrained(args.out)
-    if args.out.resolve() != ASSET_DIR:
-        for name in TOKENIZER_FILES:  # a complete, loadable directory
-            shutil.copy(ASSET_DIR / name, args.out / name)
-    print(f"saved to {args.out}")
+    device = next(model.parameters()).device
+    model.cpu().save_pretrained(out)
+    model.to(device)
+    if tokenizer_files and out.resolve() != ASSET_DIR:
+        for name in TOKENIZER_FILES:
+            shutil.copy(ASSET_DIR / name, out / name)
 
 
 if __name__ == "__main__":
