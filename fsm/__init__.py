@@ -30,10 +30,12 @@ _EXPORTS = {
     "BaseTool": "fsm.tools", "ToolResponse": "fsm.tools",
     "ToolCall": "fsm.parsers", "Trajectory": "fsm.trajectory",
     "Group": "fsm.stream", "StreamEmpty": "fsm.stream", "SnapshotError": "fsm.snapshot",
+    "Sample": "fsm.adapters.sample", "SampleBatch": "fsm.adapters.sample",
 }  # fmt: skip
 __all__ = [
     "AgentSpec", "BaseInteraction", "BaseTool", "CompiledAgent", "DataError", "Diagnostic", "Edge", "Group",
-    "RayRunner", "RolloutBatch", "RolloutEngine", "RunContext", "Runner", "Sampling", "SnapshotError", "SpecError",
+    "RayRunner", "RolloutBatch", "RolloutEngine", "RunContext", "Runner", "Sample", "SampleBatch", "Sampling",
+    "SnapshotError", "SpecError",
     "StreamEmpty", "ToolCall",
     "ToolResponse", "Trajectory", "action", "collate", "compile_spec", "guard", "load_rows", "load_spec",
     "summarize", "validate_file",
@@ -56,6 +58,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
+    from fsm.adapters.sample import Sample, SampleBatch
     from fsm.agent import CompiledAgent, Edge
     from fsm.api import RolloutEngine
     from fsm.batch import RolloutBatch, collate, summarize
