@@ -46,6 +46,7 @@ class Sample:
     turn_rewards: list[TurnReward]
     termination_reason: str
     failed: bool
+    truncated: bool  # the last model turn was cut by its token budget (finish reason "length")
     num_turns: int  # verl's count: user turns + assistant turns + 1
     messages: list[dict[str, Any]]  # the conversation: prompt, model turns, tool results, user replies
     metrics: dict[str, float]  # per-sample timing and counters (fsm.trajectory.Metrics)
@@ -89,6 +90,7 @@ def to_sample(traj: Trajectory) -> Sample:
         turn_rewards=[TurnReward(str(s), int(p), float(v)) for s, p, v in traj.turn_rewards],
         termination_reason=traj.termination_reason or traj.state.lower(),
         failed=traj.failed,
+        truncated=traj.last_finish_reason == "length",
         num_turns=traj.num_turns,
         messages=list(traj.messages),
         metrics=traj.metrics.as_dict(),
