@@ -17,7 +17,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("fsm", "backends", "viz", "bench", "specs")
-COMPOSITION = {"fsm.api", "fsm.cli", "fsm.verl_adapter", "fsm.adapters.trl", "fsm.adapters.openrlhf"}
+COMPOSITION = {"fsm.api", "fsm.cli", "fsm.verl_adapter", "fsm.adapters.trl", "fsm.adapters.openrlhf",
+               "fsm.adapters.skyrl"}
 
 
 def _module_name(path: Path) -> str:

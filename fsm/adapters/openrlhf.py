@@ -31,6 +31,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from backends.function import FunctionBackend
+from fsm.adapters.bridge import on_loop
 from fsm.adapters.sample import Sample
 from fsm.api import RolloutEngine, SpecLike
 
@@ -94,9 +95,7 @@ class OpenRLHFRollout:
         request.min_tokens = 0  # the engine's turns may end at once (a stop id is a valid answer)
         if params.get("sampling_seed") is not None:
             request.seed = int(params["sampling_seed"])
-        assert self._loop is not None
-        output = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._llm.generate(prompt_ids, request),
-                                                                            self._loop))  # fmt: skip
+        output = await on_loop(self._llm.generate(prompt_ids, request), self._loop)
         completion = output.outputs[0]
         ids = list(completion.token_ids)
         logprobs = [completion.logprobs[i][t].logprob for i, t in enumerate(ids)] if completion.logprobs else None
