@@ -5,11 +5,13 @@ OpenAI-style completions endpoint or an in-process model plugs in without subcla
     backend = FunctionBackend(generate, start=open_client, close=close_client)
     engine = RolloutEngine(spec, tokenizer, backend=backend)   # the engine starts and closes it
 
-`sampling_params` uses SGLang's names (max_new_tokens, temperature, top_p, top_k, stop_token_ids,
+A function that also takes a `request` keyword gets the whole `GenerateRequest` (session_id, rid, group_id:
+keys for sticky routing). `sampling_params` uses SGLang's names (max_new_tokens, temperature, top_p, top_k, stop_token_ids,
 sampling_seed...). The function answers with one of:
 - `{"token_ids": [...], "logprobs": [...] | None, "finish_reason": "stop" | "length" | "abort",
-  "weight_version": ...}`: only `token_ids` is required; a missing finish_reason is "stop" when the last id is
-  a stop id and "length" otherwise;
+  "weight_version": ..., "versions": [...]}`: only `token_ids` is required; a missing finish_reason is "stop"
+  when the last id is a stop id and "length" otherwise; `versions` gives each token's weight version (an engine
+  that updates weights mid-request has several);
 - an SGLang `/generate` body (`output_ids`, `meta_info`), e.g. what `sglang.Engine.async_generate` returns;
 - a `GenerateResult`.
 Whatever it answers crosses the trust boundary the SGLang client's answers cross (backends/answer.py): ids in
@@ -55,6 +57,10 @@ class FunctionBackend(BaseBackend):
         if not callable(generate):
             raise TypeError(f"generate must be an async function (prompt_ids, sampling_params), got {generate!r}")
         self.fn = generate
+        try:
+            self._wants_request = "request" in inspect.signature(generate).parameters
+        except (TypeError, ValueError):
+            self._wants_request = False
         self.model_name = model_name
         self.provider = provider
         self.context_length = context_length
@@ -90,7 +96,8 @@ class FunctionBackend(BaseBackend):
         params = dict(request.sampling_params)
         try:
             async with asyncio.timeout(request.timeout_s):
-                answer = await self.fn(list(request.prompt_ids), params)
+                extra = {"request": request} if self._wants_request else {}
+                answer = await self.fn(list(request.prompt_ids), params, **extra)
         except TimeoutError:
             self._count("timeouts")
             raise BackendTimeout(f"{self.model_name}: generate function gave no answer within "
@@ -148,6 +155,14 @@ def _as_body(answer: Any, params: Mapping[str, Any]) -> Any:
         meta["output_token_logprobs"] = logprobs
     if answer.get("weight_version") is not None:
         meta["weight_version"] = answer["weight_version"]
+    versions = answer.get("versions")
+    if isinstance(versions, list) and versions:  # per token -> SGLang's spans, checked by the parser
+        spans, start = [], 0
+        for i in range(1, len(versions) + 1):
+            if i == len(versions) or versions[i] != versions[start]:
+                spans.append({"version": versions[start], "start": start, "end": i})
+                start = i
+        meta["weight_versions"] = spans
     return {"output_ids": ids, "meta_info": meta}
 
 

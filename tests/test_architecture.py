@@ -18,7 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("fsm", "backends", "viz", "bench", "specs")
 COMPOSITION = {"fsm.api", "fsm.cli", "fsm.verl_adapter", "fsm.adapters.trl", "fsm.adapters.openrlhf",
-               "fsm.adapters.skyrl"}
+               "fsm.adapters.skyrl", "fsm.adapters.areal"}
 
 
 def _module_name(path: Path) -> str:

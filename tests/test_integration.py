@@ -201,3 +201,28 @@ async def test_reward_function_sees_tool_results_and_metrics(tok, compile_yaml):
     assert s.reward_extra_info["tool_results"] == ["5"] and s.reward_extra_info["tool_calls"] == 1
     assert s.reward_extra_info["state_path"][-1] == "TERMINATED"
     assert agent.reward.extras == ("trajectory", "tool_results", "metrics")
+
+
+async def test_function_backend_per_token_versions_and_the_request(tok):
+    """`versions` gives each token's weight version (an engine that updated weights mid-request); a function
+    that takes `request` gets the GenerateRequest (its session id: a key for sticky routing)."""
+    script = calc_script(tok)
+    sessions: list[str] = []
+
+    async def generate(prompt_ids: list[int], sampling_params: dict, request) -> dict:
+        sessions.append(request.session_id)
+        ids = script(0, 0, len(sessions) - 1, prompt_ids)
+        half = len(ids) // 2
+        return {"token_ids": ids, "logprobs": [-0.5] * len(ids), "versions": [4] * half + [5] * (len(ids) - half)}
+
+    async with RolloutEngine("calculator", tokenizer=ASSETS, backend=FunctionBackend(generate)) as engine:
+        (s,) = (await engine.agenerate_samples([question()])).samples
+    assert len(sessions) == 2 and sessions[0] == sessions[1]  # one trajectory, one session
+    turns, start = [], None
+    for i, m in enumerate([*s.mask, 0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            turns.append(s.versions[start:i])
+            start = None
+    assert len(turns) == 2 and all(v == [4] * (len(v) // 2) + [5] * (len(v) - len(v) // 2) for v in turns)
