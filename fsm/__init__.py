@@ -31,10 +31,12 @@ _EXPORTS = {
     "ToolCall": "fsm.parsers", "register_parser": "fsm.parsers", "Trajectory": "fsm.trajectory",
     "Family": "fsm.families", "register_family": "fsm.families",
     "Group": "fsm.stream", "StreamEmpty": "fsm.stream", "SnapshotError": "fsm.snapshot",
+    "Sample": "fsm.adapters.sample", "SampleBatch": "fsm.adapters.sample",
 }  # fmt: skip
 __all__ = [
     "AgentSpec", "BaseInteraction", "BaseTool", "CompiledAgent", "DataError", "Diagnostic", "Edge", "Family", "Group",
-    "RayRunner", "RolloutBatch", "RolloutEngine", "RunContext", "Runner", "Sampling", "SnapshotError", "SpecError",
+    "RayRunner", "RolloutBatch", "RolloutEngine", "RunContext", "Runner", "Sample", "SampleBatch", "Sampling",
+    "SnapshotError", "SpecError",
     "StreamEmpty", "ToolCall",
     "ToolResponse", "Trajectory", "action", "collate", "compile_spec", "guard", "load_rows", "load_spec",
     "register_family", "register_parser", "summarize", "validate_file",
@@ -57,6 +59,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
+    from fsm.adapters.sample import Sample, SampleBatch
     from fsm.agent import CompiledAgent, Edge
     from fsm.api import RolloutEngine
     from fsm.batch import RolloutBatch, collate, summarize

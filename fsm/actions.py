@@ -188,10 +188,12 @@ async def call_tools(ctx: RunContext, traj: Trajectory) -> None:
             ctx.run_tool(traj, call, f"{traj.session_id}_c{traj.user_turns}_{k}", active) for k, call in enumerate(run)
         ))  # fmt: skip
     traj.metrics.tool_calls += time.perf_counter() - t0
+    traj.metrics.num_tool_calls += len(run)
     answers: list[dict[str, Any]] = []
     for outcome in outcomes:
         if outcome.reward is not None:  # a BaseTool may return None as its reward; verl leaves it out
             traj.tool_rewards.append(outcome.reward)
+            traj.add_turn_reward("tool", outcome.reward)
         if outcome.score is not None:
             traj.tool_scores.append(outcome.score)
         if outcome.error:
@@ -234,6 +236,7 @@ async def interact(ctx: RunContext, traj: Trajectory) -> None:
     content = encodable(content) if isinstance(content, str) else content
     if score is not None:
         traj.turn_scores.append(float(score))
+        traj.add_turn_reward("interaction", score)
     if metrics:
         traj.extra.setdefault("interaction_metrics", []).append(metrics)
     traj.should_terminate = bool(done)

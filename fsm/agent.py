@@ -59,10 +59,16 @@ class _SharedMachine(Machine):
     transition_cls = _LeanTransition
 
 
+# What a reward function may see besides verl's arguments, when it names the parameter: the Trajectory, its
+# tool results (texts, in call order), its conversation, its metrics (fsm.trajectory.Metrics as a dict).
+REWARD_EXTRAS = ("trajectory", "tool_results", "messages", "metrics")
+
+
 @dataclass
 class Reward:
     fn: Any
     kwargs: dict[str, Any]
+    extras: tuple[str, ...] = ()  # the REWARD_EXTRAS its signature names (a **kwargs alone gets none of them)
 
 
 class CompiledAgent:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import weakref
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
@@ -37,12 +38,14 @@ from typing import Any, TypeVar
 import numpy as np
 
 from backends.base import Backend
+from fsm.adapters.sample import SampleBatch, to_samples
 from fsm.batch import collate
 from fsm.chat import ChatCodec
 from fsm.compile import CompiledAgent, compile_spec
 from fsm.context import Sampling
 from fsm.loader import LoadedSpec
 from fsm.loopthread import LoopThread as _LoopThread
+from fsm.metrics import FaultDelta, rollout_metrics
 from fsm.rows import is_dataproto, to_rows
 from fsm.runtime import WATCHDOG_S, Runner
 from fsm.spec import SPECS_DIR, AgentSpec
@@ -178,12 +181,14 @@ async def probe_servers(urls: Sequence[str], *, strict: bool = False, timeout_s:
 
 
 def to_batch(trajs: Sequence[Trajectory], agent: CompiledAgent, codec: ChatCodec, *, logprobs: bool,
-             like: Any = None) -> Any:  # fmt: skip
+             like: Any = None, meta: Mapping[str, Any] | None = None) -> Any:  # fmt: skip
     """Finished trajectories -> RolloutBatch, or a `DataProto` of the input's class when `like` is one
-    (then, as verl's AgentLoopManager returns it: per-sample `metrics` popped, `reward_extra_keys` added)."""
+    (then, as verl's AgentLoopManager returns it: per-sample `metrics` popped, `reward_extra_keys` added).
+    `meta`: the input's meta_info (e.g. verl's `global_steps`), carried to the output under agentfsm's keys."""
     limits = agent.limits
     out = collate(trajs, prompt_length=limits.prompt_length, response_length=limits.response_length,
                   pad_token_id=codec.pad_id, logprobs=logprobs)  # fmt: skip
+    out.meta_info = {**(meta or {}), **out.meta_info}
     if "rm_scores" in out.batch.keys():
         out.meta_info["reward_extra_keys"] = sorted(
             {k for t in trajs for k in t.extra.get("reward_extra_info", {})}
@@ -203,6 +208,7 @@ class _Engine:
     agent: CompiledAgent
     codec: ChatCodec
     _own_loop: asyncio.AbstractEventLoop | None = None
+    _faults: FaultDelta | None = None
 
     async def arun(self, rows: Sequence[Any], *, n: int = 1, sampling_params: Mapping[str, Any] | None = None,
                    validate: bool = False, sampling: Sampling | None = None) -> list[Trajectory]:  # fmt: skip
@@ -220,12 +226,48 @@ class _Engine:
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         sampling = self.sampling(sampling_params, validate)
+        self._fault_counters()
+        t0 = time.perf_counter()
         trajs = await self.arun(rows, n=n, sampling=sampling)
-        return self.to_batch(trajs, sampling, like=batch)
+        return self.to_batch(trajs, sampling, like=batch, meta=meta, wall_s=time.perf_counter() - t0)
 
-    def to_batch(self, trajs: Sequence[Trajectory], sampling: Sampling, like: Any = None) -> Any:
-        """Finished trajectories -> verl's padded batch (see the module-level `to_batch`)."""
-        return to_batch(trajs, self.agent, self.codec, logprobs=sampling.logprobs, like=like)
+    async def agenerate_samples(self, batch: Rows, sampling_params: Mapping[str, Any] | None = None,
+                                validate: bool = False, n: int = 1) -> SampleBatch:  # fmt: skip
+        """As `agenerate_sequences`, unpadded: one flat `Sample` per trajectory (the form trainer adapters
+        map from, fsm/adapters/sample.py), with the same meta_info."""
+        rows, meta = to_rows(batch)
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        sampling = self.sampling(sampling_params, bool(validate or meta.get("validate", False)))
+        faults = self._fault_counters()
+        t0 = time.perf_counter()
+        trajs = await self.arun(rows, n=n, sampling=sampling)
+        info = {**meta, "sampling": sampling.describe(self.codec.vocab_size),
+                "rollout_metrics": rollout_metrics(trajs, faults=faults.take(), wall_s=time.perf_counter() - t0)}
+        return SampleBatch(to_samples(trajs), info)
+
+    def generate_samples(self, batch: Rows, sampling_params: Mapping[str, Any] | None = None,
+                         validate: bool = False, n: int = 1) -> SampleBatch:  # fmt: skip
+        """Sync form of `agenerate_samples`."""
+        self._refuse_in_loop("generate_samples", "agenerate_samples")
+        return self._run_sync(self.agenerate_samples(batch, sampling_params, validate, n))
+
+    def to_batch(self, trajs: Sequence[Trajectory], sampling: Sampling, like: Any = None,
+                 meta: Mapping[str, Any] | None = None, wall_s: float | None = None) -> Any:  # fmt: skip
+        """Finished trajectories -> verl's padded batch (see the module-level `to_batch`), with the sampling
+        that produced its logprobs (meta_info["sampling"]) and its metrics (meta_info["rollout_metrics"],
+        fsm/metrics.py), which survive a DataProto's round trip."""
+        out = to_batch(trajs, self.agent, self.codec, logprobs=sampling.logprobs, like=like, meta=meta)
+        out.meta_info["sampling"] = sampling.describe(self.codec.vocab_size)
+        out.meta_info["rollout_metrics"] = rollout_metrics(trajs, faults=self._fault_counters().take(),
+                                                           wall_s=wall_s)  # fmt: skip
+        return out
+
+    def _fault_counters(self) -> FaultDelta:
+        """The backend's fault counters, read per batch (first read: before the first batch runs)."""
+        if self._faults is None:
+            self._faults = FaultDelta(getattr(self, "backend", None))
+        return self._faults
 
     def sampling(self, sampling_params: Mapping[str, Any] | None = None, validate: bool = False) -> Sampling:
         """The run's sampling, resolved once (pass it to `arun` and `to_batch`)."""

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from fsm.actions import BUILTIN_ACTIONS
-from fsm.agent import CompiledAgent, Edge, Reward
+from fsm.agent import REWARD_EXTRAS, CompiledAgent, Edge, Reward
 from fsm.families import family_names
 from fsm.guards import GuardError, compile_guard
 from fsm.interaction import REQUIRED_METHODS
@@ -322,7 +322,13 @@ class _Compiler:
         if spec is None:
             return None
         fn = self._ref(spec.function, "reward", "function")
-        return None if fn is None else Reward(fn, dict(spec.kwargs))
+        if fn is None:
+            return None
+        try:
+            named = inspect.signature(fn).parameters
+        except (TypeError, ValueError):  # a builtin or an UNCHECKED placeholder: verl's arguments only
+            named = {}
+        return Reward(fn, dict(spec.kwargs), tuple(x for x in REWARD_EXTRAS if x in named and x not in spec.kwargs))
 
 
 def _reversed(graph: dict[str, list[str]]) -> dict[str, list[str]]:

@@ -26,6 +26,7 @@ from fsm.trajectory import Trajectory
 # is not (tracing off, or sampled out) call no tracer hook.
 TRACED: contextvars.ContextVar[Any] = contextvars.ContextVar("agentfsm_traced", default=None)
 
+GREEDY_BELOW = 1e-6  # a temperature below this is greedy decoding (SGLang's and the embedded model's rule)
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty", "min_p", "max_new_tokens", "stop_token_ids",
                  "sampling_seed", "frequency_penalty", "presence_penalty")  # fmt: skip
 
@@ -59,6 +60,26 @@ class Sampling:
         cap = overrides.pop("max_new_tokens", agent.limits.max_new_tokens)
         params = {**base, **overrides, "stop_token_ids": stops}
         return cls(params, seed, logprobs, cap)
+
+    def describe(self, vocab_size: int) -> dict[str, Any]:
+        """What produced the logprobs, for a trainer that recomputes them (the batch's meta_info["sampling"]):
+        each is log_softmax(logits / logprob_temperature) over all `vocab_size` ids, as SGLang and the
+        embedded model report them; top_k / top_p cut what is drawn, never renormalise the logprob."""
+        temperature = float(self.params.get("temperature", 1.0))
+        greedy = temperature < GREEDY_BELOW
+        top_k = int(self.params.get("top_k", -1))
+        return {
+            "temperature": temperature,
+            "top_p": float(self.params.get("top_p", 1.0)),
+            "top_k": top_k,  # -1: the whole vocabulary
+            "vocab_size": vocab_size,
+            "greedy": greedy,
+            "logprob_temperature": 1.0 if greedy else temperature,
+            "logprobs_over": "full_vocabulary",
+            "repetition_penalty": float(self.params.get("repetition_penalty", 1.0)),
+            "seed": self.seed,
+            "logprobs": self.logprobs,
+        }
 
     def for_turn(self, traj: Trajectory, budget: int) -> dict[str, Any]:
         """The request's sampling params for one turn of `traj` with `budget` tokens left (> 0)."""

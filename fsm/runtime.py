@@ -45,6 +45,17 @@ class RewardError(Exception):
     """The spec's reward function failed, hung or returned something that is not a score; names it and the row."""
 
 
+def reward_extra(traj: Trajectory, name: str) -> Any:
+    """One of fsm.agent.REWARD_EXTRAS for `traj`, for a reward function that names it."""
+    if name == "trajectory":
+        return traj
+    if name == "tool_results":
+        return [m.get("content") for m in traj.messages if m.get("role") == "tool"]
+    if name == "messages":
+        return list(traj.messages)
+    return traj.metrics.as_dict()
+
+
 class Runner:
     """Runs rows through a compiled agent. Reusable across batches; one per (agent, backend, tokenizer)."""
 
@@ -242,6 +253,8 @@ class Runner:
             extra_info=row.get("extra_info"),
             **reward.kwargs,
         )
+        for name in reward.extras:  # only what the function names: verl-style signatures see no change
+            kwargs[name] = reward_extra(traj, name)
         t0 = time.perf_counter()
         name, limit = self.agent.spec.reward.function, self.agent.limits.reward_timeout_s  # type: ignore[union-attr]
         try:

@@ -101,7 +101,8 @@ def decode_trajectory(data: dict[str, Any]) -> Trajectory:
     """A trajectory from `encode_trajectory`'s output; its state times are moved to end now (durations kept,
     this process's clock)."""
     traj = Trajectory.__new__(Trajectory)
-    traj.partial_turn = None  # older snapshots have no such slot
+    traj.partial_turn = None  # older snapshots have no such slots
+    traj.turn_rewards = []
     for name in Trajectory.__slots__:
         if name in data:
             setattr(traj, name, _decode(data[name]))

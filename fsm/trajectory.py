@@ -39,6 +39,7 @@ class Metrics:
     num_preempted: int = 0  # aborted model turns resumed (verl: -1 when unknown; the engine always knows)
     cached_tokens: int = 0
     prompt_tokens_sent: int = 0
+    num_tool_calls: int = 0  # calls run (each answered, failed or not); dropped ones are not among them
     tool_errors: int = 0
     dropped_calls: int = 0
     retries: int = 0
@@ -65,7 +66,7 @@ class Trajectory:
         "assistant_turns", "user_turns", "pending_calls", "last_finish_reason", "should_terminate",
         "observation_overflow",
         # outcome
-        "termination_reason", "error", "reward_score", "tool_rewards", "tool_scores", "turn_scores",
+        "termination_reason", "error", "reward_score", "tool_rewards", "tool_scores", "turn_scores", "turn_rewards",
         "interaction_score", "token_check", "metrics", "extra", "extra_fields",
     )  # fmt: skip
 
@@ -104,6 +105,9 @@ class Trajectory:
         self.tool_rewards: list[float] = []
         self.tool_scores: list[float] = []
         self.turn_scores: list[float] = []
+        # every tool reward and interaction turn score, with the response position of the last token of the
+        # model turn it judges: [source ("tool" | "interaction"), position (-1: before any model token), value]
+        self.turn_rewards: list[list[Any]] = []
         self.interaction_score: float | None = None
         self.token_check: str | None = None
         self.metrics = Metrics()
@@ -171,6 +175,11 @@ class Trajectory:
                 out[i] = view(out[i], self.response_ids[seg.start : seg.end].tolist())
         return out
 
+    def add_turn_reward(self, source: str, value: float) -> None:
+        """A reward for the model turn just taken (a tool's, an interaction turn's): kept with its position."""
+        position = next((seg.end - 1 for seg in reversed(self.segments) if seg.role == "assistant"), -1)
+        self.turn_rewards.append([source, position, float(value)])
+
     def context_ids(self) -> list[int]:
         """Everything the model has seen so far: the next request's input_ids."""
         return self.prompt_ids.tolist() + self.response_ids.tolist()
@@ -196,6 +205,7 @@ class Trajectory:
         self.termination_reason = reason if reason.startswith("error:") else f"error: {reason}"
         del self.response_ids[:], self.response_mask[:], self.response_logprobs[:], self.response_versions[:]
         self.segments.clear()
+        self.turn_rewards.clear()  # no tokens left to place them on (tool_rewards / turn_scores keep the values)
         self.logprobs_missing = False  # nothing left to lack them
 
     @property

@@ -4,7 +4,7 @@
   TYPE_CHECKING, and inside functions (a lazy import hides a cycle from Python, not from a reader);
 - `fsm` imports a concrete backend (anything in `backends` but the protocol, backends/base.py, and the
   retry policy, backends/retry.py) only in its composition modules: fsm/api.py, fsm/cli.py,
-  fsm/verl_adapter.py;
+  fsm/verl_adapter.py and the trainer adapters beside it (fsm/adapters/);
 - `backends` never imports `fsm`, and no engine or backend module imports `bench`.
 """
 
@@ -17,7 +17,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("fsm", "backends", "viz", "bench", "specs")
-COMPOSITION = {"fsm.api", "fsm.cli", "fsm.verl_adapter"}
+COMPOSITION = {"fsm.api", "fsm.cli", "fsm.verl_adapter", "fsm.adapters.trl", "fsm.adapters.openrlhf",
+               "fsm.adapters.skyrl", "fsm.adapters.areal"}
 
 
 def _module_name(path: Path) -> str:

@@ -1,0 +1,123 @@
+"""AReaL: the engine as a `RolloutWorkflow`, over AReaL's own inference engine.
+
+What a user writes (where AReaL takes a workflow: `rollout_batch(data, workflow=...)`, `prepare_batch`):
+
+    from fsm.adapters.areal import FSMWorkflow
+    workflow = FSMWorkflow("specs/calculator.yaml", tokenizer, gconfig=config.gconfig)
+
+What AReaL (1.0) hands over and wants back: `arun_episode(engine, data)` runs one episode of one dataset row;
+every model call is `await engine.agenerate(ModelRequest(rid, input_ids, gconfig))` and answers with the output
+tokens, their logprobs and `output_versions` (the weight version of each token: AReaL's asynchronous training
+bounds staleness with them). The episode comes back as a dict of [1, L] tensors over the whole sequence:
+`input_ids`, `loss_mask` (1 on the model's tokens), `logprobs` and `versions` (0.0 and -1 elsewhere), `rewards`
+([1]) and `attention_mask`; None rejects the episode.
+
+So this workflow runs the row (`messages` are the chat messages, `answer` the ground truth unless the row has
+`reward_model`) as one trajectory; each model turn is one `agenerate` on AReaL's engine, on the episode's
+event loop, under the trajectory's own rid (AReaL keeps a rid on one server, for its prefix cache), with
+`gconfig`'s sampling and the spec's budgets and stop ids; every token keeps the version AReaL reported for it.
+A failed episode (the engine's error, not the model's), or one without logprobs, is rejected: None.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from backends.base import GenerateRequest
+from backends.function import FunctionBackend
+from fsm.adapters.bridge import on_loop
+from fsm.adapters.sample import Sample
+from fsm.api import RolloutEngine, SpecLike, load_tokenizer
+
+log = logging.getLogger("agentfsm.areal")
+_WorkflowBase: Any
+try:  # AReaL's own base class where it is installed; the adapter is usable (and testable) without it
+    from areal.api.workflow_api import RolloutWorkflow as _WorkflowBase
+except ImportError:  # pragma: no cover - without areal
+    _WorkflowBase = object
+
+
+class FSMWorkflow(_WorkflowBase):  # type: ignore[misc,valid-type]
+    """AReaL's RolloutWorkflow running `spec` (see the module docstring). gconfig: AReaL's
+    GenerationHyperparameters (temperature, top_p, top_k, greedy); None: the spec's sampling."""
+
+    def __init__(self, spec: SpecLike, tokenizer: Any, gconfig: Any = None, **engine_options: Any):
+        self.spec, self.gconfig, self.options = spec, gconfig, engine_options
+        self.tokenizer = load_tokenizer(tokenizer)
+        self.engine: RolloutEngine | None = None
+        self._areal: Any = None  # AReaL's inference engine, and the episode loop it is awaited on
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def arun_episode(self, engine: Any, data: Mapping[str, Any]) -> dict[str, torch.Tensor] | None:
+        self._areal, self._loop = engine, asyncio.get_running_loop()
+        if self.engine is None:
+            backend = FunctionBackend(self._generate, model_name="areal", provider="areal")
+            self.engine = RolloutEngine(self.spec, tokenizer=self.tokenizer, backend=backend, **self.options)
+        batch = await self.engine.agenerate_samples([to_row(data)], sampling_params=self._sampling())
+        sample = batch.samples[0]
+        if sample.logprobs is None:  # AReaL's loss divides by them: never train on invented ones
+            log.warning("episode rejected: AReaL's engine returned no logprobs (row %s)", sample.uid)
+            return None
+        return None if sample.failed else to_areal(sample)
+
+    def _sampling(self) -> dict[str, Any]:
+        g = self.gconfig
+        if g is None:
+            return {}
+        top_k = int(getattr(g, "top_k", -1))
+        return {"temperature": 0.0 if getattr(g, "greedy", False) else float(g.temperature), "top_p": float(g.top_p),
+                "top_k": top_k if 0 < top_k < self.engine.codec.vocab_size else -1}  # type: ignore[union-attr]  # fmt: skip
+
+    async def _generate(self, prompt_ids: list[int], params: dict[str, Any], request: GenerateRequest) -> dict[str, Any]:
+        """One model turn on AReaL's engine, in AReaL's own request type."""
+        from areal.api import ModelRequest
+        from areal.api.cli_args import GenerationHyperparameters
+
+        base = self.gconfig if self.gconfig is not None else GenerationHyperparameters()
+        temperature = float(params.get("temperature", 1.0))
+        gconfig = base.new(n_samples=1, max_new_tokens=int(params["max_new_tokens"]), min_new_tokens=0,
+                           greedy=temperature == 0.0, temperature=temperature, top_p=float(params.get("top_p", 1.0)),
+                           top_k=int(params["top_k"]) if params.get("top_k", -1) > 0 else int(1e8),
+                           stop_token_ids=list(params.get("stop_token_ids") or []), stop=None,
+                           max_tokens=len(prompt_ids) + int(params["max_new_tokens"]))  # fmt: skip
+        req = ModelRequest(rid=request.session_id, input_ids=list(prompt_ids), gconfig=gconfig, tokenizer=self.tokenizer)
+        resp = await on_loop(self._areal.agenerate(req), self._loop)
+        finish = {"tool_calls": "stop"}.get(resp.stop_reason, resp.stop_reason)
+        return {"token_ids": list(resp.output_tokens), "logprobs": list(resp.output_logprobs),
+                "finish_reason": finish if finish in ("stop", "length", "abort") else None,
+                "versions": list(resp.output_versions)}  # fmt: skip
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+
+
+def to_row(data: Mapping[str, Any]) -> dict[str, Any]:
+    """An AReaL dataset row as a verl row."""
+    row = dict(data)
+    if "raw_prompt" not in row and "prompt" not in row and "messages" in row:
+        row["raw_prompt"] = row.pop("messages")
+    if "reward_model" not in row and row.get("answer") is not None:
+        row["reward_model"] = {"ground_truth": row["answer"]}
+    return row
+
+
+def to_areal(sample: Sample) -> dict[str, torch.Tensor]:
+    """A flat sample as AReaL's episode: [1, L] tensors over prompt + response."""
+    P = len(sample.prompt_ids)
+    logprobs = sample.logprobs or []
+    out = {
+        "input_ids": torch.tensor(sample.prompt_ids + sample.response_ids, dtype=torch.int32),
+        "logprobs": torch.tensor([0.0] * P + [lp if m else 0.0 for lp, m in zip(logprobs, sample.mask)],
+                                 dtype=torch.float32),  # fmt: skip
+        "loss_mask": torch.tensor([0] * P + sample.mask, dtype=torch.int32),
+        "versions": torch.tensor([-1] * P + sample.versions, dtype=torch.int32),
+        "rewards": torch.tensor(0.0 if sample.reward is None else sample.reward, dtype=torch.float32),
+        "attention_mask": torch.ones(P + len(sample.response_ids), dtype=torch.bool),
+    }
+    return {k: v.unsqueeze(0) for k, v in out.items()}

@@ -1,0 +1,136 @@
+"""SkyRL: the engine as a `GeneratorInterface` over SkyRL's own inference engines.
+
+The entrypoint a user writes (SkyRL's way of swapping the generator):
+
+    from skyrl_train.entrypoints.main_base import BasePPOExp
+    from fsm.adapters.skyrl import FSMGenerator
+
+    class FSMExp(BasePPOExp):
+        def get_generator(self, cfg, tokenizer, inference_engine_client):
+            return FSMGenerator("specs/calculator.yaml", tokenizer, inference_engine_client)
+
+What SkyRL (skyrl-train 0.3) hands over and wants back: `generate(GeneratorInput)` gets `prompts` (chat
+messages), already repeated `n_samples_per_prompt` times, their `env_extras` (the dataset's other columns) and
+`trajectory_ids` (the row's uid and the repetition), and SkyRL's backend-specific `sampling_params`. It returns
+a `GeneratorOutput`, one entry per prompt in order: `prompt_token_ids`, `response_ids`, `loss_masks` (what the
+policy loss sums over), `rewards` (one per response: SkyRL puts it on the last token), `rollout_logprobs`
+(aligned with `response_ids`; what its truncated importance sampling divides by), `stop_reasons`,
+`rollout_metrics` and the `trajectory_ids`.
+
+So this generator runs each prompt as one trajectory with its env_extras as the row (`reward_spec` or
+`reward_model` gives the ground truth), groups by `trajectory_ids[i].instance_id`, sends every model turn to
+SkyRL's client (`inference_engine_client.generate`, token in, token out, on the trainer's event loop) with
+SkyRL's temperature/top_p/top_k and the spec's budgets and stop ids, and samples with the spec's
+`val_sampling` in the eval phase. A failed row (the engine's error) is one masked token with reward 0.0:
+SkyRL reads the last response token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from backends.function import FunctionBackend
+from fsm.adapters.bridge import on_loop
+from fsm.adapters.sample import Sample
+from fsm.api import RolloutEngine, SpecLike
+
+log = logging.getLogger("agentfsm.skyrl")
+_GeneratorBase: Any
+try:  # SkyRL's own base class where it is installed; the adapter is usable (and testable) without it
+    from skyrl_train.generators.base import GeneratorInterface as _GeneratorBase
+except ImportError:  # pragma: no cover - without skyrl_train
+    _GeneratorBase = object
+
+
+class FSMGenerator(_GeneratorBase):  # type: ignore[misc,valid-type]
+    """SkyRL's GeneratorInterface running `spec` (see the module docstring)."""
+
+    def __init__(self, spec: SpecLike, tokenizer: Any, inference_engine_client: Any, **engine_options: Any):
+        self.client = inference_engine_client
+        self._loop: asyncio.AbstractEventLoop | None = None  # the trainer's loop, where the client is awaited
+        self._request: dict[str, Any] = {}  # SkyRL's sampling params of the batch in flight
+        backend = FunctionBackend(self._generate, model_name="skyrl", provider="skyrl")
+        self.engine = RolloutEngine(spec, tokenizer=tokenizer, backend=backend, **engine_options)
+
+    async def generate(self, input_batch: Mapping[str, Any]) -> dict[str, Any]:
+        self._loop = asyncio.get_running_loop()
+        self._request = dict(input_batch.get("sampling_params") or {})
+        meta = input_batch.get("batch_metadata")
+        phase = getattr(meta, "training_phase", "train")
+        ids = input_batch.get("trajectory_ids")
+        extras = input_batch.get("env_extras") or [None] * len(input_batch["prompts"])
+        rows = [to_row(p, e, ids[i].instance_id if ids else None) for i, (p, e) in enumerate(zip(input_batch["prompts"], extras))]
+        params = engine_sampling(self._request)
+        batch = await self.engine.agenerate_samples(rows, sampling_params=params, validate=phase == "eval")
+        out = to_skyrl(batch.samples, pad_id=self.engine.codec.pad_id, with_logprobs=params.get("logprobs", True))
+        out["rollout_metrics"] = batch.meta_info["rollout_metrics"]
+        out["trajectory_ids"] = ids
+        return out
+
+    async def _generate(self, prompt_ids: list[int], params: dict[str, Any]) -> dict[str, Any]:
+        """One model turn through SkyRL's client, in the names of SkyRL's backend (vllm or sglang)."""
+        request = {k: v for k, v in self._request.items() if k not in ("stop", "min_tokens", "min_new_tokens")}
+        sglang = "max_new_tokens" in request and "max_tokens" not in request
+        request["max_new_tokens" if sglang else "max_tokens"] = int(params["max_new_tokens"])
+        for key in ("temperature", "top_p", "top_k"):
+            request[key] = params[key]
+        request["stop_token_ids"] = list(params.get("stop_token_ids") or [])
+        if params.get("sampling_seed") is not None:
+            request["sampling_seed" if sglang else "seed"] = int(params["sampling_seed"])
+        output = await on_loop(self.client.generate({"prompts": None, "prompt_token_ids": [prompt_ids],
+                                                     "sampling_params": request, "session_ids": None}), self._loop)  # fmt: skip
+        logprobs = output.get("response_logprobs")
+        finish = output["stop_reasons"][0]
+        return {"token_ids": list(output["response_ids"][0]), "logprobs": list(logprobs[0]) if logprobs else None,
+                "finish_reason": finish if finish in ("stop", "length", "abort") else None}  # fmt: skip
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def engine_sampling(request: Mapping[str, Any]) -> dict[str, Any]:
+    """SkyRL's sampling params -> the engine's overrides. Logprobs only when SkyRL asks for them (vLLM's
+    `logprobs` set; SkyRL's sglang backend returns none)."""
+    top_k = request.get("top_k")
+    return {
+        "temperature": float(request.get("temperature", 1.0)),
+        "top_p": float(request.get("top_p", 1.0)),
+        "top_k": int(top_k) if top_k and top_k > 0 else -1,
+        "logprobs": request.get("logprobs") is not None,
+    }
+
+
+def to_row(prompt: Any, extras: Mapping[str, Any] | None, uid: str | None) -> dict[str, Any]:
+    """A SkyRL prompt and its env_extras as a verl row."""
+    row: dict[str, Any] = {k: v for k, v in (extras or {}).items()}
+    row["raw_prompt"] = prompt
+    if "reward_model" not in row and isinstance(row.get("reward_spec"), Mapping):
+        row["reward_model"] = dict(row["reward_spec"])
+    if uid is not None:
+        row["uid"] = str(uid)
+    return row
+
+
+def to_skyrl(samples: Sequence[Sample], *, pad_id: int, with_logprobs: bool) -> dict[str, Any]:
+    """Flat samples -> GeneratorOutput's per-sample lists."""
+    out: dict[str, Any] = {"prompt_token_ids": [], "response_ids": [], "rewards": [], "loss_masks": [],
+                           "stop_reasons": [], "rollout_logprobs": [] if with_logprobs else None}  # fmt: skip
+    for s in samples:
+        ids, mask, logprobs = s.response_ids, s.mask, s.logprobs
+        if not ids:  # SkyRL reads the last response token: a failed row is one masked pad token
+            ids, mask, logprobs = [pad_id], [0], [0.0]
+        out["prompt_token_ids"].append(s.prompt_ids)
+        out["response_ids"].append(ids)
+        out["loss_masks"].append(mask)
+        out["rewards"].append(0.0 if s.failed or s.reward is None else float(s.reward))
+        out["stop_reasons"].append("length" if s.truncated else "stop")
+        if out["rollout_logprobs"] is not None:
+            if logprobs is None:  # a server gave none: SkyRL then gets none at all, never invented values
+                log.warning("rollout_logprobs left out: a sample's server returned no logprobs")
+                out["rollout_logprobs"] = None
+            else:
+                out["rollout_logprobs"].append(list(logprobs))
+    return out

@@ -1,0 +1,116 @@
+"""AReaL 1.0.4's real classes over `fsm.adapters.areal` (in .venv-areal: bash .ci/areal_env.sh).
+
+AReaL's own `RemoteSGLangEngine` runs the episodes (`rollout_batch` with the workflow, its WorkflowExecutor and
+its HTTP client) against an SGLang-protocol server: agentfsm's dev server over the tiny model, in a
+subprocess. The episodes are batched by AReaL's `concat_padded_tensors`, and checked against what its PPO
+actor reads: tokens, loss mask, per-token versions, rewards, and its own recomputed log-probs (`gather_logprobs`,
+shifted as its actor shifts them) against the rollout's, through `ppo_actor_loss_fn` with token-level
+rejection sampling (nothing rejected)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import torch
+
+pytest.importorskip("areal", reason="runs in .venv-areal (bash .ci/areal_env.sh)")
+
+from areal.api.cli_args import GenerationHyperparameters, InferenceEngineConfig, RejectionSamplingConfig  # noqa: E402
+from areal.api.workflow_api import RolloutWorkflow  # noqa: E402
+from areal.engine.sglang_remote import RemoteSGLangEngine  # noqa: E402
+from areal.utils.data import concat_padded_tensors  # noqa: E402
+from areal.utils.functional import gather_logprobs, ppo_actor_loss_fn  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from fsm.adapters.areal import FSMWorkflow  # noqa: E402
+from specs.calculator import TOOL_SCHEMA, compute_score, make_prompts  # noqa: E402
+from tests.conftest import ASSETS  # noqa: E402
+
+TEMPERATURE = 1.5  # high enough that the logprobs are far from 0, so comparing them means something
+VERSION = 3
+
+
+@pytest.fixture(scope="module")
+def tiny_server():
+    """agentfsm's SGLang-protocol dev server over the tiny model, as AReaL's engine expects a server."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "backends.devserver", "--model", str(ASSETS), "--port", str(port)])
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, "the dev server did not start"
+                time.sleep(0.2)
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_workflow_through_areal_engine_batch_and_actor_loss(tiny_server):
+    tok = AutoTokenizer.from_pretrained(ASSETS)
+    engine = RemoteSGLangEngine(InferenceEngineConfig(experiment_name="agentfsm", trial_name="test", backend="sglang:d1",
+                                                      max_concurrent_rollouts=4, consumer_batch_size=4, setup_timeout=60))  # fmt: skip
+    engine.initialize(addr=[tiny_server])
+    engine.set_version(VERSION)
+    workflow = FSMWorkflow("calculator", tok, gconfig=GenerationHyperparameters(n_samples=1, max_new_tokens=64,
+                                                                                temperature=TEMPERATURE))  # fmt: skip
+    assert isinstance(workflow, RolloutWorkflow)
+    rows = make_prompts(2, seed=13)
+    data = [{"messages": r["raw_prompt"], "answer": r["reward_model"]["ground_truth"]} for r in rows for _ in range(2)]
+    try:
+        episodes = engine.rollout_batch(data, workflow=workflow)  # AReaL runs every episode in its executor
+    finally:
+        engine.destroy()
+        workflow.close()
+
+    assert len(episodes) == len(data)
+    for ep in episodes:
+        ids = ep["input_ids"][0].tolist()
+        mask, logp, versions = ep["loss_mask"][0], ep["logprobs"][0], ep["versions"][0]
+        assert ep["attention_mask"].all() and all(t.shape[1] == len(ids) for k, t in ep.items() if k != "rewards")
+        # which row: the rendered prompt (chat template with the tool schema) opens the sequence
+        for row in data:
+            prompt = tok.apply_chat_template(row["messages"], tools=[TOOL_SCHEMA], add_generation_prompt=True,
+                                             tokenize=True, return_dict=False)  # fmt: skip
+            if ids[: len(prompt)] == prompt:
+                break
+        else:
+            raise AssertionError("an episode that starts with none of the prompts")
+        P = len(prompt)
+        assert mask[:P].sum() == 0 and (versions[:P] == -1).all()
+        assert (versions[mask == 1] == VERSION).all() and (versions[mask == 0] == -1).all()  # AReaL's version per token
+        assert (logp[mask == 0] == 0).all() and (logp[mask == 1] <= 0).all() and logp[mask == 1].sum() < 0
+        turns = torch.nonzero(torch.diff(torch.cat([mask.new_zeros(1), mask])) == 1).numel()
+        assert turns == 2  # a calculator call, then the answer, with the tool's result between them out of the mask
+        assert "<tool_response>" in tok.decode(ids[P:])
+        assert ep["rewards"].item() == compute_score(tok.decode(ids[P:]), row["answer"])
+
+    batch = concat_padded_tensors(episodes)  # AReaL's batching of episodes
+    # the actor's view, as AReaL's PPO actor builds it: everything shifted by one (position i predicts token i+1)
+    loss_mask = torch.roll(batch["loss_mask"].float(), shifts=-1, dims=-1)
+    old_logp = torch.roll(batch["logprobs"], shifts=-1, dims=-1) * loss_mask
+    model = AutoModelForCausalLM.from_pretrained(ASSETS, dtype=torch.float32).eval()
+    ids = batch["input_ids"].long()
+    with torch.no_grad():
+        logits = model(ids, attention_mask=batch["attention_mask"].long()).logits.float()
+    actor = gather_logprobs(logits, torch.roll(ids, shifts=-1, dims=-1), temperature=TEMPERATURE) * loss_mask
+    on = loss_mask.bool()
+    diff = (actor[on] - old_logp[on]).abs().max().item()
+    print(f"max |actor logp - rollout logp| on loss tokens {diff:.1e} over {int(on.sum())} tokens; mean rollout logp {old_logp[on].mean():.3e}")
+    assert diff < 1e-4, diff
+    rejection = RejectionSamplingConfig(level="token", action="mask", metric="ratio", upper=1.001, lower=0.999)
+    loss, stat = ppo_actor_loss_fn(logprobs=actor, proximal_logprobs=actor, old_logprobs=old_logp,
+                                   advantages=torch.randn_like(actor), eps_clip=0.2, loss_mask=on,
+                                   rejection_sampling=rejection)  # fmt: skip
+    assert torch.isfinite(loss).all() and int(stat["behave_mask"].sum()) == int(on.sum())  # nothing rejected

@@ -1,0 +1,97 @@
+"""TRL's real GRPOTrainer, for a few real steps on CPU, over the embedded tiny model through `TRLRollout`: every
+field TRL's loss reads is checked against the engine's samples, and TRL's own recomputed logprobs against the
+rollout's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl", reason="the trl extra: pip install 'agentfsm[trl]'")
+datasets = pytest.importorskip("datasets")
+
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from fsm.adapters.trl import TRLRollout, engine_reward  # noqa: E402
+from specs.calculator import make_prompts  # noqa: E402
+from tests.conftest import ASSETS  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
+G = 4  # num_generations
+
+
+def spread(completions: list, **kwargs) -> list[float]:
+    """A second TRL reward function beside the spec's, giving each group a spread: the tiny model answers
+    these right nearly always, and a group of equal rewards has no advantage, so the step no gradient."""
+    return [-(i % G) / 10 for i in range(len(completions))]
+
+
+def test_grpo_trainer_trains_on_the_engines_samples(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    torch.manual_seed(0)
+    tok = AutoTokenizer.from_pretrained(ASSETS)
+    model = AutoModelForCausalLM.from_pretrained(ASSETS, dtype=torch.float32)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    # a TRL dataset: `prompt` holds the chat messages; the other columns are what the spec's reward reads
+    rows = [{"prompt": r["raw_prompt"], "reward_model": r["reward_model"]} for r in make_prompts(4, seed=5)]
+    dataset = datasets.Dataset.from_list(rows)
+    args = trl.GRPOConfig(
+        output_dir=str(tmp_path), use_cpu=True, bf16=False, max_steps=2, per_device_train_batch_size=2 * G,
+        num_generations=G, learning_rate=1e-4, temperature=0.9, logging_steps=1, report_to=[], save_strategy="no",
+        seed=0, disable_tqdm=True, dataloader_num_workers=0, max_completion_length=160,
+    )  # fmt: skip
+    rollout = TRLRollout("calculator", dataset=dataset)
+    trainer = trl.GRPOTrainer(model=model, processing_class=tok, args=args, train_dataset=dataset,
+                              reward_funcs=[engine_reward, spread], rollout_func=rollout)  # fmt: skip
+    seen: list[dict] = []
+    original = trainer._generate_and_score_completions
+
+    def capture(inputs):
+        out = original(inputs)
+        ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
+        mask = torch.cat([out["prompt_mask"], out["completion_mask"]], 1)
+        with torch.no_grad():  # what compute_loss computes as per_token_logps, on the weights that sampled
+            logps, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask,
+                                                                  out["completion_ids"].size(1), batch_size=2 * G)[:2]
+        seen.append({"out": out, "logps": logps, "batch": rollout.last, "step": trainer.state.global_step,
+                     "prompts": [x["prompt"] for x in inputs]})  # fmt: skip
+        return out
+
+    monkeypatch.setattr(trainer, "_generate_and_score_completions", capture)
+    try:
+        trainer.train()
+    finally:
+        rollout.close()
+
+    assert [s["step"] for s in seen] == [0, 1] and rollout.calls == 2
+    for step in seen:
+        out, batch = step["out"], step["batch"]
+        samples = batch.samples
+        assert len(samples) == 2 * G
+        # TRL hands over each prompt G times; the adapter makes each run of equal prompts one group
+        assert [s.row["raw_prompt"] for s in samples] == step["prompts"]
+        assert len({s.uid for s in samples}) == 2 and all(samples[i].uid == samples[i - i % G].uid for i in range(2 * G))
+        assert all(s.row["reward_model"]["ground_truth"] for s in samples)  # found in the dataset by prompt
+        assert batch.meta_info["sampling"]["temperature"] == 0.9  # the trainer's: what TRL divides logits by
+        loss_mask = out["completion_mask"] * out["tool_mask"]
+        P = out["prompt_ids"].size(1)
+        for i, s in enumerate(samples):
+            p, r = len(s.prompt_ids), len(s.response_ids)
+            assert not s.failed and r > 0
+            assert out["prompt_ids"][i, P - p :].tolist() == s.prompt_ids and out["prompt_mask"][i].sum() == p
+            assert out["completion_ids"][i, :r].tolist() == s.response_ids and out["completion_mask"][i].sum() == r
+            assert loss_mask[i, :r].tolist() == s.mask and loss_mask[i, r:].sum() == 0  # observations not trained
+            assert out["sampling_per_token_logps"][i, :r].tolist() == pytest.approx(s.logprobs, abs=0)
+            assert set(s.versions) - {-1} == {step["step"]}  # sampled by the weights of this very step
+        # TRL's recomputed logprobs (its loss's per_token_logps) match the rollout's on every trained token
+        on = loss_mask.bool()
+        diff = (step["logps"][on] - out["sampling_per_token_logps"][on]).abs().max().item()
+        print(f"step {step['step']}: max |TRL logp - rollout logp| on trained tokens {diff:.1e}")
+        assert diff < 1e-4, diff
+        # advantages: TRL's group normalisation of the spec's reward (plus spread's)
+        rewards = torch.tensor([s.reward - (i % G) / 10 for i, s in enumerate(samples)]).view(-1, G)
+        expected = (rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-4)
+        assert out["advantages"].tolist() == pytest.approx(expected.flatten().tolist(), abs=1e-5)
+    logged = [h for h in trainer.state.log_history if "rollout/samples" in h]
+    assert len(logged) == 2 and all(h["rollout/samples"] == 2 * G for h in logged)
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())  # the optimizer stepped
