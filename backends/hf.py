@@ -49,6 +49,7 @@ from backends.base import (
     GenerateRequest,
     GenerateResult,
 )
+from backends.sampling import sample_next
 
 GREEDY_BELOW = 1e-6  # SGLang: a smaller temperature means greedy
 SMALL_MODEL_PARAMS = 1_000_000_000  # below this, float32 on CUDA too (see the module docstring)
@@ -103,41 +104,6 @@ class _Job:
     running: bool = False  # in the decode loop's batch (else queued)
     abort: bool = False  # /abort_request: the decode loop ends the row at its next step, with its partial output
     retractions: int = 0
-
-
-def _draw(
-    logp: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor, gens: list[torch.Generator]
-) -> torch.Tensor:
-    """Sample one token per row from exp(logp) cut to top-k / top-p, by inverse CDF.
-
-    Each row draws its single uniform from its own generator (on the CPU, whatever the model's device), so a
-    seeded request picks the same tokens whatever it is batched with, and on whichever device.
-    """
-    probs, order = logp.exp().sort(dim=-1, descending=True)  # (B, V)
-    rank = torch.arange(probs.shape[-1], device=probs.device)
-    mass_before = probs.cumsum(-1) - probs
-    keep = (rank < top_k[:, None]) & ((mass_before <= top_p[:, None]) | (top_p[:, None] >= 1.0))
-    cdf = (probs * keep).cumsum(-1)
-    u = torch.stack([torch.rand((), generator=g) for g in gens]).to(probs.device) * cdf[:, -1]
-    pick = torch.searchsorted(cdf, u[:, None]).clamp_(max=probs.shape[-1] - 1)
-    return order.gather(-1, pick).squeeze(-1)
-
-
-def _sample(
-    logits: torch.Tensor, jobs: list[_Job], temp: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick the next token of every row; return (tokens, their logprobs), both (B,).
-
-    `temp` is 1.0 for greedy rows, so their logprobs are plain log_softmax(logits).
-    """
-    logp = torch.log_softmax(logits / temp[:, None], dim=-1)  # (B, V): what SGLang reports
-    tokens = logits.argmax(-1)
-    sampled = [row for row, job in enumerate(jobs) if job.generator is not None]
-    if sampled:
-        rows = torch.tensor(sampled, device=logits.device)
-        gens = [jobs[row].generator for row in sampled]
-        tokens[rows] = _draw(logp[rows], top_p[rows], top_k[rows], gens)  # type: ignore[arg-type]
-    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
 
 def _ids(value: int | list[int] | None) -> list[int]:
@@ -484,7 +450,7 @@ class HFBackend(BaseBackend):
                         use_cache=True,
                         logits_to_keep=1,
                     )
-                    tokens, logprobs = _sample(out.logits[:, -1].float(), jobs, temp, top_p, top_k)
+                    tokens, logprobs = sample_next(out.logits[:, -1].float(), [j.generator for j in jobs], temp, top_p, top_k)
                 live = []  # rows that go on
                 for row, (job, token, logprob) in enumerate(
                     zip(jobs, tokens.tolist(), logprobs.tolist(), strict=True)
