@@ -16,6 +16,7 @@ ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 VENV="${AREAL_VENV:-$ROOT/.venv-areal}"
 PYTHON="${PYTHON:-python3}"
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
+source "$ROOT/.ci/venv_lib.sh"
 
 DEPS=(
   "ray==2.60.0" "hydra-core==1.3.8" "omegaconf==2.3.1" "lark==1.3.1" "uvloop==0.23.0" "torchdata==0.11.0"
@@ -25,19 +26,11 @@ DEPS=(
 )
 IMPORTS="import areal.api.workflow_api, areal.engine.sglang_remote, areal.utils.data, areal.utils.functional, fsm.adapters.areal"
 
-stamp="$VENV/.agentfsm-areal-env"
-want="$(cat "$0" "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1)"
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && (cd "$ROOT" && "$VENV/bin/python" -c "$IMPORTS") 2>/dev/null; then
-  echo "areal env: $VENV is up to date"
-  exit 0
-fi
+want="$(venv_want "$0" "$ROOT/pyproject.toml" "$ROOT/.ci/venv_lib.sh")"
+venv_current areal "$VENV" "$want" env -C "$ROOT" "$VENV/bin/python" -c "$IMPORTS" && exit 0
 
 start=$SECONDS
-if [ -e "$VENV" ]; then
-  [ -f "$VENV/pyvenv.cfg" ] || { echo "areal env: $VENV exists and is not a virtualenv; not touching it" >&2; exit 1; }
-  rm -rf "$VENV"
-fi
-"$PYTHON" -m venv "$VENV"
+venv_fresh areal "$VENV" "$PYTHON"
 pip=("$VENV/bin/python" -m pip install -q)
 "${pip[@]}" torch==2.13.0                 # first: the local CPU wheel, so nothing below pulls CUDA torch
 "${pip[@]}" -e "$ROOT" pytest pytest-asyncio
@@ -46,5 +39,4 @@ echo "areal env: pip will list areal's declared dependencies that are left out o
 "${pip[@]}" "${DEPS[@]}"
 cd "$ROOT"
 "$VENV/bin/python" -c "$IMPORTS"
-echo "$want" > "$stamp"
-echo "areal env: built $VENV in $((SECONDS - start)) s"
+venv_done areal "$VENV" "$want" "$start"

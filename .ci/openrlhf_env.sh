@@ -16,6 +16,7 @@ ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 VENV="${OPENRLHF_VENV:-$ROOT/.venv-openrlhf}"
 PYTHON="${PYTHON:-python3}"
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
+source "$ROOT/.ci/venv_lib.sh"
 
 DEPS=(
   "ray==2.60.0"               # openrlhf.trainer.ray (openrlhf pins 2.55.0; its API used here is the same)
@@ -27,19 +28,11 @@ DEPS=(
 )
 IMPORTS="import openrlhf.utils.agent, openrlhf.trainer.ray.vllm_engine, openrlhf.trainer.ppo_utils.samples_generator, vllm.outputs, deepspeed, fsm.adapters.openrlhf"
 
-stamp="$VENV/.agentfsm-openrlhf-env"
-want="$(cat "$0" "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1)"
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && (cd "$ROOT" && "$VENV/bin/python" -c "$IMPORTS") 2>/dev/null; then
-  echo "openrlhf env: $VENV is up to date"
-  exit 0
-fi
+want="$(venv_want "$0" "$ROOT/pyproject.toml" "$ROOT/.ci/venv_lib.sh")"
+venv_current openrlhf "$VENV" "$want" env -C "$ROOT" "$VENV/bin/python" -c "$IMPORTS" && exit 0
 
 start=$SECONDS
-if [ -e "$VENV" ]; then
-  [ -f "$VENV/pyvenv.cfg" ] || { echo "openrlhf env: $VENV exists and is not a virtualenv; not touching it" >&2; exit 1; }
-  rm -rf "$VENV"
-fi
-"$PYTHON" -m venv "$VENV"
+venv_fresh openrlhf "$VENV" "$PYTHON"
 pip=("$VENV/bin/python" -m pip install -q)
 "${pip[@]}" torch==2.13.0                 # first: the local CPU wheel, so nothing below pulls CUDA torch
 "${pip[@]}" -e "$ROOT" pytest pytest-asyncio
@@ -48,5 +41,4 @@ echo "openrlhf env: pip will list openrlhf's and vllm's declared dependencies th
 "${pip[@]}" "${DEPS[@]}"
 cd "$ROOT"
 "$VENV/bin/python" -c "$IMPORTS"
-echo "$want" > "$stamp"
-echo "openrlhf env: built $VENV in $((SECONDS - start)) s"
+venv_done openrlhf "$VENV" "$want" "$start"

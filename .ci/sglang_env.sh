@@ -16,6 +16,7 @@ VENV="${SGLANG_VENV:-$ROOT/.venv-sglang}"
 PYTHON="${PYTHON:-python3}"
 LOCK="$ROOT/.ci/sglang-lock.txt"
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
+source "$ROOT/.ci/venv_lib.sh"
 # sglang 0.5.23 pins torch 2.14.1; the machine-wide cap (torch<=2.14.1) allows it, nothing else applies.
 export PIP_CONSTRAINT=""
 
@@ -30,11 +31,7 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -f "$stub" ] \
 fi
 
 start=$SECONDS
-if [ -e "$VENV" ]; then
-  [ -f "$VENV/pyvenv.cfg" ] || { echo "sglang env: $VENV exists and is not a virtualenv; not touching it" >&2; exit 1; }
-  rm -rf "$VENV"
-fi
-"$PYTHON" -m venv "$VENV"
+venv_fresh sglang "$VENV" "$PYTHON"
 pip=("$VENV/bin/python" -m pip install -q)
 if [ -f "$LOCK" ]; then
   "${pip[@]}" --no-deps -r "$LOCK"      # every pin the resolver picked once: nothing left to resolve

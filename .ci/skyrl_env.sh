@@ -17,6 +17,7 @@ ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 VENV="${SKYRL_VENV:-$ROOT/.venv-skyrl}"
 PYTHON="${PYTHON:-python3}"
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
+source "$ROOT/.ci/venv_lib.sh"
 
 DEPS=(
   "ray==2.51.1"               # skyrl-train's pin (ray.util.placement_group.PlacementGroupSchedulingStrategy)
@@ -25,19 +26,11 @@ DEPS=(
 )
 IMPORTS="import skyrl_train.generators, skyrl_train.inference_engines.inference_engine_client, skyrl_train.dataset.preprocess, skyrl_train.utils.ppo_utils, skyrl_train.utils.trainer_utils, skyrl_train.trainer, fsm.adapters.skyrl"
 
-stamp="$VENV/.agentfsm-skyrl-env"
-want="$(cat "$0" "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1)"
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && (cd "$ROOT" && "$VENV/bin/python" -c "$IMPORTS") 2>/dev/null; then
-  echo "skyrl env: $VENV is up to date"
-  exit 0
-fi
+want="$(venv_want "$0" "$ROOT/pyproject.toml" "$ROOT/.ci/venv_lib.sh")"
+venv_current skyrl "$VENV" "$want" env -C "$ROOT" "$VENV/bin/python" -c "$IMPORTS" && exit 0
 
 start=$SECONDS
-if [ -e "$VENV" ]; then
-  [ -f "$VENV/pyvenv.cfg" ] || { echo "skyrl env: $VENV exists and is not a virtualenv; not touching it" >&2; exit 1; }
-  rm -rf "$VENV"
-fi
-"$PYTHON" -m venv "$VENV"
+venv_fresh skyrl "$VENV" "$PYTHON"
 pip=("$VENV/bin/python" -m pip install -q)
 "${pip[@]}" torch==2.13.0                 # first: the local CPU wheel, so nothing below pulls CUDA torch
 "${pip[@]}" -e "$ROOT" pytest pytest-asyncio
@@ -46,5 +39,4 @@ echo "skyrl env: pip will list skyrl's declared dependencies that are left out o
 "${pip[@]}" "${DEPS[@]}"
 cd "$ROOT"
 "$VENV/bin/python" -c "$IMPORTS"
-echo "$want" > "$stamp"
-echo "skyrl env: built $VENV in $((SECONDS - start)) s"
+venv_done skyrl "$VENV" "$want" "$start"

@@ -17,6 +17,7 @@ ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 VERSION="${VERL_VERSION:-0.9.1}"
 PYTHON="${PYTHON:-python3}"
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
+source "$ROOT/.ci/venv_lib.sh"
 
 DEPS_0_9_1=(
   "transformers==5.10.4"     # verl 0.9.1 wants >=5.5.3,<5.11,!=5.6.0 (agent_loop, tools.function_tool)
@@ -50,20 +51,11 @@ case "$VERSION" in
   *) echo "verl env: no dependency list for verl $VERSION (0.9.1, 0.7.1)" >&2; exit 2 ;;
 esac
 
-stamp="$VENV/.agentfsm-verl-env"
-want="$(cat "$0" "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1)"
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] \
-  && "$VENV/bin/python" -c "import $CHECK, hypothesis" 2>/dev/null; then
-  echo "verl env: $VENV is up to date"
-  exit 0
-fi
+want="$(venv_want "$0" "$ROOT/pyproject.toml" "$ROOT/.ci/venv_lib.sh")"
+venv_current verl "$VENV" "$want" "$VENV/bin/python" -c "import $CHECK, hypothesis" && exit 0
 
 start=$SECONDS
-if [ -e "$VENV" ]; then
-  [ -f "$VENV/pyvenv.cfg" ] || { echo "verl env: $VENV exists and is not a virtualenv; not touching it" >&2; exit 1; }
-  rm -rf "$VENV"
-fi
-"$PYTHON" -m venv "$VENV"
+venv_fresh verl "$VENV" "$PYTHON"
 pip=("$VENV/bin/python" -m pip install -q)
 "${pip[@]}" torch==2.13.0                 # first: the local CPU wheel, so nothing below pulls CUDA torch
 "${pip[@]}" --no-deps "verl==$VERSION"
@@ -72,5 +64,4 @@ echo "verl env: pip will list verl's declared dependencies that are left out on 
 "${pip[@]}" -e "$ROOT" pytest pytest-asyncio "hypothesis>=6.100"   # hypothesis: tests/verl/test_generated.py
 cd "$ROOT"
 "$VENV/bin/python" -c "import verl, $CHECK; assert verl.__version__ == '$VERSION'"
-echo "$want" > "$stamp"
-echo "verl env: built verl $VERSION in $VENV in $((SECONDS - start)) s"
+venv_done verl "$VENV" "$want" "$start"
