@@ -17,8 +17,8 @@ interaction sees is compared too. Three documented differences are allowed, each
   spent_turn           after a reply that filled the response budget, verl asks the server for one more turn,
                        whose tokens are then cut away, and counts it in num_turns; agentfsm stops without
                        asking (applied to verl's side: `SpentBudgetTurn`).
-  empty_response       a response with no token at all is verl's whole prompt (`prompt_ids[-0:]`), as in
-                       verl 0.9.1; agentfsm's is empty.
+  empty_response       a response with no token at all is verl's whole prompt (`prompt_ids[-0:]`) with
+                       logprobs None, as in verl 0.9.1; agentfsm's is empty, logprobs [].
   empty_turn_logprobs  verl's logprob list starts at the first model turn with tokens: after an empty first
                        turn it is None or shorter than the response (misaligned); agentfsm's is aligned (the
                        comparison takes agentfsm's from the first generated token).
@@ -236,9 +236,13 @@ def assert_same(theirs, ours: dict, fired: set[str]) -> None:
     assert ours["response_ids"] == response_ids, "response_ids"
     assert ours["response_mask"] == theirs.response_mask, "response_mask"
     logprobs = ours["response_logprobs"]
-    if theirs.response_logprobs is None or len(theirs.response_logprobs) != len(theirs.response_mask):
+    if not theirs.response_mask:  # no token at all: verl None, agentfsm [] (as against verl 0.9.1)
+        fired.add("empty_response")
+        assert logprobs == [] and theirs.response_logprobs is None, "response_logprobs"
+        return
+    first = next((i for i, m in enumerate(ours["response_mask"]) if m), None)  # the first generated token
+    if first != 0 and theirs.response_mask:  # an observation came before it (after an empty model turn)
         fired.add("empty_turn_logprobs")  # verl's list starts at the first model turn with tokens
-        first = next((i for i, m in enumerate(ours["response_mask"]) if m), None)
         if first is None:
             assert theirs.response_logprobs is None, "response_logprobs"
             return
