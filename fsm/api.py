@@ -39,14 +39,14 @@ import numpy as np
 
 from backends.base import Backend
 from fsm.adapters.sample import SampleBatch, to_samples
-from fsm.batch import collate
+from fsm.batch import to_batch
 from fsm.chat import ChatCodec
 from fsm.compile import CompiledAgent, compile_spec
 from fsm.context import Sampling
 from fsm.loader import LoadedSpec
 from fsm.loopthread import LoopThread as _LoopThread
 from fsm.metrics import FaultDelta, rollout_metrics
-from fsm.rows import is_dataproto, to_rows
+from fsm.rows import to_rows
 from fsm.runtime import WATCHDOG_S, Runner
 from fsm.spec import SPECS_DIR, AgentSpec
 from fsm.stream import ContinuousMode
@@ -178,25 +178,6 @@ async def probe_servers(urls: Sequence[str], *, strict: bool = False, timeout_s:
     info = good[0][1]
     served = info.get("tokenizer_path") or info.get("model_path")
     return Probe([url for url, _ in good], served if isinstance(served, str) else None, bad)
-
-
-def to_batch(trajs: Sequence[Trajectory], agent: CompiledAgent, codec: ChatCodec, *, logprobs: bool,
-             like: Any = None, meta: Mapping[str, Any] | None = None) -> Any:  # fmt: skip
-    """Finished trajectories -> RolloutBatch, or a `DataProto` of the input's class when `like` is one
-    (then, as verl's AgentLoopManager returns it: per-sample `metrics` popped, `reward_extra_keys` added).
-    `meta`: the input's meta_info (e.g. verl's `global_steps`), carried to the output under agentfsm's keys."""
-    limits = agent.limits
-    out = collate(trajs, prompt_length=limits.prompt_length, response_length=limits.response_length,
-                  pad_token_id=codec.pad_id, logprobs=logprobs)  # fmt: skip
-    out.meta_info = {**(meta or {}), **out.meta_info}
-    if "rm_scores" in out.batch.keys():
-        out.meta_info["reward_extra_keys"] = sorted(
-            {k for t in trajs for k in t.extra.get("reward_extra_info", {})}
-        )
-    if like is not None and is_dataproto(like):
-        out.meta_info.pop("metrics", None)
-        return type(like)(batch=out.batch, non_tensor_batch=out.non_tensor_batch, meta_info=out.meta_info)
-    return out
 
 
 # --- engines -------------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
+from fsm.rows import is_dataproto
 from fsm.trajectory import Trajectory
 
 log = logging.getLogger("agentfsm.batch")
@@ -230,3 +231,22 @@ def fault_summary(trajs: Sequence[Trajectory], backend_stats: Mapping[str, Any] 
         "error_rows": sum(t.failed for t in trajs),
         "error_reasons": dict(sorted(errors.items(), key=lambda kv: -kv[1])),
     }
+
+
+def to_batch(trajs: Sequence[Trajectory], agent: Any, codec: Any, *, logprobs: bool,
+             like: Any = None, meta: Mapping[str, Any] | None = None) -> Any:  # fmt: skip
+    """Finished trajectories of `agent` (a CompiledAgent) -> RolloutBatch padded with `codec`'s pad id, or a `DataProto` of the input's class when `like` is one
+    (then, as verl's AgentLoopManager returns it: per-sample `metrics` popped, `reward_extra_keys` added).
+    `meta`: the input's meta_info (e.g. verl's `global_steps`), carried to the output under agentfsm's keys."""
+    limits = agent.limits
+    out = collate(trajs, prompt_length=limits.prompt_length, response_length=limits.response_length,
+                  pad_token_id=codec.pad_id, logprobs=logprobs)  # fmt: skip
+    out.meta_info = {**(meta or {}), **out.meta_info}
+    if "rm_scores" in out.batch.keys():
+        out.meta_info["reward_extra_keys"] = sorted(
+            {k for t in trajs for k in t.extra.get("reward_extra_info", {})}
+        )
+    if like is not None and is_dataproto(like):
+        out.meta_info.pop("metrics", None)
+        return type(like)(batch=out.batch, non_tensor_batch=out.non_tensor_batch, meta_info=out.meta_info)
+    return out
