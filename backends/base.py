@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+GREEDY_BELOW = 1e-6  # SGLang's rule: a smaller temperature means greedy decoding
+
 
 @dataclass(slots=True)
 class GenerateRequest:

@@ -42,6 +42,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 from backends.base import (
+    GREEDY_BELOW,
     BackendError,
     BackendRequestError,
     BackendUnavailable,
@@ -51,7 +52,6 @@ from backends.base import (
 )
 from backends.sampling import sample_next
 
-GREEDY_BELOW = 1e-6  # SGLang: a smaller temperature means greedy
 SMALL_MODEL_PARAMS = 1_000_000_000  # below this, float32 on CUDA too (see the module docstring)
 TINY_SERVED_NAME = "agentfsm-tiny-calculator"  # the served name of the bundled model (backends/tiny/assets)
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,

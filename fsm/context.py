@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from backends.base import Backend, GenerateRequest, GenerateResult
+from backends.base import GREEDY_BELOW, Backend, GenerateRequest, GenerateResult
 from fsm.agent import CompiledAgent
 from fsm.chat import ChatCodec
 from fsm.families import make_parser, parser_name
@@ -26,7 +26,6 @@ from fsm.trajectory import Trajectory
 # is not (tracing off, or sampled out) call no tracer hook.
 TRACED: contextvars.ContextVar[Any] = contextvars.ContextVar("agentfsm_traced", default=None)
 
-GREEDY_BELOW = 1e-6  # a temperature below this is greedy decoding (SGLang's and the embedded model's rule)
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty", "min_p", "max_new_tokens", "stop_token_ids",
                  "sampling_seed", "frequency_penalty", "presence_penalty")  # fmt: skip
 
