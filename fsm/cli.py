@@ -513,7 +513,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     elif what == "prefix-cache":
         result = {f"affinity={a}": bench.bench_prefix_cache(n=8, affinity=a) for a in (False, True)}
     else:  # argparse restricts the choices to the modules of bench/
-        result = getattr(bench, f"bench_{what}")()
+        result = getattr(bench, f"bench_{what.replace('-', '_')}")()
     print(json.dumps(result, indent=2))
     return 0
 

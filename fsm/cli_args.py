@@ -184,7 +184,7 @@ def command_line(commands: Mapping[str, Callable[[argparse.Namespace], int]]) ->
 
     p = command("bench", "benchmarks that print numbers (JSON)")
     p.add_argument("what", choices=["engine", "router", "hf", "prefix-cache", "tracing", "ray", "faults", "async",
-                                    "families", "collate"],
+                                    "families", "collate", "vs-verl"],
                    help="which benchmark")
     p.add_argument("--n", type=COUNT, default=2000, metavar="N", help="engine: trajectories")
     p.add_argument("--concurrency", type=COUNT, metavar="N", help="engine: trajectories in flight (default: --n)")

@@ -58,8 +58,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import json
 import logging
+import os
 import threading
 from collections.abc import Mapping
 from pathlib import Path
@@ -80,6 +82,7 @@ from backends.base import BaseBackend, GenerateRequest, GenerateResult
 from fsm.chat import ChatCodec
 from fsm.compile import CompiledAgent, compile_spec
 from fsm.families import codec_for
+from fsm.isolation import InlineLane
 from fsm.loader import load_spec
 from fsm.runtime import Runner
 from fsm.spec import SPECS_DIR, LimitsSpec, ToolPolicySpec
@@ -94,6 +97,7 @@ _BATCH_SHAPES = ("prompt_length", "response_length")
 # anything else goes to verl's server unchanged.
 _ENGINE_SAMPLING = ("temperature", "top_p", "top_k", "repetition_penalty", "min_p", "frequency_penalty",
                     "presence_penalty", "stop_token_ids", "seed", "logprobs", "max_new_tokens")  # fmt: skip
+_LIFECYCLE = ("create", "execute", "calc_reward", "release")
 _SPEC_DECODE_KEYS = ("spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_num_verify_steps")
 
 
@@ -108,6 +112,7 @@ _with_tools: dict[tuple, tuple[CompiledAgent, list]] = {}
 # (tokenizer id, template kwargs) -> (tokenizer, codec)
 _codecs: dict[tuple, tuple[Any, ChatCodec]] = {}
 _warned: set[str] = set()
+_checked: set[tuple[int, int]] = set()  # (id of verl's multi_turn config, id of the agent) already compared
 
 
 def _warn_once(message: str) -> None:
@@ -129,12 +134,14 @@ def resolve_spec_path(spec: str | Path) -> Path:
 def compiled_agent(spec: str | Path, limits: Mapping[str, Any], prompt_length: int, response_length: int,
                    tool_policy: Mapping[str, Any] | None = None) -> CompiledAgent:  # fmt: skip
     """The spec compiled once per process with verl's batch shapes, its prompt policy and the entry's overrides."""
-    path = resolve_spec_path(spec)
     policy = dict(tool_policy or {})
-    key = (str(path), json.dumps([dict(limits), policy], sort_keys=True, default=str), prompt_length, response_length)
+    # the spec as written (and the cwd it is relative to): resolving the path is left to a miss
+    key = (str(spec), os.getcwd(), json.dumps([dict(limits), policy], sort_keys=True, default=str), prompt_length,
+           response_length)  # fmt: skip
     with _lock:
         agent = _agents.get(key)
         if agent is None:
+            path = resolve_spec_path(spec)
             loaded = _loaded.get(str(path)) or _loaded.setdefault(str(path), load_spec(path))
             merged = {**loaded.spec.limits.model_dump(), "prompt_overflow": "truncate_left", **limits,
                       "prompt_length": prompt_length, "response_length": response_length}  # fmt: skip
@@ -158,15 +165,20 @@ def agent_with_verl_tools(agent: CompiledAgent, tools: list) -> CompiledAgent:
 
 
 def _bind_verl_tool(tool: Any) -> BoundTool:
-    """A verl tool as an engine tool. verl has no timeouts or retries, so none are added."""
+    """A verl tool as an engine tool, run where verl runs it: coroutines on the worker's event loop (with the
+    engine's check that a step never holds the loop: one that does moves to a loop thread of its own), a sync
+    @function_tool in threads (verl: asyncio.to_thread). verl has no timeouts or retries, so none are added."""
     schema = tool.tool_schema.model_dump(exclude_unset=True, exclude_none=True)  # as verl renders it
     if callable(getattr(tool, "execute", None)):  # a BaseTool: create -> execute -> calc_reward -> release
         impl = tool
+        awaits = all(inspect.iscoroutinefunction(getattr(tool, m, None)) for m in _LIFECYCLE)
+        lane = InlineLane(tool.name) if awaits else None  # None: its own loop thread (BoundTool's default)
     elif callable(getattr(tool, "fn", None)):  # a @function_tool: a plain function, no lifecycle
-        impl = FunctionTool(tool.fn, schema)
+        impl = FunctionTool(tool.fn, schema, InlineLane(tool.name) if inspect.iscoroutinefunction(tool.fn) else None)
+        lane = None  # the FunctionTool's own
     else:
         raise TypeError(f"fsm_agent: verl tool {tool!r} has neither execute() nor fn")
-    return BoundTool(tool.name, impl, schema, timeout_s=None, retry=tool_retry(1, 0.0))
+    return BoundTool(tool.name, impl, schema, timeout_s=None, retry=tool_retry(1, 0.0), lane=lane)
 
 
 class _TemplateKwargs:
@@ -382,9 +394,11 @@ def _split_sampling(sampling_params: Mapping[str, Any]) -> tuple[dict[str, Any],
 
 
 def _check_multi_turn(multi_turn: Any, agent: CompiledAgent) -> None:
-    """Name each verl multi_turn setting the spec overrides, once per process."""
-    if multi_turn is None:
+    """Name each verl multi_turn setting the spec overrides, once per worker config and agent."""
+    key = (id(multi_turn), id(agent))
+    if multi_turn is None or key in _checked:
         return
+    _checked.add(key)
     lim = agent.limits
     pairs = [("max_assistant_turns", lim.max_assistant_turns), ("max_user_turns", lim.max_user_turns),
              ("max_parallel_calls", lim.max_parallel_calls), ("max_tool_response_length", lim.max_tool_response_length),

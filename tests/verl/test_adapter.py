@@ -143,3 +143,17 @@ def test_entry_tool_policy_is_its_own_compiled_agent(tok, tmp_path):
 
     with pytest.raises(InstantiationException, match="validate_argument"):
         instantiate(fsm_entry(None, tool_policy={"validate_argument": True}), config, server, tok, tools)
+
+
+@needs_verl
+def test_verl_tools_run_where_verl_runs_them(tok, tmp_path):
+    """An async BaseTool is awaited on the worker's loop (InlineLane, which still moves a tool that holds the
+    loop to a thread of its own); a sync @function_tool runs in threads, as verl's asyncio.to_thread does."""
+    from fsm.isolation import InlineLane, ThreadLane
+
+    config = trainer_config(256)
+    server = ReplayServer([], eos=tok.eos_token_id, prompt_length=512, response_length=256)
+    base = instantiate(fsm_entry(tmp_path), config, server, tok, load_tools("base"))
+    function = instantiate(fsm_entry(tmp_path), config, server, tok, load_tools("function"))
+    assert isinstance(base.agent.tools.by_name["calculator"].lane, InlineLane)
+    assert isinstance(function.agent.tools.by_name["calculator"].lane, ThreadLane)
