@@ -127,8 +127,8 @@ class Setup:
                                            "spec": "specs/tool_agent.yaml"})  # fmt: skip
 
     def row(self, i: int) -> dict[str, Any]:
-        """A dataset row as the worker passes it to run()."""
-        return {"raw_prompt": [{"role": "user", "content": QUESTION}], "tools_kwargs": {}, "index": i,
+        """A dataset row as the worker passes it to run(); each row's question its own, as in a dataset."""
+        return {"raw_prompt": [{"role": "user", "content": f"{QUESTION} (question {i})"}], "tools_kwargs": {}, "index": i,
                 "extra_info": {"index": i}, "uid": f"u{i}", "data_source": "calculator", "priority": 0}  # fmt: skip
 
     def loop_kwargs(self, server: ReplayServer) -> dict[str, Any]:
@@ -140,7 +140,7 @@ class Setup:
                     data_config=DictConfigWrap(self.config.data), tools=ToolListWrap(self.tools))  # fmt: skip
 
 
-async def _through_loops(setup: Setup, kind: str, n: int) -> tuple[float, list[list[int]]]:
+async def _through_loops(setup: Setup, kind: str, rows: range) -> tuple[float, list[list[int]]]:
     import hydra
     from verl.experimental.agent_loop.tool_agent_loop import ToolAgentLoop
 
@@ -160,7 +160,7 @@ async def _through_loops(setup: Setup, kind: str, n: int) -> tuple[float, list[l
         return await loop.run(dict(SAMPLING), **setup.row(i))
 
     t0 = time.process_time()
-    outs = await asyncio.gather(*(one(i) for i in range(n)))
+    outs = await asyncio.gather(*(one(i) for i in rows))
     return time.process_time() - t0, [out.response_ids for out in outs]
 
 
@@ -181,8 +181,8 @@ def _native_runner(setup: Setup) -> Any:
     return Runner(compile_spec(spec), backend, ChatCodec(setup.tokenizer))
 
 
-async def _native(setup: Setup, runner: Any, n: int) -> tuple[float, list[list[int]]]:
-    rows = [setup.row(i) for i in range(n)]
+async def _native(setup: Setup, runner: Any, indices: range) -> tuple[float, list[list[int]]]:
+    rows = [setup.row(i) for i in indices]
     t0 = time.process_time()
     trajs = await runner.run(rows, sampling_params=SAMPLING)
     elapsed = time.process_time() - t0
@@ -203,12 +203,16 @@ def bench_vs_verl(n: int = 128, repeats: int = 5) -> dict[str, Any]:
                          "and run `.venv-verl/bin/agentfsm bench vs-verl`") from None  # fmt: skip
     setup = Setup()
     runner = _native_runner(setup)
+    gc.freeze()  # verl, torch and the tokenizer, loaded by now, out of the collector's way (as `agentfsm run` does)
     times: dict[str, list[float]] = {kind: [] for kind in KINDS}
     responses: dict[str, list[list[int]]] = {}
+    step = 0
     for round_ in range(repeats + 1):  # the first round warms every cache (spec compile, tokenizer) and is dropped
         for kind in KINDS:
             gc.collect()
-            run = _native(setup, runner, n) if kind == "native" else _through_loops(setup, kind, n)
+            rows = range(n * step, n * (step + 1))  # questions no variant has seen (nothing cached across rounds)
+            step += 1
+            run = _native(setup, runner, rows) if kind == "native" else _through_loops(setup, kind, rows)
             elapsed, responses[kind] = asyncio.run(run)
             if round_:
                 times[kind].append(elapsed / n * 1e6)

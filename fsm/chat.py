@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from fsm.parsers import assistant_message
+from fsm.segments import SegmentEncoder
 
 
 class TemplateError(Exception):
@@ -40,6 +41,7 @@ def vocabulary_size(tokenizer: Any) -> int:
 class ChatCodec:
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
+        self.segments = SegmentEncoder(tokenizer)
         self.eos_id: int = tokenizer.eos_token_id
         pad = tokenizer.pad_token_id
         self.pad_id: int = pad if pad is not None else 0
@@ -69,14 +71,18 @@ class ChatCodec:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
 
     def encode_prompt(self, messages: list[dict[str, Any]], tools: list[dict] | None) -> list[int]:
-        return self.render(messages, tools=tools, add_generation_prompt=True)
+        """The ids `render` gives; the pieces every prompt repeats (system message, tool schemas) are
+        tokenized once (fsm/segments.py)."""
+        text = self.tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
+                                                  tokenize=False)  # fmt: skip
+        return self.segments.encode(text)
 
     def encode_observation(self, messages: list[dict[str, Any]]) -> list[int]:
         """Token ids that `messages` (tool/user turns) append, generation prompt included."""
         if self._added_tokens:
             text, n = self.render_text(_BASE + messages, add_generation_prompt=True), len(self._base_text)
             if text.startswith(self._base_text) and text.startswith(self._added_tokens, n):
-                return self.tokenizer.encode(text[n:], add_special_tokens=False)
+                return self.segments.encode(text[n:])
         full = self.render(_BASE + messages, add_generation_prompt=True)
         n = len(self._base_ids)
         if full[:n] != self._base_ids:

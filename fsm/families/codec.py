@@ -17,6 +17,7 @@ from typing import Any
 from fsm.chat import ChatCodec, TemplateError, vocabulary_size
 from fsm.families.parsers import split_reasoning
 from fsm.parsers import PARSERS, ToolCall
+from fsm.segments import SegmentEncoder
 
 _MARK_ASSISTANT = "agentfsmAssistantMark"  # plain ASCII: every template copies it through unchanged
 _MARK_OBSERVATION = "agentfsmObservationMark"
@@ -27,6 +28,7 @@ class FamilyCodec(ChatCodec):
 
     def __init__(self, tokenizer: Any, family: Any):
         self.tokenizer = tokenizer
+        self.segments = SegmentEncoder(tokenizer)
         self.family = family
         self.eos_id: int = tokenizer.eos_token_id
         pad = tokenizer.pad_token_id
@@ -45,7 +47,7 @@ class FamilyCodec(ChatCodec):
         return [i for i in ids if isinstance(i, int) and i >= 0 and i != unk]
 
     def _encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False) if text else []
+        return self.segments.encode(text) if text else []
 
     def _text(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
