@@ -119,3 +119,13 @@ def test_backends_never_import_fsm_and_nothing_imports_bench(graph):
     engine = [n for n in graph if n.split(".")[0] in ("fsm", "backends", "viz") and n != "fsm.cli"]
     assert not {n: sorted(t for t in graph[n] if t.startswith("bench")) for n in engine
                 if any(t.startswith("bench") for t in graph[n])}  # fmt: skip
+
+
+def test_every_package_is_in_the_wheel():
+    """pyproject.toml lists its packages by hand: a package folder missing there is missing from a non-editable
+    install (`pip install .`), where its imports fail."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {_module_name(p) for pkg in PACKAGES for p in (ROOT / pkg).rglob("__init__.py")}
+    assert found - listed == set(), "add these to [tool.setuptools] packages in pyproject.toml"
