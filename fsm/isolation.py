@@ -55,6 +55,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from fsm.handoff import Mailbox, settled
+
 log = logging.getLogger("agentfsm.tools")
 
 STUCK_PER_WORKER = 4  # a ThreadLane refuses calls past workers * this many written-off threads
@@ -134,7 +136,7 @@ class ThreadLane:
         job = _Job(fn, args, kwargs, contextvars.copy_context())
         self._submit(job)
         try:
-            return await asyncio.wrap_future(job.future)
+            return await settled(job.future)
         except asyncio.CancelledError:  # a timeout (ours or the action's) or shutdown: stop waiting for it
             self._write_off(job)
             raise
@@ -219,6 +221,7 @@ class _ToolLoop:
     def __init__(self, name: str):
         self.name = name
         self.loop = asyncio.new_event_loop()
+        self.mailbox = Mailbox(self.loop)  # calls to start, handed over in bursts
         self.pending: set[concurrent.futures.Future] = set()
         self.cancel_sent: float | None = None  # a cancellation the loop has not run yet, sent at this time
         self.thread = threading.Thread(target=self._serve, name=f"agentfsm-tool-loop-{name}", daemon=True)
@@ -282,9 +285,9 @@ class LoopLane:
 
         tool_loop.pending.add(done)
         done.add_done_callback(tool_loop.pending.discard)
-        tool_loop.loop.call_soon_threadsafe(start)
+        tool_loop.mailbox.post(start)
         try:
-            return await asyncio.wrap_future(done)
+            return await settled(done)
         except asyncio.CancelledError:  # our caller gave up: cancel the tool's task, if its loop still runs
             if tool_loop.cancel_sent is None:
                 tool_loop.cancel_sent = time.monotonic()
