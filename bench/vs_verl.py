@@ -23,12 +23,15 @@ from __future__ import annotations
 import asyncio
 import gc
 import importlib.resources
+import json
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from specs.calculator import TOOL_SCHEMA
 
 TOOL_MODULE = '''
 import ast, operator
@@ -53,21 +56,6 @@ class Calculator(BaseTool):
         return ToolResponse(text=str(value)), 0.0, {}
 '''
 
-TOOL_CONFIG = """
-tools:
-  - class_name: bench_vs_verl_tools.Calculator
-    config: {type: native}
-    tool_schema:
-      type: function
-      function:
-        name: calculator
-        description: Evaluate an arithmetic expression.
-        parameters:
-          type: object
-          properties:
-            expression: {type: string, description: 'The expression, e.g. "37 * 12 + 5".'}
-          required: [expression]
-"""
 
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "37 * 12 + 5"}}\n</tool_call>'
 ANSWER = "The answer is 449.\n#### 449"
@@ -119,7 +107,9 @@ class Setup:
         self.config = config
         tools = Path(tempfile.mkdtemp(prefix="bench_vs_verl_"))
         (tools / "bench_vs_verl_tools.py").write_text(TOOL_MODULE)
-        (tools / "tools.yaml").write_text(TOOL_CONFIG)
+        entry = {"class_name": "bench_vs_verl_tools.Calculator", "config": {"type": "native"},
+                 "tool_schema": TOOL_SCHEMA}  # the schema the native variant's calculator has  # fmt: skip
+        (tools / "tools.yaml").write_text(json.dumps({"tools": [entry]}))  # JSON is YAML
         sys.path.insert(0, str(tools))
         self.tools = load_all_tools(tool_config_path=str(tools / "tools.yaml"), function_tool_path=None)
         self.verl_entry = _agent_loop_registry["tool_agent"]
