@@ -18,7 +18,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from backends.base import Backend, BackendRequestError, BackendUnavailable, GenerateRequest, GenerateResult
 from backends.hf import SMALL_MODEL_PARAMS, TINY_SERVED_NAME, HFBackend, _dtype, default_dtype
-from bench.hf import bench_hf
+from bench.hf import bench_hf, bench_rollout
 
 VOCAB, CONTEXT = 600, 256
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
@@ -278,9 +278,20 @@ async def test_a_model_object_is_decoded_as_is(model_dir: Path):
 
 def test_bench_hf(model_dir: Path, device: str):
     result = bench_hf(
-        model_dir, batch_sizes=(1, 4), prompt_len=20, new_tokens=8, torch_threads=1, device=device
+        model_dir, batch_sizes=(1, 4), prompt_len=20, new_tokens=8, torch_threads=1, device=device,
+        rollout_prompts=0,
     )
     assert set(result["tokens_per_s"]) == {1, 4} and all(v > 0 for v in result["tokens_per_s"].values())
+
+
+def test_bench_rollout_against_one_batch():
+    """The calculator rollout through the engine and the one batch generate the same number of tokens."""
+    from backends.tiny import ASSET_DIR
+
+    result = bench_rollout(ASSET_DIR, prompts=4, torch_threads=1, device="cpu", repeats=1)
+    rollout, one = result["rollout"], result["one_batch"]
+    assert rollout["generated_tokens"] == one["generated_tokens"] > 4 * 10
+    assert result["ratio"] == round(rollout["tokens_per_s"] / one["tokens_per_s"], 3) > 0
 
 
 def test_default_dtype_and_dtype_names():
