@@ -167,24 +167,29 @@ async def test_rows_finish_independently(backend: HFBackend):
         )
 
 
-async def test_requests_arriving_during_a_batch_join_the_next_one(backend: HFBackend):
+async def test_requests_arriving_during_a_batch_join_it(backend: HFBackend):
+    """Continuous batching: requests that arrive while a batch decodes are prefilled together and join it
+    between two steps (they do not wait for it to end), with the tokens they would get alone."""
     long = {**GREEDY, "max_new_tokens": 120}
     first = [asyncio.ensure_future(backend.generate(req(prompt(40, seed=i), **long))) for i in range(4)]
     ticks = 0
-    while backend._queue.qsize():  # the worker has taken the first batch
-        await asyncio.sleep(0)
-    while not backend._model_lock.locked():
+    while backend._queue or not backend._model_lock.locked():  # the worker has taken the first batch
         await asyncio.sleep(0)
     late = [asyncio.ensure_future(backend.generate(req(prompt(8, seed=10 + i), **GREEDY))) for i in range(3)]
-    while not all(f.done() for f in first):  # the event loop stays free while the batch decodes in a thread
+    while not all(f.done() for f in late):  # the event loop stays free while the batch decodes in a thread
         ticks += 1
         await asyncio.sleep(0.001)
+    assert not any(f.done() for f in first)  # the late ones ran beside the long ones, and ended first
     results: list[GenerateResult] = await asyncio.gather(*first, *late)
     assert ticks > 5
     assert all(len(r.token_ids) == (120 if i < 4 else 16) for i, r in enumerate(results))
     batches = [r.extra["batch"] for r in results]
     assert len(set(batches[:4])) == 1 and batches[4:] == [batches[0] + 1] * 3
     assert results[4].extra["batch_size"] == 3
+    alone = [await backend.generate(req(prompt(8, seed=10 + i), **GREEDY)) for i in range(3)]
+    assert [r.token_ids for r in results[4:]] == [r.token_ids for r in alone]
+    for a, b in zip(alone, results[4:], strict=True):
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4)
 
 
 async def test_cancelled_request_leaves_the_batch(backend: HFBackend):
