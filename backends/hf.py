@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import os
 import random
 import threading
@@ -46,7 +45,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from backends.base import (
-    GREEDY_BELOW,
     BackendError,
     BackendRequestError,
     BackendUnavailable,
@@ -55,7 +53,7 @@ from backends.base import (
     GenerateResult,
 )
 from backends.kv import Rows, SessionCache, SlotCache, empty, joinable, make_cache, prefill_inputs
-from backends.sampling import sample_next
+from backends.sampling import Sampling, sample_next, validate
 
 SMALL_MODEL_PARAMS = 1_000_000_000  # below this, float32 on CUDA too (see the module docstring)
 SESSION_KV_BYTES = 1 << 30  # default bound on the KV kept between a trajectory's turns
@@ -65,40 +63,12 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 # SDPA kernels used in float16/bfloat16 on CUDA: all but cuDNN attention, which plans per shape
 _NO_CUDNN_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
-# SGLang sampling keys that only shape `text` (we return token ids only): accepted and ignored.
-_TEXT_ONLY = frozenset(
-    {"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "stream_interval"}
-)
-# SGLang sampling keys this backend does not implement: accepted only at their no-op value.
-_UNSUPPORTED: dict[str, Any] = {
-    "min_new_tokens": 0, "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
-    "repetition_penalty": 1.0, "n": 1, "stop": None, "stop_regex": None, "json_schema": None, "regex": None,
-    "ebnf": None, "structural_tag": None, "logit_bias": None, "custom_params": None, "beam_width": None,
-    "watermark": None, "choice": None,
-}  # fmt: skip
-_IMPLEMENTED = frozenset(
-    {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "sampling_seed", "ignore_eos"}
-)
-
-
-@dataclass(frozen=True, slots=True)
-class _Sampling:
-    """One request's sampling parameters, validated."""
-
-    max_new_tokens: int
-    temperature: float  # 0.0 means greedy
-    top_p: float  # in (0, 1]
-    top_k: int  # >= 1; the vocabulary size means "all"
-    stop_ids: frozenset[int]  # stop_token_ids, plus the model's eos ids unless ignore_eos
-    seed: int | None
-
-
 @dataclass(slots=True, eq=False)
 class _Job:
     """A queued request and what the decode loop has generated for it so far."""
 
     request: GenerateRequest
-    sampling: _Sampling
+    sampling: Sampling
     future: asyncio.Future[GenerateResult]
     generator: torch.Generator | None  # None for greedy rows
     seed: int = 0  # the generator's seed: a retracted row starts over with the same draws
@@ -314,55 +284,10 @@ class HFBackend(BaseBackend):
                     job.tokens, job.logprobs, job.versions = [], [], []
                     self._resolve(job, "abort", "Abort in waiting queue", waiting=True)
 
-    def _validate(self, request: GenerateRequest) -> _Sampling:
+    def _validate(self, request: GenerateRequest) -> Sampling:
         """Check a request the way SGLang's server would; raise BackendRequestError (HTTP 400) otherwise."""
-
-        def bad(message: str) -> BackendRequestError:
-            return BackendRequestError(f"{self.model_name}: {message}", server=self.model_name, status=400)
-
-        prompt, params = request.prompt_ids, request.sampling_params
-        if not prompt:
-            raise bad("prompt_ids is empty")
-        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
-            raise bad(f"prompt_ids must lie in [0, {self.vocab_size})")
-        if self.context_length is not None and len(prompt) >= self.context_length:
-            raise bad(
-                f"the input ({len(prompt)} tokens) is longer than the model's context length "
-                f"({self.context_length} tokens); shorten the prompt"
-            )
-        for key, value in params.items():
-            if key in _UNSUPPORTED and value not in (_UNSUPPORTED[key], None, [], {}):
-                raise bad(f"sampling param {key}={value!r} is not supported by HFBackend")
-            if key not in _IMPLEMENTED and key not in _TEXT_ONLY and key not in _UNSUPPORTED:
-                raise bad(f"unknown sampling param {key!r}")
-        try:
-            max_new = int(params.get("max_new_tokens") if params.get("max_new_tokens") is not None else 128)
-            temperature = float(params.get("temperature", 1.0))
-            top_p = float(params.get("top_p", 1.0))
-            top_k = int(params.get("top_k", -1))
-            stops = frozenset(int(t) for t in params.get("stop_token_ids") or ())
-            seed = params.get("sampling_seed")
-            seed = None if seed is None else int(seed)
-        except (TypeError, ValueError) as e:
-            raise bad(f"bad sampling params {params!r}: {e}") from e
-        if max_new < 0:
-            raise bad(f"max_new_tokens must be >= 0, got {max_new}")
-        if not math.isfinite(temperature) or temperature < 0:
-            raise bad(f"temperature must be finite and >= 0, got {temperature}")
-        if not 0.0 < top_p <= 1.0:
-            raise bad(f"top_p must be in (0, 1], got {top_p}")
-        if top_k != -1 and top_k < 1:
-            raise bad(f"top_k must be -1 (all) or >= 1, got {top_k}")
-        if self.context_length is not None:  # SGLang clamps the budget to what the context has left
-            max_new = min(max_new, self.context_length - len(prompt))
-        return _Sampling(
-            max_new_tokens=max_new,
-            temperature=0.0 if temperature < GREEDY_BELOW else temperature,
-            top_p=top_p,
-            top_k=self.vocab_size if top_k == -1 else min(top_k, self.vocab_size),
-            stop_ids=stops if params.get("ignore_eos") else stops | self.eos_token_ids,
-            seed=seed,
-        )
+        return validate(request, name=self.model_name, vocab_size=self.vocab_size,
+                        context_length=self.context_length, eos_ids=self.eos_token_ids)  # fmt: skip
 
     def _result(
         self, request: GenerateRequest, tokens: list[int], logprobs: list[float], finish: str,
