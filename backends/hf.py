@@ -52,7 +52,7 @@ from backends.base import (
     GenerateRequest,
     GenerateResult,
 )
-from backends.kv import Rows, SessionCache, SlotCache, empty, joinable, make_cache, prefill_inputs
+from backends.kv import Rows, SessionCache, SlotCache, joinable, make_cache, prefill_inputs
 from backends.sampling import Sampling, sample_next, validate
 
 SMALL_MODEL_PARAMS = 1_000_000_000  # below this, float32 on CUDA too (see the module docstring)
@@ -210,7 +210,7 @@ class HFBackend(BaseBackend):
         # rows join a running batch, and keep KV between turns, only where the cache is plain K/V per layer
         self._joinable = joinable(config)
         self.sessions = SessionCache(session_kv_bytes if self._joinable else 0)
-        self._admitted: list[_Job] = []  # rows the decode thread holds (failed together if it raises)
+        self._admitted: set[_Job] = set()  # rows the decode thread holds (failed together if it raises)
         self._stopping = False  # read by the decode thread: abort the running batch at its next step
         # Pause (SGLang's /pause_generation modes), read by the decode thread at each step: "abort" ends the
         # running rows with their partial output, "retract" puts them back in the queue (started over after
@@ -356,7 +356,7 @@ class HFBackend(BaseBackend):
                                 BackendError(f"{self.model_name}: generation failed: {e!r}", server=self.model_name)
                             )
                 finally:
-                    self._admitted = []
+                    self._admitted = set()
 
     def _take(self, room: int) -> list[_Job]:
         """Up to `room` waiting requests, unless paused, closing or a weight update waits."""
@@ -384,16 +384,14 @@ class HFBackend(BaseBackend):
                     self._batches += 1
                     for job in joining:
                         job.batch, job.batch_size = self._batches, len(joining)
-                    self._admitted += joining
+                    self._admitted.update(joining)
                     for group in self._prefill_groups(joining):
-                        joined, live = self._prefill(group, finished)
+                        joined, live = self._prefill(group, finished, first=rows is None)
                         if not live:
                             continue
-                        if not self._joinable:  # the batch only shrinks: it is this group
+                        if rows is None:  # (and so always, for a batch that only shrinks)
                             rows = joined
-                        elif rows is None:
-                            rows = Rows(SlotCache(self.model.config, self.max_batch_size), *empty(joined))
-                        if rows is not joined:
+                        else:
                             rows.merge(joined)
                         jobs += [job for job, _ in group]
                         if len(live) < len(group):
@@ -431,14 +429,18 @@ class HFBackend(BaseBackend):
                  if self.sessions.max_bytes else None) for job in joining]  # fmt: skip
         return [g for g in ([x for x in kept if x[1] is not None], [x for x in kept if x[1] is None]) if g]
 
-    def _prefill(self, group: list[tuple[_Job, Any]], finished: Callable[[_Job, str], None]) -> tuple[Rows, list[int]]:
-        """One forward pass over rows that join: their first tokens sampled; the rows that go on."""
+    def _prefill(self, group: list[tuple[_Job, Any]], finished: Callable[[_Job, str], None],
+                 first: bool) -> tuple[Rows, list[int]]:  # fmt: skip
+        """One forward pass over rows that join: their first tokens sampled; the rows that go on. The `first`
+        rows of a batch prefill straight into its slot cache; later ones are copied into it (`Rows.merge`)."""
         jobs = [job for job, _ in group]
         contexts = [job.request.prompt_ids + job.tokens for job in jobs]
         ids, mask, pos, past = prefill_inputs(contexts, [k for _, k in group], self.pad_token_id, self.device)
         dev = self.device
         rows = Rows(
-            cache=make_cache(past, self.model.config), mask=mask, pos=pos[:, -1:], tokens=pos[:, -1],
+            cache=SlotCache(self.model.config, self.max_batch_size, past) if first and self._joinable
+            else make_cache(past, self.model.config),
+            mask=mask, pos=pos[:, -1:], tokens=pos[:, -1],
             temp=torch.tensor([job.sampling.temperature or 1.0 for job in jobs], device=dev),
             top_p=torch.tensor([job.sampling.top_p for job in jobs], device=dev),
             top_k=torch.tensor([job.sampling.top_k for job in jobs], device=dev),
@@ -475,11 +477,11 @@ class HFBackend(BaseBackend):
                 if not job.future.done():  # else the caller gave up
                     live.append(row)
                 else:
-                    self._admitted.remove(job)
+                    self._admitted.discard(job)
                 continue
             if finish != "abort":
                 self._keep(job, rows, row)
-            self._admitted.remove(job)
+            self._admitted.discard(job)
             finished(job, finish)
         return live
 

@@ -50,9 +50,12 @@ def layers(cache: DynamicCache) -> KV:
 
 
 def make_cache(kv: KV | None, config: Any) -> DynamicCache:
-    if not kv:
-        return DynamicCache(config=config)
-    return DynamicCache(ddp_cache_data=kv, config=config)
+    """A DynamicCache holding `kv` as is (not copied)."""
+    cache = DynamicCache(config=config)
+    for layer, (keys, values) in zip(cache.layers, kv, strict=True) if kv else ():
+        layer.lazy_initialization(keys, values)
+        layer.keys, layer.values = keys, values
+    return cache
 
 
 @dataclass(slots=True, eq=False)
@@ -159,8 +162,10 @@ class SlotLayer(DynamicLayer):
         self.lo, self.hi = start, start + self.hi - self.lo
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        """A forward pass's new columns for every row (a decode step)."""
+        """A forward pass's new columns for every row (a decode step; the first pass brings the rows)."""
         width = key_states.shape[-2]
+        if self.kb is None:
+            self.n, self.lo, self.hi = key_states.shape[0], 0, 0
         self._fit(key_states, self.n, self.lo, self.hi + width)
         assert self.kb is not None and self.vb is not None
         self.kb[: self.n, :, self.hi : self.hi + width] = key_states
@@ -182,22 +187,24 @@ class SlotLayer(DynamicLayer):
         self.n += rows
         self._view()
 
-    def move(self, dst: torch.Tensor, src: torch.Tensor, rows: int, trim: int) -> None:
-        """Copy rows `src` onto rows `dst`, keep rows [0, rows), drop `trim` columns on the left."""
+    def move(self, pairs: list[tuple[int, int]], rows: int, trim: int) -> None:
+        """Copy row `src` onto row `dst` for each pair, keep rows [0, rows), drop `trim` columns on the left."""
         assert self.kb is not None and self.vb is not None
-        if len(dst):
-            self.kb[dst, :, self.lo : self.hi] = self.kb[src, :, self.lo : self.hi]
-            self.vb[dst, :, self.lo : self.hi] = self.vb[src, :, self.lo : self.hi]
+        for dst, src in pairs:  # a few rows: one copy each beats an indexed copy
+            self.kb[dst, :, self.lo : self.hi].copy_(self.kb[src, :, self.lo : self.hi])
+            self.vb[dst, :, self.lo : self.hi].copy_(self.vb[src, :, self.lo : self.hi])
         self.n, self.lo = rows, self.lo + trim
         self._view()
 
 
 class SlotCache(DynamicCache):
-    """A DynamicCache of SlotLayers, for a running batch."""
+    """A DynamicCache of SlotLayers, for a running batch; `kv`: its first rows' past, if any."""
 
-    def __init__(self, config: Any, max_rows: int):
+    def __init__(self, config: Any, max_rows: int, kv: KV | None = None):
         super().__init__(config=config)
         self.layers = [SlotLayer(max_rows) for _ in self.layers]
+        for layer, (keys, values) in zip(self.layers, kv, strict=True) if kv else ():
+            layer.join(keys, values)
 
 
 @dataclass(slots=True, eq=False)
@@ -229,8 +236,8 @@ class Rows:
             self.mask, self.pos, self.tokens = self.mask[index], self.pos[index], self.tokens[index]
             self.temp, self.top_p, self.top_k = self.temp[index], self.top_p[index], self.top_k[index]
             return live
-        kept, order = len(live), list(range(len(live)))
-        holes = [row for row in range(kept) if row not in set(live)]
+        kept, order, staying = len(live), list(range(len(live))), set(live)
+        holes = [row for row in range(kept) if row not in staying]
         movers = [row for row in live if row >= kept]
         for hole, mover in zip(holes, movers, strict=True):
             order[hole] = mover
@@ -240,9 +247,9 @@ class Rows:
         used = self.mask.any(0).nonzero()
         trim = int(used[0]) if len(used) else 0
         self.mask = self.mask[:, trim:]
-        dst, src = torch.tensor(holes, dtype=torch.long), torch.tensor(movers, dtype=torch.long)
+        pairs = list(zip(holes, movers, strict=True))
         for layer in self.cache.layers:
-            layer.move(dst.to(layer.kb.device), src.to(layer.kb.device), kept, trim)  # type: ignore[attr-defined]
+            layer.move(pairs, kept, trim)  # type: ignore[attr-defined]
         return order
 
     def merge(self, other: Rows) -> None:
@@ -255,11 +262,6 @@ class Rows:
         self.pos, self.tokens = torch.cat([self.pos, other.pos]), torch.cat([self.tokens, other.tokens])
         self.temp, self.top_p = torch.cat([self.temp, other.temp]), torch.cat([self.top_p, other.top_p])
         self.top_k = torch.cat([self.top_k, other.top_k])
-
-
-def empty(like: Rows) -> tuple[torch.Tensor, ...]:
-    """Rows' tensors with no row (mask, pos, tokens, temp, top_p, top_k), to merge rows into."""
-    return (like.mask[:0, :0], like.pos[:0], like.tokens[:0], like.temp[:0], like.top_p[:0], like.top_k[:0])
 
 
 def prefill_inputs(
