@@ -6,10 +6,10 @@ between two decode steps the requests that arrived meanwhile are prefilled toget
 batch (continuous batching), so the batch stays full across turns and trajectories. A trajectory's KV cache
 is kept between its turns (`session_kv_bytes`, backends/kv.py): its next turn prefills only the tokens it
 adds. Rows are left-padded and carry explicit position ids and an attention mask, so a request's greedy
-tokens do not depend on what it was batched with. Sampling follows SGLang's
-sampling parameters: temperature < 1e-6 is greedy; the logprob of a token is
-log_softmax(logits / temperature) over the whole vocabulary (plain log_softmax when greedy), whatever top-k /
-top-p cut; the matched stop id is the last generated token.
+tokens do not depend on what it was batched with. Sampling follows SGLang's sampling parameters
+(backends/sampling.py): temperature < 1e-6 is greedy; the logprob of a token is log_softmax(logits /
+temperature) over the whole vocabulary (plain log_softmax when greedy), whatever top-k / top-p cut; the
+matched stop id is the last generated token.
 
 Device and dtype (`device=`, `dtype=`; `agentfsm run/dev-server --device --dtype`):
 - device: cuda when `torch.cuda.is_available()`, else cpu.
