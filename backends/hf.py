@@ -386,12 +386,13 @@ class HFBackend(BaseBackend):
                         job.batch, job.batch_size = self._batches, len(joining)
                     self._admitted.update(joining)
                     for group in self._prefill_groups(joining):
-                        joined, live = self._prefill(group, finished, first=rows is None)
-                        if not live:
-                            continue
-                        if rows is None:  # (and so always, for a batch that only shrinks)
+                        running = rows if self._joinable and jobs else None
+                        joined, live = self._prefill(group, finished, running)
+                        if running is None:  # a new batch (always, for a batch that only shrinks)
+                            if not live:
+                                continue
                             rows = joined
-                        else:
+                        else:  # prefilled into the batch's slots: counted in (and dropped if done already)
                             rows.merge(joined)
                         jobs += [job for job, _ in group]
                         if len(live) < len(group):
@@ -430,15 +431,16 @@ class HFBackend(BaseBackend):
         return [g for g in ([x for x in kept if x[1] is not None], [x for x in kept if x[1] is None]) if g]
 
     def _prefill(self, group: list[tuple[_Job, Any]], finished: Callable[[_Job, str], None],
-                 first: bool) -> tuple[Rows, list[int]]:  # fmt: skip
-        """One forward pass over rows that join: their first tokens sampled; the rows that go on. The `first`
-        rows of a batch prefill straight into its slot cache; later ones are copied into it (`Rows.merge`)."""
+                 into: Rows | None) -> tuple[Rows, list[int]]:  # fmt: skip
+        """One forward pass over rows that join: their first tokens sampled; the rows that go on. They prefill
+        straight into the running batch's slots (`into`), or into a new batch's."""
         jobs = [job for job, _ in group]
         contexts = [job.request.prompt_ids + job.tokens for job in jobs]
         ids, mask, pos, past = prefill_inputs(contexts, [k for _, k in group], self.pad_token_id, self.device)
         dev = self.device
         rows = Rows(
-            cache=SlotCache(self.model.config, self.max_batch_size, past) if first and self._joinable
+            cache=into.opened(past, len(jobs), mask.shape[1], self.model.config) if into is not None
+            else SlotCache(self.model.config, self.max_batch_size, past) if self._joinable
             else make_cache(past, self.model.config),
             mask=mask, pos=pos[:, -1:], tokens=pos[:, -1],
             temp=torch.tensor([job.sampling.temperature or 1.0 for job in jobs], device=dev),

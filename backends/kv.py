@@ -187,6 +187,19 @@ class SlotLayer(DynamicLayer):
         self.n += rows
         self._view()
 
+    def open(self, past: tuple[torch.Tensor, torch.Tensor] | None, rows: int, width: int) -> Opened:
+        """Room for `rows` more rows whose `width` columns end at the batch's last column, their past (keys and
+        values (rows, heads, P, head_dim)) written first: a cache layer for their prefill (see `Opened`)."""
+        like = past[0] if past is not None else self.kb
+        assert like is not None and self.n
+        self._fit(like, self.n + rows, min(self.lo, self.hi - width), self.hi)
+        self.lo = min(self.lo, self.hi - width)
+        start, held = self.hi - width, past[0].shape[2] if past is not None else 0
+        if past is not None:
+            self.kb[self.n : self.n + rows, :, start : start + held] = past[0]  # type: ignore[index]
+            self.vb[self.n : self.n + rows, :, start : start + held] = past[1]  # type: ignore[index]
+        return Opened(self, rows, start, held)
+
     def move(self, pairs: list[tuple[int, int]], rows: int, trim: int) -> None:
         """Copy row `src` onto row `dst` for each pair, keep rows [0, rows), drop `trim` columns on the left."""
         assert self.kb is not None and self.vb is not None
@@ -195,6 +208,34 @@ class SlotLayer(DynamicLayer):
             self.vb[dst, :, self.lo : self.hi].copy_(self.vb[src, :, self.lo : self.hi])
         self.n, self.lo = rows, self.lo + trim
         self._view()
+
+
+class Opened(DynamicLayer):
+    """Rows a SlotLayer opened past its last row, as a cache layer for their prefill: the forward pass reads
+    their past in place and writes its new columns in place (nothing is copied into the batch afterwards);
+    `Rows.merge` then counts them in."""
+
+    def __init__(self, slot: SlotLayer, rows: int, start: int, held: int):
+        super().__init__()
+        self.slot, self.rows, self.start, self.end = slot, rows, start, start + held
+        assert slot.kb is not None
+        self.lazy_initialization(slot.kb, slot.kb)
+        self._view()
+
+    def _view(self) -> None:
+        first, kb, vb = self.slot.n, self.slot.kb, self.slot.vb
+        assert kb is not None and vb is not None
+        self.keys = kb[first : first + self.rows, :, self.start : self.end]
+        self.values = vb[first : first + self.rows, :, self.start : self.end]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        first, width = self.slot.n, key_states.shape[-2]
+        assert self.slot.kb is not None and self.slot.vb is not None and self.end + width == self.slot.hi
+        self.slot.kb[first : first + self.rows, :, self.end : self.end + width] = key_states
+        self.slot.vb[first : first + self.rows, :, self.end : self.end + width] = value_states
+        self.end += width
+        self._view()
+        return self.keys, self.values
 
 
 class SlotCache(DynamicCache):
@@ -252,11 +293,19 @@ class Rows:
             layer.move(pairs, kept, trim)  # type: ignore[attr-defined]
         return order
 
+    def opened(self, past: KV | None, rows: int, width: int, config: Any) -> DynamicCache:
+        """A cache for the prefill of `rows` rows that join this batch, `width` columns each (see `Opened`)."""
+        cache = DynamicCache(config=config)
+        cache.layers = [layer.open(past[i] if past else None, rows, width)  # type: ignore[attr-defined]
+                        for i, layer in enumerate(self.cache.layers)]  # fmt: skip
+        return cache
+
     def merge(self, other: Rows) -> None:
-        """Append `other`'s rows (their cache a plain DynamicCache); the narrower side's mask is padded on the
-        left."""
-        for layer, (k, v) in zip(self.cache.layers, layers(other.cache), strict=True):
-            layer.join(k, v)  # type: ignore[attr-defined]
+        """Count in `other`'s rows, prefilled into this batch's slots (`opened`); the narrower side's mask is
+        padded on the left."""
+        for layer in self.cache.layers:
+            layer.n += len(other)  # type: ignore[attr-defined]
+            layer._view()  # type: ignore[attr-defined]
         width = max(self.mask.shape[1], other.mask.shape[1])
         self.mask = torch.cat([_pad_left(self.mask, width, 1), _pad_left(other.mask, width, 1)])
         self.pos, self.tokens = torch.cat([self.pos, other.pos]), torch.cat([self.tokens, other.tokens])

@@ -91,6 +91,22 @@ async def test_many_trajectories_join_with_kept_kv_of_different_lengths(backend:
         same(a, b)
 
 
+async def test_next_turns_join_a_running_batch_with_their_kept_kv(backend: HFBackend, plain: HFBackend):
+    """Rows prefill into the running batch's own slots, their kept KV first, beside a row that keeps running."""
+    long = asyncio.ensure_future(backend.generate(turn("long", prompt(30, seed=7), 200)))
+    while not backend._model_lock.locked():
+        await asyncio.sleep(0)
+    firsts, observations = [prompt(9 + 7 * i, seed=30 + i) for i in range(3)], [[4, 5, 6], [7], [8, 9, 10, 11, 12]]
+    runs = [asyncio.gather(*(two_turns(b, f"t{i}", f, o) for i, (f, o) in enumerate(zip(firsts, observations))))
+            for b in (backend, plain)]  # fmt: skip
+    kept, full = await runs[0], await runs[1]
+    assert not long.done() and all(two.cached_tokens > 0 for _, two, _ in kept)
+    for (one_a, two_a, _), (one_b, two_b, _) in zip(kept, full, strict=True):
+        same(one_a, one_b)
+        same(two_a, two_b)
+    same(await long, await plain.generate(turn("long", prompt(30, seed=7), 200)))
+
+
 async def test_a_prompt_that_does_not_extend_the_kept_tokens_is_prefilled_whole(
     backend: HFBackend, plain: HFBackend
 ):
