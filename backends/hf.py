@@ -1,12 +1,15 @@
 """The embedded default backend: a transformers causal LM in this process, on CPU or a CUDA GPU.
 
-Concurrent `generate()` calls queue up. One worker, owned by the backend, takes everything pending (up to
-`max_batch_size`) and decodes it as one batch in a thread, so the event loop stays responsive; requests that
-arrive meanwhile join the next batch. Rows are left-padded and carry explicit position ids and an attention
-mask, so a request's greedy tokens do not depend on what it was batched with. Sampling follows SGLang's
-sampling parameters: temperature < 1e-6 is greedy; the logprob of a token is
-log_softmax(logits / temperature) over the whole vocabulary (plain log_softmax when greedy), whatever top-k /
-top-p cut; the matched stop id is the last generated token.
+Concurrent `generate()` calls queue up. One worker, owned by the backend, decodes them in a thread, so the
+event loop stays responsive: it prefills everything pending (up to `max_batch_size` rows) together, and
+between two decode steps the requests that arrived meanwhile are prefilled together and join the running
+batch (continuous batching), so the batch stays full across turns and trajectories. A trajectory's KV cache
+is kept between its turns (`session_kv_bytes`, backends/kv.py): its next turn prefills only the tokens it
+adds. Rows are left-padded and carry explicit position ids and an attention mask, so a request's greedy
+tokens do not depend on what it was batched with. Sampling follows SGLang's sampling parameters
+(backends/sampling.py): temperature < 1e-6 is greedy; the logprob of a token is log_softmax(logits /
+temperature) over the whole vocabulary (plain log_softmax when greedy), whatever top-k / top-p cut; the
+matched stop id is the last generated token.
 
 Device and dtype (`device=`, `dtype=`; `agentfsm run/dev-server --device --dtype`):
 - device: cuda when `torch.cuda.is_available()`, else cpu.
@@ -28,10 +31,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import os
 import random
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,10 +42,9 @@ from typing import Any
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from backends.base import (
-    GREEDY_BELOW,
     BackendError,
     BackendRequestError,
     BackendUnavailable,
@@ -50,54 +52,30 @@ from backends.base import (
     GenerateRequest,
     GenerateResult,
 )
-from backends.sampling import sample_next
+from backends.kv import Rows, SessionCache, SlotCache, joinable, make_cache, prefill_inputs
+from backends.sampling import Sampling, sample_next, validate
 
 SMALL_MODEL_PARAMS = 1_000_000_000  # below this, float32 on CUDA too (see the module docstring)
+SESSION_KV_BYTES = 1 << 30  # default bound on the KV kept between a trajectory's turns
 TINY_SERVED_NAME = "agentfsm-tiny-calculator"  # the served name of the bundled model (backends/tiny/assets)
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}  # fmt: skip
 # SDPA kernels used in float16/bfloat16 on CUDA: all but cuDNN attention, which plans per shape
 _NO_CUDNN_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
-# SGLang sampling keys that only shape `text` (we return token ids only): accepted and ignored.
-_TEXT_ONLY = frozenset(
-    {"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "stream_interval"}
-)
-# SGLang sampling keys this backend does not implement: accepted only at their no-op value.
-_UNSUPPORTED: dict[str, Any] = {
-    "min_new_tokens": 0, "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
-    "repetition_penalty": 1.0, "n": 1, "stop": None, "stop_regex": None, "json_schema": None, "regex": None,
-    "ebnf": None, "structural_tag": None, "logit_bias": None, "custom_params": None, "beam_width": None,
-    "watermark": None, "choice": None,
-}  # fmt: skip
-_IMPLEMENTED = frozenset(
-    {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "sampling_seed", "ignore_eos"}
-)
-
-
-@dataclass(frozen=True, slots=True)
-class _Sampling:
-    """One request's sampling parameters, validated."""
-
-    max_new_tokens: int
-    temperature: float  # 0.0 means greedy
-    top_p: float  # in (0, 1]
-    top_k: int  # >= 1; the vocabulary size means "all"
-    stop_ids: frozenset[int]  # stop_token_ids, plus the model's eos ids unless ignore_eos
-    seed: int | None
-
-
 @dataclass(slots=True, eq=False)
 class _Job:
     """A queued request and what the decode loop has generated for it so far."""
 
     request: GenerateRequest
-    sampling: _Sampling
+    sampling: Sampling
     future: asyncio.Future[GenerateResult]
     generator: torch.Generator | None  # None for greedy rows
     seed: int = 0  # the generator's seed: a retracted row starts over with the same draws
-    batch: int = -1  # which batch ran it (a running count), and how many rows that batch started with
+    batch: int = -1  # which prefill admitted it (a running count), and how many rows that prefill held
     batch_size: int = 0
+    cached: int = 0  # prompt tokens whose KV came from the trajectory's previous turn
+    epoch: int = -1  # the session cache's epoch (weights) when the row was prefilled
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[str] = field(default_factory=list)  # the weight version that made each token
@@ -183,6 +161,9 @@ class HFBackend(BaseBackend):
         served_model_name: str | None = None,
         model_name: str | None = None,  # the same, by its older name
         seed: int | None = None,  # seeds the generators of requests that bring no sampling_seed
+        # bound on the KV kept between a trajectory's turns (by its session id; 0: none kept). Kept KV is
+        # used only when the next prompt extends exactly what it covers, under the same weights.
+        session_kv_bytes: int = SESSION_KV_BYTES,
     ):
         if torch_threads is not None:
             torch.set_num_threads(torch_threads)
@@ -222,8 +203,14 @@ class HFBackend(BaseBackend):
         self.max_batch_size = max_batch_size
         self.weight_version = "default"
         self._rng = random.Random(seed)
-        self._queue: asyncio.Queue[_Job | None] = asyncio.Queue()
-        self._model_lock = asyncio.Lock()  # a batch and a weight reload never overlap
+        self._queue: deque[_Job] = deque()  # waiting requests: the event loop appends, the decode thread takes
+        self._wake = asyncio.Event()  # set when the queue gets a request (or the backend closes)
+        self._model_lock = asyncio.Lock()  # decoding and a weight reload never overlap
+        self._draining = 0  # weight updates waiting: the running batch admits no one and ends
+        # rows join a running batch, and keep KV between turns, only where the cache is plain K/V per layer
+        self._joinable = joinable(config)
+        self.sessions = SessionCache(session_kv_bytes if self._joinable else 0)
+        self._admitted: set[_Job] = set()  # rows the decode thread holds (failed together if it raises)
         self._stopping = False  # read by the decode thread: abort the running batch at its next step
         # Pause (SGLang's /pause_generation modes), read by the decode thread at each step: "abort" ends the
         # running rows with their partial output, "retract" puts them back in the queue (started over after
@@ -255,11 +242,12 @@ class HFBackend(BaseBackend):
         self._closed = self._stopping = True
         self._held.set()  # a paused worker wakes and aborts what it holds
         self._unpaused.set()
-        self._queue.put_nowait(None)  # wakes an idle worker
+        self._wake.set()  # wakes an idle worker
         if self._worker is not None:
             await self._worker
-        while not self._queue.empty():
-            self._abort(self._queue.get_nowait())
+        while self._queue:
+            self._abort(self._queue.popleft())
+        self.sessions.clear()
 
     # -- requests ----------------------------------------------------------------------------------------
 
@@ -276,7 +264,8 @@ class HFBackend(BaseBackend):
             generator = torch.Generator()  # on the CPU: a seed means the same on every device
             generator.manual_seed(seed)
         job = _Job(request, sampling, asyncio.get_running_loop().create_future(), generator, seed)
-        self._queue.put_nowait(job)  # while paused it waits there, as at SGLang's tokenizer manager
+        self._queue.append(job)  # while paused it waits there, as at SGLang's tokenizer manager
+        self._wake.set()
         self._jobs.add(job)
         try:
             return await job.future  # cancelling the caller cancels the future; the decode loop drops the row
@@ -295,66 +284,21 @@ class HFBackend(BaseBackend):
                     job.tokens, job.logprobs, job.versions = [], [], []
                     self._resolve(job, "abort", "Abort in waiting queue", waiting=True)
 
-    def _validate(self, request: GenerateRequest) -> _Sampling:
+    def _validate(self, request: GenerateRequest) -> Sampling:
         """Check a request the way SGLang's server would; raise BackendRequestError (HTTP 400) otherwise."""
-
-        def bad(message: str) -> BackendRequestError:
-            return BackendRequestError(f"{self.model_name}: {message}", server=self.model_name, status=400)
-
-        prompt, params = request.prompt_ids, request.sampling_params
-        if not prompt:
-            raise bad("prompt_ids is empty")
-        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
-            raise bad(f"prompt_ids must lie in [0, {self.vocab_size})")
-        if self.context_length is not None and len(prompt) >= self.context_length:
-            raise bad(
-                f"the input ({len(prompt)} tokens) is longer than the model's context length "
-                f"({self.context_length} tokens); shorten the prompt"
-            )
-        for key, value in params.items():
-            if key in _UNSUPPORTED and value not in (_UNSUPPORTED[key], None, [], {}):
-                raise bad(f"sampling param {key}={value!r} is not supported by HFBackend")
-            if key not in _IMPLEMENTED and key not in _TEXT_ONLY and key not in _UNSUPPORTED:
-                raise bad(f"unknown sampling param {key!r}")
-        try:
-            max_new = int(params.get("max_new_tokens") if params.get("max_new_tokens") is not None else 128)
-            temperature = float(params.get("temperature", 1.0))
-            top_p = float(params.get("top_p", 1.0))
-            top_k = int(params.get("top_k", -1))
-            stops = frozenset(int(t) for t in params.get("stop_token_ids") or ())
-            seed = params.get("sampling_seed")
-            seed = None if seed is None else int(seed)
-        except (TypeError, ValueError) as e:
-            raise bad(f"bad sampling params {params!r}: {e}") from e
-        if max_new < 0:
-            raise bad(f"max_new_tokens must be >= 0, got {max_new}")
-        if not math.isfinite(temperature) or temperature < 0:
-            raise bad(f"temperature must be finite and >= 0, got {temperature}")
-        if not 0.0 < top_p <= 1.0:
-            raise bad(f"top_p must be in (0, 1], got {top_p}")
-        if top_k != -1 and top_k < 1:
-            raise bad(f"top_k must be -1 (all) or >= 1, got {top_k}")
-        if self.context_length is not None:  # SGLang clamps the budget to what the context has left
-            max_new = min(max_new, self.context_length - len(prompt))
-        return _Sampling(
-            max_new_tokens=max_new,
-            temperature=0.0 if temperature < GREEDY_BELOW else temperature,
-            top_p=top_p,
-            top_k=self.vocab_size if top_k == -1 else min(top_k, self.vocab_size),
-            stop_ids=stops if params.get("ignore_eos") else stops | self.eos_token_ids,
-            seed=seed,
-        )
+        return validate(request, name=self.model_name, vocab_size=self.vocab_size,
+                        context_length=self.context_length, eos_ids=self.eos_token_ids)  # fmt: skip
 
     def _result(
         self, request: GenerateRequest, tokens: list[int], logprobs: list[float], finish: str,
-        abort_message: str | None = None, **extra: Any,
+        abort_message: str | None = None, cached: int = 0, **extra: Any,
     ) -> GenerateResult:
         return GenerateResult(
             token_ids=tokens,
             logprobs=logprobs if request.return_logprob else None,
             finish_reason=finish,
             prompt_tokens=len(request.prompt_ids),
-            cached_tokens=0,
+            cached_tokens=cached,
             weight_version=self.weight_version,
             server=None,  # in this process: no server (spans get no server.address)
             abort_message=(abort_message or f"{self.model_name}: HFBackend closed") if finish == "abort" else None,
@@ -363,7 +307,7 @@ class HFBackend(BaseBackend):
 
     def _resolve(self, job: _Job, finish: str, message: str | None = None, **extra: Any) -> None:
         if not job.future.done():  # the caller may have given up
-            result = self._result(job.request, job.tokens, job.logprobs, finish, message, batch=job.batch,
+            result = self._result(job.request, job.tokens, job.logprobs, finish, message, job.cached, batch=job.batch,
                                   batch_size=job.batch_size, token_versions=list(job.versions),
                                   num_retractions=job.retractions, **extra)  # fmt: skip
             job.future.set_result(result)
@@ -379,12 +323,13 @@ class HFBackend(BaseBackend):
             return
         job.running = False
         job.retractions += 1
-        self._queue.put_nowait(job)
+        self._queue.append(job)
+        self._wake.set()
 
     # -- the worker --------------------------------------------------------------------------------------
 
     async def _serve(self) -> None:
-        """Take everything pending (up to max_batch_size), decode it as one batch in a thread, repeat."""
+        """Whenever requests wait, decode in a thread until no row is left (see `_decode`)."""
         loop = asyncio.get_running_loop()
 
         def finished(job: _Job, finish: str) -> None:  # called from the decode thread
@@ -394,98 +339,160 @@ class HFBackend(BaseBackend):
                 loop.call_soon_threadsafe(self._resolve, job, finish, "Aborted" if finish == "abort" else None)
 
         while not self._stopping:
-            pending = [await self._queue.get()]
-            if pending[0] is not None and not self._unpaused.is_set():
-                await self._unpaused.wait()  # paused: the job waits (closing puts a None to wake us)
-            while len(pending) < self.max_batch_size and not self._queue.empty():
-                pending.append(self._queue.get_nowait())
-            jobs = [job for job in pending if job is not None and not job.future.done()]
-            if self._stopping:
-                for job in jobs:
-                    self._abort(job)
-                return
-            if not jobs:
+            if not self._queue:
+                await self._wake.wait()
+            self._wake.clear()
+            if not self._unpaused.is_set():
+                await self._unpaused.wait()  # paused: requests wait (closing sets it too)
+            if self._stopping or not self._queue:
                 continue
-            self._batches += 1
-            for job in jobs:
-                job.batch, job.batch_size = self._batches, len(jobs)
-            async with self._model_lock:
+            async with self._model_lock:  # a weight update waiting for it goes first (the lock is fair)
                 try:
-                    await asyncio.to_thread(self._decode, jobs, finished)
-                except Exception as e:  # keep serving; fail only this batch
-                    for job in jobs:
+                    await asyncio.to_thread(self._decode, finished)
+                except Exception as e:  # keep serving; fail only the rows that were running
+                    for job in self._admitted:
                         if not job.future.done():
                             job.future.set_exception(
-                                BackendError(
-                                    f"{self.model_name}: generation failed: {e!r}", server=self.model_name
-                                )
+                                BackendError(f"{self.model_name}: generation failed: {e!r}", server=self.model_name)
                             )
+                finally:
+                    self._admitted = set()
 
-    def _decode(self, jobs: list[_Job], finished: Callable[[_Job, str], None]) -> None:
-        """Generate for one batch, calling `finished(job, reason)` as each row ends. Runs in a thread."""
+    def _take(self, room: int) -> list[_Job]:
+        """Up to `room` waiting requests, unless paused, closing or a weight update waits."""
+        taken: list[_Job] = []
+        if self._stopping or self._pause_mode is not None or self._draining:
+            return taken
+        while len(taken) < room and self._queue:
+            job = self._queue.popleft()
+            job.running = True
+            if not job.future.done():  # else aborted or given up while it waited
+                taken.append(job)
+        return taken
+
+    def _decode(self, finished: Callable[[_Job, str], None]) -> None:
+        """Decode until no row is left, calling `finished(job, reason)` as each row ends. Before each step,
+        the requests waiting are prefilled together and join the running batch (with a cache that cannot take
+        rows mid-batch, only once the batch has ended). Runs in a thread."""
         kernels = sdpa_kernel(self._attention) if self._attention else contextlib.nullcontext()
         with torch.inference_mode(), kernels:
-            dev = self.device
-            width = max(len(job.request.prompt_ids) + len(job.tokens) for job in jobs)  # a retracted row goes on
-            ids = torch.full((len(jobs), width), self.pad_token_id, dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for row, job in enumerate(jobs):  # left padding: every row's newest token is in the last column
-                job.running = True
-                prompt = job.request.prompt_ids + job.tokens
-                ids[row, width - len(prompt) :] = torch.tensor(prompt)
-                mask[row, width - len(prompt) :] = 1
-            ids, mask = ids.to(dev), mask.to(dev)
-            pos = (mask.cumsum(-1) - 1).clamp(min=0)  # each row counts from 0 at its first real token
-            temp = torch.tensor([job.sampling.temperature or 1.0 for job in jobs], device=dev)
-            top_p = torch.tensor([job.sampling.top_p for job in jobs], device=dev)
-            top_k = torch.tensor([job.sampling.top_k for job in jobs], device=dev)
-            cache = DynamicCache(config=self.model.config)
+            jobs: list[_Job] = []
+            rows: Rows | None = None
             while True:
-                with self._step:
-                    out = self.model(
-                        input_ids=ids,
-                        attention_mask=mask,
-                        position_ids=pos,
-                        past_key_values=cache,
-                        use_cache=True,
-                        logits_to_keep=1,
-                    )
-                    tokens, logprobs = sample_next(out.logits[:, -1].float(), [j.generator for j in jobs], temp, top_p, top_k)
-                live = []  # rows that go on
-                for row, (job, token, logprob) in enumerate(
-                    zip(jobs, tokens.tolist(), logprobs.tolist(), strict=True)
-                ):
-                    job.tokens.append(token)
-                    job.logprobs.append(logprob)
-                    job.versions.append(self.weight_version)
-                    if token in job.sampling.stop_ids:
-                        finished(job, "stop")
-                    elif len(job.tokens) >= job.sampling.max_new_tokens:
-                        finished(job, "length")
-                    elif self._stopping or job.abort:
-                        finished(job, "abort")
-                    elif not job.future.done():  # else the caller gave up
-                        live.append(row)
-                mode = self._pause_mode
-                if live and mode in ("abort", "retract"):  # paused: the rows end here, partial or requeued
-                    for row in live:
-                        finished(jobs[row], mode)
+                joining = self._take(self.max_batch_size - len(jobs)) if self._joinable or not jobs else []
+                if joining:
+                    self._batches += 1
+                    for job in joining:
+                        job.batch, job.batch_size = self._batches, len(joining)
+                    self._admitted.update(joining)
+                    for group in self._prefill_groups(joining):
+                        running = rows if self._joinable and jobs else None
+                        joined, live = self._prefill(group, finished, running)
+                        if running is None:  # a new batch (always, for a batch that only shrinks)
+                            if not live:
+                                continue
+                            rows = joined
+                        else:  # prefilled into the batch's slots: counted in (and dropped if done already)
+                            rows.merge(joined)
+                        jobs += [job for job, _ in group]
+                        if len(live) < len(group):
+                            live = list(range(len(jobs) - len(group))) + [len(jobs) - len(group) + row for row in live]
+                            jobs = [jobs[row] for row in rows.select(live)]
+                if not jobs:
                     return
-                if live and mode == "in_place":
+                assert rows is not None
+                mode = self._pause_mode
+                if mode in ("abort", "retract"):  # paused: the rows end here, partial or requeued
+                    for job in jobs:
+                        finished(job, mode)
+                    return
+                if mode == "in_place":
                     self._parked.set()
                     self._held.wait()  # the weights may change meanwhile: the rows go on with the new ones
                     self._parked.clear()
-                if not live:
-                    return
+                rows.mask = torch.cat([rows.mask, rows.mask.new_ones(len(jobs), 1)], dim=-1)
+                rows.pos = rows.pos + 1
+                with self._step:
+                    out = self.model(input_ids=rows.tokens[:, None], attention_mask=rows.mask,
+                                     position_ids=rows.pos, past_key_values=rows.cache, use_cache=True,
+                                     logits_to_keep=1)  # fmt: skip
+                    rows.tokens, logprobs = sample_next(
+                        out.logits[:, -1].float(), [j.generator for j in jobs], rows.temp, rows.top_p, rows.top_k
+                    )
+                live = self._advance(jobs, rows, logprobs, finished)
                 if len(live) < len(jobs):  # drop finished rows: the rest of the batch runs smaller
-                    keep = torch.tensor(live, device=dev)
-                    cache.batch_select_indices(keep)
-                    jobs = [jobs[row] for row in live]
-                    tokens, mask, pos = tokens[keep], mask[keep], pos[keep]
-                    temp, top_p, top_k = temp[keep], top_p[keep], top_k[keep]
-                ids = tokens[:, None]
-                mask = torch.cat([mask, mask.new_ones(len(jobs), 1)], dim=-1)
-                pos = pos[:, -1:] + 1
+                    jobs = [jobs[row] for row in rows.select(live)]
+
+    def _prefill_groups(self, joining: list[_Job]) -> list[list[tuple[_Job, Any]]]:
+        """The joining rows with their kept KV (or None), split into those that have one and those that do
+        not: each group is one forward pass, as long as its longest uncached part."""
+        kept = [(job, self.sessions.take(job.request.session_id, job.request.prompt_ids + job.tokens)
+                 if self.sessions.max_bytes else None) for job in joining]  # fmt: skip
+        return [g for g in ([x for x in kept if x[1] is not None], [x for x in kept if x[1] is None]) if g]
+
+    def _prefill(self, group: list[tuple[_Job, Any]], finished: Callable[[_Job, str], None],
+                 into: Rows | None) -> tuple[Rows, list[int]]:  # fmt: skip
+        """One forward pass over rows that join: their first tokens sampled; the rows that go on. They prefill
+        straight into the running batch's slots (`into`), or into a new batch's."""
+        jobs = [job for job, _ in group]
+        contexts = [job.request.prompt_ids + job.tokens for job in jobs]
+        ids, mask, pos, past = prefill_inputs(contexts, [k for _, k in group], self.pad_token_id, self.device)
+        dev = self.device
+        rows = Rows(
+            cache=into.opened(past, len(jobs), mask.shape[1], self.model.config) if into is not None
+            else SlotCache(self.model.config, self.max_batch_size, past) if self._joinable
+            else make_cache(past, self.model.config),
+            mask=mask, pos=pos[:, -1:], tokens=pos[:, -1],
+            temp=torch.tensor([job.sampling.temperature or 1.0 for job in jobs], device=dev),
+            top_p=torch.tensor([job.sampling.top_p for job in jobs], device=dev),
+            top_k=torch.tensor([job.sampling.top_k for job in jobs], device=dev),
+        )  # fmt: skip
+        held = mask.shape[1] - ids.shape[1]
+        for row, job in enumerate(jobs):
+            job.cached = int(mask[row, :held].sum()) if held else 0
+        with self._step:
+            for job in jobs:
+                job.epoch = self.sessions.epoch
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=rows.cache,
+                             use_cache=True, logits_to_keep=1)  # fmt: skip
+            rows.tokens, logprobs = sample_next(
+                out.logits[:, -1].float(), [j.generator for j in jobs], rows.temp, rows.top_p, rows.top_k
+            )
+        return rows, self._advance(jobs, rows, logprobs, finished)
+
+    def _advance(self, jobs: list[_Job], rows: Rows, logprobs: torch.Tensor,
+                 finished: Callable[[_Job, str], None]) -> list[int]:  # fmt: skip
+        """Append each row's new token; end the rows that are done (keeping their KV for the trajectory's next
+        turn); return the rows that go on."""
+        live = []
+        for row, (job, token, logprob) in enumerate(zip(jobs, rows.tokens.tolist(), logprobs.tolist(), strict=True)):
+            job.tokens.append(token)
+            job.logprobs.append(logprob)
+            job.versions.append(self.weight_version)
+            if token in job.sampling.stop_ids:
+                finish = "stop"
+            elif len(job.tokens) >= job.sampling.max_new_tokens:
+                finish = "length"
+            elif self._stopping or job.abort:
+                finish = "abort"
+            else:
+                if not job.future.done():  # else the caller gave up
+                    live.append(row)
+                else:
+                    self._admitted.discard(job)
+                continue
+            if finish != "abort":
+                self._keep(job, rows, row)
+            self._admitted.discard(job)
+            finished(job, finish)
+        return live
+
+    def _keep(self, job: _Job, rows: Rows, row: int) -> None:
+        """Keep a finished row's KV for its trajectory's next turn: all its tokens but the last (never fed)."""
+        if not self.sessions.max_bytes or job.epoch != self.sessions.epoch:
+            return  # none kept, or the weights changed under the row
+        ids = job.request.prompt_ids + job.tokens[:-1]
+        self.sessions.keep(job.request.session_id, ids, rows.row_kv(row, len(ids)), job.epoch)
 
     # -- control calls (passed through by the dev server) ------------------------------------------------
 
@@ -501,12 +508,8 @@ class HFBackend(BaseBackend):
             self._held.clear()
         self._pause_mode = mode
         if mode == "abort":
-            while not self._queue.empty():
-                job = self._queue.get_nowait()
-                if job is None:
-                    self._queue.put_nowait(None)  # closing: leave the wake-up for the worker
-                    break
-                self._abort(job, "Aborted")
+            while self._queue:
+                self._abort(self._queue.popleft(), "Aborted")
         # As SGLang's, the call returns once the pause took effect: the running batch has ended (its rows
         # answered or requeued) or is held, so a continue right after cannot overtake it.
         while self._model_lock.locked() and not self._parked.is_set() and not self._stopping:
@@ -517,11 +520,24 @@ class HFBackend(BaseBackend):
         self._held.set()
         self._unpaused.set()
 
+    @contextlib.asynccontextmanager
+    async def _between_steps(self) -> Any:
+        """Where a weight update lands: between two steps of a batch held by an in-place pause (which then
+        goes on with the new weights), else once the running batch has ended: it admits no one meanwhile."""
+        if self._pause_mode == "in_place":
+            yield
+            return
+        self._draining += 1
+        try:
+            async with self._model_lock:
+                yield
+        finally:
+            self._draining -= 1
+
     async def update_weights_from_disk(self, model_path: str, *, weight_version: str | None = None) -> None:
         """Reload weights in place from a checkpoint of the same architecture: between batches, or between two
         steps of a batch held by an in-place pause (which then goes on with the new weights)."""
-        held = self._pause_mode == "in_place"
-        async with contextlib.nullcontext() if held else self._model_lock:
+        async with self._between_steps():
             try:
                 await asyncio.to_thread(self._load_weights, model_path)
             except (OSError, ValueError, RuntimeError) as e:
@@ -536,6 +552,7 @@ class HFBackend(BaseBackend):
         source = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype)
         with torch.no_grad(), self._step:
             self.model.load_state_dict(source.state_dict())
+            self.sessions.clear()  # KV computed by the old weights is never reused
 
     async def update_weights_from_tensor(self, named_tensors: Any = None, *, load_format: str | None = None,
                                          flush_cache: bool = True, weight_version: str | None = None,
@@ -555,8 +572,7 @@ class HFBackend(BaseBackend):
         if wrong:
             raise BackendRequestError(f"{self.model_name}: update_weights_from_tensor: {wrong}",
                                       server=self.model_name, status=400)  # fmt: skip
-        held = self._pause_mode == "in_place"
-        async with contextlib.nullcontext() if held else self._model_lock:
+        async with self._between_steps():
             await asyncio.to_thread(self._copy_weights, own, pairs)
         if weight_version is not None:
             self.weight_version = weight_version
@@ -565,7 +581,13 @@ class HFBackend(BaseBackend):
         with torch.no_grad(), self._step:
             for name, tensor in pairs:
                 own[name].data.copy_(tensor.detach())
+            self.sessions.clear()
 
     async def flush_cache(self) -> None:
-        """Nothing to flush: there is no prefix cache across requests."""
+        """Forget the KV kept between trajectories' turns."""
+        self.sessions.clear()
+
+    async def release(self, session_id: str) -> None:
+        """The trajectory ended: its kept KV goes."""
+        self.sessions.drop(session_id)
 

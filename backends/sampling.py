@@ -1,9 +1,95 @@
-"""SGLang's sampling semantics for the embedded backend (backends/hf.py): greedy or top-k / top-p draws, and
-the logprob of the picked token as log_softmax(logits / temperature) over the whole vocabulary."""
+"""SGLang's sampling semantics for the embedded backend (backends/hf.py): its sampling parameters checked as
+SGLang's server checks them, greedy or top-k / top-p draws, and the logprob of the picked token as
+log_softmax(logits / temperature) over the whole vocabulary."""
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+from typing import Any
+
 import torch
+
+from backends.base import GREEDY_BELOW, BackendRequestError, GenerateRequest
+
+# SGLang sampling keys that only shape `text` (we return token ids only): accepted and ignored.
+TEXT_ONLY = frozenset(
+    {"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "stream_interval"}
+)
+# SGLang sampling keys this backend does not implement: accepted only at their no-op value.
+UNSUPPORTED: dict[str, Any] = {
+    "min_new_tokens": 0, "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+    "repetition_penalty": 1.0, "n": 1, "stop": None, "stop_regex": None, "json_schema": None, "regex": None,
+    "ebnf": None, "structural_tag": None, "logit_bias": None, "custom_params": None, "beam_width": None,
+    "watermark": None, "choice": None,
+}  # fmt: skip
+IMPLEMENTED = frozenset(
+    {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "sampling_seed", "ignore_eos"}
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """One request's sampling parameters, validated."""
+
+    max_new_tokens: int
+    temperature: float  # 0.0 means greedy
+    top_p: float  # in (0, 1]
+    top_k: int  # >= 1; the vocabulary size means "all"
+    stop_ids: frozenset[int]  # stop_token_ids, plus the model's eos ids unless ignore_eos
+    seed: int | None
+
+
+def validate(request: GenerateRequest, *, name: str, vocab_size: int, context_length: int | None,
+             eos_ids: frozenset[int]) -> Sampling:  # fmt: skip
+    """Check a request the way SGLang's server would; raise BackendRequestError (HTTP 400) otherwise."""
+
+    def bad(message: str) -> BackendRequestError:
+        return BackendRequestError(f"{name}: {message}", server=name, status=400)
+
+    prompt, params = request.prompt_ids, request.sampling_params
+    if not prompt:
+        raise bad("prompt_ids is empty")
+    if min(prompt) < 0 or max(prompt) >= vocab_size:
+        raise bad(f"prompt_ids must lie in [0, {vocab_size})")
+    if context_length is not None and len(prompt) >= context_length:
+        raise bad(
+            f"the input ({len(prompt)} tokens) is longer than the model's context length "
+            f"({context_length} tokens); shorten the prompt"
+        )
+    for key, value in params.items():
+        if key in UNSUPPORTED and value not in (UNSUPPORTED[key], None, [], {}):
+            raise bad(f"sampling param {key}={value!r} is not supported by HFBackend")
+        if key not in IMPLEMENTED and key not in TEXT_ONLY and key not in UNSUPPORTED:
+            raise bad(f"unknown sampling param {key!r}")
+    try:
+        max_new = int(params.get("max_new_tokens") if params.get("max_new_tokens") is not None else 128)
+        temperature = float(params.get("temperature", 1.0))
+        top_p = float(params.get("top_p", 1.0))
+        top_k = int(params.get("top_k", -1))
+        stops = frozenset(int(t) for t in params.get("stop_token_ids") or ())
+        seed = params.get("sampling_seed")
+        seed = None if seed is None else int(seed)
+    except (TypeError, ValueError) as e:
+        raise bad(f"bad sampling params {params!r}: {e}") from e
+    if max_new < 0:
+        raise bad(f"max_new_tokens must be >= 0, got {max_new}")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise bad(f"temperature must be finite and >= 0, got {temperature}")
+    if not 0.0 < top_p <= 1.0:
+        raise bad(f"top_p must be in (0, 1], got {top_p}")
+    if top_k != -1 and top_k < 1:
+        raise bad(f"top_k must be -1 (all) or >= 1, got {top_k}")
+    if context_length is not None:  # SGLang clamps the budget to what the context has left
+        max_new = min(max_new, context_length - len(prompt))
+    return Sampling(
+        max_new_tokens=max_new,
+        temperature=0.0 if temperature < GREEDY_BELOW else temperature,
+        top_p=top_p,
+        top_k=vocab_size if top_k == -1 else min(top_k, vocab_size),
+        stop_ids=stops if params.get("ignore_eos") else stops | eos_ids,
+        seed=seed,
+    )
 
 
 def draw(

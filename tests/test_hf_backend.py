@@ -18,7 +18,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from backends.base import Backend, BackendRequestError, BackendUnavailable, GenerateRequest, GenerateResult
 from backends.hf import SMALL_MODEL_PARAMS, TINY_SERVED_NAME, HFBackend, _dtype, default_dtype
-from bench.hf import bench_hf
+from bench.hf import bench_hf, bench_rollout
 
 VOCAB, CONTEXT = 600, 256
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
@@ -167,24 +167,29 @@ async def test_rows_finish_independently(backend: HFBackend):
         )
 
 
-async def test_requests_arriving_during_a_batch_join_the_next_one(backend: HFBackend):
+async def test_requests_arriving_during_a_batch_join_it(backend: HFBackend):
+    """Continuous batching: requests that arrive while a batch decodes are prefilled together and join it
+    between two steps (they do not wait for it to end), with the tokens they would get alone."""
     long = {**GREEDY, "max_new_tokens": 120}
     first = [asyncio.ensure_future(backend.generate(req(prompt(40, seed=i), **long))) for i in range(4)]
     ticks = 0
-    while backend._queue.qsize():  # the worker has taken the first batch
-        await asyncio.sleep(0)
-    while not backend._model_lock.locked():
+    while backend._queue or not backend._model_lock.locked():  # the worker has taken the first batch
         await asyncio.sleep(0)
     late = [asyncio.ensure_future(backend.generate(req(prompt(8, seed=10 + i), **GREEDY))) for i in range(3)]
-    while not all(f.done() for f in first):  # the event loop stays free while the batch decodes in a thread
+    while not all(f.done() for f in late):  # the event loop stays free while the batch decodes in a thread
         ticks += 1
         await asyncio.sleep(0.001)
+    assert not any(f.done() for f in first)  # the late ones ran beside the long ones, and ended first
     results: list[GenerateResult] = await asyncio.gather(*first, *late)
     assert ticks > 5
     assert all(len(r.token_ids) == (120 if i < 4 else 16) for i, r in enumerate(results))
     batches = [r.extra["batch"] for r in results]
     assert len(set(batches[:4])) == 1 and batches[4:] == [batches[0] + 1] * 3
     assert results[4].extra["batch_size"] == 3
+    alone = [await backend.generate(req(prompt(8, seed=10 + i), **GREEDY)) for i in range(3)]
+    assert [r.token_ids for r in results[4:]] == [r.token_ids for r in alone]
+    for a, b in zip(alone, results[4:], strict=True):
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4)
 
 
 async def test_cancelled_request_leaves_the_batch(backend: HFBackend):
@@ -278,9 +283,20 @@ async def test_a_model_object_is_decoded_as_is(model_dir: Path):
 
 def test_bench_hf(model_dir: Path, device: str):
     result = bench_hf(
-        model_dir, batch_sizes=(1, 4), prompt_len=20, new_tokens=8, torch_threads=1, device=device
+        model_dir, batch_sizes=(1, 4), prompt_len=20, new_tokens=8, torch_threads=1, device=device,
+        rollout_prompts=0,
     )
     assert set(result["tokens_per_s"]) == {1, 4} and all(v > 0 for v in result["tokens_per_s"].values())
+
+
+def test_bench_rollout_against_one_batch():
+    """The calculator rollout through the engine and the one batch generate the same number of tokens."""
+    from backends.tiny import ASSET_DIR
+
+    result = bench_rollout(ASSET_DIR, prompts=4, torch_threads=1, device="cpu", repeats=1)
+    rollout, one = result["rollout"], result["one_batch"]
+    assert rollout["generated_tokens"] == one["generated_tokens"] > 4 * 10
+    assert result["ratio"] == round(rollout["tokens_per_s"] / one["tokens_per_s"], 3) > 0
 
 
 def test_default_dtype_and_dtype_names():
