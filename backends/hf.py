@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import os
 import random
 import threading
@@ -179,6 +180,8 @@ class HFBackend(BaseBackend):
             self.dtype = dtype
             self.model = AutoModelForCausalLM.from_pretrained(model, dtype=self.dtype)
         self.model.to(device=self.device, dtype=self.dtype).eval()
+        # transformers 5 renamed forward's past_key_values to cache (the old name warns); 4.x knows only the old
+        self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         # cuDNN attention plans per shape (slow in decode); float32 never uses it
         self._attention = (
             _NO_CUDNN_ATTENTION
@@ -414,7 +417,7 @@ class HFBackend(BaseBackend):
                 rows.pos = rows.pos + 1
                 with self._step:
                     out = self.model(input_ids=rows.tokens[:, None], attention_mask=rows.mask,
-                                     position_ids=rows.pos, past_key_values=rows.cache, use_cache=True,
+                                     position_ids=rows.pos, **{self._cache_kw: rows.cache}, use_cache=True,
                                      logits_to_keep=1)  # fmt: skip
                     rows.tokens, logprobs = sample_next(
                         out.logits[:, -1].float(), [j.generator for j in jobs], rows.temp, rows.top_p, rows.top_k
@@ -453,7 +456,7 @@ class HFBackend(BaseBackend):
         with self._step:
             for job in jobs:
                 job.epoch = self.sessions.epoch
-            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=rows.cache,
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, **{self._cache_kw: rows.cache},
                              use_cache=True, logits_to_keep=1)  # fmt: skip
             rows.tokens, logprobs = sample_next(
                 out.logits[:, -1].float(), [j.generator for j in jobs], rows.temp, rows.top_p, rows.top_k
