@@ -246,7 +246,7 @@ class AgentData:
 
     @property
     def response_ids(self) -> list[int]:
-        last = next((seg for seg in reversed(self._traj.segments) if seg.role == "assistant"), None)
+        last = self._traj.segments.last("assistant")
         return self._traj.response_ids[last.start : last.end].tolist() if last else []
 
     @property
