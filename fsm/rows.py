@@ -34,13 +34,19 @@ def encodable(text: str) -> str:
 
 
 def encodable_value(value: Any) -> Any:
-    """`encodable` through dicts, lists and tuples (a row's fields); other values as they are."""
+    """`encodable` through dicts, lists and tuples (a row's fields); other values as they are. A container
+    with nothing to replace is returned itself, not copied (a row's copy would cost every trajectory
+    a few hundred bytes for nothing)."""
     if isinstance(value, str):
         return encodable(value)
     if isinstance(value, dict):
-        return {encodable_value(k): encodable_value(v) for k, v in value.items()}
+        items = [(encodable_value(k), encodable_value(v)) for k, v in value.items()]
+        if all(a is k and b is v for (a, b), (k, v) in zip(items, value.items())):
+            return value
+        return dict(items)
     if isinstance(value, (list, tuple)):
-        return type(value)(encodable_value(v) for v in value)
+        out = [encodable_value(v) for v in value]
+        return value if all(a is b for a, b in zip(out, value)) else type(value)(out)
     return value
 
 
