@@ -213,3 +213,33 @@ def bench_engine(n: int = 2000, concurrency: int | None = None, tool_turns: int 
           + ", ".join(f"{k} {out[k]['us_per_transition']:.1f} µs" for k in KINDS) + " CPU per transition",
           file=sys.stderr)  # fmt: skip
     return out
+
+
+def bench_calculator(n: int = 2000, concurrency: int | None = None, repeats: int = 3) -> dict[str, Any]:
+    """CPU per trajectory on the calculator workload (specs/calculator.yaml: the tiny tokenizer's chat
+    template per prompt, one tool turn, the answer; a replayed model), `n` trajectories with `concurrency`
+    in flight: run at 1,000 and 50,000 to see what grows with the number in flight. Median of `repeats`."""
+    from bench.tracing import _bench_workload
+
+    concurrency = concurrency or n
+    make_run, _ = _bench_workload("calculator", n, 1, concurrency)
+    runner, rows = make_run(None)
+    asyncio.run(runner.run(rows[:200]))  # warm up (template compilation, caches)
+    runs, collections = [], []
+    for _ in range(repeats):
+        runner, rows = make_run(None)
+        gc.collect()
+        before = [s["collections"] for s in gc.get_stats()]
+        t0 = time.process_time()
+        trajs = asyncio.run(runner.run(rows))
+        runs.append(time.process_time() - t0)
+        collections.append([s["collections"] - b for s, b in zip(gc.get_stats(), before)])
+        bad = [t for t in trajs if t.failed]
+        assert not bad, f"calculator: {bad[0].error}"
+        del trajs
+    us = statistics.median(runs) / n * 1e6
+    print(f"bench engine: calculator workload, {n} trajectories, {concurrency} in flight, median of {repeats}: "
+          f"{us:.0f} µs CPU per trajectory", file=sys.stderr)  # fmt: skip
+    return {"workload": "calculator", "trajectories": n, "concurrency": concurrency, "repeats": repeats,
+            "cpu_us_per_trajectory": round(us, 1), "runs_cpu_s": [round(r, 3) for r in runs],
+            "gc_collections_per_run": collections}  # fmt: skip
