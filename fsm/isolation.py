@@ -110,6 +110,22 @@ class _Job:
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     finished: bool = False  # its thread is done with it (under the lane's lock)
     written_off: bool = False  # its caller gave up while it ran: the thread leaves the pool when done
+    clock: StartClock | None = None  # the caller's timeout counts from when a thread takes the job
+
+
+class StartClock:
+    """When a timed call started to run (time.monotonic()); None while it waits in a ThreadLane's queue,
+    whose wait is not the tool's: thousands of calls in flight queue for a few threads, and counting that
+    wait timed calls out that never ran."""
+
+    __slots__ = ("started",)
+
+    def __init__(self) -> None:
+        self.started: float | None = time.monotonic()
+
+
+# set by fsm/tools.py's run_timed for the call it awaits; a ThreadLane hands it to the thread that runs it
+START_CLOCK: contextvars.ContextVar[StartClock | None] = contextvars.ContextVar("agentfsm_start", default=None)
 
 
 class ThreadLane:
@@ -131,7 +147,9 @@ class ThreadLane:
         return None
 
     async def call(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
-        job = _Job(fn, args, kwargs, contextvars.copy_context())
+        job = _Job(fn, args, kwargs, contextvars.copy_context(), clock=START_CLOCK.get())
+        if job.clock is not None:
+            job.clock.started = None  # until a thread takes it
         self._submit(job)
         try:
             return await asyncio.wrap_future(job.future)
@@ -164,6 +182,8 @@ class ThreadLane:
             if job is None:  # close()
                 return
             if job.future.set_running_or_notify_cancel():
+                if job.clock is not None:
+                    job.clock.started = time.monotonic()
                 _run_job(self.name, job)
             with self._lock:
                 job.finished = True

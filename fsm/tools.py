@@ -15,16 +15,19 @@ import asyncio
 import dataclasses
 import inspect
 import json
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from backends.retry import RetryPolicy, retry
 from fsm.isolation import (
+    START_CLOCK,
     InlineLane,
     Lane,
     LoopLane,
     ProcessLane,
+    StartClock,
     ThreadLane,
     ToolCrashed,
     ToolUnavailable,
@@ -255,6 +258,32 @@ class AgentData:
         return {"generate_sequences": m.generate_sequences, "tool_calls": m.tool_calls, "num_preempted": m.num_preempted}
 
 
+async def run_timed(awaitable: Awaitable[Any], timeout_s: float) -> Any:
+    """`await awaitable` under `timeout_s` (TimeoutError past it, as `asyncio.timeout`'s), counted from when
+    the lane started running the call. The check runs only when the timeout would have fired."""
+    loop = asyncio.get_running_loop()
+    clock = StartClock()
+    token = START_CLOCK.set(clock)
+    try:
+        async with asyncio.timeout(None) as deadline:
+
+            def check() -> None:
+                nonlocal timer
+                started, now = clock.started, time.monotonic()
+                if started is not None and now >= started + timeout_s:
+                    deadline.reschedule(loop.time())  # expires now
+                else:  # still queued (look again a timeout later), or started late
+                    timer = loop.call_later(timeout_s if started is None else started + timeout_s - now, check)
+
+            timer = loop.call_later(timeout_s, check)
+            try:
+                return await awaitable
+            finally:
+                timer.cancel()
+    finally:
+        START_CLOCK.reset(token)
+
+
 @dataclass
 class BoundTool:
     """A tool instance with its policy (timeout, retries) and its lane, built once per compiled spec."""
@@ -313,8 +342,7 @@ class BoundTool:
         call = method(*args, **kwargs) if self._ours else self.lane.call(method, *args, **kwargs)
         if self.timeout_s is None:
             return await call
-        async with asyncio.timeout(self.timeout_s):
-            return await call
+        return await run_timed(call, self.timeout_s)  # from when the call starts: a lane's queue is no part
 
     async def _run(
         self, call: ToolCall, instance_id: str, create_kwargs: dict, agent_data: Any
