@@ -110,22 +110,12 @@ class _Job:
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     finished: bool = False  # its thread is done with it (under the lane's lock)
     written_off: bool = False  # its caller gave up while it ran: the thread leaves the pool when done
-    clock: StartClock | None = None  # the caller's timeout counts from when a thread takes the job
+    clock: Any = None  # the caller's StartTimeout: it counts from when a thread takes the job
 
 
-class StartClock:
-    """When a timed call started to run (time.monotonic()); None while it waits in a ThreadLane's queue,
-    whose wait is not the tool's: thousands of calls in flight queue for a few threads, and counting that
-    wait timed calls out that never ran."""
-
-    __slots__ = ("started",)
-
-    def __init__(self) -> None:
-        self.started: float | None = time.monotonic()
-
-
-# set by fsm/tools.py's run_timed for the call it awaits; a ThreadLane hands it to the thread that runs it
-START_CLOCK: contextvars.ContextVar[StartClock | None] = contextvars.ContextVar("agentfsm_start", default=None)
+# fsm/tools.py's StartTimeout of the call being made: a ThreadLane's thread stamps its `started` when it takes
+# the call (a wait in the queue is not the tool's: thousands of calls in flight queue for a few threads)
+START_CLOCK: contextvars.ContextVar[Any] = contextvars.ContextVar("agentfsm_start", default=None)
 
 
 class ThreadLane:

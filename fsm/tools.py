@@ -16,7 +16,7 @@ import dataclasses
 import inspect
 import json
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +27,6 @@ from fsm.isolation import (
     Lane,
     LoopLane,
     ProcessLane,
-    StartClock,
     ThreadLane,
     ToolCrashed,
     ToolUnavailable,
@@ -258,30 +257,37 @@ class AgentData:
         return {"generate_sequences": m.generate_sequences, "tool_calls": m.tool_calls, "num_preempted": m.num_preempted}
 
 
-async def run_timed(awaitable: Awaitable[Any], timeout_s: float) -> Any:
-    """`await awaitable` under `timeout_s` (TimeoutError past it, as `asyncio.timeout`'s), counted from when
-    the lane started running the call. The check runs only when the timeout would have fired."""
-    loop = asyncio.get_running_loop()
-    clock = StartClock()
-    token = START_CLOCK.set(clock)
-    try:
-        async with asyncio.timeout(None) as deadline:
+class StartTimeout:
+    """`async with StartTimeout(s):` is `asyncio.timeout(s)` counted from when the lane started running the
+    call inside (a ThreadLane stamps `started` when a thread takes it; other lanes start at once). The check
+    runs only when the timeout would have fired; one object per call, no closure."""
 
-            def check() -> None:
-                nonlocal timer
-                started, now = clock.started, time.monotonic()
-                if started is not None and now >= started + timeout_s:
-                    deadline.reschedule(loop.time())  # expires now
-                else:  # still queued (look again a timeout later), or started late
-                    timer = loop.call_later(timeout_s if started is None else started + timeout_s - now, check)
+    __slots__ = ("timeout_s", "started", "_loop", "_cm", "_timer", "_token")
 
-            timer = loop.call_later(timeout_s, check)
-            try:
-                return await awaitable
-            finally:
-                timer.cancel()
-    finally:
-        START_CLOCK.reset(token)
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+
+    async def __aenter__(self) -> StartTimeout:
+        self._loop = asyncio.get_running_loop()
+        self.started: float | None = time.monotonic()
+        self._token = START_CLOCK.set(self)
+        self._cm = asyncio.timeout(None)
+        await self._cm.__aenter__()
+        self._timer = self._loop.call_later(self.timeout_s, self._check)
+        return self
+
+    async def __aexit__(self, *exc: Any) -> bool | None:
+        self._timer.cancel()
+        START_CLOCK.reset(self._token)
+        return await self._cm.__aexit__(*exc)
+
+    def _check(self) -> None:
+        started, now = self.started, time.monotonic()
+        if started is not None and now >= started + self.timeout_s:
+            self._cm.reschedule(self._loop.time())  # expires now
+        else:  # still queued (look again a timeout later), or started after the timer was set
+            wait = self.timeout_s if started is None else started + self.timeout_s - now
+            self._timer = self._loop.call_later(wait, self._check)
 
 
 @dataclass
@@ -342,7 +348,8 @@ class BoundTool:
         call = method(*args, **kwargs) if self._ours else self.lane.call(method, *args, **kwargs)
         if self.timeout_s is None:
             return await call
-        return await run_timed(call, self.timeout_s)  # from when the call starts: a lane's queue is no part
+        async with StartTimeout(self.timeout_s):  # from when the call starts: a lane's queue is no part
+            return await call
 
     async def _run(
         self, call: ToolCall, instance_id: str, create_kwargs: dict, agent_data: Any
