@@ -218,7 +218,8 @@ def bench_engine(n: int = 2000, concurrency: int | None = None, tool_turns: int 
 def bench_calculator(n: int = 2000, concurrency: int | None = None, repeats: int = 3) -> dict[str, Any]:
     """CPU per trajectory on the calculator workload (specs/calculator.yaml: the tiny tokenizer's chat
     template per prompt, one tool turn, the answer; a replayed model), `n` trajectories with `concurrency`
-    in flight: run at 1,000 and 50,000 to see what grows with the number in flight. Median of `repeats`."""
+    in flight: run at 1,000 and 50,000 to see what grows with the number in flight. Median of `repeats`;
+    then tracemalloc's peak per trajectory with min(n, 1,000) in flight (the rows excluded)."""
     from bench.tracing import _bench_workload
 
     concurrency = concurrency or n
@@ -238,8 +239,18 @@ def bench_calculator(n: int = 2000, concurrency: int | None = None, repeats: int
         assert not bad, f"calculator: {bad[0].error}"
         del trajs
     us = statistics.median(runs) / n * 1e6
+    m = min(n, 1000)  # tracemalloc triples the run's time: memory at a thousand in flight
+    runner, rows = make_run(None)
+    rows = rows[:m]
+    gc.collect()
+    tracemalloc.start()
+    asyncio.run(runner.run(rows))
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
     print(f"bench engine: calculator workload, {n} trajectories, {concurrency} in flight, median of {repeats}: "
-          f"{us:.0f} µs CPU per trajectory", file=sys.stderr)  # fmt: skip
+          f"{us:.0f} µs CPU per trajectory; {peak / m / 1024:.1f} KB per in-flight trajectory ({m} in flight)",
+          file=sys.stderr)  # fmt: skip
     return {"workload": "calculator", "trajectories": n, "concurrency": concurrency, "repeats": repeats,
             "cpu_us_per_trajectory": round(us, 1), "runs_cpu_s": [round(r, 3) for r in runs],
-            "gc_collections_per_run": collections}  # fmt: skip
+            "gc_collections_per_run": collections,
+            "peak_bytes_per_trajectory": round(peak / m), "memory_trajectories": m}  # fmt: skip
