@@ -276,34 +276,9 @@ def _bench_workload(workload: str, n: int, tool_turns: int, concurrency: int) ->
         return make_run, 1 + (2 + 2 * tool_turns) + (tool_turns + 1) + tool_turns
     if workload != "calculator":
         raise ValueError(f"unknown workload {workload!r}: engine | calculator")
-    from transformers import AutoTokenizer
+    from bench.engine import calculator_workload
 
-    from backends.base import BaseBackend, GenerateResult
-    from fsm.compile import compile_spec
-    from specs.calculator import make_prompts
-
-    repo = Path(__file__).resolve().parent.parent
-    tok = AutoTokenizer.from_pretrained(str(repo / "backends/tiny/assets"))
-    agent = compile_spec(repo / "specs/calculator.yaml")
-    call = tok.encode('<tool_call>\n{"name": "calculator", "arguments": {"expression": "1 + 2"}}\n</tool_call>',
-                      add_special_tokens=False) + [tok.eos_token_id]  # fmt: skip
-    answer = tok.encode("The answer is 3.\n#### 3", add_special_tokens=False) + [tok.eos_token_id]
-
-    class Replay(BaseBackend):
-        provider, model_name = "scripted", "replay"
-
-        async def generate(self, request: Any) -> GenerateResult:
-            ids = call if request.rid.endswith("_t00") else answer
-            return GenerateResult(
-                list(ids), [-0.5] * len(ids), "stop", len(request.prompt_ids), 0, server="replay"
-            )
-
-    rows = make_prompts(n)
-
-    def make_calculator_run(tel: Telemetry | None) -> tuple[Runner, list]:
-        return Runner(agent, Replay(), tok, max_concurrency=concurrency, tracer=tel), rows
-
-    return make_calculator_run, 8
+    return calculator_workload(n, concurrency), 8
 
 
 def _bench_table(r: dict[str, Any]) -> str:
