@@ -20,6 +20,8 @@ import statistics
 import sys
 import time
 import tracemalloc
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from backends.scripted import ScriptedBackend
@@ -213,3 +215,74 @@ def bench_engine(n: int = 2000, concurrency: int | None = None, tool_turns: int 
           + ", ".join(f"{k} {out[k]['us_per_transition']:.1f} µs" for k in KINDS) + " CPU per transition",
           file=sys.stderr)  # fmt: skip
     return out
+
+
+def calculator_workload(n: int, concurrency: int) -> Callable[[Any], tuple[Runner, list]]:
+    """make_run(tracer) -> (runner, rows): specs/calculator.yaml on the tiny tokenizer against a replayed model
+    (one tool call, then the answer), `n` rows, `concurrency` in flight."""
+    from transformers import AutoTokenizer
+
+    from backends.base import BaseBackend, GenerateResult
+    from specs.calculator import make_prompts
+
+    repo = Path(__file__).resolve().parent.parent
+    tok = AutoTokenizer.from_pretrained(str(repo / "backends/tiny/assets"))
+    agent = compile_spec(repo / "specs/calculator.yaml")
+    call = tok.encode('<tool_call>\n{"name": "calculator", "arguments": {"expression": "1 + 2"}}\n</tool_call>',
+                      add_special_tokens=False) + [tok.eos_token_id]  # fmt: skip
+    answer = tok.encode("The answer is 3.\n#### 3", add_special_tokens=False) + [tok.eos_token_id]
+
+    class Replay(BaseBackend):
+        provider, model_name = "scripted", "replay"
+
+        async def generate(self, request: Any) -> GenerateResult:
+            ids = call if request.rid.endswith("_t00") else answer
+            return GenerateResult(
+                list(ids), [-0.5] * len(ids), "stop", len(request.prompt_ids), 0, server="replay"
+            )
+
+    rows = make_prompts(n)
+
+    def make_calculator_run(tracer: Any) -> tuple[Runner, list]:
+        return Runner(agent, Replay(), tok, max_concurrency=concurrency, tracer=tracer), rows
+
+    return make_calculator_run
+
+
+def bench_calculator(n: int = 2000, concurrency: int | None = None, repeats: int = 3) -> dict[str, Any]:
+    """CPU per trajectory on the calculator workload (specs/calculator.yaml: the tiny tokenizer's chat
+    template per prompt, one tool turn, the answer; a replayed model), `n` trajectories with `concurrency`
+    in flight: run at 1,000 and 50,000 to see what grows with the number in flight. Median of `repeats`;
+    then tracemalloc's peak per trajectory with min(n, 1,000) in flight (the rows excluded)."""
+    concurrency = concurrency or n
+    make_run = calculator_workload(n, concurrency)
+    runner, rows = make_run(None)
+    asyncio.run(runner.run(rows[:200]))  # warm up (template compilation, caches)
+    runs, collections = [], []
+    for _ in range(repeats):
+        runner, rows = make_run(None)
+        gc.collect()
+        before = [s["collections"] for s in gc.get_stats()]
+        t0 = time.process_time()
+        trajs = asyncio.run(runner.run(rows))
+        runs.append(time.process_time() - t0)
+        collections.append([s["collections"] - b for s, b in zip(gc.get_stats(), before)])
+        bad = [t for t in trajs if t.failed]
+        assert not bad, f"calculator: {bad[0].error}"
+        del trajs
+    us = statistics.median(runs) / n * 1e6
+    m = min(n, 1000)  # tracemalloc triples the run's time: memory at a thousand in flight
+    runner, rows = make_run(None)
+    rows = rows[:m]
+    gc.collect()
+    tracemalloc.start()
+    asyncio.run(runner.run(rows))
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    print(f"bench engine: calculator workload, {n} trajectories, {concurrency} in flight, median of {repeats}: "
+          f"{us:.0f} µs CPU per trajectory; {peak / m / 1024:.1f} KB per in-flight trajectory ({m} in flight)",
+          file=sys.stderr)  # fmt: skip
+    return {"workload": "calculator", "trajectories": n, "concurrency": concurrency, "repeats": repeats,
+            "cpu_us_per_trajectory": round(us, 1), "runs_cpu_s": [round(r, 3) for r in runs],
+            "gc_collections_per_run": collections,
+            "peak_bytes_per_trajectory": round(peak / m), "memory_trajectories": m}  # fmt: skip

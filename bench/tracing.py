@@ -10,10 +10,13 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -37,6 +40,41 @@ class H(http.server.BaseHTTPRequestHandler):
         self.send_header("content-type", "application/x-protobuf")
         self.send_header("content-length", "0")
         self.end_headers()
+    def log_message(self, *args):
+        pass
+server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+print(server.server_address[1], flush=True)
+server.serve_forever()
+"""
+
+# A collector that counts what arrives: POSTs decoded with the official classes; GET answers "spans traces"
+# (distinct trace ids) since the last GET.
+_COUNTING_RECEIVER = """
+import gzip, http.server, threading
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+seen, lock = {"spans": 0, "traces": set()}, threading.Lock()
+class H(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def reply(self, body):
+        self.send_response(200)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers.get("content-length") or 0))
+        if self.headers.get("content-encoding") == "gzip":
+            body = gzip.decompress(body)
+        spans = [s for rs in ExportTraceServiceRequest.FromString(body).resource_spans
+                 for ss in rs.scope_spans for s in ss.spans]
+        with lock:
+            seen["spans"] += len(spans)
+            seen["traces"].update(s.trace_id for s in spans)
+        self.reply(b"")
+    def do_GET(self):
+        with lock:
+            body = f"{seen['spans']} {len(seen['traces'])}".encode()
+            seen["spans"], seen["traces"] = 0, set()
+        self.reply(body)
     def log_message(self, *args):
         pass
 server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
@@ -69,7 +107,10 @@ def bench_tracing(n: int = 2000, *, repeats: int = 3, workload: str = "engine",
     this process's (all threads: export included, the collector's process not), from the first trajectory
     to the end of the flush that `Runner.run` ends with; overhead is the median over repeats of on/off - 1
     of those pairs. `show` prints a table on stderr (stdout stays JSON for `agentfsm bench tracing`).
+    "embedded" is `bench_tracing_embedded` (whole `agentfsm run`s with the tiny model; `n` and `runs` unused).
     """
+    if workload == "embedded":
+        return bench_tracing_embedded(pairs=repeats, show=show)
     make_run, spans_per_traj = _bench_workload(workload, n, tool_turns, concurrency or n)
     receiver = None
     if any(kind in ("otlp", "sdk-otlp") for kind, _ in runs):
@@ -158,6 +199,68 @@ def bench_tracing(n: int = 2000, *, repeats: int = 3, workload: str = "engine",
     return result
 
 
+def bench_tracing_embedded(pairs: int = 3, spec: str = "specs/calculator.yaml", sample: float = 1.0,
+                           show: bool = True) -> dict[str, Any]:  # fmt: skip
+    """`agentfsm run SPEC` (the embedded tiny model) without and with `--otlp` to a loopback collector,
+    alternated `pairs` times (off first in even pairs, on first in odd ones); the overhead is the median of
+    the pairs' on/off - 1 (this machine's load swings a run's time tenfold); the rollout's wall time from
+    each run's summary.json (`wall_s`: the rollout alone, not imports or model load; `rollout_cpu_s`, the
+    process's CPU over the same window, steadier on a shared machine). The collector decodes
+    every span: a traced run counts only if the spans it received equal those the run says it exported,
+    none dropped, and every trajectory's trace arrived."""
+    repo = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}  # the "off" runs trace nothing
+    receiver = subprocess.Popen([sys.executable, "-c", _COUNTING_RECEIVER], stdout=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{int(receiver.stdout.readline())}"
+    walls: dict[str, list[float]] = {"off": [], "on": []}
+    cpus: dict[str, list[float]] = {"off": [], "on": []}
+    checks = []
+    try:
+        with tempfile.TemporaryDirectory(prefix="agentfsm-bench-") as tmp:
+            for i in range(pairs):
+                for mode in ("off", "on") if i % 2 == 0 else ("on", "off"):
+                    out = Path(tmp) / f"{mode}{i}"
+                    cmd = [sys.executable, "-m", "fsm.cli", "run", spec, "--out", str(out), "-q"]
+                    if mode == "on":
+                        cmd += ["--otlp", url, "--trace-sample", f"{sample:g}"]
+                    subprocess.run(cmd, cwd=repo, env=env, check=True, stdout=subprocess.DEVNULL)
+                    summary = json.loads((out / "summary.json").read_text())
+                    walls[mode].append(summary["wall_s"])
+                    cpus[mode].append(summary["rollout_cpu_s"])
+                    with urllib.request.urlopen(f"{url}/counts", timeout=30) as r:
+                        spans, traces = map(int, r.read().split())
+                    if mode == "on":
+                        stats = summary["tracing"]
+                        checks.append({"exported": stats["exported"], "dropped": stats["dropped"], "received": spans,
+                                       "traces": traces, "trajectories": summary["trajectories"]})  # fmt: skip
+                        complete = (spans == stats["exported"] and stats["dropped"] == 0
+                                    and traces == summary["trajectories"])  # fmt: skip
+                        assert complete, f"spans lost at sample {sample:g}: {checks[-1]}"
+                    else:
+                        assert spans == 0, f"an untraced run sent {spans} spans"
+    finally:
+        receiver.terminate()
+        receiver.wait()
+    off, on = statistics.median(walls["off"]), statistics.median(walls["on"])
+    cpu_off, cpu_on = statistics.median(cpus["off"]), statistics.median(cpus["on"])
+    # each pair's two runs are neighbours in time, so they share the machine's load: their ratio is the measure
+    overhead = statistics.median(b / a - 1.0 for a, b in zip(walls["off"], walls["on"]))
+    cpu_overhead = statistics.median(b / a - 1.0 for a, b in zip(cpus["off"], cpus["on"]))
+    result = {
+        "workload": "embedded", "spec": spec, "sample": sample, "pairs": pairs,
+        "rollout_wall_s": walls, "median_off_s": off, "median_on_s": on, "overhead": round(overhead, 4),
+        "rollout_cpu_s": cpus, "median_cpu_off_s": cpu_off, "median_cpu_on_s": cpu_on,
+        "cpu_overhead": round(cpu_overhead, 4), "spans": checks,
+    }  # fmt: skip
+    if show:
+        print(f"agentfsm bench tracing: embedded workload ({spec}), rollout wall time (summary.json wall_s), "
+              f"{pairs} pairs alternated, medians: off {off:.2f} s, OTLP at sample {sample:g} {on:.2f} s "
+              f"(per pair {overhead:+.1%}); its CPU (all threads) {cpu_off:.2f} vs {cpu_on:.2f} s "
+              f"(per pair {cpu_overhead:+.1%}); spans received = exported, 0 dropped, every trajectory's trace: "
+              f"{checks[0]['received']} spans / {checks[0]['traces']} traces a run", file=sys.stderr)  # fmt: skip
+    return result
+
+
 def _bench_workload(workload: str, n: int, tool_turns: int, concurrency: int) -> tuple[Any, int]:
     """(make_run(tracer) -> (runner, rows), spans per traced trajectory)."""
     if workload == "engine":
@@ -173,34 +276,9 @@ def _bench_workload(workload: str, n: int, tool_turns: int, concurrency: int) ->
         return make_run, 1 + (2 + 2 * tool_turns) + (tool_turns + 1) + tool_turns
     if workload != "calculator":
         raise ValueError(f"unknown workload {workload!r}: engine | calculator")
-    from transformers import AutoTokenizer
+    from bench.engine import calculator_workload
 
-    from backends.base import BaseBackend, GenerateResult
-    from fsm.compile import compile_spec
-    from specs.calculator import make_prompts
-
-    repo = Path(__file__).resolve().parent.parent
-    tok = AutoTokenizer.from_pretrained(str(repo / "backends/tiny/assets"))
-    agent = compile_spec(repo / "specs/calculator.yaml")
-    call = tok.encode('<tool_call>\n{"name": "calculator", "arguments": {"expression": "1 + 2"}}\n</tool_call>',
-                      add_special_tokens=False) + [tok.eos_token_id]  # fmt: skip
-    answer = tok.encode("The answer is 3.\n#### 3", add_special_tokens=False) + [tok.eos_token_id]
-
-    class Replay(BaseBackend):
-        provider, model_name = "scripted", "replay"
-
-        async def generate(self, request: Any) -> GenerateResult:
-            ids = call if request.rid.endswith("_t00") else answer
-            return GenerateResult(
-                list(ids), [-0.5] * len(ids), "stop", len(request.prompt_ids), 0, server="replay"
-            )
-
-    rows = make_prompts(n)
-
-    def make_calculator_run(tel: Telemetry | None) -> tuple[Runner, list]:
-        return Runner(agent, Replay(), tok, max_concurrency=concurrency, tracer=tel), rows
-
-    return make_calculator_run, 8
+    return calculator_workload(n, concurrency), 8
 
 
 def _bench_table(r: dict[str, Any]) -> str:

@@ -242,6 +242,7 @@ class _Rollout:
     wall: float
     router_stats: Any
     interrupted: bool
+    cpu: float  # this process's CPU seconds over the same window (all threads: the model's, the exporters')
 
 
 async def _rollout(args: argparse.Namespace, rows: list[dict[str, Any]] | None, console: Any) -> _Rollout:
@@ -259,6 +260,7 @@ async def _rollout(args: argparse.Namespace, rows: list[dict[str, Any]] | None, 
         sampling = engine.sampling(params)
         _freeze_heap()
         t_start = time.perf_counter()  # the rollout's time: not launching servers, imports, loading the model
+        c_start = time.process_time()
         if args.ray is None:
             trajs, interrupted, expected, sampling = await _resumable(engine, rows, args, sampling, console)
         else:
@@ -270,8 +272,8 @@ async def _rollout(args: argparse.Namespace, rows: list[dict[str, Any]] | None, 
                 trajs = sorted(finished, key=lambda t: (t.index, t.sample))
         backend = getattr(engine, "backend", None)
         router_stats = backend.stats() if hasattr(backend, "stats") else None
-    wall = time.perf_counter() - t_start
-    return _Rollout(engine, sampling, trajs, expected, wall, router_stats, interrupted)
+    wall, cpu = time.perf_counter() - t_start, time.process_time() - c_start
+    return _Rollout(engine, sampling, trajs, expected, wall, router_stats, interrupted, cpu)
 
 
 # waiting for every running trajectory to reach a state boundary; model turns do not count (they are aborted
@@ -501,9 +503,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     import importlib
 
     what = args.what
+    if args.workload != "engine" and (what, args.workload) not in (("engine", "calculator"), ("tracing", "calculator"),
+                                                                   ("tracing", "embedded")):  # fmt: skip
+        raise CLIError(f"bench {what}: no --workload {args.workload} (engine: engine | calculator; tracing: engine | "
+                       "calculator | embedded)")  # fmt: skip
     bench = importlib.import_module(f"bench.{what.replace('-', '_')}")  # `async` is a keyword: no plain import
     _freeze_heap()  # as `agentfsm run` does: the benchmarks measure the rollout, not the collector on imports
-    if what == "engine":
+    if what == "engine" and args.workload == "calculator":
+        result = bench.bench_calculator(n=args.n, concurrency=args.concurrency, repeats=args.repeats)
+    elif what == "engine":
         result = bench.bench_engine(n=args.n, concurrency=args.concurrency or args.n, tool_turns=args.tool_turns,
                                     repeats=args.repeats)  # fmt: skip
     elif what == "hf":
@@ -512,6 +520,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         result = bench.bench_hf(args.model or str(ASSET_DIR))
     elif what == "prefix-cache":
         result = {f"affinity={a}": bench.bench_prefix_cache(n=8, affinity=a) for a in (False, True)}
+    elif what == "tracing":
+        result = bench.bench_tracing(workload=args.workload, repeats=args.repeats)
     else:  # argparse restricts the choices to the modules of bench/
         result = getattr(bench, f"bench_{what.replace('-', '_')}")()
     print(json.dumps(result, indent=2))

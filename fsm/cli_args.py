@@ -189,8 +189,12 @@ def command_line(commands: Mapping[str, Callable[[argparse.Namespace], int]]) ->
     p.add_argument("--n", type=COUNT, default=2000, metavar="N", help="engine: trajectories")
     p.add_argument("--concurrency", type=COUNT, metavar="N", help="engine: trajectories in flight (default: --n)")
     p.add_argument("--tool-turns", type=int_in(0), default=4, metavar="N", help="engine: tool turns per trajectory")
-    p.add_argument("--repeats", type=COUNT, default=3, metavar="N", help="engine: repeats (the median is kept)")
+    p.add_argument("--repeats", type=COUNT, default=3, metavar="N", help="engine, tracing: repeats (the median is kept)")
     p.add_argument("--model", metavar="DIR", help="hf: model dir (default: the tiny model)")
+    p.add_argument("--workload", choices=["engine", "calculator", "embedded"], default="engine",
+                   help="engine: calculator is specs/calculator.yaml's prompt, tool and answer with a replayed model "
+                        "(CPU per trajectory at --n in flight); tracing: engine, calculator, or embedded "
+                        "(`agentfsm run specs/calculator.yaml` without and with --otlp, alternated)")  # fmt: skip
     p.set_defaults(fn=commands["bench"])
 
     p = command("dev-server", "an SGLang-protocol server over the embedded model")

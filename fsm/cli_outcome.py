@@ -48,7 +48,8 @@ def write_run_outputs(out: Path, run: Any, batch: Any, run_id: str) -> dict[str,
         summary = {"status": "interrupted" if run.interrupted else "completed", "run_id": run_id,
                    "rows_expected": run.expected,
                    "files": {"batch.pt": {"rows": len(batch)}, "trajectories.jsonl": {"rows": len(run.trajs)}},
-                   "error_rate": round(failed / len(run.trajs), 4), **summary}  # fmt: skip
+                   "error_rate": round(failed / len(run.trajs), 4), "rollout_cpu_s": round(run.cpu, 3),
+                   **summary}  # fmt: skip
         (staging / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
         return summary
 

@@ -112,6 +112,12 @@ class _Job:
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     finished: bool = False  # its thread is done with it (under the lane's lock)
     written_off: bool = False  # its caller gave up while it ran: the thread leaves the pool when done
+    clock: Any = None  # the caller's StartTimeout: it counts from when a thread takes the job
+
+
+# fsm/tools.py's StartTimeout of the call being made: a ThreadLane's thread stamps its `started` when it takes
+# the call (a wait in the queue is not the tool's: thousands of calls in flight queue for a few threads)
+START_CLOCK: contextvars.ContextVar[Any] = contextvars.ContextVar("agentfsm_start", default=None)
 
 
 class ThreadLane:
@@ -133,7 +139,9 @@ class ThreadLane:
         return None
 
     async def call(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
-        job = _Job(fn, args, kwargs, contextvars.copy_context())
+        job = _Job(fn, args, kwargs, contextvars.copy_context(), clock=START_CLOCK.get())
+        if job.clock is not None:
+            job.clock.started = None  # until a thread takes it
         self._submit(job)
         try:
             return await settled(job.future)
@@ -166,6 +174,8 @@ class ThreadLane:
             if job is None:  # close()
                 return
             if job.future.set_running_or_notify_cancel():
+                if job.clock is not None:
+                    job.clock.started = time.monotonic()
                 _run_job(self.name, job)
             with self._lock:
                 job.finished = True

@@ -34,13 +34,29 @@ def encodable(text: str) -> str:
 
 
 def encodable_value(value: Any) -> Any:
-    """`encodable` through dicts, lists and tuples (a row's fields); other values as they are."""
+    """`encodable` through dicts, lists and tuples (a row's fields); other values as they are. A value with
+    nothing to replace is returned itself, not copied (a row's copy would cost every trajectory a few hundred
+    bytes for nothing)."""
+    return value if _encodable_already(value) else _encodable_copy(value)
+
+
+def _encodable_already(value: Any) -> bool:
+    if isinstance(value, str):
+        return value.isascii() or _SURROGATE.search(value) is None
+    if isinstance(value, dict):
+        return all(_encodable_already(k) and _encodable_already(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return all(_encodable_already(v) for v in value)
+    return True
+
+
+def _encodable_copy(value: Any) -> Any:
     if isinstance(value, str):
         return encodable(value)
     if isinstance(value, dict):
-        return {encodable_value(k): encodable_value(v) for k, v in value.items()}
+        return {_encodable_copy(k): _encodable_copy(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(encodable_value(v) for v in value)
+        return type(value)(_encodable_copy(v) for v in value)
     return value
 
 

@@ -31,7 +31,7 @@ import numpy as np
 from fsm.agent import CompiledAgent
 from fsm.context import Sampling
 from fsm.parsers import ToolCall
-from fsm.trajectory import Metrics, Segment, Trajectory
+from fsm.trajectory import Metrics, Segment, Segments, Trajectory
 
 FORMAT = 1
 _TAGS = {"__array__", "__set__", "__tuple__", "__items__", "__dc__"}
@@ -64,6 +64,8 @@ def _encode(value: Any, where: str) -> Any:
         return [_encode(v, where) for v in value.tolist()]
     if isinstance(value, np.generic):
         return value.item()
+    if isinstance(value, Segments):  # written as the list of Segment records it reads as
+        return [_encode(seg, where) for seg in value]
     if dataclasses.is_dataclass(value) and type(value).__name__ in _CLASSES:
         fields = {f.name: _encode(getattr(value, f.name), where) for f in dataclasses.fields(value)}
         return {"__dc__": type(value).__name__, "fields": fields}
@@ -92,9 +94,10 @@ def _decode(value: Any) -> Any:
 
 
 def encode_trajectory(traj: Trajectory) -> dict[str, Any]:
-    """Every slot of `traj` as JSON-ready values."""
+    """Every slot of `traj` as JSON-ready values (the weight versions expanded, one per token)."""
+    names = [name for name in type(traj).__slots__ if name != "_version_runs"] + ["response_versions"]
     return {name: _encode(getattr(traj, name), f"trajectory {traj.session_id}: {name}")
-            for name in type(traj).__slots__ if hasattr(traj, name)}  # fmt: skip
+            for name in names if hasattr(traj, name)}  # fmt: skip
 
 
 def decode_trajectory(data: dict[str, Any]) -> Trajectory:
@@ -106,6 +109,12 @@ def decode_trajectory(data: dict[str, Any]) -> Trajectory:
     for name in Trajectory.__slots__:
         if name in data:
             setattr(traj, name, _decode(data[name]))
+    traj.segments = Segments(getattr(traj, "segments", ()))
+    traj._version_runs = array("i")
+    versions = _decode(data.get("response_versions", []))
+    if len(versions) != len(traj.response_ids):
+        raise SnapshotError(f"trajectory {traj.session_id!r}: its response arrays differ in length")
+    traj.response_versions = versions
     if not isinstance(traj.metrics, Metrics):
         traj.metrics = Metrics(**traj.metrics)
     if len(traj.path_times):
@@ -194,7 +203,7 @@ def _check(data: dict[str, Any], agent: CompiledAgent, vocab_size: int | None) -
             if not isinstance(td["done"], bool) or traj.state not in states:
                 raise SnapshotError(f"{where}: state {traj.state!r} is not one of the agent's")
             n = len(traj.response_ids)
-            if not (len(traj.response_mask) == len(traj.response_logprobs) == len(traj.response_versions) == n):
+            if not (len(traj.response_mask) == len(traj.response_logprobs) == n):
                 raise SnapshotError(f"{where}: its response arrays differ in length")
             if n > limits.response_length or len(traj.prompt_ids) > limits.prompt_length:
                 raise SnapshotError(f"{where}: more tokens than limits.prompt_length/response_length")

@@ -15,12 +15,14 @@ import asyncio
 import dataclasses
 import inspect
 import json
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from backends.retry import RetryPolicy, retry
 from fsm.isolation import (
+    START_CLOCK,
     InlineLane,
     Lane,
     LoopLane,
@@ -246,13 +248,46 @@ class AgentData:
 
     @property
     def response_ids(self) -> list[int]:
-        last = next((seg for seg in reversed(self._traj.segments) if seg.role == "assistant"), None)
+        last = self._traj.segments.last("assistant")
         return self._traj.response_ids[last.start : last.end].tolist() if last else []
 
     @property
     def metrics(self) -> dict[str, Any]:  # a snapshot, as verl's per-trajectory metrics dict reads
         m = self._traj.metrics
         return {"generate_sequences": m.generate_sequences, "tool_calls": m.tool_calls, "num_preempted": m.num_preempted}
+
+
+class StartTimeout:
+    """`async with StartTimeout(s):` is `asyncio.timeout(s)` counted from when the lane started running the
+    call inside (a ThreadLane stamps `started` when a thread takes it; other lanes start at once). The check
+    runs only when the timeout would have fired; one object per call, no closure."""
+
+    __slots__ = ("timeout_s", "started", "_loop", "_cm", "_timer", "_token")
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+
+    async def __aenter__(self) -> StartTimeout:
+        self._loop = asyncio.get_running_loop()
+        self.started: float | None = time.monotonic()
+        self._token = START_CLOCK.set(self)
+        self._cm = asyncio.timeout(None)
+        await self._cm.__aenter__()
+        self._timer = self._loop.call_later(self.timeout_s, self._check)
+        return self
+
+    async def __aexit__(self, *exc: Any) -> bool | None:
+        self._timer.cancel()
+        START_CLOCK.reset(self._token)
+        return await self._cm.__aexit__(*exc)
+
+    def _check(self) -> None:
+        started, now = self.started, time.monotonic()
+        if started is not None and now >= started + self.timeout_s:
+            self._cm.reschedule(self._loop.time())  # expires now
+        else:  # still queued (look again a timeout later), or started after the timer was set
+            wait = self.timeout_s if started is None else started + self.timeout_s - now
+            self._timer = self._loop.call_later(wait, self._check)
 
 
 @dataclass
@@ -313,7 +348,7 @@ class BoundTool:
         call = method(*args, **kwargs) if self._ours else self.lane.call(method, *args, **kwargs)
         if self.timeout_s is None:
             return await call
-        async with asyncio.timeout(self.timeout_s):
+        async with StartTimeout(self.timeout_s):  # from when the call starts: a lane's queue is no part
             return await call
 
     async def _run(

@@ -2,14 +2,15 @@
 
 Tokens are append-only: generated tokens go in with mask 1 and the engine's logprobs; everything else
 (observations, template scaffolding) with mask 0 and logprob 0.0. Ids live in compact arrays (4 bytes per
-token) because 10,000 trajectories may be in flight at once.
+token), segments in one array (12 bytes each) and weight versions as runs (one per model turn), because
+10,000 trajectories may be in flight at once.
 """
 
 from __future__ import annotations
 
 import time
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +28,92 @@ class Segment:
     role: str  # "assistant" (mask 1), "tool" / "user" (observations), "template" (scaffolding, mask 0)
     start: int
     end: int
+
+
+_ROLE_CODES: dict[str, int] = {"assistant": 0, "tool": 1, "user": 2, "template": 3}
+_ROLE_NAMES: list[str] = list(_ROLE_CODES)
+
+
+def _role_code(role: str) -> int:
+    code = _ROLE_CODES.get(role)
+    if code is None:  # a role of a user action's own: coded once per process
+        code = _ROLE_CODES[role] = len(_ROLE_NAMES)
+        _ROLE_NAMES.append(role)
+    return code
+
+
+class Segments:
+    """A response's segments as one array of (role code, start, end): a list of Segment objects costs ~60
+    bytes a segment, and a tool-calling trajectory holds a dozen or more. Reads give Segment records."""
+
+    __slots__ = ("_flat",)
+
+    def __init__(self, segments: Iterable[Segment] = ()):
+        self._flat = array("i")
+        for seg in segments:
+            self.add(seg.role, seg.start, seg.end)
+
+    def add(self, role: str, start: int, end: int) -> None:
+        self._flat.extend((_role_code(role), start, end))
+
+    def append(self, seg: Segment) -> None:
+        self.add(seg.role, seg.start, seg.end)
+
+    def clear(self) -> None:
+        del self._flat[:]
+
+    def __len__(self) -> int:
+        return len(self._flat) // 3
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        n = len(self._flat) // 3
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError("segment index out of range")
+        f = self._flat
+        return Segment(_ROLE_NAMES[f[3 * i]], f[3 * i + 1], f[3 * i + 2])
+
+    def __iter__(self) -> Iterator[Segment]:
+        f, names = self._flat, _ROLE_NAMES
+        return (Segment(names[f[k]], f[k + 1], f[k + 2]) for k in range(0, len(f), 3))
+
+    def __reversed__(self) -> Iterator[Segment]:
+        f, names = self._flat, _ROLE_NAMES
+        return (Segment(names[f[k]], f[k + 1], f[k + 2]) for k in range(len(f) - 3, -1, -3))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Segments):
+            return self._flat == other._flat
+        if isinstance(other, Sequence):
+            return list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"Segments({list(self)!r})"
+
+    def tokens_since(self, mark: int) -> tuple[int, int]:
+        """(model tokens, other tokens) in the segments from index `mark` on."""
+        f = self._flat
+        model = other = 0
+        for k in range(3 * mark, len(f), 3):
+            if f[k] == 0:
+                model += f[k + 2] - f[k + 1]
+            else:
+                other += f[k + 2] - f[k + 1]
+        return model, other
+
+    def last(self, role: str) -> Segment | None:
+        """The last segment of `role`, or None."""
+        code, f = _ROLE_CODES.get(role), self._flat
+        for k in range(len(f) - 3, -1, -3):
+            if f[k] == code:
+                return Segment(role, f[k + 1], f[k + 2])
+        return None
 
 
 @dataclass(slots=True)
@@ -57,7 +144,7 @@ class Trajectory:
         # conversation
         "messages", "tool_schemas", "tools_kwargs", "interaction_kwargs", "interaction_started",
         # tokens
-        "prompt_ids", "response_ids", "response_mask", "response_logprobs", "response_versions", "segments",
+        "prompt_ids", "response_ids", "response_mask", "response_logprobs", "_version_runs", "segments",
         "needs_tail", "partial_turn",
         "logprobs_missing",
         # machine
@@ -81,8 +168,10 @@ class Trajectory:
         self.response_ids = array("i")
         self.response_mask = array("b")
         self.response_logprobs = array("f")
-        self.response_versions = array("i")  # the weight version that produced each token; -1 on mask 0
-        self.segments: list[Segment] = []
+        # the weight version that produced each token (-1 on mask 0), as runs: [start, version, start,
+        # version...], each version holding from its start to the next run's (`response_versions` expands them)
+        self._version_runs = array("i")
+        self.segments = Segments()
         self.needs_tail = False  # the last turn was the model's: the template's turn closer is still owed
         # (ids, logprobs, versions) of a model turn that a pause aborted, while it waits at the engine's gate:
         # a snapshot taken then keeps them, and the turn goes on from them (fsm/actions.py)
@@ -143,8 +232,17 @@ class Trajectory:
         self.response_ids.extend(ids)
         self.response_mask.extend(b"\x01" * len(ids))
         self.response_logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
-        self.response_versions.extend([version] * len(ids) if isinstance(version, int) else version)
-        self.segments.append(Segment("assistant", start, len(self.response_ids)))
+        if ids:
+            if isinstance(version, int):
+                self._version_from(start, version)
+            elif len(version) != len(ids):
+                raise ValueError(f"{len(version)} weight versions for {len(ids)} tokens")
+            elif version.count(version[0]) == len(version):  # one version for the whole turn: the usual case
+                self._version_from(start, version[0])
+            else:
+                for i, v in enumerate(version):
+                    self._version_from(start + i, v)
+        self.segments.add("assistant", start, len(self.response_ids))
 
     def append_context(self, ids: list[int], role: str) -> None:
         """Tokens the model did not generate (observations, template scaffolding): mask 0, logprob 0.0."""
@@ -153,9 +251,33 @@ class Trajectory:
         start = len(self.response_ids)
         self.response_ids.extend(ids)
         self.response_mask.extend(bytes(len(ids)))
-        self.response_logprobs.extend([0.0] * len(ids))
-        self.response_versions.extend([-1] * len(ids))
-        self.segments.append(Segment(role, start, len(self.response_ids)))
+        self.response_logprobs.frombytes(bytes(self.response_logprobs.itemsize * len(ids)))  # 0.0: zero bytes
+        self._version_from(start, -1)
+        self.segments.add(role, start, len(self.response_ids))
+
+    def _version_from(self, start: int, version: int) -> None:
+        """Tokens from `start` on were made by `version` (until the next run)."""
+        runs = self._version_runs
+        if not runs or runs[-1] != version:
+            runs.extend((start, version))
+
+    @property
+    def response_versions(self) -> array:
+        """The weight version that produced each response token, -1 on mask 0 (expanded from the runs)."""
+        runs, out, n = self._version_runs, array("i"), len(self.response_ids)
+        for k in range(0, len(runs), 2):
+            end = runs[k + 2] if k + 2 < len(runs) else n
+            out.extend(array("i", (runs[k + 1],)) * (end - runs[k]))
+        return out
+
+    @response_versions.setter
+    def response_versions(self, versions: Iterable[int]) -> None:
+        versions = list(versions)
+        if len(versions) != len(self.response_ids):
+            raise ValueError(f"{len(versions)} weight versions for {len(self.response_ids)} response tokens")
+        del self._version_runs[:]
+        for i, v in enumerate(versions):
+            self._version_from(i, v)
 
     def messages_with_turns(
         self, view: Callable[[dict[str, Any], list[int]], dict[str, Any]]
@@ -177,7 +299,8 @@ class Trajectory:
 
     def add_turn_reward(self, source: str, value: float) -> None:
         """A reward for the model turn just taken (a tool's, an interaction turn's): kept with its position."""
-        position = next((seg.end - 1 for seg in reversed(self.segments) if seg.role == "assistant"), -1)
+        last = self.segments.last("assistant")
+        position = last.end - 1 if last is not None else -1
         self.turn_rewards.append([source, position, float(value)])
 
     def context_ids(self) -> list[int]:
@@ -186,7 +309,7 @@ class Trajectory:
 
     def weight_versions(self) -> tuple[int, int] | None:
         """(min, max) weight version over the generated tokens; None when there are none."""
-        seen = [v for v in self.response_versions if v >= 0]
+        seen = [v for v in self._version_runs[1::2] if v >= 0]  # every run holds at least one token
         return (min(seen), max(seen)) if seen else None
 
     @property
@@ -203,7 +326,7 @@ class Trajectory:
         reason = encodable(reason)
         self.error = reason
         self.termination_reason = reason if reason.startswith("error:") else f"error: {reason}"
-        del self.response_ids[:], self.response_mask[:], self.response_logprobs[:], self.response_versions[:]
+        del self.response_ids[:], self.response_mask[:], self.response_logprobs[:], self._version_runs[:]
         self.segments.clear()
         self.turn_rewards.clear()  # no tokens left to place them on (tool_rewards / turn_scores keep the values)
         self.logprobs_missing = False  # nothing left to lack them

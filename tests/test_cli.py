@@ -417,3 +417,16 @@ def test_bench_prints_json_on_stdout_and_its_table_on_stderr():
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["servers"] == 8
     assert "router decision" in proc.stderr
+
+
+def test_bench_engine_calculator_workload_and_a_workload_it_has_not():
+    """`bench engine --workload calculator` prints CPU per trajectory at --n in flight; a workload the
+    benchmark does not have is one clear line, not a run of another benchmark."""
+    proc = subprocess.run([sys.executable, "-m", "fsm.cli", "bench", "engine", "--workload", "calculator", "--n", "40",
+                           "--repeats", "1"], capture_output=True, text=True, cwd=REPO, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["workload"] == "calculator" and out["trajectories"] == 40 and out["cpu_us_per_trajectory"] > 0
+    proc = subprocess.run([sys.executable, "-m", "fsm.cli", "bench", "engine", "--workload", "embedded"],
+                          capture_output=True, text=True, cwd=REPO, timeout=300)  # fmt: skip
+    assert proc.returncode != 0 and "no --workload embedded" in proc.stderr and not proc.stdout

@@ -128,6 +128,7 @@ async def test_async_forms_and_stream_from_another_loop(tok):
 def test_version_span_fallback_and_versions():
     t = Trajectory(0, 0, "s", "u", {}, "START")
     assert version_span(t, 7) == (7, 7)  # no model tokens: the version current at the finish
+    t.response_ids.extend([7, 8, 9])
     t.response_mask.extend(b"\x01\x00\x01")
     t.response_versions = array("i", [3, -1, 5])
     assert version_span(t, 7) == (3, 5)

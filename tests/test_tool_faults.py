@@ -89,6 +89,28 @@ async def test_timed_out_call_frees_its_slot(tok, compile_yaml):
     assert lane_of(agent, "nap").written_off == 1
 
 
+async def test_a_timeout_counts_from_when_a_thread_takes_the_call():
+    """Calls queued behind busy threads are not timed out unrun: thousands of calls in flight wait for a few
+    threads, and the wait is not the tool's; a call that runs past the timeout still times out."""
+    from fsm.tools import StartTimeout
+
+    async def timed(call, timeout_s):
+        async with StartTimeout(timeout_s):
+            return await call
+
+    lane = ThreadLane("nap", workers=1)
+    t0 = time.monotonic()
+    calls = [timed(lane.call(faulty.nap, seconds=0.4), 1.0) for _ in range(4)]  # the last waits 1.2 s
+    assert await asyncio.gather(*calls) == ["rested"] * 4
+    assert time.monotonic() - t0 >= 1.6
+    with pytest.raises(TimeoutError):
+        await timed(lane.call(faulty.hang, text="x"), 0.2)
+    assert lane.written_off == 1
+    with pytest.raises(TimeoutError):  # a coroutine (no lane queue) is timed from the start
+        await timed(asyncio.sleep(5), 0.1)
+    lane.close()
+
+
 async def test_thread_lane_accounting_and_its_cap():
     lane = ThreadLane("hang", workers=1, max_stuck=2)
     for _ in range(2):

@@ -315,13 +315,7 @@ class _Root(_Span):
         span of the state entered starts. (Written flat: it runs once per transition of every trajectory.)"""
         now = _time_ns()
         traj, shapes = self.traj, self.shapes
-        segments = traj.segments
-        model = observation = 0
-        for seg in segments[self.state_mark :]:
-            if seg.role == "assistant":
-                model += seg.end - seg.start
-            else:
-                observation += seg.end - seg.start
+        model, observation = traj.segments.tokens_since(self.state_mark)
         dest = edge.dest
         final = dest in shapes.finals
         reason = (traj.termination_reason or "") if final else None
@@ -341,7 +335,7 @@ class _Root(_Span):
             _detach(span._token)
             span.end(now)
         if not final:
-            self.state_mark = len(segments)
+            self.state_mark = len(traj.segments)
             self.state_id = _random_bits(64) or 1
             self.state_start = now
             if dest in shapes.user_states:
