@@ -75,6 +75,7 @@ def test_workflow_through_areal_engine_batch_and_actor_loss(tiny_server):
         workflow.close()
 
     assert len(episodes) == len(data)
+    tool_rounds = 0
     for ep in episodes:
         ids = ep["input_ids"][0].tolist()
         mask, logp, versions = ep["loss_mask"][0], ep["logprobs"][0], ep["versions"][0]
@@ -92,9 +93,12 @@ def test_workflow_through_areal_engine_batch_and_actor_loss(tiny_server):
         assert (versions[mask == 1] == VERSION).all() and (versions[mask == 0] == -1).all()  # AReaL's version per token
         assert (logp[mask == 0] == 0).all() and (logp[mask == 1] <= 0).all() and logp[mask == 1].sum() < 0
         turns = torch.nonzero(torch.diff(torch.cat([mask.new_zeros(1), mask])) == 1).numel()
-        assert turns == 2  # a calculator call, then the answer, with the tool's result between them out of the mask
-        assert "<tool_response>" in tok.decode(ids[P:])
+        # a calculator call, then the answer, with the tool's result between them out of the mask; at T=1.5 the
+        # model now and then answers at once (1 turn), which the same checks cover
+        assert turns == 1 + tok.decode(ids[P:]).count("<tool_response>") and turns in (1, 2)
         assert ep["rewards"].item() == compute_score(tok.decode(ids[P:]), row["answer"])
+        tool_rounds += turns - 1
+    assert tool_rounds, "no episode called the calculator: the observation's mask was never checked"
 
     batch = concat_padded_tensors(episodes)  # AReaL's batching of episodes
     # the actor's view, as AReaL's PPO actor builds it: everything shifted by one (position i predicts token i+1)

@@ -92,6 +92,7 @@ async def test_agent_executor_through_openrlhf_loader_experience_and_loss():
 
     experiences = [SamplesGenerator._process_response_into_experience(None, r, max_len=MAX_LEN) for r in responses]
     model = AutoModelForCausalLM.from_pretrained(ASSETS, dtype=torch.float32).eval()
+    tool_rounds = 0
     for k, (response, exp) in enumerate(zip(responses, experiences)):
         messages, label = json.loads(prompts[k // 2]), labels[k // 2]
         seq = exp.sequences[0].tolist()
@@ -101,13 +102,16 @@ async def test_agent_executor_through_openrlhf_loader_experience_and_loss():
         action = exp.action_mask[0]  # [N-1]: action_mask[j] is token j+1
         assert action.shape[0] == len(seq) - 1 and action[: len(prompt_ids) - 1].sum() == 0
         turns = response["action_ranges"]
-        assert len(turns) == 2  # a calculator call, then the answer
+        response_text = tok.decode(seq[len(prompt_ids) :])
+        # a calculator call, then the answer; at this temperature the model now and then answers at once
+        assert len(turns) == 1 + response_text.count("<tool_response>") and len(turns) in (1, 2)
         for start, end in turns:
             assert action[start - 1 : end - 1].all() and seq[end - 1] == tok.eos_token_id
         assert int(action.sum()) == sum(end - start for start, end in turns)
-        between = tok.decode(seq[turns[0][1] : turns[1][0]])
-        assert "<tool_response>" in between  # the tool's result: in the sequence, out of the action mask
-        response_text = tok.decode(seq[len(prompt_ids) :])
+        if len(turns) == 2:
+            tool_rounds += 1
+            between = tok.decode(seq[turns[0][1] : turns[1][0]])
+            assert "<tool_response>" in between  # the tool's result: in the sequence, out of the action mask
         assert exp.rewards.item() == exp.scores.item() == compute_score(response_text, label)
         # the actor's log-probs, computed as OpenRLHF's Actor.forward does, against the rollout's
         rollout = exp.rollout_log_probs
@@ -123,3 +127,4 @@ async def test_agent_executor_through_openrlhf_loader_experience_and_loss():
         loss, clip_ratio, _, vllm_kl, filtered = loss_fn(actor, actor, torch.ones_like(actor), exp.action_mask,
                                                          rollout)  # fmt: skip
         assert torch.isfinite(loss) and clip_ratio.item() == 0 and filtered.item() == 0 and abs(vllm_kl.item()) < 1e-4
+    assert tool_rounds, "no sample called the calculator: the observation's mask was never checked"
