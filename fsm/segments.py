@@ -11,21 +11,22 @@ two differ gets the whole-text path for good.
 
 from __future__ import annotations
 
-import functools
 import logging
 import re
+import threading
+from collections import OrderedDict
 from typing import Any
 
 log = logging.getLogger(__name__)
 
-PIECE_CACHE = 4096  # distinct pieces kept (least recently used go first)
+CACHE_CHARS = 4 << 20  # characters of pieces kept, all pieces together (least recently used go first)
 CHECKED_TEXTS = 16  # texts compared with the whole text's tokenization before the split is trusted
 
 
 class SegmentEncoder:
     """`encode(text)`: the ids `tokenizer.encode(text, add_special_tokens=False)` gives, cheaper on repeats."""
 
-    def __init__(self, tokenizer: Any, cache_size: int = PIECE_CACHE, checked: int = CHECKED_TEXTS):
+    def __init__(self, tokenizer: Any, cache_chars: int = CACHE_CHARS, checked: int = CHECKED_TEXTS):
         self.tokenizer = tokenizer
         self._unchecked = checked
         added = getattr(tokenizer, "added_tokens_decoder", None)
@@ -39,7 +40,10 @@ class SegmentEncoder:
         if tokens and exact:
             alternatives = "|".join(re.escape(s) for s in sorted(self._ids, key=len, reverse=True))
             self._split = re.compile(f"({alternatives})").split
-        self._piece = functools.lru_cache(maxsize=cache_size)(self._whole)
+        self.cache_chars = cache_chars
+        self._cache: OrderedDict[str, list[int]] = OrderedDict()
+        self._cached_chars = 0
+        self._lock = threading.Lock()  # a codec may serve several threads (the adapter's workers, Ray actors)
 
     @property
     def splitting(self) -> bool:
@@ -47,6 +51,29 @@ class SegmentEncoder:
 
     def _whole(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _piece(self, text: str) -> list[int]:
+        """A piece's ids, from the cache when it was seen before. A piece longer than a quarter of the cache
+        (a 10 MB tool answer) is tokenized and not kept: it would push out the pieces that repeat."""
+        with self._lock:
+            ids = self._cache.get(text)
+            if ids is not None:
+                self._cache.move_to_end(text)
+                return ids
+        ids = self._whole(text)
+        if len(text) <= self.cache_chars // 4:
+            with self._lock:
+                if text not in self._cache:
+                    self._cache[text] = ids
+                    self._cached_chars += len(text)
+                while self._cached_chars > self.cache_chars:
+                    old, _ = self._cache.popitem(last=False)
+                    self._cached_chars -= len(old)
+        return ids
+
+    @property
+    def cached_chars(self) -> int:
+        return self._cached_chars
 
     def encode(self, text: str) -> list[int]:
         if self._split is None:
