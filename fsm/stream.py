@@ -43,8 +43,8 @@ class StreamEmpty(RuntimeError):
 def version_span(traj: Trajectory, finished_version: int) -> tuple[int, int]:
     """(oldest, newest) weight version of the trajectory's model tokens; a trajectory without any (a failed
     row, an empty response) counts as made by the version current when it finished."""
-    own = [v for v, m in zip(traj.response_versions, traj.response_mask) if m and v >= 0]
-    return (min(own), max(own)) if own else (finished_version, finished_version)
+    span = traj.weight_versions()
+    return span if span is not None else (finished_version, finished_version)
 
 
 @dataclass

@@ -85,7 +85,7 @@ def to_sample(traj: Trajectory) -> Sample:
         response_ids=traj.response_ids.tolist(),
         mask=mask,
         logprobs=None if traj.logprobs_missing else traj.response_logprobs.tolist(),
-        versions=[v if m else -1 for v, m in zip(traj.response_versions.tolist(), mask)],
+        versions=traj.response_versions.tolist(),  # -1 on observation tokens already
         reward=traj.reward_score,
         turn_rewards=[TurnReward(str(s), int(p), float(v)) for s, p, v in traj.turn_rewards],
         termination_reason=traj.termination_reason or traj.state.lower(),
