@@ -4,7 +4,8 @@ backends/faults.py forwards a request to a real server and, for these kinds, pas
 of the functions below before sending it on. Each returns the new body, or None when this answer cannot
 carry the fault (a one-token answer has no position after a stop id): nothing is injected then. What the
 client must make of each (backends/answer.py): "absorbed" kinds are valid forms it maps safely, the others
-are malformed-answer server faults.
+are malformed-answer server faults. Some are JSON edge cases rather than wrong values: a 400-digit logprob, logprob
+entries too short to index, a body nested 50,000 levels deep.
 """
 
 from __future__ import annotations
@@ -93,13 +94,42 @@ def string_count(answer: dict[str, Any], sent: dict[str, Any]) -> dict[str, Any]
     return answer
 
 
+def huge_logprob(answer: dict[str, Any], sent: dict[str, Any]) -> dict[str, Any] | None:
+    """A 400-digit integer as a logprob: valid JSON, an int to Python, too large for a float."""
+    _, triples = _ids_and_triples(answer)
+    if not triples:
+        return None
+    triples[len(triples) // 2][0] = -(10**399)
+    return answer
+
+
+def short_triples_phantom(answer: dict[str, Any], sent: dict[str, Any]) -> dict[str, Any] | None:
+    """One-element logprob "triples", one more than the output ids (the leading phantom entry's shape)."""
+    ids, triples = _ids_and_triples(answer)
+    if not ids or triples is None:
+        return None
+    answer["meta_info"]["output_token_logprobs"] = [[-0.0]] + [[t[0]] for t in triples]
+    return answer
+
+
+DEEP_LEVELS = 50_000
+
+
+def deep_json(answer: dict[str, Any], sent: dict[str, Any]) -> bytes:
+    """The real answer with one more key nested 50,000 levels deep (json.loads raises RecursionError)."""
+    body = json.dumps(answer).encode()
+    return body[:-1] + b', "extra": ' + b"[" * DEEP_LEVELS + b"]" * DEEP_LEVELS + b"}"
+
+
 def oversize(answer: dict[str, Any], sent: dict[str, Any]) -> dict[str, Any] | None:
     answer["text"] = "x" * OVERSIZE_BYTES
     return answer
 
 
-# kind -> (rewrite, the client's fault counter for it, or None when the client absorbs it)
-HOSTILE: dict[str, tuple[Callable[[dict[str, Any], dict[str, Any]], dict[str, Any] | None], str | None]] = {
+# kind -> (rewrite, the client's fault counter for it, or None when the client absorbs it). A rewrite answers
+# the new body (a dict, or the bytes themselves where JSON's encoder cannot write it), or None.
+Rewrite = Callable[[dict[str, Any], dict[str, Any]], dict[str, Any] | bytes | None]
+HOSTILE: dict[str, tuple[Rewrite, str | None]] = {
     "out_of_vocab": (out_of_vocab, "bad_ids"),
     "negative_id": (negative_id, "bad_ids"),
     "nan_logprob": (_set_logprob(float("nan")), "bad_logprobs"),
@@ -112,6 +142,9 @@ HOSTILE: dict[str, tuple[Callable[[dict[str, Any], dict[str, Any]], dict[str, An
     "huge_version_span": (huge_version_span, "bad_fields"),
     "string_count": (string_count, "bad_fields"),
     "oversize": (oversize, "oversize"),
+    "huge_logprob": (huge_logprob, "bad_logprobs"),
+    "short_triples_phantom": (short_triples_phantom, "bad_logprobs"),
+    "deep_json": (deep_json, "malformed"),
 }
 
 
@@ -124,4 +157,6 @@ def rewrite(kind: str, data: bytes, sent: bytes) -> bytes | None:
     if not isinstance(answer, dict) or not isinstance(answer.get("output_ids"), list):
         return None
     out = HOSTILE[kind][0](answer, request)
-    return None if out is None else json.dumps(out).encode()  # NaN and Infinity as JSON's common extension
+    if out is None or isinstance(out, bytes):
+        return out
+    return json.dumps(out).encode()  # NaN and Infinity as JSON's common extension

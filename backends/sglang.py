@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -39,7 +38,14 @@ from typing import Any, TypeVar
 
 import aiohttp
 
-from backends.answer import ANSWER_FAULTS, DEFAULT_MAX_NEW_TOKENS, body_limit, parse_generate, snippet
+from backends.answer import (
+    ANSWER_FAULTS,
+    DEFAULT_MAX_NEW_TOKENS,
+    body_limit,
+    parse_generate,
+    read_json,
+    snippet,
+)
 from backends.base import (
     BackendError,
     BackendMalformed,
@@ -82,17 +88,6 @@ def error_message(body: Any, fallback: str) -> str:
         if body.get("message"):
             return str(body["message"])  # FastAPI / scheduler abort: {"object": "error", "message": ...}
     return fallback
-
-
-def _decode(data: bytes) -> Any:
-    """The JSON body, else the text (an error page, an empty body: None)."""
-    text = data.decode("utf-8", errors="replace")
-    if not text:
-        return None
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
 
 
 async def _read_bounded(resp: aiohttp.ClientResponse, max_bytes: int, what: str) -> bytes:
@@ -225,7 +220,8 @@ class SGLangBackend(BaseBackend):
             except TimeoutError:
                 raise BackendTimeout(f"{self.url}: {method} {path}: no answer within {timeout_s:g} s",
                                      server=self.url, kind="timeouts") from None  # fmt: skip
-            body = _decode(data)
+            body = read_json(data, what=f"{self.url}: {method} {path}", server=self.url, status=status,
+                             max_bytes=CONTROL_BODY_BYTES)  # fmt: skip
             if policy.retryable_status(status) or status >= 500:
                 raise BackendUnavailable(f"HTTP {status}: {error_message(body, str(body)[:200])}", server=self.url,
                                          status=status, kind="http_errors",
@@ -400,7 +396,8 @@ class SGLangBackend(BaseBackend):
             if not exchange.done():
                 exchange.cancel()  # closes the connection: SGLang aborts a request whose client went away
                 await asyncio.wait({exchange})
-        body = _decode(data)
+        body = read_json(data, what=f"{self.url}: /generate (rid {rid})", server=self.url, status=status,
+                         max_bytes=body_limit(asked))  # fmt: skip
         if status == 200:
             if not isinstance(body, (dict, list)):
                 kind = headers.get("Content-Type", "no content type").split(";")[0]

@@ -18,6 +18,7 @@ from aiohttp import web
 from backends.answer import parse_generate, token_versions
 from backends.base import BackendMalformed, GenerateRequest
 from backends.devserver import DevServer
+from backends.faults import FaultProxy
 from backends.hostile import HOSTILE
 from backends.router import Router
 from backends.sglang import SGLangBackend
@@ -61,6 +62,9 @@ async def test_each_hostile_answer_is_a_counted_fault_never_a_row(agent, tok, re
     ("huge_version_span", "meta_info.weight_versions"),
     ("string_count", "meta_info.cached_tokens '5', not a non-negative integer"),
     ("oversize", "past the"),
+    ("huge_logprob", "logprob '-100000000000"),
+    ("short_triples_phantom", "output logprobs for"),
+    ("deep_json", "JSON nested 50001 levels deep, past the 64-level bound"),
 ])  # fmt: skip
 async def test_a_server_that_always_lies_gives_an_error_row_naming_it(agent, tok, kind, words):
     async with fleet(1, rates={kind: 1.0}) as (_, proxies):
@@ -69,6 +73,19 @@ async def test_a_server_that_always_lies_gives_an_error_row_naming_it(agent, tok
     assert reason.startswith("error: backend: ") and proxies[0].url in reason and words in reason, reason
     assert "\n" not in reason and len(traj.response_ids) == 0
     assert stats["faults"][HOSTILE[kind][1]] == 2  # the first attempt and its retry, each counted by kind
+
+
+@pytest.mark.parametrize("kind", ["huge_logprob", "short_triples_phantom", "deep_json", "out_of_vocab"])
+async def test_a_lying_server_beside_a_healthy_one_loses_no_row(agent, tok, reference, kind):
+    """The JSON edge cases (issue 27 item 4) fail over like out-of-vocabulary ids: counted, no row lost."""
+    async with DevServer(hashlm()) as liar_dev, DevServer(hashlm()) as good_dev, \
+            FaultProxy(liar_dev.url, rates={kind: 1.0}) as liar, FaultProxy(good_dev.url) as good:  # fmt: skip
+        trajs, batch, stats = await run(agent, tok, router([liar.url, good.url], max_retries=1), rows(16))
+    assert liar.injected[kind] > 0
+    assert not any(t.failed for t in trajs), [t.termination_reason for t in trajs if t.failed]
+    assert_rows_right_or_errors(trajs, batch, reference)
+    summary = assert_faults_add_up(trajs, stats, [liar, good])
+    assert summary["faults"][HOSTILE[kind][1]] == liar.injected[kind] and stats["failovers"] >= 1
 
 
 def _req(**params) -> GenerateRequest:
@@ -137,8 +154,10 @@ async def test_without_a_window_the_same_outage_fails_rows(agent, tok):
 
 
 @contextlib.asynccontextmanager
-async def info_server(upstream: str, *, hang_info: bool = False, context_length: object = None):
-    """Forwards /generate to `upstream`; its /model_info hangs, or its /server_info says `context_length`."""
+async def info_server(upstream: str, *, hang_info: bool = False, context_length: object = None,
+                      deep_info: bool = False):  # fmt: skip
+    """Forwards /generate to `upstream`; its /model_info hangs or (`deep_info`) is 50,000 levels deep, or its
+    /server_info says `context_length`."""
     import aiohttp
 
     stop = asyncio.Event()
@@ -146,6 +165,9 @@ async def info_server(upstream: str, *, hang_info: bool = False, context_length:
     async def model_info(request: web.Request) -> web.Response:
         if hang_info:
             await stop.wait()
+        if deep_info:
+            return web.Response(body=b'{"model_path": "m", "x": ' + b"[" * 50_000 + b"]" * 50_000 + b"}",
+                                content_type="application/json")  # fmt: skip
         return web.json_response({"model_path": "m", "weight_version": "default"})
 
     async def server_info(request: web.Request) -> web.Response:
@@ -200,6 +222,21 @@ async def test_malformed_server_info_is_one_line_naming_the_server(agent, tok):
         (traj,), _, _ = await run(agent, tok, backend, rows(1))
     reason = traj.termination_reason
     assert traj.failed and odd in reason and "server info has context_length 'abc', not a positive integer" in reason
+
+
+async def test_a_deep_json_model_info_is_a_server_fault_not_a_crash(agent, tok):
+    """Issue 27 item 5: a 50,000-deep /model_info left the run with a RecursionError traceback at start."""
+    from fsm.api import ServerNotReady, probe_servers
+
+    async with DevServer(hashlm()) as dev, info_server(dev.url, deep_info=True) as deep:
+        probe = await probe_servers([deep, dev.url], timeout_s=5.0)
+        assert probe.servers == [dev.url]
+        assert "JSON nested 50001 levels deep, past the 64-level bound" in probe.left_out[deep]
+        with pytest.raises(ServerNotReady, match="nested 50001 levels deep"):
+            await probe_servers([deep], timeout_s=5.0)
+        clients = [SGLangBackend(u, max_retries=0) for u in (deep, dev.url)]
+        trajs, _, stats = await run(agent, tok, Router(clients, health_interval_s=0, retry_window_s=0), rows(4))
+    assert not any(t.failed for t in trajs) and stats["faults"]["malformed"] >= 1 and stats["failovers"] >= 1
 
 
 async def test_the_start_probe_leaves_out_bad_servers_unless_strict():
