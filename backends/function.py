@@ -18,7 +18,9 @@ Whatever it answers crosses the trust boundary the SGLang client's answers cross
 the vocabulary, finite logprobs <= 0, no more tokens than asked, nothing after a stop id. A violation, an
 exception or a missed deadline is a server fault, counted by kind; a retryable one (malformed answers,
 timeouts, and `BackendUnavailable` the function raises itself) is tried again (`retry_policy`), and past the
-budget, as any other, it ends its row with an error naming this backend.
+budget, as any other, it ends its row with an error naming this backend. A BaseException the function raises
+(KeyboardInterrupt, SystemExit, a CancelledError of its own) ends its row the same way, never retried: left to
+propagate it would leave the event loop and kill the engine's thread, hanging every caller.
 
 `start` and `close` (sync or async, each optional) run on the engine's event loop, once each: open an
 aiohttp session in `start` and close it in `close`, and the session never outlives the engine (no
@@ -110,6 +112,15 @@ class FunctionBackend(BaseBackend):
             self._count("errors")
             raise BackendError(f"{self.model_name}: generate function raised {type(exc).__name__}: {exc} "
                                f"(rid {request.rid})", server=self.model_name, kind="errors") from exc  # fmt: skip
+        except BaseException as exc:
+            if isinstance(exc, asyncio.CancelledError) and _cancelling():
+                raise  # the engine cancelled this row: not the function's doing
+            # KeyboardInterrupt, SystemExit, GeneratorExit or a CancelledError of its own, raised by the function:
+            # let through, it would leave the event loop and end the engine's thread with every row on it.
+            self._count("errors")
+            raise BackendError(f"{self.model_name}: generate function raised {type(exc).__name__}: {exc} "
+                               f"(rid {request.rid}); a BaseException from the function ends its row, never the "
+                               "engine", server=self.model_name, kind="errors") from None  # fmt: skip
         try:
             result = parse_generate(_as_body(answer, params), server=self.model_name,
                                     return_logprob=request.return_logprob, rid=request.rid, request=request)  # fmt: skip
@@ -121,6 +132,13 @@ class FunctionBackend(BaseBackend):
 
     def _count(self, kind: str) -> None:
         self.faults[kind] = self.faults.get(kind, 0) + 1
+
+
+def _cancelling() -> bool:
+    """Whether this task was asked to cancel (so a CancelledError is the engine's, not the function's)."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)  # Python 3.11+; before, every CancelledError is a cancel
+    return task is None or cancelling is None or cancelling() > 0
 
 
 async def _call(hook: Hook | None) -> None:
