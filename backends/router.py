@@ -13,9 +13,10 @@ Failover: a retryable failure (a server fault the client already retried, or a t
 down and re-runs placement, under the `failover` retry policy (`backends.retry`): a few re-routes, and
 more while the request is within `retry_window_s` of its first attempt, so an outage of the whole fleet
 shorter than that window is waited out. A server that failed stays
-out for a cooldown that doubles with each consecutive failure (5 s, 10 s, ... up to 5 min), whatever its
-/health says: a server whose /health answers while its /generate hangs must not take new sessions every
-health interval. A success resets it. Every re-route is counted ("retries"; "failovers" when it changed
+out for a cooldown, whatever its /health says, that doubles with each consecutive incident (5 s, 10 s, ... up
+to 5 min): a server whose /health answers while its /generate hangs must not take new sessions every health
+interval. An incident is one strike however many requests it failed (a crash fails every request in flight),
+and a success resets the count. Every re-route is counted ("retries"; "failovers" when it changed
 server), and `stats()["faults"]` sums what the clients met, by kind.
 
 This is manual/min_load routing in the terms of SGLang's model gateway (smg), plus what smg's HTTP router
@@ -264,8 +265,15 @@ class Router(BaseBackend):
         return self.failover.retryable(e) and not self._paused
 
     def _failed(self, s: _Server) -> None:
-        """Take `s` out until a health check after its cooldown says otherwise; its sessions move on retry."""
+        """Take `s` out until a health check after its cooldown says otherwise; its sessions move on retry.
+
+        One incident is one strike: the requests that were in flight when a server crashed all fail, but only
+        the first, which finds it in service, starts (or doubles) the cooldown. The others find it already
+        out and change nothing, so a server that answers /health again is back at the next health check
+        after one cooldown, however many requests the crash cut."""
         s.failures += 1
+        if not s.healthy:
+            return  # already out: the same incident
         s.streak += 1
         s.healthy = False
         cooldown = min(self.cooldown_max_s, self.cooldown_s * 2 ** (s.streak - 1))

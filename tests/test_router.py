@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import time
 from collections import defaultdict
 from typing import Any
 
@@ -12,6 +13,7 @@ import aiohttp
 
 from backends.base import GenerateRequest, GenerateResult
 from backends.devserver import DevServer
+from backends.faults import FaultProxy
 from backends.launcher import SGLangLauncher
 from backends.router import Router
 from backends.scripted import echo_backend
@@ -247,6 +249,33 @@ async def test_control_calls_reach_every_server_and_abort_targets_one():
             out["y"].finish_reason == "abort" and out["x"].finish_reason == out["z"].finish_reason == "stop"
         )
         assert out["x"].weight_version == "7"
+
+
+async def test_a_crash_with_many_requests_in_flight_is_one_strike():
+    """Issue 26 item 6: 16 requests cut at once by one incident doubled the cooldown 16 times (to its 5-minute
+    cap); one incident is one strike, and new sessions reach the server again one cooldown later."""
+    async with contextlib.AsyncExitStack() as stack:
+        devs = [await stack.enter_async_context(DevServer(echo_backend(latency_s=0.3))) for _ in range(2)]
+        proxy = await stack.enter_async_context(FaultProxy(devs[0].url, script=["reset"] * 16))
+        clients = [SGLangBackend(u, max_retries=0) for u in (proxy.url, devs[1].url)]
+        router = await stack.enter_async_context(Router(clients, health_interval_s=0.1, cooldown_s=0.5,
+                                                        retry_window_s=0))  # fmt: skip
+
+        def request(sid: str) -> GenerateRequest:
+            return GenerateRequest(sid, [1, 2, 3, sum(map(ord, sid)) % 500 + 10], {"max_new_tokens": 4},
+                                   rid=f"{sid}_t00")  # fmt: skip
+
+        await asyncio.gather(*(router.generate(request(f"s{i}")) for i in range(32)))  # none lost
+        crashed = time.monotonic()
+        assert proxy.injected["reset"] == 16 and router.servers[0].failures == 16
+        assert router.servers[0].streak == 1
+        k = 0
+        while True:  # new sessions, one at a time, until one is placed on the server that failed
+            k += 1
+            if (await router.generate(request(f"n{k}"))).server == proxy.url:
+                break
+            assert time.monotonic() - crashed < 5, "the server that failed is still shut out"
+        assert time.monotonic() - crashed < 0.5 + 1.0  # one cooldown and a health interval or two
 
 
 def test_choose_is_pure_and_bench_numbers():
