@@ -11,8 +11,13 @@ adds on top of a bare POST:
   /generate response (`BackendMalformed`: not JSON, an HTML page, another schema), never an empty turn;
 - every /generate attempt has a deadline (`request_timeout_s`, default 300 s). Past it the rid is aborted at
   the server (`/abort_request`); a live server then answers with its partial output (finish_reason abort,
-  which the engine resumes), a hung one does not and the attempt fails with `BackendTimeout`, which is not
-  retried here (a hung server stays hung) but fails over in the router;
+  which the engine resumes; awaited up to `abort_grace_s`, 5 s by default: a loaded server takes over a
+  second), a hung one does not and the attempt fails with `BackendTimeout`, which is not retried here (a
+  hung server stays hung) but fails over in the router;
+- a rid whose attempt ended without an answer (a deadline, a cut connection, SGLang's "Duplicate request
+  ID") may still be held by the server, which refuses it again: no later attempt reuses or prefixes it;
+- a turn cut short because the context is full ("length" with fewer tokens than asked: clamped here, cut
+  further by SGLang) says so: `extra["context_cut"]` holds the context length;
 - aborts (`finish_reason.type == "abort"`) are returned as results, with the tokens produced before the abort:
   the engine resumes them. Every fault is counted by kind in `stats()["faults"]`;
 - SGLang aborts every live rid that starts with the rid it is asked to abort, so the rids this client has
@@ -66,11 +71,19 @@ T = TypeVar("T")
 
 DEFAULT_REQUEST_TIMEOUT_S = 300.0  # per /generate attempt; SGLang's own watchdog_timeout is also 300 s
 _WEIGHTS_TIMEOUT_S = 600.0  # a weight reload may take minutes
+# After a deadline's /abort_request a live SGLang answers the request with its partial output once its
+# scheduler gets to the abort: 0.7-1.4 s on a loaded CPU server (docs/engines.md). Waiting less turned most
+# deadline aborts into lost work; a hung server costs this much more before the router fails over.
+DEFAULT_ABORT_GRACE_S = 5.0
+# How long a rid whose attempt ended without an answer is kept from reuse: past SGLang's own watchdog.
+_HELD_S = 600.0
 CONTROL_BODY_BYTES = 16 << 20  # info, health and control answers are small; /generate has its own bound
 # SGLang 0.5.23 reports max_req_input_len = context length - 6 and refuses an input that long or longer.
 _INPUT_MARGIN = 6
 # SGLang's 400 for an update that loaded the weights but could not flush the cache (requests held or running)
 _UPDATED_NOT_FLUSHED = "Weights were updated, but the cache was not flushed"
+# Attempts that end this way may leave their rid at the server (a deadline, a cut connection, a duplicate).
+_MAY_BE_HELD = ("timeouts", "disconnects", "resets", "duplicate")
 # What a /generate can meet, counted in stats()["faults"]; each is one failed attempt or one abort.
 FAULT_KINDS = ("http_errors", "refused", "disconnects", "resets", "timeouts", *ANSWER_FAULTS, "aborts_waiting",
                "aborts_running")  # fmt: skip
@@ -124,7 +137,7 @@ class SGLangBackend(BaseBackend):
         backoff_s: float = 0.05,  # first retry delay; doubles each retry, ±20 % jitter
         backoff_max_s: float = 5.0,
         retry: RetryPolicy | None = None,  # the whole policy; replaces max_retries/backoff_s/backoff_max_s
-        # After a deadline's /abort_request, how long the partial answer is awaited; None: min(5 s, deadline/10).
+        # After a deadline's /abort_request, how long the partial answer is awaited; None: DEFAULT_ABORT_GRACE_S.
         abort_grace_s: float | None = None,
         keepalive_s: float = 4.0,  # must stay below uvicorn's 5 s keep-alive
         context_length: int | None = None,  # skip discovery when given
@@ -146,6 +159,9 @@ class SGLangBackend(BaseBackend):
         self._info: dict[str, Any] | None = None
         self._info_task: asyncio.Future[dict[str, Any]] | None = None  # one read shared by every waiter
         self._live: dict[str, str] = {}  # rid -> session_id, for abort(session_id) and where()
+        # rids whose attempt ended without an answer (deadline, cut connection, duplicate): the server may
+        # still hold them until this monotonic time, so no new request reuses or prefixes one (`_wire_rid`)
+        self._held: dict[str, float] = {}
         self._pause = PauseClock()  # the pause this client set: /generate deadlines run only outside it
         # /generate attempts, re-sends of one, and deadline aborts sent; then the faults met, by kind
         self.counts = {"requests": 0, "retries": 0, "aborts_sent": 0}
@@ -333,40 +349,58 @@ class SGLangBackend(BaseBackend):
         ids = list(request.prompt_ids)
         # A fixed-width random suffix cannot be a prefix of another live rid: SGLang's abort matches rids
         # by prefix, so aborting one must never abort another.
-        rid = self._wire_rid(request.rid or f"{request.session_id}_g{uuid.uuid4().hex}", request.session_id)
+        base = request.rid or f"{request.session_id}_g{uuid.uuid4().hex}"
         timeout_s = self.deadline(request)
+        rid = ""
 
         async def attempt(n: int) -> GenerateResult:
+            nonlocal rid
             if n > 1:
                 self.counts["retries"] += 1
+            rid = self._wire_rid(base, request.session_id)  # each attempt: the last one's may still be held
+            self._live[rid] = request.session_id
             try:
                 await self._ensure_info(timeout_s)
                 params = self._clamp(ids, dict(request.sampling_params))
                 payload = {"input_ids": ids, "sampling_params": params, "return_logprob": request.return_logprob,
                            "rid": rid}  # fmt: skip
                 asked = replace(request, sampling_params=params, rid=rid)  # what the answer is held to
-                return await self._generate_once(payload, rid, timeout_s, asked)
+                result = await self._generate_once(payload, rid, timeout_s, asked)
+                return self._context_cut(result, request)
             except BackendError as e:
                 if e.kind in self.faults:
                     self.faults[e.kind] += 1
+                if e.kind in _MAY_BE_HELD:
+                    self._held[rid] = asyncio.get_running_loop().time() + _HELD_S
                 raise
+            finally:
+                self._live.pop(rid, None)
 
         def retryable(e: BaseException) -> bool:  # a hung server stays hung: the router fails over instead
             return self.retry_policy.retryable(e) and not isinstance(e, BackendTimeout)
 
-        self._live[rid] = request.session_id
-        try:
-            return await self._retrying(f"POST /generate (rid {rid})", attempt, self.retry_policy, retryable)
-        finally:
-            self._live.pop(rid, None)
+        return await self._retrying(f"POST /generate (rid {base})", attempt, self.retry_policy, retryable)
+
+    def _context_cut(self, result: GenerateResult, request: GenerateRequest) -> GenerateResult:
+        """Mark a turn that ended by "length" with fewer tokens than the engine asked for: the context was full
+        (this client clamps `max_new_tokens` to the room left, and SGLang silently cuts it a little further), so
+        "length" alone would read as the engine's own budget."""
+        wanted = request.sampling_params.get("max_new_tokens")
+        wanted = DEFAULT_MAX_NEW_TOKENS if wanted is None else wanted
+        if result.finish_reason == "length" and len(result.token_ids) < wanted:
+            result.extra["context_cut"] = self.context_length
+        return result
 
     def _wire_rid(self, rid: str, session_id: str) -> str:
-        """`rid`, unless it and a rid live here would prefix one another (SGLang aborts by prefix: a resume
-        `{turn}_r1` while `{turn}` still lives, after a lost abort): then `{session}_x<random>`, which
-        extends no live rid and which none extends."""
+        """`rid`, unless it and a rid live here or held by the server would prefix one another (SGLang aborts
+        by prefix and refuses a rid it still holds: a resume `{turn}_r1` while `{turn}` lives, a retry after a
+        deadline): then `{session}_x<random>`, which extends no such rid and which none extends."""
+        now = asyncio.get_running_loop().time()
+        for held in [r for r, until in self._held.items() if until <= now]:
+            del self._held[held]
 
         def clash(r: str) -> bool:
-            return any(live.startswith(r) or r.startswith(live) for live in self._live)
+            return any(other.startswith(r) or r.startswith(other) for other in (*self._live, *self._held))
 
         for _ in range(3):
             if not clash(rid):
@@ -386,7 +420,7 @@ class SGLangBackend(BaseBackend):
                 # with what it generated so far (finish_reason abort), which the engine resumes. The abort may
                 # be lost (a request SGLang holds in its front end): then closing the connection ends it.
                 await self._abort_quietly(rid)
-                grace = self.abort_grace_s if self.abort_grace_s is not None else min(5.0, timeout_s / 10)
+                grace = self.abort_grace_s if self.abort_grace_s is not None else DEFAULT_ABORT_GRACE_S
                 if not await self._pause.wait(exchange, grace):
                     raise BackendTimeout(f"{self.url}: /generate rid {rid} had no answer within {timeout_s:g} s "
                                          "(request_timeout_s); aborted at the server", server=self.url,

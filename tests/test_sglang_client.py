@@ -259,6 +259,36 @@ async def test_deadline_aborts_the_rid_and_takes_the_late_partial_answer(fake):
     assert (stats["aborts_sent"], stats["faults"]["aborts_running"], stats["faults"]["timeouts"]) == (1, 1, 0)
 
 
+async def test_the_partial_answer_is_awaited_as_long_as_a_loaded_server_takes(fake):
+    """Issue 26 item 7: SGLang answers an aborted request 0.7-1.4 s after /abort_request under load. With a 1 s
+    deadline the client waited deadline/10 (0.1 s) and lost the partial answer; the default now waits for it."""
+    fake.on("/generate", ("sleep", 2.4, (200, ABORT_RUNNING)))  # answered 1.4 s after the 1 s deadline
+    fake.on("/abort_request", (200, None))
+    async with client(fake.url, request_timeout_s=1.0) as b:
+        res = await b.generate(req("traj42_t05"))
+    assert (res.finish_reason, res.token_ids) == ("abort", [9707, 0])
+
+
+async def test_a_rid_the_server_may_still_hold_is_never_sent_again(fake):
+    """After a deadline without an answer (the abort lost) or a 400 "Duplicate request ID", the server may hold
+    the rid: the next attempt, here the router's re-route to the only server, goes out under a fresh rid."""
+    fake.on("/generate", ("sleep", 30, (200, OK_STOP)), (200, OK_STOP))
+    fake.on("/abort_request", (200, None))
+    async with client(fake.url, abort_grace_s=0.05) as b:
+        with pytest.raises(BackendTimeout):
+            await b.generate(GenerateRequest("traj42", list(PROMPT), {}, rid="traj42_t03", timeout_s=0.2))
+        res = await b.generate(GenerateRequest("traj42", list(PROMPT), {}, rid="traj42_t03", timeout_s=5))
+        resumed = await b.generate(GenerateRequest("traj42", list(PROMPT), {}, rid="traj42_t03_r1", timeout_s=5))
+    assert res.finish_reason == "stop" and resumed.finish_reason == "stop"
+    first, second, third = (body["rid"] for body in fake.paths("/generate"))
+    assert first == "traj42_t03" and second.startswith("traj42_x") and third.startswith("traj42_x")
+    fake.on("/generate", (400, {"error": {"message": "Duplicate request ID detected: traj7_t00"}}), (200, OK_STOP))
+    async with client(fake.url, max_retries=1) as b:
+        res = await b.generate(GenerateRequest("traj7", list(PROMPT), {}, rid="traj7_t00", timeout_s=5))
+    rids = [body["rid"] for body in fake.paths("/generate")][3:]
+    assert res.finish_reason == "stop" and rids[0] == "traj7_t00" and rids[1].startswith("traj7_x"), rids
+
+
 async def test_a_hung_generate_is_aborted_and_not_retried_on_the_same_server(fake):
     fake.on("/generate", ("sleep", 30, (200, OK_STOP)))
     fake.on("/abort_request", (200, None))
