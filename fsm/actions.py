@@ -149,6 +149,8 @@ async def _resumed_turn(
         if logprobs is not None:
             logprobs = logprobs + new_logprobs if new_logprobs is not None else None
         if not aborted:
+            if result.extra.get("context_cut"):  # the server's context was full: the row says so
+                traj.extra["context_cut"] = result.extra["context_cut"]
             return ids, logprobs, versions, result.finish_reason
         if ids and ids[-1] in stops:
             return ids, logprobs, versions, "stop"  # the abort raced the turn's own end

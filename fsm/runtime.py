@@ -219,6 +219,11 @@ class Runner:
             traj.fail(f"ended in {traj.state}, which is not a final state")  # never a row that looks finished
         if traj.termination_reason is None:
             traj.termination_reason = traj.state.lower()
+        if traj.extra.get("context_cut") and traj.last_finish_reason == "length" and not traj.failed:
+            # its last turn stopped because the server's context (extra.context_cut tokens) was full, whatever
+            # the spec's edge calls the end; that name stays in extra.spec_reason
+            traj.extra["spec_reason"] = traj.termination_reason
+            traj.termination_reason = "context_length"
         try:
             await ctx.backend.release(traj.session_id)
             if traj.interaction_started:

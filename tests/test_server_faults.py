@@ -365,6 +365,22 @@ async def test_a_failed_server_sits_out_its_cooldown_despite_a_healthy_health_ch
             assert await r.check_health() == [True]
 
 
+async def test_a_turn_cut_by_the_servers_context_says_so(agent, tok):
+    """Issue 26 item 8: a prompt that leaves the server's context room for 15 tokens: the client clamps the
+    turn to them, and the row ended `done` as if the model had finished. It says `context_length` now."""
+    long_turns = HashLM(vocab=516, eos=2, stop_every=10**6)
+    async with DevServer(long_turns) as dev:
+        (full,), _, _ = await run(agent, tok, router([dev.url]), rows(1))
+    assert full.termination_reason == "response_length" and len(full.response_ids) == 48
+    context = len(full.prompt_ids) + 16
+    async with DevServer(long_turns, context_length=context) as dev:
+        (cut,), batch, _ = await run(agent, tok, router([dev.url]), rows(1))
+    assert cut.termination_reason == "context_length" and not cut.failed
+    assert cut.extra["context_cut"] == context and cut.extra["spec_reason"] == "done"
+    assert 0 < len(cut.response_ids) <= 15 and cut.response_ids == full.response_ids[: len(cut.response_ids)]  # what fit, unchanged
+    assert list(batch.non_tensor_batch["termination_reason"]) == ["context_length"]
+
+
 async def test_the_proxy_is_driven_over_http():
     import aiohttp
 
