@@ -11,6 +11,10 @@ a deadline met by a live server (a slow, loaded machine) shows as a deadline abo
 answers (backends/hostile.py: ids outside the vocabulary, non-finite or positive logprobs, tokens past a stop,
 more than asked, version forms, oversize bodies) are cases of their own, and "outage_2s" answers every
 /generate 503 for the first 2 s on both servers (a fleet restart, ridden out by the router's retry window).
+"liar:<kind>" cases put one server that answers every /generate with a hostile answer (the JSON edge cases: a
+400-digit logprob, logprob entries too short with a phantom, a 50,000-deep body; and out-of-vocabulary ids)
+beside a healthy one: "faults counted" (the clients' counts, aborts aside) must equal "injected", and no row
+may be lost or become an error.
 Two tool cases run a spec whose model calls a tool that raises, or one that sleeps past its timeout: both must
 become observations, not failed rows.
 """
@@ -34,6 +38,9 @@ from backends.scripted import HashLM
 from backends.sglang import SGLangBackend
 from backends.tiny import ASSET_DIR
 
+# Answers a server may send that the JSON decoder or the check itself trips on (issue 27): run again with one
+# server sending them on every /generate beside a healthy one, where each must fail over and lose no row.
+LIAR_KINDS = ("huge_logprob", "short_triples_phantom", "deep_json", "out_of_vocab")
 SPECS = Path(__file__).resolve().parents[1] / "specs"
 ROWS_SPEC = """name: bench_faults
 extends: {specs}/single_turn.yaml
@@ -86,13 +93,14 @@ class _ToolCaller(BaseBackend):
 
 
 async def _case(agent: Any, tok: Any, rows: list[dict], make_model: Any, rates: dict[str, float],
-                outage_s: float = 0.0) -> dict[str, Any]:  # fmt: skip
+                outage_s: float = 0.0, healthy_second: bool = False) -> dict[str, Any]:  # fmt: skip
     from fsm.api import RolloutEngine
     from fsm.batch import fault_summary
 
     async with AsyncExitStack() as stack:
         devs = [await stack.enter_async_context(DevServer(make_model())) for _ in range(2)]
-        proxies = [await stack.enter_async_context(FaultProxy(d.url, rates=rates, seed=i)) for i, d in enumerate(devs)]
+        proxies = [await stack.enter_async_context(FaultProxy(d.url, rates={} if healthy_second and i else rates, seed=i))
+                   for i, d in enumerate(devs)]  # fmt: skip
         for proxy in proxies:  # the whole fleet answers 503 from the start for this long: a restart
             proxy.outage(outage_s)
         clients = [SGLangBackend(p.url, backoff_s=0.01) for p in proxies]
@@ -107,6 +115,7 @@ async def _case(agent: Any, tok: Any, rows: list[dict], make_model: Any, rates: 
     return {"injected": sum(sum(p.injected.values()) for p in proxies), "retried": faults["retries"],
             "failed_over": faults["failovers"], "deadline_aborts": faults["aborts_sent"],
             "resumed": faults["resumes"], "error_rows": faults["error_rows"],
+            "faults_counted": sum(n for kind, n in faults["faults"].items() if not kind.startswith("aborts_")),
             "tool_errors": sum(t.metrics.tool_errors for t in trajs), "wall_s": wall,
             "_trajs": trajs}  # fmt: skip
 
@@ -151,6 +160,9 @@ async def _bench(rows: int, rate: float) -> dict[str, dict[str, Any]]:
     for name, plan in plans.items():
         out[name] = _check(await _case(agent, tok, data, model, plan), rows, reference)
     out["outage_2s"] = _check(await _case(agent, tok, data, model, {}, outage_s=2.0), rows, reference)
+    for kind in LIAR_KINDS:  # one server answers every /generate this way, the other is healthy
+        plan = {kind: 1.0}
+        out[f"liar:{kind}"] = _check(await _case(agent, tok, data, model, plan, healthy_second=True), rows, reference)
     for tool in ("broken_tool", "slow_tool"):
         case = await _case(tools_agent, tok, data, lambda t=tool: _ToolCaller(tok, t), {})
         case["injected"] = case["tool_errors"]
@@ -165,14 +177,14 @@ def bench_faults(rows: int = 128, rate: float = 0.1) -> dict[str, dict[str, Any]
     """Run every case (fault kinds at `rate` per /generate, "mixed", two bad tools); print a table, return
     the numbers. Call outside an event loop."""
     out = asyncio.run(_bench(rows, rate))
-    head = ("case", "injected", "retried", "failed over", "timeout abort", "resumed", "error rows", "rows lost",
-            "rows wrong", "wall s", "vs clean")  # fmt: skip
-    keys = ("injected", "retried", "failed_over", "deadline_aborts", "resumed", "error_rows", "rows_lost",
-            "rows_wrong")  # fmt: skip
-    lines = [f"{head[0]:<18}" + "".join(f"{h:>14}" for h in head[1:])]
+    head = ("case", "injected", "faults counted", "retried", "failed over", "timeout abort", "resumed",
+            "error rows", "rows lost", "rows wrong", "wall s", "vs clean")  # fmt: skip
+    keys = ("injected", "faults_counted", "retried", "failed_over", "deadline_aborts", "resumed", "error_rows",
+            "rows_lost", "rows_wrong")  # fmt: skip
+    lines = [f"{head[0]:<28}" + "".join(f"{h:>15}" for h in head[1:])]
     for name, case in out.items():
-        cells = [f"{case[k]:>14}" for k in keys] + [f"{case['wall_s']:>14.2f}", f"{case['vs_clean']:>13.2f}x"]
-        lines.append(f"{name:<18}" + "".join(cells))
+        cells = [f"{case[k]:>15}" for k in keys] + [f"{case['wall_s']:>15.2f}", f"{case['vs_clean']:>14.2f}x"]
+        lines.append(f"{name:<28}" + "".join(cells))
     print(f"faults: {rows} rows over 2 HashLM dev servers behind fault proxies, each kind at {rate:.0%} of /generate", file=sys.stderr)
     print("\n".join(lines), file=sys.stderr)
     return out
