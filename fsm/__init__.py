@@ -28,7 +28,7 @@ _EXPORTS = {
     "RunContext": "fsm.context", "Sampling": "fsm.context", "Runner": "fsm.runtime",
     "AgentSpec": "fsm.spec",
     "BaseTool": "fsm.tools", "ToolResponse": "fsm.tools",
-    "ToolCall": "fsm.parsers", "register_parser": "fsm.parsers", "Trajectory": "fsm.trajectory",
+    "ToolCall": "fsm.families.parsers", "register_parser": "fsm.families.parsers", "Trajectory": "fsm.trajectory",
     "Family": "fsm.families", "register_family": "fsm.families",
     "Group": "fsm.stream", "StreamEmpty": "fsm.stream", "SnapshotError": "fsm.snapshot",
     "Sample": "fsm.adapters.sample", "SampleBatch": "fsm.adapters.sample",
@@ -67,9 +67,9 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from fsm.context import RunContext, Sampling
     from fsm.data import DataError, load_rows
     from fsm.families import Family, register_family
+    from fsm.families.parsers import ToolCall, register_parser
     from fsm.interaction import BaseInteraction
     from fsm.loader import Diagnostic, SpecError, load_spec
-    from fsm.parsers import ToolCall, register_parser
     from fsm.ray_runner import RayRunner
     from fsm.registry import action, guard
     from fsm.runtime import Runner

@@ -19,10 +19,10 @@ from typing import Any
 from fsm.actions import BUILTIN_ACTIONS
 from fsm.agent import REWARD_EXTRAS, CompiledAgent, Edge, Reward
 from fsm.families import family_names
+from fsm.families.parsers import PARSERS
 from fsm.guards import GuardError, compile_guard
 from fsm.interaction import REQUIRED_METHODS
 from fsm.loader import Diagnostic, LoadedSpec, SpecError, load_spec
-from fsm.parsers import PARSERS
 from fsm.registry import (
     ACTIONS,
     GUARDS,

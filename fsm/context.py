@@ -17,7 +17,7 @@ from backends.base import GREEDY_BELOW, Backend, GenerateRequest, GenerateResult
 from fsm.agent import CompiledAgent
 from fsm.chat import ChatCodec
 from fsm.families import make_parser, parser_name
-from fsm.parsers import PARSERS, ToolCall
+from fsm.families.parsers import PARSERS, ToolCall
 from fsm.tools import CallOutcome
 from fsm.tracing import Tracer
 from fsm.trajectory import Trajectory

@@ -30,7 +30,7 @@ import numpy as np
 
 from fsm.agent import CompiledAgent
 from fsm.context import Sampling
-from fsm.parsers import ToolCall
+from fsm.families.parsers import ToolCall
 from fsm.trajectory import Metrics, Segment, Segments, Trajectory
 
 FORMAT = 1

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from backends.retry import RetryPolicy, retry
+from fsm.families.parsers import ToolCall
 from fsm.isolation import (
     START_CLOCK,
     InlineLane,
@@ -32,7 +33,6 @@ from fsm.isolation import (
     ToolUnavailable,
     crashed,
 )
-from fsm.parsers import ToolCall
 from fsm.registry import resolve
 from fsm.rows import encodable
 from fsm.spec import DEFAULT_TOOL_WORKERS, LimitsSpec, ToolPolicySpec, ToolSpec

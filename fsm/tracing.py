@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 if TYPE_CHECKING:
     from backends.base import Backend, GenerateRequest, GenerateResult
     from fsm.agent import CompiledAgent, Edge
-    from fsm.parsers import ToolCall
+    from fsm.families.parsers import ToolCall
     from fsm.tools import BoundTool, CallOutcome
     from fsm.trajectory import Trajectory
 

@@ -18,7 +18,7 @@ from fsm.rows import encodable
 
 if TYPE_CHECKING:
     from fsm.agent import Edge
-    from fsm.parsers import ToolCall
+    from fsm.families.parsers import ToolCall
 
 
 @dataclass(slots=True)

@@ -24,8 +24,8 @@ import pytest
 import fsm
 from backends.base import GenerateRequest
 from fsm.api import make_backend
+from fsm.families.parsers import ToolCall
 from fsm.isolation import BLOCKING_STEP_S, BLOCKING_STRIKES, InlineLane, LoopLane, ThreadLane, ToolUnavailable
-from fsm.parsers import ToolCall
 from fsm.tools import BaseTool, ToolResponse, truncate
 from tests.conftest import ASSETS, REPO, model_turn, run_agent, scripted, tool_messages, tool_turn, user_row
 from tests.fixtures import faulty

@@ -1,4 +1,5 @@
-"""Tool-call parsers behind a registry (verl's `multi_turn.format`). Hermes ships first.
+"""What every tool-call parser shares: the parsed call, the registry (verl's `multi_turn.format`), verl's
+assistant message, and the helpers the families' grammars use.
 
 A parser turns a model turn's text into tool calls. Unlike verl, a call that cannot be parsed is returned
 with `error` set, so the engine answers it with an error observation instead of dropping it.
@@ -7,7 +8,6 @@ with `error` set, so the engine answers it with an error observation instead of 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -45,42 +45,6 @@ def register_parser(name: str):
     return register
 
 
-@register_parser("hermes")
-class HermesParser:
-    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number per turn."""
-
-    _call = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-
-    def __init__(self, tokenizer: object = None):
-        self.stop_token_ids: list[int] = []
-
-    def parse(self, text: str) -> list[ToolCall]:
-        calls = [self._parse_one(m.group(1)) for m in self._call.finditer(text)]
-        end = text.rfind("</tool_call>")
-        tail = text[end + len("</tool_call>") :] if end >= 0 else text
-        if "<tool_call>" in tail:
-            raw = tail[tail.index("<tool_call>") + len("<tool_call>") :]
-            calls.append(ToolCall(None, None, raw, error="unterminated <tool_call>: missing </tool_call>"))
-        return calls
-
-    def content(self, text: str) -> str:
-        """verl's hermes parser removes the blocks only when both tags occur, and keeps an unterminated one."""
-        return self._call.sub("", text) if "<tool_call>" in text and "</tool_call>" in text else text
-
-    @staticmethod
-    def _parse_one(raw: str) -> ToolCall:
-        """One call; malformed exactly when verl's hermes parser drops it (bad JSON, no string "name", no
-        "arguments"). The arguments stay the JSON value the model wrote; the tool policy decides what a
-        string or a non-object there means (fsm.tools.ToolSet.call)."""
-        try:
-            obj = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            return ToolCall(None, None, raw, error=f"Invalid JSON in tool call: {exc}")
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or "arguments" not in obj:
-            return ToolCall(None, None, raw, error='a tool call must be a JSON object with a string "name" and "arguments"')
-        return ToolCall(obj["name"], obj["arguments"], raw)  # a model-written "id" is no call id (verl)
-
-
 def assistant_message(content: str, calls: list[ToolCall], max_calls: int) -> dict[str, Any]:
     """verl's assistant message for a model turn: its content, and `tool_calls` (the first `max_calls`
     well-formed calls, arguments as a JSON object, or as the JSON text when they are not an object)."""
@@ -95,3 +59,41 @@ def assistant_message(content: str, calls: list[ToolCall], max_calls: int) -> di
             }} for call in valid
         ]  # fmt: skip
     return message
+
+
+def token_ids(tokenizer: Any, *tokens: str) -> list[int]:
+    """Ids of the tokens the tokenizer has as single tokens (a stop list never holds unk)."""
+    if tokenizer is None:
+        return []
+    ids = []
+    unk = getattr(tokenizer, "unk_token_id", None)
+    for token in tokens:
+        tid = tokenizer.convert_tokens_to_ids(token)
+        if isinstance(tid, int) and tid >= 0 and tid != unk:
+            ids.append(tid)
+    return ids
+
+
+def split_reasoning(text: str, style: str, tags: tuple[str, str] = ("<think>", "</think>")) -> tuple[str | None, str]:
+    """(reasoning, the rest) of a `think` family's turn. The reasoning is a leading `<think>...</think>` (the
+    family's tags), or everything before a `</think>` when the prompt opened the block; a block never closed
+    is all reasoning."""
+    if style != "think":
+        return None, text
+    opener, closer = tags
+    head = text.lstrip()
+    if head.startswith(opener):
+        body = head[len(opener) :]
+        end = body.find(closer)
+        return (body, "") if end < 0 else (body[:end], body[end + len(closer) :])
+    end = text.find(closer)
+    if end >= 0 and opener not in text[:end]:
+        return text[:end], text[end + len(closer) :]
+    return None, text
+
+
+def json_arguments(raw: str, name: str) -> ToolCall:
+    try:
+        return ToolCall(name, json.loads(raw), raw)
+    except ValueError as exc:
+        return ToolCall(name, None, raw, error=f"Invalid JSON in arguments for '{name}': {exc}")
