@@ -5,7 +5,7 @@ specs/ and docs/ (so `runs/latest` and the diagrams land there, not in the check
 Conventions, as HTML comments (invisible on GitHub) right before a fenced block:
     <!-- skip-test: REASON -->                 the block is not run
     <!-- skip-test-line: PREFIX | REASON -->    the block's lines that start with PREFIX are not run
-```bash blocks run under `bash -e`, with `agentfsm` meaning this checkout's `python -m fsm.cli`; ```python
+```bash blocks run under `bash -e`, with `agentfsm` meaning this checkout's `python -m fsm.cli.commands`; ```python
 blocks run as scripts; a ```console block is a transcript: each `$ ` line runs and the output must be the
 lines that follow (`…` stands for any text). Other blocks (yaml, json, plain output) are data. The blocks
 that did not run, and why, are listed by `test_readme_inventory` (pytest -rA shows it) and as skips.
@@ -99,7 +99,7 @@ def env() -> dict[str, str]:
 
 
 def bash(script: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    prelude = f'agentfsm() {{ "{sys.executable}" -m fsm.cli "$@"; }}\npython() {{ "{sys.executable}" "$@"; }}\n'
+    prelude = f'agentfsm() {{ "{sys.executable}" -m fsm.cli.commands "$@"; }}\npython() {{ "{sys.executable}" "$@"; }}\n'
     return subprocess.run(["bash", "-e", "-o", "pipefail", "-c", prelude + script], cwd=cwd, env=env(),
                           capture_output=True, text=True, timeout=TIMEOUT_S)  # fmt: skip
 

@@ -2,7 +2,7 @@
 
 Each parser reads a model turn's text (decoded with its special tokens) and returns every call the model made,
 in order. A call the family's grammar opens but that does not parse comes back with `error` set, so the engine
-answers it (fsm/tools.py) instead of dropping it; where verl 0.9.1 has a parser for the family, the calls it
+answers it (fsm/tools/base.py) instead of dropping it; where verl 0.9.1 has a parser for the family, the calls it
 extracts from a text are the calls extracted here (tests/test_family_parsers.py holds the two together).
 base.py holds the call, the registry and the shared helpers; the other modules register the families' parsers.
 """

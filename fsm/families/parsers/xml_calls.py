@@ -33,7 +33,7 @@ class Qwen3CoderParser:
 
     def __init__(self, tokenizer: object = None):
         self.stop_token_ids: list[int] = []
-        self.tools: list[dict] = []  # schemas, for value types (fsm/context.py sets the spec's)
+        self.tools: list[dict] = []  # schemas, for value types (fsm/run/context.py sets the spec's)
 
     def parse(self, text: str) -> list[ToolCall]:
         if "<tool_call>" not in text:
