@@ -1,10 +1,16 @@
-"""gpt-oss's Harmony format: messages with a channel and a recipient; a call is one addressed to a function."""
+"""gpt-oss's Harmony format: messages with a channel and a recipient; a call is one addressed to a function.
+
+A header is read whole: one that names two channels or two recipients is ambiguous (which one the model
+meant is not for the parser to pick), so a call in it is answered as malformed, never made on the first.
+"""
 
 from __future__ import annotations
 
 import re
 
-from fsm.families.parsers.base import ToolCall, json_arguments, register_parser, token_ids
+from fsm.families.parsers.base import ToolCall, checked, json_arguments, register_parser, token_ids
+
+AMBIGUOUS = "<ambiguous>"  # the channel or recipient of a header that names two
 
 
 @register_parser("gpt_oss")
@@ -28,9 +34,10 @@ class HarmonyParser:
             if not sep:
                 continue
             end = self._end.search(rest)
-            channel, recipient = self._channel.search(head), self._recipient.search(head)
-            out.append((channel.group(1) if channel else "", recipient.group(1) if recipient else "",
-                        rest[: end.start()] if end else rest, end.group() if end else ""))  # fmt: skip
+            channels, recipients = self._channel.findall(head), self._recipient.findall(head)
+            channel = AMBIGUOUS if len(channels) > 1 else channels[0] if channels else ""
+            recipient = AMBIGUOUS if len(recipients) > 1 else recipients[0] if recipients else ""
+            out.append((channel, recipient, rest[: end.start()] if end else rest, end.group() if end else ""))
         return out
 
     def parse(self, text: str) -> list[ToolCall]:
@@ -38,8 +45,12 @@ class HarmonyParser:
         for channel, recipient, body, end in self.messages(text):
             if not recipient or channel == "analysis":  # calls in the reasoning channel are not made (verl)
                 continue
+            if AMBIGUOUS in (channel, recipient):
+                calls.append(ToolCall(None, None, body, error="a Harmony message header names two channels or two "
+                                      "recipients; write one <|channel|> and one to=functions.NAME"))  # fmt: skip
+                continue
             if end != "<|call|>":
                 calls.append(ToolCall(recipient, None, body, error=f"the call to '{recipient}' never reached <|call|>"))
             else:
-                calls.append(json_arguments(body, recipient))
+                calls.append(checked(json_arguments(body, recipient)))
         return calls

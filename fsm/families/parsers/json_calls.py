@@ -1,48 +1,97 @@
 """Families whose calls carry JSON: Hermes/Qwen2.5/Qwen3 (`<tool_call>{...}</tool_call>`), Llama 3.x JSON
-calls, Kimi-K2 and DeepSeek-V3 (special-token sections around JSON arguments)."""
+calls, Kimi-K2 and DeepSeek-V3 (special-token sections around JSON arguments). Each scans its markers with
+`str.find` from left to right (linear in the turn) and reads JSON with fsm.families.parsers.base's bounded
+decoder; every call passes `checked`."""
 
 from __future__ import annotations
 
-import json
-import re
+from collections.abc import Iterator
+from typing import Any
 
-from fsm.families.parsers.base import ToolCall, json_arguments, register_parser, token_ids
+from fsm.families.parsers.base import (
+    ToolCall,
+    checked,
+    decode_at,
+    json_arguments,
+    load_json,
+    register_parser,
+    token_ids,
+)
+
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+_SHAPE = 'a tool call must be a JSON object with a string "name" and "arguments" (or "parameters")'
 
 
 @register_parser("hermes")
 class HermesParser:
-    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number per turn."""
+    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number per turn.
 
-    _call = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+    Read as SGLang 0.5.23's Hermes/Qwen2.5 detectors read it where they accept what verl 0.9.1 drops (the
+    choices and why: docs/families.md, "Tool-call parsing"): the JSON value after `<tool_call>` is read
+    string-aware, so a `</tool_call>` inside an argument string does not cut the call; `"parameters"` is
+    taken where `"arguments"` is missing; a JSON list of calls in one block is each of them. A call to a tool
+    that does not exist stays a call (answered "Unknown function", as verl does; SGLang drops it).
+    """
 
     def __init__(self, tokenizer: object = None):
         self.stop_token_ids: list[int] = []
 
     def parse(self, text: str) -> list[ToolCall]:
-        calls = [self._parse_one(m.group(1)) for m in self._call.finditer(text)]
-        end = text.rfind("</tool_call>")
-        tail = text[end + len("</tool_call>") :] if end >= 0 else text
-        if "<tool_call>" in tail:
-            raw = tail[tail.index("<tool_call>") + len("<tool_call>") :]
-            calls.append(ToolCall(None, None, raw, error="unterminated <tool_call>: missing </tool_call>"))
-        return calls
+        return [checked(call) for _start, _stop, calls in self._blocks(text) for call in calls]
 
     def content(self, text: str) -> str:
         """verl's hermes parser removes the blocks only when both tags occur, and keeps an unterminated one."""
-        return self._call.sub("", text) if "<tool_call>" in text and "</tool_call>" in text else text
+        if _OPEN not in text or _CLOSE not in text:
+            return text
+        kept, pos = [], 0
+        for start, stop, _calls in self._blocks(text):
+            if stop < 0:
+                break
+            kept.append(text[pos:start])
+            pos = stop
+        return "".join(kept) + text[pos:]
+
+    def _blocks(self, text: str) -> Iterator[tuple[int, int, list[ToolCall]]]:
+        """(start, end after the closer or -1 when never closed, the block's calls) from left to right."""
+        pos = 0
+        while (start := text.find(_OPEN, pos)) >= 0:
+            body = start + len(_OPEN)
+            read = decode_at(text, body)
+            if read is not None:  # string-aware: the call ends where its JSON does, then the closer
+                after = read[1]
+                while after < len(text) and text[after] in " \t\r\n":
+                    after += 1
+                if text.startswith(_CLOSE, after):
+                    pos = after + len(_CLOSE)
+                    yield start, pos, self._calls(read[0], text[body:read[1]])
+                    continue
+            end = text.find(_CLOSE, body)
+            if end < 0:
+                error = f"unterminated {_OPEN}: missing {_CLOSE}"
+                yield start, -1, [ToolCall(None, None, text[body:], error=error)]
+                return
+            pos = end + len(_CLOSE)
+            raw = text[body:end]
+            value, error = load_json(raw)
+            yield start, pos, self._calls(value, raw) if error is None else [
+                ToolCall(None, None, raw, error=f"{error} in tool call")]  # fmt: skip
 
     @staticmethod
-    def _parse_one(raw: str) -> ToolCall:
-        """One call; malformed exactly when verl's hermes parser drops it (bad JSON, no string "name", no
-        "arguments"). The arguments stay the JSON value the model wrote; the tool policy decides what a
-        string or a non-object there means (fsm.tools.base.ToolSet.call)."""
-        try:
-            obj = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            return ToolCall(None, None, raw, error=f"Invalid JSON in tool call: {exc}")
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or "arguments" not in obj:
-            return ToolCall(None, None, raw, error='a tool call must be a JSON object with a string "name" and "arguments"')
-        return ToolCall(obj["name"], obj["arguments"], raw)  # a model-written "id" is no call id (verl)
+    def _calls(value: Any, raw: str) -> list[ToolCall]:
+        """The calls one block's JSON value makes (a list makes each of its items). The arguments stay the
+        JSON value the model wrote; the tool policy decides what a string or a non-object there means
+        (fsm.tools.base.ToolSet.call). A model-written "id" is no call id (verl)."""
+        items = value if isinstance(value, list) and value else [value]
+        calls = []
+        for obj in items:
+            args = obj.get("arguments", obj.get("parameters")) if isinstance(obj, dict) else None
+            if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or args is None and not (
+                "arguments" in obj or "parameters" in obj
+            ):
+                calls.append(ToolCall(None, None, raw, error=_SHAPE))
+            else:
+                calls.append(ToolCall(obj["name"], args, raw))
+        return calls
 
 
 @register_parser("llama3_json")
@@ -60,13 +109,14 @@ class Llama3JsonParser:
             body = body[len("<|python_tag|>") :].strip()
         if not body.startswith("{"):
             return []
-        decoder, calls, pos = json.JSONDecoder(), [], 0
+        calls, pos = [], 0
         while pos < len(body) and (not calls or body[pos] == "{"):  # text after the calls is not a call
-            try:
-                obj, end = decoder.raw_decode(body, pos)
-            except ValueError as exc:
-                calls.append(ToolCall(None, None, body[pos:], error=f"Invalid JSON in tool call: {exc}"))
+            read = decode_at(body, pos)
+            if read is None:
+                _value, error = load_json(body[pos:])
+                calls.append(ToolCall(None, None, body[pos:], error=f"{error or 'Invalid JSON'} in tool call"))
                 break
+            obj, end = read
             raw = body[pos:end]
             args = obj.get("parameters", obj.get("arguments")) if isinstance(obj, dict) else None
             if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or args is None:
@@ -76,7 +126,23 @@ class Llama3JsonParser:
             pos = end
             while pos < len(body) and body[pos] in " \n\t;":
                 pos += 1
-        return calls
+        return [checked(call) for call in calls]
+
+
+_SECTION = "<|tool_calls_section_begin|>"
+
+
+def _marked(text: str, begin: str, sep: str, end: str) -> Iterator[tuple[str, str]]:
+    """(head, body) of each `begin HEAD sep BODY end` from left to right, as the lazy regex
+    `begin(.*?)sep(.*?)end` finds them, but each character looked at once."""
+    pos = 0
+    while (b := text.find(begin, pos)) >= 0:
+        s = text.find(sep, b + len(begin))
+        e = text.find(end, s + len(sep)) if s >= 0 else -1
+        if e < 0:
+            return
+        yield text[b + len(begin) : s], text[s + len(sep) : e]
+        pos = e + len(end)
 
 
 @register_parser("kimi_k2")
@@ -85,24 +151,25 @@ class KimiK2Parser:
     {json}<|tool_call_end|>...<|tool_calls_section_end|>`. The id `functions.NAME:IDX` is kept as the call's
     id (the template renders tool results under it). Stops at `<|im_end|>`, as verl's."""
 
-    _call = re.compile(r"<\|tool_call_begin\|>(.*?)<\|tool_call_argument_begin\|>(.*?)<\|tool_call_end\|>", re.DOTALL)
-    _name = re.compile(r"^(?:functions\.)?([^:\s]+)(?::\d+)?$")
-
     def __init__(self, tokenizer: object = None):
         self.stop_token_ids = token_ids(tokenizer, "<|im_end|>")
 
     def parse(self, text: str) -> list[ToolCall]:
-        if "<|tool_calls_section_begin|>" not in text:
+        if _SECTION not in text:
             return []
         calls = []
-        for raw_id, raw_args in self._call.findall(text):
+        for raw_id, raw_args in _marked(text, "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"):
             raw_id = raw_id.strip()
-            match = self._name.match(raw_id)
-            name = match.group(1) if match else raw_id
+            name = raw_id.removeprefix("functions.")
+            head, colon, index = name.rpartition(":")
+            if colon and index.isdigit() and head:
+                name = head
+            if not name or any(c.isspace() or c == ":" for c in name):
+                name = raw_id
             call = json_arguments(raw_args.strip(), name)
             call.id = raw_id
-            calls.append(call)
-        section = text[text.index("<|tool_calls_section_begin|>") :]
+            calls.append(checked(call))
+        section = text[text.index(_SECTION) :]
         if section.count("<|tool_call_begin|>") > len(calls):
             calls.append(ToolCall(None, None, section, error="unterminated <|tool_call_begin|>: missing <|tool_call_end|>"))
         return calls
@@ -113,9 +180,6 @@ class DeepSeekV3Parser:
     """DeepSeek-V3.1 `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{json}<｜tool▁call▁end｜>`, and V3/R1's
     `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{json}\\n```<｜tool▁call▁end｜>`."""
 
-    _call = re.compile(r"<｜tool▁call▁begin｜>(.*?)<｜tool▁sep｜>(.*?)<｜tool▁call▁end｜>", re.DOTALL)
-    _fenced = re.compile(r"^(?P<name>[^\n]+)\n```(?:json)?\n(?P<args>.*)\n```\s*$", re.DOTALL)
-
     def __init__(self, tokenizer: object = None):
         self.stop_token_ids = []
 
@@ -123,13 +187,24 @@ class DeepSeekV3Parser:
         if "<｜tool▁calls▁begin｜>" not in text and "<｜tool▁call▁begin｜>" not in text:
             return []
         calls = []
-        for head, body in self._call.findall(text):
-            fenced = self._fenced.match(body) if head.strip() == "function" else None
+        for head, body in _marked(text, "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"):
+            fenced = _fenced(body) if head.strip() == "function" else None
             if fenced:
-                calls.append(json_arguments(fenced.group("args"), fenced.group("name").strip()))
+                calls.append(checked(json_arguments(fenced[1], fenced[0])))
             else:
-                calls.append(json_arguments(body.strip(), head.strip()))
+                calls.append(checked(json_arguments(body.strip(), head.strip())))
         if text.count("<｜tool▁call▁begin｜>") > len(calls):
             raw = text[text.rfind("<｜tool▁call▁begin｜>") :]
             calls.append(ToolCall(None, None, raw, error="unterminated <｜tool▁call▁begin｜>: missing <｜tool▁call▁end｜>"))
         return calls
+
+
+def _fenced(body: str) -> tuple[str, str] | None:
+    """(name, JSON) of V3/R1's `NAME\\n```json\\n{json}\\n```` body, or None when it is not that shape."""
+    name, newline, rest = body.partition("\n")
+    rest = rest.rstrip()
+    for fence in ("```json\n", "```\n"):
+        if newline and name and len(rest) >= len(fence) + 4 and rest.startswith(fence) and rest.endswith("\n```"):
+            return name.strip(), rest[len(fence) : -len("\n```")]
+    return None
+
