@@ -187,6 +187,19 @@ def checked(call: ToolCall) -> ToolCall:
     return call
 
 
+MAX_CALLS = 100  # calls read from one turn; past them one malformed call says the rest were not read
+
+
+def capped(calls: list[ToolCall]) -> list[ToolCall]:
+    """At most MAX_CALLS calls, and then one that tells the model the rest were not read. Parsers stop
+    reading once they hold more than MAX_CALLS, so a turn of thousands of (malformed) calls costs no more
+    than a turn of a hundred, here and in the answers."""
+    if len(calls) <= MAX_CALLS:
+        return calls
+    rest = ToolCall(None, None, "", error=f"more than {MAX_CALLS} tool calls in one turn: the rest were not read")
+    return calls[:MAX_CALLS] + [rest]
+
+
 def json_arguments(raw: str, name: str) -> ToolCall:
     value, error = load_json(raw)
     if error is not None:

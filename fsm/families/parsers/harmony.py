@@ -8,7 +8,15 @@ from __future__ import annotations
 
 import re
 
-from fsm.families.parsers.base import ToolCall, checked, json_arguments, register_parser, token_ids
+from fsm.families.parsers.base import (
+    MAX_CALLS,
+    ToolCall,
+    capped,
+    checked,
+    json_arguments,
+    register_parser,
+    token_ids,
+)
 
 AMBIGUOUS = "<ambiguous>"  # the channel or recipient of a header that names two
 
@@ -25,9 +33,14 @@ class HarmonyParser:
 
     def __init__(self, tokenizer: object = None):
         self.stop_token_ids = token_ids(tokenizer, "<|call|>", "<|return|>")
+        self._last: tuple[str, list[tuple[str, str, str, str]]] | None = None
 
     def messages(self, text: str) -> list[tuple[str, str, str, str]]:
-        """(channel, recipient, body, end token or "") of each message of a turn, in order."""
+        """(channel, recipient, body, end token or "") of each message of a turn, in order. The last turn's
+        answer is kept: a turn is read for its calls, its reasoning and its message, three times in a row."""
+        last = self._last
+        if last is not None and last[0] is text:
+            return last[1]
         out = []
         for piece in text.split("<|start|>"):
             head, sep, rest = piece.partition("<|message|>")
@@ -38,6 +51,7 @@ class HarmonyParser:
             channel = AMBIGUOUS if len(channels) > 1 else channels[0] if channels else ""
             recipient = AMBIGUOUS if len(recipients) > 1 else recipients[0] if recipients else ""
             out.append((channel, recipient, rest[: end.start()] if end else rest, end.group() if end else ""))
+        self._last = (text, out)
         return out
 
     def parse(self, text: str) -> list[ToolCall]:
@@ -53,4 +67,6 @@ class HarmonyParser:
                 calls.append(ToolCall(recipient, None, body, error=f"the call to '{recipient}' never reached <|call|>"))
             else:
                 calls.append(checked(json_arguments(body, recipient)))
-        return calls
+            if len(calls) > MAX_CALLS:
+                break
+        return capped(calls)

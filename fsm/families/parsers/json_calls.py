@@ -5,11 +5,14 @@ decoder; every call passes `checked`."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import Any
 
 from fsm.families.parsers.base import (
+    MAX_CALLS,
     ToolCall,
+    capped,
     checked,
     decode_at,
     json_arguments,
@@ -19,7 +22,17 @@ from fsm.families.parsers.base import (
 )
 
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+_STRING_OR_CLOSE = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|(</tool_call>)', re.DOTALL)
 _SHAPE = 'a tool call must be a JSON object with a string "name" and "arguments" (or "parameters")'
+
+
+def _string_aware_close(text: str, pos: int) -> int:
+    """The first `</tool_call>` at or after `pos` outside a JSON string (as SGLang's Hermes detector reads a
+    call), or the nearest one when none is outside. One regex pass: each string is skipped whole."""
+    for match in _STRING_OR_CLOSE.finditer(text, pos):
+        if match.group(1):
+            return match.start()
+    return text.find(_CLOSE, pos)
 
 
 @register_parser("hermes")
@@ -37,42 +50,46 @@ class HermesParser:
         self.stop_token_ids: list[int] = []
 
     def parse(self, text: str) -> list[ToolCall]:
-        return [checked(call) for _start, _stop, calls in self._blocks(text) for call in calls]
+        calls: list[ToolCall] = []
+        for _start, _stop, block in self._blocks(text):
+            calls.extend(checked(call) for call in block)
+            if len(calls) > MAX_CALLS:
+                break
+        return capped(calls)
 
     def content(self, text: str) -> str:
         """verl's hermes parser removes the blocks only when both tags occur, and keeps an unterminated one."""
         if _OPEN not in text or _CLOSE not in text:
             return text
         kept, pos = [], 0
-        for start, stop, _calls in self._blocks(text):
-            if stop < 0:
+        for k, (start, stop, _calls) in enumerate(self._blocks(text)):
+            if stop < 0 or k > MAX_CALLS:  # past the calls read, the text stays as the model wrote it
                 break
             kept.append(text[pos:start])
             pos = stop
         return "".join(kept) + text[pos:]
 
     def _blocks(self, text: str) -> Iterator[tuple[int, int, list[ToolCall]]]:
-        """(start, end after the closer or -1 when never closed, the block's calls) from left to right."""
+        """(start, end after the closer or -1 when never closed, the block's calls) from left to right.
+
+        A block ends at the first closer outside a JSON string; when what precedes that closer is no JSON
+        (a stray quote paired across blocks), at the nearest closer, as verl reads it. No JSON decoder runs
+        on more than the block: a failing `raw_decode` deep in a long text costs as much as the text before
+        it (its error counts the lines), which made reading from each opener quadratic."""
         pos = 0
         while (start := text.find(_OPEN, pos)) >= 0:
             body = start + len(_OPEN)
-            read = decode_at(text, body)
-            if read is not None:  # string-aware: the call ends where its JSON does, then the closer
-                after = read[1]
-                while after < len(text) and text[after] in " \t\r\n":
-                    after += 1
-                if text.startswith(_CLOSE, after):
-                    pos = after + len(_CLOSE)
-                    yield start, pos, self._calls(read[0], text[body:read[1]])
-                    continue
-            end = text.find(_CLOSE, body)
-            if end < 0:
+            nearest = text.find(_CLOSE, body)
+            if nearest < 0:
                 error = f"unterminated {_OPEN}: missing {_CLOSE}"
                 yield start, -1, [ToolCall(None, None, text[body:], error=error)]
                 return
-            pos = end + len(_CLOSE)
-            raw = text[body:end]
-            value, error = load_json(raw)
+            end = _string_aware_close(text, body) if '"' in text[body:nearest] else nearest
+            value, error = load_json(text[body:end])
+            if error is not None and end != nearest:
+                end = nearest
+                value, error = load_json(text[body:end])
+            raw, pos = text[body:end], end + len(_CLOSE)
             yield start, pos, self._calls(value, raw) if error is None else [
                 ToolCall(None, None, raw, error=f"{error} in tool call")]  # fmt: skip
 
@@ -126,7 +143,9 @@ class Llama3JsonParser:
             pos = end
             while pos < len(body) and body[pos] in " \n\t;":
                 pos += 1
-        return [checked(call) for call in calls]
+            if len(calls) > MAX_CALLS:
+                break
+        return capped([checked(call) for call in calls])
 
 
 _SECTION = "<|tool_calls_section_begin|>"
@@ -169,6 +188,8 @@ class KimiK2Parser:
             call = json_arguments(raw_args.strip(), name)
             call.id = raw_id
             calls.append(checked(call))
+            if len(calls) > MAX_CALLS:
+                return capped(calls)
         section = text[text.index(_SECTION) :]
         if section.count("<|tool_call_begin|>") > len(calls):
             calls.append(ToolCall(None, None, section, error="unterminated <|tool_call_begin|>: missing <|tool_call_end|>"))
@@ -193,6 +214,8 @@ class DeepSeekV3Parser:
                 calls.append(checked(json_arguments(fenced[1], fenced[0])))
             else:
                 calls.append(checked(json_arguments(body.strip(), head.strip())))
+            if len(calls) > MAX_CALLS:
+                return capped(calls)
         if text.count("<｜tool▁call▁begin｜>") > len(calls):
             raw = text[text.rfind("<｜tool▁call▁begin｜>") :]
             calls.append(ToolCall(None, None, raw, error="unterminated <｜tool▁call▁begin｜>: missing <｜tool▁call▁end｜>"))

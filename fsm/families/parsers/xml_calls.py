@@ -12,10 +12,12 @@ from __future__ import annotations
 from typing import Any
 
 from fsm.families.parsers.base import (
+    MAX_CALLS,
     STRING_TYPES,
     SchemaTyped,
     ToolCall,
     blocks,
+    capped,
     checked,
     literal,
     load_json,
@@ -56,7 +58,7 @@ def typed(raw: str, kind: str | None, *, strip: bool = True) -> Any:
     parsed, error = load_json(value)
     if error is None:
         return parsed
-    if "out of range" in error or "not a JSON value" in error or "too deeply" in error:
+    if any(why in error for why in ("out of range", "not a JSON value", "too deeply", "digits")):
         raise Malformed(error.removeprefix("Invalid JSON: "))
     if kind not in (None, "") and value[:1] in "{[(":  # an object or array written as a Python literal
         parsed, ok = literal(value)
@@ -94,6 +96,8 @@ class Qwen3CoderParser(SchemaTyped):
                 stop = _ends(block, f, "</function>")
                 calls.append(checked(self._parse_one(block[f + len("<function=") : stop])))
                 pos = stop + len("</function>")
+                if len(calls) > MAX_CALLS:
+                    return capped(calls)
         return calls
 
     def _parse_one(self, raw: str) -> ToolCall:
@@ -145,7 +149,9 @@ class GLM45Parser(SchemaTyped):
                 calls.append(ToolCall(None, None, text[body:], error="unterminated <tool_call>: missing </tool_call>"))
                 break
             calls.append(checked(self._parse_one(text[body:end])))
-        return calls
+            if len(calls) > MAX_CALLS:
+                break
+        return capped(calls)
 
     def _parse_one(self, raw: str) -> ToolCall:
         first = raw.find("<arg_key>")
@@ -186,7 +192,9 @@ class SeedParser(SchemaTyped):
                 calls.append(ToolCall(None, None, text[body:], error=error))
                 break
             calls.append(checked(self._parse_one(text[body:end])))
-        return calls
+            if len(calls) > MAX_CALLS:
+                break
+        return capped(calls)
 
     def _parse_one(self, raw: str) -> ToolCall:
         f = raw.find("<function=")
