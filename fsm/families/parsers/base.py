@@ -203,7 +203,7 @@ def capped(calls: list[ToolCall]) -> list[ToolCall]:
 def json_arguments(raw: str, name: str) -> ToolCall:
     value, error = load_json(raw)
     if error is not None:
-        return ToolCall(name, None, raw, error=f"{error} in arguments for '{name}'")
+        return ToolCall(name, None, raw, error=f"Invalid JSON in arguments for '{name}': {error.removeprefix('Invalid JSON: ')}")
     return ToolCall(name, value, raw)
 
 

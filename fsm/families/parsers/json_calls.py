@@ -91,7 +91,7 @@ class HermesParser:
                 value, error = load_json(text[body:end])
             raw, pos = text[body:end], end + len(_CLOSE)
             yield start, pos, self._calls(value, raw) if error is None else [
-                ToolCall(None, None, raw, error=f"{error} in tool call")]  # fmt: skip
+                ToolCall(None, None, raw, error=f"Invalid JSON in tool call: {error.removeprefix('Invalid JSON: ')}")]  # fmt: skip
 
     @staticmethod
     def _calls(value: Any, raw: str) -> list[ToolCall]:
@@ -131,7 +131,7 @@ class Llama3JsonParser:
             read = decode_at(body, pos)
             if read is None:
                 _value, error = load_json(body[pos:])
-                calls.append(ToolCall(None, None, body[pos:], error=f"{error or 'Invalid JSON'} in tool call"))
+                calls.append(ToolCall(None, None, body[pos:], error=f"Invalid JSON in tool call: {(error or '').removeprefix('Invalid JSON: ')}"))
                 break
             obj, end = read
             raw = body[pos:end]
