@@ -187,4 +187,7 @@ def bench_faults(rows: int = 128, rate: float = 0.1) -> dict[str, dict[str, Any]
         lines.append(f"{name:<28}" + "".join(cells))
     print(f"faults: {rows} rows over 2 HashLM dev servers behind fault proxies, each kind at {rate:.0%} of /generate", file=sys.stderr)
     print("\n".join(lines), file=sys.stderr)
+    from bench.parser_faults import bench_parser_faults
+
+    out.update(bench_parser_faults())  # the model's own text: bench/parser_faults.py
     return out

@@ -28,7 +28,7 @@ _EXPORTS = {
     "RunContext": "fsm.run.context", "Sampling": "fsm.run.context", "Runner": "fsm.run.runtime",
     "AgentSpec": "fsm.spec.model",
     "BaseTool": "fsm.tools.base", "ToolResponse": "fsm.tools.base",
-    "ToolCall": "fsm.parsers", "register_parser": "fsm.parsers", "Trajectory": "fsm.run.trajectory",
+    "ToolCall": "fsm.families.parsers", "register_parser": "fsm.families.parsers", "Trajectory": "fsm.run.trajectory",
     "Family": "fsm.families", "register_family": "fsm.families",
     "Group": "fsm.run.stream", "StreamEmpty": "fsm.run.stream", "SnapshotError": "fsm.run.snapshot",
     "Sample": "fsm.output.sample", "SampleBatch": "fsm.output.sample",
@@ -63,9 +63,9 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from fsm.api import RolloutEngine
     from fsm.data.files import DataError, load_rows
     from fsm.families import Family, register_family
+    from fsm.families.parsers import ToolCall, register_parser
     from fsm.output.batch import RolloutBatch, collate, summarize
     from fsm.output.sample import Sample, SampleBatch
-    from fsm.parsers import ToolCall, register_parser
     from fsm.run.agent import CompiledAgent, Edge
     from fsm.run.compile import compile_spec, validate_file
     from fsm.run.context import RunContext, Sampling

@@ -14,7 +14,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-from fsm.parsers import assistant_message
 from fsm.segments import SegmentEncoder
 
 
@@ -108,8 +107,10 @@ class ChatCodec:
 
     def verl_message(self, message: dict[str, Any], ids: list[int], parser: Any, max_calls: int) -> dict[str, Any]:
         """A model turn's message as verl 0.9.1's AgentData holds it, which tools read: the text decoded with
-        its eos, tool-call blocks moved to `tool_calls` (fsm/parsers.py assistant_message)."""
+        its eos, tool-call blocks moved to `tool_calls` (fsm/families/parsers assistant_message)."""
         text = message["content"]
+        from fsm.families.parsers import assistant_message  # here: fsm.families imports this module
+
         content = parser.content(text) + (self.eos_text if ids[-1:] == [self.eos_id] else "")
         return assistant_message(content, parser.parse(text), max_calls)
 

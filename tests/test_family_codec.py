@@ -10,7 +10,7 @@ import pytest
 import fsm
 from fsm.families import FAMILIES as REGISTRY
 from fsm.families import Family, codec_for, make_parser, register_family
-from fsm.parsers import ToolCall, register_parser
+from fsm.families.parsers import ToolCall, register_parser
 from tests.conftest import run_agent, scripted, user_row
 from tests.fixtures.family_tokenizers import FAMILIES, family_tokenizer
 from tests.test_families_e2e import TURNS

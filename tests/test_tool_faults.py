@@ -24,7 +24,7 @@ import pytest
 import fsm
 from backends.base import GenerateRequest
 from fsm.api import make_backend
-from fsm.parsers import ToolCall
+from fsm.families.parsers import ToolCall
 from fsm.tools.base import BaseTool, ToolResponse, truncate
 from fsm.tools.isolation import (
     BLOCKING_STEP_S,

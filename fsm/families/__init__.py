@@ -15,8 +15,7 @@ from typing import Any, Literal
 
 from fsm.chat import ChatCodec
 from fsm.families import parsers as _parsers  # noqa: F401  (registers the families' parsers)
-from fsm.families.parsers import split_reasoning
-from fsm.parsers import PARSERS, ToolCall
+from fsm.families.parsers import PARSERS, ToolCall, split_reasoning
 
 
 @dataclass(frozen=True)
@@ -24,7 +23,7 @@ class Family:
     """What agentfsm needs to know about a model family beyond its chat template."""
 
     name: str
-    parser: str  # a name in fsm.parsers.PARSERS
+    parser: str  # a name in fsm.families.parsers.PARSERS
     detect: tuple[str, ...]  # all of these in a chat template identify the family ("auto"); () never matches
     reasoning: Literal["none", "think", "harmony"] = "none"  # <think>...</think>, or Harmony's analysis channel
     think_tags: tuple[str, str] = ("<think>", "</think>")  # a `think` family's reasoning block

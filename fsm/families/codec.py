@@ -15,8 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from fsm.chat import ChatCodec, TemplateError, vocabulary_size
-from fsm.families.parsers import split_reasoning
-from fsm.parsers import PARSERS, ToolCall
+from fsm.families.parsers import PARSERS, ToolCall, split_reasoning
 from fsm.segments import SegmentEncoder
 
 _MARK_ASSISTANT = "agentfsmAssistantMark"  # plain ASCII: every template copies it through unchanged

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from fsm.families import family_names
-from fsm.parsers import PARSERS
+from fsm.families.parsers import PARSERS
 from fsm.run.actions import BUILTIN_ACTIONS
 from fsm.run.agent import REWARD_EXTRAS, CompiledAgent, Edge, Reward
 from fsm.run.interaction import REQUIRED_METHODS

@@ -16,7 +16,7 @@ from typing import Any
 from backends.base import GREEDY_BELOW, Backend, GenerateRequest, GenerateResult
 from fsm.chat import ChatCodec
 from fsm.families import make_parser, parser_name
-from fsm.parsers import PARSERS, ToolCall
+from fsm.families.parsers import PARSERS, ToolCall
 from fsm.run.agent import CompiledAgent
 from fsm.run.tracer import Tracer
 from fsm.run.trajectory import Trajectory

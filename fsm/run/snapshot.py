@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from fsm.parsers import ToolCall
+from fsm.families.parsers import ToolCall
 from fsm.run.agent import CompiledAgent
 from fsm.run.context import Sampling
 from fsm.run.trajectory import Metrics, Segment, Segments, Trajectory

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 if TYPE_CHECKING:
     from backends.base import Backend, GenerateRequest, GenerateResult
-    from fsm.parsers import ToolCall
+    from fsm.families.parsers import ToolCall
     from fsm.run.agent import CompiledAgent, Edge
     from fsm.run.trajectory import Trajectory
     from fsm.tools.base import BoundTool, CallOutcome

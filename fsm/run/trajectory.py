@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from fsm.data.rows import encodable
 
 if TYPE_CHECKING:
-    from fsm.parsers import ToolCall
+    from fsm.families.parsers import ToolCall
     from fsm.run.agent import Edge
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from backends.retry import RetryPolicy, retry
 from fsm.data.rows import encodable
-from fsm.parsers import ToolCall
+from fsm.families.parsers import ToolCall
 from fsm.spec.model import DEFAULT_TOOL_WORKERS, LimitsSpec, ToolPolicySpec, ToolSpec
 from fsm.spec.registry import resolve
 from fsm.tools.isolation import (

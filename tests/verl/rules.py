@@ -33,7 +33,7 @@ from verl.experimental.agent_loop.tool_agent_loop import ToolAgentLoop
 from verl.experimental.agent_loop.tool_parser import FunctionCall, HermesToolParser
 from verl.tools.schemas import ToolResponse
 
-from fsm.parsers import HermesParser
+from fsm.families.parsers import HermesParser
 
 MALFORMED = "\x00malformed"  # the name of a call verl would have dropped; its arguments are agentfsm's answer
 
