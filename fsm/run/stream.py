@@ -28,7 +28,7 @@ from typing import Any, Literal
 from fsm.data.rows import to_rows
 from fsm.run import snapshot as snap
 from fsm.run.context import RunContext, Sampling
-from fsm.run.runtime import Runner
+from fsm.run.runtime import Owner, Runner
 from fsm.run.trajectory import Trajectory
 
 StalePolicy = Literal["drop", "rerun"]
@@ -68,41 +68,30 @@ class _Running:
     versions: dict[int, int] = field(default_factory=dict)  # sample -> weight version when it finished
 
 
-class Stream:
-    """Submitted groups in flight and finished ones waiting to be taken, on one engine's loop."""
+class Stream(Owner):
+    """Submitted groups in flight and finished ones waiting to be taken, on one engine's loop. The engine's
+    one owner (fsm/run/runtime.py `Owner`): its `generate_sequences` runs go through `run` beside the groups."""
 
     def __init__(self, runner: Runner, version: Callable[[], int]):
-        self.runner = runner
+        super().__init__(runner)
         self.version = version  # the engine's current weight version
         self.boundary = snap.Boundary()
-        self._gate = asyncio.Semaphore(runner.max_concurrency)
         self._ready: deque[Group] = deque()
         self._running: dict[str, _Running] = {}  # uid -> group in flight
         self._news = asyncio.Event()  # a group finished
-        self._tg: asyncio.TaskGroup | None = None
-        self._serving = asyncio.Event()
         self._active = 0  # trajectories past the gate, not finished
         self._next_index = 0
         self.stats: dict[str, Any] = {"submitted_groups": 0, "finished_groups": 0, "taken_groups": 0,
                                       "stale_dropped": 0, "stale_rerun": 0, "finished_trajectories": 0,
                                       "running_groups": 0, "ready_groups": 0, "staleness": {}}  # fmt: skip
 
-    # -- ownership -------------------------------------------------------------------------------------------
+    # -- ownership: `serve` (Owner's) runs every trajectory task ------------------------------------------------
 
-    async def serve(self) -> None:
-        """The owner of every trajectory task; runs until cancelled (the engine's close, a stopping snapshot).
-        Cancelled, it cancels every running trajectory; ready groups stay, to be taken."""
-        try:
-            async with self.runner.watching(), asyncio.TaskGroup() as tg:
-                self._tg = tg
-                self._serving.set()
-                await asyncio.Event().wait()
-        finally:
-            self._serving.clear()
-            self._tg = None
-            self._running.clear()
-            self.stats["running_groups"] = 0
-            self._news.set()
+    def _stopped(self) -> None:
+        """Cancelled, it has cancelled every running trajectory; ready groups stay, to be taken."""
+        self._running.clear()
+        self.stats["running_groups"] = 0
+        self._news.set()
 
     # -- in ----------------------------------------------------------------------------------------------------
 
@@ -129,12 +118,11 @@ class Stream:
         return uids
 
     def _start(self, run: _Running, trajs: Sequence[Trajectory]) -> None:
-        assert self._tg is not None
         self._running[run.group.uid] = run
         self.stats["submitted_groups"] += 1
         self.stats["running_groups"] = len(self._running)
         for t in trajs:
-            self._tg.create_task(self._one(run, t))
+            self._spawn(self._one(run, t))
 
     async def _one(self, run: _Running, traj: Trajectory) -> None:
         async with self._gate:
@@ -264,10 +252,9 @@ class Stream:
             run.versions = {t.sample: self.version() for t, d in zip(trajs, done) if d}
             self._running[group.uid] = run
             self.stats["submitted_groups"] += 1
-            assert self._tg is not None
             for t, d in zip(trajs, done):
                 if not d:
-                    self._tg.create_task(self._one(run, t))
+                    self._spawn(self._one(run, t))
         self.stats["running_groups"] = len(self._running)
         self.stats["ready_groups"] = len(self._ready)
         self._news.set()
