@@ -103,6 +103,8 @@ def resume_spec(args: argparse.Namespace) -> None:
         data = json.loads(path.read_text())
         meta = data.get("meta") or {}
         named, run_id = meta.get("spec") or data.get("spec"), meta.get("run_id")
+    except RecursionError:
+        raise CLIError(f"--resume: {path}: not a snapshot (nested too deeply)") from None
     except (OSError, ValueError, AttributeError) as exc:
         raise CLIError(f"--resume: {path}: not a snapshot ({exc})") from None
     if args.spec is None:

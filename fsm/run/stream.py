@@ -215,6 +215,7 @@ class Stream(Owner):
             await self.boundary.close(lambda: self._active, timeout_s, lambda: gate.waiting)
         finally:
             gate.on_wait = None
+        restarted = 0
         try:
             groups = []
             for status, g, done in ([("ready", g, None) for g in self._ready] +
@@ -222,8 +223,9 @@ class Stream(Owner):
                 trajs = []
                 for t in g.trajectories:
                     finished = status == "ready" or (done is not None and _is_done(t, done))
-                    if not finished:
-                        snap.check_resumable(t)
+                    if not finished and t.interaction_started:  # its user simulator's state is not ours to write
+                        t = self._fresh(t)
+                        restarted += 1
                     trajs.append({"done": finished, **snap.encode_trajectory(t)})
                 groups.append({"status": status, "uid": g.uid, "reruns": g.reruns, "version_min": g.version_min,
                                "version_max": g.version_max, "sampling": snap.encode_sampling(g.sampling),
@@ -232,7 +234,13 @@ class Stream(Owner):
             self.boundary.open()
             raise
         return {**header, "weight_version": self.version(), "next_index": self._next_index, "groups": groups,
-                "stats": {k: v for k, v in self.stats.items() if k != "staleness"}}  # fmt: skip
+                "stats": {k: v for k, v in self.stats.items() if k != "staleness"}, "restarted": restarted}  # fmt: skip
+
+    def _fresh(self, traj: Trajectory) -> Trajectory:
+        """The trajectory as it was before its first action: same row, sample, index and ids."""
+        (fresh,) = self.runner.trajectories([traj.row], 1)
+        fresh.index, fresh.sample, fresh.uid, fresh.session_id = traj.index, traj.sample, traj.uid, traj.session_id
+        return fresh
 
     async def restore(self, data: Mapping[str, Any]) -> int:
         """Put a snapshot's groups back: ready ones to be taken, running ones running again. Groups restored."""
@@ -364,34 +372,47 @@ class ContinuousMode(GroupTaking):
         return stats
 
     async def asnapshot(self, path: str | Path, *, meta: Mapping[str, Any] | None = None, stop: bool = False,
-                        timeout: float | None = None, abort_turns: bool = False) -> dict[str, int]:  # fmt: skip
+                        timeout: float | None = None, abort_turns: bool = False,
+                        fallback: Callable[[], Path] | None = None) -> dict[str, Any]:  # fmt: skip
         """Write the continuous mode's groups (finished but not taken, and running) to `path` as JSON, taken
         at state boundaries: running trajectories pause at their next one while it is written. `stop=True`
-        then cancels the running ones (their groups live on in the file) instead of letting them go on.
-        `abort_turns=True` never waits for a model turn: the engine pauses in abort mode first (`apause`), so
-        turns in flight end with their partial output, which the snapshot keeps and a restore goes on from.
-        `meta` is stored as is (JSON). Returns counts: groups ready and running, trajectories parked."""
+        then cancels the running ones (their groups live on in the file) instead of letting them go on, also
+        when the file cannot be written. `abort_turns=True` never waits for a model turn: the engine pauses
+        in abort mode first (`apause`), so turns in flight end with their partial output, which the snapshot
+        keeps and a restore goes on from; a server that cannot pause has its requests aborted one by one
+        (SGLang's /abort_request) instead. A trajectory inside its interaction (whose state the file cannot
+        hold) is written as it was at its start, to run again on restore (counted in "restarted").
+        When `path` cannot be written (a full disk) and `fallback` is given, the file goes into the
+        directory `fallback()` makes ("path" says where). `meta` is stored as is (JSON). Returns counts:
+        groups ready and running, trajectories restarted; and the path written."""
 
-        async def here() -> dict[str, int]:
+        async def here() -> dict[str, Any]:
             stream = await self._stream_here()
             gate = self.runner.gate
             paused = abort_turns and not gate.paused
             if paused:
                 gate.close()  # first: no new turn starts while the servers abort the running ones
-                try:
-                    async with asyncio.timeout(PAUSE_TIMEOUT_S):
-                        await self._control_here("pause_generation", ("abort",), {}, False)
-                except Exception as exc:  # a server that cannot pause: its turns are waited for instead
-                    log.warning("snapshot: pausing the servers failed (%s: %s); waiting for turns in flight",
-                                type(exc).__name__, exc)  # fmt: skip
+                await self._pause_or_abort()
+            written = Path(path)
             try:
-                data = await stream.snapshot({**snap.header(self.agent), "meta": dict(meta or {})}, timeout)
+                data = await stream.snapshot({**snap.header(self.agent, self.codec), "meta": dict(meta or {})}, timeout)
+                restarted = data.pop("restarted")
                 try:
-                    await asyncio.to_thread(snap.write, path, data)
-                    if stop:
-                        await self._stop_stream()
+                    try:
+                        await asyncio.to_thread(snap.write, written, data)
+                    except OSError as exc:
+                        if fallback is None:
+                            raise
+                        log.warning("snapshot: cannot write %s (%s); writing it to a fallback directory",
+                                    written, exc.strerror or exc)  # fmt: skip
+                        written = fallback() / written.name
+                        await asyncio.to_thread(snap.write, written, data)
                 finally:
-                    stream.boundary.open()
+                    try:
+                        if stop:
+                            await self._stop_stream()
+                    finally:
+                        stream.boundary.open()
             finally:  # stopped or going on: the servers serve again (a stop has cancelled our turns by now)
                 if paused:
                     with contextlib.suppress(Exception):
@@ -399,16 +420,38 @@ class ContinuousMode(GroupTaking):
                             await self._control_here("continue_generation", (), {}, False)
                     gate.open()
             running = sum(g["status"] == "running" for g in data["groups"])
-            return {"ready_groups": len(data["groups"]) - running, "running_groups": running}
+            return {"ready_groups": len(data["groups"]) - running, "running_groups": running,
+                    "restarted": restarted, "path": str(written)}  # fmt: skip
 
         return await self._on_home(here())
+
+    async def _pause_or_abort(self) -> None:
+        """Every model turn in flight ends with its partial output: the servers pause in abort mode, or, where
+        they cannot (no /pause_generation), each trajectory's request in flight is aborted."""
+        try:
+            async with asyncio.timeout(PAUSE_TIMEOUT_S):
+                done = await self._control_here("pause_generation", ("abort",), {}, False)
+            if done is not None or getattr(self.backend, "pause_generation", None) is not None:
+                return
+            why = "the backend has no pause_generation"
+        except Exception as exc:
+            why = f"{type(exc).__name__}: {exc}"
+        abort = getattr(self.backend, "abort", None)
+        if abort is None:
+            log.warning("snapshot: pausing the servers failed (%s) and the backend cannot abort; waiting for "
+                        "turns in flight", why)  # fmt: skip
+            return
+        log.warning("snapshot: pausing the servers failed (%s); aborting the requests in flight instead", why)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(PAUSE_TIMEOUT_S):
+                await asyncio.gather(*(abort(sid) for sid in list(self.runner.live)), return_exceptions=True)
 
     async def arestore(self, path: str | Path) -> dict[str, Any]:
         """Put a snapshot's groups back into the continuous mode (same spec, checked by hash: SnapshotError
         otherwise); ready groups can be taken, running ones run on. Returns the snapshot's `meta`."""
 
         async def here() -> dict[str, Any]:
-            data = await asyncio.to_thread(snap.read, path, self.agent, len(self.codec.tokenizer))
+            data = await asyncio.to_thread(snap.read, path, self.agent, len(self.codec.tokenizer), self.codec)
             await (await self._stream_here()).restore(data)
             return dict(data.get("meta") or {})
 
