@@ -33,6 +33,7 @@ from fsm.cli.outcome import (
     CLIError,
     Interrupted,
     ended,
+    hold_signals,
     resume_spec,
     say_now,
     term_is_ctrl_c,
@@ -482,6 +483,7 @@ def _run_locked(args: argparse.Namespace, rows: list[dict[str, Any]] | None, out
     batch = run.engine.to_batch(run.trajs, run.sampling)
     replacing = (out / "summary.json").exists()
     summary = write_run_outputs(out, run, batch, args.run_id)
+    hold_signals()  # written: a signal from here on keeps this outcome (main's `ended` exits with it)
     if not run.interrupted:
         (out / SNAPSHOT).unlink(missing_ok=True)  # the run is complete: nothing left to resume
     if not args.quiet:
@@ -629,10 +631,13 @@ def main(argv: list[str] | None = None) -> int:
         rc = 130
         return rc
     finally:
-        with contextlib.suppress(ValueError, TypeError):  # not the main thread; a handler set outside Python
-            for sig, handler in handlers.items():
-                signal.signal(sig, handler)
-        ended(rc)
+        if argv is None:  # the command line: the process ends with rc now, whatever signal comes
+            ended(rc, exiting=True)
+        else:
+            with contextlib.suppress(ValueError, TypeError):  # not the main thread; a handler set outside Python
+                for sig, handler in handlers.items():
+                    signal.signal(sig, handler)
+            ended(rc)
 
 
 if __name__ == "__main__":
