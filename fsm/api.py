@@ -384,9 +384,10 @@ class RolloutEngine(ContinuousMode, _Engine):
 
     async def _arun(self, rows: Sequence[Any], n: int, sampling_params: Mapping[str, Any] | None, validate: bool,
                     sampling: Sampling | None, on_done: Callable[[Trajectory], None] | None) -> list[Trajectory]:  # fmt: skip
-        await self._start()
-        return await self.runner.run(rows, n=n, sampling_params=sampling_params, validate=validate,
-                                     sampling=sampling, on_done=on_done)  # fmt: skip
+        ctx, trajs = self.runner.prepare(rows, n, sampling_params, validate, sampling)
+        owner = await self._stream_here()  # the engine's one owner, the continuous mode's too
+        await owner.run(trajs, ctx, on_done)
+        return trajs
 
     # -- control calls -------------------------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import zlib
 from pathlib import Path
 
@@ -139,10 +140,57 @@ def _huge_id(d):
     _first_running(d)["prompt_ids"]["items"][0] = 2**40
 
 
+def _with_response(d, done=None):
+    return next(t for g in d["groups"] for t in g["trajectories"]
+                if t["response_mask"]["items"] and (done is None or t["done"] == done))  # fmt: skip
+
+
+def _meta_without_groups(d):
+    del d["meta"]["groups"]
+
+
+def _meta_groups_99(d):
+    d["meta"]["groups"] = 99  # resume waited for 99 groups, forever
+
+
+def _meta_not_a_dict(d):
+    d["meta"] = [1, 2]
+
+
+def _mask_7(d):
+    _with_response(d)["response_mask"]["items"][0] = 7
+
+
+def _mask_minus_3(d):
+    _with_response(d)["response_mask"]["items"][-1] = -3
+
+
+def _nan_logprob(d):
+    _with_response(d)["response_logprobs"]["items"][0] = float("nan")
+
+
+def _done_without_reason(d):
+    _with_response(d, done=True)["termination_reason"] = None
+
+
+def _sampling_not_a_dict(d):
+    d["groups"][0]["sampling"] = "greedy"
+
+
+def _group_not_a_dict(d):
+    d["groups"][0] = 5
+
+
 @pytest.mark.parametrize("tamper, reason", [
     (_unknown_dc, "unknown record type 'os.system'"), (_no_groups, "malformed snapshot (KeyError: 'groups')"),
     (_unknown_state, "state 'NOWHERE' is not one of the agent's"), (_oversized, "arrays differ in length"),
     (_out_of_vocab, "token ids outside the tokenizer's vocabulary"), (_huge_id, "malformed snapshot"),
+    (_meta_without_groups, "meta.groups: Field required"), (_meta_groups_99, "meta.groups is 99, but it holds"),
+    (_meta_not_a_dict, "not a snapshot"), (_mask_7, "response_mask holds values other than 0 and 1"),
+    (_mask_minus_3, "response_mask holds values other than 0 and 1"),
+    (_nan_logprob, "logprobs that are not finite numbers <= 0"),
+    (_done_without_reason, "finished without a termination reason"), (_sampling_not_a_dict, "malformed snapshot"),
+    (_group_not_a_dict, "bad status or uid"),
 ])  # fmt: skip
 def test_a_crafted_snapshot_is_refused_in_one_line(capsys, interrupted, echo_server, tmp_path, tamper, reason):
     out, data = interrupted
@@ -164,3 +212,84 @@ def test_an_edited_snapshot_is_refused_by_its_checksum(capsys, interrupted, tmp_
     line = one_line_error(capsys, ["run", "--resume", str(tmp_path), "--server", "http://127.0.0.1:9",
                                    "--tokenizer", str(ASSETS), "-q"])  # fmt: skip
     assert "its checksum does not match its content" in line
+
+
+def test_a_deeply_nested_snapshot_is_refused_in_one_line(capsys, tmp_path):
+    (tmp_path / "snapshot.json").write_text("[" * 200_000 + "]" * 200_000)
+    line = one_line_error(capsys, ["run", "--resume", str(tmp_path), "--server", "http://127.0.0.1:9",
+                                   "--tokenizer", str(ASSETS), "-q"])  # fmt: skip
+    assert line.startswith("agentfsm: --resume: ") and "nested too deeply" in line
+
+
+# --- the lock: links, directories, forked children ------------------------------------------------------------
+
+
+def test_a_planted_lock_link_is_refused_and_its_target_untouched(capsys, echo_server, tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ".agentfsm.lock").symlink_to(victim)
+    line = one_line_error(capsys, run_argv(echo_server.url, out, "--num-prompts", "2", "-q"))
+    assert "its lock file .agentfsm.lock cannot be used (a symbolic link); remove it" in line
+    assert victim.read_text() == "precious"
+
+
+def test_a_lock_path_that_is_a_directory_is_refused_in_one_line(capsys, echo_server, tmp_path):
+    out = tmp_path / "out"
+    (out / ".agentfsm.lock").mkdir(parents=True)
+    line = one_line_error(capsys, run_argv(echo_server.url, out, "--num-prompts", "2", "-q"))
+    assert "its lock file .agentfsm.lock cannot be used" in line and "remove it" in line
+
+
+HOLDER = """
+import os, sys, time
+from pathlib import Path
+from fsm.output.rundir import locked
+with locked(Path(sys.argv[1])):
+    child = os.fork()
+    if child == 0:  # a tool's process, forked while the run holds the lock
+        time.sleep(120)
+        os._exit(0)
+    print(child, flush=True)
+    time.sleep(120)
+"""
+
+
+def test_a_killed_runs_forked_children_do_not_hold_its_lock(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(out)], env=ENV, stdout=subprocess.PIPE, text=True)
+    child = int(holder.stdout.readline())
+    try:
+        holder.kill()  # kill -9: the run is gone, its forked child lives on
+        holder.wait(10)
+        os.kill(child, 0)  # still alive
+        with locked(out):  # before the fix: "another agentfsm run (pid <the dead one>) is writing there"
+            pass
+    finally:
+        os.kill(child, signal.SIGKILL)
+
+
+# --- a signal once the outputs are written ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGINT, signal.SIGTERM],
+                         ids=["SIGINT-1", "SIGTERM-1", "SIGINT-2", "SIGTERM-2"])  # fmt: skip
+def test_a_signal_right_after_wrote_keeps_the_runs_exit_code(echo_server, tmp_path, sig):
+    proc = subprocess.Popen([sys.executable, "-m", "fsm.cli", *run_argv(echo_server.url, tmp_path / "out", "-q",
+                             "--num-prompts", "2")], env=ENV, cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        for line in proc.stdout:
+            if line.startswith("wrote "):
+                break
+        deadline = time.monotonic() + 60
+        while proc.poll() is None and time.monotonic() < deadline:  # signals until it exits: every moment is hit
+            proc.send_signal(sig)  # before the fix: a KeyboardInterrupt traceback, or rc -2 / -15
+            time.sleep(0.005)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and "Traceback" not in err, (proc.returncode, err)
+    assert_consistent(tmp_path / "out", 2)

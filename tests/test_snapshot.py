@@ -187,3 +187,119 @@ def test_ctrl_c_snapshots_and_resume_completes_the_run_token_for_token(tiny_serv
     assert not (cut / "snapshot.json").exists()
     assert_same_batch_files(ref, cut)
     assert json.loads((cut / "summary.json").read_text())["status"] == "completed"
+
+
+# --- issue 27: interactions, servers that cannot pause, full disks, other tokenizers, planted links ----------
+
+
+def _guess_rows(k: int) -> list[dict]:
+    return [{"raw_prompt": [{"role": "user", "content": "Guess my number between 1 and 10."}],
+             "interaction_kwargs": {"secret": 7}, "uid": f"g{i}"} for i in range(k)]  # fmt: skip
+
+
+def test_a_snapshot_during_an_interaction_restarts_that_trajectory_on_restore(tok, tmp_path):
+    with RolloutEngine("interaction_agent", tok, backend=echo_backend(latency_s=0.05)) as engine:
+        engine.submit(_guess_rows(3), n=1)
+        deadline = time.monotonic() + 60
+        while not any(t.interaction_started for t, _ in list(engine.runner.live.values())):
+            assert time.monotonic() < deadline, "no trajectory reached its interaction"
+            time.sleep(0.01)
+        info = engine._run_sync(engine.asnapshot(tmp_path / "s.json", stop=True))  # refused before the fix
+    assert info["restarted"] >= 1 and info["ready_groups"] + info["running_groups"] == 3
+    with RolloutEngine("interaction_agent", tok, backend=echo_backend()) as engine:
+        engine.restore(tmp_path / "s.json")
+        groups = engine._run_sync(engine.atake_groups(3, timeout=60))
+    assert sorted(g.uid for g in groups) == ["g0", "g1", "g2"]
+    assert all(t.termination_reason and not t.failed for g in groups for t in g.trajectories)
+
+
+class NoPauseUntilAborted(BaseBackend):
+    """A server without /pause_generation whose turns last until their request is aborted (then they end
+    with three tokens of partial output, as SGLang answers /abort_request); resumed turns answer at once."""
+
+    def __init__(self):
+        self.inner = echo_backend()
+        self.model_name, self.context_length = "echo", None
+        self.aborted: dict[str, asyncio.Event] = {}
+        self.started = 0
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        if request.resumed:
+            return await self.inner.generate(request)
+        self.started += 1
+        event = self.aborted.setdefault(request.session_id, asyncio.Event())
+        await event.wait()
+        return GenerateResult([11, 12, 13], [-0.5] * 3 if request.return_logprob else None, "abort",
+                              prompt_tokens=len(request.prompt_ids))  # fmt: skip
+
+    async def abort(self, session_id: str) -> None:
+        self.aborted.setdefault(session_id, asyncio.Event()).set()
+
+
+def test_a_server_that_cannot_pause_has_its_turns_aborted_for_the_snapshot(tok, tmp_path):
+    backend = NoPauseUntilAborted()
+    with RolloutEngine("calculator", tok, backend=backend) as engine:
+        engine.submit(make_prompts(2), n=1)
+        deadline = time.monotonic() + 60
+        while backend.started < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        t0 = time.monotonic()
+        info = engine._run_sync(engine.asnapshot(tmp_path / "s.json", stop=True, timeout=20, abort_turns=True))
+        assert time.monotonic() - t0 < 15  # before the fix: a TimeoutError after the 20 s
+    assert info["running_groups"] == 2
+    data = json.loads((tmp_path / "s.json").read_text())
+    partial = [t["partial_turn"] for g in data["groups"] for t in g["trajectories"]]
+    assert all(p and p["__tuple__"][0] == [11, 12, 13] for p in partial), partial  # the partial output is kept
+
+
+def test_a_snapshot_that_out_refuses_goes_to_the_fallback_and_leaves_no_temporary(tok, tmp_path, monkeypatch):
+    from fsm.run import snapshot as snap
+
+    refused = tmp_path / "full"
+    refused.mkdir()
+    real_replace = os.replace
+
+    def full_disk(src, dst, *a, **k):
+        if str(dst).startswith(str(refused)):
+            raise OSError(28, "No space left on device")
+        return real_replace(src, dst, *a, **k)
+
+    monkeypatch.setattr(snap.os, "replace", full_disk)
+    with RolloutEngine("calculator", tok, backend=echo_backend(latency_s=0.2)) as engine:
+        engine.submit(make_prompts(2), n=1)
+        kept = tmp_path / "kept"
+        kept.mkdir()
+        info = engine._run_sync(engine.asnapshot(refused / "snapshot.json", stop=True, fallback=lambda: kept))
+    assert info["path"] == str(kept / "snapshot.json") and (kept / "snapshot.json").is_file()
+    assert sorted(p.name for p in refused.iterdir()) == []  # no stray .snapshot.json.writing
+    with RolloutEngine("calculator", tok, backend=echo_backend()) as engine:
+        engine.restore(kept / "snapshot.json")
+        assert len(engine._run_sync(engine.atake_groups(2, timeout=60))) == 2
+
+
+def test_restore_refuses_another_tokenizer(tok, tmp_path):
+    import copy
+
+    with RolloutEngine("calculator", tok, backend=echo_backend(latency_s=0.2)) as engine:
+        engine.submit(make_prompts(2), n=1)
+        engine.snapshot(tmp_path / "s.json", stop=True)
+    other = copy.deepcopy(tok)
+    other.add_tokens(["<another_vocabulary>"])  # the same template, another vocabulary
+    with RolloutEngine("calculator", other, backend=echo_backend()) as engine:
+        with pytest.raises(SnapshotError, match="taken with the tokenizer"):
+            engine.restore(tmp_path / "s.json")
+
+
+def test_a_planted_link_in_place_of_the_temporary_is_replaced_not_followed(tmp_path):
+    from fsm.run import snapshot as snap
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ".snapshot.json.writing").symlink_to(victim)
+    snap.write(out / "snapshot.json", {"format": snap.FORMAT, "groups": []})
+    assert victim.read_text() == "precious"
+    assert not (out / "snapshot.json").is_symlink() and json.loads((out / "snapshot.json").read_text())["groups"] == []
+    assert not (out / ".snapshot.json.writing").exists()

@@ -454,3 +454,45 @@ async def test_50_mb_answer_from_a_worker_is_cut_before_it_crosses(tok, compile_
     finally:
         agent.tools.close()
 
+
+
+def test_ctrl_c_delivered_to_a_hung_tool_thread_wakes_the_loop(tmp_path):
+    """The kernel hands a process's SIGINT to any of its threads. Sent to the thread of a hung tool, with the
+    watchdog off (no timer due), the loop slept through it before: Python runs the handler on the main
+    thread, which sat in select() until some event came (issue 26 item 11)."""
+    (tmp_path / "forever.yaml").write_text(f"name: hung\nextends: {REPO / 'specs' / 'tool_agent.yaml'}\n"
+                                           f"tools:\n  - function: {FAULTY}:hang\n")  # fmt: skip
+    script = tmp_path / "hung.py"
+    script.write_text(textwrap.dedent(f"""
+        import asyncio, signal, threading, time
+        from transformers import AutoTokenizer
+        import fsm
+        from tests.conftest import model_turn, scripted, tool_turn, user_row
+
+        tok = AutoTokenizer.from_pretrained({str(ASSETS)!r})
+        agent = fsm.compile_spec({str(tmp_path)!r} + "/forever.yaml")
+        backend = scripted([tool_turn(tok, ("hang", {{"text": "x"}})), model_turn(tok, "done")])
+        def watch():
+            while not any(t.name == "agentfsm-tool-hang" for t in threading.enumerate()):
+                time.sleep(0.01)
+            hung = next(t for t in threading.enumerate() if t.name == "agentfsm-tool-hang")
+            time.sleep(0.5)  # the loop is asleep in select() by now
+            print("HUNG", flush=True)
+            signal.pthread_kill(hung.ident, signal.SIGINT)  # to the tool's thread, not the main one
+        threading.Thread(target=watch, daemon=True).start()
+        try:
+            asyncio.run(fsm.Runner(agent, backend, tok, watchdog_s=None).run([user_row()]))
+        except KeyboardInterrupt:
+            print("INTERRUPTED", flush=True)
+    """))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
+    watchdog = threading.Timer(120, proc.kill)  # a script that never ends fails, never hangs
+    watchdog.start()
+    try:
+        lines = [line.strip() for line in proc.stdout]
+        proc.wait(timeout=120)
+    finally:
+        watchdog.cancel()
+        proc.kill()
+    assert lines == ["HUNG", "INTERRUPTED"], lines

@@ -26,6 +26,7 @@ How work moves:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import os
 import time
@@ -59,7 +60,7 @@ class _Worker:
 
     def __init__(self, spec: Any, tokenizer: Any, servers: Sequence[str] | None,
                  backend_factory: Callable[[], Backend] | None, rank: int, max_concurrency: int):  # fmt: skip
-        from fsm.run.runtime import Runner
+        from fsm.run.runtime import Owner, Runner
 
         if servers:
             k = rank % len(servers)
@@ -73,12 +74,13 @@ class _Worker:
         )
         self.rank = rank
         self.progress = 0  # state boundaries passed and trajectories finished: the driver's hang detector reads it
-        self._gate: asyncio.Semaphore | None = None
+        self._owner = Owner(self.runner)  # the one run path (fsm/run/runtime.py): serves while the actor lives
+        self._serving: asyncio.Future[None] | None = None
         self._contexts: dict[str, Any] = {}  # batch key -> RunContext (a few recent batches)
 
     async def _start(self) -> None:
-        if self._gate is None:
-            self._gate = asyncio.Semaphore(self.runner.max_concurrency)
+        if self._serving is None:
+            self._serving = asyncio.ensure_future(self._owner.serve())
             start = getattr(self.runner.backend, "start", None)
             if start is not None:
                 await start()
@@ -96,20 +98,15 @@ class _Worker:
         for t in trajs:
             t.index = row_ids[t.index // n] * n + t.sample  # the batch-wide index: per-sample seeds match
 
-        async def one(t: Trajectory) -> None:
-            assert self._gate is not None
-            async with self._gate:
-                await self.runner.drive(ctx, t, self._tick)
-            self.progress += 1
-
-        async with self.runner.watching(), asyncio.TaskGroup() as tg:
-            for t in trajs:
-                tg.create_task(one(t))
+        await self._owner.run(trajs, ctx, on_done=self._done, boundary=self._tick)
         for t in trajs:
             t.row = None  # type: ignore[assignment]
         return trajs
 
     async def _tick(self, traj: Trajectory) -> None:
+        self.progress += 1
+
+    def _done(self, traj: Trajectory) -> None:
         self.progress += 1
 
     async def heartbeat(self) -> int:
@@ -135,8 +132,13 @@ class _Worker:
         return await fn(*args, **kwargs)
 
     async def close(self) -> None:
+        serving, self._serving = self._serving, None
+        if serving is not None:
+            serving.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await serving
         close = getattr(self.runner.backend, "close", None)
-        if close is not None and self._gate is not None:
+        if close is not None and serving is not None:
             await close()
 
 

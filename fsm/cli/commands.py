@@ -33,6 +33,7 @@ from fsm.cli.outcome import (
     CLIError,
     Interrupted,
     ended,
+    hold_signals,
     resume_spec,
     say_now,
     term_is_ctrl_c,
@@ -325,15 +326,31 @@ async def _resumable(engine: Any, rows: list[dict[str, Any]] | None, args: argpa
         meta = {"groups": groups, "rows_expected": expected, "run_id": args.run_id,
                 "spec": str(Path(args.spec).resolve())}
         t0 = time.perf_counter()
+        from fsm.output.rundir import fallback_dir
+        from fsm.run.snapshot import SnapshotError
+
         try:  # abort_turns: model turns in flight end at once, their partial tokens kept in the snapshot
             info = await engine.asnapshot(out / SNAPSHOT, meta=meta, stop=True, timeout=SNAPSHOT_TIMEOUT_S,
-                                          abort_turns=True)  # fmt: skip
+                                          abort_turns=True, fallback=fallback_dir)  # fmt: skip
             ready = info["ready_groups"]
+            where = Path(info["path"])
+            restarted = (f"; {info['restarted']} trajectories in their interaction start over on resume"
+                         if info["restarted"] else "")  # fmt: skip
             say_now(f"agentfsm: wrote the snapshot ({info['running_groups']} groups running, {ready} finished) "
-                     f"in {time.perf_counter() - t0:.1f} s")  # fmt: skip
+                     f"in {time.perf_counter() - t0:.1f} s{restarted}")  # fmt: skip
+            if where.parent != out:
+                warn(f"--out {out} refused the snapshot; it is kept in {where.parent}: resume with agentfsm run "
+                     f"--resume {where.parent}")  # fmt: skip
         except TimeoutError:
             warn(f"no snapshot: some trajectories did not reach a state boundary in {SNAPSHOT_TIMEOUT_S:g} s "
                   "(a tool or user action still running)")  # fmt: skip
+            ready = engine.stream_stats.get("ready_groups", 0)
+        except OSError as exc:
+            warn(f"no snapshot: neither --out {out} nor a temporary directory could hold it "
+                 f"({exc.strerror or exc}); the finished rows are written below")  # fmt: skip
+            ready = engine.stream_stats.get("ready_groups", 0)
+        except SnapshotError as exc:
+            warn(f"no snapshot: {exc}")
             ready = engine.stream_stats.get("ready_groups", 0)
         if ready:
             taken = await engine.atake_groups(ready)
@@ -407,7 +424,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     agent = compile_spec(args.spec)
     if args.resume is not None:  # checked now (but the vocabulary, at restore): refused before anything starts
         try:
-            snap.read(Path(args.resume) / SNAPSHOT, agent)
+            path = Path(args.resume) / SNAPSHOT
+            _check_resume_meta(snap.read(path, agent), path)
         except snap.SnapshotError as exc:
             raise CLIError(f"--resume: {exc}") from None
     rows = _rows(args, agent) if args.resume is None else None
@@ -419,6 +437,33 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise CLIError(f"--out {exc}") from None
     except snap.SnapshotError as exc:
         raise CLIError(f"--resume: {exc}") from None
+
+
+def _check_resume_meta(data: dict[str, Any], path: Path) -> None:
+    """The `meta` that `run` stores in its snapshot, checked as strictly as the rest (fsm/run/snapshot.py):
+    a count of groups that is not the snapshot's own would have the resumed run wait forever."""
+    from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+    from fsm.run import snapshot as snap
+
+    class Meta(BaseModel):
+        model_config = ConfigDict(strict=True)
+        groups: int = Field(ge=0, le=snap.MAX_GROUPS)
+        rows_expected: int = Field(ge=0, le=snap.MAX_GROUPS * 1024)
+        run_id: str | None = Field(default=None, max_length=64)
+        spec: str | None = Field(default=None, max_length=4096)
+
+    try:
+        meta = Meta.model_validate(data.get("meta"))
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(["meta", *(str(p) for p in err["loc"])])
+        raise snap.SnapshotError(f"{path}: malformed snapshot ({where}: {err['msg']})") from None
+    if meta.groups != len(data["groups"]):
+        raise snap.SnapshotError(f"{path}: malformed snapshot (meta.groups is {meta.groups}, but it holds "
+                                 f"{len(data['groups'])} groups)")  # fmt: skip
+    if meta.rows_expected < sum(len(g["trajectories"]) for g in data["groups"]):
+        raise snap.SnapshotError(f"{path}: malformed snapshot (meta.rows_expected is less than its trajectories)")
 
 
 def _run_locked(args: argparse.Namespace, rows: list[dict[str, Any]] | None, out: Path, console_cls: Any) -> int:
@@ -438,6 +483,7 @@ def _run_locked(args: argparse.Namespace, rows: list[dict[str, Any]] | None, out
     batch = run.engine.to_batch(run.trajs, run.sampling)
     replacing = (out / "summary.json").exists()
     summary = write_run_outputs(out, run, batch, args.run_id)
+    hold_signals()  # written: a signal from here on keeps this outcome (main's `ended` exits with it)
     if not run.interrupted:
         (out / SNAPSHOT).unlink(missing_ok=True)  # the run is complete: nothing left to resume
     if not args.quiet:
@@ -585,10 +631,13 @@ def main(argv: list[str] | None = None) -> int:
         rc = 130
         return rc
     finally:
-        with contextlib.suppress(ValueError, TypeError):  # not the main thread; a handler set outside Python
-            for sig, handler in handlers.items():
-                signal.signal(sig, handler)
-        ended(rc)
+        if argv is None:  # the command line: the process ends with rc now, whatever signal comes
+            ended(rc, exiting=True)
+        else:
+            with contextlib.suppress(ValueError, TypeError):  # not the main thread; a handler set outside Python
+                for sig, handler in handlers.items():
+                    signal.signal(sig, handler)
+            ended(rc)
 
 
 if __name__ == "__main__":

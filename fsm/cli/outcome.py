@@ -103,6 +103,8 @@ def resume_spec(args: argparse.Namespace) -> None:
         data = json.loads(path.read_text())
         meta = data.get("meta") or {}
         named, run_id = meta.get("spec") or data.get("spec"), meta.get("run_id")
+    except RecursionError:
+        raise CLIError(f"--resume: {path}: not a snapshot (nested too deeply)") from None
     except (OSError, ValueError, AttributeError) as exc:
         raise CLIError(f"--resume: {path}: not a snapshot ({exc})") from None
     if args.spec is None:
@@ -118,17 +120,34 @@ def resume_spec(args: argparse.Namespace) -> None:
     args.run_id = run_id or uuid.uuid4().hex[:12]
 
 
-def ended(rc: int) -> None:
+def hold_signals() -> None:
+    """From here the command's outcome is decided (its outputs are written): Ctrl-C or SIGTERM no longer
+    changes it. A signal is kept, and `ended` then exits at once with the command's code."""
+    with contextlib.suppress(ValueError):  # not the main thread
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda signum, frame: _PENDING.append(signum))
+
+
+def ended(rc: int, *, exiting: bool = False) -> None:
     """The command has ended with `rc` (its outputs written, its message printed). When the interpreter then
     shuts down (torch's and threads' atexit work), Ctrl-C or SIGTERM exits at once with `rc` instead of a
-    traceback from whatever ran then. Only at exit: a process that calls `main()` and goes on (a test)
-    keeps its own handlers."""
+    traceback from whatever ran then. `exiting` (the command line: the process ends now) installs that at
+    once, and exits now if a signal came while the outcome was held (`hold_signals`); otherwise (a process
+    that calls `main()` and goes on, a test) only at exit, so that it keeps its own handlers."""
     if not _ENDED:
         atexit.register(_exit_at_once_on_signals)
     _ENDED[:] = [rc]
+    if exiting:
+        _exit_at_once_on_signals()
+        if _PENDING:
+            with contextlib.suppress(Exception):
+                sys.stdout.flush()
+            os._exit(rc)
+    _PENDING.clear()
 
 
 _ENDED: list[int] = []  # the last command's exit code, once one has ended in this process
+_PENDING: list[int] = []  # signals that came while the outcome was held
 
 
 def _exit_at_once_on_signals() -> None:

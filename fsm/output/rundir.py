@@ -12,10 +12,12 @@ may hold other things (sglang_logs/, a rendered diagram) or be ".", which a swap
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
 import signal
+import stat
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
@@ -59,23 +61,43 @@ def prepare(path: str | Path) -> Path:
     return out
 
 
+_HELD: set[Path] = set()  # directories this process holds the lock of (a POSIX lock does not refuse its owner)
+
+
 @contextlib.contextmanager
 def locked(out: Path) -> Iterator[None]:
     """Hold the directory's lock for the block: a second run into it refuses at once, rather than racing
-    this one's files. The lock is the kernel's (flock), so a killed run leaves none behind."""
+    this one's files. The lock is the kernel's POSIX record lock (lockf), which, unlike flock, forked
+    children do not inherit: a killed run leaves none behind, even while its tool processes live on. The
+    lock file is opened without following a link (a planted link's target is never written) and must be a
+    regular file."""
     import fcntl
 
-    fd = os.open(out / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    path = out / LOCK_FILE
     try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        why = "a symbolic link" if exc.errno == errno.ELOOP else exc.strerror or str(exc)
+        raise RunDirError(f"{out}: its lock file {LOCK_FILE} cannot be used ({why}); remove it") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise RunDirError(f"{out}: its lock file {LOCK_FILE} is not a regular file; remove it")
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "another process"
+        if out in _HELD:
+            raise RunDirError(f"{out}: another agentfsm run (pid {os.getpid()}) is writing there; wait for it or "
+                              "pass another --out")  # fmt: skip
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "another process"
             raise RunDirError(f"{out}: another agentfsm run (pid {holder}) is writing there; wait for it or "
                               "pass another --out") from None  # fmt: skip
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
-        yield
+        _HELD.add(out)
+        try:
+            yield
+        finally:
+            _HELD.discard(out)
     finally:
         os.close(fd)
 

@@ -19,9 +19,10 @@ import asyncio
 import contextlib
 import inspect
 import logging
+import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Mapping
 from typing import Any
 
 from backends.base import Backend, BackendError, BackendTimeout, GenerationAborted
@@ -112,29 +113,23 @@ class Runner:
         if active is not None:
             traj.extra["active_tools"] = active
 
+    def prepare(self, rows: Iterable[Mapping[str, Any]], n: int = 1, sampling_params: Mapping[str, Any] | None = None,
+                validate: bool = False, sampling: Sampling | None = None) -> tuple[RunContext, list[Trajectory]]:  # fmt: skip
+        """The context and the trajectories (one per row and sample, in input order) of a batch, not started."""
+        ctx = self.make_context(sampling_params, validate, sampling=sampling)
+        ctx.group_size = n
+        return ctx, self.trajectories(rows, n)
+
     async def run(self, rows: Iterable[Mapping[str, Any]], *, n: int = 1, sampling_params: Mapping[str, Any] | None = None,
                   validate: bool = False, sampling: Sampling | None = None,
                   on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:  # fmt: skip
         """Run every row (n samples each); returns one finished trajectory per sample, in input order.
 
-        `sampling`, when the caller has resolved it already, replaces `sampling_params` and `validate`."""
-        ctx = self.make_context(sampling_params, validate, sampling=sampling)
-        ctx.group_size = n
-        trajs = self.trajectories(rows, n)
-        gate = asyncio.Semaphore(self.max_concurrency)
-
-        async def one(traj: Trajectory) -> None:
-            async with gate:
-                await self.drive(ctx, traj)
-            if on_done is not None:
-                on_done(traj)
-
-        async with self.watching():
-            async with asyncio.TaskGroup() as tg:
-                for traj in trajs:
-                    tg.create_task(one(traj))
-        if self.tracer is not None:  # off the loop: a slow collector costs at most the tracer's flush timeout
-            await asyncio.to_thread(self.tracer.flush)
+        `sampling`, when the caller has resolved it already, replaces `sampling_params` and `validate`.
+        The rows go through an `Owner` of their own, for this call."""
+        ctx, trajs = self.prepare(rows, n, sampling_params, validate, sampling)
+        async with Owner(self).serving() as owner:
+            await owner.run(trajs, ctx, on_done)
         return trajs
 
     async def drive(self, ctx: RunContext, traj: Trajectory,
@@ -326,3 +321,153 @@ class Runner:
             more = f" (the 10 longest of {len(running)})" if len(running) > 10 else ""
             log.warning("watchdog: no trajectory has changed state for %.1f s; %d in flight%s:\n  %s",
                         now - last, len(running), more, "\n  ".join(lines))  # fmt: skip
+
+
+@contextlib.asynccontextmanager
+async def _signals_wake_the_loop() -> AsyncIterator[None]:
+    """A signal (Ctrl-C) wakes the loop at once, whichever thread the kernel delivered it to. Python runs its
+    handler on the main thread when that thread next runs Python code; a loop asleep in select() with no
+    timer due (every row waiting on a hung tool thread, the watchdog off) would otherwise sleep through it,
+    and Ctrl-C would seem missed. Main thread only, and only where no wakeup fd is set already (asyncio's
+    own signal handlers set one)."""
+    import signal
+    import socket
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    loop = asyncio.get_running_loop()
+    rsock, wsock = socket.socketpair()
+    rsock.setblocking(False)
+    wsock.setblocking(False)
+    try:
+        previous = signal.set_wakeup_fd(wsock.fileno(), warn_on_full_buffer=False)
+    except ValueError:
+        previous = None
+    if previous is None or previous != -1:  # not ours to take: put back what was there
+        if previous is not None:
+            signal.set_wakeup_fd(previous)
+        rsock.close()
+        wsock.close()
+        yield
+        return
+
+    def drain() -> None:
+        with contextlib.suppress(OSError):
+            while rsock.recv(4096):
+                pass
+
+    loop.add_reader(rsock.fileno(), drain)
+    try:
+        yield
+    finally:
+        loop.remove_reader(rsock.fileno())
+        with contextlib.suppress(ValueError):
+            signal.set_wakeup_fd(-1)
+        rsock.close()
+        wsock.close()
+
+
+class Owner:
+    """The one owner of a run's trajectory tasks: every way in (`Runner.run`, `RolloutEngine.generate_sequences`,
+    the continuous mode of fsm/run/stream.py, whose `Stream` is an Owner, a Ray actor, the gateway) hands its
+    trajectories to one, so the watchdog, the concurrency gate, cancellation and the tracer's flush are the
+    same for all of them. The entry point:
+
+        async with Owner(runner).serving() as owner:     # or `await owner.serve()` as a long-lived task
+            await owner.run(trajs, ctx, on_done)          # trajs, ctx from `runner.prepare(rows, n, ...)`
+
+    `serve()` is the one long task under which every trajectory task runs (a TaskGroup, inside
+    `runner.watching()`); cancelled (its engine's close, a stopping snapshot), it cancels every trajectory,
+    and a `run` waiting on them raises CancelledError. A trajectory's own failure never reaches the owner
+    (`Runner.drive` records it in the row); an `on_done` that raises fails its own `run` only.
+    """
+
+    def __init__(self, runner: Runner):
+        self.runner = runner
+        self._gate = asyncio.Semaphore(runner.max_concurrency)  # trajectories past it: in flight
+        self._tg: asyncio.TaskGroup | None = None
+        self._serving = asyncio.Event()
+        self._runs: set[asyncio.Future[None]] = set()  # `run` calls waiting for their trajectories
+
+    async def serve(self) -> None:
+        """Own every trajectory task until cancelled (see the class docstring)."""
+        try:
+            async with self.runner.watching(), _signals_wake_the_loop(), asyncio.TaskGroup() as tg:
+                self._tg = tg
+                self._serving.set()
+                await asyncio.Event().wait()
+        finally:
+            self._serving.clear()
+            self._tg = None
+            for waiting in self._runs:
+                if not waiting.done():
+                    waiting.cancel()
+            self._stopped()
+
+    def _stopped(self) -> None:
+        """Called when `serve` ends (a subclass wakes its own waiters)."""
+
+    @contextlib.asynccontextmanager
+    async def serving(self) -> AsyncIterator[Owner]:
+        """`serve()` for the block (a call's own owner, as `Runner.run` has)."""
+        task = asyncio.create_task(self.serve(), name="agentfsm run owner")
+        try:
+            await self._serving.wait()
+            yield self
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(task)  # our own cancellation must not leave it running
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        if self._tg is None:
+            coro.close()
+            raise RuntimeError("this run's owner is not serving (its engine is closed or stopping)")
+        return self._tg.create_task(coro)
+
+    async def run(self, trajs: list[Trajectory], ctx: RunContext,
+                  on_done: Callable[[Trajectory], None] | None = None,
+                  boundary: Callable[[Trajectory], Awaitable[None]] | None = None) -> None:  # fmt: skip
+        """Drive `trajs` to their final states under this owner (at most `max_concurrency` at once, with every
+        other run of the owner); `on_done` hears each as it finishes; `boundary` is `Runner.drive`'s. Then the
+        tracer's spans are flushed (off the loop: a slow collector costs at most the tracer's flush timeout).
+        Cancelled, the call cancels its own trajectories."""
+        await self._serving.wait()
+        finished = asyncio.get_running_loop().create_future()
+        left = len(trajs)
+
+        def one_done(traj: Trajectory) -> None:
+            nonlocal left
+            left -= 1
+            try:
+                if on_done is not None:
+                    on_done(traj)
+            except BaseException as exc:
+                if not finished.done():
+                    finished.set_exception(exc)
+                raise
+            if left == 0 and not finished.done():
+                finished.set_result(None)
+
+        async def one(traj: Trajectory) -> None:
+            async with self._gate:
+                await self.runner.drive(ctx, traj, boundary)
+            with contextlib.suppress(Exception):  # raised into `run` by one_done, not into the owner
+                one_done(traj)
+
+        tasks = [self._spawn(one(t)) for t in trajs]
+        if not tasks:
+            return
+        self._runs.add(finished)
+        try:
+            await finished
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            raise
+        finally:
+            self._runs.discard(finished)
+        tracer = self.runner.tracer
+        if tracer is not None:
+            await asyncio.to_thread(tracer.flush)

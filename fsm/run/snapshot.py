@@ -9,17 +9,21 @@ their initial state, which is whole too.
 What is written: every slot of `Trajectory` (so slots added later come along), tagged where JSON has no
 type of its own (arrays, sets, the few dataclasses a trajectory holds). Tool instances need nothing: an
 instance lives inside one `call_tools` action (create, execute, release), so none is alive at a boundary.
-An interaction's per-session state is not written; a snapshot refuses a running trajectory whose
-interaction has started (its user simulator would start over).
+An interaction's per-session state is not written: a running trajectory whose interaction has started is
+written as it was before its first action, and runs again on restore (fsm/run/stream.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import errno
 import hashlib
 import json
+import math
 import os
+import stat
 import time
 from array import array
 from collections.abc import Callable
@@ -33,7 +37,8 @@ from fsm.run.agent import CompiledAgent
 from fsm.run.context import Sampling
 from fsm.run.trajectory import Metrics, Segment, Segments, Trajectory
 
-FORMAT = 1
+FORMAT = 2  # 2: the tokenizer is recorded (and checked on restore)
+MAX_GROUPS = 10_000_000  # a bound for a count read from a snapshot
 _TAGS = {"__array__", "__set__", "__tuple__", "__items__", "__dc__"}
 _CLASSES = {cls.__name__: cls for cls in (Segment, Metrics, ToolCall)}
 
@@ -137,9 +142,23 @@ def decode_sampling(data: dict[str, Any]) -> Sampling:
 # --- files -------------------------------------------------------------------------------------------------
 
 
-def header(agent: CompiledAgent) -> dict[str, Any]:
+def tokenizer_id(codec: Any) -> dict[str, Any]:
+    """What identifies the tokenizer a snapshot's token ids belong to: its name, size, and a digest of its
+    vocabulary and chat template (a ChatML prompt continued by a Llama tokenizer is refused on restore)."""
+    tok = getattr(codec, "tokenizer", codec)
+    vocab = tok.get_vocab() if hasattr(tok, "get_vocab") else {}
+    h = hashlib.sha256()
+    for piece, i in sorted(vocab.items(), key=lambda kv: kv[1]):
+        h.update(f"{i}\x00{piece}\x01".encode("utf-8", "surrogatepass"))
+    h.update(str(getattr(tok, "chat_template", None) or "").encode("utf-8", "surrogatepass"))
+    return {"name": str(getattr(tok, "name_or_path", "") or type(tok).__name__), "size": len(vocab),
+            "digest": h.hexdigest()}  # fmt: skip
+
+
+def header(agent: CompiledAgent, codec: Any = None) -> dict[str, Any]:
     return {"format": FORMAT, "agent": agent.name, "spec_hash": agent.hash,
-            "spec": str(agent.path) if agent.path else None}  # fmt: skip
+            "spec": str(agent.path) if agent.path else None,
+            "tokenizer": tokenizer_id(codec) if codec is not None else None}  # fmt: skip
 
 
 def _digest(data: dict[str, Any]) -> str:
@@ -148,36 +167,72 @@ def _digest(data: dict[str, Any]) -> str:
 
 
 def write(path: str | Path, data: dict[str, Any]) -> None:
-    """Write atomically (a snapshot file is always whole), with a checksum: an edited snapshot is refused."""
+    """Write atomically (a snapshot file is always whole), with a checksum: an edited snapshot is refused.
+    The temporary file is made afresh (O_EXCL, never through a link planted in its place; a leftover one is
+    removed first) and removed again when writing fails (a full disk): OSError passes through."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.writing")
-    tmp.write_text(json.dumps({**data, "checksum": _digest(data)}, ensure_ascii=False))
-    os.replace(tmp, path)
-
-
-def read(path: str | Path, agent: CompiledAgent, vocab_size: int | None = None) -> dict[str, Any]:
-    """A snapshot file, checked against `agent` (same format, same spec hash), its checksum, and its
-    structure: states of this agent, token arrays of consistent sizes within the limits, token ids below
-    `vocab_size`. Every refusal is a SnapshotError of one line."""
+    text = json.dumps({**data, "checksum": _digest(data)}, ensure_ascii=False).encode()
     try:
-        data = json.loads(Path(path).read_text())
+        os.unlink(tmp)  # a leftover of a killed writer, or a link someone planted: the link goes, not its target
+    except FileNotFoundError:
+        pass
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(text)
+        os.replace(tmp, path)  # replaces a link at `path` itself, never its target
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _read_text(path: Path) -> str:
+    """The file's text, never through a link (O_NOFOLLOW), and only a regular file's."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise OSError(f"{path}: not a regular file")
+        return f.read().decode()
+
+
+def read(path: str | Path, agent: CompiledAgent, vocab_size: int | None = None, codec: Any = None) -> dict[str, Any]:
+    """A snapshot file, checked against `agent` (same format, same spec hash), the tokenizer (`codec`'s, when
+    given: the one it was taken with), its checksum, and its content, as strictly as a server's answer,
+    whatever the checksum says (it is unkeyed: anyone can forge one): states of this agent, token arrays of
+    consistent sizes within the limits, token ids below `vocab_size`, masks of 0 and 1, finite logprobs <= 0,
+    counts within bounds. Every refusal is a SnapshotError of one line."""
+    try:
+        data = json.loads(_read_text(Path(path)))
     except FileNotFoundError:
         raise SnapshotError(f"{path}: no snapshot there") from None
     except (OSError, UnicodeDecodeError) as exc:
-        raise SnapshotError(f"{path}: cannot read it ({exc})") from None
+        why = "it is a symbolic link" if getattr(exc, "errno", None) == errno.ELOOP else str(exc)
+        raise SnapshotError(f"{path}: cannot read it ({why})") from None
     except json.JSONDecodeError as exc:
         raise SnapshotError(f"{path}: not a snapshot (bad JSON: {exc.msg}, line {exc.lineno})") from None
     except RecursionError:
         raise SnapshotError(f"{path}: not a snapshot (nested too deeply)") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise SnapshotError(f"{path}: not an agentfsm snapshot of format {FORMAT}")
-    if data.get("checksum") != _digest(data):
+    try:
+        digest = _digest(data)
+    except (RecursionError, ValueError, TypeError):
+        raise SnapshotError(f"{path}: not a snapshot (nested too deeply)") from None
+    if data.get("checksum") != digest:
         raise SnapshotError(f"{path}: its checksum does not match its content (edited or damaged); it cannot be "
                             "resumed, start the run again")  # fmt: skip
     if data.get("spec_hash") != agent.hash:
         raise SnapshotError(f"{path}: taken with agent {data.get('agent')!r} (spec hash {data.get('spec_hash')}), "
                             f"but this engine runs {agent.name!r} (spec hash {agent.hash}); restore it with the "
                             f"spec it was taken with ({data.get('spec')})")  # fmt: skip
+    if codec is not None:
+        theirs, ours = data.get("tokenizer"), tokenizer_id(codec)
+        if not isinstance(theirs, dict) or theirs.get("digest") != ours["digest"]:
+            named = theirs.get("name") if isinstance(theirs, dict) else None
+            raise SnapshotError(f"{path}: taken with the tokenizer {named!r}, but this engine's is {ours['name']!r} "
+                                "(another vocabulary or chat template); resume with the tokenizer it was taken with")  # fmt: skip
     try:
         _check(data, agent, vocab_size)
     except SnapshotError as exc:
@@ -191,17 +246,35 @@ def _check(data: dict[str, Any], agent: CompiledAgent, vocab_size: int | None) -
     """What a restore relies on, checked before anything is restored (see `read`)."""
     limits, states = agent.limits, agent.spec.states
     groups = data["groups"]
-    if not isinstance(groups, list):
-        raise SnapshotError("'groups' is not a list")
+    if not isinstance(groups, list) or len(groups) > MAX_GROUPS:
+        raise SnapshotError("'groups' is not a list of groups")
+    for key in ("weight_version", "next_index"):
+        if not _count(data.get(key, 0)):
+            raise SnapshotError(f"{key!r} is not a count")
     for g in groups:
-        if g["status"] not in ("ready", "running") or not isinstance(g["uid"], str):
-            raise SnapshotError(f"group {g.get('uid')!r}: bad status or uid")
-        decode_sampling(g["sampling"])
+        if not isinstance(g, dict) or g["status"] not in ("ready", "running") or not isinstance(g["uid"], str):
+            raise SnapshotError(f"group {g.get('uid') if isinstance(g, dict) else g!r}: bad status or uid")
+        if not all(_count(g[k]) for k in ("reruns", "version_min", "version_max")):
+            raise SnapshotError(f"group {g['uid']!r}: reruns and versions must be counts")
+        sampling = decode_sampling(g["sampling"])
+        if not isinstance(sampling.params, dict) or not isinstance(sampling.logprobs, bool) or not (
+                sampling.seed is None or (isinstance(sampling.seed, int) and abs(sampling.seed) < 2**63)) or not (
+                sampling.max_new_tokens is None or _count(sampling.max_new_tokens)):  # fmt: skip
+            raise SnapshotError(f"group {g['uid']!r}: malformed sampling")
+        if not isinstance(g["trajectories"], list) or not g["trajectories"]:
+            raise SnapshotError(f"group {g['uid']!r}: no trajectories")
         for td in g["trajectories"]:
             traj = decode_trajectory(td)
             where = f"trajectory {traj.session_id!r}"
             if not isinstance(td["done"], bool) or traj.state not in states:
                 raise SnapshotError(f"{where}: state {traj.state!r} is not one of the agent's")
+            if td["done"] and not isinstance(traj.termination_reason, str):
+                raise SnapshotError(f"{where}: finished without a termination reason")
+            if any(m not in (0, 1) for m in traj.response_mask):
+                raise SnapshotError(f"{where}: response_mask holds values other than 0 and 1")
+            lps = [*traj.response_logprobs, *((traj.partial_turn or ((), (), ()))[1] or ())]
+            if any(not isinstance(x, (int, float)) or not math.isfinite(x) or x > 0 for x in lps):
+                raise SnapshotError(f"{where}: logprobs that are not finite numbers <= 0")
             n = len(traj.response_ids)
             if not (len(traj.response_mask) == len(traj.response_logprobs) == n):
                 raise SnapshotError(f"{where}: its response arrays differ in length")
@@ -211,6 +284,10 @@ def _check(data: dict[str, Any], agent: CompiledAgent, vocab_size: int | None) -
             ids = [*traj.prompt_ids, *traj.response_ids, *partial[0]]
             if ids and (min(ids) < 0 or (vocab_size is not None and max(ids) >= vocab_size)):
                 raise SnapshotError(f"{where}: token ids outside the tokenizer's vocabulary ({vocab_size})")
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**31
 
 
 # --- the boundary --------------------------------------------------------------------------------------------
@@ -255,9 +332,3 @@ class Boundary:
 
     def open(self) -> None:
         self._open.set()
-
-
-def check_resumable(traj: Trajectory) -> None:
-    if traj.interaction_started:
-        raise SnapshotError(f"trajectory {traj.session_id} is in its interaction, whose state a snapshot does not "
-                            "hold; snapshot between batches, or when no interaction is running")  # fmt: skip

@@ -28,7 +28,7 @@ from typing import Any, Literal
 from fsm.data.rows import to_rows
 from fsm.run import snapshot as snap
 from fsm.run.context import RunContext, Sampling
-from fsm.run.runtime import Runner
+from fsm.run.runtime import Owner, Runner
 from fsm.run.trajectory import Trajectory
 
 StalePolicy = Literal["drop", "rerun"]
@@ -68,41 +68,30 @@ class _Running:
     versions: dict[int, int] = field(default_factory=dict)  # sample -> weight version when it finished
 
 
-class Stream:
-    """Submitted groups in flight and finished ones waiting to be taken, on one engine's loop."""
+class Stream(Owner):
+    """Submitted groups in flight and finished ones waiting to be taken, on one engine's loop. The engine's
+    one owner (fsm/run/runtime.py `Owner`): its `generate_sequences` runs go through `run` beside the groups."""
 
     def __init__(self, runner: Runner, version: Callable[[], int]):
-        self.runner = runner
+        super().__init__(runner)
         self.version = version  # the engine's current weight version
         self.boundary = snap.Boundary()
-        self._gate = asyncio.Semaphore(runner.max_concurrency)
         self._ready: deque[Group] = deque()
         self._running: dict[str, _Running] = {}  # uid -> group in flight
         self._news = asyncio.Event()  # a group finished
-        self._tg: asyncio.TaskGroup | None = None
-        self._serving = asyncio.Event()
         self._active = 0  # trajectories past the gate, not finished
         self._next_index = 0
         self.stats: dict[str, Any] = {"submitted_groups": 0, "finished_groups": 0, "taken_groups": 0,
                                       "stale_dropped": 0, "stale_rerun": 0, "finished_trajectories": 0,
                                       "running_groups": 0, "ready_groups": 0, "staleness": {}}  # fmt: skip
 
-    # -- ownership -------------------------------------------------------------------------------------------
+    # -- ownership: `serve` (Owner's) runs every trajectory task ------------------------------------------------
 
-    async def serve(self) -> None:
-        """The owner of every trajectory task; runs until cancelled (the engine's close, a stopping snapshot).
-        Cancelled, it cancels every running trajectory; ready groups stay, to be taken."""
-        try:
-            async with self.runner.watching(), asyncio.TaskGroup() as tg:
-                self._tg = tg
-                self._serving.set()
-                await asyncio.Event().wait()
-        finally:
-            self._serving.clear()
-            self._tg = None
-            self._running.clear()
-            self.stats["running_groups"] = 0
-            self._news.set()
+    def _stopped(self) -> None:
+        """Cancelled, it has cancelled every running trajectory; ready groups stay, to be taken."""
+        self._running.clear()
+        self.stats["running_groups"] = 0
+        self._news.set()
 
     # -- in ----------------------------------------------------------------------------------------------------
 
@@ -129,12 +118,11 @@ class Stream:
         return uids
 
     def _start(self, run: _Running, trajs: Sequence[Trajectory]) -> None:
-        assert self._tg is not None
         self._running[run.group.uid] = run
         self.stats["submitted_groups"] += 1
         self.stats["running_groups"] = len(self._running)
         for t in trajs:
-            self._tg.create_task(self._one(run, t))
+            self._spawn(self._one(run, t))
 
     async def _one(self, run: _Running, traj: Trajectory) -> None:
         async with self._gate:
@@ -227,6 +215,7 @@ class Stream:
             await self.boundary.close(lambda: self._active, timeout_s, lambda: gate.waiting)
         finally:
             gate.on_wait = None
+        restarted = 0
         try:
             groups = []
             for status, g, done in ([("ready", g, None) for g in self._ready] +
@@ -234,8 +223,9 @@ class Stream:
                 trajs = []
                 for t in g.trajectories:
                     finished = status == "ready" or (done is not None and _is_done(t, done))
-                    if not finished:
-                        snap.check_resumable(t)
+                    if not finished and t.interaction_started:  # its user simulator's state is not ours to write
+                        t = self._fresh(t)
+                        restarted += 1
                     trajs.append({"done": finished, **snap.encode_trajectory(t)})
                 groups.append({"status": status, "uid": g.uid, "reruns": g.reruns, "version_min": g.version_min,
                                "version_max": g.version_max, "sampling": snap.encode_sampling(g.sampling),
@@ -244,7 +234,13 @@ class Stream:
             self.boundary.open()
             raise
         return {**header, "weight_version": self.version(), "next_index": self._next_index, "groups": groups,
-                "stats": {k: v for k, v in self.stats.items() if k != "staleness"}}  # fmt: skip
+                "stats": {k: v for k, v in self.stats.items() if k != "staleness"}, "restarted": restarted}  # fmt: skip
+
+    def _fresh(self, traj: Trajectory) -> Trajectory:
+        """The trajectory as it was before its first action: same row, sample, index and ids."""
+        (fresh,) = self.runner.trajectories([traj.row], 1)
+        fresh.index, fresh.sample, fresh.uid, fresh.session_id = traj.index, traj.sample, traj.uid, traj.session_id
+        return fresh
 
     async def restore(self, data: Mapping[str, Any]) -> int:
         """Put a snapshot's groups back: ready ones to be taken, running ones running again. Groups restored."""
@@ -264,10 +260,9 @@ class Stream:
             run.versions = {t.sample: self.version() for t, d in zip(trajs, done) if d}
             self._running[group.uid] = run
             self.stats["submitted_groups"] += 1
-            assert self._tg is not None
             for t, d in zip(trajs, done):
                 if not d:
-                    self._tg.create_task(self._one(run, t))
+                    self._spawn(self._one(run, t))
         self.stats["running_groups"] = len(self._running)
         self.stats["ready_groups"] = len(self._ready)
         self._news.set()
@@ -377,34 +372,47 @@ class ContinuousMode(GroupTaking):
         return stats
 
     async def asnapshot(self, path: str | Path, *, meta: Mapping[str, Any] | None = None, stop: bool = False,
-                        timeout: float | None = None, abort_turns: bool = False) -> dict[str, int]:  # fmt: skip
+                        timeout: float | None = None, abort_turns: bool = False,
+                        fallback: Callable[[], Path] | None = None) -> dict[str, Any]:  # fmt: skip
         """Write the continuous mode's groups (finished but not taken, and running) to `path` as JSON, taken
         at state boundaries: running trajectories pause at their next one while it is written. `stop=True`
-        then cancels the running ones (their groups live on in the file) instead of letting them go on.
-        `abort_turns=True` never waits for a model turn: the engine pauses in abort mode first (`apause`), so
-        turns in flight end with their partial output, which the snapshot keeps and a restore goes on from.
-        `meta` is stored as is (JSON). Returns counts: groups ready and running, trajectories parked."""
+        then cancels the running ones (their groups live on in the file) instead of letting them go on, also
+        when the file cannot be written. `abort_turns=True` never waits for a model turn: the engine pauses
+        in abort mode first (`apause`), so turns in flight end with their partial output, which the snapshot
+        keeps and a restore goes on from; a server that cannot pause has its requests aborted one by one
+        (SGLang's /abort_request) instead. A trajectory inside its interaction (whose state the file cannot
+        hold) is written as it was at its start, to run again on restore (counted in "restarted").
+        When `path` cannot be written (a full disk) and `fallback` is given, the file goes into the
+        directory `fallback()` makes ("path" says where). `meta` is stored as is (JSON). Returns counts:
+        groups ready and running, trajectories restarted; and the path written."""
 
-        async def here() -> dict[str, int]:
+        async def here() -> dict[str, Any]:
             stream = await self._stream_here()
             gate = self.runner.gate
             paused = abort_turns and not gate.paused
             if paused:
                 gate.close()  # first: no new turn starts while the servers abort the running ones
-                try:
-                    async with asyncio.timeout(PAUSE_TIMEOUT_S):
-                        await self._control_here("pause_generation", ("abort",), {}, False)
-                except Exception as exc:  # a server that cannot pause: its turns are waited for instead
-                    log.warning("snapshot: pausing the servers failed (%s: %s); waiting for turns in flight",
-                                type(exc).__name__, exc)  # fmt: skip
+                await self._pause_or_abort()
+            written = Path(path)
             try:
-                data = await stream.snapshot({**snap.header(self.agent), "meta": dict(meta or {})}, timeout)
+                data = await stream.snapshot({**snap.header(self.agent, self.codec), "meta": dict(meta or {})}, timeout)
+                restarted = data.pop("restarted")
                 try:
-                    await asyncio.to_thread(snap.write, path, data)
-                    if stop:
-                        await self._stop_stream()
+                    try:
+                        await asyncio.to_thread(snap.write, written, data)
+                    except OSError as exc:
+                        if fallback is None:
+                            raise
+                        log.warning("snapshot: cannot write %s (%s); writing it to a fallback directory",
+                                    written, exc.strerror or exc)  # fmt: skip
+                        written = fallback() / written.name
+                        await asyncio.to_thread(snap.write, written, data)
                 finally:
-                    stream.boundary.open()
+                    try:
+                        if stop:
+                            await self._stop_stream()
+                    finally:
+                        stream.boundary.open()
             finally:  # stopped or going on: the servers serve again (a stop has cancelled our turns by now)
                 if paused:
                     with contextlib.suppress(Exception):
@@ -412,16 +420,38 @@ class ContinuousMode(GroupTaking):
                             await self._control_here("continue_generation", (), {}, False)
                     gate.open()
             running = sum(g["status"] == "running" for g in data["groups"])
-            return {"ready_groups": len(data["groups"]) - running, "running_groups": running}
+            return {"ready_groups": len(data["groups"]) - running, "running_groups": running,
+                    "restarted": restarted, "path": str(written)}  # fmt: skip
 
         return await self._on_home(here())
+
+    async def _pause_or_abort(self) -> None:
+        """Every model turn in flight ends with its partial output: the servers pause in abort mode, or, where
+        they cannot (no /pause_generation), each trajectory's request in flight is aborted."""
+        try:
+            async with asyncio.timeout(PAUSE_TIMEOUT_S):
+                done = await self._control_here("pause_generation", ("abort",), {}, False)
+            if done is not None or getattr(self.backend, "pause_generation", None) is not None:
+                return
+            why = "the backend has no pause_generation"
+        except Exception as exc:
+            why = f"{type(exc).__name__}: {exc}"
+        abort = getattr(self.backend, "abort", None)
+        if abort is None:
+            log.warning("snapshot: pausing the servers failed (%s) and the backend cannot abort; waiting for "
+                        "turns in flight", why)  # fmt: skip
+            return
+        log.warning("snapshot: pausing the servers failed (%s); aborting the requests in flight instead", why)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(PAUSE_TIMEOUT_S):
+                await asyncio.gather(*(abort(sid) for sid in list(self.runner.live)), return_exceptions=True)
 
     async def arestore(self, path: str | Path) -> dict[str, Any]:
         """Put a snapshot's groups back into the continuous mode (same spec, checked by hash: SnapshotError
         otherwise); ready groups can be taken, running ones run on. Returns the snapshot's `meta`."""
 
         async def here() -> dict[str, Any]:
-            data = await asyncio.to_thread(snap.read, path, self.agent, len(self.codec.tokenizer))
+            data = await asyncio.to_thread(snap.read, path, self.agent, len(self.codec.tokenizer), self.codec)
             await (await self._stream_here()).restore(data)
             return dict(data.get("meta") or {})
 
