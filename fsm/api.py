@@ -40,9 +40,9 @@ import numpy as np
 from backends.base import Backend
 from fsm.adapters.sample import SampleBatch, to_samples
 from fsm.batch import to_batch
-from fsm.chat import ChatCodec
 from fsm.compile import CompiledAgent, compile_spec
 from fsm.context import Sampling
+from fsm.families import Codec
 from fsm.loader import LoadedSpec
 from fsm.loopthread import LoopThread as _LoopThread
 from fsm.metrics import FaultDelta, rollout_metrics
@@ -187,7 +187,7 @@ class _Engine:
     """The `generate_sequences` contract over `arun` (trajectories), shared by RolloutEngine and RayRunner."""
 
     agent: CompiledAgent
-    codec: ChatCodec
+    codec: Codec
     _own_loop: asyncio.AbstractEventLoop | None = None
     _faults: FaultDelta | None = None
 

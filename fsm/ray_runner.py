@@ -38,9 +38,8 @@ from typing import Any
 
 from backends.base import Backend
 from fsm.api import SpecLike, _Engine, load_agent, load_tokenizer, make_backend, tiny_model_dir
-from fsm.chat import ChatCodec
 from fsm.context import Sampling
-from fsm.families import codec_for
+from fsm.families import Codec, codec_for
 from fsm.rows import normalize_record, to_rows
 from fsm.stream import Group, GroupTaking, StalePolicy, StreamEmpty, version_span
 from fsm.trajectory import Trajectory
@@ -174,7 +173,7 @@ class RayRunner(_Engine, GroupTaking):
         model = self.agent.spec.model
         self.codec = (
             codec_for(load_tokenizer(tokenizer), model.family, model.chat_template_kwargs)
-            if not isinstance(tokenizer, ChatCodec) else tokenizer
+            if not isinstance(tokenizer, Codec) else tokenizer
         )  # fmt: skip
         self.servers = list(servers) if servers else None
         self.backend_factory = backend_factory

@@ -26,9 +26,8 @@ from typing import Any
 
 from backends.base import Backend, BackendError, BackendTimeout, GenerationAborted
 from fsm.agent import CompiledAgent
-from fsm.chat import ChatCodec
 from fsm.context import TRACED, PauseGate, RunContext, Sampling
-from fsm.families import codec_for
+from fsm.families import Codec, codec_for
 from fsm.interaction import call_lifecycle
 from fsm.isolation import ThreadLane
 from fsm.rows import RowError, encodable_value, normalize_record, row_inputs
@@ -65,7 +64,7 @@ class Runner:
         self.agent = agent
         self.backend = backend
         model = agent.spec.model
-        self.codec = tokenizer if isinstance(tokenizer, ChatCodec) else codec_for(tokenizer, model.family,
+        self.codec = tokenizer if isinstance(tokenizer, Codec) else codec_for(tokenizer, model.family,
                                                                                   model.chat_template_kwargs)
         self.max_concurrency = max_concurrency
         self.tracer = tracer

@@ -79,9 +79,8 @@ from verl.experimental.agent_loop.agent_loop import (
 from verl.utils.rollout_trace import rollout_trace_op
 
 from backends.base import BaseBackend, GenerateRequest, GenerateResult
-from fsm.chat import ChatCodec
 from fsm.compile import CompiledAgent, compile_spec
-from fsm.families import codec_for
+from fsm.families import Codec, codec_for
 from fsm.isolation import InlineLane
 from fsm.loader import load_spec
 from fsm.runtime import Runner
@@ -110,7 +109,7 @@ _agents: dict[tuple, CompiledAgent] = {}
 # (agent id, tool ids) -> (agent with verl's tools, the tools: kept alive so their ids stay theirs)
 _with_tools: dict[tuple, tuple[CompiledAgent, list]] = {}
 # (tokenizer id, template kwargs) -> (tokenizer, codec)
-_codecs: dict[tuple, tuple[Any, ChatCodec]] = {}
+_codecs: dict[tuple, tuple[Any, Codec]] = {}
 _warned: set[str] = set()
 _checked: set[tuple[int, int]] = set()  # (id of verl's multi_turn config, id of the agent) already compared
 
@@ -181,26 +180,13 @@ def _bind_verl_tool(tool: Any) -> BoundTool:
     return BoundTool(tool.name, impl, schema, timeout_s=None, retry=tool_retry(1, 0.0), lane=lane)
 
 
-class _TemplateKwargs:
-    """The tokenizer with verl's `data.apply_chat_template_kwargs` (e.g. enable_thinking) on every render."""
-
-    def __init__(self, tokenizer: Any, kwargs: dict[str, Any]):
-        self._tokenizer, self._kwargs = tokenizer, kwargs
-
-    def apply_chat_template(self, *args: Any, **kwargs: Any) -> Any:
-        return self._tokenizer.apply_chat_template(*args, **{**self._kwargs, **kwargs})
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._tokenizer, name)
-
-
-def chat_codec(tokenizer: Any, template_kwargs: Mapping[str, Any], family: str = "auto") -> ChatCodec:
+def chat_codec(tokenizer: Any, template_kwargs: Mapping[str, Any], family: str = "auto") -> Codec:
     kwargs = dict(template_kwargs)
     key = (id(tokenizer), json.dumps(kwargs, sort_keys=True, default=str), family)
     with _lock:
         hit = _codecs.get(key)
         if hit is None:
-            codec = codec_for(_TemplateKwargs(tokenizer, kwargs) if kwargs else tokenizer, family)
+            codec = codec_for(tokenizer, family, kwargs)
             hit = _codecs[key] = (tokenizer, codec)
         return hit[1]
 

@@ -268,9 +268,10 @@ TEXTS = st.text(max_size=40) | st.sampled_from(["", "\n", "\n\n", " x", "<|im_st
 @given(turns=st.lists(st.tuples(st.sampled_from(["tool", "user"]), TEXTS), min_size=1, max_size=3))
 def test_observation_suffix_equals_the_full_render(tok, turns):
     """encode_observation tokenizes only the suffix's text; its ids must be the full render's, cut."""
-    from fsm.chat import _BASE, ChatCodec
+    from fsm.families import codec_for
+    from fsm.families.codec import _BASE
 
-    codec = ChatCodec(tok)
+    codec = codec_for(tok, "qwen2.5")
     messages = [{"role": role, "content": text} for role, text in turns]
     full = codec.render(_BASE + messages, add_generation_prompt=True)
     assert codec._added_tokens and codec.encode_observation(messages) == full[len(codec._base_ids) :]

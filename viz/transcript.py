@@ -47,7 +47,7 @@ def _ground_truth(row: Any) -> Any:
 
 
 def trajectory_record(traj: Any, codec: Any = None) -> dict[str, Any]:
-    """The JSON-ready record of one finished trajectory; `codec` (fsm.chat.ChatCodec, or a tokenizer)
+    """The JSON-ready record of one finished trajectory; `codec` (fsm.families.Codec, or a tokenizer)
     decodes the text, and without one only token counts are kept."""
     ids = traj.response_ids.tolist()
 

@@ -1,45 +1,111 @@
-"""Observation suffixes for any family's chat template, append-only or not.
+"""A model family's chat codec: prompts, observation suffixes, what a model turn owes, its text and messages.
 
-fsm/chat.py cuts a fixed base conversation's tokens off `base + observation`, which needs a template whose
-render of the base never changes when turns follow; Qwen3 and GLM drop earlier reasoning when a user turn
-follows, Harmony rewrites a past final answer. Here the cut is made in the text instead: the template renders
-`base + observation` once with a marker in the first observation's content; the suffix starts after the last
-end-of-turn token (or the base assistant's own marker) before it, so whatever the template does to the base
-turns never reaches the suffix. The text before the cut depends only on the observation's shape (roles, call
-ids, tool names), so it is kept per shape and later observations of that shape render once. The suffix is tokenized on its own: it starts at a control token or at the
-newline after one, which is also where the full render splits.
+Everything is done through the tokenizer's own chat template, once per tokenizer, and nothing already in a
+trajectory is ever re-tokenized. An observation (tool results, a user reply) is rendered as the *suffix* it
+adds to a conversation, cut one of two ways (`Family.verl_exact` picks):
+
+- a fixed base conversation (`verl_exact`, qwen2.5/Hermes, what verl 0.9.1's ToolAgentLoop does): the template
+  renders `BASE + observation` and the tokens of `BASE` are cut off. It needs a template whose render of BASE
+  never changes when turns follow. The "turn closer" is what the template puts after the end-of-turn token of
+  an assistant message (ChatML's `\\n` after `<|im_end|>`): the model stops at `<|im_end|>`, so those tokens
+  are owed, with mask 0, before the next observation.
+- a cut in the text (every other family, append-only template or not: Qwen3 and GLM drop earlier reasoning
+  when a user turn follows, Harmony rewrites a past final answer): the template renders `base + observation`
+  once with a marker in the first observation's content; the suffix starts after the last end-of-turn token
+  (or the base assistant's own marker) before it, so whatever the template does to the base turns never
+  reaches the suffix. The text before the cut depends only on the observation's shape (roles, call ids, tool
+  names), so it is kept per shape and later observations of that shape render once.
+
+Either way the suffix's text is tokenized on its own (fsm/families/pieces.py): it starts at a control token or
+at the newline after one, which is also where the full render splits.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+from pathlib import Path
 from typing import Any
 
-from fsm.chat import ChatCodec, TemplateError, vocabulary_size
 from fsm.families.parsers import split_reasoning
-from fsm.parsers import PARSERS, ToolCall
-from fsm.segments import SegmentEncoder
+from fsm.families.pieces import PieceEncoder
+from fsm.parsers import PARSERS, ToolCall, assistant_message
 
+
+class TemplateError(Exception):
+    """The chat template cannot be used (e.g. it never ends a turn, or hides an observation's content)."""
+
+
+_BASE = [{"role": "user", "content": "U"}, {"role": "assistant", "content": "A"}]
 _MARK_ASSISTANT = "agentfsmAssistantMark"  # plain ASCII: every template copies it through unchanged
 _MARK_OBSERVATION = "agentfsmObservationMark"
 
 
-class FamilyCodec(ChatCodec):
-    """A ChatCodec for a family (fsm.families.Family): same interface, the family's turn boundaries."""
+def vocabulary_size(tokenizer: Any) -> int:
+    """How many ids a model answer may use: the tokenizer's, or the model's embedding rows when its
+    config.json sits beside the tokenizer (Qwen pads 151,665 tokens to 151,936 rows; a sampled padding id is
+    a valid, if useless, token the trainer can embed)."""
+    size = len(tokenizer)
+    config = Path(str(getattr(tokenizer, "name_or_path", "") or "")) / "config.json"
+    with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):
+        rows = json.loads(config.read_text()).get("vocab_size")
+        if type(rows) is int and rows > size:
+            size = rows
+    return size
+
+
+class TemplateKwargs:
+    """A tokenizer whose chat-template renders all get `kwargs` (e.g. Qwen3's enable_thinking): the spec's
+    `model.chat_template_kwargs` and verl's `data.apply_chat_template_kwargs` alike. Everything else, len()
+    included, is the tokenizer's."""
+
+    def __init__(self, tokenizer: Any, kwargs: dict[str, Any]):
+        self._tokenizer, self._kwargs = tokenizer, dict(kwargs)
+
+    def apply_chat_template(self, *args: Any, **kwargs: Any) -> Any:
+        return self._tokenizer.apply_chat_template(*args, **{**self._kwargs, **kwargs})
+
+    def __len__(self) -> int:
+        return len(self._tokenizer)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tokenizer, name)
+
+
+class Codec:
+    """The chat codec of `tokenizer` for `family` (an fsm.families.Family); build it with fsm.families.codec_for."""
 
     def __init__(self, tokenizer: Any, family: Any):
         self.tokenizer = tokenizer
-        self.segments = SegmentEncoder(tokenizer)
         self.family = family
+        self.pieces = PieceEncoder(tokenizer)
         self.eos_id: int = tokenizer.eos_token_id
         pad = tokenizer.pad_token_id
         self.pad_id: int = pad if pad is not None else 0
         self.vocab_size: int = vocabulary_size(tokenizer)
+        self.eos_text: str = self.decode([self.eos_id], skip_special_tokens=False) if self.eos_id is not None else ""
         self._parser = PARSERS[family.parser](tokenizer)
-        self.stop_ids: set[int] = {self.eos_id, *self._parser.stop_token_ids}
-        self._strip_ids = {self.eos_id, *self._ids(*family.strip_stops)}
-        self.turn_closer: list[int] = self._encode(family.cut_closer)
-        self._prefixes: dict[tuple, str] = {}  # an observation's shape -> the render's text before its suffix
-        self.encode_observation([{"role": "user", "content": "U"}])  # a template that cannot work fails now
+        self._verl_exact: bool = family.verl_exact
+        if self._verl_exact:
+            self.stop_ids: set[int] = {self.eos_id}
+            self._strip_ids = {self.eos_id}
+            self._base_ids = self.render(_BASE, add_generation_prompt=False)
+            if self.eos_id not in self._base_ids:
+                raise TemplateError(f"the chat template never emits eos {tokenizer.eos_token!r} after a turn")
+            last_eos = len(self._base_ids) - 1 - self._base_ids[::-1].index(self.eos_id)
+            self.turn_closer: list[int] = [self.eos_id, *self._base_ids[last_eos + 1 :]]
+            # An observation's text is tokenized alone, without the base conversation, when it starts with an
+            # added token (Qwen's <|im_start|>): tokenizers split text at added tokens before anything else, so
+            # its ids are exactly those of the full render. Otherwise the full render is tokenized and cut.
+            self._base_text = self._text(_BASE, False)
+            added = getattr(tokenizer, "get_added_vocab", None)
+            self._added_tokens = tuple(added()) if callable(added) else ()
+        else:
+            self.stop_ids = {self.eos_id, *self._parser.stop_token_ids}
+            self._strip_ids = {self.eos_id, *self._ids(*family.strip_stops)}
+            self.turn_closer = self._encode(family.cut_closer)
+            self._prefixes: dict[tuple, str] = {}  # an observation's shape -> the render's text before its suffix
+            self.encode_observation([{"role": "user", "content": "U"}])  # a template that cannot work fails now
 
     def _ids(self, *tokens: str) -> list[int]:
         unk = getattr(self.tokenizer, "unk_token_id", None)
@@ -47,10 +113,33 @@ class FamilyCodec(ChatCodec):
         return [i for i in ids if isinstance(i, int) and i >= 0 and i != unk]
 
     def _encode(self, text: str) -> list[int]:
-        return self.segments.encode(text) if text else []
+        return self.pieces.encode(text) if text else []
 
     def _text(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+
+    # --- renders ----------------------------------------------------------------------------------------------
+
+    def render(
+        self, messages: list[dict[str, Any]], *, tools: list[dict] | None = None, add_generation_prompt: bool
+    ) -> list[int]:
+        return self.tokenizer.apply_chat_template(
+            messages, tools=tools or None, add_generation_prompt=add_generation_prompt,
+            tokenize=True, return_dict=False,
+        )  # fmt: skip
+
+    def render_text(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool) -> str:
+        return self._text(messages, add_generation_prompt)
+
+    def encode_prompt(self, messages: list[dict[str, Any]], tools: list[dict] | None) -> list[int]:
+        """The ids `render` gives; the pieces every prompt repeats (system message, tool schemas) are
+        tokenized once (fsm/families/pieces.py)."""
+        text = self.tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
+                                                  tokenize=False)  # fmt: skip
+        return self.pieces.encode(text)
+
+    def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     # --- a model turn ---------------------------------------------------------------------------------------
 
@@ -86,14 +175,21 @@ class FamilyCodec(ChatCodec):
         return message
 
     def verl_message(self, message: dict[str, Any], ids: list[int], parser: Any, max_calls: int) -> dict[str, Any]:
-        return message  # tools read the family's own message (verl's form is ChatML/hermes's)
+        """A model turn's message as tools read it. `verl_exact`: as verl 0.9.1's AgentData holds it, the text
+        decoded with its eos, tool-call blocks moved to `tool_calls` (fsm/parsers.py assistant_message); other
+        families: the family's own message (verl's form is ChatML/hermes's)."""
+        if not self._verl_exact:
+            return message
+        text = message["content"]
+        content = parser.content(text) + (self.eos_text if ids[-1:] == [self.eos_id] else "")
+        return assistant_message(content, parser.parse(text), max_calls)
 
     def interaction_message(self, message: dict[str, Any], ids: list[int]) -> dict[str, Any]:
-        return message  # a user simulator reads `content`: the answer, without the reasoning
+        """A model turn as a user simulator reads it. `verl_exact`: its text with special tokens skipped (verl
+        0.7.1); other families: `content`, the answer without the reasoning."""
+        return {"role": "assistant", "content": self.decode(ids)} if self._verl_exact else message
 
     def _call(self, name: str, arguments: Any, call_id: str | None, k: int) -> dict[str, Any]:
-        import json
-
         if self.family.call_arguments == "json" and not isinstance(arguments, str):
             arguments = json.dumps(arguments if arguments is not None else {}, ensure_ascii=False)
         elif self.family.call_arguments == "object" and not isinstance(arguments, dict):
@@ -103,12 +199,17 @@ class FamilyCodec(ChatCodec):
     # --- observations ---------------------------------------------------------------------------------------
 
     def closer_for(self, generated: list[int]) -> list[int]:
-        """Owed after a model turn: nothing when it ended on a stop token, the family's end token if it was cut."""
+        """Template tokens owed after a model turn. `verl_exact`: the tail after eos, or eos + tail if the turn
+        was cut; other families: nothing when it ended on a stop token, the family's end token if it was cut."""
+        if self._verl_exact:
+            return self.turn_closer[1:] if generated and generated[-1] == self.eos_id else self.turn_closer
         return [] if generated and generated[-1] in self.stop_ids else self.turn_closer
 
     def observation(
         self, messages: list[dict[str, Any]], last: list[int] | None, history: list[dict[str, Any]] | None = None
     ) -> tuple[list[int], list[int]]:
+        """(the template tokens owed after the model turn that ended with `last` (None: the context does not
+        end with a model turn), the observation's ids); `history` is the conversation so far."""
         closer = self.closer_for(last) if last is not None else []
         ids = self.encode_observation(messages, history)
         if last and not closer and ids and ids[0] == last[-1] and last[-1] != self.eos_id:
@@ -117,7 +218,26 @@ class FamilyCodec(ChatCodec):
 
     def encode_observation(self, messages: list[dict[str, Any]], history: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids that `messages` (tool results / a user turn) append after a model turn, generation prompt
-        included. Tool results are rendered after a call to the same tools (Harmony names the tool)."""
+        included."""
+        if self._verl_exact:
+            return self._base_cut(messages)
+        return self._marker_cut(messages, history)
+
+    def _base_cut(self, messages: list[dict[str, Any]]) -> list[int]:
+        if self._added_tokens:
+            text, n = self._text(_BASE + messages, True), len(self._base_text)
+            if text.startswith(self._base_text) and text.startswith(self._added_tokens, n):
+                return self.pieces.encode(text[n:])
+        full = self.render(_BASE + messages, add_generation_prompt=True)
+        n = len(self._base_ids)
+        if full[:n] != self._base_ids:
+            raise TemplateError(
+                "the chat template is not append-only: rendering more turns changed earlier tokens"
+            )
+        return full[n:]
+
+    def _marker_cut(self, messages: list[dict[str, Any]], history: list[dict[str, Any]] | None) -> list[int]:
+        """Tool results are rendered after a call to the same tools (Harmony names the tool)."""
         base = [{"role": "user", "content": "U"}, self._base_assistant(messages, history)]
         text = self._text(base + messages, True)
         key = (tuple((m.get("role"), m.get("tool_call_id"), m.get("name")) for m in messages),
@@ -167,14 +287,18 @@ class FamilyCodec(ChatCodec):
         turn owes nothing the template adds after it (its end token, a newline)."""
         ids = list(ids)
         expected = self.render(messages, tools=tools, add_generation_prompt=ends_with_observation)
-        if not ends_with_observation and ids and ids[-1] in self._strip_ids - {self.eos_id}:
-            ids = ids[:-1]  # GLM's last turn ends on the next turn's own token (<|user|>), which the template adds
-        if not ends_with_observation and expected[: len(ids)] == ids:
-            rest = self.decode(expected[len(ids) :], skip_special_tokens=False)
-            for marker in (*self.family.turn_end, self.family.cut_closer, *self.family.strip_stops):
-                rest = rest.replace(marker, "") if marker else rest
-            if not rest.strip():
-                expected = expected[: len(ids)]
+        if self._verl_exact:
+            if not ends_with_observation and expected[len(ids) :] in (self.turn_closer[1:], self.turn_closer):
+                expected = expected[: len(ids)]  # a final model turn owes no closer (nor eos, if the budget cut it)
+        else:
+            if not ends_with_observation and ids and ids[-1] in self._strip_ids - {self.eos_id}:
+                ids = ids[:-1]  # GLM's last turn ends on the next turn's own token (<|user|>), which the template adds
+            if not ends_with_observation and expected[: len(ids)] == ids:
+                rest = self.decode(expected[len(ids) :], skip_special_tokens=False)
+                for marker in (*self.family.turn_end, self.family.cut_closer, *self.family.strip_stops):
+                    rest = rest.replace(marker, "") if marker else rest
+                if not rest.strip():
+                    expected = expected[: len(ids)]
         if expected == ids:
             return None
         i = next((k for k, (a, b) in enumerate(zip(ids, expected)) if a != b), min(len(ids), len(expected)))

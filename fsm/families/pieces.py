@@ -23,7 +23,7 @@ CACHE_CHARS = 4 << 20  # characters of pieces kept, all pieces together (least r
 CHECKED_TEXTS = 16  # texts compared with the whole text's tokenization before the split is trusted
 
 
-class SegmentEncoder:
+class PieceEncoder:
     """`encode(text)`: the ids `tokenizer.encode(text, add_special_tokens=False)` gives, cheaper on repeats."""
 
     def __init__(self, tokenizer: Any, cache_chars: int = CACHE_CHARS, checked: int = CHECKED_TEXTS):
