@@ -1,0 +1,123 @@
+"""Every family the real full-size tokenizers cover (tests/fixtures/real_tokenizers.py), end to end through the
+engine with a scripted model that writes in the family's format: the prompt is `apply_chat_template` of the
+conversation, each observation suffix is what the template's render adds, the conversation's structured
+render (assistant turns with `tool_calls` and `reasoning_content`, as a chat server holds them) gives the
+trajectory's ids where the template is append-only, and the text handed to the tool and kept in the messages
+is exactly what the model wrote (spaces before punctuation included)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import pytest
+
+from tests.conftest import run_agent, scripted, user_row
+
+TEXT = "SELECT id , name FROM t ; it 's fine ."  # what a clean-up of tokenization spaces would change
+ANSWER = "It said : it 's fine ."
+ARGS = {"text": TEXT}
+ARGS_JSON = json.dumps(ARGS)
+
+
+@dataclass(frozen=True)
+class Case:
+    package: str
+    family: str
+    call: str  # the model's calling turn, as text
+    answer: str  # its final turn
+    call_message: dict  # the calling turn as a chat server holds it
+    answer_message: dict
+    template: str | None = None  # a published template replacing the package's (see real_tokenizers.py)
+    kwargs: dict = field(default_factory=dict)  # chat_template_kwargs
+    exact: bool = True  # the template is append-only over this conversation: the row is its structured render
+    stops: tuple[str, ...] = ()  # turn texts ending in one of these carry their stop token already
+
+
+def _calls(arguments) -> list[dict]:
+    return [{"type": "function", "function": {"name": "echo", "arguments": arguments}}]
+
+
+HERMES = f'<tool_call>\n{{"name": "echo", "arguments": {ARGS_JSON}}}\n</tool_call>'
+CASES = {
+    "qwen2.5": Case("qwen2_5", "qwen2.5", HERMES, ANSWER,
+                    {"role": "assistant", "content": "", "tool_calls": _calls(ARGS)},
+                    {"role": "assistant", "content": ANSWER}),
+    "qwen3": Case("qwen3", "qwen3", f"<think>\nI echo .\n</think>\n\n{HERMES}",
+                  f"<think>\nDone , it 's back .\n</think>\n\n{ANSWER}",
+                  {"role": "assistant", "content": "", "reasoning_content": "I echo .", "tool_calls": _calls(ARGS)},
+                  {"role": "assistant", "content": ANSWER, "reasoning_content": "Done , it 's back ."}),
+    # without thinking the generation prompt's empty <think></think> stays in the row; the template writes it
+    # only on the last turn (issue "Contexts that are rewritten"): not append-only, check mode flags it
+    "qwen3-no-thinking": Case("qwen3", "qwen3", HERMES, ANSWER,
+                              {"role": "assistant", "content": "", "tool_calls": _calls(ARGS)},
+                              {"role": "assistant", "content": ANSWER}, kwargs={"enable_thinking": False},
+                              exact=False),
+    "deepseek_v3": Case("deepseek_v3", "deepseek_v3",
+                        f"<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>echo<｜tool▁sep｜>{ARGS_JSON}<｜tool▁call▁end｜>"
+                        "<｜tool▁calls▁end｜>", ANSWER,
+                        {"role": "assistant", "content": "", "tool_calls": _calls(ARGS_JSON)},
+                        {"role": "assistant", "content": ANSWER}, template="deepseek_v3.jinja"),
+    # Harmony: the template writes a past call's recipient before its channel: not append-only
+    "gpt_oss": Case("gptoss", "gpt_oss",
+                    f"<|channel|>commentary to=functions.echo <|constrain|>json<|message|>{ARGS_JSON}<|call|>",
+                    f"<|channel|>final<|message|>{ANSWER}<|return|>",
+                    {"role": "assistant", "content": "", "tool_calls": _calls(ARGS)},
+                    {"role": "assistant", "content": ANSWER}, template="gpt_oss.jinja", exact=False,
+                    stops=("<|call|>", "<|return|>")),
+    "llama3_1": Case("llama3_1", "llama3_1", f'{{"name": "echo", "parameters": {ARGS_JSON}}}', ANSWER,
+                     {"role": "assistant", "content": "", "tool_calls": _calls(ARGS)},
+                     {"role": "assistant", "content": ANSWER}, template="llama3_1.jinja"),
+}  # fmt: skip
+
+
+def model_ids(tok, text: str, case: Case) -> list[int]:
+    ids = tok.encode(text, add_special_tokens=False)
+    return ids if text.endswith(case.stops) else [*ids, tok.eos_token_id]
+
+
+def spec(case: Case) -> str:
+    return f"""
+        name: real_{case.package}
+        extends: {{specs}}/tool_agent.yaml
+        model: {{family: {case.family}, chat_template_kwargs: {json.dumps(case.kwargs)}}}
+        limits: {{prompt_length: 2048, response_length: 1024, max_assistant_turns: 3}}
+        tools:
+          - function: {{parts}}:echo
+    """
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+async def test_real_tokenizer_rows_are_the_templates_render(name, compile_yaml, real_tokenizer):
+    case = CASES[name]
+    tok = real_tokenizer(case.package, case.template)
+    agent = compile_yaml(spec(case))
+    call, answer = model_ids(tok, case.call, case), model_ids(tok, case.answer, case)
+    (traj,) = await run_agent(agent, scripted([call, answer]), tok, [user_row("Echo it.")], check_tokens=True)
+    assert traj.error is None and traj.termination_reason == "done", (traj.termination_reason, traj.error)
+    tools = traj.tool_schemas
+    render = lambda msgs, gen: tok.apply_chat_template(msgs, tools=tools, add_generation_prompt=gen, tokenize=True,  # noqa: E731
+                                                       return_dict=False, **case.kwargs)  # fmt: skip
+    user = [{"role": "user", "content": "Echo it."}]
+    tool = [{"role": "tool", "content": TEXT, "tool_call_id": "call_0", "name": "echo"}]
+    ids = traj.prompt_ids.tolist() + traj.response_ids.tolist()
+    prompt = traj.prompt_ids.tolist()
+
+    # the prompt is the template's render of the conversation, generation prompt included
+    assert prompt == render(user, True)
+    # the model's tokens are kept as sampled
+    assert ids[len(prompt) : len(prompt) + len(call)] == call and ids[-len(answer) :] == answer
+    # the tool got exactly what the model wrote, and the observation shows it back
+    assert [m["content"] for m in traj.messages if m["role"] == "tool"] == [TEXT]
+    assert tok.decode(ids, skip_special_tokens=False).count(TEXT) == 2
+    # the observation suffix (the closer owed after the call, then the tool turn) is what the template adds
+    suffix = ids[len(prompt) + len(call) : len(ids) - len(answer)]
+    with_tool = render([*user, case.call_message, *tool], True)
+    assert with_tool[len(with_tool) - len(suffix) :] == suffix
+    if case.exact:  # the whole row is the structured conversation's render, at the observation and at the end
+        assert ids[: len(ids) - len(answer)] == with_tool
+        full = render([*user, case.call_message, *tool, case.answer_message], False)
+        assert full[: len(ids)] == ids, tok.decode(full[len(ids) - 8 :], skip_special_tokens=False)
+    # decode exactness: the final answer as the messages hold it is the model's text
+    final = [m for m in traj.messages if m["role"] == "assistant"][-1]
+    assert final["content"].strip() == ANSWER
