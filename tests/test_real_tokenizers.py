@@ -109,7 +109,7 @@ async def test_real_tokenizer_rows_are_the_templates_render(name, compile_yaml, 
     assert ids[len(prompt) : len(prompt) + len(call)] == call and ids[-len(answer) :] == answer
     # the tool got exactly what the model wrote, and the observation shows it back
     assert [m["content"] for m in traj.messages if m["role"] == "tool"] == [TEXT]
-    assert tok.decode(ids, skip_special_tokens=False).count(TEXT) == 2
+    assert tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False).count(TEXT) == 2
     # the observation suffix (the closer owed after the call, then the tool turn) is what the template adds
     suffix = ids[len(prompt) + len(call) : len(ids) - len(answer)]
     with_tool = render([*user, case.call_message, *tool], True)
@@ -121,3 +121,23 @@ async def test_real_tokenizer_rows_are_the_templates_render(name, compile_yaml, 
     # decode exactness: the final answer as the messages hold it is the model's text
     final = [m for m in traj.messages if m["role"] == "assistant"][-1]
     assert final["content"].strip() == ANSWER
+
+
+def test_every_decode_keeps_the_models_spaces(real_tokenizer):
+    """Llama-3.1's tokenizer config asks for `clean_up_tokenization_spaces`, which transformers 4.x applies on
+    decode: the turn's text (parsers, tools), a user simulator's message, the reward's solution_str (codec.decode)
+    and the spans' content must still be the model's own text."""
+    from types import SimpleNamespace
+
+    from fsm.families import codec_for
+    from fsm.telemetry.spans import _output_messages
+
+    tok = real_tokenizer("llama3_1", "llama3_1.jinja")
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    for family in ("llama3_1", "qwen2.5"):  # qwen2.5's codec (verl_exact) decodes the user simulator's message
+        codec = codec_for(tok, family)
+        assert codec.decode(ids) == TEXT and codec.turn_text([*ids, tok.eos_token_id]) == TEXT
+        message = codec.assistant_message(TEXT, [])
+        assert codec.interaction_message(message, [*ids, tok.eos_token_id])["content"] == TEXT
+    spans = json.loads(_output_messages(SimpleNamespace(token_ids=ids, finish_reason="stop"), tok))
+    assert spans[0]["parts"][0]["content"] == TEXT

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from fsm.families.parsers import split_reasoning
-from fsm.families.pieces import PieceEncoder
+from fsm.families.pieces import PieceEncoder, decode
 from fsm.parsers import PARSERS, ToolCall, assistant_message
 
 
@@ -139,7 +139,8 @@ class Codec:
         return self.pieces.encode(text)
 
     def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        """Exactly the model's text (fsm/families/pieces.py decode: no clean-up of tokenization spaces)."""
+        return decode(self.tokenizer, ids, skip_special_tokens=skip_special_tokens)
 
     # --- a model turn ---------------------------------------------------------------------------------------
 

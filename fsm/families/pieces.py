@@ -23,6 +23,14 @@ CACHE_CHARS = 4 << 20  # characters of pieces kept, all pieces together (least r
 CHECKED_TEXTS = 16  # texts compared with the whole text's tokenization before the split is trusted
 
 
+def decode(tokenizer: Any, ids: Any, *, skip_special_tokens: bool = True) -> str:
+    """The text of `ids` exactly as the model wrote it: every decode of the engine goes through here. Never
+    `clean_up_tokenization_spaces`: transformers 4.x applies a tokenizer's default, True for Llama-3.1, and
+    turns "id , name" into "id, name" and "it 's" into "it's", so tools, parsers, interactions and rewards
+    would read text the model did not write."""
+    return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+
+
 class PieceEncoder:
     """`encode(text)`: the ids `tokenizer.encode(text, add_special_tokens=False)` gives, cheaper on repeats."""
 
