@@ -114,6 +114,9 @@ async def test_real_tokenizer_rows_are_the_templates_render(name, compile_yaml, 
     suffix = ids[len(prompt) + len(call) : len(ids) - len(answer)]
     with_tool = render([*user, case.call_message, *tool], True)
     assert with_tool[len(with_tool) - len(suffix) :] == suffix
+    # check mode compares with the template's render of the structured conversation: it flags exactly the rows
+    # that are not that render
+    assert (traj.token_check is None) == case.exact, traj.token_check
     if case.exact:  # the whole row is the structured conversation's render, at the observation and at the end
         assert ids[: len(ids) - len(answer)] == with_tool
         full = render([*user, case.call_message, *tool, case.answer_message], False)
@@ -141,3 +144,17 @@ def test_every_decode_keeps_the_models_spaces(real_tokenizer):
         assert codec.interaction_message(message, [*ids, tok.eos_token_id])["content"] == TEXT
     spans = json.loads(_output_messages(SimpleNamespace(token_ids=ids, finish_reason="stop"), tok))
     assert spans[0]["parts"][0]["content"] == TEXT
+
+
+async def test_check_tokens_sees_deepseek_v3_s_original_template(compile_yaml, real_tokenizer):
+    """DeepSeek-V3's own template (the package's) renders an assistant turn with `tool_calls` only when its
+    content is None and drops the calls otherwise, so the context a chat server builds differs from the row.
+    A re-render of the row's raw text copies the calls back and saw nothing; the structured render does."""
+    case = CASES["deepseek_v3"]
+    tok = real_tokenizer("deepseek_v3")  # its own template, not the V3.1 one
+    assert "tool▁outputs▁begin" in tok.chat_template
+    call, answer = model_ids(tok, case.call, case), model_ids(tok, case.answer, case)
+    agent = compile_yaml(spec(case))
+    (traj,) = await run_agent(agent, scripted([call, answer]), tok, [user_row("Echo it.")], check_tokens=True)
+    assert traj.error is None and [m["content"] for m in traj.messages if m["role"] == "tool"] == [TEXT]
+    assert traj.token_check is not None and "<｜tool▁calls▁begin｜>" in traj.token_check, traj.token_check

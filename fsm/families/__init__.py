@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from fsm.families import parsers as _parsers  # noqa: F401  (registers the families' parsers)
-from fsm.families.codec import Codec, TemplateError, TemplateKwargs, vocabulary_size
+from fsm.families.codec import CALL_OPENERS, Codec, TemplateError, TemplateKwargs, vocabulary_size
 from fsm.families.parsers import split_reasoning
 from fsm.parsers import PARSERS, ToolCall
 
@@ -149,13 +149,11 @@ def split_turn(text: str, family: Family, parser: Any) -> Turn:
         return Turn(reasoning or None, content, parser.parse(text))
     reasoning, rest = split_reasoning(text, family.reasoning, family.think_tags)
     calls = parser.parse(rest) if not isinstance(parser, ReasoningAwareParser) else parser.inner.parse(rest)
-    starts = [k for k in (rest.find(m) for m in _CALL_OPENERS) if k >= 0]
+    starts = [k for k in (rest.find(m) for m in CALL_OPENERS) if k >= 0]
     content = rest[: min(starts)] if starts and calls else rest
     return Turn(reasoning, content.strip() if calls else rest, calls)
 
 
-_CALL_OPENERS = ("<tool_call>", "<seed:tool_call>", "<|tool_calls_section_begin|>", "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>",
-                 "<|python_tag|>", '{"name"')  # fmt: skip
 
 
 # --- the families agentfsm ships ----------------------------------------------------------------------------

@@ -39,6 +39,9 @@ class TemplateError(Exception):
 _BASE = [{"role": "user", "content": "U"}, {"role": "assistant", "content": "A"}]
 _MARK_ASSISTANT = "agentfsmAssistantMark"  # plain ASCII: every template copies it through unchanged
 _MARK_OBSERVATION = "agentfsmObservationMark"
+# where a family's call markup starts in a turn's text: the answer is what comes before
+CALL_OPENERS = ("<tool_call>", "<seed:tool_call>", "<|tool_calls_section_begin|>", "<｜tool▁calls▁begin｜>",
+                "<｜tool▁call▁begin｜>", "<|python_tag|>", '{"name"')  # fmt: skip
 
 
 def vocabulary_size(tokenizer: Any) -> int:
@@ -282,11 +285,35 @@ class Codec:
 
     # --- check mode -----------------------------------------------------------------------------------------
 
+    def structured(self, message: dict[str, Any]) -> dict[str, Any]:
+        """An assistant message as a chat server holds it after parsing the model's text: its calls as
+        `tool_calls`, its reasoning as `reasoning_content`, the answer as `content`. A turn with a malformed call
+        is kept as text (a server could not structure it either)."""
+        if message.get("role") != "assistant" or "tool_calls" in message or not isinstance(message.get("content"), str):
+            return message
+        text, reasoning = message["content"], message.get("reasoning_content")
+        if reasoning is None and self.family.reasoning == "think":
+            reasoning, text = split_reasoning(text, "think", self.family.think_tags)
+            text = text.lstrip("\n") if reasoning is not None else text
+        calls = self._parser.parse(text)
+        if not calls or any(c.error is not None or not c.name for c in calls):
+            return message
+        starts = [k for k in (text.find(m) for m in CALL_OPENERS) if k >= 0]
+        out: dict[str, Any] = {"role": "assistant", "content": text[: min(starts)].strip() if starts else "",
+                               "tool_calls": [self._call(c.name, c.arguments, c.id, k) for k, c in enumerate(calls)]}
+        if reasoning is not None:
+            out["reasoning_content"] = reasoning
+        return out
+
     def check(self, messages: list[dict[str, Any]], tools: list[dict] | None, ids: list[int],
               ends_with_observation: bool) -> str | None:  # fmt: skip
-        """Compare the ids with a full re-render of the messages; describe the first difference. A final model
-        turn owes nothing the template adds after it (its end token, a newline)."""
+        """Compare the ids with the template's render of the structured conversation (`structured`: calls and
+        reasoning parsed out of the model's text, as a chat server renders the next turn's context), so a
+        template that renders calls or reasoning differently from how the model wrote them is caught, not
+        copied back from the raw text. Describe the first difference. A final model turn owes nothing the
+        template adds after it (its end token, a newline)."""
         ids = list(ids)
+        messages = [self.structured(m) for m in messages]
         expected = self.render(messages, tools=tools, add_generation_prompt=ends_with_observation)
         if self._verl_exact:
             if not ends_with_observation and expected[len(ids) :] in (self.turn_closer[1:], self.turn_closer):
