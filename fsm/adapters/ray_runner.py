@@ -172,7 +172,8 @@ class RayRunner(_Engine, GroupTaking):
         self._tokenizer = str(tokenizer) if isinstance(tokenizer, Path) else tokenizer
         model = self.agent.spec.model
         self.codec = (
-            codec_for(load_tokenizer(tokenizer), model.family, model.chat_template_kwargs)
+            codec_for(load_tokenizer(tokenizer), model.family, model.chat_template_kwargs,
+                      model.special_tokens_in_observations)
             if not isinstance(tokenizer, Codec) else tokenizer
         )  # fmt: skip
         self.servers = list(servers) if servers else None

@@ -180,13 +180,14 @@ def _bind_verl_tool(tool: Any) -> BoundTool:
     return BoundTool(tool.name, impl, schema, timeout_s=None, retry=tool_retry(1, 0.0), lane=lane)
 
 
-def chat_codec(tokenizer: Any, template_kwargs: Mapping[str, Any], family: str = "auto") -> Codec:
+def chat_codec(tokenizer: Any, template_kwargs: Mapping[str, Any], family: str = "auto",
+               special_tokens: str = "text") -> Codec:  # fmt: skip
     kwargs = dict(template_kwargs)
-    key = (id(tokenizer), json.dumps(kwargs, sort_keys=True, default=str), family)
+    key = (id(tokenizer), json.dumps(kwargs, sort_keys=True, default=str), family, special_tokens)
     with _lock:
         hit = _codecs.get(key)
         if hit is None:
-            codec = codec_for(tokenizer, family, kwargs)
+            codec = codec_for(tokenizer, family, kwargs, special_tokens)
             hit = _codecs[key] = (tokenizer, codec)
         return hit[1]
 
@@ -309,7 +310,7 @@ class FSMAgentLoop(AgentLoopBase):
         self.agent = agent
         model = agent.spec.model  # verl's apply_chat_template_kwargs, then the spec's on top
         self.codec = chat_codec(self.tokenizer, {**(self.apply_chat_template_kwargs or {}), **model.chat_template_kwargs},
-                                model.family)  # fmt: skip
+                                model.family, model.special_tokens_in_observations)  # fmt: skip
         self.full_determinism = bool(_setting(rollout, "full_determinism", False))
         self.rollout_name = _setting(rollout, "name")
         _check_multi_turn(_setting(rollout, "multi_turn"), agent)

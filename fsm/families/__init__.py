@@ -86,13 +86,15 @@ def resolve_family(name: str, tokenizer: Any) -> Family:
     return detect_family(tokenizer) if name == "auto" else get_family(name)
 
 
-def codec_for(tokenizer: Any, family: str | Family = "auto", template_kwargs: dict[str, Any] | None = None) -> Codec:
+def codec_for(tokenizer: Any, family: str | Family = "auto", template_kwargs: dict[str, Any] | None = None,
+              special_tokens: str = "text") -> Codec:  # fmt: skip
     """The chat codec of the tokenizer's family; `.family` names it (the parser comes from there).
-    `template_kwargs` go to every render of the chat template (TemplateKwargs)."""
+    `template_kwargs` go to every render of the chat template (TemplateKwargs); `special_tokens`: whether
+    special-token strings in observations stay "text" (the default) or "allow"ed as control tokens."""
     fam = family if isinstance(family, Family) else resolve_family(family, tokenizer)
     if template_kwargs:
         tokenizer = TemplateKwargs(tokenizer, template_kwargs)
-    return Codec(tokenizer, fam)
+    return Codec(tokenizer, fam, special_tokens)
 
 
 def parser_name(spec_parser: str | None, codec: Any) -> str:

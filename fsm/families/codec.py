@@ -18,12 +18,18 @@ adds to a conversation, cut one of two ways (`Family.verl_exact` picks):
 
 Either way the suffix's text is tokenized on its own (fsm/families/pieces.py): it starts at a control token or
 at the newline after one, which is also where the full render splits.
+
+An observation's content comes from outside (a tool, a web page it fetched, a user simulator): the special-token
+strings in it (`<|im_end|>`, `<|start_header_id|>`) are tokenized as text, never as the control tokens they spell,
+so an observation cannot end its own turn and plant an assistant turn. A spec that wants them as control tokens
+says `model: {special_tokens_in_observations: allow}`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +84,8 @@ class TemplateKwargs:
 class Codec:
     """The chat codec of `tokenizer` for `family` (an fsm.families.Family); build it with fsm.families.codec_for."""
 
-    def __init__(self, tokenizer: Any, family: Any):
+    def __init__(self, tokenizer: Any, family: Any, special_tokens: str = "text"):
+        """`special_tokens`: "text" (special-token strings in an observation's content are text) or "allow"."""
         self.tokenizer = tokenizer
         self.family = family
         self.pieces = PieceEncoder(tokenizer)
@@ -89,6 +96,10 @@ class Codec:
         self.eos_text: str = self.decode([self.eos_id], skip_special_tokens=False) if self.eos_id is not None else ""
         self._parser = PARSERS[family.parser](tokenizer)
         self._verl_exact: bool = family.verl_exact
+        added = getattr(tokenizer, "added_tokens_decoder", None)
+        specials = sorted({t.content for t in added.values() if getattr(t, "special", False)} if isinstance(added, dict)
+                          else (), key=len, reverse=True)  # fmt: skip
+        self._specials = re.compile("|".join(map(re.escape, specials))) if specials and special_tokens != "allow" else None
         if self._verl_exact:
             self.stop_ids: set[int] = {self.eos_id}
             self._strip_ids = {self.eos_id}
@@ -222,16 +233,35 @@ class Codec:
 
     def encode_observation(self, messages: list[dict[str, Any]], history: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids that `messages` (tool results / a user turn) append after a model turn, generation prompt
-        included."""
+        included. Special-token strings in their content are text (see the module's docstring)."""
+        shielded = None
+        if self._specials is not None and any(isinstance(m.get("content"), str) and self._specials.search(m["content"])
+                                              for m in messages):  # fmt: skip
+            messages, shielded = self._shield(messages)
         if self._verl_exact:
-            return self._base_cut(messages)
-        return self._marker_cut(messages, history)
+            return self._base_cut(messages, shielded)
+        return self._marker_cut(messages, history, shielded)
 
-    def _base_cut(self, messages: list[dict[str, Any]]) -> list[int]:
+    def _shield(self, messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, str]]:
+        """The messages with each special-token string in their content replaced by a plain-ASCII placeholder
+        (templates copy it through), and the placeholders' table for the tokenizer."""
+        table: dict[str, str] = {}
+
+        def placeholder(match: re.Match) -> str:
+            key = f"agentfsmSpecial{len(table)}Mark"
+            table[key] = match.group(0)
+            return key
+
+        assert self._specials is not None
+        out = [dict(m, content=self._specials.sub(placeholder, m["content"])) if isinstance(m.get("content"), str)
+               else m for m in messages]  # fmt: skip
+        return out, table
+
+    def _base_cut(self, messages: list[dict[str, Any]], shielded: dict[str, str] | None = None) -> list[int]:
         if self._added_tokens:
             text, n = self._text(_BASE + messages, True), len(self._base_text)
-            if text.startswith(self._base_text) and text.startswith(self._added_tokens, n):
-                return self.pieces.encode(text[n:])
+            if text.startswith(self._base_text) and (shielded or text.startswith(self._added_tokens, n)):
+                return self.pieces.encode(text[n:], shielded)
         full = self.render(_BASE + messages, add_generation_prompt=True)
         n = len(self._base_ids)
         if full[:n] != self._base_ids:
@@ -240,7 +270,8 @@ class Codec:
             )
         return full[n:]
 
-    def _marker_cut(self, messages: list[dict[str, Any]], history: list[dict[str, Any]] | None) -> list[int]:
+    def _marker_cut(self, messages: list[dict[str, Any]], history: list[dict[str, Any]] | None,
+                    shielded: dict[str, str] | None = None) -> list[int]:  # fmt: skip
         """Tool results are rendered after a call to the same tools (Harmony names the tool)."""
         base = [{"role": "user", "content": "U"}, self._base_assistant(messages, history)]
         text = self._text(base + messages, True)
@@ -248,7 +279,7 @@ class Codec:
                tuple((c["function"]["name"], c["id"]) for c in base[1].get("tool_calls", ())))  # fmt: skip
         prefix = self._prefixes.get(key)  # what precedes the suffix depends on the turns' shape, not contents
         if prefix is not None and text.startswith(prefix):
-            return self._encode(text[len(prefix) :])
+            return self.pieces.encode(text[len(prefix) :], shielded)
         marked = [dict(messages[0], content=_MARK_OBSERVATION), *messages[1:]]
         probe = self._text(base + marked, True)
         at = probe.find(_MARK_OBSERVATION)
@@ -266,7 +297,7 @@ class Codec:
         if len(self._prefixes) >= 4096:
             self._prefixes.clear()
         self._prefixes[key] = text[:cut]
-        return self._encode(text[cut:])
+        return self.pieces.encode(text[cut:], shielded)
 
     def _base_assistant(self, messages: list[dict[str, Any]], history: list[dict[str, Any]] | None) -> dict[str, Any]:
         if messages[0].get("role") != "tool":
@@ -288,7 +319,7 @@ class Codec:
     def structured(self, message: dict[str, Any]) -> dict[str, Any]:
         """An assistant message as a chat server holds it after parsing the model's text: its calls as
         `tool_calls`, its reasoning as `reasoning_content`, the answer as `content`. A turn with a malformed call
-        is kept as text (a server could not structure it either)."""
+        is kept as text (a server could not structure it either), and so is one that runs on after its calls."""
         if message.get("role") != "assistant" or "tool_calls" in message or not isinstance(message.get("content"), str):
             return message
         text, reasoning = message["content"], message.get("reasoning_content")
@@ -296,8 +327,8 @@ class Codec:
             reasoning, text = split_reasoning(text, "think", self.family.think_tags)
             text = text.lstrip("\n") if reasoning is not None else text
         calls = self._parser.parse(text)
-        if not calls or any(c.error is not None or not c.name for c in calls):
-            return message
+        if not calls or any(c.error is not None or not c.name for c in calls) or text != text.rstrip():
+            return message  # malformed, or text after the calls (a turn cut there): kept as the model wrote it
         starts = [k for k in (text.find(m) for m in CALL_OPENERS) if k >= 0]
         out: dict[str, Any] = {"role": "assistant", "content": text[: min(starts)].strip() if starts else "",
                                "tool_calls": [self._call(c.name, c.arguments, c.id, k) for k, c in enumerate(calls)]}
@@ -307,13 +338,15 @@ class Codec:
 
     def check(self, messages: list[dict[str, Any]], tools: list[dict] | None, ids: list[int],
               ends_with_observation: bool) -> str | None:  # fmt: skip
-        """Compare the ids with the template's render of the structured conversation (`structured`: calls and
-        reasoning parsed out of the model's text, as a chat server renders the next turn's context), so a
+        """Compare the ids with the template's render of the structured conversation (`structured`: the calls
+        and reasoning of each turn that tool results answer, parsed out of the model's text, as a chat server
+        renders the next turn's context; a final turn is kept as the model wrote it), so a
         template that renders calls or reasoning differently from how the model wrote them is caught, not
         copied back from the raw text. Describe the first difference. A final model turn owes nothing the
         template adds after it (its end token, a newline)."""
         ids = list(ids)
-        messages = [self.structured(m) for m in messages]
+        messages = [self.structured(m) if messages[k + 1 : k + 2] and messages[k + 1].get("role") == "tool" else m
+                    for k, m in enumerate(messages)]  # fmt: skip
         expected = self.render(messages, tools=tools, add_generation_prompt=ends_with_observation)
         if self._verl_exact:
             if not ends_with_observation and expected[len(ids) :] in (self.turn_closer[1:], self.turn_closer):

@@ -83,7 +83,12 @@ class PieceEncoder:
     def cached_chars(self) -> int:
         return self._cached_chars
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, shielded: dict[str, str] | None = None) -> list[int]:
+        """`shielded`: placeholder -> the special-token string it stands for in the text (an observation's
+        content, fsm/families/codec.py): the pieces holding one are tokenized with the strings restored as
+        plain text (`split_special_tokens`), so they never become control tokens."""
+        if shielded:
+            return self._encode_shielded(text, shielded)
         if self._split is None:
             return self._whole(text)
         ids: list[int] = []
@@ -100,4 +105,18 @@ class PieceEncoder:
                             "texts from now on", getattr(self.tokenizer, "name_or_path", ""))  # fmt: skip
                 self._split = None
                 return whole
+        return ids
+
+    def _encode_shielded(self, text: str, shielded: dict[str, str]) -> list[int]:
+        marks = re.compile("|".join(re.escape(m) for m in shielded))
+        parts = self._split(text) if self._split is not None else [text]
+        ids: list[int] = []
+        for k, piece in enumerate(parts):
+            if k % 2:
+                ids.append(self._ids[piece])
+            elif piece and marks.search(piece):
+                plain = marks.sub(lambda m: shielded[m.group(0)], piece)
+                ids.extend(self.tokenizer.encode(plain, add_special_tokens=False, split_special_tokens=True))
+            elif piece:
+                ids.extend(self._piece(piece) if self._split is not None else self._whole(piece))
         return ids

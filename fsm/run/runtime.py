@@ -65,7 +65,8 @@ class Runner:
         self.backend = backend
         model = agent.spec.model
         self.codec = tokenizer if isinstance(tokenizer, Codec) else codec_for(tokenizer, model.family,
-                                                                                  model.chat_template_kwargs)
+                                                                                  model.chat_template_kwargs,
+                                                                                  model.special_tokens_in_observations)
         self.max_concurrency = max_concurrency
         self.tracer = tracer
         self.check_tokens = check_tokens
