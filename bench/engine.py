@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from backends.scripted import ScriptedBackend
-from fsm.chat import ChatCodec
+from fsm.families import Codec, get_family
 from fsm.run.actions import call_tools, encode_prompt, generate
 from fsm.run.compile import CompiledAgent, compile_spec
 from fsm.run.context import RunContext
@@ -47,18 +47,19 @@ async def echo(text: str) -> str:
     return text
 
 
-class TableCodec(ChatCodec):
-    """A ChatCodec whose renders are precomputed: same interface and token ids, no jinja per call."""
+class TableCodec(Codec):
+    """A qwen2.5 Codec whose renders are precomputed: same interface and token ids, no jinja per call."""
 
     def __init__(self, prompt: list[int], observation: list[int], turns: dict[tuple[int, ...], str], eos: int):
         self.tokenizer, self.eos_id, self.pad_id, self.vocab_size = None, eos, 0, 1 << 16
-        self.turn_closer = [eos, 198]
+        self.turn_closer, self.stop_ids, self._strip_ids = [eos, 198], {eos}, {eos}
+        self.family, self._verl_exact = get_family("qwen2.5"), True
         self._prompt, self._observation, self._turns = prompt, observation, turns
 
     def encode_prompt(self, messages, tools):
         return self._prompt
 
-    def encode_observation(self, messages):
+    def encode_observation(self, messages, history=None):
         return self._observation
 
     def decode(self, ids, *, skip_special_tokens=True):

@@ -156,7 +156,7 @@ async def _through_loops(setup: Setup, kind: str, rows: range) -> tuple[float, l
 
 def _native_runner(setup: Setup) -> Any:
     from backends.scripted import ScriptedBackend
-    from fsm.chat import ChatCodec
+    from fsm.families import codec_for
     from fsm.run.compile import compile_spec
     from fsm.run.runtime import Runner
     from fsm.spec.model import SPECS_DIR, ToolSpec
@@ -168,7 +168,7 @@ def _native_runner(setup: Setup) -> Any:
     turns = setup.turns
     backend = ScriptedBackend(lambda session, turn, prompt: turns[min(turn, len(turns) - 1)], logprob=-0.25)
     backend.record_requests = False
-    return Runner(compile_spec(spec), backend, ChatCodec(setup.tokenizer))
+    return Runner(compile_spec(spec), backend, codec_for(setup.tokenizer, "qwen2.5"))
 
 
 async def _native(setup: Setup, runner: Any, indices: range) -> tuple[float, list[list[int]]]:

@@ -38,8 +38,8 @@ from typing import Any, TypeVar
 import numpy as np
 
 from backends.base import Backend
-from fsm.chat import ChatCodec
 from fsm.data.rows import to_rows
+from fsm.families import Codec
 from fsm.output.batch import to_batch
 from fsm.output.metrics import FaultDelta, rollout_metrics
 from fsm.output.sample import SampleBatch, to_samples
@@ -187,7 +187,7 @@ class _Engine:
     """The `generate_sequences` contract over `arun` (trajectories), shared by RolloutEngine and RayRunner."""
 
     agent: CompiledAgent
-    codec: ChatCodec
+    codec: Codec
     _own_loop: asyncio.AbstractEventLoop | None = None
     _faults: FaultDelta | None = None
 

@@ -176,3 +176,12 @@ def assert_same_batch_files(ref: Path, out: Path) -> None:
     assert list(a["non_tensor_batch"]["uid"]) == list(b["non_tensor_batch"]["uid"])
     for key, value in a["batch"].items():
         assert torch.equal(value, b["batch"][key]), key
+
+
+@pytest.fixture
+def real_tokenizer() -> Callable[..., Any]:
+    """`real_tokenizer(package, template=None)`: a real full-size tokenizer from .tokenizers/ (fetched by
+    .ci/tokenizers.sh); skips the test when absent, fails it under CI (tests/fixtures/real_tokenizers.py)."""
+    from tests.fixtures.real_tokenizers import real_tokenizer as load
+
+    return load

@@ -156,4 +156,4 @@ def test_fsm_packages_import_only_earlier_stages(graph):
 
 def test_every_fsm_module_belongs_to_a_stage():
     loose = sorted(p.name for p in (ROOT / "fsm").glob("*.py"))
-    assert loose == ["__init__.py", "api.py", "chat.py", "segments.py", "verl_adapter.py"], "put new modules in the package of their stage"
+    assert loose == ["__init__.py", "api.py", "verl_adapter.py"], "put new modules in the package of their stage"

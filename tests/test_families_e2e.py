@@ -115,7 +115,7 @@ TWO_CALLS = {  # two calls in one turn, where the family's template renders seve
              + TURNS["glm45"][0].split("\n", 2)[2].replace("2 + 3", "4 * 5"),
     "kimi_k2": TURNS["kimi_k2"][0].replace("<|tool_calls_section_end|>", "<|tool_call_begin|>functions.calculator:1"
                '<|tool_call_argument_begin|>{"expression": "4 * 5"}<|tool_call_end|><|tool_calls_section_end|>'),
-    "seed_oss": TURNS["seed_oss"][0] + TURNS["seed_oss"][0].split("\n", 1)[1].replace("2 + 3", "4 * 5"),
+    "seed_oss": TURNS["seed_oss"][0] + "\n" + TURNS["seed_oss"][0].split("\n", 1)[1].replace("2 + 3", "4 * 5"),
     "deepseek_v3": TURNS["deepseek_v3"][0].replace("<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>calculator<｜tool▁sep｜>"
                    '{"expression": "4 * 5"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>'),
 }  # fmt: skip

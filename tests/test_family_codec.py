@@ -168,8 +168,12 @@ async def test_register_a_family(compile_yaml):
         runner = fsm.Runner(agent, scripted([call, answer]), tok, check_tokens=True)
         assert runner.codec.family is family
         (traj,) = await runner.run([user_row("2 + 3?", reward_model={"ground_truth": "5"})])
-        assert traj.error is None and traj.reward_score == 1.0 and traj.token_check is None
+        assert traj.error is None and traj.reward_score == 1.0
         assert [m["content"] for m in traj.messages if m["role"] == "tool"] == ["5"]
+        # the check renders the structured conversation: this template writes the parsed call as Hermes does,
+        # not as the model wrote it, and a chat server would show the model that; the check says so
+        assert traj.token_check is not None and "trajectory has '[[calculator" in traj.token_check, traj.token_check
+        assert "a re-render has '<tool_call>" in traj.token_check
     finally:
         del REGISTRY[family.name]
 

@@ -267,13 +267,22 @@ TEXTS = st.text(max_size=40) | st.sampled_from(["", "\n", "\n\n", " x", "<|im_st
 @SETTINGS
 @given(turns=st.lists(st.tuples(st.sampled_from(["tool", "user"]), TEXTS), min_size=1, max_size=3))
 def test_observation_suffix_equals_the_full_render(tok, turns):
-    """encode_observation tokenizes only the suffix's text; its ids must be the full render's, cut."""
-    from fsm.chat import _BASE, ChatCodec
+    """encode_observation tokenizes only the suffix's text; its ids must be the full render's, cut. With
+    special tokens allowed in observations that holds for any content; by default (special-token strings are
+    text) it holds for content without them, and content with them adds no control token of its own."""
+    from fsm.families import codec_for
+    from fsm.families.codec import _BASE
 
-    codec = ChatCodec(tok)
+    codec = codec_for(tok, "qwen2.5", special_tokens="allow")
     messages = [{"role": role, "content": text} for role, text in turns]
     full = codec.render(_BASE + messages, add_generation_prompt=True)
     assert codec._added_tokens and codec.encode_observation(messages) == full[len(codec._base_ids) :]
+    safe = codec_for(tok, "qwen2.5").encode_observation(messages)
+    specials = {i for i, t in tok.added_tokens_decoder.items() if t.special}
+    if not any(t.content in text for _, text in turns for t in tok.added_tokens_decoder.values() if t.special):
+        assert safe == full[len(codec._base_ids) :]
+    harmless = codec.encode_observation([{"role": role, "content": "x"} for role, _ in turns])
+    assert sum(i in specials for i in safe) == sum(i in specials for i in harmless)
 
 
 def test_bench_collate_runs():

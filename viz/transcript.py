@@ -47,8 +47,8 @@ def _ground_truth(row: Any) -> Any:
 
 
 def trajectory_record(traj: Any, codec: Any = None) -> dict[str, Any]:
-    """The JSON-ready record of one finished trajectory; `codec` (fsm.chat.ChatCodec, or a tokenizer)
-    decodes the text, and without one only token counts are kept."""
+    """The JSON-ready record of one finished trajectory; `codec` (fsm.families.Codec: the model's exact
+    text) decodes it, and without one only token counts are kept."""
     ids = traj.response_ids.tolist()
 
     def decode(part: list[int]) -> str | None:

@@ -39,9 +39,8 @@ from typing import Any
 
 from backends.base import Backend
 from fsm.api import SpecLike, _Engine, load_agent, load_tokenizer, make_backend, tiny_model_dir
-from fsm.chat import ChatCodec
 from fsm.data.rows import normalize_record, to_rows
-from fsm.families import codec_for
+from fsm.families import Codec, codec_for
 from fsm.run.context import Sampling
 from fsm.run.stream import Group, GroupTaking, StalePolicy, StreamEmpty, version_span
 from fsm.run.trajectory import Trajectory
@@ -175,8 +174,9 @@ class RayRunner(_Engine, GroupTaking):
         self._tokenizer = str(tokenizer) if isinstance(tokenizer, Path) else tokenizer
         model = self.agent.spec.model
         self.codec = (
-            codec_for(load_tokenizer(tokenizer), model.family, model.chat_template_kwargs)
-            if not isinstance(tokenizer, ChatCodec) else tokenizer
+            codec_for(load_tokenizer(tokenizer), model.family, model.chat_template_kwargs,
+                      model.special_tokens_in_observations)
+            if not isinstance(tokenizer, Codec) else tokenizer
         )  # fmt: skip
         self.servers = list(servers) if servers else None
         self.backend_factory = backend_factory

@@ -79,8 +79,7 @@ from verl.experimental.agent_loop.agent_loop import (
 from verl.utils.rollout_trace import rollout_trace_op
 
 from backends.base import BaseBackend, GenerateRequest, GenerateResult
-from fsm.chat import ChatCodec
-from fsm.families import codec_for
+from fsm.families import Codec, codec_for
 from fsm.run.compile import CompiledAgent, compile_spec
 from fsm.run.runtime import Runner
 from fsm.run.trajectory import Trajectory
@@ -110,7 +109,7 @@ _agents: dict[tuple, CompiledAgent] = {}
 # (agent id, tool ids) -> (agent with verl's tools, the tools: kept alive so their ids stay theirs)
 _with_tools: dict[tuple, tuple[CompiledAgent, list]] = {}
 # (tokenizer id, template kwargs) -> (tokenizer, codec)
-_codecs: dict[tuple, tuple[Any, ChatCodec]] = {}
+_codecs: dict[tuple, tuple[Any, Codec]] = {}
 _warned: set[str] = set()
 _checked: set[tuple[int, int]] = set()  # (id of verl's multi_turn config, id of the agent) already compared
 
@@ -181,26 +180,14 @@ def _bind_verl_tool(tool: Any) -> BoundTool:
     return BoundTool(tool.name, impl, schema, timeout_s=None, retry=tool_retry(1, 0.0), lane=lane)
 
 
-class _TemplateKwargs:
-    """The tokenizer with verl's `data.apply_chat_template_kwargs` (e.g. enable_thinking) on every render."""
-
-    def __init__(self, tokenizer: Any, kwargs: dict[str, Any]):
-        self._tokenizer, self._kwargs = tokenizer, kwargs
-
-    def apply_chat_template(self, *args: Any, **kwargs: Any) -> Any:
-        return self._tokenizer.apply_chat_template(*args, **{**self._kwargs, **kwargs})
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._tokenizer, name)
-
-
-def chat_codec(tokenizer: Any, template_kwargs: Mapping[str, Any], family: str = "auto") -> ChatCodec:
+def chat_codec(tokenizer: Any, template_kwargs: Mapping[str, Any], family: str = "auto",
+               special_tokens: str = "text") -> Codec:  # fmt: skip
     kwargs = dict(template_kwargs)
-    key = (id(tokenizer), json.dumps(kwargs, sort_keys=True, default=str), family)
+    key = (id(tokenizer), json.dumps(kwargs, sort_keys=True, default=str), family, special_tokens)
     with _lock:
         hit = _codecs.get(key)
         if hit is None:
-            codec = codec_for(_TemplateKwargs(tokenizer, kwargs) if kwargs else tokenizer, family)
+            codec = codec_for(tokenizer, family, kwargs, special_tokens)
             hit = _codecs[key] = (tokenizer, codec)
         return hit[1]
 
@@ -323,7 +310,7 @@ class FSMAgentLoop(AgentLoopBase):
         self.agent = agent
         model = agent.spec.model  # verl's apply_chat_template_kwargs, then the spec's on top
         self.codec = chat_codec(self.tokenizer, {**(self.apply_chat_template_kwargs or {}), **model.chat_template_kwargs},
-                                model.family)  # fmt: skip
+                                model.family, model.special_tokens_in_observations)  # fmt: skip
         self.full_determinism = bool(_setting(rollout, "full_determinism", False))
         self.rollout_name = _setting(rollout, "name")
         _check_multi_turn(_setting(rollout, "multi_turn"), agent)

@@ -4,8 +4,13 @@ A spec names its family (`model: {family: qwen3}`) or leaves it to `auto`, which
 template. A family is data (`Family`); `register_family` adds one without touching the engine, as verl's
 `ToolParser.register` adds a parser. The family's codec renders tool results and user turns through the
 tokenizer's own chat template as token suffixes (fsm/families/codec.py), so nothing the model sampled is
-ever re-tokenized, whether or not the template is append-only. `qwen2.5` (Hermes calls, ChatML turns) keeps
-fsm/chat.py's ChatCodec unchanged: it is also what an unrecognised template gets.
+ever re-tokenized, whether or not the template is append-only. `qwen2.5` (Hermes calls, ChatML turns) is the
+family whose codec does exactly what verl 0.9.1's agent loop does (`verl_exact`); it is also what an
+unrecognised template gets.
+
+The package: this module (the registry, `codec_for`, the parser a run uses), codec.py (the Codec and the
+TemplateKwargs wrapper), pieces.py (tokenizing text between added tokens; the one decode), parsers/ (every family's
+tool-call parser, one registry). It imports nothing of the engine outside this package.
 """
 
 from __future__ import annotations
@@ -13,9 +18,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from fsm.chat import ChatCodec
 from fsm.families import parsers as _parsers  # noqa: F401  (registers the families' parsers)
+from fsm.families.codec import CALL_OPENERS, Codec, TemplateError, TemplateKwargs, vocabulary_size
 from fsm.families.parsers import PARSERS, ToolCall, split_reasoning
+
+__all__ = ["FAMILIES", "Codec", "Family", "TemplateError", "TemplateKwargs", "Turn", "codec_for", "detect_family",
+           "family_names", "get_family", "make_parser", "parser_name", "register_family", "resolve_family",
+           "split_turn", "vocabulary_size"]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -34,7 +43,7 @@ class Family:
     history: Literal["raw", "harmony"] = "raw"  # the assistant message kept: the text, or Harmony's fields
     append_only: str = "yes"  # README: where the template rewrites earlier turns, and what agentfsm does
     aliases: tuple[str, ...] = field(default=())
-    chatml_codec: bool = False  # fsm/chat.py's ChatCodec (byte-identical to agentfsm before families)
+    verl_exact: bool = False  # observations cut off a fixed base conversation, messages in verl 0.9.1's form
 
 
 FAMILIES: dict[str, Family] = {}
@@ -76,32 +85,15 @@ def resolve_family(name: str, tokenizer: Any) -> Family:
     return detect_family(tokenizer) if name == "auto" else get_family(name)
 
 
-class TemplateKwargs:
-    """A tokenizer whose chat-template renders all get `kwargs` (e.g. enable_thinking)."""
-
-    def __init__(self, tokenizer: Any, kwargs: dict[str, Any]):
-        self._tokenizer, self._kwargs = tokenizer, dict(kwargs)
-
-    def apply_chat_template(self, *args: Any, **kwargs: Any) -> Any:
-        return self._tokenizer.apply_chat_template(*args, **{**self._kwargs, **kwargs})
-
-    def __len__(self) -> int:
-        return len(self._tokenizer)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._tokenizer, name)
-
-
-def codec_for(tokenizer: Any, family: str | Family = "auto", template_kwargs: dict[str, Any] | None = None) -> ChatCodec:
-    """The chat codec of the tokenizer's family; `.family` names it (the parser comes from there)."""
-    from fsm.families.codec import FamilyCodec
-
+def codec_for(tokenizer: Any, family: str | Family = "auto", template_kwargs: dict[str, Any] | None = None,
+              special_tokens: str = "text") -> Codec:  # fmt: skip
+    """The chat codec of the tokenizer's family; `.family` names it (the parser comes from there).
+    `template_kwargs` go to every render of the chat template (TemplateKwargs); `special_tokens`: whether
+    special-token strings in observations stay "text" (the default) or "allow"ed as control tokens."""
     fam = family if isinstance(family, Family) else resolve_family(family, tokenizer)
     if template_kwargs:
         tokenizer = TemplateKwargs(tokenizer, template_kwargs)
-    codec = ChatCodec(tokenizer) if fam.chatml_codec else FamilyCodec(tokenizer, fam)
-    codec.family = fam
-    return codec
+    return Codec(tokenizer, fam, special_tokens)
 
 
 def parser_name(spec_parser: str | None, codec: Any) -> str:
@@ -158,13 +150,11 @@ def split_turn(text: str, family: Family, parser: Any) -> Turn:
         return Turn(reasoning or None, content, parser.parse(text))
     reasoning, rest = split_reasoning(text, family.reasoning, family.think_tags)
     calls = parser.parse(rest) if not isinstance(parser, ReasoningAwareParser) else parser.inner.parse(rest)
-    starts = [k for k in (rest.find(m) for m in _CALL_OPENERS) if k >= 0]
+    starts = [k for k in (rest.find(m) for m in CALL_OPENERS) if k >= 0]
     content = rest[: min(starts)] if starts and calls else rest
     return Turn(reasoning, content.strip() if calls else rest, calls)
 
 
-_CALL_OPENERS = ("<tool_call>", "<seed:tool_call>", "<|tool_calls_section_begin|>", "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>",
-                 "<|python_tag|>", '{"name"')  # fmt: skip
 
 
 # --- the families agentfsm ships ----------------------------------------------------------------------------
@@ -177,7 +167,7 @@ register_family(Family(
     append_only="yes (tool results render as `ipython` turns)",
 ))  # fmt: skip
 register_family(Family(
-    "qwen2.5", "hermes", detect=("<|im_start|>", "<tool_call>"), chatml_codec=True, aliases=("hermes", "chatml"),
+    "qwen2.5", "hermes", detect=("<|im_start|>", "<tool_call>"), verl_exact=True, aliases=("hermes", "chatml"),
     append_only="yes",
 ))  # fmt: skip
 register_family(Family(

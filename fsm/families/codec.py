@@ -1,44 +1,124 @@
-"""Observation suffixes for any family's chat template, append-only or not.
+"""A model family's chat codec: prompts, observation suffixes, what a model turn owes, its text and messages.
 
-fsm/chat.py cuts a fixed base conversation's tokens off `base + observation`, which needs a template whose
-render of the base never changes when turns follow; Qwen3 and GLM drop earlier reasoning when a user turn
-follows, Harmony rewrites a past final answer. Here the cut is made in the text instead: the template renders
-`base + observation` once with a marker in the first observation's content; the suffix starts after the last
-end-of-turn token (or the base assistant's own marker) before it, so whatever the template does to the base
-turns never reaches the suffix. The text before the cut depends only on the observation's shape (roles, call
-ids, tool names), so it is kept per shape and later observations of that shape render once. The suffix is tokenized on its own: it starts at a control token or at the
-newline after one, which is also where the full render splits.
+Everything is done through the tokenizer's own chat template, once per tokenizer, and nothing already in a
+trajectory is ever re-tokenized. An observation (tool results, a user reply) is rendered as the *suffix* it
+adds to a conversation, cut one of two ways (`Family.verl_exact` picks):
+
+- a fixed base conversation (`verl_exact`, qwen2.5/Hermes, what verl 0.9.1's ToolAgentLoop does): the template
+  renders `BASE + observation` and the tokens of `BASE` are cut off. It needs a template whose render of BASE
+  never changes when turns follow. The "turn closer" is what the template puts after the end-of-turn token of
+  an assistant message (ChatML's `\\n` after `<|im_end|>`): the model stops at `<|im_end|>`, so those tokens
+  are owed, with mask 0, before the next observation.
+- a cut in the text (every other family, append-only template or not: Qwen3 and GLM drop earlier reasoning
+  when a user turn follows, Harmony rewrites a past final answer): the template renders `base + observation`
+  once with a marker in the first observation's content; the suffix starts after the last end-of-turn token
+  (or the base assistant's own marker) before it, so whatever the template does to the base turns never
+  reaches the suffix. The text before the cut depends only on the observation's shape (roles, call ids, tool
+  names), so it is kept per shape and later observations of that shape render once.
+
+Either way the suffix's text is tokenized on its own (fsm/families/pieces.py): it starts at a control token or
+at the newline after one, which is also where the full render splits.
+
+An observation's content comes from outside (a tool, a web page it fetched, a user simulator): the special-token
+strings in it (`<|im_end|>`, `<|start_header_id|>`) are tokenized as text, never as the control tokens they spell,
+so an observation cannot end its own turn and plant an assistant turn. A spec that wants them as control tokens
+says `model: {special_tokens_in_observations: allow}`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import re
+from pathlib import Path
 from typing import Any
 
-from fsm.chat import ChatCodec, TemplateError, vocabulary_size
-from fsm.families.parsers import PARSERS, ToolCall, split_reasoning
-from fsm.segments import SegmentEncoder
+from fsm.families.parsers import PARSERS, ToolCall, assistant_message, split_reasoning
+from fsm.families.pieces import PieceEncoder, decode
 
+
+class TemplateError(Exception):
+    """The chat template cannot be used (e.g. it never ends a turn, or hides an observation's content)."""
+
+
+_BASE = [{"role": "user", "content": "U"}, {"role": "assistant", "content": "A"}]
 _MARK_ASSISTANT = "agentfsmAssistantMark"  # plain ASCII: every template copies it through unchanged
 _MARK_OBSERVATION = "agentfsmObservationMark"
+# where a family's call markup starts in a turn's text: the answer is what comes before
+CALL_OPENERS = ("<tool_call>", "<seed:tool_call>", "<|tool_calls_section_begin|>", "<｜tool▁calls▁begin｜>",
+                "<｜tool▁call▁begin｜>", "<|python_tag|>", '{"name"')  # fmt: skip
 
 
-class FamilyCodec(ChatCodec):
-    """A ChatCodec for a family (fsm.families.Family): same interface, the family's turn boundaries."""
+def vocabulary_size(tokenizer: Any) -> int:
+    """How many ids a model answer may use: the tokenizer's, or the model's embedding rows when its
+    config.json sits beside the tokenizer (Qwen pads 151,665 tokens to 151,936 rows; a sampled padding id is
+    a valid, if useless, token the trainer can embed)."""
+    size = len(tokenizer)
+    config = Path(str(getattr(tokenizer, "name_or_path", "") or "")) / "config.json"
+    with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):
+        rows = json.loads(config.read_text()).get("vocab_size")
+        if type(rows) is int and rows > size:
+            size = rows
+    return size
 
-    def __init__(self, tokenizer: Any, family: Any):
+
+class TemplateKwargs:
+    """A tokenizer whose chat-template renders all get `kwargs` (e.g. Qwen3's enable_thinking): the spec's
+    `model.chat_template_kwargs` and verl's `data.apply_chat_template_kwargs` alike. Everything else, len()
+    included, is the tokenizer's."""
+
+    def __init__(self, tokenizer: Any, kwargs: dict[str, Any]):
+        self._tokenizer, self._kwargs = tokenizer, dict(kwargs)
+
+    def apply_chat_template(self, *args: Any, **kwargs: Any) -> Any:
+        return self._tokenizer.apply_chat_template(*args, **{**self._kwargs, **kwargs})
+
+    def __len__(self) -> int:
+        return len(self._tokenizer)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tokenizer, name)
+
+
+class Codec:
+    """The chat codec of `tokenizer` for `family` (an fsm.families.Family); build it with fsm.families.codec_for."""
+
+    def __init__(self, tokenizer: Any, family: Any, special_tokens: str = "text"):
+        """`special_tokens`: "text" (special-token strings in an observation's content are text) or "allow"."""
         self.tokenizer = tokenizer
-        self.segments = SegmentEncoder(tokenizer)
         self.family = family
+        self.pieces = PieceEncoder(tokenizer)
         self.eos_id: int = tokenizer.eos_token_id
         pad = tokenizer.pad_token_id
         self.pad_id: int = pad if pad is not None else 0
         self.vocab_size: int = vocabulary_size(tokenizer)
+        self.eos_text: str = self.decode([self.eos_id], skip_special_tokens=False) if self.eos_id is not None else ""
         self._parser = PARSERS[family.parser](tokenizer)
-        self.stop_ids: set[int] = {self.eos_id, *self._parser.stop_token_ids}
-        self._strip_ids = {self.eos_id, *self._ids(*family.strip_stops)}
-        self.turn_closer: list[int] = self._encode(family.cut_closer)
-        self._prefixes: dict[tuple, str] = {}  # an observation's shape -> the render's text before its suffix
-        self.encode_observation([{"role": "user", "content": "U"}])  # a template that cannot work fails now
+        self._verl_exact: bool = family.verl_exact
+        added = getattr(tokenizer, "added_tokens_decoder", None)
+        specials = sorted({t.content for t in added.values() if getattr(t, "special", False)} if isinstance(added, dict)
+                          else (), key=len, reverse=True)  # fmt: skip
+        self._specials = re.compile("|".join(map(re.escape, specials))) if specials and special_tokens != "allow" else None
+        if self._verl_exact:
+            self.stop_ids: set[int] = {self.eos_id}
+            self._strip_ids = {self.eos_id}
+            self._base_ids = self.render(_BASE, add_generation_prompt=False)
+            if self.eos_id not in self._base_ids:
+                raise TemplateError(f"the chat template never emits eos {tokenizer.eos_token!r} after a turn")
+            last_eos = len(self._base_ids) - 1 - self._base_ids[::-1].index(self.eos_id)
+            self.turn_closer: list[int] = [self.eos_id, *self._base_ids[last_eos + 1 :]]
+            # An observation's text is tokenized alone, without the base conversation, when it starts with an
+            # added token (Qwen's <|im_start|>): tokenizers split text at added tokens before anything else, so
+            # its ids are exactly those of the full render. Otherwise the full render is tokenized and cut.
+            self._base_text = self._text(_BASE, False)
+            added = getattr(tokenizer, "get_added_vocab", None)
+            self._added_tokens = tuple(added()) if callable(added) else ()
+        else:
+            self.stop_ids = {self.eos_id, *self._parser.stop_token_ids}
+            self._strip_ids = {self.eos_id, *self._ids(*family.strip_stops)}
+            self.turn_closer = self._encode(family.cut_closer)
+            self._prefixes: dict[tuple, str] = {}  # an observation's shape -> the render's text before its suffix
+            self.encode_observation([{"role": "user", "content": "U"}])  # a template that cannot work fails now
 
     def _ids(self, *tokens: str) -> list[int]:
         unk = getattr(self.tokenizer, "unk_token_id", None)
@@ -46,10 +126,34 @@ class FamilyCodec(ChatCodec):
         return [i for i in ids if isinstance(i, int) and i >= 0 and i != unk]
 
     def _encode(self, text: str) -> list[int]:
-        return self.segments.encode(text) if text else []
+        return self.pieces.encode(text) if text else []
 
     def _text(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+
+    # --- renders ----------------------------------------------------------------------------------------------
+
+    def render(
+        self, messages: list[dict[str, Any]], *, tools: list[dict] | None = None, add_generation_prompt: bool
+    ) -> list[int]:
+        return self.tokenizer.apply_chat_template(
+            messages, tools=tools or None, add_generation_prompt=add_generation_prompt,
+            tokenize=True, return_dict=False,
+        )  # fmt: skip
+
+    def render_text(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool) -> str:
+        return self._text(messages, add_generation_prompt)
+
+    def encode_prompt(self, messages: list[dict[str, Any]], tools: list[dict] | None) -> list[int]:
+        """The ids `render` gives; the pieces every prompt repeats (system message, tool schemas) are
+        tokenized once (fsm/families/pieces.py)."""
+        text = self.tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
+                                                  tokenize=False)  # fmt: skip
+        return self.pieces.encode(text)
+
+    def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
+        """Exactly the model's text (fsm/families/pieces.py decode: no clean-up of tokenization spaces)."""
+        return decode(self.tokenizer, ids, skip_special_tokens=skip_special_tokens)
 
     # --- a model turn ---------------------------------------------------------------------------------------
 
@@ -85,14 +189,21 @@ class FamilyCodec(ChatCodec):
         return message
 
     def verl_message(self, message: dict[str, Any], ids: list[int], parser: Any, max_calls: int) -> dict[str, Any]:
-        return message  # tools read the family's own message (verl's form is ChatML/hermes's)
+        """A model turn's message as tools read it. `verl_exact`: as verl 0.9.1's AgentData holds it, the text
+        decoded with its eos, tool-call blocks moved to `tool_calls` (fsm/families/parsers assistant_message); other
+        families: the family's own message (verl's form is ChatML/hermes's)."""
+        if not self._verl_exact:
+            return message
+        text = message["content"]
+        content = parser.content(text) + (self.eos_text if ids[-1:] == [self.eos_id] else "")
+        return assistant_message(content, parser.parse(text), max_calls)
 
     def interaction_message(self, message: dict[str, Any], ids: list[int]) -> dict[str, Any]:
-        return message  # a user simulator reads `content`: the answer, without the reasoning
+        """A model turn as a user simulator reads it. `verl_exact`: its text with special tokens skipped (verl
+        0.7.1); other families: `content`, the answer without the reasoning."""
+        return {"role": "assistant", "content": self.decode(ids)} if self._verl_exact else message
 
     def _call(self, name: str, arguments: Any, call_id: str | None, k: int) -> dict[str, Any]:
-        import json
-
         if self.family.call_arguments == "json" and not isinstance(arguments, str):
             arguments = json.dumps(arguments if arguments is not None else {}, ensure_ascii=False)
         elif self.family.call_arguments == "object" and not isinstance(arguments, dict):
@@ -102,12 +213,17 @@ class FamilyCodec(ChatCodec):
     # --- observations ---------------------------------------------------------------------------------------
 
     def closer_for(self, generated: list[int]) -> list[int]:
-        """Owed after a model turn: nothing when it ended on a stop token, the family's end token if it was cut."""
+        """Template tokens owed after a model turn. `verl_exact`: the tail after eos, or eos + tail if the turn
+        was cut; other families: nothing when it ended on a stop token, the family's end token if it was cut."""
+        if self._verl_exact:
+            return self.turn_closer[1:] if generated and generated[-1] == self.eos_id else self.turn_closer
         return [] if generated and generated[-1] in self.stop_ids else self.turn_closer
 
     def observation(
         self, messages: list[dict[str, Any]], last: list[int] | None, history: list[dict[str, Any]] | None = None
     ) -> tuple[list[int], list[int]]:
+        """(the template tokens owed after the model turn that ended with `last` (None: the context does not
+        end with a model turn), the observation's ids); `history` is the conversation so far."""
         closer = self.closer_for(last) if last is not None else []
         ids = self.encode_observation(messages, history)
         if last and not closer and ids and ids[0] == last[-1] and last[-1] != self.eos_id:
@@ -116,14 +232,53 @@ class FamilyCodec(ChatCodec):
 
     def encode_observation(self, messages: list[dict[str, Any]], history: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids that `messages` (tool results / a user turn) append after a model turn, generation prompt
-        included. Tool results are rendered after a call to the same tools (Harmony names the tool)."""
+        included. Special-token strings in their content are text (see the module's docstring)."""
+        shielded = None
+        if self._specials is not None and any(isinstance(m.get("content"), str) and self._specials.search(m["content"])
+                                              for m in messages):  # fmt: skip
+            messages, shielded = self._shield(messages)
+        if self._verl_exact:
+            return self._base_cut(messages, shielded)
+        return self._marker_cut(messages, history, shielded)
+
+    def _shield(self, messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, str]]:
+        """The messages with each special-token string in their content replaced by a plain-ASCII placeholder
+        (templates copy it through), and the placeholders' table for the tokenizer."""
+        table: dict[str, str] = {}
+
+        def placeholder(match: re.Match) -> str:
+            key = f"agentfsmSpecial{len(table)}Mark"
+            table[key] = match.group(0)
+            return key
+
+        assert self._specials is not None
+        out = [dict(m, content=self._specials.sub(placeholder, m["content"])) if isinstance(m.get("content"), str)
+               else m for m in messages]  # fmt: skip
+        return out, table
+
+    def _base_cut(self, messages: list[dict[str, Any]], shielded: dict[str, str] | None = None) -> list[int]:
+        if self._added_tokens:
+            text, n = self._text(_BASE + messages, True), len(self._base_text)
+            if text.startswith(self._base_text) and (shielded or text.startswith(self._added_tokens, n)):
+                return self.pieces.encode(text[n:], shielded)
+        full = self.render(_BASE + messages, add_generation_prompt=True)
+        n = len(self._base_ids)
+        if full[:n] != self._base_ids:
+            raise TemplateError(
+                "the chat template is not append-only: rendering more turns changed earlier tokens"
+            )
+        return full[n:]
+
+    def _marker_cut(self, messages: list[dict[str, Any]], history: list[dict[str, Any]] | None,
+                    shielded: dict[str, str] | None = None) -> list[int]:  # fmt: skip
+        """Tool results are rendered after a call to the same tools (Harmony names the tool)."""
         base = [{"role": "user", "content": "U"}, self._base_assistant(messages, history)]
         text = self._text(base + messages, True)
         key = (tuple((m.get("role"), m.get("tool_call_id"), m.get("name")) for m in messages),
                tuple((c["function"]["name"], c["id"]) for c in base[1].get("tool_calls", ())))  # fmt: skip
         prefix = self._prefixes.get(key)  # what precedes the suffix depends on the turns' shape, not contents
         if prefix is not None and text.startswith(prefix):
-            return self._encode(text[len(prefix) :])
+            return self.pieces.encode(text[len(prefix) :], shielded)
         marked = [dict(messages[0], content=_MARK_OBSERVATION), *messages[1:]]
         probe = self._text(base + marked, True)
         at = probe.find(_MARK_OBSERVATION)
@@ -141,7 +296,7 @@ class FamilyCodec(ChatCodec):
         if len(self._prefixes) >= 4096:
             self._prefixes.clear()
         self._prefixes[key] = text[:cut]
-        return self._encode(text[cut:])
+        return self.pieces.encode(text[cut:], shielded)
 
     def _base_assistant(self, messages: list[dict[str, Any]], history: list[dict[str, Any]] | None) -> dict[str, Any]:
         if messages[0].get("role") != "tool":
@@ -160,20 +315,50 @@ class FamilyCodec(ChatCodec):
 
     # --- check mode -----------------------------------------------------------------------------------------
 
+    def structured(self, message: dict[str, Any]) -> dict[str, Any]:
+        """An assistant message as a chat server holds it after parsing the model's text: its calls as
+        `tool_calls`, its reasoning as `reasoning_content`, the answer as `content`. A turn with a malformed call
+        is kept as text (a server could not structure it either), and so is one that runs on after its calls."""
+        if message.get("role") != "assistant" or "tool_calls" in message or not isinstance(message.get("content"), str):
+            return message
+        text, reasoning = message["content"], message.get("reasoning_content")
+        if reasoning is None and self.family.reasoning == "think":
+            reasoning, text = split_reasoning(text, "think", self.family.think_tags)
+            text = text.lstrip("\n") if reasoning is not None else text
+        calls = self._parser.parse(text)
+        if not calls or any(c.error is not None or not c.name for c in calls) or text != text.rstrip():
+            return message  # malformed, or text after the calls (a turn cut there): kept as the model wrote it
+        starts = [k for k in (text.find(m) for m in CALL_OPENERS) if k >= 0]
+        out: dict[str, Any] = {"role": "assistant", "content": text[: min(starts)].strip() if starts else "",
+                               "tool_calls": [self._call(c.name, c.arguments, c.id, k) for k, c in enumerate(calls)]}
+        if reasoning is not None:
+            out["reasoning_content"] = reasoning
+        return out
+
     def check(self, messages: list[dict[str, Any]], tools: list[dict] | None, ids: list[int],
               ends_with_observation: bool) -> str | None:  # fmt: skip
-        """Compare the ids with a full re-render of the messages; describe the first difference. A final model
-        turn owes nothing the template adds after it (its end token, a newline)."""
+        """Compare the ids with the template's render of the structured conversation (`structured`: the calls
+        and reasoning of each turn that tool results answer, parsed out of the model's text, as a chat server
+        renders the next turn's context; a final turn is kept as the model wrote it), so a
+        template that renders calls or reasoning differently from how the model wrote them is caught, not
+        copied back from the raw text. Describe the first difference. A final model turn owes nothing the
+        template adds after it (its end token, a newline)."""
         ids = list(ids)
+        messages = [self.structured(m) if messages[k + 1 : k + 2] and messages[k + 1].get("role") == "tool" else m
+                    for k, m in enumerate(messages)]  # fmt: skip
         expected = self.render(messages, tools=tools, add_generation_prompt=ends_with_observation)
-        if not ends_with_observation and ids and ids[-1] in self._strip_ids - {self.eos_id}:
-            ids = ids[:-1]  # GLM's last turn ends on the next turn's own token (<|user|>), which the template adds
-        if not ends_with_observation and expected[: len(ids)] == ids:
-            rest = self.decode(expected[len(ids) :], skip_special_tokens=False)
-            for marker in (*self.family.turn_end, self.family.cut_closer, *self.family.strip_stops):
-                rest = rest.replace(marker, "") if marker else rest
-            if not rest.strip():
-                expected = expected[: len(ids)]
+        if self._verl_exact:
+            if not ends_with_observation and expected[len(ids) :] in (self.turn_closer[1:], self.turn_closer):
+                expected = expected[: len(ids)]  # a final model turn owes no closer (nor eos, if the budget cut it)
+        else:
+            if not ends_with_observation and ids and ids[-1] in self._strip_ids - {self.eos_id}:
+                ids = ids[:-1]  # GLM's last turn ends on the next turn's own token (<|user|>), which the template adds
+            if not ends_with_observation and expected[: len(ids)] == ids:
+                rest = self.decode(expected[len(ids) :], skip_special_tokens=False)
+                for marker in (*self.family.turn_end, self.family.cut_closer, *self.family.strip_stops):
+                    rest = rest.replace(marker, "") if marker else rest
+                if not rest.strip():
+                    expected = expected[: len(ids)]
         if expected == ids:
             return None
         i = next((k for k, (a, b) in enumerate(zip(ids, expected)) if a != b), min(len(ids), len(expected)))

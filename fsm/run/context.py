@@ -14,8 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from backends.base import GREEDY_BELOW, Backend, GenerateRequest, GenerateResult
-from fsm.chat import ChatCodec
-from fsm.families import make_parser, parser_name
+from fsm.families import Codec, make_parser, parser_name
 from fsm.families.parsers import PARSERS, ToolCall
 from fsm.run.agent import CompiledAgent
 from fsm.run.tracer import Tracer
@@ -41,7 +40,7 @@ class Sampling:
     max_new_tokens: int | None  # per-turn cap: the call site's, else the spec's limit, else the budget
 
     @classmethod
-    def resolve(cls, agent: CompiledAgent, codec: ChatCodec, overrides: Mapping[str, Any] | None = None, *,
+    def resolve(cls, agent: CompiledAgent, codec: Codec, overrides: Mapping[str, Any] | None = None, *,
                 validate: bool = False) -> Sampling:  # fmt: skip
         """`overrides`: SGLang sampling names, plus `seed` and `logprobs`; `validate` picks val_sampling."""
         spec = agent.spec
@@ -148,7 +147,7 @@ class PauseGate:
 class RunContext:
     """What actions share during one run: the agent, the backend, the codec, sampling, tools, tracing."""
 
-    def __init__(self, agent: CompiledAgent, backend: Backend, codec: ChatCodec, sampling: Sampling, *,
+    def __init__(self, agent: CompiledAgent, backend: Backend, codec: Codec, sampling: Sampling, *,
                  tracer: Tracer | None = None, gate: PauseGate | None = None):  # fmt: skip
         self.agent = agent
         self.backend = backend

@@ -26,9 +26,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Itera
 from typing import Any
 
 from backends.base import Backend, BackendError, BackendTimeout, GenerationAborted
-from fsm.chat import ChatCodec
 from fsm.data.rows import RowError, encodable_value, normalize_record, row_inputs
-from fsm.families import codec_for
+from fsm.families import Codec, codec_for
 from fsm.run.agent import CompiledAgent
 from fsm.run.context import TRACED, PauseGate, RunContext, Sampling
 from fsm.run.interaction import call_lifecycle
@@ -66,8 +65,9 @@ class Runner:
         self.agent = agent
         self.backend = backend
         model = agent.spec.model
-        self.codec = tokenizer if isinstance(tokenizer, ChatCodec) else codec_for(tokenizer, model.family,
-                                                                                  model.chat_template_kwargs)
+        self.codec = tokenizer if isinstance(tokenizer, Codec) else codec_for(tokenizer, model.family,
+                                                                                  model.chat_template_kwargs,
+                                                                                  model.special_tokens_in_observations)
         self.max_concurrency = max_concurrency
         self.tracer = tracer
         self.check_tokens = check_tokens

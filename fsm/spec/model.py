@@ -256,6 +256,11 @@ class ModelSpec(_Strict):
     chat_template_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="Passed to every chat-template render, e.g. {enable_thinking: false}."
     )
+    special_tokens_in_observations: Literal["text", "allow"] = Field(
+        default="text",
+        description="text: special-token strings (<|im_end|>...) in tool results and user turns are tokenized as "
+        "text, so an observation cannot plant a turn of its own; allow: they become the control tokens they spell.",
+    )
 
 
 class AgentSpec(_Strict):

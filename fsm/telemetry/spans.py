@@ -26,6 +26,7 @@ from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
+from fsm.families.pieces import decode
 from fsm.telemetry import semconv
 from fsm.telemetry.semconv import ERROR_TYPE
 from fsm.telemetry.shapes import _SHAPES, _lean_message, _Shape, _Shapes
@@ -568,10 +569,10 @@ def _input_messages(request: Any, tokenizer: Any, roles: list[tuple[str, int]]) 
     ids, start, messages = request.prompt_ids, 0, []
     for role, end in roles:
         if end > start:
-            messages.append(_message(role, tokenizer.decode(ids[start:end], skip_special_tokens=False)))
+            messages.append(_message(role, decode(tokenizer, ids[start:end], skip_special_tokens=False)))
             start = end
     if start < len(ids):  # tokens the trajectory has not recorded (a custom action's request)
-        messages.append(_message("user", tokenizer.decode(ids[start:], skip_special_tokens=False)))
+        messages.append(_message("user", decode(tokenizer, ids[start:], skip_special_tokens=False)))
     return json.dumps(messages, ensure_ascii=False)
 
 
@@ -579,7 +580,7 @@ def _output_messages(result: Any, tokenizer: Any) -> str | None:
     """gen_ai.output.messages: the generated ids decoded, one assistant message with its finish reason."""
     if tokenizer is None:
         return None
-    text = tokenizer.decode(result.token_ids, skip_special_tokens=False)
+    text = decode(tokenizer, result.token_ids, skip_special_tokens=False)
     return json.dumps([_message("assistant", text, finish_reason=result.finish_reason)], ensure_ascii=False)
 
 

@@ -23,7 +23,15 @@ CACHE_CHARS = 4 << 20  # characters of pieces kept, all pieces together (least r
 CHECKED_TEXTS = 16  # texts compared with the whole text's tokenization before the split is trusted
 
 
-class SegmentEncoder:
+def decode(tokenizer: Any, ids: Any, *, skip_special_tokens: bool = True) -> str:
+    """The text of `ids` exactly as the model wrote it: every decode of the engine goes through here. Never
+    `clean_up_tokenization_spaces`: transformers 4.x applies a tokenizer's default, True for Llama-3.1, and
+    turns "id , name" into "id, name" and "it 's" into "it's", so tools, parsers, interactions and rewards
+    would read text the model did not write."""
+    return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+
+
+class PieceEncoder:
     """`encode(text)`: the ids `tokenizer.encode(text, add_special_tokens=False)` gives, cheaper on repeats."""
 
     def __init__(self, tokenizer: Any, cache_chars: int = CACHE_CHARS, checked: int = CHECKED_TEXTS):
@@ -75,7 +83,12 @@ class SegmentEncoder:
     def cached_chars(self) -> int:
         return self._cached_chars
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, shielded: dict[str, str] | None = None) -> list[int]:
+        """`shielded`: placeholder -> the special-token string it stands for in the text (an observation's
+        content, fsm/families/codec.py): the pieces holding one are tokenized with the strings restored as
+        plain text (`split_special_tokens`), so they never become control tokens."""
+        if shielded:
+            return self._encode_shielded(text, shielded)
         if self._split is None:
             return self._whole(text)
         ids: list[int] = []
@@ -92,4 +105,18 @@ class SegmentEncoder:
                             "texts from now on", getattr(self.tokenizer, "name_or_path", ""))  # fmt: skip
                 self._split = None
                 return whole
+        return ids
+
+    def _encode_shielded(self, text: str, shielded: dict[str, str]) -> list[int]:
+        marks = re.compile("|".join(re.escape(m) for m in shielded))
+        parts = self._split(text) if self._split is not None else [text]
+        ids: list[int] = []
+        for k, piece in enumerate(parts):
+            if k % 2:
+                ids.append(self._ids[piece])
+            elif piece and marks.search(piece):
+                plain = marks.sub(lambda m: shielded[m.group(0)], piece)
+                ids.extend(self.tokenizer.encode(plain, add_special_tokens=False, split_special_tokens=True))
+            elif piece:
+                ids.extend(self._piece(piece) if self._split is not None else self._whole(piece))
         return ids

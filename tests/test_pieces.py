@@ -1,4 +1,4 @@
-"""fsm/segments.py: a text cut at added tokens, pieces from a cache, gives exactly the whole text's ids; where a
+"""fsm/families/pieces.py: a text cut at added tokens, pieces from a cache, gives exactly the whole text's ids; where a
 tokenizer does not split that way, the encoder says so or finds out and tokenizes whole texts."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from fsm.segments import SegmentEncoder
+from fsm.families.pieces import PieceEncoder
 from tests.fixtures.family_tokenizers import FAMILIES, family_tokenizer
 
 ALPHABET = ["a", "é", " ", "  ", "\n", "\n\n", "ü", "{", '"', "<", "|", ">", "_", "1", "é\u0301", "の", "\t", "<|im_"]
@@ -33,7 +33,7 @@ def random_text(rng: random.Random, added: list[str]) -> str:
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_cut_at_added_tokens_gives_the_whole_texts_ids(family):
     tok = family_tokenizer(family)
-    encoder = SegmentEncoder(tok, checked=0)  # no fallback: every text below must match on its own
+    encoder = PieceEncoder(tok, checked=0)  # no fallback: every text below must match on its own
     assert encoder.splitting
     added = [t.content for t in tok.added_tokens_decoder.values()]
     rng = random.Random(family)
@@ -45,7 +45,7 @@ def test_cut_at_added_tokens_gives_the_whole_texts_ids(family):
 
 
 def test_the_shipped_tokenizer_and_a_chat_prompt(tok):
-    encoder = SegmentEncoder(tok, checked=0)
+    encoder = PieceEncoder(tok, checked=0)
     tools = [{"type": "function", "function": {"name": "f", "description": "d é", "parameters": {"type": "object"}}}]
     for question in ("What is 37 * 12 + 5?", " leading space", "trailing\n\n", "<tool_call>\n{}\n</tool_call>", ""):
         text = tok.apply_chat_template([{"role": "user", "content": question}], tools=tools, tokenize=False,
@@ -58,7 +58,7 @@ def test_an_added_token_that_strips_its_neighbours_is_not_cut_at():
     base.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     base.add_special_tokens([AddedToken("<x>", special=True, lstrip=True, normalized=False)])
     tok = PreTrainedTokenizerFast(tokenizer_object=base)
-    encoder = SegmentEncoder(tok)
+    encoder = PieceEncoder(tok)
     assert not encoder.splitting
     assert encoder.encode("a <x> b") == tok.encode("a <x> b", add_special_tokens=False)
 
@@ -70,7 +70,7 @@ def test_a_tokenizer_where_pieces_differ_falls_back_for_good(caplog):
     base.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
     base.add_special_tokens([AddedToken("<x>", special=True, normalized=False)])
     tok = PreTrainedTokenizerFast(tokenizer_object=base)
-    encoder = SegmentEncoder(tok)
+    encoder = PieceEncoder(tok)
     assert encoder.splitting
     whole = tok.encode("a<x>b", add_special_tokens=False)
     assert encoder.encode("a<x>b") == whole == [1, 5, 4]
@@ -79,7 +79,7 @@ def test_a_tokenizer_where_pieces_differ_falls_back_for_good(caplog):
 
 
 def test_the_cache_is_bounded_and_a_huge_piece_is_not_kept(tok):
-    encoder = SegmentEncoder(tok, cache_chars=4000, checked=0)
+    encoder = PieceEncoder(tok, cache_chars=4000, checked=0)
     system = "<|im_start|>system\nYou are a calculator." + "<|im_end|>\n"
     huge = "<|im_start|>tool\n" + "é 12345 " * 50_000 + "<|im_end|>"  # 400k characters, one piece
     assert encoder.encode(huge) == tok.encode(huge, add_special_tokens=False)
