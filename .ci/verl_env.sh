@@ -45,7 +45,7 @@ DEPS_0_7_1=(                 # what verl 0.7.1's agent loop imports, at the rele
 )
 case "$VERSION" in
   0.9.1) VENV="${VERL_VENV:-$ROOT/.venv-verl}"; DEPS=("${DEPS_0_9_1[@]}")
-         CHECK="verl.experimental.agent_loop, fsm.verl_adapter" ;;
+         CHECK="verl.experimental.agent_loop, fsm.adapters.verl" ;;
   0.7.1) VENV="${VERL_VENV:-$ROOT/.venv-verl07}"; DEPS=("${DEPS_0_7_1[@]}")   # the native engine is compared
          CHECK="verl.experimental.agent_loop.tool_agent_loop, fsm" ;;
   *) echo "verl env: no dependency list for verl $VERSION (0.9.1, 0.7.1)" >&2; exit 2 ;;

@@ -1,6 +1,6 @@
 """`agentfsm bench collate`: what padding a batch costs next to copying its bytes once.
 
-A trainer waits for `fsm.batch.collate` between rollout and update, so it should cost about what moving its
+A trainer waits for `fsm.output.batch.collate` between rollout and update, so it should cost about what moving its
 output does. The floor is a memcpy of the batch's tensors' bytes (every byte written once), measured two ways:
 into a new buffer, as collate's output is (the kernel maps and zeroes its pages on first touch: most of the
 cost at this size), and into a buffer already touched (the bandwidth floor). Collate also reads the
@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from fsm.batch import collate
-from fsm.trajectory import Trajectory
+from fsm.output.batch import collate
+from fsm.run.trajectory import Trajectory
 
 
 def _trajectories(n: int, prompt: int, response: int, seed: int = 0) -> list[Trajectory]:

@@ -25,13 +25,13 @@ from pathlib import Path
 from typing import Any
 
 from backends.scripted import ScriptedBackend
-from fsm.actions import call_tools, encode_prompt, generate
 from fsm.chat import ChatCodec
-from fsm.compile import CompiledAgent, compile_spec
-from fsm.context import RunContext
-from fsm.runtime import Runner
-from fsm.spec import SPECS_DIR, LimitsSpec, ToolSpec
-from fsm.trajectory import Trajectory
+from fsm.run.actions import call_tools, encode_prompt, generate
+from fsm.run.compile import CompiledAgent, compile_spec
+from fsm.run.context import RunContext
+from fsm.run.runtime import Runner
+from fsm.run.trajectory import Trajectory
+from fsm.spec.model import SPECS_DIR, LimitsSpec, ToolSpec
 
 ECHO_SCHEMA = {
     "type": "function",

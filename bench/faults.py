@@ -88,7 +88,7 @@ class _ToolCaller(BaseBackend):
 async def _case(agent: Any, tok: Any, rows: list[dict], make_model: Any, rates: dict[str, float],
                 outage_s: float = 0.0) -> dict[str, Any]:  # fmt: skip
     from fsm.api import RolloutEngine
-    from fsm.batch import fault_summary
+    from fsm.output.batch import fault_summary
 
     async with AsyncExitStack() as stack:
         devs = [await stack.enter_async_context(DevServer(make_model())) for _ in range(2)]
@@ -128,8 +128,8 @@ def _check(case: dict[str, Any], rows: int, clean: list[Any] | None) -> dict[str
 async def _bench(rows: int, rate: float) -> dict[str, dict[str, Any]]:
     from transformers import AutoTokenizer
 
-    from fsm.compile import compile_spec
-    from fsm.rows import RowError  # noqa: F401  (the engine's modules load before timing starts)
+    from fsm.data.rows import RowError  # noqa: F401  (the engine's modules load before timing starts)
+    from fsm.run.compile import compile_spec
 
     tok = AutoTokenizer.from_pretrained(str(ASSET_DIR))
     with tempfile.TemporaryDirectory() as tmp:

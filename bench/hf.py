@@ -104,7 +104,7 @@ def bench_rollout(
     threads) count. ratio = rollout tokens/s / one-batch tokens/s.
     """
     from fsm.api import RolloutEngine
-    from fsm.registry import resolve
+    from fsm.spec.registry import resolve
 
     engine = RolloutEngine(spec, model=model_dir, torch_threads=torch_threads, device=device,
                            max_batch_size=max_batch_size, max_concurrency=256, watchdog_s=None)  # fmt: skip

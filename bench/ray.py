@@ -1,6 +1,6 @@
 """`agentfsm bench ray`: whether scaling out over Ray actors pays, and what one Ray hop costs a row.
 
-`fsm.ray_runner.RayRunner` spreads GRPO groups over actors by work stealing. The bench runs the calculator
+`fsm.adapters.ray_runner.RayRunner` spreads GRPO groups over actors by work stealing. The bench runs the calculator
 spec over scripted dev servers that wait a fixed latency per request (`backends.scripted.scripted_servers`),
 first in one process, then with each number of actors at the same total concurrency; then it times one row
 at a time through an actor against the same row in process, over a zero-latency model, which isolates the
@@ -18,8 +18,8 @@ from typing import Any
 
 from backends.scripted import echo_backend, scripted_servers
 from backends.tiny import ASSET_DIR
+from fsm.adapters.ray_runner import RayRunner, _ray
 from fsm.api import RolloutEngine
-from fsm.ray_runner import RayRunner, _ray
 from specs.calculator import make_prompts
 
 

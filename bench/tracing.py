@@ -25,7 +25,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
-from fsm.runtime import Runner
+from fsm.run.runtime import Runner
 from fsm.telemetry import NativeExporter, OtlpHttpExporter, Telemetry
 from fsm.telemetry.export import _sample_from_env
 
@@ -220,7 +220,7 @@ def bench_tracing_embedded(pairs: int = 3, spec: str = "specs/calculator.yaml", 
             for i in range(pairs):
                 for mode in ("off", "on") if i % 2 == 0 else ("on", "off"):
                     out = Path(tmp) / f"{mode}{i}"
-                    cmd = [sys.executable, "-m", "fsm.cli", "run", spec, "--out", str(out), "-q"]
+                    cmd = [sys.executable, "-m", "fsm.cli.commands", "run", spec, "--out", str(out), "-q"]
                     if mode == "on":
                         cmd += ["--otlp", url, "--trace-sample", f"{sample:g}"]
                     subprocess.run(cmd, cwd=repo, env=env, check=True, stdout=subprocess.DEVNULL)

@@ -10,7 +10,7 @@ tokens. The variants:
   its calculator a verl BaseTool loaded once by `load_all_tools`;
 - `verl_direct`: the same loop constructed directly, which shows what hydra's instantiate costs per sample
   (the same for any entry: it merges the worker's keyword arguments into a copy of the entry's config);
-- `fsm_agent_hydra`: agentfsm's adapter (`fsm.verl_adapter.FSMAgentLoop`, specs/tool_agent.yaml) built the
+- `fsm_agent_hydra`: agentfsm's adapter (`fsm.adapters.verl.FSMAgentLoop`, specs/tool_agent.yaml) built the
   same way, with the same verl tool;
 - `fsm_agent_direct`: the adapter constructed directly;
 - `native`: agentfsm's own engine on specs/calculator.yaml's tool over tool_agent.yaml's machine (a coroutine
@@ -64,7 +64,7 @@ SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty":
 KINDS = {
     "verl": "verl 0.9.1's ToolAgentLoop, hydra.utils.instantiate per sample (as AgentLoopWorker builds it)",
     "verl_direct": "the same ToolAgentLoop, constructed directly (what hydra's instantiate adds is the difference)",
-    "fsm_agent_hydra": "fsm.verl_adapter.FSMAgentLoop on specs/tool_agent.yaml, instantiated the same way",
+    "fsm_agent_hydra": "fsm.adapters.verl.FSMAgentLoop on specs/tool_agent.yaml, instantiated the same way",
     "fsm_agent_direct": "the same adapter, constructed directly",
     "native": "agentfsm's engine (Runner.run), the calculator awaited on the run's loop",
 }
@@ -113,7 +113,7 @@ class Setup:
         sys.path.insert(0, str(tools))
         self.tools = load_all_tools(tool_config_path=str(tools / "tools.yaml"), function_tool_path=None)
         self.verl_entry = _agent_loop_registry["tool_agent"]
-        self.fsm_entry = OmegaConf.create({"name": "fsm_agent", "_target_": "fsm.verl_adapter.FSMAgentLoop",
+        self.fsm_entry = OmegaConf.create({"name": "fsm_agent", "_target_": "fsm.adapters.verl.FSMAgentLoop",
                                            "spec": "specs/tool_agent.yaml"})  # fmt: skip
 
     def row(self, i: int) -> dict[str, Any]:
@@ -134,7 +134,7 @@ async def _through_loops(setup: Setup, kind: str, rows: range) -> tuple[float, l
     import hydra
     from verl.experimental.agent_loop.tool_agent_loop import ToolAgentLoop
 
-    from fsm.verl_adapter import FSMAgentLoop
+    from fsm.adapters.verl import FSMAgentLoop
 
     server = ReplayServer(setup.turns)
 
@@ -157,9 +157,9 @@ async def _through_loops(setup: Setup, kind: str, rows: range) -> tuple[float, l
 def _native_runner(setup: Setup) -> Any:
     from backends.scripted import ScriptedBackend
     from fsm.chat import ChatCodec
-    from fsm.compile import compile_spec
-    from fsm.runtime import Runner
-    from fsm.spec import SPECS_DIR, ToolSpec
+    from fsm.run.compile import compile_spec
+    from fsm.run.runtime import Runner
+    from fsm.spec.model import SPECS_DIR, ToolSpec
 
     agent = compile_spec(SPECS_DIR / "tool_agent.yaml")
     calculator = compile_spec(SPECS_DIR / "calculator.yaml").spec.tools[0]

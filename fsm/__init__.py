@@ -5,7 +5,7 @@ runner = fsm.Runner(agent, backend, tokenizer)           # backend: any backends
 trajs = await runner.run(rows, n=8)                      # one trajectory per (row, sample)
 batch = fsm.collate(trajs, ...)                          # verl's padded batch (TensorDict)
 
-The names below load on first use, so `agentfsm validate` (and `import fsm.loader`) reads a spec without
+The names below load on first use, so `agentfsm validate` (and `import fsm.spec.loader`) reads a spec without
 importing torch, tensordict or a backend (the CLI's validate stays light).
 """
 
@@ -17,21 +17,21 @@ from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
     "RolloutEngine": "fsm.api",
-    "RolloutBatch": "fsm.batch", "collate": "fsm.batch", "summarize": "fsm.batch",
-    "CompiledAgent": "fsm.agent", "Edge": "fsm.agent", "compile_spec": "fsm.compile",
-    "validate_file": "fsm.compile",
-    "DataError": "fsm.data", "load_rows": "fsm.data",
-    "BaseInteraction": "fsm.interaction",
-    "Diagnostic": "fsm.loader", "SpecError": "fsm.loader", "load_spec": "fsm.loader",
-    "RayRunner": "fsm.ray_runner",
-    "action": "fsm.registry", "guard": "fsm.registry",
-    "RunContext": "fsm.context", "Sampling": "fsm.context", "Runner": "fsm.runtime",
-    "AgentSpec": "fsm.spec",
-    "BaseTool": "fsm.tools", "ToolResponse": "fsm.tools",
-    "ToolCall": "fsm.parsers", "register_parser": "fsm.parsers", "Trajectory": "fsm.trajectory",
+    "RolloutBatch": "fsm.output.batch", "collate": "fsm.output.batch", "summarize": "fsm.output.batch",
+    "CompiledAgent": "fsm.run.agent", "Edge": "fsm.run.agent", "compile_spec": "fsm.run.compile",
+    "validate_file": "fsm.run.compile",
+    "DataError": "fsm.data.files", "load_rows": "fsm.data.files",
+    "BaseInteraction": "fsm.run.interaction",
+    "Diagnostic": "fsm.spec.loader", "SpecError": "fsm.spec.loader", "load_spec": "fsm.spec.loader",
+    "RayRunner": "fsm.adapters.ray_runner",
+    "action": "fsm.spec.registry", "guard": "fsm.spec.registry",
+    "RunContext": "fsm.run.context", "Sampling": "fsm.run.context", "Runner": "fsm.run.runtime",
+    "AgentSpec": "fsm.spec.model",
+    "BaseTool": "fsm.tools.base", "ToolResponse": "fsm.tools.base",
+    "ToolCall": "fsm.parsers", "register_parser": "fsm.parsers", "Trajectory": "fsm.run.trajectory",
     "Family": "fsm.families", "register_family": "fsm.families",
-    "Group": "fsm.stream", "StreamEmpty": "fsm.stream", "SnapshotError": "fsm.snapshot",
-    "Sample": "fsm.adapters.sample", "SampleBatch": "fsm.adapters.sample",
+    "Group": "fsm.run.stream", "StreamEmpty": "fsm.run.stream", "SnapshotError": "fsm.run.snapshot",
+    "Sample": "fsm.output.sample", "SampleBatch": "fsm.output.sample",
 }  # fmt: skip
 __all__ = [
     "AgentSpec", "BaseInteraction", "BaseTool", "CompiledAgent", "DataError", "Diagnostic", "Edge", "Family", "Group",
@@ -44,7 +44,7 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    """`fsm.Runner` imports fsm.runtime on first use; `fsm.telemetry` imports the submodule."""
+    """`fsm.Runner` imports fsm.run.runtime on first use; `fsm.telemetry` imports the submodule."""
     if name in _EXPORTS:
         value = getattr(importlib.import_module(_EXPORTS[name]), name)
         globals()[name] = value
@@ -59,22 +59,22 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
-    from fsm.adapters.sample import Sample, SampleBatch
-    from fsm.agent import CompiledAgent, Edge
+    from fsm.adapters.ray_runner import RayRunner
     from fsm.api import RolloutEngine
-    from fsm.batch import RolloutBatch, collate, summarize
-    from fsm.compile import compile_spec, validate_file
-    from fsm.context import RunContext, Sampling
-    from fsm.data import DataError, load_rows
+    from fsm.data.files import DataError, load_rows
     from fsm.families import Family, register_family
-    from fsm.interaction import BaseInteraction
-    from fsm.loader import Diagnostic, SpecError, load_spec
+    from fsm.output.batch import RolloutBatch, collate, summarize
+    from fsm.output.sample import Sample, SampleBatch
     from fsm.parsers import ToolCall, register_parser
-    from fsm.ray_runner import RayRunner
-    from fsm.registry import action, guard
-    from fsm.runtime import Runner
-    from fsm.snapshot import SnapshotError
-    from fsm.spec import AgentSpec
-    from fsm.stream import Group, StreamEmpty
-    from fsm.tools import BaseTool, ToolResponse
-    from fsm.trajectory import Trajectory
+    from fsm.run.agent import CompiledAgent, Edge
+    from fsm.run.compile import compile_spec, validate_file
+    from fsm.run.context import RunContext, Sampling
+    from fsm.run.interaction import BaseInteraction
+    from fsm.run.runtime import Runner
+    from fsm.run.snapshot import SnapshotError
+    from fsm.run.stream import Group, StreamEmpty
+    from fsm.run.trajectory import Trajectory
+    from fsm.spec.loader import Diagnostic, SpecError, load_spec
+    from fsm.spec.model import AgentSpec
+    from fsm.spec.registry import action, guard
+    from fsm.tools.base import BaseTool, ToolResponse

@@ -4,7 +4,7 @@
     engine = RolloutEngine(spec, tokenizer=path, servers=[url, ...])   # SGLang servers behind a Router
     batch = engine.generate_sequences(rows, n=8)          # sync: blocks until the batch is back
     batch = await engine.agenerate_sequences(rows, n=8)   # async: from any event loop, the same engine
-    engine.submit(rows, n=8); batch = engine.take(16, max_staleness=1)   # continuous mode (fsm/stream.py)
+    engine.submit(rows, n=8); batch = engine.take(16, max_staleness=1)   # continuous mode (fsm/run/stream.py)
 
 `rows` is what a verl dataset yields: a list of row dicts, a dict of columns (`non_tensor_batch`:
 {"raw_prompt": array([...]), "uid": ...}), or a verl `DataProto` (then a `DataProto` comes back). The result
@@ -38,20 +38,20 @@ from typing import Any, TypeVar
 import numpy as np
 
 from backends.base import Backend
-from fsm.adapters.sample import SampleBatch, to_samples
-from fsm.batch import to_batch
 from fsm.chat import ChatCodec
-from fsm.compile import CompiledAgent, compile_spec
-from fsm.context import Sampling
-from fsm.loader import LoadedSpec
-from fsm.loopthread import LoopThread as _LoopThread
-from fsm.metrics import FaultDelta, rollout_metrics
-from fsm.rows import to_rows
-from fsm.runtime import WATCHDOG_S, Runner
-from fsm.spec import SPECS_DIR, AgentSpec
-from fsm.stream import ContinuousMode
-from fsm.tracing import Tracer
-from fsm.trajectory import Trajectory
+from fsm.data.rows import to_rows
+from fsm.output.batch import to_batch
+from fsm.output.metrics import FaultDelta, rollout_metrics
+from fsm.output.sample import SampleBatch, to_samples
+from fsm.run.compile import CompiledAgent, compile_spec
+from fsm.run.context import Sampling
+from fsm.run.loopthread import LoopThread as _LoopThread
+from fsm.run.runtime import WATCHDOG_S, Runner
+from fsm.run.stream import ContinuousMode
+from fsm.run.tracer import Tracer
+from fsm.run.trajectory import Trajectory
+from fsm.spec.loader import LoadedSpec
+from fsm.spec.model import SPECS_DIR, AgentSpec
 
 T = TypeVar("T")
 PAUSE_MODES = ("abort", "retract", "in_place")  # SGLang's /pause_generation modes
@@ -215,7 +215,7 @@ class _Engine:
     async def agenerate_samples(self, batch: Rows, sampling_params: Mapping[str, Any] | None = None,
                                 validate: bool = False, n: int = 1) -> SampleBatch:  # fmt: skip
         """As `agenerate_sequences`, unpadded: one flat `Sample` per trajectory (the form trainer adapters
-        map from, fsm/adapters/sample.py), with the same meta_info."""
+        map from, fsm/output/sample.py), with the same meta_info."""
         rows, meta = to_rows(batch)
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
@@ -237,7 +237,7 @@ class _Engine:
                  meta: Mapping[str, Any] | None = None, wall_s: float | None = None) -> Any:  # fmt: skip
         """Finished trajectories -> verl's padded batch (see the module-level `to_batch`), with the sampling
         that produced its logprobs (meta_info["sampling"]) and its metrics (meta_info["rollout_metrics"],
-        fsm/metrics.py), which survive a DataProto's round trip."""
+        fsm/output/metrics.py), which survive a DataProto's round trip."""
         out = to_batch(trajs, self.agent, self.codec, logprobs=sampling.logprobs, like=like, meta=meta)
         out.meta_info["sampling"] = sampling.describe(self.codec.vocab_size)
         out.meta_info["rollout_metrics"] = rollout_metrics(trajs, faults=self._fault_counters().take(),

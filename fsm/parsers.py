@@ -71,7 +71,7 @@ class HermesParser:
     def _parse_one(raw: str) -> ToolCall:
         """One call; malformed exactly when verl's hermes parser drops it (bad JSON, no string "name", no
         "arguments"). The arguments stay the JSON value the model wrote; the tool policy decides what a
-        string or a non-object there means (fsm.tools.ToolSet.call)."""
+        string or a non-object there means (fsm.tools.base.ToolSet.call)."""
         try:
             obj = json.loads(raw)
         except json.JSONDecodeError as exc:

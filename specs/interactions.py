@@ -9,7 +9,7 @@ import re
 import zlib
 from typing import Any
 
-from fsm.interaction import BaseInteraction
+from fsm.run.interaction import BaseInteraction
 
 
 class GuessNumber(BaseInteraction):

@@ -21,7 +21,7 @@ from backends.router import Router
 from backends.scripted import HashLM
 from backends.sglang import SGLangBackend
 from fsm.api import RolloutEngine
-from fsm.batch import fault_summary
+from fsm.output.batch import fault_summary
 from tests.conftest import ASSETS, scripted, tool_turn, until, user_row
 
 RESUME_SPEC = """

@@ -22,7 +22,7 @@ from backends.devserver import DevServer
 from backends.scripted import ScriptedBackend, echo_backend
 from fsm import DataError, RolloutEngine, load_rows
 from fsm.api import make_backend
-from fsm.rows import to_rows
+from fsm.data.rows import to_rows
 from specs.calculator import make_prompts
 from tests.conftest import ASSETS
 

@@ -3,8 +3,8 @@
 - no import cycles among the project's modules, counting every import: module level, under
   TYPE_CHECKING, and inside functions (a lazy import hides a cycle from Python, not from a reader);
 - `fsm` imports a concrete backend (anything in `backends` but the protocol, backends/base.py, and the
-  retry policy, backends/retry.py) only in its composition modules: fsm/api.py, fsm/cli.py,
-  fsm/verl_adapter.py and the trainer adapters beside it (fsm/adapters/);
+  retry policy, backends/retry.py) only in its composition modules: fsm/api.py, fsm/cli/commands.py,
+  fsm/adapters/verl.py and the trainer adapters beside it (fsm/adapters/);
 - `backends` never imports `fsm`, and no engine or backend module imports `bench`.
 """
 
@@ -17,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("fsm", "backends", "viz", "bench", "specs")
-COMPOSITION = {"fsm.api", "fsm.cli", "fsm.verl_adapter", "fsm.adapters.trl", "fsm.adapters.openrlhf",
+COMPOSITION = {"fsm.api", "fsm.cli.commands", "fsm.adapters.verl", "fsm.adapters.trl", "fsm.adapters.openrlhf",
                "fsm.adapters.skyrl", "fsm.adapters.areal"}
 
 
@@ -116,7 +116,7 @@ def test_backends_never_import_fsm_and_nothing_imports_bench(graph):
     assert not {n: sorted(t for t in ts if t.startswith("fsm")) for n, ts in graph.items()
                 if n.startswith("backends") and n not in SCRIPTS and any(t.startswith("fsm") for t in ts)}  # fmt: skip
     assert not {n for n, ts in graph.items() if SCRIPTS & ts}
-    engine = [n for n in graph if n.split(".")[0] in ("fsm", "backends", "viz") and n != "fsm.cli"]
+    engine = [n for n in graph if n.split(".")[0] in ("fsm", "backends", "viz") and n != "fsm.cli.commands"]
     assert not {n: sorted(t for t in graph[n] if t.startswith("bench")) for n in engine
                 if any(t.startswith("bench") for t in graph[n])}  # fmt: skip
 
@@ -129,3 +129,31 @@ def test_every_package_is_in_the_wheel():
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {_module_name(p) for pkg in PACKAGES for p in (ROOT / pkg).rglob("__init__.py")}
     assert found - listed == set(), "add these to [tool.setuptools] packages in pyproject.toml"
+
+
+# fsm's packages in the order of a run's stages: each may import only those before it (fsm/*/__init__.py say
+# so in words). The chat codecs and parsers (families) are at the bottom; the composition (api, adapters, cli) on top.
+STAGES = ["families", "spec", "data", "tools", "run", "output", "telemetry", "api", "adapters", "cli"]
+
+
+def _stage(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[0] != "fsm" or len(parts) < 2:
+        return None
+    return parts[1] if parts[1] in STAGES else None
+
+
+def test_fsm_packages_import_only_earlier_stages(graph):
+    late = {
+        f"{name} -> {target}"
+        for name, targets in graph.items()
+        if (stage := _stage(name))
+        for target in targets
+        if (other := _stage(target)) and STAGES.index(other) > STAGES.index(stage)
+    }
+    assert not late, "a stage imports a later one: " + ", ".join(sorted(late))
+
+
+def test_every_fsm_module_belongs_to_a_stage():
+    loose = sorted(p.name for p in (ROOT / "fsm").glob("*.py"))
+    assert loose == ["__init__.py", "api.py", "chat.py", "parsers.py", "segments.py", "verl_adapter.py"], "put new modules in the package of their stage"

@@ -2,7 +2,7 @@
 traceback; numeric flags are range-checked; `run` writes its outputs so that a directory never holds a
 mix of two runs; `--max-error-rate`; `show --limit` and the ground truth; help, defaults and --version.
 
-Most cases run `fsm.cli.main` in process (fast). Runs that need a model use the scripted echo model behind
+Most cases run `fsm.cli.commands.main` in process (fast). Runs that need a model use the scripted echo model behind
 an in-process dev server (`--server`), so no test here loads the tiny model.
 """
 
@@ -23,8 +23,8 @@ import pytest
 
 from backends.devserver import DevServer
 from backends.scripted import ScriptedBackend, echo_backend
-from fsm.cli import build_parser, main
-from fsm.cli_args import Parser
+from fsm.cli.args import Parser
+from fsm.cli.commands import build_parser, main
 from tests.conftest import ASSETS, REPO
 
 SPEC = str(REPO / "specs" / "calculator.yaml")
@@ -167,8 +167,7 @@ def test_request_timeout_reaches_the_engine(monkeypatch, tmp_path):
     """Until backends take `request_timeout_s`, check that the CLI hands it to RolloutEngine's backend options
     (and only when given)."""
     import fsm.api
-    from fsm import cli
-
+    from fsm.cli import commands as cli
     seen: list[dict] = []
 
     class Stop(Exception):
@@ -200,8 +199,7 @@ def test_launch_sglang_without_sglang_shows_the_cause(capsys, tmp_path):
 
 
 def test_trace_sample_without_tracing_warns(capsys, monkeypatch, tmp_path):
-    from fsm import cli
-
+    from fsm.cli import commands as cli
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", raising=False)
     cli._check_run_flags(build_parser().parse_args(["run", SPEC, "--trace-sample", "0.1"]))
@@ -212,9 +210,9 @@ def test_trace_sample_without_tracing_warns(capsys, monkeypatch, tmp_path):
 
 
 def test_a_subprocess_error_is_one_line_too(tmp_path):
-    """The installed entry point's path: `python -m fsm.cli` in this checkout."""
+    """The installed entry point's path: `python -m fsm.cli.commands` in this checkout."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-m", "fsm.cli", "run", SPEC, "--concurrency", "0"], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "fsm.cli.commands", "run", SPEC, "--concurrency", "0"], capture_output=True,
                           text=True, env=env, cwd=tmp_path, timeout=120)  # fmt: skip
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.splitlines() == [
@@ -308,7 +306,7 @@ def assert_consistent(out, rows: int, status: str = "completed") -> dict:
     assert torch.load(out / "batch.pt", weights_only=False)["batch"]["responses"].shape[0] == rows
     resume = ["snapshot.json"] if status == "interrupted" else []  # the rows in flight, for run --resume
     assert sorted(p.name for p in out.iterdir()) == [".agentfsm.lock", "batch.pt", *resume, "summary.json",
-                                                     "trajectories.jsonl"]  # the lock: fsm/rundir.py's `locked`
+                                                     "trajectories.jsonl"]  # the lock: fsm/output/rundir.py's `locked`
     return summary
 
 
@@ -345,7 +343,7 @@ def test_interrupt_while_writing_leaves_the_previous_run(capsys, echo_server, tm
 
 
 def test_interrupt_during_the_swap_finishes_it_first(capsys, echo_server, tmp_path, monkeypatch):
-    import fsm.rundir
+    import fsm.output.rundir
 
     out = tmp_path / "out"
     assert main(run_argv(echo_server, out, "--num-prompts", "4", "-q")) == 0
@@ -358,7 +356,7 @@ def test_interrupt_during_the_swap_finishes_it_first(capsys, echo_server, tmp_pa
         calls.append(dst)
         real_replace(src, dst)
 
-    monkeypatch.setattr(fsm.rundir.os, "replace", replace)
+    monkeypatch.setattr(fsm.output.rundir.os, "replace", replace)
     code = main(run_argv(echo_server, out, "--num-prompts", "2", "-q"))
     assert code == 130 and len(calls) == 3
     assert "the run had finished and is written" in capsys.readouterr().err
@@ -412,7 +410,7 @@ def test_dead_servers_exceed_the_error_rate(capsys, tmp_path, monkeypatch):
 
 def test_bench_prints_json_on_stdout_and_its_table_on_stderr():
     """`agentfsm bench ... | jq` works: stdout is the JSON alone, the human-readable line goes to stderr."""
-    proc = subprocess.run([sys.executable, "-m", "fsm.cli", "bench", "router"], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "fsm.cli.commands", "bench", "router"], capture_output=True, text=True,
                           cwd=REPO, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["servers"] == 8
@@ -422,11 +420,11 @@ def test_bench_prints_json_on_stdout_and_its_table_on_stderr():
 def test_bench_engine_calculator_workload_and_a_workload_it_has_not():
     """`bench engine --workload calculator` prints CPU per trajectory at --n in flight; a workload the
     benchmark does not have is one clear line, not a run of another benchmark."""
-    proc = subprocess.run([sys.executable, "-m", "fsm.cli", "bench", "engine", "--workload", "calculator", "--n", "40",
+    proc = subprocess.run([sys.executable, "-m", "fsm.cli.commands", "bench", "engine", "--workload", "calculator", "--n", "40",
                            "--repeats", "1"], capture_output=True, text=True, cwd=REPO, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["workload"] == "calculator" and out["trajectories"] == 40 and out["cpu_us_per_trajectory"] > 0
-    proc = subprocess.run([sys.executable, "-m", "fsm.cli", "bench", "engine", "--workload", "embedded"],
+    proc = subprocess.run([sys.executable, "-m", "fsm.cli.commands", "bench", "engine", "--workload", "embedded"],
                           capture_output=True, text=True, cwd=REPO, timeout=300)  # fmt: skip
     assert proc.returncode != 0 and "no --workload embedded" in proc.stderr and not proc.stdout

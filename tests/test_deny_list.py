@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 
-from fsm.registry import DENIED_MODULES, SAFE_STDLIB, UnsafeImportError, check_import_path, resolve
+from fsm.spec.registry import DENIED_MODULES, SAFE_STDLIB, UnsafeImportError, check_import_path, resolve
 from tests.conftest import REPO
 
 STDLIB = sorted(sys.stdlib_module_names)
@@ -91,7 +91,7 @@ def test_validate_refuses_them_without_trust(tmp_path, ref):
     """Through the real `agentfsm validate --static` process: a positioned unsafe-import diagnostic, exit 2."""
     spec = tmp_path / "spec.yaml"
     spec.write_text(SPEC.format(base=REPO / "specs" / "tool_agent.yaml", ref=ref))
-    proc = subprocess.run([sys.executable, "-m", "fsm.cli", "validate", "--static", str(spec)], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-m", "fsm.cli.commands", "validate", "--static", str(spec)], cwd=REPO,
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 1 and proc.stdout.count("\n") == 1, proc.stdout + proc.stderr
     assert proc.stdout.startswith(f"{spec}:4:") and "unsafe-import" in proc.stdout

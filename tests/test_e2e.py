@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from fsm.cli import main
+from fsm.cli.commands import main
 from tests.conftest import ASSETS
 
 pytestmark = pytest.mark.skipif(not (ASSETS / "model.safetensors").exists(), reason="the tiny model is not trained")

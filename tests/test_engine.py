@@ -11,7 +11,7 @@ import pytest
 
 import fsm
 from backends.base import BackendUnavailable
-from fsm.trajectory import Trajectory
+from fsm.run.trajectory import Trajectory
 from tests.conftest import (
     PARTS,
     SPECS,
@@ -719,7 +719,7 @@ async def test_reused_uid_does_not_share_a_different_prompt(tok):
 async def test_prompt_cache_encodes_a_group_once_and_keeps_nothing(tok, n):
     """A group's samples share one encoding, held only until the group's last sample has it; with one sample
     per row nothing is held at all (10,000 prompts in flight would otherwise all stay in memory)."""
-    from fsm.actions import encode_prompt
+    from fsm.run.actions import encode_prompt
 
     agent = fsm.compile_spec(SPECS / "single_turn.yaml")
     runner = fsm.Runner(agent, scripted([model_turn(tok, "ok")]), tok)

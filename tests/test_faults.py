@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 
 import fsm
-from fsm.registry import ImportPathError, UnsafeImportError, resolve
+from fsm.spec.registry import ImportPathError, UnsafeImportError, resolve
 
 REPO = Path(__file__).resolve().parents[1]
 SPECS = REPO / "specs"
@@ -45,7 +45,7 @@ SPECS = REPO / "specs"
 # `file:line:col: code: message` (data: `file:line[:col]: message`), costing under CPU_LIMIT_S of CPU beyond
 # what validating a trivial spec costs and under RSS_LIMIT_MB of peak memory for the whole process. CPU
 # time, not wall time, is what is asserted: on a shared machine wall time measures the neighbours (wall
-# time is bounded only by the hang guard). The CLI cases run `python -m fsm.cli validate` itself.
+# time is bounded only by the hang guard). The CLI cases run `python -m fsm.cli.commands validate` itself.
 # ==========================================================================================================
 
 CPU_LIMIT_S = 1.0
@@ -102,7 +102,7 @@ def run_child(argv: list[str], env: dict[str, str] | None = None) -> Cost:
 
 
 def validate(*args: str | Path, env: dict[str, str] | None = None) -> Cost:
-    return run_child([sys.executable, "-m", "fsm.cli", "validate", *map(str, args)], env)
+    return run_child([sys.executable, "-m", "fsm.cli.commands", "validate", *map(str, args)], env)
 
 
 @pytest.fixture(scope="module")
@@ -349,11 +349,11 @@ def test_deny_list_allows_what_the_spec_opts_in_to_and_nothing_else():
     assert resolve("json:dumps") is not None and resolve("specs.calculator:calculator") is not None
 
 
-# --- hostile data files: fsm.data.load_rows -------------------------------------------------------------
+# --- hostile data files: fsm.data.files.load_rows -------------------------------------------------------------
 
 LOAD_ROWS = """
 import sys
-from fsm.data import DataError, load_rows
+from fsm.data.files import DataError, load_rows
 try:
     rows = load_rows(sys.argv[1])
 except DataError as exc:

@@ -1,4 +1,4 @@
-"""fsm/handoff.py: callbacks from other threads reach the loop in order, a burst in one wake-up; `settled` is
+"""fsm/tools/handoff.py: callbacks from other threads reach the loop in order, a burst in one wake-up; `settled` is
 `asyncio.wrap_future` (result, exception, cancellation both ways) with its answer handed back that way."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from fsm.handoff import Mailbox, mailbox, settled
+from fsm.tools.handoff import Mailbox, mailbox, settled
 
 
 async def test_a_burst_runs_in_order_after_one_wake_up():

@@ -51,7 +51,7 @@ def test_a_row_of_the_wrong_shape_is_its_own_error_row(tok, bad, words):
 
 
 def test_lone_surrogates_become_replacement_characters_where_they_enter():
-    from fsm.rows import encodable, encodable_value
+    from fsm.data.rows import encodable, encodable_value
 
     assert encodable("plain") == "plain" and encodable("é\ud800x\udfff") == "é\ufffdx\ufffd"
     row = encodable_value({"a": ["\ud800", ("x", "\udc00")], "\ud801": 1})
@@ -77,7 +77,7 @@ def test_a_ground_truth_with_a_lone_surrogate_is_written(tmp_path):
            "reward_model": {"ground_truth": "5\ud800"}, "extra_info": {"note": "\udfff"}}  # fmt: skip
     data.write_text(json.dumps(row) + "\n")  # ensure_ascii: the file holds the \ud800 escape, as a dataset would
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "fsm.cli", "run", str(SPECS / "calculator.yaml"), "--data",
+    proc = subprocess.run([sys.executable, "-m", "fsm.cli.commands", "run", str(SPECS / "calculator.yaml"), "--data",
                            str(data), "--out", str(out), "-q", "--max-error-rate", "1"], cwd=REPO,
                           capture_output=True, text=True, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
@@ -167,7 +167,7 @@ def test_validate_warns_about_a_cycle_that_spends_no_budget(write_spec):
     text = CYCLE.replace("{specs}", str(SPECS)).replace("{parts}", PARTS).replace("{not: always_false}",
                                                                                   "has_tool_calls")  # fmt: skip
     path = write_spec(__import__("textwrap").dedent(text))
-    proc = subprocess.run([sys.executable, "-m", "fsm.cli", "validate", str(path)], cwd=REPO, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "fsm.cli.commands", "validate", str(path)], cwd=REPO, capture_output=True,
                           text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     warning, ok = proc.stdout.splitlines()

@@ -36,7 +36,7 @@ def calc_script(tok):
         f"#### {5 + row % 2}", add_special_tokens=False) + [tok.eos_token_id]  # fmt: skip
 
 
-class DataProto:  # verl's class by shape (fsm.rows.is_dataproto), as its trainer hands it
+class DataProto:  # verl's class by shape (fsm.data.rows.is_dataproto), as its trainer hands it
     def __init__(self, batch=None, non_tensor_batch=None, meta_info=None):
         self.batch, self.non_tensor_batch, self.meta_info = batch, non_tensor_batch or {}, meta_info or {}
 

@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import fsm
-from fsm.spec import LimitsSpec, RewardSpec, ToolSpec
-from fsm.trajectory import Trajectory
+from fsm.run.trajectory import Trajectory
+from fsm.spec.model import LimitsSpec, RewardSpec, ToolSpec
 from tests.conftest import PARTS, SPECS, scripted
 
 SETTINGS = settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -295,8 +295,8 @@ turn = st.tuples(st.booleans(), st.lists(st.integers(0, 1000), max_size=12),
 def test_segments_and_version_runs_read_back_per_token(turns, fail_at):
     """Segments (one int array) and weight versions (runs) give what lists of records and of per-token
     versions would: the same segments, versions, masks and logprobs, through fail() and a snapshot."""
-    from fsm.snapshot import decode_trajectory, encode_trajectory
-    from fsm.trajectory import Segment
+    from fsm.run.snapshot import decode_trajectory, encode_trajectory
+    from fsm.run.trajectory import Segment
 
     traj = Trajectory(0, 0, "s", "u", {"raw_prompt": []}, "PENDING")
     segments, versions, mask = [], [], []

@@ -1,7 +1,7 @@
 """Pause, weight update and resume mid-batch: nothing is lost or duplicated, and every token knows its weights.
 
 Real HTTP on loopback: a dev server (backends/devserver.py) over the tiny model (backends/hf.py), the SGLang
-client behind the router, and the engine's pause gate (fsm/context.py PauseGate). The early checkpoint
+client behind the router, and the engine's pause gate (fsm/run/context.py PauseGate). The early checkpoint
 (backends/tiny/assets/early) makes a weight update visible in what the model generates.
 """
 

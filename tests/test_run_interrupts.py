@@ -61,7 +61,7 @@ def servers():
 
 
 def run_args(out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "fsm.cli", "run", "--tokenizer", str(ASSETS), "--num-prompts", "3", "--n", "2",
+    return [sys.executable, "-m", "fsm.cli.commands", "run", "--tokenizer", str(ASSETS), "--num-prompts", "3", "--n", "2",
             "--temperature", "0", "--out", str(out), "-q", *extra]  # fmt: skip
 
 
@@ -164,7 +164,7 @@ tools:
 def test_a_hung_sync_tool_gets_a_watchdog_line_and_a_second_ctrl_c_exits_at_once(tmp_path):
     spec = tmp_path / "stuck.yaml"
     spec.write_text(STUCK_SPEC.format(specs=REPO / "specs"))
-    proc = subprocess.Popen([sys.executable, "-m", "fsm.cli", "run", str(spec), "--num-prompts", "2", "--watchdog",
+    proc = subprocess.Popen([sys.executable, "-m", "fsm.cli.commands", "run", str(spec), "--num-prompts", "2", "--watchdog",
                              "1", "--out", str(tmp_path / "out"), "-q"], env=ENV, cwd=REPO, stderr=subprocess.PIPE,
                             text=True)  # fmt: skip
     try:

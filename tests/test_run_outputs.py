@@ -1,6 +1,6 @@
 """What `agentfsm run` leaves behind, whatever happens around it: --out checked before the rollout, a lock
 against a second run, outputs kept when --out refuses them, a tool that moves the process or closes its
-stdout, and snapshots refused in one line when damaged or crafted (fsm/rundir.py, fsm/snapshot.py).
+stdout, and snapshots refused in one line when damaged or crafted (fsm/output/rundir.py, fsm/run/snapshot.py).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from backends.scripted import ScriptedBackend, echo_backend
-from fsm import snapshot as snap
-from fsm.cli import main
-from fsm.rundir import locked
+from fsm.cli.commands import main
+from fsm.output.rundir import locked
+from fsm.run import snapshot as snap
 from tests.conftest import ASSETS, REPO
 from tests.test_cli import _ThreadServer, assert_consistent, one_line_error, read_summary, run_argv
 
@@ -75,7 +75,7 @@ def test_a_tool_that_moves_the_process_and_closes_stdout_costs_nothing(tmp_path)
     spec = tmp_path / "rude.yaml"
     spec.write_text(f"name: calculator_rude\nextends: {REPO}/specs/calculator.yaml\ntools:\n"
                     "  - function: tests.fixtures.parts:rude_calculator\n    schema: specs.calculator:TOOL_SCHEMA\n")
-    done = subprocess.run([sys.executable, "-m", "fsm.cli", "run", str(spec), "--num-prompts", "2", "--out",
+    done = subprocess.run([sys.executable, "-m", "fsm.cli.commands", "run", str(spec), "--num-prompts", "2", "--out",
                            "relative/out"], cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
     summary = read_summary(tmp_path / "relative/out")

@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 420) -> subprocess.CompletedProcess:
     environ = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     environ.update(PYTHONPATH=str(REPO), **(env or {}))
-    return subprocess.run([sys.executable, "-m", "fsm.cli", "run", *args], cwd=REPO, env=environ, text=True,
+    return subprocess.run([sys.executable, "-m", "fsm.cli.commands", "run", *args], cwd=REPO, env=environ, text=True,
                           capture_output=True, timeout=timeout)  # fmt: skip
 
 

@@ -27,8 +27,8 @@ from backends.launcher import SGLangLauncher
 from backends.router import Router
 from backends.scripted import HashLM
 from backends.sglang import SGLangBackend
-from fsm.batch import fault_summary
-from fsm.runtime import Runner
+from fsm.output.batch import fault_summary
+from fsm.run.runtime import Runner
 from tests.conftest import ASSETS, until, user_row
 from tests.test_router import _free_ports
 
@@ -243,7 +243,7 @@ MIXED = {"http_503": 0.03, "drop": 0.03, "reset": 0.03, "hang": 0.02, "non_json"
 
 def test_cli_summary_counts_equal_what_was_injected(tmp_path, capsys):
     """`agentfsm run` over two faulty servers: summary.json and the table show what the proxies injected."""
-    from fsm.cli import main
+    from fsm.cli.commands import main
 
     ready = threading.Event()
     stop: dict[str, Any] = {}

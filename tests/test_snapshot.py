@@ -1,4 +1,4 @@
-"""Snapshots (fsm/snapshot.py): a trajectory round-trips through JSON slot for slot; a snapshot restores only
+"""Snapshots (fsm/run/snapshot.py): a trajectory round-trips through JSON slot for slot; a snapshot restores only
 into the spec it was taken with; a continuous-mode snapshot taken at any point and restored in a new process
 gives the greedy result of an uninterrupted run; and `agentfsm run`, interrupted by a real SIGINT while rows
 are in flight, resumes with `--resume DIR` to the uninterrupted run's batch, token for token."""
@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from backends.base import BaseBackend, GenerateRequest, GenerateResult
 from backends.scripted import echo_backend
 from fsm import RolloutEngine
-from fsm.snapshot import SnapshotError, decode_trajectory, encode_trajectory
+from fsm.run.snapshot import SnapshotError, decode_trajectory, encode_trajectory
 from specs.calculator import make_prompts
 from tests.conftest import ASSETS, assert_same_batch_files
 
@@ -158,7 +158,7 @@ def tiny_server():
 
 
 def _run(url: str, out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "fsm.cli", "run", "specs/calculator.yaml", "--server", url, "--num-prompts", "6",
+    return [sys.executable, "-m", "fsm.cli.commands", "run", "specs/calculator.yaml", "--server", url, "--num-prompts", "6",
             "--n", "2", "--temperature", "0", "--concurrency", "3", "--out", str(out), "-q", *extra]  # fmt: skip
 
 

@@ -19,7 +19,7 @@ import pytest
 from ruamel.yaml import YAML
 
 import fsm
-from fsm.spec import json_schema
+from fsm.spec.model import json_schema
 
 HERE = Path(__file__).resolve().parent
 CORPUS = HERE / "broken_specs"
@@ -94,7 +94,7 @@ def test_shipped_specs_present():
 
 
 def test_json_schema_is_fresh():
-    """specs/agentfsm.schema.json must equal fsm.spec.json_schema(). If this fails, regenerate it with
+    """specs/agentfsm.schema.json must equal fsm.spec.model.json_schema(). If this fails, regenerate it with
     `agentfsm schema -o specs/agentfsm.schema.json`.
     """
     assert SCHEMA.exists(), "specs/agentfsm.schema.json is missing: regenerate it (see this test's docstring)"
@@ -116,7 +116,7 @@ def test_json_schema_describes_the_spec():
 
 def test_schema_file_is_what_the_cli_writes(tmp_path):
     """`agentfsm schema -o FILE` is how specs/agentfsm.schema.json is made: its output is the file."""
-    from fsm.cli import main
+    from fsm.cli.commands import main
 
     out = tmp_path / "schema.json"
     assert main(["schema", "-o", str(out)]) == 0

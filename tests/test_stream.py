@@ -1,4 +1,4 @@
-"""The continuous mode (fsm/stream.py): submit rows, take whole GRPO groups in completion order, staleness
+"""The continuous mode (fsm/run/stream.py): submit rows, take whole GRPO groups in completion order, staleness
 bounded with a declared policy, none lost or duplicated; and trajectories that keep running across a weight
 update."""
 
@@ -15,8 +15,8 @@ from backends.base import BaseBackend, GenerateRequest, GenerateResult
 from backends.devserver import DevServer
 from backends.scripted import echo_backend
 from fsm import RolloutEngine
-from fsm.stream import StreamEmpty, version_span
-from fsm.trajectory import Trajectory
+from fsm.run.stream import StreamEmpty, version_span
+from fsm.run.trajectory import Trajectory
 from specs.calculator import make_prompts
 from tests.conftest import until
 

@@ -503,11 +503,11 @@ async def test_tracing_off_calls_nothing(tokenizer, agent, monkeypatch):
 
 
 async def test_telemetry_is_a_tracer(tokenizer, agent):
-    """Telemetry and the spans its hooks return have every member of fsm/tracing.py's protocols, each taking
+    """Telemetry and the spans its hooks return have every member of fsm/run/tracer.py's protocols, each taking
     the arguments the driver passes (positionally)."""
     import inspect
 
-    from fsm.tracing import CallSpan, RootSpan, Tracer
+    from fsm.run.tracer import CallSpan, RootSpan, Tracer
 
     def check(obj: Any, protocol: type) -> None:
         members = {

@@ -24,9 +24,16 @@ import pytest
 import fsm
 from backends.base import GenerateRequest
 from fsm.api import make_backend
-from fsm.isolation import BLOCKING_STEP_S, BLOCKING_STRIKES, InlineLane, LoopLane, ThreadLane, ToolUnavailable
 from fsm.parsers import ToolCall
-from fsm.tools import BaseTool, ToolResponse, truncate
+from fsm.tools.base import BaseTool, ToolResponse, truncate
+from fsm.tools.isolation import (
+    BLOCKING_STEP_S,
+    BLOCKING_STRIKES,
+    InlineLane,
+    LoopLane,
+    ThreadLane,
+    ToolUnavailable,
+)
 from tests.conftest import ASSETS, REPO, model_turn, run_agent, scripted, tool_messages, tool_turn, user_row
 from tests.fixtures import faulty
 
@@ -92,7 +99,7 @@ async def test_timed_out_call_frees_its_slot(tok, compile_yaml):
 async def test_a_timeout_counts_from_when_a_thread_takes_the_call():
     """Calls queued behind busy threads are not timed out unrun: thousands of calls in flight wait for a few
     threads, and the wait is not the tool's; a call that runs past the timeout still times out."""
-    from fsm.tools import StartTimeout
+    from fsm.tools.base import StartTimeout
 
     async def timed(call, timeout_s):
         async with StartTimeout(timeout_s):

@@ -1,4 +1,4 @@
-"""fsm/tools.py: argument checks, the tool policy both ways (verl's in tool_agent.yaml, agentfsm's stricter
+"""fsm/tools/base.py: argument checks, the tool policy both ways (verl's in tool_agent.yaml, agentfsm's stricter
 one in calculator.yaml and by default), error texts, tool order under tool_selection, and agent_data.
 
 The same behaviours through verl's own ToolAgentLoop are in tests/verl/test_tools.py.
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import fsm
-from fsm.tools import check_arguments, infer_schema
+from fsm.tools.base import check_arguments, infer_schema
 from tests.conftest import (
     PARTS,
     SPECS,
@@ -251,7 +251,7 @@ async def test_tiny_response_limits_truncate_as_verl_does(tok, compile_yaml, lim
     (None, "None", 0.0, {}),
 ])  # fmt: skip
 def test_function_returns_normalize_as_verl(ret, text, reward, metrics):
-    response, got_reward, got_metrics = fsm.tools.normalize_return(ret)
+    response, got_reward, got_metrics = fsm.tools.base.normalize_return(ret)
     assert (response.text, got_reward, got_metrics) == (text, reward, metrics)
 
 
@@ -263,5 +263,5 @@ def test_function_returns_normalize_as_verl(ret, text, reward, metrics):
 ])  # fmt: skip
 def test_function_returns_verl_refuses_are_errors(ret, error):
     with pytest.raises((TypeError, ValueError)) as info:
-        fsm.tools.normalize_return(ret)
+        fsm.tools.base.normalize_return(ret)
     assert str(info.value).startswith(error)

@@ -1,4 +1,4 @@
-"""Parity with verl 0.9.1's own ToolAgentLoop on hand-picked scripts, through fsm.verl_adapter running
+"""Parity with verl 0.9.1's own ToolAgentLoop on hand-picked scripts, through fsm.adapters.verl running
 specs/tool_agent.yaml (the harness: tests/verl/harness.py; tools, adapter options and generated scripts:
 tests/verl/).
 
@@ -333,8 +333,7 @@ async def test_verl_worker_batch_has_identical_rows(tok, tmp_path):
 @needs_verl
 def test_config_entry_errors_and_caching(tok, tmp_path):
     """The spec is compiled once per process; batch shapes belong to verl's rollout config."""
-    from fsm import verl_adapter
-
+    from fsm.adapters import verl as verl_adapter
     config = trainer_config(RESPONSE_LENGTH, {})
     server = ReplayServer(
         [], eos=tok.eos_token_id, prompt_length=PROMPT_LENGTH, response_length=RESPONSE_LENGTH

@@ -5,7 +5,7 @@
     to_mermaid(agent, run_stats=None)   -> a `stateDiagram-v2` string (renders in GitHub markdown)
     render(agent, "fsm.svg")            -> .svg .png .pdf (Graphviz's `dot` program), .dot/.gv, .mmd (none)
 
-What it shows: an entry point into the initial state; standard states (fsm.spec.STANDARD_STATES) in blue
+What it shows: an entry point into the initial state; standard states (fsm.spec.model.STANDARD_STATES) in blue
 and custom ones in amber, each with its action; final states as double circles; every edge with its guard
 as written (dashed and "default" for the unguarded last edge) and its reason. With run statistics, every
 edge also carries how many times it fired and in what share of trajectories (pen width by count), every
@@ -22,8 +22,8 @@ from typing import Any
 
 import graphviz
 
-from fsm.compile import CompiledAgent, Edge, compile_spec
-from fsm.spec import STANDARD_STATES
+from fsm.run.compile import CompiledAgent, Edge, compile_spec
+from fsm.spec.model import STANDARD_STATES
 
 STANDARD_FILL = "#dbeafe"  # blue-100
 CUSTOM_FILL = "#fde68a"  # amber-200

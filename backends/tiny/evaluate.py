@@ -22,7 +22,7 @@ from specs.calculator import make_prompts
 
 TOOL_CALL = re.compile(r"<tool_call>\n(.*?)\n</tool_call>", re.DOTALL)
 SPEC = Path(__file__).resolve().parents[2] / "specs" / "calculator.yaml"
-DEMO_PROMPTS, DEMO_SEED = 64, 0  # fsm.cli's defaults: `agentfsm run` with no --data or --num-prompts
+DEMO_PROMPTS, DEMO_SEED = 64, 0  # fsm.cli.commands's defaults: `agentfsm run` with no --data or --num-prompts
 
 
 def fully_correct(traj) -> bool:

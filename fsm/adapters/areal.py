@@ -31,8 +31,8 @@ import torch
 from backends.base import GenerateRequest
 from backends.function import FunctionBackend
 from fsm.adapters.bridge import on_loop
-from fsm.adapters.sample import Sample
 from fsm.api import RolloutEngine, SpecLike, load_tokenizer
+from fsm.output.sample import Sample
 
 log = logging.getLogger("agentfsm.areal")
 _WorkflowBase: Any

@@ -34,8 +34,8 @@ from typing import Any
 
 from backends.function import FunctionBackend
 from fsm.adapters.bridge import on_loop
-from fsm.adapters.sample import Sample
 from fsm.api import RolloutEngine, SpecLike
+from fsm.output.sample import Sample
 
 log = logging.getLogger("agentfsm.skyrl")
 _GeneratorBase: Any

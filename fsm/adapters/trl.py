@@ -32,9 +32,9 @@ import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from fsm.adapters.sample import Sample, SampleBatch
 from fsm.api import RolloutEngine, SpecLike
-from fsm.rows import normalize_record
+from fsm.data.rows import normalize_record
+from fsm.output.sample import Sample, SampleBatch
 
 log = logging.getLogger("agentfsm.trl")
 REWARD_KEY = "agentfsm_reward"

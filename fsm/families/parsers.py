@@ -2,7 +2,7 @@
 
 Each reads a model turn's text (decoded with its special tokens) and returns every call the model made, in
 order. A call the family's grammar opens but that does not parse comes back with `error` set, so the engine
-answers it (fsm/tools.py) instead of dropping it; where verl 0.9.1 has a parser for the family, the calls it
+answers it (fsm/tools/base.py) instead of dropping it; where verl 0.9.1 has a parser for the family, the calls it
 extracts from a text are the calls extracted here (tests/test_family_parsers.py holds the two together).
 """
 
@@ -77,7 +77,7 @@ class Qwen3CoderParser:
 
     def __init__(self, tokenizer: object = None):
         self.stop_token_ids: list[int] = []
-        self.tools: list[dict] = []  # schemas, for value types (fsm/context.py sets the spec's)
+        self.tools: list[dict] = []  # schemas, for value types (fsm/run/context.py sets the spec's)
 
     def parse(self, text: str) -> list[ToolCall]:
         if "<tool_call>" not in text:

@@ -20,7 +20,7 @@ otherwise.
 The driver's hooks run on every transition and call of every trajectory, so each idea here is kept where
 its cost can be seen:
 
-- Tracing off: the driver (fsm/runtime.py) calls nothing when no tracer is given (fsm/tracing.py says what
+- Tracing off: the driver (fsm/run/runtime.py) calls nothing when no tracer is given (fsm/run/tracer.py says what
   it calls when one is).
 - Sampling keeps or drops whole trajectories, decided once in `Telemetry.trajectory()` (tracer.py) from a
   hash of the session id (a re-run of the same ids keeps the same ones). A sampled-out trajectory gets None

@@ -74,7 +74,7 @@ class Telemetry:
     OTEL_TRACES_SAMPLER(_ARG) = always_off | traceidratio + fraction set `sample`, and
     OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=true sets `capture_content`.
 
-    The driver's hooks are fsm/tracing.py's `Tracer`: `trajectory()` (per trajectory: its root, or None when
+    The driver's hooks are fsm/run/tracer.py's `Tracer`: `trajectory()` (per trajectory: its root, or None when
     it is not traced), the root's `transition`/`state_failed`/`finish`, and `model_call`/`tool_call` around
     backend and tool calls, whose spans end with `done`/`fail`.
     """
@@ -199,7 +199,7 @@ class Telemetry:
         digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
         return int.from_bytes(digest, "big") < self._threshold
 
-    # --- the hooks fsm/runtime.py calls --------------------------------------------------------------------
+    # --- the hooks fsm/run/runtime.py calls --------------------------------------------------------------------
 
     def trajectory(self, traj: Any, run: Any) -> _Root | None:
         """The started root span of one trajectory, current in the calling task until its `finish()`; None

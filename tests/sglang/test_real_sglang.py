@@ -106,7 +106,7 @@ async def test_a_real_abort_returns_partial_output_and_the_turn_resumes_to_the_g
         n = len(part.token_ids)
         assert part.finish_reason == "abort" and part.extra["abort_kind"] == "running" and 0 < n < LONG
         assert part.token_ids == ref.token_ids[:n] and part.logprobs is not None and len(part.logprobs) == n
-        # what the engine does with it (fsm/actions.py): the same turn, its tokens appended, the rest asked for
+        # what the engine does with it (fsm/run/actions.py): the same turn, its tokens appended, the rest asked for
         rest = await c.generate(req("abt_t00_r1", LONG - n, prompt=PROMPT + part.token_ids, ignore_eos=True))
         assert part.token_ids + rest.token_ids == ref.token_ids
         got = part.logprobs + (rest.logprobs or [])
@@ -199,7 +199,7 @@ async def test_update_weights_between_checkpoints_through_the_router(sglang):
 
 
 def agentfsm(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "fsm.cli", *args], cwd=REPO, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "fsm.cli.commands", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=600)  # fmt: skip
 
 

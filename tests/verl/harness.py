@@ -427,7 +427,7 @@ def instantiate(entry, config, server, tokenizer, tools):
 def entry_file(tmp_path: Path, limits: dict[str, Any], tool_policy: dict[str, Any] | None = None,
                spec: str = SPEC) -> Path:  # fmt: skip
     """The documented agent_loop_config.yaml, with this case's overrides."""
-    lines = ["- name: fsm_agent", "  _target_: fsm.verl_adapter.FSMAgentLoop", f"  spec: {spec}"]
+    lines = ["- name: fsm_agent", "  _target_: fsm.adapters.verl.FSMAgentLoop", f"  spec: {spec}"]
     if limits:
         lines.append("  limits: " + json.dumps(limits))
     if tool_policy:
@@ -443,7 +443,7 @@ def fsm_entry(tmp_path: Path | None = None, limits: dict[str, Any] | None = None
     from omegaconf import OmegaConf
 
     if tmp_path is None:
-        entry = {"name": "fsm_agent", "_target_": "fsm.verl_adapter.FSMAgentLoop", "spec": spec}
+        entry = {"name": "fsm_agent", "_target_": "fsm.adapters.verl.FSMAgentLoop", "spec": spec}
         return OmegaConf.create({**entry, **({"limits": limits} if limits else {}),
                                  **({"tool_policy": tool_policy} if tool_policy else {})})  # fmt: skip
     (entry,) = [cfg for cfg in OmegaConf.load(entry_file(tmp_path, limits or {}, tool_policy, spec))
@@ -533,7 +533,7 @@ def assert_identical(pair: Pair) -> None:
             continue
         assert pair.fsm.extra_fields[key] == value, key
     assert pair.fsm.reward_score == pair.verl.reward_score
-    assert pair.fsm.metrics.num_preempted == pair.verl.metrics.num_preempted
+    assert pair.fsm.output.metrics.num_preempted == pair.verl.metrics.num_preempted
 
 
 def assert_same_requests(pair: Pair, eos: int) -> None:
@@ -611,7 +611,7 @@ async def verl_batch(outputs: list, rows: list[dict[str, Any]], *, prompt_length
 
 def as_trajectory(out):
     """An AgentLoopOutput as an agentfsm Trajectory (same ids, masks, logprobs, score), for fsm.collate."""
-    from fsm.trajectory import Trajectory
+    from fsm.run.trajectory import Trajectory
 
     traj = Trajectory(0, 0, "s", "u", {"raw_prompt": []}, "PENDING")
     traj.prompt_ids.extend(out.prompt_ids)

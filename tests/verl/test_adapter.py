@@ -149,7 +149,7 @@ def test_entry_tool_policy_is_its_own_compiled_agent(tok, tmp_path):
 def test_verl_tools_run_where_verl_runs_them(tok, tmp_path):
     """An async BaseTool is awaited on the worker's loop (InlineLane, which still moves a tool that holds the
     loop to a thread of its own); a sync @function_tool runs in threads, as verl's asyncio.to_thread does."""
-    from fsm.isolation import InlineLane, ThreadLane
+    from fsm.tools.isolation import InlineLane, ThreadLane
 
     config = trainer_config(256)
     server = ReplayServer([], eos=tok.eos_token_id, prompt_length=512, response_length=256)

@@ -1,5 +1,5 @@
 """The adapter the way verl runs it: verl's own AgentLoopWorker loads an `fsm_agent` entry from
-agent_loop_config_path, and hydra imports fsm.verl_adapter for the first time while instantiating it. The
+agent_loop_config_path, and hydra imports fsm.adapters.verl for the first time while instantiating it. The
 entry's spec, limits and tool_policy must hold for every sample of every batch, in a fresh process (where
 importing the adapter's module happens inside the worker, as in a real run).
 """
@@ -17,7 +17,7 @@ SCRIPT = r"""
 import asyncio, json, sys, tempfile
 from pathlib import Path
 
-assert "fsm.verl_adapter" not in sys.modules
+assert "fsm.adapters.verl" not in sys.modules
 from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
 from tests.conftest import hermes_text
 from tests.verl import harness as h

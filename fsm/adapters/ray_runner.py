@@ -1,0 +1,561 @@
+"""Scale-out on Ray: K actors, each an event loop running a Runner of the same spec, fed by work stealing.
+
+    runner = RayRunner("specs/calculator.yaml", tokenizer=path, servers=[url, ...], workers=4)
+    batch = runner.generate_sequences(rows, n=8)       # same contract as RolloutEngine
+
+How work moves:
+- The unit of work is a GRPO group: one row with its n samples. A group never splits, so its samples run in
+  one actor, through that actor's one Router, which sends them to one server (group affinity: the shared
+  prompt is prefilled once) and keeps each trajectory's turns there (sticky sessions: prefix reuse).
+- The queue of groups lives in the driver. Each actor has `slots` calls in flight, each a chunk of
+  `chunk_rows` groups; when a call returns, that actor's freed slot takes the next chunk. Actors that run
+  faster take more chunks: work stealing, with no static split and no queue actor (one Ray hop per chunk).
+- Routing stays per actor, against the one shared set of servers. A shared router actor would see global
+  load, but at the price of a Ray hop per model call on the hot path; per-actor least-in-flight routers
+  balance the aggregate statistically, and each actor's server list is rotated by its rank so that idle
+  tie-breaks do not pile every actor onto server 0.
+- An actor that dies (ActorDiedError and other RayActorErrors) loses nothing: its unfinished chunks go back
+  to the front of the queue and run on the survivors; `stats["rerun_rows"]` counts them. The next batch
+  replaces dead actors.
+- Trajectories come back pickled (slots and arrays pickle as they are), without their input row (the driver
+  has it), and are collated on the driver in input order: the batch equals a single-process run's.
+
+`ray` is an optional extra (`pip install 'agentfsm[ray]'`) and is imported only inside this module's calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from backends.base import Backend
+from fsm.api import SpecLike, _Engine, load_agent, load_tokenizer, make_backend, tiny_model_dir
+from fsm.chat import ChatCodec
+from fsm.data.rows import normalize_record, to_rows
+from fsm.families import codec_for
+from fsm.run.context import Sampling
+from fsm.run.stream import Group, GroupTaking, StalePolicy, StreamEmpty, version_span
+from fsm.run.trajectory import Trajectory
+
+
+def _ray() -> Any:
+    try:
+        import ray
+    except ImportError as e:
+        raise ImportError("RayRunner needs ray: pip install 'agentfsm[ray]'") from e
+    return ray
+
+
+class _Worker:
+    """One actor: a Runner over its own backend (a Router over the shared servers, or the factory's)."""
+
+    def __init__(self, spec: Any, tokenizer: Any, servers: Sequence[str] | None,
+                 backend_factory: Callable[[], Backend] | None, rank: int, max_concurrency: int):  # fmt: skip
+        from fsm.run.runtime import Runner
+
+        if servers:
+            k = rank % len(servers)
+            backend = make_backend(servers=[*servers[k:], *servers[:k]])
+        elif backend_factory is not None:
+            backend = backend_factory()
+        else:
+            backend = make_backend()
+        self.runner = Runner(
+            load_agent(spec), backend, load_tokenizer(tokenizer), max_concurrency=max_concurrency
+        )
+        self.rank = rank
+        self.progress = 0  # state boundaries passed and trajectories finished: the driver's hang detector reads it
+        self._gate: asyncio.Semaphore | None = None
+        self._contexts: dict[str, Any] = {}  # batch key -> RunContext (a few recent batches)
+
+    async def _start(self) -> None:
+        if self._gate is None:
+            self._gate = asyncio.Semaphore(self.runner.max_concurrency)
+            start = getattr(self.runner.backend, "start", None)
+            if start is not None:
+                await start()
+
+    async def run(self, key: str, sampling: Sampling, rows: list[Any], row_ids: list[int],
+                  n: int) -> list[Trajectory]:  # fmt: skip
+        """Run a chunk of groups; trajectories come back without their rows (the driver holds them)."""
+        await self._start()
+        ctx = self._contexts.get(key)
+        if ctx is None:
+            ctx = self._contexts[key] = self.runner.make_context(sampling=sampling)
+            while len(self._contexts) > 4:
+                del self._contexts[next(iter(self._contexts))]
+        trajs = self.runner.trajectories(rows, n)
+        for t in trajs:
+            t.index = row_ids[t.index // n] * n + t.sample  # the batch-wide index: per-sample seeds match
+
+        async def one(t: Trajectory) -> None:
+            assert self._gate is not None
+            async with self._gate:
+                await self.runner.drive(ctx, t, self._tick)
+            self.progress += 1
+
+        async with self.runner.watching(), asyncio.TaskGroup() as tg:
+            for t in trajs:
+                tg.create_task(one(t))
+        for t in trajs:
+            t.row = None  # type: ignore[assignment]
+        return trajs
+
+    async def _tick(self, traj: Trajectory) -> None:
+        self.progress += 1
+
+    async def heartbeat(self) -> int:
+        """How far this actor has got; unchanged for `hang_s` while it holds rows: hung."""
+        return self.progress
+
+    async def echo(self, payload: Any) -> Any:
+        """A no-op round trip: `bench/ray.py` measures the bare Ray hop with it."""
+        return payload
+
+    async def pid(self) -> int:
+        return os.getpid()
+
+    async def control(
+        self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any], required: bool
+    ) -> Any:
+        await self._start()
+        fn = getattr(self.runner.backend, method, None)
+        if fn is None:
+            if required:
+                raise NotImplementedError(f"backend {type(self.runner.backend).__name__} has no {method}()")
+            return None
+        return await fn(*args, **kwargs)
+
+    async def close(self) -> None:
+        close = getattr(self.runner.backend, "close", None)
+        if close is not None and self._gate is not None:
+            await close()
+
+
+class RayRunner(_Engine, GroupTaking):
+    """`workers` Ray actors rolling out one spec over one shared set of servers (or per-actor backends).
+
+    spec, tokenizer: as for RolloutEngine (a path is best for the tokenizer: each actor loads it).
+    servers: SGLang base URLs every actor routes over; or `backend_factory`: a picklable callable each
+        actor calls to build its own backend; or neither: each actor embeds the tiny model (backends.hf).
+    workers: actors. max_concurrency: trajectories in flight per actor. chunk_rows: groups per Ray call.
+    address: a Ray cluster to join (default: the running one, else a new local instance).
+    actor_options: passed to `.options()` (num_cpus, runtime_env, ...).
+    hang_s: an actor holding rows whose trajectories pass no state boundary for this long is killed and its
+        rows re-run elsewhere, as a dead one's (None: off; make it longer than the slowest model turn).
+    Continuous mode: `submit` / `take` / `stream` / `stream_stats`, as RolloutEngine's (fsm/run/stream.py).
+    After each batch, `stats` holds per-run counters: chunks, rerun_rows, actor_deaths, rows per actor.
+    """
+
+    def __init__(self, spec: SpecLike, tokenizer: Any = None, *, servers: Sequence[str] | None = None,
+                 backend_factory: Callable[[], Backend] | None = None, workers: int = 2, address: str | None = None,
+                 max_concurrency: int = 128, chunk_rows: int = 1, actor_options: Mapping[str, Any] | None = None,
+                 hang_s: float | None = None):  # fmt: skip
+        if servers and backend_factory is not None:
+            raise ValueError("give servers= or backend_factory=, not both")
+        if workers < 1 or max_concurrency < 1 or chunk_rows < 1:
+            raise ValueError("workers, max_concurrency and chunk_rows must be >= 1")
+        if tokenizer is None:
+            if servers or backend_factory is not None:
+                raise ValueError("a tokenizer is needed with servers= or backend_factory= (a path is best)")
+            tokenizer = tiny_model_dir()
+        self.agent = load_agent(spec)
+        # What each actor compiles: the spec file's absolute path when there is one (workers' cwd differs).
+        self._spec = str(self.agent.path.resolve()) if self.agent.path else self.agent.spec
+        self._tokenizer = str(tokenizer) if isinstance(tokenizer, Path) else tokenizer
+        model = self.agent.spec.model
+        self.codec = (
+            codec_for(load_tokenizer(tokenizer), model.family, model.chat_template_kwargs)
+            if not isinstance(tokenizer, ChatCodec) else tokenizer
+        )  # fmt: skip
+        self.servers = list(servers) if servers else None
+        self.backend_factory = backend_factory
+        self.workers = workers
+        self.max_concurrency = max_concurrency
+        self.chunk_rows = chunk_rows
+        self.address = address
+        self.actor_options = dict(actor_options or {})
+        self.actors: list[Any] = []  # Ray actor handles, index = rank
+        self._dead: set[int] = set()
+        self._owns_ray = False
+        self.hang_s = hang_s
+        self.stats: dict[str, Any] = {}
+        self._pool: _Pool | None = None  # the continuous mode's
+
+    # -- actors --------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Join (or start) Ray and bring the pool to `workers` live actors, replacing dead ones."""
+        if len(self.actors) == self.workers and not self._dead:
+            return
+        ray = _ray()
+        if not ray.is_initialized():
+            ray.init(address=self.address, include_dashboard=False, log_to_driver=False)
+            self._owns_ray = True
+        actor = ray.remote(_Worker).options(max_concurrency=self._slots() + 8, **self.actor_options)
+        for rank in range(self.workers):
+            if rank < len(self.actors) and rank not in self._dead:
+                continue
+            handle = actor.remote(self._spec, self._tokenizer, self.servers, self.backend_factory, rank,
+                                  self.max_concurrency)  # fmt: skip
+            if rank < len(self.actors):
+                ray.kill(self.actors[rank])
+                self.actors[rank] = handle
+            else:
+                self.actors.append(handle)
+            self._dead.discard(rank)
+
+    def ready(self) -> list[int]:
+        """Block until every actor is up; their process ids."""
+        self.start()
+        return _ray().get([a.pid.remote() for a in self.actors])
+
+    def _slots(self) -> int:
+        """Chunks in flight per actor: enough to keep `max_concurrency` trajectories busy."""
+        return max(1, math.ceil(self.max_concurrency / self.chunk_rows))
+
+    # -- the batch -----------------------------------------------------------------------------------------
+
+    async def arun(self, rows: Sequence[Any], *, n: int = 1, sampling_params: Mapping[str, Any] | None = None,
+                   validate: bool = False, sampling: Sampling | None = None,
+                   on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:  # fmt: skip
+        """Every row n times across the actors; trajectories in input order. The sampling is resolved here,
+        once, and sent to the actors; `on_done` hears each trajectory as its chunk comes back."""
+        if sampling is None:
+            sampling = Sampling.resolve(self.agent, self.codec, sampling_params, validate=validate)
+        self.start()
+        rows = list(rows)
+        key = uuid.uuid4().hex[:8]
+        # Groups need batch-wide uids before they scatter (a Runner would number them per chunk).
+        sent = [{**r, "uid": f"{key}-{i}"} if isinstance(r, Mapping) and not r.get("uid") else r
+                for i, r in enumerate(rows)]  # fmt: skip
+        pool = _Pool(self, slots=max(1, math.ceil(self.max_concurrency / (n * self.chunk_rows))))
+        self.stats = stats = pool.stats
+        stats.update(rows=len(rows), trajectories=len(rows) * n)
+        for i in range(0, len(rows), self.chunk_rows):
+            ids = list(range(i, min(i + self.chunk_rows, len(rows))))
+            pool.pending.append(_Job(key, sampling, n, [sent[j] for j in ids], ids))
+        out: list[Trajectory | None] = [None] * (len(rows) * n)
+        try:
+            while stats["rows_done"] < len(rows):
+                for _job, trajs in await pool.poll():
+                    for t in trajs:
+                        row = rows[t.index // n]  # a non-dict row is wrapped as the Runner wraps it
+                        t.row = row if isinstance(row, Mapping) else {"__bad_row__": row}
+                        out[t.index] = t
+                        if on_done is not None:
+                            on_done(t)
+        finally:
+            pool.cancel()
+        assert all(t is not None for t in out)
+        return out  # type: ignore[return-value]
+
+    # -- continuous mode (as RolloutEngine's: fsm/run/stream.py) ---------------------------------------------------
+
+    def _version(self) -> int:
+        return int(getattr(self, "weight_version", 0) or 0)
+
+    async def asubmit(self, rows: Any, n: int = 1, sampling_params: Mapping[str, Any] | None = None,
+                      validate: bool = False) -> list[str]:  # fmt: skip
+        """Start rolling out every row `n` times; groups stream back from the actors as they finish."""
+        rows, meta = to_rows(rows)
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        sampling = self.sampling(sampling_params, bool(validate or meta.get("validate", False)))
+        self.start()
+        if self._pool is None:
+            self._pool = _Pool(self, slots=max(1, math.ceil(self.max_concurrency / (n * self.chunk_rows))))
+        pool, key = self._pool, uuid.uuid4().hex[:8]
+        pool.refresh()
+        uids = []
+        for row in rows:
+            gid = len(pool.groups)
+            row = normalize_record(dict(row)) if isinstance(row, Mapping) else {"__bad_row__": row}
+            row["uid"] = str(row.get("uid") or f"{key}-{gid}")
+            pool.groups.append(row)
+            uids.append(row["uid"])
+            pool.pending.append(_Job(key, sampling, n, [row], [gid]))
+        pool.stats["submitted_groups"] += len(rows)
+        return uids
+
+    async def atake_groups(self, num_groups: int, *, max_staleness: int | None = None, stale: StalePolicy = "drop",
+                           timeout: float | None = None, exhausted_ok: bool = False) -> list[Group]:  # fmt: skip
+        """The first `num_groups` finished groups, in completion order (see RolloutEngine.atake_groups)."""
+        if stale not in ("drop", "rerun"):
+            raise ValueError(f"stale must be 'drop' or 'rerun', not {stale!r}")
+        pool = self._pool
+        if pool is None:
+            raise StreamEmpty(f"take({num_groups}): nothing submitted; submit rows first")
+        async with asyncio.timeout(timeout):
+            while True:
+                pool.sweep(max_staleness, stale, self._version())
+                if len(pool.ready) >= num_groups or (exhausted_ok and not pool.running()):
+                    out = [pool.ready.popleft() for _ in range(min(num_groups, len(pool.ready)))]
+                    for g in out:
+                        g.staleness = self._version() - g.version_min
+                        hist = pool.stats["staleness"]
+                        hist[g.staleness] = hist.get(g.staleness, 0) + 1
+                    pool.stats["taken_groups"] += len(out)
+                    return out
+                if not pool.running():
+                    raise StreamEmpty(f"take({num_groups}): {len(pool.ready)} group(s) ready and none running; "
+                                      "submit rows first")  # fmt: skip
+                for job, trajs in await pool.poll():
+                    gid = job.ids[0]
+                    for t in trajs:
+                        t.row = pool.groups[gid]
+                    v = self._version()
+                    spans = [version_span(t, v) for t in trajs]
+                    pool.ready.append(Group(trajs[0].uid, sorted(trajs, key=lambda t: t.sample), job.sampling,
+                                            min(a for a, _ in spans), max(b for _, b in spans)))  # fmt: skip
+                    pool.stats["finished_groups"] += 1
+
+    @property
+    def stream_stats(self) -> dict[str, Any]:
+        if self._pool is None:
+            return {}
+        stats = dict(self._pool.stats)
+        stats.update(ready_groups=len(self._pool.ready), staleness=dict(stats["staleness"]))
+        return stats
+
+    # -- control calls -------------------------------------------------------------------------------------
+
+    async def _control(self, method: str, *args: Any, required: bool = False, **kwargs: Any) -> list[Any]:
+        """Shared servers hear it once (through one actor's router); per-actor backends each hear it."""
+        self.start()
+        ranks = [r for r in range(len(self.actors)) if r not in self._dead]
+        if self.servers:
+            ranks = ranks[:1]
+        refs = [self.actors[r].control.remote(method, args, kwargs, required) for r in ranks]
+        return list(await asyncio.gather(*(asyncio.wrap_future(ref.future()) for ref in refs)))
+
+    async def asleep(self, tags: list[str] | None = None) -> list[Any]:
+        return await self._control("sleep", tags)
+
+    async def awake_up(self, tags: list[str] | None = None) -> list[Any]:
+        return await self._control("wake_up", tags)
+
+    async def aupdate_weights_from_disk(
+        self, path: str | Path, weight_version: str | None = None
+    ) -> list[Any]:
+        return await self._control("update_weights_from_disk", str(path), weight_version=weight_version,
+                                   required=True)  # fmt: skip
+
+    async def aflush_cache(self) -> list[Any]:
+        return await self._control("flush_cache")
+
+    def sleep(self, tags: list[str] | None = None) -> list[Any]:
+        self._refuse_in_loop("sleep", "asleep")
+        return self._run_sync(self.asleep(tags))
+
+    def wake_up(self, tags: list[str] | None = None) -> list[Any]:
+        self._refuse_in_loop("wake_up", "awake_up")
+        return self._run_sync(self.awake_up(tags))
+
+    def update_weights_from_disk(self, path: str | Path, weight_version: str | None = None) -> list[Any]:
+        self._refuse_in_loop("update_weights_from_disk", "aupdate_weights_from_disk")
+        return self._run_sync(self.aupdate_weights_from_disk(path, weight_version))
+
+    def flush_cache(self) -> list[Any]:
+        self._refuse_in_loop("flush_cache", "aflush_cache")
+        return self._run_sync(self.aflush_cache())
+
+    # -- lifecycle -----------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close the actors' backends, kill the actors, and shut Ray down if this runner started it."""
+        ray = _ray()
+        if self._pool is not None:
+            self._pool.cancel()
+            self._pool = None
+        live = [a for r, a in enumerate(self.actors) if r not in self._dead]
+        if live:
+            try:
+                ray.get([a.close.remote() for a in live], timeout=30)
+            except Exception:  # a dying actor must not keep the rest from being killed
+                pass
+        for a in self.actors:
+            ray.kill(a)
+        self.actors, self._dead = [], set()
+        if self._own_loop is not None:
+            self._own_loop.close()
+            self._own_loop = None
+        if self._owns_ray:
+            ray.shutdown()
+            self._owns_ray = False
+
+    def __enter__(self) -> RayRunner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    async def __aenter__(self) -> RayRunner:
+        return self
+
+    async def aclose(self) -> None:
+        await asyncio.to_thread(self.close)
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+@dataclass
+class _Job:
+    """A chunk of groups for one actor call: rows as sent, their group ids (a batch's row numbers)."""
+
+    key: str  # the actor's RunContext cache key
+    sampling: Sampling
+    n: int
+    rows: list[Any]
+    ids: list[int]
+
+
+class _Pool:
+    """Chunks dispatched to the live actors by work stealing and collected as they come back, whatever loop
+    polls (ray.wait in a thread). A dead actor's chunks, and a hung one's (no progress for `hang_s` while it
+    holds chunks: it is killed), go back to the front of the queue and run on the survivors."""
+
+    def __init__(self, runner: RayRunner, slots: int):
+        self.runner, self.slots = runner, slots
+        self.pending: deque[_Job] = deque()
+        self.inflight: dict[Any, tuple[int, _Job]] = {}  # ObjectRef -> (rank, job)
+        self.alive = [r for r in range(len(runner.actors)) if r not in runner._dead]
+        self.busy = dict.fromkeys(self.alive, 0)
+        self.moved: dict[int, tuple[int, float]] = {}  # rank -> (its progress counter, when it last changed)
+        self.probes: dict[Any, int] = {}  # heartbeat ObjectRef -> rank
+        self.groups: list[dict[str, Any]] = []  # continuous mode: group id -> its row
+        self.ready: deque[Group] = deque()  # continuous mode: finished groups, in completion order
+        self.stats: dict[str, Any] = {"chunks": 0, "rerun_rows": 0, "actor_deaths": 0, "hung_actors": 0,
+                                      "rows_per_actor": dict.fromkeys(self.alive, 0), "rows_done": 0,
+                                      "submitted_groups": 0, "finished_groups": 0, "taken_groups": 0,
+                                      "stale_dropped": 0, "stale_rerun": 0, "staleness": {}}  # fmt: skip
+
+    def running(self) -> bool:
+        return bool(self.pending or self.inflight)
+
+    def fill(self) -> None:
+        while self.pending and any(self.busy[r] < self.slots for r in self.alive):
+            for rank in self.alive:  # round robin over actors with a free slot
+                if self.pending and self.busy[rank] < self.slots:
+                    job = self.pending.popleft()
+                    ref = self.runner.actors[rank].run.remote(job.key, job.sampling, job.rows, job.ids, job.n)
+                    self.inflight[ref] = (rank, job)
+                    if self.busy[rank] == 0 and rank in self.moved:
+                        self.moved[rank] = (self.moved[rank][0], time.monotonic())
+                    self.busy[rank] += 1
+
+    async def poll(self, wait_s: float = 0.05) -> list[tuple[_Job, list[Trajectory]]]:
+        """Dispatch what can go, wait up to `wait_s` for chunks, return those that came back."""
+        from ray.exceptions import RayActorError
+
+        ray = _ray()
+        self.fill()
+        self._check_hangs()
+        refs = list(self.inflight)
+        if not refs:
+            return []
+        ready, _ = await asyncio.to_thread(ray.wait, refs, num_returns=1, timeout=wait_s)
+        if ready:
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        out = []
+        for ref in ready:
+            if ref not in self.inflight:  # its actor was found dead meanwhile: requeued already
+                continue
+            rank, job = self.inflight.pop(ref)
+            self.busy[rank] -= 1
+            try:
+                trajs = ray.get(ref)
+            except RayActorError as exc:
+                self._lost(rank, exc)
+                self.pending.appendleft(job)
+                self.stats["rerun_rows"] += len(job.ids)
+                continue
+            if rank in self.moved:
+                self.moved[rank] = (self.moved[rank][0], time.monotonic())
+            self.stats["chunks"] += 1
+            self.stats["rows_done"] += len(job.ids)
+            self.stats["rows_per_actor"][rank] = self.stats["rows_per_actor"].get(rank, 0) + len(job.ids)
+            out.append((job, trajs))
+        self.fill()
+        return out
+
+    def refresh(self) -> None:
+        """Take in actors that `RayRunner.start()` has put in place of dead ones."""
+        for rank in range(len(self.runner.actors)):
+            if rank not in self.runner._dead and rank not in self.alive:
+                self.alive.append(rank)
+                self.busy[rank] = 0
+
+    def _lost(self, rank: int, exc: BaseException | None) -> None:
+        """`rank` is dead or hung: every chunk it holds goes back to the front of the queue."""
+        if rank in self.alive:
+            self.alive.remove(rank)
+            self.runner._dead.add(rank)
+            self.stats["actor_deaths"] += 1
+        for ref, (r, job) in list(self.inflight.items()):
+            if r == rank:
+                del self.inflight[ref]
+                _ray().cancel(ref)
+                self.pending.appendleft(job)
+                self.stats["rerun_rows"] += len(job.ids)
+        self.busy[rank] = 0
+        if not self.alive:
+            raise RuntimeError(f"all {len(self.runner.actors)} Ray actors died or hung; {len(self.inflight) + len(self.pending)} "
+                               f"chunks unfinished (last error: {exc})") from exc  # fmt: skip
+
+    def _check_hangs(self) -> None:
+        """Probe busy actors' progress; kill one that has not moved for `hang_s` since it first answered (its
+        chunks then fail over)."""
+        hang_s = self.runner.hang_s
+        if not hang_s:
+            return
+        ray, now = _ray(), time.monotonic()
+        if self.probes:
+            answered, _ = ray.wait(list(self.probes), num_returns=len(self.probes), timeout=0)
+            for ref in answered:
+                rank = self.probes.pop(ref)
+                try:
+                    count = ray.get(ref)
+                except Exception:
+                    continue
+                if count != self.moved.get(rank, (-1, 0.0))[0]:
+                    self.moved[rank] = (count, now)
+        probing = set(self.probes.values())
+        for rank in list(self.alive):
+            if self.busy[rank] == 0:
+                continue
+            if rank in self.moved and now - self.moved[rank][1] > hang_s:  # (its clock starts at its first answer:
+                # an actor still starting up is not hung)
+                self.stats["hung_actors"] += 1
+                ray.kill(self.runner.actors[rank])  # its calls now fail with RayActorError: rerun elsewhere
+                self._lost(rank, TimeoutError(f"actor {rank} made no progress for {hang_s:g} s"))
+            elif rank not in probing:
+                self.probes[self.runner.actors[rank].heartbeat.remote()] = rank
+
+    def sweep(self, max_staleness: int | None, stale: StalePolicy, now: int) -> None:
+        if max_staleness is None:
+            return
+        keep: deque[Group] = deque()
+        for g in self.ready:
+            if now - g.version_min <= max_staleness:
+                keep.append(g)
+            elif stale == "rerun":
+                self.stats["stale_rerun"] += 1
+                gid = g.trajectories[0].index // len(g.trajectories)
+                self.pending.append(_Job(uuid.uuid4().hex[:8], g.sampling, len(g.trajectories), [self.groups[gid]], [gid]))
+            else:
+                self.stats["stale_dropped"] += 1
+        self.ready = keep
+
+    def cancel(self) -> None:
+        for ref in list(self.inflight):  # cancelled or failed: stop what still runs
+            _ray().cancel(ref)

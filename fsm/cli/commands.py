@@ -1,0 +1,595 @@
+"""`agentfsm`: validate, schema, run, render, show, bench, dev-server.
+
+This module is the composition root: the one place in `fsm` that picks concrete backends (lazily, so
+`import fsm` never loads transformers models or aiohttp servers). Every user error ends as one line on
+stderr that names the file, flag, row or server and what to do, with a non-zero exit code and no traceback.
+Exit codes: 0 done; 1 a user error, or a run whose error rows exceed --max-error-rate; 2 a bad command
+line or spec diagnostics; 130 interrupted (Ctrl-C or SIGTERM). `run` replaces its three output files together
+(fsm/output/rundir.py), under a lock on --out; how the command ends (errors, signals, kept outputs): fsm/cli/outcome.py.
+
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gc
+import json
+import os
+import signal
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fsm.cli.args import DEMO_PROMPTS, SHOW_LIMIT, command_line
+from fsm.cli.outcome import (
+    SNAPSHOT,
+    CLIError,
+    Interrupted,
+    ended,
+    resume_spec,
+    say_now,
+    term_is_ctrl_c,
+    to_stdout,
+    warn,
+    write_run_outputs,
+)
+from fsm.data.files import DataError, load_rows
+from fsm.run.compile import CompiledAgent, compile_spec
+from fsm.spec.loader import SpecError
+
+# --- validate / schema ---------------------------------------------------------------------------------
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from fsm.run.compile import validate_file
+
+    problems = 0
+    for path in args.specs:
+        diags = validate_file(path, static=args.static)
+        for d in diags:
+            print(d)
+        errors = sum(d.severity == "error" for d in diags)
+        problems += errors
+        if not errors and not args.quiet:
+            print(f"{path}: ok" + (f" ({len(diags)} warning{'s' * (len(diags) > 1)})" if diags else ""))
+    return 1 if problems else 0
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    from fsm.spec.model import json_schema
+
+    text = json.dumps(json_schema(), indent=2) + "\n"
+    if args.output:
+        try:
+            Path(args.output).write_text(text)
+        except OSError as exc:
+            raise CLIError(f"-o {args.output}: cannot write it ({exc.strerror or exc})") from None
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+# --- run -----------------------------------------------------------------------------------------------
+
+
+def _check_run_flags(args: argparse.Namespace) -> None:
+    """What argparse cannot check alone: refuse flags that cannot work together, warn about ones that would
+    do nothing."""
+    servers = bool(args.server or args.launch_sglang)
+    if args.request_timeout is not None and not servers:
+        raise CLIError("--request-timeout: it times SGLang requests; give --server URL or --launch-sglang MODEL "
+                       "(the embedded model makes no requests)")  # fmt: skip
+    if args.ray is not None:
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            raise CLIError("--ray: Ray is not installed in this Python; pip install 'agentfsm[ray]', "
+                           "or run without --ray") from None  # fmt: skip
+        if args.request_timeout is not None:
+            raise CLIError("--request-timeout: not passed to Ray actors yet; drop --ray or --request-timeout")
+    tracing = bool(args.otlp or args.trace or _env_tracing())
+    if args.trace_sample is not None and not tracing:
+        warn("--trace-sample does nothing without --otlp URL, --trace console or OTEL_EXPORTER_OTLP_ENDPOINT")
+    if args.ray is not None and tracing:
+        warn("tracing is not passed to Ray actors yet: this --ray run exports no spans")
+
+
+def _out_dir(args: argparse.Namespace) -> Path:
+    """--out, absolute, made and checked writable now: a bad path fails before the rollout, not after it."""
+    from fsm.output.rundir import RunDirError, prepare
+
+    try:
+        return prepare(args.out)
+    except RunDirError as exc:
+        raise CLIError(f"--out {exc}") from None
+
+
+def _rows(args: argparse.Namespace, agent: CompiledAgent) -> list[dict[str, Any]]:
+    if args.data:
+        rows = load_rows(args.data)
+        return rows[: args.num_prompts] if args.num_prompts is not None else rows
+    if agent.spec.demo_data is None:
+        raise CLIError(f"{args.spec}: no --data given and the spec declares no demo_data; pass --data FILE.jsonl")
+    from fsm.spec.registry import resolve
+
+    count = args.num_prompts if args.num_prompts is not None else DEMO_PROMPTS
+    return resolve(agent.spec.demo_data, agent.spec.trust.allow_modules)(count, seed=args.seed)
+
+
+def _launch_failure(message: str) -> str:
+    """A LaunchError's message ("... log X ends with:\\n<tail>") as one line: the head and the log's last line,
+    which is where a Python process says why it died."""
+    head, _, tail = message.partition(" ends with:\n")
+    lines = [line.strip() for line in tail.splitlines() if line.strip()]
+    cause = lines[-1] if lines else "its log is empty"
+    hint = "; pip install sglang (on a GPU host), or pass --server URL" if "No module named" in cause else ""
+    return f"--launch-sglang: {head.strip()}: {cause}{hint}"
+
+
+async def _servers(args: argparse.Namespace, stack: AsyncExitStack) -> tuple[list[str], str | None]:
+    """The server URLs the flags name (launching SGLang first when asked), all ready; and the tokenizer
+    path that goes with them."""
+    servers = list(args.server or [])
+    tokenizer = args.tokenizer
+    if args.launch_sglang:
+        from backends.launcher import LaunchError, SGLangLauncher
+
+        launcher = SGLangLauncher(args.launch_sglang, dp=args.dp, tp=args.tp, base_port=args.port,
+                                  log_dir=Path(args.out) / "sglang_logs", python=args.sglang_python,
+                                  device="cpu" if args.device == "cpu" else None)  # fmt: skip
+        try:
+            await stack.enter_async_context(launcher)
+        except LaunchError as exc:
+            raise CLIError(_launch_failure(str(exc))) from None
+        servers += launcher.urls
+        tokenizer = tokenizer or args.launch_sglang
+    if not servers:
+        return servers, tokenizer
+    from fsm.api import ServerNotReady, probe_servers
+
+    try:
+        probe = await probe_servers(servers, strict=args.strict_servers)
+    except ServerNotReady as exc:
+        raise CLIError(f"no usable server: {exc}; start it (agentfsm dev-server or sglang) or fix --server"
+                       + ("" if args.strict_servers else " (every server failed)")) from None  # fmt: skip
+    for url, why in probe.left_out.items():
+        print(f"warning: {url}: left out of this run: {why} (--strict-servers makes this an error)",
+              file=sys.stderr)  # fmt: skip
+    servers, served = probe.servers, probe.tokenizer
+    if tokenizer is None:
+        if not served or not Path(served).exists():
+            raise CLIError(f"{servers[0]}: serves {served!r}, which is not a local directory; pass --tokenizer DIR")
+        tokenizer = served
+    return servers, tokenizer
+
+
+def _quiet_transformers() -> None:
+    """No "Loading weights" progress bar or load-report chatter from transformers in our output."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+def _engine(args: argparse.Namespace, servers: list[str], tokenizer: str | None) -> Any:
+    """The engine the flags ask for: RayRunner, or RolloutEngine over servers or the embedded model."""
+    from fsm.api import RolloutEngine
+
+    if tokenizer is not None and not Path(tokenizer).is_dir():
+        raise CLIError(f"{tokenizer}: no tokenizer directory there; pass --tokenizer DIR")
+    _quiet_transformers()
+    try:
+        if args.ray is not None:
+            from fsm.adapters.ray_runner import RayRunner
+
+            return RayRunner(args.spec, tokenizer=tokenizer, servers=servers or None, workers=args.workers,
+                             address=args.ray or None)  # fmt: skip
+        if servers:
+            options = {"retry_window_s": args.retry_window}
+            if args.request_timeout is not None:
+                options["request_timeout_s"] = args.request_timeout
+            return RolloutEngine(args.spec, tokenizer, servers=servers, max_concurrency=args.concurrency,
+                                 tracer=_tracer(args), check_tokens=args.check_tokens, watchdog_s=args.watchdog,
+                                 group_affinity=args.group_affinity, **options)  # fmt: skip
+        return RolloutEngine(args.spec, tokenizer, model=args.model, max_concurrency=args.concurrency,
+                             tracer=_tracer(args), check_tokens=args.check_tokens, watchdog_s=args.watchdog,
+                             torch_threads=args.threads,
+                             max_batch_size=args.batch_size, device=args.device, dtype=args.dtype)  # fmt: skip
+    except FileNotFoundError as exc:
+        raise CLIError(str(exc)) from None
+    except OSError as exc:  # transformers: a directory without tokenizer or model files
+        raise CLIError(f"{tokenizer or args.model}: cannot load a tokenizer there ({exc}); pass --tokenizer DIR") from None
+
+
+def _freeze_heap() -> None:
+    """Here the engine owns the process and everything loaded so far (torch, transformers, the model: some
+    230k objects) lives until exit: out of the garbage collector's way, so that full collections during the
+    rollout scan only what the rollout allocates (about 15% of the engine's CPU at thousands in flight)."""
+    gc.freeze()
+
+
+def _tracer(args: argparse.Namespace) -> Any:
+    if not (args.otlp or args.trace) and not _env_tracing():
+        return None
+    from fsm.telemetry import Telemetry
+
+    sample = 1.0 if args.trace_sample is None else args.trace_sample
+    # console spans go to stderr (stdout is the run table); the run's close waits for the collector at most
+    # FLUSH_TIMEOUT_S, then counts what is left as dropped
+    return Telemetry(otlp=args.otlp, console=args.trace == "console", sample=sample,
+                     flush_timeout_s=FLUSH_TIMEOUT_S)  # fmt: skip
+
+
+def _env_tracing() -> bool:
+    return bool(os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
+
+
+@dataclass
+class _Rollout:
+    """What `run` rolled out: every trajectory, or (interrupted) those that finished, in input order."""
+
+    engine: Any
+    sampling: Any
+    trajs: list
+    expected: int  # rows x n
+    wall: float
+    router_stats: Any
+    interrupted: bool
+    cpu: float  # this process's CPU seconds over the same window (all threads: the model's, the exporters')
+
+
+async def _rollout(args: argparse.Namespace, rows: list[dict[str, Any]] | None, console: Any) -> _Rollout:
+    """Roll `rows` out (or, `rows` None, resume the snapshot in --resume DIR). A RolloutEngine runs them in its
+    continuous mode, so that Ctrl-C can snapshot the rows in flight; Ray keeps what finished."""
+    params = {k: v for k, v in (("temperature", args.temperature), ("seed", args.seed)) if v is not None}
+    finished: list = []
+    interrupted = False
+    expected = len(rows) * args.n if rows is not None else 0
+    async with AsyncExitStack() as stack:
+        stack.enter_context(_ctrl_c_cancels(asyncio.current_task()))
+        servers, tokenizer = await _servers(args, stack)
+        engine = _engine(args, servers, tokenizer)
+        stack.push_async_callback(engine.aclose)
+        sampling = engine.sampling(params)
+        _freeze_heap()
+        t_start = time.perf_counter()  # the rollout's time: not launching servers, imports, loading the model
+        c_start = time.process_time()
+        if args.ray is None:
+            trajs, interrupted, expected, sampling = await _resumable(engine, rows, args, sampling, console)
+        else:
+            try:
+                trajs = await _with_progress(engine, rows, args, sampling, console, finished)
+            except asyncio.CancelledError:  # Ctrl-C (_ctrl_c_cancels): keep what finished
+                asyncio.current_task().uncancel()  # type: ignore[union-attr]
+                interrupted = True
+                trajs = sorted(finished, key=lambda t: (t.index, t.sample))
+        backend = getattr(engine, "backend", None)
+        router_stats = backend.stats() if hasattr(backend, "stats") else None
+    wall, cpu = time.perf_counter() - t_start, time.process_time() - c_start
+    return _Rollout(engine, sampling, trajs, expected, wall, router_stats, interrupted, cpu)
+
+
+# waiting for every running trajectory to reach a state boundary; model turns do not count (they are aborted
+# and kept partial), so only a tool or user action still running can take this long
+SNAPSHOT_TIMEOUT_S = 60.0
+FLUSH_TIMEOUT_S = 10.0
+
+
+async def _resumable(engine: Any, rows: list[dict[str, Any]] | None, args: argparse.Namespace, sampling: Any,
+                     console: Any) -> tuple[list, bool, int, Any]:  # fmt: skip
+    """Every trajectory (sorted), whether Ctrl-C came, rows x n, the sampling. Ctrl-C here parks the running
+    trajectories at their next state boundary and writes them, with the finished ones, to --out/snapshot.json."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    out = Path(args.out)
+    if rows is None:
+        meta = await engine.arestore(out / SNAPSHOT)
+        groups, expected = int(meta["groups"]), int(meta["rows_expected"])
+    else:
+        await engine.asubmit(rows, n=args.n, sampling=sampling)
+        groups, expected = len(rows), len(rows) * args.n
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def interrupt(name: str) -> None:  # on this (the main) loop, free while the engine's thread runs the rows
+        if stop.is_set():  # the second one: no snapshot, now
+            say_now("agentfsm: exiting without a snapshot")
+            os._exit(130)
+        stop.set()
+        say_now(f"agentfsm: {name}: stopping {len(engine.runner.live)} running trajectories and writing a "
+                 f"snapshot to {out / SNAPSHOT}; Ctrl-C again to exit without a snapshot")  # fmt: skip
+
+    with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):  # main thread only
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, interrupt, sig.name)
+    columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
+    with Progress(*columns, console=console, disable=args.quiet or not console.is_terminal) as progress:
+        task = progress.add_task("groups", total=groups)
+        while not stop.is_set():
+            ready = engine.stream_stats.get("ready_groups", 0)
+            progress.update(task, completed=ready)
+            if ready >= groups:
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.1)
+    interrupted = stop.is_set()
+    taken = []
+    if interrupted:
+        meta = {"groups": groups, "rows_expected": expected, "run_id": args.run_id,
+                "spec": str(Path(args.spec).resolve())}
+        t0 = time.perf_counter()
+        try:  # abort_turns: model turns in flight end at once, their partial tokens kept in the snapshot
+            info = await engine.asnapshot(out / SNAPSHOT, meta=meta, stop=True, timeout=SNAPSHOT_TIMEOUT_S,
+                                          abort_turns=True)  # fmt: skip
+            ready = info["ready_groups"]
+            say_now(f"agentfsm: wrote the snapshot ({info['running_groups']} groups running, {ready} finished) "
+                     f"in {time.perf_counter() - t0:.1f} s")  # fmt: skip
+        except TimeoutError:
+            warn(f"no snapshot: some trajectories did not reach a state boundary in {SNAPSHOT_TIMEOUT_S:g} s "
+                  "(a tool or user action still running)")  # fmt: skip
+            ready = engine.stream_stats.get("ready_groups", 0)
+        if ready:
+            taken = await engine.atake_groups(ready)
+    else:
+        taken = await engine.atake_groups(groups)
+    trajs = sorted((t for g in taken for t in g.trajectories), key=lambda t: (t.index, t.sample))
+    return trajs, interrupted, expected, taken[0].sampling if taken else sampling
+
+
+@contextlib.contextmanager
+def _ctrl_c_cancels(task: Any) -> Iterator[None]:
+    """Ctrl-C cancels `task`, through the loop's wakeup fd: the loop wakes whichever thread the signal hit
+    (asyncio.run's own handler waits for the main thread to run Python, which it does not while it sleeps
+    on a rollout in the engine's thread)."""
+    loop = asyncio.get_running_loop()
+    try:
+        for sig in (signal.SIGINT, signal.SIGTERM):  # a scheduler's preemption is handled as Ctrl-C
+            loop.add_signal_handler(sig, task.cancel)
+    except (ValueError, RuntimeError, NotImplementedError):  # not the main thread, or no signals here
+        yield
+        return
+    try:
+        yield
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        term_is_ctrl_c()  # remove_signal_handler left SIGTERM's default (death) behind
+
+
+async def _with_progress(engine: Any, rows: list[dict], args: argparse.Namespace, sampling: Any, console: Any,
+                         finished: list) -> list:  # fmt: skip
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    total = len(rows) * args.n
+    counters = {"tokens": 0, "turns": 0, "done": 0}
+    t0 = time.perf_counter()
+    columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("{task.fields[rate]}")]  # fmt: skip
+    with Progress(*columns, console=console, disable=args.quiet or not console.is_terminal) as progress:
+        task = progress.add_task("trajectories", total=total, rate="")
+
+        def done(traj: Any) -> None:  # on the engine's thread; rich's Progress takes its own lock
+            finished.append(traj)
+            counters["done"] += 1
+            counters["tokens"] += traj.response_mask.count(1)
+            counters["turns"] += traj.num_turns
+            elapsed = max(time.perf_counter() - t0, 1e-9)
+            rate = f"{counters['tokens'] / elapsed:,.0f} tok/s · {counters['turns'] / counters['done']:.1f} turns"
+            progress.update(task, advance=1, rate=rate)
+
+        return await engine.arun(rows, n=args.n, sampling=sampling, on_done=done)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from fsm.output.rundir import RunDirError, locked
+    from fsm.run import snapshot as snap
+
+    term_is_ctrl_c()
+    if args.resume is not None:
+        if args.ray is not None:
+            raise CLIError("--resume: resumes a single-process run; drop --ray")
+        resume_spec(args)
+        args.out = args.resume
+    elif args.spec is None:
+        raise CLIError("run: give a SPEC (or --resume DIR)")
+    else:
+        args.run_id = uuid.uuid4().hex[:12]
+    _check_run_flags(args)
+    agent = compile_spec(args.spec)
+    if args.resume is not None:  # checked now (but the vocabulary, at restore): refused before anything starts
+        try:
+            snap.read(Path(args.resume) / SNAPSHOT, agent)
+        except snap.SnapshotError as exc:
+            raise CLIError(f"--resume: {exc}") from None
+    rows = _rows(args, agent) if args.resume is None else None
+    out = args.out = _out_dir(args)
+    try:
+        with locked(out):
+            return _run_locked(args, rows, out, Console)
+    except RunDirError as exc:
+        raise CLIError(f"--out {exc}") from None
+    except snap.SnapshotError as exc:
+        raise CLIError(f"--resume: {exc}") from None
+
+
+def _run_locked(args: argparse.Namespace, rows: list[dict[str, Any]] | None, out: Path, console_cls: Any) -> int:
+    if rows is not None and (out / SNAPSHOT).exists():
+        raise CLIError(f"--out {out} holds the snapshot of an interrupted run; resume it with `agentfsm run "
+                       f"--resume {out}`, or remove {out / SNAPSHOT} to start a new run there")  # fmt: skip
+    try:
+        run = asyncio.run(_rollout(args, rows, console_cls(stderr=True)))
+    except asyncio.CancelledError:  # Ctrl-C before the rollout began (launching, probing, loading)
+        raise Interrupted(f"interrupted before the rollout; {out} holds what it held before") from None
+    finally:
+        term_is_ctrl_c()
+    resume_hint = (f"; resume with: agentfsm run --resume {out}"
+                   if (out / SNAPSHOT).exists() and run.interrupted else "")  # fmt: skip
+    if not run.trajs:
+        raise Interrupted(f"interrupted before any trajectory finished; {out} holds what it held before{resume_hint}")
+    batch = run.engine.to_batch(run.trajs, run.sampling)
+    replacing = (out / "summary.json").exists()
+    summary = write_run_outputs(out, run, batch, args.run_id)
+    if not run.interrupted:
+        (out / SNAPSHOT).unlink(missing_ok=True)  # the run is complete: nothing left to resume
+    if not args.quiet:
+        from fsm.output.rundir import print_summary
+
+        to_stdout(lambda: print_summary(summary, console_cls()))
+    to_stdout(lambda: print(f"wrote {out}/batch.pt, trajectories.jsonl, summary.json"
+                          + (" (replacing the run there)" if replacing else "")))  # fmt: skip
+    if run.interrupted:
+        raise Interrupted(f"interrupted: {len(run.trajs)} of {run.expected} trajectories finished and are written "
+                          f"to {out} (summary.json: \"status\": \"interrupted\"){resume_hint}")  # fmt: skip
+    failed = [t.error or t.termination_reason for t in run.trajs if t.failed]
+    if len(failed) / len(run.trajs) > args.max_error_rate:
+        common = " ".join(max(set(failed), key=failed.count).split())  # names the server, row or tool
+        common = common if len(common) <= 200 else common[:199] + "…"
+        raise CLIError(f"{len(failed)} of {len(run.trajs)} rows ended in error ({len(failed) / len(run.trajs):.0%}), "
+                       f"more than --max-error-rate {args.max_error_rate:g}; the most common: {common}; "
+                       f"see {out}/summary.json")  # fmt: skip
+    return 0
+
+
+# --- render / show -------------------------------------------------------------------------------------
+
+
+def cmd_render(args: argparse.Namespace) -> int:
+    from viz.diagram import RenderError, render
+    from viz.stats import load_run_stats
+
+    agent = compile_spec(args.spec)
+    try:
+        stats = load_run_stats(args.run) if args.run else None
+    except json.JSONDecodeError as exc:
+        raise CLIError(f"--run {args.run}: its summary.json is not JSON ({exc.msg}, line {exc.lineno})") from None
+    except (FileNotFoundError, ValueError) as exc:
+        raise CLIError(str(exc)) from None
+    try:
+        render(agent, args.output, run_stats=stats)
+    except RenderError as exc:
+        raise CLIError(str(exc)) from None
+    except OSError as exc:
+        raise CLIError(f"-o {args.output}: cannot write it ({exc.strerror or exc})") from None
+    print(args.output)
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from viz.transcript import show
+
+    limit = args.limit
+    if limit is None and (args.worst or args.failed):
+        limit = SHOW_LIMIT
+    try:
+        show(args.run_dir, row=args.row, worst=args.worst, failed=args.failed, limit=limit)
+    except (FileNotFoundError, LookupError, ValueError) as exc:
+        raise CLIError(str(exc)) from None
+    return 0
+
+
+# --- bench / dev-server --------------------------------------------------------------------------------
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import importlib
+
+    what = args.what
+    if args.workload != "engine" and (what, args.workload) not in (("engine", "calculator"), ("tracing", "calculator"),
+                                                                   ("tracing", "embedded")):  # fmt: skip
+        raise CLIError(f"bench {what}: no --workload {args.workload} (engine: engine | calculator; tracing: engine | "
+                       "calculator | embedded)")  # fmt: skip
+    bench = importlib.import_module(f"bench.{what.replace('-', '_')}")  # `async` is a keyword: no plain import
+    _freeze_heap()  # as `agentfsm run` does: the benchmarks measure the rollout, not the collector on imports
+    if what == "engine" and args.workload == "calculator":
+        result = bench.bench_calculator(n=args.n, concurrency=args.concurrency, repeats=args.repeats)
+    elif what == "engine":
+        result = bench.bench_engine(n=args.n, concurrency=args.concurrency or args.n, tool_turns=args.tool_turns,
+                                    repeats=args.repeats)  # fmt: skip
+    elif what == "hf":
+        from backends.tiny import ASSET_DIR
+
+        result = bench.bench_hf(args.model or str(ASSET_DIR))
+    elif what == "prefix-cache":
+        result = {f"affinity={a}": bench.bench_prefix_cache(n=8, affinity=a) for a in (False, True)}
+    elif what == "tracing":
+        result = bench.bench_tracing(workload=args.workload, repeats=args.repeats)
+    else:  # argparse restricts the choices to the modules of bench/
+        result = getattr(bench, f"bench_{what.replace('-', '_')}")()
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def cmd_dev_server(args: argparse.Namespace) -> int:
+    from backends.devserver import main as devserver_main
+
+    argv = ["--host", args.host, "--port", str(args.port)]
+    argv += ["--scripted"] if args.scripted else ["--model", args.model or _default_model()]
+    if not args.scripted:
+        _quiet_transformers()
+    argv += [f"--{k}={v}" for k, v in (("device", args.device), ("dtype", args.dtype)) if v]
+    try:
+        devserver_main(argv)
+    except OSError as exc:  # the port is taken, or the host is not ours
+        raise CLIError(f"--port {args.port}: cannot serve on {args.host}:{args.port} ({exc.strerror or exc})") from None
+    return 0
+
+
+def _default_model() -> str:
+    from backends.tiny import ASSET_DIR
+
+    return str(ASSET_DIR)
+
+
+COMMANDS = {"validate": cmd_validate, "schema": cmd_schema, "run": cmd_run, "render": cmd_render, "show": cmd_show,
+            "bench": cmd_bench, "dev-server": cmd_dev_server}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    return command_line(COMMANDS)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # --help, --version, or a usage error (printed as one line)
+        return exc.code if isinstance(exc.code, int) else 1
+    rc = 1
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}  # SIGTERM as Ctrl-C: ours
+    try:
+        rc = args.fn(args)
+        return rc
+    except SpecError as err:
+        for d in err.diagnostics:
+            print(d, file=sys.stderr)
+        rc = 2
+        return rc
+    except DataError as exc:
+        for problem in exc.problems:
+            print(f"agentfsm: {problem}", file=sys.stderr)
+        return 1
+    except CLIError as exc:
+        say_now(f"agentfsm: {exc}")
+        rc = exc.exit_code
+        return rc
+    except KeyboardInterrupt:
+        say_now("agentfsm: interrupted")
+        rc = 130
+        return rc
+    finally:
+        with contextlib.suppress(ValueError, TypeError):  # not the main thread; a handler set outside Python
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+        ended(rc)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

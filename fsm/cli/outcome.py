@@ -1,0 +1,155 @@
+"""How `agentfsm` ends: every user error as one line (CLIError), signals (SIGTERM handled as Ctrl-C, a
+signal after the command has ended exits at once), a stdout that a tool may have closed, and a run's outputs
+kept when --out refuses them (fsm/output/rundir.py writes them). fsm/cli/commands.py composes these."""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import contextlib
+import json
+import os
+import signal
+import sys
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+SNAPSHOT = "snapshot.json"  # in --out: the rows in flight when Ctrl-C came, for `run --resume`
+
+
+class CLIError(Exception):
+    """A user-facing failure: printed as one line, exit code `exit_code`."""
+
+    exit_code = 1
+
+
+class Interrupted(CLIError):
+    exit_code = 130
+
+
+def warn(message: str) -> None:
+    print(f"agentfsm: warning: {message}", file=sys.stderr)
+
+
+def write_run_outputs(out: Path, run: Any, batch: Any, run_id: str) -> dict[str, Any]:
+    """The run's three files into `out` (fsm/output/rundir.py), its summary saying how the run ended and how many
+    rows each file holds. When `out` refuses them (a full disk...), they go to a fallback directory, named
+    in the error: a finished rollout is never lost to a write."""
+    from fsm.output.rundir import WriteInterrupted, fallback_dir, write_outputs, write_run
+
+    engine = run.engine
+
+    def write(staging: Path) -> dict[str, Any]:
+        summary = write_outputs(staging, engine.agent, run.trajs, batch, engine.codec, run.wall, run.router_stats,
+                                 getattr(engine, "tracer", None))  # fmt: skip
+        failed = sum(t.failed for t in run.trajs)
+        summary = {"status": "interrupted" if run.interrupted else "completed", "run_id": run_id,
+                   "rows_expected": run.expected,
+                   "files": {"batch.pt": {"rows": len(batch)}, "trajectories.jsonl": {"rows": len(run.trajs)}},
+                   "error_rate": round(failed / len(run.trajs), 4), "rollout_cpu_s": round(run.cpu, 3),
+                   **summary}  # fmt: skip
+        (staging / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+        return summary
+
+    try:
+        return write_run(out, write)
+    except WriteInterrupted as exc:
+        if exc.committed:
+            raise Interrupted(f"interrupted; the run had finished and is written to {out}") from None
+        raise Interrupted(f"interrupted while writing; {out} holds what it held before this run") from None
+    except OSError as exc:
+        reason = exc.strerror or exc
+    try:
+        kept = fallback_dir()
+        write_run(kept, write)
+    except (OSError, WriteInterrupted) as exc2:
+        raise CLIError(f"--out {out}: cannot write the run's outputs ({reason}); nor to a temporary directory "
+                       f"({getattr(exc2, 'strerror', None) or exc2}): the run is lost") from None  # fmt: skip
+    raise CLIError(f"--out {out}: cannot write the run's outputs ({reason}); they are kept in {kept}")
+
+
+def say_now(line: str) -> None:
+    """One line on stderr at once (from a signal handler: no buffering, no rich)."""
+    with contextlib.suppress(OSError, ValueError):
+        print(line, file=sys.stderr, flush=True)
+
+
+def to_stdout(show: Callable[[], None]) -> None:
+    """Print to stdout, which a tool may have closed (or a reader gone): the outputs are on disk already, so
+    a broken stdout costs the printout, never the run."""
+    try:
+        show()
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        with contextlib.suppress(OSError):
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (lives until exit: nothing else flushes to fd 1)
+
+
+def term_is_ctrl_c() -> None:
+    """SIGTERM (a scheduler preempting the job) is handled as Ctrl-C everywhere outside the rollout too."""
+    with contextlib.suppress(ValueError):  # not the main thread
+        signal.signal(signal.SIGTERM, lambda signum, frame: signal.default_int_handler(signum, frame))
+
+
+def resume_spec(args: argparse.Namespace) -> None:
+    """`run --resume DIR` needs no spec: the snapshot names it; one given must be the one it was taken with
+    (checked by hash when the snapshot is read)."""
+    path = Path(args.resume) / SNAPSHOT
+    if not path.is_file():
+        raise CLIError(f"--resume {args.resume}: no {SNAPSHOT} there (a run interrupted with Ctrl-C leaves one)")
+    try:
+        data = json.loads(path.read_text())
+        meta = data.get("meta") or {}
+        named, run_id = meta.get("spec") or data.get("spec"), meta.get("run_id")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise CLIError(f"--resume: {path}: not a snapshot ({exc})") from None
+    if args.spec is None:
+        if not named or not Path(named).is_file():
+            raise CLIError(f"--resume: {path} names the spec {named!r}, which is not there; pass the spec too")
+        args.spec = named
+    summary = Path(args.resume) / "summary.json"
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        theirs = json.loads(summary.read_text()).get("run_id")
+        if theirs and run_id and theirs != run_id:
+            raise CLIError(f"--resume: {path} belongs to run {run_id}, but {summary} to run {theirs}; the "
+                           "snapshot is not this directory's run")  # fmt: skip
+    args.run_id = run_id or uuid.uuid4().hex[:12]
+
+
+def ended(rc: int) -> None:
+    """The command has ended with `rc` (its outputs written, its message printed). When the interpreter then
+    shuts down (torch's and threads' atexit work), Ctrl-C or SIGTERM exits at once with `rc` instead of a
+    traceback from whatever ran then. Only at exit: a process that calls `main()` and goes on (a test)
+    keeps its own handlers."""
+    if not _ENDED:
+        atexit.register(_exit_at_once_on_signals)
+    _ENDED[:] = [rc]
+
+
+_ENDED: list[int] = []  # the last command's exit code, once one has ended in this process
+
+
+def _exit_at_once_on_signals() -> None:
+    def now(signum: int, frame: Any) -> None:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+        os._exit(_ENDED[0])
+
+    with contextlib.suppress(ValueError):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, now)
+
+
+def _ignore_signals_at_the_very_end() -> None:
+    """Registered when this module is imported, before torch and others register theirs, so it runs after
+    them: from here on the interpreter finalizes, where Python puts a handled signal back to its default
+    (death by signal, no message). Ignored instead: the process ends with the command's code."""
+    if _ENDED:
+        with contextlib.suppress(ValueError):
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, signal.SIG_IGN)
+
+
+atexit.register(_ignore_signals_at_the_very_end)

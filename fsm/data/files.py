@@ -1,0 +1,106 @@
+"""Dataset rows from .jsonl or .parquet files, in verl's dataset format.
+
+A file that cannot be read as rows (missing, unknown type, a line that is not a JSON object, not UTF-8,
+nested past Python's recursion limit, or longer than MAX_LINE_BYTES) is refused, with every problem located
+as `path:line:col`; reading stops after MAX_PROBLEMS of them, so a binary file fails fast. A row that reads
+fine but cannot run (no prompt, messages of the wrong shape) is kept: the engine fails that row alone, with an
+`error: bad row` reason, so one bad row never stops a batch and none is silently dropped.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+from fsm.data.rows import normalize_record
+
+MAX_LINE_BYTES = 16 * 1024 * 1024  # one row: a long-context prompt, even inline images, fits
+MAX_PROBLEMS = 100
+
+
+class DataError(ValueError):
+    """A data file that cannot be used. `problems` lists each one as `path:line[:col]: message`."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        shown = problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
+        super().__init__("\n".join(shown))
+
+
+def load_rows(path: str | Path, *, prompt_key: str = "raw_prompt") -> list[dict[str, Any]]:
+    """Rows of a `.jsonl` (one JSON object per line) or `.parquet` file, normalised as every input is
+    (fsm/data/rows.py); the chat messages are read from `prompt_key`."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError([f"{path}: no such data file (give a .jsonl or .parquet file with a raw_prompt column)"])
+    if path.suffix == ".jsonl":
+        rows = _jsonl(path)
+    elif path.suffix == ".parquet":
+        rows = _parquet(path)
+    else:
+        raise DataError([f"{path}: unsupported file type {path.suffix!r}; use .jsonl or .parquet"])
+    if not rows:
+        raise DataError([f"{path}: the file has no rows"])
+    return [normalize_record(row, prompt_key) for row in rows]
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    rows, problems = [], []
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(_lines(f), 1):
+            if len(problems) >= MAX_PROBLEMS:
+                problems.append(f"{path}:{lineno}: stopped reading after {MAX_PROBLEMS} problems")
+                break
+            if raw is None:
+                problems.append(f"{path}:{lineno}: line longer than {MAX_LINE_BYTES // 2**20} MiB; one row per line")
+                continue
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                col = len(raw[: exc.start].decode("utf-8", "replace")) + 1
+                problems.append(f"{path}:{lineno}:{col}: not UTF-8: byte 0x{raw[exc.start]:02x}; save the file as UTF-8")
+                continue
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                problems.append(f"{path}:{lineno}:{exc.colno}: invalid JSON: {exc.msg}")
+                continue
+            except RecursionError:
+                problems.append(f"{path}:{lineno}: JSON nested too deeply to read")
+                continue
+            except ValueError as exc:  # e.g. an integer of more than 4300 digits
+                problems.append(f"{path}:{lineno}: invalid JSON: {exc}")
+                continue
+            if not isinstance(row, dict):
+                problems.append(f"{path}:{lineno}: a row must be a JSON object, got {type(row).__name__}")
+                continue
+            rows.append(row)
+    if problems:
+        raise DataError(problems)
+    return rows
+
+
+def _lines(f: IO[bytes]) -> Iterator[bytes | None]:
+    """The file's lines, each read MAX_LINE_BYTES at most at a time: None for a longer one (skipped)."""
+    while line := f.readline(MAX_LINE_BYTES + 1):
+        if len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):
+            while (rest := f.readline(1 << 20)) and not rest.endswith(b"\n"):
+                pass
+            yield None
+        else:
+            yield line
+
+
+def _parquet(path: Path) -> list[dict[str, Any]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError([f"{path}: reading parquet needs pyarrow (pip install 'agentfsm[parquet]')"]) from None
+    try:
+        return pq.read_table(path).to_pylist()
+    except Exception as exc:  # pyarrow raises several types for corrupt files
+        raise DataError([f"{path}: cannot read parquet: {exc}"]) from None

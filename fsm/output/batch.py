@@ -1,0 +1,252 @@
+"""Trajectories -> verl's padded batch, vectorized over the batch (no per-sample tokenizer.pad).
+
+Layout (P = prompt_length, R = response_length), exactly verl's `_agent_loop_postprocess` + `_postprocess`:
+  prompts          [B, P]   int64  left-padded with pad_token_id
+  responses        [B, R]   int64  right-padded, cut to R
+  response_mask    [B, R]   int64  1 on generated tokens, times the response attention mask
+  input_ids        [B, P+R] int64  cat(prompts, responses)
+  attention_mask   [B, P+R] int64  0 on every pad
+  position_ids     [B, P+R] int64  clip(cumsum(attention_mask) - 1, 0)
+  rollout_log_probs[B, R]   float32 (when logprobs were requested and every row has them), 0.0 on pads
+                            and observations
+  rm_scores        [B, R]   float32 (when every row has a score): the score on the last valid response token
+                            (an empty response: column R-1, where verl's index -1 puts it)
+  weight_versions  [B, R]   int64  the weight version that generated each token; -1 on mask 0 and padding
+meta_info: weight_version_min / weight_version_max over the generated tokens (None when there are none).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+
+from fsm.data.rows import is_dataproto
+from fsm.run.trajectory import Trajectory
+
+log = logging.getLogger("agentfsm.batch")
+
+
+@dataclass
+class RolloutBatch:
+    """DataProto-shaped: `batch` (tensors), `non_tensor_batch` (numpy object arrays), `meta_info`."""
+
+    batch: TensorDict
+    non_tensor_batch: dict[str, np.ndarray] = field(default_factory=dict)
+    meta_info: dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return int(self.batch.batch_size[0])
+
+
+def _place(out: np.ndarray, seqs: Sequence[np.ndarray], fill: float, left: bool) -> np.ndarray:
+    """Pad variable-length rows into `out` ([B, width], written whole), row by row: each row's tokens and its
+    padding are written once, straight from the trajectory's array (a scatter through row/column indices or a
+    mask read everything twice). Returns the rows' lengths cut to the width."""
+    width = out.shape[1]
+    lens = np.empty(len(seqs), dtype=np.int64)
+    for i, (row, s) in enumerate(zip(out, seqs)):
+        n = lens[i] = min(len(s), width)
+        # Left padding keeps a row's tail (verl cuts long prompts on the left), right padding its head.
+        if left:
+            row[: width - n], row[width - n :] = fill, s[len(s) - n :]
+        else:
+            row[:n], row[n:] = s[:n], fill
+    return lens
+
+
+def collate(trajs: Sequence[Trajectory], *, prompt_length: int, response_length: int, pad_token_id: int,
+            logprobs: bool = True) -> RolloutBatch:  # fmt: skip
+    """Pad finished trajectories into verl's batch. Row order is the trajectories' order."""
+    P, R, B = prompt_length, response_length, len(trajs)
+
+    def arr(a: Any, dtype: Any) -> np.ndarray:
+        return np.frombuffer(a, dtype=dtype) if len(a) else np.zeros(0, dtype=dtype)
+
+    def right(name: str, dtype: Any, fill: float, out_dtype: Any) -> np.ndarray:
+        out = np.empty((B, R), dtype=out_dtype)
+        _place(out, [arr(getattr(t, name), dtype) for t in trajs], fill, left=False)
+        return out
+
+    input_ids = np.empty((B, P + R), dtype=np.int64)
+    p_len = _place(input_ids[:, :P], [arr(t.prompt_ids, np.int32) for t in trajs], pad_token_id, left=True)
+    r_len = _place(input_ids[:, P:], [arr(t.response_ids, np.int32) for t in trajs], pad_token_id, left=False)
+    # mask 1 on generated tokens, times the response attention mask (verl): 0 past r_len, where _place pads
+    mask = right("response_mask", np.int8, 0, np.int64)
+    versions = right("response_versions", np.int32, -1, np.int64)
+    versions[mask == 0] = -1  # a token the model did not generate has no version, whatever was recorded
+
+    # attention: 1 on the prompt's last p_len columns and the response's first r_len; positions count them
+    attention = np.empty((B, P + R), dtype=np.int64)
+    position = np.empty((B, P + R), dtype=np.int64)
+    counting = np.arange(P + R, dtype=np.int64)
+    for row, pos, pl, rl in zip(attention, position, (P - p_len).tolist(), (P + r_len).tolist()):
+        row[:pl], row[pl:rl], row[rl:] = 0, 1, 0
+        pos[:pl], pos[pl:rl], pos[rl:] = 0, counting[: rl - pl], max(rl - pl - 1, 0)
+
+    tensors: dict[str, torch.Tensor] = {
+        "prompts": torch.from_numpy(input_ids[:, :P].copy()),
+        "responses": torch.from_numpy(input_ids[:, P:].copy()),
+        "response_mask": torch.from_numpy(mask),
+        "input_ids": torch.from_numpy(input_ids),
+        "attention_mask": torch.from_numpy(attention),
+        "position_ids": torch.from_numpy(position),
+        "weight_versions": torch.from_numpy(versions),
+    }
+    # A server that was asked for logprobs and gave none (an adapter without them, a misconfigured engine) must
+    # not have them invented: a 0.0 reads as probability 1 in a PPO ratio. Such rows keep their tokens, which
+    # are right, and the batch then carries no rollout_log_probs at all, as verl's does when a sample lacks
+    # them; a trainer that needs them fails on the missing key instead of training on made-up values. Failing
+    # the rows instead would throw away good samples for what is a fleet-wide setting, batch after batch.
+    missing = [i for i, t in enumerate(trajs) if t.logprobs_missing]
+    if logprobs and not missing:
+        tensors["rollout_log_probs"] = torch.from_numpy(right("response_logprobs", np.float32, 0.0, np.float32))
+    scores = [t.reward_score for t in trajs]
+    if trajs and all(s is not None for s in scores):
+        rm = np.zeros((B, R), dtype=np.float32)
+        # verl: attention_mask[:, P:].sum(1) - 1, so an empty (failed) response's score lands at -1, the
+        # last column: its reward still counts in a group's sum (GRPO), on a masked position
+        rm[np.arange(len(trajs)), r_len - 1] = np.asarray(scores, dtype=np.float32)
+        tensors["rm_scores"] = torch.from_numpy(rm)
+
+    batch = TensorDict(tensors, batch_size=[len(trajs)])
+    meta = {"metrics": [t.metrics.as_dict() for t in trajs], "timing": timing(trajs, r_len, p_len)}
+    generated = versions[versions >= 0]
+    meta["weight_version_min"] = int(generated.min()) if generated.size else None
+    meta["weight_version_max"] = int(generated.max()) if generated.size else None
+    if logprobs and missing:
+        meta["rollout_log_probs_missing"] = missing  # rows whose server returned no logprobs
+        log.warning("rollout_log_probs left out of the batch: %d row(s) got no logprobs from their server "
+                    "(rows %s)", len(missing), missing[:10])  # fmt: skip
+    return RolloutBatch(batch, _non_tensors(trajs), meta)
+
+
+def _objects(values: list[Any]) -> np.ndarray:
+    out = np.empty(len(values), dtype=object)
+    out[:] = values
+    return out
+
+
+def _non_tensors(trajs: Sequence[Trajectory]) -> dict[str, np.ndarray]:
+    """verl's non-tensor keys plus agentfsm's; every input row column comes back, one entry per sample."""
+    out = {
+        "__num_turns__": np.array([t.num_turns for t in trajs], dtype=np.int32),
+        "termination_reason": _objects([t.termination_reason for t in trajs]),
+        "uid": _objects([t.uid for t in trajs]),
+        "state_path": _objects([list(t.path) for t in trajs]),
+        "turn_scores": _objects([list(t.turn_scores) for t in trajs]),
+        "tool_rewards": _objects([list(t.tool_rewards) for t in trajs]),
+        "raw_prompt": _objects([t.row.get("raw_prompt") for t in trajs]),
+    }
+    # verl's extra_fields columns: every key any trajectory's tools (or server) set, None where missing;
+    # as in verl they win over a row column of the same name
+    for key in sorted({key for t in trajs for key in t.extra_fields} - set(out)):
+        out[key] = _objects([t.extra_fields.get(key) for t in trajs])
+    columns = {key for t in trajs for key in t.row} - set(out) - {"agent_name"}
+    for key in sorted(columns):
+        out[key] = _objects([t.row.get(key) for t in trajs])
+    extra_keys = {key for t in trajs for key in t.extra.get("reward_extra_info", {})}
+    for key in sorted(extra_keys):
+        out[key] = _objects([t.extra.get("reward_extra_info", {}).get(key) for t in trajs])
+    return out
+
+
+def timing(trajs: Sequence[Trajectory], r_len: np.ndarray, p_len: np.ndarray) -> dict[str, float]:
+    """verl's `agent_loop/...` timing keys (min/max/mean over samples, and the slowest sample)."""
+    if not trajs:
+        return {}
+    cols = {
+        "generate_sequences": np.array([t.metrics.generate_sequences for t in trajs]),
+        "tool_calls": np.array([t.metrics.tool_calls for t in trajs]),
+        "compute_score": np.array([t.metrics.compute_score for t in trajs]),
+        "num_preempted": np.array([t.metrics.num_preempted for t in trajs], dtype=np.float64),
+    }
+    out = {}
+    for name, values in cols.items():
+        out[f"agent_loop/{name}/min"] = float(values.min())
+        out[f"agent_loop/{name}/max"] = float(values.max())
+        out[f"agent_loop/{name}/mean"] = float(values.mean())
+    slowest = int(np.argmax(cols["generate_sequences"] + cols["tool_calls"] + cols["compute_score"]))
+    for name, values in cols.items():
+        out[f"agent_loop/slowest/{name}"] = float(values[slowest])
+    out["agent_loop/slowest/prompt_length"] = float(p_len[slowest])
+    out["agent_loop/slowest/response_length"] = float(r_len[slowest])
+    return out
+
+
+def summarize(trajs: Sequence[Trajectory]) -> dict[str, Any]:
+    """Counts a person reads after a run: termination reasons, failures, turns, rewards, tokens."""
+    reasons: dict[str, int] = {}
+    for t in trajs:
+        key = t.termination_reason or "?"
+        key = key.split(":", 2)[0] + ": " + key.split(":", 2)[1].strip() if key.startswith("error:") else key
+        reasons[key] = reasons.get(key, 0) + 1
+    scores = [t.reward_score for t in trajs if t.reward_score is not None]
+    return {
+        "trajectories": len(trajs),
+        "failed": sum(t.failed for t in trajs),
+        "termination_reasons": dict(sorted(reasons.items(), key=lambda kv: -kv[1])),
+        "reward_mean": float(np.mean(scores)) if scores else None,
+        "accuracy": float(np.mean([s > 0 for s in scores])) if scores else None,
+        "turns_mean": float(np.mean([t.num_turns for t in trajs])) if trajs else 0.0,
+        "response_tokens_mean": float(np.mean([len(t.response_ids) for t in trajs])) if trajs else 0.0,
+        "model_tokens": int(sum(t.response_mask.count(1) for t in trajs)),
+        "tool_errors": int(sum(t.metrics.tool_errors for t in trajs)),
+        "dropped_calls": int(sum(t.metrics.dropped_calls for t in trajs)),
+        "token_check_failures": sum(t.token_check is not None for t in trajs),
+        "resumes": int(sum(t.metrics.num_preempted for t in trajs)),
+        "logprobs_missing_rows": sum(t.logprobs_missing for t in trajs),
+    }
+
+
+def fault_summary(trajs: Sequence[Trajectory], backend_stats: Mapping[str, Any] | None) -> dict[str, Any]:
+    """What the servers did wrong and what the engine did about it, so that injected faults add up.
+
+    `faults`: what the clients met on /generate, by kind: failed attempts (http_errors, refused, disconnects,
+    resets, timeouts, malformed) and abort answers (aborts_waiting, aborts_running). Each failed attempt is
+    followed by exactly one of: a retry on the same server (`retries`), a failover to another (`failovers`),
+    or the end of its row (an error row). Each abort is resumed (`resumes`) or ends its row ("error: aborted").
+    `aborts_sent`: requests past their deadline aborted at the server.
+    """
+    stats = dict(backend_stats or {})
+    reroutes = int(stats.get("retries", 0)) if "client_retries" in stats else 0  # a router's re-routes
+    failovers = int(stats.get("failovers", 0))
+    same_server = int(stats.get("client_retries", stats.get("retries", 0))) + reroutes - failovers
+    errors: dict[str, int] = {}
+    for t in trajs:
+        if t.failed:
+            kind = (t.termination_reason or "error: ?").removeprefix("error: ").split(":", 1)[0]
+            errors[kind] = errors.get(kind, 0) + 1
+    return {
+        "faults": dict(stats.get("faults", {})),
+        "retries": same_server,
+        "failovers": failovers,
+        "aborts_sent": int(stats.get("aborts_sent", 0)),
+        "resumes": int(sum(t.metrics.num_preempted for t in trajs)),
+        "error_rows": sum(t.failed for t in trajs),
+        "error_reasons": dict(sorted(errors.items(), key=lambda kv: -kv[1])),
+    }
+
+
+def to_batch(trajs: Sequence[Trajectory], agent: Any, codec: Any, *, logprobs: bool,
+             like: Any = None, meta: Mapping[str, Any] | None = None) -> Any:  # fmt: skip
+    """Finished trajectories of `agent` (a CompiledAgent) -> RolloutBatch padded with `codec`'s pad id, or a `DataProto` of the input's class when `like` is one
+    (then, as verl's AgentLoopManager returns it: per-sample `metrics` popped, `reward_extra_keys` added).
+    `meta`: the input's meta_info (e.g. verl's `global_steps`), carried to the output under agentfsm's keys."""
+    limits = agent.limits
+    out = collate(trajs, prompt_length=limits.prompt_length, response_length=limits.response_length,
+                  pad_token_id=codec.pad_id, logprobs=logprobs)  # fmt: skip
+    out.meta_info = {**(meta or {}), **out.meta_info}
+    if "rm_scores" in out.batch.keys():
+        out.meta_info["reward_extra_keys"] = sorted(
+            {k for t in trajs for k in t.extra.get("reward_extra_info", {})}
+        )
+    if like is not None and is_dataproto(like):
+        out.meta_info.pop("metrics", None)
+        return type(like)(batch=out.batch, non_tensor_batch=out.non_tensor_batch, meta_info=out.meta_info)
+    return out

@@ -1,0 +1,196 @@
+"""The run directory `agentfsm run --out DIR` writes: batch.pt, trajectories.jsonl and summary.json, replaced
+together so that DIR never holds a mix of two runs; and the summary those files get and the table it prints.
+
+`write_run(out, write)` has `write(staging)` put the three files into a fresh temporary directory inside
+`out` (the same filesystem, so a rename is atomic). Then it removes the previous run's three files,
+summary.json first, and renames the new ones in, summary.json last, holding Ctrl-C off for those few
+renames. A summary.json therefore always describes the files beside it, and a directory without one holds
+no complete run. Why per-file renames rather than swapping the whole directory for the staging one: `out`
+may hold other things (sglang_logs/, a rendered diagram) or be ".", which a swap would drop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from fsm.run.agent import CompiledAgent
+
+T = TypeVar("T")
+LOCK_FILE = ".agentfsm.lock"  # held by the run writing into the directory (fcntl.flock: freed when it exits)
+OUTPUT_FILES = ("batch.pt", "trajectories.jsonl", "summary.json")  # summary.json last: it vouches for the rest
+
+
+class WriteInterrupted(Exception):
+    """Ctrl-C arrived during `write_run`; `committed`: whether the new run had replaced the old one by then
+    (if not, `out` holds what it held before)."""
+
+    def __init__(self, committed: bool):
+        super().__init__("committed" if committed else "not committed")
+        self.committed = committed
+
+
+class RunDirError(Exception):
+    """The run directory cannot be used: the message names it and says why."""
+
+
+def prepare(path: str | Path) -> Path:
+    """--out as an absolute path (a tool that changes the working directory cannot move it), made and
+    checked writable now: a bad directory fails before the rollout, not after it."""
+    out = Path(path).expanduser().resolve()
+    if out.exists() and not out.is_dir():
+        raise RunDirError(f"{out}: exists and is not a directory; pass a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".agentfsm-probe-", dir=out)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise RunDirError(f"{out}: cannot write there ({exc.strerror or exc})") from None
+    return out
+
+
+@contextlib.contextmanager
+def locked(out: Path) -> Iterator[None]:
+    """Hold the directory's lock for the block: a second run into it refuses at once, rather than racing
+    this one's files. The lock is the kernel's (flock), so a killed run leaves none behind."""
+    import fcntl
+
+    fd = os.open(out / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "another process"
+            raise RunDirError(f"{out}: another agentfsm run (pid {holder}) is writing there; wait for it or "
+                              "pass another --out") from None  # fmt: skip
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        os.close(fd)
+
+
+def fallback_dir() -> Path:
+    """Where a run's outputs go when --out refuses them at the end (a full disk, a directory made read-only
+    meanwhile): a fresh directory in the system's temporary directory, named in the error."""
+    return Path(tempfile.mkdtemp(prefix="agentfsm-unsaved-run-"))
+
+
+@contextlib.contextmanager
+def ctrl_c_held() -> Iterator[None]:
+    """Hold Ctrl-C off (main thread only): the block finishes, then the interrupt lands as KeyboardInterrupt."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
+    if caught:
+        raise KeyboardInterrupt
+
+
+def write_run(out: Path, write: Callable[[Path], T]) -> T:
+    """`write(staging)` writes OUTPUT_FILES into `staging`; they then replace those in `out` (see above).
+    OSError passes through; KeyboardInterrupt becomes WriteInterrupted."""
+    staging = Path(tempfile.mkdtemp(prefix=".agentfsm-writing-", dir=out))
+    committed = False
+    try:
+        result = write(staging)
+        with ctrl_c_held():
+            for name in reversed(OUTPUT_FILES):  # summary.json first: without it, nothing here vouches
+                (out / name).unlink(missing_ok=True)
+            for name in OUTPUT_FILES:
+                os.replace(staging / name, out / name)
+            committed = True
+        return result
+    except KeyboardInterrupt:
+        raise WriteInterrupted(committed) from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def write_outputs(out: Path, agent: CompiledAgent, trajs: list, batch: Any, codec: Any, wall: float,
+                   router_stats: Any, tracer: Any) -> dict[str, Any]:  # fmt: skip
+    """batch.pt, trajectories.jsonl and summary.json of a run, into `out`; the summary back."""
+    import torch
+
+    from fsm.output.batch import fault_summary, summarize
+    from viz.stats import run_stats
+    from viz.transcript import trajectory_record
+
+    try:
+        torch.save({"batch": {k: v for k, v in batch.batch.items()}, "non_tensor_batch": batch.non_tensor_batch,
+                    "meta_info": batch.meta_info}, out / "batch.pt")  # fmt: skip
+    except RuntimeError as exc:  # torch's writer reports a full disk as a RuntimeError
+        raise OSError(f"batch.pt: {str(exc).splitlines()[0] if str(exc) else 'write failed'}") from exc
+    with (out / "trajectories.jsonl").open("w") as f:
+        for traj in trajs:
+            f.write(json.dumps(trajectory_record(traj, codec), ensure_ascii=False) + "\n")
+    summary = summarize(trajs)
+    summary.update(spec=str(agent.path), agent=agent.name, spec_hash=agent.hash, wall_s=round(wall, 3),
+                   timing=batch.meta_info["timing"], router=router_stats)  # fmt: skip
+    summary["server_faults"] = fault_summary(trajs, router_stats)
+    summary["fsm"] = run_stats(agent, trajs)
+    if tracer is not None:
+        summary["tracing"] = tracer.stats()
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    return summary
+
+
+def print_summary(summary: dict[str, Any], console: Any) -> None:
+    """The run table: rewards, how rows ended, turns and tokens, time, tracing, routing and server faults."""
+    from rich.table import Table
+
+    table = Table(title=f"{summary['agent']}: {summary['trajectories']} trajectories in {summary['wall_s']:.1f}s")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+
+    def add(name: str, value: Any) -> None:
+        table.add_row(name, f"{value:.3f}" if isinstance(value, float) else str(value))
+
+    if summary["reward_mean"] is not None:
+        add("reward mean", summary["reward_mean"])
+        add("accuracy (reward > 0)", summary["accuracy"])
+    for reason, count in summary["termination_reasons"].items():
+        add(f"ended: {reason}", count)
+    add("turns (mean)", summary["turns_mean"])
+    add("response tokens (mean)", summary["response_tokens_mean"])
+    add("model tokens / s", round(summary["model_tokens"] / max(summary["wall_s"], 1e-9)))
+    add("failed rows", summary["failed"])
+    add("tool errors", summary["tool_errors"])
+    timing = summary["timing"]
+    if timing:
+        add("generate s (mean / max)", f"{timing['agent_loop/generate_sequences/mean']:.3f} / "
+            f"{timing['agent_loop/generate_sequences/max']:.3f}")  # fmt: skip
+        add("tool calls s (mean)", timing["agent_loop/tool_calls/mean"])
+    tracing = summary.get("tracing")
+    if tracing:
+        add("spans exported / dropped", f"{tracing['exported']} / {tracing['dropped']}")
+    router = summary.get("router")
+    if router:
+        totals = router.get("totals", router)
+        for key in ("sticky", "new", "group", "moved", "cache_hit_rate"):
+            if key in totals:
+                add(f"router {key}", totals[key])
+    faults = summary.get("server_faults")
+    if faults:  # what the servers did wrong, then what it cost: each fault is retried, failed over or an error row
+        for kind, count in faults["faults"].items():
+            if count:
+                add(f"server fault: {kind.replace('_', ' ')}", count)
+        for key in ("retries", "failovers", "aborts_sent", "resumes"):
+            if faults[key] or any(faults["faults"].values()):
+                add(f"{key.replace('_', ' ')}", faults[key])
+    console.print(table)

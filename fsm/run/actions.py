@@ -1,0 +1,259 @@
+"""The built-in actions: the work each standard state does. The driver awaits them; guards then decide.
+
+`encode_prompt` (PENDING), `generate` (GENERATING), `call_tools` (PROCESSING_TOOLS), `interact`
+(INTERACTING); `BUILTIN_ACTIONS` is the table the compiler reads. A user action has the same signature,
+`async def action(ctx, traj)`, and uses the same helpers (`ctx.call_backend`, `ctx.add_observation`), so it
+inherits the token rules for free.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from array import array
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from backends.base import BackendTimeout, GenerateRequest, GenerationAborted
+from fsm.data.rows import RowError, encodable, prompt_messages
+from fsm.run.context import RunContext
+from fsm.run.trajectory import Trajectory
+
+
+async def encode_prompt(ctx: RunContext, traj: Trajectory) -> None:
+    traj.messages = prompt_messages(traj.row)
+    # Samples of a group share one encoding. The uid comes from the row, so a reused uid must not hand
+    # one row's prompt to another: a hit also needs the same messages and tool schemas.
+    group = ctx.group_size
+    if group == 1:  # nobody shares it: nothing kept
+        ids = ctx.codec.encode_prompt(traj.messages, traj.tool_schemas)
+    else:
+        key = (traj.messages, traj.tool_schemas)
+        entry = ctx.prompt_cache.get(traj.uid)
+        if entry is None or entry[0] != key:
+            entry = ctx.prompt_cache[traj.uid] = [key, array("i", ctx.codec.encode_prompt(*key)), 0]
+        ids = entry[1]
+        entry[2] += 1
+        if group is not None and entry[2] >= group:  # the group's last sample: no one else needs it
+            del ctx.prompt_cache[traj.uid]
+    limit = ctx.agent.limits.prompt_length
+    if len(ids) > limit:
+        if ctx.agent.limits.prompt_overflow == "error":
+            raise RowError(f"prompt_too_long: {len(ids)} tokens > prompt_length {limit}")
+        ids = ids[-limit:]
+        traj.extra["prompt_truncated"] = True
+    traj.prompt_ids.extend(ids)
+
+
+async def generate(ctx: RunContext, traj: Trajectory) -> None:
+    """One model turn: request the continuation of the whole context, append it, parse tool calls.
+
+    The turn runs under `limits.turn_timeout_s` (retries, failovers and resumes included). A turn the server
+    aborts is resumed rather than taken as output (`_resumed_turn`).
+    """
+    limits = ctx.agent.limits
+    budget = limits.response_length - len(traj.response_mask)
+    if budget <= 0 or ctx.sampling.max_new_tokens == 0:
+        traj.last_finish_reason = "length"
+        return
+    params = ctx.sampling.for_turn(traj, budget)
+    rid = f"{traj.session_id}_t{traj.assistant_turns:02d}"
+    t0 = time.perf_counter()
+    try:
+        async with asyncio.timeout(limits.turn_timeout_s) as deadline:
+            ids, logprobs, versions, finish = await _resumed_turn(ctx, traj, params, rid, deadline)
+    except TimeoutError:
+        if not deadline.expired():
+            raise
+        where = getattr(ctx.backend, "where", None)
+        server = (where(traj.session_id) if where is not None else None) or ctx.backend.model_name
+        raise BackendTimeout(f"model turn {traj.assistant_turns} exceeded limits.turn_timeout_s "
+                             f"{limits.turn_timeout_s:g} s on {server} (rid {rid})", server=server) from None  # fmt: skip
+    finally:
+        traj.metrics.generate_sequences += time.perf_counter() - t0
+    if ctx.sampling.logprobs and logprobs is None:
+        traj.logprobs_missing = True  # the batch then omits rollout_log_probs (fsm/output/batch.py says why)
+    traj.append_generated(ids, logprobs, versions)
+    traj.needs_tail = True
+    traj.assistant_turns += 1
+    traj.last_finish_reason = finish
+    text = ctx.codec.turn_text(ids)
+    traj.pending_calls = ctx.parser.parse(text)  # with no tools too: a call is answered "Unknown function" (verl)
+    traj.messages.append(ctx.codec.assistant_message(text, traj.pending_calls))  # as the template reads it
+
+
+async def _resumed_turn(
+    ctx: RunContext, traj: Trajectory, params: dict[str, Any], rid: str, deadline: asyncio.Timeout | None = None
+) -> tuple[list[int], list[float] | None, list[int], str]:
+    """The turn's tokens, their logprobs (None: asked for and not given), the weight version of each and
+    its finish reason.
+
+    An abort (finish_reason "abort": a waiting-queue abort, /pause_generation, a weight update with
+    abort_all_requests, a drain, our own deadline's /abort_request) is not the model's output. The tokens it
+    produced are kept (mask 1, their logprobs) and the request is re-issued with them appended to its input and
+    its max_new_tokens shrunk by as many, so the turn goes on where it stopped, as verl's fully-async
+    rollouter and slime's partial rollouts do. Each resume has its own rid `{turn rid}_r{k}`: the aborted one
+    may still be live at the server, which refuses a duplicate. Past `limits.max_resumes` the row fails.
+
+    Every request first passes the engine's pause gate (`ctx.gate`); time spent there does not count against
+    the turn's deadline, and an abort caused by the engine's own pause does not count against max_resumes.
+    """
+    limits = ctx.agent.limits
+    max_new = params["max_new_tokens"]
+    want_logprobs = ctx.sampling.logprobs
+    stops = set(params.get("stop_token_ids") or ())
+    context = traj.context_ids()
+    ids: list[int] = []
+    logprobs: list[float] | None = [] if want_logprobs else None
+    versions: list[int] = []
+    resumes = attempt = 0
+    partial = getattr(traj, "partial_turn", None)  # a turn a pause aborted before a snapshot: go on from it
+    if partial is not None:
+        ids, logprobs, versions = list(partial[0]), partial[1] and list(partial[1]), list(partial[2])
+        attempt = 1  # a fresh rid: the aborted one may be known to the server
+        if want_logprobs and logprobs is None:
+            ids, logprobs, versions = [], [], []
+    while True:
+        if ctx.gate.paused:  # whole while it waits: a snapshot taken now keeps what the turn has so far
+            traj.partial_turn = (list(ids), None if logprobs is None else list(logprobs), list(versions))
+        waited = await ctx.gate.wait()
+        traj.partial_turn = None
+        if waited and deadline is not None and deadline.when() is not None:
+            deadline.reschedule(deadline.when() + waited)  # type: ignore[operator]
+        epoch, sent_to = ctx.gate.epoch, ctx.gate.version
+        request = GenerateRequest(
+            session_id=traj.session_id,
+            prompt_ids=context + ids,
+            sampling_params={**params, "max_new_tokens": max_new - len(ids)},
+            rid=f"{rid}_r{attempt}" if attempt else rid,
+            group_id=traj.uid,
+            return_logprob=want_logprobs,
+            timeout_s=limits.request_timeout_s,
+            resumed=attempt,
+            vocab_size=ctx.codec.vocab_size,
+        )
+        result = await ctx.call_backend(traj, request)
+        traj.metrics.cached_tokens += result.cached_tokens or 0
+        traj.metrics.prompt_tokens_sent += result.prompt_tokens or len(request.prompt_ids)
+        aborted = result.finish_reason == "abort"
+        new = result.token_ids[: max_new - len(ids)]
+        new_logprobs = result.logprobs[: len(new)] if result.logprobs is not None else None
+        if aborted and want_logprobs and new_logprobs is None:
+            new, new_logprobs = [], []  # an abort without its logprob payload: regenerate, never invent them
+        ids += new
+        per_token = result.extra.get("token_versions")  # a request held across an update has two
+        if per_token is not None and len(per_token) >= len(new):
+            versions += [ctx.gate.version_of(v, sent_to) for v in per_token[: len(new)]]
+        else:
+            versions += [ctx.gate.version_of(result.weight_version, sent_to)] * len(new)
+        if logprobs is not None:
+            logprobs = logprobs + new_logprobs if new_logprobs is not None else None
+        if not aborted:
+            return ids, logprobs, versions, result.finish_reason
+        if ids and ids[-1] in stops:
+            return ids, logprobs, versions, "stop"  # the abort raced the turn's own end
+        if len(ids) >= max_new:
+            return ids, logprobs, versions, "length"
+        attempt += 1
+        if ctx.gate.paused or ctx.gate.epoch != epoch:
+            traj.metrics.num_preempted += 1
+            continue  # the engine's own pause: resumed at the gate, free of the resume budget
+        if resumes >= limits.max_resumes:
+            raise GenerationAborted(
+                f"model turn {traj.assistant_turns} was aborted {resumes + 1} times, past limits.max_resumes "
+                f"{limits.max_resumes}; last by {result.server}: {result.abort_message or 'no message'!r}",
+                server=result.server,
+            )
+        resumes += 1
+        traj.metrics.num_preempted += 1
+
+
+async def call_tools(ctx: RunContext, traj: Trajectory) -> None:
+    """Run the pending calls concurrently and append their results, in call order. Only well-formed calls
+    take one of the max_parallel_calls slots: verl drops malformed calls before it takes the first N."""
+    limits = ctx.agent.limits
+    calls, traj.pending_calls = traj.pending_calls, []
+    run, extra, order, valid = [], [], [], 0
+    for call in calls:
+        valid += call.error is None
+        past = call.error is None and valid > limits.max_parallel_calls
+        (extra if past else run).append(call)
+        order.append((past, len(extra if past else run) - 1))
+    active = traj.extra.get("active_tools")
+    t0 = time.perf_counter()
+    if len(run) == 1:  # the common case: no task and gather for one call
+        outcomes = [await ctx.run_tool(traj, run[0], f"{traj.session_id}_c{traj.user_turns}_0", active)]
+    else:
+        outcomes = await asyncio.gather(*(
+            ctx.run_tool(traj, call, f"{traj.session_id}_c{traj.user_turns}_{k}", active) for k, call in enumerate(run)
+        ))  # fmt: skip
+    traj.metrics.tool_calls += time.perf_counter() - t0
+    traj.metrics.num_tool_calls += len(run)
+    answers: list[dict[str, Any]] = []
+    for outcome in outcomes:
+        if outcome.reward is not None:  # a BaseTool may return None as its reward; verl leaves it out
+            traj.tool_rewards.append(outcome.reward)
+            traj.add_turn_reward("tool", outcome.reward)
+        if outcome.score is not None:
+            traj.tool_scores.append(outcome.score)
+        if outcome.error:
+            traj.metrics.tool_errors += 1
+        traj.metrics.retries += max(outcome.attempts - 1, 0)
+        answers.append(_tool_message(outcome.text, outcome.call_id))
+    refusals: list[dict[str, Any] | None] = []
+    for call in extra:
+        traj.metrics.dropped_calls += 1
+        text = (f"Error: too many tool calls in one turn; at most {limits.max_parallel_calls} run per turn, "
+                f"so the call to '{call.name}' was not executed.")  # fmt: skip
+        refusals.append(_tool_message(text, call.id) if limits.extra_calls == "error" else None)
+    messages = []
+    for past, k in order:
+        message = refusals[k] if past else answers[k]
+        if message is not None:
+            messages.append(message)
+    if messages and ctx.add_observation(traj, messages, role="tool"):
+        traj.user_turns += 1
+
+
+def _tool_message(text: str, call_id: str | None) -> dict[str, Any]:
+    msg: dict[str, Any] = {"role": "tool", "content": text}
+    if call_id:
+        msg["tool_call_id"] = call_id
+    return msg
+
+
+async def interact(ctx: RunContext, traj: Trajectory) -> None:
+    """Ask the user/environment simulator for its reply; it may end the conversation."""
+    inter = ctx.interaction
+    if inter is None:
+        raise RowError("the spec reached an interact action but declares no interaction")
+    kwargs = traj.interaction_kwargs or {}
+    if not traj.interaction_started:
+        await inter.start_interaction(traj.session_id, **kwargs)
+        traj.interaction_started = True
+    messages = traj.messages_with_turns(ctx.codec.interaction_message)
+    done, content, score, metrics = await inter.generate_response(traj.session_id, messages, **kwargs)
+    content = encodable(content) if isinstance(content, str) else content
+    if score is not None:
+        traj.turn_scores.append(float(score))
+        traj.add_turn_reward("interaction", score)
+    if metrics:
+        traj.extra.setdefault("interaction_metrics", []).append(metrics)
+    traj.should_terminate = bool(done)
+    policy = ctx.agent.spec.interaction
+    if done:
+        traj.extra["final_feedback"] = content
+        if policy is None or policy.final_reply == "keep_out":
+            return  # the model never answers it: no tokens the model is trained on
+    reply = [{"role": "user", "content": content}]
+    overflow = policy.reply_overflow if policy is not None else "drop"
+    if ctx.add_observation(traj, reply, role="user", overflow=overflow):
+        traj.user_turns += 1
+
+
+BUILTIN_ACTIONS: dict[str, Callable[[RunContext, Trajectory], Awaitable[None]]] = {
+    "encode_prompt": encode_prompt,
+    "generate": generate,
+    "call_tools": call_tools,
+    "interact": interact,
+}

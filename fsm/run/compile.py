@@ -1,0 +1,375 @@
+"""AgentSpec -> CompiledAgent (fsm/run/agent.py): every name resolved, every check done.
+
+Compilation is validation: unknown states, guards, actions, tools, parsers, import paths, missing default
+edges, unreachable states, dead ends and contradictory limits are all reported here, with positions, so a
+running batch never meets an unknown name. `static=True` (`agentfsm validate --static`, what editors and CI
+run on specs nobody has vetted) does every check that needs no import: schema, graph, built-in names,
+and import paths checked for form and against the deny-list of fsm.spec.registry; nothing the spec names runs.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from collections import deque
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from fsm.families import family_names
+from fsm.parsers import PARSERS
+from fsm.run.actions import BUILTIN_ACTIONS
+from fsm.run.agent import REWARD_EXTRAS, CompiledAgent, Edge, Reward
+from fsm.run.interaction import REQUIRED_METHODS
+from fsm.spec.guards import GuardError, compile_guard
+from fsm.spec.loader import Diagnostic, LoadedSpec, SpecError, load_spec
+from fsm.spec.model import AgentSpec
+from fsm.spec.registry import (
+    ACTIONS,
+    GUARDS,
+    ImportPathError,
+    check_import_path,
+    check_module,
+    import_module,
+    is_import_path,
+    resolve,
+)
+from fsm.tools.base import BoundTool, ToolSet, build_tool
+
+BUDGET_ACTIONS = ("generate", "call_tools", "interact")  # built-ins that append tokens to the response
+
+# --- compilation ------------------------------------------------------------------------------------------
+
+
+def compile_spec(spec_or_path: AgentSpec | LoadedSpec | str | Path) -> CompiledAgent:
+    """Load (if given a path), validate and compile. Raises SpecError listing every problem."""
+    agent = _compile(spec_or_path, static=False)
+    assert agent is not None
+    return agent
+
+
+def _compile(spec_or_path: AgentSpec | LoadedSpec | str | Path, static: bool,
+             warnings: list[Diagnostic] | None = None) -> CompiledAgent | None:  # fmt: skip
+    loaded = spec_or_path if isinstance(spec_or_path, LoadedSpec) else None
+    if isinstance(spec_or_path, (str, Path)):
+        loaded = load_spec(spec_or_path)
+    spec = loaded.spec if loaded else spec_or_path
+    compiler = _Compiler(spec, loaded, static)
+    agent = compiler.compile()
+    if warnings is not None:
+        warnings += compiler.warnings
+    return agent
+
+
+class _Unchecked:
+    """What a static check gets for an import path it may not import: any call is a bug."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("a statically checked spec cannot run")
+
+
+UNCHECKED = _Unchecked()
+
+
+class _Compiler:
+    def __init__(self, spec: AgentSpec, loaded: LoadedSpec | None, static: bool = False):
+        self.spec, self.loaded, self.static = spec, loaded, static
+        self.allow = tuple(spec.trust.allow_modules)
+        self.diags: list[Diagnostic] = []
+        self.warnings: list[Diagnostic] = []  # what `validate` points out but a run accepts
+
+    def resolve(self, ref: str) -> Any:
+        """An import path -> its object, within the spec's trust opt-ins; UNCHECKED when static."""
+        if self.static:
+            check_import_path(ref, self.allow)
+            return UNCHECKED
+        return resolve(ref, self.allow)
+
+    def _ref(self, ref: str, *loc: Any) -> Any:
+        """`resolve`, with a failure reported at `loc` (then None)."""
+        try:
+            return self.resolve(ref)
+        except ImportPathError as exc:
+            self.error(exc.code, str(exc), *loc, key=False)
+            return None
+
+    def error(self, code: str, message: str, *loc: Any, key: bool = True) -> None:
+        self.diags.append(self._diagnostic(code, message, loc, key))
+
+    def warn(self, code: str, message: str, *loc: Any, key: bool = True) -> None:
+        self.warnings.append(replace(self._diagnostic(code, message, loc, key), severity="warning"))
+
+    def _diagnostic(self, code: str, message: str, loc: tuple[Any, ...], key: bool) -> Diagnostic:
+        if self.loaded:
+            return self.loaded.diagnostic(code, message, *loc, key=key)
+        return Diagnostic("<spec>", 0, 0, code, f"{'.'.join(map(str, loc))}: {message}")
+
+    def compile(self) -> CompiledAgent | None:
+        spec = self.spec
+        for i, module in enumerate(spec.imports):
+            try:
+                check_module(module, self.allow) if self.static else import_module(module, self.allow)
+            except ImportPathError as exc:
+                self.error(exc.code, str(exc), "imports", i, key=False)
+        self._check_limits()
+        self._check_graph()
+        edges = self._edges()
+        actions = self._actions()
+        tools = self._tools()
+        interaction_cls = self._interaction()
+        reward = self._reward()
+        if spec.demo_data is not None:
+            self._ref(spec.demo_data, "demo_data")
+        if spec.model.family not in family_names() and not (self.static and spec.imports):  # imports may add it
+            self.error("unknown-family", f"unknown model family {spec.model.family!r}"
+                       f"{_suggest(spec.model.family, family_names())}", "model", "family", key=False)  # fmt: skip
+        if spec.parser is not None and spec.parser not in PARSERS:
+            self.error("unknown-parser", f"unknown tool-call parser {spec.parser!r}{_suggest(spec.parser, PARSERS)}",
+                       "parser", key=False)  # fmt: skip
+        if self.diags:
+            raise SpecError(self.diags)
+        if self.static:
+            return None
+        return CompiledAgent(spec, self.loaded, edges, actions, tools, interaction_cls, reward)
+
+    def _check_limits(self) -> None:
+        lim = self.spec.limits
+        if lim.max_new_tokens is not None and lim.max_new_tokens > lim.response_length:
+            self.error("limits", f"max_new_tokens ({lim.max_new_tokens}) exceeds response_length "
+                       f"({lim.response_length}): a single turn could never use it", "limits", "max_new_tokens")  # fmt: skip
+        if self.spec.tools and lim.max_tool_response_length >= lim.response_length * 8:  # only tools answer with it
+            self.error("limits", f"max_tool_response_length ({lim.max_tool_response_length} characters) cannot fit "
+                       f"in response_length ({lim.response_length} tokens)", "limits", "max_tool_response_length")  # fmt: skip
+
+    def _check_graph(self) -> None:
+        spec, states = self.spec, self.spec.states
+        if spec.initial not in states:
+            self.error("unknown-state", f"initial state {spec.initial!r} is not declared{_suggest(spec.initial, states)}",
+                       "initial", key=False)  # fmt: skip
+        if not spec.final_states:
+            self.error("no-final", "no state is final: add e.g. `TERMINATED: {final: true}`", "states")
+        for name, st in states.items():
+            if st.final:
+                if st.action:
+                    self.error(
+                        "final-action", f"final state {name} cannot have an action", "states", name, "action"
+                    )
+                if st.next:
+                    self.error(
+                        "final-edges",
+                        f"final state {name} cannot have outgoing edges",
+                        "states",
+                        name,
+                        "next",
+                    )
+                continue
+            if not st.action:
+                self.error("missing-key", f"state {name} needs an action (or `final: true`)", "states", name)
+            if not st.next:
+                self.error("no-default", f"state {name} has no outgoing edges", "states", name)
+                continue
+            for i, t in enumerate(st.next):
+                if t.to not in states:
+                    self.error("unknown-state", f"edge to unknown state {t.to!r}{_suggest(t.to, states)}",
+                               "states", name, "next", i, "to", key=False)  # fmt: skip
+            if st.next[-1].when is not None:
+                self.error("no-default", f"the last edge out of {name} is guarded: add an unguarded default edge "
+                           "last, so every trajectory can leave the state", "states", name, "next", len(st.next) - 1)  # fmt: skip
+            for i, t in enumerate(st.next[:-1]):
+                if t.when is None:
+                    self.error("shadowed", f"edge {i} out of {name} has no guard, so edges after it never fire",
+                               "states", name, "next", i)  # fmt: skip
+        reachable = _reach(spec.initial, {s: [t.to for t in st.next] for s, st in states.items()})
+        for name in states:
+            if name not in reachable and spec.initial in states:
+                self.error(
+                    "unreachable", f"state {name} cannot be reached from {spec.initial}", "states", name
+                )
+        reverse: dict[str, list[str]] = {s: [] for s in states}
+        for s, st in states.items():
+            for t in st.next:
+                if t.to in reverse:
+                    reverse[t.to].append(s)
+        can_finish = (
+            set().union(*(_reach(f, reverse) for f in spec.final_states)) if spec.final_states else set()
+        )
+        for name in states:
+            if name in reachable and name not in can_finish and spec.final_states:
+                self.error("dead-end", f"no path leads from {name} to a final state", "states", name)
+        self._check_cycles({s: [t.to for t in st.next] for s, st in states.items()})
+
+    def _check_cycles(self, graph: dict[str, list[str]]) -> None:
+        """Warn about a cycle none of whose states runs a built-in action that spends the response budget:
+        unless its own actions do, only limits.max_transitions ends a trajectory caught in it."""
+        states, done = self.spec.states, set()
+        for name in states:
+            if name in done:
+                continue
+            forward, backward = _reach(name, graph), _reach(name, _reversed(graph))
+            loop = forward & backward
+            done |= loop
+            if len(loop) == 1 and name not in graph.get(name, ()):
+                continue  # not on a cycle
+            if not any(states[s].action in BUDGET_ACTIONS for s in loop if s in states):
+                members = ", ".join(s for s in states if s in loop)
+                self.warn("cycle-without-budget", f"the cycle through {members} runs no action that spends the "
+                          f"response budget ({', '.join(BUDGET_ACTIONS)}): unless its own actions do, a trajectory "
+                          f"caught in it ends only at limits.max_transitions ({self.spec.limits.max_transitions})",
+                          "states", name)  # fmt: skip
+
+    def _edges(self) -> list[Edge]:
+        edges = []
+        for name, st in self.spec.states.items():
+            for i, t in enumerate(st.next):
+                guard, label = None, "default"
+                if t.when is not None:
+                    try:
+                        guard, label = compile_guard(t.when, self.spec.limits, self.resolve)
+                    except GuardError as exc:
+                        msg = str(exc)
+                        if exc.code == "unknown-guard" and exc.name is not None:
+                            msg += _suggest(exc.name, GUARDS)
+                        # Statically, an unknown name may be one the spec's imports (not run) register.
+                        if not (exc.code == "unknown-guard" and self.static and self.spec.imports):
+                            self.error(exc.code, msg, "states", name, "next", i, "when", key=False)
+                edges.append(Edge(len(edges), name, t.to, guard, label, t.reason))
+        return edges
+
+    def _actions(self) -> dict[str, Any]:
+        actions = {}
+        for name, st in self.spec.states.items():
+            ref = st.action
+            if st.final or not ref:
+                continue
+            if ref in BUILTIN_ACTIONS or ref in ACTIONS:
+                actions[name] = BUILTIN_ACTIONS.get(ref) or ACTIONS[ref]
+            elif is_import_path(ref):
+                fn = self._ref(ref, "states", name, "action")
+                if fn is None:
+                    continue
+                if fn is not UNCHECKED and not inspect.iscoroutinefunction(fn):
+                    self.error(
+                        "type",
+                        f"action {ref!r} must be an async function (ctx, traj)",
+                        "states",
+                        name,
+                        "action",
+                        key=False,
+                    )
+                actions[name] = fn
+            elif not (self.static and self.spec.imports):  # else the imports, not run here, may register it
+                self.error("unknown-action", f"unknown action {ref!r}{_suggest(ref, [*BUILTIN_ACTIONS, *ACTIONS])}; built-in: "
+                           f"{', '.join(BUILTIN_ACTIONS)}", "states", name, "action", key=False)  # fmt: skip
+        return actions
+
+    def _tools(self) -> ToolSet:
+        if self.static:
+            self._tool_refs()
+            return ToolSet([], self.spec.limits)
+        bound: list[BoundTool] = []
+        for i, tool_spec in enumerate(self.spec.tools):
+            try:
+                tool = build_tool(tool_spec, self.resolve)
+            except ImportPathError as exc:
+                field = "function" if tool_spec.function else "class"
+                self.error(exc.code, str(exc), "tools", i, field, key=False)
+                continue
+            except Exception as exc:  # a tool constructor may raise anything; report it where it is declared
+                self.error("tool", f"{type(exc).__name__}: {exc}", "tools", i)
+                continue
+            if any(t.name == tool.name for t in bound):
+                self.error("duplicate", f"two tools are named {tool.name!r}", "tools", i)
+            bound.append(tool)
+        return ToolSet(bound, self.spec.limits, self.spec.tool_policy)
+
+    def _tool_refs(self) -> None:
+        """The static part of `_tools`: one of function/class, import paths by form, names unique."""
+        names: set[str] = set()
+        for i, t in enumerate(self.spec.tools):
+            if bool(t.function) == bool(t.class_):
+                self.error("tool", "ValueError: a tool needs exactly one of 'function' or 'class'", "tools", i)
+            for field, ref in (("function", t.function), ("class", t.class_), ("schema", t.schema_)):
+                if isinstance(ref, str):
+                    self._ref(ref, "tools", i, field)
+            if t.class_ and t.schema_ is None:
+                self.error("tool", f"ValueError: tool class {t.class_!r} needs a 'schema' (OpenAI function schema)",
+                           "tools", i)  # fmt: skip
+            name = t.name or (t.schema_.get("function", {}).get("name") if isinstance(t.schema_, dict) else None)
+            if name in names:
+                self.error("duplicate", f"two tools are named {name!r}", "tools", i)
+            names.add(name) if name else None
+
+    def _interaction(self) -> Any:
+        spec = self.spec.interaction
+        if spec is None:
+            return None
+        cls = self._ref(spec.class_, "interaction", "class")
+        if cls is None or cls is UNCHECKED:
+            return cls
+        missing = [m for m in REQUIRED_METHODS if not callable(getattr(cls, m, None))]
+        if missing:
+            self.error(
+                "type",
+                f"interaction {spec.class_!r} lacks {', '.join(missing)}",
+                "interaction",
+                "class",
+                key=False,
+            )
+        return cls
+
+    def _reward(self) -> Reward | None:
+        spec = self.spec.reward
+        if spec is None:
+            return None
+        fn = self._ref(spec.function, "reward", "function")
+        if fn is None:
+            return None
+        try:
+            named = inspect.signature(fn).parameters
+        except (TypeError, ValueError):  # a builtin or an UNCHECKED placeholder: verl's arguments only
+            named = {}
+        return Reward(fn, dict(spec.kwargs), tuple(x for x in REWARD_EXTRAS if x in named and x not in spec.kwargs))
+
+
+def _reversed(graph: dict[str, list[str]]) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {s: [] for s in graph}
+    for s, nexts in graph.items():
+        for t in nexts:
+            out.setdefault(t, []).append(s)
+    return out
+
+
+def _reach(start: str, graph: dict[str, list[str]]) -> set[str]:
+    seen, todo = {start}, deque([start])
+    while todo:
+        for nxt in graph.get(todo.popleft(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+def _suggest(word: str, choices: Any) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def validate_file(path: str | Path, *, static: bool = False) -> list[Diagnostic]:
+    """Every problem of a spec file (empty when it is valid): type errors, then the semantic checks of
+    what remains once the ill-typed keys are set aside. A valid spec may get warnings (`severity`).
+
+    `static=True` imports nothing the spec names (see the module docstring); the default compiles it,
+    which runs its `imports:` and the modules of its import paths."""
+    warnings: list[Diagnostic] = []
+    try:
+        _compile(path, static, warnings)
+    except SpecError as err:
+        diags = list(err.diagnostics)
+        if err.salvaged is not None:
+            try:
+                _compile(err.salvaged, static)
+            except SpecError as more:
+                seen = {(d.path, d.line, d.col, d.code) for d in diags}
+                diags += [d for d in more.diagnostics if (d.path, d.line, d.col, d.code) not in seen]
+        return sorted(diags, key=lambda d: (d.path, d.line, d.col))
+    return warnings

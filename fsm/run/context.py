@@ -1,0 +1,227 @@
+"""What actions share during one run: the agent, the backend, the chat codec, the resolved sampling, tools
+and tracing. It sits below the actions (fsm/run/actions.py and user actions import it) and above nothing they
+use, so a model call and a tool call each have one path: an action asks the context, the context asks the
+backend or the tool set and, when the trajectory is traced, wraps the call in a span.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from backends.base import GREEDY_BELOW, Backend, GenerateRequest, GenerateResult
+from fsm.chat import ChatCodec
+from fsm.families import make_parser, parser_name
+from fsm.parsers import PARSERS, ToolCall
+from fsm.run.agent import CompiledAgent
+from fsm.run.tracer import Tracer
+from fsm.run.trajectory import Trajectory
+from fsm.tools.base import CallOutcome
+
+# The root span of the trajectory this task runs, when it is traced. The model and tool calls of one that
+# is not (tracing off, or sampled out) call no tracer hook.
+TRACED: contextvars.ContextVar[Any] = contextvars.ContextVar("agentfsm_traced", default=None)
+
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty", "min_p", "max_new_tokens", "stop_token_ids",
+                 "sampling_seed", "frequency_penalty", "presence_penalty")  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """A run's sampling, resolved once from the spec's `sampling` (or `val_sampling`), the call site's
+    overrides, and the stop tokens the codec and parser need. Every request and the batch read it here."""
+
+    params: Mapping[str, Any]  # sent with every request (SGLang names), stop_token_ids included
+    seed: int | None  # base seed: sample (index, k) draws with seed + index * 1000 + k
+    logprobs: bool  # ask for logprobs; the batch carries rollout_log_probs only then
+    max_new_tokens: int | None  # per-turn cap: the call site's, else the spec's limit, else the budget
+
+    @classmethod
+    def resolve(cls, agent: CompiledAgent, codec: ChatCodec, overrides: Mapping[str, Any] | None = None, *,
+                validate: bool = False) -> Sampling:  # fmt: skip
+        """`overrides`: SGLang sampling names, plus `seed` and `logprobs`; `validate` picks val_sampling."""
+        spec = agent.spec
+        base = (spec.val_sampling if validate else spec.sampling).model_dump()
+        overrides = dict(overrides or {})
+        seed = overrides.pop("seed", base.pop("seed"))
+        logprobs = bool(overrides.pop("logprobs", base.pop("logprobs")))
+        unknown = set(overrides) - set(SAMPLING_KEYS)
+        if unknown:
+            raise ValueError(
+                f"unknown sampling parameter(s) {sorted(unknown)}; known: {', '.join(SAMPLING_KEYS)}"
+            )
+        parser_stops = PARSERS[parser_name(spec.parser, codec)](codec.tokenizer).stop_token_ids
+        stops = sorted({codec.eos_id, *parser_stops, *base.pop("stop_token_ids"), *overrides.pop("stop_token_ids", [])})
+        cap = overrides.pop("max_new_tokens", agent.limits.max_new_tokens)
+        params = {**base, **overrides, "stop_token_ids": stops}
+        return cls(params, seed, logprobs, cap)
+
+    def describe(self, vocab_size: int) -> dict[str, Any]:
+        """What produced the logprobs, for a trainer that recomputes them (the batch's meta_info["sampling"]):
+        each is log_softmax(logits / logprob_temperature) over all `vocab_size` ids, as SGLang and the
+        embedded model report them; top_k / top_p cut what is drawn, never renormalise the logprob."""
+        temperature = float(self.params.get("temperature", 1.0))
+        greedy = temperature < GREEDY_BELOW
+        top_k = int(self.params.get("top_k", -1))
+        return {
+            "temperature": temperature,
+            "top_p": float(self.params.get("top_p", 1.0)),
+            "top_k": top_k,  # -1: the whole vocabulary
+            "vocab_size": vocab_size,
+            "greedy": greedy,
+            "logprob_temperature": 1.0 if greedy else temperature,
+            "logprobs_over": "full_vocabulary",
+            "repetition_penalty": float(self.params.get("repetition_penalty", 1.0)),
+            "seed": self.seed,
+            "logprobs": self.logprobs,
+        }
+
+    def for_turn(self, traj: Trajectory, budget: int) -> dict[str, Any]:
+        """The request's sampling params for one turn of `traj` with `budget` tokens left (> 0)."""
+        max_new = budget if self.max_new_tokens is None else min(budget, self.max_new_tokens)
+        params = {**self.params, "max_new_tokens": max_new}
+        if self.seed is not None:
+            params["sampling_seed"] = self.seed + traj.index * 1000 + traj.sample
+        return params
+
+
+class PauseGate:
+    """The engine's pause switch and weight-version counter, shared by every run of one engine.
+
+    Every model request passes `wait()` first, so a paused engine issues none: a new turn waits here, and so
+    does a turn that the pause aborted, before it is resumed. `epoch` counts pauses, which tells an abort the
+    pause caused (not counted against limits.max_resumes) from one the server chose.
+    """
+
+    def __init__(self) -> None:
+        self._open = asyncio.Event()  # bound to a loop on first wait: the engine's
+        self._open.set()
+        self.epoch = 0
+        self.version = 0  # the weights the servers hold now (RolloutEngine.weight_version)
+        self.waiting = 0  # model turns waiting here now: whole, like trajectories at a state boundary
+        self.on_wait: Callable[[], None] | None = None  # told when one starts or stops waiting (snapshots)
+
+    @property
+    def paused(self) -> bool:
+        return not self._open.is_set()
+
+    def close(self) -> None:
+        if not self.paused:
+            self.epoch += 1
+            self._open.clear()
+
+    def open(self) -> None:
+        self._open.set()
+
+    async def wait(self) -> float:
+        """Return once the gate is open: the seconds spent waiting (0.0 when it was)."""
+        if self._open.is_set():
+            return 0.0
+        t0 = time.monotonic()
+        self._count(1)
+        try:
+            await self._open.wait()
+        finally:
+            self._count(-1)
+        return time.monotonic() - t0
+
+    def _count(self, step: int) -> None:
+        self.waiting += step
+        if self.on_wait is not None:
+            self.on_wait()
+
+    def version_of(self, reported: str | None, fallback: int | None = None) -> int:
+        """The weight version a response reports, as an int. When it reports none, a name ("default") or a
+        number the engine did not count (a timestamp a trainer set, a negative): `fallback`, the engine's
+        counter when the request was sent (the weights it was sent to), else the counter now. Versions are
+        stored as int32 next to the tokens, so a reported version is taken only when it fits."""
+        text = str(reported) if reported is not None else ""
+        if 0 < len(text) <= 10 and text.isascii() and text.isdigit() and int(text) < 2**31:
+            return int(text)
+        return self.version if fallback is None else fallback
+
+
+class RunContext:
+    """What actions share during one run: the agent, the backend, the codec, sampling, tools, tracing."""
+
+    def __init__(self, agent: CompiledAgent, backend: Backend, codec: ChatCodec, sampling: Sampling, *,
+                 tracer: Tracer | None = None, gate: PauseGate | None = None):  # fmt: skip
+        self.agent = agent
+        self.backend = backend
+        self.codec = codec
+        self.parser = make_parser(agent.spec.parser, codec, agent.tools.schemas)
+        self.sampling = sampling
+        self.tracer = tracer
+        self.gate = gate if gate is not None else PauseGate()  # the engine's, shared by its runs
+        self.interaction = agent.interaction_cls(dict(agent.spec.interaction.config, name=agent.spec.interaction.name
+                                                      or agent.spec.name)) if agent.interaction_cls else None  # fmt: skip
+        # Samples of a group share one prompt encoding: uid -> [(messages, tool schemas), ids, samples served],
+        # kept until the group's `group_size` samples have it (None: a group size the run does not know, so
+        # until the run ends; 1: nobody shares, nothing kept)
+        self.prompt_cache: dict[str, list[Any]] = {}
+        self.group_size: int | None = None
+
+    async def call_backend(self, traj: Trajectory, request: GenerateRequest) -> GenerateResult:
+        if self.tracer is None or TRACED.get() is None:
+            return await self.backend.generate(request)
+        span = self.tracer.model_call(traj, request, self.backend)  # started, and current
+        if span is None:  # a call outside the trajectory's trace
+            return await self.backend.generate(request)
+        try:
+            result = await self.backend.generate(request)
+        except BaseException as exc:
+            span.fail(exc)
+            raise
+        span.done(result)
+        return result
+
+    async def run_tool(
+        self, traj: Trajectory, call: ToolCall, instance_id: str, active: list[str] | None
+    ) -> CallOutcome:
+        tools = self.agent.tools
+        if self.tracer is None or TRACED.get() is None:
+            return await tools.call(call, instance_id, traj.tools_kwargs, traj, active, self._tool_view(traj))
+        span = self.tracer.tool_call(traj, call, tools.by_name.get(call.name or ""))  # started, and current
+        if span is None:  # a call outside the trajectory's trace
+            return await tools.call(call, instance_id, traj.tools_kwargs, traj, active, self._tool_view(traj))
+        try:
+            outcome = await tools.call(call, instance_id, traj.tools_kwargs, traj, active, self._tool_view(traj))
+        except BaseException as exc:
+            span.fail(exc)
+            raise
+        span.done(outcome)
+        return outcome
+
+    def _tool_view(self, traj: Trajectory) -> Callable[[], list[dict[str, Any]]]:
+        """agent_data.messages for a tool, built when it reads them: the model's turns in verl's form."""
+        codec, parser, limit = self.codec, self.parser, self.agent.limits.max_parallel_calls
+        return lambda: traj.messages_with_turns(lambda m, ids: codec.verl_message(m, ids, parser, limit))
+
+    def add_observation(
+        self, traj: Trajectory, messages: list[dict[str, Any]], *, role: str, overflow: str = "drop"
+    ) -> bool:
+        """Append tool/user turns as mask-0 tokens; False (nothing appended) if they overflow the budget.
+
+        The template's turn closer owed after a model turn is appended first, also with mask 0 (unless the
+        spec says `turn_closer: none`). As in verl, an observation that does not fit in response_length is
+        not appended and the budget counts as spent; `overflow="cut"` appends it cut at the budget instead
+        (verl 0.7.1's user replies).
+        """
+        owed = traj.needs_tail and self.agent.spec.turn_closer == "template"
+        closer, ids = self.codec.observation(messages, traj.response_ids[-1:].tolist() if owed else None,
+                                             traj.messages)  # fmt: skip
+        room = self.agent.limits.response_length - len(traj.response_mask)
+        if len(closer) + len(ids) >= room:
+            if overflow != "cut":
+                traj.observation_overflow = True
+                return False
+            closer, ids = closer[:room], ids[: max(room - len(closer), 0)]
+        traj.append_context(closer, "template")
+        traj.append_context(ids, role)
+        traj.needs_tail = False
+        traj.messages.extend(messages)
+        return True

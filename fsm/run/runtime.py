@@ -1,0 +1,323 @@
+"""The driver: many trajectories of one compiled agent, concurrently, on one event loop.
+
+For each trajectory the loop is:
+
+    while the state is not final:
+        await the state's action (a model call, tool calls, the user simulator...)
+        fire the first outgoing edge whose guard holds (through the shared machine)
+
+Each trajectory is one task; a semaphore bounds how many are in flight. A failure (bad row, dead server,
+timeout, a user action raising anything, even a BaseException such as a stray CancelledError) ends only that
+trajectory, with `termination_reason` "error: ...", and so does ending in a state that is not final. Only a
+real cancellation of the run itself (or Ctrl-C) goes through. A watchdog owned by the run logs which rows
+are stuck, in which state and on which server, when no trajectory has moved for `watchdog_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from typing import Any
+
+from backends.base import Backend, BackendError, BackendTimeout, GenerationAborted
+from fsm.chat import ChatCodec
+from fsm.data.rows import RowError, encodable_value, normalize_record, row_inputs
+from fsm.families import codec_for
+from fsm.run.agent import CompiledAgent
+from fsm.run.context import TRACED, PauseGate, RunContext, Sampling
+from fsm.run.interaction import call_lifecycle
+from fsm.run.tracer import Tracer
+from fsm.run.trajectory import Trajectory
+from fsm.spec.model import DEFAULT_TOOL_WORKERS
+from fsm.tools.isolation import ThreadLane
+
+log = logging.getLogger("agentfsm.runtime")
+
+WATCHDOG_S = 90.0  # default: longer than a healthy turn of a long response, far shorter than a hang
+
+
+class RewardError(Exception):
+    """The spec's reward function failed, hung or returned something that is not a score; names it and the row."""
+
+
+def reward_extra(traj: Trajectory, name: str) -> Any:
+    """One of fsm.run.agent.REWARD_EXTRAS for `traj`, for a reward function that names it."""
+    if name == "trajectory":
+        return traj
+    if name == "tool_results":
+        return [m.get("content") for m in traj.messages if m.get("role") == "tool"]
+    if name == "messages":
+        return list(traj.messages)
+    return traj.metrics.as_dict()
+
+
+class Runner:
+    """Runs rows through a compiled agent. Reusable across batches; one per (agent, backend, tokenizer)."""
+
+    def __init__(self, agent: CompiledAgent, backend: Backend, tokenizer: Any, *, max_concurrency: int = 512,
+                 tracer: Tracer | None = None, check_tokens: bool = False,
+                 watchdog_s: float | None = WATCHDOG_S):  # fmt: skip
+        self.agent = agent
+        self.backend = backend
+        model = agent.spec.model
+        self.codec = tokenizer if isinstance(tokenizer, ChatCodec) else codec_for(tokenizer, model.family,
+                                                                                  model.chat_template_kwargs)
+        self.max_concurrency = max_concurrency
+        self.tracer = tracer
+        self.check_tokens = check_tokens
+        self.watchdog_s = watchdog_s  # None or 0: no watchdog
+        self.stalls = 0  # watchdog reports so far
+        self.gate = PauseGate()  # closed while the engine is paused: model requests wait there
+        # session_id -> (trajectory, its root span or None) while it is driven: pause events reach them
+        self.live: dict[str, tuple[Trajectory, Any]] = {}
+        self._watchers = 0  # runs inside `watching()`: the watchdog runs while there is one
+        self._watchdog_task: asyncio.Task[None] | None = None
+        self._moved_at = time.perf_counter()  # the last time a trajectory finished
+        self._reward_lane: ThreadLane | None = None  # a sync reward function's own threads, made on first use
+
+    def make_context(self, sampling_params: Mapping[str, Any] | None = None, validate: bool = False, *,
+                     sampling: Sampling | None = None) -> RunContext:  # fmt: skip
+        if sampling is None:
+            sampling = Sampling.resolve(self.agent, self.codec, sampling_params, validate=validate)
+        return RunContext(self.agent, self.backend, self.codec, sampling, tracer=self.tracer, gate=self.gate)
+
+    def trajectories(self, rows: Iterable[Mapping[str, Any]], n: int = 1) -> list[Trajectory]:
+        """Rows -> one trajectory per (row, sample); samples of a row share its uid (a GRPO group)."""
+        run_id = uuid.uuid4().hex[:8]
+        out = []
+        for i, row in enumerate(rows):
+            row = encodable_value(normalize_record(dict(row))) if isinstance(row, Mapping) else {"__bad_row__": row}
+            uid = str(row.get("uid") or f"{run_id}-{i}")
+            for k in range(n):
+                traj = Trajectory(len(out), k, f"{run_id}-{i}-{k}", uid, row, self.agent.initial)
+                try:
+                    self._bind_row(traj)
+                except RowError as exc:  # runs as an error row: the batch keeps one row per input
+                    traj.extra["row_error"] = f"bad row {i}: {exc}"
+                out.append(traj)
+        return out
+
+    def _bind_row(self, traj: Trajectory) -> None:
+        inputs = row_inputs(traj.row)
+        traj.tools_kwargs = inputs.tools_kwargs
+        if self.agent.interaction_cls is not None:
+            traj.interaction_kwargs = inputs.interaction_kwargs
+        traj.tool_schemas = self.agent.tools.schemas_for(inputs.tool_selection)
+        active = self.agent.tools.active_names(inputs.tool_selection)
+        if active is not None:
+            traj.extra["active_tools"] = active
+
+    async def run(self, rows: Iterable[Mapping[str, Any]], *, n: int = 1, sampling_params: Mapping[str, Any] | None = None,
+                  validate: bool = False, sampling: Sampling | None = None,
+                  on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:  # fmt: skip
+        """Run every row (n samples each); returns one finished trajectory per sample, in input order.
+
+        `sampling`, when the caller has resolved it already, replaces `sampling_params` and `validate`."""
+        ctx = self.make_context(sampling_params, validate, sampling=sampling)
+        ctx.group_size = n
+        trajs = self.trajectories(rows, n)
+        gate = asyncio.Semaphore(self.max_concurrency)
+
+        async def one(traj: Trajectory) -> None:
+            async with gate:
+                await self.drive(ctx, traj)
+            if on_done is not None:
+                on_done(traj)
+
+        async with self.watching():
+            async with asyncio.TaskGroup() as tg:
+                for traj in trajs:
+                    tg.create_task(one(traj))
+        if self.tracer is not None:  # off the loop: a slow collector costs at most the tracer's flush timeout
+            await asyncio.to_thread(self.tracer.flush)
+        return trajs
+
+    async def drive(self, ctx: RunContext, traj: Trajectory,
+                    boundary: Callable[[Trajectory], Awaitable[None]] | None = None) -> None:  # fmt: skip
+        """Run one trajectory to a final state. Never raises for the trajectory's own failures.
+
+        `boundary`, when given, is awaited before each action: the trajectory is then between states, whole
+        (fsm/run/snapshot.py parks trajectories there to take a consistent snapshot)."""
+        agent, tracer = self.agent, self.tracer
+        timeout = agent.limits.action_timeout_s
+        root = traced = None
+        if tracer is not None:
+            root = tracer.trajectory(traj, ctx)  # None: sampled out
+            if root is not None or TRACED.get() is not None:  # a sampled-out one costs no ContextVar copy
+                traced = TRACED.set(root)
+        traj.begin()
+        self.live[traj.session_id] = (traj, root)
+        steps, max_steps = 0, agent.limits.max_transitions
+        try:
+            if "row_error" in traj.extra:
+                raise RowError(traj.extra.pop("row_error"))
+            while traj.state not in agent.final_states:
+                if boundary is not None:
+                    await boundary(traj)
+                steps += 1
+                if steps > max_steps:
+                    raise RowError(f"max_transitions: {max_steps} transitions without reaching a final state "
+                                   f"(a cycle through {traj.state}; limits.max_transitions)")  # fmt: skip
+                if steps % 64 == 0:
+                    await asyncio.sleep(0)  # a cycle of actions that never await still lets Ctrl-C and others in
+                source = traj.state
+                try:
+                    if timeout is None:
+                        await agent.actions[source](ctx, traj)
+                    else:
+                        async with asyncio.timeout(timeout):
+                            await agent.actions[source](ctx, traj)
+                    edge = agent.advance(traj)
+                except BaseException as exc:
+                    if root is not None:
+                        root.state_failed(exc)
+                    raise
+                traj.enter(edge)
+                if root is not None:
+                    root.transition(edge)  # ends this state's span, starts the next state's
+        except asyncio.CancelledError as exc:
+            task = asyncio.current_task()
+            if task is None or task.cancelling():
+                raise  # the run itself is being cancelled: not this trajectory's failure
+            traj.fail(f"CancelledError raised in {traj.state} by the action, not by a cancellation of the run"
+                      f"{': ' + str(exc) if str(exc) else ''}")  # fmt: skip
+        except RowError as exc:
+            traj.fail(str(exc))
+        except GenerationAborted as exc:
+            traj.fail(f"aborted: {exc}")
+        except BackendTimeout as exc:
+            traj.fail(f"timeout: {exc}")
+        except BackendError as exc:
+            traj.fail(f"backend: {exc}")
+        except TimeoutError:
+            traj.fail(f"timeout: action of {traj.state} exceeded {agent.limits.action_timeout_s}s")
+        except Exception as exc:  # a user action or guard bug ends this trajectory only
+            traj.fail(f"{type(exc).__name__} in {traj.state}: {exc}")
+        except KeyboardInterrupt:
+            raise  # a real Ctrl-C cannot be told from a raised one; swallowing it would keep the run going
+        except BaseException as exc:  # SystemExit, GeneratorExit... from user code: this trajectory only
+            traj.fail(f"{type(exc).__name__} in {traj.state}: {exc}")
+        finally:
+            self.live.pop(traj.session_id, None)
+            self._moved_at = time.perf_counter()
+            try:
+                await self._finish(ctx, traj)
+            finally:  # the root span ends even when finishing is cancelled
+                if root is not None:
+                    root.finish()
+                if traced is not None:
+                    TRACED.reset(traced)
+
+    async def _finish(self, ctx: RunContext, traj: Trajectory) -> None:
+        """Release the session, close the interaction, score, and (optionally) check the tokens."""
+        if traj.state not in self.agent.final_states and not traj.failed:
+            traj.fail(f"ended in {traj.state}, which is not a final state")  # never a row that looks finished
+        if traj.termination_reason is None:
+            traj.termination_reason = traj.state.lower()
+        try:
+            await ctx.backend.release(traj.session_id)
+            if traj.interaction_started:
+                inter = ctx.interaction
+                traj.interaction_score = float(await call_lifecycle(inter.calculate_score, traj.session_id))
+                await call_lifecycle(inter.finalize_interaction, traj.session_id)
+            await self._score(ctx, traj)
+        except RewardError as exc:
+            if traj.error is None:
+                traj.fail(f"reward: {exc}")
+        except Exception as exc:  # scoring/cleanup failures are recorded, never raised into the batch
+            if traj.error is None:
+                traj.fail(f"{type(exc).__name__} while finishing: {exc}")
+        if self.check_tokens and not traj.failed and traj.prompt_ids:
+            ended_on_observation = traj.segments[-1].role != "assistant" if traj.segments else True
+            traj.token_check = self.codec.check(
+                traj.messages, traj.tool_schemas, traj.context_ids(), ended_on_observation
+            )
+
+    async def _score(self, ctx: RunContext, traj: Trajectory) -> None:
+        reward = self.agent.reward
+        if reward is None:
+            return
+        if traj.failed:
+            traj.reward_score = 0.0
+            return
+        row = traj.row
+        kwargs = dict(
+            data_source=row.get("data_source"),
+            solution_str=self.codec.decode(traj.response_ids.tolist()),
+            ground_truth=(row.get("reward_model") or {}).get("ground_truth"),
+            extra_info=row.get("extra_info"),
+            **reward.kwargs,
+        )
+        for name in reward.extras:  # only what the function names: verl-style signatures see no change
+            kwargs[name] = reward_extra(traj, name)
+        t0 = time.perf_counter()
+        name, limit = self.agent.spec.reward.function, self.agent.limits.reward_timeout_s  # type: ignore[union-attr]
+        try:
+            async with asyncio.timeout(limit):
+                if inspect.iscoroutinefunction(reward.fn):
+                    score = await reward.fn(**kwargs)
+                else:  # its own threads, never the loop's executor (the embedded model decodes there)
+                    if self._reward_lane is None:
+                        self._reward_lane = ThreadLane(f"reward {name}", DEFAULT_TOOL_WORKERS)
+                    score = await self._reward_lane.call(reward.fn, **kwargs)
+            if isinstance(score, Mapping):
+                traj.extra["reward_extra_info"] = dict(score)
+                score = score["score"]
+            traj.reward_score = float(score)
+        except TimeoutError:
+            raise RewardError(f"reward function {name} on row {traj.uid}: no result within {limit:g} s "
+                              "(limits.reward_timeout_s)") from None  # fmt: skip
+        except Exception as exc:
+            raise RewardError(f"reward function {name} on row {traj.uid}: {type(exc).__name__}: {exc}") from None
+        finally:
+            traj.metrics.compute_score += time.perf_counter() - t0
+
+    @contextlib.asynccontextmanager
+    async def watching(self) -> AsyncIterator[None]:
+        """The watchdog runs while any run is inside this block: every run path (`run`, the continuous mode of
+        fsm/run/stream.py, a Ray actor) enters it, so each gets the same stuck-row reports."""
+        self._watchers += 1
+        if self._watchers == 1 and self.watchdog_s:
+            self._watchdog_task = asyncio.create_task(self._watchdog(), name="agentfsm watchdog")
+        try:
+            yield
+        finally:
+            self._watchers -= 1
+            task = self._watchdog_task
+            if self._watchers == 0 and task is not None:
+                self._watchdog_task = None
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.shield(task)  # our own cancellation must not leave it running
+
+    async def _watchdog(self) -> None:
+        """Log the stuck rows when no trajectory has changed state for `watchdog_s` (then every `watchdog_s`
+        while it lasts). Owned by `watching()`, which cancels it when the last run inside it ends."""
+        assert self.watchdog_s
+        limit = self.watchdog_s
+        reported = 0.0  # the progress time already reported on
+        while True:
+            await asyncio.sleep(max(0.01, limit / 4))
+            now = time.perf_counter()
+            running = [t for t, _ in self.live.values() if t.path_times]
+            if not running or self.gate.paused:  # a paused engine is expected to stand still
+                continue
+            last = max(self._moved_at, max(t.path_times[-1] for t in running))
+            if now - last < limit or now - max(last, reported) < limit:
+                continue
+            reported = now
+            self.stalls += 1
+            where = getattr(self.backend, "where", None)
+            lines = []
+            for t in sorted(running, key=lambda t: t.path_times[-1])[:10]:
+                server = where(t.session_id) if where is not None else None
+                lines.append(f"row {t.index} sample {t.sample} ({t.session_id}) in {t.state} for "
+                             f"{now - t.path_times[-1]:.1f} s" + (f" on {server}" if server else ""))  # fmt: skip
+            more = f" (the 10 longest of {len(running)})" if len(running) > 10 else ""
+            log.warning("watchdog: no trajectory has changed state for %.1f s; %d in flight%s:\n  %s",
+                        now - last, len(running), more, "\n  ".join(lines))  # fmt: skip

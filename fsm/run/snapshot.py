@@ -1,0 +1,263 @@
+"""Snapshots: trajectories as JSON, taken between states, restored into the same compiled agent.
+
+A trajectory is whole only between states: an action in progress may have appended a model turn and not yet
+fired the edge that follows it. So a snapshot parks every running trajectory at its next state boundary
+(`Boundary`, awaited by `Runner.drive` before each action), waits until every running one has parked or
+finished, writes them all, and lets them go. Trajectories still queued behind the concurrency gate are in
+their initial state, which is whole too.
+
+What is written: every slot of `Trajectory` (so slots added later come along), tagged where JSON has no
+type of its own (arrays, sets, the few dataclasses a trajectory holds). Tool instances need nothing: an
+instance lives inside one `call_tools` action (create, execute, release), so none is alive at a boundary.
+An interaction's per-session state is not written; a snapshot refuses a running trajectory whose
+interaction has started (its user simulator would start over).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import json
+import os
+import time
+from array import array
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fsm.parsers import ToolCall
+from fsm.run.agent import CompiledAgent
+from fsm.run.context import Sampling
+from fsm.run.trajectory import Metrics, Segment, Segments, Trajectory
+
+FORMAT = 1
+_TAGS = {"__array__", "__set__", "__tuple__", "__items__", "__dc__"}
+_CLASSES = {cls.__name__: cls for cls in (Segment, Metrics, ToolCall)}
+
+
+class SnapshotError(Exception):
+    """A snapshot that cannot be taken or restored here; the message says why and what to do."""
+
+
+# --- values ------------------------------------------------------------------------------------------------
+
+
+def _encode(value: Any, where: str) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, array):
+        return {"__array__": value.typecode, "items": value.tolist()}
+    if isinstance(value, (set, frozenset)):
+        return {"__set__": [_encode(v, where) for v in sorted(value, key=repr)]}
+    if isinstance(value, tuple):
+        return {"__tuple__": [_encode(v, where) for v in value]}
+    if isinstance(value, list):
+        return [_encode(v, where) for v in value]
+    if isinstance(value, dict):
+        if all(isinstance(k, str) for k in value) and not _TAGS & value.keys():
+            return {k: _encode(v, where) for k, v in value.items()}
+        return {"__items__": [[_encode(k, where), _encode(v, where)] for k, v in value.items()]}
+    if isinstance(value, np.ndarray):
+        return [_encode(v, where) for v in value.tolist()]
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, Segments):  # written as the list of Segment records it reads as
+        return [_encode(seg, where) for seg in value]
+    if dataclasses.is_dataclass(value) and type(value).__name__ in _CLASSES:
+        fields = {f.name: _encode(getattr(value, f.name), where) for f in dataclasses.fields(value)}
+        return {"__dc__": type(value).__name__, "fields": fields}
+    raise SnapshotError(f"{where}: a {type(value).__name__} cannot be written to a snapshot")
+
+
+def _decode(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_decode(v) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if "__array__" in value:
+        return array(value["__array__"], value["items"])
+    if "__set__" in value:
+        return {_decode(v) for v in value["__set__"]}
+    if "__tuple__" in value:
+        return tuple(_decode(v) for v in value["__tuple__"])
+    if "__items__" in value:
+        return {_decode(k): _decode(v) for k, v in value["__items__"]}
+    if "__dc__" in value:
+        cls = _CLASSES.get(value["__dc__"])
+        if cls is None:
+            raise SnapshotError(f"unknown record type {value['__dc__']!r}")
+        return cls(**{k: _decode(v) for k, v in value["fields"].items()})
+    return {k: _decode(v) for k, v in value.items()}
+
+
+def encode_trajectory(traj: Trajectory) -> dict[str, Any]:
+    """Every slot of `traj` as JSON-ready values (the weight versions expanded, one per token)."""
+    names = [name for name in type(traj).__slots__ if name != "_version_runs"] + ["response_versions"]
+    return {name: _encode(getattr(traj, name), f"trajectory {traj.session_id}: {name}")
+            for name in names if hasattr(traj, name)}  # fmt: skip
+
+
+def decode_trajectory(data: dict[str, Any]) -> Trajectory:
+    """A trajectory from `encode_trajectory`'s output; its state times are moved to end now (durations kept,
+    this process's clock)."""
+    traj = Trajectory.__new__(Trajectory)
+    traj.partial_turn = None  # older snapshots have no such slots
+    traj.turn_rewards = []
+    for name in Trajectory.__slots__:
+        if name in data:
+            setattr(traj, name, _decode(data[name]))
+    traj.segments = Segments(getattr(traj, "segments", ()))
+    traj._version_runs = array("i")
+    versions = _decode(data.get("response_versions", []))
+    if len(versions) != len(traj.response_ids):
+        raise SnapshotError(f"trajectory {traj.session_id!r}: its response arrays differ in length")
+    traj.response_versions = versions
+    if not isinstance(traj.metrics, Metrics):
+        traj.metrics = Metrics(**traj.metrics)
+    if len(traj.path_times):
+        shift = time.perf_counter() - traj.path_times[-1]
+        traj.path_times = array("d", (t + shift for t in traj.path_times))
+        if len(traj.path_times) == len(traj.path):  # the driver's begin() records the current state's entry
+            traj.path_times.pop()
+    return traj
+
+
+def encode_sampling(sampling: Sampling) -> dict[str, Any]:
+    return {"params": _encode(dict(sampling.params), "sampling"), "seed": sampling.seed,
+            "logprobs": sampling.logprobs, "max_new_tokens": sampling.max_new_tokens}  # fmt: skip
+
+
+def decode_sampling(data: dict[str, Any]) -> Sampling:
+    return Sampling(_decode(data["params"]), data["seed"], data["logprobs"], data["max_new_tokens"])
+
+
+# --- files -------------------------------------------------------------------------------------------------
+
+
+def header(agent: CompiledAgent) -> dict[str, Any]:
+    return {"format": FORMAT, "agent": agent.name, "spec_hash": agent.hash,
+            "spec": str(agent.path) if agent.path else None}  # fmt: skip
+
+
+def _digest(data: dict[str, Any]) -> str:
+    body = {k: v for k, v in data.items() if k != "checksum"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
+
+
+def write(path: str | Path, data: dict[str, Any]) -> None:
+    """Write atomically (a snapshot file is always whole), with a checksum: an edited snapshot is refused."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.writing")
+    tmp.write_text(json.dumps({**data, "checksum": _digest(data)}, ensure_ascii=False))
+    os.replace(tmp, path)
+
+
+def read(path: str | Path, agent: CompiledAgent, vocab_size: int | None = None) -> dict[str, Any]:
+    """A snapshot file, checked against `agent` (same format, same spec hash), its checksum, and its
+    structure: states of this agent, token arrays of consistent sizes within the limits, token ids below
+    `vocab_size`. Every refusal is a SnapshotError of one line."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise SnapshotError(f"{path}: no snapshot there") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SnapshotError(f"{path}: cannot read it ({exc})") from None
+    except json.JSONDecodeError as exc:
+        raise SnapshotError(f"{path}: not a snapshot (bad JSON: {exc.msg}, line {exc.lineno})") from None
+    except RecursionError:
+        raise SnapshotError(f"{path}: not a snapshot (nested too deeply)") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise SnapshotError(f"{path}: not an agentfsm snapshot of format {FORMAT}")
+    if data.get("checksum") != _digest(data):
+        raise SnapshotError(f"{path}: its checksum does not match its content (edited or damaged); it cannot be "
+                            "resumed, start the run again")  # fmt: skip
+    if data.get("spec_hash") != agent.hash:
+        raise SnapshotError(f"{path}: taken with agent {data.get('agent')!r} (spec hash {data.get('spec_hash')}), "
+                            f"but this engine runs {agent.name!r} (spec hash {agent.hash}); restore it with the "
+                            f"spec it was taken with ({data.get('spec')})")  # fmt: skip
+    try:
+        _check(data, agent, vocab_size)
+    except SnapshotError as exc:
+        raise SnapshotError(f"{path}: {exc}") from None
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError, RecursionError) as exc:
+        raise SnapshotError(f"{path}: malformed snapshot ({type(exc).__name__}: {exc})") from None
+    return data
+
+
+def _check(data: dict[str, Any], agent: CompiledAgent, vocab_size: int | None) -> None:
+    """What a restore relies on, checked before anything is restored (see `read`)."""
+    limits, states = agent.limits, agent.spec.states
+    groups = data["groups"]
+    if not isinstance(groups, list):
+        raise SnapshotError("'groups' is not a list")
+    for g in groups:
+        if g["status"] not in ("ready", "running") or not isinstance(g["uid"], str):
+            raise SnapshotError(f"group {g.get('uid')!r}: bad status or uid")
+        decode_sampling(g["sampling"])
+        for td in g["trajectories"]:
+            traj = decode_trajectory(td)
+            where = f"trajectory {traj.session_id!r}"
+            if not isinstance(td["done"], bool) or traj.state not in states:
+                raise SnapshotError(f"{where}: state {traj.state!r} is not one of the agent's")
+            n = len(traj.response_ids)
+            if not (len(traj.response_mask) == len(traj.response_logprobs) == n):
+                raise SnapshotError(f"{where}: its response arrays differ in length")
+            if n > limits.response_length or len(traj.prompt_ids) > limits.prompt_length:
+                raise SnapshotError(f"{where}: more tokens than limits.prompt_length/response_length")
+            partial = traj.partial_turn or ((), (), ())
+            ids = [*traj.prompt_ids, *traj.response_ids, *partial[0]]
+            if ids and (min(ids) < 0 or (vocab_size is not None and max(ids) >= vocab_size)):
+                raise SnapshotError(f"{where}: token ids outside the tokenizer's vocabulary ({vocab_size})")
+
+
+# --- the boundary --------------------------------------------------------------------------------------------
+
+
+class Boundary:
+    """Where `Runner.drive` waits before each action while a snapshot is being taken."""
+
+    def __init__(self) -> None:
+        self._open = asyncio.Event()
+        self._open.set()
+        self._moved = asyncio.Event()
+        self.parked = 0
+
+    async def __call__(self, traj: Trajectory) -> None:
+        if self._open.is_set():
+            return
+        self.parked += 1
+        self._moved.set()
+        try:
+            await self._open.wait()
+        finally:
+            self.parked -= 1
+
+    def moved(self) -> None:
+        """A trajectory started or finished: the closer re-counts."""
+        self._moved.set()
+
+    async def close(self, running: Callable[[], int], timeout_s: float | None = None,
+                    held: Callable[[], int] = lambda: 0) -> None:  # fmt: skip
+        """Hold every trajectory at its next boundary; return once the `running()` ones have all parked, here
+        or (`held()` of them) waiting elsewhere while whole (a model turn at a paused engine's gate)."""
+        self._open.clear()
+        try:
+            async with asyncio.timeout(timeout_s):
+                while self.parked + held() < running():
+                    self._moved.clear()
+                    await self._moved.wait()
+        except BaseException:
+            self._open.set()
+            raise
+
+    def open(self) -> None:
+        self._open.set()
+
+
+def check_resumable(traj: Trajectory) -> None:
+    if traj.interaction_started:
+        raise SnapshotError(f"trajectory {traj.session_id} is in its interaction, whose state a snapshot does not "
+                            "hold; snapshot between batches, or when no interaction is running")  # fmt: skip

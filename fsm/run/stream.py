@@ -1,0 +1,443 @@
+"""The continuous mode: rows go in whenever the trainer submits them, finished GRPO groups come out as they
+complete, and unfinished trajectories keep running across weight updates.
+
+    submit(rows, n) --> one task per trajectory (the engine's gate bounds how many run) --> a group whose n
+    samples have all finished joins `ready`, in completion order --> take(k) hands out the first k fresh ones
+
+Staleness: a group's version is that of its oldest model token; `staleness = current version - version`.
+At take time, groups staler than `max_staleness` are dropped or re-run (`stale="drop"|"rerun"`), and
+counted. A group is always whole; each leaves `ready` exactly once.
+
+A Stream lives on its engine's event loop and is owned by it: `serve()` is the one long task under which
+every trajectory task runs, and the engine cancels it on close. Snapshots (fsm/run/snapshot.py) park the
+trajectories at their next state boundary and write the groups, finished and not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from fsm.data.rows import to_rows
+from fsm.run import snapshot as snap
+from fsm.run.context import RunContext, Sampling
+from fsm.run.runtime import Runner
+from fsm.run.trajectory import Trajectory
+
+StalePolicy = Literal["drop", "rerun"]
+PAUSE_TIMEOUT_S = 10.0  # a snapshot's pause of the servers (abort mode) waits at most this long
+log = logging.getLogger("agentfsm.stream")
+
+
+class StreamEmpty(RuntimeError):
+    """take() asked for more groups than are ready or running: submit rows first."""
+
+
+def version_span(traj: Trajectory, finished_version: int) -> tuple[int, int]:
+    """(oldest, newest) weight version of the trajectory's model tokens; a trajectory without any (a failed
+    row, an empty response) counts as made by the version current when it finished."""
+    span = traj.weight_versions()
+    return span if span is not None else (finished_version, finished_version)
+
+
+@dataclass
+class Group:
+    """One row's n samples, finished; what `take` and `stream` hand out."""
+
+    uid: str
+    trajectories: list[Trajectory]
+    sampling: Sampling
+    version_min: int = 0  # oldest model token's weight version, over the group
+    version_max: int = 0
+    reruns: int = 0  # times it was re-run for staleness
+    staleness: int = 0  # at take time: current version - version_min
+
+
+@dataclass
+class _Running:
+    group: Group
+    ctx: RunContext
+    done: int = 0
+    versions: dict[int, int] = field(default_factory=dict)  # sample -> weight version when it finished
+
+
+class Stream:
+    """Submitted groups in flight and finished ones waiting to be taken, on one engine's loop."""
+
+    def __init__(self, runner: Runner, version: Callable[[], int]):
+        self.runner = runner
+        self.version = version  # the engine's current weight version
+        self.boundary = snap.Boundary()
+        self._gate = asyncio.Semaphore(runner.max_concurrency)
+        self._ready: deque[Group] = deque()
+        self._running: dict[str, _Running] = {}  # uid -> group in flight
+        self._news = asyncio.Event()  # a group finished
+        self._tg: asyncio.TaskGroup | None = None
+        self._serving = asyncio.Event()
+        self._active = 0  # trajectories past the gate, not finished
+        self._next_index = 0
+        self.stats: dict[str, Any] = {"submitted_groups": 0, "finished_groups": 0, "taken_groups": 0,
+                                      "stale_dropped": 0, "stale_rerun": 0, "finished_trajectories": 0,
+                                      "running_groups": 0, "ready_groups": 0, "staleness": {}}  # fmt: skip
+
+    # -- ownership -------------------------------------------------------------------------------------------
+
+    async def serve(self) -> None:
+        """The owner of every trajectory task; runs until cancelled (the engine's close, a stopping snapshot).
+        Cancelled, it cancels every running trajectory; ready groups stay, to be taken."""
+        try:
+            async with self.runner.watching(), asyncio.TaskGroup() as tg:
+                self._tg = tg
+                self._serving.set()
+                await asyncio.Event().wait()
+        finally:
+            self._serving.clear()
+            self._tg = None
+            self._running.clear()
+            self.stats["running_groups"] = 0
+            self._news.set()
+
+    # -- in ----------------------------------------------------------------------------------------------------
+
+    async def submit(self, rows: Sequence[Any], n: int, sampling: Sampling) -> list[str]:
+        """Start every row n times; the groups' uids."""
+        await self._serving.wait()
+        trajs = self.runner.trajectories(rows, n)
+        ctx = self.runner.make_context(sampling=sampling)
+        ctx.group_size = n
+        base, self._next_index = self._next_index, self._next_index + len(trajs)
+        uids = []
+        waiting = {g.uid for g in self._ready}
+        for i in range(0, len(trajs), n):
+            members = trajs[i : i + n]
+            for t in members:
+                t.index += base  # stream-wide: per-sample seeds differ across submissions
+            uid = members[0].uid
+            while uid in self._running or uid in waiting:  # the same row again (another epoch): its own uid
+                uid += "+"
+            for t in members:
+                t.uid = uid
+            self._start(_Running(Group(uid, members, sampling), ctx), members)
+            uids.append(uid)
+        return uids
+
+    def _start(self, run: _Running, trajs: Sequence[Trajectory]) -> None:
+        assert self._tg is not None
+        self._running[run.group.uid] = run
+        self.stats["submitted_groups"] += 1
+        self.stats["running_groups"] = len(self._running)
+        for t in trajs:
+            self._tg.create_task(self._one(run, t))
+
+    async def _one(self, run: _Running, traj: Trajectory) -> None:
+        async with self._gate:
+            self._active += 1
+            self.boundary.moved()
+            try:
+                await self.runner.drive(run.ctx, traj, self.boundary)
+            finally:
+                self._active -= 1
+                self.boundary.moved()
+        self._finished(run, traj)
+
+    def _finished(self, run: _Running, traj: Trajectory) -> None:
+        run.done += 1
+        run.versions[traj.sample] = self.version()
+        self.stats["finished_trajectories"] += 1
+        if run.done < len(run.group.trajectories):
+            return
+        group = run.group
+        spans = [version_span(t, run.versions[t.sample]) for t in group.trajectories]
+        group.version_min = min(s[0] for s in spans)
+        group.version_max = max(s[1] for s in spans)
+        del self._running[group.uid]
+        self._ready.append(group)
+        self.stats["finished_groups"] += 1
+        self.stats["running_groups"] = len(self._running)
+        self.stats["ready_groups"] = len(self._ready)
+        self._news.set()
+
+    # -- out ---------------------------------------------------------------------------------------------------
+
+    def _sweep(self, max_staleness: int | None, stale: StalePolicy) -> None:
+        """Take the groups staler than `max_staleness` out of `ready`: dropped, or started again."""
+        if max_staleness is None:
+            return
+        now = self.version()
+        keep: deque[Group] = deque()
+        for g in self._ready:
+            if now - g.version_min <= max_staleness:
+                keep.append(g)
+            elif stale == "rerun":
+                self.stats["stale_rerun"] += 1
+                self._rerun(g)
+            else:
+                self.stats["stale_dropped"] += 1
+        self._ready = keep
+        self.stats["ready_groups"] = len(self._ready)
+
+    def _rerun(self, g: Group) -> None:
+        fresh = self.runner.trajectories([g.trajectories[0].row], len(g.trajectories))
+        for new, old in zip(fresh, g.trajectories):
+            new.index, new.uid = old.index, g.uid
+        group = Group(g.uid, fresh, g.sampling, reruns=g.reruns + 1)
+        self._start(_Running(group, self.runner.make_context(sampling=g.sampling)), fresh)
+
+    async def take(self, num_groups: int, max_staleness: int | None = None, stale: StalePolicy = "drop",
+                   exhausted_ok: bool = False) -> list[Group]:  # fmt: skip
+        """The first `num_groups` fresh finished groups, in completion order, waiting for them. StreamEmpty
+        when fewer can ever come (nothing left running); with `exhausted_ok`, what there is instead."""
+        if stale not in ("drop", "rerun"):
+            raise ValueError(f"stale must be 'drop' or 'rerun', not {stale!r}")
+        if num_groups < 1:
+            raise ValueError(f"num_groups must be >= 1, got {num_groups}")
+        while True:
+            self._sweep(max_staleness, stale)
+            if len(self._ready) >= num_groups or (not self._running and exhausted_ok):
+                out = [self._ready.popleft() for _ in range(min(num_groups, len(self._ready)))]
+                now = self.version()
+                hist = self.stats["staleness"]
+                for g in out:
+                    g.staleness = now - g.version_min
+                    hist[g.staleness] = hist.get(g.staleness, 0) + 1
+                self.stats["taken_groups"] += len(out)
+                self.stats["ready_groups"] = len(self._ready)
+                return out
+            if not self._running:
+                raise StreamEmpty(f"take({num_groups}): {len(self._ready)} group(s) ready and none running; "
+                                  "submit rows first")  # fmt: skip
+            self._news.clear()
+            await self._news.wait()
+
+    # -- snapshots ---------------------------------------------------------------------------------------------
+
+    async def snapshot(self, header: Mapping[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
+        """Park every running trajectory at a state boundary and write down every group, ready or running.
+        The trajectories stay parked until `boundary.open()` (the caller's, once written or stopped)."""
+        gate = self.runner.gate
+        gate.on_wait = self.boundary.moved
+        try:
+            await self.boundary.close(lambda: self._active, timeout_s, lambda: gate.waiting)
+        finally:
+            gate.on_wait = None
+        try:
+            groups = []
+            for status, g, done in ([("ready", g, None) for g in self._ready] +
+                                    [("running", r.group, r) for r in self._running.values()]):  # fmt: skip
+                trajs = []
+                for t in g.trajectories:
+                    finished = status == "ready" or (done is not None and _is_done(t, done))
+                    if not finished:
+                        snap.check_resumable(t)
+                    trajs.append({"done": finished, **snap.encode_trajectory(t)})
+                groups.append({"status": status, "uid": g.uid, "reruns": g.reruns, "version_min": g.version_min,
+                               "version_max": g.version_max, "sampling": snap.encode_sampling(g.sampling),
+                               "trajectories": trajs})  # fmt: skip
+        except BaseException:
+            self.boundary.open()
+            raise
+        return {**header, "weight_version": self.version(), "next_index": self._next_index, "groups": groups,
+                "stats": {k: v for k, v in self.stats.items() if k != "staleness"}}  # fmt: skip
+
+    async def restore(self, data: Mapping[str, Any]) -> int:
+        """Put a snapshot's groups back: ready ones to be taken, running ones running again. Groups restored."""
+        await self._serving.wait()
+        self._next_index = max(self._next_index, int(data.get("next_index", 0)))
+        for gd in data["groups"]:
+            sampling = snap.decode_sampling(gd["sampling"])
+            trajs = [snap.decode_trajectory(td) for td in gd["trajectories"]]
+            done = [bool(td["done"]) for td in gd["trajectories"]]
+            group = Group(gd["uid"], trajs, sampling, gd["version_min"], gd["version_max"], gd["reruns"])
+            if gd["status"] == "ready":
+                self._ready.append(group)
+                self.stats["finished_groups"] += 1
+                continue
+            run = _Running(group, self.runner.make_context(sampling=sampling))
+            run.done = sum(done)
+            run.versions = {t.sample: self.version() for t, d in zip(trajs, done) if d}
+            self._running[group.uid] = run
+            self.stats["submitted_groups"] += 1
+            assert self._tg is not None
+            for t, d in zip(trajs, done):
+                if not d:
+                    self._tg.create_task(self._one(run, t))
+        self.stats["running_groups"] = len(self._running)
+        self.stats["ready_groups"] = len(self._ready)
+        self._news.set()
+        return len(data["groups"])
+
+
+def _is_done(traj: Trajectory, run: _Running) -> bool:
+    """Whether a trajectory of a running group has finished (its driver returned): parked and queued ones
+    are in a state that is not final; a finished one is in a final state, or failed."""
+    return traj.state in run.ctx.agent.final_states or traj.failed
+
+
+class GroupTaking:
+    """`atake`, `stream` and the sync `submit`/`take` over an engine's `asubmit`, `atake_groups` and
+    `to_batch`: shared by RolloutEngine's continuous mode (below) and RayRunner's."""
+
+    def submit(self, rows: Any, n: int = 1, sampling_params: Mapping[str, Any] | None = None,
+               validate: bool = False) -> list[str]:  # fmt: skip
+        self._refuse_in_loop("submit", "asubmit")
+        return self._run_sync(self.asubmit(rows, n, sampling_params, validate))
+
+    def take(self, num_groups: int, *, max_staleness: int | None = None, stale: StalePolicy = "drop",
+             timeout: float | None = None) -> Any:  # fmt: skip
+        self._refuse_in_loop("take", "atake")
+        return self._run_sync(self.atake(num_groups, max_staleness=max_staleness, stale=stale, timeout=timeout))
+
+    async def atake(self, num_groups: int, *, max_staleness: int | None = None, stale: StalePolicy = "drop",
+                    timeout: float | None = None) -> Any:  # fmt: skip
+        """verl's padded batch of exactly `num_groups` whole groups, in completion order, waiting for them
+        (TimeoutError after `timeout` s; StreamEmpty when too few are running). A group whose oldest model
+        token is more than `max_staleness` weight versions old is dropped or re-run (`stale`), and counted in
+        `stream_stats`. meta_info["staleness"]: each group's, in batch order."""
+        groups = await self.atake_groups(num_groups, max_staleness=max_staleness, stale=stale, timeout=timeout)
+        trajs = [t for g in groups for t in g.trajectories]
+        sampling = groups[0].sampling
+        if not all(g.sampling.logprobs for g in groups):
+            sampling = dataclasses.replace(sampling, logprobs=False)
+        batch = self.to_batch(trajs, sampling)
+        batch.meta_info["staleness"] = [g.staleness for g in groups]
+        return batch
+
+    async def stream(self, *, max_staleness: int | None = None, stale: StalePolicy = "drop") -> AsyncIterator[Group]:
+        """`async for group in engine.stream():` each finished group as it completes, until none is left."""
+        while True:
+            groups = await self.atake_groups(1, max_staleness=max_staleness, stale=stale, exhausted_ok=True)
+            if not groups:
+                return
+            yield groups[0]
+
+
+
+class ContinuousMode(GroupTaking):
+    """RolloutEngine's continuous-mode methods (a mixin: the engine provides its loop, runner and batch).
+
+    Each call runs on the engine's loop; sync forms block on it, as the engine's other calls do."""
+
+    runner: Runner
+    agent: Any
+    _stream: Stream | None = None  # started by the first call
+    _stream_task: asyncio.Future[None] | None = None
+
+    def _version(self) -> int:
+        return self.weight_version
+
+    async def _stream_here(self) -> Stream:
+        await self._start()
+        if self._stream is None:
+            self._stream = Stream(self.runner, self._version)
+        if self._stream_task is None:
+            self._stream_task = asyncio.ensure_future(self._stream.serve())
+        return self._stream
+
+    async def asubmit(self, rows: Any, n: int = 1, sampling_params: Mapping[str, Any] | None = None,
+                      validate: bool = False, sampling: Sampling | None = None) -> list[str]:  # fmt: skip
+        """Start rolling out every row `n` times in the continuous mode; returns at once with the groups' uids.
+        Their groups come back from `atake` / `stream` as they finish."""
+        rows, meta = to_rows(rows)
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        if sampling is None:
+            sampling = self.sampling(sampling_params, bool(validate or meta.get("validate", False)))
+
+        async def here() -> list[str]:
+            return await (await self._stream_here()).submit(rows, n, sampling)
+
+        return await self._on_home(here())
+
+    async def atake_groups(self, num_groups: int, *, max_staleness: int | None = None, stale: StalePolicy = "drop",
+                           timeout: float | None = None, exhausted_ok: bool = False) -> list[Group]:  # fmt: skip
+        """The first `num_groups` finished groups (see `atake`), as `Group`s of trajectories."""
+
+        async def here() -> list[Group]:
+            stream = await self._stream_here()
+            async with asyncio.timeout(timeout):
+                return await stream.take(num_groups, max_staleness, stale, exhausted_ok)
+
+        return await self._on_home(here())
+
+    @property
+    def stream_stats(self) -> dict[str, Any]:
+        """Counters of the continuous mode: groups submitted, finished, taken, dropped or re-run for staleness,
+        running and ready now; `staleness`: {staleness: groups taken}."""
+        if self._stream is None:
+            return {}
+        stats = dict(self._stream.stats)
+        stats["staleness"] = dict(stats["staleness"])
+        return stats
+
+    async def asnapshot(self, path: str | Path, *, meta: Mapping[str, Any] | None = None, stop: bool = False,
+                        timeout: float | None = None, abort_turns: bool = False) -> dict[str, int]:  # fmt: skip
+        """Write the continuous mode's groups (finished but not taken, and running) to `path` as JSON, taken
+        at state boundaries: running trajectories pause at their next one while it is written. `stop=True`
+        then cancels the running ones (their groups live on in the file) instead of letting them go on.
+        `abort_turns=True` never waits for a model turn: the engine pauses in abort mode first (`apause`), so
+        turns in flight end with their partial output, which the snapshot keeps and a restore goes on from.
+        `meta` is stored as is (JSON). Returns counts: groups ready and running, trajectories parked."""
+
+        async def here() -> dict[str, int]:
+            stream = await self._stream_here()
+            gate = self.runner.gate
+            paused = abort_turns and not gate.paused
+            if paused:
+                gate.close()  # first: no new turn starts while the servers abort the running ones
+                try:
+                    async with asyncio.timeout(PAUSE_TIMEOUT_S):
+                        await self._control_here("pause_generation", ("abort",), {}, False)
+                except Exception as exc:  # a server that cannot pause: its turns are waited for instead
+                    log.warning("snapshot: pausing the servers failed (%s: %s); waiting for turns in flight",
+                                type(exc).__name__, exc)  # fmt: skip
+            try:
+                data = await stream.snapshot({**snap.header(self.agent), "meta": dict(meta or {})}, timeout)
+                try:
+                    await asyncio.to_thread(snap.write, path, data)
+                    if stop:
+                        await self._stop_stream()
+                finally:
+                    stream.boundary.open()
+            finally:  # stopped or going on: the servers serve again (a stop has cancelled our turns by now)
+                if paused:
+                    with contextlib.suppress(Exception):
+                        async with asyncio.timeout(PAUSE_TIMEOUT_S):
+                            await self._control_here("continue_generation", (), {}, False)
+                    gate.open()
+            running = sum(g["status"] == "running" for g in data["groups"])
+            return {"ready_groups": len(data["groups"]) - running, "running_groups": running}
+
+        return await self._on_home(here())
+
+    async def arestore(self, path: str | Path) -> dict[str, Any]:
+        """Put a snapshot's groups back into the continuous mode (same spec, checked by hash: SnapshotError
+        otherwise); ready groups can be taken, running ones run on. Returns the snapshot's `meta`."""
+
+        async def here() -> dict[str, Any]:
+            data = await asyncio.to_thread(snap.read, path, self.agent, len(self.codec.tokenizer))
+            await (await self._stream_here()).restore(data)
+            return dict(data.get("meta") or {})
+
+        return await self._on_home(here())
+
+    async def _stop_stream(self) -> None:
+        task, self._stream_task = self._stream_task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def snapshot(self, path: str | Path, *, meta: Mapping[str, Any] | None = None, stop: bool = False) -> dict[str, int]:
+        self._refuse_in_loop("snapshot", "asnapshot")
+        return self._run_sync(self.asnapshot(path, meta=meta, stop=stop))
+
+    def restore(self, path: str | Path) -> dict[str, Any]:
+        self._refuse_in_loop("restore", "arestore")
+        return self._run_sync(self.arestore(path))

@@ -1,0 +1,361 @@
+"""Per-sample state, and the one place tokens are appended.
+
+Tokens are append-only: generated tokens go in with mask 1 and the engine's logprobs; everything else
+(observations, template scaffolding) with mask 0 and logprob 0.0. Ids live in compact arrays (4 bytes per
+token), segments in one array (12 bytes each) and weight versions as runs (one per model turn), because
+10,000 trajectories may be in flight at once.
+"""
+
+from __future__ import annotations
+
+import time
+from array import array
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fsm.data.rows import encodable
+
+if TYPE_CHECKING:
+    from fsm.parsers import ToolCall
+    from fsm.run.agent import Edge
+
+
+@dataclass(slots=True)
+class Segment:
+    """A run of response tokens with one origin, for transcripts: response_ids[start:end]."""
+
+    role: str  # "assistant" (mask 1), "tool" / "user" (observations), "template" (scaffolding, mask 0)
+    start: int
+    end: int
+
+
+_ROLE_CODES: dict[str, int] = {"assistant": 0, "tool": 1, "user": 2, "template": 3}
+_ROLE_NAMES: list[str] = list(_ROLE_CODES)
+
+
+def _role_code(role: str) -> int:
+    code = _ROLE_CODES.get(role)
+    if code is None:  # a role of a user action's own: coded once per process
+        code = _ROLE_CODES[role] = len(_ROLE_NAMES)
+        _ROLE_NAMES.append(role)
+    return code
+
+
+class Segments:
+    """A response's segments as one array of (role code, start, end): a list of Segment objects costs ~60
+    bytes a segment, and a tool-calling trajectory holds a dozen or more. Reads give Segment records."""
+
+    __slots__ = ("_flat",)
+
+    def __init__(self, segments: Iterable[Segment] = ()):
+        self._flat = array("i")
+        for seg in segments:
+            self.add(seg.role, seg.start, seg.end)
+
+    def add(self, role: str, start: int, end: int) -> None:
+        self._flat.extend((_role_code(role), start, end))
+
+    def append(self, seg: Segment) -> None:
+        self.add(seg.role, seg.start, seg.end)
+
+    def clear(self) -> None:
+        del self._flat[:]
+
+    def __len__(self) -> int:
+        return len(self._flat) // 3
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        n = len(self._flat) // 3
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError("segment index out of range")
+        f = self._flat
+        return Segment(_ROLE_NAMES[f[3 * i]], f[3 * i + 1], f[3 * i + 2])
+
+    def __iter__(self) -> Iterator[Segment]:
+        f, names = self._flat, _ROLE_NAMES
+        return (Segment(names[f[k]], f[k + 1], f[k + 2]) for k in range(0, len(f), 3))
+
+    def __reversed__(self) -> Iterator[Segment]:
+        f, names = self._flat, _ROLE_NAMES
+        return (Segment(names[f[k]], f[k + 1], f[k + 2]) for k in range(len(f) - 3, -1, -3))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Segments):
+            return self._flat == other._flat
+        if isinstance(other, Sequence):
+            return list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"Segments({list(self)!r})"
+
+    def tokens_since(self, mark: int) -> tuple[int, int]:
+        """(model tokens, other tokens) in the segments from index `mark` on."""
+        f = self._flat
+        model = other = 0
+        for k in range(3 * mark, len(f), 3):
+            if f[k] == 0:
+                model += f[k + 2] - f[k + 1]
+            else:
+                other += f[k + 2] - f[k + 1]
+        return model, other
+
+    def last(self, role: str) -> Segment | None:
+        """The last segment of `role`, or None."""
+        code, f = _ROLE_CODES.get(role), self._flat
+        for k in range(len(f) - 3, -1, -3):
+            if f[k] == code:
+                return Segment(role, f[k + 1], f[k + 2])
+        return None
+
+
+@dataclass(slots=True)
+class Metrics:
+    """verl's AgentLoopMetrics plus engine counters. Times are seconds summed over turns."""
+
+    generate_sequences: float = 0.0
+    tool_calls: float = 0.0
+    compute_score: float = 0.0
+    num_preempted: int = 0  # aborted model turns resumed (verl: -1 when unknown; the engine always knows)
+    cached_tokens: int = 0
+    prompt_tokens_sent: int = 0
+    num_tool_calls: int = 0  # calls run (each answered, failed or not); dropped ones are not among them
+    tool_errors: int = 0
+    dropped_calls: int = 0
+    retries: int = 0
+
+    def as_dict(self) -> dict[str, float]:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+
+class Trajectory:
+    """One rollout: identity, conversation, tokens, counters and outcome."""
+
+    __slots__ = (
+        # identity
+        "index", "sample", "session_id", "uid", "row",
+        # conversation
+        "messages", "tool_schemas", "tools_kwargs", "interaction_kwargs", "interaction_started",
+        # tokens
+        "prompt_ids", "response_ids", "response_mask", "response_logprobs", "_version_runs", "segments",
+        "needs_tail", "partial_turn",
+        "logprobs_missing",
+        # machine
+        "state", "path", "path_times", "transitions_fired",
+        # counters used by guards
+        "assistant_turns", "user_turns", "pending_calls", "last_finish_reason", "should_terminate",
+        "observation_overflow",
+        # outcome
+        "termination_reason", "error", "reward_score", "tool_rewards", "tool_scores", "turn_scores", "turn_rewards",
+        "interaction_score", "token_check", "metrics", "extra", "extra_fields",
+    )  # fmt: skip
+
+    def __init__(self, index: int, sample: int, session_id: str, uid: str, row: dict[str, Any], initial: str):
+        self.index, self.sample, self.session_id, self.uid, self.row = index, sample, session_id, uid, row
+        self.messages: list[dict[str, Any]] = []
+        self.tool_schemas: list[dict[str, Any]] | None = None
+        self.tools_kwargs: dict[str, Any] = {}
+        self.interaction_kwargs: dict[str, Any] | None = None
+        self.interaction_started = False
+        self.prompt_ids = array("i")
+        self.response_ids = array("i")
+        self.response_mask = array("b")
+        self.response_logprobs = array("f")
+        # the weight version that produced each token (-1 on mask 0), as runs: [start, version, start,
+        # version...], each version holding from its start to the next run's (`response_versions` expands them)
+        self._version_runs = array("i")
+        self.segments = Segments()
+        self.needs_tail = False  # the last turn was the model's: the template's turn closer is still owed
+        # (ids, logprobs, versions) of a model turn that a pause aborted, while it waits at the engine's gate:
+        # a snapshot taken then keeps them, and the turn goes on from them (fsm/run/actions.py)
+        self.partial_turn: tuple[list[int], list[float] | None, list[int]] | None = None
+        self.logprobs_missing = False  # logprobs were asked for and a server gave none: response_logprobs
+        # then holds placeholders, and the batch carries no rollout_log_probs
+        self.state = initial
+        self.path: list[str] = [initial]
+        self.path_times = array("d")  # perf_counter() when the driver entered each state of `path`
+        self.transitions_fired: list[int] = []  # global edge indices, in order
+        self.assistant_turns = 0
+        self.user_turns = 0
+        self.pending_calls: list[ToolCall] = []
+        self.last_finish_reason: str | None = None
+        self.should_terminate = False
+        self.observation_overflow = False
+        self.termination_reason: str | None = None
+        self.error: str | None = None
+        self.reward_score: float | None = None
+        self.tool_rewards: list[float] = []
+        self.tool_scores: list[float] = []
+        self.turn_scores: list[float] = []
+        # every tool reward and interaction turn score, with the response position of the last token of the
+        # model turn it judges: [source ("tool" | "interaction"), position (-1: before any model token), value]
+        self.turn_rewards: list[list[Any]] = []
+        self.interaction_score: float | None = None
+        self.token_check: str | None = None
+        self.metrics = Metrics()
+        self.extra: dict[str, Any] = {}
+        # verl's agent_data.extra_fields: what tools (and, through fsm_agent, verl's server) put there;
+        # exported with the trajectory's extra fields, and as batch columns, as verl exports them
+        self.extra_fields: dict[str, Any] = {}
+
+    # --- machine ----------------------------------------------------------------------------------------
+
+    def begin(self) -> None:
+        """The driver starts this trajectory: its initial state is entered now (not when it was queued)."""
+        self.path_times.append(time.perf_counter())
+
+    def enter(self, edge: Edge) -> None:
+        """`edge` fired: the one place the state, the path, its times, fired edges and the reason change."""
+        self.state = edge.dest
+        self.path.append(edge.dest)
+        self.path_times.append(time.perf_counter())
+        self.transitions_fired.append(edge.index)
+        if edge.reason is not None:
+            self.termination_reason = edge.reason
+
+    # --- tokens -----------------------------------------------------------------------------------------
+
+    def append_generated(
+        self, ids: list[int], logprobs: list[float] | None, version: int | list[int] = -1
+    ) -> None:
+        """The model's own tokens: mask 1, with the engine's logprobs (placeholders 0.0 when there are none:
+        not asked for, or `logprobs_missing`; never read as values then) and the weight version that produced
+        them (one for all, or one per token: a turn resumed across a weight update has two)."""
+        start = len(self.response_ids)
+        self.response_ids.extend(ids)
+        self.response_mask.extend(b"\x01" * len(ids))
+        self.response_logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
+        if ids:
+            if isinstance(version, int):
+                self._version_from(start, version)
+            elif len(version) != len(ids):
+                raise ValueError(f"{len(version)} weight versions for {len(ids)} tokens")
+            elif version.count(version[0]) == len(version):  # one version for the whole turn: the usual case
+                self._version_from(start, version[0])
+            else:
+                for i, v in enumerate(version):
+                    self._version_from(start + i, v)
+        self.segments.add("assistant", start, len(self.response_ids))
+
+    def append_context(self, ids: list[int], role: str) -> None:
+        """Tokens the model did not generate (observations, template scaffolding): mask 0, logprob 0.0."""
+        if not ids:
+            return
+        start = len(self.response_ids)
+        self.response_ids.extend(ids)
+        self.response_mask.extend(bytes(len(ids)))
+        self.response_logprobs.frombytes(bytes(self.response_logprobs.itemsize * len(ids)))  # 0.0: zero bytes
+        self._version_from(start, -1)
+        self.segments.add(role, start, len(self.response_ids))
+
+    def _version_from(self, start: int, version: int) -> None:
+        """Tokens from `start` on were made by `version` (until the next run)."""
+        runs = self._version_runs
+        if not runs or runs[-1] != version:
+            runs.extend((start, version))
+
+    @property
+    def response_versions(self) -> array:
+        """The weight version that produced each response token, -1 on mask 0 (expanded from the runs)."""
+        runs, out, n = self._version_runs, array("i"), len(self.response_ids)
+        for k in range(0, len(runs), 2):
+            end = runs[k + 2] if k + 2 < len(runs) else n
+            out.extend(array("i", (runs[k + 1],)) * (end - runs[k]))
+        return out
+
+    @response_versions.setter
+    def response_versions(self, versions: Iterable[int]) -> None:
+        versions = list(versions)
+        if len(versions) != len(self.response_ids):
+            raise ValueError(f"{len(versions)} weight versions for {len(self.response_ids)} response tokens")
+        del self._version_runs[:]
+        for i, v in enumerate(versions):
+            self._version_from(i, v)
+
+    def messages_with_turns(
+        self, view: Callable[[dict[str, Any], list[int]], dict[str, Any]]
+    ) -> list[dict[str, Any]]:
+        """`messages` with each model turn's message replaced by view(message, its token ids): what a tool
+        (verl's form) or a user simulator reads. The model's turns are the last assistant messages, one per
+        assistant segment (a prompt may hold assistant messages of its own)."""
+        turns = [seg for seg in self.segments if seg.role == "assistant"]
+        out = list(self.messages)
+        k = len(turns)
+        for i in range(len(out) - 1, -1, -1):
+            if k == 0:
+                break
+            if out[i]["role"] == "assistant":
+                k -= 1
+                seg = turns[k]
+                out[i] = view(out[i], self.response_ids[seg.start : seg.end].tolist())
+        return out
+
+    def add_turn_reward(self, source: str, value: float) -> None:
+        """A reward for the model turn just taken (a tool's, an interaction turn's): kept with its position."""
+        last = self.segments.last("assistant")
+        position = last.end - 1 if last is not None else -1
+        self.turn_rewards.append([source, position, float(value)])
+
+    def context_ids(self) -> list[int]:
+        """Everything the model has seen so far: the next request's input_ids."""
+        return self.prompt_ids.tolist() + self.response_ids.tolist()
+
+    def weight_versions(self) -> tuple[int, int] | None:
+        """(min, max) weight version over the generated tokens; None when there are none."""
+        seen = [v for v in self._version_runs[1::2] if v >= 0]  # every run holds at least one token
+        return (min(seen), max(seen)) if seen else None
+
+    @property
+    def response_length(self) -> int:
+        return len(self.response_ids)
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+    def fail(self, reason: str) -> None:
+        """Record a failure: the row keeps its place in the batch with an empty response and mask 0. The reason
+        may quote a server or a tool, so it is made encodable (fsm/data/rows.py) before it reaches any output."""
+        reason = encodable(reason)
+        self.error = reason
+        self.termination_reason = reason if reason.startswith("error:") else f"error: {reason}"
+        del self.response_ids[:], self.response_mask[:], self.response_logprobs[:], self._version_runs[:]
+        self.segments.clear()
+        self.turn_rewards.clear()  # no tokens left to place them on (tool_rewards / turn_scores keep the values)
+        self.logprobs_missing = False  # nothing left to lack them
+
+    @property
+    def num_turns(self) -> int:
+        """verl's count: user turns + assistant turns + 1 (the prompt)."""
+        return self.user_turns + self.assistant_turns + 1
+
+    # --- export -----------------------------------------------------------------------------------------
+
+    def to_output(self) -> dict[str, Any]:
+        """verl AgentLoopOutput fields (plain lists) plus agentfsm's own."""
+        return {
+            "prompt_ids": self.prompt_ids.tolist(),
+            "response_ids": self.response_ids.tolist(),
+            "response_mask": self.response_mask.tolist(),
+            "response_logprobs": None if self.logprobs_missing else self.response_logprobs.tolist(),
+            "reward_score": self.reward_score,
+            "num_turns": self.num_turns,
+            "metrics": self.metrics.as_dict(),
+            "extra_fields": {
+                **self.extra_fields,
+                "turn_scores": list(self.turn_scores),
+                "tool_rewards": list(self.tool_rewards),
+                "tool_scores": list(self.tool_scores),
+                "interaction_score": self.interaction_score,
+                "termination_reason": self.termination_reason,
+                "state_path": list(self.path),
+                "response_versions": self.response_versions.tolist(),  # weight version per token, -1: mask 0
+            },
+        }

@@ -1,0 +1,6 @@
+"""The spec as data: YAML read within bounds (safeyaml), validated into a typed `AgentSpec` (model) with
+`file:line:col` diagnostics (loader), the name registries for guards, actions and import paths (registry), and
+guards compiled from their YAML form (guards).
+
+Imports nothing else of fsm: reading and validating a spec needs no tokenizer, backend or torch.
+"""

@@ -1,0 +1,125 @@
+"""Guards: pure, synchronous predicates over a trajectory, compiled once per spec.
+
+A guard expression in YAML is a name, `{name: param}`, or `{all: [...]}` / `{any: [...]}` / `{not: ...}`.
+`compile_guard` turns it into one closure; nothing is parsed or looked up per trajectory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from fsm.spec.model import LimitsSpec
+from fsm.spec.registry import GUARDS, ImportPathError, _user_guard_factory, is_import_path, resolve
+
+Predicate = Callable[[Any], bool]
+
+
+class GuardError(Exception):
+    def __init__(self, code: str, message: str, name: str | None = None):
+        super().__init__(message)
+        self.code = code
+        self.name = name  # the guard name at fault, for "did you mean" (it may sit deep inside all/any/not)
+
+
+def _builtin(name: str):
+    def register(factory):
+        GUARDS[name] = factory
+        return factory
+
+    return register
+
+
+@_builtin("response_budget_exhausted")
+def _response_budget(param: Any, limits: LimitsSpec) -> Predicate:
+    budget = int(param) if param is not None else limits.response_length
+    # An observation that did not fit was not appended, and the budget counts as spent (verl): without
+    # the flag the trajectory would go on generating as if the tool or user had never answered.
+    return lambda t: t.observation_overflow or len(t.response_mask) >= budget
+
+
+def _turn_limit(name: str, attr: str):
+    @_builtin(name)
+    def factory(param: Any, limits: LimitsSpec) -> Predicate:
+        n = param if param is not None else getattr(limits, name)
+        if n is None:  # as in verl, an unset limit never stops a trajectory
+            return lambda t: False
+        if not isinstance(n, int) or n < 1:
+            raise GuardError("type", f"guard {name!r} takes a positive integer, got {n!r}")
+        return lambda t: getattr(t, attr) >= n
+
+    return factory
+
+
+_turn_limit("max_assistant_turns", "assistant_turns")
+_turn_limit("max_user_turns", "user_turns")
+
+
+@_builtin("has_tool_calls")
+def _has_tool_calls(param: Any, limits: LimitsSpec) -> Predicate:
+    return lambda t: bool(t.pending_calls)
+
+
+@_builtin("should_terminate")
+def _should_terminate(param: Any, limits: LimitsSpec) -> Predicate:
+    return lambda t: t.should_terminate
+
+
+@_builtin("has_interaction")
+def _has_interaction(param: Any, limits: LimitsSpec) -> Predicate:
+    return lambda t: t.interaction_kwargs is not None  # the row carries interaction_kwargs (verl's rule)
+
+
+@_builtin("finish_reason")
+def _finish_reason(param: Any, limits: LimitsSpec) -> Predicate:
+    if param not in ("stop", "length", "abort"):
+        raise GuardError("type", f"finish_reason takes stop, length or abort, got {param!r}")
+    return lambda t: t.last_finish_reason == param
+
+
+def _all(preds: list[Predicate]) -> Predicate:
+    return lambda t: all(p(t) for p in preds)
+
+
+def _any(preds: list[Predicate]) -> Predicate:
+    return lambda t: any(p(t) for p in preds)
+
+
+def compile_guard(expr: Any, limits: LimitsSpec, resolve_ref: Callable[[str], Any] = resolve) -> tuple[Predicate, str]:
+    """Guard expression -> (predicate, label for diagrams and spans). Raises GuardError.
+
+    `resolve_ref` turns a `module:function` guard into the function (fsm.run.compile passes one that applies
+    the spec's trust opt-ins, or, for static checks, one that imports nothing).
+    """
+    if isinstance(expr, str):
+        return _named(expr, None, limits, resolve_ref), expr
+    if isinstance(expr, dict) and len(expr) == 1:
+        ((key, value),) = expr.items()
+        if key in ("all", "any"):
+            if not isinstance(value, list) or not value:
+                raise GuardError("type", f"{key}: expects a non-empty list of guards")
+            parts = [compile_guard(v, limits, resolve_ref) for v in value]
+            combine = _all if key == "all" else _any
+            return combine([p for p, _ in parts]), f" {'and' if key == 'all' else 'or'} ".join(
+                lbl for _, lbl in parts
+            )
+        if key == "not":
+            pred, label = compile_guard(value, limits, resolve_ref)
+            return (lambda t: not pred(t)), f"not {label}"
+        return _named(str(key), value, limits, resolve_ref), f"{key}={value}"
+    raise GuardError("type", f"a guard is a name, {{name: param}}, or {{all|any|not: ...}}; got {expr!r}")
+
+
+def _named(name: str, param: Any, limits: LimitsSpec, resolve_ref: Callable[[str], Any]) -> Predicate:
+    factory = GUARDS.get(name)
+    if factory is None and is_import_path(name):
+        try:
+            fn = resolve_ref(name)
+        except ImportPathError as exc:
+            raise GuardError(exc.code, str(exc)) from None
+        if not callable(fn):
+            raise GuardError("import", f"{name!r} is not callable")
+        factory = _user_guard_factory(fn)
+    if factory is None:
+        raise GuardError("unknown-guard", f"unknown guard {name!r}; built-in: {', '.join(sorted(GUARDS))}", name)
+    return factory(param, limits)

@@ -1,0 +1,315 @@
+"""YAML -> AgentSpec with every problem reported as `path:line:col: code: message`.
+
+Positions come from ruamel.yaml's round-trip loader. `extends:` merges a child over its base (mappings
+merge key by key, lists and scalars replace); each merged key keeps the position of the file that defined
+it, so a problem inherited from a base spec points into the base file, and says which spec it was reached
+from. Reading is bounded (bytes, nodes, depth) and refuses YAML tags: see fsm.spec.safeyaml.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from types import UnionType
+from typing import Any, Union, get_args, get_origin
+
+from pydantic import BaseModel, ValidationError
+from ruamel.yaml.comments import CommentedMap, CommentedSeq
+
+from fsm.spec.model import AgentSpec
+from fsm.spec.safeyaml import Budget, YamlProblem, load, read_text
+
+MAX_EXTENDS = 16  # files in one `extends:` chain (each is also within fsm.spec.safeyaml's shared budget)
+
+
+@dataclass(frozen=True)
+class Diagnostic:
+    path: str
+    line: int
+    col: int
+    code: str
+    message: str
+    severity: str = "error"  # "warning": reported by `validate`, never refused
+
+    def __str__(self) -> str:
+        level = "warning: " if self.severity == "warning" else ""
+        return f"{self.path}:{self.line}:{self.col}: {level}{self.code}: {self.message}"
+
+
+class SpecError(Exception):
+    """A spec that does not validate. `diagnostics` holds every problem found, in file order.
+
+    `salvaged` is the spec with its ill-typed and unknown keys dropped, when that much validates: the
+    semantic checks run on it too, so one typo does not hide the rest of the problems.
+    """
+
+    def __init__(self, diagnostics: list[Diagnostic], salvaged: LoadedSpec | None = None):
+        self.diagnostics = sorted(diagnostics, key=lambda d: (d.path, d.line, d.col))
+        self.salvaged = salvaged
+        super().__init__("\n".join(str(d) for d in self.diagnostics))
+
+
+Pos = tuple[str, int, int]  # (file, 1-based line, 1-based col)
+
+
+class Positions:
+    """Where each mapping key and sequence item of a loaded document came from."""
+
+    def __init__(self) -> None:
+        self._key: dict[tuple[int, Any], Pos] = {}
+        self._value: dict[tuple[int, Any], Pos] = {}
+        self._node: dict[int, Pos] = {}
+        self._keep: list[Any] = []  # keeps nodes alive so their ids stay unique
+
+    def record(self, node: Any, path: str) -> None:
+        self._keep.append(node)
+        if not isinstance(node, (CommentedMap, CommentedSeq)):
+            return
+        # an empty document's map has no position: 1:1. Keys merged in by `<<: *anchor` have no position of
+        # their own: they take the mapping's.
+        here = self._node[id(node)] = (path, (node.lc.line or 0) + 1, (node.lc.col or 0) + 1)
+        marks = node.lc.data  # key or index -> [line, col(, value line, value col)], 0-based
+        items = node.items() if isinstance(node, CommentedMap) else enumerate(node)
+        for key, value in items:
+            lc = marks.get(key) if isinstance(marks, dict) else None
+            if lc is None or len(lc) < 2:
+                self._key[(id(node), key)] = self._value[(id(node), key)] = here
+            else:
+                self._key[(id(node), key)] = (path, lc[0] + 1, lc[1] + 1)
+                vl, vc = lc[2:4] if len(lc) >= 4 else lc[:2]
+                self._value[(id(node), key)] = (path, vl + 1, vc + 1)
+            self.record(value, path)
+
+    def copy_key(self, src: Any, dst: Any, key: Any) -> None:
+        for table in (self._key, self._value):
+            if (id(src), key) in table:
+                table[(id(dst), key)] = table[(id(src), key)]
+
+    def locate(self, root: Any, loc: tuple[Any, ...], *, key: bool = True) -> Pos:
+        """Position of the deepest node of `loc` present in the document (unknown loc parts are skipped)."""
+        node, best = root, self._node.get(id(root), ("?", 1, 1))
+        for i, part in enumerate(loc):
+            last = i == len(loc) - 1
+            if isinstance(node, dict) and part in node:
+                table = self._key if (key or not last) else self._value
+                best = table.get((id(node), part), self._node.get(id(node[part]), best))
+                node = node[part]
+            elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+                best = self._key.get((id(node), part), best)
+                node = node[part]
+        return best
+
+
+def _read(path: Path, positions: Positions, diags: list[Diagnostic], budget: Budget) -> Any:
+    """One file, bounded and plain data only (see fsm.spec.safeyaml), with its positions recorded."""
+    try:
+        doc = load(read_text(path, budget), budget)
+    except YamlProblem as p:
+        diags.append(Diagnostic(str(path), p.line, p.col, p.code, p.message))
+        return None
+    if doc is None:
+        doc = CommentedMap()
+    if not isinstance(doc, CommentedMap):
+        diags.append(Diagnostic(str(path), 1, 1, "type", "a spec must be a YAML mapping"))
+        return None
+    positions.record(doc, str(path))
+    return doc
+
+
+def _merge(base: Any, child: Any, positions: Positions) -> Any:
+    """Child over base: mappings merge recursively, everything else is replaced by the child."""
+    if not (isinstance(base, dict) and isinstance(child, dict)):
+        return child
+    for key, value in base.items():
+        if key not in child:
+            child[key] = value
+            positions.copy_key(base, child, key)
+        elif isinstance(value, dict) and isinstance(child[key], dict):
+            child[key] = _merge(value, child[key], positions)
+    return child
+
+
+def load_document(path: str | Path, positions: Positions, diags: list[Diagnostic], _seen: tuple = (),
+                  _budget: Budget | None = None) -> Any:  # fmt: skip
+    """Read one spec file with its `extends:` chain merged in."""
+    path = Path(path)
+    budget = _budget or Budget()
+    doc = _read(path, positions, diags, budget)
+    if doc is None:
+        return None
+    parent = doc.get("extends")
+    if parent is None:
+        return doc
+    file, line, col = positions.locate(doc, ("extends",), key=False)
+    if not isinstance(parent, str):
+        diags.append(Diagnostic(file, line, col, "type", "extends: expects a file path"))
+        return doc
+    base_path = Path(os.path.normpath(path.parent / parent))  # shown as relative as the child's path
+    if base_path.resolve() in _seen or base_path.resolve() == path.resolve():
+        diags.append(Diagnostic(file, line, col, "extends", f"extends cycle through {parent!r}"))
+        return doc
+    if not base_path.exists():
+        diags.append(Diagnostic(file, line, col, "extends", f"base spec {parent!r} not found ({base_path})"))
+        return doc
+    if not base_path.is_file():
+        diags.append(Diagnostic(file, line, col, "extends", f"base spec {parent!r} is not a regular file"))
+        return doc
+    if len(_seen) + 1 >= MAX_EXTENDS:
+        diags.append(Diagnostic(file, line, col, "extends", f"an extends chain may hold at most {MAX_EXTENDS} files"))
+        return doc
+    base = load_document(base_path, positions, diags, (*_seen, path.resolve()), budget)
+    if base is None:
+        return doc
+    base.pop("name", None) if "name" in doc else None
+    return _merge(base, doc, positions)
+
+
+def _plain(node: Any) -> Any:
+    if isinstance(node, dict):
+        return {
+            str(k) if not isinstance(k, (str, int, float, bool)) else k: _plain(v) for k, v in node.items()
+        }
+    if isinstance(node, list):
+        return [_plain(v) for v in node]
+    return node
+
+
+def _unwrap(tp: Any) -> Any:
+    """Optional[X] -> X; leaves list/dict alone."""
+    if get_origin(tp) is Union or get_origin(tp) is UnionType:
+        args = [a for a in get_args(tp) if a is not type(None)]
+        models = [a for a in args if isinstance(a, type) and issubclass(a, BaseModel)]
+        return models[0] if models else args[0]
+    return tp
+
+
+def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The pydantic model class that owns the last part of `loc` (for "did you mean" suggestions)."""
+    current: Any = AgentSpec
+    for part in loc[:-1]:
+        current = _unwrap(current)
+        if isinstance(current, type) and issubclass(current, BaseModel):
+            field = next((f for n, f in current.model_fields.items() if part in (n, f.alias)), None)
+            if field is None:
+                return None
+            current = field.annotation
+        elif get_origin(current) in (list, dict):
+            current = get_args(current)[-1]  # the part is an index or a key
+        else:
+            return None
+    current = _unwrap(current)
+    return current if isinstance(current, type) and issubclass(current, BaseModel) else None
+
+
+def _did_you_mean(loc: tuple[Any, ...]) -> str:
+    model = _model_at(loc)
+    if model is None:
+        return ""
+    names = [f.alias or n for n, f in model.model_fields.items()]
+    close = difflib.get_close_matches(str(loc[-1]), names, n=1, cutoff=0.5)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return f"{hint} (allowed: {', '.join(sorted(names))})"
+
+
+def _pydantic_diagnostics(err: ValidationError, doc: Any, positions: Positions) -> list[Diagnostic]:
+    out = []
+    for e in err.errors():
+        loc = tuple(e["loc"])
+        kind = e["type"]
+        if kind == "extra_forbidden":
+            file, line, col = positions.locate(doc, loc, key=True)
+            out.append(
+                Diagnostic(file, line, col, "unknown-key", f"unknown key {loc[-1]!r}{_did_you_mean(loc)}")
+            )
+        elif kind == "missing":
+            file, line, col = positions.locate(doc, loc[:-1], key=True)
+            where = ".".join(map(str, loc[:-1])) or "the spec"
+            out.append(Diagnostic(file, line, col, "missing-key", f"{where} needs {loc[-1]!r}"))
+        else:
+            file, line, col = positions.locate(doc, loc, key=False)
+            where = ".".join(str(p) for p in loc if not (isinstance(p, str) and "[" in p))
+            out.append(Diagnostic(file, line, col, "type", f"{where}: {e['msg']}"))
+    return _dedupe(out)
+
+
+def _dedupe(diags: list[Diagnostic]) -> list[Diagnostic]:
+    seen, out = set(), []
+    for d in diags:
+        # One diagnostic per position and code (a union type fails once per member), except that each
+        # missing key is its own problem even though they all point at the same parent.
+        key = (d.path, d.line, d.col, d.code, d.message if d.code == "missing-key" else None)
+        if key not in seen:
+            seen.add(key)
+            out.append(d)
+    return out
+
+
+@dataclass
+class LoadedSpec:
+    """A spec plus what is needed to point diagnostics at its source."""
+
+    spec: AgentSpec
+    path: Path
+    doc: Any
+    positions: Positions
+
+    def where(self, *loc: Any, key: bool = True) -> Pos:
+        return self.positions.locate(self.doc, loc, key=key)
+
+    def diagnostic(self, code: str, message: str, *loc: Any, key: bool = True) -> Diagnostic:
+        file, line, col = self.where(*loc, key=key)
+        return reached_from(Diagnostic(file, line, col, code, message), self.path)
+
+
+def reached_from(d: Diagnostic, root: str | Path) -> Diagnostic:
+    """A diagnostic inside a base spec says which spec extended it, so the reader knows why it shows."""
+    if d.path == str(root) or d.message.endswith(f"(reached from {root})"):
+        return d
+    return replace(d, message=f"{d.message} (reached from {root})")
+
+
+def load_spec(path: str | Path) -> LoadedSpec:
+    """Parse and type-check a spec file (semantic checks live in fsm.validate). Raises SpecError."""
+    positions, diags = Positions(), []
+    doc = load_document(path, positions, diags)
+    if doc is None or diags:
+        raise SpecError([reached_from(d, Path(path)) for d in diags])
+    plain = _plain(doc)
+    try:
+        spec = AgentSpec.model_validate(plain)
+    except ValidationError as err:
+        salvaged = _salvage(plain, err)
+        loaded = LoadedSpec(salvaged, Path(path), doc, positions) if salvaged else None
+        diags = [reached_from(d, Path(path)) for d in _pydantic_diagnostics(err, doc, positions)]
+        raise SpecError(diags, loaded) from None
+    return LoadedSpec(spec, Path(path), doc, positions)
+
+
+def _salvage(plain: dict[str, Any], err: ValidationError, rounds: int = 3) -> AgentSpec | None:
+    """The spec without the keys pydantic rejected (defaults take their place), if that validates."""
+    for _ in range(rounds):
+        for e in err.errors():
+            if e["type"] == "missing":
+                return None  # nothing to drop: a required key has no default
+            _drop(plain, tuple(e["loc"]))
+        try:
+            return AgentSpec.model_validate(plain)
+        except ValidationError as again:
+            err = again
+    return None
+
+
+def _drop(node: Any, loc: tuple[Any, ...]) -> None:
+    """Delete the deepest existing key of `loc` (parts pydantic adds for union members are skipped)."""
+    parent, key = None, None
+    for part in loc:
+        if isinstance(node, dict) and part in node:
+            parent, key, node = node, part, node[part]
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            parent, key, node = node, part, node[part]
+    if isinstance(parent, dict):
+        del parent[key]
+    elif isinstance(parent, list):
+        parent[key] = None

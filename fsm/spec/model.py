@@ -1,0 +1,324 @@
+"""Agent specs: the YAML format as pydantic models, plus loading with `extends:` and JSON Schema export.
+
+A spec is data. Guards, actions, tools, interactions and reward functions are referenced by name (built-ins
+or registered) or by import path `package.module:attr`; `fsm.validate` resolves them and reports problems
+with file positions. This module only knows the shape of a spec.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+STANDARD_STATES = ("PENDING", "GENERATING", "PROCESSING_TOOLS", "INTERACTING", "TERMINATED")
+DEFAULT_TOOL_WORKERS = 8  # ToolSpec.workers
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# A guard expression: a name ("has_tool_calls"), a name with a parameter ({max_assistant_turns: 5}),
+# or a combination ({all: [...]}, {any: [...]}, {not: ...}). Kept as plain data; fsm.spec.guards compiles it.
+GuardExpr = Union[str, dict[str, Any]]
+
+
+class TransitionSpec(_Strict):
+    """One outgoing edge. Edges of a state are tried in order; the first whose guard holds fires."""
+
+    to: str = Field(description="Destination state.")
+    when: GuardExpr | None = Field(
+        default=None,
+        description="Guard: a name, {name: param}, {all: [...]}, {any: [...]} or {not: ...}. "
+        "Omitted means always (the default edge, which must come last).",
+    )
+    reason: str | None = Field(
+        default=None, description="Recorded as the trajectory's termination_reason when this edge fires."
+    )
+
+
+class StateSpec(_Strict):
+    action: str | None = Field(
+        default=None,
+        description="encode_prompt | generate | call_tools | interact | a registered name | module:function.",
+    )
+    final: bool = Field(default=False, description="A final state ends the trajectory; it has no action.")
+    next: list[TransitionSpec] = Field(default_factory=list, description="Outgoing edges, tried in order.")
+    description: str | None = None
+
+
+class RetrySpec(_Strict):
+    max_attempts: int = Field(default=1, ge=1, description="Total attempts, the first included.")
+    backoff_s: float = Field(default=0.0, ge=0, description="Sleep before attempt k is backoff_s * 2**(k-2).")
+
+
+class ToolSpec(_Strict):
+    """A tool: a plain function (`function:`) or a verl-style BaseTool class (`class:`)."""
+
+    name: str | None = Field(default=None, description="Defaults to the schema's function name.")
+    function: str | None = Field(default=None, description="module:function, async or sync.")
+    class_: str | None = Field(
+        default=None, alias="class", description="module:Class with the verl lifecycle."
+    )
+    config: dict[str, Any] = Field(default_factory=dict, description="Passed to the class constructor.")
+    schema_: dict[str, Any] | str | None = Field(
+        default=None,
+        alias="schema",
+        description="OpenAI function schema, inline or as module:NAME (keep it exactly what the model was "
+        "trained on); inferred from a function's signature and docstring if omitted.",
+    )
+    timeout_s: float | None = Field(
+        default=None, gt=0, description="Per attempt; a timeout becomes an observation."
+    )
+    retry: RetrySpec = Field(default_factory=RetrySpec)
+    isolation: Literal["none", "thread", "process"] = Field(
+        default="thread",
+        description="Where the tool's code runs. thread: a sync function in the tool's own daemon threads, a "
+        "coroutine on the tool's own event-loop thread; a call past timeout_s is abandoned and its thread "
+        "written off. process: worker processes (function tools only); a call past timeout_s kills its "
+        "worker, which is replaced. Use process for CPU-bound or crash-prone tools. none: coroutines (async "
+        "functions, or a class whose lifecycle methods are all async) awaited on the run's own event loop, no "
+        "hand-off; for tools that only await (an HTTP sandbox), which must let a cancellation through. Three "
+        "steps within a minute that hold the loop 50 ms each move the tool to its own loop thread, with a warning.",
+    )
+    workers: int = Field(
+        default=DEFAULT_TOOL_WORKERS,
+        gt=0,
+        description="Calls of this tool running at once: threads of a sync function, or worker processes; "
+        "more calls wait their turn. Coroutines on the tool's own loop are not limited.",
+    )
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    @field_validator("isolation")
+    @classmethod
+    def _isolation(cls, v: str, info: ValidationInfo) -> str:
+        if v == "process" and info.data.get("class_"):
+            # A class tool is one stateful object shared by every trajectory (create/release keyed by
+            # instance id) whose execute gets the live trajectory: neither crosses a process boundary, and
+            # killing the worker at one call's timeout would destroy every other trajectory's instance.
+            raise ValueError(
+                "isolation: process runs function tools only; a class tool keeps state shared by all "
+                "trajectories and receives the live trajectory. Put the CPU-bound part in a function tool "
+                "with isolation: process, or have the class start its own subprocess"
+            )
+        return v
+
+
+class ToolPolicySpec(_Strict):
+    """How calls are checked and answered. The defaults are agentfsm's; `specs/tool_agent.yaml` sets verl's."""
+
+    validate_arguments: bool = Field(
+        default=True,
+        description="Check arguments against the tool's JSON schema (required, unknown and wrongly typed "
+        "arguments) and answer a mismatch with an error instead of running the tool. verl: false (the tool runs).",
+    )
+    parse_string_arguments: bool = Field(
+        default=True,
+        description='Arguments sent as a JSON string ("arguments": "{...}") are parsed before the call. '
+        "verl: false (the tool receives the string).",
+    )
+    truncate_errors: bool = Field(
+        default=True,
+        description="Error text of a failed execution (a raising tool, a timeout) is cut to "
+        "limits.max_tool_response_length like a result. verl: false (only results are cut).",
+    )
+
+
+class InteractionSpec(_Strict):
+    class_: str = Field(alias="class", description="module:Class implementing the interaction protocol.")
+    name: str | None = None
+    config: dict[str, Any] = Field(default_factory=dict)
+    final_reply: Literal["keep_out", "append"] = Field(
+        default="keep_out",
+        description="The reply that ends the conversation (should_terminate): kept out of the response (in "
+        "extra final_feedback; the model never answers it), or appended with mask 0 and counted as a user turn "
+        "(verl 0.7.1).",
+    )
+    reply_overflow: Literal["drop", "cut"] = Field(
+        default="drop",
+        description="A reply that does not fit in the response budget: not appended and the budget counts as "
+        "spent (as a tool result, in verl 0.9.1 too), or appended cut at the budget (verl 0.7.1).",
+    )
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class RewardSpec(_Strict):
+    function: str = Field(description="module:function(data_source, solution_str, ground_truth, extra_info).")
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+
+class SamplingSpec(_Strict):
+    """Defaults sent to the backend (SGLang names). Call-site parameters override them."""
+
+    temperature: float = Field(default=1.0, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int = Field(default=-1, description="-1 means the whole vocabulary.")
+    repetition_penalty: float = Field(default=1.0, gt=0, le=2)
+    logprobs: bool = Field(default=True, description="Ask for logprobs (rollout_log_probs).")
+    seed: int | None = Field(default=None, description="Base seed; sample k of a batch uses seed + k.")
+    stop_token_ids: list[int] = Field(
+        default_factory=list, description="In addition to eos and the parser's."
+    )
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v: int) -> int:
+        if v != -1 and v < 1:
+            raise ValueError("top_k must be -1 (whole vocabulary) or >= 1")
+        return v
+
+
+# Upper bounds a limit may take: past them a value is a typo (1e12 tokens), not a setting, and would fail
+# only at collation, after the whole rollout. A padded batch is rows x (prompt_length + response_length).
+MAX_TOKENS = 1 << 20
+MAX_TURNS = 100_000
+MAX_SECONDS = 7 * 24 * 3600.0
+
+
+class LimitsSpec(_Strict):
+    prompt_length: int = Field(default=1024, gt=0, le=MAX_TOKENS, description="P: prompts are left-padded to this.")
+    response_length: int = Field(default=1024, gt=0, le=MAX_TOKENS,
+                                 description="R: the whole trajectory's response budget.")  # fmt: skip
+    max_new_tokens: int | None = Field(
+        default=None, gt=0, le=MAX_TOKENS, description="Per model turn; default: remaining budget."
+    )
+    max_assistant_turns: int | None = Field(default=None, gt=0, le=MAX_TURNS)
+    max_user_turns: int | None = Field(default=None, gt=0, le=MAX_TURNS)
+    max_transitions: int = Field(
+        default=10_000, gt=0, le=100 * MAX_TURNS,
+        description="Transitions one trajectory may take; past it the row ends 'error: max_transitions ...'. "
+        "Bounds any cycle, including one whose states never consume budget.",
+    )
+    max_parallel_calls: int = Field(default=1, gt=0, le=1024)
+    extra_calls: Literal["error", "drop"] = Field(
+        default="error",
+        description="Calls beyond max_parallel_calls: 'error' answers each with an error observation; "
+        "'drop' ignores them (verl's behaviour), counted in metrics.",
+    )
+    max_tool_response_length: int = Field(default=256, gt=0, le=1 << 24, description="Characters, as verl.")
+    tool_response_truncate_side: Literal["left", "right", "middle"] = Field(
+        default="middle", description="verl >= 0.8 meaning: left keeps the tail, right keeps the head."
+    )
+    prompt_overflow: Literal["error", "truncate_left"] = Field(
+        default="error", description="A prompt longer than prompt_length: fail the row, or keep its tail."
+    )
+    action_timeout_s: float | None = Field(
+        default=None, gt=0, le=MAX_SECONDS,
+        description="Wall-clock limit for any one action (a model call, a tool round).",
+    )
+    reward_timeout_s: float | None = Field(
+        default=300.0, gt=0, le=MAX_SECONDS,
+        description="Wall-clock limit for the reward function on one trajectory; past it the row ends "
+        "'error: reward ...' (a sync function's thread is written off). null: none.",
+    )
+    max_resumes: int = Field(
+        default=3, ge=0, le=1000,
+        description="A model turn the server aborts (preemption, weight update, drain) is resumed from the tokens "
+        "it produced, at most this many times per turn; past it the row ends 'error: aborted ...'.",
+    )
+    request_timeout_s: float | None = Field(
+        default=None, gt=0, le=MAX_SECONDS,
+        description="Deadline of one generate request to a server (per attempt); past it the request is aborted "
+        "at the server and retried on another. Default: the backend's (300 s for SGLang); the CLI's "
+        "--request-timeout overrides it.",
+    )
+    turn_timeout_s: float | None = Field(
+        default=1200.0, gt=0, le=MAX_SECONDS,
+        description="Deadline of one model turn, its retries, failovers and resumes included; past it the row "
+        "ends 'error: timeout: ...'. null: none.",
+    )
+
+
+class TrustSpec(_Strict):
+    """What the spec's author vouches for. A spec is code; this only lifts agentfsm's guard-rail."""
+
+    allow_modules: list[str] = Field(
+        default_factory=list,
+        description="Standard-library modules agentfsm refuses in import paths by default (all but the few "
+        "that only compute, fsm.spec.registry.SAFE_STDLIB: os, subprocess, sys, socket, _socket, pickle, distutils, "
+        "imp, ...) that this spec may use anyway, e.g. [os] for `function: os:getcwd`. A tool's arguments are "
+        "chosen by the model.",
+    )
+
+
+class ModelSpec(_Strict):
+    """The model family: its tool-call parser, reasoning and observation rendering (fsm/families)."""
+
+    family: str = Field(
+        default="auto",
+        description="qwen2.5 | qwen3 | qwen3_coder | gpt_oss | glm45 | kimi_k2 | deepseek_v3 | llama3_1 | seed_oss "
+        "| a registered family; auto: from the tokenizer's chat template (qwen2.5 when none matches).",
+    )
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Passed to every chat-template render, e.g. {enable_thinking: false}."
+    )
+
+
+class AgentSpec(_Strict):
+    """The whole agent. `extends:` is resolved by the loader before this model is built."""
+
+    name: str = Field(description="Agent name: spans are `invoke_agent {name}`.")
+    description: str | None = None
+    extends: str | None = Field(default=None, description="Base spec file, relative to this one.")
+    imports: list[str] = Field(
+        default_factory=list, description="Modules imported first (they may register guards)."
+    )
+    initial: str = "PENDING"
+    states: dict[str, StateSpec]
+    limits: LimitsSpec = Field(default_factory=LimitsSpec)
+    sampling: SamplingSpec = Field(default_factory=SamplingSpec)
+    val_sampling: SamplingSpec = Field(
+        default_factory=lambda: SamplingSpec(temperature=0.0),
+        description="Used by validate=True (verl val_kwargs).",
+    )
+    model: ModelSpec = Field(default_factory=ModelSpec, description="The model family (parser, reasoning, rendering).")
+    parser: str | None = Field(default=None, description="Tool-call parser name; default: the model family's.")
+    tools: list[ToolSpec] = Field(default_factory=list)
+    tool_policy: ToolPolicySpec = Field(default_factory=ToolPolicySpec)
+    interaction: InteractionSpec | None = None
+    turn_closer: Literal["template", "none"] = Field(
+        default="template",
+        description="Before an observation: the template's tokens owed after a model turn (Qwen's newline after "
+        "<|im_end|>, and <|im_end|> itself after a turn cut without it), mask 0, as a re-render has them; "
+        "'none': the observation follows the model's last token (verl 0.7.1).",
+    )
+    reward: RewardSpec | None = None
+    demo_data: str | None = Field(
+        default=None, description="module:function(n, seed) -> rows; `agentfsm run` uses it when no --data is given."
+    )
+    trust: TrustSpec = Field(default_factory=TrustSpec, description="Opt-ins to what agentfsm refuses by default.")
+
+    @property
+    def final_states(self) -> list[str]:
+        return [name for name, st in self.states.items() if st.final]
+
+
+def json_schema() -> dict[str, Any]:
+    """The JSON Schema editors use for completion (`# yaml-language-server: $schema=...`).
+
+    It describes a spec file as written. A file with `extends:` is merged over its base before it is
+    checked (mappings key by key), so it may leave out anything its base says: the keys AgentSpec requires,
+    and those required inside the mappings it merges (`interaction`, `reward`), are required only of a
+    file without `extends:`.
+    """
+    schema = AgentSpec.model_json_schema(by_alias=True)
+    defs = schema["$defs"]
+    merged: dict[str, Any] = {}
+    for name, prop in schema["properties"].items():
+        for ref in [p["$ref"] for p in prop.get("anyOf", [prop]) if "$ref" in p]:
+            required = defs[ref.rsplit("/", 1)[-1]].pop("required", None)
+            if required:
+                merged[name] = {"required": required}
+    standalone = {"required": schema.pop("required"), "properties": merged}
+    schema["if"] = {"required": ["extends"]}
+    schema["else"] = standalone
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = "agentfsm agent spec"
+    return schema
+
+
+SPECS_DIR = Path(__file__).resolve().parents[2] / "specs"

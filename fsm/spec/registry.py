@@ -1,0 +1,168 @@
+"""Names the YAML can use: registries of guards and actions, and `module:attr` import paths.
+
+XState-style: the spec names behaviour, Python implements it. A user registers a guard with
+`@fsm.guard("name")` (or an action with `@fsm.action("name")`) in a module the spec lists under
+`imports:`, or references a callable directly by import path.
+
+A spec is code: its import paths run when it is compiled, and a tool's arguments come from the model. So
+import paths into the standard library are refused, but for a short list of modules that only compute
+(SAFE_STDLIB), unless the spec opts in (`trust: {allow_modules: [os]}`): a guard-rail against a careless or
+model-suggested `function: os:system` or its aliases (`_socket`, `distutils.spawn`), not a sandbox (any
+third-party module can do the same things).
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import sys
+from collections.abc import Callable, Iterable
+from types import ModuleType
+from typing import Any
+
+GUARDS: dict[str, Callable[..., Any]] = {}  # name -> factory(param, limits) -> predicate(traj)
+ACTIONS: dict[str, Callable[..., Any]] = {}  # name -> async action(ctx, traj)
+
+
+# What a spec may name without opting in: its own and third-party modules, and of the standard library only
+# these, which compute and can neither run a process, touch a file or the network, nor run a string as code.
+# Every other standard-library module (sys.stdlib_module_names: private `_socket`, deprecated `imp` and
+# `distutils` included) is refused with its submodules unless the spec opts in with `trust: {allow_modules:
+# [...]}`: a tool's arguments are chosen by the model. The installers that ship with CPython and the modules
+# Python removed (still importable from setuptools' shim) are refused the same way.
+SAFE_STDLIB = frozenset({
+    "math", "cmath", "statistics", "random", "secrets", "decimal", "fractions", "numbers", "operator",
+    "functools", "itertools", "collections", "heapq", "bisect", "graphlib", "copy", "enum", "dataclasses",
+    "typing", "abc", "json", "re", "string", "textwrap", "difflib", "unicodedata", "stringprep", "keyword",
+    "html", "base64", "binascii", "hashlib", "hmac", "struct", "array", "datetime", "calendar", "time",
+    "ipaddress", "colorsys", "pprint", "reprlib", "errno", "fnmatch",
+    # their C accelerators, where what they offer is defined (`heapq.heappush.__module__` is "_heapq")
+    "_abc", "_bisect", "_functools", "_heapq", "_operator", "_struct", "_hashlib", "_blake2", "_md5", "_sha1",
+    "_sha256", "_sha512", "_sha3", "_json", "_random", "_statistics", "_datetime", "_decimal", "_pydecimal",
+    "_collections", "_collections_abc", "_sre", "_string", "_strptime", "_typing",
+})  # fmt: skip
+_UNSAFE_INSIDE_SAFE = frozenset({"json.tool"})  # a command-line entry point reading files named in argv
+REFUSED_OUTSIDE_STDLIB = frozenset({
+    "distutils", "imp", "asynchat", "asyncore", "smtpd",  # removed from the standard library, shimmed
+    "setuptools", "pkg_resources", "_distutils_hack", "pip",  # the installers CPython ships (ensurepip)
+})  # fmt: skip
+DENIED_MODULES = (frozenset(sys.stdlib_module_names) - SAFE_STDLIB) | REFUSED_OUTSIDE_STDLIB
+# C modules behind public ones: `os.system.__module__` is "posix"; opting in to "os" covers them.
+_PUBLIC = {"posix": "os", "nt": "os", "posixpath": "os.path", "ntpath": "os.path", "genericpath": "os.path", "_io": "io", "_pickle": "pickle", "_ctypes": "ctypes", "_socket": "socket",
+           "_ssl": "ssl", "_signal": "signal", "_posixsubprocess": "subprocess", "_winapi": "subprocess",
+           "_thread": "threading", "_multiprocessing": "multiprocessing", "_sqlite3": "sqlite3"}  # fmt: skip
+_DOTTED = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
+
+
+class ImportPathError(Exception):
+    """An import path that is malformed or cannot be resolved. `code` is its diagnostic code."""
+
+    code = "import"
+
+
+class UnsafeImportError(ImportPathError):
+    """An import path into a module of DENIED_MODULES that the spec did not opt in to."""
+
+    code = "unsafe-import"
+
+
+def is_import_path(ref: str) -> bool:
+    return ":" in ref
+
+
+def unsafe_module(module: str, allow: Iterable[str] = ()) -> str | None:
+    """The refused module (or package) that `module` is or lies in, unless `allow` names it."""
+    parts = module.split(".")
+    prefixes = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+    denied = next((p for p in prefixes if p in DENIED_MODULES or p in _UNSAFE_INSIDE_SAFE), None)
+    if denied is None or any(p in allow for p in (*prefixes, _PUBLIC.get(denied))):
+        return None
+    return _PUBLIC.get(denied, denied)
+
+
+def check_module(module: str, allow: Iterable[str] = (), ref: str | None = None) -> None:
+    """Form and deny-list only; imports nothing. Raises ImportPathError / UnsafeImportError."""
+    if not _DOTTED.fullmatch(module):
+        raise ImportPathError(f"{module!r} is not a module name of the form 'package.module'")
+    denied = unsafe_module(module, allow)
+    if denied is not None:
+        named = ref or module
+        subject = repr(denied) if named == denied else f"{named!r} uses {denied!r}, which"
+        raise UnsafeImportError(
+            f"{subject} is a standard-library module outside the safe list (fsm.spec.registry.SAFE_STDLIB): it may "
+            "run processes, touch files or the network, or run code, with arguments a model may choose; if this "
+            f"spec means it, opt in at its top level: `trust: {{allow_modules: [{denied}]}}`"
+        )
+
+
+def check_import_path(ref: str, allow: Iterable[str] = ()) -> tuple[str, str]:
+    """`package.module:attr.sub` -> (module, attr), checked for form and the deny-list; imports nothing."""
+    module_name, _, attr = ref.partition(":")
+    if not _DOTTED.fullmatch(module_name) or not _DOTTED.fullmatch(attr):
+        raise ImportPathError(f"{ref!r} is not an import path of the form 'package.module:name'")
+    if any(part.startswith("__") for part in attr.split(".")):
+        raise ImportPathError(f"{ref!r} names a dunder attribute; an import path names a module's own objects")
+    check_module(module_name, allow, ref)
+    return module_name, attr
+
+
+def import_module(module: str, allow: Iterable[str] = ()) -> ModuleType:
+    """Import a module a spec lists under `imports:` (this runs its code). Raises ImportPathError."""
+    check_module(module, allow)
+    try:
+        return importlib.import_module(module)
+    except Exception as exc:  # a user module may fail with anything
+        raise ImportPathError(f"cannot import module {module!r}: {type(exc).__name__}: {exc}") from None
+
+
+def resolve(ref: str, allow: Iterable[str] = ()) -> Any:
+    """`package.module:attr.sub` -> the object. Raises ImportPathError with a readable reason.
+
+    The deny-list applies to the path as written, to every module met on the way (`mine:os.system`) and
+    to the module the object was defined in (`mine:system` after `from os import system`).
+    """
+    allow = tuple(allow)
+    module_name, attr = check_import_path(ref, allow)
+    obj: Any = import_module(module_name, allow)
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ImportPathError(f"module {module_name!r} has no attribute {attr!r}") from None
+        if isinstance(obj, ModuleType):
+            check_module(obj.__name__, allow, ref)
+    origin = getattr(obj, "__module__", None)
+    if isinstance(origin, str) and _DOTTED.fullmatch(origin):
+        check_module(origin, allow, ref)
+    return obj
+
+
+def guard(name: str) -> Callable[[Callable[..., bool]], Callable[..., bool]]:
+    """Register a user guard `fn(traj) -> bool` (or `fn(traj, param)`) under `name`."""
+
+    def register(fn: Callable[..., bool]) -> Callable[..., bool]:
+        GUARDS[name] = _user_guard_factory(fn)
+        return fn
+
+    return register
+
+
+def action(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Register a user action `async fn(ctx, traj)` under `name`."""
+
+    def register(fn: Callable[..., Any]) -> Callable[..., Any]:
+        ACTIONS[name] = fn
+        return fn
+
+    return register
+
+
+def _user_guard_factory(fn: Callable[..., bool]) -> Callable[..., Callable[[Any], bool]]:
+    def factory(param: Any, limits: Any) -> Callable[[Any], bool]:
+        if param is None:
+            return fn
+        if isinstance(param, dict):
+            return lambda traj: fn(traj, **param)
+        return lambda traj: fn(traj, param)
+
+    return factory

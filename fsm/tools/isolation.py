@@ -1,0 +1,576 @@
+"""Containment for user tool code: where a tool's code runs so that its timeout is enforced and nothing it
+does (hang, spin, raise SystemExit, return 50 MB, die) reaches the event loop, the model or other rows.
+
+A rollout runs untrusted model output against user tools on shared servers for days, so every tool gets a
+*lane* of its own, and no lane uses the event loop's default executor (the embedded model's decode and
+reward scoring run there: a tool stuck in it once starved decode for a minute).
+
+- `ThreadLane` (sync functions): daemon threads owned by the tool, at most `workers` calls at once. Python
+  cannot stop a thread, so a call that outlives its timeout is *written off*: counted, no longer a slot,
+  and a replacement thread serves the next call. Past `max_stuck` written-off threads the lane refuses
+  calls (an error observation) instead of growing without bound. Daemon threads never delay process exit.
+  A CPU-bound call goes on spinning (and taking the GIL) after its timeout: use `isolation: process`.
+- `LoopLane` (coroutines: async function tools and class tools' lifecycle methods): the tool's own event
+  loop in a daemon thread. A coroutine that never awaits cannot be interrupted by the loop that runs it,
+  so measuring the main loop's lag would only notice the damage afterwards (and never, if it spins for
+  good); on its own loop a busy call blocks only that thread, and the caller's timeout fires on time. A
+  loop that has not run a cancellation `grace_s` after it was sent is wedged: it is written off like a
+  stuck thread and a fresh loop serves the next call (a class tool's loop-bound state stays behind).
+- `InlineLane` (`isolation: none`, coroutines that only await: an HTTP sandbox, a database): the run's own
+  event loop, under the call's timeout, with no hand-off at all (a hop to a lane costs more CPU than such a
+  tool's own work). It times every step of the coroutine (the code between two awaits); a few steps that
+  hold the loop past `blocking_s` within a minute move the tool to a `LoopLane` for the rest of the run,
+  with a warning. That catches a tool that blocks (a sync HTTP call, a slow parse) after a few stalls; one
+  that spins for good would hold the loop for good, which is why this lane is opted into, never a default.
+- `ProcessLane` (`isolation: process`, function tools by import path): worker processes running one call
+  at a time. A call past its timeout SIGKILLs its worker's process group; a fresh worker replaces it. The
+  worker (fsm/tools/worker.py) cuts a long answer before sending it back. This is fault containment
+  (CPU-bound loops, crashes, leaks, os._exit), not a security sandbox: same user, files and network.
+
+Whatever the tool raises that is not an `Exception` (SystemExit, KeyboardInterrupt, GeneratorExit, its
+own CancelledError) comes back as `ToolCrashed`, which ends that trajectory with the reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import concurrent.futures
+import contextvars
+import inspect
+import json
+import logging
+import os
+import pickle
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from fsm.tools.handoff import Mailbox, settled
+
+log = logging.getLogger("agentfsm.tools")
+
+STUCK_PER_WORKER = 4  # a ThreadLane refuses calls past workers * this many written-off threads
+WEDGED_AFTER_S = 1.0  # a LoopLane that has not run a cancellation this long after it was sent is wedged
+BLOCKING_STEP_S = 0.05  # an InlineLane tool step holding the event loop this long is a stall
+BLOCKING_STRIKES = 3  # so many stalls within BLOCKING_WINDOW_S move the tool to a LoopLane (one alone may be a
+BLOCKING_WINDOW_S = 60.0  # garbage collection or the process waiting for a core, not the tool's doing)
+WORKER_START_TIMEOUT_S = 120.0  # a worker process's interpreter start and the tool module's imports
+MAX_REPLY_BYTES = 16 << 20  # a worker's reply beyond this (huge metrics) kills it: the answer is an error
+WORKER_SCRIPT = Path(__file__).with_name("worker.py")
+
+
+class ToolCrashed(Exception):
+    """The tool raised a BaseException (SystemExit, KeyboardInterrupt, its own CancelledError...) or its
+    worker process died: the trajectory ends with this message as its reason; other rows go on."""
+
+
+class ToolUnavailable(Exception):
+    """The lane cannot start the call (too many calls stuck past their timeout, a worker that cannot
+    start). The model reads it as an error observation."""
+
+
+class ToolRaised(Exception):
+    """An exception the tool raised in its worker process, by type name and message."""
+
+    def __init__(self, type_name: str, message: str):
+        super().__init__(message)
+        self.type_name = type_name
+
+
+def crashed(name: str, exc: BaseException) -> ToolCrashed:
+    detail = f": {exc}" if str(exc) else ""
+    return ToolCrashed(f"tool {name!r} raised {type(exc).__name__}{detail}")
+
+
+class Lane(Protocol):
+    """Where one tool's code runs. `ready` is awaited outside the call's timeout (it may start a worker)."""
+
+    async def ready(self) -> None: ...
+    async def call(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any: ...
+    def close(self) -> None: ...
+
+
+# --- threads: sync functions -----------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Job:
+    fn: Callable[..., Any]
+    args: tuple
+    kwargs: dict
+    context: contextvars.Context
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    finished: bool = False  # its thread is done with it (under the lane's lock)
+    written_off: bool = False  # its caller gave up while it ran: the thread leaves the pool when done
+    clock: Any = None  # the caller's StartTimeout: it counts from when a thread takes the job
+
+
+# fsm/tools/base.py's StartTimeout of the call being made: a ThreadLane's thread stamps its `started` when it takes
+# the call (a wait in the queue is not the tool's: thousands of calls in flight queue for a few threads)
+START_CLOCK: contextvars.ContextVar[Any] = contextvars.ContextVar("agentfsm_start", default=None)
+
+
+class ThreadLane:
+    """A sync tool's own daemon threads: at most `workers` running calls; a timed-out call's thread is
+    written off (it no longer counts) and replaced, up to `max_stuck` written-off threads still running."""
+
+    def __init__(self, name: str, workers: int, max_stuck: int | None = None):
+        self.name, self.workers = name, workers
+        self.max_stuck = max_stuck if max_stuck is not None else workers * STUCK_PER_WORKER
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads = 0  # serving threads, written-off ones excluded
+        self._idle = 0  # serving threads waiting for a job that no queued job is promised to
+        self._backlog = 0  # queued jobs waiting for a thread to free up
+        self.stuck = 0  # written-off threads still running their call
+        self.written_off = 0  # over the lane's life
+
+    async def ready(self) -> None:
+        return None
+
+    async def call(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        job = _Job(fn, args, kwargs, contextvars.copy_context(), clock=START_CLOCK.get())
+        if job.clock is not None:
+            job.clock.started = None  # until a thread takes it
+        self._submit(job)
+        try:
+            return await settled(job.future)
+        except asyncio.CancelledError:  # a timeout (ours or the action's) or shutdown: stop waiting for it
+            self._write_off(job)
+            raise
+
+    def _submit(self, job: _Job) -> None:
+        with self._lock:
+            if self.stuck >= self.max_stuck:
+                raise ToolUnavailable(
+                    f"tool {self.name!r} has {self.stuck} calls still running past their timeout, so no new "
+                    "call starts until one returns (make the tool honour its timeout, or use isolation: process)"
+                )
+            self._queue.put(job)
+            if self._idle:
+                self._idle -= 1
+            elif self._threads < self.workers:
+                self._start_thread()
+            else:
+                self._backlog += 1
+
+    def _start_thread(self) -> None:  # under the lock
+        self._threads += 1
+        threading.Thread(target=self._serve, name=f"agentfsm-tool-{self.name}", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:  # close()
+                return
+            if job.future.set_running_or_notify_cancel():
+                if job.clock is not None:
+                    job.clock.started = time.monotonic()
+                _run_job(self.name, job)
+            with self._lock:
+                job.finished = True
+                if job.written_off:  # a replacement took this thread's place
+                    self.stuck -= 1
+                    return
+                if self._backlog:
+                    self._backlog -= 1
+                else:
+                    self._idle += 1
+            del job  # its result (a 50 MB answer) is not kept alive while this thread waits
+
+    def _write_off(self, job: _Job) -> None:
+        if job.future.cancel():  # still queued: it will never run
+            return
+        with self._lock:
+            if job.finished:
+                return
+            job.written_off = True
+            self._threads -= 1
+            self.stuck += 1
+            self.written_off += 1
+            if self._backlog:  # a queued call was waiting for this thread: its replacement starts now
+                self._backlog -= 1
+                self._start_thread()
+
+    def close(self) -> None:
+        """Let the idle threads end (stuck ones are abandoned; daemons never delay exit). Reusable after."""
+        with self._lock:
+            for _ in range(self._idle):
+                self._queue.put(None)
+            self._threads -= self._idle
+            self._idle = 0
+
+
+def _run_job(name: str, job: _Job) -> None:
+    try:
+        result = job.context.run(job.fn, *job.args, **job.kwargs)
+    except Exception as exc:
+        job.future.set_exception(exc)
+    except BaseException as exc:  # SystemExit, KeyboardInterrupt...: the tool's, never a signal to us
+        job.future.set_exception(crashed(name, exc))
+    else:
+        job.future.set_result(result)
+
+
+# --- an event loop of its own: coroutines ----------------------------------------------------------------
+
+
+class _ToolLoop:
+    """One event loop in one daemon thread; `pending` futures fail if the loop dies under them."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.loop = asyncio.new_event_loop()
+        self.mailbox = Mailbox(self.loop)  # calls to start, handed over in bursts
+        self.pending: set[concurrent.futures.Future] = set()
+        self.cancel_sent: float | None = None  # a cancellation the loop has not run yet, sent at this time
+        self.thread = threading.Thread(target=self._serve, name=f"agentfsm-tool-loop-{name}", daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_forever()
+        except BaseException as exc:  # a tool's callback raised SystemExit/KeyboardInterrupt: the loop is gone
+            gone = crashed(self.name, exc)
+        else:  # close()
+            gone = ToolCrashed(f"tool {self.name!r}: its event loop was stopped during the call")
+        for future in list(self.pending):  # nobody else would ever answer their callers
+            if not future.done():
+                future.set_exception(gone)
+
+    def alive(self, grace_s: float) -> bool:
+        sent = self.cancel_sent
+        return self.thread.is_alive() and (sent is None or time.monotonic() - sent < grace_s)
+
+
+class LoopLane:
+    """Coroutines of one tool on the tool's own event loop thread, so a busy loop blocks only that thread."""
+
+    def __init__(self, name: str, grace_s: float = WEDGED_AFTER_S):
+        self.name, self.grace_s = name, grace_s
+        self._lock = threading.Lock()
+        self._current: _ToolLoop | None = None
+        self.written_off = 0  # wedged loops left behind
+
+    async def ready(self) -> None:
+        return None
+
+    def _loop(self) -> _ToolLoop:
+        with self._lock:
+            current = self._current
+            if current is not None and not current.alive(self.grace_s):
+                self.written_off += 1  # wedged by a coroutine that never yields: leave its thread behind
+                current = None
+            if current is None:
+                current = self._current = _ToolLoop(self.name)
+            return current
+
+    async def call(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        tool_loop = self._loop()
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        context = contextvars.copy_context()
+        tasks: list[asyncio.Task] = []
+
+        def start() -> None:  # on the tool's loop
+            if done.set_running_or_notify_cancel():
+                task = tool_loop.loop.create_task(self._guarded(fn, args, kwargs), context=context)
+                task.add_done_callback(lambda t: _settle(self.name, t, done))
+                tasks.append(task)
+
+        def cancel() -> None:  # on the tool's loop: running it at all proves the loop is not wedged
+            tool_loop.cancel_sent = None
+            for task in tasks:
+                task.cancel()
+
+        tool_loop.pending.add(done)
+        done.add_done_callback(tool_loop.pending.discard)
+        tool_loop.mailbox.post(start)
+        try:
+            return await settled(done)
+        except asyncio.CancelledError:  # our caller gave up: cancel the tool's task, if its loop still runs
+            if tool_loop.cancel_sent is None:
+                tool_loop.cancel_sent = time.monotonic()
+            if not tool_loop.loop.is_closed():
+                tool_loop.loop.call_soon_threadsafe(cancel)
+            raise
+
+    async def _guarded(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        try:
+            result = fn(*args, **kwargs)
+            return await result if inspect.isawaitable(result) else result
+        except Exception:
+            raise
+        except asyncio.CancelledError as exc:
+            if asyncio.current_task().cancelling():  # ours: the caller gave up
+                raise
+            raise crashed(self.name, exc) from exc
+        except BaseException as exc:  # must not reach the loop: Task re-raises SystemExit out of run_forever
+            raise crashed(self.name, exc) from exc
+
+    def close(self) -> None:
+        with self._lock:
+            current, self._current = self._current, None
+        if current is not None and not current.loop.is_closed():
+            current.loop.call_soon_threadsafe(current.loop.stop)
+
+
+def _settle(name: str, task: asyncio.Task, done: concurrent.futures.Future) -> None:
+    if done.done():
+        return
+    if task.cancelled():
+        done.set_exception(ToolCrashed(f"tool {name!r} was cancelled"))
+    elif task.exception() is not None:
+        done.set_exception(task.exception())
+    else:
+        done.set_result(task.result())
+
+
+# --- the run's own loop: isolation: none -----------------------------------------------------------------
+
+
+class InlineLane:
+    """A coroutine tool awaited on the caller's loop, each step timed; `strikes` steps past `blocking_s`
+    within `window_s` move the tool to its own `LoopLane` (the call that stalled finishes where it is)."""
+
+    def __init__(self, name: str, blocking_s: float = BLOCKING_STEP_S, strikes: int = BLOCKING_STRIKES,
+                 window_s: float = BLOCKING_WINDOW_S):  # fmt: skip
+        self.name, self.blocking_s, self.strikes, self.window_s = name, blocking_s, strikes, window_s
+        self.stalls: list[float] = []  # when recent stalls ended (time.monotonic)
+        self.moved: LoopLane | None = None  # where the calls go once the tool has stalled the loop
+
+    async def ready(self) -> None:
+        return None
+
+    async def call(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        if self.moved is not None:
+            return await self.moved.call(fn, *args, **kwargs)
+        result = fn(*args, **kwargs)
+        return await _Timed(self, result) if inspect.iscoroutine(result) else result
+
+    def blocked(self, seconds: float) -> None:
+        """A step held the loop `seconds` (past `blocking_s`)."""
+        now = time.monotonic()
+        self.stalls = [t for t in self.stalls if now - t < self.window_s] + [now]
+        if self.moved is None and len(self.stalls) >= self.strikes:
+            self.moved = LoopLane(self.name)
+            log.warning("tool %r (isolation: none) held the event loop %d times in %g s, last for %.3f s in one "
+                        "step; its calls run on an event loop thread of its own from now on (declare it "
+                        "isolation: thread)", self.name, len(self.stalls), self.window_s, seconds)  # fmt: skip
+
+    def close(self) -> None:
+        if self.moved is not None:
+            self.moved.close()
+
+
+class _Timed:
+    """Awaits a coroutine step by step (as `await` would: what it yields goes to the task and back), timing
+    each step for its lane."""
+
+    __slots__ = ("coro", "lane")
+
+    def __init__(self, lane: InlineLane, coro: Any):
+        self.lane, self.coro = lane, coro
+
+    def __await__(self) -> Any:
+        coro, lane, clock, limit = self.coro, self.lane, time.perf_counter, self.lane.blocking_s
+        value: Any = None
+        error: BaseException | None = None
+        while True:
+            t0 = clock()
+            try:
+                step = coro.send(value) if error is None else coro.throw(error)
+            except StopIteration as stop:
+                return stop.value
+            finally:
+                if (took := clock() - t0) >= limit:
+                    lane.blocked(took)
+            value = error = None
+            try:
+                value = yield step
+            except GeneratorExit:  # this awaitable is being closed: close the tool's coroutine with it
+                coro.close()
+                raise
+            except BaseException as exc:  # a cancellation (the timeout's): the coroutine gets to handle it
+                error = exc
+
+
+# --- worker processes: isolation: process ----------------------------------------------------------------
+
+
+class _Worker:
+    """One worker process and its socket. Frames: 8-byte big-endian length, then a pickle."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, reader: asyncio.StreamReader,
+                 writer: asyncio.StreamWriter):  # fmt: skip
+        self.proc, self.reader, self.writer = proc, reader, writer
+
+    async def send(self, message: Any) -> None:
+        data = pickle.dumps(message)
+        self.writer.write(len(data).to_bytes(8, "big") + data)
+        await self.writer.drain()
+
+    async def receive(self) -> Any:
+        size = int.from_bytes(await self.reader.readexactly(8), "big")
+        if size > MAX_REPLY_BYTES:
+            raise ToolUnavailable(f"the worker's reply is {size >> 20} MiB, over the {MAX_REPLY_BYTES >> 20} MiB limit")
+        return pickle.loads(await self.reader.readexactly(size))
+
+    def kill(self) -> None:
+        """SIGKILL the worker and whatever it started (it leads its own process group); never waits."""
+        if self.proc.returncode is None:  # once reaped, its pid may belong to someone else
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        try:
+            self.writer.close()
+        except RuntimeError:  # its event loop is closed already (an engine's, a test's): nothing to flush
+            pass
+
+
+class _Pool:
+    """One event loop's workers of a ProcessLane (a worker's socket belongs to the loop that opened it)."""
+
+    def __init__(self, size: int):
+        self.slots = asyncio.Semaphore(size)  # calls in flight
+        self.idle: list[_Worker] = []
+        self.workers: set[_Worker] = set()
+
+
+class ProcessLane:
+    """A function tool in worker processes (one call per worker at a time, at most `workers` workers).
+
+    Workers start on demand (`ready`, outside the call's timeout: an interpreter and the tool's imports may
+    take seconds) and serve call after call; a call that times out or is cancelled kills its worker, and
+    the next call starts a fresh one."""
+
+    def __init__(self, name: str, path: str, workers: int):
+        self.name, self.path, self.workers = name, path, workers
+        self.keep_chars: int | None = None  # the worker cuts a longer answer to its first and last this many
+        self._pools: dict[asyncio.AbstractEventLoop, _Pool] = {}
+        self.started = 0  # workers started over the lane's life
+        self.killed = 0  # workers killed at a timeout, a cancellation, a crash or a reply we refuse
+        _LANES.add(self)
+
+    def _pool(self) -> _Pool:
+        loop = asyncio.get_running_loop()
+        pool = self._pools.get(loop)
+        if pool is None:
+            for old in [old for old in self._pools if old.is_closed()]:  # an engine or test loop gone
+                self._close(self._pools.pop(old))
+            pool = self._pools[loop] = _Pool(self.workers)
+        return pool
+
+    async def ready(self) -> None:
+        pool = self._pool()
+        if not pool.idle and not pool.slots.locked() and len(pool.workers) < self.workers:
+            pool.idle.append(await self._start(pool))
+
+    async def call(self, fn: Callable[..., Any], /, **kwargs: Any) -> Any:
+        """Run the function at `self.path` (the parent's `fn` is its copy) with `kwargs` in a worker."""
+        pool = self._pool()
+        async with pool.slots:
+            worker = self._idle_worker(pool) or await self._start(pool)
+            try:
+                await worker.send((kwargs, self.keep_chars))
+                reply = await worker.receive()
+            except asyncio.IncompleteReadError:
+                self._discard(pool, worker)
+                code = await _exit_code(worker)
+                raise ToolCrashed(f"tool {self.name!r}: its worker process died (exit code {code})") from None
+            except BaseException:  # the timeout, a cancellation, a reply we refuse: the worker never serves again
+                self._discard(pool, worker)
+                raise
+            pool.idle.append(worker)
+        if reply[0] == "ok":
+            return reply[1]
+        _, type_name, message, is_exception = reply
+        if is_exception:
+            raise ToolRaised(type_name, message)
+        raise ToolCrashed(f"tool {self.name!r} raised {type_name}" + (f": {message}" if message else ""))
+
+    def _idle_worker(self, pool: _Pool) -> _Worker | None:
+        while pool.idle:
+            worker = pool.idle.pop()
+            if worker.proc.returncode is None:
+                return worker
+            self._discard(pool, worker)  # died while idle (the OOM killer, a stray signal): not this call's fault
+        return None
+
+    async def _start(self, pool: _Pool) -> _Worker:
+        parent, child = socket.socketpair()
+        env = {**os.environ, "AGENTFSM_SYS_PATH": json.dumps(sys.path)}
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, str(WORKER_SCRIPT), str(child.fileno()), self.path, str(os.getpid()),
+                pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+            )  # fmt: skip
+        except BaseException:
+            parent.close()
+            raise
+        finally:
+            child.close()
+        reader, writer = await asyncio.open_unix_connection(sock=parent, limit=1 << 16)
+        worker = _Worker(proc, reader, writer)
+        pool.workers.add(worker)
+        self.started += 1
+        try:
+            async with asyncio.timeout(WORKER_START_TIMEOUT_S):
+                kind, detail = await worker.receive()
+        except (TimeoutError, asyncio.IncompleteReadError, ToolUnavailable) as exc:
+            self._discard(pool, worker)
+            raise ToolUnavailable(f"tool {self.name!r}: its worker process did not start ({exc!r})") from None
+        except BaseException:
+            self._discard(pool, worker)
+            raise
+        if kind != "ready":
+            self._discard(pool, worker)
+            raise ToolUnavailable(f"tool {self.name!r}: its worker process cannot load {self.path!r}: {detail}")
+        return worker
+
+    def _discard(self, pool: _Pool, worker: _Worker) -> None:
+        if worker in pool.workers:
+            pool.workers.discard(worker)
+            self.killed += 1
+        worker.kill()
+
+    @staticmethod
+    def _close(pool: _Pool) -> None:
+        for worker in list(pool.workers):
+            worker.kill()
+        pool.workers.clear()
+        pool.idle.clear()
+
+    def close(self) -> None:
+        """Kill every worker now, idle or busy (their calls fail). The lane starts fresh ones when called."""
+        for pool in list(self._pools.values()):
+            self._close(pool)
+        self._pools.clear()
+
+
+async def _exit_code(worker: _Worker) -> int | str:
+    try:
+        async with asyncio.timeout(1.0):
+            return await worker.proc.wait()
+    except TimeoutError:
+        return "unknown"
+
+
+_LANES: weakref.WeakSet[ProcessLane] = weakref.WeakSet()
+
+
+@atexit.register
+def _kill_workers() -> None:  # a busy worker would outlive us, burning a core: kill them all on the way out
+    for lane in list(_LANES):
+        lane.close()
