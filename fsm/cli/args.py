@@ -191,13 +191,15 @@ def command_line(commands: Mapping[str, Callable[[argparse.Namespace], int]]) ->
 
     p = command("bench", "benchmarks that print numbers (JSON)")
     p.add_argument("what", choices=["engine", "router", "hf", "prefix-cache", "tracing", "ray", "faults", "async",
-                                    "families", "collate", "vs-verl"],
+                                    "families", "collate", "vs-verl", "engines"],
                    help="which benchmark")
-    p.add_argument("--n", type=COUNT, default=2000, metavar="N", help="engine: trajectories")
+    p.add_argument("--n", type=COUNT, default=2000, metavar="N", help="engine: trajectories; engines: prompts (default 8)")
     p.add_argument("--concurrency", type=COUNT, metavar="N", help="engine: trajectories in flight (default: --n)")
     p.add_argument("--tool-turns", type=int_in(0), default=4, metavar="N", help="engine: tool turns per trajectory")
     p.add_argument("--repeats", type=COUNT, default=3, metavar="N", help="engine, tracing: repeats (the median is kept)")
     p.add_argument("--model", metavar="DIR", help="hf: model dir (default: the tiny model)")
+    p.add_argument("--server", action="append", metavar="URL", help="engines: a server serving the tiny model "
+                   "(SGLang, vLLM or dev); two or more, run in turn")  # fmt: skip
     p.add_argument("--workload", choices=["engine", "calculator", "embedded"], default="engine",
                    help="engine: calculator is specs/calculator.yaml's prompt, tool and answer with a replayed model "
                         "(CPU per trajectory at --n in flight); tracing: engine, calculator, or embedded "

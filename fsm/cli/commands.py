@@ -544,6 +544,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         result = {f"affinity={a}": bench.bench_prefix_cache(n=8, affinity=a) for a in (False, True)}
     elif what == "tracing":
         result = bench.bench_tracing(workload=args.workload, repeats=args.repeats)
+    elif what == "engines":
+        if not args.server or len(args.server) < 2:
+            raise CLIError("bench engines: give two servers or more (--server URL --server URL)")
+        _quiet_transformers()
+        result = bench.bench_engines(args.server, n=8 if args.n == 2000 else args.n, repeats=args.repeats)
     else:  # argparse restricts the choices to the modules of bench/
         result = getattr(bench, f"bench_{what.replace('-', '_')}")()
     print(json.dumps(result, indent=2))
