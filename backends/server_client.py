@@ -156,7 +156,8 @@ class ServerClient(BaseBackend):
                                      server=self.url, kind="timeouts") from None  # fmt: skip
             body = decode(data)
             if policy.retryable_status(status) or status >= 500:
-                raise BackendUnavailable(f"HTTP {status}: {error_message(body, str(body)[:200])}", server=self.url,
+                message = " ".join(error_message(body, str(body)[:200]).split())  # one line
+                raise BackendUnavailable(f"HTTP {status}: {message}", server=self.url,
                                          status=status, kind="http_errors",
                                          retry_after=parse_retry_after(headers.get("Retry-After")))  # fmt: skip
             return status, body

@@ -302,7 +302,7 @@ class VLLMBackend(ServerClient):
             if result.finish_reason == "abort":
                 self.faults["aborts"] += 1
             return result
-        message = error_message(body, str(body)[:200])
+        message = " ".join(error_message(body, str(body)[:200]).split())  # vLLM's validation errors span lines
         if self.retry_policy.retryable_status(status) or status >= 500:
             raise BackendUnavailable(f"HTTP {status} for rid {rid}: {message}", server=self.url, status=status,
                                      kind="http_errors", retry_after=parse_retry_after(headers.get("Retry-After")))  # fmt: skip
@@ -321,8 +321,9 @@ class VLLMBackend(ServerClient):
                        params: dict[str, str] | None = None) -> Any:  # fmt: skip
         status, body = await self._call(method, path, payload, timeout_s=timeout_s, params=params)
         if status >= 400:
-            raise BackendRequestError(f"{self.url}{path} failed: HTTP {status}: {error_message(body, str(body)[:500])}",
-                                      server=self.url, status=status)  # fmt: skip
+            message = " ".join(error_message(body, str(body)[:500]).split())
+            raise BackendRequestError(f"{self.url}{path} failed: HTTP {status}: {message}", server=self.url,
+                                      status=status)  # fmt: skip
         return body
 
     async def health(self, timeout_s: float = 25.0) -> bool:
