@@ -284,3 +284,18 @@ async def test_continuous_mode_pause_update_resume_versions_match_vllms(vllm, to
         assert made == vll, t.session_id  # token for token, the version vLLM says made it
         seen |= set(made)
     assert start + 1 in seen  # tokens after the update came from the early checkpoint
+
+
+def test_launch_vllm_starts_real_vllm_on_cpu(tmp_path, padded):
+    """`--launch-vllm` with --device cpu: the launcher's CPU engine, through the CLI, end to end (its own server:
+    the session's is not needed)."""
+    from tests.vllm.conftest import PYTHON, free_port, need_venv
+
+    need_venv()
+    run = agentfsm("run", "specs/calculator.yaml", "--launch-vllm", str(padded), "--device", "cpu",
+                   "--vllm-python", str(PYTHON), "--port", str(free_port()), "--temperature", "0",
+                   "--num-prompts", "2", "--out", str(tmp_path / "launched"))  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert list((tmp_path / "launched" / "vllm_logs").glob("replica0_port*.log"))
+    got = batch(tmp_path / "launched")
+    assert got["responses"].shape[0] == 2 and bool((got["response_mask"].sum(-1) > 0).all())
