@@ -131,3 +131,31 @@ async def test_a_fleet_is_one_engine_kind():
                                          r"http://a:1 \(sglang\), http://b:2 \(vllm\)"):  # fmt: skip
         Router([SGLangBackend("http://a:1"), VLLMBackend("http://b:2")])
     assert one_kind(["u", "v"], ["vllm", "vllm"]) == "vllm"
+
+
+async def test_which_engine_answers():
+    from backends.devserver import DevServer
+    from backends.scripted import echo_backend
+
+    async with DevServer(echo_backend()) as dev:
+        assert await detect_engine(dev.url) == "sglang"  # the dev server speaks SGLang's protocol
+    app = web.Application()
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:  # answers 404 to everything: neither engine
+        with pytest.raises(BackendUnavailable, match="answers as neither SGLang .* nor vLLM"):
+            await detect_engine(f"http://127.0.0.1:{runner.addresses[0][1]}")
+    finally:
+        await runner.cleanup()
+
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (["--launch-sglang", "m", "--launch-vllm", "m"], "--launch-sglang and --launch-vllm: a fleet is one engine kind"),
+    (["--engine", "sglang", "--launch-vllm", "m"], "--engine sglang with --launch-vllm: a fleet is one engine kind"),
+])  # fmt: skip
+def test_the_cli_refuses_two_engine_kinds(capsys, argv, words):
+    from tests.test_cli import one_line_error
+
+    assert words in one_line_error(capsys, ["run", "specs/calculator.yaml", *argv])
