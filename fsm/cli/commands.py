@@ -212,7 +212,7 @@ def _engine(args: argparse.Namespace, servers: list[str], tokenizer: str | None)
             from fsm.adapters.ray_runner import RayRunner
 
             return RayRunner(args.spec, tokenizer=tokenizer, servers=servers or None, workers=args.workers,
-                             address=args.ray or None)  # fmt: skip
+                             address=args.ray or None, engine=args.engine)  # fmt: skip
         if servers:
             options = {"retry_window_s": args.retry_window, "engine": args.engine}
             if args.request_timeout is not None:
