@@ -107,7 +107,7 @@ class ServerClient(BaseBackend):
             self._session = None
 
     async def _send(self, method: str, path: str, payload: Any = None, max_bytes: int = CONTROL_BODY_BYTES,
-                    params: Mapping[str, str] | None = None) -> tuple[int, Mapping[str, str], bytes]:  # fmt: skip
+                    params: Any = None) -> tuple[int, Mapping[str, str], bytes]:  # fmt: skip
         """One HTTP exchange (see the module docstring)."""
         await self.start()
         assert self._session is not None
@@ -143,7 +143,7 @@ class ServerClient(BaseBackend):
             raise type(e)(message, server=self.url, status=e.status, kind=e.kind) from e
 
     async def _call(self, method: str, path: str, payload: Any = None, *, timeout_s: float = 30.0,
-                    retries: int | None = None, params: Mapping[str, str] | None = None) -> tuple[int, Any]:  # fmt: skip
+                    retries: int | None = None, params: Any = None) -> tuple[int, Any]:  # fmt: skip
         """A control call with retries: (status, parsed body) for 2xx and 4xx; raises BackendUnavailable."""
         policy = self.retry_policy if retries is None else replace(self.retry_policy, attempts=1 + retries)
 

@@ -318,7 +318,7 @@ class VLLMBackend(ServerClient):
     # -- control ------------------------------------------------------------------------------------------
 
     async def _control(self, method: str, path: str, payload: Any = None, timeout_s: float = 60,
-                       params: dict[str, str] | None = None) -> Any:  # fmt: skip
+                       params: Any = None) -> Any:  # fmt: skip
         status, body = await self._call(method, path, payload, timeout_s=timeout_s, params=params)
         if status >= 400:
             message = " ".join(error_message(body, str(body)[:500]).split())
@@ -388,11 +388,15 @@ class VLLMBackend(ServerClient):
         return body
 
     async def sleep(self, tags: list[str] | None = None) -> Any:
-        """`/sleep?level=1` (weights offloaded, KV cache dropped); vLLM has no tags, only levels."""
+        """`/sleep?level=1` (weights offloaded, KV cache dropped; vLLM sleeps by level, not by tags). Needs a
+        server started with --enable-sleep-mode on a platform that has it (not vLLM's CPU engine: not tested
+        here)."""
         return await self._control("POST", "/sleep", params={"level": "1"}, timeout_s=_WEIGHTS_TIMEOUT_S)
 
     async def wake_up(self, tags: list[str] | None = None) -> Any:
-        return await self._control("POST", "/wake_up", timeout_s=_WEIGHTS_TIMEOUT_S)
+        """`/wake_up?tags=...` ("weights", "kv_cache"; none: everything)."""
+        params = [("tags", t) for t in tags] if tags else None
+        return await self._control("POST", "/wake_up", params=params, timeout_s=_WEIGHTS_TIMEOUT_S)
 
     async def update_weight_version(self, version: str) -> dict[str, Any]:
         return await self._control("POST", "/update_weight_version", {"new_version": str(version)})
