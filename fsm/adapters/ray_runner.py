@@ -58,12 +58,13 @@ class _Worker:
     """One actor: a Runner over its own backend (a Router over the shared servers, or the factory's)."""
 
     def __init__(self, spec: Any, tokenizer: Any, servers: Sequence[str] | None,
-                 backend_factory: Callable[[], Backend] | None, rank: int, max_concurrency: int):  # fmt: skip
+                 backend_factory: Callable[[], Backend] | None, rank: int, max_concurrency: int,
+                 engine: str | None = None):  # fmt: skip
         from fsm.run.runtime import Owner, Runner
 
         if servers:
             k = rank % len(servers)
-            backend = make_backend(servers=[*servers[k:], *servers[:k]])
+            backend = make_backend(servers=[*servers[k:], *servers[:k]], engine=engine)
         elif backend_factory is not None:
             backend = backend_factory()
         else:
@@ -145,7 +146,8 @@ class RayRunner(_Engine, GroupTaking):
     """`workers` Ray actors rolling out one spec over one shared set of servers (or per-actor backends).
 
     spec, tokenizer: as for RolloutEngine (a path is best for the tokenizer: each actor loads it).
-    servers: SGLang base URLs every actor routes over; or `backend_factory`: a picklable callable each
+    servers: SGLang or vLLM base URLs every actor routes over (`engine`: "sglang", the default, or "vllm");
+        or `backend_factory`: a picklable callable each
         actor calls to build its own backend; or neither: each actor embeds the tiny model (backends.hf).
     workers: actors. max_concurrency: trajectories in flight per actor. chunk_rows: groups per Ray call.
     address: a Ray cluster to join (default: the running one, else a new local instance).
@@ -159,7 +161,7 @@ class RayRunner(_Engine, GroupTaking):
     def __init__(self, spec: SpecLike, tokenizer: Any = None, *, servers: Sequence[str] | None = None,
                  backend_factory: Callable[[], Backend] | None = None, workers: int = 2, address: str | None = None,
                  max_concurrency: int = 128, chunk_rows: int = 1, actor_options: Mapping[str, Any] | None = None,
-                 hang_s: float | None = None):  # fmt: skip
+                 hang_s: float | None = None, engine: str | None = None):  # fmt: skip
         if servers and backend_factory is not None:
             raise ValueError("give servers= or backend_factory=, not both")
         if workers < 1 or max_concurrency < 1 or chunk_rows < 1:
@@ -179,6 +181,7 @@ class RayRunner(_Engine, GroupTaking):
             if not isinstance(tokenizer, Codec) else tokenizer
         )  # fmt: skip
         self.servers = list(servers) if servers else None
+        self.engine = engine
         self.backend_factory = backend_factory
         self.workers = workers
         self.max_concurrency = max_concurrency
@@ -207,7 +210,7 @@ class RayRunner(_Engine, GroupTaking):
             if rank < len(self.actors) and rank not in self._dead:
                 continue
             handle = actor.remote(self._spec, self._tokenizer, self.servers, self.backend_factory, rank,
-                                  self.max_concurrency)  # fmt: skip
+                                  self.max_concurrency, self.engine)  # fmt: skip
             if rank < len(self.actors):
                 ray.kill(self.actors[rank])
                 self.actors[rank] = handle

@@ -115,11 +115,18 @@ def command_line(commands: Mapping[str, Callable[[argparse.Namespace], int]]) ->
     p.add_argument("--n", type=COUNT, default=1, metavar="N", help="samples per prompt (GRPO group size)")
     p.add_argument("--out", default="runs/latest", metavar="DIR",
                    help="where batch.pt, trajectories.jsonl and summary.json go (a previous run's are replaced)")
-    p.add_argument("--server", action="append", metavar="URL", help="SGLang (or dev) server URL; repeat for a fleet")
+    p.add_argument("--server", action="append", metavar="URL", help="SGLang, vLLM or dev server URL; repeat for a "
+                   "fleet (one engine kind)")  # fmt: skip
+    p.add_argument("--engine", choices=["sglang", "vllm"], help="what the servers run (default: ask them; the dev "
+                   "server speaks SGLang's protocol)")  # fmt: skip
     p.add_argument("--launch-sglang", metavar="MODEL", help="launch SGLang servers for MODEL first (GPU hosts, or --device cpu); "
                    "logs go to DIR/sglang_logs")  # fmt: skip
     p.add_argument("--sglang-python", metavar="PATH", help="the interpreter that has sglang, for --launch-sglang "
                    "(default: $AGENTFSM_SGLANG_PYTHON, else this one)")  # fmt: skip
+    p.add_argument("--launch-vllm", metavar="MODEL", help="launch vLLM servers for MODEL first (GPU hosts, or "
+                   "--device cpu); logs go to DIR/vllm_logs")  # fmt: skip
+    p.add_argument("--vllm-python", metavar="PATH", help="the interpreter that has vllm, for --launch-vllm "
+                   "(default: $AGENTFSM_VLLM_PYTHON, else this one)")  # fmt: skip
     p.add_argument("--dp", type=COUNT, default=1, metavar="N", help="data-parallel replicas to launch")
     p.add_argument("--tp", type=COUNT, default=1, metavar="N", help="tensor-parallel GPUs per launched replica")
     p.add_argument("--port", type=PORT, default=30000, help="first port for launched servers")
@@ -136,7 +143,7 @@ def command_line(commands: Mapping[str, Callable[[argparse.Namespace], int]]) ->
                    "torch's choice)")  # fmt: skip
     p.add_argument("--batch-size", type=COUNT, default=64, metavar="N", help="max batch of the embedded model")
     p.add_argument("--device", help="the embedded model's device: cpu, cuda, cuda:1 (default: cuda if available); "
-                   "with --launch-sglang, cpu starts SGLang's CPU engine")  # fmt: skip
+                   "with --launch-sglang or --launch-vllm, cpu starts the engine's CPU backend")  # fmt: skip
     p.add_argument("--dtype", choices=DTYPE_CHOICES, help="the embedded model's dtype (default: auto, see "
                    "backends/hf.py)")  # fmt: skip
     p.add_argument("--check-tokens", action="store_true", help="compare ids with a full re-render")
@@ -184,13 +191,15 @@ def command_line(commands: Mapping[str, Callable[[argparse.Namespace], int]]) ->
 
     p = command("bench", "benchmarks that print numbers (JSON)")
     p.add_argument("what", choices=["engine", "router", "hf", "prefix-cache", "tracing", "ray", "faults", "async",
-                                    "families", "collate", "vs-verl"],
+                                    "families", "collate", "vs-verl", "engines"],
                    help="which benchmark")
-    p.add_argument("--n", type=COUNT, default=2000, metavar="N", help="engine: trajectories")
+    p.add_argument("--n", type=COUNT, default=2000, metavar="N", help="engine: trajectories; engines: prompts (default 8)")
     p.add_argument("--concurrency", type=COUNT, metavar="N", help="engine: trajectories in flight (default: --n)")
     p.add_argument("--tool-turns", type=int_in(0), default=4, metavar="N", help="engine: tool turns per trajectory")
     p.add_argument("--repeats", type=COUNT, default=3, metavar="N", help="engine, tracing: repeats (the median is kept)")
     p.add_argument("--model", metavar="DIR", help="hf: model dir (default: the tiny model)")
+    p.add_argument("--server", action="append", metavar="URL", help="engines: a server serving the tiny model "
+                   "(SGLang, vLLM or dev); two or more, run in turn")  # fmt: skip
     p.add_argument("--workload", choices=["engine", "calculator", "embedded"], default="engine",
                    help="engine: calculator is specs/calculator.yaml's prompt, tool and answer with a replayed model "
                         "(CPU per trajectory at --n in flight); tracing: engine, calculator, or embedded "

@@ -83,10 +83,15 @@ def cmd_schema(args: argparse.Namespace) -> int:
 def _check_run_flags(args: argparse.Namespace) -> None:
     """What argparse cannot check alone: refuse flags that cannot work together, warn about ones that would
     do nothing."""
-    servers = bool(args.server or args.launch_sglang)
+    servers = bool(args.server or args.launch_sglang or args.launch_vllm)
+    if args.launch_sglang and args.launch_vllm:
+        raise CLIError("--launch-sglang and --launch-vllm: a fleet is one engine kind; launch one of them")
+    launched = "sglang" if args.launch_sglang else "vllm" if args.launch_vllm else None
+    if args.engine and launched and args.engine != launched:
+        raise CLIError(f"--engine {args.engine} with --launch-{launched}: a fleet is one engine kind")
     if args.request_timeout is not None and not servers:
-        raise CLIError("--request-timeout: it times SGLang requests; give --server URL or --launch-sglang MODEL "
-                       "(the embedded model makes no requests)")  # fmt: skip
+        raise CLIError("--request-timeout: it times server requests; give --server URL, --launch-sglang MODEL or "
+                       "--launch-vllm MODEL (the embedded model makes no requests)")  # fmt: skip
     if args.ray is not None:
         try:
             import ray  # noqa: F401
@@ -124,14 +129,15 @@ def _rows(args: argparse.Namespace, agent: CompiledAgent) -> list[dict[str, Any]
     return resolve(agent.spec.demo_data, agent.spec.trust.allow_modules)(count, seed=args.seed)
 
 
-def _launch_failure(message: str) -> str:
+def _launch_failure(message: str, engine: str = "sglang") -> str:
     """A LaunchError's message ("... log X ends with:\\n<tail>") as one line: the head and the log's last line,
     which is where a Python process says why it died."""
     head, _, tail = message.partition(" ends with:\n")
     lines = [line.strip() for line in tail.splitlines() if line.strip()]
     cause = lines[-1] if lines else "its log is empty"
-    hint = "; pip install sglang (on a GPU host), or pass --server URL" if "No module named" in cause else ""
-    return f"--launch-sglang: {head.strip()}: {cause}{hint}"
+    install = "pip install sglang (on a GPU host)" if engine == "sglang" else "bash .ci/vllm_env.sh, --vllm-python"
+    hint = f"; {install}, or pass --server URL" if "No module named" in cause else ""
+    return f"--launch-{engine}: {head.strip()}: {cause}{hint}"
 
 
 async def _servers(args: argparse.Namespace, stack: AsyncExitStack) -> tuple[list[str], str | None]:
@@ -151,19 +157,35 @@ async def _servers(args: argparse.Namespace, stack: AsyncExitStack) -> tuple[lis
             raise CLIError(_launch_failure(str(exc))) from None
         servers += launcher.urls
         tokenizer = tokenizer or args.launch_sglang
+    if args.launch_vllm:
+        from backends.launcher import LaunchError, VLLMLauncher
+
+        try:
+            vllm = VLLMLauncher(args.launch_vllm, dp=args.dp, tp=args.tp, base_port=args.port,
+                                log_dir=Path(args.out) / "vllm_logs", python=args.vllm_python,
+                                device="cpu" if args.device == "cpu" else None)  # fmt: skip
+            await stack.enter_async_context(vllm)
+        except ValueError as exc:
+            raise CLIError(f"--launch-vllm: {exc}") from None
+        except LaunchError as exc:
+            raise CLIError(_launch_failure(str(exc), "vllm")) from None
+        servers += vllm.urls
+        tokenizer = tokenizer or args.launch_vllm
     if not servers:
         return servers, tokenizer
     from fsm.api import ServerNotReady, probe_servers
 
     try:
-        probe = await probe_servers(servers, strict=args.strict_servers)
+        probe = await probe_servers(servers, strict=args.strict_servers,
+                                    engine=args.engine or ("vllm" if args.launch_vllm else None))  # fmt: skip
     except ServerNotReady as exc:
-        raise CLIError(f"no usable server: {exc}; start it (agentfsm dev-server or sglang) or fix --server"
+        raise CLIError(f"no usable server: {exc}; start it (agentfsm dev-server, sglang or vllm) or fix --server"
                        + ("" if args.strict_servers else " (every server failed)")) from None  # fmt: skip
     for url, why in probe.left_out.items():
         print(f"warning: {url}: left out of this run: {why} (--strict-servers makes this an error)",
               file=sys.stderr)  # fmt: skip
     servers, served = probe.servers, probe.tokenizer
+    args.engine = probe.engine  # what they run, for the engine's clients
     if tokenizer is None:
         if not served or not Path(served).exists():
             raise CLIError(f"{servers[0]}: serves {served!r}, which is not a local directory; pass --tokenizer DIR")
@@ -191,9 +213,9 @@ def _engine(args: argparse.Namespace, servers: list[str], tokenizer: str | None)
             from fsm.adapters.ray_runner import RayRunner
 
             return RayRunner(args.spec, tokenizer=tokenizer, servers=servers or None, workers=args.workers,
-                             address=args.ray or None)  # fmt: skip
+                             address=args.ray or None, engine=args.engine)  # fmt: skip
         if servers:
-            options = {"retry_window_s": args.retry_window}
+            options = {"retry_window_s": args.retry_window, "engine": args.engine}
             if args.request_timeout is not None:
                 options["request_timeout_s"] = args.request_timeout
             return RolloutEngine(args.spec, tokenizer, servers=servers, max_concurrency=args.concurrency,
@@ -568,6 +590,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         result = {f"affinity={a}": bench.bench_prefix_cache(n=8, affinity=a) for a in (False, True)}
     elif what == "tracing":
         result = bench.bench_tracing(workload=args.workload, repeats=args.repeats)
+    elif what == "engines":
+        if not args.server or len(args.server) < 2:
+            raise CLIError("bench engines: give two servers or more (--server URL --server URL)")
+        _quiet_transformers()
+        result = bench.bench_engines(args.server, n=8 if args.n == 2000 else args.n, repeats=args.repeats)
     else:  # argparse restricts the choices to the modules of bench/
         result = getattr(bench, f"bench_{what.replace('-', '_')}")()
     print(json.dumps(result, indent=2))

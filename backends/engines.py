@@ -1,0 +1,71 @@
+"""Which inference engine a server URL runs, and the client that speaks to it: SGLang (or the dev server, which
+speaks SGLang's protocol) or vLLM. A fleet behind one router is one engine kind: pause modes, weight updates
+and even greedy tokens differ between engines, so a mixed fleet is refused, naming which server is which.
+
+How a server is recognised: SGLang (and the dev server) answer `GET /model_info` with an object; vLLM does
+not have that route and answers `GET /v1/models` with cards `owned_by: "vllm"`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+import aiohttp
+
+from backends.base import Backend, BackendUnavailable
+
+ENGINES = ("sglang", "vllm")
+
+
+async def detect_engine(url: str, timeout_s: float = 10.0) -> str:
+    """"sglang" or "vllm" for the server at `url`; BackendUnavailable when it does not answer in `timeout_s` or
+    answers as neither."""
+    base = url.rstrip("/")
+    try:
+        async with asyncio.timeout(timeout_s), aiohttp.ClientSession() as http:
+            async with http.get(base + "/model_info") as resp:
+                if resp.status == 200 and isinstance(await resp.json(content_type=None), dict):
+                    return "sglang"
+            async with http.get(base + "/v1/models") as resp:
+                body = await resp.json(content_type=None) if resp.status == 200 else None
+    except TimeoutError:
+        raise BackendUnavailable(f"{base}: no answer within {timeout_s:g} s to /model_info or /v1/models "
+                                 "(which engine it runs cannot be told)", server=base, kind="timeouts") from None  # fmt: skip
+    except (aiohttp.ClientError, ValueError) as e:
+        raise BackendUnavailable(f"{base}: cannot tell which engine it runs ({type(e).__name__}: {e})",
+                                 server=base) from None  # fmt: skip
+    cards = body.get("data") if isinstance(body, dict) else None
+    if isinstance(cards, list) and cards and isinstance(cards[0], dict) and cards[0].get("owned_by") == "vllm":
+        return "vllm"
+    raise BackendUnavailable(f"{base}: answers as neither SGLang (no /model_info) nor vLLM (no /v1/models card "
+                             "owned by vllm); pass the engine explicitly (--engine)", server=base)  # fmt: skip
+
+
+def client(engine: str, url: str, **options: Any) -> Backend:
+    """The client of `engine` for one server; `options` go to its constructor (request_timeout_s, ...)."""
+    if engine == "sglang":
+        from backends.sglang import SGLangBackend
+
+        return SGLangBackend(url, **options)
+    if engine == "vllm":
+        from backends.vllm import VLLMBackend
+
+        return VLLMBackend(url, **options)
+    raise ValueError(f"unknown engine {engine!r}; expected one of {', '.join(ENGINES)}")
+
+
+def one_kind(urls: Sequence[str], engines: Sequence[str]) -> str:
+    """The fleet's engine, or ValueError naming which server runs what when they differ."""
+    kinds = set(engines)
+    if len(kinds) > 1:
+        which = ", ".join(f"{u} ({e})" for u, e in zip(urls, engines))
+        raise ValueError(f"a fleet is one engine kind; these servers mix {' and '.join(sorted(kinds))}: {which}")
+    return engines[0]
+
+
+async def detect_fleet(urls: Sequence[str], timeout_s: float = 10.0) -> str:
+    """The one engine every server in `urls` runs (each asked at once); ValueError for a mixed fleet."""
+    engines = await asyncio.gather(*(detect_engine(u, timeout_s) for u in urls))
+    return one_kind(urls, engines)

