@@ -9,6 +9,7 @@ inherits the token rules for free.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from array import array
 from collections.abc import Awaitable, Callable
@@ -191,6 +192,11 @@ async def call_tools(ctx: RunContext, traj: Trajectory) -> None:
     traj.metrics.num_tool_calls += len(run)
     answers: list[dict[str, Any]] = []
     for outcome in outcomes:
+        for what, value in (("reward", outcome.reward), ("calc_reward score", outcome.score)):
+            if value is not None and not math.isfinite(value):  # checked before any is kept: the row's error
+                raise RowError(f"reward: tool {outcome.name} on row {traj.uid}: returned {what} {value!r}, "
+                               "not a finite number")  # fmt: skip
+    for outcome in outcomes:
         if outcome.reward is not None:  # a BaseTool may return None as its reward; verl leaves it out
             traj.tool_rewards.append(outcome.reward)
             traj.add_turn_reward("tool", outcome.reward)
@@ -235,7 +241,11 @@ async def interact(ctx: RunContext, traj: Trajectory) -> None:
     done, content, score, metrics = await inter.generate_response(traj.session_id, messages, **kwargs)
     content = encodable(content) if isinstance(content, str) else content
     if score is not None:
-        traj.turn_scores.append(float(score))
+        score = float(score)
+        if not math.isfinite(score):
+            raise RowError(f"reward: interaction {ctx.agent.spec.interaction.class_} on row {traj.uid}: "  # type: ignore[union-attr]
+                           f"returned turn score {score!r}, not a finite number")  # fmt: skip
+        traj.turn_scores.append(score)
         traj.add_turn_reward("interaction", score)
     if metrics:
         traj.extra.setdefault("interaction_metrics", []).append(metrics)

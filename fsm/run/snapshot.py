@@ -151,7 +151,7 @@ def write(path: str | Path, data: dict[str, Any]) -> None:
     """Write atomically (a snapshot file is always whole), with a checksum: an edited snapshot is refused."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.writing")
-    tmp.write_text(json.dumps({**data, "checksum": _digest(data)}, ensure_ascii=False))
+    tmp.write_text(json.dumps({**data, "checksum": _digest(data)}, ensure_ascii=False, allow_nan=False))
     os.replace(tmp, path)
 
 
