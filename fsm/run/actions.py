@@ -22,17 +22,17 @@ from fsm.run.trajectory import Trajectory
 
 
 async def encode_prompt(ctx: RunContext, traj: Trajectory) -> None:
-    traj.messages = prompt_messages(traj.row)
+    traj.messages = prompt_messages(traj.row, f"bad row {traj.uid}")
     # Samples of a group share one encoding. The uid comes from the row, so a reused uid must not hand
     # one row's prompt to another: a hit also needs the same messages and tool schemas.
     group = ctx.group_size
     if group == 1:  # nobody shares it: nothing kept
-        ids = ctx.codec.encode_prompt(traj.messages, traj.tool_schemas)
+        ids = _render_prompt(ctx, traj)
     else:
         key = (traj.messages, traj.tool_schemas)
         entry = ctx.prompt_cache.get(traj.uid)
         if entry is None or entry[0] != key:
-            entry = ctx.prompt_cache[traj.uid] = [key, array("i", ctx.codec.encode_prompt(*key)), 0]
+            entry = ctx.prompt_cache[traj.uid] = [key, array("i", _render_prompt(ctx, traj)), 0]
         ids = entry[1]
         entry[2] += 1
         if group is not None and entry[2] >= group:  # the group's last sample: no one else needs it
@@ -44,6 +44,20 @@ async def encode_prompt(ctx: RunContext, traj: Trajectory) -> None:
         ids = ids[-limit:]
         traj.extra["prompt_truncated"] = True
     traj.prompt_ids.extend(ids)
+
+
+def _render_prompt(ctx: RunContext, traj: Trajectory) -> list[int]:
+    """The prompt's ids; a chat template that cannot render the row's messages is that row's error, naming
+    the row and the message whose content is not plain text (the usual cause: content parts or numbers)."""
+    try:
+        return ctx.codec.encode_prompt(traj.messages, traj.tool_schemas)
+    except RowError:
+        raise
+    except Exception as exc:
+        odd = next((f"; 'raw_prompt[{k}].content' is a {type(m.get('content')).__name__}, not text"
+                    for k, m in enumerate(traj.messages) if not isinstance(m.get("content"), (str, type(None)))), "")  # fmt: skip
+        raise RowError(f"bad row {traj.uid}: the chat template cannot render 'raw_prompt': {type(exc).__name__}: "
+                       f"{exc}{odd}") from None  # fmt: skip
 
 
 async def generate(ctx: RunContext, traj: Trajectory) -> None:
