@@ -18,6 +18,7 @@ import importlib
 import re
 import sys
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -135,16 +136,34 @@ def check_import_path(ref: str, allow: Iterable[str] = ()) -> tuple[str, str]:
     return module_name, attr
 
 
-def import_module(module: str, allow: Iterable[str] = ()) -> ModuleType:
-    """Import a module a spec lists under `imports:` (this runs its code). Raises ImportPathError."""
+def add_spec_folder(folder: str | Path) -> None:
+    """Make the modules beside a spec importable by their plain names (`function: my_tools:shout` next to
+    `agent.yaml`), from whatever directory the run starts: the spec's folder goes at the END of sys.path, so it
+    never shadows an installed package or the standard library. Process-isolated tools inherit sys.path."""
+    path = str(Path(folder).resolve())
+    if path not in sys.path:
+        sys.path.append(path)
+        importlib.invalidate_caches()
+
+
+def import_module(module: str, allow: Iterable[str] = (), folder: str | Path | None = None) -> ModuleType:
+    """Import a module a spec lists under `imports:` (this runs its code). Raises ImportPathError; a module
+    not found says where it was looked for (`folder`: the spec's)."""
     check_module(module, allow)
     try:
         return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name is None or not (module == exc.name or module.startswith(exc.name + ".")):
+            raise ImportPathError(f"cannot import module {module!r}: {type(exc).__name__}: {exc}") from None
+        where = f"on sys.path and in the spec's folder {folder}" if folder is not None else "on sys.path"
+        raise ImportPathError(f"cannot import module {module!r}: no module {exc.name!r} (looked for {where}; "
+                              "a module elsewhere needs its folder on PYTHONPATH, or `pip install -e` of its "
+                              "project)") from None  # fmt: skip
     except Exception as exc:  # a user module may fail with anything
         raise ImportPathError(f"cannot import module {module!r}: {type(exc).__name__}: {exc}") from None
 
 
-def resolve(ref: str, allow: Iterable[str] = ()) -> Any:
+def resolve(ref: str, allow: Iterable[str] = (), folder: str | Path | None = None) -> Any:
     """`package.module:attr.sub` -> the object. Raises ImportPathError with a readable reason.
 
     The deny-list applies to the path as written, to every module met on the way (`mine:os.system`) and
@@ -152,7 +171,7 @@ def resolve(ref: str, allow: Iterable[str] = ()) -> Any:
     """
     allow = tuple(allow)
     module_name, attr = check_import_path(ref, allow)
-    obj: Any = import_module(module_name, allow)
+    obj: Any = import_module(module_name, allow, folder)
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)
