@@ -7,8 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-trl = pytest.importorskip("trl", reason="the trl extra: pip install 'agentfsm[trl]'")
-datasets = pytest.importorskip("datasets")
+from tests.conftest import extra  # noqa: E402
+
+trl = extra("trl", "trl")
+datasets = extra("datasets", "trl")
 
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
