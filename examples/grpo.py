@@ -9,14 +9,17 @@ decodes with another, in this process; after every optimizer step the trainer's 
 
 One step: `prompts` prompts x `group` samples at the spec's sampling (T=1) -> binary reward (the answer after
 `####`) -> group-normalised advantages -> the trainer recomputes the log-probabilities of the generated
-(mask-1) tokens -> clipped ratio against `rollout_log_probs` -> one AdamW step -> weight sync. Before training
+(mask-1) tokens -> clipped ratio against the behaviour policy's log-probabilities (the trainer's own for the
+current weights' tokens, `rollout_log_probs` for older weights') -> one AdamW step -> weight sync. Before training
 on a batch, every step checks that the recomputed log-probabilities match `rollout_log_probs` on the tokens
 the current weights made (the check fails the run past `--logprob-tol`); in the continuous form the tokens
 that older weights made are checked too, against those weights, kept for `max_staleness` versions.
 
 Held-out accuracy: the share of sampled answers (T=1) with reward 1 on `make_prompts(64, seed=1000)`, the
-fresh prompts of backends/tiny/evaluate.py, on a second engine that gets the same weights; the training
-engine is paused meanwhile, so the step times (which leave evaluation out) compare the two forms fairly.
+fresh prompts of backends/tiny/evaluate.py, on a second engine that gets the same weights and its own seeds
+(`--eval-seed`); the training engine is paused meanwhile, so the step times (which leave evaluation out) compare
+the two forms fairly. Evaluation shares nothing with training but the weights it reads: a synchronous run trains
+the same whatever `--eval-every` is (tests/test_grpo_example.py).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ class Config:
     eval_prompts: int = 64  # held-out prompts (make_prompts(n, seed=1000))
     eval_samples: int = 2  # samples per held-out prompt
     eval_every: int = 1  # steps between evaluations (0: before and after only)
+    eval_seed: int = 0  # the held-out samples' seeds (the evaluation engine's own; training's come from `seed`)
     seed: int = 0  # the run's sampling seeds derive from it
     init: Path = MID_DIR  # the starting weights
     threads: int = 1  # torch intra-op threads (process-wide)
@@ -185,7 +189,8 @@ class GRPO:
 
     def accuracy(self, version: int) -> float:
         self.evaluator.update_weights_from_tensor(weight_version=version, named_tensors=self.policy.state_dict())
-        batch = self.evaluator.generate_sequences(self.held_out, {"seed": 0}, n=self.cfg.eval_samples)
+        batch = self.evaluator.generate_sequences(self.held_out, {"seed": self.cfg.eval_seed},
+                                                  n=self.cfg.eval_samples)
         return float((batch.batch["rm_scores"].sum(-1) == 1).float().mean())
 
     def train_on(self, batch, version: int) -> tuple[float, float, float, float, int, float]:
@@ -207,7 +212,13 @@ class GRPO:
             n, d = check_logprobs(past, rollout[rows, : past.shape[1]], where, self.cfg.logprob_tol,
                                   f"tokens of version {old}")  # fmt: skip
             checked, diff = checked + n, max(diff, d)
-        loss, clipped = clipped_loss(logp, rollout, adv, mask.float(), self.cfg.clip)
+        # The ratio's denominator: for tokens the current weights made, the trainer's own recomputation (as verl's
+        # recomputed old_log_prob), so the update depends on the tokens alone; the engine's values for the same
+        # tokens vary with how its requests happened to be batched (up to the check's tolerance), and Adam turns
+        # such noise in near-zero gradients into full-size steps, so a run would depend on the engine's timing
+        # (an evaluation between steps changed every later step). Older weights' tokens keep rollout_log_probs.
+        old = torch.where(versions == version, logp.detach(), rollout)
+        loss, clipped = clipped_loss(logp, old, adv, mask.float(), self.cfg.clip)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self.optimizer.step()

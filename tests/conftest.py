@@ -7,8 +7,10 @@ what SGLang returns for a turn that stopped. Helpers build them from text so tes
 from __future__ import annotations
 
 import asyncio
+import importlib
 import inspect
 import json
+import os
 import textwrap
 import time
 from collections.abc import Callable, Sequence
@@ -185,3 +187,12 @@ def real_tokenizer() -> Callable[..., Any]:
     from tests.fixtures.real_tokenizers import real_tokenizer as load
 
     return load
+
+
+def extra(module: str, name: str) -> Any:
+    """`module`, imported, from the optional extra `name`; without it the test is skipped with the line that
+    installs it (so the README's `pip install -e ".[test]"` gives a green suite), except under CI=true, where
+    .ci/run installs every extra and a missing one must fail."""
+    if os.environ.get("CI", "").lower() == "true":
+        return importlib.import_module(module)
+    return pytest.importorskip(module, reason=f"needs the {name} extra: pip install -e '.[{name}]'")

@@ -95,3 +95,36 @@ def test_validate_refuses_them_without_trust(tmp_path, ref):
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 1 and proc.stdout.count("\n") == 1, proc.stdout + proc.stderr
     assert proc.stdout.startswith(f"{spec}:4:") and "unsafe-import" in proc.stdout
+
+
+# --- third-party loaders that run code (issue 27.20) -----------------------------------------------------
+
+LOADERS = ["yaml:unsafe_load", "yaml:load", "yaml:unsafe_load_all", "torch:load", "torch.serialization:load",
+           "torch.jit:load", "torch.hub:load", "numpy:load", "pandas:read_pickle", "dill:loads", "cloudpickle:loads",
+           "joblib:load"]  # fmt: skip
+
+
+@pytest.mark.parametrize("ref", LOADERS)
+def test_third_party_loaders_that_run_code_are_refused_unless_the_spec_opts_in(ref):
+    top = ref.split(".")[0].split(":")[0]
+    with pytest.raises(UnsafeImportError, match=rf"trust: \{{allow_modules: \[{top}\]\}}"):
+        check_import_path(ref)
+    check_import_path(ref, allow=[top])
+    check_import_path("numpy:mean") and check_import_path("torch:tensor") and check_import_path("yaml:safe_load")
+
+
+def test_a_loader_reexported_under_another_name_is_refused_where_it_was_defined():
+    with pytest.raises(UnsafeImportError, match="numpy"):
+        resolve("tests.fixtures.parts:read_array")
+    assert resolve("tests.fixtures.parts:read_array", allow=["numpy"]) is __import__("numpy").load
+
+
+def test_a_spec_naming_torch_load_as_a_tool_fails_validation(tmp_path):
+    import fsm
+
+    path = tmp_path / "spec.yaml"
+    path.write_text(f"name: x\nextends: {REPO / 'specs' / 'tool_agent.yaml'}\ntools:\n  - function: torch:load\n")
+    (diag,) = fsm.validate_file(path)
+    assert diag.code == "unsafe-import" and diag.line == 4, str(diag)
+    path.write_text(path.read_text() + "trust: {allow_modules: [torch]}\n")
+    assert all(d.code != "unsafe-import" for d in fsm.validate_file(path))

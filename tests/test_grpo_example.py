@@ -58,3 +58,24 @@ def test_the_check_fails_loudly():
     assert check_logprobs(torch.tensor([[-1.0, -5.0]]), torch.tensor([[-1.00001, 0.0]]), where, 1e-4, "x")[0] == 1
     with pytest.raises(LogprobMismatch, match=r"x: .* by 0\.01 \(tolerance 0\.0001\) over 1 tokens"):
         check_logprobs(torch.tensor([[-1.0, -5.0]]), torch.tensor([[-1.01, -5.0]]), where, 1e-4, "x")
+
+
+class Recorded(GRPO):
+    """Keeps each step's sampled tokens."""
+
+    def train_on(self, batch, version):
+        self.responses = [*getattr(self, "responses", []), batch.batch["responses"].clone()]
+        return super().train_on(batch, version)
+
+
+def test_the_evaluation_schedule_does_not_change_training():
+    """Evaluating after every step or only at the end: the same tokens sampled and the same weights, bit for bit
+    (the update once used the engine's log-probabilities, whose last bits vary with how requests were batched,
+    and Adam made full-size steps of that noise: the trained weights, and soon the samples, differed)."""
+    runs = [run(Recorded, mode="sync", steps=3, prompts=4, group=4, eval_prompts=8, eval_samples=1,
+                eval_every=every, seed=3)[0] for every in (1, 0)]  # fmt: skip
+    (a, _), (b, _) = [(t.responses, t) for t in runs]
+    assert all(torch.equal(x, y) for x, y in zip(a, b)) and len(a) == len(b) == 3
+    wa, wb = runs[0].policy.state_dict(), runs[1].policy.state_dict()
+    different = [name for name in wa if not torch.equal(wa[name], wb[name])]
+    assert not different, different

@@ -91,7 +91,8 @@ def test_a_ground_truth_with_a_lone_surrogate_is_written(tmp_path):
 
 @pytest.mark.parametrize("key, value", [("prompt_length", "1e12"), ("response_length", 1_000_000_000_000),
                                         ("max_new_tokens", 2**31), ("max_parallel_calls", 10**6),
-                                        ("turn_timeout_s", 1e12), ("max_transitions", 10**12)])  # fmt: skip
+                                        ("turn_timeout_s", 1e12), ("max_transitions", 10**12),
+                                        ("max_transitions", 10**7)])  # fmt: skip  # 10**7: a 180 MB snapshot
 def test_absurd_limits_are_refused_at_validation_with_their_line(write_spec, key, value):
     path = write_spec(f"name: x\nextends: {SPECS / 'single_turn.yaml'}\nlimits:\n  {key}: {value}\n")
     (diag,) = fsm.validate_file(path)

@@ -15,7 +15,9 @@ import urllib.request
 import pytest
 import torch
 
-ray = pytest.importorskip("ray")
+from tests.conftest import extra  # noqa: E402
+
+ray = extra("ray", "ray")
 
 from backends.scripted import scripted_servers  # noqa: E402
 from fsm import RayRunner, RolloutEngine  # noqa: E402

@@ -24,11 +24,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ASSETS, REPO
+from tests.conftest import ASSETS, REPO, extra
 
 README = REPO / "README.md"
 PAGES = [README, *sorted((REPO / "docs").glob("*.md"))]
 RUNNABLE = ("bash", "python", "console")
+EXTRAS = {"trl": "trl", "datasets": "trl", "accelerate": "trl", "ray": "ray", "pyarrow": "parquet"}  # pyproject
 TIMEOUT_S = 600
 
 
@@ -148,6 +149,10 @@ def run_block(block: Block, cwd: Path) -> None:
 def test_readme_block(block: Block, workdir: Path):
     if block.skip:
         pytest.skip(f"{block.id}: {block.skip}")
+    if block.lang == "python":  # a block that imports an optional extra's package needs that extra
+        for module in re.findall(r"^(?:from|import) (\w+)", block.text, re.M):
+            if module in EXTRAS:
+                extra(module, EXTRAS[module])
     run_block(block, workdir)
 
 

@@ -736,3 +736,28 @@ async def test_spans_a_user_action_starts_are_children_of_its_state(tokenizer, m
         "INTERACTING -> TERMINATED",
     ]
     assert len(spans) == expected_spans(traj) + 2
+
+
+async def test_the_exit_line_says_why_spans_were_not_exported(tokenizer, agent, caplog):
+    """A collector that fails while the tracer closes: the exit warning says, per exporter, that the export
+    failed and where it was going (it once read '24 of 64 spans were not exported before exit ()')."""
+    from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+    release = threading.Event()
+
+    class Down(SpanExporter):  # as an OTLP exporter whose collector is down: waits, then fails
+        def export(self, spans):
+            release.wait(30)
+            return SpanExportResult.FAILURE
+
+        def shutdown(self):
+            release.set()
+
+    tel = Telemetry(otlp=False, exporters=[Down()], schedule_delay_millis=5)
+    runner = fsm.Runner(agent, calculator_model(tokenizer), tokenizer, tracer=tel)
+    await runner.run([{"raw_prompt": [{"role": "user", "content": "What is 2 + 3?"}]}])
+    with caplog.at_level(logging.WARNING, logger="fsm.telemetry"):
+        stats = tel.close(timeout_s=0.2)
+    lines = [r.getMessage() for r in caplog.records if "not exported before exit" in r.getMessage()]
+    assert stats["export_failed"] > 0 and len(lines) == 1, (stats, lines)
+    assert "failed to export (is the collector up?)" in lines[0] and "()" not in lines[0], lines[0]

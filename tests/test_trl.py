@@ -7,8 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-trl = pytest.importorskip("trl", reason="the trl extra: pip install 'agentfsm[trl]'")
-datasets = pytest.importorskip("datasets")
+from tests.conftest import extra  # noqa: E402
+
+trl = extra("trl", "trl")
+datasets = extra("datasets", "trl")
 
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
@@ -95,3 +97,30 @@ def test_grpo_trainer_trains_on_the_engines_samples(tmp_path, monkeypatch):
     logged = [h for h in trainer.state.log_history if "rollout/samples" in h]
     assert len(logged) == 2 and all(h["rollout/samples"] == 2 * G for h in logged)
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())  # the optimizer stepped
+
+
+def test_a_step_whose_rows_all_fail_stops_the_run_loudly(tmp_path, monkeypatch):
+    """A dataset without the ground truth the spec's reward reads: every row is an error row; TRL once trained
+    on them, step after step, and exited 0."""
+    from fsm.adapters.trl import AllRowsFailed
+
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    tok = AutoTokenizer.from_pretrained(ASSETS)
+    model = AutoModelForCausalLM.from_pretrained(ASSETS, dtype=torch.float32)
+    dataset = datasets.Dataset.from_list([{"prompt": r["raw_prompt"]} for r in make_prompts(2, seed=5)])
+    args = trl.GRPOConfig(
+        output_dir=str(tmp_path), use_cpu=True, bf16=False, max_steps=2, per_device_train_batch_size=G,
+        num_generations=G, learning_rate=1e-4, logging_steps=1, report_to=[], save_strategy="no", seed=0,
+        disable_tqdm=True, dataloader_num_workers=0, max_completion_length=160,
+    )  # fmt: skip
+    rollout = TRLRollout("calculator", dataset=dataset)
+    trainer = trl.GRPOTrainer(model=model, processing_class=tok, args=args, train_dataset=dataset,
+                              reward_funcs=[engine_reward], rollout_func=rollout)  # fmt: skip
+    try:
+        with pytest.raises(AllRowsFailed, match=r"TRL step 0: all 4 rows of the rollout ended in error, so there "
+                                                r"is nothing to train on; the most common \(4\): error: reward: "
+                                                r".*has no reward_model.ground_truth"):  # fmt: skip
+            trainer.train()
+    finally:
+        rollout.close()
+    assert rollout.calls == 1

@@ -108,9 +108,13 @@ def to_row(data: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def to_areal(sample: Sample) -> dict[str, torch.Tensor]:
-    """A flat sample as AReaL's episode: [1, L] tensors over prompt + response."""
+    """A flat sample as AReaL's episode: [1, L] tensors over prompt + response. A sample without logprobs is
+    refused (ValueError): AReaL's loss divides by them, and zeros would read as probability 1."""
     P = len(sample.prompt_ids)
-    logprobs = sample.logprobs or []
+    logprobs = sample.logprobs
+    if logprobs is None or len(logprobs) != len(sample.response_ids):
+        what = "no logprobs" if logprobs is None else f"{len(logprobs)} logprobs for {len(sample.response_ids)} tokens"
+        raise ValueError(f"row {sample.uid}: the sample has {what}; AReaL's episode needs one per response token")
     out = {
         "input_ids": torch.tensor(sample.prompt_ids + sample.response_ids, dtype=torch.int32),
         "logprobs": torch.tensor([0.0] * P + [lp if m else 0.0 for lp, m in zip(logprobs, sample.mask)],

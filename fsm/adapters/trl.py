@@ -22,7 +22,9 @@ So this adapter:
 - returns the spec's reward as `agentfsm_reward` (the `engine_reward` reward function passes it on) beside
   `termination_reason`, `num_turns` and `turn_rewards`, and logs the batch's `rollout_metrics` with TRL's own
   metrics. A failed row (the engine's error, not the model's) is one masked token with reward None: TRL
-  leaves it out of its group's baseline and gives it no advantage.
+  leaves it out of its group's baseline and gives it no advantage. A step whose rows all failed (a dataset
+  without the ground truth the reward reads, a server down) stops the run: AllRowsFailed, naming the step
+  and the most common reason.
 """
 
 from __future__ import annotations
@@ -100,6 +102,8 @@ class TRLRollout:
                 model.train(training)
         self.calls += 1
         self.last = batch  # the samples and meta_info behind the last answer (sampling, rollout_metrics)
+        if batch.samples and all(s.failed for s in batch.samples):
+            raise AllRowsFailed(step, batch.samples)
         log_metrics(trainer, batch.meta_info["rollout_metrics"], "train" if training else "eval")
         return to_trl(batch.samples, pad_id=engine.codec.pad_id)
 
@@ -130,6 +134,19 @@ class TRLRollout:
         if self._own_engine and self.engine is not None:
             self.engine.close()
             self.engine = None
+
+
+class AllRowsFailed(RuntimeError):
+    """Every row of a step's rollout ended in error: there is nothing to train on (TRL would take a step on
+    masked error rows, and a run whose every step does so ends 'successfully' having learnt nothing)."""
+
+    def __init__(self, step: int, samples: Sequence[Sample]):
+        reasons: dict[str, int] = {}
+        for s in samples:
+            reasons[s.termination_reason] = reasons.get(s.termination_reason, 0) + 1
+        common = max(reasons, key=reasons.__getitem__)
+        super().__init__(f"TRL step {step}: all {len(samples)} rows of the rollout ended in error, so there is "
+                         f"nothing to train on; the most common ({reasons[common]}): {common}")  # fmt: skip
 
 
 def sampling_params(args: Any) -> dict[str, Any]:

@@ -542,6 +542,7 @@ def cmd_render(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError) as exc:
         raise CLIError(str(exc)) from None
     try:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)  # `-o diagrams/agent.svg` on a fresh checkout
         render(agent, args.output, run_stats=stats)
     except RenderError as exc:
         raise CLIError(str(exc)) from None

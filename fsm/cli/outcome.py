@@ -16,6 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from fsm.output.rundir import json_text
+
 SNAPSHOT = "snapshot.json"  # in --out: the rows in flight when Ctrl-C came, for `run --resume`
 
 
@@ -50,7 +52,7 @@ def write_run_outputs(out: Path, run: Any, batch: Any, run_id: str) -> dict[str,
                    "files": {"batch.pt": {"rows": len(batch)}, "trajectories.jsonl": {"rows": len(run.trajs)}},
                    "error_rate": round(failed / len(run.trajs), 4), "rollout_cpu_s": round(run.cpu, 3),
                    **summary}  # fmt: skip
-        (staging / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+        (staging / "summary.json").write_text(json_text(summary, indent=2, default=str) + "\n")
         return summary
 
     try:

@@ -65,9 +65,9 @@ def _jsonl(path: Path) -> list[dict[str, Any]]:
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                row = json.loads(line.rstrip("\r\n"))  # the line break is no part of a string
             except json.JSONDecodeError as exc:
-                problems.append(f"{path}:{lineno}:{exc.colno}: invalid JSON: {exc.msg}")
+                problems.append(f"{path}:{lineno}:{exc.colno}: invalid JSON: {_json_problem(exc, line)}")
                 continue
             except RecursionError:
                 problems.append(f"{path}:{lineno}: JSON nested too deeply to read")
@@ -82,6 +82,15 @@ def _jsonl(path: Path) -> list[dict[str, Any]]:
     if problems:
         raise DataError(problems)
     return rows
+
+
+def _json_problem(exc: json.JSONDecodeError, line: str) -> str:
+    """json's message, whole: some end in " at", the position being in the exception's fields."""
+    if exc.msg.startswith("Invalid control character") and exc.pos < len(line):
+        char = line[exc.pos]
+        return (f"a raw control character U+{ord(char):04X} inside a string; JSON needs it escaped "
+                f"({json.dumps(char)})")  # fmt: skip
+    return exc.msg[: -len(" at")] + " here" if exc.msg.endswith(" at") else exc.msg  # "here": path:line:col
 
 
 def _lines(f: IO[bytes]) -> Iterator[bytes | None]:

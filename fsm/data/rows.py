@@ -125,8 +125,30 @@ def _describe(value: Any) -> str:
     return f"{type(value).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"
 
 
+def check_prompt(row: Mapping[str, Any]) -> None:
+    """A row's `raw_prompt`, where it has one, is a non-empty list of chat messages whose content is text or a
+    list of content parts; RowError naming the field otherwise (a row without one fails where it is encoded)."""
+    messages = row.get("raw_prompt")
+    if messages is None:
+        return
+    if not isinstance(messages, list) or not messages:
+        raise RowError(f"'raw_prompt' must be a non-empty list of chat messages, got {_describe(messages)}")
+    for k, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise RowError(f"'raw_prompt[{k}]' must be a chat message (a mapping with role and content), got "
+                           f"{_describe(message)}")  # fmt: skip
+        if not isinstance(message.get("role"), str):
+            raise RowError(f"'raw_prompt[{k}].role' must be a string, got {_describe(message.get('role'))}")
+        content = message.get("content")
+        parts = isinstance(content, (list, tuple, np.ndarray)) and all(isinstance(p, Mapping) for p in content)
+        if not (content is None or isinstance(content, str) or parts):
+            raise RowError(f"'raw_prompt[{k}].content' must be text or a list of content parts, got "
+                           f"{_describe(content)}")  # fmt: skip
+
+
 def row_inputs(row: Mapping[str, Any]) -> RowInputs:
-    """What the engine reads from a row besides its prompt; RowError naming the field when a type is wrong."""
+    """What the engine reads from a row; RowError naming the field when a type is wrong."""
+    check_prompt(row)
     extra = row.get("extra_info")
     if extra is not None and not isinstance(extra, Mapping):
         raise RowError(f"'extra_info' must be a mapping, got {_describe(extra)}")
@@ -151,9 +173,10 @@ def row_inputs(row: Mapping[str, Any]) -> RowInputs:
     )
 
 
-def prompt_messages(row: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The row's chat messages (copied), or RowError saying what is wrong with them."""
+def prompt_messages(row: Mapping[str, Any], which: str = "bad row") -> list[dict[str, Any]]:
+    """The row's chat messages (copied), or RowError saying what is wrong with them, `which` row first."""
     messages = row.get("raw_prompt")
     if not isinstance(messages, list) or not messages or not all(isinstance(m, Mapping) for m in messages):
-        raise RowError("bad row: 'raw_prompt' must be a non-empty list of chat messages")
+        raise RowError(f"{which}: 'raw_prompt' must be a non-empty list of chat messages, got "
+                       f"{'nothing' if messages is None else _describe(messages)}")  # fmt: skip
     return [dict(m) for m in messages]

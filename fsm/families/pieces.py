@@ -20,6 +20,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 CACHE_CHARS = 4 << 20  # characters of pieces kept, all pieces together (least recently used go first)
+CACHE_ENTRIES = 1 << 14  # and pieces kept: each costs a few hundred bytes however short (a dict entry, a list)
 CHECKED_TEXTS = 16  # texts compared with the whole text's tokenization before the split is trusted
 
 
@@ -34,7 +35,8 @@ def decode(tokenizer: Any, ids: Any, *, skip_special_tokens: bool = True) -> str
 class PieceEncoder:
     """`encode(text)`: the ids `tokenizer.encode(text, add_special_tokens=False)` gives, cheaper on repeats."""
 
-    def __init__(self, tokenizer: Any, cache_chars: int = CACHE_CHARS, checked: int = CHECKED_TEXTS):
+    def __init__(self, tokenizer: Any, cache_chars: int = CACHE_CHARS, checked: int = CHECKED_TEXTS,
+                 cache_entries: int = CACHE_ENTRIES):  # fmt: skip
         self.tokenizer = tokenizer
         self._unchecked = checked
         added = getattr(tokenizer, "added_tokens_decoder", None)
@@ -48,7 +50,7 @@ class PieceEncoder:
         if tokens and exact:
             alternatives = "|".join(re.escape(s) for s in sorted(self._ids, key=len, reverse=True))
             self._split = re.compile(f"({alternatives})").split
-        self.cache_chars = cache_chars
+        self.cache_chars, self.cache_entries = cache_chars, cache_entries
         self._cache: OrderedDict[str, list[int]] = OrderedDict()
         self._cached_chars = 0
         self._lock = threading.Lock()  # a codec may serve several threads (the adapter's workers, Ray actors)
@@ -74,7 +76,7 @@ class PieceEncoder:
                 if text not in self._cache:
                     self._cache[text] = ids
                     self._cached_chars += len(text)
-                while self._cached_chars > self.cache_chars:
+                while self._cached_chars > self.cache_chars or len(self._cache) > self.cache_entries:
                     old, _ = self._cache.popitem(last=False)
                     self._cached_chars -= len(old)
         return ids

@@ -32,6 +32,13 @@ LOCK_FILE = ".agentfsm.lock"  # held by the run writing into the directory (fcnt
 OUTPUT_FILES = ("batch.pt", "trajectories.jsonl", "summary.json")  # summary.json last: it vouches for the rest
 
 
+def json_text(value: Any, **options: Any) -> str:
+    """JSON as the run's files hold it: strict (NaN and Infinity are not JSON and most readers refuse them), so
+    a non-finite number raises ValueError here instead of reaching a file; rewards are checked where they enter
+    (fsm/run/runtime.py, fsm/run/actions.py)."""
+    return json.dumps(value, allow_nan=False, **options)
+
+
 class WriteInterrupted(Exception):
     """Ctrl-C arrived during `write_run`; `committed`: whether the new run had replaced the old one by then
     (if not, `out` holds what it held before)."""
@@ -160,7 +167,7 @@ def write_outputs(out: Path, agent: CompiledAgent, trajs: list, batch: Any, code
         raise OSError(f"batch.pt: {str(exc).splitlines()[0] if str(exc) else 'write failed'}") from exc
     with (out / "trajectories.jsonl").open("w") as f:
         for traj in trajs:
-            f.write(json.dumps(trajectory_record(traj, codec), ensure_ascii=False) + "\n")
+            f.write(json_text(trajectory_record(traj, codec), ensure_ascii=False) + "\n")
     summary = summarize(trajs)
     summary.update(spec=str(agent.path), agent=agent.name, spec_hash=agent.hash, wall_s=round(wall, 3),
                    timing=batch.meta_info["timing"], router=router_stats)  # fmt: skip
@@ -168,7 +175,7 @@ def write_outputs(out: Path, agent: CompiledAgent, trajs: list, batch: Any, code
     summary["fsm"] = run_stats(agent, trajs)
     if tracer is not None:
         summary["tracing"] = tracer.stats()
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    (out / "summary.json").write_text(json_text(summary, indent=2, default=str) + "\n")
     return summary
 
 

@@ -9,6 +9,7 @@ inherits the token rules for free.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from array import array
 from collections.abc import Awaitable, Callable
@@ -21,17 +22,17 @@ from fsm.run.trajectory import Trajectory
 
 
 async def encode_prompt(ctx: RunContext, traj: Trajectory) -> None:
-    traj.messages = prompt_messages(traj.row)
+    traj.messages = prompt_messages(traj.row, f"bad row {traj.uid}")
     # Samples of a group share one encoding. The uid comes from the row, so a reused uid must not hand
     # one row's prompt to another: a hit also needs the same messages and tool schemas.
     group = ctx.group_size
     if group == 1:  # nobody shares it: nothing kept
-        ids = ctx.codec.encode_prompt(traj.messages, traj.tool_schemas)
+        ids = _render_prompt(ctx, traj)
     else:
         key = (traj.messages, traj.tool_schemas)
         entry = ctx.prompt_cache.get(traj.uid)
         if entry is None or entry[0] != key:
-            entry = ctx.prompt_cache[traj.uid] = [key, array("i", ctx.codec.encode_prompt(*key)), 0]
+            entry = ctx.prompt_cache[traj.uid] = [key, array("i", _render_prompt(ctx, traj)), 0]
         ids = entry[1]
         entry[2] += 1
         if group is not None and entry[2] >= group:  # the group's last sample: no one else needs it
@@ -43,6 +44,20 @@ async def encode_prompt(ctx: RunContext, traj: Trajectory) -> None:
         ids = ids[-limit:]
         traj.extra["prompt_truncated"] = True
     traj.prompt_ids.extend(ids)
+
+
+def _render_prompt(ctx: RunContext, traj: Trajectory) -> list[int]:
+    """The prompt's ids; a chat template that cannot render the row's messages is that row's error, naming
+    the row and the message whose content is not plain text (the usual cause: content parts or numbers)."""
+    try:
+        return ctx.codec.encode_prompt(traj.messages, traj.tool_schemas)
+    except RowError:
+        raise
+    except Exception as exc:
+        odd = next((f"; 'raw_prompt[{k}].content' is a {type(m.get('content')).__name__}, not text"
+                    for k, m in enumerate(traj.messages) if not isinstance(m.get("content"), (str, type(None)))), "")  # fmt: skip
+        raise RowError(f"bad row {traj.uid}: the chat template cannot render 'raw_prompt': {type(exc).__name__}: "
+                       f"{exc}{odd}") from None  # fmt: skip
 
 
 async def generate(ctx: RunContext, traj: Trajectory) -> None:
@@ -193,6 +208,11 @@ async def call_tools(ctx: RunContext, traj: Trajectory) -> None:
     traj.metrics.num_tool_calls += len(run)
     answers: list[dict[str, Any]] = []
     for outcome in outcomes:
+        for what, value in (("reward", outcome.reward), ("calc_reward score", outcome.score)):
+            if value is not None and not math.isfinite(value):  # checked before any is kept: the row's error
+                raise RowError(f"reward: tool {outcome.name} on row {traj.uid}: returned {what} {value!r}, "
+                               "not a finite number")  # fmt: skip
+    for outcome in outcomes:
         if outcome.reward is not None:  # a BaseTool may return None as its reward; verl leaves it out
             traj.tool_rewards.append(outcome.reward)
             traj.add_turn_reward("tool", outcome.reward)
@@ -237,7 +257,11 @@ async def interact(ctx: RunContext, traj: Trajectory) -> None:
     done, content, score, metrics = await inter.generate_response(traj.session_id, messages, **kwargs)
     content = encodable(content) if isinstance(content, str) else content
     if score is not None:
-        traj.turn_scores.append(float(score))
+        score = float(score)
+        if not math.isfinite(score):
+            raise RowError(f"reward: interaction {ctx.agent.spec.interaction.class_} on row {traj.uid}: "  # type: ignore[union-attr]
+                           f"returned turn score {score!r}, not a finite number")  # fmt: skip
+        traj.turn_scores.append(score)
         traj.add_turn_reward("interaction", score)
     if metrics:
         traj.extra.setdefault("interaction_metrics", []).append(metrics)

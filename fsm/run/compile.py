@@ -28,6 +28,7 @@ from fsm.spec.registry import (
     ACTIONS,
     GUARDS,
     ImportPathError,
+    add_spec_folder,
     check_import_path,
     check_module,
     import_module,
@@ -75,6 +76,9 @@ class _Compiler:
     def __init__(self, spec: AgentSpec, loaded: LoadedSpec | None, static: bool = False):
         self.spec, self.loaded, self.static = spec, loaded, static
         self.allow = tuple(spec.trust.allow_modules)
+        self.folder = loaded.path.resolve().parent if loaded is not None else None  # its modules are importable
+        if self.folder is not None and not static:
+            add_spec_folder(self.folder)
         self.diags: list[Diagnostic] = []
         self.warnings: list[Diagnostic] = []  # what `validate` points out but a run accepts
 
@@ -83,7 +87,7 @@ class _Compiler:
         if self.static:
             check_import_path(ref, self.allow)
             return UNCHECKED
-        return resolve(ref, self.allow)
+        return resolve(ref, self.allow, self.folder)
 
     def _ref(self, ref: str, *loc: Any) -> Any:
         """`resolve`, with a failure reported at `loc` (then None)."""
@@ -108,7 +112,7 @@ class _Compiler:
         spec = self.spec
         for i, module in enumerate(spec.imports):
             try:
-                check_module(module, self.allow) if self.static else import_module(module, self.allow)
+                check_module(module, self.allow) if self.static else import_module(module, self.allow, self.folder)
             except ImportPathError as exc:
                 self.error(exc.code, str(exc), "imports", i, key=False)
         self._check_limits()

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import inspect
 import logging
+import math
 import threading
 import time
 import uuid
@@ -223,12 +224,18 @@ class Runner:
             await ctx.backend.release(traj.session_id)
             if traj.interaction_started:
                 inter = ctx.interaction
-                traj.interaction_score = float(await call_lifecycle(inter.calculate_score, traj.session_id))
+                score = float(await call_lifecycle(inter.calculate_score, traj.session_id))
                 await call_lifecycle(inter.finalize_interaction, traj.session_id)
+                if not math.isfinite(score):
+                    raise RewardError(f"interaction {self.agent.spec.interaction.class_} on row {traj.uid}: "  # type: ignore[union-attr]
+                                      f"calculate_score returned {score!r}, not a finite number")  # fmt: skip
+                traj.interaction_score = score
             await self._score(ctx, traj)
         except RewardError as exc:
             if traj.error is None:
                 traj.fail(f"reward: {exc}")
+            if self.agent.reward is not None:  # scored as any failed row is, so the batch keeps its rm_scores
+                traj.reward_score = 0.0
         except Exception as exc:  # scoring/cleanup failures are recorded, never raised into the batch
             if traj.error is None:
                 traj.fail(f"{type(exc).__name__} while finishing: {exc}")
@@ -268,7 +275,7 @@ class Runner:
             if isinstance(score, Mapping):
                 traj.extra["reward_extra_info"] = dict(score)
                 score = score["score"]
-            traj.reward_score = float(score)
+            score = float(score)
         except TimeoutError:
             raise RewardError(f"reward function {name} on row {traj.uid}: no result within {limit:g} s "
                               "(limits.reward_timeout_s)") from None  # fmt: skip
@@ -276,6 +283,9 @@ class Runner:
             raise RewardError(f"reward function {name} on row {traj.uid}: {type(exc).__name__}: {exc}") from None
         finally:
             traj.metrics.compute_score += time.perf_counter() - t0
+        if not math.isfinite(score):  # NaN in rm_scores would poison a trainer's loss; JSON cannot hold it
+            raise RewardError(f"reward function {name} on row {traj.uid}: returned {score!r}, not a finite number")
+        traj.reward_score = score
 
     @contextlib.asynccontextmanager
     async def watching(self) -> AsyncIterator[None]:

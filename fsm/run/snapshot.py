@@ -172,7 +172,7 @@ def write(path: str | Path, data: dict[str, Any]) -> None:
     removed first) and removed again when writing fails (a full disk): OSError passes through."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.writing")
-    text = json.dumps({**data, "checksum": _digest(data)}, ensure_ascii=False).encode()
+    text = json.dumps({**data, "checksum": _digest(data)}, ensure_ascii=False, allow_nan=False).encode()
     try:
         os.unlink(tmp)  # a leftover of a killed writer, or a link someone planted: the link goes, not its target
     except FileNotFoundError:

@@ -176,6 +176,7 @@ class SamplingSpec(_Strict):
 # only at collation, after the whole rollout. A padded batch is rows x (prompt_length + response_length).
 MAX_TOKENS = 1 << 20
 MAX_TURNS = 100_000
+MAX_TRANSITIONS = 100_000  # a spinning cycle's path: ~2 MB a row, not the 180 MB 10**7 gave
 MAX_SECONDS = 7 * 24 * 3600.0
 
 
@@ -189,9 +190,10 @@ class LimitsSpec(_Strict):
     max_assistant_turns: int | None = Field(default=None, gt=0, le=MAX_TURNS)
     max_user_turns: int | None = Field(default=None, gt=0, le=MAX_TURNS)
     max_transitions: int = Field(
-        default=10_000, gt=0, le=100 * MAX_TURNS,
+        default=10_000, gt=0, le=MAX_TRANSITIONS,
         description="Transitions one trajectory may take; past it the row ends 'error: max_transitions ...'. "
-        "Bounds any cycle, including one whose states never consume budget.",
+        "Bounds any cycle, including one whose states never consume budget. At most 100,000: every transition "
+        "is kept in the trajectory's path (its snapshot and trajectories.jsonl), ~20 bytes each.",
     )
     max_parallel_calls: int = Field(default=1, gt=0, le=1024)
     extra_calls: Literal["error", "drop"] = Field(

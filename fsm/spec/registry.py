@@ -8,7 +8,8 @@ A spec is code: its import paths run when it is compiled, and a tool's arguments
 import paths into the standard library are refused, but for a short list of modules that only compute
 (SAFE_STDLIB), unless the spec opts in (`trust: {allow_modules: [os]}`): a guard-rail against a careless or
 model-suggested `function: os:system` or its aliases (`_socket`, `distutils.spawn`), not a sandbox (any
-third-party module can do the same things).
+third-party module can do the same things). The third-party loaders that run code hidden in their input
+(`torch:load`, `numpy:load`, `yaml:unsafe_load`, dill...) are refused the same way (CODE_LOADERS).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import importlib
 import re
 import sys
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -46,7 +48,18 @@ REFUSED_OUTSIDE_STDLIB = frozenset({
     "distutils", "imp", "asynchat", "asyncore", "smtpd",  # removed from the standard library, shimmed
     "setuptools", "pkg_resources", "_distutils_hack", "pip",  # the installers CPython ships (ensurepip)
 })  # fmt: skip
-DENIED_MODULES = (frozenset(sys.stdlib_module_names) - SAFE_STDLIB) | REFUSED_OUTSIDE_STDLIB
+# Third-party (de)serializers of code: a tool or reward naming one lets the model's arguments choose what runs.
+# Whole packages where that is what they are for; single callables in packages that are otherwise fine to name
+# (`numpy:mean`, `yaml:safe_load`), checked by the name written and by where the object was defined. Opting
+# in to the package (`trust: {allow_modules: [torch]}`) lifts them, as for the standard library.
+CODE_LOADING_PACKAGES = frozenset({"dill", "cloudpickle", "jsonpickle"})
+CODE_LOADERS = frozenset({
+    "yaml.load", "yaml.load_all", "yaml.unsafe_load", "yaml.unsafe_load_all",  # YAML's !!python tags
+    "torch.load", "torch.serialization.load", "torch.jit.load", "torch.jit._serialization.load", "torch.hub.load",
+    "torch.hub.load_state_dict_from_url", "numpy.load", "numpy.lib.npyio.load", "pandas.read_pickle",
+    "pandas.io.pickle.read_pickle", "joblib.load", "joblib.numpy_pickle.load",  # pickle underneath
+})  # fmt: skip
+DENIED_MODULES = (frozenset(sys.stdlib_module_names) - SAFE_STDLIB) | REFUSED_OUTSIDE_STDLIB | CODE_LOADING_PACKAGES
 # C modules behind public ones: `os.system.__module__` is "posix"; opting in to "os" covers them.
 _PUBLIC = {"posix": "os", "nt": "os", "posixpath": "os.path", "ntpath": "os.path", "genericpath": "os.path", "_io": "io", "_pickle": "pickle", "_ctypes": "ctypes", "_socket": "socket",
            "_ssl": "ssl", "_signal": "signal", "_posixsubprocess": "subprocess", "_winapi": "subprocess",
@@ -88,11 +101,27 @@ def check_module(module: str, allow: Iterable[str] = (), ref: str | None = None)
     if denied is not None:
         named = ref or module
         subject = repr(denied) if named == denied else f"{named!r} uses {denied!r}, which"
+        what = ("a package that deserializes code" if denied in CODE_LOADING_PACKAGES else
+                "a standard-library module outside the safe list (fsm.spec.registry.SAFE_STDLIB)")  # fmt: skip
         raise UnsafeImportError(
-            f"{subject} is a standard-library module outside the safe list (fsm.spec.registry.SAFE_STDLIB): it may "
-            "run processes, touch files or the network, or run code, with arguments a model may choose; if this "
-            f"spec means it, opt in at its top level: `trust: {{allow_modules: [{denied}]}}`"
+            f"{subject} is {what}: it may run processes, touch files or the network, or run code, with arguments "
+            f"a model may choose; if this spec means it, opt in at its top level: `trust: {{allow_modules: "
+            f"[{denied}]}}`"
         )
+
+
+def check_loader(name: str, allow: Iterable[str] = (), ref: str | None = None) -> None:
+    """Refuse `name` (dotted: module.attr) when it is, or lies under, one of CODE_LOADERS not opted in to."""
+    parts = name.split(".")
+    prefixes = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+    loader = next((p for p in prefixes if p in CODE_LOADERS), None)
+    if loader is None or any(p in allow for p in prefixes):
+        return
+    raise UnsafeImportError(
+        f"{ref or name!r} is {loader}, which runs code found in the data it loads (pickle, YAML's Python tags), "
+        f"from arguments a model may choose; if this spec means it, opt in at its top level: `trust: "
+        f"{{allow_modules: [{parts[0]}]}}`"
+    )
 
 
 def check_import_path(ref: str, allow: Iterable[str] = ()) -> tuple[str, str]:
@@ -103,19 +132,38 @@ def check_import_path(ref: str, allow: Iterable[str] = ()) -> tuple[str, str]:
     if any(part.startswith("__") for part in attr.split(".")):
         raise ImportPathError(f"{ref!r} names a dunder attribute; an import path names a module's own objects")
     check_module(module_name, allow, ref)
+    check_loader(f"{module_name}.{attr}", allow, ref)
     return module_name, attr
 
 
-def import_module(module: str, allow: Iterable[str] = ()) -> ModuleType:
-    """Import a module a spec lists under `imports:` (this runs its code). Raises ImportPathError."""
+def add_spec_folder(folder: str | Path) -> None:
+    """Make the modules beside a spec importable by their plain names (`function: my_tools:shout` next to
+    `agent.yaml`), from whatever directory the run starts: the spec's folder goes at the END of sys.path, so it
+    never shadows an installed package or the standard library. Process-isolated tools inherit sys.path."""
+    path = str(Path(folder).resolve())
+    if path not in sys.path:
+        sys.path.append(path)
+        importlib.invalidate_caches()
+
+
+def import_module(module: str, allow: Iterable[str] = (), folder: str | Path | None = None) -> ModuleType:
+    """Import a module a spec lists under `imports:` (this runs its code). Raises ImportPathError; a module
+    not found says where it was looked for (`folder`: the spec's)."""
     check_module(module, allow)
     try:
         return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name is None or not (module == exc.name or module.startswith(exc.name + ".")):
+            raise ImportPathError(f"cannot import module {module!r}: {type(exc).__name__}: {exc}") from None
+        where = f"on sys.path and in the spec's folder {folder}" if folder is not None else "on sys.path"
+        raise ImportPathError(f"cannot import module {module!r}: no module {exc.name!r} (looked for {where}; "
+                              "a module elsewhere needs its folder on PYTHONPATH, or `pip install -e` of its "
+                              "project)") from None  # fmt: skip
     except Exception as exc:  # a user module may fail with anything
         raise ImportPathError(f"cannot import module {module!r}: {type(exc).__name__}: {exc}") from None
 
 
-def resolve(ref: str, allow: Iterable[str] = ()) -> Any:
+def resolve(ref: str, allow: Iterable[str] = (), folder: str | Path | None = None) -> Any:
     """`package.module:attr.sub` -> the object. Raises ImportPathError with a readable reason.
 
     The deny-list applies to the path as written, to every module met on the way (`mine:os.system`) and
@@ -123,7 +171,7 @@ def resolve(ref: str, allow: Iterable[str] = ()) -> Any:
     """
     allow = tuple(allow)
     module_name, attr = check_import_path(ref, allow)
-    obj: Any = import_module(module_name, allow)
+    obj: Any = import_module(module_name, allow, folder)
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)
@@ -134,6 +182,9 @@ def resolve(ref: str, allow: Iterable[str] = ()) -> Any:
     origin = getattr(obj, "__module__", None)
     if isinstance(origin, str) and _DOTTED.fullmatch(origin):
         check_module(origin, allow, ref)
+        qualname = getattr(obj, "__qualname__", None)
+        if isinstance(qualname, str) and _DOTTED.fullmatch(qualname):
+            check_loader(f"{origin}.{qualname}", allow, ref)
     return obj
 
 

@@ -57,6 +57,23 @@ log = logging.getLogger("fsm.telemetry")  # the package's one logger, whichever 
 _new = object.__new__  # call spans are made without __init__: `model_call`/`tool_call` set every slot
 
 
+def _why_lost(before: dict[str, Any], after: dict[str, Any], otlp_endpoint: str | None) -> str:
+    """Per exporter, why spans were lost while closing: the export failed (collector down or refusing), the
+    queue was full, or they were still queued when the flush's wait ran out."""
+    parts = []
+    for name, c in after["by_exporter"].items():
+        b = before["by_exporter"].get(name, {})
+        failed = c["export_failed"] - b.get("export_failed", 0)
+        full = c["dropped_queue_full"] - b.get("dropped_queue_full", 0)
+        reasons = [f"{failed} failed to export (is the collector up?)" if failed else "",
+                   f"{full} found the queue full" if full else "",
+                   f"{c['dropped_at_exit']} still queued when the flush's wait ran out" if c["dropped_at_exit"] else ""]
+        if any(reasons):
+            where = otlp_endpoint if name == "otlp" and otlp_endpoint else name
+            parts.append(f"{name} to {where}: " + ", ".join(r for r in reasons if r))
+    return "; ".join(parts) or "no exporter says why"
+
+
 class Telemetry:
     """The tracer `Runner(..., tracer=...)` calls. Owns its queues, export threads and TracerProvider.
 
@@ -344,10 +361,8 @@ class Telemetry:
         stats = self.stats()
         lost = stats["dropped"] - before["dropped"]
         if lost > 0:
-            where = {name: (self.otlp_endpoint if name == "otlp" else name) for name in stats["by_exporter"]}
             log.warning("agentfsm telemetry: %d of %d spans were not exported before exit (%s); counted as "
-                        "dropped", lost, stats["ended"], ", ".join(f"{n}: {c['dropped_at_exit']} to {where[n]}"
-                        for n, c in stats["by_exporter"].items() if c["dropped_at_exit"]))  # fmt: skip
+                        "dropped", lost, stats["ended"], _why_lost(before, stats, self.otlp_endpoint))  # fmt: skip
         return stats
 
     def __enter__(self) -> Telemetry:

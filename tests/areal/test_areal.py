@@ -118,3 +118,32 @@ def test_workflow_through_areal_engine_batch_and_actor_loss(tiny_server):
                                    advantages=torch.randn_like(actor), eps_clip=0.2, loss_mask=on,
                                    rejection_sampling=rejection)  # fmt: skip
     assert torch.isfinite(loss).all() and int(stat["behave_mask"].sum()) == int(on.sum())  # nothing rejected
+
+
+def test_an_episode_without_logprobs_is_refused_and_one_with_them_batches_whole():
+    """to_areal's tensors all span prompt + response, so AReaL's concat_padded_tensors batches them; a sample
+    without logprobs is refused (the workflow rejects its episode) rather than given a short logprobs tensor."""
+    from backends.function import FunctionBackend
+    from fsm.adapters.areal import to_areal
+    from fsm.api import RolloutEngine
+    from tests.conftest import model_turn, user_row
+
+    tok = AutoTokenizer.from_pretrained(ASSETS)
+    episodes = []
+    for logprobs in (True, False):
+        answer = model_turn(tok, "#### 3")
+
+        async def generate(prompt_ids, params, answer=answer, logprobs=logprobs):
+            return {"token_ids": answer, "logprobs": [-0.25] * len(answer) if logprobs else None}
+
+        with RolloutEngine("calculator", tok, backend=FunctionBackend(generate)) as engine:
+            (sample,) = engine.generate_samples([user_row(uid="r", reward_model={"ground_truth": "3"})]).samples
+        if logprobs:
+            episodes += [to_areal(sample), to_areal(sample)]
+        else:
+            with pytest.raises(ValueError, match="row r: the sample has no logprobs"):
+                to_areal(sample)
+    batch = concat_padded_tensors(episodes)
+    L = batch["input_ids"].shape[1]
+    assert all(batch[k].shape == (2, L) for k in ("logprobs", "loss_mask", "versions", "attention_mask"))
+    assert (batch["logprobs"][batch["loss_mask"] == 1] == -0.25).all()

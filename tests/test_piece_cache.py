@@ -1,0 +1,25 @@
+"""The piece cache of fsm/segments.py is bounded in entries as well as characters: a million distinct
+2-character pieces (a dataset of short distinct turns, or a model that writes added tokens between short
+fragments) once cost 285 MB of dictionary entries under a 4 M-character bound (issue 27.20)."""
+
+from __future__ import annotations
+
+import tracemalloc
+
+from fsm.families.pieces import CACHE_ENTRIES, PieceEncoder
+
+
+def test_many_distinct_short_pieces_are_bounded_in_entries_and_memory(tok):
+    encoder = PieceEncoder(tok, checked=0)
+    pieces = [f"{i:05x}" for i in range(60_000)]  # 60k distinct 5-character pieces: 300k characters, well
+    text = "<|im_end|>".join(pieces)  # under the character bound
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        assert encoder.encode(text) == tok.encode(text, add_special_tokens=False)
+        kept = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert len(encoder._cache) <= CACHE_ENTRIES
+    assert kept < 8 << 20, f"{kept / 2**20:.1f} MB kept"
+    assert encoder.encode(pieces[-1]) == tok.encode(pieces[-1], add_special_tokens=False)  # recent ones stay
