@@ -1,4 +1,4 @@
-"""The piece cache of fsm/segments.py is bounded in entries as well as characters: a million distinct
+"""The piece cache of fsm/families/pieces.py is bounded in entries as well as characters: a million distinct
 2-character pieces (a dataset of short distinct turns, or a model that writes added tokens between short
 fragments) once cost 285 MB of dictionary entries under a 4 M-character bound (issue 27.20)."""
 
