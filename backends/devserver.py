@@ -396,7 +396,8 @@ class DevServer:
         })  # fmt: skip
 
     async def _loads(self, request: web.Request) -> web.Response:
-        running = sum(rec.started for rec in self._live.values())
+        rids = self.backend.running_rids() if hasattr(self.backend, "running_rids") else None  # in its batch
+        running = sum(rec.started and (rids is None or rec.rid in rids) for rec in self._live.values())
         entry = load_entry(running=running, waiting=len(self._live) - running, used=self.cache.size,
                            capacity=self.cache.max_tokens, hit_rate=self.cached_tokens / max(1, self.prompt_tokens))
         stamp = datetime.datetime.now(datetime.UTC).isoformat()

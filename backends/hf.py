@@ -275,6 +275,10 @@ class HFBackend(BaseBackend):
         finally:
             self._jobs.discard(job)
 
+    def running_rids(self) -> set[str]:
+        """Requests in the decode loop's batch, not queued: what SGLang's load report counts as running."""
+        return {job.request.rid for job in list(self._jobs) if job.running and job.request.rid}
+
     async def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
         """SGLang's /abort_request: every open request whose rid starts with `rid` (or all). A running one ends
         at the next step with its partial output; a queued one at once, as SGLang's waiting-queue abort (no

@@ -1,6 +1,7 @@
-"""The README's front door cannot rot: its Python blocks, and the shell commands that need no GPU, server,
-network or Docker, run here as written, in README order, in a scratch directory that holds copies of
-specs/ and docs/ (so `runs/latest` and the diagrams land there, not in the checkout).
+"""The README and the docs/ pages cannot rot: their Python blocks, and the shell commands that need no GPU,
+server, network or Docker, run here as written, the README first and then each page in name order, in one
+scratch directory that holds copies of specs/ and docs/ (so `runs/latest` and the diagrams land there, not in
+the checkout; a page may use what the README's blocks made, such as runs/latest).
 
 Conventions, as HTML comments (invisible on GitHub) right before a fenced block:
     <!-- skip-test: REASON -->                 the block is not run
@@ -26,12 +27,14 @@ import pytest
 from tests.conftest import ASSETS, REPO
 
 README = REPO / "README.md"
+PAGES = [README, *sorted((REPO / "docs").glob("*.md"))]
 RUNNABLE = ("bash", "python", "console")
 TIMEOUT_S = 600
 
 
 @dataclass
 class Block:
+    path: Path
     line: int  # of the opening fence, 1-based
     lang: str
     text: str
@@ -40,7 +43,8 @@ class Block:
 
     @property
     def id(self) -> str:
-        return f"README.md:{self.line} {self.lang or 'text'}"
+        where = self.path.relative_to(REPO) if self.path.is_relative_to(REPO) else self.path.name
+        return f"{where}:{self.line} {self.lang or 'text'}"
 
 
 def parse(path: Path = README) -> list[Block]:
@@ -61,7 +65,7 @@ def parse(path: Path = README) -> list[Block]:
             while i < len(lines) and lines[i].strip() != "```":
                 body.append(lines[i])
                 i += 1
-            blocks.append(Block(start, m.group(1), "\n".join(body) + "\n", skip, skip_lines))
+            blocks.append(Block(path, start, m.group(1), "\n".join(body) + "\n", skip, skip_lines))
             skip, skip_lines = None, []
         elif line.strip():
             skip, skip_lines = None, []  # a marker belongs to the block right after it
@@ -69,7 +73,7 @@ def parse(path: Path = README) -> list[Block]:
     return blocks
 
 
-BLOCKS = parse()
+BLOCKS = [block for page in PAGES for block in parse(page)]
 
 
 def logical_lines(text: str) -> list[str]:
@@ -110,7 +114,7 @@ def matches(expected: str, actual: str) -> bool:
 
 def run_block(block: Block, cwd: Path) -> None:
     if block.lang == "python":
-        script = cwd / f"readme_{block.line}.py"
+        script = cwd / f"{block.path.stem.lower()}_{block.line}.py"
         script.write_text(block.text)
         proc = subprocess.run([sys.executable, script.name], cwd=cwd, env=env(), capture_output=True, text=True,
                               timeout=TIMEOUT_S)  # fmt: skip
@@ -148,7 +152,7 @@ def test_readme_block(block: Block, workdir: Path):
 
 
 def test_readme_inventory(capsys):
-    """Every block the README shows is run, data, or skipped with a reason; print the list."""
+    """Every block the README and docs/ show is run, data, or skipped with a reason; print the list."""
     report = []
     for b in BLOCKS:
         if b.lang not in RUNNABLE:
@@ -174,3 +178,16 @@ def test_the_parser_reads_the_markers(tmp_path):
     assert logical_lines(shell.text) == ["pip install x", "echo hi    there"]
     assert py.skip is None  # a marker belongs only to the block right after it
     assert matches("a … z", "a b c z") and not matches("a … z", "a b c")
+
+
+def test_the_diagram_the_readme_shows_is_of_the_spec_as_it_is():
+    """docs/tool_agent.svg is rendered from specs/tool_agent.yaml, whose hash it shows in its title: re-render it
+    (`agentfsm render specs/tool_agent.yaml -o docs/tool_agent.svg`) when the spec changes."""
+    from fsm.run.compile import compile_spec
+
+    assert f"({compile_spec(REPO / 'specs' / 'tool_agent.yaml').hash})" in (REPO / "docs" / "tool_agent.svg").read_text()
+
+
+def test_every_docs_page_is_linked_from_the_readme():
+    readme = README.read_text(encoding="utf-8")
+    assert [p.name for p in PAGES[1:] if f"(docs/{p.name})" not in readme] == []

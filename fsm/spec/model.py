@@ -385,4 +385,4 @@ def json_schema() -> dict[str, Any]:
     return schema
 
 
-SPECS_DIR = Path(__file__).resolve().parent.parent / "specs"
+SPECS_DIR = Path(__file__).resolve().parents[2] / "specs"

@@ -66,7 +66,7 @@ BLOCKING_STRIKES = 3  # so many stalls within BLOCKING_WINDOW_S move the tool to
 BLOCKING_WINDOW_S = 60.0  # garbage collection or the process waiting for a core, not the tool's doing)
 WORKER_START_TIMEOUT_S = 120.0  # a worker process's interpreter start and the tool module's imports
 MAX_REPLY_BYTES = 16 << 20  # a worker's reply beyond this (huge metrics) kills it: the answer is an error
-WORKER_SCRIPT = Path(__file__).with_name("tool_worker.py")
+WORKER_SCRIPT = Path(__file__).with_name("worker.py")
 
 
 class ToolCrashed(Exception):
