@@ -18,7 +18,7 @@ from backends.base import BackendTimeout, GenerateRequest, GenerationAborted
 from fsm.data.rows import RowError, encodable, prompt_messages
 from fsm.run.context import RunContext
 from fsm.run.policy import sync_template
-from fsm.run.trajectory import Trajectory
+from fsm.run.trajectory import Trajectory, first_segment
 
 
 async def encode_prompt(ctx: RunContext, traj: Trajectory) -> None:
@@ -44,7 +44,7 @@ async def encode_prompt(ctx: RunContext, traj: Trajectory) -> None:
         ids = ids[-limit:]
         traj.extra["prompt_truncated"] = True
     traj.prompt_ids.extend(ids)
-    traj.segment_start = ("prompt", len(traj.messages), 0)  # the first segment's prompt renders these messages
+    traj.segment_start = first_segment(len(traj.messages))  # the first segment's prompt renders these messages
 
 
 async def generate(ctx: RunContext, traj: Trajectory) -> None:

@@ -167,6 +167,16 @@ class Segment:
 
 
 _FIRST = ("prompt", 0, 0)  # the first segment's (reason, prompt messages, model turns before it): shared
+_FIRSTS: dict[int, tuple[str, int, int]] = {}
+
+
+def first_segment(prompt_messages: int) -> tuple[str, int, int]:
+    """The first segment's `segment_start` for a prompt of that many messages: one shared tuple per count, so
+    a one-segment trajectory allocates nothing for it."""
+    start = _FIRSTS.get(prompt_messages)
+    if start is None:
+        start = _FIRSTS[prompt_messages] = ("prompt", prompt_messages, 0)
+    return start
 
 
 @dataclass(slots=True)
