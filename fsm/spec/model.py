@@ -357,6 +357,13 @@ class AgentSpec(_Strict):
     trust: TrustSpec = Field(default_factory=TrustSpec, description="Opt-ins to what agentfsm refuses by default.")
 
     @property
+    def segmenting(self) -> bool:
+        """A trajectory of this spec may have several segments (training rows): the template policy, or a state
+        that runs a rewrite."""
+        rewrites = self.context.rewrites
+        return self.context.policy == "template" or any(st.action in rewrites for st in self.states.values())
+
+    @property
     def final_states(self) -> list[str]:
         return [name for name, st in self.states.items() if st.final]
 
