@@ -45,12 +45,22 @@ def begin(ctx: RunContext, traj: Trajectory, prompt_ids: list[int], reason: str,
     return True
 
 
-def check_segments(codec: Any, traj: Trajectory) -> str | None:
+def check_segments(codec: Any, traj: Trajectory, template: bool = False) -> str | None:
     """`--check-tokens`: each segment against the template's render of its own conversation; the first
-    difference, prefixed with its segment when there are several (None: every segment is exact)."""
+    difference, prefixed with its segment when there are several (None: every segment is exact).
+
+    Under the `template` policy the last segment is checked up to its last model turn: observations after it
+    (a final user reply) were never part of a context the model was given, and a template that rewrites history
+    renders the turns before them differently (which is why a next turn would start a new segment)."""
     for seg in traj.segments:
-        ended_on_observation = seg.runs[-1].role != "assistant" if len(seg.runs) else True
-        found = codec.check(seg.messages, traj.tool_schemas, seg.context_ids(), ended_on_observation)
+        messages, ids = seg.messages, seg.context_ids()
+        last = seg.runs.last("assistant")
+        if template and last is not None and last.end < len(seg.response_ids):
+            ids = ids[: len(seg.prompt_ids) + last.end]
+            messages = messages[: max(i for i, m in enumerate(messages) if m.get("role") == "assistant") + 1]
+        ended_on_observation = len(ids) > len(seg.prompt_ids) + (last.end if last is not None else -1) \
+            if last is not None else True
+        found = codec.check(messages, traj.tool_schemas, ids, ended_on_observation)
         if found is not None:
             return f"segment {seg.index}: {found}" if traj.closed else found
     return None

@@ -234,7 +234,7 @@ class Runner:
             if traj.error is None:
                 traj.fail(f"{type(exc).__name__} while finishing: {exc}")
         if self.check_tokens and not traj.failed and traj.prompt_ids:
-            traj.token_check = check_segments(self.codec, traj)  # fsm/run/policy.py
+            traj.token_check = check_segments(self.codec, traj, self.agent.spec.context.policy == "template")
 
     async def _score(self, ctx: RunContext, traj: Trajectory) -> None:
         reward = self.agent.reward
