@@ -32,7 +32,7 @@ def _trajectories(n: int, prompt: int, response: int, seed: int = 0) -> list[Tra
         while left > 0:
             k = min(left, int(rng.integers(50, 600)))
             ids = rng.integers(1, 50_000, k).tolist()
-            if len(t.segments) % 2 == 0:
+            if len(t.runs) % 2 == 0:
                 t.append_generated(ids, [-0.5] * k, 3)
             else:
                 t.append_context(ids, "tool")

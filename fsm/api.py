@@ -236,7 +236,7 @@ class _Engine:
         trajs = await self.arun(rows, n=n, sampling=sampling)
         info = {**meta, "sampling": sampling.describe(self.codec.vocab_size),
                 "rollout_metrics": rollout_metrics(trajs, faults=faults.take(), wall_s=time.perf_counter() - t0)}
-        return SampleBatch(to_samples(trajs), info)
+        return SampleBatch(to_samples(trajs, self.agent.spec.context.reward_placement), info)  # one per segment
 
     def generate_samples(self, batch: Rows, sampling_params: Mapping[str, Any] | None = None,
                          validate: bool = False, n: int = 1) -> SampleBatch:  # fmt: skip

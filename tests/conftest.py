@@ -133,7 +133,7 @@ def response_text(tok, traj, *, skip_special_tokens: bool = False) -> str:
 def observation_texts(tok, traj, role: str = "tool") -> list[str]:
     """Decoded text of each observation segment of `role` (what the model was shown)."""
     ids = traj.response_ids.tolist()
-    return [tok.decode(ids[s.start : s.end]) for s in traj.segments if s.role == role]
+    return [tok.decode(ids[s.start : s.end]) for s in traj.runs if s.role == role]
 
 
 def tool_messages(traj) -> list[str]:

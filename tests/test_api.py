@@ -301,7 +301,7 @@ def test_trajectories_pickle(tok):
     engine.close()
     back = pickle.loads(pickle.dumps(trajs))
     assert [t.to_output() for t in back] == [t.to_output() for t in trajs]
-    assert [t.segments for t in back] == [t.segments for t in trajs]
+    assert [t.runs for t in back] == [t.runs for t in trajs]
 
 
 def test_load_rows_jsonl(tmp_path):

@@ -104,10 +104,10 @@ async def test_calculator_done_with_reward(tok, turn, call):
     assert traj.tool_rewards == [0.0]
     assert traj.num_turns == 4  # 1 user (tool) turn + 2 assistant turns + 1
     assert traj.token_check is None
-    assert [s.role for s in traj.segments] == ["assistant", "template", "tool", "assistant"]
+    assert [s.role for s in traj.runs] == ["assistant", "template", "tool", "assistant"]
     # the second request is the whole context so far: prompt, the model's first turn, the observation
     second = backend.requests[1].prompt_ids
-    assert second == traj.prompt_ids.tolist() + traj.response_ids.tolist()[: traj.segments[3].start]
+    assert second == traj.prompt_ids.tolist() + traj.response_ids.tolist()[: traj.runs[3].start]
 
 
 async def test_tool_agent_response_length_after_generation(tok, compile_yaml):
@@ -811,7 +811,7 @@ async def test_custom_state_with_custom_action(tok, compile_yaml, action):
     assert traj.termination_reason == "stopped"
     assert traj.extra["summarize_calls"] == 1
     assert [m["content"] for m in traj.messages if m["role"] == "user"][-1] == parts.SUMMARY_REQUEST
-    assert [s.role for s in traj.segments] == ["assistant", "template", "user", "assistant"]
+    assert [s.role for s in traj.runs] == ["assistant", "template", "user", "assistant"]
     assert traj.token_check is None
 
 
@@ -919,7 +919,7 @@ async def test_token_check_detects_a_corrupted_trajectory(tok, compile_yaml):
     runner = fsm.Runner(agent, scripted(turns), tok, check_tokens=True)
     (traj,) = await runner.run([user_row()])
     assert traj.token_check is None
-    tool_seg = next(s for s in traj.segments if s.role == "tool")
+    tool_seg = next(s for s in traj.runs if s.role == "tool")
     ids = traj.context_ids()
     k = len(traj.prompt_ids) + tool_seg.start + 3
     assert runner.codec.check(traj.messages, traj.tool_schemas, ids, False) is None
@@ -931,7 +931,7 @@ async def test_token_check_detects_a_corrupted_trajectory(tok, compile_yaml):
     next(m for m in messages if m["role"] == "tool")["content"] = "HELLO"
     assert runner.codec.check(messages, traj.tool_schemas, ids, False) is not None
     # and a missing token (e.g. the newline after <|im_end|>)
-    closer = next(s for s in traj.segments if s.role == "template")
+    closer = next(s for s in traj.runs if s.role == "template")
     dropped = ids[: len(traj.prompt_ids) + closer.start] + ids[len(traj.prompt_ids) + closer.end :]
     assert runner.codec.check(traj.messages, traj.tool_schemas, dropped, False) is not None
 
@@ -993,7 +993,7 @@ async def test_max_new_tokens_is_clamped_to_the_remaining_budget(tok, compile_ya
     backend = scripted([first, model_turn(tok, "x " * 200)])
     (traj,) = await run_agent(agent, backend, tok, [user_row()])
     r0, r1 = (r.sampling_params["max_new_tokens"] for r in backend.requests)
-    after_tools = traj.segments[-1].start  # response length when the second turn was requested
+    after_tools = traj.runs[-1].start  # response length when the second turn was requested
     assert r0 == 60  # the per-turn cap
     assert 0 < 80 - after_tools < 60 and r1 == 80 - after_tools  # the remaining budget
     assert len(traj.response_ids) == 80 and traj.termination_reason == "response_length"
@@ -1005,7 +1005,7 @@ async def test_default_max_new_tokens_is_the_remaining_budget(tok, compile_yaml)
     (traj,) = await run_agent(agent, backend, tok, [user_row()])
     assert [r.sampling_params["max_new_tokens"] for r in backend.requests] == [
         512,
-        512 - traj.segments[-1].start,
+        512 - traj.runs[-1].start,
     ]
 
 

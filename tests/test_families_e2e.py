@@ -81,10 +81,10 @@ async def test_family_end_to_end(family, compile_yaml):
                                                                       "seed_oss": "Done."}.get(family)  # fmt: skip
     # the sampled tokens are in the response exactly as generated, with mask 1; everything else has mask 0
     ids, mask = traj.response_ids.tolist(), traj.response_mask.tolist()
-    generated = [s for s in traj.segments if s.role == "assistant"]
+    generated = [s for s in traj.runs if s.role == "assistant"]
     assert [ids[s.start : s.end] for s in generated] == script
     assert sum(mask) == sum(len(t) for t in script)
-    assert all(mask[k] == 0 for s in traj.segments if s.role != "assistant" for k in range(s.start, s.end))
+    assert all(mask[k] == 0 for s in traj.runs if s.role != "assistant" for k in range(s.start, s.end))
     # the observation was rendered by the real template: a re-render of the conversation agrees, or differs
     # exactly where the README says
     if family in RERENDER:
@@ -164,9 +164,9 @@ async def test_user_turns(family, compile_yaml):
     assert traj.error is None and traj.termination_reason == "interaction_done", (traj.error, traj.termination_reason)
     assert [m["content"] for m in traj.messages if m["role"] == "user"][1:] == ["Higher.", "Correct!"]  # final_reply: append
     ids, mask = traj.response_ids.tolist(), traj.response_mask.tolist()
-    assert [ids[s.start : s.end] for s in traj.segments if s.role == "assistant"] == script
+    assert [ids[s.start : s.end] for s in traj.runs if s.role == "assistant"] == script
     assert sum(mask) == sum(map(len, script))
-    user, final = [s for s in traj.segments if s.role == "user"]
+    user, final = [s for s in traj.runs if s.role == "user"]
     assert "Higher." in tok.decode(ids[user.start : user.end]) and not any(mask[user.start : user.end])
     assert "Correct!" in tok.decode(ids[final.start : final.end]) and not any(mask[final.start : final.end])
     if family in USER_TURN_DIFFERS:

@@ -302,35 +302,35 @@ turn = st.tuples(st.booleans(), st.lists(st.integers(0, 1000), max_size=12),
 @SETTINGS
 @given(turns=st.lists(turn, max_size=8), fail_at=st.none() | st.integers(0, 8))
 def test_segments_and_version_runs_read_back_per_token(turns, fail_at):
-    """Segments (one int array) and weight versions (runs) give what lists of records and of per-token
-    versions would: the same segments, versions, masks and logprobs, through fail() and a snapshot."""
+    """Token runs (one int array) and weight versions (runs) give what lists of records and of per-token
+    versions would: the same runs, versions, masks and logprobs, through fail() and a snapshot."""
     from fsm.run.snapshot import decode_trajectory, encode_trajectory
-    from fsm.run.trajectory import Segment
+    from fsm.run.trajectory import TokenRun
 
     traj = Trajectory(0, 0, "s", "u", {"raw_prompt": []}, "PENDING")
-    segments, versions, mask = [], [], []
+    runs, versions, mask = [], [], []
     for k, (generated, ids, version, role) in enumerate(turns):
         if k == fail_at:
             traj.fail("boom")
-            segments, versions, mask = [], [], []
+            runs, versions, mask = [], [], []
         start = len(versions)
         if generated:
             per_token = version if isinstance(version, int) else version[: len(ids)]
             traj.append_generated(ids, [0.5] * len(ids), per_token)
             versions += [per_token] * len(ids) if isinstance(per_token, int) else per_token
             mask += [1] * len(ids)
-            segments.append(Segment("assistant", start, len(versions)))
+            runs.append(TokenRun("assistant", start, len(versions)))
         elif ids:
             traj.append_context(ids, role)
             versions += [-1] * len(ids)
             mask += [0] * len(ids)
-            segments.append(Segment(role, start, len(versions)))
+            runs.append(TokenRun(role, start, len(versions)))
     for t in (traj, decode_trajectory(json.loads(json.dumps(encode_trajectory(traj))))):
         assert t.response_versions.tolist() == versions and t.response_mask.tolist() == mask
-        assert list(t.segments) == segments and t.segments == segments and len(t.segments) == len(segments)
-        assert list(reversed(t.segments)) == segments[::-1] and t.segments[1:] == segments[1:]
-        assert t.segments.last("assistant") == next((s for s in reversed(segments) if s.role == "assistant"), None)
-        model = sum(s.end - s.start for s in segments if s.role == "assistant")
-        assert t.segments.tokens_since(0) == (model, len(versions) - model)
+        assert list(t.runs) == runs and t.runs == runs and len(t.runs) == len(runs)
+        assert list(reversed(t.runs)) == runs[::-1] and t.runs[1:] == runs[1:]
+        assert t.runs.last("assistant") == next((s for s in reversed(runs) if s.role == "assistant"), None)
+        model = sum(s.end - s.start for s in runs if s.role == "assistant")
+        assert t.runs.tokens_since(0) == (model, len(versions) - model)
         own = [v for v, m in zip(versions, mask) if m and v >= 0]
         assert t.weight_versions() == ((min(own), max(own)) if own else None)

@@ -55,7 +55,7 @@ def assert_token_invariants(trajs: list, batch: Any) -> None:
         assert not t.failed, t.termination_reason
         n = len(t.response_ids)
         assert len(t.response_mask) == len(t.response_logprobs) == len(t.response_versions) == n
-        for seg in t.segments:
+        for seg in t.runs:
             mask = set(t.response_mask[seg.start : seg.end])
             versions = t.response_versions[seg.start : seg.end]
             if seg.role == "assistant":

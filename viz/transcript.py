@@ -11,7 +11,11 @@ trajectory:
                {"role": "template", "text": "\\n", "mask": 0, "n_tokens": 1},
                {"role": "tool", "text": "<|im_start|>user\\n<tool_response>...", "mask": 0, "n_tokens": 13}, ...]}
 
-`turns` are the trajectory's response segments in order: "assistant" (the model's tokens, mask 1), "tool"
+A trajectory whose context was rewritten (several segments, each a training row) also has `"segments"`: one
+`{"index", "reason", "prompt", "prompt_tokens", "turns"}` per segment in order; the top-level `prompt` and
+`turns` are then its last segment's.
+
+`turns` are the trajectory's response token runs in order: "assistant" (the model's tokens, mask 1), "tool"
 and "user" (observations, mask 0) and "template" (chat-template scaffolding the model did not generate,
 mask 0), decoded with special tokens kept; `ground_truth` is the row's `reward_model.ground_truth` (None
 when it has none). `render_transcript` and `show` print them, with the answer beside the ground truth.
@@ -49,28 +53,30 @@ def _ground_truth(row: Any) -> Any:
 def trajectory_record(traj: Any, codec: Any = None) -> dict[str, Any]:
     """The JSON-ready record of one finished trajectory; `codec` (fsm.families.Codec: the model's exact
     text) decodes it, and without one only token counts are kept."""
-    ids = traj.response_ids.tolist()
-
     def decode(part: list[int]) -> str | None:
         if codec is None:
             return None
         return codec.decode(part, skip_special_tokens=False)
 
-    versions = traj.response_versions.tolist() if hasattr(traj, "response_versions") else []
+    def runs(seg: Any) -> list[dict[str, Any]]:
+        ids = seg.response_ids.tolist()
+        versions = seg.response_versions.tolist() if hasattr(seg, "response_versions") else []
 
-    def turn_versions(seg: Any) -> list[int] | None:
-        """The distinct weight versions of a model turn's tokens, in order (one unless updated mid-turn)."""
-        if seg.role != "assistant" or not versions:
-            return None
-        return sorted(set(versions[seg.start : seg.end]))
+        def turn_versions(run: Any) -> list[int] | None:
+            """The distinct weight versions of a model turn's tokens, in order (one unless updated mid-turn)."""
+            if run.role != "assistant" or not versions:
+                return None
+            return sorted(set(versions[run.start : run.end]))
 
-    turns = [
-        {"role": seg.role, "text": decode(ids[seg.start : seg.end]), "mask": 1 if seg.role == "assistant" else 0,
-         "n_tokens": seg.end - seg.start, **({"weight_versions": v} if (v := turn_versions(seg)) else {})}
-        for seg in traj.segments
-    ]  # fmt: skip
+        return [
+            {"role": run.role, "text": decode(ids[run.start : run.end]), "mask": 1 if run.role == "assistant" else 0,
+             "n_tokens": run.end - run.start, **({"weight_versions": v} if (v := turn_versions(run)) else {})}
+            for run in seg.runs
+        ]  # fmt: skip
+
+    turns = runs(traj)
     span = traj.weight_versions() if hasattr(traj, "weight_versions") else None
-    return {
+    record = {
         "index": traj.index,
         "uid": traj.uid,
         "sample": traj.sample,
@@ -87,6 +93,11 @@ def trajectory_record(traj: Any, codec: Any = None) -> dict[str, Any]:
         "weight_version_max": span[1] if span else None,
         "turns": turns,
     }
+    if getattr(traj, "closed", ()):
+        record["segments"] = [{"index": seg.index, "reason": seg.reason, "prompt": decode(seg.prompt_ids.tolist()),
+                               "prompt_tokens": len(seg.prompt_ids), "turns": runs(seg) if seg.index < len(traj.closed)
+                               else turns} for seg in traj.segments]  # fmt: skip
+    return record
 
 
 def mask_ratio(record: dict[str, Any]) -> tuple[int, int]:
@@ -150,8 +161,17 @@ def render_transcript(record: dict[str, Any], color: bool = True) -> str | Rende
     header = _header(record)
     prompt = _prompt_tail(record)
     turns = record.get("turns") or []
+    earlier = (record.get("segments") or [])[:-1]
     if not color:
         out = [f"=== {header[0][0]} ==="] + [text for text, _ in header[1:]]
+        for seg in earlier:
+            out.append(f"=== segment {seg['index']} ({seg['reason']}): prompt {_tokens(seg['prompt_tokens'])}")
+            for t in seg["turns"]:
+                out.append(f"--- {t['role']} [mask {t['mask']}] ({_tokens(t['n_tokens'])})")
+                out.append(t["text"] if t.get("text") is not None else f"({_tokens(t['n_tokens'])})")
+        if earlier:
+            last = record["segments"][-1]
+            out.append(f"=== segment {last['index']} ({last['reason']}), the last")
         if prompt is not None:
             out += [f"--- prompt ({record.get('prompt_tokens')} tokens, the end shown)", prompt]
         for t in turns:
@@ -160,6 +180,11 @@ def render_transcript(record: dict[str, Any], color: bool = True) -> str | Rende
         return "\n".join(out) + "\n"
     parts: list[RenderableType] = [Rule(Text(header[0][0], style="bold"), align="left")]
     parts += [Text(text, style=style) for text, style in header[1:]]
+    for seg in earlier:
+        parts.append(Text(f"segment {seg['index']} ({seg['reason']}): prompt {_tokens(seg['prompt_tokens'])}, "
+                          f"{sum(t['n_tokens'] for t in seg['turns'])} response tokens", style="bold magenta"))  # fmt: skip
+    if earlier:
+        parts.append(Text(f"segment {record['segments'][-1]['index']}, the last:", style="bold magenta"))
     if prompt is not None:
         parts.append(
             Text(f"prompt ({record.get('prompt_tokens')} tokens, the end shown)", style="dim italic")

@@ -301,6 +301,11 @@ class FSMAgentLoop(AgentLoopBase):
         self.response_length = int(rollout.response_length)
         agent = compiled_agent(spec or DEFAULT_SPEC, overrides, self.prompt_length, self.response_length,
                                _plain(tool_policy))
+        if agent.spec.segmenting:  # verl 0.9.1's worker takes exactly one AgentLoopOutput per input row
+            raise ValueError(f"fsm_agent: spec {agent.name!r} rewrites its context (context.policy "
+                             f"{agent.spec.context.policy!r} or a rewrite state), so a trajectory may give several "
+                             "rows; verl 0.9.1's agent-loop worker takes one output per input: use the append policy "
+                             "without rewrites here, or RolloutEngine.generate_sequences (one row per segment)")  # fmt: skip
         verl_tools = list(tools.tools) if tools is not None else []
         if verl_tools and not agent.tools.by_name:
             agent = agent_with_verl_tools(agent, verl_tools)

@@ -13,6 +13,12 @@ Layout (P = prompt_length, R = response_length), exactly verl's `_agent_loop_pos
                             (an empty response: column R-1, where verl's index -1 puts it)
   weight_versions  [B, R]   int64  the weight version that generated each token; -1 on mask 0 and padding
 meta_info: weight_version_min / weight_version_max over the generated tokens (None when there are none).
+
+One row per segment (fsm/run/trajectory.py): a trajectory whose context was rewritten gives several rows, in
+order, each exactly what the model was given and produced. Non-tensor `trajectory_id`, `segment_index` and
+`num_segments` tie rows to their trajectory (`uid` stays the GRPO group of the input row); the trajectory's
+reward goes on its last segment (`reward_placement="last"`; the others get 0.0) or on every segment ("every":
+session-level GRPO, each segment weighted by its trajectory's advantage).
 """
 
 from __future__ import annotations
@@ -60,22 +66,42 @@ def _place(out: np.ndarray, seqs: Sequence[np.ndarray], fill: float, left: bool)
     return lens
 
 
+REWARD_PLACEMENTS = ("last", "every")
+
+
+def segment_rows(trajs: Sequence[Trajectory]) -> tuple[list[Any], list[Trajectory], list[int]]:
+    """(rows, the trajectory of each row, each row's segment index): the trajectories themselves when none
+    was rewritten (nothing built), else every segment of each in order."""
+    if not any(t.closed for t in trajs):
+        return list(trajs), list(trajs), [0] * len(trajs)
+    rows, owners, index = [], [], []
+    for t in trajs:
+        for seg in t.segments:
+            rows.append(seg)
+            owners.append(t)
+            index.append(seg.index)
+    return rows, owners, index
+
+
 def collate(trajs: Sequence[Trajectory], *, prompt_length: int, response_length: int, pad_token_id: int,
-            logprobs: bool = True) -> RolloutBatch:  # fmt: skip
-    """Pad finished trajectories into verl's batch. Row order is the trajectories' order."""
-    P, R, B = prompt_length, response_length, len(trajs)
+            logprobs: bool = True, reward_placement: str = "last") -> RolloutBatch:  # fmt: skip
+    """Pad finished trajectories into verl's batch: one row per segment, in the trajectories' order."""
+    if reward_placement not in REWARD_PLACEMENTS:
+        raise ValueError(f"reward_placement must be one of {REWARD_PLACEMENTS}, got {reward_placement!r}")
+    rows, owners, seg_index = segment_rows(trajs)
+    P, R, B = prompt_length, response_length, len(rows)
 
     def arr(a: Any, dtype: Any) -> np.ndarray:
         return np.frombuffer(a, dtype=dtype) if len(a) else np.zeros(0, dtype=dtype)
 
     def right(name: str, dtype: Any, fill: float, out_dtype: Any) -> np.ndarray:
         out = np.empty((B, R), dtype=out_dtype)
-        _place(out, [arr(getattr(t, name), dtype) for t in trajs], fill, left=False)
+        _place(out, [arr(getattr(t, name), dtype) for t in rows], fill, left=False)
         return out
 
     input_ids = np.empty((B, P + R), dtype=np.int64)
-    p_len = _place(input_ids[:, :P], [arr(t.prompt_ids, np.int32) for t in trajs], pad_token_id, left=True)
-    r_len = _place(input_ids[:, P:], [arr(t.response_ids, np.int32) for t in trajs], pad_token_id, left=False)
+    p_len = _place(input_ids[:, :P], [arr(t.prompt_ids, np.int32) for t in rows], pad_token_id, left=True)
+    r_len = _place(input_ids[:, P:], [arr(t.response_ids, np.int32) for t in rows], pad_token_id, left=False)
     # mask 1 on generated tokens, times the response attention mask (verl): 0 past r_len, where _place pads
     mask = right("response_mask", np.int8, 0, np.int64)
     versions = right("response_versions", np.int32, -1, np.int64)
@@ -103,19 +129,20 @@ def collate(trajs: Sequence[Trajectory], *, prompt_length: int, response_length:
     # are right, and the batch then carries no rollout_log_probs at all, as verl's does when a sample lacks
     # them; a trainer that needs them fails on the missing key instead of training on made-up values. Failing
     # the rows instead would throw away good samples for what is a fleet-wide setting, batch after batch.
-    missing = [i for i, t in enumerate(trajs) if t.logprobs_missing]
+    missing = [i for i, t in enumerate(owners) if t.logprobs_missing]
     if logprobs and not missing:
         tensors["rollout_log_probs"] = torch.from_numpy(right("response_logprobs", np.float32, 0.0, np.float32))
-    scores = [t.reward_score for t in trajs]
-    if trajs and all(s is not None for s in scores):
+    if trajs and all(t.reward_score is not None for t in trajs):
+        every = reward_placement == "every"
+        scores = [t.reward_score if every or k == t.num_segments - 1 else 0.0 for t, k in zip(owners, seg_index)]
         rm = np.zeros((B, R), dtype=np.float32)
         # verl: attention_mask[:, P:].sum(1) - 1, so an empty (failed) response's score lands at -1, the
         # last column: its reward still counts in a group's sum (GRPO), on a masked position
-        rm[np.arange(len(trajs)), r_len - 1] = np.asarray(scores, dtype=np.float32)
+        rm[np.arange(B), r_len - 1] = np.asarray(scores, dtype=np.float32)
         tensors["rm_scores"] = torch.from_numpy(rm)
 
-    batch = TensorDict(tensors, batch_size=[len(trajs)])
-    meta = {"metrics": [t.metrics.as_dict() for t in trajs], "timing": timing(trajs, r_len, p_len)}
+    batch = TensorDict(tensors, batch_size=[B])
+    meta = {"metrics": [t.metrics.as_dict() for t in owners], "timing": timing(owners, r_len, p_len)}
     generated = versions[versions >= 0]
     meta["weight_version_min"] = int(generated.min()) if generated.size else None
     meta["weight_version_max"] = int(generated.max()) if generated.size else None
@@ -123,7 +150,11 @@ def collate(trajs: Sequence[Trajectory], *, prompt_length: int, response_length:
         meta["rollout_log_probs_missing"] = missing  # rows whose server returned no logprobs
         log.warning("rollout_log_probs left out of the batch: %d row(s) got no logprobs from their server "
                     "(rows %s)", len(missing), missing[:10])  # fmt: skip
-    return RolloutBatch(batch, _non_tensors(trajs), meta)
+    non_tensors = _non_tensors(owners)
+    non_tensors["trajectory_id"] = _objects([t.session_id for t in owners])
+    non_tensors["segment_index"] = np.asarray(seg_index, dtype=np.int32)
+    non_tensors["num_segments"] = np.asarray([t.num_segments for t in owners], dtype=np.int32)
+    return RolloutBatch(batch, non_tensors, meta)
 
 
 def _objects(values: list[Any]) -> np.ndarray:
@@ -240,7 +271,8 @@ def to_batch(trajs: Sequence[Trajectory], agent: Any, codec: Any, *, logprobs: b
     `meta`: the input's meta_info (e.g. verl's `global_steps`), carried to the output under agentfsm's keys."""
     limits = agent.limits
     out = collate(trajs, prompt_length=limits.prompt_length, response_length=limits.response_length,
-                  pad_token_id=codec.pad_id, logprobs=logprobs)  # fmt: skip
+                  pad_token_id=codec.pad_id, logprobs=logprobs,
+                  reward_placement=agent.spec.context.reward_placement)  # fmt: skip
     out.meta_info = {**(meta or {}), **out.meta_info}
     if "rm_scores" in out.batch.keys():
         out.meta_info["reward_extra_keys"] = sorted(

@@ -67,8 +67,11 @@ def rollout_metrics(trajs: Sequence[Trajectory], *, faults: Mapping[str, float] 
         scores = [t.reward_score for t in trajs if t.reward_score is not None]
         if scores:
             out["rollout/reward/mean"] = float(np.mean(scores))
-        if any(t.turn_rewards for t in trajs):
-            out["rollout/turn_rewards/sum_mean"] = float(np.mean([sum(r[2] for r in t.turn_rewards) for t in trajs]))
+        per_traj = [t.all_turn_rewards() if t.closed else [(0, r) for r in t.turn_rewards] for t in trajs]
+        if any(per_traj):
+            out["rollout/turn_rewards/sum_mean"] = float(np.mean([sum(r[2] for _, r in rs) for rs in per_traj]))
+        if any(t.closed for t in trajs):
+            out["rollout/segments/mean"] = float(np.mean([t.num_segments for t in trajs]))
     if wall_s is not None:
         out["rollout/timing/batch_s"] = float(wall_s)
     for key, value in (faults or {}).items():

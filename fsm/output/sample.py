@@ -15,6 +15,12 @@ layout of verl's AgentLoopOutput (prompt, then one response with a mask over it)
                            last token of the model turn it judges (empty on a failed row: no tokens left)
     termination_reason     why it ended ("answered", "max_turns", "error: ...")
 Failed rows keep their place (one sample per input row and k): empty response, `failed` True.
+
+A trajectory whose context was rewritten (fsm/run/trajectory.py segments) gives one sample per segment, in
+order: each exactly what the model was given and produced, with `segment` / `num_segments` / `trajectory_id`
+tying it to the others, its own turn rewards, and the reward placed as the spec's `context.reward_placement`
+says (on the last segment, the others 0.0; or on every segment). A one-segment trajectory gives one sample, as
+before.
 """
 
 from __future__ import annotations
@@ -52,6 +58,9 @@ class Sample:
     metrics: dict[str, float]  # per-sample timing and counters (fsm.run.trajectory.Metrics)
     row: dict[str, Any]  # the input row (ground truth, extra_info, dataset columns)
     reward_extra_info: dict[str, Any] = field(default_factory=dict)  # what a dict-returning reward added
+    segment: int = 0  # which segment of its trajectory (0 unless its context was rewritten)
+    num_segments: int = 1
+    trajectory_id: str = ""  # the trajectory's session id: its segments share it
 
     @property
     def ids(self) -> list[int]:
@@ -74,30 +83,43 @@ class SampleBatch:
         return iter(self.samples)
 
 
-def to_sample(traj: Trajectory) -> Sample:
-    """A finished trajectory as a flat sample."""
-    mask = traj.response_mask.tolist()
+def to_sample(traj: Trajectory, segment: Any = None, reward_placement: str = "last") -> Sample:
+    """A finished trajectory (or one `segment` of it, fsm/run/trajectory.py Segment) as a flat sample."""
+    seg = segment if segment is not None else traj
+    index = segment.index if segment is not None else traj.num_segments - 1
+    last = index == traj.num_segments - 1
+    reward = traj.reward_score if last or reward_placement == "every" or traj.reward_score is None else 0.0
     return Sample(
         uid=traj.uid,
         index=traj.index,
         sample=traj.sample,
-        prompt_ids=traj.prompt_ids.tolist(),
-        response_ids=traj.response_ids.tolist(),
-        mask=mask,
-        logprobs=None if traj.logprobs_missing else traj.response_logprobs.tolist(),
-        versions=traj.response_versions.tolist(),  # -1 on observation tokens already
-        reward=traj.reward_score,
-        turn_rewards=[TurnReward(str(s), int(p), float(v)) for s, p, v in traj.turn_rewards],
+        prompt_ids=seg.prompt_ids.tolist(),
+        response_ids=seg.response_ids.tolist(),
+        mask=seg.response_mask.tolist(),
+        logprobs=None if traj.logprobs_missing else seg.response_logprobs.tolist(),
+        versions=seg.response_versions.tolist(),  # -1 on observation tokens already
+        reward=reward,
+        turn_rewards=[TurnReward(str(s), int(p), float(v)) for s, p, v in seg.turn_rewards],
         termination_reason=traj.termination_reason or traj.state.lower(),
         failed=traj.failed,
-        truncated=traj.last_finish_reason == "length",
+        truncated=traj.last_finish_reason == "length" if last else False,
         num_turns=traj.num_turns,
-        messages=list(traj.messages),
+        messages=list(seg.messages),
         metrics=traj.metrics.as_dict(),
         row=traj.row,
         reward_extra_info=dict(traj.extra.get("reward_extra_info", {})),
+        segment=index,
+        num_segments=traj.num_segments,
+        trajectory_id=traj.session_id,
     )
 
 
-def to_samples(trajs: Sequence[Trajectory]) -> list[Sample]:
-    return [to_sample(t) for t in trajs]
+def to_samples(trajs: Sequence[Trajectory], reward_placement: str = "last") -> list[Sample]:
+    """One sample per segment of each trajectory, in order (one per trajectory when none was rewritten)."""
+    out = []
+    for t in trajs:
+        if not t.closed:
+            out.append(to_sample(t))
+        else:
+            out.extend(to_sample(t, seg, reward_placement) for seg in t.segments)
+    return out

@@ -18,7 +18,8 @@ from typing import Any
 from backends.base import BackendTimeout, GenerateRequest, GenerationAborted
 from fsm.data.rows import RowError, encodable, prompt_messages
 from fsm.run.context import RunContext
-from fsm.run.trajectory import Trajectory
+from fsm.run.policy import sync_template
+from fsm.run.trajectory import Trajectory, first_segment
 
 
 async def encode_prompt(ctx: RunContext, traj: Trajectory) -> None:
@@ -44,6 +45,7 @@ async def encode_prompt(ctx: RunContext, traj: Trajectory) -> None:
         ids = ids[-limit:]
         traj.extra["prompt_truncated"] = True
     traj.prompt_ids.extend(ids)
+    traj.segment_start = first_segment(len(traj.messages))  # the first segment's prompt renders these messages
 
 
 def _render_prompt(ctx: RunContext, traj: Trajectory) -> list[int]:
@@ -61,12 +63,16 @@ def _render_prompt(ctx: RunContext, traj: Trajectory) -> list[int]:
 
 
 async def generate(ctx: RunContext, traj: Trajectory) -> None:
-    """One model turn: request the continuation of the whole context, append it, parse tool calls.
+    """One model turn: request the continuation of the whole context, append it, parse tool calls. Under the
+    `template` context policy the context is first the template's render of the conversation (a new segment
+    when it does not extend the current one's tokens).
 
     The turn runs under `limits.turn_timeout_s` (retries, failovers and resumes included). A turn the server
     aborts is resumed rather than taken as output (`_resumed_turn`).
     """
     limits = ctx.agent.limits
+    if ctx.agent.spec.context.policy == "template" and not sync_template(ctx, traj):  # fsm/run/policy.py
+        return  # the render does not fit in prompt_length: the budget counts as spent
     budget = limits.response_length - len(traj.response_mask)
     if budget <= 0 or ctx.sampling.max_new_tokens == 0:
         traj.last_finish_reason = "length"

@@ -21,6 +21,7 @@ from fsm.families.parsers import PARSERS
 from fsm.run.actions import BUILTIN_ACTIONS
 from fsm.run.agent import REWARD_EXTRAS, CompiledAgent, Edge, Reward
 from fsm.run.interaction import REQUIRED_METHODS
+from fsm.run.rewrites import make_rewrite, rewrite_loops
 from fsm.spec.guards import GuardError, compile_guard
 from fsm.spec.loader import Diagnostic, LoadedSpec, SpecError, load_spec
 from fsm.spec.model import AgentSpec
@@ -201,6 +202,10 @@ class _Compiler:
             if name in reachable and name not in can_finish and spec.final_states:
                 self.error("dead-end", f"no path leads from {name} to a final state", "states", name)
         self._check_cycles({s: [t.to for t in st.next] for s, st in states.items()})
+        for loop in rewrite_loops(states, spec.context.rewrites):
+            self.error("rewrite-loop", f"the cycle through {', '.join(loop)} rewrites the context with no model turn "
+                       "(a `generate` state) in it: it could rewrite forever; route it through GENERATING",
+                       "states", next(s for s in loop if states[s].action in spec.context.rewrites), "action")  # fmt: skip
 
     def _check_cycles(self, graph: dict[str, list[str]]) -> None:
         """Warn about a cycle none of whose states runs a built-in action that spends the response budget:
@@ -245,7 +250,13 @@ class _Compiler:
             ref = st.action
             if st.final or not ref:
                 continue
-            if ref in BUILTIN_ACTIONS or ref in ACTIONS:
+            rewrite = self.spec.context.rewrites.get(ref)
+            if rewrite is not None:
+                fn = self._ref(rewrite.function, "context", "rewrites", ref, "function") if rewrite.function else None
+                if rewrite.function and fn is None:
+                    continue
+                actions[name] = make_rewrite(ref, rewrite, fn)
+            elif ref in BUILTIN_ACTIONS or ref in ACTIONS:
                 actions[name] = BUILTIN_ACTIONS.get(ref) or ACTIONS[ref]
             elif is_import_path(ref):
                 fn = self._ref(ref, "states", name, "action")
@@ -262,7 +273,8 @@ class _Compiler:
                     )
                 actions[name] = fn
             elif not (self.static and self.spec.imports):  # else the imports, not run here, may register it
-                self.error("unknown-action", f"unknown action {ref!r}{_suggest(ref, [*BUILTIN_ACTIONS, *ACTIONS])}; built-in: "
+                known = [*BUILTIN_ACTIONS, *ACTIONS, *self.spec.context.rewrites]
+                self.error("unknown-action", f"unknown action {ref!r}{_suggest(ref, known)}; built-in: "
                            f"{', '.join(BUILTIN_ACTIONS)}", "states", name, "action", key=False)  # fmt: skip
         return actions
 

@@ -32,6 +32,7 @@ from fsm.families import Codec, codec_for
 from fsm.run.agent import CompiledAgent
 from fsm.run.context import TRACED, PauseGate, RunContext, Sampling
 from fsm.run.interaction import call_lifecycle
+from fsm.run.policy import check_segments
 from fsm.run.tracer import Tracer
 from fsm.run.trajectory import Trajectory
 from fsm.spec.model import DEFAULT_TOOL_WORKERS
@@ -240,10 +241,7 @@ class Runner:
             if traj.error is None:
                 traj.fail(f"{type(exc).__name__} while finishing: {exc}")
         if self.check_tokens and not traj.failed and traj.prompt_ids:
-            ended_on_observation = traj.segments[-1].role != "assistant" if traj.segments else True
-            traj.token_check = self.codec.check(
-                traj.messages, traj.tool_schemas, traj.context_ids(), ended_on_observation
-            )
+            traj.token_check = check_segments(self.codec, traj, self.agent.spec.context.policy == "template")
 
     async def _score(self, ctx: RunContext, traj: Trajectory) -> None:
         reward = self.agent.reward

@@ -35,12 +35,12 @@ import numpy as np
 from fsm.families.parsers import ToolCall
 from fsm.run.agent import CompiledAgent
 from fsm.run.context import Sampling
-from fsm.run.trajectory import Metrics, Segment, Segments, Trajectory
+from fsm.run.trajectory import _FIRST, Metrics, Segment, TokenRun, TokenRuns, Trajectory
 
 FORMAT = 2  # 2: the tokenizer is recorded (and checked on restore)
 MAX_GROUPS = 10_000_000  # a bound for a count read from a snapshot
 _TAGS = {"__array__", "__set__", "__tuple__", "__items__", "__dc__"}
-_CLASSES = {cls.__name__: cls for cls in (Segment, Metrics, ToolCall)}
+_CLASSES = {cls.__name__: cls for cls in (TokenRun, Segment, Metrics, ToolCall)}
 
 
 class SnapshotError(Exception):
@@ -69,8 +69,8 @@ def _encode(value: Any, where: str) -> Any:
         return [_encode(v, where) for v in value.tolist()]
     if isinstance(value, np.generic):
         return value.item()
-    if isinstance(value, Segments):  # written as the list of Segment records it reads as
-        return [_encode(seg, where) for seg in value]
+    if isinstance(value, TokenRuns):  # written as the list of TokenRun records it reads as
+        return [_encode(run, where) for run in value]
     if dataclasses.is_dataclass(value) and type(value).__name__ in _CLASSES:
         fields = {f.name: _encode(getattr(value, f.name), where) for f in dataclasses.fields(value)}
         return {"__dc__": type(value).__name__, "fields": fields}
@@ -92,6 +92,8 @@ def _decode(value: Any) -> Any:
         return {_decode(k): _decode(v) for k, v in value["__items__"]}
     if "__dc__" in value:
         cls = _CLASSES.get(value["__dc__"])
+        if cls is Segment and "role" in value["fields"]:
+            cls = TokenRun  # written before token runs had their own name
         if cls is None:
             raise SnapshotError(f"unknown record type {value['__dc__']!r}")
         return cls(**{k: _decode(v) for k, v in value["fields"].items()})
@@ -114,7 +116,10 @@ def decode_trajectory(data: dict[str, Any]) -> Trajectory:
     for name in Trajectory.__slots__:
         if name in data:
             setattr(traj, name, _decode(data[name]))
-    traj.segments = Segments(getattr(traj, "segments", ()))
+    traj.runs = TokenRuns(_decode(data["segments"]) if "runs" not in data and "segments" in data else
+                          getattr(traj, "runs", ()))  # fmt: skip
+    traj.closed = getattr(traj, "closed", None) or ()
+    traj.segment_start = tuple(getattr(traj, "segment_start", _FIRST))
     traj._version_runs = array("i")
     versions = _decode(data.get("response_versions", []))
     if len(versions) != len(traj.response_ids):

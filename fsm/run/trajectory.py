@@ -1,9 +1,13 @@
 """Per-sample state, and the one place tokens are appended.
 
-Tokens are append-only: generated tokens go in with mask 1 and the engine's logprobs; everything else
-(observations, template scaffolding) with mask 0 and logprob 0.0. Ids live in compact arrays (4 bytes per
-token), segments in one array (12 bytes each) and weight versions as runs (one per model turn), because
-10,000 trajectories may be in flight at once.
+Tokens are append-only within a segment: generated tokens go in with mask 1 and the engine's logprobs;
+everything else (observations, template scaffolding) with mask 0 and logprob 0.0. A trajectory is a sequence
+of segments, each one training row with exactly the tokens the model was given and produced; a context
+rewrite (a template that drops earlier reasoning, a summary, a window: fsm/run/rewrites.py) closes one and
+starts the next (`start_segment`). The current segment lives in the trajectory's own fields (`prompt_ids`,
+`response_ids`, ...), so a one-segment trajectory, the usual case, holds nothing more; closed segments are kept
+in `closed`. Ids live in compact arrays (4 bytes per token), token runs in one array (12 bytes each) and weight
+versions as runs (one per model turn), because 10,000 trajectories may be in flight at once.
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ if TYPE_CHECKING:
 
 
 @dataclass(slots=True)
-class Segment:
-    """A run of response tokens with one origin, for transcripts: response_ids[start:end]."""
+class TokenRun:
+    """A run of response tokens with one origin, for transcripts and spans: response_ids[start:end]. (Not a
+    `Segment`, which is a whole training row, nor a codec's pieces of text between added tokens.)"""
 
     role: str  # "assistant" (mask 1), "tool" / "user" (observations), "template" (scaffolding, mask 0)
     start: int
@@ -42,22 +47,22 @@ def _role_code(role: str) -> int:
     return code
 
 
-class Segments:
-    """A response's segments as one array of (role code, start, end): a list of Segment objects costs ~60
-    bytes a segment, and a tool-calling trajectory holds a dozen or more. Reads give Segment records."""
+class TokenRuns:
+    """A response's token runs as one array of (role code, start, end): a list of TokenRun objects costs ~60
+    bytes a run, and a tool-calling trajectory holds a dozen or more. Reads give TokenRun records."""
 
     __slots__ = ("_flat",)
 
-    def __init__(self, segments: Iterable[Segment] = ()):
+    def __init__(self, runs: Iterable[TokenRun] = ()):
         self._flat = array("i")
-        for seg in segments:
-            self.add(seg.role, seg.start, seg.end)
+        for run in runs:
+            self.add(run.role, run.start, run.end)
 
     def add(self, role: str, start: int, end: int) -> None:
         self._flat.extend((_role_code(role), start, end))
 
-    def append(self, seg: Segment) -> None:
-        self.add(seg.role, seg.start, seg.end)
+    def append(self, run: TokenRun) -> None:
+        self.add(run.role, run.start, run.end)
 
     def clear(self) -> None:
         del self._flat[:]
@@ -72,20 +77,20 @@ class Segments:
         if i < 0:
             i += n
         if not 0 <= i < n:
-            raise IndexError("segment index out of range")
+            raise IndexError("token run index out of range")
         f = self._flat
-        return Segment(_ROLE_NAMES[f[3 * i]], f[3 * i + 1], f[3 * i + 2])
+        return TokenRun(_ROLE_NAMES[f[3 * i]], f[3 * i + 1], f[3 * i + 2])
 
-    def __iter__(self) -> Iterator[Segment]:
+    def __iter__(self) -> Iterator[TokenRun]:
         f, names = self._flat, _ROLE_NAMES
-        return (Segment(names[f[k]], f[k + 1], f[k + 2]) for k in range(0, len(f), 3))
+        return (TokenRun(names[f[k]], f[k + 1], f[k + 2]) for k in range(0, len(f), 3))
 
-    def __reversed__(self) -> Iterator[Segment]:
+    def __reversed__(self) -> Iterator[TokenRun]:
         f, names = self._flat, _ROLE_NAMES
-        return (Segment(names[f[k]], f[k + 1], f[k + 2]) for k in range(len(f) - 3, -1, -3))
+        return (TokenRun(names[f[k]], f[k + 1], f[k + 2]) for k in range(len(f) - 3, -1, -3))
 
     def __eq__(self, other: object) -> bool:
-        if isinstance(other, Segments):
+        if isinstance(other, TokenRuns):
             return self._flat == other._flat
         if isinstance(other, Sequence):
             return list(self) == list(other)
@@ -94,10 +99,10 @@ class Segments:
     __hash__ = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
-        return f"Segments({list(self)!r})"
+        return f"TokenRuns({list(self)!r})"
 
     def tokens_since(self, mark: int) -> tuple[int, int]:
-        """(model tokens, other tokens) in the segments from index `mark` on."""
+        """(model tokens, other tokens) in the runs from index `mark` on."""
         f = self._flat
         model = other = 0
         for k in range(3 * mark, len(f), 3):
@@ -107,13 +112,71 @@ class Segments:
                 other += f[k + 2] - f[k + 1]
         return model, other
 
-    def last(self, role: str) -> Segment | None:
-        """The last segment of `role`, or None."""
+    def last(self, role: str) -> TokenRun | None:
+        """The last run of `role`, or None."""
         code, f = _ROLE_CODES.get(role), self._flat
         for k in range(len(f) - 3, -1, -3):
             if f[k] == code:
-                return Segment(role, f[k + 1], f[k + 2])
+                return TokenRun(role, f[k + 1], f[k + 2])
         return None
+
+
+def _expand_versions(runs: array, n: int) -> array:
+    """Per-token weight versions of `n` tokens from their runs [start, version, start, version...]."""
+    out = array("i")
+    for k in range(0, len(runs), 2):
+        end = runs[k + 2] if k + 2 < len(runs) else n
+        out.extend(array("i", (runs[k + 1],)) * (end - runs[k]))
+    return out
+
+
+@dataclass(slots=True, eq=False)
+class Segment:
+    """One training row of a trajectory: a prompt, then everything appended to it until the next rewrite.
+
+    `messages` is its conversation: the structured messages its prompt renders (the first `prompt_messages`),
+    then the model turns and observations appended in it, so `--check-tokens` compares each segment with the
+    template's render of its own conversation. `turn_rewards` are those of the model turns it holds, at
+    positions in its own response.
+    """
+
+    index: int
+    reason: str  # why it began: "prompt" (the first), "template", "summary", "rewrite" (window, function, after a summary)
+    prompt_ids: array
+    response_ids: array
+    response_mask: array
+    response_logprobs: array
+    version_runs: array  # [start, version, ...] as Trajectory._version_runs
+    runs: TokenRuns
+    messages: list[dict[str, Any]]
+    prompt_messages: int
+    turns: int  # model turns in it
+    turn_rewards: list[list[Any]]
+    logprobs_missing: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.runs, TokenRuns):  # a snapshot writes the runs as a list of records
+            self.runs = TokenRuns(self.runs)
+
+    @property
+    def response_versions(self) -> array:
+        return _expand_versions(self.version_runs, len(self.response_ids))
+
+    def context_ids(self) -> list[int]:
+        return self.prompt_ids.tolist() + self.response_ids.tolist()
+
+
+_FIRST = ("prompt", 0, 0)  # the first segment's (reason, prompt messages, model turns before it): shared
+_FIRSTS: dict[int, tuple[str, int, int]] = {}
+
+
+def first_segment(prompt_messages: int) -> tuple[str, int, int]:
+    """The first segment's `segment_start` for a prompt of that many messages: one shared tuple per count, so
+    a one-segment trajectory allocates nothing for it."""
+    start = _FIRSTS.get(prompt_messages)
+    if start is None:
+        start = _FIRSTS[prompt_messages] = ("prompt", prompt_messages, 0)
+    return start
 
 
 @dataclass(slots=True)
@@ -144,7 +207,9 @@ class Trajectory:
         # conversation
         "messages", "tool_schemas", "tools_kwargs", "interaction_kwargs", "interaction_started",
         # tokens
-        "prompt_ids", "response_ids", "response_mask", "response_logprobs", "_version_runs", "segments",
+        "prompt_ids", "response_ids", "response_mask", "response_logprobs", "_version_runs", "runs",
+        # segments: those a rewrite closed (the current one is the fields above), how the current one began
+        "closed", "segment_start",
         "needs_tail", "partial_turn",
         "logprobs_missing",
         # machine
@@ -171,7 +236,9 @@ class Trajectory:
         # the weight version that produced each token (-1 on mask 0), as runs: [start, version, start,
         # version...], each version holding from its start to the next run's (`response_versions` expands them)
         self._version_runs = array("i")
-        self.segments = Segments()
+        self.runs = TokenRuns()
+        self.closed: list[Segment] | tuple[()] = ()  # a shared empty tuple until a rewrite closes one
+        self.segment_start: tuple[str, int, int] = _FIRST  # (reason, prompt messages, model turns before it)
         self.needs_tail = False  # the last turn was the model's: the template's turn closer is still owed
         # (ids, logprobs, versions) of a model turn that a pause aborted, while it waits at the engine's gate:
         # a snapshot taken then keeps them, and the turn goes on from them (fsm/run/actions.py)
@@ -242,7 +309,7 @@ class Trajectory:
             else:
                 for i, v in enumerate(version):
                     self._version_from(start + i, v)
-        self.segments.add("assistant", start, len(self.response_ids))
+        self.runs.add("assistant", start, len(self.response_ids))
 
     def append_context(self, ids: list[int], role: str) -> None:
         """Tokens the model did not generate (observations, template scaffolding): mask 0, logprob 0.0."""
@@ -253,7 +320,7 @@ class Trajectory:
         self.response_mask.extend(bytes(len(ids)))
         self.response_logprobs.frombytes(bytes(self.response_logprobs.itemsize * len(ids)))  # 0.0: zero bytes
         self._version_from(start, -1)
-        self.segments.add(role, start, len(self.response_ids))
+        self.runs.add(role, start, len(self.response_ids))
 
     def _version_from(self, start: int, version: int) -> None:
         """Tokens from `start` on were made by `version` (until the next run)."""
@@ -264,11 +331,7 @@ class Trajectory:
     @property
     def response_versions(self) -> array:
         """The weight version that produced each response token, -1 on mask 0 (expanded from the runs)."""
-        runs, out, n = self._version_runs, array("i"), len(self.response_ids)
-        for k in range(0, len(runs), 2):
-            end = runs[k + 2] if k + 2 < len(runs) else n
-            out.extend(array("i", (runs[k + 1],)) * (end - runs[k]))
-        return out
+        return _expand_versions(self._version_runs, len(self.response_ids))
 
     @response_versions.setter
     def response_versions(self, versions: Iterable[int]) -> None:
@@ -284,8 +347,8 @@ class Trajectory:
     ) -> list[dict[str, Any]]:
         """`messages` with each model turn's message replaced by view(message, its token ids): what a tool
         (verl's form) or a user simulator reads. The model's turns are the last assistant messages, one per
-        assistant segment (a prompt may hold assistant messages of its own)."""
-        turns = [seg for seg in self.segments if seg.role == "assistant"]
+        assistant run of the current segment (a prompt may hold assistant messages of its own)."""
+        turns = [run for run in self.runs if run.role == "assistant"]
         out = list(self.messages)
         k = len(turns)
         for i in range(len(out) - 1, -1, -1):
@@ -299,17 +362,74 @@ class Trajectory:
 
     def add_turn_reward(self, source: str, value: float) -> None:
         """A reward for the model turn just taken (a tool's, an interaction turn's): kept with its position."""
-        last = self.segments.last("assistant")
+        last = self.runs.last("assistant")
         position = last.end - 1 if last is not None else -1
         self.turn_rewards.append([source, position, float(value)])
 
+    # --- segments ---------------------------------------------------------------------------------------
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.closed) + 1
+
+    def current_segment(self) -> Segment:
+        """The current segment as a Segment record over the trajectory's own arrays (no copy)."""
+        reason, prompt_messages, turns_before = self.segment_start
+        return Segment(len(self.closed), reason, self.prompt_ids, self.response_ids, self.response_mask,
+                       self.response_logprobs, self._version_runs, self.runs, self.messages, prompt_messages,
+                       self.assistant_turns - turns_before, self.turn_rewards, self.logprobs_missing)  # fmt: skip
+
+    @property
+    def segments(self) -> list[Segment]:
+        """Every segment in order, the current one last (a view over the live arrays)."""
+        return [*self.closed, self.current_segment()]
+
+    def start_segment(self, prompt_ids: Iterable[int], reason: str, messages: list[dict[str, Any]] | None = None) -> None:
+        """A rewrite: the current segment is closed and a new one starts whose prompt is `prompt_ids`, the
+        render of `messages` (the new conversation; None: `self.messages` as they are now).
+
+        The closed segment ends with its last model turn: observations appended after it were never part of a
+        context the model saw in that segment (the next turn sees them in the new one), so they are cut, with
+        their messages, and the row is exactly what the model was given and produced. A segment with no model
+        turn is kept whole."""
+        done = self.current_segment()
+        last = self.runs.last("assistant")
+        kept = list(self.messages)
+        if last is not None and last.end < len(self.response_ids):
+            end = last.end
+            done.response_ids, done.response_mask = self.response_ids[:end], self.response_mask[:end]
+            done.response_logprobs = self.response_logprobs[:end]
+            runs = self._version_runs
+            done.version_runs = array("i", [x for k in range(0, len(runs), 2) if runs[k] < end
+                                            for x in (runs[k], runs[k + 1])])  # fmt: skip
+            done.runs = TokenRuns(r for r in self.runs if r.end <= end)
+            final = max(i for i, m in enumerate(kept) if m.get("role") == "assistant")
+            kept = kept[: final + 1]
+        done.messages = kept
+        if isinstance(self.closed, tuple):
+            self.closed = []
+        self.closed.append(done)
+        if messages is not None:
+            self.messages = messages
+        self.prompt_ids = array("i", prompt_ids)
+        self.response_ids, self.response_mask = array("i"), array("b")
+        self.response_logprobs, self._version_runs, self.runs = array("f"), array("i"), TokenRuns()
+        self.turn_rewards = []
+        self.needs_tail = False
+        self.segment_start = (reason, len(self.messages), self.assistant_turns)
+
+    def all_turn_rewards(self) -> list[tuple[int, list[Any]]]:
+        """(segment index, [source, position, value]) for every turn reward of every segment."""
+        return [(seg.index, r) for seg in self.segments for r in seg.turn_rewards]
+
     def context_ids(self) -> list[int]:
-        """Everything the model has seen so far: the next request's input_ids."""
+        """Everything the model has seen so far in the current segment: the next request's input_ids."""
         return self.prompt_ids.tolist() + self.response_ids.tolist()
 
     def weight_versions(self) -> tuple[int, int] | None:
         """(min, max) weight version over the generated tokens; None when there are none."""
-        seen = [v for v in self._version_runs[1::2] if v >= 0]  # every run holds at least one token
+        runs = self._version_runs if not self.closed else [v for seg in self.segments for v in seg.version_runs]
+        seen = [v for v in runs[1::2] if v >= 0]  # every run holds at least one token
         return (min(seen), max(seen)) if seen else None
 
     @property
@@ -327,7 +447,8 @@ class Trajectory:
         self.error = reason
         self.termination_reason = reason if reason.startswith("error:") else f"error: {reason}"
         del self.response_ids[:], self.response_mask[:], self.response_logprobs[:], self._version_runs[:]
-        self.segments.clear()
+        self.runs.clear()
+        self.closed, self.segment_start = (), _FIRST  # one row: the failed one
         self.turn_rewards.clear()  # no tokens left to place them on (tool_rewards / turn_scores keep the values)
         self.logprobs_missing = False  # nothing left to lack them
 

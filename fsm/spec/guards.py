@@ -77,6 +77,21 @@ def _finish_reason(param: Any, limits: LimitsSpec) -> Predicate:
     return lambda t: t.last_finish_reason == param
 
 
+@_builtin("context_tokens_over")
+def _context_tokens_over(param: Any, limits: LimitsSpec) -> Predicate:
+    if not isinstance(param, int) or isinstance(param, bool) or param < 1:
+        raise GuardError("type", f"guard 'context_tokens_over' takes a positive number of tokens, got {param!r}")
+    # the current segment's prompt and response: what the next model turn would be given (fsm/run/rewrites.py)
+    return lambda t: len(t.prompt_ids) + len(t.response_ids) > param
+
+
+@_builtin("segments_at_least")
+def _segments_at_least(param: Any, limits: LimitsSpec) -> Predicate:
+    if not isinstance(param, int) or isinstance(param, bool) or param < 1:
+        raise GuardError("type", f"guard 'segments_at_least' takes a positive integer, got {param!r}")
+    return lambda t: len(t.closed) + 1 >= param
+
+
 def _all(preds: list[Predicate]) -> Predicate:
     return lambda t: all(p(t) for p in preds)
 

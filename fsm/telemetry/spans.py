@@ -283,7 +283,7 @@ class _Root(_Span):
     state's work starts where this one's ends), so a transition costs one call and one queued tuple.
     """
 
-    __slots__ = ("traj", "shapes", "state_id", "state_start", "state_mark", "state_span", "prompt_roles")
+    __slots__ = ("traj", "shapes", "state_id", "state_start", "state_mark", "state_span", "prompt_roles", "segments_seen")
 
     def __init__(self, tel: _Owner, traj: Any, shapes: _Shapes):
         ambient = _current_span()  # a span the caller has open (a training step...) is linked, not a parent
@@ -297,7 +297,8 @@ class _Root(_Span):
         self.traj, self.shapes, self.state_span, self.prompt_roles = traj, shapes, None, None
         tel._live[self._trace_id] = self
         self._token = _CV.set(_Context({_SPAN_KEY: self})) if _CV is not None else _attach(self, alone=True)
-        self.state_mark = len(traj.segments)  # the span counts the tokens appended after this mark
+        self.state_mark = len(traj.runs)  # the span counts the tokens appended after this mark
+        self.segments_seen = len(traj.closed)  # segments closed when the state's span began
         self.state_id = _random_bits(64) or 1
         self._start = self.state_start = _time_ns()
         if traj.state in shapes.user_states:
@@ -316,7 +317,10 @@ class _Root(_Span):
         span of the state entered starts. (Written flat: it runs once per transition of every trajectory.)"""
         now = _time_ns()
         traj, shapes = self.traj, self.shapes
-        model, observation = traj.segments.tokens_since(self.state_mark)
+        if len(traj.closed) == self.segments_seen:  # `closed` is empty unless a rewrite ran: one len()
+            model, observation = traj.runs.tokens_since(self.state_mark)
+        else:
+            model, observation = self._new_segments(now)
         dest = edge.dest
         final = dest in shapes.finals
         reason = (traj.termination_reason or "") if final else None
@@ -336,11 +340,25 @@ class _Root(_Span):
             _detach(span._token)
             span.end(now)
         if not final:
-            self.state_mark = len(traj.segments)
+            self.state_mark = len(traj.runs)
             self.state_id = _random_bits(64) or 1
             self.state_start = now
             if dest in shapes.user_states:
                 self._user_state(dest)
+
+    def _new_segments(self, now: int) -> tuple[int, int]:
+        """A rewrite in this state started segments: an event on the root span for each, and the tokens the
+        state appended across them (the closed ones from the state's mark, then the new ones whole)."""
+        traj, first = self.traj, self.segments_seen
+        model = observation = 0
+        for seg in traj.segments[first:]:
+            m, o = seg.runs.tokens_since(self.state_mark if seg.index == first else 0)
+            model, observation = model + m, observation + o
+            if seg.index > first:
+                self.add_event("fsm.segment", {"fsm.segment.index": seg.index, "fsm.segment.reason": seg.reason,
+                                               "fsm.segment.prompt_tokens": len(seg.prompt_ids)}, now)  # fmt: skip
+        self.segments_seen = len(traj.closed)
+        return model, observation
 
     def state_failed(self, exc: BaseException) -> None:
         """The state's action (or its guards) raised: the span is `{SOURCE} -> error`, status ERROR."""
@@ -522,14 +540,14 @@ _ROLES = ("system", "user", "assistant", "tool")
 
 def _roles(root: _Root) -> list[tuple[str, int]]:
     """Where each message of the model's context ends, as (role, end) in the request's prompt ids: the
-    prompt's messages (found once per trajectory, `_prompt_roles`), then the trajectory's segments (template
+    prompt's messages (found once per trajectory, `_prompt_roles`), then the trajectory's token runs (template
     scaffolding joins the message before it, as turns of the same role join)."""
     traj = root.traj
     roles = root.prompt_roles
     if roles is None:
         roles = root.prompt_roles = _prompt_roles(traj, root.shapes.codec)
     roles, base = list(roles), len(traj.prompt_ids)
-    for seg in traj.segments:
+    for seg in traj.runs:
         role = seg.role if seg.role in _ROLES else roles[-1][0]
         if role == roles[-1][0]:
             roles[-1] = (role, base + seg.end)

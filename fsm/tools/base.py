@@ -258,7 +258,7 @@ class AgentData:
 
     @property
     def response_ids(self) -> list[int]:
-        last = self._traj.segments.last("assistant")
+        last = self._traj.runs.last("assistant")
         return self._traj.response_ids[last.start : last.end].tolist() if last else []
 
     @property

@@ -157,3 +157,16 @@ def test_verl_tools_run_where_verl_runs_them(tok, tmp_path):
     function = instantiate(fsm_entry(tmp_path), config, server, tok, load_tools("function"))
     assert isinstance(base.agent.tools.by_name["calculator"].lane, InlineLane)
     assert isinstance(function.agent.tools.by_name["calculator"].lane, ThreadLane)
+
+
+@needs_verl
+def test_a_segmenting_spec_is_refused_in_one_line(tok, tmp_path):
+    """verl 0.9.1's worker takes one AgentLoopOutput per input row; a spec that rewrites its context may give
+    several rows (docs/contexts.md), so the entry refuses it when verl constructs it, saying why."""
+    from hydra.errors import InstantiationException
+
+    config = trainer_config(256)
+    server = ReplayServer([], eos=tok.eos_token_id, prompt_length=512, response_length=256)
+    with pytest.raises(InstantiationException, match="takes one output per input") as err:
+        instantiate(fsm_entry(None, spec="specs/calculator_compact.yaml"), config, server, tok, load_tools("base"))
+    assert "calculator_compact" in str(err.value) and "rewrites its context" in str(err.value)

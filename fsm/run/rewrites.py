@@ -1,0 +1,134 @@
+"""Explicit context rewrites, named under the spec's `context.rewrites` and used as state actions: a
+model-written summary, a window over the last exchanges, or a user function over the messages. Each starts a
+new segment (fsm/run/trajectory.py `start_segment`); the `template` policy's own segments begin in
+fsm/run/policy.py.
+
+Each new segment's prompt is the render of its conversation, so every row is exactly what the model was given;
+the model's own tokens are never re-tokenized within a segment (they stay as sampled).
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from fsm.run.actions import _resumed_turn  # the one model-turn path (resumes, pause gate, versions)
+from fsm.run.context import RunContext
+from fsm.run.policy import begin
+from fsm.run.trajectory import Trajectory
+from fsm.spec.model import RewriteSpec
+
+Action = Callable[[RunContext, Trajectory], Awaitable[None]]
+
+
+def _head(messages: list[dict[str, Any]]) -> int:
+    """How many leading messages are the task: up to and including the first user message."""
+    for i, m in enumerate(messages):
+        if m.get("role") == "user":
+            return i + 1
+    return len(messages)
+
+
+def window(messages: list[dict[str, Any]], keep_last: int) -> list[dict[str, Any]]:
+    """The task and the last `keep_last` exchanges (a model turn and the observations after it)."""
+    head = _head(messages)
+    starts = [i for i in range(head, len(messages)) if messages[i].get("role") == "assistant"]
+    if len(starts) <= keep_last:
+        return messages
+    return messages[:head] + messages[starts[-keep_last]:]
+
+
+def _restart(ctx: RunContext, traj: Trajectory, messages: list[dict[str, Any]], reason: str) -> None:
+    """The conversation becomes `messages`; a new segment starts from its render (nothing when unchanged)."""
+    messages = [dict(m) for m in messages]
+    begin(ctx, traj, ctx.codec.encode_prompt(messages, traj.tool_schemas), reason, messages)
+
+
+def make_rewrite(name: str, spec: RewriteSpec, fn: Any = None) -> Action:
+    """The action a named rewrite of the spec runs; `fn` is the resolved user function, if any."""
+    if spec.keep_last is not None:
+        keep = spec.keep_last
+
+        async def window_action(ctx: RunContext, traj: Trajectory) -> None:
+            new = window(traj.messages, keep)
+            if new is not traj.messages:
+                _restart(ctx, traj, new, "rewrite")
+
+        window_action.__name__ = name
+        return window_action
+    if fn is not None:
+
+        async def function_action(ctx: RunContext, traj: Trajectory) -> None:
+            new = fn([dict(m) for m in traj.messages])
+            if inspect.isawaitable(new):
+                new = await new
+            if not isinstance(new, list) or not new or not all(isinstance(m, dict) and "role" in m for m in new):
+                raise TypeError(f"rewrite {name!r}: {spec.function} must return a non-empty list of chat messages")
+            if new != traj.messages:
+                _restart(ctx, traj, new, "rewrite")
+
+        function_action.__name__ = name
+        return function_action
+    summary = spec.summary
+    assert summary is not None
+
+    async def summary_action(ctx: RunContext, traj: Trajectory) -> None:
+        task = traj.messages[: _head(traj.messages)]
+        asking = [*traj.messages, {"role": "user", "content": summary.instruction}]
+        if not begin(ctx, traj, ctx.codec.encode_prompt(asking, traj.tool_schemas), "summary", asking):
+            return
+        limits = ctx.agent.limits
+        cap = summary.max_new_tokens or ctx.sampling.max_new_tokens or limits.response_length
+        params = ctx.sampling.for_turn(traj, min(cap, limits.response_length))
+        t0 = time.perf_counter()
+        try:
+            ids, logprobs, versions, finish = await _resumed_turn(
+                ctx, traj, params, f"{traj.session_id}_s{traj.assistant_turns:02d}")
+        finally:
+            traj.metrics.generate_sequences += time.perf_counter() - t0
+        if ctx.sampling.logprobs and logprobs is None:
+            traj.logprobs_missing = True
+        traj.append_generated(ids, logprobs, versions)
+        traj.assistant_turns += 1
+        traj.last_finish_reason = finish
+        message = ctx.codec.assistant_message(ctx.codec.turn_text(ids), [])
+        traj.messages.append(message)  # the summary segment's conversation, for --check-tokens
+        text = str(message.get("content") or "").strip()
+        _restart(ctx, traj, [*task, {"role": "user", "content": summary.prefix + text}], "rewrite")
+
+    summary_action.__name__ = name
+    return summary_action
+
+
+def rewrite_loops(states: dict[str, Any], rewrites: dict[str, RewriteSpec]) -> list[list[str]]:
+    """Cycles through a rewrite state with no model turn (`generate`) in them: each would rewrite forever.
+    Returns one member list per such cycle (the strongly connected part around each rewrite state)."""
+    graph = {s: [t.to for t in st.next if t.to in states and states[t.to].action != "generate"]
+             for s, st in states.items() if st.action != "generate"}  # fmt: skip
+    found, seen = [], set()
+    for name, st in states.items():
+        if st.action not in rewrites or name in seen or name not in graph:
+            continue
+        forward = _reach(name, graph)
+        reverse: dict[str, list[str]] = {s: [] for s in graph}
+        for s, outs in graph.items():
+            for d in outs:
+                reverse[d].append(s)
+        backward = _reach(name, reverse)
+        loop = forward & backward
+        if name in graph[name] or len(loop) > 1:
+            seen |= loop
+            found.append([s for s in states if s in loop])
+    return found
+
+
+def _reach(start: str, graph: dict[str, list[str]]) -> set[str]:
+    seen, todo = {start}, [start]
+    while todo:
+        for nxt in graph.get(todo.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
