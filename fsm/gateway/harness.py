@@ -46,6 +46,7 @@ from fsm.tools.isolation import ThreadLane
 _LIVE: dict[str, Session] = {}  # trajectory session_id -> its gateway session, while its harness runs
 _LANE: ThreadLane | None = None  # sync harnesses' own threads (never the loop's executor)
 MAX_OUTPUT_BYTES = 1 << 20  # a command's stdout kept as its result
+REAP_S = 5.0  # how long a stopped harness may take to end
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,13 @@ async def _next_event(ctx: RunContext, traj: Trajectory, session: Session, timeo
     """Wait until the harness makes a model call within the limits (the state then moves to GENERATING) or
     ends; calls past a limit are answered with an API error here."""
     task: asyncio.Task[dict[str, Any]] = session.task  # type: ignore[attr-defined]
+    outcome = await _wait(ctx, traj, session, task, timeout_s)
+    if outcome is not None:
+        await _end(traj, session, task, outcome)
+
+
+async def _wait(ctx: RunContext, traj: Trajectory, session: Session, task: asyncio.Task[Any],
+                timeout_s: float) -> dict[str, Any] | None:  # fmt: skip
     loop = asyncio.get_running_loop()
     max_refused = session.gateway.limits.max_refused_calls
     try:
@@ -113,30 +121,27 @@ async def _next_event(ctx: RunContext, traj: Trajectory, session: Session, timeo
                 refusal = _past_limit(ctx, traj)
                 if refusal is None:
                     session.take()
-                    return
+                    return None
                 _call, future = session.pending
                 session.pending = None
                 session.refused += 1
                 if not future.done():
                     future.set_exception(LimitReached(refusal))
                 if session.refused > max_refused:
-                    _end(traj, session, task, {"outcome": "spinning", "error": f"{session.refused} calls past the "
-                         f"spec's limits (the last: {refusal}); the gateway allows {max_refused}"})  # fmt: skip
-                    return
+                    return {"outcome": "spinning", "error": f"{session.refused} calls past the spec's limits (the "
+                            f"last: {refusal}); the gateway allows {max_refused}"}  # fmt: skip
                 continue
             if task.done():
-                _end(traj, session, task, task.result() if not task.cancelled() else {"outcome": "cancelled"})
-                return
+                return task.result() if not task.cancelled() else {"outcome": "cancelled"}
             left = traj.extra["_harness_deadline"] - loop.time()
             if left <= 0:
-                _end(traj, session, task, {"outcome": "timeout", "error": f"the harness ran past its {timeout_s:g} s"})
-                return
+                return {"outcome": "timeout", "error": f"the harness ran past its {timeout_s:g} s"}
             session.wake.clear()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(left):
                     await session.wake.wait()
     except BaseException:  # the action's own timeout, a cancelled run: the harness ends with the row
-        _end(traj, session, task, {"outcome": "cancelled", "error": "the row ended while its harness ran"})
+        await asyncio.shield(_end(traj, session, task, {"outcome": "cancelled", "error": "the row ended while its harness ran"}))
         raise
 
 
@@ -149,14 +154,19 @@ def _past_limit(ctx: RunContext, traj: Trajectory) -> str | None:
     return None
 
 
-def _end(traj: Trajectory, session: Session, task: asyncio.Task[Any], outcome: dict[str, Any]) -> None:
-    if not task.done():
-        task.cancel()
+async def _end(traj: Trajectory, session: Session, task: asyncio.Task[Any], outcome: dict[str, Any]) -> None:
+    """Record the outcome, close the session and stop the harness (a command's process group is killed and
+    reaped; a sync function's thread is written off)."""
     traj.extra.pop("_harness_deadline", None)
     traj.extra["harness"] = outcome
     traj.extra["harness_calls"] = session.calls
     _LIVE.pop(traj.session_id, None)
     session.close()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            async with asyncio.timeout(REAP_S):
+                await task
 
 
 async def gateway_generate(ctx: RunContext, traj: Trajectory) -> None:
@@ -177,7 +187,7 @@ async def gateway_generate(ctx: RunContext, traj: Trajectory) -> None:
     except BaseException as exc:  # the row fails (a dead server, a timeout): the harness ends with it
         task = getattr(session, "task", None)
         if task is not None:
-            _end(traj, session, task, {"outcome": "error", "error": f"model call failed: {exc}"})
+            await _end(traj, session, task, {"outcome": "error", "error": f"model call failed: {exc}"})
         if not future.done():
             future.set_exception(GatewayError(f"the model call failed: {exc}", code="server_error", status=500))
         raise
@@ -200,7 +210,7 @@ def harness_calling(traj: Trajectory) -> bool:
 def harness_failed(traj: Trajectory) -> bool:
     """The harness raised, exited non-zero, timed out or kept calling past the limits."""
     outcome = traj.extra.get("harness") or {}
-    return outcome.get("outcome") not in (None, "returned") or outcome.get("exit_code") not in (None, 0)
+    return outcome.get("outcome") not in (None, "returned", "exit") or outcome.get("exit_code") not in (None, 0)
 
 
 # --- running one -------------------------------------------------------------------------------------------
