@@ -217,7 +217,13 @@ class Gateway:
 
 
 _ATTACHED: weakref.WeakKeyDictionary[Any, Gateway] = weakref.WeakKeyDictionary()
-_DEFAULT: dict[Any, Gateway] = {}  # event loop -> the loopback gateway started on first use
+_DEFAULT: dict[Any, Gateway] = {}  # event loop -> the gateway started on first use
+_CONFIG: dict[str, Any] = {}  # what a gateway started on first use binds to (configure)
+
+
+def configure(host: str = "127.0.0.1", port: int = 0, limits: GatewayLimits | None = None) -> None:
+    """Where gateways started on first use listen, and their limits (`agentfsm gateway` sets it)."""
+    _CONFIG.update(host=host, port=port, limits=limits)
 
 
 async def gateway_for(backend: Any) -> Gateway:
@@ -230,7 +236,9 @@ async def gateway_for(backend: Any) -> Gateway:
     if gateway is None:
         for old in [k for k in _DEFAULT if k.is_closed()]:
             del _DEFAULT[old]
-        gateway = _DEFAULT[loop] = Gateway()
+        gateway = _DEFAULT[loop] = Gateway(**_CONFIG)
+        await gateway.start()
+        log.info("gateway listening on %s (sessions under /sessions/{id}/v1)", gateway.url)
     return await gateway.start()
 
 

@@ -233,3 +233,12 @@ def test_sessions_are_bounded(tmp_path, tokenizer):
     trajs, _ = run(spec(tmp_path, "tests.gateway.test_hostile:hang_harness"), tokenizer, [row(), row()], gateway)
     errors = [t.error for t in trajs if t.error]
     assert len(errors) == 1 and "max_sessions (1)" in errors[0]
+
+
+def test_the_cli_binds_loopback_by_default_and_validates_its_flags(capsys):
+    from fsm.cli.commands import build_parser, main
+
+    args = build_parser().parse_args(["gateway", "examples/gateway/base.yaml"])
+    assert args.host == "127.0.0.1" and args.gateway_port == 0 and args.max_sessions == 10_000
+    assert main(["gateway", "examples/gateway/base.yaml", "--max-sessions", "0"]) == 2
+    assert "--max-sessions" in capsys.readouterr().err
