@@ -132,19 +132,18 @@ def _as_object(arguments: Any) -> Any:
 class Recorder:
     """The recorded side of one session: the conversation keys so far and the tools its prompt was made with."""
 
-    __slots__ = ("keys", "tools_key", "turns")
+    __slots__ = ("keys", "tools", "turns")
 
     def __init__(self) -> None:
         self.keys: list[tuple] = []
-        self.tools_key: str | None = None
+        self.tools: list[dict[str, Any]] | None = None
         self.turns = 0
 
     def new_messages(self, call: Call) -> list[dict[str, Any]]:
         """The request's messages past the recorded conversation; HistoryDiverged when it does not extend it."""
-        tools_key = json.dumps(call.tools or [], sort_keys=True)
         if not self.keys:
             return call.messages
-        if tools_key != self.tools_key:
+        if (call.tools or None) != self.tools:  # dict equality: the order of keys does not matter
             raise HistoryDiverged("the request's tools differ from those the session's prompt was rendered with")
         n = len(self.keys)
         keys = [message_key(m) for m in call.messages[:n]]
@@ -178,7 +177,7 @@ async def record_call(ctx: RunContext, traj: Trajectory, recorder: Recorder, cal
         traj.messages = templ
         traj.tool_schemas = call.tools
         traj.prompt_ids.extend(ids)
-        recorder.tools_key = json.dumps(call.tools or [], sort_keys=True)
+        recorder.tools = call.tools or None
     elif templ:
         role = "tool" if any(m["role"] == "tool" for m in templ) else "user"
         if not ctx.add_observation(traj, templ, role=role):

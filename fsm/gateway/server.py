@@ -111,6 +111,7 @@ class Gateway:
         self.limits = limits or GatewayLimits()
         self.sessions: dict[str, Session] = {}
         self._runner: web.AppRunner | None = None
+        self._starting: asyncio.Future[None] | None = None  # the first start(); concurrent callers await it
 
     @property
     def url(self) -> str:
@@ -118,8 +119,24 @@ class Gateway:
         return f"http://{host}:{self.port}"
 
     async def start(self) -> Gateway:
+        """Listen (once: every caller after the first awaits the first's start)."""
         if self._runner is not None:
             return self
+        if self._starting is not None:
+            await asyncio.shield(self._starting)
+            return self
+        self._starting = asyncio.get_running_loop().create_future()
+        try:
+            await self._listen()
+        except BaseException as exc:
+            self._starting.set_exception(exc)
+            self._starting.exception()  # retrieved: a failed start is reported to each caller, never logged
+            self._starting = None
+            raise
+        self._starting.set_result(None)
+        return self
+
+    async def _listen(self) -> None:
         app = web.Application(client_max_size=self.limits.max_request_bytes, middlewares=[self._errors])
         for path, api in (("chat/completions", "chat"), ("responses", "responses"), ("messages", "messages")):
             app.router.add_post(f"/sessions/{{sid}}/v1/{path}", self._handler(api))
@@ -128,15 +145,14 @@ class Gateway:
         await runner.setup()
         site = web.TCPSite(runner, self.host, self.port)
         await site.start()
-        self._runner = runner
         self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        return self
+        self._runner = runner
 
     async def close(self) -> None:
         for session in list(self.sessions.values()):
             session.close("the gateway is shutting down")
         if self._runner is not None:
-            runner, self._runner = self._runner, None
+            runner, self._runner, self._starting = self._runner, None, None
             await runner.cleanup()
 
     async def __aenter__(self) -> Gateway:

@@ -242,3 +242,20 @@ def test_the_cli_binds_loopback_by_default_and_validates_its_flags(capsys):
     assert args.host == "127.0.0.1" and args.gateway_port == 0 and args.max_sessions == 10_000
     assert main(["gateway", "examples/gateway/base.yaml", "--max-sessions", "0"]) == 2
     assert "--max-sessions" in capsys.readouterr().err
+
+
+def test_concurrent_first_uses_start_one_server():
+    async def main() -> set[int]:
+        gateway = Gateway()
+
+        async def port() -> int:
+            await gateway.start()
+            return gateway.port
+
+        try:
+            return set(await asyncio.gather(*(port() for _ in range(20))))
+        finally:
+            await gateway.close()
+
+    ports = asyncio.run(main())
+    assert len(ports) == 1 and 0 not in ports  # every first user got the one server
