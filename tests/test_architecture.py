@@ -133,7 +133,7 @@ def test_every_package_is_in_the_wheel():
 
 # fsm's packages in the order of a run's stages: each may import only those before it (fsm/*/__init__.py say
 # so in words). The chat codecs and parsers (families) are at the bottom; the composition (api, adapters, cli) on top.
-STAGES = ["families", "spec", "data", "tools", "run", "output", "telemetry", "api", "adapters", "cli"]
+STAGES = ["families", "spec", "data", "tools", "run", "output", "telemetry", "api", "gateway", "adapters", "cli"]
 
 
 def _stage(module: str) -> str | None:

@@ -170,6 +170,16 @@ def command_line(commands: Mapping[str, Callable[[argparse.Namespace], int]]) ->
     p.add_argument("-q", "--quiet", action="store_true", help="print only errors, warnings and the final "
                    "'wrote ...' line")  # fmt: skip
     p.set_defaults(fn=commands["run"])
+    run_parser = p
+
+    p = command("gateway", "run a harness spec (an agent in another framework) through the gateway: `run`'s flags, "
+                "and where the gateway listens (docs/gateway.md)")  # fmt: skip
+    for act in run_parser._actions[1:]:  # every flag of `run`, then the gateway's own
+        p._add_action(act)
+    from fsm.gateway.serve import add_arguments
+
+    add_arguments(p)
+    p.set_defaults(fn=commands["gateway"])
 
     p = command("render", "draw a spec (.svg .png .pdf .dot .mmd), optionally annotated by a run")
     p.add_argument("spec", metavar="SPEC", help="the spec file (YAML)")
@@ -191,7 +201,7 @@ def command_line(commands: Mapping[str, Callable[[argparse.Namespace], int]]) ->
 
     p = command("bench", "benchmarks that print numbers (JSON)")
     p.add_argument("what", choices=["engine", "router", "hf", "prefix-cache", "tracing", "ray", "faults", "async",
-                                    "families", "collate", "vs-verl", "engines"],
+                                    "families", "collate", "vs-verl", "engines", "gateway"],
                    help="which benchmark")
     p.add_argument("--n", type=COUNT, default=2000, metavar="N", help="engine: trajectories; engines: prompts (default 8)")
     p.add_argument("--concurrency", type=COUNT, metavar="N", help="engine: trajectories in flight (default: --n)")

@@ -623,8 +623,14 @@ def _default_model() -> str:
     return str(ASSET_DIR)
 
 
+def cmd_gateway(args: argparse.Namespace) -> int:
+    from fsm.gateway.serve import cmd_gateway as gateway
+
+    return gateway(args, cmd_run)
+
+
 COMMANDS = {"validate": cmd_validate, "schema": cmd_schema, "run": cmd_run, "render": cmd_render, "show": cmd_show,
-            "bench": cmd_bench, "dev-server": cmd_dev_server}
+            "bench": cmd_bench, "dev-server": cmd_dev_server, "gateway": cmd_gateway}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,199 @@
+"""`agentfsm bench gateway`: the gateway's CPU per model call against the native state machine doing the same
+conversation.
+
+Both run the calculator conversation on the tiny tokenizer's real chat template (system prompt with the tool
+schema, the question, a calculator call, its result, the answer) against the same zero-latency scripted
+model, each row in its own trajectory, at 1 and at 1,000 sessions in flight. Native: specs/calculator.yaml
+(the engine renders, calls the tool, parses). Gateway: examples/gateway/base.yaml's states with a minimal
+harness that speaks Chat Completions over loopback HTTP with one shared aiohttp client, runs the calculator
+itself and loops. The gateway's number therefore includes its client's side of the HTTP too (`gateway_and_client`, an
+upper bound); `gateway` runs the same harness in a separate client process, so the number is the gateway's own
+CPU (plus one line on a pipe per row). `--workload` is not used. CPU is the process's (time.process_time), divided by
+the model calls made; the median of `repeats`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from backends.scripted import ScriptedBackend
+from fsm.api import load_tokenizer, tiny_model_dir
+from fsm.gateway import HarnessCall, harness
+from fsm.run.compile import compile_spec
+from fsm.run.runtime import Runner
+from specs.calculator import SYSTEM_PROMPT, TOOL_SCHEMA, _format, evaluate
+
+ROOT = Path(__file__).resolve().parent.parent
+CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1 + 2"}}\n</tool_call>'
+ANSWER = "The answer is 3.\n#### 3"
+_HTTP: dict[Any, Any] = {}  # event loop -> the harnesses' shared aiohttp client
+
+
+def _backend(tokenizer: Any) -> ScriptedBackend:
+    ids = [tokenizer.encode(t, add_special_tokens=False) + [tokenizer.eos_token_id] for t in (CALL, ANSWER)]
+    backend = ScriptedBackend(lambda session, k, prompt: ids[min(k, 1)])
+    backend.record_requests = False
+    return backend
+
+
+async def minimal_harness(call: HarnessCall) -> str:
+    """The least a harness can do: POST the conversation, run the calculator, POST again."""
+    import aiohttp
+
+    loop = asyncio.get_running_loop()
+    http = _HTTP.get(loop)
+    if http is None:
+        http = _HTTP[loop] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+    headers = {"Authorization": f"Bearer {call.api_key}"}
+    messages: list[dict] = [{"role": "system", "content": SYSTEM_PROMPT}, *call.messages]
+    for _ in range(4):
+        async with http.post(f"{call.base_url}/chat/completions", headers=headers,
+                             json={"model": "m", "messages": messages, "tools": [TOOL_SCHEMA]}) as r:  # fmt: skip
+            message = (await r.json())["choices"][0]["message"]
+        messages.append(message)
+        if not message.get("tool_calls"):
+            return message["content"]
+        for tc in message["tool_calls"]:
+            result = _format(evaluate(**json.loads(tc["function"]["arguments"])))
+            messages.append({"role": "tool", "tool_call_id": tc["id"], "content": result})
+    return ""
+
+
+bench_harness = harness(minimal_harness, timeout_s=600)
+
+_CLIENT: dict[Any, Any] = {}  # event loop -> (the client process, its pending rows)
+
+
+async def remote_harness(call: HarnessCall) -> str:
+    """The same harness run in a separate client process (`python -m bench.gateway`): this process then spends
+    only the gateway's CPU (and a line on a pipe per row)."""
+    loop = asyncio.get_running_loop()
+    client = _CLIENT.get(loop)
+    if client is None:
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "bench.gateway", stdin=asyncio.subprocess.PIPE,
+                                                    stdout=asyncio.subprocess.PIPE, cwd=ROOT, limit=1 << 20)  # fmt: skip
+        pending: dict[str, asyncio.Future[str]] = {}
+
+        async def read() -> None:
+            while line := await proc.stdout.readline():  # type: ignore[union-attr]
+                rid, result = json.loads(line)
+                pending.pop(rid).set_result(result)
+
+        client = _CLIENT[loop] = (proc, pending, loop.create_task(read()))
+    proc, pending, _reader = client
+    future = pending[call.api_key] = loop.create_future()
+    proc.stdin.write(json.dumps([call.api_key, call.base_url, call.messages]).encode() + b"\n")
+    return await future
+
+
+async def _stop_client() -> None:
+    client = _CLIENT.pop(asyncio.get_running_loop(), None)
+    if client is not None:
+        proc, _pending, reader = client
+        proc.stdin.close()
+        await proc.wait()
+        reader.cancel()
+
+
+async def _client_main() -> None:
+    """The client process: rows in on stdin, each run by minimal_harness concurrently, results out on stdout."""
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=1 << 20)
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    tasks = set()
+
+    async def one(rid: str, base_url: str, messages: list) -> None:
+        result = await minimal_harness(HarnessCall(base_url, "", rid, "m", {"raw_prompt": messages}))
+        sys.stdout.write(json.dumps([rid, result]) + "\n")
+        sys.stdout.flush()
+
+    while line := await reader.readline():
+        task = asyncio.create_task(one(*json.loads(line)))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+    await asyncio.gather(*tasks)
+    http = _HTTP.pop(loop, None)
+    if http is not None:
+        await http.close()
+
+
+remote_bench_harness = harness(remote_harness, timeout_s=600)
+
+
+def _rows(n: int, system: bool) -> list[dict[str, Any]]:
+    prompt = [{"role": "system", "content": SYSTEM_PROMPT}] if system else []
+    return [{"raw_prompt": [*prompt, {"role": "user", "content": "What is 1 + 2?"}], "uid": f"r{i}",
+             "reward_model": {"ground_truth": "3"}} for i in range(n)]  # fmt: skip
+
+
+def _gateway_spec(tmp: Path, action: str = "bench_harness") -> Path:
+    path = tmp / f"gateway_{action}.yaml"
+    path.write_text(f"name: gateway_bench\nextends: {ROOT / 'examples/gateway/base.yaml'}\nstates:\n  HARNESS:\n"
+                    f"    action: bench.gateway:{action}\n"
+                    "    next:\n      - {to: GENERATING, when: harness_calling}\n"
+                    "      - {to: TERMINATED, when: harness_failed, reason: harness_failed}\n"
+                    "      - {to: TERMINATED, reason: done}\n")  # fmt: skip
+    return path
+
+
+async def _measure(runner: Runner, rows: list[dict[str, Any]]) -> tuple[float, int]:
+    t0 = time.process_time()
+    trajs = await runner.run(rows)
+    cpu = time.process_time() - t0
+    bad = [t for t in trajs if t.failed or t.assistant_turns != 2]
+    assert not bad, f"bench gateway: {bad[0].error or bad[0].extra.get('harness')}"
+    return cpu, sum(t.assistant_turns for t in trajs)
+
+
+def bench_gateway(sessions: tuple[int, ...] = (1, 1000), repeats: int = 3, calls_at_one: int = 200) -> dict[str, Any]:
+    """CPU µs per model call, native and through the gateway, at each number of sessions in flight."""
+    import tempfile
+
+    tokenizer = load_tokenizer(tiny_model_dir())
+    out: dict[str, Any] = {"repeats": repeats, "rows": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        agents = {"native": compile_spec(ROOT / "specs" / "calculator.yaml"),
+                  "gateway": compile_spec(_gateway_spec(Path(tmp), "remote_bench_harness")),
+                  "gateway_and_client": compile_spec(_gateway_spec(Path(tmp)))}  # fmt: skip
+
+        async def one(kind: str, n: int, concurrency: int) -> tuple[float, int]:
+            runner = Runner(agents[kind], _backend(tokenizer), tokenizer, max_concurrency=concurrency, watchdog_s=None)
+            runner.agent.reward = None  # the reward is the same on both sides and not what is measured
+            try:
+                return await _measure(runner, _rows(n, system=kind == "native"))
+            finally:
+                http = _HTTP.pop(asyncio.get_running_loop(), None)
+                if http is not None:
+                    await http.close()
+                await _stop_client()
+
+        for concurrency in sessions:
+            n = calls_at_one // 2 if concurrency == 1 else concurrency
+            row: dict[str, Any] = {}
+            for kind in ("native", "gateway", "gateway_and_client"):
+                asyncio.run(one(kind, min(n, 20), concurrency))  # warm up: template compilation, caches, imports
+                runs = []
+                for _ in range(repeats):
+                    cpu, calls = asyncio.run(one(kind, n, concurrency))
+                    runs.append(cpu / calls * 1e6)
+                row[f"{kind}_cpu_us_per_call"] = round(statistics.median(runs), 1)
+                row[f"{kind}_runs_us"] = [round(r, 1) for r in runs]
+            row["ratio"] = round(row["gateway_cpu_us_per_call"] / row["native_cpu_us_per_call"], 2)
+            row["ratio_with_client"] = round(row["gateway_and_client_cpu_us_per_call"] / row["native_cpu_us_per_call"], 2)
+            row["model_calls"] = 2 * n
+            out["rows"][f"{concurrency}_in_flight"] = row
+            print(f"bench gateway: {concurrency} in flight: native {row['native_cpu_us_per_call']:.0f} µs, gateway "
+                  f"{row['gateway_cpu_us_per_call']:.0f} µs CPU per model call ({row['ratio']}x); with its client in the "
+                  f"same process {row['gateway_and_client_cpu_us_per_call']:.0f} µs ({row['ratio_with_client']}x)",
+                  file=sys.stderr)  # fmt: skip
+    return out
+
+
+if __name__ == "__main__":
+    asyncio.run(_client_main())

@@ -1,0 +1,146 @@
+"""Anthropic Messages as the `anthropic` SDK sends it (non-streaming and streaming): a request becomes a
+canonical `Call` (fsm/gateway/record.py), an `Answer` becomes a message with thinking, text and tool_use
+blocks. Only data is read from a request: nothing in it is executed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+from fsm.gateway.record import Answer, Call, GatewayError
+
+STOP_REASONS = {"stop": "end_turn", "tool_calls": "tool_use", "length": "max_tokens"}
+
+
+def _blocks(content: Any, where: str) -> list[dict[str, Any]]:
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if not isinstance(content, list):
+        raise GatewayError(f"{where}: content must be a string or a list of blocks")
+    for k, block in enumerate(content):
+        if not isinstance(block, dict) or not isinstance(block.get("type"), str):
+            raise GatewayError(f"{where}.content[{k}] must be a block with a type")
+    return content
+
+
+def _block_text(content: Any, where: str) -> str:
+    if content is None:
+        return ""
+    out = []
+    for k, block in enumerate(_blocks(content, where)):
+        if block["type"] != "text" or not isinstance(block.get("text"), str):
+            raise GatewayError(f"{where}.content[{k}]: block type {block['type']!r} is not supported here (text only)")
+        out.append(block["text"])
+    return "".join(out)
+
+
+def messages_call(body: dict[str, Any]) -> Call:
+    out: list[dict[str, Any]] = []
+    if body.get("system"):
+        out.append({"role": "system", "content": _block_text(body["system"], "system")})
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise GatewayError("messages: must be a non-empty list")
+    for i, m in enumerate(messages):
+        where = f"messages.{i}"
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+            raise GatewayError(f"{where}: role must be 'user' or 'assistant'")
+        blocks = _blocks(m.get("content"), where)
+        if m["role"] == "assistant":
+            text, calls = [], []
+            for k, b in enumerate(blocks):
+                if b["type"] == "text":
+                    text.append(str(b.get("text") or ""))
+                elif b["type"] == "tool_use":
+                    if not isinstance(b.get("name"), str):
+                        raise GatewayError(f"{where}.content.{k}: tool_use needs a name")
+                    calls.append({"id": b.get("id"), "name": b["name"], "arguments": b.get("input")})
+                elif b["type"] not in ("thinking", "redacted_thinking"):
+                    raise GatewayError(f"{where}.content.{k}: block type {b['type']!r} is not supported")
+            out.append({"role": "assistant", "content": "".join(text), "tool_calls": calls})
+            continue
+        text = []
+        for k, b in enumerate(blocks):
+            if b["type"] == "tool_result":
+                content = b.get("content")
+                result = _block_text(content, f"{where}.content.{k}") if content is not None else ""
+                out.append({"role": "tool", "content": result, "tool_call_id": b.get("tool_use_id")})
+            elif b["type"] == "text":
+                text.append(str(b.get("text") or ""))
+            else:
+                raise GatewayError(f"{where}.content.{k}: block type {b['type']!r} is not supported")
+        if text:
+            out.append({"role": "user", "content": "".join(text)})
+    max_tokens = body.get("max_tokens")
+    if type(max_tokens) is not int or max_tokens <= 0:
+        raise GatewayError("max_tokens: a positive integer is required")
+    tools = None
+    if body.get("tools") is not None:
+        if not isinstance(body["tools"], list):
+            raise GatewayError("tools: must be a list")
+        tools = []
+        for k, t in enumerate(body["tools"]):
+            if not isinstance(t, dict) or not isinstance(t.get("name"), str):
+                raise GatewayError(f"tools.{k}: a tool needs a name (custom tools only)")
+            fn = {"name": t["name"]}
+            if t.get("description") is not None:
+                fn["description"] = str(t["description"])
+            fn["parameters"] = t.get("input_schema") or {"type": "object", "properties": {}}
+            tools.append({"type": "function", "function": fn})
+        tools = tools or None
+    return Call(out, tools, max_tokens, bool(body.get("stream")), {"model": str(body.get("model") or "")})
+
+
+def _content(a: Answer) -> list[dict[str, Any]]:
+    blocks: list[dict[str, Any]] = []
+    if a.reasoning:
+        blocks.append({"type": "thinking", "thinking": a.reasoning, "signature": ""})
+    if a.content or not a.tool_calls:
+        blocks.append({"type": "text", "text": a.content})
+    for c in a.tool_calls:
+        try:
+            args = json.loads(c["arguments"])
+        except ValueError:
+            args = {}
+        blocks.append({"type": "tool_use", "id": c["id"], "name": c["name"], "input": args if isinstance(args, dict) else {}})
+    return blocks
+
+
+def messages_answer(a: Answer, call: Call, session: str) -> dict[str, Any]:
+    return {"id": f"msg_{session}_{a.turn}", "type": "message", "role": "assistant", "model": call.extra.get("model", ""),
+            "content": _content(a), "stop_reason": STOP_REASONS[a.finish], "stop_sequence": None,
+            "usage": {"input_tokens": a.prompt_tokens, "output_tokens": a.completion_tokens}}  # fmt: skip
+
+
+def messages_stream(a: Answer, call: Call, session: str) -> Iterator[bytes]:
+    final = messages_answer(a, call, session)
+
+    def event(kind: str, **data: Any) -> bytes:
+        return f"event: {kind}\ndata: ".encode() + json.dumps({"type": kind, **data}, ensure_ascii=False).encode() + b"\n\n"
+
+    yield event("message_start", message={**final, "content": [], "stop_reason": None,
+                                          "usage": {"input_tokens": a.prompt_tokens, "output_tokens": 0}})  # fmt: skip
+    for k, block in enumerate(final["content"]):
+        if block["type"] == "thinking":
+            yield event("content_block_start", index=k, content_block={"type": "thinking", "thinking": "", "signature": ""})
+            yield event("content_block_delta", index=k, delta={"type": "thinking_delta", "thinking": block["thinking"]})
+            yield event("content_block_delta", index=k, delta={"type": "signature_delta", "signature": ""})
+        elif block["type"] == "text":
+            yield event("content_block_start", index=k, content_block={"type": "text", "text": ""})
+            if block["text"]:
+                yield event("content_block_delta", index=k, delta={"type": "text_delta", "text": block["text"]})
+        else:
+            yield event("content_block_start", index=k, content_block={**block, "input": {}})
+            yield event("content_block_delta", index=k, delta={"type": "input_json_delta",
+                                                               "partial_json": json.dumps(block["input"])})  # fmt: skip
+        yield event("content_block_stop", index=k)
+    yield event("message_delta", delta={"stop_reason": final["stop_reason"], "stop_sequence": None},
+                usage={"output_tokens": a.completion_tokens})  # fmt: skip
+    yield event("message_stop")
+
+
+def anthropic_error(exc: GatewayError) -> dict[str, Any]:
+    kinds = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error"}
+    return {"type": "error", "error": {"type": kinds.get(exc.status, "invalid_request_error"), "message": str(exc)}}

@@ -1,0 +1,275 @@
+"""A harness as a state's action: an agent written in another framework runs for the row and reaches the model
+through its session of the gateway; each model call it makes is a GENERATING transition.
+
+A spec uses two actions and one guard:
+
+    imports: [fsm.gateway]
+    initial: HARNESS
+    states:
+      HARNESS:                                   # starts the harness, then waits for its next model call
+        action: examples.gateway.agents_calc:harness    # made by fsm.gateway.harness(fn) or harness(command=...)
+        next:
+          - {to: GENERATING, when: harness_calling}
+          - {to: TERMINATED, when: harness_failed, reason: harness_failed}
+          - {to: TERMINATED, reason: done}
+      GENERATING:
+        action: gateway_generate                 # records the call's new messages and the model's turn
+        next: [{to: HARNESS}]
+      TERMINATED: {final: true}
+
+The harness is a Python callable (async or not) given a `HarnessCall` (the session's base URLs, key, the
+row), or a command given the same in its environment. The state ends on its outcome: the return value, the
+exit code, or its timeout; `traj.extra["harness"]` keeps it for the reward (which reads `trajectory` and
+`messages`). A call past a spec limit (turns, response length) gets an API error the harness can handle;
+one that keeps calling past limits (`GatewayLimits.max_refused_calls`) is ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import json
+import os
+import signal
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fsm.gateway.record import GatewayError, LimitReached, record_call
+from fsm.gateway.server import Session, gateway_for
+from fsm.run.context import RunContext
+from fsm.run.trajectory import Trajectory
+from fsm.spec.registry import action, guard
+from fsm.tools.isolation import ThreadLane
+
+_LIVE: dict[str, Session] = {}  # trajectory session_id -> its gateway session, while its harness runs
+_LANE: ThreadLane | None = None  # sync harnesses' own threads (never the loop's executor)
+MAX_OUTPUT_BYTES = 1 << 20  # a command's stdout kept as its result
+REAP_S = 5.0  # how long a stopped harness may take to end
+
+
+@dataclass(frozen=True)
+class HarnessCall:
+    """What a harness gets for one row."""
+
+    base_url: str  # OpenAI SDKs: base_url=...
+    anthropic_base_url: str  # the anthropic SDK: base_url=...
+    api_key: str
+    model: str
+    row: dict[str, Any]
+
+    @property
+    def messages(self) -> list[dict[str, Any]]:
+        """The row's prompt (raw_prompt), as chat messages."""
+        return list(self.row.get("raw_prompt") or self.row.get("prompt") or [])
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {"OPENAI_BASE_URL": self.base_url, "OPENAI_API_KEY": self.api_key,
+                "ANTHROPIC_BASE_URL": self.anthropic_base_url, "ANTHROPIC_API_KEY": self.api_key,
+                "AGENTFSM_MODEL": self.model, "AGENTFSM_ROW": json.dumps(self.row, default=str)}  # fmt: skip
+
+
+def harness(fn: Callable[[HarnessCall], Any] | None = None, *, command: Sequence[str] | None = None,
+            timeout_s: float = 600.0, model: str = "agentfsm") -> Callable[[RunContext, Trajectory], Awaitable[None]]:  # fmt: skip
+    """The action of a harness state: `fn(call)` (sync or async) or `command` (argv, run without a shell)."""
+    if (fn is None) == (command is None):
+        raise ValueError("harness(): give a function or a command, not both")
+    if command is not None and (isinstance(command, str) or not all(isinstance(a, str) for a in command)):
+        raise ValueError("harness(command=...): an argv list of strings (no shell)")
+
+    async def run_harness(ctx: RunContext, traj: Trajectory) -> None:
+        session = _LIVE.get(traj.session_id)
+        if session is None:
+            gateway = await gateway_for(ctx.backend)
+            try:
+                session = gateway.open(traj.session_id)
+            except GatewayError as exc:
+                from fsm.data.rows import RowError
+
+                raise RowError(f"gateway: {exc}") from None
+            _LIVE[traj.session_id] = session
+            call = HarnessCall(session.base_url, session.anthropic_base_url, session.key, model, dict(traj.row))
+            loop = asyncio.get_running_loop()
+            task = loop.create_task(_run_command(command, call) if command is not None else _run_function(fn, call))
+            task.add_done_callback(lambda _t: session.wake.set())
+            traj.extra["_harness_deadline"] = loop.time() + timeout_s
+            session.task = task  # type: ignore[attr-defined]
+        await _next_event(ctx, traj, session, timeout_s)
+
+    run_harness.__name__ = run_harness.__qualname__ = f"harness({getattr(fn, '__name__', None) or command[0]})"  # type: ignore[index]
+    return run_harness
+
+
+async def _next_event(ctx: RunContext, traj: Trajectory, session: Session, timeout_s: float) -> None:
+    """Wait until the harness makes a model call within the limits (the state then moves to GENERATING) or
+    ends; calls past a limit are answered with an API error here."""
+    task: asyncio.Task[dict[str, Any]] = session.task  # type: ignore[attr-defined]
+    outcome = await _wait(ctx, traj, session, task, timeout_s)
+    if outcome is not None:
+        await _end(traj, session, task, outcome)
+
+
+async def _wait(ctx: RunContext, traj: Trajectory, session: Session, task: asyncio.Task[Any],
+                timeout_s: float) -> dict[str, Any] | None:  # fmt: skip
+    loop = asyncio.get_running_loop()
+    max_refused = session.gateway.limits.max_refused_calls
+    try:
+        while True:
+            if session.pending is not None:
+                refusal = _past_limit(ctx, traj)
+                if refusal is None:
+                    session.take()
+                    return None
+                _call, future = session.pending
+                session.pending = None
+                session.refused += 1
+                if not future.done():
+                    future.set_exception(LimitReached(refusal))
+                if session.refused > max_refused:
+                    return {"outcome": "spinning", "error": f"{session.refused} calls past the spec's limits (the "
+                            f"last: {refusal}); the gateway allows {max_refused}"}  # fmt: skip
+                continue
+            if task.done():
+                return task.result() if not task.cancelled() else {"outcome": "cancelled"}
+            left = traj.extra["_harness_deadline"] - loop.time()
+            if left <= 0:
+                return {"outcome": "timeout", "error": f"the harness ran past its {timeout_s:g} s"}
+            session.wake.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(left):
+                    await session.wake.wait()
+    except BaseException:  # the action's own timeout, a cancelled run: the harness ends with the row
+        await asyncio.shield(_end(traj, session, task, {"outcome": "cancelled", "error": "the row ended while its harness ran"}))
+        raise
+
+
+def _past_limit(ctx: RunContext, traj: Trajectory) -> str | None:
+    limits = ctx.agent.limits
+    if limits.max_assistant_turns is not None and traj.assistant_turns >= limits.max_assistant_turns:
+        return f"the session has made its limits.max_assistant_turns ({limits.max_assistant_turns}) model calls"
+    if len(traj.response_mask) >= limits.response_length:
+        return f"the session has used its limits.response_length ({limits.response_length}) tokens"
+    return None
+
+
+async def _end(traj: Trajectory, session: Session, task: asyncio.Task[Any], outcome: dict[str, Any]) -> None:
+    """Record the outcome, close the session and stop the harness (a command's process group is killed and
+    reaped; a sync function's thread is written off)."""
+    traj.extra.pop("_harness_deadline", None)
+    traj.extra["harness"] = outcome
+    traj.extra["harness_calls"] = session.calls
+    _LIVE.pop(traj.session_id, None)
+    session.close()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            async with asyncio.timeout(REAP_S):
+                await task
+
+
+async def gateway_generate(ctx: RunContext, traj: Trajectory) -> None:
+    """The GENERATING state of a harness: record the call the harness state took and answer it."""
+    session = _LIVE.get(traj.session_id)
+    if session is None or session.current is None:
+        from fsm.data.rows import RowError
+
+        raise RowError("gateway_generate runs after a harness state that took a model call (harness_calling)")
+    call, future = session.current
+    try:
+        answer = await record_call(ctx, traj, session.recorder, call, f"call_{session.id[:8]}")
+    except GatewayError as exc:
+        session.current = None
+        if not future.done():
+            future.set_exception(exc)
+        return
+    except BaseException as exc:  # the row fails (a dead server, a timeout): the harness ends with it
+        task = getattr(session, "task", None)
+        if task is not None:
+            await _end(traj, session, task, {"outcome": "error", "error": f"model call failed: {exc}"})
+        if not future.done():
+            future.set_exception(GatewayError(f"the model call failed: {exc}", code="server_error", status=500))
+        raise
+    session.current = None
+    if not future.done():
+        future.set_result(answer)
+
+
+action("gateway_generate")(gateway_generate)
+
+
+@guard("harness_calling")
+def harness_calling(traj: Trajectory) -> bool:
+    """The harness made a model call the state took (the next state records it)."""
+    session = _LIVE.get(traj.session_id)
+    return session is not None and session.current is not None
+
+
+@guard("harness_failed")
+def harness_failed(traj: Trajectory) -> bool:
+    """The harness raised, exited non-zero, timed out or kept calling past the limits."""
+    outcome = traj.extra.get("harness") or {}
+    return outcome.get("outcome") not in (None, "returned", "exit") or outcome.get("exit_code") not in (None, 0)
+
+
+# --- running one -------------------------------------------------------------------------------------------
+
+
+async def _run_function(fn: Callable[[HarnessCall], Any], call: HarnessCall) -> dict[str, Any]:
+    global _LANE
+    try:
+        if inspect.iscoroutinefunction(fn):
+            result = await fn(call)
+        else:
+            if _LANE is None:
+                _LANE = ThreadLane("harness", 64)
+            result = await _LANE.call(fn, call)
+            if inspect.isawaitable(result):
+                result = await result
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        return {"outcome": "error", "error": f"{type(exc).__name__}: {str(exc)[:2000]}"}
+    return {"outcome": "returned", "result": _plain(result)}
+
+
+def _plain(value: Any) -> Any:
+    """The result as JSON data where it is (kept in outputs), else its text."""
+    try:
+        json.dumps(value)
+        return value
+    except (TypeError, ValueError):
+        return str(value)
+
+
+async def _run_command(command: Sequence[str], call: HarnessCall) -> dict[str, Any]:
+    """Run the command in its own process group (ended whole on a timeout); stdout is its result."""
+    proc = await asyncio.create_subprocess_exec(*command, env={**os.environ, **call.env}, stdin=asyncio.subprocess.DEVNULL,
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                                                start_new_session=True)  # fmt: skip
+    try:
+        out, err = await asyncio.gather(_bounded(proc.stdout), _bounded(proc.stderr))
+        code = await proc.wait()
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(Exception):
+            await asyncio.shield(proc.wait())
+        raise
+    result: dict[str, Any] = {"outcome": "exit", "exit_code": code, "result": out.decode(errors="replace").strip()}
+    if code != 0:
+        result["error"] = err.decode(errors="replace").strip()[-2000:]
+    return result
+
+
+async def _bounded(stream: asyncio.StreamReader | None) -> bytes:
+    """At most MAX_OUTPUT_BYTES of a stream; the rest is read and dropped so the process never blocks on it."""
+    kept = bytearray()
+    while stream is not None:
+        chunk = await stream.read(1 << 16)
+        if not chunk:
+            break
+        if len(kept) < MAX_OUTPUT_BYTES:
+            kept += chunk[: MAX_OUTPUT_BYTES - len(kept)]
+    return bytes(kept)

@@ -1,0 +1,72 @@
+"""`agentfsm gateway SPEC` and its Python form: a harness spec's rows run as `agentfsm run` runs them (one run
+owner: the same outputs, snapshots, signals and tracing), with the gateway its harnesses call bound where the
+flags say and bounded as they say.
+
+From Python, next to RolloutEngine:
+
+    engine = RolloutEngine("examples/gateway/agents_sdk.yaml")
+    gateway = serve(engine, host="127.0.0.1", port=8765)   # optional: a run starts a loopback one itself
+    batch = engine.generate_sequences(rows)
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+from typing import Any
+
+from fsm.gateway.server import Gateway, GatewayLimits, configure
+
+log = logging.getLogger("agentfsm.gateway")
+
+
+def serve(engine: Any, host: str = "127.0.0.1", port: int = 0, limits: GatewayLimits | None = None) -> Gateway:
+    """The gateway the harness states of `engine`'s runs use (started on the engine's loop at the first one)."""
+    _warn_if_public(host)
+    return Gateway(host, port, limits).attach(engine.backend)
+
+
+def _warn_if_public(host: str) -> None:
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if not loopback:
+        log.warning("the gateway listens on %s: any host that reaches it and knows a session's key can use the "
+                    "model through that session", host)  # fmt: skip
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port (0..65535; 0: any free one)")
+    return int(text)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="the gateway's address (default: loopback only)")
+    p.add_argument("--gateway-port", type=_port, default=0, metavar="PORT", help="the gateway's port (default: any free one)")
+    p.add_argument("--max-sessions", type=_positive, default=GatewayLimits.max_sessions, metavar="N",
+                   help="sessions open at once; past it a row ends in error")  # fmt: skip
+    p.add_argument("--max-request-bytes", type=_positive, default=GatewayLimits.max_request_bytes, metavar="BYTES",
+                   help="the largest request body (413 past it)")  # fmt: skip
+    p.add_argument("--max-messages", type=_positive, default=GatewayLimits.max_messages, metavar="N",
+                   help="messages in one request")  # fmt: skip
+
+
+def cmd_gateway(args: argparse.Namespace, run: Any) -> int:
+    """`agentfsm gateway SPEC`: `run` (the CLI's cmd_run) with the gateway configured first."""
+    _warn_if_public(args.host)
+    configure(args.host, args.gateway_port, GatewayLimits(max_request_bytes=args.max_request_bytes,
+                                                          max_messages=args.max_messages, max_sessions=args.max_sessions))  # fmt: skip
+    return run(args)

@@ -1,0 +1,277 @@
+"""The gateway's HTTP side: an aiohttp server that serves each session under `/sessions/{id}/` (OpenAI Chat
+Completions and Responses at `v1/chat/completions` and `v1/responses`, Anthropic Messages at `v1/messages`)
+and hands each model call to the trajectory that owns the session.
+
+A session is opened by the harness state for one trajectory (fsm/gateway/harness.py) with a random id and a
+random key; a request must carry that key (`Authorization: Bearer` as the OpenAI SDK sends it, or
+`x-api-key` as the Anthropic SDK does), so one session can never read or write another. The server only
+parses data: bodies are bounded in bytes, messages and depth before anything else reads them, and nothing in
+a request is executed or used as a path. Every refusal is an API error in the shape the caller's SDK reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import secrets
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from fsm.gateway import anthropic_api, openai_api
+from fsm.gateway.record import Answer, Call, GatewayError, Recorder
+
+log = logging.getLogger("agentfsm.gateway")
+
+
+@dataclass(frozen=True)
+class GatewayLimits:
+    """What one gateway accepts. Tokens per session are the spec's limits (prompt_length, response_length)."""
+
+    max_request_bytes: int = 8 << 20
+    max_messages: int = 4096
+    max_sessions: int = 10_000
+    max_refused_calls: int = 8  # calls past a limit one harness may make before its row is ended
+
+
+class SessionClosed(GatewayError):
+    code = "session_closed"
+
+
+class Session:
+    """One trajectory's end of the gateway: its credentials, the model call waiting for the driver, and the
+    recorded conversation. The HTTP side puts a call here; the harness state takes it (fsm/gateway/harness.py)."""
+
+    def __init__(self, gateway: Gateway, traj_id: str):
+        self.gateway = gateway
+        self.id = secrets.token_hex(12)
+        self.key = secrets.token_urlsafe(24)
+        self.traj_id = traj_id
+        self.recorder = Recorder()
+        self.wake = asyncio.Event()  # a call arrived, or the harness ended
+        self.pending: tuple[Call, asyncio.Future[Answer]] | None = None  # sent, not yet taken by the driver
+        self.current: tuple[Call, asyncio.Future[Answer]] | None = None  # taken: the GENERATING state records it
+        self.refused = 0
+        self.calls = 0
+        self.closed = False
+
+    @property
+    def base_url(self) -> str:
+        """The OpenAI SDK's base_url (`.../v1`); the Anthropic SDK takes `anthropic_base_url`."""
+        return f"{self.gateway.url}/sessions/{self.id}/v1"
+
+    @property
+    def anthropic_base_url(self) -> str:
+        return f"{self.gateway.url}/sessions/{self.id}"
+
+    async def submit(self, call: Call) -> Answer:
+        if self.closed:
+            raise SessionClosed("the session has ended (its row is finished)")
+        if self.pending is not None or self.current is not None:
+            raise GatewayError("the session already has a model call in flight: one trajectory takes one call at a time",
+                               code="session_busy")  # fmt: skip
+        future: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
+        self.pending = (call, future)
+        self.calls += 1
+        self.wake.set()
+        try:
+            return await future
+        finally:
+            if self.pending is not None and self.pending[1] is future:
+                self.pending = None  # the caller went away before the driver took it
+
+    def take(self) -> tuple[Call, asyncio.Future[Answer]]:
+        """The driver takes the waiting call: from now on it is the current one."""
+        assert self.pending is not None
+        self.current, self.pending = self.pending, None
+        return self.current
+
+    def close(self, reason: str = "the session has ended (its row is finished)") -> None:
+        """End the session: a call still waiting gets an error; the id and key stop working."""
+        self.closed = True
+        for entry in (self.pending, self.current):
+            if entry is not None and not entry[1].done():
+                entry[1].set_exception(SessionClosed(reason))
+        self.pending = self.current = None
+        self.gateway.sessions.pop(self.id, None)
+        self.wake.set()
+
+
+class Gateway:
+    """The HTTP server and its sessions. One per backend: `attach` makes it the one harness states of runs
+    over that backend use; a run without one gets a loopback gateway started on first use."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, limits: GatewayLimits | None = None):
+        self.host, self.port = host, port
+        self.limits = limits or GatewayLimits()
+        self.sessions: dict[str, Session] = {}
+        self._runner: web.AppRunner | None = None
+        self._starting: asyncio.Future[None] | None = None  # the first start(); concurrent callers await it
+
+    @property
+    def url(self) -> str:
+        host = self.host if self.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+        return f"http://{host}:{self.port}"
+
+    async def start(self) -> Gateway:
+        """Listen (once: every caller after the first awaits the first's start)."""
+        if self._runner is not None:
+            return self
+        if self._starting is not None:
+            await asyncio.shield(self._starting)
+            return self
+        self._starting = asyncio.get_running_loop().create_future()
+        try:
+            await self._listen()
+        except BaseException as exc:
+            self._starting.set_exception(exc)
+            self._starting.exception()  # retrieved: a failed start is reported to each caller, never logged
+            self._starting = None
+            raise
+        self._starting.set_result(None)
+        return self
+
+    async def _listen(self) -> None:
+        app = web.Application(client_max_size=self.limits.max_request_bytes, middlewares=[self._errors])
+        for path, api in (("chat/completions", "chat"), ("responses", "responses"), ("messages", "messages")):
+            app.router.add_post(f"/sessions/{{sid}}/v1/{path}", self._handler(api))
+        app.router.add_get("/sessions/{sid}/v1/models", self._models)
+        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await runner.setup()
+        site = web.TCPSite(runner, self.host, self.port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self._runner = runner
+
+    async def close(self) -> None:
+        for session in list(self.sessions.values()):
+            session.close("the gateway is shutting down")
+        if self._runner is not None:
+            runner, self._runner, self._starting = self._runner, None, None
+            await runner.cleanup()
+
+    async def __aenter__(self) -> Gateway:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def attach(self, backend: Any) -> Gateway:
+        """Harness states of runs over `backend` use this gateway."""
+        _ATTACHED[backend] = self
+        return self
+
+    def open(self, traj_id: str) -> Session:
+        if len(self.sessions) >= self.limits.max_sessions:
+            raise GatewayError(f"the gateway holds {len(self.sessions)} sessions, its max_sessions "
+                               f"({self.limits.max_sessions})", code="too_many_sessions", status=429)  # fmt: skip
+        session = Session(self, traj_id)
+        self.sessions[session.id] = session
+        return session
+
+    # --- HTTP -----------------------------------------------------------------------------------------------
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Callable[..., Any]) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except GatewayError as exc:
+            return _error(request, exc)
+        except web.HTTPRequestEntityTooLarge:
+            return _error(request, GatewayError(f"the request is larger than the gateway's max_request_bytes "
+                                                f"({self.limits.max_request_bytes})", code="request_too_large", status=413))  # fmt: skip
+        except web.HTTPException as exc:
+            if exc.status >= 400:
+                return _error(request, GatewayError(exc.reason, code="not_found" if exc.status == 404 else "http_error",
+                                                    status=exc.status))  # fmt: skip
+            raise
+
+    def _session(self, request: web.Request) -> Session:
+        session = self.sessions.get(request.match_info["sid"])
+        auth = request.headers.get("Authorization", "")
+        key = auth[7:] if auth.startswith("Bearer ") else request.headers.get("x-api-key", "")
+        if session is None or not hmac.compare_digest(key.encode(), session.key.encode()):
+            raise GatewayError("unknown session, or not its key", code="invalid_api_key", status=401)
+        return session
+
+    async def _models(self, request: web.Request) -> web.Response:
+        self._session(request)
+        return web.json_response({"object": "list", "data": [{"id": "agentfsm", "object": "model", "owned_by": "agentfsm"}]})
+
+    def _handler(self, api: str) -> Callable[[web.Request], Any]:
+        parse = {"chat": openai_api.chat_call, "responses": openai_api.responses_call,
+                 "messages": anthropic_api.messages_call}[api]  # fmt: skip
+        answer = {"chat": openai_api.chat_answer, "responses": openai_api.responses_answer,
+                  "messages": anthropic_api.messages_answer}[api]  # fmt: skip
+        stream = {"chat": openai_api.chat_stream, "responses": openai_api.responses_stream,
+                  "messages": anthropic_api.messages_stream}[api]  # fmt: skip
+
+        async def handle(request: web.Request) -> web.StreamResponse:
+            session = self._session(request)
+            raw = await request.read()
+            try:
+                body = json.loads(raw)
+            except (ValueError, RecursionError) as exc:
+                raise GatewayError(f"the body is not valid JSON: {str(exc)[:200]}") from None
+            if not isinstance(body, dict):
+                raise GatewayError("the body must be a JSON object")
+            call = parse(body)
+            if len(call.messages) > self.limits.max_messages:
+                raise GatewayError(f"{len(call.messages)} messages, past the gateway's max_messages "
+                                   f"({self.limits.max_messages})", code="too_many_messages")  # fmt: skip
+            result = await session.submit(call)
+            if not call.stream:
+                return web.json_response(answer(result, call, session.id), dumps=_dumps)
+            return await _sse(request, stream(result, call, session.id))
+
+        return handle
+
+
+_ATTACHED: weakref.WeakKeyDictionary[Any, Gateway] = weakref.WeakKeyDictionary()
+_DEFAULT: dict[Any, Gateway] = {}  # event loop -> the gateway started on first use
+_CONFIG: dict[str, Any] = {}  # what a gateway started on first use binds to (configure)
+
+
+def configure(host: str = "127.0.0.1", port: int = 0, limits: GatewayLimits | None = None) -> None:
+    """Where gateways started on first use listen, and their limits (`agentfsm gateway` sets it)."""
+    _CONFIG.update(host=host, port=port, limits=limits)
+
+
+async def gateway_for(backend: Any) -> Gateway:
+    """The gateway attached to `backend`, else this loop's loopback one (started now if need be)."""
+    attached = _ATTACHED.get(backend)
+    if attached is not None:
+        return await attached.start()
+    loop = asyncio.get_running_loop()
+    gateway = _DEFAULT.get(loop)
+    if gateway is None:
+        for old in [k for k in _DEFAULT if k.is_closed()]:
+            del _DEFAULT[old]
+        gateway = _DEFAULT[loop] = Gateway(**_CONFIG)
+        await gateway.start()
+        log.info("gateway listening on %s (sessions under /sessions/{id}/v1)", gateway.url)
+    return await gateway.start()
+
+
+def _dumps(data: Any) -> str:
+    return json.dumps(data, ensure_ascii=False)
+
+
+def _error(request: web.Request, exc: GatewayError) -> web.Response:
+    anthropic = request.path.endswith("/v1/messages")
+    body = anthropic_api.anthropic_error(exc) if anthropic else openai_api.openai_error(exc)
+    return web.json_response(body, status=exc.status)
+
+
+async def _sse(request: web.Request, events: Iterator[bytes]) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    for event in events:
+        await response.write(event)
+    await response.write_eof()
+    return response

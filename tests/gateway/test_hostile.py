@@ -1,0 +1,261 @@
+"""Safe and bounded: keys, isolation between sessions, size/message/turn limits, histories that differ, harnesses
+that hang or spin, commands. Each case runs a real harness state over the gateway's real HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from fsm.api import RolloutEngine
+from fsm.gateway import Gateway, GatewayLimits, HarnessCall, harness
+from tests.gateway.conftest import row, scripted
+
+BASE = Path(__file__).resolve().parents[2] / "examples" / "gateway" / "base.yaml"
+SHARED: dict[str, Any] = {}
+
+
+def spec(tmp_path: Path, action: str, limits: str = "") -> Path:
+    path = tmp_path / "spec.yaml"
+    path.write_text(f"""name: hostile
+extends: {BASE}
+{limits}
+states:
+  HARNESS:
+    action: {action}
+    next:
+      - {{to: GENERATING, when: harness_calling}}
+      - {{to: TERMINATED, when: harness_failed, reason: harness_failed}}
+      - {{to: TERMINATED, reason: done}}
+""")
+    return path
+
+
+def run(path: Path, tokenizer: Any, rows: list[dict], gateway: Gateway | None = None, turns: list[str] | None = None):
+    backend = scripted(tokenizer, turns)
+    with RolloutEngine(str(path), tokenizer, backend=backend) as engine:
+        if gateway is not None:
+            engine._run_sync(_attach(gateway, backend))
+        return engine._run_sync(engine.arun(rows)), backend
+
+
+async def _attach(gateway: Gateway, backend: Any) -> None:
+    await gateway.start()
+    gateway.attach(backend)
+
+
+async def post(call: HarnessCall, path: str, body: Any, *, key: str | None = None, raw: bytes | None = None,
+               base: str | None = None) -> tuple[int, Any]:  # fmt: skip
+    headers = {"Authorization": f"Bearer {call.api_key if key is None else key}", "Content-Type": "application/json"}
+    async with aiohttp.ClientSession() as http:
+        data = raw if raw is not None else json.dumps(body).encode()
+        async with http.post(f"{base or call.base_url}/{path}", data=data, headers=headers) as r:
+            text = await r.text()
+            try:
+                return r.status, json.loads(text)
+            except ValueError:
+                return r.status, text
+
+
+def chat(*messages: dict, **more: Any) -> dict:
+    return {"model": "m", "messages": list(messages), **more}
+
+
+USER = {"role": "user", "content": "What is 1 + 2?"}
+
+
+async def probe_auth(call: HarnessCall) -> dict:
+    out = {}
+    out["no_key"] = await post(call, "chat/completions", chat(USER), key="")
+    out["wrong_key"] = await post(call, "chat/completions", chat(USER), key="x" * 32)
+    out["anthropic_wrong_key"] = await post(call, "messages", {"model": "m", "max_tokens": 8, "messages": [USER]}, key="nope")
+    # the other row's session, with this row's key: refused; its own key works only there
+    SHARED.setdefault("calls", []).append(call)
+    while len(SHARED["calls"]) < 2:
+        await asyncio.sleep(0.01)
+    other = next(c for c in SHARED["calls"] if c is not call)
+    out["other_session"] = await post(call, "chat/completions", chat(USER), base=other.base_url)
+    out["bad_json"] = await post(call, "chat/completions", None, raw=b"{not json")
+    out["deep_json"] = await post(call, "chat/completions", None, raw=b"[" * 100_000 + b"]" * 100_000)
+    out["not_object"] = await post(call, "chat/completions", [1, 2])
+    out["image"] = await post(call, "chat/completions", chat({"role": "user", "content": [{"type": "image_url"}]}))
+    out["too_big"] = await post(call, "chat/completions", chat({"role": "user", "content": "x" * 300_000}))
+    out["too_many"] = await post(call, "chat/completions", chat(*[USER] * 50))
+    out["n"] = await post(call, "chat/completions", chat(USER, n=2))
+    out["ok"] = await post(call, "chat/completions", chat(USER))
+    return out
+
+
+auth_harness = harness(probe_auth, timeout_s=60)
+
+
+def test_keys_isolation_and_bounds(tmp_path, tokenizer):
+    SHARED.clear()
+    gateway = Gateway(limits=GatewayLimits(max_request_bytes=200_000, max_messages=20))
+    trajs, backend = run(spec(tmp_path, "tests.gateway.test_hostile:auth_harness"), tokenizer, [row(), row()], gateway)
+    for traj in trajs:
+        out = traj.extra["harness"]["result"]
+        for name in ("no_key", "wrong_key", "other_session"):
+            status, body = out[name]
+            assert status == 401 and body["error"]["code"] == "invalid_api_key", (name, out[name])
+        assert out["anthropic_wrong_key"][0] == 401 and out["anthropic_wrong_key"][1]["type"] == "error"
+        assert out["anthropic_wrong_key"][1]["error"]["type"] == "authentication_error"
+        for name in ("bad_json", "deep_json", "not_object", "image", "n"):
+            assert out[name][0] == 400 and "message" in out[name][1]["error"], (name, out[name])
+        assert out["too_big"][0] == 413 and "max_request_bytes" in out["too_big"][1]["error"]["message"]
+        assert out["too_many"][0] == 400 and "max_messages (20)" in out["too_many"][1]["error"]["message"]
+        assert out["ok"][0] == 200 and out["ok"][1]["choices"][0]["message"]["tool_calls"]
+        assert traj.assistant_turns == 1  # only the good call reached the model
+    assert len(backend.requests) == 2
+
+
+async def diverge(call: HarnessCall) -> dict:
+    out = {}
+    status, first = await post(call, "chat/completions", chat(USER))
+    assistant = first["choices"][0]["message"]
+    tc = assistant["tool_calls"][0]
+    good = {"role": "tool", "tool_call_id": tc["id"], "content": "3"}
+    edited = dict(assistant, content="I changed my mind")
+    out["edited_assistant"] = await post(call, "chat/completions", chat(USER, edited, good))
+    out["compacted"] = await post(call, "chat/completions", chat({"role": "user", "content": "summary"}, good))
+    out["wrong_role"] = await post(call, "chat/completions", chat(USER, dict(assistant, role="user"), good))
+    out["branch"] = await post(call, "chat/completions", chat(USER, assistant))
+    out["other_tools"] = await post(call, "chat/completions", chat(USER, assistant, good, tools=[
+        {"type": "function", "function": {"name": "x", "parameters": {"type": "object"}}}]))
+    out["extends"] = await post(call, "chat/completions", chat(USER, assistant, good))
+    return out
+
+
+diverge_harness = harness(diverge, timeout_s=60)
+
+
+def test_a_history_that_differs_is_never_merged(tmp_path, tokenizer):
+    trajs, backend = run(spec(tmp_path, "tests.gateway.test_hostile:diverge_harness"), tokenizer, [row()])
+    out = trajs[0].extra["harness"]["result"]
+    for name in ("edited_assistant", "compacted", "wrong_role", "branch", "other_tools"):
+        assert out[name][0] == 400 and out[name][1]["error"]["code"] == "history_diverged", (name, out[name])
+    assert out["extends"][0] == 200
+    assert trajs[0].assistant_turns == 2 and len(backend.requests) == 2
+    # nothing the refused requests carried reached the row
+    assert "changed my mind" not in tokenizer.decode(trajs[0].response_ids.tolist())
+
+
+async def spin(call: HarnessCall) -> None:
+    while True:  # ignores every error: only the gateway's limits end it
+        await post(call, "chat/completions", chat(USER))
+
+
+spin_harness = harness(spin, timeout_s=60)
+
+
+def test_a_harness_that_spins_is_ended_by_the_limits(tmp_path, tokenizer):
+    trajs, backend = run(spec(tmp_path, "tests.gateway.test_hostile:spin_harness", "limits: {max_assistant_turns: 1}"),
+                         tokenizer, [row()])  # fmt: skip
+    traj = trajs[0]
+    assert traj.termination_reason == "harness_failed"
+    assert traj.extra["harness"]["outcome"] == "spinning"
+    assert "max_assistant_turns (1)" in traj.extra["harness"]["error"]
+    assert traj.assistant_turns == 1 and len(backend.requests) == 1
+
+
+async def limit_then_stop(call: HarnessCall) -> Any:
+    from openai import AsyncOpenAI, BadRequestError
+
+    client = AsyncOpenAI(base_url=call.base_url, api_key=call.api_key, max_retries=0)
+    await client.chat.completions.create(model="m", messages=[USER])
+    try:
+        await client.chat.completions.create(model="m", messages=[USER])
+    except BadRequestError as exc:  # the SDK's own error type: the harness can handle it
+        return {"code": exc.code, "message": exc.message}
+    finally:
+        await client.close()
+
+
+limit_harness = harness(limit_then_stop, timeout_s=60)
+
+
+def test_a_call_past_a_limit_is_an_api_error_the_sdk_raises(tmp_path, tokenizer):
+    trajs, _ = run(spec(tmp_path, "tests.gateway.test_hostile:limit_harness", "limits: {max_assistant_turns: 1}"),
+                   tokenizer, [row()])  # fmt: skip
+    result = trajs[0].extra["harness"]["result"]
+    assert result["code"] == "limit_reached" and "max_assistant_turns" in result["message"]
+    assert trajs[0].termination_reason == "done"
+
+
+async def hang(call: HarnessCall) -> None:
+    await post(call, "chat/completions", chat(USER))
+    await asyncio.Event().wait()
+
+
+hang_harness = harness(hang, timeout_s=1.0)
+
+
+def test_a_harness_that_hangs_ends_by_its_timeout(tmp_path, tokenizer):
+    trajs, _ = run(spec(tmp_path, "tests.gateway.test_hostile:hang_harness"), tokenizer, [row()])
+    assert trajs[0].extra["harness"]["outcome"] == "timeout"
+    assert trajs[0].termination_reason == "harness_failed" and trajs[0].assistant_turns == 1
+
+
+SCRIPT = """
+import json, os, sys, urllib.request
+req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/chat/completions",
+    data=json.dumps({"model": "m", "messages": json.loads(os.environ["AGENTFSM_ROW"])["raw_prompt"]}).encode(),
+    headers={"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"], "Content-Type": "application/json"})
+print(json.load(urllib.request.urlopen(req))["choices"][0]["finish_reason"])
+if sys.argv[1] == "hang":
+    import time; time.sleep(600)
+sys.exit(int(sys.argv[1]) if sys.argv[1] != "hang" else 0)
+"""
+command_ok = harness(command=[sys.executable, "-c", SCRIPT, "0"], timeout_s=60)
+command_fails = harness(command=[sys.executable, "-c", SCRIPT, "3"], timeout_s=60)
+command_hangs = harness(command=[sys.executable, "-c", SCRIPT, "hang"], timeout_s=3)
+
+
+@pytest.mark.parametrize("name, outcome, code", [("command_ok", "exit", 0), ("command_fails", "exit", 3),
+                                                 ("command_hangs", "timeout", None)])  # fmt: skip
+def test_a_command_harness(tmp_path, tokenizer, name, outcome, code):
+    trajs, _ = run(spec(tmp_path, f"tests.gateway.test_hostile:{name}"), tokenizer, [row()])
+    got = trajs[0].extra["harness"]
+    assert got["outcome"] == outcome and got.get("exit_code") == code, got
+    assert trajs[0].assistant_turns == 1
+    if outcome == "exit":
+        assert got["result"] == "tool_calls"
+    assert trajs[0].termination_reason == ("done" if code == 0 else "harness_failed")
+
+
+def test_sessions_are_bounded(tmp_path, tokenizer):
+    gateway = Gateway(limits=GatewayLimits(max_sessions=1))
+    trajs, _ = run(spec(tmp_path, "tests.gateway.test_hostile:hang_harness"), tokenizer, [row(), row()], gateway)
+    errors = [t.error for t in trajs if t.error]
+    assert len(errors) == 1 and "max_sessions (1)" in errors[0]
+
+
+def test_the_cli_binds_loopback_by_default_and_validates_its_flags(capsys):
+    from fsm.cli.commands import build_parser, main
+
+    args = build_parser().parse_args(["gateway", "examples/gateway/base.yaml"])
+    assert args.host == "127.0.0.1" and args.gateway_port == 0 and args.max_sessions == 10_000
+    assert main(["gateway", "examples/gateway/base.yaml", "--max-sessions", "0"]) == 2
+    assert "--max-sessions" in capsys.readouterr().err
+
+
+def test_concurrent_first_uses_start_one_server():
+    async def main() -> set[int]:
+        gateway = Gateway()
+
+        async def port() -> int:
+            await gateway.start()
+            return gateway.port
+
+        try:
+            return set(await asyncio.gather(*(port() for _ in range(20))))
+        finally:
+            await gateway.close()
+
+    ports = asyncio.run(main())
+    assert len(ports) == 1 and 0 not in ports  # every first user got the one server
