@@ -41,10 +41,10 @@ def assert_token_exact(traj: Any, backend: ScriptedBackend) -> None:
     requests = [r for r in backend.requests if r.session_id == traj.session_id]
     assert requests, "the backend saw no request for this row"
     context = traj.prompt_ids.tolist() + traj.response_ids.tolist()
-    starts = [s for s in traj.segments if s.role == "assistant"]
+    starts = [s for s in traj.runs if s.role == "assistant"]
     assert len(starts) == len(requests)
-    for request, seg in zip(requests, starts):
-        assert request.prompt_ids == context[: len(traj.prompt_ids) + seg.start]
+    for request, run in zip(requests, starts):
+        assert request.prompt_ids == context[: len(traj.prompt_ids) + run.start]
     mask = traj.response_mask.tolist()
-    for seg in traj.segments:
-        assert set(mask[seg.start : seg.end]) == ({1} if seg.role == "assistant" else {0})
+    for run in traj.runs:
+        assert set(mask[run.start : run.end]) == ({1} if run.role == "assistant" else {0})
