@@ -1,6 +1,6 @@
 """The README and the docs/ pages cannot rot: their Python blocks, and the shell commands that need no GPU,
 server, network or Docker, run here as written, the README first and then each page in name order, in one
-scratch directory that holds copies of specs/ and docs/ (so `runs/latest` and the diagrams land there, not in
+scratch directory that holds copies of specs/, docs/ and examples/ (so `runs/latest` and the diagrams land there, not in
 the checkout; a page may use what the README's blocks made, such as runs/latest).
 
 Conventions, as HTML comments (invisible on GitHub) right before a fenced block:
@@ -29,7 +29,8 @@ from tests.conftest import ASSETS, REPO, extra
 README = REPO / "README.md"
 PAGES = [README, *sorted((REPO / "docs").glob("*.md"))]
 RUNNABLE = ("bash", "python", "console")
-EXTRAS = {"trl": "trl", "datasets": "trl", "accelerate": "trl", "ray": "ray", "pyarrow": "parquet"}  # pyproject
+EXTRAS = {"trl": "trl", "datasets": "trl", "accelerate": "trl", "ray": "ray", "pyarrow": "parquet",
+          "openai": "gateway", "anthropic": "gateway", "agents": "gateway", "langgraph": "gateway"}  # pyproject
 TIMEOUT_S = 600
 
 
@@ -92,7 +93,7 @@ def logical_lines(text: str) -> list[str]:
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
     work = tmp_path_factory.mktemp("readme")
-    for name in ("specs", "docs"):
+    for name in ("specs", "docs", "examples"):
         shutil.copytree(REPO / name, work / name, ignore=shutil.ignore_patterns("__pycache__"))
     return work
 
@@ -150,9 +151,11 @@ def test_readme_block(block: Block, workdir: Path):
     if block.skip:
         pytest.skip(f"{block.id}: {block.skip}")
     if block.lang == "python":  # a block that imports an optional extra's package needs that extra
-        for module in re.findall(r"^(?:from|import) (\w+)", block.text, re.M):
+        for module in re.findall(r"^\s*(?:from|import) (\w+)", block.text, re.M):
             if module in EXTRAS:
                 extra(module, EXTRAS[module])
+    if "examples/gateway" in block.text:  # the shipped harnesses use the openai SDK
+        extra("openai", "gateway")
     run_block(block, workdir)
 
 

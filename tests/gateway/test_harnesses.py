@@ -5,17 +5,17 @@ from __future__ import annotations
 import pytest
 
 from fsm.api import RolloutEngine
+from tests.conftest import extra
 from tests.gateway.conftest import ANSWER, assert_token_exact, row, scripted
 
 SPECS = ["base", "chat_stream", "anthropic", "agents_sdk", "langgraph"]
+NEEDS = {"base": "openai", "chat_stream": "openai", "anthropic": "anthropic", "agents_sdk": "agents",
+         "langgraph": "langgraph"}  # fmt: skip
 
 
 @pytest.mark.parametrize("name", SPECS)
 def test_harness_rows_are_token_exact(name, tokenizer):
-    if name == "agents_sdk":
-        pytest.importorskip("agents")
-    if name == "langgraph":
-        pytest.importorskip("langgraph")
+    extra(NEEDS[name], "gateway")  # the harness itself, from PyPI
     backend = scripted(tokenizer)
     with RolloutEngine(f"examples/gateway/{name}.yaml", tokenizer, backend=backend) as engine:
         trajs = engine._run_sync(engine.arun([row(), row("What is 2 + 1?")], n=2))
