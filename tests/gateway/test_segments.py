@@ -12,6 +12,7 @@ from backends.scripted import ScriptedBackend
 from fsm.api import RolloutEngine
 from fsm.gateway import Gateway, GatewayLimits, HarnessCall, harness
 from fsm.output.batch import collate
+from fsm.run.policy import check_segments
 from tests.gateway.conftest import ANSWER, CALL, row
 from tests.gateway.test_hostile import USER, _attach, chat, post, spec
 
@@ -39,6 +40,8 @@ def run(path: Path, tokenizer: Any, gateway: Gateway | None = None) -> tuple[lis
             engine._run_sync(_attach(gateway, backend))
         trajs = engine._run_sync(engine.arun([row()]))
         limits = engine.agent.limits
+        for traj in trajs:  # --check-tokens: each segment is the template's render of its own conversation
+            assert check_segments(engine.codec, traj) is None, check_segments(engine.codec, traj)
     batch = collate(trajs, prompt_length=limits.prompt_length, response_length=limits.response_length,
                     pad_token_id=tokenizer.pad_token_id or 0, logprobs=False)  # fmt: skip
     return trajs, backend, batch
