@@ -17,8 +17,8 @@ fsm.data, fsm.tools and fsm.api; nothing in fsm imports it (a spec names it in `
 """
 
 from fsm.gateway.harness import HarnessCall, gateway_generate, harness
-from fsm.gateway.record import GatewayError, HistoryDiverged, LimitReached
+from fsm.gateway.record import GatewayError, LimitReached
 from fsm.gateway.server import Gateway, GatewayLimits, Session
 
-__all__ = ["Gateway", "GatewayError", "GatewayLimits", "HarnessCall", "HistoryDiverged", "LimitReached", "Session",
+__all__ = ["Gateway", "GatewayError", "GatewayLimits", "HarnessCall", "LimitReached", "Session",
            "gateway_generate", "harness"]  # fmt: skip

@@ -5,10 +5,23 @@ the model's turn is generated through the engine's own `generate` action, and th
 A conversation here is in one canonical form whatever API carried it (fsm/gateway/openai_api.py and
 anthropic_api.py convert): `{"role", "content": str}`, plus `tool_calls: [{"id", "name", "arguments"}]` on an
 assistant message and `tool_call_id` on a tool result. What the session recorded is a list of keys of that
-form; a request extends the session exactly when its messages start with those keys. The model's own turns
-are never re-tokenized: the harness sends them back as text and calls, and the key only confirms they are
-the ones recorded. A request that does not extend the session (the harness compacted, edited or branched
-the history, or changed the tools) is refused as `HistoryDiverged`: it is never merged.
+form per segment of the trajectory (fsm/run/trajectory.py); a request extends the current segment exactly when
+its messages start with that segment's keys and add only tool results or user turns. The model's own turns are
+never re-tokenized: the harness sends them back as text and calls, and the key only confirms they are the ones
+recorded.
+
+A request that does not extend the current segment is never merged into it; it starts a new segment
+(`Recorder.match`):
+- `branch`: its history is an earlier turn's conversation (any segment's, up to and including one of the
+  model's turns, with the same tools) followed by tool results or user turns. The segment is append-only, so
+  "reattaching" means the new segment's prompt is exactly the context that turn ended with (the tokens the
+  model was given and produced, copied token for token from the earlier segment) and the new messages are
+  appended to it as observations: the shared prefix is the same ids (a server's prefix cache hits it), the
+  earlier turn is trained once, in its own segment.
+- `history`: anything else (the harness compacted, edited or reordered its history, edited a tool result,
+  changed a role or the tools): the request's conversation is rendered by the family codec as the new
+  segment's prompt, as a chat server would.
+A session holds at most `max_segments` segments (GatewayLimits); a request past that is an API error.
 """
 
 from __future__ import annotations
@@ -16,13 +29,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
 from fsm.families.parsers import split_reasoning
 from fsm.run.actions import generate
 from fsm.run.context import RunContext
-from fsm.run.trajectory import Trajectory
+from fsm.run.trajectory import Trajectory, first_segment
 
 
 class GatewayError(Exception):
@@ -45,12 +59,6 @@ class LimitReached(GatewayError):
     """A call past one of the spec's limits (turns, response length, prompt length)."""
 
     code = "limit_reached"
-
-
-class HistoryDiverged(GatewayError):
-    """The request's history is not an extension of the session's recorded conversation."""
-
-    code = "history_diverged"
 
 
 @dataclass(slots=True)
@@ -129,35 +137,135 @@ def _as_object(arguments: Any) -> Any:
     return {} if arguments is None else arguments
 
 
+@dataclass(slots=True)
+class Plan:
+    """How a request is recorded: `kind` is "first" (the session's first prompt), "extend" (the current segment
+    goes on), "branch" (a new segment from an earlier turn's context, `mark`) or "history" (a new segment whose
+    prompt is the request's conversation); `new` are the messages appended as observations ("extend",
+    "branch") or the whole prompt ("first", "history")."""
+
+    kind: str
+    new: list[dict[str, Any]]
+    keys: list[tuple]
+    mark: tuple[int, int, int, int] | None = None  # (segment, keys, messages, context tokens) after a model turn
+
+
+def _observations(messages: list[dict[str, Any]]) -> bool:
+    return all(m["role"] in ("tool", "user") for m in messages)
+
+
 class Recorder:
-    """The recorded side of one session: the conversation keys so far and the tools its prompt was made with."""
+    """The recorded side of one session: per segment of its trajectory, the conversation keys and the tools its
+    prompt was rendered with, and a mark after each model turn (where a branch can reattach)."""
 
-    __slots__ = ("keys", "tools", "turns")
+    __slots__ = ("keys", "tools", "turns", "max_segments", "segments", "marks")
 
-    def __init__(self) -> None:
-        self.keys: list[tuple] = []
-        self.tools: list[dict[str, Any]] | None = None
+    def __init__(self, max_segments: int = 32) -> None:
+        self.keys: list[tuple] = []  # the current segment's conversation
+        self.tools: list[dict[str, Any]] | None = None  # the current segment's tools
         self.turns = 0
+        self.max_segments = max_segments
+        self.segments: list[tuple[list[tuple], list[dict[str, Any]] | None]] = []  # (keys, tools) per segment
+        self.marks: list[tuple[int, int, int, int]] = []  # (segment, keys, messages, context tokens) per turn
 
-    def new_messages(self, call: Call) -> list[dict[str, Any]]:
-        """The request's messages past the recorded conversation; HistoryDiverged when it does not extend it."""
-        if not self.keys:
-            return call.messages
-        if (call.tools or None) != self.tools:  # dict equality: the order of keys does not matter
-            raise HistoryDiverged("the request's tools differ from those the session's prompt was rendered with")
+    def match(self, call: Call) -> Plan:
+        """How `call` is recorded (nothing changes here: `begin`/`extend` do once its tokens fit)."""
+        messages = call.messages
+        if not messages or messages[-1]["role"] not in ("tool", "user"):
+            last = messages[-1]["role"] if messages else "no"
+            raise GatewayError(f"the request ends with {'an' if last == 'assistant' else 'a'} {last} message: the model "
+                               "answers a user turn or tool results (continuing a message is not supported)")  # fmt: skip
+        keys = [message_key(m) for m in messages]
+        if not self.segments:
+            return Plan("first", messages, keys)
+        tools = call.tools or None  # dict equality below: the order of keys does not matter
         n = len(self.keys)
-        keys = [message_key(m) for m in call.messages[:n]]
-        if len(keys) < n or keys != self.keys:
-            at = next((i for i, (a, b) in enumerate(zip(keys, self.keys)) if a != b), len(keys))
-            raise HistoryDiverged(f"message {at} of the request differs from the session's recorded conversation "
-                                  f"({len(call.messages)} messages sent, {n} recorded)")  # fmt: skip
-        new = call.messages[n:]
-        if any(m["role"] in ("assistant", "system") for m in new):
-            raise HistoryDiverged(f"the request adds a {next(m['role'] for m in new if m['role'] in ('assistant', 'system'))} "
-                                  "message after the recorded conversation; only tool results and user turns extend it")  # fmt: skip
-        if not new and self.keys[-1][0] == "assistant":
-            raise HistoryDiverged("the request repeats the recorded conversation without a new message (a branch)")
-        return new
+        if tools == self.tools and keys[:n] == self.keys and _observations(messages[n:]):  # (nothing new: the
+            # recorded conversation ends with an observation no turn answered yet)
+            return Plan("extend", messages[n:], keys[n:])
+        if len(self.segments) >= self.max_segments:
+            raise GatewayError(f"the request's history differs from the session's and would start segment "
+                               f"{len(self.segments) + 1}, past the gateway's max_segments ({self.max_segments})",
+                               code="too_many_segments")  # fmt: skip
+        best = None
+        for mark in self.marks:  # the longest earlier turn whose conversation the request continues
+            seg, nk = mark[0], mark[1]
+            seg_keys, seg_tools = self.segments[seg]
+            if (len(keys) > nk and (best is None or nk > best[1]) and tools == seg_tools
+                    and keys[:nk] == seg_keys[:nk] and _observations(messages[nk:])):  # fmt: skip
+                best = mark
+        if best is not None:
+            return Plan("branch", messages[best[1]:], keys, best)
+        return Plan("history", messages, keys)
+
+    def begin(self, keys: list[tuple], tools: list[dict[str, Any]] | None) -> None:
+        """A new segment's conversation starts with `keys`."""
+        self.keys, self.tools = list(keys), tools or None
+        self.segments.append((self.keys, self.tools))
+
+    def turn(self, traj: Trajectory, key: tuple) -> None:
+        """The model's turn was recorded: its key, and the mark a later branch can reattach to."""
+        self.keys.append(key)
+        self.marks.append((len(self.segments) - 1, len(self.keys), len(traj.messages),
+                           len(traj.prompt_ids) + len(traj.response_ids)))  # fmt: skip
+        self.turns += 1
+
+
+def _too_long(ids: list[int] | array, limit: int) -> LimitReached:
+    return LimitReached(f"the prompt is {len(ids)} tokens, past the spec's limits.prompt_length {limit}",
+                        code="context_length_exceeded")  # fmt: skip
+
+
+def _start(ctx: RunContext, traj: Trajectory, recorder: Recorder, call: Call, plan: Plan) -> list[dict[str, Any]]:
+    """Record the request's messages before the model's turn; the messages appended as observations."""
+    limit = ctx.agent.limits.prompt_length
+    if plan.kind in ("first", "history"):
+        templ = [template_message(m) for m in plan.new]
+        ids = ctx.codec.encode_prompt(templ, call.tools)
+        if len(ids) > limit:
+            raise _too_long(ids, limit)
+        if plan.kind == "first":
+            traj.messages = templ
+            traj.prompt_ids.extend(ids)
+            traj.segment_start = first_segment(len(templ))
+        else:
+            traj.start_segment(ids, "history", templ)
+        traj.tool_schemas = call.tools
+        recorder.begin(plan.keys, call.tools)
+        return []
+    if plan.kind == "branch":
+        seg_index, nk, n_messages, n_tokens = plan.mark  # type: ignore[misc]
+        seg = traj.segments[seg_index]
+        ids = seg.context_ids()[:n_tokens]  # the earlier turn's context, token for token
+        if len(ids) > limit:
+            raise _too_long(ids, limit)
+        messages = list(seg.messages[:n_messages])
+        seg_keys, seg_tools = recorder.segments[seg_index]
+        traj.start_segment(ids, "branch", messages)
+        traj.tool_schemas = seg_tools
+        traj.needs_tail = True  # the context ends with that model turn: its template closer is owed
+        recorder.begin(seg_keys[:nk], seg_tools)
+    return [template_message(m) for m in plan.new]
+
+
+def _observe(ctx: RunContext, traj: Trajectory, templ: list[dict[str, Any]]) -> bool:
+    """Append `templ` (tool results or user turns) as the codec's observation suffix, mask 0: the template's
+    closer owed after the model turn the context ends with first (as RunContext.add_observation does, with that
+    turn's last token read from the context, which after a branch is the segment's prompt). False when they do
+    not fit in what is left of the response budget."""
+    role = "tool" if any(m["role"] == "tool" for m in templ) else "user"
+    owed = traj.needs_tail and ctx.agent.spec.turn_closer == "template"
+    last = (traj.response_ids[-1:] if len(traj.response_ids) else traj.prompt_ids[-1:]).tolist() if owed else None
+    closer, ids = ctx.codec.observation(templ, last, traj.messages)
+    if len(closer) + len(ids) >= ctx.agent.limits.response_length - len(traj.response_mask):
+        return False
+    traj.append_context(closer, "template")
+    traj.append_context(ids, role)
+    traj.needs_tail = False
+    traj.messages.extend(templ)
+    if role == "tool":
+        traj.user_turns += 1
+    return True
 
 
 async def record_call(ctx: RunContext, traj: Trajectory, recorder: Recorder, call: Call, call_prefix: str) -> Answer:
@@ -167,25 +275,15 @@ async def record_call(ctx: RunContext, traj: Trajectory, recorder: Recorder, cal
     messages' observation suffix. The turn itself is the engine's `generate` action: budgets, pause/resume,
     per-token weight versions, the span and the parser are the same as a spec's GENERATING state."""
     limits = ctx.agent.limits
-    new = recorder.new_messages(call)
-    templ = [template_message(m) for m in new]
-    if not recorder.keys:
-        ids = ctx.codec.encode_prompt(templ, call.tools)
-        if len(ids) > limits.prompt_length:
-            raise LimitReached(f"the prompt is {len(ids)} tokens, past the spec's limits.prompt_length "
-                               f"{limits.prompt_length}", code="context_length_exceeded")  # fmt: skip
-        traj.messages = templ
-        traj.tool_schemas = call.tools
-        traj.prompt_ids.extend(ids)
-        recorder.tools = call.tools or None
-    elif templ:
-        role = "tool" if any(m["role"] == "tool" for m in templ) else "user"
-        if not ctx.add_observation(traj, templ, role=role):
-            raise LimitReached(f"the new messages do not fit in what is left of limits.response_length "
-                               f"{limits.response_length}", code="context_length_exceeded")  # fmt: skip
-        if role == "tool":
-            traj.user_turns += 1
-    recorder.keys.extend(message_key(m) for m in new)
+    plan = recorder.match(call)
+    templ = _start(ctx, traj, recorder, call, plan)
+    if templ and not _observe(ctx, traj, templ):
+        raise LimitReached(f"the new messages do not fit in what is left of limits.response_length "
+                           f"{limits.response_length}", code="context_length_exceeded")  # fmt: skip
+    if plan.kind == "extend":
+        recorder.keys.extend(plan.keys)
+    elif plan.kind == "branch":
+        recorder.keys.extend(plan.keys[plan.mark[1]:])  # type: ignore[index]
     if len(traj.response_mask) >= limits.response_length:
         raise LimitReached(f"the session has used its limits.response_length {limits.response_length} tokens")
     sub = ctx
@@ -211,9 +309,8 @@ async def record_call(ctx: RunContext, traj: Trajectory, recorder: Recorder, cal
     if valid:
         content = content.strip()
     turn = recorder.turns
-    recorder.turns += 1
     tool_calls = [{"id": c.id or f"{call_prefix}_{turn}_{k}", "name": c.name, "arguments": json.dumps(
         c.arguments if c.arguments is not None else {}, ensure_ascii=False)} for k, c in enumerate(valid)]  # fmt: skip
     finish = "tool_calls" if tool_calls else ("length" if traj.last_finish_reason == "length" else "stop")
-    recorder.keys.append(message_key({"role": "assistant", "content": content, "tool_calls": tool_calls}))
+    recorder.turn(traj, message_key({"role": "assistant", "content": content, "tool_calls": tool_calls}))
     return Answer(content, reasoning, tool_calls, finish, prompt_tokens, len(ids), turn)

@@ -37,6 +37,7 @@ class GatewayLimits:
     max_messages: int = 4096
     max_sessions: int = 10_000
     max_refused_calls: int = 8  # calls past a limit one harness may make before its row is ended
+    max_segments: int = 32  # segments per session: histories that differ from the recorded one start one each
 
 
 class SessionClosed(GatewayError):
@@ -52,7 +53,7 @@ class Session:
         self.id = secrets.token_hex(12)
         self.key = secrets.token_urlsafe(24)
         self.traj_id = traj_id
-        self.recorder = Recorder()
+        self.recorder = Recorder(gateway.limits.max_segments)
         self.wake = asyncio.Event()  # a call arrived, or the harness ended
         self.pending: tuple[Call, asyncio.Future[Answer]] | None = None  # sent, not yet taken by the driver
         self.current: tuple[Call, asyncio.Future[Answer]] | None = None  # taken: the GENERATING state records it

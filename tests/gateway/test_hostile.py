@@ -135,14 +135,20 @@ diverge_harness = harness(diverge, timeout_s=60)
 
 
 def test_a_history_that_differs_is_never_merged(tmp_path, tokenizer):
-    trajs, backend = run(spec(tmp_path, "tests.gateway.test_hostile:diverge_harness"), tokenizer, [row()])
-    out = trajs[0].extra["harness"]["result"]
-    for name in ("edited_assistant", "compacted", "wrong_role", "branch", "other_tools"):
-        assert out[name][0] == 400 and out[name][1]["error"]["code"] == "history_diverged", (name, out[name])
-    assert out["extends"][0] == 200
-    assert trajs[0].assistant_turns == 2 and len(backend.requests) == 2
-    # nothing the refused requests carried reached the row
-    assert "changed my mind" not in tokenizer.decode(trajs[0].response_ids.tolist())
+    trajs, backend = run(spec(tmp_path, "tests.gateway.test_hostile:diverge_harness", "limits: {max_assistant_turns: 8}"),
+                         tokenizer, [row()])  # fmt: skip
+    traj = trajs[0]
+    out = traj.extra["harness"]["result"]
+    for name in ("edited_assistant", "compacted", "wrong_role", "other_tools", "extends"):
+        assert out[name][0] == 200, (name, out[name])
+    # a request ending on the model's own turn has nothing for the model to answer
+    assert out["branch"][0] == 400 and "ends with an assistant message" in out["branch"][1]["error"]["message"]
+    # each differing history is a segment of its own ("extends" follows the first turn again: a branch)
+    assert [s.reason for s in traj.segments] == ["prompt", "history", "history", "history", "history", "branch"]
+    assert traj.assistant_turns == 6 and len(backend.requests) == 6
+    # nothing the edited requests carried reached the recorded turn's row
+    assert "changed my mind" not in tokenizer.decode(traj.segments[0].context_ids())
+    assert "changed my mind" in tokenizer.decode(traj.segments[1].prompt_ids.tolist())
 
 
 async def spin(call: HarnessCall) -> None:
