@@ -14,7 +14,9 @@ from typing import Any
 
 import aiohttp
 
+from backends.answer import read_json
 from backends.base import Backend, BackendUnavailable
+from backends.server_client import CONTROL_BODY_BYTES, read_bounded
 
 ENGINES = ("sglang", "vllm")
 
@@ -23,13 +25,20 @@ async def detect_engine(url: str, timeout_s: float = 10.0) -> str:
     """"sglang" or "vllm" for the server at `url`; BackendUnavailable when it does not answer in `timeout_s` or
     answers as neither."""
     base = url.rstrip("/")
+
+    async def get(http: aiohttp.ClientSession, path: str) -> Any:  # the 200 body, read as the clients read one
+        async with http.get(base + path) as resp:
+            what = f"{base}: GET {path}"
+            data = await read_bounded(resp, CONTROL_BODY_BYTES, what)
+            if resp.status != 200:
+                return None
+            return read_json(data, what=what, server=base, status=resp.status, max_bytes=CONTROL_BODY_BYTES)
+
     try:
         async with asyncio.timeout(timeout_s), aiohttp.ClientSession() as http:
-            async with http.get(base + "/model_info") as resp:
-                if resp.status == 200 and isinstance(await resp.json(content_type=None), dict):
-                    return "sglang"
-            async with http.get(base + "/v1/models") as resp:
-                body = await resp.json(content_type=None) if resp.status == 200 else None
+            if isinstance(await get(http, "/model_info"), dict):
+                return "sglang"
+            body = await get(http, "/v1/models")
     except TimeoutError:
         raise BackendUnavailable(f"{base}: no answer within {timeout_s:g} s to /model_info or /v1/models "
                                  "(which engine it runs cannot be told)", server=base, kind="timeouts") from None  # fmt: skip

@@ -1,12 +1,23 @@
 """The engine-neutral half of a model-server client: HTTP exchanges bounded in size, retried under a policy,
-faults counted by kind, deadlines and server messages. backends/vllm.py builds on it; what is SGLang's or
-vLLM's own (request and answer shapes, aborts, pauses, weights) stays in each engine's module.
+faults counted by kind, deadlines and server messages. backends/sglang.py and backends/vllm.py build on it;
+what is SGLang's or vLLM's own (request and answer shapes, rids, aborts' routes, pause modes, weights, the
+context edge) stays in each engine's module.
 
 - `_send` is one exchange, unbounded in time (callers set the deadline) and bounded in size; a transport
   failure becomes a retryable `BackendUnavailable` whose kind says when it happened (refused, before or
-  during the body);
+  during the body). Every body is read by `backends.answer.read_json` (bounded in size and depth);
 - `_call` is a control call with retries (`backends.retry` policy: jittered exponential backoff, Retry-After
   honoured): 408/429/5xx and transport faults are retried, 2xx and 4xx come back as (status, body);
+- `_attempts` runs a generate under the retry policy: each attempt has its own wire rid (the engine picks
+  it), is live for `abort(session_id)` and `where()`, and counts its fault by kind; a `BackendTimeout` is
+  not retried here (a hung server stays hung) but fails over in the router;
+- `_exchange` is one generate attempt under its deadline (`request_timeout_s`, else the request's, else
+  300 s). Past it the rid is aborted at the server (`_abort_route`); a live server then answers with its
+  partial output (finish_reason abort), which the engine resumes, awaited `_grace()` longer; a hung one
+  does not, and the attempt fails with `BackendTimeout`. While this client has the server paused
+  (backends/pause_clock.py) no deadline runs and no deadline abort is sent. A deadline that does expire
+  never relies on its abort: without an answer in the grace time the connection is closed;
+- the server info (context length, model name) is read once (`_ensure_info`), shared by every waiter;
 - the connector's keep-alive is below uvicorn's 5 s (both engines serve through uvicorn), so a pooled
   connection is never reused as the server closes it.
 """
@@ -14,14 +25,26 @@ vLLM's own (request and answer shapes, aborts, pauses, weights) stays in each en
 from __future__ import annotations
 
 import asyncio
-import json
+import contextlib
+import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
 from typing import Any, TypeVar
 
 import aiohttp
 
-from backends.base import BackendMalformed, BackendTimeout, BackendUnavailable, BaseBackend, GenerateRequest
+from backends.answer import DEFAULT_MAX_NEW_TOKENS, read_json, snippet
+from backends.base import (
+    BackendError,
+    BackendMalformed,
+    BackendRequestError,
+    BackendTimeout,
+    BackendUnavailable,
+    BaseBackend,
+    GenerateRequest,
+    GenerateResult,
+)
+from backends.pause_clock import PauseClock
 from backends.retry import RetryPolicy, parse_retry_after, retry
 
 T = TypeVar("T")
@@ -49,17 +72,6 @@ def error_message(body: Any, fallback: str) -> str:
     return fallback
 
 
-def decode(data: bytes) -> Any:
-    """The JSON body, else the text (an error page, an empty body: None)."""
-    text = data.decode("utf-8", errors="replace")
-    if not text:
-        return None
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
-
-
 async def read_bounded(resp: aiohttp.ClientResponse, max_bytes: int, what: str) -> bytes:
     """The whole body, or BackendMalformed once it passes `max_bytes` (the rest is never read)."""
 
@@ -79,20 +91,54 @@ async def read_bounded(resp: aiohttp.ClientResponse, max_bytes: int, what: str) 
 
 
 class ServerClient(BaseBackend):
-    """One model server over HTTP: the session, exchanges, retries and counters an engine's client shares."""
+    """One model server over HTTP: the session, exchanges, retries, deadlines and counters an engine's client
+    shares. An engine sets `generate_path`, `info_what`, `context_margin` and `fault_kinds`, and gives
+    `_read_info`, `_wire_rid`, `_generate_once`, `_abort_route`, `_grace` and `abort_request`."""
 
-    def __init__(self, url: str, *, request_timeout_s: float | None, retry_policy: RetryPolicy, keepalive_s: float,
-                 api_key: str | None, faults: tuple[str, ...]):  # fmt: skip
+    generate_path = ""  # the engine's generate route
+    info_what = ""  # the routes `_read_info` reads, for the message when they hang
+    context_margin = 0  # tokens the engine keeps free beyond prompt + max_new_tokens
+
+    fault_kinds: tuple[str, ...] = ()  # what a generate can meet, counted in stats()["faults"]
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        # Per generate attempt; when set it overrides the spec's limits.request_timeout_s carried by each
+        # request; neither set: DEFAULT_REQUEST_TIMEOUT_S.
+        request_timeout_s: float | None = None,
+        max_retries: int = 3,  # retries after the first attempt, for retryable failures only
+        backoff_s: float = 0.05,  # first retry delay; doubles each retry, ±20 % jitter
+        backoff_max_s: float = 5.0,
+        retry: RetryPolicy | None = None,  # the whole policy; replaces max_retries/backoff_s/backoff_max_s
+        # After a deadline's abort, how long the partial answer is awaited; None: the engine's `_grace`.
+        abort_grace_s: float | None = None,
+        keepalive_s: float = 4.0,  # must stay below uvicorn's 5 s keep-alive
+        context_length: int | None = None,  # skip discovery when given
+        model_name: str | None = None,
+        api_key: str | None = None,
+    ):
         self.url = url.rstrip("/")
         self.request_timeout_s = request_timeout_s
-        self.retry_policy = retry_policy
+        self.retry_policy = retry or RetryPolicy(attempts=1 + max_retries, backoff_s=backoff_s,
+                                                 backoff_max_s=backoff_max_s)  # fmt: skip
         self.keepalive_s = keepalive_s
+        self.abort_grace_s = abort_grace_s  # after a deadline's abort, how long the partial answer is awaited
+        self.context_length = context_length  # discovered from the server when not given
+        self.model_name = model_name or "unknown"
+        self._name_given = model_name is not None
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
         self._session: aiohttp.ClientSession | None = None
+        self._info: dict[str, Any] | None = None
+        self._info_task: asyncio.Future[dict[str, Any]] | None = None  # one read shared by every waiter
         self._live: dict[str, str] = {}  # wire request id -> session_id, for abort(session_id) and where()
+        self._pause = PauseClock()  # the pause this client set: generate deadlines run only outside it
         # generate attempts, re-sends of one, and deadline aborts sent; then the faults met, by kind
         self.counts = {"requests": 0, "retries": 0, "aborts_sent": 0}
-        self.faults = dict.fromkeys(faults, 0)
+        self.faults = dict.fromkeys(self.fault_kinds, 0)
+
+    # -- lifecycle ----------------------------------------------------------------------------------------
 
     async def start(self) -> None:
         if self._session is None or self._session.closed:
@@ -102,9 +148,14 @@ class ServerClient(BaseBackend):
                                                   timeout=aiohttp.ClientTimeout(total=None))  # fmt: skip
 
     async def close(self) -> None:
+        if self._info_task is not None and not self._info_task.done():
+            self._info_task.cancel()
+            await asyncio.wait({self._info_task})
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+    # -- HTTP plumbing ------------------------------------------------------------------------------------
 
     async def _send(self, method: str, path: str, payload: Any = None, max_bytes: int = CONTROL_BODY_BYTES,
                     params: Any = None) -> tuple[int, Mapping[str, str], bytes]:  # fmt: skip
@@ -154,7 +205,8 @@ class ServerClient(BaseBackend):
             except TimeoutError:
                 raise BackendTimeout(f"{self.url}: {method} {path}: no answer within {timeout_s:g} s",
                                      server=self.url, kind="timeouts") from None  # fmt: skip
-            body = decode(data)
+            body = read_json(data, what=f"{self.url}: {method} {path}", server=self.url, status=status,
+                             max_bytes=CONTROL_BODY_BYTES)  # fmt: skip
             if policy.retryable_status(status) or status >= 500:
                 message = " ".join(error_message(body, str(body)[:200]).split())  # one line
                 raise BackendUnavailable(f"HTTP {status}: {message}", server=self.url,
@@ -164,6 +216,16 @@ class ServerClient(BaseBackend):
 
         return await self._retrying(f"{method} {path}", attempt, policy)
 
+    async def _control(self, method: str, path: str, payload: Any = None, timeout_s: float = 60,
+                       params: Any = None) -> Any:  # fmt: skip
+        """A control call whose 4xx is the caller's error: BackendRequestError with the server's message."""
+        status, body = await self._call(method, path, payload, timeout_s=timeout_s, params=params)
+        if status >= 400:
+            message = " ".join(error_message(body, str(body)[:500]).split())
+            raise BackendRequestError(f"{self.url}{path} failed: HTTP {status}: {message}", server=self.url,
+                                      status=status)  # fmt: skip
+        return body
+
     async def _ok(self, path: str, timeout_s: float) -> bool:
         try:
             status, _ = await self._call("GET", path, timeout_s=timeout_s, retries=0)
@@ -171,11 +233,178 @@ class ServerClient(BaseBackend):
             return False
         return status == 200
 
+    # -- what the server says about itself ----------------------------------------------------------------
+
+    async def _read_info(self) -> dict[str, Any]:
+        """The engine's info read: sets `_info` (SGLang's /model_info keys), `context_length`, `model_name`."""
+        raise NotImplementedError
+
+    async def _ensure_info(self, timeout_s: float = 30.0) -> None:
+        """Read the server's info once. One read is shared by every caller, and each caller waits for it at
+        most `timeout_s` (its own request deadline): a server whose info hangs costs each row one deadline
+        (BackendTimeout, failed over), never a queue behind a lock. A failed read is tried again by the next
+        caller."""
+        if self._info is not None:
+            return
+        task = self._info_task
+        if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
+            task = self._info_task = asyncio.ensure_future(self._read_info())
+        try:
+            async with asyncio.timeout(timeout_s):
+                await asyncio.shield(task)
+        except TimeoutError:
+            raise BackendTimeout(f"{self.url}: {self.info_what} gave no answer within {timeout_s:g} s",
+                                 server=self.url, kind="timeouts") from None  # fmt: skip
+
+    # -- generation ---------------------------------------------------------------------------------------
+
     def deadline(self, request: GenerateRequest) -> float:
         """Seconds one generate attempt may take: ours if set (the CLI's), else the request's (the spec's)."""
         if self.request_timeout_s is not None:
             return self.request_timeout_s
         return request.timeout_s if request.timeout_s is not None else DEFAULT_REQUEST_TIMEOUT_S
+
+    def _clamp(self, ids: list[int], params: dict[str, Any]) -> dict[str, Any]:
+        """Clamp `max_new_tokens` to the room left in the context, so the turn ends by 'length' instead of a
+        400 (both engines refuse a request past the context rather than truncate it)."""
+        if self.context_length is None:
+            return params
+        room = self.context_length - self.context_margin - len(ids)
+        if room <= 0:
+            raise BackendRequestError(f"{self.url}: prompt of {len(ids)} tokens leaves no room in the context length "
+                                      f"{self.context_length}: nothing can be generated; lower the trajectory's "
+                                      "budget", server=self.url)  # fmt: skip
+        wanted = params.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
+        clamped = room if wanted is None else min(int(wanted), room)
+        return params if clamped == wanted else {**params, "max_new_tokens": clamped}
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        """One turn under the retry policy (module docstring): each attempt reads the server's info once,
+        clamps the budget to the context and has the engine send it under its own wire rid."""
+        # A fixed-width random suffix cannot be a prefix of another live rid: SGLang's abort matches rids
+        # by prefix, so aborting one must never abort another.
+        rid = request.rid or f"{request.session_id}_g{uuid.uuid4().hex}"
+        timeout_s = self.deadline(request)
+
+        async def once(wire: str) -> GenerateResult:
+            await self._ensure_info(timeout_s)
+            params = self._clamp(list(request.prompt_ids), dict(request.sampling_params))
+            asked = replace(request, sampling_params=params, rid=wire)  # what the answer is held to
+            return await self._generate_once(request, asked, timeout_s)
+
+        return await self._attempts(rid, request, lambda n: self._wire_rid(rid, n, request.session_id), once)
+
+    def _wire_rid(self, rid: str, attempt: int, session_id: str) -> str:
+        """The rid attempt `attempt` of the turn `rid` is sent under."""
+        raise NotImplementedError
+
+    async def _generate_once(self, request: GenerateRequest, asked: GenerateRequest,
+                             timeout_s: float) -> GenerateResult:  # fmt: skip
+        """One attempt of `request` as `asked` (its clamped budget, its wire rid): the engine's payload, sent
+        by `_exchange`, and its answer checked by `backends.answer.parse_generate`."""
+        raise NotImplementedError
+
+    async def _attempts(self, rid: str, request: GenerateRequest, wire: Callable[[int], str],
+                        once: Callable[[str], Awaitable[GenerateResult]]) -> GenerateResult:  # fmt: skip
+        """Run `once(wire rid)` under the retry policy (module docstring); `wire(n)` names attempt n's rid."""
+
+        async def attempt(n: int) -> GenerateResult:
+            if n > 1:
+                self.counts["retries"] += 1
+            rid_n = wire(n)
+            self._live[rid_n] = request.session_id
+            try:
+                return await once(rid_n)
+            except BackendError as e:
+                if e.kind in self.faults:
+                    self.faults[e.kind] += 1
+                self._attempt_failed(rid_n, e)
+                raise
+            finally:
+                self._live.pop(rid_n, None)
+
+        def retryable(e: BaseException) -> bool:  # a hung server stays hung: the router fails over instead
+            return self.retry_policy.retryable(e) and not isinstance(e, BackendTimeout)
+
+        return await self._retrying(f"POST {self.generate_path} (rid {rid})", attempt, self.retry_policy, retryable)
+
+    def _attempt_failed(self, rid: str, error: BackendError) -> None:
+        """An attempt under `rid` ended in `error` (an engine may keep the rid from reuse)."""
+
+    def _grace(self, timeout_s: float) -> float:
+        """After a deadline's abort, how long the partial answer is awaited."""
+        raise NotImplementedError
+
+    def _abort_route(self, rid: str) -> tuple[str, Any]:
+        """The (path, payload) that aborts the live request `rid` at the server."""
+        raise NotImplementedError
+
+    async def _exchange(self, payload: Any, rid: str, timeout_s: float, max_bytes: int,
+                        shapes: tuple[type, ...] = (dict,)) -> Any:  # fmt: skip
+        """One generate attempt under its deadline (module docstring) -> the 200 answer's JSON body, of one of
+        `shapes`. Anything else raises: a body that is not JSON (malformed), a refusal (`_refusal`)."""
+        self.counts["requests"] += 1
+        # owned: ends in `finally`
+        exchange = asyncio.ensure_future(self._send("POST", self.generate_path, payload, max_bytes))
+        try:
+            if not await self._pause.wait(exchange, timeout_s):
+                await self._abort_quietly(rid)
+                if not await self._pause.wait(exchange, self._grace(timeout_s)):
+                    raise BackendTimeout(f"{self.url}: {self.generate_path} rid {rid} had no answer within "
+                                         f"{timeout_s:g} s (request_timeout_s); aborted at the server",
+                                         server=self.url, kind="timeouts")  # fmt: skip
+            status, headers, data = exchange.result()
+        finally:
+            if not exchange.done():
+                exchange.cancel()  # closes the connection: both engines abort a request whose client went away
+                await asyncio.wait({exchange})
+        body = read_json(data, what=f"{self.url}: {self.generate_path} (rid {rid})", server=self.url, status=status,
+                         max_bytes=max_bytes)  # fmt: skip
+        if status != 200:
+            raise self._refusal(status, headers, body, rid)
+        if not isinstance(body, shapes):
+            kind = headers.get("Content-Type", "no content type").split(";")[0]
+            raise BackendMalformed(f"{self.url}: {self.generate_path} (rid {rid}) answered 200 with a {kind} body "
+                                   f"that is not a JSON response: {snippet(body or '')}; a server fault",
+                                   server=self.url, status=200, kind="malformed")  # fmt: skip
+        return body
+
+    def _refusal(self, status: int, headers: Mapping[str, str], body: Any, rid: str) -> BackendError:
+        """A generate answered other than 200: a server fault (408/429/5xx, retried) or the request's error."""
+        message = " ".join(error_message(body, str(body)[:200]).split())  # validation errors may span lines
+        if self.retry_policy.retryable_status(status) or status >= 500:
+            return BackendUnavailable(f"HTTP {status} for rid {rid}: {message}", server=self.url, status=status,
+                                      kind="http_errors", retry_after=parse_retry_after(headers.get("Retry-After")))  # fmt: skip
+        return BackendRequestError(f"{self.url} rejected rid {rid}: {message}", server=self.url, status=status)
+
+    async def _abort_quietly(self, rid: str) -> None:
+        """Best effort abort of a rid past its deadline (the server may be the thing that hangs)."""
+        self.counts["aborts_sent"] += 1
+        path, payload = self._abort_route(rid)
+        with contextlib.suppress(BackendError):
+            await self._call("POST", path, payload, timeout_s=5, retries=0)
+
+    # -- control ------------------------------------------------------------------------------------------
+
+    async def health(self, timeout_s: float = 25.0) -> bool:
+        return await self._ok("/health", timeout_s)
+
+    async def wait_ready(self, timeout: float = 600.0, interval_s: float = 0.5) -> None:
+        """Poll `health()` until it answers (a 200 from the info routes is not readiness)."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while not await self.health(timeout_s=min(25.0, timeout)):
+            if asyncio.get_running_loop().time() + interval_s > deadline:
+                raise BackendUnavailable(f"{self.url} not healthy after {timeout:.0f} s", server=self.url)
+            await asyncio.sleep(interval_s)
+
+    async def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        raise NotImplementedError
+
+    async def abort(self, session_id: str) -> None:
+        """Abort whatever this client has in flight for a trajectory."""
+        for rid, sid in list(self._live.items()):
+            if sid == session_id:
+                await self.abort_request(rid)
 
     def where(self, session_id: str) -> str | None:
         rids = [rid for rid, sid in self._live.items() if sid == session_id]

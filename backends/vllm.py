@@ -32,26 +32,18 @@ The same Backend contract as backends/sglang.py over vLLM's own routes:
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
-import uuid
-from dataclasses import replace
 from typing import Any
 
-from backends.answer import ANSWER_FAULTS, DEFAULT_MAX_NEW_TOKENS, body_limit, parse_generate, snippet
+from backends.answer import ANSWER_FAULTS, body_limit, parse_generate, snippet
 from backends.base import (
-    BackendError,
     BackendMalformed,
     BackendRequestError,
-    BackendTimeout,
     BackendUnavailable,
     GenerateRequest,
     GenerateResult,
 )
-from backends.pause_clock import PauseClock
-from backends.retry import RetryPolicy, parse_retry_after
-from backends.server_client import ServerClient, decode, error_message
+from backends.server_client import ServerClient
 
 __all__ = ["VLLMBackend", "FAULT_KINDS", "PAUSE_MODES", "sglang_shape", "vllm_params"]
 
@@ -129,55 +121,13 @@ class VLLMBackend(ServerClient):
     """One vLLM server. Safe to share across all trajectories of an event loop."""
 
     provider = "vllm"
+    generate_path = "/inference/v1/generate"
+    info_what = "/v1/models"
+    context_margin = 0  # vLLM takes prompt + max_tokens == max_model_len
 
-    def __init__(
-        self,
-        url: str,
-        *,
-        request_timeout_s: float | None = None,  # per attempt; overrides the spec's limits.request_timeout_s
-        max_retries: int = 3,  # retries after the first attempt, for retryable failures only
-        backoff_s: float = 0.05,  # first retry delay; doubles each retry, ±20 % jitter
-        backoff_max_s: float = 5.0,
-        retry: RetryPolicy | None = None,  # the whole policy; replaces max_retries/backoff_s/backoff_max_s
-        abort_grace_s: float | None = None,  # after a deadline's abort, how long the partial answer is awaited
-        keepalive_s: float = 4.0,  # must stay below uvicorn's 5 s keep-alive
-        context_length: int | None = None,  # skip discovery when given
-        model_name: str | None = None,
-        api_key: str | None = None,
-    ):
-        policy = retry or RetryPolicy(attempts=1 + max_retries, backoff_s=backoff_s, backoff_max_s=backoff_max_s)
-        super().__init__(url, request_timeout_s=request_timeout_s, retry_policy=policy, keepalive_s=keepalive_s,
-                         api_key=api_key, faults=FAULT_KINDS)  # fmt: skip
-        self.abort_grace_s = abort_grace_s
-        self.context_length = context_length
-        self.model_name = model_name or "unknown"
-        self._name_given = model_name is not None
-        self._info: dict[str, Any] | None = None
-        self._info_task: asyncio.Future[dict[str, Any]] | None = None  # one read shared by every waiter
-        self._pause = PauseClock()  # the pause this client set: generate deadlines run only outside it
-
-    async def close(self) -> None:
-        if self._info_task is not None and not self._info_task.done():
-            self._info_task.cancel()
-            await asyncio.wait({self._info_task})
-        await super().close()
+    fault_kinds = FAULT_KINDS
 
     # -- what the server says about itself ----------------------------------------------------------------
-
-    async def _ensure_info(self, timeout_s: float = 30.0) -> None:
-        """Read /v1/models once (served name, model path, max_model_len), shared by every caller; each waits at
-        most `timeout_s`. A failed read is tried again by the next caller."""
-        if self._info is not None:
-            return
-        task = self._info_task
-        if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
-            task = self._info_task = asyncio.ensure_future(self._read_info())
-        try:
-            async with asyncio.timeout(timeout_s):
-                await asyncio.shield(task)
-        except TimeoutError:
-            raise BackendTimeout(f"{self.url}: /v1/models gave no answer within {timeout_s:g} s", server=self.url,
-                                 kind="timeouts") from None  # fmt: skip
 
     async def _read_info(self) -> dict[str, Any]:
         status, body = await self._call("GET", "/v1/models")
@@ -221,114 +171,35 @@ class VLLMBackend(ServerClient):
 
     # -- generation ---------------------------------------------------------------------------------------
 
-    def _clamp(self, ids: list[int], params: dict[str, Any]) -> dict[str, Any]:
-        """Clamp `max_new_tokens` to the room left in max_model_len, so the turn ends by 'length' instead of a
-        400; vLLM takes prompt + max_tokens == max_model_len."""
-        if self.context_length is None:
-            return params
-        room = self.context_length - len(ids)
-        if room <= 0:
-            raise BackendRequestError(f"{self.url}: prompt of {len(ids)} tokens leaves no room in the context length "
-                                      f"{self.context_length}: nothing can be generated; lower the trajectory's "
-                                      "budget", server=self.url)  # fmt: skip
-        wanted = params.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
-        clamped = room if wanted is None else min(int(wanted), room)
-        return params if clamped == wanted else {**params, "max_new_tokens": clamped}
+    def _wire_rid(self, rid: str, attempt: int, session_id: str) -> str:
+        return rid if attempt == 1 else f"{rid}_a{attempt}"  # exact-match aborts: a retry never shares a hung id
 
-    async def generate(self, request: GenerateRequest) -> GenerateResult:
-        ids = list(request.prompt_ids)
-        rid = request.rid or f"{request.session_id}_g{uuid.uuid4().hex}"
-        timeout_s = self.deadline(request)
+    async def _generate_once(self, request: GenerateRequest, asked: GenerateRequest,
+                             timeout_s: float) -> GenerateResult:  # fmt: skip
+        rid, params = asked.rid or "", asked.sampling_params
+        if params.get("max_new_tokens") == 0:  # vLLM refuses max_tokens 0; nothing would be made
+            return GenerateResult([], [] if asked.return_logprob else None, "length",
+                                  prompt_tokens=len(asked.prompt_ids), server=self.url)  # fmt: skip
+        payload = {"token_ids": list(asked.prompt_ids), "request_id": rid,
+                   "sampling_params": vllm_params(params, asked.return_logprob)}  # fmt: skip
+        body = await self._exchange(payload, rid, timeout_s, body_limit(asked))
+        shaped = sglang_shape(body, server=self.url, rid=rid)
+        result = parse_generate(shaped, server=self.url, return_logprob=asked.return_logprob, rid=rid, request=asked)
+        if result.finish_reason == "abort":
+            self.faults["aborts"] += 1
+        return result
 
-        async def attempt(n: int) -> GenerateResult:
-            wire = rid if n == 1 else f"{rid}_a{n}"  # exact-match aborts: a retry never shares a hung attempt's id
-            if n > 1:
-                self.counts["retries"] += 1
-            self._live[wire] = request.session_id
-            try:
-                await self._ensure_info(timeout_s)
-                params = self._clamp(ids, dict(request.sampling_params))
-                asked = replace(request, sampling_params=params, rid=wire)  # what the answer is held to
-                if params.get("max_new_tokens") == 0:  # vLLM refuses max_tokens 0; nothing would be made
-                    return GenerateResult([], [] if request.return_logprob else None, "length",
-                                          prompt_tokens=len(ids), server=self.url)  # fmt: skip
-                payload = {"token_ids": ids, "request_id": wire,
-                           "sampling_params": vllm_params(params, request.return_logprob)}  # fmt: skip
-                return await self._generate_once(payload, wire, timeout_s, asked)
-            except BackendError as e:
-                if e.kind in self.faults:
-                    self.faults[e.kind] += 1
-                raise
-            finally:
-                self._live.pop(wire, None)
+    def _grace(self, timeout_s: float) -> float:
+        return self.abort_grace_s if self.abort_grace_s is not None else min(5.0, timeout_s / 10)
 
-        def retryable(e: BaseException) -> bool:  # a hung server stays hung: the router fails over instead
-            return self.retry_policy.retryable(e) and not isinstance(e, BackendTimeout)
-
-        return await self._retrying(f"POST /inference/v1/generate (rid {rid})", attempt, self.retry_policy, retryable)
-
-    async def _generate_once(self, payload: dict[str, Any], rid: str, timeout_s: float,
-                             asked: GenerateRequest) -> GenerateResult:  # fmt: skip
-        """One generate attempt under its deadline; every answer that is not a response raises."""
-        self.counts["requests"] += 1
-        # owned: ends in `finally`
-        exchange = asyncio.ensure_future(self._send("POST", "/inference/v1/generate", payload, body_limit(asked)))
-        try:
-            if not await self._pause.wait(exchange, timeout_s):
-                # Past the deadline: abort it at the server, which then answers this very request with what it
-                # made so far (finish_reason abort); else closing the connection ends it (vLLM aborts a request
-                # whose client went away).
-                await self._abort_quietly(rid)
-                grace = self.abort_grace_s if self.abort_grace_s is not None else min(5.0, timeout_s / 10)
-                if not await self._pause.wait(exchange, grace):
-                    raise BackendTimeout(f"{self.url}: /inference/v1/generate rid {rid} had no answer within "
-                                         f"{timeout_s:g} s (request_timeout_s); aborted at the server",
-                                         server=self.url, kind="timeouts")  # fmt: skip
-            status, headers, data = exchange.result()
-        finally:
-            if not exchange.done():
-                exchange.cancel()
-                await asyncio.wait({exchange})
-        body = decode(data)
-        if status == 200:
-            if not isinstance(body, dict):
-                kind = headers.get("Content-Type", "no content type").split(";")[0]
-                raise BackendMalformed(f"{self.url}: /inference/v1/generate (rid {rid}) answered 200 with a {kind} "
-                                       f"body that is not a JSON object: {snippet(body or '')}; a server fault",
-                                       server=self.url, status=200, kind="malformed")  # fmt: skip
-            shaped = sglang_shape(body, server=self.url, rid=rid)
-            result = parse_generate(shaped, server=self.url, return_logprob=asked.return_logprob, rid=rid,
-                                    request=asked)  # fmt: skip
-            if result.finish_reason == "abort":
-                self.faults["aborts"] += 1
-            return result
-        message = " ".join(error_message(body, str(body)[:200]).split())  # vLLM's validation errors span lines
-        if self.retry_policy.retryable_status(status) or status >= 500:
-            raise BackendUnavailable(f"HTTP {status} for rid {rid}: {message}", server=self.url, status=status,
-                                     kind="http_errors", retry_after=parse_retry_after(headers.get("Retry-After")))  # fmt: skip
-        raise BackendRequestError(f"{self.url} rejected rid {rid}: {message}", server=self.url, status=status)
-
-    async def _abort_quietly(self, rid: str) -> None:
-        """Best effort abort of a rid past its deadline (the server may be the thing that hangs)."""
-        self.counts["aborts_sent"] += 1
-        with contextlib.suppress(BackendError):
-            await self._call("POST", "/inference/v1/abort_requests", {"request_ids": [REQUEST_PREFIX + rid]},
-                             timeout_s=5, retries=0)  # fmt: skip
+    def _abort_route(self, rid: str) -> tuple[str, Any]:
+        return "/inference/v1/abort_requests", {"request_ids": [REQUEST_PREFIX + rid]}
 
     # -- control ------------------------------------------------------------------------------------------
 
-    async def _control(self, method: str, path: str, payload: Any = None, timeout_s: float = 60,
-                       params: Any = None) -> Any:  # fmt: skip
-        status, body = await self._call(method, path, payload, timeout_s=timeout_s, params=params)
-        if status >= 400:
-            message = " ".join(error_message(body, str(body)[:500]).split())
-            raise BackendRequestError(f"{self.url}{path} failed: HTTP {status}: {message}", server=self.url,
-                                      status=status)  # fmt: skip
-        return body
-
     async def health(self, timeout_s: float = 25.0) -> bool:
         """`/health`: 200 while the engine runs (paused or not), 503 once it died."""
-        return await self._ok("/health", timeout_s)
+        return await super().health(timeout_s)
 
     async def ready(self, timeout_s: float = 5.0) -> bool:
         """Healthy and not paused (vLLM has no /ready: `/is_paused`, which needs VLLM_SERVER_DEV_MODE)."""
@@ -339,14 +210,6 @@ class VLLMBackend(ServerClient):
         if status == 404:  # no dev routes: readiness is health
             return await self.health(timeout_s)
         return status == 200 and isinstance(body, dict) and body.get("is_paused") is False
-
-    async def wait_ready(self, timeout: float = 600.0, interval_s: float = 0.5) -> None:
-        """Poll `/health` until 200."""
-        deadline = asyncio.get_running_loop().time() + timeout
-        while not await self.health(timeout_s=min(25.0, timeout)):
-            if asyncio.get_running_loop().time() + interval_s > deadline:
-                raise BackendUnavailable(f"{self.url} not healthy after {timeout:.0f} s", server=self.url)
-            await asyncio.sleep(interval_s)
 
     async def is_paused(self) -> bool:
         body = await self._control("GET", "/is_paused", timeout_s=30)
@@ -362,12 +225,6 @@ class VLLMBackend(ServerClient):
         ids = [] if abort_all else [REQUEST_PREFIX + rid]
         path = "/abort_requests" if abort_all else "/inference/v1/abort_requests"  # the RL route aborts all
         await self._control("POST", path, {"request_ids": ids})
-
-    async def abort(self, session_id: str) -> None:
-        """Abort whatever this client has in flight for a trajectory."""
-        for rid, sid in list(self._live.items()):
-            if sid == session_id:
-                await self.abort_request(rid)
 
     async def pause_generation(self, mode: str = "abort") -> dict[str, Any]:
         """`/pause` in the vLLM mode nearest to `mode` (module docstring). From now until `continue_generation`
