@@ -321,7 +321,7 @@ def bench_contexts(n: int = 500, tool_turns: int = 4, repeats: int = 3) -> dict[
     rows = make_prompts(n)
     runs: dict[str, list[float]] = {policy: [] for policy in agents}
     outputs: dict[str, list[list[int]]] = {}
-    for policy, agent in agents.items():  # warm up (template compilation, caches)
+    for agent in agents.values():  # warm up (template compilation, caches)
         asyncio.run(Runner(agent, Replay(), tok, max_concurrency=n).run(rows[:50]))
     for _ in range(repeats):
         for policy, agent in agents.items():

@@ -73,7 +73,8 @@ class FSMWorkflow(_WorkflowBase):  # type: ignore[misc,valid-type]
             return None
         if len(samples) == 1:
             return to_areal(samples[0])
-        from areal.utils.data import concat_padded_tensors  # AReaL's own: how its multi-completion episodes batch
+        # AReaL's own batching, as for its multi-completion episodes
+        from areal.utils.data import concat_padded_tensors
 
         return concat_padded_tensors([to_areal(s) for s in samples])
 
