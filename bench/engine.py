@@ -287,3 +287,62 @@ def bench_calculator(n: int = 2000, concurrency: int | None = None, repeats: int
             "cpu_us_per_trajectory": round(us, 1), "runs_cpu_s": [round(r, 3) for r in runs],
             "gc_collections_per_run": collections,
             "peak_bytes_per_trajectory": round(peak / m), "memory_trajectories": m}  # fmt: skip
+
+
+def bench_contexts(n: int = 500, tool_turns: int = 4, repeats: int = 3) -> dict[str, Any]:
+    """CPU per model turn of the `template` context policy against `append`, on the same conversation:
+    specs/calculator.yaml on the tiny tokenizer's (real, jinja) chat template, `tool_turns` calculator calls then
+    the answer, a replayed model. `template` renders the whole conversation before each model turn; the
+    tiny template is append-only, so both policies give the same single-segment rows (checked), and the
+    difference is the render. The two run alternated, `repeats` times each; the medians and their ratio."""
+    from transformers import AutoTokenizer
+
+    from backends.base import BaseBackend, GenerateResult
+    from specs.calculator import make_prompts
+
+    repo = Path(__file__).resolve().parent.parent
+    tok = AutoTokenizer.from_pretrained(str(repo / "backends/tiny/assets"))
+    base = compile_spec(repo / "specs/calculator.yaml")
+    limits = base.spec.limits.model_copy(update={"max_assistant_turns": tool_turns + 2, "response_length": 2048})
+    agents = {policy: compile_spec(base.spec.model_copy(update={
+        "limits": limits, "context": base.spec.context.model_copy(update={"policy": policy})}))
+        for policy in ("append", "template")}  # fmt: skip
+    call = tok.encode('<tool_call>\n{"name": "calculator", "arguments": {"expression": "1 + 2"}}\n</tool_call>',
+                      add_special_tokens=False) + [tok.eos_token_id]  # fmt: skip
+    answer = tok.encode("The answer is 3.\n#### 3", add_special_tokens=False) + [tok.eos_token_id]
+
+    class Replay(BaseBackend):
+        provider, model_name = "scripted", "replay"
+
+        async def generate(self, request: Any) -> GenerateResult:
+            ids = call if int(request.rid.rsplit("_t", 1)[1][:2]) < tool_turns else answer
+            return GenerateResult(list(ids), [-0.5] * len(ids), "stop", len(request.prompt_ids), 0, server="replay")
+
+    rows = make_prompts(n)
+    runs: dict[str, list[float]] = {policy: [] for policy in agents}
+    outputs: dict[str, list[list[int]]] = {}
+    for agent in agents.values():  # warm up (template compilation, caches)
+        asyncio.run(Runner(agent, Replay(), tok, max_concurrency=n).run(rows[:50]))
+    for _ in range(repeats):
+        for policy, agent in agents.items():
+            runner = Runner(agent, Replay(), tok, max_concurrency=n)
+            gc.collect()
+            t0 = time.process_time()
+            trajs = asyncio.run(runner.run(rows))
+            runs[policy].append(time.process_time() - t0)
+            bad = [t for t in trajs if t.failed or t.assistant_turns != tool_turns + 1 or t.num_segments != 1]
+            assert not bad, f"{policy}: {bad[0].termination_reason} {bad[0].error} ({bad[0].num_segments} segments)"
+            outputs[policy] = [t.prompt_ids.tolist() + t.response_ids.tolist() for t in trajs[:20]]
+            del trajs
+    assert outputs["append"] == outputs["template"], "append and template rows differ on an append-only template"
+    turns = n * (tool_turns + 1)
+    out: dict[str, Any] = {"workload": "contexts", "trajectories": n, "model_turns_per_trajectory": tool_turns + 1,
+                           "repeats": repeats}  # fmt: skip
+    for policy, ts in runs.items():
+        out[policy] = {"median_cpu_s": round(statistics.median(ts), 4), "runs_cpu_s": [round(t, 3) for t in ts],
+                       "us_per_model_turn": round(statistics.median(ts) / turns * 1e6, 1)}  # fmt: skip
+    out["ratio_template_to_append"] = round(out["template"]["median_cpu_s"] / out["append"]["median_cpu_s"], 3)
+    print(f"bench engine: contexts, {n} trajectories of {tool_turns + 1} model turns, median of {repeats}: append "
+          f"{out['append']['us_per_model_turn']:.0f} µs, template {out['template']['us_per_model_turn']:.0f} µs CPU per "
+          f"model turn (x{out['ratio_template_to_append']})", file=sys.stderr)  # fmt: skip
+    return out

@@ -109,3 +109,21 @@ async def test_template_mode_with_full_size_tokenizers(case, compile_yaml):
     for seg in t.segments:
         assert seg.prompt_ids.tolist() == tok.apply_chat_template(
             seg.messages[: seg.prompt_messages], add_generation_prompt=True, return_dict=False, **kwargs)
+
+
+def test_bench_row_template_against_append():
+    """`agentfsm bench engine --workload contexts`: CPU per model turn of `template` against `append` on the same
+    calculator conversation (the bench asserts both give the same rows on the append-only tiny template)."""
+    import json
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, "-m", "fsm.cli", "bench", "engine", "--workload", "contexts", "--n", "20",
+                           "--tool-turns", "2", "--repeats", "1"], capture_output=True, text=True, cwd=repo,
+                          timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["workload"] == "contexts" and out["trajectories"] == 20 and out["model_turns_per_trajectory"] == 3
+    assert out["append"]["us_per_model_turn"] > 0 and out["template"]["us_per_model_turn"] > 0
+    assert out["ratio_template_to_append"] == round(out["template"]["median_cpu_s"] / out["append"]["median_cpu_s"], 3)

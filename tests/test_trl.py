@@ -124,3 +124,20 @@ def test_a_step_whose_rows_all_fail_stops_the_run_loudly(tmp_path, monkeypatch):
     finally:
         rollout.close()
     assert rollout.calls == 1
+
+
+def test_a_segmenting_spec_is_refused_when_the_adapter_is_made():
+    """TRL's GRPOTrainer scores one completion per prompt: a spec whose trajectories give several rows is
+    refused in one line, whether given as a spec or through an engine."""
+    from fsm.api import RolloutEngine
+    from tests.fixtures.compacting import SPEC, compact_backend
+
+    message = r"TRLRollout: spec 'calculator_compact' rewrites its context.*one completion per prompt"
+    with pytest.raises(ValueError, match=message):
+        TRLRollout(SPEC)
+    with pytest.raises(ValueError, match=r"spec 'qwen3_thinking' rewrites its context \(context.policy 'template'"):
+        TRLRollout("qwen3_thinking")
+    tok = AutoTokenizer.from_pretrained(ASSETS)
+    with RolloutEngine(SPEC, tok, backend=compact_backend(tok)) as engine, pytest.raises(ValueError, match=message):
+        TRLRollout(SPEC, engine=engine)
+    TRLRollout("calculator").close()  # append, no rewrites: accepted

@@ -17,6 +17,12 @@ So this workflow runs the row (`messages` are the chat messages, `answer` the gr
 event loop, under the trajectory's own rid (AReaL keeps a rid on one server, for its prefix cache), with
 `gconfig`'s sampling and the spec's budgets and stop ids; every token keeps the version AReaL reported for it.
 A failed episode (the engine's error, not the model's), or one without logprobs, is rejected: None.
+
+A trajectory whose context was rewritten (segments, docs/contexts.md) is one episode of several rows: AReaL
+batches an episode's [B, L] tensors along B (`concat_padded_tensors`, as for its own multi-completion
+episodes), so each segment is one row, its reward placed as the spec's `context.reward_placement` says
+(`every` gives each row the trajectory's reward). AReaL's group-level advantage normalization (`group_size`)
+assumes a fixed number of rows per prompt: with segments, normalize at the batch level.
 """
 
 from __future__ import annotations
@@ -59,11 +65,18 @@ class FSMWorkflow(_WorkflowBase):  # type: ignore[misc,valid-type]
             backend = FunctionBackend(self._generate, model_name="areal", provider="areal")
             self.engine = RolloutEngine(self.spec, tokenizer=self.tokenizer, backend=backend, **self.options)
         batch = await self.engine.agenerate_samples([to_row(data)], sampling_params=self._sampling())
-        sample = batch.samples[0]
-        if sample.logprobs is None:  # AReaL's loss divides by them: never train on invented ones
-            log.warning("episode rejected: AReaL's engine returned no logprobs (row %s)", sample.uid)
+        samples = batch.samples  # one per segment of the episode's trajectory (one unless its context was rewritten)
+        if any(s.logprobs is None for s in samples):  # AReaL's loss divides by them: never train on invented ones
+            log.warning("episode rejected: AReaL's engine returned no logprobs (row %s)", samples[0].uid)
             return None
-        return None if sample.failed else to_areal(sample)
+        if samples[0].failed:
+            return None
+        if len(samples) == 1:
+            return to_areal(samples[0])
+        # AReaL's own batching, as for its multi-completion episodes
+        from areal.utils.data import concat_padded_tensors
+
+        return concat_padded_tensors([to_areal(s) for s in samples])
 
     def _sampling(self) -> dict[str, Any]:
         g = self.gconfig

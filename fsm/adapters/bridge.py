@@ -1,4 +1,5 @@
-"""Awaiting a trainer's engine from the RolloutEngine's own loop.
+"""What the trainer adapters share: awaiting a trainer's engine from the RolloutEngine's own loop, and
+refusing a spec whose trajectories give several rows where the trainer takes one.
 
 A RolloutEngine runs its backend on an event loop of its own (fsm/api.py). A trainer's inference client (an
 OpenRLHF rollout actor, SkyRL's InferenceEngineClient) belongs to the trainer's loop: its futures, locks and
@@ -9,7 +10,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Coroutine
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from fsm.run.compile import CompiledAgent
 
 T = TypeVar("T")
 
@@ -19,3 +23,16 @@ async def on_loop(coro: Coroutine[Any, Any, T], loop: asyncio.AbstractEventLoop 
     if loop is None or loop is asyncio.get_running_loop():
         return await coro
     return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, loop))
+
+
+def one_row_per_sample(spec: Any, adapter: str, why: str) -> CompiledAgent:
+    """The compiled spec, or ValueError in one line when it may give several rows per trajectory (a context
+    policy or rewrite that makes segments, docs/contexts.md) and `adapter`'s trainer takes one per sample."""
+    from fsm.api import load_agent
+
+    agent = load_agent(spec)
+    if agent.spec.segmenting:
+        raise ValueError(f"{adapter}: spec {agent.name!r} rewrites its context (context.policy "
+                         f"{agent.spec.context.policy!r} or a rewrite state), so a trajectory may give several rows "
+                         f"(segments); {why}: use the append policy without rewrites here")  # fmt: skip
+    return agent

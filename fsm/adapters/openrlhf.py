@@ -19,6 +19,7 @@ of them (or one user message; leave OpenRLHF's `--data.apply_chat_template` off,
 template itself), the label is the row's `reward_model.ground_truth` (or, when it is a JSON object, the row's
 columns). Every model turn goes to `llm_engine.generate` on the actor's event loop, with OpenRLHF's sampling
 parameters (its temperature is the one its actor divides logits by) and the engine's stop ids and budgets.
+A spec whose trajectories may give several rows (segments, docs/contexts.md) is refused: `execute` answers one.
 """
 
 from __future__ import annotations
@@ -31,15 +32,19 @@ from collections.abc import Mapping
 from typing import Any
 
 from backends.function import FunctionBackend
-from fsm.adapters.bridge import on_loop
+from fsm.adapters.bridge import on_loop, one_row_per_sample
 from fsm.api import RolloutEngine, SpecLike
 from fsm.output.sample import Sample
 
 log = logging.getLogger("agentfsm.openrlhf")
+# OpenRLHF 0.11: each execute() answers with one dict that becomes one Experience, and its advantages group
+# n_samples_per_prompt Experiences per prompt; a trajectory's segments would have no place.
+OPENRLHF_ONE_ROW = "OpenRLHF's AgentExecutor.execute answers one sample with exactly one sequence"
 
 
 def agent_executor(spec: SpecLike, **engine_options: Any) -> type:
     """An `AgentExecutor` class (a subclass of OpenRLHF's AgentExecutorBase) that runs `spec`."""
+    spec = one_row_per_sample(spec, "agent_executor", OPENRLHF_ONE_ROW)
     from openrlhf.utils.agent import AgentExecutorBase  # the trainer's own class: imported where it runs
 
     class AgentExecutor(AgentExecutorBase):
@@ -58,7 +63,7 @@ class OpenRLHFRollout:
     """One engine per rollout actor, built on the first `execute` (it needs OpenRLHF's tokenizer and engine)."""
 
     def __init__(self, spec: SpecLike, **engine_options: Any):
-        self.spec = spec
+        self.spec = one_row_per_sample(spec, "OpenRLHFRollout", OPENRLHF_ONE_ROW)
         self.options = engine_options
         self.engine: RolloutEngine | None = None
         self._llm: Any = None  # OpenRLHF's rollout actor (its `generate`), and the loop it lives on

@@ -23,6 +23,12 @@ SkyRL's client (`inference_engine_client.generate`, token in, token out, on the 
 SkyRL's temperature/top_p/top_k and the spec's budgets and stop ids, and samples with the spec's
 `val_sampling` in the eval phase. A failed row (the engine's error) is one masked token with reward 0.0:
 SkyRL reads the last response token.
+
+A spec whose trajectories may give several rows (segments, docs/contexts.md) needs SkyRL's step-wise training
+(`generator.step_wise_trajectories: true`, and `FSMGenerator(..., step_wise=True)`): each segment is then one
+row, with its trajectory's `trajectory_ids` entry and `is_last_step` on the last segment; SkyRL computes the
+advantages on the last steps, grouped by instance, and gives each trajectory's to all its rows (session-level
+GRPO). Without step_wise, such a spec is refused when the generator is made.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from backends.function import FunctionBackend
-from fsm.adapters.bridge import on_loop
+from fsm.adapters.bridge import on_loop, one_row_per_sample
 from fsm.api import RolloutEngine, SpecLike
 from fsm.output.sample import Sample
 
@@ -48,7 +54,12 @@ except ImportError:  # pragma: no cover - without skyrl_train
 class FSMGenerator(_GeneratorBase):  # type: ignore[misc,valid-type]
     """SkyRL's GeneratorInterface running `spec` (see the module docstring)."""
 
-    def __init__(self, spec: SpecLike, tokenizer: Any, inference_engine_client: Any, **engine_options: Any):
+    def __init__(self, spec: SpecLike, tokenizer: Any, inference_engine_client: Any, *, step_wise: bool = False,
+                 **engine_options: Any):  # fmt: skip
+        if not step_wise:
+            spec = one_row_per_sample(spec, "FSMGenerator", "SkyRL takes one response per prompt unless "
+                                      "generator.step_wise_trajectories is set (then pass step_wise=True)")  # fmt: skip
+        self.step_wise = step_wise
         self.client = inference_engine_client
         self._loop: asyncio.AbstractEventLoop | None = None  # the trainer's loop, where the client is awaited
         self._request: dict[str, Any] = {}  # SkyRL's sampling params of the batch in flight
@@ -68,6 +79,9 @@ class FSMGenerator(_GeneratorBase):  # type: ignore[misc,valid-type]
         out = to_skyrl(batch.samples, pad_id=self.engine.codec.pad_id, with_logprobs=params.get("logprobs", True))
         out["rollout_metrics"] = batch.meta_info["rollout_metrics"]
         out["trajectory_ids"] = ids
+        if self.step_wise:  # one row per segment: each names its trajectory, the last of them says so
+            out["trajectory_ids"] = [ids[s.index] for s in batch.samples] if ids else None
+            out["is_last_step"] = [s.segment == s.num_segments - 1 for s in batch.samples]
         return out
 
     async def _generate(self, prompt_ids: list[int], params: dict[str, Any]) -> dict[str, Any]:

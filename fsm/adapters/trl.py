@@ -25,6 +25,8 @@ So this adapter:
   leaves it out of its group's baseline and gives it no advantage. A step whose rows all failed (a dataset
   without the ground truth the reward reads, a server down) stops the run: AllRowsFailed, naming the step
   and the most common reason.
+A spec whose trajectories may give several rows (segments, docs/contexts.md) is refused when the adapter is made:
+TRL takes one completion per prompt.
 """
 
 from __future__ import annotations
@@ -34,12 +36,16 @@ import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from fsm.adapters.bridge import one_row_per_sample
 from fsm.api import RolloutEngine, SpecLike
 from fsm.data.rows import normalize_record
 from fsm.output.sample import Sample, SampleBatch
 
 log = logging.getLogger("agentfsm.trl")
 REWARD_KEY = "agentfsm_reward"
+# trl 1.x GRPOTrainer._generate scores rollout_func's answers against its `inputs` (one per prompt) and groups
+# the rewards by num_generations: one completion per prompt, so a trajectory's segments have no place.
+TRL_ONE_ROW = "TRL's GRPOTrainer takes exactly one completion per prompt from rollout_func"
 
 
 def engine_reward(completions: list[Any], agentfsm_reward: list[float | None], **kwargs: Any) -> list[float | None]:
@@ -66,8 +72,10 @@ class TRLRollout:
                  to_row: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None,
                  engine: RolloutEngine | None = None, prompt_column: str = "prompt",
                  **engine_options: Any):  # fmt: skip
-        self.spec = spec
+        self.spec = spec if engine is not None else one_row_per_sample(spec, "TRLRollout", TRL_ONE_ROW)
         self.engine = engine
+        if engine is not None:
+            one_row_per_sample(engine.agent, "TRLRollout", TRL_ONE_ROW)
         self._own_engine = engine is None
         self._options = engine_options
         self._to_row = to_row or (lambda example: normalize_record(dict(example), prompt_column))

@@ -210,9 +210,10 @@ def command_line(commands: Mapping[str, Callable[[argparse.Namespace], int]]) ->
     p.add_argument("--model", metavar="DIR", help="hf: model dir (default: the tiny model)")
     p.add_argument("--server", action="append", metavar="URL", help="engines: a server serving the tiny model "
                    "(SGLang, vLLM or dev); two or more, run in turn")  # fmt: skip
-    p.add_argument("--workload", choices=["engine", "calculator", "embedded"], default="engine",
+    p.add_argument("--workload", choices=["engine", "calculator", "contexts", "embedded"], default="engine",
                    help="engine: calculator is specs/calculator.yaml's prompt, tool and answer with a replayed model "
-                        "(CPU per trajectory at --n in flight); tracing: engine, calculator, or embedded "
+                        "(CPU per trajectory at --n in flight); contexts: the template context policy's CPU per "
+                        "model turn against append's on the same calculator conversation (--n default 500); tracing: engine, calculator, or embedded "
                         "(`agentfsm run specs/calculator.yaml` without and with --otlp, alternated)")  # fmt: skip
     p.set_defaults(fn=commands["bench"])
 

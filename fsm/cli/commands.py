@@ -572,13 +572,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     import importlib
 
     what = args.what
-    if args.workload != "engine" and (what, args.workload) not in (("engine", "calculator"), ("tracing", "calculator"),
-                                                                   ("tracing", "embedded")):  # fmt: skip
-        raise CLIError(f"bench {what}: no --workload {args.workload} (engine: engine | calculator; tracing: engine | "
+    if args.workload != "engine" and (what, args.workload) not in (("engine", "calculator"), ("engine", "contexts"),
+                                                                   ("tracing", "calculator"), ("tracing", "embedded")):  # fmt: skip
+        raise CLIError(f"bench {what}: no --workload {args.workload} (engine: engine | calculator | contexts; tracing: engine | "
                        "calculator | embedded)")  # fmt: skip
     bench = importlib.import_module(f"bench.{what.replace('-', '_')}")  # `async` is a keyword: no plain import
     _freeze_heap()  # as `agentfsm run` does: the benchmarks measure the rollout, not the collector on imports
-    if what == "engine" and args.workload == "calculator":
+    if what == "engine" and args.workload == "contexts":
+        result = bench.bench_contexts(n=500 if args.n == 2000 else args.n, tool_turns=args.tool_turns, repeats=args.repeats)
+    elif what == "engine" and args.workload == "calculator":
         result = bench.bench_calculator(n=args.n, concurrency=args.concurrency, repeats=args.repeats)
     elif what == "engine":
         result = bench.bench_engine(n=args.n, concurrency=args.concurrency or args.n, tool_turns=args.tool_turns,

@@ -9,6 +9,7 @@ rejection sampling (nothing rejected)."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import subprocess
 import sys
@@ -147,3 +148,48 @@ def test_an_episode_without_logprobs_is_refused_and_one_with_them_batches_whole(
     L = batch["input_ids"].shape[1]
     assert all(batch[k].shape == (2, L) for k in ("logprobs", "loss_mask", "versions", "attention_mask"))
     assert (batch["logprobs"][batch["loss_mask"] == 1] == -0.25).all()
+
+
+def test_a_segmenting_spec_is_one_episode_of_a_row_per_segment():
+    """specs/calculator_compact.yaml (tests/fixtures/compacting.py's model, answering through AReaL's own
+    ModelRequest / ModelResponse): the episode holds one row per segment, batched by AReaL's
+    concat_padded_tensors; each row is exactly its segment's tokens, its loss mask and versions, and carries
+    the trajectory's reward (the spec's reward_placement: every)."""
+    from areal.api import ModelRequest, ModelResponse
+
+    from fsm.api import RolloutEngine
+    from tests.fixtures.compacting import SPEC, compact_backend, compact_row, compact_turn
+
+    tok = AutoTokenizer.from_pretrained(ASSETS)
+
+    class Engine:  # what a workflow calls on AReaL's inference engine
+        requests: list = []
+
+        async def agenerate(self, req):
+            assert isinstance(req, ModelRequest)
+            self.requests.append(req)
+            ids = compact_turn(tok, req.input_ids)
+            return ModelResponse(input_tokens=req.input_ids, output_tokens=ids, output_logprobs=[-0.25] * len(ids),
+                                 output_versions=[VERSION] * len(ids), stop_reason="stop")  # fmt: skip
+
+    row = compact_row()
+    workflow = FSMWorkflow(SPEC, tok, gconfig=GenerationHyperparameters(temperature=1.0))
+
+    async def run():
+        try:
+            return await workflow.arun_episode(Engine(), {"messages": row["raw_prompt"], "answer": "5"})
+        finally:
+            await workflow.engine.aclose()
+
+    episode = asyncio.run(run())
+    with RolloutEngine(SPEC, tok, backend=compact_backend(tok)) as engine:
+        expected = engine.generate_samples([row]).samples
+    assert len(expected) == 3 and len(Engine.requests) == 3
+    L = max(len(s.ids) for s in expected)
+    assert all(v.shape[0] == 3 for v in episode.values()) and episode["input_ids"].shape[1] == L
+    for i, s in enumerate(expected):
+        n, P = len(s.ids), len(s.prompt_ids)
+        assert episode["input_ids"][i, :n].tolist() == s.ids and episode["attention_mask"][i].sum() == n
+        assert episode["loss_mask"][i, :n].tolist() == [0] * P + s.mask
+        assert episode["versions"][i, P:n][episode["loss_mask"][i, P:n] == 1].eq(VERSION).all()
+        assert episode["rewards"][i].item() == 1.0

@@ -128,3 +128,17 @@ async def test_agent_executor_through_openrlhf_loader_experience_and_loss():
                                                          rollout)  # fmt: skip
         assert torch.isfinite(loss) and clip_ratio.item() == 0 and filtered.item() == 0 and abs(vllm_kl.item()) < 1e-4
     assert tool_rounds, "no sample called the calculator: the observation's mask was never checked"
+
+
+def test_a_segmenting_spec_is_refused_when_the_executor_is_made():
+    """OpenRLHF's execute() answers one sample with one sequence: a spec whose trajectories give several rows is
+    refused in one line when the AgentExecutor class is made, before OpenRLHF runs anything."""
+    from fsm.adapters.openrlhf import OpenRLHFRollout, agent_executor
+    from tests.fixtures.compacting import SPEC
+
+    message = r"spec 'calculator_compact' rewrites its context.*exactly one sequence"
+    with pytest.raises(ValueError, match="agent_executor: " + message):
+        agent_executor(SPEC)
+    with pytest.raises(ValueError, match="OpenRLHFRollout: " + message):
+        OpenRLHFRollout(SPEC)
+    assert agent_executor("calculator").__name__ == "AgentExecutor"

@@ -145,3 +145,100 @@ async def test_generator_through_skyrl_client_trainer_tensors_and_loss():
     loss_cfg.use_tis = False
     without, _ = ppo_policy_loss(policy, policy, advantages, loss_cfg, loss_mask.float(), rollout)
     assert clip == 0 and torch.isfinite(with_tis) and with_tis.item() == pytest.approx(without.item(), rel=1e-3)
+
+
+class ScriptedEngine(TinyEngine):
+    """TinyEngine over tests/fixtures/compacting.py's prompt-scripted model (a trajectory of three segments);
+    of the trajectories of one prompt, the first to answer is right (#### 5), the others wrong (#### 4)."""
+
+    def __init__(self, tok):
+        from backends.scripted import ScriptedBackend
+        from tests.fixtures.compacting import ANSWER, compact_turn
+
+        answered: dict[str, int] = {}
+
+        def turn(session, k, prompt):
+            ids = compact_turn(tok, prompt)
+            if tok.decode(ids[:-1]) != ANSWER:
+                return ids
+            key = tok.decode(list(prompt)).split("<|im_start|>user", 1)[1][:60]  # the task: one per prompt
+            answered[key] = answered.get(key, 0) + 1
+            return ids if answered[key] == 1 else tok.encode("#### 4", add_special_tokens=False) + [tok.eos_token_id]
+
+        super().__init__(ScriptedBackend(turn, logprob=-0.25))
+
+
+def _skyrl_cfg(step_wise: bool):
+    return OmegaConf.create({
+        "trainer": {"policy": {"model": {"path": str(ASSETS)}},
+                    "algorithm": {"zero_variance_filter": False, "advantage_estimator": "grpo", "gamma": 1.0,
+                                  "lambd": 1.0, "grpo_norm_by_std": True, "use_tis": False}},
+        "generator": {"backend": "vllm", "enable_http_endpoint": False, "http_endpoint_host": "127.0.0.1",
+                      "http_endpoint_port": 0, "step_wise_trajectories": step_wise, "n_samples_per_prompt": N},
+    })  # fmt: skip
+
+
+def test_a_segmenting_spec_needs_step_wise_training():
+    from tests.fixtures.compacting import SPEC
+
+    tok = AutoTokenizer.from_pretrained(ASSETS)
+    with pytest.raises(ValueError, match=r"FSMGenerator: spec 'calculator_compact' rewrites its context.*"
+                                         r"step_wise_trajectories"):  # fmt: skip
+        FSMGenerator(SPEC, tok, None)
+
+
+async def test_step_wise_segments_get_their_trajectorys_advantage():
+    """specs/calculator_compact.yaml under SkyRL's step-wise training: one row per segment, each with its
+    trajectory's id and `is_last_step` on the last; SkyRL's own trainer code turns them into training tensors
+    and gives every segment its trajectory's GRPO advantage (computed on the last steps, grouped by instance)."""
+    from skyrl_train.training_batch import TrainingInputBatch
+
+    from tests.fixtures.compacting import SPEC, compact_row
+
+    tok = AutoTokenizer.from_pretrained(ASSETS)
+    cfg = _skyrl_cfg(True)
+    sampling = get_sampling_params_for_backend("vllm", OmegaConf.create({
+        "max_generate_length": 160, "temperature": TEMPERATURE, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "logprobs": 0,
+    }))  # fmt: skip
+    rows = [compact_row(), compact_row("What is 2 + 3 exactly?")]
+    prompts = [{"prompt": r["raw_prompt"], "env_class": None, "uid": f"row{i}",
+                "env_extras": {"reward_spec": {"method": "rule", "ground_truth": r["reward_model"]["ground_truth"]}}}
+               for i, r in enumerate(rows)]  # fmt: skip
+    gen_input, uids = prepare_generator_input(prompts, N, sampling, "gsm8k", "train", global_step=1)
+    generator = FSMGenerator(SPEC, tok, InferenceEngineClient([ScriptedEngine(tok)], tok, cfg), step_wise=True)
+    out = await generator.generate(gen_input)
+    await generator.engine.aclose()
+
+    n = len(gen_input["prompts"])
+    assert len(out["response_ids"]) == 3 * n and out["is_last_step"] == [False, False, True] * n
+    assert [t.to_string() for t in out["trajectory_ids"]] == [t.to_string() for t in gen_input["trajectory_ids"]
+                                                              for _ in range(3)]  # fmt: skip
+    one_rank = SimpleNamespace(actor_infos=[SimpleNamespace(rank=SimpleNamespace(dp_size=1))])  # one data-parallel rank
+    trainer = SimpleNamespace(cfg=cfg, all_metrics={}, tokenizer=tok, policy_model=one_rank, critic_model=None,
+                              ref_model=None)  # fmt: skip
+    trainer.pad_batch = lambda batch: RayPPOTrainer.pad_batch(trainer, batch)
+    step_uids = [t.instance_id for t in out["trajectory_ids"]]  # what SkyRL's train loop does in step-wise mode
+    out = RayPPOTrainer.postprocess_generator_output(trainer, out, step_uids)
+    data = RayPPOTrainer.convert_to_training_input(trainer, out, step_uids)
+    assert isinstance(data, TrainingInputBatch) and len(data["sequences"]) == 3 * n
+    data["values"] = None
+    data = RayPPOTrainer.compute_advantages_and_returns(trainer, data)
+    adv = data["advantages"]
+    on = data["response_mask"].bool()
+    # SkyRL 0.3 gives each row a copy of its trajectory's last-step advantage row (trainer.py
+    # `last_step_advantages[traj_ids]`): an earlier segment's tokens past the last segment's response length
+    # get 0. On the others, every segment carries its trajectory's advantage.
+    lengths = [len(r) for r in out["response_ids"]]
+    rows_adv = []
+    for i in range(3 * n):
+        vals = adv[i][on[i]]
+        last = 3 * (i // 3) + 2
+        assert int((vals != 0).sum()) == min(lengths[i], lengths[last]), (i, vals)
+        assert len(vals[vals != 0].unique()) == 1
+        rows_adv.append(vals[0].item())
+    for t in range(n):  # a trajectory's three segments share its advantage
+        assert rows_adv[3 * t] == rows_adv[3 * t + 1] == rows_adv[3 * t + 2]
+    # each prompt's first trajectory is right, its other wrong: GRPO's advantage is + on the one, - on the other
+    rewards = [out["rewards"][3 * t + 2][-1] for t in range(n)]
+    assert sorted(rewards) == [0.0, 0.0, 1.0, 1.0]
+    assert all((rows_adv[3 * t] > 0.5) == (rewards[t] == 1.0) and abs(rows_adv[3 * t]) > 0.5 for t in range(n))
