@@ -575,6 +575,9 @@ class RolloutEngine(ContinuousMode, _Engine):
         """Close the backend, then stop the engine's thread."""
         if self._closed:
             return
+        if self.wedged:  # code blocks its loop for good (ContinuousMode.asnapshot): the process exits around it
+            self._closed, self._home = True, None
+            return
         if self._home is not None:
             try:
                 await self._on_home(self._close_backend())

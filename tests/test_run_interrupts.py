@@ -9,6 +9,7 @@ answer the uninterrupted reference run gives.
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import signal
@@ -184,3 +185,53 @@ def test_a_hung_sync_tool_gets_a_watchdog_line_and_a_second_ctrl_c_exits_at_once
     text = err.rest()
     assert proc.returncode == 130 and "exiting without a snapshot" in text, text
     assert took < 10 and "Traceback" not in text
+
+
+BLOCKING_SPEC = """
+name: calculator_blocking
+extends: {specs}/calculator.yaml
+tools:
+  - function: tests.fixtures.parts:blocks_the_loop
+    schema: specs.calculator:TOOL_SCHEMA
+    isolation: none
+"""
+
+
+def test_a_tool_that_blocks_the_event_loop_is_named_and_ctrl_c_still_snapshots(tmp_path):
+    """issue 27 item 9: an `isolation: none` tool that blocks the loop for good (a sync sleep in a coroutine).
+    The loop watch, a thread, names the tool and the row within seconds; Ctrl-C writes the snapshot from
+    outside the blocked loop, from each row's last state boundary, and exits 130; `--resume` with the tool
+    fixed runs every row to the end."""
+    spec, out = tmp_path / "blocking.yaml", tmp_path / "out"
+    spec.write_text(BLOCKING_SPEC.format(specs=REPO / "specs"))
+    cmd = [sys.executable, "-m", "fsm.cli.commands", "run", str(spec), "--num-prompts", "4", "--out", str(out), "-q"]
+    proc = subprocess.Popen(cmd, env=ENV, cwd=REPO, stderr=subprocess.PIPE, text=True)
+    try:
+        err = Lines(proc)
+        line = err.wait_for("event loop blocked for", 240)
+        # the tool by its schema's name, the row, its state, and the line the loop's thread is stuck in
+        assert "tool 'calculator' (isolation: none) on row " in line and "in PROCESSING_TOOLS" in line, line
+        assert "parts.py:" in line and "in blocks_the_loop" in line, line
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        proc.wait(30)
+        took = time.monotonic() - t0
+    finally:
+        proc.kill()
+    text = err.rest()
+    assert proc.returncode == 130, text
+    assert took < 30 and "Traceback" not in text and "exiting without a snapshot" not in text, text
+    assert "wrote the snapshot" in text and "last state boundary" in text, text
+    assert (out / "snapshot.json").exists()
+    if (out / "summary.json").exists():  # rows that finished before the tool blocked are written
+        assert '"status": "interrupted"' in (out / "summary.json").read_text()
+
+    resumed = subprocess.run([sys.executable, "-m", "fsm.cli.commands", "run", "--resume", str(out), "-q"],
+                             env={**ENV, "AGENTFSM_TEST_UNBLOCKED": "1"}, cwd=REPO, capture_output=True, text=True,
+                             timeout=240)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr
+    assert not (out / "snapshot.json").exists()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["files"]["trajectories.jsonl"]["rows"] == 4
+    reasons = [json.loads(line)["termination_reason"] for line in (out / "trajectories.jsonl").open()]
+    assert not any(r.startswith("error") for r in reasons), reasons

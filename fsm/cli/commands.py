@@ -363,6 +363,11 @@ async def _resumable(engine: Any, rows: list[dict[str, Any]] | None, args: argpa
             if where.parent != out:
                 warn(f"--out {out} refused the snapshot; it is kept in {where.parent}: resume with agentfsm run "
                      f"--resume {where.parent}")  # fmt: skip
+            if info.get("blocked"):  # the engine's loop runs nothing more: the finished groups come with it
+                warn("the event loop was blocked (see the warning above): the snapshot holds each running "
+                     "trajectory as it was at its last state boundary")  # fmt: skip
+                taken = info["finished"]
+                ready = 0
         except TimeoutError:
             warn(f"no snapshot: some trajectories did not reach a state boundary in {SNAPSHOT_TIMEOUT_S:g} s "
                   "(a tool or user action still running)")  # fmt: skip
@@ -374,7 +379,7 @@ async def _resumable(engine: Any, rows: list[dict[str, Any]] | None, args: argpa
         except SnapshotError as exc:
             warn(f"no snapshot: {exc}")
             ready = engine.stream_stats.get("ready_groups", 0)
-        if ready:
+        if ready and not engine.wedged:
             taken = await engine.atake_groups(ready)
     else:
         taken = await engine.atake_groups(groups)

@@ -194,8 +194,15 @@ async def _resumed_turn(
 async def call_tools(ctx: RunContext, traj: Trajectory) -> None:
     """Run the pending calls concurrently and append their results, in call order. Only well-formed calls
     take one of the max_parallel_calls slots: verl drops malformed calls before it takes the first N."""
+    calls = traj.pending_calls  # cleared once answered: a snapshot taken while the loop is blocked in a tool
+    try:  # (fsm/run/stream.py `snapshot_blocked`) writes the trajectory as it was before this action
+        await _call_tools(ctx, traj, calls)
+    finally:
+        traj.pending_calls = []
+
+
+async def _call_tools(ctx: RunContext, traj: Trajectory, calls: list[Any]) -> None:
     limits = ctx.agent.limits
-    calls, traj.pending_calls = traj.pending_calls, []
     run, extra, order, valid = [], [], [], 0
     for call in calls:
         valid += call.error is None

@@ -29,6 +29,7 @@ from typing import Any
 from backends.base import Backend, BackendError, BackendTimeout, GenerationAborted
 from fsm.data.rows import RowError, encodable_value, normalize_record, row_inputs
 from fsm.families import Codec, codec_for
+from fsm.run import loopwatch
 from fsm.run.agent import CompiledAgent
 from fsm.run.context import TRACED, PauseGate, RunContext, Sampling
 from fsm.run.interaction import call_lifecycle
@@ -36,7 +37,7 @@ from fsm.run.policy import check_segments
 from fsm.run.tracer import Tracer
 from fsm.run.trajectory import Trajectory
 from fsm.spec.model import DEFAULT_TOOL_WORKERS
-from fsm.tools.isolation import ThreadLane
+from fsm.tools.isolation import CALLER, INLINE_STEPS, ThreadLane
 
 log = logging.getLogger("agentfsm.runtime")
 
@@ -79,6 +80,7 @@ class Runner:
         # session_id -> (trajectory, its root span or None) while it is driven: pause events reach them
         self.live: dict[str, tuple[Trajectory, Any]] = {}
         self._watchers = 0  # runs inside `watching()`: the watchdog runs while there is one
+        self.driving: dict[asyncio.Task[Any], Trajectory] = {}  # the task driving each trajectory (loop watch)
         self._watchdog_task: asyncio.Task[None] | None = None
         self._moved_at = time.perf_counter()  # the last time a trajectory finished
         self._reward_lane: ThreadLane | None = None  # a sync reward function's own threads, made on first use
@@ -149,6 +151,9 @@ class Runner:
                 traced = TRACED.set(root)
         traj.begin()
         self.live[traj.session_id] = (traj, root)
+        task, caller = asyncio.current_task(), CALLER.set(traj.session_id)
+        if task is not None:
+            self.driving[task] = traj
         steps, max_steps = 0, agent.limits.max_transitions
         try:
             if "row_error" in traj.extra:
@@ -201,6 +206,8 @@ class Runner:
             traj.fail(f"{type(exc).__name__} in {traj.state}: {exc}")
         finally:
             self.live.pop(traj.session_id, None)
+            self.driving.pop(task, None)  # type: ignore[arg-type]
+            CALLER.reset(caller)
             self._moved_at = time.perf_counter()
             try:
                 await self._finish(ctx, traj)
@@ -216,7 +223,8 @@ class Runner:
             traj.fail(f"ended in {traj.state}, which is not a final state")  # never a row that looks finished
         if traj.termination_reason is None:
             traj.termination_reason = traj.state.lower()
-        if traj.extra.get("context_cut") and traj.last_finish_reason == "length" and not traj.failed:
+        if (traj.extra.get("context_cut") and traj.last_finish_reason == "length" and not traj.failed
+                and "spec_reason" not in traj.extra):  # finished again after a snapshot: once only
             # its last turn stopped because the server's context (extra.context_cut tokens) was full, whatever
             # the spec's edge calls the end; that name stays in extra.spec_reason
             traj.extra["spec_reason"] = traj.termination_reason
@@ -288,13 +296,19 @@ class Runner:
     @contextlib.asynccontextmanager
     async def watching(self) -> AsyncIterator[None]:
         """The watchdog runs while any run is inside this block: every run path (`run`, the continuous mode of
-        fsm/run/stream.py, a Ray actor) enters it, so each gets the same stuck-row reports."""
+        fsm/run/stream.py, a Ray actor) enters it, so each gets the same stuck-row reports. So does the loop
+        watch (fsm/run/loopwatch.py), a thread that sees what the watchdog, a task on this loop, cannot: code
+        that blocks the loop itself."""
         self._watchers += 1
         if self._watchers == 1 and self.watchdog_s:
             self._watchdog_task = asyncio.create_task(self._watchdog(), name="agentfsm watchdog")
+        if self.watchdog_s:
+            loopwatch.watch(self.blocking, min(loopwatch.STALL_S, self.watchdog_s))
         try:
             yield
         finally:
+            if self.watchdog_s:
+                loopwatch.unwatch(self.blocking)
             self._watchers -= 1
             task = self._watchdog_task
             if self._watchers == 0 and task is not None:
@@ -302,6 +316,26 @@ class Runner:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await asyncio.shield(task)  # our own cancellation must not leave it running
+
+    def blocking(self, thread: int, seconds: float) -> str | None:
+        """What holds this run's loop (on `thread`) now, for the loop watch's report: the `isolation: none` tool
+        and the row it runs for, or the row whose task runs, and the line of code the loop's thread is in."""
+        step = INLINE_STEPS.get(thread)
+        traj = None
+        if step is not None:
+            traj = next((t for t, _ in list(self.live.values()) if t.session_id == step[1]), None)
+        else:
+            loop = loopwatch.loop_of(thread)
+            traj = self.driving.get(asyncio.current_task(loop)) if loop is not None else None  # type: ignore[arg-type]
+        if traj is None and self.live:
+            return None  # another run's row on this loop, or none (the loop watch asks each run)
+        row = (f"row {traj.index} sample {traj.sample} ({traj.session_id}) in {traj.state}" if traj is not None
+               else "no row's task")  # fmt: skip
+        where = loopwatch.where(thread)
+        if step is not None:
+            return (f"tool {step[0]!r} (isolation: none) on {row}{where}; declare it isolation: thread, or make it "
+                    "await instead of block")  # fmt: skip
+        return f"{row}{where}"
 
     async def _watchdog(self) -> None:
         """Log the stuck rows when no trajectory has changed state for `watchdog_s` (then every `watchdog_s`

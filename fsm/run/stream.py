@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import sys
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -26,10 +27,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 from fsm.data.rows import to_rows
+from fsm.run import loopwatch
 from fsm.run import snapshot as snap
+from fsm.run.actions import BUILTIN_ACTIONS
 from fsm.run.context import RunContext, Sampling
 from fsm.run.runtime import Owner, Runner
 from fsm.run.trajectory import Trajectory
+from fsm.tools.isolation import INLINE_STEPS
 
 StalePolicy = Literal["drop", "rerun"]
 PAUSE_TIMEOUT_S = 10.0  # a snapshot's pause of the servers (abort mode) waits at most this long
@@ -236,6 +240,51 @@ class Stream(Owner):
         return {**header, "weight_version": self.version(), "next_index": self._next_index, "groups": groups,
                 "stats": {k: v for k, v in self.stats.items() if k != "staleness"}, "restarted": restarted}  # fmt: skip
 
+    def snapshot_blocked(self, header: Mapping[str, Any], thread: int) -> tuple[dict[str, Any], list[Group]]:
+        """`snapshot` for a loop that code blocks (an `isolation: none` tool that never returns): called from
+        another thread, it cannot park anyone, so it writes each trajectory as it was at its last state boundary
+        without the loop's help. While the loop is blocked, every other trajectory waits at an `await` inside a
+        built-in action, which before its last await changes it only in ways that running it again repeats
+        exactly (a template render; `call_tools` keeps its pending calls until they are answered), so as it
+        stands it is as it was before that action, which runs again on resume; so is the blocked one inside
+        its tool (its calls run again). One inside a user action, or
+        blocked anywhere else (a guard, a parser), starts over, as one inside its interaction does. Finished
+        groups come back too, for the caller to write. SnapshotError when the loop turned meanwhile (it was not
+        blocked after all): the caller snapshots through the loop then."""
+        agent = self.runner.agent
+        final, actions, safe = agent.final_states, agent.actions, set(BUILTIN_ACTIONS.values())
+        frame = sys._current_frames().get(thread)
+        before = (INLINE_STEPS.get(thread), frame, frame.f_lasti if frame is not None else None)
+        step, blocked = before[0], None
+        if step is None:  # not a tool's step: whichever trajectory's task runs now is the one blocked
+            loop = loopwatch.loop_of(thread)
+            blocked = self.runner.driving.get(asyncio.current_task(loop)) if loop is not None else None  # type: ignore[arg-type]
+        restarted, groups = 0, []
+        ready = list(self._ready)
+        for status, g, run in ([("ready", g, None) for g in ready] +
+                               [("running", r.group, r) for r in list(self._running.values())]):  # fmt: skip
+            trajs = []
+            for t in g.trajectories:
+                finished = run is None or t.sample in run.versions
+                if not finished:
+                    begun = len(t.path_times) > 0
+                    inside = begun and t.state not in final and not t.failed  # in the action of t.state
+                    fresh = t.interaction_started or t is blocked or (inside and actions.get(t.state) not in safe)
+                    if fresh:
+                        t = self._fresh(t)
+                        restarted += 1
+                trajs.append({"done": finished, **snap.encode_trajectory(t)})
+            groups.append({"status": status, "uid": g.uid, "reruns": g.reruns, "version_min": g.version_min,
+                           "version_max": g.version_max, "sampling": snap.encode_sampling(g.sampling),
+                           "trajectories": trajs})  # fmt: skip
+        frame = sys._current_frames().get(thread)
+        after = (INLINE_STEPS.get(thread), frame, frame.f_lasti if frame is not None else None)
+        if after[0] is not before[0] or after[1] is not before[1] or after[2] != before[2]:
+            raise snap.SnapshotError("the event loop moved while the snapshot was taken from outside it")
+        data = {**header, "weight_version": self.version(), "next_index": self._next_index, "groups": groups,
+                "stats": {k: v for k, v in self.stats.items() if k != "staleness"}, "restarted": restarted}  # fmt: skip
+        return data, ready
+
     def _fresh(self, traj: Trajectory) -> Trajectory:
         """The trajectory as it was before its first action: same row, sample, index and ids."""
         (fresh,) = self.runner.trajectories([traj.row], 1)
@@ -323,6 +372,7 @@ class ContinuousMode(GroupTaking):
     agent: Any
     _stream: Stream | None = None  # started by the first call
     _stream_task: asyncio.Future[None] | None = None
+    wedged = False  # a snapshot was taken while code blocked the engine's loop: that loop runs nothing more
 
     def _version(self) -> int:
         return self.weight_version
@@ -384,7 +434,10 @@ class ContinuousMode(GroupTaking):
         hold) is written as it was at its start, to run again on restore (counted in "restarted").
         When `path` cannot be written (a full disk) and `fallback` is given, the file goes into the
         directory `fallback()` makes ("path" says where). `meta` is stored as is (JSON). Returns counts:
-        groups ready and running, trajectories restarted; and the path written."""
+        groups ready and running, trajectories restarted; and the path written. When code blocks the engine's
+        loop (the loop watch sees it not turning, fsm/run/loopwatch.py), the snapshot is taken from outside
+        it, each trajectory as it was at its last state boundary (`Stream.snapshot_blocked`), and the engine
+        is left `wedged`; "blocked" is then True and "finished" holds the finished groups, not taken."""
 
         async def here() -> dict[str, Any]:
             stream = await self._stream_here()
@@ -423,7 +476,48 @@ class ContinuousMode(GroupTaking):
             return {"ready_groups": len(data["groups"]) - running, "running_groups": running,
                     "restarted": restarted, "path": str(written)}  # fmt: skip
 
-        return await self._on_home(here())
+        home = self._home_loop()
+        if home.current():
+            return await here()
+        done, cancel = home.submit(here())
+        waiter = asyncio.wrap_future(done)
+        while True:  # a loop that code blocks runs nothing we send it: snapshot from outside it then
+            try:
+                return await asyncio.wait_for(asyncio.shield(waiter), loopwatch.TICK_S)
+            except TimeoutError:
+                pass
+            except asyncio.CancelledError:
+                cancel()
+                raise
+            thread = loopwatch.blocked(home.loop)
+            if thread is not None and self._stream is not None:
+                try:
+                    return await asyncio.to_thread(self._snapshot_blocked, thread, Path(path), meta, fallback)
+                except snap.SnapshotError:  # it turned meanwhile: the loop takes the snapshot after all
+                    continue
+
+    def _snapshot_blocked(self, thread: int, path: Path, meta: Mapping[str, Any] | None,
+                          fallback: Callable[[], Path] | None) -> dict[str, Any]:  # fmt: skip
+        """`asnapshot` while the engine's loop is blocked (see `Stream.snapshot_blocked`), on a thread of the
+        caller's. The engine is left `wedged`: nothing more can run on its loop, and closing it skips the loop."""
+        assert self._stream is not None
+        data, ready = self._stream.snapshot_blocked({**snap.header(self.agent, self.codec), "meta": dict(meta or {})},
+                                                     thread)  # fmt: skip
+        restarted = data.pop("restarted")
+        self.wedged = True
+        written = path
+        try:
+            snap.write(written, data)
+        except OSError as exc:
+            if fallback is None:
+                raise
+            log.warning("snapshot: cannot write %s (%s); writing it to a fallback directory", written,
+                        exc.strerror or exc)  # fmt: skip
+            written = fallback() / written.name
+            snap.write(written, data)
+        running = sum(g["status"] == "running" for g in data["groups"])
+        return {"ready_groups": len(ready), "running_groups": running, "restarted": restarted, "path": str(written),
+                "blocked": True, "finished": ready}  # fmt: skip
 
     async def _pause_or_abort(self) -> None:
         """Every model turn in flight ends with its partial output: the servers pause in abort mode, or, where

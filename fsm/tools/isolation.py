@@ -118,6 +118,11 @@ class _Job:
 # fsm/tools/base.py's StartTimeout of the call being made: a ThreadLane's thread stamps its `started` when it takes
 # the call (a wait in the queue is not the tool's: thousands of calls in flight queue for a few threads)
 START_CLOCK: contextvars.ContextVar[Any] = contextvars.ContextVar("agentfsm_start", default=None)
+# who calls (the run's driver sets the trajectory's session id): an InlineLane's step in progress records it
+CALLER: contextvars.ContextVar[str | None] = contextvars.ContextVar("agentfsm_caller", default=None)
+# thread ident -> (tool name, caller, start) of the InlineLane step running on that thread's loop now: a step
+# that never returns blocks the loop, and the run's loop watch (fsm/run/loopwatch.py) reads here whom to name
+INLINE_STEPS: dict[int, tuple[str, str | None, float]] = {}
 
 
 class ThreadLane:
@@ -384,15 +389,18 @@ class _Timed:
 
     def __await__(self) -> Any:
         coro, lane, clock, limit = self.coro, self.lane, time.perf_counter, self.lane.blocking_s
+        steps, here, name, caller = INLINE_STEPS, threading.get_ident(), lane.name, CALLER.get()
         value: Any = None
         error: BaseException | None = None
         while True:
             t0 = clock()
+            steps[here] = (name, caller, t0)  # a new tuple per step: a reader can tell one step from the next
             try:
                 step = coro.send(value) if error is None else coro.throw(error)
             except StopIteration as stop:
                 return stop.value
             finally:
+                steps.pop(here, None)
                 if (took := clock() - t0) >= limit:
                     lane.blocked(took)
             value = error = None
