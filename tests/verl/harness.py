@@ -533,7 +533,7 @@ def assert_identical(pair: Pair) -> None:
             continue
         assert pair.fsm.extra_fields[key] == value, key
     assert pair.fsm.reward_score == pair.verl.reward_score
-    assert pair.fsm.output.metrics.num_preempted == pair.verl.metrics.num_preempted
+    assert pair.fsm.metrics.num_preempted == pair.verl.metrics.num_preempted
 
 
 def assert_same_requests(pair: Pair, eos: int) -> None:
