@@ -73,6 +73,20 @@ def _ends(text: str, start: int, closer: str) -> int:
     return len(text) if end < 0 else end
 
 
+def one_call_per_block(text: str, opener: str, closer: str, parse_one: Any) -> list[ToolCall]:
+    """Families whose every opener..closer block holds one call (GLM, Seed): each block's call, checked, left to
+    right; an unterminated block is one malformed call and ends the turn."""
+    calls = []
+    for _start, body, end in blocks(text, opener, closer):
+        if end < 0:
+            calls.append(ToolCall(None, None, text[body:], error=f"unterminated {opener}: missing {closer}"))
+            break
+        calls.append(checked(parse_one(text[body:end])))
+        if len(calls) > MAX_CALLS:
+            break
+    return capped(calls)
+
+
 @register_parser("qwen3_coder")
 class Qwen3CoderParser(SchemaTyped):
     """`<tool_call><function=NAME><parameter=K>V</parameter></function></tool_call>` (Qwen3-Coder, Qwen3.5).
@@ -143,15 +157,7 @@ class GLM45Parser(SchemaTyped):
         self.tools = []
 
     def parse(self, text: str) -> list[ToolCall]:
-        calls = []
-        for _start, body, end in blocks(text, "<tool_call>", "</tool_call>"):
-            if end < 0:
-                calls.append(ToolCall(None, None, text[body:], error="unterminated <tool_call>: missing </tool_call>"))
-                break
-            calls.append(checked(self._parse_one(text[body:end])))
-            if len(calls) > MAX_CALLS:
-                break
-        return capped(calls)
+        return one_call_per_block(text, "<tool_call>", "</tool_call>", self._parse_one)
 
     def _parse_one(self, raw: str) -> ToolCall:
         first = raw.find("<arg_key>")
@@ -185,16 +191,7 @@ class SeedParser(SchemaTyped):
         self.tools = []
 
     def parse(self, text: str) -> list[ToolCall]:
-        calls = []
-        for _start, body, end in blocks(text, "<seed:tool_call>", "</seed:tool_call>"):
-            if end < 0:
-                error = "unterminated <seed:tool_call>: missing </seed:tool_call>"
-                calls.append(ToolCall(None, None, text[body:], error=error))
-                break
-            calls.append(checked(self._parse_one(text[body:end])))
-            if len(calls) > MAX_CALLS:
-                break
-        return capped(calls)
+        return one_call_per_block(text, "<seed:tool_call>", "</seed:tool_call>", self._parse_one)
 
     def _parse_one(self, raw: str) -> ToolCall:
         f = raw.find("<function=")
