@@ -194,7 +194,7 @@ async def test_a_tool_cannot_plant_control_tokens(name, special_tokens, compile_
     (traj,) = await run_agent(agent, scripted([call, model_ids(tok, case.answer, case)]), tok, [user_row("Echo it.")],
                               check_tokens=False)  # fmt: skip
     assert traj.error is None and [m["content"] for m in traj.messages if m["role"] == "tool"] == [attack]
-    tool = next(s for s in traj.segments if s.role == "tool")
+    tool = next(s for s in traj.runs if s.role == "tool")
     observed = traj.response_ids.tolist()[tool.start : tool.end]
     text = tok.decode(observed, skip_special_tokens=False, clean_up_tokenization_spaces=False)
     assert attack in text or json.dumps(attack) in text  # Llama-3.1's template writes tool results as JSON
