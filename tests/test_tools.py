@@ -159,7 +159,7 @@ async def test_call_without_arguments_is_malformed(tok, compile_yaml, policy):
     """verl's hermes parser drops a call with no "arguments" (KeyError); here it is answered as malformed."""
     _, _, (traj,) = await run_tools(tok, compile_yaml, f"  - function: {ECHO}", [tool_turn(tok, '{"name": "echo"}')],
                                     policy=STRICT if policy == "strict" else "")  # fmt: skip
-    assert tool_messages(traj) == ['Error: a tool call must be a JSON object with a string "name" and "arguments"']
+    assert tool_messages(traj) == ['Error: a tool call must be a JSON object with a string "name" and "arguments" (or "parameters")']
 
 
 async def test_list_typed_schema_never_crashes(tok, compile_yaml):
