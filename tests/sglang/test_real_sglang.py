@@ -38,8 +38,8 @@ def req(rid: str, max_new: int, prompt: list[int] = PROMPT, **params: Any) -> Ge
                            rid=rid)  # fmt: skip
 
 
-async def running(c: SGLangBackend, n: int = 1, timeout_s: float = 60) -> None:
-    """Until SGLang's scheduler runs `n` requests (its /v1/loads)."""
+async def running(c: SGLangBackend, n: int = 1, timeout_s: float = 180) -> None:
+    """Until SGLang's scheduler runs `n` requests (its /v1/loads); a loaded CPU server can take minutes."""
     deadline = time.monotonic() + timeout_s
     while True:
         _, body = await c._call("GET", "/v1/loads")
