@@ -231,9 +231,7 @@ class Stream(Owner):
                         t = self._fresh(t)
                         restarted += 1
                     trajs.append({"done": finished, **snap.encode_trajectory(t)})
-                groups.append({"status": status, "uid": g.uid, "reruns": g.reruns, "version_min": g.version_min,
-                               "version_max": g.version_max, "sampling": snap.encode_sampling(g.sampling),
-                               "trajectories": trajs})  # fmt: skip
+                groups.append(_group_record(status, g, trajs))
         except BaseException:
             self.boundary.open()
             raise
@@ -274,9 +272,7 @@ class Stream(Owner):
                         t = self._fresh(t)
                         restarted += 1
                 trajs.append({"done": finished, **snap.encode_trajectory(t)})
-            groups.append({"status": status, "uid": g.uid, "reruns": g.reruns, "version_min": g.version_min,
-                           "version_max": g.version_max, "sampling": snap.encode_sampling(g.sampling),
-                           "trajectories": trajs})  # fmt: skip
+            groups.append(_group_record(status, g, trajs))
         frame = sys._current_frames().get(thread)
         after = (INLINE_STEPS.get(thread), frame, frame.f_lasti if frame is not None else None)
         if after[0] is not before[0] or after[1] is not before[1] or after[2] != before[2]:
@@ -316,6 +312,12 @@ class Stream(Owner):
         self.stats["ready_groups"] = len(self._ready)
         self._news.set()
         return len(data["groups"])
+
+
+def _group_record(status: str, g: Any, trajs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One group as a snapshot holds it (the loop's snapshot and the blocked-loop one write the same)."""
+    return {"status": status, "uid": g.uid, "reruns": g.reruns, "version_min": g.version_min,
+            "version_max": g.version_max, "sampling": snap.encode_sampling(g.sampling), "trajectories": trajs}
 
 
 def _is_done(traj: Trajectory, run: _Running) -> bool:
