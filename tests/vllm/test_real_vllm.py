@@ -195,7 +195,7 @@ async def test_an_update_while_a_request_is_held_splits_its_versions_as_vllm_rep
     the new one's, as vLLM's weight_versions spans say; the client's own update takes that pause itself."""
     async with client(vllm.url) as c:
         before = (await c.model_info())["weight_version"]
-        turn = asyncio.ensure_future(c.generate(req("split_t00", 60, ignore_eos=True)))
+        turn = asyncio.ensure_future(c.generate(req("split_t00", 400, ignore_eos=True)))
         await running(c, tokens=4)
         await c.update_weights_from_disk(str(vllm.early), weight_version="201")
         try:
