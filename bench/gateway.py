@@ -15,6 +15,7 @@ the model calls made; the median of `repeats`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import statistics
 import sys
@@ -33,6 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1 + 2"}}\n</tool_call>'
 ANSWER = "The answer is 3.\n#### 3"
 _HTTP: dict[Any, Any] = {}  # event loop -> the harnesses' shared aiohttp client
+ROW_TIMEOUT_S = 120.0  # one row's HTTP, and one row in the client process: the row fails past it
 
 
 def _backend(tokenizer: Any) -> ScriptedBackend:
@@ -49,7 +51,8 @@ async def minimal_harness(call: HarnessCall) -> str:
     loop = asyncio.get_running_loop()
     http = _HTTP.get(loop)
     if http is None:
-        http = _HTTP[loop] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        http = _HTTP[loop] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                                   timeout=aiohttp.ClientTimeout(total=ROW_TIMEOUT_S))  # fmt: skip
     headers = {"Authorization": f"Bearer {call.api_key}"}
     messages: list[dict] = [{"role": "system", "content": SYSTEM_PROMPT}, *call.messages]
     for _ in range(4):
@@ -67,49 +70,85 @@ async def minimal_harness(call: HarnessCall) -> str:
 
 bench_harness = harness(minimal_harness, timeout_s=600)
 
-_CLIENT: dict[Any, Any] = {}  # event loop -> (the client process, its pending rows)
+_CLIENT: dict[Any, asyncio.Task] = {}  # event loop -> the task that started its client process
+CLIENT_COMMAND = [sys.executable, "-m", "bench.gateway"]  # reads rows on stdin, writes [id, result] lines
+STOP_TIMEOUT_S = 10.0  # the client process ends after its stdin closes, else it is killed
+
+
+async def _start_client() -> tuple[asyncio.subprocess.Process, dict[str, asyncio.Future[Any]], asyncio.Task]:
+    """The client process and a reader that resolves each row's future from its stdout; when the process
+    ends, every row still waiting fails with its exit code (never waits for a line that cannot come)."""
+    loop = asyncio.get_running_loop()
+    proc = await asyncio.create_subprocess_exec(*CLIENT_COMMAND, stdin=asyncio.subprocess.PIPE,
+                                                stdout=asyncio.subprocess.PIPE, cwd=ROOT, limit=1 << 20)  # fmt: skip
+    pending: dict[str, asyncio.Future[Any]] = {}
+
+    async def read() -> None:
+        reason = "the bench stopped"
+        try:
+            while line := await proc.stdout.readline():  # type: ignore[union-attr]
+                rid, result = json.loads(line)
+                future = pending.pop(rid, None)
+                if future is not None and not future.done():
+                    future.set_result(result)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(STOP_TIMEOUT_S):
+                    await proc.wait()
+            reason = f"the client process's output ended (exit code {proc.returncode})"
+        finally:
+            for future in pending.values():
+                if not future.done():
+                    future.set_exception(RuntimeError(f"bench gateway: {reason}"))
+
+    return proc, pending, loop.create_task(read())
 
 
 async def remote_harness(call: HarnessCall) -> str:
     """The same harness run in a separate client process (`python -m bench.gateway`): this process then spends
-    only the gateway's CPU (and a line on a pipe per row)."""
+    only the gateway's CPU (and a line on a pipe per row). One process per event loop: its start is one task
+    that every row awaits, so concurrent rows never start one each."""
     loop = asyncio.get_running_loop()
-    client = _CLIENT.get(loop)
-    if client is None:
-        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "bench.gateway", stdin=asyncio.subprocess.PIPE,
-                                                    stdout=asyncio.subprocess.PIPE, cwd=ROOT, limit=1 << 20)  # fmt: skip
-        pending: dict[str, asyncio.Future[str]] = {}
-
-        async def read() -> None:
-            while line := await proc.stdout.readline():  # type: ignore[union-attr]
-                rid, result = json.loads(line)
-                pending.pop(rid).set_result(result)
-
-        client = _CLIENT[loop] = (proc, pending, loop.create_task(read()))
-    proc, pending, _reader = client
-    future = pending[call.api_key] = loop.create_future()
-    proc.stdin.write(json.dumps([call.api_key, call.base_url, call.messages]).encode() + b"\n")
-    return await future
+    start = _CLIENT.get(loop)
+    if start is None:
+        start = _CLIENT[loop] = loop.create_task(_start_client())
+    async with asyncio.timeout(ROW_TIMEOUT_S):
+        proc, pending, _reader = await asyncio.shield(start)
+        future = pending[call.api_key] = loop.create_future()
+        proc.stdin.write(json.dumps([call.api_key, call.base_url, call.messages]).encode() + b"\n")  # type: ignore[union-attr]
+        result = await future
+    if isinstance(result, dict):
+        raise RuntimeError(f"bench gateway: the client process's row failed: {result['error']}")
+    return result
 
 
 async def _stop_client() -> None:
-    client = _CLIENT.pop(asyncio.get_running_loop(), None)
-    if client is not None:
-        proc, _pending, reader = client
-        proc.stdin.close()
+    start = _CLIENT.pop(asyncio.get_running_loop(), None)
+    if start is None:
+        return
+    proc, _pending, reader = await start
+    proc.stdin.close()  # type: ignore[union-attr]
+    try:
+        async with asyncio.timeout(STOP_TIMEOUT_S):
+            await proc.wait()
+    except TimeoutError:
+        proc.kill()
         await proc.wait()
-        reader.cancel()
+    reader.cancel()
 
 
 async def _client_main() -> None:
-    """The client process: rows in on stdin, each run by minimal_harness concurrently, results out on stdout."""
+    """The client process: rows in on stdin, each run by minimal_harness concurrently, results out on stdout
+    (a row that fails sends `{"error": ...}`, so the gateway's side never waits for it)."""
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader(limit=1 << 20)
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     tasks = set()
 
     async def one(rid: str, base_url: str, messages: list) -> None:
-        result = await minimal_harness(HarnessCall(base_url, "", rid, "m", {"raw_prompt": messages}))
+        try:
+            result: Any = await minimal_harness(HarnessCall(base_url, "", rid, "m", {"raw_prompt": messages}))
+        except Exception as exc:
+            result = {"error": f"{type(exc).__name__}: {exc}"[:500]}
         sys.stdout.write(json.dumps([rid, result]) + "\n")
         sys.stdout.flush()
 
