@@ -208,7 +208,9 @@ def bench_gateway(sessions: tuple[int, ...] = (1, 1000), repeats: int = 3, calls
                   "gateway_and_client": compile_spec(_gateway_spec(Path(tmp)))}  # fmt: skip
 
         async def one(kind: str, n: int, concurrency: int) -> tuple[float, int]:
-            runner = Runner(agents[kind], _backend(tokenizer), tokenizer, max_concurrency=concurrency, watchdog_s=None)
+            runner = Runner(
+                agents[kind], _backend(tokenizer), tokenizer, max_concurrency=concurrency, watchdog_s=None
+            )
             runner.agent.reward = None  # the reward is the same on both sides and not what is measured
             try:
                 return await _measure(runner, _rows(n, system=kind == "native"))
@@ -223,7 +225,9 @@ def bench_gateway(sessions: tuple[int, ...] = (1, 1000), repeats: int = 3, calls
             row: dict[str, Any] = {}
             for kind in kinds:
                 if concurrency == sessions[0]:
-                    asyncio.run(one(kind, min(n, 20), concurrency))  # warm up: template compilation, caches, imports
+                    asyncio.run(
+                        one(kind, min(n, 20), concurrency)
+                    )  # warm up: template compilation, caches, imports
                 runs = []
                 for _ in range(repeats if concurrency == 1 else repeats_at_many):
                     cpu, calls = asyncio.run(one(kind, n, concurrency))
@@ -232,7 +236,9 @@ def bench_gateway(sessions: tuple[int, ...] = (1, 1000), repeats: int = 3, calls
                 row[f"{kind}_runs_us"] = [round(r, 1) for r in runs]
             for kind in kinds:
                 if kind != "native":
-                    row[f"{kind}_ratio"] = round(row[f"{kind}_cpu_us_per_call"] / row["native_cpu_us_per_call"], 2)
+                    row[f"{kind}_ratio"] = round(
+                        row[f"{kind}_cpu_us_per_call"] / row["native_cpu_us_per_call"], 2
+                    )
             row["model_calls"] = 2 * n
             out["rows"][f"{concurrency}_in_flight"] = row
             print(f"bench gateway: {concurrency} in flight: " + ", ".join(

@@ -45,12 +45,16 @@ def test_a_client_process_that_ends_fails_its_rows(monkeypatch: pytest.MonkeyPat
     async def main() -> list[BaseException | str]:
         try:
             async with asyncio.timeout(60):
-                return await asyncio.gather(*(bench.remote_harness(c) for c in _calls(3)), return_exceptions=True)
+                return await asyncio.gather(
+                    *(bench.remote_harness(c) for c in _calls(3)), return_exceptions=True
+                )
         finally:
             await bench._stop_client()
 
     results = asyncio.run(main())
-    assert all(isinstance(r, RuntimeError) and "output ended (exit code 0)" in str(r) for r in results), results
+    assert all(isinstance(r, RuntimeError) and "output ended (exit code 0)" in str(r) for r in results), (
+        results
+    )
 
 
 def test_bench_gateway_with_the_client_in_its_own_process() -> None:
