@@ -57,6 +57,7 @@ class Session:
         self.wake = asyncio.Event()  # a call arrived, or the harness ended
         self.pending: tuple[Call, asyncio.Future[Answer]] | None = None  # sent, not yet taken by the driver
         self.current: tuple[Call, asyncio.Future[Answer]] | None = None  # taken: the GENERATING state records it
+        self.timer: asyncio.TimerHandle | None = None  # wakes the harness state at its deadline (harness.py)
         self.refused = 0
         self.calls = 0
         self.closed = False

@@ -202,3 +202,27 @@ def test_the_cli_sets_max_segments(tmp_path, tokenizer, monkeypatch):
     out = seen[0].extra["harness"]["result"]
     assert [out[str(k)][0] for k in range(4)] == [200, 200, 400, 400] and seen[0].num_segments == 3
     assert "max_segments (3)" in out["2"][1]["error"]["message"]
+
+
+def test_a_call_keys_only_its_new_messages(monkeypatch):
+    """The history the harness sends back unchanged is compared as data, once; keys are made for the new
+    messages only, so a call costs O(new messages); an edited old message still starts a new segment."""
+    from types import SimpleNamespace
+
+    from fsm.gateway import record
+    from fsm.gateway.record import Call, Recorder
+
+    keyed = []
+    key = record.message_key
+    monkeypatch.setattr(record, "message_key", lambda m: keyed.append(m) or key(m))
+    history = [{"role": "system", "content": "S"}] + [{"role": "user", "content": f"q{k}"} for k in range(50)]
+    recorder = Recorder()
+    plan = recorder.match(Call(list(history), None))
+    recorder.begin(plan.keys, None, plan.new)
+    answer = {"role": "assistant", "content": "", "tool_calls": [{"id": "c0", "name": "f", "arguments": '{"x": 1}'}]}
+    recorder.turn(SimpleNamespace(messages=[], prompt_ids=[], response_ids=[]), answer)
+    keyed.clear()
+    echoed = [dict(m) for m in history] + [dict(answer), {"role": "tool", "content": "1", "tool_call_id": "c0"}]
+    assert recorder.match(Call(echoed, None)).kind == "extend" and keyed == [echoed[-1]]
+    echoed[3] = {"role": "user", "content": "edited"}
+    assert recorder.match(Call(echoed, None)).kind == "history"
