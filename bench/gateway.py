@@ -247,5 +247,90 @@ def bench_gateway(sessions: tuple[int, ...] = (1, 1000), repeats: int = 3, calls
     return out
 
 
+# --- several gateway processes behind a front (fsm/gateway/front.py) ----------------------------------------------
+
+
+async def _worker_main(tag: str, front: str, n: int) -> None:
+    """One gateway worker: its own engine (the scripted model) and gateway, tagged `tag`, whose `n` rows' harnesses
+    call the front. Prints its URL, waits for a line (the front knows it), runs, prints each row's tokens and the
+    prompts the backend was given, and its CPU."""
+    import tempfile
+
+    from fsm.gateway import Gateway
+
+    loop = asyncio.get_running_loop()
+    stdin = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stdin), sys.stdin)
+    tokenizer = load_tokenizer(tiny_model_dir())
+    with tempfile.TemporaryDirectory() as tmp:
+        agent = compile_spec(_gateway_spec(Path(tmp)))
+    backend = _backend(tokenizer)
+    backend.record_requests = True
+    gateway = await Gateway(tag=tag, front=front).attach(backend).start()
+    print(json.dumps({"url": gateway.url}), flush=True)
+    async with asyncio.timeout(ROW_TIMEOUT_S):
+        await stdin.readline()
+    runner = Runner(agent, backend, tokenizer, max_concurrency=n, watchdog_s=None)
+    runner.agent.reward = None
+    t0 = time.process_time()
+    trajs = await runner.run(_rows(n, system=False))
+    cpu = time.process_time() - t0
+    seen: dict[str, list[list[int]]] = {}
+    for r in backend.requests:
+        seen.setdefault(r.session_id, []).append(list(r.prompt_ids))
+    rows = [{"ok": not t.failed and t.assistant_turns == 2, "prompt": t.prompt_ids.tolist(),
+             "response": t.response_ids.tolist(), "mask": t.response_mask.tolist(),
+             "runs": [[r.start, r.end, r.role] for r in t.runs], "requests": seen.get(t.session_id, [])}
+            for t in trajs]  # fmt: skip
+    print(json.dumps({"cpu": cpu, "rows": rows}), flush=True)
+    await _close_http()
+    await gateway.close()
+
+
+async def _close_http() -> None:
+    http = _HTTP.pop(asyncio.get_running_loop(), None)
+    if http is not None:
+        await http.close()
+
+
+async def run_workers(workers: int, sessions: int) -> dict[str, Any]:
+    """`sessions` rows over `workers` gateway processes behind one front in this process: every row's tokens,
+    the requests routed per worker, and the CPU per model call of the front and the workers together."""
+    from fsm.gateway.front import Front
+
+    async with Front() as front:
+        procs = []
+        for k in range(workers):
+            n = sessions // workers + (k < sessions % workers)
+            procs.append(await asyncio.create_subprocess_exec(sys.executable, "-m", "bench.gateway", "worker", f"w{k}",
+                                                              front.url, str(n), cwd=ROOT, limit=1 << 26,
+                                                              stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE))  # fmt: skip
+        try:
+            async with asyncio.timeout(ROW_TIMEOUT_S * 2):
+                for k, proc in enumerate(procs):
+                    front.register(f"w{k}", json.loads(await proc.stdout.readline())["url"])  # type: ignore[union-attr]
+                t0 = time.process_time()
+                for proc in procs:
+                    proc.stdin.write(b"go\n")  # type: ignore[union-attr]
+                outs = [json.loads(await proc.stdout.readline()) for proc in procs]  # type: ignore[union-attr]
+                front_cpu = time.process_time() - t0
+                for proc in procs:
+                    await proc.wait()
+        finally:
+            for proc in procs:
+                if proc.returncode is None:
+                    proc.kill()
+                    await proc.wait()
+    rows = [row for out in outs for row in out["rows"]]
+    calls = 2 * len(rows)
+    workers_cpu = sum(out["cpu"] for out in outs)
+    return {"rows": rows, "routed": dict(front.routed), "front_cpu_us_per_call": front_cpu / calls * 1e6,
+            "workers_cpu_us_per_call": workers_cpu / calls * 1e6,
+            "cpu_us_per_call": (front_cpu + workers_cpu) / calls * 1e6}  # fmt: skip
+
+
 if __name__ == "__main__":
-    asyncio.run(_client_main())
+    if sys.argv[1:2] == ["worker"]:
+        asyncio.run(_worker_main(sys.argv[2], sys.argv[3], int(sys.argv[4])))
+    else:
+        asyncio.run(_client_main())
