@@ -74,7 +74,9 @@ class Front:
         tag = sid.split("-", 1)[0] if "-" in sid else ""
         worker = self.workers.get(tag)
         if worker is None:
-            return _error(request, GatewayError("unknown session, or not its key", code="invalid_api_key", status=401))
+            return _error(
+                request, GatewayError("unknown session, or not its key", code="invalid_api_key", status=401)
+            )
         try:
             body = await request.read()
         except web.HTTPRequestEntityTooLarge:

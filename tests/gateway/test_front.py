@@ -22,7 +22,9 @@ def test_two_worker_processes_behind_one_front():
         context = row["prompt"] + row["response"]
         starts = [start for start, _end, role in row["runs"] if role == "assistant"]
         for prompt, start in zip(row["requests"], starts):
-            assert prompt == context[: len(row["prompt"]) + start]  # what the backend was given, token for token
+            assert (
+                prompt == context[: len(row["prompt"]) + start]
+            )  # what the backend was given, token for token
         for start, end, role in row["runs"]:
             assert set(row["mask"][start:end]) == ({1} if role == "assistant" else {0})
 
@@ -45,4 +47,6 @@ def test_the_front_refuses_unknown_workers_and_a_dead_one():
 def test_a_tagged_gateway_hands_out_the_fronts_url():
     gateway = Gateway(tag="w3", front="http://127.0.0.1:1234")
     session = gateway.open("t")
-    assert session.id.startswith("w3-") and session.base_url == f"http://127.0.0.1:1234/sessions/{session.id}/v1"
+    assert (
+        session.id.startswith("w3-") and session.base_url == f"http://127.0.0.1:1234/sessions/{session.id}/v1"
+    )
