@@ -250,13 +250,13 @@ def bench_gateway(sessions: tuple[int, ...] = (1, 1000), repeats: int = 3, calls
 # --- several gateway processes behind a front (fsm/gateway/front.py) ----------------------------------------------
 
 
-async def _worker_main(tag: str, front: str, n: int) -> None:
+async def _worker_main(tag: str, front: str, n: int, max_sessions: int) -> None:
     """One gateway worker: its own engine (the scripted model) and gateway, tagged `tag`, whose `n` rows' harnesses
     call the front. Prints its URL, waits for a line (the front knows it), runs, prints each row's tokens and the
     prompts the backend was given, and its CPU."""
     import tempfile
 
-    from fsm.gateway import Gateway
+    from fsm.gateway import Gateway, GatewayLimits
 
     loop = asyncio.get_running_loop()
     stdin = asyncio.StreamReader()
@@ -266,7 +266,8 @@ async def _worker_main(tag: str, front: str, n: int) -> None:
         agent = compile_spec(_gateway_spec(Path(tmp)))
     backend = _backend(tokenizer)
     backend.record_requests = True
-    gateway = await Gateway(tag=tag, front=front).attach(backend).start()
+    gateway = Gateway(limits=GatewayLimits(max_sessions=max_sessions), tag=tag, front=front)
+    await gateway.attach(backend).start()
     print(json.dumps({"url": gateway.url}), flush=True)
     async with asyncio.timeout(ROW_TIMEOUT_S):
         await stdin.readline()
@@ -278,7 +279,7 @@ async def _worker_main(tag: str, front: str, n: int) -> None:
     seen: dict[str, list[list[int]]] = {}
     for r in backend.requests:
         seen.setdefault(r.session_id, []).append(list(r.prompt_ids))
-    rows = [{"ok": not t.failed and t.assistant_turns == 2, "prompt": t.prompt_ids.tolist(),
+    rows = [{"ok": not t.failed and t.assistant_turns == 2, "error": t.error, "prompt": t.prompt_ids.tolist(),
              "response": t.response_ids.tolist(), "mask": t.response_mask.tolist(),
              "runs": [[r.start, r.end, r.role] for r in t.runs], "requests": seen.get(t.session_id, [])}
             for t in trajs]  # fmt: skip
@@ -293,9 +294,10 @@ async def _close_http() -> None:
         await http.close()
 
 
-async def run_workers(workers: int, sessions: int) -> dict[str, Any]:
-    """`sessions` rows over `workers` gateway processes behind one front in this process: every row's tokens,
-    the requests routed per worker, and the CPU per model call of the front and the workers together."""
+async def run_workers(workers: int, sessions: int, max_sessions: int = 10_000) -> dict[str, Any]:
+    """`sessions` rows, all in flight, over `workers` gateway processes (each holding at most `max_sessions`)
+    behind one front in this process: every row's tokens, the requests routed per worker, and the CPU per model
+    call of the front and the workers together (their harnesses' HTTP client included)."""
     from fsm.gateway.front import Front
 
     async with Front() as front:
@@ -303,7 +305,7 @@ async def run_workers(workers: int, sessions: int) -> dict[str, Any]:
         for k in range(workers):
             n = sessions // workers + (k < sessions % workers)
             procs.append(await asyncio.create_subprocess_exec(sys.executable, "-m", "bench.gateway", "worker", f"w{k}",
-                                                              front.url, str(n), cwd=ROOT, limit=1 << 26,
+                                                              front.url, str(n), str(max_sessions), cwd=ROOT, limit=1 << 26,
                                                               stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE))  # fmt: skip
         try:
             async with asyncio.timeout(ROW_TIMEOUT_S * 2):
@@ -322,15 +324,21 @@ async def run_workers(workers: int, sessions: int) -> dict[str, Any]:
                     proc.kill()
                     await proc.wait()
     rows = [row for out in outs for row in out["rows"]]
-    calls = 2 * len(rows)
+    calls = 2 * sum(row["ok"] for row in rows)
     workers_cpu = sum(out["cpu"] for out in outs)
     return {"rows": rows, "routed": dict(front.routed), "front_cpu_us_per_call": front_cpu / calls * 1e6,
             "workers_cpu_us_per_call": workers_cpu / calls * 1e6,
             "cpu_us_per_call": (front_cpu + workers_cpu) / calls * 1e6}  # fmt: skip
 
 
-if __name__ == "__main__":
-    if sys.argv[1:2] == ["worker"]:
-        asyncio.run(_worker_main(sys.argv[2], sys.argv[3], int(sys.argv[4])))
+def _main(argv: list[str]) -> None:
+    if argv[:1] == ["worker"]:
+        asyncio.run(_worker_main(argv[1], argv[2], int(argv[3]), int(argv[4])))
     else:
         asyncio.run(_client_main())
+
+
+if __name__ == "__main__":
+    from bench import gateway  # the spec's harness is bench.gateway's (imported by name): run with its state
+
+    gateway._main(sys.argv[1:])
