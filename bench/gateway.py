@@ -6,9 +6,9 @@ schema, the question, a calculator call, its result, the answer) against the sam
 model, each row in its own trajectory, at 1 and at 1,000 sessions in flight. Native: specs/calculator.yaml
 (the engine renders, calls the tool, parses). Gateway: examples/gateway/base.yaml's states with a minimal
 harness that speaks Chat Completions over loopback HTTP with one shared aiohttp client, runs the calculator
-itself and loops. The gateway's number therefore includes its client's side of the HTTP too (`gateway_and_client`, an
-upper bound); `gateway` runs the same harness in a separate client process, so the number is the gateway's own
-CPU (plus one line on a pipe per row). `--workload` is not used. CPU is the process's (time.process_time), divided by
+itself and loops: `gateway` runs that harness in one separate client process (rows sent on a pipe), so its
+number is the gateway's own CPU; `gateway_and_client` runs it in the gateway's process, an upper bound.
+`run_workers` runs N gateway processes behind a front (fsm/gateway/front.py). `--workload` is not used. CPU is the process's (time.process_time), divided by
 the model calls made; the median of `repeats`.
 """
 
@@ -190,7 +190,7 @@ async def _measure(runner: Runner, rows: list[dict[str, Any]]) -> tuple[float, i
     return cpu, sum(t.assistant_turns for t in trajs)
 
 
-KINDS = ("native", "gateway_and_client")  # "gateway" (the client in its own process): see docs/gateway.md
+KINDS = ("native", "gateway", "gateway_and_client")  # gateway: the client in its own process
 
 
 def bench_gateway(sessions: tuple[int, ...] = (1, 1000), repeats: int = 3, calls_at_one: int = 200,
