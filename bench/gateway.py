@@ -6,15 +6,16 @@ schema, the question, a calculator call, its result, the answer) against the sam
 model, each row in its own trajectory, at 1 and at 1,000 sessions in flight. Native: specs/calculator.yaml
 (the engine renders, calls the tool, parses). Gateway: examples/gateway/base.yaml's states with a minimal
 harness that speaks Chat Completions over loopback HTTP with one shared aiohttp client, runs the calculator
-itself and loops. The gateway's number therefore includes its client's side of the HTTP too (`gateway_and_client`, an
-upper bound); `gateway` runs the same harness in a separate client process, so the number is the gateway's own
-CPU (plus one line on a pipe per row). `--workload` is not used. CPU is the process's (time.process_time), divided by
+itself and loops: `gateway` runs that harness in one separate client process (rows sent on a pipe), so its
+number is the gateway's own CPU; `gateway_and_client` runs it in the gateway's process, an upper bound.
+`run_workers` runs N gateway processes behind a front (fsm/gateway/front.py). `--workload` is not used. CPU is the process's (time.process_time), divided by
 the model calls made; the median of `repeats`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import statistics
 import sys
@@ -33,6 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1 + 2"}}\n</tool_call>'
 ANSWER = "The answer is 3.\n#### 3"
 _HTTP: dict[Any, Any] = {}  # event loop -> the harnesses' shared aiohttp client
+ROW_TIMEOUT_S = 120.0  # one row's HTTP, and one row in the client process: the row fails past it
 
 
 def _backend(tokenizer: Any) -> ScriptedBackend:
@@ -49,7 +51,8 @@ async def minimal_harness(call: HarnessCall) -> str:
     loop = asyncio.get_running_loop()
     http = _HTTP.get(loop)
     if http is None:
-        http = _HTTP[loop] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        http = _HTTP[loop] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                                   timeout=aiohttp.ClientTimeout(total=ROW_TIMEOUT_S))  # fmt: skip
     headers = {"Authorization": f"Bearer {call.api_key}"}
     messages: list[dict] = [{"role": "system", "content": SYSTEM_PROMPT}, *call.messages]
     for _ in range(4):
@@ -67,49 +70,85 @@ async def minimal_harness(call: HarnessCall) -> str:
 
 bench_harness = harness(minimal_harness, timeout_s=600)
 
-_CLIENT: dict[Any, Any] = {}  # event loop -> (the client process, its pending rows)
+_CLIENT: dict[Any, asyncio.Task] = {}  # event loop -> the task that started its client process
+CLIENT_COMMAND = [sys.executable, "-m", "bench.gateway"]  # reads rows on stdin, writes [id, result] lines
+STOP_TIMEOUT_S = 10.0  # the client process ends after its stdin closes, else it is killed
+
+
+async def _start_client() -> tuple[asyncio.subprocess.Process, dict[str, asyncio.Future[Any]], asyncio.Task]:
+    """The client process and a reader that resolves each row's future from its stdout; when the process
+    ends, every row still waiting fails with its exit code (never waits for a line that cannot come)."""
+    loop = asyncio.get_running_loop()
+    proc = await asyncio.create_subprocess_exec(*CLIENT_COMMAND, stdin=asyncio.subprocess.PIPE,
+                                                stdout=asyncio.subprocess.PIPE, cwd=ROOT, limit=1 << 20)  # fmt: skip
+    pending: dict[str, asyncio.Future[Any]] = {}
+
+    async def read() -> None:
+        reason = "the bench stopped"
+        try:
+            while line := await proc.stdout.readline():  # type: ignore[union-attr]
+                rid, result = json.loads(line)
+                future = pending.pop(rid, None)
+                if future is not None and not future.done():
+                    future.set_result(result)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(STOP_TIMEOUT_S):
+                    await proc.wait()
+            reason = f"the client process's output ended (exit code {proc.returncode})"
+        finally:
+            for future in pending.values():
+                if not future.done():
+                    future.set_exception(RuntimeError(f"bench gateway: {reason}"))
+
+    return proc, pending, loop.create_task(read())
 
 
 async def remote_harness(call: HarnessCall) -> str:
     """The same harness run in a separate client process (`python -m bench.gateway`): this process then spends
-    only the gateway's CPU (and a line on a pipe per row)."""
+    only the gateway's CPU (and a line on a pipe per row). One process per event loop: its start is one task
+    that every row awaits, so concurrent rows never start one each."""
     loop = asyncio.get_running_loop()
-    client = _CLIENT.get(loop)
-    if client is None:
-        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "bench.gateway", stdin=asyncio.subprocess.PIPE,
-                                                    stdout=asyncio.subprocess.PIPE, cwd=ROOT, limit=1 << 20)  # fmt: skip
-        pending: dict[str, asyncio.Future[str]] = {}
-
-        async def read() -> None:
-            while line := await proc.stdout.readline():  # type: ignore[union-attr]
-                rid, result = json.loads(line)
-                pending.pop(rid).set_result(result)
-
-        client = _CLIENT[loop] = (proc, pending, loop.create_task(read()))
-    proc, pending, _reader = client
-    future = pending[call.api_key] = loop.create_future()
-    proc.stdin.write(json.dumps([call.api_key, call.base_url, call.messages]).encode() + b"\n")
-    return await future
+    start = _CLIENT.get(loop)
+    if start is None:
+        start = _CLIENT[loop] = loop.create_task(_start_client())
+    async with asyncio.timeout(ROW_TIMEOUT_S):
+        proc, pending, _reader = await asyncio.shield(start)
+        future = pending[call.api_key] = loop.create_future()
+        proc.stdin.write(json.dumps([call.api_key, call.base_url, call.messages]).encode() + b"\n")  # type: ignore[union-attr]
+        result = await future
+    if isinstance(result, dict):
+        raise RuntimeError(f"bench gateway: the client process's row failed: {result['error']}")
+    return result
 
 
 async def _stop_client() -> None:
-    client = _CLIENT.pop(asyncio.get_running_loop(), None)
-    if client is not None:
-        proc, _pending, reader = client
-        proc.stdin.close()
+    start = _CLIENT.pop(asyncio.get_running_loop(), None)
+    if start is None:
+        return
+    proc, _pending, reader = await start
+    proc.stdin.close()  # type: ignore[union-attr]
+    try:
+        async with asyncio.timeout(STOP_TIMEOUT_S):
+            await proc.wait()
+    except TimeoutError:
+        proc.kill()
         await proc.wait()
-        reader.cancel()
+    reader.cancel()
 
 
 async def _client_main() -> None:
-    """The client process: rows in on stdin, each run by minimal_harness concurrently, results out on stdout."""
+    """The client process: rows in on stdin, each run by minimal_harness concurrently, results out on stdout
+    (a row that fails sends `{"error": ...}`, so the gateway's side never waits for it)."""
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader(limit=1 << 20)
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     tasks = set()
 
     async def one(rid: str, base_url: str, messages: list) -> None:
-        result = await minimal_harness(HarnessCall(base_url, "", rid, "m", {"raw_prompt": messages}))
+        try:
+            result: Any = await minimal_harness(HarnessCall(base_url, "", rid, "m", {"raw_prompt": messages}))
+        except Exception as exc:
+            result = {"error": f"{type(exc).__name__}: {exc}"[:500]}
         sys.stdout.write(json.dumps([rid, result]) + "\n")
         sys.stdout.flush()
 
@@ -151,7 +190,7 @@ async def _measure(runner: Runner, rows: list[dict[str, Any]]) -> tuple[float, i
     return cpu, sum(t.assistant_turns for t in trajs)
 
 
-KINDS = ("native", "gateway_and_client")  # "gateway" (the client in its own process): see docs/gateway.md
+KINDS = ("native", "gateway", "gateway_and_client")  # gateway: the client in its own process
 
 
 def bench_gateway(sessions: tuple[int, ...] = (1, 1000), repeats: int = 3, calls_at_one: int = 200,
@@ -169,7 +208,9 @@ def bench_gateway(sessions: tuple[int, ...] = (1, 1000), repeats: int = 3, calls
                   "gateway_and_client": compile_spec(_gateway_spec(Path(tmp)))}  # fmt: skip
 
         async def one(kind: str, n: int, concurrency: int) -> tuple[float, int]:
-            runner = Runner(agents[kind], _backend(tokenizer), tokenizer, max_concurrency=concurrency, watchdog_s=None)
+            runner = Runner(
+                agents[kind], _backend(tokenizer), tokenizer, max_concurrency=concurrency, watchdog_s=None
+            )
             runner.agent.reward = None  # the reward is the same on both sides and not what is measured
             try:
                 return await _measure(runner, _rows(n, system=kind == "native"))
@@ -184,7 +225,9 @@ def bench_gateway(sessions: tuple[int, ...] = (1, 1000), repeats: int = 3, calls
             row: dict[str, Any] = {}
             for kind in kinds:
                 if concurrency == sessions[0]:
-                    asyncio.run(one(kind, min(n, 20), concurrency))  # warm up: template compilation, caches, imports
+                    asyncio.run(
+                        one(kind, min(n, 20), concurrency)
+                    )  # warm up: template compilation, caches, imports
                 runs = []
                 for _ in range(repeats if concurrency == 1 else repeats_at_many):
                     cpu, calls = asyncio.run(one(kind, n, concurrency))
@@ -193,7 +236,9 @@ def bench_gateway(sessions: tuple[int, ...] = (1, 1000), repeats: int = 3, calls
                 row[f"{kind}_runs_us"] = [round(r, 1) for r in runs]
             for kind in kinds:
                 if kind != "native":
-                    row[f"{kind}_ratio"] = round(row[f"{kind}_cpu_us_per_call"] / row["native_cpu_us_per_call"], 2)
+                    row[f"{kind}_ratio"] = round(
+                        row[f"{kind}_cpu_us_per_call"] / row["native_cpu_us_per_call"], 2
+                    )
             row["model_calls"] = 2 * n
             out["rows"][f"{concurrency}_in_flight"] = row
             print(f"bench gateway: {concurrency} in flight: " + ", ".join(
@@ -202,5 +247,98 @@ def bench_gateway(sessions: tuple[int, ...] = (1, 1000), repeats: int = 3, calls
     return out
 
 
+# --- several gateway processes behind a front (fsm/gateway/front.py) ----------------------------------------------
+
+
+async def _worker_main(tag: str, front: str, n: int, max_sessions: int) -> None:
+    """One gateway worker: its own engine (the scripted model) and gateway, tagged `tag`, whose `n` rows' harnesses
+    call the front. Prints its URL, waits for a line (the front knows it), runs, prints each row's tokens and the
+    prompts the backend was given, and its CPU."""
+    import tempfile
+
+    from fsm.gateway import Gateway, GatewayLimits
+
+    loop = asyncio.get_running_loop()
+    stdin = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stdin), sys.stdin)
+    tokenizer = load_tokenizer(tiny_model_dir())
+    with tempfile.TemporaryDirectory() as tmp:
+        agent = compile_spec(_gateway_spec(Path(tmp)))
+    backend = _backend(tokenizer)
+    backend.record_requests = True
+    gateway = Gateway(limits=GatewayLimits(max_sessions=max_sessions), tag=tag, front=front)
+    await gateway.attach(backend).start()
+    print(json.dumps({"url": gateway.url}), flush=True)
+    async with asyncio.timeout(ROW_TIMEOUT_S):
+        await stdin.readline()
+    runner = Runner(agent, backend, tokenizer, max_concurrency=n, watchdog_s=None)
+    runner.agent.reward = None
+    t0 = time.process_time()
+    trajs = await runner.run(_rows(n, system=False))
+    cpu = time.process_time() - t0
+    seen: dict[str, list[list[int]]] = {}
+    for r in backend.requests:
+        seen.setdefault(r.session_id, []).append(list(r.prompt_ids))
+    rows = [{"ok": not t.failed and t.assistant_turns == 2, "error": t.error, "prompt": t.prompt_ids.tolist(),
+             "response": t.response_ids.tolist(), "mask": t.response_mask.tolist(),
+             "runs": [[r.start, r.end, r.role] for r in t.runs], "requests": seen.get(t.session_id, [])}
+            for t in trajs]  # fmt: skip
+    print(json.dumps({"cpu": cpu, "rows": rows}), flush=True)
+    await _close_http()
+    await gateway.close()
+
+
+async def _close_http() -> None:
+    http = _HTTP.pop(asyncio.get_running_loop(), None)
+    if http is not None:
+        await http.close()
+
+
+async def run_workers(workers: int, sessions: int, max_sessions: int = 10_000) -> dict[str, Any]:
+    """`sessions` rows, all in flight, over `workers` gateway processes (each holding at most `max_sessions`)
+    behind one front in this process: every row's tokens, the requests routed per worker, and the CPU per model
+    call of the front and the workers together (their harnesses' HTTP client included)."""
+    from fsm.gateway.front import Front
+
+    async with Front() as front:
+        procs = []
+        for k in range(workers):
+            n = sessions // workers + (k < sessions % workers)
+            procs.append(await asyncio.create_subprocess_exec(sys.executable, "-m", "bench.gateway", "worker", f"w{k}",
+                                                              front.url, str(n), str(max_sessions), cwd=ROOT, limit=1 << 26,
+                                                              stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE))  # fmt: skip
+        try:
+            async with asyncio.timeout(ROW_TIMEOUT_S * 2):
+                for k, proc in enumerate(procs):
+                    front.register(f"w{k}", json.loads(await proc.stdout.readline())["url"])  # type: ignore[union-attr]
+                t0 = time.process_time()
+                for proc in procs:
+                    proc.stdin.write(b"go\n")  # type: ignore[union-attr]
+                outs = [json.loads(await proc.stdout.readline()) for proc in procs]  # type: ignore[union-attr]
+                front_cpu = time.process_time() - t0
+                for proc in procs:
+                    await proc.wait()
+        finally:
+            for proc in procs:
+                if proc.returncode is None:
+                    proc.kill()
+                    await proc.wait()
+    rows = [row for out in outs for row in out["rows"]]
+    calls = 2 * sum(row["ok"] for row in rows)
+    workers_cpu = sum(out["cpu"] for out in outs)
+    return {"rows": rows, "routed": dict(front.routed), "front_cpu_us_per_call": front_cpu / calls * 1e6,
+            "workers_cpu_us_per_call": workers_cpu / calls * 1e6,
+            "cpu_us_per_call": (front_cpu + workers_cpu) / calls * 1e6}  # fmt: skip
+
+
+def _main(argv: list[str]) -> None:
+    if argv[:1] == ["worker"]:
+        asyncio.run(_worker_main(argv[1], argv[2], int(argv[3]), int(argv[4])))
+    else:
+        asyncio.run(_client_main())
+
+
 if __name__ == "__main__":
-    asyncio.run(_client_main())
+    from bench import gateway  # the spec's harness is bench.gateway's (imported by name): run with its state
+
+    gateway._main(sys.argv[1:])

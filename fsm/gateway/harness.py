@@ -94,8 +94,9 @@ def harness(fn: Callable[[HarnessCall], Any] | None = None, *, command: Sequence
             loop = asyncio.get_running_loop()
             task = loop.create_task(_run_command(command, call) if command is not None else _run_function(fn, call))
             task.add_done_callback(lambda _t: session.wake.set())
-            traj.extra["_harness_deadline"] = loop.time() + timeout_s
+            traj.extra["_harness_deadline"] = deadline = loop.time() + timeout_s
             session.task = task  # type: ignore[attr-defined]
+            session.timer = loop.call_at(deadline, session.wake.set)
         await _next_event(ctx, traj, session, timeout_s)
 
     run_harness.__name__ = run_harness.__qualname__ = f"harness({getattr(fn, '__name__', None) or command[0]})"  # type: ignore[index]
@@ -137,9 +138,7 @@ async def _wait(ctx: RunContext, traj: Trajectory, session: Session, task: async
             if left <= 0:
                 return {"outcome": "timeout", "error": f"the harness ran past its {timeout_s:g} s"}
             session.wake.clear()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(left):
-                    await session.wake.wait()
+            await session.wake.wait()  # a call, the harness's end, or its deadline (session.timer) sets it
     except BaseException:  # the action's own timeout, a cancelled run: the harness ends with the row
         await asyncio.shield(_end(traj, session, task, {"outcome": "cancelled", "error": "the row ended while its harness ran"}))
         raise
@@ -158,6 +157,8 @@ async def _end(traj: Trajectory, session: Session, task: asyncio.Task[Any], outc
     """Record the outcome, close the session and stop the harness (a command's process group is killed and
     reaped; a sync function's thread is written off)."""
     traj.extra.pop("_harness_deadline", None)
+    if session.timer is not None:
+        session.timer.cancel()
     traj.extra["harness"] = outcome
     traj.extra["harness_calls"] = session.calls
     _LIVE.pop(traj.session_id, None)

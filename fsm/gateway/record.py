@@ -158,10 +158,11 @@ class Recorder:
     """The recorded side of one session: per segment of its trajectory, the conversation keys and the tools its
     prompt was rendered with, and a mark after each model turn (where a branch can reattach)."""
 
-    __slots__ = ("keys", "tools", "turns", "max_segments", "segments", "marks")
+    __slots__ = ("keys", "sent", "tools", "turns", "max_segments", "segments", "marks")
 
     def __init__(self, max_segments: int = 32) -> None:
         self.keys: list[tuple] = []  # the current segment's conversation
+        self.sent: list[dict[str, Any]] = []  # the same messages as last sent (and answered): keys[i] is sent[i]'s key
         self.tools: list[dict[str, Any]] | None = None  # the current segment's tools
         self.turns = 0
         self.max_segments = max_segments
@@ -175,11 +176,15 @@ class Recorder:
             last = messages[-1]["role"] if messages else "no"
             raise GatewayError(f"the request ends with {'an' if last == 'assistant' else 'a'} {last} message: the model "
                                "answers a user turn or tool results (continuing a message is not supported)")  # fmt: skip
+        tools = call.tools or None  # dict equality below: the order of keys does not matter
+        n = len(self.keys)
+        if self.segments and tools == self.tools and messages[:n] == self.sent and _observations(messages[n:]):
+            # the harness sent back exactly what it sent and got before (one C-level comparison of the dicts), so
+            # only the new messages need keys: a call costs O(new messages), not O(history)
+            return Plan("extend", messages[n:], [message_key(m) for m in messages[n:]])
         keys = [message_key(m) for m in messages]
         if not self.segments:
             return Plan("first", messages, keys)
-        tools = call.tools or None  # dict equality below: the order of keys does not matter
-        n = len(self.keys)
         if tools == self.tools and keys[:n] == self.keys and _observations(messages[n:]):  # (nothing new: the
             # recorded conversation ends with an observation no turn answered yet)
             return Plan("extend", messages[n:], keys[n:])
@@ -198,14 +203,21 @@ class Recorder:
             return Plan("branch", messages[best[1]:], keys, best)
         return Plan("history", messages, keys)
 
-    def begin(self, keys: list[tuple], tools: list[dict[str, Any]] | None) -> None:
-        """A new segment's conversation starts with `keys`."""
-        self.keys, self.tools = list(keys), tools or None
+    def begin(self, keys: list[tuple], tools: list[dict[str, Any]] | None, sent: list[dict[str, Any]]) -> None:
+        """A new segment's conversation starts with `keys`, the keys of the messages `sent`."""
+        self.keys, self.tools, self.sent = list(keys), tools or None, list(sent)
         self.segments.append((self.keys, self.tools))
 
-    def turn(self, traj: Trajectory, key: tuple) -> None:
-        """The model's turn was recorded: its key, and the mark a later branch can reattach to."""
-        self.keys.append(key)
+    def extend(self, keys: list[tuple], sent: list[dict[str, Any]]) -> None:
+        """The current segment goes on with the messages `sent` (their keys `keys`)."""
+        self.keys.extend(keys)
+        self.sent.extend(sent)
+
+    def turn(self, traj: Trajectory, message: dict[str, Any]) -> None:
+        """The model's turn was recorded: its message as the answer gave it, its key, and the mark a later
+        branch can reattach to."""
+        self.keys.append(message_key(message))
+        self.sent.append(message)
         self.marks.append((len(self.segments) - 1, len(self.keys), len(traj.messages),
                            len(traj.prompt_ids) + len(traj.response_ids)))  # fmt: skip
         self.turns += 1
@@ -231,7 +243,7 @@ def _start(ctx: RunContext, traj: Trajectory, recorder: Recorder, call: Call, pl
         else:
             traj.start_segment(ids, "history", templ)
         traj.tool_schemas = call.tools
-        recorder.begin(plan.keys, call.tools)
+        recorder.begin(plan.keys, call.tools, plan.new)
         return []
     if plan.kind == "branch":
         seg_index, nk, n_messages, n_tokens = plan.mark  # type: ignore[misc]
@@ -244,7 +256,7 @@ def _start(ctx: RunContext, traj: Trajectory, recorder: Recorder, call: Call, pl
         traj.start_segment(ids, "branch", messages)
         traj.tool_schemas = seg_tools
         traj.needs_tail = True  # the context ends with that model turn: its template closer is owed
-        recorder.begin(seg_keys[:nk], seg_tools)
+        recorder.begin(seg_keys[:nk], seg_tools, call.messages[:nk])  # the request's, whose keys are seg_keys[:nk]
     return [template_message(m) for m in plan.new]
 
 
@@ -281,9 +293,9 @@ async def record_call(ctx: RunContext, traj: Trajectory, recorder: Recorder, cal
         raise LimitReached(f"the new messages do not fit in what is left of limits.response_length "
                            f"{limits.response_length}", code="context_length_exceeded")  # fmt: skip
     if plan.kind == "extend":
-        recorder.keys.extend(plan.keys)
+        recorder.extend(plan.keys, plan.new)
     elif plan.kind == "branch":
-        recorder.keys.extend(plan.keys[plan.mark[1]:])  # type: ignore[index]
+        recorder.extend(plan.keys[plan.mark[1] :], plan.new)  # type: ignore[index]
     if len(traj.response_mask) >= limits.response_length:
         raise LimitReached(f"the session has used its limits.response_length {limits.response_length} tokens")
     sub = ctx
@@ -312,5 +324,5 @@ async def record_call(ctx: RunContext, traj: Trajectory, recorder: Recorder, cal
     tool_calls = [{"id": c.id or f"{call_prefix}_{turn}_{k}", "name": c.name, "arguments": json.dumps(
         c.arguments if c.arguments is not None else {}, ensure_ascii=False)} for k, c in enumerate(valid)]  # fmt: skip
     finish = "tool_calls" if tool_calls else ("length" if traj.last_finish_reason == "length" else "stop")
-    recorder.turn(traj, message_key({"role": "assistant", "content": content, "tool_calls": tool_calls}))
+    recorder.turn(traj, {"role": "assistant", "content": content, "tool_calls": tool_calls})
     return Answer(content, reasoning, tool_calls, finish, prompt_tokens, len(ids), turn)

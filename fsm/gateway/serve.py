@@ -62,11 +62,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the largest request body (413 past it)")  # fmt: skip
     p.add_argument("--max-messages", type=_positive, default=GatewayLimits.max_messages, metavar="N",
                    help="messages in one request")  # fmt: skip
+    p.add_argument("--max-segments", type=_positive, default=GatewayLimits.max_segments, metavar="N",
+                   help="segments per session (each history that differs from the recorded one starts one); "
+                        "past it a request gets 400 too_many_segments")  # fmt: skip
 
 
 def cmd_gateway(args: argparse.Namespace, run: Any) -> int:
     """`agentfsm gateway SPEC`: `run` (the CLI's cmd_run) with the gateway configured first."""
     _warn_if_public(args.host)
-    configure(args.host, args.gateway_port, GatewayLimits(max_request_bytes=args.max_request_bytes,
-                                                          max_messages=args.max_messages, max_sessions=args.max_sessions))  # fmt: skip
+    limits = GatewayLimits(max_request_bytes=args.max_request_bytes, max_messages=args.max_messages,
+                           max_sessions=args.max_sessions, max_segments=args.max_segments)  # fmt: skip
+    configure(args.host, args.gateway_port, limits)
     return run(args)

@@ -50,13 +50,14 @@ class Session:
 
     def __init__(self, gateway: Gateway, traj_id: str):
         self.gateway = gateway
-        self.id = secrets.token_hex(12)
+        self.id = f"{gateway.tag}-{secrets.token_hex(12)}" if gateway.tag else secrets.token_hex(12)
         self.key = secrets.token_urlsafe(24)
         self.traj_id = traj_id
         self.recorder = Recorder(gateway.limits.max_segments)
         self.wake = asyncio.Event()  # a call arrived, or the harness ended
         self.pending: tuple[Call, asyncio.Future[Answer]] | None = None  # sent, not yet taken by the driver
         self.current: tuple[Call, asyncio.Future[Answer]] | None = None  # taken: the GENERATING state records it
+        self.timer: asyncio.TimerHandle | None = None  # wakes the harness state at its deadline (harness.py)
         self.refused = 0
         self.calls = 0
         self.closed = False
@@ -64,11 +65,11 @@ class Session:
     @property
     def base_url(self) -> str:
         """The OpenAI SDK's base_url (`.../v1`); the Anthropic SDK takes `anthropic_base_url`."""
-        return f"{self.gateway.url}/sessions/{self.id}/v1"
+        return f"{self.gateway.public_url}/sessions/{self.id}/v1"
 
     @property
     def anthropic_base_url(self) -> str:
-        return f"{self.gateway.url}/sessions/{self.id}"
+        return f"{self.gateway.public_url}/sessions/{self.id}"
 
     async def submit(self, call: Call) -> Answer:
         if self.closed:
@@ -107,8 +108,13 @@ class Gateway:
     """The HTTP server and its sessions. One per backend: `attach` makes it the one harness states of runs
     over that backend use; a run without one gets a loopback gateway started on first use."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, limits: GatewayLimits | None = None):
-        self.host, self.port = host, port
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, limits: GatewayLimits | None = None, *,
+                 tag: str = "", front: str | None = None):  # fmt: skip
+        """`tag` and `front`: one worker of several behind a front (fsm/gateway/front.py): its session ids start
+        with `tag-` (the front routes by it) and its harnesses are given the front's URL."""
+        if "-" in tag or "/" in tag:
+            raise ValueError(f"a gateway's tag {tag!r} cannot hold '-' or '/'")
+        self.host, self.port, self.tag, self.front = host, port, tag, front
         self.limits = limits or GatewayLimits()
         self.sessions: dict[str, Session] = {}
         self._runner: web.AppRunner | None = None
@@ -118,6 +124,11 @@ class Gateway:
     def url(self) -> str:
         host = self.host if self.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
         return f"http://{host}:{self.port}"
+
+    @property
+    def public_url(self) -> str:
+        """Where harnesses reach it: the front's URL when it is one worker behind a front."""
+        return self.front or self.url
 
     async def start(self) -> Gateway:
         """Listen (once: every caller after the first awaits the first's start)."""

@@ -180,3 +180,49 @@ def test_segments_per_session_are_bounded(tmp_path, tokenizer):
     assert out["ends_on_assistant"][0] == 400 and "ends with an assistant message" in out["ends_on_assistant"][1]["error"]["message"]
     assert trajs[0].num_segments == 3
     assert_segments_exact(trajs[0], backend)
+
+
+def test_the_cli_sets_max_segments(tmp_path, tokenizer, monkeypatch):
+    from fsm.cli.commands import build_parser
+    from fsm.gateway import server
+    from fsm.gateway.serve import cmd_gateway
+
+    monkeypatch.setattr(server, "_CONFIG", {})
+    assert build_parser().parse_args(["gateway", "examples/gateway/base.yaml"]).max_segments == 32
+    args = build_parser().parse_args(["gateway", "examples/gateway/base.yaml", "--max-segments", "3"])
+    seen = []
+
+    def rows(_args) -> int:  # the run: its loopback gateway is started with what the CLI configured
+        trajs, backend, _ = run(spec(tmp_path, "tests.gateway.test_segments:many_harness", LIMITS), tokenizer)
+        seen.append(trajs[0])
+        assert_segments_exact(trajs[0], backend)
+        return 0
+
+    assert cmd_gateway(args, rows) == 0
+    out = seen[0].extra["harness"]["result"]
+    assert [out[str(k)][0] for k in range(4)] == [200, 200, 400, 400] and seen[0].num_segments == 3
+    assert "max_segments (3)" in out["2"][1]["error"]["message"]
+
+
+def test_a_call_keys_only_its_new_messages(monkeypatch):
+    """The history the harness sends back unchanged is compared as data, once; keys are made for the new
+    messages only, so a call costs O(new messages); an edited old message still starts a new segment."""
+    from types import SimpleNamespace
+
+    from fsm.gateway import record
+    from fsm.gateway.record import Call, Recorder
+
+    keyed = []
+    key = record.message_key
+    monkeypatch.setattr(record, "message_key", lambda m: keyed.append(m) or key(m))
+    history = [{"role": "system", "content": "S"}] + [{"role": "user", "content": f"q{k}"} for k in range(50)]
+    recorder = Recorder()
+    plan = recorder.match(Call(list(history), None))
+    recorder.begin(plan.keys, None, plan.new)
+    answer = {"role": "assistant", "content": "", "tool_calls": [{"id": "c0", "name": "f", "arguments": '{"x": 1}'}]}
+    recorder.turn(SimpleNamespace(messages=[], prompt_ids=[], response_ids=[]), answer)
+    keyed.clear()
+    echoed = [dict(m) for m in history] + [dict(answer), {"role": "tool", "content": "1", "tool_call_id": "c0"}]
+    assert recorder.match(Call(echoed, None)).kind == "extend" and keyed == [echoed[-1]]
+    echoed[3] = {"role": "user", "content": "edited"}
+    assert recorder.match(Call(echoed, None)).kind == "history"

@@ -1,0 +1,106 @@
+"""Sessions pinned by id across several gateway processes: one front address for harnesses, N workers behind
+it, each its own engine process with its own gateway (fsm/gateway/server.py) holding its own rows' sessions.
+
+A worker's gateway is made with a `tag` (`Gateway(tag="w1", front=front.url)`): the ids of the sessions it opens
+start with `w1-` and the base URLs it hands its harnesses are the front's. The front forwards each request under
+`/sessions/{id}/` to the worker whose tag starts the id, body and key unchanged, and streams the answer back
+(SSE included), so a session always lands on the process that owns its trajectory: nothing is shared between
+workers, and one process's `max_sessions` bounds only its own share. The front only reads the tag: the key
+is checked by the worker, as without a front.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from fsm.gateway.record import GatewayError
+from fsm.gateway.server import GatewayLimits, _error
+
+FORWARDED = ("Authorization", "x-api-key", "Content-Type", "Accept", "anthropic-version", "anthropic-beta")
+
+
+class Front:
+    """The front: `register(tag, url)` each worker, then harnesses call `url/sessions/{id}/...`."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, limits: GatewayLimits | None = None,
+                 timeout_s: float = 600.0):  # fmt: skip
+        self.host, self.port = host, port
+        self.limits = limits or GatewayLimits()
+        self.timeout_s = timeout_s  # one forwarded request, answer included
+        self.workers: dict[str, str] = {}  # tag -> the worker gateway's URL
+        self.routed: Counter[str] = Counter()  # requests forwarded per tag
+        self._runner: web.AppRunner | None = None
+        self._http: aiohttp.ClientSession | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def register(self, tag: str, url: str) -> None:
+        self.workers[tag] = url.rstrip("/")
+
+    async def start(self) -> Front:
+        app = web.Application(client_max_size=self.limits.max_request_bytes)
+        app.router.add_route("*", "/sessions/{sid}/{tail:.*}", self._forward)
+        self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                           timeout=aiohttp.ClientTimeout(total=self.timeout_s))  # fmt: skip
+        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await runner.setup()
+        site = web.TCPSite(runner, self.host, self.port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self._runner = runner
+        return self
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.close()
+        if self._runner is not None:
+            await self._runner.cleanup()
+        self._http = self._runner = None
+
+    async def __aenter__(self) -> Front:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _forward(self, request: web.Request) -> web.StreamResponse:
+        sid = request.match_info["sid"]
+        tag = sid.split("-", 1)[0] if "-" in sid else ""
+        worker = self.workers.get(tag)
+        if worker is None:
+            return _error(
+                request, GatewayError("unknown session, or not its key", code="invalid_api_key", status=401)
+            )
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return _error(request, GatewayError(f"the request is larger than the gateway's max_request_bytes "
+                                                f"({self.limits.max_request_bytes})", code="request_too_large", status=413))  # fmt: skip
+        headers = {k: request.headers[k] for k in FORWARDED if k in request.headers}
+        self.routed[tag] += 1
+        assert self._http is not None
+        response = None
+        try:
+            async with self._http.request(request.method, worker + request.rel_url.path_qs, data=body,
+                                          headers=headers) as upstream:  # fmt: skip
+                response = web.StreamResponse(status=upstream.status, headers=_kept(upstream.headers))
+                await response.prepare(request)
+                async for chunk in upstream.content.iter_any():
+                    await response.write(chunk)
+                await response.write_eof()
+                return response
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            if response is not None:  # the answer had started: the connection is dropped, as the worker's was
+                raise
+            return _error(request, GatewayError(f"the gateway worker {tag!r} ({worker}) did not answer: "
+                                                f"{type(exc).__name__}: {exc}", code="server_error", status=502))  # fmt: skip
+
+
+def _kept(headers: Any) -> dict[str, str]:
+    return {k: headers[k] for k in ("Content-Type", "Cache-Control") if k in headers}
