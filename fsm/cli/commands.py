@@ -4,8 +4,10 @@ This module is the composition root: the one place in `fsm` that picks concrete 
 `import fsm` never loads transformers models or aiohttp servers). Every user error ends as one line on
 stderr that names the file, flag, row or server and what to do, with a non-zero exit code and no traceback.
 Exit codes: 0 done; 1 a user error, or a run whose error rows exceed --max-error-rate; 2 a bad command
-line or spec diagnostics; 130 interrupted (Ctrl-C or SIGTERM). `run` replaces its three output files together
-(fsm/output/rundir.py), under a lock on --out; how the command ends (errors, signals, kept outputs): fsm/cli/outcome.py.
+line or spec diagnostics; 130 interrupted (Ctrl-C or SIGTERM). `run` is a thin caller of what every kept run
+does (the Python API's `keep=` too): signals (fsm/run/signals.py), the stop and the snapshot (fsm/run/kept.py),
+the three output files, replaced together under a lock on --out (fsm/output/keep.py, fsm/output/rundir.py);
+how the command ends (errors, a signal after the outcome, a closed stdout): fsm/cli/outcome.py.
 
 """
 

@@ -145,7 +145,7 @@ async def keep_batch(engine: Any, rows: Sequence[Any], n: int, sampling: Samplin
     """RolloutEngine's `keep=` path (from the caller's loop, which must be the main thread's for signals to
     reach it): roll `rows` out as `agentfsm run` does, write the directory, and return verl's batch; on SIGINT
     or SIGTERM, write the snapshot and the finished rows and raise RunInterrupted."""
-    if keep.spec is None:
+    if keep.spec is None and engine.agent.path is not None:  # one built in memory: the resume names it
         keep.spec = str(Path(engine.agent.path).resolve())
     keep.out = prepare(keep.out)
     with locked(keep.out):
@@ -155,9 +155,7 @@ async def keep_batch(engine: Any, rows: Sequence[Any], n: int, sampling: Samplin
         with interrupts.listening(asyncio.current_task()):
             kept = await keep_rollout(engine, rows, n, sampling, keep, interrupts)
             tracer = getattr(engine, "tracer", None)
-            if (
-                tracer is not None
-            ):  # as every run's owner does (fsm/run/runtime.py): the summary counts its spans
+            if tracer is not None:  # as every run's owner does (fsm/run/runtime.py): the summary counts them
                 await asyncio.to_thread(tracer.flush)
         backend = getattr(engine, "backend", None)
         run = Rollout(engine, kept.sampling, kept.trajs, kept.expected, time.perf_counter() - t_start,
