@@ -32,10 +32,11 @@ _EXPORTS = {
     "Family": "fsm.families", "register_family": "fsm.families",
     "Group": "fsm.run.stream", "StreamEmpty": "fsm.run.stream", "SnapshotError": "fsm.run.snapshot",
     "Sample": "fsm.output.sample", "SampleBatch": "fsm.output.sample",
+    "RunDir": "fsm.output.keep", "RunInterrupted": "fsm.output.keep",
 }  # fmt: skip
 __all__ = [
     "AgentSpec", "BaseInteraction", "BaseTool", "CompiledAgent", "DataError", "Diagnostic", "Edge", "Family", "Group",
-    "RayRunner", "RolloutBatch", "RolloutEngine", "RunContext", "Runner", "Sample", "SampleBatch", "Sampling",
+    "RayRunner", "RolloutBatch", "RolloutEngine", "RunContext", "RunDir", "RunInterrupted", "Runner", "Sample", "SampleBatch", "Sampling",
     "SnapshotError", "SpecError",
     "StreamEmpty", "ToolCall",
     "ToolResponse", "Trajectory", "action", "collate", "compile_spec", "guard", "load_rows", "load_spec",

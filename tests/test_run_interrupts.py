@@ -235,3 +235,61 @@ def test_a_tool_that_blocks_the_event_loop_is_named_and_ctrl_c_still_snapshots(t
     assert summary["status"] == "completed" and summary["files"]["trajectories.jsonl"]["rows"] == 4
     reasons = [json.loads(line)["termination_reason"] for line in (out / "trajectories.jsonl").open()]
     assert not any(r.startswith("error") for r in reasons), reasons
+
+
+EMBEDDED = """
+import sys
+
+from fsm import RolloutEngine, RunDir, RunInterrupted
+from fsm.spec.registry import resolve
+
+url, out = sys.argv[1], sys.argv[2]
+engine = RolloutEngine("specs/calculator.yaml", tokenizer="backends/tiny/assets", servers=[url])
+rows = resolve(engine.agent.spec.demo_data, engine.agent.spec.trust.allow_modules)(3, seed=0)
+try:
+    engine.generate_sequences(rows, {"temperature": 0, "seed": 0}, n=2, keep=RunDir(out))
+except RunInterrupted as exc:
+    print(f"kept: {exc}", file=sys.stderr, flush=True)
+    engine.close()
+    sys.exit(130)
+engine.close()
+"""
+
+
+def test_sigterm_keeps_a_run_of_the_python_api_and_the_cli_resumes_it(servers, tmp_path):
+    """issue 28: a program embedding RolloutEngine gets what `agentfsm run` gives, by passing `keep=RunDir(out)`:
+    SIGTERM mid-turn stops the rows through the same code (fsm/run/kept.py, fsm/output/keep.py), writes the
+    snapshot, and `agentfsm run --resume` finishes it with the tokens of an uninterrupted CLI run."""
+    slow, fast = servers
+    ref, cut = tmp_path / "ref", tmp_path / "cut"
+    done = subprocess.run(run_args(ref, "specs/calculator.yaml", "--server", fast), env=ENV, cwd=REPO,
+                          capture_output=True, text=True, timeout=240)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    script = tmp_path / "embed.py"
+    script.write_text(EMBEDDED)
+    proc = subprocess.Popen([sys.executable, str(script), slow, str(cut)], env=ENV, cwd=REPO, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while _in_flight(slow) < 6:  # every trajectory is in its first turn, which lasts 600 s
+            assert proc.poll() is None and time.monotonic() < deadline, "the run never reached the server"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        err = Lines(proc)
+        assert "SIGTERM: stopping 6 running trajectories" in err.wait_for("stopping", 10)
+        proc.wait(60)
+    finally:
+        proc.kill()
+    err = err.rest()
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    assert "wrote the snapshot (3 groups running, 0 finished)" in err, err
+    assert f"kept: interrupted before any trajectory finished; {cut} holds what it held before; resume with: " \
+           f"agentfsm run --resume {cut}" in err, err  # fmt: skip
+    assert (cut / "snapshot.json").exists() and not (cut / "summary.json").exists()
+    assert _in_flight(slow) == 0  # the aborted turns are gone from the server, which serves again
+    resumed = subprocess.run(run_args(cut, "--resume", str(cut), "--server", fast), env=ENV, cwd=REPO,
+                             capture_output=True, text=True, timeout=240)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr
+    assert not (cut / "snapshot.json").exists()
+    assert json.loads((cut / "summary.json").read_text())["status"] == "completed"
+    assert_same_batch_files(ref, cut)

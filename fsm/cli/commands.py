@@ -4,8 +4,10 @@ This module is the composition root: the one place in `fsm` that picks concrete 
 `import fsm` never loads transformers models or aiohttp servers). Every user error ends as one line on
 stderr that names the file, flag, row or server and what to do, with a non-zero exit code and no traceback.
 Exit codes: 0 done; 1 a user error, or a run whose error rows exceed --max-error-rate; 2 a bad command
-line or spec diagnostics; 130 interrupted (Ctrl-C or SIGTERM). `run` replaces its three output files together
-(fsm/output/rundir.py), under a lock on --out; how the command ends (errors, signals, kept outputs): fsm/cli/outcome.py.
+line or spec diagnostics; 130 interrupted (Ctrl-C or SIGTERM). `run` is a thin caller of what every kept run
+does (the Python API's `keep=` too): signals (fsm/run/signals.py), the stop and the snapshot (fsm/run/kept.py),
+the three output files, replaced together under a lock on --out (fsm/output/keep.py, fsm/output/rundir.py);
+how the command ends (errors, a signal after the outcome, a closed stdout): fsm/cli/outcome.py.
 
 """
 
@@ -21,28 +23,17 @@ import signal
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AsyncExitStack
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fsm.cli.args import DEMO_PROMPTS, SHOW_LIMIT, command_line
-from fsm.cli.outcome import (
-    SNAPSHOT,
-    CLIError,
-    Interrupted,
-    ended,
-    hold_signals,
-    resume_spec,
-    say_now,
-    term_is_ctrl_c,
-    to_stdout,
-    warn,
-    write_run_outputs,
-)
+from fsm.cli.outcome import CLIError, Interrupted, ended, hold_signals, resume_spec, to_stdout
 from fsm.data.files import DataError, load_rows
+from fsm.output.keep import SNAPSHOT, Rollout, RunDir, RunInterrupted
 from fsm.run.compile import CompiledAgent, compile_spec
+from fsm.run.signals import Interrupts, say_now, term_is_ctrl_c, warn
 from fsm.spec.loader import SpecError
 
 # --- validate / schema ---------------------------------------------------------------------------------
@@ -254,29 +245,18 @@ def _env_tracing() -> bool:
     return bool(os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
 
 
-@dataclass
-class _Rollout:
-    """What `run` rolled out: every trajectory, or (interrupted) those that finished, in input order."""
+async def _rollout(args: argparse.Namespace, rows: list[dict[str, Any]] | None, console: Any) -> Rollout:
+    """Roll `rows` out (or, `rows` None, resume the snapshot in --resume DIR). A RolloutEngine runs them as
+    every kept run does (fsm/run/kept.py: Ctrl-C snapshots the rows in flight); Ray keeps what finished."""
+    from fsm.run.kept import keep_rollout
 
-    engine: Any
-    sampling: Any
-    trajs: list
-    expected: int  # rows x n
-    wall: float
-    router_stats: Any
-    interrupted: bool
-    cpu: float  # this process's CPU seconds over the same window (all threads: the model's, the exporters')
-
-
-async def _rollout(args: argparse.Namespace, rows: list[dict[str, Any]] | None, console: Any) -> _Rollout:
-    """Roll `rows` out (or, `rows` None, resume the snapshot in --resume DIR). A RolloutEngine runs them in its
-    continuous mode, so that Ctrl-C can snapshot the rows in flight; Ray keeps what finished."""
     params = {k: v for k, v in (("temperature", args.temperature), ("seed", args.seed)) if v is not None}
     finished: list = []
     interrupted = False
     expected = len(rows) * args.n if rows is not None else 0
+    interrupts = Interrupts()  # a signal cancels this task until the rollout runs, then stops it
     async with AsyncExitStack() as stack:
-        stack.enter_context(_ctrl_c_cancels(asyncio.current_task()))
+        stack.enter_context(interrupts.listening(asyncio.current_task()))
         servers, tokenizer = await _servers(args, stack)
         engine = _engine(args, servers, tokenizer)
         stack.push_async_callback(engine.aclose)
@@ -285,126 +265,41 @@ async def _rollout(args: argparse.Namespace, rows: list[dict[str, Any]] | None, 
         t_start = time.perf_counter()  # the rollout's time: not launching servers, imports, loading the model
         c_start = time.process_time()
         if args.ray is None:
-            trajs, interrupted, expected, sampling = await _resumable(engine, rows, args, sampling, console)
+            keep = RunDir(Path(args.out), args.run_id, str(Path(args.spec).resolve()))
+            kept = await keep_rollout(engine, rows, args.n, sampling, keep, interrupts, _progress(args, console))
+            trajs, interrupted, expected, sampling = kept.trajs, kept.interrupted, kept.expected, kept.sampling
         else:
             try:
                 trajs = await _with_progress(engine, rows, args, sampling, console, finished)
-            except asyncio.CancelledError:  # Ctrl-C (_ctrl_c_cancels): keep what finished
+            except asyncio.CancelledError:  # Ctrl-C (interrupts, never armed here): keep what finished
                 asyncio.current_task().uncancel()  # type: ignore[union-attr]
                 interrupted = True
                 trajs = sorted(finished, key=lambda t: (t.index, t.sample))
         backend = getattr(engine, "backend", None)
         router_stats = backend.stats() if hasattr(backend, "stats") else None
     wall, cpu = time.perf_counter() - t_start, time.process_time() - c_start
-    return _Rollout(engine, sampling, trajs, expected, wall, router_stats, interrupted, cpu)
+    return Rollout(engine, sampling, trajs, expected, wall, router_stats, interrupted, cpu)
 
 
-# waiting for every running trajectory to reach a state boundary; model turns do not count (they are aborted
-# and kept partial), so only a tool or user action still running can take this long
-SNAPSHOT_TIMEOUT_S = 60.0
 FLUSH_TIMEOUT_S = 10.0
 
 
-async def _resumable(engine: Any, rows: list[dict[str, Any]] | None, args: argparse.Namespace, sampling: Any,
-                     console: Any) -> tuple[list, bool, int, Any]:  # fmt: skip
-    """Every trajectory (sorted), whether Ctrl-C came, rows x n, the sampling. Ctrl-C here parks the running
-    trajectories at their next state boundary and writes them, with the finished ones, to --out/snapshot.json."""
+@contextlib.contextmanager
+def _progress(args: argparse.Namespace, console: Any) -> Iterator[Callable[[int, int], None]]:
+    """The groups finished, as a bar on a terminal (fsm/run/kept.py updates it)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    out = Path(args.out)
-    if rows is None:
-        meta = await engine.arestore(out / SNAPSHOT)
-        groups, expected = int(meta["groups"]), int(meta["rows_expected"])
-    else:
-        await engine.asubmit(rows, n=args.n, sampling=sampling)
-        groups, expected = len(rows), len(rows) * args.n
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-
-    def interrupt(name: str) -> None:  # on this (the main) loop, free while the engine's thread runs the rows
-        if stop.is_set():  # the second one: no snapshot, now
-            say_now("agentfsm: exiting without a snapshot")
-            os._exit(130)
-        stop.set()
-        say_now(f"agentfsm: {name}: stopping {len(engine.runner.live)} running trajectories and writing a "
-                 f"snapshot to {out / SNAPSHOT}; Ctrl-C again to exit without a snapshot")  # fmt: skip
-
-    with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):  # main thread only
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, interrupt, sig.name)
     columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
     with Progress(*columns, console=console, disable=args.quiet or not console.is_terminal) as progress:
-        task = progress.add_task("groups", total=groups)
-        while not stop.is_set():
-            ready = engine.stream_stats.get("ready_groups", 0)
+        task = None
+
+        def update(ready: int, total: int) -> None:
+            nonlocal task
+            if task is None:
+                task = progress.add_task("groups", total=total)
             progress.update(task, completed=ready)
-            if ready >= groups:
-                break
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), 0.1)
-    interrupted = stop.is_set()
-    taken = []
-    if interrupted:
-        meta = {"groups": groups, "rows_expected": expected, "run_id": args.run_id,
-                "spec": str(Path(args.spec).resolve())}
-        t0 = time.perf_counter()
-        from fsm.output.rundir import fallback_dir
-        from fsm.run.snapshot import SnapshotError
 
-        try:  # abort_turns: model turns in flight end at once, their partial tokens kept in the snapshot
-            info = await engine.asnapshot(out / SNAPSHOT, meta=meta, stop=True, timeout=SNAPSHOT_TIMEOUT_S,
-                                          abort_turns=True, fallback=fallback_dir)  # fmt: skip
-            ready = info["ready_groups"]
-            where = Path(info["path"])
-            restarted = (f"; {info['restarted']} trajectories in their interaction start over on resume"
-                         if info["restarted"] else "")  # fmt: skip
-            say_now(f"agentfsm: wrote the snapshot ({info['running_groups']} groups running, {ready} finished) "
-                     f"in {time.perf_counter() - t0:.1f} s{restarted}")  # fmt: skip
-            if where.parent != out:
-                warn(f"--out {out} refused the snapshot; it is kept in {where.parent}: resume with agentfsm run "
-                     f"--resume {where.parent}")  # fmt: skip
-            if info.get("blocked"):  # the engine's loop runs nothing more: the finished groups come with it
-                warn("the event loop was blocked (see the warning above): the snapshot holds each running "
-                     "trajectory as it was at its last state boundary")  # fmt: skip
-                taken = info["finished"]
-                ready = 0
-        except TimeoutError:
-            warn(f"no snapshot: some trajectories did not reach a state boundary in {SNAPSHOT_TIMEOUT_S:g} s "
-                  "(a tool or user action still running)")  # fmt: skip
-            ready = engine.stream_stats.get("ready_groups", 0)
-        except OSError as exc:
-            warn(f"no snapshot: neither --out {out} nor a temporary directory could hold it "
-                 f"({exc.strerror or exc}); the finished rows are written below")  # fmt: skip
-            ready = engine.stream_stats.get("ready_groups", 0)
-        except SnapshotError as exc:
-            warn(f"no snapshot: {exc}")
-            ready = engine.stream_stats.get("ready_groups", 0)
-        if ready and not engine.wedged:
-            taken = await engine.atake_groups(ready)
-    else:
-        taken = await engine.atake_groups(groups)
-    trajs = sorted((t for g in taken for t in g.trajectories), key=lambda t: (t.index, t.sample))
-    return trajs, interrupted, expected, taken[0].sampling if taken else sampling
-
-
-@contextlib.contextmanager
-def _ctrl_c_cancels(task: Any) -> Iterator[None]:
-    """Ctrl-C cancels `task`, through the loop's wakeup fd: the loop wakes whichever thread the signal hit
-    (asyncio.run's own handler waits for the main thread to run Python, which it does not while it sleeps
-    on a rollout in the engine's thread)."""
-    loop = asyncio.get_running_loop()
-    try:
-        for sig in (signal.SIGINT, signal.SIGTERM):  # a scheduler's preemption is handled as Ctrl-C
-            loop.add_signal_handler(sig, task.cancel)
-    except (ValueError, RuntimeError, NotImplementedError):  # not the main thread, or no signals here
-        yield
-        return
-    try:
-        yield
-    finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
-        term_is_ctrl_c()  # remove_signal_handler left SIGTERM's default (death) behind
+        yield update
 
 
 async def _with_progress(engine: Any, rows: list[dict], args: argparse.Namespace, sampling: Any, console: Any,
@@ -460,6 +355,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         with locked(out):
             return _run_locked(args, rows, out, Console)
+    except RunInterrupted as exc:
+        raise Interrupted(str(exc)) from None
     except RunDirError as exc:
         raise CLIError(f"--out {exc}") from None
     except snap.SnapshotError as exc:
@@ -494,34 +391,30 @@ def _check_resume_meta(data: dict[str, Any], path: Path) -> None:
 
 
 def _run_locked(args: argparse.Namespace, rows: list[dict[str, Any]] | None, out: Path, console_cls: Any) -> int:
-    if rows is not None and (out / SNAPSHOT).exists():
-        raise CLIError(f"--out {out} holds the snapshot of an interrupted run; resume it with `agentfsm run "
-                       f"--resume {out}`, or remove {out / SNAPSHOT} to start a new run there")  # fmt: skip
+    keep = RunDir(out, args.run_id)  # the files and their order of writing: the API's `keep=` path's too
+    if rows is not None:
+        keep.refuse_a_snapshot()
     try:
         run = asyncio.run(_rollout(args, rows, console_cls(stderr=True)))
     except asyncio.CancelledError:  # Ctrl-C before the rollout began (launching, probing, loading)
         raise Interrupted(f"interrupted before the rollout; {out} holds what it held before") from None
     finally:
         term_is_ctrl_c()
-    resume_hint = (f"; resume with: agentfsm run --resume {out}"
-                   if (out / SNAPSHOT).exists() and run.interrupted else "")  # fmt: skip
     if not run.trajs:
-        raise Interrupted(f"interrupted before any trajectory finished; {out} holds what it held before{resume_hint}")
+        raise keep.nothing_finished(run)
     batch = run.engine.to_batch(run.trajs, run.sampling)
     replacing = (out / "summary.json").exists()
-    summary = write_run_outputs(out, run, batch, args.run_id)
+    summary = keep.write(run, batch)
     hold_signals()  # written: a signal from here on keeps this outcome (main's `ended` exits with it)
-    if not run.interrupted:
-        (out / SNAPSHOT).unlink(missing_ok=True)  # the run is complete: nothing left to resume
+    stopped = keep.finish(run)  # the run is complete: nothing left to resume
     if not args.quiet:
         from fsm.output.rundir import print_summary
 
         to_stdout(lambda: print_summary(summary, console_cls()))
     to_stdout(lambda: print(f"wrote {out}/batch.pt, trajectories.jsonl, summary.json"
                           + (" (replacing the run there)" if replacing else "")))  # fmt: skip
-    if run.interrupted:
-        raise Interrupted(f"interrupted: {len(run.trajs)} of {run.expected} trajectories finished and are written "
-                          f"to {out} (summary.json: \"status\": \"interrupted\"){resume_hint}")  # fmt: skip
+    if stopped is not None:
+        raise stopped
     failed = [t.error or t.termination_reason for t in run.trajs if t.failed]
     if len(failed) / len(run.trajs) > args.max_error_rate:
         common = " ".join(max(set(failed), key=failed.count).split())  # names the server, row or tool

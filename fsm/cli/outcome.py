@@ -1,6 +1,7 @@
-"""How `agentfsm` ends: every user error as one line (CLIError), signals (SIGTERM handled as Ctrl-C, a
-signal after the command has ended exits at once), a stdout that a tool may have closed, and a run's outputs
-kept when --out refuses them (fsm/output/rundir.py writes them). fsm/cli/commands.py composes these."""
+"""How `agentfsm` ends: every user error as one line (CLIError), a signal after the command has ended (it exits
+at once with the command's code), a stdout that a tool may have closed, and what `run --resume` reads first.
+A run's own signals, snapshot and files are every kept run's (fsm/run/signals.py, fsm/run/kept.py,
+fsm/output/keep.py). fsm/cli/commands.py composes these."""
 
 from __future__ import annotations
 
@@ -16,9 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fsm.output.rundir import json_text
-
-SNAPSHOT = "snapshot.json"  # in --out: the rows in flight when Ctrl-C came, for `run --resume`
+from fsm.output.keep import SNAPSHOT
 
 
 class CLIError(Exception):
@@ -31,53 +30,6 @@ class Interrupted(CLIError):
     exit_code = 130
 
 
-def warn(message: str) -> None:
-    print(f"agentfsm: warning: {message}", file=sys.stderr)
-
-
-def write_run_outputs(out: Path, run: Any, batch: Any, run_id: str) -> dict[str, Any]:
-    """The run's three files into `out` (fsm/output/rundir.py), its summary saying how the run ended and how many
-    rows each file holds. When `out` refuses them (a full disk...), they go to a fallback directory, named
-    in the error: a finished rollout is never lost to a write."""
-    from fsm.output.rundir import WriteInterrupted, fallback_dir, write_outputs, write_run
-
-    engine = run.engine
-
-    def write(staging: Path) -> dict[str, Any]:
-        summary = write_outputs(staging, engine.agent, run.trajs, batch, engine.codec, run.wall, run.router_stats,
-                                 getattr(engine, "tracer", None))  # fmt: skip
-        failed = sum(t.failed for t in run.trajs)
-        summary = {"status": "interrupted" if run.interrupted else "completed", "run_id": run_id,
-                   "rows_expected": run.expected,
-                   "files": {"batch.pt": {"rows": len(batch)}, "trajectories.jsonl": {"rows": len(run.trajs)}},
-                   "error_rate": round(failed / len(run.trajs), 4), "rollout_cpu_s": round(run.cpu, 3),
-                   **summary}  # fmt: skip
-        (staging / "summary.json").write_text(json_text(summary, indent=2, default=str) + "\n")
-        return summary
-
-    try:
-        return write_run(out, write)
-    except WriteInterrupted as exc:
-        if exc.committed:
-            raise Interrupted(f"interrupted; the run had finished and is written to {out}") from None
-        raise Interrupted(f"interrupted while writing; {out} holds what it held before this run") from None
-    except OSError as exc:
-        reason = exc.strerror or exc
-    try:
-        kept = fallback_dir()
-        write_run(kept, write)
-    except (OSError, WriteInterrupted) as exc2:
-        raise CLIError(f"--out {out}: cannot write the run's outputs ({reason}); nor to a temporary directory "
-                       f"({getattr(exc2, 'strerror', None) or exc2}): the run is lost") from None  # fmt: skip
-    raise CLIError(f"--out {out}: cannot write the run's outputs ({reason}); they are kept in {kept}")
-
-
-def say_now(line: str) -> None:
-    """One line on stderr at once (from a signal handler: no buffering, no rich)."""
-    with contextlib.suppress(OSError, ValueError):
-        print(line, file=sys.stderr, flush=True)
-
-
 def to_stdout(show: Callable[[], None]) -> None:
     """Print to stdout, which a tool may have closed (or a reader gone): the outputs are on disk already, so
     a broken stdout costs the printout, never the run."""
@@ -87,12 +39,6 @@ def to_stdout(show: Callable[[], None]) -> None:
     except (OSError, ValueError):
         with contextlib.suppress(OSError):
             sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (lives until exit: nothing else flushes to fd 1)
-
-
-def term_is_ctrl_c() -> None:
-    """SIGTERM (a scheduler preempting the job) is handled as Ctrl-C everywhere outside the rollout too."""
-    with contextlib.suppress(ValueError):  # not the main thread
-        signal.signal(signal.SIGTERM, lambda signum, frame: signal.default_int_handler(signum, frame))
 
 
 def resume_spec(args: argparse.Namespace) -> None:

@@ -20,7 +20,6 @@ import contextlib
 import inspect
 import logging
 import math
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Mapping
@@ -34,6 +33,7 @@ from fsm.run.agent import CompiledAgent
 from fsm.run.context import TRACED, PauseGate, RunContext, Sampling
 from fsm.run.interaction import call_lifecycle
 from fsm.run.policy import check_segments
+from fsm.run.signals import signals_wake_the_loop
 from fsm.run.tracer import Tracer
 from fsm.run.trajectory import Trajectory
 from fsm.spec.model import DEFAULT_TOOL_WORKERS
@@ -365,51 +365,6 @@ class Runner:
                         now - last, len(running), more, "\n  ".join(lines))  # fmt: skip
 
 
-@contextlib.asynccontextmanager
-async def _signals_wake_the_loop() -> AsyncIterator[None]:
-    """A signal (Ctrl-C) wakes the loop at once, whichever thread the kernel delivered it to. Python runs its
-    handler on the main thread when that thread next runs Python code; a loop asleep in select() with no
-    timer due (every row waiting on a hung tool thread, the watchdog off) would otherwise sleep through it,
-    and Ctrl-C would seem missed. Main thread only, and only where no wakeup fd is set already (asyncio's
-    own signal handlers set one)."""
-    import signal
-    import socket
-
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    loop = asyncio.get_running_loop()
-    rsock, wsock = socket.socketpair()
-    rsock.setblocking(False)
-    wsock.setblocking(False)
-    try:
-        previous = signal.set_wakeup_fd(wsock.fileno(), warn_on_full_buffer=False)
-    except ValueError:
-        previous = None
-    if previous is None or previous != -1:  # not ours to take: put back what was there
-        if previous is not None:
-            signal.set_wakeup_fd(previous)
-        rsock.close()
-        wsock.close()
-        yield
-        return
-
-    def drain() -> None:
-        with contextlib.suppress(OSError):
-            while rsock.recv(4096):
-                pass
-
-    loop.add_reader(rsock.fileno(), drain)
-    try:
-        yield
-    finally:
-        loop.remove_reader(rsock.fileno())
-        with contextlib.suppress(ValueError):
-            signal.set_wakeup_fd(-1)
-        rsock.close()
-        wsock.close()
-
-
 class Owner:
     """The one owner of a run's trajectory tasks: every way in (`Runner.run`, `RolloutEngine.generate_sequences`,
     the continuous mode of fsm/run/stream.py, whose `Stream` is an Owner, a Ray actor, the gateway) hands its
@@ -435,7 +390,7 @@ class Owner:
     async def serve(self) -> None:
         """Own every trajectory task until cancelled (see the class docstring)."""
         try:
-            async with self.runner.watching(), _signals_wake_the_loop(), asyncio.TaskGroup() as tg:
+            async with self.runner.watching(), signals_wake_the_loop(), asyncio.TaskGroup() as tg:
                 self._tg = tg
                 self._serving.set()
                 await asyncio.Event().wait()

@@ -38,6 +38,8 @@ its cost can be seen:
   OTLP/HTTP is encoded here, straight from the shapes (wire.py, checked against the official protobuf
   classes in the tests), gzipped and POSTed with the SDK's retry rules (`OtlpHttpExporter`). Any other
   exporter (console, the SDK's in-memory one, yours) gets the SDK's ReadableSpans, made in the export thread.
+- Content capture (opt-in): the conversation and each model call's token ids decoded as GenAI messages
+  (content.py).
 - Attribute names: semconv.py.
 
 `agentfsm bench tracing` (bench/tracing.py) measures what tracing costs the engine, off and on, per

@@ -23,6 +23,7 @@ from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SpanExporter
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
+from fsm.telemetry.content import _roles
 from fsm.telemetry.export import (
     DEFAULT_MAX_EXPORT_BATCH_SIZE,
     DEFAULT_MAX_QUEUE_SIZE,
@@ -45,7 +46,6 @@ from fsm.telemetry.spans import (
     _Context,
     _ModelSpan,
     _random_bits,
-    _roles,
     _Root,
     _Span,
     _time_ns,

@@ -1,0 +1,171 @@
+"""A run kept in a directory: `RunDir(out)` is where `agentfsm run --out DIR` and a program that passes
+`keep=RunDir(out)` to RolloutEngine write the run's three files (fsm/output/rundir.py replaces them together)
+and, on SIGINT or SIGTERM, the snapshot of the rows still running, for `agentfsm run --resume DIR`.
+
+    engine = RolloutEngine("calculator")
+    batch = engine.generate_sequences(rows, n=8, keep=RunDir("out"))   # SIGTERM: RunInterrupted, out/ kept
+
+The roll-out and the snapshot are fsm/run/kept.py's (`RunDir` is its `Keeper`: the run stage cannot import
+this one); the files, the summary and the order of the end (write, then drop the snapshot of a finished run)
+are here, for both callers. `keep_batch` is the API's whole kept run; the CLI composes the same pieces around
+its own engine's close, progress bar and exit codes (fsm/cli/commands.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fsm.output.rundir import (
+    RunDirError,
+    WriteInterrupted,
+    fallback_dir,
+    json_text,
+    locked,
+    prepare,
+    write_outputs,
+    write_run,
+)
+from fsm.run.context import Sampling
+from fsm.run.kept import keep_rollout
+from fsm.run.signals import Interrupts
+from fsm.run.trajectory import Trajectory
+
+SNAPSHOT = "snapshot.json"  # in the run directory: the rows in flight when a signal came, for `run --resume`
+
+
+class RunInterrupted(Exception):
+    """A kept run was ended by SIGINT or SIGTERM: the message says what its directory holds now."""
+
+
+@dataclass
+class Rollout:
+    """What a run rolled out, as its files record it: every trajectory, or (interrupted) those that finished,
+    in input order."""
+
+    engine: Any
+    sampling: Sampling
+    trajs: list[Trajectory]
+    expected: int  # rows x n
+    wall: float  # the rollout's seconds: not launching servers, imports, loading the model
+    router_stats: Any
+    interrupted: bool
+    cpu: float  # this process's CPU seconds over the same window (all threads: the model's, the exporters')
+
+
+@dataclass
+class RunDir:
+    """The directory a run is kept in (see the module docstring); `run_id` names the run in its summary and
+    snapshot, `spec` (the spec's path) lets a resume name none."""
+
+    out: Path
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    spec: str | None = None
+
+    def __post_init__(self) -> None:
+        self.out = Path(self.out)
+
+    @property
+    def snapshot(self) -> Path:
+        return self.out / SNAPSHOT
+
+    def fallback(self) -> Path:
+        return fallback_dir()
+
+    def refuse_a_snapshot(self) -> None:
+        """A new run does not write over an interrupted one's snapshot (RunDirError, naming both ways on)."""
+        if self.snapshot.exists():
+            raise RunDirError(f"{self.out} holds the snapshot of an interrupted run; resume it with `agentfsm run "
+                              f"--resume {self.out}`, or remove {self.snapshot} to start a new run there")  # fmt: skip
+
+    def resume_hint(self, run: Rollout) -> str:
+        return (
+            f"; resume with: agentfsm run --resume {self.out}"
+            if self.snapshot.exists() and run.interrupted
+            else ""
+        )
+
+    def nothing_finished(self, run: Rollout) -> RunInterrupted:
+        return RunInterrupted(f"interrupted before any trajectory finished; {self.out} holds what it held before"
+                              f"{self.resume_hint(run)}")  # fmt: skip
+
+    def write(self, run: Rollout, batch: Any) -> dict[str, Any]:
+        """The run's three files into the directory, its summary saying how the run ended and how many rows
+        each file holds. When the directory refuses them (a full disk...), they go to a fallback directory,
+        named in the error (RunDirError): a finished rollout is never lost to a write. RunInterrupted when
+        Ctrl-C lands while they are written."""
+        engine, out = run.engine, self.out
+
+        def write(staging: Path) -> dict[str, Any]:
+            summary = write_outputs(staging, engine.agent, run.trajs, batch, engine.codec, run.wall,
+                                    run.router_stats, getattr(engine, "tracer", None))  # fmt: skip
+            failed = sum(t.failed for t in run.trajs)
+            summary = {"status": "interrupted" if run.interrupted else "completed", "run_id": self.run_id,
+                       "rows_expected": run.expected,
+                       "files": {"batch.pt": {"rows": len(batch)}, "trajectories.jsonl": {"rows": len(run.trajs)}},
+                       "error_rate": round(failed / len(run.trajs), 4), "rollout_cpu_s": round(run.cpu, 3),
+                       **summary}  # fmt: skip
+            (staging / "summary.json").write_text(json_text(summary, indent=2, default=str) + "\n")
+            return summary
+
+        try:
+            return write_run(out, write)
+        except WriteInterrupted as exc:
+            if exc.committed:
+                raise RunInterrupted(f"interrupted; the run had finished and is written to {out}") from None
+            raise RunInterrupted(
+                f"interrupted while writing; {out} holds what it held before this run"
+            ) from None
+        except OSError as exc:
+            reason = exc.strerror or exc
+        try:
+            kept = fallback_dir()
+            write_run(kept, write)
+        except (OSError, WriteInterrupted) as exc2:
+            raise RunDirError(f"{out}: cannot write the run's outputs ({reason}); nor to a temporary directory "
+                              f"({getattr(exc2, 'strerror', None) or exc2}): the run is lost") from None  # fmt: skip
+        raise RunDirError(f"{out}: cannot write the run's outputs ({reason}); they are kept in {kept}")
+
+    def finish(self, run: Rollout) -> RunInterrupted | None:
+        """After `write`: a finished run leaves nothing to resume; an interrupted one, what to raise."""
+        if not run.interrupted:
+            self.snapshot.unlink(missing_ok=True)
+            return None
+        return RunInterrupted(f"interrupted: {len(run.trajs)} of {run.expected} trajectories finished and are written "
+                              f"to {self.out} (summary.json: \"status\": \"interrupted\"){self.resume_hint(run)}")  # fmt: skip
+
+
+async def keep_batch(engine: Any, rows: Sequence[Any], n: int, sampling: Sampling, keep: RunDir, *, like: Any = None,
+                     meta: Mapping[str, Any] | None = None) -> Any:  # fmt: skip
+    """RolloutEngine's `keep=` path (from the caller's loop, which must be the main thread's for signals to
+    reach it): roll `rows` out as `agentfsm run` does, write the directory, and return verl's batch; on SIGINT
+    or SIGTERM, write the snapshot and the finished rows and raise RunInterrupted."""
+    if keep.spec is None and engine.agent.path is not None:  # one built in memory: the resume names it
+        keep.spec = str(Path(engine.agent.path).resolve())
+    keep.out = prepare(keep.out)
+    with locked(keep.out):
+        keep.refuse_a_snapshot()
+        interrupts = Interrupts()
+        t_start, c_start = time.perf_counter(), time.process_time()
+        with interrupts.listening(asyncio.current_task()):
+            kept = await keep_rollout(engine, rows, n, sampling, keep, interrupts)
+            tracer = getattr(engine, "tracer", None)
+            if tracer is not None:  # as every run's owner does (fsm/run/runtime.py): the summary counts them
+                await asyncio.to_thread(tracer.flush)
+        backend = getattr(engine, "backend", None)
+        run = Rollout(engine, kept.sampling, kept.trajs, kept.expected, time.perf_counter() - t_start,
+                      backend.stats() if hasattr(backend, "stats") else None, kept.interrupted,
+                      time.process_time() - c_start)  # fmt: skip
+        if not run.trajs:
+            raise keep.nothing_finished(run)
+        batch = engine.to_batch(run.trajs, run.sampling, like=like, meta=meta, wall_s=run.wall)
+        keep.write(run, batch)
+        stopped = keep.finish(run)
+    if stopped is not None:
+        raise stopped
+    return batch
