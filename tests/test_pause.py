@@ -128,11 +128,17 @@ async def test_dev_server_pause_modes_over_the_tiny_model():
                     assert r.status == 200, await r.text()
                     return await r.json()
 
+            async def running(rid: str) -> None:
+                """Until the decode loop has made a token for `rid` (a loaded machine may take long to start)."""
+                async with asyncio.timeout(120):
+                    while not any(job.request.rid == rid and job.tokens for job in list(backend._jobs)):
+                        await asyncio.sleep(0.005)
+
             full = await generate("full")
             assert len(full["output_ids"]) == 500 and full["meta_info"]["weight_version"] == "default"
             for mode in MODES:
                 request = asyncio.ensure_future(generate(f"req-{mode}"))
-                await asyncio.sleep(0.1)  # running
+                await running(f"req-{mode}")
                 await control("/pause_generation", {"mode": mode})
                 if mode != "abort":
                     await asyncio.sleep(0.2)
@@ -150,7 +156,7 @@ async def test_dev_server_pause_modes_over_the_tiny_model():
                     assert kind == "length" and out["output_ids"] == full["output_ids"], mode
             # held in place across an update: the request reports which weights made which tokens
             request = asyncio.ensure_future(generate("held"))
-            await asyncio.sleep(0.1)
+            await running("held")
             await control("/pause_generation", {"mode": "in_place"})
             # (SGLang cannot flush the cache that held requests use: flush_cache false, or a 400 that is no failure)
             update = await control("/update_weights_from_disk", {"model_path": str(EARLY_DIR), "weight_version": "7",
