@@ -140,25 +140,29 @@ class Router(BaseBackend):
                 await close()
 
     async def _health_loop(self) -> None:
+        """One probe loop per server: a busy server's slow /health (SGLang's is a generate, queued behind
+        the running requests: seconds under load) must not delay noticing that another one is back."""
+        await asyncio.gather(*(self._probe_loop(s) for s in self.servers))
+
+    async def _probe_loop(self, s: _Server) -> None:
         while True:
             await asyncio.sleep(self.health_interval_s)
             if not self._paused:  # a paused SGLang's /health (a 1-token generate) waits, then answers 503
-                await self.check_health()
+                await self._probe(s)
+
+    async def _probe(self, s: _Server) -> None:
+        health = getattr(s.backend, "health", None)
+        ok = True
+        if health is not None:
+            try:
+                ok = bool(await asyncio.wait_for(health(), self.health_timeout_s))
+            except Exception:
+                ok = False
+        s.healthy = ok and time.monotonic() >= s.down_until  # a failed server sits out its cooldown
 
     async def check_health(self) -> list[bool]:
         """Probe every server once; a backend without `health()` is assumed healthy (it cannot be checked)."""
-
-        async def probe(s: _Server) -> None:
-            health = getattr(s.backend, "health", None)
-            ok = True
-            if health is not None:
-                try:
-                    ok = bool(await asyncio.wait_for(health(), self.health_timeout_s))
-                except Exception:
-                    ok = False
-            s.healthy = ok and time.monotonic() >= s.down_until  # a failed server sits out its cooldown
-
-        await asyncio.gather(*(probe(s) for s in self.servers))
+        await asyncio.gather(*(self._probe(s) for s in self.servers))
         return [s.healthy for s in self.servers]
 
     async def health(self) -> bool:

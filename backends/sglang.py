@@ -5,8 +5,8 @@ the memory and weight endpoints); backends/devserver.py serves the same contract
 (bounded bodies, retries, per-attempt deadlines with their abort and grace, pauses that stop the deadlines,
 fault counts) is backends/server_client.py's, shared with the vLLM client. What is SGLang's own:
 - `max_new_tokens` is clamped to the room left in the context (SGLang answers 400 instead of truncating);
-- after a deadline's `/abort_request` the partial answer is awaited up to `abort_grace_s`, 5 s by default
-  (a loaded CPU server takes 0.7-1.4 s to answer it); an abort's answer (`finish_reason.type == "abort"`)
+- after a deadline's `/abort_request` the partial answer is awaited up to `abort_grace_s`, 30 s by default
+  (a loaded CPU server takes seconds to answer it); an abort's answer (`finish_reason.type == "abort"`)
   keeps the tokens produced before it, and the engine resumes them;
 - a rid whose attempt ended without an answer (a deadline, a cut connection, SGLang's "Duplicate request
   ID", which is retried as a server fault) may still be held by the server, which refuses it again: no
@@ -47,9 +47,10 @@ log = logging.getLogger(__name__)
 
 _WEIGHTS_TIMEOUT_S = 600.0  # a weight reload may take minutes
 # After a deadline's /abort_request a live SGLang answers the request with its partial output once its
-# scheduler gets to the abort: 0.7-1.4 s on a loaded CPU server (docs/engines.md). Waiting less turned most
-# deadline aborts into lost work; a hung server costs this much more before the router fails over.
-DEFAULT_ABORT_GRACE_S = 5.0
+# scheduler gets to the abort: seconds on a loaded CPU server, more than 5 s for some with 16 requests running
+# (docs/engines.md). An abort not awaited loses the attempt's tokens and fails the server over; a hung server
+# costs this much more before the router fails over.
+DEFAULT_ABORT_GRACE_S = 30.0
 # How long a rid whose attempt ended without an answer is kept from reuse: past SGLang's own watchdog.
 _HELD_S = 600.0
 # SGLang 0.5.23 reports max_req_input_len = context length - 6 and refuses an input that long or longer.
@@ -59,8 +60,8 @@ _UPDATED_NOT_FLUSHED = "Weights were updated, but the cache was not flushed"
 # Attempts that end this way may leave their rid at the server (a deadline, a cut connection, a duplicate).
 _MAY_BE_HELD = ("timeouts", "disconnects", "resets", "duplicate")
 # What a /generate can meet, counted in stats()["faults"]; each is one failed attempt or one abort.
-FAULT_KINDS = ("http_errors", "refused", "disconnects", "resets", "timeouts", *ANSWER_FAULTS, "aborts_waiting",
-               "aborts_running")  # fmt: skip
+FAULT_KINDS = ("http_errors", "refused", "disconnects", "resets", "timeouts", *ANSWER_FAULTS, "duplicate",
+               "aborts_waiting", "aborts_running")  # fmt: skip
 
 
 class SGLangBackend(ServerClient):

@@ -239,9 +239,10 @@ def fault_summary(trajs: Sequence[Trajectory], backend_stats: Mapping[str, Any] 
     """What the servers did wrong and what the engine did about it, so that injected faults add up.
 
     `faults`: what the clients met on /generate, by kind: failed attempts (http_errors, refused, disconnects,
-    resets, timeouts, malformed) and abort answers (aborts_waiting, aborts_running). Each failed attempt is
-    followed by exactly one of: a retry on the same server (`retries`), a failover to another (`failovers`),
-    or the end of its row (an error row). Each abort is resumed (`resumes`) or ends its row ("error: aborted").
+    resets, timeouts, malformed; SGLang's duplicate rids) and abort answers (aborts_waiting, aborts_running).
+    Each failed attempt is followed by exactly one of: a retry on the same server (`retries`), a failover to
+    another (`failovers`), or the end of its row (an error row). Each abort is resumed (`resumes`) or ends its
+    row ("error: aborted").
     `aborts_sent`: requests past their deadline aborted at the server.
     """
     stats = dict(backend_stats or {})
