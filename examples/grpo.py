@@ -2,6 +2,7 @@
 
     python -m examples.grpo --mode sync         # roll out a step's groups, then train on them
     python -m examples.grpo --mode continuous   # step s+1's groups roll out while the trainer trains on step s's
+    python -m examples.grpo --spec specs/calculator_results.yaml --init backends/tiny/assets --advantages session
 
 The trainer holds its own copy of the policy (the `mid` checkpoint, ~17% sampled accuracy) and the engine
 decodes with another, in this process; after every optimizer step the trainer's weights go to the engine with
@@ -20,6 +21,12 @@ fresh prompts of backends/tiny/evaluate.py, on a second engine that gets the sam
 (`--eval-seed`); the training engine is paused meanwhile, so the step times (which leave evaluation out) compare
 the two forms fairly. Evaluation shares nothing with training but the weights it reads: a synchronous run trains
 the same whatever `--eval-every` is (tests/test_grpo_example.py).
+
+A spec that rewrites its context (docs/contexts.md) gives each trajectory several rows, one per segment, tied by
+`trajectory_id`. `--advantages session` (session-level GRPO) normalises each trajectory's reward within its
+group of trajectories, so a trajectory counts once whatever its number of segments, and gives every one of its
+rows that advantage; `row` (the default) treats each row as a sample of its group, which for a spec without
+rewrites is the same thing. Rewards and accuracies are per trajectory either way.
 """
 
 from __future__ import annotations
@@ -42,6 +49,8 @@ from specs.calculator import make_prompts
 @dataclass
 class Config:
     mode: str = "sync"  # "sync" or "continuous"
+    spec: str = "calculator"  # a shipped spec's name or a spec file
+    advantages: str = "row"  # "row" (a row is a sample of its group) or "session" (see the docstring)
     steps: int = 60
     prompts: int = 8  # GRPO groups per step
     group: int = 8  # samples per prompt
@@ -75,21 +84,40 @@ class StepLog:
     checked: int  # mask-1 tokens whose log-probabilities were checked
     max_diff: float  # the largest |recomputed - rollout| among them
     step_s: float  # wall time of the step (rollout or take, train, sync), evaluation left out
+    rows: int = 0  # rows trained on: one per segment of each trajectory
 
 
 # --- GRPO pieces ---------------------------------------------------------------------------------------------
 
 
-def advantages(batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """(reward, group-normalised advantage) per row; a group of equal rewards gives 0 (no signal)."""
+def last_segments(batch) -> np.ndarray:
+    """Each trajectory's last row (its last segment), as a boolean mask over the rows."""
+    nt = batch.non_tensor_batch
+    return np.asarray(nt["segment_index"]) == np.asarray(nt["num_segments"]) - 1
+
+
+def advantages(batch, session: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(reward per trajectory, group-normalised advantage per row); a group of equal rewards gives 0 (no
+    signal). `session`: each trajectory's reward (its last segment's, where `reward_placement: last` puts it)
+    is normalised within its group of trajectories and given to every row of the trajectory; otherwise each
+    row's own reward within the rows of its group."""
     reward = batch.batch["rm_scores"].sum(-1)
-    uids = batch.non_tensor_batch["uid"]
+    uids, last = batch.non_tensor_batch["uid"], last_segments(batch)
     adv = torch.zeros_like(reward)
+    if not session:
+        for uid in np.unique(uids):
+            rows = torch.from_numpy(np.flatnonzero(uids == uid))
+            r = reward[rows]
+            adv[rows] = (r - r.mean()) / (r.std(unbiased=False) + 1e-6)
+        return reward[torch.from_numpy(last)], adv
+    tids = batch.non_tensor_batch["trajectory_id"]
     for uid in np.unique(uids):
-        rows = torch.from_numpy(np.flatnonzero(uids == uid))
-        r = reward[rows]
-        adv[rows] = (r - r.mean()) / (r.std(unbiased=False) + 1e-6)
-    return reward, adv
+        ends = np.flatnonzero((uids == uid) & last)  # one row per trajectory of the group
+        r = reward[torch.from_numpy(ends)]
+        normed = (r - r.mean()) / (r.std(unbiased=False) + 1e-6)
+        for end, a in zip(ends, normed):
+            adv[torch.from_numpy(tids == tids[end])] = a
+    return reward[torch.from_numpy(last)], adv
 
 
 def token_logprobs(model: torch.nn.Module, batch, temperature: float, rows: torch.Tensor | None = None,
@@ -170,8 +198,8 @@ class GRPO:
                   for p in self.policy.parameters()]  # fmt: skip
         self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=0.0)
         options = {"tokenizer": ASSET_DIR, "max_batch_size": 64}
-        self.engine = RolloutEngine("calculator", model=load_model(cfg.init), **options)
-        self.evaluator = RolloutEngine("calculator", model=load_model(cfg.init), **options)
+        self.engine = RolloutEngine(cfg.spec, model=load_model(cfg.init), **options)
+        self.evaluator = RolloutEngine(cfg.spec, model=load_model(cfg.init), **options)
         self.temperature = self.engine.agent.spec.sampling.temperature  # what rollout_log_probs are over
         self.held_out = make_prompts(cfg.eval_prompts, seed=1000)
         self.past: dict[int, dict[str, torch.Tensor]] = {}  # continuous: older versions' weights, for the check
@@ -191,12 +219,13 @@ class GRPO:
         self.evaluator.update_weights_from_tensor(weight_version=version, named_tensors=self.policy.state_dict())
         batch = self.evaluator.generate_sequences(self.held_out, {"seed": self.cfg.eval_seed},
                                                   n=self.cfg.eval_samples)
-        return float((batch.batch["rm_scores"].sum(-1) == 1).float().mean())
+        ends = torch.from_numpy(last_segments(batch))  # one row per trajectory
+        return float((batch.batch["rm_scores"].sum(-1)[ends] == 1).float().mean())
 
     def train_on(self, batch, version: int) -> tuple[float, float, float, float, int, float]:
         """One optimizer step on a batch: (mean reward, loss, clipped share, stale share, checked, max diff)."""
         b = batch.batch
-        reward, adv = advantages(batch)
+        reward, adv = advantages(batch, session=self.cfg.advantages == "session")
         logp = token_logprobs(self.policy, batch, self.temperature)
         width = logp.shape[1]
         mask = b["response_mask"][:, :width].bool()
@@ -268,9 +297,12 @@ class GRPO:
         cfg, logs = self.cfg, []
         start = time.monotonic()
         self.before = before = self.evaluate(0)
-        self.log(f"GRPO ({cfg.mode}) from {cfg.init.name}: {cfg.prompts} prompts x {cfg.group} samples per step, "
+        session = cfg.advantages == "session"  # the table then also shows the rows (segments) trained on
+        on = f" on {self.engine.agent.name}, session advantages" if session else ""
+        self.log(f"GRPO ({cfg.mode}){on} from {cfg.init.name}: {cfg.prompts} prompts x {cfg.group} samples per step, "
                  f"lr {cfg.lr:g}; held-out sampled accuracy before: {before:.1%}")  # fmt: skip
-        self.log("step  version  reward  held-out  loss     clipped  stale  checked  max|dlogp|  step_s")
+        header = "step  version  reward  held-out  loss     clipped  stale  checked  max|dlogp|  step_s"
+        self.log(header + ("  rows" if session else ""))
         eval_s, t0 = 0.0, time.monotonic()
         for step, (batch, version) in enumerate(self.batches()):
             result = self.train_on(batch, version)
@@ -283,11 +315,14 @@ class GRPO:
                 accuracy = self.evaluate(version + 1)
                 eval_s += time.monotonic() - e0
             reward, loss, clipped, stale, checked, diff = result
-            s = StepLog(step + 1, version, reward, accuracy, loss, clipped, stale, checked, diff, step_s)
+            rows = int(batch.batch.batch_size[0])
+            s = StepLog(step + 1, version, reward, accuracy, loss, clipped, stale, checked, diff, step_s,
+                        rows)  # fmt: skip
             logs.append(s)
             held = f"{accuracy:8.1%}" if accuracy is not None else "       -"
             self.log(f"{s.step:4d}  {s.version:7d}  {s.reward:6.3f}  {held}  {s.loss:+.4f}  {s.clipped:7.3f}  "
-                     f"{s.stale_tokens:5.2f}  {s.checked:7d}  {s.max_diff:10.2e}  {s.step_s:6.2f}")  # fmt: skip
+                     f"{s.stale_tokens:5.2f}  {s.checked:7d}  {s.max_diff:10.2e}  {s.step_s:6.2f}"
+                     + (f"  {s.rows:4d}" if session else ""))  # fmt: skip
             t0 = time.monotonic()
         wall = time.monotonic() - start
         train_s = sum(s.step_s for s in logs)
@@ -301,12 +336,15 @@ class GRPO:
         return logs
 
 
+CHOICES = {"mode": ["sync", "continuous"], "advantages": ["row", "session"]}
+
+
 def main(argv: list[str] | None = None) -> list[StepLog]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for name, default in vars(Config()).items():
         kind = type(default) if not isinstance(default, Path) else Path
         parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=default,
-                            **({"choices": ["sync", "continuous"]} if name == "mode" else {}))  # fmt: skip
+                            **({"choices": CHOICES[name]} if name in CHOICES else {}))  # fmt: skip
     cfg = Config(**vars(parser.parse_args(argv)))
     if not math.isfinite(cfg.lr) or cfg.steps < 1:
         parser.error("--lr must be finite and --steps >= 1")

@@ -129,6 +129,13 @@ def compute_score(solution_str: str, ground_truth: str, **kwargs) -> float:
         return 0.0
 
 
+def keep_results(messages: list[dict]) -> list[dict]:
+    """A context rewrite (specs/calculator_results.yaml): the model's turns that tools answered are dropped and
+    their results kept, so the next turn sees the task and the observations only."""
+    return [m for i, m in enumerate(messages)
+            if not (m.get("role") == "assistant" and i + 1 < len(messages) and messages[i + 1].get("role") == "tool")]  # fmt: skip
+
+
 def make_question(rng: random.Random) -> str:
     """An expression of 2-3 operands of 1-3 digits joined by + - *: the training distribution."""
     operands = [str(rng.randint(0, 10 ** rng.randint(1, 3) - 1)) for _ in range(rng.randint(2, 3))]

@@ -36,7 +36,7 @@ def _traj() -> Trajectory:
     t = Trajectory(0, 0, "s-0-0", "u", {"raw_prompt": []}, "PENDING")
     t.prompt_ids.extend([1, 2, 3])
     t.messages = [{"role": "user", "content": "q"}]
-    t.segment_start = ("prompt", 1, 0)
+    t.segment_start = ("prompt", 1, 0, 0)
     return t
 
 

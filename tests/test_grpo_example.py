@@ -12,11 +12,15 @@ finish before the weights change), so it always trains on tokens of older weight
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
-from examples.grpo import GRPO, Config, LogprobMismatch, check_logprobs
+from backends.tiny import ASSET_DIR
+from examples.grpo import GRPO, Config, LogprobMismatch, advantages, check_logprobs
 
 
 def run(trainer_class: type[GRPO] = GRPO, **options) -> tuple[GRPO, list]:
@@ -79,3 +83,56 @@ def test_the_evaluation_schedule_does_not_change_training():
     wa, wb = runs[0].policy.state_dict(), runs[1].policy.state_dict()
     different = [name for name in wa if not torch.equal(wa[name], wb[name])]
     assert not different, different
+
+
+# --- a spec that rewrites its context: session-level advantages -------------------------------------------
+
+
+def _rows(rewards: list[float], trajectories: list[str], uids: list[str], segments: list[int]) -> Any:
+    """A batch's reward and identity columns: one row per segment (segment_index counts up per trajectory)."""
+    index = [trajectories[:i].count(t) for i, t in enumerate(trajectories)]
+    rm = torch.zeros(len(rewards), 3)
+    rm[:, -1] = torch.tensor(rewards)
+    nt = {"uid": np.array(uids, dtype=object), "trajectory_id": np.array(trajectories, dtype=object),
+          "segment_index": np.array(index), "num_segments": np.array(segments)}  # fmt: skip
+    return SimpleNamespace(batch={"rm_scores": rm}, non_tensor_batch=nt)
+
+
+@pytest.mark.parametrize("placement", ["every", "last"])
+def test_session_advantages_count_each_trajectory_once_and_reach_every_segment(placement):
+    """Group g: trajectory a (3 segments, reward 1) and b (1 segment, reward 0); group h: c and d, both 1."""
+    ra = [1.0, 1.0, 1.0] if placement == "every" else [0.0, 0.0, 1.0]
+    tids, uids = ["a", "a", "a", "b", "c", "d"], ["g"] * 4 + ["h"] * 2
+    batch = _rows([*ra, 0.0, 1.0, 1.0], tids, uids, [3, 3, 3, 1, 1, 1])
+    reward, adv = advantages(batch, session=True)
+    assert reward.tolist() == [1.0, 0.0, 1.0, 1.0]  # one per trajectory
+    assert torch.allclose(adv, torch.tensor([1.0, 1.0, 1.0, -1.0, 0.0, 0.0]), atol=1e-4)
+    _, by_row = advantages(batch)  # rows as samples: a's segments outweigh b, or (last) disagree
+    assert not torch.allclose(by_row, adv, atol=1e-2)
+
+
+class Batches(GRPO):
+    """Keeps each step's batch and its advantages."""
+
+    def train_on(self, batch, version):
+        self.seen = [*getattr(self, "seen", []), (batch, advantages(batch, session=True)[1])]
+        return super().train_on(batch, version)
+
+
+def test_session_grpo_trains_every_segment_of_a_rewritten_context():
+    """specs/calculator_results.yaml from the trained model: each trajectory is two segments or more (the call,
+    then the result without it); every row of a trajectory gets its trajectory's advantage, and the step trains
+    on (and checks the log-probabilities of) the model's tokens of every segment."""
+    trainer, logs = run(Batches, mode="sync", steps=2, prompts=4, group=4, eval_prompts=8, eval_samples=1,
+                        spec="specs/calculator_results.yaml", init=ASSET_DIR, advantages="session")  # fmt: skip
+    for (batch, adv), log in zip(trainer.seen, logs):
+        nt = batch.non_tensor_batch
+        tids, index, count = nt["trajectory_id"], nt["segment_index"], nt["num_segments"]
+        assert len(set(tids)) == 16 and log.rows == len(tids)
+        assert sum(count[index == 0] >= 2) >= 12  # most trajectories hold 2 or 3 segments
+        for tid in set(tids):
+            shared = set(adv[torch.from_numpy(tids == tid)].tolist())
+            assert len(shared) == 1, (tid, shared)  # one advantage across the trajectory's segments
+        mask = batch.batch["response_mask"]
+        assert log.checked == int(mask.sum()) > int(mask[torch.from_numpy(index == 0)].sum())  # every segment
+    assert any(bool(adv.abs().sum()) for _, adv in trainer.seen)  # a group with a success: a signal

@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 from rich.console import Console
 from transformers import AutoTokenizer
 
@@ -294,3 +295,49 @@ def test_records_without_a_codec(calculator_run):
     record = trajectory_record(trajs[1])
     assert record["prompt"] is None and all(t["text"] is None for t in record["turns"])
     assert "(22 tokens)" in render_transcript(record, color=False)
+
+
+# --- a run that rewrites its context ----------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not (REPO / "backends/tiny/assets/model.safetensors").exists(), reason="no tiny model")
+def test_render_run_shows_where_segments_start(tmp_path):
+    """`agentfsm run specs/calculator_compact.yaml` on the embedded model, then `render --run`: COMPACTING
+    starts two segments per visit (the summary turn, then the task plus the summary), so the edge into it is
+    a rewrite and both outputs say how many segments it started, and the state why."""
+    from fsm.cli.commands import main
+
+    out = tmp_path / "run"
+    spec = str(REPO / "specs/calculator_compact.yaml")
+    assert main(["run", spec, "--num-prompts", "3", "--temperature", "0", "--out", str(out), "--quiet"]) == 0
+    stats = load_run_stats(out)
+    records = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
+    starts = [(s["state"], s["reason"]) for r in records for s in r.get("segments", [])[1:]]
+    assert starts and set(starts) == {("COMPACTING", "summary"), ("COMPACTING", "rewrite")}
+    rows = sum(len(r.get("segments", [None])) for r in records)
+    batch = torch.load(out / "batch.pt", weights_only=False)["batch"]
+    assert stats["segments"]["rows"] == rows == len(batch["prompts"])
+    assert stats["segments"]["rewritten"] == sum("segments" in r for r in records) == 3
+    compacting = stats["states"]["COMPACTING"]
+    assert compacting["segments"] == len(starts) == 2 * compacting["visits"]
+    assert compacting["segment_reasons"] == {"summary": compacting["visits"], "rewrite": compacting["visits"]}
+    entered = [e for e in stats["edges"].values() if e["dest"] == "COMPACTING"]
+    assert [(e["count"], e.get("rewrites"), e.get("segments")) for e in entered if e["count"]] == \
+        [(compacting["visits"], compacting["visits"], len(starts))]  # fmt: skip
+    assert not any(e.get("segments") for e in stats["edges"].values() if e["dest"] != "COMPACTING")
+    assert "segments" not in stats["states"]["GENERATING"]
+
+    n, v = len(starts), compacting["visits"]
+    dot, mmd = tmp_path / "run.dot", tmp_path / "run.mmd"
+    for path in (dot, mmd):
+        assert main(["render", spec, "--run", str(out), "-o", str(path)]) == 0
+    src = dot.read_text()
+    (edge,) = [attrs for a, b, attrs in _dot_edges(src) if (a, b) == ("PROCESSING_TOOLS", "COMPACTING")]
+    assert f"new segments: {n} on {v}×" in edge and 'color="#7c3aed"' in edge
+    assert f"segments started: {n} (summary {v}, rewrite {v})" in _node(src, "COMPACTING")
+    assert f"3 trajectories (3 rewritten), {rows} segments" in src
+    assert sum("new segments" in attrs for _, _, attrs in _dot_edges(src)) == 1
+    text = mmd.read_text()
+    edge = f"PROCESSING_TOOLS --> COMPACTING: 2. context_tokens_over=220 / {v}× · 100% / new segments#58; {n} on {v}×"
+    assert edge in text
+    assert f"    COMPACTING: segments started#58; {n} (summary {v}, rewrite {v})" in text

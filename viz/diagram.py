@@ -10,7 +10,10 @@ and custom ones in amber, each with its action; final states as double circles; 
 as written (dashed and "default" for the unguarded last edge) and its reason. With run statistics, every
 edge also carries how many times it fired and in what share of trajectories (pen width by count), every
 state its mean time, final states how trajectories ended there, and states where trajectories failed how
-many. `agent` is a CompiledAgent, an AgentSpec / LoadedSpec, or a spec file path (compiled here).
+many. Where a run rewrote contexts (docs/contexts.md), each state that started segments says how many and
+why, and each edge into it (a rewrite: the transition that starts a new segment) how many segments it started
+on how many of its firings, drawn in violet; the title counts the rows (segments) against the trajectories.
+`agent` is a CompiledAgent, an AgentSpec / LoadedSpec, or a spec file path (compiled here).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ CUSTOM_FILL = "#fde68a"  # amber-200
 FINAL_FILL = "#e5e7eb"  # gray-200
 FAILED_COLOR = "#b91c1c"  # red-700
 UNUSED_COLOR = "#9ca3af"  # gray-400: an edge no trajectory took
+REWRITE_COLOR = "#7c3aed"  # violet-600: an edge (and its state) where segments started
 FORMATS = {".svg": "svg", ".png": "png", ".pdf": "pdf"}
 
 
@@ -87,6 +91,8 @@ def edge_label(edge: Edge, stats: dict[str, Any] | None = None, *, sep: str = "\
         parts.append(f"reason: {edge.reason}")
     if stats is not None:
         parts.append(f"{stats['count']}× · {_pct(stats.get('share', 0.0))}")
+        if stats.get("segments"):
+            parts.append(f"new segments: {stats['segments']} on {stats['rewrites']}×")
     return sep.join(parts)
 
 
@@ -104,6 +110,10 @@ def state_lines(agent: CompiledAgent, name: str, run_stats: dict[str, Any] | Non
             lines.append(f"{reason}: {count}")
         if s.get("failed"):
             lines.append(f"failed: {s['failed']}")
+        if s.get("segments"):
+            reasons = sorted(s["segment_reasons"].items(), key=lambda kv: -kv[1])
+            why = ", ".join(f"{r} {n}" for r, n in reasons)
+            lines.append(f"segments started: {s['segments']} ({why})")
     return lines
 
 
@@ -131,6 +141,8 @@ def diagram(agent: Any, run_stats: dict[str, Any] | None = None) -> graphviz.Dig
                 attrs["tooltip"] = f"custom state: {spec.description or name}"
         if failed:
             attrs.update(color=FAILED_COLOR, penwidth="2")
+        elif ((run_stats or {}).get("states", {}).get(name) or {}).get("segments"):
+            attrs.update(color=REWRITE_COLOR, penwidth="2")
         g.node(name, "\n".join([name, *lines]), **attrs)
     g.edge("__start__", agent.initial, tooltip="initial state")
     counts = [e["count"] for e in (run_stats or {}).get("edges", {}).values()] or [0]
@@ -147,6 +159,8 @@ def diagram(agent: Any, run_stats: dict[str, Any] | None = None) -> graphviz.Dig
             attrs["penwidth"] = f"{1 + 4 * stats['count'] / top:.2f}"
             if stats["count"] == 0:
                 attrs.update(color=UNUSED_COLOR, fontcolor=UNUSED_COLOR)
+            elif stats.get("segments"):
+                attrs.update(color=REWRITE_COLOR, fontcolor=REWRITE_COLOR)
         g.edge(edge.source, edge.dest, **attrs)
     return g
 
@@ -155,6 +169,9 @@ def _title(agent: CompiledAgent, run_stats: dict[str, Any] | None) -> str:
     title = f"{agent.name}  ({agent.hash})"
     if run_stats:
         title += f"\n{run_stats.get('trajectories', 0)} trajectories"
+        segments = run_stats.get("segments") or {}
+        if segments.get("rewritten"):  # rows: one per segment
+            title += f" ({segments['rewritten']} rewritten), {segments['rows']} segments"
         if run_stats.get("agent_hash") not in (None, agent.hash):
             title += f"; run of spec {run_stats['agent_hash']}: changed edges are not annotated"
     return title

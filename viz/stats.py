@@ -8,11 +8,18 @@
                      "reason": null, "count": 52, "trajectories": 38, "share": 0.95}, ...},
      "states": {"GENERATING": {"visits": 90, "mean_s": 0.41, "total_s": 36.9, "failed": 2}, ...},
      "termination_reasons": {"done": 30, "response_length": 8, "error: backend": 2},
-     "final_states": {"TERMINATED": {"done": 30, "response_length": 8}}}
+     "final_states": {"TERMINATED": {"done": 30, "response_length": 8}},
+     "segments": {"rows": 40, "rewritten": 0, "per_trajectory": {"1": 40}}}
 
 Edges are keyed by their global index (`Edge.index`, stable for a given spec; `fsm.edge` on the trace
 spans); `count` is how many times the edge fired, `share` the fraction of trajectories in which it fired
 at least once. A state's time runs from entering it to leaving it (the driver's `Trajectory.path_times`).
+
+Context rewrites (docs/contexts.md): a rewrite is a transition into a state whose action starts a new segment
+(a summary or window state, or `generate` under the `template` policy). Where segments started, the state has
+`segments` (how many started in it) and `segment_reasons` ({"summary": 8, "rewrite": 8}), and the edge that
+entered it `rewrites` (its firings that led to a new segment) and `segments` (the segments they started); the
+"segments" section counts the rows (one per segment) and how many segments each trajectory had.
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ def run_stats(agent: Any, trajectories: Sequence[Any] | None = None) -> dict[str
     timed: dict[str, int] = {}  # visits with a duration (not a final state, not the state a failure left)
     reasons: dict[str, int] = {}
     finals: dict[str, dict[str, int]] = {}
+    per_trajectory: dict[int, int] = {}  # segments -> trajectories
     for traj in trajectories:
         path, times, fired = traj.path, getattr(traj, "path_times", ()), traj.transitions_fired
         for k, index in enumerate(fired):
@@ -66,6 +74,9 @@ def run_stats(agent: Any, trajectories: Sequence[Any] | None = None) -> dict[str
             if k + 1 < len(times):  # left the state: it has a duration
                 s["total_s"] += times[k + 1] - times[k]
                 timed[state] = timed.get(state, 0) + 1
+        _count_segments(traj, edges, states)
+        n_segments = getattr(traj, "num_segments", 1)
+        per_trajectory[n_segments] = per_trajectory.get(n_segments, 0) + 1
         key = reason_key(traj.termination_reason)
         reasons[key] = reasons.get(key, 0) + 1
         if traj.error is not None:
@@ -86,7 +97,28 @@ def run_stats(agent: Any, trajectories: Sequence[Any] | None = None) -> dict[str
         "states": states,
         "termination_reasons": dict(sorted(reasons.items(), key=lambda kv: -kv[1])),
         "final_states": finals,
-    }
+        "segments": {"rows": sum(k * v for k, v in per_trajectory.items()),
+                     "rewritten": sum(v for k, v in per_trajectory.items() if k > 1),
+                     "per_trajectory": {str(k): per_trajectory[k] for k in sorted(per_trajectory)}},
+    }  # fmt: skip
+
+
+def _count_segments(traj: Any, edges: dict[int, dict[str, Any]], states: dict[str, dict[str, Any]]) -> None:
+    """Each segment after the first: counted on the state that started it and on the edge that entered it
+    (a segment the initial state started has no edge)."""
+    starts = traj.segment_starts() if getattr(traj, "closed", ()) else ()
+    entered: set[int] = set()  # path positions already counted as a rewrite of their edge
+    for reason, at in starts:
+        s = states[traj.path[at]]
+        s["segments"] = s.get("segments", 0) + 1
+        by_reason = s.setdefault("segment_reasons", {})
+        by_reason[reason] = by_reason.get(reason, 0) + 1
+        if at > 0:
+            e = edges[traj.transitions_fired[at - 1]]
+            e["segments"] = e.get("segments", 0) + 1
+            if at not in entered:
+                entered.add(at)
+                e["rewrites"] = e.get("rewrites", 0) + 1
 
 
 def load_run_stats(run_dir: str | Path) -> dict[str, Any]:

@@ -94,7 +94,9 @@ def trajectory_record(traj: Any, codec: Any = None) -> dict[str, Any]:
         "turns": turns,
     }
     if getattr(traj, "closed", ()):
-        record["segments"] = [{"index": seg.index, "reason": seg.reason, "prompt": decode(seg.prompt_ids.tolist()),
+        path = traj.path  # `state`: where the segment began (the state whose action started it)
+        record["segments"] = [{"index": seg.index, "reason": seg.reason, "state": path[min(seg.at, len(path) - 1)],
+                               "prompt": decode(seg.prompt_ids.tolist()),
                                "prompt_tokens": len(seg.prompt_ids), "turns": runs(seg) if seg.index < len(traj.closed)
                                else turns} for seg in traj.segments]  # fmt: skip
     return record

@@ -119,7 +119,8 @@ def decode_trajectory(data: dict[str, Any]) -> Trajectory:
     traj.runs = TokenRuns(_decode(data["segments"]) if "runs" not in data and "segments" in data else
                           getattr(traj, "runs", ()))  # fmt: skip
     traj.closed = getattr(traj, "closed", None) or ()
-    traj.segment_start = tuple(getattr(traj, "segment_start", _FIRST))
+    start = tuple(getattr(traj, "segment_start", _FIRST))
+    traj.segment_start = start + (0,) * (4 - len(start))  # older snapshots: no path index
     traj._version_runs = array("i")
     versions = _decode(data.get("response_versions", []))
     if len(versions) != len(traj.response_ids):

@@ -153,6 +153,7 @@ class Segment:
     turns: int  # model turns in it
     turn_rewards: list[list[Any]]
     logprobs_missing: bool = False
+    at: int = 0  # where in the trajectory's `path` it began: the state whose action started it
 
     def __post_init__(self) -> None:
         if not isinstance(self.runs, TokenRuns):  # a snapshot writes the runs as a list of records
@@ -166,16 +167,16 @@ class Segment:
         return self.prompt_ids.tolist() + self.response_ids.tolist()
 
 
-_FIRST = ("prompt", 0, 0)  # the first segment's (reason, prompt messages, model turns before it): shared
-_FIRSTS: dict[int, tuple[str, int, int]] = {}
+_FIRST = ("prompt", 0, 0, 0)  # the first segment's `segment_start`, shared
+_FIRSTS: dict[int, tuple[str, int, int, int]] = {}
 
 
-def first_segment(prompt_messages: int) -> tuple[str, int, int]:
+def first_segment(prompt_messages: int) -> tuple[str, int, int, int]:
     """The first segment's `segment_start` for a prompt of that many messages: one shared tuple per count, so
     a one-segment trajectory allocates nothing for it."""
     start = _FIRSTS.get(prompt_messages)
     if start is None:
-        start = _FIRSTS[prompt_messages] = ("prompt", prompt_messages, 0)
+        start = _FIRSTS[prompt_messages] = ("prompt", prompt_messages, 0, 0)
     return start
 
 
@@ -238,7 +239,8 @@ class Trajectory:
         self._version_runs = array("i")
         self.runs = TokenRuns()
         self.closed: list[Segment] | tuple[()] = ()  # a shared empty tuple until a rewrite closes one
-        self.segment_start: tuple[str, int, int] = _FIRST  # (reason, prompt messages, model turns before it)
+        # (reason, prompt messages, model turns before it, index in `path` of the state that started it)
+        self.segment_start: tuple[str, int, int, int] = _FIRST
         self.needs_tail = False  # the last turn was the model's: the template's turn closer is still owed
         # (ids, logprobs, versions) of a model turn that a pause aborted, while it waits at the engine's gate:
         # a snapshot taken then keeps them, and the turn goes on from them (fsm/run/actions.py)
@@ -374,10 +376,10 @@ class Trajectory:
 
     def current_segment(self) -> Segment:
         """The current segment as a Segment record over the trajectory's own arrays (no copy)."""
-        reason, prompt_messages, turns_before = self.segment_start
+        reason, prompt_messages, turns_before, at = self.segment_start
         return Segment(len(self.closed), reason, self.prompt_ids, self.response_ids, self.response_mask,
                        self.response_logprobs, self._version_runs, self.runs, self.messages, prompt_messages,
-                       self.assistant_turns - turns_before, self.turn_rewards, self.logprobs_missing)  # fmt: skip
+                       self.assistant_turns - turns_before, self.turn_rewards, self.logprobs_missing, at)  # fmt: skip
 
     @property
     def segments(self) -> list[Segment]:
@@ -416,7 +418,15 @@ class Trajectory:
         self.response_logprobs, self._version_runs, self.runs = array("f"), array("i"), TokenRuns()
         self.turn_rewards = []
         self.needs_tail = False
-        self.segment_start = (reason, len(self.messages), self.assistant_turns)
+        self.segment_start = (reason, len(self.messages), self.assistant_turns, len(self.path) - 1)
+
+    def segment_starts(self) -> list[tuple[str, int]]:
+        """(reason, index in `path` of the state whose action started it) of every segment after the first:
+        where the rewrites happened (viz/stats.py counts them per state and per edge into it)."""
+        if not self.closed:
+            return []
+        reason, _, _, at = self.segment_start
+        return [(seg.reason, seg.at) for seg in self.closed[1:]] + [(reason, at)]
 
     def all_turn_rewards(self) -> list[tuple[int, list[Any]]]:
         """(segment index, [source, position, value]) for every turn reward of every segment."""
