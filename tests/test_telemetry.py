@@ -753,7 +753,9 @@ async def test_the_exit_line_says_why_spans_were_not_exported(tokenizer, agent, 
         def shutdown(self):
             release.set()
 
-    tel = Telemetry(otlp=False, exporters=[Down()], schedule_delay_millis=5)
+    # the run's own flush gives up at once, so the export is still hung when the tracer closes (with the 30 s
+    # default the run's flush could outwait the export's failure, leaving nothing to lose at exit)
+    tel = Telemetry(otlp=False, exporters=[Down()], schedule_delay_millis=5, flush_timeout_s=0.2)
     runner = fsm.Runner(agent, calculator_model(tokenizer), tokenizer, tracer=tel)
     await runner.run([{"raw_prompt": [{"role": "user", "content": "What is 2 + 3?"}]}])
     with caplog.at_level(logging.WARNING, logger="fsm.telemetry"):
