@@ -18,7 +18,7 @@ import aiohttp
 from aiohttp import web
 
 from fsm.gateway.record import GatewayError
-from fsm.gateway.server import GatewayLimits, _error
+from fsm.gateway.server import GatewayLimits, _error, listen
 
 FORWARDED = ("Authorization", "x-api-key", "Content-Type", "Accept", "anthropic-version", "anthropic-beta")
 
@@ -48,12 +48,7 @@ class Front:
         app.router.add_route("*", "/sessions/{sid}/{tail:.*}", self._forward)
         self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                            timeout=aiohttp.ClientTimeout(total=self.timeout_s))  # fmt: skip
-        runner = web.AppRunner(app, access_log=None, handle_signals=False)
-        await runner.setup()
-        site = web.TCPSite(runner, self.host, self.port)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        self._runner = runner
+        self._runner, self.port = await listen(app, self.host, self.port)
         return self
 
     async def close(self) -> None:

@@ -29,6 +29,16 @@ from fsm.gateway.record import Answer, Call, GatewayError, Recorder
 log = logging.getLogger("agentfsm.gateway")
 
 
+async def listen(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Serve `app` on host:port (0: any free port); the runner to close and the port it got. The gateway and
+    its front (fsm/gateway/front.py) listen alike."""
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    return runner, site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+
 @dataclass(frozen=True)
 class GatewayLimits:
     """What one gateway accepts. Tokens per session are the spec's limits (prompt_length, response_length)."""
@@ -153,12 +163,7 @@ class Gateway:
         for path, api in (("chat/completions", "chat"), ("responses", "responses"), ("messages", "messages")):
             app.router.add_post(f"/sessions/{{sid}}/v1/{path}", self._handler(api))
         app.router.add_get("/sessions/{sid}/v1/models", self._models)
-        runner = web.AppRunner(app, access_log=None, handle_signals=False)
-        await runner.setup()
-        site = web.TCPSite(runner, self.host, self.port)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        self._runner = runner
+        self._runner, self.port = await listen(app, self.host, self.port)
 
     async def close(self) -> None:
         for session in list(self.sessions.values()):
