@@ -66,6 +66,13 @@ class TableCodec(Codec):
         return self._turns[tuple(ids)]
 
 
+def _calculator_replies(tok: Any) -> tuple[list[int], list[int]]:
+    """The scripted model's two answers: a calculator call, then the final answer (each ending in EOS)."""
+    call = tok.encode('<tool_call>\n{"name": "calculator", "arguments": {"expression": "1 + 2"}}\n</tool_call>',
+                      add_special_tokens=False) + [tok.eos_token_id]  # fmt: skip
+    return call, tok.encode("The answer is 3.\n#### 3", add_special_tokens=False) + [tok.eos_token_id]
+
+
 def _workload(tool_turns: int) -> tuple[TableCodec, ScriptedBackend]:
     eos = 2
     call = [60 + (i % 40) for i in range(24)] + [eos]  # a 25-token model turn holding one tool call
@@ -229,9 +236,7 @@ def calculator_workload(n: int, concurrency: int) -> Callable[[Any], tuple[Runne
     repo = Path(__file__).resolve().parent.parent
     tok = AutoTokenizer.from_pretrained(str(repo / "backends/tiny/assets"))
     agent = compile_spec(repo / "specs/calculator.yaml")
-    call = tok.encode('<tool_call>\n{"name": "calculator", "arguments": {"expression": "1 + 2"}}\n</tool_call>',
-                      add_special_tokens=False) + [tok.eos_token_id]  # fmt: skip
-    answer = tok.encode("The answer is 3.\n#### 3", add_special_tokens=False) + [tok.eos_token_id]
+    call, answer = _calculator_replies(tok)
 
     class Replay(BaseBackend):
         provider, model_name = "scripted", "replay"
@@ -307,9 +312,7 @@ def bench_contexts(n: int = 500, tool_turns: int = 4, repeats: int = 3) -> dict[
     agents = {policy: compile_spec(base.spec.model_copy(update={
         "limits": limits, "context": base.spec.context.model_copy(update={"policy": policy})}))
         for policy in ("append", "template")}  # fmt: skip
-    call = tok.encode('<tool_call>\n{"name": "calculator", "arguments": {"expression": "1 + 2"}}\n</tool_call>',
-                      add_special_tokens=False) + [tok.eos_token_id]  # fmt: skip
-    answer = tok.encode("The answer is 3.\n#### 3", add_special_tokens=False) + [tok.eos_token_id]
+    call, answer = _calculator_replies(tok)
 
     class Replay(BaseBackend):
         provider, model_name = "scripted", "replay"
