@@ -18,7 +18,7 @@ import aiohttp
 from aiohttp import web
 
 from fsm.gateway.record import GatewayError
-from fsm.gateway.server import GatewayLimits, _error, listen
+from fsm.gateway.server import GatewayLimits, _error, listen, read_body, route
 
 FORWARDED = ("Authorization", "x-api-key", "Content-Type", "Accept", "anthropic-version", "anthropic-beta")
 
@@ -33,7 +33,7 @@ class Front:
         self.timeout_s = timeout_s  # one forwarded request, answer included
         self.workers: dict[str, str] = {}  # tag -> the worker gateway's URL
         self.routed: Counter[str] = Counter()  # requests forwarded per tag
-        self._runner: web.AppRunner | None = None
+        self._runner: web.BaseRunner | None = None
         self._http: aiohttp.ClientSession | None = None
 
     @property
@@ -44,11 +44,9 @@ class Front:
         self.workers[tag] = url.rstrip("/")
 
     async def start(self) -> Front:
-        app = web.Application(client_max_size=self.limits.max_request_bytes)
-        app.router.add_route("*", "/sessions/{sid}/{tail:.*}", self._forward)
         self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                            timeout=aiohttp.ClientTimeout(total=self.timeout_s))  # fmt: skip
-        self._runner, self.port = await listen(app, self.host, self.port)
+        self._runner, self.port = await listen(self._forward, self.host, self.port)
         return self
 
     async def close(self) -> None:
@@ -64,19 +62,16 @@ class Front:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def _forward(self, request: web.Request) -> web.StreamResponse:
-        sid = request.match_info["sid"]
-        tag = sid.split("-", 1)[0] if "-" in sid else ""
-        worker = self.workers.get(tag)
-        if worker is None:
-            return _error(
-                request, GatewayError("unknown session, or not its key", code="invalid_api_key", status=401)
-            )
+    async def _forward(self, request: web.BaseRequest) -> web.StreamResponse:
         try:
-            body = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            return _error(request, GatewayError(f"the request is larger than the gateway's max_request_bytes "
-                                                f"({self.limits.max_request_bytes})", code="request_too_large", status=413))  # fmt: skip
+            sid, _api = route(request)
+            tag = sid.split("-", 1)[0] if "-" in sid else ""
+            worker = self.workers.get(tag)
+            if worker is None:
+                raise GatewayError("unknown session, or not its key", code="invalid_api_key", status=401)
+            body = await read_body(request, self.limits.max_request_bytes)
+        except GatewayError as exc:
+            return _error(request, exc)
         headers = {k: request.headers[k] for k in FORWARDED if k in request.headers}
         self.routed[tag] += 1
         assert self._http is not None

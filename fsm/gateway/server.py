@@ -17,7 +17,7 @@ import json
 import logging
 import secrets
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,10 +29,12 @@ from fsm.gateway.record import Answer, Call, GatewayError, Recorder
 log = logging.getLogger("agentfsm.gateway")
 
 
-async def listen(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
-    """Serve `app` on host:port (0: any free port); the runner to close and the port it got. The gateway and
-    its front (fsm/gateway/front.py) listen alike."""
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+async def listen(handler: Callable[[web.BaseRequest], Awaitable[web.StreamResponse]], host: str,
+                 port: int) -> tuple[web.BaseRunner, int]:  # fmt: skip
+    """Serve `handler` on host:port (0: any free port); the runner to close and the port it got. The gateway and
+    its front (fsm/gateway/front.py) listen alike, on aiohttp's low-level server: every request goes to the one
+    handler, which routes it (`route`), so no router, middleware chain or Application is run per request."""
+    runner = web.ServerRunner(web.Server(handler, access_log=None), handle_signals=False)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
@@ -127,7 +129,7 @@ class Gateway:
         self.host, self.port, self.tag, self.front = host, port, tag, front
         self.limits = limits or GatewayLimits()
         self.sessions: dict[str, Session] = {}
-        self._runner: web.AppRunner | None = None
+        self._runner: web.BaseRunner | None = None
         self._starting: asyncio.Future[None] | None = None  # the first start(); concurrent callers await it
 
     @property
@@ -159,11 +161,7 @@ class Gateway:
         return self
 
     async def _listen(self) -> None:
-        app = web.Application(client_max_size=self.limits.max_request_bytes, middlewares=[self._errors])
-        for path, api in (("chat/completions", "chat"), ("responses", "responses"), ("messages", "messages")):
-            app.router.add_post(f"/sessions/{{sid}}/v1/{path}", self._handler(api))
-        app.router.add_get("/sessions/{sid}/v1/models", self._models)
-        self._runner, self.port = await listen(app, self.host, self.port)
+        self._runner, self.port = await listen(self._serve, self.host, self.port)
 
     async def close(self) -> None:
         for session in list(self.sessions.values()):
@@ -193,60 +191,82 @@ class Gateway:
 
     # --- HTTP -----------------------------------------------------------------------------------------------
 
-    @web.middleware
-    async def _errors(self, request: web.Request, handler: Callable[..., Any]) -> web.StreamResponse:
+    async def _serve(self, request: web.BaseRequest) -> web.StreamResponse:
         try:
-            return await handler(request)
-        except GatewayError as exc:
-            return _error(request, exc)
-        except web.HTTPRequestEntityTooLarge:
-            return _error(request, GatewayError(f"the request is larger than the gateway's max_request_bytes "
-                                                f"({self.limits.max_request_bytes})", code="request_too_large", status=413))  # fmt: skip
-        except web.HTTPException as exc:
-            if exc.status >= 400:
-                return _error(request, GatewayError(exc.reason, code="not_found" if exc.status == 404 else "http_error",
-                                                    status=exc.status))  # fmt: skip
-            raise
-
-    def _session(self, request: web.Request) -> Session:
-        session = self.sessions.get(request.match_info["sid"])
-        auth = request.headers.get("Authorization", "")
-        key = auth[7:] if auth.startswith("Bearer ") else request.headers.get("x-api-key", "")
-        if session is None or not hmac.compare_digest(key.encode(), session.key.encode()):
-            raise GatewayError("unknown session, or not its key", code="invalid_api_key", status=401)
-        return session
-
-    async def _models(self, request: web.Request) -> web.Response:
-        self._session(request)
-        return web.json_response({"object": "list", "data": [{"id": "agentfsm", "object": "model", "owned_by": "agentfsm"}]})
-
-    def _handler(self, api: str) -> Callable[[web.Request], Any]:
-        parse = {"chat": openai_api.chat_call, "responses": openai_api.responses_call,
-                 "messages": anthropic_api.messages_call}[api]  # fmt: skip
-        answer = {"chat": openai_api.chat_answer, "responses": openai_api.responses_answer,
-                  "messages": anthropic_api.messages_answer}[api]  # fmt: skip
-        stream = {"chat": openai_api.chat_stream, "responses": openai_api.responses_stream,
-                  "messages": anthropic_api.messages_stream}[api]  # fmt: skip
-
-        async def handle(request: web.Request) -> web.StreamResponse:
-            session = self._session(request)
-            raw = await request.read()
-            try:
-                body = json.loads(raw)
-            except (ValueError, RecursionError) as exc:
-                raise GatewayError(f"the body is not valid JSON: {str(exc)[:200]}") from None
-            if not isinstance(body, dict):
-                raise GatewayError("the body must be a JSON object")
+            sid, api = route(request, APIS)
+            session = self._session(request, sid)
+            if api == "models":
+                return _json({"object": "list", "data": [{"id": "agentfsm", "object": "model", "owned_by": "agentfsm"}]})
+            parse, answer, stream = APIS[api][1]  # type: ignore[misc]
+            body = _body(await read_body(request, self.limits.max_request_bytes))
             call = parse(body)
             if len(call.messages) > self.limits.max_messages:
                 raise GatewayError(f"{len(call.messages)} messages, past the gateway's max_messages "
                                    f"({self.limits.max_messages})", code="too_many_messages")  # fmt: skip
             result = await session.submit(call)
             if not call.stream:
-                return web.json_response(answer(result, call, session.id), dumps=_dumps)
+                return _json(answer(result, call, session.id))
             return await _sse(request, stream(result, call, session.id))
+        except GatewayError as exc:
+            return _error(request, exc)
 
-        return handle
+    def _session(self, request: web.BaseRequest, sid: str) -> Session:
+        session = self.sessions.get(sid)
+        auth = request.headers.get("Authorization", "")
+        key = auth[7:] if auth.startswith("Bearer ") else request.headers.get("x-api-key", "")
+        if session is None or not hmac.compare_digest(key.encode(), session.key.encode()):
+            raise GatewayError("unknown session, or not its key", code="invalid_api_key", status=401)
+        return session
+
+
+# what each API path under /sessions/{id}/v1/ takes: its method, and (request -> Call, answer, SSE events)
+APIS: dict[str, tuple[str, tuple[Callable[..., Any], ...] | None]] = {
+    "chat/completions": ("POST", (openai_api.chat_call, openai_api.chat_answer, openai_api.chat_stream)),
+    "responses": ("POST", (openai_api.responses_call, openai_api.responses_answer, openai_api.responses_stream)),
+    "messages": ("POST", (anthropic_api.messages_call, anthropic_api.messages_answer, anthropic_api.messages_stream)),
+    "models": ("GET", None),
+}
+
+
+def route(request: web.BaseRequest, apis: dict[str, Any] | None = None) -> tuple[str, str]:
+    """(session id, API path) of `/sessions/{id}/v1/{api}`; the API checked against `apis` and its method when
+    given. Anything else is a 404 (405: a known path, another method) in the API's error shape."""
+    parts = request.path.split("/", 4)
+    if len(parts) < 4 or parts[0] or parts[1] != "sessions" or not parts[2]:
+        raise GatewayError("Not Found", code="not_found", status=404)
+    sid, tail = parts[2], "/".join(parts[3:])
+    if apis is None:
+        return sid, tail
+    api = tail[3:] if tail.startswith("v1/") else ""
+    if api not in apis:
+        raise GatewayError("Not Found", code="not_found", status=404)
+    if request.method != apis[api][0]:
+        raise GatewayError("Method Not Allowed", code="http_error", status=405)
+    return sid, api
+
+
+async def read_body(request: web.BaseRequest, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it is past `limit` bytes (declared or streamed)."""
+    too_large = GatewayError(f"the request is larger than the gateway's max_request_bytes ({limit})",
+                             code="request_too_large", status=413)  # fmt: skip
+    if (request.content_length or 0) > limit:
+        raise too_large
+    body = bytearray()
+    async for chunk in request.content.iter_any():
+        body += chunk
+        if len(body) > limit:
+            raise too_large
+    return bytes(body)
+
+
+def _body(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise GatewayError(f"the body is not valid JSON: {str(exc)[:200]}") from None
+    if not isinstance(body, dict):
+        raise GatewayError("the body must be a JSON object")
+    return body
 
 
 _ATTACHED: weakref.WeakKeyDictionary[Any, Gateway] = weakref.WeakKeyDictionary()
@@ -275,17 +295,17 @@ async def gateway_for(backend: Any) -> Gateway:
     return await gateway.start()
 
 
-def _dumps(data: Any) -> str:
-    return json.dumps(data, ensure_ascii=False)
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(body=json.dumps(data, ensure_ascii=False).encode(), status=status,
+                        content_type="application/json")  # fmt: skip
 
 
-def _error(request: web.Request, exc: GatewayError) -> web.Response:
+def _error(request: web.BaseRequest, exc: GatewayError) -> web.Response:
     anthropic = request.path.endswith("/v1/messages")
-    body = anthropic_api.anthropic_error(exc) if anthropic else openai_api.openai_error(exc)
-    return web.json_response(body, status=exc.status)
+    return _json(anthropic_api.anthropic_error(exc) if anthropic else openai_api.openai_error(exc), exc.status)
 
 
-async def _sse(request: web.Request, events: Iterator[bytes]) -> web.StreamResponse:
+async def _sse(request: web.BaseRequest, events: Iterator[bytes]) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
     for event in events:

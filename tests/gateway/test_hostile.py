@@ -85,10 +85,28 @@ async def probe_auth(call: HarnessCall) -> dict:
     out["not_object"] = await post(call, "chat/completions", [1, 2])
     out["image"] = await post(call, "chat/completions", chat({"role": "user", "content": [{"type": "image_url"}]}))
     out["too_big"] = await post(call, "chat/completions", chat({"role": "user", "content": "x" * 300_000}))
+    out["too_big_chunked"] = await _chunked(call, json.dumps(chat({"role": "user", "content": "x" * 300_000})).encode())
     out["too_many"] = await post(call, "chat/completions", chat(*[USER] * 50))
+    out["unknown_api"] = await post(call, "chat/nope", chat(USER))
+    out["outside"] = await post(call, "../../other", chat(USER))
+    async with aiohttp.ClientSession() as http, http.get(f"{call.base_url}/chat/completions",
+                                                         headers={"Authorization": f"Bearer {call.api_key}"}) as r:  # fmt: skip
+        out["get"] = r.status, await r.json()
     out["n"] = await post(call, "chat/completions", chat(USER, n=2))
     out["ok"] = await post(call, "chat/completions", chat(USER))
     return out
+
+
+async def _chunked(call: HarnessCall, data: bytes) -> tuple[int, Any]:
+    """A body sent chunked (no Content-Length): the bound holds while it streams."""
+
+    async def chunks():
+        for k in range(0, len(data), 16_384):
+            yield data[k : k + 16_384]
+
+    async with aiohttp.ClientSession() as http, http.post(f"{call.base_url}/chat/completions", data=chunks(),
+                                                          headers={"Authorization": f"Bearer {call.api_key}"}) as r:  # fmt: skip
+        return r.status, await r.json()
 
 
 auth_harness = harness(probe_auth, timeout_s=60)
@@ -107,7 +125,10 @@ def test_keys_isolation_and_bounds(tmp_path, tokenizer):
         assert out["anthropic_wrong_key"][1]["error"]["type"] == "authentication_error"
         for name in ("bad_json", "deep_json", "not_object", "image", "n"):
             assert out[name][0] == 400 and "message" in out[name][1]["error"], (name, out[name])
-        assert out["too_big"][0] == 413 and "max_request_bytes" in out["too_big"][1]["error"]["message"]
+        for name in ("too_big", "too_big_chunked"):
+            assert out[name][0] == 413 and "max_request_bytes" in out[name][1]["error"]["message"], (name, out[name])
+        for name, status in (("unknown_api", 404), ("outside", 404), ("get", 405)):
+            assert out[name][0] == status and out[name][1]["error"]["message"], (name, out[name])
         assert out["too_many"][0] == 400 and "max_messages (20)" in out["too_many"][1]["error"]["message"]
         assert out["ok"][0] == 200 and out["ok"][1]["choices"][0]["message"]["tool_calls"]
         assert traj.assistant_turns == 1  # only the good call reached the model
