@@ -8,8 +8,11 @@ model, each row in its own trajectory, at 1 and at 1,000 sessions in flight. Nat
 harness that speaks Chat Completions over loopback HTTP with one shared aiohttp client, runs the calculator
 itself and loops: `gateway` runs that harness in one separate client process (rows sent on a pipe), so its
 number is the gateway's own CPU; `gateway_and_client` runs it in the gateway's process, an upper bound.
-`run_workers` runs N gateway processes behind a front (fsm/gateway/front.py). `--workload` is not used. CPU is the process's (time.process_time), divided by
-the model calls made; the median of `repeats`.
+`gateway_same_core` / `gateway_other_core` are `gateway` with this process and the client pinned to one core
+or to two (Linux, two cores or more), since at 1 in flight the cost of waking the gateway depends on it.
+`run_workers` runs N gateway processes behind a front (fsm/gateway/front.py). `--workload` is not used. CPU is
+the process's (time.process_time), divided by the model calls made; the median of `repeats` rounds, each
+running every kind once in turn.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import statistics
 import sys
 import time
@@ -73,6 +77,7 @@ bench_harness = harness(minimal_harness, timeout_s=600)
 _CLIENT: dict[Any, asyncio.Task] = {}  # event loop -> the task that started its client process
 CLIENT_COMMAND = [sys.executable, "-m", "bench.gateway"]  # reads rows on stdin, writes [id, result] lines
 STOP_TIMEOUT_S = 10.0  # the client process ends after its stdin closes, else it is killed
+_CLIENT_CPUS: list[set[int] | None] = [None]  # the cores the next client process is pinned to (_placed)
 
 
 async def _start_client() -> tuple[asyncio.subprocess.Process, dict[str, asyncio.Future[Any]], asyncio.Task]:
@@ -81,6 +86,8 @@ async def _start_client() -> tuple[asyncio.subprocess.Process, dict[str, asyncio
     loop = asyncio.get_running_loop()
     proc = await asyncio.create_subprocess_exec(*CLIENT_COMMAND, stdin=asyncio.subprocess.PIPE,
                                                 stdout=asyncio.subprocess.PIPE, cwd=ROOT, limit=1 << 20)  # fmt: skip
+    if _CLIENT_CPUS[0] is not None:
+        os.sched_setaffinity(proc.pid, _CLIENT_CPUS[0])
     pending: dict[str, asyncio.Future[Any]] = {}
 
     async def read() -> None:
@@ -191,21 +198,51 @@ async def _measure(runner: Runner, rows: list[dict[str, Any]]) -> tuple[float, i
 
 
 KINDS = ("native", "gateway", "gateway_and_client")  # gateway: the client in its own process
+# where the client process runs against the gateway's process (`gateway` kinds only): the OS's choice, or both
+# pinned to one core, or to two: at 1 in flight each request wakes the sleeping gateway, which costs most when
+# the wake comes from another core
+PLACEMENTS = {"gateway": None, "gateway_same_core": (0, 0), "gateway_other_core": (0, 1)}
+
+
+@contextlib.contextmanager
+def _placed(kind: str) -> Any:
+    """Pin this process and the client process it starts as `kind` says (PLACEMENTS); unpinned after."""
+    place = PLACEMENTS.get(kind)
+    if place is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {place[0]})
+    _CLIENT_CPUS[0] = {place[1]}
+    try:
+        yield
+    finally:
+        _CLIENT_CPUS[0] = None
+        os.sched_setaffinity(0, before)
+
+
+def placements_here() -> tuple[str, ...]:
+    """The pinned kinds this machine can run (Linux, two cores or more)."""
+    if not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2 or not {0, 1} <= os.sched_getaffinity(0):
+        return ()
+    return ("gateway_same_core", "gateway_other_core")
 
 
 def bench_gateway(sessions: tuple[int, ...] = (1, 1000), repeats: int = 3, calls_at_one: int = 200,
-                  kinds: tuple[str, ...] = KINDS, repeats_at_many: int = 1) -> dict[str, Any]:  # fmt: skip
+                  kinds: tuple[str, ...] | None = None, repeats_at_many: int = 1) -> dict[str, Any]:  # fmt: skip
     """CPU µs per model call, native and through the gateway, at each number of sessions in flight: `repeats`
-    runs at 1 in flight, `repeats_at_many` above (each row of 1,000 sessions makes 2,000 model calls, which
-    bounds the run on a small machine)."""
+    rounds at 1 in flight, each running every kind once in turn (so load that drifts meets all kinds alike; the
+    ratio of each round is kept too), `repeats_at_many` above (each row of 1,000 sessions makes 2,000 model
+    calls, which bounds the run on a small machine). The pinned kinds run at 1 in flight only."""
     import tempfile
 
+    kinds = kinds or (*KINDS, *placements_here())
     tokenizer = load_tokenizer(tiny_model_dir())
     out: dict[str, Any] = {"repeats": repeats, "rows": {}}
     with tempfile.TemporaryDirectory() as tmp:
+        remote = compile_spec(_gateway_spec(Path(tmp), "remote_bench_harness"))
         agents = {"native": compile_spec(ROOT / "specs" / "calculator.yaml"),
-                  "gateway": compile_spec(_gateway_spec(Path(tmp), "remote_bench_harness")),
-                  "gateway_and_client": compile_spec(_gateway_spec(Path(tmp)))}  # fmt: skip
+                  "gateway_and_client": compile_spec(_gateway_spec(Path(tmp))), **dict.fromkeys(PLACEMENTS, remote)}  # fmt: skip
 
         async def one(kind: str, n: int, concurrency: int) -> tuple[float, int]:
             runner = Runner(
@@ -220,30 +257,34 @@ def bench_gateway(sessions: tuple[int, ...] = (1, 1000), repeats: int = 3, calls
                     await http.close()
                 await _stop_client()
 
+        def cpu_per_call(kind: str, n: int, concurrency: int) -> float:
+            with _placed(kind):
+                cpu, calls = asyncio.run(one(kind, n, concurrency))
+            return cpu / calls * 1e6
+
         for concurrency in sessions:
             n = calls_at_one // 2 if concurrency == 1 else concurrency
+            here = [k for k in kinds if concurrency == 1 or k not in PLACEMENTS or PLACEMENTS[k] is None]
+            if concurrency == sessions[0]:
+                for kind in here:
+                    cpu_per_call(kind, min(n, 20), concurrency)  # warm up: template compilation, caches, imports
+            runs: dict[str, list[float]] = {kind: [] for kind in here}
+            for _ in range(repeats if concurrency == 1 else repeats_at_many):
+                for kind in here:
+                    runs[kind].append(cpu_per_call(kind, n, concurrency))
             row: dict[str, Any] = {}
-            for kind in kinds:
-                if concurrency == sessions[0]:
-                    asyncio.run(
-                        one(kind, min(n, 20), concurrency)
-                    )  # warm up: template compilation, caches, imports
-                runs = []
-                for _ in range(repeats if concurrency == 1 else repeats_at_many):
-                    cpu, calls = asyncio.run(one(kind, n, concurrency))
-                    runs.append(cpu / calls * 1e6)
-                row[f"{kind}_cpu_us_per_call"] = round(statistics.median(runs), 1)
-                row[f"{kind}_runs_us"] = [round(r, 1) for r in runs]
-            for kind in kinds:
+            for kind in here:
+                row[f"{kind}_cpu_us_per_call"] = round(statistics.median(runs[kind]), 1)
+                row[f"{kind}_runs_us"] = [round(r, 1) for r in runs[kind]]
+            for kind in here:
                 if kind != "native":
-                    row[f"{kind}_ratio"] = round(
-                        row[f"{kind}_cpu_us_per_call"] / row["native_cpu_us_per_call"], 2
-                    )
+                    row[f"{kind}_ratio"] = round(row[f"{kind}_cpu_us_per_call"] / row["native_cpu_us_per_call"], 2)
+                    row[f"{kind}_round_ratios"] = [round(g / b, 2) for g, b in zip(runs[kind], runs["native"])]
             row["model_calls"] = 2 * n
             out["rows"][f"{concurrency}_in_flight"] = row
             print(f"bench gateway: {concurrency} in flight: " + ", ".join(
                 f"{k} {row[f'{k}_cpu_us_per_call']:.0f} µs" + (f" ({row[f'{k}_ratio']}x)" if k != "native" else "")
-                for k in kinds) + " CPU per model call", file=sys.stderr)  # fmt: skip
+                for k in here) + " CPU per model call", file=sys.stderr)  # fmt: skip
     return out
 
 

@@ -61,3 +61,25 @@ def test_bench_gateway_with_the_client_in_its_own_process() -> None:
     out = bench.bench_gateway(sessions=(1, 4), repeats=1, calls_at_one=4, kinds=("native", "gateway"))
     for row in out["rows"].values():
         assert row["gateway_cpu_us_per_call"] > 0 and row["gateway_ratio"] > 0
+
+
+@pytest.mark.skipif(not bench.placements_here(), reason="pinning needs Linux and two cores")
+def test_pinned_kinds_place_the_client_and_unpin_after(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    placed = []
+    start = bench._start_client
+
+    async def recording():
+        proc, pending, reader = await start()
+        placed.append((os.sched_getaffinity(0), os.sched_getaffinity(proc.pid)))
+        return proc, pending, reader
+
+    monkeypatch.setattr(bench, "_start_client", recording)
+    before = os.sched_getaffinity(0)
+    out = bench.bench_gateway(sessions=(1,), repeats=1, calls_at_one=4,
+                              kinds=("native", "gateway_same_core", "gateway_other_core"))  # fmt: skip
+    row = out["rows"]["1_in_flight"]
+    assert row["gateway_same_core_cpu_us_per_call"] > 0 and len(row["gateway_other_core_round_ratios"]) == 1
+    assert placed[-2:] == [({0}, {0}), ({0}, {1})]  # the warm-up runs come first, placed alike
+    assert os.sched_getaffinity(0) == before
