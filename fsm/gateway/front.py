@@ -7,11 +7,18 @@ start with `w1-` and the base URLs it hands its harnesses are the front's. The f
 (SSE included), so a session always lands on the process that owns its trajectory: nothing is shared between
 workers, and one process's `max_sessions` bounds only its own share. The front only reads the tag: the key
 is checked by the worker, as without a front.
+
+Workers are registered by the program that owns the front (`register`), or, made with a `token`, register
+themselves: `POST /workers/{tag}` with `Authorization: Bearer <token>` and `{"port": N}` (the worker's gateway
+on this host's loopback), once per tag the front `expects` (`agentfsm gateway --workers N`,
+fsm/gateway/workers.py).
 """
 
 from __future__ import annotations
 
+import hmac
 from collections import Counter
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import aiohttp
@@ -27,8 +34,10 @@ class Front:
     """The front: `register(tag, url)` each worker, then harnesses call `url/sessions/{id}/...`."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, limits: GatewayLimits | None = None,
-                 timeout_s: float = 600.0):  # fmt: skip
+                 timeout_s: float = 600.0, token: str | None = None, expects: Iterable[str] = (),
+                 on_register: Callable[[str], None] | None = None):  # fmt: skip
         self.host, self.port = host, port
+        self.token, self.expects, self.on_register = token, set(expects), on_register
         self.limits = limits or GatewayLimits()
         self.timeout_s = timeout_s  # one forwarded request, answer included
         self.workers: dict[str, str] = {}  # tag -> the worker gateway's URL
@@ -38,7 +47,8 @@ class Front:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        host = self.host if self.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+        return f"http://{host}:{self.port}"
 
     def register(self, tag: str, url: str) -> None:
         self.workers[tag] = url.rstrip("/")
@@ -46,6 +56,8 @@ class Front:
     async def start(self) -> Front:
         app = web.Application(client_max_size=self.limits.max_request_bytes)
         app.router.add_route("*", "/sessions/{sid}/{tail:.*}", self._forward)
+        if self.token:
+            app.router.add_post("/workers/{tag}", self._join)
         self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                            timeout=aiohttp.ClientTimeout(total=self.timeout_s))  # fmt: skip
         self._runner, self.port = await listen(app, self.host, self.port)
@@ -63,6 +75,26 @@ class Front:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+    async def _join(self, request: web.Request) -> web.Response:
+        """A worker registers itself (see the module docstring); refused: 401 without the token, 409 for a tag
+        the front does not expect or has already, 400 for a body without a port."""
+        tag = request.match_info["tag"]
+        given = request.headers.get("Authorization", "").encode()
+        if not hmac.compare_digest(given, f"Bearer {self.token}".encode()):
+            return web.json_response({"error": "not a worker of this front"}, status=401)
+        if tag not in self.expects or tag in self.workers:
+            return web.json_response({"error": f"the front expects no (more) worker {tag!r}"}, status=409)
+        try:
+            port = (await request.json())["port"]
+        except (ValueError, TypeError, KeyError):
+            port = None
+        if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+            return web.json_response({"error": 'the body must be {"port": N}'}, status=400)
+        self.register(tag, f"http://127.0.0.1:{port}")
+        if self.on_register is not None:
+            self.on_register(tag)
+        return web.json_response({"tag": tag})
 
     async def _forward(self, request: web.Request) -> web.StreamResponse:
         sid = request.match_info["sid"]
