@@ -117,10 +117,13 @@ class Front:
             async with self._http.request(request.method, worker + request.rel_url.path_qs, data=body,
                                           headers=headers) as upstream:  # fmt: skip
                 response = web.StreamResponse(status=upstream.status, headers=_kept(upstream.headers))
-                await response.prepare(request)
-                async for chunk in upstream.content.iter_any():
-                    await response.write(chunk)
-                await response.write_eof()
+                try:
+                    await response.prepare(request)
+                    async for chunk in upstream.content.iter_any():
+                        await response.write(chunk)
+                    await response.write_eof()
+                except ConnectionResetError:  # the caller went away (its row ended): nothing left to answer
+                    pass
                 return response
         except (TimeoutError, aiohttp.ClientError) as exc:
             if response is not None:  # the answer had started: the connection is dropped, as the worker's was

@@ -67,9 +67,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="segments per session (each history that differs from the recorded one starts one); "
                         "past it a request gets 400 too_many_segments")  # fmt: skip
     p.add_argument("--workers", dest="gateway_workers", type=_positive, default=1, metavar="N",
-                   help="run the rows in N worker processes, each its own engine and gateway (max-sessions each), "
-                        "behind one front at --host/--gateway-port; their outputs are merged into --out, each "
-                        "worker's own kept in OUT/workers/")  # fmt: skip
+                   help="run the rows in N worker processes, each its own engine and gateway (max-sessions each; "
+                        "the embedded model: --threads default its share of the cores), behind one front at "
+                        "--host/--gateway-port; their outputs are merged into --out, each worker's own kept in "
+                        "OUT/workers/")  # fmt: skip
     p.add_argument("--worker-start-timeout", type=_seconds, default=120.0, metavar="SECONDS",
                    help="with --workers: how long a worker may take to start and register with the front")
     p.add_argument("--worker-config", help=argparse.SUPPRESS)  # a worker process's own: what its parent gave it

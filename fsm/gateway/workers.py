@@ -153,6 +153,8 @@ class _Workers:
 
     async def _spawn(self, w: _Worker, front: Front) -> None:
         given = {k: v for k, v in vars(self.args).items() if k not in ("fn", "worker_config")}
+        if given["threads"] is None and not given["server"]:  # the embedded model: its share of the cores
+            given["threads"] = max(1, len(os.sched_getaffinity(0)) // len(self.workers))
         config = {"tag": w.tag, "front": front.url, "rows": [w.start, w.end], "of": self.rows, "args": given,
                   "parent": os.getpid()}  # fmt: skip
         (w.dir / CONFIG).write_text(json.dumps(config, default=str))
@@ -176,7 +178,7 @@ class _Workers:
                 say_now(f"[{w.tag}] {text}")
 
     async def _watch(self, w: _Worker) -> None:
-        """Until `w` exits: it must register in time, and exit 0 (or 130 when the parent stopped it)."""
+        """Until `w` exits: it must register in time, and exit 0 (unless the parent stopped it)."""
         assert w.proc is not None
         exited = asyncio.ensure_future(w.proc.wait())
         joined = asyncio.ensure_future(w.joined.wait())
@@ -191,7 +193,7 @@ class _Workers:
                                               f"{self.args.worker_start_timeout:g} s (--worker-start-timeout)"))  # fmt: skip
         registered = w.joined.is_set()
         rc = await exited
-        if rc == 0 or self.killed or (rc == 130 and self.stopping):
+        if rc == 0 or self.stopping or self.killed:  # stopped: however it ended, it was asked to
             return
         how = f"exited with code {rc}" if rc > 0 else f"was killed by {signal.Signals(-rc).name}"
         raise WorkerError(self._failed(w, how + ("" if registered else " before registering with the front")))
@@ -282,6 +284,10 @@ class _Workers:
             (r["ended"] - r["wall_s"] for r in got), default=0.0
         )
         interrupted = self.stopping or any(r["interrupted"] for r in got)
+        kept = [str(w.dir / SNAPSHOT) for w in self.workers if (w.dir / SNAPSHOT).exists()]
+        if interrupted and kept:
+            say_now(f"agentfsm: the workers' snapshots of their running rows: {', '.join(kept)} (a run over "
+                    "--workers is not resumed as a whole)")  # fmt: skip
         more = {"gateway_workers": {
             "front": front.url, "routed": {w.tag: front.routed.get(w.tag, 0) for w in self.workers},
             "front_cpu_s": round(cpu, 3), "wall_s_with_starts": round(wall, 3),

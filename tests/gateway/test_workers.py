@@ -124,6 +124,19 @@ def test_a_worker_that_never_registers_fails_the_run_in_time(tmp_path):
     assert not any(_alive(pid) for pid in pids.values())
 
 
+def test_sigterm_to_the_parent_stops_every_worker(tmp_path):
+    out = tmp_path / "run"
+    proc = _agentfsm("--num-prompts", "4", "--workers", "2", "--out", str(out))
+    pids = {tag: _pid_file(out, tag) for tag in ("w0", "w1")}
+    proc.send_signal(signal.SIGTERM)
+    rc, said = _finish(proc, timeout=120)
+    assert rc == 130, said
+    assert "SIGTERM: stopping 2 gateway workers" in said and said.strip().splitlines()[-1].startswith(
+        "agentfsm: interrupted"
+    )
+    assert not any(_alive(pid) for pid in pids.values())
+
+
 @pytest.mark.parametrize(
     ("argv", "problem"),
     [
