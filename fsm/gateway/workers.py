@@ -158,11 +158,16 @@ class _Workers:
         config = {"tag": w.tag, "front": front.url, "rows": [w.start, w.end], "of": self.rows, "args": given,
                   "parent": os.getpid()}  # fmt: skip
         (w.dir / CONFIG).write_text(json.dumps(config, default=str))
-        with (w.dir / "stdout.log").open("wb") as stdout:
-            w.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "fsm.cli", "gateway", "--worker-config", str(w.dir / CONFIG),
-                stdin=asyncio.subprocess.DEVNULL, stdout=stdout, stderr=asyncio.subprocess.PIPE, limit=1 << 20,
-                start_new_session=True, env={**os.environ, TOKEN_ENV: self.token})  # fmt: skip
+        try:
+            with (w.dir / "stdout.log").open("wb") as stdout:
+                w.proc = await asyncio.create_subprocess_exec(
+                    sys.executable, "-m", "fsm.cli", "gateway", "--worker-config", str(w.dir / CONFIG),
+                    stdin=asyncio.subprocess.DEVNULL, stdout=stdout, stderr=asyncio.subprocess.PIPE, limit=1 << 20,
+                    start_new_session=True, env={**os.environ, TOKEN_ENV: self.token})  # fmt: skip
+        except OSError as exc:
+            raise WorkerError(
+                f"gateway worker {w.tag}: cannot start {sys.executable} ({exc.strerror or exc})"
+            ) from None
         (w.dir / "pid").write_text(f"{w.proc.pid}\n")
         w.relay = asyncio.ensure_future(self._relay(w))
 
