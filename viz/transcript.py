@@ -93,6 +93,9 @@ def trajectory_record(traj: Any, codec: Any = None) -> dict[str, Any]:
         "weight_version_max": span[1] if span else None,
         "turns": turns,
     }
+    session = getattr(traj, "extra", {}).get("harness_session")
+    if session:  # a harness row's gateway session (fsm/gateway/harness.py)
+        record["gateway_session"] = session
     if getattr(traj, "closed", ()):
         path = traj.path  # `state`: where the segment began (the state whose action started it)
         record["segments"] = [{"index": seg.index, "reason": seg.reason, "state": path[min(seg.at, len(path) - 1)],

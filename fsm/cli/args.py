@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Callable, Mapping
-from typing import NoReturn
+from typing import Any, NoReturn
 
 
 def int_in(lo: int, hi: int | None = None) -> Callable[[str], int]:
@@ -52,7 +52,20 @@ PORT = int_in(1, 65535)
 
 
 class Parser(argparse.ArgumentParser):
-    """Usage errors as one line (argparse prints the whole usage first)."""
+    """Usage errors as one line (argparse prints the whole usage first). `checks`: what no single flag can
+    check alone (flags that cannot go together), each a function of the parsed flags that returns the problem
+    or None, reported as any usage error."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.checks: list[Callable[[argparse.Namespace], str | None]] = []
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> tuple[argparse.Namespace, list[str]]:
+        parsed, extras = super().parse_known_args(args, namespace)
+        for check in self.checks:
+            if problem := check(parsed):
+                self.error(problem)
+        return parsed, extras
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
@@ -174,8 +187,10 @@ def command_line(commands: Mapping[str, Callable[[argparse.Namespace], int]]) ->
 
     p = command("gateway", "run a harness spec (an agent in another framework) through the gateway: `run`'s flags, "
                 "and where the gateway listens (docs/gateway.md)")  # fmt: skip
-    for act in run_parser._actions[1:]:  # every flag of `run`, then the gateway's own
-        p._add_action(act)
+    for act in run_parser._actions[1:]:  # every flag of `run` (but Ray's --workers), then the gateway's own
+        if act.dest != "workers":
+            p._add_action(act)
+    p.set_defaults(workers=run_parser.get_default("workers"))  # Ray's actors, for --ray
     from fsm.gateway.serve import add_arguments
 
     add_arguments(p)

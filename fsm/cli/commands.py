@@ -245,9 +245,11 @@ def _env_tracing() -> bool:
     return bool(os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
 
 
-async def _rollout(args: argparse.Namespace, rows: list[dict[str, Any]] | None, console: Any) -> Rollout:
+async def _rollout(args: argparse.Namespace, rows: list[dict[str, Any]] | None, console: Any,
+                   first_index: int | None = None) -> Rollout:  # fmt: skip
     """Roll `rows` out (or, `rows` None, resume the snapshot in --resume DIR). A RolloutEngine runs them as
-    every kept run does (fsm/run/kept.py: Ctrl-C snapshots the rows in flight); Ray keeps what finished."""
+    every kept run does (fsm/run/kept.py: Ctrl-C snapshots the rows in flight); Ray keeps what finished.
+    `first_index`: `rows` are a slice of a batch, whose index (and seed) their first sample takes."""
     from fsm.run.kept import keep_rollout
 
     params = {k: v for k, v in (("temperature", args.temperature), ("seed", args.seed)) if v is not None}
@@ -266,7 +268,8 @@ async def _rollout(args: argparse.Namespace, rows: list[dict[str, Any]] | None, 
         c_start = time.process_time()
         if args.ray is None:
             keep = RunDir(Path(args.out), args.run_id, str(Path(args.spec).resolve()))
-            kept = await keep_rollout(engine, rows, args.n, sampling, keep, interrupts, _progress(args, console))
+            kept = await keep_rollout(engine, rows, args.n, sampling, keep, interrupts, _progress(args, console),
+                                      first_index=first_index)  # fmt: skip
             trajs, interrupted, expected, sampling = kept.trajs, kept.interrupted, kept.expected, kept.sampling
         else:
             try:
@@ -326,7 +329,9 @@ async def _with_progress(engine: Any, rows: list[dict], args: argparse.Namespace
         return await engine.arun(rows, n=args.n, sampling=sampling, on_done=done)
 
 
-def cmd_run(args: argparse.Namespace) -> int:
+def cmd_run(args: argparse.Namespace, rollout: Callable[..., Any] | None = None) -> int:
+    """`agentfsm run`; `rollout` replaces `_rollout` (`agentfsm gateway --workers N` rolls the rows out in worker
+    processes and merges them, fsm/gateway/workers.py)."""
     from rich.console import Console
 
     from fsm.output.rundir import RunDirError, locked
@@ -354,7 +359,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     out = args.out = _out_dir(args)
     try:
         with locked(out):
-            return _run_locked(args, rows, out, Console)
+            return _run_locked(args, rows, out, Console, rollout or _rollout)
     except RunInterrupted as exc:
         raise Interrupted(str(exc)) from None
     except RunDirError as exc:
@@ -390,12 +395,13 @@ def _check_resume_meta(data: dict[str, Any], path: Path) -> None:
         raise snap.SnapshotError(f"{path}: malformed snapshot (meta.rows_expected is less than its trajectories)")
 
 
-def _run_locked(args: argparse.Namespace, rows: list[dict[str, Any]] | None, out: Path, console_cls: Any) -> int:
+def _run_locked(args: argparse.Namespace, rows: list[dict[str, Any]] | None, out: Path, console_cls: Any,
+                rollout: Callable[..., Any]) -> int:  # fmt: skip
     keep = RunDir(out, args.run_id)  # the files and their order of writing: the API's `keep=` path's too
     if rows is not None:
         keep.refuse_a_snapshot()
     try:
-        run = asyncio.run(_rollout(args, rows, console_cls(stderr=True)))
+        run = asyncio.run(rollout(args, rows, console_cls(stderr=True)))
     except asyncio.CancelledError:  # Ctrl-C before the rollout began (launching, probing, loading)
         raise Interrupted(f"interrupted before the rollout; {out} holds what it held before") from None
     finally:
@@ -525,8 +531,12 @@ def _default_model() -> str:
 
 def cmd_gateway(args: argparse.Namespace) -> int:
     from fsm.gateway.serve import cmd_gateway as gateway
+    from fsm.gateway.workers import WorkerError
 
-    return gateway(args, cmd_run)
+    try:
+        return gateway(args, cmd_run, _rollout)
+    except WorkerError as exc:
+        raise CLIError(str(exc)) from None
 
 
 COMMANDS = {"validate": cmd_validate, "schema": cmd_schema, "run": cmd_run, "render": cmd_render, "show": cmd_show,

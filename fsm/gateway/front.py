@@ -7,11 +7,19 @@ start with `w1-` and the base URLs it hands its harnesses are the front's. The f
 (SSE included), so a session always lands on the process that owns its trajectory: nothing is shared between
 workers, and one process's `max_sessions` bounds only its own share. The front only reads the tag: the key
 is checked by the worker, as without a front.
+
+Workers are registered by the program that owns the front (`register`), or, made with a `token`, register
+themselves: `POST /workers/{tag}` with `Authorization: Bearer <token>` and `{"port": N}` (the worker's gateway
+on this host's loopback), once per tag the front `expects` (`agentfsm gateway --workers N`,
+fsm/gateway/workers.py).
 """
 
 from __future__ import annotations
 
+import hmac
+import json
 from collections import Counter
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import aiohttp
@@ -27,8 +35,10 @@ class Front:
     """The front: `register(tag, url)` each worker, then harnesses call `url/sessions/{id}/...`."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, limits: GatewayLimits | None = None,
-                 timeout_s: float = 600.0):  # fmt: skip
+                 timeout_s: float = 600.0, token: str | None = None, expects: Iterable[str] = (),
+                 on_register: Callable[[str], None] | None = None):  # fmt: skip
         self.host, self.port = host, port
+        self.token, self.expects, self.on_register = token, set(expects), on_register
         self.limits = limits or GatewayLimits()
         self.timeout_s = timeout_s  # one forwarded request, answer included
         self.workers: dict[str, str] = {}  # tag -> the worker gateway's URL
@@ -38,7 +48,8 @@ class Front:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        host = self.host if self.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+        return f"http://{host}:{self.port}"
 
     def register(self, tag: str, url: str) -> None:
         self.workers[tag] = url.rstrip("/")
@@ -46,7 +57,7 @@ class Front:
     async def start(self) -> Front:
         self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                            timeout=aiohttp.ClientTimeout(total=self.timeout_s))  # fmt: skip
-        self._runner, self.port = await listen(self._forward, self.host, self.port)
+        self._runner, self.port = await listen(self._serve, self.host, self.port)
         return self
 
     async def close(self) -> None:
@@ -61,6 +72,30 @@ class Front:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+    async def _serve(self, request: web.BaseRequest) -> web.StreamResponse:
+        if self.token and request.method == "POST" and request.path.startswith("/workers/"):
+            return await self._join(request, request.path[len("/workers/") :])
+        return await self._forward(request)
+
+    async def _join(self, request: web.BaseRequest, tag: str) -> web.Response:
+        """A worker registers itself (see the module docstring); refused: 401 without the token, 409 for a tag
+        the front does not expect or has already, 400 for a body without a port."""
+        given = request.headers.get("Authorization", "").encode()
+        if not hmac.compare_digest(given, f"Bearer {self.token}".encode()):
+            return web.json_response({"error": "not a worker of this front"}, status=401)
+        if tag not in self.expects or tag in self.workers:
+            return web.json_response({"error": f"the front expects no (more) worker {tag!r}"}, status=409)
+        try:
+            port = json.loads(await read_body(request, 4096))["port"]
+        except (ValueError, TypeError, KeyError, GatewayError):
+            port = None
+        if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+            return web.json_response({"error": 'the body must be {"port": N}'}, status=400)
+        self.register(tag, f"http://127.0.0.1:{port}")
+        if self.on_register is not None:
+            self.on_register(tag)
+        return web.json_response({"tag": tag})
 
     async def _forward(self, request: web.BaseRequest) -> web.StreamResponse:
         try:
@@ -80,10 +115,13 @@ class Front:
             async with self._http.request(request.method, worker + request.rel_url.path_qs, data=body,
                                           headers=headers) as upstream:  # fmt: skip
                 response = web.StreamResponse(status=upstream.status, headers=_kept(upstream.headers))
-                await response.prepare(request)
-                async for chunk in upstream.content.iter_any():
-                    await response.write(chunk)
-                await response.write_eof()
+                try:
+                    await response.prepare(request)
+                    async for chunk in upstream.content.iter_any():
+                        await response.write(chunk)
+                    await response.write_eof()
+                except ConnectionResetError:  # the caller went away (its row ended): nothing left to answer
+                    pass
                 return response
         except (TimeoutError, aiohttp.ClientError) as exc:
             if response is not None:  # the answer had started: the connection is dropped, as the worker's was

@@ -161,6 +161,7 @@ async def _end(traj: Trajectory, session: Session, task: asyncio.Task[Any], outc
         session.timer.cancel()
     traj.extra["harness"] = outcome
     traj.extra["harness_calls"] = session.calls
+    traj.extra["harness_session"] = session.id  # behind a front, its tag names the worker that served the row
     _LIVE.pop(traj.session_id, None)
     session.close()
     if not task.done():

@@ -1,6 +1,7 @@
 """`agentfsm gateway SPEC` and its Python form: a harness spec's rows run as `agentfsm run` runs them (one run
 owner: the same outputs, snapshots, signals and tracing), with the gateway its harnesses call bound where the
-flags say and bounded as they say.
+flags say and bounded as they say. With `--workers N`, the rows run in N worker processes behind one front
+listening there, and their outputs are merged into the one run directory (fsm/gateway/workers.py).
 
 From Python, next to RolloutEngine:
 
@@ -65,12 +66,61 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-segments", type=_positive, default=GatewayLimits.max_segments, metavar="N",
                    help="segments per session (each history that differs from the recorded one starts one); "
                         "past it a request gets 400 too_many_segments")  # fmt: skip
+    p.add_argument("--workers", dest="gateway_workers", type=_positive, default=1, metavar="N",
+                   help="run the rows in N worker processes, each its own engine and gateway (max-sessions each; "
+                        "the embedded model: --threads default its share of the cores), behind one front at "
+                        "--host/--gateway-port; their outputs are merged into --out, each worker's own kept in "
+                        "OUT/workers/")  # fmt: skip
+    p.add_argument("--worker-start-timeout", type=_seconds, default=120.0, metavar="SECONDS",
+                   help="with --workers: how long a worker may take to start and register with the front")
+    p.add_argument("--worker-config", help=argparse.SUPPRESS)  # a worker process's own: what its parent gave it
+    checks = getattr(p, "checks", None)
+    if checks is not None:
+        checks.append(_check_workers)
 
 
-def cmd_gateway(args: argparse.Namespace, run: Any) -> int:
-    """`agentfsm gateway SPEC`: `run` (the CLI's cmd_run) with the gateway configured first."""
-    _warn_if_public(args.host)
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return value
+
+
+def _check_workers(args: argparse.Namespace) -> str | None:
+    """The flags that cannot go with --workers N (N > 1)."""
+    if args.gateway_workers == 1:
+        return None
+    if args.resume is not None:
+        return (f"--resume cannot resume a run over --workers {args.gateway_workers}: each worker keeps its own "
+                "snapshot in OUT/workers/; start the run again, or resume a single-process run without --workers")  # fmt: skip
+    if args.ray is not None:
+        return f"--ray with --workers {args.gateway_workers}: the worker processes are the gateway's; drop one"
+    if args.launch_sglang or args.launch_vllm:
+        return (f"--launch-{'sglang' if args.launch_sglang else 'vllm'} with --workers {args.gateway_workers}: each "
+                "worker would launch its own servers; launch them once and pass --server URL")  # fmt: skip
+    return None
+
+def cmd_gateway(args: argparse.Namespace, run: Any, rollout: Any = None) -> int:
+    """`agentfsm gateway SPEC`: `run` (the CLI's cmd_run) with the gateway configured first; with --workers N,
+    `run` over worker processes (each a `run` of its rows with `rollout`, the CLI's own) behind a front."""
+    config = None
+    if args.worker_config is not None:  # a worker process: its parent's flags first
+        from fsm.gateway.workers import worker_config
+
+        config = worker_config(args)
     limits = GatewayLimits(max_request_bytes=args.max_request_bytes, max_messages=args.max_messages,
                            max_sessions=args.max_sessions, max_segments=args.max_segments)  # fmt: skip
+    if config is not None:
+        from fsm.gateway.workers import worker
+
+        return worker(args, config, run, rollout, limits)
+    _warn_if_public(args.host)
+    if args.gateway_workers > 1:
+        from fsm.gateway.workers import over_workers
+
+        return run(args, rollout=over_workers(limits))
     configure(args.host, args.gateway_port, limits)
     return run(args)

@@ -16,6 +16,7 @@ import hmac
 import json
 import logging
 import secrets
+import socket
 import weakref
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -29,14 +30,15 @@ from fsm.gateway.record import Answer, Call, GatewayError, Recorder
 log = logging.getLogger("agentfsm.gateway")
 
 
-async def listen(handler: Callable[[web.BaseRequest], Awaitable[web.StreamResponse]], host: str,
-                 port: int) -> tuple[web.BaseRunner, int]:  # fmt: skip
-    """Serve `handler` on host:port (0: any free port); the runner to close and the port it got. The gateway and
-    its front (fsm/gateway/front.py) listen alike, on aiohttp's low-level server: every request goes to the one
-    handler, which routes it (`route`), so no router, middleware chain or Application is run per request."""
+async def listen(handler: Callable[[web.BaseRequest], Awaitable[web.StreamResponse]], host: str, port: int,
+                 sock: socket.socket | None = None) -> tuple[web.BaseRunner, int]:  # fmt: skip
+    """Serve `handler` on host:port (0: any free port), or on `sock`, a socket bound already; the runner to close
+    and the port it got. The gateway and its front (fsm/gateway/front.py) listen alike, on aiohttp's low-level
+    server: every request goes to the one handler, which routes it (`route`), so no router, middleware chain or
+    Application is run per request."""
     runner = web.ServerRunner(web.Server(handler, access_log=None), handle_signals=False)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site = web.SockSite(runner, sock) if sock is not None else web.TCPSite(runner, host, port)
     await site.start()
     return runner, site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
 
@@ -121,12 +123,16 @@ class Gateway:
     over that backend use; a run without one gets a loopback gateway started on first use."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, limits: GatewayLimits | None = None, *,
-                 tag: str = "", front: str | None = None):  # fmt: skip
+                 tag: str = "", front: str | None = None, sock: socket.socket | None = None):  # fmt: skip
         """`tag` and `front`: one worker of several behind a front (fsm/gateway/front.py): its session ids start
-        with `tag-` (the front routes by it) and its harnesses are given the front's URL."""
+        with `tag-` (the front routes by it) and its harnesses are given the front's URL. `sock`: a socket bound
+        already, to listen on (a worker registers its port with the front before its engine starts,
+        fsm/gateway/workers.py)."""
         if "-" in tag or "/" in tag:
             raise ValueError(f"a gateway's tag {tag!r} cannot hold '-' or '/'")
-        self.host, self.port, self.tag, self.front = host, port, tag, front
+        self.host, self.port, self.tag, self.front, self.sock = host, port, tag, front, sock
+        if sock is not None:
+            self.port = sock.getsockname()[1]
         self.limits = limits or GatewayLimits()
         self.sessions: dict[str, Session] = {}
         self._runner: web.BaseRunner | None = None
@@ -161,7 +167,7 @@ class Gateway:
         return self
 
     async def _listen(self) -> None:
-        self._runner, self.port = await listen(self._serve, self.host, self.port)
+        self._runner, self.port = await listen(self._serve, self.host, self.port, self.sock)
 
     async def close(self) -> None:
         for session in list(self.sessions.values()):
@@ -274,9 +280,11 @@ _DEFAULT: dict[Any, Gateway] = {}  # event loop -> the gateway started on first 
 _CONFIG: dict[str, Any] = {}  # what a gateway started on first use binds to (configure)
 
 
-def configure(host: str = "127.0.0.1", port: int = 0, limits: GatewayLimits | None = None) -> None:
-    """Where gateways started on first use listen, and their limits (`agentfsm gateway` sets it)."""
-    _CONFIG.update(host=host, port=port, limits=limits)
+def configure(host: str = "127.0.0.1", port: int = 0, limits: GatewayLimits | None = None, **worker: Any) -> None:
+    """Where gateways started on first use listen, and their limits (`agentfsm gateway` sets it); `worker`:
+    Gateway's `tag`, `front` and `sock` for one worker behind a front (`agentfsm gateway --workers N`)."""
+    _CONFIG.clear()
+    _CONFIG.update(host=host, port=port, limits=limits, **worker)
 
 
 async def gateway_for(backend: Any) -> Gateway:

@@ -56,6 +56,7 @@ class Rollout:
     router_stats: Any
     interrupted: bool
     cpu: float  # this process's CPU seconds over the same window (all threads: the model's, the exporters')
+    more: dict[str, Any] = field(default_factory=dict)  # more for the summary (a run over gateway workers: theirs)
 
 
 @dataclass
@@ -109,7 +110,7 @@ class RunDir:
                        "rows_expected": run.expected,
                        "files": {"batch.pt": {"rows": len(batch)}, "trajectories.jsonl": {"rows": len(run.trajs)}},
                        "error_rate": round(failed / len(run.trajs), 4), "rollout_cpu_s": round(run.cpu, 3),
-                       **summary}  # fmt: skip
+                       **summary, **run.more}  # fmt: skip
             (staging / "summary.json").write_text(json_text(summary, indent=2, default=str) + "\n")
             return summary
 

@@ -57,16 +57,18 @@ class Kept:
 
 async def keep_rollout(engine: Any, rows: Sequence[Any] | None, n: int, sampling: Sampling, keeper: Keeper,
                        interrupts: Interrupts,
-                       progress: AbstractContextManager[Progress] | None = None) -> Kept:  # fmt: skip
+                       progress: AbstractContextManager[Progress] | None = None,
+                       first_index: int | None = None) -> Kept:  # fmt: skip
     """Roll `rows` out `n` times each (or, `rows` None, the snapshot at `keeper.snapshot` again) in `engine`'s
     continuous mode, from the caller's loop, while `interrupts` listens: a signal then parks the running
-    trajectories at their next state boundary and writes them, with the finished ones, to `keeper.snapshot`."""
+    trajectories at their next state boundary and writes them, with the finished ones, to `keeper.snapshot`.
+    `first_index`: the rows are a slice of a larger batch (see ContinuousMode.asubmit)."""
     out = keeper.snapshot.parent
     if rows is None:
         meta = await engine.arestore(keeper.snapshot)
         groups, expected = int(meta["groups"]), int(meta["rows_expected"])
     else:
-        await engine.asubmit(rows, n=n, sampling=sampling)
+        await engine.asubmit(rows, n=n, sampling=sampling, first_index=first_index)
         groups, expected = len(rows), len(rows) * n
     stop = interrupts.stop
     interrupts.arm(lambda name: f"agentfsm: {name}: stopping {len(engine.runner.live)} running trajectories and "

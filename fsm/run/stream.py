@@ -99,13 +99,14 @@ class Stream(Owner):
 
     # -- in ----------------------------------------------------------------------------------------------------
 
-    async def submit(self, rows: Sequence[Any], n: int, sampling: Sampling) -> list[str]:
-        """Start every row n times; the groups' uids."""
+    async def submit(self, rows: Sequence[Any], n: int, sampling: Sampling, first_index: int | None = None) -> list[str]:
+        """Start every row n times; the groups' uids. `first_index`: see ContinuousMode.asubmit."""
         await self._serving.wait()
         trajs = self.runner.trajectories(rows, n)
         ctx = self.runner.make_context(sampling=sampling)
         ctx.group_size = n
-        base, self._next_index = self._next_index, self._next_index + len(trajs)
+        base = self._next_index if first_index is None else first_index
+        self._next_index = max(self._next_index, base + len(trajs))
         uids = []
         waiting = {g.uid for g in self._ready}
         for i in range(0, len(trajs), n):
@@ -388,9 +389,12 @@ class ContinuousMode(GroupTaking):
         return self._stream
 
     async def asubmit(self, rows: Any, n: int = 1, sampling_params: Mapping[str, Any] | None = None,
-                      validate: bool = False, sampling: Sampling | None = None) -> list[str]:  # fmt: skip
+                      validate: bool = False, sampling: Sampling | None = None,
+                      first_index: int | None = None) -> list[str]:  # fmt: skip
         """Start rolling out every row `n` times in the continuous mode; returns at once with the groups' uids.
-        Their groups come back from `atake` / `stream` as they finish."""
+        Their groups come back from `atake` / `stream` as they finish. `first_index`: the batch-wide index of
+        the first row's first sample, when these rows are a slice of a batch run in several processes (the
+        trajectories' `index`, and so their per-sample seeds, are then the whole batch's; default: next on)."""
         rows, meta = to_rows(rows)
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
@@ -398,7 +402,7 @@ class ContinuousMode(GroupTaking):
             sampling = self.sampling(sampling_params, bool(validate or meta.get("validate", False)))
 
         async def here() -> list[str]:
-            return await (await self._stream_here()).submit(rows, n, sampling)
+            return await (await self._stream_here()).submit(rows, n, sampling, first_index)
 
         return await self._on_home(here())
 

@@ -50,3 +50,22 @@ def test_a_tagged_gateway_hands_out_the_fronts_url():
     assert (
         session.id.startswith("w3-") and session.base_url == f"http://127.0.0.1:1234/sessions/{session.id}/v1"
     )
+
+
+def test_a_worker_registers_only_with_the_token_once_and_a_port():
+    joined = []
+
+    async def main() -> list[int]:
+        async with Front(token="s3cret", expects={"w0"}, on_register=joined.append) as front, ClientSession() as http:
+            out = []
+            for tag, key, body in (("w0", "wrong", {"port": 4000}), ("w9", "s3cret", {"port": 4000}),
+                                   ("w0", "s3cret", {"port": "x"}), ("w0", "s3cret", {"port": 4000}),
+                                   ("w0", "s3cret", {"port": 4001})):  # fmt: skip
+                async with http.post(f"{front.url}/workers/{tag}", json=body,
+                                     headers={"Authorization": f"Bearer {key}"}) as r:  # fmt: skip
+                    out.append(r.status)
+            return out, dict(front.workers)
+
+    statuses, workers = asyncio.run(main())
+    assert statuses == [401, 409, 400, 200, 409]  # the wrong token, an unexpected tag, no port, once only
+    assert joined == ["w0"] and workers == {"w0": "http://127.0.0.1:4000"}

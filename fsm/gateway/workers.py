@@ -1,0 +1,424 @@
+"""`agentfsm gateway SPEC --workers N`: one run's rows split over N worker processes, each its own engine with its
+own tagged gateway, behind one front (fsm/gateway/front.py) at the run's one public address; their trajectories
+merged into the one run directory, as a single process would have written it.
+
+The parent (`over_workers`, the rollout of `agentfsm run` it replaces) starts the front, then each worker as
+`agentfsm gateway --worker-config OUT/workers/wK/config.json` in its own process group: the parent's flags,
+its tag, the front's URL and its slice of the rows (contiguous, so input order is the workers' order). A worker
+binds a loopback port and registers it with the front (`POST /workers/wK` with the run's token, passed in the
+environment) before anything else, so every session it opens is routed; then it runs its rows as a
+single-process `agentfsm gateway` does, into OUT/workers/wK (its own three files, its snapshot on a signal),
+its trajectories indexed as in the whole batch (per-sample seeds included), and writes them to
+OUT/workers/wK/result.json. The parent decodes them all and `agentfsm run`'s own code pads and writes them
+(fsm/output/keep.py): one batch.pt, trajectories.jsonl and summary.json for the whole run.
+
+A worker that exits otherwise than by the parent's stop, is killed, or does not register in time fails the run
+with one line naming it, its pid and the end of its stderr; every other worker's process group is then
+killed. SIGINT/SIGTERM to the parent reaches each worker as Ctrl-C (each snapshots its running rows into its
+own directory and writes its finished ones); the parent writes the finished rows of all. Such a run is not
+resumable as a whole (`--resume` with `--workers` is refused).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import json
+import os
+import secrets
+import signal
+import socket
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fsm.api import _Engine, load_tokenizer
+from fsm.gateway.front import Front
+from fsm.gateway.server import GatewayLimits, configure
+from fsm.output.keep import SNAPSHOT, Rollout
+from fsm.output.metrics import COUNTERS
+from fsm.run.compile import CompiledAgent, compile_spec
+from fsm.run.kept import SNAPSHOT_TIMEOUT_S
+from fsm.run.runtime import Runner
+from fsm.run.signals import SIGNALS, say_now
+from fsm.run.snapshot import decode_sampling, decode_trajectory, encode_sampling, encode_trajectory
+
+TOKEN_ENV = "AGENTFSM_FRONT_TOKEN"  # the run's secret a worker registers with (never on a command line)
+CONFIG, RESULT = "config.json", "result.json"  # in OUT/workers/wK: what the parent gave, what it rolled out
+REGISTER_TIMEOUT_S = 10.0  # one worker's registration request
+STOP_TIMEOUT_S = SNAPSHOT_TIMEOUT_S + 60.0  # after a signal: the workers' snapshot and write; then killed
+TAIL_LINES = 20
+
+
+class WorkerError(Exception):
+    """A run over workers that cannot go on: one line naming the worker, its pid and why."""
+
+
+# --- the parent ------------------------------------------------------------------------------------------------
+
+
+def over_workers(limits: GatewayLimits) -> Callable[..., Any]:
+    """The rollout `agentfsm run` calls (fsm/cli/commands.py `cmd_run`), over `--workers N` processes."""
+
+    async def rollout(args: argparse.Namespace, rows: list[dict[str, Any]] | None, console: Any) -> Rollout:
+        assert rows is not None  # --resume with --workers is refused by the command line
+        return await _Workers(args, rows, limits).run()
+
+    return rollout
+
+
+@dataclass
+class _Worker:
+    tag: str
+    start: int  # its rows: [start, end) of the run's
+    end: int
+    dir: Path
+    proc: asyncio.subprocess.Process | None = None
+    joined: asyncio.Event = field(default_factory=asyncio.Event)
+    tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
+    relay: asyncio.Future[None] | None = None
+
+    def result(self) -> dict[str, Any] | None:
+        path = self.dir / RESULT
+        if not path.is_file():
+            return None
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise WorkerError(f"gateway worker {self.tag}: its {path} cannot be read ({exc})") from None
+
+
+class _Workers:
+    """One run over worker processes: start, watch, stop and merge them (see the module docstring)."""
+
+    def __init__(self, args: argparse.Namespace, rows: list[dict[str, Any]], limits: GatewayLimits):
+        self.args, self.limits, self.rows = args, limits, len(rows)
+        count = min(args.gateway_workers, len(rows))
+        bounds = [len(rows) * k // count for k in range(count + 1)]
+        base = Path(args.out) / "workers"
+        self.workers = [_Worker(f"w{k}", bounds[k], bounds[k + 1], base / f"w{k}") for k in range(count)]
+        self.token = secrets.token_urlsafe(32)
+        self.stopping = self.killed = False
+        self._deadline: asyncio.TimerHandle | None = None
+
+    async def run(self) -> Rollout:
+        agent = compile_spec(self.args.spec)
+        for w in self.workers:
+            if (w.dir / SNAPSHOT).exists():
+                raise WorkerError(f"{w.dir} holds the snapshot of an interrupted worker, which --workers cannot "
+                                  f"resume; remove {w.dir.parent} to start a new run in {self.args.out}")  # fmt: skip
+            w.dir.mkdir(parents=True, exist_ok=True)
+            (w.dir / RESULT).unlink(missing_ok=True)
+        by_tag = {w.tag: w for w in self.workers}
+        front = Front(self.args.host, self.args.gateway_port, self.limits, token=self.token, expects=by_tag,
+                      on_register=lambda tag: by_tag[tag].joined.set())  # fmt: skip
+        try:
+            await front.start()
+        except OSError as exc:
+            raise WorkerError(f"--gateway-port: the front cannot listen on {self.args.host}:{self.args.gateway_port} "
+                              f"({exc.strerror or exc})") from None  # fmt: skip
+        if not self.args.quiet:
+            say_now(f"agentfsm: the front listens on {front.url}; {len(self.workers)} gateway workers behind it "
+                    f"(their logs in {self.workers[0].dir.parent})")  # fmt: skip
+        t0, c0 = time.perf_counter(), time.process_time()
+        try:
+            with self._signals():
+                for w in self.workers:
+                    if not self.stopping:
+                        await self._spawn(w, front)
+                try:
+                    async with asyncio.TaskGroup() as group:
+                        for w in self.workers:
+                            if w.proc is not None:
+                                group.create_task(self._watch(w))
+                except* WorkerError as failed:
+                    raise failed.exceptions[0] from None
+        finally:
+            await self._kill_all()
+            await front.close()
+        return self._merge(agent, front, time.perf_counter() - t0, time.process_time() - c0)
+
+    async def _spawn(self, w: _Worker, front: Front) -> None:
+        given = {k: v for k, v in vars(self.args).items() if k not in ("fn", "worker_config")}
+        if given["threads"] is None and not given["server"]:  # the embedded model: its share of the cores
+            given["threads"] = max(1, len(os.sched_getaffinity(0)) // len(self.workers))
+        config = {"tag": w.tag, "front": front.url, "rows": [w.start, w.end], "of": self.rows, "args": given,
+                  "parent": os.getpid()}  # fmt: skip
+        (w.dir / CONFIG).write_text(json.dumps(config, default=str))
+        try:
+            with (w.dir / "stdout.log").open("wb") as stdout:
+                w.proc = await asyncio.create_subprocess_exec(
+                    sys.executable, "-m", "fsm.cli", "gateway", "--worker-config", str(w.dir / CONFIG),
+                    stdin=asyncio.subprocess.DEVNULL, stdout=stdout, stderr=asyncio.subprocess.PIPE, limit=1 << 20,
+                    start_new_session=True, env={**os.environ, TOKEN_ENV: self.token})  # fmt: skip
+        except OSError as exc:
+            raise WorkerError(
+                f"gateway worker {w.tag}: cannot start {sys.executable} ({exc.strerror or exc})"
+            ) from None
+        (w.dir / "pid").write_text(f"{w.proc.pid}\n")
+        w.relay = asyncio.ensure_future(self._relay(w))
+
+    async def _relay(self, w: _Worker) -> None:
+        """The worker's stderr: into its stderr.log, onto ours line by line (prefixed with its tag), its tail kept."""
+        assert w.proc is not None and w.proc.stderr is not None
+        with (w.dir / "stderr.log").open("wb") as log:
+            while line := await w.proc.stderr.readline():
+                log.write(line)
+                log.flush()
+                text = line.decode(errors="replace").rstrip()
+                w.tail.append(text)
+                say_now(f"[{w.tag}] {text}")
+
+    async def _watch(self, w: _Worker) -> None:
+        """Until `w` exits: it must register in time, and exit 0 (unless the parent stopped it)."""
+        assert w.proc is not None
+        exited = asyncio.ensure_future(w.proc.wait())
+        joined = asyncio.ensure_future(w.joined.wait())
+        try:
+            done, _ = await asyncio.wait({exited, joined}, timeout=self.args.worker_start_timeout,
+                                         return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+        finally:
+            joined.cancel()
+        if not done:
+            exited.cancel()
+            raise WorkerError(self._failed(w, f"did not register with the front within "
+                                              f"{self.args.worker_start_timeout:g} s (--worker-start-timeout)"))  # fmt: skip
+        registered = w.joined.is_set()
+        rc = await exited
+        if rc == 0 or self.stopping or self.killed:  # stopped: however it ended, it was asked to
+            return
+        how = f"exited with code {rc}" if rc > 0 else f"was killed by {signal.Signals(-rc).name}"
+        raise WorkerError(self._failed(w, how + ("" if registered else " before registering with the front")))
+
+    def _failed(self, w: _Worker, how: str) -> str:
+        last = next((line.strip() for line in reversed(w.tail) if line.strip()), None)
+        said = f"; its stderr ends: {last}" if last else "; its stderr is empty"
+        pid = w.proc.pid if w.proc is not None else "?"
+        return (f"gateway worker {w.tag} (pid {pid}, rows {w.start}..{w.end - 1}) {how}{said} "
+                f"(see {w.dir / 'stderr.log'}); the other workers were stopped")  # fmt: skip
+
+    @contextlib.contextmanager
+    def _signals(self) -> Iterator[None]:
+        """SIGINT/SIGTERM: the first stops the workers as Ctrl-C stops a run, the second kills them."""
+        loop = asyncio.get_running_loop()
+        previous = {sig: signal.getsignal(sig) for sig in SIGNALS}
+        try:
+            for sig in SIGNALS:
+                loop.add_signal_handler(sig, self._signal, sig.name)
+        except (ValueError, RuntimeError, NotImplementedError):  # not the main thread
+            yield
+            return
+        try:
+            yield
+        finally:
+            if self._deadline is not None:
+                self._deadline.cancel()
+            for sig in SIGNALS:
+                loop.remove_signal_handler(sig)
+            with contextlib.suppress(ValueError, TypeError):
+                for sig, handler in previous.items():
+                    if handler is not None:
+                        signal.signal(sig, handler)
+
+    def _signal(self, name: str) -> None:
+        live = [w for w in self.workers if w.proc is not None and w.proc.returncode is None]
+        if self.stopping:
+            say_now(
+                f"agentfsm: {name} again: killing the {len(live)} gateway workers left, without their snapshots"
+            )
+            self._kill_now()
+            return
+        self.stopping = True
+        say_now(f"agentfsm: {name}: stopping {len(live)} gateway workers: each snapshots its running rows into "
+                f"its own directory ({self.workers[0].dir.parent}) and writes its finished ones; {name} again to "
+                "kill them without snapshots")  # fmt: skip
+        for w in live:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(w.proc.pid, signal.SIGINT)  # type: ignore[union-attr]
+        self._deadline = asyncio.get_running_loop().call_later(STOP_TIMEOUT_S, self._kill_now)
+
+    def _kill_now(self) -> None:
+        self.killed = True
+        for w in self.workers:
+            if w.proc is not None and w.proc.returncode is None:
+                _kill_group(w.proc.pid)
+
+    async def _kill_all(self) -> None:
+        """No worker outlives the run, nor anything left in its process group."""
+        for w in self.workers:
+            if w.proc is None:
+                continue
+            if w.proc.returncode is None:
+                _kill_group(w.proc.pid)
+                await w.proc.wait()
+            _kill_group(w.proc.pid)  # what the worker left in its group
+        for w in self.workers:
+            if w.relay is not None:
+                with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+                    await asyncio.wait_for(w.relay, 5.0)
+
+    def _merge(self, agent: CompiledAgent, front: Front, wall: float, cpu: float) -> Rollout:
+        """The workers' trajectories as one run's, in input order, with each worker's numbers."""
+        results = {w.tag: w.result() for w in self.workers}
+        for w in self.workers:
+            if results[w.tag] is None and w.proc is not None and w.proc.returncode == 0:
+                raise WorkerError(
+                    f"gateway worker {w.tag} (pid {w.proc.pid}) exited without writing {w.dir / RESULT}"
+                )
+        got = [r for r in results.values() if r is not None]
+        trajs = sorted(
+            (decode_trajectory(t) for r in got for t in r["trajectories"]), key=lambda t: (t.index, t.sample)
+        )
+        stats = _summed([r["router"] for r in got], list(results))
+        engine = Merged(agent, got[0]["tokenizer"], stats) if got else None
+        sampling = decode_sampling(got[0]["sampling"]) if got else None
+        span = max((r["ended"] for r in got), default=0.0) - min(
+            (r["ended"] - r["wall_s"] for r in got), default=0.0
+        )
+        interrupted = self.stopping or any(r["interrupted"] for r in got)
+        kept = [str(w.dir / SNAPSHOT) for w in self.workers if (w.dir / SNAPSHOT).exists()]
+        if interrupted and kept:
+            say_now(f"agentfsm: the workers' snapshots of their running rows: {', '.join(kept)} (a run over "
+                    "--workers is not resumed as a whole)")  # fmt: skip
+        more = {"gateway_workers": {
+            "front": front.url, "routed": {w.tag: front.routed.get(w.tag, 0) for w in self.workers},
+            "front_cpu_s": round(cpu, 3), "wall_s_with_starts": round(wall, 3),
+            "workers": {w.tag: {"rows": [w.start, w.end], "pid": w.proc.pid if w.proc else None,
+                                "exit_code": w.proc.returncode if w.proc else None,
+                                "dir": str(w.dir.relative_to(Path(self.args.out))),
+                                **({"trajectories": len(r["trajectories"]), "wall_s": round(r["wall_s"], 3),
+                                    "rollout_cpu_s": round(r["cpu_s"], 3), "interrupted": r["interrupted"]}
+                                   if (r := results[w.tag]) is not None else {"trajectories": 0})}
+                        for w in self.workers}}}  # fmt: skip
+        total_cpu = cpu + sum(r["cpu_s"] for r in got)
+        return Rollout(
+            engine, sampling, trajs, self.rows * self.args.n, span, stats, interrupted, total_cpu, more
+        )  # type: ignore[arg-type]
+
+
+def _kill_group(pgid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+def _summed(stats: list[Any], tags: list[str]) -> dict[str, Any] | None:
+    """The workers' backend counters (fsm/output/batch.py `fault_summary` reads them) summed, each one's kept."""
+    if not any(stats):
+        return None
+    out: dict[str, Any] = {"faults": {}, "workers": dict(zip(tags, stats))}
+    for one in filter(None, stats):
+        for key in COUNTERS:
+            out[key] = out.get(key, 0) + one.get(key, 0)
+        for kind, count in (one.get("faults") or {}).items():
+            out["faults"][kind] = out["faults"].get(kind, 0) + count
+    return out
+
+
+class Merged(_Engine):
+    """The workers' run as the run directory's writer reads an engine (fsm/output/keep.py): the spec, the codec
+    of the workers' tokenizer (as their Runner made it), their backends' counters summed, and every engine's
+    `to_batch`. Its spans were each worker's to export."""
+
+    tracer = None
+
+    def __init__(self, agent: CompiledAgent, tokenizer: str, stats: dict[str, Any] | None):
+        self.agent = agent
+        self.codec = Runner(agent, None, load_tokenizer(tokenizer), watchdog_s=None).codec  # type: ignore[arg-type]
+        self.backend, self._stats = self, {}
+        self._fault_counters()  # counted from nothing: the batch's metrics get the workers' whole counts
+        self._stats = stats or {}
+
+    def stats(self) -> dict[str, Any]:
+        return self._stats
+
+
+# --- a worker --------------------------------------------------------------------------------------------------
+
+
+def worker_config(args: argparse.Namespace) -> dict[str, Any]:
+    """A worker's config (its parent's flags put into `args`, its out dir OUT/workers/wK)."""
+    path = Path(args.worker_config)
+    config = json.loads(path.read_text())
+    for key, value in config["args"].items():
+        setattr(args, key, value)
+    args.out = str(Path(config["args"]["out"]) / "workers" / config["tag"])
+    args.quiet, args.max_error_rate, args.gateway_workers = (
+        True,
+        1.0,
+        1,
+    )  # the parent prints and judges the run
+    return config
+
+
+def worker(args: argparse.Namespace, config: dict[str, Any], run: Callable[..., int], rollout: Callable[..., Any],
+           limits: GatewayLimits) -> int:  # fmt: skip
+    """A worker process: register with the front, then `run` its rows (`rollout`, the CLI's own) with a tagged
+    gateway on the registered port, and write what it rolled out for the parent."""
+    tag, front, (start, end) = config["tag"], config["front"], config["rows"]
+    _die_with_parent()
+    if os.getppid() != config["parent"]:
+        raise WorkerError(f"gateway worker {tag}: its parent (pid {config['parent']}) is gone")
+    sock = _register(front, tag, os.environ.get(TOKEN_ENV, ""))
+    configure("127.0.0.1", 0, limits, tag=tag, front=front, sock=sock)
+
+    async def rows_of_mine(args: argparse.Namespace, rows: list[dict[str, Any]], console: Any) -> Rollout:
+        if len(rows) != config["of"]:
+            raise WorkerError(f"gateway worker {tag}: {len(rows)} rows here, {config['of']} in the parent (does the "
+                              "spec's demo_data give the same rows for the same seed?)")  # fmt: skip
+        done = await rollout(args, rows[start:end], console, first_index=start * args.n)
+        _write_result(Path(args.out) / RESULT, done)
+        return done
+
+    return run(args, rollout=rows_of_mine)
+
+
+def _register(front: str, tag: str, token: str) -> socket.socket:
+    """Bind a loopback port for this worker's gateway and register it with the front: from here every session
+    the worker opens is routed to it."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    body = json.dumps({"port": sock.getsockname()[1]}).encode()
+    request = urllib.request.Request(f"{front}/workers/{tag}", data=body, method="POST",
+                                     headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})  # fmt: skip
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never through a proxy
+    try:
+        opener.open(request, timeout=REGISTER_TIMEOUT_S).read()
+    except urllib.error.HTTPError as exc:
+        sock.close()
+        raise WorkerError(
+            f"gateway worker {tag}: the front at {front} refused it: {exc.code} {exc.read()[:200]!r}"
+        ) from None
+    except OSError as exc:
+        sock.close()
+        raise WorkerError(
+            f"gateway worker {tag}: cannot register with the front at {front} ({exc})"
+        ) from None
+    return sock
+
+
+def _write_result(path: Path, run: Rollout) -> None:
+    """What the worker rolled out, for the parent: its trajectories as snapshots hold them (every slot)."""
+    codec = run.engine.codec
+    data = {"trajectories": [encode_trajectory(t) for t in run.trajs], "sampling": encode_sampling(run.sampling),
+            "tokenizer": str(getattr(getattr(codec, "tokenizer", codec), "name_or_path", "")),
+            "interrupted": run.interrupted, "wall_s": run.wall, "cpu_s": run.cpu, "ended": time.time(),
+            "router": run.router_stats}  # fmt: skip
+    tmp = path.with_name(f".{path.name}.writing")
+    tmp.write_text(json.dumps(data, default=str))
+    os.replace(tmp, path)
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel sends this process SIGTERM (handled as Ctrl-C) when its parent dies, however it dies."""
+    if sys.platform != "linux":
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG

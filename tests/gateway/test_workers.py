@@ -1,0 +1,153 @@
+"""`agentfsm gateway SPEC --workers N` (fsm/gateway/workers.py): the rows of one run over N real worker processes
+behind one front, merged into one run directory; a worker that dies or never registers fails the run and
+leaves no process behind; the flags that cannot go with --workers are usage errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fsm.cli.commands import main
+
+ROOT = Path(__file__).resolve().parents[2]
+SPEC = str(ROOT / "examples/gateway/base.yaml")
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+def _agentfsm(*argv: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "fsm.cli", "gateway", SPEC, *argv], cwd=ROOT, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str]:
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out + err
+
+
+def _pid_file(out: Path, tag: str, timeout: float = 60) -> int:
+    """The worker's pid, as soon as its parent has started it."""
+    path = out / "workers" / tag / "pid"
+    deadline = time.monotonic() + timeout
+    while not (path.is_file() and path.read_text().endswith("\n")):
+        assert time.monotonic() < deadline, f"no {path}"
+        time.sleep(0.05)
+    return int(path.read_text())
+
+
+def _alive(pid: int) -> bool:
+    """The process, or anything left in its process group."""
+    try:
+        os.killpg(pid, 0)
+        return True
+    except ProcessLookupError:
+        return Path(f"/proc/{pid}").exists()
+
+
+def _batch(path: Path) -> dict:
+    return torch.load(path, weights_only=False)
+
+
+def test_two_workers_write_the_run_one_process_writes(tmp_path):
+    greedy = ("--num-prompts", "6", "--temperature", "0", "--check-tokens", "-q")
+    rc1, said1 = _finish(_agentfsm(*greedy, "--out", str(tmp_path / "one")))
+    assert rc1 == 0, said1
+    out = tmp_path / "two"
+    rc2, said2 = _finish(_agentfsm(*greedy, "--workers", "2", "--out", str(out)))
+    assert rc2 == 0, said2
+
+    records = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
+    assert [r["index"] for r in records] == list(range(6))  # input order
+    assert [r["gateway_session"].split("-")[0] for r in records] == ["w0"] * 3 + ["w1"] * 3
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["trajectories"] == 6 and summary["failed"] == 0
+    assert summary["token_check_failures"] == 0 and summary["files"]["batch.pt"]["rows"] == 6
+    workers = summary["gateway_workers"]
+    assert workers["routed"]["w0"] > 0 and workers["routed"]["w1"] > 0
+    assert [w["rows"] for w in workers["workers"].values()] == [[0, 3], [3, 6]]
+    assert summary["rollout_cpu_s"] > max(w["rollout_cpu_s"] for w in workers["workers"].values())
+
+    one, two = _batch(tmp_path / "one" / "batch.pt"), _batch(out / "batch.pt")
+    assert one["batch"].keys() == two["batch"].keys()
+    for key, tensor in one["batch"].items():  # greedy on the embedded model: token for token, logprobs too
+        assert torch.equal(tensor, two["batch"][key]), key
+    assert one["non_tensor_batch"].keys() == two["non_tensor_batch"].keys()
+    for key, values in one["non_tensor_batch"].items():
+        if key != "trajectory_id":  # each process names its own trajectories
+            assert [repr(v) for v in values] == [repr(v) for v in two["non_tensor_batch"][key]], key
+    assert len(set(two["non_tensor_batch"]["trajectory_id"])) == 6
+    assert one["meta_info"].keys() == two["meta_info"].keys()
+    assert np.isclose(
+        one["meta_info"]["sampling"]["temperature"], two["meta_info"]["sampling"]["temperature"]
+    )
+    for tag in ("w0", "w1"):
+        assert not _alive(_pid_file(out, tag))
+
+
+def test_a_worker_that_dies_fails_the_run_and_no_process_is_left(tmp_path):
+    out = tmp_path / "run"
+    proc = _agentfsm("--num-prompts", "32", "--workers", "2", "--out", str(out))
+    pids = {tag: _pid_file(out, tag) for tag in ("w0", "w1")}
+    os.kill(pids["w1"], signal.SIGKILL)
+    rc, said = _finish(proc, timeout=120)
+    assert rc == 1, said
+    last = said.strip().splitlines()[-1]
+    assert last.startswith(
+        f"agentfsm: gateway worker w1 (pid {pids['w1']}, rows 16..31) was killed by SIGKILL"
+    ), said
+    assert "the other workers were stopped" in last
+    assert not (out / "summary.json").exists()
+    assert not any(_alive(pid) for pid in pids.values())
+
+
+def test_a_worker_that_never_registers_fails_the_run_in_time(tmp_path):
+    out = tmp_path / "run"
+    t0 = time.monotonic()
+    proc = _agentfsm(
+        "--num-prompts", "4", "--workers", "2", "--worker-start-timeout", "20", "--out", str(out)
+    )
+    pids = {tag: _pid_file(out, tag) for tag in ("w0", "w1")}
+    os.kill(pids["w1"], signal.SIGSTOP)  # hung before it could register
+    rc, said = _finish(proc, timeout=120)
+    assert rc == 1, said
+    assert (f"agentfsm: gateway worker w1 (pid {pids['w1']}, rows 2..3) did not register with the front within 20 s "
+            "(--worker-start-timeout)") in said  # fmt: skip
+    assert time.monotonic() - t0 < 60
+    assert not any(_alive(pid) for pid in pids.values())
+
+
+def test_sigterm_to_the_parent_stops_every_worker(tmp_path):
+    out = tmp_path / "run"
+    proc = _agentfsm("--num-prompts", "4", "--workers", "2", "--out", str(out))
+    pids = {tag: _pid_file(out, tag) for tag in ("w0", "w1")}
+    proc.send_signal(signal.SIGTERM)
+    rc, said = _finish(proc, timeout=120)
+    assert rc == 130, said
+    assert "SIGTERM: stopping 2 gateway workers" in said and said.strip().splitlines()[-1].startswith(
+        "agentfsm: interrupted"
+    )
+    assert not any(_alive(pid) for pid in pids.values())
+
+
+@pytest.mark.parametrize(
+    ("argv", "problem"),
+    [
+        (["--workers", "0"], "argument --workers: '0' is not a positive integer"),
+        (["--workers", "2", "--resume", "runs/x"], "--resume cannot resume a run over --workers 2"),
+        (["--workers", "2", "--ray"], "--ray with --workers 2"),
+        (["--workers", "2", "--launch-sglang", "m"], "--launch-sglang with --workers 2"),
+        (["--worker-start-timeout", "0"], "'0' is not a positive number of seconds"),
+    ],
+)
+def test_flags_that_cannot_go_with_workers_are_usage_errors(argv, problem, capsys):
+    assert main(["gateway", SPEC, *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("agentfsm gateway: error: ") and problem in err, err
