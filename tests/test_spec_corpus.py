@@ -89,6 +89,20 @@ def test_shipped_specs_validate_clean(path: Path):
     assert agent.final_states and agent.initial in agent.spec.states
 
 
+def test_the_installed_cli_validates_the_example_specs_from_anywhere(tmp_path: Path):
+    """As a user runs the README's gateway example after `pip install -e`: no PYTHONPATH, another directory; the
+    harnesses the example specs name (`examples.gateway.harnesses`) come from the install."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    examples = sorted((SPECS.parent / "examples" / "gateway").glob("*.yaml"))
+    out = subprocess.run([sys.executable, "-m", "fsm.cli", "validate", *map(str, examples)], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
 def test_shipped_specs_present():
     assert {p.stem for p in SHIPPED} >= {"single_turn", "tool_agent", "interaction_agent", "calculator"}
 
