@@ -40,8 +40,9 @@ from typing import Any
 from backends.base import Backend
 from fsm.api import SpecLike, _Engine, load_agent, load_tokenizer, make_backend, tiny_model_dir
 from fsm.data.rows import normalize_record, to_rows
-from fsm.families import Codec, codec_for
+from fsm.families import Codec
 from fsm.run.context import Sampling
+from fsm.run.runtime import agent_codec
 from fsm.run.stream import Group, GroupTaking, StalePolicy, StreamEmpty, version_span
 from fsm.run.trajectory import Trajectory
 
@@ -174,12 +175,7 @@ class RayRunner(_Engine, GroupTaking):
         # What each actor compiles: the spec file's absolute path when there is one (workers' cwd differs).
         self._spec = str(self.agent.path.resolve()) if self.agent.path else self.agent.spec
         self._tokenizer = str(tokenizer) if isinstance(tokenizer, Path) else tokenizer
-        model = self.agent.spec.model
-        self.codec = (
-            codec_for(load_tokenizer(tokenizer), model.family, model.chat_template_kwargs,
-                      model.special_tokens_in_observations)
-            if not isinstance(tokenizer, Codec) else tokenizer
-        )  # fmt: skip
+        self.codec = agent_codec(self.agent, tokenizer if isinstance(tokenizer, Codec) else load_tokenizer(tokenizer))
         self.servers = list(servers) if servers else None
         self.engine = engine
         self.backend_factory = backend_factory

@@ -47,7 +47,7 @@ from fsm.output.keep import SNAPSHOT, Rollout
 from fsm.output.metrics import COUNTERS
 from fsm.run.compile import CompiledAgent, compile_spec
 from fsm.run.kept import SNAPSHOT_TIMEOUT_S
-from fsm.run.runtime import Runner
+from fsm.run.runtime import agent_codec
 from fsm.run.signals import SIGNALS, say_now
 from fsm.run.snapshot import decode_sampling, decode_trajectory, encode_sampling, encode_trajectory
 
@@ -324,14 +324,14 @@ def _summed(stats: list[Any], tags: list[str]) -> dict[str, Any] | None:
 
 class Merged(_Engine):
     """The workers' run as the run directory's writer reads an engine (fsm/output/keep.py): the spec, the codec
-    of the workers' tokenizer (as their Runner made it), their backends' counters summed, and every engine's
+    of the workers' tokenizer (as their runs made it, `agent_codec`), their backends' counters summed, and every engine's
     `to_batch`. Its spans were each worker's to export."""
 
     tracer = None
 
     def __init__(self, agent: CompiledAgent, tokenizer: str, stats: dict[str, Any] | None):
         self.agent = agent
-        self.codec = Runner(agent, None, load_tokenizer(tokenizer), watchdog_s=None).codec  # type: ignore[arg-type]
+        self.codec = agent_codec(agent, load_tokenizer(tokenizer))
         self.backend, self._stats = self, {}
         self._fault_counters()  # counted from nothing: the batch's metrics get the workers' whole counts
         self._stats = stats or {}
@@ -350,11 +350,7 @@ def worker_config(args: argparse.Namespace) -> dict[str, Any]:
     for key, value in config["args"].items():
         setattr(args, key, value)
     args.out = str(Path(config["args"]["out"]) / "workers" / config["tag"])
-    args.quiet, args.max_error_rate, args.gateway_workers = (
-        True,
-        1.0,
-        1,
-    )  # the parent prints and judges the run
+    args.quiet, args.max_error_rate, args.gateway_workers = True, 1.0, 1  # the parent prints and judges the run
     return config
 
 

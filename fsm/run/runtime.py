@@ -59,6 +59,15 @@ def reward_extra(traj: Trajectory, name: str) -> Any:
     return traj.metrics.as_dict()
 
 
+def agent_codec(agent: CompiledAgent, tokenizer: Any) -> Codec:
+    """The codec a run of `agent` reads and writes tokens with (its spec's model: family, template kwargs, special
+    tokens in observations); a Codec given is used as it is."""
+    if isinstance(tokenizer, Codec):
+        return tokenizer
+    model = agent.spec.model
+    return codec_for(tokenizer, model.family, model.chat_template_kwargs, model.special_tokens_in_observations)
+
+
 class Runner:
     """Runs rows through a compiled agent. Reusable across batches; one per (agent, backend, tokenizer)."""
 
@@ -67,10 +76,7 @@ class Runner:
                  watchdog_s: float | None = WATCHDOG_S):  # fmt: skip
         self.agent = agent
         self.backend = backend
-        model = agent.spec.model
-        self.codec = tokenizer if isinstance(tokenizer, Codec) else codec_for(tokenizer, model.family,
-                                                                                  model.chat_template_kwargs,
-                                                                                  model.special_tokens_in_observations)
+        self.codec = agent_codec(agent, tokenizer)
         self.max_concurrency = max_concurrency
         self.tracer = tracer
         self.check_tokens = check_tokens
