@@ -324,9 +324,7 @@ class VLLMBackend(ServerClient):
                                       f"it holds: {names}; it does not serve the checkpoint", server=self.url)  # fmt: skip
 
     async def start_weight_update(self) -> dict[str, Any]:
-        """`/start_weight_update`: opens a session of the configured weight-transfer engine (refused where the
-        update could not be exact: `_exact_updates`)."""
-        await self._exact_updates("a weight transfer")
+        """`/start_weight_update`: opens a session of the configured weight-transfer engine."""
         return await self._control("POST", "/start_weight_update", timeout_s=_WEIGHTS_TIMEOUT_S)
 
     async def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> dict[str, Any]:
