@@ -306,8 +306,9 @@ class VLLMBackend(ServerClient):
             raise BackendRequestError(
                 f"{self.url}: refused {what}: vLLM's CPU engine keeps the output head's packed copy through "
                 "reload_weights, so a model with tie_word_embeddings would serve the new layers with the old head; "
-                f"start the server with --worker-extension-cls {EXTENSION} (this checkout on its PYTHONPATH), "
-                "as --launch-vllm does", server=self.url)  # fmt: skip
+                f"start the server with --worker-extension-cls {EXTENSION} and the directory "
+                "backends.launcher.place_extension(DIR) writes on its PYTHONPATH, as --launch-vllm does",
+                server=self.url)  # fmt: skip
         return self._extension
 
     def _check_heads(self, body: Any, what: str) -> None:
