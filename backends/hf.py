@@ -556,10 +556,26 @@ class HFBackend(BaseBackend):
             self.weight_version = weight_version
 
     def _load_weights(self, model_path: str) -> None:
-        source = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype)
+        state = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).state_dict()
+        untied = self._untied(state)
+        if untied:
+            raise ValueError(f"the checkpoint holds {untied}")
         with torch.no_grad(), self._step:
-            self.model.load_state_dict(source.state_dict())
+            self.model.load_state_dict(state)
             self.sessions.clear()  # KV computed by the old weights is never reused
+
+    def _untied(self, values: Any) -> str | None:
+        """What in `values` (name -> tensor) the served model cannot hold: different tensors for names that are
+        one tied parameter here (an output head tied to the embedding), of which only the last copied would
+        serve, silently."""
+        shared: dict[int, list[str]] = {}
+        for name, param in self.model.named_parameters(remove_duplicate=False):
+            shared.setdefault(id(param), []).append(name)
+        for names in shared.values():
+            given = [n for n in names if n in values]
+            if any(not torch.equal(values[given[0]], values[n]) for n in given[1:]):
+                return f"different {' and '.join(given)}, which the served model ties into one parameter"
+        return None
 
     async def update_weights_from_tensor(self, named_tensors: Any = None, *, load_format: str | None = None,
                                          flush_cache: bool = True, weight_version: str | None = None,
@@ -572,6 +588,7 @@ class HFBackend(BaseBackend):
         wrong = next((f"the model has no parameter {name!r}" if name not in own else
                       f"{name} has shape {tuple(t.shape)}, the model's {tuple(own[name].shape)}"
                       for name, t in pairs if name not in own or t.shape != own[name].shape), None)  # fmt: skip
+        wrong = wrong or self._untied(dict(pairs))
         if serialized_named_tensors is not None:
             wrong = "pass named_tensors= (tensors in this process), not serialized_named_tensors"
         elif load_format not in (None, "direct"):

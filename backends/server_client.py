@@ -294,6 +294,17 @@ class ServerClient(BaseBackend):
 
         return await self._attempts(rid, request, lambda n: self._wire_rid(rid, n, request.session_id), once)
 
+    def _context_cut(self, result: GenerateResult, request: GenerateRequest) -> GenerateResult:
+        """Mark a turn that ended by "length" with fewer tokens than the engine asked for: the context was full
+        (`_clamp` cut the budget to the room left, and SGLang cuts a little further on its own), so "length"
+        alone would read as the engine's own budget. Both engines' answers pass here, so a turn the context
+        cuts ends `context_length` over either (docs/engines.md)."""
+        wanted = request.sampling_params.get("max_new_tokens")
+        wanted = DEFAULT_MAX_NEW_TOKENS if wanted is None else wanted
+        if result.finish_reason == "length" and len(result.token_ids) < wanted:
+            result.extra["context_cut"] = self.context_length
+        return result
+
     def _wire_rid(self, rid: str, attempt: int, session_id: str) -> str:
         """The rid attempt `attempt` of the turn `rid` is sent under."""
         raise NotImplementedError

@@ -30,7 +30,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from backends.answer import ANSWER_FAULTS, DEFAULT_MAX_NEW_TOKENS, body_limit, parse_generate, snippet
+from backends.answer import ANSWER_FAULTS, body_limit, parse_generate, snippet
 from backends.base import (
     BackendError,
     BackendMalformed,
@@ -166,16 +166,6 @@ class SGLangBackend(ServerClient):
 
     def _abort_route(self, rid: str) -> tuple[str, Any]:
         return "/abort_request", {"rid": rid}
-
-    def _context_cut(self, result: GenerateResult, request: GenerateRequest) -> GenerateResult:
-        """Mark a turn that ended by "length" with fewer tokens than the engine asked for: the context was full
-        (this client clamps `max_new_tokens` to the room left, and SGLang silently cuts it a little further), so
-        "length" alone would read as the engine's own budget."""
-        wanted = request.sampling_params.get("max_new_tokens")
-        wanted = DEFAULT_MAX_NEW_TOKENS if wanted is None else wanted
-        if result.finish_reason == "length" and len(result.token_ids) < wanted:
-            result.extra["context_cut"] = self.context_length
-        return result
 
     def _wire_rid(self, rid: str, attempt: int, session_id: str) -> str:
         """Each attempt's rid is picked anew: the last one's may still be held. `rid`, unless it and a rid live here or held by the server would prefix one another (SGLang aborts

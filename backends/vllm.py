@@ -21,10 +21,15 @@ The same Backend contract as backends/sglang.py over vLLM's own routes:
   are frozen with their KV cache and go on after resume), "retract" -> wait (vLLM cannot requeue a running
   request: the pause lets the running ones finish first, so none is held across a weight update). While this
   client has the server paused, the deadlines of its requests stand still (backends/pause_clock.py);
-- weights from a checkpoint directory: `/collective_rpc` `reload_weights(weights_path=...)` then
-  `/update_weight_version`, under a `keep` pause this client takes when it holds none, so no token is made by
-  new weights under the old version's label; `/start_weight_update`, `/update_weights` and
-  `/finish_weight_update` pass a configured weight-transfer engine's payloads through (NCCL/IPC: GPU hosts);
+- weights from a checkpoint directory: `/collective_rpc` `agentfsm_reload_weights(weights_path=...)` (the
+  worker extension backends/vllm_reload.py: vLLM's `reload_weights`, then the output head re-processed and
+  checked) then `/update_weight_version`, under a `keep` pause this client takes when it holds none, so no
+  token is made by new weights under the old version's label. vLLM's own `reload_weights` leaves a tied output
+  head computing with the old embedding on its CPU engine (backends/vllm_reload.py says why), so a CPU server
+  without the extension is refused an update, never served a mix; a GPU server without it gets the plain
+  reload (its head reads the reloaded weight in place). `/start_weight_update`, `/update_weights` and
+  `/finish_weight_update` pass a configured weight-transfer engine's payloads through (NCCL/IPC: GPU hosts),
+  the heads refreshed the same way after the last;
 - `/health` (200 once the engine runs), `/is_paused` for readiness, `/v1/models` for the served name, model
   path and `max_model_len`, `/weight_info` for the version, `/reset_prefix_cache` for the cache.
 `vllm` itself is never imported.
@@ -50,6 +55,7 @@ __all__ = ["VLLMBackend", "FAULT_KINDS", "PAUSE_MODES", "sglang_shape", "vllm_pa
 log = logging.getLogger(__name__)
 
 _WEIGHTS_TIMEOUT_S = 600.0  # a weight reload may take minutes
+EXTENSION = "backends.vllm_reload.ExactReload"  # the worker extension exact updates need (--worker-extension-cls)
 REQUEST_PREFIX = "generate-tokens-"  # what vLLM puts before a /inference/v1/generate request id
 # The engine's (SGLang's) pause modes -> vLLM's; vLLM's own names are taken as they are.
 PAUSE_MODES = {"abort": "abort", "in_place": "keep", "retract": "wait", "keep": "keep", "wait": "wait"}
@@ -126,6 +132,8 @@ class VLLMBackend(ServerClient):
     context_margin = 0  # vLLM takes prompt + max_tokens == max_model_len
 
     fault_kinds = FAULT_KINDS
+    _extension: bool | None = None  # whether the server runs backends/vllm_reload.py (read once, at the first update)
+    _device = ""  # vLLM's device_config.device
 
     # -- what the server says about itself ----------------------------------------------------------------
 
@@ -187,7 +195,7 @@ class VLLMBackend(ServerClient):
         result = parse_generate(shaped, server=self.url, return_logprob=asked.return_logprob, rid=rid, request=asked)
         if result.finish_reason == "abort":
             self.faults["aborts"] += 1
-        return result
+        return self._context_cut(result, request)
 
     def _grace(self, timeout_s: float) -> float:
         return self.abort_grace_s if self.abort_grace_s is not None else min(5.0, timeout_s / 10)
@@ -260,24 +268,61 @@ class VLLMBackend(ServerClient):
 
     async def update_weights_from_disk(self, path: str, weight_version: str | None = None,
                                        **options: Any) -> dict[str, Any]:  # fmt: skip
-        """Reload the weights in place from a checkpoint directory, then label them `weight_version`, under a
-        `keep` pause unless this client already holds one (module docstring). `options` are refused: vLLM's
-        reload takes none."""
+        """Reload the weights in place from a checkpoint directory so that the server serves exactly it, then
+        label them `weight_version`, under a `keep` pause unless this client already holds one (module
+        docstring). Refused, before anything moves, where the reload could not be exact (a CPU server without
+        the worker extension). `options` are refused: vLLM's reload takes none."""
         if options:
             raise BackendRequestError(f"{self.url}: vLLM's weight reload takes no options {sorted(options)}",
                                       server=self.url)  # fmt: skip
+        exact = await self._exact_updates(f"an update from {path}")
         own = self._pause.mode is None
         if own:
             await self.pause_generation("keep")
         try:
-            body = await self._control("POST", "/collective_rpc", {"method": "reload_weights",
+            method = "agentfsm_reload_weights" if exact else "reload_weights"
+            body = await self._control("POST", "/collective_rpc", {"method": method,
                                        "kwargs": {"weights_path": str(path)}}, timeout_s=_WEIGHTS_TIMEOUT_S)  # fmt: skip
+            if exact:
+                self._check_heads(body, f"the update from {path}")
             if weight_version is not None:
                 await self.update_weight_version(str(weight_version))
         finally:
             if own:
                 await self.continue_generation()
         return {"success": True, "weight_version": weight_version, "results": (body or {}).get("results")}
+
+    async def _exact_updates(self, what: str) -> bool:
+        """Whether the server has the worker extension (read once from `/server_info`). Without it a CPU server
+        is refused `what`: its reload would serve new layers with the old tied output head."""
+        if self._extension is None:
+            info = await self.server_info()
+            config = info.get("vllm_config") if isinstance(info, dict) else None
+            config = config if isinstance(config, dict) else {}
+            parallel, device = config.get("parallel_config") or {}, config.get("device_config") or {}
+            self._extension = parallel.get("worker_extension_cls") == EXTENSION
+            self._device = str(device.get("device") or "") if isinstance(device, dict) else ""
+        if not self._extension and self._device == "cpu":
+            raise BackendRequestError(
+                f"{self.url}: refused {what}: vLLM's CPU engine keeps the output head's packed copy through "
+                "reload_weights, so a model with tie_word_embeddings would serve the new layers with the old head; "
+                f"start the server with --worker-extension-cls {EXTENSION} and the directory "
+                "backends.launcher.place_extension(DIR) writes on its PYTHONPATH, as --launch-vllm does",
+                server=self.url)  # fmt: skip
+        return self._extension
+
+    def _check_heads(self, body: Any, what: str) -> None:
+        """The extension's answer, one per worker: any head still computing with other weights than it holds
+        fails the update, naming the server and the layer."""
+        results = body.get("results") if isinstance(body, dict) else None
+        if not isinstance(results, list) or not results or not all(isinstance(r, dict) for r in results):
+            raise BackendMalformed(f"{self.url}: /collective_rpc answered {snippet(body)} for {what}, not the "
+                                   "worker extension's report", server=self.url, status=200, kind="malformed")  # fmt: skip
+        stale = [item for r in results for item in (r.get("stale") or [])]
+        if stale:
+            names = ", ".join(f"{name} (off by {error:.3g} relative)" for name, error in stale)
+            raise BackendRequestError(f"{self.url}: after {what} the server computes with other weights than "
+                                      f"it holds: {names}; it does not serve the checkpoint", server=self.url)  # fmt: skip
 
     async def start_weight_update(self) -> dict[str, Any]:
         """`/start_weight_update`: opens a session of the configured weight-transfer engine."""
@@ -289,5 +334,13 @@ class VLLMBackend(ServerClient):
                                    timeout_s=_WEIGHTS_TIMEOUT_S)  # fmt: skip
 
     async def finish_weight_update(self, weight_version: str | None = None) -> dict[str, Any]:
+        """`/finish_weight_update`, then (with the worker extension) the heads refreshed and checked as after a
+        reload from disk."""
+        exact = await self._exact_updates("a weight transfer")
         payload = {} if weight_version is None else {"weight_version": str(weight_version)}
-        return await self._control("POST", "/finish_weight_update", payload, timeout_s=_WEIGHTS_TIMEOUT_S)
+        body = await self._control("POST", "/finish_weight_update", payload, timeout_s=_WEIGHTS_TIMEOUT_S)
+        if exact:
+            heads = await self._control("POST", "/collective_rpc", {"method": "agentfsm_refresh_heads"},
+                                        timeout_s=_WEIGHTS_TIMEOUT_S)  # fmt: skip
+            self._check_heads(heads, "the weight transfer")
+        return body

@@ -400,6 +400,7 @@ class RolloutEngine(ContinuousMode, ControlCalls, _Engine):
         reported = await self._reported_version()
         if reported is not None and reported > self.runner.gate.version:
             self.runner.gate.version = reported
+        self._fault_counters()  # counted from the backend's start: a batch made after the run still has its faults
 
     async def _reported_version(self) -> int | None:
         version = getattr(self.backend, "weight_version", None)

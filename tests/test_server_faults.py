@@ -287,6 +287,12 @@ def test_cli_summary_counts_equal_what_was_injected(tmp_path, capsys):
     assert failed_attempts == faults["retries"] + faults["failovers"] + ended
     assert faults["resumes"] + faults["error_reasons"].get("aborted", 0) == (
         faults["faults"]["aborts_waiting"] + faults["faults"]["aborts_running"])  # fmt: skip
+    # batch.pt's metrics count what summary.json counts (they were read after the run: 0 for everything)
+    metrics = torch.load(tmp_path / "run" / "batch.pt", weights_only=False)["meta_info"]["rollout_metrics"]
+    assert faults["aborts_sent"] >= 1 and metrics["rollout/aborts_sent"] == faults["aborts_sent"]
+    assert metrics["rollout/failovers"] == faults["failovers"]
+    assert {k.removeprefix("rollout/faults/"): v for k, v in metrics.items() if k.startswith("rollout/faults/")} == {
+        k: v for k, v in faults["faults"].items() if v}  # fmt: skip
     records = [json.loads(line) for line in (tmp_path / "run" / "trajectories.jsonl").read_text().splitlines()]
     for r in records:  # every row is a finished one or an error row, never a short "done" made of a fault
         assert r["termination_reason"] in ("done", "response_length", "max_assistant_turns") or r[

@@ -29,21 +29,34 @@ def recorded(name: str) -> dict[str, Any]:
     return BY_NAME[name]
 
 
+def rpc(body: Any) -> str:
+    return str(body.get("method", "")) if isinstance(body, dict) else ""
+
+
+ANSWERS: dict[str, dict[str, Any]] = {}  # a test's own answer for a route, in place of the recorded one
+SEEN: list[str] = []  # the control calls the replay was sent, in order
+
+
 @pytest.fixture
 async def replay() -> AsyncIterator[str]:
     """A server answering each generate by its request_id, and each other route (and query) by its first
     recording."""
+    ANSWERS.clear()
+    SEEN.clear()
     by_rid = {e["request"]["request_id"]: e for e in RECORDED if e["path"] == "/inference/v1/generate"}
     by_route: dict[tuple[str, str, str], dict[str, Any]] = {}
-    for e in RECORDED:
-        by_route.setdefault((e["method"], e["path"], (e["params"] or {}).get("mode", "")), e)
+    for e in RECORDED:  # a pause by its mode, a collective RPC by its method
+        by_route.setdefault((e["method"], e["path"], (e["params"] or {}).get("mode", "") or rpc(e["request"])), e)
 
     async def answer(request: web.Request) -> web.Response:
         if request.path == "/inference/v1/generate":
             rid = (await request.json())["request_id"]
             e = by_rid[rid]
         else:
-            e = by_route.get((request.method, request.path, request.query.get("mode", "")))
+            body = await request.json() if request.can_read_body else None
+            e = ANSWERS.get(request.path) or by_route.get((request.method, request.path,
+                                                          request.query.get("mode", "") or rpc(body)))  # fmt: skip
+            SEEN.append(f"{request.method} {request.path} {rpc(body)}".strip())
             if e is None:
                 return web.json_response({"detail": "Not Found"}, status=404)
         body = e["body"]
@@ -159,3 +172,33 @@ def test_the_cli_refuses_two_engine_kinds(capsys, argv, words):
     from tests.test_cli import one_line_error
 
     assert words in one_line_error(capsys, ["run", "specs/calculator.yaml", *argv])
+
+
+async def test_an_update_is_exact_through_the_worker_extension_and_refused_without_it(replay):
+    """The server has backends/vllm_reload.py (recorded /server_info): the update reloads through it, under a
+    keep pause; its report of a head left on other weights fails the update, naming the layer; a CPU server
+    without it (vLLM reports no worker_extension_cls) is refused before anything is sent."""
+    info, report = recorded("server_info"), recorded("exact_reload")
+    assert info["body"]["vllm_config"]["parallel_config"]["worker_extension_cls"] == "backends.vllm_reload.ExactReload"
+    assert report["body"]["results"][0]["stale"] == [] and "lm_head" in report["body"]["results"][0]["refreshed"]
+    async with VLLMBackend(replay, max_retries=0) as c:
+        done = await c.update_weights_from_disk("/ckpt/early", weight_version="7")
+        assert done["success"] and SEEN == ["GET /server_info", "POST /pause", "POST /collective_rpc agentfsm_reload_weights",
+                                            "POST /update_weight_version", "POST /resume"]  # fmt: skip
+        SEEN.clear()
+        # the head the plain reload leaves on the old embedding, as the extension measured it on real vLLM
+        ANSWERS["/collective_rpc"] = {**report, "body": {"results": [{"refreshed": ["lm_head"],
+                                                                       "stale": [["lm_head", 0.797]]}]}}  # fmt: skip
+        with pytest.raises(BackendRequestError, match=r"computes with other weights than it holds: lm_head \(off by "
+                                                      r"0.797 relative\); it does not serve the checkpoint") as e:  # fmt: skip
+            await c.update_weights_from_disk("/ckpt/early", weight_version="8")
+        assert replay in str(e.value) and SEEN[-2:] == ["POST /collective_rpc agentfsm_reload_weights", "POST /resume"]
+    config = info["body"]["vllm_config"]
+    ANSWERS["/server_info"] = {**info, "body": {"vllm_config": {**config, "parallel_config": {"worker_extension_cls": None}}}}
+    SEEN.clear()
+    async with VLLMBackend(replay, max_retries=0) as c:
+        with pytest.raises(BackendRequestError, match="refused an update from /ckpt/early: vLLM's CPU engine keeps "
+                                                      "the output head's packed copy through reload_weights") as e:  # fmt: skip
+            await c.update_weights_from_disk("/ckpt/early", weight_version="9")
+        assert "--worker-extension-cls backends.vllm_reload.ExactReload" in str(e.value) and "\n" not in str(e.value)
+    assert SEEN == ["GET /server_info"]  # nothing paused, nothing reloaded

@@ -50,7 +50,9 @@ def launcher(port: int, log_dir: Path):  # -> SGLangLauncher (imported late: ski
                           startup_timeout_s=READY_S, extra_args=["--log-level", "warning"])  # fmt: skip
 
 
-@pytest.fixture(scope="session")
+# package: stopped when this directory's tests end, not at the end of the whole suite (an idle CPU engine still
+# polls: vLLM's worker took 7 % of a core for the rest of the run)
+@pytest.fixture(scope="package")
 def sglang(tmp_path_factory) -> Iterator[Served]:
     need_venv()
     launcher_ = launcher(free_port(), tmp_path_factory.mktemp("sglang"))

@@ -26,6 +26,7 @@ from tests.sglang.scenarios import PROMPT
 
 pytestmark = pytest.mark.sglang
 LONG = 300  # a turn that is still running when a test aborts or pauses it
+NOISE = 1e-4  # logprobs of one checkpoint on two SGLang servers, or one server twice, differ by less (docs/engines.md)
 MODES = ("abort", "retract", "in_place")
 
 
@@ -232,15 +233,32 @@ async def test_the_main_job_over_real_sglang_equals_the_dev_servers(sglang, tmp_
     assert_same_batch(batch(tmp_path / "real"), batch(tmp_path / "dev"))
 
 
-def test_launch_sglang_starts_real_sglang_on_cpu(tmp_path, sglang):
-    """`--launch-sglang` with --device cpu: the launcher's CPU engine, through the CLI, end to end."""
-    run = agentfsm("run", "specs/calculator.yaml", "--launch-sglang", str(ASSETS), "--device", "cpu",
-                   "--sglang-python", str(PYTHON), "--port", str(free_port()), "--temperature", "0",
-                   "--num-prompts", "2", "--out", str(tmp_path / "launched"))  # fmt: skip
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert list((tmp_path / "launched" / "sglang_logs").glob("replica0_port*.log"))
-    got = batch(tmp_path / "launched")
-    assert got["responses"].shape[0] == 2 and bool((got["response_mask"].sum(-1) > 0).all())
+def test_an_updated_server_serves_what_a_fresh_one_on_the_checkpoint_serves(tmp_path, sglang):
+    """As a trainer needs it: `--launch-sglang` starts a fresh real SGLang on the early checkpoint through the
+    CLI (the launcher's CPU engine, end to end), and the session's server, updated to that checkpoint, serves
+    the same job: the same tokens, logprobs within the engine's own noise (the tiny model ties its output
+    head to the embedding, which the update must move too)."""
+    job = ("run", "specs/calculator.yaml", "--tokenizer", str(ASSETS), "--temperature", "0", "--num-prompts", "4")
+    fresh = agentfsm(*job, "--launch-sglang", str(EARLY_DIR), "--device", "cpu", "--sglang-python", str(PYTHON),
+                     "--port", str(free_port()), "--out", str(tmp_path / "fresh"))  # fmt: skip
+    assert fresh.returncode == 0, fresh.stderr[-2000:]
+    assert list((tmp_path / "fresh" / "sglang_logs").glob("replica0_port*.log"))
+
+    async def update(path: Any, version: str) -> None:
+        async with client(sglang.url) as c:
+            await c.update_weights_from_disk(str(path), weight_version=version)
+
+    asyncio.run(update(EARLY_DIR, "301"))
+    try:
+        updated = agentfsm(*job, "--server", sglang.url, "--out", str(tmp_path / "updated"))
+    finally:
+        asyncio.run(update(ASSETS, "302"))
+    assert updated.returncode == 0, updated.stderr[-2000:]
+    got, want = batch(tmp_path / "updated"), batch(tmp_path / "fresh")
+    assert got["responses"].shape[0] == 4 and bool((got["response_mask"].sum(-1) > 0).all())
+    for key in ("prompts", "responses", "response_mask", "attention_mask", "input_ids"):
+        assert torch.equal(got[key], want[key]), key
+    assert (got["rollout_log_probs"] - want["rollout_log_probs"]).abs().max().item() < NOISE
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -58,7 +58,9 @@ def padded(tmp_path_factory) -> Path:
     return convert_tiny(tmp_path_factory.mktemp("tiny32") / "model")
 
 
-@pytest.fixture(scope="session")
+# package: stopped when this directory's tests end, not at the end of the whole suite (an idle CPU engine still
+# polls: vLLM's worker took 7 % of a core for the rest of the run)
+@pytest.fixture(scope="package")
 def vllm(tmp_path_factory, padded) -> Iterator[Served]:
     """The session's server; $AGENTFSM_VLLM_URL names one already serving `python -m backends.tiny.head_pad
     DIR`'s model from $AGENTFSM_VLLM_MODEL (DIR) instead, for working on the suite without restarts."""

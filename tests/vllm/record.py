@@ -99,9 +99,29 @@ async def exchanges(url: str, model: str) -> list[dict[str, Any]]:
         await call("reload_back", "POST", "/collective_rpc",
                    {"method": "reload_weights", "kwargs": {"weights_path": model}})  # fmt: skip
         await call("update_weight_version_back", "POST", "/update_weight_version", {"new_version": "default"})
+        await exact(call, model)
         await call("start_weight_update", "POST", "/start_weight_update")
         await call("reset_prefix_cache", "POST", "/reset_prefix_cache")
     return out
+
+
+async def exact(call: Any, model: str) -> None:
+    """What an exact update reads (backends/vllm.py, backends/vllm_reload.py): the server's config, kept to
+    the two entries the client reads, and the worker extension's reload report."""
+    await call("server_info", "GET", "/server_info", params={"config_format": "json"})
+    await call("exact_reload", "POST", "/collective_rpc",
+               {"method": "agentfsm_reload_weights", "kwargs": {"weights_path": model}})  # fmt: skip
+
+
+def trimmed(exchanges: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """/server_info holds the whole config, environment and system: only what the client reads is kept."""
+    for e in exchanges:
+        if e["path"] == "/server_info" and isinstance(e["body"], dict):
+            config = e["body"]["vllm_config"]
+            e["body"] = {"vllm_config": {"parallel_config": {"worker_extension_cls":
+                         config["parallel_config"].get("worker_extension_cls")},
+                         "device_config": {"device": config["device_config"].get("device")}}}  # fmt: skip
+    return exchanges
 
 
 async def launch_and_record() -> list[dict[str, Any]]:
@@ -121,7 +141,7 @@ def main() -> None:
     ap.add_argument("--url", help="a running vLLM server (default: launch one)")
     ap.add_argument("--model", help="with --url: the padded model directory it serves")
     args = ap.parse_args()
-    got = asyncio.run(exchanges(args.url.rstrip("/"), args.model) if args.url else launch_and_record())
+    got = trimmed(asyncio.run(exchanges(args.url.rstrip("/"), args.model) if args.url else launch_and_record()))
     FIXTURES.mkdir(parents=True, exist_ok=True)
     path = FIXTURES / "exchanges.json"
     path.write_text(json.dumps({"vllm": "0.32.0", "exchanges": got}, indent=1) + "\n")

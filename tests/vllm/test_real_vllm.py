@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,10 +26,13 @@ from tests.conftest import ASSETS, REPO
 from tests.sglang.scenarios import PROMPT
 
 pytestmark = pytest.mark.vllm
+CONTEXT = 4096  # the served model's max_model_len
 LONG = 200  # an uninterrupted turn the interrupted ones are compared with
-BUSY = 3_000  # a turn's budget that is still running when a test aborts or pauses it (the tiny model makes 200
-# tokens faster than a quiet machine's abort lands); its reference is drawn after, as long as it needs to be
+BUSY = CONTEXT - len(PROMPT)  # a turn that only the call under test can end: the whole context, eos ignored
+# (about 40 s of decoding at load 7 on the 2-core machine, where the call lands within milliseconds once the
+# server shows the turn running); its reference is drawn after, only as long as the turn got
 REST = 24  # tokens an aborted turn is resumed for
+NOISE = 1e-4  # logprobs of one checkpoint on two vLLM servers, or one server twice, differ by less (docs/engines.md)
 MODES = ("abort", "retract", "in_place")  # the engine's names: vLLM's abort, wait and keep
 
 
@@ -49,14 +53,32 @@ async def metric(c: VLLMBackend, name: str) -> float:
     return sum(float(v) for v in found)
 
 
-async def running(c: VLLMBackend, n: int = 1, tokens: int = 2, timeout_s: float = 120) -> None:
-    """Until vLLM's scheduler runs `n` requests and has made `tokens` more tokens since this call."""
+async def running(c: VLLMBackend, n: int = 1, tokens: int = 2, timeout_s: float = 120,
+                  turn: asyncio.Future | None = None) -> None:  # fmt: skip
+    """Until vLLM's scheduler runs `n` requests and has made `tokens` more tokens since this call (or `turn`,
+    one that may end on its own, has ended)."""
     deadline = time.monotonic() + timeout_s
     before = await metric(c, "vllm:generation_tokens_total")
     while (await metric(c, "vllm:num_requests_running") < n
            or await metric(c, "vllm:generation_tokens_total") < before + tokens):  # fmt: skip
+        if turn is not None and turn.done():
+            return
         assert time.monotonic() < deadline, "no request started running"
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)  # each poll parses vLLM's whole /metrics page: not faster than this
+
+
+async def probe(c: VLLMBackend, rid: str) -> GenerateResult:
+    """The fixed probe a trainer would check an update with: 32 greedy tokens of PROMPT and their logprobs."""
+    return await c.generate(req(rid, 32, ignore_eos=True))
+
+
+def lp_diff(a: GenerateResult, b: GenerateResult) -> float:
+    assert a.token_ids == b.token_ids and a.logprobs is not None and b.logprobs is not None
+    return max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs))
+
+
+async def rpc(c: VLLMBackend, method: str, **kwargs: str) -> Any:
+    return (await c._control("POST", "/collective_rpc", {"method": method, "kwargs": kwargs}, timeout_s=600))["results"]
 
 
 async def reference(c: VLLMBackend, n: int = LONG) -> GenerateResult:
@@ -91,6 +113,8 @@ async def test_generate_logprobs_stop_ids_zero_budget_and_the_context_edge(vllm)
         assert c.context_length == 4096
         edge = await c.generate(req("gen_t04", 100, prompt=[5] * 4093))
         assert edge.finish_reason == "length" and len(edge.token_ids) == 3
+        assert edge.extra["context_cut"] == 4096  # fewer than asked: the context, not the budget, ended it
+        assert "context_cut" not in full.extra
         with pytest.raises(BackendRequestError, match="leaves no room in the context length 4096"):
             await c.generate(req("gen_t05", 1, prompt=[5] * 4096))
         assert await c.flush_cache()
@@ -146,12 +170,12 @@ async def test_pause_in_each_mode_with_a_request_in_flight_then_resume(vllm, mod
         budget = LONG if mode == "retract" else BUSY  # "wait" lets the turn finish; the others must catch it running
         session = f"pz{mode.replace('_', '')}"
         turn = asyncio.ensure_future(c.generate(req(f"{session}_t00", budget, ignore_eos=True)))
-        await running(c)
+        await running(c, turn=turn if mode == "retract" else None)  # "wait" is for turns that end on their own
         await c.pause_generation(mode)
         try:
             assert await c.is_paused() and not await c.ready()
             if mode == "retract":  # vLLM's "wait": the pause answered once the running request finished
-                assert turn.done()
+                assert turn.done() and await metric(c, "vllm:num_requests_running") == 0
             if mode == "in_place":  # "keep": frozen with its KV cache, nothing made while paused
                 made = await metric(c, "vllm:generation_tokens_total")
                 await asyncio.sleep(1.0)  # time passing is the point: no token may come meanwhile
@@ -190,24 +214,65 @@ async def test_update_weights_between_checkpoints_through_the_router(vllm):
         assert back.weight_version == "102" and back.token_ids == ref.token_ids
 
 
+async def test_vllms_own_reload_keeps_the_tied_head_and_the_clients_update_does_not(vllm):
+    """vLLM's `reload_weights` on its CPU engine: the tied output head keeps computing with the old embedding
+    (new layers, old head); the worker extension's check names it, and the client's update (the extension's
+    reload) serves the checkpoint: the probe's logprobs come back to the shipped model's exactly."""
+    async with client(vllm.url) as c:
+        base = await probe(c, "tie_t00")
+        assert lp_diff(base, await probe(c, "tie_t01")) < NOISE  # the engine's own run-to-run noise
+        try:
+            await rpc(c, "reload_weights", weights_path=str(vllm.early))  # vLLM's own: what the issue met
+            assert [name for name, _ in (await rpc(c, "agentfsm_stale_heads"))[0]] == ["lm_head"]
+            mixed = await probe(c, "tie_t02")
+            await c.update_weights_from_disk(str(vllm.early))
+            assert (await rpc(c, "agentfsm_stale_heads")) == [[]]
+            early = await probe(c, "tie_t03")
+        finally:
+            await c.update_weights_from_disk(str(vllm.model))
+        back = await probe(c, "tie_t04")
+    assert lp_diff(back, base) < NOISE
+    assert mixed.token_ids != early.token_ids or max(abs(x - y) for x, y in zip(mixed.logprobs or [], early.logprobs or [])) > 0.1
+
+
 async def test_an_update_while_a_request_is_held_splits_its_versions_as_vllm_reports(vllm):
     """A request frozen by a `keep` pause across an update: its first tokens are the old version's, the rest
     the new one's, as vLLM's weight_versions spans say; the client's own update takes that pause itself."""
     async with client(vllm.url) as c:
         before = (await c.model_info())["weight_version"]
-        turn = asyncio.ensure_future(c.generate(req("split_t00", 400, ignore_eos=True)))
+        turn = asyncio.ensure_future(c.generate(req("split_t00", BUSY, ignore_eos=True)))
         await running(c, tokens=4)
         await c.update_weights_from_disk(str(vllm.early), weight_version="201")
         try:
+            await running(c, tokens=4)  # made by the new weights: then the test ends the turn
+            await c.abort("split")
             out = await turn
         finally:
             await c.update_weights_from_disk(str(vllm.model), weight_version="202")
         versions = out.extra["token_versions"]
         k = versions.count(before)
+        assert out.finish_reason == "abort" and len(versions) < BUSY
         assert 0 < k < len(versions) and versions == [before] * k + ["201"] * (len(versions) - k)
 
 
 # -- the engine and the CLI --------------------------------------------------------------------------------
+
+
+async def test_a_turn_the_context_cuts_ends_context_length(vllm, tmp_path):
+    """A 4,038-token prompt the greedy model answers without an eos: the turn fills vLLM's 4,096-token context with 58 tokens and the row
+    ends `context_length`, as over SGLang and the dev server (it ended `done`: vLLM cuts exactly at the edge)."""
+    from fsm.api import RolloutEngine
+
+    spec = tmp_path / "cut.yaml"
+    spec.write_text(f"name: cut\nextends: {REPO / 'specs' / 'single_turn.yaml'}\n"
+                    "limits:\n  prompt_length: 4096\n  response_length: 512\n")  # fmt: skip
+    row = {"raw_prompt": [{"role": "user", "content": " ".join(["one"] * 4018)}]}  # 20 template tokens around it
+    async with RolloutEngine(spec, str(ASSETS), servers=[vllm.url]) as engine:
+        (traj,) = await engine.arun([row], sampling_params={"temperature": 0.0})
+    assert len(traj.prompt_ids) == 4038 and len(traj.response_ids) == CONTEXT - 4038
+    assert traj.termination_reason == "context_length" and not traj.failed
+    assert traj.extra["context_cut"] == CONTEXT and traj.extra["spec_reason"] == "done"
+
 
 
 def agentfsm(*args: str) -> subprocess.CompletedProcess[str]:
@@ -295,16 +360,31 @@ async def test_continuous_mode_pause_update_resume_versions_match_vllms(vllm, to
     assert start + 1 in seen  # tokens after the update came from the early checkpoint
 
 
-def test_launch_vllm_starts_real_vllm_on_cpu(tmp_path, padded):
-    """`--launch-vllm` with --device cpu: the launcher's CPU engine, through the CLI, end to end (its own server:
-    the session's is not needed)."""
+def test_an_updated_server_serves_what_a_fresh_one_on_the_checkpoint_serves(tmp_path, vllm, padded):
+    """As a trainer needs it: `--launch-vllm` starts a fresh real vLLM on the early checkpoint through the CLI
+    (the launcher's CPU engine, end to end), and the session's server, updated to that checkpoint, serves the
+    same job: the same tokens, logprobs within the engine's own noise."""
     from tests.vllm.conftest import PYTHON, free_port, need_venv
 
     need_venv()
-    run = agentfsm("run", "specs/calculator.yaml", "--launch-vllm", str(padded), "--device", "cpu",
-                   "--vllm-python", str(PYTHON), "--port", str(free_port()), "--temperature", "0",
-                   "--num-prompts", "2", "--out", str(tmp_path / "launched"))  # fmt: skip
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert list((tmp_path / "launched" / "vllm_logs").glob("replica0_port*.log"))
-    got = batch(tmp_path / "launched")
-    assert got["responses"].shape[0] == 2 and bool((got["response_mask"].sum(-1) > 0).all())
+    job = ("run", "specs/calculator.yaml", "--tokenizer", str(ASSETS), "--temperature", "0", "--num-prompts", "4")
+    fresh = agentfsm(*job, "--launch-vllm", str(vllm.early), "--device", "cpu", "--vllm-python", str(PYTHON),
+                     "--port", str(free_port()), "--out", str(tmp_path / "fresh"))  # fmt: skip
+    assert fresh.returncode == 0, fresh.stderr[-2000:]
+    assert list((tmp_path / "fresh" / "vllm_logs").glob("replica0_port*.log"))
+
+    async def update(path: Path, version: str) -> None:
+        async with client(vllm.url) as c:
+            await c.update_weights_from_disk(str(path), weight_version=version)
+
+    asyncio.run(update(vllm.early, "301"))
+    try:
+        updated = agentfsm(*job, "--server", vllm.url, "--out", str(tmp_path / "updated"))
+    finally:
+        asyncio.run(update(vllm.model, "302"))
+    assert updated.returncode == 0, updated.stderr[-2000:]
+    got, want = batch(tmp_path / "updated"), batch(tmp_path / "fresh")
+    assert got["responses"].shape[0] == 4 and bool((got["response_mask"].sum(-1) > 0).all())
+    for key in ("prompts", "responses", "response_mask", "attention_mask", "input_ids"):
+        assert torch.equal(got[key], want[key]), key
+    assert (got["rollout_log_probs"] - want["rollout_log_probs"]).abs().max().item() < NOISE
