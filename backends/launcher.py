@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import json
 import logging
 import os
@@ -28,7 +29,7 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import aiohttp
@@ -62,6 +63,20 @@ def _tail(path: Path, n: int = 40) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
     except OSError:
         return "(no log)"
+
+
+def die_with_parent() -> Callable[[], None] | None:
+    """Linux: a server launched here gets SIGTERM from the kernel when the process that launched it dies,
+    however it dies (kill -9, the OOM killer), instead of holding its port and memory as an orphan. The kernel
+    ties it to the launching thread: the engine launches from the thread that owns its loop for the whole run.
+    prctl is looked up here, in the parent, so the child only makes the system call."""
+    if sys.platform != "linux":
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 class SGLangLauncher:
@@ -136,6 +151,7 @@ class SGLangLauncher:
                             stderr=subprocess.STDOUT,
                             env=env,
                             start_new_session=True,
+                            preexec_fn=die_with_parent(),
                         )
                     )
                 self.logs.append(path)

@@ -418,3 +418,56 @@ def test_real_sglang_bodies_parse(scenario, name, kind, n):
     assert res.extra.get("abort_kind") == kind
     if kind == "waiting":
         assert res.prompt_tokens is None and res.cached_tokens is None and res.abort_message == "Abort in waiting queue"
+
+
+def test_a_launched_server_dies_with_the_process_that_launched_it(tmp_path):
+    """kill -9 of the launching process (the OOM killer, a scheduler) leaves no orphaned server holding its
+    port and memory: the kernel sends the server SIGTERM (PR_SET_PDEATHSIG)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import REPO
+
+    script = (
+        "import asyncio, sys\n"
+        "from backends.launcher import SGLangLauncher\n"
+        "async def main():\n"
+        f"    l = SGLangLauncher('unused', base_port={_free_port()}, log_dir=sys.argv[1], module='backends.devserver',\n"
+        "                       extra_args=['--scripted'], startup_timeout_s=60)\n"
+        "    async with l:\n"
+        "        print(l.procs[0].pid, flush=True)\n"
+        "        await asyncio.sleep(3600)\n"
+        "asyncio.run(main())\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE, cwd=REPO,
+                              env={**os.environ, "PYTHONPATH": str(REPO)}, text=True)  # fmt: skip
+    try:
+        server = int(parent.stdout.readline())  # the server answered /health
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while _alive(server):
+            assert time.monotonic() < deadline, f"server {server} outlived its launcher by 30 s"
+            time.sleep(0.05)
+    finally:
+        parent.kill()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _alive(pid: int) -> bool:
+    """Whether pid is a process that has not exited (a zombie waiting for its reaper counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
