@@ -28,14 +28,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import json
 import os
 import signal
+import sys
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from fsm.gateway.front import TOKEN_ENV
 from fsm.gateway.record import GatewayError, LimitReached, record_call
 from fsm.gateway.server import Session, gateway_for
 from fsm.run.context import RunContext
@@ -47,6 +50,8 @@ _LIVE: dict[str, Session] = {}  # trajectory session_id -> its gateway session, 
 _LANE: ThreadLane | None = None  # sync harnesses' own threads (never the loop's executor)
 MAX_OUTPUT_BYTES = 1 << 20  # a command's stdout kept as its result
 REAP_S = 5.0  # how long a stopped harness may take to end
+REAPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reaper.py")  # runs each command harness
+SECRET_ENV = (TOKEN_ENV,)  # this process's secrets no harness is given (a worker's registration token)
 
 
 @dataclass(frozen=True)
@@ -92,7 +97,8 @@ def harness(fn: Callable[[HarnessCall], Any] | None = None, *, command: Sequence
             _LIVE[traj.session_id] = session
             call = HarnessCall(session.base_url, session.anthropic_base_url, session.key, model, dict(traj.row))
             loop = asyncio.get_running_loop()
-            task = loop.create_task(_run_command(command, call) if command is not None else _run_function(fn, call))
+            ended = functools.partial(session.close, "the session's harness has ended")
+            task = loop.create_task(_run_command(command, call, ended) if command is not None else _run_function(fn, call))
             task.add_done_callback(lambda _t: session.wake.set())
             traj.extra["_harness_deadline"] = deadline = loop.time() + timeout_s
             session.task = task  # type: ignore[attr-defined]
@@ -118,6 +124,8 @@ async def _wait(ctx: RunContext, traj: Trajectory, session: Session, task: async
     max_refused = session.gateway.limits.max_refused_calls
     try:
         while True:
+            if task.done():  # first: a call that came after the harness ended is refused (_end closes the session)
+                return task.result() if not task.cancelled() else {"outcome": "cancelled"}
             if session.pending is not None:
                 refusal = _past_limit(ctx, traj)
                 if refusal is None:
@@ -132,8 +140,6 @@ async def _wait(ctx: RunContext, traj: Trajectory, session: Session, task: async
                     return {"outcome": "spinning", "error": f"{session.refused} calls past the spec's limits (the "
                             f"last: {refusal}); the gateway allows {max_refused}"}  # fmt: skip
                 continue
-            if task.done():
-                return task.result() if not task.cancelled() else {"outcome": "cancelled"}
             left = traj.extra["_harness_deadline"] - loop.time()
             if left <= 0:
                 return {"outcome": "timeout", "error": f"the harness ran past its {timeout_s:g} s"}
@@ -245,24 +251,63 @@ def _plain(value: Any) -> Any:
         return str(value)
 
 
-async def _run_command(command: Sequence[str], call: HarnessCall) -> dict[str, Any]:
-    """Run the command in its own process group (ended whole on a timeout); stdout is its result."""
-    proc = await asyncio.create_subprocess_exec(*command, env={**os.environ, **call.env}, stdin=asyncio.subprocess.DEVNULL,
-                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-                                                start_new_session=True)  # fmt: skip
+async def _run_command(command: Sequence[str], call: HarnessCall, on_exit: Callable[[], None]) -> dict[str, Any]:
+    """Run the command under the reaper (fsm/gateway/reaper.py: every process it starts ends with it) in its own
+    process group; `on_exit` is called the moment the command itself exits; stdout is its result."""
+    env = {k: v for k, v in os.environ.items() if k not in SECRET_ENV}
+    read_fd, write_fd = os.pipe()
     try:
-        out, err = await asyncio.gather(_bounded(proc.stdout), _bounded(proc.stderr))
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-S", REAPER, str(write_fd), *command,
+                                                    env={**env, **call.env}, stdin=asyncio.subprocess.DEVNULL,
+                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                                                    start_new_session=True, pass_fds=(write_fd,))  # fmt: skip
+    except BaseException:
+        os.close(read_fd)
+        raise
+    finally:
+        os.close(write_fd)
+    try:
+        exited, out, err = await asyncio.gather(_exit_status(read_fd, on_exit), _bounded(proc.stdout), _bounded(proc.stderr))
         code = await proc.wait()
     except BaseException:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        with contextlib.suppress(Exception):
-            await asyncio.shield(proc.wait())
+        await asyncio.shield(_stop(proc))
         raise
+    code = code if exited is None else exited  # the command's own status (a signal's is negative)
     result: dict[str, Any] = {"outcome": "exit", "exit_code": code, "result": out.decode(errors="replace").strip()}
     if code != 0:
         result["error"] = err.decode(errors="replace").strip()[-2000:]
     return result
+
+
+async def _exit_status(fd: int, on_exit: Callable[[], None]) -> int | None:
+    """The command's exit status as the reaper writes it on `fd` (None if the reaper died first)."""
+    reader = asyncio.StreamReader()
+    loop = asyncio.get_running_loop()
+    transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(fd, "rb", 0))
+    try:
+        line = await reader.readline()
+    finally:
+        transport.close()
+        on_exit()
+    try:
+        return int(line)
+    except ValueError:
+        return None
+
+
+async def _stop(proc: asyncio.subprocess.Process) -> None:
+    """The row ended first: the reaper kills the harness's whole tree (SIGTERM to it); its process group is
+    killed if it does not end within REAP_S."""
+    with contextlib.suppress(ProcessLookupError):
+        proc.terminate()
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(REAP_S):
+            await proc.wait()
+            return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(Exception):
+        await proc.wait()
 
 
 async def _bounded(stream: asyncio.StreamReader | None) -> bytes:

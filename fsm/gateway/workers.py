@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from fsm.api import _Engine, load_tokenizer
-from fsm.gateway.front import Front
+from fsm.gateway.front import TOKEN_ENV, Front
 from fsm.gateway.server import GatewayLimits, configure
 from fsm.output.keep import SNAPSHOT, Rollout
 from fsm.output.metrics import COUNTERS
@@ -51,7 +51,6 @@ from fsm.run.runtime import agent_codec
 from fsm.run.signals import SIGNALS, say_now
 from fsm.run.snapshot import decode_sampling, decode_trajectory, encode_sampling, encode_trajectory
 
-TOKEN_ENV = "AGENTFSM_FRONT_TOKEN"  # the run's secret a worker registers with (never on a command line)
 CONFIG, RESULT = "config.json", "result.json"  # in OUT/workers/wK: what the parent gave, what it rolled out
 REGISTER_TIMEOUT_S = 10.0  # one worker's registration request
 STOP_TIMEOUT_S = SNAPSHOT_TIMEOUT_S + 60.0  # after a signal: the workers' snapshot and write; then killed
@@ -362,7 +361,7 @@ def worker(args: argparse.Namespace, config: dict[str, Any], run: Callable[..., 
     _die_with_parent()
     if os.getppid() != config["parent"]:
         raise WorkerError(f"gateway worker {tag}: its parent (pid {config['parent']}) is gone")
-    sock = _register(front, tag, os.environ.get(TOKEN_ENV, ""))
+    sock = _register(front, tag, os.environ.pop(TOKEN_ENV, ""))  # read once: no harness of this worker inherits it
     configure("127.0.0.1", 0, limits, tag=tag, front=front, sock=sock)
 
     async def rows_of_mine(args: argparse.Namespace, rows: list[dict[str, Any]], console: Any) -> Rollout:

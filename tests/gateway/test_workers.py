@@ -17,6 +17,8 @@ import pytest
 import torch
 
 from fsm.cli.commands import main
+from fsm.gateway import harness
+from tests.gateway.test_hostile import SCRIPT
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = str(ROOT / "examples/gateway/base.yaml")
@@ -151,3 +153,33 @@ def test_flags_that_cannot_go_with_workers_are_usage_errors(argv, problem, capsy
     assert main(["gateway", SPEC, *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("agentfsm gateway: error: ") and problem in err, err
+
+
+DUMP_ENV = "import json, os; open(os.path.join(os.environ['ENV_DIR'], str(os.getpid())), 'w').write(json.dumps(dict(os.environ)))\n"
+env_harness = harness(command=[sys.executable, "-c", DUMP_ENV + SCRIPT, "0"], timeout_s=120)
+
+
+def test_a_harness_is_not_given_the_front_token(tmp_path):
+    from fsm.gateway.front import TOKEN_ENV
+
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(f"""name: env
+extends: {SPEC}
+states:
+  HARNESS:
+    action: tests.gateway.test_workers:env_harness
+    next:
+      - {{to: GENERATING, when: harness_calling}}
+      - {{to: TERMINATED, when: harness_failed, reason: harness_failed}}
+      - {{to: TERMINATED, reason: done}}
+""")
+    dumps = tmp_path / "env"
+    dumps.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "fsm.cli", "gateway", str(spec), "--num-prompts", "2", "--workers",
+                             "2", "-q", "--out", str(tmp_path / "run")], cwd=ROOT, env={**ENV, "ENV_DIR": str(dumps)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    rc, said = _finish(proc)
+    assert rc == 0, said
+    envs = [json.loads(p.read_text()) for p in dumps.iterdir()]
+    assert len(envs) == 2 and all("OPENAI_API_KEY" in e for e in envs)  # one per row, each given its session
+    assert not [e for e in envs if TOKEN_ENV in e or any(k.startswith("AGENTFSM_FRONT") for k in e)]
