@@ -73,6 +73,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "OUT/workers/")  # fmt: skip
     p.add_argument("--worker-start-timeout", type=_seconds, default=120.0, metavar="SECONDS",
                    help="with --workers: how long a worker may take to start and register with the front")
+    p.add_argument("--worker-silent-timeout", type=_seconds, default=30.0, metavar="SECONDS",
+                   help="with --workers: how long a registered worker may go without its heartbeat (one a second, "
+                        "from a thread of its own) before it is taken for dead (stopped or frozen)")  # fmt: skip
     p.add_argument("--worker-config", help=argparse.SUPPRESS)  # a worker process's own: what its parent gave it
     checks = getattr(p, "checks", None)
     if checks is not None:
