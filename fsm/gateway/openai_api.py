@@ -47,8 +47,14 @@ def _int(value: Any, name: str) -> int | None:
     return value
 
 
+FUNCTION_FIELDS = ("name", "description", "parameters", "strict")  # what a chat server gives the template
+
+
 def _tools(tools: Any) -> list[dict[str, Any]] | None:
-    """Function tools in Chat Completions form; the Responses API's flat form is converted."""
+    """Function tools in Chat Completions form (the Responses API's flat form is converted), each function's
+    fields as sent, in the order sent, as vLLM and SGLang hand them to the chat template (`strict` included, so
+    a template that writes the schema as JSON writes it too); only `parameters` is filled in when absent (an
+    empty object schema, which templates that read it need)."""
     if tools is None:
         return None
     if not isinstance(tools, list):
@@ -60,10 +66,12 @@ def _tools(tools: Any) -> list[dict[str, Any]] | None:
         fn = tool.get("function", tool)  # Responses: {"type": "function", "name", "parameters", ...}
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise GatewayError(f"tools[{k}]: a function tool needs a name")
-        schema = {"name": fn["name"]}
-        if fn.get("description") is not None:
-            schema["description"] = str(fn["description"])
-        schema["parameters"] = fn.get("parameters") or {"type": "object", "properties": {}}
+        if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
+            raise GatewayError(f"tools[{k}]: strict must be true or false")
+        schema = {key: fn[key] for key in fn if key in FUNCTION_FIELDS and fn[key] is not None}
+        if "description" in schema:
+            schema["description"] = str(schema["description"])
+        schema.setdefault("parameters", {"type": "object", "properties": {}})
         out.append({"type": "function", "function": schema})
     return out or None
 
