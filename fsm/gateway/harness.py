@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import inspect
 import json
 import os
@@ -51,6 +50,7 @@ _LANE: ThreadLane | None = None  # sync harnesses' own threads (never the loop's
 MAX_OUTPUT_BYTES = 1 << 20  # a command's stdout kept as its result
 REAP_S = 5.0  # how long a stopped harness may take to end
 REAPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reaper.py")  # runs each command harness
+ENDED = "the session's harness has ended"
 SECRET_ENV = (TOKEN_ENV,)  # this process's secrets no harness is given (a worker's registration token)
 
 
@@ -97,8 +97,7 @@ def harness(fn: Callable[[HarnessCall], Any] | None = None, *, command: Sequence
             _LIVE[traj.session_id] = session
             call = HarnessCall(session.base_url, session.anthropic_base_url, session.key, model, dict(traj.row))
             loop = asyncio.get_running_loop()
-            ended = functools.partial(session.close, "the session's harness has ended")
-            task = loop.create_task(_run_command(command, call, ended) if command is not None else _run_function(fn, call))
+            task = loop.create_task(_run_command(command, call, session) if command is not None else _run_function(fn, call))
             task.add_done_callback(lambda _t: session.wake.set())
             traj.extra["_harness_deadline"] = deadline = loop.time() + timeout_s
             session.task = task  # type: ignore[attr-defined]
@@ -126,6 +125,9 @@ async def _wait(ctx: RunContext, traj: Trajectory, session: Session, task: async
         while True:
             if task.done():  # first: a call that came after the harness ended is refused (_end closes the session)
                 return task.result() if not task.cancelled() else {"outcome": "cancelled"}
+            if session.pending is not None and _exited(session.pid):  # a call from what the harness left behind
+                session.close(ENDED)
+                continue
             if session.pending is not None:
                 refusal = _past_limit(ctx, traj)
                 if refusal is None:
@@ -251,9 +253,9 @@ def _plain(value: Any) -> Any:
         return str(value)
 
 
-async def _run_command(command: Sequence[str], call: HarnessCall, on_exit: Callable[[], None]) -> dict[str, Any]:
+async def _run_command(command: Sequence[str], call: HarnessCall, session: Session) -> dict[str, Any]:
     """Run the command under the reaper (fsm/gateway/reaper.py: every process it starts ends with it) in its own
-    process group; `on_exit` is called the moment the command itself exits; stdout is its result."""
+    process group; the session closes the moment the command itself exits; stdout is its result."""
     env = {k: v for k, v in os.environ.items() if k not in SECRET_ENV}
     read_fd, write_fd = os.pipe()
     try:
@@ -266,8 +268,9 @@ async def _run_command(command: Sequence[str], call: HarnessCall, on_exit: Calla
         raise
     finally:
         os.close(write_fd)
+    status = os.fdopen(read_fd, "rb", 0)  # closed by its reader, or when dropped
     try:
-        exited, out, err = await asyncio.gather(_exit_status(read_fd, on_exit), _bounded(proc.stdout), _bounded(proc.stderr))
+        exited, out, err = await asyncio.gather(_exit_status(status, session), _bounded(proc.stdout), _bounded(proc.stderr))
         code = await proc.wait()
     except BaseException:
         await asyncio.shield(_stop(proc))
@@ -279,20 +282,37 @@ async def _run_command(command: Sequence[str], call: HarnessCall, on_exit: Calla
     return result
 
 
-async def _exit_status(fd: int, on_exit: Callable[[], None]) -> int | None:
-    """The command's exit status as the reaper writes it on `fd` (None if the reaper died first)."""
+async def _exit_status(pipe: Any, session: Session) -> int | None:
+    """The command's pid (`session.pid`) and exit status as the reaper writes them on `pipe` (None if the reaper
+    died first); the session is closed when the command exits."""
     reader = asyncio.StreamReader()
     loop = asyncio.get_running_loop()
-    transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(fd, "rb", 0))
+    transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), pipe)
     try:
-        line = await reader.readline()
+        while line := await reader.readline():
+            kind, _, value = line.decode(errors="replace").partition(" ")
+            if kind == "pid":
+                session.pid = int(value)
+            elif kind == "exit":
+                return int(value)
+        return None
     finally:
         transport.close()
-        on_exit()
+        session.close(ENDED)
+
+
+def _exited(pid: int | None) -> bool:
+    """Whether a command harness's process has exited (a zombie, or reaped); False for a function harness, or
+    without /proc."""
+    if pid is None:
+        return False
     try:
-        return int(line)
-    except ValueError:
-        return None
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
+    except FileNotFoundError:
+        return os.path.isdir("/proc/self")
+    except (OSError, IndexError):
+        return False
 
 
 async def _stop(proc: asyncio.subprocess.Process) -> None:

@@ -1,8 +1,8 @@
 """Every process a command harness starts ends with it: `python -S reaper.py FD ARGV...` runs ARGV as its child
 and is a child subreaper (Linux `PR_SET_CHILD_SUBREAPER`), so every descendant of the harness that loses its
 parent (a double fork, `setsid`, a daemon) is re-parented here rather than to PID 1 and cannot leave the tree.
-When the harness exits, its exit status is written to FD at once (the gateway closes the session then: a call
-made after that is refused, fsm/gateway/harness.py), then every descendant left is killed (SIGKILL, whatever
+The harness's pid is written to FD when it starts (`pid N`), and its exit status the moment it exits (`exit N`:
+the gateway closes the session then, and refuses a call taken after the harness exited, fsm/gateway/harness.py), then every descendant left is killed (SIGKILL, whatever
 it ignores) and reaped, and the reaper exits with the harness's status. SIGTERM, SIGINT or SIGHUP to the
 reaper (the row ended first), or its parent's death, kill the whole tree the same way.
 
@@ -32,7 +32,11 @@ def _prctl(option: int, value: int) -> None:
 def descendants(root: int) -> list[int]:
     """Every process under `root`, read from /proc (each one's parent pid)."""
     children: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
+    try:
+        names = os.listdir("/proc")
+    except OSError:  # no /proc (not Linux): only the command itself is ours to end
+        return []
+    for name in names:
         if not name.isdigit():
             continue
         try:
@@ -96,6 +100,10 @@ def main(argv: list[str]) -> int:
         except OSError as exc:
             os.write(2, f"agentfsm harness: cannot start {command[0]}: {exc.strerror or exc}\n".encode())
         os._exit(127)
+    try:
+        os.write(fd, f"pid {child}\n".encode())
+    except OSError:
+        pass
     while True:
         try:
             pid, status = os.waitpid(-1, 0)
@@ -106,7 +114,7 @@ def main(argv: list[str]) -> int:
             break
     code = os.waitstatus_to_exitcode(status)
     try:
-        os.write(fd, f"{code}\n".encode())
+        os.write(fd, f"exit {code}\n".encode())
         os.close(fd)
     except OSError:
         pass

@@ -76,6 +76,7 @@ class Session:
         self.refused = 0
         self.calls = 0
         self.closed = False
+        self.pid: int | None = None  # a command harness's process, once started (harness.py refuses calls after it)
 
     @property
     def base_url(self) -> str:

@@ -1,6 +1,6 @@
 """A command harness that leaves two grandchildren behind, both ignoring SIGTERM: one in its process group, one in a
 session of its own (setsid). It makes one model call, starts them, waits until both have written their pid into
-$ORPHANS_DIR, and exits 0. Each grandchild then waits for the harness to exit, calls the session, and writes the
+$ORPHANS_DIR, and exits 0 (or, with $ORPHANS_HANG set, sleeps until its row ends it). Each grandchild then waits for the harness to exit, calls the session, and writes the
 HTTP status it got (tests/gateway/test_hostile.py)."""
 
 import json
@@ -60,3 +60,5 @@ if __name__ == "__main__":
     while not all(os.path.exists(os.path.join(OUT, f"{n}.pid")) for n in ("group", "setsid")):
         assert time.monotonic() < deadline, "the grandchildren did not start"
         time.sleep(0.001)
+    if os.environ.get("ORPHANS_HANG"):  # the row ends first (the harness's timeout)
+        time.sleep(600)
