@@ -96,6 +96,9 @@ def trajectory_record(traj: Any, codec: Any = None) -> dict[str, Any]:
     session = getattr(traj, "extra", {}).get("harness_session")
     if session:  # a harness row's gateway session (fsm/gateway/harness.py)
         record["gateway_session"] = session
+    notes = getattr(traj, "extra", {}).get("gateway_notes")
+    if notes:  # what the gateway changed in a harness's requests (tools it left out, fsm/gateway/record.py)
+        record["gateway_notes"] = list(notes)
     if getattr(traj, "closed", ()):
         path = traj.path  # `state`: where the segment began (the state whose action started it)
         record["segments"] = [{"index": seg.index, "reason": seg.reason, "state": path[min(seg.at, len(path) - 1)],

@@ -342,7 +342,11 @@ class Codec:
         renders the next turn's context; a final turn is kept as the model wrote it), so a
         template that renders calls or reasoning differently from how the model wrote them is caught, not
         copied back from the raw text. Describe the first difference. A final model turn owes nothing the
-        template adds after it (its end token, a newline)."""
+        template adds after it (its end token, a newline).
+
+        Where the whole render differs, the row is compared as each generation saw it (`_as_generated`): a
+        template that rewrites an earlier turn only once a later one follows (gpt-oss drops a call's analysis
+        when a final answer follows it) gave each turn its context as the row holds it."""
         ids = list(ids)
         messages = [self.structured(m) if messages[k + 1 : k + 2] and messages[k + 1].get("role") == "tool" else m
                     for k, m in enumerate(messages)]  # fmt: skip
@@ -353,15 +357,38 @@ class Codec:
         else:
             if not ends_with_observation and ids and ids[-1] in self._strip_ids - {self.eos_id}:
                 ids = ids[:-1]  # GLM's last turn ends on the next turn's own token (<|user|>), which the template adds
-            if not ends_with_observation and expected[: len(ids)] == ids:
-                rest = self.decode(expected[len(ids) :], skip_special_tokens=False)
-                for marker in (*self.family.turn_end, self.family.cut_closer, *self.family.strip_stops):
-                    rest = rest.replace(marker, "") if marker else rest
-                if not rest.strip():
-                    expected = expected[: len(ids)]
+            if not ends_with_observation and self._owes_nothing(expected, ids):
+                expected = expected[: len(ids)]
         if expected == ids:
+            return None
+        if not self._verl_exact and not ends_with_observation and self._as_generated(messages, tools, ids, expected):
             return None
         i = next((k for k, (a, b) in enumerate(zip(ids, expected)) if a != b), min(len(ids), len(expected)))
         got, want = (self.decode(ids[i : i + 8], skip_special_tokens=False),
                      self.decode(expected[i : i + 8], skip_special_tokens=False))  # fmt: skip
         return f"token {i}: trajectory has {got!r}, a re-render has {want!r} ({len(ids)} vs {len(expected)} tokens)"
+
+    def _owes_nothing(self, expected: list[int], ids: list[int]) -> bool:
+        """`expected` is `ids` then only what the template adds after a final turn (end markers, whitespace)."""
+        if expected[: len(ids)] != ids:
+            return False
+        rest = self.decode(expected[len(ids) :], skip_special_tokens=False)
+        for marker in (*self.family.turn_end, self.family.cut_closer, *self.family.strip_stops):
+            rest = rest.replace(marker, "") if marker else rest
+        return not rest.strip()
+
+    def _as_generated(self, messages: list[dict[str, Any]], tools: list[dict] | None, ids: list[int],
+                      full: list[int]) -> bool:  # fmt: skip
+        """Whether each model turn's context in `ids` is the template's render of the conversation before it (the
+        prompt a chat server gives that turn), and the row ends with its last turn as the template writes it at
+        the end of `full` (the whole render, followed by nothing but end markers)."""
+        turns = [k for k, m in enumerate(messages) if m.get("role") == "assistant"]
+        if not turns:
+            return False
+        for k in turns:
+            context = self.render(messages[:k], tools=tools, add_generation_prompt=True)
+            if ids[: len(context)] != context:
+                return False
+        tail = ids[len(context) :]
+        return any(full[end - len(tail) : end] == tail and self._owes_nothing(full[end - len(tail) :], tail)
+                   for end in range(len(full), max(len(tail), len(full) - 8) - 1, -1))  # fmt: skip

@@ -9,7 +9,7 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-from fsm.gateway.record import Answer, Call, GatewayError
+from fsm.gateway.record import Answer, Call, GatewayError, unsupported_tool, with_dropped
 
 STOP_REASONS = {"stop": "end_turn", "tool_calls": "tool_use", "length": "max_tokens"}
 
@@ -76,12 +76,15 @@ def messages_call(body: dict[str, Any]) -> Call:
     max_tokens = body.get("max_tokens")
     if type(max_tokens) is not int or max_tokens <= 0:
         raise GatewayError("max_tokens: a positive integer is required")
-    tools = None
+    tools, dropped = None, []
     if body.get("tools") is not None:
         if not isinstance(body["tools"], list):
             raise GatewayError("tools: must be a list")
         tools = []
         for k, t in enumerate(body["tools"]):
+            if isinstance(t, dict) and t.get("type") not in (None, "custom"):  # a server tool (web_search_..., bash_...)
+                dropped.append(unsupported_tool(f"tools.{k}", t))
+                continue
             if not isinstance(t, dict) or not isinstance(t.get("name"), str):
                 raise GatewayError(f"tools.{k}: a tool needs a name (custom tools only)")
             fn = {"name": t["name"]}
@@ -90,7 +93,7 @@ def messages_call(body: dict[str, Any]) -> Call:
             fn["parameters"] = t.get("input_schema") or {"type": "object", "properties": {}}
             tools.append({"type": "function", "function": fn})
         tools = tools or None
-    return Call(out, tools, max_tokens, bool(body.get("stream")), {"model": str(body.get("model") or "")})
+    return with_dropped(Call(out, tools, max_tokens, bool(body.get("stream")), {"model": str(body.get("model") or "")}), dropped)
 
 
 def _content(a: Answer) -> list[dict[str, Any]]:

@@ -28,6 +28,7 @@ from aiohttp import web
 from fsm.gateway.record import GatewayError
 from fsm.gateway.server import GatewayLimits, _error, listen, read_body, route
 
+TOKEN_ENV = "AGENTFSM_FRONT_TOKEN"  # a worker's registration token, in its environment (never on a command line)
 FORWARDED = ("Authorization", "x-api-key", "Content-Type", "Accept", "anthropic-version", "anthropic-beta")
 
 

@@ -32,10 +32,12 @@ import inspect
 import json
 import os
 import signal
+import sys
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from fsm.gateway.front import TOKEN_ENV
 from fsm.gateway.record import GatewayError, LimitReached, record_call
 from fsm.gateway.server import Session, gateway_for
 from fsm.run.context import RunContext
@@ -47,6 +49,9 @@ _LIVE: dict[str, Session] = {}  # trajectory session_id -> its gateway session, 
 _LANE: ThreadLane | None = None  # sync harnesses' own threads (never the loop's executor)
 MAX_OUTPUT_BYTES = 1 << 20  # a command's stdout kept as its result
 REAP_S = 5.0  # how long a stopped harness may take to end
+REAPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reaper.py")  # runs each command harness
+ENDED = "the session's harness has ended"
+SECRET_ENV = (TOKEN_ENV,)  # this process's secrets no harness is given (a worker's registration token)
 
 
 @dataclass(frozen=True)
@@ -92,7 +97,7 @@ def harness(fn: Callable[[HarnessCall], Any] | None = None, *, command: Sequence
             _LIVE[traj.session_id] = session
             call = HarnessCall(session.base_url, session.anthropic_base_url, session.key, model, dict(traj.row))
             loop = asyncio.get_running_loop()
-            task = loop.create_task(_run_command(command, call) if command is not None else _run_function(fn, call))
+            task = loop.create_task(_run_command(command, call, session) if command is not None else _run_function(fn, call))
             task.add_done_callback(lambda _t: session.wake.set())
             traj.extra["_harness_deadline"] = deadline = loop.time() + timeout_s
             session.task = task  # type: ignore[attr-defined]
@@ -118,6 +123,11 @@ async def _wait(ctx: RunContext, traj: Trajectory, session: Session, task: async
     max_refused = session.gateway.limits.max_refused_calls
     try:
         while True:
+            if task.done():  # first: a call that came after the harness ended is refused (_end closes the session)
+                return task.result() if not task.cancelled() else {"outcome": "cancelled"}
+            if session.pending is not None and _exited(session.pid):  # a call from what the harness left behind
+                session.close(ENDED)
+                continue
             if session.pending is not None:
                 refusal = _past_limit(ctx, traj)
                 if refusal is None:
@@ -132,8 +142,6 @@ async def _wait(ctx: RunContext, traj: Trajectory, session: Session, task: async
                     return {"outcome": "spinning", "error": f"{session.refused} calls past the spec's limits (the "
                             f"last: {refusal}); the gateway allows {max_refused}"}  # fmt: skip
                 continue
-            if task.done():
-                return task.result() if not task.cancelled() else {"outcome": "cancelled"}
             left = traj.extra["_harness_deadline"] - loop.time()
             if left <= 0:
                 return {"outcome": "timeout", "error": f"the harness ran past its {timeout_s:g} s"}
@@ -245,24 +253,81 @@ def _plain(value: Any) -> Any:
         return str(value)
 
 
-async def _run_command(command: Sequence[str], call: HarnessCall) -> dict[str, Any]:
-    """Run the command in its own process group (ended whole on a timeout); stdout is its result."""
-    proc = await asyncio.create_subprocess_exec(*command, env={**os.environ, **call.env}, stdin=asyncio.subprocess.DEVNULL,
-                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-                                                start_new_session=True)  # fmt: skip
+async def _run_command(command: Sequence[str], call: HarnessCall, session: Session) -> dict[str, Any]:
+    """Run the command under the reaper (fsm/gateway/reaper.py: every process it starts ends with it) in its own
+    process group; the session closes the moment the command itself exits; stdout is its result."""
+    env = {k: v for k, v in os.environ.items() if k not in SECRET_ENV}
+    read_fd, write_fd = os.pipe()
     try:
-        out, err = await asyncio.gather(_bounded(proc.stdout), _bounded(proc.stderr))
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-S", REAPER, str(write_fd), *command,
+                                                    env={**env, **call.env}, stdin=asyncio.subprocess.DEVNULL,
+                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                                                    start_new_session=True, pass_fds=(write_fd,))  # fmt: skip
+    except BaseException:
+        os.close(read_fd)
+        raise
+    finally:
+        os.close(write_fd)
+    status = os.fdopen(read_fd, "rb", 0)  # closed by its reader, or when dropped
+    try:
+        exited, out, err = await asyncio.gather(_exit_status(status, session), _bounded(proc.stdout), _bounded(proc.stderr))
         code = await proc.wait()
     except BaseException:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        with contextlib.suppress(Exception):
-            await asyncio.shield(proc.wait())
+        await asyncio.shield(_stop(proc))
         raise
+    code = code if exited is None else exited  # the command's own status (a signal's is negative)
     result: dict[str, Any] = {"outcome": "exit", "exit_code": code, "result": out.decode(errors="replace").strip()}
     if code != 0:
         result["error"] = err.decode(errors="replace").strip()[-2000:]
     return result
+
+
+async def _exit_status(pipe: Any, session: Session) -> int | None:
+    """The command's pid (`session.pid`) and exit status as the reaper writes them on `pipe` (None if the reaper
+    died first); the session is closed when the command exits."""
+    reader = asyncio.StreamReader()
+    loop = asyncio.get_running_loop()
+    transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), pipe)
+    try:
+        while line := await reader.readline():
+            kind, _, value = line.decode(errors="replace").partition(" ")
+            if kind == "pid":
+                session.pid = int(value)
+            elif kind == "exit":
+                return int(value)
+        return None
+    finally:
+        transport.close()
+        session.close(ENDED)
+
+
+def _exited(pid: int | None) -> bool:
+    """Whether a command harness's process has exited (a zombie, or reaped); False for a function harness, or
+    without /proc."""
+    if pid is None:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
+    except FileNotFoundError:
+        return os.path.isdir("/proc/self")
+    except (OSError, IndexError):
+        return False
+
+
+async def _stop(proc: asyncio.subprocess.Process) -> None:
+    """The row ended first: the reaper kills the harness's whole tree (SIGTERM to it); its process group is
+    killed if it does not end within REAP_S."""
+    with contextlib.suppress(ProcessLookupError):
+        proc.terminate()
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(REAP_S):
+            await proc.wait()
+            return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(Exception):
+        await proc.wait()
 
 
 async def _bounded(stream: asyncio.StreamReader | None) -> bytes:

@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-from fsm.gateway.record import Answer, Call, GatewayError
+from fsm.gateway.record import Answer, Call, GatewayError, unsupported_tool, with_dropped
 
 TEXT_PARTS = ("text", "input_text", "output_text")
 
@@ -47,23 +47,35 @@ def _int(value: Any, name: str) -> int | None:
     return value
 
 
-def _tools(tools: Any) -> list[dict[str, Any]] | None:
-    """Function tools in Chat Completions form; the Responses API's flat form is converted."""
+FUNCTION_FIELDS = ("name", "description", "parameters", "strict")  # what a chat server gives the template
+
+
+def _tools(tools: Any, dropped: list[str]) -> list[dict[str, Any]] | None:
+    """Function tools in Chat Completions form (the Responses API's flat form is converted), each function's
+    fields as sent, in the order sent, as vLLM and SGLang hand them to the chat template (`strict` included, so
+    a template that writes the schema as JSON writes it too); only `parameters` is filled in when absent (an
+    empty object schema, which templates that read it need). Tools of another type (a hosted `web_search`, a
+    `namespace` of tools, ...) are left out and named in `dropped` (the gateway drops or refuses them)."""
     if tools is None:
         return None
     if not isinstance(tools, list):
         raise GatewayError("tools must be a list")
     out = []
     for k, tool in enumerate(tools):
-        if not isinstance(tool, dict) or tool.get("type") != "function":
-            raise GatewayError(f"tools[{k}]: only function tools are supported")
+        if not isinstance(tool, dict):
+            raise GatewayError(f"tools[{k}] must be an object")
+        if tool.get("type") != "function":
+            dropped.append(unsupported_tool(f"tools[{k}]", tool))
+            continue
         fn = tool.get("function", tool)  # Responses: {"type": "function", "name", "parameters", ...}
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise GatewayError(f"tools[{k}]: a function tool needs a name")
-        schema = {"name": fn["name"]}
-        if fn.get("description") is not None:
-            schema["description"] = str(fn["description"])
-        schema["parameters"] = fn.get("parameters") or {"type": "object", "properties": {}}
+        if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
+            raise GatewayError(f"tools[{k}]: strict must be true or false")
+        schema = {key: fn[key] for key in fn if key in FUNCTION_FIELDS and fn[key] is not None}
+        if "description" in schema:
+            schema["description"] = str(schema["description"])
+        schema.setdefault("parameters", {"type": "object", "properties": {}})
         out.append({"type": "function", "function": schema})
     return out or None
 
@@ -107,8 +119,9 @@ def chat_call(body: dict[str, Any]) -> Call:
         raise GatewayError("n must be 1: a session is one trajectory", code="invalid_value")
     cap = _int(body.get("max_completion_tokens"), "max_completion_tokens") or _int(body.get("max_tokens"), "max_tokens")
     options = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
-    return Call(out, _tools(body.get("tools")), cap, bool(body.get("stream")),
-                {"model": str(body.get("model") or ""), "usage": bool(options.get("include_usage"))})  # fmt: skip
+    dropped: list[str] = []
+    return with_dropped(Call(out, _tools(body.get("tools"), dropped), cap, bool(body.get("stream")),
+                             {"model": str(body.get("model") or ""), "usage": bool(options.get("include_usage"))}), dropped)  # fmt: skip
 
 
 def _usage(a: Answer) -> dict[str, Any]:
@@ -201,7 +214,9 @@ def responses_call(body: dict[str, Any]) -> Call:
         else:
             raise GatewayError(f"{where}: item type {kind!r} is not supported")
     cap = _int(body.get("max_output_tokens"), "max_output_tokens")
-    return Call(out, _tools(body.get("tools")), cap, bool(body.get("stream")), {"model": str(body.get("model") or "")})
+    dropped: list[str] = []
+    call = Call(out, _tools(body.get("tools"), dropped), cap, bool(body.get("stream")), {"model": str(body.get("model") or "")})
+    return with_dropped(call, dropped)
 
 
 def _output_items(a: Answer, rid: str) -> list[dict[str, Any]]:

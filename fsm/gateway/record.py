@@ -85,6 +85,18 @@ class Answer:
     turn: int
 
 
+def unsupported_tool(where: str, tool: dict[str, Any]) -> str:
+    """How a tool the gateway does not serve is named in its note or its refusal."""
+    name = tool.get("name")
+    return f"{where} (type {str(tool.get('type'))[:64]!r}" + (f", {name[:64]!r})" if isinstance(name, str) else ")")
+
+
+def with_dropped(call: Call, dropped: list[str]) -> Call:
+    if dropped:
+        call.extra["dropped_tools"] = dropped
+    return call
+
+
 def canonical_arguments(arguments: Any) -> str:
     """Call arguments as one JSON text: a harness may send them back as an object or as text."""
     if isinstance(arguments, str):
@@ -288,6 +300,12 @@ async def record_call(ctx: RunContext, traj: Trajectory, recorder: Recorder, cal
     per-token weight versions, the span and the parser are the same as a spec's GENERATING state."""
     limits = ctx.agent.limits
     plan = recorder.match(call)
+    if call.extra.get("dropped_tools"):  # noted once per distinct set (a harness sends its tools with every call)
+        note = (f"tools left out (a local model serves function tools only): "
+                f"{', '.join(call.extra['dropped_tools'])}")  # fmt: skip
+        notes = traj.extra.setdefault("gateway_notes", [])
+        if note not in notes:
+            notes.append(note)
     templ = _start(ctx, traj, recorder, call, plan)
     if templ and not _observe(ctx, traj, templ):
         raise LimitReached(f"the new messages do not fit in what is left of limits.response_length "

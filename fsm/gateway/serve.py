@@ -66,6 +66,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-segments", type=_positive, default=GatewayLimits.max_segments, metavar="N",
                    help="segments per session (each history that differs from the recorded one starts one); "
                         "past it a request gets 400 too_many_segments")  # fmt: skip
+    p.add_argument("--unsupported-tools", choices=("drop", "refuse"), default=GatewayLimits.unsupported_tools,
+                   help="tools other than functions a harness sends (a hosted web_search, a namespace...): left out "
+                        "of the prompt and noted on the row (drop, the default), or answered 400 (refuse)")  # fmt: skip
     p.add_argument("--workers", dest="gateway_workers", type=_positive, default=1, metavar="N",
                    help="run the rows in N worker processes, each its own engine and gateway (max-sessions each; "
                         "the embedded model: --threads default its share of the cores), behind one front at "
@@ -73,6 +76,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "OUT/workers/")  # fmt: skip
     p.add_argument("--worker-start-timeout", type=_seconds, default=120.0, metavar="SECONDS",
                    help="with --workers: how long a worker may take to start and register with the front")
+    p.add_argument("--worker-silent-timeout", type=_seconds, default=30.0, metavar="SECONDS",
+                   help="with --workers: how long a registered worker may go without its heartbeat (one a second, "
+                        "from a thread of its own) before it is taken for dead (stopped or frozen)")  # fmt: skip
     p.add_argument("--worker-config", help=argparse.SUPPRESS)  # a worker process's own: what its parent gave it
     checks = getattr(p, "checks", None)
     if checks is not None:
@@ -112,7 +118,8 @@ def cmd_gateway(args: argparse.Namespace, run: Any, rollout: Any = None) -> int:
 
         config = worker_config(args)
     limits = GatewayLimits(max_request_bytes=args.max_request_bytes, max_messages=args.max_messages,
-                           max_sessions=args.max_sessions, max_segments=args.max_segments)  # fmt: skip
+                           max_sessions=args.max_sessions, max_segments=args.max_segments,
+                           unsupported_tools=args.unsupported_tools)  # fmt: skip
     if config is not None:
         from fsm.gateway.workers import worker
 

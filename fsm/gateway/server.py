@@ -52,6 +52,7 @@ class GatewayLimits:
     max_sessions: int = 10_000
     max_refused_calls: int = 8  # calls past a limit one harness may make before its row is ended
     max_segments: int = 32  # segments per session: histories that differ from the recorded one start one each
+    unsupported_tools: str = "drop"  # tools other than functions: "drop" (left out, noted on the row) or "refuse"
 
 
 class SessionClosed(GatewayError):
@@ -75,6 +76,7 @@ class Session:
         self.refused = 0
         self.calls = 0
         self.closed = False
+        self.pid: int | None = None  # a command harness's process, once started (harness.py refuses calls after it)
 
     @property
     def base_url(self) -> str:
@@ -206,6 +208,9 @@ class Gateway:
             parse, answer, stream = APIS[api][1]  # type: ignore[misc]
             body = _body(await read_body(request, self.limits.max_request_bytes))
             call = parse(body)
+            if call.extra.get("dropped_tools") and self.limits.unsupported_tools == "refuse":
+                raise GatewayError(f"{call.extra['dropped_tools'][0]}: only function tools are supported (the "
+                                   "gateway's unsupported_tools is 'refuse')", code="unsupported_tool")  # fmt: skip
             if len(call.messages) > self.limits.max_messages:
                 raise GatewayError(f"{len(call.messages)} messages, past the gateway's max_messages "
                                    f"({self.limits.max_messages})", code="too_many_messages")  # fmt: skip

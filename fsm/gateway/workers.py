@@ -12,8 +12,9 @@ its trajectories indexed as in the whole batch (per-sample seeds included), and 
 OUT/workers/wK/result.json. The parent decodes them all and `agentfsm run`'s own code pads and writes them
 (fsm/output/keep.py): one batch.pt, trajectories.jsonl and summary.json for the whole run.
 
-A worker that exits otherwise than by the parent's stop, is killed, or does not register in time fails the run
-with one line naming it, its pid and the end of its stderr; every other worker's process group is then
+A worker that exits otherwise than by the parent's stop, is killed, does not register in time, or once registered
+goes silent (no heartbeat, `_silent`: stopped or frozen) fails the run with one line naming it, its pid and the end
+of its stderr; every other worker's process group is then
 killed. SIGINT/SIGTERM to the parent reaches each worker as Ctrl-C (each snapshots its running rows into its
 own directory and writes its finished ones); the parent writes the finished rows of all. Such a run is not
 resumable as a whole (`--resume` with `--workers` is refused).
@@ -31,6 +32,7 @@ import secrets
 import signal
 import socket
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -41,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from fsm.api import _Engine, load_tokenizer
-from fsm.gateway.front import Front
+from fsm.gateway.front import TOKEN_ENV, Front
 from fsm.gateway.server import GatewayLimits, configure
 from fsm.output.keep import SNAPSHOT, Rollout
 from fsm.output.metrics import COUNTERS
@@ -51,9 +53,9 @@ from fsm.run.runtime import agent_codec
 from fsm.run.signals import SIGNALS, say_now
 from fsm.run.snapshot import decode_sampling, decode_trajectory, encode_sampling, encode_trajectory
 
-TOKEN_ENV = "AGENTFSM_FRONT_TOKEN"  # the run's secret a worker registers with (never on a command line)
 CONFIG, RESULT = "config.json", "result.json"  # in OUT/workers/wK: what the parent gave, what it rolled out
 REGISTER_TIMEOUT_S = 10.0  # one worker's registration request
+HEARTBEAT_S = 1.0  # a registered worker's heartbeat (a thread's write on a pipe): a stopped process sends none
 STOP_TIMEOUT_S = SNAPSHOT_TIMEOUT_S + 60.0  # after a signal: the workers' snapshot and write; then killed
 TAIL_LINES = 20
 
@@ -85,6 +87,7 @@ class _Worker:
     joined: asyncio.Event = field(default_factory=asyncio.Event)
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
     relay: asyncio.Future[None] | None = None
+    beats: int | None = None  # the read end of its heartbeat pipe
 
     def result(self) -> dict[str, Any] | None:
         path = self.dir / RESULT
@@ -150,19 +153,22 @@ class _Workers:
         given = {k: v for k, v in vars(self.args).items() if k not in ("fn", "worker_config")}
         if given["threads"] is None and not given["server"]:  # the embedded model: its share of the cores
             given["threads"] = max(1, len(os.sched_getaffinity(0)) // len(self.workers))
+        w.beats, beat = os.pipe()
         config = {"tag": w.tag, "front": front.url, "rows": [w.start, w.end], "of": self.rows, "args": given,
-                  "parent": os.getpid()}  # fmt: skip
+                  "parent": os.getpid(), "heartbeat_fd": beat}  # fmt: skip
         (w.dir / CONFIG).write_text(json.dumps(config, default=str))
         try:
             with (w.dir / "stdout.log").open("wb") as stdout:
                 w.proc = await asyncio.create_subprocess_exec(
                     sys.executable, "-m", "fsm.cli", "gateway", "--worker-config", str(w.dir / CONFIG),
                     stdin=asyncio.subprocess.DEVNULL, stdout=stdout, stderr=asyncio.subprocess.PIPE, limit=1 << 20,
-                    start_new_session=True, env={**os.environ, TOKEN_ENV: self.token})  # fmt: skip
+                    start_new_session=True, env={**os.environ, TOKEN_ENV: self.token}, pass_fds=(beat,))  # fmt: skip
         except OSError as exc:
             raise WorkerError(
                 f"gateway worker {w.tag}: cannot start {sys.executable} ({exc.strerror or exc})"
             ) from None
+        finally:
+            os.close(beat)
         (w.dir / "pid").write_text(f"{w.proc.pid}\n")
         w.relay = asyncio.ensure_future(self._relay(w))
 
@@ -192,11 +198,44 @@ class _Workers:
             raise WorkerError(self._failed(w, f"did not register with the front within "
                                               f"{self.args.worker_start_timeout:g} s (--worker-start-timeout)"))  # fmt: skip
         registered = w.joined.is_set()
+        if registered and not exited.done():
+            silent = asyncio.ensure_future(self._silent(w))
+            try:
+                await asyncio.wait({exited, silent}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                silent.cancel()
+            if not exited.done() and not silent.cancelled() and silent.result():
+                how = (f"has sent no heartbeat for {self.args.worker_silent_timeout:g} s (--worker-silent-timeout): "
+                       "it is stopped (SIGSTOP) or frozen")  # fmt: skip
+                if not (self.stopping or self.killed):
+                    raise WorkerError(self._failed(w, how))
+                say_now(f"agentfsm: gateway worker {w.tag} (pid {w.proc.pid}) {how}; killed without its snapshot")
+                _kill_group(w.proc.pid)
         rc = await exited
         if rc == 0 or self.stopping or self.killed:  # stopped: however it ended, it was asked to
             return
         how = f"exited with code {rc}" if rc > 0 else f"was killed by {signal.Signals(-rc).name}"
         raise WorkerError(self._failed(w, how + ("" if registered else " before registering with the front")))
+
+    async def _silent(self, w: _Worker) -> bool:
+        """Whether the registered worker `w` goes --worker-silent-timeout without a heartbeat (False: it exited).
+        Its heartbeat is a thread of its own, so a worker busy on a long model call still sends it."""
+        assert w.beats is not None
+        reader = asyncio.StreamReader()
+        loop = asyncio.get_running_loop()
+        transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader),
+                                                    os.fdopen(w.beats, "rb", 0))  # fmt: skip
+        w.beats = None  # the transport owns it now
+        try:
+            while True:
+                try:
+                    async with asyncio.timeout(self.args.worker_silent_timeout):
+                        if not await reader.read(4096):
+                            return False  # the pipe closed: the worker exited
+                except TimeoutError:
+                    return True
+        finally:
+            transport.close()
 
     def _failed(self, w: _Worker, how: str) -> str:
         last = next((line.strip() for line in reversed(w.tail) if line.strip()), None)
@@ -260,6 +299,9 @@ class _Workers:
                 _kill_group(w.proc.pid)
                 await w.proc.wait()
             _kill_group(w.proc.pid)  # what the worker left in its group
+            if w.beats is not None:
+                os.close(w.beats)
+                w.beats = None
         for w in self.workers:
             if w.relay is not None:
                 with contextlib.suppress(TimeoutError, asyncio.CancelledError):
@@ -362,7 +404,8 @@ def worker(args: argparse.Namespace, config: dict[str, Any], run: Callable[..., 
     _die_with_parent()
     if os.getppid() != config["parent"]:
         raise WorkerError(f"gateway worker {tag}: its parent (pid {config['parent']}) is gone")
-    sock = _register(front, tag, os.environ.get(TOKEN_ENV, ""))
+    _heartbeat(config["heartbeat_fd"])
+    sock = _register(front, tag, os.environ.pop(TOKEN_ENV, ""))  # read once: no harness of this worker inherits it
     configure("127.0.0.1", 0, limits, tag=tag, front=front, sock=sock)
 
     async def rows_of_mine(args: argparse.Namespace, rows: list[dict[str, Any]], console: Any) -> Rollout:
@@ -410,6 +453,21 @@ def _write_result(path: Path, run: Rollout) -> None:
     tmp = path.with_name(f".{path.name}.writing")
     tmp.write_text(json.dumps(data, default=str))
     os.replace(tmp, path)
+
+
+def _heartbeat(fd: int) -> None:
+    """A byte on `fd` every HEARTBEAT_S from a thread of its own, for the parent's liveness check (`_silent`)."""
+    os.set_inheritable(fd, False)  # never passed on to a harness
+
+    def beat() -> None:
+        while True:
+            try:
+                os.write(fd, b".")
+            except OSError:  # the parent is gone
+                return
+            time.sleep(HEARTBEAT_S)
+
+    threading.Thread(target=beat, name="agentfsm-heartbeat", daemon=True).start()
 
 
 def _die_with_parent() -> None:

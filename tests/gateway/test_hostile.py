@@ -286,3 +286,41 @@ def test_concurrent_first_uses_start_one_server():
 
     ports = asyncio.run(main())
     assert len(ports) == 1 and 0 not in ports  # every first user got the one server
+
+
+
+command_orphans = harness(command=[sys.executable, str(Path(__file__).with_name("orphans.py"))], timeout_s=60)
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_harness_leaves_no_process_and_its_session_ends_with_it(tmp_path, tokenizer, monkeypatch):
+    monkeypatch.setenv("ORPHANS_DIR", str(tmp_path))
+    trajs, backend = run(spec(tmp_path, "tests.gateway.test_hostile:command_orphans"), tokenizer, [row()])
+    got = trajs[0].extra["harness"]
+    assert got["outcome"] == "exit" and got["exit_code"] == 0, got
+    pids = {name: int((tmp_path / f"{name}.pid").read_text()) for name in ("group", "setsid")}
+    assert not [name for name, pid in pids.items() if _running(pid)], pids  # ended with the row, SIGTERM ignored
+    for name in pids:  # killed before it could call, or refused: never answered
+        status = tmp_path / f"{name}.status"
+        assert not status.exists() or status.read_text() in ("401", "400"), status.read_text()
+    assert len(backend.requests) == 1 and trajs[0].assistant_turns == 1  # the late call was not recorded
+    assert trajs[0].termination_reason == "done"
+
+
+command_orphans_hangs = harness(command=[sys.executable, str(Path(__file__).with_name("orphans.py"))], timeout_s=5)
+
+
+def test_a_harness_its_row_ends_leaves_no_process(tmp_path, tokenizer, monkeypatch):
+    monkeypatch.setenv("ORPHANS_DIR", str(tmp_path))
+    monkeypatch.setenv("ORPHANS_HANG", "1")
+    trajs, backend = run(spec(tmp_path, "tests.gateway.test_hostile:command_orphans_hangs"), tokenizer, [row()])
+    assert trajs[0].extra["harness"]["outcome"] == "timeout", trajs[0].extra["harness"]
+    pids = {name: int((tmp_path / f"{name}.pid").read_text()) for name in ("group", "setsid")}
+    assert not [name for name, pid in pids.items() if _running(pid)], pids
+    assert len(backend.requests) == 1 and trajs[0].termination_reason == "harness_failed"

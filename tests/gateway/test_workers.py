@@ -17,6 +17,8 @@ import pytest
 import torch
 
 from fsm.cli.commands import main
+from fsm.gateway import harness
+from tests.gateway.test_hostile import SCRIPT
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = str(ROOT / "examples/gateway/base.yaml")
@@ -151,3 +153,91 @@ def test_flags_that_cannot_go_with_workers_are_usage_errors(argv, problem, capsy
     assert main(["gateway", SPEC, *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("agentfsm gateway: error: ") and problem in err, err
+
+
+DUMP_ENV = "import json, os; open(os.path.join(os.environ['ENV_DIR'], str(os.getpid())), 'w').write(json.dumps(dict(os.environ)))\n"
+env_harness = harness(command=[sys.executable, "-c", DUMP_ENV + SCRIPT, "0"], timeout_s=120)
+
+
+def _spec(tmp_path: Path, action: str) -> Path:
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(f"""name: {action.rsplit(":", 1)[1]}
+extends: {SPEC}
+states:
+  HARNESS:
+    action: {action}
+    next:
+      - {{to: GENERATING, when: harness_calling}}
+      - {{to: TERMINATED, when: harness_failed, reason: harness_failed}}
+      - {{to: TERMINATED, reason: done}}
+""")
+    return spec
+
+
+def test_a_harness_is_not_given_the_front_token(tmp_path):
+    from fsm.gateway.front import TOKEN_ENV
+
+    spec = _spec(tmp_path, "tests.gateway.test_workers:env_harness")
+    dumps = tmp_path / "env"
+    dumps.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "fsm.cli", "gateway", str(spec), "--num-prompts", "2", "--workers",
+                             "2", "-q", "--out", str(tmp_path / "run")], cwd=ROOT, env={**ENV, "ENV_DIR": str(dumps)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    rc, said = _finish(proc)
+    assert rc == 0, said
+    envs = [json.loads(p.read_text()) for p in dumps.iterdir()]
+    assert len(envs) == 2 and all("OPENAI_API_KEY" in e for e in envs)  # one per row, each given its session
+    assert not [e for e in envs if TOKEN_ENV in e or any(k.startswith("AGENTFSM_FRONT") for k in e)]
+
+
+async def _pid_then_chat(call):
+    """Say which worker process runs a row (a function harness runs in its worker), then the calculator chat."""
+    from examples.gateway.harnesses import openai_chat
+
+    (Path(os.environ["ENV_DIR"]) / str(os.getpid())).touch()
+    return await openai_chat(call)
+
+
+pid_harness = harness(_pid_then_chat, timeout_s=120)
+
+
+def _stopped_worker(tmp_path: Path, *more: str) -> tuple[subprocess.Popen, dict[str, int], Path]:
+    """A run over 2 workers whose w1 is stopped (SIGSTOP) once it has registered and started a row."""
+    seen, out = tmp_path / "pids", tmp_path / "run"
+    seen.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "fsm.cli", "gateway", str(_spec(tmp_path, "tests.gateway.test_workers:pid_harness")),
+                             "--num-prompts", "32", "--workers", "2", "--worker-silent-timeout", "5", "--out", str(out), *more],
+                            cwd=ROOT, env={**ENV, "ENV_DIR": str(seen)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    pids = {tag: _pid_file(out, tag) for tag in ("w0", "w1")}
+    deadline = time.monotonic() + 120
+    while not (seen / str(pids["w1"])).exists():  # registered: its rows have started
+        assert time.monotonic() < deadline and proc.poll() is None, "worker w1 started no row"
+        time.sleep(0.05)
+    os.kill(pids["w1"], signal.SIGSTOP)
+    return proc, pids, out
+
+
+def test_a_stopped_worker_is_named_and_fails_the_run(tmp_path):
+    proc, pids, out = _stopped_worker(tmp_path, "-q")
+    t0 = time.monotonic()
+    rc, said = _finish(proc, timeout=120)
+    assert rc == 1, said
+    last = said.strip().splitlines()[-1]
+    assert last.startswith(f"agentfsm: gateway worker w1 (pid {pids['w1']}, rows 16..31) has sent no heartbeat for 5 s "
+                           "(--worker-silent-timeout): it is stopped (SIGSTOP) or frozen"), said  # fmt: skip
+    assert time.monotonic() - t0 < 60
+    assert not (out / "summary.json").exists()
+    assert not any(_alive(pid) for pid in pids.values())
+
+
+def test_ctrl_c_with_a_stopped_worker_ends_the_run(tmp_path):
+    proc, pids, out = _stopped_worker(tmp_path)
+    proc.send_signal(signal.SIGINT)
+    t0 = time.monotonic()
+    rc, said = _finish(proc, timeout=120)
+    assert rc == 130, said
+    assert f"agentfsm: gateway worker w1 (pid {pids['w1']}) has sent no heartbeat for 5 s" in said, said
+    assert time.monotonic() - t0 < 60
+    assert said.strip().splitlines()[-1].startswith("agentfsm: interrupted"), said
+    assert not any(_alive(pid) for pid in pids.values())
