@@ -27,10 +27,10 @@ directory (by default the tiny model in backends/tiny/assets) or a model object 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import dataclasses
 import time
-import weakref
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -46,10 +46,10 @@ from fsm.output.metrics import FaultDelta, rollout_metrics
 from fsm.output.sample import SampleBatch, to_samples
 from fsm.run.compile import CompiledAgent, compile_spec
 from fsm.run.context import Sampling
-from fsm.run.control import ControlCalls
-from fsm.run.loopthread import LoopThread as _LoopThread
+from fsm.run.engine import PAUSE_MODES, EngineRefused, StalePolicy, weight_version_of
+from fsm.run.local import Local
 from fsm.run.runtime import WATCHDOG_S, Runner
-from fsm.run.stream import ContinuousMode
+from fsm.run.stream import Group
 from fsm.run.tracer import Tracer
 from fsm.run.trajectory import Trajectory
 from fsm.spec.loader import LoadedSpec
@@ -195,17 +195,86 @@ async def probe_servers(urls: Sequence[str], *, strict: bool = False, timeout_s:
 # --- engines -------------------------------------------------------------------------------------------
 
 
-class _Engine:
-    """The `generate_sequences` contract over `arun` (trajectories), shared by RolloutEngine and RayRunner."""
+class BaseEngine(ABC):
+    """The engine contract's shared logic (fsm/run/engine.py `Engine`), written once over the primitives each
+    engine provides (the abstract methods below): batches shaped into verl's padded batch, the continuous mode's
+    batches, the control calls' checks, and every sync form. RolloutEngine and RayRunner add only their I/O, as
+    httpx's Client adds it to BaseClient."""
 
     agent: CompiledAgent
     codec: Codec
-    _own_loop: asyncio.AbstractEventLoop | None = None
+    tracer: Tracer | None = None
     _faults: FaultDelta | None = None
 
+    # -- the primitives ----------------------------------------------------------------------------------------
+
+    @abstractmethod
+    async def _on_home(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Await `coro` where the engine's state lives, from whichever loop the caller runs."""
+
+    @abstractmethod
+    def _run_sync(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run `coro` to its end from a thread that runs no event loop (the sync forms)."""
+
+    @abstractmethod
+    async def _arun(self, rows: Sequence[Any], n: int, sampling: Sampling,
+                    on_done: Callable[[Trajectory], None] | None) -> list[Trajectory]:  # fmt: skip
+        """Every row n times; the trajectories in input order."""
+
+    @abstractmethod
+    async def _submit(self, rows: Sequence[Any], n: int, sampling: Sampling, first_index: int | None) -> list[str]:
+        """Start every row n times (the continuous mode); the groups' uids."""
+
+    @abstractmethod
+    async def _take(self, num_groups: int, max_staleness: int | None, stale: StalePolicy, timeout: float | None,
+                    exhausted_ok: bool) -> list[Group]:  # fmt: skip
+        """The first `num_groups` finished groups (fsm/run/stream.py `Groups.take`)."""
+
+    @abstractmethod
+    async def _control(self, op: str, args: tuple[Any, ...]) -> Any:
+        """A control op of fsm/run/control.py `Controls` ("call", "pause", "resume", "update") on every server."""
+
+    @property
+    @abstractmethod
+    def weight_version(self) -> int:
+        """The weights the servers hold: 0 at first (or the int they report), then each update's version."""
+
+    @property
+    @abstractmethod
+    def paused(self) -> bool:
+        """True between `pause()` and `resume()`: no model request is issued meanwhile."""
+
+    @property
+    @abstractmethod
+    def stream_stats(self) -> dict[str, Any]:
+        """Counters of the continuous mode: groups submitted, finished, taken, dropped or re-run for staleness,
+        running and ready now; `staleness`: {staleness: groups taken}."""
+
+    @abstractmethod
+    async def aclose(self) -> None: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    snapshots = False  # whether `asnapshot` / `arestore` (and `keep=`) work; EngineRefused otherwise
+
+    async def _snapshot(self, path: str | Path, meta: Mapping[str, Any] | None, stop: bool, timeout: float | None,
+                        abort_turns: bool, fallback: Callable[[], Path] | None) -> dict[str, Any]:  # fmt: skip
+        raise EngineRefused(self, "asnapshot", "this engine cannot snapshot its running groups; use RolloutEngine")
+
+    async def _restore(self, path: str | Path) -> dict[str, Any]:
+        raise EngineRefused(self, "arestore", "this engine cannot restore a snapshot; use RolloutEngine")
+
+    # -- a batch -----------------------------------------------------------------------------------------------
+
     async def arun(self, rows: Sequence[Any], *, n: int = 1, sampling_params: Mapping[str, Any] | None = None,
-                   validate: bool = False, sampling: Sampling | None = None) -> list[Trajectory]:  # fmt: skip
-        raise NotImplementedError
+                   validate: bool = False, sampling: Sampling | None = None,
+                   on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:  # fmt: skip
+        """The finished trajectories themselves (transcripts, segments, state paths), in input order.
+        `on_done` hears each trajectory as it finishes (RolloutEngine: on the engine's thread)."""
+        if sampling is None:
+            sampling = self.sampling(sampling_params, validate)
+        return await self._on_home(self._arun(rows, n, sampling, on_done))
 
     async def agenerate_sequences(self, batch: Rows, sampling_params: Mapping[str, Any] | None = None,
                                   validate: bool = False, n: int = 1, *, keep: RunDir | None = None) -> Any:  # fmt: skip
@@ -224,8 +293,9 @@ class _Engine:
         sampling = self.sampling(sampling_params, validate)
         self._fault_counters()
         if keep is not None:
-            if not hasattr(self, "asnapshot"):
-                raise TypeError(f"keep=: {type(self).__name__} cannot snapshot a run; use RolloutEngine")
+            if not self.snapshots:
+                raise EngineRefused(self, "agenerate_sequences", "keep= needs an engine that snapshots a run; "
+                                    "use RolloutEngine")  # fmt: skip
             return await keep_batch(self, rows, n, sampling, keep, like=batch, meta=meta)
         t0 = time.perf_counter()
         trajs = await self.arun(rows, n=n, sampling=sampling)
@@ -254,14 +324,8 @@ class _Engine:
 
     def to_batch(self, trajs: Sequence[Trajectory], sampling: Sampling, like: Any = None,
                  meta: Mapping[str, Any] | None = None, wall_s: float | None = None) -> Any:  # fmt: skip
-        """Finished trajectories -> verl's padded batch (see the module-level `to_batch`), with the sampling
-        that produced its logprobs (meta_info["sampling"]) and its metrics (meta_info["rollout_metrics"],
-        fsm/output/metrics.py), which survive a DataProto's round trip."""
-        out = to_batch(trajs, self.agent, self.codec, logprobs=sampling.logprobs, like=like, meta=meta)
-        out.meta_info["sampling"] = sampling.describe(self.codec.vocab_size)
-        out.meta_info["rollout_metrics"] = rollout_metrics(trajs, faults=self._fault_counters().take(),
-                                                           wall_s=wall_s)  # fmt: skip
-        return out
+        """Finished trajectories -> verl's padded batch (`batch_of`), with this engine's backend counters."""
+        return batch_of(self.agent, self.codec, trajs, sampling, self._fault_counters(), like, meta, wall_s)
 
     def _fault_counters(self) -> FaultDelta:
         """The backend's fault counters, read per batch (first read: before the first batch runs)."""
@@ -290,15 +354,191 @@ class _Engine:
         raise RuntimeError(f"{type(self).__name__}.{name}() was called inside a running event loop, which it "
                            f"would block; use `await {async_name}(...)` there")  # fmt: skip
 
-    def _run_sync(self, coro: Coroutine[Any, Any, T]) -> T:
-        # RayRunner's: its arun keeps nothing bound to a loop, so a private loop in this thread serves the sync
-        # forms and any caller's loop the async ones. RolloutEngine overrides this (its backend has one home).
-        if self._own_loop is None or self._own_loop.is_closed():
-            self._own_loop = asyncio.new_event_loop()
-        return self._own_loop.run_until_complete(coro)
+    # -- continuous mode (fsm/run/stream.py) -------------------------------------------------------------------
+
+    async def asubmit(self, rows: Any, n: int = 1, sampling_params: Mapping[str, Any] | None = None,
+                      validate: bool = False, sampling: Sampling | None = None,
+                      first_index: int | None = None) -> list[str]:  # fmt: skip
+        """Start rolling out every row `n` times in the continuous mode; returns at once with the groups' uids.
+        Their groups come back from `atake` / `stream` as they finish. `first_index`: the batch-wide index of
+        the first row's first sample, when these rows are a slice of a batch run in several processes (the
+        trajectories' `index`, and so their per-sample seeds, are then the whole batch's; default: next on)."""
+        rows, meta = to_rows(rows)
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        if sampling is None:
+            sampling = self.sampling(sampling_params, bool(validate or meta.get("validate", False)))
+        return await self._on_home(self._submit(rows, n, sampling, first_index))
+
+    async def atake_groups(self, num_groups: int, *, max_staleness: int | None = None, stale: StalePolicy = "drop",
+                           timeout: float | None = None, exhausted_ok: bool = False) -> list[Group]:  # fmt: skip
+        """The first `num_groups` finished groups (see `atake`), as `Group`s of trajectories."""
+        return await self._on_home(self._take(num_groups, max_staleness, stale, timeout, exhausted_ok))
+
+    async def atake(self, num_groups: int, *, max_staleness: int | None = None, stale: StalePolicy = "drop",
+                    timeout: float | None = None) -> Any:  # fmt: skip
+        """verl's padded batch of exactly `num_groups` whole groups, in completion order, waiting for them
+        (TimeoutError after `timeout` s; StreamEmpty when too few are running). A group whose oldest model
+        token is more than `max_staleness` weight versions old is dropped or re-run (`stale`), and counted in
+        `stream_stats`. meta_info["staleness"]: each group's, in batch order."""
+        groups = await self.atake_groups(num_groups, max_staleness=max_staleness, stale=stale, timeout=timeout)
+        trajs = [t for g in groups for t in g.trajectories]
+        sampling = groups[0].sampling
+        if not all(g.sampling.logprobs for g in groups):
+            sampling = dataclasses.replace(sampling, logprobs=False)
+        batch = self.to_batch(trajs, sampling)
+        batch.meta_info["staleness"] = [g.staleness for g in groups]
+        return batch
+
+    async def stream(self, *, max_staleness: int | None = None, stale: StalePolicy = "drop") -> AsyncIterator[Group]:
+        """`async for group in engine.stream():` each finished group as it completes, until none is left."""
+        while True:
+            groups = await self.atake_groups(1, max_staleness=max_staleness, stale=stale, exhausted_ok=True)
+            if not groups:
+                return
+            yield groups[0]
+
+    def submit(self, rows: Any, n: int = 1, sampling_params: Mapping[str, Any] | None = None,
+               validate: bool = False) -> list[str]:  # fmt: skip
+        self._refuse_in_loop("submit", "asubmit")
+        return self._run_sync(self.asubmit(rows, n, sampling_params, validate))
+
+    def take(self, num_groups: int, *, max_staleness: int | None = None, stale: StalePolicy = "drop",
+             timeout: float | None = None) -> Any:  # fmt: skip
+        self._refuse_in_loop("take", "atake")
+        return self._run_sync(self.atake(num_groups, max_staleness=max_staleness, stale=stale, timeout=timeout))
+
+    # -- snapshots ---------------------------------------------------------------------------------------------
+
+    async def asnapshot(self, path: str | Path, *, meta: Mapping[str, Any] | None = None, stop: bool = False,
+                        timeout: float | None = None, abort_turns: bool = False,
+                        fallback: Callable[[], Path] | None = None) -> dict[str, Any]:  # fmt: skip
+        """Write the continuous mode's groups (finished but not taken, and running) to `path` as JSON, taken
+        at state boundaries: running trajectories pause at their next one while it is written. `stop=True`
+        then cancels the running ones (their groups live on in the file) instead of letting them go on, also
+        when the file cannot be written. `abort_turns=True` never waits for a model turn: the engine pauses
+        in abort mode first (`apause`), so turns in flight end with their partial output, which the snapshot
+        keeps and a restore goes on from; a server that cannot pause has its requests aborted one by one
+        (SGLang's /abort_request) instead. A trajectory inside its interaction (whose state the file cannot
+        hold) is written as it was at its start, to run again on restore (counted in "restarted").
+        When `path` cannot be written (a full disk) and `fallback` is given, the file goes into the
+        directory `fallback()` makes ("path" says where). `meta` is stored as is (JSON). Returns counts:
+        groups ready and running, trajectories restarted; and the path written. When code blocks the engine's
+        loop (the loop watch sees it not turning, fsm/run/loopwatch.py), the snapshot is taken from outside
+        it, each trajectory as it was at its last state boundary (`Stream.snapshot_blocked`), and the engine
+        is left `wedged`; "blocked" is then True and "finished" holds the finished groups, not taken.
+        EngineRefused on an engine that cannot snapshot (`snapshots` is False: RayRunner)."""
+        return await self._snapshot(path, meta, stop, timeout, abort_turns, fallback)
+
+    async def arestore(self, path: str | Path) -> dict[str, Any]:
+        """Put a snapshot's groups back into the continuous mode (same spec, checked by hash: SnapshotError
+        otherwise); ready groups can be taken, running ones run on. Returns the snapshot's `meta`."""
+        return await self._restore(path)
+
+    def snapshot(self, path: str | Path, *, meta: Mapping[str, Any] | None = None, stop: bool = False) -> dict[str, int]:
+        self._refuse_in_loop("snapshot", "asnapshot")
+        return self._run_sync(self.asnapshot(path, meta=meta, stop=stop))
+
+    def restore(self, path: str | Path) -> dict[str, Any]:
+        self._refuse_in_loop("restore", "arestore")
+        return self._run_sync(self.arestore(path))
+
+    # -- control calls (fsm/run/control.py) --------------------------------------------------------------------
+
+    async def asleep(self, tags: list[str] | None = None) -> Any:
+        """Release server memory (SGLang release_memory_occupation; tags "weights", "kv_cache")."""
+        return await self._control("call", ("sleep", (tags,)))
+
+    async def awake_up(self, tags: list[str] | None = None) -> Any:
+        """Take the memory back (SGLang resume_memory_occupation)."""
+        return await self._control("call", ("wake_up", (tags,)))
+
+    async def aflush_cache(self) -> Any:
+        return await self._control("call", ("flush_cache",))
+
+    async def apause(self, mode: str = "abort") -> None:
+        """Stop generation: the engine issues no new model request (turns wait at its gate) and every server
+        pauses (`/pause_generation`; the in-process model the same). `mode`: "abort" ends running requests
+        with their partial output, which the engine keeps and resumes after `resume()`; "retract" requeues
+        them at the server (recomputed after continue); "in_place" holds them mid-generation. Trajectories stay
+        alive with their partial turns; new runs may start meanwhile and wait at the gate."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"unknown pause mode {mode!r}; expected one of {', '.join(PAUSE_MODES)}")
+        await self._control("pause", (mode,))
+
+    async def aresume(self) -> None:
+        """Continue: every server continues (`/continue_generation`), then the gate opens and paused
+        trajectories go on, on whatever weights the servers now hold."""
+        await self._control("resume", ())
+
+    async def aupdate_weights_from_disk(self, path: str | Path, weight_version: int | None = None,
+                                        **options: Any) -> int:  # fmt: skip
+        """Reload weights on every server (or the in-process model) from a checkpoint directory, as version
+        `weight_version` (default: the current one + 1), which is returned. `options` go to SGLang's
+        endpoint (load_format, abort_all_requests, flush_cache)."""
+        return await self._update("update_weights_from_disk", (str(path),), options, weight_version)
+
+    async def aupdate_weights_from_tensor(self, weight_version: int | None = None, **payload: Any) -> int:
+        """SGLang's `/update_weights_from_tensor` on every server (payload passed through:
+        serialized_named_tensors, load_format, flush_cache...); the new version is returned."""
+        return await self._update("update_weights_from_tensor", (), payload, weight_version)
+
+    async def aupdate_weights_from_distributed(self, weight_version: int | None = None, **payload: Any) -> int:
+        """SGLang's `/update_weights_from_distributed` on every server (payload passed through: names, dtypes,
+        shapes, group_name...); the new version is returned."""
+        return await self._update("update_weights_from_distributed", (), payload, weight_version)
+
+    async def _update(self, method: str, args: tuple[Any, ...], options: dict[str, Any],
+                      weight_version: int | None) -> int:  # fmt: skip
+        return await self._control("update", (method, args, options, weight_version_of(weight_version)))
+
+    def sleep(self, tags: list[str] | None = None) -> Any:
+        self._refuse_in_loop("sleep", "asleep")
+        return self._run_sync(self.asleep(tags))
+
+    def wake_up(self, tags: list[str] | None = None) -> Any:
+        self._refuse_in_loop("wake_up", "awake_up")
+        return self._run_sync(self.awake_up(tags))
+
+    def update_weights_from_disk(self, path: str | Path, weight_version: int | None = None, **options: Any) -> int:
+        self._refuse_in_loop("update_weights_from_disk", "aupdate_weights_from_disk")
+        return self._run_sync(self.aupdate_weights_from_disk(path, weight_version, **options))
+
+    def update_weights_from_tensor(self, weight_version: int | None = None, **payload: Any) -> int:
+        self._refuse_in_loop("update_weights_from_tensor", "aupdate_weights_from_tensor")
+        return self._run_sync(self.aupdate_weights_from_tensor(weight_version, **payload))
+
+    def update_weights_from_distributed(self, weight_version: int | None = None, **payload: Any) -> int:
+        self._refuse_in_loop("update_weights_from_distributed", "aupdate_weights_from_distributed")
+        return self._run_sync(self.aupdate_weights_from_distributed(weight_version, **payload))
+
+    def pause(self, mode: str = "abort") -> None:
+        self._refuse_in_loop("pause", "apause")
+        self._run_sync(self.apause(mode))
+
+    def resume(self) -> None:
+        self._refuse_in_loop("resume", "aresume")
+        self._run_sync(self.aresume())
+
+    def flush_cache(self) -> Any:
+        self._refuse_in_loop("flush_cache", "aflush_cache")
+        return self._run_sync(self.aflush_cache())
 
 
-class RolloutEngine(ContinuousMode, ControlCalls, _Engine):
+def batch_of(agent: CompiledAgent, codec: Codec, trajs: Sequence[Trajectory], sampling: Sampling,
+             faults: FaultDelta | None = None, like: Any = None, meta: Mapping[str, Any] | None = None,
+             wall_s: float | None = None) -> Any:  # fmt: skip
+    """Finished trajectories -> verl's padded batch (fsm/output/batch.py `to_batch`), with the sampling that
+    produced its logprobs (meta_info["sampling"]) and its metrics (meta_info["rollout_metrics"],
+    fsm/output/metrics.py, with the backend counters `faults` moved since the last batch), which survive a
+    DataProto's round trip."""
+    out = to_batch(trajs, agent, codec, logprobs=sampling.logprobs, like=like, meta=meta)
+    out.meta_info["sampling"] = sampling.describe(codec.vocab_size)
+    out.meta_info["rollout_metrics"] = rollout_metrics(trajs, faults=faults.take() if faults else None, wall_s=wall_s)
+    return out
+
+
+class RolloutEngine(BaseEngine):
     """One spec, one backend (or fleet), one event loop: the single-process rollout engine.
 
     spec: a spec path, a shipped spec's name ("calculator"), an AgentSpec or a CompiledAgent.
@@ -314,7 +554,10 @@ class RolloutEngine(ContinuousMode, ControlCalls, _Engine):
         `max_batch_size` for the in-process model).
     The engine owns its backend, given or built, and the thread whose event loop runs it (see the module
     docstring): `close()` / `aclose()` / `with` / `async with` closes both. Sync and async forms mix freely.
+    Its working parts are fsm/run/local.py's `Local` (the loop thread, the stream, the control calls).
     """
+
+    snapshots = True
 
     def __init__(self, spec: SpecLike, tokenizer: Any = None, *, backend: Backend | None = None,
                  servers: Sequence[str] | None = None, model: str | Path | None = None, max_concurrency: int = 512,
@@ -325,152 +568,88 @@ class RolloutEngine(ContinuousMode, ControlCalls, _Engine):
         self.agent = load_agent(spec)
         if tokenizer is None and (backend is not None or servers):
             raise ValueError("a tokenizer is needed with backend= or servers= (a tokenizer object or a path)")
-        self._detect_engine: tuple[list[str], dict[str, Any]] | None = None
+        detect: tuple[list[str], dict[str, Any]] | None = None
         if backend is None:
             backend = make_backend(servers=servers, model=model, **backend_options)
             if servers and backend_options.get("engine") is None:
-                timeout = backend_options.get("request_timeout_s")
-                self._detect_engine = (list(servers), {"request_timeout_s": timeout})
+                detect = (list(servers), {"request_timeout_s": backend_options.get("request_timeout_s")})
             if tokenizer is None:  # the embedded model's own
                 tokenizer = model_tokenizer(model if model is not None else tiny_model_dir())
         elif backend_options:
             raise ValueError(f"backend options {sorted(backend_options)} go with servers= or model=, not backend=")
-        self.backend: Backend = backend
-        self.runner = Runner(self.agent, self.backend, load_tokenizer(tokenizer), max_concurrency=max_concurrency,
+        self.runner = Runner(self.agent, backend, load_tokenizer(tokenizer), max_concurrency=max_concurrency,
                              tracer=tracer, check_tokens=check_tokens, watchdog_s=watchdog_s)  # fmt: skip
         self.codec = self.runner.codec
         self.tracer = tracer
-        self._home: _LoopThread | None = None  # started by the first call; the backend lives on its loop
-        self._started: asyncio.Future[None] | None = None  # the backend's start(), on the home loop
-        self._closed = False
+        build = None
+        if detect is not None:
+            build = _detected(backend, *detect)
+        self._local = Local(self.runner, tracer, self.agent.name, build)
 
-    def _home_loop(self) -> _LoopThread:
-        if self._closed:
-            raise RuntimeError("this RolloutEngine is closed")
-        if self._home is None:
-            self._home = home = _LoopThread(f"agentfsm engine ({self.agent.name})")
-            weakref.finalize(self, home.close).atexit = False  # an engine dropped unclosed stops its thread
-        return self._home
+    @property
+    def backend(self) -> Backend:
+        return self.runner.backend
+
+    @property
+    def wedged(self) -> bool:
+        """A snapshot was taken while code blocked the engine's loop: that loop runs nothing more."""
+        return self._local.wedged
+
+    # -- the primitives: everything runs on the loop thread of `Local` -----------------------------------------
 
     async def _on_home(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Await `coro` on the engine's loop, from whichever loop the caller runs."""
-        try:
-            home = self._home_loop()
-        except RuntimeError:
-            coro.close()
-            raise
-        if home.current():
-            return await coro
-        return await home.call(coro)
+        return await self._local.call(coro)
 
     def _run_sync(self, coro: Coroutine[Any, Any, T]) -> T:
-        try:
-            home = self._home_loop()
-        except RuntimeError:
-            coro.close()
-            raise
-        return home.run(coro)
+        return self._local.run_sync(coro)
+
+    async def _arun(self, rows: Sequence[Any], n: int, sampling: Sampling,
+                    on_done: Callable[[Trajectory], None] | None) -> list[Trajectory]:  # fmt: skip
+        return await self._local.run_here(rows, n, sampling, on_done)
+
+    async def _submit(self, rows: Sequence[Any], n: int, sampling: Sampling, first_index: int | None) -> list[str]:
+        return await self._local.submit_here(rows, n, sampling, first_index)
+
+    async def _take(self, num_groups: int, max_staleness: int | None, stale: StalePolicy, timeout: float | None,
+                    exhausted_ok: bool) -> list[Group]:  # fmt: skip
+        return await self._local.take_here(num_groups, max_staleness, stale, timeout, exhausted_ok)
+
+    async def _control(self, op: str, args: tuple[Any, ...]) -> Any:
+        return await self._on_home(self._local.controls.run(op, args))
+
+    async def _snapshot(self, path: str | Path, meta: Mapping[str, Any] | None, stop: bool, timeout: float | None,
+                        abort_turns: bool, fallback: Callable[[], Path] | None) -> dict[str, Any]:  # fmt: skip
+        return await self._local.snapshot(path, meta, stop, timeout, abort_turns, fallback)
+
+    async def _restore(self, path: str | Path) -> dict[str, Any]:
+        return await self._on_home(self._local.restore_here(path))
+
+    @property
+    def weight_version(self) -> int:
+        return self.runner.gate.version
+
+    @property
+    def paused(self) -> bool:
+        return self.runner.gate.paused
+
+    @property
+    def stream_stats(self) -> dict[str, Any]:
+        return self._local.stream_stats()
+
+    # -- lifecycle ---------------------------------------------------------------------------------------------
 
     async def start(self) -> None:
         """Start the backend (connections, health checks) on the engine's loop. Called by the first use."""
-        await self._on_home(self._start())
-
-    async def _start(self) -> None:
-        if self._started is None:
-            self._started = asyncio.ensure_future(self._start_backend())
-        await asyncio.shield(self._started)
-
-    async def _start_backend(self) -> None:
-        if self._detect_engine is not None:  # servers= without engine=: ask them which they run
-            from backends.engines import client, detect_engine, one_kind
-
-            urls, options = self._detect_engine
-            self._detect_engine = None
-            found = await asyncio.gather(*(detect_engine(u, 5.0) for u in urls), return_exceptions=True)
-            told = [(u, e) for u, e in zip(urls, found) if isinstance(e, str)]  # a server down now: not told
-            engine = one_kind([u for u, _ in told], [e for _, e in told]) if told else "sglang"
-            if engine != "sglang":  # the clients were SGLang's until now: nothing was sent through them
-                for s, url in zip(self.backend.servers, urls):  # type: ignore[attr-defined]
-                    s.backend = client(engine, url, **options)
-                self.backend.provider = engine
-        start = getattr(self.backend, "start", None)
-        if start is not None:
-            await start()
-        # The servers' weight version, when they report an int: the counter goes on from there.
-        reported = await self._reported_version()
-        if reported is not None and reported > self.runner.gate.version:
-            self.runner.gate.version = reported
-
-    async def _reported_version(self) -> int | None:
-        version = getattr(self.backend, "weight_version", None)
-        info = getattr(self.backend, "model_info", None)
-        if version is None and info is not None:
-            with contextlib.suppress(Exception):  # a server that cannot say (soon): keep counting from 0
-                info = await asyncio.wait_for(info(), 5.0)
-                version = (info[0] if isinstance(info, list) and info else info or {}).get("weight_version")
-        try:
-            return int(version) if version is not None else None
-        except (TypeError, ValueError):
-            return None
-
-    async def arun(self, rows: Sequence[Any], *, n: int = 1, sampling_params: Mapping[str, Any] | None = None,
-                   validate: bool = False, sampling: Sampling | None = None,
-                   on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:  # fmt: skip
-        """The finished trajectories themselves (transcripts, segments, state paths), in input order.
-        `on_done` hears each trajectory as it finishes, on the engine's thread."""
-        return await self._on_home(self._arun(rows, n, sampling_params, validate, sampling, on_done))
-
-    async def _arun(self, rows: Sequence[Any], n: int, sampling_params: Mapping[str, Any] | None, validate: bool,
-                    sampling: Sampling | None, on_done: Callable[[Trajectory], None] | None) -> list[Trajectory]:  # fmt: skip
-        ctx, trajs = self.runner.prepare(rows, n, sampling_params, validate, sampling)
-        owner = await self._stream_here()  # the engine's one owner, the continuous mode's too
-        await owner.run(trajs, ctx, on_done)
-        return trajs
-
-    # -- lifecycle -----------------------------------------------------------------------------------------
-
-    async def _close_backend(self) -> None:
-        try:
-            await self._stop_stream()
-            close = getattr(self.backend, "close", None)
-            if close is not None and self._started is not None:
-                await close()
-            self.agent.tools.close()  # idle tool threads, loops and worker processes (tools restart on use)
-        finally:  # the run's owner closes its tracer: every span ended is exported or counted as dropped
-            close_tracer = getattr(self.tracer, "close", None)
-            if close_tracer is not None:
-                await asyncio.to_thread(close_tracer)
+        await self._on_home(self._local.start_here())
 
     async def aclose(self) -> None:
         """Close the backend, then stop the engine's thread."""
-        if self._closed:
-            return
-        if self.wedged:  # code blocks its loop for good (ContinuousMode.asnapshot): the process exits around it
-            self._closed, self._home = True, None
-            return
-        if self._home is not None:
-            try:
-                await self._on_home(self._close_backend())
-            finally:
-                home, self._home, self._closed = self._home, None, True
-                if home.current():  # e.g. from an on_done callback: the loop stops after this task
-                    home.close()
-                else:
-                    await asyncio.to_thread(home.close)
-        self._closed = True
+        await self._local.aclose()
 
     def close(self) -> None:
         """Close the backend, then stop the engine's thread."""
         self._refuse_in_loop("close", "aclose")
-        if self._closed:
-            return
-        if self._home is not None:
-            try:
-                self._home.run(self._close_backend())
-            finally:
-                home, self._home, self._closed = self._home, None, True
-                home.close()
-        self._closed = True
+        self._local.close()
 
     async def __aenter__(self) -> RolloutEngine:
         await self.start()
@@ -484,3 +663,19 @@ class RolloutEngine(ContinuousMode, ControlCalls, _Engine):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _detected(backend: Backend, urls: list[str], options: dict[str, Any]) -> Callable[[], Coroutine[Any, Any, Backend]]:
+    async def build() -> Backend:  # servers= without engine=: ask them which they run
+        from backends.engines import client, detect_engine, one_kind
+
+        found = await asyncio.gather(*(detect_engine(u, 5.0) for u in urls), return_exceptions=True)
+        told = [(u, e) for u, e in zip(urls, found) if isinstance(e, str)]  # a server down now: not told
+        engine = one_kind([u for u, _ in told], [e for _, e in told]) if told else "sglang"
+        if engine != "sglang":  # the clients were SGLang's until now: nothing was sent through them
+            for s, url in zip(backend.servers, urls):  # type: ignore[attr-defined]
+                s.backend = client(engine, url, **options)
+            backend.provider = engine  # type: ignore[misc]
+        return backend
+
+    return build
