@@ -69,7 +69,7 @@ def test_a_batch_comes_back_in_input_order(engine):
     rows = make_prompts(3)
     batch = e.generate_sequences(rows, n=2)
     assert list(batch.non_tensor_batch["uid"]) == [r["uid"] for r in rows for _ in range(2)]
-    assert batch.meta_info["rollout_metrics"]["trajectories"] == 6
+    assert batch.meta_info["rollout_metrics"]["rollout/samples"] == 6.0
     trajs = asyncio.run(e.arun(rows[:1], n=2))
     assert [t.sample for t in trajs] == [0, 1] and all(t.state == "TERMINATED" for t in trajs)
 
