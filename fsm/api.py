@@ -1,7 +1,7 @@
 """The rollout API a trainer embeds: rows in, verl's padded batch out.
 
     engine = RolloutEngine("specs/calculator.yaml")                    # the embedded tiny model (backends.hf)
-    engine = RolloutEngine(spec, tokenizer=path, servers=[url, ...])   # SGLang servers behind a Router
+    engine = RolloutEngine(spec, tokenizer=path, servers=[url, ...])   # SGLang or vLLM servers, a Router
     batch = engine.generate_sequences(rows, n=8)          # sync: blocks until the batch is back
     batch = await engine.agenerate_sequences(rows, n=8)   # async: from any event loop, the same engine
     engine.submit(rows, n=8); batch = engine.take(16, max_staleness=1)   # continuous mode (fsm/run/stream.py)
@@ -14,26 +14,30 @@ interleave=True)` layout); `uid` marks the GRPO group. Control calls (`sleep`, `
 engine counts weight versions (`weight_version`) and records on each generated token the one that made it. Each has an `a`-prefixed async form, as
 `generate_sequences` has; the sync forms refuse to run inside a running event loop (they would block it).
 
-A RolloutEngine's backend lives on one event loop that the engine owns, running in a daemon thread it
-starts on first use and stops on `close()`/`aclose()`: sync calls block on that loop, and async calls from
-any loop are bridged to it, so one engine serves both forms in any order (aiohttp sessions and the
-in-process model's batching task never see a second loop).
+The engine contract these implement is fsm/run/engine.py's `Engine`; `BaseEngine` below holds its shared logic
+over each engine's primitives, and code written against one engine (RolloutEngine, RayRunner) works against the
+other or gets `EngineRefused`. A RolloutEngine's backend lives on one event loop that the engine owns, running in
+a daemon thread it starts on first use and stops on `close()`/`aclose()` (fsm/run/local.py): sync calls block
+on that loop, and async calls from any loop are bridged to it, so one engine serves both forms in any order.
 
-This is the one `fsm` module (with cli.py) that may import concrete backends, lazily, to compose them:
-`servers=` builds `Router([SGLangBackend(url), ...])`, no backend at all builds `HFBackend` over a model
-directory (by default the tiny model in backends/tiny/assets) or a model object (`model=<torch module>`).
+This is the one `fsm` module (with fsm/cli/commands.py and the trainer adapters) that may import concrete
+backends, lazily, to compose them: `servers=` builds `Router([SGLangBackend(url), ...])` (or vLLM's clients;
+without `engine=`, once the servers have said at start which engine they run), no backend at all builds
+`HFBackend` over a model directory (by default the tiny model in backends/tiny/assets) or a model object
+(`model=<torch module>`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
@@ -56,6 +60,7 @@ from fsm.spec.loader import LoadedSpec
 from fsm.spec.model import SPECS_DIR, AgentSpec
 
 T = TypeVar("T")
+DETECT_TIMEOUT_S = 5.0  # servers= without engine=: how long each server is asked which engine it runs
 SpecLike = CompiledAgent | AgentSpec | LoadedSpec | str | Path
 Rows = Sequence[Mapping[str, Any]] | Mapping[str, Sequence[Any] | np.ndarray] | Any  # Any: a verl DataProto
 
@@ -568,26 +573,36 @@ class RolloutEngine(BaseEngine):
         self.agent = load_agent(spec)
         if tokenizer is None and (backend is not None or servers):
             raise ValueError("a tokenizer is needed with backend= or servers= (a tokenizer object or a path)")
-        detect: tuple[list[str], dict[str, Any]] | None = None
+        build: Callable[[], Awaitable[Backend]] | None = None
         if backend is None:
-            backend = make_backend(servers=servers, model=model, **backend_options)
-            if servers and backend_options.get("engine") is None:
-                detect = (list(servers), {"request_timeout_s": backend_options.get("request_timeout_s")})
+            if servers and backend_options.get("engine") is None:  # ask them at start, then build the Router
+                build = functools.partial(self._fleet, list(servers), backend_options)
+            else:
+                backend = make_backend(servers=servers, model=model, **backend_options)
             if tokenizer is None:  # the embedded model's own
                 tokenizer = model_tokenizer(model if model is not None else tiny_model_dir())
         elif backend_options:
             raise ValueError(f"backend options {sorted(backend_options)} go with servers= or model=, not backend=")
-        self.runner = Runner(self.agent, backend, load_tokenizer(tokenizer), max_concurrency=max_concurrency,
-                             tracer=tracer, check_tokens=check_tokens, watchdog_s=watchdog_s)  # fmt: skip
+        # With `build`, the runner's backend arrives at start (Local builds it on the engine's loop, first thing).
+        self.runner = Runner(self.agent, cast(Backend, backend), load_tokenizer(tokenizer),
+                             max_concurrency=max_concurrency, tracer=tracer, check_tokens=check_tokens,
+                             watchdog_s=watchdog_s)  # fmt: skip
         self.codec = self.runner.codec
         self.tracer = tracer
-        build = None
-        if detect is not None:
-            build = _detected(backend, *detect)
         self._local = Local(self.runner, tracer, self.agent.name, build)
+
+    async def _fleet(self, urls: list[str], options: dict[str, Any]) -> Backend:
+        """servers= without engine=: at start, the servers are asked which engine they run (backends/engines.py
+        `detect_fleet`), then the Router is built once, with that engine's clients."""
+        from backends.engines import detect_fleet
+
+        backend = make_backend(servers=urls, **{**options, "engine": await detect_fleet(urls, DETECT_TIMEOUT_S)})
+        self._faults = FaultDelta(backend)  # counted from its start: every count of it is this engine's
+        return backend
 
     @property
     def backend(self) -> Backend:
+        """The engine's backend (servers= without engine=: built at start, once they have said what they run)."""
         return self.runner.backend
 
     @property
@@ -663,19 +678,3 @@ class RolloutEngine(BaseEngine):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _detected(backend: Backend, urls: list[str], options: dict[str, Any]) -> Callable[[], Coroutine[Any, Any, Backend]]:
-    async def build() -> Backend:  # servers= without engine=: ask them which they run
-        from backends.engines import client, detect_engine, one_kind
-
-        found = await asyncio.gather(*(detect_engine(u, 5.0) for u in urls), return_exceptions=True)
-        told = [(u, e) for u, e in zip(urls, found) if isinstance(e, str)]  # a server down now: not told
-        engine = one_kind([u for u, _ in told], [e for _, e in told]) if told else "sglang"
-        if engine != "sglang":  # the clients were SGLang's until now: nothing was sent through them
-            for s, url in zip(backend.servers, urls):  # type: ignore[attr-defined]
-                s.backend = client(engine, url, **options)
-            backend.provider = engine  # type: ignore[misc]
-        return backend
-
-    return build

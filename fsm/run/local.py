@@ -124,8 +124,8 @@ class Local:
 
     async def run_here(self, rows: Sequence[Any], n: int, sampling: Sampling,
                        on_done: Callable[[Trajectory], None] | None) -> list[Trajectory]:  # fmt: skip
+        owner = await self.stream_here()  # the engine's one owner, the continuous mode's too (started: its backend)
         ctx, trajs = self.runner.prepare(rows, n, sampling=sampling)
-        owner = await self.stream_here()  # the engine's one owner, the continuous mode's too
         await owner.run(trajs, ctx, on_done)
         return trajs
 
