@@ -16,14 +16,16 @@ the engine, the call and what to use instead; it never silently does less.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping, Sequence
+import contextvars
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
 
 from fsm.run.compile import CompiledAgent
 from fsm.run.context import Sampling
 from fsm.run.trajectory import Trajectory
 
+T = TypeVar("T")
 StalePolicy = Literal["drop", "rerun"]
 PAUSE_MODES = ("abort", "retract", "in_place")  # SGLang's /pause_generation modes
 
@@ -93,3 +95,48 @@ class Engine(Protocol):
     async def arestore(self, path: str | Path) -> dict[str, Any]: ...
     async def aclose(self) -> None: ...
     def close(self) -> None: ...
+
+
+class Owned:
+    """What an engine owns beyond its backend and closes with it: services that code running under the engine
+    starts on first use (the gateway of harness states, its sessions and threads, fsm/gateway/harness.py), found
+    through `owned()`. Two engines in one process share none of it."""
+
+    def __init__(self) -> None:
+        self._items: dict[str, Any] = {}
+
+    def get(self, key: str, make: Callable[[], T]) -> T:
+        """The engine's `key`, made by `make()` on first use."""
+        if key not in self._items:
+            self._items[key] = make()
+        return self._items[key]
+
+    async def aclose(self) -> None:
+        """Close everything owned (each item's `aclose()`), newest first; the first error is raised at the end."""
+        items, self._items = list(self._items.values()), {}
+        failed: BaseException | None = None
+        for item in reversed(items):
+            try:
+                await item.aclose()
+            except Exception as exc:
+                failed = failed or exc
+        if failed is not None:
+            raise failed
+
+
+_OWNED: contextvars.ContextVar[Owned | None] = contextvars.ContextVar("agentfsm_owned", default=None)
+_UNOWNED = Owned()  # code run outside any engine (a bare Runner): its services live as long as the process
+
+
+def owned() -> Owned:
+    """The services of the engine whose work is running now (every task an engine starts carries it)."""
+    return _OWNED.get() or _UNOWNED
+
+
+async def under(owner: Owned, coro: Coroutine[Any, Any, T]) -> T:
+    """Await `coro` with `owner` as the running engine's services (tasks it starts inherit them)."""
+    token = _OWNED.set(owner)
+    try:
+        return await coro
+    finally:
+        _OWNED.reset(token)

@@ -21,7 +21,7 @@ from fsm.run import loopwatch
 from fsm.run import snapshot as snap
 from fsm.run.context import Sampling
 from fsm.run.control import Controls
-from fsm.run.engine import StalePolicy
+from fsm.run.engine import Owned, StalePolicy, under
 from fsm.run.runtime import Runner
 from fsm.run.stream import Group, Stream
 from fsm.run.trajectory import Trajectory
@@ -42,6 +42,7 @@ class Local:
         self.runner, self.tracer, self.name = runner, tracer, name
         self.agent, self.codec = runner.agent, runner.codec
         self.controls = Controls(runner, self.start_here)
+        self.owned = Owned()  # services its runs start (a harness's gateway), closed with it
         self._build = build
         self._home: LoopThread | None = None
         self._started: asyncio.Future[None] | None = None  # the backend's start(), on the home loop
@@ -73,7 +74,7 @@ class Local:
             raise
         if home.current():
             return await coro
-        return await home.call(coro)
+        return await home.call(under(self.owned, coro))
 
     def run_sync(self, coro: Coroutine[Any, Any, T]) -> T:
         try:
@@ -81,7 +82,7 @@ class Local:
         except RuntimeError:
             coro.close()
             raise
-        return home.run(coro)
+        return home.run(under(self.owned, coro))
 
     # -- on the loop -------------------------------------------------------------------------------------------
 
@@ -150,7 +151,7 @@ class Local:
         here = self._snapshot_here(path, meta, stop, timeout, abort_turns, fallback)
         if home.current():
             return await here
-        done, cancel = home.submit(here)
+        done, cancel = home.submit(under(self.owned, here))
         waiter = asyncio.wrap_future(done)
         while True:  # a loop that code blocks runs nothing we send it: snapshot from outside it then
             try:
@@ -267,6 +268,7 @@ class Local:
     async def _close_here(self) -> None:
         try:
             await self.stop_stream()
+            await self.owned.aclose()  # after the runs that used them: their sessions have ended
             close = getattr(self.backend, "close", None)
             if close is not None and self._started is not None:
                 await close()
@@ -299,7 +301,7 @@ class Local:
             return
         if self._home is not None:
             try:
-                self._home.run(self._close_here())
+                self._home.run(under(self.owned, self._close_here()))
             finally:
                 home, self._home, self.closed = self._home, None, True
                 home.close()
