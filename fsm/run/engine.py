@@ -6,12 +6,13 @@
     engine.snapshot(path); engine.restore(path)                   # the running groups, written and put back
     engine.close()
 
-Three implementations, each composed of its parts and none a mixin: `fsm.api.RolloutEngine` (one process: its
-loop thread, its stream, its backend), `fsm.adapters.ray_runner.RayRunner` (actors, each a Runner with the same
-control calls; the groups taken by the same `Groups`) and the gateway's workers (`agentfsm gateway --workers`,
-whose merged run is written by the same batch code). The shared logic over the contract's primitives is
-`fsm.api.BaseEngine`. Where an engine cannot do a call it raises `EngineRefused`, a NotImplementedError naming
-the engine, the call and what to use instead; it never silently does less.
+Two implementations, each composed of its parts and neither a mixin: `fsm.api.RolloutEngine` (one process: its
+loop thread, its stream, its backend) and `fsm.adapters.ray_runner.RayRunner` (actors, each a Runner with the
+same control calls; its groups taken by the same `Groups`). The gateway's workers (`agentfsm gateway --workers`)
+each run a RolloutEngine, and their merged run is written by the same batch code. The shared logic over the
+contract's primitives is `fsm.output.engine.BaseEngine`. Where an engine cannot do a call it raises
+`EngineRefused`, a NotImplementedError naming the engine, the call and what to use instead; it never silently
+does less.
 """
 
 from __future__ import annotations
