@@ -158,7 +158,7 @@ class Stream(Owner):
     # -- in ----------------------------------------------------------------------------------------------------
 
     async def submit(self, rows: Sequence[Any], n: int, sampling: Sampling, first_index: int | None = None) -> list[str]:
-        """Start every row n times; the groups' uids. `first_index`: see ContinuousMode.asubmit."""
+        """Start every row n times; the groups' uids. `first_index`: see BaseEngine.asubmit, fsm/output/engine.py."""
         await self._serving.wait()
         trajs = self.runner.trajectories(rows, n)
         ctx = self.runner.make_context(sampling=sampling)
