@@ -74,7 +74,10 @@ def one_kind(urls: Sequence[str], engines: Sequence[str]) -> str:
     return engines[0]
 
 
-async def detect_fleet(urls: Sequence[str], timeout_s: float = 10.0) -> str:
-    """The one engine every server in `urls` runs (each asked at once); ValueError for a mixed fleet."""
-    engines = await asyncio.gather(*(detect_engine(u, timeout_s) for u in urls))
-    return one_kind(urls, engines)
+async def detect_fleet(urls: Sequence[str], timeout_s: float = 10.0, default: str = "sglang") -> str:
+    """The one engine the servers at `urls` run, each asked at once. A server that does not answer now (down,
+    starting) is not counted: the Router's health checks take it out and back in; `default` when none answers.
+    ValueError naming each server's engine for a mixed fleet."""
+    found = await asyncio.gather(*(detect_engine(u, timeout_s) for u in urls), return_exceptions=True)
+    told = [(u, e) for u, e in zip(urls, found) if isinstance(e, str)]
+    return one_kind([u for u, _ in told], [e for _, e in told]) if told else default

@@ -1,7 +1,7 @@
 """The rollout API a trainer embeds: rows in, verl's padded batch out.
 
     engine = RolloutEngine("specs/calculator.yaml")                    # the embedded tiny model (backends.hf)
-    engine = RolloutEngine(spec, tokenizer=path, servers=[url, ...])   # SGLang servers behind a Router
+    engine = RolloutEngine(spec, tokenizer=path, servers=[url, ...])   # SGLang or vLLM servers, a Router
     batch = engine.generate_sequences(rows, n=8)          # sync: blocks until the batch is back
     batch = await engine.agenerate_sequences(rows, n=8)   # async: from any event loop, the same engine
     engine.submit(rows, n=8); batch = engine.take(16, max_staleness=1)   # continuous mode (fsm/run/stream.py)
@@ -14,53 +14,47 @@ interleave=True)` layout); `uid` marks the GRPO group. Control calls (`sleep`, `
 engine counts weight versions (`weight_version`) and records on each generated token the one that made it. Each has an `a`-prefixed async form, as
 `generate_sequences` has; the sync forms refuse to run inside a running event loop (they would block it).
 
-A RolloutEngine's backend lives on one event loop that the engine owns, running in a daemon thread it
-starts on first use and stops on `close()`/`aclose()`: sync calls block on that loop, and async calls from
-any loop are bridged to it, so one engine serves both forms in any order (aiohttp sessions and the
-in-process model's batching task never see a second loop).
+The engine contract these implement is fsm/run/engine.py's `Engine`; `BaseEngine` (fsm/output/engine.py) holds
+its shared logic over each engine's primitives, and code written against one engine (RolloutEngine, RayRunner) works against the
+other or gets `EngineRefused`. A RolloutEngine's backend lives on one event loop that the engine owns, running in
+a daemon thread it starts on first use and stops on `close()`/`aclose()` (fsm/run/local.py): sync calls block
+on that loop, and async calls from any loop are bridged to it, so one engine serves both forms in any order.
 
-This is the one `fsm` module (with cli.py) that may import concrete backends, lazily, to compose them:
-`servers=` builds `Router([SGLangBackend(url), ...])`, no backend at all builds `HFBackend` over a model
-directory (by default the tiny model in backends/tiny/assets) or a model object (`model=<torch module>`).
+This is the one `fsm` module (with fsm/cli/commands.py and the trainer adapters) that may import concrete
+backends, lazily, to compose them: `servers=` builds `Router([SGLangBackend(url), ...])` (or vLLM's clients;
+without `engine=`, once the servers have said at start which engine they run), no backend at all builds
+`HFBackend` over a model directory (by default the tiny model in backends/tiny/assets) or a model object
+(`model=<torch module>`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import time
-import weakref
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+import functools
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
-
-import numpy as np
+from typing import Any, TypeVar, cast
 
 from backends.base import Backend
-from fsm.data.rows import to_rows
-from fsm.families import Codec
-from fsm.output.batch import to_batch
-from fsm.output.keep import RunDir, keep_batch
-from fsm.output.metrics import FaultDelta, rollout_metrics
-from fsm.output.sample import SampleBatch, to_samples
+from fsm.output.engine import BaseEngine, Rows, batch_of
+from fsm.output.metrics import FaultDelta
 from fsm.run.compile import CompiledAgent, compile_spec
 from fsm.run.context import Sampling
-from fsm.run.control import ControlCalls
-from fsm.run.loopthread import LoopThread as _LoopThread
+from fsm.run.engine import StalePolicy
+from fsm.run.local import Local
 from fsm.run.runtime import WATCHDOG_S, Runner
-from fsm.run.stream import ContinuousMode
+from fsm.run.stream import Group
 from fsm.run.tracer import Tracer
 from fsm.run.trajectory import Trajectory
 from fsm.spec.loader import LoadedSpec
 from fsm.spec.model import SPECS_DIR, AgentSpec
 
 T = TypeVar("T")
+DETECT_TIMEOUT_S = 5.0  # servers= without engine=: how long each server is asked which engine it runs
 SpecLike = CompiledAgent | AgentSpec | LoadedSpec | str | Path
-Rows = Sequence[Mapping[str, Any]] | Mapping[str, Sequence[Any] | np.ndarray] | Any  # Any: a verl DataProto
-
-
-# --- inputs ------------------------------------------------------------------------------------------------
+__all__ = ["BaseEngine", "Rows", "RolloutEngine", "SpecLike", "batch_of", "load_agent", "load_tokenizer",
+           "make_backend", "model_tokenizer", "probe_servers", "tiny_model_dir"]  # fmt: skip
 
 
 # --- composition ---------------------------------------------------------------------------------------
@@ -195,110 +189,7 @@ async def probe_servers(urls: Sequence[str], *, strict: bool = False, timeout_s:
 # --- engines -------------------------------------------------------------------------------------------
 
 
-class _Engine:
-    """The `generate_sequences` contract over `arun` (trajectories), shared by RolloutEngine and RayRunner."""
-
-    agent: CompiledAgent
-    codec: Codec
-    _own_loop: asyncio.AbstractEventLoop | None = None
-    _faults: FaultDelta | None = None
-
-    async def arun(self, rows: Sequence[Any], *, n: int = 1, sampling_params: Mapping[str, Any] | None = None,
-                   validate: bool = False, sampling: Sampling | None = None) -> list[Trajectory]:  # fmt: skip
-        raise NotImplementedError
-
-    async def agenerate_sequences(self, batch: Rows, sampling_params: Mapping[str, Any] | None = None,
-                                  validate: bool = False, n: int = 1, *, keep: RunDir | None = None) -> Any:  # fmt: skip
-        """Roll out every row `n` times; verl's padded batch back (a DataProto when given one).
-
-        `validate=True` (or a DataProto's `meta_info["validate"]`) samples with the spec's `val_sampling`;
-        `sampling_params` override either (SGLang names, plus `seed` and `logprobs`).
-        `keep=RunDir(out)` runs the rows as `agentfsm run --out out` does (fsm/output/keep.py): the files are
-        written there, and SIGINT or SIGTERM (to a caller on the main thread) snapshots the rows still running
-        and writes the finished ones, then raises RunInterrupted; `agentfsm run --resume out` goes on.
-        """
-        rows, meta = to_rows(batch)
-        validate = bool(validate or meta.get("validate", False))
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        sampling = self.sampling(sampling_params, validate)
-        self._fault_counters()
-        if keep is not None:
-            if not hasattr(self, "asnapshot"):
-                raise TypeError(f"keep=: {type(self).__name__} cannot snapshot a run; use RolloutEngine")
-            return await keep_batch(self, rows, n, sampling, keep, like=batch, meta=meta)
-        t0 = time.perf_counter()
-        trajs = await self.arun(rows, n=n, sampling=sampling)
-        return self.to_batch(trajs, sampling, like=batch, meta=meta, wall_s=time.perf_counter() - t0)
-
-    async def agenerate_samples(self, batch: Rows, sampling_params: Mapping[str, Any] | None = None,
-                                validate: bool = False, n: int = 1) -> SampleBatch:  # fmt: skip
-        """As `agenerate_sequences`, unpadded: one flat `Sample` per trajectory (the form trainer adapters
-        map from, fsm/output/sample.py), with the same meta_info."""
-        rows, meta = to_rows(batch)
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        sampling = self.sampling(sampling_params, bool(validate or meta.get("validate", False)))
-        faults = self._fault_counters()
-        t0 = time.perf_counter()
-        trajs = await self.arun(rows, n=n, sampling=sampling)
-        info = {**meta, "sampling": sampling.describe(self.codec.vocab_size),
-                "rollout_metrics": rollout_metrics(trajs, faults=faults.take(), wall_s=time.perf_counter() - t0)}
-        return SampleBatch(to_samples(trajs, self.agent.spec.context.reward_placement), info)  # one per segment
-
-    def generate_samples(self, batch: Rows, sampling_params: Mapping[str, Any] | None = None,
-                         validate: bool = False, n: int = 1) -> SampleBatch:  # fmt: skip
-        """Sync form of `agenerate_samples`."""
-        self._refuse_in_loop("generate_samples", "agenerate_samples")
-        return self._run_sync(self.agenerate_samples(batch, sampling_params, validate, n))
-
-    def to_batch(self, trajs: Sequence[Trajectory], sampling: Sampling, like: Any = None,
-                 meta: Mapping[str, Any] | None = None, wall_s: float | None = None) -> Any:  # fmt: skip
-        """Finished trajectories -> verl's padded batch (see the module-level `to_batch`), with the sampling
-        that produced its logprobs (meta_info["sampling"]) and its metrics (meta_info["rollout_metrics"],
-        fsm/output/metrics.py), which survive a DataProto's round trip."""
-        out = to_batch(trajs, self.agent, self.codec, logprobs=sampling.logprobs, like=like, meta=meta)
-        out.meta_info["sampling"] = sampling.describe(self.codec.vocab_size)
-        out.meta_info["rollout_metrics"] = rollout_metrics(trajs, faults=self._fault_counters().take(),
-                                                           wall_s=wall_s)  # fmt: skip
-        return out
-
-    def _fault_counters(self) -> FaultDelta:
-        """The backend's fault counters, read per batch (first read: before the first batch runs)."""
-        if self._faults is None:
-            self._faults = FaultDelta(getattr(self, "backend", None))
-        return self._faults
-
-    def sampling(self, sampling_params: Mapping[str, Any] | None = None, validate: bool = False) -> Sampling:
-        """The run's sampling, resolved once (pass it to `arun` and `to_batch`)."""
-        return Sampling.resolve(self.agent, self.codec, sampling_params, validate=validate)
-
-    def generate_sequences(self, batch: Rows, sampling_params: Mapping[str, Any] | None = None,
-                           validate: bool = False, n: int = 1, *, keep: RunDir | None = None) -> Any:  # fmt: skip
-        """Sync form of `agenerate_sequences`, on the engine's own event loop; blocks until the batch is back.
-        With `keep`, the run is watched from a loop of the calling thread, where signals arrive."""
-        self._refuse_in_loop("generate_sequences", "agenerate_sequences")
-        if keep is not None:
-            return asyncio.run(self.agenerate_sequences(batch, sampling_params, validate, n, keep=keep))
-        return self._run_sync(self.agenerate_sequences(batch, sampling_params, validate, n))
-
-    def _refuse_in_loop(self, name: str, async_name: str) -> None:
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            return
-        raise RuntimeError(f"{type(self).__name__}.{name}() was called inside a running event loop, which it "
-                           f"would block; use `await {async_name}(...)` there")  # fmt: skip
-
-    def _run_sync(self, coro: Coroutine[Any, Any, T]) -> T:
-        # RayRunner's: its arun keeps nothing bound to a loop, so a private loop in this thread serves the sync
-        # forms and any caller's loop the async ones. RolloutEngine overrides this (its backend has one home).
-        if self._own_loop is None or self._own_loop.is_closed():
-            self._own_loop = asyncio.new_event_loop()
-        return self._own_loop.run_until_complete(coro)
-
-
-class RolloutEngine(ContinuousMode, ControlCalls, _Engine):
+class RolloutEngine(BaseEngine):
     """One spec, one backend (or fleet), one event loop: the single-process rollout engine.
 
     spec: a spec path, a shipped spec's name ("calculator"), an AgentSpec or a CompiledAgent.
@@ -314,7 +205,10 @@ class RolloutEngine(ContinuousMode, ControlCalls, _Engine):
         `max_batch_size` for the in-process model).
     The engine owns its backend, given or built, and the thread whose event loop runs it (see the module
     docstring): `close()` / `aclose()` / `with` / `async with` closes both. Sync and async forms mix freely.
+    Its working parts are fsm/run/local.py's `Local` (the loop thread, the stream, the control calls).
     """
+
+    snapshots = True
 
     def __init__(self, spec: SpecLike, tokenizer: Any = None, *, backend: Backend | None = None,
                  servers: Sequence[str] | None = None, model: str | Path | None = None, max_concurrency: int = 512,
@@ -325,153 +219,99 @@ class RolloutEngine(ContinuousMode, ControlCalls, _Engine):
         self.agent = load_agent(spec)
         if tokenizer is None and (backend is not None or servers):
             raise ValueError("a tokenizer is needed with backend= or servers= (a tokenizer object or a path)")
-        self._detect_engine: tuple[list[str], dict[str, Any]] | None = None
+        build: Callable[[], Awaitable[Backend]] | None = None
         if backend is None:
-            backend = make_backend(servers=servers, model=model, **backend_options)
-            if servers and backend_options.get("engine") is None:
-                timeout = backend_options.get("request_timeout_s")
-                self._detect_engine = (list(servers), {"request_timeout_s": timeout})
+            if servers and backend_options.get("engine") is None:  # ask them at start, then build the Router
+                build = functools.partial(self._fleet, list(servers), backend_options)
+            else:
+                backend = make_backend(servers=servers, model=model, **backend_options)
             if tokenizer is None:  # the embedded model's own
                 tokenizer = model_tokenizer(model if model is not None else tiny_model_dir())
         elif backend_options:
             raise ValueError(f"backend options {sorted(backend_options)} go with servers= or model=, not backend=")
-        self.backend: Backend = backend
-        self.runner = Runner(self.agent, self.backend, load_tokenizer(tokenizer), max_concurrency=max_concurrency,
-                             tracer=tracer, check_tokens=check_tokens, watchdog_s=watchdog_s)  # fmt: skip
+        # With `build`, the runner's backend arrives at start (Local builds it on the engine's loop, first thing).
+        self.runner = Runner(self.agent, cast(Backend, backend), load_tokenizer(tokenizer),
+                             max_concurrency=max_concurrency, tracer=tracer, check_tokens=check_tokens,
+                             watchdog_s=watchdog_s)  # fmt: skip
         self.codec = self.runner.codec
         self.tracer = tracer
-        self._home: _LoopThread | None = None  # started by the first call; the backend lives on its loop
-        self._started: asyncio.Future[None] | None = None  # the backend's start(), on the home loop
-        self._closed = False
+        self._local = Local(self.runner, tracer, self.agent.name, build)
 
-    def _home_loop(self) -> _LoopThread:
-        if self._closed:
-            raise RuntimeError("this RolloutEngine is closed")
-        if self._home is None:
-            self._home = home = _LoopThread(f"agentfsm engine ({self.agent.name})")
-            weakref.finalize(self, home.close).atexit = False  # an engine dropped unclosed stops its thread
-        return self._home
+    async def _fleet(self, urls: list[str], options: dict[str, Any]) -> Backend:
+        """servers= without engine=: at start, the servers are asked which engine they run (backends/engines.py
+        `detect_fleet`), then the Router is built once, with that engine's clients."""
+        from backends.engines import detect_fleet
+
+        backend = make_backend(servers=urls, **{**options, "engine": await detect_fleet(urls, DETECT_TIMEOUT_S)})
+        self._faults = FaultDelta(backend)  # counted from its start: every count of it is this engine's
+        return backend
+
+    @property
+    def backend(self) -> Backend:
+        """The engine's backend (servers= without engine=: built at start, once they have said what they run)."""
+        return self.runner.backend
+
+    @property
+    def wedged(self) -> bool:
+        """A snapshot was taken while code blocked the engine's loop: that loop runs nothing more."""
+        return self._local.wedged
+
+    # -- the primitives: everything runs on the loop thread of `Local` -----------------------------------------
 
     async def _on_home(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Await `coro` on the engine's loop, from whichever loop the caller runs."""
-        try:
-            home = self._home_loop()
-        except RuntimeError:
-            coro.close()
-            raise
-        if home.current():
-            return await coro
-        return await home.call(coro)
+        return await self._local.call(coro)
 
     def _run_sync(self, coro: Coroutine[Any, Any, T]) -> T:
-        try:
-            home = self._home_loop()
-        except RuntimeError:
-            coro.close()
-            raise
-        return home.run(coro)
+        return self._local.run_sync(coro)
+
+    async def _arun(self, rows: Sequence[Any], n: int, sampling: Sampling,
+                    on_done: Callable[[Trajectory], None] | None) -> list[Trajectory]:  # fmt: skip
+        return await self._local.run_here(rows, n, sampling, on_done)
+
+    async def _submit(self, rows: Sequence[Any], n: int, sampling: Sampling, first_index: int | None) -> list[str]:
+        return await self._local.submit_here(rows, n, sampling, first_index)
+
+    async def _take(self, num_groups: int, max_staleness: int | None, stale: StalePolicy, timeout: float | None,
+                    exhausted_ok: bool) -> list[Group]:  # fmt: skip
+        return await self._local.take_here(num_groups, max_staleness, stale, timeout, exhausted_ok)
+
+    async def _control(self, op: str, args: tuple[Any, ...]) -> Any:
+        return await self._on_home(self._local.controls.run(op, args))
+
+    async def _snapshot(self, path: str | Path, meta: Mapping[str, Any] | None, stop: bool, timeout: float | None,
+                        abort_turns: bool, fallback: Callable[[], Path] | None) -> dict[str, Any]:  # fmt: skip
+        return await self._local.snapshot(path, meta, stop, timeout, abort_turns, fallback)
+
+    async def _restore(self, path: str | Path) -> dict[str, Any]:
+        return await self._on_home(self._local.restore_here(path))
+
+    @property
+    def weight_version(self) -> int:
+        return self.runner.gate.version
+
+    @property
+    def paused(self) -> bool:
+        return self.runner.gate.paused
+
+    @property
+    def stream_stats(self) -> dict[str, Any]:
+        return self._local.stream_stats()
+
+    # -- lifecycle ---------------------------------------------------------------------------------------------
 
     async def start(self) -> None:
         """Start the backend (connections, health checks) on the engine's loop. Called by the first use."""
-        await self._on_home(self._start())
-
-    async def _start(self) -> None:
-        if self._started is None:
-            self._started = asyncio.ensure_future(self._start_backend())
-        await asyncio.shield(self._started)
-
-    async def _start_backend(self) -> None:
-        if self._detect_engine is not None:  # servers= without engine=: ask them which they run
-            from backends.engines import client, detect_engine, one_kind
-
-            urls, options = self._detect_engine
-            self._detect_engine = None
-            found = await asyncio.gather(*(detect_engine(u, 5.0) for u in urls), return_exceptions=True)
-            told = [(u, e) for u, e in zip(urls, found) if isinstance(e, str)]  # a server down now: not told
-            engine = one_kind([u for u, _ in told], [e for _, e in told]) if told else "sglang"
-            if engine != "sglang":  # the clients were SGLang's until now: nothing was sent through them
-                for s, url in zip(self.backend.servers, urls):  # type: ignore[attr-defined]
-                    s.backend = client(engine, url, **options)
-                self.backend.provider = engine
-        start = getattr(self.backend, "start", None)
-        if start is not None:
-            await start()
-        # The servers' weight version, when they report an int: the counter goes on from there.
-        reported = await self._reported_version()
-        if reported is not None and reported > self.runner.gate.version:
-            self.runner.gate.version = reported
+        await self._on_home(self._local.start_here())
         self._fault_counters()  # counted from the backend's start: a batch made after the run still has its faults
-
-    async def _reported_version(self) -> int | None:
-        version = getattr(self.backend, "weight_version", None)
-        info = getattr(self.backend, "model_info", None)
-        if version is None and info is not None:
-            with contextlib.suppress(Exception):  # a server that cannot say (soon): keep counting from 0
-                info = await asyncio.wait_for(info(), 5.0)
-                version = (info[0] if isinstance(info, list) and info else info or {}).get("weight_version")
-        try:
-            return int(version) if version is not None else None
-        except (TypeError, ValueError):
-            return None
-
-    async def arun(self, rows: Sequence[Any], *, n: int = 1, sampling_params: Mapping[str, Any] | None = None,
-                   validate: bool = False, sampling: Sampling | None = None,
-                   on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:  # fmt: skip
-        """The finished trajectories themselves (transcripts, segments, state paths), in input order.
-        `on_done` hears each trajectory as it finishes, on the engine's thread."""
-        return await self._on_home(self._arun(rows, n, sampling_params, validate, sampling, on_done))
-
-    async def _arun(self, rows: Sequence[Any], n: int, sampling_params: Mapping[str, Any] | None, validate: bool,
-                    sampling: Sampling | None, on_done: Callable[[Trajectory], None] | None) -> list[Trajectory]:  # fmt: skip
-        ctx, trajs = self.runner.prepare(rows, n, sampling_params, validate, sampling)
-        owner = await self._stream_here()  # the engine's one owner, the continuous mode's too
-        await owner.run(trajs, ctx, on_done)
-        return trajs
-
-    # -- lifecycle -----------------------------------------------------------------------------------------
-
-    async def _close_backend(self) -> None:
-        try:
-            await self._stop_stream()
-            close = getattr(self.backend, "close", None)
-            if close is not None and self._started is not None:
-                await close()
-            self.agent.tools.close()  # idle tool threads, loops and worker processes (tools restart on use)
-        finally:  # the run's owner closes its tracer: every span ended is exported or counted as dropped
-            close_tracer = getattr(self.tracer, "close", None)
-            if close_tracer is not None:
-                await asyncio.to_thread(close_tracer)
 
     async def aclose(self) -> None:
         """Close the backend, then stop the engine's thread."""
-        if self._closed:
-            return
-        if self.wedged:  # code blocks its loop for good (ContinuousMode.asnapshot): the process exits around it
-            self._closed, self._home = True, None
-            return
-        if self._home is not None:
-            try:
-                await self._on_home(self._close_backend())
-            finally:
-                home, self._home, self._closed = self._home, None, True
-                if home.current():  # e.g. from an on_done callback: the loop stops after this task
-                    home.close()
-                else:
-                    await asyncio.to_thread(home.close)
-        self._closed = True
+        await self._local.aclose()
 
     def close(self) -> None:
         """Close the backend, then stop the engine's thread."""
         self._refuse_in_loop("close", "aclose")
-        if self._closed:
-            return
-        if self._home is not None:
-            try:
-                self._home.run(self._close_backend())
-            finally:
-                home, self._home, self._closed = self._home, None, True
-                home.close()
-        self._closed = True
+        self._local.close()
 
     async def __aenter__(self) -> RolloutEngine:
         await self.start()

@@ -3,26 +3,20 @@ refusing a spec whose trajectories give several rows where the trainer takes one
 
 A RolloutEngine runs its backend on an event loop of its own (fsm/api.py). A trainer's inference client (an
 OpenRLHF rollout actor, SkyRL's InferenceEngineClient) belongs to the trainer's loop: its futures, locks and
-sessions must be awaited there. So a generate function that calls it hands the call to that loop.
+sessions must be awaited there. So a generate function that calls it hands the call to that loop (`on_loop`:
+fsm/tools/loopthread.py `call`, the engine's own hand-off between loops).
 """
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
+
+from fsm.tools.loopthread import call
 
 if TYPE_CHECKING:
     from fsm.run.compile import CompiledAgent
 
-T = TypeVar("T")
-
-
-async def on_loop(coro: Coroutine[Any, Any, T], loop: asyncio.AbstractEventLoop | None) -> T:
-    """Await `coro` on `loop` (the caller's loop when None or when already on it)."""
-    if loop is None or loop is asyncio.get_running_loop():
-        return await coro
-    return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, loop))
+on_loop = call  # `await on_loop(coro, loop)`: `coro` awaited on `loop` (the caller's own when None or already on it)
 
 
 def one_row_per_sample(spec: Any, adapter: str, why: str) -> CompiledAgent:

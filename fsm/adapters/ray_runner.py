@@ -32,19 +32,23 @@ import os
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from backends.base import Backend
-from fsm.api import SpecLike, _Engine, load_agent, load_tokenizer, make_backend, tiny_model_dir
-from fsm.data.rows import normalize_record, to_rows
+from fsm.api import BaseEngine, SpecLike, load_agent, load_tokenizer, make_backend, tiny_model_dir
+from fsm.data.rows import normalize_record
 from fsm.families import Codec
 from fsm.run.context import Sampling
+from fsm.run.control import Controls
+from fsm.run.engine import EngineRefused, StalePolicy
 from fsm.run.runtime import agent_codec
-from fsm.run.stream import Group, GroupTaking, StalePolicy, StreamEmpty, version_span
+from fsm.run.stream import Group, Groups, StreamEmpty, version_span
 from fsm.run.trajectory import Trajectory
+
+T = TypeVar("T")
 
 
 def _ray() -> Any:
@@ -60,7 +64,7 @@ class _Worker:
 
     def __init__(self, spec: Any, tokenizer: Any, servers: Sequence[str] | None,
                  backend_factory: Callable[[], Backend] | None, rank: int, max_concurrency: int,
-                 engine: str | None = None):  # fmt: skip
+                 engine: str | None = None, version: int = 0):  # fmt: skip
         from fsm.run.runtime import Owner, Runner
 
         if servers:
@@ -73,6 +77,8 @@ class _Worker:
         self.runner = Runner(
             load_agent(spec), backend, load_tokenizer(tokenizer), max_concurrency=max_concurrency
         )
+        self.runner.gate.version = version  # the driver's: an actor replacing a dead one goes on from there
+        self.controls = Controls(self.runner, self._start)  # the same control calls as RolloutEngine's
         self.rank = rank
         self.progress = 0  # state boundaries passed and trajectories finished: the driver's hang detector reads it
         self._owner = Owner(self.runner)  # the one run path (fsm/run/runtime.py): serves while the actor lives
@@ -121,16 +127,10 @@ class _Worker:
     async def pid(self) -> int:
         return os.getpid()
 
-    async def control(
-        self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any], required: bool
-    ) -> Any:
-        await self._start()
-        fn = getattr(self.runner.backend, method, None)
-        if fn is None:
-            if required:
-                raise NotImplementedError(f"backend {type(self.runner.backend).__name__} has no {method}()")
-            return None
-        return await fn(*args, **kwargs)
+    async def control(self, op: str, args: tuple[Any, ...], servers: bool) -> Any:
+        """A control op (fsm/run/control.py `Controls.run`); `servers=False`: this actor's gate and version only
+        (another actor tells the shared servers)."""
+        return await self.controls.run(op, args, servers)
 
     async def close(self) -> None:
         serving, self._serving = self._serving, None
@@ -143,7 +143,7 @@ class _Worker:
             await close()
 
 
-class RayRunner(_Engine, GroupTaking):
+class RayRunner(BaseEngine):
     """`workers` Ray actors rolling out one spec over one shared set of servers (or per-actor backends).
 
     spec, tokenizer: as for RolloutEngine (a path is best for the tokenizer: each actor loads it).
@@ -155,7 +155,12 @@ class RayRunner(_Engine, GroupTaking):
     actor_options: passed to `.options()` (num_cpus, runtime_env, ...).
     hang_s: an actor holding rows whose trajectories pass no state boundary for this long is killed and its
         rows re-run elsewhere, as a dead one's (None: off; make it longer than the slowest model turn).
-    Continuous mode: `submit` / `take` / `stream` / `stream_stats`, as RolloutEngine's (fsm/run/stream.py).
+    The engine contract (fsm/run/engine.py) as RolloutEngine's: batches, the continuous mode (`submit` / `take` /
+    `stream` / `stream_stats`, whose groups `Groups` takes as RolloutEngine's stream does), and the control
+    calls, which each actor makes with the same `Controls` (shared servers hear them once, through actor 0; every
+    actor's gate pauses and counts the version). Refused (EngineRefused): `snapshot` / `restore` / `keep=` (the
+    running groups live in the actors), and `submit(first_index=...)`. A control call's answer is the servers'
+    (shared servers) or a list of each actor's (per-actor backends).
     After each batch, `stats` holds per-run counters: chunks, rerun_rows, actor_deaths, rows per actor.
     """
 
@@ -190,6 +195,9 @@ class RayRunner(_Engine, GroupTaking):
         self.hang_s = hang_s
         self.stats: dict[str, Any] = {}
         self._pool: _Pool | None = None  # the continuous mode's
+        self._version = 0  # the weights the servers hold (counted here, told to every actor)
+        self._paused = False
+        self._own_loop: asyncio.AbstractEventLoop | None = None  # the sync forms'
 
     # -- actors --------------------------------------------------------------------------------------------
 
@@ -206,7 +214,7 @@ class RayRunner(_Engine, GroupTaking):
             if rank < len(self.actors) and rank not in self._dead:
                 continue
             handle = actor.remote(self._spec, self._tokenizer, self.servers, self.backend_factory, rank,
-                                  self.max_concurrency, self.engine)  # fmt: skip
+                                  self.max_concurrency, self.engine, self._version)  # fmt: skip
             if rank < len(self.actors):
                 ray.kill(self.actors[rank])
                 self.actors[rank] = handle
@@ -225,13 +233,20 @@ class RayRunner(_Engine, GroupTaking):
 
     # -- the batch -----------------------------------------------------------------------------------------
 
-    async def arun(self, rows: Sequence[Any], *, n: int = 1, sampling_params: Mapping[str, Any] | None = None,
-                   validate: bool = False, sampling: Sampling | None = None,
-                   on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:  # fmt: skip
-        """Every row n times across the actors; trajectories in input order. The sampling is resolved here,
-        once, and sent to the actors; `on_done` hears each trajectory as its chunk comes back."""
-        if sampling is None:
-            sampling = Sampling.resolve(self.agent, self.codec, sampling_params, validate=validate)
+    # -- the contract's primitives (fsm/api.py BaseEngine): the driver's state, awaited from any loop ----------
+
+    async def _on_home(self, coro: Coroutine[Any, Any, T]) -> T:
+        return await coro  # nothing here is bound to a loop: any caller's serves
+
+    def _run_sync(self, coro: Coroutine[Any, Any, T]) -> T:
+        if self._own_loop is None or self._own_loop.is_closed():  # a private loop in this thread: the sync forms
+            self._own_loop = asyncio.new_event_loop()
+        return self._own_loop.run_until_complete(coro)
+
+    async def _arun(self, rows: Sequence[Any], n: int, sampling: Sampling,
+                    on_done: Callable[[Trajectory], None] | None) -> list[Trajectory]:  # fmt: skip
+        """Every row n times across the actors; trajectories in input order. The sampling is resolved once, by
+        the caller, and sent to the actors; `on_done` hears each trajectory as its chunk comes back."""
         self.start()
         rows = list(rows)
         key = uuid.uuid4().hex[:8]
@@ -259,18 +274,13 @@ class RayRunner(_Engine, GroupTaking):
         assert all(t is not None for t in out)
         return out  # type: ignore[return-value]
 
-    # -- continuous mode (as RolloutEngine's: fsm/run/stream.py) ---------------------------------------------------
+    # -- continuous mode -------------------------------------------------------------------------------------
 
-    def _version(self) -> int:
-        return int(getattr(self, "weight_version", 0) or 0)
-
-    async def asubmit(self, rows: Any, n: int = 1, sampling_params: Mapping[str, Any] | None = None,
-                      validate: bool = False) -> list[str]:  # fmt: skip
+    async def _submit(self, rows: Sequence[Any], n: int, sampling: Sampling, first_index: int | None) -> list[str]:
         """Start rolling out every row `n` times; groups stream back from the actors as they finish."""
-        rows, meta = to_rows(rows)
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        sampling = self.sampling(sampling_params, bool(validate or meta.get("validate", False)))
+        if first_index is not None:
+            raise EngineRefused(self, "asubmit", "first_index= (a slice of a batch run in several processes) is "
+                                "RolloutEngine's; the Ray runner numbers its groups itself")  # fmt: skip
         self.start()
         if self._pool is None:
             self._pool = _Pool(self, slots=max(1, math.ceil(self.max_concurrency / (n * self.chunk_rows))))
@@ -278,96 +288,67 @@ class RayRunner(_Engine, GroupTaking):
         pool.refresh()
         uids = []
         for row in rows:
-            gid = len(pool.groups)
+            gid = len(pool.rows)
             row = normalize_record(dict(row)) if isinstance(row, Mapping) else {"__bad_row__": row}
             row["uid"] = str(row.get("uid") or f"{key}-{gid}")
-            pool.groups.append(row)
+            pool.rows.append(row)
             uids.append(row["uid"])
             pool.pending.append(_Job(key, sampling, n, [row], [gid]))
         pool.stats["submitted_groups"] += len(rows)
         return uids
 
-    async def atake_groups(self, num_groups: int, *, max_staleness: int | None = None, stale: StalePolicy = "drop",
-                           timeout: float | None = None, exhausted_ok: bool = False) -> list[Group]:  # fmt: skip
-        """The first `num_groups` finished groups, in completion order (see RolloutEngine.atake_groups)."""
-        if stale not in ("drop", "rerun"):
-            raise ValueError(f"stale must be 'drop' or 'rerun', not {stale!r}")
+    async def _take(self, num_groups: int, max_staleness: int | None, stale: StalePolicy, timeout: float | None,
+                    exhausted_ok: bool) -> list[Group]:  # fmt: skip
         pool = self._pool
         if pool is None:
             raise StreamEmpty(f"take({num_groups}): nothing submitted; submit rows first")
         async with asyncio.timeout(timeout):
-            while True:
-                pool.sweep(max_staleness, stale, self._version())
-                if len(pool.ready) >= num_groups or (exhausted_ok and not pool.running()):
-                    out = [pool.ready.popleft() for _ in range(min(num_groups, len(pool.ready)))]
-                    for g in out:
-                        g.staleness = self._version() - g.version_min
-                        hist = pool.stats["staleness"]
-                        hist[g.staleness] = hist.get(g.staleness, 0) + 1
-                    pool.stats["taken_groups"] += len(out)
-                    return out
-                if not pool.running():
-                    raise StreamEmpty(f"take({num_groups}): {len(pool.ready)} group(s) ready and none running; "
-                                      "submit rows first")  # fmt: skip
-                for job, trajs in await pool.poll():
-                    gid = job.ids[0]
-                    for t in trajs:
-                        t.row = pool.groups[gid]
-                    v = self._version()
-                    spans = [version_span(t, v) for t in trajs]
-                    pool.ready.append(Group(trajs[0].uid, sorted(trajs, key=lambda t: t.sample), job.sampling,
-                                            min(a for a, _ in spans), max(b for _, b in spans)))  # fmt: skip
-                    pool.stats["finished_groups"] += 1
+            return await pool.groups.take(num_groups, max_staleness, stale, exhausted_ok, pool.running, pool.deliver)
 
     @property
     def stream_stats(self) -> dict[str, Any]:
-        if self._pool is None:
-            return {}
-        stats = dict(self._pool.stats)
-        stats.update(ready_groups=len(self._pool.ready), staleness=dict(stats["staleness"]))
-        return stats
+        return {} if self._pool is None else self._pool.groups.counters()
 
-    # -- control calls -------------------------------------------------------------------------------------
+    # -- control calls (fsm/run/control.py, in every actor) ----------------------------------------------------
 
-    async def _control(self, method: str, *args: Any, required: bool = False, **kwargs: Any) -> list[Any]:
-        """Shared servers hear it once (through one actor's router); per-actor backends each hear it."""
+    async def _control(self, op: str, args: tuple[Any, ...]) -> Any:
+        """Shared servers hear it once (through the first live actor); per-actor backends each hear it. Every
+        actor's gate pauses first and opens last, and every actor counts the version."""
         self.start()
         ranks = [r for r in range(len(self.actors)) if r not in self._dead]
-        if self.servers:
-            ranks = ranks[:1]
-        refs = [self.actors[r].control.remote(method, args, kwargs, required) for r in ranks]
-        return list(await asyncio.gather(*(asyncio.wrap_future(ref.future()) for ref in refs)))
+        told = ranks[:1] if self.servers else ranks
+        rest = [r for r in ranks if r not in told] if op != "call" else []
 
-    async def asleep(self, tags: list[str] | None = None) -> list[Any]:
-        return await self._control("sleep", tags)
+        async def send(to: list[int], servers: bool) -> list[Any]:
+            refs = [self.actors[r].control.remote(op, args, servers) for r in to]
+            return list(await asyncio.gather(*(asyncio.wrap_future(ref.future()) for ref in refs)))
 
-    async def awake_up(self, tags: list[str] | None = None) -> list[Any]:
-        return await self._control("wake_up", tags)
+        if op == "pause":
+            await send(rest, False)  # first: no actor issues a request while the servers pause
+            try:
+                answers = await send(told, True)
+            except BaseException:
+                if not self._paused:  # the other actors' gates open again
+                    refs = [self.actors[r].control.remote("resume", (), False) for r in rest]
+                    await asyncio.gather(*(asyncio.wrap_future(ref.future()) for ref in refs), return_exceptions=True)
+                raise
+        else:
+            answers = await send(told, True)
+            await send(rest, False)
+        if op == "pause" or op == "resume":
+            self._paused = op == "pause"
+        if op == "update":
+            self._version = answers[0]
+            return answers[0]
+        return answers[0] if self.servers else answers
 
-    async def aupdate_weights_from_disk(
-        self, path: str | Path, weight_version: str | None = None
-    ) -> list[Any]:
-        return await self._control("update_weights_from_disk", str(path), weight_version=weight_version,
-                                   required=True)  # fmt: skip
+    @property
+    def weight_version(self) -> int:
+        return self._version
 
-    async def aflush_cache(self) -> list[Any]:
-        return await self._control("flush_cache")
-
-    def sleep(self, tags: list[str] | None = None) -> list[Any]:
-        self._refuse_in_loop("sleep", "asleep")
-        return self._run_sync(self.asleep(tags))
-
-    def wake_up(self, tags: list[str] | None = None) -> list[Any]:
-        self._refuse_in_loop("wake_up", "awake_up")
-        return self._run_sync(self.awake_up(tags))
-
-    def update_weights_from_disk(self, path: str | Path, weight_version: str | None = None) -> list[Any]:
-        self._refuse_in_loop("update_weights_from_disk", "aupdate_weights_from_disk")
-        return self._run_sync(self.aupdate_weights_from_disk(path, weight_version))
-
-    def flush_cache(self) -> list[Any]:
-        self._refuse_in_loop("flush_cache", "aflush_cache")
-        return self._run_sync(self.aflush_cache())
+    @property
+    def paused(self) -> bool:
+        return self._paused
 
     # -- lifecycle -----------------------------------------------------------------------------------------
 
@@ -433,12 +414,11 @@ class _Pool:
         self.busy = dict.fromkeys(self.alive, 0)
         self.moved: dict[int, tuple[int, float]] = {}  # rank -> (its progress counter, when it last changed)
         self.probes: dict[Any, int] = {}  # heartbeat ObjectRef -> rank
-        self.groups: list[dict[str, Any]] = []  # continuous mode: group id -> its row
-        self.ready: deque[Group] = deque()  # continuous mode: finished groups, in completion order
-        self.stats: dict[str, Any] = {"chunks": 0, "rerun_rows": 0, "actor_deaths": 0, "hung_actors": 0,
-                                      "rows_per_actor": dict.fromkeys(self.alive, 0), "rows_done": 0,
-                                      "submitted_groups": 0, "finished_groups": 0, "taken_groups": 0,
-                                      "stale_dropped": 0, "stale_rerun": 0, "staleness": {}}  # fmt: skip
+        self.rows: list[dict[str, Any]] = []  # continuous mode: group id -> its row
+        self.groups = Groups(lambda: runner.weight_version, self._rerun)  # continuous mode: finished ones, taken
+        self.stats = self.groups.stats
+        self.stats.update(chunks=0, rerun_rows=0, actor_deaths=0, hung_actors=0,
+                          rows_per_actor=dict.fromkeys(self.alive, 0), rows_done=0)  # fmt: skip
 
     def running(self) -> bool:
         return bool(self.pending or self.inflight)
@@ -542,20 +522,20 @@ class _Pool:
             elif rank not in probing:
                 self.probes[self.runner.actors[rank].heartbeat.remote()] = rank
 
-    def sweep(self, max_staleness: int | None, stale: StalePolicy, now: int) -> None:
-        if max_staleness is None:
-            return
-        keep: deque[Group] = deque()
-        for g in self.ready:
-            if now - g.version_min <= max_staleness:
-                keep.append(g)
-            elif stale == "rerun":
-                self.stats["stale_rerun"] += 1
-                gid = g.trajectories[0].index // len(g.trajectories)
-                self.pending.append(_Job(uuid.uuid4().hex[:8], g.sampling, len(g.trajectories), [self.groups[gid]], [gid]))
-            else:
-                self.stats["stale_dropped"] += 1
-        self.ready = keep
+    async def deliver(self) -> None:
+        """Poll the actors (continuous mode): each chunk back is one finished group."""
+        for job, trajs in await self.poll():
+            gid = job.ids[0]
+            for t in trajs:
+                t.row = self.rows[gid]
+            v = self.runner.weight_version
+            spans = [version_span(t, v) for t in trajs]
+            self.groups.finished(Group(trajs[0].uid, sorted(trajs, key=lambda t: t.sample), job.sampling,
+                                       min(a for a, _ in spans), max(b for _, b in spans)))  # fmt: skip
+
+    def _rerun(self, g: Group) -> None:
+        gid = g.trajectories[0].index // len(g.trajectories)
+        self.pending.append(_Job(uuid.uuid4().hex[:8], g.sampling, len(g.trajectories), [self.rows[gid]], [gid]))
 
     def cancel(self) -> None:
         for ref in list(self.inflight):  # cancelled or failed: stop what still runs

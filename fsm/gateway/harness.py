@@ -33,7 +33,7 @@ import json
 import os
 import signal
 import sys
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,17 +41,52 @@ from fsm.gateway.front import TOKEN_ENV
 from fsm.gateway.record import GatewayError, LimitReached, record_call
 from fsm.gateway.server import Session, gateway_for
 from fsm.run.context import RunContext
+from fsm.run.engine import owned
 from fsm.run.trajectory import Trajectory
 from fsm.spec.registry import action, guard
 from fsm.tools.isolation import ThreadLane
 
-_LIVE: dict[str, Session] = {}  # trajectory session_id -> its gateway session, while its harness runs
-_LANE: ThreadLane | None = None  # sync harnesses' own threads (never the loop's executor)
 MAX_OUTPUT_BYTES = 1 << 20  # a command's stdout kept as its result
 REAP_S = 5.0  # how long a stopped harness may take to end
 REAPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reaper.py")  # runs each command harness
 ENDED = "the session's harness has ended"
 SECRET_ENV = (TOKEN_ENV,)  # this process's secrets no harness is given (a worker's registration token)
+
+
+class Harnesses:
+    """The harness states of one engine (fsm/run/engine.py `owned`): their sessions, the threads of sync harnesses
+    (never the loop's executor) and the harness tasks; closed with the engine, shared with no other."""
+
+    def __init__(self) -> None:
+        self.live: dict[str, Session] = {}  # trajectory session_id -> its gateway session, while its harness runs
+        self.lane: ThreadLane | None = None
+        self.tasks: set[asyncio.Task[Any]] = set()
+
+    def spawn(self, coro: Coroutine[Any, Any, dict[str, Any]]) -> asyncio.Task[dict[str, Any]]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return task
+
+    def thread_lane(self) -> ThreadLane:
+        if self.lane is None:
+            self.lane = ThreadLane("harness", 64)
+        return self.lane
+
+    async def aclose(self) -> None:
+        """Stop the harnesses still running (their rows have ended) and let the lane's idle threads go."""
+        tasks = list(self.tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=REAP_S)
+        if self.lane is not None:
+            self.lane.close()
+
+
+def harnesses() -> Harnesses:
+    """The running engine's harness states."""
+    return owned().get("gateway.harnesses", Harnesses)
 
 
 @dataclass(frozen=True)
@@ -85,7 +120,8 @@ def harness(fn: Callable[[HarnessCall], Any] | None = None, *, command: Sequence
         raise ValueError("harness(command=...): an argv list of strings (no shell)")
 
     async def run_harness(ctx: RunContext, traj: Trajectory) -> None:
-        session = _LIVE.get(traj.session_id)
+        mine = harnesses()
+        session = mine.live.get(traj.session_id)
         if session is None:
             gateway = await gateway_for(ctx.backend)
             try:
@@ -94,10 +130,10 @@ def harness(fn: Callable[[HarnessCall], Any] | None = None, *, command: Sequence
                 from fsm.data.rows import RowError
 
                 raise RowError(f"gateway: {exc}") from None
-            _LIVE[traj.session_id] = session
+            mine.live[traj.session_id] = session
             call = HarnessCall(session.base_url, session.anthropic_base_url, session.key, model, dict(traj.row))
             loop = asyncio.get_running_loop()
-            task = loop.create_task(_run_command(command, call, session) if command is not None else _run_function(fn, call))
+            task = mine.spawn(_run_command(command, call, session) if command is not None else _run_function(fn, call))
             task.add_done_callback(lambda _t: session.wake.set())
             traj.extra["_harness_deadline"] = deadline = loop.time() + timeout_s
             session.task = task  # type: ignore[attr-defined]
@@ -170,7 +206,7 @@ async def _end(traj: Trajectory, session: Session, task: asyncio.Task[Any], outc
     traj.extra["harness"] = outcome
     traj.extra["harness_calls"] = session.calls
     traj.extra["harness_session"] = session.id  # behind a front, its tag names the worker that served the row
-    _LIVE.pop(traj.session_id, None)
+    harnesses().live.pop(traj.session_id, None)
     session.close()
     if not task.done():
         task.cancel()
@@ -181,7 +217,7 @@ async def _end(traj: Trajectory, session: Session, task: asyncio.Task[Any], outc
 
 async def gateway_generate(ctx: RunContext, traj: Trajectory) -> None:
     """The GENERATING state of a harness: record the call the harness state took and answer it."""
-    session = _LIVE.get(traj.session_id)
+    session = harnesses().live.get(traj.session_id)
     if session is None or session.current is None:
         from fsm.data.rows import RowError
 
@@ -212,7 +248,7 @@ action("gateway_generate")(gateway_generate)
 @guard("harness_calling")
 def harness_calling(traj: Trajectory) -> bool:
     """The harness made a model call the state took (the next state records it)."""
-    session = _LIVE.get(traj.session_id)
+    session = harnesses().live.get(traj.session_id)
     return session is not None and session.current is not None
 
 
@@ -227,14 +263,11 @@ def harness_failed(traj: Trajectory) -> bool:
 
 
 async def _run_function(fn: Callable[[HarnessCall], Any], call: HarnessCall) -> dict[str, Any]:
-    global _LANE
     try:
         if inspect.iscoroutinefunction(fn):
             result = await fn(call)
         else:
-            if _LANE is None:
-                _LANE = ThreadLane("harness", 64)
-            result = await _LANE.call(fn, call)
+            result = await harnesses().thread_lane().call(fn, call)
             if inspect.isawaitable(result):
                 result = await result
     except asyncio.CancelledError:

@@ -26,6 +26,7 @@ from aiohttp import web
 
 from fsm.gateway import anthropic_api, openai_api
 from fsm.gateway.record import Answer, Call, GatewayError, Recorder
+from fsm.run.engine import owned
 
 log = logging.getLogger("agentfsm.gateway")
 
@@ -178,6 +179,8 @@ class Gateway:
             runner, self._runner, self._starting = self._runner, None, None
             await runner.cleanup()
 
+    aclose = close  # as the engine that owns it closes it (fsm/run/engine.py `Owned`)
+
     async def __aenter__(self) -> Gateway:
         return await self.start()
 
@@ -281,7 +284,6 @@ def _body(raw: bytes) -> dict[str, Any]:
 
 
 _ATTACHED: weakref.WeakKeyDictionary[Any, Gateway] = weakref.WeakKeyDictionary()
-_DEFAULT: dict[Any, Gateway] = {}  # event loop -> the gateway started on first use
 _CONFIG: dict[str, Any] = {}  # what a gateway started on first use binds to (configure)
 
 
@@ -293,16 +295,13 @@ def configure(host: str = "127.0.0.1", port: int = 0, limits: GatewayLimits | No
 
 
 async def gateway_for(backend: Any) -> Gateway:
-    """The gateway attached to `backend`, else this loop's loopback one (started now if need be)."""
+    """The gateway attached to `backend`, else the running engine's loopback one (fsm/run/engine.py `owned`:
+    started now if need be, closed with the engine, shared with no other engine)."""
     attached = _ATTACHED.get(backend)
     if attached is not None:
         return await attached.start()
-    loop = asyncio.get_running_loop()
-    gateway = _DEFAULT.get(loop)
-    if gateway is None:
-        for old in [k for k in _DEFAULT if k.is_closed()]:
-            del _DEFAULT[old]
-        gateway = _DEFAULT[loop] = Gateway(**_CONFIG)
+    gateway = owned().get("gateway", lambda: Gateway(**_CONFIG))
+    if gateway._runner is None:
         await gateway.start()
         log.info("gateway listening on %s (sessions under /sessions/{id}/v1)", gateway.url)
     return await gateway.start()

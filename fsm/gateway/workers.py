@@ -37,21 +37,23 @@ import time
 import urllib.error
 import urllib.request
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fsm.api import _Engine, load_tokenizer
+from fsm.api import batch_of, load_tokenizer
 from fsm.gateway.front import TOKEN_ENV, Front
 from fsm.gateway.server import GatewayLimits, configure
 from fsm.output.keep import SNAPSHOT, Rollout
-from fsm.output.metrics import COUNTERS
+from fsm.output.metrics import COUNTERS, FaultDelta
 from fsm.run.compile import CompiledAgent, compile_spec
+from fsm.run.context import Sampling
 from fsm.run.kept import SNAPSHOT_TIMEOUT_S
 from fsm.run.runtime import agent_codec
 from fsm.run.signals import SIGNALS, say_now
 from fsm.run.snapshot import decode_sampling, decode_trajectory, encode_sampling, encode_trajectory
+from fsm.run.trajectory import Trajectory
 
 CONFIG, RESULT = "config.json", "result.json"  # in OUT/workers/wK: what the parent gave, what it rolled out
 REGISTER_TIMEOUT_S = 10.0  # one worker's registration request
@@ -364,22 +366,27 @@ def _summed(stats: list[Any], tags: list[str]) -> dict[str, Any] | None:
     return out
 
 
-class Merged(_Engine):
+class Merged:
     """The workers' run as the run directory's writer reads an engine (fsm/output/keep.py): the spec, the codec
-    of the workers' tokenizer (as their runs made it, `agent_codec`), their backends' counters summed, and every engine's
-    `to_batch`. Its spans were each worker's to export."""
+    of the workers' tokenizer (as their runs made it, `agent_codec`), their backends' counters summed, and the
+    engines' own batch code (fsm/api.py `batch_of`). Not an engine: it runs nothing; its spans were each
+    worker's to export."""
 
     tracer = None
 
     def __init__(self, agent: CompiledAgent, tokenizer: str, stats: dict[str, Any] | None):
         self.agent = agent
         self.codec = agent_codec(agent, load_tokenizer(tokenizer))
-        self.backend, self._stats = self, {}
-        self._fault_counters()  # counted from nothing: the batch's metrics get the workers' whole counts
+        self._stats: dict[str, Any] = {}
+        self._faults = FaultDelta(self)  # counted from nothing: the batch's metrics get the workers' whole counts
         self._stats = stats or {}
 
     def stats(self) -> dict[str, Any]:
         return self._stats
+
+    def to_batch(self, trajs: Sequence[Trajectory], sampling: Sampling, like: Any = None,
+                 meta: Mapping[str, Any] | None = None, wall_s: float | None = None) -> Any:  # fmt: skip
+        return batch_of(self.agent, self.codec, trajs, sampling, self._faults, like, meta, wall_s)
 
 
 # --- a worker --------------------------------------------------------------------------------------------------

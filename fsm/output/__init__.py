@@ -1,6 +1,7 @@
 """What comes out of a run: the padded batch in verl's layout (batch), the flat per-sample form trainers map
 from (sample), a batch's metrics (metrics), the run directory's files (rundir), and a run kept there on
-SIGTERM, by the CLI and by `generate_sequences(keep=RunDir(out))` alike (keep).
+SIGTERM, by the CLI and by `generate_sequences(keep=RunDir(out))` alike (keep); and `BaseEngine` (engine), the
+engine contract's shared half, which hands all of these out over each engine's primitives.
 
 May import fsm.run (trajectories) and fsm.data; never the composition above it (fsm.api, fsm.adapters, fsm.cli).
 """

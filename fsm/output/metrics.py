@@ -83,6 +83,7 @@ class FaultDelta:
     """A backend's cumulative fault counters (its `stats()`), read as what changed since the last `take()`."""
 
     def __init__(self, backend: Any):
+        self.backend = backend
         self._stats = getattr(backend, "stats", None)
         self._last = self._read()
 

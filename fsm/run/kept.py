@@ -62,7 +62,7 @@ async def keep_rollout(engine: Any, rows: Sequence[Any] | None, n: int, sampling
     """Roll `rows` out `n` times each (or, `rows` None, the snapshot at `keeper.snapshot` again) in `engine`'s
     continuous mode, from the caller's loop, while `interrupts` listens: a signal then parks the running
     trajectories at their next state boundary and writes them, with the finished ones, to `keeper.snapshot`.
-    `first_index`: the rows are a slice of a larger batch (see ContinuousMode.asubmit)."""
+    `first_index`: the rows are a slice of a larger batch (see BaseEngine.asubmit, fsm/output/engine.py)."""
     out = keeper.snapshot.parent
     if rows is None:
         meta = await engine.arestore(keeper.snapshot)

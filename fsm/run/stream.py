@@ -16,28 +16,20 @@ trajectories at their next state boundary and write the groups, finished and not
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import dataclasses
-import logging
 import sys
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from fsm.data.rows import to_rows
 from fsm.run import loopwatch
 from fsm.run import snapshot as snap
 from fsm.run.actions import BUILTIN_ACTIONS
 from fsm.run.context import RunContext, Sampling
+from fsm.run.engine import StalePolicy
 from fsm.run.runtime import Owner, Runner
 from fsm.run.trajectory import Trajectory
 from fsm.tools.isolation import INLINE_STEPS
-
-StalePolicy = Literal["drop", "rerun"]
-PAUSE_TIMEOUT_S = 10.0  # a snapshot's pause of the servers (abort mode) waits at most this long
-log = logging.getLogger("agentfsm.stream")
 
 
 class StreamEmpty(RuntimeError):
@@ -64,6 +56,74 @@ class Group:
     staleness: int = 0  # at take time: current version - version_min
 
 
+class Groups:
+    """Finished groups waiting to be taken, in completion order, and the staleness rule applied at take time: the
+    continuous mode's bookkeeping, the same for the local Stream and the Ray runner's pool of actors. `rerun`
+    starts a stale group again (`stale="rerun"`)."""
+
+    def __init__(self, version: Callable[[], int], rerun: Callable[[Group], None]):
+        self.version = version  # the engine's current weight version
+        self._rerun = rerun
+        self.ready: deque[Group] = deque()
+        self.news = asyncio.Event()  # a group finished (or nothing can finish any more)
+        self.stats: dict[str, Any] = {"submitted_groups": 0, "finished_groups": 0, "taken_groups": 0,
+                                      "stale_dropped": 0, "stale_rerun": 0, "ready_groups": 0, "staleness": {}}  # fmt: skip
+
+    def finished(self, group: Group) -> None:
+        self.ready.append(group)
+        self.stats["finished_groups"] += 1
+        self.stats["ready_groups"] = len(self.ready)
+        self.news.set()
+
+    def sweep(self, max_staleness: int | None, stale: StalePolicy) -> None:
+        """Take the groups staler than `max_staleness` out of `ready`: dropped, or started again."""
+        if max_staleness is None:
+            return
+        now = self.version()
+        keep: deque[Group] = deque()
+        for g in self.ready:
+            if now - g.version_min <= max_staleness:
+                keep.append(g)
+            elif stale == "rerun":
+                self.stats["stale_rerun"] += 1
+                self._rerun(g)
+            else:
+                self.stats["stale_dropped"] += 1
+        self.ready = keep
+        self.stats["ready_groups"] = len(self.ready)
+
+    async def take(self, num_groups: int, max_staleness: int | None, stale: StalePolicy, exhausted_ok: bool,
+                   running: Callable[[], bool], wait: Callable[[], Awaitable[None]]) -> list[Group]:  # fmt: skip
+        """The first `num_groups` fresh finished groups, in completion order, awaiting `wait()` until they are
+        there. StreamEmpty when fewer can ever come (nothing `running`); with `exhausted_ok`, what there is."""
+        if stale not in ("drop", "rerun"):
+            raise ValueError(f"stale must be 'drop' or 'rerun', not {stale!r}")
+        if num_groups < 1:
+            raise ValueError(f"num_groups must be >= 1, got {num_groups}")
+        while True:
+            self.sweep(max_staleness, stale)
+            if len(self.ready) >= num_groups or (not running() and exhausted_ok):
+                out = [self.ready.popleft() for _ in range(min(num_groups, len(self.ready)))]
+                now = self.version()
+                hist = self.stats["staleness"]
+                for g in out:
+                    g.staleness = now - g.version_min
+                    hist[g.staleness] = hist.get(g.staleness, 0) + 1
+                self.stats["taken_groups"] += len(out)
+                self.stats["ready_groups"] = len(self.ready)
+                return out
+            if not running():
+                raise StreamEmpty(f"take({num_groups}): {len(self.ready)} group(s) ready and none running; "
+                                  "submit rows first")  # fmt: skip
+            await wait()
+
+    def counters(self) -> dict[str, Any]:
+        """A copy of the counters (`stream_stats`)."""
+        stats = dict(self.stats)
+        stats["staleness"] = dict(stats["staleness"])
+        return stats
+
+
 @dataclass
 class _Running:
     group: Group
@@ -80,14 +140,12 @@ class Stream(Owner):
         super().__init__(runner)
         self.version = version  # the engine's current weight version
         self.boundary = snap.Boundary()
-        self._ready: deque[Group] = deque()
+        self.groups = Groups(version, self._rerun)
         self._running: dict[str, _Running] = {}  # uid -> group in flight
-        self._news = asyncio.Event()  # a group finished
         self._active = 0  # trajectories past the gate, not finished
         self._next_index = 0
-        self.stats: dict[str, Any] = {"submitted_groups": 0, "finished_groups": 0, "taken_groups": 0,
-                                      "stale_dropped": 0, "stale_rerun": 0, "finished_trajectories": 0,
-                                      "running_groups": 0, "ready_groups": 0, "staleness": {}}  # fmt: skip
+        self.stats = self.groups.stats
+        self.stats.update(finished_trajectories=0, running_groups=0)
 
     # -- ownership: `serve` (Owner's) runs every trajectory task ------------------------------------------------
 
@@ -95,12 +153,12 @@ class Stream(Owner):
         """Cancelled, it has cancelled every running trajectory; ready groups stay, to be taken."""
         self._running.clear()
         self.stats["running_groups"] = 0
-        self._news.set()
+        self.groups.news.set()
 
     # -- in ----------------------------------------------------------------------------------------------------
 
     async def submit(self, rows: Sequence[Any], n: int, sampling: Sampling, first_index: int | None = None) -> list[str]:
-        """Start every row n times; the groups' uids. `first_index`: see ContinuousMode.asubmit."""
+        """Start every row n times; the groups' uids. `first_index`: see BaseEngine.asubmit, fsm/output/engine.py."""
         await self._serving.wait()
         trajs = self.runner.trajectories(rows, n)
         ctx = self.runner.make_context(sampling=sampling)
@@ -108,7 +166,7 @@ class Stream(Owner):
         base = self._next_index if first_index is None else first_index
         self._next_index = max(self._next_index, base + len(trajs))
         uids = []
-        waiting = {g.uid for g in self._ready}
+        waiting = {g.uid for g in self.groups.ready}
         for i in range(0, len(trajs), n):
             members = trajs[i : i + n]
             for t in members:
@@ -151,30 +209,10 @@ class Stream(Owner):
         group.version_min = min(s[0] for s in spans)
         group.version_max = max(s[1] for s in spans)
         del self._running[group.uid]
-        self._ready.append(group)
-        self.stats["finished_groups"] += 1
         self.stats["running_groups"] = len(self._running)
-        self.stats["ready_groups"] = len(self._ready)
-        self._news.set()
+        self.groups.finished(group)
 
     # -- out ---------------------------------------------------------------------------------------------------
-
-    def _sweep(self, max_staleness: int | None, stale: StalePolicy) -> None:
-        """Take the groups staler than `max_staleness` out of `ready`: dropped, or started again."""
-        if max_staleness is None:
-            return
-        now = self.version()
-        keep: deque[Group] = deque()
-        for g in self._ready:
-            if now - g.version_min <= max_staleness:
-                keep.append(g)
-            elif stale == "rerun":
-                self.stats["stale_rerun"] += 1
-                self._rerun(g)
-            else:
-                self.stats["stale_dropped"] += 1
-        self._ready = keep
-        self.stats["ready_groups"] = len(self._ready)
 
     def _rerun(self, g: Group) -> None:
         fresh = self.runner.trajectories([g.trajectories[0].row], len(g.trajectories))
@@ -185,29 +223,13 @@ class Stream(Owner):
 
     async def take(self, num_groups: int, max_staleness: int | None = None, stale: StalePolicy = "drop",
                    exhausted_ok: bool = False) -> list[Group]:  # fmt: skip
-        """The first `num_groups` fresh finished groups, in completion order, waiting for them. StreamEmpty
-        when fewer can ever come (nothing left running); with `exhausted_ok`, what there is instead."""
-        if stale not in ("drop", "rerun"):
-            raise ValueError(f"stale must be 'drop' or 'rerun', not {stale!r}")
-        if num_groups < 1:
-            raise ValueError(f"num_groups must be >= 1, got {num_groups}")
-        while True:
-            self._sweep(max_staleness, stale)
-            if len(self._ready) >= num_groups or (not self._running and exhausted_ok):
-                out = [self._ready.popleft() for _ in range(min(num_groups, len(self._ready)))]
-                now = self.version()
-                hist = self.stats["staleness"]
-                for g in out:
-                    g.staleness = now - g.version_min
-                    hist[g.staleness] = hist.get(g.staleness, 0) + 1
-                self.stats["taken_groups"] += len(out)
-                self.stats["ready_groups"] = len(self._ready)
-                return out
-            if not self._running:
-                raise StreamEmpty(f"take({num_groups}): {len(self._ready)} group(s) ready and none running; "
-                                  "submit rows first")  # fmt: skip
-            self._news.clear()
-            await self._news.wait()
+        """The first `num_groups` fresh finished groups (`Groups.take`), waiting for running ones to finish."""
+
+        async def wait() -> None:
+            self.groups.news.clear()
+            await self.groups.news.wait()
+
+        return await self.groups.take(num_groups, max_staleness, stale, exhausted_ok, lambda: bool(self._running), wait)
 
     # -- snapshots ---------------------------------------------------------------------------------------------
 
@@ -223,7 +245,7 @@ class Stream(Owner):
         restarted = 0
         try:
             groups = []
-            for status, g, done in ([("ready", g, None) for g in self._ready] +
+            for status, g, done in ([("ready", g, None) for g in self.groups.ready] +
                                     [("running", r.group, r) for r in self._running.values()]):  # fmt: skip
                 trajs = []
                 for t in g.trajectories:
@@ -259,7 +281,7 @@ class Stream(Owner):
             loop = loopwatch.loop_of(thread)
             blocked = self.runner.driving.get(asyncio.current_task(loop)) if loop is not None else None  # type: ignore[arg-type]
         restarted, groups = 0, []
-        ready = list(self._ready)
+        ready = list(self.groups.ready)
         for status, g, run in ([("ready", g, None) for g in ready] +
                                [("running", r.group, r) for r in list(self._running.values())]):  # fmt: skip
             trajs = []
@@ -298,8 +320,7 @@ class Stream(Owner):
             done = [bool(td["done"]) for td in gd["trajectories"]]
             group = Group(gd["uid"], trajs, sampling, gd["version_min"], gd["version_max"], gd["reruns"])
             if gd["status"] == "ready":
-                self._ready.append(group)
-                self.stats["finished_groups"] += 1
+                self.groups.finished(group)
                 continue
             run = _Running(group, self.runner.make_context(sampling=sampling))
             run.done = sum(done)
@@ -310,8 +331,7 @@ class Stream(Owner):
                 if not d:
                     self._spawn(self._one(run, t))
         self.stats["running_groups"] = len(self._running)
-        self.stats["ready_groups"] = len(self._ready)
-        self._news.set()
+        self.groups.news.set()
         return len(data["groups"])
 
 
@@ -325,249 +345,3 @@ def _is_done(traj: Trajectory, run: _Running) -> bool:
     """Whether a trajectory of a running group has finished (its driver returned): parked and queued ones
     are in a state that is not final; a finished one is in a final state, or failed."""
     return traj.state in run.ctx.agent.final_states or traj.failed
-
-
-class GroupTaking:
-    """`atake`, `stream` and the sync `submit`/`take` over an engine's `asubmit`, `atake_groups` and
-    `to_batch`: shared by RolloutEngine's continuous mode (below) and RayRunner's."""
-
-    def submit(self, rows: Any, n: int = 1, sampling_params: Mapping[str, Any] | None = None,
-               validate: bool = False) -> list[str]:  # fmt: skip
-        self._refuse_in_loop("submit", "asubmit")
-        return self._run_sync(self.asubmit(rows, n, sampling_params, validate))
-
-    def take(self, num_groups: int, *, max_staleness: int | None = None, stale: StalePolicy = "drop",
-             timeout: float | None = None) -> Any:  # fmt: skip
-        self._refuse_in_loop("take", "atake")
-        return self._run_sync(self.atake(num_groups, max_staleness=max_staleness, stale=stale, timeout=timeout))
-
-    async def atake(self, num_groups: int, *, max_staleness: int | None = None, stale: StalePolicy = "drop",
-                    timeout: float | None = None) -> Any:  # fmt: skip
-        """verl's padded batch of exactly `num_groups` whole groups, in completion order, waiting for them
-        (TimeoutError after `timeout` s; StreamEmpty when too few are running). A group whose oldest model
-        token is more than `max_staleness` weight versions old is dropped or re-run (`stale`), and counted in
-        `stream_stats`. meta_info["staleness"]: each group's, in batch order."""
-        groups = await self.atake_groups(num_groups, max_staleness=max_staleness, stale=stale, timeout=timeout)
-        trajs = [t for g in groups for t in g.trajectories]
-        sampling = groups[0].sampling
-        if not all(g.sampling.logprobs for g in groups):
-            sampling = dataclasses.replace(sampling, logprobs=False)
-        batch = self.to_batch(trajs, sampling)
-        batch.meta_info["staleness"] = [g.staleness for g in groups]
-        return batch
-
-    async def stream(self, *, max_staleness: int | None = None, stale: StalePolicy = "drop") -> AsyncIterator[Group]:
-        """`async for group in engine.stream():` each finished group as it completes, until none is left."""
-        while True:
-            groups = await self.atake_groups(1, max_staleness=max_staleness, stale=stale, exhausted_ok=True)
-            if not groups:
-                return
-            yield groups[0]
-
-
-
-class ContinuousMode(GroupTaking):
-    """RolloutEngine's continuous-mode methods (a mixin: the engine provides its loop, runner and batch).
-
-    Each call runs on the engine's loop; sync forms block on it, as the engine's other calls do."""
-
-    runner: Runner
-    agent: Any
-    _stream: Stream | None = None  # started by the first call
-    _stream_task: asyncio.Future[None] | None = None
-    wedged = False  # a snapshot was taken while code blocked the engine's loop: that loop runs nothing more
-
-    def _version(self) -> int:
-        return self.weight_version
-
-    async def _stream_here(self) -> Stream:
-        await self._start()
-        if self._stream is None:
-            self._stream = Stream(self.runner, self._version)
-        if self._stream_task is None:
-            self._stream_task = asyncio.ensure_future(self._stream.serve())
-        return self._stream
-
-    async def asubmit(self, rows: Any, n: int = 1, sampling_params: Mapping[str, Any] | None = None,
-                      validate: bool = False, sampling: Sampling | None = None,
-                      first_index: int | None = None) -> list[str]:  # fmt: skip
-        """Start rolling out every row `n` times in the continuous mode; returns at once with the groups' uids.
-        Their groups come back from `atake` / `stream` as they finish. `first_index`: the batch-wide index of
-        the first row's first sample, when these rows are a slice of a batch run in several processes (the
-        trajectories' `index`, and so their per-sample seeds, are then the whole batch's; default: next on)."""
-        rows, meta = to_rows(rows)
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        if sampling is None:
-            sampling = self.sampling(sampling_params, bool(validate or meta.get("validate", False)))
-
-        async def here() -> list[str]:
-            return await (await self._stream_here()).submit(rows, n, sampling, first_index)
-
-        return await self._on_home(here())
-
-    async def atake_groups(self, num_groups: int, *, max_staleness: int | None = None, stale: StalePolicy = "drop",
-                           timeout: float | None = None, exhausted_ok: bool = False) -> list[Group]:  # fmt: skip
-        """The first `num_groups` finished groups (see `atake`), as `Group`s of trajectories."""
-
-        async def here() -> list[Group]:
-            stream = await self._stream_here()
-            async with asyncio.timeout(timeout):
-                return await stream.take(num_groups, max_staleness, stale, exhausted_ok)
-
-        return await self._on_home(here())
-
-    @property
-    def stream_stats(self) -> dict[str, Any]:
-        """Counters of the continuous mode: groups submitted, finished, taken, dropped or re-run for staleness,
-        running and ready now; `staleness`: {staleness: groups taken}."""
-        if self._stream is None:
-            return {}
-        stats = dict(self._stream.stats)
-        stats["staleness"] = dict(stats["staleness"])
-        return stats
-
-    async def asnapshot(self, path: str | Path, *, meta: Mapping[str, Any] | None = None, stop: bool = False,
-                        timeout: float | None = None, abort_turns: bool = False,
-                        fallback: Callable[[], Path] | None = None) -> dict[str, Any]:  # fmt: skip
-        """Write the continuous mode's groups (finished but not taken, and running) to `path` as JSON, taken
-        at state boundaries: running trajectories pause at their next one while it is written. `stop=True`
-        then cancels the running ones (their groups live on in the file) instead of letting them go on, also
-        when the file cannot be written. `abort_turns=True` never waits for a model turn: the engine pauses
-        in abort mode first (`apause`), so turns in flight end with their partial output, which the snapshot
-        keeps and a restore goes on from; a server that cannot pause has its requests aborted one by one
-        (SGLang's /abort_request) instead. A trajectory inside its interaction (whose state the file cannot
-        hold) is written as it was at its start, to run again on restore (counted in "restarted").
-        When `path` cannot be written (a full disk) and `fallback` is given, the file goes into the
-        directory `fallback()` makes ("path" says where). `meta` is stored as is (JSON). Returns counts:
-        groups ready and running, trajectories restarted; and the path written. When code blocks the engine's
-        loop (the loop watch sees it not turning, fsm/run/loopwatch.py), the snapshot is taken from outside
-        it, each trajectory as it was at its last state boundary (`Stream.snapshot_blocked`), and the engine
-        is left `wedged`; "blocked" is then True and "finished" holds the finished groups, not taken."""
-
-        async def here() -> dict[str, Any]:
-            stream = await self._stream_here()
-            gate = self.runner.gate
-            paused = abort_turns and not gate.paused
-            if paused:
-                gate.close()  # first: no new turn starts while the servers abort the running ones
-                await self._pause_or_abort()
-            written = Path(path)
-            try:
-                data = await stream.snapshot({**snap.header(self.agent, self.codec), "meta": dict(meta or {})}, timeout)
-                restarted = data.pop("restarted")
-                try:
-                    try:
-                        await asyncio.to_thread(snap.write, written, data)
-                    except OSError as exc:
-                        if fallback is None:
-                            raise
-                        log.warning("snapshot: cannot write %s (%s); writing it to a fallback directory",
-                                    written, exc.strerror or exc)  # fmt: skip
-                        written = fallback() / written.name
-                        await asyncio.to_thread(snap.write, written, data)
-                finally:
-                    try:
-                        if stop:
-                            await self._stop_stream()
-                    finally:
-                        stream.boundary.open()
-            finally:  # stopped or going on: the servers serve again (a stop has cancelled our turns by now)
-                if paused:
-                    with contextlib.suppress(Exception):
-                        async with asyncio.timeout(PAUSE_TIMEOUT_S):
-                            await self._control_here("continue_generation", (), {}, False)
-                    gate.open()
-            running = sum(g["status"] == "running" for g in data["groups"])
-            return {"ready_groups": len(data["groups"]) - running, "running_groups": running,
-                    "restarted": restarted, "path": str(written)}  # fmt: skip
-
-        home = self._home_loop()
-        if home.current():
-            return await here()
-        done, cancel = home.submit(here())
-        waiter = asyncio.wrap_future(done)
-        while True:  # a loop that code blocks runs nothing we send it: snapshot from outside it then
-            try:
-                return await asyncio.wait_for(asyncio.shield(waiter), loopwatch.TICK_S)
-            except TimeoutError:
-                pass
-            except asyncio.CancelledError:
-                cancel()
-                raise
-            thread = loopwatch.blocked(home.loop)
-            if thread is not None and self._stream is not None:
-                try:
-                    return await asyncio.to_thread(self._snapshot_blocked, thread, Path(path), meta, fallback)
-                except snap.SnapshotError:  # it turned meanwhile: the loop takes the snapshot after all
-                    continue
-
-    def _snapshot_blocked(self, thread: int, path: Path, meta: Mapping[str, Any] | None,
-                          fallback: Callable[[], Path] | None) -> dict[str, Any]:  # fmt: skip
-        """`asnapshot` while the engine's loop is blocked (see `Stream.snapshot_blocked`), on a thread of the
-        caller's. The engine is left `wedged`: nothing more can run on its loop, and closing it skips the loop."""
-        assert self._stream is not None
-        data, ready = self._stream.snapshot_blocked({**snap.header(self.agent, self.codec), "meta": dict(meta or {})},
-                                                     thread)  # fmt: skip
-        restarted = data.pop("restarted")
-        self.wedged = True
-        written = path
-        try:
-            snap.write(written, data)
-        except OSError as exc:
-            if fallback is None:
-                raise
-            log.warning("snapshot: cannot write %s (%s); writing it to a fallback directory", written,
-                        exc.strerror or exc)  # fmt: skip
-            written = fallback() / written.name
-            snap.write(written, data)
-        running = sum(g["status"] == "running" for g in data["groups"])
-        return {"ready_groups": len(ready), "running_groups": running, "restarted": restarted, "path": str(written),
-                "blocked": True, "finished": ready}  # fmt: skip
-
-    async def _pause_or_abort(self) -> None:
-        """Every model turn in flight ends with its partial output: the servers pause in abort mode, or, where
-        they cannot (no /pause_generation), each trajectory's request in flight is aborted."""
-        try:
-            async with asyncio.timeout(PAUSE_TIMEOUT_S):
-                done = await self._control_here("pause_generation", ("abort",), {}, False)
-            if done is not None or getattr(self.backend, "pause_generation", None) is not None:
-                return
-            why = "the backend has no pause_generation"
-        except Exception as exc:
-            why = f"{type(exc).__name__}: {exc}"
-        abort = getattr(self.backend, "abort", None)
-        if abort is None:
-            log.warning("snapshot: pausing the servers failed (%s) and the backend cannot abort; waiting for "
-                        "turns in flight", why)  # fmt: skip
-            return
-        log.warning("snapshot: pausing the servers failed (%s); aborting the requests in flight instead", why)
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(PAUSE_TIMEOUT_S):
-                await asyncio.gather(*(abort(sid) for sid in list(self.runner.live)), return_exceptions=True)
-
-    async def arestore(self, path: str | Path) -> dict[str, Any]:
-        """Put a snapshot's groups back into the continuous mode (same spec, checked by hash: SnapshotError
-        otherwise); ready groups can be taken, running ones run on. Returns the snapshot's `meta`."""
-
-        async def here() -> dict[str, Any]:
-            data = await asyncio.to_thread(snap.read, path, self.agent, len(self.codec.tokenizer), self.codec)
-            await (await self._stream_here()).restore(data)
-            return dict(data.get("meta") or {})
-
-        return await self._on_home(here())
-
-    async def _stop_stream(self) -> None:
-        task, self._stream_task = self._stream_task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-    def snapshot(self, path: str | Path, *, meta: Mapping[str, Any] | None = None, stop: bool = False) -> dict[str, int]:
-        self._refuse_in_loop("snapshot", "asnapshot")
-        return self._run_sync(self.asnapshot(path, meta=meta, stop=stop))
-
-    def restore(self, path: str | Path) -> dict[str, Any]:
-        self._refuse_in_loop("restore", "arestore")
-        return self._run_sync(self.arestore(path))

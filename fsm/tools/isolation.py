@@ -55,7 +55,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from fsm.tools.handoff import Mailbox, settled
+from fsm.tools.handoff import settled
+from fsm.tools.loopthread import LoopThread
 
 log = logging.getLogger("agentfsm.tools")
 
@@ -231,22 +232,17 @@ def _run_job(name: str, job: _Job) -> None:
 
 
 class _ToolLoop:
-    """One event loop in one daemon thread; `pending` futures fail if the loop dies under them."""
+    """One event loop in one daemon thread (`LoopThread`); `pending` futures fail if the loop dies under them."""
 
     def __init__(self, name: str):
         self.name = name
-        self.loop = asyncio.new_event_loop()
-        self.mailbox = Mailbox(self.loop)  # calls to start, handed over in bursts
         self.pending: set[concurrent.futures.Future] = set()
         self.cancel_sent: float | None = None  # a cancellation the loop has not run yet, sent at this time
-        self.thread = threading.Thread(target=self._serve, name=f"agentfsm-tool-loop-{name}", daemon=True)
-        self.thread.start()
+        self.home = LoopThread(f"agentfsm-tool-loop-{name}", sigint=True, on_exit=self._gone)
+        self.loop, self.mailbox = self.home.loop, self.home.mailbox  # calls to start, handed over in bursts
 
-    def _serve(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        try:
-            self.loop.run_forever()
-        except BaseException as exc:  # a tool's callback raised SystemExit/KeyboardInterrupt: the loop is gone
+    def _gone(self, exc: BaseException | None) -> None:
+        if exc is not None:  # a tool's callback raised SystemExit/KeyboardInterrupt: the loop is gone
             gone = crashed(self.name, exc)
         else:  # close()
             gone = ToolCrashed(f"tool {self.name!r}: its event loop was stopped during the call")
@@ -256,7 +252,7 @@ class _ToolLoop:
 
     def alive(self, grace_s: float) -> bool:
         sent = self.cancel_sent
-        return self.thread.is_alive() and (sent is None or time.monotonic() - sent < grace_s)
+        return self.home.thread.is_alive() and (sent is None or time.monotonic() - sent < grace_s)
 
 
 class LoopLane:
@@ -326,8 +322,8 @@ class LoopLane:
     def close(self) -> None:
         with self._lock:
             current, self._current = self._current, None
-        if current is not None and not current.loop.is_closed():
-            current.loop.call_soon_threadsafe(current.loop.stop)
+        if current is not None:
+            current.home.stop()
 
 
 def _settle(name: str, task: asyncio.Task, done: concurrent.futures.Future) -> None:

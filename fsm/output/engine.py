@@ -1,0 +1,381 @@
+"""The engine contract's shared half (fsm/run/engine.py `Engine`): everything an engine hands out, written once
+over the few primitives each engine provides (its abstract methods: where its work runs, `_arun`, `_submit`,
+`_take`, `_control`, its weight version). Batches come back in verl's padded layout (or flat `Sample`s), the
+continuous mode's groups as batches, the control calls checked, and every call in a sync form too.
+RolloutEngine (fsm/api.py) and RayRunner (fsm/adapters/ray_runner.py) add only their I/O, as httpx's Client
+adds it to BaseClient. It sits in the output stage because what it adds to the run stage's contract is the
+output: batches, samples and the run directory (`keep=`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+
+from fsm.data.rows import to_rows
+from fsm.families import Codec
+from fsm.output.batch import to_batch
+from fsm.output.keep import RunDir, keep_batch
+from fsm.output.metrics import FaultDelta, rollout_metrics
+from fsm.output.sample import SampleBatch, to_samples
+from fsm.run.compile import CompiledAgent
+from fsm.run.context import Sampling
+from fsm.run.engine import PAUSE_MODES, EngineRefused, StalePolicy, weight_version_of
+from fsm.run.stream import Group
+from fsm.run.tracer import Tracer
+from fsm.run.trajectory import Trajectory
+
+T = TypeVar("T")
+Rows = Sequence[Mapping[str, Any]] | Mapping[str, Sequence[Any] | np.ndarray] | Any  # Any: a verl DataProto
+
+
+class BaseEngine(ABC):
+    """The engine contract's shared logic (fsm/run/engine.py `Engine`), written once over the primitives each
+    engine provides (the abstract methods below): batches shaped into verl's padded batch, the continuous mode's
+    batches, the control calls' checks, and every sync form. RolloutEngine and RayRunner add only their I/O, as
+    httpx's Client adds it to BaseClient."""
+
+    agent: CompiledAgent
+    codec: Codec
+    tracer: Tracer | None = None
+    _faults: FaultDelta | None = None
+
+    # -- the primitives ----------------------------------------------------------------------------------------
+
+    @abstractmethod
+    async def _on_home(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Await `coro` where the engine's state lives, from whichever loop the caller runs."""
+
+    @abstractmethod
+    def _run_sync(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run `coro` to its end from a thread that runs no event loop (the sync forms)."""
+
+    @abstractmethod
+    async def _arun(self, rows: Sequence[Any], n: int, sampling: Sampling,
+                    on_done: Callable[[Trajectory], None] | None) -> list[Trajectory]:  # fmt: skip
+        """Every row n times; the trajectories in input order."""
+
+    @abstractmethod
+    async def _submit(self, rows: Sequence[Any], n: int, sampling: Sampling, first_index: int | None) -> list[str]:
+        """Start every row n times (the continuous mode); the groups' uids."""
+
+    @abstractmethod
+    async def _take(self, num_groups: int, max_staleness: int | None, stale: StalePolicy, timeout: float | None,
+                    exhausted_ok: bool) -> list[Group]:  # fmt: skip
+        """The first `num_groups` finished groups (fsm/run/stream.py `Groups.take`)."""
+
+    @abstractmethod
+    async def _control(self, op: str, args: tuple[Any, ...]) -> Any:
+        """A control op of fsm/run/control.py `Controls` ("call", "pause", "resume", "update") on every server."""
+
+    @property
+    @abstractmethod
+    def weight_version(self) -> int:
+        """The weights the servers hold: 0 at first (or the int they report), then each update's version."""
+
+    @property
+    @abstractmethod
+    def paused(self) -> bool:
+        """True between `pause()` and `resume()`: no model request is issued meanwhile."""
+
+    @property
+    @abstractmethod
+    def stream_stats(self) -> dict[str, Any]:
+        """Counters of the continuous mode: groups submitted, finished, taken, dropped or re-run for staleness,
+        running and ready now; `staleness`: {staleness: groups taken}."""
+
+    @abstractmethod
+    async def aclose(self) -> None: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    snapshots = False  # whether `asnapshot` / `arestore` (and `keep=`) work; EngineRefused otherwise
+
+    async def _snapshot(self, path: str | Path, meta: Mapping[str, Any] | None, stop: bool, timeout: float | None,
+                        abort_turns: bool, fallback: Callable[[], Path] | None) -> dict[str, Any]:  # fmt: skip
+        raise EngineRefused(self, "asnapshot", "this engine cannot snapshot its running groups; use RolloutEngine")
+
+    async def _restore(self, path: str | Path) -> dict[str, Any]:
+        raise EngineRefused(self, "arestore", "this engine cannot restore a snapshot; use RolloutEngine")
+
+    # -- a batch -----------------------------------------------------------------------------------------------
+
+    async def arun(self, rows: Sequence[Any], *, n: int = 1, sampling_params: Mapping[str, Any] | None = None,
+                   validate: bool = False, sampling: Sampling | None = None,
+                   on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:  # fmt: skip
+        """The finished trajectories themselves (transcripts, segments, state paths), in input order.
+        `on_done` hears each trajectory as it finishes (RolloutEngine: on the engine's thread)."""
+        if sampling is None:
+            sampling = self.sampling(sampling_params, validate)
+        return await self._on_home(self._arun(rows, n, sampling, on_done))
+
+    async def agenerate_sequences(self, batch: Rows, sampling_params: Mapping[str, Any] | None = None,
+                                  validate: bool = False, n: int = 1, *, keep: RunDir | None = None) -> Any:  # fmt: skip
+        """Roll out every row `n` times; verl's padded batch back (a DataProto when given one).
+
+        `validate=True` (or a DataProto's `meta_info["validate"]`) samples with the spec's `val_sampling`;
+        `sampling_params` override either (SGLang names, plus `seed` and `logprobs`).
+        `keep=RunDir(out)` runs the rows as `agentfsm run --out out` does (fsm/output/keep.py): the files are
+        written there, and SIGINT or SIGTERM (to a caller on the main thread) snapshots the rows still running
+        and writes the finished ones, then raises RunInterrupted; `agentfsm run --resume out` goes on.
+        """
+        rows, meta = to_rows(batch)
+        validate = bool(validate or meta.get("validate", False))
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        sampling = self.sampling(sampling_params, validate)
+        self._fault_counters()
+        if keep is not None:
+            if not self.snapshots:
+                raise EngineRefused(self, "agenerate_sequences", "keep= needs an engine that snapshots a run; "
+                                    "use RolloutEngine")  # fmt: skip
+            return await keep_batch(self, rows, n, sampling, keep, like=batch, meta=meta)
+        t0 = time.perf_counter()
+        trajs = await self.arun(rows, n=n, sampling=sampling)
+        return self.to_batch(trajs, sampling, like=batch, meta=meta, wall_s=time.perf_counter() - t0)
+
+    async def agenerate_samples(self, batch: Rows, sampling_params: Mapping[str, Any] | None = None,
+                                validate: bool = False, n: int = 1) -> SampleBatch:  # fmt: skip
+        """As `agenerate_sequences`, unpadded: one flat `Sample` per trajectory (the form trainer adapters
+        map from, fsm/output/sample.py), with the same meta_info."""
+        rows, meta = to_rows(batch)
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        sampling = self.sampling(sampling_params, bool(validate or meta.get("validate", False)))
+        faults = self._fault_counters()
+        t0 = time.perf_counter()
+        trajs = await self.arun(rows, n=n, sampling=sampling)
+        info = {**meta, "sampling": sampling.describe(self.codec.vocab_size),
+                "rollout_metrics": rollout_metrics(trajs, faults=faults.take(), wall_s=time.perf_counter() - t0)}
+        return SampleBatch(to_samples(trajs, self.agent.spec.context.reward_placement), info)  # one per segment
+
+    def generate_samples(self, batch: Rows, sampling_params: Mapping[str, Any] | None = None,
+                         validate: bool = False, n: int = 1) -> SampleBatch:  # fmt: skip
+        """Sync form of `agenerate_samples`."""
+        self._refuse_in_loop("generate_samples", "agenerate_samples")
+        return self._run_sync(self.agenerate_samples(batch, sampling_params, validate, n))
+
+    def to_batch(self, trajs: Sequence[Trajectory], sampling: Sampling, like: Any = None,
+                 meta: Mapping[str, Any] | None = None, wall_s: float | None = None) -> Any:  # fmt: skip
+        """Finished trajectories -> verl's padded batch (`batch_of`), with this engine's backend counters."""
+        return batch_of(self.agent, self.codec, trajs, sampling, self._fault_counters(), like, meta, wall_s)
+
+    def _fault_counters(self) -> FaultDelta:
+        """The backend's fault counters, read per batch (first read: when the backend starts, or before the first
+        batch runs). A backend built at start (servers= without engine=) gets its own counters from there."""
+        backend = getattr(self, "backend", None)
+        if self._faults is None or self._faults.backend is not backend:
+            self._faults = FaultDelta(backend)
+        return self._faults
+
+    def sampling(self, sampling_params: Mapping[str, Any] | None = None, validate: bool = False) -> Sampling:
+        """The run's sampling, resolved once (pass it to `arun` and `to_batch`)."""
+        return Sampling.resolve(self.agent, self.codec, sampling_params, validate=validate)
+
+    def generate_sequences(self, batch: Rows, sampling_params: Mapping[str, Any] | None = None,
+                           validate: bool = False, n: int = 1, *, keep: RunDir | None = None) -> Any:  # fmt: skip
+        """Sync form of `agenerate_sequences`, on the engine's own event loop; blocks until the batch is back.
+        With `keep`, the run is watched from a loop of the calling thread, where signals arrive."""
+        self._refuse_in_loop("generate_sequences", "agenerate_sequences")
+        if keep is not None:
+            return asyncio.run(self.agenerate_sequences(batch, sampling_params, validate, n, keep=keep))
+        return self._run_sync(self.agenerate_sequences(batch, sampling_params, validate, n))
+
+    def _refuse_in_loop(self, name: str, async_name: str) -> None:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        raise RuntimeError(f"{type(self).__name__}.{name}() was called inside a running event loop, which it "
+                           f"would block; use `await {async_name}(...)` there")  # fmt: skip
+
+    # -- continuous mode (fsm/run/stream.py) -------------------------------------------------------------------
+
+    async def asubmit(self, rows: Any, n: int = 1, sampling_params: Mapping[str, Any] | None = None,
+                      validate: bool = False, sampling: Sampling | None = None,
+                      first_index: int | None = None) -> list[str]:  # fmt: skip
+        """Start rolling out every row `n` times in the continuous mode; returns at once with the groups' uids.
+        Their groups come back from `atake` / `stream` as they finish. `first_index`: the batch-wide index of
+        the first row's first sample, when these rows are a slice of a batch run in several processes (the
+        trajectories' `index`, and so their per-sample seeds, are then the whole batch's; default: next on)."""
+        rows, meta = to_rows(rows)
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        if sampling is None:
+            sampling = self.sampling(sampling_params, bool(validate or meta.get("validate", False)))
+        return await self._on_home(self._submit(rows, n, sampling, first_index))
+
+    async def atake_groups(self, num_groups: int, *, max_staleness: int | None = None, stale: StalePolicy = "drop",
+                           timeout: float | None = None, exhausted_ok: bool = False) -> list[Group]:  # fmt: skip
+        """The first `num_groups` finished groups (see `atake`), as `Group`s of trajectories."""
+        return await self._on_home(self._take(num_groups, max_staleness, stale, timeout, exhausted_ok))
+
+    async def atake(self, num_groups: int, *, max_staleness: int | None = None, stale: StalePolicy = "drop",
+                    timeout: float | None = None) -> Any:  # fmt: skip
+        """verl's padded batch of exactly `num_groups` whole groups, in completion order, waiting for them
+        (TimeoutError after `timeout` s; StreamEmpty when too few are running). A group whose oldest model
+        token is more than `max_staleness` weight versions old is dropped or re-run (`stale`), and counted in
+        `stream_stats`. meta_info["staleness"]: each group's, in batch order."""
+        groups = await self.atake_groups(num_groups, max_staleness=max_staleness, stale=stale, timeout=timeout)
+        trajs = [t for g in groups for t in g.trajectories]
+        sampling = groups[0].sampling
+        if not all(g.sampling.logprobs for g in groups):
+            sampling = dataclasses.replace(sampling, logprobs=False)
+        batch = self.to_batch(trajs, sampling)
+        batch.meta_info["staleness"] = [g.staleness for g in groups]
+        return batch
+
+    async def stream(self, *, max_staleness: int | None = None, stale: StalePolicy = "drop") -> AsyncIterator[Group]:
+        """`async for group in engine.stream():` each finished group as it completes, until none is left."""
+        while True:
+            groups = await self.atake_groups(1, max_staleness=max_staleness, stale=stale, exhausted_ok=True)
+            if not groups:
+                return
+            yield groups[0]
+
+    def submit(self, rows: Any, n: int = 1, sampling_params: Mapping[str, Any] | None = None,
+               validate: bool = False) -> list[str]:  # fmt: skip
+        self._refuse_in_loop("submit", "asubmit")
+        return self._run_sync(self.asubmit(rows, n, sampling_params, validate))
+
+    def take(self, num_groups: int, *, max_staleness: int | None = None, stale: StalePolicy = "drop",
+             timeout: float | None = None) -> Any:  # fmt: skip
+        self._refuse_in_loop("take", "atake")
+        return self._run_sync(self.atake(num_groups, max_staleness=max_staleness, stale=stale, timeout=timeout))
+
+    # -- snapshots ---------------------------------------------------------------------------------------------
+
+    async def asnapshot(self, path: str | Path, *, meta: Mapping[str, Any] | None = None, stop: bool = False,
+                        timeout: float | None = None, abort_turns: bool = False,
+                        fallback: Callable[[], Path] | None = None) -> dict[str, Any]:  # fmt: skip
+        """Write the continuous mode's groups (finished but not taken, and running) to `path` as JSON, taken
+        at state boundaries: running trajectories pause at their next one while it is written. `stop=True`
+        then cancels the running ones (their groups live on in the file) instead of letting them go on, also
+        when the file cannot be written. `abort_turns=True` never waits for a model turn: the engine pauses
+        in abort mode first (`apause`), so turns in flight end with their partial output, which the snapshot
+        keeps and a restore goes on from; a server that cannot pause has its requests aborted one by one
+        (SGLang's /abort_request) instead. A trajectory inside its interaction (whose state the file cannot
+        hold) is written as it was at its start, to run again on restore (counted in "restarted").
+        When `path` cannot be written (a full disk) and `fallback` is given, the file goes into the
+        directory `fallback()` makes ("path" says where). `meta` is stored as is (JSON). Returns counts:
+        groups ready and running, trajectories restarted; and the path written. When code blocks the engine's
+        loop (the loop watch sees it not turning, fsm/run/loopwatch.py), the snapshot is taken from outside
+        it, each trajectory as it was at its last state boundary (`Stream.snapshot_blocked`), and the engine
+        is left `wedged`; "blocked" is then True and "finished" holds the finished groups, not taken.
+        EngineRefused on an engine that cannot snapshot (`snapshots` is False: RayRunner)."""
+        return await self._snapshot(path, meta, stop, timeout, abort_turns, fallback)
+
+    async def arestore(self, path: str | Path) -> dict[str, Any]:
+        """Put a snapshot's groups back into the continuous mode (same spec, checked by hash: SnapshotError
+        otherwise); ready groups can be taken, running ones run on. Returns the snapshot's `meta`."""
+        return await self._restore(path)
+
+    def snapshot(self, path: str | Path, *, meta: Mapping[str, Any] | None = None, stop: bool = False) -> dict[str, int]:
+        self._refuse_in_loop("snapshot", "asnapshot")
+        return self._run_sync(self.asnapshot(path, meta=meta, stop=stop))
+
+    def restore(self, path: str | Path) -> dict[str, Any]:
+        self._refuse_in_loop("restore", "arestore")
+        return self._run_sync(self.arestore(path))
+
+    # -- control calls (fsm/run/control.py) --------------------------------------------------------------------
+
+    async def asleep(self, tags: list[str] | None = None) -> Any:
+        """Release server memory (SGLang release_memory_occupation; tags "weights", "kv_cache")."""
+        return await self._control("call", ("sleep", (tags,)))
+
+    async def awake_up(self, tags: list[str] | None = None) -> Any:
+        """Take the memory back (SGLang resume_memory_occupation)."""
+        return await self._control("call", ("wake_up", (tags,)))
+
+    async def aflush_cache(self) -> Any:
+        return await self._control("call", ("flush_cache",))
+
+    async def apause(self, mode: str = "abort") -> None:
+        """Stop generation: the engine issues no new model request (turns wait at its gate) and every server
+        pauses (`/pause_generation`; the in-process model the same). `mode`: "abort" ends running requests
+        with their partial output, which the engine keeps and resumes after `resume()`; "retract" requeues
+        them at the server (recomputed after continue); "in_place" holds them mid-generation. Trajectories stay
+        alive with their partial turns; new runs may start meanwhile and wait at the gate."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"unknown pause mode {mode!r}; expected one of {', '.join(PAUSE_MODES)}")
+        await self._control("pause", (mode,))
+
+    async def aresume(self) -> None:
+        """Continue: every server continues (`/continue_generation`), then the gate opens and paused
+        trajectories go on, on whatever weights the servers now hold."""
+        await self._control("resume", ())
+
+    async def aupdate_weights_from_disk(self, path: str | Path, weight_version: int | None = None,
+                                        **options: Any) -> int:  # fmt: skip
+        """Reload weights on every server (or the in-process model) from a checkpoint directory, as version
+        `weight_version` (default: the current one + 1), which is returned. `options` go to SGLang's
+        endpoint (load_format, abort_all_requests, flush_cache)."""
+        return await self._update("update_weights_from_disk", (str(path),), options, weight_version)
+
+    async def aupdate_weights_from_tensor(self, weight_version: int | None = None, **payload: Any) -> int:
+        """SGLang's `/update_weights_from_tensor` on every server (payload passed through:
+        serialized_named_tensors, load_format, flush_cache...); the new version is returned."""
+        return await self._update("update_weights_from_tensor", (), payload, weight_version)
+
+    async def aupdate_weights_from_distributed(self, weight_version: int | None = None, **payload: Any) -> int:
+        """SGLang's `/update_weights_from_distributed` on every server (payload passed through: names, dtypes,
+        shapes, group_name...); the new version is returned."""
+        return await self._update("update_weights_from_distributed", (), payload, weight_version)
+
+    async def _update(self, method: str, args: tuple[Any, ...], options: dict[str, Any],
+                      weight_version: int | None) -> int:  # fmt: skip
+        return await self._control("update", (method, args, options, weight_version_of(weight_version)))
+
+    def sleep(self, tags: list[str] | None = None) -> Any:
+        self._refuse_in_loop("sleep", "asleep")
+        return self._run_sync(self.asleep(tags))
+
+    def wake_up(self, tags: list[str] | None = None) -> Any:
+        self._refuse_in_loop("wake_up", "awake_up")
+        return self._run_sync(self.awake_up(tags))
+
+    def update_weights_from_disk(self, path: str | Path, weight_version: int | None = None, **options: Any) -> int:
+        self._refuse_in_loop("update_weights_from_disk", "aupdate_weights_from_disk")
+        return self._run_sync(self.aupdate_weights_from_disk(path, weight_version, **options))
+
+    def update_weights_from_tensor(self, weight_version: int | None = None, **payload: Any) -> int:
+        self._refuse_in_loop("update_weights_from_tensor", "aupdate_weights_from_tensor")
+        return self._run_sync(self.aupdate_weights_from_tensor(weight_version, **payload))
+
+    def update_weights_from_distributed(self, weight_version: int | None = None, **payload: Any) -> int:
+        self._refuse_in_loop("update_weights_from_distributed", "aupdate_weights_from_distributed")
+        return self._run_sync(self.aupdate_weights_from_distributed(weight_version, **payload))
+
+    def pause(self, mode: str = "abort") -> None:
+        self._refuse_in_loop("pause", "apause")
+        self._run_sync(self.apause(mode))
+
+    def resume(self) -> None:
+        self._refuse_in_loop("resume", "aresume")
+        self._run_sync(self.aresume())
+
+    def flush_cache(self) -> Any:
+        self._refuse_in_loop("flush_cache", "aflush_cache")
+        return self._run_sync(self.aflush_cache())
+
+
+def batch_of(agent: CompiledAgent, codec: Codec, trajs: Sequence[Trajectory], sampling: Sampling,
+             faults: FaultDelta | None = None, like: Any = None, meta: Mapping[str, Any] | None = None,
+             wall_s: float | None = None) -> Any:  # fmt: skip
+    """Finished trajectories -> verl's padded batch (fsm/output/batch.py `to_batch`), with the sampling that
+    produced its logprobs (meta_info["sampling"]) and its metrics (meta_info["rollout_metrics"],
+    fsm/output/metrics.py, with the backend counters `faults` moved since the last batch), which survive a
+    DataProto's round trip."""
+    out = to_batch(trajs, agent, codec, logprobs=sampling.logprobs, like=like, meta=meta)
+    out.meta_info["sampling"] = sampling.describe(codec.vocab_size)
+    out.meta_info["rollout_metrics"] = rollout_metrics(trajs, faults=faults.take() if faults else None, wall_s=wall_s)
+    return out

@@ -1,0 +1,143 @@
+"""The engine contract: what a trainer's code may call on any rollout engine, typed once.
+
+    batch = engine.generate_sequences(rows, n=8)                  # a batch: rows in, verl's padded batch out
+    engine.submit(rows, n=8); batch = engine.take(4, max_staleness=1)   # continuous: groups as they finish
+    engine.pause(); engine.update_weights_from_disk(path); engine.resume()   # control: every server hears it
+    engine.snapshot(path); engine.restore(path)                   # the running groups, written and put back
+    engine.close()
+
+Two implementations, each composed of its parts and neither a mixin: `fsm.api.RolloutEngine` (one process: its
+loop thread, its stream, its backend) and `fsm.adapters.ray_runner.RayRunner` (actors, each a Runner with the
+same control calls; its groups taken by the same `Groups`). The gateway's workers (`agentfsm gateway --workers`)
+each run a RolloutEngine, and their merged run is written by the same batch code. The shared logic over the
+contract's primitives is `fsm.output.engine.BaseEngine`. Where an engine cannot do a call it raises
+`EngineRefused`, a NotImplementedError naming the engine, the call and what to use instead; it never silently
+does less.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
+
+from fsm.run.compile import CompiledAgent
+from fsm.run.context import Sampling
+from fsm.run.trajectory import Trajectory
+
+T = TypeVar("T")
+StalePolicy = Literal["drop", "rerun"]
+PAUSE_MODES = ("abort", "retract", "in_place")  # SGLang's /pause_generation modes
+
+
+class EngineRefused(NotImplementedError):
+    """This engine cannot do this call (the message names both, and what can); a documented difference between
+    implementations of the contract, never a silent no-op."""
+
+    def __init__(self, engine: object, call: str, why: str):
+        super().__init__(f"{type(engine).__name__}.{call}(): {why}")
+        self.engine, self.call = type(engine).__name__, call
+
+
+def weight_version_of(weight_version: int | None) -> int | None:
+    """The version a weight update names, checked: an int (the engines count versions), or None for the next."""
+    if weight_version is not None and (isinstance(weight_version, bool) or not isinstance(weight_version, int)):
+        raise TypeError(f"weight_version must be an int (the engine counts versions), got {weight_version!r}")
+    return weight_version
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """The rollout engine contract (see the module docstring). Every async form has a sync form of the same name
+    without the `a` (`agenerate_sequences` / `generate_sequences`), which refuses to run inside a running event
+    loop (it would block it)."""
+
+    agent: CompiledAgent
+    codec: Any  # fsm.families.Codec
+
+    # -- a batch ---------------------------------------------------------------------------------------------
+    async def arun(self, rows: Sequence[Any], *, n: int = 1, sampling_params: Mapping[str, Any] | None = None,
+                   validate: bool = False, sampling: Sampling | None = None) -> list[Trajectory]: ...  # fmt: skip
+    async def agenerate_sequences(self, batch: Any, sampling_params: Mapping[str, Any] | None = None,
+                                  validate: bool = False, n: int = 1) -> Any: ...  # fmt: skip
+    def generate_sequences(self, batch: Any, sampling_params: Mapping[str, Any] | None = None,
+                           validate: bool = False, n: int = 1) -> Any: ...  # fmt: skip
+
+    # -- continuous mode -------------------------------------------------------------------------------------
+    async def asubmit(self, rows: Any, n: int = 1, sampling_params: Mapping[str, Any] | None = None,
+                      validate: bool = False) -> list[str]: ...  # fmt: skip
+    async def atake_groups(self, num_groups: int, *, max_staleness: int | None = None, stale: StalePolicy = "drop",
+                           timeout: float | None = None, exhausted_ok: bool = False) -> list[Any]: ...  # fmt: skip
+    async def atake(self, num_groups: int, *, max_staleness: int | None = None, stale: StalePolicy = "drop",
+                    timeout: float | None = None) -> Any: ...  # fmt: skip
+    def stream(self, *, max_staleness: int | None = None, stale: StalePolicy = "drop") -> AsyncIterator[Any]: ...
+    @property
+    def stream_stats(self) -> dict[str, Any]: ...
+
+    # -- control ---------------------------------------------------------------------------------------------
+    @property
+    def weight_version(self) -> int: ...
+    @property
+    def paused(self) -> bool: ...
+    async def apause(self, mode: str = "abort") -> None: ...
+    async def aresume(self) -> None: ...
+    async def aupdate_weights_from_disk(self, path: str | Path, weight_version: int | None = None,
+                                        **options: Any) -> int: ...  # fmt: skip
+    async def aupdate_weights_from_tensor(self, weight_version: int | None = None, **payload: Any) -> int: ...
+    async def aupdate_weights_from_distributed(self, weight_version: int | None = None, **payload: Any) -> int: ...
+    async def asleep(self, tags: list[str] | None = None) -> Any: ...
+    async def awake_up(self, tags: list[str] | None = None) -> Any: ...
+    async def aflush_cache(self) -> Any: ...
+
+    # -- snapshots and lifecycle -----------------------------------------------------------------------------
+    async def asnapshot(self, path: str | Path, *, meta: Mapping[str, Any] | None = None,
+                        stop: bool = False) -> dict[str, Any]: ...  # fmt: skip
+    async def arestore(self, path: str | Path) -> dict[str, Any]: ...
+    async def aclose(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class Owned:
+    """What an engine owns beyond its backend and closes with it: services that code running under the engine
+    starts on first use (the gateway of harness states, its sessions and threads, fsm/gateway/harness.py), found
+    through `owned()`. Two engines in one process share none of it."""
+
+    def __init__(self) -> None:
+        self._items: dict[str, Any] = {}
+
+    def get(self, key: str, make: Callable[[], T]) -> T:
+        """The engine's `key`, made by `make()` on first use."""
+        if key not in self._items:
+            self._items[key] = make()
+        return self._items[key]
+
+    async def aclose(self) -> None:
+        """Close everything owned (each item's `aclose()`), newest first; the first error is raised at the end."""
+        items, self._items = list(self._items.values()), {}
+        failed: BaseException | None = None
+        for item in reversed(items):
+            try:
+                await item.aclose()
+            except Exception as exc:
+                failed = failed or exc
+        if failed is not None:
+            raise failed
+
+
+_OWNED: contextvars.ContextVar[Owned | None] = contextvars.ContextVar("agentfsm_owned", default=None)
+_UNOWNED = Owned()  # code run outside any engine (a bare Runner): its services live as long as the process
+
+
+def owned() -> Owned:
+    """The services of the engine whose work is running now (every task an engine starts carries it)."""
+    return _OWNED.get() or _UNOWNED
+
+
+async def under(owner: Owned, coro: Coroutine[Any, Any, T]) -> T:
+    """Await `coro` with `owner` as the running engine's services (tasks it starts inherit them)."""
+    token = _OWNED.set(owner)
+    try:
+        return await coro
+    finally:
+        _OWNED.reset(token)

@@ -1,0 +1,308 @@
+"""The single-process engine's working parts, composed: one Runner and its backend on one event loop in a thread
+the engine owns (`LoopThread`), the run's one owner on that loop (the `Stream`: batches and the continuous mode
+alike), and the control calls there (`Controls`). `fsm.api.RolloutEngine` is the contract over this.
+
+Sync calls block on the loop, and async calls from any other loop are bridged to it, so aiohttp sessions and the
+in-process model's batching task never see a second loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import weakref
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+from backends.base import Backend
+from fsm.run import loopwatch
+from fsm.run import snapshot as snap
+from fsm.run.context import Sampling
+from fsm.run.control import Controls
+from fsm.run.engine import Owned, StalePolicy, under
+from fsm.run.runtime import Runner
+from fsm.run.stream import Group, Stream
+from fsm.run.trajectory import Trajectory
+from fsm.tools.loopthread import LoopThread
+
+T = TypeVar("T")
+PAUSE_TIMEOUT_S = 10.0  # a snapshot's pause of the servers (abort mode) waits at most this long
+log = logging.getLogger("agentfsm.stream")
+
+
+class Local:
+    """One runner, its backend, its stream and its control calls, on the loop thread it owns (started on first
+    use). `build`: awaited once on that loop before the backend starts, it returns the backend to use (servers
+    whose engine is asked first); the runner's backend stays as it is when there is none."""
+
+    def __init__(self, runner: Runner, tracer: Any, name: str,
+                 build: Callable[[], Awaitable[Backend]] | None = None):  # fmt: skip
+        self.runner, self.tracer, self.name = runner, tracer, name
+        self.agent, self.codec = runner.agent, runner.codec
+        self.controls = Controls(runner, self.start_here)
+        self.owned = Owned()  # services its runs start (a harness's gateway), closed with it
+        self._build = build
+        self._home: LoopThread | None = None
+        self._started: asyncio.Future[None] | None = None  # the backend's start(), on the home loop
+        self._stream: Stream | None = None  # started by the first call
+        self._stream_task: asyncio.Future[None] | None = None
+        self.closed = False
+        self.wedged = False  # a snapshot was taken while code blocked the loop: that loop runs nothing more
+
+    @property
+    def backend(self) -> Backend:
+        return self.runner.backend
+
+    # -- the loop ----------------------------------------------------------------------------------------------
+
+    def home(self) -> LoopThread:
+        if self.closed:
+            raise RuntimeError("this RolloutEngine is closed")
+        if self._home is None:
+            self._home = home = LoopThread(f"agentfsm engine ({self.name})")
+            weakref.finalize(self, home.close).atexit = False  # an engine dropped unclosed stops its thread
+        return self._home
+
+    async def call(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Await `coro` on the engine's loop, from whichever loop the caller runs."""
+        try:
+            home = self.home()
+        except RuntimeError:
+            coro.close()
+            raise
+        if home.current():
+            return await coro
+        return await home.call(under(self.owned, coro))
+
+    def run_sync(self, coro: Coroutine[Any, Any, T]) -> T:
+        try:
+            home = self.home()
+        except RuntimeError:
+            coro.close()
+            raise
+        return home.run(under(self.owned, coro))
+
+    # -- on the loop -------------------------------------------------------------------------------------------
+
+    async def start_here(self) -> None:
+        if self._started is None:
+            self._started = asyncio.ensure_future(self._start_backend())
+        await asyncio.shield(self._started)
+
+    async def _start_backend(self) -> None:
+        if self._build is not None:
+            build, self._build = self._build, None
+            self.runner.backend = await build()
+        start = getattr(self.backend, "start", None)
+        if start is not None:
+            await start()
+        # The servers' weight version, when they report an int: the counter goes on from there.
+        reported = await self._reported_version()
+        if reported is not None and reported > self.runner.gate.version:
+            self.runner.gate.version = reported
+
+    async def _reported_version(self) -> int | None:
+        version = getattr(self.backend, "weight_version", None)
+        info = getattr(self.backend, "model_info", None)
+        if version is None and info is not None:
+            with contextlib.suppress(Exception):  # a server that cannot say (soon): keep counting from 0
+                info = await asyncio.wait_for(info(), 5.0)
+                version = (info[0] if isinstance(info, list) and info else info or {}).get("weight_version")
+        try:
+            return int(version) if version is not None else None
+        except (TypeError, ValueError):
+            return None
+
+    async def stream_here(self) -> Stream:
+        await self.start_here()
+        if self._stream is None:
+            self._stream = Stream(self.runner, lambda: self.runner.gate.version)
+        if self._stream_task is None:
+            self._stream_task = asyncio.ensure_future(self._stream.serve())
+        return self._stream
+
+    async def run_here(self, rows: Sequence[Any], n: int, sampling: Sampling,
+                       on_done: Callable[[Trajectory], None] | None) -> list[Trajectory]:  # fmt: skip
+        owner = await self.stream_here()  # the engine's one owner, the continuous mode's too (started: its backend)
+        ctx, trajs = self.runner.prepare(rows, n, sampling=sampling)
+        await owner.run(trajs, ctx, on_done)
+        return trajs
+
+    async def submit_here(self, rows: Sequence[Any], n: int, sampling: Sampling, first_index: int | None) -> list[str]:
+        return await (await self.stream_here()).submit(rows, n, sampling, first_index)
+
+    async def take_here(self, num_groups: int, max_staleness: int | None, stale: StalePolicy, timeout: float | None,
+                        exhausted_ok: bool) -> list[Group]:  # fmt: skip
+        stream = await self.stream_here()
+        async with asyncio.timeout(timeout):
+            return await stream.take(num_groups, max_staleness, stale, exhausted_ok)
+
+    def stream_stats(self) -> dict[str, Any]:
+        return {} if self._stream is None else self._stream.groups.counters()
+
+    # -- snapshots ---------------------------------------------------------------------------------------------
+
+    async def snapshot(self, path: str | Path, meta: Mapping[str, Any] | None, stop: bool, timeout: float | None,
+                       abort_turns: bool, fallback: Callable[[], Path] | None) -> dict[str, Any]:  # fmt: skip
+        """RolloutEngine.asnapshot: through the loop, or from outside it when code blocks it."""
+        home = self.home()
+        here = self._snapshot_here(path, meta, stop, timeout, abort_turns, fallback)
+        if home.current():
+            return await here
+        done, cancel = home.submit(under(self.owned, here))
+        waiter = asyncio.wrap_future(done)
+        while True:  # a loop that code blocks runs nothing we send it: snapshot from outside it then
+            try:
+                return await asyncio.wait_for(asyncio.shield(waiter), loopwatch.TICK_S)
+            except TimeoutError:
+                pass
+            except asyncio.CancelledError:
+                cancel()
+                raise
+            thread = loopwatch.blocked(home.loop)
+            if thread is not None and self._stream is not None:
+                try:
+                    return await asyncio.to_thread(self._snapshot_blocked, thread, Path(path), meta, fallback)
+                except snap.SnapshotError:  # it turned meanwhile: the loop takes the snapshot after all
+                    continue
+
+    async def _snapshot_here(self, path: str | Path, meta: Mapping[str, Any] | None, stop: bool,
+                             timeout: float | None, abort_turns: bool,
+                             fallback: Callable[[], Path] | None) -> dict[str, Any]:  # fmt: skip
+        stream = await self.stream_here()
+        gate = self.runner.gate
+        paused = abort_turns and not gate.paused
+        if paused:
+            gate.close()  # first: no new turn starts while the servers abort the running ones
+            await self._pause_or_abort()
+        written = Path(path)
+        try:
+            data = await stream.snapshot({**snap.header(self.agent, self.codec), "meta": dict(meta or {})}, timeout)
+            restarted = data.pop("restarted")
+            try:
+                try:
+                    await asyncio.to_thread(snap.write, written, data)
+                except OSError as exc:
+                    if fallback is None:
+                        raise
+                    log.warning("snapshot: cannot write %s (%s); writing it to a fallback directory",
+                                written, exc.strerror or exc)  # fmt: skip
+                    written = fallback() / written.name
+                    await asyncio.to_thread(snap.write, written, data)
+            finally:
+                try:
+                    if stop:
+                        await self.stop_stream()
+                finally:
+                    stream.boundary.open()
+        finally:  # stopped or going on: the servers serve again (a stop has cancelled our turns by now)
+            if paused:
+                with contextlib.suppress(Exception):
+                    async with asyncio.timeout(PAUSE_TIMEOUT_S):
+                        await self.controls.call("continue_generation", (), {}, False)
+                gate.open()
+        running = sum(g["status"] == "running" for g in data["groups"])
+        return {"ready_groups": len(data["groups"]) - running, "running_groups": running,
+                "restarted": restarted, "path": str(written)}  # fmt: skip
+
+    def _snapshot_blocked(self, thread: int, path: Path, meta: Mapping[str, Any] | None,
+                          fallback: Callable[[], Path] | None) -> dict[str, Any]:  # fmt: skip
+        """`snapshot` while the loop is blocked (see `Stream.snapshot_blocked`), on a thread of the caller's. The
+        engine is left `wedged`: nothing more can run on its loop, and closing it skips the loop."""
+        assert self._stream is not None
+        data, ready = self._stream.snapshot_blocked({**snap.header(self.agent, self.codec), "meta": dict(meta or {})},
+                                                     thread)  # fmt: skip
+        restarted = data.pop("restarted")
+        self.wedged = True
+        written = path
+        try:
+            snap.write(written, data)
+        except OSError as exc:
+            if fallback is None:
+                raise
+            log.warning("snapshot: cannot write %s (%s); writing it to a fallback directory", written,
+                        exc.strerror or exc)  # fmt: skip
+            written = fallback() / written.name
+            snap.write(written, data)
+        running = sum(g["status"] == "running" for g in data["groups"])
+        return {"ready_groups": len(ready), "running_groups": running, "restarted": restarted, "path": str(written),
+                "blocked": True, "finished": ready}  # fmt: skip
+
+    async def _pause_or_abort(self) -> None:
+        """Every model turn in flight ends with its partial output: the servers pause in abort mode, or, where
+        they cannot (no /pause_generation), each trajectory's request in flight is aborted."""
+        try:
+            async with asyncio.timeout(PAUSE_TIMEOUT_S):
+                done = await self.controls.call("pause_generation", ("abort",), {}, False)
+            if done is not None or getattr(self.backend, "pause_generation", None) is not None:
+                return
+            why = "the backend has no pause_generation"
+        except Exception as exc:
+            why = f"{type(exc).__name__}: {exc}"
+        abort = getattr(self.backend, "abort", None)
+        if abort is None:
+            log.warning("snapshot: pausing the servers failed (%s) and the backend cannot abort; waiting for "
+                        "turns in flight", why)  # fmt: skip
+            return
+        log.warning("snapshot: pausing the servers failed (%s); aborting the requests in flight instead", why)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(PAUSE_TIMEOUT_S):
+                await asyncio.gather(*(abort(sid) for sid in list(self.runner.live)), return_exceptions=True)
+
+    async def restore_here(self, path: str | Path) -> dict[str, Any]:
+        data = await asyncio.to_thread(snap.read, path, self.agent, len(self.codec.tokenizer), self.codec)
+        await (await self.stream_here()).restore(data)
+        return dict(data.get("meta") or {})
+
+    # -- lifecycle ---------------------------------------------------------------------------------------------
+
+    async def stop_stream(self) -> None:
+        task, self._stream_task = self._stream_task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _close_here(self) -> None:
+        try:
+            await self.stop_stream()
+            await self.owned.aclose()  # after the runs that used them: their sessions have ended
+            close = getattr(self.backend, "close", None)
+            if close is not None and self._started is not None:
+                await close()
+            self.agent.tools.close()  # idle tool threads, loops and worker processes (tools restart on use)
+        finally:  # the run's owner closes its tracer: every span ended is exported or counted as dropped
+            close_tracer = getattr(self.tracer, "close", None)
+            if close_tracer is not None:
+                await asyncio.to_thread(close_tracer)
+
+    async def aclose(self) -> None:
+        """Close the backend, then stop the loop's thread."""
+        if self.closed:
+            return
+        if self.wedged:  # code blocks its loop for good (`snapshot`): the process exits around it
+            self.closed, self._home = True, None
+            return
+        if self._home is not None:
+            try:
+                await self.call(self._close_here())
+            finally:
+                home, self._home, self.closed = self._home, None, True
+                if home.current():  # e.g. from an on_done callback: the loop stops after this task
+                    home.close()
+                else:
+                    await asyncio.to_thread(home.close)
+        self.closed = True
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        if self._home is not None:
+            try:
+                self._home.run(under(self.owned, self._close_here()))
+            finally:
+                home, self._home, self.closed = self._home, None, True
+                home.close()
+        self.closed = True
