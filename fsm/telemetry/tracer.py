@@ -22,6 +22,7 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SpanExporter
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import INVALID_SPAN
 
 from fsm.telemetry.content import _roles
 from fsm.telemetry.export import (
@@ -40,14 +41,13 @@ from fsm.telemetry.export import (
 )
 from fsm.telemetry.shapes import _SAMPLING_ATTRS, _Shapes
 from fsm.telemetry.spans import (
-    _CV,
-    _SPAN_KEY,
-    _attach,
-    _Context,
+    _attach_context,
+    _in_context,
     _ModelSpan,
     _random_bits,
     _Root,
     _Span,
+    _span_of,
     _time_ns,
     _ToolSpan,
 )
@@ -251,11 +251,11 @@ class Telemetry:
     def _call_parent(self) -> tuple[Any, Any, int] | None:
         """(context, root, parent span id) for a model or tool call span; None when not traced. In a
         built-in action the root is current and the state's span is the parent."""
-        context = _CV.get() if _CV is not None else otel_context.get_current()
-        current = context.get(_SPAN_KEY)
+        context = otel_context.get_current()
+        current = _span_of(context)
         if type(current) is _Root and current.tel is self:
             return context, current, current.state_id
-        if current is None:
+        if current is INVALID_SPAN:
             return None
         root, parent = self._joined(current)
         return (context, root, parent) if root is not None else None
@@ -280,7 +280,7 @@ class Telemetry:
         span._trace_id, span._span_id, span._parent_id = root._trace_id, _random_bits(64) or 1, parent
         span._extra = span._end = None
         span._start = _time_ns()
-        span._token = _CV.set(_Context({**context, _SPAN_KEY: span})) if _CV is not None else _attach(span)
+        span._token = _attach_context(_in_context(span, context))
         if self.capture_content:  # what decodes the call's content when it ends
             span._content = (shapes.tokenizer, _roles(root))
         return span
@@ -299,7 +299,7 @@ class Telemetry:
         span._trace_id, span._span_id, span._parent_id = root._trace_id, _random_bits(64) or 1, parent
         span._extra = span._end = None
         span._start = _time_ns()
-        span._token = _CV.set(_Context({**context, _SPAN_KEY: span})) if _CV is not None else _attach(span)
+        span._token = _attach_context(_in_context(span, context))
         return span
 
     # --- export ---------------------------------------------------------------------------------------------
