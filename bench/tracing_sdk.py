@@ -35,7 +35,7 @@ from typing import Any
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
 from bench.tracing import _COUNTING_RECEIVER, _bench_workload
-from fsm.telemetry import Telemetry
+from fsm.telemetry import NativeExporter, Telemetry
 from fsm.telemetry.spans import _readable
 
 PATHS = ("off", "ours", "sdk-exporter", "sdk-bsp")
@@ -60,6 +60,20 @@ class _Counted(SpanExporter):
         self.exporter.shutdown()
 
 
+class _InOurQueue(NativeExporter):
+    """An SDK exporter behind the tracer's own queue and thread: ReadableSpans made in the export thread."""
+
+    def __init__(self, exporter: SpanExporter):
+        self.exporter, self.resource, self.scope = exporter, None, None
+
+    def export_spans(self, items: Any) -> bool:
+        spans = [_readable(item, self.resource, self.scope) for item in items]
+        return self.exporter.export(spans) is SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        self.exporter.shutdown()
+
+
 def _sdk_exporter(url: str) -> _Counted:
     from opentelemetry.exporter.otlp.proto.http import Compression
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
@@ -74,7 +88,12 @@ def tracer(path: str, url: str) -> Any:
     if path == "ours":
         return Telemetry(otlp=url)
     if path == "sdk-exporter":
-        return Telemetry(otlp=False, exporters=[_sdk_exporter(url)])
+        exporter = _sdk_exporter(url)
+        ours = _InOurQueue(exporter)
+        tel = Telemetry(otlp=False, exporters=[ours])
+        ours.resource, ours.scope = tel.resource, tel.scope
+        tel._sdk_exporter = exporter
+        return tel
     if path != "sdk-bsp":
         raise ValueError(f"unknown path {path!r}: {' | '.join(PATHS)}")
     tel = Telemetry(otlp=False)  # no pipeline of its own: every ended span goes to the SDK's processor
@@ -90,10 +109,7 @@ def tracer(path: str, url: str) -> Any:
 
 def _exported(tel: Any) -> int:
     exporter = getattr(tel, "_sdk_exporter", None)
-    if exporter is not None:
-        return exporter.exported
-    return sum(getattr(e.exporter, "exported", 0) for e in tel.processors if isinstance(e.exporter, _Counted)) or (
-        tel.stats()["exported"])  # fmt: skip
+    return exporter.exported if exporter is not None else tel.stats()["exported"]
 
 
 def _received(url: str) -> tuple[int, int]:

@@ -53,6 +53,7 @@ from fsm.telemetry.export import (
     MemoryExporter,
     NativeExporter,
     OtlpHttpExporter,
+    SdkPipeline,
     SpanCounts,
     SpanPipeline,
     otlp_from_env,
@@ -71,5 +72,5 @@ from fsm.telemetry.tracer import Telemetry
 
 __all__ = [
     "DEFAULT_MAX_EXPORT_BATCH_SIZE", "DEFAULT_MAX_QUEUE_SIZE", "MemoryExporter", "NativeExporter",
-    "OtlpHttpExporter", "SpanCounts", "SpanPipeline", "Telemetry", "otlp_from_env",
+    "OtlpHttpExporter", "SdkPipeline", "SpanCounts", "SpanPipeline", "Telemetry", "otlp_from_env",
 ]  # fmt: skip
