@@ -820,3 +820,19 @@ async def test_an_unreachable_collector_is_one_line(tokenizer, agent, monkeypatc
     assert "http://127.0.0.1:9/v1/traces" in lines[0] and "refused" in lines[0].lower(), lines[0]
     assert "queue" not in lines[0]
     assert stats["ended"] > 4 and stats["export_failed"] == stats["dropped"] == stats["ended"]
+
+
+def test_sampler_variables(monkeypatch, caplog):
+    """OTEL_TRACES_SAMPLER as the SDK reads it: a trajectory's root has no parent, so parentbased_* decide as
+    their root sampler; an unreadable ratio traces everything, with one line saying so."""
+    for sampler, arg, want in (("parentbased_always_off", None, 0.0), ("parentbased_traceidratio", "0.3", 0.3),
+                               ("always_on", None, 1.0), ("traceidratio", "2", 1.0), ("traceidratio", "x", 1.0)):  # fmt: skip
+        monkeypatch.setenv("OTEL_TRACES_SAMPLER", sampler)
+        if arg is not None:
+            monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", arg)
+        with caplog.at_level(logging.WARNING, logger="fsm.telemetry"):
+            tel = Telemetry(otlp=False)
+        assert tel.sample == want, (sampler, arg)
+        tel.close()
+    assert [r.getMessage() for r in caplog.records] == [
+        "agentfsm telemetry: OTEL_TRACES_SAMPLER_ARG='x' is not a fraction, tracing all"]  # fmt: skip

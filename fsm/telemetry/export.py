@@ -529,11 +529,17 @@ def otlp_from_env() -> bool:
 
 
 def _sample_from_env() -> float:
-    sampler = os.environ.get("OTEL_TRACES_SAMPLER", "").strip().lower()
+    """The fraction of trajectories the standard sampler variables ask for (a trajectory's root has no parent,
+    so the parentbased_* samplers decide as their root sampler); an unreadable ratio is 1.0, as in the SDK."""
+    sampler = os.environ.get("OTEL_TRACES_SAMPLER", "").strip().lower().removeprefix("parentbased_")
     if sampler == "always_off":
         return 0.0
-    if sampler in ("traceidratio", "parentbased_traceidratio"):
-        return min(1.0, max(0.0, float(os.environ.get("OTEL_TRACES_SAMPLER_ARG", "1.0"))))
+    if sampler == "traceidratio":
+        arg = os.environ.get("OTEL_TRACES_SAMPLER_ARG", "1.0")
+        try:
+            return min(1.0, max(0.0, float(arg)))
+        except ValueError:
+            log.warning("agentfsm telemetry: OTEL_TRACES_SAMPLER_ARG=%r is not a fraction, tracing all", arg)
     return 1.0
 
 
