@@ -339,7 +339,7 @@ class Telemetry:
         if full > self._warned_dropped:  # failed exports are their exporter's to report (ours: one line)
             log.warning(
                 "agentfsm telemetry: %d of %d spans dropped because an export queue was full (%s): raise "
-                "max_queue_size (OTEL_BSP_MAX_QUEUE_SIZE, now %s) or lower OTEL_BSP_SCHEDULE_DELAY",
+                "max_queue_size (OTEL_BSP_MAX_QUEUE_SIZE, now %s) or trace fewer trajectories (sample)",
                 full, stats["ended"],
                 ", ".join(f"{n}: {c['dropped_queue_full']}" for n, c in stats["by_exporter"].items()
                           if c["dropped_queue_full"]),
