@@ -460,8 +460,8 @@ class OtlpHttpExporter(NativeExporter):
     def _failed(self, why: str, attempts: int) -> None:
         if self.down is None:
             tries = f" after {attempts} attempts in {self.timeout_s:g} s" if attempts > 1 else ""
-            log.error("agentfsm telemetry: OTLP export to %s failed%s (%s): its spans and those of further failed "
-                      "exports are counted as dropped (stats(), the run's summary), this line is not repeated",
+            log.error("agentfsm telemetry: OTLP export to %s failed%s (%s): its spans are counted as dropped, and "
+                      "so are those of later failed exports, without another line until one succeeds",
                       self.endpoint, tries, why)  # fmt: skip
         self.down = why
 
