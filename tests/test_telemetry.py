@@ -836,3 +836,13 @@ def test_sampler_variables(monkeypatch, caplog):
         tel.close()
     assert [r.getMessage() for r in caplog.records] == [
         "agentfsm telemetry: OTEL_TRACES_SAMPLER_ARG='x' is not a fraction, tracing all"]  # fmt: skip
+
+
+def test_bench_tracing_sdk_runs():
+    """bench/tracing_sdk.py's paths each deliver every span of every trajectory to its collector."""
+    from bench.tracing_sdk import PATHS, bench
+
+    result = bench("calculator", n=20, rounds=1)
+    assert set(result["cpu"]) == set(PATHS) and all(v["median"] > 0 for v in result["cpu"].values())
+    assert result["spans_per_run"] == {"ours": 160, "sdk-exporter": 160, "sdk-bsp": 160}
+    assert result["spans_dropped"] == {"ours": [0], "sdk-exporter": [0], "sdk-bsp": [0]}
