@@ -763,3 +763,86 @@ async def test_the_exit_line_says_why_spans_were_not_exported(tokenizer, agent, 
     lines = [r.getMessage() for r in caplog.records if "not exported before exit" in r.getMessage()]
     assert stats["export_failed"] > 0 and len(lines) == 1, (stats, lines)
     assert "failed to export (is the collector up?)" in lines[0] and "()" not in lines[0], lines[0]
+
+
+# --- the SDK's public API only; the SDK's own export path for its exporters; one line for a dead collector ------
+
+
+def test_only_the_public_opentelemetry_api():
+    """fsm/telemetry reaches no private name of the OpenTelemetry API or SDK (`_RUNTIME_CONTEXT`, the
+    suppression key...): an SDK release may change those at any time."""
+    import re
+
+    private = re.compile(r"\botel_\w+\._\w|\bopentelemetry(\.\w+)*\._\w|from opentelemetry[\w.]* import [^\n]*\b_\w"
+                         r"|getattr\(otel_\w+,\s*['\"]_")  # fmt: skip
+    for path in sorted((REPO / "fsm/telemetry").glob("*.py")):
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            assert not private.search(line), f"{path.name}:{n}: {line.strip()}"
+
+
+async def test_sdk_exporters_see_the_same_spans(tokenizer, agent):
+    """An SDK exporter (here its InMemorySpanExporter) runs behind the SDK's BatchSpanProcessor and gets the
+    very spans the native path carries, counted the same way."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    sdk = InMemorySpanExporter()
+    with Telemetry(otlp=False, memory=True, exporters=[sdk]) as tel:
+        await fsm.Runner(agent, calculator_model(tokenizer, fail_rows={1}), tokenizer, tracer=tel).run(
+            make_prompts(3)
+        )
+        stats = tel.stats()
+        native = tel.finished_spans()
+    assert isinstance(tel.processors[-1], T.SdkPipeline)
+
+    def seen(spans: Any) -> list[tuple]:
+        return sorted((s.name, s.context.span_id, s.parent.span_id if s.parent else 0, s.start_time, s.end_time,
+                       s.status.status_code.value, tuple(sorted(s.attributes.items()))) for s in spans)  # fmt: skip
+
+    assert seen(sdk.get_finished_spans()) == seen(native) and len(native) > 0
+    by = stats["by_exporter"]
+    assert by["memory"]["exported"] == by["InMemorySpanExporter0"]["exported"] == len(native)
+    assert by["InMemorySpanExporter0"]["dropped"] == 0 and by["InMemorySpanExporter0"]["queued"] == 0
+
+
+async def test_an_unreachable_collector_is_one_line(tokenizer, agent, monkeypatch, caplog):
+    """Nobody listens at the endpoint: one error line says where and why; no retry chatter, no advice about
+    the queue (nothing was queue-full), no second summary at exit; every span counted as failed."""
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "1")
+    with caplog.at_level(logging.DEBUG, logger="fsm.telemetry"):
+        tel = Telemetry(otlp="http://127.0.0.1:9", max_export_batch_size=4, schedule_delay_millis=5)
+        with tel:  # small batches: several exports fail, one line says so
+            await fsm.Runner(agent, calculator_model(tokenizer, latency_s=0.01), tokenizer, tracer=tel).run(
+                make_prompts(4)
+            )
+        stats = tel.stats()
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(lines) == 1, lines
+    assert "http://127.0.0.1:9/v1/traces" in lines[0] and "refused" in lines[0].lower(), lines[0]
+    assert "queue" not in lines[0]
+    assert stats["ended"] > 4 and stats["export_failed"] == stats["dropped"] == stats["ended"]
+
+
+def test_sampler_variables(monkeypatch, caplog):
+    """OTEL_TRACES_SAMPLER as the SDK reads it: a trajectory's root has no parent, so parentbased_* decide as
+    their root sampler; an unreadable ratio traces everything, with one line saying so."""
+    for sampler, arg, want in (("parentbased_always_off", None, 0.0), ("parentbased_traceidratio", "0.3", 0.3),
+                               ("always_on", None, 1.0), ("traceidratio", "2", 1.0), ("traceidratio", "x", 1.0)):  # fmt: skip
+        monkeypatch.setenv("OTEL_TRACES_SAMPLER", sampler)
+        if arg is not None:
+            monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", arg)
+        with caplog.at_level(logging.WARNING, logger="fsm.telemetry"):
+            tel = Telemetry(otlp=False)
+        assert tel.sample == want, (sampler, arg)
+        tel.close()
+    assert [r.getMessage() for r in caplog.records] == [
+        "agentfsm telemetry: OTEL_TRACES_SAMPLER_ARG='x' is not a fraction, tracing all"]  # fmt: skip
+
+
+def test_bench_tracing_sdk_runs():
+    """bench/tracing_sdk.py's paths each deliver every span of every trajectory to its collector."""
+    from bench.tracing_sdk import PATHS, bench
+
+    result = bench("calculator", n=20, rounds=1)
+    assert set(result["cpu"]) == set(PATHS) and all(v["median"] > 0 for v in result["cpu"].values())
+    assert result["spans_per_run"] == {"ours": 160, "sdk-exporter": 160, "sdk-bsp": 160}
+    assert result["spans_dropped"] == {"ours": [0], "sdk-exporter": [0], "sdk-bsp": [0]}

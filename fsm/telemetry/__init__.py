@@ -33,11 +33,14 @@ its cost can be seen:
   starts no spans but the model and tool calls, which are given their parent). Model and tool calls are
   small slotted spans, current during the call, so spans that a backend or a tool starts (through
   `Telemetry.tracer`) are their children.
-- Export (export.py): a queue and a thread per exporter, with the SDK's BatchSpanProcessor rules (OTEL_BSP_*;
-  a full queue evicts its oldest span, counted and reported by `flush()`/`stats()`, never silently).
-  OTLP/HTTP is encoded here, straight from the shapes (wire.py, checked against the official protobuf
-  classes in the tests), gzipped and POSTed with the SDK's retry rules (`OtlpHttpExporter`). Any other
-  exporter (console, the SDK's in-memory one, yours) gets the SDK's ReadableSpans, made in the export thread.
+- Export (export.py): agentfsm's own exporters (OTLP/HTTP, memory) get a queue and a thread each, with the
+  SDK's BatchSpanProcessor rules (OTEL_BSP_*; a full queue evicts its oldest span, counted and reported by
+  `flush()`/`stats()`, never silently). OTLP/HTTP is encoded here, straight from the shapes (wire.py, checked
+  against the official protobuf classes in the tests), gzipped and POSTed with the SDK's retry rules
+  (`OtlpHttpExporter`): the SDK's exporter costs twice the engine's CPU on the calculator workload
+  (docs/benchmarks.md). Any other exporter (console, the SDK's, yours) runs behind the SDK's own
+  BatchSpanProcessor (`SdkPipeline`), given each span as the SDK's ReadableSpan.
+- Only the OpenTelemetry API's and SDK's public names: spans are made current with `attach`/`detach`.
 - Content capture (opt-in): the conversation and each model call's token ids decoded as GenAI messages
   (content.py).
 - Attribute names: semconv.py.
@@ -53,6 +56,7 @@ from fsm.telemetry.export import (
     MemoryExporter,
     NativeExporter,
     OtlpHttpExporter,
+    SdkPipeline,
     SpanCounts,
     SpanPipeline,
     otlp_from_env,
@@ -71,5 +75,5 @@ from fsm.telemetry.tracer import Telemetry
 
 __all__ = [
     "DEFAULT_MAX_EXPORT_BATCH_SIZE", "DEFAULT_MAX_QUEUE_SIZE", "MemoryExporter", "NativeExporter",
-    "OtlpHttpExporter", "SpanCounts", "SpanPipeline", "Telemetry", "otlp_from_env",
+    "OtlpHttpExporter", "SdkPipeline", "SpanCounts", "SpanPipeline", "Telemetry", "otlp_from_env",
 ]  # fmt: skip

@@ -1,11 +1,13 @@
 """Export: where ended spans go, and the rules they leave by, kept off the event loop.
 
 The driver's spans end on the event loop, thousands a second; anything slow there slows every trajectory.
-So an ended span is only appended to a queue (a bare `deque.append`), and one thread per exporter does the
-rest, with the rules of the SDK's BatchSpanProcessor (OTEL_BSP_*): a full queue evicts its oldest span,
-counted (`SpanCounts`, reported by the tracer's `flush()`/`stats()`), never silently. OTLP/HTTP is encoded
-straight from the queued spans (`_Encoder`, `OtlpHttpExporter`); any other exporter (console, the SDK's
-in-memory one, yours) gets the SDK's ReadableSpans, made in the export thread.
+So for agentfsm's own exporters (`NativeExporter`: OTLP/HTTP, memory) an ended span is only appended to a
+queue (a bare `deque.append`), and one thread per exporter does the rest, with the rules of the SDK's
+BatchSpanProcessor (OTEL_BSP_*): a full queue evicts its oldest span, counted (`SpanCounts`, reported by the
+tracer's `flush()`/`stats()`), never silently. OTLP/HTTP is encoded straight from the queued spans (`_Encoder`,
+`OtlpHttpExporter`: the SDK's exporter costs several times more a span, docs/benchmarks.md). Any other
+exporter (console, the SDK's in-memory or OTLP one, yours) runs behind the SDK's own BatchSpanProcessor
+(`SdkPipeline`), which is given the SDK's ReadableSpan of each span as it ends.
 """
 
 from __future__ import annotations
@@ -25,10 +27,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from opentelemetry import context as otel_context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
-from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.util.re import parse_env_headers
 
@@ -44,7 +45,6 @@ log = logging.getLogger("fsm.telemetry")  # the package's one logger, whichever 
 OTLP_RETRY = RetryPolicy(attempts=6, backoff_s=1.0, backoff_max_s=float("inf"),
                          statuses=frozenset({429, 502, 503, 504}))  # fmt: skip
 
-_SUPPRESS_KEY = getattr(otel_context, "_SUPPRESS_INSTRUMENTATION_KEY", "suppress_instrumentation")
 # The SDK's defaults (2048 queued, 512 per request) lose spans when thousands of trajectories move in
 # lockstep on a CPU-bound run: the export thread waits for the GIL at every wake-up and every socket call,
 # so it keeps up only with bigger requests, and a deeper queue absorbs the bursts.
@@ -88,7 +88,7 @@ class NativeExporter:
 
 
 class SpanPipeline(SpanProcessor):
-    """One exporter's queue and export thread, with the rules of the SDK's BatchSpanProcessor.
+    """One native exporter's queue and export thread, with the rules of the SDK's BatchSpanProcessor.
 
     The queue is a deque(maxlen=max_queue_size) that the driver's spans are appended to as they end (a bare
     `deque.append`, no Python call): appending to a full one evicts the oldest span, and the caller never
@@ -99,11 +99,10 @@ class SpanPipeline(SpanProcessor):
     Spans of `Telemetry.tracer` (SDK spans) come in through `on_end`, like any span processor's.
     """
 
-    def __init__(self, exporter: SpanExporter | NativeExporter, name: str, resource: Resource,
-                 scope: InstrumentationScope, *, max_queue_size: int = 16384, max_export_batch_size: int = 2048,
+    def __init__(self, exporter: NativeExporter, name: str, resource: Resource, scope: InstrumentationScope, *,
+                 max_queue_size: int = 16384, max_export_batch_size: int = 2048,
                  schedule_delay_millis: float = 5000):  # fmt: skip
         self.exporter, self.name, self.resource, self.scope = exporter, name, resource, scope
-        self.native = isinstance(exporter, NativeExporter)
         self.max_queue_size = max_queue_size
         self.batch_size = max(1, min(max_export_batch_size, max_queue_size))
         self.delay_s = schedule_delay_millis / 1e3
@@ -159,31 +158,24 @@ class SpanPipeline(SpanProcessor):
         with self._lock:
             queue = self.queue
             least = 1 if everything else self.batch_size
-            token = otel_context.attach(otel_context.set_value(_SUPPRESS_KEY, True))  # no spans of the export
-            try:
-                while len(queue) >= least:
-                    batch = []
-                    for _ in range(min(len(queue), self.batch_size)):
-                        try:
-                            batch.append(queue.popleft())
-                        except IndexError:  # emptied meanwhile
-                            break
-                    self.submitted += len(batch)
+            # (no instrumentation to suppress: the native exporters send with http.client, which none patches)
+            while len(queue) >= least:
+                batch = []
+                for _ in range(min(len(queue), self.batch_size)):
                     try:
-                        if self.native:
-                            ok = self.exporter.export_spans(batch)
-                        else:
-                            spans = [_readable(item, self.resource, self.scope) for item in batch]
-                            ok = self.exporter.export(spans) is SpanExportResult.SUCCESS
-                    except Exception:
-                        log.exception("agentfsm telemetry: exporter %s raised", self.name)
-                        ok = False
-                    if ok:
-                        self.exported += len(batch)
-                    else:
-                        self.failed += len(batch)
-            finally:
-                otel_context.detach(token)
+                        batch.append(queue.popleft())
+                    except IndexError:  # emptied meanwhile
+                        break
+                self.submitted += len(batch)
+                try:
+                    ok = self.exporter.export_spans(batch)
+                except Exception:
+                    log.exception("agentfsm telemetry: exporter %s raised", self.name)
+                    ok = False
+                if ok:
+                    self.exported += len(batch)
+                else:
+                    self.failed += len(batch)
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         if not self._closed:
@@ -211,6 +203,82 @@ class SpanPipeline(SpanProcessor):
             return SpanCounts(ended, self.exported, evicted, self.failed, queued)
         lost = max(0, ended - self.exported - self.failed - evicted)  # queued, or in a batch being sent
         return SpanCounts(ended, self.exported, evicted, self.failed, 0, lost)
+
+
+class SdkPipeline(BatchSpanProcessor):
+    """An SDK exporter (console, the SDK's own, yours) behind the SDK's BatchSpanProcessor, which also keeps
+    the exporter's own HTTP calls out of any instrumentation. The tracer's spans are handed over as the SDK's
+    ReadableSpans, made as they end; the exporter is wrapped to count what it accepts, so that `counts()` says
+    what happened to the spans as a `SpanPipeline`'s does (what the SDK's queue evicted: exact after a flush)."""
+
+    def __init__(self, exporter: SpanExporter, name: str, resource: Resource, scope: InstrumentationScope, *,
+                 max_queue_size: int = 16384, max_export_batch_size: int = 2048,
+                 schedule_delay_millis: float = 5000):  # fmt: skip
+        self.counted = _Counted(exporter)
+        super().__init__(self.counted, max_queue_size=max_queue_size, schedule_delay_millis=schedule_delay_millis,
+                         max_export_batch_size=max(1, min(max_export_batch_size, max_queue_size)))  # fmt: skip
+        self.name, self.resource, self.scope, self.max_queue_size = name, resource, scope, max_queue_size
+        self.ended_here = 0  # spans that came in through on_end (the tracer counts its own)
+        self.ended_total = lambda: self.ended_here  # replaced by the Telemetry that owns this pipeline
+        self.evicted = 0  # known after a flush: spans ended before it that the exporter never saw
+        self._final = False
+
+    def on_end(self, span: ReadableSpan) -> None:
+        if span.context.trace_flags.sampled:
+            self.ended_here += 1
+            super().on_end(span)
+
+    def append(self, item: Any) -> None:
+        """A span the tracer ended (counted there)."""
+        super().on_end(_readable(item, self.resource, self.scope))
+
+    def force_flush(self, timeout_millis: int | None = 30000) -> bool:
+        ended = self.ended_total()
+        done = super().force_flush(timeout_millis)
+        if done:  # every span ended before the flush is exported, failed, or was evicted
+            self.evicted = max(self.evicted, ended - self.counted.exported - self.counted.failed)
+        return done
+
+    def shutdown(self) -> None:
+        """The exporter first (a send in its retries gives up), then the SDK's processor and its thread."""
+        self.counted.shutdown()
+        super().shutdown()
+        self._final = True
+
+    def counts(self) -> SpanCounts:
+        c, ended = self.counted, self.ended_total()
+        left = max(0, ended - c.exported - c.failed - self.evicted)
+        if not self._final:
+            return SpanCounts(ended, c.exported, self.evicted, c.failed, left)
+        return SpanCounts(ended, c.exported, self.evicted, c.failed, 0, left)
+
+
+class _Counted(SpanExporter):
+    """An SDK exporter, counting the spans of the batches it accepted and refused."""
+
+    def __init__(self, exporter: SpanExporter):
+        self.exporter, self.exported, self.failed = exporter, 0, 0
+        self._down = False
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        try:
+            result = self.exporter.export(spans)
+        except Exception:
+            log.exception("agentfsm telemetry: exporter %s raised", type(self.exporter).__name__)
+            result = SpanExportResult.FAILURE
+        if result is SpanExportResult.SUCCESS:
+            self.exported += len(spans)
+        else:
+            self.failed += len(spans)
+        return result
+
+    def shutdown(self) -> None:
+        if not self._down:
+            self._down = True
+            self.exporter.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self.exporter.force_flush(timeout_millis)
 
 
 class MemoryExporter(NativeExporter):
@@ -294,6 +362,8 @@ class OtlpHttpExporter(NativeExporter):
     Retries as the SDK's: up to 6 attempts on 429/502/503/504 and connection errors, backing off
     2**attempt × U(0.8, 1.2) s or as the server's Retry-After says, never past the timeout; a kept-alive
     connection found broken is retried at once. A request over `max_request_size` bytes is dropped (counted).
+    Unlike the SDK's, a collector that is down costs one line and one timeout: the first failed export says
+    where and why, and later batches are tried once each, silently, until one is accepted (`down`).
     """
 
     def __init__(self, resource: Resource, scope: InstrumentationScope, endpoint: str | None = None, *,
@@ -341,6 +411,7 @@ class OtlpHttpExporter(NativeExporter):
         self._encoder = _Encoder(resource, scope)
         self._conn: http.client.HTTPConnection | None = None
         self._stop = threading.Event()
+        self.down: str | None = None  # why the last export failed (reported once); None once one succeeds
 
     def encode(self, items: Sequence[Any]) -> bytes:
         """The request body, uncompressed."""
@@ -364,29 +435,35 @@ class OtlpHttpExporter(NativeExporter):
         return self.send(self.compress(body))
 
     def send(self, data: bytes) -> bool:
-        """POST one request body, retrying as the SDK does (OTLP_RETRY). True if the collector accepted it."""
+        """POST one request body, retrying as the SDK does (OTLP_RETRY). True if the collector accepted it.
+
+        A failed export is one error line, naming the endpoint and why; while the collector keeps failing,
+        each batch is tried once more, silently (still counted as failed), until one is accepted."""
         deadline = time.monotonic() + self.timeout_s
-        policy = OTLP_RETRY
-        for attempt in range(1, policy.attempts + 1):
+        attempts = 1 if self.down else OTLP_RETRY.attempts
+        for attempt in range(1, attempts + 1):
             status, retry_after, error = self._submit(data, deadline)
             if status is not None and 200 <= status < 400:
+                if self.down:
+                    log.info("agentfsm telemetry: OTLP export to %s works again", self.endpoint)
+                    self.down = None
                 return True
             # A Retry-After is followed as the SDK follows it: exactly, not as a lower bound.
-            backoff = retry_after if retry_after is not None else policy.delay(attempt)
-            retryable = policy.retryable_status(status) if status is not None else error is not None
-            if not retryable:
-                log.error("agentfsm telemetry: OTLP export to %s failed: %s", self.endpoint,
-                          f"HTTP {status}" if status is not None else error or "timed out")  # fmt: skip
-                return False
-            if attempt == policy.attempts or backoff > deadline - time.monotonic() or self._stop.is_set():
-                log.error("agentfsm telemetry: OTLP export to %s failed after %d attempts (%s)", self.endpoint,
-                          attempt, f"HTTP {status}" if status is not None else error)  # fmt: skip
-                return False
-            log.warning("agentfsm telemetry: OTLP export to %s: %s, retrying in %.2f s", self.endpoint,
-                        f"HTTP {status}" if status is not None else error, backoff)  # fmt: skip
-            if self._stop.wait(backoff):
+            backoff = retry_after if retry_after is not None else OTLP_RETRY.delay(attempt)
+            retryable = OTLP_RETRY.retryable_status(status) if status is not None else error is not None
+            if (not retryable or attempt == attempts or backoff > deadline - time.monotonic()
+                    or self._stop.is_set() or self._stop.wait(backoff)):  # fmt: skip
+                self._failed(f"HTTP {status}" if status is not None else str(error or "timed out"), attempt)
                 return False
         return False
+
+    def _failed(self, why: str, attempts: int) -> None:
+        if self.down is None:
+            tries = f" after {attempts} attempts in {self.timeout_s:g} s" if attempts > 1 else ""
+            log.error("agentfsm telemetry: OTLP export to %s failed%s (%s): its spans are counted as dropped, and "
+                      "so are those of later failed exports, without another line until one succeeds",
+                      self.endpoint, tries, why)  # fmt: skip
+        self.down = why
 
     def _submit(self, data: bytes, deadline: float) -> tuple[int | None, float | None, Exception | None]:
         """(HTTP status, Retry-After seconds, connection error); a broken kept-alive connection is retried
@@ -452,11 +529,17 @@ def otlp_from_env() -> bool:
 
 
 def _sample_from_env() -> float:
-    sampler = os.environ.get("OTEL_TRACES_SAMPLER", "").strip().lower()
+    """The fraction of trajectories the standard sampler variables ask for (a trajectory's root has no parent,
+    so the parentbased_* samplers decide as their root sampler); an unreadable ratio is 1.0, as in the SDK."""
+    sampler = os.environ.get("OTEL_TRACES_SAMPLER", "").strip().lower().removeprefix("parentbased_")
     if sampler == "always_off":
         return 0.0
-    if sampler in ("traceidratio", "parentbased_traceidratio"):
-        return min(1.0, max(0.0, float(os.environ.get("OTEL_TRACES_SAMPLER_ARG", "1.0"))))
+    if sampler == "traceidratio":
+        arg = os.environ.get("OTEL_TRACES_SAMPLER_ARG", "1.0")
+        try:
+            return min(1.0, max(0.0, float(arg)))
+        except ValueError:
+            log.warning("agentfsm telemetry: OTEL_TRACES_SAMPLER_ARG=%r is not a fraction, tracing all", arg)
     return 1.0
 
 

@@ -10,7 +10,6 @@ exporter (`_readable`). The hot methods (`_Root.transition`, the call spans' `do
 
 from __future__ import annotations
 
-import contextvars
 import json
 import logging
 import random
@@ -36,43 +35,28 @@ log = logging.getLogger("fsm.telemetry")  # the package's one logger, whichever 
 
 _random_bits = random.getrandbits
 _time_ns = time.time_ns
-_Context = otel_context.Context
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED | TraceFlags.RANDOM_TRACE_ID)
 _KINDS = {kind.value: kind for kind in SpanKind}
 _MAX_ATTRIBUTES = 128  # the SDK's default span limit, for attributes and events set through the API
 
 
 # --- the current span -----------------------------------------------------------------------------------------
-# The OTel API's attach/detach wrap a ContextVar in layers of calls; with the default (contextvars) runtime
-# context we set that ContextVar directly, with the same Context objects the API would make.
+# Through the OTel API only (attach/detach, set_span_in_context, get_current_span): whichever runtime context
+# is configured (OTEL_PYTHON_CONTEXT), spans of your code started inside one of ours are its children.
 
-_SPAN_KEY = next(iter(otel_trace.set_span_in_context(otel_trace.INVALID_SPAN, otel_context.Context())))
-_CV = getattr(getattr(otel_context, "_RUNTIME_CONTEXT", None), "_current_context", None)
-if not isinstance(_CV, contextvars.ContextVar):  # another runtime context (OTEL_PYTHON_CONTEXT): use the API
-    _CV = None
+_attach_context, _detach = otel_context.attach, otel_context.detach  # detach logs a token from another context
+_in_context, _span_of = otel_trace.set_span_in_context, otel_trace.get_current_span
 
 
 def _current_span() -> Any:
     """The current span, or None."""
-    return (_CV.get() if _CV is not None else otel_context.get_current()).get(_SPAN_KEY)
+    span = _span_of()
+    return None if span is otel_trace.INVALID_SPAN else span
 
 
 def _attach(span: Any, alone: bool = False) -> Any:
     """Make `span` current (in a copy of the current context, or `alone` in an otherwise empty one)."""
-    if _CV is not None:
-        return _CV.set(otel_context.Context({_SPAN_KEY: span} if alone else {**_CV.get(), _SPAN_KEY: span}))
-    base = otel_context.Context() if alone else None
-    return otel_context.attach(otel_trace.set_span_in_context(span, base))
-
-
-def _detach(token: Any) -> None:
-    if _CV is None:
-        otel_context.detach(token)
-        return
-    try:
-        _CV.reset(token)
-    except ValueError:  # detached in another context than it was attached in: what the API would log
-        log.exception("agentfsm telemetry: failed to detach a span's context")
+    return _attach_context(_in_context(span, otel_context.Context() if alone else None))
 
 
 class _Owner(Protocol):
@@ -296,7 +280,7 @@ class _Root(_Span):
                 self._x().links.append(Link(ambient))
         self.traj, self.shapes, self.state_span, self.prompt_roles = traj, shapes, None, None
         tel._live[self._trace_id] = self
-        self._token = _CV.set(_Context({_SPAN_KEY: self})) if _CV is not None else _attach(self, alone=True)
+        self._token = _attach(self, alone=True)
         self.state_mark = len(traj.runs)  # the span counts the tokens appended after this mark
         self.segments_seen = len(traj.closed)  # segments closed when the state's span began
         self.state_id = _random_bits(64) or 1
@@ -448,10 +432,7 @@ class _ModelSpan(_CallSpan):
         """The backend answered: usage, finish reason, the server that answered; the span ends. (Flat: it
         runs once per model call; what can wait, the sampling parameters and the server's address, is read
         in the export thread.)"""
-        if _CV is not None:
-            _CV.reset(self._token)
-        else:
-            _detach(self._token)
+        _detach(self._token)
         request, tel = self.values, self.tel
         version, extra = result.weight_version, result.extra
         self._end = end = _time_ns()
@@ -492,10 +473,7 @@ class _ToolSpan(_CallSpan):
 
     def done(self, outcome: Any) -> None:
         """The tool call finished (maybe with an error outcome: status ERROR); the span ends."""
-        if _CV is not None:
-            _CV.reset(self._token)
-        else:
-            _detach(self._token)
+        _detach(self._token)
         call, tel = self.values, self.tel
         self._end = end = _time_ns()
         error = outcome.error

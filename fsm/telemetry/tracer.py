@@ -22,6 +22,7 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SpanExporter
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import INVALID_SPAN
 
 from fsm.telemetry.content import _roles
 from fsm.telemetry.export import (
@@ -30,6 +31,7 @@ from fsm.telemetry.export import (
     MemoryExporter,
     NativeExporter,
     OtlpHttpExporter,
+    SdkPipeline,
     SpanCounts,
     SpanPipeline,
     _env_int,
@@ -40,14 +42,13 @@ from fsm.telemetry.export import (
 )
 from fsm.telemetry.shapes import _SAMPLING_ATTRS, _Shapes
 from fsm.telemetry.spans import (
-    _CV,
-    _SPAN_KEY,
-    _attach,
-    _Context,
+    _attach_context,
+    _in_context,
     _ModelSpan,
     _random_bits,
     _Root,
     _Span,
+    _span_of,
     _time_ns,
     _ToolSpan,
 )
@@ -57,13 +58,15 @@ log = logging.getLogger("fsm.telemetry")  # the package's one logger, whichever 
 _new = object.__new__  # call spans are made without __init__: `model_call`/`tool_call` set every slot
 
 
-def _why_lost(before: dict[str, Any], after: dict[str, Any], otlp_endpoint: str | None) -> str:
+def _why_lost(before: dict[str, Any], after: dict[str, Any], otlp_endpoint: str | None,
+              reported: set[str]) -> str:
     """Per exporter, why spans were lost while closing: the export failed (collector down or refusing), the
-    queue was full, or they were still queued when the flush's wait ran out."""
+    queue was full, or they were still queued when the flush's wait ran out. Failures an exporter has
+    already reported (`reported`: our OTLP exporter's one line) are not said again."""
     parts = []
     for name, c in after["by_exporter"].items():
         b = before["by_exporter"].get(name, {})
-        failed = c["export_failed"] - b.get("export_failed", 0)
+        failed = 0 if name in reported else c["export_failed"] - b.get("export_failed", 0)
         full = c["dropped_queue_full"] - b.get("dropped_queue_full", 0)
         reasons = [f"{failed} failed to export (is the collector up?)" if failed else "",
                    f"{full} found the queue full" if full else "",
@@ -71,7 +74,7 @@ def _why_lost(before: dict[str, Any], after: dict[str, Any], otlp_endpoint: str 
         if any(reasons):
             where = otlp_endpoint if name == "otlp" and otlp_endpoint else name
             parts.append(f"{name} to {where}: " + ", ".join(r for r in reasons if r))
-    return "; ".join(parts) or "no exporter says why"
+    return "; ".join(parts)
 
 
 class Telemetry:
@@ -157,9 +160,10 @@ class Telemetry:
             "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", DEFAULT_MAX_EXPORT_BATCH_SIZE
         )
         delay = schedule_delay_millis or _env_int("OTEL_BSP_SCHEDULE_DELAY", 5000)
-        self.processors = [
-            SpanPipeline(e, name, self.resource, self.scope, max_queue_size=queue, max_export_batch_size=batch,
-                         schedule_delay_millis=delay)
+        self.processors: list[SpanPipeline | SdkPipeline] = [
+            (SpanPipeline if isinstance(e, NativeExporter) else SdkPipeline)(
+                e, name, self.resource, self.scope, max_queue_size=queue, max_export_batch_size=batch,
+                schedule_delay_millis=delay)
             for name, e in named
         ]  # fmt: skip
         for p in self.processors:
@@ -179,9 +183,11 @@ class Telemetry:
             self._emit = emit_all
         for p in self.processors:
             p.ended_total = lambda p=p: self._ended + p.ended_here
-        # the driver wakes the export threads when a batch is queued (they also wake every schedule delay)
-        self._queue: Sequence[Any] = self.processors[0].queue if self.processors else ()
-        self._batch = min((p.batch_size for p in self.processors), default=1)
+        # the driver wakes the native export threads when a batch is queued (they also wake every schedule
+        # delay; the SDK's processor wakes its own)
+        self._native = [p for p in self.processors if isinstance(p, SpanPipeline)]
+        self._queue: Sequence[Any] = self._native[0].queue if self._native else ()
+        self._batch = min((p.batch_size for p in self._native), default=1)
         self._live: dict[int, _Root] = {}  # trace id -> root, for the traced trajectories running now
         self._shapes: dict[tuple, _Shapes] = {}
         self._last: tuple[Any, _Shapes] | None = None  # (run context, its shapes)
@@ -201,7 +207,7 @@ class Telemetry:
         return cls(**options)
 
     def _wake_exporters(self) -> None:
-        for p in self.processors:
+        for p in self._native:
             p.wake()
 
     # --- sampling -------------------------------------------------------------------------------------------
@@ -251,11 +257,11 @@ class Telemetry:
     def _call_parent(self) -> tuple[Any, Any, int] | None:
         """(context, root, parent span id) for a model or tool call span; None when not traced. In a
         built-in action the root is current and the state's span is the parent."""
-        context = _CV.get() if _CV is not None else otel_context.get_current()
-        current = context.get(_SPAN_KEY)
+        context = otel_context.get_current()
+        current = _span_of(context)
         if type(current) is _Root and current.tel is self:
             return context, current, current.state_id
-        if current is None:
+        if current is INVALID_SPAN:
             return None
         root, parent = self._joined(current)
         return (context, root, parent) if root is not None else None
@@ -280,7 +286,7 @@ class Telemetry:
         span._trace_id, span._span_id, span._parent_id = root._trace_id, _random_bits(64) or 1, parent
         span._extra = span._end = None
         span._start = _time_ns()
-        span._token = _CV.set(_Context({**context, _SPAN_KEY: span})) if _CV is not None else _attach(span)
+        span._token = _attach_context(_in_context(span, context))
         if self.capture_content:  # what decodes the call's content when it ends
             span._content = (shapes.tokenizer, _roles(root))
         return span
@@ -299,7 +305,7 @@ class Telemetry:
         span._trace_id, span._span_id, span._parent_id = root._trace_id, _random_bits(64) or 1, parent
         span._extra = span._end = None
         span._start = _time_ns()
-        span._token = _CV.set(_Context({**context, _SPAN_KEY: span})) if _CV is not None else _attach(span)
+        span._token = _attach_context(_in_context(span, context))
         return span
 
     # --- export ---------------------------------------------------------------------------------------------
@@ -324,20 +330,22 @@ class Telemetry:
             worker = threading.Thread(target=self.provider.force_flush, name="agentfsm-flush", daemon=True)
             worker.start()
             worker.join(timeout_s)
-            if worker.is_alive():
-                log.warning("agentfsm telemetry: still exporting after %.0f s; is the collector at %s up?",
-                            timeout_s, self.otlp_endpoint)  # fmt: skip
+            if worker.is_alive() and not self._reported():  # (a collector already said to be down: no news)
+                log.warning("agentfsm telemetry: still exporting after %.0f s (%s); spans not sent by exit are "
+                            "counted as dropped", timeout_s, ", ".join(
+                                self.otlp_endpoint if p.name == "otlp" else p.name for p in self.processors))  # fmt: skip
         stats = self.stats()
-        if stats["dropped"] > self._warned_dropped:
+        full = stats["dropped_queue_full"]
+        if full > self._warned_dropped:  # failed exports are their exporter's to report (ours: one line)
             log.warning(
-                "agentfsm telemetry: %d of %d spans dropped (%d queue full, %d export failed): %s. Raise "
-                "max_queue_size (OTEL_BSP_MAX_QUEUE_SIZE, now %s) or check the collector%s.",
-                stats["dropped"], stats["ended"], stats["dropped_queue_full"], stats["export_failed"],
-                {name: c["dropped"] for name, c in stats["by_exporter"].items()},
+                "agentfsm telemetry: %d of %d spans dropped because an export queue was full (%s): raise "
+                "max_queue_size (OTEL_BSP_MAX_QUEUE_SIZE, now %s) or trace fewer trajectories (sample)",
+                full, stats["ended"],
+                ", ".join(f"{n}: {c['dropped_queue_full']}" for n, c in stats["by_exporter"].items()
+                          if c["dropped_queue_full"]),
                 ", ".join(str(p.max_queue_size) for p in self.processors),
-                f" at {self.otlp_endpoint}" if self.otlp_endpoint else "",
             )  # fmt: skip
-            self._warned_dropped = stats["dropped"]
+            self._warned_dropped = full
         return stats
 
     def finished_spans(self) -> tuple[ReadableSpan, ...]:
@@ -360,10 +368,15 @@ class Telemetry:
         self.provider.shutdown()  # the SDK's bookkeeping (our processors are already down)
         stats = self.stats()
         lost = stats["dropped"] - before["dropped"]
-        if lost > 0:
+        why = _why_lost(before, stats, self.otlp_endpoint, self._reported()) if lost > 0 else ""
+        if why:
             log.warning("agentfsm telemetry: %d of %d spans were not exported before exit (%s); counted as "
-                        "dropped", lost, stats["ended"], _why_lost(before, stats, self.otlp_endpoint))  # fmt: skip
+                        "dropped", lost, stats["ended"], why)  # fmt: skip
         return stats
+
+    def _reported(self) -> set[str]:
+        """Exporters that have said themselves why their exports fail (ours: one line per outage)."""
+        return {p.name for p in self.processors if getattr(getattr(p, "exporter", None), "down", None)}
 
     def __enter__(self) -> Telemetry:
         return self
