@@ -51,7 +51,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
         problems += errors
         if not errors and not args.quiet:
             print(f"{path}: ok" + (f" ({len(diags)} warning{'s' * (len(diags) > 1)})" if diags else ""))
-    return 1 if problems else 0
+    return 2 if problems else 0  # as `run` exits on the same diagnostics
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
@@ -262,7 +262,10 @@ async def _rollout(args: argparse.Namespace, rows: list[dict[str, Any]] | None, 
         servers, tokenizer = await _servers(args, stack)
         engine = _engine(args, servers, tokenizer)
         stack.push_async_callback(engine.aclose)
-        sampling = engine.sampling(params)
+        try:
+            sampling = engine.sampling(params)
+        except ValueError as exc:  # one a spec's sampling holds that its model cannot take (a stop id past the vocabulary)
+            raise CLIError(f"{args.spec}: {exc}") from None
         _freeze_heap()
         t_start = time.perf_counter()  # the rollout's time: not launching servers, imports, loading the model
         c_start = time.process_time()

@@ -230,7 +230,7 @@ def _pydantic_diagnostics(err: ValidationError, doc: Any, positions: Positions) 
         else:
             file, line, col = positions.locate(doc, loc, key=False)
             where = ".".join(str(p) for p in loc if not (isinstance(p, str) and "[" in p))
-            out.append(Diagnostic(file, line, col, "type", f"{where}: {e['msg']}"))
+            out.append(Diagnostic(file, line, col, "type", f"{where}: {e['msg'].removeprefix('Value error, ')}"))
     return _dedupe(out)
 
 
