@@ -29,7 +29,16 @@ from pathlib import Path
 from typing import Any
 
 from fsm.cli.args import DEMO_PROMPTS, SHOW_LIMIT, command_line
-from fsm.cli.outcome import CLIError, Interrupted, ended, hold_signals, resume_spec, to_stdout
+from fsm.cli.outcome import (
+    CLIError,
+    Interrupted,
+    ended,
+    every_row_failed,
+    hold_signals,
+    resume_spec,
+    to_stdout,
+    token_check_failures,
+)
 from fsm.data.files import DataError, load_rows
 from fsm.output.keep import SNAPSHOT, Rollout, RunDir, RunInterrupted
 from fsm.run.compile import CompiledAgent, compile_spec
@@ -431,6 +440,12 @@ def _run_locked(args: argparse.Namespace, rows: list[dict[str, Any]] | None, out
         raise CLIError(f"{len(failed)} of {len(run.trajs)} rows ended in error ({len(failed) / len(run.trajs):.0%}), "
                        f"more than --max-error-rate {args.max_error_rate:g}; the most common: {common}; "
                        f"see {out}/summary.json")  # fmt: skip
+    if (differ := token_check_failures(run.trajs, out)) is not None:
+        warn(differ)
+    if (every := every_row_failed(run.trajs, out)) is not None:
+        if args.max_error_rate < 1.0:
+            raise CLIError(every)
+        warn(every)
     return 0
 
 
