@@ -88,3 +88,64 @@ def test_a_token_check_difference_names_its_row_position_and_text(tmp_path, caps
     assert main(["show", str(out), "--failed"]) == 0
     shown = capsys.readouterr().out
     assert shown.count("=== trajectory") == 1 and f"token check: {check}" in shown, shown
+
+
+# --- the small ones (issue 35.12) --------------------------------------------------------------------------
+
+
+def test_render_refuses_another_specs_run_and_warns_about_an_edited_one(capsys, tmp_path):
+    from tests.test_cli import one_line_error
+
+    calculator = REPO / "specs" / "calculator.yaml"
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps({"spec": str(REPO / "specs" / "tool_agent.yaml"), "spec_hash": "0" * 64,
+                                                  "fsm": {"edges": {}, "states": {}}}))  # fmt: skip
+    line = one_line_error(capsys, ["render", str(calculator), "--run", str(run), "-o", str(tmp_path / "a.dot")])
+    assert line == (f"agentfsm: --run {run}: that run is of another spec ({REPO / 'specs' / 'tool_agent.yaml'}), "
+                    f"not {calculator}; render the run with its own spec"), line
+    assert not (tmp_path / "a.dot").exists()
+    (run / "summary.json").write_text(json.dumps({"spec": str(calculator), "spec_hash": "0" * 64,
+                                                  "fsm": {"edges": {}, "states": {}}}))  # fmt: skip
+    main(["render", str(calculator), "--run", str(run), "-o", str(tmp_path / "b.dot")])
+    err = capsys.readouterr().err
+    assert err.startswith(f"agentfsm: warning: --run {run}: {calculator} changed since that run (spec hash "
+                          "000000000000, now "), err
+
+
+def test_a_spec_anywhere_extends_a_shipped_spec_by_name(tmp_path):
+    (tmp_path / "mine.yaml").write_text("name: mine\nextends: calculator\nlimits: {max_assistant_turns: 3}\n")
+    (tmp_path / "typo.yaml").write_text("name: typo\nextends: calculater.yaml\n")
+    ok = subprocess.run([sys.executable, "-m", "fsm.cli", "validate", "mine.yaml", "typo.yaml"], cwd=tmp_path, env=ENV,
+                        capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert ok.returncode == 2, ok.stdout + ok.stderr
+    mine, typo = ok.stdout.splitlines()
+    assert mine == "mine.yaml: ok"
+    assert typo == ("typo.yaml:2:10: extends: base spec 'calculater.yaml' not found (looked for calculater.yaml, "
+                    f"{REPO / 'specs' / 'calculater.yaml'}; the shipped specs are named by file, e.g. extends: "
+                    "tool_agent.yaml)"), typo
+
+
+def test_a_server_without_a_scheme_gets_the_url_that_works(capsys):
+    from tests.test_cli import one_line_error
+
+    line = one_line_error(capsys, ["run", str(REPO / "specs" / "calculator.yaml"), "--server", "localhost:30000"])
+    assert "argument --server: 'localhost:30000' is not a URL; did you mean http://localhost:30000?" in line, line
+
+
+def test_dev_server_on_a_port_in_use_fails_before_loading_the_model(capsys, monkeypatch):
+    import socket
+
+    import backends.devserver
+    from tests.test_cli import one_line_error
+
+    def load_nothing(argv):
+        raise AssertionError("the model was loaded before the port was checked")
+
+    monkeypatch.setattr(backends.devserver, "main", load_nothing)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        line = one_line_error(capsys, ["dev-server", "--host", "127.0.0.1", "--port", str(port)])
+    assert line.startswith(f"agentfsm: --port {port}: cannot serve on 127.0.0.1:{port} (") and "another --port" in line
