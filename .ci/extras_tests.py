@@ -18,7 +18,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 IMPORT_NAMES = {"openai-agents": "agents", "pyyaml": "yaml"}  # a distribution imported under another name
-ASKS = re.compile(r"\bextra\(|importorskip\(|find_spec\(")
+ASKS = re.compile(r"\b(?:extra|importorskip|find_spec)\(\s*(?:[\"']([\w.]+)[\"']|(\w))")  # a literal, or a variable
 PRODUCT = ("fsm", "backends", "viz")
 
 
@@ -66,6 +66,12 @@ def users_of_extras(modules: set[str]) -> set[Path]:
     return found
 
 
+def asks(text: str, modules: set[str]) -> bool:
+    """The module asks for an extra's package by name (`extra("ray", ...)`, `find_spec("sglang")`), or for a
+    package it names in a variable (`extra(NEEDS[name], ...)`: counted, it may be any)."""
+    return any(variable or name.split(".")[0] in modules for name, variable in ASKS.findall(text))
+
+
 def selected() -> list[Path]:
     modules = extra_modules()
     users = users_of_extras(modules)
@@ -75,7 +81,7 @@ def selected() -> list[Path]:
         if path.parent.name in ("verl", "verl07", "openrlhf", "skyrl", "areal"):
             continue  # run in their own virtualenvs by .ci/run
         text = path.read_text(errors="replace")
-        if imports_of(text, modules, top_level_only=False) or ASKS.search(text) or any(r in text for r in refs):
+        if imports_of(text, modules, top_level_only=False) or asks(text, modules) or any(r in text for r in refs):
             chosen.append(path)
     return chosen
 
