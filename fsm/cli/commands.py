@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from fsm.cli.args import DEMO_PROMPTS, SHOW_LIMIT, command_line
+from fsm.cli.checks import port_free, same_spec
 from fsm.cli.outcome import (
     CLIError,
     Interrupted,
@@ -458,7 +459,7 @@ def cmd_render(args: argparse.Namespace) -> int:
 
     agent = compile_spec(args.spec)
     if args.run:
-        _same_spec(args, agent)
+        same_spec(args.run, args.spec, agent)
     try:
         stats = load_run_stats(args.run) if args.run else None
     except json.JSONDecodeError as exc:
@@ -474,24 +475,6 @@ def cmd_render(args: argparse.Namespace) -> int:
         raise CLIError(f"-o {args.output}: cannot write it ({exc.strerror or exc})") from None
     print(args.output)
     return 0
-
-
-def _same_spec(args: argparse.Namespace, agent: CompiledAgent) -> None:
-    """A run drawn over another spec's diagram would put its counts on edges it never took: refused; over its
-    own spec edited since, a warning (the counts are the run's, the edges today's)."""
-    path = Path(args.run) / "summary.json" if Path(args.run).is_dir() else Path(args.run)
-    try:
-        summary = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return  # load_run_stats says what is wrong with it
-    if not isinstance(summary, dict) or summary.get("spec_hash") in (None, agent.hash):
-        return
-    ran, spec = str(summary["spec_hash"]), summary.get("spec")
-    if spec and Path(spec).resolve() != Path(args.spec).resolve():
-        raise CLIError(f"--run {args.run}: that run is of another spec ({spec}), not {args.spec}; render the run "
-                       "with its own spec")  # fmt: skip
-    warn(f"--run {args.run}: {args.spec} changed since that run (spec hash {ran[:12]}, now {agent.hash[:12]}); "
-         "its counts are drawn on today's edges")  # fmt: skip
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -549,7 +532,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_dev_server(args: argparse.Namespace) -> int:
     from backends.devserver import main as devserver_main
 
-    _port_free(args.host, args.port)  # before the model loads (tens of seconds), not after
+    port_free(args.host, args.port)  # before the model loads (tens of seconds), not after
     argv = ["--host", args.host, "--port", str(args.port)]
     argv += ["--scripted"] if args.scripted else ["--model", args.model or _default_model()]
     if not args.scripted:
@@ -560,24 +543,6 @@ def cmd_dev_server(args: argparse.Namespace) -> int:
     except OSError as exc:  # the port is taken, or the host is not ours
         raise CLIError(f"--port {args.port}: cannot serve on {args.host}:{args.port} ({exc.strerror or exc})") from None
     return 0
-
-
-def _port_free(host: str, port: int) -> None:
-    """Bind host:port as the server will (SO_REUSEADDR, as aiohttp does), then let it go."""
-    import socket
-
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except OSError as exc:
-        raise CLIError(f"--host {host}: cannot serve there ({exc.strerror or exc})") from None
-    family, kind, proto, _, address = infos[0]
-    with socket.socket(family, kind, proto) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(address)
-        except OSError as exc:
-            raise CLIError(f"--port {port}: cannot serve on {host}:{port} ({exc.strerror or exc}); stop what "
-                           "holds it or pick another --port") from None  # fmt: skip
 
 
 def _default_model() -> str:
