@@ -32,14 +32,14 @@ _EXPORTS = {
     "Family": "fsm.families", "register_family": "fsm.families",
     "Group": "fsm.run.stream", "StreamEmpty": "fsm.run.stream", "SnapshotError": "fsm.run.snapshot",
     "Sample": "fsm.output.sample", "SampleBatch": "fsm.output.sample",
-    "RunDir": "fsm.output.keep", "RunInterrupted": "fsm.output.keep",
+    "RunDir": "fsm.output.keep", "RunInterrupted": "fsm.output.keep", "load_batch": "fsm.output.batchfile",
 }  # fmt: skip
 __all__ = [
     "AgentSpec", "BaseInteraction", "BaseTool", "CompiledAgent", "DataError", "Diagnostic", "Edge", "Family", "Group",
     "RayRunner", "RolloutBatch", "RolloutEngine", "RunContext", "RunDir", "RunInterrupted", "Runner", "Sample", "SampleBatch", "Sampling",
     "SnapshotError", "SpecError",
     "StreamEmpty", "ToolCall",
-    "ToolResponse", "Trajectory", "action", "collate", "compile_spec", "guard", "load_rows", "load_spec",
+    "ToolResponse", "Trajectory", "action", "collate", "compile_spec", "guard", "load_batch", "load_rows", "load_spec",
     "register_family", "register_parser", "summarize", "validate_file",
 ]  # fmt: skip
 
@@ -66,6 +66,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from fsm.families import Family, register_family
     from fsm.families.parsers import ToolCall, register_parser
     from fsm.output.batch import RolloutBatch, collate, summarize
+    from fsm.output.batchfile import load_batch
     from fsm.output.sample import Sample, SampleBatch
     from fsm.run.agent import CompiledAgent, Edge
     from fsm.run.compile import compile_spec, validate_file

@@ -48,7 +48,7 @@ def test_a_tools_module_beside_the_spec_is_found_from_any_directory(tmp_path):
 def test_a_module_found_nowhere_says_where_it_was_looked_for(tmp_path):
     (tmp_path / "agent.yaml").write_text(textwrap.dedent(SPEC.format(repo=REPO, module="nowhere_2612")))
     proc = cli("validate", str(tmp_path / "agent.yaml"), cwd=REPO)
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "cannot import module 'nowhere_2612'" in proc.stdout + proc.stderr
     assert f"looked for on sys.path and in the spec's folder {tmp_path}" in proc.stdout + proc.stderr, proc.stdout
 

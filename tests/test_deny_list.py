@@ -93,7 +93,7 @@ def test_validate_refuses_them_without_trust(tmp_path, ref):
     spec.write_text(SPEC.format(base=REPO / "specs" / "tool_agent.yaml", ref=ref))
     proc = subprocess.run([sys.executable, "-m", "fsm.cli.commands", "validate", "--static", str(spec)], cwd=REPO,
                           capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert proc.returncode == 1 and proc.stdout.count("\n") == 1, proc.stdout + proc.stderr
+    assert proc.returncode == 2 and proc.stdout.count("\n") == 1, proc.stdout + proc.stderr
     assert proc.stdout.startswith(f"{spec}:4:") and "unsafe-import" in proc.stdout
 
 

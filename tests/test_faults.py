@@ -129,7 +129,7 @@ def assert_one_diagnostic(cost: Cost, path: Path, code: str) -> re.Match:
     assert m, f"not 'file:line:col: code: message': {lines[0]}"
     assert m["code"] == code, lines[0]
     assert m["path"] == str(path) or m["message"].endswith(f"(reached from {path})"), lines[0]
-    assert int(m["line"]) >= 1 and int(m["col"]) >= 1 and cost.rc == 1
+    assert int(m["line"]) >= 1 and int(m["col"]) >= 1 and cost.rc == 2
     return m
 
 

@@ -15,6 +15,11 @@ A trajectory whose context was rewritten (several segments, each a training row)
 `{"index", "reason", "prompt", "prompt_tokens", "turns"}` per segment in order; the top-level `prompt` and
 `turns` are then its last segment's.
 
+A harness row (fsm/gateway/harness.py) also has `"harness"`: how its harness ended (`outcome`: returned, exit,
+error, timeout, spinning, cancelled; `error`: its error or stderr tail; `exit_code`; `result`: what it returned or
+printed). A row that `--check-tokens` found different from a re-render has `"token_check"`: its segment (when
+there are several), the first differing token position and the text on both sides there.
+
 `turns` are the trajectory's response token runs in order: "assistant" (the model's tokens, mask 1), "tool"
 and "user" (observations, mask 0) and "template" (chat-template scaffolding the model did not generate,
 mask 0), decoded with special tokens kept; `ground_truth` is the row's `reward_model.ground_truth` (None
@@ -93,12 +98,15 @@ def trajectory_record(traj: Any, codec: Any = None) -> dict[str, Any]:
         "weight_version_max": span[1] if span else None,
         "turns": turns,
     }
-    session = getattr(traj, "extra", {}).get("harness_session")
-    if session:  # a harness row's gateway session (fsm/gateway/harness.py)
-        record["gateway_session"] = session
-    notes = getattr(traj, "extra", {}).get("gateway_notes")
-    if notes:  # what the gateway changed in a harness's requests (tools it left out, fsm/gateway/record.py)
-        record["gateway_notes"] = list(notes)
+    extra = getattr(traj, "extra", {})
+    if extra.get("harness_session"):  # a harness row's gateway session (fsm/gateway/harness.py)
+        record["gateway_session"] = extra["harness_session"]
+    if extra.get("gateway_notes"):  # what the gateway changed in a harness's requests (fsm/gateway/record.py)
+        record["gateway_notes"] = list(extra["gateway_notes"])
+    if isinstance(extra.get("harness"), dict):  # how its harness ended: outcome, error, exit_code, result
+        record["harness"] = extra["harness"]
+    if getattr(traj, "token_check", None):  # --check-tokens: the first difference from a re-render
+        record["token_check"] = traj.token_check
     if getattr(traj, "closed", ()):
         path = traj.path  # `state`: where the segment began (the state whose action started it)
         record["segments"] = [{"index": seg.index, "reason": seg.reason, "state": path[min(seg.at, len(path) - 1)],
@@ -137,7 +145,24 @@ def _header(record: dict[str, Any]) -> list[tuple[str, str]]:
         lines.append((f"answer: {_clip(answer)}   ground truth: {_clip(record.get('ground_truth'))}", "bold"))
     if record.get("error"):
         lines.append((f"error: {record['error']}", "bold red"))
+    if harness_failure(record):
+        lines.append((f"harness: {harness_failure(record)}", "bold red"))
+    if record.get("token_check"):
+        lines.append((f"token check: {record['token_check']}", "bold red"))
     return lines
+
+
+def harness_failure(record: dict[str, Any]) -> str | None:
+    """How a row's harness failed, one line (the last line of its error: a traceback's says why); None when it
+    returned or exited 0 (fsm/gateway/harness.py's `harness_failed`)."""
+    outcome = record.get("harness")
+    if not isinstance(outcome, dict) or outcome.get("outcome") in (None, "returned") or (
+        outcome.get("outcome") == "exit" and outcome.get("exit_code") in (None, 0)
+    ):
+        return None
+    lines = [line.strip() for line in str(outcome.get("error") or "").splitlines() if line.strip()]
+    kind = outcome["outcome"] if outcome["outcome"] != "exit" else f"exit {outcome.get('exit_code')}"
+    return f"{kind}: {lines[-1]}" if lines else str(kind)
 
 
 def final_answer(record: dict[str, Any]) -> str | None:
@@ -235,9 +260,10 @@ def read_records(run_dir: str | Path) -> list[dict[str, Any]]:
 
 def select(records: Iterable[dict[str, Any]], row: int | None = None, worst: bool = False,
            failed: bool = False) -> list[dict[str, Any]]:  # fmt: skip
-    """`row`: only the trajectory with that index; `failed`: only those with an error; `worst`: lowest
-    reward first (no reward counts as lowest)."""
-    chosen = [r for r in records if (row is None or r.get("index") == row) and (not failed or r.get("error"))]
+    """`row`: only the trajectory with that index; `failed`: only those with an error, a failed harness or a
+    token check that found a difference; `worst`: lowest reward first (no reward counts as lowest)."""
+    chosen = [r for r in records if (row is None or r.get("index") == row)
+              and (not failed or r.get("error") or harness_failure(r) or r.get("token_check"))]  # fmt: skip
     if worst:
         chosen.sort(key=lambda r: (r.get("reward_score") is not None, r.get("reward_score") or 0.0))
     return chosen

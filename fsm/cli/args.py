@@ -41,6 +41,16 @@ def float_in(lo: float, hi: float | None = None, *, above: bool = False) -> Call
     return parse
 
 
+def server_url(text: str) -> str:
+    """An argparse type: an http(s) URL; `localhost:30000` gets the line that fixes it."""
+    scheme, sep, rest = text.partition("://")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a URL; did you mean http://{text}?")
+    if scheme not in ("http", "https") or not rest.strip("/"):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected an http:// or https:// URL such as http://localhost:30000")
+    return text
+
+
 def _bounds(lo: float, hi: float | None) -> str:
     return f">= {lo:g}" if hi is None else f"from {lo:g} to {hi:g}"
 
@@ -128,7 +138,7 @@ def command_line(commands: Mapping[str, Callable[[argparse.Namespace], int]]) ->
     p.add_argument("--n", type=COUNT, default=1, metavar="N", help="samples per prompt (GRPO group size)")
     p.add_argument("--out", default="runs/latest", metavar="DIR",
                    help="where batch.pt, trajectories.jsonl and summary.json go (a previous run's are replaced)")
-    p.add_argument("--server", action="append", metavar="URL", help="SGLang, vLLM or dev server URL; repeat for a "
+    p.add_argument("--server", action="append", type=server_url, metavar="URL", help="SGLang, vLLM or dev server URL; repeat for a "
                    "fleet (one engine kind)")  # fmt: skip
     p.add_argument("--engine", choices=["sglang", "vllm"], help="what the servers run (default: ask them; the dev "
                    "server speaks SGLang's protocol)")  # fmt: skip
@@ -223,7 +233,7 @@ def command_line(commands: Mapping[str, Callable[[argparse.Namespace], int]]) ->
     p.add_argument("--tool-turns", type=int_in(0), default=4, metavar="N", help="engine: tool turns per trajectory")
     p.add_argument("--repeats", type=COUNT, default=3, metavar="N", help="engine, tracing: repeats (the median is kept)")
     p.add_argument("--model", metavar="DIR", help="hf: model dir (default: the tiny model)")
-    p.add_argument("--server", action="append", metavar="URL", help="engines: a server serving the tiny model "
+    p.add_argument("--server", action="append", type=server_url, metavar="URL", help="engines: a server serving the tiny model "
                    "(SGLang, vLLM or dev); two or more, run in turn")  # fmt: skip
     p.add_argument("--workload", choices=["engine", "calculator", "contexts", "embedded"], default="engine",
                    help="engine: calculator is specs/calculator.yaml's prompt, tool and answer with a replayed model "

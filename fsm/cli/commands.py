@@ -29,7 +29,17 @@ from pathlib import Path
 from typing import Any
 
 from fsm.cli.args import DEMO_PROMPTS, SHOW_LIMIT, command_line
-from fsm.cli.outcome import CLIError, Interrupted, ended, hold_signals, resume_spec, to_stdout
+from fsm.cli.checks import port_free, same_spec
+from fsm.cli.outcome import (
+    CLIError,
+    Interrupted,
+    ended,
+    every_row_failed,
+    hold_signals,
+    resume_spec,
+    to_stdout,
+    token_check_failures,
+)
 from fsm.data.files import DataError, load_rows
 from fsm.output.keep import SNAPSHOT, Rollout, RunDir, RunInterrupted
 from fsm.run.compile import CompiledAgent, compile_spec
@@ -51,7 +61,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
         problems += errors
         if not errors and not args.quiet:
             print(f"{path}: ok" + (f" ({len(diags)} warning{'s' * (len(diags) > 1)})" if diags else ""))
-    return 1 if problems else 0
+    return 2 if problems else 0  # as `run` exits on the same diagnostics
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
@@ -262,7 +272,10 @@ async def _rollout(args: argparse.Namespace, rows: list[dict[str, Any]] | None, 
         servers, tokenizer = await _servers(args, stack)
         engine = _engine(args, servers, tokenizer)
         stack.push_async_callback(engine.aclose)
-        sampling = engine.sampling(params)
+        try:
+            sampling = engine.sampling(params)
+        except ValueError as exc:  # one a spec's sampling holds that its model cannot take (a stop id past the vocabulary)
+            raise CLIError(f"{args.spec}: {exc}") from None
         _freeze_heap()
         t_start = time.perf_counter()  # the rollout's time: not launching servers, imports, loading the model
         c_start = time.process_time()
@@ -428,6 +441,12 @@ def _run_locked(args: argparse.Namespace, rows: list[dict[str, Any]] | None, out
         raise CLIError(f"{len(failed)} of {len(run.trajs)} rows ended in error ({len(failed) / len(run.trajs):.0%}), "
                        f"more than --max-error-rate {args.max_error_rate:g}; the most common: {common}; "
                        f"see {out}/summary.json")  # fmt: skip
+    if (differ := token_check_failures(run.trajs, out)) is not None:
+        warn(differ)
+    if (every := every_row_failed(run.trajs, out)) is not None:
+        if args.max_error_rate < 1.0:
+            raise CLIError(every)
+        warn(every)
     return 0
 
 
@@ -439,6 +458,8 @@ def cmd_render(args: argparse.Namespace) -> int:
     from viz.stats import load_run_stats
 
     agent = compile_spec(args.spec)
+    if args.run:
+        same_spec(args.run, args.spec, agent)
     try:
         stats = load_run_stats(args.run) if args.run else None
     except json.JSONDecodeError as exc:
@@ -511,6 +532,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_dev_server(args: argparse.Namespace) -> int:
     from backends.devserver import main as devserver_main
 
+    port_free(args.host, args.port)  # before the model loads (tens of seconds), not after
     argv = ["--host", args.host, "--port", str(args.port)]
     argv += ["--scripted"] if args.scripted else ["--model", args.model or _default_model()]
     if not args.scripted:

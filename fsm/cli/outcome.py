@@ -10,6 +10,7 @@ import atexit
 import contextlib
 import json
 import os
+import re
 import signal
 import sys
 import uuid
@@ -120,3 +121,49 @@ def _ignore_signals_at_the_very_end() -> None:
 
 
 atexit.register(_ignore_signals_at_the_very_end)
+
+
+# --- what a finished run says about its failed rows ---------------------------------------------------------
+
+_ID = re.compile(r"[0-9A-Za-z_-]*\d[0-9A-Za-z_-]*")  # what differs between rows of one cause: ids, counts, ports
+GATEWAY_EXTRA = ("openai", "anthropic", "agents", "langgraph", "langchain_openai")  # pyproject's [gateway]
+
+
+def failure_cause(traj: Any) -> str | None:
+    """Why a row failed, one line: its error, or how its harness failed (the harness's own error line: a
+    gateway row ends `harness_failed` with no engine error); None for a row that did not fail."""
+    if traj.error:
+        return " ".join(traj.error.split())
+    from viz.transcript import harness_failure
+
+    why = harness_failure({"harness": traj.extra.get("harness")})
+    if why is None:
+        return None
+    missing = next((m for m in GATEWAY_EXTRA if f"No module named '{m}" in why), None)
+    hint = " (the harness needs the gateway extra: pip install 'agentfsm[gateway]')" if missing else ""
+    return f"{traj.termination_reason}: {why}{hint}"
+
+
+def every_row_failed(trajs: list[Any], out: Path) -> str | None:
+    """One line when no row succeeded: the cause, or the most common of several; None otherwise."""
+    causes = [failure_cause(t) for t in trajs]
+    if not causes or None in causes:
+        return None
+    kinds = [_ID.sub("#", c) for c in causes]  # type: ignore[arg-type]  # one cause whatever row or request it names
+    kind = max(set(kinds), key=kinds.count)
+    common = causes[kinds.index(kind)]
+    common = common if len(common) <= 300 else common[:299] + "…"  # type: ignore[index]
+    n = kinds.count(kind)
+    how = "all for one cause" if n == len(kinds) else f"the most common cause ({n} row{'s' * (n > 1)})"
+    return f"all {len(trajs)} rows failed, {how}: {common}; see agentfsm show {out} --failed"
+
+
+def token_check_failures(trajs: list[Any], out: Path) -> str | None:
+    """--check-tokens: one line naming the first row whose tokens differ from a re-render, and where."""
+    found = [t for t in trajs if t.token_check]
+    if not found:
+        return None
+    first = found[0]
+    rows = f"{len(found)} row{'s' * (len(found) > 1)}"
+    return (f"--check-tokens: {rows} differ{'s' * (len(found) == 1)} from a re-render of their messages; row {first.index} (sample "
+            f"{first.sample}): {first.token_check}; see agentfsm show {out} --failed")

@@ -154,15 +154,13 @@ def write_run(out: Path, write: Callable[[Path], T]) -> T:
 def write_outputs(out: Path, agent: CompiledAgent, trajs: list, batch: Any, codec: Any, wall: float,
                    router_stats: Any, tracer: Any) -> dict[str, Any]:  # fmt: skip
     """batch.pt, trajectories.jsonl and summary.json of a run, into `out`; the summary back."""
-    import torch
-
     from fsm.output.batch import fault_summary, summarize
+    from fsm.output.batchfile import save_batch
     from viz.stats import run_stats
     from viz.transcript import trajectory_record
 
     try:
-        torch.save({"batch": {k: v for k, v in batch.batch.items()}, "non_tensor_batch": batch.non_tensor_batch,
-                    "meta_info": batch.meta_info}, out / "batch.pt")  # fmt: skip
+        save_batch(batch, out / "batch.pt")  # loadable with torch.load's weights_only=True (fsm/output/batchfile.py)
     except RuntimeError as exc:  # torch's writer reports a full disk as a RuntimeError
         raise OSError(f"batch.pt: {str(exc).splitlines()[0] if str(exc) else 'write failed'}") from exc
     with (out / "trajectories.jsonl").open("w") as f:

@@ -19,14 +19,12 @@ from fsm.families.parsers import PARSERS, ToolCall
 from fsm.run.agent import CompiledAgent
 from fsm.run.tracer import Tracer
 from fsm.run.trajectory import Trajectory
+from fsm.spec.model import check_sampling
 from fsm.tools.base import CallOutcome
 
 # The root span of the trajectory this task runs, when it is traced. The model and tool calls of one that
 # is not (tracing off, or sampled out) call no tracer hook.
 TRACED: contextvars.ContextVar[Any] = contextvars.ContextVar("agentfsm_traced", default=None)
-
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty", "min_p", "max_new_tokens", "stop_token_ids",
-                 "sampling_seed", "frequency_penalty", "presence_penalty")  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,14 +43,13 @@ class Sampling:
         """`overrides`: SGLang sampling names, plus `seed` and `logprobs`; `validate` picks val_sampling."""
         spec = agent.spec
         base = (spec.val_sampling if validate else spec.sampling).model_dump()
-        overrides = dict(overrides or {})
+        overrides = check_sampling(dict(overrides or {}))
         seed = overrides.pop("seed", base.pop("seed"))
         logprobs = bool(overrides.pop("logprobs", base.pop("logprobs")))
-        unknown = set(overrides) - set(SAMPLING_KEYS)
-        if unknown:
-            raise ValueError(
-                f"unknown sampling parameter(s) {sorted(unknown)}; known: {', '.join(SAMPLING_KEYS)}"
-            )
+        outside = [t for t in (*base["stop_token_ids"], *overrides.get("stop_token_ids", ())) if t >= codec.vocab_size]
+        if outside:
+            raise ValueError(f"sampling parameter stop_token_ids: {outside[0]} is not a token id of this model "
+                             f"(vocabulary of {codec.vocab_size})")  # fmt: skip
         parser_stops = PARSERS[parser_name(spec.parser, codec)](codec.tokenizer).stop_token_ids
         stops = sorted({codec.eos_id, *parser_stops, *base.pop("stop_token_ids"), *overrides.pop("stop_token_ids", [])})
         cap = overrides.pop("max_new_tokens", agent.limits.max_new_tokens)

@@ -102,7 +102,8 @@ async def _snapshot(engine: Any, keeper: Keeper, out: Path, meta: dict[str, Any]
         where = Path(info["path"])
         restarted = (f"; {info['restarted']} trajectories in their interaction start over on resume"
                      if info["restarted"] else "")  # fmt: skip
-        say_now(f"agentfsm: wrote the snapshot ({info['running_groups']} groups running, {ready} finished) "
+        running = info["running_groups"]
+        say_now(f"agentfsm: wrote the snapshot ({running} group{'s' * (running != 1)} running, {ready} finished) "
                 f"in {time.perf_counter() - t0:.1f} s{restarted}")  # fmt: skip
         if where.parent != out:
             warn(f"--out {out} refused the snapshot; it is kept in {where.parent}: resume with agentfsm run "

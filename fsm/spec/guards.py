@@ -6,6 +6,7 @@ A guard expression in YAML is a name, `{name: param}`, or `{all: [...]}` / `{any
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -137,4 +138,32 @@ def _named(name: str, param: Any, limits: LimitsSpec, resolve_ref: Callable[[str
         factory = _user_guard_factory(fn)
     if factory is None:
         raise GuardError("unknown-guard", f"unknown guard {name!r}; built-in: {', '.join(sorted(GUARDS))}", name)
+    if hasattr(factory, "guard_fn"):
+        _check_signature(name, factory.guard_fn, param)
     return factory(param, limits)
+
+
+def _check_signature(name: str, fn: Callable[..., Any], param: Any) -> None:
+    """A user guard is called `fn(traj)`, `fn(traj, param)` or `fn(traj, **param)` and returns a bool at once:
+    one written as an action (`async def fn(ctx, traj)`) would fail every row at run time, so refuse it here."""
+    if inspect.iscoroutinefunction(fn):
+        raise GuardError("type", f"guard {name!r} must be a plain function fn(traj) -> bool, not async (guards "
+                                 "are synchronous; an action is `async def fn(ctx, traj)`)")  # fmt: skip
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin, or static validation's unimported placeholder
+        return
+    called = "fn(traj)" if param is None else "fn(traj, **param)" if isinstance(param, dict) else "fn(traj, param)"
+    try:
+        if param is None:
+            sig.bind(None)
+        elif isinstance(param, dict):
+            sig.bind(None, **param)
+        else:
+            sig.bind(None, param)
+    except TypeError as exc:
+        with_param = "" if param is None else f" with {param!r}"
+        bare = sig.replace(parameters=[p.replace(annotation=p.empty) for p in sig.parameters.values()],
+                           return_annotation=sig.empty)  # what it takes, without annotations (strings here)
+        raise GuardError("type", f"guard {name!r} takes {bare}: it cannot be called as {called}{with_param} ({exc}); a guard is "
+                                 "fn(traj) -> bool, or fn(traj, param) when the spec gives it a parameter") from None

@@ -18,7 +18,7 @@ from typing import Any, Union, get_args, get_origin
 from pydantic import BaseModel, ValidationError
 from ruamel.yaml.comments import CommentedMap, CommentedSeq
 
-from fsm.spec.model import AgentSpec
+from fsm.spec.model import SPECS_DIR, AgentSpec
 from fsm.spec.safeyaml import Budget, YamlProblem, load, read_text
 
 MAX_EXTENDS = 16  # files in one `extends:` chain (each is also within fsm.spec.safeyaml's shared budget)
@@ -146,12 +146,15 @@ def load_document(path: str | Path, positions: Positions, diags: list[Diagnostic
     if not isinstance(parent, str):
         diags.append(Diagnostic(file, line, col, "type", "extends: expects a file path"))
         return doc
-    base_path = Path(os.path.normpath(path.parent / parent))  # shown as relative as the child's path
+    searched = _bases(path, parent)
+    base_path = next((p for p in searched if p.exists()), searched[0])
     if base_path.resolve() in _seen or base_path.resolve() == path.resolve():
         diags.append(Diagnostic(file, line, col, "extends", f"extends cycle through {parent!r}"))
         return doc
     if not base_path.exists():
-        diags.append(Diagnostic(file, line, col, "extends", f"base spec {parent!r} not found ({base_path})"))
+        where = ", ".join(str(p) for p in dict.fromkeys(searched))
+        diags.append(Diagnostic(file, line, col, "extends", f"base spec {parent!r} not found (looked for {where}; "
+                                f"the shipped specs are named by file, e.g. extends: tool_agent.yaml)"))  # fmt: skip
         return doc
     if not base_path.is_file():
         diags.append(Diagnostic(file, line, col, "extends", f"base spec {parent!r} is not a regular file"))
@@ -164,6 +167,15 @@ def load_document(path: str | Path, positions: Positions, diags: list[Diagnostic
         return doc
     base.pop("name", None) if "name" in doc else None
     return _merge(base, doc, positions)
+
+
+def _bases(child: Path, parent: str) -> list[Path]:
+    """Where `extends: parent` may be: beside the child (shown as relative as the child's path), then among the
+    shipped specs, so a spec anywhere can extend `tool_agent.yaml` (or `tool_agent`)."""
+    names = [parent] if parent.endswith((".yaml", ".yml")) else [parent, f"{parent}.yaml"]
+    beside = [Path(os.path.normpath(child.parent / name)) for name in names]
+    shipped = [SPECS_DIR / name for name in names if Path(name).name == name]  # a bare file name only
+    return beside + shipped
 
 
 def _plain(node: Any) -> Any:
@@ -230,7 +242,7 @@ def _pydantic_diagnostics(err: ValidationError, doc: Any, positions: Positions) 
         else:
             file, line, col = positions.locate(doc, loc, key=False)
             where = ".".join(str(p) for p in loc if not (isinstance(p, str) and "[" in p))
-            out.append(Diagnostic(file, line, col, "type", f"{where}: {e['msg']}"))
+            out.append(Diagnostic(file, line, col, "type", f"{where}: {e['msg'].removeprefix('Value error, ')}"))
     return _dedupe(out)
 
 

@@ -8,9 +8,17 @@ with file positions. This module only knows the shape of a spec.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 STANDARD_STATES = ("PENDING", "GENERATING", "PROCESSING_TOOLS", "INTERACTING", "TERMINATED")
 DEFAULT_TOOL_WORKERS = 8  # ToolSpec.workers
@@ -151,25 +159,65 @@ class RewardSpec(_Strict):
     kwargs: dict[str, Any] = Field(default_factory=dict)
 
 
+def _check_top_k(v: int | None) -> int | None:
+    if v is not None and v != -1 and v < 1:
+        raise ValueError("top_k must be -1 (whole vocabulary) or >= 1")
+    return v
+
+
 class SamplingSpec(_Strict):
     """Defaults sent to the backend (SGLang names). Call-site parameters override them."""
 
-    temperature: float = Field(default=1.0, ge=0)
+    temperature: float = Field(default=1.0, ge=0, allow_inf_nan=False)
     top_p: float = Field(default=1.0, gt=0, le=1)
     top_k: int = Field(default=-1, description="-1 means the whole vocabulary.")
     repetition_penalty: float = Field(default=1.0, gt=0, le=2)
     logprobs: bool = Field(default=True, description="Ask for logprobs (rollout_log_probs).")
     seed: int | None = Field(default=None, description="Base seed; sample k of a batch uses seed + k.")
-    stop_token_ids: list[int] = Field(
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(
         default_factory=list, description="In addition to eos and the parser's."
     )
 
-    @field_validator("top_k")
-    @classmethod
-    def _top_k(cls, v: int) -> int:
-        if v != -1 and v < 1:
-            raise ValueError("top_k must be -1 (whole vocabulary) or >= 1")
-        return v
+    _top_k = field_validator("top_k")(_check_top_k)
+
+
+class SamplingParams(_Strict):
+    """A call site's sampling overrides (SGLang names, plus `seed` and `logprobs`), checked here once for every
+    engine: vLLM would read top_k -2 as "off" and SGLang refuse it, so no engine sees a value none accepts."""
+
+    temperature: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = None
+    repetition_penalty: float | None = Field(default=None, gt=0, le=2)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    max_new_tokens: int | None = Field(default=None, gt=0)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    sampling_seed: int | None = None
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    seed: int | None = None
+    logprobs: bool | None = None
+
+    _top_k = field_validator("top_k")(_check_top_k)
+
+
+def check_sampling(params: dict[str, Any]) -> dict[str, Any]:
+    """`params` checked as SamplingParams (the set ones, as their types); a bad one raises ValueError, one
+    line naming the parameter."""
+    unknown = sorted(set(params) - set(SamplingParams.model_fields))
+    if unknown:
+        raise ValueError(
+            f"unknown sampling parameter(s) {unknown}; known: {', '.join(SamplingParams.model_fields)}"
+        )
+    try:
+        checked = SamplingParams.model_validate(params)
+    except ValidationError as e:
+        err = e.errors()[0]
+        name = ".".join(str(p) for p in err["loc"])
+        key = str(err["loc"][0])
+        msg = err["msg"].removeprefix("Value error, ")
+        raise ValueError(f"sampling parameter {name}: {msg} (got {key}={params[key]!r})") from None
+    return checked.model_dump(exclude_none=True)
 
 
 # Upper bounds a limit may take: past them a value is a typo (1e12 tokens), not a setting, and would fail

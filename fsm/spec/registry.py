@@ -209,11 +209,12 @@ def action(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
 
 
 def _user_guard_factory(fn: Callable[..., bool]) -> Callable[..., Callable[[Any], bool]]:
-    def factory(param: Any, limits: Any) -> Callable[[Any], bool]:
+    def factory(param: Any, limits: Any) -> Callable[[Any], bool]:  # fsm.spec.guards checks fn's signature first
         if param is None:
             return fn
         if isinstance(param, dict):
             return lambda traj: fn(traj, **param)
         return lambda traj: fn(traj, param)
 
+    factory.guard_fn = fn  # type: ignore[attr-defined]
     return factory

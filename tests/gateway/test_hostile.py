@@ -14,6 +14,7 @@ import pytest
 
 from fsm.api import RolloutEngine
 from fsm.gateway import Gateway, GatewayLimits, HarnessCall, harness
+from tests.conftest import extra
 from tests.gateway.conftest import row, scripted
 
 BASE = Path(__file__).resolve().parents[2] / "examples" / "gateway" / "base.yaml"
@@ -207,6 +208,7 @@ limit_harness = harness(limit_then_stop, timeout_s=60)
 
 
 def test_a_call_past_a_limit_is_an_api_error_the_sdk_raises(tmp_path, tokenizer):
+    extra("openai", "gateway")  # the harness is the openai SDK
     trajs, _ = run(spec(tmp_path, "tests.gateway.test_hostile:limit_harness", "limits: {max_assistant_turns: 1}"),
                    tokenizer, [row()])  # fmt: skip
     result = trajs[0].extra["harness"]["result"]

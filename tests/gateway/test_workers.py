@@ -18,6 +18,7 @@ import torch
 
 from fsm.cli.commands import main
 from fsm.gateway import harness
+from tests.conftest import extra
 from tests.gateway.test_hostile import SCRIPT
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,6 +60,7 @@ def _batch(path: Path) -> dict:
 
 
 def test_two_workers_write_the_run_one_process_writes(tmp_path):
+    extra("openai", "gateway")  # examples/gateway/base.yaml's harness is the openai SDK
     greedy = ("--num-prompts", "6", "--temperature", "0", "--check-tokens", "-q")
     rc1, said1 = _finish(_agentfsm(*greedy, "--out", str(tmp_path / "one")))
     assert rc1 == 0, said1
