@@ -172,6 +172,11 @@ async def _resumed_turn(
         if not aborted:
             if result.extra.get("context_cut"):  # the server's context was full: the row says so
                 traj.extra["context_cut"] = result.extra["context_cut"]
+            elif not new and result.finish_reason == "length" and request.sampling_params["max_new_tokens"] > 0:
+                # nothing where tokens were asked, by "length": only a full context answers that (docs/engines.md),
+                # whatever the client knows of the server's context length (else: the tokens the request held)
+                known = getattr(ctx.backend, "context_length", None)
+                traj.extra["context_cut"] = known or len(request.prompt_ids)
             return ids, logprobs, versions, result.finish_reason
         if ids and ids[-1] in stops:
             return ids, logprobs, versions, "stop"  # the abort raced the turn's own end
