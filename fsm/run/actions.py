@@ -17,6 +17,7 @@ from typing import Any
 
 from backends.base import BackendTimeout, GenerateRequest, GenerationAborted
 from fsm.data.rows import RowError, encodable, prompt_messages
+from fsm.families.codec import UnknownRole
 from fsm.run.context import RunContext
 from fsm.run.policy import sync_template
 from fsm.run.trajectory import Trajectory, first_segment
@@ -55,6 +56,8 @@ def _render_prompt(ctx: RunContext, traj: Trajectory) -> list[int]:
         return ctx.codec.encode_prompt(traj.messages, traj.tool_schemas)
     except RowError:
         raise
+    except UnknownRole as exc:  # the message would vanish from the prompt without a word
+        raise RowError(f"bad row {traj.uid}: 'raw_prompt[{exc.index}].role': {exc}") from None
     except Exception as exc:
         odd = next((f"; 'raw_prompt[{k}].content' is a {type(m.get('content')).__name__}, not text"
                     for k, m in enumerate(traj.messages) if not isinstance(m.get("content"), (str, type(None)))), "")  # fmt: skip

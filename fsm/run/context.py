@@ -7,9 +7,10 @@ backend or the tool set and, when the trajectory is traced, wraps the call in a 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,6 +128,17 @@ class PauseGate:
         finally:
             self._count(-1)
         return time.monotonic() - t0
+
+    @contextlib.contextmanager
+    def whole(self) -> Iterator[None]:
+        """A trajectory awaits something that leaves it as it was before its action (a rewrite function, which
+        changes it only once it returns): a snapshot counts it as parked, as it does a turn waiting here, and
+        never waits for it (a hung rewrite would hold Ctrl-C until its deadline)."""
+        self._count(1)
+        try:
+            yield
+        finally:
+            self._count(-1)
 
     def _count(self, step: int) -> None:
         self.waiting += step
