@@ -293,3 +293,54 @@ def test_sigterm_keeps_a_run_of_the_python_api_and_the_cli_resumes_it(servers, t
     assert not (cut / "snapshot.json").exists()
     assert json.loads((cut / "summary.json").read_text())["status"] == "completed"
     assert_same_batch_files(ref, cut)
+
+
+def test_ctrl_c_with_a_server_that_can_neither_pause_nor_abort_snapshots_within_seconds(tmp_path, servers):
+    """Issue 36 item 6: with a server that has no /pause_generation and ignores /abort_request, the run was alive
+    150 s after SIGINT and a second one exited without a snapshot. The wait for turns in flight is bounded
+    (fsm/run/context.py TURN_GRACE_S): past it each is taken as it was before its turn, which runs again on
+    resume, and the resumed run gives the uninterrupted run's rows."""
+    _, fast = servers
+    port = _free_port()
+    deaf = subprocess.Popen([sys.executable, "-m", "tests.fixtures.deaf_server", str(port)], env=ENV, cwd=REPO)
+    url = f"http://127.0.0.1:{port}"
+    ref, cut = tmp_path / "ref", tmp_path / "cut"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                _get(f"{url}/_deaf")
+                break
+            except OSError:
+                assert deaf.poll() is None and time.monotonic() < deadline, "the deaf server did not come up"
+                time.sleep(0.1)
+        proc = subprocess.Popen(run_args(cut, "specs/calculator.yaml", "--server", url), env=ENV, cwd=REPO,
+                                stderr=subprocess.PIPE, text=True)  # fmt: skip
+        try:
+            deadline = time.monotonic() + 120
+            while _get(f"{url}/_deaf")["generate"] < 6:  # every trajectory is in its first turn, for ever
+                assert proc.poll() is None and time.monotonic() < deadline, "the run never reached the server"
+                time.sleep(0.05)
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGINT)
+            err = Lines(proc)
+            err.wait_for("stopping 6 running trajectories", 10)
+            proc.wait(45)
+            took = time.monotonic() - t0
+        finally:
+            proc.kill()
+        text = err.rest()
+        assert proc.returncode == 130 and "Traceback" not in text, text
+        assert took < 45, f"the snapshot took {took:.1f} s"
+        assert _get(f"{url}/_deaf")["abort_request"] >= 6  # it was asked, and ignored it
+        assert (cut / "snapshot.json").exists() and f"resume with: agentfsm run --resume {cut}" in text, text
+    finally:
+        deaf.terminate()
+        deaf.wait(20)
+    done = subprocess.run(run_args(ref, "specs/calculator.yaml", "--server", fast), env=ENV, cwd=REPO,
+                          capture_output=True, text=True, timeout=240)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    resumed = subprocess.run(run_args(cut, "--resume", str(cut), "--server", fast), env=ENV, cwd=REPO,
+                             capture_output=True, text=True, timeout=240)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr
+    assert_same_batch_files(ref, cut)

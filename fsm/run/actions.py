@@ -107,10 +107,12 @@ async def generate(ctx: RunContext, traj: Trajectory) -> None:
 
 
 async def _resumed_turn(
-    ctx: RunContext, traj: Trajectory, params: dict[str, Any], rid: str, deadline: asyncio.Timeout | None = None
+    ctx: RunContext, traj: Trajectory, params: dict[str, Any], rid: str, deadline: asyncio.Timeout | None = None,
+    whole: bool = True,
 ) -> tuple[list[int], list[float] | None, list[int], str]:
     """The turn's tokens, their logprobs (None: asked for and not given), the weight version of each and
-    its finish reason.
+    its finish reason. `whole`: the trajectory is as it was before the action while the request is in flight
+    (a `generate` turn; a summary's has begun its segment already).
 
     An abort (finish_reason "abort": a waiting-queue abort, /pause_generation, a weight update with
     abort_all_requests, a drain, our own deadline's /abort_request) is not the model's output. The tokens it
@@ -156,7 +158,11 @@ async def _resumed_turn(
             resumed=attempt,
             vocab_size=ctx.codec.vocab_size,
         )
-        result = await ctx.call_backend(traj, request)
+        if whole:  # a snapshot may take the row as it was before this turn (PauseGate.waiting)
+            with ctx.gate.request():
+                result = await ctx.call_backend(traj, request)
+        else:
+            result = await ctx.call_backend(traj, request)
         traj.metrics.cached_tokens += result.cached_tokens or 0
         traj.metrics.prompt_tokens_sent += result.prompt_tokens or len(request.prompt_ids)
         aborted = result.finish_reason == "abort"

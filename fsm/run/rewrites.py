@@ -97,7 +97,7 @@ def make_rewrite(name: str, spec: RewriteSpec, fn: Any = None) -> Action:
         t0 = time.perf_counter()
         try:
             ids, logprobs, versions, finish = await _resumed_turn(
-                ctx, traj, params, f"{traj.session_id}_s{traj.assistant_turns:02d}")
+                ctx, traj, params, f"{traj.session_id}_s{traj.assistant_turns:02d}", whole=False)
         finally:
             traj.metrics.generate_sequences += time.perf_counter() - t0
         if ctx.sampling.logprobs and logprobs is None:

@@ -40,6 +40,7 @@ from fsm.run.trajectory import _FIRST, Metrics, Segment, TokenRun, TokenRuns, Tr
 
 FORMAT = 2  # 2: the tokenizer is recorded (and checked on restore)
 MAX_GROUPS = 10_000_000  # a bound for a count read from a snapshot
+RECOUNT_S = 0.5  # how often a snapshot waiting at the boundary counts again without news
 _TAGS = {"__array__", "__set__", "__tuple__", "__items__", "__dc__"}
 _CLASSES = {cls.__name__: cls for cls in (TokenRun, Segment, Metrics, ToolCall)}
 
@@ -418,7 +419,8 @@ class Boundary:
             async with asyncio.timeout(timeout_s):
                 while self.parked + held() < running():
                     self._moved.clear()
-                    await self._moved.wait()
+                    with contextlib.suppress(TimeoutError):  # `held()` also grows with time (PauseGate.waiting)
+                        await asyncio.wait_for(self._moved.wait(), RECOUNT_S)
         except BaseException:
             self._open.set()
             raise
