@@ -344,3 +344,54 @@ def test_ctrl_c_with_a_server_that_can_neither_pause_nor_abort_snapshots_within_
                              capture_output=True, text=True, timeout=240)  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr
     assert_same_batch_files(ref, cut)
+
+
+HANGING_REWRITE_SPEC = """
+name: calculator_rewrite_{kind}
+extends: {specs}/calculator.yaml
+limits: {{rewrite_timeout_s: 3600}}
+context:
+  rewrites:
+    squash: {{function: tests.fixtures.rewrites:hang_{kind}}}
+states:
+  GENERATING:  # the rewrite after the first model turn: the run is well under way when it hangs
+    action: generate
+    next: [{{to: SQUASH}}]
+  SQUASH:
+    action: squash
+    next: [{{to: PROCESSING_TOOLS, when: has_tool_calls}}, {{to: INTERACTING, when: has_interaction}},
+           {{to: TERMINATED, reason: done}}]
+"""
+
+
+@pytest.mark.parametrize("kind", ["async", "sync"])
+def test_ctrl_c_while_a_rewrite_hangs_snapshots_at_once(tmp_path, kind):
+    """Issue 36 item 5: an async rewrite that hung held the first Ctrl-C for 130 s and the second exited without a
+    snapshot; a sync one held the loop. A row waiting for its rewrite is whole (the rewrite changes it only once
+    it returns): Ctrl-C writes it as it was before the rewrite, at once, and `--resume` runs the rewrite again."""
+    spec, out = tmp_path / f"{kind}.yaml", tmp_path / "out"
+    spec.write_text(HANGING_REWRITE_SPEC.format(specs=REPO / "specs", kind=kind))
+    cmd = [sys.executable, "-m", "fsm.cli.commands", "run", str(spec), "--num-prompts", "2", "--out", str(out), "-q"]
+    proc = subprocess.Popen(cmd, env=ENV, cwd=REPO, stderr=subprocess.PIPE, text=True)
+    try:
+        err = Lines(proc)
+        err.wait_for("agentfsm-test: rewrite hanging", 240)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        proc.wait(30)
+        took = time.monotonic() - t0
+    finally:
+        proc.kill()
+    text = err.rest()
+    assert proc.returncode == 130 and took < 30, (took, text)
+    assert "wrote the snapshot" in text and "Traceback" not in text and "start over" not in text, text
+    data = json.loads((out / "snapshot.json").read_text())
+    states = [t["state"] for g in data["groups"] for t in g["trajectories"] if not t["done"]]
+    assert "SQUASH" in states and set(states) <= {"SQUASH", "PENDING", "GENERATING"}, states
+
+    resumed = subprocess.run([sys.executable, "-m", "fsm.cli.commands", "run", "--resume", str(out), "-q"],
+                             env={**ENV, "AGENTFSM_TEST_UNBLOCKED": "1"}, cwd=REPO, capture_output=True, text=True,
+                             timeout=240)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["files"]["trajectories.jsonl"]["rows"] == 2
