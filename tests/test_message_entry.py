@@ -187,3 +187,18 @@ async def test_a_rewrite_returning_a_million_messages_is_refused_at_once(compile
     _healthy(good)
     assert bad.failed and "returned 1000000 messages, past the bound of 4096" in bad.error, bad.error
     assert time.monotonic() - t0 < 10
+
+
+def flood(messages):
+    return [*messages[:1], {"role": "user", "content": "word " * 400_000}] if _hostile(messages) else messages
+
+
+async def test_a_rewrite_too_long_for_the_prompt_is_not_made_nor_rendered(compile_yaml, tok, call, turn):
+    """2 MB of text cannot fit in the calculator's prompt_length: the rewrite is not made (as one whose render is
+    too long is not), without the render that would hold the event loop (8 MiB took 66 s)."""
+    t0 = time.monotonic()
+    good, cut = await _two_rows(compile_yaml, tok, call, turn, "flood")
+    _healthy(good)
+    assert not cut.failed and cut.num_segments == 1 and cut.termination_reason == "response_length", cut.termination_reason
+    assert "more than prompt_length 320 tokens hold" in cut.extra["context_overflow"]
+    assert time.monotonic() - t0 < 10

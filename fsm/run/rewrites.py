@@ -19,7 +19,7 @@ from fsm.data.rows import RowError
 from fsm.families.codec import UnknownRole
 from fsm.run.actions import _resumed_turn  # the one model-turn path (resumes, pause gate, versions)
 from fsm.run.context import RunContext
-from fsm.run.policy import begin
+from fsm.run.policy import begin, overflow
 from fsm.run.trajectory import Trajectory
 from fsm.spec.model import RewriteSpec
 from fsm.tools.isolation import ThreadLane
@@ -29,6 +29,10 @@ Action = Callable[[RunContext, Trajectory], Awaitable[None]]
 # messages once held the event loop 117 s at 4 GB in the render that follows.
 MAX_MESSAGES = 4096
 MAX_CHARS = 8 << 20  # the text of every message together
+# Text past prompt_length x this cannot fit in prompt_length tokens (real tokenizers average 3-5 characters a
+# token): such a rewrite is not made, as one whose render is too long is not, without rendering it (8 MiB took
+# 66 s to render and tokenize on a loaded 2-core machine, all of it on the event loop).
+CHARS_PER_TOKEN = 16
 
 
 def _head(messages: list[dict[str, Any]]) -> int:
@@ -73,12 +77,15 @@ def make_rewrite(name: str, spec: RewriteSpec, fn: Any = None) -> Action:
             where = f"rewrite {name!r} ({spec.function}) on row {traj.uid}"
             with ctx.gate.whole():  # until it returns, the trajectory is as it was: a snapshot need not wait
                 new = await call([dict(m) for m in traj.messages], ctx.agent.limits.rewrite_timeout_s, where)
-            _check(new, where)
+            chars = _check(new, where)
             try:
                 ctx.codec.check_roles(new)
             except UnknownRole as exc:  # it would vanish from the prompt, and the task with it
                 raise RowError(f"{where}: returned {exc}") from None
-            if new != traj.messages:
+            limit = ctx.agent.limits.prompt_length
+            if chars > limit * CHARS_PER_TOKEN:  # bounded time: never rendered (see CHARS_PER_TOKEN)
+                overflow(traj, f"a rewrite prompt of {chars} characters, more than prompt_length {limit} tokens hold")
+            elif new != traj.messages:
                 _restart(ctx, traj, new, "rewrite")
 
         function_action.__name__ = name
@@ -149,9 +156,9 @@ def _caller(name: str, spec: RewriteSpec, fn: Any) -> Callable[[list, float | No
     return call
 
 
-def _check(new: Any, where: str) -> None:
+def _check(new: Any, where: str) -> int:
     """A non-empty list of at most MAX_MESSAGES chat messages holding at most MAX_CHARS of text, checked before
-    anything walks or renders it."""
+    anything walks or renders it; the characters it holds."""
     if not isinstance(new, list) or not new:
         raise RowError(f"{where}: must return a non-empty list of chat messages, got {type(new).__name__}")
     if len(new) > MAX_MESSAGES:
@@ -168,6 +175,7 @@ def _check(new: Any, where: str) -> None:
                 chars += sum(len(p["text"]) for p in value if isinstance(p, dict) and isinstance(p.get("text"), str))
         if chars > MAX_CHARS:
             raise RowError(f"{where}: returned more than {MAX_CHARS} characters of messages (at message {k})")
+    return chars
 
 
 def rewrite_loops(states: dict[str, Any], rewrites: dict[str, RewriteSpec]) -> list[list[str]]:
