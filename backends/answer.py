@@ -13,7 +13,8 @@ What is accepted, exactly:
 - `output_ids`: ints (not bools) in [0, vocab_size) (vocab_size from the request; unchecked above 0 when
   unknown), at most `max_new_tokens`, no stop id before the last position (SGLang ends a turn at its first
   stop id);
-- `output_token_logprobs`: [logprob, id, text] triples whose logprobs are finite real numbers <= 0;
+- `output_token_logprobs`: [logprob, id, text] triples whose logprobs are finite real numbers <= 0 and whose
+  ids are the output ids, position by position (entries for other tokens are logprobs of another answer);
 - `prompt_tokens`, `cached_tokens`: absent, null or non-negative ints;
 - `weight_version`: absent, null, a string or an int, kept as a string of at most 256 characters;
 - `meta_info.weight_versions`: well-formed spans are expanded only when they cover exactly the output.
@@ -206,6 +207,7 @@ def _logprobs(triples: Any, out: list[int], kind: str, extra: dict[str, Any], ba
         raise bad("bad_logprobs", f"output_token_logprobs that are not [logprob, id, text] triples: {snippet(triples)}")
     values: list[float] | None
     if len(triples) == len(out):
+        _same_ids(triples, out, bad)
         values = _floats(triples, bad)
     elif not out:
         values = []  # phantom entry with max_new_tokens=0
@@ -220,6 +222,16 @@ def _logprobs(triples: Any, out: list[int], kind: str, extra: dict[str, Any], ba
         wrong = next(v for v in values if not math.isfinite(v) or v > 0.0)
         raise bad("bad_logprobs", f"logprob {wrong!r}: logprobs are finite and <= 0")
     return values
+
+
+def _same_ids(triples: list[list[Any]], out: list[int], bad: Any) -> None:
+    """Each entry is the logprob of the output id at its position: entries for other tokens (right count, wrong
+    ids) would enter rollout_log_probs as plausible values and corrupt every importance ratio trained on them."""
+    ids = [t[1] if len(t) > 1 else None for t in triples]
+    if ids != out or (ids and set(map(type, ids)) != {int}):  # True == 1: an id is an int, never a bool
+        at = next(i for i, (a, b) in enumerate(zip(ids, out)) if a != b or type(a) is not int)
+        raise bad("bad_logprobs", f"a logprob entry for token id {snippet(ids[at], 20)} at position {at}, where the "
+                  f"output id is {out[at]}: logprobs for other tokens")  # fmt: skip
 
 
 def _floats(triples: list[list[Any]], bad: Any) -> list[float]:

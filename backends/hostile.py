@@ -4,8 +4,9 @@ backends/faults.py forwards a request to a real server and, for these kinds, pas
 of the functions below before sending it on. Each returns the new body, or None when this answer cannot
 carry the fault (a one-token answer has no position after a stop id): nothing is injected then. What the
 client must make of each (backends/answer.py): "absorbed" kinds are valid forms it maps safely, the others
-are malformed-answer server faults. Some are JSON edge cases rather than wrong values: a 400-digit logprob, logprob
-entries too short to index, a body nested 50,000 levels deep.
+are malformed-answer server faults (CUT_KINDS are valid forms that end their row `context_length`). Some are
+JSON edge cases rather than wrong values: a 400-digit logprob, logprob entries too short to index, a body nested
+50,000 levels deep.
 """
 
 from __future__ import annotations
@@ -112,6 +113,34 @@ def short_triples_phantom(answer: dict[str, Any], sent: dict[str, Any]) -> dict[
     return answer
 
 
+def mismatched_logprob_ids(answer: dict[str, Any], sent: dict[str, Any]) -> dict[str, Any] | None:
+    """As many logprob entries as output ids, each for another token (the id's lowest bit flipped): logprobs of
+    another answer, which a check of the counts alone takes for this one's."""
+    ids, triples = _ids_and_triples(answer)
+    if not ids or not triples or len(triples) != len(ids):
+        return None
+    for triple, token in zip(triples, ids):
+        triple[1] = token ^ 1
+    return answer
+
+
+def empty_length(answer: dict[str, Any], sent: dict[str, Any]) -> dict[str, Any] | None:
+    """No tokens, finish "length", where more were asked: only a full context answers that (docs/engines.md),
+    so the row must end `context_length`, never `done` with an empty turn."""
+    asked = (sent.get("sampling_params") or {}).get("max_new_tokens")
+    if asked == 0:
+        return None
+    meta = answer.setdefault("meta_info", {})
+    answer["output_ids"] = []
+    meta["finish_reason"] = {"type": "length", "length": 0}
+    for key in ("output_token_logprobs", "weight_versions"):
+        if key in meta:
+            meta[key] = []
+    if "output_token_logprobs_length" in meta:
+        meta["output_token_logprobs_length"] = 0
+    return answer
+
+
 DEEP_LEVELS = 50_000
 
 
@@ -145,7 +174,12 @@ HOSTILE: dict[str, tuple[Rewrite, str | None]] = {
     "huge_logprob": (huge_logprob, "bad_logprobs"),
     "short_triples_phantom": (short_triples_phantom, "bad_logprobs"),
     "deep_json": (deep_json, "malformed"),
+    "mismatched_logprob_ids": (mismatched_logprob_ids, "bad_logprobs"),
+    "empty_length": (empty_length, None),  # absorbed: the row ends context_length (CUT_KINDS)
 }
+# Kinds a client cannot tell from a real answer: the row it lands on ends `context_length`, shorter than the
+# fault-free row, and says so; no other row changes.
+CUT_KINDS = ("empty_length",)
 
 
 def rewrite(kind: str, data: bytes, sent: bytes) -> bytes | None:

@@ -6,10 +6,12 @@ reference for every row), each behind backends/faults.py's proxy injecting one f
 SGLang client and the router as a run would use them. Per case: faults injected; what absorbed them (retries on
 the same server, failovers, resumes of aborted turns); error rows; rows lost (missing from the output) and
 rows wrong (not an error row, yet different from the fault-free run), which must both be 0; wall time against
-the fault-free run in the same process. The request deadline is 2 s: a hang costs about that per request, and
+the fault-free run in the same process. "rows cut" are rows that end `context_length` with what they had before
+an empty "length" turn (hostile.CUT_KINDS: a server cannot be told from a full context), shorter than the
+fault-free row and saying so: not wrong. The request deadline is 2 s: a hang costs about that per request, and
 a deadline met by a live server (a slow, loaded machine) shows as a deadline abort and a resume. The hostile
 answers (backends/hostile.py: ids outside the vocabulary, non-finite or positive logprobs, tokens past a stop,
-more than asked, version forms, oversize bodies) are cases of their own, and "outage_2s" answers every
+more than asked, version forms, oversize bodies, logprob entries for other tokens, empty "length" turns) are cases of their own, and "outage_2s" answers every
 /generate 503 for the first 2 s on both servers (a fleet restart, ridden out by the router's retry window).
 "liar:<kind>" cases put one server that answers every /generate with a hostile answer (the JSON edge cases: a
 400-digit logprob, logprob entries too short with a phantom, a 50,000-deep body; and out-of-vocabulary ids)
@@ -40,7 +42,7 @@ from backends.tiny import ASSET_DIR
 
 # Answers a server may send that the JSON decoder or the check itself trips on (issue 27): run again with one
 # server sending them on every /generate beside a healthy one, where each must fail over and lose no row.
-LIAR_KINDS = ("huge_logprob", "short_triples_phantom", "deep_json", "out_of_vocab")
+LIAR_KINDS = ("huge_logprob", "short_triples_phantom", "deep_json", "out_of_vocab", "mismatched_logprob_ids")
 SPECS = Path(__file__).resolve().parents[1] / "specs"
 ROWS_SPEC = """name: bench_faults
 extends: {specs}/single_turn.yaml
@@ -124,13 +126,14 @@ def _check(case: dict[str, Any], rows: int, clean: list[Any] | None) -> dict[str
     """rows lost (missing) and rows wrong (not an error row, yet unlike the fault-free run's)."""
     trajs = case.pop("_trajs")
     case["rows_lost"] = rows - len(trajs)
-    case["rows_wrong"] = 0
+    case["rows_wrong"] = case["rows_cut"] = 0
     if clean is not None:
-        case["rows_wrong"] = sum(
-            not t.failed and (t.response_ids.tolist(), t.response_logprobs.tolist())
-            != (c.response_ids.tolist(), c.response_logprobs.tolist())
-            for t, c in zip(trajs, clean)
-        )
+        for t, c in zip(trajs, clean):
+            n = len(t.response_ids) if t.termination_reason == "context_length" else None  # says it was cut
+            same = (t.response_ids[:n].tolist(), t.response_logprobs[:n].tolist()) == (
+                c.response_ids[:n].tolist(), c.response_logprobs[:n].tolist())  # fmt: skip
+            case["rows_cut"] += n is not None and same
+            case["rows_wrong"] += not t.failed and not same
     return case
 
 
@@ -178,9 +181,9 @@ def bench_faults(rows: int = 128, rate: float = 0.1) -> dict[str, dict[str, Any]
     the numbers. Call outside an event loop."""
     out = asyncio.run(_bench(rows, rate))
     head = ("case", "injected", "faults counted", "retried", "failed over", "timeout abort", "resumed",
-            "error rows", "rows lost", "rows wrong", "wall s", "vs clean")  # fmt: skip
+            "error rows", "rows cut", "rows lost", "rows wrong", "wall s", "vs clean")  # fmt: skip
     keys = ("injected", "faults_counted", "retried", "failed_over", "deadline_aborts", "resumed", "error_rows",
-            "rows_lost", "rows_wrong")  # fmt: skip
+            "rows_cut", "rows_lost", "rows_wrong")  # fmt: skip
     lines = [f"{head[0]:<28}" + "".join(f"{h:>15}" for h in head[1:])]
     for name, case in out.items():
         cells = [f"{case[k]:>15}" for k in keys] + [f"{case['wall_s']:>15.2f}", f"{case['vs_clean']:>14.2f}x"]

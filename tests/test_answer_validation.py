@@ -13,13 +13,14 @@ import resource
 import time
 
 import pytest
+import torch
 from aiohttp import web
 
 from backends.answer import parse_generate, token_versions
 from backends.base import BackendMalformed, GenerateRequest
 from backends.devserver import DevServer
 from backends.faults import FaultProxy
-from backends.hostile import HOSTILE
+from backends.hostile import CUT_KINDS, HOSTILE
 from backends.router import Router
 from backends.sglang import SGLangBackend
 from tests.test_server_faults import (  # noqa: F401 (agent and reference are fixtures)
@@ -41,7 +42,15 @@ async def test_each_hostile_answer_is_a_counted_fault_never_a_row(agent, tok, re
     async with fleet(2, rates={kind: 0.3}, seed=3) as (_, proxies):
         trajs, batch, stats = await run(agent, tok, router([p.url for p in proxies], max_retries=2), rows(16))
     assert sum(p.injected[kind] for p in proxies) > 0, "the plan injected nothing: the test would prove nothing"
-    assert_rows_right_or_errors(trajs, batch, reference)
+    if kind in CUT_KINDS:  # the rows it landed on say the context cut them, the others are untouched
+        cut = [i for i, t in enumerate(trajs) if t.termination_reason == "context_length"]
+        assert cut and all(trajs[i].extra["spec_reason"] == "done" and trajs[i].extra["context_cut"] for i in cut)
+        for i, t in enumerate(trajs):  # a cut row keeps what came before its empty turn, unchanged
+            n = len(t.response_ids) if i in cut else None
+            for key in ("responses", "response_mask", "rollout_log_probs"):
+                assert torch.equal(batch.batch[key][i][:n], reference.batch[key][i][:n]), (i, key)
+    else:
+        assert_rows_right_or_errors(trajs, batch, reference)
     summary = assert_faults_add_up(trajs, stats, proxies)
     assert summary["error_rows"] == 0  # 30 % of answers, 3 attempts per server and 3 routes: all absorbed
     counter = HOSTILE[kind][1]
@@ -65,6 +74,7 @@ async def test_each_hostile_answer_is_a_counted_fault_never_a_row(agent, tok, re
     ("huge_logprob", "logprob '-100000000000"),
     ("short_triples_phantom", "output logprobs for"),
     ("deep_json", "JSON nested 50001 levels deep, past the 64-level bound"),
+    ("mismatched_logprob_ids", "logprobs for other tokens"),
 ])  # fmt: skip
 async def test_a_server_that_always_lies_gives_an_error_row_naming_it(agent, tok, kind, words):
     async with fleet(1, rates={kind: 1.0}) as (_, proxies):
@@ -75,7 +85,8 @@ async def test_a_server_that_always_lies_gives_an_error_row_naming_it(agent, tok
     assert stats["faults"][HOSTILE[kind][1]] == 2  # the first attempt and its retry, each counted by kind
 
 
-@pytest.mark.parametrize("kind", ["huge_logprob", "short_triples_phantom", "deep_json", "out_of_vocab"])
+@pytest.mark.parametrize("kind", ["huge_logprob", "short_triples_phantom", "deep_json", "out_of_vocab",
+                                  "mismatched_logprob_ids"])
 async def test_a_lying_server_beside_a_healthy_one_loses_no_row(agent, tok, reference, kind):
     """The JSON edge cases (issue 27 item 4) fail over like out-of-vocabulary ids: counted, no row lost."""
     async with DevServer(hashlm()) as liar_dev, DevServer(hashlm()) as good_dev, \
@@ -113,6 +124,8 @@ def test_the_check_accepts_exactly_what_sglang_may_send():
         (_answer([5, 7], weight_version={"v": 1}), "bad_fields"),
         (_answer([5, 7], prompt_tokens=True), "bad_fields"),
         (_answer([5, 7], weight_version="x" * 300), "bad_fields"),
+        ({**_answer([5, 7]), "output_ids": [5, 8]}, "bad_logprobs"),  # right count, another token's logprob
+        ({**_answer([5, 1]), "output_ids": [5, True]}, "malformed"),
     ]:
         with pytest.raises(BackendMalformed) as e:
             parse_generate(body, server="s", return_logprob=True, request=_req())
@@ -258,3 +271,31 @@ async def test_the_start_probe_leaves_out_bad_servers_unless_strict():
                 await probe_servers([hole], timeout_s=1.0)
     finally:
         black_hole.close()
+
+
+async def test_an_empty_turn_that_says_length_is_the_contexts_cut(agent, tok, reference):
+    """Issue 36 item 3: 0 tokens with finish "length" where tokens were asked ended the row `done` with an empty
+    response. Whatever backend answers it (here a generate function, which reports no context length), only a
+    full context answers that: the row ends `context_length`, the spec's name for the end kept in extra."""
+    from backends.function import FunctionBackend
+
+    async with DevServer(hashlm()) as dev:
+        real = SGLangBackend(dev.url)
+
+        async def generate(prompt_ids: list[int], params: dict) -> dict:
+            if "What is 1 * 4?" in tok.decode(prompt_ids):
+                return {"token_ids": [], "logprobs": [], "finish_reason": "length"}
+            answer = await real.generate(GenerateRequest("s", prompt_ids, dict(params), return_logprob=True))
+            return {"token_ids": answer.token_ids, "logprobs": answer.logprobs, "finish_reason": answer.finish_reason}
+
+        trajs, batch, _ = await run(agent, tok, FunctionBackend(generate), rows(3))
+        await real.close()
+    reasons = [t.termination_reason for t in trajs]
+    expected = list(reference.non_tensor_batch["termination_reason"][:3])
+    assert reasons == [expected[0], "context_length", expected[2]], (reasons, expected, trajs[1].extra, trajs[1].last_finish_reason)
+    cut = trajs[1]
+    assert len(cut.response_ids) == 0 and cut.extra["spec_reason"] == "done"
+    assert cut.extra["context_cut"] == len(cut.prompt_ids)  # no context length known: what the request held
+    for i in (0, 2):
+        for key in ("responses", "rollout_log_probs"):
+            assert torch.equal(batch.batch[key][i], reference.batch[key][i]), (i, key)

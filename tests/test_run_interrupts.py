@@ -293,3 +293,105 @@ def test_sigterm_keeps_a_run_of_the_python_api_and_the_cli_resumes_it(servers, t
     assert not (cut / "snapshot.json").exists()
     assert json.loads((cut / "summary.json").read_text())["status"] == "completed"
     assert_same_batch_files(ref, cut)
+
+
+def test_ctrl_c_with_a_server_that_can_neither_pause_nor_abort_snapshots_within_seconds(tmp_path, servers):
+    """Issue 36 item 6: with a server that has no /pause_generation and ignores /abort_request, the run was alive
+    150 s after SIGINT and a second one exited without a snapshot. The wait for turns in flight is bounded
+    (fsm/run/context.py TURN_GRACE_S): past it each is taken as it was before its turn, which runs again on
+    resume, and the resumed run gives the uninterrupted run's rows."""
+    _, fast = servers
+    port = _free_port()
+    deaf = subprocess.Popen([sys.executable, "-m", "tests.fixtures.deaf_server", str(port)], env=ENV, cwd=REPO)
+    url = f"http://127.0.0.1:{port}"
+    ref, cut = tmp_path / "ref", tmp_path / "cut"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                _get(f"{url}/_deaf")
+                break
+            except OSError:
+                assert deaf.poll() is None and time.monotonic() < deadline, "the deaf server did not come up"
+                time.sleep(0.1)
+        proc = subprocess.Popen(run_args(cut, "specs/calculator.yaml", "--server", url), env=ENV, cwd=REPO,
+                                stderr=subprocess.PIPE, text=True)  # fmt: skip
+        try:
+            deadline = time.monotonic() + 120
+            while _get(f"{url}/_deaf")["generate"] < 6:  # every trajectory is in its first turn, for ever
+                assert proc.poll() is None and time.monotonic() < deadline, "the run never reached the server"
+                time.sleep(0.05)
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGINT)
+            err = Lines(proc)
+            err.wait_for("stopping 6 running trajectories", 10)
+            proc.wait(45)
+            took = time.monotonic() - t0
+        finally:
+            proc.kill()
+        text = err.rest()
+        assert proc.returncode == 130 and "Traceback" not in text, text
+        assert took < 45, f"the snapshot took {took:.1f} s"
+        assert _get(f"{url}/_deaf")["abort_request"] >= 6  # it was asked, and ignored it
+        assert (cut / "snapshot.json").exists() and f"resume with: agentfsm run --resume {cut}" in text, text
+    finally:
+        deaf.terminate()
+        deaf.wait(20)
+    done = subprocess.run(run_args(ref, "specs/calculator.yaml", "--server", fast), env=ENV, cwd=REPO,
+                          capture_output=True, text=True, timeout=240)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    resumed = subprocess.run(run_args(cut, "--resume", str(cut), "--server", fast), env=ENV, cwd=REPO,
+                             capture_output=True, text=True, timeout=240)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr
+    assert_same_batch_files(ref, cut)
+
+
+HANGING_REWRITE_SPEC = """
+name: calculator_rewrite_{kind}
+extends: {specs}/calculator.yaml
+limits: {{rewrite_timeout_s: 3600}}
+context:
+  rewrites:
+    squash: {{function: tests.fixtures.rewrites:hang_{kind}}}
+states:
+  GENERATING:  # the rewrite after the first model turn: the run is well under way when it hangs
+    action: generate
+    next: [{{to: SQUASH}}]
+  SQUASH:
+    action: squash
+    next: [{{to: PROCESSING_TOOLS, when: has_tool_calls}}, {{to: INTERACTING, when: has_interaction}},
+           {{to: TERMINATED, reason: done}}]
+"""
+
+
+@pytest.mark.parametrize("kind", ["async", "sync"])
+def test_ctrl_c_while_a_rewrite_hangs_snapshots_at_once(tmp_path, kind):
+    """Issue 36 item 5: an async rewrite that hung held the first Ctrl-C for 130 s and the second exited without a
+    snapshot; a sync one held the loop. A row waiting for its rewrite is whole (the rewrite changes it only once
+    it returns): Ctrl-C writes it as it was before the rewrite, at once, and `--resume` runs the rewrite again."""
+    spec, out = tmp_path / f"{kind}.yaml", tmp_path / "out"
+    spec.write_text(HANGING_REWRITE_SPEC.format(specs=REPO / "specs", kind=kind))
+    cmd = [sys.executable, "-m", "fsm.cli.commands", "run", str(spec), "--num-prompts", "2", "--out", str(out), "-q"]
+    proc = subprocess.Popen(cmd, env=ENV, cwd=REPO, stderr=subprocess.PIPE, text=True)
+    try:
+        err = Lines(proc)
+        err.wait_for("agentfsm-test: rewrite hanging", 240)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        proc.wait(30)
+        took = time.monotonic() - t0
+    finally:
+        proc.kill()
+    text = err.rest()
+    assert proc.returncode == 130 and took < 30, (took, text)
+    assert "wrote the snapshot" in text and "Traceback" not in text and "start over" not in text, text
+    data = json.loads((out / "snapshot.json").read_text())
+    states = [t["state"] for g in data["groups"] for t in g["trajectories"] if not t["done"]]
+    assert "SQUASH" in states and set(states) <= {"SQUASH", "PENDING", "GENERATING"}, states
+
+    resumed = subprocess.run([sys.executable, "-m", "fsm.cli.commands", "run", "--resume", str(out), "-q"],
+                             env={**ENV, "AGENTFSM_TEST_UNBLOCKED": "1"}, cwd=REPO, capture_output=True, text=True,
+                             timeout=240)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["files"]["trajectories.jsonl"]["rows"] == 2

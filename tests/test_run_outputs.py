@@ -181,6 +181,23 @@ def _group_not_a_dict(d):
     d["groups"][0] = 5
 
 
+def _row_5(d):
+    _first_running(d)["row"] = 5  # issue 36 item 11: ran the whole rollout, then AttributeError at output
+
+
+def _running_group_ready(d):
+    # issue 36 item 11: rc 0 with rows whose termination reason was null
+    next(g for g in d["groups"] if g["status"] == "running")["status"] = "ready"
+
+
+def _turns_a_string(d):
+    _first_running(d)["assistant_turns"] = "2"
+
+
+def _messages_not_messages(d):
+    _first_running(d)["messages"] = [1, 2]
+
+
 @pytest.mark.parametrize("tamper, reason", [
     (_unknown_dc, "unknown record type 'os.system'"), (_no_groups, "malformed snapshot (KeyError: 'groups')"),
     (_unknown_state, "state 'NOWHERE' is not one of the agent's"), (_oversized, "arrays differ in length"),
@@ -191,6 +208,10 @@ def _group_not_a_dict(d):
     (_nan_logprob, "logprobs that are not finite numbers <= 0"),
     (_done_without_reason, "finished without a termination reason"), (_sampling_not_a_dict, "malformed snapshot"),
     (_group_not_a_dict, "bad status or uid"),
+    (_row_5, "field 'row': Input should be a valid dictionary"),
+    (_running_group_ready, "is 'ready' but its trajectory"),
+    (_turns_a_string, "field 'assistant_turns': Input should be a valid integer"),
+    (_messages_not_messages, "field 'messages.0': Input should be a valid dictionary"),
 ])  # fmt: skip
 def test_a_crafted_snapshot_is_refused_in_one_line(capsys, interrupted, echo_server, tmp_path, tamper, reason):
     out, data = interrupted

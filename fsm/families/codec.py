@@ -19,10 +19,12 @@ adds to a conversation, cut one of two ways (`Family.verl_exact` picks):
 Either way the suffix's text is tokenized on its own (fsm/families/pieces.py): it starts at a control token or
 at the newline after one, which is also where the full render splits.
 
-An observation's content comes from outside (a tool, a web page it fetched, a user simulator): the special-token
-strings in it (`<|im_end|>`, `<|start_header_id|>`) are tokenized as text, never as the control tokens they spell,
-so an observation cannot end its own turn and plant an assistant turn. A spec that wants them as control tokens
-says `model: {special_tokens_in_observations: allow}`.
+A message's content comes from outside (a data row, a tool, a web page it fetched, a user simulator, a rewrite
+function, a harness through the gateway): the special-token strings in it (`<|im_end|>`, `<|start_header_id|>`)
+are tokenized as text, never as the control tokens they spell, so no message can end its own turn and plant an
+assistant turn. The one exception is the model's own turns, re-rendered as it wrote them. A spec that wants them
+as control tokens says `model: {special_tokens_in_observations: allow}` (the name is older than the rule: it
+covers every message). Every message's role must be one the template renders (`check_roles`).
 """
 
 from __future__ import annotations
@@ -41,7 +43,20 @@ class TemplateError(Exception):
     """The chat template cannot be used (e.g. it never ends a turn, or hides an observation's content)."""
 
 
+class UnknownRole(TemplateError):
+    """A message whose role the chat template does not render: it would vanish from the prompt (Qwen's template
+    drops a `usr` or `wizard` message without a word), so it is refused where it enters. `index` is the
+    message's position in what was given, for the caller to name its field."""
+
+    def __init__(self, index: int, role: Any, family: str, known: list[str]):
+        self.index, self.role = index, role
+        super().__init__(f"message {index} has role {role!r}, which the {family} chat template does not render "
+                         f"(it renders {', '.join(known)})")  # fmt: skip
+
+
 _BASE = [{"role": "user", "content": "U"}, {"role": "assistant", "content": "A"}]
+_ROLES = ("system", "user", "assistant", "tool")  # what every codec renders (observations, prompts, model turns)
+_MARK_ROLE = "agentfsmRoleMark"
 _MARK_ASSISTANT = "agentfsmAssistantMark"  # plain ASCII: every template copies it through unchanged
 _MARK_OBSERVATION = "agentfsmObservationMark"
 # where a family's call markup starts in a turn's text: the answer is what comes before
@@ -60,6 +75,15 @@ def vocabulary_size(tokenizer: Any) -> int:
         if type(rows) is int and rows > size:
             size = rows
     return size
+
+
+def _texts(content: Any) -> list[str]:
+    """The text of a message's content: itself, or its content parts' `text`."""
+    if isinstance(content, str):
+        return [content]
+    if isinstance(content, list):
+        return [p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
+    return []
 
 
 class TemplateKwargs:
@@ -99,6 +123,7 @@ class Codec:
         specials = sorted({t.content for t in added.values() if getattr(t, "special", False)} if isinstance(added, dict)
                           else (), key=len, reverse=True)  # fmt: skip
         self._specials = re.compile("|".join(map(re.escape, specials))) if specials and special_tokens != "allow" else None
+        self._roles: dict[Any, bool] = dict.fromkeys(_ROLES, True)  # role -> whether the template renders it
         if self._verl_exact:
             self.stop_ids: set[int] = {self.eos_id}
             self._strip_ids = {self.eos_id}
@@ -144,12 +169,41 @@ class Codec:
     def render_text(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool) -> str:
         return self._text(messages, add_generation_prompt)
 
-    def encode_prompt(self, messages: list[dict[str, Any]], tools: list[dict] | None) -> list[int]:
+    def encode_prompt(self, messages: list[dict[str, Any]], tools: list[dict] | None,
+                      add_generation_prompt: bool = True) -> list[int]:  # fmt: skip
         """The ids `render` gives; the pieces every prompt repeats (system message, tool schemas) are
-        tokenized once (fsm/families/pieces.py)."""
-        text = self.tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
-                                                  tokenize=False)  # fmt: skip
-        return self.pieces.encode(text)
+        tokenized once (fsm/families/pieces.py). Every prompt is made here (a row's, a rewrite's, the template
+        policy's, a gateway request's), so the rules for what enters one are here: each message's role is one the
+        template renders (`check_roles`), and special-token strings in the content of a message that is not the
+        model's own are text (the module's docstring), as in an observation."""
+        self.check_roles(messages)
+        shielded = None
+        if self._specials is not None and any(self._special_in(m) for m in messages if m.get("role") != "assistant"):
+            messages, shielded = self._shield(messages, skip_assistant=True)
+        text = self.tokenizer.apply_chat_template(messages, tools=tools or None,
+                                                  add_generation_prompt=add_generation_prompt, tokenize=False)  # fmt: skip
+        return self.pieces.encode(text, shielded)
+
+    def check_roles(self, messages: list[dict[str, Any]]) -> None:
+        """UnknownRole for the first message whose role the chat template does not render. A role past the four
+        every codec uses is tried once (a message of that role after a user message: is its content in the
+        render?), so `developer` or `ipython` pass where the template knows them."""
+        for k, message in enumerate(messages):
+            role = message.get("role") if isinstance(message, dict) else None
+            known = self._roles.get(role) if isinstance(role, str) else False
+            if known is None:
+                known = self._roles[role] = self._renders_role(role)
+            if not known:
+                raise UnknownRole(k, role, self.family.name, [r for r, ok in self._roles.items() if ok])
+
+    def _renders_role(self, role: str) -> bool:
+        if len(self._roles) >= 256:  # a bound on what a stream of odd roles can make us keep
+            return False
+        try:
+            text = self._text([{"role": "user", "content": "U"}, {"role": role, "content": _MARK_ROLE}], True)
+        except Exception:  # a template that raises on the role does not render it either
+            return False
+        return _MARK_ROLE in text
 
     def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
         """Exactly the model's text (fsm/families/pieces.py decode: no clean-up of tokenization spaces)."""
@@ -234,16 +288,21 @@ class Codec:
         """Token ids that `messages` (tool results / a user turn) append after a model turn, generation prompt
         included. Special-token strings in their content are text (see the module's docstring)."""
         shielded = None
-        if self._specials is not None and any(isinstance(m.get("content"), str) and self._specials.search(m["content"])
-                                              for m in messages):  # fmt: skip
+        if self._specials is not None and any(self._special_in(m) for m in messages):
             messages, shielded = self._shield(messages)
         if self._verl_exact:
             return self._base_cut(messages, shielded)
         return self._marker_cut(messages, history, shielded)
 
-    def _shield(self, messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, str]]:
-        """The messages with each special-token string in their content replaced by a plain-ASCII placeholder
-        (templates copy it through), and the placeholders' table for the tokenizer."""
+    def _special_in(self, message: dict[str, Any]) -> bool:
+        assert self._specials is not None
+        return any(self._specials.search(text) for text in _texts(message.get("content")))
+
+    def _shield(self, messages: list[dict[str, Any]], skip_assistant: bool = False
+                ) -> tuple[list[dict[str, Any]], dict[str, str]]:  # fmt: skip
+        """The messages with each special-token string in their content (text, or the text of content parts)
+        replaced by a plain-ASCII placeholder (templates copy it through), and the placeholders' table for the
+        tokenizer. `skip_assistant`: the model's own turns keep what it wrote (a re-render gives its tokens)."""
         table: dict[str, str] = {}
 
         def placeholder(match: re.Match) -> str:
@@ -252,8 +311,18 @@ class Codec:
             return key
 
         assert self._specials is not None
-        out = [dict(m, content=self._specials.sub(placeholder, m["content"])) if isinstance(m.get("content"), str)
-               else m for m in messages]  # fmt: skip
+        sub = self._specials.sub
+
+        def shield(content: Any) -> Any:
+            if isinstance(content, str):
+                return sub(placeholder, content)
+            if isinstance(content, list):
+                return [dict(p, text=sub(placeholder, p["text"])) if isinstance(p, dict) and isinstance(
+                    p.get("text"), str) else p for p in content]  # fmt: skip
+            return content
+
+        out = [m if skip_assistant and m.get("role") == "assistant" or "content" not in m
+               else dict(m, content=shield(m["content"])) for m in messages]  # fmt: skip
         return out, table
 
     def _base_cut(self, messages: list[dict[str, Any]], shielded: dict[str, str] | None = None) -> list[int]:
@@ -350,7 +419,7 @@ class Codec:
         ids = list(ids)
         messages = [self.structured(m) if messages[k + 1 : k + 2] and messages[k + 1].get("role") == "tool" else m
                     for k, m in enumerate(messages)]  # fmt: skip
-        expected = self.render(messages, tools=tools, add_generation_prompt=ends_with_observation)
+        expected = self.encode_prompt(messages, tools, add_generation_prompt=ends_with_observation)
         if self._verl_exact:
             if not ends_with_observation and expected[len(ids) :] in (self.turn_closer[1:], self.turn_closer):
                 expected = expected[: len(ids)]  # a final model turn owes no closer (nor eos, if the budget cut it)

@@ -166,12 +166,13 @@ async def _wait(ctx: RunContext, traj: Trajectory, session: Session, task: async
                 continue
             if session.pending is not None:
                 refusal = _past_limit(ctx, traj)
-                if refusal is None:
+                if refusal is None and session.refused <= max_refused:
                     session.take()
                     return None
                 _call, future = session.pending
                 session.pending = None
                 session.refused += 1
+                refusal = refusal or getattr(session, "last_refusal", "refused")
                 if not future.done():
                     future.set_exception(LimitReached(refusal))
                 if session.refused > max_refused:
@@ -225,8 +226,10 @@ async def gateway_generate(ctx: RunContext, traj: Trajectory) -> None:
     call, future = session.current
     try:
         answer = await record_call(ctx, traj, session.recorder, call, f"call_{session.id[:8]}")
-    except GatewayError as exc:
+    except GatewayError as exc:  # refused while recording (too_many_segments, a prefill...): counts as spinning
         session.current = None
+        session.refused += 1
+        session.last_refusal = str(exc)
         if not future.done():
             future.set_exception(exc)
         return

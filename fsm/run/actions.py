@@ -17,6 +17,7 @@ from typing import Any
 
 from backends.base import BackendTimeout, GenerateRequest, GenerationAborted
 from fsm.data.rows import RowError, encodable, prompt_messages
+from fsm.families.codec import UnknownRole
 from fsm.run.context import RunContext
 from fsm.run.policy import sync_template
 from fsm.run.trajectory import Trajectory, first_segment
@@ -55,6 +56,8 @@ def _render_prompt(ctx: RunContext, traj: Trajectory) -> list[int]:
         return ctx.codec.encode_prompt(traj.messages, traj.tool_schemas)
     except RowError:
         raise
+    except UnknownRole as exc:  # the message would vanish from the prompt without a word
+        raise RowError(f"bad row {traj.uid}: 'raw_prompt[{exc.index}].role': {exc}") from None
     except Exception as exc:
         odd = next((f"; 'raw_prompt[{k}].content' is a {type(m.get('content')).__name__}, not text"
                     for k, m in enumerate(traj.messages) if not isinstance(m.get("content"), (str, type(None)))), "")  # fmt: skip
@@ -104,10 +107,12 @@ async def generate(ctx: RunContext, traj: Trajectory) -> None:
 
 
 async def _resumed_turn(
-    ctx: RunContext, traj: Trajectory, params: dict[str, Any], rid: str, deadline: asyncio.Timeout | None = None
+    ctx: RunContext, traj: Trajectory, params: dict[str, Any], rid: str, deadline: asyncio.Timeout | None = None,
+    whole: bool = True,
 ) -> tuple[list[int], list[float] | None, list[int], str]:
     """The turn's tokens, their logprobs (None: asked for and not given), the weight version of each and
-    its finish reason.
+    its finish reason. `whole`: the trajectory is as it was before the action while the request is in flight
+    (a `generate` turn; a summary's has begun its segment already).
 
     An abort (finish_reason "abort": a waiting-queue abort, /pause_generation, a weight update with
     abort_all_requests, a drain, our own deadline's /abort_request) is not the model's output. The tokens it
@@ -153,7 +158,11 @@ async def _resumed_turn(
             resumed=attempt,
             vocab_size=ctx.codec.vocab_size,
         )
-        result = await ctx.call_backend(traj, request)
+        if whole:  # a snapshot may take the row as it was before this turn (PauseGate.waiting)
+            with ctx.gate.request():
+                result = await ctx.call_backend(traj, request)
+        else:
+            result = await ctx.call_backend(traj, request)
         traj.metrics.cached_tokens += result.cached_tokens or 0
         traj.metrics.prompt_tokens_sent += result.prompt_tokens or len(request.prompt_ids)
         aborted = result.finish_reason == "abort"
@@ -172,6 +181,11 @@ async def _resumed_turn(
         if not aborted:
             if result.extra.get("context_cut"):  # the server's context was full: the row says so
                 traj.extra["context_cut"] = result.extra["context_cut"]
+            elif not new and result.finish_reason == "length" and request.sampling_params["max_new_tokens"] > 0:
+                # nothing where tokens were asked, by "length": only a full context answers that (docs/engines.md),
+                # whatever the client knows of the server's context length (else: the tokens the request held)
+                known = getattr(ctx.backend, "context_length", None)
+                traj.extra["context_cut"] = known or len(request.prompt_ids)
             return ids, logprobs, versions, result.finish_reason
         if ids and ids[-1] in stops:
             return ids, logprobs, versions, "stop"  # the abort raced the turn's own end

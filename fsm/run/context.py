@@ -7,9 +7,10 @@ backend or the tool set and, when the trajectory is traced, wraps the call in a 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,6 +86,11 @@ class Sampling:
         return params
 
 
+# How long a snapshot that aborted the turns in flight waits for their partial output before it takes each row as
+# it was before its turn (a server that answers neither /pause_generation nor /abort_request)
+TURN_GRACE_S = 10.0
+
+
 class PauseGate:
     """The engine's pause switch and weight-version counter, shared by every run of one engine.
 
@@ -98,8 +104,18 @@ class PauseGate:
         self._open.set()
         self.epoch = 0
         self.version = 0  # the weights the servers hold now (RolloutEngine.weight_version)
-        self.waiting = 0  # model turns waiting here now: whole, like trajectories at a state boundary
+        self._waiting = 0  # model turns waiting here now (and rows awaiting a rewrite): whole, as at a boundary
+        self.in_flight = 0  # model requests sent and not answered yet
+        self._closed_at: float | None = None  # monotonic time the gate closed
         self.on_wait: Callable[[], None] | None = None  # told when one starts or stops waiting (snapshots)
+
+    @property
+    def waiting(self) -> int:
+        """Trajectories that are whole while they wait: at this gate, inside a rewrite, and, once the gate has
+        been closed for TURN_GRACE_S, inside a model request (a server that can neither pause nor abort keeps
+        it forever; until its answer, the trajectory is as it was before its turn, which runs again on restore)."""
+        closed = self._closed_at is not None and time.monotonic() - self._closed_at >= TURN_GRACE_S
+        return self._waiting + (self.in_flight if closed else 0)
 
     @property
     def paused(self) -> bool:
@@ -109,9 +125,20 @@ class PauseGate:
         if not self.paused:
             self.epoch += 1
             self._open.clear()
+            self._closed_at = time.monotonic()
+
+    @contextlib.contextmanager
+    def request(self) -> Iterator[None]:
+        """A model request in flight (`waiting`)."""
+        self.in_flight += 1
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
 
     def open(self) -> None:
         self._open.set()
+        self._closed_at = None
 
     async def wait(self) -> float:
         """Return once the gate is open: the seconds spent waiting (0.0 when it was)."""
@@ -125,8 +152,19 @@ class PauseGate:
             self._count(-1)
         return time.monotonic() - t0
 
+    @contextlib.contextmanager
+    def whole(self) -> Iterator[None]:
+        """A trajectory awaits something that leaves it as it was before its action (a rewrite function, which
+        changes it only once it returns): a snapshot counts it as parked, as it does a turn waiting here, and
+        never waits for it (a hung rewrite would hold Ctrl-C until its deadline)."""
+        self._count(1)
+        try:
+            yield
+        finally:
+            self._count(-1)
+
     def _count(self, step: int) -> None:
-        self.waiting += step
+        self._waiting += step
         if self.on_wait is not None:
             self.on_wait()
 

@@ -100,8 +100,8 @@ async def _snapshot(engine: Any, keeper: Keeper, out: Path, meta: dict[str, Any]
                                       abort_turns=True, fallback=keeper.fallback)  # fmt: skip
         ready = info["ready_groups"]
         where = Path(info["path"])
-        restarted = (f"; {info['restarted']} trajectories in their interaction start over on resume"
-                     if info["restarted"] else "")  # fmt: skip
+        restarted = (f"; {info['restarted']} trajectories start over on resume (inside their interaction, a user "
+                     "action or the code that blocked the loop)" if info["restarted"] else "")  # fmt: skip
         running = info["running_groups"]
         say_now(f"agentfsm: wrote the snapshot ({running} group{'s' * (running != 1)} running, {ready} finished) "
                 f"in {time.perf_counter() - t0:.1f} s{restarted}")  # fmt: skip

@@ -37,12 +37,17 @@ def begin(ctx: RunContext, traj: Trajectory, prompt_ids: list[int], reason: str,
     which become the conversation. False, and nothing started, when it does not fit in limits.prompt_length."""
     limit = ctx.agent.limits.prompt_length
     if len(prompt_ids) > limit:
-        traj.observation_overflow = True
-        traj.last_finish_reason = "length"
-        traj.extra["context_overflow"] = f"a {reason} prompt of {len(prompt_ids)} tokens > prompt_length {limit}"
+        overflow(traj, f"a {reason} prompt of {len(prompt_ids)} tokens > prompt_length {limit}")
         return False
     traj.start_segment(prompt_ids, reason, messages)  # a traced trajectory's root span gets an event (fsm/telemetry/spans.py)
     return True
+
+
+def overflow(traj: Trajectory, why: str) -> None:
+    """A new segment's prompt does not fit: none is started, and the budget counts as spent."""
+    traj.observation_overflow = True
+    traj.last_finish_reason = "length"
+    traj.extra["context_overflow"] = why
 
 
 def check_segments(codec: Any, traj: Trajectory, template: bool = False) -> str | None:

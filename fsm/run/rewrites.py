@@ -9,18 +9,30 @@ the model's own tokens are never re-tokenized within a segment (they stay as sam
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from fsm.data.rows import RowError
+from fsm.families.codec import UnknownRole
 from fsm.run.actions import _resumed_turn  # the one model-turn path (resumes, pause gate, versions)
 from fsm.run.context import RunContext
-from fsm.run.policy import begin
+from fsm.run.policy import begin, overflow
 from fsm.run.trajectory import Trajectory
 from fsm.spec.model import RewriteSpec
+from fsm.tools.isolation import ThreadLane
 
 Action = Callable[[RunContext, Trajectory], Awaitable[None]]
+# What a rewrite function may return, as the gateway bounds a harness's request (GatewayLimits): a million
+# messages once held the event loop 117 s at 4 GB in the render that follows.
+MAX_MESSAGES = 4096
+MAX_CHARS = 8 << 20  # the text of every message together
+# Text past prompt_length x this cannot fit in prompt_length tokens (real tokenizers average 3-5 characters a
+# token): such a rewrite is not made, as one whose render is too long is not, without rendering it (8 MiB took
+# 66 s to render and tokenize on a loaded 2-core machine, all of it on the event loop).
+CHARS_PER_TOKEN = 16
 
 
 def _head(messages: list[dict[str, Any]]) -> int:
@@ -59,14 +71,21 @@ def make_rewrite(name: str, spec: RewriteSpec, fn: Any = None) -> Action:
         window_action.__name__ = name
         return window_action
     if fn is not None:
+        call = _caller(name, spec, fn)
 
         async def function_action(ctx: RunContext, traj: Trajectory) -> None:
-            new = fn([dict(m) for m in traj.messages])
-            if inspect.isawaitable(new):
-                new = await new
-            if not isinstance(new, list) or not new or not all(isinstance(m, dict) and "role" in m for m in new):
-                raise TypeError(f"rewrite {name!r}: {spec.function} must return a non-empty list of chat messages")
-            if new != traj.messages:
+            where = f"rewrite {name!r} ({spec.function}) on row {traj.uid}"
+            with ctx.gate.whole():  # until it returns, the trajectory is as it was: a snapshot need not wait
+                new = await call([dict(m) for m in traj.messages], ctx.agent.limits.rewrite_timeout_s, where)
+            chars = _check(new, where)
+            try:
+                ctx.codec.check_roles(new)
+            except UnknownRole as exc:  # it would vanish from the prompt, and the task with it
+                raise RowError(f"{where}: returned {exc}") from None
+            limit = ctx.agent.limits.prompt_length
+            if chars > limit * CHARS_PER_TOKEN:  # bounded time: never rendered (see CHARS_PER_TOKEN)
+                overflow(traj, f"a rewrite prompt of {chars} characters, more than prompt_length {limit} tokens hold")
+            elif new != traj.messages:
                 _restart(ctx, traj, new, "rewrite")
 
         function_action.__name__ = name
@@ -85,7 +104,7 @@ def make_rewrite(name: str, spec: RewriteSpec, fn: Any = None) -> Action:
         t0 = time.perf_counter()
         try:
             ids, logprobs, versions, finish = await _resumed_turn(
-                ctx, traj, params, f"{traj.session_id}_s{traj.assistant_turns:02d}")
+                ctx, traj, params, f"{traj.session_id}_s{traj.assistant_turns:02d}", whole=False)
         finally:
             traj.metrics.generate_sequences += time.perf_counter() - t0
         if ctx.sampling.logprobs and logprobs is None:
@@ -100,6 +119,63 @@ def make_rewrite(name: str, spec: RewriteSpec, fn: Any = None) -> Action:
 
     summary_action.__name__ = name
     return summary_action
+
+
+def _caller(name: str, spec: RewriteSpec, fn: Any) -> Callable[[list, float | None, str], Awaitable[Any]]:
+    """`fn` called under the rewrite's deadline: a coroutine on the run's loop, a sync function in threads of
+    its own (never holding the loop; past the deadline its thread is written off, as a reward's is). Whatever it
+    raises ends its row, BaseExceptions too: a KeyboardInterrupt it raises once left the loop and killed the
+    engine's thread, a hang with no way out."""
+    is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
+    lane: list[ThreadLane] = []  # made on first use
+
+    async def call(messages: list[dict[str, Any]], limit: float | None, where: str) -> Any:
+        try:
+            async with asyncio.timeout(limit):
+                if is_async:
+                    out = await fn(messages)
+                else:
+                    if not lane:
+                        lane.append(ThreadLane(f"rewrite {name}", 4))
+                    out = await lane[0].call(fn, messages)
+                if inspect.isawaitable(out):
+                    out = await out
+                return out
+        except TimeoutError:
+            raise RowError(f"{where}: no result within {limit:g} s (limits.rewrite_timeout_s)") from None
+        except RowError:
+            raise
+        except asyncio.CancelledError as exc:
+            task = asyncio.current_task()
+            if task is None or task.cancelling():
+                raise  # the run cancels this row: not the function's doing
+            raise RowError(f"{where}: raised CancelledError: {exc}") from None
+        except BaseException as exc:  # KeyboardInterrupt, SystemExit, GeneratorExit from the function: its row
+            raise RowError(f"{where}: raised {type(exc).__name__}: {exc}") from None
+
+    return call
+
+
+def _check(new: Any, where: str) -> int:
+    """A non-empty list of at most MAX_MESSAGES chat messages holding at most MAX_CHARS of text, checked before
+    anything walks or renders it; the characters it holds."""
+    if not isinstance(new, list) or not new:
+        raise RowError(f"{where}: must return a non-empty list of chat messages, got {type(new).__name__}")
+    if len(new) > MAX_MESSAGES:
+        raise RowError(f"{where}: returned {len(new)} messages, past the bound of {MAX_MESSAGES}")
+    chars = 0
+    for k, m in enumerate(new):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise RowError(f"{where}: must return a non-empty list of chat messages; message {k} is "
+                           f"{type(m).__name__ if not isinstance(m, dict) else 'a mapping without a role string'}")  # fmt: skip
+        for value in m.values():
+            if isinstance(value, str):
+                chars += len(value)
+            elif isinstance(value, list):
+                chars += sum(len(p["text"]) for p in value if isinstance(p, dict) and isinstance(p.get("text"), str))
+        if chars > MAX_CHARS:
+            raise RowError(f"{where}: returned more than {MAX_CHARS} characters of messages (at message {k})")
+    return chars
 
 
 def rewrite_loops(states: dict[str, Any], rewrites: dict[str, RewriteSpec]) -> list[list[str]]:

@@ -28,9 +28,10 @@ import time
 from array import array
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import numpy as np
+from pydantic import AfterValidator, BaseModel, ConfigDict, InstanceOf, TypeAdapter, ValidationError
 
 from fsm.families.parsers import ToolCall
 from fsm.run.agent import CompiledAgent
@@ -39,6 +40,7 @@ from fsm.run.trajectory import _FIRST, Metrics, Segment, TokenRun, TokenRuns, Tr
 
 FORMAT = 2  # 2: the tokenizer is recorded (and checked on restore)
 MAX_GROUPS = 10_000_000  # a bound for a count read from a snapshot
+RECOUNT_S = 0.5  # how often a snapshot waiting at the boundary counts again without news
 _TAGS = {"__array__", "__set__", "__tuple__", "__items__", "__dc__"}
 _CLASSES = {cls.__name__: cls for cls in (TokenRun, Segment, Metrics, ToolCall)}
 
@@ -143,6 +145,88 @@ def encode_sampling(sampling: Sampling) -> dict[str, Any]:
 
 def decode_sampling(data: dict[str, Any]) -> Sampling:
     return Sampling(_decode(data["params"]), data["seed"], data["logprobs"], data["max_new_tokens"])
+
+
+# --- what a restore relies on: each field's type, checked strictly ---------------------------------------------
+
+
+def _array_of(*codes: str) -> Any:
+    def typed(value: array) -> array:
+        if value.typecode not in codes:
+            raise ValueError(f"an array of typecode {value.typecode!r}, not {' or '.join(map(repr, codes))}")
+        return value
+
+    return Annotated[InstanceOf[array], AfterValidator(typed)]
+
+
+_Ids = _array_of("i", "l", "q")
+_REWARD = TypeAdapter(tuple[Literal["tool", "interaction"], int, float])
+
+
+def _reward_entry(value: list[Any]) -> list[Any]:
+    """[source, position, value], as Trajectory.turn_rewards holds them (a list: JSON has no tuple)."""
+    _REWARD.validate_python(tuple(value), strict=True)
+    return value
+
+
+class _Fields(BaseModel):
+    """A restored trajectory's slots as the engine uses them (Trajectory.__init__): a forged value of another
+    type (`row: 5`) would otherwise run the whole rollout and fail at output, far from the file."""
+
+    model_config = ConfigDict(strict=True, arbitrary_types_allowed=True, extra="ignore")
+    index: int
+    sample: int
+    session_id: str
+    uid: str
+    row: dict[str, Any]
+    messages: list[dict[str, Any]]
+    tool_schemas: list[dict[str, Any]] | None
+    tools_kwargs: dict[str, Any]
+    interaction_kwargs: dict[str, Any] | None
+    interaction_started: bool
+    prompt_ids: _Ids
+    response_ids: _Ids
+    response_mask: _array_of("b", "B")
+    response_logprobs: _array_of("f", "d")
+    runs: InstanceOf[TokenRuns]
+    closed: list[InstanceOf[Segment]] | tuple[()]
+    segment_start: tuple[str, int, int, int]
+    needs_tail: bool
+    partial_turn: tuple[list[int], list[float] | None, list[int]] | None
+    logprobs_missing: bool
+    state: str
+    path: list[str]
+    path_times: _array_of("d")
+    transitions_fired: list[int]
+    assistant_turns: int
+    user_turns: int
+    pending_calls: list[InstanceOf[ToolCall]]
+    last_finish_reason: str | None
+    should_terminate: bool
+    observation_overflow: bool
+    termination_reason: str | None
+    error: str | None
+    reward_score: float | None
+    tool_rewards: list[float]
+    tool_scores: list[float]
+    turn_scores: list[float]
+    turn_rewards: list[Annotated[list[Any], AfterValidator(_reward_entry)]]
+    interaction_score: float | None
+    token_check: str | None
+    metrics: InstanceOf[Metrics]
+    extra: dict[str, Any]
+    extra_fields: dict[str, Any]
+
+
+def _check_fields(traj: Trajectory, where: str) -> None:
+    """One line naming the first field whose value is not of its type."""
+    values = {name: getattr(traj, name) for name in _Fields.model_fields if hasattr(traj, name)}
+    try:
+        _Fields.model_validate(values)
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        field = ".".join(map(str, first["loc"]))
+        raise SnapshotError(f"{where}: field {field!r}: {first['msg']}") from None
 
 
 # --- files -------------------------------------------------------------------------------------------------
@@ -272,10 +356,14 @@ def _check(data: dict[str, Any], agent: CompiledAgent, vocab_size: int | None) -
         for td in g["trajectories"]:
             traj = decode_trajectory(td)
             where = f"trajectory {traj.session_id!r}"
+            _check_fields(traj, where)
             if not isinstance(td["done"], bool) or traj.state not in states:
                 raise SnapshotError(f"{where}: state {traj.state!r} is not one of the agent's")
             if td["done"] and not isinstance(traj.termination_reason, str):
                 raise SnapshotError(f"{where}: finished without a termination reason")
+            if g["status"] == "ready" and not td["done"]:  # a ready group is taken as it is: every row finished
+                raise SnapshotError(f"group {g['uid']!r}: its status is 'ready' but its trajectory {traj.session_id!r} "
+                                    "has not finished ('done' false)")  # fmt: skip
             if any(m not in (0, 1) for m in traj.response_mask):
                 raise SnapshotError(f"{where}: response_mask holds values other than 0 and 1")
             lps = [*traj.response_logprobs, *((traj.partial_turn or ((), (), ()))[1] or ())]
@@ -331,7 +419,8 @@ class Boundary:
             async with asyncio.timeout(timeout_s):
                 while self.parked + held() < running():
                     self._moved.clear()
-                    await self._moved.wait()
+                    with contextlib.suppress(TimeoutError):  # `held()` also grows with time (PauseGate.waiting)
+                        await asyncio.wait_for(self._moved.wait(), RECOUNT_S)
         except BaseException:
             self._open.set()
             raise

@@ -265,6 +265,12 @@ class LimitsSpec(_Strict):
         description="Wall-clock limit for the reward function on one trajectory; past it the row ends "
         "'error: reward ...' (a sync function's thread is written off). null: none.",
     )
+    rewrite_timeout_s: float | None = Field(
+        default=60.0, gt=0, le=MAX_SECONDS,
+        description="Wall-clock limit for one call of a rewrite function (context.rewrites ... function); past it "
+        "the row ends 'error: rewrite ...' (a sync function runs in threads of its own and its thread is written "
+        "off). null: none.",
+    )
     max_resumes: int = Field(
         default=3, ge=0, le=1000,
         description="A model turn the server aborts (preemption, weight update, drain) is resumed from the tokens "

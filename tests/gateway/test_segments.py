@@ -226,3 +226,28 @@ def test_a_call_keys_only_its_new_messages(monkeypatch):
     assert recorder.match(Call(echoed, None)).kind == "extend" and keyed == [echoed[-1]]
     echoed[3] = {"role": "user", "content": "edited"}
     assert recorder.match(Call(echoed, None)).kind == "history"
+
+
+async def edit_forever(call: HarnessCall) -> dict:
+    await turn(call, USER)
+    k = 0
+    while True:  # every request an edited first question: past max_segments, each is refused
+        k += 1
+        status, _ = await post(call, "chat/completions", chat({"role": "user", "content": f"What is {k} + 2?"}))
+        if status == 401:  # the session ended: the row is over
+            return {"calls": k}
+
+
+edit_forever_harness = harness(edit_forever, timeout_s=60)
+
+
+def test_a_harness_looping_on_too_many_segments_is_spinning(tmp_path, tokenizer):
+    """Issue 36, risks: refusals while recording (too_many_segments) did not count toward `spinning`, so a harness
+    looping 10,000 calls ran to max_transitions. They count as calls past a limit do: past max_refused_calls the
+    harness is ended and its row says why."""
+    gateway = Gateway(limits=GatewayLimits(max_segments=2))
+    trajs, backend, _ = run(spec(tmp_path, "tests.gateway.test_segments:edit_forever_harness", LIMITS), tokenizer, gateway)
+    harness_out = trajs[0].extra["harness"]
+    assert harness_out["outcome"] == "spinning" and "max_segments (2)" in harness_out["error"], harness_out
+    assert trajs[0].termination_reason == "harness_failed" and trajs[0].num_segments == 2
+    assert len(trajs[0].path) < 100, len(trajs[0].path)
