@@ -17,6 +17,7 @@ does less.
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
@@ -126,12 +127,24 @@ class Owned:
 
 
 _OWNED: contextvars.ContextVar[Owned | None] = contextvars.ContextVar("agentfsm_owned", default=None)
-_UNOWNED = Owned()  # code run outside any engine (a bare Runner): its services live as long as the process
+_UNOWNED: dict[Any, Owned] = {}  # event loop -> the services of code run outside any engine (a bare Runner) on it
 
 
 def owned() -> Owned:
-    """The services of the engine whose work is running now (every task an engine starts carries it)."""
-    return _OWNED.get() or _UNOWNED
+    """The services of the engine whose work is running now (every task an engine starts carries it); outside
+    any engine, those of the running event loop (a service bound to a loop is never reached from another)."""
+    mine = _OWNED.get()
+    if mine is not None:
+        return mine
+    try:
+        loop: Any = asyncio.get_running_loop()
+    except RuntimeError:
+        loop = None
+    if loop not in _UNOWNED:
+        for old in [k for k in _UNOWNED if k is not None and k.is_closed()]:
+            del _UNOWNED[old]
+        _UNOWNED[loop] = Owned()
+    return _UNOWNED[loop]
 
 
 async def under(owner: Owned, coro: Coroutine[Any, Any, T]) -> T:
