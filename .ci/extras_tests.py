@@ -18,7 +18,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 IMPORT_NAMES = {"openai-agents": "agents", "pyyaml": "yaml"}  # a distribution imported under another name
-ASKS = re.compile(r"\b(?:extra|importorskip|find_spec)\(\s*(?:[\"']([\w.]+)[\"']|(\w))")  # a literal, or a variable
+ASKS = re.compile(
+    r"\b(?:extra|importorskip|find_spec)\(\s*(?:[\"']([\w.]+)[\"']|(\w))"
+)  # a literal, or a variable
 PRODUCT = ("fsm", "backends", "viz")
 
 
@@ -81,7 +83,11 @@ def selected() -> list[Path]:
         if path.parent.name in ("verl", "verl07", "openrlhf", "skyrl", "areal"):
             continue  # run in their own virtualenvs by .ci/run
         text = path.read_text(errors="replace")
-        if imports_of(text, modules, top_level_only=False) or asks(text, modules) or any(r in text for r in refs):
+        if (
+            imports_of(text, modules, top_level_only=False)
+            or asks(text, modules)
+            or any(r in text for r in refs)
+        ):
             chosen.append(path)
     return chosen
 

@@ -62,16 +62,24 @@ def _depth(data: bytes) -> int:
     return max(accumulate(map(_BRACKET_STEP.__getitem__, brackets)), default=0)
 
 
-def read_json(data: bytes, *, what: str, server: str, status: int | None, max_bytes: int,
-              max_depth: int = MAX_JSON_DEPTH) -> Any:  # fmt: skip
+def read_json(
+    data: bytes,
+    *,
+    what: str,
+    server: str,
+    status: int | None,
+    max_bytes: int,
+    max_depth: int = MAX_JSON_DEPTH,
+) -> Any:
     """A server's body -> its JSON value; the text when it is not JSON (an error page; None when empty).
 
     Bounded: a body past `max_bytes` or nested past `max_depth` raises BackendMalformed ("oversize",
     "malformed") naming `what` (server, method and path), as does anything else the decoder raises."""
 
     def bad(kind: str, why: str) -> BackendMalformed:
-        return BackendMalformed(f"{what}: answered {status} with {why}; a server fault", server=server,
-                                status=status, kind=kind)  # fmt: skip
+        return BackendMalformed(
+            f"{what}: answered {status} with {why}; a server fault", server=server, status=status, kind=kind
+        )
 
     if len(data) > max_bytes:
         raise bad("oversize", f"a body of {len(data)} bytes, past the {max_bytes}-byte bound")
@@ -110,8 +118,14 @@ def _real(x: Any) -> bool:
     return type(x) is float or type(x) is int  # bools and strings are not numbers here
 
 
-def parse_generate(body: Any, *, server: str, return_logprob: bool, rid: str | None = None,
-                   request: GenerateRequest | None = None) -> GenerateResult:  # fmt: skip
+def parse_generate(
+    body: Any,
+    *,
+    server: str,
+    return_logprob: bool,
+    rid: str | None = None,
+    request: GenerateRequest | None = None,
+) -> GenerateResult:
     """One /generate response object -> a checked GenerateResult. Optional keys stay optional (waiting-queue
     aborts); anything outside the contract raises BackendMalformed, so it is retried, never taken as a turn.
     With `request`, the answer is also held to what was asked (vocabulary, max_new_tokens, stop ids)."""
@@ -120,16 +134,25 @@ def parse_generate(body: Any, *, server: str, return_logprob: bool, rid: str | N
     except BackendMalformed:
         raise
     except Exception as e:  # a shape no check foresaw: still a counted server fault, never a crash of the row
-        raise BackendMalformed(f"{server}: /generate (rid {rid}) answered 200 with a body the check could not "
-                               f"read ({type(e).__name__}: {str(e)[:120]}); a server fault", server=server,
-                               status=200, kind="malformed") from None  # fmt: skip
+        raise BackendMalformed(
+            f"{server}: /generate (rid {rid}) answered 200 with a body the check could not "
+            f"read ({type(e).__name__}: {str(e)[:120]}); a server fault",
+            server=server,
+            status=200,
+            kind="malformed",
+        ) from None
 
 
-def _parse_generate(body: Any, *, server: str, return_logprob: bool, rid: str | None,
-                    request: GenerateRequest | None) -> GenerateResult:  # fmt: skip
+def _parse_generate(
+    body: Any, *, server: str, return_logprob: bool, rid: str | None, request: GenerateRequest | None
+) -> GenerateResult:
     def bad(kind: str, what: str) -> BackendMalformed:
-        return BackendMalformed(f"{server}: /generate (rid {rid}) answered 200 with {what}; a server fault",
-                                server=server, status=200, kind=kind)  # fmt: skip
+        return BackendMalformed(
+            f"{server}: /generate (rid {rid}) answered 200 with {what}; a server fault",
+            server=server,
+            status=200,
+            kind=kind,
+        )
 
     if isinstance(body, list) and len(body) == 1:  # never sent as a batch, but be exact about what came back
         body = body[0]
@@ -204,7 +227,10 @@ def _logprobs(triples: Any, out: list[int], kind: str, extra: dict[str, Any], ba
         extra["logprobs_missing"] = True  # asked for, not given: never invent values
         return None
     if not isinstance(triples, list) or not all(isinstance(t, list) and t and _real(t[0]) for t in triples):
-        raise bad("bad_logprobs", f"output_token_logprobs that are not [logprob, id, text] triples: {snippet(triples)}")
+        raise bad(
+            "bad_logprobs",
+            f"output_token_logprobs that are not [logprob, id, text] triples: {snippet(triples)}",
+        )
     values: list[float] | None
     if len(triples) == len(out):
         _same_ids(triples, out, bad)
@@ -230,8 +256,11 @@ def _same_ids(triples: list[list[Any]], out: list[int], bad: Any) -> None:
     ids = [t[1] if len(t) > 1 else None for t in triples]
     if ids != out or (ids and set(map(type, ids)) != {int}):  # True == 1: an id is an int, never a bool
         at = next(i for i, (a, b) in enumerate(zip(ids, out)) if a != b or type(a) is not int)
-        raise bad("bad_logprobs", f"a logprob entry for token id {snippet(ids[at], 20)} at position {at}, where the "
-                  f"output id is {out[at]}: logprobs for other tokens")  # fmt: skip
+        raise bad(
+            "bad_logprobs",
+            f"a logprob entry for token id {snippet(ids[at], 20)} at position {at}, where the "
+            f"output id is {out[at]}: logprobs for other tokens",
+        )
 
 
 def _floats(triples: list[list[Any]], bad: Any) -> list[float]:
@@ -257,8 +286,14 @@ def token_versions(spans: Any, n: int) -> list[str] | None:
     for span in spans:
         end = span.get("end") if isinstance(span, dict) else None
         version = span.get("version") if isinstance(span, dict) else None
-        if (not isinstance(span, dict) or span.get("start") != at or type(end) is not int or not at <= end <= n
-                or type(version) not in (str, int) or len(str(version)) > MAX_VERSION_CHARS):  # fmt: skip
+        if (
+            not isinstance(span, dict)
+            or span.get("start") != at
+            or type(end) is not int
+            or not at <= end <= n
+            or type(version) not in (str, int)
+            or len(str(version)) > MAX_VERSION_CHARS
+        ):
             raise ValueError(f"span {snippet(span)} after position {at} of {n} tokens (end {end})")
         at = end
     if at != n:

@@ -16,11 +16,35 @@ from typing import Any
 # SGLang's SamplingParams fields; anything else in `sampling_params` is a 400 contract violation.
 # (In SGLang's order: its "unknown field" message lists them so.)
 SAMPLING_KEYS = (
-    "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p",
-    "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n", "json_schema", "regex",
-    "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
-    "stream_interval", "logit_bias", "sampling_seed", "custom_params", "beam_width", "watermark", "choice",
-)  # fmt: skip
+    "max_new_tokens",
+    "stop",
+    "stop_token_ids",
+    "stop_regex",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "min_new_tokens",
+    "n",
+    "json_schema",
+    "regex",
+    "ebnf",
+    "structural_tag",
+    "ignore_eos",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "no_stop_trim",
+    "stream_interval",
+    "logit_bias",
+    "sampling_seed",
+    "custom_params",
+    "beam_width",
+    "watermark",
+    "choice",
+)
 INPUT_MARGIN = 6  # SGLang's max_req_input_len is the context length - 6; an input that long is refused
 OUTPUT_MARGIN = 2  # and max_new_tokens is cut, silently, so that input + output <= context length - 2
 _FLOAT_KEYS = {"temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"}
@@ -78,11 +102,14 @@ def admit_lengths(n_input: int, max_new: int | None, context_length: int) -> int
     (cut to the room left, as SGLang cuts it without a word)."""
     if n_input >= context_length:
         raise Refused.value_error(
-            f"The input ({n_input} tokens) is longer than the model's context length ({context_length} tokens).")
+            f"The input ({n_input} tokens) is longer than the model's context length ({context_length} tokens)."
+        )
     limit = context_length - INPUT_MARGIN
     if n_input >= limit:
-        raise Refused.value_error(f"Input length ({n_input} tokens) exceeds the maximum allowed length ({limit} "
-                                  "tokens). Use a shorter input or enable --allow-auto-truncate.")  # fmt: skip
+        raise Refused.value_error(
+            f"Input length ({n_input} tokens) exceeds the maximum allowed length ({limit} "
+            "tokens). Use a shorter input or enable --allow-auto-truncate."
+        )
     if max_new is None:
         return None
     if max_new < 0:
@@ -111,33 +138,69 @@ def version_spans(versions: list[str], version: str) -> list[dict[str, Any]]:
 
 # /model_info's `embedding`: what SGLang says of a generation model's embedding support (none).
 EMBEDDING_INFO: dict[str, Any] = {
-    "family": "none", "task": "none", "execution": "none", "attention": "none", "pooling": "model_defined",
-    "normalize": False, "postprocessor": "none", "tokenizer_special_tokens": "model_default",
-    "supports_dimensions": False, "supports_token_embeddings": False, "supports_multimodal": False,
-    "requires_embedding_flag": False, "auto_enable_embedding": False, "bcg_eligibility": "disabled",
-    "safe_disable_kv_cache": False, "safe_disable_radix_cache": False, "safe_disable_chunked_prefill": False,
-    "enabled": False, "matryoshka_dimensions": [],
-    "bcg": {"prefill_backend": "disabled", "enabled": False, "capture_token_budget": 4096, "capture_batch_sizes": [4]},
+    "family": "none",
+    "task": "none",
+    "execution": "none",
+    "attention": "none",
+    "pooling": "model_defined",
+    "normalize": False,
+    "postprocessor": "none",
+    "tokenizer_special_tokens": "model_default",
+    "supports_dimensions": False,
+    "supports_token_embeddings": False,
+    "supports_multimodal": False,
+    "requires_embedding_flag": False,
+    "auto_enable_embedding": False,
+    "bcg_eligibility": "disabled",
+    "safe_disable_kv_cache": False,
+    "safe_disable_radix_cache": False,
+    "safe_disable_chunked_prefill": False,
+    "enabled": False,
+    "matryoshka_dimensions": [],
+    "bcg": {
+        "prefill_backend": "disabled",
+        "enabled": False,
+        "capture_token_budget": 4096,
+        "capture_batch_sizes": [4],
+    },
     "cache": {"kv_cache_disabled": False, "radix_cache_disabled": False, "chunked_prefill_disabled": False},
-}  # fmt: skip
+}
 
 
 def load_entry(*, running: int, waiting: int, used: int, capacity: int, hit_rate: float) -> dict[str, Any]:
     """One `/v1/loads` entry with SGLang's keys; what the dev server does not measure is 0."""
     return {
-        "timestamp": time.time(), "dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": waiting,
-        "num_waiting_uncached_tokens": 0, "num_used_tokens": used, "num_total_tokens": used, "num_active_tokens": 0,
-        "num_prealloc_ready_tokens": 0, "max_total_num_tokens": capacity, "max_running_requests": 4096,
-        "token_usage": used / max(1, capacity), "gen_throughput": 0.0, "cache_hit_rate": hit_rate,
-        "utilization": 0.0, "total_prefill_uncached_tokens": 0, "total_prefill_busy_us": 0,
+        "timestamp": time.time(),
+        "dp_rank": 0,
+        "num_running_reqs": running,
+        "num_waiting_reqs": waiting,
+        "num_waiting_uncached_tokens": 0,
+        "num_used_tokens": used,
+        "num_total_tokens": used,
+        "num_active_tokens": 0,
+        "num_prealloc_ready_tokens": 0,
+        "max_total_num_tokens": capacity,
+        "max_running_requests": 4096,
+        "token_usage": used / max(1, capacity),
+        "gen_throughput": 0.0,
+        "cache_hit_rate": hit_rate,
+        "utilization": 0.0,
+        "total_prefill_uncached_tokens": 0,
+        "total_prefill_busy_us": 0,
         "decode_moments": [0.0] * 6,
         "memory": {"weight_gb": 0.0, "kv_cache_gb": 0.0, "graph_gb": 0.0, "token_capacity": capacity},
-        "disaggregation": {"mode": "null", "prefill_bootstrap_queue_reqs": 0, "prefill_inflight_queue_reqs": 0,
-                           "decode_prealloc_queue_reqs": 0, "decode_transfer_queue_reqs": 0,
-                           "decode_retracted_queue_reqs": 0, "kv_transfer_speed_gb_s": 0.0,
-                           "kv_transfer_latency_ms": 0.0},
+        "disaggregation": {
+            "mode": "null",
+            "prefill_bootstrap_queue_reqs": 0,
+            "prefill_inflight_queue_reqs": 0,
+            "decode_prealloc_queue_reqs": 0,
+            "decode_transfer_queue_reqs": 0,
+            "decode_retracted_queue_reqs": 0,
+            "kv_transfer_speed_gb_s": 0.0,
+            "kv_transfer_latency_ms": 0.0,
+        },
         "queues": {"waiting": waiting, "grammar": 0, "paused": 0, "retracted": 0, "prealloc_ready": 0},
-    }  # fmt: skip
+    }
 
 
 def model_config(model_path: str) -> dict[str, Any]:

@@ -238,10 +238,14 @@ class DevServer:
             raise Refused.value_error("n > 1 is not supported by the dev server")
         temperature = params.get("temperature")
         if temperature is not None and temperature < 0:
-            raise Refused.value_error(f"temperature must be a non-negative finite number, got {float(temperature)}.")
+            raise Refused.value_error(
+                f"temperature must be a non-negative finite number, got {float(temperature)}."
+            )
         if params.get("stop"):
-            raise Refused.value_error(f"stop={params['stop']!r} is unavailable when skip_tokenizer_init=True (requires "
-                                      "tokenizer to decode tokens to text for matching).")  # fmt: skip
+            raise Refused.value_error(
+                f"stop={params['stop']!r} is unavailable when skip_tokenizer_init=True (requires "
+                "tokenizer to decode tokens to text for matching)."
+            )
         admit_lengths(len(ids), params.get("max_new_tokens"), self.context_length)
         rid = body.get("rid") or uuid.uuid4().hex
         if not isinstance(rid, str):
@@ -272,9 +276,12 @@ class DevServer:
             cut = min(wanted, int(k) if k else max(1, wanted // 4))
             params = {**params, "max_new_tokens": cut}
         request = GenerateRequest(
-            session_id=_TURN_SUFFIX.sub("", rid), prompt_ids=ids, sampling_params=dict(params), rid=rid,
+            session_id=_TURN_SUFFIX.sub("", rid),
+            prompt_ids=ids,
+            sampling_params=dict(params),
+            rid=rid,
             return_logprob=bool(body.get("return_logprob")),
-        )  # fmt: skip
+        )
         rec.task = asyncio.ensure_future(self._work(rec, request))
         try:
             await asyncio.wait({rec.task})
@@ -329,17 +336,27 @@ class DevServer:
         lp_keys: dict[str, Any] = {}
         if logprob:
             triples = [[lp, tok, None] for lp, tok in zip(lps, out)]
-            lp_keys = {"input_token_logprobs": [], "output_token_logprobs": triples,
-                       "output_token_logprobs_length": len(triples)}  # fmt: skip
+            lp_keys = {
+                "input_token_logprobs": [],
+                "output_token_logprobs": triples,
+                "output_token_logprobs_length": len(triples),
+            }
         latency = round(time.time() - rec.t0, 6)
         versions = list(res.extra.get("token_versions") or []) if res is not None else []
         versions = versions[: len(out)] if len(versions) >= len(out) else [self.weight_version] * len(out)
         spans = version_spans(versions, self.weight_version)  # always there; one empty span for no tokens
         waiting = (res is None and not rec.started) or (res is not None and res.extra.get("waiting"))
         if waiting:  # aborted in the waiting queue: "text" even without a tokenizer, no prompt/cached tokens
-            meta = {"id": rec.rid, "finish_reason": {"type": "abort", "message": "Abort in waiting queue"},
-                    "weight_version": self.weight_version, "e2e_latency": latency, "weight_versions": spans,
-                    **lp_keys, "completion_tokens": 0, "response_sent_to_client_ts": time.time()}  # fmt: skip
+            meta = {
+                "id": rec.rid,
+                "finish_reason": {"type": "abort", "message": "Abort in waiting queue"},
+                "weight_version": self.weight_version,
+                "e2e_latency": latency,
+                "weight_versions": spans,
+                **lp_keys,
+                "completion_tokens": 0,
+                "response_sent_to_client_ts": time.time(),
+            }
             return {"text": "", "output_ids": [], "meta_info": meta}
         if upto is not None:
             finish: Any = None
@@ -351,9 +368,17 @@ class DevServer:
         else:
             finish = {"type": "stop", "matched": out[-1] if out else None}
         retractions = res.extra.get("num_retractions", 0) if res is not None else 0
-        meta = {"id": rec.rid, "finish_reason": finish, "prompt_tokens": len(ids), "weight_version": self.weight_version,
-                "num_retractions": retractions, **lp_keys, "reasoning_tokens": 0, "completion_tokens": len(out),
-                "cached_tokens": rec.cached}  # fmt: skip
+        meta = {
+            "id": rec.rid,
+            "finish_reason": finish,
+            "prompt_tokens": len(ids),
+            "weight_version": self.weight_version,
+            "num_retractions": retractions,
+            **lp_keys,
+            "reasoning_tokens": 0,
+            "completion_tokens": len(out),
+            "cached_tokens": rec.cached,
+        }
         if upto is None:
             meta["weight_versions"] = spans
         meta["cached_tokens_details"] = {"device": rec.cached, "host": 0} if rec.cached else None
@@ -374,35 +399,65 @@ class DevServer:
 
     async def _model_info(self, request: web.Request) -> web.Response:
         config = model_config(self.model_path)
-        return web.json_response({
-            "model_path": self.model_path, "served_model_name": self.served_model_name,
-            "tokenizer_path": self.tokenizer_path, "is_generation": True, "preferred_sampling_params": None,
-            "weight_version": self.weight_version, "load_format": "auto", "reasoning_parser": None,
-            "tool_call_parser": None, "disaggregation_mode": "null", "has_image_understanding": False,
-            "has_audio_understanding": False, "model_type": config.get("model_type"),
-            "architectures": config.get("architectures"), "embedding": EMBEDDING_INFO,
-        })  # fmt: skip
+        return web.json_response(
+            {
+                "model_path": self.model_path,
+                "served_model_name": self.served_model_name,
+                "tokenizer_path": self.tokenizer_path,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": self.weight_version,
+                "load_format": "auto",
+                "reasoning_parser": None,
+                "tool_call_parser": None,
+                "disaggregation_mode": "null",
+                "has_image_understanding": False,
+                "has_audio_understanding": False,
+                "model_type": config.get("model_type"),
+                "architectures": config.get("architectures"),
+                "embedding": EMBEDDING_INFO,
+            }
+        )
 
     async def _server_info(self, request: web.Request) -> web.Response:
         """The fields clients read (SGLang sends every server argument besides): `context_length` is null
         unless it was set, `max_req_input_len` is INPUT_MARGIN below the context length."""
-        return web.json_response({
-            "model_path": self.model_path, "served_model_name": self.served_model_name, "host": self.host,
-            "port": self.port, "context_length": self.context_length_set, "skip_tokenizer_init": True,
-            "max_total_num_tokens": self.cache.max_tokens, "max_req_input_len": self.context_length - INPUT_MARGIN,
-            "weight_version": self.weight_version,
-            "internal_states": [{"memory_released": sorted(self.memory_released), "paused": self.paused}],
-            "version": VERSION,
-        })  # fmt: skip
+        return web.json_response(
+            {
+                "model_path": self.model_path,
+                "served_model_name": self.served_model_name,
+                "host": self.host,
+                "port": self.port,
+                "context_length": self.context_length_set,
+                "skip_tokenizer_init": True,
+                "max_total_num_tokens": self.cache.max_tokens,
+                "max_req_input_len": self.context_length - INPUT_MARGIN,
+                "weight_version": self.weight_version,
+                "internal_states": [{"memory_released": sorted(self.memory_released), "paused": self.paused}],
+                "version": VERSION,
+            }
+        )
 
     async def _loads(self, request: web.Request) -> web.Response:
         rids = self.backend.running_rids() if hasattr(self.backend, "running_rids") else None  # in its batch
         running = sum(rec.started and (rids is None or rec.rid in rids) for rec in self._live.values())
-        entry = load_entry(running=running, waiting=len(self._live) - running, used=self.cache.size,
-                           capacity=self.cache.max_tokens, hit_rate=self.cached_tokens / max(1, self.prompt_tokens))
+        entry = load_entry(
+            running=running,
+            waiting=len(self._live) - running,
+            used=self.cache.size,
+            capacity=self.cache.max_tokens,
+            hit_rate=self.cached_tokens / max(1, self.prompt_tokens),
+        )
         stamp = datetime.datetime.now(datetime.UTC).isoformat()
-        return web.json_response({"timestamp": stamp, "version": VERSION, "accelerator": None, "num_accelerators": 1,
-                                  "loads": [entry]})  # fmt: skip
+        return web.json_response(
+            {
+                "timestamp": stamp,
+                "version": VERSION,
+                "accelerator": None,
+                "num_accelerators": 1,
+                "loads": [entry],
+            }
+        )
 
     async def _flush_cache(self, request: web.Request) -> web.Response:
         """SGLang's texts, and no Content-Type: 400 "Flush cache failed." while requests run or wait."""
@@ -412,8 +467,10 @@ class DevServer:
         flush = getattr(self.backend, "flush_cache", None)
         if flush is not None:
             await flush()
-        return _Untyped(body=b"Cache flushed.\nPlease check backend logs for more details. (When there are running "
-                             b"or waiting requests, the operation will not be performed.)\n")  # fmt: skip
+        return _Untyped(
+            body=b"Cache flushed.\nPlease check backend logs for more details. (When there are running "
+            b"or waiting requests, the operation will not be performed.)\n"
+        )
 
     async def _abort_request(self, request: web.Request) -> web.Response:
         """SGLang semantics: the rid must itself be live; then every live rid it prefixes is aborted, a running
@@ -437,7 +494,6 @@ class DevServer:
         for rid, rec in list(self._live.items()):
             if which(rid) and rec.task is not None:
                 rec.task.cancel()
-
 
     async def _pause(self, request: web.Request) -> web.Response:
         """SGLang's modes. New requests wait until /continue_generation in every mode. "abort" aborts every
@@ -497,9 +553,13 @@ class DevServer:
             self.weight_version = str(version)
         if body.get("flush_cache", True) and self.pause_mode == "in_place" and self._live:
             # SGLang loads the weights, then cannot flush a cache that held requests still use
-            message = ("Weights were updated, but the cache was not flushed because requests are still running or "
-                       "queued. Retract or finish them, then call /flush_cache.")  # fmt: skip
-            return web.json_response({"success": False, "message": message, "num_paused_requests": 0}, status=400)
+            message = (
+                "Weights were updated, but the cache was not flushed because requests are still running or "
+                "queued. Retract or finish them, then call /flush_cache."
+            )
+            return web.json_response(
+                {"success": False, "message": message, "num_paused_requests": 0}, status=400
+            )
         if body.get("flush_cache", True):
             self.cache.clear()
         message = "Succeeded to update model weights."
@@ -552,8 +612,14 @@ async def _serve(backend: Backend, host: str, port: int, **options: Any) -> None
         await close()
 
 
-def serve_model(model_dir: str, host: str = "127.0.0.1", port: int = 30000, *,
-                hf_options: dict[str, Any] | None = None, **options: Any) -> None:  # fmt: skip
+def serve_model(
+    model_dir: str,
+    host: str = "127.0.0.1",
+    port: int = 30000,
+    *,
+    hf_options: dict[str, Any] | None = None,
+    **options: Any,
+) -> None:
     """Serve the embedded transformers backend (`backends.hf`, imported only here) over the SGLang protocol;
     `hf_options` go to HFBackend (device, dtype...)."""
     from backends.hf import HFBackend
@@ -566,7 +632,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", "--model-path", dest="model", help="model directory (transformers format)")
     ap.add_argument("--scripted", action="store_true", help="serve the deterministic echo backend (no model)")
-    ap.add_argument("--hashlm", action="store_true", help="serve HashLM, the deterministic autoregressive toy")
+    ap.add_argument(
+        "--hashlm", action="store_true", help="serve HashLM, the deterministic autoregressive toy"
+    )
     ap.add_argument("--vocab", type=int, default=1000, help="HashLM: vocabulary size")
     ap.add_argument("--stop-every", type=int, default=8, help="HashLM: mean tokens per turn")
     ap.add_argument("--host", default="127.0.0.1")
@@ -576,7 +644,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--latency", type=float, default=0.0, help="scripted/hashlm: seconds per request")
     ap.add_argument("--log-level", default="info")
     ap.add_argument("--device", help="model mode: cpu, cuda, cuda:1 (default: cuda if available)")
-    ap.add_argument("--dtype", help="model mode: auto, float32, bfloat16, float16 (default auto: see backends/hf.py)")
+    ap.add_argument(
+        "--dtype", help="model mode: auto, float32, bfloat16, float16 (default auto: see backends/hf.py)"
+    )
     args, ignored = ap.parse_known_args(argv)  # SGLang launch flags (--tp-size, ...) are accepted and ignored
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
     if ignored:
@@ -588,12 +658,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     elif args.scripted:
         asyncio.run(_serve(echo_backend(latency_s=args.latency), args.host, args.port, **options))
     elif args.model:
-        serve_model(args.model, args.host, args.port, hf_options={"device": args.device, "dtype": args.dtype},
-                    **options)  # fmt: skip
+        serve_model(
+            args.model,
+            args.host,
+            args.port,
+            hf_options={"device": args.device, "dtype": args.dtype},
+            **options,
+        )
     else:
         ap.error("give --model DIR, --scripted or --hashlm")
-
-
 
 
 if __name__ == "__main__":

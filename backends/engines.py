@@ -22,11 +22,13 @@ ENGINES = ("sglang", "vllm")
 
 
 async def detect_engine(url: str, timeout_s: float = 10.0) -> str:
-    """"sglang" or "vllm" for the server at `url`; BackendUnavailable when it does not answer in `timeout_s` or
+    """ "sglang" or "vllm" for the server at `url`; BackendUnavailable when it does not answer in `timeout_s` or
     answers as neither."""
     base = url.rstrip("/")
 
-    async def get(http: aiohttp.ClientSession, path: str) -> Any:  # the 200 body, read as the clients read one
+    async def get(
+        http: aiohttp.ClientSession, path: str
+    ) -> Any:  # the 200 body, read as the clients read one
         async with http.get(base + path) as resp:
             what = f"{base}: GET {path}"
             data = await read_bounded(resp, CONTROL_BODY_BYTES, what)
@@ -40,16 +42,29 @@ async def detect_engine(url: str, timeout_s: float = 10.0) -> str:
                 return "sglang"
             body = await get(http, "/v1/models")
     except TimeoutError:
-        raise BackendUnavailable(f"{base}: no answer within {timeout_s:g} s to /model_info or /v1/models "
-                                 "(which engine it runs cannot be told)", server=base, kind="timeouts") from None  # fmt: skip
+        raise BackendUnavailable(
+            f"{base}: no answer within {timeout_s:g} s to /model_info or /v1/models "
+            "(which engine it runs cannot be told)",
+            server=base,
+            kind="timeouts",
+        ) from None
     except (aiohttp.ClientError, ValueError) as e:
-        raise BackendUnavailable(f"{base}: cannot tell which engine it runs ({type(e).__name__}: {e})",
-                                 server=base) from None  # fmt: skip
+        raise BackendUnavailable(
+            f"{base}: cannot tell which engine it runs ({type(e).__name__}: {e})", server=base
+        ) from None
     cards = body.get("data") if isinstance(body, dict) else None
-    if isinstance(cards, list) and cards and isinstance(cards[0], dict) and cards[0].get("owned_by") == "vllm":
+    if (
+        isinstance(cards, list)
+        and cards
+        and isinstance(cards[0], dict)
+        and cards[0].get("owned_by") == "vllm"
+    ):
         return "vllm"
-    raise BackendUnavailable(f"{base}: answers as neither SGLang (no /model_info) nor vLLM (no /v1/models card "
-                             "owned by vllm); pass the engine explicitly (--engine)", server=base)  # fmt: skip
+    raise BackendUnavailable(
+        f"{base}: answers as neither SGLang (no /model_info) nor vLLM (no /v1/models card "
+        "owned by vllm); pass the engine explicitly (--engine)",
+        server=base,
+    )
 
 
 def client(engine: str, url: str, **options: Any) -> Backend:
@@ -70,7 +85,9 @@ def one_kind(urls: Sequence[str], engines: Sequence[str]) -> str:
     kinds = set(engines)
     if len(kinds) > 1:
         which = ", ".join(f"{u} ({e})" for u, e in zip(urls, engines))
-        raise ValueError(f"a fleet is one engine kind; these servers mix {' and '.join(sorted(kinds))}: {which}")
+        raise ValueError(
+            f"a fleet is one engine kind; these servers mix {' and '.join(sorted(kinds))}: {which}"
+        )
     return engines[0]
 
 

@@ -43,26 +43,59 @@ from aiohttp import web
 from backends.devserver import FAULT_HEADER
 from backends.hostile import HOSTILE, rewrite
 
-FAULT_KINDS = ("http_503", "drop", "reset", "hang", "non_json", "html", "wrong_schema", "abort_waiting",
-               "abort_running", *HOSTILE)  # fmt: skip
+FAULT_KINDS = (
+    "http_503",
+    "drop",
+    "reset",
+    "hang",
+    "non_json",
+    "html",
+    "wrong_schema",
+    "abort_waiting",
+    "abort_running",
+    *HOSTILE,
+)
 # Which counter of the client's stats()["faults"] each kind shows up in (None: a valid form it absorbs).
-CLIENT_COUNTER = {"http_503": "http_errors", "drop": "disconnects", "reset": "resets", "hang": "timeouts",
-                  "non_json": "malformed", "html": "malformed", "wrong_schema": "malformed",
-                  "abort_waiting": "aborts_waiting", "abort_running": "aborts_running",
-                  **{kind: counter for kind, (_, counter) in HOSTILE.items()}}  # fmt: skip
+CLIENT_COUNTER = {
+    "http_503": "http_errors",
+    "drop": "disconnects",
+    "reset": "resets",
+    "hang": "timeouts",
+    "non_json": "malformed",
+    "html": "malformed",
+    "wrong_schema": "malformed",
+    "abort_waiting": "aborts_waiting",
+    "abort_running": "aborts_running",
+    **{kind: counter for kind, (_, counter) in HOSTILE.items()},
+}
 
-_ERR_503 = {"object": "error", "message": "Request timed out in the waiting queue (fault injection)", "type": "503",
-            "param": None, "code": 503}  # fmt: skip
-_HTML = ("<html><head><title>502 Bad Gateway</title></head><body><center><h1>502 Bad Gateway</h1></center>"
-         "<hr><center>nginx</center></body></html>\n")  # fmt: skip
+_ERR_503 = {
+    "object": "error",
+    "message": "Request timed out in the waiting queue (fault injection)",
+    "type": "503",
+    "param": None,
+    "code": 503,
+}
+_HTML = (
+    "<html><head><title>502 Bad Gateway</title></head><body><center><h1>502 Bad Gateway</h1></center>"
+    "<hr><center>nginx</center></body></html>\n"
+)
 
 
 class FaultProxy:
     """An aiohttp reverse proxy over `upstream` that injects faults into /generate; an async context manager."""
 
-    def __init__(self, upstream: str, *, script: Sequence[str | None] | None = None,
-                 every: Mapping[str, int] | None = None, rates: Mapping[str, float] | None = None, seed: int = 0,
-                 host: str = "127.0.0.1", port: int = 0):  # fmt: skip
+    def __init__(
+        self,
+        upstream: str,
+        *,
+        script: Sequence[str | None] | None = None,
+        every: Mapping[str, int] | None = None,
+        rates: Mapping[str, float] | None = None,
+        seed: int = 0,
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ):
         self.upstream = upstream.rstrip("/")
         self.host, self.port = host, port
         self.injected: Counter[str] = Counter()
@@ -74,8 +107,14 @@ class FaultProxy:
         self._runner: web.AppRunner | None = None
         self._http: aiohttp.ClientSession | None = None
 
-    def plan(self, *, script: Sequence[str | None] | None = None, every: Mapping[str, int] | None = None,
-             rates: Mapping[str, float] | None = None, seed: int = 0) -> None:  # fmt: skip
+    def plan(
+        self,
+        *,
+        script: Sequence[str | None] | None = None,
+        every: Mapping[str, int] | None = None,
+        rates: Mapping[str, float] | None = None,
+        seed: int = 0,
+    ) -> None:
         """Replace what is injected from the next /generate on (counts are kept)."""
         for kind in [*(script or ()), *(every or {}), *(rates or {})]:
             if kind is not None and kind not in FAULT_KINDS:
@@ -142,14 +181,16 @@ class FaultProxy:
 
     # -- handlers --------------------------------------------------------------------------------
 
-    async def _forward(self, request: web.Request, body: bytes, headers: Mapping[str, str] | None = None
-                       ) -> tuple[int, str, bytes]:  # fmt: skip
+    async def _forward(
+        self, request: web.Request, body: bytes, headers: Mapping[str, str] | None = None
+    ) -> tuple[int, str, bytes]:
         """(status, content type, body) of the same request sent upstream; 502 when upstream is unreachable."""
         assert self._http is not None
         send = {"Content-Type": request.headers.get("Content-Type", "application/json"), **(headers or {})}
         try:
-            async with self._http.request(request.method, self.upstream + request.path_qs, data=body,
-                                          headers=send) as r:  # fmt: skip
+            async with self._http.request(
+                request.method, self.upstream + request.path_qs, data=body, headers=send
+            ) as r:
                 return r.status, r.headers.get("Content-Type", "application/octet-stream"), await r.read()
         except aiohttp.ClientError as e:
             return 502, "application/json", json.dumps({"error": f"fault proxy: upstream {e}"}).encode()
@@ -221,12 +262,21 @@ class FaultProxy:
                 if "outage_s" in body:
                     self.outage(float(body["outage_s"]))
                 else:
-                    self.plan(script=body.get("script"), every=body.get("every"), rates=body.get("rates"),
-                              seed=int(body.get("seed", 0)))  # fmt: skip
+                    self.plan(
+                        script=body.get("script"),
+                        every=body.get("every"),
+                        rates=body.get("rates"),
+                        seed=int(body.get("seed", 0)),
+                    )
             except (ValueError, TypeError) as e:
                 return web.json_response({"error": str(e)}, status=400)
-        return web.json_response({"requests": self.requests, "injected": dict(self.injected),
-                                  "abort_requests": list(self.abort_requests)})  # fmt: skip
+        return web.json_response(
+            {
+                "requests": self.requests,
+                "injected": dict(self.injected),
+                "abort_requests": list(self.abort_requests),
+            }
+        )
 
 
 def _finish_type(data: bytes) -> str | None:

@@ -53,11 +53,21 @@ FINISH_REASONS = ("stop", "length", "abort")
 class FunctionBackend(BaseBackend):
     """`generate(prompt_ids, sampling_params)` as a Backend; `start`/`close` are owned by whoever owns this."""
 
-    def __init__(self, generate: GenerateFn, *, model_name: str = "function", provider: str = "custom",
-                 context_length: int | None = None, start: Hook | None = None, close: Hook | None = None,
-                 retry_policy: RetryPolicy | None = None):  # fmt: skip
+    def __init__(
+        self,
+        generate: GenerateFn,
+        *,
+        model_name: str = "function",
+        provider: str = "custom",
+        context_length: int | None = None,
+        start: Hook | None = None,
+        close: Hook | None = None,
+        retry_policy: RetryPolicy | None = None,
+    ):
         if not callable(generate):
-            raise TypeError(f"generate must be an async function (prompt_ids, sampling_params), got {generate!r}")
+            raise TypeError(
+                f"generate must be an async function (prompt_ids, sampling_params), got {generate!r}"
+            )
         self.fn = generate
         try:
             self._wants_request = "request" in inspect.signature(generate).parameters
@@ -102,28 +112,44 @@ class FunctionBackend(BaseBackend):
                 answer = await self.fn(list(request.prompt_ids), params, **extra)
         except TimeoutError:
             self._count("timeouts")
-            raise BackendTimeout(f"{self.model_name}: generate function gave no answer within "
-                                 f"{request.timeout_s:g} s (rid {request.rid})", server=self.model_name,
-                                 kind="timeouts") from None  # fmt: skip
+            raise BackendTimeout(
+                f"{self.model_name}: generate function gave no answer within "
+                f"{request.timeout_s:g} s (rid {request.rid})",
+                server=self.model_name,
+                kind="timeouts",
+            ) from None
         except BackendError as exc:
             self._count(exc.kind or "errors")
             raise
         except Exception as exc:
             self._count("errors")
-            raise BackendError(f"{self.model_name}: generate function raised {type(exc).__name__}: {exc} "
-                               f"(rid {request.rid})", server=self.model_name, kind="errors") from exc  # fmt: skip
+            raise BackendError(
+                f"{self.model_name}: generate function raised {type(exc).__name__}: {exc} "
+                f"(rid {request.rid})",
+                server=self.model_name,
+                kind="errors",
+            ) from exc
         except BaseException as exc:
             if isinstance(exc, asyncio.CancelledError) and _cancelling():
                 raise  # the engine cancelled this row: not the function's doing
             # KeyboardInterrupt, SystemExit, GeneratorExit or a CancelledError of its own, raised by the function:
             # let through, it would leave the event loop and end the engine's thread with every row on it.
             self._count("errors")
-            raise BackendError(f"{self.model_name}: generate function raised {type(exc).__name__}: {exc} "
-                               f"(rid {request.rid}); a BaseException from the function ends its row, never the "
-                               "engine", server=self.model_name, kind="errors") from None  # fmt: skip
+            raise BackendError(
+                f"{self.model_name}: generate function raised {type(exc).__name__}: {exc} "
+                f"(rid {request.rid}); a BaseException from the function ends its row, never the "
+                "engine",
+                server=self.model_name,
+                kind="errors",
+            ) from None
         try:
-            result = parse_generate(_as_body(answer, params), server=self.model_name,
-                                    return_logprob=request.return_logprob, rid=request.rid, request=request)  # fmt: skip
+            result = parse_generate(
+                _as_body(answer, params),
+                server=self.model_name,
+                return_logprob=request.return_logprob,
+                rid=request.rid,
+                request=request,
+            )
         except BackendMalformed as exc:
             self._count(exc.kind or "malformed")
             raise
@@ -151,8 +177,12 @@ async def _call(hook: Hook | None) -> None:
 def _as_body(answer: Any, params: Mapping[str, Any]) -> Any:
     """Any accepted answer -> an SGLang /generate body, checked by the one parser every answer goes through."""
     if isinstance(answer, GenerateResult):
-        answer = {"token_ids": answer.token_ids, "logprobs": answer.logprobs, "finish_reason": answer.finish_reason,
-                  "weight_version": answer.weight_version}  # fmt: skip
+        answer = {
+            "token_ids": answer.token_ids,
+            "logprobs": answer.logprobs,
+            "finish_reason": answer.finish_reason,
+            "weight_version": answer.weight_version,
+        }
     if not isinstance(answer, Mapping) or "meta_info" in answer:
         return answer  # an SGLang body (or something parse_generate names as malformed)
     ids = answer.get("token_ids", answer.get("output_ids"))

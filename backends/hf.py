@@ -59,10 +59,18 @@ from backends.sampling import Sampling, sample_next, validate
 SMALL_MODEL_PARAMS = 1_000_000_000  # below this, float32 on CUDA too (see the module docstring)
 SESSION_KV_BYTES = 1 << 30  # default bound on the KV kept between a trajectory's turns
 TINY_SERVED_NAME = "agentfsm-tiny-calculator"  # the served name of the bundled model (backends/tiny/assets)
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}  # fmt: skip
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
 # SDPA kernels used in float16/bfloat16 on CUDA: all but cuDNN attention, which plans per shape
 _NO_CUDNN_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
 
 @dataclass(slots=True, eq=False)
 class _Job:
@@ -81,7 +89,9 @@ class _Job:
     logprobs: list[float] = field(default_factory=list)
     versions: list[str] = field(default_factory=list)  # the weight version that made each token
     running: bool = False  # in the decode loop's batch (else queued)
-    abort: bool = False  # /abort_request: the decode loop ends the row at its next step, with its partial output
+    abort: bool = (
+        False  # /abort_request: the decode loop ends the row at its next step, with its partial output
+    )
     retractions: int = 0
 
 
@@ -147,7 +157,10 @@ class HFBackend(BaseBackend):
 
     def __init__(
         self,
-        model: str | os.PathLike[str] | PreTrainedModel | torch.nn.Module,  # a directory, or a model in memory
+        model: str
+        | os.PathLike[str]
+        | PreTrainedModel
+        | torch.nn.Module,  # a directory, or a model in memory
         *,
         device: str | torch.device | None = None,  # default: cuda when available, else cpu
         # default: a given model's own; loading: float32 on CPU, and on CUDA below SMALL_MODEL_PARAMS, else
@@ -181,7 +194,9 @@ class HFBackend(BaseBackend):
             self.model = AutoModelForCausalLM.from_pretrained(model, dtype=self.dtype)
         self.model.to(device=self.device, dtype=self.dtype).eval()
         # transformers 5 renamed forward's past_key_values to cache (the old name warns); 4.x knows only the old
-        self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        self._cache_kw = (
+            "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        )
         # cuDNN attention plans per shape (slow in decode); float32 never uses it
         self._attention = (
             _NO_CUDNN_ATTENTION
@@ -206,7 +221,9 @@ class HFBackend(BaseBackend):
         self.max_batch_size = max_batch_size
         self.weight_version = "default"
         self._rng = random.Random(seed)
-        self._queue: deque[_Job] = deque()  # waiting requests: the event loop appends, the decode thread takes
+        self._queue: deque[_Job] = (
+            deque()
+        )  # waiting requests: the event loop appends, the decode thread takes
         self._wake = asyncio.Event()  # set when the queue gets a request (or the backend closes)
         self._model_lock = asyncio.Lock()  # decoding and a weight reload never overlap
         self._draining = 0  # weight updates waiting: the running batch admits no one and ends
@@ -293,12 +310,23 @@ class HFBackend(BaseBackend):
 
     def _validate(self, request: GenerateRequest) -> Sampling:
         """Check a request the way SGLang's server would; raise BackendRequestError (HTTP 400) otherwise."""
-        return validate(request, name=self.model_name, vocab_size=self.vocab_size,
-                        context_length=self.context_length, eos_ids=self.eos_token_ids)  # fmt: skip
+        return validate(
+            request,
+            name=self.model_name,
+            vocab_size=self.vocab_size,
+            context_length=self.context_length,
+            eos_ids=self.eos_token_ids,
+        )
 
     def _result(
-        self, request: GenerateRequest, tokens: list[int], logprobs: list[float], finish: str,
-        abort_message: str | None = None, cached: int = 0, **extra: Any,
+        self,
+        request: GenerateRequest,
+        tokens: list[int],
+        logprobs: list[float],
+        finish: str,
+        abort_message: str | None = None,
+        cached: int = 0,
+        **extra: Any,
     ) -> GenerateResult:
         return GenerateResult(
             token_ids=tokens,
@@ -308,15 +336,27 @@ class HFBackend(BaseBackend):
             cached_tokens=cached,
             weight_version=self.weight_version,
             server=None,  # in this process: no server (spans get no server.address)
-            abort_message=(abort_message or f"{self.model_name}: HFBackend closed") if finish == "abort" else None,
+            abort_message=(abort_message or f"{self.model_name}: HFBackend closed")
+            if finish == "abort"
+            else None,
             extra=extra,
         )
 
     def _resolve(self, job: _Job, finish: str, message: str | None = None, **extra: Any) -> None:
         if not job.future.done():  # the caller may have given up
-            result = self._result(job.request, job.tokens, job.logprobs, finish, message, job.cached, batch=job.batch,
-                                  batch_size=job.batch_size, token_versions=list(job.versions),
-                                  num_retractions=job.retractions, **extra)  # fmt: skip
+            result = self._result(
+                job.request,
+                job.tokens,
+                job.logprobs,
+                finish,
+                message,
+                job.cached,
+                batch=job.batch,
+                batch_size=job.batch_size,
+                token_versions=list(job.versions),
+                num_retractions=job.retractions,
+                **extra,
+            )
             job.future.set_result(result)
 
     def _abort(self, job: _Job | None, message: str | None = None) -> None:
@@ -343,7 +383,9 @@ class HFBackend(BaseBackend):
             if finish == "retract":
                 loop.call_soon_threadsafe(self._requeue, job)
             else:
-                loop.call_soon_threadsafe(self._resolve, job, finish, "Aborted" if finish == "abort" else None)
+                loop.call_soon_threadsafe(
+                    self._resolve, job, finish, "Aborted" if finish == "abort" else None
+                )
 
         while not self._stopping:
             if not self._queue:
@@ -360,7 +402,9 @@ class HFBackend(BaseBackend):
                     for job in self._admitted:
                         if not job.future.done():
                             job.future.set_exception(
-                                BackendError(f"{self.model_name}: generation failed: {e!r}", server=self.model_name)
+                                BackendError(
+                                    f"{self.model_name}: generation failed: {e!r}", server=self.model_name
+                                )
                             )
                 finally:
                     self._admitted = set()
@@ -403,7 +447,9 @@ class HFBackend(BaseBackend):
                             rows.merge(joined)
                         jobs += [job for job, _ in group]
                         if len(live) < len(group):
-                            live = list(range(len(jobs) - len(group))) + [len(jobs) - len(group) + row for row in live]
+                            live = list(range(len(jobs) - len(group))) + [
+                                len(jobs) - len(group) + row for row in live
+                            ]
                             jobs = [jobs[row] for row in rows.select(live)]
                 if not jobs:
                     return
@@ -420,11 +466,20 @@ class HFBackend(BaseBackend):
                 rows.mask = torch.cat([rows.mask, rows.mask.new_ones(len(jobs), 1)], dim=-1)
                 rows.pos = rows.pos + 1
                 with self._step:
-                    out = self.model(input_ids=rows.tokens[:, None], attention_mask=rows.mask,
-                                     position_ids=rows.pos, **{self._cache_kw: rows.cache}, use_cache=True,
-                                     logits_to_keep=1)  # fmt: skip
+                    out = self.model(
+                        input_ids=rows.tokens[:, None],
+                        attention_mask=rows.mask,
+                        position_ids=rows.pos,
+                        **{self._cache_kw: rows.cache},
+                        use_cache=True,
+                        logits_to_keep=1,
+                    )
                     rows.tokens, logprobs = sample_next(
-                        out.logits[:, -1].float(), [j.generator for j in jobs], rows.temp, rows.top_p, rows.top_k
+                        out.logits[:, -1].float(),
+                        [j.generator for j in jobs],
+                        rows.temp,
+                        rows.top_p,
+                        rows.top_k,
                     )
                 live = self._advance(jobs, rows, logprobs, finished)
                 if len(live) < len(jobs):  # drop finished rows: the rest of the batch runs smaller
@@ -433,12 +488,20 @@ class HFBackend(BaseBackend):
     def _prefill_groups(self, joining: list[_Job]) -> list[list[tuple[_Job, Any]]]:
         """The joining rows with their kept KV (or None), split into those that have one and those that do
         not: each group is one forward pass, as long as its longest uncached part."""
-        kept = [(job, self.sessions.take(job.request.session_id, job.request.prompt_ids + job.tokens)
-                 if self.sessions.max_bytes else None) for job in joining]  # fmt: skip
+        kept = [
+            (
+                job,
+                self.sessions.take(job.request.session_id, job.request.prompt_ids + job.tokens)
+                if self.sessions.max_bytes
+                else None,
+            )
+            for job in joining
+        ]
         return [g for g in ([x for x in kept if x[1] is not None], [x for x in kept if x[1] is None]) if g]
 
-    def _prefill(self, group: list[tuple[_Job, Any]], finished: Callable[[_Job, str], None],
-                 into: Rows | None) -> tuple[Rows, list[int]]:  # fmt: skip
+    def _prefill(
+        self, group: list[tuple[_Job, Any]], finished: Callable[[_Job, str], None], into: Rows | None
+    ) -> tuple[Rows, list[int]]:
         """One forward pass over rows that join: their first tokens sampled; the rows that go on. They prefill
         straight into the running batch's slots (`into`), or into a new batch's."""
         jobs = [job for job, _ in group]
@@ -446,33 +509,46 @@ class HFBackend(BaseBackend):
         ids, mask, pos, past = prefill_inputs(contexts, [k for _, k in group], self.pad_token_id, self.device)
         dev = self.device
         rows = Rows(
-            cache=into.opened(past, len(jobs), mask.shape[1], self.model.config) if into is not None
-            else SlotCache(self.model.config, self.max_batch_size, past) if self._joinable
+            cache=into.opened(past, len(jobs), mask.shape[1], self.model.config)
+            if into is not None
+            else SlotCache(self.model.config, self.max_batch_size, past)
+            if self._joinable
             else make_cache(past, self.model.config),
-            mask=mask, pos=pos[:, -1:], tokens=pos[:, -1],
+            mask=mask,
+            pos=pos[:, -1:],
+            tokens=pos[:, -1],
             temp=torch.tensor([job.sampling.temperature or 1.0 for job in jobs], device=dev),
             top_p=torch.tensor([job.sampling.top_p for job in jobs], device=dev),
             top_k=torch.tensor([job.sampling.top_k for job in jobs], device=dev),
-        )  # fmt: skip
+        )
         held = mask.shape[1] - ids.shape[1]
         for row, job in enumerate(jobs):
             job.cached = int(mask[row, :held].sum()) if held else 0
         with self._step:
             for job in jobs:
                 job.epoch = self.sessions.epoch
-            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, **{self._cache_kw: rows.cache},
-                             use_cache=True, logits_to_keep=1)  # fmt: skip
+            out = self.model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=pos,
+                **{self._cache_kw: rows.cache},
+                use_cache=True,
+                logits_to_keep=1,
+            )
             rows.tokens, logprobs = sample_next(
                 out.logits[:, -1].float(), [j.generator for j in jobs], rows.temp, rows.top_p, rows.top_k
             )
         return rows, self._advance(jobs, rows, logprobs, finished)
 
-    def _advance(self, jobs: list[_Job], rows: Rows, logprobs: torch.Tensor,
-                 finished: Callable[[_Job, str], None]) -> list[int]:  # fmt: skip
+    def _advance(
+        self, jobs: list[_Job], rows: Rows, logprobs: torch.Tensor, finished: Callable[[_Job, str], None]
+    ) -> list[int]:
         """Append each row's new token; end the rows that are done (keeping their KV for the trajectory's next
         turn); return the rows that go on."""
         live = []
-        for row, (job, token, logprob) in enumerate(zip(jobs, rows.tokens.tolist(), logprobs.tolist(), strict=True)):
+        for row, (job, token, logprob) in enumerate(
+            zip(jobs, rows.tokens.tolist(), logprobs.tolist(), strict=True)
+        ):
             job.tokens.append(token)
             job.logprobs.append(logprob)
             job.versions.append(self.weight_version)
@@ -509,7 +585,9 @@ class HFBackend(BaseBackend):
         output ("abort", which also aborts the queued ones; requests arriving later wait), puts them back in the queue to
         start over ("retract"), or holds them in place ("in_place")."""
         if mode not in ("abort", "retract", "in_place"):
-            raise BackendRequestError(f"{self.model_name}: unknown pause mode {mode!r}", server=self.model_name)
+            raise BackendRequestError(
+                f"{self.model_name}: unknown pause mode {mode!r}", server=self.model_name
+            )
         self._unpaused.clear()
         if mode == "in_place":
             self._held.clear()
@@ -577,25 +655,39 @@ class HFBackend(BaseBackend):
                 return f"different {' and '.join(given)}, which the served model ties into one parameter"
         return None
 
-    async def update_weights_from_tensor(self, named_tensors: Any = None, *, load_format: str | None = None,
-                                         flush_cache: bool = True, weight_version: str | None = None,
-                                         serialized_named_tensors: Any = None) -> None:  # fmt: skip
+    async def update_weights_from_tensor(
+        self,
+        named_tensors: Any = None,
+        *,
+        load_format: str | None = None,
+        flush_cache: bool = True,
+        weight_version: str | None = None,
+        serialized_named_tensors: Any = None,
+    ) -> None:
         """SGLang Engine's in-process `update_weights_from_tensor`: copy `named_tensors` ((name, tensor) pairs
         or a mapping, e.g. a trainer's `model.state_dict()`) into the model, no disk round-trip. Like a reload
         from disk it lands between batches, or between two steps of a batch held by an in-place pause."""
         pairs = list(named_tensors.items() if hasattr(named_tensors, "items") else named_tensors or ())
         own = self.model.state_dict(keep_vars=True)
-        wrong = next((f"the model has no parameter {name!r}" if name not in own else
-                      f"{name} has shape {tuple(t.shape)}, the model's {tuple(own[name].shape)}"
-                      for name, t in pairs if name not in own or t.shape != own[name].shape), None)  # fmt: skip
+        wrong = next(
+            (
+                f"the model has no parameter {name!r}"
+                if name not in own
+                else f"{name} has shape {tuple(t.shape)}, the model's {tuple(own[name].shape)}"
+                for name, t in pairs
+                if name not in own or t.shape != own[name].shape
+            ),
+            None,
+        )
         wrong = wrong or self._untied(dict(pairs))
         if serialized_named_tensors is not None:
             wrong = "pass named_tensors= (tensors in this process), not serialized_named_tensors"
         elif load_format not in (None, "direct"):
             wrong = f"load_format {load_format!r} is not supported (only the default)"
         if wrong:
-            raise BackendRequestError(f"{self.model_name}: update_weights_from_tensor: {wrong}",
-                                      server=self.model_name, status=400)  # fmt: skip
+            raise BackendRequestError(
+                f"{self.model_name}: update_weights_from_tensor: {wrong}", server=self.model_name, status=400
+            )
         async with self._between_steps():
             await asyncio.to_thread(self._copy_weights, own, pairs)
         if weight_version is not None:
@@ -614,4 +706,3 @@ class HFBackend(BaseBackend):
     async def release(self, session_id: str) -> None:
         """The trajectory ended: its kept KV goes."""
         self.sessions.drop(session_id)
-

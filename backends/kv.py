@@ -24,7 +24,9 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values): (B, heads, T, head_dim), or one row's (heads, T, head_dim)
+KV = list[
+    tuple[torch.Tensor, torch.Tensor]
+]  # per layer (keys, values): (B, heads, T, head_dim), or one row's (heads, T, head_dim)
 
 
 def joinable(config: Any) -> bool:
@@ -141,7 +143,10 @@ class SlotLayer(DynamicLayer):
 
     def _view(self) -> None:
         assert self.kb is not None and self.vb is not None
-        self.keys, self.values = self.kb[: self.n, :, self.lo : self.hi], self.vb[: self.n, :, self.lo : self.hi]
+        self.keys, self.values = (
+            self.kb[: self.n, :, self.lo : self.hi],
+            self.vb[: self.n, :, self.lo : self.hi],
+        )
 
     def _fit(self, like: torch.Tensor, rows: int, lo: int, hi: int) -> None:
         """Make rows [0, rows) and columns [lo, hi) (in the current coordinates) fit the buffers."""
@@ -296,8 +301,10 @@ class Rows:
     def opened(self, past: KV | None, rows: int, width: int, config: Any) -> DynamicCache:
         """A cache for the prefill of `rows` rows that join this batch, `width` columns each (see `Opened`)."""
         cache = DynamicCache(config=config)
-        cache.layers = [layer.open(past[i] if past else None, rows, width)  # type: ignore[attr-defined]
-                        for i, layer in enumerate(self.cache.layers)]  # fmt: skip
+        cache.layers = [
+            layer.open(past[i] if past else None, rows, width)  # type: ignore[attr-defined]
+            for i, layer in enumerate(self.cache.layers)
+        ]
         return cache
 
     def merge(self, other: Rows) -> None:

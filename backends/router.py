@@ -89,8 +89,13 @@ class Router(BaseBackend):
         self.group_affinity = group_affinity
         self.group_imbalance = group_imbalance
         # Re-route almost at once (another server is likely fine), backing off up to 2 s while the fleet fails.
-        self.failover = failover or RetryPolicy(attempts=1 + max_retries, backoff_s=0.02, multiplier=3.0,
-                                                backoff_max_s=2.0, window_s=retry_window_s)  # fmt: skip
+        self.failover = failover or RetryPolicy(
+            attempts=1 + max_retries,
+            backoff_s=0.02,
+            multiplier=3.0,
+            backoff_max_s=2.0,
+            window_s=retry_window_s,
+        )
         self.max_retries = self.failover.attempts - 1
         self.cooldown_s, self.cooldown_max_s = cooldown_s, cooldown_max_s
         self.health_interval_s = health_interval_s
@@ -105,7 +110,15 @@ class Router(BaseBackend):
         self._health_task: asyncio.Task[None] | None = None
         self._paused = False  # between pause_generation and continue_generation: no health checks
         # placements by route; re-routes after a failure (failovers: to another server); resumed requests
-        self.counts = {"sticky": 0, "new": 0, "group": 0, "moved": 0, "retries": 0, "failovers": 0, "resumes": 0}
+        self.counts = {
+            "sticky": 0,
+            "new": 0,
+            "group": 0,
+            "moved": 0,
+            "retries": 0,
+            "failovers": 0,
+            "resumes": 0,
+        }
         self.prompt_tokens = 0
         self.cached_tokens = 0
 
@@ -266,9 +279,14 @@ class Router(BaseBackend):
             # The fleet was paused while this request kept failing (an interrupt's abort-mode pause during an
             # outage): answer it as aborted with nothing generated, so the engine parks it at its pause gate
             # and resumes it later, instead of retrying against a paused fleet for the whole window.
-            return GenerateResult(token_ids=[], logprobs=[] if request.return_logprob else None,
-                                  finish_reason="abort", server=e.server, abort_message=f"paused: {e}",
-                                  extra={"abort_kind": "waiting"})  # fmt: skip
+            return GenerateResult(
+                token_ids=[],
+                logprobs=[] if request.return_logprob else None,
+                finish_reason="abort",
+                server=e.server,
+                abort_message=f"paused: {e}",
+                extra={"abort_kind": "waiting"},
+            )
 
     def _retryable(self, e: BaseException) -> bool:
         return self.failover.retryable(e) and not self._paused
@@ -342,16 +360,24 @@ class Router(BaseBackend):
     async def wake_up(self, tags: list[str] | None = None) -> list[Any]:
         return await self._broadcast("wake_up", tags)
 
-    async def update_weights_from_disk(self, path: str, weight_version: str | None = None,
-                                       **options: Any) -> list[Any]:  # fmt: skip
-        return await self._broadcast("update_weights_from_disk", path, weight_version=weight_version, **options)
+    async def update_weights_from_disk(
+        self, path: str, weight_version: str | None = None, **options: Any
+    ) -> list[Any]:
+        return await self._broadcast(
+            "update_weights_from_disk", path, weight_version=weight_version, **options
+        )
 
-    async def update_weights_from_tensor(self, weight_version: str | None = None, **payload: Any) -> list[Any]:
+    async def update_weights_from_tensor(
+        self, weight_version: str | None = None, **payload: Any
+    ) -> list[Any]:
         return await self._broadcast("update_weights_from_tensor", weight_version=weight_version, **payload)
 
-    async def update_weights_from_distributed(self, weight_version: str | None = None,
-                                              **payload: Any) -> list[Any]:  # fmt: skip
-        return await self._broadcast("update_weights_from_distributed", weight_version=weight_version, **payload)
+    async def update_weights_from_distributed(
+        self, weight_version: str | None = None, **payload: Any
+    ) -> list[Any]:
+        return await self._broadcast(
+            "update_weights_from_distributed", weight_version=weight_version, **payload
+        )
 
     async def init_weights_update_group(self, **payload: Any) -> list[Any]:
         return await self._broadcast("init_weights_update_group", **payload)
@@ -385,8 +411,14 @@ class Router(BaseBackend):
         faults: dict[str, int] = {}
         client_totals = {"client_retries": 0, "aborts_sent": 0}
         for s in self.servers:
-            entry: dict[str, Any] = {"server": s.name, "healthy": s.healthy, "in_flight": s.in_flight,
-                                     "requests": s.requests, "failures": s.failures, "sessions": s.sessions}  # fmt: skip
+            entry: dict[str, Any] = {
+                "server": s.name,
+                "healthy": s.healthy,
+                "in_flight": s.in_flight,
+                "requests": s.requests,
+                "failures": s.failures,
+                "sessions": s.sessions,
+            }
             backend_stats = getattr(s.backend, "stats", None)
             if backend_stats is not None:
                 own = backend_stats()

@@ -18,11 +18,24 @@ TEXT_ONLY = frozenset(
 )
 # SGLang sampling keys this backend does not implement: accepted only at their no-op value.
 UNSUPPORTED: dict[str, Any] = {
-    "min_new_tokens": 0, "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
-    "repetition_penalty": 1.0, "n": 1, "stop": None, "stop_regex": None, "json_schema": None, "regex": None,
-    "ebnf": None, "structural_tag": None, "logit_bias": None, "custom_params": None, "beam_width": None,
-    "watermark": None, "choice": None,
-}  # fmt: skip
+    "min_new_tokens": 0,
+    "min_p": 0.0,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "n": 1,
+    "stop": None,
+    "stop_regex": None,
+    "json_schema": None,
+    "regex": None,
+    "ebnf": None,
+    "structural_tag": None,
+    "logit_bias": None,
+    "custom_params": None,
+    "beam_width": None,
+    "watermark": None,
+    "choice": None,
+}
 IMPLEMENTED = frozenset(
     {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "sampling_seed", "ignore_eos"}
 )
@@ -40,8 +53,14 @@ class Sampling:
     seed: int | None
 
 
-def validate(request: GenerateRequest, *, name: str, vocab_size: int, context_length: int | None,
-             eos_ids: frozenset[int]) -> Sampling:  # fmt: skip
+def validate(
+    request: GenerateRequest,
+    *,
+    name: str,
+    vocab_size: int,
+    context_length: int | None,
+    eos_ids: frozenset[int],
+) -> Sampling:
     """Check a request the way SGLang's server would; raise BackendRequestError (HTTP 400) otherwise."""
 
     def bad(message: str) -> BackendRequestError:
@@ -111,7 +130,11 @@ def draw(
 
 
 def sample_next(
-    logits: torch.Tensor, gens: list[torch.Generator | None], temp: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor
+    logits: torch.Tensor,
+    gens: list[torch.Generator | None],
+    temp: torch.Tensor,
+    top_p: torch.Tensor,
+    top_k: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick the next token of every row; return (tokens, their logprobs), both (B,).
 

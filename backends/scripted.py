@@ -124,8 +124,16 @@ class HashLM(BaseBackend):
 
     provider = "scripted"
 
-    def __init__(self, *, vocab: int = 1000, eos: int = 2, stop_every: int = 8, latency_s: float = 0.0,
-                 per_token_s: float = 0.0, model_name: str = "hashlm"):  # fmt: skip
+    def __init__(
+        self,
+        *,
+        vocab: int = 1000,
+        eos: int = 2,
+        stop_every: int = 8,
+        latency_s: float = 0.0,
+        per_token_s: float = 0.0,
+        model_name: str = "hashlm",
+    ):
         self.vocab, self.eos, self.stop_every = vocab, eos, stop_every
         self.latency_s, self.per_token_s = latency_s, per_token_s
         self.model_name = model_name
@@ -154,8 +162,14 @@ class HashLM(BaseBackend):
                 break
         if self.latency_s or self.per_token_s:
             await asyncio.sleep(self.latency_s + self.per_token_s * len(ids))
-        return GenerateResult(ids, logprobs if request.return_logprob else None, finish,
-                              prompt_tokens=len(request.prompt_ids), cached_tokens=0, server=self.model_name)  # fmt: skip
+        return GenerateResult(
+            ids,
+            logprobs if request.return_logprob else None,
+            finish,
+            prompt_tokens=len(request.prompt_ids),
+            cached_tokens=0,
+            server=self.model_name,
+        )
 
 
 # -- scripted servers in subprocesses ---------------------------------------------------------------
@@ -174,8 +188,18 @@ def scripted_servers(count: int = 2, latency_s: float = 0.0, timeout_s: float = 
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
-            cmd = [sys.executable, "-m", "backends.devserver", "--scripted", "--port", str(port),
-                   "--latency", str(latency_s), "--log-level", "warning"]  # fmt: skip
+            cmd = [
+                sys.executable,
+                "-m",
+                "backends.devserver",
+                "--scripted",
+                "--port",
+                str(port),
+                "--latency",
+                str(latency_s),
+                "--log-level",
+                "warning",
+            ]
             procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL))
             urls.append(f"http://127.0.0.1:{port}")
         deadline = time.monotonic() + timeout_s

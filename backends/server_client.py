@@ -50,7 +50,9 @@ from backends.retry import RetryPolicy, parse_retry_after, retry
 T = TypeVar("T")
 
 DEFAULT_REQUEST_TIMEOUT_S = 300.0  # per generate attempt, when neither the client nor the request sets one
-CONTROL_BODY_BYTES = 16 << 20  # info, health and control answers are small; generate answers have their own bound
+CONTROL_BODY_BYTES = (
+    16 << 20
+)  # info, health and control answers are small; generate answers have their own bound
 
 
 def error_message(body: Any, fallback: str) -> str:
@@ -61,13 +63,17 @@ def error_message(body: Any, fallback: str) -> str:
         if isinstance(err, str):
             return err  # SGLang's contract violation, vLLM's /pause 400: {"error": "..."}
         if isinstance(err, dict) and err.get("message"):
-            return str(err["message"])  # SGLang's ValueError, vLLM's ErrorResponse: {"error": {"message": ...}}
+            return str(
+                err["message"]
+            )  # SGLang's ValueError, vLLM's ErrorResponse: {"error": {"message": ...}}
         if body.get("message"):
             return str(body["message"])  # FastAPI / scheduler abort: {"object": "error", "message": ...}
         detail = body.get("detail")
         if isinstance(detail, str) and detail:
             return detail  # FastAPI's HTTPException
-        if isinstance(detail, list) and detail and all(isinstance(d, dict) for d in detail):  # a validation error
+        if (
+            isinstance(detail, list) and detail and all(isinstance(d, dict) for d in detail)
+        ):  # a validation error
             return "; ".join(f"{'.'.join(map(str, d.get('loc') or ()))}: {d.get('msg')}" for d in detail[:5])
     return fallback
 
@@ -76,9 +82,13 @@ async def read_bounded(resp: aiohttp.ClientResponse, max_bytes: int, what: str) 
     """The whole body, or BackendMalformed once it passes `max_bytes` (the rest is never read)."""
 
     def oversize(size: str) -> BackendMalformed:
-        return BackendMalformed(f"{what}: answered a body of {size} bytes, past the {max_bytes}-byte bound for "
-                                "this request; a server fault", server=str(resp.url.origin()),
-                                status=resp.status, kind="oversize")  # fmt: skip
+        return BackendMalformed(
+            f"{what}: answered a body of {size} bytes, past the {max_bytes}-byte bound for "
+            "this request; a server fault",
+            server=str(resp.url.origin()),
+            status=resp.status,
+            kind="oversize",
+        )
 
     if resp.content_length is not None and resp.content_length > max_bytes:
         raise oversize(str(resp.content_length))
@@ -121,8 +131,9 @@ class ServerClient(BaseBackend):
     ):
         self.url = url.rstrip("/")
         self.request_timeout_s = request_timeout_s
-        self.retry_policy = retry or RetryPolicy(attempts=1 + max_retries, backoff_s=backoff_s,
-                                                 backoff_max_s=backoff_max_s)  # fmt: skip
+        self.retry_policy = retry or RetryPolicy(
+            attempts=1 + max_retries, backoff_s=backoff_s, backoff_max_s=backoff_max_s
+        )
         self.keepalive_s = keepalive_s
         self.abort_grace_s = abort_grace_s  # after a deadline's abort, how long the partial answer is awaited
         self.context_length = context_length  # discovered from the server when not given
@@ -144,8 +155,9 @@ class ServerClient(BaseBackend):
         if self._session is None or self._session.closed:
             connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=self.keepalive_s)
             # No aiohttp timeout (its default is 5 min): every call here has its own deadline.
-            self._session = aiohttp.ClientSession(connector=connector, headers=self._headers,
-                                                  timeout=aiohttp.ClientTimeout(total=None))  # fmt: skip
+            self._session = aiohttp.ClientSession(
+                connector=connector, headers=self._headers, timeout=aiohttp.ClientTimeout(total=None)
+            )
 
     async def close(self) -> None:
         if self._info_task is not None and not self._info_task.done():
@@ -157,8 +169,14 @@ class ServerClient(BaseBackend):
 
     # -- HTTP plumbing ------------------------------------------------------------------------------------
 
-    async def _send(self, method: str, path: str, payload: Any = None, max_bytes: int = CONTROL_BODY_BYTES,
-                    params: Any = None) -> tuple[int, Mapping[str, str], bytes]:  # fmt: skip
+    async def _send(
+        self,
+        method: str,
+        path: str,
+        payload: Any = None,
+        max_bytes: int = CONTROL_BODY_BYTES,
+        params: Any = None,
+    ) -> tuple[int, Mapping[str, str], bytes]:
         """One HTTP exchange (see the module docstring)."""
         await self.start()
         assert self._session is not None
@@ -168,17 +186,29 @@ class ServerClient(BaseBackend):
                 try:
                     data = await read_bounded(resp, max_bytes, what)
                 except (aiohttp.ClientError, ConnectionError) as e:  # the headers came, the body did not
-                    raise BackendUnavailable(f"{what}: connection lost mid-response ({type(e).__name__} {e})",
-                                             server=self.url, status=resp.status, kind="resets") from e  # fmt: skip
+                    raise BackendUnavailable(
+                        f"{what}: connection lost mid-response ({type(e).__name__} {e})",
+                        server=self.url,
+                        status=resp.status,
+                        kind="resets",
+                    ) from e
                 return resp.status, resp.headers, data
         except aiohttp.ClientConnectorError as e:
             raise BackendUnavailable(f"{what}: cannot connect ({e})", server=self.url, kind="refused") from e
         except (aiohttp.ClientError, ConnectionError) as e:
-            raise BackendUnavailable(f"{what}: connection dropped before a response ({type(e).__name__} {e})",
-                                     server=self.url, kind="disconnects") from e  # fmt: skip
+            raise BackendUnavailable(
+                f"{what}: connection dropped before a response ({type(e).__name__} {e})",
+                server=self.url,
+                kind="disconnects",
+            ) from e
 
-    async def _retrying(self, what: str, attempt_fn: Callable[[int], Awaitable[T]], policy: RetryPolicy,
-                        retryable: Callable[[BaseException], bool] | None = None) -> T:  # fmt: skip
+    async def _retrying(
+        self,
+        what: str,
+        attempt_fn: Callable[[int], Awaitable[T]],
+        policy: RetryPolicy,
+        retryable: Callable[[BaseException], bool] | None = None,
+    ) -> T:
         """`retry()` with this client's message: the last failure, named by server and attempt count."""
         tries = 0
 
@@ -193,8 +223,16 @@ class ServerClient(BaseBackend):
             message = f"{self.url} unavailable after {tries} attempt(s) of {what}: {str(e).removeprefix(self.url + ': ')}"
             raise type(e)(message, server=self.url, status=e.status, kind=e.kind) from e
 
-    async def _call(self, method: str, path: str, payload: Any = None, *, timeout_s: float = 30.0,
-                    retries: int | None = None, params: Any = None) -> tuple[int, Any]:  # fmt: skip
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        payload: Any = None,
+        *,
+        timeout_s: float = 30.0,
+        retries: int | None = None,
+        params: Any = None,
+    ) -> tuple[int, Any]:
         """A control call with retries: (status, parsed body) for 2xx and 4xx; raises BackendUnavailable."""
         policy = self.retry_policy if retries is None else replace(self.retry_policy, attempts=1 + retries)
 
@@ -203,27 +241,41 @@ class ServerClient(BaseBackend):
                 async with asyncio.timeout(timeout_s):
                     status, headers, data = await self._send(method, path, payload, params=params)
             except TimeoutError:
-                raise BackendTimeout(f"{self.url}: {method} {path}: no answer within {timeout_s:g} s",
-                                     server=self.url, kind="timeouts") from None  # fmt: skip
-            body = read_json(data, what=f"{self.url}: {method} {path}", server=self.url, status=status,
-                             max_bytes=CONTROL_BODY_BYTES)  # fmt: skip
+                raise BackendTimeout(
+                    f"{self.url}: {method} {path}: no answer within {timeout_s:g} s",
+                    server=self.url,
+                    kind="timeouts",
+                ) from None
+            body = read_json(
+                data,
+                what=f"{self.url}: {method} {path}",
+                server=self.url,
+                status=status,
+                max_bytes=CONTROL_BODY_BYTES,
+            )
             if policy.retryable_status(status) or status >= 500:
                 message = " ".join(error_message(body, str(body)[:200]).split())  # one line
-                raise BackendUnavailable(f"HTTP {status}: {message}", server=self.url,
-                                         status=status, kind="http_errors",
-                                         retry_after=parse_retry_after(headers.get("Retry-After")))  # fmt: skip
+                raise BackendUnavailable(
+                    f"HTTP {status}: {message}",
+                    server=self.url,
+                    status=status,
+                    kind="http_errors",
+                    retry_after=parse_retry_after(headers.get("Retry-After")),
+                )
             return status, body
 
         return await self._retrying(f"{method} {path}", attempt, policy)
 
-    async def _control(self, method: str, path: str, payload: Any = None, timeout_s: float = 60,
-                       params: Any = None) -> Any:  # fmt: skip
+    async def _control(
+        self, method: str, path: str, payload: Any = None, timeout_s: float = 60, params: Any = None
+    ) -> Any:
         """A control call whose 4xx is the caller's error: BackendRequestError with the server's message."""
         status, body = await self._call(method, path, payload, timeout_s=timeout_s, params=params)
         if status >= 400:
             message = " ".join(error_message(body, str(body)[:500]).split())
-            raise BackendRequestError(f"{self.url}{path} failed: HTTP {status}: {message}", server=self.url,
-                                      status=status)  # fmt: skip
+            raise BackendRequestError(
+                f"{self.url}{path} failed: HTTP {status}: {message}", server=self.url, status=status
+            )
         return body
 
     async def _ok(self, path: str, timeout_s: float) -> bool:
@@ -253,8 +305,11 @@ class ServerClient(BaseBackend):
             async with asyncio.timeout(timeout_s):
                 await asyncio.shield(task)
         except TimeoutError:
-            raise BackendTimeout(f"{self.url}: {self.info_what} gave no answer within {timeout_s:g} s",
-                                 server=self.url, kind="timeouts") from None  # fmt: skip
+            raise BackendTimeout(
+                f"{self.url}: {self.info_what} gave no answer within {timeout_s:g} s",
+                server=self.url,
+                kind="timeouts",
+            ) from None
 
     # -- generation ---------------------------------------------------------------------------------------
 
@@ -271,9 +326,12 @@ class ServerClient(BaseBackend):
             return params
         room = self.context_length - self.context_margin - len(ids)
         if room <= 0:
-            raise BackendRequestError(f"{self.url}: prompt of {len(ids)} tokens leaves no room in the context length "
-                                      f"{self.context_length}: nothing can be generated; lower the trajectory's "
-                                      "budget", server=self.url)  # fmt: skip
+            raise BackendRequestError(
+                f"{self.url}: prompt of {len(ids)} tokens leaves no room in the context length "
+                f"{self.context_length}: nothing can be generated; lower the trajectory's "
+                "budget",
+                server=self.url,
+            )
         wanted = params.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
         clamped = room if wanted is None else min(int(wanted), room)
         return params if clamped == wanted else {**params, "max_new_tokens": clamped}
@@ -309,14 +367,20 @@ class ServerClient(BaseBackend):
         """The rid attempt `attempt` of the turn `rid` is sent under."""
         raise NotImplementedError
 
-    async def _generate_once(self, request: GenerateRequest, asked: GenerateRequest,
-                             timeout_s: float) -> GenerateResult:  # fmt: skip
+    async def _generate_once(
+        self, request: GenerateRequest, asked: GenerateRequest, timeout_s: float
+    ) -> GenerateResult:
         """One attempt of `request` as `asked` (its clamped budget, its wire rid): the engine's payload, sent
         by `_exchange`, and its answer checked by `backends.answer.parse_generate`."""
         raise NotImplementedError
 
-    async def _attempts(self, rid: str, request: GenerateRequest, wire: Callable[[int], str],
-                        once: Callable[[str], Awaitable[GenerateResult]]) -> GenerateResult:  # fmt: skip
+    async def _attempts(
+        self,
+        rid: str,
+        request: GenerateRequest,
+        wire: Callable[[int], str],
+        once: Callable[[str], Awaitable[GenerateResult]],
+    ) -> GenerateResult:
         """Run `once(wire rid)` under the retry policy (module docstring); `wire(n)` names attempt n's rid."""
 
         async def attempt(n: int) -> GenerateResult:
@@ -337,7 +401,9 @@ class ServerClient(BaseBackend):
         def retryable(e: BaseException) -> bool:  # a hung server stays hung: the router fails over instead
             return self.retry_policy.retryable(e) and not isinstance(e, BackendTimeout)
 
-        return await self._retrying(f"POST {self.generate_path} (rid {rid})", attempt, self.retry_policy, retryable)
+        return await self._retrying(
+            f"POST {self.generate_path} (rid {rid})", attempt, self.retry_policy, retryable
+        )
 
     def _attempt_failed(self, rid: str, error: BackendError) -> None:
         """An attempt under `rid` ended in `error` (an engine may keep the rid from reuse)."""
@@ -350,8 +416,9 @@ class ServerClient(BaseBackend):
         """The (path, payload) that aborts the live request `rid` at the server."""
         raise NotImplementedError
 
-    async def _exchange(self, payload: Any, rid: str, timeout_s: float, max_bytes: int,
-                        shapes: tuple[type, ...] = (dict,)) -> Any:  # fmt: skip
+    async def _exchange(
+        self, payload: Any, rid: str, timeout_s: float, max_bytes: int, shapes: tuple[type, ...] = (dict,)
+    ) -> Any:
         """One generate attempt under its deadline (module docstring) -> the 200 answer's JSON body, of one of
         `shapes`. Anything else raises: a body that is not JSON (malformed), a refusal (`_refusal`)."""
         self.counts["requests"] += 1
@@ -361,32 +428,51 @@ class ServerClient(BaseBackend):
             if not await self._pause.wait(exchange, timeout_s):
                 await self._abort_quietly(rid)
                 if not await self._pause.wait(exchange, self._grace(timeout_s)):
-                    raise BackendTimeout(f"{self.url}: {self.generate_path} rid {rid} had no answer within "
-                                         f"{timeout_s:g} s (request_timeout_s); aborted at the server",
-                                         server=self.url, kind="timeouts")  # fmt: skip
+                    raise BackendTimeout(
+                        f"{self.url}: {self.generate_path} rid {rid} had no answer within "
+                        f"{timeout_s:g} s (request_timeout_s); aborted at the server",
+                        server=self.url,
+                        kind="timeouts",
+                    )
             status, headers, data = exchange.result()
         finally:
             if not exchange.done():
                 exchange.cancel()  # closes the connection: both engines abort a request whose client went away
                 await asyncio.wait({exchange})
-        body = read_json(data, what=f"{self.url}: {self.generate_path} (rid {rid})", server=self.url, status=status,
-                         max_bytes=max_bytes)  # fmt: skip
+        body = read_json(
+            data,
+            what=f"{self.url}: {self.generate_path} (rid {rid})",
+            server=self.url,
+            status=status,
+            max_bytes=max_bytes,
+        )
         if status != 200:
             raise self._refusal(status, headers, body, rid)
         if not isinstance(body, shapes):
             kind = headers.get("Content-Type", "no content type").split(";")[0]
-            raise BackendMalformed(f"{self.url}: {self.generate_path} (rid {rid}) answered 200 with a {kind} body "
-                                   f"that is not a JSON response: {snippet(body or '')}; a server fault",
-                                   server=self.url, status=200, kind="malformed")  # fmt: skip
+            raise BackendMalformed(
+                f"{self.url}: {self.generate_path} (rid {rid}) answered 200 with a {kind} body "
+                f"that is not a JSON response: {snippet(body or '')}; a server fault",
+                server=self.url,
+                status=200,
+                kind="malformed",
+            )
         return body
 
     def _refusal(self, status: int, headers: Mapping[str, str], body: Any, rid: str) -> BackendError:
         """A generate answered other than 200: a server fault (408/429/5xx, retried) or the request's error."""
         message = " ".join(error_message(body, str(body)[:200]).split())  # validation errors may span lines
         if self.retry_policy.retryable_status(status) or status >= 500:
-            return BackendUnavailable(f"HTTP {status} for rid {rid}: {message}", server=self.url, status=status,
-                                      kind="http_errors", retry_after=parse_retry_after(headers.get("Retry-After")))  # fmt: skip
-        return BackendRequestError(f"{self.url} rejected rid {rid}: {message}", server=self.url, status=status)
+            return BackendUnavailable(
+                f"HTTP {status} for rid {rid}: {message}",
+                server=self.url,
+                status=status,
+                kind="http_errors",
+                retry_after=parse_retry_after(headers.get("Retry-After")),
+            )
+        return BackendRequestError(
+            f"{self.url} rejected rid {rid}: {message}", server=self.url, status=status
+        )
 
     async def _abort_quietly(self, rid: str) -> None:
         """Best effort abort of a rid past its deadline (the server may be the thing that hangs)."""

@@ -60,8 +60,17 @@ _UPDATED_NOT_FLUSHED = "Weights were updated, but the cache was not flushed"
 # Attempts that end this way may leave their rid at the server (a deadline, a cut connection, a duplicate).
 _MAY_BE_HELD = ("timeouts", "disconnects", "resets", "duplicate")
 # What a /generate can meet, counted in stats()["faults"]; each is one failed attempt or one abort.
-FAULT_KINDS = ("http_errors", "refused", "disconnects", "resets", "timeouts", *ANSWER_FAULTS, "duplicate",
-               "aborts_waiting", "aborts_running")  # fmt: skip
+FAULT_KINDS = (
+    "http_errors",
+    "refused",
+    "disconnects",
+    "resets",
+    "timeouts",
+    *ANSWER_FAULTS,
+    "duplicate",
+    "aborts_waiting",
+    "aborts_running",
+)
 
 
 class SGLangBackend(ServerClient):
@@ -97,8 +106,9 @@ class SGLangBackend(ServerClient):
         server = await self._get_info(("/server_info", "/get_server_info"))
         states = server.get("internal_states") or [{}]
         state = states[0] if isinstance(states, list) and states and isinstance(states[0], dict) else {}
-        self.max_input_len = self._count(server.get("max_req_input_len") or state.get("max_req_input_len"),
-                                         "max_req_input_len")  # fmt: skip
+        self.max_input_len = self._count(
+            server.get("max_req_input_len") or state.get("max_req_input_len"), "max_req_input_len"
+        )
         # Server args hold the context length when it was set at launch (else null); the input limit is
         # always there, `_INPUT_MARGIN` below it.
         if self.context_length is None:
@@ -117,8 +127,12 @@ class SGLangBackend(ServerClient):
             return None
         if type(value) is int and value > 0:
             return value
-        raise BackendMalformed(f"{self.url}: server info has {key} {snippet(value)}, not a positive integer",
-                               server=self.url, status=200, kind="bad_fields")  # fmt: skip
+        raise BackendMalformed(
+            f"{self.url}: server info has {key} {snippet(value)}, not a positive integer",
+            server=self.url,
+            status=200,
+            kind="bad_fields",
+        )
 
     async def model_info(self) -> dict[str, Any]:
         """`/model_info`, falling back to the deprecated `/get_model_info` of older servers."""
@@ -146,13 +160,20 @@ class SGLangBackend(ServerClient):
             )
         return super()._clamp(ids, params)
 
-    async def _generate_once(self, request: GenerateRequest, asked: GenerateRequest,
-                             timeout_s: float) -> GenerateResult:  # fmt: skip
+    async def _generate_once(
+        self, request: GenerateRequest, asked: GenerateRequest, timeout_s: float
+    ) -> GenerateResult:
         rid = asked.rid or ""
-        payload = {"input_ids": list(asked.prompt_ids), "sampling_params": asked.sampling_params,
-                   "return_logprob": asked.return_logprob, "rid": rid}  # fmt: skip
+        payload = {
+            "input_ids": list(asked.prompt_ids),
+            "sampling_params": asked.sampling_params,
+            "return_logprob": asked.return_logprob,
+            "rid": rid,
+        }
         body = await self._exchange(payload, rid, timeout_s, body_limit(asked), shapes=(dict, list))
-        result = parse_generate(body, server=self.url, return_logprob=asked.return_logprob, rid=rid, request=asked)
+        result = parse_generate(
+            body, server=self.url, return_logprob=asked.return_logprob, rid=rid, request=asked
+        )
         if result.finish_reason == "abort":
             self.faults[f"aborts_{result.extra['abort_kind']}"] += 1
         return self._context_cut(result, request)
@@ -189,8 +210,9 @@ class SGLangBackend(ServerClient):
         if isinstance(error, BackendRequestError) and "Duplicate request ID" in str(error):
             # an earlier attempt of ours is still live there: retry later, under another rid
             message = str(error).removeprefix(f"{self.url} rejected rid {rid}: ")
-            return BackendUnavailable(f"HTTP {status} for rid {rid}: {message}", server=self.url, status=status,
-                                      kind="duplicate")  # fmt: skip
+            return BackendUnavailable(
+                f"HTTP {status} for rid {rid}: {message}", server=self.url, status=status, kind="duplicate"
+            )
         return error
 
     # -- control ---------------------------------------------------------------------------------
@@ -232,34 +254,45 @@ class SGLangBackend(ServerClient):
             # Held requests keep their cache, so SGLang cannot flush it: it would load the weights and answer
             # 400 "Weights were updated, but the cache was not flushed". Say so up front instead.
             payload.setdefault("flush_cache", False)
-        status, body = await self._call("POST", "/update_weights_from_disk", payload, timeout_s=_WEIGHTS_TIMEOUT_S)
+        status, body = await self._call(
+            "POST", "/update_weights_from_disk", payload, timeout_s=_WEIGHTS_TIMEOUT_S
+        )
         message = error_message(body, str(body)[:500])
         if status == 400 and message.startswith(_UPDATED_NOT_FLUSHED):
             log.warning("%s: %s", self.url, message)  # the new weights serve; only the prefix cache is stale
             return {**body, "success": True, "cache_flushed": False}
         if status >= 400:  # a failed load: 400 {"success": false, "message": ...}
-            raise BackendRequestError(f"{self.url}/update_weights_from_disk failed: {message}", server=self.url,
-                                      status=status)  # fmt: skip
+            raise BackendRequestError(
+                f"{self.url}/update_weights_from_disk failed: {message}", server=self.url, status=status
+            )
         return body
 
-    async def update_weights_from_tensor(self, weight_version: str | None = None, **payload: Any) -> dict[str, Any]:
+    async def update_weights_from_tensor(
+        self, weight_version: str | None = None, **payload: Any
+    ) -> dict[str, Any]:
         """`/update_weights_from_tensor`: payload passed through (serialized_named_tensors, load_format,
         flush_cache...)."""
         if weight_version is not None:
             payload["weight_version"] = weight_version
-        return await self._control("POST", "/update_weights_from_tensor", payload, timeout_s=_WEIGHTS_TIMEOUT_S)
+        return await self._control(
+            "POST", "/update_weights_from_tensor", payload, timeout_s=_WEIGHTS_TIMEOUT_S
+        )
 
-    async def update_weights_from_distributed(self, weight_version: str | None = None,
-                                              **payload: Any) -> dict[str, Any]:  # fmt: skip
+    async def update_weights_from_distributed(
+        self, weight_version: str | None = None, **payload: Any
+    ) -> dict[str, Any]:
         """`/update_weights_from_distributed`: payload passed through (names, dtypes, shapes, group_name...)."""
         if weight_version is not None:
             payload["weight_version"] = weight_version
-        return await self._control("POST", "/update_weights_from_distributed", payload,
-                                   timeout_s=_WEIGHTS_TIMEOUT_S)  # fmt: skip
+        return await self._control(
+            "POST", "/update_weights_from_distributed", payload, timeout_s=_WEIGHTS_TIMEOUT_S
+        )
 
     async def init_weights_update_group(self, **payload: Any) -> dict[str, Any]:
         """`/init_weights_update_group` (master_address, master_port, rank_offset, world_size, group_name...)."""
-        return await self._control("POST", "/init_weights_update_group", payload, timeout_s=_WEIGHTS_TIMEOUT_S)
+        return await self._control(
+            "POST", "/init_weights_update_group", payload, timeout_s=_WEIGHTS_TIMEOUT_S
+        )
 
     async def destroy_weights_update_group(self, **payload: Any) -> dict[str, Any]:
         return await self._control("POST", "/destroy_weights_update_group", payload)

@@ -55,13 +55,26 @@ __all__ = ["VLLMBackend", "FAULT_KINDS", "PAUSE_MODES", "sglang_shape", "vllm_pa
 log = logging.getLogger(__name__)
 
 _WEIGHTS_TIMEOUT_S = 600.0  # a weight reload may take minutes
-EXTENSION = "backends.vllm_reload.ExactReload"  # the worker extension exact updates need (--worker-extension-cls)
+EXTENSION = (
+    "backends.vllm_reload.ExactReload"  # the worker extension exact updates need (--worker-extension-cls)
+)
 REQUEST_PREFIX = "generate-tokens-"  # what vLLM puts before a /inference/v1/generate request id
 # The engine's (SGLang's) pause modes -> vLLM's; vLLM's own names are taken as they are.
 PAUSE_MODES = {"abort": "abort", "in_place": "keep", "retract": "wait", "keep": "keep", "wait": "wait"}
 _RENAMED = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "sampling_seed": "seed"}
-_SAME = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
-         "stop_token_ids", "ignore_eos", "n", "logit_bias")  # fmt: skip
+_SAME = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "stop_token_ids",
+    "ignore_eos",
+    "n",
+    "logit_bias",
+)
 FAULT_KINDS = ("http_errors", "refused", "disconnects", "resets", "timeouts", *ANSWER_FAULTS, "aborts")
 
 
@@ -75,7 +88,9 @@ def vllm_params(params: dict[str, Any], return_logprob: bool) -> dict[str, Any]:
             out[key] = value
         else:
             known = ", ".join(sorted((*_RENAMED, *_SAME)))
-            raise BackendRequestError(f"sampling parameter {key!r} has no vLLM equivalent here (known: {known})")
+            raise BackendRequestError(
+                f"sampling parameter {key!r} has no vLLM equivalent here (known: {known})"
+            )
     if out.get("top_k") is not None and out["top_k"] < 0:
         out["top_k"] = 0  # SGLang's "off" is -1; vLLM 0.32 takes 0 (and -1) for off
     if return_logprob:
@@ -89,8 +104,12 @@ def sglang_shape(body: Any, *, server: str, rid: str) -> dict[str, Any]:
     structure is checked here (one choice, a known finish reason), the values there."""
 
     def bad(what: str) -> BackendMalformed:
-        return BackendMalformed(f"{server}: /inference/v1/generate (rid {rid}) answered 200 with {what}; a server "
-                                "fault", server=server, status=200, kind="malformed")  # fmt: skip
+        return BackendMalformed(
+            f"{server}: /inference/v1/generate (rid {rid}) answered 200 with {what}; a server fault",
+            server=server,
+            status=200,
+            kind="malformed",
+        )
 
     choices = body.get("choices") if isinstance(body, dict) else None
     if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
@@ -132,7 +151,9 @@ class VLLMBackend(ServerClient):
     context_margin = 0  # vLLM takes prompt + max_tokens == max_model_len
 
     fault_kinds = FAULT_KINDS
-    _extension: bool | None = None  # whether the server runs backends/vllm_reload.py (read once, at the first update)
+    _extension: bool | None = (
+        None  # whether the server runs backends/vllm_reload.py (read once, at the first update)
+    )
     _device = ""  # vLLM's device_config.device
 
     # -- what the server says about itself ----------------------------------------------------------------
@@ -141,21 +162,34 @@ class VLLMBackend(ServerClient):
         status, body = await self._call("GET", "/v1/models")
         cards = body.get("data") if isinstance(body, dict) else None
         if status != 200 or not isinstance(cards, list) or not cards or not isinstance(cards[0], dict):
-            raise BackendMalformed(f"{self.url}: /v1/models answered {status} {snippet(body)}, not a model list",
-                                   server=self.url, status=status, kind="bad_fields")  # fmt: skip
+            raise BackendMalformed(
+                f"{self.url}: /v1/models answered {status} {snippet(body)}, not a model list",
+                server=self.url,
+                status=status,
+                kind="bad_fields",
+            )
         card = cards[0]
         length = card.get("max_model_len")
         if length is not None and (type(length) is not int or length <= 0):
-            raise BackendMalformed(f"{self.url}: /v1/models has max_model_len {snippet(length)}, not a positive "
-                                   "integer", server=self.url, status=200, kind="bad_fields")  # fmt: skip
+            raise BackendMalformed(
+                f"{self.url}: /v1/models has max_model_len {snippet(length)}, not a positive integer",
+                server=self.url,
+                status=200,
+                kind="bad_fields",
+            )
         if self.context_length is None:
             self.context_length = length
         if not self._name_given and isinstance(card.get("id"), str):
             self.model_name = card["id"]
         path = card.get("root") if isinstance(card.get("root"), str) else None
         # SGLang's /model_info keys, which the engine reads (tokenizer path, weight version)
-        self._info = {"model_path": path, "tokenizer_path": path, "served_model_name": card.get("id"),
-                      "context_length": length, "engine": "vllm"}  # fmt: skip
+        self._info = {
+            "model_path": path,
+            "tokenizer_path": path,
+            "served_model_name": card.get("id"),
+            "context_length": length,
+            "engine": "vllm",
+        }
         return self._info
 
     async def model_info(self) -> dict[str, Any]:
@@ -180,19 +214,32 @@ class VLLMBackend(ServerClient):
     # -- generation ---------------------------------------------------------------------------------------
 
     def _wire_rid(self, rid: str, attempt: int, session_id: str) -> str:
-        return rid if attempt == 1 else f"{rid}_a{attempt}"  # exact-match aborts: a retry never shares a hung id
+        return (
+            rid if attempt == 1 else f"{rid}_a{attempt}"
+        )  # exact-match aborts: a retry never shares a hung id
 
-    async def _generate_once(self, request: GenerateRequest, asked: GenerateRequest,
-                             timeout_s: float) -> GenerateResult:  # fmt: skip
+    async def _generate_once(
+        self, request: GenerateRequest, asked: GenerateRequest, timeout_s: float
+    ) -> GenerateResult:
         rid, params = asked.rid or "", asked.sampling_params
         if params.get("max_new_tokens") == 0:  # vLLM refuses max_tokens 0; nothing would be made
-            return GenerateResult([], [] if asked.return_logprob else None, "length",
-                                  prompt_tokens=len(asked.prompt_ids), server=self.url)  # fmt: skip
-        payload = {"token_ids": list(asked.prompt_ids), "request_id": rid,
-                   "sampling_params": vllm_params(params, asked.return_logprob)}  # fmt: skip
+            return GenerateResult(
+                [],
+                [] if asked.return_logprob else None,
+                "length",
+                prompt_tokens=len(asked.prompt_ids),
+                server=self.url,
+            )
+        payload = {
+            "token_ids": list(asked.prompt_ids),
+            "request_id": rid,
+            "sampling_params": vllm_params(params, asked.return_logprob),
+        }
         body = await self._exchange(payload, rid, timeout_s, body_limit(asked))
         shaped = sglang_shape(body, server=self.url, rid=rid)
-        result = parse_generate(shaped, server=self.url, return_logprob=asked.return_logprob, rid=rid, request=asked)
+        result = parse_generate(
+            shaped, server=self.url, return_logprob=asked.return_logprob, rid=rid, request=asked
+        )
         if result.finish_reason == "abort":
             self.faults["aborts"] += 1
         return self._context_cut(result, request)
@@ -242,7 +289,9 @@ class VLLMBackend(ServerClient):
             raise ValueError(f"unknown pause mode {mode!r}; expected one of {', '.join(PAUSE_MODES)}")
         self._pause.set(mode)
         try:  # "wait" answers once the running requests finished: bounded like a weight update
-            return await self._control("POST", "/pause", params={"mode": native}, timeout_s=_WEIGHTS_TIMEOUT_S)
+            return await self._control(
+                "POST", "/pause", params={"mode": native}, timeout_s=_WEIGHTS_TIMEOUT_S
+            )
         except BaseException:
             self._pause.set(None)
             raise
@@ -266,23 +315,29 @@ class VLLMBackend(ServerClient):
     async def update_weight_version(self, version: str) -> dict[str, Any]:
         return await self._control("POST", "/update_weight_version", {"new_version": str(version)})
 
-    async def update_weights_from_disk(self, path: str, weight_version: str | None = None,
-                                       **options: Any) -> dict[str, Any]:  # fmt: skip
+    async def update_weights_from_disk(
+        self, path: str, weight_version: str | None = None, **options: Any
+    ) -> dict[str, Any]:
         """Reload the weights in place from a checkpoint directory so that the server serves exactly it, then
         label them `weight_version`, under a `keep` pause unless this client already holds one (module
         docstring). Refused, before anything moves, where the reload could not be exact (a CPU server without
         the worker extension). `options` are refused: vLLM's reload takes none."""
         if options:
-            raise BackendRequestError(f"{self.url}: vLLM's weight reload takes no options {sorted(options)}",
-                                      server=self.url)  # fmt: skip
+            raise BackendRequestError(
+                f"{self.url}: vLLM's weight reload takes no options {sorted(options)}", server=self.url
+            )
         exact = await self._exact_updates(f"an update from {path}")
         own = self._pause.mode is None
         if own:
             await self.pause_generation("keep")
         try:
             method = "agentfsm_reload_weights" if exact else "reload_weights"
-            body = await self._control("POST", "/collective_rpc", {"method": method,
-                                       "kwargs": {"weights_path": str(path)}}, timeout_s=_WEIGHTS_TIMEOUT_S)  # fmt: skip
+            body = await self._control(
+                "POST",
+                "/collective_rpc",
+                {"method": method, "kwargs": {"weights_path": str(path)}},
+                timeout_s=_WEIGHTS_TIMEOUT_S,
+            )
             if exact:
                 self._check_heads(body, f"the update from {path}")
             if weight_version is not None:
@@ -308,7 +363,8 @@ class VLLMBackend(ServerClient):
                 "reload_weights, so a model with tie_word_embeddings would serve the new layers with the old head; "
                 f"start the server with --worker-extension-cls {EXTENSION} and the directory "
                 "backends.launcher.place_extension(DIR) writes on its PYTHONPATH, as --launch-vllm does",
-                server=self.url)  # fmt: skip
+                server=self.url,
+            )
         return self._extension
 
     def _check_heads(self, body: Any, what: str) -> None:
@@ -316,13 +372,21 @@ class VLLMBackend(ServerClient):
         fails the update, naming the server and the layer."""
         results = body.get("results") if isinstance(body, dict) else None
         if not isinstance(results, list) or not results or not all(isinstance(r, dict) for r in results):
-            raise BackendMalformed(f"{self.url}: /collective_rpc answered {snippet(body)} for {what}, not the "
-                                   "worker extension's report", server=self.url, status=200, kind="malformed")  # fmt: skip
+            raise BackendMalformed(
+                f"{self.url}: /collective_rpc answered {snippet(body)} for {what}, not the "
+                "worker extension's report",
+                server=self.url,
+                status=200,
+                kind="malformed",
+            )
         stale = [item for r in results for item in (r.get("stale") or [])]
         if stale:
             names = ", ".join(f"{name} (off by {error:.3g} relative)" for name, error in stale)
-            raise BackendRequestError(f"{self.url}: after {what} the server computes with other weights than "
-                                      f"it holds: {names}; it does not serve the checkpoint", server=self.url)  # fmt: skip
+            raise BackendRequestError(
+                f"{self.url}: after {what} the server computes with other weights than "
+                f"it holds: {names}; it does not serve the checkpoint",
+                server=self.url,
+            )
 
     async def start_weight_update(self) -> dict[str, Any]:
         """`/start_weight_update`: opens a session of the configured weight-transfer engine."""
@@ -330,8 +394,9 @@ class VLLMBackend(ServerClient):
 
     async def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> dict[str, Any]:
         """`/update_weights`: one chunk of the weight-transfer engine's payload, passed through."""
-        return await self._control("POST", "/update_weights", {"update_info": update_info},
-                                   timeout_s=_WEIGHTS_TIMEOUT_S)  # fmt: skip
+        return await self._control(
+            "POST", "/update_weights", {"update_info": update_info}, timeout_s=_WEIGHTS_TIMEOUT_S
+        )
 
     async def finish_weight_update(self, weight_version: str | None = None) -> dict[str, Any]:
         """`/finish_weight_update`, then (with the worker extension) the heads refreshed and checked as after a
@@ -340,7 +405,8 @@ class VLLMBackend(ServerClient):
         payload = {} if weight_version is None else {"weight_version": str(weight_version)}
         body = await self._control("POST", "/finish_weight_update", payload, timeout_s=_WEIGHTS_TIMEOUT_S)
         if exact:
-            heads = await self._control("POST", "/collective_rpc", {"method": "agentfsm_refresh_heads"},
-                                        timeout_s=_WEIGHTS_TIMEOUT_S)  # fmt: skip
+            heads = await self._control(
+                "POST", "/collective_rpc", {"method": "agentfsm_refresh_heads"}, timeout_s=_WEIGHTS_TIMEOUT_S
+            )
             self._check_heads(heads, "the weight transfer")
         return body

@@ -70,5 +70,8 @@ def _heads(model: Any) -> list[tuple[str, Any]]:
         VocabParallelEmbedding,
     )
 
-    return [(name, m) for name, m in model.named_modules()
-            if isinstance(m, VocabParallelEmbedding) and isinstance(m.quant_method, UnquantizedEmbeddingMethod)]  # fmt: skip
+    return [
+        (name, m)
+        for name, m in model.named_modules()
+        if isinstance(m, VocabParallelEmbedding) and isinstance(m.quant_method, UnquantizedEmbeddingMethod)
+    ]

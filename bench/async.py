@@ -117,8 +117,9 @@ async def _sync_steps(engine: Any, rows: list[dict], steps: int, batch: int, n: 
     return {"staleness": dict(staleness)}
 
 
-async def _continuous(engine: Any, rows: list[dict], steps: int, batch: int, n: int, train_s: float,
-                      max_staleness: int) -> dict:  # fmt: skip
+async def _continuous(
+    engine: Any, rows: list[dict], steps: int, batch: int, n: int, train_s: float, max_staleness: int
+) -> dict:
     ahead = 2 * batch
     await engine.asubmit(rows[:ahead], n=n)
     sent = ahead
@@ -133,9 +134,20 @@ async def _continuous(engine: Any, rows: list[dict], steps: int, batch: int, n: 
     return {"staleness": stats["staleness"], "stale_rerun": stats["stale_rerun"]}
 
 
-def bench_async(*, servers: int = 2, steps: int = 8, batch: int = 16, n: int = 4, train_s: float = 0.3,
-                median_s: float = 0.08, sigma: float = 0.6, slow_share: float = 0.02, slow_s: float = 1.5,
-                max_staleness: int = 2, concurrency: int = 512) -> dict[str, Any]:  # fmt: skip
+def bench_async(
+    *,
+    servers: int = 2,
+    steps: int = 8,
+    batch: int = 16,
+    n: int = 4,
+    train_s: float = 0.3,
+    median_s: float = 0.08,
+    sigma: float = 0.6,
+    slow_share: float = 0.02,
+    slow_s: float = 1.5,
+    max_staleness: int = 2,
+    concurrency: int = 512,
+) -> dict[str, Any]:
     from backends.tiny import ASSET_DIR
     from fsm.api import RolloutEngine
     from specs.calculator import make_prompts
@@ -145,7 +157,9 @@ def bench_async(*, servers: int = 2, steps: int = 8, batch: int = 16, n: int = 4
     results: dict[str, Any] = {}
     try:
         for mode in ("synchronous", "continuous"):
-            engine = RolloutEngine("calculator", str(ASSET_DIR), servers=fleet.urls, max_concurrency=concurrency)
+            engine = RolloutEngine(
+                "calculator", str(ASSET_DIR), servers=fleet.urls, max_concurrency=concurrency
+            )
             try:
 
                 async def go(engine: Any = engine, mode: str = mode) -> dict:
@@ -174,11 +188,19 @@ def bench_async(*, servers: int = 2, steps: int = 8, batch: int = 16, n: int = 4
             }
     finally:
         fleet.close()
-    results["speedup"] = round(results["continuous"]["trajectories_per_s"] /
-                               results["synchronous"]["trajectories_per_s"], 2)  # fmt: skip
-    results["setup"] = {"servers": servers, "steps": steps, "groups_per_step": batch, "n": n, "train_s": train_s,
-                        "latency": f"lognormal(median {median_s}s, sigma {sigma}) + {slow_s}s on {slow_share:.0%}",
-                        "max_staleness": max_staleness, "stale": "rerun"}  # fmt: skip
+    results["speedup"] = round(
+        results["continuous"]["trajectories_per_s"] / results["synchronous"]["trajectories_per_s"], 2
+    )
+    results["setup"] = {
+        "servers": servers,
+        "steps": steps,
+        "groups_per_step": batch,
+        "n": n,
+        "train_s": train_s,
+        "latency": f"lognormal(median {median_s}s, sigma {sigma}) + {slow_s}s on {slow_share:.0%}",
+        "max_staleness": max_staleness,
+        "stale": "rerun",
+    }
     print(table(results), file=sys.stderr)
     return results
 
@@ -189,6 +211,8 @@ def table(results: dict[str, Any]) -> str:
     for mode in ("synchronous", "continuous"):
         r = results[mode]
         stale = ", ".join(f"{k}: {v}" for k, v in r["staleness"].items())
-        lines.append(f"{mode:<12} {r['trajectories_per_s']:>8} {r['wall_s']:>8} {r['server_idle_share']:>11}  {stale}")
+        lines.append(
+            f"{mode:<12} {r['trajectories_per_s']:>8} {r['wall_s']:>8} {r['server_idle_share']:>11}  {stale}"
+        )
     lines.append(f"speedup: {results['speedup']}x  ({results['setup']['latency']})")
     return "\n".join(lines)

@@ -42,7 +42,9 @@ def _trajectories(n: int, prompt: int, response: int, seed: int = 0) -> list[Tra
     return trajs
 
 
-def bench_collate(n: int = 1024, prompt: int = 1024, response: int = 4096, repeats: int = 5) -> dict[str, Any]:
+def bench_collate(
+    n: int = 1024, prompt: int = 1024, response: int = 4096, repeats: int = 5
+) -> dict[str, Any]:
     """Median ms (CPU time of this process: other load on the machine does not count) of `collate` and of a
     memcpy of its output tensors' bytes into a new and into a touched buffer, interleaved `repeats` times."""
     trajs = _trajectories(n, prompt, response)
@@ -61,16 +63,22 @@ def bench_collate(n: int = 1024, prompt: int = 1024, response: int = 4096, repea
             times[name].append(time.process_time() - t0)
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     out = {
-        "trajectories": n, "prompt_length": prompt, "response_length": response, "repeats": repeats,
+        "trajectories": n,
+        "prompt_length": prompt,
+        "response_length": response,
+        "repeats": repeats,
         "batch_mib": round(nbytes / 2**20, 1),
         "collate_ms": round(med["collate"], 1),
         "memcpy_ms": round(med["memcpy"], 1),
         "memcpy_touched_ms": round(med["memcpy_touched"], 1),
         "ratio_to_memcpy": round(med["collate"] / med["memcpy"], 2),
         "ratio_to_memcpy_touched": round(med["collate"] / med["memcpy_touched"], 2),
-    }  # fmt: skip
-    print(f"collate {n} x ({prompt} + {response}) tokens: {out['collate_ms']:.1f} ms CPU; a memcpy of its "
-          f"{out['batch_mib']} MiB into a new buffer {out['memcpy_ms']:.1f} ms ({out['ratio_to_memcpy']:.2f}x), "
-          f"into a touched one {out['memcpy_touched_ms']:.1f} ms ({out['ratio_to_memcpy_touched']:.2f}x); "
-          f"median of {repeats}", file=sys.stderr)  # fmt: skip
+    }
+    print(
+        f"collate {n} x ({prompt} + {response}) tokens: {out['collate_ms']:.1f} ms CPU; a memcpy of its "
+        f"{out['batch_mib']} MiB into a new buffer {out['memcpy_ms']:.1f} ms ({out['ratio_to_memcpy']:.2f}x), "
+        f"into a touched one {out['memcpy_touched_ms']:.1f} ms ({out['ratio_to_memcpy_touched']:.2f}x); "
+        f"median of {repeats}",
+        file=sys.stderr,
+    )
     return out

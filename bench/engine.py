@@ -50,7 +50,9 @@ async def echo(text: str) -> str:
 class TableCodec(Codec):
     """A qwen2.5 Codec whose renders are precomputed: same interface and token ids, no jinja per call."""
 
-    def __init__(self, prompt: list[int], observation: list[int], turns: dict[tuple[int, ...], str], eos: int):
+    def __init__(
+        self, prompt: list[int], observation: list[int], turns: dict[tuple[int, ...], str], eos: int
+    ):
         self.tokenizer, self.eos_id, self.pad_id, self.vocab_size = None, eos, 0, 1 << 16
         self.turn_closer, self.stop_ids, self._strip_ids = [eos, 198], {eos}, {eos}
         self.family, self._verl_exact = get_family("qwen2.5"), True
@@ -68,8 +70,10 @@ class TableCodec(Codec):
 
 def _calculator_replies(tok: Any) -> tuple[list[int], list[int]]:
     """The scripted model's two answers: a calculator call, then the final answer (each ending in EOS)."""
-    call = tok.encode('<tool_call>\n{"name": "calculator", "arguments": {"expression": "1 + 2"}}\n</tool_call>',
-                      add_special_tokens=False) + [tok.eos_token_id]  # fmt: skip
+    call = tok.encode(
+        '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1 + 2"}}\n</tool_call>',
+        add_special_tokens=False,
+    ) + [tok.eos_token_id]
     return call, tok.encode("The answer is 3.\n#### 3", add_special_tokens=False) + [tok.eos_token_id]
 
 
@@ -80,11 +84,15 @@ def _workload(tool_turns: int) -> tuple[TableCodec, ScriptedBackend]:
     codec = TableCodec(
         prompt=[5 + (i % 200) for i in range(64)],
         observation=[90 + (i % 20) for i in range(16)],
-        turns={tuple(call[:-1]): '<tool_call>{"name": "echo", "arguments": {"text": "hi"}}</tool_call>',
-               tuple(answer[:-1]): "The answer is 3.\n#### 3"},  # fmt: skip
+        turns={
+            tuple(call[:-1]): '<tool_call>{"name": "echo", "arguments": {"text": "hi"}}</tool_call>',
+            tuple(answer[:-1]): "The answer is 3.\n#### 3",
+        },
         eos=eos,
     )
-    backend = ScriptedBackend(lambda session, turn, prompt: call if turn < tool_turns else answer, logprob=-0.25)
+    backend = ScriptedBackend(
+        lambda session, turn, prompt: call if turn < tool_turns else answer, logprob=-0.25
+    )
     backend.record_requests = False
     return codec, backend
 
@@ -185,8 +193,13 @@ KINDS = {
 }
 
 
-def bench_engine(n: int = 2000, concurrency: int | None = None, tool_turns: int = 4, repeats: int = 3,
-                 memory_n: int | None = None) -> dict[str, Any]:  # fmt: skip
+def bench_engine(
+    n: int = 2000,
+    concurrency: int | None = None,
+    tool_turns: int = 4,
+    repeats: int = 3,
+    memory_n: int | None = None,
+) -> dict[str, Any]:
     """Median over `repeats` of interleaved runs of each of KINDS (CPU seconds of this process, so other load
     on the machine does not count), peak memory per trajectory, and one machine step in isolation. The
     defaults take well under a minute; `n` and `concurrency` 10,000 show the cost at scale."""
@@ -197,13 +210,25 @@ def bench_engine(n: int = 2000, concurrency: int | None = None, tool_turns: int 
         for kind in KINDS:
             gc.collect()
             elapsed, transitions, trajs = asyncio.run(_run(kind, n, concurrency, tool_turns))
-            expected = 64 + tool_turns * (25 + 1 + 16) + 13  # prompt, tool rounds (turn, closer, observation), answer
-            bad = [t for t in trajs if t.termination_reason != "done" or len(t.prompt_ids) + len(t.response_ids) != expected]
+            expected = (
+                64 + tool_turns * (25 + 1 + 16) + 13
+            )  # prompt, tool rounds (turn, closer, observation), answer
+            bad = [
+                t
+                for t in trajs
+                if t.termination_reason != "done" or len(t.prompt_ids) + len(t.response_ids) != expected
+            ]
             assert not bad, f"{kind}: {bad[0].termination_reason} {bad[0].error}"
             times[kind].append(elapsed)
             del trajs
-    out: dict[str, Any] = {"trajectories": n, "concurrency": concurrency, "tool_turns": tool_turns,
-                           "transitions_per_trajectory": transitions // n, "repeats": repeats, "kinds": KINDS}  # fmt: skip
+    out: dict[str, Any] = {
+        "trajectories": n,
+        "concurrency": concurrency,
+        "tool_turns": tool_turns,
+        "transitions_per_trajectory": transitions // n,
+        "repeats": repeats,
+        "kinds": KINDS,
+    }
     for kind, ts in times.items():
         med = statistics.median(ts)
         out[kind] = {
@@ -213,15 +238,22 @@ def bench_engine(n: int = 2000, concurrency: int | None = None, tool_turns: int 
         }
         if kind != "engine_lane":
             m = memory_n or n
-            out[kind]["peak_bytes_per_trajectory"] = round(_peak_bytes_per_trajectory(kind, m, min(m, concurrency), tool_turns))
+            out[kind]["peak_bytes_per_trajectory"] = round(
+                _peak_bytes_per_trajectory(kind, m, min(m, concurrency), tool_turns)
+            )
     out["engine_overhead_us_per_transition"] = round(
         out["engine"]["us_per_transition"] - out["reference"]["us_per_transition"], 2
     )
-    out["ratio_engine_to_reference"] = round(out["engine"]["median_cpu_s"] / out["reference"]["median_cpu_s"], 3)
+    out["ratio_engine_to_reference"] = round(
+        out["engine"]["median_cpu_s"] / out["reference"]["median_cpu_s"], 3
+    )
     out["machine_step"] = bench_step(tool_turns)
-    print(f"bench engine: {n} trajectories, {concurrency} in flight, {tool_turns} tool turns, median of {repeats}: "
-          + ", ".join(f"{k} {out[k]['us_per_transition']:.1f} µs" for k in KINDS) + " CPU per transition",
-          file=sys.stderr)  # fmt: skip
+    print(
+        f"bench engine: {n} trajectories, {concurrency} in flight, {tool_turns} tool turns, median of {repeats}: "
+        + ", ".join(f"{k} {out[k]['us_per_transition']:.1f} µs" for k in KINDS)
+        + " CPU per transition",
+        file=sys.stderr,
+    )
     return out
 
 
@@ -285,13 +317,22 @@ def bench_calculator(n: int = 2000, concurrency: int | None = None, repeats: int
     asyncio.run(runner.run(rows))
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    print(f"bench engine: calculator workload, {n} trajectories, {concurrency} in flight, median of {repeats}: "
-          f"{us:.0f} µs CPU per trajectory; {peak / m / 1024:.1f} KB per in-flight trajectory ({m} in flight)",
-          file=sys.stderr)  # fmt: skip
-    return {"workload": "calculator", "trajectories": n, "concurrency": concurrency, "repeats": repeats,
-            "cpu_us_per_trajectory": round(us, 1), "runs_cpu_s": [round(r, 3) for r in runs],
-            "gc_collections_per_run": collections,
-            "peak_bytes_per_trajectory": round(peak / m), "memory_trajectories": m}  # fmt: skip
+    print(
+        f"bench engine: calculator workload, {n} trajectories, {concurrency} in flight, median of {repeats}: "
+        f"{us:.0f} µs CPU per trajectory; {peak / m / 1024:.1f} KB per in-flight trajectory ({m} in flight)",
+        file=sys.stderr,
+    )
+    return {
+        "workload": "calculator",
+        "trajectories": n,
+        "concurrency": concurrency,
+        "repeats": repeats,
+        "cpu_us_per_trajectory": round(us, 1),
+        "runs_cpu_s": [round(r, 3) for r in runs],
+        "gc_collections_per_run": collections,
+        "peak_bytes_per_trajectory": round(peak / m),
+        "memory_trajectories": m,
+    }
 
 
 def bench_contexts(n: int = 500, tool_turns: int = 4, repeats: int = 3) -> dict[str, Any]:
@@ -308,10 +349,17 @@ def bench_contexts(n: int = 500, tool_turns: int = 4, repeats: int = 3) -> dict[
     repo = Path(__file__).resolve().parent.parent
     tok = AutoTokenizer.from_pretrained(str(repo / "backends/tiny/assets"))
     base = compile_spec(repo / "specs/calculator.yaml")
-    limits = base.spec.limits.model_copy(update={"max_assistant_turns": tool_turns + 2, "response_length": 2048})
-    agents = {policy: compile_spec(base.spec.model_copy(update={
-        "limits": limits, "context": base.spec.context.model_copy(update={"policy": policy})}))
-        for policy in ("append", "template")}  # fmt: skip
+    limits = base.spec.limits.model_copy(
+        update={"max_assistant_turns": tool_turns + 2, "response_length": 2048}
+    )
+    agents = {
+        policy: compile_spec(
+            base.spec.model_copy(
+                update={"limits": limits, "context": base.spec.context.model_copy(update={"policy": policy})}
+            )
+        )
+        for policy in ("append", "template")
+    }
     call, answer = _calculator_replies(tok)
 
     class Replay(BaseBackend):
@@ -319,7 +367,9 @@ def bench_contexts(n: int = 500, tool_turns: int = 4, repeats: int = 3) -> dict[
 
         async def generate(self, request: Any) -> GenerateResult:
             ids = call if int(request.rid.rsplit("_t", 1)[1][:2]) < tool_turns else answer
-            return GenerateResult(list(ids), [-0.5] * len(ids), "stop", len(request.prompt_ids), 0, server="replay")
+            return GenerateResult(
+                list(ids), [-0.5] * len(ids), "stop", len(request.prompt_ids), 0, server="replay"
+            )
 
     rows = make_prompts(n)
     runs: dict[str, list[float]] = {policy: [] for policy in agents}
@@ -334,18 +384,34 @@ def bench_contexts(n: int = 500, tool_turns: int = 4, repeats: int = 3) -> dict[
             trajs = asyncio.run(runner.run(rows))
             runs[policy].append(time.process_time() - t0)
             bad = [t for t in trajs if t.failed or t.assistant_turns != tool_turns + 1 or t.num_segments != 1]
-            assert not bad, f"{policy}: {bad[0].termination_reason} {bad[0].error} ({bad[0].num_segments} segments)"
+            assert not bad, (
+                f"{policy}: {bad[0].termination_reason} {bad[0].error} ({bad[0].num_segments} segments)"
+            )
             outputs[policy] = [t.prompt_ids.tolist() + t.response_ids.tolist() for t in trajs[:20]]
             del trajs
-    assert outputs["append"] == outputs["template"], "append and template rows differ on an append-only template"
+    assert outputs["append"] == outputs["template"], (
+        "append and template rows differ on an append-only template"
+    )
     turns = n * (tool_turns + 1)
-    out: dict[str, Any] = {"workload": "contexts", "trajectories": n, "model_turns_per_trajectory": tool_turns + 1,
-                           "repeats": repeats}  # fmt: skip
+    out: dict[str, Any] = {
+        "workload": "contexts",
+        "trajectories": n,
+        "model_turns_per_trajectory": tool_turns + 1,
+        "repeats": repeats,
+    }
     for policy, ts in runs.items():
-        out[policy] = {"median_cpu_s": round(statistics.median(ts), 4), "runs_cpu_s": [round(t, 3) for t in ts],
-                       "us_per_model_turn": round(statistics.median(ts) / turns * 1e6, 1)}  # fmt: skip
-    out["ratio_template_to_append"] = round(out["template"]["median_cpu_s"] / out["append"]["median_cpu_s"], 3)
-    print(f"bench engine: contexts, {n} trajectories of {tool_turns + 1} model turns, median of {repeats}: append "
-          f"{out['append']['us_per_model_turn']:.0f} µs, template {out['template']['us_per_model_turn']:.0f} µs CPU per "
-          f"model turn (x{out['ratio_template_to_append']})", file=sys.stderr)  # fmt: skip
+        out[policy] = {
+            "median_cpu_s": round(statistics.median(ts), 4),
+            "runs_cpu_s": [round(t, 3) for t in ts],
+            "us_per_model_turn": round(statistics.median(ts) / turns * 1e6, 1),
+        }
+    out["ratio_template_to_append"] = round(
+        out["template"]["median_cpu_s"] / out["append"]["median_cpu_s"], 3
+    )
+    print(
+        f"bench engine: contexts, {n} trajectories of {tool_turns + 1} model turns, median of {repeats}: append "
+        f"{out['append']['us_per_model_turn']:.0f} µs, template {out['template']['us_per_model_turn']:.0f} µs CPU per "
+        f"model turn (x{out['ratio_template_to_append']})",
+        file=sys.stderr,
+    )
     return out

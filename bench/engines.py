@@ -30,9 +30,14 @@ async def _run(url: str, rows: list[dict[str, Any]], tokenizer: Any) -> dict[str
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
         stats = engine.backend.stats()  # type: ignore[attr-defined]
         calls = sum(s["requests"] for s in stats["servers"])
-        return {"engine": engine.backend.provider, "wall_s": wall, "client_cpu_s": cpu, "model_calls": calls,
-                "tokens": [(list(t.response_ids), list(t.response_mask)) for t in trajs],
-                "failed": sum(1 for t in trajs if t.failed)}  # fmt: skip
+        return {
+            "engine": engine.backend.provider,
+            "wall_s": wall,
+            "client_cpu_s": cpu,
+            "model_calls": calls,
+            "tokens": [(list(t.response_ids), list(t.response_mask)) for t in trajs],
+            "failed": sum(1 for t in trajs if t.failed),
+        }
 
 
 def bench_engines(servers: Sequence[str], n: int = 8, repeats: int = 3) -> dict[str, Any]:
@@ -47,7 +52,7 @@ def bench_engines(servers: Sequence[str], n: int = 8, repeats: int = 3) -> dict[
     tokenizer = load_tokenizer(str(ASSET_DIR))
     runs: dict[str, list[dict[str, Any]]] = {url: [] for url in servers}
     for r in range(repeats):
-        order = list(servers[r % len(servers):]) + list(servers[: r % len(servers)])
+        order = list(servers[r % len(servers) :]) + list(servers[: r % len(servers)])
         for url in order:
             runs[url].append(asyncio.run(_run(url, rows, tokenizer)))
     first = runs[servers[0]][0]["tokens"]
@@ -56,13 +61,21 @@ def bench_engines(servers: Sequence[str], n: int = 8, repeats: int = 3) -> dict[
     for url, rs in runs.items():
         calls = rs[0]["model_calls"]
         out["servers"][url] = {
-            "engine": rs[0]["engine"], "model_calls": calls, "failed": max(x["failed"] for x in rs),
+            "engine": rs[0]["engine"],
+            "model_calls": calls,
+            "failed": max(x["failed"] for x in rs),
             "wall_s": statistics.median(x["wall_s"] for x in rs),
-            "client_cpu_ms_per_call": statistics.median(x["client_cpu_s"] / max(1, x["model_calls"]) for x in rs) * 1e3,
+            "client_cpu_ms_per_call": statistics.median(
+                x["client_cpu_s"] / max(1, x["model_calls"]) for x in rs
+            )
+            * 1e3,
             "wall_ms_per_call": statistics.median(x["wall_s"] / max(1, x["model_calls"]) for x in rs) * 1e3,
-        }  # fmt: skip
+        }
         s = out["servers"][url]
-        print(f"{s['engine']:>6} {url}: {s['wall_s']:.2f} s for {calls} model calls ({s['wall_ms_per_call']:.1f} ms "
-              f"each), client CPU {s['client_cpu_ms_per_call']:.2f} ms per call", file=sys.stderr)  # fmt: skip
+        print(
+            f"{s['engine']:>6} {url}: {s['wall_s']:.2f} s for {calls} model calls ({s['wall_ms_per_call']:.1f} ms "
+            f"each), client CPU {s['client_cpu_ms_per_call']:.2f} ms per call",
+            file=sys.stderr,
+        )
     print(f"tokens equal across engines at T=0: {out['tokens_equal']}", file=sys.stderr)
     return out

@@ -15,11 +15,28 @@ from fsm.families import codec_for, make_parser
 from tests.fixtures.family_tokenizers import FAMILIES, family_tokenizer
 from tests.test_families_e2e import turns
 
-TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate an expression.",
-          "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]  # fmt: skip
-RENDERERS = {"qwen3": "Qwen3RendererConfig", "glm45": "GLM45RendererConfig", "kimi_k2": "KimiK2RendererConfig",
-             "deepseek_v3": "DeepSeekV3RendererConfig", "llama3_1": "Llama3RendererConfig",
-             "gpt_oss": "GptOssRendererConfig"}  # fmt: skip
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Evaluate an expression.",
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string"}},
+                "required": ["expression"],
+            },
+        },
+    }
+]
+RENDERERS = {
+    "qwen3": "Qwen3RendererConfig",
+    "glm45": "GLM45RendererConfig",
+    "kimi_k2": "KimiK2RendererConfig",
+    "deepseek_v3": "DeepSeekV3RendererConfig",
+    "llama3_1": "Llama3RendererConfig",
+    "gpt_oss": "GptOssRendererConfig",
+}
 
 
 def _median_us(fn: Any, repeats: int) -> float:
@@ -37,10 +54,15 @@ def _ours(family: str, repeats: int) -> dict[str, Any]:
     parser = make_parser(None, codec, TOOLS)
     gen = turns(family)[0]  # the model's tool-call turn, its stop token included
     text = codec.turn_text(gen)
-    history = [{"role": "user", "content": "What is 2 + 3?"}, codec.assistant_message(text, parser.parse(text))]
+    history = [
+        {"role": "user", "content": "What is 2 + 3?"},
+        codec.assistant_message(text, parser.parse(text)),
+    ]
     tool = [{"role": "tool", "content": "5", "tool_call_id": "functions.calculator:0"}]
-    return {"observation_us": _median_us(lambda: codec.observation(tool, gen[-1:], history), repeats),
-            "parse_us": _median_us(lambda: parser.parse(codec.turn_text(gen)), repeats)}  # fmt: skip
+    return {
+        "observation_us": _median_us(lambda: codec.observation(tool, gen[-1:], history), repeats),
+        "parse_us": _median_us(lambda: parser.parse(codec.turn_text(gen)), repeats),
+    }
 
 
 def _renderers(family: str, repeats: int) -> dict[str, Any]:
@@ -52,13 +74,16 @@ def _renderers(family: str, repeats: int) -> dict[str, Any]:
     tok = family_tokenizer(family)
     name = RENDERERS.get(family)
     try:
-        r = renderers.create_renderer(tok, getattr(configs, name)() if name else configs.DefaultRendererConfig())
+        r = renderers.create_renderer(
+            tok, getattr(configs, name)() if name else configs.DefaultRendererConfig()
+        )
     except Exception as exc:  # what a user would meet: e.g. gpt-oss needs a vocabulary download
         return {"renderers": f"{type(exc).__name__}: {str(exc)[:120]}"}
     user = [{"role": "user", "content": "What is 2 + 3?"}]
     prompt = r.render_ids(user, tools=TOOLS, add_generation_prompt=True)
-    same = prompt == tok.apply_chat_template(user, tools=TOOLS, add_generation_prompt=True, tokenize=True,
-                                             return_dict=False)  # fmt: skip
+    same = prompt == tok.apply_chat_template(
+        user, tools=TOOLS, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     gen = turns(family)[0]
     tool = [{"role": "tool", "content": "5", "tool_call_id": "functions.calculator:0"}]
     bridged = r.bridge_to_next_turn(prompt, gen, tool, tools=TOOLS)
@@ -68,14 +93,21 @@ def _renderers(family: str, repeats: int) -> dict[str, Any]:
     closer, obs = codec.observation(tool, gen[-1:], history)
     ours = [*prompt, *gen, *closer, *obs]
     bridged = list(getattr(bridged, "token_ids", bridged)) if bridged is not None else None
-    out: dict[str, Any] = {"renders_as_template": same, "bridges": bridged is not None,
-                           "bridge_equals_agentfsm": bridged == ours if bridged is not None else None,
-                           "parse_us": _median_us(lambda: r.parse_response(gen, prompt_ids=prompt), repeats)}  # fmt: skip
+    out: dict[str, Any] = {
+        "renders_as_template": same,
+        "bridges": bridged is not None,
+        "bridge_equals_agentfsm": bridged == ours if bridged is not None else None,
+        "parse_us": _median_us(lambda: r.parse_response(gen, prompt_ids=prompt), repeats),
+    }
     if bridged is not None:
-        out["observation_us"] = _median_us(lambda: r.bridge_to_next_turn(prompt, gen, tool, tools=TOOLS), repeats)
+        out["observation_us"] = _median_us(
+            lambda: r.bridge_to_next_turn(prompt, gen, tool, tools=TOOLS), repeats
+        )
     return out
 
 
 def bench_families(repeats: int = 200) -> dict[str, Any]:
-    return {family: {"agentfsm": _ours(family, repeats), "renderers": _renderers(family, repeats)}
-            for family in FAMILIES}  # fmt: skip
+    return {
+        family: {"agentfsm": _ours(family, repeats), "renderers": _renderers(family, repeats)}
+        for family in FAMILIES
+    }

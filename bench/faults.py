@@ -82,7 +82,9 @@ class _ToolCaller(BaseBackend):
 
     def __init__(self, tok: Any, tool: str):
         call = json.dumps({"name": tool, "arguments": {"text": "x"}})
-        self.call = tok.encode(f"<tool_call>\n{call}\n</tool_call>", add_special_tokens=False) + [tok.eos_token_id]
+        self.call = tok.encode(f"<tool_call>\n{call}\n</tool_call>", add_special_tokens=False) + [
+            tok.eos_token_id
+        ]
         self.answer = tok.encode("#### 42", add_special_tokens=False) + [tok.eos_token_id]
         self.marker = tok.convert_tokens_to_ids("<tool_response>")
         self.model_name = f"calls-{tool}"
@@ -90,19 +92,35 @@ class _ToolCaller(BaseBackend):
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         ids = self.answer if self.marker in request.prompt_ids else self.call
         ids = ids[: request.sampling_params.get("max_new_tokens") or len(ids)]
-        return GenerateResult(ids, [-0.1] * len(ids) if request.return_logprob else None, "stop",
-                              prompt_tokens=len(request.prompt_ids), cached_tokens=0)  # fmt: skip
+        return GenerateResult(
+            ids,
+            [-0.1] * len(ids) if request.return_logprob else None,
+            "stop",
+            prompt_tokens=len(request.prompt_ids),
+            cached_tokens=0,
+        )
 
 
-async def _case(agent: Any, tok: Any, rows: list[dict], make_model: Any, rates: dict[str, float],
-                outage_s: float = 0.0, healthy_second: bool = False) -> dict[str, Any]:  # fmt: skip
+async def _case(
+    agent: Any,
+    tok: Any,
+    rows: list[dict],
+    make_model: Any,
+    rates: dict[str, float],
+    outage_s: float = 0.0,
+    healthy_second: bool = False,
+) -> dict[str, Any]:
     from fsm.api import RolloutEngine
     from fsm.output.batch import fault_summary
 
     async with AsyncExitStack() as stack:
         devs = [await stack.enter_async_context(DevServer(make_model())) for _ in range(2)]
-        proxies = [await stack.enter_async_context(FaultProxy(d.url, rates={} if healthy_second and i else rates, seed=i))
-                   for i, d in enumerate(devs)]  # fmt: skip
+        proxies = [
+            await stack.enter_async_context(
+                FaultProxy(d.url, rates={} if healthy_second and i else rates, seed=i)
+            )
+            for i, d in enumerate(devs)
+        ]
         for proxy in proxies:  # the whole fleet answers 503 from the start for this long: a restart
             proxy.outage(outage_s)
         clients = [SGLangBackend(p.url, backoff_s=0.01) for p in proxies]
@@ -114,12 +132,18 @@ async def _case(agent: Any, tok: Any, rows: list[dict], make_model: Any, rates: 
         wall = time.perf_counter() - t0
         stats = backend.stats()
     faults = fault_summary(trajs, stats)
-    return {"injected": sum(sum(p.injected.values()) for p in proxies), "retried": faults["retries"],
-            "failed_over": faults["failovers"], "deadline_aborts": faults["aborts_sent"],
-            "resumed": faults["resumes"], "error_rows": faults["error_rows"],
-            "faults_counted": sum(n for kind, n in faults["faults"].items() if not kind.startswith("aborts_")),
-            "tool_errors": sum(t.metrics.tool_errors for t in trajs), "wall_s": wall,
-            "_trajs": trajs}  # fmt: skip
+    return {
+        "injected": sum(sum(p.injected.values()) for p in proxies),
+        "retried": faults["retries"],
+        "failed_over": faults["failovers"],
+        "deadline_aborts": faults["aborts_sent"],
+        "resumed": faults["resumes"],
+        "error_rows": faults["error_rows"],
+        "faults_counted": sum(n for kind, n in faults["faults"].items() if not kind.startswith("aborts_")),
+        "tool_errors": sum(t.metrics.tool_errors for t in trajs),
+        "wall_s": wall,
+        "_trajs": trajs,
+    }
 
 
 def _check(case: dict[str, Any], rows: int, clean: list[Any] | None) -> dict[str, Any]:
@@ -131,7 +155,9 @@ def _check(case: dict[str, Any], rows: int, clean: list[Any] | None) -> dict[str
         for t, c in zip(trajs, clean):
             n = len(t.response_ids) if t.termination_reason == "context_length" else None  # says it was cut
             same = (t.response_ids[:n].tolist(), t.response_logprobs[:n].tolist()) == (
-                c.response_ids[:n].tolist(), c.response_logprobs[:n].tolist())  # fmt: skip
+                c.response_ids[:n].tolist(),
+                c.response_logprobs[:n].tolist(),
+            )
             case["rows_cut"] += n is not None and same
             case["rows_wrong"] += not t.failed and not same
     return case
@@ -165,7 +191,9 @@ async def _bench(rows: int, rate: float) -> dict[str, dict[str, Any]]:
     out["outage_2s"] = _check(await _case(agent, tok, data, model, {}, outage_s=2.0), rows, reference)
     for kind in LIAR_KINDS:  # one server answers every /generate this way, the other is healthy
         plan = {kind: 1.0}
-        out[f"liar:{kind}"] = _check(await _case(agent, tok, data, model, plan, healthy_second=True), rows, reference)
+        out[f"liar:{kind}"] = _check(
+            await _case(agent, tok, data, model, plan, healthy_second=True), rows, reference
+        )
     for tool in ("broken_tool", "slow_tool"):
         case = await _case(tools_agent, tok, data, lambda t=tool: _ToolCaller(tok, t), {})
         case["injected"] = case["tool_errors"]
@@ -180,15 +208,41 @@ def bench_faults(rows: int = 128, rate: float = 0.1) -> dict[str, dict[str, Any]
     """Run every case (fault kinds at `rate` per /generate, "mixed", two bad tools); print a table, return
     the numbers. Call outside an event loop."""
     out = asyncio.run(_bench(rows, rate))
-    head = ("case", "injected", "faults counted", "retried", "failed over", "timeout abort", "resumed",
-            "error rows", "rows cut", "rows lost", "rows wrong", "wall s", "vs clean")  # fmt: skip
-    keys = ("injected", "faults_counted", "retried", "failed_over", "deadline_aborts", "resumed", "error_rows",
-            "rows_cut", "rows_lost", "rows_wrong")  # fmt: skip
+    head = (
+        "case",
+        "injected",
+        "faults counted",
+        "retried",
+        "failed over",
+        "timeout abort",
+        "resumed",
+        "error rows",
+        "rows cut",
+        "rows lost",
+        "rows wrong",
+        "wall s",
+        "vs clean",
+    )
+    keys = (
+        "injected",
+        "faults_counted",
+        "retried",
+        "failed_over",
+        "deadline_aborts",
+        "resumed",
+        "error_rows",
+        "rows_cut",
+        "rows_lost",
+        "rows_wrong",
+    )
     lines = [f"{head[0]:<28}" + "".join(f"{h:>15}" for h in head[1:])]
     for name, case in out.items():
         cells = [f"{case[k]:>15}" for k in keys] + [f"{case['wall_s']:>15.2f}", f"{case['vs_clean']:>14.2f}x"]
         lines.append(f"{name:<28}" + "".join(cells))
-    print(f"faults: {rows} rows over 2 HashLM dev servers behind fault proxies, each kind at {rate:.0%} of /generate", file=sys.stderr)
+    print(
+        f"faults: {rows} rows over 2 HashLM dev servers behind fault proxies, each kind at {rate:.0%} of /generate",
+        file=sys.stderr,
+    )
     print("\n".join(lines), file=sys.stderr)
     from bench.parser_faults import bench_parser_faults
 

@@ -55,13 +55,17 @@ async def minimal_harness(call: HarnessCall) -> str:
     loop = asyncio.get_running_loop()
     http = _HTTP.get(loop)
     if http is None:
-        http = _HTTP[loop] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                                   timeout=aiohttp.ClientTimeout(total=ROW_TIMEOUT_S))  # fmt: skip
+        http = _HTTP[loop] = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=ROW_TIMEOUT_S)
+        )
     headers = {"Authorization": f"Bearer {call.api_key}"}
     messages: list[dict] = [{"role": "system", "content": SYSTEM_PROMPT}, *call.messages]
     for _ in range(4):
-        async with http.post(f"{call.base_url}/chat/completions", headers=headers,
-                             json={"model": "m", "messages": messages, "tools": [TOOL_SCHEMA]}) as r:  # fmt: skip
+        async with http.post(
+            f"{call.base_url}/chat/completions",
+            headers=headers,
+            json={"model": "m", "messages": messages, "tools": [TOOL_SCHEMA]},
+        ) as r:
             message = (await r.json())["choices"][0]["message"]
         messages.append(message)
         if not message.get("tool_calls"):
@@ -84,8 +88,13 @@ async def _start_client() -> tuple[asyncio.subprocess.Process, dict[str, asyncio
     """The client process and a reader that resolves each row's future from its stdout; when the process
     ends, every row still waiting fails with its exit code (never waits for a line that cannot come)."""
     loop = asyncio.get_running_loop()
-    proc = await asyncio.create_subprocess_exec(*CLIENT_COMMAND, stdin=asyncio.subprocess.PIPE,
-                                                stdout=asyncio.subprocess.PIPE, cwd=ROOT, limit=1 << 20)  # fmt: skip
+    proc = await asyncio.create_subprocess_exec(
+        *CLIENT_COMMAND,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        cwd=ROOT,
+        limit=1 << 20,
+    )
     if _CLIENT_CPUS[0] is not None:
         os.sched_setaffinity(proc.pid, _CLIENT_CPUS[0])
     pending: dict[str, asyncio.Future[Any]] = {}
@@ -174,17 +183,25 @@ remote_bench_harness = harness(remote_harness, timeout_s=600)
 
 def _rows(n: int, system: bool) -> list[dict[str, Any]]:
     prompt = [{"role": "system", "content": SYSTEM_PROMPT}] if system else []
-    return [{"raw_prompt": [*prompt, {"role": "user", "content": "What is 1 + 2?"}], "uid": f"r{i}",
-             "reward_model": {"ground_truth": "3"}} for i in range(n)]  # fmt: skip
+    return [
+        {
+            "raw_prompt": [*prompt, {"role": "user", "content": "What is 1 + 2?"}],
+            "uid": f"r{i}",
+            "reward_model": {"ground_truth": "3"},
+        }
+        for i in range(n)
+    ]
 
 
 def _gateway_spec(tmp: Path, action: str = "bench_harness") -> Path:
     path = tmp / f"gateway_{action}.yaml"
-    path.write_text(f"name: gateway_bench\nextends: {ROOT / 'examples/gateway/base.yaml'}\nstates:\n  HARNESS:\n"
-                    f"    action: bench.gateway:{action}\n"
-                    "    next:\n      - {to: GENERATING, when: harness_calling}\n"
-                    "      - {to: TERMINATED, when: harness_failed, reason: harness_failed}\n"
-                    "      - {to: TERMINATED, reason: done}\n")  # fmt: skip
+    path.write_text(
+        f"name: gateway_bench\nextends: {ROOT / 'examples/gateway/base.yaml'}\nstates:\n  HARNESS:\n"
+        f"    action: bench.gateway:{action}\n"
+        "    next:\n      - {to: GENERATING, when: harness_calling}\n"
+        "      - {to: TERMINATED, when: harness_failed, reason: harness_failed}\n"
+        "      - {to: TERMINATED, reason: done}\n"
+    )
     return path
 
 
@@ -223,13 +240,22 @@ def _placed(kind: str) -> Any:
 
 def placements_here() -> tuple[str, ...]:
     """The pinned kinds this machine can run (Linux, two cores or more)."""
-    if not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2 or not {0, 1} <= os.sched_getaffinity(0):
+    if (
+        not hasattr(os, "sched_setaffinity")
+        or len(os.sched_getaffinity(0)) < 2
+        or not {0, 1} <= os.sched_getaffinity(0)
+    ):
         return ()
     return ("gateway_same_core", "gateway_other_core")
 
 
-def bench_gateway(sessions: tuple[int, ...] = (1, 1000), repeats: int = 3, calls_at_one: int = 200,
-                  kinds: tuple[str, ...] | None = None, repeats_at_many: int = 1) -> dict[str, Any]:  # fmt: skip
+def bench_gateway(
+    sessions: tuple[int, ...] = (1, 1000),
+    repeats: int = 3,
+    calls_at_one: int = 200,
+    kinds: tuple[str, ...] | None = None,
+    repeats_at_many: int = 1,
+) -> dict[str, Any]:
     """CPU µs per model call, native and through the gateway, at each number of sessions in flight: `repeats`
     rounds at 1 in flight, each running every kind once in turn (so load that drifts meets all kinds alike; the
     ratio of each round is kept too), `repeats_at_many` above (each row of 1,000 sessions makes 2,000 model
@@ -241,8 +267,11 @@ def bench_gateway(sessions: tuple[int, ...] = (1, 1000), repeats: int = 3, calls
     out: dict[str, Any] = {"repeats": repeats, "rows": {}}
     with tempfile.TemporaryDirectory() as tmp:
         remote = compile_spec(_gateway_spec(Path(tmp), "remote_bench_harness"))
-        agents = {"native": compile_spec(ROOT / "specs" / "calculator.yaml"),
-                  "gateway_and_client": compile_spec(_gateway_spec(Path(tmp))), **dict.fromkeys(PLACEMENTS, remote)}  # fmt: skip
+        agents = {
+            "native": compile_spec(ROOT / "specs" / "calculator.yaml"),
+            "gateway_and_client": compile_spec(_gateway_spec(Path(tmp))),
+            **dict.fromkeys(PLACEMENTS, remote),
+        }
 
         async def one(kind: str, n: int, concurrency: int) -> tuple[float, int]:
             runner = Runner(
@@ -267,7 +296,9 @@ def bench_gateway(sessions: tuple[int, ...] = (1, 1000), repeats: int = 3, calls
             here = [k for k in kinds if concurrency == 1 or k not in PLACEMENTS or PLACEMENTS[k] is None]
             if concurrency == sessions[0]:
                 for kind in here:
-                    cpu_per_call(kind, min(n, 20), concurrency)  # warm up: template compilation, caches, imports
+                    cpu_per_call(
+                        kind, min(n, 20), concurrency
+                    )  # warm up: template compilation, caches, imports
             runs: dict[str, list[float]] = {kind: [] for kind in here}
             for _ in range(repeats if concurrency == 1 else repeats_at_many):
                 for kind in here:
@@ -278,13 +309,24 @@ def bench_gateway(sessions: tuple[int, ...] = (1, 1000), repeats: int = 3, calls
                 row[f"{kind}_runs_us"] = [round(r, 1) for r in runs[kind]]
             for kind in here:
                 if kind != "native":
-                    row[f"{kind}_ratio"] = round(row[f"{kind}_cpu_us_per_call"] / row["native_cpu_us_per_call"], 2)
-                    row[f"{kind}_round_ratios"] = [round(g / b, 2) for g, b in zip(runs[kind], runs["native"])]
+                    row[f"{kind}_ratio"] = round(
+                        row[f"{kind}_cpu_us_per_call"] / row["native_cpu_us_per_call"], 2
+                    )
+                    row[f"{kind}_round_ratios"] = [
+                        round(g / b, 2) for g, b in zip(runs[kind], runs["native"])
+                    ]
             row["model_calls"] = 2 * n
             out["rows"][f"{concurrency}_in_flight"] = row
-            print(f"bench gateway: {concurrency} in flight: " + ", ".join(
-                f"{k} {row[f'{k}_cpu_us_per_call']:.0f} µs" + (f" ({row[f'{k}_ratio']}x)" if k != "native" else "")
-                for k in here) + " CPU per model call", file=sys.stderr)  # fmt: skip
+            print(
+                f"bench gateway: {concurrency} in flight: "
+                + ", ".join(
+                    f"{k} {row[f'{k}_cpu_us_per_call']:.0f} µs"
+                    + (f" ({row[f'{k}_ratio']}x)" if k != "native" else "")
+                    for k in here
+                )
+                + " CPU per model call",
+                file=sys.stderr,
+            )
     return out
 
 
@@ -320,10 +362,18 @@ async def _worker_main(tag: str, front: str, n: int, max_sessions: int) -> None:
     seen: dict[str, list[list[int]]] = {}
     for r in backend.requests:
         seen.setdefault(r.session_id, []).append(list(r.prompt_ids))
-    rows = [{"ok": not t.failed and t.assistant_turns == 2, "error": t.error, "prompt": t.prompt_ids.tolist(),
-             "response": t.response_ids.tolist(), "mask": t.response_mask.tolist(),
-             "runs": [[r.start, r.end, r.role] for r in t.runs], "requests": seen.get(t.session_id, [])}
-            for t in trajs]  # fmt: skip
+    rows = [
+        {
+            "ok": not t.failed and t.assistant_turns == 2,
+            "error": t.error,
+            "prompt": t.prompt_ids.tolist(),
+            "response": t.response_ids.tolist(),
+            "mask": t.response_mask.tolist(),
+            "runs": [[r.start, r.end, r.role] for r in t.runs],
+            "requests": seen.get(t.session_id, []),
+        }
+        for t in trajs
+    ]
     print(json.dumps({"cpu": cpu, "rows": rows}), flush=True)
     await _close_http()
     await gateway.close()
@@ -345,9 +395,22 @@ async def run_workers(workers: int, sessions: int, max_sessions: int = 10_000) -
         procs = []
         for k in range(workers):
             n = sessions // workers + (k < sessions % workers)
-            procs.append(await asyncio.create_subprocess_exec(sys.executable, "-m", "bench.gateway", "worker", f"w{k}",
-                                                              front.url, str(n), str(max_sessions), cwd=ROOT, limit=1 << 26,
-                                                              stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE))  # fmt: skip
+            procs.append(
+                await asyncio.create_subprocess_exec(
+                    sys.executable,
+                    "-m",
+                    "bench.gateway",
+                    "worker",
+                    f"w{k}",
+                    front.url,
+                    str(n),
+                    str(max_sessions),
+                    cwd=ROOT,
+                    limit=1 << 26,
+                    stdin=asyncio.subprocess.PIPE,
+                    stdout=asyncio.subprocess.PIPE,
+                )
+            )
         try:
             async with asyncio.timeout(ROW_TIMEOUT_S * 2):
                 for k, proc in enumerate(procs):
@@ -367,9 +430,13 @@ async def run_workers(workers: int, sessions: int, max_sessions: int = 10_000) -
     rows = [row for out in outs for row in out["rows"]]
     calls = 2 * sum(row["ok"] for row in rows)
     workers_cpu = sum(out["cpu"] for out in outs)
-    return {"rows": rows, "routed": dict(front.routed), "front_cpu_us_per_call": front_cpu / calls * 1e6,
-            "workers_cpu_us_per_call": workers_cpu / calls * 1e6,
-            "cpu_us_per_call": (front_cpu + workers_cpu) / calls * 1e6}  # fmt: skip
+    return {
+        "rows": rows,
+        "routed": dict(front.routed),
+        "front_cpu_us_per_call": front_cpu / calls * 1e6,
+        "workers_cpu_us_per_call": workers_cpu / calls * 1e6,
+        "cpu_us_per_call": (front_cpu + workers_cpu) / calls * 1e6,
+    }
 
 
 def _main(argv: list[str]) -> None:

@@ -77,11 +77,15 @@ def bench_hf(
         }
 
     out = asyncio.run(run())
-    print(f"bench hf: greedy tokens/s by batch size (best of {repeats}): "
-          + ", ".join(f"{n}: {r:.0f}" for n, r in out["tokens_per_s"].items()), file=sys.stderr)  # fmt: skip
+    print(
+        f"bench hf: greedy tokens/s by batch size (best of {repeats}): "
+        + ", ".join(f"{n}: {r:.0f}" for n, r in out["tokens_per_s"].items()),
+        file=sys.stderr,
+    )
     if rollout_prompts:
-        out["rollout"] = bench_rollout(model_dir, rollout_prompts, torch_threads=rollout_threads, device=device,
-                                       repeats=repeats)  # fmt: skip
+        out["rollout"] = bench_rollout(
+            model_dir, rollout_prompts, torch_threads=rollout_threads, device=device, repeats=repeats
+        )
     return out
 
 
@@ -106,8 +110,15 @@ def bench_rollout(
     from fsm.api import RolloutEngine
     from fsm.spec.registry import resolve
 
-    engine = RolloutEngine(spec, model=model_dir, torch_threads=torch_threads, device=device,
-                           max_batch_size=max_batch_size, max_concurrency=256, watchdog_s=None)  # fmt: skip
+    engine = RolloutEngine(
+        spec,
+        model=model_dir,
+        torch_threads=torch_threads,
+        device=device,
+        max_batch_size=max_batch_size,
+        max_concurrency=256,
+        watchdog_s=None,
+    )
     rows = resolve(engine.agent.spec.demo_data, engine.agent.spec.trust.allow_modules)(prompts, seed=0)
     temperature = engine.agent.spec.sampling.temperature
 
@@ -121,9 +132,14 @@ def bench_rollout(
     async def one_batch(work: list[tuple[list[int], int]]) -> tuple[int, float, float]:
         # a backend of its own (on this loop) over the engine's very model module
         single = HFBackend(engine.backend.model, device=device, max_batch_size=max_batch_size)
-        requests = [GenerateRequest(f"one{i}", prompt, {"max_new_tokens": n, "temperature": temperature,
-                                                         "ignore_eos": True, "sampling_seed": i})
-                    for i, (prompt, n) in enumerate(work)]  # fmt: skip
+        requests = [
+            GenerateRequest(
+                f"one{i}",
+                prompt,
+                {"max_new_tokens": n, "temperature": temperature, "ignore_eos": True, "sampling_seed": i},
+            )
+            for i, (prompt, n) in enumerate(work)
+        ]
         async with single:
             gc.collect()
             t0, c0 = time.perf_counter(), time.process_time()
@@ -152,18 +168,31 @@ def bench_rollout(
             tokens["one_batch"].append(n)
     finally:
         engine.close()
-    out: dict[str, Any] = {"spec": spec, "prompts": prompts, "max_batch_size": max_batch_size,
-                           "threads": torch.get_num_threads(), "repeats": repeats}  # fmt: skip
+    out: dict[str, Any] = {
+        "spec": spec,
+        "prompts": prompts,
+        "max_batch_size": max_batch_size,
+        "threads": torch.get_num_threads(),
+        "repeats": repeats,
+    }
     for kind in walls:
         wall, cpu = statistics.median(walls[kind]), statistics.median(cpus[kind])
         n = statistics.median(tokens[kind])
-        out[kind] = {"generated_tokens": n, "wall_s": round(wall, 3), "cpu_s": round(cpu, 3),
-                     "tokens_per_s": round(n / wall, 1), "tokens_per_cpu_s": round(n / cpu, 1)}  # fmt: skip
+        out[kind] = {
+            "generated_tokens": n,
+            "wall_s": round(wall, 3),
+            "cpu_s": round(cpu, 3),
+            "tokens_per_s": round(n / wall, 1),
+            "tokens_per_cpu_s": round(n / cpu, 1),
+        }
     out["ratio"] = round(out["rollout"]["tokens_per_s"] / out["one_batch"]["tokens_per_s"], 3)
     out["ratio_cpu"] = round(out["rollout"]["tokens_per_cpu_s"] / out["one_batch"]["tokens_per_cpu_s"], 3)
     r, b = out["rollout"], out["one_batch"]
-    print(f"bench hf rollout: {spec}, {prompts} prompts, median of {repeats} (wall / CPU):\n"
-          f"  rollout    {r['tokens_per_s']:7.0f} / {r['tokens_per_cpu_s']:7.0f} tokens/s  ({r['wall_s']:.2f} s / {r['cpu_s']:.2f} s)\n"
-          f"  one batch  {b['tokens_per_s']:7.0f} / {b['tokens_per_cpu_s']:7.0f} tokens/s  ({b['wall_s']:.2f} s / {b['cpu_s']:.2f} s)\n"
-          f"  ratio      {out['ratio']:.2f}x / {out['ratio_cpu']:.2f}x", file=sys.stderr)  # fmt: skip
+    print(
+        f"bench hf rollout: {spec}, {prompts} prompts, median of {repeats} (wall / CPU):\n"
+        f"  rollout    {r['tokens_per_s']:7.0f} / {r['tokens_per_cpu_s']:7.0f} tokens/s  ({r['wall_s']:.2f} s / {r['cpu_s']:.2f} s)\n"
+        f"  one batch  {b['tokens_per_s']:7.0f} / {b['tokens_per_cpu_s']:7.0f} tokens/s  ({b['wall_s']:.2f} s / {b['cpu_s']:.2f} s)\n"
+        f"  ratio      {out['ratio']:.2f}x / {out['ratio_cpu']:.2f}x",
+        file=sys.stderr,
+    )
     return out

@@ -11,11 +11,16 @@ from typing import Any
 
 N_OPENERS = 16_000
 OPENERS = {  # family -> the opener a looping model repeats
-    "qwen2.5": "<tool_call>", "qwen3": "<tool_call>", "qwen3_coder": "<tool_call><function=add><parameter=a>",
-    "glm45": "<tool_call>", "seed_oss": "<seed:tool_call>", "kimi_k2": "<|tool_calls_section_begin|><|tool_call_begin|>",
-    "deepseek_v3": "<｜tool▁call▁begin｜>", "gpt_oss": "<|start|>assistant<|channel|>commentary to=functions.add<|message|>",
+    "qwen2.5": "<tool_call>",
+    "qwen3": "<tool_call>",
+    "qwen3_coder": "<tool_call><function=add><parameter=a>",
+    "glm45": "<tool_call>",
+    "seed_oss": "<seed:tool_call>",
+    "kimi_k2": "<|tool_calls_section_begin|><|tool_call_begin|>",
+    "deepseek_v3": "<｜tool▁call▁begin｜>",
+    "gpt_oss": "<|start|>assistant<|channel|>commentary to=functions.add<|message|>",
     "llama3_1": "{",
-}  # fmt: skip
+}
 VALUES = {"deep": "[" * 100_000 + "]" * 100_000, "5000_digits": "9" * 5000, "nan": "NaN", "1e999": "1e999"}
 
 
@@ -40,13 +45,25 @@ def bench_parser_faults() -> dict[str, dict[str, Any]]:
         for value in VALUES.values():
             got = parser.parse(template.format(v=value))
             answered += len(got) == 1 and got[0].error is not None
-        out[f"parser:{family}"] = {"openers": N_OPENERS, "read_s": read_s, "calls": len(calls),
-                                   "malformed": sum(c.error is not None for c in calls),
-                                   "hostile_values": len(VALUES), "hostile_answered": answered}  # fmt: skip
-    lines = [f"{'parser case':<22}{'openers':>9}{'read ms':>10}{'calls':>7}{'malformed':>11}{'hostile answered':>18}"]
+        out[f"parser:{family}"] = {
+            "openers": N_OPENERS,
+            "read_s": read_s,
+            "calls": len(calls),
+            "malformed": sum(c.error is not None for c in calls),
+            "hostile_values": len(VALUES),
+            "hostile_answered": answered,
+        }
+    lines = [
+        f"{'parser case':<22}{'openers':>9}{'read ms':>10}{'calls':>7}{'malformed':>11}{'hostile answered':>18}"
+    ]
     for name, case in out.items():
-        lines.append(f"{name:<22}{case['openers']:>9}{case['read_s'] * 1000:>10.1f}{case['calls']:>7}"
-                     f"{case['malformed']:>11}{case['hostile_answered']:>14} of {case['hostile_values']}")  # fmt: skip
-    print(f"parsers: a turn of {N_OPENERS} openers and no closer per family; hostile argument values", file=sys.stderr)
+        lines.append(
+            f"{name:<22}{case['openers']:>9}{case['read_s'] * 1000:>10.1f}{case['calls']:>7}"
+            f"{case['malformed']:>11}{case['hostile_answered']:>14} of {case['hostile_values']}"
+        )
+    print(
+        f"parsers: a turn of {N_OPENERS} openers and no closer per family; hostile argument values",
+        file=sys.stderr,
+    )
     print("\n".join(lines), file=sys.stderr)
     return out

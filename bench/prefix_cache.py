@@ -36,8 +36,9 @@ async def _bench_prefix_cache(
         async def sample(g: int, k: int) -> None:
             context = system + [1000 + (g * 7919 + j) % 5000 for j in range(64)]  # the group's prompt
             for t in range(turns):
-                req = GenerateRequest(f"g{g}s{k}", context, {"max_new_tokens": 16}, rid=f"g{g}s{k}_t{t:02d}",
-                                      group_id=f"g{g}")  # fmt: skip
+                req = GenerateRequest(
+                    f"g{g}s{k}", context, {"max_new_tokens": 16}, rid=f"g{g}s{k}_t{t:02d}", group_id=f"g{g}"
+                )
                 res = await router.generate(req)
                 if t == 0:
                     first[0] += len(context)
@@ -48,12 +49,19 @@ async def _bench_prefix_cache(
         await asyncio.gather(*(sample(g, k) for g in range(n_groups) for k in range(n)))
         stats = router.stats()
     return {
-        "n_groups": n_groups, "n": n, "turns": turns, "servers": servers, "affinity": affinity,
-        "hit_rate": stats["cache_hit_rate"], "first_turn_hit_rate": first[1] / max(1, first[0]),
+        "n_groups": n_groups,
+        "n": n,
+        "turns": turns,
+        "servers": servers,
+        "affinity": affinity,
+        "hit_rate": stats["cache_hit_rate"],
+        "first_turn_hit_rate": first[1] / max(1, first[0]),
         "prompt_tokens": stats["prompt_tokens"],
-        "cached_tokens": stats["cached_tokens"], "group_routes": stats["group"], "new_routes": stats["new"],
+        "cached_tokens": stats["cached_tokens"],
+        "group_routes": stats["group"],
+        "new_routes": stats["new"],
         "requests_per_server": [s["requests"] for s in stats["servers"]],
-    }  # fmt: skip
+    }
 
 
 def bench_prefix_cache(

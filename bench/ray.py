@@ -32,8 +32,17 @@ def _best_rate(fn: Callable[[], Any], items: int, repeats: int) -> float:
     return items / best
 
 
-def bench_ray(workers: Sequence[int] = (1, 2), rows: int = 128, n: int = 4, *, servers: int = 2,
-              latency_s: float = 0.05, concurrency: int = 256, hop_rows: int = 100, repeats: int = 2) -> dict[str, Any]:  # fmt: skip
+def bench_ray(
+    workers: Sequence[int] = (1, 2),
+    rows: int = 128,
+    n: int = 4,
+    *,
+    servers: int = 2,
+    latency_s: float = 0.05,
+    concurrency: int = 256,
+    hop_rows: int = 100,
+    repeats: int = 2,
+) -> dict[str, Any]:
     """Trajectories/s of the calculator spec over `servers` scripted dev servers (each request waits
     `latency_s`): one process (RolloutEngine), then RayRunner with each count of `workers`, the same total
     `concurrency` of trajectories in flight in every case. Then the per-row cost of the Ray hop: one row at
@@ -45,8 +54,14 @@ def bench_ray(workers: Sequence[int] = (1, 2), rows: int = 128, n: int = 4, *, s
     if started:
         ray.init(include_dashboard=False, log_to_driver=False)
     data, tok = make_prompts(rows, seed=1), str(ASSET_DIR)
-    result: dict[str, Any] = {"rows": rows, "n": n, "servers": servers, "latency_s": latency_s,
-                              "concurrency": concurrency, "cpus": os.cpu_count()}  # fmt: skip
+    result: dict[str, Any] = {
+        "rows": rows,
+        "n": n,
+        "servers": servers,
+        "latency_s": latency_s,
+        "concurrency": concurrency,
+        "cpus": os.cpu_count(),
+    }
     try:
         with scripted_servers(servers, latency_s=latency_s) as urls:
             with RolloutEngine("calculator", tok, servers=urls, max_concurrency=concurrency) as engine:
@@ -55,8 +70,9 @@ def bench_ray(workers: Sequence[int] = (1, 2), rows: int = 128, n: int = 4, *, s
                     lambda: engine.generate_sequences(data, n=n), rows * n, repeats
                 )
             for k in workers:
-                with RayRunner("calculator", tok, servers=urls, workers=k,
-                               max_concurrency=max(1, concurrency // k)) as runner:  # fmt: skip
+                with RayRunner(
+                    "calculator", tok, servers=urls, workers=k, max_concurrency=max(1, concurrency // k)
+                ) as runner:
                     runner.ready()
                     runner.generate_sequences(data[: 8 * k], n=n)
                     result[f"ray_{k}"] = _best_rate(
@@ -83,8 +99,12 @@ def bench_ray(workers: Sequence[int] = (1, 2), rows: int = 128, n: int = 4, *, s
             for row in hop_data:
                 ray.get(actor.echo.remote(row))
             echo = (time.perf_counter() - t0) / hop_rows
-        result.update(row_in_process_ms=local * 1e3, row_through_actor_ms=remote * 1e3,
-                      ray_hop_ms=(remote - local) * 1e3, bare_actor_call_ms=echo * 1e3)  # fmt: skip
+        result.update(
+            row_in_process_ms=local * 1e3,
+            row_through_actor_ms=remote * 1e3,
+            ray_hop_ms=(remote - local) * 1e3,
+            bare_actor_call_ms=echo * 1e3,
+        )
     finally:
         if started:
             ray.shutdown()
@@ -94,6 +114,9 @@ def bench_ray(workers: Sequence[int] = (1, 2), rows: int = 128, n: int = 4, *, s
         f"({rows}x{n} trajectories, {servers} servers, {latency_s * 1e3:.0f} ms per request, {os.cpu_count()} cpus)",
         file=sys.stderr,
     )
-    print(f"per row: {result['row_in_process_ms']:.2f} ms in process, {result['row_through_actor_ms']:.2f} ms "
-          f"through an actor (hop {result['ray_hop_ms']:.2f} ms; a bare actor call {result['bare_actor_call_ms']:.2f} ms)", file=sys.stderr)  # fmt: skip
+    print(
+        f"per row: {result['row_in_process_ms']:.2f} ms in process, {result['row_through_actor_ms']:.2f} ms "
+        f"through an actor (hop {result['ray_hop_ms']:.2f} ms; a bare actor call {result['bare_actor_call_ms']:.2f} ms)",
+        file=sys.stderr,
+    )
     return result

@@ -94,9 +94,16 @@ BENCH_EXPORTERS = {
 BENCH_RUNS = (("memory", 1.0), ("otlp", 1.0), ("otlp", 0.1), ("otlp", 0.01), ("otlp", 0.0))
 
 
-def bench_tracing(n: int = 2000, *, repeats: int = 3, workload: str = "engine",
-                  runs: Sequence[tuple[str, float]] = BENCH_RUNS, tool_turns: int = 4,
-                  concurrency: int | None = None, show: bool = True) -> dict[str, Any]:  # fmt: skip
+def bench_tracing(
+    n: int = 2000,
+    *,
+    repeats: int = 3,
+    workload: str = "engine",
+    runs: Sequence[tuple[str, float]] = BENCH_RUNS,
+    tool_turns: int = 4,
+    concurrency: int | None = None,
+    show: bool = True,
+) -> dict[str, Any]:
     """Trajectories per CPU second with tracing off and on: the engine's own cost, so the worst case.
 
     `workload` "engine" is `agentfsm bench engine`'s (tool_agent, `tool_turns` tool rounds
@@ -125,17 +132,29 @@ def bench_tracing(n: int = 2000, *, repeats: int = 3, workload: str = "engine",
         if kind == "null":
             return Telemetry(otlp=False, exporters=[_Discard()], sample=sample)
         if kind == "encode":
-            return Telemetry(otlp=False, sample=sample, exporters=[
-                _EncodeOnly(Resource.create({"service.name": "agentfsm"}), InstrumentationScope("agentfsm"),
-                            "http://127.0.0.1:9/v1/traces", compression="gzip")])  # fmt: skip
+            return Telemetry(
+                otlp=False,
+                sample=sample,
+                exporters=[
+                    _EncodeOnly(
+                        Resource.create({"service.name": "agentfsm"}),
+                        InstrumentationScope("agentfsm"),
+                        "http://127.0.0.1:9/v1/traces",
+                        compression="gzip",
+                    )
+                ],
+            )
         if kind == "sdk-memory":
             return Telemetry(otlp=False, exporters=[InMemorySpanExporter()], sample=sample)
         if kind == "sdk-otlp":
             from opentelemetry.exporter.otlp.proto.http import Compression
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-            return Telemetry(otlp=False, sample=sample, exporters=[
-                OTLPSpanExporter(endpoint=f"{url}/v1/traces", compression=Compression.Gzip)])  # fmt: skip
+            return Telemetry(
+                otlp=False,
+                sample=sample,
+                exporters=[OTLPSpanExporter(endpoint=f"{url}/v1/traces", compression=Compression.Gzip)],
+            )
         raise ValueError(f"unknown exporter {kind!r}; known: {', '.join(BENCH_EXPORTERS)}")
 
     def once(kind: str | None, sample: float) -> tuple[float, dict[str, Any]]:
@@ -173,17 +192,19 @@ def bench_tracing(n: int = 2000, *, repeats: int = 3, workload: str = "engine",
         cpu_us = statistics.median(on[i]) / n * 1e6
         overhead = statistics.median(b / a - 1.0 for a, b in zip(off[i], on[i]))
         spans = stats[i]["exported"] / n
-        rows_out.append({
-            "exporter": kind,
-            "sample": sample,
-            "traj_per_cpu_s": round(1e6 / cpu_us, 1),
-            "cpu_us_per_traj": round(cpu_us, 1),
-            "overhead": round(overhead, 4),
-            "spans_per_traj": round(spans, 3),
-            # extra CPU per span exported (sampled-out trajectories' cost included)
-            "us_per_span": round(overhead * off_us / spans, 2) if spans >= 1 else None,  # noise below
-            "dropped": stats[i]["dropped"],
-        })  # fmt: skip
+        rows_out.append(
+            {
+                "exporter": kind,
+                "sample": sample,
+                "traj_per_cpu_s": round(1e6 / cpu_us, 1),
+                "cpu_us_per_traj": round(cpu_us, 1),
+                "overhead": round(overhead, 4),
+                "spans_per_traj": round(spans, 3),
+                # extra CPU per span exported (sampled-out trajectories' cost included)
+                "us_per_span": round(overhead * off_us / spans, 2) if spans >= 1 else None,  # noise below
+                "dropped": stats[i]["dropped"],
+            }
+        )
     result = {
         "workload": workload,
         "trajectories": n,
@@ -199,8 +220,9 @@ def bench_tracing(n: int = 2000, *, repeats: int = 3, workload: str = "engine",
     return result
 
 
-def bench_tracing_embedded(pairs: int = 3, spec: str = "specs/calculator.yaml", sample: float = 1.0,
-                           show: bool = True) -> dict[str, Any]:  # fmt: skip
+def bench_tracing_embedded(
+    pairs: int = 3, spec: str = "specs/calculator.yaml", sample: float = 1.0, show: bool = True
+) -> dict[str, Any]:
     """`agentfsm run SPEC` (the embedded tiny model) without and with `--otlp` to a loopback collector,
     alternated `pairs` times (off first in even pairs, on first in odd ones); the overhead is the median of
     the pairs' on/off - 1 (this machine's load swings a run's time tenfold); the rollout's wall time from
@@ -231,10 +253,20 @@ def bench_tracing_embedded(pairs: int = 3, spec: str = "specs/calculator.yaml", 
                         spans, traces = map(int, r.read().split())
                     if mode == "on":
                         stats = summary["tracing"]
-                        checks.append({"exported": stats["exported"], "dropped": stats["dropped"], "received": spans,
-                                       "traces": traces, "trajectories": summary["trajectories"]})  # fmt: skip
-                        complete = (spans == stats["exported"] and stats["dropped"] == 0
-                                    and traces == summary["trajectories"])  # fmt: skip
+                        checks.append(
+                            {
+                                "exported": stats["exported"],
+                                "dropped": stats["dropped"],
+                                "received": spans,
+                                "traces": traces,
+                                "trajectories": summary["trajectories"],
+                            }
+                        )
+                        complete = (
+                            spans == stats["exported"]
+                            and stats["dropped"] == 0
+                            and traces == summary["trajectories"]
+                        )
                         assert complete, f"spans lost at sample {sample:g}: {checks[-1]}"
                     else:
                         assert spans == 0, f"an untraced run sent {spans} spans"
@@ -247,17 +279,29 @@ def bench_tracing_embedded(pairs: int = 3, spec: str = "specs/calculator.yaml", 
     overhead = statistics.median(b / a - 1.0 for a, b in zip(walls["off"], walls["on"]))
     cpu_overhead = statistics.median(b / a - 1.0 for a, b in zip(cpus["off"], cpus["on"]))
     result = {
-        "workload": "embedded", "spec": spec, "sample": sample, "pairs": pairs,
-        "rollout_wall_s": walls, "median_off_s": off, "median_on_s": on, "overhead": round(overhead, 4),
-        "rollout_cpu_s": cpus, "median_cpu_off_s": cpu_off, "median_cpu_on_s": cpu_on,
-        "cpu_overhead": round(cpu_overhead, 4), "spans": checks,
-    }  # fmt: skip
+        "workload": "embedded",
+        "spec": spec,
+        "sample": sample,
+        "pairs": pairs,
+        "rollout_wall_s": walls,
+        "median_off_s": off,
+        "median_on_s": on,
+        "overhead": round(overhead, 4),
+        "rollout_cpu_s": cpus,
+        "median_cpu_off_s": cpu_off,
+        "median_cpu_on_s": cpu_on,
+        "cpu_overhead": round(cpu_overhead, 4),
+        "spans": checks,
+    }
     if show:
-        print(f"agentfsm bench tracing: embedded workload ({spec}), rollout wall time (summary.json wall_s), "
-              f"{pairs} pairs alternated, medians: off {off:.2f} s, OTLP at sample {sample:g} {on:.2f} s "
-              f"(per pair {overhead:+.1%}); its CPU (all threads) {cpu_off:.2f} vs {cpu_on:.2f} s "
-              f"(per pair {cpu_overhead:+.1%}); spans received = exported, 0 dropped, every trajectory's trace: "
-              f"{checks[0]['received']} spans / {checks[0]['traces']} traces a run", file=sys.stderr)  # fmt: skip
+        print(
+            f"agentfsm bench tracing: embedded workload ({spec}), rollout wall time (summary.json wall_s), "
+            f"{pairs} pairs alternated, medians: off {off:.2f} s, OTLP at sample {sample:g} {on:.2f} s "
+            f"(per pair {overhead:+.1%}); its CPU (all threads) {cpu_off:.2f} vs {cpu_on:.2f} s "
+            f"(per pair {cpu_overhead:+.1%}); spans received = exported, 0 dropped, every trajectory's trace: "
+            f"{checks[0]['received']} spans / {checks[0]['traces']} traces a run",
+            file=sys.stderr,
+        )
     return result
 
 
@@ -298,8 +342,10 @@ def _bench_table(r: dict[str, Any]) -> str:
             f"{row['exporter']:<9} {sample:>6} {row['traj_per_cpu_s']:>11.0f} {row['cpu_us_per_traj']:>12.1f} "
             f"{row['overhead']:>+9.1%} {per_span:>8} {row['spans_per_traj']:>10.2f} {row['dropped']:>8}"
         )
-    lines.append(f"* the default sampling (OTEL_TRACES_SAMPLER unset: {r['default_sample']:g}). Exporters: "
-                 + "; ".join(f"{k}: {BENCH_EXPORTERS[k]}" for k in dict.fromkeys(x["exporter"] for x in r["on"])))  # fmt: skip
+    lines.append(
+        f"* the default sampling (OTEL_TRACES_SAMPLER unset: {r['default_sample']:g}). Exporters: "
+        + "; ".join(f"{k}: {BENCH_EXPORTERS[k]}" for k in dict.fromkeys(x["exporter"] for x in r["on"]))
+    )
     return "\n".join(lines)
 
 

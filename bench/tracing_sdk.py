@@ -139,14 +139,22 @@ def _in_process(workload: str, n: int, latency_ms: float, concurrency: int) -> t
         async def generate(self, request: Any) -> GenerateResult:
             await asyncio.sleep(latency_ms / 1e3)
             ids = call if request.rid.endswith("_t00") else answer
-            return GenerateResult(list(ids), [-0.5] * len(ids), "stop", len(request.prompt_ids), 0, server="replay")
+            return GenerateResult(
+                list(ids), [-0.5] * len(ids), "stop", len(request.prompt_ids), 0, server="replay"
+            )
 
     rows = make_prompts(n)
     return (lambda tel: (Runner(agent, Slow(), tok, max_concurrency=concurrency, tracer=tel), rows)), 8
 
 
-def bench(workload: str = "calculator", n: int = 2000, rounds: int = 5, latency_ms: float = 30.0,
-          concurrency: int | None = None, paths: tuple[str, ...] = PATHS) -> dict[str, Any]:  # fmt: skip
+def bench(
+    workload: str = "calculator",
+    n: int = 2000,
+    rounds: int = 5,
+    latency_ms: float = 30.0,
+    concurrency: int | None = None,
+    paths: tuple[str, ...] = PATHS,
+) -> dict[str, Any]:
     """Per path: the rollout's wall and CPU time (this process, export threads included) over `rounds`
     alternated rounds, medians and ranges; the spans the collector received must be those the exporter
     says it exported, and the spans that never arrived (a full queue behind a slow exporter) are counted."""
@@ -155,7 +163,9 @@ def bench(workload: str = "calculator", n: int = 2000, rounds: int = 5, latency_
     wall: dict[str, list[float]] = {p: [] for p in paths}
     cpu: dict[str, list[float]] = {p: [] for p in paths}
     spans: dict[str, int] = {}
-    lost: dict[str, list[int]] = {p: [] for p in paths if p != "off"}  # trajectories whose trace is incomplete
+    lost: dict[str, list[int]] = {
+        p: [] for p in paths if p != "off"
+    }  # trajectories whose trace is incomplete
     try:
         if workload == "cli":
             _cli_rounds(url, rounds, paths, wall, cpu, spans)
@@ -164,7 +174,9 @@ def bench(workload: str = "calculator", n: int = 2000, rounds: int = 5, latency_
             runner, rows = make_run(None)
             asyncio.run(runner.run(rows[:200]))  # warm up
             for r in range(rounds):
-                for path in paths[r % len(paths):] + paths[: r % len(paths)]:  # rotated: no path always first
+                for path in (
+                    paths[r % len(paths) :] + paths[: r % len(paths)]
+                ):  # rotated: no path always first
                     tel = tracer(path, url)
                     runner, rows = make_run(tel)
                     gc.collect()
@@ -186,13 +198,24 @@ def bench(workload: str = "calculator", n: int = 2000, rounds: int = 5, latency_
         receiver.terminate()
         receiver.wait()
     per = n if workload != "cli" else 1
-    out = {"workload": workload, "trajectories": n if workload != "cli" else 64, "rounds": rounds,
-           "latency_ms": latency_ms if workload == "calculator-latency" else 0, "spans_per_run": spans,
-           "spans_dropped": lost}  # fmt: skip
+    out = {
+        "workload": workload,
+        "trajectories": n if workload != "cli" else 64,
+        "rounds": rounds,
+        "latency_ms": latency_ms if workload == "calculator-latency" else 0,
+        "spans_per_run": spans,
+        "spans_dropped": lost,
+    }
     for name, series in (("wall", wall), ("cpu", cpu)):
         unit = 1e6 / per if per > 1 else 1.0  # µs per trajectory in process, s per run for the CLI
-        out[name] = {p: {"median": round(statistics.median(v) * unit, 2), "min": round(min(v) * unit, 2),
-                         "max": round(max(v) * unit, 2)} for p, v in series.items()}  # fmt: skip
+        out[name] = {
+            p: {
+                "median": round(statistics.median(v) * unit, 2),
+                "min": round(min(v) * unit, 2),
+                "max": round(max(v) * unit, 2),
+            }
+            for p, v in series.items()
+        }
     return out
 
 
@@ -210,9 +233,20 @@ def _cli_rounds(url: str, rounds: int, paths: tuple[str, ...], wall: dict, cpu: 
     """The main job, once per path per round, each its own process (the tracer chosen by path)."""
     with tempfile.TemporaryDirectory(prefix="agentfsm-bench-") as tmp:
         for r in range(rounds):
-            for path in paths[r % len(paths):] + paths[: r % len(paths)]:
+            for path in paths[r % len(paths) :] + paths[: r % len(paths)]:
                 out = Path(tmp) / f"{path}{r}"
-                cmd = [sys.executable, "-c", _CLI, path, url, "run", "specs/calculator.yaml", "--out", str(out), "-q"]
+                cmd = [
+                    sys.executable,
+                    "-c",
+                    _CLI,
+                    path,
+                    url,
+                    "run",
+                    "specs/calculator.yaml",
+                    "--out",
+                    str(out),
+                    "-q",
+                ]
                 subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
                 summary = json.loads((out / "summary.json").read_text())
                 wall[path].append(summary["wall_s"])
@@ -225,6 +259,11 @@ def _cli_rounds(url: str, rounds: int, paths: tuple[str, ...], wall: dict, cpu: 
 
 if __name__ == "__main__":  # python -m bench.tracing_sdk WORKLOAD [n] [rounds] [latency_ms] [concurrency]
     a = sys.argv[1:]
-    result = bench(a[0] if a else "calculator", int(a[1]) if len(a) > 1 else 2000, int(a[2]) if len(a) > 2 else 5,
-                   float(a[3]) if len(a) > 3 else 30.0, int(a[4]) if len(a) > 4 else None)  # fmt: skip
+    result = bench(
+        a[0] if a else "calculator",
+        int(a[1]) if len(a) > 1 else 2000,
+        int(a[2]) if len(a) > 2 else 5,
+        float(a[3]) if len(a) > 3 else 30.0,
+        int(a[4]) if len(a) > 4 else None,
+    )
     print(json.dumps(result, indent=1))

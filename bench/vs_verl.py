@@ -33,7 +33,7 @@ from typing import Any
 
 from specs.calculator import TOOL_SCHEMA
 
-TOOL_MODULE = '''
+TOOL_MODULE = """
 import ast, operator
 
 from verl.tools.base_tool import BaseTool
@@ -54,7 +54,7 @@ class Calculator(BaseTool):
     async def execute(self, instance_id, parameters, **kwargs):
         value = evaluate(ast.parse(parameters["expression"], mode="eval").body)
         return ToolResponse(text=str(value)), 0.0, {}
-'''
+"""
 
 
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "37 * 12 + 5"}}\n</tool_call>'
@@ -78,7 +78,9 @@ class ReplayServer:
         self.turns = turns
         self.seen: dict[str, int] = {}
 
-    async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **_: Any):
+    async def generate(
+        self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **_: Any
+    ):
         from verl.workers.rollout.replica import TokenOutput
 
         k = self.seen[request_id] = self.seen.get(request_id, -1) + 1
@@ -100,34 +102,62 @@ class Setup:
         self.tokenizer = AutoTokenizer.from_pretrained(ASSET_DIR)
         eos = self.tokenizer.eos_token_id
         self.turns = [self.tokenizer.encode(t, add_special_tokens=False) + [eos] for t in (CALL, ANSWER)]
-        config = OmegaConf.load(importlib.resources.files("verl.trainer.config") / "_generated_ppo_trainer.yaml")
+        config = OmegaConf.load(
+            importlib.resources.files("verl.trainer.config") / "_generated_ppo_trainer.yaml"
+        )
         rollout = config.actor_rollout_ref.rollout
-        rollout.name, rollout.prompt_length, rollout.response_length = "sglang", prompt_length, response_length
+        rollout.name, rollout.prompt_length, rollout.response_length = (
+            "sglang",
+            prompt_length,
+            response_length,
+        )
         rollout.multi_turn.enable = True
         self.config = config
         tools = Path(tempfile.mkdtemp(prefix="bench_vs_verl_"))
         (tools / "bench_vs_verl_tools.py").write_text(TOOL_MODULE)
-        entry = {"class_name": "bench_vs_verl_tools.Calculator", "config": {"type": "native"},
-                 "tool_schema": TOOL_SCHEMA}  # the schema the native variant's calculator has  # fmt: skip
+        entry = {
+            "class_name": "bench_vs_verl_tools.Calculator",
+            "config": {"type": "native"},
+            "tool_schema": TOOL_SCHEMA,
+        }  # the schema the native variant's calculator has
         (tools / "tools.yaml").write_text(json.dumps({"tools": [entry]}))  # JSON is YAML
         sys.path.insert(0, str(tools))
         self.tools = load_all_tools(tool_config_path=str(tools / "tools.yaml"), function_tool_path=None)
         self.verl_entry = _agent_loop_registry["tool_agent"]
-        self.fsm_entry = OmegaConf.create({"name": "fsm_agent", "_target_": "fsm.adapters.verl.FSMAgentLoop",
-                                           "spec": "specs/tool_agent.yaml"})  # fmt: skip
+        self.fsm_entry = OmegaConf.create(
+            {
+                "name": "fsm_agent",
+                "_target_": "fsm.adapters.verl.FSMAgentLoop",
+                "spec": "specs/tool_agent.yaml",
+            }
+        )
 
     def row(self, i: int) -> dict[str, Any]:
         """A dataset row as the worker passes it to run(); each row's question its own, as in a dataset."""
-        return {"raw_prompt": [{"role": "user", "content": f"{QUESTION} (question {i})"}], "tools_kwargs": {}, "index": i,
-                "extra_info": {"index": i}, "uid": f"u{i}", "data_source": "calculator", "priority": 0}  # fmt: skip
+        return {
+            "raw_prompt": [{"role": "user", "content": f"{QUESTION} (question {i})"}],
+            "tools_kwargs": {},
+            "index": i,
+            "extra_info": {"index": i},
+            "uid": f"u{i}",
+            "data_source": "calculator",
+            "priority": 0,
+        }
 
     def loop_kwargs(self, server: ReplayServer) -> dict[str, Any]:
         from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap
         from verl.utils.dataset.rl_dataset import RLHFDataset
 
-        return dict(trainer_config=DictConfigWrap(config=self.config), server_manager=server,
-                    tokenizer=self.tokenizer, processor=None, hf_model_type="qwen2", dataset_cls=RLHFDataset,
-                    data_config=DictConfigWrap(self.config.data), tools=ToolListWrap(self.tools))  # fmt: skip
+        return dict(
+            trainer_config=DictConfigWrap(config=self.config),
+            server_manager=server,
+            tokenizer=self.tokenizer,
+            processor=None,
+            hf_model_type="qwen2",
+            dataset_cls=RLHFDataset,
+            data_config=DictConfigWrap(self.config.data),
+            tools=ToolListWrap(self.tools),
+        )
 
 
 async def _through_loops(setup: Setup, kind: str, rows: range) -> tuple[float, list[list[int]]]:
@@ -189,18 +219,24 @@ def bench_vs_verl(n: int = 128, repeats: int = 5) -> dict[str, Any]:
 
         from fsm import verl_adapter  # noqa: F401  (registers fsm_agent)
     except ImportError as exc:
-        raise SystemExit(f"bench vs-verl needs verl 0.9.1 ({exc}); build its env with `bash .ci/verl_env.sh` "
-                         "and run `.venv-verl/bin/agentfsm bench vs-verl`") from None  # fmt: skip
+        raise SystemExit(
+            f"bench vs-verl needs verl 0.9.1 ({exc}); build its env with `bash .ci/verl_env.sh` "
+            "and run `.venv-verl/bin/agentfsm bench vs-verl`"
+        ) from None
     setup = Setup()
     runner = _native_runner(setup)
     gc.freeze()  # verl, torch and the tokenizer, loaded by now, out of the collector's way (as `agentfsm run` does)
     times: dict[str, list[float]] = {kind: [] for kind in KINDS}
     responses: dict[str, list[list[int]]] = {}
     step = 0
-    for round_ in range(repeats + 1):  # the first round warms every cache (spec compile, tokenizer) and is dropped
+    for round_ in range(
+        repeats + 1
+    ):  # the first round warms every cache (spec compile, tokenizer) and is dropped
         for kind in KINDS:
             gc.collect()
-            rows = range(n * step, n * (step + 1))  # questions no variant has seen (nothing cached across rounds)
+            rows = range(
+                n * step, n * (step + 1)
+            )  # questions no variant has seen (nothing cached across rounds)
             step += 1
             run = _native(setup, runner, rows) if kind == "native" else _through_loops(setup, kind, rows)
             elapsed, responses[kind] = asyncio.run(run)
@@ -209,12 +245,23 @@ def bench_vs_verl(n: int = 128, repeats: int = 5) -> dict[str, Any]:
     for kind, resp in responses.items():  # the same tokens, or the comparison means nothing
         assert resp == responses["verl"], f"{kind}'s responses differ from verl's"
     med = {kind: statistics.median(ts) for kind, ts in times.items()}
-    out: dict[str, Any] = {"verl_version": verl.__version__, "trajectories": n, "repeats": repeats, "kinds": KINDS,
-                           "response_tokens": len(responses["verl"][0])}  # fmt: skip
+    out: dict[str, Any] = {
+        "verl_version": verl.__version__,
+        "trajectories": n,
+        "repeats": repeats,
+        "kinds": KINDS,
+        "response_tokens": len(responses["verl"][0]),
+    }
     for kind in KINDS:
-        out[kind] = {"cpu_us_per_trajectory": round(med[kind], 1), "vs_verl": round(med[kind] / med["verl"], 3)}
-    print(f"{n} calculator trajectories (2 model turns, 1 tool call) in flight, CPU µs per trajectory, median of "
-          f"{repeats} interleaved rounds:", file=sys.stderr)  # fmt: skip
+        out[kind] = {
+            "cpu_us_per_trajectory": round(med[kind], 1),
+            "vs_verl": round(med[kind] / med["verl"], 3),
+        }
+    print(
+        f"{n} calculator trajectories (2 model turns, 1 tool call) in flight, CPU µs per trajectory, median of "
+        f"{repeats} interleaved rounds:",
+        file=sys.stderr,
+    )
     for kind in KINDS:
         print(f"  {kind:17} {med[kind]:9.1f}  {med[kind] / med['verl']:.3f}x verl", file=sys.stderr)
     return out

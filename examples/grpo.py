@@ -60,7 +60,9 @@ class Config:
     eval_prompts: int = 64  # held-out prompts (make_prompts(n, seed=1000))
     eval_samples: int = 2  # samples per held-out prompt
     eval_every: int = 1  # steps between evaluations (0: before and after only)
-    eval_seed: int = 0  # the held-out samples' seeds (the evaluation engine's own; training's come from `seed`)
+    eval_seed: int = (
+        0  # the held-out samples' seeds (the evaluation engine's own; training's come from `seed`)
+    )
     seed: int = 0  # the run's sampling seeds derive from it
     init: Path = MID_DIR  # the starting weights
     threads: int = 1  # torch intra-op threads (process-wide)
@@ -120,8 +122,13 @@ def advantages(batch, session: bool = False) -> tuple[torch.Tensor, torch.Tensor
     return reward[torch.from_numpy(last)], adv
 
 
-def token_logprobs(model: torch.nn.Module, batch, temperature: float, rows: torch.Tensor | None = None,
-                   params: dict[str, torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
+def token_logprobs(
+    model: torch.nn.Module,
+    batch,
+    temperature: float,
+    rows: torch.Tensor | None = None,
+    params: dict[str, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """log_softmax(logits / T) of every response token, [B, R'] (R' = the longest response); `params`
     evaluates other weights (functionally). Every row's prompt opens with the same system turn (~155 of its
     ~175 tokens): that prefix runs once and its KV cache serves every row, whose own tokens follow right-padded
@@ -158,8 +165,9 @@ def token_logprobs(model: torch.nn.Module, batch, temperature: float, rows: torc
     return logp.gather(-1, responses[:, :longest, None]).squeeze(-1)
 
 
-def clipped_loss(logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
-                 clip: float) -> tuple[torch.Tensor, float]:  # fmt: skip
+def clipped_loss(
+    logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, clip: float
+) -> tuple[torch.Tensor, float]:
     """PPO's clipped surrogate over mask-1 tokens (token mean), and the share of tokens clipped."""
     ratio = torch.exp(logp - old)
     a = adv[:, None]
@@ -169,15 +177,18 @@ def clipped_loss(logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, mask:
     return loss, float(clipped)
 
 
-def check_logprobs(recomputed: torch.Tensor, rollout: torch.Tensor, where: torch.Tensor, tol: float,
-                   what: str) -> tuple[int, float]:  # fmt: skip
+def check_logprobs(
+    recomputed: torch.Tensor, rollout: torch.Tensor, where: torch.Tensor, tol: float, what: str
+) -> tuple[int, float]:
     """(tokens checked, largest difference); LogprobMismatch past `tol`."""
     if not where.any():
         return 0, 0.0
     diff = float((recomputed.detach() - rollout)[where].abs().max())
     if not diff <= tol:
-        raise LogprobMismatch(f"{what}: recomputed log-probabilities differ from rollout_log_probs by {diff:.3g} "
-                              f"(tolerance {tol:g}) over {int(where.sum())} tokens")  # fmt: skip
+        raise LogprobMismatch(
+            f"{what}: recomputed log-probabilities differ from rollout_log_probs by {diff:.3g} "
+            f"(tolerance {tol:g}) over {int(where.sum())} tokens"
+        )
     return int(where.sum()), diff
 
 
@@ -194,15 +205,19 @@ class GRPO:
         # Adam moves every element by about its lr a step, whatever the tensor's scale: a norm gain near 1 and a
         # matrix entry near 0.05 alike. Scaled by each tensor's RMS (as LARS and LAMB do), a step changes every
         # tensor by about the same share, the final norm's gain (the logits' scale, which GRPO sharpens) too.
-        groups = [{"params": [p], "lr": cfg.lr * float(p.detach().pow(2).mean().sqrt())}
-                  for p in self.policy.parameters()]  # fmt: skip
+        groups = [
+            {"params": [p], "lr": cfg.lr * float(p.detach().pow(2).mean().sqrt())}
+            for p in self.policy.parameters()
+        ]
         self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=0.0)
         options = {"tokenizer": ASSET_DIR, "max_batch_size": 64}
         self.engine = RolloutEngine(cfg.spec, model=load_model(cfg.init), **options)
         self.evaluator = RolloutEngine(cfg.spec, model=load_model(cfg.init), **options)
         self.temperature = self.engine.agent.spec.sampling.temperature  # what rollout_log_probs are over
         self.held_out = make_prompts(cfg.eval_prompts, seed=1000)
-        self.past: dict[int, dict[str, torch.Tensor]] = {}  # continuous: older versions' weights, for the check
+        self.past: dict[
+            int, dict[str, torch.Tensor]
+        ] = {}  # continuous: older versions' weights, for the check
         self.before = 0.0  # held-out accuracy before training (set by run)
 
     def close(self) -> None:
@@ -216,9 +231,12 @@ class GRPO:
         return {"seed": self.cfg.seed * 1_000_003 + step * 100_003}
 
     def accuracy(self, version: int) -> float:
-        self.evaluator.update_weights_from_tensor(weight_version=version, named_tensors=self.policy.state_dict())
-        batch = self.evaluator.generate_sequences(self.held_out, {"seed": self.cfg.eval_seed},
-                                                  n=self.cfg.eval_samples)
+        self.evaluator.update_weights_from_tensor(
+            weight_version=version, named_tensors=self.policy.state_dict()
+        )
+        batch = self.evaluator.generate_sequences(
+            self.held_out, {"seed": self.cfg.eval_seed}, n=self.cfg.eval_samples
+        )
         ends = torch.from_numpy(last_segments(batch))  # one row per trajectory
         return float((batch.batch["rm_scores"].sum(-1)[ends] == 1).float().mean())
 
@@ -230,16 +248,18 @@ class GRPO:
         width = logp.shape[1]
         mask = b["response_mask"][:, :width].bool()
         rollout, versions = b["rollout_log_probs"][:, :width], b["weight_versions"][:, :width]
-        checked, diff = check_logprobs(logp, rollout, mask & (versions == version), self.cfg.logprob_tol,
-                                       f"step at version {version}")  # fmt: skip
+        checked, diff = check_logprobs(
+            logp, rollout, mask & (versions == version), self.cfg.logprob_tol, f"step at version {version}"
+        )
         stale = mask & (versions != version)
         for old in sorted(set(versions[stale].tolist())):  # the continuous form: older weights, kept
             rows = (stale & (versions == old)).any(1).nonzero().squeeze(1)[: self.cfg.check_rows]
             with torch.no_grad():
                 past = token_logprobs(self.policy, batch, self.temperature, rows, self.past[old])
             where = (versions[rows, : past.shape[1]] == old) & mask[rows, : past.shape[1]]
-            n, d = check_logprobs(past, rollout[rows, : past.shape[1]], where, self.cfg.logprob_tol,
-                                  f"tokens of version {old}")  # fmt: skip
+            n, d = check_logprobs(
+                past, rollout[rows, : past.shape[1]], where, self.cfg.logprob_tol, f"tokens of version {old}"
+            )
             checked, diff = checked + n, max(diff, d)
         # The ratio's denominator: for tokens the current weights made, the trainer's own recomputation (as verl's
         # recomputed old_log_prob), so the update depends on the tokens alone; the engine's values for the same
@@ -299,8 +319,10 @@ class GRPO:
         self.before = before = self.evaluate(0)
         session = cfg.advantages == "session"  # the table then also shows the rows (segments) trained on
         on = f" on {self.engine.agent.name}, session advantages" if session else ""
-        self.log(f"GRPO ({cfg.mode}){on} from {cfg.init.name}: {cfg.prompts} prompts x {cfg.group} samples per step, "
-                 f"lr {cfg.lr:g}; held-out sampled accuracy before: {before:.1%}")  # fmt: skip
+        self.log(
+            f"GRPO ({cfg.mode}){on} from {cfg.init.name}: {cfg.prompts} prompts x {cfg.group} samples per step, "
+            f"lr {cfg.lr:g}; held-out sampled accuracy before: {before:.1%}"
+        )
         header = "step  version  reward  held-out  loss     clipped  stale  checked  max|dlogp|  step_s"
         self.log(header + ("  rows" if session else ""))
         eval_s, t0 = 0.0, time.monotonic()
@@ -316,23 +338,30 @@ class GRPO:
                 eval_s += time.monotonic() - e0
             reward, loss, clipped, stale, checked, diff = result
             rows = int(batch.batch.batch_size[0])
-            s = StepLog(step + 1, version, reward, accuracy, loss, clipped, stale, checked, diff, step_s,
-                        rows)  # fmt: skip
+            s = StepLog(
+                step + 1, version, reward, accuracy, loss, clipped, stale, checked, diff, step_s, rows
+            )
             logs.append(s)
             held = f"{accuracy:8.1%}" if accuracy is not None else "       -"
-            self.log(f"{s.step:4d}  {s.version:7d}  {s.reward:6.3f}  {held}  {s.loss:+.4f}  {s.clipped:7.3f}  "
-                     f"{s.stale_tokens:5.2f}  {s.checked:7d}  {s.max_diff:10.2e}  {s.step_s:6.2f}"
-                     + (f"  {s.rows:4d}" if session else ""))  # fmt: skip
+            self.log(
+                f"{s.step:4d}  {s.version:7d}  {s.reward:6.3f}  {held}  {s.loss:+.4f}  {s.clipped:7.3f}  "
+                f"{s.stale_tokens:5.2f}  {s.checked:7d}  {s.max_diff:10.2e}  {s.step_s:6.2f}"
+                + (f"  {s.rows:4d}" if session else "")
+            )
             t0 = time.monotonic()
         wall = time.monotonic() - start
         train_s = sum(s.step_s for s in logs)
-        self.log(f"held-out sampled accuracy {before:.1%} -> {logs[-1].accuracy:.1%} in {cfg.steps} steps; "
-                 f"{train_s:.0f} s training ({train_s / cfg.steps:.2f} s/step), {eval_s:.0f} s evaluating, "
-                 f"{wall:.0f} s wall; largest |recomputed - rollout| log-prob "
-                 f"{max(s.max_diff for s in logs):.1e} over {sum(s.checked for s in logs)} tokens")  # fmt: skip
+        self.log(
+            f"held-out sampled accuracy {before:.1%} -> {logs[-1].accuracy:.1%} in {cfg.steps} steps; "
+            f"{train_s:.0f} s training ({train_s / cfg.steps:.2f} s/step), {eval_s:.0f} s evaluating, "
+            f"{wall:.0f} s wall; largest |recomputed - rollout| log-prob "
+            f"{max(s.max_diff for s in logs):.1e} over {sum(s.checked for s in logs)} tokens"
+        )
         if cfg.mode == "continuous":
             stats = self.engine.stream_stats
-            self.log(f"groups taken by staleness {stats['staleness']}, re-run for staleness {stats['stale_rerun']}")
+            self.log(
+                f"groups taken by staleness {stats['staleness']}, re-run for staleness {stats['stale_rerun']}"
+            )
         return logs
 
 
@@ -340,11 +369,17 @@ CHOICES = {"mode": ["sync", "continuous"], "advantages": ["row", "session"]}
 
 
 def main(argv: list[str] | None = None) -> list[StepLog]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     for name, default in vars(Config()).items():
         kind = type(default) if not isinstance(default, Path) else Path
-        parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=default,
-                            **({"choices": CHOICES[name]} if name in CHOICES else {}))  # fmt: skip
+        parser.add_argument(
+            f"--{name.replace('_', '-')}",
+            type=kind,
+            default=default,
+            **({"choices": CHOICES[name]} if name in CHOICES else {}),
+        )
     cfg = Config(**vars(parser.parse_args(argv)))
     if not math.isfinite(cfg.lr) or cfg.steps < 1:
         parser.error("--lr must be finite and --steps >= 1")

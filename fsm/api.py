@@ -53,8 +53,19 @@ from fsm.spec.model import SPECS_DIR, AgentSpec
 T = TypeVar("T")
 DETECT_TIMEOUT_S = 5.0  # servers= without engine=: how long each server is asked which engine it runs
 SpecLike = CompiledAgent | AgentSpec | LoadedSpec | str | Path
-__all__ = ["BaseEngine", "Rows", "RolloutEngine", "SpecLike", "batch_of", "load_agent", "load_tokenizer",
-           "make_backend", "model_tokenizer", "probe_servers", "tiny_model_dir"]  # fmt: skip
+__all__ = [
+    "BaseEngine",
+    "Rows",
+    "RolloutEngine",
+    "SpecLike",
+    "batch_of",
+    "load_agent",
+    "load_tokenizer",
+    "make_backend",
+    "model_tokenizer",
+    "probe_servers",
+    "tiny_model_dir",
+]
 
 
 # --- composition ---------------------------------------------------------------------------------------
@@ -95,18 +106,29 @@ def model_tokenizer(model: Any) -> Path:
     else:
         source = getattr(getattr(model, "config", None), "name_or_path", "") or ""
         if not source or not Path(source).is_dir():
-            raise FileNotFoundError(f"the model object {type(model).__name__} was not loaded from a directory "
-                                    "that could hold its tokenizer; pass tokenizer= (an object or a path)")  # fmt: skip
+            raise FileNotFoundError(
+                f"the model object {type(model).__name__} was not loaded from a directory "
+                "that could hold its tokenizer; pass tokenizer= (an object or a path)"
+            )
         where = Path(source)
     if not any((where / name).is_file() for name in TOKENIZER_FILES):
-        raise FileNotFoundError(f"no tokenizer in {where} (none of {', '.join(TOKENIZER_FILES)}); pass tokenizer= "
-                                "(an object or a path, e.g. backends/tiny/assets for the tiny model's checkpoints)")  # fmt: skip
+        raise FileNotFoundError(
+            f"no tokenizer in {where} (none of {', '.join(TOKENIZER_FILES)}); pass tokenizer= "
+            "(an object or a path, e.g. backends/tiny/assets for the tiny model's checkpoints)"
+        )
     return where
 
 
-def make_backend(*, servers: Sequence[str] | None = None, model: str | Path | Any = None,
-                 group_affinity: bool = True, request_timeout_s: float | None = None,
-                 retry_window_s: float = 60.0, engine: str | None = None, **hf_options: Any) -> Backend:  # fmt: skip
+def make_backend(
+    *,
+    servers: Sequence[str] | None = None,
+    model: str | Path | Any = None,
+    group_affinity: bool = True,
+    request_timeout_s: float | None = None,
+    retry_window_s: float = 60.0,
+    engine: str | None = None,
+    **hf_options: Any,
+) -> Backend:
     """`Router` over SGLang or vLLM servers, or the in-process `HFBackend` over a model directory (default: tiny) or
     a model object in memory (a transformers causal LM, e.g. the one a trainer trains); `hf_options` go to HFBackend (torch_threads, max_batch_size...). `request_timeout_s` is each server
     request's deadline (overriding the spec's limits.request_timeout_s; default 300 s) and `retry_window_s`
@@ -125,8 +147,10 @@ def make_backend(*, servers: Sequence[str] | None = None, model: str | Path | An
 
     if isinstance(model, torch.nn.Module):
         if not callable(getattr(model, "forward", None)) or getattr(model, "config", None) is None:
-            raise TypeError(f"model={type(model).__name__} is not a transformers causal LM (it has no .config); "
-                            "pass a PreTrainedModel, a model directory, servers= or backend=")  # fmt: skip
+            raise TypeError(
+                f"model={type(model).__name__} is not a transformers causal LM (it has no .config); "
+                "pass a PreTrainedModel, a model directory, servers= or backend="
+            )
         return HFBackend(model, **hf_options)
     if not isinstance(model, (str, Path, type(None))):
         raise TypeError(f"model= takes a model directory or a torch module, got {type(model).__name__}")
@@ -149,8 +173,9 @@ class Probe:
     engine: str = "sglang"  # what they run: "sglang" (SGLang or the dev server) or "vllm"
 
 
-async def probe_servers(urls: Sequence[str], *, strict: bool = False, timeout_s: float = 10.0,
-                        engine: str | None = None) -> Probe:  # fmt: skip
+async def probe_servers(
+    urls: Sequence[str], *, strict: bool = False, timeout_s: float = 10.0, engine: str | None = None
+) -> Probe:
     """Ask every server at once which engine it runs (unless `engine` says), whether it is ready and its info,
     each within `timeout_s`. A server that does not answer (down, hung, a black hole that accepts and never
     reads) or answers malformed info is left out while another one serves; with `strict`, any such server is
@@ -210,10 +235,20 @@ class RolloutEngine(BaseEngine):
 
     snapshots = True
 
-    def __init__(self, spec: SpecLike, tokenizer: Any = None, *, backend: Backend | None = None,
-                 servers: Sequence[str] | None = None, model: str | Path | None = None, max_concurrency: int = 512,
-                 tracer: Tracer | None = None, check_tokens: bool = False, watchdog_s: float | None = WATCHDOG_S,
-                 **backend_options: Any):  # fmt: skip
+    def __init__(
+        self,
+        spec: SpecLike,
+        tokenizer: Any = None,
+        *,
+        backend: Backend | None = None,
+        servers: Sequence[str] | None = None,
+        model: str | Path | None = None,
+        max_concurrency: int = 512,
+        tracer: Tracer | None = None,
+        check_tokens: bool = False,
+        watchdog_s: float | None = WATCHDOG_S,
+        **backend_options: Any,
+    ):
         if backend is not None and servers:
             raise ValueError("give backend= or servers=, not both")
         self.agent = load_agent(spec)
@@ -228,11 +263,19 @@ class RolloutEngine(BaseEngine):
             if tokenizer is None:  # the embedded model's own
                 tokenizer = model_tokenizer(model if model is not None else tiny_model_dir())
         elif backend_options:
-            raise ValueError(f"backend options {sorted(backend_options)} go with servers= or model=, not backend=")
+            raise ValueError(
+                f"backend options {sorted(backend_options)} go with servers= or model=, not backend="
+            )
         # With `build`, the runner's backend arrives at start (Local builds it on the engine's loop, first thing).
-        self.runner = Runner(self.agent, cast(Backend, backend), load_tokenizer(tokenizer),
-                             max_concurrency=max_concurrency, tracer=tracer, check_tokens=check_tokens,
-                             watchdog_s=watchdog_s)  # fmt: skip
+        self.runner = Runner(
+            self.agent,
+            cast(Backend, backend),
+            load_tokenizer(tokenizer),
+            max_concurrency=max_concurrency,
+            tracer=tracer,
+            check_tokens=check_tokens,
+            watchdog_s=watchdog_s,
+        )
         self.codec = self.runner.codec
         self.tracer = tracer
         self._local = Local(self.runner, tracer, self.agent.name, build)
@@ -242,7 +285,9 @@ class RolloutEngine(BaseEngine):
         `detect_fleet`), then the Router is built once, with that engine's clients."""
         from backends.engines import detect_fleet
 
-        backend = make_backend(servers=urls, **{**options, "engine": await detect_fleet(urls, DETECT_TIMEOUT_S)})
+        backend = make_backend(
+            servers=urls, **{**options, "engine": await detect_fleet(urls, DETECT_TIMEOUT_S)}
+        )
         self._faults = FaultDelta(backend)  # counted from its start: every count of it is this engine's
         return backend
 
@@ -264,22 +309,38 @@ class RolloutEngine(BaseEngine):
     def _run_sync(self, coro: Coroutine[Any, Any, T]) -> T:
         return self._local.run_sync(coro)
 
-    async def _arun(self, rows: Sequence[Any], n: int, sampling: Sampling,
-                    on_done: Callable[[Trajectory], None] | None) -> list[Trajectory]:  # fmt: skip
+    async def _arun(
+        self, rows: Sequence[Any], n: int, sampling: Sampling, on_done: Callable[[Trajectory], None] | None
+    ) -> list[Trajectory]:
         return await self._local.run_here(rows, n, sampling, on_done)
 
-    async def _submit(self, rows: Sequence[Any], n: int, sampling: Sampling, first_index: int | None) -> list[str]:
+    async def _submit(
+        self, rows: Sequence[Any], n: int, sampling: Sampling, first_index: int | None
+    ) -> list[str]:
         return await self._local.submit_here(rows, n, sampling, first_index)
 
-    async def _take(self, num_groups: int, max_staleness: int | None, stale: StalePolicy, timeout: float | None,
-                    exhausted_ok: bool) -> list[Group]:  # fmt: skip
+    async def _take(
+        self,
+        num_groups: int,
+        max_staleness: int | None,
+        stale: StalePolicy,
+        timeout: float | None,
+        exhausted_ok: bool,
+    ) -> list[Group]:
         return await self._local.take_here(num_groups, max_staleness, stale, timeout, exhausted_ok)
 
     async def _control(self, op: str, args: tuple[Any, ...]) -> Any:
         return await self._on_home(self._local.controls.run(op, args))
 
-    async def _snapshot(self, path: str | Path, meta: Mapping[str, Any] | None, stop: bool, timeout: float | None,
-                        abort_turns: bool, fallback: Callable[[], Path] | None) -> dict[str, Any]:  # fmt: skip
+    async def _snapshot(
+        self,
+        path: str | Path,
+        meta: Mapping[str, Any] | None,
+        stop: bool,
+        timeout: float | None,
+        abort_turns: bool,
+        fallback: Callable[[], Path] | None,
+    ) -> dict[str, Any]:
         return await self._local.snapshot(path, meta, stop, timeout, abort_turns, fallback)
 
     async def _restore(self, path: str | Path) -> dict[str, Any]:

@@ -132,8 +132,13 @@ def compute_score(solution_str: str, ground_truth: str, **kwargs) -> float:
 def keep_results(messages: list[dict]) -> list[dict]:
     """A context rewrite (specs/calculator_results.yaml): the model's turns that tools answered are dropped and
     their results kept, so the next turn sees the task and the observations only."""
-    return [m for i, m in enumerate(messages)
-            if not (m.get("role") == "assistant" and i + 1 < len(messages) and messages[i + 1].get("role") == "tool")]  # fmt: skip
+    return [
+        m
+        for i, m in enumerate(messages)
+        if not (
+            m.get("role") == "assistant" and i + 1 < len(messages) and messages[i + 1].get("role") == "tool"
+        )
+    ]
 
 
 def make_question(rng: random.Random) -> str:

@@ -19,10 +19,14 @@ class GuessNumber(BaseInteraction):
         self._secret: dict[str, int] = {}
         self._guesses: dict[str, int] = {}
 
-    async def start_interaction(self, instance_id: str | None = None, secret: int | None = None, **kwargs) -> str:
+    async def start_interaction(
+        self, instance_id: str | None = None, secret: int | None = None, **kwargs
+    ) -> str:
         # A stable secret per instance unless the row gives one (interaction_kwargs.secret).
         span = self.high - self.low + 1
-        self._secret[instance_id] = secret if secret is not None else self.low + zlib.crc32(instance_id.encode()) % span
+        self._secret[instance_id] = (
+            secret if secret is not None else self.low + zlib.crc32(instance_id.encode()) % span
+        )
         self._guesses[instance_id] = 0
         return instance_id
 

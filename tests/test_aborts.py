@@ -81,16 +81,29 @@ async def test_dev_server_aborts_on_demand_in_sglang_shapes():
         assert len(full["output_ids"]) > 4 and full["meta_info"]["finish_reason"]["type"] == "stop"
         waiting = await post("b_t00", "abort_waiting")
         assert waiting["output_ids"] == []
-        assert set(waiting["meta_info"]) == {"id", "finish_reason", "weight_version", "e2e_latency", "weight_versions",
-                                             "response_sent_to_client_ts",
-                                             "input_token_logprobs", "output_token_logprobs",
-                                             "output_token_logprobs_length", "completion_tokens"}  # fmt: skip
+        assert set(waiting["meta_info"]) == {
+            "id",
+            "finish_reason",
+            "weight_version",
+            "e2e_latency",
+            "weight_versions",
+            "response_sent_to_client_ts",
+            "input_token_logprobs",
+            "output_token_logprobs",
+            "output_token_logprobs_length",
+            "completion_tokens",
+        }
         assert waiting["meta_info"]["finish_reason"] == {"type": "abort", "message": "Abort in waiting queue"}
         running = await post("c_t00", "abort_running:4")
         meta = running["meta_info"]
         assert running["output_ids"] == full["output_ids"][:4]  # what it had generated when aborted
         assert meta["output_token_logprobs"] == full["meta_info"]["output_token_logprobs"][:4]
-        assert meta["finish_reason"] == {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+        assert meta["finish_reason"] == {
+            "type": "abort",
+            "message": "Aborted",
+            "status_code": None,
+            "err_type": None,
+        }
         assert meta["prompt_tokens"] == 3 and "cached_tokens" in meta and meta["completion_tokens"] == 4
 
 
@@ -132,7 +145,10 @@ async def test_tiny_model_resumed_greedy_turns_equal_uninterrupted_ones(tok):
                 trajs, batch, stats = await run("calculator", tok, router(proxy.url), data)
     finally:
         await model.close()
-    assert proxy.injected["abort_running"] >= 1 and stats["faults"]["aborts_running"] == proxy.injected["abort_running"]
+    assert (
+        proxy.injected["abort_running"] >= 1
+        and stats["faults"]["aborts_running"] == proxy.injected["abort_running"]
+    )
     assert sum(t.metrics.num_preempted for t in trajs) == proxy.injected["abort_running"]
     assert [t.termination_reason for t in trajs] == [t.termination_reason for t in trajs_ref]
     assert max(t.assistant_turns for t in trajs) >= 2  # tool turns too
@@ -144,9 +160,13 @@ async def test_past_the_resume_budget_the_row_is_an_error(tok, compile_yaml):
     async with DevServer(hashlm()) as dev:
         async with FaultProxy(dev.url, script=["abort_waiting", "abort_waiting"]) as proxy:
             (traj,), batch, stats = await run(agent, tok, router(proxy.url), rows(1))
-    assert traj.failed and traj.termination_reason.startswith("error: aborted: model turn 0 was aborted 2 times")
+    assert traj.failed and traj.termination_reason.startswith(
+        "error: aborted: model turn 0 was aborted 2 times"
+    )
     assert "past limits.max_resumes 1" in traj.termination_reason and proxy.url in traj.termination_reason
-    assert len(traj.response_ids) == 0 and int(batch.batch["response_mask"].sum()) == 0  # never a short "done"
+    assert (
+        len(traj.response_ids) == 0 and int(batch.batch["response_mask"].sum()) == 0
+    )  # never a short "done"
     assert traj.metrics.num_preempted == 1 and stats["faults"]["aborts_waiting"] == 2
 
 
@@ -161,17 +181,22 @@ async def test_server_side_aborts_mid_batch_lose_nothing(tok, compile_yaml, how)
         async with control:
 
             async def disrupt() -> None:
-                await until(lambda: any(r.started for r in dev._live.values()), "a turn running at the server")
+                await until(
+                    lambda: any(r.started for r in dev._live.values()), "a turn running at the server"
+                )
                 if how == "pause_generation":
                     await control.pause_generation("abort")
                     await asyncio.sleep(0.1)
                     await control.continue_generation()
                 else:
-                    await control.update_weights_from_disk("/ckpt/step-2", weight_version="step-2",
-                                                           abort_all_requests=True)  # fmt: skip
+                    await control.update_weights_from_disk(
+                        "/ckpt/step-2", weight_version="step-2", abort_all_requests=True
+                    )
 
             (trajs, batch, stats), _ = await asyncio.gather(run(agent, tok, router(dev.url), data), disrupt())
-    assert sum(t.metrics.num_preempted for t in trajs) == stats["faults"]["aborts_running"] >= 1  # the running ones
+    assert (
+        sum(t.metrics.num_preempted for t in trajs) == stats["faults"]["aborts_running"] >= 1
+    )  # the running ones
     assert all(t.termination_reason in ("done", "response_length") for t in trajs)
     assert_same_rows(batch, ref)
 
@@ -232,8 +257,10 @@ async def test_logprobs_asked_for_and_not_returned_are_never_invented(tok, compi
 async def test_sglang_client_reports_missing_logprobs_instead_of_zeros():
     from backends.sglang import parse_generate
 
-    body = {"output_ids": [5, 6], "meta_info": {"id": "x", "finish_reason": {"type": "stop", "matched": 6},
-                                                "prompt_tokens": 3}}  # fmt: skip
+    body = {
+        "output_ids": [5, 6],
+        "meta_info": {"id": "x", "finish_reason": {"type": "stop", "matched": 6}, "prompt_tokens": 3},
+    }
     result = parse_generate(body, server="s", return_logprob=True)
     assert result.logprobs is None and result.extra["logprobs_missing"]
 
@@ -283,12 +310,19 @@ TOOLS_SPEC = """
 
 async def test_a_tool_raising_base_exceptions_fails_its_row_only(tok, compile_yaml, turn):
     agent = compile_yaml(TOOLS_SPEC)
-    script = {0: [tool_turn(tok, ("cancelling", {"text": "x"}))], 1: [tool_turn(tok, ("abandoning", {"text": "x"}))],
-              2: [turn("no tools needed")]}  # fmt: skip
+    script = {
+        0: [tool_turn(tok, ("cancelling", {"text": "x"}))],
+        1: [tool_turn(tok, ("abandoning", {"text": "x"}))],
+        2: [turn("no tools needed")],
+    }
     trajs, batch, _ = await run(agent, tok, scripted(script), rows(3))
     # the tool layer wraps what a tool raises (ToolCrashed); the row ends as an error naming it either way
-    assert trajs[0].termination_reason.startswith("error: ") and "CancelledError" in trajs[0].termination_reason
-    assert "from the tool" in trajs[0].termination_reason and "PROCESSING_TOOLS" in trajs[0].termination_reason
+    assert (
+        trajs[0].termination_reason.startswith("error: ") and "CancelledError" in trajs[0].termination_reason
+    )
+    assert (
+        "from the tool" in trajs[0].termination_reason and "PROCESSING_TOOLS" in trajs[0].termination_reason
+    )
     assert trajs[1].termination_reason.startswith("error: ") and "Abandon" in trajs[1].termination_reason
     assert trajs[2].termination_reason == "done" and not trajs[2].failed
     assert [int(m.sum()) for m in batch.batch["response_mask"]][:2] == [0, 0]
@@ -308,12 +342,17 @@ async def test_a_user_action_raising_sys_exit_or_cancelled_error_fails_its_row_o
             next:
               - to: GENERATING
     """)
-    data = [user_row("a"), user_row("b", extra_info={"do": "exit"}), user_row("c", extra_info={"do": "cancel"})]
+    data = [
+        user_row("a"),
+        user_row("b", extra_info={"do": "exit"}),
+        user_row("c", extra_info={"do": "cancel"}),
+    ]
     trajs, _, _ = await run(agent, tok, scripted([turn("ok")]), data)
     assert [t.termination_reason for t in trajs] == [
-        "done", "error: SystemExit in CHECKING: 3",
+        "done",
+        "error: SystemExit in CHECKING: 3",
         "error: CancelledError raised in CHECKING by the action, not by a cancellation of the run: nobody cancelled me",
-    ]  # fmt: skip
+    ]
 
 
 async def test_a_real_cancellation_cancels_the_run_and_leaves_no_finished_looking_row(tok, compile_yaml):

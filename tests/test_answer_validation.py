@@ -41,10 +41,14 @@ async def test_each_hostile_answer_is_a_counted_fault_never_a_row(agent, tok, re
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     async with fleet(2, rates={kind: 0.3}, seed=3) as (_, proxies):
         trajs, batch, stats = await run(agent, tok, router([p.url for p in proxies], max_retries=2), rows(16))
-    assert sum(p.injected[kind] for p in proxies) > 0, "the plan injected nothing: the test would prove nothing"
+    assert sum(p.injected[kind] for p in proxies) > 0, (
+        "the plan injected nothing: the test would prove nothing"
+    )
     if kind in CUT_KINDS:  # the rows it landed on say the context cut them, the others are untouched
         cut = [i for i, t in enumerate(trajs) if t.termination_reason == "context_length"]
-        assert cut and all(trajs[i].extra["spec_reason"] == "done" and trajs[i].extra["context_cut"] for i in cut)
+        assert cut and all(
+            trajs[i].extra["spec_reason"] == "done" and trajs[i].extra["context_cut"] for i in cut
+        )
         for i, t in enumerate(trajs):  # a cut row keeps what came before its empty turn, unchanged
             n = len(t.response_ids) if i in cut else None
             for key in ("responses", "response_mask", "rollout_log_probs"):
@@ -60,37 +64,47 @@ async def test_each_hostile_answer_is_a_counted_fault_never_a_row(agent, tok, re
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before < 400_000  # KiB: no huge expansion
 
 
-@pytest.mark.parametrize("kind,words", [
-    ("out_of_vocab", "token id 9999 outside the vocabulary [0, 576)"),
-    ("negative_id", "token id -5 outside the vocabulary"),
-    ("nan_logprob", "logprob nan: logprobs are finite and <= 0"),
-    ("positive_logprob", "logprob 7.5"),
-    ("bool_logprob", "not [logprob, id, text] triples"),
-    ("past_stop", "token(s) after stop id 2"),
-    ("more_than_asked", "output ids where max_new_tokens was"),
-    ("huge_version_span", "meta_info.weight_versions"),
-    ("string_count", "meta_info.cached_tokens '5', not a non-negative integer"),
-    ("oversize", "past the"),
-    ("huge_logprob", "logprob '-100000000000"),
-    ("short_triples_phantom", "output logprobs for"),
-    ("deep_json", "JSON nested 50001 levels deep, past the 64-level bound"),
-    ("mismatched_logprob_ids", "logprobs for other tokens"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "kind,words",
+    [
+        ("out_of_vocab", "token id 9999 outside the vocabulary [0, 576)"),
+        ("negative_id", "token id -5 outside the vocabulary"),
+        ("nan_logprob", "logprob nan: logprobs are finite and <= 0"),
+        ("positive_logprob", "logprob 7.5"),
+        ("bool_logprob", "not [logprob, id, text] triples"),
+        ("past_stop", "token(s) after stop id 2"),
+        ("more_than_asked", "output ids where max_new_tokens was"),
+        ("huge_version_span", "meta_info.weight_versions"),
+        ("string_count", "meta_info.cached_tokens '5', not a non-negative integer"),
+        ("oversize", "past the"),
+        ("huge_logprob", "logprob '-100000000000"),
+        ("short_triples_phantom", "output logprobs for"),
+        ("deep_json", "JSON nested 50001 levels deep, past the 64-level bound"),
+        ("mismatched_logprob_ids", "logprobs for other tokens"),
+    ],
+)
 async def test_a_server_that_always_lies_gives_an_error_row_naming_it(agent, tok, kind, words):
     async with fleet(1, rates={kind: 1.0}) as (_, proxies):
-        (traj,), batch, stats = await run(agent, tok, router([proxies[0].url], max_retries=1, reroutes=0), rows(1))
+        (traj,), batch, stats = await run(
+            agent, tok, router([proxies[0].url], max_retries=1, reroutes=0), rows(1)
+        )
     reason = traj.termination_reason
     assert reason.startswith("error: backend: ") and proxies[0].url in reason and words in reason, reason
     assert "\n" not in reason and len(traj.response_ids) == 0
     assert stats["faults"][HOSTILE[kind][1]] == 2  # the first attempt and its retry, each counted by kind
 
 
-@pytest.mark.parametrize("kind", ["huge_logprob", "short_triples_phantom", "deep_json", "out_of_vocab",
-                                  "mismatched_logprob_ids"])
+@pytest.mark.parametrize(
+    "kind", ["huge_logprob", "short_triples_phantom", "deep_json", "out_of_vocab", "mismatched_logprob_ids"]
+)
 async def test_a_lying_server_beside_a_healthy_one_loses_no_row(agent, tok, reference, kind):
     """The JSON edge cases (issue 27 item 4) fail over like out-of-vocabulary ids: counted, no row lost."""
-    async with DevServer(hashlm()) as liar_dev, DevServer(hashlm()) as good_dev, \
-            FaultProxy(liar_dev.url, rates={kind: 1.0}) as liar, FaultProxy(good_dev.url) as good:  # fmt: skip
+    async with (
+        DevServer(hashlm()) as liar_dev,
+        DevServer(hashlm()) as good_dev,
+        FaultProxy(liar_dev.url, rates={kind: 1.0}) as liar,
+        FaultProxy(good_dev.url) as good,
+    ):
         trajs, batch, stats = await run(agent, tok, router([liar.url, good.url], max_retries=1), rows(16))
     assert liar.injected[kind] > 0
     assert not any(t.failed for t in trajs), [t.termination_reason for t in trajs if t.failed]
@@ -100,23 +114,35 @@ async def test_a_lying_server_beside_a_healthy_one_loses_no_row(agent, tok, refe
 
 
 def _req(**params) -> GenerateRequest:
-    return GenerateRequest("s", [1, 2, 3], {"max_new_tokens": 4, "stop_token_ids": [2], **params}, vocab_size=576)
+    return GenerateRequest(
+        "s", [1, 2, 3], {"max_new_tokens": 4, "stop_token_ids": [2], **params}, vocab_size=576
+    )
 
 
 def _answer(ids, logprobs=None, **meta):
     lps = logprobs if logprobs is not None else [-0.5] * len(ids)
-    return {"output_ids": ids, "meta_info": {"finish_reason": {"type": "stop"}, "prompt_tokens": 3,
-                                             "output_token_logprobs": [[lp, t, None] for lp, t in zip(lps, ids)],
-                                             **meta}}  # fmt: skip
+    return {
+        "output_ids": ids,
+        "meta_info": {
+            "finish_reason": {"type": "stop"},
+            "prompt_tokens": 3,
+            "output_token_logprobs": [[lp, t, None] for lp, t in zip(lps, ids)],
+            **meta,
+        },
+    }
 
 
 def test_the_check_accepts_exactly_what_sglang_may_send():
-    ok = parse_generate(_answer([5, 7, 2], weight_version=3, cached_tokens=0), server="s", return_logprob=True,
-                        request=_req())  # fmt: skip
+    ok = parse_generate(
+        _answer([5, 7, 2], weight_version=3, cached_tokens=0), server="s", return_logprob=True, request=_req()
+    )
     assert ok.token_ids == [5, 7, 2] and ok.weight_version == "3" and ok.logprobs == [-0.5] * 3
-    assert parse_generate(_answer([5, 2], [0.0, -0.0]), server="s", return_logprob=True, request=_req()).logprobs
-    assert parse_generate(_answer([2, 5], ignore=1), server="s", return_logprob=True,
-                          request=_req(ignore_eos=True)).token_ids == [2, 5]  # fmt: skip
+    assert parse_generate(
+        _answer([5, 2], [0.0, -0.0]), server="s", return_logprob=True, request=_req()
+    ).logprobs
+    assert parse_generate(
+        _answer([2, 5], ignore=1), server="s", return_logprob=True, request=_req(ignore_eos=True)
+    ).token_ids == [2, 5]
     for body, kind in [
         (_answer([5, True]), "malformed"),
         (_answer([5, 2**31 + 5]), "bad_ids"),
@@ -137,8 +163,9 @@ def test_version_spans_are_checked_before_they_are_expanded():
     with pytest.raises(ValueError, match="end 1000000000000"):
         token_versions([{"version": "1", "start": 0, "end": 10**12}], 3)
     assert time.perf_counter() - t0 < 0.1
-    assert token_versions([{"version": "1", "start": 0, "end": 2}, {"version": 2, "start": 2, "end": 3}], 3) == [
-        "1", "1", "2"]  # fmt: skip
+    assert token_versions(
+        [{"version": "1", "start": 0, "end": 2}, {"version": 2, "start": 2, "end": 3}], 3
+    ) == ["1", "1", "2"]
     assert token_versions([{"version": "1", "start": 0, "end": 2}], 3) is None  # not covering: fall back
     assert token_versions([{"version": "0", "start": 0, "end": 0}], 0) == []  # a waiting-queue abort's span
 
@@ -150,8 +177,12 @@ async def test_a_fleet_wide_outage_shorter_than_the_retry_window_costs_no_row(ag
     async with fleet(2) as (_, proxies):
         for p in proxies:
             p.outage(2.0)
-        backend = Router([SGLangBackend(p.url, backoff_s=0.005) for p in proxies], health_interval_s=0,
-                         cooldown_s=0.05, retry_window_s=30)  # fmt: skip
+        backend = Router(
+            [SGLangBackend(p.url, backoff_s=0.005) for p in proxies],
+            health_interval_s=0,
+            cooldown_s=0.05,
+            retry_window_s=30,
+        )
         trajs, batch, stats = await run(agent, tok, backend, rows(16))
     assert sum(p.injected["outage"] for p in proxies) > 0
     assert not any(t.failed for t in trajs)
@@ -161,14 +192,17 @@ async def test_a_fleet_wide_outage_shorter_than_the_retry_window_costs_no_row(ag
 async def test_without_a_window_the_same_outage_fails_rows(agent, tok):
     async with fleet(1) as (_, proxies):
         proxies[0].outage(2.0)
-        backend = Router([SGLangBackend(proxies[0].url, backoff_s=0.005)], health_interval_s=0, retry_window_s=0)
+        backend = Router(
+            [SGLangBackend(proxies[0].url, backoff_s=0.005)], health_interval_s=0, retry_window_s=0
+        )
         trajs, _, _ = await run(agent, tok, backend, rows(2))
     assert all(t.failed and "HTTP 503" in t.termination_reason for t in trajs)
 
 
 @contextlib.asynccontextmanager
-async def info_server(upstream: str, *, hang_info: bool = False, context_length: object = None,
-                      deep_info: bool = False):  # fmt: skip
+async def info_server(
+    upstream: str, *, hang_info: bool = False, context_length: object = None, deep_info: bool = False
+):
     """Forwards /generate to `upstream`; its /model_info hangs or (`deep_info`) is 50,000 levels deep, or its
     /server_info says `context_length`."""
     import aiohttp
@@ -179,21 +213,26 @@ async def info_server(upstream: str, *, hang_info: bool = False, context_length:
         if hang_info:
             await stop.wait()
         if deep_info:
-            return web.Response(body=b'{"model_path": "m", "x": ' + b"[" * 50_000 + b"]" * 50_000 + b"}",
-                                content_type="application/json")  # fmt: skip
+            return web.Response(
+                body=b'{"model_path": "m", "x": ' + b"[" * 50_000 + b"]" * 50_000 + b"}",
+                content_type="application/json",
+            )
         return web.json_response({"model_path": "m", "weight_version": "default"})
 
     async def server_info(request: web.Request) -> web.Response:
         return web.json_response({"context_length": context_length, "max_req_input_len": None})
 
     async def forward(request: web.Request) -> web.Response:
-        async with aiohttp.ClientSession() as http, http.post(upstream + request.path,
-                                                              data=await request.read()) as r:  # fmt: skip
+        async with (
+            aiohttp.ClientSession() as http,
+            http.post(upstream + request.path, data=await request.read()) as r,
+        ):
             return web.Response(status=r.status, body=await r.read(), content_type="application/json")
 
     app = web.Application()
     app.router.add_get("/model_info", model_info)
     app.router.add_get("/server_info", server_info)
+
     async def ready(request: web.Request) -> web.Response:
         return web.Response(text="ok")
 
@@ -231,10 +270,16 @@ async def test_a_lone_server_whose_info_hangs_gives_error_rows_not_a_traceback(a
 
 async def test_malformed_server_info_is_one_line_naming_the_server(agent, tok):
     async with DevServer(hashlm()) as dev, info_server(dev.url, context_length="abc") as odd:
-        backend = Router([SGLangBackend(odd, max_retries=0)], health_interval_s=0, max_retries=0, retry_window_s=0)
+        backend = Router(
+            [SGLangBackend(odd, max_retries=0)], health_interval_s=0, max_retries=0, retry_window_s=0
+        )
         (traj,), _, _ = await run(agent, tok, backend, rows(1))
     reason = traj.termination_reason
-    assert traj.failed and odd in reason and "server info has context_length 'abc', not a positive integer" in reason
+    assert (
+        traj.failed
+        and odd in reason
+        and "server info has context_length 'abc', not a positive integer" in reason
+    )
 
 
 async def test_a_deep_json_model_info_is_a_server_fault_not_a_crash(agent, tok):
@@ -248,7 +293,9 @@ async def test_a_deep_json_model_info_is_a_server_fault_not_a_crash(agent, tok):
         with pytest.raises(ServerNotReady, match="nested 50001 levels deep"):
             await probe_servers([deep], timeout_s=5.0)
         clients = [SGLangBackend(u, max_retries=0) for u in (deep, dev.url)]
-        trajs, _, stats = await run(agent, tok, Router(clients, health_interval_s=0, retry_window_s=0), rows(4))
+        trajs, _, stats = await run(
+            agent, tok, Router(clients, health_interval_s=0, retry_window_s=0), rows(4)
+        )
     assert not any(t.failed for t in trajs) and stats["faults"]["malformed"] >= 1 and stats["failovers"] >= 1
 
 
@@ -264,7 +311,10 @@ async def test_the_start_probe_leaves_out_bad_servers_unless_strict():
             assert time.monotonic() - t0 < 10
             assert probe.servers == [dev.url]
             assert set(probe.left_out) == {hole, odd, "http://127.0.0.1:9"}
-            assert "no answer within 2 s" in probe.left_out[hole] and "context_length 'abc'" in probe.left_out[odd]
+            assert (
+                "no answer within 2 s" in probe.left_out[hole]
+                and "context_length 'abc'" in probe.left_out[odd]
+            )
             with pytest.raises(ServerNotReady, match="context_length 'abc'"):
                 await probe_servers([dev.url, odd], strict=True, timeout_s=2.0)
             with pytest.raises(ServerNotReady, match=hole):
@@ -286,13 +336,22 @@ async def test_an_empty_turn_that_says_length_is_the_contexts_cut(agent, tok, re
             if "What is 1 * 4?" in tok.decode(prompt_ids):
                 return {"token_ids": [], "logprobs": [], "finish_reason": "length"}
             answer = await real.generate(GenerateRequest("s", prompt_ids, dict(params), return_logprob=True))
-            return {"token_ids": answer.token_ids, "logprobs": answer.logprobs, "finish_reason": answer.finish_reason}
+            return {
+                "token_ids": answer.token_ids,
+                "logprobs": answer.logprobs,
+                "finish_reason": answer.finish_reason,
+            }
 
         trajs, batch, _ = await run(agent, tok, FunctionBackend(generate), rows(3))
         await real.close()
     reasons = [t.termination_reason for t in trajs]
     expected = list(reference.non_tensor_batch["termination_reason"][:3])
-    assert reasons == [expected[0], "context_length", expected[2]], (reasons, expected, trajs[1].extra, trajs[1].last_finish_reason)
+    assert reasons == [expected[0], "context_length", expected[2]], (
+        reasons,
+        expected,
+        trajs[1].extra,
+        trajs[1].last_finish_reason,
+    )
     cut = trajs[1]
     assert len(cut.response_ids) == 0 and cut.extra["spec_reason"] == "done"
     assert cut.extra["context_cut"] == len(cut.prompt_ids)  # no context length known: what the request held

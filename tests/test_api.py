@@ -307,8 +307,13 @@ def test_trajectories_pickle(tok):
 def test_load_rows_jsonl(tmp_path):
     path = tmp_path / "rows.jsonl"
     good = {"raw_prompt": [{"role": "user", "content": "hi"}], "uid": "a"}
-    lines = [json.dumps(good), "", json.dumps({"prompt": [{"role": "user", "content": "verl"}]}),
-             json.dumps({"raw_prompt": "plain text"}), json.dumps({"question": "no prompt"})]  # fmt: skip
+    lines = [
+        json.dumps(good),
+        "",
+        json.dumps({"prompt": [{"role": "user", "content": "verl"}]}),
+        json.dumps({"raw_prompt": "plain text"}),
+        json.dumps({"question": "no prompt"}),
+    ]
     path.write_text("\n".join(lines) + "\n")
     rows = load_rows(path)
     assert [r["raw_prompt"][0]["content"] for r in rows[:3]] == ["hi", "verl", "plain text"]

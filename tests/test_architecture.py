@@ -17,8 +17,15 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("fsm", "backends", "viz", "bench", "specs")
-COMPOSITION = {"fsm.api", "fsm.cli.commands", "fsm.adapters.verl", "fsm.adapters.trl", "fsm.adapters.openrlhf",
-               "fsm.adapters.skyrl", "fsm.adapters.areal"}
+COMPOSITION = {
+    "fsm.api",
+    "fsm.cli.commands",
+    "fsm.adapters.verl",
+    "fsm.adapters.trl",
+    "fsm.adapters.openrlhf",
+    "fsm.adapters.skyrl",
+    "fsm.adapters.areal",
+}
 
 
 def _module_name(path: Path) -> str:
@@ -27,7 +34,9 @@ def _module_name(path: Path) -> str:
 
 
 def _modules() -> dict[str, Path]:
-    return {_module_name(p): p for pkg in PACKAGES if (ROOT / pkg).is_dir() for p in (ROOT / pkg).rglob("*.py")}
+    return {
+        _module_name(p): p for pkg in PACKAGES if (ROOT / pkg).is_dir() for p in (ROOT / pkg).rglob("*.py")
+    }
 
 
 def _imports(name: str, path: Path, known: set[str]) -> set[str]:
@@ -40,7 +49,9 @@ def _imports(name: str, path: Path, known: set[str]) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join([*package.split(".")[: len(package.split(".")) - node.level + 1], base]).strip(".")
+                base = ".".join(
+                    [*package.split(".")[: len(package.split(".")) - node.level + 1], base]
+                ).strip(".")
             targets = [base] + [f"{base}.{alias.name}" for alias in node.names]
         else:
             continue
@@ -101,7 +112,11 @@ def test_the_cycle_finder_finds_one():
 
 def test_only_composition_modules_import_concrete_backends(graph):
     offenders = {
-        name: sorted(t for t in targets if t.startswith("backends") and t not in ("backends", "backends.base", "backends.retry"))
+        name: sorted(
+            t
+            for t in targets
+            if t.startswith("backends") and t not in ("backends", "backends.base", "backends.retry")
+        )
         for name, targets in graph.items()
         if name.startswith("fsm") and name not in COMPOSITION
     }
@@ -113,12 +128,18 @@ SCRIPTS = {"backends.tiny.evaluate"}
 
 
 def test_backends_never_import_fsm_and_nothing_imports_bench(graph):
-    assert not {n: sorted(t for t in ts if t.startswith("fsm")) for n, ts in graph.items()
-                if n.startswith("backends") and n not in SCRIPTS and any(t.startswith("fsm") for t in ts)}  # fmt: skip
+    assert not {
+        n: sorted(t for t in ts if t.startswith("fsm"))
+        for n, ts in graph.items()
+        if n.startswith("backends") and n not in SCRIPTS and any(t.startswith("fsm") for t in ts)
+    }
     assert not {n for n, ts in graph.items() if SCRIPTS & ts}
     engine = [n for n in graph if n.split(".")[0] in ("fsm", "backends", "viz") and n != "fsm.cli.commands"]
-    assert not {n: sorted(t for t in graph[n] if t.startswith("bench")) for n in engine
-                if any(t.startswith("bench") for t in graph[n])}  # fmt: skip
+    assert not {
+        n: sorted(t for t in graph[n] if t.startswith("bench"))
+        for n in engine
+        if any(t.startswith("bench") for t in graph[n])
+    }
 
 
 def test_every_package_is_in_the_wheel():
@@ -133,7 +154,19 @@ def test_every_package_is_in_the_wheel():
 
 # fsm's packages in the order of a run's stages: each may import only those before it (fsm/*/__init__.py say
 # so in words). The chat codecs and parsers (families) are at the bottom; the composition (api, adapters, cli) on top.
-STAGES = ["families", "spec", "data", "tools", "run", "output", "telemetry", "api", "gateway", "adapters", "cli"]
+STAGES = [
+    "families",
+    "spec",
+    "data",
+    "tools",
+    "run",
+    "output",
+    "telemetry",
+    "api",
+    "gateway",
+    "adapters",
+    "cli",
+]
 
 
 def _stage(module: str) -> str | None:
@@ -156,4 +189,6 @@ def test_fsm_packages_import_only_earlier_stages(graph):
 
 def test_every_fsm_module_belongs_to_a_stage():
     loose = sorted(p.name for p in (ROOT / "fsm").glob("*.py"))
-    assert loose == ["__init__.py", "api.py", "verl_adapter.py"], "put new modules in the package of their stage"
+    assert loose == ["__init__.py", "api.py", "verl_adapter.py"], (
+        "put new modules in the package of their stage"
+    )

@@ -15,7 +15,10 @@ from tests.conftest import model_turn, tool_turn, user_row
 def samples(tok, with_logprobs: bool):
     """Real samples of the calculator (a tool call, its result, the answer) from a backend that does or does not
     send logprobs."""
-    turns = [tool_turn(tok, ("calculator", {"expression": "1 + 2"})), model_turn(tok, "The answer is 3.\n#### 3")]
+    turns = [
+        tool_turn(tok, ("calculator", {"expression": "1 + 2"})),
+        model_turn(tok, "The answer is 3.\n#### 3"),
+    ]
 
     async def generate(prompt_ids, params):
         ids = turns[generate.k % 2]  # the call first, the answer after the tool's result
@@ -39,8 +42,12 @@ def test_every_tensor_spans_the_whole_sequence_or_the_sample_is_refused(tok, wit
     ep = to_areal(sample)
     L = len(sample.prompt_ids) + len(sample.response_ids)
     assert {k: tuple(v.shape) for k, v in ep.items()} == {
-        "input_ids": (1, L), "logprobs": (1, L), "loss_mask": (1, L), "versions": (1, L), "attention_mask": (1, L),
+        "input_ids": (1, L),
+        "logprobs": (1, L),
+        "loss_mask": (1, L),
+        "versions": (1, L),
+        "attention_mask": (1, L),
         "rewards": (1,),
-    }  # fmt: skip
+    }
     on = ep["loss_mask"][0] == 1
     assert (ep["logprobs"][0][on] == -0.5).all() and (ep["logprobs"][0][~on] == 0).all()

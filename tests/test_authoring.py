@@ -11,8 +11,10 @@ import textwrap
 
 from tests.conftest import REPO
 
-ENV = {**{k: v for k, v in os.environ.items() if not k.startswith("OTEL_") and k != "PYTHONPATH"},
-       "PYTHONPATH": str(REPO)}  # the engine only: the spec's folder is not on it  # fmt: skip
+ENV = {
+    **{k: v for k, v in os.environ.items() if not k.startswith("OTEL_") and k != "PYTHONPATH"},
+    "PYTHONPATH": str(REPO),
+}  # the engine only: the spec's folder is not on it
 
 SPEC = """
     name: my_agent
@@ -32,8 +34,14 @@ TOOLS = '''
 
 
 def cli(*args: str, cwd) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fsm.cli", *args], cwd=cwd, env=ENV, capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "fsm.cli", *args],
+        cwd=cwd,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_a_tools_module_beside_the_spec_is_found_from_any_directory(tmp_path):
@@ -42,7 +50,9 @@ def test_a_tools_module_beside_the_spec_is_found_from_any_directory(tmp_path):
     (project / "my_tools_2612.py").write_text(textwrap.dedent(TOOLS))
     (project / "agent.yaml").write_text(textwrap.dedent(SPEC.format(repo=REPO, module="my_tools_2612")))
     proc = cli("validate", str(project / "agent.yaml"), cwd=elsewhere)
-    assert proc.returncode == 0 and proc.stdout.strip() == f"{project / 'agent.yaml'}: ok", proc.stdout + proc.stderr
+    assert proc.returncode == 0 and proc.stdout.strip() == f"{project / 'agent.yaml'}: ok", (
+        proc.stdout + proc.stderr
+    )
 
 
 def test_a_module_found_nowhere_says_where_it_was_looked_for(tmp_path):
@@ -50,7 +60,9 @@ def test_a_module_found_nowhere_says_where_it_was_looked_for(tmp_path):
     proc = cli("validate", str(tmp_path / "agent.yaml"), cwd=REPO)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "cannot import module 'nowhere_2612'" in proc.stdout + proc.stderr
-    assert f"looked for on sys.path and in the spec's folder {tmp_path}" in proc.stdout + proc.stderr, proc.stdout
+    assert f"looked for on sys.path and in the spec's folder {tmp_path}" in proc.stdout + proc.stderr, (
+        proc.stdout
+    )
 
 
 def test_render_into_a_missing_folder_creates_it(tmp_path):

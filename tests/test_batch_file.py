@@ -36,16 +36,30 @@ def test_the_cli_writes_a_batch_torch_loads_safely_and_every_key_is_documented(c
     docs = documented()
     assert set(saved) == docs["Top level"]
     assert set(saved["batch"]) <= docs["batch"]
-    assert {"prompts", "responses", "response_mask", "rollout_log_probs", "rm_scores", "weight_versions"} <= set(saved["batch"])
+    assert {
+        "prompts",
+        "responses",
+        "response_mask",
+        "rollout_log_probs",
+        "rm_scores",
+        "weight_versions",
+    } <= set(saved["batch"])
     row_columns = {"data_source", "extra_info", "reward_model"}  # the calculator's rows: "every other column"
-    assert set(saved["non_tensor_batch"]) - row_columns <= docs["non_tensor_batch"], set(saved["non_tensor_batch"])
+    assert set(saved["non_tensor_batch"]) - row_columns <= docs["non_tensor_batch"], set(
+        saved["non_tensor_batch"]
+    )
     assert set(saved["meta_info"]) <= docs["meta_info"], set(saved["meta_info"])
     for key, tensor in saved["batch"].items():
-        assert tensor.dtype == {"rollout_log_probs": torch.float32, "rm_scores": torch.float32}.get(key, torch.int64), key
+        assert tensor.dtype == {"rollout_log_probs": torch.float32, "rm_scores": torch.float32}.get(
+            key, torch.int64
+        ), key
 
     batch = fsm.load_batch(out / "batch.pt")
     assert len(batch) == 3 and list(batch.non_tensor_batch["uid"]) == ["calc-0-0", "calc-0-1", "calc-0-2"]
-    assert batch.non_tensor_batch["uid"].dtype == object and batch.non_tensor_batch["segment_index"].dtype == np.int32
+    assert (
+        batch.non_tensor_batch["uid"].dtype == object
+        and batch.non_tensor_batch["segment_index"].dtype == np.int32
+    )
     assert batch.non_tensor_batch["state_path"][0] == saved["non_tensor_batch"]["state_path"][0]
     for key, tensor in saved["batch"].items():
         assert torch.equal(batch.batch[key], tensor), key
@@ -54,7 +68,11 @@ def test_the_cli_writes_a_batch_torch_loads_safely_and_every_key_is_documented(c
 def test_numpy_values_in_rows_come_back_as_plain_data(tok, tmp_path):
     """Parquet rows hold numpy arrays and scalars: the file keeps their values as lists and numbers."""
     rows = make_prompts(2)
-    rows[0]["extra_info"] = {"index": np.int64(7), "weights": np.array([1.5, 2.5]), "tags": np.array(["a"], dtype=object)}
+    rows[0]["extra_info"] = {
+        "index": np.int64(7),
+        "weights": np.array([1.5, 2.5]),
+        "tags": np.array(["a"], dtype=object),
+    }
     with RolloutEngine("calculator", tok, backend=echo_backend()) as engine:
         batch = engine.generate_sequences(rows)
     save_batch(batch, tmp_path / "batch.pt")

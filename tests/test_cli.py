@@ -74,7 +74,9 @@ BAD_NUMBERS = [
 ]
 
 
-@pytest.mark.parametrize(("argv", "flag"), BAD_NUMBERS, ids=[" ".join(a[2:] if a[0] == "run" else a) for a, _ in BAD_NUMBERS])
+@pytest.mark.parametrize(
+    ("argv", "flag"), BAD_NUMBERS, ids=[" ".join(a[2:] if a[0] == "run" else a) for a, _ in BAD_NUMBERS]
+)
 def test_numeric_flags_out_of_range_are_refused(capsys, argv, flag):
     line = one_line_error(capsys, argv)
     assert f"argument {flag}:" in line and "--help" in line
@@ -97,7 +99,10 @@ def test_every_numeric_flag_is_range_checked_and_every_argument_documented():
             assert action.help, f"{name} {action.dest}: no help text"
             assert action.type not in (int, float), f"{name} {action.dest}: a plain {action.type.__name__}"
             if action.default not in (None, False) and action.default is not argparse.SUPPRESS:
-                assert "%(default)" in sub.formatter_class(name)._get_help_string(action) or "default" in action.help
+                assert (
+                    "%(default)" in sub.formatter_class(name)._get_help_string(action)
+                    or "default" in action.help
+                )
 
 
 def test_help_shows_defaults_and_version(capsys):
@@ -144,7 +149,9 @@ def test_show_a_file_that_is_not_a_run(capsys, tmp_path):
 
 
 def test_schema_to_a_missing_directory(capsys, tmp_path):
-    assert "/nowhere/schema.json" in one_line_error(capsys, ["schema", "-o", str(tmp_path / "nowhere" / "schema.json")])
+    assert "/nowhere/schema.json" in one_line_error(
+        capsys, ["schema", "-o", str(tmp_path / "nowhere" / "schema.json")]
+    )
 
 
 def test_run_out_is_a_file(capsys, tmp_path):
@@ -160,7 +167,9 @@ def test_run_ray_without_ray(capsys, monkeypatch, tmp_path):
 
 
 def test_request_timeout_needs_servers(capsys, tmp_path):
-    assert "--request-timeout" in one_line_error(capsys, ["run", SPEC, "--request-timeout", "5", "--out", str(tmp_path)])
+    assert "--request-timeout" in one_line_error(
+        capsys, ["run", SPEC, "--request-timeout", "5", "--out", str(tmp_path)]
+    )
 
 
 def test_request_timeout_reaches_the_engine(monkeypatch, tmp_path):
@@ -168,6 +177,7 @@ def test_request_timeout_reaches_the_engine(monkeypatch, tmp_path):
     (and only when given)."""
     import fsm.api
     from fsm.cli import commands as cli
+
     seen: list[dict] = []
 
     class Stop(Exception):
@@ -178,7 +188,9 @@ def test_request_timeout_reaches_the_engine(monkeypatch, tmp_path):
         raise Stop
 
     monkeypatch.setattr(fsm.api, "RolloutEngine", engine)
-    ns = build_parser().parse_args(["run", SPEC, "--server", "http://127.0.0.1:1", "--request-timeout", "2.5"])
+    ns = build_parser().parse_args(
+        ["run", SPEC, "--server", "http://127.0.0.1:1", "--request-timeout", "2.5"]
+    )
     with pytest.raises(Stop):
         cli._engine(ns, ["http://127.0.0.1:1"], str(ASSETS))
     ns = build_parser().parse_args(["run", SPEC, "--server", "http://127.0.0.1:1"])
@@ -191,8 +203,19 @@ def test_launch_sglang_without_sglang_shows_the_cause(capsys, tmp_path):
     pytest.importorskip("aiohttp")
     if importlib.util.find_spec("sglang") is not None:
         pytest.skip("SGLang is installed here")
-    line = one_line_error(capsys, ["run", SPEC, "--launch-sglang", str(tmp_path / "model"), "--port", "39871",
-                                   "--out", str(tmp_path / "out")])  # fmt: skip
+    line = one_line_error(
+        capsys,
+        [
+            "run",
+            SPEC,
+            "--launch-sglang",
+            str(tmp_path / "model"),
+            "--port",
+            "39871",
+            "--out",
+            str(tmp_path / "out"),
+        ],
+    )
     assert line.startswith("agentfsm: --launch-sglang: replica 0")
     assert "No module named" in line and "sglang" in line  # the cause, not "ends with:"
     assert not line.endswith(":")
@@ -200,20 +223,29 @@ def test_launch_sglang_without_sglang_shows_the_cause(capsys, tmp_path):
 
 def test_trace_sample_without_tracing_warns(capsys, monkeypatch, tmp_path):
     from fsm.cli import commands as cli
+
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", raising=False)
     cli._check_run_flags(build_parser().parse_args(["run", SPEC, "--trace-sample", "0.1"]))
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "warning: --trace-sample does nothing" in err
-    cli._check_run_flags(build_parser().parse_args(["run", SPEC, "--trace-sample", "0.1", "--trace", "console"]))
+    cli._check_run_flags(
+        build_parser().parse_args(["run", SPEC, "--trace-sample", "0.1", "--trace", "console"])
+    )
     assert capsys.readouterr().err == ""
 
 
 def test_a_subprocess_error_is_one_line_too(tmp_path):
     """The installed entry point's path: `python -m fsm.cli.commands` in this checkout."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-m", "fsm.cli.commands", "run", SPEC, "--concurrency", "0"], capture_output=True,
-                          text=True, env=env, cwd=tmp_path, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "fsm.cli.commands", "run", SPEC, "--concurrency", "0"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.splitlines() == [
         "agentfsm run: error: argument --concurrency: must be an integer >= 1, got 0 (see agentfsm run --help)"
@@ -230,11 +262,27 @@ def fake_run(tmp_path):
     run.mkdir()
     with (run / "trajectories.jsonl").open("w") as f:
         for i in range(8):
-            record = {"index": i, "uid": f"u{i}", "sample": 0, "termination_reason": "done",
-                      "reward_score": float(i % 2), "ground_truth": str(100 + i), "state_path": ["PENDING", "TERMINATED"],
-                      "num_turns": 1, "error": None, "prompt": f"What is {i}?", "prompt_tokens": 4,
-                      "turns": [{"role": "assistant", "text": f"thinking\n#### {100 + i}<|im_end|>",
-                                 "mask": 1, "n_tokens": 5}]}  # fmt: skip
+            record = {
+                "index": i,
+                "uid": f"u{i}",
+                "sample": 0,
+                "termination_reason": "done",
+                "reward_score": float(i % 2),
+                "ground_truth": str(100 + i),
+                "state_path": ["PENDING", "TERMINATED"],
+                "num_turns": 1,
+                "error": None,
+                "prompt": f"What is {i}?",
+                "prompt_tokens": 4,
+                "turns": [
+                    {
+                        "role": "assistant",
+                        "text": f"thinking\n#### {100 + i}<|im_end|>",
+                        "mask": 1,
+                        "n_tokens": 5,
+                    }
+                ],
+            }
             f.write(json.dumps(record) + "\n")
     return run
 
@@ -305,8 +353,13 @@ def assert_consistent(out, rows: int, status: str = "completed") -> dict:
     assert len((out / "trajectories.jsonl").read_text().splitlines()) == rows
     assert torch.load(out / "batch.pt", weights_only=False)["batch"]["responses"].shape[0] == rows
     resume = ["snapshot.json"] if status == "interrupted" else []  # the rows in flight, for run --resume
-    assert sorted(p.name for p in out.iterdir()) == [".agentfsm.lock", "batch.pt", *resume, "summary.json",
-                                                     "trajectories.jsonl"]  # the lock: fsm/output/rundir.py's `locked`
+    assert sorted(p.name for p in out.iterdir()) == [
+        ".agentfsm.lock",
+        "batch.pt",
+        *resume,
+        "summary.json",
+        "trajectories.jsonl",
+    ]  # the lock: fsm/output/rundir.py's `locked`
     return summary
 
 
@@ -382,7 +435,9 @@ def test_ctrl_c_during_the_rollout_writes_what_finished(capsys, tmp_path):
         server.close()
     captured = capsys.readouterr()
     assert code == 130 and "Traceback" not in captured.err
-    stopping, wrote, interrupted = captured.err.splitlines()  # at once, when the snapshot is written, at the end
+    stopping, wrote, interrupted = (
+        captured.err.splitlines()
+    )  # at once, when the snapshot is written, at the end
     assert "SIGINT: stopping" in stopping and "Ctrl-C again to exit without" in stopping
     assert wrote.startswith("agentfsm: wrote the snapshot")
     assert "interrupted:" in interrupted and "of 8 trajectories finished" in interrupted
@@ -405,13 +460,21 @@ def test_dead_servers_exceed_the_error_rate(capsys, tmp_path, monkeypatch):
     assert "2 of 2 rows ended in error (100%), more than --max-error-rate 0.5" in line and dead in line
     summary = assert_consistent(out, 2)
     assert summary["error_rate"] == 1.0 and summary["failed"] == 2
-    assert main(run_argv(dead, out, "--num-prompts", "1", "-q", "--max-error-rate", "1", "--retry-window", "1")) == 0
+    assert (
+        main(run_argv(dead, out, "--num-prompts", "1", "-q", "--max-error-rate", "1", "--retry-window", "1"))
+        == 0
+    )
 
 
 def test_bench_prints_json_on_stdout_and_its_table_on_stderr():
     """`agentfsm bench ... | jq` works: stdout is the JSON alone, the human-readable line goes to stderr."""
-    proc = subprocess.run([sys.executable, "-m", "fsm.cli.commands", "bench", "router"], capture_output=True, text=True,
-                          cwd=REPO, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "fsm.cli.commands", "bench", "router"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["servers"] == 8
     assert "router decision" in proc.stderr
@@ -420,11 +483,33 @@ def test_bench_prints_json_on_stdout_and_its_table_on_stderr():
 def test_bench_engine_calculator_workload_and_a_workload_it_has_not():
     """`bench engine --workload calculator` prints CPU per trajectory at --n in flight; a workload the
     benchmark does not have is one clear line, not a run of another benchmark."""
-    proc = subprocess.run([sys.executable, "-m", "fsm.cli.commands", "bench", "engine", "--workload", "calculator", "--n", "40",
-                           "--repeats", "1"], capture_output=True, text=True, cwd=REPO, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fsm.cli.commands",
+            "bench",
+            "engine",
+            "--workload",
+            "calculator",
+            "--n",
+            "40",
+            "--repeats",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["workload"] == "calculator" and out["trajectories"] == 40 and out["cpu_us_per_trajectory"] > 0
-    proc = subprocess.run([sys.executable, "-m", "fsm.cli.commands", "bench", "engine", "--workload", "embedded"],
-                          capture_output=True, text=True, cwd=REPO, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "fsm.cli.commands", "bench", "engine", "--workload", "embedded"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
     assert proc.returncode != 0 and "no --workload embedded" in proc.stderr and not proc.stdout

@@ -25,38 +25,70 @@ def test_the_readme_gateway_example_without_the_extra_says_why(tmp_path):
     package that cannot be imported stands first on the path, as in a fresh `.[test]` virtualenv)."""
     missing = tmp_path / "no_extras" / "openai"
     missing.mkdir(parents=True)
-    (missing / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'openai'\", name='openai')\n")
+    (missing / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'openai'\", name='openai')\n"
+    )
     env = {**ENV, "PYTHONPATH": f"{missing.parent}{os.pathsep}{REPO}"}
     out = tmp_path / "gw"
-    proc = subprocess.run([sys.executable, "-m", "fsm.cli", "gateway", "examples/gateway/base.yaml", "--num-prompts",
-                           "2", "--out", str(out), "-q"], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fsm.cli",
+            "gateway",
+            "examples/gateway/base.yaml",
+            "--num-prompts",
+            "2",
+            "--out",
+            str(out),
+            "-q",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr
     (line,) = proc.stderr.splitlines()
-    assert line == (f"agentfsm: all 2 rows failed, all for one cause: harness_failed: error: ModuleNotFoundError: "
-                    f"No module named 'openai' (the harness needs the gateway extra: pip install 'agentfsm[gateway]'); "
-                    f"see agentfsm show {out} --failed"), line
+    assert line == (
+        f"agentfsm: all 2 rows failed, all for one cause: harness_failed: error: ModuleNotFoundError: "
+        f"No module named 'openai' (the harness needs the gateway extra: pip install 'agentfsm[gateway]'); "
+        f"see agentfsm show {out} --failed"
+    ), line
     for record in _records(out):  # the outputs are written all the same, each row with its harness's outcome
         assert record["termination_reason"] == "harness_failed"
         assert record["harness"]["outcome"] == "error"
         assert record["harness"]["error"] == "ModuleNotFoundError: No module named 'openai'"
-    shown = subprocess.run([sys.executable, "-m", "fsm.cli", "show", str(out), "--failed"], cwd=REPO, env=ENV,
-                           capture_output=True, text=True, timeout=120)  # fmt: skip
+    shown = subprocess.run(
+        [sys.executable, "-m", "fsm.cli", "show", str(out), "--failed"],
+        cwd=REPO,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert shown.returncode == 0, shown.stderr
-    assert shown.stdout.count("harness: error: ModuleNotFoundError: No module named 'openai'") == 2, shown.stdout
+    assert shown.stdout.count("harness: error: ModuleNotFoundError: No module named 'openai'") == 2, (
+        shown.stdout
+    )
 
 
 def test_every_row_failing_with_max_error_rate_1_is_a_warning(tmp_path, capsys, tok):
     server = _ThreadServer(scripted(lambda row, sample, turn, prompt: [999_999]))  # ids past the vocabulary
     try:
-        code = main(run_argv(server.url, tmp_path / "out", "--num-prompts", "2", "-q", "--max-error-rate", "1"))
+        code = main(
+            run_argv(server.url, tmp_path / "out", "--num-prompts", "2", "-q", "--max-error-rate", "1")
+        )
     finally:
         server.close()
     err = capsys.readouterr().err
     assert code == 0, err
     (line,) = err.splitlines()
-    assert line.startswith("agentfsm: warning: all 2 rows failed, all for one cause: ") and "--failed" in line, line
+    assert (
+        line.startswith("agentfsm: warning: all 2 rows failed, all for one cause: ") and "--failed" in line
+    ), line
 
 
 def test_a_token_check_difference_names_its_row_position_and_text(tmp_path, capsys, tok):
@@ -79,11 +111,13 @@ def test_a_token_check_difference_names_its_row_position_and_text(tmp_path, caps
     records = _records(out)
     assert "token_check" not in records[0]
     check = records[1]["token_check"]  # the first differing position and the text on both sides of it
-    assert check.startswith("token ") and "trajectory has '\"calculator\",\"arguments\":{" in check, check
-    assert "a re-render has ' \"calculator\", \"arguments\": {" in check, check
+    assert check.startswith("token ") and 'trajectory has \'"calculator","arguments":{' in check, check
+    assert 'a re-render has \' "calculator", "arguments": {' in check, check
     (line,) = err.splitlines()
-    assert line == (f"agentfsm: warning: --check-tokens: 1 row differs from a re-render of their messages; row 1 "
-                    f"(sample 0): {check}; see agentfsm show {out} --failed"), line
+    assert line == (
+        f"agentfsm: warning: --check-tokens: 1 row differs from a re-render of their messages; row 1 "
+        f"(sample 0): {check}; see agentfsm show {out} --failed"
+    ), line
     assert json.loads((out / "summary.json").read_text())["token_check_failures"] == 1
     assert main(["show", str(out), "--failed"]) == 0
     shown = capsys.readouterr().out
@@ -99,38 +133,63 @@ def test_render_refuses_another_specs_run_and_warns_about_an_edited_one(capsys, 
     calculator = REPO / "specs" / "calculator.yaml"
     run = tmp_path / "run"
     run.mkdir()
-    (run / "summary.json").write_text(json.dumps({"spec": str(REPO / "specs" / "tool_agent.yaml"), "spec_hash": "0" * 64,
-                                                  "fsm": {"edges": {}, "states": {}}}))  # fmt: skip
-    line = one_line_error(capsys, ["render", str(calculator), "--run", str(run), "-o", str(tmp_path / "a.dot")])
-    assert line == (f"agentfsm: --run {run}: that run is of another spec ({REPO / 'specs' / 'tool_agent.yaml'}), "
-                    f"not {calculator}; render the run with its own spec"), line
+    (run / "summary.json").write_text(
+        json.dumps(
+            {
+                "spec": str(REPO / "specs" / "tool_agent.yaml"),
+                "spec_hash": "0" * 64,
+                "fsm": {"edges": {}, "states": {}},
+            }
+        )
+    )
+    line = one_line_error(
+        capsys, ["render", str(calculator), "--run", str(run), "-o", str(tmp_path / "a.dot")]
+    )
+    assert line == (
+        f"agentfsm: --run {run}: that run is of another spec ({REPO / 'specs' / 'tool_agent.yaml'}), "
+        f"not {calculator}; render the run with its own spec"
+    ), line
     assert not (tmp_path / "a.dot").exists()
-    (run / "summary.json").write_text(json.dumps({"spec": str(calculator), "spec_hash": "0" * 64,
-                                                  "fsm": {"edges": {}, "states": {}}}))  # fmt: skip
+    (run / "summary.json").write_text(
+        json.dumps({"spec": str(calculator), "spec_hash": "0" * 64, "fsm": {"edges": {}, "states": {}}})
+    )
     main(["render", str(calculator), "--run", str(run), "-o", str(tmp_path / "b.dot")])
     err = capsys.readouterr().err
-    assert err.startswith(f"agentfsm: warning: --run {run}: {calculator} changed since that run (spec hash "
-                          "000000000000, now "), err
+    assert err.startswith(
+        f"agentfsm: warning: --run {run}: {calculator} changed since that run (spec hash 000000000000, now "
+    ), err
 
 
 def test_a_spec_anywhere_extends_a_shipped_spec_by_name(tmp_path):
     (tmp_path / "mine.yaml").write_text("name: mine\nextends: calculator\nlimits: {max_assistant_turns: 3}\n")
     (tmp_path / "typo.yaml").write_text("name: typo\nextends: calculater.yaml\n")
-    ok = subprocess.run([sys.executable, "-m", "fsm.cli", "validate", "mine.yaml", "typo.yaml"], cwd=tmp_path, env=ENV,
-                        capture_output=True, text=True, timeout=120)  # fmt: skip
+    ok = subprocess.run(
+        [sys.executable, "-m", "fsm.cli", "validate", "mine.yaml", "typo.yaml"],
+        cwd=tmp_path,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert ok.returncode == 2, ok.stdout + ok.stderr
     mine, typo = ok.stdout.splitlines()
     assert mine == "mine.yaml: ok"
-    assert typo == ("typo.yaml:2:10: extends: base spec 'calculater.yaml' not found (looked for calculater.yaml, "
-                    f"{REPO / 'specs' / 'calculater.yaml'}; the shipped specs are named by file, e.g. extends: "
-                    "tool_agent.yaml)"), typo
+    assert typo == (
+        "typo.yaml:2:10: extends: base spec 'calculater.yaml' not found (looked for calculater.yaml, "
+        f"{REPO / 'specs' / 'calculater.yaml'}; the shipped specs are named by file, e.g. extends: "
+        "tool_agent.yaml)"
+    ), typo
 
 
 def test_a_server_without_a_scheme_gets_the_url_that_works(capsys):
     from tests.test_cli import one_line_error
 
-    line = one_line_error(capsys, ["run", str(REPO / "specs" / "calculator.yaml"), "--server", "localhost:30000"])
-    assert "argument --server: 'localhost:30000' is not a URL; did you mean http://localhost:30000?" in line, line
+    line = one_line_error(
+        capsys, ["run", str(REPO / "specs" / "calculator.yaml"), "--server", "localhost:30000"]
+    )
+    assert (
+        "argument --server: 'localhost:30000' is not a URL; did you mean http://localhost:30000?" in line
+    ), line
 
 
 def test_dev_server_on_a_port_in_use_fails_before_loading_the_model(capsys, monkeypatch):
@@ -148,4 +207,7 @@ def test_dev_server_on_a_port_in_use_fails_before_loading_the_model(capsys, monk
         held.listen()
         port = held.getsockname()[1]
         line = one_line_error(capsys, ["dev-server", "--host", "127.0.0.1", "--port", str(port)])
-    assert line.startswith(f"agentfsm: --port {port}: cannot serve on 127.0.0.1:{port} (") and "another --port" in line
+    assert (
+        line.startswith(f"agentfsm: --port {port}: cannot serve on 127.0.0.1:{port} (")
+        and "another --port" in line
+    )

@@ -72,10 +72,29 @@ def test_start_segment_closes_at_the_last_model_turn():
     t.append_generated([5], None, 4)
     assert t.weight_versions() == (3, 4)  # over every segment
     back = decode_trajectory(json.loads(json.dumps(encode_trajectory(t))))  # snapshots keep the segments
-    assert [(s.index, s.reason, s.prompt_ids.tolist(), s.response_ids.tolist(), s.response_versions.tolist(),
-             list(s.runs), s.messages) for s in back.segments] == \
-        [(s.index, s.reason, s.prompt_ids.tolist(), s.response_ids.tolist(), s.response_versions.tolist(),
-          list(s.runs), s.messages) for s in t.segments]  # fmt: skip
+    assert [
+        (
+            s.index,
+            s.reason,
+            s.prompt_ids.tolist(),
+            s.response_ids.tolist(),
+            s.response_versions.tolist(),
+            list(s.runs),
+            s.messages,
+        )
+        for s in back.segments
+    ] == [
+        (
+            s.index,
+            s.reason,
+            s.prompt_ids.tolist(),
+            s.response_ids.tolist(),
+            s.response_versions.tolist(),
+            list(s.runs),
+            s.messages,
+        )
+        for s in t.segments
+    ]
     t.fail("boom")
     assert t.num_segments == 1 and t.response_ids.tolist() == []  # a failed row is one empty row
 
@@ -95,8 +114,13 @@ def test_collate_one_row_per_segment(placement):
     plain = _traj()
     plain.append_generated([4], [-0.1], 0)
     plain.reward_score = 0.5
-    b = collate([_segmented(1.0), plain], prompt_length=6, response_length=3, pad_token_id=0,
-                reward_placement=placement)  # fmt: skip
+    b = collate(
+        [_segmented(1.0), plain],
+        prompt_length=6,
+        response_length=3,
+        pad_token_id=0,
+        reward_placement=placement,
+    )
     assert len(b) == 3
     assert b.batch["prompts"].tolist() == [[0, 0, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5], [0, 0, 0, 1, 2, 3]]
     assert b.batch["responses"].tolist() == [[7, 8, 0], [6, 0, 0], [4, 0, 0]]
@@ -109,14 +133,19 @@ def test_collate_one_row_per_segment(placement):
     assert rm[2, 0].item() == 0.5 and float(rm.sum()) == (2.5 if placement == "every" else 1.5)
     samples = to_samples([_segmented(1.0), plain], placement)
     assert [(s.segment, s.num_segments, s.reward, s.response_ids) for s in samples] == [
-        (0, 2, 1.0 if placement == "every" else 0.0, [7, 8]), (1, 2, 1.0, [6]), (0, 1, 0.5, [4])]
+        (0, 2, 1.0 if placement == "every" else 0.0, [7, 8]),
+        (1, 2, 1.0, [6]),
+        (0, 1, 0.5, [4]),
+    ]
 
 
 def test_unsegmented_batch_unchanged():
     t = _traj()
     t.append_generated([4], [-0.1], 0)
     b = collate([t], prompt_length=4, response_length=2, pad_token_id=0)
-    assert b.non_tensor_batch["segment_index"].tolist() == [0] and b.non_tensor_batch["num_segments"].tolist() == [1]
+    assert b.non_tensor_batch["segment_index"].tolist() == [0] and b.non_tensor_batch[
+        "num_segments"
+    ].tolist() == [1]
     with pytest.raises(ValueError, match="reward_placement"):
         collate([t], prompt_length=4, response_length=2, pad_token_id=0, reward_placement="first")
 
@@ -129,24 +158,36 @@ async def test_summary_compaction_rows_are_what_the_model_saw(compile_yaml, tok,
     for a summary (its own segment: the instruction in the prompt, the summary sampled), and the task plus the
     summary is the next segment's prompt. Each segment is exact against a render of its conversation."""
     agent = compile_yaml(COMPACT.replace("{placement}", "every"))
-    script = [call(("calculator", {"expression": "2 + 3"})), turn("Asked 2 + 3; the tool said 5."),
-              turn("#### 5")]  # fmt: skip
-    (t,) = await run_agent(agent, scripted(script), tok, [user_row("What is 2 + 3?", reward_model={"ground_truth": "5"})])
+    script = [
+        call(("calculator", {"expression": "2 + 3"})),
+        turn("Asked 2 + 3; the tool said 5."),
+        turn("#### 5"),
+    ]
+    (t,) = await run_agent(
+        agent, scripted(script), tok, [user_row("What is 2 + 3?", reward_model={"ground_truth": "5"})]
+    )
     assert t.error is None and t.token_check is None, (t.error, t.token_check)
     assert t.path == ["PENDING", "GENERATING", "PROCESSING_TOOLS", "COMPACTING", "GENERATING", "TERMINATED"]
     first, summary, after = t.segments
     assert [s.reason for s in t.segments] == ["prompt", "summary", "rewrite"]
-    sampled = [s.response_ids[r.start : r.end].tolist() for s in t.segments for r in s.runs if r.role == "assistant"]
+    sampled = [
+        s.response_ids[r.start : r.end].tolist() for s in t.segments for r in s.runs if r.role == "assistant"
+    ]
     assert sampled == script  # every sampled token kept as sampled, in its own segment
     for seg in t.segments:
         assert seg.prompt_ids.tolist() == tok.apply_chat_template(
-            seg.messages[: seg.prompt_messages], tools=t.tool_schemas, add_generation_prompt=True, return_dict=False)
+            seg.messages[: seg.prompt_messages],
+            tools=t.tool_schemas,
+            add_generation_prompt=True,
+            return_dict=False,
+        )
     assert summary.messages[-2]["content"].startswith("Summarize the work so far")
     assert after.messages[-2]["content"] == "Summary of the work so far:\nAsked 2 + 3; the tool said 5."
     assert [m["role"] for m in after.messages] == ["user", "user", "assistant"]
     assert t.reward_score == 1.0
-    batch = fsm.collate([t], prompt_length=640, response_length=160, pad_token_id=tok.pad_token_id,
-                        reward_placement="every")  # fmt: skip
+    batch = fsm.collate(
+        [t], prompt_length=640, response_length=160, pad_token_id=tok.pad_token_id, reward_placement="every"
+    )
     assert len(batch) == 3 and batch.batch["rm_scores"].sum().item() == 3.0
 
 
@@ -166,20 +207,29 @@ async def test_window_keeps_the_task_and_the_last_exchanges(compile_yaml, tok, c
             action: last_one
             next: [{to: GENERATING}]
     """)
-    script = [call(("calculator", {"expression": "1 + 1"})), call(("calculator", {"expression": "2 + 2"})),
-              turn("#### 4")]  # fmt: skip
-    (t,) = await run_agent(agent, scripted(script), tok, [user_row("Add.", reward_model={"ground_truth": "4"})])
+    script = [
+        call(("calculator", {"expression": "1 + 1"})),
+        call(("calculator", {"expression": "2 + 2"})),
+        turn("#### 4"),
+    ]
+    (t,) = await run_agent(
+        agent, scripted(script), tok, [user_row("Add.", reward_model={"ground_truth": "4"})]
+    )
     assert t.error is None and t.token_check is None, (t.error, t.token_check)
     # the first window keeps the one exchange there is (nothing rewritten); the second drops the first exchange
     assert [s.reason for s in t.segments] == ["prompt", "rewrite"]
     last = t.segments[-1]
     assert [m.get("content") for m in last.messages if m["role"] == "tool"] == ["4"]
-    assert "1 + 1" not in tok.decode(last.prompt_ids.tolist()) and "2 + 2" in tok.decode(last.prompt_ids.tolist())
+    assert "1 + 1" not in tok.decode(last.prompt_ids.tolist()) and "2 + 2" in tok.decode(
+        last.prompt_ids.tolist()
+    )
 
 
 def drop_tools(messages):
     """A user rewrite: the tool results become one short note."""
-    return [m for m in messages if m["role"] in ("system", "user")] + [{"role": "user", "content": "(tools done)"}]
+    return [m for m in messages if m["role"] in ("system", "user")] + [
+        {"role": "user", "content": "(tools done)"}
+    ]
 
 
 async def test_function_rewrite_and_its_errors(compile_yaml, tok, call, turn):
@@ -198,10 +248,20 @@ async def test_function_rewrite_and_its_errors(compile_yaml, tok, call, turn):
             next: [{to: GENERATING}]
     """
     script = [call(("calculator", {"expression": "1 + 1"})), turn("#### 2")]
-    (t,) = await run_agent(compile_yaml(spec % "drop_tools"), scripted(script), tok, [user_row("Add.", reward_model={"ground_truth": "4"})])
+    (t,) = await run_agent(
+        compile_yaml(spec % "drop_tools"),
+        scripted(script),
+        tok,
+        [user_row("Add.", reward_model={"ground_truth": "4"})],
+    )
     assert t.error is None and t.token_check is None and t.num_segments == 2
     assert t.messages[-2] == {"role": "user", "content": "(tools done)"}
-    (bad,) = await run_agent(compile_yaml(spec % "not_messages", "bad.yaml"), scripted(script), tok, [user_row("Add.", reward_model={"ground_truth": "4"})])
+    (bad,) = await run_agent(
+        compile_yaml(spec % "not_messages", "bad.yaml"),
+        scripted(script),
+        tok,
+        [user_row("Add.", reward_model={"ground_truth": "4"})],
+    )
     assert bad.failed and "must return a non-empty list of chat messages" in bad.error
 
 
@@ -231,10 +291,16 @@ def test_a_rewrite_cycle_without_a_model_turn_is_refused(compile_yaml):
     assert "rewrite-loop" in text and "PROCESSING_TOOLS, W" in text and "spec.yaml:" in text
 
 
-@pytest.mark.parametrize("body, message", [
-    ("{keep_last: 1, function: 'a:b'}", "exactly one of summary, keep_last, function; got ['keep_last', 'function']"),
-    ("{}", "exactly one of summary, keep_last, function; got none"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        (
+            "{keep_last: 1, function: 'a:b'}",
+            "exactly one of summary, keep_last, function; got ['keep_last', 'function']",
+        ),
+        ("{}", "exactly one of summary, keep_last, function; got none"),
+    ],
+)
 def test_a_rewrite_is_exactly_one_thing(compile_yaml, body, message):
     with pytest.raises(SpecError, match=message.replace("[", r"\[").replace("]", r"\]")):
         compile_yaml(f"""

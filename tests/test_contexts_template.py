@@ -55,13 +55,22 @@ async def test_template_mode_rows_equal_the_templates_render(case, compile_yaml)
     assert t.error is None and t.termination_reason == "interaction_done", (t.error, t.termination_reason)
     assert t.token_check is None, t.token_check  # every segment against a render of its own conversation
     assert t.num_segments == 2, [s.reason for s in t.segments]  # the user turn made the render differ
-    sampled = [s.response_ids[r.start : r.end].tolist() for s in t.segments for r in s.runs if r.role == "assistant"]
+    sampled = [
+        s.response_ids[r.start : r.end].tolist() for s in t.segments for r in s.runs if r.role == "assistant"
+    ]
     assert sampled == script
     for seg in t.segments:
-        want = tok.apply_chat_template(seg.messages[: seg.prompt_messages], tools=t.tool_schemas,
-                                       add_generation_prompt=True, return_dict=False, **kwargs)  # fmt: skip
+        want = tok.apply_chat_template(
+            seg.messages[: seg.prompt_messages],
+            tools=t.tool_schemas,
+            add_generation_prompt=True,
+            return_dict=False,
+            **kwargs,
+        )
         assert seg.prompt_ids.tolist() == want, seg.index
-        assert all(m == 0 for r in seg.runs if r.role != "assistant" for m in seg.response_mask[r.start : r.end])
+        assert all(
+            m == 0 for r in seg.runs if r.role != "assistant" for m in seg.response_mask[r.start : r.end]
+        )
 
 
 async def test_append_mode_still_differs_where_the_template_rewrites(compile_yaml):
@@ -72,14 +81,21 @@ async def test_append_mode_still_differs_where_the_template_rewrites(compile_yam
         extends: {specs}/interaction_agent.yaml
         model: {family: qwen3}
     """)
-    (t,) = await run_agent(agent, scripted(_script(tok, "qwen3", True)), tok,
-                           [user_row("Guess my number.", interaction_kwargs={"secret": 7})])  # fmt: skip
+    (t,) = await run_agent(
+        agent,
+        scripted(_script(tok, "qwen3", True)),
+        tok,
+        [user_row("Guess my number.", interaction_kwargs={"secret": 7})],
+    )
     assert t.num_segments == 1 and t.token_check is not None and "trajectory has '<think>" in t.token_check
 
 
 FULL = Path(__file__).resolve().parent.parent / ".tokenizers"  # .ci/tokenizers.sh puts the real ones there
-FULL_CASES = {"qwen3": ("qwen3", {}), "qwen3-no-thinking": ("qwen3", {"enable_thinking": False}),
-              "gpt_oss": ("gptoss", {})}  # fmt: skip
+FULL_CASES = {
+    "qwen3": ("qwen3", {}),
+    "qwen3-no-thinking": ("qwen3", {"enable_thinking": False}),
+    "gpt_oss": ("gptoss", {}),
+}
 
 
 @pytest.mark.parametrize("case", sorted(FULL_CASES))
@@ -101,14 +117,18 @@ async def test_template_mode_with_full_size_tokenizers(case, compile_yaml):
         context: {{policy: template}}
     """)
     script = _script(tok, family, thinking=kwargs.get("enable_thinking", True))
-    (t,) = await run_agent(agent, scripted(script), tok, [user_row("Guess my number.", interaction_kwargs={"secret": 7})])
+    (t,) = await run_agent(
+        agent, scripted(script), tok, [user_row("Guess my number.", interaction_kwargs={"secret": 7})]
+    )
     assert t.error is None and t.token_check is None, (t.error, t.token_check)
     assert t.num_segments == 2
-    assert [s.response_ids[r.start : r.end].tolist() for s in t.segments for r in s.runs if r.role == "assistant"] \
-        == script  # fmt: skip
+    assert [
+        s.response_ids[r.start : r.end].tolist() for s in t.segments for r in s.runs if r.role == "assistant"
+    ] == script
     for seg in t.segments:
         assert seg.prompt_ids.tolist() == tok.apply_chat_template(
-            seg.messages[: seg.prompt_messages], add_generation_prompt=True, return_dict=False, **kwargs)
+            seg.messages[: seg.prompt_messages], add_generation_prompt=True, return_dict=False, **kwargs
+        )
 
 
 def test_bench_row_template_against_append():
@@ -119,11 +139,33 @@ def test_bench_row_template_against_append():
     import sys
 
     repo = Path(__file__).resolve().parent.parent
-    proc = subprocess.run([sys.executable, "-m", "fsm.cli", "bench", "engine", "--workload", "contexts", "--n", "20",
-                           "--tool-turns", "2", "--repeats", "1"], capture_output=True, text=True, cwd=repo,
-                          timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fsm.cli",
+            "bench",
+            "engine",
+            "--workload",
+            "contexts",
+            "--n",
+            "20",
+            "--tool-turns",
+            "2",
+            "--repeats",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=repo,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
-    assert out["workload"] == "contexts" and out["trajectories"] == 20 and out["model_turns_per_trajectory"] == 3
+    assert (
+        out["workload"] == "contexts" and out["trajectories"] == 20 and out["model_turns_per_trajectory"] == 3
+    )
     assert out["append"]["us_per_model_turn"] > 0 and out["template"]["us_per_model_turn"] > 0
-    assert out["ratio_template_to_append"] == round(out["template"]["median_cpu_s"] / out["append"]["median_cpu_s"], 3)
+    assert out["ratio_template_to_append"] == round(
+        out["template"]["median_cpu_s"] / out["append"]["median_cpu_s"], 3
+    )

@@ -52,7 +52,9 @@ def engine(request):
         if started:
             ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
         try:
-            with RayRunner("calculator", tokenizer=str(ASSETS), servers=urls, workers=2, max_concurrency=4) as e:
+            with RayRunner(
+                "calculator", tokenizer=str(ASSETS), servers=urls, workers=2, max_concurrency=4
+            ) as e:
                 yield e, urls
         finally:
             if started:
@@ -95,7 +97,11 @@ def test_control_calls_reach_every_server_and_count_versions(engine, tmp_path):
     assert isinstance(version, int)
     assert e.update_weights_from_disk(str(tmp_path)) == version + 1 == e.weight_version
     assert all(model_info(u)["weight_version"] == str(version + 1) for u in urls)
-    assert e.update_weights_from_disk(str(tmp_path), weight_version=version + 5) == version + 5 == e.weight_version
+    assert (
+        e.update_weights_from_disk(str(tmp_path), weight_version=version + 5)
+        == version + 5
+        == e.weight_version
+    )
     with pytest.raises(TypeError, match="weight_version must be an int"):
         e.update_weights_from_disk(str(tmp_path), weight_version="7")
     e.pause()
@@ -105,7 +111,9 @@ def test_control_calls_reach_every_server_and_count_versions(engine, tmp_path):
     with pytest.raises(ValueError, match="unknown pause mode"):
         e.pause("sideways")
     e.sleep()
-    assert all(server_info(u)["internal_states"][0]["memory_released"] == ["kv_cache", "weights"] for u in urls)
+    assert all(
+        server_info(u)["internal_states"][0]["memory_released"] == ["kv_cache", "weights"] for u in urls
+    )
     e.wake_up()
     assert all(server_info(u)["internal_states"][0]["memory_released"] == [] for u in urls)
     batch = e.generate_sequences(make_prompts(2), n=2)  # after a pause and resume, rows run again

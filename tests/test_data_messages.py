@@ -23,9 +23,25 @@ def test_a_raw_control_character_is_named_in_full_by_the_cli(tmp_path):
     data = tmp_path / "rows.jsonl"
     good = json.dumps({"raw_prompt": [{"role": "user", "content": "hi"}]})
     data.write_text(good + '\n{"raw_prompt": [{"role": "user", "content": "a\tb"}]}\n{"a": "x\\q"}\n')
-    proc = subprocess.run([sys.executable, "-m", "fsm.cli", "run", str(REPO / "specs" / "calculator.yaml"), "--data",
-                           str(data), "--out", str(tmp_path / "out"), "-q"], cwd=tmp_path, env=ENV,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fsm.cli",
+            "run",
+            str(REPO / "specs" / "calculator.yaml"),
+            "--data",
+            str(data),
+            "--out",
+            str(tmp_path / "out"),
+            "-q",
+        ],
+        cwd=tmp_path,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert proc.stderr.splitlines() == [
         f"agentfsm: {data}:2:47: invalid JSON: a raw control character U+0009 inside a string; JSON needs it "
@@ -43,14 +59,22 @@ def test_a_message_ending_in_at_is_never_cut(tmp_path):
     assert err.value.problems == [f"{path}:1:7: invalid JSON: Unterminated string starting here"]
 
 
-@pytest.mark.parametrize("prompt, words", [
-    ([{"role": "user", "content": 5}], "'raw_prompt[0].content' must be text or a list of content parts, got int 5"),
-    ([{"role": "system", "content": "s"}, {"role": "user", "content": {"text": "hi"}}],
-     "'raw_prompt[1].content' must be text or a list of content parts, got dict {'text': 'hi'}"),
-    ([{"content": "hi"}], "'raw_prompt[0].role' must be a string, got NoneType None"),
-    (["hi"], "'raw_prompt[0]' must be a chat message (a mapping with role and content), got str 'hi'"),
-    ([], "'raw_prompt' must be a non-empty list of chat messages, got list []"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "prompt, words",
+    [
+        (
+            [{"role": "user", "content": 5}],
+            "'raw_prompt[0].content' must be text or a list of content parts, got int 5",
+        ),
+        (
+            [{"role": "system", "content": "s"}, {"role": "user", "content": {"text": "hi"}}],
+            "'raw_prompt[1].content' must be text or a list of content parts, got dict {'text': 'hi'}",
+        ),
+        ([{"content": "hi"}], "'raw_prompt[0].role' must be a string, got NoneType None"),
+        (["hi"], "'raw_prompt[0]' must be a chat message (a mapping with role and content), got str 'hi'"),
+        ([], "'raw_prompt' must be a non-empty list of chat messages, got list []"),
+    ],
+)
 def test_a_row_with_bad_message_content_names_its_number_and_the_field(tok, prompt, words):
     rows = [user_row("What is 1 + 1?"), {"raw_prompt": prompt}, user_row("What is 2 + 2?")]
     with RolloutEngine("calculator", tok, backend=echo_backend()) as engine:
@@ -61,12 +85,16 @@ def test_a_row_with_bad_message_content_names_its_number_and_the_field(tok, prom
 
 
 def test_content_parts_the_template_cannot_render_name_the_row_and_the_message(tok):
-    rows = [user_row("What is 1 + 1?", uid="r0"),
-            {"uid": "r1", "raw_prompt": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}]  # fmt: skip
+    rows = [
+        user_row("What is 1 + 1?", uid="r0"),
+        {"uid": "r1", "raw_prompt": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]},
+    ]
     with RolloutEngine("calculator", tok, backend=echo_backend()) as engine:
         out = engine.generate_sequences(rows)
     reason = out.non_tensor_batch["termination_reason"][1]
-    assert reason.startswith("error: bad row r1: the chat template cannot render 'raw_prompt': TypeError: "), reason
+    assert reason.startswith(
+        "error: bad row r1: the chat template cannot render 'raw_prompt': TypeError: "
+    ), reason
     assert reason.endswith("; 'raw_prompt[0].content' is a list, not text"), reason
 
 

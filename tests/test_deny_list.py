@@ -66,12 +66,25 @@ def test_everything_a_safe_module_offers_resolves(module_name):
     assert not refused
 
 
-@pytest.mark.parametrize("ref", [
-    "distutils.spawn:spawn", "distutils.dir_util:remove_tree", "imp:load_source", "_socket:socket",
-    "posix:system", "_posixsubprocess:fork_exec", "_io:open", "nt:system", "asyncore:dispatcher", "uuid:_get_command_stdout",
-    "setuptools:setup", "pip._internal.utils.subprocess:call_subprocess", "_thread:start_new_thread",
-    "random:_os.system",  # a safe module's own reference to a refused one
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "ref",
+    [
+        "distutils.spawn:spawn",
+        "distutils.dir_util:remove_tree",
+        "imp:load_source",
+        "_socket:socket",
+        "posix:system",
+        "_posixsubprocess:fork_exec",
+        "_io:open",
+        "nt:system",
+        "asyncore:dispatcher",
+        "uuid:_get_command_stdout",
+        "setuptools:setup",
+        "pip._internal.utils.subprocess:call_subprocess",
+        "_thread:start_new_thread",
+        "random:_os.system",  # a safe module's own reference to a refused one
+    ],
+)
 def test_aliases_private_and_deprecated_modules_are_refused(ref):
     with pytest.raises(UnsafeImportError):
         check_import_path(ref) if "." not in ref.split(":")[1] else resolve(ref)
@@ -91,17 +104,33 @@ def test_validate_refuses_them_without_trust(tmp_path, ref):
     """Through the real `agentfsm validate --static` process: a positioned unsafe-import diagnostic, exit 2."""
     spec = tmp_path / "spec.yaml"
     spec.write_text(SPEC.format(base=REPO / "specs" / "tool_agent.yaml", ref=ref))
-    proc = subprocess.run([sys.executable, "-m", "fsm.cli.commands", "validate", "--static", str(spec)], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "fsm.cli.commands", "validate", "--static", str(spec)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and proc.stdout.count("\n") == 1, proc.stdout + proc.stderr
     assert proc.stdout.startswith(f"{spec}:4:") and "unsafe-import" in proc.stdout
 
 
 # --- third-party loaders that run code (issue 27.20) -----------------------------------------------------
 
-LOADERS = ["yaml:unsafe_load", "yaml:load", "yaml:unsafe_load_all", "torch:load", "torch.serialization:load",
-           "torch.jit:load", "torch.hub:load", "numpy:load", "pandas:read_pickle", "dill:loads", "cloudpickle:loads",
-           "joblib:load"]  # fmt: skip
+LOADERS = [
+    "yaml:unsafe_load",
+    "yaml:load",
+    "yaml:unsafe_load_all",
+    "torch:load",
+    "torch.serialization:load",
+    "torch.jit:load",
+    "torch.hub:load",
+    "numpy:load",
+    "pandas:read_pickle",
+    "dill:loads",
+    "cloudpickle:loads",
+    "joblib:load",
+]
 
 
 @pytest.mark.parametrize("ref", LOADERS)
@@ -110,7 +139,9 @@ def test_third_party_loaders_that_run_code_are_refused_unless_the_spec_opts_in(r
     with pytest.raises(UnsafeImportError, match=rf"trust: \{{allow_modules: \[{top}\]\}}"):
         check_import_path(ref)
     check_import_path(ref, allow=[top])
-    check_import_path("numpy:mean") and check_import_path("torch:tensor") and check_import_path("yaml:safe_load")
+    check_import_path("numpy:mean") and check_import_path("torch:tensor") and check_import_path(
+        "yaml:safe_load"
+    )
 
 
 def test_a_loader_reexported_under_another_name_is_refused_where_it_was_defined():
@@ -123,7 +154,9 @@ def test_a_spec_naming_torch_load_as_a_tool_fails_validation(tmp_path):
     import fsm
 
     path = tmp_path / "spec.yaml"
-    path.write_text(f"name: x\nextends: {REPO / 'specs' / 'tool_agent.yaml'}\ntools:\n  - function: torch:load\n")
+    path.write_text(
+        f"name: x\nextends: {REPO / 'specs' / 'tool_agent.yaml'}\ntools:\n  - function: torch:load\n"
+    )
     (diag,) = fsm.validate_file(path)
     assert diag.code == "unsafe-import" and diag.line == 4, str(diag)
     path.write_text(path.read_text() + "trust: {allow_modules: [torch]}\n")

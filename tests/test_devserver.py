@@ -48,10 +48,24 @@ async def test_generate_shape_and_cached_tokens_grow_across_turns(srv, http):
         assert status == 200
         meta = body["meta_info"]
         assert "text" not in body  # no tokenizer: like --skip-tokenizer-init
-        assert list(meta) == ["id", "finish_reason", "prompt_tokens", "weight_version", "num_retractions",
-                              "input_token_logprobs", "output_token_logprobs", "output_token_logprobs_length",
-                              "reasoning_tokens", "completion_tokens", "cached_tokens", "weight_versions",
-                              "cached_tokens_details", "dp_rank", "e2e_latency", "response_sent_to_client_ts"]  # fmt: skip
+        assert list(meta) == [
+            "id",
+            "finish_reason",
+            "prompt_tokens",
+            "weight_version",
+            "num_retractions",
+            "input_token_logprobs",
+            "output_token_logprobs",
+            "output_token_logprobs_length",
+            "reasoning_tokens",
+            "completion_tokens",
+            "cached_tokens",
+            "weight_versions",
+            "cached_tokens_details",
+            "dp_rank",
+            "e2e_latency",
+            "response_sent_to_client_ts",
+        ]
         out = body["output_ids"]
         assert meta["finish_reason"] == {"type": "stop", "matched": 2} and out[-1] == 2  # eos included
         assert [t[1] for t in meta["output_token_logprobs"]] == out
@@ -107,20 +121,35 @@ async def test_refusals_have_sglang_bodies(srv, http):
     status, body = await post(http, url, gen([1, 2], "a", temperature="hot"))
     assert (status, body) == (400, {"error": 'invalid type: string "hot", expected f64'})
     status, body = await post(http, url, gen(list(range(64)), "a"))
-    assert (status, body) == (400, {"error": {"message": "The input (64 tokens) is longer than the model's "
-                                                         "context length (64 tokens)."}})  # fmt: skip
+    assert (status, body) == (
+        400,
+        {
+            "error": {
+                "message": "The input (64 tokens) is longer than the model's context length (64 tokens)."
+            }
+        },
+    )
     status, body = await post(http, url, gen(list(range(58)), "a"))  # SGLang: max_req_input_len = context - 6
-    assert (status, body) == (400, {"error": {"message": "Input length (58 tokens) exceeds the maximum allowed "
-                                                         "length (58 tokens). Use a shorter input or enable "
-                                                         "--allow-auto-truncate."}})  # fmt: skip
+    assert (status, body) == (
+        400,
+        {
+            "error": {
+                "message": "Input length (58 tokens) exceeds the maximum allowed "
+                "length (58 tokens). Use a shorter input or enable "
+                "--allow-auto-truncate."
+            }
+        },
+    )
     status, body = await post(http, url, gen(list(range(50)), "a", max_new_tokens=15))
     assert status == 400 and body["error"]["message"].startswith(
         "Requested token count exceeds the model's maximum context length of 64 tokens. You requested a total "
         "of 65 tokens: 50 tokens from the input messages and 15 tokens for the completion."
     )
     status, body = await post(http, url, gen(list(range(50)), "a", max_new_tokens=14))  # fits: cut, silently
-    assert status == 200 and body["meta_info"]["finish_reason"] in ({"type": "length", "length": 12},
-                                                                    {"type": "stop", "matched": 2})  # fmt: skip
+    assert status == 200 and body["meta_info"]["finish_reason"] in (
+        {"type": "length", "length": 12},
+        {"type": "stop", "matched": 2},
+    )
     async with http.post(url, data=b"{not json", headers={"Content-Type": "application/json"}) as r:
         body = await r.json()
     assert (
@@ -168,11 +197,18 @@ async def test_abort_in_waiting_queue_has_no_prompt_tokens(http):
         assert status == 200 and body["output_ids"] == []
         meta = body["meta_info"]
         assert body["text"] == ""  # as SGLang's, even without a tokenizer (tests/fixtures/sglang/pauses.json)
-        assert meta == {"id": "wait_t00", "finish_reason": {"type": "abort", "message": "Abort in waiting queue"},
-                        "weight_version": "default", "e2e_latency": meta["e2e_latency"],
-                        "weight_versions": [{"version": "default", "start": 0, "end": 0}],
-                        "input_token_logprobs": [], "output_token_logprobs": [], "output_token_logprobs_length": 0,
-                        "completion_tokens": 0, "response_sent_to_client_ts": meta["response_sent_to_client_ts"]}  # fmt: skip
+        assert meta == {
+            "id": "wait_t00",
+            "finish_reason": {"type": "abort", "message": "Abort in waiting queue"},
+            "weight_version": "default",
+            "e2e_latency": meta["e2e_latency"],
+            "weight_versions": [{"version": "default", "start": 0, "end": 0}],
+            "input_token_logprobs": [],
+            "output_token_logprobs": [],
+            "output_token_logprobs_length": 0,
+            "completion_tokens": 0,
+            "response_sent_to_client_ts": meta["response_sent_to_client_ts"],
+        }
         assert (await running)[0] == 200
 
 
@@ -229,8 +265,11 @@ async def test_control_calls_through_the_client(srv, http):
         await b.wake_up()
         assert srv.memory_released == set()
         out = await b.update_weights_from_disk("/ckpt/step-3", weight_version="step-3")
-        assert out == {"success": True, "num_paused_requests": 0,
-                       "message": "Succeeded to update model weights. Weight version updated to step-3."}  # fmt: skip
+        assert out == {
+            "success": True,
+            "num_paused_requests": 0,
+            "message": "Succeeded to update model weights. Weight version updated to step-3.",
+        }
         res = await b.generate(GenerateRequest("c", [7, 8], {}, rid="c_t03"))
         assert res.weight_version == "step-3"
         with pytest.raises(BackendRequestError, match="model_path is required"):  # 400 {"success": false}

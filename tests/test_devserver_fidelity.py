@@ -46,9 +46,12 @@ def test_every_scenario_has_a_recording_and_the_comparison_can_fail():
     real = recorded("generate")
     greedy = next(e for e in real if e["name"] == "greedy")
     changed = [{**greedy, "body": {**greedy["body"], "output_ids": greedy["body"]["output_ids"][:-1] + [0]}}]
-    assert differences([greedy], changed) == [f"greedy (POST /generate): output_ids = "
-                                              f"{json.dumps(changed[0]['body']['output_ids'])}, SGLang "
-                                              f"{json.dumps(greedy['body']['output_ids'])}"]  # fmt: skip
+    assert differences([greedy], changed) == [
+        f"greedy (POST /generate): output_ids = "
+        f"{json.dumps(changed[0]['body']['output_ids'])}, SGLang "
+        f"{json.dumps(greedy['body']['output_ids'])}"
+    ]
     meta = {k: v for k, v in greedy["body"]["meta_info"].items() if k != "dp_rank"}
     assert 'greedy (POST /generate): body.meta_info.dp_rank missing (SGLang: "null")' in differences(
-        [greedy], [{**greedy, "body": {**greedy["body"], "meta_info": meta}}])
+        [greedy], [{**greedy, "body": {**greedy["body"], "meta_info": meta}}]
+    )

@@ -15,7 +15,9 @@ import torch
 from fsm.cli.commands import main
 from tests.conftest import ASSETS
 
-pytestmark = pytest.mark.skipif(not (ASSETS / "model.safetensors").exists(), reason="the tiny model is not trained")
+pytestmark = pytest.mark.skipif(
+    not (ASSETS / "model.safetensors").exists(), reason="the tiny model is not trained"
+)
 
 MIN_GREEDY_ACCURACY = 0.75  # the shipped model scores higher on fresh prompts (see backends/tiny/evaluate.py)
 
@@ -23,8 +25,20 @@ MIN_GREEDY_ACCURACY = 0.75  # the shipped model scores higher on fresh prompts (
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("run")
-    code = main(["run", "specs/calculator.yaml", "--num-prompts", "32", "--temperature", "0", "--out", str(out),
-                 "--check-tokens", "--quiet"])  # fmt: skip
+    code = main(
+        [
+            "run",
+            "specs/calculator.yaml",
+            "--num-prompts",
+            "32",
+            "--temperature",
+            "0",
+            "--out",
+            str(out),
+            "--check-tokens",
+            "--quiet",
+        ]
+    )
     assert code == 0
     return out
 

@@ -166,8 +166,16 @@ async def test_tool_agent_with_interaction_done(tok, compile_yaml):
     )
     (traj,) = await run_agent(agent, backend, tok, [user_row(interaction_kwargs={})])
     assert traj.termination_reason == "interaction_done"
-    assert traj.path == ["PENDING", "GENERATING", "PROCESSING_TOOLS", "GENERATING", "INTERACTING",
-                         "GENERATING", "INTERACTING", "TERMINATED"]  # fmt: skip
+    assert traj.path == [
+        "PENDING",
+        "GENERATING",
+        "PROCESSING_TOOLS",
+        "GENERATING",
+        "INTERACTING",
+        "GENERATING",
+        "INTERACTING",
+        "TERMINATED",
+    ]
     assert traj.turn_scores == [0.1, 0.2]
     assert observation_texts(tok, traj, "user") == [
         "<|im_start|>user\nreply 1<|im_end|>\n<|im_start|>assistant\n"
@@ -218,8 +226,14 @@ async def test_interaction_agent_done(tok):
     (traj,) = await run_agent(agent, backend, tok, [guess_row(7)])
     assert traj.termination_reason == "interaction_done"
     assert traj.turn_scores == [0.0, 0.0, 1.0]
-    assert [m["content"] for m in traj.messages if m["role"] == "user"][1:] == ["Higher.", "Lower.", "Correct!"]
-    assert observation_texts(tok, traj, "user")[-1].startswith("<|im_start|>user\nCorrect!")  # final_reply: append
+    assert [m["content"] for m in traj.messages if m["role"] == "user"][1:] == [
+        "Higher.",
+        "Lower.",
+        "Correct!",
+    ]
+    assert observation_texts(tok, traj, "user")[-1].startswith(
+        "<|im_start|>user\nCorrect!"
+    )  # final_reply: append
     assert traj.interaction_score == pytest.approx(1 / 3)
     assert traj.user_turns == 3 and traj.assistant_turns == 3
     assert traj.token_check is None
@@ -234,7 +248,9 @@ async def test_interaction_final_reply_kept_out(tok, compile_yaml):
     backend = scripted([model_turn(tok, "5"), model_turn(tok, "7")])
     (traj,) = await run_agent(agent, backend, tok, [guess_row(7)])
     assert traj.termination_reason == "interaction_done" and traj.extra["final_feedback"] == "Correct!"
-    assert traj.user_turns == 1 and observation_texts(tok, traj, "user") == ["<|im_start|>user\nHigher.<|im_end|>\n<|im_start|>assistant\n"]
+    assert traj.user_turns == 1 and observation_texts(tok, traj, "user") == [
+        "<|im_start|>user\nHigher.<|im_end|>\n<|im_start|>assistant\n"
+    ]
 
 
 async def test_interaction_agent_max_user_turns(tok):
@@ -349,8 +365,12 @@ async def run_tools(tok, compile_yaml, tools: str, turns: list, *, limits: str =
 
 async def test_tool_timeout_becomes_observation(tok, compile_yaml):
     t0 = time.perf_counter()
-    _, backend, (traj,) = await run_tools(tok, compile_yaml, f"  - function: {PARTS}:slow\n            timeout_s: 0.05",
-                                          [tool_turn(tok, ("slow", {"seconds": 30}))])  # fmt: skip
+    _, backend, (traj,) = await run_tools(
+        tok,
+        compile_yaml,
+        f"  - function: {PARTS}:slow\n            timeout_s: 0.05",
+        [tool_turn(tok, ("slow", {"seconds": 30}))],
+    )
     assert time.perf_counter() - t0 < 10
     assert tool_messages(traj) == ["Error: tool 'slow' timed out after 0.05s"]
     assert traj.metrics.tool_errors == 1
@@ -429,8 +449,9 @@ async def test_too_many_parallel_calls_error_by_default(tok, compile_yaml):
 
 async def test_too_many_parallel_calls_drop(tok, compile_yaml):
     calls = [("echo", {"text": t}) for t in ("one", "two", "three")]
-    _, _, (traj,) = await run_tools(tok, compile_yaml, f"  - function: {ECHO}", [tool_turn(tok, *calls)],
-                                    limits="  extra_calls: drop")  # fmt: skip
+    _, _, (traj,) = await run_tools(
+        tok, compile_yaml, f"  - function: {ECHO}", [tool_turn(tok, *calls)], limits="  extra_calls: drop"
+    )
     assert tool_messages(traj) == ["one"]
     assert traj.metrics.dropped_calls == 2 and traj.metrics.tool_errors == 0
 
@@ -440,10 +461,20 @@ async def test_malformed_calls_take_no_parallel_slot(tok, compile_yaml, extra_ca
     """verl drops malformed calls before taking the first max_parallel_calls: [ok, bad, ok, ok, ok] with
     limit 3 runs three calls; the fourth well-formed one is the extra."""
     bad = '{"name": "echo", "arguments": {"text": "hi"'
-    calls = [("echo", {"text": "one"}), bad, ("echo", {"text": "two"}), ("echo", {"text": "three"}),
-             ("echo", {"text": "four"})]  # fmt: skip
-    _, _, (traj,) = await run_tools(tok, compile_yaml, f"  - function: {ECHO}", [tool_turn(tok, *calls)],
-                                    limits=f"  max_parallel_calls: 3\n          extra_calls: {extra_calls}")
+    calls = [
+        ("echo", {"text": "one"}),
+        bad,
+        ("echo", {"text": "two"}),
+        ("echo", {"text": "three"}),
+        ("echo", {"text": "four"}),
+    ]
+    _, _, (traj,) = await run_tools(
+        tok,
+        compile_yaml,
+        f"  - function: {ECHO}",
+        [tool_turn(tok, *calls)],
+        limits=f"  max_parallel_calls: 3\n          extra_calls: {extra_calls}",
+    )
     msgs = tool_messages(traj)
     assert msgs[0] == "one" and msgs[1].startswith("Error: Invalid JSON") and msgs[2:4] == ["two", "three"]
     if extra_calls == "error":
@@ -467,9 +498,12 @@ async def test_parallel_calls_run_concurrently_in_order(tok, compile_yaml):
 @pytest.mark.parametrize("side", ["left", "right", "middle"])
 async def test_tool_response_truncation(tok, compile_yaml, side):
     _, _, (traj,) = await run_tools(
-        tok, compile_yaml, f"  - function: {PARTS}:long_text", [tool_turn(tok, ("long_text", {"n": 45}))],
+        tok,
+        compile_yaml,
+        f"  - function: {PARTS}:long_text",
+        [tool_turn(tok, ("long_text", {"n": 45}))],
         limits=f"  max_tool_response_length: 20\n          tool_response_truncate_side: {side}",
-    )  # fmt: skip
+    )
     # long_text(45) is "0123456789" * 4 + "01234"; verl >= 0.8 (#6313): left keeps the tail, right keeps
     # the head, middle keeps both ends
     expected = {
@@ -482,8 +516,13 @@ async def test_tool_response_truncation(tok, compile_yaml, side):
 
 
 async def test_short_tool_response_is_not_truncated(tok, compile_yaml):
-    _, _, (traj,) = await run_tools(tok, compile_yaml, f"  - function: {PARTS}:long_text", [tool_turn(tok, ("long_text", {"n": 20}))],
-                                    limits="  max_tool_response_length: 20")  # fmt: skip
+    _, _, (traj,) = await run_tools(
+        tok,
+        compile_yaml,
+        f"  - function: {PARTS}:long_text",
+        [tool_turn(tok, ("long_text", {"n": 20}))],
+        limits="  max_tool_response_length: 20",
+    )
     assert tool_messages(traj) == ["01234567890123456789"]
 
 
@@ -542,8 +581,12 @@ async def test_tool_calc_reward_raising_keeps_the_observation(tok, compile_yaml)
 
 
 async def test_tool_raising_its_own_timeout_without_timeout_s(tok, compile_yaml):
-    _, _, (traj,) = await run_tools(tok, compile_yaml, f"  - function: {PARTS}:own_timeout",
-                                    [tool_turn(tok, ("own_timeout", {"url": "http://x"}))])  # fmt: skip
+    _, _, (traj,) = await run_tools(
+        tok,
+        compile_yaml,
+        f"  - function: {PARTS}:own_timeout",
+        [tool_turn(tok, ("own_timeout", {"url": "http://x"}))],
+    )
     assert not traj.failed
     assert tool_messages(traj) == ["Error executing tool 'own_timeout': GET http://x timed out"]
     assert traj.metrics.tool_errors == 1
@@ -958,8 +1001,14 @@ async def test_sampling_overrides_and_seed(tok, compile_yaml):
         sampling: {temperature: 0.7, top_k: 20, seed: 100, stop_token_ids: [5]}
     """)
     backend = scripted([model_turn(tok, "ok")])
-    trajs = await run_agent(agent, backend, tok, [user_row(), user_row()], n=2,
-                            sampling_params={"top_p": 0.5, "stop_token_ids": [7]})  # fmt: skip
+    trajs = await run_agent(
+        agent,
+        backend,
+        tok,
+        [user_row(), user_row()],
+        n=2,
+        sampling_params={"top_p": 0.5, "stop_token_ids": [7]},
+    )
     by_session = {r.session_id: r.sampling_params for r in backend.requests}
     for traj in trajs:
         params = by_session[traj.session_id]
@@ -1048,8 +1097,16 @@ async def test_to_output_is_agent_loop_output_shaped(tok):
     turns = [tool_turn(tok, ("calculator", {"expression": "1 + 2"})), model_turn(tok, "#### 3")]
     (traj,) = await run_agent(agent, scripted(turns), tok, [calculator_row()])
     out = traj.to_output()
-    assert {"prompt_ids", "response_ids", "response_mask", "response_logprobs", "reward_score", "num_turns",
-            "metrics", "extra_fields"} <= set(out)  # fmt: skip
+    assert {
+        "prompt_ids",
+        "response_ids",
+        "response_mask",
+        "response_logprobs",
+        "reward_score",
+        "num_turns",
+        "metrics",
+        "extra_fields",
+    } <= set(out)
     assert out["response_ids"] == traj.response_ids.tolist() and out["num_turns"] == 4
     assert {"turn_scores", "tool_rewards"} <= set(out["extra_fields"])
     assert set(out["metrics"]) >= {"generate_sequences", "tool_calls", "compute_score", "num_preempted"}

@@ -18,13 +18,16 @@ from tests.sglang.scenarios import PROMPT
 
 
 def probe(rid: str = "probe_t00") -> GenerateRequest:
-    return GenerateRequest("probe", list(PROMPT), {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True},
-                           rid=rid)  # fmt: skip
+    return GenerateRequest(
+        "probe", list(PROMPT), {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True}, rid=rid
+    )
 
 
 def same(a: GenerateResult, b: GenerateResult) -> None:
     assert a.token_ids == b.token_ids and a.logprobs is not None and b.logprobs is not None
-    assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5  # float32 on one device: run-to-run equal
+    assert (
+        max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+    )  # float32 on one device: run-to-run equal
 
 
 @pytest.fixture
@@ -35,7 +38,9 @@ async def fresh() -> GenerateResult:
 
 
 def test_the_checkpoints_differ_in_the_tied_head():
-    shipped, early = (AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32) for p in (ASSET_DIR, EARLY_DIR))
+    shipped, early = (
+        AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32) for p in (ASSET_DIR, EARLY_DIR)
+    )
     assert shipped.config.tie_word_embeddings and shipped.lm_head.weight is shipped.model.embed_tokens.weight
     assert not torch.equal(shipped.lm_head.weight, early.lm_head.weight)
 
@@ -49,14 +54,20 @@ async def test_the_embedded_model_updated_from_disk_or_tensors_serves_the_checkp
         await model.update_weights_from_disk(str(ASSET_DIR), weight_version="2")
         same(await model.generate(probe()), before)
         # a trainer's state dict without the tied head's own entry: the embedding moves the head with it
-        await model.update_weights_from_tensor(named_tensors={k: v for k, v in early.items() if k != "lm_head.weight"},
-                                               weight_version="3")  # fmt: skip
+        await model.update_weights_from_tensor(
+            named_tensors={k: v for k, v in early.items() if k != "lm_head.weight"}, weight_version="3"
+        )
         same(await model.generate(probe()), fresh)
         # an untied head for a model that ties them: only one could serve, so nothing moves
         head = early["lm_head.weight"] + 1.0
-        with pytest.raises(BackendRequestError, match="model.embed_tokens.weight and lm_head.weight, which the served "
-                                                      "model ties into one parameter"):  # fmt: skip
-            await model.update_weights_from_tensor(named_tensors={**early, "lm_head.weight": head}, weight_version="4")
+        with pytest.raises(
+            BackendRequestError,
+            match="model.embed_tokens.weight and lm_head.weight, which the served "
+            "model ties into one parameter",
+        ):
+            await model.update_weights_from_tensor(
+                named_tensors={**early, "lm_head.weight": head}, weight_version="4"
+            )
         assert model.weight_version == "3"
         same(await model.generate(probe()), fresh)
 

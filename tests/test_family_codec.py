@@ -76,12 +76,19 @@ def test_template_kwargs_reach_every_render():
     """model.chat_template_kwargs: Qwen3 without thinking gets the empty block in its prompt; DeepSeek-V3.1 in
     thinking mode opens <think> in the prompt, and its re-render drops the reasoning (not append-only)."""
     codec = codec_for(family_tokenizer("qwen3"), "qwen3", {"enable_thinking": False})
-    prompt = codec.decode(codec.encode_prompt([{"role": "user", "content": "Hi"}], None), skip_special_tokens=False)
+    prompt = codec.decode(
+        codec.encode_prompt([{"role": "user", "content": "Hi"}], None), skip_special_tokens=False
+    )
     assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     user = [{"role": "user", "content": "And 3 + 4?"}]
-    ids, messages, codec = simulate("deepseek_v3", ["I add.</think>It is 5.", "Seven."], [user], thinking=True)
+    ids, messages, codec = simulate(
+        "deepseek_v3", ["I add.</think>It is 5.", "Seven."], [user], thinking=True
+    )
     text = codec.decode(ids, skip_special_tokens=False)
-    assert "<｜Assistant｜><think>I add.</think>It is 5.<｜end▁of▁sentence｜><｜User｜>And 3 + 4?<｜Assistant｜><think>" in text
+    assert (
+        "<｜Assistant｜><think>I add.</think>It is 5.<｜end▁of▁sentence｜><｜User｜>And 3 + 4?<｜Assistant｜><think>"
+        in text
+    )
     problem = codec.check(messages, None, ids, False)
     assert problem is not None and "trajectory has '<think>I add." in problem, problem
 
@@ -111,12 +118,12 @@ MALFORMED = {
     "gpt_oss": '<|channel|>commentary to=functions.calculator <|constrain|>json<|message|>{"expression": }<|call|>',
     "glm45": "<tool_call>\n</tool_call><|observation|>",
     "kimi_k2": "<|tool_calls_section_begin|><|tool_call_begin|>functions.calculator:0<|tool_call_argument_begin|>"
-               '{"expression": }<|tool_call_end|><|tool_calls_section_end|>',
+    '{"expression": }<|tool_call_end|><|tool_calls_section_end|>',
     "deepseek_v3": '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>calculator<｜tool▁sep｜>{"expression": }<｜tool▁call▁end｜>'
-                   "<｜tool▁calls▁end｜>",
+    "<｜tool▁calls▁end｜>",
     "llama3_1": '{"name": "calculator", "parameters": {"expression": }}',
     "seed_oss": "<seed:tool_call>\n<function=calculator",
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -132,7 +139,9 @@ async def test_malformed_call_is_answered(family, compile_yaml):
     for text in (MALFORMED[family], TURNS[family][1]):
         ids = tok.encode(text, add_special_tokens=False)
         turns.append(ids if text.endswith(STOPS) else [*ids, tok.eos_token_id])
-    (traj,) = await run_agent(agent, scripted(turns), tok, [user_row("2 + 3?", reward_model={"ground_truth": "5"})])
+    (traj,) = await run_agent(
+        agent, scripted(turns), tok, [user_row("2 + 3?", reward_model={"ground_truth": "5"})]
+    )
     assert traj.error is None and traj.assistant_turns == 2 and traj.metrics.tool_errors == 1
     (answer,) = [m["content"] for m in traj.messages if m["role"] == "tool"]
     assert answer.startswith("Error"), answer
@@ -149,12 +158,17 @@ class BracketParser:
         import json
         import re
 
-        return [ToolCall(m.group(1), json.loads(m.group(2)), m.group(0)) for m in re.finditer(r"\[\[(\w+) (\{.*?\})\]\]", text)]
+        return [
+            ToolCall(m.group(1), json.loads(m.group(2)), m.group(0))
+            for m in re.finditer(r"\[\[(\w+) (\{.*?\})\]\]", text)
+        ]
 
 
 async def test_register_a_family(compile_yaml):
     """A family added with register_family (its parser with register_parser) runs without engine changes."""
-    family = Family("tests_bracket_chatml", "tests_bracket", detect=(), turn_end=("<|im_end|>",), cut_closer="<|im_end|>")
+    family = Family(
+        "tests_bracket_chatml", "tests_bracket", detect=(), turn_end=("<|im_end|>",), cut_closer="<|im_end|>"
+    )
     register_family(family)
     try:
         tok = family_tokenizer("qwen2.5")
@@ -172,7 +186,9 @@ async def test_register_a_family(compile_yaml):
         assert [m["content"] for m in traj.messages if m["role"] == "tool"] == ["5"]
         # the check renders the structured conversation: this template writes the parsed call as Hermes does,
         # not as the model wrote it, and a chat server would show the model that; the check says so
-        assert traj.token_check is not None and "trajectory has '[[calculator" in traj.token_check, traj.token_check
+        assert traj.token_check is not None and "trajectory has '[[calculator" in traj.token_check, (
+            traj.token_check
+        )
         assert "a re-render has '<tool_call>" in traj.token_check
     finally:
         del REGISTRY[family.name]
@@ -197,6 +213,8 @@ def test_kept_prefix_gives_the_suffix_a_fresh_codec_gives(family):
     history.append(warm.assistant_message(text, make_parser(None, warm).parse(text)))
     for content in ("5", "a much longer answer\nover two lines", "<tool_response>"):
         tool = [{"role": "tool", "content": content, "tool_call_id": "functions.calculator:0"}]
-        assert warm.encode_observation(tool, history) == codec_for(tok, family).encode_observation(tool, history)
+        assert warm.encode_observation(tool, history) == codec_for(tok, family).encode_observation(
+            tool, history
+        )
     user = [{"role": "user", "content": "thanks"}]
     assert warm.encode_observation(user, history) == codec_for(tok, family).encode_observation(user, history)

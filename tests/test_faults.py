@@ -51,7 +51,9 @@ SPECS = REPO / "specs"
 CPU_LIMIT_S = 1.0
 RSS_LIMIT_MB = 100
 HANG_GUARD_S = 60
-DIAGNOSTIC = re.compile(r"^(?P<path>[^:]+):(?P<line>\d+):(?P<col>\d+): (?P<code>[a-z][a-z-]*): (?P<message>.+)$")
+DIAGNOSTIC = re.compile(
+    r"^(?P<path>[^:]+):(?P<line>\d+):(?P<col>\d+): (?P<code>[a-z][a-z-]*): (?P<message>.+)$"
+)
 DATA_PROBLEM = re.compile(r"^(?P<path>[^:]+):(?P<line>\d+)(?::(?P<col>\d+))?: (?P<message>.+)$")
 
 
@@ -95,8 +97,13 @@ def run_child(argv: list[str], env: dict[str, str] | None = None) -> Cost:
     child_env.update(env or {})
     with tempfile.TemporaryDirectory() as d:
         report = Path(d) / "cost.json"
-        done = subprocess.run([sys.executable, "-c", LAUNCHER, str(report), str(HANG_GUARD_S), *argv], cwd=REPO, env=child_env,
-                              capture_output=True, timeout=HANG_GUARD_S + 30)  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-c", LAUNCHER, str(report), str(HANG_GUARD_S), *argv],
+            cwd=REPO,
+            env=child_env,
+            capture_output=True,
+            timeout=HANG_GUARD_S + 30,
+        )
         cost = json.loads(report.read_text())
     return Cost(out=done.stdout.decode(errors="replace"), err=done.stderr.decode(errors="replace"), **cost)
 
@@ -116,7 +123,9 @@ def baseline(tmp_path_factory) -> Cost:
 
 
 def assert_cheap(cost: Cost, baseline: Cost) -> None:
-    assert cost.cpu_s - baseline.cpu_s < CPU_LIMIT_S, f"{cost.cpu_s:.2f} s of CPU (baseline {baseline.cpu_s:.2f})"
+    assert cost.cpu_s - baseline.cpu_s < CPU_LIMIT_S, (
+        f"{cost.cpu_s:.2f} s of CPU (baseline {baseline.cpu_s:.2f})"
+    )
     assert cost.rss_mb < RSS_LIMIT_MB, f"peak RSS {cost.rss_mb:.0f} MB"
     assert cost.wall_s < HANG_GUARD_S, "hung"
 
@@ -232,9 +241,21 @@ def unclosed_brace(d: Path) -> tuple[Path, str]:
 
 
 HOSTILE_SPECS: list[Callable[[Path], tuple[Path, str]]] = [
-    alias_bomb, huge_spec, deep_brackets, deep_json, deep_block, tagged_sequence, tagged_sequence_plain,
-    tagged_mapping, not_utf8, extends_dev_zero, extends_chain, recursive_alias, control_character, unclosed_brace,
-]  # fmt: skip
+    alias_bomb,
+    huge_spec,
+    deep_brackets,
+    deep_json,
+    deep_block,
+    tagged_sequence,
+    tagged_sequence_plain,
+    tagged_mapping,
+    not_utf8,
+    extends_dev_zero,
+    extends_chain,
+    recursive_alias,
+    control_character,
+    unclosed_brace,
+]
 
 
 @pytest.mark.parametrize("make", HOSTILE_SPECS, ids=[f.__name__ for f in HOSTILE_SPECS])
@@ -252,7 +273,14 @@ def test_hostile_spec_is_one_positioned_line_quickly(make, tmp_path, baseline):
 def test_hostile_specs_in_process_too():
     """The library path (fsm.validate_file) answers the same diagnostics, without a traceback."""
     with tempfile.TemporaryDirectory() as d:
-        for make in (alias_bomb, tagged_sequence, tagged_mapping, not_utf8, extends_dev_zero, recursive_alias):
+        for make in (
+            alias_bomb,
+            tagged_sequence,
+            tagged_mapping,
+            not_utf8,
+            extends_dev_zero,
+            recursive_alias,
+        ):
             path, code = make(Path(d))
             (diag,) = fsm.validate_file(path)
             assert diag.code == code and diag.path == str(path), diag
@@ -260,10 +288,10 @@ def test_hostile_specs_in_process_too():
 
 # --- a spec is code: --static imports nothing; the deny-list; the opt-in -----------------------------------
 
-SENTINEL = '''
+SENTINEL = """
 import os
 open(os.environ["SENTINEL_FILE"], "w").write("imported")
-'''
+"""
 
 
 def test_static_validate_imports_nothing(tmp_path, baseline):
@@ -318,10 +346,14 @@ def test_trust_opt_in_is_accepted(tmp_path, baseline, mode):
 def test_opt_in_compiles_and_is_per_module():
     with tempfile.TemporaryDirectory() as d:
         spec = Path(d) / "shell.yaml"
-        spec.write_text(OS_SYSTEM_TOOL.format(base=SPECS / "tool_agent.yaml") + "trust: {allow_modules: [os]}\n")
+        spec.write_text(
+            OS_SYSTEM_TOOL.format(base=SPECS / "tool_agent.yaml") + "trust: {allow_modules: [os]}\n"
+        )
         agent = fsm.compile_spec(spec)
         assert list(agent.tools.by_name) == ["sh"]  # compiled; nothing called it
-        spec.write_text(OS_SYSTEM_TOOL.format(base=SPECS / "tool_agent.yaml") + "trust: {allow_modules: [sys]}\n")
+        spec.write_text(
+            OS_SYSTEM_TOOL.format(base=SPECS / "tool_agent.yaml") + "trust: {allow_modules: [sys]}\n"
+        )
         with pytest.raises(fsm.SpecError, match="unsafe-import"):
             fsm.compile_spec(spec)
 
@@ -329,11 +361,19 @@ def test_opt_in_compiles_and_is_per_module():
 @pytest.mark.parametrize(
     "ref",
     [
-        "os:system", "os.path:join", "subprocess:run", "builtins:eval", "importlib:import_module",
-        "pickle:loads", "socket:create_connection", "shutil:rmtree", "ctypes:CDLL", "runpy:run_path",
+        "os:system",
+        "os.path:join",
+        "subprocess:run",
+        "builtins:eval",
+        "importlib:import_module",
+        "pickle:loads",
+        "socket:create_connection",
+        "shutil:rmtree",
+        "ctypes:CDLL",
+        "runpy:run_path",
         "tests.fixtures.parts:asyncio.create_subprocess_shell",  # a deny-listed module met on the way
     ],
-)  # fmt: skip
+)
 def test_deny_list_refuses(ref):
     with pytest.raises(UnsafeImportError):
         resolve(ref)

@@ -52,12 +52,17 @@ def test_a_base_exception_from_the_function_ends_its_rows_never_the_engine(tok, 
         return {"token_ids": script(row, 0, turns[row] - 1, prompt_ids)}
 
     rows = [question(), question("What is 7 * 6?", "42")]
-    engine = RolloutEngine("calculator", tokenizer=ASSETS, backend=FunctionBackend(generate, model_name="eng"))
+    engine = RolloutEngine(
+        "calculator", tokenizer=ASSETS, backend=FunctionBackend(generate, model_name="eng")
+    )
     try:
         out = bounded(lambda: engine.generate_sequences(rows))
         reasons = list(out.non_tensor_batch["termination_reason"])
         assert reasons[0] == "done", reasons
-        assert reasons[1].startswith("error: backend: ") and f"eng: generate function raised {exc.__name__}" in reasons[1]
+        assert (
+            reasons[1].startswith("error: backend: ")
+            and f"eng: generate function raised {exc.__name__}" in reasons[1]
+        )
         again = bounded(lambda: engine.generate_sequences(rows[:1]))  # the engine's thread is alive
         assert list(again.non_tensor_batch["termination_reason"]) == ["done"]
     finally:

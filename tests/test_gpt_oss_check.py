@@ -8,13 +8,21 @@ from tests.conftest import run_agent, scripted, user_row
 from tests.test_real_tokenizers import ANSWER, ARGS, ARGS_JSON, TEXT, Case, _calls, model_ids, spec
 
 # the model writes the recipient in the header, as the template writes a past call, so only the analysis differs
-CALL = (f"<|channel|>analysis<|message|>I echo it .<|end|><|start|>assistant to=functions.echo<|channel|>commentary "
-        f"json<|message|>{ARGS_JSON}<|call|>")  # fmt: skip
+CALL = (
+    f"<|channel|>analysis<|message|>I echo it .<|end|><|start|>assistant to=functions.echo<|channel|>commentary "
+    f"json<|message|>{ARGS_JSON}<|call|>"
+)
 FINAL = f"<|channel|>analysis<|message|>It came back .<|end|><|start|>assistant<|channel|>final<|message|>{ANSWER}<|return|>"
-CASE = Case("gptoss", "gpt_oss", CALL, FINAL,
-            {"role": "assistant", "content": "", "thinking": "I echo it .", "tool_calls": _calls(ARGS)},
-            {"role": "assistant", "content": ANSWER, "thinking": "It came back ."}, template="gpt_oss.jinja",
-            stops=("<|call|>", "<|return|>"))  # fmt: skip
+CASE = Case(
+    "gptoss",
+    "gpt_oss",
+    CALL,
+    FINAL,
+    {"role": "assistant", "content": "", "thinking": "I echo it .", "tool_calls": _calls(ARGS)},
+    {"role": "assistant", "content": ANSWER, "thinking": "It came back ."},
+    template="gpt_oss.jinja",
+    stops=("<|call|>", "<|return|>"),
+)
 
 
 async def test_a_call_then_its_final_is_exact_as_each_generation_saw_it(compile_yaml, real_tokenizer):
@@ -24,8 +32,16 @@ async def test_a_call_then_its_final_is_exact_as_each_generation_saw_it(compile_
     backend = scripted([call, answer])
     (traj,) = await run_agent(agent, backend, tok, [user_row("Echo it.")], check_tokens=True)
     assert traj.error is None and traj.termination_reason == "done", (traj.termination_reason, traj.error)
-    render = lambda msgs, gen: tok.apply_chat_template(msgs, tools=traj.tool_schemas, add_generation_prompt=gen,  # noqa: E731
-                                                       tokenize=True, return_dict=False)  # fmt: skip
+
+    def render(msgs, gen):
+        return tok.apply_chat_template(
+            msgs,
+            tools=traj.tool_schemas,
+            add_generation_prompt=gen,
+            tokenize=True,
+            return_dict=False,
+        )
+
     user = [{"role": "user", "content": "Echo it."}]
     tool = [{"role": "tool", "content": TEXT, "tool_call_id": "call_0", "name": "echo"}]
     ids = traj.prompt_ids.tolist() + traj.response_ids.tolist()
@@ -33,7 +49,9 @@ async def test_a_call_then_its_final_is_exact_as_each_generation_saw_it(compile_
     # conversation before it; the final's prompt holds the call's analysis
     first, second = backend.requests
     assert first.prompt_ids == render(user, True) == ids[: len(first.prompt_ids)]
-    assert second.prompt_ids == render([*user, CASE.call_message, *tool], True) == ids[: len(second.prompt_ids)]
+    assert (
+        second.prompt_ids == render([*user, CASE.call_message, *tool], True) == ids[: len(second.prompt_ids)]
+    )
     assert "I echo it ." in tok.decode(second.prompt_ids, skip_special_tokens=False)
     assert ids[len(second.prompt_ids) :] == answer
     # the whole conversation's render drops that analysis, so a re-render of the row differs ...

@@ -24,8 +24,9 @@ from examples.grpo import GRPO, Config, LogprobMismatch, advantages, check_logpr
 
 
 def run(trainer_class: type[GRPO] = GRPO, **options) -> tuple[GRPO, list]:
-    trainer = trainer_class(Config(**{"eval_prompts": 32, "eval_samples": 2, "eval_every": 0, **options}),
-                            log=[].append)  # fmt: skip
+    trainer = trainer_class(
+        Config(**{"eval_prompts": 32, "eval_samples": 2, "eval_every": 0, **options}), log=[].append
+    )
     try:
         return trainer, trainer.run()
     finally:
@@ -51,7 +52,9 @@ class Settled(GRPO):
 
 
 def test_continuous_grpo_checks_stale_tokens_against_their_own_weights():
-    trainer, logs = run(Settled, mode="continuous", steps=3, prompts=4, group=4, eval_prompts=8, eval_samples=1)
+    trainer, logs = run(
+        Settled, mode="continuous", steps=3, prompts=4, group=4, eval_prompts=8, eval_samples=1
+    )
     assert [s.stale_tokens for s in logs] == [0.0, 1.0, 1.0]  # steps 2 and 3: tokens of the previous weights
     assert all(s.checked > 0 and s.max_diff <= trainer.cfg.logprob_tol for s in logs)
     assert trainer.engine.stream_stats["staleness"] == {0: 4, 1: 8}
@@ -59,7 +62,10 @@ def test_continuous_grpo_checks_stale_tokens_against_their_own_weights():
 
 def test_the_check_fails_loudly():
     where = torch.tensor([[True, False]])
-    assert check_logprobs(torch.tensor([[-1.0, -5.0]]), torch.tensor([[-1.00001, 0.0]]), where, 1e-4, "x")[0] == 1
+    assert (
+        check_logprobs(torch.tensor([[-1.0, -5.0]]), torch.tensor([[-1.00001, 0.0]]), where, 1e-4, "x")[0]
+        == 1
+    )
     with pytest.raises(LogprobMismatch, match=r"x: .* by 0\.01 \(tolerance 0\.0001\) over 1 tokens"):
         check_logprobs(torch.tensor([[-1.0, -5.0]]), torch.tensor([[-1.01, -5.0]]), where, 1e-4, "x")
 
@@ -76,8 +82,20 @@ def test_the_evaluation_schedule_does_not_change_training():
     """Evaluating after every step or only at the end: the same tokens sampled and the same weights, bit for bit
     (the update once used the engine's log-probabilities, whose last bits vary with how requests were batched,
     and Adam made full-size steps of that noise: the trained weights, and soon the samples, differed)."""
-    runs = [run(Recorded, mode="sync", steps=3, prompts=4, group=4, eval_prompts=8, eval_samples=1,
-                eval_every=every, seed=3)[0] for every in (1, 0)]  # fmt: skip
+    runs = [
+        run(
+            Recorded,
+            mode="sync",
+            steps=3,
+            prompts=4,
+            group=4,
+            eval_prompts=8,
+            eval_samples=1,
+            eval_every=every,
+            seed=3,
+        )[0]
+        for every in (1, 0)
+    ]
     (a, _), (b, _) = [(t.responses, t) for t in runs]
     assert all(torch.equal(x, y) for x, y in zip(a, b)) and len(a) == len(b) == 3
     wa, wb = runs[0].policy.state_dict(), runs[1].policy.state_dict()
@@ -93,8 +111,12 @@ def _rows(rewards: list[float], trajectories: list[str], uids: list[str], segmen
     index = [trajectories[:i].count(t) for i, t in enumerate(trajectories)]
     rm = torch.zeros(len(rewards), 3)
     rm[:, -1] = torch.tensor(rewards)
-    nt = {"uid": np.array(uids, dtype=object), "trajectory_id": np.array(trajectories, dtype=object),
-          "segment_index": np.array(index), "num_segments": np.array(segments)}  # fmt: skip
+    nt = {
+        "uid": np.array(uids, dtype=object),
+        "trajectory_id": np.array(trajectories, dtype=object),
+        "segment_index": np.array(index),
+        "num_segments": np.array(segments),
+    }
     return SimpleNamespace(batch={"rm_scores": rm}, non_tensor_batch=nt)
 
 
@@ -123,8 +145,18 @@ def test_session_grpo_trains_every_segment_of_a_rewritten_context():
     """specs/calculator_results.yaml from the trained model: each trajectory is two segments or more (the call,
     then the result without it); every row of a trajectory gets its trajectory's advantage, and the step trains
     on (and checks the log-probabilities of) the model's tokens of every segment."""
-    trainer, logs = run(Batches, mode="sync", steps=2, prompts=4, group=4, eval_prompts=8, eval_samples=1,
-                        spec="specs/calculator_results.yaml", init=ASSET_DIR, advantages="session")  # fmt: skip
+    trainer, logs = run(
+        Batches,
+        mode="sync",
+        steps=2,
+        prompts=4,
+        group=4,
+        eval_prompts=8,
+        eval_samples=1,
+        spec="specs/calculator_results.yaml",
+        init=ASSET_DIR,
+        advantages="session",
+    )
     for (batch, adv), log in zip(trainer.seen, logs):
         nt = batch.non_tensor_batch
         tids, index, count = nt["trajectory_id"], nt["segment_index"], nt["num_segments"]

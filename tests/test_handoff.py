@@ -17,7 +17,9 @@ async def test_a_burst_runs_in_order_after_one_wake_up():
     box = Mailbox(loop)
     wakes, seen = [], []
     real = loop.call_soon_threadsafe
-    loop.call_soon_threadsafe = lambda *a, **k: (wakes.append(1), real(*a, **k))[1]  # count the self-pipe writes
+    loop.call_soon_threadsafe = lambda *a, **k: (wakes.append(1), real(*a, **k))[
+        1
+    ]  # count the self-pipe writes
     try:
         posted = threading.Event()
 

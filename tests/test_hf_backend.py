@@ -29,11 +29,18 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def make_model(path: Path, seed: int) -> Path:
     torch.manual_seed(seed)
     config = Qwen2Config(
-        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=128, max_position_embeddings=CONTEXT, tie_word_embeddings=True,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=CONTEXT,
+        tie_word_embeddings=True,
         initializer_range=0.3,  # peaky, varied logits: greedy picks are far from ties and do not repeat
-        eos_token_id=1, pad_token_id=0,
-    )  # fmt: skip
+        eos_token_id=1,
+        pad_token_id=0,
+    )
     Qwen2ForCausalLM(config).save_pretrained(path)
     return path
 
@@ -256,15 +263,19 @@ async def test_update_weights_from_tensor(backend: HFBackend, tmp_path: Path):
     ids = prompt(15, seed=7)
     before = await backend.generate(req(ids, **GREEDY))
     other = Qwen2ForCausalLM.from_pretrained(make_model(tmp_path / "other", seed=1))
-    await backend.update_weights_from_tensor(named_tensors=list(other.state_dict().items()), weight_version="3")
+    await backend.update_weights_from_tensor(
+        named_tensors=list(other.state_dict().items()), weight_version="3"
+    )
     after = await backend.generate(req(ids, **GREEDY))
     assert after.weight_version == "3" and after.extra["token_versions"] == ["3"] * len(after.token_ids)
     assert after.token_ids != before.token_ids
     assert after.token_ids == reference_logprobs(other, ids, after.token_ids, 1.0).argmax(-1).tolist()
     state = other.state_dict()
-    for bad, match in [({"nope.weight": state["lm_head.weight"]}, "no parameter 'nope.weight'"),
-                       ({"lm_head.weight": state["lm_head.weight"][:3]}, "has shape"),
-                       ({"serialized_named_tensors": ["x"]}, "not serialized_named_tensors")]:  # fmt: skip
+    for bad, match in [
+        ({"nope.weight": state["lm_head.weight"]}, "no parameter 'nope.weight'"),
+        ({"lm_head.weight": state["lm_head.weight"][:3]}, "has shape"),
+        ({"serialized_named_tensors": ["x"]}, "not serialized_named_tensors"),
+    ]:
         kwargs = bad if "serialized_named_tensors" in bad else {"named_tensors": bad}
         with pytest.raises(BackendRequestError, match=match):
             await backend.update_weights_from_tensor(**kwargs, weight_version="4")
@@ -283,7 +294,12 @@ async def test_a_model_object_is_decoded_as_is(model_dir: Path):
 
 def test_bench_hf(model_dir: Path, device: str):
     result = bench_hf(
-        model_dir, batch_sizes=(1, 4), prompt_len=20, new_tokens=8, torch_threads=1, device=device,
+        model_dir,
+        batch_sizes=(1, 4),
+        prompt_len=20,
+        new_tokens=8,
+        torch_threads=1,
+        device=device,
         rollout_prompts=0,
     )
     assert set(result["tokens_per_s"]) == {1, 4} and all(v > 0 for v in result["tokens_per_s"].values())
@@ -343,7 +359,13 @@ async def test_a_seed_means_the_same_on_cpu_and_cuda(model_dir: Path):
     """Seeded rows draw their uniforms on the CPU whatever the device: the same seed gives the same tokens on
     CUDA as on the CPU (up to the devices' float differences in the logits, which could flip a draw that lands
     on a boundary: none here)."""
-    sampled = {"temperature": 1.0, "top_p": 0.95, "sampling_seed": 99, "ignore_eos": True, "max_new_tokens": 24}
+    sampled = {
+        "temperature": 1.0,
+        "top_p": 0.95,
+        "sampling_seed": 99,
+        "ignore_eos": True,
+        "max_new_tokens": 24,
+    }
     requests = [req(prompt(5 + i, seed=200 + i), **{**sampled, "sampling_seed": i}) for i in range(16)]
     runs = []
     for device in ("cpu", "cuda"):

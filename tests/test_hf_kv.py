@@ -34,16 +34,21 @@ async def backend(model_dir: Path):
 @pytest.fixture
 async def plain(model_dir: Path):
     """The same model, keeping no KV between turns."""
-    async with HFBackend(model_dir, device="cpu", torch_threads=1, max_batch_size=16, session_kv_bytes=0) as b:
+    async with HFBackend(
+        model_dir, device="cpu", torch_threads=1, max_batch_size=16, session_kv_bytes=0
+    ) as b:
         yield b
 
 
 def turn(session: str, ids: list[int], n: int = 12, **params) -> GenerateRequest:
-    return GenerateRequest(session, ids, {"max_new_tokens": n, **(params or GREEDY)}, rid=f"{session}-{len(ids)}")
+    return GenerateRequest(
+        session, ids, {"max_new_tokens": n, **(params or GREEDY)}, rid=f"{session}-{len(ids)}"
+    )
 
 
-async def two_turns(b: HFBackend, session: str, first: list[int], observation: list[int],
-                    **params) -> tuple[GenerateResult, GenerateResult, list[int]]:  # fmt: skip
+async def two_turns(
+    b: HFBackend, session: str, first: list[int], observation: list[int], **params
+) -> tuple[GenerateResult, GenerateResult, list[int]]:
     one = await b.generate(turn(session, first, **params))
     context = first + one.token_ids + observation
     return one, await b.generate(turn(session, context, **params)), context
@@ -80,10 +85,12 @@ async def test_many_trajectories_join_with_kept_kv_of_different_lengths(backend:
 
     async def run(b: HFBackend) -> list[GenerateResult]:
         ones = await asyncio.gather(*(b.generate(turn(f"t{i}", f)) for i, f in enumerate(firsts)))
-        return await asyncio.gather(*(
-            b.generate(turn(f"t{i}", f + o.token_ids + obs, 20))
-            for i, (f, o, obs) in enumerate(zip(firsts, ones, observations, strict=True))
-        ))  # fmt: skip
+        return await asyncio.gather(
+            *(
+                b.generate(turn(f"t{i}", f + o.token_ids + obs, 20))
+                for i, (f, o, obs) in enumerate(zip(firsts, ones, observations, strict=True))
+            )
+        )
 
     kept, full = await run(backend), await run(plain)
     assert all(r.cached_tokens > 0 for r in kept) and all(r.cached_tokens == 0 for r in full)
@@ -96,9 +103,14 @@ async def test_next_turns_join_a_running_batch_with_their_kept_kv(backend: HFBac
     long = asyncio.ensure_future(backend.generate(turn("long", prompt(30, seed=7), 200)))
     while not backend._model_lock.locked():
         await asyncio.sleep(0)
-    firsts, observations = [prompt(9 + 7 * i, seed=30 + i) for i in range(3)], [[4, 5, 6], [7], [8, 9, 10, 11, 12]]
-    runs = [asyncio.gather(*(two_turns(b, f"t{i}", f, o) for i, (f, o) in enumerate(zip(firsts, observations))))
-            for b in (backend, plain)]  # fmt: skip
+    firsts, observations = (
+        [prompt(9 + 7 * i, seed=30 + i) for i in range(3)],
+        [[4, 5, 6], [7], [8, 9, 10, 11, 12]],
+    )
+    runs = [
+        asyncio.gather(*(two_turns(b, f"t{i}", f, o) for i, (f, o) in enumerate(zip(firsts, observations))))
+        for b in (backend, plain)
+    ]
     kept, full = await runs[0], await runs[1]
     assert not long.done() and all(two.cached_tokens > 0 for _, two, _ in kept)
     for (one_a, two_a, _), (one_b, two_b, _) in zip(kept, full, strict=True):
@@ -196,11 +208,21 @@ async def test_a_sliding_window_model_batches_whole_and_keeps_nothing(tmp_path: 
     tokens are still those of a direct forward pass."""
     torch.manual_seed(0)
     config = Qwen2Config(
-        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=128, max_position_embeddings=256, initializer_range=0.3, eos_token_id=1, pad_token_id=0,
-        use_sliding_window=True, sliding_window=8, max_window_layers=0,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=256,
+        initializer_range=0.3,
+        eos_token_id=1,
+        pad_token_id=0,
+        use_sliding_window=True,
+        sliding_window=8,
+        max_window_layers=0,
         layer_types=["sliding_attention", "full_attention"],
-    )  # fmt: skip
+    )
     model = Qwen2ForCausalLM(config)
     async with HFBackend(model, device="cpu", torch_threads=1) as b:
         assert not b._joinable and b.sessions.max_bytes == 0
@@ -211,7 +233,9 @@ async def test_a_sliding_window_model_batches_whole_and_keeps_nothing(tmp_path: 
         assert all(f.done() for f in first)  # it waited for the batch to end
         results = [*(await asyncio.gather(*first)), late]
         assert late.extra["batch"] == results[0].extra["batch"] + 1
-        for ids, res in zip([prompt(12, seed=0), prompt(12, seed=1), prompt(6, seed=9)], results, strict=True):
+        for ids, res in zip(
+            [prompt(12, seed=0), prompt(12, seed=1), prompt(6, seed=9)], results, strict=True
+        ):
             assert res.cached_tokens == 0
             assert res.token_ids == reference_logprobs(model, ids, res.token_ids, 1.0).argmax(-1).tolist()
         await b.generate(turn("f0", prompt(12, seed=0) + results[0].token_ids + [4, 5]))

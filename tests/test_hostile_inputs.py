@@ -30,16 +30,26 @@ from tests.conftest import (
 # --- rows ------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("bad, words", [
-    ({"tools_kwargs": "abc"}, "'tools_kwargs' must map tool names to mappings"),
-    ({"tools_kwargs": {"calculator": 5}}, "'tools_kwargs' must map tool names to mappings"),
-    ({"extra_info": {"tool_selection": 5}}, "'extra_info.tool_selection' must be a list of tool names, got int 5"),
-    ({"extra_info": 5}, "'extra_info' must be a mapping, got int 5"),
-    ({"interaction_kwargs": [1]}, "'interaction_kwargs' must be a mapping"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "bad, words",
+    [
+        ({"tools_kwargs": "abc"}, "'tools_kwargs' must map tool names to mappings"),
+        ({"tools_kwargs": {"calculator": 5}}, "'tools_kwargs' must map tool names to mappings"),
+        (
+            {"extra_info": {"tool_selection": 5}},
+            "'extra_info.tool_selection' must be a list of tool names, got int 5",
+        ),
+        ({"extra_info": 5}, "'extra_info' must be a mapping, got int 5"),
+        ({"interaction_kwargs": [1]}, "'interaction_kwargs' must be a mapping"),
+    ],
+)
 def test_a_row_of_the_wrong_shape_is_its_own_error_row(tok, bad, words):
     truth = {"reward_model": {"ground_truth": "2"}}
-    rows = [user_row("What is 1 + 1?", **truth), user_row("What is 2 + 2?", **bad), user_row("What is 1 + 1?", **truth)]
+    rows = [
+        user_row("What is 1 + 1?", **truth),
+        user_row("What is 2 + 2?", **bad),
+        user_row("What is 1 + 1?", **truth),
+    ]
     with RolloutEngine("calculator", tok, backend=echo_backend()) as engine:
         out = engine.generate_sequences(rows)
     reasons = list(out.non_tensor_batch["termination_reason"])
@@ -73,15 +83,39 @@ async def test_a_tool_answering_a_lone_surrogate_is_read_as_text(tok, compile_ya
 def test_a_ground_truth_with_a_lone_surrogate_is_written(tmp_path):
     """Through the real `agentfsm run` process: trajectories.jsonl is written, valid UTF-8 and JSON."""
     data = tmp_path / "rows.jsonl"
-    row = {"raw_prompt": [{"role": "user", "content": "What is 2 + 3?"}],
-           "reward_model": {"ground_truth": "5\ud800"}, "extra_info": {"note": "\udfff"}}  # fmt: skip
-    data.write_text(json.dumps(row) + "\n")  # ensure_ascii: the file holds the \ud800 escape, as a dataset would
+    row = {
+        "raw_prompt": [{"role": "user", "content": "What is 2 + 3?"}],
+        "reward_model": {"ground_truth": "5\ud800"},
+        "extra_info": {"note": "\udfff"},
+    }
+    data.write_text(
+        json.dumps(row) + "\n"
+    )  # ensure_ascii: the file holds the \ud800 escape, as a dataset would
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "fsm.cli.commands", "run", str(SPECS / "calculator.yaml"), "--data",
-                           str(data), "--out", str(out), "-q", "--max-error-rate", "1"], cwd=REPO,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fsm.cli.commands",
+            "run",
+            str(SPECS / "calculator.yaml"),
+            "--data",
+            str(data),
+            "--out",
+            str(out),
+            "-q",
+            "--max-error-rate",
+            "1",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr
-    (record,) = [json.loads(line) for line in (out / "trajectories.jsonl").read_bytes().decode("utf-8").splitlines()]
+    (record,) = [
+        json.loads(line) for line in (out / "trajectories.jsonl").read_bytes().decode("utf-8").splitlines()
+    ]
     assert "ground truth '5\ufffd' is not a number" in record["termination_reason"]
     assert "reward function specs.calculator:compute_score on row" in record["termination_reason"]
 
@@ -89,10 +123,18 @@ def test_a_ground_truth_with_a_lone_surrogate_is_written(tmp_path):
 # --- limits --------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("key, value", [("prompt_length", "1e12"), ("response_length", 1_000_000_000_000),
-                                        ("max_new_tokens", 2**31), ("max_parallel_calls", 10**6),
-                                        ("turn_timeout_s", 1e12), ("max_transitions", 10**12),
-                                        ("max_transitions", 10**7)])  # fmt: skip  # 10**7: a 180 MB snapshot
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("prompt_length", "1e12"),
+        ("response_length", 1_000_000_000_000),
+        ("max_new_tokens", 2**31),
+        ("max_parallel_calls", 10**6),
+        ("turn_timeout_s", 1e12),
+        ("max_transitions", 10**12),
+        ("max_transitions", 10**7),
+    ],
+)  # 10**7: a 180 MB snapshot
 def test_absurd_limits_are_refused_at_validation_with_their_line(write_spec, key, value):
     path = write_spec(f"name: x\nextends: {SPECS / 'single_turn.yaml'}\nlimits:\n  {key}: {value}\n")
     (diag,) = fsm.validate_file(path)
@@ -110,17 +152,23 @@ REWARD_SPEC = """
 """
 
 
-@pytest.mark.parametrize("fn, words", [("hanging_reward", "no result within 0.5 s (limits.reward_timeout_s)"),
-                                       ("failing_reward", "ValueError: could not convert string to float")])  # fmt: skip
+@pytest.mark.parametrize(
+    "fn, words",
+    [
+        ("hanging_reward", "no result within 0.5 s (limits.reward_timeout_s)"),
+        ("failing_reward", "ValueError: could not convert string to float"),
+    ],
+)
 async def test_a_reward_that_hangs_or_fails_names_itself_and_the_row(tok, compile_yaml, fn, words):
     agent = compile_yaml(REWARD_SPEC % fn)
     t0 = time.monotonic()
     trajs = await run_agent(agent, echo_backend(), tok, [user_row(uid="row-7"), user_row(uid="row-8")])
     assert time.monotonic() - t0 < 20
     for traj, uid in zip(trajs, ("row-7", "row-8")):
-        assert traj.termination_reason == (
-            f"error: reward: reward function {PARTS}:{fn} on row {uid}: {words}"
-        ) or words in traj.termination_reason, traj.termination_reason
+        assert (
+            traj.termination_reason == (f"error: reward: reward function {PARTS}:{fn} on row {uid}: {words}")
+            or words in traj.termination_reason
+        ), traj.termination_reason
         assert f"reward function {PARTS}:{fn} on row {uid}" in traj.termination_reason
 
 
@@ -161,15 +209,25 @@ async def test_a_cycle_that_never_ends_is_an_error_row_at_max_transitions(tok, c
     t0 = time.monotonic()
     (traj,) = await run_agent(agent, echo_backend(), tok, [user_row()])
     assert time.monotonic() - t0 < 10
-    assert traj.termination_reason.startswith("error: max_transitions: 500 transitions"), traj.termination_reason
+    assert traj.termination_reason.startswith("error: max_transitions: 500 transitions"), (
+        traj.termination_reason
+    )
 
 
 def test_validate_warns_about_a_cycle_that_spends_no_budget(write_spec):
-    text = CYCLE.replace("{specs}", str(SPECS)).replace("{parts}", PARTS).replace("{not: always_false}",
-                                                                                  "has_tool_calls")  # fmt: skip
+    text = (
+        CYCLE.replace("{specs}", str(SPECS))
+        .replace("{parts}", PARTS)
+        .replace("{not: always_false}", "has_tool_calls")
+    )
     path = write_spec(__import__("textwrap").dedent(text))
-    proc = subprocess.run([sys.executable, "-m", "fsm.cli.commands", "validate", str(path)], cwd=REPO, capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "fsm.cli.commands", "validate", str(path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     warning, ok = proc.stdout.splitlines()
     assert ": warning: cycle-without-budget: the cycle through PONDER, MUSE runs no action" in warning

@@ -25,15 +25,20 @@ pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
 
 def question(text: str = "What is 2 + 3?", truth: str = "5") -> dict:
-    return {"raw_prompt": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": text}],
-            "reward_model": {"ground_truth": truth}}  # fmt: skip
+    return {
+        "raw_prompt": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": text}],
+        "reward_model": {"ground_truth": truth},
+    }
 
 
 def calc_script(tok):
     """Row r: a calculator call, then the answer '#### 5' (right on even rows, wrong on odd ones)."""
     call = tool_turn(tok, ("calculator", {"expression": "2 + 3"}))
-    return lambda row, sample, turn, prompt: call if turn == 0 else tok.encode(
-        f"#### {5 + row % 2}", add_special_tokens=False) + [tok.eos_token_id]  # fmt: skip
+    return lambda row, sample, turn, prompt: (
+        call
+        if turn == 0
+        else tok.encode(f"#### {5 + row % 2}", add_special_tokens=False) + [tok.eos_token_id]
+    )
 
 
 class DataProto:  # verl's class by shape (fsm.data.rows.is_dataproto), as its trainer hands it
@@ -76,7 +81,14 @@ def test_function_backend_over_http_matches_the_sglang_client_and_closes_its_ses
         assert "Unclosed" not in caplog.text
         with RolloutEngine("calculator", tokenizer=ASSETS, servers=[url]) as engine:
             theirs = engine.generate_sequences(rows, n=2)
-    for key in ("prompts", "responses", "response_mask", "rollout_log_probs", "attention_mask", "weight_versions"):
+    for key in (
+        "prompts",
+        "responses",
+        "response_mask",
+        "rollout_log_probs",
+        "attention_mask",
+        "weight_versions",
+    ):
         assert torch.equal(mine.batch[key], theirs.batch[key]), key
     assert mine.meta_info["rollout_metrics"]["rollout/samples"] == 4
 
@@ -121,10 +133,14 @@ async def test_function_backend_bad_answers_are_server_faults(tok):
     metrics = out.meta_info["rollout_metrics"]
     assert metrics["rollout/faults/bad_ids"] == 3 and metrics["rollout/retries"] == 2
     assert metrics["rollout/failed"] == 1 and metrics["rollout/termination/error_backend"] == 1
-    async with RolloutEngine("calculator", tokenizer=ASSETS, backend=FunctionBackend(raising, model_name="eng")) as engine:
+    async with RolloutEngine(
+        "calculator", tokenizer=ASSETS, backend=FunctionBackend(raising, model_name="eng")
+    ) as engine:
         batch = await engine.agenerate_samples([question()])
     assert batch.samples[0].failed
-    assert "eng: generate function raised RuntimeError: engine fell over" in batch.samples[0].termination_reason
+    assert (
+        "eng: generate function raised RuntimeError: engine fell over" in batch.samples[0].termination_reason
+    )
 
 
 # --- the flat sample and the batch's meta_info -------------------------------------------------------------
@@ -163,22 +179,35 @@ async def test_samples_match_the_padded_batch_field_by_field(tok):
 
 def test_meta_info_carries_the_input_and_says_how_logprobs_were_made(tok):
     rows = [question(), question("What is 1 + 4?")]
-    columns = {"raw_prompt": np.array([r["raw_prompt"] for r in rows] + [None], dtype=object)[:2],
-               "reward_model": np.array([r["reward_model"] for r in rows], dtype=object)}  # fmt: skip
+    columns = {
+        "raw_prompt": np.array([r["raw_prompt"] for r in rows] + [None], dtype=object)[:2],
+        "reward_model": np.array([r["reward_model"] for r in rows], dtype=object),
+    }
     proto = DataProto(non_tensor_batch=columns, meta_info={"global_steps": 7, "validate": False})
     with RolloutEngine("calculator", tokenizer=ASSETS, backend=scripted(calc_script(tok))) as engine:
         out = engine.generate_sequences(proto, n=2, sampling_params={"temperature": 0.7, "top_k": 20})
         greedy = engine.generate_sequences(rows, sampling_params={"temperature": 0.0})
     assert type(out) is DataProto and out.meta_info["global_steps"] == 7
-    vocab = json.loads((ASSETS / "config.json").read_text())["vocab_size"]  # the model's rows: what logits span
+    vocab = json.loads((ASSETS / "config.json").read_text())[
+        "vocab_size"
+    ]  # the model's rows: what logits span
     assert vocab > len(tok)
     assert "metrics" not in out.meta_info  # per-sample list: popped, as verl's AgentLoopManager does
     assert out.meta_info["sampling"] == {
-        "temperature": 0.7, "top_p": 1.0, "top_k": 20, "vocab_size": vocab, "greedy": False,
-        "logprob_temperature": 0.7, "logprobs_over": "full_vocabulary", "repetition_penalty": 1.0, "seed": None,
+        "temperature": 0.7,
+        "top_p": 1.0,
+        "top_k": 20,
+        "vocab_size": vocab,
+        "greedy": False,
+        "logprob_temperature": 0.7,
+        "logprobs_over": "full_vocabulary",
+        "repetition_penalty": 1.0,
+        "seed": None,
         "logprobs": True,
-    }  # fmt: skip
-    assert greedy.meta_info["sampling"]["greedy"] and greedy.meta_info["sampling"]["logprob_temperature"] == 1.0
+    }
+    assert (
+        greedy.meta_info["sampling"]["greedy"] and greedy.meta_info["sampling"]["logprob_temperature"] == 1.0
+    )
     m = out.meta_info["rollout_metrics"]
     assert m["rollout/samples"] == 4 and m["rollout/termination/done"] == 4 and m["rollout/tool_calls"] == 4
     assert m["rollout/turns/mean"] == 4 and m["rollout/reward/mean"] == 0.5 and m["rollout/resumes"] == 0
@@ -213,7 +242,11 @@ async def test_function_backend_per_token_versions_and_the_request(tok):
         sessions.append(request.session_id)
         ids = script(0, 0, len(sessions) - 1, prompt_ids)
         half = len(ids) // 2
-        return {"token_ids": ids, "logprobs": [-0.5] * len(ids), "versions": [4] * half + [5] * (len(ids) - half)}
+        return {
+            "token_ids": ids,
+            "logprobs": [-0.5] * len(ids),
+            "versions": [4] * half + [5] * (len(ids) - half),
+        }
 
     async with RolloutEngine("calculator", tokenizer=ASSETS, backend=FunctionBackend(generate)) as engine:
         (s,) = (await engine.agenerate_samples([question()])).samples

@@ -32,28 +32,34 @@ WORDS = st.text(alphabet="abcdefghijklmnopqrstuvwxyzABC0123456789 .,!?-'", min_s
 def agent_for(limits: tuple) -> fsm.CompiledAgent:
     """tool_agent with the echo/add tools, a reward, and the given limits (compiled once per limits)."""
     base = fsm.load_spec(SPECS / "tool_agent.yaml").spec
-    spec = base.model_copy(update={
-        "limits": LimitsSpec(**dict(limits)),
-        "tools": [ToolSpec(function=f"{PARTS}:echo"), ToolSpec(function=f"{PARTS}:add")],
-        "reward": RewardSpec(function=f"{PARTS}:reward_len"),
-    })  # fmt: skip
+    spec = base.model_copy(
+        update={
+            "limits": LimitsSpec(**dict(limits)),
+            "tools": [ToolSpec(function=f"{PARTS}:echo"), ToolSpec(function=f"{PARTS}:add")],
+            "reward": RewardSpec(function=f"{PARTS}:reward_len"),
+        }
+    )
     return fsm.compile_spec(spec)
 
 
 @st.composite
 def limits(draw) -> tuple:
     r = draw(st.integers(16, 400))
-    return tuple(sorted({
-        "prompt_length": P,
-        "response_length": r,
-        "max_new_tokens": draw(st.none() | st.integers(1, r)),
-        "max_assistant_turns": draw(st.none() | st.integers(1, 5)),
-        "max_user_turns": draw(st.none() | st.integers(1, 4)),
-        "max_parallel_calls": draw(st.integers(1, 3)),
-        "extra_calls": draw(st.sampled_from(["error", "drop"])),
-        "max_tool_response_length": draw(st.integers(4, 60)),
-        "tool_response_truncate_side": draw(st.sampled_from(["left", "right", "middle"])),
-    }.items()))  # fmt: skip
+    return tuple(
+        sorted(
+            {
+                "prompt_length": P,
+                "response_length": r,
+                "max_new_tokens": draw(st.none() | st.integers(1, r)),
+                "max_assistant_turns": draw(st.none() | st.integers(1, 5)),
+                "max_user_turns": draw(st.none() | st.integers(1, 4)),
+                "max_parallel_calls": draw(st.integers(1, 3)),
+                "extra_calls": draw(st.sampled_from(["error", "drop"])),
+                "max_tool_response_length": draw(st.integers(4, 60)),
+                "tool_response_truncate_side": draw(st.sampled_from(["left", "right", "middle"])),
+            }.items()
+        )
+    )
 
 
 CALL = st.one_of(
@@ -88,8 +94,10 @@ def logprob(turn: int, i: int) -> float:
 
 def run(tok, agent, rows, scripts, n):
     """Run rows (n samples each); scripts[row] is a list of (text, eos). Past its end a row answers 'bye'."""
-    encoded = {row: [tok.encode(t, add_special_tokens=False) + ([tok.eos_token_id] if e else []) for t, e in s]
-               for row, s in scripts.items()}  # fmt: skip
+    encoded = {
+        row: [tok.encode(t, add_special_tokens=False) + ([tok.eos_token_id] if e else []) for t, e in s]
+        for row, s in scripts.items()
+    }
     bye = tok.encode("bye", add_special_tokens=False) + [tok.eos_token_id]
 
     def turn_fn(row, sample, turn, prompt_ids):
@@ -124,13 +132,19 @@ def expected_layout(traj, requests, script, bye, eos, stops):
 
 
 @SETTINGS
-@given(lim=limits(), scripts=st.lists(conversations, min_size=1, max_size=2), n=st.integers(1, 2),
-       question=WORDS)  # fmt: skip
+@given(
+    lim=limits(), scripts=st.lists(conversations, min_size=1, max_size=2), n=st.integers(1, 2), question=WORDS
+)
 def test_trajectory_token_invariants(tok, lim, scripts, n, question):
     agent = agent_for(lim)
     R = agent.limits.response_length
-    rows = [{"raw_prompt": [{"role": "user", "content": f"{question} {i}"}], "reward_model": {"ground_truth": "bye"}}
-            for i in range(len(scripts))]  # fmt: skip
+    rows = [
+        {
+            "raw_prompt": [{"role": "user", "content": f"{question} {i}"}],
+            "reward_model": {"ground_truth": "bye"},
+        }
+        for i in range(len(scripts))
+    ]
     trajs, backend, encoded, bye = run(tok, agent, rows, dict(enumerate(scripts)), n)
     assert len(trajs) == len(rows) * n
     stops = {tok.eos_token_id}
@@ -157,8 +171,13 @@ def test_trajectory_token_invariants(tok, lim, scripts, n, question):
             cap = agent.limits.max_new_tokens
             assert r.sampling_params["max_new_tokens"] == (left if cap is None else min(left, cap))
         # the prompt is the chat template's rendering of raw_prompt with the tool schemas
-        want_prompt = tok.apply_chat_template(rows[row]["raw_prompt"], tools=agent.tools.schemas,
-                                              add_generation_prompt=True, tokenize=True, return_dict=False)  # fmt: skip
+        want_prompt = tok.apply_chat_template(
+            rows[row]["raw_prompt"],
+            tools=agent.tools.schemas,
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
         assert traj.prompt_ids.tolist() == want_prompt
         event(f"reason={traj.termination_reason}")
         event(f"tool_errors>0={traj.metrics.tool_errors > 0}")
@@ -174,8 +193,16 @@ def check_batch(trajs, R, pad):
     b = fsm.collate(trajs, prompt_length=P, response_length=R, pad_token_id=pad)
     t = b.batch
     B = len(trajs)
-    shapes = {"prompts": (B, P), "responses": (B, R), "response_mask": (B, R), "input_ids": (B, P + R),
-              "attention_mask": (B, P + R), "position_ids": (B, P + R), "rollout_log_probs": (B, R), "rm_scores": (B, R)}  # fmt: skip
+    shapes = {
+        "prompts": (B, P),
+        "responses": (B, R),
+        "response_mask": (B, R),
+        "input_ids": (B, P + R),
+        "attention_mask": (B, P + R),
+        "position_ids": (B, P + R),
+        "rollout_log_probs": (B, R),
+        "rm_scores": (B, R),
+    }
     for key, shape in shapes.items():
         assert tuple(t[key].shape) == shape, key
         assert t[key].dtype == (
@@ -261,7 +288,9 @@ def test_collate_pads_any_trajectories(trajs, p, r):
 
 # --- observation suffixes: tokenized alone, exactly as in a full render -----------------------------------
 
-TEXTS = st.text(max_size=40) | st.sampled_from(["", "\n", "\n\n", " x", "<|im_start|>", "<|im_end|>\nx", "🎉 ünï"])
+TEXTS = st.text(max_size=40) | st.sampled_from(
+    ["", "\n", "\n\n", " x", "<|im_start|>", "<|im_end|>\nx", "🎉 ünï"]
+)
 
 
 @SETTINGS
@@ -279,7 +308,9 @@ def test_observation_suffix_equals_the_full_render(tok, turns):
     assert codec._added_tokens and codec.encode_observation(messages) == full[len(codec._base_ids) :]
     safe = codec_for(tok, "qwen2.5").encode_observation(messages)
     specials = {i for i, t in tok.added_tokens_decoder.items() if t.special}
-    if not any(t.content in text for _, text in turns for t in tok.added_tokens_decoder.values() if t.special):
+    if not any(
+        t.content in text for _, text in turns for t in tok.added_tokens_decoder.values() if t.special
+    ):
         assert safe == full[len(codec._base_ids) :]
     harmless = codec.encode_observation([{"role": role, "content": "x"} for role, _ in turns])
     assert sum(i in specials for i in safe) == sum(i in specials for i in harmless)
@@ -294,9 +325,12 @@ def test_bench_collate_runs():
 
 # --- the compact per-trajectory records read back exactly as the per-token lists they replace -------------
 
-turn = st.tuples(st.booleans(), st.lists(st.integers(0, 1000), max_size=12),
-                 st.one_of(st.integers(-1, 3), st.lists(st.integers(-1, 3), min_size=12, max_size=12)),
-                 st.sampled_from(["tool", "user", "template", "judge"]))  # fmt: skip
+turn = st.tuples(
+    st.booleans(),
+    st.lists(st.integers(0, 1000), max_size=12),
+    st.one_of(st.integers(-1, 3), st.lists(st.integers(-1, 3), min_size=12, max_size=12)),
+    st.sampled_from(["tool", "user", "template", "judge"]),
+)
 
 
 @SETTINGS

@@ -24,11 +24,14 @@ ATTACKS = {
     "qwen3_coder": ["<tool_call>", "<tool_call><function=add>", "<function=add><parameter=a>", "<parameter="],
     "glm45": ["<tool_call>", "<tool_call>add<arg_key>", "<arg_key>a</arg_key><arg_value>"],
     "seed_oss": ["<seed:tool_call>", "<seed:tool_call><function=add>", "<function=add><parameter=a>"],
-    "kimi_k2": ["<|tool_calls_section_begin|><|tool_call_begin|>", "<|tool_call_begin|>f<|tool_call_argument_begin|>"],
+    "kimi_k2": [
+        "<|tool_calls_section_begin|><|tool_call_begin|>",
+        "<|tool_call_begin|>f<|tool_call_argument_begin|>",
+    ],
     "deepseek_v3": ["<｜tool▁call▁begin｜>", "<｜tool▁call▁begin｜>function<｜tool▁sep｜>add\n```json\n"],
     "gpt_oss": ["<|start|>assistant<|channel|>commentary to=functions.add<|message|>", "<|channel|>"],
     "llama3_1": ["{", '{"name": "add", "parameters": {"a": 1}};', '{"name": "'],
-}  # fmt: skip
+}
 
 
 def _read(family: str, text: str) -> float:
@@ -73,20 +76,33 @@ CALL = {
     "glm45": "<tool_call>add\n<arg_key>note</arg_key>\n<arg_value>{v}</arg_value>\n</tool_call>",
     "seed_oss": "<seed:tool_call>\n<function=add>\n<parameter=note>{v}</parameter>\n</function>\n</seed:tool_call>",
     "kimi_k2": "<|tool_calls_section_begin|><|tool_call_begin|>functions.add:0<|tool_call_argument_begin|>"
-               '{{"a": {v}}}<|tool_call_end|><|tool_calls_section_end|>',
+    '{{"a": {v}}}<|tool_call_end|><|tool_calls_section_end|>',
     "deepseek_v3": '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>add<｜tool▁sep｜>{{"a": {v}}}<｜tool▁call▁end｜>',
     "gpt_oss": '<|start|>assistant<|channel|>commentary to=functions.add <|constrain|>json<|message|>{{"a": {v}}}'
-               "<|call|>",
+    "<|call|>",
     "llama3_1": '{{"name": "add", "parameters": {{"a": {v}}}}}',
-}  # fmt: skip
+}
 # The XML families read an untyped value as JSON; `note` is typed "object" for them in OBJECT_TOOLS.
-OBJECT_TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {
-    "note": {"type": "object"}, "a": {"type": "number"}}}}}]  # fmt: skip
+OBJECT_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "parameters": {
+                "type": "object",
+                "properties": {"note": {"type": "object"}, "a": {"type": "number"}},
+            },
+        },
+    }
+]
 
 
 @pytest.mark.parametrize("family", sorted(CALL))
-@pytest.mark.parametrize("value", [DEEP, DEEPISH, HUGE, "NaN", "Infinity", "1e999", "-1e999"],
-                         ids=["deep", "deeper-than-100", "5000-digits", "NaN", "Infinity", "1e999", "-1e999"])
+@pytest.mark.parametrize(
+    "value",
+    [DEEP, DEEPISH, HUGE, "NaN", "Infinity", "1e999", "-1e999"],
+    ids=["deep", "deeper-than-100", "5000-digits", "NaN", "Infinity", "1e999", "-1e999"],
+)
 def test_hostile_values_are_answered_as_malformed_calls(family, value):
     """Each was a row error (RecursionError, ValueError, OverflowError, or NaN written into the outputs)."""
     calls = _calls(family, CALL[family].format(v=value), OBJECT_TOOLS)
@@ -133,7 +149,9 @@ def test_a_hostile_turn_does_not_hold_the_healthy_rows(tok, compile_yaml):
                 done.append(time.perf_counter())
             return healthy[k]
 
-        rows = [user_row(f"{k} + 2?") for k in range(7)] + ([user_row("loop")] if hostile_row is not None else [])
+        rows = [user_row(f"{k} + 2?") for k in range(7)] + (
+            [user_row("loop")] if hostile_row is not None else []
+        )
         t0 = time.perf_counter()
         trajs = await run_agent(agent, scripted(turn, latency_s=0.05), tok, rows, check_tokens=False)
         assert len(done) == 7
@@ -141,7 +159,9 @@ def test_a_hostile_turn_does_not_hold_the_healthy_rows(tok, compile_yaml):
 
     alone, _ = asyncio.run(run(None))
     beside, trajs = asyncio.run(run(7))
-    assert beside < alone + 1.0, f"healthy rows took {beside:.2f} s beside the hostile row, {alone:.2f} s alone"
+    assert beside < alone + 1.0, (
+        f"healthy rows took {beside:.2f} s beside the hostile row, {alone:.2f} s alone"
+    )
     hostile_traj = trajs[7]
     assert hostile_traj.termination_reason != "error", hostile_traj.termination_reason
     answers = [m["content"] for m in hostile_traj.messages if m["role"] == "tool"]

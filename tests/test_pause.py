@@ -46,7 +46,12 @@ def model():
 
 
 def router(url: str) -> Router:
-    return Router([SGLangBackend(url, max_retries=2, backoff_s=0.01)], health_interval_s=0, cooldown_s=0.05, retry_window_s=0)
+    return Router(
+        [SGLangBackend(url, max_retries=2, backoff_s=0.01)],
+        health_interval_s=0,
+        cooldown_s=0.05,
+        retry_window_s=0,
+    )
 
 
 def assert_token_invariants(trajs: list, batch: Any) -> None:
@@ -112,8 +117,11 @@ async def reference(tok: Any, url: str) -> tuple[list, Any]:
 async def test_dev_server_pause_modes_over_the_tiny_model():
     """abort answers the running request with its partial output; retract and in_place finish it after
     continue, exactly as an uninterrupted request (greedy, same weights)."""
-    body = {"input_ids": [1, 2, 3, 4], "return_logprob": True,
-            "sampling_params": {"max_new_tokens": 500, "temperature": 0.0, "ignore_eos": True}}  # fmt: skip
+    body = {
+        "input_ids": [1, 2, 3, 4],
+        "return_logprob": True,
+        "sampling_params": {"max_new_tokens": 500, "temperature": 0.0, "ignore_eos": True},
+    }
     backend = model()
     try:
         async with DevServer(backend) as dev, aiohttp.ClientSession() as http:
@@ -159,8 +167,10 @@ async def test_dev_server_pause_modes_over_the_tiny_model():
             await running("held")
             await control("/pause_generation", {"mode": "in_place"})
             # (SGLang cannot flush the cache that held requests use: flush_cache false, or a 400 that is no failure)
-            update = await control("/update_weights_from_disk", {"model_path": str(EARLY_DIR), "weight_version": "7",
-                                                                 "flush_cache": False})  # fmt: skip
+            update = await control(
+                "/update_weights_from_disk",
+                {"model_path": str(EARLY_DIR), "weight_version": "7", "flush_cache": False},
+            )
             assert update["success"]
             await control("/continue_generation", {})
             held = await request
@@ -180,8 +190,12 @@ async def test_dev_server_pause_modes_over_the_tiny_model():
 # --- the engine: pause at random points, update, resume ------------------------------------------------
 
 
-@settings(max_examples=5, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
+@settings(
+    max_examples=5,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 @given(delay=st.floats(0.0, 0.4), mode=st.sampled_from(MODES), hold=st.floats(0.0, 0.3))
 def test_pause_update_resume_with_the_same_weights_changes_nothing(tok, delay, mode, hold):
     """Paused anywhere in the batch, updated to the same checkpoint, resumed: the batch equals an uninterrupted
@@ -209,7 +223,10 @@ def test_pause_update_resume_with_the_same_weights_changes_nothing(tok, delay, m
         assert_token_invariants(trajs, batch)
         assert_same_rows(batch, ref)
         assert [t.termination_reason for t in trajs] == [t.termination_reason for t in ref_trajs]
-        assert batch.meta_info["weight_version_min"] in (0, 1) and batch.meta_info["weight_version_max"] in (0, 1)
+        assert batch.meta_info["weight_version_min"] in (0, 1) and batch.meta_info["weight_version_max"] in (
+            0,
+            1,
+        )
 
     asyncio.run(main())
 
@@ -237,7 +254,9 @@ async def test_tokens_after_an_update_to_the_early_checkpoint_carry_its_version(
     flat = batch.batch["weight_versions"]
     assert set(flat.unique().tolist()) == {-1, 0, 5}
     assert batch.meta_info["weight_version_min"] == 0 and batch.meta_info["weight_version_max"] == 5
-    assert not torch.equal(batch.batch["responses"], ref.batch["responses"])  # the early weights answer differently
+    assert not torch.equal(
+        batch.batch["responses"], ref.batch["responses"]
+    )  # the early weights answer differently
     for t, r in zip(trajs, ref_trajs):
         old = [i for i, v in enumerate(t.response_versions) if v == 0]
         # what the old weights made is what the uninterrupted run made, token for token
@@ -294,8 +313,10 @@ async def test_root_spans_and_records_carry_pause_events_and_versions(tok):
         assert events == (["pause", "weight_update", "resume"] if sid in in_flight else []), sid
     for t in trajs:
         low, high = t.weight_versions()
-        assert (roots[t.session_id].attributes["agentfsm.weight_version.min"],
-                roots[t.session_id].attributes["agentfsm.weight_version.max"]) == (low, high)  # fmt: skip
+        assert (
+            roots[t.session_id].attributes["agentfsm.weight_version.min"],
+            roots[t.session_id].attributes["agentfsm.weight_version.max"],
+        ) == (low, high)
         record = trajectory_record(t)
         assert (record["weight_version_min"], record["weight_version_max"]) == (low, high)
         assert all(turn.get("weight_versions") for turn in record["turns"] if turn["mask"] == 1)

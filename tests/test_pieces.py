@@ -12,7 +12,26 @@ from transformers import PreTrainedTokenizerFast
 from fsm.families.pieces import PieceEncoder
 from tests.fixtures.family_tokenizers import FAMILIES, family_tokenizer
 
-ALPHABET = ["a", "é", " ", "  ", "\n", "\n\n", "ü", "{", '"', "<", "|", ">", "_", "1", "é\u0301", "の", "\t", "<|im_"]
+ALPHABET = [
+    "a",
+    "é",
+    " ",
+    "  ",
+    "\n",
+    "\n\n",
+    "ü",
+    "{",
+    '"',
+    "<",
+    "|",
+    ">",
+    "_",
+    "1",
+    "é\u0301",
+    "の",
+    "\t",
+    "<|im_",
+]
 
 
 def random_text(rng: random.Random, added: list[str]) -> str:
@@ -46,10 +65,22 @@ def test_cut_at_added_tokens_gives_the_whole_texts_ids(family):
 
 def test_the_shipped_tokenizer_and_a_chat_prompt(tok):
     encoder = PieceEncoder(tok, checked=0)
-    tools = [{"type": "function", "function": {"name": "f", "description": "d é", "parameters": {"type": "object"}}}]
-    for question in ("What is 37 * 12 + 5?", " leading space", "trailing\n\n", "<tool_call>\n{}\n</tool_call>", ""):
-        text = tok.apply_chat_template([{"role": "user", "content": question}], tools=tools, tokenize=False,
-                                       add_generation_prompt=True)  # fmt: skip
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": "f", "description": "d é", "parameters": {"type": "object"}},
+        }
+    ]
+    for question in (
+        "What is 37 * 12 + 5?",
+        " leading space",
+        "trailing\n\n",
+        "<tool_call>\n{}\n</tool_call>",
+        "",
+    ):
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": question}], tools=tools, tokenize=False, add_generation_prompt=True
+        )
         assert encoder.encode(text) == tok.encode(text, add_special_tokens=False)
 
 
@@ -84,7 +115,9 @@ def test_the_cache_is_bounded_and_a_huge_piece_is_not_kept(tok):
     huge = "<|im_start|>tool\n" + "é 12345 " * 50_000 + "<|im_end|>"  # 400k characters, one piece
     assert encoder.encode(huge) == tok.encode(huge, add_special_tokens=False)
     assert encoder.cached_chars < 1000  # the huge piece was tokenized, not kept
-    for i in range(500):  # distinct questions, as a dataset has: the oldest go, the repeated system piece stays
+    for i in range(
+        500
+    ):  # distinct questions, as a dataset has: the oldest go, the repeated system piece stays
         text = system + f"<|im_start|>user\nWhat is {i} * 7?<|im_end|>\n"
         assert encoder.encode(text) == tok.encode(text, add_special_tokens=False)
         assert encoder.cached_chars <= 4000

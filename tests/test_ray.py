@@ -145,8 +145,14 @@ def test_a_hung_actor_is_treated_as_dead(cluster, tmp_path):
     from tests.fixtures.hang import HangOnce
 
     rows = make_prompts(6)
-    with RayRunner("calculator", tokenizer=str(ASSETS), backend_factory=HangOnce(str(tmp_path / "hung")),
-                   workers=2, max_concurrency=2, hang_s=5.0) as hung:  # fmt: skip
+    with RayRunner(
+        "calculator",
+        tokenizer=str(ASSETS),
+        backend_factory=HangOnce(str(tmp_path / "hung")),
+        workers=2,
+        max_concurrency=2,
+        hang_s=5.0,
+    ) as hung:
         hung.submit(rows, n=2)
         batch = hung.take(6, timeout=240)
         stats = hung.stream_stats

@@ -29,8 +29,17 @@ from tests.conftest import ASSETS, REPO, extra
 README = REPO / "README.md"
 PAGES = [README, *sorted((REPO / "docs").glob("*.md"))]
 RUNNABLE = ("bash", "python", "console")
-EXTRAS = {"trl": "trl", "datasets": "trl", "accelerate": "trl", "ray": "ray", "pyarrow": "parquet",
-          "openai": "gateway", "anthropic": "gateway", "agents": "gateway", "langgraph": "gateway"}  # pyproject
+EXTRAS = {
+    "trl": "trl",
+    "datasets": "trl",
+    "accelerate": "trl",
+    "ray": "ray",
+    "pyarrow": "parquet",
+    "openai": "gateway",
+    "anthropic": "gateway",
+    "agents": "gateway",
+    "langgraph": "gateway",
+}  # pyproject
 TIMEOUT_S = 600
 
 
@@ -106,8 +115,14 @@ def env() -> dict[str, str]:
 
 def bash(script: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     prelude = f'agentfsm() {{ "{sys.executable}" -m fsm.cli.commands "$@"; }}\npython() {{ "{sys.executable}" "$@"; }}\n'
-    return subprocess.run(["bash", "-e", "-o", "pipefail", "-c", prelude + script], cwd=cwd, env=env(),
-                          capture_output=True, text=True, timeout=TIMEOUT_S)  # fmt: skip
+    return subprocess.run(
+        ["bash", "-e", "-o", "pipefail", "-c", prelude + script],
+        cwd=cwd,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
 
 
 def matches(expected: str, actual: str) -> bool:
@@ -118,13 +133,22 @@ def run_block(block: Block, cwd: Path) -> None:
     if block.lang == "python":
         script = cwd / f"{block.path.stem.lower()}_{block.line}.py"
         script.write_text(block.text)
-        proc = subprocess.run([sys.executable, script.name], cwd=cwd, env=env(), capture_output=True, text=True,
-                              timeout=TIMEOUT_S)  # fmt: skip
+        proc = subprocess.run(
+            [sys.executable, script.name],
+            cwd=cwd,
+            env=env(),
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT_S,
+        )
         assert proc.returncode == 0, f"{block.id}\n{proc.stdout}\n{proc.stderr}"
         return
     if block.lang == "bash":
-        lines = [line for line in logical_lines(block.text)
-                 if not any(line.lstrip().startswith(prefix) for prefix, _ in block.skip_lines)]  # fmt: skip
+        lines = [
+            line
+            for line in logical_lines(block.text)
+            if not any(line.lstrip().startswith(prefix) for prefix, _ in block.skip_lines)
+        ]
         if "agentfsm render" in block.text and shutil.which("dot") is None:
             pytest.skip(f"{block.id}: Graphviz's dot is not installed")
         proc = bash("\n".join(lines) + "\n", cwd)
@@ -168,7 +192,9 @@ def test_readme_inventory(capsys):
         elif b.skip:
             report.append(f"{b.id}: skipped: {b.skip}")
         else:
-            report.append(f"{b.id}: run" + "".join(f"; lines starting {p!r} skipped: {why}" for p, why in b.skip_lines))
+            report.append(
+                f"{b.id}: run" + "".join(f"; lines starting {p!r} skipped: {why}" for p, why in b.skip_lines)
+            )
     with capsys.disabled():
         print("\n" + "\n".join(report))
     runnable = [b for b in BLOCKS if b.lang in RUNNABLE and not b.skip]
@@ -178,11 +204,18 @@ def test_readme_inventory(capsys):
 
 def test_the_parser_reads_the_markers(tmp_path):
     md = tmp_path / "x.md"
-    md.write_text("<!-- skip-test: needs a GPU -->\n```bash\nnvidia-smi\n```\n\ntext\n"
-                  "<!-- skip-test-line: pip | network -->\n```bash\npip install x\necho hi \\\n  there\n```\n"
-                  "<!-- skip-test: stale -->\nA paragraph in between.\n```python\nprint(1)\n```\n")  # fmt: skip
+    md.write_text(
+        "<!-- skip-test: needs a GPU -->\n```bash\nnvidia-smi\n```\n\ntext\n"
+        "<!-- skip-test-line: pip | network -->\n```bash\npip install x\necho hi \\\n  there\n```\n"
+        "<!-- skip-test: stale -->\nA paragraph in between.\n```python\nprint(1)\n```\n"
+    )
     gpu, shell, py = parse(md)
-    assert (gpu.line, gpu.skip, shell.skip, shell.skip_lines) == (2, "needs a GPU", None, [("pip", "network")])
+    assert (gpu.line, gpu.skip, shell.skip, shell.skip_lines) == (
+        2,
+        "needs a GPU",
+        None,
+        [("pip", "network")],
+    )
     assert logical_lines(shell.text) == ["pip install x", "echo hi    there"]
     assert py.skip is None  # a marker belongs only to the block right after it
     assert matches("a … z", "a b c z") and not matches("a … z", "a b c")
@@ -193,7 +226,10 @@ def test_the_diagram_the_readme_shows_is_of_the_spec_as_it_is():
     (`agentfsm render specs/tool_agent.yaml -o docs/tool_agent.svg`) when the spec changes."""
     from fsm.run.compile import compile_spec
 
-    assert f"({compile_spec(REPO / 'specs' / 'tool_agent.yaml').hash})" in (REPO / "docs" / "tool_agent.svg").read_text()
+    assert (
+        f"({compile_spec(REPO / 'specs' / 'tool_agent.yaml').hash})"
+        in (REPO / "docs" / "tool_agent.svg").read_text()
+    )
 
 
 def test_every_docs_page_is_linked_from_the_readme():

@@ -40,35 +40,66 @@ def _calls(arguments) -> list[dict]:
 
 HERMES = f'<tool_call>\n{{"name": "echo", "arguments": {ARGS_JSON}}}\n</tool_call>'
 CASES = {
-    "qwen2.5": Case("qwen2_5", "qwen2.5", HERMES, ANSWER,
-                    {"role": "assistant", "content": "", "tool_calls": _calls(ARGS)},
-                    {"role": "assistant", "content": ANSWER}),
-    "qwen3": Case("qwen3", "qwen3", f"<think>\nI echo .\n</think>\n\n{HERMES}",
-                  f"<think>\nDone , it 's back .\n</think>\n\n{ANSWER}",
-                  {"role": "assistant", "content": "", "reasoning_content": "I echo .", "tool_calls": _calls(ARGS)},
-                  {"role": "assistant", "content": ANSWER, "reasoning_content": "Done , it 's back ."}),
+    "qwen2.5": Case(
+        "qwen2_5",
+        "qwen2.5",
+        HERMES,
+        ANSWER,
+        {"role": "assistant", "content": "", "tool_calls": _calls(ARGS)},
+        {"role": "assistant", "content": ANSWER},
+    ),
+    "qwen3": Case(
+        "qwen3",
+        "qwen3",
+        f"<think>\nI echo .\n</think>\n\n{HERMES}",
+        f"<think>\nDone , it 's back .\n</think>\n\n{ANSWER}",
+        {"role": "assistant", "content": "", "reasoning_content": "I echo .", "tool_calls": _calls(ARGS)},
+        {"role": "assistant", "content": ANSWER, "reasoning_content": "Done , it 's back ."},
+    ),
     # without thinking the generation prompt's empty <think></think> stays in the row; the template writes it
     # only on the last turn (issue "Contexts that are rewritten"): not append-only, check mode flags it
-    "qwen3-no-thinking": Case("qwen3", "qwen3", HERMES, ANSWER,
-                              {"role": "assistant", "content": "", "tool_calls": _calls(ARGS)},
-                              {"role": "assistant", "content": ANSWER}, kwargs={"enable_thinking": False},
-                              exact=False),
-    "deepseek_v3": Case("deepseek_v3", "deepseek_v3",
-                        f"<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>echo<｜tool▁sep｜>{ARGS_JSON}<｜tool▁call▁end｜>"
-                        "<｜tool▁calls▁end｜>", ANSWER,
-                        {"role": "assistant", "content": "", "tool_calls": _calls(ARGS_JSON)},
-                        {"role": "assistant", "content": ANSWER}, template="deepseek_v3.jinja"),
+    "qwen3-no-thinking": Case(
+        "qwen3",
+        "qwen3",
+        HERMES,
+        ANSWER,
+        {"role": "assistant", "content": "", "tool_calls": _calls(ARGS)},
+        {"role": "assistant", "content": ANSWER},
+        kwargs={"enable_thinking": False},
+        exact=False,
+    ),
+    "deepseek_v3": Case(
+        "deepseek_v3",
+        "deepseek_v3",
+        f"<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>echo<｜tool▁sep｜>{ARGS_JSON}<｜tool▁call▁end｜>"
+        "<｜tool▁calls▁end｜>",
+        ANSWER,
+        {"role": "assistant", "content": "", "tool_calls": _calls(ARGS_JSON)},
+        {"role": "assistant", "content": ANSWER},
+        template="deepseek_v3.jinja",
+    ),
     # Harmony: the template writes a past call's recipient before its channel: not append-only
-    "gpt_oss": Case("gptoss", "gpt_oss",
-                    f"<|channel|>commentary to=functions.echo <|constrain|>json<|message|>{ARGS_JSON}<|call|>",
-                    f"<|channel|>final<|message|>{ANSWER}<|return|>",
-                    {"role": "assistant", "content": "", "tool_calls": _calls(ARGS)},
-                    {"role": "assistant", "content": ANSWER}, template="gpt_oss.jinja", exact=False,
-                    stops=("<|call|>", "<|return|>")),
-    "llama3_1": Case("llama3_1", "llama3_1", f'{{"name": "echo", "parameters": {ARGS_JSON}}}', ANSWER,
-                     {"role": "assistant", "content": "", "tool_calls": _calls(ARGS)},
-                     {"role": "assistant", "content": ANSWER}, template="llama3_1.jinja"),
-}  # fmt: skip
+    "gpt_oss": Case(
+        "gptoss",
+        "gpt_oss",
+        f"<|channel|>commentary to=functions.echo <|constrain|>json<|message|>{ARGS_JSON}<|call|>",
+        f"<|channel|>final<|message|>{ANSWER}<|return|>",
+        {"role": "assistant", "content": "", "tool_calls": _calls(ARGS)},
+        {"role": "assistant", "content": ANSWER},
+        template="gpt_oss.jinja",
+        exact=False,
+        stops=("<|call|>", "<|return|>"),
+    ),
+    "llama3_1": Case(
+        "llama3_1",
+        "llama3_1",
+        f'{{"name": "echo", "parameters": {ARGS_JSON}}}',
+        ANSWER,
+        {"role": "assistant", "content": "", "tool_calls": _calls(ARGS)},
+        {"role": "assistant", "content": ANSWER},
+        template="llama3_1.jinja",
+    ),
+}
 
 
 def model_ids(tok, text: str, case: Case) -> list[int]:
@@ -96,8 +127,17 @@ async def test_real_tokenizer_rows_are_the_templates_render(name, compile_yaml, 
     (traj,) = await run_agent(agent, scripted([call, answer]), tok, [user_row("Echo it.")], check_tokens=True)
     assert traj.error is None and traj.termination_reason == "done", (traj.termination_reason, traj.error)
     tools = traj.tool_schemas
-    render = lambda msgs, gen: tok.apply_chat_template(msgs, tools=tools, add_generation_prompt=gen, tokenize=True,  # noqa: E731
-                                                       return_dict=False, **case.kwargs)  # fmt: skip
+
+    def render(msgs, gen):
+        return tok.apply_chat_template(
+            msgs,
+            tools=tools,
+            add_generation_prompt=gen,
+            tokenize=True,
+            return_dict=False,
+            **case.kwargs,
+        )
+
     user = [{"role": "user", "content": "Echo it."}]
     tool = [{"role": "tool", "content": TEXT, "tool_call_id": "call_0", "name": "echo"}]
     ids = traj.prompt_ids.tolist() + traj.response_ids.tolist()
@@ -137,7 +177,10 @@ def test_every_decode_keeps_the_models_spaces(real_tokenizer):
 
     tok = real_tokenizer("llama3_1", "llama3_1.jinja")
     ids = tok.encode(TEXT, add_special_tokens=False)
-    for family in ("llama3_1", "qwen2.5"):  # qwen2.5's codec (verl_exact) decodes the user simulator's message
+    for family in (
+        "llama3_1",
+        "qwen2.5",
+    ):  # qwen2.5's codec (verl_exact) decodes the user simulator's message
         codec = codec_for(tok, family)
         assert codec.decode(ids) == TEXT and codec.turn_text([*ids, tok.eos_token_id]) == TEXT
         message = codec.assistant_message(TEXT, [])
@@ -187,20 +230,39 @@ async def test_a_tool_cannot_plant_control_tokens(name, special_tokens, compile_
     case = CASES[name]
     tok = real_tokenizer(case.package, case.template)
     attack = ATTACKS[name]
-    agent = compile_yaml(spec(case, "tests.test_real_tokenizers:hostile").replace(
-        "model: {", f"model: {{special_tokens_in_observations: {special_tokens}, "))
-    call = model_ids(tok, case.call.replace(TEXT, name).replace('"echo"', '"hostile"').replace(">echo<", ">hostile<")
-                     .replace("functions.echo", "functions.hostile"), case)  # fmt: skip
-    (traj,) = await run_agent(agent, scripted([call, model_ids(tok, case.answer, case)]), tok, [user_row("Echo it.")],
-                              check_tokens=False)  # fmt: skip
+    agent = compile_yaml(
+        spec(case, "tests.test_real_tokenizers:hostile").replace(
+            "model: {", f"model: {{special_tokens_in_observations: {special_tokens}, "
+        )
+    )
+    call = model_ids(
+        tok,
+        case.call.replace(TEXT, name)
+        .replace('"echo"', '"hostile"')
+        .replace(">echo<", ">hostile<")
+        .replace("functions.echo", "functions.hostile"),
+        case,
+    )
+    (traj,) = await run_agent(
+        agent,
+        scripted([call, model_ids(tok, case.answer, case)]),
+        tok,
+        [user_row("Echo it.")],
+        check_tokens=False,
+    )
     assert traj.error is None and [m["content"] for m in traj.messages if m["role"] == "tool"] == [attack]
     tool = next(s for s in traj.runs if s.role == "tool")
     observed = traj.response_ids.tolist()[tool.start : tool.end]
     text = tok.decode(observed, skip_special_tokens=False, clean_up_tokenization_spaces=False)
     assert attack in text or json.dumps(attack) in text  # Llama-3.1's template writes tool results as JSON
     specials = {i for i, t in tok.added_tokens_decoder.items() if t.special}
-    harmless = codec_for(tok, case.family, case.kwargs).encode_observation([dict(traj.messages[2], content="ok")],
-                                                                           traj.messages[:2])  # fmt: skip
+    harmless = codec_for(tok, case.family, case.kwargs).encode_observation(
+        [dict(traj.messages[2], content="ok")], traj.messages[:2]
+    )
     own = sum(i in specials for i in harmless)
     planted = sum(i in specials for i in observed) - own
-    assert planted == (0 if special_tokens == "text" else sum(i in specials for i in tok.encode(attack, add_special_tokens=False))), planted
+    assert planted == (
+        0
+        if special_tokens == "text"
+        else sum(i in specials for i in tok.encode(attack, add_special_tokens=False))
+    ), planted

@@ -43,8 +43,12 @@ def strict_json(text: str):
     return json.loads(text, parse_constant=refuse)
 
 
-@pytest.mark.parametrize("fn, shown", [("nan_reward", "nan"), ("inf_reward", "inf"), ("nan_reward_dict", "-inf")])
-async def test_a_non_finite_reward_is_a_reward_error_naming_the_function_and_the_row(tok, compile_yaml, fn, shown):
+@pytest.mark.parametrize(
+    "fn, shown", [("nan_reward", "nan"), ("inf_reward", "inf"), ("nan_reward_dict", "-inf")]
+)
+async def test_a_non_finite_reward_is_a_reward_error_naming_the_function_and_the_row(
+    tok, compile_yaml, fn, shown
+):
     agent = compile_yaml(REWARD_SPEC % fn)
     trajs = await run_agent(agent, echo_backend(), tok, [user_row(uid="row-3"), user_row(uid="row-4")])
     for traj, uid in zip(trajs, ("row-3", "row-4")):
@@ -60,7 +64,9 @@ async def test_a_non_finite_reward_never_reaches_rm_scores(tok, compile_yaml):
     async with RolloutEngine(agent, tok, backend=echo_backend()) as engine:
         batch = await engine.agenerate_sequences(rows)
     reasons = list(batch.non_tensor_batch["termination_reason"])
-    assert reasons[0] == reasons[2] == "done" and reasons[1].startswith("error: reward: reward function"), reasons
+    assert reasons[0] == reasons[2] == "done" and reasons[1].startswith("error: reward: reward function"), (
+        reasons
+    )
     assert batch.batch["rm_scores"].sum(-1).tolist() == [1.0, 0.0, 1.0]
 
 
@@ -74,11 +80,20 @@ async def test_a_non_finite_tool_reward_is_a_reward_error_naming_the_tool_and_th
     assert traj.tool_rewards == [] and traj.reward_score in (None, 0.0)
 
 
-@pytest.mark.parametrize("cls, words", [
-    ("NaNTurns", "interaction {parts}:NaNTurns on row row-5: returned turn score nan, not a finite number"),
-    ("InfFinalScore", "interaction {parts}:InfFinalScore on row row-5: calculate_score returned inf, "
-                      "not a finite number"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "cls, words",
+    [
+        (
+            "NaNTurns",
+            "interaction {parts}:NaNTurns on row row-5: returned turn score nan, not a finite number",
+        ),
+        (
+            "InfFinalScore",
+            "interaction {parts}:InfFinalScore on row row-5: calculate_score returned inf, "
+            "not a finite number",
+        ),
+    ],
+)
 async def test_a_non_finite_interaction_score_is_a_reward_error(tok, compile_yaml, cls, words):
     agent = compile_yaml(f"""
         name: talk
@@ -94,12 +109,32 @@ async def test_a_non_finite_interaction_score_is_a_reward_error(tok, compile_yam
 
 def test_the_run_files_hold_strict_json_when_the_reward_is_nan(tmp_path):
     spec = tmp_path / "spec.yaml"
-    spec.write_text(f"name: nan_calc\nextends: {SPECS / 'calculator.yaml'}\nreward: {{function: '{PARTS}:nan_reward'}}\n")
+    spec.write_text(
+        f"name: nan_calc\nextends: {SPECS / 'calculator.yaml'}\nreward: {{function: '{PARTS}:nan_reward'}}\n"
+    )
     server = _ThreadServer(echo_backend())
     try:
         out = tmp_path / "out"
-        assert main(["run", str(spec), "--server", server.url, "--tokenizer", str(ASSETS), "--out", str(out), "--num-prompts", "3", "-q",
-                     "--max-error-rate", "1"]) == 0  # fmt: skip
+        assert (
+            main(
+                [
+                    "run",
+                    str(spec),
+                    "--server",
+                    server.url,
+                    "--tokenizer",
+                    str(ASSETS),
+                    "--out",
+                    str(out),
+                    "--num-prompts",
+                    "3",
+                    "-q",
+                    "--max-error-rate",
+                    "1",
+                ]
+            )
+            == 0
+        )
     finally:
         server.close()
     records = [strict_json(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]

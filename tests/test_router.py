@@ -31,7 +31,9 @@ async def fleet(latency_s: float = 0.02, **router_kw: Any):
             await stack.enter_async_context(DevServer(echo_backend(latency_s=latency_s))) for _ in range(3)
         ]
         clients = [SGLangBackend(d.url, max_retries=1, backoff_s=0.01) for d in devs]
-        router = await stack.enter_async_context(Router(clients, **{"health_interval_s": 0, "retry_window_s": 0, **router_kw}))
+        router = await stack.enter_async_context(
+            Router(clients, **{"health_interval_s": 0, "retry_window_s": 0, **router_kw})
+        )
         yield devs, router
 
 
@@ -47,8 +49,9 @@ def servers_of(devs: list[DevServer]) -> dict[str, set[int]]:
 async def run_session(router: Router, sid: str, turns: int, group: str | None = None) -> list[GenerateResult]:
     context, results = [1, 2, 3, sum(map(ord, sid)) % 500 + 10], []
     for t in range(turns):
-        res = await router.generate(GenerateRequest(sid, context, {"max_new_tokens": 16}, rid=f"{sid}_t{t:02d}",
-                                                    group_id=group))  # fmt: skip
+        res = await router.generate(
+            GenerateRequest(sid, context, {"max_new_tokens": 16}, rid=f"{sid}_t{t:02d}", group_id=group)
+        )
         results.append(res)
         context = context + res.token_ids + [3, 4, 5]
     return results
@@ -183,9 +186,15 @@ async def _running_at(url: str) -> bool:
 
 async def test_a_server_killed_mid_batch_loses_nothing(tmp_path):
     launcher = SGLangLauncher(
-        "unused", dp=3, base_port=_free_ports(3), log_dir=tmp_path, module="backends.devserver",
-        extra_args=["--scripted", "--latency", "0.05"], startup_timeout_s=60, stop_grace_s=5,
-    )  # fmt: skip
+        "unused",
+        dp=3,
+        base_port=_free_ports(3),
+        log_dir=tmp_path,
+        module="backends.devserver",
+        extra_args=["--scripted", "--latency", "0.05"],
+        startup_timeout_s=60,
+        stop_grace_s=5,
+    )
     async with launcher:
         clients = [SGLangBackend(url, max_retries=1, backoff_s=0.01) for url in launcher.urls]
         async with Router(clients, health_interval_s=0.2, max_retries=3, retry_window_s=0) as router:
@@ -258,12 +267,14 @@ async def test_a_crash_with_many_requests_in_flight_is_one_strike():
         devs = [await stack.enter_async_context(DevServer(echo_backend(latency_s=0.3))) for _ in range(2)]
         proxy = await stack.enter_async_context(FaultProxy(devs[0].url, script=["reset"] * 16))
         clients = [SGLangBackend(u, max_retries=0) for u in (proxy.url, devs[1].url)]
-        router = await stack.enter_async_context(Router(clients, health_interval_s=0.1, cooldown_s=0.5,
-                                                        retry_window_s=0))  # fmt: skip
+        router = await stack.enter_async_context(
+            Router(clients, health_interval_s=0.1, cooldown_s=0.5, retry_window_s=0)
+        )
 
         def request(sid: str) -> GenerateRequest:
-            return GenerateRequest(sid, [1, 2, 3, sum(map(ord, sid)) % 500 + 10], {"max_new_tokens": 4},
-                                   rid=f"{sid}_t00")  # fmt: skip
+            return GenerateRequest(
+                sid, [1, 2, 3, sum(map(ord, sid)) % 500 + 10], {"max_new_tokens": 4}, rid=f"{sid}_t00"
+            )
 
         await asyncio.gather(*(router.generate(request(f"s{i}")) for i in range(32)))  # none lost
         crashed = time.monotonic()

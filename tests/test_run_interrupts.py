@@ -38,8 +38,23 @@ def _free_port() -> int:
 
 def _serve(*args: str) -> tuple[subprocess.Popen, str]:
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "backends.devserver", "--hashlm", "--vocab", "500",
-                             "--port", str(port), "--log-level", "warning", *args], env=ENV, cwd=REPO)  # fmt: skip
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "backends.devserver",
+            "--hashlm",
+            "--vocab",
+            "500",
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+            *args,
+        ],
+        env=ENV,
+        cwd=REPO,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while True:
@@ -62,8 +77,24 @@ def servers():
 
 
 def run_args(out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "fsm.cli.commands", "run", "--tokenizer", str(ASSETS), "--num-prompts", "3", "--n", "2",
-            "--temperature", "0", "--out", str(out), "-q", *extra]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "fsm.cli.commands",
+        "run",
+        "--tokenizer",
+        str(ASSETS),
+        "--num-prompts",
+        "3",
+        "--n",
+        "2",
+        "--temperature",
+        "0",
+        "--out",
+        str(out),
+        "-q",
+        *extra,
+    ]
 
 
 class Lines:
@@ -85,7 +116,9 @@ class Lines:
             try:
                 line = self._q.get(timeout=max(0.01, deadline - time.monotonic()))
             except queue.Empty:
-                raise AssertionError(f"no {text!r} in {timeout:g} s; stderr so far:\n{''.join(self.lines)}") from None
+                raise AssertionError(
+                    f"no {text!r} in {timeout:g} s; stderr so far:\n{''.join(self.lines)}"
+                ) from None
             if line is None:
                 raise AssertionError(f"the process ended without {text!r}; stderr:\n{''.join(self.lines)}")
             self.lines.append(line)
@@ -111,14 +144,27 @@ def _in_flight(url: str) -> int:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_an_interrupt_mid_turn_snapshots_within_seconds_and_resume_gives_the_same_tokens(servers, tmp_path, sig):
+def test_an_interrupt_mid_turn_snapshots_within_seconds_and_resume_gives_the_same_tokens(
+    servers, tmp_path, sig
+):
     slow, fast = servers
     ref, cut = tmp_path / "ref", tmp_path / "cut"
-    done = subprocess.run(run_args(ref, "specs/calculator.yaml", "--server", fast), env=ENV, cwd=REPO,
-                          capture_output=True, text=True, timeout=240)  # fmt: skip
+    done = subprocess.run(
+        run_args(ref, "specs/calculator.yaml", "--server", fast),
+        env=ENV,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert done.returncode == 0, done.stderr
-    proc = subprocess.Popen(run_args(cut, "specs/calculator.yaml", "--server", slow), env=ENV, cwd=REPO,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        run_args(cut, "specs/calculator.yaml", "--server", slow),
+        env=ENV,
+        cwd=REPO,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while _in_flight(slow) < 6:  # every trajectory is in its first turn, which lasts 600 s
@@ -139,15 +185,33 @@ def test_an_interrupt_mid_turn_snapshots_within_seconds_and_resume_gives_the_sam
     assert (cut / "snapshot.json").exists() and not (cut / "summary.json").exists()
     assert _in_flight(slow) == 0  # the aborted turns are gone from the server, which serves again
 
-    again = subprocess.run(run_args(cut, "specs/calculator.yaml", "--server", fast), env=ENV, cwd=REPO,
-                           capture_output=True, text=True, timeout=240)  # fmt: skip
+    again = subprocess.run(
+        run_args(cut, "specs/calculator.yaml", "--server", fast),
+        env=ENV,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert again.returncode == 1 and "holds the snapshot of an interrupted run" in again.stderr
-    other = subprocess.run(run_args(cut, "specs/tool_agent.yaml", "--resume", str(cut), "--server", fast), env=ENV,
-                           cwd=REPO, capture_output=True, text=True, timeout=240)  # fmt: skip
+    other = subprocess.run(
+        run_args(cut, "specs/tool_agent.yaml", "--resume", str(cut), "--server", fast),
+        env=ENV,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert other.returncode == 1 and "restore it with the spec it was taken with" in other.stderr
     assert len(other.stderr.strip().splitlines()) == 1
-    resumed = subprocess.run(run_args(cut, "--resume", str(cut), "--server", fast), env=ENV, cwd=REPO,
-                             capture_output=True, text=True, timeout=240)  # fmt: skip
+    resumed = subprocess.run(
+        run_args(cut, "--resume", str(cut), "--server", fast),
+        env=ENV,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert resumed.returncode == 0, resumed.stderr
     assert not (cut / "snapshot.json").exists()
     assert_same_batch_files(ref, cut)
@@ -165,9 +229,26 @@ tools:
 def test_a_hung_sync_tool_gets_a_watchdog_line_and_a_second_ctrl_c_exits_at_once(tmp_path):
     spec = tmp_path / "stuck.yaml"
     spec.write_text(STUCK_SPEC.format(specs=REPO / "specs"))
-    proc = subprocess.Popen([sys.executable, "-m", "fsm.cli.commands", "run", str(spec), "--num-prompts", "2", "--watchdog",
-                             "1", "--out", str(tmp_path / "out"), "-q"], env=ENV, cwd=REPO, stderr=subprocess.PIPE,
-                            text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "fsm.cli.commands",
+            "run",
+            str(spec),
+            "--num-prompts",
+            "2",
+            "--watchdog",
+            "1",
+            "--out",
+            str(tmp_path / "out"),
+            "-q",
+        ],
+        env=ENV,
+        cwd=REPO,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         err = Lines(proc)
         line = err.wait_for("watchdog:", 240)
@@ -204,7 +285,18 @@ def test_a_tool_that_blocks_the_event_loop_is_named_and_ctrl_c_still_snapshots(t
     fixed runs every row to the end."""
     spec, out = tmp_path / "blocking.yaml", tmp_path / "out"
     spec.write_text(BLOCKING_SPEC.format(specs=REPO / "specs"))
-    cmd = [sys.executable, "-m", "fsm.cli.commands", "run", str(spec), "--num-prompts", "4", "--out", str(out), "-q"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "fsm.cli.commands",
+        "run",
+        str(spec),
+        "--num-prompts",
+        "4",
+        "--out",
+        str(out),
+        "-q",
+    ]
     proc = subprocess.Popen(cmd, env=ENV, cwd=REPO, stderr=subprocess.PIPE, text=True)
     try:
         err = Lines(proc)
@@ -226,9 +318,14 @@ def test_a_tool_that_blocks_the_event_loop_is_named_and_ctrl_c_still_snapshots(t
     if (out / "summary.json").exists():  # rows that finished before the tool blocked are written
         assert '"status": "interrupted"' in (out / "summary.json").read_text()
 
-    resumed = subprocess.run([sys.executable, "-m", "fsm.cli.commands", "run", "--resume", str(out), "-q"],
-                             env={**ENV, "AGENTFSM_TEST_UNBLOCKED": "1"}, cwd=REPO, capture_output=True, text=True,
-                             timeout=240)  # fmt: skip
+    resumed = subprocess.run(
+        [sys.executable, "-m", "fsm.cli.commands", "run", "--resume", str(out), "-q"],
+        env={**ENV, "AGENTFSM_TEST_UNBLOCKED": "1"},
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert resumed.returncode == 0, resumed.stderr
     assert not (out / "snapshot.json").exists()
     summary = json.loads((out / "summary.json").read_text())
@@ -262,13 +359,20 @@ def test_sigterm_keeps_a_run_of_the_python_api_and_the_cli_resumes_it(servers, t
     snapshot, and `agentfsm run --resume` finishes it with the tokens of an uninterrupted CLI run."""
     slow, fast = servers
     ref, cut = tmp_path / "ref", tmp_path / "cut"
-    done = subprocess.run(run_args(ref, "specs/calculator.yaml", "--server", fast), env=ENV, cwd=REPO,
-                          capture_output=True, text=True, timeout=240)  # fmt: skip
+    done = subprocess.run(
+        run_args(ref, "specs/calculator.yaml", "--server", fast),
+        env=ENV,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert done.returncode == 0, done.stderr
     script = tmp_path / "embed.py"
     script.write_text(EMBEDDED)
-    proc = subprocess.Popen([sys.executable, str(script), slow, str(cut)], env=ENV, cwd=REPO, stderr=subprocess.PIPE,
-                            text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, str(script), slow, str(cut)], env=ENV, cwd=REPO, stderr=subprocess.PIPE, text=True
+    )
     try:
         deadline = time.monotonic() + 120
         while _in_flight(slow) < 6:  # every trajectory is in its first turn, which lasts 600 s
@@ -283,12 +387,20 @@ def test_sigterm_keeps_a_run_of_the_python_api_and_the_cli_resumes_it(servers, t
     err = err.rest()
     assert proc.returncode == 130 and "Traceback" not in err, err
     assert "wrote the snapshot (3 groups running, 0 finished)" in err, err
-    assert f"kept: interrupted before any trajectory finished; {cut} holds what it held before; resume with: " \
-           f"agentfsm run --resume {cut}" in err, err  # fmt: skip
+    assert (
+        f"kept: interrupted before any trajectory finished; {cut} holds what it held before; resume with: "
+        f"agentfsm run --resume {cut}" in err
+    ), err
     assert (cut / "snapshot.json").exists() and not (cut / "summary.json").exists()
     assert _in_flight(slow) == 0  # the aborted turns are gone from the server, which serves again
-    resumed = subprocess.run(run_args(cut, "--resume", str(cut), "--server", fast), env=ENV, cwd=REPO,
-                             capture_output=True, text=True, timeout=240)  # fmt: skip
+    resumed = subprocess.run(
+        run_args(cut, "--resume", str(cut), "--server", fast),
+        env=ENV,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert resumed.returncode == 0, resumed.stderr
     assert not (cut / "snapshot.json").exists()
     assert json.loads((cut / "summary.json").read_text())["status"] == "completed"
@@ -302,7 +414,9 @@ def test_ctrl_c_with_a_server_that_can_neither_pause_nor_abort_snapshots_within_
     resume, and the resumed run gives the uninterrupted run's rows."""
     _, fast = servers
     port = _free_port()
-    deaf = subprocess.Popen([sys.executable, "-m", "tests.fixtures.deaf_server", str(port)], env=ENV, cwd=REPO)
+    deaf = subprocess.Popen(
+        [sys.executable, "-m", "tests.fixtures.deaf_server", str(port)], env=ENV, cwd=REPO
+    )
     url = f"http://127.0.0.1:{port}"
     ref, cut = tmp_path / "ref", tmp_path / "cut"
     try:
@@ -314,8 +428,13 @@ def test_ctrl_c_with_a_server_that_can_neither_pause_nor_abort_snapshots_within_
             except OSError:
                 assert deaf.poll() is None and time.monotonic() < deadline, "the deaf server did not come up"
                 time.sleep(0.1)
-        proc = subprocess.Popen(run_args(cut, "specs/calculator.yaml", "--server", url), env=ENV, cwd=REPO,
-                                stderr=subprocess.PIPE, text=True)  # fmt: skip
+        proc = subprocess.Popen(
+            run_args(cut, "specs/calculator.yaml", "--server", url),
+            env=ENV,
+            cwd=REPO,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         try:
             deadline = time.monotonic() + 120
             while _get(f"{url}/_deaf")["generate"] < 6:  # every trajectory is in its first turn, for ever
@@ -337,11 +456,23 @@ def test_ctrl_c_with_a_server_that_can_neither_pause_nor_abort_snapshots_within_
     finally:
         deaf.terminate()
         deaf.wait(20)
-    done = subprocess.run(run_args(ref, "specs/calculator.yaml", "--server", fast), env=ENV, cwd=REPO,
-                          capture_output=True, text=True, timeout=240)  # fmt: skip
+    done = subprocess.run(
+        run_args(ref, "specs/calculator.yaml", "--server", fast),
+        env=ENV,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert done.returncode == 0, done.stderr
-    resumed = subprocess.run(run_args(cut, "--resume", str(cut), "--server", fast), env=ENV, cwd=REPO,
-                             capture_output=True, text=True, timeout=240)  # fmt: skip
+    resumed = subprocess.run(
+        run_args(cut, "--resume", str(cut), "--server", fast),
+        env=ENV,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert resumed.returncode == 0, resumed.stderr
     assert_same_batch_files(ref, cut)
 
@@ -371,7 +502,18 @@ def test_ctrl_c_while_a_rewrite_hangs_snapshots_at_once(tmp_path, kind):
     it returns): Ctrl-C writes it as it was before the rewrite, at once, and `--resume` runs the rewrite again."""
     spec, out = tmp_path / f"{kind}.yaml", tmp_path / "out"
     spec.write_text(HANGING_REWRITE_SPEC.format(specs=REPO / "specs", kind=kind))
-    cmd = [sys.executable, "-m", "fsm.cli.commands", "run", str(spec), "--num-prompts", "2", "--out", str(out), "-q"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "fsm.cli.commands",
+        "run",
+        str(spec),
+        "--num-prompts",
+        "2",
+        "--out",
+        str(out),
+        "-q",
+    ]
     proc = subprocess.Popen(cmd, env=ENV, cwd=REPO, stderr=subprocess.PIPE, text=True)
     try:
         err = Lines(proc)
@@ -389,9 +531,14 @@ def test_ctrl_c_while_a_rewrite_hangs_snapshots_at_once(tmp_path, kind):
     states = [t["state"] for g in data["groups"] for t in g["trajectories"] if not t["done"]]
     assert "SQUASH" in states and set(states) <= {"SQUASH", "PENDING", "GENERATING"}, states
 
-    resumed = subprocess.run([sys.executable, "-m", "fsm.cli.commands", "run", "--resume", str(out), "-q"],
-                             env={**ENV, "AGENTFSM_TEST_UNBLOCKED": "1"}, cwd=REPO, capture_output=True, text=True,
-                             timeout=240)  # fmt: skip
+    resumed = subprocess.run(
+        [sys.executable, "-m", "fsm.cli.commands", "run", "--resume", str(out), "-q"],
+        env={**ENV, "AGENTFSM_TEST_UNBLOCKED": "1"},
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert resumed.returncode == 0, resumed.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["files"]["trajectories.jsonl"]["rows"] == 2

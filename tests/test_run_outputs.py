@@ -59,8 +59,10 @@ def test_outputs_go_to_a_named_fallback_when_out_refuses_them(capsys, echo_serve
 
     def full_disk(obj, path, *args, **kwargs):  # what torch's writer raises on a full disk
         if str(path).startswith(str(out)):
-            raise RuntimeError("[enforce fail at inline_container.cc:778] . PytorchStreamWriter failed writing "
-                               "file data/0: file write failed")  # fmt: skip
+            raise RuntimeError(
+                "[enforce fail at inline_container.cc:778] . PytorchStreamWriter failed writing "
+                "file data/0: file write failed"
+            )
         return real_save(obj, path, *args, **kwargs)
 
     monkeypatch.setattr(torch, "save", full_disk)
@@ -68,16 +70,37 @@ def test_outputs_go_to_a_named_fallback_when_out_refuses_them(capsys, echo_serve
     assert "cannot write the run's outputs (batch.pt: [enforce fail" in line and "they are kept in " in line
     kept = Path(line.rsplit("they are kept in ", 1)[1])
     assert sorted(p.name for p in kept.iterdir()) == ["batch.pt", "summary.json", "trajectories.jsonl"]
-    assert len((kept / "trajectories.jsonl").read_text().splitlines()) == 3 and read_summary(kept)["trajectories"] == 3
+    assert (
+        len((kept / "trajectories.jsonl").read_text().splitlines()) == 3
+        and read_summary(kept)["trajectories"] == 3
+    )
     assert not (out / "summary.json").exists()
 
 
 def test_a_tool_that_moves_the_process_and_closes_stdout_costs_nothing(tmp_path):
     spec = tmp_path / "rude.yaml"
-    spec.write_text(f"name: calculator_rude\nextends: {REPO}/specs/calculator.yaml\ntools:\n"
-                    "  - function: tests.fixtures.parts:rude_calculator\n    schema: specs.calculator:TOOL_SCHEMA\n")
-    done = subprocess.run([sys.executable, "-m", "fsm.cli.commands", "run", str(spec), "--num-prompts", "2", "--out",
-                           "relative/out"], cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)  # fmt: skip
+    spec.write_text(
+        f"name: calculator_rude\nextends: {REPO}/specs/calculator.yaml\ntools:\n"
+        "  - function: tests.fixtures.parts:rude_calculator\n    schema: specs.calculator:TOOL_SCHEMA\n"
+    )
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fsm.cli.commands",
+            "run",
+            str(spec),
+            "--num-prompts",
+            "2",
+            "--out",
+            "relative/out",
+        ],
+        cwd=tmp_path,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
     summary = read_summary(tmp_path / "relative/out")
     assert summary["status"] == "completed" and summary["tool_errors"] == 0 and summary["trajectories"] == 2
@@ -111,8 +134,13 @@ def interrupted(tmp_path_factory):
 
 def _first_running(data):
     """A running trajectory past its prompt (one still queued has no tokens yet)."""
-    return next(t for g in data["groups"] if g["status"] == "running" for t in g["trajectories"]
-                if not t["done"] and t["prompt_ids"]["items"])  # fmt: skip
+    return next(
+        t
+        for g in data["groups"]
+        if g["status"] == "running"
+        for t in g["trajectories"]
+        if not t["done"] and t["prompt_ids"]["items"]
+    )
 
 
 def _unknown_dc(d):
@@ -141,8 +169,12 @@ def _huge_id(d):
 
 
 def _with_response(d, done=None):
-    return next(t for g in d["groups"] for t in g["trajectories"]
-                if t["response_mask"]["items"] and (done is None or t["done"] == done))  # fmt: skip
+    return next(
+        t
+        for g in d["groups"]
+        for t in g["trajectories"]
+        if t["response_mask"]["items"] and (done is None or t["done"] == done)
+    )
 
 
 def _meta_without_groups(d):
@@ -198,29 +230,42 @@ def _messages_not_messages(d):
     _first_running(d)["messages"] = [1, 2]
 
 
-@pytest.mark.parametrize("tamper, reason", [
-    (_unknown_dc, "unknown record type 'os.system'"), (_no_groups, "malformed snapshot (KeyError: 'groups')"),
-    (_unknown_state, "state 'NOWHERE' is not one of the agent's"), (_oversized, "arrays differ in length"),
-    (_out_of_vocab, "token ids outside the tokenizer's vocabulary"), (_huge_id, "malformed snapshot"),
-    (_meta_without_groups, "meta.groups: Field required"), (_meta_groups_99, "meta.groups is 99, but it holds"),
-    (_meta_not_a_dict, "not a snapshot"), (_mask_7, "response_mask holds values other than 0 and 1"),
-    (_mask_minus_3, "response_mask holds values other than 0 and 1"),
-    (_nan_logprob, "logprobs that are not finite numbers <= 0"),
-    (_done_without_reason, "finished without a termination reason"), (_sampling_not_a_dict, "malformed snapshot"),
-    (_group_not_a_dict, "bad status or uid"),
-    (_row_5, "field 'row': Input should be a valid dictionary"),
-    (_running_group_ready, "is 'ready' but its trajectory"),
-    (_turns_a_string, "field 'assistant_turns': Input should be a valid integer"),
-    (_messages_not_messages, "field 'messages.0': Input should be a valid dictionary"),
-])  # fmt: skip
-def test_a_crafted_snapshot_is_refused_in_one_line(capsys, interrupted, echo_server, tmp_path, tamper, reason):
+@pytest.mark.parametrize(
+    "tamper, reason",
+    [
+        (_unknown_dc, "unknown record type 'os.system'"),
+        (_no_groups, "malformed snapshot (KeyError: 'groups')"),
+        (_unknown_state, "state 'NOWHERE' is not one of the agent's"),
+        (_oversized, "arrays differ in length"),
+        (_out_of_vocab, "token ids outside the tokenizer's vocabulary"),
+        (_huge_id, "malformed snapshot"),
+        (_meta_without_groups, "meta.groups: Field required"),
+        (_meta_groups_99, "meta.groups is 99, but it holds"),
+        (_meta_not_a_dict, "not a snapshot"),
+        (_mask_7, "response_mask holds values other than 0 and 1"),
+        (_mask_minus_3, "response_mask holds values other than 0 and 1"),
+        (_nan_logprob, "logprobs that are not finite numbers <= 0"),
+        (_done_without_reason, "finished without a termination reason"),
+        (_sampling_not_a_dict, "malformed snapshot"),
+        (_group_not_a_dict, "bad status or uid"),
+        (_row_5, "field 'row': Input should be a valid dictionary"),
+        (_running_group_ready, "is 'ready' but its trajectory"),
+        (_turns_a_string, "field 'assistant_turns': Input should be a valid integer"),
+        (_messages_not_messages, "field 'messages.0': Input should be a valid dictionary"),
+    ],
+)
+def test_a_crafted_snapshot_is_refused_in_one_line(
+    capsys, interrupted, echo_server, tmp_path, tamper, reason
+):
     out, data = interrupted
     data = json.loads(json.dumps(data))
     tamper(data)
     data.pop("checksum")
     (tmp_path / "snapshot.json").write_text(json.dumps({**data, "checksum": snap._digest(data)}))
-    line = one_line_error(capsys, ["run", "--resume", str(tmp_path), "--server", echo_server.url,
-                                   "--tokenizer", str(ASSETS), "-q"])  # fmt: skip
+    line = one_line_error(
+        capsys,
+        ["run", "--resume", str(tmp_path), "--server", echo_server.url, "--tokenizer", str(ASSETS), "-q"],
+    )
     assert line.startswith("agentfsm: --resume: ") and reason in line
 
 
@@ -230,15 +275,37 @@ def test_an_edited_snapshot_is_refused_by_its_checksum(capsys, interrupted, tmp_
     ids = _first_running(data)["prompt_ids"]["items"]
     ids[-1] = (ids[-1] + 1) % 500  # still a token of the vocabulary: only the checksum can tell
     (tmp_path / "snapshot.json").write_text(json.dumps(data))
-    line = one_line_error(capsys, ["run", "--resume", str(tmp_path), "--server", "http://127.0.0.1:9",
-                                   "--tokenizer", str(ASSETS), "-q"])  # fmt: skip
+    line = one_line_error(
+        capsys,
+        [
+            "run",
+            "--resume",
+            str(tmp_path),
+            "--server",
+            "http://127.0.0.1:9",
+            "--tokenizer",
+            str(ASSETS),
+            "-q",
+        ],
+    )
     assert "its checksum does not match its content" in line
 
 
 def test_a_deeply_nested_snapshot_is_refused_in_one_line(capsys, tmp_path):
     (tmp_path / "snapshot.json").write_text("[" * 200_000 + "]" * 200_000)
-    line = one_line_error(capsys, ["run", "--resume", str(tmp_path), "--server", "http://127.0.0.1:9",
-                                   "--tokenizer", str(ASSETS), "-q"])  # fmt: skip
+    line = one_line_error(
+        capsys,
+        [
+            "run",
+            "--resume",
+            str(tmp_path),
+            "--server",
+            "http://127.0.0.1:9",
+            "--tokenizer",
+            str(ASSETS),
+            "-q",
+        ],
+    )
     assert line.startswith("agentfsm: --resume: ") and "nested too deeply" in line
 
 
@@ -280,7 +347,9 @@ with locked(Path(sys.argv[1])):
 def test_a_killed_runs_forked_children_do_not_hold_its_lock(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(out)], env=ENV, stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(out)], env=ENV, stdout=subprocess.PIPE, text=True
+    )
     child = int(holder.stdout.readline())
     try:
         holder.kill()  # kill -9: the run is gone, its forked child lives on
@@ -295,18 +364,33 @@ def test_a_killed_runs_forked_children_do_not_hold_its_lock(tmp_path):
 # --- a signal once the outputs are written ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGINT, signal.SIGTERM],
-                         ids=["SIGINT-1", "SIGTERM-1", "SIGINT-2", "SIGTERM-2"])  # fmt: skip
+@pytest.mark.parametrize(
+    "sig",
+    [signal.SIGINT, signal.SIGTERM, signal.SIGINT, signal.SIGTERM],
+    ids=["SIGINT-1", "SIGTERM-1", "SIGINT-2", "SIGTERM-2"],
+)
 def test_a_signal_right_after_wrote_keeps_the_runs_exit_code(echo_server, tmp_path, sig):
-    proc = subprocess.Popen([sys.executable, "-m", "fsm.cli", *run_argv(echo_server.url, tmp_path / "out", "-q",
-                             "--num-prompts", "2")], env=ENV, cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "fsm.cli",
+            *run_argv(echo_server.url, tmp_path / "out", "-q", "--num-prompts", "2"),
+        ],
+        env=ENV,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         for line in proc.stdout:
             if line.startswith("wrote "):
                 break
         deadline = time.monotonic() + 60
-        while proc.poll() is None and time.monotonic() < deadline:  # signals until it exits: every moment is hit
+        while (
+            proc.poll() is None and time.monotonic() < deadline
+        ):  # signals until it exits: every moment is hit
             proc.send_signal(sig)  # before the fix: a KeyboardInterrupt traceback, or rc -2 / -15
             time.sleep(0.005)
         _, err = proc.communicate(timeout=60)

@@ -23,11 +23,19 @@ from tests.test_telemetry import Receiver
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 420) -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 420
+) -> subprocess.CompletedProcess:
     environ = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     environ.update(PYTHONPATH=str(REPO), **(env or {}))
-    return subprocess.run([sys.executable, "-m", "fsm.cli.commands", "run", *args], cwd=REPO, env=environ, text=True,
-                          capture_output=True, timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "fsm.cli.commands", "run", *args],
+        cwd=REPO,
+        env=environ,
+        text=True,
+        capture_output=True,
+        timeout=timeout,
+    )
 
 
 def expected(out: Path) -> Counter:
@@ -39,7 +47,9 @@ def expected(out: Path) -> Counter:
         want["root"] += 1
         want["transition"] += len(path) - 1
         want["model"] += sum(s == "GENERATING" for s in path[:-1])
-        want["tool"] += sum(seg["text"].count("<tool_call>") for seg in t["turns"] if seg["role"] == "assistant")
+        want["tool"] += sum(
+            seg["text"].count("<tool_call>") for seg in t["turns"] if seg["role"] == "assistant"
+        )
     return want
 
 
@@ -55,12 +65,24 @@ def kind(span: dict) -> str:
     return "transition"
 
 
-@pytest.mark.parametrize("delay_ms, prompts", [(600_000, 2), (200, 4)], ids=["shorter-than-the-export-delay",
-                                                                             "longer-than-the-export-delay"])
+@pytest.mark.parametrize(
+    "delay_ms, prompts",
+    [(600_000, 2), (200, 4)],
+    ids=["shorter-than-the-export-delay", "longer-than-the-export-delay"],
+)
 def test_every_span_of_a_cli_run_reaches_the_collector(tmp_path, delay_ms, prompts):
     with Receiver() as receiver:
-        done = run_cli("specs/calculator.yaml", "--num-prompts", str(prompts), "--otlp", receiver.url, "--out",
-                       str(tmp_path), "-q", env={"OTEL_BSP_SCHEDULE_DELAY": str(delay_ms)})  # fmt: skip
+        done = run_cli(
+            "specs/calculator.yaml",
+            "--num-prompts",
+            str(prompts),
+            "--otlp",
+            receiver.url,
+            "--out",
+            str(tmp_path),
+            "-q",
+            env={"OTEL_BSP_SCHEDULE_DELAY": str(delay_ms)},
+        )
         assert done.returncode == 0, done.stderr[-2000:]
         got = Counter(kind(s) for s in receiver.spans)
     want = expected(tmp_path)
@@ -73,8 +95,16 @@ def test_every_span_of_a_cli_run_reaches_the_collector(tmp_path, delay_ms, promp
 def test_collector_down_counts_every_span_as_dropped_and_names_it(tmp_path):
     with Receiver() as receiver:  # a port that was a collector's a moment ago: nothing listens there now
         url = receiver.url
-    done = run_cli("specs/calculator.yaml", "--num-prompts", "2", "--otlp", url, "--out", str(tmp_path),
-                   env={"OTEL_EXPORTER_OTLP_TIMEOUT": "2"})  # fmt: skip
+    done = run_cli(
+        "specs/calculator.yaml",
+        "--num-prompts",
+        "2",
+        "--otlp",
+        url,
+        "--out",
+        str(tmp_path),
+        env={"OTEL_EXPORTER_OTLP_TIMEOUT": "2"},
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     tracing = json.loads((tmp_path / "summary.json").read_text())["tracing"]
     assert tracing["ended"] == sum(expected(tmp_path).values()) > 0
@@ -84,8 +114,15 @@ def test_collector_down_counts_every_span_as_dropped_and_names_it(tmp_path):
 
 
 def test_console_spans_go_to_stderr_never_among_the_table(tmp_path):
-    done = run_cli("specs/calculator.yaml", "--num-prompts", "1", "--trace", "console", "--out", str(tmp_path))
+    done = run_cli(
+        "specs/calculator.yaml", "--num-prompts", "1", "--trace", "console", "--out", str(tmp_path)
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert '"trace_id"' not in done.stdout and "spans exported / dropped" in done.stdout
     tracing = json.loads((tmp_path / "summary.json").read_text())["tracing"]
-    assert done.stderr.count('"trace_id"') == tracing["ended"] == tracing["exported"] == sum(expected(tmp_path).values())
+    assert (
+        done.stderr.count('"trace_id"')
+        == tracing["ended"]
+        == tracing["exported"]
+        == sum(expected(tmp_path).values())
+    )

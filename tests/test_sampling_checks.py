@@ -16,8 +16,14 @@ BAD = [
     ({"top_k": -2}, "sampling parameter top_k: top_k must be -1 (whole vocabulary) or >= 1 (got top_k=-2)"),
     ({"top_k": 0}, "sampling parameter top_k:"),
     ({"stop_token_ids": ["x"]}, "sampling parameter stop_token_ids.0: Input should be a valid integer"),
-    ({"stop_token_ids": [-1]}, "sampling parameter stop_token_ids.0: Input should be greater than or equal to 0"),
-    ({"stop_token_ids": [10**9]}, "sampling parameter stop_token_ids: 1000000000 is not a token id of this model"),
+    (
+        {"stop_token_ids": [-1]},
+        "sampling parameter stop_token_ids.0: Input should be greater than or equal to 0",
+    ),
+    (
+        {"stop_token_ids": [10**9]},
+        "sampling parameter stop_token_ids: 1000000000 is not a token id of this model",
+    ),
     ({"temperature": float("nan")}, "sampling parameter temperature: Input should be a finite number"),
     ({"top_p": 0}, "sampling parameter top_p: Input should be greater than 0"),
     ({"max_new_tokens": 0}, "sampling parameter max_new_tokens: Input should be greater than 0"),
@@ -48,7 +54,9 @@ def test_good_parameters_reach_the_request_as_their_types(tok):
             return await self.inner.generate(request)
 
     with RolloutEngine("calculator", tok, backend=Recording()) as engine:
-        engine.generate_sequences(make_prompts(1), sampling_params={"top_k": 20.0, "stop_token_ids": [7], "top_p": 0.5})
+        engine.generate_sequences(
+            make_prompts(1), sampling_params={"top_k": 20.0, "stop_token_ids": [7], "top_p": 0.5}
+        )
     assert seen and seen[0]["top_k"] == 20 and type(seen[0]["top_k"]) is int
     assert 7 in seen[0]["stop_token_ids"] and seen[0]["top_p"] == 0.5
 
@@ -64,8 +72,9 @@ SPEC_BAD = [
 def test_the_cli_refuses_a_spec_with_a_bad_parameter(capsys, tmp_path, command, line, message):
     spec = tmp_path / "agent.yaml"
     spec.write_text(f"extends: {REPO / 'specs' / 'calculator.yaml'}\nsampling:\n  {line}\n")
-    code = __import__("fsm.cli.commands", fromlist=["main"]).main([command, str(spec), "--tokenizer", str(ASSETS)]
-                                                                  if command == "run" else [command, str(spec)])
+    code = __import__("fsm.cli.commands", fromlist=["main"]).main(
+        [command, str(spec), "--tokenizer", str(ASSETS)] if command == "run" else [command, str(spec)]
+    )
     captured = capsys.readouterr()
     assert code == 2, captured
     (diag,) = (captured.out + captured.err).splitlines()
@@ -74,10 +83,14 @@ def test_the_cli_refuses_a_spec_with_a_bad_parameter(capsys, tmp_path, command, 
 
 def test_the_cli_refuses_a_stop_id_past_the_vocabulary_before_any_request(capsys, tmp_path, echo_server):  # noqa: F811
     spec = tmp_path / "agent.yaml"
-    spec.write_text(f"extends: {REPO / 'specs' / 'calculator.yaml'}\nsampling:\n  stop_token_ids: [999999999]\n")
+    spec.write_text(
+        f"extends: {REPO / 'specs' / 'calculator.yaml'}\nsampling:\n  stop_token_ids: [999999999]\n"
+    )
     argv = run_argv(echo_server, tmp_path / "out", "--num-prompts", "1")
     argv[1] = str(spec)
     line = one_line_error(capsys, argv)
-    assert line.startswith(f"agentfsm: {spec}: sampling parameter stop_token_ids: 999999999 is not a token id of "
-                           "this model (vocabulary of "), line
+    assert line.startswith(
+        f"agentfsm: {spec}: sampling parameter stop_token_ids: 999999999 is not a token id of "
+        "this model (vocabulary of "
+    ), line
     assert not (tmp_path / "out" / "summary.json").exists()

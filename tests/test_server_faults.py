@@ -125,8 +125,10 @@ async def reference(agent, tok):
 # --- one kind at a time ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["http_503", "drop", "reset", "non_json", "html", "wrong_schema",
-                                  "abort_waiting", "abort_running"])  # fmt: skip
+@pytest.mark.parametrize(
+    "kind",
+    ["http_503", "drop", "reset", "non_json", "html", "wrong_schema", "abort_waiting", "abort_running"],
+)
 async def test_each_fault_kind_is_counted_and_every_row_is_right(agent, tok, reference, kind):
     async with fleet(2, every={kind: 3}) as (_, proxies):
         trajs, batch, stats = await run(agent, tok, router([p.url for p in proxies]), rows(16))
@@ -138,9 +140,14 @@ async def test_each_fault_kind_is_counted_and_every_row_is_right(agent, tok, ref
 
 async def test_malformed_answers_everywhere_end_as_error_rows_naming_the_server(agent, tok):
     async with fleet(2, rates={"html": 1.0}) as (_, proxies):
-        (traj,), batch, stats = await run(agent, tok, router([p.url for p in proxies], max_retries=1), rows(1))
+        (traj,), batch, stats = await run(
+            agent, tok, router([p.url for p in proxies], max_retries=1), rows(1)
+        )
     reason = traj.termination_reason
-    assert reason.startswith("error: backend: http://127.0.0.1:") and "answered 200 with a text/html body" in reason
+    assert (
+        reason.startswith("error: backend: http://127.0.0.1:")
+        and "answered 200 with a text/html body" in reason
+    )
     assert any(p.url in reason for p in proxies) and "502 Bad Gateway" in reason
     assert len(traj.response_ids) == 0
     summary = assert_faults_add_up([traj], stats, proxies)
@@ -149,8 +156,10 @@ async def test_malformed_answers_everywhere_end_as_error_rows_naming_the_server(
 
 async def test_wrong_schema_is_a_fault_not_an_empty_turn(agent, tok):
     async with fleet(1, rates={"wrong_schema": 1.0}) as (_, proxies):
-        (traj,), _, stats = await run(agent, tok, router([proxies[0].url], max_retries=0, reroutes=0), rows(1))
-    assert traj.termination_reason.startswith("error: backend: ") and "{\"foo\": 1}" in traj.termination_reason
+        (traj,), _, stats = await run(
+            agent, tok, router([proxies[0].url], max_retries=0, reroutes=0), rows(1)
+        )
+    assert traj.termination_reason.startswith("error: backend: ") and '{"foo": 1}' in traj.termination_reason
     assert stats["faults"]["malformed"] == 1
 
 
@@ -162,8 +171,9 @@ async def test_a_hung_generate_is_aborted_at_the_server_and_fails_over(agent, to
         devs = [await stack.enter_async_context(DevServer(hashlm())) for _ in range(2)]
         hung = await stack.enter_async_context(FaultProxy(devs[0].url, rates={"hang": 1.0}))
         t0 = time.perf_counter()
-        trajs, batch, stats = await run(agent, tok, router([hung.url, devs[1].url], request_timeout_s=0.3,
-                                                          abort_grace_s=0.05), rows(16))  # fmt: skip
+        trajs, batch, stats = await run(
+            agent, tok, router([hung.url, devs[1].url], request_timeout_s=0.3, abort_grace_s=0.05), rows(16)
+        )
         wall = time.perf_counter() - t0
     assert wall < 10
     assert_rows_right_or_errors(trajs, batch, reference)
@@ -180,7 +190,9 @@ async def test_the_spec_request_deadline_and_turn_deadline(compile_yaml, tok):
     async with fleet(1, rates={"hang": 1.0}) as (_, (proxy,)):
         agent = compile_yaml(SPEC % "      request_timeout_s: 0.2")
         (traj,), _, stats = await run(agent, tok, router([proxy.url], reroutes=1), rows(1))
-        assert traj.termination_reason.startswith(f"error: timeout: {proxy.url} unavailable after 1 attempt(s)")
+        assert traj.termination_reason.startswith(
+            f"error: timeout: {proxy.url} unavailable after 1 attempt(s)"
+        )
         assert "no answer within 0.2 s (request_timeout_s); aborted at the server" in traj.termination_reason
         assert stats["faults"]["timeouts"] == 2 and len(proxy.abort_requests) == 2  # two routes, both hung
 
@@ -188,7 +200,9 @@ async def test_the_spec_request_deadline_and_turn_deadline(compile_yaml, tok):
         t0 = time.perf_counter()
         (traj,), _, _ = await run(agent, tok, router([proxy.url]), rows(1))
         assert time.perf_counter() - t0 < 5
-        assert traj.termination_reason.startswith("error: timeout: model turn 0 exceeded limits.turn_timeout_s 0.3 s")
+        assert traj.termination_reason.startswith(
+            "error: timeout: model turn 0 exceeded limits.turn_timeout_s 0.3 s"
+        )
         assert proxy.url in traj.termination_reason
 
 
@@ -217,9 +231,15 @@ async def _running_at(url: str) -> bool:
 
 async def test_a_server_killed_mid_batch_loses_no_row(agent, tok, reference, tmp_path):
     launcher = SGLangLauncher(
-        "unused", dp=3, base_port=_free_ports(3), log_dir=tmp_path, module="backends.devserver",
-        extra_args=["--hashlm", "--vocab", "516", "--stop-every", "30", "--latency", "0.3"], startup_timeout_s=60, stop_grace_s=5,
-    )  # fmt: skip
+        "unused",
+        dp=3,
+        base_port=_free_ports(3),
+        log_dir=tmp_path,
+        module="backends.devserver",
+        extra_args=["--hashlm", "--vocab", "516", "--stop-every", "30", "--latency", "0.3"],
+        startup_timeout_s=60,
+        stop_grace_s=5,
+    )
     async with launcher:
         backend = router(launcher.urls, max_retries=1, reroutes=3)
         batch_run = asyncio.ensure_future(run(agent, tok, backend, rows(16)))
@@ -237,8 +257,17 @@ async def test_a_server_killed_mid_batch_loses_no_row(agent, tok, reference, tmp
 # --- everything at once, through the CLI ---------------------------------------------------------------------
 
 
-MIXED = {"http_503": 0.03, "drop": 0.03, "reset": 0.03, "hang": 0.02, "non_json": 0.02, "html": 0.02,
-         "wrong_schema": 0.02, "abort_waiting": 0.05, "abort_running": 0.08}  # fmt: skip
+MIXED = {
+    "http_503": 0.03,
+    "drop": 0.03,
+    "reset": 0.03,
+    "hang": 0.02,
+    "non_json": 0.02,
+    "html": 0.02,
+    "wrong_schema": 0.02,
+    "abort_waiting": 0.05,
+    "abort_running": 0.08,
+}
 
 
 def test_cli_summary_counts_equal_what_was_injected(tmp_path, capsys):
@@ -263,12 +292,28 @@ def test_cli_summary_counts_equal_what_was_injected(tmp_path, capsys):
     thread.start()
     assert ready.wait(30)
     spec = tmp_path / "faults.yaml"
-    spec.write_text(f"name: faults\nextends: {Path('specs/calculator.yaml').resolve()}\n"
-                    "limits:\n  request_timeout_s: 0.5\n  max_resumes: 20\n")  # fmt: skip
+    spec.write_text(
+        f"name: faults\nextends: {Path('specs/calculator.yaml').resolve()}\n"
+        "limits:\n  request_timeout_s: 0.5\n  max_resumes: 20\n"
+    )
     try:
-        code = main(["run", str(spec), "--num-prompts", "24", "--n", "2", "--temperature", "0",
-                     "--out", str(tmp_path / "run"), "--tokenizer", str(ASSETS),
-                     *[arg for p in proxies for arg in ("--server", p.url)]])  # fmt: skip
+        code = main(
+            [
+                "run",
+                str(spec),
+                "--num-prompts",
+                "24",
+                "--n",
+                "2",
+                "--temperature",
+                "0",
+                "--out",
+                str(tmp_path / "run"),
+                "--tokenizer",
+                str(ASSETS),
+                *[arg for p in proxies for arg in ("--server", p.url)],
+            ]
+        )
     finally:
         stop["loop"].call_soon_threadsafe(stop["event"].set)
         thread.join(30)
@@ -286,17 +331,22 @@ def test_cli_summary_counts_equal_what_was_injected(tmp_path, capsys):
     ended = sum(n for k, n in faults["error_reasons"].items() if k in ("backend", "timeout"))
     assert failed_attempts == faults["retries"] + faults["failovers"] + ended
     assert faults["resumes"] + faults["error_reasons"].get("aborted", 0) == (
-        faults["faults"]["aborts_waiting"] + faults["faults"]["aborts_running"])  # fmt: skip
+        faults["faults"]["aborts_waiting"] + faults["faults"]["aborts_running"]
+    )
     # batch.pt's metrics count what summary.json counts (they were read after the run: 0 for everything)
     metrics = torch.load(tmp_path / "run" / "batch.pt", weights_only=False)["meta_info"]["rollout_metrics"]
     assert faults["aborts_sent"] >= 1 and metrics["rollout/aborts_sent"] == faults["aborts_sent"]
     assert metrics["rollout/failovers"] == faults["failovers"]
-    assert {k.removeprefix("rollout/faults/"): v for k, v in metrics.items() if k.startswith("rollout/faults/")} == {
-        k: v for k, v in faults["faults"].items() if v}  # fmt: skip
-    records = [json.loads(line) for line in (tmp_path / "run" / "trajectories.jsonl").read_text().splitlines()]
+    assert {
+        k.removeprefix("rollout/faults/"): v for k, v in metrics.items() if k.startswith("rollout/faults/")
+    } == {k: v for k, v in faults["faults"].items() if v}
+    records = [
+        json.loads(line) for line in (tmp_path / "run" / "trajectories.jsonl").read_text().splitlines()
+    ]
     for r in records:  # every row is a finished one or an error row, never a short "done" made of a fault
         assert r["termination_reason"] in ("done", "response_length", "max_assistant_turns") or r[
-            "termination_reason"].startswith("error: ")  # fmt: skip
+            "termination_reason"
+        ].startswith("error: ")
     table = capsys.readouterr().out  # the run table goes to stdout
     kind = CLIENT_COUNTER[got.most_common(1)[0][0]].replace("_", " ")
     assert f"server fault: {kind}" in table and "failovers" in table and "resumes" in table
@@ -331,8 +381,15 @@ async def test_retry_policy_backoff_retry_after_and_what_is_retried():
     for attempt, base in ((1, 0.01), (2, 0.02), (3, 0.03), (4, 0.03)):  # doubling, capped, ±20 % jitter
         assert 0.8 * base <= policy.delay(attempt) <= 1.2 * base
     assert policy.delay(1, retry_after=0.05) >= 0.05 and policy.delay(1, retry_after=99) <= 30.0
-    assert parse_retry_after("2") == 2.0 and parse_retry_after("soon") is None and parse_retry_after(None) is None
-    assert 0 < parse_retry_after("Wed, 21 Oct 2099 07:28:00 GMT") and parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT") == 0
+    assert (
+        parse_retry_after("2") == 2.0
+        and parse_retry_after("soon") is None
+        and parse_retry_after(None) is None
+    )
+    assert (
+        0 < parse_retry_after("Wed, 21 Oct 2099 07:28:00 GMT")
+        and parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT") == 0
+    )
 
     waits: list[float] = []
     calls: list[int] = []
@@ -383,7 +440,9 @@ async def test_a_turn_cut_by_the_servers_context_says_so(agent, tok):
         (cut,), batch, _ = await run(agent, tok, router([dev.url]), rows(1))
     assert cut.termination_reason == "context_length" and not cut.failed
     assert cut.extra["context_cut"] == context and cut.extra["spec_reason"] == "done"
-    assert 0 < len(cut.response_ids) <= 15 and cut.response_ids == full.response_ids[: len(cut.response_ids)]  # what fit, unchanged
+    assert (
+        0 < len(cut.response_ids) <= 15 and cut.response_ids == full.response_ids[: len(cut.response_ids)]
+    )  # what fit, unchanged
     assert list(batch.non_tensor_batch["termination_reason"]) == ["context_length"]
 
 
@@ -391,7 +450,9 @@ async def test_the_proxy_is_driven_over_http():
     import aiohttp
 
     async with fleet(1) as (_, (proxy,)), aiohttp.ClientSession() as http:
-        async with http.post(proxy.url + "/_faults", json={"script": ["http_503", None, "wrong_schema"]}) as r:
+        async with http.post(
+            proxy.url + "/_faults", json={"script": ["http_503", None, "wrong_schema"]}
+        ) as r:
             assert r.status == 200
         statuses = []
         for i in range(3):

@@ -24,14 +24,29 @@ from backends.sglang import SGLangBackend
 PROMPT = [151644, 872, 198, 9707, 151645, 198, 151644, 77091, 198]
 
 MODEL_INFO = {
-    "model_path": "Qwen/Qwen2.5-0.5B-Instruct", "served_model_name": "Qwen/Qwen2.5-0.5B-Instruct",
-    "tokenizer_path": "Qwen/Qwen2.5-0.5B-Instruct", "is_generation": True, "preferred_sampling_params": None,
-    "weight_version": "default", "load_format": "auto", "reasoning_parser": None, "tool_call_parser": None,
-    "disaggregation_mode": "null", "has_image_understanding": False, "has_audio_understanding": False,
-    "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"],
-}  # fmt: skip
-SERVER_INFO = {"model_path": "Qwen/Qwen2.5-0.5B-Instruct", "context_length": None, "max_total_num_tokens": 500000,
-               "max_req_input_len": 32762, "internal_states": [{}], "version": "0.5.23"}  # fmt: skip
+    "model_path": "Qwen/Qwen2.5-0.5B-Instruct",
+    "served_model_name": "Qwen/Qwen2.5-0.5B-Instruct",
+    "tokenizer_path": "Qwen/Qwen2.5-0.5B-Instruct",
+    "is_generation": True,
+    "preferred_sampling_params": None,
+    "weight_version": "default",
+    "load_format": "auto",
+    "reasoning_parser": None,
+    "tool_call_parser": None,
+    "disaggregation_mode": "null",
+    "has_image_understanding": False,
+    "has_audio_understanding": False,
+    "model_type": "qwen2",
+    "architectures": ["Qwen2ForCausalLM"],
+}
+SERVER_INFO = {
+    "model_path": "Qwen/Qwen2.5-0.5B-Instruct",
+    "context_length": None,
+    "max_total_num_tokens": 500000,
+    "max_req_input_len": 32762,
+    "internal_states": [{}],
+    "version": "0.5.23",
+}
 
 # The reference's example, byte for byte.
 OK_STOP = json.loads("""
@@ -83,10 +98,20 @@ ERR_CONTRACT = {
 ERR_VALUE = {
     "error": {"message": "The input (40000 tokens) is longer than the model's context length (32768 tokens)."}
 }
-ERR_PARSE = {"object": "error", "message": "1 validation error for GenerateReqInput", "type": "Bad Request",
-             "param": None, "code": 400}  # fmt: skip
-ERR_503 = {"object": "error", "message": "Request timed out in the waiting queue", "type": "503", "param": None,
-           "code": 503}  # fmt: skip
+ERR_PARSE = {
+    "object": "error",
+    "message": "1 validation error for GenerateReqInput",
+    "type": "Bad Request",
+    "param": None,
+    "code": 400,
+}
+ERR_503 = {
+    "object": "error",
+    "message": "Request timed out in the waiting queue",
+    "type": "503",
+    "param": None,
+    "code": 503,
+}
 
 Reply = tuple[int, Any]  # (status, JSON body), or (status, "disconnect" | ("sleep", seconds, reply))
 
@@ -131,7 +156,9 @@ async def fake():
     srv = FakeSGLang()
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", srv.handle)
-    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)  # a client that leaves ends its handler
+    runner = web.AppRunner(
+        app, access_log=None, handler_cancellation=True
+    )  # a client that leaves ends its handler
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
@@ -161,8 +188,12 @@ async def test_success_with_logprobs_and_exact_payload(fake):
     assert (res.finish_reason, res.prompt_tokens, res.cached_tokens) == ("stop", 9, 0)
     assert res.weight_version == "default" and res.server == fake.url and res.extra["id"] == "traj42_t03"
     [sent] = fake.paths("/generate")
-    assert sent == {"input_ids": PROMPT, "rid": "traj42_t03", "return_logprob": True,
-                    "sampling_params": {"max_new_tokens": 64, "stop_token_ids": [151645]}}  # fmt: skip
+    assert sent == {
+        "input_ids": PROMPT,
+        "rid": "traj42_t03",
+        "return_logprob": True,
+        "sampling_params": {"max_new_tokens": 64, "stop_token_ids": [151645]},
+    }
 
 
 async def test_length_stop(fake):
@@ -170,7 +201,11 @@ async def test_length_stop(fake):
     async with client(fake.url) as b:
         res = await b.generate(req("traj42_t04", max_new_tokens=3))
     assert (res.finish_reason, res.token_ids, res.cached_tokens, res.weight_version) == (
-        "length", [9707, 0, 2585], 8, "step-7")  # fmt: skip
+        "length",
+        [9707, 0, 2585],
+        8,
+        "step-7",
+    )
     assert len(res.logprobs) == 3
 
 
@@ -179,7 +214,11 @@ async def test_abort_mid_run_keeps_partial_output(fake):
     async with client(fake.url) as b:
         res = await b.generate(req("traj42_t05"))
     assert (res.finish_reason, res.abort_message, res.token_ids, res.logprobs) == (
-        "abort", "Aborted", [9707, 0], [-0.0213, -0.4471])  # fmt: skip
+        "abort",
+        "Aborted",
+        [9707, 0],
+        [-0.0213, -0.4471],
+    )
 
 
 async def test_abort_in_waiting_queue_lacks_prompt_and_cached_tokens(fake):
@@ -278,11 +317,15 @@ async def test_a_rid_the_server_may_still_hold_is_never_sent_again(fake):
         with pytest.raises(BackendTimeout):
             await b.generate(GenerateRequest("traj42", list(PROMPT), {}, rid="traj42_t03", timeout_s=0.2))
         res = await b.generate(GenerateRequest("traj42", list(PROMPT), {}, rid="traj42_t03", timeout_s=5))
-        resumed = await b.generate(GenerateRequest("traj42", list(PROMPT), {}, rid="traj42_t03_r1", timeout_s=5))
+        resumed = await b.generate(
+            GenerateRequest("traj42", list(PROMPT), {}, rid="traj42_t03_r1", timeout_s=5)
+        )
     assert res.finish_reason == "stop" and resumed.finish_reason == "stop"
     first, second, third = (body["rid"] for body in fake.paths("/generate"))
     assert first == "traj42_t03" and second.startswith("traj42_x") and third.startswith("traj42_x")
-    fake.on("/generate", (400, {"error": {"message": "Duplicate request ID detected: traj7_t00"}}), (200, OK_STOP))
+    fake.on(
+        "/generate", (400, {"error": {"message": "Duplicate request ID detected: traj7_t00"}}), (200, OK_STOP)
+    )
     async with client(fake.url, max_retries=1) as b:
         res = await b.generate(GenerateRequest("traj7", list(PROMPT), {}, rid="traj7_t00", timeout_s=5))
     rids = [body["rid"] for body in fake.paths("/generate")][3:]
@@ -327,9 +370,19 @@ async def test_max_new_tokens_clamped_to_the_room_left(fake):
 async def test_model_info_falls_back_to_deprecated_routes(fake):
     fake.on("/model_info")  # 404, as on older servers
     fake.on("/server_info")
-    fake.on("/get_model_info", (200, {"model_path": "/models/old", "tokenizer_path": "/models/old",
-                                      "is_generation": True, "preferred_sampling_params": None,
-                                      "weight_version": "default"}))  # fmt: skip
+    fake.on(
+        "/get_model_info",
+        (
+            200,
+            {
+                "model_path": "/models/old",
+                "tokenizer_path": "/models/old",
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": "default",
+            },
+        ),
+    )
     fake.on("/get_server_info", (200, {**SERVER_INFO, "context_length": 2048}))
     fake.on("/generate", (200, OK_STOP))
     async with client(fake.url) as b:
@@ -398,10 +451,15 @@ async def test_a_resume_sent_while_its_turn_lives_gets_a_rid_that_no_abort_of_th
         assert (await old).finish_reason == "abort" and (await new).finish_reason == "stop"
 
 
-@pytest.mark.parametrize("scenario, name, kind, n", [
-    ("aborts", "aborted_running", "running", None), ("pauses", "aborted_waiting", "waiting", 0),
-    ("pauses", "paused_abort", "running", None), ("generate", "zero_new", None, 0),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "scenario, name, kind, n",
+    [
+        ("aborts", "aborted_running", "running", None),
+        ("pauses", "aborted_waiting", "waiting", 0),
+        ("pauses", "paused_abort", "running", None),
+        ("generate", "zero_new", None, 0),
+    ],
+)
 def test_real_sglang_bodies_parse(scenario, name, kind, n):
     """Real SGLang 0.5.23's recorded answers (tests/fixtures/sglang): a running abort's partial output with its
     logprobs, a waiting-queue abort (text "", an empty weight_versions span, no prompt/cached tokens), and
@@ -409,7 +467,9 @@ def test_real_sglang_bodies_parse(scenario, name, kind, n):
     from backends.sglang import parse_generate
     from tests.conftest import REPO
 
-    exchanges = json.loads((REPO / "tests" / "fixtures" / "sglang" / f"{scenario}.json").read_text())["exchanges"]
+    exchanges = json.loads((REPO / "tests" / "fixtures" / "sglang" / f"{scenario}.json").read_text())[
+        "exchanges"
+    ]
     body = next(e["body"] for e in exchanges if e["name"] == name)
     res = parse_generate(body, server="sglang", return_logprob=True, rid=name)
     assert res.token_ids == body["output_ids"] and (n is None or len(res.token_ids) == n)
@@ -417,7 +477,11 @@ def test_real_sglang_bodies_parse(scenario, name, kind, n):
     assert res.extra["token_versions"] == [res.weight_version] * len(res.token_ids)
     assert res.extra.get("abort_kind") == kind
     if kind == "waiting":
-        assert res.prompt_tokens is None and res.cached_tokens is None and res.abort_message == "Abort in waiting queue"
+        assert (
+            res.prompt_tokens is None
+            and res.cached_tokens is None
+            and res.abort_message == "Abort in waiting queue"
+        )
 
 
 def test_a_launched_server_dies_with_the_process_that_launched_it(tmp_path):
@@ -442,8 +506,13 @@ def test_a_launched_server_dies_with_the_process_that_launched_it(tmp_path):
         "        await asyncio.sleep(3600)\n"
         "asyncio.run(main())\n"
     )
-    parent = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE, cwd=REPO,
-                              env={**os.environ, "PYTHONPATH": str(REPO)}, text=True)  # fmt: skip
+    parent = subprocess.Popen(
+        [sys.executable, "-c", script, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        text=True,
+    )
     try:
         server = int(parent.stdout.readline())  # the server answered /health
         parent.send_signal(signal.SIGKILL)

@@ -16,7 +16,9 @@ torch = pytest.importorskip("torch")
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="needs sglang (pip install 'agentfsm[sglang]')"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("sglang") is None, reason="needs sglang (pip install 'agentfsm[sglang]')"
+    ),
 ]
 
 
@@ -30,8 +32,9 @@ async def test_calculator_through_real_sglang(tmp_path):
 
     model = os.environ.get("AGENTFSM_SGLANG_MODEL", str(ASSET_DIR))
     agent = compile_spec("specs/calculator.yaml")
-    async with SGLangLauncher(model, dp=1, base_port=31000, mem_fraction=0.3, log_dir=tmp_path,
-                              extra_args=["--skip-tokenizer-init"]) as launcher:  # fmt: skip
+    async with SGLangLauncher(
+        model, dp=1, base_port=31000, mem_fraction=0.3, log_dir=tmp_path, extra_args=["--skip-tokenizer-init"]
+    ) as launcher:
         async with Router([SGLangBackend(url) for url in launcher.urls]) as router:
             runner = Runner(agent, router, load_tokenizer(), check_tokens=True)
             trajs = await runner.run(make_prompts(8, seed=7), n=2, sampling_params={"temperature": 0.0})
@@ -42,7 +45,11 @@ async def test_calculator_through_real_sglang(tmp_path):
         mask, logprobs = list(t.response_mask), list(t.response_logprobs)
         assert all(lp <= 0.0 for m, lp in zip(mask, logprobs) if m == 1)
         assert all(lp == 0.0 for m, lp in zip(mask, logprobs) if m == 0)
-    batch = collate(trajs, prompt_length=agent.limits.prompt_length, response_length=agent.limits.response_length,
-                    pad_token_id=0)  # fmt: skip
+    batch = collate(
+        trajs,
+        prompt_length=agent.limits.prompt_length,
+        response_length=agent.limits.response_length,
+        pad_token_id=0,
+    )
     assert batch.batch["responses"].shape == (16, agent.limits.response_length)
     assert stats["sticky"] > 0

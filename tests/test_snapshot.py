@@ -118,7 +118,9 @@ def test_snapshot_at_any_point_restores_in_a_new_process_to_the_greedy_result(gr
 
         asyncio.run(at_k())
     out = tmp_path / f"b{k}.pt"
-    subprocess.run([sys.executable, "-c", RESTORE, str(path), str(out)], env=ENV, cwd=REPO, check=True, timeout=240)
+    subprocess.run(
+        [sys.executable, "-c", RESTORE, str(path), str(out)], env=ENV, cwd=REPO, check=True, timeout=240
+    )
     same_groups(reference, torch.load(out, weights_only=False))
 
 
@@ -141,8 +143,23 @@ def tiny_server():
     """The tiny model behind a dev server: the run's own start-up is short, and the server says when
     requests are in flight."""
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "backends.devserver", "--model", str(ASSETS), "--device", "cpu",
-                             "--port", str(port), "--log-level", "warning"], env=ENV, cwd=REPO)  # fmt: skip
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "backends.devserver",
+            "--model",
+            str(ASSETS),
+            "--device",
+            "cpu",
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+        ],
+        env=ENV,
+        cwd=REPO,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while True:
@@ -158,8 +175,27 @@ def tiny_server():
 
 
 def _run(url: str, out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "fsm.cli.commands", "run", "specs/calculator.yaml", "--server", url, "--num-prompts", "6",
-            "--n", "2", "--temperature", "0", "--concurrency", "3", "--out", str(out), "-q", *extra]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "fsm.cli.commands",
+        "run",
+        "specs/calculator.yaml",
+        "--server",
+        url,
+        "--num-prompts",
+        "6",
+        "--n",
+        "2",
+        "--temperature",
+        "0",
+        "--concurrency",
+        "3",
+        "--out",
+        str(out),
+        "-q",
+        *extra,
+    ]
 
 
 def test_ctrl_c_snapshots_and_resume_completes_the_run_token_for_token(tiny_server, tmp_path):
@@ -167,7 +203,9 @@ def test_ctrl_c_snapshots_and_resume_completes_the_run_token_for_token(tiny_serv
     subprocess.run(_run(tiny_server, ref), env=ENV, cwd=REPO, check=True, timeout=240)
     proc = subprocess.Popen(_run(tiny_server, cut), env=ENV, cwd=REPO, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
-    while True:  # interrupt once the rollout is under way: requests at the server (12 trajectories, 3 at once:
+    while (
+        True
+    ):  # interrupt once the rollout is under way: requests at the server (12 trajectories, 3 at once:
         load = _get(f"{tiny_server}/v1/loads")["loads"][0]  # most are still to run then)
         if load["num_running_reqs"] + load["num_waiting_reqs"] > 0:
             break
@@ -181,8 +219,14 @@ def test_ctrl_c_snapshots_and_resume_completes_the_run_token_for_token(tiny_serv
         assert json.loads((cut / "summary.json").read_text())["status"] == "interrupted"
     snap = json.loads((cut / "snapshot.json").read_text())
     assert any(g["status"] == "running" for g in snap["groups"]), "nothing was in flight at the interrupt"
-    resumed = subprocess.run(_run(tiny_server, tmp_path / "ignored", "--resume", str(cut)), env=ENV, cwd=REPO,
-                             capture_output=True, text=True, timeout=240)  # fmt: skip
+    resumed = subprocess.run(
+        _run(tiny_server, tmp_path / "ignored", "--resume", str(cut)),
+        env=ENV,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert resumed.returncode == 0, resumed.stderr
     assert not (cut / "snapshot.json").exists()
     assert_same_batch_files(ref, cut)
@@ -193,8 +237,14 @@ def test_ctrl_c_snapshots_and_resume_completes_the_run_token_for_token(tiny_serv
 
 
 def _guess_rows(k: int) -> list[dict]:
-    return [{"raw_prompt": [{"role": "user", "content": "Guess my number between 1 and 10."}],
-             "interaction_kwargs": {"secret": 7}, "uid": f"g{i}"} for i in range(k)]  # fmt: skip
+    return [
+        {
+            "raw_prompt": [{"role": "user", "content": "Guess my number between 1 and 10."}],
+            "interaction_kwargs": {"secret": 7},
+            "uid": f"g{i}",
+        }
+        for i in range(k)
+    ]
 
 
 def test_a_snapshot_during_an_interaction_restarts_that_trajectory_on_restore(tok, tmp_path):
@@ -229,8 +279,12 @@ class NoPauseUntilAborted(BaseBackend):
         self.started += 1
         event = self.aborted.setdefault(request.session_id, asyncio.Event())
         await event.wait()
-        return GenerateResult([11, 12, 13], [-0.5] * 3 if request.return_logprob else None, "abort",
-                              prompt_tokens=len(request.prompt_ids))  # fmt: skip
+        return GenerateResult(
+            [11, 12, 13],
+            [-0.5] * 3 if request.return_logprob else None,
+            "abort",
+            prompt_tokens=len(request.prompt_ids),
+        )
 
     async def abort(self, session_id: str) -> None:
         self.aborted.setdefault(session_id, asyncio.Event()).set()
@@ -245,12 +299,16 @@ def test_a_server_that_cannot_pause_has_its_turns_aborted_for_the_snapshot(tok, 
             assert time.monotonic() < deadline
             time.sleep(0.01)
         t0 = time.monotonic()
-        info = engine._run_sync(engine.asnapshot(tmp_path / "s.json", stop=True, timeout=20, abort_turns=True))
+        info = engine._run_sync(
+            engine.asnapshot(tmp_path / "s.json", stop=True, timeout=20, abort_turns=True)
+        )
         assert time.monotonic() - t0 < 15  # before the fix: a TimeoutError after the 20 s
     assert info["running_groups"] == 2
     data = json.loads((tmp_path / "s.json").read_text())
     partial = [t["partial_turn"] for g in data["groups"] for t in g["trajectories"]]
-    assert all(p and p["__tuple__"][0] == [11, 12, 13] for p in partial), partial  # the partial output is kept
+    assert all(p and p["__tuple__"][0] == [11, 12, 13] for p in partial), (
+        partial
+    )  # the partial output is kept
 
 
 def test_a_snapshot_that_out_refuses_goes_to_the_fallback_and_leaves_no_temporary(tok, tmp_path, monkeypatch):
@@ -301,5 +359,8 @@ def test_a_planted_link_in_place_of_the_temporary_is_replaced_not_followed(tmp_p
     (out / ".snapshot.json.writing").symlink_to(victim)
     snap.write(out / "snapshot.json", {"format": snap.FORMAT, "groups": []})
     assert victim.read_text() == "precious"
-    assert not (out / "snapshot.json").is_symlink() and json.loads((out / "snapshot.json").read_text())["groups"] == []
+    assert (
+        not (out / "snapshot.json").is_symlink()
+        and json.loads((out / "snapshot.json").read_text())["groups"] == []
+    )
     assert not (out / ".snapshot.json.writing").exists()

@@ -98,8 +98,14 @@ def test_the_installed_cli_validates_the_example_specs_from_anywhere(tmp_path: P
 
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     examples = sorted((SPECS.parent / "examples" / "gateway").glob("*.yaml"))
-    out = subprocess.run([sys.executable, "-m", "fsm.cli", "validate", *map(str, examples)], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "fsm.cli", "validate", *map(str, examples)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
 
 
@@ -124,7 +130,9 @@ def test_json_schema_describes_the_spec():
     assert schema["$schema"].startswith("https://json-schema.org/")
     assert {"name", "states"} <= set(schema["else"]["required"])  # of a spec without `extends:`
     assert schema["if"] == {"required": ["extends"]}
-    assert {"limits", "sampling", "tools", "interaction", "reward", "extends", "trust"} <= set(schema["properties"])
+    assert {"limits", "sampling", "tools", "interaction", "reward", "extends", "trust"} <= set(
+        schema["properties"]
+    )
     assert "class" in schema["$defs"]["ToolSpec"]["properties"]  # aliases, as users write them
 
 

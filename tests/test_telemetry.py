@@ -91,15 +91,26 @@ class Receiver:
             resource = {a.key: _value(a.value) for a in rs.resource.attributes}
             for ss in rs.scope_spans:
                 for s in ss.spans:
-                    self.spans.append({
-                        "name": s.name, "trace_id": s.trace_id.hex(), "span_id": s.span_id.hex(),
-                        "parent": s.parent_span_id.hex() or None, "kind": s.kind, "start": s.start_time_unix_nano,
-                        "end": s.end_time_unix_nano, "status": s.status.code, "status_message": s.status.message,
-                        "attrs": {a.key: _value(a.value) for a in s.attributes}, "resource": resource,
-                        "scope": ss.scope.name, "events": [e.name for e in s.events],
-                    })  # fmt: skip
-        return web.Response(body=ExportTraceServiceResponse().SerializeToString(),
-                            content_type="application/x-protobuf")  # fmt: skip
+                    self.spans.append(
+                        {
+                            "name": s.name,
+                            "trace_id": s.trace_id.hex(),
+                            "span_id": s.span_id.hex(),
+                            "parent": s.parent_span_id.hex() or None,
+                            "kind": s.kind,
+                            "start": s.start_time_unix_nano,
+                            "end": s.end_time_unix_nano,
+                            "status": s.status.code,
+                            "status_message": s.status.message,
+                            "attrs": {a.key: _value(a.value) for a in s.attributes},
+                            "resource": resource,
+                            "scope": ss.scope.name,
+                            "events": [e.name for e in s.events],
+                        }
+                    )
+        return web.Response(
+            body=ExportTraceServiceResponse().SerializeToString(), content_type="application/x-protobuf"
+        )
 
     def _serve(self) -> None:
         self._loop = asyncio.new_event_loop()
@@ -127,10 +138,18 @@ def receiver():
 
 @pytest.fixture(autouse=True)
 def _no_ambient_otel_env(monkeypatch):
-    for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_SERVICE_NAME",
-                 "OTEL_TRACES_SAMPLER", "OTEL_TRACES_SAMPLER_ARG", "OTEL_SDK_DISABLED", "OTEL_TRACES_EXPORTER",
-                 "OTEL_EXPORTER_OTLP_HEADERS", "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT",
-                 "OTEL_BSP_MAX_QUEUE_SIZE"):  # fmt: skip
+    for name in (
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+        "OTEL_SERVICE_NAME",
+        "OTEL_TRACES_SAMPLER",
+        "OTEL_TRACES_SAMPLER_ARG",
+        "OTEL_SDK_DISABLED",
+        "OTEL_TRACES_EXPORTER",
+        "OTEL_EXPORTER_OTLP_HEADERS",
+        "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT",
+        "OTEL_BSP_MAX_QUEUE_SIZE",
+    ):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -263,7 +282,9 @@ async def test_otlp_receiver_gets_one_trace_per_trajectory(receiver, tokenizer, 
                 assert c["gen_ai.response.finish_reasons"] == ("stop",)
                 assert c["gen_ai.usage.input_tokens"] > 0 and c["gen_ai.usage.output_tokens"] > 0
                 assert c["gen_ai.usage.cache_read.input_tokens"] == 0 and c["server.address"] == "scripted"
-                assert c["gen_ai.conversation.id"] == traj.session_id and c["openinference.span.kind"] == "LLM"
+                assert (
+                    c["gen_ai.conversation.id"] == traj.session_id and c["openinference.span.kind"] == "LLM"
+                )
                 assert step["start"] <= call["start"] <= call["end"] <= step["end"]
             elif a["fsm.source"] == "PROCESSING_TOOLS":
                 (tool,) = kids
@@ -283,8 +304,11 @@ async def test_otlp_receiver_gets_one_trace_per_trajectory(receiver, tokenizer, 
         assert model_total == traj.response_mask.count(1)
         assert model_total + obs_total == len(traj.response_ids)
         # content is opt-in
-        assert not any(k.startswith(("gen_ai.input", "gen_ai.output", "agentfsm.input_token"))
-                       for s in spans for k in s["attrs"])  # fmt: skip
+        assert not any(
+            k.startswith(("gen_ai.input", "gen_ai.output", "agentfsm.input_token"))
+            for s in spans
+            for k in s["attrs"]
+        )
 
 
 async def test_embedded_model_spans_over_otlp(receiver, tokenizer, agent):
@@ -305,14 +329,19 @@ async def test_embedded_model_spans_over_otlp(receiver, tokenizer, agent):
         with Telemetry(otlp=receiver.url, capture_content=True) as tel:
             trajs = await fsm.Runner(agent, backend, tokenizer, tracer=tel).run(make_prompts(3))
             stats = tel.stats()
-    assert stats["exported"] == len(receiver.spans) == sum(map(expected_spans, trajs)) and stats["dropped"] == 0
+    assert (
+        stats["exported"] == len(receiver.spans) == sum(map(expected_spans, trajs)) and stats["dropped"] == 0
+    )
     kinds = {"invoke_agent": "AGENT", "text_completion": "LLM", "execute_tool": "TOOL"}
     roles_seen = set()
     for s in receiver.spans:
         a = s["attrs"]
         assert a["openinference.span.kind"] == kinds.get(s["name"].split(" ")[0], "CHAIN"), s["name"]
         if s["parent"] is None:
-            assert a["gen_ai.request.model"] == "agentfsm-tiny-calculator" and a["gen_ai.provider.name"] == "transformers"
+            assert (
+                a["gen_ai.request.model"] == "agentfsm-tiny-calculator"
+                and a["gen_ai.provider.name"] == "transformers"
+            )
         if not s["name"].startswith("text_completion"):
             continue
         assert s["name"] == "text_completion agentfsm-tiny-calculator"
@@ -323,8 +352,13 @@ async def test_embedded_model_spans_over_otlp(receiver, tokenizer, agent):
         assert [m["role"] for m in inputs[:2]] == ["system", "user"]  # the prompt, message by message
         assert "What is" in inputs[1]["parts"][0]["content"]
         roles_seen.update(m["role"] for m in inputs)
-        assert output["role"] == "assistant" and output["finish_reason"] == a["gen_ai.response.finish_reasons"][0]
-        assert output["parts"] == [{"type": "text", "content": tokenizer.decode(ids_out, skip_special_tokens=False)}]
+        assert (
+            output["role"] == "assistant"
+            and output["finish_reason"] == a["gen_ai.response.finish_reasons"][0]
+        )
+        assert output["parts"] == [
+            {"type": "text", "content": tokenizer.decode(ids_out, skip_special_tokens=False)}
+        ]
     assert roles_seen <= {"system", "user", "assistant", "tool"}
 
 
@@ -346,7 +380,8 @@ async def test_sglang_spans_use_the_served_model_name(tokenizer, agent):
     assert {s.name for s in calls} == {"text_completion echo"}
     assert {s.attributes["gen_ai.request.model"] for s in calls + roots} == {"echo"}
     assert {(s.attributes["server.address"], s.attributes["server.port"]) for s in calls} == {
-        ("127.0.0.1", server.port)}  # fmt: skip
+        ("127.0.0.1", server.port)
+    }
 
 
 async def test_failures_become_error_spans(tokenizer, agent):
@@ -359,8 +394,12 @@ async def test_failures_become_error_spans(tokenizer, agent):
     assert dead.failed and not alive.failed
     mine = [s for s in spans if s.context.trace_id == _root(spans, dead).context.trace_id]
     names = {s.name: s for s in mine}
-    assert set(names) == {"invoke_agent calculator", "PENDING -> GENERATING", "GENERATING -> error",
-                          "text_completion scripted"}  # fmt: skip
+    assert set(names) == {
+        "invoke_agent calculator",
+        "PENDING -> GENERATING",
+        "GENERATING -> error",
+        "text_completion scripted",
+    }
     for name in ("GENERATING -> error", "text_completion scripted"):
         span = names[name]
         assert span.status.status_code is otel_trace.StatusCode.ERROR
@@ -574,7 +613,10 @@ def test_gen_ai_names_match_semconv():
     from opentelemetry.semconv.attributes import error_attributes, server_attributes
 
     assert (T.ERROR_TYPE, T.SERVER_ADDRESS, T.SERVER_PORT) == (
-        error_attributes.ERROR_TYPE, server_attributes.SERVER_ADDRESS, server_attributes.SERVER_PORT)  # fmt: skip
+        error_attributes.ERROR_TYPE,
+        server_attributes.SERVER_ADDRESS,
+        server_attributes.SERVER_PORT,
+    )
 
 
 def test_server_address_and_port():
@@ -648,8 +690,20 @@ def test_otlp_encoding_of_values():
         "text_completion m", T._CLIENT, {"gen_ai.request.model": "m", "x.pi": 3.5}, T._MODEL_SLOTS
     )
     params = {"temperature": 1, "top_p": 0.9, "top_k": -1, "max_new_tokens": 300, "sampling_seed": 2**63 - 1}
-    values = ("conv-ü", params, (1, 2, 3), "length", 300, 2**20, 0, "https://10.0.0.7:30000", "sticky", "v3", None,
-              (7, 8))  # fmt: skip
+    values = (
+        "conv-ü",
+        params,
+        (1, 2, 3),
+        "length",
+        300,
+        2**20,
+        0,
+        "https://10.0.0.7:30000",
+        "sticky",
+        "v3",
+        None,
+        (7, 8),
+    )
     item = (shape.id, 2**128 - 1, 2**64 - 1, 1, 1_700_000_000_000_000_000, 1_700_000_000_000_000_001, *values)
     resource, scope = (
         Resource.create({"service.name": "t", "x.list": (1.5, -2.0)}),
@@ -773,8 +827,10 @@ def test_only_the_public_opentelemetry_api():
     suppression key...): an SDK release may change those at any time."""
     import re
 
-    private = re.compile(r"\botel_\w+\._\w|\bopentelemetry(\.\w+)*\._\w|from opentelemetry[\w.]* import [^\n]*\b_\w"
-                         r"|getattr\(otel_\w+,\s*['\"]_")  # fmt: skip
+    private = re.compile(
+        r"\botel_\w+\._\w|\bopentelemetry(\.\w+)*\._\w|from opentelemetry[\w.]* import [^\n]*\b_\w"
+        r"|getattr\(otel_\w+,\s*['\"]_"
+    )
     for path in sorted((REPO / "fsm/telemetry").glob("*.py")):
         for n, line in enumerate(path.read_text().splitlines(), 1):
             assert not private.search(line), f"{path.name}:{n}: {line.strip()}"
@@ -795,8 +851,18 @@ async def test_sdk_exporters_see_the_same_spans(tokenizer, agent):
     assert isinstance(tel.processors[-1], T.SdkPipeline)
 
     def seen(spans: Any) -> list[tuple]:
-        return sorted((s.name, s.context.span_id, s.parent.span_id if s.parent else 0, s.start_time, s.end_time,
-                       s.status.status_code.value, tuple(sorted(s.attributes.items()))) for s in spans)  # fmt: skip
+        return sorted(
+            (
+                s.name,
+                s.context.span_id,
+                s.parent.span_id if s.parent else 0,
+                s.start_time,
+                s.end_time,
+                s.status.status_code.value,
+                tuple(sorted(s.attributes.items())),
+            )
+            for s in spans
+        )
 
     assert seen(sdk.get_finished_spans()) == seen(native) and len(native) > 0
     by = stats["by_exporter"]
@@ -825,8 +891,13 @@ async def test_an_unreachable_collector_is_one_line(tokenizer, agent, monkeypatc
 def test_sampler_variables(monkeypatch, caplog):
     """OTEL_TRACES_SAMPLER as the SDK reads it: a trajectory's root has no parent, so parentbased_* decide as
     their root sampler; an unreadable ratio traces everything, with one line saying so."""
-    for sampler, arg, want in (("parentbased_always_off", None, 0.0), ("parentbased_traceidratio", "0.3", 0.3),
-                               ("always_on", None, 1.0), ("traceidratio", "2", 1.0), ("traceidratio", "x", 1.0)):  # fmt: skip
+    for sampler, arg, want in (
+        ("parentbased_always_off", None, 0.0),
+        ("parentbased_traceidratio", "0.3", 0.3),
+        ("always_on", None, 1.0),
+        ("traceidratio", "2", 1.0),
+        ("traceidratio", "x", 1.0),
+    ):
         monkeypatch.setenv("OTEL_TRACES_SAMPLER", sampler)
         if arg is not None:
             monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", arg)
@@ -835,7 +906,8 @@ def test_sampler_variables(monkeypatch, caplog):
         assert tel.sample == want, (sampler, arg)
         tel.close()
     assert [r.getMessage() for r in caplog.records] == [
-        "agentfsm telemetry: OTEL_TRACES_SAMPLER_ARG='x' is not a fraction, tracing all"]  # fmt: skip
+        "agentfsm telemetry: OTEL_TRACES_SAMPLER_ARG='x' is not a fraction, tracing all"
+    ]
 
 
 def test_bench_tracing_sdk_runs():

@@ -231,11 +231,26 @@ def test_training_smoke_run(tmp_path):
 
 def test_training_stops_partway_saves_checkpoints_and_flattens(tmp_path):
     """How assets/mid was made: a recipe stopped partway (its schedule unchanged), its logits divided by T."""
-    cmd = [sys.executable, "-m", "backends.tiny.train", "--max-steps", "9000", "--stop-at-step", "2",
-           "--save-every", "1", "--flatten", "2.0", "--out", tmp_path]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "backends.tiny.train",
+        "--max-steps",
+        "9000",
+        "--stop-at-step",
+        "2",
+        "--save-every",
+        "1",
+        "--flatten",
+        "2.0",
+        "--out",
+        tmp_path,
+    ]
     subprocess.run(cmd, cwd=REPO, check=True, capture_output=True)
     assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-1", "step-2"]
-    assert not (tmp_path / "step-1" / "tokenizer.json").exists()  # checkpoints: weights only, as early and mid
+    assert not (
+        tmp_path / "step-1" / "tokenizer.json"
+    ).exists()  # checkpoints: weights only, as early and mid
     last, flat = load_model(tmp_path / "step-2").state_dict(), load_model(tmp_path).state_dict()
     assert torch.allclose(flat.pop("model.norm.weight") * 2.0, last.pop("model.norm.weight"))
     assert all(torch.equal(flat[k], v) for k, v in last.items())

@@ -51,8 +51,16 @@ def release_hostile_tools():
 
 def spec(*tools: str, **limits: object) -> str:
     """A spec extending the shipped tool_agent with these tools (YAML entries) and limits."""
-    lines = ["name: faults", "extends: {specs}/tool_agent.yaml", "limits:", "  prompt_length: 1024",
-             "  response_length: 1024", *(f"  {k}: {v}" for k, v in limits.items()), "tools:", *tools]  # fmt: skip
+    lines = [
+        "name: faults",
+        "extends: {specs}/tool_agent.yaml",
+        "limits:",
+        "  prompt_length: 1024",
+        "  response_length: 1024",
+        *(f"  {k}: {v}" for k, v in limits.items()),
+        "tools:",
+        *tools,
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -76,9 +84,15 @@ def lane_of(agent, name: str):
 async def test_hung_sync_tool_times_out_and_other_rows_go_on(tok, compile_yaml):
     agent = compile_yaml(spec(tool("hang", timeout_s=0.2), tool("echo")))
     t0 = time.perf_counter()
-    trajs = await run(tok, agent, {0: [tool_turn(tok, ("hang", {"text": "x"}))],
-                                   1: [tool_turn(tok, ("echo", {"text": "fine"}))],
-                                   2: [tool_turn(tok, ("echo", {"text": "also fine"}))]})  # fmt: skip
+    trajs = await run(
+        tok,
+        agent,
+        {
+            0: [tool_turn(tok, ("hang", {"text": "x"}))],
+            1: [tool_turn(tok, ("echo", {"text": "fine"}))],
+            2: [tool_turn(tok, ("echo", {"text": "also fine"}))],
+        },
+    )
     assert time.perf_counter() - t0 < 5
     assert tool_messages(trajs[0]) == ["Error: tool 'hang' timed out after 0.2s"]
     assert [tool_messages(t) for t in trajs[1:]] == [["fine"], ["also fine"]]
@@ -91,7 +105,9 @@ async def test_hung_sync_tool_times_out_and_other_rows_go_on(tok, compile_yaml):
 async def test_timed_out_call_frees_its_slot(tok, compile_yaml):
     """workers: 1 and the only thread stuck: the next call gets a replacement thread, not a queue."""
     agent = compile_yaml(spec(tool("nap", timeout_s=0.3, workers=1)))
-    (traj,) = await run(tok, agent, {0: [tool_turn(tok, ("nap", {"seconds": 3})), tool_turn(tok, ("nap", {"seconds": 0}))]})
+    (traj,) = await run(
+        tok, agent, {0: [tool_turn(tok, ("nap", {"seconds": 3})), tool_turn(tok, ("nap", {"seconds": 0}))]}
+    )
     assert tool_messages(traj) == ["Error: tool 'nap' timed out after 0.3s", "rested"]
     assert lane_of(agent, "nap").written_off == 1
 
@@ -140,10 +156,13 @@ def test_exit_and_ctrl_c_do_not_wait_for_hung_tool_threads(tmp_path):
     """In a fresh interpreter: a run whose tool hangs finishes; then a run hung in a tool without a timeout
     gets Ctrl-C. Neither the interrupt nor the exit waits for the stuck threads."""
     for name, options in (("timeout", "    timeout_s: 0.2\n"), ("forever", "")):
-        (tmp_path / f"{name}.yaml").write_text(f"name: hung\nextends: {REPO / 'specs' / 'tool_agent.yaml'}\n"
-                                               f"tools:\n  - function: {FAULTY}:hang\n{options}")  # fmt: skip
+        (tmp_path / f"{name}.yaml").write_text(
+            f"name: hung\nextends: {REPO / 'specs' / 'tool_agent.yaml'}\n"
+            f"tools:\n  - function: {FAULTY}:hang\n{options}"
+        )
     script = tmp_path / "hung.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import asyncio, json, threading, time
         from transformers import AutoTokenizer
         import fsm
@@ -165,9 +184,12 @@ def test_exit_and_ctrl_c_do_not_wait_for_hung_tool_threads(tmp_path):
             run("forever")
         except KeyboardInterrupt:
             print("INTERRUPTED", flush=True)
-    """))
+    """)
+    )
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, str(script)], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True
+    )
     t0, watchdog = None, threading.Timer(120, proc.kill)  # a script that never ends fails, never hangs
     watchdog.start()
     try:
@@ -212,8 +234,11 @@ async def test_hung_sync_tool_does_not_slow_the_embedded_model(compile_yaml):
         async def mean_generate_s(n: int = 5) -> float:
             t0 = time.perf_counter()
             for k in range(n):
-                await probe.generate(GenerateRequest(f"probe-{k}", prompt, {"temperature": 0.0,
-                                                     "max_new_tokens": 24}, return_logprob=False))  # fmt: skip
+                await probe.generate(
+                    GenerateRequest(
+                        f"probe-{k}", prompt, {"temperature": 0.0, "max_new_tokens": 24}, return_logprob=False
+                    )
+                )
             return (time.perf_counter() - t0) / n
 
         await mean_generate_s(1)  # warm-up
@@ -246,8 +271,12 @@ async def test_async_busy_loop_is_contained(tok, compile_yaml):
     ticks = [tool_turn(tok, ("atick", {"text": f"tick {k}"})) for k in range(5)]
     finished: dict[int, float] = {}
     t0 = time.perf_counter()
-    trajs = await run(tok, agent, {0: [tool_turn(tok, ("aspin", {"text": "x"}))], 1: ticks},
-                      on_done=lambda t: finished.setdefault(t.index, time.perf_counter() - t0))  # fmt: skip
+    trajs = await run(
+        tok,
+        agent,
+        {0: [tool_turn(tok, ("aspin", {"text": "x"}))], 1: ticks},
+        on_done=lambda t: finished.setdefault(t.index, time.perf_counter() - t0),
+    )
     assert tool_messages(trajs[0]) == ["Error: tool 'aspin' timed out after 1s"]
     assert tool_messages(trajs[1]) == [f"tick {k}" for k in range(5)]
     assert finished[1] < finished[0] and finished[1] < 1.0  # row 1 went on while aspin spun
@@ -270,10 +299,15 @@ async def test_wedged_tool_loop_is_replaced():
 
 
 async def test_isolation_none_runs_on_the_runs_loop_and_times_out(tok, compile_yaml):
-    agent = compile_yaml(spec(tool("athread", isolation="none"), tool("ahang", isolation="none", timeout_s=0.2)))
+    agent = compile_yaml(
+        spec(tool("athread", isolation="none"), tool("ahang", isolation="none", timeout_s=0.2))
+    )
     assert isinstance(lane_of(agent, "athread"), InlineLane)
-    trajs = await run(tok, agent, {0: [tool_turn(tok, ("athread", {"text": "x"}))],
-                                   1: [tool_turn(tok, ("ahang", {"text": "x"}))]})  # fmt: skip
+    trajs = await run(
+        tok,
+        agent,
+        {0: [tool_turn(tok, ("athread", {"text": "x"}))], 1: [tool_turn(tok, ("ahang", {"text": "x"}))]},
+    )
     assert tool_messages(trajs[0]) == [threading.current_thread().name]  # no hand-off to another thread
     assert tool_messages(trajs[1]) == ["Error: tool 'ahang' timed out after 0.2s"]
     assert [t.termination_reason for t in trajs] == ["done", "done"]
@@ -284,10 +318,14 @@ async def test_isolation_none_tool_that_blocks_the_loop_moves_to_its_own(tok, co
     tool: later calls run on a loop thread of its own, so the run's loop is not blocked by it again."""
     agent = compile_yaml(spec(tool("ablock", isolation="none", timeout_s=5), max_assistant_turns=9))
     lane = lane_of(agent, "ablock")
-    turns = [tool_turn(tok, ("ablock", {"seconds": BLOCKING_STEP_S * 2})) for _ in range(BLOCKING_STRIKES + 1)]
+    turns = [
+        tool_turn(tok, ("ablock", {"seconds": BLOCKING_STEP_S * 2})) for _ in range(BLOCKING_STRIKES + 1)
+    ]
     (traj,) = await run(tok, agent, {0: turns})
     *first, last = tool_messages(traj)
-    assert first == [threading.current_thread().name] * BLOCKING_STRIKES and last == "agentfsm-tool-loop-ablock"
+    assert (
+        first == [threading.current_thread().name] * BLOCKING_STRIKES and last == "agentfsm-tool-loop-ablock"
+    )
     assert isinstance(lane.moved, LoopLane)
     assert f"'ablock' (isolation: none) held the event loop {BLOCKING_STRIKES} times" in caplog.text
     lane.close()
@@ -295,8 +333,14 @@ async def test_isolation_none_tool_that_blocks_the_loop_moves_to_its_own(tok, co
 
 async def test_isolation_none_base_exception_ends_that_row_only(tok, compile_yaml):
     agent = compile_yaml(spec(tool("araise_base", isolation="none", timeout_s=5), tool("echo")))
-    trajs = await run(tok, agent, {0: [tool_turn(tok, ("araise_base", {"kind": "SystemExit"}))],
-                                   1: [tool_turn(tok, ("echo", {"text": "fine"}))]})  # fmt: skip
+    trajs = await run(
+        tok,
+        agent,
+        {
+            0: [tool_turn(tok, ("araise_base", {"kind": "SystemExit"}))],
+            1: [tool_turn(tok, ("echo", {"text": "fine"}))],
+        },
+    )
     assert "tool 'araise_base' raised SystemExit" in trajs[0].termination_reason
     assert trajs[1].termination_reason == "done" and tool_messages(trajs[1]) == ["fine"]
 
@@ -323,8 +367,14 @@ class SyncReleaseTool(InlineTool):
         return None
 
 
-INLINE_SCHEMA = {"type": "function", "function": {"name": "inline", "description": "Make.",
-                                                 "parameters": {"type": "object", "properties": {}}}}  # fmt: skip
+INLINE_SCHEMA = {
+    "type": "function",
+    "function": {
+        "name": "inline",
+        "description": "Make.",
+        "parameters": {"type": "object", "properties": {}},
+    },
+}
 
 
 async def test_isolation_none_class_tool_runs_its_lifecycle_inline(tok, compile_yaml):
@@ -333,15 +383,21 @@ async def test_isolation_none_class_tool_runs_its_lifecycle_inline(tok, compile_
     agent = compile_yaml(spec(entry))
     (traj,) = await run(tok, agent, {0: [tool_turn(tok, ("inline", {}))]})
     here = threading.current_thread().name
-    assert InlineTool.calls == [("create", here), ("execute", here), ("release", here)]  # calc_reward: BaseTool's
+    assert InlineTool.calls == [
+        ("create", here),
+        ("execute", here),
+        ("release", here),
+    ]  # calc_reward: BaseTool's
     assert tool_messages(traj) == ["made"] and traj.tool_rewards == [0.5] and traj.tool_scores == [0.0]
 
 
 def test_isolation_none_refuses_sync_code(compile_yaml):
     with pytest.raises(Exception, match="isolation: none runs coroutine functions only"):
         compile_yaml(spec(tool("echo", isolation="none")))
-    entry = ("  - class: tests.test_tool_faults:SyncReleaseTool\n    schema: tests.test_tool_faults:INLINE_SCHEMA\n"
-             "    isolation: none")  # fmt: skip
+    entry = (
+        "  - class: tests.test_tool_faults:SyncReleaseTool\n    schema: tests.test_tool_faults:INLINE_SCHEMA\n"
+        "    isolation: none"
+    )
     with pytest.raises(Exception, match=r"SyncReleaseTool'.release is not an async def"):
         compile_yaml(spec(entry))
 
@@ -356,17 +412,29 @@ class ExitingTool(BaseTool):
         raise SystemExit("class tool quits")
 
 
-EXITING_SCHEMA = {"type": "function", "function": {"name": "exiting", "description": "Quit.",
-                                                   "parameters": {"type": "object", "properties": {}}}}  # fmt: skip
+EXITING_SCHEMA = {
+    "type": "function",
+    "function": {
+        "name": "exiting",
+        "description": "Quit.",
+        "parameters": {"type": "object", "properties": {}},
+    },
+}
 
 
 @pytest.mark.parametrize("kind", ["SystemExit", "KeyboardInterrupt", "GeneratorExit", "CancelledError"])
 @pytest.mark.parametrize("function", ["raise_base", "araise_base"])
 async def test_base_exception_ends_that_row_only(tok, compile_yaml, function, kind):
     agent = compile_yaml(spec(tool(function, timeout_s=5), tool("echo")))
-    trajs = await run(tok, agent, {0: [tool_turn(tok, (function, {"kind": kind}))],
-                                   1: [tool_turn(tok, ("echo", {"text": "fine"}))],
-                                   2: [tool_turn(tok, ("echo", {"text": "fine"}))]})  # fmt: skip
+    trajs = await run(
+        tok,
+        agent,
+        {
+            0: [tool_turn(tok, (function, {"kind": kind}))],
+            1: [tool_turn(tok, ("echo", {"text": "fine"}))],
+            2: [tool_turn(tok, ("echo", {"text": "fine"}))],
+        },
+    )
     assert trajs[0].failed and trajs[0].termination_reason.startswith("error: ")  # finished, as an error row
     assert f"tool '{function}' raised {kind}" in trajs[0].termination_reason, trajs[0].termination_reason
     assert [t.termination_reason for t in trajs[1:]] == ["done", "done"]
@@ -374,9 +442,13 @@ async def test_base_exception_ends_that_row_only(tok, compile_yaml, function, ki
 
 
 async def test_class_tool_raising_system_exit_ends_that_row_only(tok, compile_yaml):
-    exiting = "  - class: tests.test_tool_faults:ExitingTool\n    schema: tests.test_tool_faults:EXITING_SCHEMA"
+    exiting = (
+        "  - class: tests.test_tool_faults:ExitingTool\n    schema: tests.test_tool_faults:EXITING_SCHEMA"
+    )
     agent = compile_yaml(spec(exiting, tool("echo")))
-    trajs = await run(tok, agent, {0: [tool_turn(tok, ("exiting", {}))], 1: [tool_turn(tok, ("echo", {"text": "ok"}))]})
+    trajs = await run(
+        tok, agent, {0: [tool_turn(tok, ("exiting", {}))], 1: [tool_turn(tok, ("echo", {"text": "ok"}))]}
+    )
     assert "tool 'exiting' raised SystemExit: class tool quits" in trajs[0].termination_reason
     assert trajs[1].termination_reason == "done"
 
@@ -388,8 +460,16 @@ async def test_process_worker_past_its_timeout_is_killed_and_replaced(tok, compi
     agent = compile_yaml(spec(tool("crunch", isolation="process", timeout_s=0.5, workers=1)))
     lane = lane_of(agent, "crunch")
     try:
-        (traj,) = await run(tok, agent, {0: [tool_turn(tok, ("crunch", {"seconds": -1})),  # spins forever
-                                             tool_turn(tok, ("crunch", {"seconds": 0}))]})  # fmt: skip
+        (traj,) = await run(
+            tok,
+            agent,
+            {
+                0: [
+                    tool_turn(tok, ("crunch", {"seconds": -1})),  # spins forever
+                    tool_turn(tok, ("crunch", {"seconds": 0})),
+                ]
+            },
+        )
         first, second = tool_messages(traj)
         assert first == "Error: tool 'crunch' timed out after 0.5s"
         pid = int(second)
@@ -402,9 +482,15 @@ async def test_process_worker_past_its_timeout_is_killed_and_replaced(tok, compi
 async def test_process_tool_crashes_end_that_row_only(tok, compile_yaml):
     agent = compile_yaml(spec(*(tool(name, isolation="process") for name in ("raise_base", "die", "echo"))))
     try:
-        trajs = await run(tok, agent, {0: [tool_turn(tok, ("raise_base", {"kind": "SystemExit"}))],
-                                       1: [tool_turn(tok, ("die", {"code": 7}))],
-                                       2: [tool_turn(tok, ("echo", {"text": "fine"}))]})  # fmt: skip
+        trajs = await run(
+            tok,
+            agent,
+            {
+                0: [tool_turn(tok, ("raise_base", {"kind": "SystemExit"}))],
+                1: [tool_turn(tok, ("die", {"code": 7}))],
+                2: [tool_turn(tok, ("echo", {"text": "fine"}))],
+            },
+        )
         assert "tool 'raise_base' raised SystemExit: 3" in trajs[0].termination_reason
         assert "tool 'die': its worker process died (exit code 7)" in trajs[1].termination_reason
         assert trajs[2].termination_reason == "done" and tool_messages(trajs[2]) == ["fine"]
@@ -455,15 +541,16 @@ async def test_50_mb_answer_from_a_worker_is_cut_before_it_crosses(tok, compile_
         agent.tools.close()
 
 
-
 def test_ctrl_c_delivered_to_a_hung_tool_thread_wakes_the_loop(tmp_path):
     """The kernel hands a process's SIGINT to any of its threads. Sent to the thread of a hung tool, with the
     watchdog off (no timer due), the loop slept through it before: Python runs the handler on the main
     thread, which sat in select() until some event came (issue 26 item 11)."""
-    (tmp_path / "forever.yaml").write_text(f"name: hung\nextends: {REPO / 'specs' / 'tool_agent.yaml'}\n"
-                                           f"tools:\n  - function: {FAULTY}:hang\n")  # fmt: skip
+    (tmp_path / "forever.yaml").write_text(
+        f"name: hung\nextends: {REPO / 'specs' / 'tool_agent.yaml'}\ntools:\n  - function: {FAULTY}:hang\n"
+    )
     script = tmp_path / "hung.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import asyncio, signal, threading, time
         from transformers import AutoTokenizer
         import fsm
@@ -484,9 +571,12 @@ def test_ctrl_c_delivered_to_a_hung_tool_thread_wakes_the_loop(tmp_path):
             asyncio.run(fsm.Runner(agent, backend, tok, watchdog_s=None).run([user_row()]))
         except KeyboardInterrupt:
             print("INTERRUPTED", flush=True)
-    """))
+    """)
+    )
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, str(script)], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True
+    )
     watchdog = threading.Timer(120, proc.kill)  # a script that never ends fails, never hangs
     watchdog.start()
     try:

@@ -11,8 +11,6 @@ from tests.conftest import PARTS, model_turn, run_agent, scripted, tool_spec, to
 ROWS, ANSWER = 16, 4_000_000
 
 
-
-
 async def test_thread_lane_cuts_long_answers_before_they_reach_the_loop(tok, compile_yaml):
     tools = f"  - function: {PARTS}:long_text\n            isolation: thread\n            workers: {ROWS}"
     agent = compile_yaml(tool_spec(tools))

@@ -38,13 +38,31 @@ def test_grpo_trainer_trains_on_the_engines_samples(tmp_path, monkeypatch):
     rows = [{"prompt": r["raw_prompt"], "reward_model": r["reward_model"]} for r in make_prompts(4, seed=5)]
     dataset = datasets.Dataset.from_list(rows)
     args = trl.GRPOConfig(
-        output_dir=str(tmp_path), use_cpu=True, bf16=False, max_steps=2, per_device_train_batch_size=2 * G,
-        num_generations=G, learning_rate=1e-4, temperature=0.9, logging_steps=1, report_to=[], save_strategy="no",
-        seed=0, disable_tqdm=True, dataloader_num_workers=0, max_completion_length=160,
-    )  # fmt: skip
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        max_steps=2,
+        per_device_train_batch_size=2 * G,
+        num_generations=G,
+        learning_rate=1e-4,
+        temperature=0.9,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        seed=0,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        max_completion_length=160,
+    )
     rollout = TRLRollout("calculator", dataset=dataset)
-    trainer = trl.GRPOTrainer(model=model, processing_class=tok, args=args, train_dataset=dataset,
-                              reward_funcs=[engine_reward, spread], rollout_func=rollout)  # fmt: skip
+    trainer = trl.GRPOTrainer(
+        model=model,
+        processing_class=tok,
+        args=args,
+        train_dataset=dataset,
+        reward_funcs=[engine_reward, spread],
+        rollout_func=rollout,
+    )
     seen: list[dict] = []
     original = trainer._generate_and_score_completions
 
@@ -53,10 +71,18 @@ def test_grpo_trainer_trains_on_the_engines_samples(tmp_path, monkeypatch):
         ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
         mask = torch.cat([out["prompt_mask"], out["completion_mask"]], 1)
         with torch.no_grad():  # what compute_loss computes as per_token_logps, on the weights that sampled
-            logps, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask,
-                                                                  out["completion_ids"].size(1), batch_size=2 * G)[:2]
-        seen.append({"out": out, "logps": logps, "batch": rollout.last, "step": trainer.state.global_step,
-                     "prompts": [x["prompt"] for x in inputs]})  # fmt: skip
+            logps, _ = trainer._get_per_token_logps_and_entropies(
+                trainer.model, ids, mask, out["completion_ids"].size(1), batch_size=2 * G
+            )[:2]
+        seen.append(
+            {
+                "out": out,
+                "logps": logps,
+                "batch": rollout.last,
+                "step": trainer.state.global_step,
+                "prompts": [x["prompt"] for x in inputs],
+            }
+        )
         return out
 
     monkeypatch.setattr(trainer, "_generate_and_score_completions", capture)
@@ -72,7 +98,9 @@ def test_grpo_trainer_trains_on_the_engines_samples(tmp_path, monkeypatch):
         assert len(samples) == 2 * G
         # TRL hands over each prompt G times; the adapter makes each run of equal prompts one group
         assert [s.row["raw_prompt"] for s in samples] == step["prompts"]
-        assert len({s.uid for s in samples}) == 2 and all(samples[i].uid == samples[i - i % G].uid for i in range(2 * G))
+        assert len({s.uid for s in samples}) == 2 and all(
+            samples[i].uid == samples[i - i % G].uid for i in range(2 * G)
+        )
         assert all(s.row["reward_model"]["ground_truth"] for s in samples)  # found in the dataset by prompt
         assert batch.meta_info["sampling"]["temperature"] == 0.9  # the trainer's: what TRL divides logits by
         loss_mask = out["completion_mask"] * out["tool_mask"]
@@ -81,8 +109,13 @@ def test_grpo_trainer_trains_on_the_engines_samples(tmp_path, monkeypatch):
             p, r = len(s.prompt_ids), len(s.response_ids)
             assert not s.failed and r > 0
             assert out["prompt_ids"][i, P - p :].tolist() == s.prompt_ids and out["prompt_mask"][i].sum() == p
-            assert out["completion_ids"][i, :r].tolist() == s.response_ids and out["completion_mask"][i].sum() == r
-            assert loss_mask[i, :r].tolist() == s.mask and loss_mask[i, r:].sum() == 0  # observations not trained
+            assert (
+                out["completion_ids"][i, :r].tolist() == s.response_ids
+                and out["completion_mask"][i].sum() == r
+            )
+            assert (
+                loss_mask[i, :r].tolist() == s.mask and loss_mask[i, r:].sum() == 0
+            )  # observations not trained
             assert out["sampling_per_token_logps"][i, :r].tolist() == pytest.approx(s.logprobs, abs=0)
             assert set(s.versions) - {-1} == {step["step"]}  # sampled by the weights of this very step
         # TRL's recomputed logprobs (its loss's per_token_logps) match the rollout's on every trained token
@@ -109,17 +142,37 @@ def test_a_step_whose_rows_all_fail_stops_the_run_loudly(tmp_path, monkeypatch):
     model = AutoModelForCausalLM.from_pretrained(ASSETS, dtype=torch.float32)
     dataset = datasets.Dataset.from_list([{"prompt": r["raw_prompt"]} for r in make_prompts(2, seed=5)])
     args = trl.GRPOConfig(
-        output_dir=str(tmp_path), use_cpu=True, bf16=False, max_steps=2, per_device_train_batch_size=G,
-        num_generations=G, learning_rate=1e-4, logging_steps=1, report_to=[], save_strategy="no", seed=0,
-        disable_tqdm=True, dataloader_num_workers=0, max_completion_length=160,
-    )  # fmt: skip
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        max_steps=2,
+        per_device_train_batch_size=G,
+        num_generations=G,
+        learning_rate=1e-4,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        seed=0,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        max_completion_length=160,
+    )
     rollout = TRLRollout("calculator", dataset=dataset)
-    trainer = trl.GRPOTrainer(model=model, processing_class=tok, args=args, train_dataset=dataset,
-                              reward_funcs=[engine_reward], rollout_func=rollout)  # fmt: skip
+    trainer = trl.GRPOTrainer(
+        model=model,
+        processing_class=tok,
+        args=args,
+        train_dataset=dataset,
+        reward_funcs=[engine_reward],
+        rollout_func=rollout,
+    )
     try:
-        with pytest.raises(AllRowsFailed, match=r"TRL step 0: all 4 rows of the rollout ended in error, so there "
-                                                r"is nothing to train on; the most common \(4\): error: reward: "
-                                                r".*has no reward_model.ground_truth"):  # fmt: skip
+        with pytest.raises(
+            AllRowsFailed,
+            match=r"TRL step 0: all 4 rows of the rollout ended in error, so there "
+            r"is nothing to train on; the most common \(4\): error: reward: "
+            r".*has no reward_model.ground_truth",
+        ):
             trainer.train()
     finally:
         rollout.close()
@@ -135,9 +188,14 @@ def test_a_segmenting_spec_is_refused_when_the_adapter_is_made():
     message = r"TRLRollout: spec 'calculator_compact' rewrites its context.*one completion per prompt"
     with pytest.raises(ValueError, match=message):
         TRLRollout(SPEC)
-    with pytest.raises(ValueError, match=r"spec 'qwen3_thinking' rewrites its context \(context.policy 'template'"):
+    with pytest.raises(
+        ValueError, match=r"spec 'qwen3_thinking' rewrites its context \(context.policy 'template'"
+    ):
         TRLRollout("qwen3_thinking")
     tok = AutoTokenizer.from_pretrained(ASSETS)
-    with RolloutEngine(SPEC, tok, backend=compact_backend(tok)) as engine, pytest.raises(ValueError, match=message):
+    with (
+        RolloutEngine(SPEC, tok, backend=compact_backend(tok)) as engine,
+        pytest.raises(ValueError, match=message),
+    ):
         TRLRollout(SPEC, engine=engine)
     TRLRollout("calculator").close()  # append, no rewrites: accepted

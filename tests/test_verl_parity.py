@@ -128,7 +128,9 @@ IDENTICAL = [
 async def test_identical_to_verl_tool_agent_loop(case: Case, tok, tmp_path):
     pair = await run_both(case, tok, tmp_path)
     assert_identical(pair)
-    assert pair.verl.response_logprobs is not None and len(pair.verl.response_logprobs) == len(pair.verl.response_ids)
+    assert pair.verl.response_logprobs is not None and len(pair.verl.response_logprobs) == len(
+        pair.verl.response_ids
+    )
     assert pair.fsm.reward_score is None  # the spec has no reward
     assert pair.fsm.extra_fields["termination_reason"] == case.reason  # verl records none
     assert_same_requests(pair, tok.eos_token_id)
@@ -177,7 +179,11 @@ async def test_malformed_call_is_answered_not_dropped(bad: str, tok, tmp_path):
     assert pair.fsm.response_logprobs[: len(first)] == pair.verl.response_logprobs
     assert generated(pair.fsm) == [first, tok.encode(ANSWER, add_special_tokens=False) + [tok.eos_token_id]]
     (obs,) = observations(tok, pair.fsm)
-    expected = "Invalid JSON in tool call" if "37 *}" in bad else 'a JSON object with a string "name" and "arguments"'
+    expected = (
+        "Invalid JSON in tool call"
+        if "37 *}" in bad
+        else 'a JSON object with a string "name" and "arguments"'
+    )
     assert obs.startswith("\n<|im_start|>user\n<tool_response>\nError") and expected in obs
     assert pair.fsm.num_turns == 4 and pair.fsm.extra_fields["termination_reason"] == "done"
     assert pair.fsm_tools[0].calls["execute"] == 0  # a malformed call never reaches the tool
@@ -334,6 +340,7 @@ async def test_verl_worker_batch_has_identical_rows(tok, tmp_path):
 def test_config_entry_errors_and_caching(tok, tmp_path):
     """The spec is compiled once per process; batch shapes belong to verl's rollout config."""
     from fsm.adapters import verl as verl_adapter
+
     config = trainer_config(RESPONSE_LENGTH, {})
     server = ReplayServer(
         [], eos=tok.eos_token_id, prompt_length=PROMPT_LENGTH, response_length=RESPONSE_LENGTH

@@ -245,8 +245,9 @@ def test_transcripts(calculator_run, tmp_path, capsys):
     assert [t["mask"] for t in tool_row["turns"]] == [1, 0, 0, 1]
     traj = trajs[tool_row["index"]]
     assert sum(t["n_tokens"] for t in tool_row["turns"]) == len(traj.response_ids)
-    assert "".join(t["text"] for t in tool_row["turns"]) == codec.decode(traj.response_ids.tolist(),
-                                                                           skip_special_tokens=False)  # fmt: skip
+    assert "".join(t["text"] for t in tool_row["turns"]) == codec.decode(
+        traj.response_ids.tolist(), skip_special_tokens=False
+    )
 
     plain = render_transcript(tool_row, color=False)
     ones = traj.response_mask.count(1)
@@ -254,8 +255,13 @@ def test_transcripts(calculator_run, tmp_path, capsys):
     assert (
         f"{ones}/{len(traj.response_ids)} tokens mask=1 ({100 * ones / len(traj.response_ids):.1f}%)" in plain
     )
-    for needle in ("--- assistant [mask 1]", "--- tool [mask 0]", "<tool_response>", "end: done",
-                   "path: PENDING -> GENERATING -> PROCESSING_TOOLS -> GENERATING -> TERMINATED"):  # fmt: skip
+    for needle in (
+        "--- assistant [mask 1]",
+        "--- tool [mask 0]",
+        "<tool_response>",
+        "end: done",
+        "path: PENDING -> GENERATING -> PROCESSING_TOOLS -> GENERATING -> TERMINATED",
+    ):
         assert needle in plain
 
     console = Console(
@@ -322,8 +328,9 @@ def test_render_run_shows_where_segments_start(tmp_path):
     assert compacting["segments"] == len(starts) == 2 * compacting["visits"]
     assert compacting["segment_reasons"] == {"summary": compacting["visits"], "rewrite": compacting["visits"]}
     entered = [e for e in stats["edges"].values() if e["dest"] == "COMPACTING"]
-    assert [(e["count"], e.get("rewrites"), e.get("segments")) for e in entered if e["count"]] == \
-        [(compacting["visits"], compacting["visits"], len(starts))]  # fmt: skip
+    assert [(e["count"], e.get("rewrites"), e.get("segments")) for e in entered if e["count"]] == [
+        (compacting["visits"], compacting["visits"], len(starts))
+    ]
     assert not any(e.get("segments") for e in stats["edges"].values() if e["dest"] != "COMPACTING")
     assert "segments" not in stats["states"]["GENERATING"]
 

@@ -46,7 +46,9 @@ async def replay() -> AsyncIterator[str]:
     by_rid = {e["request"]["request_id"]: e for e in RECORDED if e["path"] == "/inference/v1/generate"}
     by_route: dict[tuple[str, str, str], dict[str, Any]] = {}
     for e in RECORDED:  # a pause by its mode, a collective RPC by its method
-        by_route.setdefault((e["method"], e["path"], (e["params"] or {}).get("mode", "") or rpc(e["request"])), e)
+        by_route.setdefault(
+            (e["method"], e["path"], (e["params"] or {}).get("mode", "") or rpc(e["request"])), e
+        )
 
     async def answer(request: web.Request) -> web.Response:
         if request.path == "/inference/v1/generate":
@@ -54,14 +56,16 @@ async def replay() -> AsyncIterator[str]:
             e = by_rid[rid]
         else:
             body = await request.json() if request.can_read_body else None
-            e = ANSWERS.get(request.path) or by_route.get((request.method, request.path,
-                                                          request.query.get("mode", "") or rpc(body)))  # fmt: skip
+            e = ANSWERS.get(request.path) or by_route.get(
+                (request.method, request.path, request.query.get("mode", "") or rpc(body))
+            )
             SEEN.append(f"{request.method} {request.path} {rpc(body)}".strip())
             if e is None:
                 return web.json_response({"detail": "Not Found"}, status=404)
         body = e["body"]
-        return web.Response(status=e["status"], text="" if body is None else json.dumps(body),
-                            content_type="application/json")  # fmt: skip
+        return web.Response(
+            status=e["status"], text="" if body is None else json.dumps(body), content_type="application/json"
+        )
 
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", answer)
@@ -74,8 +78,9 @@ async def replay() -> AsyncIterator[str]:
 
 
 def req(rid: str, max_new: int, prompt: list[int] = PROMPT, **params: Any) -> GenerateRequest:
-    return GenerateRequest("s", list(prompt), {"temperature": 0.0, "max_new_tokens": max_new, **params}, rid=rid,
-                           vocab_size=576)  # fmt: skip
+    return GenerateRequest(
+        "s", list(prompt), {"temperature": 0.0, "max_new_tokens": max_new, **params}, rid=rid, vocab_size=576
+    )
 
 
 async def test_generate_answers_parse_as_recorded(replay):
@@ -85,15 +90,29 @@ async def test_generate_answers_parse_as_recorded(replay):
         assert greedy.token_ids == body["token_ids"] and greedy.finish_reason == "length"
         assert greedy.logprobs == [x["logprob"] for x in body["logprobs"]["content"]]
         assert greedy.prompt_tokens == 28 and greedy.cached_tokens == 0
-        assert greedy.weight_version is not None and greedy.extra["token_versions"] == [greedy.weight_version] * 8
+        assert (
+            greedy.weight_version is not None
+            and greedy.extra["token_versions"] == [greedy.weight_version] * 8
+        )
         assert c.context_length == 4096 and c.model_name == recorded("models")["body"]["data"][0]["id"]
         stop = await c.generate(req("rec_stop", 8, stop_token_ids=[485]))
-        assert stop.finish_reason == "stop" and stop.token_ids[-1] == 485 and stop.extra["finish"]["matched"] == 485
-        bare = await c.generate(GenerateRequest("s", PROMPT, {"temperature": 0.0, "max_new_tokens": 3},
-                                                rid="rec_nolp", return_logprob=False))  # fmt: skip
+        assert (
+            stop.finish_reason == "stop"
+            and stop.token_ids[-1] == 485
+            and stop.extra["finish"]["matched"] == 485
+        )
+        bare = await c.generate(
+            GenerateRequest(
+                "s", PROMPT, {"temperature": 0.0, "max_new_tokens": 3}, rid="rec_nolp", return_logprob=False
+            )
+        )
         assert bare.logprobs is None and len(bare.token_ids) == 3
         cut = await c.generate(req("rec_abort", 400, ignore_eos=True))  # an abort keeps the partial output
-        assert cut.finish_reason == "abort" and 0 < len(cut.token_ids) < 400 and len(cut.logprobs or []) == len(cut.token_ids)
+        assert (
+            cut.finish_reason == "abort"
+            and 0 < len(cut.token_ids) < 400
+            and len(cut.logprobs or []) == len(cut.token_ids)
+        )
         held = await c.generate(req("rec_pause_keep", 200, ignore_eos=True))
         assert held.finish_reason == "length" and len(held.token_ids) == 200
         early = await c.generate(req("rec_early", 4))
@@ -109,7 +128,9 @@ async def test_vllms_refusals_are_one_line_request_errors(replay):
             with pytest.raises(BackendRequestError) as e:
                 await c.generate(req(rid, 10 if rid == "rec_long" else 3, prompt, **params))
             assert words in str(e.value) and "\n" not in str(e.value) and f"rid {rid}" in str(e.value)
-        with pytest.raises(BackendRequestError, match=r"/pause failed: HTTP 400: 1 validation error: .*'abort', 'wait'"):
+        with pytest.raises(
+            BackendRequestError, match=r"/pause failed: HTTP 400: 1 validation error: .*'abort', 'wait'"
+        ):
             await c._control("POST", "/pause", params={"mode": "retract"})
         with pytest.raises(BackendUnavailable, match="Weight transfer not configured"):
             await c.start_weight_update()
@@ -128,7 +149,9 @@ async def test_the_request_is_vllms_shape_and_a_zero_budget_or_unknown_parameter
         assert c.counts["requests"] == 0
     sent = recorded("greedy")["request"]
     assert set(sent) == {"token_ids", "request_id", "sampling_params"}
-    assert recorded("greedy")["body"]["request_id"] == REQUEST_PREFIX + sent["request_id"]  # what an abort names
+    assert (
+        recorded("greedy")["body"]["request_id"] == REQUEST_PREFIX + sent["request_id"]
+    )  # what an abort names
 
 
 async def test_control_answers_are_read_as_recorded(replay):
@@ -140,8 +163,11 @@ async def test_control_answers_are_read_as_recorded(replay):
 
 
 async def test_a_fleet_is_one_engine_kind():
-    with pytest.raises(ValueError, match=r"a fleet is one engine kind; these servers mix sglang and vllm: "
-                                         r"http://a:1 \(sglang\), http://b:2 \(vllm\)"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"a fleet is one engine kind; these servers mix sglang and vllm: "
+        r"http://a:1 \(sglang\), http://b:2 \(vllm\)",
+    ):
         Router([SGLangBackend("http://a:1"), VLLMBackend("http://b:2")])
     assert one_kind(["u", "v"], ["vllm", "vllm"]) == "vllm"
 
@@ -164,10 +190,19 @@ async def test_which_engine_answers():
         await runner.cleanup()
 
 
-@pytest.mark.parametrize(("argv", "words"), [
-    (["--launch-sglang", "m", "--launch-vllm", "m"], "--launch-sglang and --launch-vllm: a fleet is one engine kind"),
-    (["--engine", "sglang", "--launch-vllm", "m"], "--engine sglang with --launch-vllm: a fleet is one engine kind"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (
+            ["--launch-sglang", "m", "--launch-vllm", "m"],
+            "--launch-sglang and --launch-vllm: a fleet is one engine kind",
+        ),
+        (
+            ["--engine", "sglang", "--launch-vllm", "m"],
+            "--engine sglang with --launch-vllm: a fleet is one engine kind",
+        ),
+    ],
+)
 def test_the_cli_refuses_two_engine_kinds(capsys, argv, words):
     from tests.test_cli import one_line_error
 
@@ -179,26 +214,52 @@ async def test_an_update_is_exact_through_the_worker_extension_and_refused_witho
     keep pause; its report of a head left on other weights fails the update, naming the layer; a CPU server
     without it (vLLM reports no worker_extension_cls) is refused before anything is sent."""
     info, report = recorded("server_info"), recorded("exact_reload")
-    assert info["body"]["vllm_config"]["parallel_config"]["worker_extension_cls"] == "backends.vllm_reload.ExactReload"
-    assert report["body"]["results"][0]["stale"] == [] and "lm_head" in report["body"]["results"][0]["refreshed"]
+    assert (
+        info["body"]["vllm_config"]["parallel_config"]["worker_extension_cls"]
+        == "backends.vllm_reload.ExactReload"
+    )
+    assert (
+        report["body"]["results"][0]["stale"] == [] and "lm_head" in report["body"]["results"][0]["refreshed"]
+    )
     async with VLLMBackend(replay, max_retries=0) as c:
         done = await c.update_weights_from_disk("/ckpt/early", weight_version="7")
-        assert done["success"] and SEEN == ["GET /server_info", "POST /pause", "POST /collective_rpc agentfsm_reload_weights",
-                                            "POST /update_weight_version", "POST /resume"]  # fmt: skip
+        assert done["success"] and SEEN == [
+            "GET /server_info",
+            "POST /pause",
+            "POST /collective_rpc agentfsm_reload_weights",
+            "POST /update_weight_version",
+            "POST /resume",
+        ]
         SEEN.clear()
         # the head the plain reload leaves on the old embedding, as the extension measured it on real vLLM
-        ANSWERS["/collective_rpc"] = {**report, "body": {"results": [{"refreshed": ["lm_head"],
-                                                                       "stale": [["lm_head", 0.797]]}]}}  # fmt: skip
-        with pytest.raises(BackendRequestError, match=r"computes with other weights than it holds: lm_head \(off by "
-                                                      r"0.797 relative\); it does not serve the checkpoint") as e:  # fmt: skip
+        ANSWERS["/collective_rpc"] = {
+            **report,
+            "body": {"results": [{"refreshed": ["lm_head"], "stale": [["lm_head", 0.797]]}]},
+        }
+        with pytest.raises(
+            BackendRequestError,
+            match=r"computes with other weights than it holds: lm_head \(off by "
+            r"0.797 relative\); it does not serve the checkpoint",
+        ) as e:
             await c.update_weights_from_disk("/ckpt/early", weight_version="8")
-        assert replay in str(e.value) and SEEN[-2:] == ["POST /collective_rpc agentfsm_reload_weights", "POST /resume"]
+        assert replay in str(e.value) and SEEN[-2:] == [
+            "POST /collective_rpc agentfsm_reload_weights",
+            "POST /resume",
+        ]
     config = info["body"]["vllm_config"]
-    ANSWERS["/server_info"] = {**info, "body": {"vllm_config": {**config, "parallel_config": {"worker_extension_cls": None}}}}
+    ANSWERS["/server_info"] = {
+        **info,
+        "body": {"vllm_config": {**config, "parallel_config": {"worker_extension_cls": None}}},
+    }
     SEEN.clear()
     async with VLLMBackend(replay, max_retries=0) as c:
-        with pytest.raises(BackendRequestError, match="refused an update from /ckpt/early: vLLM's CPU engine keeps "
-                                                      "the output head's packed copy through reload_weights") as e:  # fmt: skip
+        with pytest.raises(
+            BackendRequestError,
+            match="refused an update from /ckpt/early: vLLM's CPU engine keeps "
+            "the output head's packed copy through reload_weights",
+        ) as e:
             await c.update_weights_from_disk("/ckpt/early", weight_version="9")
-        assert "--worker-extension-cls backends.vllm_reload.ExactReload" in str(e.value) and "\n" not in str(e.value)
+        assert "--worker-extension-cls backends.vllm_reload.ExactReload" in str(e.value) and "\n" not in str(
+            e.value
+        )
     assert SEEN == ["GET /server_info"]  # nothing paused, nothing reloaded

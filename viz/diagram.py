@@ -84,7 +84,9 @@ def edge_order(agent: CompiledAgent, edge: Edge) -> int | None:
     return siblings.index(edge) + 1 if len(siblings) > 1 else None
 
 
-def edge_label(edge: Edge, stats: dict[str, Any] | None = None, *, sep: str = "\n", order: int | None = None) -> str:
+def edge_label(
+    edge: Edge, stats: dict[str, Any] | None = None, *, sep: str = "\n", order: int | None = None
+) -> str:
     """`2. guard`, `reason: ...`, and with statistics `12× · 60%` (count, share of trajectories)."""
     parts = [f"{order}. {edge.label}" if order is not None else edge.label]
     if edge.reason is not None:
@@ -120,10 +122,20 @@ def state_lines(agent: CompiledAgent, name: str, run_stats: dict[str, Any] | Non
 def diagram(agent: Any, run_stats: dict[str, Any] | None = None) -> graphviz.Digraph:
     """The spec as a left-to-right Graphviz digraph; see the module docstring for what is drawn."""
     agent = _agent(agent)
-    g = graphviz.Digraph(agent.name, graph_attr={
-        "rankdir": "LR", "label": _title(agent, run_stats), "labelloc": "t", "fontname": "Helvetica",
-        "fontsize": "16", "nodesep": "0.5", "ranksep": "0.9",
-    }, node_attr={"fontname": "Helvetica", "fontsize": "12"}, edge_attr={"fontname": "Helvetica", "fontsize": "10"})  # fmt: skip
+    g = graphviz.Digraph(
+        agent.name,
+        graph_attr={
+            "rankdir": "LR",
+            "label": _title(agent, run_stats),
+            "labelloc": "t",
+            "fontname": "Helvetica",
+            "fontsize": "16",
+            "nodesep": "0.5",
+            "ranksep": "0.9",
+        },
+        node_attr={"fontname": "Helvetica", "fontsize": "12"},
+        edge_attr={"fontname": "Helvetica", "fontsize": "10"},
+    )
     g.node("__start__", "", shape="point", width="0.18", tooltip="entry point")
     for name in flow_order(agent):
         spec = agent.spec.states[name]
@@ -191,8 +203,13 @@ def _mermaid_text(text: str) -> str:
 def to_mermaid(agent: Any, run_stats: dict[str, Any] | None = None) -> str:
     """The spec as a Mermaid `stateDiagram-v2` (renders in GitHub markdown and mermaid.live)."""
     agent = _agent(agent)
-    lines = ["---", f"title: {_mermaid_text(_title(agent, run_stats))}", "---", "stateDiagram-v2",
-             "    direction LR"]  # fmt: skip
+    lines = [
+        "---",
+        f"title: {_mermaid_text(_title(agent, run_stats))}",
+        "---",
+        "stateDiagram-v2",
+        "    direction LR",
+    ]
     for name in flow_order(agent):
         extra = state_lines(agent, name, run_stats)
         if extra:  # "S: S" first makes the name the box's title and each later description a line under it
@@ -230,9 +247,11 @@ def render(agent: Any, path: str | Path, run_stats: dict[str, Any] | None = None
     elif ext in FORMATS:
         graph = diagram(agent, run_stats)
         if shutil.which("dot") is None:
-            raise RenderError(f"writing {path.name} needs Graphviz's `dot` program, which is not on PATH: install "
-                              "graphviz (apt-get install graphviz, brew install graphviz or conda install graphviz), "
-                              "or write .dot or .mmd instead, which need nothing")  # fmt: skip
+            raise RenderError(
+                f"writing {path.name} needs Graphviz's `dot` program, which is not on PATH: install "
+                "graphviz (apt-get install graphviz, brew install graphviz or conda install graphviz), "
+                "or write .dot or .mmd instead, which need nothing"
+            )
         if ext == ".png":
             graph.graph_attr["dpi"] = "144"  # sharp on high-density screens and in READMEs
         try:

@@ -48,8 +48,14 @@ def run_stats(agent: Any, trajectories: Sequence[Any] | None = None) -> dict[str
     edges: dict[int, dict[str, Any]] = {}
     if agent is not None:
         for e in agent.edges:
-            edges[e.index] = {"source": e.source, "dest": e.dest, "guard": e.label, "reason": e.reason,
-                              "count": 0, "trajectories": 0}  # fmt: skip
+            edges[e.index] = {
+                "source": e.source,
+                "dest": e.dest,
+                "guard": e.label,
+                "reason": e.reason,
+                "count": 0,
+                "trajectories": 0,
+            }
     states: dict[str, dict[str, Any]] = {}
     if agent is not None:
         for name in agent.spec.states:
@@ -63,8 +69,14 @@ def run_stats(agent: Any, trajectories: Sequence[Any] | None = None) -> dict[str
         for k, index in enumerate(fired):
             e = edges.get(index)
             if e is None:  # no agent given: what the path says
-                e = edges[index] = {"source": path[k], "dest": path[k + 1], "guard": None, "reason": None,
-                                    "count": 0, "trajectories": 0}  # fmt: skip
+                e = edges[index] = {
+                    "source": path[k],
+                    "dest": path[k + 1],
+                    "guard": None,
+                    "reason": None,
+                    "count": 0,
+                    "trajectories": 0,
+                }
             e["count"] += 1
         for index in set(fired):
             edges[index]["trajectories"] += 1
@@ -97,10 +109,12 @@ def run_stats(agent: Any, trajectories: Sequence[Any] | None = None) -> dict[str
         "states": states,
         "termination_reasons": dict(sorted(reasons.items(), key=lambda kv: -kv[1])),
         "final_states": finals,
-        "segments": {"rows": sum(k * v for k, v in per_trajectory.items()),
-                     "rewritten": sum(v for k, v in per_trajectory.items() if k > 1),
-                     "per_trajectory": {str(k): per_trajectory[k] for k in sorted(per_trajectory)}},
-    }  # fmt: skip
+        "segments": {
+            "rows": sum(k * v for k, v in per_trajectory.items()),
+            "rewritten": sum(v for k, v in per_trajectory.items() if k > 1),
+            "per_trajectory": {str(k): per_trajectory[k] for k in sorted(per_trajectory)},
+        },
+    }
 
 
 def _count_segments(traj: Any, edges: dict[int, dict[str, Any]], states: dict[str, dict[str, Any]]) -> None:

@@ -58,6 +58,7 @@ def _ground_truth(row: Any) -> Any:
 def trajectory_record(traj: Any, codec: Any = None) -> dict[str, Any]:
     """The JSON-ready record of one finished trajectory; `codec` (fsm.families.Codec: the model's exact
     text) decodes it, and without one only token counts are kept."""
+
     def decode(part: list[int]) -> str | None:
         if codec is None:
             return None
@@ -74,10 +75,15 @@ def trajectory_record(traj: Any, codec: Any = None) -> dict[str, Any]:
             return sorted(set(versions[run.start : run.end]))
 
         return [
-            {"role": run.role, "text": decode(ids[run.start : run.end]), "mask": 1 if run.role == "assistant" else 0,
-             "n_tokens": run.end - run.start, **({"weight_versions": v} if (v := turn_versions(run)) else {})}
+            {
+                "role": run.role,
+                "text": decode(ids[run.start : run.end]),
+                "mask": 1 if run.role == "assistant" else 0,
+                "n_tokens": run.end - run.start,
+                **({"weight_versions": v} if (v := turn_versions(run)) else {}),
+            }
             for run in seg.runs
-        ]  # fmt: skip
+        ]
 
     turns = runs(traj)
     span = traj.weight_versions() if hasattr(traj, "weight_versions") else None
@@ -109,10 +115,17 @@ def trajectory_record(traj: Any, codec: Any = None) -> dict[str, Any]:
         record["token_check"] = traj.token_check
     if getattr(traj, "closed", ()):
         path = traj.path  # `state`: where the segment began (the state whose action started it)
-        record["segments"] = [{"index": seg.index, "reason": seg.reason, "state": path[min(seg.at, len(path) - 1)],
-                               "prompt": decode(seg.prompt_ids.tolist()),
-                               "prompt_tokens": len(seg.prompt_ids), "turns": runs(seg) if seg.index < len(traj.closed)
-                               else turns} for seg in traj.segments]  # fmt: skip
+        record["segments"] = [
+            {
+                "index": seg.index,
+                "reason": seg.reason,
+                "state": path[min(seg.at, len(path) - 1)],
+                "prompt": decode(seg.prompt_ids.tolist()),
+                "prompt_tokens": len(seg.prompt_ids),
+                "turns": runs(seg) if seg.index < len(traj.closed) else turns,
+            }
+            for seg in traj.segments
+        ]
     return record
 
 
@@ -156,8 +169,10 @@ def harness_failure(record: dict[str, Any]) -> str | None:
     """How a row's harness failed, one line (the last line of its error: a traceback's says why); None when it
     returned or exited 0 (fsm/gateway/harness.py's `harness_failed`)."""
     outcome = record.get("harness")
-    if not isinstance(outcome, dict) or outcome.get("outcome") in (None, "returned") or (
-        outcome.get("outcome") == "exit" and outcome.get("exit_code") in (None, 0)
+    if (
+        not isinstance(outcome, dict)
+        or outcome.get("outcome") in (None, "returned")
+        or (outcome.get("outcome") == "exit" and outcome.get("exit_code") in (None, 0))
     ):
         return None
     lines = [line.strip() for line in str(outcome.get("error") or "").splitlines() if line.strip()]
@@ -198,7 +213,9 @@ def render_transcript(record: dict[str, Any], color: bool = True) -> str | Rende
     if not color:
         out = [f"=== {header[0][0]} ==="] + [text for text, _ in header[1:]]
         for seg in earlier:
-            out.append(f"=== segment {seg['index']} ({seg['reason']}): prompt {_tokens(seg['prompt_tokens'])}")
+            out.append(
+                f"=== segment {seg['index']} ({seg['reason']}): prompt {_tokens(seg['prompt_tokens'])}"
+            )
             for t in seg["turns"]:
                 out.append(f"--- {t['role']} [mask {t['mask']}] ({_tokens(t['n_tokens'])})")
                 out.append(t["text"] if t.get("text") is not None else f"({_tokens(t['n_tokens'])})")
@@ -214,8 +231,13 @@ def render_transcript(record: dict[str, Any], color: bool = True) -> str | Rende
     parts: list[RenderableType] = [Rule(Text(header[0][0], style="bold"), align="left")]
     parts += [Text(text, style=style) for text, style in header[1:]]
     for seg in earlier:
-        parts.append(Text(f"segment {seg['index']} ({seg['reason']}): prompt {_tokens(seg['prompt_tokens'])}, "
-                          f"{sum(t['n_tokens'] for t in seg['turns'])} response tokens", style="bold magenta"))  # fmt: skip
+        parts.append(
+            Text(
+                f"segment {seg['index']} ({seg['reason']}): prompt {_tokens(seg['prompt_tokens'])}, "
+                f"{sum(t['n_tokens'] for t in seg['turns'])} response tokens",
+                style="bold magenta",
+            )
+        )
     if earlier:
         parts.append(Text(f"segment {record['segments'][-1]['index']}, the last:", style="bold magenta"))
     if prompt is not None:
@@ -241,7 +263,9 @@ def read_records(run_dir: str | Path) -> list[dict[str, Any]]:
     if path.is_dir():
         path = path / "trajectories.jsonl"
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no trajectories here; pass the directory `agentfsm run --out DIR` wrote")
+        raise FileNotFoundError(
+            f"{path}: no trajectories here; pass the directory `agentfsm run --out DIR` wrote"
+        )
     records = []
     with path.open(encoding="utf-8", errors="replace") as f:
         for lineno, line in enumerate(f, 1):
@@ -250,27 +274,42 @@ def read_records(run_dir: str | Path) -> list[dict[str, Any]]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{lineno}: not a trajectory record ({exc.msg}); is this a run's "
-                                 "trajectories.jsonl?") from None  # fmt: skip
+                raise ValueError(
+                    f"{path}:{lineno}: not a trajectory record ({exc.msg}); is this a run's "
+                    "trajectories.jsonl?"
+                ) from None
             if not isinstance(record, dict):
                 raise ValueError(f"{path}:{lineno}: not a trajectory record (a JSON object per line)")
             records.append(record)
     return records
 
 
-def select(records: Iterable[dict[str, Any]], row: int | None = None, worst: bool = False,
-           failed: bool = False) -> list[dict[str, Any]]:  # fmt: skip
+def select(
+    records: Iterable[dict[str, Any]], row: int | None = None, worst: bool = False, failed: bool = False
+) -> list[dict[str, Any]]:
     """`row`: only the trajectory with that index; `failed`: only those with an error, a failed harness or a
     token check that found a difference; `worst`: lowest reward first (no reward counts as lowest)."""
-    chosen = [r for r in records if (row is None or r.get("index") == row)
-              and (not failed or r.get("error") or harness_failure(r) or r.get("token_check"))]  # fmt: skip
+    chosen = [
+        r
+        for r in records
+        if (row is None or r.get("index") == row)
+        and (not failed or r.get("error") or harness_failure(r) or r.get("token_check"))
+    ]
     if worst:
         chosen.sort(key=lambda r: (r.get("reward_score") is not None, r.get("reward_score") or 0.0))
     return chosen
 
 
-def show(run_dir: str | Path, row: int | None = None, worst: bool = False, failed: bool = False, *,
-         limit: int | None = None, color: bool | None = None, console: Console | None = None) -> int:  # fmt: skip
+def show(
+    run_dir: str | Path,
+    row: int | None = None,
+    worst: bool = False,
+    failed: bool = False,
+    *,
+    limit: int | None = None,
+    color: bool | None = None,
+    console: Console | None = None,
+) -> int:
     """Print a run's transcripts (see `select`), at most `limit` of them; colour when printing to a terminal.
     Returns how many it printed. A `row` the run does not have raises LookupError."""
     records = read_records(run_dir)

@@ -29,7 +29,10 @@ def fully_correct(traj) -> bool:
     """The first assistant turn calls the calculator with the question's exact expression, reward 1."""
     question = traj.row["raw_prompt"][-1]["content"]
     expected = json.dumps(
-        {"name": "calculator", "arguments": {"expression": question.removeprefix("What is ").removesuffix("?")}}
+        {
+            "name": "calculator",
+            "arguments": {"expression": question.removeprefix("What is ").removesuffix("?")},
+        }
     )
     turns = [m["content"] for m in traj.messages if m["role"] == "assistant"]
     call = TOOL_CALL.search(turns[0]) if turns else None
@@ -52,7 +55,9 @@ async def evaluate(args: argparse.Namespace) -> tuple[dict, list[str], list[str]
         f"demo (seed {DEMO_SEED})": make_prompts(DEMO_PROMPTS, seed=DEMO_SEED),
     }
     table = {}
-    has_tokenizer = (args.model_dir / "tokenizer.json").exists()  # else a checkpoint of the tiny model (early, mid)
+    has_tokenizer = (
+        args.model_dir / "tokenizer.json"
+    ).exists()  # else a checkpoint of the tiny model (early, mid)
     tokenizer = args.model_dir if has_tokenizer else ASSET_DIR
     async with RolloutEngine(args.spec, tokenizer=tokenizer, backend=backend) as engine:
         sampling = engine.agent.spec.sampling

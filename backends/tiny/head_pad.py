@@ -41,14 +41,19 @@ def pad_state(state: dict, config: dict, head_dim: int = HEAD_DIM) -> dict:
     """A Qwen2 state dict -> the Llama state dict with `head_dim`-wide heads (module docstring)."""
     import torch
 
-    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
+    heads, kv_heads = (
+        config["num_attention_heads"],
+        config.get("num_key_value_heads", config["num_attention_heads"]),
+    )
     old = config["hidden_size"] // heads
     if head_dim % old or head_dim < old or old % 2:
         raise ValueError(f"cannot place {old}-dim heads in {head_dim} dims")
     place = torch.tensor(_placement(old, head_dim))
     scale = math.sqrt(head_dim / old)
 
-    def rows(t: torch.Tensor, n: int, factor: float = 1.0) -> torch.Tensor:  # [n*old, ...] -> [n*head_dim, ...]
+    def rows(
+        t: torch.Tensor, n: int, factor: float = 1.0
+    ) -> torch.Tensor:  # [n*old, ...] -> [n*head_dim, ...]
         out = t.new_zeros((n, head_dim, *t.shape[1:]))
         out[:, place] = t.reshape(n, old, *t.shape[1:]) * factor
         return out.reshape(n * head_dim, *t.shape[1:])
@@ -69,13 +74,39 @@ def pad_state(state: dict, config: dict, head_dim: int = HEAD_DIM) -> dict:
 
 def llama_config(config: dict, head_dim: int = HEAD_DIM) -> dict:
     """The Qwen2 config as a Llama config with `head_dim`-wide heads and biased attention."""
-    keep = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-            "hidden_act", "max_position_embeddings", "rms_norm_eps", "rope_parameters", "rope_theta",
-            "rope_scaling", "vocab_size", "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id",
-            "initializer_range", "use_cache", "dtype", "torch_dtype", "transformers_version")  # fmt: skip
+    keep = (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "hidden_act",
+        "max_position_embeddings",
+        "rms_norm_eps",
+        "rope_parameters",
+        "rope_theta",
+        "rope_scaling",
+        "vocab_size",
+        "tie_word_embeddings",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "initializer_range",
+        "use_cache",
+        "dtype",
+        "torch_dtype",
+        "transformers_version",
+    )
     out = {k: config[k] for k in keep if k in config}
-    return {**out, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "head_dim": head_dim,
-            "attention_bias": True, "mlp_bias": False, "attention_dropout": 0.0}  # fmt: skip
+    return {
+        **out,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "head_dim": head_dim,
+        "attention_bias": True,
+        "mlp_bias": False,
+        "attention_dropout": 0.0,
+    }
 
 
 def convert(src: Path, dst: Path, *, tokenizer_from: Path | None = None) -> Path:
@@ -110,7 +141,9 @@ def convert_tiny(dst: Path, src: Path = ASSET_DIR) -> Path:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path, help="the directory to write")
-    ap.add_argument("--src", type=Path, default=ASSET_DIR, help="the tiny Qwen2 model (default: the shipped one)")
+    ap.add_argument(
+        "--src", type=Path, default=ASSET_DIR, help="the tiny Qwen2 model (default: the shipped one)"
+    )
     args = ap.parse_args()
     print(convert_tiny(args.out, args.src))
 

@@ -139,7 +139,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch-size", type=int, default=BATCH_SIZE)
     parser.add_argument("--lr", type=float, default=LR, help="peak learning rate")
-    parser.add_argument("--warmup-steps", type=int, default=WARMUP_STEPS, help="linear warmup before the cosine decay")
+    parser.add_argument(
+        "--warmup-steps", type=int, default=WARMUP_STEPS, help="linear warmup before the cosine decay"
+    )
     parser.add_argument("--digit-weight", type=float, default=DIGIT_WEIGHT)
     parser.add_argument(
         "--hard-fraction", type=float, default=0.0, help="share of examples drawn by make_hard_question"
@@ -147,11 +149,15 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="for experiments; the shipped model trains on CPU")
     parser.add_argument("--out", type=Path, default=ASSET_DIR)
     parser.add_argument(
-        "--stop-at-step", type=int, default=None,
+        "--stop-at-step",
+        type=int,
+        default=None,
         help="stop here and save, the schedule unchanged (a checkpoint partway through a recipe)",
     )
     parser.add_argument(
-        "--flatten", type=float, default=None,
+        "--flatten",
+        type=float,
+        default=None,
         help="save with the logits divided by this temperature (how assets/mid was made, see flatten())",
     )
     parser.add_argument(

@@ -32,30 +32,58 @@ def codex_binary() -> str | None:
     return str(LOCAL) if LOCAL.exists() else shutil.which("codex")
 
 
-def codex_argv(codex: str, base_url: str, prompt: str, model: str = "agentfsm", more: list[str] | None = None) -> list[str]:
+def codex_argv(
+    codex: str, base_url: str, prompt: str, model: str = "agentfsm", more: list[str] | None = None
+) -> list[str]:
     """`codex exec` against one gateway session (its OpenAI base URL, `.../sessions/{id}/v1`); `more`: Codex's
     own options, before the prompt."""
-    provider = {"name": "agentfsm", "base_url": base_url, "wire_api": "responses", "env_key": "OPENAI_API_KEY"}
+    provider = {
+        "name": "agentfsm",
+        "base_url": base_url,
+        "wire_api": "responses",
+        "env_key": "OPENAI_API_KEY",
+    }
     flags = [f"model_providers.agentfsm.{key}={json.dumps(value)}" for key, value in provider.items()]
-    flags += ["model_provider=agentfsm", "model_providers.agentfsm.stream_max_retries=0",
-              "model_providers.agentfsm.request_max_retries=0"]  # a refusal is an answer: never re-sent
-    return [codex, "exec", "--skip-git-repo-check", "--ephemeral", "-m", model,
-            *(arg for flag in flags for arg in ("-c", flag)), *(more or ()), prompt]  # fmt: skip
+    flags += [
+        "model_provider=agentfsm",
+        "model_providers.agentfsm.stream_max_retries=0",
+        "model_providers.agentfsm.request_max_retries=0",
+    ]  # a refusal is an answer: never re-sent
+    return [
+        codex,
+        "exec",
+        "--skip-git-repo-check",
+        "--ephemeral",
+        "-m",
+        model,
+        *(arg for flag in flags for arg in ("-c", flag)),
+        *(more or ()),
+        prompt,
+    ]
 
 
 def main() -> int:
     codex = codex_binary()
     if codex is None:
-        print("codex harness: no Codex CLI (bash .ci/codex.sh installs it into .codex-cli/, or set AGENTFSM_CODEX)",
-              file=sys.stderr)  # fmt: skip
+        print(
+            "codex harness: no Codex CLI (bash .ci/codex.sh installs it into .codex-cli/, or set AGENTFSM_CODEX)",
+            file=sys.stderr,
+        )
         return 127
     row = json.loads(os.environ["AGENTFSM_ROW"])
     prompt = next(m["content"] for m in reversed(row.get("raw_prompt") or []) if m.get("role") == "user")
     home = tempfile.mkdtemp(prefix="agentfsm-codex-")
     try:
-        argv = codex_argv(codex, os.environ["OPENAI_BASE_URL"], prompt, os.environ.get("AGENTFSM_MODEL", "agentfsm"),
-                          sys.argv[1:])  # fmt: skip
-        return subprocess.run(argv, env={**os.environ, "CODEX_HOME": home}, stdin=subprocess.DEVNULL).returncode
+        argv = codex_argv(
+            codex,
+            os.environ["OPENAI_BASE_URL"],
+            prompt,
+            os.environ.get("AGENTFSM_MODEL", "agentfsm"),
+            sys.argv[1:],
+        )
+        return subprocess.run(
+            argv, env={**os.environ, "CODEX_HOME": home}, stdin=subprocess.DEVNULL
+        ).returncode
     finally:
         shutil.rmtree(home, ignore_errors=True)
 

@@ -36,27 +36,45 @@ async def openai_chat(call: HarnessCall, stream: bool = False) -> str:
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=call.base_url, api_key=call.api_key, max_retries=0)
-    messages: list[dict] = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": _question(call)}]
+    messages: list[dict] = [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": _question(call)},
+    ]
     try:
         for _ in range(MAX_STEPS):
             if stream:
                 content, calls = "", {}
-                async for chunk in await client.chat.completions.create(model=call.model, messages=messages,
-                                                                        tools=[TOOL_SCHEMA], stream=True):  # fmt: skip
+                async for chunk in await client.chat.completions.create(
+                    model=call.model, messages=messages, tools=[TOOL_SCHEMA], stream=True
+                ):
                     for choice in chunk.choices:
                         content += choice.delta.content or ""
                         for tc in choice.delta.tool_calls or ():
                             entry = calls.setdefault(tc.index, {"id": tc.id, "name": "", "arguments": ""})
                             entry["name"] += tc.function.name or ""
                             entry["arguments"] += tc.function.arguments or ""
-                tool_calls = [{"id": c["id"], "type": "function",
-                               "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls.values()]  # fmt: skip
+                tool_calls = [
+                    {
+                        "id": c["id"],
+                        "type": "function",
+                        "function": {"name": c["name"], "arguments": c["arguments"]},
+                    }
+                    for c in calls.values()
+                ]
             else:
-                reply = await client.chat.completions.create(model=call.model, messages=messages, tools=[TOOL_SCHEMA])
+                reply = await client.chat.completions.create(
+                    model=call.model, messages=messages, tools=[TOOL_SCHEMA]
+                )
                 message = reply.choices[0].message
                 content = message.content or ""
                 tool_calls = [tc.model_dump() for tc in message.tool_calls or ()]
-            messages.append({"role": "assistant", "content": content, **({"tool_calls": tool_calls} if tool_calls else {})})
+            messages.append(
+                {
+                    "role": "assistant",
+                    "content": content,
+                    **({"tool_calls": tool_calls} if tool_calls else {}),
+                }
+            )
             if not tool_calls:
                 return content
             for tc in tool_calls:
@@ -85,11 +103,17 @@ async def agents_sdk(call: HarnessCall) -> str:
 
     client = AsyncOpenAI(base_url=call.base_url, api_key=call.api_key, max_retries=0)
     model = OpenAIResponsesModel(model=call.model, openai_client=client)
-    agent = Agent(name="calculator", instructions=SYSTEM_PROMPT, tools=[calc], model=model,
-                  model_settings=ModelSettings(store=False))  # fmt: skip
+    agent = Agent(
+        name="calculator",
+        instructions=SYSTEM_PROMPT,
+        tools=[calc],
+        model=model,
+        model_settings=ModelSettings(store=False),
+    )
     try:
-        result = await Runner.run(agent, _question(call), max_turns=MAX_STEPS,
-                                  run_config=RunConfig(tracing_disabled=True))  # fmt: skip
+        result = await Runner.run(
+            agent, _question(call), max_turns=MAX_STEPS, run_config=RunConfig(tracing_disabled=True)
+        )
         return str(result.final_output)
     finally:
         await client.close()
@@ -109,7 +133,9 @@ def langgraph_agent(call: HarnessCall) -> str:
         """Evaluate an arithmetic expression."""
         return _run_tool("calculator", {"expression": expression})
 
-    llm = ChatOpenAI(model=call.model, base_url=call.base_url, api_key=call.api_key, max_retries=0, streaming=True)
+    llm = ChatOpenAI(
+        model=call.model, base_url=call.base_url, api_key=call.api_key, max_retries=0, streaming=True
+    )
     graph = create_react_agent(llm, [calc], prompt=SYSTEM_PROMPT)
     state = graph.invoke({"messages": [("user", _question(call))]}, {"recursion_limit": 2 * MAX_STEPS + 1})
     return str(state["messages"][-1].content)
@@ -127,15 +153,29 @@ async def anthropic_messages(call: HarnessCall) -> str:
     messages: list[dict] = [{"role": "user", "content": _question(call)}]
     try:
         for _ in range(MAX_STEPS):
-            async with client.messages.stream(model=call.model, max_tokens=256, system=SYSTEM_PROMPT,
-                                              messages=messages, tools=tools) as stream:  # fmt: skip
+            async with client.messages.stream(
+                model=call.model, max_tokens=256, system=SYSTEM_PROMPT, messages=messages, tools=tools
+            ) as stream:
                 message = await stream.get_final_message()
-            messages.append({"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in message.content]})
+            messages.append(
+                {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in message.content]}
+            )
             uses = [b for b in message.content if b.type == "tool_use"]
             if not uses:
                 return "".join(b.text for b in message.content if b.type == "text")
-            messages.append({"role": "user", "content": [
-                {"type": "tool_result", "tool_use_id": b.id, "content": _run_tool(b.name, dict(b.input))} for b in uses]})  # fmt: skip
+            messages.append(
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "tool_result",
+                            "tool_use_id": b.id,
+                            "content": _run_tool(b.name, dict(b.input)),
+                        }
+                        for b in uses
+                    ],
+                }
+            )
         return ""
     finally:
         await client.close()

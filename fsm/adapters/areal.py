@@ -65,8 +65,12 @@ class FSMWorkflow(_WorkflowBase):  # type: ignore[misc,valid-type]
             backend = FunctionBackend(self._generate, model_name="areal", provider="areal")
             self.engine = RolloutEngine(self.spec, tokenizer=self.tokenizer, backend=backend, **self.options)
         batch = await self.engine.agenerate_samples([to_row(data)], sampling_params=self._sampling())
-        samples = batch.samples  # one per segment of the episode's trajectory (one unless its context was rewritten)
-        if any(s.logprobs is None for s in samples):  # AReaL's loss divides by them: never train on invented ones
+        samples = (
+            batch.samples
+        )  # one per segment of the episode's trajectory (one unless its context was rewritten)
+        if any(
+            s.logprobs is None for s in samples
+        ):  # AReaL's loss divides by them: never train on invented ones
             log.warning("episode rejected: AReaL's engine returned no logprobs (row %s)", samples[0].uid)
             return None
         if samples[0].failed:
@@ -83,27 +87,44 @@ class FSMWorkflow(_WorkflowBase):  # type: ignore[misc,valid-type]
         if g is None:
             return {}
         top_k = int(getattr(g, "top_k", -1))
-        return {"temperature": 0.0 if getattr(g, "greedy", False) else float(g.temperature), "top_p": float(g.top_p),
-                "top_k": top_k if 0 < top_k < self.engine.codec.vocab_size else -1}  # type: ignore[union-attr]  # fmt: skip
+        return {
+            "temperature": 0.0 if getattr(g, "greedy", False) else float(g.temperature),
+            "top_p": float(g.top_p),
+            "top_k": top_k if 0 < top_k < self.engine.codec.vocab_size else -1,
+        }  # type: ignore[union-attr]
 
-    async def _generate(self, prompt_ids: list[int], params: dict[str, Any], request: GenerateRequest) -> dict[str, Any]:
+    async def _generate(
+        self, prompt_ids: list[int], params: dict[str, Any], request: GenerateRequest
+    ) -> dict[str, Any]:
         """One model turn on AReaL's engine, in AReaL's own request type."""
         from areal.api import ModelRequest
         from areal.api.cli_args import GenerationHyperparameters
 
         base = self.gconfig if self.gconfig is not None else GenerationHyperparameters()
         temperature = float(params.get("temperature", 1.0))
-        gconfig = base.new(n_samples=1, max_new_tokens=int(params["max_new_tokens"]), min_new_tokens=0,
-                           greedy=temperature == 0.0, temperature=temperature, top_p=float(params.get("top_p", 1.0)),
-                           top_k=int(params["top_k"]) if params.get("top_k", -1) > 0 else int(1e8),
-                           stop_token_ids=list(params.get("stop_token_ids") or []), stop=None,
-                           max_tokens=len(prompt_ids) + int(params["max_new_tokens"]))  # fmt: skip
-        req = ModelRequest(rid=request.session_id, input_ids=list(prompt_ids), gconfig=gconfig, tokenizer=self.tokenizer)
+        gconfig = base.new(
+            n_samples=1,
+            max_new_tokens=int(params["max_new_tokens"]),
+            min_new_tokens=0,
+            greedy=temperature == 0.0,
+            temperature=temperature,
+            top_p=float(params.get("top_p", 1.0)),
+            top_k=int(params["top_k"]) if params.get("top_k", -1) > 0 else int(1e8),
+            stop_token_ids=list(params.get("stop_token_ids") or []),
+            stop=None,
+            max_tokens=len(prompt_ids) + int(params["max_new_tokens"]),
+        )
+        req = ModelRequest(
+            rid=request.session_id, input_ids=list(prompt_ids), gconfig=gconfig, tokenizer=self.tokenizer
+        )
         resp = await on_loop(self._areal.agenerate(req), self._loop)
         finish = {"tool_calls": "stop"}.get(resp.stop_reason, resp.stop_reason)
-        return {"token_ids": list(resp.output_tokens), "logprobs": list(resp.output_logprobs),
-                "finish_reason": finish if finish in ("stop", "length", "abort") else None,
-                "versions": list(resp.output_versions)}  # fmt: skip
+        return {
+            "token_ids": list(resp.output_tokens),
+            "logprobs": list(resp.output_logprobs),
+            "finish_reason": finish if finish in ("stop", "length", "abort") else None,
+            "versions": list(resp.output_versions),
+        }
 
     def close(self) -> None:
         if self.engine is not None:
@@ -126,12 +147,19 @@ def to_areal(sample: Sample) -> dict[str, torch.Tensor]:
     P = len(sample.prompt_ids)
     logprobs = sample.logprobs
     if logprobs is None or len(logprobs) != len(sample.response_ids):
-        what = "no logprobs" if logprobs is None else f"{len(logprobs)} logprobs for {len(sample.response_ids)} tokens"
-        raise ValueError(f"row {sample.uid}: the sample has {what}; AReaL's episode needs one per response token")
+        what = (
+            "no logprobs"
+            if logprobs is None
+            else f"{len(logprobs)} logprobs for {len(sample.response_ids)} tokens"
+        )
+        raise ValueError(
+            f"row {sample.uid}: the sample has {what}; AReaL's episode needs one per response token"
+        )
     out = {
         "input_ids": torch.tensor(sample.prompt_ids + sample.response_ids, dtype=torch.int32),
-        "logprobs": torch.tensor([0.0] * P + [lp if m else 0.0 for lp, m in zip(logprobs, sample.mask)],
-                                 dtype=torch.float32),  # fmt: skip
+        "logprobs": torch.tensor(
+            [0.0] * P + [lp if m else 0.0 for lp, m in zip(logprobs, sample.mask)], dtype=torch.float32
+        ),
         "loss_mask": torch.tensor([0] * P + sample.mask, dtype=torch.int32),
         "versions": torch.tensor([-1] * P + sample.versions, dtype=torch.int32),
         "rewards": torch.tensor(0.0 if sample.reward is None else sample.reward, dtype=torch.float32),

@@ -26,7 +26,9 @@ def one_row_per_sample(spec: Any, adapter: str, why: str) -> CompiledAgent:
 
     agent = load_agent(spec)
     if agent.spec.segmenting:
-        raise ValueError(f"{adapter}: spec {agent.name!r} rewrites its context (context.policy "
-                         f"{agent.spec.context.policy!r} or a rewrite state), so a trajectory may give several rows "
-                         f"(segments); {why}: use the append policy without rewrites here")  # fmt: skip
+        raise ValueError(
+            f"{adapter}: spec {agent.name!r} rewrites its context (context.policy "
+            f"{agent.spec.context.policy!r} or a rewrite state), so a trajectory may give several rows "
+            f"(segments); {why}: use the append policy without rewrites here"
+        )
     return agent

@@ -51,10 +51,19 @@ def agent_executor(spec: SpecLike, **engine_options: Any) -> type:
         def __init__(self) -> None:
             self.rollout = OpenRLHFRollout(spec, **engine_options)
 
-        async def execute(self, prompt: Any, label: Any, sampling_params: Any, max_length: int, hf_tokenizer: Any,
-                          llm_engine: Any, images: Any = None) -> dict[str, Any]:  # fmt: skip
-            return await self.rollout.execute(prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine,
-                                              images)  # fmt: skip
+        async def execute(
+            self,
+            prompt: Any,
+            label: Any,
+            sampling_params: Any,
+            max_length: int,
+            hf_tokenizer: Any,
+            llm_engine: Any,
+            images: Any = None,
+        ) -> dict[str, Any]:
+            return await self.rollout.execute(
+                prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine, images
+            )
 
     return AgentExecutor
 
@@ -68,11 +77,21 @@ class OpenRLHFRollout:
         self.engine: RolloutEngine | None = None
         self._llm: Any = None  # OpenRLHF's rollout actor (its `generate`), and the loop it lives on
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._sampling: Any = None  # the latest vllm.SamplingParams OpenRLHF sent: the template of each request
+        self._sampling: Any = (
+            None  # the latest vllm.SamplingParams OpenRLHF sent: the template of each request
+        )
         self._warned = False
 
-    async def execute(self, prompt: Any, label: Any, sampling_params: Any, max_length: int, hf_tokenizer: Any,
-                      llm_engine: Any, images: Any = None) -> dict[str, Any]:  # fmt: skip
+    async def execute(
+        self,
+        prompt: Any,
+        label: Any,
+        sampling_params: Any,
+        max_length: int,
+        hf_tokenizer: Any,
+        llm_engine: Any,
+        images: Any = None,
+    ) -> dict[str, Any]:
         if images:
             raise ValueError("agentfsm's OpenRLHF executor takes text prompts; this one came with images")
         self._llm, self._loop, self._sampling = llm_engine, asyncio.get_running_loop(), sampling_params
@@ -82,12 +101,23 @@ class OpenRLHFRollout:
         limits = self.engine.agent.limits
         if limits.prompt_length + limits.response_length > max_length and not self._warned:
             self._warned = True
-            log.warning("the spec's prompt_length + response_length (%d) exceed OpenRLHF's max_len %d: OpenRLHF "
-                        "cuts longer samples", limits.prompt_length + limits.response_length, max_length)  # fmt: skip
-        params = {"temperature": float(sampling_params.temperature), "top_p": float(sampling_params.top_p),
-                  "top_k": int(sampling_params.top_k) if sampling_params.top_k and sampling_params.top_k > 0 else -1}  # fmt: skip
+            log.warning(
+                "the spec's prompt_length + response_length (%d) exceed OpenRLHF's max_len %d: OpenRLHF "
+                "cuts longer samples",
+                limits.prompt_length + limits.response_length,
+                max_length,
+            )
+        params = {
+            "temperature": float(sampling_params.temperature),
+            "top_p": float(sampling_params.top_p),
+            "top_k": int(sampling_params.top_k)
+            if sampling_params.top_k and sampling_params.top_k > 0
+            else -1,
+        }
         batch = await self.engine.agenerate_samples([to_row(prompt, label)], sampling_params=params)
-        return to_openrlhf(batch.samples[0], prompt, label, with_logprobs=sampling_params.logprobs is not None)
+        return to_openrlhf(
+            batch.samples[0], prompt, label, with_logprobs=sampling_params.logprobs is not None
+        )
 
     async def _generate(self, prompt_ids: list[int], params: dict[str, Any]) -> dict[str, Any]:
         """One model turn on OpenRLHF's engine, awaited on the actor's loop (the engine's own runs elsewhere)."""
@@ -103,7 +133,9 @@ class OpenRLHFRollout:
         output = await on_loop(self._llm.generate(prompt_ids, request), self._loop)
         completion = output.outputs[0]
         ids = list(completion.token_ids)
-        logprobs = [completion.logprobs[i][t].logprob for i, t in enumerate(ids)] if completion.logprobs else None
+        logprobs = (
+            [completion.logprobs[i][t].logprob for i, t in enumerate(ids)] if completion.logprobs else None
+        )
         finish = completion.finish_reason if completion.finish_reason in ("stop", "length", "abort") else None
         return {"token_ids": ids, "logprobs": logprobs, "finish_reason": finish}
 
@@ -161,6 +193,9 @@ def to_openrlhf(sample: Sample, prompt: Any, label: Any, *, with_logprobs: bool)
         "action_ranges": action_ranges(sample.mask, P),
         "rollout_log_probs": logprobs,
         "truncated": sample.truncated,
-        "extra_logs": {"num_turns": float(sample.num_turns), "tool_calls": float(sample.metrics["num_tool_calls"]),
-                       "failed": float(sample.failed)},  # fmt: skip
+        "extra_logs": {
+            "num_turns": float(sample.num_turns),
+            "tool_calls": float(sample.metrics["num_tool_calls"]),
+            "failed": float(sample.failed),
+        },
     }

@@ -62,9 +62,17 @@ def _ray() -> Any:
 class _Worker:
     """One actor: a Runner over its own backend (a Router over the shared servers, or the factory's)."""
 
-    def __init__(self, spec: Any, tokenizer: Any, servers: Sequence[str] | None,
-                 backend_factory: Callable[[], Backend] | None, rank: int, max_concurrency: int,
-                 engine: str | None = None, version: int = 0):  # fmt: skip
+    def __init__(
+        self,
+        spec: Any,
+        tokenizer: Any,
+        servers: Sequence[str] | None,
+        backend_factory: Callable[[], Backend] | None,
+        rank: int,
+        max_concurrency: int,
+        engine: str | None = None,
+        version: int = 0,
+    ):
         from fsm.run.runtime import Owner, Runner
 
         if servers:
@@ -80,8 +88,12 @@ class _Worker:
         self.runner.gate.version = version  # the driver's: an actor replacing a dead one goes on from there
         self.controls = Controls(self.runner, self._start)  # the same control calls as RolloutEngine's
         self.rank = rank
-        self.progress = 0  # state boundaries passed and trajectories finished: the driver's hang detector reads it
-        self._owner = Owner(self.runner)  # the one run path (fsm/run/runtime.py): serves while the actor lives
+        self.progress = (
+            0  # state boundaries passed and trajectories finished: the driver's hang detector reads it
+        )
+        self._owner = Owner(
+            self.runner
+        )  # the one run path (fsm/run/runtime.py): serves while the actor lives
         self._serving: asyncio.Future[None] | None = None
         self._contexts: dict[str, Any] = {}  # batch key -> RunContext (a few recent batches)
 
@@ -92,8 +104,9 @@ class _Worker:
             if start is not None:
                 await start()
 
-    async def run(self, key: str, sampling: Sampling, rows: list[Any], row_ids: list[int],
-                  n: int) -> list[Trajectory]:  # fmt: skip
+    async def run(
+        self, key: str, sampling: Sampling, rows: list[Any], row_ids: list[int], n: int
+    ) -> list[Trajectory]:
         """Run a chunk of groups; trajectories come back without their rows (the driver holds them)."""
         await self._start()
         ctx = self._contexts.get(key)
@@ -164,10 +177,21 @@ class RayRunner(BaseEngine):
     After each batch, `stats` holds per-run counters: chunks, rerun_rows, actor_deaths, rows per actor.
     """
 
-    def __init__(self, spec: SpecLike, tokenizer: Any = None, *, servers: Sequence[str] | None = None,
-                 backend_factory: Callable[[], Backend] | None = None, workers: int = 2, address: str | None = None,
-                 max_concurrency: int = 128, chunk_rows: int = 1, actor_options: Mapping[str, Any] | None = None,
-                 hang_s: float | None = None, engine: str | None = None):  # fmt: skip
+    def __init__(
+        self,
+        spec: SpecLike,
+        tokenizer: Any = None,
+        *,
+        servers: Sequence[str] | None = None,
+        backend_factory: Callable[[], Backend] | None = None,
+        workers: int = 2,
+        address: str | None = None,
+        max_concurrency: int = 128,
+        chunk_rows: int = 1,
+        actor_options: Mapping[str, Any] | None = None,
+        hang_s: float | None = None,
+        engine: str | None = None,
+    ):
         if servers and backend_factory is not None:
             raise ValueError("give servers= or backend_factory=, not both")
         if workers < 1 or max_concurrency < 1 or chunk_rows < 1:
@@ -180,7 +204,9 @@ class RayRunner(BaseEngine):
         # What each actor compiles: the spec file's absolute path when there is one (workers' cwd differs).
         self._spec = str(self.agent.path.resolve()) if self.agent.path else self.agent.spec
         self._tokenizer = str(tokenizer) if isinstance(tokenizer, Path) else tokenizer
-        self.codec = agent_codec(self.agent, tokenizer if isinstance(tokenizer, Codec) else load_tokenizer(tokenizer))
+        self.codec = agent_codec(
+            self.agent, tokenizer if isinstance(tokenizer, Codec) else load_tokenizer(tokenizer)
+        )
         self.servers = list(servers) if servers else None
         self.engine = engine
         self.backend_factory = backend_factory
@@ -213,8 +239,16 @@ class RayRunner(BaseEngine):
         for rank in range(self.workers):
             if rank < len(self.actors) and rank not in self._dead:
                 continue
-            handle = actor.remote(self._spec, self._tokenizer, self.servers, self.backend_factory, rank,
-                                  self.max_concurrency, self.engine, self._version)  # fmt: skip
+            handle = actor.remote(
+                self._spec,
+                self._tokenizer,
+                self.servers,
+                self.backend_factory,
+                rank,
+                self.max_concurrency,
+                self.engine,
+                self._version,
+            )
             if rank < len(self.actors):
                 ray.kill(self.actors[rank])
                 self.actors[rank] = handle
@@ -239,20 +273,25 @@ class RayRunner(BaseEngine):
         return await coro  # nothing here is bound to a loop: any caller's serves
 
     def _run_sync(self, coro: Coroutine[Any, Any, T]) -> T:
-        if self._own_loop is None or self._own_loop.is_closed():  # a private loop in this thread: the sync forms
+        if (
+            self._own_loop is None or self._own_loop.is_closed()
+        ):  # a private loop in this thread: the sync forms
             self._own_loop = asyncio.new_event_loop()
         return self._own_loop.run_until_complete(coro)
 
-    async def _arun(self, rows: Sequence[Any], n: int, sampling: Sampling,
-                    on_done: Callable[[Trajectory], None] | None) -> list[Trajectory]:  # fmt: skip
+    async def _arun(
+        self, rows: Sequence[Any], n: int, sampling: Sampling, on_done: Callable[[Trajectory], None] | None
+    ) -> list[Trajectory]:
         """Every row n times across the actors; trajectories in input order. The sampling is resolved once, by
         the caller, and sent to the actors; `on_done` hears each trajectory as its chunk comes back."""
         self.start()
         rows = list(rows)
         key = uuid.uuid4().hex[:8]
         # Groups need batch-wide uids before they scatter (a Runner would number them per chunk).
-        sent = [{**r, "uid": f"{key}-{i}"} if isinstance(r, Mapping) and not r.get("uid") else r
-                for i, r in enumerate(rows)]  # fmt: skip
+        sent = [
+            {**r, "uid": f"{key}-{i}"} if isinstance(r, Mapping) and not r.get("uid") else r
+            for i, r in enumerate(rows)
+        ]
         pool = _Pool(self, slots=max(1, math.ceil(self.max_concurrency / (n * self.chunk_rows))))
         self.stats = stats = pool.stats
         stats.update(rows=len(rows), trajectories=len(rows) * n)
@@ -276,11 +315,17 @@ class RayRunner(BaseEngine):
 
     # -- continuous mode -------------------------------------------------------------------------------------
 
-    async def _submit(self, rows: Sequence[Any], n: int, sampling: Sampling, first_index: int | None) -> list[str]:
+    async def _submit(
+        self, rows: Sequence[Any], n: int, sampling: Sampling, first_index: int | None
+    ) -> list[str]:
         """Start rolling out every row `n` times; groups stream back from the actors as they finish."""
         if first_index is not None:
-            raise EngineRefused(self, "asubmit", "first_index= (a slice of a batch run in several processes) is "
-                                "RolloutEngine's; the Ray runner numbers its groups itself")  # fmt: skip
+            raise EngineRefused(
+                self,
+                "asubmit",
+                "first_index= (a slice of a batch run in several processes) is "
+                "RolloutEngine's; the Ray runner numbers its groups itself",
+            )
         self.start()
         if self._pool is None:
             self._pool = _Pool(self, slots=max(1, math.ceil(self.max_concurrency / (n * self.chunk_rows))))
@@ -297,13 +342,21 @@ class RayRunner(BaseEngine):
         pool.stats["submitted_groups"] += len(rows)
         return uids
 
-    async def _take(self, num_groups: int, max_staleness: int | None, stale: StalePolicy, timeout: float | None,
-                    exhausted_ok: bool) -> list[Group]:  # fmt: skip
+    async def _take(
+        self,
+        num_groups: int,
+        max_staleness: int | None,
+        stale: StalePolicy,
+        timeout: float | None,
+        exhausted_ok: bool,
+    ) -> list[Group]:
         pool = self._pool
         if pool is None:
             raise StreamEmpty(f"take({num_groups}): nothing submitted; submit rows first")
         async with asyncio.timeout(timeout):
-            return await pool.groups.take(num_groups, max_staleness, stale, exhausted_ok, pool.running, pool.deliver)
+            return await pool.groups.take(
+                num_groups, max_staleness, stale, exhausted_ok, pool.running, pool.deliver
+            )
 
     @property
     def stream_stats(self) -> dict[str, Any]:
@@ -330,7 +383,9 @@ class RayRunner(BaseEngine):
             except BaseException:
                 if not self._paused:  # the other actors' gates open again
                     refs = [self.actors[r].control.remote("resume", (), False) for r in rest]
-                    await asyncio.gather(*(asyncio.wrap_future(ref.future()) for ref in refs), return_exceptions=True)
+                    await asyncio.gather(
+                        *(asyncio.wrap_future(ref.future()) for ref in refs), return_exceptions=True
+                    )
                 raise
         else:
             answers = await send(told, True)
@@ -415,10 +470,18 @@ class _Pool:
         self.moved: dict[int, tuple[int, float]] = {}  # rank -> (its progress counter, when it last changed)
         self.probes: dict[Any, int] = {}  # heartbeat ObjectRef -> rank
         self.rows: list[dict[str, Any]] = []  # continuous mode: group id -> its row
-        self.groups = Groups(lambda: runner.weight_version, self._rerun)  # continuous mode: finished ones, taken
+        self.groups = Groups(
+            lambda: runner.weight_version, self._rerun
+        )  # continuous mode: finished ones, taken
         self.stats = self.groups.stats
-        self.stats.update(chunks=0, rerun_rows=0, actor_deaths=0, hung_actors=0,
-                          rows_per_actor=dict.fromkeys(self.alive, 0), rows_done=0)  # fmt: skip
+        self.stats.update(
+            chunks=0,
+            rerun_rows=0,
+            actor_deaths=0,
+            hung_actors=0,
+            rows_per_actor=dict.fromkeys(self.alive, 0),
+            rows_done=0,
+        )
 
     def running(self) -> bool:
         return bool(self.pending or self.inflight)
@@ -490,8 +553,10 @@ class _Pool:
                 self.stats["rerun_rows"] += len(job.ids)
         self.busy[rank] = 0
         if not self.alive:
-            raise RuntimeError(f"all {len(self.runner.actors)} Ray actors died or hung; {len(self.inflight) + len(self.pending)} "
-                               f"chunks unfinished (last error: {exc})") from exc  # fmt: skip
+            raise RuntimeError(
+                f"all {len(self.runner.actors)} Ray actors died or hung; {len(self.inflight) + len(self.pending)} "
+                f"chunks unfinished (last error: {exc})"
+            ) from exc
 
     def _check_hangs(self) -> None:
         """Probe busy actors' progress; kill one that has not moved for `hang_s` since it first answered (its
@@ -514,7 +579,9 @@ class _Pool:
         for rank in list(self.alive):
             if self.busy[rank] == 0:
                 continue
-            if rank in self.moved and now - self.moved[rank][1] > hang_s:  # (its clock starts at its first answer:
+            if (
+                rank in self.moved and now - self.moved[rank][1] > hang_s
+            ):  # (its clock starts at its first answer:
                 # an actor still starting up is not hung)
                 self.stats["hung_actors"] += 1
                 ray.kill(self.runner.actors[rank])  # its calls now fail with RayActorError: rerun elsewhere
@@ -530,12 +597,21 @@ class _Pool:
                 t.row = self.rows[gid]
             v = self.runner.weight_version
             spans = [version_span(t, v) for t in trajs]
-            self.groups.finished(Group(trajs[0].uid, sorted(trajs, key=lambda t: t.sample), job.sampling,
-                                       min(a for a, _ in spans), max(b for _, b in spans)))  # fmt: skip
+            self.groups.finished(
+                Group(
+                    trajs[0].uid,
+                    sorted(trajs, key=lambda t: t.sample),
+                    job.sampling,
+                    min(a for a, _ in spans),
+                    max(b for _, b in spans),
+                )
+            )
 
     def _rerun(self, g: Group) -> None:
         gid = g.trajectories[0].index // len(g.trajectories)
-        self.pending.append(_Job(uuid.uuid4().hex[:8], g.sampling, len(g.trajectories), [self.rows[gid]], [gid]))
+        self.pending.append(
+            _Job(uuid.uuid4().hex[:8], g.sampling, len(g.trajectories), [self.rows[gid]], [gid])
+        )
 
     def cancel(self) -> None:
         for ref in list(self.inflight):  # cancelled or failed: stop what still runs

@@ -54,11 +54,22 @@ except ImportError:  # pragma: no cover - without skyrl_train
 class FSMGenerator(_GeneratorBase):  # type: ignore[misc,valid-type]
     """SkyRL's GeneratorInterface running `spec` (see the module docstring)."""
 
-    def __init__(self, spec: SpecLike, tokenizer: Any, inference_engine_client: Any, *, step_wise: bool = False,
-                 **engine_options: Any):  # fmt: skip
+    def __init__(
+        self,
+        spec: SpecLike,
+        tokenizer: Any,
+        inference_engine_client: Any,
+        *,
+        step_wise: bool = False,
+        **engine_options: Any,
+    ):
         if not step_wise:
-            spec = one_row_per_sample(spec, "FSMGenerator", "SkyRL takes one response per prompt unless "
-                                      "generator.step_wise_trajectories is set (then pass step_wise=True)")  # fmt: skip
+            spec = one_row_per_sample(
+                spec,
+                "FSMGenerator",
+                "SkyRL takes one response per prompt unless "
+                "generator.step_wise_trajectories is set (then pass step_wise=True)",
+            )
         self.step_wise = step_wise
         self.client = inference_engine_client
         self._loop: asyncio.AbstractEventLoop | None = None  # the trainer's loop, where the client is awaited
@@ -73,10 +84,15 @@ class FSMGenerator(_GeneratorBase):  # type: ignore[misc,valid-type]
         phase = getattr(meta, "training_phase", "train")
         ids = input_batch.get("trajectory_ids")
         extras = input_batch.get("env_extras") or [None] * len(input_batch["prompts"])
-        rows = [to_row(p, e, ids[i].instance_id if ids else None) for i, (p, e) in enumerate(zip(input_batch["prompts"], extras))]
+        rows = [
+            to_row(p, e, ids[i].instance_id if ids else None)
+            for i, (p, e) in enumerate(zip(input_batch["prompts"], extras))
+        ]
         params = engine_sampling(self._request)
         batch = await self.engine.agenerate_samples(rows, sampling_params=params, validate=phase == "eval")
-        out = to_skyrl(batch.samples, pad_id=self.engine.codec.pad_id, with_logprobs=params.get("logprobs", True))
+        out = to_skyrl(
+            batch.samples, pad_id=self.engine.codec.pad_id, with_logprobs=params.get("logprobs", True)
+        )
         out["rollout_metrics"] = batch.meta_info["rollout_metrics"]
         out["trajectory_ids"] = ids
         if self.step_wise:  # one row per segment: each names its trajectory, the last of them says so
@@ -86,7 +102,9 @@ class FSMGenerator(_GeneratorBase):  # type: ignore[misc,valid-type]
 
     async def _generate(self, prompt_ids: list[int], params: dict[str, Any]) -> dict[str, Any]:
         """One model turn through SkyRL's client, in the names of SkyRL's backend (vllm or sglang)."""
-        request = {k: v for k, v in self._request.items() if k not in ("stop", "min_tokens", "min_new_tokens")}
+        request = {
+            k: v for k, v in self._request.items() if k not in ("stop", "min_tokens", "min_new_tokens")
+        }
         sglang = "max_new_tokens" in request and "max_tokens" not in request
         request["max_new_tokens" if sglang else "max_tokens"] = int(params["max_new_tokens"])
         for key in ("temperature", "top_p", "top_k"):
@@ -94,12 +112,24 @@ class FSMGenerator(_GeneratorBase):  # type: ignore[misc,valid-type]
         request["stop_token_ids"] = list(params.get("stop_token_ids") or [])
         if params.get("sampling_seed") is not None:
             request["sampling_seed" if sglang else "seed"] = int(params["sampling_seed"])
-        output = await on_loop(self.client.generate({"prompts": None, "prompt_token_ids": [prompt_ids],
-                                                     "sampling_params": request, "session_ids": None}), self._loop)  # fmt: skip
+        output = await on_loop(
+            self.client.generate(
+                {
+                    "prompts": None,
+                    "prompt_token_ids": [prompt_ids],
+                    "sampling_params": request,
+                    "session_ids": None,
+                }
+            ),
+            self._loop,
+        )
         logprobs = output.get("response_logprobs")
         finish = output["stop_reasons"][0]
-        return {"token_ids": list(output["response_ids"][0]), "logprobs": list(logprobs[0]) if logprobs else None,
-                "finish_reason": finish if finish in ("stop", "length", "abort") else None}  # fmt: skip
+        return {
+            "token_ids": list(output["response_ids"][0]),
+            "logprobs": list(logprobs[0]) if logprobs else None,
+            "finish_reason": finish if finish in ("stop", "length", "abort") else None,
+        }
 
     def close(self) -> None:
         self.engine.close()
@@ -130,8 +160,14 @@ def to_row(prompt: Any, extras: Mapping[str, Any] | None, uid: str | None) -> di
 
 def to_skyrl(samples: Sequence[Sample], *, pad_id: int, with_logprobs: bool) -> dict[str, Any]:
     """Flat samples -> GeneratorOutput's per-sample lists."""
-    out: dict[str, Any] = {"prompt_token_ids": [], "response_ids": [], "rewards": [], "loss_masks": [],
-                           "stop_reasons": [], "rollout_logprobs": [] if with_logprobs else None}  # fmt: skip
+    out: dict[str, Any] = {
+        "prompt_token_ids": [],
+        "response_ids": [],
+        "rewards": [],
+        "loss_masks": [],
+        "stop_reasons": [],
+        "rollout_logprobs": [] if with_logprobs else None,
+    }
     for s in samples:
         ids, mask, logprobs = s.response_ids, s.mask, s.logprobs
         if not ids:  # SkyRL reads the last response token: a failed row is one masked pad token

@@ -48,7 +48,9 @@ REWARD_KEY = "agentfsm_reward"
 TRL_ONE_ROW = "TRL's GRPOTrainer takes exactly one completion per prompt from rollout_func"
 
 
-def engine_reward(completions: list[Any], agentfsm_reward: list[float | None], **kwargs: Any) -> list[float | None]:
+def engine_reward(
+    completions: list[Any], agentfsm_reward: list[float | None], **kwargs: Any
+) -> list[float | None]:
     """A TRL reward function: the spec's reward, as the rollout computed it (None: the row failed)."""
     return list(agentfsm_reward)
 
@@ -68,10 +70,16 @@ class TRLRollout:
     (max_concurrency, tracer, check_tokens...).
     """
 
-    def __init__(self, spec: SpecLike, *, dataset: Iterable[Mapping[str, Any]] | None = None,
-                 to_row: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None,
-                 engine: RolloutEngine | None = None, prompt_column: str = "prompt",
-                 **engine_options: Any):  # fmt: skip
+    def __init__(
+        self,
+        spec: SpecLike,
+        *,
+        dataset: Iterable[Mapping[str, Any]] | None = None,
+        to_row: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None,
+        engine: RolloutEngine | None = None,
+        prompt_column: str = "prompt",
+        **engine_options: Any,
+    ):
         self.spec = spec if engine is not None else one_row_per_sample(spec, "TRLRollout", TRL_ONE_ROW)
         self.engine = engine
         if engine is not None:
@@ -92,7 +100,9 @@ class TRLRollout:
             key = prompt_key(example[self._prompt_column])
             row = self._to_row(example)
             if self._rows.setdefault(key, row) is not row and self._rows[key] != row:
-                log.warning("two dataset rows share a prompt; the first one's columns are used: %s", key[:120])
+                log.warning(
+                    "two dataset rows share a prompt; the first one's columns are used: %s", key[:120]
+                )
 
     def __call__(self, prompts: Sequence[Any], trainer: Any) -> dict[str, list[Any]]:
         engine = self._engine_for(trainer)
@@ -103,8 +113,11 @@ class TRLRollout:
             engine.backend.weight_version = str(step)  # type: ignore[attr-defined]  # each token's version
             model.eval()  # no dropout while sampling; TRL's mode is put back below
         try:
-            batch = engine.generate_samples(self._rows_for(prompts, step), sampling_params=sampling_params(trainer.args),
-                                            validate=not training)  # fmt: skip
+            batch = engine.generate_samples(
+                self._rows_for(prompts, step),
+                sampling_params=sampling_params(trainer.args),
+                validate=not training,
+            )
         finally:
             if model is not None:
                 model.train(training)
@@ -131,10 +144,13 @@ class TRLRollout:
 
             model = trainer.accelerator.unwrap_model(trainer.model)
             training = model.training
-            backend = HFBackend(model)  # the trainer's module itself: sampling always sees the current weights
+            backend = HFBackend(
+                model
+            )  # the trainer's module itself: sampling always sees the current weights
             model.train(training)
-            self.engine = RolloutEngine(self.spec, tokenizer=trainer.processing_class, backend=backend,
-                                        **self._options)  # fmt: skip
+            self.engine = RolloutEngine(
+                self.spec, tokenizer=trainer.processing_class, backend=backend, **self._options
+            )
         return self.engine
 
     def close(self) -> None:
@@ -153,8 +169,10 @@ class AllRowsFailed(RuntimeError):
         for s in samples:
             reasons[s.termination_reason] = reasons.get(s.termination_reason, 0) + 1
         common = max(reasons, key=reasons.__getitem__)
-        super().__init__(f"TRL step {step}: all {len(samples)} rows of the rollout ended in error, so there is "
-                         f"nothing to train on; the most common ({reasons[common]}): {common}")  # fmt: skip
+        super().__init__(
+            f"TRL step {step}: all {len(samples)} rows of the rollout ended in error, so there is "
+            f"nothing to train on; the most common ({reasons[common]}): {common}"
+        )
 
 
 def sampling_params(args: Any) -> dict[str, Any]:
@@ -172,8 +190,19 @@ def sampling_params(args: Any) -> dict[str, Any]:
 
 def to_trl(samples: Sequence[Sample], *, pad_id: int) -> dict[str, list[Any]]:
     """Flat samples -> rollout_func's return value."""
-    out: dict[str, list[Any]] = {key: [] for key in ("prompt_ids", "completion_ids", "logprobs", "env_mask", REWARD_KEY,
-                                                      "termination_reason", "num_turns", "turn_rewards")}  # fmt: skip
+    out: dict[str, list[Any]] = {
+        key: []
+        for key in (
+            "prompt_ids",
+            "completion_ids",
+            "logprobs",
+            "env_mask",
+            REWARD_KEY,
+            "termination_reason",
+            "num_turns",
+            "turn_rewards",
+        )
+    }
     for s in samples:
         ids, mask, logprobs = s.response_ids, s.mask, s.logprobs
         if not ids:  # TRL reads completion_ids[-1]: a failed row is one masked pad token

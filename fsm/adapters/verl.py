@@ -94,8 +94,19 @@ DEFAULT_SPEC = SPECS_DIR / "tool_agent.yaml"  # verl's ToolAgentLoop as a spec
 _BATCH_SHAPES = ("prompt_length", "response_length")
 # Sampling keys the engine takes from verl's sampling_params (vLLM's max_tokens is its max_new_tokens);
 # anything else goes to verl's server unchanged.
-_ENGINE_SAMPLING = ("temperature", "top_p", "top_k", "repetition_penalty", "min_p", "frequency_penalty",
-                    "presence_penalty", "stop_token_ids", "seed", "logprobs", "max_new_tokens")  # fmt: skip
+_ENGINE_SAMPLING = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "repetition_penalty",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "stop_token_ids",
+    "seed",
+    "logprobs",
+    "max_new_tokens",
+)
 _LIFECYCLE = ("create", "execute", "calc_reward", "release")
 _SPEC_DECODE_KEYS = ("spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_num_verify_steps")
 
@@ -126,26 +137,47 @@ def resolve_spec_path(spec: str | Path) -> Path:
     for candidate in (path, SPECS_DIR.parent / path, SPECS_DIR / path):
         if candidate.is_file():
             return candidate.resolve()
-    raise FileNotFoundError(f"fsm_agent: spec {str(spec)!r} not found (tried it as given, relative to the cwd, "
-                            f"and under {SPECS_DIR.parent})")  # fmt: skip
+    raise FileNotFoundError(
+        f"fsm_agent: spec {str(spec)!r} not found (tried it as given, relative to the cwd, "
+        f"and under {SPECS_DIR.parent})"
+    )
 
 
-def compiled_agent(spec: str | Path, limits: Mapping[str, Any], prompt_length: int, response_length: int,
-                   tool_policy: Mapping[str, Any] | None = None) -> CompiledAgent:  # fmt: skip
+def compiled_agent(
+    spec: str | Path,
+    limits: Mapping[str, Any],
+    prompt_length: int,
+    response_length: int,
+    tool_policy: Mapping[str, Any] | None = None,
+) -> CompiledAgent:
     """The spec compiled once per process with verl's batch shapes, its prompt policy and the entry's overrides."""
     policy = dict(tool_policy or {})
     # the spec as written (and the cwd it is relative to): resolving the path is left to a miss
-    key = (str(spec), os.getcwd(), json.dumps([dict(limits), policy], sort_keys=True, default=str), prompt_length,
-           response_length)  # fmt: skip
+    key = (
+        str(spec),
+        os.getcwd(),
+        json.dumps([dict(limits), policy], sort_keys=True, default=str),
+        prompt_length,
+        response_length,
+    )
     with _lock:
         agent = _agents.get(key)
         if agent is None:
             path = resolve_spec_path(spec)
             loaded = _loaded.get(str(path)) or _loaded.setdefault(str(path), load_spec(path))
-            merged = {**loaded.spec.limits.model_dump(), "prompt_overflow": "truncate_left", **limits,
-                      "prompt_length": prompt_length, "response_length": response_length}  # fmt: skip
-            update = {"limits": LimitsSpec.model_validate(merged),
-                      "tool_policy": ToolPolicySpec.model_validate({**loaded.spec.tool_policy.model_dump(), **policy})}  # fmt: skip
+            merged = {
+                **loaded.spec.limits.model_dump(),
+                "prompt_overflow": "truncate_left",
+                **limits,
+                "prompt_length": prompt_length,
+                "response_length": response_length,
+            }
+            update = {
+                "limits": LimitsSpec.model_validate(merged),
+                "tool_policy": ToolPolicySpec.model_validate(
+                    {**loaded.spec.tool_policy.model_dump(), **policy}
+                ),
+            }
             spec = loaded.spec.model_copy(update=update)
             agent = _agents[key] = compile_spec(dataclasses.replace(loaded, spec=spec))
         return agent
@@ -173,15 +205,18 @@ def _bind_verl_tool(tool: Any) -> BoundTool:
         awaits = all(inspect.iscoroutinefunction(getattr(tool, m, None)) for m in _LIFECYCLE)
         lane = InlineLane(tool.name) if awaits else None  # None: its own loop thread (BoundTool's default)
     elif callable(getattr(tool, "fn", None)):  # a @function_tool: a plain function, no lifecycle
-        impl = FunctionTool(tool.fn, schema, InlineLane(tool.name) if inspect.iscoroutinefunction(tool.fn) else None)
+        impl = FunctionTool(
+            tool.fn, schema, InlineLane(tool.name) if inspect.iscoroutinefunction(tool.fn) else None
+        )
         lane = None  # the FunctionTool's own
     else:
         raise TypeError(f"fsm_agent: verl tool {tool!r} has neither execute() nor fn")
     return BoundTool(tool.name, impl, schema, timeout_s=None, retry=tool_retry(1, 0.0), lane=lane)
 
 
-def chat_codec(tokenizer: Any, template_kwargs: Mapping[str, Any], family: str = "auto",
-               special_tokens: str = "text") -> Codec:  # fmt: skip
+def chat_codec(
+    tokenizer: Any, template_kwargs: Mapping[str, Any], family: str = "auto", special_tokens: str = "text"
+) -> Codec:
     kwargs = dict(template_kwargs)
     key = (id(tokenizer), json.dumps(kwargs, sort_keys=True, default=str), family, special_tokens)
     with _lock:
@@ -213,8 +248,15 @@ class VerlServerBackend(BaseBackend):
 
     provider = "verl"
 
-    def __init__(self, server_manager: Any, request_id: str, *, rollout_name: str | None = None,
-                 extra_params: Mapping[str, Any] | None = None, model_name: str = "verl"):  # fmt: skip
+    def __init__(
+        self,
+        server_manager: Any,
+        request_id: str,
+        *,
+        rollout_name: str | None = None,
+        extra_params: Mapping[str, Any] | None = None,
+        model_name: str = "verl",
+    ):
         self.server_manager = server_manager
         self.request_id = request_id
         self.rollout_name = rollout_name
@@ -239,8 +281,10 @@ class VerlServerBackend(BaseBackend):
             logprobs = None
             if ids:
                 self.logprobs_missing = True
-                _warn_once("fsm_agent: the server returned tokens without logprobs (or a different number of "
-                           "them); such trajectories come back with response_logprobs=None")  # fmt: skip
+                _warn_once(
+                    "fsm_agent: the server returned tokens without logprobs (or a different number of "
+                    "them); such trajectories come back with response_logprobs=None"
+                )
         return GenerateResult(
             token_ids=ids,
             logprobs=logprobs,
@@ -287,35 +331,52 @@ class FSMAgentLoop(AgentLoopBase):
     """verl agent loop that runs an agentfsm spec. Entry kwargs: `spec` (a path), `limits` and `tool_policy`
     (overrides)."""
 
-    def __init__(self, *args: Any, spec: str | None = None, limits: Mapping[str, Any] | None = None,
-                 tool_policy: Mapping[str, Any] | None = None, tools: ToolListWrap | None = None,
-                 **kwargs: Any):  # fmt: skip
+    def __init__(
+        self,
+        *args: Any,
+        spec: str | None = None,
+        limits: Mapping[str, Any] | None = None,
+        tool_policy: Mapping[str, Any] | None = None,
+        tools: ToolListWrap | None = None,
+        **kwargs: Any,
+    ):
         super().__init__(*args, **kwargs)  # verl's config, server manager, tokenizer, CT builder; `name` too
         rollout = self.rollout_config
         overrides = dict(_plain(limits) or {})
         shaped = sorted(set(overrides) & set(_BATCH_SHAPES))
         if shaped:
-            raise ValueError(f"fsm_agent: limits.{shaped[0]} is verl's batch shape: set "
-                             f"actor_rollout_ref.rollout.{shaped[0]} instead of overriding it in the entry")  # fmt: skip
+            raise ValueError(
+                f"fsm_agent: limits.{shaped[0]} is verl's batch shape: set "
+                f"actor_rollout_ref.rollout.{shaped[0]} instead of overriding it in the entry"
+            )
         self.prompt_length = int(rollout.prompt_length)
         self.response_length = int(rollout.response_length)
-        agent = compiled_agent(spec or DEFAULT_SPEC, overrides, self.prompt_length, self.response_length,
-                               _plain(tool_policy))
+        agent = compiled_agent(
+            spec or DEFAULT_SPEC, overrides, self.prompt_length, self.response_length, _plain(tool_policy)
+        )
         if agent.spec.segmenting:  # verl 0.9.1's worker takes exactly one AgentLoopOutput per input row
-            raise ValueError(f"fsm_agent: spec {agent.name!r} rewrites its context (context.policy "
-                             f"{agent.spec.context.policy!r} or a rewrite state), so a trajectory may give several "
-                             "rows; verl 0.9.1's agent-loop worker takes one output per input: use the append policy "
-                             "without rewrites here, or RolloutEngine.generate_sequences (one row per segment)")  # fmt: skip
+            raise ValueError(
+                f"fsm_agent: spec {agent.name!r} rewrites its context (context.policy "
+                f"{agent.spec.context.policy!r} or a rewrite state), so a trajectory may give several "
+                "rows; verl 0.9.1's agent-loop worker takes one output per input: use the append policy "
+                "without rewrites here, or RolloutEngine.generate_sequences (one row per segment)"
+            )
         verl_tools = list(tools.tools) if tools is not None else []
         if verl_tools and not agent.tools.by_name:
             agent = agent_with_verl_tools(agent, verl_tools)
         elif verl_tools:
-            _warn_once(f"fsm_agent: spec {agent.name!r} declares its own tools; verl's tool list "
-                       f"({', '.join(t.name for t in verl_tools)}) is not used")  # fmt: skip
+            _warn_once(
+                f"fsm_agent: spec {agent.name!r} declares its own tools; verl's tool list "
+                f"({', '.join(t.name for t in verl_tools)}) is not used"
+            )
         self.agent = agent
         model = agent.spec.model  # verl's apply_chat_template_kwargs, then the spec's on top
-        self.codec = chat_codec(self.tokenizer, {**(self.apply_chat_template_kwargs or {}), **model.chat_template_kwargs},
-                                model.family, model.special_tokens_in_observations)  # fmt: skip
+        self.codec = chat_codec(
+            self.tokenizer,
+            {**(self.apply_chat_template_kwargs or {}), **model.chat_template_kwargs},
+            model.family,
+            model.special_tokens_in_observations,
+        )
         self.full_determinism = bool(_setting(rollout, "full_determinism", False))
         self.rollout_name = _setting(rollout, "name")
         _check_multi_turn(_setting(rollout, "multi_turn"), agent)
@@ -325,18 +386,23 @@ class FSMAgentLoop(AgentLoopBase):
         row = {key: _plain(value) for key, value in kwargs.items()}
         engine_params, extra_params = _split_sampling(sampling_params)
         request_id = f"det-{priority}" if self.full_determinism else uuid4().hex  # as verl's ToolAgentLoop
-        backend = VerlServerBackend(self.server_manager, request_id, rollout_name=self.rollout_name,
-                                    extra_params=extra_params)  # fmt: skip
+        backend = VerlServerBackend(
+            self.server_manager, request_id, rollout_name=self.rollout_name, extra_params=extra_params
+        )
         runner = Runner(self.agent, backend, self.codec)
         # validate=False: when validating, verl has already put its val_kwargs into sampling_params
         ctx = runner.make_context(engine_params, validate=False)
         (traj,) = runner.trajectories([row])
         traj.session_id = request_id  # what tools read as agent_data.request_id, as in verl
-        backend.extra_fields = traj.extra_fields  # one dict for the server's fields and the tools', as in verl
+        backend.extra_fields = (
+            traj.extra_fields
+        )  # one dict for the server's fields and the tools', as in verl
         await runner.drive(ctx, traj)
         if traj.failed:
-            logger.warning("fsm_agent: trajectory failed (%s); it stays in the batch with an empty response",
-                           traj.termination_reason)  # fmt: skip
+            logger.warning(
+                "fsm_agent: trajectory failed (%s); it stays in the batch with an empty response",
+                traj.termination_reason,
+            )
         return self._output(traj, backend, logprobs=ctx.sampling.logprobs and not backend.logprobs_missing)
 
     def _output(self, traj: Trajectory, backend: VerlServerBackend, *, logprobs: bool) -> AgentLoopOutput:
@@ -392,16 +458,22 @@ def _check_multi_turn(multi_turn: Any, agent: CompiledAgent) -> None:
         return
     _checked.add(key)
     lim = agent.limits
-    pairs = [("max_assistant_turns", lim.max_assistant_turns), ("max_user_turns", lim.max_user_turns),
-             ("max_parallel_calls", lim.max_parallel_calls), ("max_tool_response_length", lim.max_tool_response_length),
-             ("tool_response_truncate_side", lim.tool_response_truncate_side)]  # fmt: skip
+    pairs = [
+        ("max_assistant_turns", lim.max_assistant_turns),
+        ("max_user_turns", lim.max_user_turns),
+        ("max_parallel_calls", lim.max_parallel_calls),
+        ("max_tool_response_length", lim.max_tool_response_length),
+        ("tool_response_truncate_side", lim.tool_response_truncate_side),
+    ]
     if agent.spec.parser is not None:  # else the model family's parser, whatever verl's format says
         pairs.append(("format", agent.spec.parser))
     for key, ours in pairs:
         theirs = _setting(multi_turn, key)
         if theirs is not None and theirs != ours:
-            _warn_once(f"fsm_agent: verl's multi_turn.{key}={theirs!r} is not used; spec {agent.name!r} has "
-                       f"{ours!r} (set it in the entry's `limits:` or in the spec)")  # fmt: skip
+            _warn_once(
+                f"fsm_agent: verl's multi_turn.{key}={theirs!r} is not used; spec {agent.name!r} has "
+                f"{ours!r} (set it in the entry's `limits:` or in the spec)"
+            )
 
 
 def _register_default() -> None:

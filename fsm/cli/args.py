@@ -33,7 +33,12 @@ def float_in(lo: float, hi: float | None = None, *, above: bool = False) -> Call
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not math.isfinite(value) or value < lo or (above and value == lo) or (hi is not None and value > hi):
+        if (
+            not math.isfinite(value)
+            or value < lo
+            or (above and value == lo)
+            or (hi is not None and value > hi)
+        ):
             bound = f"> {lo:g}" if above else _bounds(lo, hi)
             raise argparse.ArgumentTypeError(f"must be a number {bound}, got {text}")
         return value
@@ -47,7 +52,9 @@ def server_url(text: str) -> str:
     if not sep:
         raise argparse.ArgumentTypeError(f"{text!r} is not a URL; did you mean http://{text}?")
     if scheme not in ("http", "https") or not rest.strip("/"):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected an http:// or https:// URL such as http://localhost:30000")
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected an http:// or https:// URL such as http://localhost:30000"
+        )
     return text
 
 
@@ -70,7 +77,9 @@ class Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
         self.checks: list[Callable[[argparse.Namespace], str | None]] = []
 
-    def parse_known_args(self, args: Any = None, namespace: Any = None) -> tuple[argparse.Namespace, list[str]]:
+    def parse_known_args(
+        self, args: Any = None, namespace: Any = None
+    ) -> tuple[argparse.Namespace, list[str]]:
         parsed, extras = super().parse_known_args(args, namespace)
         for check in self.checks:
             if problem := check(parsed):
@@ -107,21 +116,30 @@ def _version() -> str:
 
 def command_line(commands: Mapping[str, Callable[[argparse.Namespace], int]]) -> argparse.ArgumentParser:
     """The whole command line; `commands` maps each subcommand to the function that runs it (fsm/cli/commands.py)."""
-    ap = Parser(prog="agentfsm", description="Declarative agent loops for RL rollouts.", formatter_class=Help,
-                 epilog="exit codes: 0 done; 1 a user error, or more error rows than --max-error-rate; 2 a bad "
-                        "command line or spec diagnostics; 130 interrupted")  # fmt: skip
+    ap = Parser(
+        prog="agentfsm",
+        description="Declarative agent loops for RL rollouts.",
+        formatter_class=Help,
+        epilog="exit codes: 0 done; 1 a user error, or more error rows than --max-error-rate; 2 a bad "
+        "command line or spec diagnostics; 130 interrupted",
+    )
     ap.add_argument("--version", action="version", version=f"agentfsm {_version()}")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def command(name: str, text: str) -> argparse.ArgumentParser:
-        return sub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".", formatter_class=Help)
+        return sub.add_parser(
+            name, help=text, description=text[0].upper() + text[1:] + ".", formatter_class=Help
+        )
 
     p = command("validate", "check specs; prints path:line:col: code: message for each problem")
     p.add_argument("specs", nargs="+", metavar="SPEC", help="spec files (YAML)")
     p.add_argument("-q", "--quiet", action="store_true", help="print only problems (no 'SPEC: ok')")
-    p.add_argument("--static", action="store_true",
-                   help="import nothing the spec names (for editors and CI on unvetted specs): schema, graph and "
-                   "built-in names; import paths checked for form and the deny-list only")  # fmt: skip
+    p.add_argument(
+        "--static",
+        action="store_true",
+        help="import nothing the spec names (for editors and CI on unvetted specs): schema, graph and "
+        "built-in names; import paths checked for form and the deny-list only",
+    )
     p.set_defaults(fn=commands["validate"])
 
     p = command("schema", "write the JSON Schema of the spec format (editors use it for completion)")
@@ -129,74 +147,182 @@ def command_line(commands: Mapping[str, Callable[[argparse.Namespace], int]]) ->
     p.set_defaults(fn=commands["schema"])
 
     p = command("run", "run a spec over prompts and write the padded batch")
-    p.add_argument("spec", metavar="SPEC", nargs="?", help="the spec file (YAML), e.g. specs/calculator.yaml "
-                   "(with --resume: optional, the snapshot names it)")  # fmt: skip
-    p.add_argument("--data", metavar="FILE", help=".jsonl or .parquet rows with raw_prompt (default: the spec's "
-                   "demo_data)")  # fmt: skip
-    p.add_argument("--num-prompts", type=COUNT, metavar="N", help=f"the first N rows of --data, or N demo prompts "
-                   f"(default: every row of --data; {DEMO_PROMPTS} demo prompts)")  # fmt: skip
+    p.add_argument(
+        "spec",
+        metavar="SPEC",
+        nargs="?",
+        help="the spec file (YAML), e.g. specs/calculator.yaml "
+        "(with --resume: optional, the snapshot names it)",
+    )
+    p.add_argument(
+        "--data",
+        metavar="FILE",
+        help=".jsonl or .parquet rows with raw_prompt (default: the spec's demo_data)",
+    )
+    p.add_argument(
+        "--num-prompts",
+        type=COUNT,
+        metavar="N",
+        help=f"the first N rows of --data, or N demo prompts "
+        f"(default: every row of --data; {DEMO_PROMPTS} demo prompts)",
+    )
     p.add_argument("--n", type=COUNT, default=1, metavar="N", help="samples per prompt (GRPO group size)")
-    p.add_argument("--out", default="runs/latest", metavar="DIR",
-                   help="where batch.pt, trajectories.jsonl and summary.json go (a previous run's are replaced)")
-    p.add_argument("--server", action="append", type=server_url, metavar="URL", help="SGLang, vLLM or dev server URL; repeat for a "
-                   "fleet (one engine kind)")  # fmt: skip
-    p.add_argument("--engine", choices=["sglang", "vllm"], help="what the servers run (default: ask them; the dev "
-                   "server speaks SGLang's protocol)")  # fmt: skip
-    p.add_argument("--launch-sglang", metavar="MODEL", help="launch SGLang servers for MODEL first (GPU hosts, or --device cpu); "
-                   "logs go to DIR/sglang_logs")  # fmt: skip
-    p.add_argument("--sglang-python", metavar="PATH", help="the interpreter that has sglang, for --launch-sglang "
-                   "(default: $AGENTFSM_SGLANG_PYTHON, else this one)")  # fmt: skip
-    p.add_argument("--launch-vllm", metavar="MODEL", help="launch vLLM servers for MODEL first (GPU hosts, or "
-                   "--device cpu); logs go to DIR/vllm_logs")  # fmt: skip
-    p.add_argument("--vllm-python", metavar="PATH", help="the interpreter that has vllm, for --launch-vllm "
-                   "(default: $AGENTFSM_VLLM_PYTHON, else this one)")  # fmt: skip
+    p.add_argument(
+        "--out",
+        default="runs/latest",
+        metavar="DIR",
+        help="where batch.pt, trajectories.jsonl and summary.json go (a previous run's are replaced)",
+    )
+    p.add_argument(
+        "--server",
+        action="append",
+        type=server_url,
+        metavar="URL",
+        help="SGLang, vLLM or dev server URL; repeat for a fleet (one engine kind)",
+    )
+    p.add_argument(
+        "--engine",
+        choices=["sglang", "vllm"],
+        help="what the servers run (default: ask them; the dev server speaks SGLang's protocol)",
+    )
+    p.add_argument(
+        "--launch-sglang",
+        metavar="MODEL",
+        help="launch SGLang servers for MODEL first (GPU hosts, or --device cpu); logs go to DIR/sglang_logs",
+    )
+    p.add_argument(
+        "--sglang-python",
+        metavar="PATH",
+        help="the interpreter that has sglang, for --launch-sglang "
+        "(default: $AGENTFSM_SGLANG_PYTHON, else this one)",
+    )
+    p.add_argument(
+        "--launch-vllm",
+        metavar="MODEL",
+        help="launch vLLM servers for MODEL first (GPU hosts, or --device cpu); logs go to DIR/vllm_logs",
+    )
+    p.add_argument(
+        "--vllm-python",
+        metavar="PATH",
+        help="the interpreter that has vllm, for --launch-vllm "
+        "(default: $AGENTFSM_VLLM_PYTHON, else this one)",
+    )
     p.add_argument("--dp", type=COUNT, default=1, metavar="N", help="data-parallel replicas to launch")
-    p.add_argument("--tp", type=COUNT, default=1, metavar="N", help="tensor-parallel GPUs per launched replica")
+    p.add_argument(
+        "--tp", type=COUNT, default=1, metavar="N", help="tensor-parallel GPUs per launched replica"
+    )
     p.add_argument("--port", type=PORT, default=30000, help="first port for launched servers")
-    p.add_argument("--model", metavar="DIR", help="model dir for the embedded backend (default: the tiny "
-                   "calculator model)")  # fmt: skip
-    p.add_argument("--tokenizer", metavar="DIR", help="tokenizer dir (default: the model's, or the one a server "
-                   "reports)")  # fmt: skip
+    p.add_argument(
+        "--model",
+        metavar="DIR",
+        help="model dir for the embedded backend (default: the tiny calculator model)",
+    )
+    p.add_argument(
+        "--tokenizer", metavar="DIR", help="tokenizer dir (default: the model's, or the one a server reports)"
+    )
     p.add_argument("--group-affinity", action="store_true", help="route a GRPO group's samples to one server")
-    p.add_argument("--temperature", type=float_in(0.0), metavar="T", help="sampling temperature, 0 = greedy "
-                   "(default: the spec's sampling)")  # fmt: skip
+    p.add_argument(
+        "--temperature",
+        type=float_in(0.0),
+        metavar="T",
+        help="sampling temperature, 0 = greedy (default: the spec's sampling)",
+    )
     p.add_argument("--seed", type=int_in(0), default=0, help="sampling seed, and the demo prompts' seed")
-    p.add_argument("--concurrency", type=COUNT, default=256, metavar="N", help="trajectories in flight at once")
-    p.add_argument("--threads", type=COUNT, metavar="N", help="torch threads for the embedded model (default: "
-                   "torch's choice)")  # fmt: skip
-    p.add_argument("--batch-size", type=COUNT, default=64, metavar="N", help="max batch of the embedded model")
-    p.add_argument("--device", help="the embedded model's device: cpu, cuda, cuda:1 (default: cuda if available); "
-                   "with --launch-sglang or --launch-vllm, cpu starts the engine's CPU backend")  # fmt: skip
-    p.add_argument("--dtype", choices=DTYPE_CHOICES, help="the embedded model's dtype (default: auto, see "
-                   "backends/hf.py)")  # fmt: skip
+    p.add_argument(
+        "--concurrency", type=COUNT, default=256, metavar="N", help="trajectories in flight at once"
+    )
+    p.add_argument(
+        "--threads",
+        type=COUNT,
+        metavar="N",
+        help="torch threads for the embedded model (default: torch's choice)",
+    )
+    p.add_argument(
+        "--batch-size", type=COUNT, default=64, metavar="N", help="max batch of the embedded model"
+    )
+    p.add_argument(
+        "--device",
+        help="the embedded model's device: cpu, cuda, cuda:1 (default: cuda if available); "
+        "with --launch-sglang or --launch-vllm, cpu starts the engine's CPU backend",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=DTYPE_CHOICES,
+        help="the embedded model's dtype (default: auto, see backends/hf.py)",
+    )
     p.add_argument("--check-tokens", action="store_true", help="compare ids with a full re-render")
-    p.add_argument("--request-timeout", type=float_in(0.0, above=True), metavar="SECONDS",
-                   help="seconds per request attempt to a server (default: the backend's)")
-    p.add_argument("--watchdog", type=float_in(0.0, above=True), default=90.0, metavar="SECONDS",
-                   help="when no row has changed state for this long, log the stuck rows (state, server, rid)")
-    p.add_argument("--strict-servers", action="store_true",
-                   help="refuse to start when any --server is down or malformed (default: leave it out, warn)")
-    p.add_argument("--retry-window", type=float_in(0.0), default=60.0, metavar="SECONDS",
-                   help="while every server fails, keep failing over for this long before a row errs (default 60)")
-    p.add_argument("--max-error-rate", type=float_in(0.0, 1.0), default=0.5, metavar="RATE",
-                   help="exit 1 when more than this share of rows end in error (the outputs are written anyway)")
-    p.add_argument("--otlp", metavar="URL", help="export spans to an OTLP/HTTP endpoint (Jaeger :4318, Phoenix "
-                   ":6006)")  # fmt: skip
+    p.add_argument(
+        "--request-timeout",
+        type=float_in(0.0, above=True),
+        metavar="SECONDS",
+        help="seconds per request attempt to a server (default: the backend's)",
+    )
+    p.add_argument(
+        "--watchdog",
+        type=float_in(0.0, above=True),
+        default=90.0,
+        metavar="SECONDS",
+        help="when no row has changed state for this long, log the stuck rows (state, server, rid)",
+    )
+    p.add_argument(
+        "--strict-servers",
+        action="store_true",
+        help="refuse to start when any --server is down or malformed (default: leave it out, warn)",
+    )
+    p.add_argument(
+        "--retry-window",
+        type=float_in(0.0),
+        default=60.0,
+        metavar="SECONDS",
+        help="while every server fails, keep failing over for this long before a row errs (default 60)",
+    )
+    p.add_argument(
+        "--max-error-rate",
+        type=float_in(0.0, 1.0),
+        default=0.5,
+        metavar="RATE",
+        help="exit 1 when more than this share of rows end in error (the outputs are written anyway)",
+    )
+    p.add_argument(
+        "--otlp", metavar="URL", help="export spans to an OTLP/HTTP endpoint (Jaeger :4318, Phoenix :6006)"
+    )
     p.add_argument("--trace", choices=["console"], help="print spans to the console")
-    p.add_argument("--trace-sample", type=float_in(0.0, 1.0), metavar="P", help="share of trajectories traced, "
-                   "with --otlp, --trace or OTEL_EXPORTER_OTLP_ENDPOINT (default: 1.0)")  # fmt: skip
-    p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
-                   help="spread rows over Ray actors (ADDRESS: a cluster to join; default: a local one)")
+    p.add_argument(
+        "--trace-sample",
+        type=float_in(0.0, 1.0),
+        metavar="P",
+        help="share of trajectories traced, "
+        "with --otlp, --trace or OTEL_EXPORTER_OTLP_ENDPOINT (default: 1.0)",
+    )
+    p.add_argument(
+        "--ray",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="ADDRESS",
+        help="spread rows over Ray actors (ADDRESS: a cluster to join; default: a local one)",
+    )
     p.add_argument("--workers", type=COUNT, default=2, metavar="N", help="Ray actors")
-    p.add_argument("--resume", metavar="DIR", help="complete the run that Ctrl-C or SIGTERM interrupted in DIR "
-                   "(its snapshot.json names the spec; another one is refused); the outputs go to DIR")  # fmt: skip
-    p.add_argument("-q", "--quiet", action="store_true", help="print only errors, warnings and the final "
-                   "'wrote ...' line")  # fmt: skip
+    p.add_argument(
+        "--resume",
+        metavar="DIR",
+        help="complete the run that Ctrl-C or SIGTERM interrupted in DIR "
+        "(its snapshot.json names the spec; another one is refused); the outputs go to DIR",
+    )
+    p.add_argument(
+        "-q",
+        "--quiet",
+        action="store_true",
+        help="print only errors, warnings and the final 'wrote ...' line",
+    )
     p.set_defaults(fn=commands["run"])
     run_parser = p
 
-    p = command("gateway", "run a harness spec (an agent in another framework) through the gateway: `run`'s flags, "
-                "and where the gateway listens (docs/gateway.md)")  # fmt: skip
+    p = command(
+        "gateway",
+        "run a harness spec (an agent in another framework) through the gateway: `run`'s flags, "
+        "and where the gateway listens (docs/gateway.md)",
+    )
     for act in run_parser._actions[1:]:  # every flag of `run` (but Ray's --workers), then the gateway's own
         if act.dest != "workers":
             p._add_action(act)
@@ -208,38 +334,89 @@ def command_line(commands: Mapping[str, Callable[[argparse.Namespace], int]]) ->
 
     p = command("render", "draw a spec (.svg .png .pdf .dot .mmd), optionally annotated by a run")
     p.add_argument("spec", metavar="SPEC", help="the spec file (YAML)")
-    p.add_argument("-o", "--output", required=True, metavar="FILE", help="the diagram; its extension picks the "
-                   "format (.svg .png .pdf need Graphviz's dot)")  # fmt: skip
+    p.add_argument(
+        "-o",
+        "--output",
+        required=True,
+        metavar="FILE",
+        help="the diagram; its extension picks the format (.svg .png .pdf need Graphviz's dot)",
+    )
     p.add_argument("--run", metavar="DIR", help="annotate with the run in DIR (its summary.json)")
     p.set_defaults(fn=commands["render"])
 
     p = command("show", "print a run's trajectories as transcripts")
-    p.add_argument("run_dir", metavar="RUN_DIR", help="a directory `agentfsm run --out DIR` wrote (or its "
-                   "trajectories.jsonl)")  # fmt: skip
-    p.add_argument("--row", type=int_in(0), metavar="INDEX", help="only the row with this index (all its samples)")
+    p.add_argument(
+        "run_dir",
+        metavar="RUN_DIR",
+        help="a directory `agentfsm run --out DIR` wrote (or its trajectories.jsonl)",
+    )
+    p.add_argument(
+        "--row", type=int_in(0), metavar="INDEX", help="only the row with this index (all its samples)"
+    )
     g = p.add_mutually_exclusive_group()
     g.add_argument("--worst", action="store_true", help="lowest reward first")
     g.add_argument("--failed", action="store_true", help="only rows that ended in error")
-    p.add_argument("--limit", type=COUNT, metavar="N", help=f"print at most N transcripts (default: {SHOW_LIMIT} "
-                   "with --worst or --failed, else all)")  # fmt: skip
+    p.add_argument(
+        "--limit",
+        type=COUNT,
+        metavar="N",
+        help=f"print at most N transcripts (default: {SHOW_LIMIT} with --worst or --failed, else all)",
+    )
     p.set_defaults(fn=commands["show"])
 
     p = command("bench", "benchmarks that print numbers (JSON)")
-    p.add_argument("what", choices=["engine", "router", "hf", "prefix-cache", "tracing", "ray", "faults", "async",
-                                    "families", "collate", "vs-verl", "engines", "gateway"],
-                   help="which benchmark")
-    p.add_argument("--n", type=COUNT, default=2000, metavar="N", help="engine: trajectories; engines: prompts (default 8)")
-    p.add_argument("--concurrency", type=COUNT, metavar="N", help="engine: trajectories in flight (default: --n)")
-    p.add_argument("--tool-turns", type=int_in(0), default=4, metavar="N", help="engine: tool turns per trajectory")
-    p.add_argument("--repeats", type=COUNT, default=3, metavar="N", help="engine, tracing: repeats (the median is kept)")
+    p.add_argument(
+        "what",
+        choices=[
+            "engine",
+            "router",
+            "hf",
+            "prefix-cache",
+            "tracing",
+            "ray",
+            "faults",
+            "async",
+            "families",
+            "collate",
+            "vs-verl",
+            "engines",
+            "gateway",
+        ],
+        help="which benchmark",
+    )
+    p.add_argument(
+        "--n",
+        type=COUNT,
+        default=2000,
+        metavar="N",
+        help="engine: trajectories; engines: prompts (default 8)",
+    )
+    p.add_argument(
+        "--concurrency", type=COUNT, metavar="N", help="engine: trajectories in flight (default: --n)"
+    )
+    p.add_argument(
+        "--tool-turns", type=int_in(0), default=4, metavar="N", help="engine: tool turns per trajectory"
+    )
+    p.add_argument(
+        "--repeats", type=COUNT, default=3, metavar="N", help="engine, tracing: repeats (the median is kept)"
+    )
     p.add_argument("--model", metavar="DIR", help="hf: model dir (default: the tiny model)")
-    p.add_argument("--server", action="append", type=server_url, metavar="URL", help="engines: a server serving the tiny model "
-                   "(SGLang, vLLM or dev); two or more, run in turn")  # fmt: skip
-    p.add_argument("--workload", choices=["engine", "calculator", "contexts", "embedded"], default="engine",
-                   help="engine: calculator is specs/calculator.yaml's prompt, tool and answer with a replayed model "
-                        "(CPU per trajectory at --n in flight); contexts: the template context policy's CPU per "
-                        "model turn against append's on the same calculator conversation (--n default 500); tracing: engine, calculator, or embedded "
-                        "(`agentfsm run specs/calculator.yaml` without and with --otlp, alternated)")  # fmt: skip
+    p.add_argument(
+        "--server",
+        action="append",
+        type=server_url,
+        metavar="URL",
+        help="engines: a server serving the tiny model (SGLang, vLLM or dev); two or more, run in turn",
+    )
+    p.add_argument(
+        "--workload",
+        choices=["engine", "calculator", "contexts", "embedded"],
+        default="engine",
+        help="engine: calculator is specs/calculator.yaml's prompt, tool and answer with a replayed model "
+        "(CPU per trajectory at --n in flight); contexts: the template context policy's CPU per "
+        "model turn against append's on the same calculator conversation (--n default 500); tracing: engine, calculator, or embedded "
+        "(`agentfsm run specs/calculator.yaml` without and with --otlp, alternated)",
+    )
     p.set_defaults(fn=commands["bench"])
 
     p = command("dev-server", "an SGLang-protocol server over the embedded model")

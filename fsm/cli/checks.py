@@ -23,10 +23,14 @@ def same_spec(run: str, spec_path: str, agent: Any) -> None:
         return
     ran, spec = str(summary["spec_hash"]), summary.get("spec")
     if spec and Path(spec).resolve() != Path(spec_path).resolve():
-        raise CLIError(f"--run {run}: that run is of another spec ({spec}), not {spec_path}; render the run "
-                       "with its own spec")  # fmt: skip
-    warn(f"--run {run}: {spec_path} changed since that run (spec hash {ran[:12]}, now {agent.hash[:12]}); "
-         "its counts are drawn on today's edges")  # fmt: skip
+        raise CLIError(
+            f"--run {run}: that run is of another spec ({spec}), not {spec_path}; render the run "
+            "with its own spec"
+        )
+    warn(
+        f"--run {run}: {spec_path} changed since that run (spec hash {ran[:12]}, now {agent.hash[:12]}); "
+        "its counts are drawn on today's edges"
+    )
 
 
 def port_free(host: str, port: int) -> None:
@@ -43,5 +47,7 @@ def port_free(host: str, port: int) -> None:
         try:
             sock.bind(address)
         except OSError as exc:
-            raise CLIError(f"--port {port}: cannot serve on {host}:{port} ({exc.strerror or exc}); stop what "
-                           "holds it or pick another --port") from None  # fmt: skip
+            raise CLIError(
+                f"--port {port}: cannot serve on {host}:{port} ({exc.strerror or exc}); stop what "
+                "holds it or pick another --port"
+            ) from None

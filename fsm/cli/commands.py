@@ -91,14 +91,18 @@ def _check_run_flags(args: argparse.Namespace) -> None:
     if args.engine and launched and args.engine != launched:
         raise CLIError(f"--engine {args.engine} with --launch-{launched}: a fleet is one engine kind")
     if args.request_timeout is not None and not servers:
-        raise CLIError("--request-timeout: it times server requests; give --server URL, --launch-sglang MODEL or "
-                       "--launch-vllm MODEL (the embedded model makes no requests)")  # fmt: skip
+        raise CLIError(
+            "--request-timeout: it times server requests; give --server URL, --launch-sglang MODEL or "
+            "--launch-vllm MODEL (the embedded model makes no requests)"
+        )
     if args.ray is not None:
         try:
             import ray  # noqa: F401
         except ImportError:
-            raise CLIError("--ray: Ray is not installed in this Python; pip install 'agentfsm[ray]', "
-                           "or run without --ray") from None  # fmt: skip
+            raise CLIError(
+                "--ray: Ray is not installed in this Python; pip install 'agentfsm[ray]', "
+                "or run without --ray"
+            ) from None
         if args.request_timeout is not None:
             raise CLIError("--request-timeout: not passed to Ray actors yet; drop --ray or --request-timeout")
     tracing = bool(args.otlp or args.trace or _env_tracing())
@@ -123,7 +127,9 @@ def _rows(args: argparse.Namespace, agent: CompiledAgent) -> list[dict[str, Any]
         rows = load_rows(args.data)
         return rows[: args.num_prompts] if args.num_prompts is not None else rows
     if agent.spec.demo_data is None:
-        raise CLIError(f"{args.spec}: no --data given and the spec declares no demo_data; pass --data FILE.jsonl")
+        raise CLIError(
+            f"{args.spec}: no --data given and the spec declares no demo_data; pass --data FILE.jsonl"
+        )
     from fsm.spec.registry import resolve
 
     count = args.num_prompts if args.num_prompts is not None else DEMO_PROMPTS
@@ -136,7 +142,9 @@ def _launch_failure(message: str, engine: str = "sglang") -> str:
     head, _, tail = message.partition(" ends with:\n")
     lines = [line.strip() for line in tail.splitlines() if line.strip()]
     cause = lines[-1] if lines else "its log is empty"
-    install = "pip install sglang (on a GPU host)" if engine == "sglang" else "bash .ci/vllm_env.sh, --vllm-python"
+    install = (
+        "pip install sglang (on a GPU host)" if engine == "sglang" else "bash .ci/vllm_env.sh, --vllm-python"
+    )
     hint = f"; {install}, or pass --server URL" if "No module named" in cause else ""
     return f"--launch-{engine}: {head.strip()}: {cause}{hint}"
 
@@ -149,9 +157,15 @@ async def _servers(args: argparse.Namespace, stack: AsyncExitStack) -> tuple[lis
     if args.launch_sglang:
         from backends.launcher import LaunchError, SGLangLauncher
 
-        launcher = SGLangLauncher(args.launch_sglang, dp=args.dp, tp=args.tp, base_port=args.port,
-                                  log_dir=Path(args.out) / "sglang_logs", python=args.sglang_python,
-                                  device="cpu" if args.device == "cpu" else None)  # fmt: skip
+        launcher = SGLangLauncher(
+            args.launch_sglang,
+            dp=args.dp,
+            tp=args.tp,
+            base_port=args.port,
+            log_dir=Path(args.out) / "sglang_logs",
+            python=args.sglang_python,
+            device="cpu" if args.device == "cpu" else None,
+        )
         try:
             await stack.enter_async_context(launcher)
         except LaunchError as exc:
@@ -162,9 +176,15 @@ async def _servers(args: argparse.Namespace, stack: AsyncExitStack) -> tuple[lis
         from backends.launcher import LaunchError, VLLMLauncher
 
         try:
-            vllm = VLLMLauncher(args.launch_vllm, dp=args.dp, tp=args.tp, base_port=args.port,
-                                log_dir=Path(args.out) / "vllm_logs", python=args.vllm_python,
-                                device="cpu" if args.device == "cpu" else None)  # fmt: skip
+            vllm = VLLMLauncher(
+                args.launch_vllm,
+                dp=args.dp,
+                tp=args.tp,
+                base_port=args.port,
+                log_dir=Path(args.out) / "vllm_logs",
+                python=args.vllm_python,
+                device="cpu" if args.device == "cpu" else None,
+            )
             await stack.enter_async_context(vllm)
         except ValueError as exc:
             raise CLIError(f"--launch-vllm: {exc}") from None
@@ -177,19 +197,26 @@ async def _servers(args: argparse.Namespace, stack: AsyncExitStack) -> tuple[lis
     from fsm.api import ServerNotReady, probe_servers
 
     try:
-        probe = await probe_servers(servers, strict=args.strict_servers,
-                                    engine=args.engine or ("vllm" if args.launch_vllm else None))  # fmt: skip
+        probe = await probe_servers(
+            servers, strict=args.strict_servers, engine=args.engine or ("vllm" if args.launch_vllm else None)
+        )
     except ServerNotReady as exc:
-        raise CLIError(f"no usable server: {exc}; start it (agentfsm dev-server, sglang or vllm) or fix --server"
-                       + ("" if args.strict_servers else " (every server failed)")) from None  # fmt: skip
+        raise CLIError(
+            f"no usable server: {exc}; start it (agentfsm dev-server, sglang or vllm) or fix --server"
+            + ("" if args.strict_servers else " (every server failed)")
+        ) from None
     for url, why in probe.left_out.items():
-        print(f"warning: {url}: left out of this run: {why} (--strict-servers makes this an error)",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"warning: {url}: left out of this run: {why} (--strict-servers makes this an error)",
+            file=sys.stderr,
+        )
     servers, served = probe.servers, probe.tokenizer
     args.engine = probe.engine  # what they run, for the engine's clients
     if tokenizer is None:
         if not served or not Path(served).exists():
-            raise CLIError(f"{servers[0]}: serves {served!r}, which is not a local directory; pass --tokenizer DIR")
+            raise CLIError(
+                f"{servers[0]}: serves {served!r}, which is not a local directory; pass --tokenizer DIR"
+            )
         tokenizer = served
     return servers, tokenizer
 
@@ -213,23 +240,48 @@ def _engine(args: argparse.Namespace, servers: list[str], tokenizer: str | None)
         if args.ray is not None:
             from fsm.adapters.ray_runner import RayRunner
 
-            return RayRunner(args.spec, tokenizer=tokenizer, servers=servers or None, workers=args.workers,
-                             address=args.ray or None, engine=args.engine)  # fmt: skip
+            return RayRunner(
+                args.spec,
+                tokenizer=tokenizer,
+                servers=servers or None,
+                workers=args.workers,
+                address=args.ray or None,
+                engine=args.engine,
+            )
         if servers:
             options = {"retry_window_s": args.retry_window, "engine": args.engine}
             if args.request_timeout is not None:
                 options["request_timeout_s"] = args.request_timeout
-            return RolloutEngine(args.spec, tokenizer, servers=servers, max_concurrency=args.concurrency,
-                                 tracer=_tracer(args), check_tokens=args.check_tokens, watchdog_s=args.watchdog,
-                                 group_affinity=args.group_affinity, **options)  # fmt: skip
-        return RolloutEngine(args.spec, tokenizer, model=args.model, max_concurrency=args.concurrency,
-                             tracer=_tracer(args), check_tokens=args.check_tokens, watchdog_s=args.watchdog,
-                             torch_threads=args.threads,
-                             max_batch_size=args.batch_size, device=args.device, dtype=args.dtype)  # fmt: skip
+            return RolloutEngine(
+                args.spec,
+                tokenizer,
+                servers=servers,
+                max_concurrency=args.concurrency,
+                tracer=_tracer(args),
+                check_tokens=args.check_tokens,
+                watchdog_s=args.watchdog,
+                group_affinity=args.group_affinity,
+                **options,
+            )
+        return RolloutEngine(
+            args.spec,
+            tokenizer,
+            model=args.model,
+            max_concurrency=args.concurrency,
+            tracer=_tracer(args),
+            check_tokens=args.check_tokens,
+            watchdog_s=args.watchdog,
+            torch_threads=args.threads,
+            max_batch_size=args.batch_size,
+            device=args.device,
+            dtype=args.dtype,
+        )
     except FileNotFoundError as exc:
         raise CLIError(str(exc)) from None
     except OSError as exc:  # transformers: a directory without tokenizer or model files
-        raise CLIError(f"{tokenizer or args.model}: cannot load a tokenizer there ({exc}); pass --tokenizer DIR") from None
+        raise CLIError(
+            f"{tokenizer or args.model}: cannot load a tokenizer there ({exc}); pass --tokenizer DIR"
+        ) from None
 
 
 def _freeze_heap() -> None:
@@ -247,16 +299,20 @@ def _tracer(args: argparse.Namespace) -> Any:
     sample = 1.0 if args.trace_sample is None else args.trace_sample
     # console spans go to stderr (stdout is the run table); the run's close waits for the collector at most
     # FLUSH_TIMEOUT_S, then counts what is left as dropped
-    return Telemetry(otlp=args.otlp, console=args.trace == "console", sample=sample,
-                     flush_timeout_s=FLUSH_TIMEOUT_S)  # fmt: skip
+    return Telemetry(
+        otlp=args.otlp, console=args.trace == "console", sample=sample, flush_timeout_s=FLUSH_TIMEOUT_S
+    )
 
 
 def _env_tracing() -> bool:
-    return bool(os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
+    return bool(
+        os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    )
 
 
-async def _rollout(args: argparse.Namespace, rows: list[dict[str, Any]] | None, console: Any,
-                   first_index: int | None = None) -> Rollout:  # fmt: skip
+async def _rollout(
+    args: argparse.Namespace, rows: list[dict[str, Any]] | None, console: Any, first_index: int | None = None
+) -> Rollout:
     """Roll `rows` out (or, `rows` None, resume the snapshot in --resume DIR). A RolloutEngine runs them as
     every kept run does (fsm/run/kept.py: Ctrl-C snapshots the rows in flight); Ray keeps what finished.
     `first_index`: `rows` are a slice of a batch, whose index (and seed) their first sample takes."""
@@ -274,16 +330,31 @@ async def _rollout(args: argparse.Namespace, rows: list[dict[str, Any]] | None, 
         stack.push_async_callback(engine.aclose)
         try:
             sampling = engine.sampling(params)
-        except ValueError as exc:  # one a spec's sampling holds that its model cannot take (a stop id past the vocabulary)
+        except (
+            ValueError
+        ) as exc:  # one a spec's sampling holds that its model cannot take (a stop id past the vocabulary)
             raise CLIError(f"{args.spec}: {exc}") from None
         _freeze_heap()
         t_start = time.perf_counter()  # the rollout's time: not launching servers, imports, loading the model
         c_start = time.process_time()
         if args.ray is None:
             keep = RunDir(Path(args.out), args.run_id, str(Path(args.spec).resolve()))
-            kept = await keep_rollout(engine, rows, args.n, sampling, keep, interrupts, _progress(args, console),
-                                      first_index=first_index)  # fmt: skip
-            trajs, interrupted, expected, sampling = kept.trajs, kept.interrupted, kept.expected, kept.sampling
+            kept = await keep_rollout(
+                engine,
+                rows,
+                args.n,
+                sampling,
+                keep,
+                interrupts,
+                _progress(args, console),
+                first_index=first_index,
+            )
+            trajs, interrupted, expected, sampling = (
+                kept.trajs,
+                kept.interrupted,
+                kept.expected,
+                kept.sampling,
+            )
         else:
             try:
                 trajs = await _with_progress(engine, rows, args, sampling, console, finished)
@@ -318,15 +389,21 @@ def _progress(args: argparse.Namespace, console: Any) -> Iterator[Callable[[int,
         yield update
 
 
-async def _with_progress(engine: Any, rows: list[dict], args: argparse.Namespace, sampling: Any, console: Any,
-                         finished: list) -> list:  # fmt: skip
+async def _with_progress(
+    engine: Any, rows: list[dict], args: argparse.Namespace, sampling: Any, console: Any, finished: list
+) -> list:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     total = len(rows) * args.n
     counters = {"tokens": 0, "turns": 0, "done": 0}
     t0 = time.perf_counter()
-    columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-               TextColumn("{task.fields[rate]}")]  # fmt: skip
+    columns = [
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[rate]}"),
+    ]
     with Progress(*columns, console=console, disable=args.quiet or not console.is_terminal) as progress:
         task = progress.add_task("trajectories", total=total, rate="")
 
@@ -362,7 +439,9 @@ def cmd_run(args: argparse.Namespace, rollout: Callable[..., Any] | None = None)
         args.run_id = uuid.uuid4().hex[:12]
     _check_run_flags(args)
     agent = compile_spec(args.spec)
-    if args.resume is not None:  # checked now (but the vocabulary, at restore): refused before anything starts
+    if (
+        args.resume is not None
+    ):  # checked now (but the vocabulary, at restore): refused before anything starts
         try:
             path = Path(args.resume) / SNAPSHOT
             _check_resume_meta(snap.read(path, agent), path)
@@ -402,14 +481,23 @@ def _check_resume_meta(data: dict[str, Any], path: Path) -> None:
         where = ".".join(["meta", *(str(p) for p in err["loc"])])
         raise snap.SnapshotError(f"{path}: malformed snapshot ({where}: {err['msg']})") from None
     if meta.groups != len(data["groups"]):
-        raise snap.SnapshotError(f"{path}: malformed snapshot (meta.groups is {meta.groups}, but it holds "
-                                 f"{len(data['groups'])} groups)")  # fmt: skip
+        raise snap.SnapshotError(
+            f"{path}: malformed snapshot (meta.groups is {meta.groups}, but it holds "
+            f"{len(data['groups'])} groups)"
+        )
     if meta.rows_expected < sum(len(g["trajectories"]) for g in data["groups"]):
-        raise snap.SnapshotError(f"{path}: malformed snapshot (meta.rows_expected is less than its trajectories)")
+        raise snap.SnapshotError(
+            f"{path}: malformed snapshot (meta.rows_expected is less than its trajectories)"
+        )
 
 
-def _run_locked(args: argparse.Namespace, rows: list[dict[str, Any]] | None, out: Path, console_cls: Any,
-                rollout: Callable[..., Any]) -> int:  # fmt: skip
+def _run_locked(
+    args: argparse.Namespace,
+    rows: list[dict[str, Any]] | None,
+    out: Path,
+    console_cls: Any,
+    rollout: Callable[..., Any],
+) -> int:
     keep = RunDir(out, args.run_id)  # the files and their order of writing: the API's `keep=` path's too
     if rows is not None:
         keep.refuse_a_snapshot()
@@ -430,17 +518,23 @@ def _run_locked(args: argparse.Namespace, rows: list[dict[str, Any]] | None, out
         from fsm.output.rundir import print_summary
 
         to_stdout(lambda: print_summary(summary, console_cls()))
-    to_stdout(lambda: print(f"wrote {out}/batch.pt, trajectories.jsonl, summary.json"
-                          + (" (replacing the run there)" if replacing else "")))  # fmt: skip
+    to_stdout(
+        lambda: print(
+            f"wrote {out}/batch.pt, trajectories.jsonl, summary.json"
+            + (" (replacing the run there)" if replacing else "")
+        )
+    )
     if stopped is not None:
         raise stopped
     failed = [t.error or t.termination_reason for t in run.trajs if t.failed]
     if len(failed) / len(run.trajs) > args.max_error_rate:
         common = " ".join(max(set(failed), key=failed.count).split())  # names the server, row or tool
         common = common if len(common) <= 200 else common[:199] + "…"
-        raise CLIError(f"{len(failed)} of {len(run.trajs)} rows ended in error ({len(failed) / len(run.trajs):.0%}), "
-                       f"more than --max-error-rate {args.max_error_rate:g}; the most common: {common}; "
-                       f"see {out}/summary.json")  # fmt: skip
+        raise CLIError(
+            f"{len(failed)} of {len(run.trajs)} rows ended in error ({len(failed) / len(run.trajs):.0%}), "
+            f"more than --max-error-rate {args.max_error_rate:g}; the most common: {common}; "
+            f"see {out}/summary.json"
+        )
     if (differ := token_check_failures(run.trajs, out)) is not None:
         warn(differ)
     if (every := every_row_failed(run.trajs, out)) is not None:
@@ -463,11 +557,15 @@ def cmd_render(args: argparse.Namespace) -> int:
     try:
         stats = load_run_stats(args.run) if args.run else None
     except json.JSONDecodeError as exc:
-        raise CLIError(f"--run {args.run}: its summary.json is not JSON ({exc.msg}, line {exc.lineno})") from None
+        raise CLIError(
+            f"--run {args.run}: its summary.json is not JSON ({exc.msg}, line {exc.lineno})"
+        ) from None
     except (FileNotFoundError, ValueError) as exc:
         raise CLIError(str(exc)) from None
     try:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)  # `-o diagrams/agent.svg` on a fresh checkout
+        Path(args.output).parent.mkdir(
+            parents=True, exist_ok=True
+        )  # `-o diagrams/agent.svg` on a fresh checkout
         render(agent, args.output, run_stats=stats)
     except RenderError as exc:
         raise CLIError(str(exc)) from None
@@ -497,19 +595,30 @@ def cmd_bench(args: argparse.Namespace) -> int:
     import importlib
 
     what = args.what
-    if args.workload != "engine" and (what, args.workload) not in (("engine", "calculator"), ("engine", "contexts"),
-                                                                   ("tracing", "calculator"), ("tracing", "embedded")):  # fmt: skip
-        raise CLIError(f"bench {what}: no --workload {args.workload} (engine: engine | calculator | contexts; tracing: engine | "
-                       "calculator | embedded)")  # fmt: skip
-    bench = importlib.import_module(f"bench.{what.replace('-', '_')}")  # `async` is a keyword: no plain import
+    if args.workload != "engine" and (what, args.workload) not in (
+        ("engine", "calculator"),
+        ("engine", "contexts"),
+        ("tracing", "calculator"),
+        ("tracing", "embedded"),
+    ):
+        raise CLIError(
+            f"bench {what}: no --workload {args.workload} (engine: engine | calculator | contexts; tracing: engine | "
+            "calculator | embedded)"
+        )
+    bench = importlib.import_module(
+        f"bench.{what.replace('-', '_')}"
+    )  # `async` is a keyword: no plain import
     _freeze_heap()  # as `agentfsm run` does: the benchmarks measure the rollout, not the collector on imports
     if what == "engine" and args.workload == "contexts":
-        result = bench.bench_contexts(n=500 if args.n == 2000 else args.n, tool_turns=args.tool_turns, repeats=args.repeats)
+        result = bench.bench_contexts(
+            n=500 if args.n == 2000 else args.n, tool_turns=args.tool_turns, repeats=args.repeats
+        )
     elif what == "engine" and args.workload == "calculator":
         result = bench.bench_calculator(n=args.n, concurrency=args.concurrency, repeats=args.repeats)
     elif what == "engine":
-        result = bench.bench_engine(n=args.n, concurrency=args.concurrency or args.n, tool_turns=args.tool_turns,
-                                    repeats=args.repeats)  # fmt: skip
+        result = bench.bench_engine(
+            n=args.n, concurrency=args.concurrency or args.n, tool_turns=args.tool_turns, repeats=args.repeats
+        )
     elif what == "hf":
         from backends.tiny import ASSET_DIR
 
@@ -541,7 +650,9 @@ def cmd_dev_server(args: argparse.Namespace) -> int:
     try:
         devserver_main(argv)
     except OSError as exc:  # the port is taken, or the host is not ours
-        raise CLIError(f"--port {args.port}: cannot serve on {args.host}:{args.port} ({exc.strerror or exc})") from None
+        raise CLIError(
+            f"--port {args.port}: cannot serve on {args.host}:{args.port} ({exc.strerror or exc})"
+        ) from None
     return 0
 
 
@@ -561,8 +672,16 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         raise CLIError(str(exc)) from None
 
 
-COMMANDS = {"validate": cmd_validate, "schema": cmd_schema, "run": cmd_run, "render": cmd_render, "show": cmd_show,
-            "bench": cmd_bench, "dev-server": cmd_dev_server, "gateway": cmd_gateway}
+COMMANDS = {
+    "validate": cmd_validate,
+    "schema": cmd_schema,
+    "run": cmd_run,
+    "render": cmd_render,
+    "show": cmd_show,
+    "bench": cmd_bench,
+    "dev-server": cmd_dev_server,
+    "gateway": cmd_gateway,
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -575,7 +694,9 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # --help, --version, or a usage error (printed as one line)
         return exc.code if isinstance(exc.code, int) else 1
     rc = 1
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}  # SIGTERM as Ctrl-C: ours
+    handlers = {
+        sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)
+    }  # SIGTERM as Ctrl-C: ours
     try:
         rc = args.fn(args)
         return rc
@@ -600,7 +721,9 @@ def main(argv: list[str] | None = None) -> int:
         if argv is None:  # the command line: the process ends with rc now, whatever signal comes
             ended(rc, exiting=True)
         else:
-            with contextlib.suppress(ValueError, TypeError):  # not the main thread; a handler set outside Python
+            with contextlib.suppress(
+                ValueError, TypeError
+            ):  # not the main thread; a handler set outside Python
                 for sig, handler in handlers.items():
                     signal.signal(sig, handler)
             ended(rc)

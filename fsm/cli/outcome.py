@@ -47,7 +47,9 @@ def resume_spec(args: argparse.Namespace) -> None:
     (checked by hash when the snapshot is read)."""
     path = Path(args.resume) / SNAPSHOT
     if not path.is_file():
-        raise CLIError(f"--resume {args.resume}: no {SNAPSHOT} there (a run interrupted with Ctrl-C leaves one)")
+        raise CLIError(
+            f"--resume {args.resume}: no {SNAPSHOT} there (a run interrupted with Ctrl-C leaves one)"
+        )
     try:
         data = json.loads(path.read_text())
         meta = data.get("meta") or {}
@@ -58,14 +60,18 @@ def resume_spec(args: argparse.Namespace) -> None:
         raise CLIError(f"--resume: {path}: not a snapshot ({exc})") from None
     if args.spec is None:
         if not named or not Path(named).is_file():
-            raise CLIError(f"--resume: {path} names the spec {named!r}, which is not there; pass the spec too")
+            raise CLIError(
+                f"--resume: {path} names the spec {named!r}, which is not there; pass the spec too"
+            )
         args.spec = named
     summary = Path(args.resume) / "summary.json"
     with contextlib.suppress(OSError, ValueError, AttributeError):
         theirs = json.loads(summary.read_text()).get("run_id")
         if theirs and run_id and theirs != run_id:
-            raise CLIError(f"--resume: {path} belongs to run {run_id}, but {summary} to run {theirs}; the "
-                           "snapshot is not this directory's run")  # fmt: skip
+            raise CLIError(
+                f"--resume: {path} belongs to run {run_id}, but {summary} to run {theirs}; the "
+                "snapshot is not this directory's run"
+            )
     args.run_id = run_id or uuid.uuid4().hex[:12]
 
 
@@ -125,7 +131,9 @@ atexit.register(_ignore_signals_at_the_very_end)
 
 # --- what a finished run says about its failed rows ---------------------------------------------------------
 
-_ID = re.compile(r"[0-9A-Za-z_-]*\d[0-9A-Za-z_-]*")  # what differs between rows of one cause: ids, counts, ports
+_ID = re.compile(
+    r"[0-9A-Za-z_-]*\d[0-9A-Za-z_-]*"
+)  # what differs between rows of one cause: ids, counts, ports
 GATEWAY_EXTRA = ("openai", "anthropic", "agents", "langgraph", "langchain_openai")  # pyproject's [gateway]
 
 
@@ -165,5 +173,7 @@ def token_check_failures(trajs: list[Any], out: Path) -> str | None:
         return None
     first = found[0]
     rows = f"{len(found)} row{'s' * (len(found) > 1)}"
-    return (f"--check-tokens: {rows} differ{'s' * (len(found) == 1)} from a re-render of their messages; row {first.index} (sample "
-            f"{first.sample}): {first.token_check}; see agentfsm show {out} --failed")
+    return (
+        f"--check-tokens: {rows} differ{'s' * (len(found) == 1)} from a re-render of their messages; row {first.index} (sample "
+        f"{first.sample}): {first.token_check}; see agentfsm show {out} --failed"
+    )

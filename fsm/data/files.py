@@ -34,7 +34,9 @@ def load_rows(path: str | Path, *, prompt_key: str = "raw_prompt") -> list[dict[
     (fsm/data/rows.py); the chat messages are read from `prompt_key`."""
     path = Path(path)
     if not path.is_file():
-        raise DataError([f"{path}: no such data file (give a .jsonl or .parquet file with a raw_prompt column)"])
+        raise DataError(
+            [f"{path}: no such data file (give a .jsonl or .parquet file with a raw_prompt column)"]
+        )
     if path.suffix == ".jsonl":
         rows = _jsonl(path)
     elif path.suffix == ".parquet":
@@ -54,13 +56,17 @@ def _jsonl(path: Path) -> list[dict[str, Any]]:
                 problems.append(f"{path}:{lineno}: stopped reading after {MAX_PROBLEMS} problems")
                 break
             if raw is None:
-                problems.append(f"{path}:{lineno}: line longer than {MAX_LINE_BYTES // 2**20} MiB; one row per line")
+                problems.append(
+                    f"{path}:{lineno}: line longer than {MAX_LINE_BYTES // 2**20} MiB; one row per line"
+                )
                 continue
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
                 col = len(raw[: exc.start].decode("utf-8", "replace")) + 1
-                problems.append(f"{path}:{lineno}:{col}: not UTF-8: byte 0x{raw[exc.start]:02x}; save the file as UTF-8")
+                problems.append(
+                    f"{path}:{lineno}:{col}: not UTF-8: byte 0x{raw[exc.start]:02x}; save the file as UTF-8"
+                )
                 continue
             if not line.strip():
                 continue
@@ -88,8 +94,10 @@ def _json_problem(exc: json.JSONDecodeError, line: str) -> str:
     """json's message, whole: some end in " at", the position being in the exception's fields."""
     if exc.msg.startswith("Invalid control character") and exc.pos < len(line):
         char = line[exc.pos]
-        return (f"a raw control character U+{ord(char):04X} inside a string; JSON needs it escaped "
-                f"({json.dumps(char)})")  # fmt: skip
+        return (
+            f"a raw control character U+{ord(char):04X} inside a string; JSON needs it escaped "
+            f"({json.dumps(char)})"
+        )
     return exc.msg[: -len(" at")] + " here" if exc.msg.endswith(" at") else exc.msg  # "here": path:line:col
 
 
@@ -108,7 +116,9 @@ def _parquet(path: Path) -> list[dict[str, Any]]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise DataError([f"{path}: reading parquet needs pyarrow (pip install 'agentfsm[parquet]')"]) from None
+        raise DataError(
+            [f"{path}: reading parquet needs pyarrow (pip install 'agentfsm[parquet]')"]
+        ) from None
     try:
         return pq.read_table(path).to_pylist()
     except Exception as exc:  # pyarrow raises several types for corrupt files

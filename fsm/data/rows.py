@@ -91,8 +91,10 @@ def to_rows(batch: Any) -> tuple[list[Any], dict[str, Any]]:
         batch = batch.non_tensor_batch
     if isinstance(batch, Mapping):
         if "raw_prompt" not in batch:
-            raise ValueError("the batch has no 'raw_prompt' column (the chat messages of each row); "
-                             f"columns: {', '.join(map(str, batch)) or 'none'}. In verl, set data.return_raw_chat=True")  # fmt: skip
+            raise ValueError(
+                "the batch has no 'raw_prompt' column (the chat messages of each row); "
+                f"columns: {', '.join(map(str, batch)) or 'none'}. In verl, set data.return_raw_chat=True"
+            )
         columns = {
             k: v.tolist() if isinstance(v, np.ndarray) and v.dtype != object else list(v)
             for k, v in batch.items()
@@ -116,7 +118,9 @@ class RowInputs:
     """What the engine reads from a row besides its prompt."""
 
     tools_kwargs: dict[str, Any]
-    interaction_kwargs: dict[str, Any] | None  # None: the row does not opt in to the interaction (verl's rule)
+    interaction_kwargs: (
+        dict[str, Any] | None
+    )  # None: the row does not opt in to the interaction (verl's rule)
     tool_selection: list[str] | None  # verl's extra_info.tool_selection: the tools active for this row
 
 
@@ -135,15 +139,20 @@ def check_prompt(row: Mapping[str, Any]) -> None:
         raise RowError(f"'raw_prompt' must be a non-empty list of chat messages, got {_describe(messages)}")
     for k, message in enumerate(messages):
         if not isinstance(message, Mapping):
-            raise RowError(f"'raw_prompt[{k}]' must be a chat message (a mapping with role and content), got "
-                           f"{_describe(message)}")  # fmt: skip
+            raise RowError(
+                f"'raw_prompt[{k}]' must be a chat message (a mapping with role and content), got "
+                f"{_describe(message)}"
+            )
         if not isinstance(message.get("role"), str):
             raise RowError(f"'raw_prompt[{k}].role' must be a string, got {_describe(message.get('role'))}")
         content = message.get("content")
-        parts = isinstance(content, (list, tuple, np.ndarray)) and all(isinstance(p, Mapping) for p in content)
+        parts = isinstance(content, (list, tuple, np.ndarray)) and all(
+            isinstance(p, Mapping) for p in content
+        )
         if not (content is None or isinstance(content, str) or parts):
-            raise RowError(f"'raw_prompt[{k}].content' must be text or a list of content parts, got "
-                           f"{_describe(content)}")  # fmt: skip
+            raise RowError(
+                f"'raw_prompt[{k}].content' must be text or a list of content parts, got {_describe(content)}"
+            )
 
 
 def row_inputs(row: Mapping[str, Any]) -> RowInputs:
@@ -154,18 +163,25 @@ def row_inputs(row: Mapping[str, Any]) -> RowInputs:
         raise RowError(f"'extra_info' must be a mapping, got {_describe(extra)}")
     extra = extra or {}
     tools_kwargs = row.get("tools_kwargs") or extra.get("tools_kwargs") or {}
-    if not isinstance(tools_kwargs, Mapping) or not all(isinstance(v, Mapping) for v in tools_kwargs.values()):
-        raise RowError(f"'tools_kwargs' must map tool names to mappings (create_kwargs, ...), got "
-                       f"{_describe(tools_kwargs)}")  # fmt: skip
+    if not isinstance(tools_kwargs, Mapping) or not all(
+        isinstance(v, Mapping) for v in tools_kwargs.values()
+    ):
+        raise RowError(
+            f"'tools_kwargs' must map tool names to mappings (create_kwargs, ...), got "
+            f"{_describe(tools_kwargs)}"
+        )
     kwargs = row.get("interaction_kwargs", extra.get("interaction_kwargs"))
     if kwargs is not None and not isinstance(kwargs, Mapping):
         raise RowError(f"'interaction_kwargs' must be a mapping, got {_describe(kwargs)}")
     selection = extra.get("tool_selection")
     if isinstance(selection, np.ndarray):
         selection = selection.tolist()
-    if selection is not None and (not isinstance(selection, (list, tuple))
-                                  or not all(isinstance(n, str) for n in selection)):  # fmt: skip
-        raise RowError(f"'extra_info.tool_selection' must be a list of tool names, got {_describe(selection)}")
+    if selection is not None and (
+        not isinstance(selection, (list, tuple)) or not all(isinstance(n, str) for n in selection)
+    ):
+        raise RowError(
+            f"'extra_info.tool_selection' must be a list of tool names, got {_describe(selection)}"
+        )
     return RowInputs(
         tools_kwargs=dict(tools_kwargs),
         interaction_kwargs=dict(kwargs) if kwargs is not None else None,
@@ -177,6 +193,8 @@ def prompt_messages(row: Mapping[str, Any], which: str = "bad row") -> list[dict
     """The row's chat messages (copied), or RowError saying what is wrong with them, `which` row first."""
     messages = row.get("raw_prompt")
     if not isinstance(messages, list) or not messages or not all(isinstance(m, Mapping) for m in messages):
-        raise RowError(f"{which}: 'raw_prompt' must be a non-empty list of chat messages, got "
-                       f"{'nothing' if messages is None else _describe(messages)}")  # fmt: skip
+        raise RowError(
+            f"{which}: 'raw_prompt' must be a non-empty list of chat messages, got "
+            f"{'nothing' if messages is None else _describe(messages)}"
+        )
     return [dict(m) for m in messages]

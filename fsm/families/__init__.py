@@ -22,9 +22,24 @@ from fsm.families import parsers as _parsers  # noqa: F401  (registers the famil
 from fsm.families.codec import CALL_OPENERS, Codec, TemplateError, TemplateKwargs, vocabulary_size
 from fsm.families.parsers import PARSERS, ToolCall, split_reasoning
 
-__all__ = ["FAMILIES", "Codec", "Family", "TemplateError", "TemplateKwargs", "Turn", "codec_for", "detect_family",
-           "family_names", "get_family", "make_parser", "parser_name", "register_family", "resolve_family",
-           "split_turn", "vocabulary_size"]  # fmt: skip
+__all__ = [
+    "FAMILIES",
+    "Codec",
+    "Family",
+    "TemplateError",
+    "TemplateKwargs",
+    "Turn",
+    "codec_for",
+    "detect_family",
+    "family_names",
+    "get_family",
+    "make_parser",
+    "parser_name",
+    "register_family",
+    "resolve_family",
+    "split_turn",
+    "vocabulary_size",
+]
 
 
 @dataclass(frozen=True)
@@ -34,10 +49,16 @@ class Family:
     name: str
     parser: str  # a name in fsm.families.parsers.PARSERS
     detect: tuple[str, ...]  # all of these in a chat template identify the family ("auto"); () never matches
-    reasoning: Literal["none", "think", "harmony"] = "none"  # <think>...</think>, or Harmony's analysis channel
+    reasoning: Literal["none", "think", "harmony"] = (
+        "none"  # <think>...</think>, or Harmony's analysis channel
+    )
     think_tags: tuple[str, str] = ("<think>", "</think>")  # a `think` family's reasoning block
-    turn_end: tuple[str, ...] = ()  # what closes an assistant turn in the template (the observation starts after)
-    cut_closer: str = ""  # owed (mask 0) after a turn cut before its end token, so the context stays well formed
+    turn_end: tuple[
+        str, ...
+    ] = ()  # what closes an assistant turn in the template (the observation starts after)
+    cut_closer: str = (
+        ""  # owed (mask 0) after a turn cut before its end token, so the context stays well formed
+    )
     strip_stops: tuple[str, ...] = ()  # stop tokens left out of the turn's text (they end it; no content)
     call_arguments: Literal["object", "json"] = "object"  # how the template wants structured calls' arguments
     history: Literal["raw", "harmony"] = "raw"  # the assistant message kept: the text, or Harmony's fields
@@ -85,8 +106,12 @@ def resolve_family(name: str, tokenizer: Any) -> Family:
     return detect_family(tokenizer) if name == "auto" else get_family(name)
 
 
-def codec_for(tokenizer: Any, family: str | Family = "auto", template_kwargs: dict[str, Any] | None = None,
-              special_tokens: str = "text") -> Codec:  # fmt: skip
+def codec_for(
+    tokenizer: Any,
+    family: str | Family = "auto",
+    template_kwargs: dict[str, Any] | None = None,
+    special_tokens: str = "text",
+) -> Codec:
     """The chat codec of the tokenizer's family; `.family` names it (the parser comes from there).
     `template_kwargs` go to every render of the chat template (TemplateKwargs); `special_tokens`: whether
     special-token strings in observations stay "text" (the default) or "allow"ed as control tokens."""
@@ -138,14 +163,18 @@ def make_parser(spec_parser: str | None, codec: Any, tool_schemas: list[dict] | 
     if hasattr(parser, "tools"):  # parsers that convert values by the tools' schemas (qwen3_coder)
         parser.tools = list(tool_schemas or [])
     family = getattr(codec, "family", None)
-    return ReasoningAwareParser(parser, family) if family is not None and family.reasoning == "think" else parser
+    return (
+        ReasoningAwareParser(parser, family) if family is not None and family.reasoning == "think" else parser
+    )
 
 
 def split_turn(text: str, family: Family, parser: Any) -> Turn:
     """A turn's reasoning, answer and calls (the answer is the text outside reasoning and call markup)."""
     if family.reasoning == "harmony":
         messages = parser.messages(text) if hasattr(parser, "messages") else []
-        reasoning = "\n".join(body for channel, rcpt, body, _ in messages if channel == "analysis" and not rcpt)
+        reasoning = "\n".join(
+            body for channel, rcpt, body, _ in messages if channel == "analysis" and not rcpt
+        )
         content = "".join(body for channel, rcpt, body, _ in messages if channel == "final")
         return Turn(reasoning or None, content, parser.parse(text))
     reasoning, rest = split_reasoning(text, family.reasoning, family.think_tags)
@@ -155,58 +184,117 @@ def split_turn(text: str, family: Family, parser: Any) -> Turn:
     return Turn(reasoning, content.strip() if calls else rest, calls)
 
 
-
-
 # --- the families agentfsm ships ----------------------------------------------------------------------------
 # Registered from least to most specific: `auto` tries the last first (Qwen3-Coder's template also has Qwen3's
 # markers, Qwen3's has Qwen2.5's).
 
-register_family(Family(
-    "llama3_1", "llama3_json", detect=("<|start_header_id|>", "<|eot_id|>"), turn_end=("<|eot_id|>", "<|eom_id|>"),
-    cut_closer="<|eot_id|>", strip_stops=("<|eom_id|>",), aliases=("llama3", "llama3.1"),
-    append_only="yes (tool results render as `ipython` turns)",
-))  # fmt: skip
-register_family(Family(
-    "qwen2.5", "hermes", detect=("<|im_start|>", "<tool_call>"), verl_exact=True, aliases=("hermes", "chatml"),
-    append_only="yes",
-))  # fmt: skip
-register_family(Family(
-    "qwen3", "hermes", detect=("<|im_start|>", "<tool_call>", "<think>"), reasoning="think",
-    turn_end=("<|im_end|>",), cut_closer="<|im_end|>", aliases=("qwen3.5",),
-    append_only="no: a new user turn drops the reasoning of earlier turns; agentfsm keeps the sampled "
-                "reasoning (a re-render differs there)",
-))  # fmt: skip
-register_family(Family(
-    "qwen3_coder", "qwen3_coder", detect=("<|im_start|>", "<function=", "<parameter="),
-    turn_end=("<|im_end|>",), cut_closer="<|im_end|>", append_only="yes",
-))  # fmt: skip
-register_family(Family(
-    "deepseek_v3", "deepseek_v3", detect=("<｜tool▁call▁begin｜>",), reasoning="think",
-    turn_end=("<｜end▁of▁sentence｜>",), cut_closer="<｜end▁of▁sentence｜>", call_arguments="json",
-    aliases=("deepseek_v3.1", "deepseek_r1"),
-    append_only="yes in non-thinking mode; the template re-renders earlier turns without their reasoning",
-))  # fmt: skip
-register_family(Family(
-    "kimi_k2", "kimi_k2", detect=("<|tool_calls_section_begin|>",), turn_end=("<|im_end|>",),
-    cut_closer="<|im_end|>", append_only="yes",
-))  # fmt: skip
-register_family(Family(
-    "seed_oss", "seed", detect=("<seed:tool_call>",), reasoning="think", think_tags=("<seed:think>", "</seed:think>"),
-    turn_end=("<seed:eos>",), cut_closer="<seed:eos>", aliases=("seed",),
-    append_only="yes",
-))  # fmt: skip
-register_family(Family(
-    "glm45", "glm45", detect=("<arg_key>", "<|observation|>"), reasoning="think", turn_end=("</tool_call>",),
-    strip_stops=("<|observation|>", "<|user|>"), aliases=("glm4.5", "glm4.6", "glm4.7"),
-    append_only="no: a new user turn drops earlier reasoning (`<think></think>` instead); agentfsm keeps the "
-                "sampled tokens. The model ends a turn with the next turn's own `<|observation|>`/`<|user|>`, "
-                "which agentfsm does not append twice",
-))  # fmt: skip
-register_family(Family(
-    "gpt_oss", "gpt_oss", detect=("<|channel|>", "<|message|>"), reasoning="harmony",
-    turn_end=("<|call|>", "<|end|>", "<|return|>"), cut_closer="<|end|>", history="harmony",
-    aliases=("harmony", "gpt-oss"),
-    append_only="no: the template drops analysis once a final answer follows, renders a past final answer "
-                "with <|end|> where the model sampled <|return|>, and writes a call's recipient before the "
-                "channel; agentfsm keeps the sampled tokens",
-))  # fmt: skip
+register_family(
+    Family(
+        "llama3_1",
+        "llama3_json",
+        detect=("<|start_header_id|>", "<|eot_id|>"),
+        turn_end=("<|eot_id|>", "<|eom_id|>"),
+        cut_closer="<|eot_id|>",
+        strip_stops=("<|eom_id|>",),
+        aliases=("llama3", "llama3.1"),
+        append_only="yes (tool results render as `ipython` turns)",
+    )
+)
+register_family(
+    Family(
+        "qwen2.5",
+        "hermes",
+        detect=("<|im_start|>", "<tool_call>"),
+        verl_exact=True,
+        aliases=("hermes", "chatml"),
+        append_only="yes",
+    )
+)
+register_family(
+    Family(
+        "qwen3",
+        "hermes",
+        detect=("<|im_start|>", "<tool_call>", "<think>"),
+        reasoning="think",
+        turn_end=("<|im_end|>",),
+        cut_closer="<|im_end|>",
+        aliases=("qwen3.5",),
+        append_only="no: a new user turn drops the reasoning of earlier turns; agentfsm keeps the sampled "
+        "reasoning (a re-render differs there)",
+    )
+)
+register_family(
+    Family(
+        "qwen3_coder",
+        "qwen3_coder",
+        detect=("<|im_start|>", "<function=", "<parameter="),
+        turn_end=("<|im_end|>",),
+        cut_closer="<|im_end|>",
+        append_only="yes",
+    )
+)
+register_family(
+    Family(
+        "deepseek_v3",
+        "deepseek_v3",
+        detect=("<｜tool▁call▁begin｜>",),
+        reasoning="think",
+        turn_end=("<｜end▁of▁sentence｜>",),
+        cut_closer="<｜end▁of▁sentence｜>",
+        call_arguments="json",
+        aliases=("deepseek_v3.1", "deepseek_r1"),
+        append_only="yes in non-thinking mode; the template re-renders earlier turns without their reasoning",
+    )
+)
+register_family(
+    Family(
+        "kimi_k2",
+        "kimi_k2",
+        detect=("<|tool_calls_section_begin|>",),
+        turn_end=("<|im_end|>",),
+        cut_closer="<|im_end|>",
+        append_only="yes",
+    )
+)
+register_family(
+    Family(
+        "seed_oss",
+        "seed",
+        detect=("<seed:tool_call>",),
+        reasoning="think",
+        think_tags=("<seed:think>", "</seed:think>"),
+        turn_end=("<seed:eos>",),
+        cut_closer="<seed:eos>",
+        aliases=("seed",),
+        append_only="yes",
+    )
+)
+register_family(
+    Family(
+        "glm45",
+        "glm45",
+        detect=("<arg_key>", "<|observation|>"),
+        reasoning="think",
+        turn_end=("</tool_call>",),
+        strip_stops=("<|observation|>", "<|user|>"),
+        aliases=("glm4.5", "glm4.6", "glm4.7"),
+        append_only="no: a new user turn drops earlier reasoning (`<think></think>` instead); agentfsm keeps the "
+        "sampled tokens. The model ends a turn with the next turn's own `<|observation|>`/`<|user|>`, "
+        "which agentfsm does not append twice",
+    )
+)
+register_family(
+    Family(
+        "gpt_oss",
+        "gpt_oss",
+        detect=("<|channel|>", "<|message|>"),
+        reasoning="harmony",
+        turn_end=("<|call|>", "<|end|>", "<|return|>"),
+        cut_closer="<|end|>",
+        history="harmony",
+        aliases=("harmony", "gpt-oss"),
+        append_only="no: the template drops analysis once a final answer follows, renders a past final answer "
+        "with <|end|> where the model sampled <|return|>, and writes a call's recipient before the "
+        "channel; agentfsm keeps the sampled tokens",
+    )
+)

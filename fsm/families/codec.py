@@ -50,18 +50,32 @@ class UnknownRole(TemplateError):
 
     def __init__(self, index: int, role: Any, family: str, known: list[str]):
         self.index, self.role = index, role
-        super().__init__(f"message {index} has role {role!r}, which the {family} chat template does not render "
-                         f"(it renders {', '.join(known)})")  # fmt: skip
+        super().__init__(
+            f"message {index} has role {role!r}, which the {family} chat template does not render "
+            f"(it renders {', '.join(known)})"
+        )
 
 
 _BASE = [{"role": "user", "content": "U"}, {"role": "assistant", "content": "A"}]
-_ROLES = ("system", "user", "assistant", "tool")  # what every codec renders (observations, prompts, model turns)
+_ROLES = (
+    "system",
+    "user",
+    "assistant",
+    "tool",
+)  # what every codec renders (observations, prompts, model turns)
 _MARK_ROLE = "agentfsmRoleMark"
 _MARK_ASSISTANT = "agentfsmAssistantMark"  # plain ASCII: every template copies it through unchanged
 _MARK_OBSERVATION = "agentfsmObservationMark"
 # where a family's call markup starts in a turn's text: the answer is what comes before
-CALL_OPENERS = ("<tool_call>", "<seed:tool_call>", "<|tool_calls_section_begin|>", "<｜tool▁calls▁begin｜>",
-                "<｜tool▁call▁begin｜>", "<|python_tag|>", '{"name"')  # fmt: skip
+CALL_OPENERS = (
+    "<tool_call>",
+    "<seed:tool_call>",
+    "<|tool_calls_section_begin|>",
+    "<｜tool▁calls▁begin｜>",
+    "<｜tool▁call▁begin｜>",
+    "<|python_tag|>",
+    '{"name"',
+)
 
 
 def vocabulary_size(tokenizer: Any) -> int:
@@ -116,13 +130,22 @@ class Codec:
         pad = tokenizer.pad_token_id
         self.pad_id: int = pad if pad is not None else 0
         self.vocab_size: int = vocabulary_size(tokenizer)
-        self.eos_text: str = self.decode([self.eos_id], skip_special_tokens=False) if self.eos_id is not None else ""
+        self.eos_text: str = (
+            self.decode([self.eos_id], skip_special_tokens=False) if self.eos_id is not None else ""
+        )
         self._parser = PARSERS[family.parser](tokenizer)
         self._verl_exact: bool = family.verl_exact
         added = getattr(tokenizer, "added_tokens_decoder", None)
-        specials = sorted({t.content for t in added.values() if getattr(t, "special", False)} if isinstance(added, dict)
-                          else (), key=len, reverse=True)  # fmt: skip
-        self._specials = re.compile("|".join(map(re.escape, specials))) if specials and special_tokens != "allow" else None
+        specials = sorted(
+            {t.content for t in added.values() if getattr(t, "special", False)}
+            if isinstance(added, dict)
+            else (),
+            key=len,
+            reverse=True,
+        )
+        self._specials = (
+            re.compile("|".join(map(re.escape, specials))) if specials and special_tokens != "allow" else None
+        )
         self._roles: dict[Any, bool] = dict.fromkeys(_ROLES, True)  # role -> whether the template renders it
         if self._verl_exact:
             self.stop_ids: set[int] = {self.eos_id}
@@ -142,8 +165,12 @@ class Codec:
             self.stop_ids = {self.eos_id, *self._parser.stop_token_ids}
             self._strip_ids = {self.eos_id, *self._ids(*family.strip_stops)}
             self.turn_closer = self._encode(family.cut_closer)
-            self._prefixes: dict[tuple, str] = {}  # an observation's shape -> the render's text before its suffix
-            self.encode_observation([{"role": "user", "content": "U"}])  # a template that cannot work fails now
+            self._prefixes: dict[
+                tuple, str
+            ] = {}  # an observation's shape -> the render's text before its suffix
+            self.encode_observation(
+                [{"role": "user", "content": "U"}]
+            )  # a template that cannot work fails now
 
     def _ids(self, *tokens: str) -> list[int]:
         unk = getattr(self.tokenizer, "unk_token_id", None)
@@ -154,7 +181,9 @@ class Codec:
         return self.pieces.encode(text) if text else []
 
     def _text(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        return self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
 
     # --- renders ----------------------------------------------------------------------------------------------
 
@@ -162,15 +191,19 @@ class Codec:
         self, messages: list[dict[str, Any]], *, tools: list[dict] | None = None, add_generation_prompt: bool
     ) -> list[int]:
         return self.tokenizer.apply_chat_template(
-            messages, tools=tools or None, add_generation_prompt=add_generation_prompt,
-            tokenize=True, return_dict=False,
-        )  # fmt: skip
+            messages,
+            tools=tools or None,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=True,
+            return_dict=False,
+        )
 
     def render_text(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool) -> str:
         return self._text(messages, add_generation_prompt)
 
-    def encode_prompt(self, messages: list[dict[str, Any]], tools: list[dict] | None,
-                      add_generation_prompt: bool = True) -> list[int]:  # fmt: skip
+    def encode_prompt(
+        self, messages: list[dict[str, Any]], tools: list[dict] | None, add_generation_prompt: bool = True
+    ) -> list[int]:
         """The ids `render` gives; the pieces every prompt repeats (system message, tool schemas) are
         tokenized once (fsm/families/pieces.py). Every prompt is made here (a row's, a rewrite's, the template
         policy's, a gateway request's), so the rules for what enters one are here: each message's role is one the
@@ -178,10 +211,13 @@ class Codec:
         model's own are text (the module's docstring), as in an observation."""
         self.check_roles(messages)
         shielded = None
-        if self._specials is not None and any(self._special_in(m) for m in messages if m.get("role") != "assistant"):
+        if self._specials is not None and any(
+            self._special_in(m) for m in messages if m.get("role") != "assistant"
+        ):
             messages, shielded = self._shield(messages, skip_assistant=True)
-        text = self.tokenizer.apply_chat_template(messages, tools=tools or None,
-                                                  add_generation_prompt=add_generation_prompt, tokenize=False)  # fmt: skip
+        text = self.tokenizer.apply_chat_template(
+            messages, tools=tools or None, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
         return self.pieces.encode(text, shielded)
 
     def check_roles(self, messages: list[dict[str, Any]]) -> None:
@@ -239,10 +275,14 @@ class Codec:
         if analysis:
             message["thinking"] = "\n".join(analysis)
         if calls:
-            message["tool_calls"] = [self._call(c.name or "", c.arguments, c.id, k) for k, c in enumerate(calls)]
+            message["tool_calls"] = [
+                self._call(c.name or "", c.arguments, c.id, k) for k, c in enumerate(calls)
+            ]
         return message
 
-    def verl_message(self, message: dict[str, Any], ids: list[int], parser: Any, max_calls: int) -> dict[str, Any]:
+    def verl_message(
+        self, message: dict[str, Any], ids: list[int], parser: Any, max_calls: int
+    ) -> dict[str, Any]:
         """A model turn's message as tools read it. `verl_exact`: as verl 0.9.1's AgentData holds it, the text
         decoded with its eos, tool-call blocks moved to `tool_calls` (fsm/families/parsers assistant_message); other
         families: the family's own message (verl's form is ChatML/hermes's)."""
@@ -262,7 +302,11 @@ class Codec:
             arguments = json.dumps(arguments if arguments is not None else {}, ensure_ascii=False)
         elif self.family.call_arguments == "object" and not isinstance(arguments, dict):
             arguments = {}
-        return {"id": call_id or f"call_{k}", "type": "function", "function": {"name": name, "arguments": arguments}}
+        return {
+            "id": call_id or f"call_{k}",
+            "type": "function",
+            "function": {"name": name, "arguments": arguments},
+        }
 
     # --- observations ---------------------------------------------------------------------------------------
 
@@ -274,7 +318,10 @@ class Codec:
         return [] if generated and generated[-1] in self.stop_ids else self.turn_closer
 
     def observation(
-        self, messages: list[dict[str, Any]], last: list[int] | None, history: list[dict[str, Any]] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        last: list[int] | None,
+        history: list[dict[str, Any]] | None = None,
     ) -> tuple[list[int], list[int]]:
         """(the template tokens owed after the model turn that ended with `last` (None: the context does not
         end with a model turn), the observation's ids); `history` is the conversation so far."""
@@ -284,7 +331,9 @@ class Codec:
             ids = ids[1:]  # GLM: the model stopped on the observation's own first token (<|observation|>)
         return closer, ids
 
-    def encode_observation(self, messages: list[dict[str, Any]], history: list[dict[str, Any]] | None = None) -> list[int]:
+    def encode_observation(
+        self, messages: list[dict[str, Any]], history: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         """Token ids that `messages` (tool results / a user turn) append after a model turn, generation prompt
         included. Special-token strings in their content are text (see the module's docstring)."""
         shielded = None
@@ -298,8 +347,9 @@ class Codec:
         assert self._specials is not None
         return any(self._specials.search(text) for text in _texts(message.get("content")))
 
-    def _shield(self, messages: list[dict[str, Any]], skip_assistant: bool = False
-                ) -> tuple[list[dict[str, Any]], dict[str, str]]:  # fmt: skip
+    def _shield(
+        self, messages: list[dict[str, Any]], skip_assistant: bool = False
+    ) -> tuple[list[dict[str, Any]], dict[str, str]]:
         """The messages with each special-token string in their content (text, or the text of content parts)
         replaced by a plain-ASCII placeholder (templates copy it through), and the placeholders' table for the
         tokenizer. `skip_assistant`: the model's own turns keep what it wrote (a re-render gives its tokens)."""
@@ -317,12 +367,20 @@ class Codec:
             if isinstance(content, str):
                 return sub(placeholder, content)
             if isinstance(content, list):
-                return [dict(p, text=sub(placeholder, p["text"])) if isinstance(p, dict) and isinstance(
-                    p.get("text"), str) else p for p in content]  # fmt: skip
+                return [
+                    dict(p, text=sub(placeholder, p["text"]))
+                    if isinstance(p, dict) and isinstance(p.get("text"), str)
+                    else p
+                    for p in content
+                ]
             return content
 
-        out = [m if skip_assistant and m.get("role") == "assistant" or "content" not in m
-               else dict(m, content=shield(m["content"])) for m in messages]  # fmt: skip
+        out = [
+            m
+            if skip_assistant and m.get("role") == "assistant" or "content" not in m
+            else dict(m, content=shield(m["content"]))
+            for m in messages
+        ]
         return out, table
 
     def _base_cut(self, messages: list[dict[str, Any]], shielded: dict[str, str] | None = None) -> list[int]:
@@ -338,13 +396,19 @@ class Codec:
             )
         return full[n:]
 
-    def _marker_cut(self, messages: list[dict[str, Any]], history: list[dict[str, Any]] | None,
-                    shielded: dict[str, str] | None = None) -> list[int]:  # fmt: skip
+    def _marker_cut(
+        self,
+        messages: list[dict[str, Any]],
+        history: list[dict[str, Any]] | None,
+        shielded: dict[str, str] | None = None,
+    ) -> list[int]:
         """Tool results are rendered after a call to the same tools (Harmony names the tool)."""
         base = [{"role": "user", "content": "U"}, self._base_assistant(messages, history)]
         text = self._text(base + messages, True)
-        key = (tuple((m.get("role"), m.get("tool_call_id"), m.get("name")) for m in messages),
-               tuple((c["function"]["name"], c["id"]) for c in base[1].get("tool_calls", ())))  # fmt: skip
+        key = (
+            tuple((m.get("role"), m.get("tool_call_id"), m.get("name")) for m in messages),
+            tuple((c["function"]["name"], c["id"]) for c in base[1].get("tool_calls", ())),
+        )
         prefix = self._prefixes.get(key)  # what precedes the suffix depends on the turns' shape, not contents
         if prefix is not None and text.startswith(prefix):
             return self.pieces.encode(text[len(prefix) :], shielded)
@@ -352,7 +416,9 @@ class Codec:
         probe = self._text(base + marked, True)
         at = probe.find(_MARK_OBSERVATION)
         if at < 0 or text[:at] != probe[:at]:
-            raise TemplateError(f"the {self.family.name} chat template does not render the observation's content")
+            raise TemplateError(
+                f"the {self.family.name} chat template does not render the observation's content"
+            )
         cut = probe.rfind(_MARK_ASSISTANT, 0, at)
         cut = cut + len(_MARK_ASSISTANT) if cut >= 0 else 0
         for marker in self.family.turn_end:
@@ -360,22 +426,29 @@ class Codec:
             if k >= 0:
                 cut = max(cut, k + len(marker))
         if cut == 0:
-            raise TemplateError(f"the {self.family.name} chat template shows no end of the assistant turn before "
-                                "an observation")  # fmt: skip
+            raise TemplateError(
+                f"the {self.family.name} chat template shows no end of the assistant turn before "
+                "an observation"
+            )
         if len(self._prefixes) >= 4096:
             self._prefixes.clear()
         self._prefixes[key] = text[:cut]
         return self.pieces.encode(text[cut:], shielded)
 
-    def _base_assistant(self, messages: list[dict[str, Any]], history: list[dict[str, Any]] | None) -> dict[str, Any]:
+    def _base_assistant(
+        self, messages: list[dict[str, Any]], history: list[dict[str, Any]] | None
+    ) -> dict[str, Any]:
         if messages[0].get("role") != "tool":
             return {"role": "assistant", "content": _MARK_ASSISTANT}
         last = history[-1] if history and history[-1].get("role") == "assistant" else None
         calls = self._calls_of(last) if last is not None else []
         n = sum(m.get("role") == "tool" for m in messages)
         calls = (calls + [("tool", None)] * n)[: max(n, 1)]
-        return {"role": "assistant", "content": _MARK_ASSISTANT,
-                "tool_calls": [self._call(name, {}, cid, k) for k, (name, cid) in enumerate(calls)]}  # fmt: skip
+        return {
+            "role": "assistant",
+            "content": _MARK_ASSISTANT,
+            "tool_calls": [self._call(name, {}, cid, k) for k, (name, cid) in enumerate(calls)],
+        }
 
     def _calls_of(self, message: dict[str, Any]) -> list[tuple[str, str | None]]:
         if "tool_calls" in message:
@@ -388,7 +461,11 @@ class Codec:
         """An assistant message as a chat server holds it after parsing the model's text: its calls as
         `tool_calls`, its reasoning as `reasoning_content`, the answer as `content`. A turn with a malformed call
         is kept as text (a server could not structure it either), and so is one that runs on after its calls."""
-        if message.get("role") != "assistant" or "tool_calls" in message or not isinstance(message.get("content"), str):
+        if (
+            message.get("role") != "assistant"
+            or "tool_calls" in message
+            or not isinstance(message.get("content"), str)
+        ):
             return message
         text, reasoning = message["content"], message.get("reasoning_content")
         if reasoning is None and self.family.reasoning == "think":
@@ -396,16 +473,26 @@ class Codec:
             text = text.lstrip("\n") if reasoning is not None else text
         calls = self._parser.parse(text)
         if not calls or any(c.error is not None or not c.name for c in calls) or text != text.rstrip():
-            return message  # malformed, or text after the calls (a turn cut there): kept as the model wrote it
+            return (
+                message  # malformed, or text after the calls (a turn cut there): kept as the model wrote it
+            )
         starts = [k for k in (text.find(m) for m in CALL_OPENERS) if k >= 0]
-        out: dict[str, Any] = {"role": "assistant", "content": text[: min(starts)].strip() if starts else "",
-                               "tool_calls": [self._call(c.name, c.arguments, c.id, k) for k, c in enumerate(calls)]}
+        out: dict[str, Any] = {
+            "role": "assistant",
+            "content": text[: min(starts)].strip() if starts else "",
+            "tool_calls": [self._call(c.name, c.arguments, c.id, k) for k, c in enumerate(calls)],
+        }
         if reasoning is not None:
             out["reasoning_content"] = reasoning
         return out
 
-    def check(self, messages: list[dict[str, Any]], tools: list[dict] | None, ids: list[int],
-              ends_with_observation: bool) -> str | None:  # fmt: skip
+    def check(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict] | None,
+        ids: list[int],
+        ends_with_observation: bool,
+    ) -> str | None:
         """Compare the ids with the template's render of the structured conversation (`structured`: the calls
         and reasoning of each turn that tool results answer, parsed out of the model's text, as a chat server
         renders the next turn's context; a final turn is kept as the model wrote it), so a
@@ -417,24 +504,36 @@ class Codec:
         template that rewrites an earlier turn only once a later one follows (gpt-oss drops a call's analysis
         when a final answer follows it) gave each turn its context as the row holds it."""
         ids = list(ids)
-        messages = [self.structured(m) if messages[k + 1 : k + 2] and messages[k + 1].get("role") == "tool" else m
-                    for k, m in enumerate(messages)]  # fmt: skip
+        messages = [
+            self.structured(m) if messages[k + 1 : k + 2] and messages[k + 1].get("role") == "tool" else m
+            for k, m in enumerate(messages)
+        ]
         expected = self.encode_prompt(messages, tools, add_generation_prompt=ends_with_observation)
         if self._verl_exact:
             if not ends_with_observation and expected[len(ids) :] in (self.turn_closer[1:], self.turn_closer):
-                expected = expected[: len(ids)]  # a final model turn owes no closer (nor eos, if the budget cut it)
+                expected = expected[
+                    : len(ids)
+                ]  # a final model turn owes no closer (nor eos, if the budget cut it)
         else:
             if not ends_with_observation and ids and ids[-1] in self._strip_ids - {self.eos_id}:
-                ids = ids[:-1]  # GLM's last turn ends on the next turn's own token (<|user|>), which the template adds
+                ids = ids[
+                    :-1
+                ]  # GLM's last turn ends on the next turn's own token (<|user|>), which the template adds
             if not ends_with_observation and self._owes_nothing(expected, ids):
                 expected = expected[: len(ids)]
         if expected == ids:
             return None
-        if not self._verl_exact and not ends_with_observation and self._as_generated(messages, tools, ids, expected):
+        if (
+            not self._verl_exact
+            and not ends_with_observation
+            and self._as_generated(messages, tools, ids, expected)
+        ):
             return None
         i = next((k for k, (a, b) in enumerate(zip(ids, expected)) if a != b), min(len(ids), len(expected)))
-        got, want = (self.decode(ids[i : i + 8], skip_special_tokens=False),
-                     self.decode(expected[i : i + 8], skip_special_tokens=False))  # fmt: skip
+        got, want = (
+            self.decode(ids[i : i + 8], skip_special_tokens=False),
+            self.decode(expected[i : i + 8], skip_special_tokens=False),
+        )
         return f"token {i}: trajectory has {got!r}, a re-render has {want!r} ({len(ids)} vs {len(expected)} tokens)"
 
     def _owes_nothing(self, expected: list[int], ids: list[int]) -> bool:
@@ -446,8 +545,9 @@ class Codec:
             rest = rest.replace(marker, "") if marker else rest
         return not rest.strip()
 
-    def _as_generated(self, messages: list[dict[str, Any]], tools: list[dict] | None, ids: list[int],
-                      full: list[int]) -> bool:  # fmt: skip
+    def _as_generated(
+        self, messages: list[dict[str, Any]], tools: list[dict] | None, ids: list[int], full: list[int]
+    ) -> bool:
         """Whether each model turn's context in `ids` is the template's render of the conversation before it (the
         prompt a chat server gives that turn), and the row ends with its last turn as the template writes it at
         the end of `full` (the whole render, followed by nothing but end markers)."""
@@ -459,5 +559,7 @@ class Codec:
             if ids[: len(context)] != context:
                 return False
         tail = ids[len(context) :]
-        return any(full[end - len(tail) : end] == tail and self._owes_nothing(full[end - len(tail) :], tail)
-                   for end in range(len(full), max(len(tail), len(full) - 8) - 1, -1))  # fmt: skip
+        return any(
+            full[end - len(tail) : end] == tail and self._owes_nothing(full[end - len(tail) :], tail)
+            for end in range(len(full), max(len(tail), len(full) - 8) - 1, -1)
+        )

@@ -20,7 +20,9 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 CACHE_CHARS = 4 << 20  # characters of pieces kept, all pieces together (least recently used go first)
-CACHE_ENTRIES = 1 << 14  # and pieces kept: each costs a few hundred bytes however short (a dict entry, a list)
+CACHE_ENTRIES = (
+    1 << 14
+)  # and pieces kept: each costs a few hundred bytes however short (a dict entry, a list)
 CHECKED_TEXTS = 16  # texts compared with the whole text's tokenization before the split is trusted
 
 
@@ -35,8 +37,13 @@ def decode(tokenizer: Any, ids: Any, *, skip_special_tokens: bool = True) -> str
 class PieceEncoder:
     """`encode(text)`: the ids `tokenizer.encode(text, add_special_tokens=False)` gives, cheaper on repeats."""
 
-    def __init__(self, tokenizer: Any, cache_chars: int = CACHE_CHARS, checked: int = CHECKED_TEXTS,
-                 cache_entries: int = CACHE_ENTRIES):  # fmt: skip
+    def __init__(
+        self,
+        tokenizer: Any,
+        cache_chars: int = CACHE_CHARS,
+        checked: int = CHECKED_TEXTS,
+        cache_entries: int = CACHE_ENTRIES,
+    ):
         self.tokenizer = tokenizer
         self._unchecked = checked
         added = getattr(tokenizer, "added_tokens_decoder", None)
@@ -103,8 +110,11 @@ class PieceEncoder:
             self._unchecked -= 1
             whole = self._whole(text)
             if ids != whole:
-                log.warning("tokenizer %s: a text's ids differ when it is cut at added tokens; tokenizing whole "
-                            "texts from now on", getattr(self.tokenizer, "name_or_path", ""))  # fmt: skip
+                log.warning(
+                    "tokenizer %s: a text's ids differ when it is cut at added tokens; tokenizing whole "
+                    "texts from now on",
+                    getattr(self.tokenizer, "name_or_path", ""),
+                )
                 self._split = None
                 return whole
         return ids

@@ -23,5 +23,13 @@ from fsm.gateway.harness import HarnessCall, gateway_generate, harness
 from fsm.gateway.record import GatewayError, LimitReached
 from fsm.gateway.server import Gateway, GatewayLimits, Session
 
-__all__ = ["Gateway", "GatewayError", "GatewayLimits", "HarnessCall", "LimitReached", "Session",
-           "gateway_generate", "harness"]  # fmt: skip
+__all__ = [
+    "Gateway",
+    "GatewayError",
+    "GatewayLimits",
+    "HarnessCall",
+    "LimitReached",
+    "Session",
+    "gateway_generate",
+    "harness",
+]

@@ -31,7 +31,9 @@ def _block_text(content: Any, where: str) -> str:
     out = []
     for k, block in enumerate(_blocks(content, where)):
         if block["type"] != "text" or not isinstance(block.get("text"), str):
-            raise GatewayError(f"{where}.content[{k}]: block type {block['type']!r} is not supported here (text only)")
+            raise GatewayError(
+                f"{where}.content[{k}]: block type {block['type']!r} is not supported here (text only)"
+            )
         out.append(block["text"])
     return "".join(out)
 
@@ -82,7 +84,10 @@ def messages_call(body: dict[str, Any]) -> Call:
             raise GatewayError("tools: must be a list")
         tools = []
         for k, t in enumerate(body["tools"]):
-            if isinstance(t, dict) and t.get("type") not in (None, "custom"):  # a server tool (web_search_..., bash_...)
+            if isinstance(t, dict) and t.get("type") not in (
+                None,
+                "custom",
+            ):  # a server tool (web_search_..., bash_...)
                 dropped.append(unsupported_tool(f"tools.{k}", t))
                 continue
             if not isinstance(t, dict) or not isinstance(t.get("name"), str):
@@ -93,7 +98,10 @@ def messages_call(body: dict[str, Any]) -> Call:
             fn["parameters"] = t.get("input_schema") or {"type": "object", "properties": {}}
             tools.append({"type": "function", "function": fn})
         tools = tools or None
-    return with_dropped(Call(out, tools, max_tokens, bool(body.get("stream")), {"model": str(body.get("model") or "")}), dropped)
+    return with_dropped(
+        Call(out, tools, max_tokens, bool(body.get("stream")), {"model": str(body.get("model") or "")}),
+        dropped,
+    )
 
 
 def _content(a: Answer) -> list[dict[str, Any]]:
@@ -107,43 +115,92 @@ def _content(a: Answer) -> list[dict[str, Any]]:
             args = json.loads(c["arguments"])
         except ValueError:
             args = {}
-        blocks.append({"type": "tool_use", "id": c["id"], "name": c["name"], "input": args if isinstance(args, dict) else {}})
+        blocks.append(
+            {
+                "type": "tool_use",
+                "id": c["id"],
+                "name": c["name"],
+                "input": args if isinstance(args, dict) else {},
+            }
+        )
     return blocks
 
 
 def messages_answer(a: Answer, call: Call, session: str) -> dict[str, Any]:
-    return {"id": f"msg_{session}_{a.turn}", "type": "message", "role": "assistant", "model": call.extra.get("model", ""),
-            "content": _content(a), "stop_reason": STOP_REASONS[a.finish], "stop_sequence": None,
-            "usage": {"input_tokens": a.prompt_tokens, "output_tokens": a.completion_tokens}}  # fmt: skip
+    return {
+        "id": f"msg_{session}_{a.turn}",
+        "type": "message",
+        "role": "assistant",
+        "model": call.extra.get("model", ""),
+        "content": _content(a),
+        "stop_reason": STOP_REASONS[a.finish],
+        "stop_sequence": None,
+        "usage": {"input_tokens": a.prompt_tokens, "output_tokens": a.completion_tokens},
+    }
 
 
 def messages_stream(a: Answer, call: Call, session: str) -> Iterator[bytes]:
     final = messages_answer(a, call, session)
 
     def event(kind: str, **data: Any) -> bytes:
-        return f"event: {kind}\ndata: ".encode() + json.dumps({"type": kind, **data}, ensure_ascii=False).encode() + b"\n\n"
+        return (
+            f"event: {kind}\ndata: ".encode()
+            + json.dumps({"type": kind, **data}, ensure_ascii=False).encode()
+            + b"\n\n"
+        )
 
-    yield event("message_start", message={**final, "content": [], "stop_reason": None,
-                                          "usage": {"input_tokens": a.prompt_tokens, "output_tokens": 0}})  # fmt: skip
+    yield event(
+        "message_start",
+        message={
+            **final,
+            "content": [],
+            "stop_reason": None,
+            "usage": {"input_tokens": a.prompt_tokens, "output_tokens": 0},
+        },
+    )
     for k, block in enumerate(final["content"]):
         if block["type"] == "thinking":
-            yield event("content_block_start", index=k, content_block={"type": "thinking", "thinking": "", "signature": ""})
-            yield event("content_block_delta", index=k, delta={"type": "thinking_delta", "thinking": block["thinking"]})
+            yield event(
+                "content_block_start",
+                index=k,
+                content_block={"type": "thinking", "thinking": "", "signature": ""},
+            )
+            yield event(
+                "content_block_delta",
+                index=k,
+                delta={"type": "thinking_delta", "thinking": block["thinking"]},
+            )
             yield event("content_block_delta", index=k, delta={"type": "signature_delta", "signature": ""})
         elif block["type"] == "text":
             yield event("content_block_start", index=k, content_block={"type": "text", "text": ""})
             if block["text"]:
-                yield event("content_block_delta", index=k, delta={"type": "text_delta", "text": block["text"]})
+                yield event(
+                    "content_block_delta", index=k, delta={"type": "text_delta", "text": block["text"]}
+                )
         else:
             yield event("content_block_start", index=k, content_block={**block, "input": {}})
-            yield event("content_block_delta", index=k, delta={"type": "input_json_delta",
-                                                               "partial_json": json.dumps(block["input"])})  # fmt: skip
+            yield event(
+                "content_block_delta",
+                index=k,
+                delta={"type": "input_json_delta", "partial_json": json.dumps(block["input"])},
+            )
         yield event("content_block_stop", index=k)
-    yield event("message_delta", delta={"stop_reason": final["stop_reason"], "stop_sequence": None},
-                usage={"output_tokens": a.completion_tokens})  # fmt: skip
+    yield event(
+        "message_delta",
+        delta={"stop_reason": final["stop_reason"], "stop_sequence": None},
+        usage={"output_tokens": a.completion_tokens},
+    )
     yield event("message_stop")
 
 
 def anthropic_error(exc: GatewayError) -> dict[str, Any]:
-    kinds = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error"}
-    return {"type": "error", "error": {"type": kinds.get(exc.status, "invalid_request_error"), "message": str(exc)}}
+    kinds = {
+        401: "authentication_error",
+        404: "not_found_error",
+        413: "request_too_large",
+        429: "rate_limit_error",
+    }
+    return {
+        "type": "error",
+        "error": {"type": kinds.get(exc.status, "invalid_request_error"), "message": str(exc)},
+    }

@@ -28,16 +28,25 @@ from aiohttp import web
 from fsm.gateway.record import GatewayError
 from fsm.gateway.server import GatewayLimits, _error, listen, read_body, route
 
-TOKEN_ENV = "AGENTFSM_FRONT_TOKEN"  # a worker's registration token, in its environment (never on a command line)
+TOKEN_ENV = (
+    "AGENTFSM_FRONT_TOKEN"  # a worker's registration token, in its environment (never on a command line)
+)
 FORWARDED = ("Authorization", "x-api-key", "Content-Type", "Accept", "anthropic-version", "anthropic-beta")
 
 
 class Front:
     """The front: `register(tag, url)` each worker, then harnesses call `url/sessions/{id}/...`."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, limits: GatewayLimits | None = None,
-                 timeout_s: float = 600.0, token: str | None = None, expects: Iterable[str] = (),
-                 on_register: Callable[[str], None] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        limits: GatewayLimits | None = None,
+        timeout_s: float = 600.0,
+        token: str | None = None,
+        expects: Iterable[str] = (),
+        on_register: Callable[[str], None] | None = None,
+    ):
         self.host, self.port = host, port
         self.token, self.expects, self.on_register = token, set(expects), on_register
         self.limits = limits or GatewayLimits()
@@ -56,8 +65,9 @@ class Front:
         self.workers[tag] = url.rstrip("/")
 
     async def start(self) -> Front:
-        self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                           timeout=aiohttp.ClientTimeout(total=self.timeout_s))  # fmt: skip
+        self._http = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=self.timeout_s)
+        )
         self._runner, self.port = await listen(self._serve, self.host, self.port)
         return self
 
@@ -113,8 +123,9 @@ class Front:
         assert self._http is not None
         response = None
         try:
-            async with self._http.request(request.method, worker + request.rel_url.path_qs, data=body,
-                                          headers=headers) as upstream:  # fmt: skip
+            async with self._http.request(
+                request.method, worker + request.rel_url.path_qs, data=body, headers=headers
+            ) as upstream:
                 response = web.StreamResponse(status=upstream.status, headers=_kept(upstream.headers))
                 try:
                     await response.prepare(request)
@@ -127,8 +138,14 @@ class Front:
         except (TimeoutError, aiohttp.ClientError) as exc:
             if response is not None:  # the answer had started: the connection is dropped, as the worker's was
                 raise
-            return _error(request, GatewayError(f"the gateway worker {tag!r} ({worker}) did not answer: "
-                                                f"{type(exc).__name__}: {exc}", code="server_error", status=502))  # fmt: skip
+            return _error(
+                request,
+                GatewayError(
+                    f"the gateway worker {tag!r} ({worker}) did not answer: {type(exc).__name__}: {exc}",
+                    code="server_error",
+                    status=502,
+                ),
+            )
 
 
 def _kept(headers: Any) -> dict[str, str]:

@@ -58,7 +58,9 @@ class Harnesses:
     (never the loop's executor) and the harness tasks; closed with the engine, shared with no other."""
 
     def __init__(self) -> None:
-        self.live: dict[str, Session] = {}  # trajectory session_id -> its gateway session, while its harness runs
+        self.live: dict[
+            str, Session
+        ] = {}  # trajectory session_id -> its gateway session, while its harness runs
         self.lane: ThreadLane | None = None
         self.tasks: set[asyncio.Task[Any]] = set()
 
@@ -106,13 +108,23 @@ class HarnessCall:
 
     @property
     def env(self) -> dict[str, str]:
-        return {"OPENAI_BASE_URL": self.base_url, "OPENAI_API_KEY": self.api_key,
-                "ANTHROPIC_BASE_URL": self.anthropic_base_url, "ANTHROPIC_API_KEY": self.api_key,
-                "AGENTFSM_MODEL": self.model, "AGENTFSM_ROW": json.dumps(self.row, default=str)}  # fmt: skip
+        return {
+            "OPENAI_BASE_URL": self.base_url,
+            "OPENAI_API_KEY": self.api_key,
+            "ANTHROPIC_BASE_URL": self.anthropic_base_url,
+            "ANTHROPIC_API_KEY": self.api_key,
+            "AGENTFSM_MODEL": self.model,
+            "AGENTFSM_ROW": json.dumps(self.row, default=str),
+        }
 
 
-def harness(fn: Callable[[HarnessCall], Any] | None = None, *, command: Sequence[str] | None = None,
-            timeout_s: float = 600.0, model: str = "agentfsm") -> Callable[[RunContext, Trajectory], Awaitable[None]]:  # fmt: skip
+def harness(
+    fn: Callable[[HarnessCall], Any] | None = None,
+    *,
+    command: Sequence[str] | None = None,
+    timeout_s: float = 600.0,
+    model: str = "agentfsm",
+) -> Callable[[RunContext, Trajectory], Awaitable[None]]:
     """The action of a harness state: `fn(call)` (sync or async) or `command` (argv, run without a shell)."""
     if (fn is None) == (command is None):
         raise ValueError("harness(): give a function or a command, not both")
@@ -131,16 +143,22 @@ def harness(fn: Callable[[HarnessCall], Any] | None = None, *, command: Sequence
 
                 raise RowError(f"gateway: {exc}") from None
             mine.live[traj.session_id] = session
-            call = HarnessCall(session.base_url, session.anthropic_base_url, session.key, model, dict(traj.row))
+            call = HarnessCall(
+                session.base_url, session.anthropic_base_url, session.key, model, dict(traj.row)
+            )
             loop = asyncio.get_running_loop()
-            task = mine.spawn(_run_command(command, call, session) if command is not None else _run_function(fn, call))
+            task = mine.spawn(
+                _run_command(command, call, session) if command is not None else _run_function(fn, call)
+            )
             task.add_done_callback(lambda _t: session.wake.set())
             traj.extra["_harness_deadline"] = deadline = loop.time() + timeout_s
             session.task = task  # type: ignore[attr-defined]
             session.timer = loop.call_at(deadline, session.wake.set)
         await _next_event(ctx, traj, session, timeout_s)
 
-    run_harness.__name__ = run_harness.__qualname__ = f"harness({getattr(fn, '__name__', None) or command[0]})"  # type: ignore[index]
+    run_harness.__name__ = run_harness.__qualname__ = (
+        f"harness({getattr(fn, '__name__', None) or command[0]})"  # type: ignore[index]
+    )
     return run_harness
 
 
@@ -153,15 +171,20 @@ async def _next_event(ctx: RunContext, traj: Trajectory, session: Session, timeo
         await _end(traj, session, task, outcome)
 
 
-async def _wait(ctx: RunContext, traj: Trajectory, session: Session, task: asyncio.Task[Any],
-                timeout_s: float) -> dict[str, Any] | None:  # fmt: skip
+async def _wait(
+    ctx: RunContext, traj: Trajectory, session: Session, task: asyncio.Task[Any], timeout_s: float
+) -> dict[str, Any] | None:
     loop = asyncio.get_running_loop()
     max_refused = session.gateway.limits.max_refused_calls
     try:
         while True:
-            if task.done():  # first: a call that came after the harness ended is refused (_end closes the session)
+            if (
+                task.done()
+            ):  # first: a call that came after the harness ended is refused (_end closes the session)
                 return task.result() if not task.cancelled() else {"outcome": "cancelled"}
-            if session.pending is not None and _exited(session.pid):  # a call from what the harness left behind
+            if session.pending is not None and _exited(
+                session.pid
+            ):  # a call from what the harness left behind
                 session.close(ENDED)
                 continue
             if session.pending is not None:
@@ -176,8 +199,11 @@ async def _wait(ctx: RunContext, traj: Trajectory, session: Session, task: async
                 if not future.done():
                     future.set_exception(LimitReached(refusal))
                 if session.refused > max_refused:
-                    return {"outcome": "spinning", "error": f"{session.refused} calls past the spec's limits (the "
-                            f"last: {refusal}); the gateway allows {max_refused}"}  # fmt: skip
+                    return {
+                        "outcome": "spinning",
+                        "error": f"{session.refused} calls past the spec's limits (the "
+                        f"last: {refusal}); the gateway allows {max_refused}",
+                    }
                 continue
             left = traj.extra["_harness_deadline"] - loop.time()
             if left <= 0:
@@ -185,14 +211,20 @@ async def _wait(ctx: RunContext, traj: Trajectory, session: Session, task: async
             session.wake.clear()
             await session.wake.wait()  # a call, the harness's end, or its deadline (session.timer) sets it
     except BaseException:  # the action's own timeout, a cancelled run: the harness ends with the row
-        await asyncio.shield(_end(traj, session, task, {"outcome": "cancelled", "error": "the row ended while its harness ran"}))
+        await asyncio.shield(
+            _end(
+                traj, session, task, {"outcome": "cancelled", "error": "the row ended while its harness ran"}
+            )
+        )
         raise
 
 
 def _past_limit(ctx: RunContext, traj: Trajectory) -> str | None:
     limits = ctx.agent.limits
     if limits.max_assistant_turns is not None and traj.assistant_turns >= limits.max_assistant_turns:
-        return f"the session has made its limits.max_assistant_turns ({limits.max_assistant_turns}) model calls"
+        return (
+            f"the session has made its limits.max_assistant_turns ({limits.max_assistant_turns}) model calls"
+        )
     if len(traj.response_mask) >= limits.response_length:
         return f"the session has used its limits.response_length ({limits.response_length}) tokens"
     return None
@@ -226,7 +258,9 @@ async def gateway_generate(ctx: RunContext, traj: Trajectory) -> None:
     call, future = session.current
     try:
         answer = await record_call(ctx, traj, session.recorder, call, f"call_{session.id[:8]}")
-    except GatewayError as exc:  # refused while recording (too_many_segments, a prefill...): counts as spinning
+    except (
+        GatewayError
+    ) as exc:  # refused while recording (too_many_segments, a prefill...): counts as spinning
         session.current = None
         session.refused += 1
         session.last_refusal = str(exc)
@@ -238,7 +272,9 @@ async def gateway_generate(ctx: RunContext, traj: Trajectory) -> None:
         if task is not None:
             await _end(traj, session, task, {"outcome": "error", "error": f"model call failed: {exc}"})
         if not future.done():
-            future.set_exception(GatewayError(f"the model call failed: {exc}", code="server_error", status=500))
+            future.set_exception(
+                GatewayError(f"the model call failed: {exc}", code="server_error", status=500)
+            )
         raise
     session.current = None
     if not future.done():
@@ -259,7 +295,10 @@ def harness_calling(traj: Trajectory) -> bool:
 def harness_failed(traj: Trajectory) -> bool:
     """The harness raised, exited non-zero, timed out or kept calling past the limits."""
     outcome = traj.extra.get("harness") or {}
-    return outcome.get("outcome") not in (None, "returned", "exit") or outcome.get("exit_code") not in (None, 0)
+    return outcome.get("outcome") not in (None, "returned", "exit") or outcome.get("exit_code") not in (
+        None,
+        0,
+    )
 
 
 # --- running one -------------------------------------------------------------------------------------------
@@ -295,10 +334,19 @@ async def _run_command(command: Sequence[str], call: HarnessCall, session: Sessi
     env = {k: v for k, v in os.environ.items() if k not in SECRET_ENV}
     read_fd, write_fd = os.pipe()
     try:
-        proc = await asyncio.create_subprocess_exec(sys.executable, "-S", REAPER, str(write_fd), *command,
-                                                    env={**env, **call.env}, stdin=asyncio.subprocess.DEVNULL,
-                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-                                                    start_new_session=True, pass_fds=(write_fd,))  # fmt: skip
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-S",
+            REAPER,
+            str(write_fd),
+            *command,
+            env={**env, **call.env},
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,
+            pass_fds=(write_fd,),
+        )
     except BaseException:
         os.close(read_fd)
         raise
@@ -306,13 +354,19 @@ async def _run_command(command: Sequence[str], call: HarnessCall, session: Sessi
         os.close(write_fd)
     status = os.fdopen(read_fd, "rb", 0)  # closed by its reader, or when dropped
     try:
-        exited, out, err = await asyncio.gather(_exit_status(status, session), _bounded(proc.stdout), _bounded(proc.stderr))
+        exited, out, err = await asyncio.gather(
+            _exit_status(status, session), _bounded(proc.stdout), _bounded(proc.stderr)
+        )
         code = await proc.wait()
     except BaseException:
         await asyncio.shield(_stop(proc))
         raise
     code = code if exited is None else exited  # the command's own status (a signal's is negative)
-    result: dict[str, Any] = {"outcome": "exit", "exit_code": code, "result": out.decode(errors="replace").strip()}
+    result: dict[str, Any] = {
+        "outcome": "exit",
+        "exit_code": code,
+        "result": out.decode(errors="replace").strip(),
+    }
     if code != 0:
         result["error"] = err.decode(errors="replace").strip()[-2000:]
     return result

@@ -28,7 +28,11 @@ def _text(content: Any, where: str) -> str:
         for part in content:
             if isinstance(part, str):
                 out.append(part)
-            elif isinstance(part, dict) and part.get("type") in TEXT_PARTS and isinstance(part.get("text"), str):
+            elif (
+                isinstance(part, dict)
+                and part.get("type") in TEXT_PARTS
+                and isinstance(part.get("text"), str)
+            ):
                 out.append(part["text"])
             elif isinstance(part, dict) and part.get("type") == "refusal":
                 out.append(str(part.get("refusal") or ""))
@@ -108,25 +112,49 @@ def chat_call(body: dict[str, Any]) -> Call:
         elif role == "user":
             out.append({"role": "user", "content": _text(m.get("content"), where)})
         elif role == "assistant":
-            out.append({"role": "assistant", "content": _text(m.get("content"), where),
-                        "tool_calls": _calls(m.get("tool_calls"), where)})  # fmt: skip
+            out.append(
+                {
+                    "role": "assistant",
+                    "content": _text(m.get("content"), where),
+                    "tool_calls": _calls(m.get("tool_calls"), where),
+                }
+            )
         elif role == "tool":
-            out.append({"role": "tool", "content": _text(m.get("content"), where), "tool_call_id": m.get("tool_call_id")})
+            out.append(
+                {
+                    "role": "tool",
+                    "content": _text(m.get("content"), where),
+                    "tool_call_id": m.get("tool_call_id"),
+                }
+            )
         else:
             raise GatewayError(f"{where}: unsupported role {role!r}")
     n = body.get("n")
     if n not in (None, 1):
         raise GatewayError("n must be 1: a session is one trajectory", code="invalid_value")
-    cap = _int(body.get("max_completion_tokens"), "max_completion_tokens") or _int(body.get("max_tokens"), "max_tokens")
+    cap = _int(body.get("max_completion_tokens"), "max_completion_tokens") or _int(
+        body.get("max_tokens"), "max_tokens"
+    )
     options = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
     dropped: list[str] = []
-    return with_dropped(Call(out, _tools(body.get("tools"), dropped), cap, bool(body.get("stream")),
-                             {"model": str(body.get("model") or ""), "usage": bool(options.get("include_usage"))}), dropped)  # fmt: skip
+    return with_dropped(
+        Call(
+            out,
+            _tools(body.get("tools"), dropped),
+            cap,
+            bool(body.get("stream")),
+            {"model": str(body.get("model") or ""), "usage": bool(options.get("include_usage"))},
+        ),
+        dropped,
+    )
 
 
 def _usage(a: Answer) -> dict[str, Any]:
-    return {"prompt_tokens": a.prompt_tokens, "completion_tokens": a.completion_tokens,
-            "total_tokens": a.prompt_tokens + a.completion_tokens}  # fmt: skip
+    return {
+        "prompt_tokens": a.prompt_tokens,
+        "completion_tokens": a.completion_tokens,
+        "total_tokens": a.prompt_tokens + a.completion_tokens,
+    }
 
 
 def chat_answer(a: Answer, call: Call, session: str) -> dict[str, Any]:
@@ -134,20 +162,35 @@ def chat_answer(a: Answer, call: Call, session: str) -> dict[str, Any]:
     if a.reasoning is not None:
         message["reasoning_content"] = a.reasoning
     if a.tool_calls:
-        message["tool_calls"] = [{"id": c["id"], "type": "function",
-                                  "function": {"name": c["name"], "arguments": c["arguments"]}} for c in a.tool_calls]  # fmt: skip
-    return {"id": f"chatcmpl-{session}-{a.turn}", "object": "chat.completion", "created": int(time.time()),
-            "model": call.extra.get("model", ""), "choices": [{"index": 0, "message": message, "logprobs": None,
-            "finish_reason": a.finish}], "usage": _usage(a)}  # fmt: skip
+        message["tool_calls"] = [
+            {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+            for c in a.tool_calls
+        ]
+    return {
+        "id": f"chatcmpl-{session}-{a.turn}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": call.extra.get("model", ""),
+        "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": a.finish}],
+        "usage": _usage(a),
+    }
 
 
 def chat_stream(a: Answer, call: Call, session: str) -> Iterator[bytes]:
     """The answer as Chat Completions chunks (the turn is generated whole, then sent in its parts)."""
-    base = {"id": f"chatcmpl-{session}-{a.turn}", "object": "chat.completion.chunk", "created": int(time.time()),
-            "model": call.extra.get("model", "")}  # fmt: skip
+    base = {
+        "id": f"chatcmpl-{session}-{a.turn}",
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": call.extra.get("model", ""),
+    }
 
     def chunk(delta: dict[str, Any], finish: str | None = None, **more: Any) -> bytes:
-        data = {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}], **more}
+        data = {
+            **base,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+            **more,
+        }
         return b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n"
 
     yield chunk({"role": "assistant", "content": ""})
@@ -156,8 +199,18 @@ def chat_stream(a: Answer, call: Call, session: str) -> Iterator[bytes]:
     if a.content:
         yield chunk({"content": a.content})
     for k, c in enumerate(a.tool_calls):
-        yield chunk({"tool_calls": [{"index": k, "id": c["id"], "type": "function",
-                                     "function": {"name": c["name"], "arguments": c["arguments"]}}]})  # fmt: skip
+        yield chunk(
+            {
+                "tool_calls": [
+                    {
+                        "index": k,
+                        "id": c["id"],
+                        "type": "function",
+                        "function": {"name": c["name"], "arguments": c["arguments"]},
+                    }
+                ]
+            }
+        )
     yield chunk({}, a.finish)
     if call.extra.get("usage"):
         yield b"data: " + json.dumps({**base, "choices": [], "usage": _usage(a)}).encode() + b"\n\n"
@@ -173,8 +226,10 @@ def openai_error(exc: GatewayError) -> dict[str, Any]:
 
 def responses_call(body: dict[str, Any]) -> Call:
     if body.get("previous_response_id") or body.get("conversation"):
-        raise GatewayError("previous_response_id and conversation are not supported: send the whole input "
-                           "(store=False)", code="unsupported_parameter")  # fmt: skip
+        raise GatewayError(
+            "previous_response_id and conversation are not supported: send the whole input (store=False)",
+            code="unsupported_parameter",
+        )
     out: list[dict[str, Any]] = []
     if body.get("instructions"):
         out.append({"role": "system", "content": _text(body["instructions"], "instructions")})
@@ -198,7 +253,9 @@ def responses_call(body: dict[str, Any]) -> Call:
             if role == "assistant" and out and out[-1]["role"] == "assistant" and not out[-1]["content"]:
                 out[-1]["content"] = text  # a reasoning item then its message: one turn
             else:
-                out.append({"role": role, "content": text, **({"tool_calls": []} if role == "assistant" else {})})
+                out.append(
+                    {"role": role, "content": text, **({"tool_calls": []} if role == "assistant" else {})}
+                )
         elif kind == "reasoning":
             out.append({"role": "assistant", "content": "", "tool_calls": []})
         elif kind == "function_call":
@@ -210,40 +267,85 @@ def responses_call(body: dict[str, Any]) -> Call:
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
-            out.append({"role": "tool", "content": _text(item.get("output"), where), "tool_call_id": item.get("call_id")})
+            out.append(
+                {
+                    "role": "tool",
+                    "content": _text(item.get("output"), where),
+                    "tool_call_id": item.get("call_id"),
+                }
+            )
         else:
             raise GatewayError(f"{where}: item type {kind!r} is not supported")
     cap = _int(body.get("max_output_tokens"), "max_output_tokens")
     dropped: list[str] = []
-    call = Call(out, _tools(body.get("tools"), dropped), cap, bool(body.get("stream")), {"model": str(body.get("model") or "")})
+    call = Call(
+        out,
+        _tools(body.get("tools"), dropped),
+        cap,
+        bool(body.get("stream")),
+        {"model": str(body.get("model") or "")},
+    )
     return with_dropped(call, dropped)
 
 
 def _output_items(a: Answer, rid: str) -> list[dict[str, Any]]:
     items: list[dict[str, Any]] = []
     if a.reasoning:
-        items.append({"type": "reasoning", "id": f"rs_{rid}", "summary": [],
-                      "content": [{"type": "reasoning_text", "text": a.reasoning}]})  # fmt: skip
+        items.append(
+            {
+                "type": "reasoning",
+                "id": f"rs_{rid}",
+                "summary": [],
+                "content": [{"type": "reasoning_text", "text": a.reasoning}],
+            }
+        )
     if a.content or not a.tool_calls:
-        items.append({"type": "message", "id": f"msg_{rid}", "role": "assistant", "status": "completed",
-                      "content": [{"type": "output_text", "text": a.content, "annotations": [], "logprobs": []}]})  # fmt: skip
+        items.append(
+            {
+                "type": "message",
+                "id": f"msg_{rid}",
+                "role": "assistant",
+                "status": "completed",
+                "content": [{"type": "output_text", "text": a.content, "annotations": [], "logprobs": []}],
+            }
+        )
     for k, c in enumerate(a.tool_calls):
-        items.append({"type": "function_call", "id": f"fc_{rid}_{k}", "call_id": c["id"], "name": c["name"],
-                      "arguments": c["arguments"], "status": "completed"})  # fmt: skip
+        items.append(
+            {
+                "type": "function_call",
+                "id": f"fc_{rid}_{k}",
+                "call_id": c["id"],
+                "name": c["name"],
+                "arguments": c["arguments"],
+                "status": "completed",
+            }
+        )
     return items
 
 
 def responses_answer(a: Answer, call: Call, session: str) -> dict[str, Any]:
     rid = f"{session}_{a.turn}_{uuid.uuid4().hex[:6]}"
     incomplete = a.finish == "length"
-    return {"id": f"resp_{rid}", "object": "response", "created_at": int(time.time()), "model": call.extra.get("model", ""),
-            "status": "incomplete" if incomplete else "completed", "error": None,
-            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
-            "output": _output_items(a, rid), "parallel_tool_calls": True, "tool_choice": "auto",
-            "tools": [{"type": "function", **t["function"]} for t in call.tools or ()],
-            "usage": {"input_tokens": a.prompt_tokens, "output_tokens": a.completion_tokens,
-                      "total_tokens": a.prompt_tokens + a.completion_tokens,
-                      "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}}  # fmt: skip
+    return {
+        "id": f"resp_{rid}",
+        "object": "response",
+        "created_at": int(time.time()),
+        "model": call.extra.get("model", ""),
+        "status": "incomplete" if incomplete else "completed",
+        "error": None,
+        "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+        "output": _output_items(a, rid),
+        "parallel_tool_calls": True,
+        "tool_choice": "auto",
+        "tools": [{"type": "function", **t["function"]} for t in call.tools or ()],
+        "usage": {
+            "input_tokens": a.prompt_tokens,
+            "output_tokens": a.completion_tokens,
+            "total_tokens": a.prompt_tokens + a.completion_tokens,
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": 0},
+        },
+    }
 
 
 def responses_stream(a: Answer, call: Call, session: str) -> Iterator[bytes]:
@@ -263,17 +365,47 @@ def responses_stream(a: Answer, call: Call, session: str) -> Iterator[bytes]:
         yield event("response.output_item.added", output_index=k, item=start)
         if item["type"] == "message":
             part = item["content"][0]
-            yield event("response.content_part.added", item_id=item["id"], output_index=k, content_index=0,
-                        part={**part, "text": ""})  # fmt: skip
-            yield event("response.output_text.delta", item_id=item["id"], output_index=k, content_index=0,
-                        delta=part["text"], logprobs=[])  # fmt: skip
-            yield event("response.output_text.done", item_id=item["id"], output_index=k, content_index=0,
-                        text=part["text"], logprobs=[])  # fmt: skip
-            yield event("response.content_part.done", item_id=item["id"], output_index=k, content_index=0, part=part)
+            yield event(
+                "response.content_part.added",
+                item_id=item["id"],
+                output_index=k,
+                content_index=0,
+                part={**part, "text": ""},
+            )
+            yield event(
+                "response.output_text.delta",
+                item_id=item["id"],
+                output_index=k,
+                content_index=0,
+                delta=part["text"],
+                logprobs=[],
+            )
+            yield event(
+                "response.output_text.done",
+                item_id=item["id"],
+                output_index=k,
+                content_index=0,
+                text=part["text"],
+                logprobs=[],
+            )
+            yield event(
+                "response.content_part.done", item_id=item["id"], output_index=k, content_index=0, part=part
+            )
         elif item["type"] == "function_call":
-            yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=k,
-                        delta=item["arguments"])  # fmt: skip
-            yield event("response.function_call_arguments.done", item_id=item["id"], output_index=k,
-                        arguments=item["arguments"], name=item["name"])  # fmt: skip
+            yield event(
+                "response.function_call_arguments.delta",
+                item_id=item["id"],
+                output_index=k,
+                delta=item["arguments"],
+            )
+            yield event(
+                "response.function_call_arguments.done",
+                item_id=item["id"],
+                output_index=k,
+                arguments=item["arguments"],
+                name=item["name"],
+            )
         yield event("response.output_item.done", output_index=k, item=item)
-    yield event("response.incomplete" if final["status"] == "incomplete" else "response.completed", response=final)
+    yield event(
+        "response.incomplete" if final["status"] == "incomplete" else "response.completed", response=final
+    )

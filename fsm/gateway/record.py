@@ -88,7 +88,9 @@ class Answer:
 def unsupported_tool(where: str, tool: dict[str, Any]) -> str:
     """How a tool the gateway does not serve is named in its note or its refusal."""
     name = tool.get("name")
-    return f"{where} (type {str(tool.get('type'))[:64]!r}" + (f", {name[:64]!r})" if isinstance(name, str) else ")")
+    return f"{where} (type {str(tool.get('type'))[:64]!r}" + (
+        f", {name[:64]!r})" if isinstance(name, str) else ")"
+    )
 
 
 def with_dropped(call: Call, dropped: list[str]) -> Call:
@@ -112,7 +114,10 @@ def message_key(message: dict[str, Any]) -> tuple:
     the call a tool result answers. Reasoning is not compared: harnesses drop it from history."""
     role = message["role"]
     if role == "assistant":
-        calls = tuple((c.get("id"), c["name"], canonical_arguments(c.get("arguments"))) for c in message.get("tool_calls") or ())
+        calls = tuple(
+            (c.get("id"), c["name"], canonical_arguments(c.get("arguments")))
+            for c in message.get("tool_calls") or ()
+        )
         return (role, message.get("content") or "", calls)
     if role == "tool":
         return (role, message.get("content") or "", message.get("tool_call_id"))
@@ -127,8 +132,14 @@ def template_message(message: dict[str, Any]) -> dict[str, Any]:
         if message.get("reasoning"):
             out["reasoning_content"] = message["reasoning"]
         if message.get("tool_calls"):
-            out["tool_calls"] = [{"id": c.get("id"), "type": "function", "function": {
-                "name": c["name"], "arguments": _as_object(c.get("arguments"))}} for c in message["tool_calls"]]  # fmt: skip
+            out["tool_calls"] = [
+                {
+                    "id": c.get("id"),
+                    "type": "function",
+                    "function": {"name": c["name"], "arguments": _as_object(c.get("arguments"))},
+                }
+                for c in message["tool_calls"]
+            ]
         return out
     if role == "tool":
         out = {"role": "tool", "content": message.get("content") or ""}
@@ -159,7 +170,9 @@ class Plan:
     kind: str
     new: list[dict[str, Any]]
     keys: list[tuple]
-    mark: tuple[int, int, int, int] | None = None  # (segment, keys, messages, context tokens) after a model turn
+    mark: tuple[int, int, int, int] | None = (
+        None  # (segment, keys, messages, context tokens) after a model turn
+    )
 
 
 def _observations(messages: list[dict[str, Any]]) -> bool:
@@ -174,7 +187,9 @@ class Recorder:
 
     def __init__(self, max_segments: int = 32) -> None:
         self.keys: list[tuple] = []  # the current segment's conversation
-        self.sent: list[dict[str, Any]] = []  # the same messages as last sent (and answered): keys[i] is sent[i]'s key
+        self.sent: list[
+            dict[str, Any]
+        ] = []  # the same messages as last sent (and answered): keys[i] is sent[i]'s key
         self.tools: list[dict[str, Any]] | None = None  # the current segment's tools
         self.turns = 0
         self.max_segments = max_segments
@@ -186,11 +201,18 @@ class Recorder:
         messages = call.messages
         if not messages or messages[-1]["role"] not in ("tool", "user"):
             last = messages[-1]["role"] if messages else "no"
-            raise GatewayError(f"the request ends with {'an' if last == 'assistant' else 'a'} {last} message: the model "
-                               "answers a user turn or tool results (continuing a message is not supported)")  # fmt: skip
+            raise GatewayError(
+                f"the request ends with {'an' if last == 'assistant' else 'a'} {last} message: the model "
+                "answers a user turn or tool results (continuing a message is not supported)"
+            )
         tools = call.tools or None  # dict equality below: the order of keys does not matter
         n = len(self.keys)
-        if self.segments and tools == self.tools and messages[:n] == self.sent and _observations(messages[n:]):
+        if (
+            self.segments
+            and tools == self.tools
+            and messages[:n] == self.sent
+            and _observations(messages[n:])
+        ):
             # the harness sent back exactly what it sent and got before (one C-level comparison of the dicts), so
             # only the new messages need keys: a call costs O(new messages), not O(history)
             return Plan("extend", messages[n:], [message_key(m) for m in messages[n:]])
@@ -201,21 +223,30 @@ class Recorder:
             # recorded conversation ends with an observation no turn answered yet)
             return Plan("extend", messages[n:], keys[n:])
         if len(self.segments) >= self.max_segments:
-            raise GatewayError(f"the request's history differs from the session's and would start segment "
-                               f"{len(self.segments) + 1}, past the gateway's max_segments ({self.max_segments})",
-                               code="too_many_segments")  # fmt: skip
+            raise GatewayError(
+                f"the request's history differs from the session's and would start segment "
+                f"{len(self.segments) + 1}, past the gateway's max_segments ({self.max_segments})",
+                code="too_many_segments",
+            )
         best = None
         for mark in self.marks:  # the longest earlier turn whose conversation the request continues
             seg, nk = mark[0], mark[1]
             seg_keys, seg_tools = self.segments[seg]
-            if (len(keys) > nk and (best is None or nk > best[1]) and tools == seg_tools
-                    and keys[:nk] == seg_keys[:nk] and _observations(messages[nk:])):  # fmt: skip
+            if (
+                len(keys) > nk
+                and (best is None or nk > best[1])
+                and tools == seg_tools
+                and keys[:nk] == seg_keys[:nk]
+                and _observations(messages[nk:])
+            ):
                 best = mark
         if best is not None:
-            return Plan("branch", messages[best[1]:], keys, best)
+            return Plan("branch", messages[best[1] :], keys, best)
         return Plan("history", messages, keys)
 
-    def begin(self, keys: list[tuple], tools: list[dict[str, Any]] | None, sent: list[dict[str, Any]]) -> None:
+    def begin(
+        self, keys: list[tuple], tools: list[dict[str, Any]] | None, sent: list[dict[str, Any]]
+    ) -> None:
         """A new segment's conversation starts with `keys`, the keys of the messages `sent`."""
         self.keys, self.tools, self.sent = list(keys), tools or None, list(sent)
         self.segments.append((self.keys, self.tools))
@@ -230,17 +261,27 @@ class Recorder:
         branch can reattach to."""
         self.keys.append(message_key(message))
         self.sent.append(message)
-        self.marks.append((len(self.segments) - 1, len(self.keys), len(traj.messages),
-                           len(traj.prompt_ids) + len(traj.response_ids)))  # fmt: skip
+        self.marks.append(
+            (
+                len(self.segments) - 1,
+                len(self.keys),
+                len(traj.messages),
+                len(traj.prompt_ids) + len(traj.response_ids),
+            )
+        )
         self.turns += 1
 
 
 def _too_long(ids: list[int] | array, limit: int) -> LimitReached:
-    return LimitReached(f"the prompt is {len(ids)} tokens, past the spec's limits.prompt_length {limit}",
-                        code="context_length_exceeded")  # fmt: skip
+    return LimitReached(
+        f"the prompt is {len(ids)} tokens, past the spec's limits.prompt_length {limit}",
+        code="context_length_exceeded",
+    )
 
 
-def _start(ctx: RunContext, traj: Trajectory, recorder: Recorder, call: Call, plan: Plan) -> list[dict[str, Any]]:
+def _start(
+    ctx: RunContext, traj: Trajectory, recorder: Recorder, call: Call, plan: Plan
+) -> list[dict[str, Any]]:
     """Record the request's messages before the model's turn; the messages appended as observations."""
     limit = ctx.agent.limits.prompt_length
     if plan.kind in ("first", "history"):
@@ -268,7 +309,9 @@ def _start(ctx: RunContext, traj: Trajectory, recorder: Recorder, call: Call, pl
         traj.start_segment(ids, "branch", messages)
         traj.tool_schemas = seg_tools
         traj.needs_tail = True  # the context ends with that model turn: its template closer is owed
-        recorder.begin(seg_keys[:nk], seg_tools, call.messages[:nk])  # the request's, whose keys are seg_keys[:nk]
+        recorder.begin(
+            seg_keys[:nk], seg_tools, call.messages[:nk]
+        )  # the request's, whose keys are seg_keys[:nk]
     return [template_message(m) for m in plan.new]
 
 
@@ -279,7 +322,11 @@ def _observe(ctx: RunContext, traj: Trajectory, templ: list[dict[str, Any]]) -> 
     not fit in what is left of the response budget."""
     role = "tool" if any(m["role"] == "tool" for m in templ) else "user"
     owed = traj.needs_tail and ctx.agent.spec.turn_closer == "template"
-    last = (traj.response_ids[-1:] if len(traj.response_ids) else traj.prompt_ids[-1:]).tolist() if owed else None
+    last = (
+        (traj.response_ids[-1:] if len(traj.response_ids) else traj.prompt_ids[-1:]).tolist()
+        if owed
+        else None
+    )
     closer, ids = ctx.codec.observation(templ, last, traj.messages)
     if len(closer) + len(ids) >= ctx.agent.limits.response_length - len(traj.response_mask):
         return False
@@ -292,7 +339,9 @@ def _observe(ctx: RunContext, traj: Trajectory, templ: list[dict[str, Any]]) -> 
     return True
 
 
-async def record_call(ctx: RunContext, traj: Trajectory, recorder: Recorder, call: Call, call_prefix: str) -> Answer:
+async def record_call(
+    ctx: RunContext, traj: Trajectory, recorder: Recorder, call: Call, call_prefix: str
+) -> Answer:
     """Append the call's new messages to `traj`, generate the model's turn, and return it parsed.
 
     The first call encodes the prompt (the codec's render, tools included); later ones append only their new
@@ -300,16 +349,22 @@ async def record_call(ctx: RunContext, traj: Trajectory, recorder: Recorder, cal
     per-token weight versions, the span and the parser are the same as a spec's GENERATING state."""
     limits = ctx.agent.limits
     plan = recorder.match(call)
-    if call.extra.get("dropped_tools"):  # noted once per distinct set (a harness sends its tools with every call)
-        note = (f"tools left out (a local model serves function tools only): "
-                f"{', '.join(call.extra['dropped_tools'])}")  # fmt: skip
+    if call.extra.get(
+        "dropped_tools"
+    ):  # noted once per distinct set (a harness sends its tools with every call)
+        note = (
+            f"tools left out (a local model serves function tools only): "
+            f"{', '.join(call.extra['dropped_tools'])}"
+        )
         notes = traj.extra.setdefault("gateway_notes", [])
         if note not in notes:
             notes.append(note)
     templ = _start(ctx, traj, recorder, call, plan)
     if templ and not _observe(ctx, traj, templ):
-        raise LimitReached(f"the new messages do not fit in what is left of limits.response_length "
-                           f"{limits.response_length}", code="context_length_exceeded")  # fmt: skip
+        raise LimitReached(
+            f"the new messages do not fit in what is left of limits.response_length {limits.response_length}",
+            code="context_length_exceeded",
+        )
     if plan.kind == "extend":
         recorder.extend(plan.keys, plan.new)
     elif plan.kind == "branch":
@@ -320,7 +375,9 @@ async def record_call(ctx: RunContext, traj: Trajectory, recorder: Recorder, cal
     if call.max_tokens is not None:  # the request's own cap, within the spec's
         cap = ctx.sampling.max_new_tokens
         sub = copy.copy(ctx)
-        sub.sampling = dataclasses.replace(ctx.sampling, max_new_tokens=call.max_tokens if cap is None else min(cap, call.max_tokens))
+        sub.sampling = dataclasses.replace(
+            ctx.sampling, max_new_tokens=call.max_tokens if cap is None else min(cap, call.max_tokens)
+        )
     prompt_tokens = len(traj.prompt_ids) + len(traj.response_ids)
     before = len(traj.response_ids)
     await generate(sub, traj)
@@ -339,8 +396,14 @@ async def record_call(ctx: RunContext, traj: Trajectory, recorder: Recorder, cal
     if valid:
         content = content.strip()
     turn = recorder.turns
-    tool_calls = [{"id": c.id or f"{call_prefix}_{turn}_{k}", "name": c.name, "arguments": json.dumps(
-        c.arguments if c.arguments is not None else {}, ensure_ascii=False)} for k, c in enumerate(valid)]  # fmt: skip
+    tool_calls = [
+        {
+            "id": c.id or f"{call_prefix}_{turn}_{k}",
+            "name": c.name,
+            "arguments": json.dumps(c.arguments if c.arguments is not None else {}, ensure_ascii=False),
+        }
+        for k, c in enumerate(valid)
+    ]
     finish = "tool_calls" if tool_calls else ("length" if traj.last_finish_reason == "length" else "stop")
     recorder.turn(traj, {"role": "assistant", "content": content, "tool_calls": tool_calls})
     return Answer(content, reasoning, tool_calls, finish, prompt_tokens, len(ids), turn)

@@ -31,8 +31,12 @@ from fsm.run.engine import owned
 log = logging.getLogger("agentfsm.gateway")
 
 
-async def listen(handler: Callable[[web.BaseRequest], Awaitable[web.StreamResponse]], host: str, port: int,
-                 sock: socket.socket | None = None) -> tuple[web.BaseRunner, int]:  # fmt: skip
+async def listen(
+    handler: Callable[[web.BaseRequest], Awaitable[web.StreamResponse]],
+    host: str,
+    port: int,
+    sock: socket.socket | None = None,
+) -> tuple[web.BaseRunner, int]:
     """Serve `handler` on host:port (0: any free port), or on `sock`, a socket bound already; the runner to close
     and the port it got. The gateway and its front (fsm/gateway/front.py) listen alike, on aiohttp's low-level
     server: every request goes to the one handler, which routes it (`route`), so no router, middleware chain or
@@ -53,7 +57,9 @@ class GatewayLimits:
     max_sessions: int = 10_000
     max_refused_calls: int = 8  # calls past a limit one harness may make before its row is ended
     max_segments: int = 32  # segments per session: histories that differ from the recorded one start one each
-    unsupported_tools: str = "drop"  # tools other than functions: "drop" (left out, noted on the row) or "refuse"
+    unsupported_tools: str = (
+        "drop"  # tools other than functions: "drop" (left out, noted on the row) or "refuse"
+    )
 
 
 class SessionClosed(GatewayError):
@@ -72,12 +78,16 @@ class Session:
         self.recorder = Recorder(gateway.limits.max_segments)
         self.wake = asyncio.Event()  # a call arrived, or the harness ended
         self.pending: tuple[Call, asyncio.Future[Answer]] | None = None  # sent, not yet taken by the driver
-        self.current: tuple[Call, asyncio.Future[Answer]] | None = None  # taken: the GENERATING state records it
+        self.current: tuple[Call, asyncio.Future[Answer]] | None = (
+            None  # taken: the GENERATING state records it
+        )
         self.timer: asyncio.TimerHandle | None = None  # wakes the harness state at its deadline (harness.py)
         self.refused = 0
         self.calls = 0
         self.closed = False
-        self.pid: int | None = None  # a command harness's process, once started (harness.py refuses calls after it)
+        self.pid: int | None = (
+            None  # a command harness's process, once started (harness.py refuses calls after it)
+        )
 
     @property
     def base_url(self) -> str:
@@ -92,8 +102,10 @@ class Session:
         if self.closed:
             raise SessionClosed("the session has ended (its row is finished)")
         if self.pending is not None or self.current is not None:
-            raise GatewayError("the session already has a model call in flight: one trajectory takes one call at a time",
-                               code="session_busy")  # fmt: skip
+            raise GatewayError(
+                "the session already has a model call in flight: one trajectory takes one call at a time",
+                code="session_busy",
+            )
         future: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
         self.pending = (call, future)
         self.calls += 1
@@ -125,8 +137,16 @@ class Gateway:
     """The HTTP server and its sessions. One per backend: `attach` makes it the one harness states of runs
     over that backend use; a run without one gets a loopback gateway started on first use."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, limits: GatewayLimits | None = None, *,
-                 tag: str = "", front: str | None = None, sock: socket.socket | None = None):  # fmt: skip
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        limits: GatewayLimits | None = None,
+        *,
+        tag: str = "",
+        front: str | None = None,
+        sock: socket.socket | None = None,
+    ):
         """`tag` and `front`: one worker of several behind a front (fsm/gateway/front.py): its session ids start
         with `tag-` (the front routes by it) and its harnesses are given the front's URL. `sock`: a socket bound
         already, to listen on (a worker registers its port with the front before its engine starts,
@@ -194,8 +214,12 @@ class Gateway:
 
     def open(self, traj_id: str) -> Session:
         if len(self.sessions) >= self.limits.max_sessions:
-            raise GatewayError(f"the gateway holds {len(self.sessions)} sessions, its max_sessions "
-                               f"({self.limits.max_sessions})", code="too_many_sessions", status=429)  # fmt: skip
+            raise GatewayError(
+                f"the gateway holds {len(self.sessions)} sessions, its max_sessions "
+                f"({self.limits.max_sessions})",
+                code="too_many_sessions",
+                status=429,
+            )
         session = Session(self, traj_id)
         self.sessions[session.id] = session
         return session
@@ -207,16 +231,27 @@ class Gateway:
             sid, api = route(request, APIS)
             session = self._session(request, sid)
             if api == "models":
-                return _json({"object": "list", "data": [{"id": "agentfsm", "object": "model", "owned_by": "agentfsm"}]})
+                return _json(
+                    {
+                        "object": "list",
+                        "data": [{"id": "agentfsm", "object": "model", "owned_by": "agentfsm"}],
+                    }
+                )
             parse, answer, stream = APIS[api][1]  # type: ignore[misc]
             body = _body(await read_body(request, self.limits.max_request_bytes))
             call = parse(body)
             if call.extra.get("dropped_tools") and self.limits.unsupported_tools == "refuse":
-                raise GatewayError(f"{call.extra['dropped_tools'][0]}: only function tools are supported (the "
-                                   "gateway's unsupported_tools is 'refuse')", code="unsupported_tool")  # fmt: skip
+                raise GatewayError(
+                    f"{call.extra['dropped_tools'][0]}: only function tools are supported (the "
+                    "gateway's unsupported_tools is 'refuse')",
+                    code="unsupported_tool",
+                )
             if len(call.messages) > self.limits.max_messages:
-                raise GatewayError(f"{len(call.messages)} messages, past the gateway's max_messages "
-                                   f"({self.limits.max_messages})", code="too_many_messages")  # fmt: skip
+                raise GatewayError(
+                    f"{len(call.messages)} messages, past the gateway's max_messages "
+                    f"({self.limits.max_messages})",
+                    code="too_many_messages",
+                )
             result = await session.submit(call)
             if not call.stream:
                 return _json(answer(result, call, session.id))
@@ -236,8 +271,14 @@ class Gateway:
 # what each API path under /sessions/{id}/v1/ takes: its method, and (request -> Call, answer, SSE events)
 APIS: dict[str, tuple[str, tuple[Callable[..., Any], ...] | None]] = {
     "chat/completions": ("POST", (openai_api.chat_call, openai_api.chat_answer, openai_api.chat_stream)),
-    "responses": ("POST", (openai_api.responses_call, openai_api.responses_answer, openai_api.responses_stream)),
-    "messages": ("POST", (anthropic_api.messages_call, anthropic_api.messages_answer, anthropic_api.messages_stream)),
+    "responses": (
+        "POST",
+        (openai_api.responses_call, openai_api.responses_answer, openai_api.responses_stream),
+    ),
+    "messages": (
+        "POST",
+        (anthropic_api.messages_call, anthropic_api.messages_answer, anthropic_api.messages_stream),
+    ),
     "models": ("GET", None),
 }
 
@@ -261,8 +302,11 @@ def route(request: web.BaseRequest, apis: dict[str, Any] | None = None) -> tuple
 
 async def read_body(request: web.BaseRequest, limit: int) -> bytes:
     """The request body, refused with 413 as soon as it is past `limit` bytes (declared or streamed)."""
-    too_large = GatewayError(f"the request is larger than the gateway's max_request_bytes ({limit})",
-                             code="request_too_large", status=413)  # fmt: skip
+    too_large = GatewayError(
+        f"the request is larger than the gateway's max_request_bytes ({limit})",
+        code="request_too_large",
+        status=413,
+    )
     if (request.content_length or 0) > limit:
         raise too_large
     body = bytearray()
@@ -287,7 +331,9 @@ _ATTACHED: weakref.WeakKeyDictionary[Any, Gateway] = weakref.WeakKeyDictionary()
 _CONFIG: dict[str, Any] = {}  # what a gateway started on first use binds to (configure)
 
 
-def configure(host: str = "127.0.0.1", port: int = 0, limits: GatewayLimits | None = None, **worker: Any) -> None:
+def configure(
+    host: str = "127.0.0.1", port: int = 0, limits: GatewayLimits | None = None, **worker: Any
+) -> None:
     """Where gateways started on first use listen, and their limits (`agentfsm gateway` sets it); `worker`:
     Gateway's `tag`, `front` and `sock` for one worker behind a front (`agentfsm gateway --workers N`)."""
     _CONFIG.clear()
@@ -308,13 +354,16 @@ async def gateway_for(backend: Any) -> Gateway:
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
-    return web.Response(body=json.dumps(data, ensure_ascii=False).encode(), status=status,
-                        content_type="application/json")  # fmt: skip
+    return web.Response(
+        body=json.dumps(data, ensure_ascii=False).encode(), status=status, content_type="application/json"
+    )
 
 
 def _error(request: web.BaseRequest, exc: GatewayError) -> web.Response:
     anthropic = request.path.endswith("/v1/messages")
-    return _json(anthropic_api.anthropic_error(exc) if anthropic else openai_api.openai_error(exc), exc.status)
+    return _json(
+        anthropic_api.anthropic_error(exc) if anthropic else openai_api.openai_error(exc), exc.status
+    )
 
 
 async def _sse(request: web.BaseRequest, events: Iterator[bytes]) -> web.StreamResponse:

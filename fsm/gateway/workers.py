@@ -57,7 +57,9 @@ from fsm.run.trajectory import Trajectory
 
 CONFIG, RESULT = "config.json", "result.json"  # in OUT/workers/wK: what the parent gave, what it rolled out
 REGISTER_TIMEOUT_S = 10.0  # one worker's registration request
-HEARTBEAT_S = 1.0  # a registered worker's heartbeat (a thread's write on a pipe): a stopped process sends none
+HEARTBEAT_S = (
+    1.0  # a registered worker's heartbeat (a thread's write on a pipe): a stopped process sends none
+)
 STOP_TIMEOUT_S = SNAPSHOT_TIMEOUT_S + 60.0  # after a signal: the workers' snapshot and write; then killed
 TAIL_LINES = 20
 
@@ -118,21 +120,33 @@ class _Workers:
         agent = compile_spec(self.args.spec)
         for w in self.workers:
             if (w.dir / SNAPSHOT).exists():
-                raise WorkerError(f"{w.dir} holds the snapshot of an interrupted worker, which --workers cannot "
-                                  f"resume; remove {w.dir.parent} to start a new run in {self.args.out}")  # fmt: skip
+                raise WorkerError(
+                    f"{w.dir} holds the snapshot of an interrupted worker, which --workers cannot "
+                    f"resume; remove {w.dir.parent} to start a new run in {self.args.out}"
+                )
             w.dir.mkdir(parents=True, exist_ok=True)
             (w.dir / RESULT).unlink(missing_ok=True)
         by_tag = {w.tag: w for w in self.workers}
-        front = Front(self.args.host, self.args.gateway_port, self.limits, token=self.token, expects=by_tag,
-                      on_register=lambda tag: by_tag[tag].joined.set())  # fmt: skip
+        front = Front(
+            self.args.host,
+            self.args.gateway_port,
+            self.limits,
+            token=self.token,
+            expects=by_tag,
+            on_register=lambda tag: by_tag[tag].joined.set(),
+        )
         try:
             await front.start()
         except OSError as exc:
-            raise WorkerError(f"--gateway-port: the front cannot listen on {self.args.host}:{self.args.gateway_port} "
-                              f"({exc.strerror or exc})") from None  # fmt: skip
+            raise WorkerError(
+                f"--gateway-port: the front cannot listen on {self.args.host}:{self.args.gateway_port} "
+                f"({exc.strerror or exc})"
+            ) from None
         if not self.args.quiet:
-            say_now(f"agentfsm: the front listens on {front.url}; {len(self.workers)} gateway workers behind it "
-                    f"(their logs in {self.workers[0].dir.parent})")  # fmt: skip
+            say_now(
+                f"agentfsm: the front listens on {front.url}; {len(self.workers)} gateway workers behind it "
+                f"(their logs in {self.workers[0].dir.parent})"
+            )
         t0, c0 = time.perf_counter(), time.process_time()
         try:
             with self._signals():
@@ -156,15 +170,33 @@ class _Workers:
         if given["threads"] is None and not given["server"]:  # the embedded model: its share of the cores
             given["threads"] = max(1, len(os.sched_getaffinity(0)) // len(self.workers))
         w.beats, beat = os.pipe()
-        config = {"tag": w.tag, "front": front.url, "rows": [w.start, w.end], "of": self.rows, "args": given,
-                  "parent": os.getpid(), "heartbeat_fd": beat}  # fmt: skip
+        config = {
+            "tag": w.tag,
+            "front": front.url,
+            "rows": [w.start, w.end],
+            "of": self.rows,
+            "args": given,
+            "parent": os.getpid(),
+            "heartbeat_fd": beat,
+        }
         (w.dir / CONFIG).write_text(json.dumps(config, default=str))
         try:
             with (w.dir / "stdout.log").open("wb") as stdout:
                 w.proc = await asyncio.create_subprocess_exec(
-                    sys.executable, "-m", "fsm.cli", "gateway", "--worker-config", str(w.dir / CONFIG),
-                    stdin=asyncio.subprocess.DEVNULL, stdout=stdout, stderr=asyncio.subprocess.PIPE, limit=1 << 20,
-                    start_new_session=True, env={**os.environ, TOKEN_ENV: self.token}, pass_fds=(beat,))  # fmt: skip
+                    sys.executable,
+                    "-m",
+                    "fsm.cli",
+                    "gateway",
+                    "--worker-config",
+                    str(w.dir / CONFIG),
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=stdout,
+                    stderr=asyncio.subprocess.PIPE,
+                    limit=1 << 20,
+                    start_new_session=True,
+                    env={**os.environ, TOKEN_ENV: self.token},
+                    pass_fds=(beat,),
+                )
         except OSError as exc:
             raise WorkerError(
                 f"gateway worker {w.tag}: cannot start {sys.executable} ({exc.strerror or exc})"
@@ -191,14 +223,20 @@ class _Workers:
         exited = asyncio.ensure_future(w.proc.wait())
         joined = asyncio.ensure_future(w.joined.wait())
         try:
-            done, _ = await asyncio.wait({exited, joined}, timeout=self.args.worker_start_timeout,
-                                         return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+            done, _ = await asyncio.wait(
+                {exited, joined}, timeout=self.args.worker_start_timeout, return_when=asyncio.FIRST_COMPLETED
+            )
         finally:
             joined.cancel()
         if not done:
             exited.cancel()
-            raise WorkerError(self._failed(w, f"did not register with the front within "
-                                              f"{self.args.worker_start_timeout:g} s (--worker-start-timeout)"))  # fmt: skip
+            raise WorkerError(
+                self._failed(
+                    w,
+                    f"did not register with the front within "
+                    f"{self.args.worker_start_timeout:g} s (--worker-start-timeout)",
+                )
+            )
         registered = w.joined.is_set()
         if registered and not exited.done():
             silent = asyncio.ensure_future(self._silent(w))
@@ -207,11 +245,15 @@ class _Workers:
             finally:
                 silent.cancel()
             if not exited.done() and not silent.cancelled() and silent.result():
-                how = (f"has sent no heartbeat for {self.args.worker_silent_timeout:g} s (--worker-silent-timeout): "
-                       "it is stopped (SIGSTOP) or frozen")  # fmt: skip
+                how = (
+                    f"has sent no heartbeat for {self.args.worker_silent_timeout:g} s (--worker-silent-timeout): "
+                    "it is stopped (SIGSTOP) or frozen"
+                )
                 if not (self.stopping or self.killed):
                     raise WorkerError(self._failed(w, how))
-                say_now(f"agentfsm: gateway worker {w.tag} (pid {w.proc.pid}) {how}; killed without its snapshot")
+                say_now(
+                    f"agentfsm: gateway worker {w.tag} (pid {w.proc.pid}) {how}; killed without its snapshot"
+                )
                 _kill_group(w.proc.pid)
         rc = await exited
         if rc == 0 or self.stopping or self.killed:  # stopped: however it ended, it was asked to
@@ -225,8 +267,9 @@ class _Workers:
         assert w.beats is not None
         reader = asyncio.StreamReader()
         loop = asyncio.get_running_loop()
-        transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader),
-                                                    os.fdopen(w.beats, "rb", 0))  # fmt: skip
+        transport, _ = await loop.connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(w.beats, "rb", 0)
+        )
         w.beats = None  # the transport owns it now
         try:
             while True:
@@ -243,8 +286,10 @@ class _Workers:
         last = next((line.strip() for line in reversed(w.tail) if line.strip()), None)
         said = f"; its stderr ends: {last}" if last else "; its stderr is empty"
         pid = w.proc.pid if w.proc is not None else "?"
-        return (f"gateway worker {w.tag} (pid {pid}, rows {w.start}..{w.end - 1}) {how}{said} "
-                f"(see {w.dir / 'stderr.log'}); the other workers were stopped")  # fmt: skip
+        return (
+            f"gateway worker {w.tag} (pid {pid}, rows {w.start}..{w.end - 1}) {how}{said} "
+            f"(see {w.dir / 'stderr.log'}); the other workers were stopped"
+        )
 
     @contextlib.contextmanager
     def _signals(self) -> Iterator[None]:
@@ -278,9 +323,11 @@ class _Workers:
             self._kill_now()
             return
         self.stopping = True
-        say_now(f"agentfsm: {name}: stopping {len(live)} gateway workers: each snapshots its running rows into "
-                f"its own directory ({self.workers[0].dir.parent}) and writes its finished ones; {name} again to "
-                "kill them without snapshots")  # fmt: skip
+        say_now(
+            f"agentfsm: {name}: stopping {len(live)} gateway workers: each snapshots its running rows into "
+            f"its own directory ({self.workers[0].dir.parent}) and writes its finished ones; {name} again to "
+            "kill them without snapshots"
+        )
         for w in live:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(w.proc.pid, signal.SIGINT)  # type: ignore[union-attr]
@@ -330,18 +377,37 @@ class _Workers:
         interrupted = self.stopping or any(r["interrupted"] for r in got)
         kept = [str(w.dir / SNAPSHOT) for w in self.workers if (w.dir / SNAPSHOT).exists()]
         if interrupted and kept:
-            say_now(f"agentfsm: the workers' snapshots of their running rows: {', '.join(kept)} (a run over "
-                    "--workers is not resumed as a whole)")  # fmt: skip
-        more = {"gateway_workers": {
-            "front": front.url, "routed": {w.tag: front.routed.get(w.tag, 0) for w in self.workers},
-            "front_cpu_s": round(cpu, 3), "wall_s_with_starts": round(wall, 3),
-            "workers": {w.tag: {"rows": [w.start, w.end], "pid": w.proc.pid if w.proc else None,
-                                "exit_code": w.proc.returncode if w.proc else None,
-                                "dir": str(w.dir.relative_to(Path(self.args.out))),
-                                **({"trajectories": len(r["trajectories"]), "wall_s": round(r["wall_s"], 3),
-                                    "rollout_cpu_s": round(r["cpu_s"], 3), "interrupted": r["interrupted"]}
-                                   if (r := results[w.tag]) is not None else {"trajectories": 0})}
-                        for w in self.workers}}}  # fmt: skip
+            say_now(
+                f"agentfsm: the workers' snapshots of their running rows: {', '.join(kept)} (a run over "
+                "--workers is not resumed as a whole)"
+            )
+        more = {
+            "gateway_workers": {
+                "front": front.url,
+                "routed": {w.tag: front.routed.get(w.tag, 0) for w in self.workers},
+                "front_cpu_s": round(cpu, 3),
+                "wall_s_with_starts": round(wall, 3),
+                "workers": {
+                    w.tag: {
+                        "rows": [w.start, w.end],
+                        "pid": w.proc.pid if w.proc else None,
+                        "exit_code": w.proc.returncode if w.proc else None,
+                        "dir": str(w.dir.relative_to(Path(self.args.out))),
+                        **(
+                            {
+                                "trajectories": len(r["trajectories"]),
+                                "wall_s": round(r["wall_s"], 3),
+                                "rollout_cpu_s": round(r["cpu_s"], 3),
+                                "interrupted": r["interrupted"],
+                            }
+                            if (r := results[w.tag]) is not None
+                            else {"trajectories": 0}
+                        ),
+                    }
+                    for w in self.workers
+                },
+            }
+        }
         total_cpu = cpu + sum(r["cpu_s"] for r in got)
         return Rollout(
             engine, sampling, trajs, self.rows * self.args.n, span, stats, interrupted, total_cpu, more
@@ -378,14 +444,22 @@ class Merged:
         self.agent = agent
         self.codec = agent_codec(agent, load_tokenizer(tokenizer))
         self._stats: dict[str, Any] = {}
-        self._faults = FaultDelta(self)  # counted from nothing: the batch's metrics get the workers' whole counts
+        self._faults = FaultDelta(
+            self
+        )  # counted from nothing: the batch's metrics get the workers' whole counts
         self._stats = stats or {}
 
     def stats(self) -> dict[str, Any]:
         return self._stats
 
-    def to_batch(self, trajs: Sequence[Trajectory], sampling: Sampling, like: Any = None,
-                 meta: Mapping[str, Any] | None = None, wall_s: float | None = None) -> Any:  # fmt: skip
+    def to_batch(
+        self,
+        trajs: Sequence[Trajectory],
+        sampling: Sampling,
+        like: Any = None,
+        meta: Mapping[str, Any] | None = None,
+        wall_s: float | None = None,
+    ) -> Any:
         return batch_of(self.agent, self.codec, trajs, sampling, self._faults, like, meta, wall_s)
 
 
@@ -399,12 +473,21 @@ def worker_config(args: argparse.Namespace) -> dict[str, Any]:
     for key, value in config["args"].items():
         setattr(args, key, value)
     args.out = str(Path(config["args"]["out"]) / "workers" / config["tag"])
-    args.quiet, args.max_error_rate, args.gateway_workers = True, 1.0, 1  # the parent prints and judges the run
+    args.quiet, args.max_error_rate, args.gateway_workers = (
+        True,
+        1.0,
+        1,
+    )  # the parent prints and judges the run
     return config
 
 
-def worker(args: argparse.Namespace, config: dict[str, Any], run: Callable[..., int], rollout: Callable[..., Any],
-           limits: GatewayLimits) -> int:  # fmt: skip
+def worker(
+    args: argparse.Namespace,
+    config: dict[str, Any],
+    run: Callable[..., int],
+    rollout: Callable[..., Any],
+    limits: GatewayLimits,
+) -> int:
     """A worker process: register with the front, then `run` its rows (`rollout`, the CLI's own) with a tagged
     gateway on the registered port, and write what it rolled out for the parent."""
     tag, front, (start, end) = config["tag"], config["front"], config["rows"]
@@ -412,13 +495,17 @@ def worker(args: argparse.Namespace, config: dict[str, Any], run: Callable[..., 
     if os.getppid() != config["parent"]:
         raise WorkerError(f"gateway worker {tag}: its parent (pid {config['parent']}) is gone")
     _heartbeat(config["heartbeat_fd"])
-    sock = _register(front, tag, os.environ.pop(TOKEN_ENV, ""))  # read once: no harness of this worker inherits it
+    sock = _register(
+        front, tag, os.environ.pop(TOKEN_ENV, "")
+    )  # read once: no harness of this worker inherits it
     configure("127.0.0.1", 0, limits, tag=tag, front=front, sock=sock)
 
     async def rows_of_mine(args: argparse.Namespace, rows: list[dict[str, Any]], console: Any) -> Rollout:
         if len(rows) != config["of"]:
-            raise WorkerError(f"gateway worker {tag}: {len(rows)} rows here, {config['of']} in the parent (does the "
-                              "spec's demo_data give the same rows for the same seed?)")  # fmt: skip
+            raise WorkerError(
+                f"gateway worker {tag}: {len(rows)} rows here, {config['of']} in the parent (does the "
+                "spec's demo_data give the same rows for the same seed?)"
+            )
         done = await rollout(args, rows[start:end], console, first_index=start * args.n)
         _write_result(Path(args.out) / RESULT, done)
         return done
@@ -432,8 +519,12 @@ def _register(front: str, tag: str, token: str) -> socket.socket:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     body = json.dumps({"port": sock.getsockname()[1]}).encode()
-    request = urllib.request.Request(f"{front}/workers/{tag}", data=body, method="POST",
-                                     headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})  # fmt: skip
+    request = urllib.request.Request(
+        f"{front}/workers/{tag}",
+        data=body,
+        method="POST",
+        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+    )
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never through a proxy
     try:
         opener.open(request, timeout=REGISTER_TIMEOUT_S).read()
@@ -453,10 +544,16 @@ def _register(front: str, tag: str, token: str) -> socket.socket:
 def _write_result(path: Path, run: Rollout) -> None:
     """What the worker rolled out, for the parent: its trajectories as snapshots hold them (every slot)."""
     codec = run.engine.codec
-    data = {"trajectories": [encode_trajectory(t) for t in run.trajs], "sampling": encode_sampling(run.sampling),
-            "tokenizer": str(getattr(getattr(codec, "tokenizer", codec), "name_or_path", "")),
-            "interrupted": run.interrupted, "wall_s": run.wall, "cpu_s": run.cpu, "ended": time.time(),
-            "router": run.router_stats}  # fmt: skip
+    data = {
+        "trajectories": [encode_trajectory(t) for t in run.trajs],
+        "sampling": encode_sampling(run.sampling),
+        "tokenizer": str(getattr(getattr(codec, "tokenizer", codec), "name_or_path", "")),
+        "interrupted": run.interrupted,
+        "wall_s": run.wall,
+        "cpu_s": run.cpu,
+        "ended": time.time(),
+        "router": run.router_stats,
+    }
     tmp = path.with_name(f".{path.name}.writing")
     tmp.write_text(json.dumps(data, default=str))
     os.replace(tmp, path)

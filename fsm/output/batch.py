@@ -83,8 +83,15 @@ def segment_rows(trajs: Sequence[Trajectory]) -> tuple[list[Any], list[Trajector
     return rows, owners, index
 
 
-def collate(trajs: Sequence[Trajectory], *, prompt_length: int, response_length: int, pad_token_id: int,
-            logprobs: bool = True, reward_placement: str = "last") -> RolloutBatch:  # fmt: skip
+def collate(
+    trajs: Sequence[Trajectory],
+    *,
+    prompt_length: int,
+    response_length: int,
+    pad_token_id: int,
+    logprobs: bool = True,
+    reward_placement: str = "last",
+) -> RolloutBatch:
     """Pad finished trajectories into verl's batch: one row per segment, in the trajectories' order."""
     if reward_placement not in REWARD_PLACEMENTS:
         raise ValueError(f"reward_placement must be one of {REWARD_PLACEMENTS}, got {reward_placement!r}")
@@ -131,10 +138,14 @@ def collate(trajs: Sequence[Trajectory], *, prompt_length: int, response_length:
     # the rows instead would throw away good samples for what is a fleet-wide setting, batch after batch.
     missing = [i for i, t in enumerate(owners) if t.logprobs_missing]
     if logprobs and not missing:
-        tensors["rollout_log_probs"] = torch.from_numpy(right("response_logprobs", np.float32, 0.0, np.float32))
+        tensors["rollout_log_probs"] = torch.from_numpy(
+            right("response_logprobs", np.float32, 0.0, np.float32)
+        )
     if trajs and all(t.reward_score is not None for t in trajs):
         every = reward_placement == "every"
-        scores = [t.reward_score if every or k == t.num_segments - 1 else 0.0 for t, k in zip(owners, seg_index)]
+        scores = [
+            t.reward_score if every or k == t.num_segments - 1 else 0.0 for t, k in zip(owners, seg_index)
+        ]
         rm = np.zeros((B, R), dtype=np.float32)
         # verl: attention_mask[:, P:].sum(1) - 1, so an empty (failed) response's score lands at -1, the
         # last column: its reward still counts in a group's sum (GRPO), on a masked position
@@ -148,8 +159,11 @@ def collate(trajs: Sequence[Trajectory], *, prompt_length: int, response_length:
     meta["weight_version_max"] = int(generated.max()) if generated.size else None
     if logprobs and missing:
         meta["rollout_log_probs_missing"] = missing  # rows whose server returned no logprobs
-        log.warning("rollout_log_probs left out of the batch: %d row(s) got no logprobs from their server "
-                    "(rows %s)", len(missing), missing[:10])  # fmt: skip
+        log.warning(
+            "rollout_log_probs left out of the batch: %d row(s) got no logprobs from their server (rows %s)",
+            len(missing),
+            missing[:10],
+        )
     non_tensors = _non_tensors(owners)
     non_tensors["trajectory_id"] = _objects([t.session_id for t in owners])
     non_tensors["segment_index"] = np.asarray(seg_index, dtype=np.int32)
@@ -265,15 +279,27 @@ def fault_summary(trajs: Sequence[Trajectory], backend_stats: Mapping[str, Any] 
     }
 
 
-def to_batch(trajs: Sequence[Trajectory], agent: Any, codec: Any, *, logprobs: bool,
-             like: Any = None, meta: Mapping[str, Any] | None = None) -> Any:  # fmt: skip
+def to_batch(
+    trajs: Sequence[Trajectory],
+    agent: Any,
+    codec: Any,
+    *,
+    logprobs: bool,
+    like: Any = None,
+    meta: Mapping[str, Any] | None = None,
+) -> Any:
     """Finished trajectories of `agent` (a CompiledAgent) -> RolloutBatch padded with `codec`'s pad id, or a `DataProto` of the input's class when `like` is one
     (then, as verl's AgentLoopManager returns it: per-sample `metrics` popped, `reward_extra_keys` added).
     `meta`: the input's meta_info (e.g. verl's `global_steps`), carried to the output under agentfsm's keys."""
     limits = agent.limits
-    out = collate(trajs, prompt_length=limits.prompt_length, response_length=limits.response_length,
-                  pad_token_id=codec.pad_id, logprobs=logprobs,
-                  reward_placement=agent.spec.context.reward_placement)  # fmt: skip
+    out = collate(
+        trajs,
+        prompt_length=limits.prompt_length,
+        response_length=limits.response_length,
+        pad_token_id=codec.pad_id,
+        logprobs=logprobs,
+        reward_placement=agent.spec.context.reward_placement,
+    )
     out.meta_info = {**(meta or {}), **out.meta_info}
     if "rm_scores" in out.batch.keys():
         out.meta_info["reward_extra_keys"] = sorted(

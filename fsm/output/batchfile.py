@@ -55,8 +55,10 @@ def load_batch(path: str | Path) -> RolloutBatch:
     """A run's batch.pt (weights_only=True: nothing in it runs code) as the RolloutBatch the run produced."""
     saved = torch.load(path, weights_only=True)
     if not isinstance(saved, dict) or saved.get("format") != FORMAT:
-        raise ValueError(f"{path}: not an {FORMAT} batch.pt (an older one loads with torch.load(path, "
-                         "weights_only=False), from a source you trust)")  # fmt: skip
+        raise ValueError(
+            f"{path}: not an {FORMAT} batch.pt (an older one loads with torch.load(path, "
+            "weights_only=False), from a source you trust)"
+        )
     tensors = saved["batch"]
     size = [len(next(iter(tensors.values())))] if tensors else [0]
     non_tensors = {}

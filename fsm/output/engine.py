@@ -58,17 +58,26 @@ class BaseEngine(ABC):
         """Run `coro` to its end from a thread that runs no event loop (the sync forms)."""
 
     @abstractmethod
-    async def _arun(self, rows: Sequence[Any], n: int, sampling: Sampling,
-                    on_done: Callable[[Trajectory], None] | None) -> list[Trajectory]:  # fmt: skip
+    async def _arun(
+        self, rows: Sequence[Any], n: int, sampling: Sampling, on_done: Callable[[Trajectory], None] | None
+    ) -> list[Trajectory]:
         """Every row n times; the trajectories in input order."""
 
     @abstractmethod
-    async def _submit(self, rows: Sequence[Any], n: int, sampling: Sampling, first_index: int | None) -> list[str]:
+    async def _submit(
+        self, rows: Sequence[Any], n: int, sampling: Sampling, first_index: int | None
+    ) -> list[str]:
         """Start every row n times (the continuous mode); the groups' uids."""
 
     @abstractmethod
-    async def _take(self, num_groups: int, max_staleness: int | None, stale: StalePolicy, timeout: float | None,
-                    exhausted_ok: bool) -> list[Group]:  # fmt: skip
+    async def _take(
+        self,
+        num_groups: int,
+        max_staleness: int | None,
+        stale: StalePolicy,
+        timeout: float | None,
+        exhausted_ok: bool,
+    ) -> list[Group]:
         """The first `num_groups` finished groups (fsm/run/stream.py `Groups.take`)."""
 
     @abstractmethod
@@ -99,26 +108,49 @@ class BaseEngine(ABC):
 
     snapshots = False  # whether `asnapshot` / `arestore` (and `keep=`) work; EngineRefused otherwise
 
-    async def _snapshot(self, path: str | Path, meta: Mapping[str, Any] | None, stop: bool, timeout: float | None,
-                        abort_turns: bool, fallback: Callable[[], Path] | None) -> dict[str, Any]:  # fmt: skip
-        raise EngineRefused(self, "asnapshot", "this engine cannot snapshot its running groups; use RolloutEngine")
+    async def _snapshot(
+        self,
+        path: str | Path,
+        meta: Mapping[str, Any] | None,
+        stop: bool,
+        timeout: float | None,
+        abort_turns: bool,
+        fallback: Callable[[], Path] | None,
+    ) -> dict[str, Any]:
+        raise EngineRefused(
+            self, "asnapshot", "this engine cannot snapshot its running groups; use RolloutEngine"
+        )
 
     async def _restore(self, path: str | Path) -> dict[str, Any]:
         raise EngineRefused(self, "arestore", "this engine cannot restore a snapshot; use RolloutEngine")
 
     # -- a batch -----------------------------------------------------------------------------------------------
 
-    async def arun(self, rows: Sequence[Any], *, n: int = 1, sampling_params: Mapping[str, Any] | None = None,
-                   validate: bool = False, sampling: Sampling | None = None,
-                   on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:  # fmt: skip
+    async def arun(
+        self,
+        rows: Sequence[Any],
+        *,
+        n: int = 1,
+        sampling_params: Mapping[str, Any] | None = None,
+        validate: bool = False,
+        sampling: Sampling | None = None,
+        on_done: Callable[[Trajectory], None] | None = None,
+    ) -> list[Trajectory]:
         """The finished trajectories themselves (transcripts, segments, state paths), in input order.
         `on_done` hears each trajectory as it finishes (RolloutEngine: on the engine's thread)."""
         if sampling is None:
             sampling = self.sampling(sampling_params, validate)
         return await self._on_home(self._arun(rows, n, sampling, on_done))
 
-    async def agenerate_sequences(self, batch: Rows, sampling_params: Mapping[str, Any] | None = None,
-                                  validate: bool = False, n: int = 1, *, keep: RunDir | None = None) -> Any:  # fmt: skip
+    async def agenerate_sequences(
+        self,
+        batch: Rows,
+        sampling_params: Mapping[str, Any] | None = None,
+        validate: bool = False,
+        n: int = 1,
+        *,
+        keep: RunDir | None = None,
+    ) -> Any:
         """Roll out every row `n` times; verl's padded batch back (a DataProto when given one).
 
         `validate=True` (or a DataProto's `meta_info["validate"]`) samples with the spec's `val_sampling`;
@@ -135,15 +167,23 @@ class BaseEngine(ABC):
         self._fault_counters()
         if keep is not None:
             if not self.snapshots:
-                raise EngineRefused(self, "agenerate_sequences", "keep= needs an engine that snapshots a run; "
-                                    "use RolloutEngine")  # fmt: skip
+                raise EngineRefused(
+                    self,
+                    "agenerate_sequences",
+                    "keep= needs an engine that snapshots a run; use RolloutEngine",
+                )
             return await keep_batch(self, rows, n, sampling, keep, like=batch, meta=meta)
         t0 = time.perf_counter()
         trajs = await self.arun(rows, n=n, sampling=sampling)
         return self.to_batch(trajs, sampling, like=batch, meta=meta, wall_s=time.perf_counter() - t0)
 
-    async def agenerate_samples(self, batch: Rows, sampling_params: Mapping[str, Any] | None = None,
-                                validate: bool = False, n: int = 1) -> SampleBatch:  # fmt: skip
+    async def agenerate_samples(
+        self,
+        batch: Rows,
+        sampling_params: Mapping[str, Any] | None = None,
+        validate: bool = False,
+        n: int = 1,
+    ) -> SampleBatch:
         """As `agenerate_sequences`, unpadded: one flat `Sample` per trajectory (the form trainer adapters
         map from, fsm/output/sample.py), with the same meta_info."""
         rows, meta = to_rows(batch)
@@ -153,18 +193,34 @@ class BaseEngine(ABC):
         faults = self._fault_counters()
         t0 = time.perf_counter()
         trajs = await self.arun(rows, n=n, sampling=sampling)
-        info = {**meta, "sampling": sampling.describe(self.codec.vocab_size),
-                "rollout_metrics": rollout_metrics(trajs, faults=faults.take(), wall_s=time.perf_counter() - t0)}
-        return SampleBatch(to_samples(trajs, self.agent.spec.context.reward_placement), info)  # one per segment
+        info = {
+            **meta,
+            "sampling": sampling.describe(self.codec.vocab_size),
+            "rollout_metrics": rollout_metrics(trajs, faults=faults.take(), wall_s=time.perf_counter() - t0),
+        }
+        return SampleBatch(
+            to_samples(trajs, self.agent.spec.context.reward_placement), info
+        )  # one per segment
 
-    def generate_samples(self, batch: Rows, sampling_params: Mapping[str, Any] | None = None,
-                         validate: bool = False, n: int = 1) -> SampleBatch:  # fmt: skip
+    def generate_samples(
+        self,
+        batch: Rows,
+        sampling_params: Mapping[str, Any] | None = None,
+        validate: bool = False,
+        n: int = 1,
+    ) -> SampleBatch:
         """Sync form of `agenerate_samples`."""
         self._refuse_in_loop("generate_samples", "agenerate_samples")
         return self._run_sync(self.agenerate_samples(batch, sampling_params, validate, n))
 
-    def to_batch(self, trajs: Sequence[Trajectory], sampling: Sampling, like: Any = None,
-                 meta: Mapping[str, Any] | None = None, wall_s: float | None = None) -> Any:  # fmt: skip
+    def to_batch(
+        self,
+        trajs: Sequence[Trajectory],
+        sampling: Sampling,
+        like: Any = None,
+        meta: Mapping[str, Any] | None = None,
+        wall_s: float | None = None,
+    ) -> Any:
         """Finished trajectories -> verl's padded batch (`batch_of`), with this engine's backend counters."""
         return batch_of(self.agent, self.codec, trajs, sampling, self._fault_counters(), like, meta, wall_s)
 
@@ -180,8 +236,15 @@ class BaseEngine(ABC):
         """The run's sampling, resolved once (pass it to `arun` and `to_batch`)."""
         return Sampling.resolve(self.agent, self.codec, sampling_params, validate=validate)
 
-    def generate_sequences(self, batch: Rows, sampling_params: Mapping[str, Any] | None = None,
-                           validate: bool = False, n: int = 1, *, keep: RunDir | None = None) -> Any:  # fmt: skip
+    def generate_sequences(
+        self,
+        batch: Rows,
+        sampling_params: Mapping[str, Any] | None = None,
+        validate: bool = False,
+        n: int = 1,
+        *,
+        keep: RunDir | None = None,
+    ) -> Any:
         """Sync form of `agenerate_sequences`, on the engine's own event loop; blocks until the batch is back.
         With `keep`, the run is watched from a loop of the calling thread, where signals arrive."""
         self._refuse_in_loop("generate_sequences", "agenerate_sequences")
@@ -194,14 +257,22 @@ class BaseEngine(ABC):
             asyncio.get_running_loop()
         except RuntimeError:
             return
-        raise RuntimeError(f"{type(self).__name__}.{name}() was called inside a running event loop, which it "
-                           f"would block; use `await {async_name}(...)` there")  # fmt: skip
+        raise RuntimeError(
+            f"{type(self).__name__}.{name}() was called inside a running event loop, which it "
+            f"would block; use `await {async_name}(...)` there"
+        )
 
     # -- continuous mode (fsm/run/stream.py) -------------------------------------------------------------------
 
-    async def asubmit(self, rows: Any, n: int = 1, sampling_params: Mapping[str, Any] | None = None,
-                      validate: bool = False, sampling: Sampling | None = None,
-                      first_index: int | None = None) -> list[str]:  # fmt: skip
+    async def asubmit(
+        self,
+        rows: Any,
+        n: int = 1,
+        sampling_params: Mapping[str, Any] | None = None,
+        validate: bool = False,
+        sampling: Sampling | None = None,
+        first_index: int | None = None,
+    ) -> list[str]:
         """Start rolling out every row `n` times in the continuous mode; returns at once with the groups' uids.
         Their groups come back from `atake` / `stream` as they finish. `first_index`: the batch-wide index of
         the first row's first sample, when these rows are a slice of a batch run in several processes (the
@@ -213,18 +284,33 @@ class BaseEngine(ABC):
             sampling = self.sampling(sampling_params, bool(validate or meta.get("validate", False)))
         return await self._on_home(self._submit(rows, n, sampling, first_index))
 
-    async def atake_groups(self, num_groups: int, *, max_staleness: int | None = None, stale: StalePolicy = "drop",
-                           timeout: float | None = None, exhausted_ok: bool = False) -> list[Group]:  # fmt: skip
+    async def atake_groups(
+        self,
+        num_groups: int,
+        *,
+        max_staleness: int | None = None,
+        stale: StalePolicy = "drop",
+        timeout: float | None = None,
+        exhausted_ok: bool = False,
+    ) -> list[Group]:
         """The first `num_groups` finished groups (see `atake`), as `Group`s of trajectories."""
         return await self._on_home(self._take(num_groups, max_staleness, stale, timeout, exhausted_ok))
 
-    async def atake(self, num_groups: int, *, max_staleness: int | None = None, stale: StalePolicy = "drop",
-                    timeout: float | None = None) -> Any:  # fmt: skip
+    async def atake(
+        self,
+        num_groups: int,
+        *,
+        max_staleness: int | None = None,
+        stale: StalePolicy = "drop",
+        timeout: float | None = None,
+    ) -> Any:
         """verl's padded batch of exactly `num_groups` whole groups, in completion order, waiting for them
         (TimeoutError after `timeout` s; StreamEmpty when too few are running). A group whose oldest model
         token is more than `max_staleness` weight versions old is dropped or re-run (`stale`), and counted in
         `stream_stats`. meta_info["staleness"]: each group's, in batch order."""
-        groups = await self.atake_groups(num_groups, max_staleness=max_staleness, stale=stale, timeout=timeout)
+        groups = await self.atake_groups(
+            num_groups, max_staleness=max_staleness, stale=stale, timeout=timeout
+        )
         trajs = [t for g in groups for t in g.trajectories]
         sampling = groups[0].sampling
         if not all(g.sampling.logprobs for g in groups):
@@ -233,7 +319,9 @@ class BaseEngine(ABC):
         batch.meta_info["staleness"] = [g.staleness for g in groups]
         return batch
 
-    async def stream(self, *, max_staleness: int | None = None, stale: StalePolicy = "drop") -> AsyncIterator[Group]:
+    async def stream(
+        self, *, max_staleness: int | None = None, stale: StalePolicy = "drop"
+    ) -> AsyncIterator[Group]:
         """`async for group in engine.stream():` each finished group as it completes, until none is left."""
         while True:
             groups = await self.atake_groups(1, max_staleness=max_staleness, stale=stale, exhausted_ok=True)
@@ -241,21 +329,37 @@ class BaseEngine(ABC):
                 return
             yield groups[0]
 
-    def submit(self, rows: Any, n: int = 1, sampling_params: Mapping[str, Any] | None = None,
-               validate: bool = False) -> list[str]:  # fmt: skip
+    def submit(
+        self, rows: Any, n: int = 1, sampling_params: Mapping[str, Any] | None = None, validate: bool = False
+    ) -> list[str]:
         self._refuse_in_loop("submit", "asubmit")
         return self._run_sync(self.asubmit(rows, n, sampling_params, validate))
 
-    def take(self, num_groups: int, *, max_staleness: int | None = None, stale: StalePolicy = "drop",
-             timeout: float | None = None) -> Any:  # fmt: skip
+    def take(
+        self,
+        num_groups: int,
+        *,
+        max_staleness: int | None = None,
+        stale: StalePolicy = "drop",
+        timeout: float | None = None,
+    ) -> Any:
         self._refuse_in_loop("take", "atake")
-        return self._run_sync(self.atake(num_groups, max_staleness=max_staleness, stale=stale, timeout=timeout))
+        return self._run_sync(
+            self.atake(num_groups, max_staleness=max_staleness, stale=stale, timeout=timeout)
+        )
 
     # -- snapshots ---------------------------------------------------------------------------------------------
 
-    async def asnapshot(self, path: str | Path, *, meta: Mapping[str, Any] | None = None, stop: bool = False,
-                        timeout: float | None = None, abort_turns: bool = False,
-                        fallback: Callable[[], Path] | None = None) -> dict[str, Any]:  # fmt: skip
+    async def asnapshot(
+        self,
+        path: str | Path,
+        *,
+        meta: Mapping[str, Any] | None = None,
+        stop: bool = False,
+        timeout: float | None = None,
+        abort_turns: bool = False,
+        fallback: Callable[[], Path] | None = None,
+    ) -> dict[str, Any]:
         """Write the continuous mode's groups (finished but not taken, and running) to `path` as JSON, taken
         at state boundaries: running trajectories pause at their next one while it is written. `stop=True`
         then cancels the running ones (their groups live on in the file) instead of letting them go on, also
@@ -278,7 +382,9 @@ class BaseEngine(ABC):
         otherwise); ready groups can be taken, running ones run on. Returns the snapshot's `meta`."""
         return await self._restore(path)
 
-    def snapshot(self, path: str | Path, *, meta: Mapping[str, Any] | None = None, stop: bool = False) -> dict[str, int]:
+    def snapshot(
+        self, path: str | Path, *, meta: Mapping[str, Any] | None = None, stop: bool = False
+    ) -> dict[str, int]:
         self._refuse_in_loop("snapshot", "asnapshot")
         return self._run_sync(self.asnapshot(path, meta=meta, stop=stop))
 
@@ -314,8 +420,9 @@ class BaseEngine(ABC):
         trajectories go on, on whatever weights the servers now hold."""
         await self._control("resume", ())
 
-    async def aupdate_weights_from_disk(self, path: str | Path, weight_version: int | None = None,
-                                        **options: Any) -> int:  # fmt: skip
+    async def aupdate_weights_from_disk(
+        self, path: str | Path, weight_version: int | None = None, **options: Any
+    ) -> int:
         """Reload weights on every server (or the in-process model) from a checkpoint directory, as version
         `weight_version` (default: the current one + 1), which is returned. `options` go to SGLang's
         endpoint (load_format, abort_all_requests, flush_cache)."""
@@ -326,13 +433,16 @@ class BaseEngine(ABC):
         serialized_named_tensors, load_format, flush_cache...); the new version is returned."""
         return await self._update("update_weights_from_tensor", (), payload, weight_version)
 
-    async def aupdate_weights_from_distributed(self, weight_version: int | None = None, **payload: Any) -> int:
+    async def aupdate_weights_from_distributed(
+        self, weight_version: int | None = None, **payload: Any
+    ) -> int:
         """SGLang's `/update_weights_from_distributed` on every server (payload passed through: names, dtypes,
         shapes, group_name...); the new version is returned."""
         return await self._update("update_weights_from_distributed", (), payload, weight_version)
 
-    async def _update(self, method: str, args: tuple[Any, ...], options: dict[str, Any],
-                      weight_version: int | None) -> int:  # fmt: skip
+    async def _update(
+        self, method: str, args: tuple[Any, ...], options: dict[str, Any], weight_version: int | None
+    ) -> int:
         return await self._control("update", (method, args, options, weight_version_of(weight_version)))
 
     def sleep(self, tags: list[str] | None = None) -> Any:
@@ -343,7 +453,9 @@ class BaseEngine(ABC):
         self._refuse_in_loop("wake_up", "awake_up")
         return self._run_sync(self.awake_up(tags))
 
-    def update_weights_from_disk(self, path: str | Path, weight_version: int | None = None, **options: Any) -> int:
+    def update_weights_from_disk(
+        self, path: str | Path, weight_version: int | None = None, **options: Any
+    ) -> int:
         self._refuse_in_loop("update_weights_from_disk", "aupdate_weights_from_disk")
         return self._run_sync(self.aupdate_weights_from_disk(path, weight_version, **options))
 
@@ -368,14 +480,23 @@ class BaseEngine(ABC):
         return self._run_sync(self.aflush_cache())
 
 
-def batch_of(agent: CompiledAgent, codec: Codec, trajs: Sequence[Trajectory], sampling: Sampling,
-             faults: FaultDelta | None = None, like: Any = None, meta: Mapping[str, Any] | None = None,
-             wall_s: float | None = None) -> Any:  # fmt: skip
+def batch_of(
+    agent: CompiledAgent,
+    codec: Codec,
+    trajs: Sequence[Trajectory],
+    sampling: Sampling,
+    faults: FaultDelta | None = None,
+    like: Any = None,
+    meta: Mapping[str, Any] | None = None,
+    wall_s: float | None = None,
+) -> Any:
     """Finished trajectories -> verl's padded batch (fsm/output/batch.py `to_batch`), with the sampling that
     produced its logprobs (meta_info["sampling"]) and its metrics (meta_info["rollout_metrics"],
     fsm/output/metrics.py, with the backend counters `faults` moved since the last batch), which survive a
     DataProto's round trip."""
     out = to_batch(trajs, agent, codec, logprobs=sampling.logprobs, like=like, meta=meta)
     out.meta_info["sampling"] = sampling.describe(codec.vocab_size)
-    out.meta_info["rollout_metrics"] = rollout_metrics(trajs, faults=faults.take() if faults else None, wall_s=wall_s)
+    out.meta_info["rollout_metrics"] = rollout_metrics(
+        trajs, faults=faults.take() if faults else None, wall_s=wall_s
+    )
     return out

@@ -56,7 +56,9 @@ class Rollout:
     router_stats: Any
     interrupted: bool
     cpu: float  # this process's CPU seconds over the same window (all threads: the model's, the exporters')
-    more: dict[str, Any] = field(default_factory=dict)  # more for the summary (a run over gateway workers: theirs)
+    more: dict[str, Any] = field(
+        default_factory=dict
+    )  # more for the summary (a run over gateway workers: theirs)
 
 
 @dataclass
@@ -81,8 +83,10 @@ class RunDir:
     def refuse_a_snapshot(self) -> None:
         """A new run does not write over an interrupted one's snapshot (RunDirError, naming both ways on)."""
         if self.snapshot.exists():
-            raise RunDirError(f"{self.out} holds the snapshot of an interrupted run; resume it with `agentfsm run "
-                              f"--resume {self.out}`, or remove {self.snapshot} to start a new run there")  # fmt: skip
+            raise RunDirError(
+                f"{self.out} holds the snapshot of an interrupted run; resume it with `agentfsm run "
+                f"--resume {self.out}`, or remove {self.snapshot} to start a new run there"
+            )
 
     def resume_hint(self, run: Rollout) -> str:
         return (
@@ -92,8 +96,10 @@ class RunDir:
         )
 
     def nothing_finished(self, run: Rollout) -> RunInterrupted:
-        return RunInterrupted(f"interrupted before any trajectory finished; {self.out} holds what it held before"
-                              f"{self.resume_hint(run)}")  # fmt: skip
+        return RunInterrupted(
+            f"interrupted before any trajectory finished; {self.out} holds what it held before"
+            f"{self.resume_hint(run)}"
+        )
 
     def write(self, run: Rollout, batch: Any) -> dict[str, Any]:
         """The run's three files into the directory, its summary saying how the run ended and how many rows
@@ -103,14 +109,27 @@ class RunDir:
         engine, out = run.engine, self.out
 
         def write(staging: Path) -> dict[str, Any]:
-            summary = write_outputs(staging, engine.agent, run.trajs, batch, engine.codec, run.wall,
-                                    run.router_stats, getattr(engine, "tracer", None))  # fmt: skip
+            summary = write_outputs(
+                staging,
+                engine.agent,
+                run.trajs,
+                batch,
+                engine.codec,
+                run.wall,
+                run.router_stats,
+                getattr(engine, "tracer", None),
+            )
             failed = sum(t.failed for t in run.trajs)
-            summary = {"status": "interrupted" if run.interrupted else "completed", "run_id": self.run_id,
-                       "rows_expected": run.expected,
-                       "files": {"batch.pt": {"rows": len(batch)}, "trajectories.jsonl": {"rows": len(run.trajs)}},
-                       "error_rate": round(failed / len(run.trajs), 4), "rollout_cpu_s": round(run.cpu, 3),
-                       **summary, **run.more}  # fmt: skip
+            summary = {
+                "status": "interrupted" if run.interrupted else "completed",
+                "run_id": self.run_id,
+                "rows_expected": run.expected,
+                "files": {"batch.pt": {"rows": len(batch)}, "trajectories.jsonl": {"rows": len(run.trajs)}},
+                "error_rate": round(failed / len(run.trajs), 4),
+                "rollout_cpu_s": round(run.cpu, 3),
+                **summary,
+                **run.more,
+            }
             (staging / "summary.json").write_text(json_text(summary, indent=2, default=str) + "\n")
             return summary
 
@@ -128,8 +147,10 @@ class RunDir:
             kept = fallback_dir()
             write_run(kept, write)
         except (OSError, WriteInterrupted) as exc2:
-            raise RunDirError(f"{out}: cannot write the run's outputs ({reason}); nor to a temporary directory "
-                              f"({getattr(exc2, 'strerror', None) or exc2}): the run is lost") from None  # fmt: skip
+            raise RunDirError(
+                f"{out}: cannot write the run's outputs ({reason}); nor to a temporary directory "
+                f"({getattr(exc2, 'strerror', None) or exc2}): the run is lost"
+            ) from None
         raise RunDirError(f"{out}: cannot write the run's outputs ({reason}); they are kept in {kept}")
 
     def finish(self, run: Rollout) -> RunInterrupted | None:
@@ -137,12 +158,22 @@ class RunDir:
         if not run.interrupted:
             self.snapshot.unlink(missing_ok=True)
             return None
-        return RunInterrupted(f"interrupted: {len(run.trajs)} of {run.expected} trajectories finished and are written "
-                              f"to {self.out} (summary.json: \"status\": \"interrupted\"){self.resume_hint(run)}")  # fmt: skip
+        return RunInterrupted(
+            f"interrupted: {len(run.trajs)} of {run.expected} trajectories finished and are written "
+            f'to {self.out} (summary.json: "status": "interrupted"){self.resume_hint(run)}'
+        )
 
 
-async def keep_batch(engine: Any, rows: Sequence[Any], n: int, sampling: Sampling, keep: RunDir, *, like: Any = None,
-                     meta: Mapping[str, Any] | None = None) -> Any:  # fmt: skip
+async def keep_batch(
+    engine: Any,
+    rows: Sequence[Any],
+    n: int,
+    sampling: Sampling,
+    keep: RunDir,
+    *,
+    like: Any = None,
+    meta: Mapping[str, Any] | None = None,
+) -> Any:
     """RolloutEngine's `keep=` path (from the caller's loop, which must be the main thread's for signals to
     reach it): roll `rows` out as `agentfsm run` does, write the directory, and return verl's batch; on SIGINT
     or SIGTERM, write the snapshot and the finished rows and raise RunInterrupted."""
@@ -159,9 +190,16 @@ async def keep_batch(engine: Any, rows: Sequence[Any], n: int, sampling: Samplin
             if tracer is not None:  # as every run's owner does (fsm/run/runtime.py): the summary counts them
                 await asyncio.to_thread(tracer.flush)
         backend = getattr(engine, "backend", None)
-        run = Rollout(engine, kept.sampling, kept.trajs, kept.expected, time.perf_counter() - t_start,
-                      backend.stats() if hasattr(backend, "stats") else None, kept.interrupted,
-                      time.process_time() - c_start)  # fmt: skip
+        run = Rollout(
+            engine,
+            kept.sampling,
+            kept.trajs,
+            kept.expected,
+            time.perf_counter() - t_start,
+            backend.stats() if hasattr(backend, "stats") else None,
+            kept.interrupted,
+            time.process_time() - c_start,
+        )
         if not run.trajs:
             raise keep.nothing_finished(run)
         batch = engine.to_batch(run.trajs, run.sampling, like=like, meta=meta, wall_s=run.wall)

@@ -35,10 +35,14 @@ def reason_key(reason: str | None) -> str:
     return reason.replace(" ", "_")
 
 
-def rollout_metrics(trajs: Sequence[Trajectory], *, faults: Mapping[str, float] | None = None,
-                    wall_s: float | None = None) -> dict[str, float]:  # fmt: skip
+def rollout_metrics(
+    trajs: Sequence[Trajectory], *, faults: Mapping[str, float] | None = None, wall_s: float | None = None
+) -> dict[str, float]:
     """The batch's metrics (see the module docstring); `faults` from `FaultDelta.take()`."""
-    out: dict[str, float] = {"rollout/samples": float(len(trajs)), "rollout/failed": float(sum(t.failed for t in trajs))}
+    out: dict[str, float] = {
+        "rollout/samples": float(len(trajs)),
+        "rollout/failed": float(sum(t.failed for t in trajs)),
+    }
     for t in trajs:
         key = f"rollout/termination/{reason_key(t.termination_reason)}"
         out[key] = out.get(key, 0.0) + 1.0
@@ -60,7 +64,11 @@ def rollout_metrics(trajs: Sequence[Trajectory], *, faults: Mapping[str, float] 
             "rollout/response_length/max": float(lengths.max()),
             "rollout/model_tokens": float(sum(t.response_mask.count(1) for t in trajs)),
         }
-        for name, attr in (("generate", "generate_sequences"), ("tools", "tool_calls"), ("reward", "compute_score")):
+        for name, attr in (
+            ("generate", "generate_sequences"),
+            ("tools", "tool_calls"),
+            ("reward", "compute_score"),
+        ):
             values = np.array([getattr(x, attr) for x in m], dtype=np.float64)
             out[f"rollout/timing/{name}_s/mean"] = float(values.mean())
             out[f"rollout/timing/{name}_s/max"] = float(values.max())
@@ -69,7 +77,9 @@ def rollout_metrics(trajs: Sequence[Trajectory], *, faults: Mapping[str, float] 
             out["rollout/reward/mean"] = float(np.mean(scores))
         per_traj = [t.all_turn_rewards() if t.closed else [(0, r) for r in t.turn_rewards] for t in trajs]
         if any(per_traj):
-            out["rollout/turn_rewards/sum_mean"] = float(np.mean([sum(r[2] for _, r in rs) for rs in per_traj]))
+            out["rollout/turn_rewards/sum_mean"] = float(
+                np.mean([sum(r[2] for _, r in rs) for rs in per_traj])
+            )
         if any(t.closed for t in trajs):
             out["rollout/segments/mean"] = float(np.mean([t.num_segments for t in trajs]))
     if wall_s is not None:

@@ -29,7 +29,11 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 LOCK_FILE = ".agentfsm.lock"  # held by the run writing into the directory (fcntl.flock: freed when it exits)
-OUTPUT_FILES = ("batch.pt", "trajectories.jsonl", "summary.json")  # summary.json last: it vouches for the rest
+OUTPUT_FILES = (
+    "batch.pt",
+    "trajectories.jsonl",
+    "summary.json",
+)  # summary.json last: it vouches for the rest
 
 
 def json_text(value: Any, **options: Any) -> str:
@@ -68,7 +72,9 @@ def prepare(path: str | Path) -> Path:
     return out
 
 
-_HELD: set[Path] = set()  # directories this process holds the lock of (a POSIX lock does not refuse its owner)
+_HELD: set[Path] = (
+    set()
+)  # directories this process holds the lock of (a POSIX lock does not refuse its owner)
 
 
 @contextlib.contextmanager
@@ -91,13 +97,17 @@ def locked(out: Path) -> Iterator[None]:
             raise RunDirError(f"{out}: its lock file {LOCK_FILE} is not a regular file; remove it")
         holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "another process"
         if out in _HELD:
-            raise RunDirError(f"{out}: another agentfsm run (pid {os.getpid()}) is writing there; wait for it or "
-                              "pass another --out")  # fmt: skip
+            raise RunDirError(
+                f"{out}: another agentfsm run (pid {os.getpid()}) is writing there; wait for it or "
+                "pass another --out"
+            )
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
-            raise RunDirError(f"{out}: another agentfsm run (pid {holder}) is writing there; wait for it or "
-                              "pass another --out") from None  # fmt: skip
+            raise RunDirError(
+                f"{out}: another agentfsm run (pid {holder}) is writing there; wait for it or "
+                "pass another --out"
+            ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
         _HELD.add(out)
@@ -151,8 +161,16 @@ def write_run(out: Path, write: Callable[[Path], T]) -> T:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def write_outputs(out: Path, agent: CompiledAgent, trajs: list, batch: Any, codec: Any, wall: float,
-                   router_stats: Any, tracer: Any) -> dict[str, Any]:  # fmt: skip
+def write_outputs(
+    out: Path,
+    agent: CompiledAgent,
+    trajs: list,
+    batch: Any,
+    codec: Any,
+    wall: float,
+    router_stats: Any,
+    tracer: Any,
+) -> dict[str, Any]:
     """batch.pt, trajectories.jsonl and summary.json of a run, into `out`; the summary back."""
     from fsm.output.batch import fault_summary, summarize
     from fsm.output.batchfile import save_batch
@@ -160,15 +178,23 @@ def write_outputs(out: Path, agent: CompiledAgent, trajs: list, batch: Any, code
     from viz.transcript import trajectory_record
 
     try:
-        save_batch(batch, out / "batch.pt")  # loadable with torch.load's weights_only=True (fsm/output/batchfile.py)
+        save_batch(
+            batch, out / "batch.pt"
+        )  # loadable with torch.load's weights_only=True (fsm/output/batchfile.py)
     except RuntimeError as exc:  # torch's writer reports a full disk as a RuntimeError
         raise OSError(f"batch.pt: {str(exc).splitlines()[0] if str(exc) else 'write failed'}") from exc
     with (out / "trajectories.jsonl").open("w") as f:
         for traj in trajs:
             f.write(json_text(trajectory_record(traj, codec), ensure_ascii=False) + "\n")
     summary = summarize(trajs)
-    summary.update(spec=str(agent.path), agent=agent.name, spec_hash=agent.hash, wall_s=round(wall, 3),
-                   timing=batch.meta_info["timing"], router=router_stats)  # fmt: skip
+    summary.update(
+        spec=str(agent.path),
+        agent=agent.name,
+        spec_hash=agent.hash,
+        wall_s=round(wall, 3),
+        timing=batch.meta_info["timing"],
+        router=router_stats,
+    )
     summary["server_faults"] = fault_summary(trajs, router_stats)
     summary["fsm"] = run_stats(agent, trajs)
     if tracer is not None:
@@ -181,7 +207,9 @@ def print_summary(summary: dict[str, Any], console: Any) -> None:
     """The run table: rewards, how rows ended, turns and tokens, time, tracing, routing and server faults."""
     from rich.table import Table
 
-    table = Table(title=f"{summary['agent']}: {summary['trajectories']} trajectories in {summary['wall_s']:.1f}s")
+    table = Table(
+        title=f"{summary['agent']}: {summary['trajectories']} trajectories in {summary['wall_s']:.1f}s"
+    )
     table.add_column("metric")
     table.add_column("value", justify="right")
 
@@ -200,8 +228,11 @@ def print_summary(summary: dict[str, Any], console: Any) -> None:
     add("tool errors", summary["tool_errors"])
     timing = summary["timing"]
     if timing:
-        add("generate s (mean / max)", f"{timing['agent_loop/generate_sequences/mean']:.3f} / "
-            f"{timing['agent_loop/generate_sequences/max']:.3f}")  # fmt: skip
+        add(
+            "generate s (mean / max)",
+            f"{timing['agent_loop/generate_sequences/mean']:.3f} / "
+            f"{timing['agent_loop/generate_sequences/max']:.3f}",
+        )
         add("tool calls s (mean)", timing["agent_loop/tool_calls/mean"])
     tracing = summary.get("tracing")
     if tracing:
@@ -213,7 +244,9 @@ def print_summary(summary: dict[str, Any], console: Any) -> None:
             if key in totals:
                 add(f"router {key}", totals[key])
     faults = summary.get("server_faults")
-    if faults:  # what the servers did wrong, then what it cost: each fault is retried, failed over or an error row
+    if (
+        faults
+    ):  # what the servers did wrong, then what it cost: each fault is retried, failed over or an error row
         for kind, count in faults["faults"].items():
             if count:
                 add(f"server fault: {kind.replace('_', ' ')}", count)

@@ -46,7 +46,9 @@ async def encode_prompt(ctx: RunContext, traj: Trajectory) -> None:
         ids = ids[-limit:]
         traj.extra["prompt_truncated"] = True
     traj.prompt_ids.extend(ids)
-    traj.segment_start = first_segment(len(traj.messages))  # the first segment's prompt renders these messages
+    traj.segment_start = first_segment(
+        len(traj.messages)
+    )  # the first segment's prompt renders these messages
 
 
 def _render_prompt(ctx: RunContext, traj: Trajectory) -> list[int]:
@@ -59,10 +61,18 @@ def _render_prompt(ctx: RunContext, traj: Trajectory) -> list[int]:
     except UnknownRole as exc:  # the message would vanish from the prompt without a word
         raise RowError(f"bad row {traj.uid}: 'raw_prompt[{exc.index}].role': {exc}") from None
     except Exception as exc:
-        odd = next((f"; 'raw_prompt[{k}].content' is a {type(m.get('content')).__name__}, not text"
-                    for k, m in enumerate(traj.messages) if not isinstance(m.get("content"), (str, type(None)))), "")  # fmt: skip
-        raise RowError(f"bad row {traj.uid}: the chat template cannot render 'raw_prompt': {type(exc).__name__}: "
-                       f"{exc}{odd}") from None  # fmt: skip
+        odd = next(
+            (
+                f"; 'raw_prompt[{k}].content' is a {type(m.get('content')).__name__}, not text"
+                for k, m in enumerate(traj.messages)
+                if not isinstance(m.get("content"), (str, type(None)))
+            ),
+            "",
+        )
+        raise RowError(
+            f"bad row {traj.uid}: the chat template cannot render 'raw_prompt': {type(exc).__name__}: "
+            f"{exc}{odd}"
+        ) from None
 
 
 async def generate(ctx: RunContext, traj: Trajectory) -> None:
@@ -91,8 +101,11 @@ async def generate(ctx: RunContext, traj: Trajectory) -> None:
             raise
         where = getattr(ctx.backend, "where", None)
         server = (where(traj.session_id) if where is not None else None) or ctx.backend.model_name
-        raise BackendTimeout(f"model turn {traj.assistant_turns} exceeded limits.turn_timeout_s "
-                             f"{limits.turn_timeout_s:g} s on {server} (rid {rid})", server=server) from None  # fmt: skip
+        raise BackendTimeout(
+            f"model turn {traj.assistant_turns} exceeded limits.turn_timeout_s "
+            f"{limits.turn_timeout_s:g} s on {server} (rid {rid})",
+            server=server,
+        ) from None
     finally:
         traj.metrics.generate_sequences += time.perf_counter() - t0
     if ctx.sampling.logprobs and logprobs is None:
@@ -102,12 +115,18 @@ async def generate(ctx: RunContext, traj: Trajectory) -> None:
     traj.assistant_turns += 1
     traj.last_finish_reason = finish
     text = ctx.codec.turn_text(ids)
-    traj.pending_calls = ctx.parser.parse(text)  # with no tools too: a call is answered "Unknown function" (verl)
+    traj.pending_calls = ctx.parser.parse(
+        text
+    )  # with no tools too: a call is answered "Unknown function" (verl)
     traj.messages.append(ctx.codec.assistant_message(text, traj.pending_calls))  # as the template reads it
 
 
 async def _resumed_turn(
-    ctx: RunContext, traj: Trajectory, params: dict[str, Any], rid: str, deadline: asyncio.Timeout | None = None,
+    ctx: RunContext,
+    traj: Trajectory,
+    params: dict[str, Any],
+    rid: str,
+    deadline: asyncio.Timeout | None = None,
     whole: bool = True,
 ) -> tuple[list[int], list[float] | None, list[int], str]:
     """The turn's tokens, their logprobs (None: asked for and not given), the weight version of each and
@@ -181,7 +200,9 @@ async def _resumed_turn(
         if not aborted:
             if result.extra.get("context_cut"):  # the server's context was full: the row says so
                 traj.extra["context_cut"] = result.extra["context_cut"]
-            elif not new and result.finish_reason == "length" and request.sampling_params["max_new_tokens"] > 0:
+            elif (
+                not new and result.finish_reason == "length" and request.sampling_params["max_new_tokens"] > 0
+            ):
                 # nothing where tokens were asked, by "length": only a full context answers that (docs/engines.md),
                 # whatever the client knows of the server's context length (else: the tokens the request held)
                 known = getattr(ctx.backend, "context_length", None)
@@ -228,17 +249,22 @@ async def _call_tools(ctx: RunContext, traj: Trajectory, calls: list[Any]) -> No
     if len(run) == 1:  # the common case: no task and gather for one call
         outcomes = [await ctx.run_tool(traj, run[0], f"{traj.session_id}_c{traj.user_turns}_0", active)]
     else:
-        outcomes = await asyncio.gather(*(
-            ctx.run_tool(traj, call, f"{traj.session_id}_c{traj.user_turns}_{k}", active) for k, call in enumerate(run)
-        ))  # fmt: skip
+        outcomes = await asyncio.gather(
+            *(
+                ctx.run_tool(traj, call, f"{traj.session_id}_c{traj.user_turns}_{k}", active)
+                for k, call in enumerate(run)
+            )
+        )
     traj.metrics.tool_calls += time.perf_counter() - t0
     traj.metrics.num_tool_calls += len(run)
     answers: list[dict[str, Any]] = []
     for outcome in outcomes:
         for what, value in (("reward", outcome.reward), ("calc_reward score", outcome.score)):
             if value is not None and not math.isfinite(value):  # checked before any is kept: the row's error
-                raise RowError(f"reward: tool {outcome.name} on row {traj.uid}: returned {what} {value!r}, "
-                               "not a finite number")  # fmt: skip
+                raise RowError(
+                    f"reward: tool {outcome.name} on row {traj.uid}: returned {what} {value!r}, "
+                    "not a finite number"
+                )
     for outcome in outcomes:
         if outcome.reward is not None:  # a BaseTool may return None as its reward; verl leaves it out
             traj.tool_rewards.append(outcome.reward)
@@ -252,8 +278,10 @@ async def _call_tools(ctx: RunContext, traj: Trajectory, calls: list[Any]) -> No
     refusals: list[dict[str, Any] | None] = []
     for call in extra:
         traj.metrics.dropped_calls += 1
-        text = (f"Error: too many tool calls in one turn; at most {limits.max_parallel_calls} run per turn, "
-                f"so the call to '{call.name}' was not executed.")  # fmt: skip
+        text = (
+            f"Error: too many tool calls in one turn; at most {limits.max_parallel_calls} run per turn, "
+            f"so the call to '{call.name}' was not executed."
+        )
         refusals.append(_tool_message(text, call.id) if limits.extra_calls == "error" else None)
     messages = []
     for past, k in order:
@@ -286,8 +314,10 @@ async def interact(ctx: RunContext, traj: Trajectory) -> None:
     if score is not None:
         score = float(score)
         if not math.isfinite(score):
-            raise RowError(f"reward: interaction {ctx.agent.spec.interaction.class_} on row {traj.uid}: "  # type: ignore[union-attr]
-                           f"returned turn score {score!r}, not a finite number")  # fmt: skip
+            raise RowError(
+                f"reward: interaction {ctx.agent.spec.interaction.class_} on row {traj.uid}: "  # type: ignore[union-attr]
+                f"returned turn score {score!r}, not a finite number"
+            )
         traj.turn_scores.append(score)
         traj.add_turn_reward("interaction", score)
     if metrics:

@@ -74,8 +74,16 @@ class Reward:
 class CompiledAgent:
     """Immutable after construction; safe to share across trajectories, tasks and runs."""
 
-    def __init__(self, spec: AgentSpec, source: LoadedSpec | None, edges: list[Edge], actions: dict[str, Any],
-                 tools: ToolSet, interaction_cls: Any, reward: Reward | None):  # fmt: skip
+    def __init__(
+        self,
+        spec: AgentSpec,
+        source: LoadedSpec | None,
+        edges: list[Edge],
+        actions: dict[str, Any],
+        tools: ToolSet,
+        interaction_cls: Any,
+        reward: Reward | None,
+    ):
         self.spec = spec
         self.name = spec.name
         self.source = source
@@ -99,8 +107,13 @@ class CompiledAgent:
         self.hash = hashlib.sha256(
             json.dumps(spec.model_dump(mode="json", by_alias=True), sort_keys=True).encode()
         ).hexdigest()[:12]
-        self.machine = _SharedMachine(model=None, states=list(spec.states), initial=spec.initial,
-                                      auto_transitions=False, send_event=False)  # fmt: skip
+        self.machine = _SharedMachine(
+            model=None,
+            states=list(spec.states),
+            initial=spec.initial,
+            auto_transitions=False,
+            send_event=False,
+        )
         for edge in edges:
             self.machine.add_transition(TRIGGER, edge.source, edge.dest)
             self.machine.events[TRIGGER].transitions[edge.source][-1].edge = edge
@@ -118,7 +131,9 @@ class CompiledAgent:
         for transition in self._table[state or traj.state]:
             if transition.holds(traj):
                 return transition.edge
-        raise RuntimeError(f"no transition fired from {state or traj.state}; validation guarantees a default edge")
+        raise RuntimeError(
+            f"no transition fired from {state or traj.state}; validation guarantees a default edge"
+        )
 
     def trigger(self, traj: Any) -> Edge:
         """The same step through transitions' stock `Event.trigger`, which also enters the edge (slower;

@@ -50,8 +50,9 @@ def compile_spec(spec_or_path: AgentSpec | LoadedSpec | str | Path) -> CompiledA
     return agent
 
 
-def _compile(spec_or_path: AgentSpec | LoadedSpec | str | Path, static: bool,
-             warnings: list[Diagnostic] | None = None) -> CompiledAgent | None:  # fmt: skip
+def _compile(
+    spec_or_path: AgentSpec | LoadedSpec | str | Path, static: bool, warnings: list[Diagnostic] | None = None
+) -> CompiledAgent | None:
     loaded = spec_or_path if isinstance(spec_or_path, LoadedSpec) else None
     if isinstance(spec_or_path, (str, Path)):
         loaded = load_spec(spec_or_path)
@@ -77,7 +78,9 @@ class _Compiler:
     def __init__(self, spec: AgentSpec, loaded: LoadedSpec | None, static: bool = False):
         self.spec, self.loaded, self.static = spec, loaded, static
         self.allow = tuple(spec.trust.allow_modules)
-        self.folder = loaded.path.resolve().parent if loaded is not None else None  # its modules are importable
+        self.folder = (
+            loaded.path.resolve().parent if loaded is not None else None
+        )  # its modules are importable
         if self.folder is not None and not static:
             add_spec_folder(self.folder)
         self.diags: list[Diagnostic] = []
@@ -113,7 +116,9 @@ class _Compiler:
         spec = self.spec
         for i, module in enumerate(spec.imports):
             try:
-                check_module(module, self.allow) if self.static else import_module(module, self.allow, self.folder)
+                check_module(module, self.allow) if self.static else import_module(
+                    module, self.allow, self.folder
+                )
             except ImportPathError as exc:
                 self.error(exc.code, str(exc), "imports", i, key=False)
         self._check_limits()
@@ -125,12 +130,23 @@ class _Compiler:
         reward = self._reward()
         if spec.demo_data is not None:
             self._ref(spec.demo_data, "demo_data")
-        if spec.model.family not in family_names() and not (self.static and spec.imports):  # imports may add it
-            self.error("unknown-family", f"unknown model family {spec.model.family!r}"
-                       f"{_suggest(spec.model.family, family_names())}", "model", "family", key=False)  # fmt: skip
+        if spec.model.family not in family_names() and not (
+            self.static and spec.imports
+        ):  # imports may add it
+            self.error(
+                "unknown-family",
+                f"unknown model family {spec.model.family!r}{_suggest(spec.model.family, family_names())}",
+                "model",
+                "family",
+                key=False,
+            )
         if spec.parser is not None and spec.parser not in PARSERS:
-            self.error("unknown-parser", f"unknown tool-call parser {spec.parser!r}{_suggest(spec.parser, PARSERS)}",
-                       "parser", key=False)  # fmt: skip
+            self.error(
+                "unknown-parser",
+                f"unknown tool-call parser {spec.parser!r}{_suggest(spec.parser, PARSERS)}",
+                "parser",
+                key=False,
+            )
         if self.diags:
             raise SpecError(self.diags)
         if self.static:
@@ -140,17 +156,33 @@ class _Compiler:
     def _check_limits(self) -> None:
         lim = self.spec.limits
         if lim.max_new_tokens is not None and lim.max_new_tokens > lim.response_length:
-            self.error("limits", f"max_new_tokens ({lim.max_new_tokens}) exceeds response_length "
-                       f"({lim.response_length}): a single turn could never use it", "limits", "max_new_tokens")  # fmt: skip
-        if self.spec.tools and lim.max_tool_response_length >= lim.response_length * 8:  # only tools answer with it
-            self.error("limits", f"max_tool_response_length ({lim.max_tool_response_length} characters) cannot fit "
-                       f"in response_length ({lim.response_length} tokens)", "limits", "max_tool_response_length")  # fmt: skip
+            self.error(
+                "limits",
+                f"max_new_tokens ({lim.max_new_tokens}) exceeds response_length "
+                f"({lim.response_length}): a single turn could never use it",
+                "limits",
+                "max_new_tokens",
+            )
+        if (
+            self.spec.tools and lim.max_tool_response_length >= lim.response_length * 8
+        ):  # only tools answer with it
+            self.error(
+                "limits",
+                f"max_tool_response_length ({lim.max_tool_response_length} characters) cannot fit "
+                f"in response_length ({lim.response_length} tokens)",
+                "limits",
+                "max_tool_response_length",
+            )
 
     def _check_graph(self) -> None:
         spec, states = self.spec, self.spec.states
         if spec.initial not in states:
-            self.error("unknown-state", f"initial state {spec.initial!r} is not declared{_suggest(spec.initial, states)}",
-                       "initial", key=False)  # fmt: skip
+            self.error(
+                "unknown-state",
+                f"initial state {spec.initial!r} is not declared{_suggest(spec.initial, states)}",
+                "initial",
+                key=False,
+            )
         if not spec.final_states:
             self.error("no-final", "no state is final: add e.g. `TERMINATED: {final: true}`", "states")
         for name, st in states.items():
@@ -175,15 +207,36 @@ class _Compiler:
                 continue
             for i, t in enumerate(st.next):
                 if t.to not in states:
-                    self.error("unknown-state", f"edge to unknown state {t.to!r}{_suggest(t.to, states)}",
-                               "states", name, "next", i, "to", key=False)  # fmt: skip
+                    self.error(
+                        "unknown-state",
+                        f"edge to unknown state {t.to!r}{_suggest(t.to, states)}",
+                        "states",
+                        name,
+                        "next",
+                        i,
+                        "to",
+                        key=False,
+                    )
             if st.next[-1].when is not None:
-                self.error("no-default", f"the last edge out of {name} is guarded: add an unguarded default edge "
-                           "last, so every trajectory can leave the state", "states", name, "next", len(st.next) - 1)  # fmt: skip
+                self.error(
+                    "no-default",
+                    f"the last edge out of {name} is guarded: add an unguarded default edge "
+                    "last, so every trajectory can leave the state",
+                    "states",
+                    name,
+                    "next",
+                    len(st.next) - 1,
+                )
             for i, t in enumerate(st.next[:-1]):
                 if t.when is None:
-                    self.error("shadowed", f"edge {i} out of {name} has no guard, so edges after it never fire",
-                               "states", name, "next", i)  # fmt: skip
+                    self.error(
+                        "shadowed",
+                        f"edge {i} out of {name} has no guard, so edges after it never fire",
+                        "states",
+                        name,
+                        "next",
+                        i,
+                    )
         reachable = _reach(spec.initial, {s: [t.to for t in st.next] for s, st in states.items()})
         for name in states:
             if name not in reachable and spec.initial in states:
@@ -203,9 +256,14 @@ class _Compiler:
                 self.error("dead-end", f"no path leads from {name} to a final state", "states", name)
         self._check_cycles({s: [t.to for t in st.next] for s, st in states.items()})
         for loop in rewrite_loops(states, spec.context.rewrites):
-            self.error("rewrite-loop", f"the cycle through {', '.join(loop)} rewrites the context with no model turn "
-                       "(a `generate` state) in it: it could rewrite forever; route it through GENERATING",
-                       "states", next(s for s in loop if states[s].action in spec.context.rewrites), "action")  # fmt: skip
+            self.error(
+                "rewrite-loop",
+                f"the cycle through {', '.join(loop)} rewrites the context with no model turn "
+                "(a `generate` state) in it: it could rewrite forever; route it through GENERATING",
+                "states",
+                next(s for s in loop if states[s].action in spec.context.rewrites),
+                "action",
+            )
 
     def _check_cycles(self, graph: dict[str, list[str]]) -> None:
         """Warn about a cycle none of whose states runs a built-in action that spends the response budget:
@@ -221,10 +279,14 @@ class _Compiler:
                 continue  # not on a cycle
             if not any(states[s].action in BUDGET_ACTIONS for s in loop if s in states):
                 members = ", ".join(s for s in states if s in loop)
-                self.warn("cycle-without-budget", f"the cycle through {members} runs no action that spends the "
-                          f"response budget ({', '.join(BUDGET_ACTIONS)}): unless its own actions do, a trajectory "
-                          f"caught in it ends only at limits.max_transitions ({self.spec.limits.max_transitions})",
-                          "states", name)  # fmt: skip
+                self.warn(
+                    "cycle-without-budget",
+                    f"the cycle through {members} runs no action that spends the "
+                    f"response budget ({', '.join(BUDGET_ACTIONS)}): unless its own actions do, a trajectory "
+                    f"caught in it ends only at limits.max_transitions ({self.spec.limits.max_transitions})",
+                    "states",
+                    name,
+                )
 
     def _edges(self) -> list[Edge]:
         edges = []
@@ -252,7 +314,11 @@ class _Compiler:
                 continue
             rewrite = self.spec.context.rewrites.get(ref)
             if rewrite is not None:
-                fn = self._ref(rewrite.function, "context", "rewrites", ref, "function") if rewrite.function else None
+                fn = (
+                    self._ref(rewrite.function, "context", "rewrites", ref, "function")
+                    if rewrite.function
+                    else None
+                )
                 if rewrite.function and fn is None:
                     continue
                 actions[name] = make_rewrite(ref, rewrite, fn)
@@ -274,8 +340,14 @@ class _Compiler:
                 actions[name] = fn
             elif not (self.static and self.spec.imports):  # else the imports, not run here, may register it
                 known = [*BUILTIN_ACTIONS, *ACTIONS, *self.spec.context.rewrites]
-                self.error("unknown-action", f"unknown action {ref!r}{_suggest(ref, known)}; built-in: "
-                           f"{', '.join(BUILTIN_ACTIONS)}", "states", name, "action", key=False)  # fmt: skip
+                self.error(
+                    "unknown-action",
+                    f"unknown action {ref!r}{_suggest(ref, known)}; built-in: {', '.join(BUILTIN_ACTIONS)}",
+                    "states",
+                    name,
+                    "action",
+                    key=False,
+                )
         return actions
 
     def _tools(self) -> ToolSet:
@@ -303,14 +375,22 @@ class _Compiler:
         names: set[str] = set()
         for i, t in enumerate(self.spec.tools):
             if bool(t.function) == bool(t.class_):
-                self.error("tool", "ValueError: a tool needs exactly one of 'function' or 'class'", "tools", i)
+                self.error(
+                    "tool", "ValueError: a tool needs exactly one of 'function' or 'class'", "tools", i
+                )
             for field, ref in (("function", t.function), ("class", t.class_), ("schema", t.schema_)):
                 if isinstance(ref, str):
                     self._ref(ref, "tools", i, field)
             if t.class_ and t.schema_ is None:
-                self.error("tool", f"ValueError: tool class {t.class_!r} needs a 'schema' (OpenAI function schema)",
-                           "tools", i)  # fmt: skip
-            name = t.name or (t.schema_.get("function", {}).get("name") if isinstance(t.schema_, dict) else None)
+                self.error(
+                    "tool",
+                    f"ValueError: tool class {t.class_!r} needs a 'schema' (OpenAI function schema)",
+                    "tools",
+                    i,
+                )
+            name = t.name or (
+                t.schema_.get("function", {}).get("name") if isinstance(t.schema_, dict) else None
+            )
             if name in names:
                 self.error("duplicate", f"two tools are named {name!r}", "tools", i)
             names.add(name) if name else None
@@ -344,7 +424,9 @@ class _Compiler:
             named = inspect.signature(fn).parameters
         except (TypeError, ValueError):  # a builtin or an UNCHECKED placeholder: verl's arguments only
             named = {}
-        return Reward(fn, dict(spec.kwargs), tuple(x for x in REWARD_EXTRAS if x in named and x not in spec.kwargs))
+        return Reward(
+            fn, dict(spec.kwargs), tuple(x for x in REWARD_EXTRAS if x in named and x not in spec.kwargs)
+        )
 
 
 def _reversed(graph: dict[str, list[str]]) -> dict[str, list[str]]:

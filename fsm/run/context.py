@@ -39,20 +39,34 @@ class Sampling:
     max_new_tokens: int | None  # per-turn cap: the call site's, else the spec's limit, else the budget
 
     @classmethod
-    def resolve(cls, agent: CompiledAgent, codec: Codec, overrides: Mapping[str, Any] | None = None, *,
-                validate: bool = False) -> Sampling:  # fmt: skip
+    def resolve(
+        cls,
+        agent: CompiledAgent,
+        codec: Codec,
+        overrides: Mapping[str, Any] | None = None,
+        *,
+        validate: bool = False,
+    ) -> Sampling:
         """`overrides`: SGLang sampling names, plus `seed` and `logprobs`; `validate` picks val_sampling."""
         spec = agent.spec
         base = (spec.val_sampling if validate else spec.sampling).model_dump()
         overrides = check_sampling(dict(overrides or {}))
         seed = overrides.pop("seed", base.pop("seed"))
         logprobs = bool(overrides.pop("logprobs", base.pop("logprobs")))
-        outside = [t for t in (*base["stop_token_ids"], *overrides.get("stop_token_ids", ())) if t >= codec.vocab_size]
+        outside = [
+            t
+            for t in (*base["stop_token_ids"], *overrides.get("stop_token_ids", ()))
+            if t >= codec.vocab_size
+        ]
         if outside:
-            raise ValueError(f"sampling parameter stop_token_ids: {outside[0]} is not a token id of this model "
-                             f"(vocabulary of {codec.vocab_size})")  # fmt: skip
+            raise ValueError(
+                f"sampling parameter stop_token_ids: {outside[0]} is not a token id of this model "
+                f"(vocabulary of {codec.vocab_size})"
+            )
         parser_stops = PARSERS[parser_name(spec.parser, codec)](codec.tokenizer).stop_token_ids
-        stops = sorted({codec.eos_id, *parser_stops, *base.pop("stop_token_ids"), *overrides.pop("stop_token_ids", [])})
+        stops = sorted(
+            {codec.eos_id, *parser_stops, *base.pop("stop_token_ids"), *overrides.pop("stop_token_ids", [])}
+        )
         cap = overrides.pop("max_new_tokens", agent.limits.max_new_tokens)
         params = {**base, **overrides, "stop_token_ids": stops}
         return cls(params, seed, logprobs, cap)
@@ -104,7 +118,9 @@ class PauseGate:
         self._open.set()
         self.epoch = 0
         self.version = 0  # the weights the servers hold now (RolloutEngine.weight_version)
-        self._waiting = 0  # model turns waiting here now (and rows awaiting a rewrite): whole, as at a boundary
+        self._waiting = (
+            0  # model turns waiting here now (and rows awaiting a rewrite): whole, as at a boundary
+        )
         self.in_flight = 0  # model requests sent and not answered yet
         self._closed_at: float | None = None  # monotonic time the gate closed
         self.on_wait: Callable[[], None] | None = None  # told when one starts or stops waiting (snapshots)
@@ -182,8 +198,16 @@ class PauseGate:
 class RunContext:
     """What actions share during one run: the agent, the backend, the codec, sampling, tools, tracing."""
 
-    def __init__(self, agent: CompiledAgent, backend: Backend, codec: Codec, sampling: Sampling, *,
-                 tracer: Tracer | None = None, gate: PauseGate | None = None):  # fmt: skip
+    def __init__(
+        self,
+        agent: CompiledAgent,
+        backend: Backend,
+        codec: Codec,
+        sampling: Sampling,
+        *,
+        tracer: Tracer | None = None,
+        gate: PauseGate | None = None,
+    ):
         self.agent = agent
         self.backend = backend
         self.codec = codec
@@ -191,8 +215,13 @@ class RunContext:
         self.sampling = sampling
         self.tracer = tracer
         self.gate = gate if gate is not None else PauseGate()  # the engine's, shared by its runs
-        self.interaction = agent.interaction_cls(dict(agent.spec.interaction.config, name=agent.spec.interaction.name
-                                                      or agent.spec.name)) if agent.interaction_cls else None  # fmt: skip
+        self.interaction = (
+            agent.interaction_cls(
+                dict(agent.spec.interaction.config, name=agent.spec.interaction.name or agent.spec.name)
+            )
+            if agent.interaction_cls
+            else None
+        )
         # Samples of a group share one prompt encoding: uid -> [(messages, tool schemas), ids, samples served],
         # kept until the group's `group_size` samples have it (None: a group size the run does not know, so
         # until the run ends; 1: nobody shares, nothing kept)
@@ -223,7 +252,9 @@ class RunContext:
         if span is None:  # a call outside the trajectory's trace
             return await tools.call(call, instance_id, traj.tools_kwargs, traj, active, self._tool_view(traj))
         try:
-            outcome = await tools.call(call, instance_id, traj.tools_kwargs, traj, active, self._tool_view(traj))
+            outcome = await tools.call(
+                call, instance_id, traj.tools_kwargs, traj, active, self._tool_view(traj)
+            )
         except BaseException as exc:
             span.fail(exc)
             raise
@@ -246,8 +277,9 @@ class RunContext:
         (verl 0.7.1's user replies).
         """
         owed = traj.needs_tail and self.agent.spec.turn_closer == "template"
-        closer, ids = self.codec.observation(messages, traj.response_ids[-1:].tolist() if owed else None,
-                                             traj.messages)  # fmt: skip
+        closer, ids = self.codec.observation(
+            messages, traj.response_ids[-1:].tolist() if owed else None, traj.messages
+        )
         room = self.agent.limits.response_length - len(traj.response_mask)
         if len(closer) + len(ids) >= room:
             if overflow != "cut":

@@ -34,8 +34,15 @@ class Controls:
             raise ValueError(f"unknown control op {op!r}; expected one of {', '.join(OPS)}")
         return await getattr(self, op)(*args, servers=servers)
 
-    async def call(self, method: str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
-                   required: bool = False, *, servers: bool = True) -> Any:  # fmt: skip
+    async def call(
+        self,
+        method: str,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        required: bool = False,
+        *,
+        servers: bool = True,
+    ) -> Any:
         """The backend's `method` (on every server); None when it has none and it is not `required` (e.g. sleep on
         an in-process model: nothing to release)."""
         await self._start()
@@ -45,7 +52,9 @@ class Controls:
         fn = getattr(backend, method, None)
         if fn is None:
             if required:
-                raise NotImplementedError(f"backend {backend.model_name!r} ({type(backend).__name__}) has no {method}()")
+                raise NotImplementedError(
+                    f"backend {backend.model_name!r} ({type(backend).__name__}) has no {method}()"
+                )
             return None
         return await fn(*args, **(kwargs or {}))
 
@@ -68,15 +77,24 @@ class Controls:
         self.runner.gate.open()
         self.event("resume", {"agentfsm.weight_version": self.runner.gate.version})
 
-    async def update(self, method: str, args: tuple[Any, ...], options: dict[str, Any], weight_version: int | None,
-                     *, servers: bool = True) -> int:  # fmt: skip
+    async def update(
+        self,
+        method: str,
+        args: tuple[Any, ...],
+        options: dict[str, Any],
+        weight_version: int | None,
+        *,
+        servers: bool = True,
+    ) -> int:
         """`method` (update_weights_from_*) as version `weight_version` (default: the current one + 1); the version."""
         await self._start()
         gate = self.runner.gate
         version = gate.version + 1 if weight_version is None else weight_version
         await self.call(method, args, {**options, "weight_version": str(version)}, True, servers=servers)
         gate.version = version
-        self.event("weight_update", {"agentfsm.weight_version": version, "agentfsm.weight_update.method": method})
+        self.event(
+            "weight_update", {"agentfsm.weight_version": version, "agentfsm.weight_update.method": method}
+        )
         return version
 
     def event(self, name: str, attributes: dict[str, Any]) -> None:

@@ -43,7 +43,9 @@ class EngineRefused(NotImplementedError):
 
 def weight_version_of(weight_version: int | None) -> int | None:
     """The version a weight update names, checked: an int (the engines count versions), or None for the next."""
-    if weight_version is not None and (isinstance(weight_version, bool) or not isinstance(weight_version, int)):
+    if weight_version is not None and (
+        isinstance(weight_version, bool) or not isinstance(weight_version, int)
+    ):
         raise TypeError(f"weight_version must be an int (the engine counts versions), got {weight_version!r}")
     return weight_version
 
@@ -58,21 +60,46 @@ class Engine(Protocol):
     codec: Any  # fsm.families.Codec
 
     # -- a batch ---------------------------------------------------------------------------------------------
-    async def arun(self, rows: Sequence[Any], *, n: int = 1, sampling_params: Mapping[str, Any] | None = None,
-                   validate: bool = False, sampling: Sampling | None = None) -> list[Trajectory]: ...  # fmt: skip
-    async def agenerate_sequences(self, batch: Any, sampling_params: Mapping[str, Any] | None = None,
-                                  validate: bool = False, n: int = 1) -> Any: ...  # fmt: skip
-    def generate_sequences(self, batch: Any, sampling_params: Mapping[str, Any] | None = None,
-                           validate: bool = False, n: int = 1) -> Any: ...  # fmt: skip
+    async def arun(
+        self,
+        rows: Sequence[Any],
+        *,
+        n: int = 1,
+        sampling_params: Mapping[str, Any] | None = None,
+        validate: bool = False,
+        sampling: Sampling | None = None,
+    ) -> list[Trajectory]: ...
+    async def agenerate_sequences(
+        self, batch: Any, sampling_params: Mapping[str, Any] | None = None, validate: bool = False, n: int = 1
+    ) -> Any: ...
+    def generate_sequences(
+        self, batch: Any, sampling_params: Mapping[str, Any] | None = None, validate: bool = False, n: int = 1
+    ) -> Any: ...
 
     # -- continuous mode -------------------------------------------------------------------------------------
-    async def asubmit(self, rows: Any, n: int = 1, sampling_params: Mapping[str, Any] | None = None,
-                      validate: bool = False) -> list[str]: ...  # fmt: skip
-    async def atake_groups(self, num_groups: int, *, max_staleness: int | None = None, stale: StalePolicy = "drop",
-                           timeout: float | None = None, exhausted_ok: bool = False) -> list[Any]: ...  # fmt: skip
-    async def atake(self, num_groups: int, *, max_staleness: int | None = None, stale: StalePolicy = "drop",
-                    timeout: float | None = None) -> Any: ...  # fmt: skip
-    def stream(self, *, max_staleness: int | None = None, stale: StalePolicy = "drop") -> AsyncIterator[Any]: ...
+    async def asubmit(
+        self, rows: Any, n: int = 1, sampling_params: Mapping[str, Any] | None = None, validate: bool = False
+    ) -> list[str]: ...
+    async def atake_groups(
+        self,
+        num_groups: int,
+        *,
+        max_staleness: int | None = None,
+        stale: StalePolicy = "drop",
+        timeout: float | None = None,
+        exhausted_ok: bool = False,
+    ) -> list[Any]: ...
+    async def atake(
+        self,
+        num_groups: int,
+        *,
+        max_staleness: int | None = None,
+        stale: StalePolicy = "drop",
+        timeout: float | None = None,
+    ) -> Any: ...
+    def stream(
+        self, *, max_staleness: int | None = None, stale: StalePolicy = "drop"
+    ) -> AsyncIterator[Any]: ...
     @property
     def stream_stats(self) -> dict[str, Any]: ...
 
@@ -83,17 +110,21 @@ class Engine(Protocol):
     def paused(self) -> bool: ...
     async def apause(self, mode: str = "abort") -> None: ...
     async def aresume(self) -> None: ...
-    async def aupdate_weights_from_disk(self, path: str | Path, weight_version: int | None = None,
-                                        **options: Any) -> int: ...  # fmt: skip
+    async def aupdate_weights_from_disk(
+        self, path: str | Path, weight_version: int | None = None, **options: Any
+    ) -> int: ...
     async def aupdate_weights_from_tensor(self, weight_version: int | None = None, **payload: Any) -> int: ...
-    async def aupdate_weights_from_distributed(self, weight_version: int | None = None, **payload: Any) -> int: ...
+    async def aupdate_weights_from_distributed(
+        self, weight_version: int | None = None, **payload: Any
+    ) -> int: ...
     async def asleep(self, tags: list[str] | None = None) -> Any: ...
     async def awake_up(self, tags: list[str] | None = None) -> Any: ...
     async def aflush_cache(self) -> Any: ...
 
     # -- snapshots and lifecycle -----------------------------------------------------------------------------
-    async def asnapshot(self, path: str | Path, *, meta: Mapping[str, Any] | None = None,
-                        stop: bool = False) -> dict[str, Any]: ...  # fmt: skip
+    async def asnapshot(
+        self, path: str | Path, *, meta: Mapping[str, Any] | None = None, stop: bool = False
+    ) -> dict[str, Any]: ...
     async def arestore(self, path: str | Path) -> dict[str, Any]: ...
     async def aclose(self) -> None: ...
     def close(self) -> None: ...
@@ -127,7 +158,9 @@ class Owned:
 
 
 _OWNED: contextvars.ContextVar[Owned | None] = contextvars.ContextVar("agentfsm_owned", default=None)
-_UNOWNED: dict[Any, Owned] = {}  # event loop -> the services of code run outside any engine (a bare Runner) on it
+_UNOWNED: dict[
+    Any, Owned
+] = {}  # event loop -> the services of code run outside any engine (a bare Runner) on it
 
 
 def owned() -> Owned:

@@ -55,10 +55,16 @@ class Kept:
     sampling: Sampling
 
 
-async def keep_rollout(engine: Any, rows: Sequence[Any] | None, n: int, sampling: Sampling, keeper: Keeper,
-                       interrupts: Interrupts,
-                       progress: AbstractContextManager[Progress] | None = None,
-                       first_index: int | None = None) -> Kept:  # fmt: skip
+async def keep_rollout(
+    engine: Any,
+    rows: Sequence[Any] | None,
+    n: int,
+    sampling: Sampling,
+    keeper: Keeper,
+    interrupts: Interrupts,
+    progress: AbstractContextManager[Progress] | None = None,
+    first_index: int | None = None,
+) -> Kept:
     """Roll `rows` out `n` times each (or, `rows` None, the snapshot at `keeper.snapshot` again) in `engine`'s
     continuous mode, from the caller's loop, while `interrupts` listens: a signal then parks the running
     trajectories at their next state boundary and writes them, with the finished ones, to `keeper.snapshot`.
@@ -71,8 +77,12 @@ async def keep_rollout(engine: Any, rows: Sequence[Any] | None, n: int, sampling
         await engine.asubmit(rows, n=n, sampling=sampling, first_index=first_index)
         groups, expected = len(rows), len(rows) * n
     stop = interrupts.stop
-    interrupts.arm(lambda name: f"agentfsm: {name}: stopping {len(engine.runner.live)} running trajectories and "
-                                f"writing a snapshot to {keeper.snapshot}; Ctrl-C again to exit without a snapshot")  # fmt: skip
+    interrupts.arm(
+        lambda name: (
+            f"agentfsm: {name}: stopping {len(engine.runner.live)} running trajectories and "
+            f"writing a snapshot to {keeper.snapshot}; Ctrl-C again to exit without a snapshot"
+        )
+    )
     with progress if progress is not None else contextlib.nullcontext(lambda ready, total: None) as update:
         while not stop.is_set():
             ready = engine.stream_stats.get("ready_groups", 0)
@@ -96,29 +106,49 @@ async def _snapshot(engine: Any, keeper: Keeper, out: Path, meta: dict[str, Any]
     it can fail is one warning: the finished rows are written all the same."""
     t0 = time.perf_counter()
     try:  # abort_turns: model turns in flight end at once, their partial tokens kept in the snapshot
-        info = await engine.asnapshot(keeper.snapshot, meta=meta, stop=True, timeout=SNAPSHOT_TIMEOUT_S,
-                                      abort_turns=True, fallback=keeper.fallback)  # fmt: skip
+        info = await engine.asnapshot(
+            keeper.snapshot,
+            meta=meta,
+            stop=True,
+            timeout=SNAPSHOT_TIMEOUT_S,
+            abort_turns=True,
+            fallback=keeper.fallback,
+        )
         ready = info["ready_groups"]
         where = Path(info["path"])
-        restarted = (f"; {info['restarted']} trajectories start over on resume (inside their interaction, a user "
-                     "action or the code that blocked the loop)" if info["restarted"] else "")  # fmt: skip
+        restarted = (
+            f"; {info['restarted']} trajectories start over on resume (inside their interaction, a user "
+            "action or the code that blocked the loop)"
+            if info["restarted"]
+            else ""
+        )
         running = info["running_groups"]
-        say_now(f"agentfsm: wrote the snapshot ({running} group{'s' * (running != 1)} running, {ready} finished) "
-                f"in {time.perf_counter() - t0:.1f} s{restarted}")  # fmt: skip
+        say_now(
+            f"agentfsm: wrote the snapshot ({running} group{'s' * (running != 1)} running, {ready} finished) "
+            f"in {time.perf_counter() - t0:.1f} s{restarted}"
+        )
         if where.parent != out:
-            warn(f"--out {out} refused the snapshot; it is kept in {where.parent}: resume with agentfsm run "
-                 f"--resume {where.parent}")  # fmt: skip
+            warn(
+                f"--out {out} refused the snapshot; it is kept in {where.parent}: resume with agentfsm run "
+                f"--resume {where.parent}"
+            )
         if info.get("blocked"):  # the engine's loop runs nothing more: the finished groups come with it
-            warn("the event loop was blocked (see the warning above): the snapshot holds each running "
-                 "trajectory as it was at its last state boundary")  # fmt: skip
+            warn(
+                "the event loop was blocked (see the warning above): the snapshot holds each running "
+                "trajectory as it was at its last state boundary"
+            )
             return list(info["finished"])
     except TimeoutError:
-        warn(f"no snapshot: some trajectories did not reach a state boundary in {SNAPSHOT_TIMEOUT_S:g} s "
-             "(a tool or user action still running)")  # fmt: skip
+        warn(
+            f"no snapshot: some trajectories did not reach a state boundary in {SNAPSHOT_TIMEOUT_S:g} s "
+            "(a tool or user action still running)"
+        )
         ready = engine.stream_stats.get("ready_groups", 0)
     except OSError as exc:
-        warn(f"no snapshot: neither --out {out} nor a temporary directory could hold it "
-             f"({exc.strerror or exc}); the finished rows are written below")  # fmt: skip
+        warn(
+            f"no snapshot: neither --out {out} nor a temporary directory could hold it "
+            f"({exc.strerror or exc}); the finished rows are written below"
+        )
         ready = engine.stream_stats.get("ready_groups", 0)
     except SnapshotError as exc:
         warn(f"no snapshot: {exc}")

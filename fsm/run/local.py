@@ -37,8 +37,9 @@ class Local:
     use). `build`: awaited once on that loop before the backend starts, it returns the backend to use (servers
     whose engine is asked first); the runner's backend stays as it is when there is none."""
 
-    def __init__(self, runner: Runner, tracer: Any, name: str,
-                 build: Callable[[], Awaitable[Backend]] | None = None):  # fmt: skip
+    def __init__(
+        self, runner: Runner, tracer: Any, name: str, build: Callable[[], Awaitable[Backend]] | None = None
+    ):
         self.runner, self.tracer, self.name = runner, tracer, name
         self.agent, self.codec = runner.agent, runner.codec
         self.controls = Controls(runner, self.start_here)
@@ -123,18 +124,29 @@ class Local:
             self._stream_task = asyncio.ensure_future(self._stream.serve())
         return self._stream
 
-    async def run_here(self, rows: Sequence[Any], n: int, sampling: Sampling,
-                       on_done: Callable[[Trajectory], None] | None) -> list[Trajectory]:  # fmt: skip
-        owner = await self.stream_here()  # the engine's one owner, the continuous mode's too (started: its backend)
+    async def run_here(
+        self, rows: Sequence[Any], n: int, sampling: Sampling, on_done: Callable[[Trajectory], None] | None
+    ) -> list[Trajectory]:
+        owner = (
+            await self.stream_here()
+        )  # the engine's one owner, the continuous mode's too (started: its backend)
         ctx, trajs = self.runner.prepare(rows, n, sampling=sampling)
         await owner.run(trajs, ctx, on_done)
         return trajs
 
-    async def submit_here(self, rows: Sequence[Any], n: int, sampling: Sampling, first_index: int | None) -> list[str]:
+    async def submit_here(
+        self, rows: Sequence[Any], n: int, sampling: Sampling, first_index: int | None
+    ) -> list[str]:
         return await (await self.stream_here()).submit(rows, n, sampling, first_index)
 
-    async def take_here(self, num_groups: int, max_staleness: int | None, stale: StalePolicy, timeout: float | None,
-                        exhausted_ok: bool) -> list[Group]:  # fmt: skip
+    async def take_here(
+        self,
+        num_groups: int,
+        max_staleness: int | None,
+        stale: StalePolicy,
+        timeout: float | None,
+        exhausted_ok: bool,
+    ) -> list[Group]:
         stream = await self.stream_here()
         async with asyncio.timeout(timeout):
             return await stream.take(num_groups, max_staleness, stale, exhausted_ok)
@@ -144,8 +156,15 @@ class Local:
 
     # -- snapshots ---------------------------------------------------------------------------------------------
 
-    async def snapshot(self, path: str | Path, meta: Mapping[str, Any] | None, stop: bool, timeout: float | None,
-                       abort_turns: bool, fallback: Callable[[], Path] | None) -> dict[str, Any]:  # fmt: skip
+    async def snapshot(
+        self,
+        path: str | Path,
+        meta: Mapping[str, Any] | None,
+        stop: bool,
+        timeout: float | None,
+        abort_turns: bool,
+        fallback: Callable[[], Path] | None,
+    ) -> dict[str, Any]:
         """RolloutEngine.asnapshot: through the loop, or from outside it when code blocks it."""
         home = self.home()
         here = self._snapshot_here(path, meta, stop, timeout, abort_turns, fallback)
@@ -168,9 +187,15 @@ class Local:
                 except snap.SnapshotError:  # it turned meanwhile: the loop takes the snapshot after all
                     continue
 
-    async def _snapshot_here(self, path: str | Path, meta: Mapping[str, Any] | None, stop: bool,
-                             timeout: float | None, abort_turns: bool,
-                             fallback: Callable[[], Path] | None) -> dict[str, Any]:  # fmt: skip
+    async def _snapshot_here(
+        self,
+        path: str | Path,
+        meta: Mapping[str, Any] | None,
+        stop: bool,
+        timeout: float | None,
+        abort_turns: bool,
+        fallback: Callable[[], Path] | None,
+    ) -> dict[str, Any]:
         stream = await self.stream_here()
         gate = self.runner.gate
         paused = abort_turns and not gate.paused
@@ -179,7 +204,9 @@ class Local:
             await self._pause_or_abort()
         written = Path(path)
         try:
-            data = await stream.snapshot({**snap.header(self.agent, self.codec), "meta": dict(meta or {})}, timeout)
+            data = await stream.snapshot(
+                {**snap.header(self.agent, self.codec), "meta": dict(meta or {})}, timeout
+            )
             restarted = data.pop("restarted")
             try:
                 try:
@@ -187,8 +214,11 @@ class Local:
                 except OSError as exc:
                     if fallback is None:
                         raise
-                    log.warning("snapshot: cannot write %s (%s); writing it to a fallback directory",
-                                written, exc.strerror or exc)  # fmt: skip
+                    log.warning(
+                        "snapshot: cannot write %s (%s); writing it to a fallback directory",
+                        written,
+                        exc.strerror or exc,
+                    )
                     written = fallback() / written.name
                     await asyncio.to_thread(snap.write, written, data)
             finally:
@@ -204,16 +234,22 @@ class Local:
                         await self.controls.call("continue_generation", (), {}, False)
                 gate.open()
         running = sum(g["status"] == "running" for g in data["groups"])
-        return {"ready_groups": len(data["groups"]) - running, "running_groups": running,
-                "restarted": restarted, "path": str(written)}  # fmt: skip
+        return {
+            "ready_groups": len(data["groups"]) - running,
+            "running_groups": running,
+            "restarted": restarted,
+            "path": str(written),
+        }
 
-    def _snapshot_blocked(self, thread: int, path: Path, meta: Mapping[str, Any] | None,
-                          fallback: Callable[[], Path] | None) -> dict[str, Any]:  # fmt: skip
+    def _snapshot_blocked(
+        self, thread: int, path: Path, meta: Mapping[str, Any] | None, fallback: Callable[[], Path] | None
+    ) -> dict[str, Any]:
         """`snapshot` while the loop is blocked (see `Stream.snapshot_blocked`), on a thread of the caller's. The
         engine is left `wedged`: nothing more can run on its loop, and closing it skips the loop."""
         assert self._stream is not None
-        data, ready = self._stream.snapshot_blocked({**snap.header(self.agent, self.codec), "meta": dict(meta or {})},
-                                                     thread)  # fmt: skip
+        data, ready = self._stream.snapshot_blocked(
+            {**snap.header(self.agent, self.codec), "meta": dict(meta or {})}, thread
+        )
         restarted = data.pop("restarted")
         self.wedged = True
         written = path
@@ -222,13 +258,22 @@ class Local:
         except OSError as exc:
             if fallback is None:
                 raise
-            log.warning("snapshot: cannot write %s (%s); writing it to a fallback directory", written,
-                        exc.strerror or exc)  # fmt: skip
+            log.warning(
+                "snapshot: cannot write %s (%s); writing it to a fallback directory",
+                written,
+                exc.strerror or exc,
+            )
             written = fallback() / written.name
             snap.write(written, data)
         running = sum(g["status"] == "running" for g in data["groups"])
-        return {"ready_groups": len(ready), "running_groups": running, "restarted": restarted, "path": str(written),
-                "blocked": True, "finished": ready}  # fmt: skip
+        return {
+            "ready_groups": len(ready),
+            "running_groups": running,
+            "restarted": restarted,
+            "path": str(written),
+            "blocked": True,
+            "finished": ready,
+        }
 
     async def _pause_or_abort(self) -> None:
         """Every model turn in flight ends with its partial output: the servers pause in abort mode, or, where
@@ -243,8 +288,11 @@ class Local:
             why = f"{type(exc).__name__}: {exc}"
         abort = getattr(self.backend, "abort", None)
         if abort is None:
-            log.warning("snapshot: pausing the servers failed (%s) and the backend cannot abort; waiting for "
-                        "turns in flight", why)  # fmt: skip
+            log.warning(
+                "snapshot: pausing the servers failed (%s) and the backend cannot abort; waiting for "
+                "turns in flight",
+                why,
+            )
             return
         log.warning("snapshot: pausing the servers failed (%s); aborting the requests in flight instead", why)
         with contextlib.suppress(TimeoutError):

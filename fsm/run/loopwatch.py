@@ -128,5 +128,8 @@ def _look() -> None:
                     what = f"cannot say what ({type(exc).__name__}: {exc})"
                 if what:
                     break
-            log.warning("event loop blocked for %.1f s: %s; nothing else on this loop runs until it returns",
-                        blocked, what or f"code outside any row{where(w.thread)}")  # fmt: skip
+            log.warning(
+                "event loop blocked for %.1f s: %s; nothing else on this loop runs until it returns",
+                blocked,
+                what or f"code outside any row{where(w.thread)}",
+            )

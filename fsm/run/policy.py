@@ -24,22 +24,32 @@ def sync_template(ctx: RunContext, traj: Trajectory) -> bool:
     budget then counts as spent, so `response_budget_exhausted` ends the trajectory)."""
     render = ctx.codec.encode_prompt(traj.messages, traj.tool_schemas)
     n_prompt, n = len(traj.prompt_ids), len(traj.prompt_ids) + len(traj.response_ids)
-    if (len(render) >= n and array("i", render[:n_prompt]) == traj.prompt_ids
-            and array("i", render[n_prompt:n]) == traj.response_ids):  # fmt: skip
+    if (
+        len(render) >= n
+        and array("i", render[:n_prompt]) == traj.prompt_ids
+        and array("i", render[n_prompt:n]) == traj.response_ids
+    ):
         traj.append_context(render[n:], "template")
         return True
     return begin(ctx, traj, render, "template")
 
 
-def begin(ctx: RunContext, traj: Trajectory, prompt_ids: list[int], reason: str,
-          messages: list[dict[str, Any]] | None = None) -> bool:  # fmt: skip
+def begin(
+    ctx: RunContext,
+    traj: Trajectory,
+    prompt_ids: list[int],
+    reason: str,
+    messages: list[dict[str, Any]] | None = None,
+) -> bool:
     """Start a segment whose prompt is `prompt_ids`, the render of `messages` (None: `traj.messages` now),
     which become the conversation. False, and nothing started, when it does not fit in limits.prompt_length."""
     limit = ctx.agent.limits.prompt_length
     if len(prompt_ids) > limit:
         overflow(traj, f"a {reason} prompt of {len(prompt_ids)} tokens > prompt_length {limit}")
         return False
-    traj.start_segment(prompt_ids, reason, messages)  # a traced trajectory's root span gets an event (fsm/telemetry/spans.py)
+    traj.start_segment(
+        prompt_ids, reason, messages
+    )  # a traced trajectory's root span gets an event (fsm/telemetry/spans.py)
     return True
 
 
@@ -63,8 +73,11 @@ def check_segments(codec: Any, traj: Trajectory, template: bool = False) -> str 
         if template and last is not None and last.end < len(seg.response_ids):
             ids = ids[: len(seg.prompt_ids) + last.end]
             messages = messages[: max(i for i, m in enumerate(messages) if m.get("role") == "assistant") + 1]
-        ended_on_observation = len(ids) > len(seg.prompt_ids) + (last.end if last is not None else -1) \
-            if last is not None else True
+        ended_on_observation = (
+            len(ids) > len(seg.prompt_ids) + (last.end if last is not None else -1)
+            if last is not None
+            else True
+        )
         found = codec.check(messages, traj.tool_schemas, ids, ended_on_observation)
         if found is not None:
             return f"segment {seg.index}: {found}" if traj.closed else found

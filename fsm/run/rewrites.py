@@ -49,7 +49,7 @@ def window(messages: list[dict[str, Any]], keep_last: int) -> list[dict[str, Any
     starts = [i for i in range(head, len(messages)) if messages[i].get("role") == "assistant"]
     if len(starts) <= keep_last:
         return messages
-    return messages[:head] + messages[starts[-keep_last]:]
+    return messages[:head] + messages[starts[-keep_last] :]
 
 
 def _restart(ctx: RunContext, traj: Trajectory, messages: list[dict[str, Any]], reason: str) -> None:
@@ -84,7 +84,10 @@ def make_rewrite(name: str, spec: RewriteSpec, fn: Any = None) -> Action:
                 raise RowError(f"{where}: returned {exc}") from None
             limit = ctx.agent.limits.prompt_length
             if chars > limit * CHARS_PER_TOKEN:  # bounded time: never rendered (see CHARS_PER_TOKEN)
-                overflow(traj, f"a rewrite prompt of {chars} characters, more than prompt_length {limit} tokens hold")
+                overflow(
+                    traj,
+                    f"a rewrite prompt of {chars} characters, more than prompt_length {limit} tokens hold",
+                )
             elif new != traj.messages:
                 _restart(ctx, traj, new, "rewrite")
 
@@ -104,7 +107,8 @@ def make_rewrite(name: str, spec: RewriteSpec, fn: Any = None) -> Action:
         t0 = time.perf_counter()
         try:
             ids, logprobs, versions, finish = await _resumed_turn(
-                ctx, traj, params, f"{traj.session_id}_s{traj.assistant_turns:02d}", whole=False)
+                ctx, traj, params, f"{traj.session_id}_s{traj.assistant_turns:02d}", whole=False
+            )
         finally:
             traj.metrics.generate_sequences += time.perf_counter() - t0
         if ctx.sampling.logprobs and logprobs is None:
@@ -150,7 +154,9 @@ def _caller(name: str, spec: RewriteSpec, fn: Any) -> Callable[[list, float | No
             if task is None or task.cancelling():
                 raise  # the run cancels this row: not the function's doing
             raise RowError(f"{where}: raised CancelledError: {exc}") from None
-        except BaseException as exc:  # KeyboardInterrupt, SystemExit, GeneratorExit from the function: its row
+        except (
+            BaseException
+        ) as exc:  # KeyboardInterrupt, SystemExit, GeneratorExit from the function: its row
             raise RowError(f"{where}: raised {type(exc).__name__}: {exc}") from None
 
     return call
@@ -166,13 +172,17 @@ def _check(new: Any, where: str) -> int:
     chars = 0
     for k, m in enumerate(new):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise RowError(f"{where}: must return a non-empty list of chat messages; message {k} is "
-                           f"{type(m).__name__ if not isinstance(m, dict) else 'a mapping without a role string'}")  # fmt: skip
+            raise RowError(
+                f"{where}: must return a non-empty list of chat messages; message {k} is "
+                f"{type(m).__name__ if not isinstance(m, dict) else 'a mapping without a role string'}"
+            )
         for value in m.values():
             if isinstance(value, str):
                 chars += len(value)
             elif isinstance(value, list):
-                chars += sum(len(p["text"]) for p in value if isinstance(p, dict) and isinstance(p.get("text"), str))
+                chars += sum(
+                    len(p["text"]) for p in value if isinstance(p, dict) and isinstance(p.get("text"), str)
+                )
         if chars > MAX_CHARS:
             raise RowError(f"{where}: returned more than {MAX_CHARS} characters of messages (at message {k})")
     return chars
@@ -181,8 +191,11 @@ def _check(new: Any, where: str) -> int:
 def rewrite_loops(states: dict[str, Any], rewrites: dict[str, RewriteSpec]) -> list[list[str]]:
     """Cycles through a rewrite state with no model turn (`generate`) in them: each would rewrite forever.
     Returns one member list per such cycle (the strongly connected part around each rewrite state)."""
-    graph = {s: [t.to for t in st.next if t.to in states and states[t.to].action != "generate"]
-             for s, st in states.items() if st.action != "generate"}  # fmt: skip
+    graph = {
+        s: [t.to for t in st.next if t.to in states and states[t.to].action != "generate"]
+        for s, st in states.items()
+        if st.action != "generate"
+    }
     found, seen = [], set()
     for name, st in states.items():
         if st.action not in rewrites or name in seen or name not in graph:

@@ -65,15 +65,25 @@ def agent_codec(agent: CompiledAgent, tokenizer: Any) -> Codec:
     if isinstance(tokenizer, Codec):
         return tokenizer
     model = agent.spec.model
-    return codec_for(tokenizer, model.family, model.chat_template_kwargs, model.special_tokens_in_observations)
+    return codec_for(
+        tokenizer, model.family, model.chat_template_kwargs, model.special_tokens_in_observations
+    )
 
 
 class Runner:
     """Runs rows through a compiled agent. Reusable across batches; one per (agent, backend, tokenizer)."""
 
-    def __init__(self, agent: CompiledAgent, backend: Backend, tokenizer: Any, *, max_concurrency: int = 512,
-                 tracer: Tracer | None = None, check_tokens: bool = False,
-                 watchdog_s: float | None = WATCHDOG_S):  # fmt: skip
+    def __init__(
+        self,
+        agent: CompiledAgent,
+        backend: Backend,
+        tokenizer: Any,
+        *,
+        max_concurrency: int = 512,
+        tracer: Tracer | None = None,
+        check_tokens: bool = False,
+        watchdog_s: float | None = WATCHDOG_S,
+    ):
         self.agent = agent
         self.backend = backend
         self.codec = agent_codec(agent, tokenizer)
@@ -86,13 +96,20 @@ class Runner:
         # session_id -> (trajectory, its root span or None) while it is driven: pause events reach them
         self.live: dict[str, tuple[Trajectory, Any]] = {}
         self._watchers = 0  # runs inside `watching()`: the watchdog runs while there is one
-        self.driving: dict[asyncio.Task[Any], Trajectory] = {}  # the task driving each trajectory (loop watch)
+        self.driving: dict[
+            asyncio.Task[Any], Trajectory
+        ] = {}  # the task driving each trajectory (loop watch)
         self._watchdog_task: asyncio.Task[None] | None = None
         self._moved_at = time.perf_counter()  # the last time a trajectory finished
         self._reward_lane: ThreadLane | None = None  # a sync reward function's own threads, made on first use
 
-    def make_context(self, sampling_params: Mapping[str, Any] | None = None, validate: bool = False, *,
-                     sampling: Sampling | None = None) -> RunContext:  # fmt: skip
+    def make_context(
+        self,
+        sampling_params: Mapping[str, Any] | None = None,
+        validate: bool = False,
+        *,
+        sampling: Sampling | None = None,
+    ) -> RunContext:
         if sampling is None:
             sampling = Sampling.resolve(self.agent, self.codec, sampling_params, validate=validate)
         return RunContext(self.agent, self.backend, self.codec, sampling, tracer=self.tracer, gate=self.gate)
@@ -102,7 +119,11 @@ class Runner:
         run_id = uuid.uuid4().hex[:8]
         out = []
         for i, row in enumerate(rows):
-            row = encodable_value(normalize_record(dict(row))) if isinstance(row, Mapping) else {"__bad_row__": row}
+            row = (
+                encodable_value(normalize_record(dict(row)))
+                if isinstance(row, Mapping)
+                else {"__bad_row__": row}
+            )
             uid = str(row.get("uid") or f"{run_id}-{i}")
             for k in range(n):
                 traj = Trajectory(len(out), k, f"{run_id}-{i}-{k}", uid, row, self.agent.initial)
@@ -123,16 +144,29 @@ class Runner:
         if active is not None:
             traj.extra["active_tools"] = active
 
-    def prepare(self, rows: Iterable[Mapping[str, Any]], n: int = 1, sampling_params: Mapping[str, Any] | None = None,
-                validate: bool = False, sampling: Sampling | None = None) -> tuple[RunContext, list[Trajectory]]:  # fmt: skip
+    def prepare(
+        self,
+        rows: Iterable[Mapping[str, Any]],
+        n: int = 1,
+        sampling_params: Mapping[str, Any] | None = None,
+        validate: bool = False,
+        sampling: Sampling | None = None,
+    ) -> tuple[RunContext, list[Trajectory]]:
         """The context and the trajectories (one per row and sample, in input order) of a batch, not started."""
         ctx = self.make_context(sampling_params, validate, sampling=sampling)
         ctx.group_size = n
         return ctx, self.trajectories(rows, n)
 
-    async def run(self, rows: Iterable[Mapping[str, Any]], *, n: int = 1, sampling_params: Mapping[str, Any] | None = None,
-                  validate: bool = False, sampling: Sampling | None = None,
-                  on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:  # fmt: skip
+    async def run(
+        self,
+        rows: Iterable[Mapping[str, Any]],
+        *,
+        n: int = 1,
+        sampling_params: Mapping[str, Any] | None = None,
+        validate: bool = False,
+        sampling: Sampling | None = None,
+        on_done: Callable[[Trajectory], None] | None = None,
+    ) -> list[Trajectory]:
         """Run every row (n samples each); returns one finished trajectory per sample, in input order.
 
         `sampling`, when the caller has resolved it already, replaces `sampling_params` and `validate`.
@@ -142,8 +176,12 @@ class Runner:
             await owner.run(trajs, ctx, on_done)
         return trajs
 
-    async def drive(self, ctx: RunContext, traj: Trajectory,
-                    boundary: Callable[[Trajectory], Awaitable[None]] | None = None) -> None:  # fmt: skip
+    async def drive(
+        self,
+        ctx: RunContext,
+        traj: Trajectory,
+        boundary: Callable[[Trajectory], Awaitable[None]] | None = None,
+    ) -> None:
         """Run one trajectory to a final state. Never raises for the trajectory's own failures.
 
         `boundary`, when given, is awaited before each action: the trajectory is then between states, whole
@@ -169,10 +207,14 @@ class Runner:
                     await boundary(traj)
                 steps += 1
                 if steps > max_steps:
-                    raise RowError(f"max_transitions: {max_steps} transitions without reaching a final state "
-                                   f"(a cycle through {traj.state}; limits.max_transitions)")  # fmt: skip
+                    raise RowError(
+                        f"max_transitions: {max_steps} transitions without reaching a final state "
+                        f"(a cycle through {traj.state}; limits.max_transitions)"
+                    )
                 if steps % 64 == 0:
-                    await asyncio.sleep(0)  # a cycle of actions that never await still lets Ctrl-C and others in
+                    await asyncio.sleep(
+                        0
+                    )  # a cycle of actions that never await still lets Ctrl-C and others in
                 source = traj.state
                 try:
                     if timeout is None:
@@ -192,8 +234,10 @@ class Runner:
             task = asyncio.current_task()
             if task is None or task.cancelling():
                 raise  # the run itself is being cancelled: not this trajectory's failure
-            traj.fail(f"CancelledError raised in {traj.state} by the action, not by a cancellation of the run"
-                      f"{': ' + str(exc) if str(exc) else ''}")  # fmt: skip
+            traj.fail(
+                f"CancelledError raised in {traj.state} by the action, not by a cancellation of the run"
+                f"{': ' + str(exc) if str(exc) else ''}"
+            )
         except RowError as exc:
             traj.fail(str(exc))
         except GenerationAborted as exc:
@@ -229,8 +273,12 @@ class Runner:
             traj.fail(f"ended in {traj.state}, which is not a final state")  # never a row that looks finished
         if traj.termination_reason is None:
             traj.termination_reason = traj.state.lower()
-        if (traj.extra.get("context_cut") and traj.last_finish_reason == "length" and not traj.failed
-                and "spec_reason" not in traj.extra):  # finished again after a snapshot: once only
+        if (
+            traj.extra.get("context_cut")
+            and traj.last_finish_reason == "length"
+            and not traj.failed
+            and "spec_reason" not in traj.extra
+        ):  # finished again after a snapshot: once only
             # its last turn stopped because the server's context (extra.context_cut tokens) was full, whatever
             # the spec's edge calls the end; that name stays in extra.spec_reason
             traj.extra["spec_reason"] = traj.termination_reason
@@ -242,8 +290,10 @@ class Runner:
                 score = float(await call_lifecycle(inter.calculate_score, traj.session_id))
                 await call_lifecycle(inter.finalize_interaction, traj.session_id)
                 if not math.isfinite(score):
-                    raise RewardError(f"interaction {self.agent.spec.interaction.class_} on row {traj.uid}: "  # type: ignore[union-attr]
-                                      f"calculate_score returned {score!r}, not a finite number")  # fmt: skip
+                    raise RewardError(
+                        f"interaction {self.agent.spec.interaction.class_} on row {traj.uid}: "  # type: ignore[union-attr]
+                        f"calculate_score returned {score!r}, not a finite number"
+                    )
                 traj.interaction_score = score
             await self._score(ctx, traj)
         except RewardError as exc:
@@ -289,14 +339,20 @@ class Runner:
                 score = score["score"]
             score = float(score)
         except TimeoutError:
-            raise RewardError(f"reward function {name} on row {traj.uid}: no result within {limit:g} s "
-                              "(limits.reward_timeout_s)") from None  # fmt: skip
+            raise RewardError(
+                f"reward function {name} on row {traj.uid}: no result within {limit:g} s "
+                "(limits.reward_timeout_s)"
+            ) from None
         except Exception as exc:
-            raise RewardError(f"reward function {name} on row {traj.uid}: {type(exc).__name__}: {exc}") from None
+            raise RewardError(
+                f"reward function {name} on row {traj.uid}: {type(exc).__name__}: {exc}"
+            ) from None
         finally:
             traj.metrics.compute_score += time.perf_counter() - t0
         if not math.isfinite(score):  # NaN in rm_scores would poison a trainer's loss; JSON cannot hold it
-            raise RewardError(f"reward function {name} on row {traj.uid}: returned {score!r}, not a finite number")
+            raise RewardError(
+                f"reward function {name} on row {traj.uid}: returned {score!r}, not a finite number"
+            )
         traj.reward_score = score
 
     @contextlib.asynccontextmanager
@@ -335,12 +391,17 @@ class Runner:
             traj = self.driving.get(asyncio.current_task(loop)) if loop is not None else None  # type: ignore[arg-type]
         if traj is None and self.live:
             return None  # another run's row on this loop, or none (the loop watch asks each run)
-        row = (f"row {traj.index} sample {traj.sample} ({traj.session_id}) in {traj.state}" if traj is not None
-               else "no row's task")  # fmt: skip
+        row = (
+            f"row {traj.index} sample {traj.sample} ({traj.session_id}) in {traj.state}"
+            if traj is not None
+            else "no row's task"
+        )
         where = loopwatch.where(thread)
         if step is not None:
-            return (f"tool {step[0]!r} (isolation: none) on {row}{where}; declare it isolation: thread, or make it "
-                    "await instead of block")  # fmt: skip
+            return (
+                f"tool {step[0]!r} (isolation: none) on {row}{where}; declare it isolation: thread, or make it "
+                "await instead of block"
+            )
         return f"{row}{where}"
 
     async def _watchdog(self) -> None:
@@ -364,11 +425,18 @@ class Runner:
             lines = []
             for t in sorted(running, key=lambda t: t.path_times[-1])[:10]:
                 server = where(t.session_id) if where is not None else None
-                lines.append(f"row {t.index} sample {t.sample} ({t.session_id}) in {t.state} for "
-                             f"{now - t.path_times[-1]:.1f} s" + (f" on {server}" if server else ""))  # fmt: skip
+                lines.append(
+                    f"row {t.index} sample {t.sample} ({t.session_id}) in {t.state} for "
+                    f"{now - t.path_times[-1]:.1f} s" + (f" on {server}" if server else "")
+                )
             more = f" (the 10 longest of {len(running)})" if len(running) > 10 else ""
-            log.warning("watchdog: no trajectory has changed state for %.1f s; %d in flight%s:\n  %s",
-                        now - last, len(running), more, "\n  ".join(lines))  # fmt: skip
+            log.warning(
+                "watchdog: no trajectory has changed state for %.1f s; %d in flight%s:\n  %s",
+                now - last,
+                len(running),
+                more,
+                "\n  ".join(lines),
+            )
 
 
 class Owner:
@@ -429,9 +497,13 @@ class Owner:
             raise RuntimeError("this run's owner is not serving (its engine is closed or stopping)")
         return self._tg.create_task(coro)
 
-    async def run(self, trajs: list[Trajectory], ctx: RunContext,
-                  on_done: Callable[[Trajectory], None] | None = None,
-                  boundary: Callable[[Trajectory], Awaitable[None]] | None = None) -> None:  # fmt: skip
+    async def run(
+        self,
+        trajs: list[Trajectory],
+        ctx: RunContext,
+        on_done: Callable[[Trajectory], None] | None = None,
+        boundary: Callable[[Trajectory], Awaitable[None]] | None = None,
+    ) -> None:
         """Drive `trajs` to their final states under this owner (at most `max_concurrency` at once, with every
         other run of the owner); `on_done` hears each as it finishes; `boundary` is `Runner.drive`'s. Then the
         tracer's spans are flushed (off the loop: a slow collector costs at most the tracer's flush timeout).

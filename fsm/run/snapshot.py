@@ -105,8 +105,11 @@ def _decode(value: Any) -> Any:
 def encode_trajectory(traj: Trajectory) -> dict[str, Any]:
     """Every slot of `traj` as JSON-ready values (the weight versions expanded, one per token)."""
     names = [name for name in type(traj).__slots__ if name != "_version_runs"] + ["response_versions"]
-    return {name: _encode(getattr(traj, name), f"trajectory {traj.session_id}: {name}")
-            for name in names if hasattr(traj, name)}  # fmt: skip
+    return {
+        name: _encode(getattr(traj, name), f"trajectory {traj.session_id}: {name}")
+        for name in names
+        if hasattr(traj, name)
+    }
 
 
 def decode_trajectory(data: dict[str, Any]) -> Trajectory:
@@ -118,8 +121,9 @@ def decode_trajectory(data: dict[str, Any]) -> Trajectory:
     for name in Trajectory.__slots__:
         if name in data:
             setattr(traj, name, _decode(data[name]))
-    traj.runs = TokenRuns(_decode(data["segments"]) if "runs" not in data and "segments" in data else
-                          getattr(traj, "runs", ()))  # fmt: skip
+    traj.runs = TokenRuns(
+        _decode(data["segments"]) if "runs" not in data and "segments" in data else getattr(traj, "runs", ())
+    )
     traj.closed = getattr(traj, "closed", None) or ()
     start = tuple(getattr(traj, "segment_start", _FIRST))
     traj.segment_start = start + (0,) * (4 - len(start))  # older snapshots: no path index
@@ -139,8 +143,12 @@ def decode_trajectory(data: dict[str, Any]) -> Trajectory:
 
 
 def encode_sampling(sampling: Sampling) -> dict[str, Any]:
-    return {"params": _encode(dict(sampling.params), "sampling"), "seed": sampling.seed,
-            "logprobs": sampling.logprobs, "max_new_tokens": sampling.max_new_tokens}  # fmt: skip
+    return {
+        "params": _encode(dict(sampling.params), "sampling"),
+        "seed": sampling.seed,
+        "logprobs": sampling.logprobs,
+        "max_new_tokens": sampling.max_new_tokens,
+    }
 
 
 def decode_sampling(data: dict[str, Any]) -> Sampling:
@@ -241,14 +249,21 @@ def tokenizer_id(codec: Any) -> dict[str, Any]:
     for piece, i in sorted(vocab.items(), key=lambda kv: kv[1]):
         h.update(f"{i}\x00{piece}\x01".encode("utf-8", "surrogatepass"))
     h.update(str(getattr(tok, "chat_template", None) or "").encode("utf-8", "surrogatepass"))
-    return {"name": str(getattr(tok, "name_or_path", "") or type(tok).__name__), "size": len(vocab),
-            "digest": h.hexdigest()}  # fmt: skip
+    return {
+        "name": str(getattr(tok, "name_or_path", "") or type(tok).__name__),
+        "size": len(vocab),
+        "digest": h.hexdigest(),
+    }
 
 
 def header(agent: CompiledAgent, codec: Any = None) -> dict[str, Any]:
-    return {"format": FORMAT, "agent": agent.name, "spec_hash": agent.hash,
-            "spec": str(agent.path) if agent.path else None,
-            "tokenizer": tokenizer_id(codec) if codec is not None else None}  # fmt: skip
+    return {
+        "format": FORMAT,
+        "agent": agent.name,
+        "spec_hash": agent.hash,
+        "spec": str(agent.path) if agent.path else None,
+        "tokenizer": tokenizer_id(codec) if codec is not None else None,
+    }
 
 
 def _digest(data: dict[str, Any]) -> str:
@@ -264,7 +279,9 @@ def write(path: str | Path, data: dict[str, Any]) -> None:
     tmp = path.with_name(f".{path.name}.writing")
     text = json.dumps({**data, "checksum": _digest(data)}, ensure_ascii=False, allow_nan=False).encode()
     try:
-        os.unlink(tmp)  # a leftover of a killed writer, or a link someone planted: the link goes, not its target
+        os.unlink(
+            tmp
+        )  # a leftover of a killed writer, or a link someone planted: the link goes, not its target
     except FileNotFoundError:
         pass
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
@@ -287,7 +304,9 @@ def _read_text(path: Path) -> str:
         return f.read().decode()
 
 
-def read(path: str | Path, agent: CompiledAgent, vocab_size: int | None = None, codec: Any = None) -> dict[str, Any]:
+def read(
+    path: str | Path, agent: CompiledAgent, vocab_size: int | None = None, codec: Any = None
+) -> dict[str, Any]:
     """A snapshot file, checked against `agent` (same format, same spec hash), the tokenizer (`codec`'s, when
     given: the one it was taken with), its checksum, and its content, as strictly as a server's answer,
     whatever the checksum says (it is unkeyed: anyone can forge one): states of this agent, token arrays of
@@ -311,23 +330,37 @@ def read(path: str | Path, agent: CompiledAgent, vocab_size: int | None = None, 
     except (RecursionError, ValueError, TypeError):
         raise SnapshotError(f"{path}: not a snapshot (nested too deeply)") from None
     if data.get("checksum") != digest:
-        raise SnapshotError(f"{path}: its checksum does not match its content (edited or damaged); it cannot be "
-                            "resumed, start the run again")  # fmt: skip
+        raise SnapshotError(
+            f"{path}: its checksum does not match its content (edited or damaged); it cannot be "
+            "resumed, start the run again"
+        )
     if data.get("spec_hash") != agent.hash:
-        raise SnapshotError(f"{path}: taken with agent {data.get('agent')!r} (spec hash {data.get('spec_hash')}), "
-                            f"but this engine runs {agent.name!r} (spec hash {agent.hash}); restore it with the "
-                            f"spec it was taken with ({data.get('spec')})")  # fmt: skip
+        raise SnapshotError(
+            f"{path}: taken with agent {data.get('agent')!r} (spec hash {data.get('spec_hash')}), "
+            f"but this engine runs {agent.name!r} (spec hash {agent.hash}); restore it with the "
+            f"spec it was taken with ({data.get('spec')})"
+        )
     if codec is not None:
         theirs, ours = data.get("tokenizer"), tokenizer_id(codec)
         if not isinstance(theirs, dict) or theirs.get("digest") != ours["digest"]:
             named = theirs.get("name") if isinstance(theirs, dict) else None
-            raise SnapshotError(f"{path}: taken with the tokenizer {named!r}, but this engine's is {ours['name']!r} "
-                                "(another vocabulary or chat template); resume with the tokenizer it was taken with")  # fmt: skip
+            raise SnapshotError(
+                f"{path}: taken with the tokenizer {named!r}, but this engine's is {ours['name']!r} "
+                "(another vocabulary or chat template); resume with the tokenizer it was taken with"
+            )
     try:
         _check(data, agent, vocab_size)
     except SnapshotError as exc:
         raise SnapshotError(f"{path}: {exc}") from None
-    except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError, RecursionError) as exc:
+    except (
+        KeyError,
+        TypeError,
+        ValueError,
+        AttributeError,
+        IndexError,
+        OverflowError,
+        RecursionError,
+    ) as exc:
         raise SnapshotError(f"{path}: malformed snapshot ({type(exc).__name__}: {exc})") from None
     return data
 
@@ -342,14 +375,21 @@ def _check(data: dict[str, Any], agent: CompiledAgent, vocab_size: int | None) -
         if not _count(data.get(key, 0)):
             raise SnapshotError(f"{key!r} is not a count")
     for g in groups:
-        if not isinstance(g, dict) or g["status"] not in ("ready", "running") or not isinstance(g["uid"], str):
+        if (
+            not isinstance(g, dict)
+            or g["status"] not in ("ready", "running")
+            or not isinstance(g["uid"], str)
+        ):
             raise SnapshotError(f"group {g.get('uid') if isinstance(g, dict) else g!r}: bad status or uid")
         if not all(_count(g[k]) for k in ("reruns", "version_min", "version_max")):
             raise SnapshotError(f"group {g['uid']!r}: reruns and versions must be counts")
         sampling = decode_sampling(g["sampling"])
-        if not isinstance(sampling.params, dict) or not isinstance(sampling.logprobs, bool) or not (
-                sampling.seed is None or (isinstance(sampling.seed, int) and abs(sampling.seed) < 2**63)) or not (
-                sampling.max_new_tokens is None or _count(sampling.max_new_tokens)):  # fmt: skip
+        if (
+            not isinstance(sampling.params, dict)
+            or not isinstance(sampling.logprobs, bool)
+            or not (sampling.seed is None or (isinstance(sampling.seed, int) and abs(sampling.seed) < 2**63))
+            or not (sampling.max_new_tokens is None or _count(sampling.max_new_tokens))
+        ):
             raise SnapshotError(f"group {g['uid']!r}: malformed sampling")
         if not isinstance(g["trajectories"], list) or not g["trajectories"]:
             raise SnapshotError(f"group {g['uid']!r}: no trajectories")
@@ -361,9 +401,13 @@ def _check(data: dict[str, Any], agent: CompiledAgent, vocab_size: int | None) -
                 raise SnapshotError(f"{where}: state {traj.state!r} is not one of the agent's")
             if td["done"] and not isinstance(traj.termination_reason, str):
                 raise SnapshotError(f"{where}: finished without a termination reason")
-            if g["status"] == "ready" and not td["done"]:  # a ready group is taken as it is: every row finished
-                raise SnapshotError(f"group {g['uid']!r}: its status is 'ready' but its trajectory {traj.session_id!r} "
-                                    "has not finished ('done' false)")  # fmt: skip
+            if (
+                g["status"] == "ready" and not td["done"]
+            ):  # a ready group is taken as it is: every row finished
+                raise SnapshotError(
+                    f"group {g['uid']!r}: its status is 'ready' but its trajectory {traj.session_id!r} "
+                    "has not finished ('done' false)"
+                )
             if any(m not in (0, 1) for m in traj.response_mask):
                 raise SnapshotError(f"{where}: response_mask holds values other than 0 and 1")
             lps = [*traj.response_logprobs, *((traj.partial_turn or ((), (), ()))[1] or ())]
@@ -410,8 +454,9 @@ class Boundary:
         """A trajectory started or finished: the closer re-counts."""
         self._moved.set()
 
-    async def close(self, running: Callable[[], int], timeout_s: float | None = None,
-                    held: Callable[[], int] = lambda: 0) -> None:  # fmt: skip
+    async def close(
+        self, running: Callable[[], int], timeout_s: float | None = None, held: Callable[[], int] = lambda: 0
+    ) -> None:
         """Hold every trajectory at its next boundary; return once the `running()` ones have all parked, here
         or (`held()` of them) waiting elsewhere while whole (a model turn at a paused engine's gate)."""
         self._open.clear()
@@ -419,7 +464,9 @@ class Boundary:
             async with asyncio.timeout(timeout_s):
                 while self.parked + held() < running():
                     self._moved.clear()
-                    with contextlib.suppress(TimeoutError):  # `held()` also grows with time (PauseGate.waiting)
+                    with contextlib.suppress(
+                        TimeoutError
+                    ):  # `held()` also grows with time (PauseGate.waiting)
                         await asyncio.wait_for(self._moved.wait(), RECOUNT_S)
         except BaseException:
             self._open.set()

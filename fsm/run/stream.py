@@ -66,8 +66,15 @@ class Groups:
         self._rerun = rerun
         self.ready: deque[Group] = deque()
         self.news = asyncio.Event()  # a group finished (or nothing can finish any more)
-        self.stats: dict[str, Any] = {"submitted_groups": 0, "finished_groups": 0, "taken_groups": 0,
-                                      "stale_dropped": 0, "stale_rerun": 0, "ready_groups": 0, "staleness": {}}  # fmt: skip
+        self.stats: dict[str, Any] = {
+            "submitted_groups": 0,
+            "finished_groups": 0,
+            "taken_groups": 0,
+            "stale_dropped": 0,
+            "stale_rerun": 0,
+            "ready_groups": 0,
+            "staleness": {},
+        }
 
     def finished(self, group: Group) -> None:
         self.ready.append(group)
@@ -92,8 +99,15 @@ class Groups:
         self.ready = keep
         self.stats["ready_groups"] = len(self.ready)
 
-    async def take(self, num_groups: int, max_staleness: int | None, stale: StalePolicy, exhausted_ok: bool,
-                   running: Callable[[], bool], wait: Callable[[], Awaitable[None]]) -> list[Group]:  # fmt: skip
+    async def take(
+        self,
+        num_groups: int,
+        max_staleness: int | None,
+        stale: StalePolicy,
+        exhausted_ok: bool,
+        running: Callable[[], bool],
+        wait: Callable[[], Awaitable[None]],
+    ) -> list[Group]:
         """The first `num_groups` fresh finished groups, in completion order, awaiting `wait()` until they are
         there. StreamEmpty when fewer can ever come (nothing `running`); with `exhausted_ok`, what there is."""
         if stale not in ("drop", "rerun"):
@@ -113,8 +127,10 @@ class Groups:
                 self.stats["ready_groups"] = len(self.ready)
                 return out
             if not running():
-                raise StreamEmpty(f"take({num_groups}): {len(self.ready)} group(s) ready and none running; "
-                                  "submit rows first")  # fmt: skip
+                raise StreamEmpty(
+                    f"take({num_groups}): {len(self.ready)} group(s) ready and none running; "
+                    "submit rows first"
+                )
             await wait()
 
     def counters(self) -> dict[str, Any]:
@@ -157,7 +173,9 @@ class Stream(Owner):
 
     # -- in ----------------------------------------------------------------------------------------------------
 
-    async def submit(self, rows: Sequence[Any], n: int, sampling: Sampling, first_index: int | None = None) -> list[str]:
+    async def submit(
+        self, rows: Sequence[Any], n: int, sampling: Sampling, first_index: int | None = None
+    ) -> list[str]:
         """Start every row n times; the groups' uids. `first_index`: see BaseEngine.asubmit, fsm/output/engine.py."""
         await self._serving.wait()
         trajs = self.runner.trajectories(rows, n)
@@ -221,15 +239,22 @@ class Stream(Owner):
         group = Group(g.uid, fresh, g.sampling, reruns=g.reruns + 1)
         self._start(_Running(group, self.runner.make_context(sampling=g.sampling)), fresh)
 
-    async def take(self, num_groups: int, max_staleness: int | None = None, stale: StalePolicy = "drop",
-                   exhausted_ok: bool = False) -> list[Group]:  # fmt: skip
+    async def take(
+        self,
+        num_groups: int,
+        max_staleness: int | None = None,
+        stale: StalePolicy = "drop",
+        exhausted_ok: bool = False,
+    ) -> list[Group]:
         """The first `num_groups` fresh finished groups (`Groups.take`), waiting for running ones to finish."""
 
         async def wait() -> None:
             self.groups.news.clear()
             await self.groups.news.wait()
 
-        return await self.groups.take(num_groups, max_staleness, stale, exhausted_ok, lambda: bool(self._running), wait)
+        return await self.groups.take(
+            num_groups, max_staleness, stale, exhausted_ok, lambda: bool(self._running), wait
+        )
 
     # -- snapshots ---------------------------------------------------------------------------------------------
 
@@ -245,12 +270,15 @@ class Stream(Owner):
         restarted = 0
         try:
             groups = []
-            for status, g, done in ([("ready", g, None) for g in self.groups.ready] +
-                                    [("running", r.group, r) for r in self._running.values()]):  # fmt: skip
+            for status, g, done in [("ready", g, None) for g in self.groups.ready] + [
+                ("running", r.group, r) for r in self._running.values()
+            ]:
                 trajs = []
                 for t in g.trajectories:
                     finished = status == "ready" or (done is not None and _is_done(t, done))
-                    if not finished and t.interaction_started:  # its user simulator's state is not ours to write
+                    if (
+                        not finished and t.interaction_started
+                    ):  # its user simulator's state is not ours to write
                         t = self._fresh(t)
                         restarted += 1
                     trajs.append({"done": finished, **snap.encode_trajectory(t)})
@@ -258,8 +286,14 @@ class Stream(Owner):
         except BaseException:
             self.boundary.open()
             raise
-        return {**header, "weight_version": self.version(), "next_index": self._next_index, "groups": groups,
-                "stats": {k: v for k, v in self.stats.items() if k != "staleness"}, "restarted": restarted}  # fmt: skip
+        return {
+            **header,
+            "weight_version": self.version(),
+            "next_index": self._next_index,
+            "groups": groups,
+            "stats": {k: v for k, v in self.stats.items() if k != "staleness"},
+            "restarted": restarted,
+        }
 
     def snapshot_blocked(self, header: Mapping[str, Any], thread: int) -> tuple[dict[str, Any], list[Group]]:
         """`snapshot` for a loop that code blocks (an `isolation: none` tool that never returns): called from
@@ -282,15 +316,18 @@ class Stream(Owner):
             blocked = self.runner.driving.get(asyncio.current_task(loop)) if loop is not None else None  # type: ignore[arg-type]
         restarted, groups = 0, []
         ready = list(self.groups.ready)
-        for status, g, run in ([("ready", g, None) for g in ready] +
-                               [("running", r.group, r) for r in list(self._running.values())]):  # fmt: skip
+        for status, g, run in [("ready", g, None) for g in ready] + [
+            ("running", r.group, r) for r in list(self._running.values())
+        ]:
             trajs = []
             for t in g.trajectories:
                 finished = run is None or t.sample in run.versions
                 if not finished:
                     begun = len(t.path_times) > 0
                     inside = begun and t.state not in final and not t.failed  # in the action of t.state
-                    fresh = t.interaction_started or t is blocked or (inside and actions.get(t.state) not in safe)
+                    fresh = (
+                        t.interaction_started or t is blocked or (inside and actions.get(t.state) not in safe)
+                    )
                     if fresh:
                         t = self._fresh(t)
                         restarted += 1
@@ -300,14 +337,25 @@ class Stream(Owner):
         after = (INLINE_STEPS.get(thread), frame, frame.f_lasti if frame is not None else None)
         if after[0] is not before[0] or after[1] is not before[1] or after[2] != before[2]:
             raise snap.SnapshotError("the event loop moved while the snapshot was taken from outside it")
-        data = {**header, "weight_version": self.version(), "next_index": self._next_index, "groups": groups,
-                "stats": {k: v for k, v in self.stats.items() if k != "staleness"}, "restarted": restarted}  # fmt: skip
+        data = {
+            **header,
+            "weight_version": self.version(),
+            "next_index": self._next_index,
+            "groups": groups,
+            "stats": {k: v for k, v in self.stats.items() if k != "staleness"},
+            "restarted": restarted,
+        }
         return data, ready
 
     def _fresh(self, traj: Trajectory) -> Trajectory:
         """The trajectory as it was before its first action: same row, sample, index and ids."""
         (fresh,) = self.runner.trajectories([traj.row], 1)
-        fresh.index, fresh.sample, fresh.uid, fresh.session_id = traj.index, traj.sample, traj.uid, traj.session_id
+        fresh.index, fresh.sample, fresh.uid, fresh.session_id = (
+            traj.index,
+            traj.sample,
+            traj.uid,
+            traj.session_id,
+        )
         return fresh
 
     async def restore(self, data: Mapping[str, Any]) -> int:
@@ -337,8 +385,15 @@ class Stream(Owner):
 
 def _group_record(status: str, g: Any, trajs: list[dict[str, Any]]) -> dict[str, Any]:
     """One group as a snapshot holds it (the loop's snapshot and the blocked-loop one write the same)."""
-    return {"status": status, "uid": g.uid, "reruns": g.reruns, "version_min": g.version_min,
-            "version_max": g.version_max, "sampling": snap.encode_sampling(g.sampling), "trajectories": trajs}
+    return {
+        "status": status,
+        "uid": g.uid,
+        "reruns": g.reruns,
+        "version_min": g.version_min,
+        "version_max": g.version_max,
+        "sampling": snap.encode_sampling(g.sampling),
+        "trajectories": trajs,
+    }
 
 
 def _is_done(traj: Trajectory, run: _Running) -> bool:

@@ -204,24 +204,56 @@ class Trajectory:
 
     __slots__ = (
         # identity
-        "index", "sample", "session_id", "uid", "row",
+        "index",
+        "sample",
+        "session_id",
+        "uid",
+        "row",
         # conversation
-        "messages", "tool_schemas", "tools_kwargs", "interaction_kwargs", "interaction_started",
+        "messages",
+        "tool_schemas",
+        "tools_kwargs",
+        "interaction_kwargs",
+        "interaction_started",
         # tokens
-        "prompt_ids", "response_ids", "response_mask", "response_logprobs", "_version_runs", "runs",
+        "prompt_ids",
+        "response_ids",
+        "response_mask",
+        "response_logprobs",
+        "_version_runs",
+        "runs",
         # segments: those a rewrite closed (the current one is the fields above), how the current one began
-        "closed", "segment_start",
-        "needs_tail", "partial_turn",
+        "closed",
+        "segment_start",
+        "needs_tail",
+        "partial_turn",
         "logprobs_missing",
         # machine
-        "state", "path", "path_times", "transitions_fired",
+        "state",
+        "path",
+        "path_times",
+        "transitions_fired",
         # counters used by guards
-        "assistant_turns", "user_turns", "pending_calls", "last_finish_reason", "should_terminate",
+        "assistant_turns",
+        "user_turns",
+        "pending_calls",
+        "last_finish_reason",
+        "should_terminate",
         "observation_overflow",
         # outcome
-        "termination_reason", "error", "reward_score", "tool_rewards", "tool_scores", "turn_scores", "turn_rewards",
-        "interaction_score", "token_check", "metrics", "extra", "extra_fields",
-    )  # fmt: skip
+        "termination_reason",
+        "error",
+        "reward_score",
+        "tool_rewards",
+        "tool_scores",
+        "turn_scores",
+        "turn_rewards",
+        "interaction_score",
+        "token_check",
+        "metrics",
+        "extra",
+        "extra_fields",
+    )
 
     def __init__(self, index: int, sample: int, session_id: str, uid: str, row: dict[str, Any], initial: str):
         self.index, self.sample, self.session_id, self.uid, self.row = index, sample, session_id, uid, row
@@ -377,16 +409,31 @@ class Trajectory:
     def current_segment(self) -> Segment:
         """The current segment as a Segment record over the trajectory's own arrays (no copy)."""
         reason, prompt_messages, turns_before, at = self.segment_start
-        return Segment(len(self.closed), reason, self.prompt_ids, self.response_ids, self.response_mask,
-                       self.response_logprobs, self._version_runs, self.runs, self.messages, prompt_messages,
-                       self.assistant_turns - turns_before, self.turn_rewards, self.logprobs_missing, at)  # fmt: skip
+        return Segment(
+            len(self.closed),
+            reason,
+            self.prompt_ids,
+            self.response_ids,
+            self.response_mask,
+            self.response_logprobs,
+            self._version_runs,
+            self.runs,
+            self.messages,
+            prompt_messages,
+            self.assistant_turns - turns_before,
+            self.turn_rewards,
+            self.logprobs_missing,
+            at,
+        )
 
     @property
     def segments(self) -> list[Segment]:
         """Every segment in order, the current one last (a view over the live arrays)."""
         return [*self.closed, self.current_segment()]
 
-    def start_segment(self, prompt_ids: Iterable[int], reason: str, messages: list[dict[str, Any]] | None = None) -> None:
+    def start_segment(
+        self, prompt_ids: Iterable[int], reason: str, messages: list[dict[str, Any]] | None = None
+    ) -> None:
         """A rewrite: the current segment is closed and a new one starts whose prompt is `prompt_ids`, the
         render of `messages` (the new conversation; None: `self.messages` as they are now).
 
@@ -402,8 +449,9 @@ class Trajectory:
             done.response_ids, done.response_mask = self.response_ids[:end], self.response_mask[:end]
             done.response_logprobs = self.response_logprobs[:end]
             runs = self._version_runs
-            done.version_runs = array("i", [x for k in range(0, len(runs), 2) if runs[k] < end
-                                            for x in (runs[k], runs[k + 1])])  # fmt: skip
+            done.version_runs = array(
+                "i", [x for k in range(0, len(runs), 2) if runs[k] < end for x in (runs[k], runs[k + 1])]
+            )
             done.runs = TokenRuns(r for r in self.runs if r.end <= end)
             final = max(i for i, m in enumerate(kept) if m.get("role") == "assistant")
             kept = kept[: final + 1]
@@ -438,7 +486,9 @@ class Trajectory:
 
     def weight_versions(self) -> tuple[int, int] | None:
         """(min, max) weight version over the generated tokens; None when there are none."""
-        runs = self._version_runs if not self.closed else [v for seg in self.segments for v in seg.version_runs]
+        runs = (
+            self._version_runs if not self.closed else [v for seg in self.segments for v in seg.version_runs]
+        )
         seen = [v for v in runs[1::2] if v >= 0]  # every run holds at least one token
         return (min(seen), max(seen)) if seen else None
 

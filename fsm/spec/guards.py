@@ -81,7 +81,9 @@ def _finish_reason(param: Any, limits: LimitsSpec) -> Predicate:
 @_builtin("context_tokens_over")
 def _context_tokens_over(param: Any, limits: LimitsSpec) -> Predicate:
     if not isinstance(param, int) or isinstance(param, bool) or param < 1:
-        raise GuardError("type", f"guard 'context_tokens_over' takes a positive number of tokens, got {param!r}")
+        raise GuardError(
+            "type", f"guard 'context_tokens_over' takes a positive number of tokens, got {param!r}"
+        )
     # the current segment's prompt and response: what the next model turn would be given (fsm/run/rewrites.py)
     return lambda t: len(t.prompt_ids) + len(t.response_ids) > param
 
@@ -101,7 +103,9 @@ def _any(preds: list[Predicate]) -> Predicate:
     return lambda t: any(p(t) for p in preds)
 
 
-def compile_guard(expr: Any, limits: LimitsSpec, resolve_ref: Callable[[str], Any] = resolve) -> tuple[Predicate, str]:
+def compile_guard(
+    expr: Any, limits: LimitsSpec, resolve_ref: Callable[[str], Any] = resolve
+) -> tuple[Predicate, str]:
     """Guard expression -> (predicate, label for diagrams and spans). Raises GuardError.
 
     `resolve_ref` turns a `module:function` guard into the function (fsm.run.compile passes one that applies
@@ -137,7 +141,9 @@ def _named(name: str, param: Any, limits: LimitsSpec, resolve_ref: Callable[[str
             raise GuardError("import", f"{name!r} is not callable")
         factory = _user_guard_factory(fn)
     if factory is None:
-        raise GuardError("unknown-guard", f"unknown guard {name!r}; built-in: {', '.join(sorted(GUARDS))}", name)
+        raise GuardError(
+            "unknown-guard", f"unknown guard {name!r}; built-in: {', '.join(sorted(GUARDS))}", name
+        )
     if hasattr(factory, "guard_fn"):
         _check_signature(name, factory.guard_fn, param)
     return factory(param, limits)
@@ -147,13 +153,18 @@ def _check_signature(name: str, fn: Callable[..., Any], param: Any) -> None:
     """A user guard is called `fn(traj)`, `fn(traj, param)` or `fn(traj, **param)` and returns a bool at once:
     one written as an action (`async def fn(ctx, traj)`) would fail every row at run time, so refuse it here."""
     if inspect.iscoroutinefunction(fn):
-        raise GuardError("type", f"guard {name!r} must be a plain function fn(traj) -> bool, not async (guards "
-                                 "are synchronous; an action is `async def fn(ctx, traj)`)")  # fmt: skip
+        raise GuardError(
+            "type",
+            f"guard {name!r} must be a plain function fn(traj) -> bool, not async (guards "
+            "are synchronous; an action is `async def fn(ctx, traj)`)",
+        )
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):  # a builtin, or static validation's unimported placeholder
         return
-    called = "fn(traj)" if param is None else "fn(traj, **param)" if isinstance(param, dict) else "fn(traj, param)"
+    called = (
+        "fn(traj)" if param is None else "fn(traj, **param)" if isinstance(param, dict) else "fn(traj, param)"
+    )
     try:
         if param is None:
             sig.bind(None)
@@ -163,7 +174,12 @@ def _check_signature(name: str, fn: Callable[..., Any], param: Any) -> None:
             sig.bind(None, param)
     except TypeError as exc:
         with_param = "" if param is None else f" with {param!r}"
-        bare = sig.replace(parameters=[p.replace(annotation=p.empty) for p in sig.parameters.values()],
-                           return_annotation=sig.empty)  # what it takes, without annotations (strings here)
-        raise GuardError("type", f"guard {name!r} takes {bare}: it cannot be called as {called}{with_param} ({exc}); a guard is "
-                                 "fn(traj) -> bool, or fn(traj, param) when the spec gives it a parameter") from None
+        bare = sig.replace(
+            parameters=[p.replace(annotation=p.empty) for p in sig.parameters.values()],
+            return_annotation=sig.empty,
+        )  # what it takes, without annotations (strings here)
+        raise GuardError(
+            "type",
+            f"guard {name!r} takes {bare}: it cannot be called as {called}{with_param} ({exc}); a guard is "
+            "fn(traj) -> bool, or fn(traj, param) when the spec gives it a parameter",
+        ) from None

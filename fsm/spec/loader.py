@@ -131,8 +131,13 @@ def _merge(base: Any, child: Any, positions: Positions) -> Any:
     return child
 
 
-def load_document(path: str | Path, positions: Positions, diags: list[Diagnostic], _seen: tuple = (),
-                  _budget: Budget | None = None) -> Any:  # fmt: skip
+def load_document(
+    path: str | Path,
+    positions: Positions,
+    diags: list[Diagnostic],
+    _seen: tuple = (),
+    _budget: Budget | None = None,
+) -> Any:
     """Read one spec file with its `extends:` chain merged in."""
     path = Path(path)
     budget = _budget or Budget()
@@ -153,14 +158,24 @@ def load_document(path: str | Path, positions: Positions, diags: list[Diagnostic
         return doc
     if not base_path.exists():
         where = ", ".join(str(p) for p in dict.fromkeys(searched))
-        diags.append(Diagnostic(file, line, col, "extends", f"base spec {parent!r} not found (looked for {where}; "
-                                f"the shipped specs are named by file, e.g. extends: tool_agent.yaml)"))  # fmt: skip
+        diags.append(
+            Diagnostic(
+                file,
+                line,
+                col,
+                "extends",
+                f"base spec {parent!r} not found (looked for {where}; "
+                f"the shipped specs are named by file, e.g. extends: tool_agent.yaml)",
+            )
+        )
         return doc
     if not base_path.is_file():
         diags.append(Diagnostic(file, line, col, "extends", f"base spec {parent!r} is not a regular file"))
         return doc
     if len(_seen) + 1 >= MAX_EXTENDS:
-        diags.append(Diagnostic(file, line, col, "extends", f"an extends chain may hold at most {MAX_EXTENDS} files"))
+        diags.append(
+            Diagnostic(file, line, col, "extends", f"an extends chain may hold at most {MAX_EXTENDS} files")
+        )
         return doc
     base = load_document(base_path, positions, diags, (*_seen, path.resolve()), budget)
     if base is None:
@@ -242,7 +257,9 @@ def _pydantic_diagnostics(err: ValidationError, doc: Any, positions: Positions) 
         else:
             file, line, col = positions.locate(doc, loc, key=False)
             where = ".".join(str(p) for p in loc if not (isinstance(p, str) and "[" in p))
-            out.append(Diagnostic(file, line, col, "type", f"{where}: {e['msg'].removeprefix('Value error, ')}"))
+            out.append(
+                Diagnostic(file, line, col, "type", f"{where}: {e['msg'].removeprefix('Value error, ')}")
+            )
     return _dedupe(out)
 
 

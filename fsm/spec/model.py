@@ -229,16 +229,21 @@ MAX_SECONDS = 7 * 24 * 3600.0
 
 
 class LimitsSpec(_Strict):
-    prompt_length: int = Field(default=1024, gt=0, le=MAX_TOKENS, description="P: prompts are left-padded to this.")
-    response_length: int = Field(default=1024, gt=0, le=MAX_TOKENS,
-                                 description="R: the whole trajectory's response budget.")  # fmt: skip
+    prompt_length: int = Field(
+        default=1024, gt=0, le=MAX_TOKENS, description="P: prompts are left-padded to this."
+    )
+    response_length: int = Field(
+        default=1024, gt=0, le=MAX_TOKENS, description="R: the whole trajectory's response budget."
+    )
     max_new_tokens: int | None = Field(
         default=None, gt=0, le=MAX_TOKENS, description="Per model turn; default: remaining budget."
     )
     max_assistant_turns: int | None = Field(default=None, gt=0, le=MAX_TURNS)
     max_user_turns: int | None = Field(default=None, gt=0, le=MAX_TURNS)
     max_transitions: int = Field(
-        default=10_000, gt=0, le=MAX_TRANSITIONS,
+        default=10_000,
+        gt=0,
+        le=MAX_TRANSITIONS,
         description="Transitions one trajectory may take; past it the row ends 'error: max_transitions ...'. "
         "Bounds any cycle, including one whose states never consume budget. At most 100,000: every transition "
         "is kept in the trajectory's path (its snapshot and trajectories.jsonl), ~20 bytes each.",
@@ -257,33 +262,45 @@ class LimitsSpec(_Strict):
         default="error", description="A prompt longer than prompt_length: fail the row, or keep its tail."
     )
     action_timeout_s: float | None = Field(
-        default=None, gt=0, le=MAX_SECONDS,
+        default=None,
+        gt=0,
+        le=MAX_SECONDS,
         description="Wall-clock limit for any one action (a model call, a tool round).",
     )
     reward_timeout_s: float | None = Field(
-        default=300.0, gt=0, le=MAX_SECONDS,
+        default=300.0,
+        gt=0,
+        le=MAX_SECONDS,
         description="Wall-clock limit for the reward function on one trajectory; past it the row ends "
         "'error: reward ...' (a sync function's thread is written off). null: none.",
     )
     rewrite_timeout_s: float | None = Field(
-        default=60.0, gt=0, le=MAX_SECONDS,
+        default=60.0,
+        gt=0,
+        le=MAX_SECONDS,
         description="Wall-clock limit for one call of a rewrite function (context.rewrites ... function); past it "
         "the row ends 'error: rewrite ...' (a sync function runs in threads of its own and its thread is written "
         "off). null: none.",
     )
     max_resumes: int = Field(
-        default=3, ge=0, le=1000,
+        default=3,
+        ge=0,
+        le=1000,
         description="A model turn the server aborts (preemption, weight update, drain) is resumed from the tokens "
         "it produced, at most this many times per turn; past it the row ends 'error: aborted ...'.",
     )
     request_timeout_s: float | None = Field(
-        default=None, gt=0, le=MAX_SECONDS,
+        default=None,
+        gt=0,
+        le=MAX_SECONDS,
         description="Deadline of one generate request to a server (per attempt); past it the request is aborted "
         "at the server and retried on another. Default: the backend's (300 s for SGLang); the CLI's "
         "--request-timeout overrides it.",
     )
     turn_timeout_s: float | None = Field(
-        default=1200.0, gt=0, le=MAX_SECONDS,
+        default=1200.0,
+        gt=0,
+        le=MAX_SECONDS,
         description="Deadline of one model turn, its retries, failovers and resumes included; past it the row "
         "ends 'error: timeout: ...'. null: none.",
     )
@@ -297,10 +314,16 @@ class SummaryRewrite(_Strict):
         "left to do. Be brief.",
         description="Appended as a user message after the conversation; the model's answer is the summary.",
     )
-    max_new_tokens: int | None = Field(default=None, gt=0, le=MAX_TOKENS,
-                                       description="The summary turn's cap; default: limits.max_new_tokens.")  # fmt: skip
-    prefix: str = Field(default="Summary of the work so far:\n",
-                        description="Put before the summary in the user message that replaces the history.")  # fmt: skip
+    max_new_tokens: int | None = Field(
+        default=None,
+        gt=0,
+        le=MAX_TOKENS,
+        description="The summary turn's cap; default: limits.max_new_tokens.",
+    )
+    prefix: str = Field(
+        default="Summary of the work so far:\n",
+        description="Put before the summary in the user message that replaces the history.",
+    )
 
 
 class RewriteSpec(_Strict):
@@ -310,24 +333,31 @@ class RewriteSpec(_Strict):
         default=None, description="A model-written summary: its own turn is a training segment too."
     )
     keep_last: int | None = Field(
-        default=None, gt=0, le=MAX_TURNS,
+        default=None,
+        gt=0,
+        le=MAX_TURNS,
         description="A window: keep the task (the messages up to the first user message) and the last N "
         "exchanges (a model turn and the observations that answer it).",
     )
     function: str | None = Field(
-        default=None, description="module:function(messages) -> messages (sync or async), the new conversation."
+        default=None,
+        description="module:function(messages) -> messages (sync or async), the new conversation.",
     )
 
     @model_validator(mode="after")
     def _one(self) -> RewriteSpec:
         chosen = [k for k in ("summary", "keep_last", "function") if getattr(self, k) is not None]
         if len(chosen) != 1:
-            raise ValueError(f"a rewrite is exactly one of summary, keep_last, function; got {chosen or 'none'}")
+            raise ValueError(
+                f"a rewrite is exactly one of summary, keep_last, function; got {chosen or 'none'}"
+            )
         return self
 
     @property
     def kind(self) -> str:
-        return "summary" if self.summary is not None else "window" if self.keep_last is not None else "function"
+        return (
+            "summary" if self.summary is not None else "window" if self.keep_last is not None else "function"
+        )
 
 
 class ContextSpec(_Strict):
@@ -372,7 +402,8 @@ class ModelSpec(_Strict):
         "| a registered family; auto: from the tokenizer's chat template (qwen2.5 when none matches).",
     )
     chat_template_kwargs: dict[str, Any] = Field(
-        default_factory=dict, description="Passed to every chat-template render, e.g. {enable_thinking: false}."
+        default_factory=dict,
+        description="Passed to every chat-template render, e.g. {enable_thinking: false}.",
     )
     special_tokens_in_observations: Literal["text", "allow"] = Field(
         default="text",
@@ -398,8 +429,12 @@ class AgentSpec(_Strict):
         default_factory=lambda: SamplingSpec(temperature=0.0),
         description="Used by validate=True (verl val_kwargs).",
     )
-    model: ModelSpec = Field(default_factory=ModelSpec, description="The model family (parser, reasoning, rendering).")
-    parser: str | None = Field(default=None, description="Tool-call parser name; default: the model family's.")
+    model: ModelSpec = Field(
+        default_factory=ModelSpec, description="The model family (parser, reasoning, rendering)."
+    )
+    parser: str | None = Field(
+        default=None, description="Tool-call parser name; default: the model family's."
+    )
     tools: list[ToolSpec] = Field(default_factory=list)
     tool_policy: ToolPolicySpec = Field(default_factory=ToolPolicySpec)
     interaction: InteractionSpec | None = None
@@ -410,12 +445,17 @@ class AgentSpec(_Strict):
         "'none': the observation follows the model's last token (verl 0.7.1).",
     )
     reward: RewardSpec | None = None
-    context: ContextSpec = Field(default_factory=ContextSpec,
-                                 description="Context policy and rewrites: how a trajectory becomes segments.")  # fmt: skip
-    demo_data: str | None = Field(
-        default=None, description="module:function(n, seed) -> rows; `agentfsm run` uses it when no --data is given."
+    context: ContextSpec = Field(
+        default_factory=ContextSpec,
+        description="Context policy and rewrites: how a trajectory becomes segments.",
     )
-    trust: TrustSpec = Field(default_factory=TrustSpec, description="Opt-ins to what agentfsm refuses by default.")
+    demo_data: str | None = Field(
+        default=None,
+        description="module:function(n, seed) -> rows; `agentfsm run` uses it when no --data is given.",
+    )
+    trust: TrustSpec = Field(
+        default_factory=TrustSpec, description="Opt-ins to what agentfsm refuses by default."
+    )
 
     @property
     def segmenting(self) -> bool:

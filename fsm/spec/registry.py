@@ -32,38 +32,141 @@ ACTIONS: dict[str, Callable[..., Any]] = {}  # name -> async action(ctx, traj)
 # `distutils` included) is refused with its submodules unless the spec opts in with `trust: {allow_modules:
 # [...]}`: a tool's arguments are chosen by the model. The installers that ship with CPython and the modules
 # Python removed (still importable from setuptools' shim) are refused the same way.
-SAFE_STDLIB = frozenset({
-    "math", "cmath", "statistics", "random", "secrets", "decimal", "fractions", "numbers", "operator",
-    "functools", "itertools", "collections", "heapq", "bisect", "graphlib", "copy", "enum", "dataclasses",
-    "typing", "abc", "json", "re", "string", "textwrap", "difflib", "unicodedata", "stringprep", "keyword",
-    "html", "base64", "binascii", "hashlib", "hmac", "struct", "array", "datetime", "calendar", "time",
-    "ipaddress", "colorsys", "pprint", "reprlib", "errno", "fnmatch",
-    # their C accelerators, where what they offer is defined (`heapq.heappush.__module__` is "_heapq")
-    "_abc", "_bisect", "_functools", "_heapq", "_operator", "_struct", "_hashlib", "_blake2", "_md5", "_sha1",
-    "_sha256", "_sha512", "_sha3", "_json", "_random", "_statistics", "_datetime", "_decimal", "_pydecimal",
-    "_collections", "_collections_abc", "_sre", "_string", "_strptime", "_typing",
-})  # fmt: skip
+SAFE_STDLIB = frozenset(
+    {
+        "math",
+        "cmath",
+        "statistics",
+        "random",
+        "secrets",
+        "decimal",
+        "fractions",
+        "numbers",
+        "operator",
+        "functools",
+        "itertools",
+        "collections",
+        "heapq",
+        "bisect",
+        "graphlib",
+        "copy",
+        "enum",
+        "dataclasses",
+        "typing",
+        "abc",
+        "json",
+        "re",
+        "string",
+        "textwrap",
+        "difflib",
+        "unicodedata",
+        "stringprep",
+        "keyword",
+        "html",
+        "base64",
+        "binascii",
+        "hashlib",
+        "hmac",
+        "struct",
+        "array",
+        "datetime",
+        "calendar",
+        "time",
+        "ipaddress",
+        "colorsys",
+        "pprint",
+        "reprlib",
+        "errno",
+        "fnmatch",
+        # their C accelerators, where what they offer is defined (`heapq.heappush.__module__` is "_heapq")
+        "_abc",
+        "_bisect",
+        "_functools",
+        "_heapq",
+        "_operator",
+        "_struct",
+        "_hashlib",
+        "_blake2",
+        "_md5",
+        "_sha1",
+        "_sha256",
+        "_sha512",
+        "_sha3",
+        "_json",
+        "_random",
+        "_statistics",
+        "_datetime",
+        "_decimal",
+        "_pydecimal",
+        "_collections",
+        "_collections_abc",
+        "_sre",
+        "_string",
+        "_strptime",
+        "_typing",
+    }
+)
 _UNSAFE_INSIDE_SAFE = frozenset({"json.tool"})  # a command-line entry point reading files named in argv
-REFUSED_OUTSIDE_STDLIB = frozenset({
-    "distutils", "imp", "asynchat", "asyncore", "smtpd",  # removed from the standard library, shimmed
-    "setuptools", "pkg_resources", "_distutils_hack", "pip",  # the installers CPython ships (ensurepip)
-})  # fmt: skip
+REFUSED_OUTSIDE_STDLIB = frozenset(
+    {
+        "distutils",
+        "imp",
+        "asynchat",
+        "asyncore",
+        "smtpd",  # removed from the standard library, shimmed
+        "setuptools",
+        "pkg_resources",
+        "_distutils_hack",
+        "pip",  # the installers CPython ships (ensurepip)
+    }
+)
 # Third-party (de)serializers of code: a tool or reward naming one lets the model's arguments choose what runs.
 # Whole packages where that is what they are for; single callables in packages that are otherwise fine to name
 # (`numpy:mean`, `yaml:safe_load`), checked by the name written and by where the object was defined. Opting
 # in to the package (`trust: {allow_modules: [torch]}`) lifts them, as for the standard library.
 CODE_LOADING_PACKAGES = frozenset({"dill", "cloudpickle", "jsonpickle"})
-CODE_LOADERS = frozenset({
-    "yaml.load", "yaml.load_all", "yaml.unsafe_load", "yaml.unsafe_load_all",  # YAML's !!python tags
-    "torch.load", "torch.serialization.load", "torch.jit.load", "torch.jit._serialization.load", "torch.hub.load",
-    "torch.hub.load_state_dict_from_url", "numpy.load", "numpy.lib.npyio.load", "pandas.read_pickle",
-    "pandas.io.pickle.read_pickle", "joblib.load", "joblib.numpy_pickle.load",  # pickle underneath
-})  # fmt: skip
-DENIED_MODULES = (frozenset(sys.stdlib_module_names) - SAFE_STDLIB) | REFUSED_OUTSIDE_STDLIB | CODE_LOADING_PACKAGES
+CODE_LOADERS = frozenset(
+    {
+        "yaml.load",
+        "yaml.load_all",
+        "yaml.unsafe_load",
+        "yaml.unsafe_load_all",  # YAML's !!python tags
+        "torch.load",
+        "torch.serialization.load",
+        "torch.jit.load",
+        "torch.jit._serialization.load",
+        "torch.hub.load",
+        "torch.hub.load_state_dict_from_url",
+        "numpy.load",
+        "numpy.lib.npyio.load",
+        "pandas.read_pickle",
+        "pandas.io.pickle.read_pickle",
+        "joblib.load",
+        "joblib.numpy_pickle.load",  # pickle underneath
+    }
+)
+DENIED_MODULES = (
+    (frozenset(sys.stdlib_module_names) - SAFE_STDLIB) | REFUSED_OUTSIDE_STDLIB | CODE_LOADING_PACKAGES
+)
 # C modules behind public ones: `os.system.__module__` is "posix"; opting in to "os" covers them.
-_PUBLIC = {"posix": "os", "nt": "os", "posixpath": "os.path", "ntpath": "os.path", "genericpath": "os.path", "_io": "io", "_pickle": "pickle", "_ctypes": "ctypes", "_socket": "socket",
-           "_ssl": "ssl", "_signal": "signal", "_posixsubprocess": "subprocess", "_winapi": "subprocess",
-           "_thread": "threading", "_multiprocessing": "multiprocessing", "_sqlite3": "sqlite3"}  # fmt: skip
+_PUBLIC = {
+    "posix": "os",
+    "nt": "os",
+    "posixpath": "os.path",
+    "ntpath": "os.path",
+    "genericpath": "os.path",
+    "_io": "io",
+    "_pickle": "pickle",
+    "_ctypes": "ctypes",
+    "_socket": "socket",
+    "_ssl": "ssl",
+    "_signal": "signal",
+    "_posixsubprocess": "subprocess",
+    "_winapi": "subprocess",
+    "_thread": "threading",
+    "_multiprocessing": "multiprocessing",
+    "_sqlite3": "sqlite3",
+}
 _DOTTED = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 
@@ -101,8 +204,11 @@ def check_module(module: str, allow: Iterable[str] = (), ref: str | None = None)
     if denied is not None:
         named = ref or module
         subject = repr(denied) if named == denied else f"{named!r} uses {denied!r}, which"
-        what = ("a package that deserializes code" if denied in CODE_LOADING_PACKAGES else
-                "a standard-library module outside the safe list (fsm.spec.registry.SAFE_STDLIB)")  # fmt: skip
+        what = (
+            "a package that deserializes code"
+            if denied in CODE_LOADING_PACKAGES
+            else "a standard-library module outside the safe list (fsm.spec.registry.SAFE_STDLIB)"
+        )
         raise UnsafeImportError(
             f"{subject} is {what}: it may run processes, touch files or the network, or run code, with arguments "
             f"a model may choose; if this spec means it, opt in at its top level: `trust: {{allow_modules: "
@@ -130,7 +236,9 @@ def check_import_path(ref: str, allow: Iterable[str] = ()) -> tuple[str, str]:
     if not _DOTTED.fullmatch(module_name) or not _DOTTED.fullmatch(attr):
         raise ImportPathError(f"{ref!r} is not an import path of the form 'package.module:name'")
     if any(part.startswith("__") for part in attr.split(".")):
-        raise ImportPathError(f"{ref!r} names a dunder attribute; an import path names a module's own objects")
+        raise ImportPathError(
+            f"{ref!r} names a dunder attribute; an import path names a module's own objects"
+        )
     check_module(module_name, allow, ref)
     check_loader(f"{module_name}.{attr}", allow, ref)
     return module_name, attr
@@ -156,9 +264,11 @@ def import_module(module: str, allow: Iterable[str] = (), folder: str | Path | N
         if exc.name is None or not (module == exc.name or module.startswith(exc.name + ".")):
             raise ImportPathError(f"cannot import module {module!r}: {type(exc).__name__}: {exc}") from None
         where = f"on sys.path and in the spec's folder {folder}" if folder is not None else "on sys.path"
-        raise ImportPathError(f"cannot import module {module!r}: no module {exc.name!r} (looked for {where}; "
-                              "a module elsewhere needs its folder on PYTHONPATH, or `pip install -e` of its "
-                              "project)") from None  # fmt: skip
+        raise ImportPathError(
+            f"cannot import module {module!r}: no module {exc.name!r} (looked for {where}; "
+            "a module elsewhere needs its folder on PYTHONPATH, or `pip install -e` of its "
+            "project)"
+        ) from None
     except Exception as exc:  # a user module may fail with anything
         raise ImportPathError(f"cannot import module {module!r}: {type(exc).__name__}: {exc}") from None
 
@@ -209,7 +319,9 @@ def action(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
 
 
 def _user_guard_factory(fn: Callable[..., bool]) -> Callable[..., Callable[[Any], bool]]:
-    def factory(param: Any, limits: Any) -> Callable[[Any], bool]:  # fsm.spec.guards checks fn's signature first
+    def factory(
+        param: Any, limits: Any
+    ) -> Callable[[Any], bool]:  # fsm.spec.guards checks fn's signature first
         if param is None:
             return fn
         if isinstance(param, dict):

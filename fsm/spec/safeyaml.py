@@ -44,9 +44,7 @@ from ruamel.yaml.scanner import RoundTripScanner
 MAX_BYTES = 128 * 1024  # a spec and its bases together
 MAX_NODES = 5_000  # mappings, sequences and scalars of a spec and its bases, aliases expanded
 MAX_DEPTH = 64  # nesting of mappings and sequences (guards and tool schemas need ~20)
-CORE_TAGS = frozenset(
-    f"tag:yaml.org,2002:{t}" for t in ("str", "int", "float", "bool", "null", "map", "seq")
-)
+CORE_TAGS = frozenset(f"tag:yaml.org,2002:{t}" for t in ("str", "int", "float", "bool", "null", "map", "seq"))
 
 
 class YamlProblem(Exception):
@@ -69,7 +67,9 @@ def read_text(path: Path, budget: Budget) -> str:
     """The file's text, if it is a regular UTF-8 file within the byte budget."""
     try:
         if not path.is_file():
-            what = "a directory" if path.is_dir() else "a device, a pipe or a socket" if path.exists() else None
+            what = (
+                "a directory" if path.is_dir() else "a device, a pipe or a socket" if path.exists() else None
+            )
             if what is None:
                 path.stat()  # raises the OSError that says why (missing, no permission)
             raise YamlProblem("io", f"cannot read spec: {path} is {what}, not a regular file")
@@ -79,15 +79,23 @@ def read_text(path: Path, budget: Budget) -> str:
         raise YamlProblem("io", f"cannot read spec: {exc.strerror or exc}") from None
     if len(data) > budget.bytes:
         line, col = _line_col(data, budget.bytes)
-        raise YamlProblem("too-large", f"a spec (with its bases) may have at most {MAX_BYTES // 1024} KiB; "
-                          "this one goes on past here", line, col)  # fmt: skip
+        raise YamlProblem(
+            "too-large",
+            f"a spec (with its bases) may have at most {MAX_BYTES // 1024} KiB; this one goes on past here",
+            line,
+            col,
+        )
     budget.bytes -= len(data)
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         line, col = _line_col(data, exc.start)
-        raise YamlProblem("encoding", f"not UTF-8: byte 0x{data[exc.start]:02x} cannot be decoded; "
-                          "save the spec as UTF-8", line, col) from None  # fmt: skip
+        raise YamlProblem(
+            "encoding",
+            f"not UTF-8: byte 0x{data[exc.start]:02x} cannot be decoded; save the spec as UTF-8",
+            line,
+            col,
+        ) from None
 
 
 def _line_col(data: bytes, offset: int) -> tuple[int, int]:
@@ -134,8 +142,9 @@ def _syntax_problem(exc: MarkedYAMLError, bounds: _Bounds, text: str) -> YamlPro
         bracket = "{" if isinstance(opener, MappingStartEvent) else "["
         mark = opener.start_mark
         message = f"this {bracket!r} is never closed (the parser stopped at {where}: {exc.problem})"
-    elif context is not None and (problem is None or (problem.line != context.line
-                                                      and problem.index >= len(text.rstrip()))):  # fmt: skip
+    elif context is not None and (
+        problem is None or (problem.line != context.line and problem.index >= len(text.rstrip()))
+    ):
         mark, message = context, f"{exc.context}, not closed before {where}: {exc.problem}"
     else:
         mark = problem or context
@@ -163,10 +172,18 @@ class _Bounds:
     anchors: dict[str, tuple[int, int]] = field(default_factory=dict)  # anchor -> (nodes, height)
 
     def see(self, ev: Any) -> None:
-        if isinstance(ev, (ScalarEvent, CollectionStartEvent)) and ev.tag is not None and ev.tag not in CORE_TAGS:
+        if (
+            isinstance(ev, (ScalarEvent, CollectionStartEvent))
+            and ev.tag is not None
+            and ev.tag not in CORE_TAGS
+        ):
             tag = ev.tag.replace("tag:yaml.org,2002:", "!!", 1)
-            raise _at(ev, "yaml-tag", f"tag {tag!r} is not allowed: a spec is plain data, and a tag asks "
-                      "the loader to build an object; remove it")  # fmt: skip
+            raise _at(
+                ev,
+                "yaml-tag",
+                f"tag {tag!r} is not allowed: a spec is plain data, and a tag asks "
+                "the loader to build an object; remove it",
+            )
         if isinstance(ev, ScalarEvent):
             self._place(ev, 1, 0)
         elif isinstance(ev, AliasEvent):
@@ -190,8 +207,12 @@ class _Bounds:
         self.counted += nodes
         self.budget.nodes -= nodes
         if self.budget.nodes < 0:
-            raise _at(ev, "too-large", f"a spec (with its bases) may have at most {MAX_NODES} mapping, "
-                      f"sequence and scalar nodes, aliases expanded{why}")  # fmt: skip
+            raise _at(
+                ev,
+                "too-large",
+                f"a spec (with its bases) may have at most {MAX_NODES} mapping, "
+                f"sequence and scalar nodes, aliases expanded{why}",
+            )
         if len(self.stack) + height > MAX_DEPTH:
             raise _at(ev, "too-deep", f"mappings and sequences nest at most {MAX_DEPTH} deep in a spec{why}")
         if self.stack:
@@ -219,6 +240,10 @@ class _BoundedScanner(RoundTripScanner):
     def fetch_flow_collection_start(self, TokenClass: Any, to_push: str) -> None:
         if len(self.flow_context) >= MAX_DEPTH:
             mark = self.reader.get_mark()
-            raise YamlProblem("too-deep", f"mappings and sequences nest at most {MAX_DEPTH} deep in a spec",
-                              mark.line + 1, mark.column + 1)  # fmt: skip
+            raise YamlProblem(
+                "too-deep",
+                f"mappings and sequences nest at most {MAX_DEPTH} deep in a spec",
+                mark.line + 1,
+                mark.column + 1,
+            )
         super().fetch_flow_collection_start(TokenClass, to_push)

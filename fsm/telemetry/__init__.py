@@ -74,6 +74,14 @@ from fsm.telemetry.spans import _Span as _Span
 from fsm.telemetry.tracer import Telemetry
 
 __all__ = [
-    "DEFAULT_MAX_EXPORT_BATCH_SIZE", "DEFAULT_MAX_QUEUE_SIZE", "MemoryExporter", "NativeExporter",
-    "OtlpHttpExporter", "SdkPipeline", "SpanCounts", "SpanPipeline", "Telemetry", "otlp_from_env",
-]  # fmt: skip
+    "DEFAULT_MAX_EXPORT_BATCH_SIZE",
+    "DEFAULT_MAX_QUEUE_SIZE",
+    "MemoryExporter",
+    "NativeExporter",
+    "OtlpHttpExporter",
+    "SdkPipeline",
+    "SpanCounts",
+    "SpanPipeline",
+    "Telemetry",
+    "otlp_from_env",
+]

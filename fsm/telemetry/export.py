@@ -42,8 +42,9 @@ log = logging.getLogger("fsm.telemetry")  # the package's one logger, whichever 
 
 # The OTLP exporter retries as the OpenTelemetry SDK's does: 6 attempts on 429/502/503/504 and connection
 # errors, waiting 1, 2, 4, 8, 16 s (±20 %), or what Retry-After says, and never past the request's timeout.
-OTLP_RETRY = RetryPolicy(attempts=6, backoff_s=1.0, backoff_max_s=float("inf"),
-                         statuses=frozenset({429, 502, 503, 504}))  # fmt: skip
+OTLP_RETRY = RetryPolicy(
+    attempts=6, backoff_s=1.0, backoff_max_s=float("inf"), statuses=frozenset({429, 502, 503, 504})
+)
 
 # The SDK's defaults (2048 queued, 512 per request) lose spans when thousands of trajectories move in
 # lockstep on a CPU-bound run: the export thread waits for the GIL at every wake-up and every socket call,
@@ -99,9 +100,17 @@ class SpanPipeline(SpanProcessor):
     Spans of `Telemetry.tracer` (SDK spans) come in through `on_end`, like any span processor's.
     """
 
-    def __init__(self, exporter: NativeExporter, name: str, resource: Resource, scope: InstrumentationScope, *,
-                 max_queue_size: int = 16384, max_export_batch_size: int = 2048,
-                 schedule_delay_millis: float = 5000):  # fmt: skip
+    def __init__(
+        self,
+        exporter: NativeExporter,
+        name: str,
+        resource: Resource,
+        scope: InstrumentationScope,
+        *,
+        max_queue_size: int = 16384,
+        max_export_batch_size: int = 2048,
+        schedule_delay_millis: float = 5000,
+    ):
         self.exporter, self.name, self.resource, self.scope = exporter, name, resource, scope
         self.max_queue_size = max_queue_size
         self.batch_size = max(1, min(max_export_batch_size, max_queue_size))
@@ -149,8 +158,13 @@ class SpanPipeline(SpanProcessor):
                 due = time.monotonic() + self.delay_s
                 evicted = self.counts().dropped_queue_full
                 if evicted > self._warned_evicted:
-                    log.warning("agentfsm telemetry: the %s export queue was full (%d spans): %d spans dropped so "
-                                "far, counted in stats()", self.name, self.max_queue_size, evicted)  # fmt: skip
+                    log.warning(
+                        "agentfsm telemetry: the %s export queue was full (%d spans): %d spans dropped so "
+                        "far, counted in stats()",
+                        self.name,
+                        self.max_queue_size,
+                        evicted,
+                    )
                     self._warned_evicted = evicted * 2  # warn again only when it doubles
         self._export()
 
@@ -211,12 +225,24 @@ class SdkPipeline(BatchSpanProcessor):
     ReadableSpans, made as they end; the exporter is wrapped to count what it accepts, so that `counts()` says
     what happened to the spans as a `SpanPipeline`'s does (what the SDK's queue evicted: exact after a flush)."""
 
-    def __init__(self, exporter: SpanExporter, name: str, resource: Resource, scope: InstrumentationScope, *,
-                 max_queue_size: int = 16384, max_export_batch_size: int = 2048,
-                 schedule_delay_millis: float = 5000):  # fmt: skip
+    def __init__(
+        self,
+        exporter: SpanExporter,
+        name: str,
+        resource: Resource,
+        scope: InstrumentationScope,
+        *,
+        max_queue_size: int = 16384,
+        max_export_batch_size: int = 2048,
+        schedule_delay_millis: float = 5000,
+    ):
         self.counted = _Counted(exporter)
-        super().__init__(self.counted, max_queue_size=max_queue_size, schedule_delay_millis=schedule_delay_millis,
-                         max_export_batch_size=max(1, min(max_export_batch_size, max_queue_size)))  # fmt: skip
+        super().__init__(
+            self.counted,
+            max_queue_size=max_queue_size,
+            schedule_delay_millis=schedule_delay_millis,
+            max_export_batch_size=max(1, min(max_export_batch_size, max_queue_size)),
+        )
         self.name, self.resource, self.scope, self.max_queue_size = name, resource, scope, max_queue_size
         self.ended_here = 0  # spans that came in through on_end (the tracer counts its own)
         self.ended_total = lambda: self.ended_here  # replaced by the Telemetry that owns this pipeline
@@ -318,7 +344,8 @@ class _Encoder:
         if head is None:
             schema = scope.schema_url if scope is not None else ""
             head = self._scopes[key] = _ld(b"\x0a", _scope(scope)) + (
-                _ld(b"\x1a", schema.encode()) if schema else b"")  # fmt: skip
+                _ld(b"\x1a", schema.encode()) if schema else b""
+            )
         return head
 
     def request(self, items: Sequence[Any]) -> bytes:
@@ -366,10 +393,18 @@ class OtlpHttpExporter(NativeExporter):
     where and why, and later batches are tried once each, silently, until one is accepted (`down`).
     """
 
-    def __init__(self, resource: Resource, scope: InstrumentationScope, endpoint: str | None = None, *,
-                 headers: Mapping[str, str] | None = None, timeout_s: float | None = None,
-                 compression: str | None = None, compression_level: int = 1,
-                 max_request_size: int = 64 * 2**20):  # fmt: skip
+    def __init__(
+        self,
+        resource: Resource,
+        scope: InstrumentationScope,
+        endpoint: str | None = None,
+        *,
+        headers: Mapping[str, str] | None = None,
+        timeout_s: float | None = None,
+        compression: str | None = None,
+        compression_level: int = 1,
+        max_request_size: int = 64 * 2**20,
+    ):
         env = os.environ
 
         def setting(name: str) -> str | None:
@@ -429,8 +464,12 @@ class OtlpHttpExporter(NativeExporter):
             return False
         body = self.encode(items)
         if 0 < self.max_request_size < len(body):
-            log.error("agentfsm telemetry: dropping %d spans: the request (%d bytes) exceeds max_request_size %d",
-                      len(items), len(body), self.max_request_size)  # fmt: skip
+            log.error(
+                "agentfsm telemetry: dropping %d spans: the request (%d bytes) exceeds max_request_size %d",
+                len(items),
+                len(body),
+                self.max_request_size,
+            )
             return False
         return self.send(self.compress(body))
 
@@ -451,8 +490,13 @@ class OtlpHttpExporter(NativeExporter):
             # A Retry-After is followed as the SDK follows it: exactly, not as a lower bound.
             backoff = retry_after if retry_after is not None else OTLP_RETRY.delay(attempt)
             retryable = OTLP_RETRY.retryable_status(status) if status is not None else error is not None
-            if (not retryable or attempt == attempts or backoff > deadline - time.monotonic()
-                    or self._stop.is_set() or self._stop.wait(backoff)):  # fmt: skip
+            if (
+                not retryable
+                or attempt == attempts
+                or backoff > deadline - time.monotonic()
+                or self._stop.is_set()
+                or self._stop.wait(backoff)
+            ):
                 self._failed(f"HTTP {status}" if status is not None else str(error or "timed out"), attempt)
                 return False
         return False
@@ -460,9 +504,13 @@ class OtlpHttpExporter(NativeExporter):
     def _failed(self, why: str, attempts: int) -> None:
         if self.down is None:
             tries = f" after {attempts} attempts in {self.timeout_s:g} s" if attempts > 1 else ""
-            log.error("agentfsm telemetry: OTLP export to %s failed%s (%s): its spans are counted as dropped, and "
-                      "so are those of later failed exports, without another line until one succeeds",
-                      self.endpoint, tries, why)  # fmt: skip
+            log.error(
+                "agentfsm telemetry: OTLP export to %s failed%s (%s): its spans are counted as dropped, and "
+                "so are those of later failed exports, without another line until one succeeds",
+                self.endpoint,
+                tries,
+                why,
+            )
         self.down = why
 
     def _submit(self, data: bytes, deadline: float) -> tuple[int | None, float | None, Exception | None]:
@@ -477,9 +525,12 @@ class OtlpHttpExporter(NativeExporter):
             try:
                 if conn is None:
                     conn = self._conn = (
-                        http.client.HTTPSConnection(self._host, self._port, timeout=remaining, context=self._ssl)
-                        if self._https else http.client.HTTPConnection(self._host, self._port, timeout=remaining)
-                    )  # fmt: skip
+                        http.client.HTTPSConnection(
+                            self._host, self._port, timeout=remaining, context=self._ssl
+                        )
+                        if self._https
+                        else http.client.HTTPConnection(self._host, self._port, timeout=remaining)
+                    )
                 conn.timeout = remaining
                 if conn.sock is not None:
                     conn.sock.settimeout(remaining)

@@ -91,8 +91,11 @@ from fsm.telemetry.wire import (
 )
 
 _INTERNAL, _CLIENT = SpanKind.INTERNAL.value, SpanKind.CLIENT.value  # spans keep ints: enum access is slow
-_SAMPLING_ATTRS = ((GEN_AI_REQUEST_TEMPERATURE, "temperature"), (GEN_AI_REQUEST_TOP_P, "top_p"),
-                   (GEN_AI_REQUEST_TOP_K, "top_k"))  # fmt: skip
+_SAMPLING_ATTRS = (
+    (GEN_AI_REQUEST_TEMPERATURE, "temperature"),
+    (GEN_AI_REQUEST_TOP_P, "top_p"),
+    (GEN_AI_REQUEST_TOP_K, "top_k"),
+)
 _CACHE_MAX = 4096  # encoded attributes kept per shape slot (counts, names; recent ids), cleared when full
 # A backend's model_name until it knows it (backends/base.py; an SGLang client reads the served name from the
 # server's /model_info with its first call): spans of such a shape are named again when they end.
@@ -102,9 +105,13 @@ UNKNOWN_MODEL = "unknown"
 # every time (ids, content); as a one-item array (finish reasons); a request's sampling parameters, read in
 # the export thread (gen_ai.request.*); a server URL (server.address/port).
 _CACHED, _PLAIN, _ONE, _PARAMS, _SERVER = range(5)
-_PARAM_KEYS = ((GEN_AI_REQUEST_TEMPERATURE, "temperature"), (GEN_AI_REQUEST_TOP_P, "top_p"),
-               (GEN_AI_REQUEST_TOP_K, "top_k"), (GEN_AI_REQUEST_MAX_TOKENS, "max_new_tokens"),
-               (GEN_AI_REQUEST_SEED, "sampling_seed"))  # fmt: skip
+_PARAM_KEYS = (
+    (GEN_AI_REQUEST_TEMPERATURE, "temperature"),
+    (GEN_AI_REQUEST_TOP_P, "top_p"),
+    (GEN_AI_REQUEST_TOP_K, "top_k"),
+    (GEN_AI_REQUEST_MAX_TOKENS, "max_new_tokens"),
+    (GEN_AI_REQUEST_SEED, "sampling_seed"),
+)
 # Every shape, by id. Queued spans name their shape by id: a tuple of ints and strings is one the garbage
 # collector stops tracking, and collection is a large part of the engine's own cost with thousands in flight.
 # Shapes are interned by content (`_shape`) and never freed: a few per spec, backend and sampling setting.
@@ -179,8 +186,10 @@ class _Shape:
     def encoded(self) -> tuple[bytes, bytes, list[tuple[bytes, int, dict | None]]]:
         if self._pb is None:
             head = _ld(b"\x2a", self.name.encode("utf-8", "replace")) + b"\x30" + _U8[self.kind + 1]
-            slots = [(_ld(b"\x0a", k.encode()), h, {} if h in (_CACHED, _ONE) else None)
-                     for k, h in zip(self.keys, self.hows)]  # fmt: skip
+            slots = [
+                (_ld(b"\x0a", k.encode()), h, {} if h in (_CACHED, _ONE) else None)
+                for k, h in zip(self.keys, self.hows)
+            ]
             self._pb = (head, _attributes(b"\x4a", self.const), slots)
         return self._pb
 
@@ -201,13 +210,28 @@ def _shape(name: str, kind: int, const: Mapping[str, Any], slots: Sequence[tuple
     return shape
 
 
-def _lean_message(shape: _Shape, trace_id: int, span_id: int, parent_id: int, start: int, end: int,
-                  values: Sequence[Any], status: bytes = _STATUS_UNSET, links: bytes = b"") -> bytes:  # fmt: skip
+def _lean_message(
+    shape: _Shape,
+    trace_id: int,
+    span_id: int,
+    parent_id: int,
+    start: int,
+    end: int,
+    values: Sequence[Any],
+    status: bytes = _STATUS_UNSET,
+    links: bytes = b"",
+) -> bytes:
     """A span of a shape: the same bytes as `_span_message(...shape.attributes(values)...)`, no dict built."""
     head, const, slots = shape._pb or shape.encoded()
     hi, lo = trace_id >> 64, trace_id & _M64
-    parts = [_IDS(0x0A10, hi, lo, 0x1208, span_id, 0x2208, parent_id) if parent_id else
-             _IDS_ROOT(0x0A10, hi, lo, 0x1208, span_id), head, _TIMES(0x39, start, 0x41, end), const]  # fmt: skip
+    parts = [
+        _IDS(0x0A10, hi, lo, 0x1208, span_id, 0x2208, parent_id)
+        if parent_id
+        else _IDS_ROOT(0x0A10, hi, lo, 0x1208, span_id),
+        head,
+        _TIMES(0x39, start, 0x41, end),
+        const,
+    ]
     append = parts.append
     for (key, how, cache), v in zip(slots, values):
         if v is None:
@@ -246,25 +270,57 @@ def _lean_message(shape: _Shape, trace_id: int, span_id: int, parent_id: int, st
 
 # The varying attributes of each kind of span, in the order of the values the spans carry.
 _ROOT_SLOTS = (
-    (GEN_AI_CONVERSATION_ID, _CACHED), (INDEX, _CACHED), (UID, _CACHED), (SAMPLE, _CACHED),
-    (FSM_TERMINATION_REASON, _CACHED), (FSM_FINAL_STATE, _CACHED), (FSM_TRANSITIONS, _CACHED),
-    (FSM_TURNS, _CACHED), (PROMPT_TOKENS, _CACHED), (RESPONSE_TOKENS, _CACHED), (MODEL_TOKENS, _CACHED),
-    (GEN_AI_USAGE_INPUT_TOKENS, _CACHED), (GEN_AI_USAGE_OUTPUT_TOKENS, _CACHED),
-    (GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS, _CACHED), (REWARD, _PLAIN), (ERROR, _PLAIN), (ERROR_TYPE, _CACHED),
-    (GEN_AI_INPUT_MESSAGES, _PLAIN), (GEN_AI_OUTPUT_MESSAGES, _PLAIN), (GEN_AI_TOOL_DEFINITIONS, _PLAIN),
-)  # fmt: skip
-_EDGE_SLOTS = ((FSM_TURN, _CACHED), (FSM_TOKENS_MODEL, _CACHED), (FSM_TOKENS_OBSERVATION, _CACHED),
-               (FSM_TERMINATION_REASON, _CACHED))  # fmt: skip
+    (GEN_AI_CONVERSATION_ID, _CACHED),
+    (INDEX, _CACHED),
+    (UID, _CACHED),
+    (SAMPLE, _CACHED),
+    (FSM_TERMINATION_REASON, _CACHED),
+    (FSM_FINAL_STATE, _CACHED),
+    (FSM_TRANSITIONS, _CACHED),
+    (FSM_TURNS, _CACHED),
+    (PROMPT_TOKENS, _CACHED),
+    (RESPONSE_TOKENS, _CACHED),
+    (MODEL_TOKENS, _CACHED),
+    (GEN_AI_USAGE_INPUT_TOKENS, _CACHED),
+    (GEN_AI_USAGE_OUTPUT_TOKENS, _CACHED),
+    (GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS, _CACHED),
+    (REWARD, _PLAIN),
+    (ERROR, _PLAIN),
+    (ERROR_TYPE, _CACHED),
+    (GEN_AI_INPUT_MESSAGES, _PLAIN),
+    (GEN_AI_OUTPUT_MESSAGES, _PLAIN),
+    (GEN_AI_TOOL_DEFINITIONS, _PLAIN),
+)
+_EDGE_SLOTS = (
+    (FSM_TURN, _CACHED),
+    (FSM_TOKENS_MODEL, _CACHED),
+    (FSM_TOKENS_OBSERVATION, _CACHED),
+    (FSM_TERMINATION_REASON, _CACHED),
+)
 _MODEL_SLOTS = (
-    (GEN_AI_CONVERSATION_ID, _CACHED), ("", _PARAMS), (INPUT_TOKEN_IDS, _PLAIN), (GEN_AI_RESPONSE_FINISH_REASONS, _ONE),
-    (GEN_AI_USAGE_OUTPUT_TOKENS, _CACHED), (GEN_AI_USAGE_INPUT_TOKENS, _CACHED),
-    (GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS, _CACHED), ("", _SERVER), (ROUTE, _CACHED), (WEIGHT_VERSION, _CACHED),
-    (GEN_AI_RESPONSE_ID, _PLAIN), (OUTPUT_TOKEN_IDS, _PLAIN),
+    (GEN_AI_CONVERSATION_ID, _CACHED),
+    ("", _PARAMS),
+    (INPUT_TOKEN_IDS, _PLAIN),
+    (GEN_AI_RESPONSE_FINISH_REASONS, _ONE),
+    (GEN_AI_USAGE_OUTPUT_TOKENS, _CACHED),
+    (GEN_AI_USAGE_INPUT_TOKENS, _CACHED),
+    (GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS, _CACHED),
+    ("", _SERVER),
+    (ROUTE, _CACHED),
+    (WEIGHT_VERSION, _CACHED),
+    (GEN_AI_RESPONSE_ID, _PLAIN),
+    (OUTPUT_TOKEN_IDS, _PLAIN),
     # opt-in content, decoded (spans.py `_messages`); a span without content carries the values up to here
-    (GEN_AI_INPUT_MESSAGES, _PLAIN), (GEN_AI_OUTPUT_MESSAGES, _PLAIN),
-)  # fmt: skip
-_TOOL_SLOTS = ((GEN_AI_TOOL_CALL_ID, _PLAIN), (GEN_AI_TOOL_CALL_ARGUMENTS, _PLAIN), (TOOL_ATTEMPTS, _CACHED),
-               (ERROR_TYPE, _CACHED), (GEN_AI_TOOL_CALL_RESULT, _PLAIN))  # fmt: skip
+    (GEN_AI_INPUT_MESSAGES, _PLAIN),
+    (GEN_AI_OUTPUT_MESSAGES, _PLAIN),
+)
+_TOOL_SLOTS = (
+    (GEN_AI_TOOL_CALL_ID, _PLAIN),
+    (GEN_AI_TOOL_CALL_ARGUMENTS, _PLAIN),
+    (TOOL_ATTEMPTS, _CACHED),
+    (ERROR_TYPE, _CACHED),
+    (GEN_AI_TOOL_CALL_RESULT, _PLAIN),
+)
 
 
 class _Shapes:
@@ -280,11 +336,21 @@ class _Shapes:
         self.user_states = agent.user_code_states
         self.root = self._root()
         self.edges = [
-            _shape(f"{e.source} -> {e.dest}", _INTERNAL, {FSM_SOURCE: e.source, FSM_DEST: e.dest, FSM_GUARD: e.label,
-                                                         FSM_EDGE: e.index, FSM_REASON: e.reason,
-                                                         OPENINFERENCE_SPAN_KIND: OI_CHAIN}, _EDGE_SLOTS)
+            _shape(
+                f"{e.source} -> {e.dest}",
+                _INTERNAL,
+                {
+                    FSM_SOURCE: e.source,
+                    FSM_DEST: e.dest,
+                    FSM_GUARD: e.label,
+                    FSM_EDGE: e.index,
+                    FSM_REASON: e.reason,
+                    OPENINFERENCE_SPAN_KIND: OI_CHAIN,
+                },
+                _EDGE_SLOTS,
+            )
             for e in agent.edges
-        ]  # fmt: skip
+        ]
         self.states: dict[str, _Shape] = {}  # a state's span before an edge fires (user actions, failures)
         self.models: dict[str, _Shape] = {}
         self.run_model: _Shape | None = None  # the run backend's
@@ -324,8 +390,12 @@ class _Shapes:
         name = backend.model_name
         shape = self.models.get(name)
         if shape is None:
-            const = {GEN_AI_OPERATION_NAME: "text_completion", GEN_AI_PROVIDER_NAME: backend.provider,
-                     GEN_AI_REQUEST_MODEL: name, OPENINFERENCE_SPAN_KIND: OI_LLM}  # fmt: skip
+            const = {
+                GEN_AI_OPERATION_NAME: "text_completion",
+                GEN_AI_PROVIDER_NAME: backend.provider,
+                GEN_AI_REQUEST_MODEL: name,
+                OPENINFERENCE_SPAN_KIND: OI_LLM,
+            }
             shape = self.models[name] = _shape(f"text_completion {name}", _CLIENT, const, _MODEL_SLOTS)
         if backend is self.backend and not shape.unresolved:
             self.run_model = shape

@@ -44,7 +44,10 @@ _MAX_ATTRIBUTES = 128  # the SDK's default span limit, for attributes and events
 # Through the OTel API only (attach/detach, set_span_in_context, get_current_span): whichever runtime context
 # is configured (OTEL_PYTHON_CONTEXT), spans of your code started inside one of ours are its children.
 
-_attach_context, _detach = otel_context.attach, otel_context.detach  # detach logs a token from another context
+_attach_context, _detach = (
+    otel_context.attach,
+    otel_context.detach,
+)  # detach logs a token from another context
 _in_context, _span_of = otel_trace.set_span_in_context, otel_trace.get_current_span
 
 
@@ -100,11 +103,29 @@ class _Span(otel_trace.Span):
     does), and an exporter gets the SDK's ReadableSpan of it. Ended, it is queued as it is.
     """
 
-    __slots__ = ("tel", "shape", "values", "_trace_id", "_span_id", "_parent_id", "_start", "_end", "_extra",
-                 "_token")  # fmt: skip
+    __slots__ = (
+        "tel",
+        "shape",
+        "values",
+        "_trace_id",
+        "_span_id",
+        "_parent_id",
+        "_start",
+        "_end",
+        "_extra",
+        "_token",
+    )
 
-    def __init__(self, tel: _Owner, shape: _Shape, trace_id: int, span_id: int, parent_id: int,
-                 values: tuple = (), start: int | None = None):  # fmt: skip
+    def __init__(
+        self,
+        tel: _Owner,
+        shape: _Shape,
+        trace_id: int,
+        span_id: int,
+        parent_id: int,
+        values: tuple = (),
+        start: int | None = None,
+    ):
         self.tel, self.shape, self.values = tel, shape, values
         self._trace_id, self._span_id, self._parent_id = trace_id, span_id, parent_id
         self._extra: _Extra | None = None
@@ -159,8 +180,13 @@ class _Span(otel_trace.Span):
         if status.status_code is not StatusCode.UNSET:
             x.status = status
 
-    def record_exception(self, exception: BaseException, attributes: Any = None, timestamp: int | None = None,
-                         escaped: bool = False) -> None:  # fmt: skip
+    def record_exception(
+        self,
+        exception: BaseException,
+        attributes: Any = None,
+        timestamp: int | None = None,
+        escaped: bool = False,
+    ) -> None:
         cls = type(exception)
         name = cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
         attrs = {
@@ -184,8 +210,17 @@ class _Span(otel_trace.Span):
         tel, x = self.tel, self._extra
         tel._ended += 1
         if x is None or (x.status is _UNSET and not (x.attrs or x.events or x.links) and x.name is None):
-            tel._emit((self.shape.id, self._trace_id, self._span_id, self._parent_id, self._start, self._end,
-                       *self.values))  # fmt: skip
+            tel._emit(
+                (
+                    self.shape.id,
+                    self._trace_id,
+                    self._span_id,
+                    self._parent_id,
+                    self._start,
+                    self._end,
+                    *self.values,
+                )
+            )
         else:
             tel._emit(self)
         if len(tel._queue) >= tel._batch:
@@ -202,26 +237,63 @@ class _Span(otel_trace.Span):
         """The OTLP Span message (in the export thread)."""
         x, shape = self._extra, self.shape
         if x is None:
-            return _lean_message(shape, self._trace_id, self._span_id, self._parent_id, self._start, self._end,
-                                 self.values)  # fmt: skip
+            return _lean_message(
+                shape, self._trace_id, self._span_id, self._parent_id, self._start, self._end, self.values
+            )
         if not x.attrs and not x.events and x.name is None:
-            return _lean_message(shape, self._trace_id, self._span_id, self._parent_id, self._start, self._end,
-                                 self.values, _status(x.status), _links(x.links))  # fmt: skip
-        return _span_message(x.name or shape.name, shape.kind, self._trace_id, self._span_id, self._parent_id,
-                             self._start, self._end, shape.attributes(self.values, x.attrs), x.events, x.links,
-                             x.status)  # fmt: skip
+            return _lean_message(
+                shape,
+                self._trace_id,
+                self._span_id,
+                self._parent_id,
+                self._start,
+                self._end,
+                self.values,
+                _status(x.status),
+                _links(x.links),
+            )
+        return _span_message(
+            x.name or shape.name,
+            shape.kind,
+            self._trace_id,
+            self._span_id,
+            self._parent_id,
+            self._start,
+            self._end,
+            shape.attributes(self.values, x.attrs),
+            x.events,
+            x.links,
+            x.status,
+        )
 
     def _readable(self, resource: Resource, scope: InstrumentationScope) -> ReadableSpan:
         x, shape = self._extra, self.shape
         return _make_readable(
-            shape, self._trace_id, self._span_id, self._parent_id, self._start, self._end, self.values, resource,
-            scope, x,
-        )  # fmt: skip
+            shape,
+            self._trace_id,
+            self._span_id,
+            self._parent_id,
+            self._start,
+            self._end,
+            self.values,
+            resource,
+            scope,
+            x,
+        )
 
 
-def _make_readable(shape: _Shape, trace_id: int, span_id: int, parent_id: int, start: int, end: int,
-                   values: Sequence[Any], resource: Resource, scope: InstrumentationScope,
-                   x: _Extra | None = None) -> ReadableSpan:  # fmt: skip
+def _make_readable(
+    shape: _Shape,
+    trace_id: int,
+    span_id: int,
+    parent_id: int,
+    start: int,
+    end: int,
+    values: Sequence[Any],
+    resource: Resource,
+    scope: InstrumentationScope,
+    x: _Extra | None = None,
+) -> ReadableSpan:
     return ReadableSpan(
         name=(x.name if x is not None else None) or shape.name,
         context=SpanContext(trace_id, span_id, False, _SAMPLED),
@@ -241,8 +313,9 @@ def _make_readable(shape: _Shape, trace_id: int, span_id: int, parent_id: int, s
 def _readable(item: Any, resource: Resource, scope: InstrumentationScope) -> ReadableSpan:
     """The ReadableSpan (what SDK exporters take) of a queued span."""
     if type(item) is tuple:
-        return _make_readable(_SHAPES[item[0]], item[1], item[2], item[3], item[4], item[5], item[6:], resource,
-                              scope)  # fmt: skip
+        return _make_readable(
+            _SHAPES[item[0]], item[1], item[2], item[3], item[4], item[5], item[6:], resource, scope
+        )
     if isinstance(item, _Span):
         return item._readable(resource, scope)
     return item
@@ -267,7 +340,16 @@ class _Root(_Span):
     state's work starts where this one's ends), so a transition costs one call and one queued tuple.
     """
 
-    __slots__ = ("traj", "shapes", "state_id", "state_start", "state_mark", "state_span", "prompt_roles", "segments_seen")
+    __slots__ = (
+        "traj",
+        "shapes",
+        "state_id",
+        "state_start",
+        "state_mark",
+        "state_span",
+        "prompt_roles",
+        "segments_seen",
+    )
 
     def __init__(self, tel: _Owner, traj: Any, shapes: _Shapes):
         ambient = _current_span()  # a span the caller has open (a training step...) is linked, not a parent
@@ -292,8 +374,15 @@ class _Root(_Span):
         """A user action runs in `source`: the state's span is a span object, current, so that spans the
         action starts are its children. (Built-in actions start no spans but model and tool calls, which
         are given their parent.)"""
-        span = self.state_span = _Span(self.tel, self.shapes.state(source), self._trace_id, self.state_id,
-                                       self._span_id, (), self.state_start)  # fmt: skip
+        span = self.state_span = _Span(
+            self.tel,
+            self.shapes.state(source),
+            self._trace_id,
+            self.state_id,
+            self._span_id,
+            (),
+            self.state_start,
+        )
         span._token = _attach(span)
 
     def transition(self, edge: Any) -> None:
@@ -311,8 +400,20 @@ class _Root(_Span):
         if self.state_span is None:
             tel = self.tel
             tel._ended += 1
-            tel._emit((shapes.edges[edge.index].id, self._trace_id, self.state_id, self._span_id, self.state_start,
-                       now, traj.assistant_turns, model, observation, reason))  # fmt: skip
+            tel._emit(
+                (
+                    shapes.edges[edge.index].id,
+                    self._trace_id,
+                    self.state_id,
+                    self._span_id,
+                    self.state_start,
+                    now,
+                    traj.assistant_turns,
+                    model,
+                    observation,
+                    reason,
+                )
+            )
             if len(tel._queue) >= tel._batch:
                 tel._wake_exporters()
         else:
@@ -339,8 +440,15 @@ class _Root(_Span):
             m, o = seg.runs.tokens_since(self.state_mark if seg.index == first else 0)
             model, observation = model + m, observation + o
             if seg.index > first:
-                self.add_event("fsm.segment", {"fsm.segment.index": seg.index, "fsm.segment.reason": seg.reason,
-                                               "fsm.segment.prompt_tokens": len(seg.prompt_ids)}, now)  # fmt: skip
+                self.add_event(
+                    "fsm.segment",
+                    {
+                        "fsm.segment.index": seg.index,
+                        "fsm.segment.reason": seg.reason,
+                        "fsm.segment.prompt_tokens": len(seg.prompt_ids),
+                    },
+                    now,
+                )
         self.segments_seen = len(traj.closed)
         return model, observation
 
@@ -349,8 +457,15 @@ class _Root(_Span):
         span = self.state_span
         if span is None:
             source = self.traj.state
-            span = _Span(self.tel, self.shapes.state(source), self._trace_id, self.state_id, self._span_id, (),
-                         self.state_start)  # fmt: skip
+            span = _Span(
+                self.tel,
+                self.shapes.state(source),
+                self._trace_id,
+                self.state_id,
+                self._span_id,
+                (),
+                self.state_start,
+            )
         else:
             self.state_span = None
             _detach(span._token)
@@ -365,12 +480,25 @@ class _Root(_Span):
         content = _conversation(traj) if tel.capture_content else _NO_CONTENT
         error = traj.error
         self.values = (
-            traj.session_id, traj.index, traj.uid, traj.sample, traj.termination_reason or "", traj.state,
-            len(traj.transitions_fired), traj.num_turns, len(traj.prompt_ids), len(traj.response_ids), model_tokens,
-            traj.metrics.prompt_tokens_sent, model_tokens, traj.metrics.cached_tokens,
-            None if traj.reward_score is None else float(traj.reward_score), error,
-            None if error is None else _error_type(error), *content,
-        )  # fmt: skip
+            traj.session_id,
+            traj.index,
+            traj.uid,
+            traj.sample,
+            traj.termination_reason or "",
+            traj.state,
+            len(traj.transitions_fired),
+            traj.num_turns,
+            len(traj.prompt_ids),
+            len(traj.response_ids),
+            model_tokens,
+            traj.metrics.prompt_tokens_sent,
+            model_tokens,
+            traj.metrics.cached_tokens,
+            None if traj.reward_score is None else float(traj.reward_score),
+            error,
+            None if error is None else _error_type(error),
+            *content,
+        )
         if error is not None:
             self._x().status = Status(StatusCode.ERROR, error)
         versions = traj.weight_versions()
@@ -413,8 +541,11 @@ class _ModelSpan(_CallSpan):
 
     def _request_values(self) -> tuple:
         request = self.values
-        return (request.session_id, request.sampling_params,
-                tuple(request.prompt_ids) if self.tel.capture_content else None)  # fmt: skip
+        return (
+            request.session_id,
+            request.sampling_params,
+            tuple(request.prompt_ids) if self.tel.capture_content else None,
+        )
 
     def fail(self, exc: BaseException) -> None:
         if self.shape.unresolved:
@@ -441,23 +572,50 @@ class _ModelSpan(_CallSpan):
             self.shape = shapes.model(backend)
         if self._extra is None and not tel.capture_content:  # the common case, as a tuple (`_queue`, inlined)
             tel._ended += 1
-            tel._emit((self.shape.id, self._trace_id, self._span_id, self._parent_id, self._start, end,
-                       request.session_id, request.sampling_params, None, result.finish_reason,
-                       len(result.token_ids), result.prompt_tokens, result.cached_tokens, result.server, result.route,
-                       None if version is None else str(version), str(extra["id"]) if extra and extra.get("id") else None))  # fmt: skip
+            tel._emit(
+                (
+                    self.shape.id,
+                    self._trace_id,
+                    self._span_id,
+                    self._parent_id,
+                    self._start,
+                    end,
+                    request.session_id,
+                    request.sampling_params,
+                    None,
+                    result.finish_reason,
+                    len(result.token_ids),
+                    result.prompt_tokens,
+                    result.cached_tokens,
+                    result.server,
+                    result.route,
+                    None if version is None else str(version),
+                    str(extra["id"]) if extra and extra.get("id") else None,
+                )
+            )
             if len(tel._queue) >= tel._batch:
                 tel._wake_exporters()
             return
         content: tuple = (None, None, None)
         if tel.capture_content:  # token ids, and decoded: input and output messages
             tokenizer, roles = self._content
-            content = (tuple(result.token_ids), _input_messages(request, tokenizer, roles),
-                       _output_messages(result, tokenizer))  # fmt: skip
+            content = (
+                tuple(result.token_ids),
+                _input_messages(request, tokenizer, roles),
+                _output_messages(result, tokenizer),
+            )
         self.values = (
-            *self._request_values(), result.finish_reason, len(result.token_ids), result.prompt_tokens,
-            result.cached_tokens, result.server, result.route, None if version is None else str(version),
-            str(extra["id"]) if extra and extra.get("id") else None, *content,
-        )  # fmt: skip
+            *self._request_values(),
+            result.finish_reason,
+            len(result.token_ids),
+            result.prompt_tokens,
+            result.cached_tokens,
+            result.server,
+            result.route,
+            None if version is None else str(version),
+            str(extra["id"]) if extra and extra.get("id") else None,
+            *content,
+        )
         self._queue()
 
 
@@ -479,13 +637,28 @@ class _ToolSpan(_CallSpan):
         error = outcome.error
         if error is None and self._extra is None and not tel.capture_content:  # `_queue`, inlined
             tel._ended += 1
-            tel._emit((self.shape.id, self._trace_id, self._span_id, self._parent_id, self._start, end, call.id or None,
-                       None, outcome.attempts))  # fmt: skip
+            tel._emit(
+                (
+                    self.shape.id,
+                    self._trace_id,
+                    self._span_id,
+                    self._parent_id,
+                    self._start,
+                    end,
+                    call.id or None,
+                    None,
+                    outcome.attempts,
+                )
+            )
             if len(tel._queue) >= tel._batch:
                 tel._wake_exporters()
             return
-        self.values = (*self._request_values(), outcome.attempts, error,
-                       outcome.text if tel.capture_content else None)  # fmt: skip
+        self.values = (
+            *self._request_values(),
+            outcome.attempts,
+            error,
+            outcome.text if tel.capture_content else None,
+        )
         if error is not None:
             self._x().status = Status(StatusCode.ERROR, outcome.text[:200])
         self._queue()

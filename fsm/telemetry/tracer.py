@@ -58,8 +58,9 @@ log = logging.getLogger("fsm.telemetry")  # the package's one logger, whichever 
 _new = object.__new__  # call spans are made without __init__: `model_call`/`tool_call` set every slot
 
 
-def _why_lost(before: dict[str, Any], after: dict[str, Any], otlp_endpoint: str | None,
-              reported: set[str]) -> str:
+def _why_lost(
+    before: dict[str, Any], after: dict[str, Any], otlp_endpoint: str | None, reported: set[str]
+) -> str:
     """Per exporter, why spans were lost while closing: the export failed (collector down or refusing), the
     queue was full, or they were still queued when the flush's wait ran out. Failures an exporter has
     already reported (`reported`: our OTLP exporter's one line) are not said again."""
@@ -68,9 +69,13 @@ def _why_lost(before: dict[str, Any], after: dict[str, Any], otlp_endpoint: str 
         b = before["by_exporter"].get(name, {})
         failed = 0 if name in reported else c["export_failed"] - b.get("export_failed", 0)
         full = c["dropped_queue_full"] - b.get("dropped_queue_full", 0)
-        reasons = [f"{failed} failed to export (is the collector up?)" if failed else "",
-                   f"{full} found the queue full" if full else "",
-                   f"{c['dropped_at_exit']} still queued when the flush's wait ran out" if c["dropped_at_exit"] else ""]
+        reasons = [
+            f"{failed} failed to export (is the collector up?)" if failed else "",
+            f"{full} found the queue full" if full else "",
+            f"{c['dropped_at_exit']} still queued when the flush's wait ran out"
+            if c["dropped_at_exit"]
+            else "",
+        ]
         if any(reasons):
             where = otlp_endpoint if name == "otlp" and otlp_endpoint else name
             parts.append(f"{name} to {where}: " + ", ".join(r for r in reasons if r))
@@ -162,10 +167,16 @@ class Telemetry:
         delay = schedule_delay_millis or _env_int("OTEL_BSP_SCHEDULE_DELAY", 5000)
         self.processors: list[SpanPipeline | SdkPipeline] = [
             (SpanPipeline if isinstance(e, NativeExporter) else SdkPipeline)(
-                e, name, self.resource, self.scope, max_queue_size=queue, max_export_batch_size=batch,
-                schedule_delay_millis=delay)
+                e,
+                name,
+                self.resource,
+                self.scope,
+                max_queue_size=queue,
+                max_export_batch_size=batch,
+                schedule_delay_millis=delay,
+            )
             for name, e in named
-        ]  # fmt: skip
+        ]
         for p in self.processors:
             self.provider.add_span_processor(p)
         # Ended driver spans are appended straight to the queues, and counted here (one exporter: a bare
@@ -237,8 +248,12 @@ class Telemetry:
         else:
             sampling = run.sampling.params
             codec = getattr(run, "codec", None)
-            key = (id(run.agent), id(run.backend), id(codec),
-                   *(sampling.get(name) for _, name in _SAMPLING_ATTRS))  # fmt: skip
+            key = (
+                id(run.agent),
+                id(run.backend),
+                id(codec),
+                *(sampling.get(name) for _, name in _SAMPLING_ATTRS),
+            )
             shapes = self._shapes.get(key)
             if shapes is None:
                 shapes = self._shapes[key] = _Shapes(run.agent, run.backend, sampling, codec)
@@ -331,20 +346,27 @@ class Telemetry:
             worker.start()
             worker.join(timeout_s)
             if worker.is_alive() and not self._reported():  # (a collector already said to be down: no news)
-                log.warning("agentfsm telemetry: still exporting after %.0f s (%s); spans not sent by exit are "
-                            "counted as dropped", timeout_s, ", ".join(
-                                self.otlp_endpoint if p.name == "otlp" else p.name for p in self.processors))  # fmt: skip
+                log.warning(
+                    "agentfsm telemetry: still exporting after %.0f s (%s); spans not sent by exit are "
+                    "counted as dropped",
+                    timeout_s,
+                    ", ".join(self.otlp_endpoint if p.name == "otlp" else p.name for p in self.processors),
+                )
         stats = self.stats()
         full = stats["dropped_queue_full"]
         if full > self._warned_dropped:  # failed exports are their exporter's to report (ours: one line)
             log.warning(
                 "agentfsm telemetry: %d of %d spans dropped because an export queue was full (%s): raise "
                 "max_queue_size (OTEL_BSP_MAX_QUEUE_SIZE, now %s) or trace fewer trajectories (sample)",
-                full, stats["ended"],
-                ", ".join(f"{n}: {c['dropped_queue_full']}" for n, c in stats["by_exporter"].items()
-                          if c["dropped_queue_full"]),
+                full,
+                stats["ended"],
+                ", ".join(
+                    f"{n}: {c['dropped_queue_full']}"
+                    for n, c in stats["by_exporter"].items()
+                    if c["dropped_queue_full"]
+                ),
                 ", ".join(str(p.max_queue_size) for p in self.processors),
-            )  # fmt: skip
+            )
             self._warned_dropped = full
         return stats
 
@@ -370,8 +392,12 @@ class Telemetry:
         lost = stats["dropped"] - before["dropped"]
         why = _why_lost(before, stats, self.otlp_endpoint, self._reported()) if lost > 0 else ""
         if why:
-            log.warning("agentfsm telemetry: %d of %d spans were not exported before exit (%s); counted as "
-                        "dropped", lost, stats["ended"], why)  # fmt: skip
+            log.warning(
+                "agentfsm telemetry: %d of %d spans were not exported before exit (%s); counted as dropped",
+                lost,
+                stats["ended"],
+                why,
+            )
         return stats
 
     def _reported(self) -> set[str]:

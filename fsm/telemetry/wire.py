@@ -99,16 +99,27 @@ def _status(status: Status | None) -> bytes:
         return b""
     code = status.status_code.value
     message = status.description
-    return _ld(b"\x7a", (_ld(b"\x12", message.encode("utf-8", "replace")) if message else b"")
-               + (b"\x18" + _U8[code] if code else b""))  # fmt: skip
+    return _ld(
+        b"\x7a",
+        (_ld(b"\x12", message.encode("utf-8", "replace")) if message else b"")
+        + (b"\x18" + _U8[code] if code else b""),
+    )
 
 
 def _events(events: Sequence[Event]) -> bytes:
     out = []
     for e in events:
         dropped = getattr(e, "dropped_attributes", 0)
-        out.append(_ld(b"\x5a", b"\x09" + _FIXED64(e.timestamp) + _ld(b"\x12", e.name.encode("utf-8", "replace"))
-                       + _attributes(b"\x1a", e.attributes) + (b"\x20" + _uvarint(dropped) if dropped else b"")))  # fmt: skip
+        out.append(
+            _ld(
+                b"\x5a",
+                b"\x09"
+                + _FIXED64(e.timestamp)
+                + _ld(b"\x12", e.name.encode("utf-8", "replace"))
+                + _attributes(b"\x1a", e.attributes)
+                + (b"\x20" + _uvarint(dropped) if dropped else b""),
+            )
+        )
     return b"".join(out)
 
 
@@ -116,9 +127,16 @@ def _links(links: Sequence[Link]) -> bytes:
     out = []
     for link in links:
         c, dropped = link.context, getattr(link, "dropped_attributes", 0)
-        out.append(_ld(b"\x6a", _IDS_ROOT(0x0A10, c.trace_id >> 64, c.trace_id & _M64, 0x1208, c.span_id)
-                       + _attributes(b"\x22", link.attributes) + (b"\x28" + _uvarint(dropped) if dropped else b"")
-                       + b"\x35" + _FIXED32(0x300 if c.is_remote else 0x100)))  # fmt: skip
+        out.append(
+            _ld(
+                b"\x6a",
+                _IDS_ROOT(0x0A10, c.trace_id >> 64, c.trace_id & _M64, 0x1208, c.span_id)
+                + _attributes(b"\x22", link.attributes)
+                + (b"\x28" + _uvarint(dropped) if dropped else b"")
+                + b"\x35"
+                + _FIXED32(0x300 if c.is_remote else 0x100),
+            )
+        )
     return b"".join(out)
 
 
@@ -126,15 +144,29 @@ def _scope(scope: InstrumentationScope | None) -> bytes:
     """An InstrumentationScope message."""
     if scope is None:
         return b""
-    return (_ld(b"\x0a", scope.name.encode()) if scope.name else b"") + (
-        _ld(b"\x12", scope.version.encode()) if scope.version else b""
-    ) + _attributes(b"\x1a", scope.attributes)  # fmt: skip
+    return (
+        (_ld(b"\x0a", scope.name.encode()) if scope.name else b"")
+        + (_ld(b"\x12", scope.version.encode()) if scope.version else b"")
+        + _attributes(b"\x1a", scope.attributes)
+    )
 
 
-def _span_message(name: str, kind: int, trace_id: int, span_id: int, parent_id: int, start: int, end: int,
-                  attrs: Mapping[str, Any] | None, events: Sequence[Event] = (), links: Sequence[Link] = (),
-                  status: Status | None = _UNSET, dropped: tuple[int, int, int] = (0, 0, 0),
-                  trace_state: str = "", remote_parent: bool = False) -> bytes:  # fmt: skip
+def _span_message(
+    name: str,
+    kind: int,
+    trace_id: int,
+    span_id: int,
+    parent_id: int,
+    start: int,
+    end: int,
+    attrs: Mapping[str, Any] | None,
+    events: Sequence[Event] = (),
+    links: Sequence[Link] = (),
+    status: Status | None = _UNSET,
+    dropped: tuple[int, int, int] = (0, 0, 0),
+    trace_state: str = "",
+    remote_parent: bool = False,
+) -> bytes:
     """Any span (an SDK span, or one of ours with attributes set through the API), field by field."""
     parts = [b"\x0a\x10" + trace_id.to_bytes(16, "big") + b"\x12\x08" + span_id.to_bytes(8, "big")]
     if trace_state:
@@ -163,8 +195,18 @@ def _readable_message(span: ReadableSpan) -> bytes:
     ctx, parent = span.context, span.parent
     state = ctx.trace_state
     return _span_message(
-        span.name, span.kind.value, ctx.trace_id, ctx.span_id, parent.span_id if parent else 0, span.start_time,
-        span.end_time, span.attributes, span.events, span.links, span.status,
+        span.name,
+        span.kind.value,
+        ctx.trace_id,
+        ctx.span_id,
+        parent.span_id if parent else 0,
+        span.start_time,
+        span.end_time,
+        span.attributes,
+        span.events,
+        span.links,
+        span.status,
         (span.dropped_attributes, span.dropped_events, span.dropped_links),
-        ",".join(f"{k}={v}" for k, v in state.items()) if state else "", bool(parent and parent.is_remote),
-    )  # fmt: skip
+        ",".join(f"{k}={v}" for k, v in state.items()) if state else "",
+        bool(parent and parent.is_remote),
+    )

@@ -38,8 +38,19 @@ from fsm.tools.isolation import (
 )
 from fsm.tools.worker import shrink
 
-__all__ = ["AgentData", "BaseTool", "BoundTool", "CallOutcome", "FunctionTool", "ToolCrashed", "ToolResponse", "ToolSet",
-           "ToolUnavailable", "build_tool", "normalize_return"]  # fmt: skip
+__all__ = [
+    "AgentData",
+    "BaseTool",
+    "BoundTool",
+    "CallOutcome",
+    "FunctionTool",
+    "ToolCrashed",
+    "ToolResponse",
+    "ToolSet",
+    "ToolUnavailable",
+    "build_tool",
+    "normalize_return",
+]
 
 
 @dataclass
@@ -128,7 +139,9 @@ class FunctionTool(BaseTool):
             call = self.fn if inspect.iscoroutinefunction(self.fn) else asyncio.to_thread
             name = f"{call.__module__}.{call.__qualname__}"
             raise TypeError(f"{name}() argument after ** must be a mapping, not {type(parameters).__name__}")
-        if self.keep_chars is not None and isinstance(self.lane, ThreadLane):  # cut in the thread, as a worker
+        if self.keep_chars is not None and isinstance(
+            self.lane, ThreadLane
+        ):  # cut in the thread, as a worker
             return normalize_return(await self.lane.call(_cut_return, self.fn, self.keep_chars, **parameters))
         return normalize_return(await self.lane.call(self.fn, **parameters))
 
@@ -264,7 +277,11 @@ class AgentData:
     @property
     def metrics(self) -> dict[str, Any]:  # a snapshot, as verl's per-trajectory metrics dict reads
         m = self._traj.metrics
-        return {"generate_sequences": m.generate_sequences, "tool_calls": m.tool_calls, "num_preempted": m.num_preempted}
+        return {
+            "generate_sequences": m.generate_sequences,
+            "tool_calls": m.tool_calls,
+            "num_preempted": m.num_preempted,
+        }
 
 
 class StartTimeout:
@@ -318,7 +335,8 @@ class BoundTool:
             self.lane = self.tool.lane if self._ours else LoopLane(self.name)
         # BaseTool's own create/calc_reward/release do nothing: not called at all (no hop, no timeout scope)
         self._create, self._calc_reward, self._release = (
-            getattr(method := getattr(self.tool, name, None), "__func__", method) is not getattr(BaseTool, name)
+            getattr(method := getattr(self.tool, name, None), "__func__", method)
+            is not getattr(BaseTool, name)
             for name in ("create", "calc_reward", "release")
         )
         self._ready = not isinstance(self.lane, (ThreadLane, LoopLane, InlineLane))  # theirs are no-ops
@@ -372,8 +390,13 @@ class BoundTool:
                 created_id, _ = await self._step(self.tool.create, instance_id, create_kwargs=create_kwargs)
             except ToolCrashed:
                 raise
-            except Exception as exc:  # e.g. a sandbox that cannot start: nothing was created, nothing to release
-                outcome.error, outcome.text = "exception", f"Error executing tool '{self.name}': {self._why(exc)}"
+            except (
+                Exception
+            ) as exc:  # e.g. a sandbox that cannot start: nothing was created, nothing to release
+                outcome.error, outcome.text = (
+                    "exception",
+                    f"Error executing tool '{self.name}': {self._why(exc)}",
+                )
                 return outcome
             instance_id = created_id  # verl passes what create returned, '' included
         if not (self._calc_reward or self._release):
@@ -407,8 +430,11 @@ class BoundTool:
                 self.tool.execute, instance_id, call.arguments, agent_data=agent_data
             )
             outcome.text, outcome.reward, outcome.metrics, outcome.error = (
-                self._cut(response.text or ""), reward, metrics, None,
-            )  # fmt: skip
+                self._cut(response.text or ""),
+                reward,
+                metrics,
+                None,
+            )
             # a 50 MB answer is not held while calc_reward and release run: `response` dies with this frame
 
         try:
@@ -498,24 +524,38 @@ class ToolSet:
         tool = self.by_name.get(call.name or "")
         if tool is None or (active is not None and call.name not in active):
             names = list(active if active is not None else self.by_name)  # verl: the tool list's order
-            return CallOutcome(call.name or "?", f"Unknown function '{call.name}'. Available tools: {names}",
-                               error="unknown_tool", call_id=call.id)  # fmt: skip
+            return CallOutcome(
+                call.name or "?",
+                f"Unknown function '{call.name}'. Available tools: {names}",
+                error="unknown_tool",
+                call_id=call.id,
+            )
         policy, args = self.policy, call.arguments
         if isinstance(args, str) and policy.parse_string_arguments:
             try:
                 args = json.loads(args)
             except json.JSONDecodeError as exc:
-                return CallOutcome(tool.name, f"Error: Invalid JSON in arguments for '{tool.name}': {exc}",
-                                   error="bad_arguments", call_id=call.id)  # fmt: skip
+                return CallOutcome(
+                    tool.name,
+                    f"Error: Invalid JSON in arguments for '{tool.name}': {exc}",
+                    error="bad_arguments",
+                    call_id=call.id,
+                )
         if policy.validate_arguments:
             problem = check_arguments(tool.schema, args)
             if problem:
-                return CallOutcome(tool.name, f"Error: invalid arguments for '{tool.name}': {problem}",
-                                   error="bad_arguments", call_id=call.id)  # fmt: skip
+                return CallOutcome(
+                    tool.name,
+                    f"Error: invalid arguments for '{tool.name}': {problem}",
+                    error="bad_arguments",
+                    call_id=call.id,
+                )
         if args is not call.arguments:
             call = dataclasses.replace(call, arguments=args)
         create_kwargs = (tools_kwargs.get(tool.name) or {}).get("create_kwargs", {})
-        outcome = await tool.run(call, instance_id, create_kwargs, AgentData(traj, messages) if traj is not None else None)
+        outcome = await tool.run(
+            call, instance_id, create_kwargs, AgentData(traj, messages) if traj is not None else None
+        )
         outcome.text = encodable(outcome.text) if isinstance(outcome.text, str) else outcome.text
         if outcome.error in (None, "calc_reward") or policy.truncate_errors:  # verl cuts results only
             outcome.text = truncate(
@@ -529,7 +569,9 @@ def _declared_schema(spec: ToolSpec, resolve_ref: Callable[[str], Any]) -> dict 
     if isinstance(spec.schema_, str):
         schema = resolve_ref(spec.schema_)
         if not isinstance(schema, dict):
-            raise TypeError(f"schema {spec.schema_!r} is a {type(schema).__name__}, not an OpenAI function schema dict")
+            raise TypeError(
+                f"schema {spec.schema_!r} is a {type(schema).__name__}, not an OpenAI function schema dict"
+            )
         return dict(schema)
     return dict(spec.schema_) if spec.schema_ is not None else None
 
@@ -559,9 +601,11 @@ def build_tool(spec: ToolSpec, resolve_ref: Callable[[str], Any] = resolve) -> B
         schema = {**schema, "function": {**schema.get("function", {}), "name": spec.name}}
     if spec.function:
         if spec.isolation == "none" and not inspect.iscoroutinefunction(fn):
-            raise TypeError(f"isolation: none runs coroutine functions only (they await on the run's event loop), "
-                            f"and {spec.function!r} is a sync function: drop isolation: none to run it in its own "
-                            "threads")  # fmt: skip
+            raise TypeError(
+                f"isolation: none runs coroutine functions only (they await on the run's event loop), "
+                f"and {spec.function!r} is a sync function: drop isolation: none to run it in its own "
+                "threads"
+            )
         if spec.isolation == "process":
             lane: Lane = ProcessLane(name, spec.function, spec.workers)
         elif spec.isolation == "none":
@@ -577,9 +621,13 @@ def build_tool(spec: ToolSpec, resolve_ref: Callable[[str], Any] = resolve) -> B
             if not callable(getattr(tool, method, None)):
                 raise TypeError(f"tool class {spec.class_!r} lacks the lifecycle method {method!r}")
             if spec.isolation == "none" and not inspect.iscoroutinefunction(getattr(tool, method)):
-                raise TypeError(f"isolation: none runs coroutines only, and {spec.class_!r}.{method} is not an "
-                                "async def: drop isolation: none to run it on the tool's own loop thread")  # fmt: skip
+                raise TypeError(
+                    f"isolation: none runs coroutines only, and {spec.class_!r}.{method} is not an "
+                    "async def: drop isolation: none to run it on the tool's own loop thread"
+                )
         lane = InlineLane(name) if spec.isolation == "none" else LoopLane(name)
     if hasattr(tool, "name"):
         tool.name = name
-    return BoundTool(name, tool, schema, spec.timeout_s, tool_retry(spec.retry.max_attempts, spec.retry.backoff_s), lane)
+    return BoundTool(
+        name, tool, schema, spec.timeout_s, tool_retry(spec.retry.max_attempts, spec.retry.backoff_s), lane
+    )

@@ -63,7 +63,9 @@ log = logging.getLogger("agentfsm.tools")
 STUCK_PER_WORKER = 4  # a ThreadLane refuses calls past workers * this many written-off threads
 WEDGED_AFTER_S = 1.0  # a LoopLane that has not run a cancellation this long after it was sent is wedged
 BLOCKING_STEP_S = 0.05  # an InlineLane tool step holding the event loop this long is a stall
-BLOCKING_STRIKES = 3  # so many stalls within BLOCKING_WINDOW_S move the tool to a LoopLane (one alone may be a
+BLOCKING_STRIKES = (
+    3  # so many stalls within BLOCKING_WINDOW_S move the tool to a LoopLane (one alone may be a
+)
 BLOCKING_WINDOW_S = 60.0  # garbage collection or the process waiting for a core, not the tool's doing)
 WORKER_START_TIMEOUT_S = 120.0  # a worker process's interpreter start and the tool module's imports
 MAX_REPLY_BYTES = 16 << 20  # a worker's reply beyond this (huge metrics) kills it: the answer is an error
@@ -344,8 +346,13 @@ class InlineLane:
     """A coroutine tool awaited on the caller's loop, each step timed; `strikes` steps past `blocking_s`
     within `window_s` move the tool to its own `LoopLane` (the call that stalled finishes where it is)."""
 
-    def __init__(self, name: str, blocking_s: float = BLOCKING_STEP_S, strikes: int = BLOCKING_STRIKES,
-                 window_s: float = BLOCKING_WINDOW_S):  # fmt: skip
+    def __init__(
+        self,
+        name: str,
+        blocking_s: float = BLOCKING_STEP_S,
+        strikes: int = BLOCKING_STRIKES,
+        window_s: float = BLOCKING_WINDOW_S,
+    ):
         self.name, self.blocking_s, self.strikes, self.window_s = name, blocking_s, strikes, window_s
         self.stalls: list[float] = []  # when recent stalls ended (time.monotonic)
         self.moved: LoopLane | None = None  # where the calls go once the tool has stalled the loop
@@ -365,9 +372,15 @@ class InlineLane:
         self.stalls = [t for t in self.stalls if now - t < self.window_s] + [now]
         if self.moved is None and len(self.stalls) >= self.strikes:
             self.moved = LoopLane(self.name)
-            log.warning("tool %r (isolation: none) held the event loop %d times in %g s, last for %.3f s in one "
-                        "step; its calls run on an event loop thread of its own from now on (declare it "
-                        "isolation: thread)", self.name, len(self.stalls), self.window_s, seconds)  # fmt: skip
+            log.warning(
+                "tool %r (isolation: none) held the event loop %d times in %g s, last for %.3f s in one "
+                "step; its calls run on an event loop thread of its own from now on (declare it "
+                "isolation: thread)",
+                self.name,
+                len(self.stalls),
+                self.window_s,
+                seconds,
+            )
 
     def close(self) -> None:
         if self.moved is not None:
@@ -415,8 +428,9 @@ class _Timed:
 class _Worker:
     """One worker process and its socket. Frames: 8-byte big-endian length, then a pickle."""
 
-    def __init__(self, proc: asyncio.subprocess.Process, reader: asyncio.StreamReader,
-                 writer: asyncio.StreamWriter):  # fmt: skip
+    def __init__(
+        self, proc: asyncio.subprocess.Process, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ):
         self.proc, self.reader, self.writer = proc, reader, writer
 
     async def send(self, message: Any) -> None:
@@ -427,7 +441,9 @@ class _Worker:
     async def receive(self) -> Any:
         size = int.from_bytes(await self.reader.readexactly(8), "big")
         if size > MAX_REPLY_BYTES:
-            raise ToolUnavailable(f"the worker's reply is {size >> 20} MiB, over the {MAX_REPLY_BYTES >> 20} MiB limit")
+            raise ToolUnavailable(
+                f"the worker's reply is {size >> 20} MiB, over the {MAX_REPLY_BYTES >> 20} MiB limit"
+            )
         return pickle.loads(await self.reader.readexactly(size))
 
     def kill(self) -> None:
@@ -493,7 +509,9 @@ class ProcessLane:
                 self._discard(pool, worker)
                 code = await _exit_code(worker)
                 raise ToolCrashed(f"tool {self.name!r}: its worker process died (exit code {code})") from None
-            except BaseException:  # the timeout, a cancellation, a reply we refuse: the worker never serves again
+            except (
+                BaseException
+            ):  # the timeout, a cancellation, a reply we refuse: the worker never serves again
                 self._discard(pool, worker)
                 raise
             pool.idle.append(worker)
@@ -509,7 +527,9 @@ class ProcessLane:
             worker = pool.idle.pop()
             if worker.proc.returncode is None:
                 return worker
-            self._discard(pool, worker)  # died while idle (the OOM killer, a stray signal): not this call's fault
+            self._discard(
+                pool, worker
+            )  # died while idle (the OOM killer, a stray signal): not this call's fault
         return None
 
     async def _start(self, pool: _Pool) -> _Worker:
@@ -517,9 +537,16 @@ class ProcessLane:
         env = {**os.environ, "AGENTFSM_SYS_PATH": json.dumps(sys.path)}
         try:
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, str(WORKER_SCRIPT), str(child.fileno()), self.path, str(os.getpid()),
-                pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, env=env, start_new_session=True,
-            )  # fmt: skip
+                sys.executable,
+                str(WORKER_SCRIPT),
+                str(child.fileno()),
+                self.path,
+                str(os.getpid()),
+                pass_fds=(child.fileno(),),
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+            )
         except BaseException:
             parent.close()
             raise
@@ -540,7 +567,9 @@ class ProcessLane:
             raise
         if kind != "ready":
             self._discard(pool, worker)
-            raise ToolUnavailable(f"tool {self.name!r}: its worker process cannot load {self.path!r}: {detail}")
+            raise ToolUnavailable(
+                f"tool {self.name!r}: its worker process cannot load {self.path!r}: {detail}"
+            )
         return worker
 
     def _discard(self, pool: _Pool, worker: _Worker) -> None:

@@ -23,8 +23,9 @@ from fsm.tools.handoff import Mailbox
 T = TypeVar("T")
 
 
-def submit(coro: Coroutine[Any, Any, T],
-           loop: asyncio.AbstractEventLoop) -> tuple[concurrent.futures.Future[T], Callable[[], None]]:  # fmt: skip
+def submit(
+    coro: Coroutine[Any, Any, T], loop: asyncio.AbstractEventLoop
+) -> tuple[concurrent.futures.Future[T], Callable[[], None]]:
     """Start `coro` as a task on `loop`: a future settled when the task has ended, and a canceller."""
     done: concurrent.futures.Future[T] = concurrent.futures.Future()
     tasks: list[asyncio.Task[T]] = []
@@ -83,7 +84,13 @@ class LoopThread:
     `mailbox` hands callbacks over in bursts (fsm/tools/handoff.py).
     """
 
-    def __init__(self, name: str, *, sigint: bool = False, on_exit: Callable[[BaseException | None], None] | None = None):
+    def __init__(
+        self,
+        name: str,
+        *,
+        sigint: bool = False,
+        on_exit: Callable[[BaseException | None], None] | None = None,
+    ):
         self.loop = asyncio.new_event_loop()
         self.mailbox = Mailbox(self.loop)
         self._sigint, self._on_exit = sigint, on_exit
@@ -101,7 +108,9 @@ class LoopThread:
             ended = exc
         if self._on_exit is not None:
             self._on_exit(ended)
-        if ended is None:  # stopped: cancel what is left (an unclosed backend's tasks), then release the executor
+        if (
+            ended is None
+        ):  # stopped: cancel what is left (an unclosed backend's tasks), then release the executor
             tasks = asyncio.all_tasks(self.loop)
             for task in tasks:
                 task.cancel()

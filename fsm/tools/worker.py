@@ -100,7 +100,9 @@ def call(fn, kwargs, keep):
     try:
         return pickle.dumps(reply)
     except Exception as exc:
-        return pickle.dumps(("raised", type(exc).__name__, f"the tool's result cannot be sent back: {exc}", True))
+        return pickle.dumps(
+            ("raised", type(exc).__name__, f"the tool's result cannot be sent back: {exc}", True)
+        )
 
 
 def main():

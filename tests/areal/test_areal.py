@@ -42,7 +42,9 @@ def tiny_server():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "backends.devserver", "--model", str(ASSETS), "--port", str(port)])
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "backends.devserver", "--model", str(ASSETS), "--port", str(port)]
+    )
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -60,15 +62,30 @@ def tiny_server():
 
 def test_workflow_through_areal_engine_batch_and_actor_loss(tiny_server):
     tok = AutoTokenizer.from_pretrained(ASSETS)
-    engine = RemoteSGLangEngine(InferenceEngineConfig(experiment_name="agentfsm", trial_name="test", backend="sglang:d1",
-                                                      max_concurrent_rollouts=4, consumer_batch_size=4, setup_timeout=60))  # fmt: skip
+    engine = RemoteSGLangEngine(
+        InferenceEngineConfig(
+            experiment_name="agentfsm",
+            trial_name="test",
+            backend="sglang:d1",
+            max_concurrent_rollouts=4,
+            consumer_batch_size=4,
+            setup_timeout=60,
+        )
+    )
     engine.initialize(addr=[tiny_server])
     engine.set_version(VERSION)
-    workflow = FSMWorkflow("calculator", tok, gconfig=GenerationHyperparameters(n_samples=1, max_new_tokens=64,
-                                                                                temperature=TEMPERATURE))  # fmt: skip
+    workflow = FSMWorkflow(
+        "calculator",
+        tok,
+        gconfig=GenerationHyperparameters(n_samples=1, max_new_tokens=64, temperature=TEMPERATURE),
+    )
     assert isinstance(workflow, RolloutWorkflow)
     rows = make_prompts(2, seed=13)
-    data = [{"messages": r["raw_prompt"], "answer": r["reward_model"]["ground_truth"]} for r in rows for _ in range(2)]
+    data = [
+        {"messages": r["raw_prompt"], "answer": r["reward_model"]["ground_truth"]}
+        for r in rows
+        for _ in range(2)
+    ]
     try:
         episodes = engine.rollout_batch(data, workflow=workflow)  # AReaL runs every episode in its executor
     finally:
@@ -80,18 +97,27 @@ def test_workflow_through_areal_engine_batch_and_actor_loss(tiny_server):
     for ep in episodes:
         ids = ep["input_ids"][0].tolist()
         mask, logp, versions = ep["loss_mask"][0], ep["logprobs"][0], ep["versions"][0]
-        assert ep["attention_mask"].all() and all(t.shape[1] == len(ids) for k, t in ep.items() if k != "rewards")
+        assert ep["attention_mask"].all() and all(
+            t.shape[1] == len(ids) for k, t in ep.items() if k != "rewards"
+        )
         # which row: the rendered prompt (chat template with the tool schema) opens the sequence
         for row in data:
-            prompt = tok.apply_chat_template(row["messages"], tools=[TOOL_SCHEMA], add_generation_prompt=True,
-                                             tokenize=True, return_dict=False)  # fmt: skip
+            prompt = tok.apply_chat_template(
+                row["messages"],
+                tools=[TOOL_SCHEMA],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+            )
             if ids[: len(prompt)] == prompt:
                 break
         else:
             raise AssertionError("an episode that starts with none of the prompts")
         P = len(prompt)
         assert mask[:P].sum() == 0 and (versions[:P] == -1).all()
-        assert (versions[mask == 1] == VERSION).all() and (versions[mask == 0] == -1).all()  # AReaL's version per token
+        assert (versions[mask == 1] == VERSION).all() and (
+            versions[mask == 0] == -1
+        ).all()  # AReaL's version per token
         assert (logp[mask == 0] == 0).all() and (logp[mask == 1] <= 0).all() and logp[mask == 1].sum() < 0
         turns = torch.nonzero(torch.diff(torch.cat([mask.new_zeros(1), mask])) == 1).numel()
         # a calculator call, then the answer, with the tool's result between them out of the mask; at T=1.5 the
@@ -112,12 +138,22 @@ def test_workflow_through_areal_engine_batch_and_actor_loss(tiny_server):
     actor = gather_logprobs(logits, torch.roll(ids, shifts=-1, dims=-1), temperature=TEMPERATURE) * loss_mask
     on = loss_mask.bool()
     diff = (actor[on] - old_logp[on]).abs().max().item()
-    print(f"max |actor logp - rollout logp| on loss tokens {diff:.1e} over {int(on.sum())} tokens; mean rollout logp {old_logp[on].mean():.3e}")
+    print(
+        f"max |actor logp - rollout logp| on loss tokens {diff:.1e} over {int(on.sum())} tokens; mean rollout logp {old_logp[on].mean():.3e}"
+    )
     assert diff < 1e-4, diff
-    rejection = RejectionSamplingConfig(level="token", action="mask", metric="ratio", upper=1.001, lower=0.999)
-    loss, stat = ppo_actor_loss_fn(logprobs=actor, proximal_logprobs=actor, old_logprobs=old_logp,
-                                   advantages=torch.randn_like(actor), eps_clip=0.2, loss_mask=on,
-                                   rejection_sampling=rejection)  # fmt: skip
+    rejection = RejectionSamplingConfig(
+        level="token", action="mask", metric="ratio", upper=1.001, lower=0.999
+    )
+    loss, stat = ppo_actor_loss_fn(
+        logprobs=actor,
+        proximal_logprobs=actor,
+        old_logprobs=old_logp,
+        advantages=torch.randn_like(actor),
+        eps_clip=0.2,
+        loss_mask=on,
+        rejection_sampling=rejection,
+    )
     assert torch.isfinite(loss).all() and int(stat["behave_mask"].sum()) == int(on.sum())  # nothing rejected
 
 
@@ -138,7 +174,9 @@ def test_an_episode_without_logprobs_is_refused_and_one_with_them_batches_whole(
             return {"token_ids": answer, "logprobs": [-0.25] * len(answer) if logprobs else None}
 
         with RolloutEngine("calculator", tok, backend=FunctionBackend(generate)) as engine:
-            (sample,) = engine.generate_samples([user_row(uid="r", reward_model={"ground_truth": "3"})]).samples
+            (sample,) = engine.generate_samples(
+                [user_row(uid="r", reward_model={"ground_truth": "3"})]
+            ).samples
         if logprobs:
             episodes += [to_areal(sample), to_areal(sample)]
         else:
@@ -169,8 +207,13 @@ def test_a_segmenting_spec_is_one_episode_of_a_row_per_segment():
             assert isinstance(req, ModelRequest)
             self.requests.append(req)
             ids = compact_turn(tok, req.input_ids)
-            return ModelResponse(input_tokens=req.input_ids, output_tokens=ids, output_logprobs=[-0.25] * len(ids),
-                                 output_versions=[VERSION] * len(ids), stop_reason="stop")  # fmt: skip
+            return ModelResponse(
+                input_tokens=req.input_ids,
+                output_tokens=ids,
+                output_logprobs=[-0.25] * len(ids),
+                output_versions=[VERSION] * len(ids),
+                stop_reason="stop",
+            )
 
     row = compact_row()
     workflow = FSMWorkflow(SPEC, tok, gconfig=GenerationHyperparameters(temperature=1.0))

@@ -31,8 +31,11 @@ def scripted(tokenizer: Any, turns: list[str] | None = None) -> ScriptedBackend:
 
 
 def row(question: str = "What is 1 + 2?", answer: str = "3") -> dict[str, Any]:
-    return {"raw_prompt": [{"role": "user", "content": question}], "reward_model": {"ground_truth": answer},
-            "data_source": "calculator"}  # fmt: skip
+    return {
+        "raw_prompt": [{"role": "user", "content": question}],
+        "reward_model": {"ground_truth": answer},
+        "data_source": "calculator",
+    }
 
 
 def assert_token_exact(traj: Any, backend: ScriptedBackend) -> None:

@@ -19,7 +19,10 @@ def call(messages: list) -> int:
     request = urllib.request.Request(
         os.environ["OPENAI_BASE_URL"] + "/chat/completions",
         data=json.dumps({"model": "m", "messages": messages}).encode(),
-        headers={"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"], "Content-Type": "application/json"},
+        headers={
+            "Authorization": "Bearer " + os.environ["OPENAI_API_KEY"],
+            "Content-Type": "application/json",
+        },
     )
     try:
         with urllib.request.urlopen(request, timeout=60) as answer:
@@ -54,8 +57,12 @@ if __name__ == "__main__":
         sys.exit(0)
     call(json.loads(os.environ["AGENTFSM_ROW"])["raw_prompt"])
     for name, own_session in (("group", False), ("setsid", True)):
-        subprocess.Popen([sys.executable, __file__, name, str(os.getpid())], start_new_session=own_session,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        subprocess.Popen(
+            [sys.executable, __file__, name, str(os.getpid())],
+            start_new_session=own_session,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
     deadline = time.monotonic() + 30
     while not all(os.path.exists(os.path.join(OUT, f"{n}.pid")) for n in ("group", "setsid")):
         assert time.monotonic() < deadline, "the grandchildren did not start"

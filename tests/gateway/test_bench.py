@@ -77,8 +77,9 @@ def test_pinned_kinds_place_the_client_and_unpin_after(monkeypatch: pytest.Monke
 
     monkeypatch.setattr(bench, "_start_client", recording)
     before = os.sched_getaffinity(0)
-    out = bench.bench_gateway(sessions=(1,), repeats=1, calls_at_one=4,
-                              kinds=("native", "gateway_same_core", "gateway_other_core"))  # fmt: skip
+    out = bench.bench_gateway(
+        sessions=(1,), repeats=1, calls_at_one=4, kinds=("native", "gateway_same_core", "gateway_other_core")
+    )
     row = out["rows"]["1_in_flight"]
     assert row["gateway_same_core_cpu_us_per_call"] > 0 and len(row["gateway_other_core_round_ratios"]) == 1
     assert placed[-2:] == [({0}, {0}), ({0}, {1})]  # the warm-up runs come first, placed alike

@@ -19,8 +19,16 @@ from examples.gateway import codex
 from fsm.gateway import harness
 
 ROOT = Path(__file__).resolve().parents[2]
-FIT = ["-c", f"model_instructions_file={json.dumps(str(Path(__file__).with_name('codex_instructions.md')))}",
-       "--disable", "goals", "--disable", "view_image", "-c", "skills.include_instructions=false"]  # fmt: skip
+FIT = [
+    "-c",
+    f"model_instructions_file={json.dumps(str(Path(__file__).with_name('codex_instructions.md')))}",
+    "--disable",
+    "goals",
+    "--disable",
+    "view_image",
+    "-c",
+    "skills.include_instructions=false",
+]
 small_codex = harness(command=[sys.executable, codex.__file__, *FIT], timeout_s=300)
 
 
@@ -29,25 +37,52 @@ def codex_cli() -> str:
     found = codex.codex_binary()
     if found is None or (os.path.sep in found and not Path(found).exists()):
         if os.environ.get("CI") == "true":
-            pytest.fail("the Codex CLI is missing under CI=true: .ci/run installs it with `bash .ci/codex.sh`")
+            pytest.fail(
+                "the Codex CLI is missing under CI=true: .ci/run installs it with `bash .ci/codex.sh`"
+            )
         pytest.skip("the Codex CLI is not installed: `bash .ci/codex.sh` installs it into .codex-cli/")
     return found
 
 
-def test_the_codex_cli_runs_one_exchange_and_its_row_says_how_it_ended(tmp_path: Path, codex_cli: str) -> None:
+def test_the_codex_cli_runs_one_exchange_and_its_row_says_how_it_ended(
+    tmp_path: Path, codex_cli: str
+) -> None:
     spec = tmp_path / "codex.yaml"
-    spec.write_text((ROOT / "examples/gateway/codex.yaml").read_text().replace(
-        "extends: base.yaml", f"extends: {ROOT / 'examples/gateway/base.yaml'}").replace(
-        "examples.gateway.codex:codex_harness", "tests.gateway.test_codex:small_codex"))  # fmt: skip
+    spec.write_text(
+        (ROOT / "examples/gateway/codex.yaml")
+        .read_text()
+        .replace("extends: base.yaml", f"extends: {ROOT / 'examples/gateway/base.yaml'}")
+        .replace("examples.gateway.codex:codex_harness", "tests.gateway.test_codex:small_codex")
+    )
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "fsm.cli", "gateway", str(spec), "--num-prompts", "1", "-q",
-                           "--out", str(out)], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT),
-                           "AGENTFSM_CODEX": codex_cli}, capture_output=True, text=True, timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fsm.cli",
+            "gateway",
+            str(spec),
+            "--num-prompts",
+            "1",
+            "-q",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "AGENTFSM_CODEX": codex_cli},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads((out / "trajectories.jsonl").read_text().splitlines()[0])
     assert record["termination_reason"] in ("done", "harness_failed"), record
-    assert record["num_turns"] >= 1 and record["prompt_tokens"] > 1000, record  # Codex's prompt, then the model's turn
+    assert record["num_turns"] >= 1 and record["prompt_tokens"] > 1000, (
+        record
+    )  # Codex's prompt, then the model's turn
     assert [t["role"] for t in record["turns"]][:1] == ["assistant"]
-    assert "exec_command" in record["prompt"] and "multi_agent_v1" not in record["prompt"]  # its function tools only
+    assert (
+        "exec_command" in record["prompt"] and "multi_agent_v1" not in record["prompt"]
+    )  # its function tools only
     (note,) = record["gateway_notes"]
     assert "type 'namespace', 'multi_agent_v1'" in note and "type 'web_search'" in note, note

@@ -56,13 +56,21 @@ def test_a_worker_registers_only_with_the_token_once_and_a_port():
     joined = []
 
     async def main() -> list[int]:
-        async with Front(token="s3cret", expects={"w0"}, on_register=joined.append) as front, ClientSession() as http:
+        async with (
+            Front(token="s3cret", expects={"w0"}, on_register=joined.append) as front,
+            ClientSession() as http,
+        ):
             out = []
-            for tag, key, body in (("w0", "wrong", {"port": 4000}), ("w9", "s3cret", {"port": 4000}),
-                                   ("w0", "s3cret", {"port": "x"}), ("w0", "s3cret", {"port": 4000}),
-                                   ("w0", "s3cret", {"port": 4001})):  # fmt: skip
-                async with http.post(f"{front.url}/workers/{tag}", json=body,
-                                     headers={"Authorization": f"Bearer {key}"}) as r:  # fmt: skip
+            for tag, key, body in (
+                ("w0", "wrong", {"port": 4000}),
+                ("w9", "s3cret", {"port": 4000}),
+                ("w0", "s3cret", {"port": "x"}),
+                ("w0", "s3cret", {"port": 4000}),
+                ("w0", "s3cret", {"port": 4001}),
+            ):
+                async with http.post(
+                    f"{front.url}/workers/{tag}", json=body, headers={"Authorization": f"Bearer {key}"}
+                ) as r:
                     out.append(r.status)
             return out, dict(front.workers)
 

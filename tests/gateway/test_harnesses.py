@@ -9,8 +9,13 @@ from tests.conftest import extra
 from tests.gateway.conftest import ANSWER, assert_token_exact, row, scripted
 
 SPECS = ["base", "chat_stream", "anthropic", "agents_sdk", "langgraph"]
-NEEDS = {"base": "openai", "chat_stream": "openai", "anthropic": "anthropic", "agents_sdk": "agents",
-         "langgraph": "langgraph"}  # fmt: skip
+NEEDS = {
+    "base": "openai",
+    "chat_stream": "openai",
+    "anthropic": "anthropic",
+    "agents_sdk": "agents",
+    "langgraph": "langgraph",
+}
 
 
 @pytest.mark.parametrize("name", SPECS)

@@ -37,7 +37,13 @@ states:
     return path
 
 
-def run(path: Path, tokenizer: Any, rows: list[dict], gateway: Gateway | None = None, turns: list[str] | None = None):
+def run(
+    path: Path,
+    tokenizer: Any,
+    rows: list[dict],
+    gateway: Gateway | None = None,
+    turns: list[str] | None = None,
+):
     backend = scripted(tokenizer, turns)
     with RolloutEngine(str(path), tokenizer, backend=backend) as engine:
         if gateway is not None:
@@ -50,9 +56,19 @@ async def _attach(gateway: Gateway, backend: Any) -> None:
     gateway.attach(backend)
 
 
-async def post(call: HarnessCall, path: str, body: Any, *, key: str | None = None, raw: bytes | None = None,
-               base: str | None = None) -> tuple[int, Any]:  # fmt: skip
-    headers = {"Authorization": f"Bearer {call.api_key if key is None else key}", "Content-Type": "application/json"}
+async def post(
+    call: HarnessCall,
+    path: str,
+    body: Any,
+    *,
+    key: str | None = None,
+    raw: bytes | None = None,
+    base: str | None = None,
+) -> tuple[int, Any]:
+    headers = {
+        "Authorization": f"Bearer {call.api_key if key is None else key}",
+        "Content-Type": "application/json",
+    }
     async with aiohttp.ClientSession() as http:
         data = raw if raw is not None else json.dumps(body).encode()
         async with http.post(f"{base or call.base_url}/{path}", data=data, headers=headers) as r:
@@ -74,7 +90,9 @@ async def probe_auth(call: HarnessCall) -> dict:
     out = {}
     out["no_key"] = await post(call, "chat/completions", chat(USER), key="")
     out["wrong_key"] = await post(call, "chat/completions", chat(USER), key="x" * 32)
-    out["anthropic_wrong_key"] = await post(call, "messages", {"model": "m", "max_tokens": 8, "messages": [USER]}, key="nope")
+    out["anthropic_wrong_key"] = await post(
+        call, "messages", {"model": "m", "max_tokens": 8, "messages": [USER]}, key="nope"
+    )
     # the other row's session, with this row's key: refused; its own key works only there
     SHARED.setdefault("calls", []).append(call)
     while len(SHARED["calls"]) < 2:
@@ -84,14 +102,22 @@ async def probe_auth(call: HarnessCall) -> dict:
     out["bad_json"] = await post(call, "chat/completions", None, raw=b"{not json")
     out["deep_json"] = await post(call, "chat/completions", None, raw=b"[" * 100_000 + b"]" * 100_000)
     out["not_object"] = await post(call, "chat/completions", [1, 2])
-    out["image"] = await post(call, "chat/completions", chat({"role": "user", "content": [{"type": "image_url"}]}))
+    out["image"] = await post(
+        call, "chat/completions", chat({"role": "user", "content": [{"type": "image_url"}]})
+    )
     out["too_big"] = await post(call, "chat/completions", chat({"role": "user", "content": "x" * 300_000}))
-    out["too_big_chunked"] = await _chunked(call, json.dumps(chat({"role": "user", "content": "x" * 300_000})).encode())
+    out["too_big_chunked"] = await _chunked(
+        call, json.dumps(chat({"role": "user", "content": "x" * 300_000})).encode()
+    )
     out["too_many"] = await post(call, "chat/completions", chat(*[USER] * 50))
     out["unknown_api"] = await post(call, "chat/nope", chat(USER))
     out["outside"] = await post(call, "../../other", chat(USER))
-    async with aiohttp.ClientSession() as http, http.get(f"{call.base_url}/chat/completions",
-                                                         headers={"Authorization": f"Bearer {call.api_key}"}) as r:  # fmt: skip
+    async with (
+        aiohttp.ClientSession() as http,
+        http.get(
+            f"{call.base_url}/chat/completions", headers={"Authorization": f"Bearer {call.api_key}"}
+        ) as r,
+    ):
         out["get"] = r.status, await r.json()
     out["n"] = await post(call, "chat/completions", chat(USER, n=2))
     out["ok"] = await post(call, "chat/completions", chat(USER))
@@ -105,8 +131,14 @@ async def _chunked(call: HarnessCall, data: bytes) -> tuple[int, Any]:
         for k in range(0, len(data), 16_384):
             yield data[k : k + 16_384]
 
-    async with aiohttp.ClientSession() as http, http.post(f"{call.base_url}/chat/completions", data=chunks(),
-                                                          headers={"Authorization": f"Bearer {call.api_key}"}) as r:  # fmt: skip
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(
+            f"{call.base_url}/chat/completions",
+            data=chunks(),
+            headers={"Authorization": f"Bearer {call.api_key}"},
+        ) as r,
+    ):
         return r.status, await r.json()
 
 
@@ -116,7 +148,9 @@ auth_harness = harness(probe_auth, timeout_s=60)
 def test_keys_isolation_and_bounds(tmp_path, tokenizer):
     SHARED.clear()
     gateway = Gateway(limits=GatewayLimits(max_request_bytes=200_000, max_messages=20))
-    trajs, backend = run(spec(tmp_path, "tests.gateway.test_hostile:auth_harness"), tokenizer, [row(), row()], gateway)
+    trajs, backend = run(
+        spec(tmp_path, "tests.gateway.test_hostile:auth_harness"), tokenizer, [row(), row()], gateway
+    )
     for traj in trajs:
         out = traj.extra["harness"]["result"]
         for name in ("no_key", "wrong_key", "other_session"):
@@ -127,7 +161,10 @@ def test_keys_isolation_and_bounds(tmp_path, tokenizer):
         for name in ("bad_json", "deep_json", "not_object", "image", "n"):
             assert out[name][0] == 400 and "message" in out[name][1]["error"], (name, out[name])
         for name in ("too_big", "too_big_chunked"):
-            assert out[name][0] == 413 and "max_request_bytes" in out[name][1]["error"]["message"], (name, out[name])
+            assert out[name][0] == 413 and "max_request_bytes" in out[name][1]["error"]["message"], (
+                name,
+                out[name],
+            )
         for name, status in (("unknown_api", 404), ("outside", 404), ("get", 405)):
             assert out[name][0] == status and out[name][1]["error"]["message"], (name, out[name])
         assert out["too_many"][0] == 400 and "max_messages (20)" in out["too_many"][1]["error"]["message"]
@@ -144,11 +181,21 @@ async def diverge(call: HarnessCall) -> dict:
     good = {"role": "tool", "tool_call_id": tc["id"], "content": "3"}
     edited = dict(assistant, content="I changed my mind")
     out["edited_assistant"] = await post(call, "chat/completions", chat(USER, edited, good))
-    out["compacted"] = await post(call, "chat/completions", chat({"role": "user", "content": "summary"}, good))
+    out["compacted"] = await post(
+        call, "chat/completions", chat({"role": "user", "content": "summary"}, good)
+    )
     out["wrong_role"] = await post(call, "chat/completions", chat(USER, dict(assistant, role="user"), good))
     out["branch"] = await post(call, "chat/completions", chat(USER, assistant))
-    out["other_tools"] = await post(call, "chat/completions", chat(USER, assistant, good, tools=[
-        {"type": "function", "function": {"name": "x", "parameters": {"type": "object"}}}]))
+    out["other_tools"] = await post(
+        call,
+        "chat/completions",
+        chat(
+            USER,
+            assistant,
+            good,
+            tools=[{"type": "function", "function": {"name": "x", "parameters": {"type": "object"}}}],
+        ),
+    )
     out["extends"] = await post(call, "chat/completions", chat(USER, assistant, good))
     return out
 
@@ -157,16 +204,28 @@ diverge_harness = harness(diverge, timeout_s=60)
 
 
 def test_a_history_that_differs_is_never_merged(tmp_path, tokenizer):
-    trajs, backend = run(spec(tmp_path, "tests.gateway.test_hostile:diverge_harness", "limits: {max_assistant_turns: 8}"),
-                         tokenizer, [row()])  # fmt: skip
+    trajs, backend = run(
+        spec(tmp_path, "tests.gateway.test_hostile:diverge_harness", "limits: {max_assistant_turns: 8}"),
+        tokenizer,
+        [row()],
+    )
     traj = trajs[0]
     out = traj.extra["harness"]["result"]
     for name in ("edited_assistant", "compacted", "wrong_role", "other_tools", "extends"):
         assert out[name][0] == 200, (name, out[name])
     # a request ending on the model's own turn has nothing for the model to answer
-    assert out["branch"][0] == 400 and "ends with an assistant message" in out["branch"][1]["error"]["message"]
+    assert (
+        out["branch"][0] == 400 and "ends with an assistant message" in out["branch"][1]["error"]["message"]
+    )
     # each differing history is a segment of its own ("extends" follows the first turn again: a branch)
-    assert [s.reason for s in traj.segments] == ["prompt", "history", "history", "history", "history", "branch"]
+    assert [s.reason for s in traj.segments] == [
+        "prompt",
+        "history",
+        "history",
+        "history",
+        "history",
+        "branch",
+    ]
     assert traj.assistant_turns == 6 and len(backend.requests) == 6
     # nothing the edited requests carried reached the recorded turn's row
     assert "changed my mind" not in tokenizer.decode(traj.segments[0].context_ids())
@@ -182,8 +241,11 @@ spin_harness = harness(spin, timeout_s=60)
 
 
 def test_a_harness_that_spins_is_ended_by_the_limits(tmp_path, tokenizer):
-    trajs, backend = run(spec(tmp_path, "tests.gateway.test_hostile:spin_harness", "limits: {max_assistant_turns: 1}"),
-                         tokenizer, [row()])  # fmt: skip
+    trajs, backend = run(
+        spec(tmp_path, "tests.gateway.test_hostile:spin_harness", "limits: {max_assistant_turns: 1}"),
+        tokenizer,
+        [row()],
+    )
     traj = trajs[0]
     assert traj.termination_reason == "harness_failed"
     assert traj.extra["harness"]["outcome"] == "spinning"
@@ -209,8 +271,11 @@ limit_harness = harness(limit_then_stop, timeout_s=60)
 
 def test_a_call_past_a_limit_is_an_api_error_the_sdk_raises(tmp_path, tokenizer):
     extra("openai", "gateway")  # the harness is the openai SDK
-    trajs, _ = run(spec(tmp_path, "tests.gateway.test_hostile:limit_harness", "limits: {max_assistant_turns: 1}"),
-                   tokenizer, [row()])  # fmt: skip
+    trajs, _ = run(
+        spec(tmp_path, "tests.gateway.test_hostile:limit_harness", "limits: {max_assistant_turns: 1}"),
+        tokenizer,
+        [row()],
+    )
     result = trajs[0].extra["harness"]["result"]
     assert result["code"] == "limit_reached" and "max_assistant_turns" in result["message"]
     assert trajs[0].termination_reason == "done"
@@ -245,8 +310,10 @@ command_fails = harness(command=[sys.executable, "-c", SCRIPT, "3"], timeout_s=6
 command_hangs = harness(command=[sys.executable, "-c", SCRIPT, "hang"], timeout_s=3)
 
 
-@pytest.mark.parametrize("name, outcome, code", [("command_ok", "exit", 0), ("command_fails", "exit", 3),
-                                                 ("command_hangs", "timeout", None)])  # fmt: skip
+@pytest.mark.parametrize(
+    "name, outcome, code",
+    [("command_ok", "exit", 0), ("command_fails", "exit", 3), ("command_hangs", "timeout", None)],
+)
 def test_a_command_harness(tmp_path, tokenizer, name, outcome, code):
     trajs, _ = run(spec(tmp_path, f"tests.gateway.test_hostile:{name}"), tokenizer, [row()])
     got = trajs[0].extra["harness"]
@@ -259,7 +326,9 @@ def test_a_command_harness(tmp_path, tokenizer, name, outcome, code):
 
 def test_sessions_are_bounded(tmp_path, tokenizer):
     gateway = Gateway(limits=GatewayLimits(max_sessions=1))
-    trajs, _ = run(spec(tmp_path, "tests.gateway.test_hostile:hang_harness"), tokenizer, [row(), row()], gateway)
+    trajs, _ = run(
+        spec(tmp_path, "tests.gateway.test_hostile:hang_harness"), tokenizer, [row(), row()], gateway
+    )
     errors = [t.error for t in trajs if t.error]
     assert len(errors) == 1 and "max_sessions (1)" in errors[0]
 
@@ -290,7 +359,6 @@ def test_concurrent_first_uses_start_one_server():
     assert len(ports) == 1 and 0 not in ports  # every first user got the one server
 
 
-
 command_orphans = harness(command=[sys.executable, str(Path(__file__).with_name("orphans.py"))], timeout_s=60)
 
 
@@ -307,7 +375,9 @@ def test_a_harness_leaves_no_process_and_its_session_ends_with_it(tmp_path, toke
     got = trajs[0].extra["harness"]
     assert got["outcome"] == "exit" and got["exit_code"] == 0, got
     pids = {name: int((tmp_path / f"{name}.pid").read_text()) for name in ("group", "setsid")}
-    assert not [name for name, pid in pids.items() if _running(pid)], pids  # ended with the row, SIGTERM ignored
+    assert not [name for name, pid in pids.items() if _running(pid)], (
+        pids
+    )  # ended with the row, SIGTERM ignored
     for name in pids:  # killed before it could call, or refused: never answered
         status = tmp_path / f"{name}.status"
         assert not status.exists() or status.read_text() in ("401", "400"), status.read_text()
@@ -315,13 +385,17 @@ def test_a_harness_leaves_no_process_and_its_session_ends_with_it(tmp_path, toke
     assert trajs[0].termination_reason == "done"
 
 
-command_orphans_hangs = harness(command=[sys.executable, str(Path(__file__).with_name("orphans.py"))], timeout_s=5)
+command_orphans_hangs = harness(
+    command=[sys.executable, str(Path(__file__).with_name("orphans.py"))], timeout_s=5
+)
 
 
 def test_a_harness_its_row_ends_leaves_no_process(tmp_path, tokenizer, monkeypatch):
     monkeypatch.setenv("ORPHANS_DIR", str(tmp_path))
     monkeypatch.setenv("ORPHANS_HANG", "1")
-    trajs, backend = run(spec(tmp_path, "tests.gateway.test_hostile:command_orphans_hangs"), tokenizer, [row()])
+    trajs, backend = run(
+        spec(tmp_path, "tests.gateway.test_hostile:command_orphans_hangs"), tokenizer, [row()]
+    )
     assert trajs[0].extra["harness"]["outcome"] == "timeout", trajs[0].extra["harness"]
     pids = {name: int((tmp_path / f"{name}.pid").read_text()) for name in ("group", "setsid")}
     assert not [name for name, pid in pids.items() if _running(pid)], pids

@@ -46,7 +46,9 @@ def test_two_engines_share_no_gateway_state_and_each_closes_its_own(tokenizer):
         assert gateway_a is not gateway_b and gateway_a.port != gateway_b.port
         runs_a, runs_b = _mine(mine_a, "gateway.harnesses"), _mine(mine_b, "gateway.harnesses")
         assert runs_a is not runs_b
-        assert runs_a.live == {} == runs_b.live and not runs_a.tasks and not runs_b.tasks  # every row ended its own
+        assert (
+            runs_a.live == {} == runs_b.live and not runs_a.tasks and not runs_b.tasks
+        )  # every row ended its own
         a.close()
         assert _refused(gateway_a.port) and not _refused(gateway_b.port)
         (again,) = b._run_sync(b.arun([row()]))  # the other engine's gateway still serves

@@ -17,7 +17,9 @@ from tests.conftest import ASSETS
 from tests.gateway.conftest import row
 from tests.gateway.test_hostile import USER, chat, post, spec
 
-pytestmark = pytest.mark.skipif(not (ASSETS / "model.safetensors").exists(), reason="the tiny model is missing")
+pytestmark = pytest.mark.skipif(
+    not (ASSETS / "model.safetensors").exists(), reason="the tiny model is missing"
+)
 
 
 async def three_calls(call: HarnessCall) -> list[int]:
@@ -32,7 +34,9 @@ async def three_calls(call: HarnessCall) -> list[int]:
         message = body["choices"][0]["message"]
         messages.append(message)
         if message.get("tool_calls"):
-            messages += [{"role": "tool", "tool_call_id": c["id"], "content": "3"} for c in message["tool_calls"]]
+            messages += [
+                {"role": "tool", "tool_call_id": c["id"], "content": "3"} for c in message["tool_calls"]
+            ]
         else:
             messages.append({"role": "user", "content": "Are you sure?"})
     return statuses
@@ -53,8 +57,11 @@ async def mid_turn(backend: Any, timeout_s: float = 60) -> None:
 def test_a_harness_call_in_flight_across_a_weight_update(tmp_path, tokenizer, mode):
     from backends.hf import HFBackend
 
-    path = spec(tmp_path, "tests.gateway.test_pause:pause_harness",
-                "limits: {max_assistant_turns: 3, max_new_tokens: 96, response_length: 1024}")  # fmt: skip
+    path = spec(
+        tmp_path,
+        "tests.gateway.test_pause:pause_harness",
+        "limits: {max_assistant_turns: 3, max_new_tokens: 96, response_length: 1024}",
+    )
     backend = HFBackend(ASSETS, torch_threads=1, device="cpu")
 
     async def main() -> tuple[list, int]:
@@ -78,6 +85,10 @@ def test_a_harness_call_in_flight_across_a_weight_update(tmp_path, tokenizer, mo
     assert traj.assistant_turns == 3 and not traj.failed
     versions, mask = traj.response_versions.tolist(), traj.response_mask.tolist()
     turns = [versions[r.start : r.end] for r in traj.runs if r.role == "assistant"]
-    assert any(set(t) == {0, 1} for t in turns), turns  # the call in flight: tokens before and after the update
-    assert all(v >= 0 for t in turns for v in t) and [v for v in versions if v >= 0] == sorted(v for v in versions if v >= 0)
+    assert any(set(t) == {0, 1} for t in turns), (
+        turns
+    )  # the call in flight: tokens before and after the update
+    assert all(v >= 0 for t in turns for v in t) and [v for v in versions if v >= 0] == sorted(
+        v for v in versions if v >= 0
+    )
     assert all((v == -1) == (m == 0) for v, m in zip(versions, mask))

@@ -22,7 +22,9 @@ class Recording(ScriptedBackend):
     it answered with, per session."""
 
     def __init__(self, tokenizer: Any):
-        ids = [tokenizer.encode(t, add_special_tokens=False) + [tokenizer.eos_token_id] for t in (CALL, ANSWER)]
+        ids = [
+            tokenizer.encode(t, add_special_tokens=False) + [tokenizer.eos_token_id] for t in (CALL, ANSWER)
+        ]
         self.seen: list[tuple[str, list[int], list[int]]] = []
 
         def turn(session: str, k: int, prompt: list[int]) -> list[int]:
@@ -42,8 +44,13 @@ def run(path: Path, tokenizer: Any, gateway: Gateway | None = None) -> tuple[lis
         limits = engine.agent.limits
         for traj in trajs:  # --check-tokens: each segment is the template's render of its own conversation
             assert check_segments(engine.codec, traj) is None, check_segments(engine.codec, traj)
-    batch = collate(trajs, prompt_length=limits.prompt_length, response_length=limits.response_length,
-                    pad_token_id=tokenizer.pad_token_id or 0, logprobs=False)  # fmt: skip
+    batch = collate(
+        trajs,
+        prompt_length=limits.prompt_length,
+        response_length=limits.response_length,
+        pad_token_id=tokenizer.pad_token_id or 0,
+        logprobs=False,
+    )
     return trajs, backend, batch
 
 
@@ -88,7 +95,10 @@ async def compacting(call: HarnessCall) -> list[str]:
     """Two turns, then the history compacted to one summary message (the old ones dropped), and on."""
     a1 = await turn(call, USER)
     a2 = await turn(call, USER, a1, tool(a1))
-    summary = {"role": "user", "content": "Earlier you computed 1 + 2 = 3 with the calculator. What is 1 + 2?"}
+    summary = {
+        "role": "user",
+        "content": "Earlier you computed 1 + 2 = 3 with the calculator. What is 1 + 2?",
+    }
     a3 = await turn(call, summary)
     a4 = await turn(call, summary, a3, tool(a3))
     return [a2["content"], a4["content"]]
@@ -108,7 +118,9 @@ async def branching(call: HarnessCall) -> None:
     a2 = await turn(call, USER, a1, tool(a1))
     await turn(call, USER, a1, tool(a1), a2, {"role": "user", "content": "And 2 + 2?"})  # extends: no segment
     b2 = await turn(call, USER, a1, tool(a1, "Error: timeout"))  # from a1's context
-    await turn(call, USER, a1, tool(a1, "Error: timeout"), b2, {"role": "user", "content": "Retry."})  # extends
+    await turn(
+        call, USER, a1, tool(a1, "Error: timeout"), b2, {"role": "user", "content": "Retry."}
+    )  # extends
 
 
 compact_harness = harness(compacting, timeout_s=60)
@@ -118,7 +130,9 @@ LIMITS = "limits: {max_assistant_turns: 8, response_length: 1024, prompt_length:
 
 
 def test_a_compacting_harness_gets_a_new_segment(tmp_path, tokenizer):
-    trajs, backend, batch = run(spec(tmp_path, "tests.gateway.test_segments:compact_harness", LIMITS), tokenizer)
+    trajs, backend, batch = run(
+        spec(tmp_path, "tests.gateway.test_segments:compact_harness", LIMITS), tokenizer
+    )
     traj = trajs[0]
     assert traj.termination_reason == "done", traj.extra.get("harness")
     assert [s.reason for s in traj.segments] == ["prompt", "history"]
@@ -137,14 +151,18 @@ def test_an_editing_harness_is_never_merged(tmp_path, tokenizer):
     assert [s.reason for s in traj.segments] == ["prompt", "history", "history"]
     first, edited, roles = traj.segments
     assert "4 (edited)" not in tokenizer.decode(first.context_ids())  # the recorded turn's row is untouched
-    assert "4 (edited)" in tokenizer.decode(edited.prompt_ids.tolist())  # the edit is the new segment's prompt
+    assert "4 (edited)" in tokenizer.decode(
+        edited.prompt_ids.tolist()
+    )  # the edit is the new segment's prompt
     assert roles.prompt_ids.tolist() != first.context_ids()[: len(roles.prompt_ids)]  # rendered as sent
     assert_segments_exact(traj, backend)
     assert_batch_rows(traj, batch)
 
 
 def test_a_branch_reattaches_to_the_earlier_turn(tmp_path, tokenizer):
-    trajs, backend, batch = run(spec(tmp_path, "tests.gateway.test_segments:branch_harness", LIMITS), tokenizer)
+    trajs, backend, batch = run(
+        spec(tmp_path, "tests.gateway.test_segments:branch_harness", LIMITS), tokenizer
+    )
     traj = trajs[0]
     assert traj.termination_reason == "done", traj.extra.get("harness")
     assert [s.reason for s in traj.segments] == ["prompt", "branch"]
@@ -163,7 +181,9 @@ async def many_edits(call: HarnessCall) -> dict:
     a1 = await turn(call, USER)
     out = {}
     for k in range(4):  # each an edited first question: a new segment each
-        out[str(k)] = await post(call, "chat/completions", chat({"role": "user", "content": f"What is {k} + 2?"}))
+        out[str(k)] = await post(
+            call, "chat/completions", chat({"role": "user", "content": f"What is {k} + 2?"})
+        )
     out["ends_on_assistant"] = await post(call, "chat/completions", chat(USER, a1))
     return out
 
@@ -173,11 +193,19 @@ many_harness = harness(many_edits, timeout_s=60)
 
 def test_segments_per_session_are_bounded(tmp_path, tokenizer):
     gateway = Gateway(limits=GatewayLimits(max_segments=3))
-    trajs, backend, _ = run(spec(tmp_path, "tests.gateway.test_segments:many_harness", LIMITS), tokenizer, gateway)
+    trajs, backend, _ = run(
+        spec(tmp_path, "tests.gateway.test_segments:many_harness", LIMITS), tokenizer, gateway
+    )
     out = trajs[0].extra["harness"]["result"]
     assert [out[str(k)][0] for k in range(4)] == [200, 200, 400, 400]
-    assert out["2"][1]["error"]["code"] == "too_many_segments" and "max_segments (3)" in out["2"][1]["error"]["message"]
-    assert out["ends_on_assistant"][0] == 400 and "ends with an assistant message" in out["ends_on_assistant"][1]["error"]["message"]
+    assert (
+        out["2"][1]["error"]["code"] == "too_many_segments"
+        and "max_segments (3)" in out["2"][1]["error"]["message"]
+    )
+    assert (
+        out["ends_on_assistant"][0] == 400
+        and "ends with an assistant message" in out["ends_on_assistant"][1]["error"]["message"]
+    )
     assert trajs[0].num_segments == 3
     assert_segments_exact(trajs[0], backend)
 
@@ -219,10 +247,17 @@ def test_a_call_keys_only_its_new_messages(monkeypatch):
     recorder = Recorder()
     plan = recorder.match(Call(list(history), None))
     recorder.begin(plan.keys, None, plan.new)
-    answer = {"role": "assistant", "content": "", "tool_calls": [{"id": "c0", "name": "f", "arguments": '{"x": 1}'}]}
+    answer = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"id": "c0", "name": "f", "arguments": '{"x": 1}'}],
+    }
     recorder.turn(SimpleNamespace(messages=[], prompt_ids=[], response_ids=[]), answer)
     keyed.clear()
-    echoed = [dict(m) for m in history] + [dict(answer), {"role": "tool", "content": "1", "tool_call_id": "c0"}]
+    echoed = [dict(m) for m in history] + [
+        dict(answer),
+        {"role": "tool", "content": "1", "tool_call_id": "c0"},
+    ]
     assert recorder.match(Call(echoed, None)).kind == "extend" and keyed == [echoed[-1]]
     echoed[3] = {"role": "user", "content": "edited"}
     assert recorder.match(Call(echoed, None)).kind == "history"
@@ -233,7 +268,9 @@ async def edit_forever(call: HarnessCall) -> dict:
     k = 0
     while True:  # every request an edited first question: past max_segments, each is refused
         k += 1
-        status, _ = await post(call, "chat/completions", chat({"role": "user", "content": f"What is {k} + 2?"}))
+        status, _ = await post(
+            call, "chat/completions", chat({"role": "user", "content": f"What is {k} + 2?"})
+        )
         if status == 401:  # the session ended: the row is over
             return {"calls": k}
 
@@ -246,7 +283,9 @@ def test_a_harness_looping_on_too_many_segments_is_spinning(tmp_path, tokenizer)
     looping 10,000 calls ran to max_transitions. They count as calls past a limit do: past max_refused_calls the
     harness is ended and its row says why."""
     gateway = Gateway(limits=GatewayLimits(max_segments=2))
-    trajs, backend, _ = run(spec(tmp_path, "tests.gateway.test_segments:edit_forever_harness", LIMITS), tokenizer, gateway)
+    trajs, backend, _ = run(
+        spec(tmp_path, "tests.gateway.test_segments:edit_forever_harness", LIMITS), tokenizer, gateway
+    )
     harness_out = trajs[0].extra["harness"]
     assert harness_out["outcome"] == "spinning" and "max_segments (2)" in harness_out["error"], harness_out
     assert trajs[0].termination_reason == "harness_failed" and trajs[0].num_segments == 2

@@ -13,11 +13,20 @@ from tests.gateway.test_hostile import USER, chat, post, run, spec
 
 # the tool exactly as the real pydantic-ai (pydantic-ai-slim[openai] 2.68.0, OpenAIChatModel) sent it for a
 # `@agent.tool_plain def calculator(expression: str)`, captured from its request body
-PYDANTIC_AI_TOOL = {"type": "function", "function": {
-    "name": "calculator", "description": "Evaluate an arithmetic expression.",
-    "parameters": {"additionalProperties": False, "properties": {"expression": {"type": "string"}},
-                   "required": ["expression"], "type": "object"},
-    "strict": True}}  # fmt: skip
+PYDANTIC_AI_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate an arithmetic expression.",
+        "parameters": {
+            "additionalProperties": False,
+            "properties": {"expression": {"type": "string"}},
+            "required": ["expression"],
+            "type": "object",
+        },
+        "strict": True,
+    },
+}
 SENT: dict[str, Any] = {}
 
 
@@ -39,8 +48,13 @@ strict_responses_harness = harness(strict_responses, timeout_s=60)
 
 
 def test_strict_tools_are_rendered_as_sent(tmp_path: Path, tokenizer: Any) -> None:
-    expected = tokenizer.apply_chat_template([USER], tools=[copy.deepcopy(PYDANTIC_AI_TOOL)], add_generation_prompt=True,
-                                             tokenize=True, return_dict=False)  # fmt: skip
+    expected = tokenizer.apply_chat_template(
+        [USER],
+        tools=[copy.deepcopy(PYDANTIC_AI_TOOL)],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+    )
     assert "strict" in tokenizer.decode(expected)  # the tiny model's template writes each tool as JSON
     for name in ("strict_chat_harness", "strict_responses_harness"):
         trajs, backend = run(spec(tmp_path, f"tests.gateway.test_tools:{name}"), tokenizer, [row()])
@@ -50,8 +64,14 @@ def test_strict_tools_are_rendered_as_sent(tmp_path: Path, tokenizer: Any) -> No
 
 
 # the tools the real Codex CLI 0.171 sends that are not functions (captured from its Responses request)
-CODEX_NAMESPACE = {"type": "namespace", "name": "multi_agent_v1", "description": "Sub-agents.", "tools": [
-    {"type": "function", "name": "spawn_agent", "parameters": {"type": "object", "properties": {}}}]}  # fmt: skip
+CODEX_NAMESPACE = {
+    "type": "namespace",
+    "name": "multi_agent_v1",
+    "description": "Sub-agents.",
+    "tools": [
+        {"type": "function", "name": "spawn_agent", "parameters": {"type": "object", "properties": {}}}
+    ],
+}
 CODEX_WEB_SEARCH = {"type": "web_search", "external_web_access": False}
 FLAT_TOOL = {"type": "function", **PYDANTIC_AI_TOOL["function"]}
 
@@ -59,8 +79,16 @@ FLAT_TOOL = {"type": "function", **PYDANTIC_AI_TOOL["function"]}
 async def codex_tools(call: HarnessCall) -> Any:
     body = {"model": "m", "input": "What is 1 + 2?", "tools": [FLAT_TOOL, CODEX_NAMESPACE, CODEX_WEB_SEARCH]}
     first = await post(call, "responses", body)
-    second = await post(call, "messages", {"model": "m", "max_tokens": 8, "messages": [USER], "tools": [
-        {"type": "web_search_20250305", "name": "web_search"}]})  # fmt: skip
+    second = await post(
+        call,
+        "messages",
+        {
+            "model": "m",
+            "max_tokens": 8,
+            "messages": [USER],
+            "tools": [{"type": "web_search_20250305", "name": "web_search"}],
+        },
+    )
     return [first[0], first[1].get("error", {}).get("message") if first[0] != 200 else None, second[0]]
 
 
@@ -70,20 +98,33 @@ codex_tools_harness = harness(codex_tools, timeout_s=60)
 def test_tools_a_local_model_cannot_serve_are_dropped_and_noted(tmp_path: Path, tokenizer: Any) -> None:
     trajs, _ = run(spec(tmp_path, "tests.gateway.test_tools:codex_tools_harness"), tokenizer, [row()])
     assert trajs[0].extra["harness"]["result"][0] == 200
-    expected = tokenizer.apply_chat_template([USER], tools=[copy.deepcopy(PYDANTIC_AI_TOOL)], add_generation_prompt=True,
-                                             tokenize=True, return_dict=False)  # fmt: skip
+    expected = tokenizer.apply_chat_template(
+        [USER],
+        tools=[copy.deepcopy(PYDANTIC_AI_TOOL)],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+    )
     assert trajs[0].segments[0].prompt_ids.tolist() == list(expected)  # the function tool alone
-    assert "web_search" not in tokenizer.decode(trajs[0].prompt_ids.tolist())  # the second call: no tools at all
+    assert "web_search" not in tokenizer.decode(
+        trajs[0].prompt_ids.tolist()
+    )  # the second call: no tools at all
     assert trajs[0].extra["gateway_notes"] == [
         "tools left out (a local model serves function tools only): tools[1] (type 'namespace', 'multi_agent_v1'), "
         "tools[2] (type 'web_search')",
-        "tools left out (a local model serves function tools only): tools.0 (type 'web_search_20250305', 'web_search')"]  # fmt: skip
+        "tools left out (a local model serves function tools only): tools.0 (type 'web_search_20250305', 'web_search')",
+    ]
 
 
 def test_tools_a_local_model_cannot_serve_can_be_refused(tmp_path: Path, tokenizer: Any) -> None:
     gateway = Gateway(limits=GatewayLimits(unsupported_tools="refuse"))
-    trajs, backend = run(spec(tmp_path, "tests.gateway.test_tools:codex_tools_harness"), tokenizer, [row()], gateway)
+    trajs, backend = run(
+        spec(tmp_path, "tests.gateway.test_tools:codex_tools_harness"), tokenizer, [row()], gateway
+    )
     assert trajs[0].extra["harness"]["result"] == [
-        400, "tools[1] (type 'namespace', 'multi_agent_v1'): only function tools are supported (the gateway's "
-        "unsupported_tools is 'refuse')", 400]  # fmt: skip
+        400,
+        "tools[1] (type 'namespace', 'multi_agent_v1'): only function tools are supported (the gateway's "
+        "unsupported_tools is 'refuse')",
+        400,
+    ]
     assert not backend.requests and "gateway_notes" not in trajs[0].extra

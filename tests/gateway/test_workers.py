@@ -27,8 +27,14 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
 
 def _agentfsm(*argv: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "fsm.cli", "gateway", SPEC, *argv], cwd=ROOT, env=ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-m", "fsm.cli", "gateway", SPEC, *argv],
+        cwd=ROOT,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str]:
@@ -122,8 +128,10 @@ def test_a_worker_that_never_registers_fails_the_run_in_time(tmp_path):
     os.kill(pids["w1"], signal.SIGSTOP)  # hung before it could register
     rc, said = _finish(proc, timeout=120)
     assert rc == 1, said
-    assert (f"agentfsm: gateway worker w1 (pid {pids['w1']}, rows 2..3) did not register with the front within 20 s "
-            "(--worker-start-timeout)") in said  # fmt: skip
+    assert (
+        f"agentfsm: gateway worker w1 (pid {pids['w1']}, rows 2..3) did not register with the front within 20 s "
+        "(--worker-start-timeout)"
+    ) in said
     assert time.monotonic() - t0 < 60
     assert not any(_alive(pid) for pid in pids.values())
 
@@ -182,9 +190,27 @@ def test_a_harness_is_not_given_the_front_token(tmp_path):
     spec = _spec(tmp_path, "tests.gateway.test_workers:env_harness")
     dumps = tmp_path / "env"
     dumps.mkdir()
-    proc = subprocess.Popen([sys.executable, "-m", "fsm.cli", "gateway", str(spec), "--num-prompts", "2", "--workers",
-                             "2", "-q", "--out", str(tmp_path / "run")], cwd=ROOT, env={**ENV, "ENV_DIR": str(dumps)},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "fsm.cli",
+            "gateway",
+            str(spec),
+            "--num-prompts",
+            "2",
+            "--workers",
+            "2",
+            "-q",
+            "--out",
+            str(tmp_path / "run"),
+        ],
+        cwd=ROOT,
+        env={**ENV, "ENV_DIR": str(dumps)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     rc, said = _finish(proc)
     assert rc == 0, said
     envs = [json.loads(p.read_text()) for p in dumps.iterdir()]
@@ -207,10 +233,29 @@ def _stopped_worker(tmp_path: Path, *more: str) -> tuple[subprocess.Popen, dict[
     """A run over 2 workers whose w1 is stopped (SIGSTOP) once it has registered and started a row."""
     seen, out = tmp_path / "pids", tmp_path / "run"
     seen.mkdir()
-    proc = subprocess.Popen([sys.executable, "-m", "fsm.cli", "gateway", str(_spec(tmp_path, "tests.gateway.test_workers:pid_harness")),
-                             "--num-prompts", "32", "--workers", "2", "--worker-silent-timeout", "5", "--out", str(out), *more],
-                            cwd=ROOT, env={**ENV, "ENV_DIR": str(seen)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "fsm.cli",
+            "gateway",
+            str(_spec(tmp_path, "tests.gateway.test_workers:pid_harness")),
+            "--num-prompts",
+            "32",
+            "--workers",
+            "2",
+            "--worker-silent-timeout",
+            "5",
+            "--out",
+            str(out),
+            *more,
+        ],
+        cwd=ROOT,
+        env={**ENV, "ENV_DIR": str(seen)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     pids = {tag: _pid_file(out, tag) for tag in ("w0", "w1")}
     deadline = time.monotonic() + 120
     while not (seen / str(pids["w1"])).exists():  # registered: its rows have started
@@ -226,8 +271,10 @@ def test_a_stopped_worker_is_named_and_fails_the_run(tmp_path):
     rc, said = _finish(proc, timeout=120)
     assert rc == 1, said
     last = said.strip().splitlines()[-1]
-    assert last.startswith(f"agentfsm: gateway worker w1 (pid {pids['w1']}, rows 16..31) has sent no heartbeat for 5 s "
-                           "(--worker-silent-timeout): it is stopped (SIGSTOP) or frozen"), said  # fmt: skip
+    assert last.startswith(
+        f"agentfsm: gateway worker w1 (pid {pids['w1']}, rows 16..31) has sent no heartbeat for 5 s "
+        "(--worker-silent-timeout): it is stopped (SIGSTOP) or frozen"
+    ), said
     assert time.monotonic() - t0 < 60
     assert not (out / "summary.json").exists()
     assert not any(_alive(pid) for pid in pids.values())

@@ -56,16 +56,24 @@ class TinyVLLM:
 
     async def generate(self, prompt_token_ids, sampling_params, multi_modal_data=None):
         self.requests.append(sampling_params)
-        result = await self.backend.generate(GenerateRequest(
-            session_id=f"s{len(self.requests)}", prompt_ids=list(prompt_token_ids),
-            sampling_params={"max_new_tokens": sampling_params.max_tokens, "temperature": sampling_params.temperature,
-                             "top_p": sampling_params.top_p, "top_k": sampling_params.top_k,
-                             "stop_token_ids": list(sampling_params.stop_token_ids or []),
-                             "sampling_seed": sampling_params.seed},
-        ))  # fmt: skip
+        result = await self.backend.generate(
+            GenerateRequest(
+                session_id=f"s{len(self.requests)}",
+                prompt_ids=list(prompt_token_ids),
+                sampling_params={
+                    "max_new_tokens": sampling_params.max_tokens,
+                    "temperature": sampling_params.temperature,
+                    "top_p": sampling_params.top_p,
+                    "top_k": sampling_params.top_k,
+                    "stop_token_ids": list(sampling_params.stop_token_ids or []),
+                    "sampling_seed": sampling_params.seed,
+                },
+            )
+        )
         logprobs = [{t: Logprob(lp, rank=1)} for t, lp in zip(result.token_ids, result.logprobs)]
-        completion = CompletionOutput(0, "", result.token_ids, sum(result.logprobs), logprobs,
-                                      finish_reason=result.finish_reason)  # fmt: skip
+        completion = CompletionOutput(
+            0, "", result.token_ids, sum(result.logprobs), logprobs, finish_reason=result.finish_reason
+        )
         return RequestOutput("r", None, list(prompt_token_ids), None, [completion], True)
 
 
@@ -74,30 +82,51 @@ async def test_agent_executor_through_openrlhf_loader_experience_and_loss():
     assert isinstance(executor, AgentExecutorBase)
     tok = AutoTokenizer.from_pretrained(ASSETS)
     # what OpenRLHF's SamplesGenerator._dispatch_prompts_to_vllm builds, with the IS correction on (logprobs=1)
-    sampling = SamplingParams(temperature=TEMPERATURE, top_p=1.0, top_k=-1, max_tokens=None, min_tokens=1,
-                              skip_special_tokens=False, logprobs=1)  # fmt: skip
+    sampling = SamplingParams(
+        temperature=TEMPERATURE,
+        top_p=1.0,
+        top_k=-1,
+        max_tokens=None,
+        min_tokens=1,
+        skip_special_tokens=False,
+        logprobs=1,
+    )
     rows = make_prompts(2, seed=7)
     prompts = [json.dumps(r["raw_prompt"]) for r in rows]  # the dataset's input_key: chat messages as JSON
     labels = [r["reward_model"]["ground_truth"] for r in rows]
     async with HFBackend(ASSETS) as backend:
         llm = TinyVLLM(backend)
-        responses = await asyncio.gather(*(  # as RolloutRayActor.generate_responses: n samples per prompt, at once
-            executor.execute(prompt=p, label=y, sampling_params=sampling, max_length=MAX_LEN, hf_tokenizer=tok,
-                             llm_engine=llm)
-            for p, y in zip(prompts, labels) for _ in range(2)
-        ))  # fmt: skip
+        responses = await asyncio.gather(
+            *(  # as RolloutRayActor.generate_responses: n samples per prompt, at once
+                executor.execute(
+                    prompt=p,
+                    label=y,
+                    sampling_params=sampling,
+                    max_length=MAX_LEN,
+                    hf_tokenizer=tok,
+                    llm_engine=llm,
+                )
+                for p, y in zip(prompts, labels)
+                for _ in range(2)
+            )
+        )
     await executor.rollout.engine.aclose()
-    assert all(r.temperature == TEMPERATURE and r.max_tokens <= 64 and tok.eos_token_id in r.stop_token_ids
-               for r in llm.requests)  # OpenRLHF's temperature; the spec's turn budget and stop ids  # fmt: skip
+    assert all(
+        r.temperature == TEMPERATURE and r.max_tokens <= 64 and tok.eos_token_id in r.stop_token_ids
+        for r in llm.requests
+    )  # OpenRLHF's temperature; the spec's turn budget and stop ids
 
-    experiences = [SamplesGenerator._process_response_into_experience(None, r, max_len=MAX_LEN) for r in responses]
+    experiences = [
+        SamplesGenerator._process_response_into_experience(None, r, max_len=MAX_LEN) for r in responses
+    ]
     model = AutoModelForCausalLM.from_pretrained(ASSETS, dtype=torch.float32).eval()
     tool_rounds = 0
     for k, (response, exp) in enumerate(zip(responses, experiences)):
         messages, label = json.loads(prompts[k // 2]), labels[k // 2]
         seq = exp.sequences[0].tolist()
-        prompt_ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False,
-                                             tools=[TOOL_SCHEMA])  # fmt: skip
+        prompt_ids = tok.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False, tools=[TOOL_SCHEMA]
+        )
         assert seq == response["observation_tokens"] and seq[: len(prompt_ids)] == prompt_ids
         action = exp.action_mask[0]  # [N-1]: action_mask[j] is token j+1
         assert action.shape[0] == len(seq) - 1 and action[: len(prompt_ids) - 1].sum() == 0
@@ -124,9 +153,15 @@ async def test_agent_executor_through_openrlhf_loader_experience_and_loss():
         assert diff < 1e-4, diff
         # OpenRLHF's PolicyLoss with token-level train/rollout correction: nothing filtered, no mismatch
         loss_fn = PolicyLoss(is_correction_level="token", is_correction_mode="mask")
-        loss, clip_ratio, _, vllm_kl, filtered = loss_fn(actor, actor, torch.ones_like(actor), exp.action_mask,
-                                                         rollout)  # fmt: skip
-        assert torch.isfinite(loss) and clip_ratio.item() == 0 and filtered.item() == 0 and abs(vllm_kl.item()) < 1e-4
+        loss, clip_ratio, _, vllm_kl, filtered = loss_fn(
+            actor, actor, torch.ones_like(actor), exp.action_mask, rollout
+        )
+        assert (
+            torch.isfinite(loss)
+            and clip_ratio.item() == 0
+            and filtered.item() == 0
+            and abs(vllm_kl.item()) < 1e-4
+        )
     assert tool_rounds, "no sample called the calculator: the observation's mask was never checked"
 
 

@@ -32,8 +32,10 @@ def free_port() -> int:
 
 def need_venv() -> None:
     if not (PYTHON.exists() and (VENV / "cuda-stand-in" / "libcuda.so.1").exists()):
-        pytest.skip(f"real-SGLang suite: no sglang virtualenv at {VENV}; build it with `bash .ci/sglang_env.sh` "
-                    "(or point $SGLANG_VENV at one)")  # fmt: skip
+        pytest.skip(
+            f"real-SGLang suite: no sglang virtualenv at {VENV}; build it with `bash .ci/sglang_env.sh` "
+            "(or point $SGLANG_VENV at one)"
+        )
 
 
 class Served:
@@ -46,8 +48,15 @@ class Served:
 def launcher(port: int, log_dir: Path):  # -> SGLangLauncher (imported late: skipped suites import nothing)
     from backends.launcher import SGLangLauncher
 
-    return SGLangLauncher(str(ASSETS), base_port=port, device="cpu", python=str(PYTHON), log_dir=log_dir,
-                          startup_timeout_s=READY_S, extra_args=["--log-level", "warning"])  # fmt: skip
+    return SGLangLauncher(
+        str(ASSETS),
+        base_port=port,
+        device="cpu",
+        python=str(PYTHON),
+        log_dir=log_dir,
+        startup_timeout_s=READY_S,
+        extra_args=["--log-level", "warning"],
+    )
 
 
 # package: stopped when this directory's tests end, not at the end of the whole suite (an idle CPU engine still

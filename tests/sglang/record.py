@@ -34,7 +34,9 @@ async def record(url: str, only: list[str]) -> None:
             version = next(e["body"]["version"] for e in info if e["name"] == "server_info")
         FIXTURES.mkdir(parents=True, exist_ok=True)
         path = FIXTURES / f"{name}.json"
-        path.write_text(json.dumps({"sglang": version, "scenario": name, "exchanges": exchanges}, indent=1) + "\n")
+        path.write_text(
+            json.dumps({"sglang": version, "scenario": name, "exchanges": exchanges}, indent=1) + "\n"
+        )
         print(f"{path.relative_to(REPO)}: {len(exchanges)} exchanges")
 
 
@@ -45,15 +47,23 @@ async def launch_and_record(only: list[str]) -> None:
     from tests.sglang.conftest import PYTHON, READY_S, free_port
 
     with tempfile.TemporaryDirectory() as logs:
-        async with SGLangLauncher(str(ASSETS), base_port=free_port(), device="cpu", python=str(PYTHON),
-                                  log_dir=logs, startup_timeout_s=READY_S) as launcher:  # fmt: skip
+        async with SGLangLauncher(
+            str(ASSETS),
+            base_port=free_port(),
+            device="cpu",
+            python=str(PYTHON),
+            log_dir=logs,
+            startup_timeout_s=READY_S,
+        ) as launcher:
             await record(launcher.urls[0], only)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", help="a running SGLang server (default: launch one)")
-    ap.add_argument("--only", action="append", choices=sorted(SCENARIOS), default=[], help="scenario(s) to record")
+    ap.add_argument(
+        "--only", action="append", choices=sorted(SCENARIOS), default=[], help="scenario(s) to record"
+    )
     args = ap.parse_args()
     asyncio.run(record(args.url, args.only) if args.url else launch_and_record(args.only))
 

@@ -20,8 +20,36 @@ from typing import Any
 import aiohttp
 
 # The tiny model's chat prompt for "What is 12 + 7?" (backends/tiny/assets' template; eos <|im_end|> is 2).
-PROMPT = [1, 502, 201, 312, 351, 262, 493, 411, 16, 2, 201, 1, 316, 201, 413, 338, 223, 19, 20, 390, 223, 25, 33, 2, 201, 1, 359,
-          201]
+PROMPT = [
+    1,
+    502,
+    201,
+    312,
+    351,
+    262,
+    493,
+    411,
+    16,
+    2,
+    201,
+    1,
+    316,
+    201,
+    413,
+    338,
+    223,
+    19,
+    20,
+    390,
+    223,
+    25,
+    33,
+    2,
+    201,
+    1,
+    359,
+    201,
+]
 EOS = 2
 LONG = 600  # max_new_tokens of a request that must still be running when a scenario pauses or aborts it
 GREEDY = {"temperature": 0.0}
@@ -36,9 +64,19 @@ class Session:
         self.exchanges: list[dict[str, Any]] = []
         self.model_path: str | None = None
 
-    async def call(self, name: str, method: str, path: str, body: Any = None, *, raw: str | None = None,
-                   exact: tuple[str, ...] = (), keys: tuple[str, ...] = (), record: bool = True,
-                   loose: bool = False) -> Any:  # fmt: skip
+    async def call(
+        self,
+        name: str,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        raw: str | None = None,
+        exact: tuple[str, ...] = (),
+        keys: tuple[str, ...] = (),
+        record: bool = True,
+        loose: bool = False,
+    ) -> Any:
         """One exchange; `raw` sends that text as the body (malformed JSON); `keys`: compare the shape of
         these top-level keys only (SGLang's /server_info carries every server argument); `loose`: compare the
         `exact` paths only, not the shape. Returns the body."""
@@ -59,17 +97,38 @@ class Session:
         else:
             parsed = _json_or_text(text) if text else None
         if record:
-            self.exchanges[slot] = ({
-                "name": name, "method": method, "path": path, "request": body if raw is None else raw,
-                "status": resp.status, "content_type": ctype.split(";")[0] if ctype else None,
-                "body": parsed, "exact": list(exact), "keys": list(keys), "loose": loose,
-            })  # fmt: skip
+            self.exchanges[slot] = {
+                "name": name,
+                "method": method,
+                "path": path,
+                "request": body if raw is None else raw,
+                "status": resp.status,
+                "content_type": ctype.split(";")[0] if ctype else None,
+                "body": parsed,
+                "exact": list(exact),
+                "keys": list(keys),
+                "loose": loose,
+            }
         return parsed
 
-    def generate(self, name: str, rid: str, max_new: int, *, logprob: bool = True, exact: tuple[str, ...] = (),
-                 record: bool = True, loose: bool = False, **params: Any) -> Awaitable[Any]:  # fmt: skip
-        body = {"input_ids": PROMPT, "rid": rid, "return_logprob": logprob,
-                "sampling_params": {**GREEDY, "max_new_tokens": max_new, **params}}  # fmt: skip
+    def generate(
+        self,
+        name: str,
+        rid: str,
+        max_new: int,
+        *,
+        logprob: bool = True,
+        exact: tuple[str, ...] = (),
+        record: bool = True,
+        loose: bool = False,
+        **params: Any,
+    ) -> Awaitable[Any]:
+        body = {
+            "input_ids": PROMPT,
+            "rid": rid,
+            "return_logprob": logprob,
+            "sampling_params": {**GREEDY, "max_new_tokens": max_new, **params},
+        }
         return self.call(name, "POST", "/generate", body, exact=exact, record=record, loose=loose)
 
     async def loads(self) -> dict[str, Any]:
@@ -104,9 +163,17 @@ def spawn(coro: Awaitable[Any]) -> asyncio.Task[Any]:
 
 # What is equal on both servers, beyond the shape: the tokens greedy decoding makes and how a request ended.
 FINISH = ("meta_info.finish_reason",)
-TOKENS = ("output_ids", "meta_info.prompt_tokens", "meta_info.completion_tokens", "meta_info.weight_version",
-          "meta_info.weight_versions", "meta_info.dp_rank", "meta_info.cached_tokens",
-          "meta_info.cached_tokens_details", *FINISH)  # fmt: skip
+TOKENS = (
+    "output_ids",
+    "meta_info.prompt_tokens",
+    "meta_info.completion_tokens",
+    "meta_info.weight_version",
+    "meta_info.weight_versions",
+    "meta_info.dp_rank",
+    "meta_info.cached_tokens",
+    "meta_info.cached_tokens_details",
+    *FINISH,
+)
 ERROR = ("body",)
 
 
@@ -117,13 +184,37 @@ async def info(s: Session) -> None:
     """Health, readiness and what a server says about itself."""
     await s.call("health", "GET", "/health", exact=ERROR)
     await s.call("ready", "GET", "/ready", exact=ERROR)
-    await s.call("model_info", "GET", "/model_info",
-                 exact=("body.is_generation", "body.weight_version", "body.model_type", "body.architectures",
-                        "body.preferred_sampling_params", "body.disaggregation_mode"))  # fmt: skip
-    await s.call("server_info", "GET", "/server_info", exact=("body.context_length", "body.max_req_input_len",
-                                                              "body.skip_tokenizer_init", "body.version"),
-                 keys=("context_length", "max_req_input_len", "max_total_num_tokens", "skip_tokenizer_init",
-                       "version", "model_path", "served_model_name", "host", "port", "weight_version"))  # fmt: skip
+    await s.call(
+        "model_info",
+        "GET",
+        "/model_info",
+        exact=(
+            "body.is_generation",
+            "body.weight_version",
+            "body.model_type",
+            "body.architectures",
+            "body.preferred_sampling_params",
+            "body.disaggregation_mode",
+        ),
+    )
+    await s.call(
+        "server_info",
+        "GET",
+        "/server_info",
+        exact=("body.context_length", "body.max_req_input_len", "body.skip_tokenizer_init", "body.version"),
+        keys=(
+            "context_length",
+            "max_req_input_len",
+            "max_total_num_tokens",
+            "skip_tokenizer_init",
+            "version",
+            "model_path",
+            "served_model_name",
+            "host",
+            "port",
+            "weight_version",
+        ),
+    )
     await s.call("loads", "GET", "/v1/loads", exact=("body.loads.0.num_running_reqs",))
 
 
@@ -137,30 +228,62 @@ async def generate(s: Session) -> None:
     await s.generate("eos_stop", "gen-d", 64, stop_token_ids=[EOS], exact=TOKENS)
     await s.generate("zero_new", "gen-e", 0, exact=TOKENS)
     await s.generate("no_logprob", "gen-f", 4, logprob=False, exact=TOKENS)
-    body = {"input_ids": PROMPT, "rid": "gen-s", "stream": True, "sampling_params": {**GREEDY, "max_new_tokens": 3}}
+    body = {
+        "input_ids": PROMPT,
+        "rid": "gen-s",
+        "stream": True,
+        "sampling_params": {**GREEDY, "max_new_tokens": 3},
+    }
     # (SGLang may send fewer chunks than tokens when the reader lags: the first and the last two are compared)
-    await s.call("stream", "POST", "/generate", body, exact=("body.0.output_ids", "body.-2.output_ids",
-                                                            "body.-2.meta_info.finish_reason", "body.-1"))  # fmt: skip
+    await s.call(
+        "stream",
+        "POST",
+        "/generate",
+        body,
+        exact=("body.0.output_ids", "body.-2.output_ids", "body.-2.meta_info.finish_reason", "body.-1"),
+    )
 
 
 async def errors(s: Session) -> None:
     """What a bad request gets: the status and the server's words."""
     base = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4}}
     await s.call("empty_input", "POST", "/generate", {**base, "input_ids": []}, exact=ERROR)
-    await s.call("negative_temperature", "POST", "/generate",
-                 {**base, "sampling_params": {"temperature": -1.0}}, exact=ERROR)  # fmt: skip
-    await s.call("stop_without_tokenizer", "POST", "/generate",
-                 {**base, "sampling_params": {"stop": ["x"]}}, exact=ERROR)  # fmt: skip
-    await s.call("unknown_sampling_field", "POST", "/generate",
-                 {**base, "sampling_params": {"seed": 1}}, exact=ERROR)  # fmt: skip
-    await s.call("wrong_type", "POST", "/generate", {**base, "sampling_params": {"temperature": "hot"}},
-                 exact=ERROR)  # fmt: skip
+    await s.call(
+        "negative_temperature",
+        "POST",
+        "/generate",
+        {**base, "sampling_params": {"temperature": -1.0}},
+        exact=ERROR,
+    )
+    await s.call(
+        "stop_without_tokenizer",
+        "POST",
+        "/generate",
+        {**base, "sampling_params": {"stop": ["x"]}},
+        exact=ERROR,
+    )
+    await s.call(
+        "unknown_sampling_field", "POST", "/generate", {**base, "sampling_params": {"seed": 1}}, exact=ERROR
+    )
+    await s.call(
+        "wrong_type", "POST", "/generate", {**base, "sampling_params": {"temperature": "hot"}}, exact=ERROR
+    )
     await s.call("malformed_json", "POST", "/generate", raw='{"input_ids": [1, 2', exact=("body.object",))
     await s.call("input_too_long", "POST", "/generate", {**base, "input_ids": [5] * 5000}, exact=ERROR)
-    await s.call("over_context", "POST", "/generate",
-                 {**base, "sampling_params": {"max_new_tokens": 4090}}, exact=ERROR)  # fmt: skip
-    await s.call("negative_max_new", "POST", "/generate", {**base, "sampling_params": {"max_new_tokens": -1}},
-                 exact=ERROR)  # fmt: skip
+    await s.call(
+        "over_context",
+        "POST",
+        "/generate",
+        {**base, "sampling_params": {"max_new_tokens": 4090}},
+        exact=ERROR,
+    )
+    await s.call(
+        "negative_max_new",
+        "POST",
+        "/generate",
+        {**base, "sampling_params": {"max_new_tokens": -1}},
+        exact=ERROR,
+    )
     await s.call("abort_empty_rid", "POST", "/abort_request", {"rid": ""}, exact=ERROR)
     await s.call("abort_unknown_rid", "POST", "/abort_request", {"rid": "nobody"}, exact=ERROR)
 
@@ -176,8 +299,13 @@ async def aborts(s: Session) -> None:
     await s.idle()
     run = spawn(s.generate("aborted_running", "abt", LONG, ignore_eos=True, exact=FINISH))
     await s.running()
-    await s.call("duplicate_rid", "POST", "/generate",
-                 {"input_ids": PROMPT, "rid": "abt", "sampling_params": {"max_new_tokens": 2}}, exact=ERROR)  # fmt: skip
+    await s.call(
+        "duplicate_rid",
+        "POST",
+        "/generate",
+        {"input_ids": PROMPT, "rid": "abt", "sampling_params": {"max_new_tokens": 2}},
+        exact=ERROR,
+    )
     await s.call("abort_running", "POST", "/abort_request", {"rid": "abt"}, exact=ERROR)
     await run
     await s.idle()
@@ -185,8 +313,16 @@ async def aborts(s: Session) -> None:
     a = spawn(s.generate("prefix_owner", "pre", LONG, ignore_eos=True, exact=FINISH))
     # (the dev server's model batches without joining a running batch: "pre_x" may still wait there, and then
     # ends as a waiting-queue abort; that it ends aborted is what is compared)
-    b = spawn(s.generate("prefix_extended", "pre_x", LONG, ignore_eos=True, exact=("meta_info.finish_reason.type",),
-                         loose=True))  # fmt: skip
+    b = spawn(
+        s.generate(
+            "prefix_extended",
+            "pre_x",
+            LONG,
+            ignore_eos=True,
+            exact=("meta_info.finish_reason.type",),
+            loose=True,
+        )
+    )
     await s.running(2)
     await s.call("abort_dead_prefix", "POST", "/abort_request", {"rid": "pr"}, exact=ERROR)
     await s.call("abort_prefix", "POST", "/abort_request", {"rid": "pre"}, exact=ERROR)
@@ -204,8 +340,11 @@ async def pauses(s: Session) -> None:
     await warm(s)
     await s.idle()
     for mode in ("abort", "retract", "in_place"):
-        run = spawn(s.generate(f"paused_{mode}", f"pz-{mode}", 40 if mode != "abort" else LONG,
-                               ignore_eos=True, exact=FINISH))  # fmt: skip
+        run = spawn(
+            s.generate(
+                f"paused_{mode}", f"pz-{mode}", 40 if mode != "abort" else LONG, ignore_eos=True, exact=FINISH
+            )
+        )
         await s.running()
         await s.call(f"pause_{mode}", "POST", "/pause_generation", {"mode": mode}, exact=ERROR)
         await s.call(f"ready_paused_{mode}", "GET", "/ready", exact=ERROR)
@@ -246,34 +385,64 @@ async def cache_and_weights(s: Session) -> None:
     await s.idle()
     assert s.model_path is not None
     early = s.model_path.rstrip("/") + "/early"
-    await s.call("update_early", "POST", "/update_weights_from_disk",
-                 {"model_path": early, "weight_version": "2"}, exact=("body.success", "body.num_paused_requests"))  # fmt: skip
+    await s.call(
+        "update_early",
+        "POST",
+        "/update_weights_from_disk",
+        {"model_path": early, "weight_version": "2"},
+        exact=("body.success", "body.num_paused_requests"),
+    )
     await s.generate("greedy_early", "w-early", 12, exact=TOKENS)
     await s.call("model_info_early", "GET", "/model_info", exact=("body.weight_version",))
-    await s.call("update_missing", "POST", "/update_weights_from_disk",
-                 {"model_path": early + "/missing", "weight_version": "3"},
-                 exact=("body.success", "body.num_paused_requests"))  # fmt: skip
-    await s.call("update_back", "POST", "/update_weights_from_disk",
-                 {"model_path": s.model_path, "weight_version": "4"}, exact=("body.success",))  # fmt: skip
+    await s.call(
+        "update_missing",
+        "POST",
+        "/update_weights_from_disk",
+        {"model_path": early + "/missing", "weight_version": "3"},
+        exact=("body.success", "body.num_paused_requests"),
+    )
+    await s.call(
+        "update_back",
+        "POST",
+        "/update_weights_from_disk",
+        {"model_path": s.model_path, "weight_version": "4"},
+        exact=("body.success",),
+    )
     await s.generate("greedy_back", "w-back", 12, exact=TOKENS)
     # Held in place across an update: the weights change, the cache cannot be flushed (a 400 that is not a
     # failed load), and the held request reports which weights made which tokens.
     await s.idle()
-    run = spawn(s.generate("held_across_update", "held", 300, ignore_eos=True, exact=("meta_info.weight_version",)))
+    run = spawn(
+        s.generate("held_across_update", "held", 300, ignore_eos=True, exact=("meta_info.weight_version",))
+    )
     await s.running()
     await s.call("pause_in_place", "POST", "/pause_generation", {"mode": "in_place"}, exact=ERROR)
-    await s.call("update_held", "POST", "/update_weights_from_disk", {"model_path": s.model_path, "weight_version": "5"},
-                 exact=("body.success", "body.num_paused_requests"))  # fmt: skip
-    await s.call("update_held_no_flush", "POST", "/update_weights_from_disk",
-                 {"model_path": s.model_path, "weight_version": "6", "flush_cache": False}, exact=ERROR)  # fmt: skip
+    await s.call(
+        "update_held",
+        "POST",
+        "/update_weights_from_disk",
+        {"model_path": s.model_path, "weight_version": "5"},
+        exact=("body.success", "body.num_paused_requests"),
+    )
+    await s.call(
+        "update_held_no_flush",
+        "POST",
+        "/update_weights_from_disk",
+        {"model_path": s.model_path, "weight_version": "6", "flush_cache": False},
+        exact=ERROR,
+    )
     await s.call("continue_held", "POST", "/continue_generation", {}, exact=ERROR)
     await run
 
 
 SCENARIOS: dict[str, Callable[[Session], Awaitable[None]]] = {
-    "info": info, "generate": generate, "errors": errors, "aborts": aborts, "pauses": pauses,
+    "info": info,
+    "generate": generate,
+    "errors": errors,
+    "aborts": aborts,
+    "pauses": pauses,
     "cache_and_weights": cache_and_weights,
-}  # fmt: skip
+}
 
 
 async def run_scenario(name: str, url: str, model_path: str) -> list[dict[str, Any]]:

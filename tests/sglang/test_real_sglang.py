@@ -35,8 +35,9 @@ def client(url: str, **kw: Any) -> SGLangBackend:
 
 
 def req(rid: str, max_new: int, prompt: list[int] = PROMPT, **params: Any) -> GenerateRequest:
-    return GenerateRequest(rid.split("_")[0], list(prompt), {"temperature": 0.0, "max_new_tokens": max_new, **params},
-                           rid=rid)  # fmt: skip
+    return GenerateRequest(
+        rid.split("_")[0], list(prompt), {"temperature": 0.0, "max_new_tokens": max_new, **params}, rid=rid
+    )
 
 
 async def running(c: SGLangBackend, n: int = 1, timeout_s: float = 180) -> None:
@@ -65,11 +66,15 @@ async def test_generate_logprobs_stop_ids_zero_budget_and_the_context_edge(sglan
         assert full.logprobs is not None and len(full.logprobs) == 12 and all(lp <= 0 for lp in full.logprobs)
         assert full.extra["token_versions"] == [full.weight_version] * 12
         again = await c.generate(req("gen_t01", 12))
-        assert again.token_ids == full.token_ids and again.cached_tokens == len(PROMPT) - 1  # greedy; prefix cache
+        assert (
+            again.token_ids == full.token_ids and again.cached_tokens == len(PROMPT) - 1
+        )  # greedy; prefix cache
         stop = full.token_ids[3]
         first = full.token_ids.index(stop)
         cut = await c.generate(req("gen_t02", 12, stop_token_ids=[stop]))
-        assert cut.finish_reason == "stop" and cut.token_ids == full.token_ids[: first + 1]  # the stop id included
+        assert (
+            cut.finish_reason == "stop" and cut.token_ids == full.token_ids[: first + 1]
+        )  # the stop id included
         zero = await c.generate(req("gen_t03", 0))
         assert (zero.token_ids, zero.logprobs, zero.finish_reason) == ([], [], "length")
         # the context edge: SGLang 0.5.23 reports no context length, only max_req_input_len = context - 6
@@ -200,8 +205,13 @@ async def test_update_weights_between_checkpoints_through_the_router(sglang):
 
 
 def agentfsm(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "fsm.cli.commands", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "fsm.cli.commands", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def batch(out) -> Any:
@@ -211,7 +221,10 @@ def batch(out) -> Any:
 def assert_same_batch(got: Any, want: Any, rows: int | None = None) -> None:
     for key in ("prompts", "responses", "response_mask", "attention_mask", "input_ids"):
         assert torch.equal(got[key], want[key][:rows] if rows else want[key]), key
-    lp, ref = got["rollout_log_probs"], want["rollout_log_probs"][:rows] if rows else want["rollout_log_probs"]
+    lp, ref = (
+        got["rollout_log_probs"],
+        want["rollout_log_probs"][:rows] if rows else want["rollout_log_probs"],
+    )
     assert (lp - ref).abs().max().item() < 5e-3
 
 
@@ -219,14 +232,36 @@ async def test_the_main_job_over_real_sglang_equals_the_dev_servers(sglang, tmp_
     from backends.devserver import DevServer
     from backends.hf import HFBackend
 
-    real = await asyncio.to_thread(agentfsm, "run", "specs/calculator.yaml", "--server", sglang.url,
-                                   "--temperature", "0", "--num-prompts", "8", "--out", str(tmp_path / "real"))  # fmt: skip
+    real = await asyncio.to_thread(
+        agentfsm,
+        "run",
+        "specs/calculator.yaml",
+        "--server",
+        sglang.url,
+        "--temperature",
+        "0",
+        "--num-prompts",
+        "8",
+        "--out",
+        str(tmp_path / "real"),
+    )
     assert real.returncode == 0, real.stderr[-2000:]
     model = HFBackend(ASSETS, device="cpu")
     try:
         async with DevServer(model, model_path=str(ASSETS)) as dev:
-            ours = await asyncio.to_thread(agentfsm, "run", "specs/calculator.yaml", "--server", dev.url,
-                                           "--temperature", "0", "--num-prompts", "8", "--out", str(tmp_path / "dev"))  # fmt: skip
+            ours = await asyncio.to_thread(
+                agentfsm,
+                "run",
+                "specs/calculator.yaml",
+                "--server",
+                dev.url,
+                "--temperature",
+                "0",
+                "--num-prompts",
+                "8",
+                "--out",
+                str(tmp_path / "dev"),
+            )
     finally:
         await model.close()
     assert ours.returncode == 0, ours.stderr[-2000:]
@@ -238,9 +273,29 @@ def test_an_updated_server_serves_what_a_fresh_one_on_the_checkpoint_serves(tmp_
     CLI (the launcher's CPU engine, end to end), and the session's server, updated to that checkpoint, serves
     the same job: the same tokens, logprobs within the engine's own noise (the tiny model ties its output
     head to the embedding, which the update must move too)."""
-    job = ("run", "specs/calculator.yaml", "--tokenizer", str(ASSETS), "--temperature", "0", "--num-prompts", "4")
-    fresh = agentfsm(*job, "--launch-sglang", str(EARLY_DIR), "--device", "cpu", "--sglang-python", str(PYTHON),
-                     "--port", str(free_port()), "--out", str(tmp_path / "fresh"))  # fmt: skip
+    job = (
+        "run",
+        "specs/calculator.yaml",
+        "--tokenizer",
+        str(ASSETS),
+        "--temperature",
+        "0",
+        "--num-prompts",
+        "4",
+    )
+    fresh = agentfsm(
+        *job,
+        "--launch-sglang",
+        str(EARLY_DIR),
+        "--device",
+        "cpu",
+        "--sglang-python",
+        str(PYTHON),
+        "--port",
+        str(free_port()),
+        "--out",
+        str(tmp_path / "fresh"),
+    )
     assert fresh.returncode == 0, fresh.stderr[-2000:]
     assert list((tmp_path / "fresh" / "sglang_logs").glob("replica0_port*.log"))
 
@@ -303,8 +358,11 @@ async def test_continuous_mode_pause_update_resume_versions_match_sglangs(sglang
     for t in trajs:
         made = [v for v, m in zip(t.response_versions, t.response_mask) if m == 1]
         assert made == sorted(made) and set(made) <= {start, start + 1}
-        sgl = [int(v) if v.isdigit() else start for rid in sorted(r for r in reported if r.startswith(t.session_id))
-               for v in reported[rid]]  # fmt: skip
+        sgl = [
+            int(v) if v.isdigit() else start
+            for rid in sorted(r for r in reported if r.startswith(t.session_id))
+            for v in reported[rid]
+        ]
         assert made == sgl, t.session_id  # token for token, the version SGLang says made it
         seen |= set(made)
     assert start + 1 in seen  # tokens after the update came from the early checkpoint

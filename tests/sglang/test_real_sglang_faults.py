@@ -24,8 +24,11 @@ GREEDY = {"temperature": 0.0}
 def short_turns(tmp_path: Path, **limits: int) -> str:
     """The calculator with turns of at most 8 tokens (and `limits`): rows end quickly on a CPU server."""
     spec = tmp_path / "calc.yaml"
-    spec.write_text(f"name: calc_short\nextends: {SPECS}/calculator.yaml\nlimits: {{max_new_tokens: 8"
-                    + "".join(f", {k}: {v}" for k, v in limits.items()) + "}\n")  # fmt: skip
+    spec.write_text(
+        f"name: calc_short\nextends: {SPECS}/calculator.yaml\nlimits: {{max_new_tokens: 8"
+        + "".join(f", {k}: {v}" for k, v in limits.items())
+        + "}\n"
+    )
     return str(spec)
 
 
@@ -38,8 +41,9 @@ async def until(condition, what: str, timeout_s: float) -> float:
     return time.monotonic()
 
 
-async def test_a_crashed_server_takes_rows_again_within_seconds_of_answering_health(sglang, second_sglang,
-                                                                                     tmp_path):  # fmt: skip
+async def test_a_crashed_server_takes_rows_again_within_seconds_of_answering_health(
+    sglang, second_sglang, tmp_path
+):
     """Two real servers behind the engine's Router (the defaults a run uses) in the continuous mode: 16 rows
     running, a new one for each that ends. The second server is killed (SIGKILL, its whole process group) with
     8 requests in flight and started again on its port; meanwhile the trainer submits a row every 0.5 s.
@@ -96,8 +100,10 @@ async def test_a_crashed_server_takes_rows_again_within_seconds_of_answering_hea
             feeder.cancel()
         stats = router.stats()  # type: ignore[attr-defined]
     reasons = [t.termination_reason for g in groups for t in g.trajectories]
-    print(f"crash -> /health {healthy - crashed:.0f} s; /health -> a request to it {back - healthy:.1f} s; "
-          f"{len(reasons)} rows, {stats['failovers']} failovers")  # fmt: skip
+    print(
+        f"crash -> /health {healthy - crashed:.0f} s; /health -> a request to it {back - healthy:.1f} s; "
+        f"{len(reasons)} rows, {stats['failovers']} failovers"
+    )
     assert len(reasons) == submitted and not [r for r in reasons if r != "done"], reasons
     assert stats["servers"][1]["failures"] >= 8 and stats["failovers"] >= 8  # the requests the crash cut
     assert back - healthy < 10, (
@@ -118,8 +124,9 @@ async def test_a_one_second_request_deadline_loses_no_row(sglang, second_sglang,
     from specs.calculator import make_prompts
 
     spec = short_turns(tmp_path, max_resumes=1000)
-    async with RolloutEngine(spec, str(ASSETS), servers=[sglang.url, second_sglang.url], request_timeout_s=1.0,
-                             max_concurrency=32) as engine:  # fmt: skip
+    async with RolloutEngine(
+        spec, str(ASSETS), servers=[sglang.url, second_sglang.url], request_timeout_s=1.0, max_concurrency=32
+    ) as engine:
         t0 = time.monotonic()
         trajs = await asyncio.wait_for(engine.arun(make_prompts(96, seed=5), sampling_params=GREEDY), 1200)
         wall = time.monotonic() - t0

@@ -76,11 +76,22 @@ def classify(trajs: list[Any], calls: list[tuple[GenerateRequest, GenerateResult
         for turn, (request, result) in enumerate(by_session[traj.session_id]):
             prompt = request.prompt_ids
             # its segment: the longest segment prompt it starts with (a summary's prompt extends the history's)
-            seg = max((s for s in traj.segments if prompt[: len(s.prompt_ids)] == s.prompt_ids.tolist()),
-                      key=lambda s: len(s.prompt_ids))  # fmt: skip
+            seg = max(
+                (s for s in traj.segments if prompt[: len(s.prompt_ids)] == s.prompt_ids.tolist()),
+                key=lambda s: len(s.prompt_ids),
+            )
             kind = "later" if len(prompt) > len(seg.prompt_ids) else "first" if seg.index == 0 else "segment"
-            out[kind].append({"prompt": len(prompt), "cached": result.cached_tokens, "shared": _common(prompt, before),
-                              "previous": len(before), "route": result.route, "turn": turn, "reason": seg.reason})  # fmt: skip
+            out[kind].append(
+                {
+                    "prompt": len(prompt),
+                    "cached": result.cached_tokens,
+                    "shared": _common(prompt, before),
+                    "previous": len(before),
+                    "route": result.route,
+                    "turn": turn,
+                    "reason": seg.reason,
+                }
+            )
             before = prompt + result.token_ids
     return out
 
@@ -91,8 +102,10 @@ def share(records: list[dict]) -> str:
         return "no requests"
     cached, prompt = sum(r["cached"] for r in records), sum(r["prompt"] for r in records)
     shared = sum(r["shared"] for r in records)
-    return (f"{len(records)} requests, {cached}/{prompt} prompt tokens cached ({cached / prompt:.1%}); "
-            f"shared with the previous request {shared} ({shared / prompt:.1%})")  # fmt: skip
+    return (
+        f"{len(records)} requests, {cached}/{prompt} prompt tokens cached ({cached / prompt:.1%}); "
+        f"shared with the previous request {shared} ({shared / prompt:.1%})"
+    )
 
 
 async def run_spec(url: str, spec: Any, tok: Any, prompts: int) -> tuple[list[Any], dict[str, list[dict]]]:
@@ -113,7 +126,8 @@ async def test_segments_keep_their_server_and_hit_its_cache(sglang, tok, tmp_pat
         trajs, kinds = await run_spec(sglang.url, fsm.compile_spec(spec), tok, 16)
         report[name] = {kind: share(records) for kind, records in kinds.items()} | {
             f"segment ({reason})": share([r for r in kinds["segment"] if r["reason"] == reason])
-            for reason in ("summary", "rewrite")}  # fmt: skip
+            for reason in ("summary", "rewrite")
+        }
         print(name, report[name], flush=True)  # the numbers docs/contexts.md reports (pytest -s)
         assert all(t.error is None for t in trajs), [t.error for t in trajs if t.error]
         assert kinds["segment"], "no trajectory was rewritten"
@@ -127,7 +141,9 @@ async def test_segments_keep_their_server_and_hit_its_cache(sglang, tok, tmp_pat
         summaries = [r for r in kinds["segment"] if r["reason"] == "summary"]
         rewrites = [r for r in kinds["segment"] if r["reason"] == "rewrite"]
         assert summaries and all(r["shared"] == r["previous"] for r in summaries)  # the history, then more
-        assert rewrites and all(0.5 * r["prompt"] < r["shared"] < r["prompt"] for r in rewrites)  # system, task
+        assert rewrites and all(
+            0.5 * r["prompt"] < r["shared"] < r["prompt"] for r in rewrites
+        )  # system, task
         assert sum(t.metrics.cached_tokens for t in trajs) == sum(r["cached"] for r in every)
         if name == "compact_some":
             assert kinds["later"], "no segment kept two turns"

@@ -55,12 +55,20 @@ class TinyEngine(InferenceEngineInterface):
         for k, prompt in enumerate(input_batch["prompt_token_ids"]):
             sp = input_batch["sampling_params"]
             self.requests.append(dict(sp))
-            result = await self.backend.generate(GenerateRequest(
-                session_id=f"s{len(self.requests)}-{k}", prompt_ids=list(prompt),
-                sampling_params={"max_new_tokens": sp["max_tokens"], "temperature": sp["temperature"],
-                                 "top_p": sp["top_p"], "top_k": sp["top_k"], "stop_token_ids": sp["stop_token_ids"],
-                                 "sampling_seed": sp.get("seed")},
-            ))  # fmt: skip
+            result = await self.backend.generate(
+                GenerateRequest(
+                    session_id=f"s{len(self.requests)}-{k}",
+                    prompt_ids=list(prompt),
+                    sampling_params={
+                        "max_new_tokens": sp["max_tokens"],
+                        "temperature": sp["temperature"],
+                        "top_p": sp["top_p"],
+                        "top_k": sp["top_k"],
+                        "stop_token_ids": sp["stop_token_ids"],
+                        "sampling_seed": sp.get("seed"),
+                    },
+                )
+            )
             outs["responses"].append("")
             outs["response_ids"].append(result.token_ids)
             outs["stop_reasons"].append(result.finish_reason)
@@ -85,18 +93,47 @@ class TinyEngine(InferenceEngineInterface):
 
 async def test_generator_through_skyrl_client_trainer_tensors_and_loss():
     tok = AutoTokenizer.from_pretrained(ASSETS)
-    cfg = OmegaConf.create({
-        "trainer": {"policy": {"model": {"path": str(ASSETS)}}, "algorithm": {"zero_variance_filter": False}},
-        "generator": {"backend": "vllm", "enable_http_endpoint": False, "http_endpoint_host": "127.0.0.1",
-                      "http_endpoint_port": 0, "step_wise_trajectories": False, "n_samples_per_prompt": N},
-    })  # fmt: skip
-    sampling = get_sampling_params_for_backend("vllm", OmegaConf.create({
-        "max_generate_length": 160, "temperature": TEMPERATURE, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "logprobs": 0,
-    }))  # fmt: skip
+    cfg = OmegaConf.create(
+        {
+            "trainer": {
+                "policy": {"model": {"path": str(ASSETS)}},
+                "algorithm": {"zero_variance_filter": False},
+            },
+            "generator": {
+                "backend": "vllm",
+                "enable_http_endpoint": False,
+                "http_endpoint_host": "127.0.0.1",
+                "http_endpoint_port": 0,
+                "step_wise_trajectories": False,
+                "n_samples_per_prompt": N,
+            },
+        }
+    )
+    sampling = get_sampling_params_for_backend(
+        "vllm",
+        OmegaConf.create(
+            {
+                "max_generate_length": 160,
+                "temperature": TEMPERATURE,
+                "top_p": 1.0,
+                "top_k": -1,
+                "min_p": 0.0,
+                "logprobs": 0,
+            }
+        ),
+    )
     rows = make_prompts(2, seed=11)
-    prompts = [{"prompt": r["raw_prompt"], "env_class": None, "uid": f"row{i}",
-                "env_extras": {"reward_spec": {"method": "rule", "ground_truth": r["reward_model"]["ground_truth"]}}}
-               for i, r in enumerate(rows)]  # fmt: skip
+    prompts = [
+        {
+            "prompt": r["raw_prompt"],
+            "env_class": None,
+            "uid": f"row{i}",
+            "env_extras": {
+                "reward_spec": {"method": "rule", "ground_truth": r["reward_model"]["ground_truth"]}
+            },
+        }
+        for i, r in enumerate(rows)
+    ]
     gen_input, uids = prepare_generator_input(prompts, N, sampling, "gsm8k", "train", global_step=3)
     async with HFBackend(ASSETS) as backend:
         engine = TinyEngine(backend)
@@ -107,18 +144,39 @@ async def test_generator_through_skyrl_client_trainer_tensors_and_loss():
     await generator.engine.aclose()
 
     validate_generator_output(len(gen_input["prompts"]), out)  # SkyRL's own check of the output
-    assert out["trajectory_ids"] == gen_input["trajectory_ids"] and out["rollout_metrics"]["rollout/samples"] == 2 * N
-    assert all(r["temperature"] == TEMPERATURE and r["max_tokens"] <= 64 and tok.eos_token_id in r["stop_token_ids"]
-               and r["logprobs"] == 0 for r in engine.requests)  # SkyRL's names and temperature; the spec's budget  # fmt: skip
+    assert (
+        out["trajectory_ids"] == gen_input["trajectory_ids"]
+        and out["rollout_metrics"]["rollout/samples"] == 2 * N
+    )
+    assert all(
+        r["temperature"] == TEMPERATURE
+        and r["max_tokens"] <= 64
+        and tok.eos_token_id in r["stop_token_ids"]
+        and r["logprobs"] == 0
+        for r in engine.requests
+    )  # SkyRL's names and temperature; the spec's budget
     rewards = list(out["rewards"])
-    for i, (response, truth) in enumerate(zip(out["response_ids"], [r["reward_model"]["ground_truth"] for r in rows for _ in range(N)])):
+    for i, (response, truth) in enumerate(
+        zip(out["response_ids"], [r["reward_model"]["ground_truth"] for r in rows for _ in range(N)])
+    ):
         assert rewards[i] == compute_score(tok.decode(response), truth)
-        assert sum(out["loss_masks"][i]) < len(response)  # the tool's result is in the response, out of the loss
+        assert sum(out["loss_masks"][i]) < len(
+            response
+        )  # the tool's result is in the response, out of the loss
 
     trainer = SimpleNamespace(cfg=cfg, all_metrics={})
-    out = RayPPOTrainer.postprocess_generator_output(trainer, out, uids)  # per-token rewards, as the trainer does
-    sequences, attention, action, token_rewards, loss_mask, rollout = convert_prompts_responses_to_batch_tensors(
-        tok, out["prompt_token_ids"], out["response_ids"], out["rewards"], out["loss_masks"], out["rollout_logprobs"]
+    out = RayPPOTrainer.postprocess_generator_output(
+        trainer, out, uids
+    )  # per-token rewards, as the trainer does
+    sequences, attention, action, token_rewards, loss_mask, rollout = (
+        convert_prompts_responses_to_batch_tensors(
+            tok,
+            out["prompt_token_ids"],
+            out["response_ids"],
+            out["rewards"],
+            out["loss_masks"],
+            out["rollout_logprobs"],
+        )
     )
     R = action.shape[1]
     for i, response in enumerate(out["response_ids"]):
@@ -131,20 +189,33 @@ async def test_generator_through_skyrl_client_trainer_tensors_and_loss():
     model = AutoModelForCausalLM.from_pretrained(ASSETS, dtype=torch.float32).eval()
     position = (attention.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
-        logits = model(sequences, attention_mask=attention, position_ids=position).logits.float() / TEMPERATURE
+        logits = (
+            model(sequences, attention_mask=attention, position_ids=position).logits.float() / TEMPERATURE
+        )
     policy = logprobs_from_logits(logits[:, :-1], sequences[:, 1:])[:, -R:]
     on = loss_mask.bool()
     diff = (policy[on] - rollout[on]).abs().max().item()
     print(f"max |policy logp - rollout logp| on loss tokens {diff:.1e}")
     assert diff < 1e-4, diff
     # SkyRL's PPO loss with truncated importance sampling: the rollout/train ratio is 1, so TIS changes nothing
-    loss_cfg = OmegaConf.create({"policy_loss_type": "regular", "loss_reduction": "token_mean", "eps_clip_low": 0.2,
-                                 "eps_clip_high": 0.2, "use_tis": True, "tis_imp_ratio_cap": 2.0, "max_seq_len": 1024})  # fmt: skip
+    loss_cfg = OmegaConf.create(
+        {
+            "policy_loss_type": "regular",
+            "loss_reduction": "token_mean",
+            "eps_clip_low": 0.2,
+            "eps_clip_high": 0.2,
+            "use_tis": True,
+            "tis_imp_ratio_cap": 2.0,
+            "max_seq_len": 1024,
+        }
+    )
     advantages = torch.randn_like(policy)
     with_tis, clip = ppo_policy_loss(policy, policy, advantages, loss_cfg, loss_mask.float(), rollout)
     loss_cfg.use_tis = False
     without, _ = ppo_policy_loss(policy, policy, advantages, loss_cfg, loss_mask.float(), rollout)
-    assert clip == 0 and torch.isfinite(with_tis) and with_tis.item() == pytest.approx(without.item(), rel=1e-3)
+    assert (
+        clip == 0 and torch.isfinite(with_tis) and with_tis.item() == pytest.approx(without.item(), rel=1e-3)
+    )
 
 
 class ScriptedEngine(TinyEngine):
@@ -163,27 +234,50 @@ class ScriptedEngine(TinyEngine):
                 return ids
             key = tok.decode(list(prompt)).split("<|im_start|>user", 1)[1][:60]  # the task: one per prompt
             answered[key] = answered.get(key, 0) + 1
-            return ids if answered[key] == 1 else tok.encode("#### 4", add_special_tokens=False) + [tok.eos_token_id]
+            return (
+                ids
+                if answered[key] == 1
+                else tok.encode("#### 4", add_special_tokens=False) + [tok.eos_token_id]
+            )
 
         super().__init__(ScriptedBackend(turn, logprob=-0.25))
 
 
 def _skyrl_cfg(step_wise: bool):
-    return OmegaConf.create({
-        "trainer": {"policy": {"model": {"path": str(ASSETS)}},
-                    "algorithm": {"zero_variance_filter": False, "advantage_estimator": "grpo", "gamma": 1.0,
-                                  "lambd": 1.0, "grpo_norm_by_std": True, "use_tis": False}},
-        "generator": {"backend": "vllm", "enable_http_endpoint": False, "http_endpoint_host": "127.0.0.1",
-                      "http_endpoint_port": 0, "step_wise_trajectories": step_wise, "n_samples_per_prompt": N},
-    })  # fmt: skip
+    return OmegaConf.create(
+        {
+            "trainer": {
+                "policy": {"model": {"path": str(ASSETS)}},
+                "algorithm": {
+                    "zero_variance_filter": False,
+                    "advantage_estimator": "grpo",
+                    "gamma": 1.0,
+                    "lambd": 1.0,
+                    "grpo_norm_by_std": True,
+                    "use_tis": False,
+                },
+            },
+            "generator": {
+                "backend": "vllm",
+                "enable_http_endpoint": False,
+                "http_endpoint_host": "127.0.0.1",
+                "http_endpoint_port": 0,
+                "step_wise_trajectories": step_wise,
+                "n_samples_per_prompt": N,
+            },
+        }
+    )
 
 
 def test_a_segmenting_spec_needs_step_wise_training():
     from tests.fixtures.compacting import SPEC
 
     tok = AutoTokenizer.from_pretrained(ASSETS)
-    with pytest.raises(ValueError, match=r"FSMGenerator: spec 'calculator_compact' rewrites its context.*"
-                                         r"step_wise_trajectories"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"FSMGenerator: spec 'calculator_compact' rewrites its context.*"
+        r"step_wise_trajectories",
+    ):
         FSMGenerator(SPEC, tok, None)
 
 
@@ -197,27 +291,53 @@ async def test_step_wise_segments_get_their_trajectorys_advantage():
 
     tok = AutoTokenizer.from_pretrained(ASSETS)
     cfg = _skyrl_cfg(True)
-    sampling = get_sampling_params_for_backend("vllm", OmegaConf.create({
-        "max_generate_length": 160, "temperature": TEMPERATURE, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "logprobs": 0,
-    }))  # fmt: skip
+    sampling = get_sampling_params_for_backend(
+        "vllm",
+        OmegaConf.create(
+            {
+                "max_generate_length": 160,
+                "temperature": TEMPERATURE,
+                "top_p": 1.0,
+                "top_k": -1,
+                "min_p": 0.0,
+                "logprobs": 0,
+            }
+        ),
+    )
     rows = [compact_row(), compact_row("What is 2 + 3 exactly?")]
-    prompts = [{"prompt": r["raw_prompt"], "env_class": None, "uid": f"row{i}",
-                "env_extras": {"reward_spec": {"method": "rule", "ground_truth": r["reward_model"]["ground_truth"]}}}
-               for i, r in enumerate(rows)]  # fmt: skip
+    prompts = [
+        {
+            "prompt": r["raw_prompt"],
+            "env_class": None,
+            "uid": f"row{i}",
+            "env_extras": {
+                "reward_spec": {"method": "rule", "ground_truth": r["reward_model"]["ground_truth"]}
+            },
+        }
+        for i, r in enumerate(rows)
+    ]
     gen_input, uids = prepare_generator_input(prompts, N, sampling, "gsm8k", "train", global_step=1)
-    generator = FSMGenerator(SPEC, tok, InferenceEngineClient([ScriptedEngine(tok)], tok, cfg), step_wise=True)
+    generator = FSMGenerator(
+        SPEC, tok, InferenceEngineClient([ScriptedEngine(tok)], tok, cfg), step_wise=True
+    )
     out = await generator.generate(gen_input)
     await generator.engine.aclose()
 
     n = len(gen_input["prompts"])
     assert len(out["response_ids"]) == 3 * n and out["is_last_step"] == [False, False, True] * n
-    assert [t.to_string() for t in out["trajectory_ids"]] == [t.to_string() for t in gen_input["trajectory_ids"]
-                                                              for _ in range(3)]  # fmt: skip
-    one_rank = SimpleNamespace(actor_infos=[SimpleNamespace(rank=SimpleNamespace(dp_size=1))])  # one data-parallel rank
-    trainer = SimpleNamespace(cfg=cfg, all_metrics={}, tokenizer=tok, policy_model=one_rank, critic_model=None,
-                              ref_model=None)  # fmt: skip
+    assert [t.to_string() for t in out["trajectory_ids"]] == [
+        t.to_string() for t in gen_input["trajectory_ids"] for _ in range(3)
+    ]
+    one_rank = SimpleNamespace(
+        actor_infos=[SimpleNamespace(rank=SimpleNamespace(dp_size=1))]
+    )  # one data-parallel rank
+    trainer = SimpleNamespace(
+        cfg=cfg, all_metrics={}, tokenizer=tok, policy_model=one_rank, critic_model=None, ref_model=None
+    )
     trainer.pad_batch = lambda batch: RayPPOTrainer.pad_batch(trainer, batch)
-    step_uids = [t.instance_id for t in out["trajectory_ids"]]  # what SkyRL's train loop does in step-wise mode
+    step_uids = [
+        t.instance_id for t in out["trajectory_ids"]
+    ]  # what SkyRL's train loop does in step-wise mode
     out = RayPPOTrainer.postprocess_generator_output(trainer, out, step_uids)
     data = RayPPOTrainer.convert_to_training_input(trainer, out, step_uids)
     assert isinstance(data, TrainingInputBatch) and len(data["sequences"]) == 3 * n
@@ -241,4 +361,6 @@ async def test_step_wise_segments_get_their_trajectorys_advantage():
     # each prompt's first trajectory is right, its other wrong: GRPO's advantage is + on the one, - on the other
     rewards = [out["rewards"][3 * t + 2][-1] for t in range(n)]
     assert sorted(rewards) == [0.0, 0.0, 1.0, 1.0]
-    assert all((rows_adv[3 * t] > 0.5) == (rewards[t] == 1.0) and abs(rows_adv[3 * t]) > 0.5 for t in range(n))
+    assert all(
+        (rows_adv[3 * t] > 0.5) == (rewards[t] == 1.0) and abs(rows_adv[3 * t]) > 0.5 for t in range(n)
+    )

@@ -52,11 +52,19 @@ needs_verl = pytest.mark.skipif(VERL_MISSING is not None, reason=VERL_MISSING or
 
 
 def call(expression: str, name: str = "calculator") -> str:
-    return "<tool_call>\n" + json.dumps({"name": name, "arguments": {"expression": expression}}) + "\n</tool_call>"
+    return (
+        "<tool_call>\n"
+        + json.dumps({"name": name, "arguments": {"expression": expression}})
+        + "\n</tool_call>"
+    )
 
 
 def tool_call(name: str, arguments: Any) -> str:
-    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False) + "\n</tool_call>"
+    return (
+        "<tool_call>\n"
+        + json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
+        + "\n</tool_call>"
+    )
 
 
 ANSWER = "The answer is 449.\n#### 449"
@@ -65,7 +73,10 @@ ANSWER = "The answer is 449.\n#### 449"
 def encode_turns(tok, turns: list[str | list[int]]) -> list[list[int]]:
     """Model turns as ids; a text ends with eos (the server stops there, unless a budget cuts it first); a
     list of ids is taken as it is (no eos: the server reports "length")."""
-    return [t if isinstance(t, list) else tok.encode(t, add_special_tokens=False) + [tok.eos_token_id] for t in turns]
+    return [
+        t if isinstance(t, list) else tok.encode(t, add_special_tokens=False) + [tok.eos_token_id]
+        for t in turns
+    ]
 
 
 class ReplayServer:
@@ -78,22 +89,42 @@ class ReplayServer:
     it answers `after` (an error when None).
     """
 
-    def __init__(self, turns: list[list[int]], *, eos: int, prompt_length: int, response_length: int,
-                 after: list[int] | None = None, no_logprobs: frozenset[int] = frozenset(),
-                 logprob_shortfall: frozenset[int] = frozenset()):  # fmt: skip
+    def __init__(
+        self,
+        turns: list[list[int]],
+        *,
+        eos: int,
+        prompt_length: int,
+        response_length: int,
+        after: list[int] | None = None,
+        no_logprobs: frozenset[int] = frozenset(),
+        logprob_shortfall: frozenset[int] = frozenset(),
+    ):
         self.turns, self.eos, self.after = turns, eos, after
         self.P, self.R = prompt_length, response_length
         self.no_logprobs, self.logprob_shortfall = no_logprobs, logprob_shortfall
         self.requests: list[dict[str, Any]] = []
 
-    async def generate(self, request_id, *, prompt_ids, sampling_params, image_data=None, video_data=None,
-                       audio_data=None, mm_processor_kwargs=None, **kwargs):  # fmt: skip
+    async def generate(
+        self,
+        request_id,
+        *,
+        prompt_ids,
+        sampling_params,
+        image_data=None,
+        video_data=None,
+        audio_data=None,
+        mm_processor_kwargs=None,
+        **kwargs,
+    ):
         import numpy as np
         from verl.workers.rollout.replica import TokenOutput
 
         params = dict(sampling_params)
         k = len(self.requests)
-        self.requests.append({"request_id": request_id, "prompt_ids": list(prompt_ids), "params": dict(params)})
+        self.requests.append(
+            {"request_id": request_id, "prompt_ids": list(prompt_ids), "params": dict(params)}
+        )
         left = self.P + self.R - len(prompt_ids) - 1
         if "max_new_tokens" in params:
             limit = params.pop("max_new_tokens")
@@ -298,7 +329,8 @@ tools:
 """
 
 # The generated scripts' BaseTools, declared out of alphabetical order (verl keeps the list's order).
-GEN_TOOLS_YAML = """
+GEN_TOOLS_YAML = (
+    """
 tools:
   - class_name: parity_tools.Tally
     config: {type: native}
@@ -336,19 +368,25 @@ tools:
           properties:
             text: {type: string, description: The text.}
           required: [text]
-""" + f"""  - class_name: parity_tools.Calculator
+"""
+    + f"""  - class_name: parity_tools.Calculator
     config: {{type: native}}
     tool_schema: {CALCULATOR_SCHEMA}
 """
+)
 
 
 @functools.cache
 def tool_dir() -> Path:
     """The tool modules and configs, written once per process and importable (as verl imports class_name)."""
     path = Path(tempfile.mkdtemp(prefix="verl_tools_"))
-    for name, text in {"parity_tools.py": TOOLS_PY, "parity_function_tools.py": FUNCTION_TOOLS_PY,
-                       "gen_function_tools.py": GEN_FUNCTION_TOOLS_PY, "tools.yaml": TOOLS_YAML,
-                       "gen_tools.yaml": GEN_TOOLS_YAML}.items():  # fmt: skip
+    for name, text in {
+        "parity_tools.py": TOOLS_PY,
+        "parity_function_tools.py": FUNCTION_TOOLS_PY,
+        "gen_function_tools.py": GEN_FUNCTION_TOOLS_PY,
+        "tools.yaml": TOOLS_YAML,
+        "gen_tools.yaml": GEN_TOOLS_YAML,
+    }.items():
         (path / name).write_text(text)
     sys.path.insert(0, str(path))
     return path
@@ -362,8 +400,10 @@ def load_tools(kind: str) -> list:
     d = tool_dir()
     config = {"base": "tools.yaml", "gen_base": "gen_tools.yaml"}.get(kind)
     functions = {"function": "parity_function_tools.py", "gen_function": "gen_function_tools.py"}.get(kind)
-    return load_all_tools(tool_config_path=str(d / config) if config else None,
-                          function_tool_path=str(d / functions) if functions else None)  # fmt: skip
+    return load_all_tools(
+        tool_config_path=str(d / config) if config else None,
+        function_tool_path=str(d / functions) if functions else None,
+    )
 
 
 @functools.cache
@@ -376,8 +416,9 @@ def _default_config():
     return OmegaConf.load(importlib.resources.files("verl.trainer.config") / "_generated_ppo_trainer.yaml")
 
 
-def trainer_config(response_length: int, multi_turn: dict[str, Any] | None = None, *,
-                   prompt_length: int = PROMPT_LENGTH):  # fmt: skip
+def trainer_config(
+    response_length: int, multi_turn: dict[str, Any] | None = None, *, prompt_length: int = PROMPT_LENGTH
+):
     """verl's generated default trainer config with this case's rollout settings."""
     config = copy.deepcopy(_default_config())
     rollout = config.actor_rollout_ref.rollout
@@ -395,8 +436,9 @@ def _shared_config():
     return copy.deepcopy(_default_config())
 
 
-def reused_config(response_length: int, multi_turn: dict[str, Any] | None = None, *,
-                  prompt_length: int = PROMPT_LENGTH):  # fmt: skip
+def reused_config(
+    response_length: int, multi_turn: dict[str, Any] | None = None, *, prompt_length: int = PROMPT_LENGTH
+):
     """trainer_config's settings on one config object, set in place: for loops run one after another (a
     loop reads its rollout config while it runs), without copying verl's large config for each."""
     config = _shared_config()
@@ -418,14 +460,21 @@ def instantiate(entry, config, server, tokenizer, tools):
     from verl.utils.dataset.rl_dataset import RLHFDataset
 
     return hydra.utils.instantiate(
-        config=entry, trainer_config=DictConfigWrap(config=config), server_manager=server, tokenizer=tokenizer,
-        processor=None, hf_model_type="qwen2", dataset_cls=RLHFDataset, data_config=DictConfigWrap(config.data),
+        config=entry,
+        trainer_config=DictConfigWrap(config=config),
+        server_manager=server,
+        tokenizer=tokenizer,
+        processor=None,
+        hf_model_type="qwen2",
+        dataset_cls=RLHFDataset,
+        data_config=DictConfigWrap(config.data),
         tools=ToolListWrap(tools),
-    )  # fmt: skip
+    )
 
 
-def entry_file(tmp_path: Path, limits: dict[str, Any], tool_policy: dict[str, Any] | None = None,
-               spec: str = SPEC) -> Path:  # fmt: skip
+def entry_file(
+    tmp_path: Path, limits: dict[str, Any], tool_policy: dict[str, Any] | None = None, spec: str = SPEC
+) -> Path:
     """The documented agent_loop_config.yaml, with this case's overrides."""
     lines = ["- name: fsm_agent", "  _target_: fsm.adapters.verl.FSMAgentLoop", f"  spec: {spec}"]
     if limits:
@@ -437,17 +486,29 @@ def entry_file(tmp_path: Path, limits: dict[str, Any], tool_policy: dict[str, An
     return path
 
 
-def fsm_entry(tmp_path: Path | None = None, limits: dict[str, Any] | None = None,
-              tool_policy: dict[str, Any] | None = None, spec: str = SPEC):  # fmt: skip
+def fsm_entry(
+    tmp_path: Path | None = None,
+    limits: dict[str, Any] | None = None,
+    tool_policy: dict[str, Any] | None = None,
+    spec: str = SPEC,
+):
     """The entry loaded as AgentLoopWorker loads agent_loop_config_path (from a file when `tmp_path` is given)."""
     from omegaconf import OmegaConf
 
     if tmp_path is None:
         entry = {"name": "fsm_agent", "_target_": "fsm.adapters.verl.FSMAgentLoop", "spec": spec}
-        return OmegaConf.create({**entry, **({"limits": limits} if limits else {}),
-                                 **({"tool_policy": tool_policy} if tool_policy else {})})  # fmt: skip
-    (entry,) = [cfg for cfg in OmegaConf.load(entry_file(tmp_path, limits or {}, tool_policy, spec))
-                if cfg.name == "fsm_agent"]  # fmt: skip
+        return OmegaConf.create(
+            {
+                **entry,
+                **({"limits": limits} if limits else {}),
+                **({"tool_policy": tool_policy} if tool_policy else {}),
+            }
+        )
+    (entry,) = [
+        cfg
+        for cfg in OmegaConf.load(entry_file(tmp_path, limits or {}, tool_policy, spec))
+        if cfg.name == "fsm_agent"
+    ]
     return entry
 
 
@@ -506,13 +567,18 @@ class Pair:
 
 async def run_both(case: Case, tok, tmp_path: Path | None = None) -> Pair:
     """The same script through verl's ToolAgentLoop and through fsm_agent running specs/tool_agent.yaml."""
-    R = case.response_length(tok) if callable(case.response_length) else case.response_length or RESPONSE_LENGTH
+    R = (
+        case.response_length(tok)
+        if callable(case.response_length)
+        else case.response_length or RESPONSE_LENGTH
+    )
     turns = encode_turns(tok, case.turns)
     config = trainer_config(R, case.multi_turn, prompt_length=case.prompt_length)
     servers, outputs, tools = [], [], []
     for entry in (verl_entry(), fsm_entry(tmp_path, case.limits, case.tool_policy)):
-        server = ReplayServer(turns, eos=tok.eos_token_id, prompt_length=case.prompt_length, response_length=R,
-                              **case.server)  # fmt: skip
+        server = ReplayServer(
+            turns, eos=tok.eos_token_id, prompt_length=case.prompt_length, response_length=R, **case.server
+        )
         side_tools = load_tools(case.tools)
         loop = instantiate(entry, config, server, tok, side_tools)
         outputs.append(await loop.run(dict(SAMPLING, **case.sampling), **row(**case.row)))
@@ -538,7 +604,9 @@ def assert_identical(pair: Pair) -> None:
 
 def assert_same_requests(pair: Pair, eos: int) -> None:
     """Each turn the model saw the same context; only the sampling params differ (documented in the spec)."""
-    assert [r["prompt_ids"] for r in pair.fsm_server.requests] == [r["prompt_ids"] for r in pair.verl_server.requests]
+    assert [r["prompt_ids"] for r in pair.fsm_server.requests] == [
+        r["prompt_ids"] for r in pair.verl_server.requests
+    ]
     for verl_req, fsm_req in zip(pair.verl_server.requests, pair.fsm_server.requests):
         assert "max_new_tokens" not in verl_req["params"] and "stop_token_ids" not in verl_req["params"]
         assert fsm_req["params"]["stop_token_ids"] == [eos]
@@ -580,11 +648,21 @@ def model_dir() -> Path:
     for f in ASSETS.iterdir():
         if f.is_file():  # the files of the shipped model (not its other checkpoints, in subfolders)
             (model / f.name).write_bytes(f.read_bytes())
-    (model / "config.json").write_text(json.dumps({
-        "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "vocab_size": 576, "hidden_size": 128,
-        "intermediate_size": 256, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 8,
-        "tie_word_embeddings": True,
-    }))  # fmt: skip
+    (model / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "qwen2",
+                "architectures": ["Qwen2ForCausalLM"],
+                "vocab_size": 576,
+                "hidden_size": 128,
+                "intermediate_size": 256,
+                "num_hidden_layers": 4,
+                "num_attention_heads": 8,
+                "num_key_value_heads": 8,
+                "tie_word_embeddings": True,
+            }
+        )
+    )
     return model
 
 
@@ -603,9 +681,13 @@ async def verl_batch(outputs: list, rows: list[dict[str, Any]], *, prompt_length
     import dataclasses
 
     w = worker()
-    w.rollout_config = dataclasses.replace(w.rollout_config, prompt_length=prompt_length,
-                                           response_length=response_length)  # fmt: skip
-    padded = [await w._agent_loop_postprocess(out.model_copy(deep=True), False, **r) for out, r in zip(outputs, rows)]
+    w.rollout_config = dataclasses.replace(
+        w.rollout_config, prompt_length=prompt_length, response_length=response_length
+    )
+    padded = [
+        await w._agent_loop_postprocess(out.model_copy(deep=True), False, **r)
+        for out, r in zip(outputs, rows)
+    ]
     return w._postprocess(padded, input_non_tensor_batch=None, validate=False)
 
 
@@ -627,18 +709,32 @@ def as_trajectory(out):
     return traj
 
 
-BATCH_KEYS = ("prompts", "responses", "response_mask", "input_ids", "attention_mask", "position_ids",
-              "rollout_log_probs", "rm_scores")  # fmt: skip
+BATCH_KEYS = (
+    "prompts",
+    "responses",
+    "response_mask",
+    "input_ids",
+    "attention_mask",
+    "position_ids",
+    "rollout_log_probs",
+    "rm_scores",
+)
 
 
-def assert_native_collate_matches(batch, outputs: list, *, prompt_length: int, response_length: int,
-                                  pad_token_id: int) -> None:  # fmt: skip
+def assert_native_collate_matches(
+    batch, outputs: list, *, prompt_length: int, response_length: int, pad_token_id: int
+) -> None:
     """fsm.collate of the same outputs gives verl's padded tensors, key for key."""
     import fsm
 
     logprobs = outputs[0].response_logprobs is not None
-    ours = fsm.collate([as_trajectory(o) for o in outputs], prompt_length=prompt_length,
-                       response_length=response_length, pad_token_id=pad_token_id, logprobs=logprobs).batch  # fmt: skip
+    ours = fsm.collate(
+        [as_trajectory(o) for o in outputs],
+        prompt_length=prompt_length,
+        response_length=response_length,
+        pad_token_id=pad_token_id,
+        logprobs=logprobs,
+    ).batch
     for key in BATCH_KEYS:
         assert (key in ours.keys()) == (key in batch.batch.keys()), key
         if key in ours.keys():

@@ -78,14 +78,19 @@ class CloseCutTurns:
         return getattr(self._inner, name)
 
     def merge_context_tokens(self, previous_messages, updated_messages, runtime_token_ids, *, tools=None):
-        result = self._inner.merge_context_tokens(previous_messages, updated_messages, runtime_token_ids, tools=tools)
+        result = self._inner.merge_context_tokens(
+            previous_messages, updated_messages, runtime_token_ids, tools=tools
+        )
         if not runtime_token_ids or runtime_token_ids[-1] == self._eos:
             return result
         self._fired.add("closer")
         closer = [self._eos, self._newline]
         n = len(runtime_token_ids)
-        return dataclasses.replace(result, token_ids=result.token_ids[:n] + closer + result.token_ids[n:],
-                                   inserted_token_ids=closer + list(result.inserted_token_ids))  # fmt: skip
+        return dataclasses.replace(
+            result,
+            token_ids=result.token_ids[:n] + closer + result.token_ids[n:],
+            inserted_token_ids=closer + list(result.inserted_token_ids),
+        )
 
 
 class AgentfsmRules(ToolAgentLoop):
@@ -95,7 +100,9 @@ class AgentfsmRules(ToolAgentLoop):
         super().__init__(*args, **kwargs)
         self.fired: set[str] = set()
         self.tool_parser = AnswerMalformed(self.tokenizer, self.fired)
-        self.continuous_token_builder = CloseCutTurns(self.continuous_token_builder, self.tokenizer, self.fired)
+        self.continuous_token_builder = CloseCutTurns(
+            self.continuous_token_builder, self.tokenizer, self.fired
+        )
         self.extra_calls = extra_calls
         self.limit = self.max_parallel_calls
         self.index = 0  # of the next call within the current tool round
@@ -142,6 +149,9 @@ class AgentfsmRules(ToolAgentLoop):
             return _answer(json.loads(tool_call.arguments), 0.0)
         k, self.index = self.index, self.index + 1
         if k >= self.limit:
-            return _answer(f"Error: too many tool calls in one turn; at most {self.limit} run per turn, so the "
-                           f"call to '{tool_call.name}' was not executed.", None)  # fmt: skip
+            return _answer(
+                f"Error: too many tool calls in one turn; at most {self.limit} run per turn, so the "
+                f"call to '{tool_call.name}' was not executed.",
+                None,
+            )
         return super()._call_tool(tool_call, tools_kwargs, agent_data)

@@ -24,7 +24,9 @@ from tests.verl.harness import (
     verl_batch,
 )
 
-LONG_QUESTION = "Please compute this, step by step: " + "37 * 12 + 5, then again; " * 60 + "What is 37 * 12 + 5?"
+LONG_QUESTION = (
+    "Please compute this, step by step: " + "37 * 12 + 5, then again; " * 60 + "What is 37 * 12 + 5?"
+)
 
 
 # --- the prompt: verl's rollout.prompt_length, and verl's left truncation -----------------------------------
@@ -34,10 +36,27 @@ LONG_QUESTION = "Please compute this, step by step: " + "37 * 12 + 5, then again
 async def test_long_prompt_is_left_truncated_as_verl_does(tok, tmp_path):
     """verl's agent loop keeps the tail of a prompt longer than rollout.prompt_length; so does fsm_agent,
     whatever the spec's prompt_overflow (tool_agent.yaml keeps the default, error)."""
-    pair = await run_both(Case("long_prompt", [call("37 * 12 + 5"), ANSWER], row={"raw_prompt": [
-        {"role": "user", "content": LONG_QUESTION}]}), tok, tmp_path)  # fmt: skip
-    assert len(pair.verl.prompt_ids) == 512 < len(tok.apply_chat_template(
-        [{"role": "user", "content": LONG_QUESTION}], tokenize=True, add_generation_prompt=True, return_dict=False))  # fmt: skip
+    pair = await run_both(
+        Case(
+            "long_prompt",
+            [call("37 * 12 + 5"), ANSWER],
+            row={"raw_prompt": [{"role": "user", "content": LONG_QUESTION}]},
+        ),
+        tok,
+        tmp_path,
+    )
+    assert (
+        len(pair.verl.prompt_ids)
+        == 512
+        < len(
+            tok.apply_chat_template(
+                [{"role": "user", "content": LONG_QUESTION}],
+                tokenize=True,
+                add_generation_prompt=True,
+                return_dict=False,
+            )
+        )
+    )
     assert_identical(pair)
     assert_same_requests(pair, tok.eos_token_id)
     assert pair.fsm.extra_fields["termination_reason"] == "done"
@@ -46,8 +65,12 @@ async def test_long_prompt_is_left_truncated_as_verl_does(tok, tmp_path):
 @needs_verl
 async def test_entry_may_refuse_long_prompts(tok, tmp_path):
     """The entry's limits may still ask for agentfsm's prompt_overflow: error; the row then fails alone."""
-    case = Case("refused", [ANSWER], limits={"prompt_overflow": "error"},
-                row={"raw_prompt": [{"role": "user", "content": LONG_QUESTION}]})  # fmt: skip
+    case = Case(
+        "refused",
+        [ANSWER],
+        limits={"prompt_overflow": "error"},
+        row={"raw_prompt": [{"role": "user", "content": LONG_QUESTION}]},
+    )
     pair = await run_both(case, tok, tmp_path)
     assert pair.fsm.extra_fields["termination_reason"].startswith("error: prompt_too_long")
     assert pair.fsm.response_ids == [] and pair.fsm.prompt_ids == [] and pair.fsm_server.requests == []
@@ -99,8 +122,13 @@ async def test_partly_missing_logprobs_are_none_where_verl_breaks(server, verl_o
         for name in ("prompt_ids", "response_ids", "response_mask", "num_turns"):
             assert getattr(pair.fsm, name) == getattr(pair.verl, name), name
     config = trainer_config(256)
-    server_ = ReplayServer([tok.encode(t, add_special_tokens=False) + [tok.eos_token_id] for t in _turns()],
-                           eos=tok.eos_token_id, prompt_length=512, response_length=256, **server)  # fmt: skip
+    server_ = ReplayServer(
+        [tok.encode(t, add_special_tokens=False) + [tok.eos_token_id] for t in _turns()],
+        eos=tok.eos_token_id,
+        prompt_length=512,
+        response_length=256,
+        **server,
+    )
     loop = instantiate(fsm_entry(tmp_path), config, server_, tok, load_tools("base"))
     out = await loop.run({"temperature": 1.0, "logprobs": True}, **row())
     assert out.response_logprobs is None and out.extra_fields["termination_reason"] == "done"
@@ -121,7 +149,9 @@ async def test_empty_response_score_as_verl_pads_it(tok, tmp_path):
     outputs = [o.model_copy(update={"reward_score": s}) for o, s in ((full.fsm, 1.0), (pair.fsm, -1.0))]
     batch = await verl_batch(outputs, [row(), row()], prompt_length=512, response_length=256)
     assert batch.batch["rm_scores"][1].tolist() == [0.0] * 255 + [-1.0]
-    assert_native_collate_matches(batch, outputs, prompt_length=512, response_length=256, pad_token_id=tok.pad_token_id)
+    assert_native_collate_matches(
+        batch, outputs, prompt_length=512, response_length=256, pad_token_id=tok.pad_token_id
+    )
 
 
 # --- the entry ----------------------------------------------------------------------------------------------
@@ -133,7 +163,9 @@ def test_entry_tool_policy_is_its_own_compiled_agent(tok, tmp_path):
     server = ReplayServer([], eos=tok.eos_token_id, prompt_length=512, response_length=256)
     tools = load_tools("base")
     plain = instantiate(fsm_entry(tmp_path), config, server, tok, tools)
-    strict = instantiate(fsm_entry(None, tool_policy={"validate_arguments": True}), config, server, tok, tools)
+    strict = instantiate(
+        fsm_entry(None, tool_policy={"validate_arguments": True}), config, server, tok, tools
+    )
     again = instantiate(fsm_entry(None, tool_policy={"validate_arguments": True}), config, server, tok, tools)
     assert strict.agent is again.agent and strict.agent is not plain.agent
     assert strict.agent.tools.policy.validate_arguments and not plain.agent.tools.policy.validate_arguments
@@ -168,5 +200,7 @@ def test_a_segmenting_spec_is_refused_in_one_line(tok, tmp_path):
     config = trainer_config(256)
     server = ReplayServer([], eos=tok.eos_token_id, prompt_length=512, response_length=256)
     with pytest.raises(InstantiationException, match="takes one output per input") as err:
-        instantiate(fsm_entry(None, spec="specs/calculator_compact.yaml"), config, server, tok, load_tools("base"))
+        instantiate(
+            fsm_entry(None, spec="specs/calculator_compact.yaml"), config, server, tok, load_tools("base")
+        )
     assert "calculator_compact" in str(err.value) and "rewrites its context" in str(err.value)

@@ -12,7 +12,9 @@ import pytest
 
 from tests.fixtures.family_parser_cases import CASES
 
-GOLDEN = json.loads((Path(__file__).resolve().parents[1] / "fixtures" / "verl_family_parsers.json").read_text())
+GOLDEN = json.loads(
+    (Path(__file__).resolve().parents[1] / "fixtures" / "verl_family_parsers.json").read_text()
+)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])

@@ -59,23 +59,61 @@ PROBE_R = 1536  # the budget of the first run, which finds the turn boundaries
 # --- the model's words and the tools' inputs -----------------------------------------------------------------
 
 ALPHABET = list("abcdefghijklmnopqrstuvwxyz ABCXYZ0123456789.,;:!?'-_()[]{}#*+/=\"\\\n\t") + [
-    "é", "ü", "ß", "ñ", "Ω", "д", "中", "文", "日", "한", "ع", "🙂", "🎉", "👍🏽", "🧑‍💻", "🇫🇷", "\u200b", "\u00a0",
-]  # fmt: skip
+    "é",
+    "ü",
+    "ß",
+    "ñ",
+    "Ω",
+    "д",
+    "中",
+    "文",
+    "日",
+    "한",
+    "ع",
+    "🙂",
+    "🎉",
+    "👍🏽",
+    "🧑‍💻",
+    "🇫🇷",
+    "\u200b",
+    "\u00a0",
+]
 TEXT = st.lists(st.sampled_from(ALPHABET), max_size=24).map("".join)  # some "characters" are emoji sequences
 LONG_TEXT = st.lists(st.sampled_from(ALPHABET), max_size=200).map("".join)
 NUMBER = st.integers(-20, 20) | st.floats(-9, 9, allow_nan=False).map(lambda x: round(x, 2))
 EXPRESSION = st.one_of(
-    st.builds(lambda a, op, b: f"{a} {op} {b}", st.integers(0, 99), st.sampled_from("+-*/"), st.integers(0, 9)),
+    st.builds(
+        lambda a, op, b: f"{a} {op} {b}", st.integers(0, 99), st.sampled_from("+-*/"), st.integers(0, 9)
+    ),
     st.just("1 / 0"),  # ZeroDivisionError
     st.text(alphabet=st.sampled_from(list("xyz ")), min_size=1, max_size=120),  # ValueError quoting it: long
 )
 
-REPEATED = st.builds(lambda parts, n: "".join(parts) * n, st.lists(st.sampled_from(ALPHABET), min_size=3, max_size=12),
-                     st.integers(4, 16))  # fmt: skip
+REPEATED = st.builds(
+    lambda parts, n: "".join(parts) * n,
+    st.lists(st.sampled_from(ALPHABET), min_size=3, max_size=12),
+    st.integers(4, 16),
+)
 TOOL_TEXT = st.one_of(TEXT, LONG_TEXT, REPEATED, REPEATED)  # often longer than max_tool_response_length
 
-ODD_RETURNS = ["quad", "empty", "nested", "empty_reward", "text_reward", "word_reward", "none_reward", "bad_metrics",
-               "pairs_metrics", "number", "list", "dict_in_tuple", "response", "none", "zero", "plain"]  # fmt: skip
+ODD_RETURNS = [
+    "quad",
+    "empty",
+    "nested",
+    "empty_reward",
+    "text_reward",
+    "word_reward",
+    "none_reward",
+    "bad_metrics",
+    "pairs_metrics",
+    "number",
+    "list",
+    "dict_in_tuple",
+    "response",
+    "none",
+    "zero",
+    "plain",
+]
 GOOD_ARGS = {  # per tool set: tool -> strategy of well-formed arguments (raising ones included)
     "gen_base": {
         "tally": st.fixed_dictionaries({"add": NUMBER}),
@@ -97,7 +135,9 @@ def arguments(draw, good):
     """Well-formed arguments, or ones verl hands the tool anyway: wrong type, unknown key, missing, not an
     object, or a JSON string."""
     args = draw(good)
-    kind = draw(st.sampled_from(["good"] * 6 + ["wrong_type", "extra", "missing", "not_object", "json_string"]))
+    kind = draw(
+        st.sampled_from(["good"] * 6 + ["wrong_type", "extra", "missing", "not_object", "json_string"])
+    )
     event(f"arguments: {kind}")
     if kind == "wrong_type" and args:
         return {**args, next(iter(args)): draw(st.sampled_from([7, [1], None, True, "7"]))}
@@ -115,7 +155,9 @@ def arguments(draw, good):
 @st.composite
 def call_body(draw, tools):
     """The JSON between <tool_call> and </tool_call>: a call, an unknown tool's, or a malformed one."""
-    kind = draw(st.sampled_from(["known"] * 8 + ["unknown", "bad_json", "no_name", "no_arguments", "not_object"]))
+    kind = draw(
+        st.sampled_from(["known"] * 8 + ["unknown", "bad_json", "no_name", "no_arguments", "not_object"])
+    )
     event(f"call: {kind}")
     name = draw(st.sampled_from(sorted(GOOD_ARGS[tools])))
     args = draw(arguments(GOOD_ARGS[tools][name]))
@@ -165,7 +207,9 @@ def scenario(draw):
         "max_user_turns": draw(st.sampled_from([None, None, 2, 1, 1])),
     }
     names = sorted(GOOD_ARGS[tools])
-    selection = draw(st.none() | st.just([]) | st.lists(st.sampled_from([*names, "nope"]), min_size=1, max_size=4))
+    selection = draw(
+        st.none() | st.just([]) | st.lists(st.sampled_from([*names, "nope"]), min_size=1, max_size=4)
+    )
     fields = {"extra_info": {"index": 0, **({"tool_selection": selection} if selection is not None else {})}}
     if draw(st.booleans()):
         fields["tools_kwargs"] = {"tally": {"create_kwargs": {"seed": 1}}}
@@ -175,7 +219,9 @@ def scenario(draw):
         "turns": turns,
         "limits": {k: v for k, v in limits.items() if v is not None},
         "extra_calls": draw(st.sampled_from(["error", "error", "drop"])),
-        "cap": draw(st.sampled_from([None] * 6 + [1, 5, 12, 25, 40, 60])),  # sampling max_tokens: a per-turn cap
+        "cap": draw(
+            st.sampled_from([None] * 6 + [1, 5, 12, 25, 40, 60])
+        ),  # sampling max_tokens: a per-turn cap
         "prompt_length": draw(st.sampled_from([512, 512, 300])),
         "row": row(question, **fields),
         "reward": draw(st.floats(-2, 2, width=32)),
@@ -208,15 +254,25 @@ async def run_loop(which: str, scn: dict, R: int, tok):
     """One loop over the scenario's script: "verl", "rules" (verl + documented changes) or "fsm"."""
     from omegaconf import OmegaConf
 
-    ids = [tok.encode(t, add_special_tokens=False) + ([tok.eos_token_id] if eos else []) for t, eos in scn["turns"]]
+    ids = [
+        tok.encode(t, add_special_tokens=False) + ([tok.eos_token_id] if eos else [])
+        for t, eos in scn["turns"]
+    ]
     P = scn["prompt_length"]
-    server = ReplayServer(ids, eos=tok.eos_token_id, prompt_length=P, response_length=R,
-                          after=tok.encode("bye", add_special_tokens=False) + [tok.eos_token_id])  # fmt: skip
+    server = ReplayServer(
+        ids,
+        eos=tok.eos_token_id,
+        prompt_length=P,
+        response_length=R,
+        after=tok.encode("bye", add_special_tokens=False) + [tok.eos_token_id],
+    )
     config = reused_config(R, dict(scn["limits"]), prompt_length=P)
     if which == "verl":
         entry = verl_entry()
     elif which == "rules":
-        entry = OmegaConf.create({"_target_": "tests.verl.rules.AgentfsmRules", "extra_calls": scn["extra_calls"]})
+        entry = OmegaConf.create(
+            {"_target_": "tests.verl.rules.AgentfsmRules", "extra_calls": scn["extra_calls"]}
+        )
     else:
         entry = fsm_entry(None, {**scn["limits"], "extra_calls": scn["extra_calls"]})
     loop = instantiate(entry, config, server, tok, tools_for(scn["tools"]))
@@ -269,43 +325,104 @@ def cut_inside_a_call(out, tok) -> bool:
 # --- scripts every run has, whatever hypothesis draws: each reaches one situation for sure ---------------------
 
 
-def scripted(tools: str, turns: list[tuple[str, bool]], *, budget=("roomy", 0, 5), limits=None, question=None,
-             prompt_length: int = 512) -> dict:  # fmt: skip
+def scripted(
+    tools: str,
+    turns: list[tuple[str, bool]],
+    *,
+    budget=("roomy", 0, 5),
+    limits=None,
+    question=None,
+    prompt_length: int = 512,
+) -> dict:
     return {
-        "tools": tools, "turns": [*turns, ("The answer is 449 🙂\n#### 449", True)],
-        "limits": {"max_parallel_calls": 1, "max_tool_response_length": 256, "tool_response_truncate_side": "middle",
-                   **(limits or {})},
-        "extra_calls": "error", "cap": None, "prompt_length": prompt_length,
-        "row": row(question or "What is 37 * 12 + 5? Ünïcödé 🧑‍💻"), "reward": 1.0, "budget": budget,
-    }  # fmt: skip
+        "tools": tools,
+        "turns": [*turns, ("The answer is 449 🙂\n#### 449", True)],
+        "limits": {
+            "max_parallel_calls": 1,
+            "max_tool_response_length": 256,
+            "tool_response_truncate_side": "middle",
+            **(limits or {}),
+        },
+        "extra_calls": "error",
+        "cap": None,
+        "prompt_length": prompt_length,
+        "row": row(question or "What is 37 * 12 + 5? Ünïcödé 🧑‍💻"),
+        "reward": 1.0,
+        "budget": budget,
+    }
 
 
 def tc(name: str, arguments) -> str:
-    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n</tool_call>"
+    return (
+        f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n</tool_call>"
+    )
 
 
 TALLY = (tc("tally", {"add": 1}), True)
 EXPLICIT = [
-    *(scripted("gen_base", [(tc("echo", {"text": "héllo wörld 🙂 " * 8}), True)],
-               limits={"max_tool_response_length": 24, "tool_response_truncate_side": side})
-      for side in ("left", "right", "middle")),  # tool output truncated, each side
-    scripted("gen_function", [(tc("shout", {"text": "🎉 party " * 6}) + "\n" + tc("echo", {"text": "x"}) + "\n"
-                               + tc("nope", {}), True)], limits={"max_parallel_calls": 2}),  # an extra call
-    scripted("gen_base", [('<tool_call>\n{"name": "echo", "arguments": {"text": \n</tool_call>', True)]),  # malformed
-    *({**scripted("gen_base", [("\n".join([tc("tally", {"add": 1}), '<tool_call>\n{"name": "tally"}\n</tool_call>',
-                                            *(tc("tally", {"add": k}) for k in range(2, n))]), True)],
-                  limits={"max_parallel_calls": 3}), "extra_calls": mode}
-      for n, mode in ((4, "drop"), (5, "error"))),  # a malformed call among parallel ones takes no slot
+    *(
+        scripted(
+            "gen_base",
+            [(tc("echo", {"text": "héllo wörld 🙂 " * 8}), True)],
+            limits={"max_tool_response_length": 24, "tool_response_truncate_side": side},
+        )
+        for side in ("left", "right", "middle")
+    ),  # tool output truncated, each side
+    scripted(
+        "gen_function",
+        [
+            (
+                tc("shout", {"text": "🎉 party " * 6})
+                + "\n"
+                + tc("echo", {"text": "x"})
+                + "\n"
+                + tc("nope", {}),
+                True,
+            )
+        ],
+        limits={"max_parallel_calls": 2},
+    ),  # an extra call
+    scripted(
+        "gen_base", [('<tool_call>\n{"name": "echo", "arguments": {"text": \n</tool_call>', True)]
+    ),  # malformed
+    *(
+        {
+            **scripted(
+                "gen_base",
+                [
+                    (
+                        "\n".join(
+                            [
+                                tc("tally", {"add": 1}),
+                                '<tool_call>\n{"name": "tally"}\n</tool_call>',
+                                *(tc("tally", {"add": k}) for k in range(2, n)),
+                            ]
+                        ),
+                        True,
+                    )
+                ],
+                limits={"max_parallel_calls": 3},
+            ),
+            "extra_calls": mode,
+        }
+        for n, mode in ((4, "drop"), (5, "error"))
+    ),  # a malformed call among parallel ones takes no slot
     scripted("gen_base", [(tc("tally", {"add": 2.5}), False)]),  # a turn cut without eos, then a tool round
     scripted("gen_base", [("", False)]),  # the model says nothing at all
     scripted("gen_base", [TALLY, TALLY, TALLY], limits={"max_user_turns": 1}),
     scripted("gen_base", [TALLY, TALLY, TALLY], limits={"max_assistant_turns": 2}),
-    *(scripted("gen_base", [(tc("echo", {"text": "abc"}), True)], budget=("boundary", k, offset))
-      for k in (0, 1) for offset in (-1, 0, 1)),  # one before, at and one past a model turn / tool turn's end
-    scripted("gen_base", [("Let me: " + tc("calculator", {"expression": "37 * 12 + 5"}), True)],
-             budget=("inside", 0, 7)),  # the budget ends inside the call
+    *(
+        scripted("gen_base", [(tc("echo", {"text": "abc"}), True)], budget=("boundary", k, offset))
+        for k in (0, 1)
+        for offset in (-1, 0, 1)
+    ),  # one before, at and one past a model turn / tool turn's end
+    scripted(
+        "gen_base",
+        [("Let me: " + tc("calculator", {"expression": "37 * 12 + 5"}), True)],
+        budget=("inside", 0, 7),
+    ),  # the budget ends inside the call
     scripted("gen_base", [TALLY], question="Why? " + "Because 🙂. " * 200, prompt_length=300),  # over P
-]  # fmt: skip
+]
 
 EXAMPLES: list[set[str]] = []
 
@@ -317,8 +434,12 @@ def with_examples(test):
 
 
 @with_examples
-@settings(max_examples=MIN_EXAMPLES, deadline=None, print_blob=True,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example])  # fmt: skip
+@settings(
+    max_examples=MIN_EXAMPLES,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example],
+)
 @given(scn=scenario())
 def check_generated_script(tok, scn):
     probe, _, _ = asyncio.run(run_loop("fsm", scn, PROBE_R, tok))
@@ -331,7 +452,9 @@ def check_generated_script(tok, scn):
     seen = {f"documented difference: {name}" for name in fired or ["none"]}
     seen |= {f"termination: {ours.extra_fields['termination_reason']}", f"budget: {R_mode(R, probe)}"}
     seen |= {"prompt truncated"} if len(ours.prompt_ids) == scn["prompt_length"] else set()
-    seen |= {"tool output truncated"} if any("(truncated)" in o for o in observations_of(ours, tok)) else set()
+    seen |= (
+        {"tool output truncated"} if any("(truncated)" in o for o in observations_of(ours, tok)) else set()
+    )
     seen |= {"turn cut inside a call"} if cut_inside_a_call(ours, tok) else set()
     for name in seen:
         event(name)
@@ -356,7 +479,9 @@ def check_generated_script(tok, scn):
     for key, value in batch.non_tensor_batch.items():
         if key not in (*OURS_ONLY, "request_id"):
             assert value[0] == value[1], key
-    assert_native_collate_matches(batch, outputs, prompt_length=P, response_length=R, pad_token_id=tok.pad_token_id)
+    assert_native_collate_matches(
+        batch, outputs, prompt_length=P, response_length=R, pad_token_id=tok.pad_token_id
+    )
     EXAMPLES.append(seen)
 
 
@@ -372,10 +497,21 @@ def test_generated_scripts_match_verl(tok):
 
 
 COVERAGE = [
-    *(f"documented difference: {d}" for d in ("none", "malformed", "extra_calls", "closer", "empty_response",
-                                               "empty_logprobs", "malformed among parallel calls")),
+    *(
+        f"documented difference: {d}"
+        for d in (
+            "none",
+            "malformed",
+            "extra_calls",
+            "closer",
+            "empty_response",
+            "empty_logprobs",
+            "malformed among parallel calls",
+        )
+    ),
     *(f"termination: {t}" for t in ("done", "response_length", "max_assistant_turns", "max_user_turns")),
     *(f"budget: {b}" for b in ("one before a boundary", "at a boundary", "one past a boundary")),
-    "prompt truncated", "tool output truncated", "turn cut inside a call",
-]  # fmt: skip
-
+    "prompt truncated",
+    "tool output truncated",
+    "turn cut inside a call",
+]

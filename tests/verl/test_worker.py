@@ -57,7 +57,9 @@ asyncio.run(main())
 
 @needs_verl
 def test_the_entry_survives_verl_s_worker_for_every_sample_and_batch():
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT], cwd=REPO, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(rows) == 12
@@ -109,10 +111,14 @@ def test_qwen3_without_thinking_through_verl_s_worker():
     """verl's `data.apply_chat_template_kwargs` (Qwen3's enable_thinking: false) reaches every render of the
     entry's codec: the worker instantiates the entry (it used to fail there: the adapter's own wrapper had no
     len()), the prompt ends in the empty think block and the tool round is rendered by Qwen3's template."""
-    proc = subprocess.run([sys.executable, "-c", QWEN3_SCRIPT], cwd=REPO, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", QWEN3_SCRIPT], cwd=REPO, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["prompt"].endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n"), out["prompt"][-200:]
     assert out["reason"] == "done" and out["turns"] == 4, out
-    assert "<tool_response>\n449\n</tool_response><|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n#### 449" \
-        in out["response"], out["response"]
+    assert (
+        "<tool_response>\n449\n</tool_response><|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n#### 449"
+        in out["response"]
+    ), out["response"]

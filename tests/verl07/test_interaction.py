@@ -99,10 +99,18 @@ class Echo:
         return None
 '''
 
-ECHO_SCHEMA = {"type": "function", "function": {
-    "name": "echo", "description": "Answer the text.",
-    "parameters": {"type": "object", "properties": {"text": {"type": "string", "description": "The text."}},
-                   "required": ["text"]}}}  # fmt: skip
+ECHO_SCHEMA = {
+    "type": "function",
+    "function": {
+        "name": "echo",
+        "description": "Answer the text.",
+        "parameters": {
+            "type": "object",
+            "properties": {"text": {"type": "string", "description": "The text."}},
+            "required": ["text"],
+        },
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -111,10 +119,18 @@ def parts(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("verl07")
     (d / "v07_interaction.py").write_text(INTERACTION_PY)
     (d / "v07_tools.py").write_text(ECHO_PY)
-    (d / "interaction.yaml").write_text("interaction:\n  - name: script\n    class_name: v07_interaction.Script\n"
-                                        "    config: {}\n")  # fmt: skip
-    (d / "tools.yaml").write_text(json.dumps({"tools": [{"class_name": "v07_tools.Echo", "config": {"type": "native"},
-                                                         "tool_schema": ECHO_SCHEMA}]}))  # fmt: skip
+    (d / "interaction.yaml").write_text(
+        "interaction:\n  - name: script\n    class_name: v07_interaction.Script\n    config: {}\n"
+    )
+    (d / "tools.yaml").write_text(
+        json.dumps(
+            {
+                "tools": [
+                    {"class_name": "v07_tools.Echo", "config": {"type": "native"}, "tool_schema": ECHO_SCHEMA}
+                ]
+            }
+        )
+    )
     common = """
         interaction:
           class: v07_interaction:Script
@@ -122,14 +138,19 @@ def parts(tmp_path_factory) -> Path:
           reply_overflow: cut
         turn_closer: none
     """
-    (d / "talk.yaml").write_text(f"name: talk\nextends: {SPECS}/interaction_agent.yaml\n" + textwrap.dedent(common))
+    (d / "talk.yaml").write_text(
+        f"name: talk\nextends: {SPECS}/interaction_agent.yaml\n" + textwrap.dedent(common)
+    )
     tools = f"""
         tools:
           - class: v07_tools:Echo
             schema: {json.dumps(ECHO_SCHEMA)}
     """
-    (d / "tools_talk.yaml").write_text(f"name: tools_talk\nextends: {SPECS}/tool_agent.yaml\n"
-                                       + textwrap.dedent(common) + textwrap.dedent(tools))  # fmt: skip
+    (d / "tools_talk.yaml").write_text(
+        f"name: tools_talk\nextends: {SPECS}/tool_agent.yaml\n"
+        + textwrap.dedent(common)
+        + textwrap.dedent(tools)
+    )
     sys.path.insert(0, str(d))
     return d
 
@@ -189,27 +210,48 @@ def verl_loop(parts: Path, tok, server: ReplayServer, scn: dict):
     mt.max_tool_response_length = min(scn["R"], 256)  # middle truncation: verl 0.7.1's is agentfsm's
     mt.tool_config_path = str(parts / "tools.yaml") if scn["spec"] == "tools_talk" else None
     SpentBudgetTurn.fired = False
-    return SpentBudgetTurn(trainer_config=DictConfigWrap(config=config), server_manager=server, tokenizer=tok,
-                           processor=None, dataset_cls=RLHFDataset, data_config=DictConfigWrap(config.data))  # fmt: skip
+    return SpentBudgetTurn(
+        trainer_config=DictConfigWrap(config=config),
+        server_manager=server,
+        tokenizer=tok,
+        processor=None,
+        dataset_cls=RLHFDataset,
+        data_config=DictConfigWrap(config.data),
+    )
 
 
 def fsm_agent(parts: Path, scn: dict) -> fsm.CompiledAgent:
-    limits = {"prompt_length": P, "response_length": scn["R"], "max_user_turns": scn["max_user_turns"],
-              "max_assistant_turns": scn["max_assistant_turns"], "max_tool_response_length": min(scn["R"], 256)}  # fmt: skip
+    limits = {
+        "prompt_length": P,
+        "response_length": scn["R"],
+        "max_user_turns": scn["max_user_turns"],
+        "max_assistant_turns": scn["max_assistant_turns"],
+        "max_tool_response_length": min(scn["R"], 256),
+    }
     path = parts / f"{scn['spec']}_run.yaml"
     path.write_text(f"name: run\nextends: {scn['spec']}.yaml\nlimits: {json.dumps(limits)}\n")
     return fsm.compile_spec(path)
 
 
 def row(scn: dict) -> dict:
-    kwargs = {"name": "script", "replies": scn["replies"], "scores": scn["scores"], "stop_after": scn["stop_after"]}
-    return {"raw_prompt": [{"role": "user", "content": scn["question"]}], "tools_kwargs": {},
-            "extra_info": {"index": 0, "interaction_kwargs": kwargs}}  # fmt: skip
+    kwargs = {
+        "name": "script",
+        "replies": scn["replies"],
+        "scores": scn["scores"],
+        "stop_after": scn["stop_after"],
+    }
+    return {
+        "raw_prompt": [{"role": "user", "content": scn["question"]}],
+        "tools_kwargs": {},
+        "extra_info": {"index": 0, "interaction_kwargs": kwargs},
+    }
 
 
 def run_both(parts: Path, tok, scn: dict):
-    turns = [tok.encode(text, add_special_tokens=False) + ([tok.eos_token_id] if eos else []) for text, eos in
-             scn["turns"]]  # fmt: skip
+    turns = [
+        tok.encode(text, add_special_tokens=False) + ([tok.eos_token_id] if eos else [])
+        for text, eos in scn["turns"]
+    ]
     server = ReplayServer(turns, tok.eos_token_id, scn["R"])
 
     async def verl_side():  # verl's loop keeps the event loop it was built in
@@ -218,8 +260,9 @@ def run_both(parts: Path, tok, scn: dict):
 
     theirs, spent = asyncio.run(verl_side())
     fired = {"spent_turn"} if spent else set()
-    backend = ScriptedBackend(lambda session, k, prompt: turns[k] if k < len(turns) else [tok.eos_token_id],
-                              logprob=logprob)  # past the script: eos, as ReplayServer answers
+    backend = ScriptedBackend(
+        lambda session, k, prompt: turns[k] if k < len(turns) else [tok.eos_token_id], logprob=logprob
+    )  # past the script: eos, as ReplayServer answers
     (ours,) = asyncio.run(fsm.Runner(fsm_agent(parts, scn), backend, tok).run([row(scn)]))
     assert not ours.failed, ours.error
     return theirs, ours.to_output(), fired
@@ -262,7 +305,9 @@ TEXT = st.lists(st.sampled_from(ALPHABET), max_size=20).map("".join)
 def model_turn(draw, tools: bool):
     text = draw(TEXT)
     if tools and draw(st.integers(0, 3)) == 0:
-        call = json.dumps({"name": "echo", "arguments": {"text": draw(TEXT)}}, ensure_ascii=draw(st.booleans()))
+        call = json.dumps(
+            {"name": "echo", "arguments": {"text": draw(TEXT)}}, ensure_ascii=draw(st.booleans())
+        )
         text = f"{text}\n<tool_call>\n{call}\n</tool_call>"
         event("tool call")
     eos = draw(st.integers(0, 5)) > 0
@@ -286,9 +331,17 @@ def scenario(draw):
 
 
 def explicit(**kw) -> dict:
-    base = {"spec": "talk", "question": "Guess my number 🙂", "turns": [("5", True), ("9", True), ("7", True)],
-            "replies": ["Higher.", "Lower."], "scores": [0.0], "stop_after": 3, "max_user_turns": None,
-            "max_assistant_turns": None, "R": 400}  # fmt: skip
+    base = {
+        "spec": "talk",
+        "question": "Guess my number 🙂",
+        "turns": [("5", True), ("9", True), ("7", True)],
+        "replies": ["Higher.", "Lower."],
+        "scores": [0.0],
+        "stop_after": 3,
+        "max_user_turns": None,
+        "max_assistant_turns": None,
+        "R": 400,
+    }
     return {**base, **kw}
 
 
@@ -298,9 +351,15 @@ EXPLICIT = [
     explicit(stop_after=None, max_assistant_turns=2),
     explicit(stop_after=None, R=30),  # a reply cut at the budget
     explicit(turns=[("5 and", False), ("", False), ("7", True)]),  # cut and empty turns before a reply
-    explicit(spec="tools_talk", turns=[('<tool_call>\n{"name": "echo", "arguments": {"text": "é"}}\n</tool_call>',
-                                        True), ("5", True), ("7", True)]),  # a tool round, then the user
-]  # fmt: skip
+    explicit(
+        spec="tools_talk",
+        turns=[
+            ('<tool_call>\n{"name": "echo", "arguments": {"text": "é"}}\n</tool_call>', True),
+            ("5", True),
+            ("7", True),
+        ],
+    ),  # a tool round, then the user
+]
 SEEN: list[set[str]] = []
 
 
@@ -311,15 +370,23 @@ def with_examples(test):
 
 
 @with_examples
-@settings(max_examples=MIN_EXAMPLES, deadline=None, print_blob=True,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])  # fmt: skip
+@settings(
+    max_examples=MIN_EXAMPLES,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 @given(scn=scenario())
 def check_conversation(parts, tok, scn):
     theirs, ours, fired = run_both(parts, tok, scn)
     assert_same(theirs, ours, fired)
     seen = {f"spec: {scn['spec']}", f"ended: {ours['extra_fields']['termination_reason']}"}
     seen |= {f"documented difference: {name}" for name in fired}
-    seen |= {"reply cut at the budget"} if len(ours["response_mask"]) == scn["R"] and not ours["response_mask"][-1] else set()
+    seen |= (
+        {"reply cut at the budget"}
+        if len(ours["response_mask"]) == scn["R"] and not ours["response_mask"][-1]
+        else set()
+    )
     for name in seen:
         event(name)
     SEEN.append(seen)
@@ -331,7 +398,15 @@ def test_interacting_matches_verl_0_7_1(parts, tok):
     assert len(SEEN) >= MIN_EXAMPLES
     counts = collections.Counter(name for seen in SEEN for name in seen)
     print("\n".join(f"{n:5d}  {name}" for name, n in sorted(counts.items())))
-    for name in ("spec: talk", "spec: tools_talk", "ended: interaction_done", "ended: max_user_turns",
-                 "ended: max_assistant_turns", "ended: response_length", "reply cut at the budget",
-                 "documented difference: spent_turn", "documented difference: empty_turn_logprobs"):  # fmt: skip
+    for name in (
+        "spec: talk",
+        "spec: tools_talk",
+        "ended: interaction_done",
+        "ended: max_user_turns",
+        "ended: max_assistant_turns",
+        "ended: response_length",
+        "reply cut at the budget",
+        "documented difference: spent_turn",
+        "documented difference: empty_turn_logprobs",
+    ):
         assert counts[name], f"no conversation had {name!r}"

@@ -35,8 +35,10 @@ def free_port() -> int:
 def need_venv() -> None:
     if PYTHON.exists():
         return
-    why = (f"real-vLLM suite: no vllm virtualenv at {VENV}; build it with `bash .ci/vllm_env.sh` (or point "
-           "$VLLM_VENV at one)")  # fmt: skip
+    why = (
+        f"real-vLLM suite: no vllm virtualenv at {VENV}; build it with `bash .ci/vllm_env.sh` (or point "
+        "$VLLM_VENV at one)"
+    )
     if os.environ.get("CI") == "true":
         pytest.fail(why + " (CI=true: .ci/run builds it, so its absence is a failure)")
     pytest.skip(why)
@@ -71,8 +73,14 @@ def vllm(tmp_path_factory, padded) -> Iterator[Served]:
     need_venv()
     from backends.launcher import VLLMLauncher
 
-    launcher = VLLMLauncher(str(padded), base_port=free_port(), device="cpu", python=str(PYTHON),
-                            log_dir=tmp_path_factory.mktemp("vllm"), startup_timeout_s=READY_S)  # fmt: skip
+    launcher = VLLMLauncher(
+        str(padded),
+        base_port=free_port(),
+        device="cpu",
+        python=str(PYTHON),
+        log_dir=tmp_path_factory.mktemp("vllm"),
+        startup_timeout_s=READY_S,
+    )
     loop = asyncio.new_event_loop()
     try:
         loop.run_until_complete(launcher.__aenter__())

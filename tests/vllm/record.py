@@ -31,20 +31,34 @@ async def exchanges(url: str, model: str) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
 
-        async def call(name: str, method: str, path: str, body: Any = None, params: dict | None = None) -> Any:
+        async def call(
+            name: str, method: str, path: str, body: Any = None, params: dict | None = None
+        ) -> Any:
             async with http.request(method, url + path, json=body, params=params) as resp:
                 text = await resp.text()
                 try:
                     parsed = json.loads(text) if text else None
                 except ValueError:
                     parsed = text
-                out.append({"name": name, "method": method, "path": path, "params": params, "request": body,
-                            "status": resp.status, "body": parsed})  # fmt: skip
+                out.append(
+                    {
+                        "name": name,
+                        "method": method,
+                        "path": path,
+                        "params": params,
+                        "request": body,
+                        "status": resp.status,
+                        "body": parsed,
+                    }
+                )
                 return parsed
 
         def gen(rid: str, max_tokens: int, prompt: list[int] = PROMPT, **params: Any) -> dict[str, Any]:
-            return {"token_ids": prompt, "request_id": rid,
-                    "sampling_params": {**GREEDY, "max_tokens": max_tokens, **params}}  # fmt: skip
+            return {
+                "token_ids": prompt,
+                "request_id": rid,
+                "sampling_params": {**GREEDY, "max_tokens": max_tokens, **params},
+            }
 
         async def until_running() -> None:
             loop = asyncio.get_running_loop()
@@ -66,8 +80,16 @@ async def exchanges(url: str, model: str) -> list[dict[str, Any]]:
         await call("greedy", "POST", "/inference/v1/generate", gen("rec_greedy", 8))
         await call("stop_id", "POST", "/inference/v1/generate", gen("rec_stop", 8, stop_token_ids=[485]))
         await call("eos", "POST", "/inference/v1/generate", gen("rec_eos", 300, stop_token_ids=[2]))
-        await call("no_logprobs", "POST", "/inference/v1/generate",
-                   {"token_ids": PROMPT, "request_id": "rec_nolp", "sampling_params": {"temperature": 0.0, "max_tokens": 3}})  # fmt: skip
+        await call(
+            "no_logprobs",
+            "POST",
+            "/inference/v1/generate",
+            {
+                "token_ids": PROMPT,
+                "request_id": "rec_nolp",
+                "sampling_params": {"temperature": 0.0, "max_tokens": 3},
+            },
+        )
         await call("zero_budget", "POST", "/inference/v1/generate", gen("rec_zero", 0))
         await call("bad_top_p", "POST", "/inference/v1/generate", gen("rec_topp", 3, top_p=7.0))
         await call("unknown_param", "POST", "/inference/v1/generate", gen("rec_unknown", 3, max_new_tokens=3))
@@ -75,15 +97,24 @@ async def exchanges(url: str, model: str) -> list[dict[str, Any]]:
         await call("at_the_edge", "POST", "/inference/v1/generate", gen("rec_edge", 10, prompt=[5] * 4093))
         await call("empty_prompt", "POST", "/inference/v1/generate", gen("rec_empty", 3, prompt=[]))
         # an abort mid-generation answers with the tokens made so far
-        turn = asyncio.ensure_future(call("aborted", "POST", "/inference/v1/generate",
-                                          gen("rec_abort", 400, ignore_eos=True)))  # fmt: skip
+        turn = asyncio.ensure_future(
+            call("aborted", "POST", "/inference/v1/generate", gen("rec_abort", 400, ignore_eos=True))
+        )
         await until_running()
-        await call("abort", "POST", "/inference/v1/abort_requests", {"request_ids": ["generate-tokens-rec_abort"]})
+        await call(
+            "abort", "POST", "/inference/v1/abort_requests", {"request_ids": ["generate-tokens-rec_abort"]}
+        )
         await turn
         # each pause mode with a request in flight
         for mode in ("abort", "keep", "wait"):
-            turn = asyncio.ensure_future(call(f"paused_{mode}", "POST", "/inference/v1/generate",
-                                              gen(f"rec_pause_{mode}", 200, ignore_eos=True)))  # fmt: skip
+            turn = asyncio.ensure_future(
+                call(
+                    f"paused_{mode}",
+                    "POST",
+                    "/inference/v1/generate",
+                    gen(f"rec_pause_{mode}", 200, ignore_eos=True),
+                )
+            )
             await until_running()
             await call(f"pause_{mode}", "POST", "/pause", params={"mode": mode})
             await call(f"is_paused_{mode}", "GET", "/is_paused")
@@ -91,13 +122,21 @@ async def exchanges(url: str, model: str) -> list[dict[str, Any]]:
             await turn
         await call("pause_bad_mode", "POST", "/pause", params={"mode": "retract"})
         # weights: reload from a checkpoint and relabel; a weight-transfer session without a configured engine
-        await call("reload_early", "POST", "/collective_rpc",
-                   {"method": "reload_weights", "kwargs": {"weights_path": str(Path(model) / "early")}})  # fmt: skip
+        await call(
+            "reload_early",
+            "POST",
+            "/collective_rpc",
+            {"method": "reload_weights", "kwargs": {"weights_path": str(Path(model) / "early")}},
+        )
         await call("update_weight_version", "POST", "/update_weight_version", {"new_version": "7"})
         await call("weight_info_after", "GET", "/weight_info")
         await call("early_versions", "POST", "/inference/v1/generate", gen("rec_early", 4))
-        await call("reload_back", "POST", "/collective_rpc",
-                   {"method": "reload_weights", "kwargs": {"weights_path": model}})  # fmt: skip
+        await call(
+            "reload_back",
+            "POST",
+            "/collective_rpc",
+            {"method": "reload_weights", "kwargs": {"weights_path": model}},
+        )
         await call("update_weight_version_back", "POST", "/update_weight_version", {"new_version": "default"})
         await exact(call, model)
         await call("start_weight_update", "POST", "/start_weight_update")
@@ -109,8 +148,12 @@ async def exact(call: Any, model: str) -> None:
     """What an exact update reads (backends/vllm.py, backends/vllm_reload.py): the server's config, kept to
     the two entries the client reads, and the worker extension's reload report."""
     await call("server_info", "GET", "/server_info", params={"config_format": "json"})
-    await call("exact_reload", "POST", "/collective_rpc",
-               {"method": "agentfsm_reload_weights", "kwargs": {"weights_path": model}})  # fmt: skip
+    await call(
+        "exact_reload",
+        "POST",
+        "/collective_rpc",
+        {"method": "agentfsm_reload_weights", "kwargs": {"weights_path": model}},
+    )
 
 
 def trimmed(exchanges: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -118,9 +161,14 @@ def trimmed(exchanges: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for e in exchanges:
         if e["path"] == "/server_info" and isinstance(e["body"], dict):
             config = e["body"]["vllm_config"]
-            e["body"] = {"vllm_config": {"parallel_config": {"worker_extension_cls":
-                         config["parallel_config"].get("worker_extension_cls")},
-                         "device_config": {"device": config["device_config"].get("device")}}}  # fmt: skip
+            e["body"] = {
+                "vllm_config": {
+                    "parallel_config": {
+                        "worker_extension_cls": config["parallel_config"].get("worker_extension_cls")
+                    },
+                    "device_config": {"device": config["device_config"].get("device")},
+                }
+            }
     return exchanges
 
 
@@ -131,8 +179,14 @@ async def launch_and_record() -> list[dict[str, Any]]:
 
     with tempfile.TemporaryDirectory() as tmp:
         model = convert_tiny(Path(tmp) / "model")
-        async with VLLMLauncher(str(model), base_port=free_port(), device="cpu", python=str(PYTHON),
-                                log_dir=Path(tmp) / "logs", startup_timeout_s=READY_S) as launcher:  # fmt: skip
+        async with VLLMLauncher(
+            str(model),
+            base_port=free_port(),
+            device="cpu",
+            python=str(PYTHON),
+            log_dir=Path(tmp) / "logs",
+            startup_timeout_s=READY_S,
+        ) as launcher:
             return await exchanges(launcher.urls[0], str(model))
 
 
@@ -141,7 +195,9 @@ def main() -> None:
     ap.add_argument("--url", help="a running vLLM server (default: launch one)")
     ap.add_argument("--model", help="with --url: the padded model directory it serves")
     args = ap.parse_args()
-    got = trimmed(asyncio.run(exchanges(args.url.rstrip("/"), args.model) if args.url else launch_and_record()))
+    got = trimmed(
+        asyncio.run(exchanges(args.url.rstrip("/"), args.model) if args.url else launch_and_record())
+    )
     FIXTURES.mkdir(parents=True, exist_ok=True)
     path = FIXTURES / "exchanges.json"
     path.write_text(json.dumps({"vllm": "0.32.0", "exchanges": got}, indent=1) + "\n")

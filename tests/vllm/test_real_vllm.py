@@ -41,8 +41,9 @@ def client(url: str, **kw: Any) -> VLLMBackend:
 
 
 def req(rid: str, max_new: int, prompt: list[int] = PROMPT, **params: Any) -> GenerateRequest:
-    return GenerateRequest(rid.split("_")[0], list(prompt), {"temperature": 0.0, "max_new_tokens": max_new, **params},
-                           rid=rid)  # fmt: skip
+    return GenerateRequest(
+        rid.split("_")[0], list(prompt), {"temperature": 0.0, "max_new_tokens": max_new, **params}, rid=rid
+    )
 
 
 async def metric(c: VLLMBackend, name: str) -> float:
@@ -53,14 +54,17 @@ async def metric(c: VLLMBackend, name: str) -> float:
     return sum(float(v) for v in found)
 
 
-async def running(c: VLLMBackend, n: int = 1, tokens: int = 2, timeout_s: float = 120,
-                  turn: asyncio.Future | None = None) -> None:  # fmt: skip
+async def running(
+    c: VLLMBackend, n: int = 1, tokens: int = 2, timeout_s: float = 120, turn: asyncio.Future | None = None
+) -> None:
     """Until vLLM's scheduler runs `n` requests and has made `tokens` more tokens since this call (or `turn`,
     one that may end on its own, has ended)."""
     deadline = time.monotonic() + timeout_s
     before = await metric(c, "vllm:generation_tokens_total")
-    while (await metric(c, "vllm:num_requests_running") < n
-           or await metric(c, "vllm:generation_tokens_total") < before + tokens):  # fmt: skip
+    while (
+        await metric(c, "vllm:num_requests_running") < n
+        or await metric(c, "vllm:generation_tokens_total") < before + tokens
+    ):
         if turn is not None and turn.done():
             return
         assert time.monotonic() < deadline, "no request started running"
@@ -78,7 +82,9 @@ def lp_diff(a: GenerateResult, b: GenerateResult) -> float:
 
 
 async def rpc(c: VLLMBackend, method: str, **kwargs: str) -> Any:
-    return (await c._control("POST", "/collective_rpc", {"method": method, "kwargs": kwargs}, timeout_s=600))["results"]
+    return (await c._control("POST", "/collective_rpc", {"method": method, "kwargs": kwargs}, timeout_s=600))[
+        "results"
+    ]
 
 
 async def reference(c: VLLMBackend, n: int = LONG) -> GenerateResult:
@@ -92,7 +98,9 @@ async def reference(c: VLLMBackend, n: int = LONG) -> GenerateResult:
 async def test_generate_logprobs_stop_ids_zero_budget_and_the_context_edge(vllm):
     async with client(vllm.url) as c:
         full = await c.generate(req("gen_t00", 12))
-        assert full.finish_reason == "length" and len(full.token_ids) == 12 and full.prompt_tokens == len(PROMPT)
+        assert (
+            full.finish_reason == "length" and len(full.token_ids) == 12 and full.prompt_tokens == len(PROMPT)
+        )
         assert full.logprobs is not None and len(full.logprobs) == 12 and all(lp <= 0 for lp in full.logprobs)
         assert full.extra["token_versions"] == [full.weight_version] * 12
         again = await c.generate(req("gen_t01", 12))
@@ -103,7 +111,9 @@ async def test_generate_logprobs_stop_ids_zero_budget_and_the_context_edge(vllm)
         stop = full.token_ids[3]
         first = full.token_ids.index(stop)
         cut = await c.generate(req("gen_t02", 12, stop_token_ids=[stop]))
-        assert cut.finish_reason == "stop" and cut.token_ids == full.token_ids[: first + 1]  # the stop id included
+        assert (
+            cut.finish_reason == "stop" and cut.token_ids == full.token_ids[: first + 1]
+        )  # the stop id included
         assert cut.extra["finish"].get("matched") == stop
         sent = c.counts["requests"]
         zero = await c.generate(req("gen_t03", 0))  # vLLM refuses max_tokens 0: answered here
@@ -122,7 +132,9 @@ async def test_generate_logprobs_stop_ids_zero_budget_and_the_context_edge(vllm)
 
 async def test_vllms_own_refusals_become_one_line_request_errors(vllm):
     async with client(vllm.url, context_length=100_000) as c:  # our clamp disabled: vLLM's own check answers
-        with pytest.raises(BackendRequestError, match=r"rejected rid ctx_t00: .*(maximum|context length)") as e:
+        with pytest.raises(
+            BackendRequestError, match=r"rejected rid ctx_t00: .*(maximum|context length)"
+        ) as e:
             await c.generate(req("ctx_t00", 10, prompt=[5] * 4100))
         assert "\n" not in str(e.value)
     async with client(vllm.url) as c:
@@ -167,10 +179,14 @@ async def test_a_real_abort_returns_partial_output_and_the_turn_resumes_to_the_g
 @pytest.mark.parametrize("mode", MODES)
 async def test_pause_in_each_mode_with_a_request_in_flight_then_resume(vllm, mode):
     async with client(vllm.url) as c:
-        budget = LONG if mode == "retract" else BUSY  # "wait" lets the turn finish; the others must catch it running
+        budget = (
+            LONG if mode == "retract" else BUSY
+        )  # "wait" lets the turn finish; the others must catch it running
         session = f"pz{mode.replace('_', '')}"
         turn = asyncio.ensure_future(c.generate(req(f"{session}_t00", budget, ignore_eos=True)))
-        await running(c, turn=turn if mode == "retract" else None)  # "wait" is for turns that end on their own
+        await running(
+            c, turn=turn if mode == "retract" else None
+        )  # "wait" is for turns that end on their own
         await c.pause_generation(mode)
         try:
             assert await c.is_paused() and not await c.ready()
@@ -232,7 +248,10 @@ async def test_vllms_own_reload_keeps_the_tied_head_and_the_clients_update_does_
             await c.update_weights_from_disk(str(vllm.model))
         back = await probe(c, "tie_t04")
     assert lp_diff(back, base) < NOISE
-    assert mixed.token_ids != early.token_ids or max(abs(x - y) for x, y in zip(mixed.logprobs or [], early.logprobs or [])) > 0.1
+    assert (
+        mixed.token_ids != early.token_ids
+        or max(abs(x - y) for x, y in zip(mixed.logprobs or [], early.logprobs or [])) > 0.1
+    )
 
 
 async def test_an_update_while_a_request_is_held_splits_its_versions_as_vllm_reports(vllm):
@@ -264,9 +283,13 @@ async def test_a_turn_the_context_cuts_ends_context_length(vllm, tmp_path):
     from fsm.api import RolloutEngine
 
     spec = tmp_path / "cut.yaml"
-    spec.write_text(f"name: cut\nextends: {REPO / 'specs' / 'single_turn.yaml'}\n"
-                    "limits:\n  prompt_length: 4096\n  response_length: 512\n")  # fmt: skip
-    row = {"raw_prompt": [{"role": "user", "content": " ".join(["one"] * 4018)}]}  # 20 template tokens around it
+    spec.write_text(
+        f"name: cut\nextends: {REPO / 'specs' / 'single_turn.yaml'}\n"
+        "limits:\n  prompt_length: 4096\n  response_length: 512\n"
+    )
+    row = {
+        "raw_prompt": [{"role": "user", "content": " ".join(["one"] * 4018)}]
+    }  # 20 template tokens around it
     async with RolloutEngine(spec, str(ASSETS), servers=[vllm.url]) as engine:
         (traj,) = await engine.arun([row], sampling_params={"temperature": 0.0})
     assert len(traj.prompt_ids) == 4038 and len(traj.response_ids) == CONTEXT - 4038
@@ -274,10 +297,10 @@ async def test_a_turn_the_context_cuts_ends_context_length(vllm, tmp_path):
     assert traj.extra["context_cut"] == CONTEXT and traj.extra["spec_reason"] == "done"
 
 
-
 def agentfsm(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "fsm.cli", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=900)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "fsm.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=900
+    )
 
 
 def batch(out) -> Any:
@@ -290,15 +313,38 @@ async def test_the_main_job_over_real_vllm_equals_the_dev_servers(vllm, tmp_path
     from backends.devserver import DevServer
     from backends.hf import HFBackend
 
-    real = await asyncio.to_thread(agentfsm, "run", "specs/calculator.yaml", "--server", vllm.url,
-                                   "--tokenizer", str(ASSETS), "--temperature", "0", "--num-prompts", "8",
-                                   "--out", str(tmp_path / "vllm"))  # fmt: skip
+    real = await asyncio.to_thread(
+        agentfsm,
+        "run",
+        "specs/calculator.yaml",
+        "--server",
+        vllm.url,
+        "--tokenizer",
+        str(ASSETS),
+        "--temperature",
+        "0",
+        "--num-prompts",
+        "8",
+        "--out",
+        str(tmp_path / "vllm"),
+    )
     assert real.returncode == 0, real.stderr[-2000:]
     model = HFBackend(ASSETS, device="cpu")
     try:
         async with DevServer(model, model_path=str(ASSETS)) as dev:
-            ours = await asyncio.to_thread(agentfsm, "run", "specs/calculator.yaml", "--server", dev.url,
-                                           "--temperature", "0", "--num-prompts", "8", "--out", str(tmp_path / "dev"))  # fmt: skip
+            ours = await asyncio.to_thread(
+                agentfsm,
+                "run",
+                "specs/calculator.yaml",
+                "--server",
+                dev.url,
+                "--temperature",
+                "0",
+                "--num-prompts",
+                "8",
+                "--out",
+                str(tmp_path / "dev"),
+            )
     finally:
         await model.close()
     assert ours.returncode == 0, ours.stderr[-2000:]
@@ -353,8 +399,11 @@ async def test_continuous_mode_pause_update_resume_versions_match_vllms(vllm, to
     for t in trajs:
         made = [v for v, m in zip(t.response_versions, t.response_mask) if m == 1]
         assert made == sorted(made) and set(made) <= {start, start + 1}
-        vll = [int(v) if v.isdigit() else start for rid in sorted(r for r in reported if r.startswith(t.session_id))
-               for v in reported[rid]]  # fmt: skip
+        vll = [
+            int(v) if v.isdigit() else start
+            for rid in sorted(r for r in reported if r.startswith(t.session_id))
+            for v in reported[rid]
+        ]
         assert made == vll, t.session_id  # token for token, the version vLLM says made it
         seen |= set(made)
     assert start + 1 in seen  # tokens after the update came from the early checkpoint
@@ -367,9 +416,29 @@ def test_an_updated_server_serves_what_a_fresh_one_on_the_checkpoint_serves(tmp_
     from tests.vllm.conftest import PYTHON, free_port, need_venv
 
     need_venv()
-    job = ("run", "specs/calculator.yaml", "--tokenizer", str(ASSETS), "--temperature", "0", "--num-prompts", "4")
-    fresh = agentfsm(*job, "--launch-vllm", str(vllm.early), "--device", "cpu", "--vllm-python", str(PYTHON),
-                     "--port", str(free_port()), "--out", str(tmp_path / "fresh"))  # fmt: skip
+    job = (
+        "run",
+        "specs/calculator.yaml",
+        "--tokenizer",
+        str(ASSETS),
+        "--temperature",
+        "0",
+        "--num-prompts",
+        "4",
+    )
+    fresh = agentfsm(
+        *job,
+        "--launch-vllm",
+        str(vllm.early),
+        "--device",
+        "cpu",
+        "--vllm-python",
+        str(PYTHON),
+        "--port",
+        str(free_port()),
+        "--out",
+        str(tmp_path / "fresh"),
+    )
     assert fresh.returncode == 0, fresh.stderr[-2000:]
     assert list((tmp_path / "fresh" / "vllm_logs").glob("replica0_port*.log"))
 

@@ -23,7 +23,20 @@ from fsm.families.parsers.json_calls import DeepSeekV3Parser, HermesParser, Kimi
 from fsm.families.parsers.xml_calls import GLM45Parser, Qwen3CoderParser, SeedParser
 
 __all__ = [
-    "PARSERS", "DeepSeekV3Parser", "GLM45Parser", "HarmonyParser", "HermesParser", "KimiK2Parser",
-    "Llama3JsonParser", "Qwen3CoderParser", "SeedParser", "ToolCall", "ToolCallParser", "assistant_message",
-    "json_arguments", "register_parser", "split_reasoning", "token_ids",
-]  # fmt: skip
+    "PARSERS",
+    "DeepSeekV3Parser",
+    "GLM45Parser",
+    "HarmonyParser",
+    "HermesParser",
+    "KimiK2Parser",
+    "Llama3JsonParser",
+    "Qwen3CoderParser",
+    "SeedParser",
+    "ToolCall",
+    "ToolCallParser",
+    "assistant_message",
+    "json_arguments",
+    "register_parser",
+    "split_reasoning",
+    "token_ids",
+]

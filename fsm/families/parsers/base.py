@@ -60,12 +60,17 @@ def assistant_message(content: str, calls: list[ToolCall], max_calls: int) -> di
     valid = [call for call in calls if call.error is None][:max_calls]
     if valid:
         message["tool_calls"] = [
-            {"type": "function", "function": {
-                "name": call.name,
-                "arguments": call.arguments if isinstance(call.arguments, dict)
-                else json.dumps(call.arguments, ensure_ascii=False),
-            }} for call in valid
-        ]  # fmt: skip
+            {
+                "type": "function",
+                "function": {
+                    "name": call.name,
+                    "arguments": call.arguments
+                    if isinstance(call.arguments, dict)
+                    else json.dumps(call.arguments, ensure_ascii=False),
+                },
+            }
+            for call in valid
+        ]
     return message
 
 
@@ -82,7 +87,9 @@ def token_ids(tokenizer: Any, *tokens: str) -> list[int]:
     return ids
 
 
-def split_reasoning(text: str, style: str, tags: tuple[str, str] = ("<think>", "</think>")) -> tuple[str | None, str]:
+def split_reasoning(
+    text: str, style: str, tags: tuple[str, str] = ("<think>", "</think>")
+) -> tuple[str | None, str]:
     """(reasoning, the rest) of a `think` family's turn. The reasoning runs to the turn's LAST closer: from a
     leading opener (the family's tags), or from the start when the prompt opened the block. A block never
     closed is all reasoning. The last, not the first: Qwen3's and GLM's templates take the answer after the
@@ -196,14 +203,21 @@ def capped(calls: list[ToolCall]) -> list[ToolCall]:
     than a turn of a hundred, here and in the answers."""
     if len(calls) <= MAX_CALLS:
         return calls
-    rest = ToolCall(None, None, "", error=f"more than {MAX_CALLS} tool calls in one turn: the rest were not read")
+    rest = ToolCall(
+        None, None, "", error=f"more than {MAX_CALLS} tool calls in one turn: the rest were not read"
+    )
     return calls[:MAX_CALLS] + [rest]
 
 
 def json_arguments(raw: str, name: str) -> ToolCall:
     value, error = load_json(raw)
     if error is not None:
-        return ToolCall(name, None, raw, error=f"Invalid JSON in arguments for '{name}': {error.removeprefix('Invalid JSON: ')}")
+        return ToolCall(
+            name,
+            None,
+            raw,
+            error=f"Invalid JSON in arguments for '{name}': {error.removeprefix('Invalid JSON: ')}",
+        )
     return ToolCall(name, value, raw)
 
 

@@ -60,11 +60,20 @@ class HarmonyParser:
             if not recipient or channel == "analysis":  # calls in the reasoning channel are not made (verl)
                 continue
             if AMBIGUOUS in (channel, recipient):
-                calls.append(ToolCall(None, None, body, error="a Harmony message header names two channels or two "
-                                      "recipients; write one <|channel|> and one to=functions.NAME"))  # fmt: skip
+                calls.append(
+                    ToolCall(
+                        None,
+                        None,
+                        body,
+                        error="a Harmony message header names two channels or two "
+                        "recipients; write one <|channel|> and one to=functions.NAME",
+                    )
+                )
                 continue
             if end != "<|call|>":
-                calls.append(ToolCall(recipient, None, body, error=f"the call to '{recipient}' never reached <|call|>"))
+                calls.append(
+                    ToolCall(recipient, None, body, error=f"the call to '{recipient}' never reached <|call|>")
+                )
             else:
                 calls.append(checked(json_arguments(body, recipient)))
             if len(calls) > MAX_CALLS:

@@ -90,8 +90,20 @@ class HermesParser:
                 end = nearest
                 value, error = load_json(text[body:end])
             raw, pos = text[body:end], end + len(_CLOSE)
-            yield start, pos, self._calls(value, raw) if error is None else [
-                ToolCall(None, None, raw, error=f"Invalid JSON in tool call: {error.removeprefix('Invalid JSON: ')}")]  # fmt: skip
+            yield (
+                start,
+                pos,
+                self._calls(value, raw)
+                if error is None
+                else [
+                    ToolCall(
+                        None,
+                        None,
+                        raw,
+                        error=f"Invalid JSON in tool call: {error.removeprefix('Invalid JSON: ')}",
+                    )
+                ],
+            )
 
     @staticmethod
     def _calls(value: Any, raw: str) -> list[ToolCall]:
@@ -102,8 +114,11 @@ class HermesParser:
         calls = []
         for obj in items:
             args = obj.get("arguments", obj.get("parameters")) if isinstance(obj, dict) else None
-            if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or args is None and not (
-                "arguments" in obj or "parameters" in obj
+            if (
+                not isinstance(obj, dict)
+                or not isinstance(obj.get("name"), str)
+                or args is None
+                and not ("arguments" in obj or "parameters" in obj)
             ):
                 calls.append(ToolCall(None, None, raw, error=_SHAPE))
             else:
@@ -131,13 +146,27 @@ class Llama3JsonParser:
             read = decode_at(body, pos)
             if read is None:
                 _value, error = load_json(body[pos:])
-                calls.append(ToolCall(None, None, body[pos:], error=f"Invalid JSON in tool call: {(error or '').removeprefix('Invalid JSON: ')}"))
+                calls.append(
+                    ToolCall(
+                        None,
+                        None,
+                        body[pos:],
+                        error=f"Invalid JSON in tool call: {(error or '').removeprefix('Invalid JSON: ')}",
+                    )
+                )
                 break
             obj, end = read
             raw = body[pos:end]
             args = obj.get("parameters", obj.get("arguments")) if isinstance(obj, dict) else None
             if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or args is None:
-                calls.append(ToolCall(None, None, raw, error='a tool call must be a JSON object with a string "name" and "parameters"'))
+                calls.append(
+                    ToolCall(
+                        None,
+                        None,
+                        raw,
+                        error='a tool call must be a JSON object with a string "name" and "parameters"',
+                    )
+                )
             else:
                 calls.append(ToolCall(obj["name"], args, raw))
             pos = end
@@ -177,7 +206,9 @@ class KimiK2Parser:
         if _SECTION not in text:
             return []
         calls = []
-        for raw_id, raw_args in _marked(text, "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"):
+        for raw_id, raw_args in _marked(
+            text, "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
+        ):
             raw_id = raw_id.strip()
             name = raw_id.removeprefix("functions.")
             head, colon, index = name.rpartition(":")
@@ -192,7 +223,11 @@ class KimiK2Parser:
                 return capped(calls)
         section = text[text.index(_SECTION) :]
         if section.count("<|tool_call_begin|>") > len(calls):
-            calls.append(ToolCall(None, None, section, error="unterminated <|tool_call_begin|>: missing <|tool_call_end|>"))
+            calls.append(
+                ToolCall(
+                    None, None, section, error="unterminated <|tool_call_begin|>: missing <|tool_call_end|>"
+                )
+            )
         return calls
 
 
@@ -218,7 +253,11 @@ class DeepSeekV3Parser:
                 return capped(calls)
         if text.count("<｜tool▁call▁begin｜>") > len(calls):
             raw = text[text.rfind("<｜tool▁call▁begin｜>") :]
-            calls.append(ToolCall(None, None, raw, error="unterminated <｜tool▁call▁begin｜>: missing <｜tool▁call▁end｜>"))
+            calls.append(
+                ToolCall(
+                    None, None, raw, error="unterminated <｜tool▁call▁begin｜>: missing <｜tool▁call▁end｜>"
+                )
+            )
         return calls
 
 
@@ -227,7 +266,12 @@ def _fenced(body: str) -> tuple[str, str] | None:
     name, newline, rest = body.partition("\n")
     rest = rest.rstrip()
     for fence in ("```json\n", "```\n"):
-        if newline and name and len(rest) >= len(fence) + 4 and rest.startswith(fence) and rest.endswith("\n```"):
+        if (
+            newline
+            and name
+            and len(rest) >= len(fence) + 4
+            and rest.startswith(fence)
+            and rest.endswith("\n```")
+        ):
             return name.strip(), rest[len(fence) : -len("\n```")]
     return None
-

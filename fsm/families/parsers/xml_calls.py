@@ -52,7 +52,11 @@ def typed(raw: str, kind: str | None, *, strip: bool = True) -> Any:
         if number is not None and (number != number or number in (float("inf"), float("-inf"))):
             raise Malformed(f"the number {value[:20]!r} is out of range (not finite)")
         if number is not None:
-            return int(number) if number.is_integer() and "." not in value and "e" not in value.lower() else number
+            return (
+                int(number)
+                if number.is_integer() and "." not in value and "e" not in value.lower()
+                else number
+            )
     if kind is not None and kind.startswith("bool") and value.lower() in ("true", "false"):
         return value.lower() == "true"
     parsed, error = load_json(value)
@@ -170,10 +174,17 @@ class GLM45Parser(SchemaTyped):
             v = raw.find("<arg_value>", k_end) if k_end >= 0 else -1
             v_end = raw.find("</arg_value>", v) if v >= 0 else -1
             if v_end < 0 or raw[k_end + len("</arg_key>") : v].strip():
-                return ToolCall(name, None, raw, error="each <arg_key>k</arg_key> must be followed by <arg_value>v</arg_value>")
+                return ToolCall(
+                    name,
+                    None,
+                    raw,
+                    error="each <arg_key>k</arg_key> must be followed by <arg_value>v</arg_value>",
+                )
             key = raw[k + len("<arg_key>") : k_end].strip()
             try:
-                args[key] = typed(raw[v + len("<arg_value>") : v_end], types.get(key, "") if types is not None else None)
+                args[key] = typed(
+                    raw[v + len("<arg_value>") : v_end], types.get(key, "") if types is not None else None
+                )
             except Malformed as exc:
                 return ToolCall(name, None, raw, error=f"argument '{key}' of '{name}': {exc}")
             pos = v_end + len("</arg_value>")
