@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+from backends.scripted import echo_backend
 from fsm.cli.commands import main
 from tests.conftest import REPO, model_turn, scripted
 from tests.test_cli import _ThreadServer, run_argv
@@ -211,3 +212,30 @@ def test_dev_server_on_a_port_in_use_fails_before_loading_the_model(capsys, monk
         line.startswith(f"agentfsm: --port {port}: cannot serve on 127.0.0.1:{port} (")
         and "another --port" in line
     )
+
+
+def test_a_bad_row_is_named_by_its_uid_and_its_data_file_line(tmp_path, capsys):
+    """Every message about a row names it one way: its uid (else its number) and the data file's line."""
+    data = tmp_path / "rows.jsonl"
+    good = {
+        "raw_prompt": [{"role": "user", "content": "What is 1 + 2?"}],
+        "reward_model": {"ground_truth": "3"},
+    }
+    lines = [
+        json.dumps({**good, "uid": "a"}),
+        "",
+        json.dumps({**good, "uid": "q7", "tools_kwargs": "abc"}),
+        json.dumps({**good, "raw_prompt": [{"role": "usr", "content": "hi"}]}),
+    ]
+    data.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "run"
+    server = _ThreadServer(echo_backend())
+    try:
+        code = main(run_argv(server.url, out, "--data", str(data), "-q", "--max-error-rate", "1"))
+    finally:
+        server.close()
+    assert code == 0
+    records = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
+    reasons = [r["termination_reason"] for r in records]
+    assert reasons[1].startswith(f"error: bad row q7 ({data}:3): 'tools_kwargs'"), reasons[1]
+    assert reasons[2].startswith(f"error: bad row 2 ({data}:4): 'raw_prompt[0].role'"), reasons[2]

@@ -110,7 +110,7 @@ async def test_a_row_whose_role_the_template_does_not_render_is_an_error_naming_
     _healthy(good)
     assert bad.failed and len(bad.prompt_ids) == 0
     assert (
-        f"bad row {bad.uid}: 'raw_prompt[1].role': message 1 has role 'usr', which the qwen2.5 chat template "
+        f"bad row {bad.row_name}: 'raw_prompt[1].role': message 1 has role 'usr', which the qwen2.5 chat template "
         "does not render (it renders system, user, assistant, tool)" in bad.error
     ), bad.error
 

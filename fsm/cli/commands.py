@@ -36,6 +36,7 @@ from fsm.cli.outcome import (
     ended,
     every_row_failed,
     hold_signals,
+    most_common_cause,
     resume_spec,
     to_stdout,
     token_check_failures,
@@ -528,7 +529,7 @@ def _run_locked(
         raise stopped
     failed = [t.error or t.termination_reason for t in run.trajs if t.failed]
     if len(failed) / len(run.trajs) > args.max_error_rate:
-        common = " ".join(max(set(failed), key=failed.count).split())  # names the server, row or tool
+        common = " ".join(most_common_cause(failed)[0].split())  # names the server, row or tool
         common = common if len(common) <= 200 else common[:199] + "…"
         raise CLIError(
             f"{len(failed)} of {len(run.trajs)} rows ended in error ({len(failed) / len(run.trajs):.0%}), "

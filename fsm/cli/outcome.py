@@ -152,17 +152,22 @@ def failure_cause(traj: Any) -> str | None:
     return f"{traj.termination_reason}: {why}{hint}"
 
 
+def most_common_cause(causes: list[str]) -> tuple[str, int]:
+    """The most common of several failure lines, counted as one cause whatever row, line or request each names
+    (an example of it, and how many rows had it)."""
+    kinds = [_ID.sub("#", c) for c in causes]
+    kind = max(set(kinds), key=kinds.count)
+    return causes[kinds.index(kind)], kinds.count(kind)
+
+
 def every_row_failed(trajs: list[Any], out: Path) -> str | None:
     """One line when no row succeeded: the cause, or the most common of several; None otherwise."""
     causes = [failure_cause(t) for t in trajs]
     if not causes or None in causes:
         return None
-    kinds = [_ID.sub("#", c) for c in causes]  # type: ignore[arg-type]  # one cause whatever row or request it names
-    kind = max(set(kinds), key=kinds.count)
-    common = causes[kinds.index(kind)]
-    common = common if len(common) <= 300 else common[:299] + "…"  # type: ignore[index]
-    n = kinds.count(kind)
-    how = "all for one cause" if n == len(kinds) else f"the most common cause ({n} row{'s' * (n > 1)})"
+    common, n = most_common_cause(causes)  # type: ignore[arg-type]
+    common = common if len(common) <= 300 else common[:299] + "…"
+    how = "all for one cause" if n == len(causes) else f"the most common cause ({n} row{'s' * (n > 1)})"
     return f"all {len(trajs)} rows failed, {how}: {common}; see agentfsm show {out} --failed"
 
 

@@ -45,10 +45,19 @@ def load_rows(path: str | Path, *, prompt_key: str = "raw_prompt") -> list[dict[
         raise DataError([f"{path}: unsupported file type {path.suffix!r}; use .jsonl or .parquet"])
     if not rows:
         raise DataError([f"{path}: the file has no rows"])
-    return [normalize_record(row, prompt_key) for row in rows]
+    return [SourcedRow(normalize_record(row, prompt_key), f"{path}:{where}") for where, row in rows]
 
 
-def _jsonl(path: Path) -> list[dict[str, Any]]:
+class SourcedRow(dict):  # type: ignore[type-arg]
+    """A row with where it was read (`path:line` of a .jsonl file, `path:row N` of a parquet file), so a message
+    about the row can name the line to fix (fsm/run/runtime.py). Otherwise a plain dict."""
+
+    def __init__(self, row: dict[str, Any], source: str):
+        super().__init__(row)
+        self.source = source
+
+
+def _jsonl(path: Path) -> list[tuple[int | str, dict[str, Any]]]:
     rows, problems = [], []
     with path.open("rb") as f:
         for lineno, raw in enumerate(_lines(f), 1):
@@ -84,7 +93,7 @@ def _jsonl(path: Path) -> list[dict[str, Any]]:
             if not isinstance(row, dict):
                 problems.append(f"{path}:{lineno}: a row must be a JSON object, got {type(row).__name__}")
                 continue
-            rows.append(row)
+            rows.append((lineno, row))
     if problems:
         raise DataError(problems)
     return rows
@@ -112,7 +121,7 @@ def _lines(f: IO[bytes]) -> Iterator[bytes | None]:
             yield line
 
 
-def _parquet(path: Path) -> list[dict[str, Any]]:
+def _parquet(path: Path) -> list[tuple[int | str, dict[str, Any]]]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
@@ -120,6 +129,6 @@ def _parquet(path: Path) -> list[dict[str, Any]]:
             [f"{path}: reading parquet needs pyarrow (pip install 'agentfsm[parquet]')"]
         ) from None
     try:
-        return pq.read_table(path).to_pylist()
+        return [(f"row {k}", row) for k, row in enumerate(pq.read_table(path).to_pylist(), 1)]
     except Exception as exc:  # pyarrow raises several types for corrupt files
         raise DataError([f"{path}: cannot read parquet: {exc}"]) from None

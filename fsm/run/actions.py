@@ -24,7 +24,7 @@ from fsm.run.trajectory import Trajectory, first_segment
 
 
 async def encode_prompt(ctx: RunContext, traj: Trajectory) -> None:
-    traj.messages = prompt_messages(traj.row, f"bad row {traj.uid}")
+    traj.messages = prompt_messages(traj.row, f"bad row {traj.row_name}")
     # Samples of a group share one encoding. The uid comes from the row, so a reused uid must not hand
     # one row's prompt to another: a hit also needs the same messages and tool schemas.
     group = ctx.group_size
@@ -59,7 +59,7 @@ def _render_prompt(ctx: RunContext, traj: Trajectory) -> list[int]:
     except RowError:
         raise
     except UnknownRole as exc:  # the message would vanish from the prompt without a word
-        raise RowError(f"bad row {traj.uid}: 'raw_prompt[{exc.index}].role': {exc}") from None
+        raise RowError(f"bad row {traj.row_name}: 'raw_prompt[{exc.index}].role': {exc}") from None
     except Exception as exc:
         odd = next(
             (
@@ -70,7 +70,7 @@ def _render_prompt(ctx: RunContext, traj: Trajectory) -> list[int]:
             "",
         )
         raise RowError(
-            f"bad row {traj.uid}: the chat template cannot render 'raw_prompt': {type(exc).__name__}: "
+            f"bad row {traj.row_name}: the chat template cannot render 'raw_prompt': {type(exc).__name__}: "
             f"{exc}{odd}"
         ) from None
 
@@ -262,7 +262,7 @@ async def _call_tools(ctx: RunContext, traj: Trajectory, calls: list[Any]) -> No
         for what, value in (("reward", outcome.reward), ("calc_reward score", outcome.score)):
             if value is not None and not math.isfinite(value):  # checked before any is kept: the row's error
                 raise RowError(
-                    f"reward: tool {outcome.name} on row {traj.uid}: returned {what} {value!r}, "
+                    f"reward: tool {outcome.name} on row {traj.row_name}: returned {what} {value!r}, "
                     "not a finite number"
                 )
     for outcome in outcomes:
@@ -315,7 +315,7 @@ async def interact(ctx: RunContext, traj: Trajectory) -> None:
         score = float(score)
         if not math.isfinite(score):
             raise RowError(
-                f"reward: interaction {ctx.agent.spec.interaction.class_} on row {traj.uid}: "  # type: ignore[union-attr]
+                f"reward: interaction {ctx.agent.spec.interaction.class_} on row {traj.row_name}: "  # type: ignore[union-attr]
                 f"returned turn score {score!r}, not a finite number"
             )
         traj.turn_scores.append(score)

@@ -74,7 +74,7 @@ def make_rewrite(name: str, spec: RewriteSpec, fn: Any = None) -> Action:
         call = _caller(name, spec, fn)
 
         async def function_action(ctx: RunContext, traj: Trajectory) -> None:
-            where = f"rewrite {name!r} ({spec.function}) on row {traj.uid}"
+            where = f"rewrite {name!r} ({spec.function}) on row {traj.row_name}"
             with ctx.gate.whole():  # until it returns, the trajectory is as it was: a snapshot need not wait
                 new = await call([dict(m) for m in traj.messages], ctx.agent.limits.rewrite_timeout_s, where)
             chars = _check(new, where)

@@ -119,18 +119,21 @@ class Runner:
         run_id = uuid.uuid4().hex[:8]
         out = []
         for i, row in enumerate(rows):
+            source = getattr(row, "source", None)  # a data file's path:line (fsm/data/files.py SourcedRow)
             row = (
                 encodable_value(normalize_record(dict(row)))
                 if isinstance(row, Mapping)
                 else {"__bad_row__": row}
             )
             uid = str(row.get("uid") or f"{run_id}-{i}")
+            name = f"{row.get('uid') or i}" + (f" ({source})" if source else "")
             for k in range(n):
                 traj = Trajectory(len(out), k, f"{run_id}-{i}-{k}", uid, row, self.agent.initial)
+                traj.extra["row_name"] = name
                 try:
                     self._bind_row(traj)
                 except RowError as exc:  # runs as an error row: the batch keeps one row per input
-                    traj.extra["row_error"] = f"bad row {i}: {exc}"
+                    traj.extra["row_error"] = f"bad row {name}: {exc}"
                 out.append(traj)
         return out
 
@@ -291,7 +294,7 @@ class Runner:
                 await call_lifecycle(inter.finalize_interaction, traj.session_id)
                 if not math.isfinite(score):
                     raise RewardError(
-                        f"interaction {self.agent.spec.interaction.class_} on row {traj.uid}: "  # type: ignore[union-attr]
+                        f"interaction {self.agent.spec.interaction.class_} on row {traj.row_name}: "  # type: ignore[union-attr]
                         f"calculate_score returned {score!r}, not a finite number"
                     )
                 traj.interaction_score = score
@@ -340,18 +343,18 @@ class Runner:
             score = float(score)
         except TimeoutError:
             raise RewardError(
-                f"reward function {name} on row {traj.uid}: no result within {limit:g} s "
+                f"reward function {name} on row {traj.row_name}: no result within {limit:g} s "
                 "(limits.reward_timeout_s)"
             ) from None
         except Exception as exc:
             raise RewardError(
-                f"reward function {name} on row {traj.uid}: {type(exc).__name__}: {exc}"
+                f"reward function {name} on row {traj.row_name}: {type(exc).__name__}: {exc}"
             ) from None
         finally:
             traj.metrics.compute_score += time.perf_counter() - t0
         if not math.isfinite(score):  # NaN in rm_scores would poison a trainer's loss; JSON cannot hold it
             raise RewardError(
-                f"reward function {name} on row {traj.uid}: returned {score!r}, not a finite number"
+                f"reward function {name} on row {traj.row_name}: returned {score!r}, not a finite number"
             )
         traj.reward_score = score
 

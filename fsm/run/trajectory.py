@@ -306,6 +306,12 @@ class Trajectory:
         # exported with the trajectory's extra fields, and as batch columns, as verl exports them
         self.extra_fields: dict[str, Any] = {}
 
+    @property
+    def row_name(self) -> str:
+        """The row as every message names it: its uid (else its number in the batch), and the data file's line
+        it was read from, when it came from one (`bad row q7 (data.jsonl:12): ...`)."""
+        return self.extra.get("row_name") or self.uid
+
     # --- machine ----------------------------------------------------------------------------------------
 
     def begin(self) -> None:
