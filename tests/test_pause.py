@@ -292,8 +292,8 @@ def test_unknown_pause_mode_is_refused():
 
 
 async def test_root_spans_and_records_carry_pause_events_and_versions(tok):
+    from fsm.output.record import trajectory_record
     from fsm.telemetry import Telemetry
-    from viz.transcript import trajectory_record
 
     with Telemetry(otlp=False, memory=True) as tel:
         async with RolloutEngine("calculator", tracer=tel) as engine:

@@ -16,10 +16,11 @@ from transformers import AutoTokenizer
 import fsm
 from backends.base import BackendUnavailable
 from backends.scripted import ScriptedBackend
+from fsm.output.record import trajectory_record
 from specs.calculator import make_prompts
 from viz.diagram import RenderError, diagram, render, to_mermaid
 from viz.stats import load_run_stats, run_stats
-from viz.transcript import render_transcript, select, show, trajectory_record
+from viz.transcript import render_transcript, select, show
 
 REPO = Path(__file__).resolve().parents[1]
 TOOL_AGENT = REPO / "specs/tool_agent.yaml"

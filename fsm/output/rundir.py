@@ -174,8 +174,8 @@ def write_outputs(
     """batch.pt, trajectories.jsonl and summary.json of a run, into `out`; the summary back."""
     from fsm.output.batch import fault_summary, summarize
     from fsm.output.batchfile import save_batch
+    from fsm.output.record import trajectory_record
     from viz.stats import run_stats
-    from viz.transcript import trajectory_record
 
     try:
         save_batch(
