@@ -54,7 +54,7 @@ from backends.base import (
     GenerateResult,
 )
 from backends.kv import Rows, SessionCache, SlotCache, joinable, make_cache, prefill_inputs
-from backends.sampling import Sampling, sample_next, validate
+from backends.sampling import DecodeSampling, sample_next, validate
 
 SMALL_MODEL_PARAMS = 1_000_000_000  # below this, float32 on CUDA too (see the module docstring)
 SESSION_KV_BYTES = 1 << 30  # default bound on the KV kept between a trajectory's turns
@@ -77,7 +77,7 @@ class _Job:
     """A queued request and what the decode loop has generated for it so far."""
 
     request: GenerateRequest
-    sampling: Sampling
+    sampling: DecodeSampling
     future: asyncio.Future[GenerateResult]
     generator: torch.Generator | None  # None for greedy rows
     seed: int = 0  # the generator's seed: a retracted row starts over with the same draws
@@ -308,7 +308,7 @@ class HFBackend(BaseBackend):
                     job.tokens, job.logprobs, job.versions = [], [], []
                     self._resolve(job, "abort", "Abort in waiting queue", waiting=True)
 
-    def _validate(self, request: GenerateRequest) -> Sampling:
+    def _validate(self, request: GenerateRequest) -> DecodeSampling:
         """Check a request the way SGLang's server would; raise BackendRequestError (HTTP 400) otherwise."""
         return validate(
             request,

@@ -61,7 +61,7 @@ def make_cache(kv: KV | None, config: Any) -> DynamicCache:
 
 
 @dataclass(slots=True, eq=False)
-class Kept:
+class KeptKV:
     """One trajectory's keys and values after its last turn: they cover `ids` (all but the last token)."""
 
     ids: list[int]
@@ -79,13 +79,13 @@ class SessionCache:
         self.epoch = 0  # bumped by every weight change: KV from older weights is never used
         self.nbytes = 0
         self.hits = self.misses = 0
-        self._entries: OrderedDict[str, Kept] = OrderedDict()
+        self._entries: OrderedDict[str, KeptKV] = OrderedDict()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def take(self, session: str, prompt: Sequence[int]) -> Kept | None:
+    def take(self, session: str, prompt: Sequence[int]) -> KeptKV | None:
         """The session's kept KV when `prompt` extends its ids (at least one token more), under the current
         weights; it leaves the cache either way (the row that uses it keeps it again when it ends)."""
         with self._lock:
@@ -109,7 +109,7 @@ class SessionCache:
                 return
             while self._entries and self.nbytes + nbytes > self.max_bytes:
                 self.nbytes -= self._entries.popitem(last=False)[1].nbytes
-            self._entries[session] = Kept(ids, kv, epoch, nbytes)
+            self._entries[session] = KeptKV(ids, kv, epoch, nbytes)
             self.nbytes += nbytes
 
     def drop(self, session: str) -> None:
@@ -321,7 +321,7 @@ class Rows:
 
 
 def prefill_inputs(
-    contexts: Sequence[Sequence[int]], kept: Sequence[Kept | None], pad_id: int, device: torch.device
+    contexts: Sequence[Sequence[int]], kept: Sequence[KeptKV | None], pad_id: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, KV | None]:
     """Inputs to prefill rows together, each from its kept KV where it has one: (ids (G, S), attention mask
     (G, P + S), position ids (G, S), past KV (G, heads, P, head_dim) per layer or None).

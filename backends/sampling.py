@@ -42,7 +42,7 @@ IMPLEMENTED = frozenset(
 
 
 @dataclass(frozen=True, slots=True)
-class Sampling:
+class DecodeSampling:
     """One request's sampling parameters, validated."""
 
     max_new_tokens: int
@@ -60,7 +60,7 @@ def validate(
     vocab_size: int,
     context_length: int | None,
     eos_ids: frozenset[int],
-) -> Sampling:
+) -> DecodeSampling:
     """Check a request the way SGLang's server would; raise BackendRequestError (HTTP 400) otherwise."""
 
     def bad(message: str) -> BackendRequestError:
@@ -101,7 +101,7 @@ def validate(
         raise bad(f"top_k must be -1 (all) or >= 1, got {top_k}")
     if context_length is not None:  # SGLang clamps the budget to what the context has left
         max_new = min(max_new, context_length - len(prompt))
-    return Sampling(
+    return DecodeSampling(
         max_new_tokens=max_new,
         temperature=0.0 if temperature < GREEDY_BELOW else temperature,
         top_p=top_p,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import json
 import os
 import statistics
@@ -30,7 +31,7 @@ from typing import Any
 from backends.scripted import ScriptedBackend
 from fsm.api import load_tokenizer, tiny_model_dir
 from fsm.gateway import HarnessCall, harness
-from fsm.run.compile import compile_spec
+from fsm.run.compile import CompiledAgent, compile_spec
 from fsm.run.runtime import Runner
 from specs.calculator import SYSTEM_PROMPT, TOOL_SCHEMA, _format, evaluate
 
@@ -181,6 +182,14 @@ async def _client_main() -> None:
 remote_bench_harness = harness(remote_harness, timeout_s=600)
 
 
+def _unscored(agent: CompiledAgent) -> CompiledAgent:
+    """A copy of `agent` without its reward function: the reward is the same on both sides and not what is
+    measured (a compiled agent is shared and never changed in place)."""
+    unscored = copy.copy(agent)
+    unscored.reward = None
+    return unscored
+
+
 def _rows(n: int, system: bool) -> list[dict[str, Any]]:
     prompt = [{"role": "system", "content": SYSTEM_PROMPT}] if system else []
     return [
@@ -275,9 +284,12 @@ def bench_gateway(
 
         async def one(kind: str, n: int, concurrency: int) -> tuple[float, int]:
             runner = Runner(
-                agents[kind], _backend(tokenizer), tokenizer, max_concurrency=concurrency, watchdog_s=None
+                _unscored(agents[kind]),
+                _backend(tokenizer),
+                tokenizer,
+                max_concurrency=concurrency,
+                watchdog_s=None,
             )
-            runner.agent.reward = None  # the reward is the same on both sides and not what is measured
             try:
                 return await _measure(runner, _rows(n, system=kind == "native"))
             finally:
@@ -354,8 +366,7 @@ async def _worker_main(tag: str, front: str, n: int, max_sessions: int) -> None:
     print(json.dumps({"url": gateway.url}), flush=True)
     async with asyncio.timeout(ROW_TIMEOUT_S):
         await stdin.readline()
-    runner = Runner(agent, backend, tokenizer, max_concurrency=n, watchdog_s=None)
-    runner.agent.reward = None
+    runner = Runner(_unscored(agent), backend, tokenizer, max_concurrency=n, watchdog_s=None)
     t0 = time.process_time()
     trajs = await runner.run(_rows(n, system=False))
     cpu = time.process_time() - t0

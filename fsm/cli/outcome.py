@@ -1,6 +1,6 @@
 """How `agentfsm` ends: every user error as one line (CLIError), a signal after the command has ended (it exits
 at once with the command's code), a stdout that a tool may have closed, and what `run --resume` reads first.
-A run's own signals, snapshot and files are every kept run's (fsm/run/signals.py, fsm/run/kept.py,
+A run's own signals, snapshot and files are every kept run's (fsm/run/signals.py, fsm/run/interruptible.py,
 fsm/output/keep.py). fsm/cli/commands.py composes these."""
 
 from __future__ import annotations

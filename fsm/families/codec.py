@@ -198,9 +198,6 @@ class Codec:
             return_dict=False,
         )
 
-    def render_text(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool) -> str:
-        return self._text(messages, add_generation_prompt)
-
     def encode_prompt(
         self, messages: list[dict[str, Any]], tools: list[dict] | None, add_generation_prompt: bool = True
     ) -> list[int]:

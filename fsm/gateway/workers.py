@@ -49,7 +49,7 @@ from fsm.output.keep import SNAPSHOT, Rollout
 from fsm.output.metrics import COUNTERS, FaultDelta
 from fsm.run.compile import CompiledAgent, compile_spec
 from fsm.run.context import Sampling
-from fsm.run.kept import SNAPSHOT_TIMEOUT_S
+from fsm.run.interruptible import SNAPSHOT_TIMEOUT_S
 from fsm.run.runtime import agent_codec
 from fsm.run.signals import SIGNALS, say_now
 from fsm.run.snapshot import decode_sampling, decode_trajectory, encode_sampling, encode_trajectory

@@ -5,7 +5,7 @@ and, on SIGINT or SIGTERM, the snapshot of the rows still running, for `agentfsm
     engine = RolloutEngine("calculator")
     batch = engine.generate_sequences(rows, n=8, keep=RunDir("out"))   # SIGTERM: RunInterrupted, out/ kept
 
-The roll-out and the snapshot are fsm/run/kept.py's (`RunDir` is its `Keeper`: the run stage cannot import
+The roll-out and the snapshot are fsm/run/interruptible.py's (`RunDir` is its `Keeper`: the run stage cannot import
 this one); the files, the summary and the order of the end (write, then drop the snapshot of a finished run)
 are here, for both callers. `keep_batch` is the API's whole kept run; the CLI composes the same pieces around
 its own engine's close, progress bar and exit codes (fsm/cli/commands.py).
@@ -32,7 +32,7 @@ from fsm.output.rundir import (
     write_run,
 )
 from fsm.run.context import Sampling
-from fsm.run.kept import keep_rollout
+from fsm.run.interruptible import keep_rollout
 from fsm.run.signals import Interrupts
 from fsm.run.trajectory import Trajectory
 

@@ -1,7 +1,7 @@
 """The run: a spec compiled into one shared machine (compile -> agent), and the driver that takes many
 trajectories through it concurrently on one event loop (runtime), with what actions share (context), the built-in
 actions and interactions (actions, interaction), each sample's state (trajectory), the continuous mode (stream),
-snapshots at state boundaries (snapshot), signals during a run and a run they stop and keep (signals, kept: the
+snapshots at state boundaries (snapshot), signals during a run and a run they stop and keep (signals, interruptible: the
 run directory comes in as a `Keeper` from fsm.output), the engine's control calls (control), the tracer
 protocol (tracer) and the engine's private loop (loopthread).
 

@@ -46,7 +46,7 @@ class Keeper(Protocol):
 
 
 @dataclass
-class Kept:
+class KeptRollout:
     """What `keep_rollout` rolled out: every trajectory, or (interrupted) those that finished, in input order."""
 
     trajs: list[Trajectory]
@@ -64,7 +64,7 @@ async def keep_rollout(
     interrupts: Interrupts,
     progress: AbstractContextManager[Progress] | None = None,
     first_index: int | None = None,
-) -> Kept:
+) -> KeptRollout:
     """Roll `rows` out `n` times each (or, `rows` None, the snapshot at `keeper.snapshot` again) in `engine`'s
     continuous mode, from the caller's loop, while `interrupts` listens: a signal then parks the running
     trajectories at their next state boundary and writes them, with the finished ones, to `keeper.snapshot`.
@@ -98,7 +98,7 @@ async def keep_rollout(
     else:
         taken = await engine.atake_groups(groups)
     trajs = sorted((t for g in taken for t in g.trajectories), key=lambda t: (t.index, t.sample))
-    return Kept(trajs, interrupted, expected, taken[0].sampling if taken else sampling)
+    return KeptRollout(trajs, interrupted, expected, taken[0].sampling if taken else sampling)
 
 
 async def _snapshot(engine: Any, keeper: Keeper, out: Path, meta: dict[str, Any]) -> list:
