@@ -34,7 +34,7 @@ from pathlib import Path
 
 import aiohttp
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("agentfsm.launcher")
 
 PYTHON_ENV = "AGENTFSM_SGLANG_PYTHON"  # the interpreter that has sglang, when it is not this one
 # SGLang's CPU engine: torch_native attention (no AMX kernels needed), a KV pool of a fixed size instead of a

@@ -43,7 +43,7 @@ from backends.server_client import ServerClient, error_message
 
 __all__ = ["SGLangBackend", "parse_generate", "error_message", "FAULT_KINDS"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("agentfsm.sglang")
 
 _WEIGHTS_TIMEOUT_S = 600.0  # a weight reload may take minutes
 # After a deadline's /abort_request a live SGLang answers the request with its partial output once its

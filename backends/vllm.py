@@ -52,7 +52,7 @@ from backends.server_client import ServerClient
 
 __all__ = ["VLLMBackend", "FAULT_KINDS", "PAUSE_MODES", "sglang_shape", "vllm_params"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("agentfsm.vllm")
 
 _WEIGHTS_TIMEOUT_S = 600.0  # a weight reload may take minutes
 EXTENSION = (

@@ -192,3 +192,17 @@ def test_every_fsm_module_belongs_to_a_stage():
     assert loose == ["__init__.py", "api.py", "verl_adapter.py"], (
         "put new modules in the package of their stage"
     )
+
+
+def test_every_logger_is_in_the_agentfsm_tree():
+    """One logger tree: `logging.getLogger("agentfsm")` configures every message the engine logs."""
+    stray = []
+    for name, path in _modules().items():
+        if name.split(".")[0] not in ("fsm", "backends", "viz"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "getLogger":
+                arg = node.args[0] if node.args else None
+                if not (isinstance(arg, ast.Constant) and str(arg.value).startswith("agentfsm.")):
+                    stray.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not stray, stray

@@ -494,7 +494,7 @@ async def test_dropped_spans_are_counted_never_silent(receiver, tokenizer, agent
             receiver.gate.set()
 
     tel = Telemetry(otlp=receiver.url, max_queue_size=4, max_export_batch_size=2, schedule_delay_millis=5)
-    with caplog.at_level(logging.WARNING, logger="fsm.telemetry"), tel:
+    with caplog.at_level(logging.WARNING, logger="agentfsm.telemetry"), tel:
         runner = fsm.Runner(agent, calculator_model(tokenizer, latency_s=0.01), tokenizer, tracer=tel)
         run = asyncio.create_task(runner.run(rows, on_done=on_done))
         await asyncio.to_thread(receiver.first_request.wait, 10)  # the exporter is now stuck on request 1
@@ -812,7 +812,7 @@ async def test_the_exit_line_says_why_spans_were_not_exported(tokenizer, agent, 
     tel = Telemetry(otlp=False, exporters=[Down()], schedule_delay_millis=5, flush_timeout_s=0.2)
     runner = fsm.Runner(agent, calculator_model(tokenizer), tokenizer, tracer=tel)
     await runner.run([{"raw_prompt": [{"role": "user", "content": "What is 2 + 3?"}]}])
-    with caplog.at_level(logging.WARNING, logger="fsm.telemetry"):
+    with caplog.at_level(logging.WARNING, logger="agentfsm.telemetry"):
         stats = tel.close(timeout_s=0.2)
     lines = [r.getMessage() for r in caplog.records if "not exported before exit" in r.getMessage()]
     assert stats["export_failed"] > 0 and len(lines) == 1, (stats, lines)
@@ -874,7 +874,7 @@ async def test_an_unreachable_collector_is_one_line(tokenizer, agent, monkeypatc
     """Nobody listens at the endpoint: one error line says where and why; no retry chatter, no advice about
     the queue (nothing was queue-full), no second summary at exit; every span counted as failed."""
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "1")
-    with caplog.at_level(logging.DEBUG, logger="fsm.telemetry"):
+    with caplog.at_level(logging.DEBUG, logger="agentfsm.telemetry"):
         tel = Telemetry(otlp="http://127.0.0.1:9", max_export_batch_size=4, schedule_delay_millis=5)
         with tel:  # small batches: several exports fail, one line says so
             await fsm.Runner(agent, calculator_model(tokenizer, latency_s=0.01), tokenizer, tracer=tel).run(
@@ -901,7 +901,7 @@ def test_sampler_variables(monkeypatch, caplog):
         monkeypatch.setenv("OTEL_TRACES_SAMPLER", sampler)
         if arg is not None:
             monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", arg)
-        with caplog.at_level(logging.WARNING, logger="fsm.telemetry"):
+        with caplog.at_level(logging.WARNING, logger="agentfsm.telemetry"):
             tel = Telemetry(otlp=False)
         assert tel.sample == want, (sampler, arg)
         tel.close()

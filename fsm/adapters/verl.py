@@ -88,7 +88,7 @@ from fsm.spec.model import SPECS_DIR, LimitsSpec, ToolPolicySpec
 from fsm.tools.base import BoundTool, FunctionTool, ToolSet, tool_retry
 from fsm.tools.isolation import InlineLane
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("agentfsm.verl")
 
 DEFAULT_SPEC = SPECS_DIR / "tool_agent.yaml"  # verl's ToolAgentLoop as a spec
 _BATCH_SHAPES = ("prompt_length", "response_length")

@@ -17,7 +17,7 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("agentfsm.families")
 
 CACHE_CHARS = 4 << 20  # characters of pieces kept, all pieces together (least recently used go first)
 CACHE_ENTRIES = (

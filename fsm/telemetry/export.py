@@ -38,7 +38,7 @@ from fsm.telemetry.shapes import _SHAPES, _lean_message
 from fsm.telemetry.spans import _readable, _Span
 from fsm.telemetry.wire import _attributes, _ld, _readable_message, _scope
 
-log = logging.getLogger("fsm.telemetry")  # the package's one logger, whichever module logs
+log = logging.getLogger("agentfsm.telemetry")  # the package's one logger, whichever module logs
 
 # The OTLP exporter retries as the OpenTelemetry SDK's does: 6 attempts on 429/502/503/504 and connection
 # errors, waiting 1, 2, 4, 8, 16 s (±20 %), or what Retry-After says, and never past the request's timeout.

@@ -31,7 +31,7 @@ from fsm.telemetry.semconv import ERROR_TYPE
 from fsm.telemetry.shapes import _SHAPES, _lean_message, _Shape, _Shapes
 from fsm.telemetry.wire import _UNSET, _links, _span_message, _status
 
-log = logging.getLogger("fsm.telemetry")  # the package's one logger, whichever module logs
+log = logging.getLogger("agentfsm.telemetry")  # the package's one logger, whichever module logs
 
 _random_bits = random.getrandbits
 _time_ns = time.time_ns

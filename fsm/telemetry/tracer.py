@@ -53,7 +53,7 @@ from fsm.telemetry.spans import (
     _ToolSpan,
 )
 
-log = logging.getLogger("fsm.telemetry")  # the package's one logger, whichever module logs
+log = logging.getLogger("agentfsm.telemetry")  # the package's one logger, whichever module logs
 
 _new = object.__new__  # call spans are made without __init__: `model_call`/`tool_call` set every slot
 
