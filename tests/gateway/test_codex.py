@@ -65,6 +65,8 @@ def test_the_codex_cli_runs_one_exchange_and_its_row_says_how_it_ended(
             "--num-prompts",
             "1",
             "-q",
+            "--max-error-rate",  # the tiny model's one turn is cut by max_new_tokens: a failed row is a warning
+            "1",
             "--out",
             str(out),
         ],
@@ -77,6 +79,11 @@ def test_the_codex_cli_runs_one_exchange_and_its_row_says_how_it_ended(
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads((out / "trajectories.jsonl").read_text().splitlines()[0])
     assert record["termination_reason"] in ("done", "harness_failed"), record
+    if record["termination_reason"] == "harness_failed":  # why is recorded, and said in one line
+        assert record["harness"]["outcome"] in ("exit", "error", "timeout"), record["harness"]
+        assert "agentfsm: warning: all 1 rows failed, all for one cause: harness_failed" in proc.stderr, (
+            proc.stderr
+        )
     assert record["num_turns"] >= 1 and record["prompt_tokens"] > 1000, (
         record
     )  # Codex's prompt, then the model's turn
