@@ -278,7 +278,8 @@ class RolloutEngine(BaseEngine):
         )
         self.codec = self.runner.codec
         self.tracer = tracer
-        self._local = Local(self.runner, tracer, self.agent.name, build)
+        # the fault counters start with the backend: a batch made after the run (the CLI's) still has its faults
+        self._local = Local(self.runner, tracer, self.agent.name, build, on_started=self._fault_counters)
 
     async def _fleet(self, urls: list[str], options: dict[str, Any]) -> Backend:
         """servers= without engine=: at start, the servers are asked which engine they run (backends/engines.py
@@ -363,7 +364,6 @@ class RolloutEngine(BaseEngine):
     async def start(self) -> None:
         """Start the backend (connections, health checks) on the engine's loop. Called by the first use."""
         await self._on_home(self._local.start_here())
-        self._fault_counters()  # counted from the backend's start: a batch made after the run still has its faults
 
     async def aclose(self) -> None:
         """Close the backend, then stop the engine's thread."""

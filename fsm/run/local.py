@@ -38,9 +38,17 @@ class Local:
     whose engine is asked first); the runner's backend stays as it is when there is none."""
 
     def __init__(
-        self, runner: Runner, tracer: Any, name: str, build: Callable[[], Awaitable[Backend]] | None = None
+        self,
+        runner: Runner,
+        tracer: Any,
+        name: str,
+        build: Callable[[], Awaitable[Backend]] | None = None,
+        on_started: Callable[[], object] | None = None,
     ):
         self.runner, self.tracer, self.name = runner, tracer, name
+        self._on_started = (
+            on_started  # hears that the backend has started (the engine's fault counters start)
+        )
         self.agent, self.codec = runner.agent, runner.codec
         self.controls = Controls(runner, self.start_here)
         self.owned = Owned()  # services its runs start (a harness's gateway), closed with it
@@ -103,6 +111,8 @@ class Local:
         reported = await self._reported_version()
         if reported is not None and reported > self.runner.gate.version:
             self.runner.gate.version = reported
+        if self._on_started is not None:
+            self._on_started()
 
     async def _reported_version(self) -> int | None:
         version = getattr(self.backend, "weight_version", None)
