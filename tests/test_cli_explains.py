@@ -80,7 +80,17 @@ def test_every_row_failing_with_max_error_rate_1_is_a_warning(tmp_path, capsys, 
     server = _ThreadServer(scripted(lambda row, sample, turn, prompt: [999_999]))  # ids past the vocabulary
     try:
         code = main(
-            run_argv(server.url, tmp_path / "out", "--num-prompts", "2", "-q", "--max-error-rate", "1")
+            run_argv(
+                server.url,
+                tmp_path / "out",
+                "--num-prompts",
+                "2",
+                "-q",
+                "--max-error-rate",
+                "1",
+                "--retry-window",
+                "1",
+            )
         )
     finally:
         server.close()
