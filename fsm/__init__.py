@@ -1,11 +1,15 @@
-"""agentfsm: declarative agent loops for RL rollouts.
+"""agentfsm: declarative agent loops for RL rollouts. The front door is `RolloutEngine`:
 
-agent = fsm.compile_spec("specs/calculator.yaml")       # validate + compile once
-runner = fsm.Runner(agent, backend, tokenizer)           # backend: any backends.base.Backend
-trajs = await runner.run(rows, n=8)                      # one trajectory per (row, sample)
-batch = fsm.collate(trajs, ...)                          # verl's padded batch (TensorDict)
+    engine = fsm.RolloutEngine("specs/calculator.yaml")        # the embedded model; or servers=[...] / backend=
+    batch = engine.generate_sequences(rows, n=8)              # verl's padded batch
+    batch = engine.generate_sequences(rows, keep=fsm.RunDir("out"))   # SIGTERM keeps the run; --resume goes on
 
-The names below load on first use, so `agentfsm validate` (and `import fsm.spec.loader`) reads a spec without
+`__all__` is the documented surface: the engine and its contract (`Engine`, `EngineRefused`, `RayRunner`), the
+run directory, authoring (specs, guards, actions, tools, interactions, families and parsers) and the errors to
+catch. The lower level the engine is built from (`Runner`, `collate`, `CompiledAgent`, `Trajectory`...) stays
+importable as `fsm.Runner` and from its module, for adapters and tests; it is not the way in.
+
+The names load on first use, so `agentfsm validate` (and `import fsm.spec.loader`) reads a spec without
 importing torch, tensordict or a backend (the CLI's validate stays light).
 """
 
@@ -52,35 +56,29 @@ _EXPORTS = {
     "RunDir": "fsm.output.keep",
     "RunInterrupted": "fsm.output.keep",
     "load_batch": "fsm.output.batchfile",
+    "Engine": "fsm.run.engine",
+    "EngineRefused": "fsm.run.engine",
 }
-__all__ = [
-    "AgentSpec",
+__all__ = [  # the documented surface (the module docstring); the rest of _EXPORTS is the lower level
     "BaseInteraction",
     "BaseTool",
-    "CompiledAgent",
     "DataError",
     "Diagnostic",
-    "Edge",
-    "Family",
+    "Engine",
+    "EngineRefused",
     "Group",
     "RayRunner",
-    "RolloutBatch",
     "RolloutEngine",
-    "RunContext",
     "RunDir",
     "RunInterrupted",
-    "Runner",
     "Sample",
     "SampleBatch",
-    "Sampling",
     "SnapshotError",
     "SpecError",
     "StreamEmpty",
     "ToolCall",
     "ToolResponse",
-    "Trajectory",
     "action",
-    "collate",
     "compile_spec",
     "guard",
     "load_batch",
@@ -88,7 +86,6 @@ __all__ = [
     "load_spec",
     "register_family",
     "register_parser",
-    "summarize",
     "validate_file",
 ]
 
@@ -108,24 +105,30 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_EXPORTS))
 
 
-if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
+if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly (`X as X`: the lower level)
     from fsm.adapters.ray_runner import RayRunner
     from fsm.api import RolloutEngine
     from fsm.data.files import DataError, load_rows
-    from fsm.families import Family, register_family
+    from fsm.families import Family as Family
+    from fsm.families import register_family
     from fsm.families.parsers import ToolCall, register_parser
-    from fsm.output.batch import RolloutBatch, collate, summarize
+    from fsm.output.batch import RolloutBatch as RolloutBatch
+    from fsm.output.batch import collate as collate
+    from fsm.output.batch import summarize as summarize
     from fsm.output.batchfile import load_batch
     from fsm.output.sample import Sample, SampleBatch
-    from fsm.run.agent import CompiledAgent, Edge
+    from fsm.run.agent import CompiledAgent as CompiledAgent
+    from fsm.run.agent import Edge as Edge
     from fsm.run.compile import compile_spec, validate_file
-    from fsm.run.context import RunContext, Sampling
+    from fsm.run.context import RunContext as RunContext
+    from fsm.run.context import Sampling as Sampling
+    from fsm.run.engine import Engine, EngineRefused
     from fsm.run.interaction import BaseInteraction
-    from fsm.run.runtime import Runner
+    from fsm.run.runtime import Runner as Runner
     from fsm.run.snapshot import SnapshotError
     from fsm.run.stream import Group, StreamEmpty
-    from fsm.run.trajectory import Trajectory
+    from fsm.run.trajectory import Trajectory as Trajectory
     from fsm.spec.loader import Diagnostic, SpecError, load_spec
-    from fsm.spec.model import AgentSpec
+    from fsm.spec.model import AgentSpec as AgentSpec
     from fsm.spec.registry import action, guard
     from fsm.tools.base import BaseTool, ToolResponse
