@@ -9,7 +9,7 @@ parameters use SGLang's names (`max_new_tokens`, `temperature`, `top_p`, `top_k`
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, Self, runtime_checkable
 
 GREEDY_BELOW = 1e-6  # SGLang's rule: a smaller temperature means greedy decoding
 
@@ -97,9 +97,20 @@ class GenerationAborted(BackendError):
 class Backend(Protocol):
     """What the engine needs from a model server (or a fleet of them behind a router)."""
 
-    model_name: str  # shown in spans as `text_completion {model_name}`
-    provider: str  # `gen_ai.provider.name`: "sglang", "transformers", "scripted"...
-    context_length: int | None  # the server's max context, or None when unknown
+    @property
+    def model_name(self) -> str:
+        """Shown in spans as `text_completion {model_name}`."""
+        ...
+
+    @property
+    def provider(self) -> str:
+        """`gen_ai.provider.name`: "sglang", "transformers", "scripted"..."""
+        ...
+
+    @property
+    def context_length(self) -> int | None:
+        """The server's max context, or None when unknown."""
+        ...
 
     async def generate(self, request: GenerateRequest) -> GenerateResult: ...
 
@@ -132,9 +143,9 @@ class BaseBackend:
     def where(self, session_id: str) -> str | None:
         return None
 
-    async def __aenter__(self):
+    async def __aenter__(self) -> Self:
         await self.start()
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.close()

@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
 from backends.answer import read_json
-from backends.base import Backend, BackendUnavailable
+from backends.base import BackendUnavailable
 from backends.server_client import CONTROL_BODY_BYTES, read_bounded
+
+if TYPE_CHECKING:
+    from backends.sglang import SGLangBackend
+    from backends.vllm import VLLMBackend
 
 ENGINES = ("sglang", "vllm")
 
@@ -67,7 +71,7 @@ async def detect_engine(url: str, timeout_s: float = 10.0) -> str:
     )
 
 
-def client(engine: str, url: str, **options: Any) -> Backend:
+def client(engine: str, url: str, **options: Any) -> SGLangBackend | VLLMBackend:
     """The client of `engine` for one server; `options` go to its constructor (request_timeout_s, ...)."""
     if engine == "sglang":
         from backends.sglang import SGLangBackend

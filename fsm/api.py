@@ -39,7 +39,8 @@ from typing import Any, TypeVar, cast
 from backends.base import Backend
 from fsm.output.engine import BaseEngine, Rows, batch_of
 from fsm.output.metrics import FaultDelta
-from fsm.run.compile import CompiledAgent, compile_spec
+from fsm.run.agent import CompiledAgent
+from fsm.run.compile import compile_spec
 from fsm.run.context import Sampling
 from fsm.run.engine import StalePolicy
 from fsm.run.local import Local
@@ -188,10 +189,10 @@ async def probe_servers(
             async with asyncio.timeout(timeout_s):
                 kind = engine or await detect_engine(url, timeout_s)
                 async with client(kind, url, request_timeout_s=timeout_s) as c:
-                    if not await c.ready(timeout_s=timeout_s):  # type: ignore[attr-defined]
+                    if not await c.ready(timeout_s=timeout_s):
                         return "does not answer /ready (starting, paused or down)"
-                    await c._ensure_info(timeout_s)  # type: ignore[attr-defined]
-                    return kind, await c.model_info()  # type: ignore[attr-defined]
+                    await c._ensure_info(timeout_s)
+                    return kind, await c.model_info()
         except TimeoutError:
             return f"no answer within {timeout_s:g} s"
         except BackendError as e:

@@ -15,7 +15,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
@@ -25,7 +25,7 @@ from fsm.output.batch import to_batch
 from fsm.output.keep import RunDir, keep_batch
 from fsm.output.metrics import FaultDelta, rollout_metrics
 from fsm.output.sample import SampleBatch, to_samples
-from fsm.run.compile import CompiledAgent
+from fsm.run.agent import CompiledAgent
 from fsm.run.context import Sampling
 from fsm.run.engine import PAUSE_MODES, EngineRefused, StalePolicy, weight_version_of
 from fsm.run.stream import Group
@@ -443,7 +443,8 @@ class BaseEngine(ABC):
     async def _update(
         self, method: str, args: tuple[Any, ...], options: dict[str, Any], weight_version: int | None
     ) -> int:
-        return await self._control("update", (method, args, options, weight_version_of(weight_version)))
+        version = await self._control("update", (method, args, options, weight_version_of(weight_version)))
+        return cast(int, version)
 
     def sleep(self, tags: list[str] | None = None) -> Any:
         self._refuse_in_loop("sleep", "asleep")

@@ -21,9 +21,9 @@ import asyncio
 import contextvars
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
+from typing import Any, Literal, Protocol, TypeVar, cast, runtime_checkable
 
-from fsm.run.compile import CompiledAgent
+from fsm.run.agent import CompiledAgent
 from fsm.run.context import Sampling
 from fsm.run.trajectory import Trajectory
 
@@ -142,7 +142,7 @@ class Owned:
         """The engine's `key`, made by `make()` on first use."""
         if key not in self._items:
             self._items[key] = make()
-        return self._items[key]
+        return cast(T, self._items[key])
 
     async def aclose(self) -> None:
         """Close everything owned (each item's `aclose()`), newest first; the first error is raised at the end."""
