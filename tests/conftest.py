@@ -196,3 +196,11 @@ def extra(module: str, name: str) -> Any:
     if os.environ.get("CI", "").lower() == "true":
         return importlib.import_module(module)
     return pytest.importorskip(module, reason=f"needs the {name} extra: pip install -e '.[{name}]'")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests against a real SGLang or vLLM server (their start is minutes) are slow too: `-m "not slow"` is the
+    contributors' quick run, the whole suite is CI's."""
+    for item in items:
+        if item.get_closest_marker("sglang") or item.get_closest_marker("vllm"):
+            item.add_marker(pytest.mark.slow)

@@ -36,6 +36,7 @@ from tests.test_server_faults import (  # noqa: F401 (agent and reference are fi
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", list(HOSTILE))
 async def test_each_hostile_answer_is_a_counted_fault_never_a_row(agent, tok, reference, kind):
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -173,6 +174,7 @@ def test_version_spans_are_checked_before_they_are_expanded():
 # --- outages and slow metadata --------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_a_fleet_wide_outage_shorter_than_the_retry_window_costs_no_row(agent, tok, reference):
     async with fleet(2) as (_, proxies):
         for p in proxies:
@@ -249,6 +251,7 @@ async def info_server(
         await runner.cleanup()
 
 
+@pytest.mark.slow
 async def test_a_server_whose_info_hangs_costs_each_row_one_deadline_not_a_queue(agent, tok):
     async with DevServer(hashlm()) as dev, info_server(dev.url, hang_info=True) as stuck:
         clients = [SGLangBackend(u, request_timeout_s=1.0, backoff_s=0.005) for u in (stuck, dev.url)]
@@ -261,6 +264,7 @@ async def test_a_server_whose_info_hangs_costs_each_row_one_deadline_not_a_queue
     assert elapsed < 20, elapsed  # rows queued behind a lock would take 8 deadlines and more
 
 
+@pytest.mark.slow
 async def test_a_lone_server_whose_info_hangs_gives_error_rows_not_a_traceback(agent, tok):
     async with DevServer(hashlm()) as dev, info_server(dev.url, hang_info=True) as stuck:
         backend = Router([SGLangBackend(stuck, request_timeout_s=0.5)], health_interval_s=0, retry_window_s=0)
@@ -299,6 +303,7 @@ async def test_a_deep_json_model_info_is_a_server_fault_not_a_crash(agent, tok):
     assert not any(t.failed for t in trajs) and stats["faults"]["malformed"] >= 1 and stats["failovers"] >= 1
 
 
+@pytest.mark.slow
 async def test_the_start_probe_leaves_out_bad_servers_unless_strict():
     from fsm.api import ServerNotReady, probe_servers
 

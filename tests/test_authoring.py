@@ -9,6 +9,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from tests.conftest import REPO
 
 ENV = {
@@ -44,6 +46,7 @@ def cli(*args: str, cwd) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_a_tools_module_beside_the_spec_is_found_from_any_directory(tmp_path):
     project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
     project.mkdir(), elsewhere.mkdir()

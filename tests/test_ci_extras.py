@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import importlib.util
 
+import pytest
+
 from tests.conftest import REPO
 
 
@@ -34,6 +36,7 @@ def test_the_extras_are_read_from_pyproject():
     )  # the test extra's own: present in that virtualenv
 
 
+@pytest.mark.slow
 def test_it_picks_every_module_that_needs_an_extra_and_not_the_rest():
     chosen = {p.relative_to(REPO).as_posix() for p in _selector().selected()}
     assert {

@@ -447,6 +447,7 @@ def test_ctrl_c_during_the_rollout_writes_what_finished(capsys, tmp_path):
     assert_consistent(out, rows, status="interrupted")
 
 
+@pytest.mark.slow
 def test_dead_servers_exceed_the_error_rate(capsys, tmp_path, monkeypatch):
     import fsm.api
 
@@ -480,6 +481,7 @@ def test_bench_prints_json_on_stdout_and_its_table_on_stderr():
     assert "router decision" in proc.stderr
 
 
+@pytest.mark.slow
 def test_bench_engine_calculator_workload_and_a_workload_it_has_not():
     """`bench engine --workload calculator` prints CPU per trajectory at --n in flight; a workload the
     benchmark does not have is one clear line, not a run of another benchmark."""

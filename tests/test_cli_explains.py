@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from backends.scripted import echo_backend
 from fsm.cli.commands import main
 from tests.conftest import REPO, model_turn, scripted
@@ -21,6 +23,7 @@ def _records(out) -> list[dict]:
     return [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_the_readme_gateway_example_without_the_extra_says_why(tmp_path):
     """The README's `agentfsm gateway examples/gateway/base.yaml` where the openai SDK is not installed (a
     package that cannot be imported stands first on the path, as in a fresh `.[test]` virtualenv)."""
@@ -76,6 +79,7 @@ def test_the_readme_gateway_example_without_the_extra_says_why(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_every_row_failing_with_max_error_rate_1_is_a_warning(tmp_path, capsys, tok):
     server = _ThreadServer(scripted(lambda row, sample, turn, prompt: [999_999]))  # ids past the vocabulary
     try:

@@ -98,6 +98,7 @@ FULL_CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(FULL_CASES))
 async def test_template_mode_with_full_size_tokenizers(case, compile_yaml):
     family = case.split("-")[0]
@@ -131,6 +132,7 @@ async def test_template_mode_with_full_size_tokenizers(case, compile_yaml):
         )
 
 
+@pytest.mark.slow
 def test_bench_row_template_against_append():
     """`agentfsm bench engine --workload contexts`: CPU per model turn of `template` against `append` on the same
     calculator conversation (the bench asserts both give the same rows on the append-only tiny template)."""

@@ -61,11 +61,13 @@ def engine(request):
                 ray.shutdown()
 
 
+@pytest.mark.slow
 def test_it_is_the_contract(engine):
     e, _ = engine
     assert isinstance(e, Engine) and isinstance(e, BaseEngine)
 
 
+@pytest.mark.slow
 def test_a_batch_comes_back_in_input_order(engine):
     e, _ = engine
     rows = make_prompts(3)

@@ -99,6 +99,7 @@ tools:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ref", ["distutils.spawn:spawn", "imp:load_source", "_socket:socket"])
 def test_validate_refuses_them_without_trust(tmp_path, ref):
     """Through the real `agentfsm validate --static` process: a positioned unsafe-import diagnostic, exit 2."""

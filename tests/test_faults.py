@@ -258,6 +258,7 @@ HOSTILE_SPECS: list[Callable[[Path], tuple[Path, str]]] = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("make", HOSTILE_SPECS, ids=[f.__name__ for f in HOSTILE_SPECS])
 def test_hostile_spec_is_one_positioned_line_quickly(make, tmp_path, baseline):
     path, code = make(tmp_path)

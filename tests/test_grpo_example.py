@@ -33,6 +33,7 @@ def run(trainer_class: type[GRPO] = GRPO, **options) -> tuple[GRPO, list]:
         trainer.close()
 
 
+@pytest.mark.slow
 def test_sync_grpo_raises_the_held_out_reward_and_logprobs_match():
     trainer, logs = run(mode="sync", steps=3, prompts=8, group=8)
     assert [s.step for s in logs] == [1, 2, 3] and [s.version for s in logs] == [0, 1, 2]
@@ -51,6 +52,7 @@ class Settled(GRPO):
         return super().sync()
 
 
+@pytest.mark.slow
 def test_continuous_grpo_checks_stale_tokens_against_their_own_weights():
     trainer, logs = run(
         Settled, mode="continuous", steps=3, prompts=4, group=4, eval_prompts=8, eval_samples=1
@@ -78,6 +80,7 @@ class Recorded(GRPO):
         return super().train_on(batch, version)
 
 
+@pytest.mark.slow
 def test_the_evaluation_schedule_does_not_change_training():
     """Evaluating after every step or only at the end: the same tokens sampled and the same weights, bit for bit
     (the update once used the engine's log-probabilities, whose last bits vary with how requests were batched,
@@ -141,6 +144,7 @@ class Batches(GRPO):
         return super().train_on(batch, version)
 
 
+@pytest.mark.slow
 def test_session_grpo_trains_every_segment_of_a_rewritten_context():
     """specs/calculator_results.yaml from the trained model: each trajectory is two segments or more (the call,
     then the result without it); every row of a trajectory gets its trajectory's advantage, and the step trains

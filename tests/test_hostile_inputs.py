@@ -80,6 +80,7 @@ async def test_a_tool_answering_a_lone_surrogate_is_read_as_text(tok, compile_ya
     assert [m["content"] for m in traj.messages if m["role"] == "tool"] == ["hi \ufffd end"]
 
 
+@pytest.mark.slow
 def test_a_ground_truth_with_a_lone_surrogate_is_written(tmp_path):
     """Through the real `agentfsm run` process: trajectories.jsonl is written, valid UTF-8 and JSON."""
     data = tmp_path / "rows.jsonl"

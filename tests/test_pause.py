@@ -114,6 +114,7 @@ async def reference(tok: Any, url: str) -> tuple[list, Any]:
 # --- the dev server's pause modes ---------------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_dev_server_pause_modes_over_the_tiny_model():
     """abort answers the running request with its partial output; retract and in_place finish it after
     continue, exactly as an uninterrupted request (greedy, same weights)."""
@@ -190,6 +191,7 @@ async def test_dev_server_pause_modes_over_the_tiny_model():
 # --- the engine: pause at random points, update, resume ------------------------------------------------
 
 
+@pytest.mark.slow
 @settings(
     max_examples=5,
     deadline=None,

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import tracemalloc
 
+import pytest
+
 from fsm.families.pieces import CACHE_ENTRIES, PieceEncoder
 
 
+@pytest.mark.slow
 def test_many_distinct_short_pieces_are_bounded_in_entries_and_memory(tok):
     encoder = PieceEncoder(tok, checked=0)
     pieces = [f"{i:05x}" for i in range(60_000)]  # 60k distinct 5-character pieces: 300k characters, well

@@ -70,6 +70,7 @@ def same_batch(a, b) -> None:
         assert list(a.non_tensor_batch[key]) == list(b.non_tensor_batch[key]), key
 
 
+@pytest.mark.slow
 def test_matches_single_process_in_input_order(runner, reference):
     rows = make_prompts(12)
     out = runner.generate_sequences(rows, n=2)
@@ -124,6 +125,7 @@ async def test_killed_actor_loses_no_rows(runner, reference):
 # --- continuous mode and hang detection ----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_continuous_mode_streams_groups_back_from_the_actors(runner, reference):
     rows = make_prompts(12)
     assert runner.submit(rows[:8], n=2) == [r["uid"] for r in rows[:8]]
@@ -141,6 +143,7 @@ def test_continuous_mode_streams_groups_back_from_the_actors(runner, reference):
     assert runner.stream_stats["taken_groups"] == 12
 
 
+@pytest.mark.slow
 def test_a_hung_actor_is_treated_as_dead(cluster, tmp_path):
     from tests.fixtures.hang import HangOnce
 

@@ -169,6 +169,7 @@ def run_block(block: Block, cwd: Path) -> None:
             assert matches(want, got), f"{block.id}: $ {command}\nwant: {want}\ngot:  {got}"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not (ASSETS / "model.safetensors").exists(), reason="the tiny model is not trained")
 @pytest.mark.parametrize("block", [b for b in BLOCKS if b.lang in RUNNABLE], ids=lambda b: b.id)
 def test_readme_block(block: Block, workdir: Path):

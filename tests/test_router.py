@@ -10,6 +10,7 @@ from collections import defaultdict
 from typing import Any
 
 import aiohttp
+import pytest
 
 from backends.base import GenerateRequest, GenerateResult
 from backends.devserver import DevServer
@@ -73,6 +74,7 @@ async def test_every_turn_of_a_session_stays_on_one_server():
         assert sorted(s["sessions"] for s in stats["servers"]) == [4, 4, 4]
 
 
+@pytest.mark.slow
 async def test_in_flight_spread_within_one_of_even():
     async with fleet(latency_s=3.0) as (devs, router):  # long turns: the spread is looked at while they run
         batch = [asyncio.create_task(run_session(router, f"b{i}", 1)) for i in range(31)]

@@ -143,6 +143,7 @@ def _in_flight(url: str) -> int:
     return load["num_running_reqs"] + load["num_waiting_reqs"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_an_interrupt_mid_turn_snapshots_within_seconds_and_resume_gives_the_same_tokens(
     servers, tmp_path, sig
@@ -226,6 +227,7 @@ tools:
 """
 
 
+@pytest.mark.slow
 def test_a_hung_sync_tool_gets_a_watchdog_line_and_a_second_ctrl_c_exits_at_once(tmp_path):
     spec = tmp_path / "stuck.yaml"
     spec.write_text(STUCK_SPEC.format(specs=REPO / "specs"))
@@ -278,6 +280,7 @@ tools:
 """
 
 
+@pytest.mark.slow
 def test_a_tool_that_blocks_the_event_loop_is_named_and_ctrl_c_still_snapshots(tmp_path):
     """issue 27 item 9: an `isolation: none` tool that blocks the loop for good (a sync sleep in a coroutine).
     The loop watch, a thread, names the tool and the row within seconds; Ctrl-C writes the snapshot from
@@ -353,6 +356,7 @@ engine.close()
 """
 
 
+@pytest.mark.slow
 def test_sigterm_keeps_a_run_of_the_python_api_and_the_cli_resumes_it(servers, tmp_path):
     """issue 28: a program embedding RolloutEngine gets what `agentfsm run` gives, by passing `keep=RunDir(out)`:
     SIGTERM mid-turn stops the rows through the same code (fsm/run/interruptible.py, fsm/output/keep.py), writes the
@@ -407,6 +411,7 @@ def test_sigterm_keeps_a_run_of_the_python_api_and_the_cli_resumes_it(servers, t
     assert_same_batch_files(ref, cut)
 
 
+@pytest.mark.slow
 def test_ctrl_c_with_a_server_that_can_neither_pause_nor_abort_snapshots_within_seconds(tmp_path, servers):
     """Issue 36 item 6: with a server that has no /pause_generation and ignores /abort_request, the run was alive
     150 s after SIGINT and a second one exited without a snapshot. The wait for turns in flight is bounded
@@ -495,6 +500,7 @@ states:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["async", "sync"])
 def test_ctrl_c_while_a_rewrite_hangs_snapshots_at_once(tmp_path, kind):
     """Issue 36 item 5: an async rewrite that hung held the first Ctrl-C for 130 s and the second exited without a

@@ -77,6 +77,7 @@ def test_outputs_go_to_a_named_fallback_when_out_refuses_them(capsys, echo_serve
     assert not (out / "summary.json").exists()
 
 
+@pytest.mark.slow
 def test_a_tool_that_moves_the_process_and_closes_stdout_costs_nothing(tmp_path):
     spec = tmp_path / "rude.yaml"
     spec.write_text(
@@ -364,6 +365,7 @@ def test_a_killed_runs_forked_children_do_not_hold_its_lock(tmp_path):
 # --- a signal once the outputs are written ----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "sig",
     [signal.SIGINT, signal.SIGTERM, signal.SIGINT, signal.SIGTERM],

@@ -65,6 +65,7 @@ def kind(span: dict) -> str:
     return "transition"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "delay_ms, prompts",
     [(600_000, 2), (200, 4)],
@@ -92,6 +93,7 @@ def test_every_span_of_a_cli_run_reaches_the_collector(tmp_path, delay_ms, promp
     assert tracing["ended"] == tracing["exported"] == sum(want.values()) and tracing["dropped"] == 0
 
 
+@pytest.mark.slow
 def test_collector_down_counts_every_span_as_dropped_and_names_it(tmp_path):
     with Receiver() as receiver:  # a port that was a collector's a moment ago: nothing listens there now
         url = receiver.url
@@ -113,6 +115,7 @@ def test_collector_down_counts_every_span_as_dropped_and_names_it(tmp_path):
     assert re.search(rf"spans exported / dropped\s*│\s*0 / {tracing['ended']}\s*│", done.stdout)
 
 
+@pytest.mark.slow
 def test_console_spans_go_to_stderr_never_among_the_table(tmp_path):
     done = run_cli(
         "specs/calculator.yaml", "--num-prompts", "1", "--trace", "console", "--out", str(tmp_path)

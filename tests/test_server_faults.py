@@ -186,6 +186,7 @@ async def test_a_hung_generate_is_aborted_at_the_server_and_fails_over(agent, to
     assert_faults_add_up(trajs, stats, [hung])
 
 
+@pytest.mark.slow
 async def test_the_spec_request_deadline_and_turn_deadline(compile_yaml, tok):
     async with fleet(1, rates={"hang": 1.0}) as (_, (proxy,)):
         agent = compile_yaml(SPEC % "      request_timeout_s: 0.2")
@@ -270,6 +271,7 @@ MIXED = {
 }
 
 
+@pytest.mark.slow
 def test_cli_summary_counts_equal_what_was_injected(tmp_path, capsys):
     """`agentfsm run` over two faulty servers: summary.json and the table show what the proxies injected."""
     from fsm.cli.commands import main

@@ -298,6 +298,7 @@ async def test_deadline_aborts_the_rid_and_takes_the_late_partial_answer(fake):
     assert (stats["aborts_sent"], stats["faults"]["aborts_running"], stats["faults"]["timeouts"]) == (1, 1, 0)
 
 
+@pytest.mark.slow
 async def test_the_partial_answer_is_awaited_as_long_as_a_loaded_server_takes(fake):
     """Issue 26 item 7: SGLang answers an aborted request 0.7-1.4 s after /abort_request under load. With a 1 s
     deadline the client waited deadline/10 (0.1 s) and lost the partial answer; the default now waits for it."""

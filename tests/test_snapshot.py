@@ -100,6 +100,7 @@ def same_groups(reference, got) -> None:
             assert torch.equal(reference.batch[key][j], got[key][i]), (key, uid)
 
 
+@pytest.mark.slow
 @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 # 3 rows x 2 samples x 2 model turns = 12 model calls: snapshot after the k-th, with some still to come.
 @given(k=st.integers(min_value=1, max_value=11))
@@ -198,6 +199,7 @@ def _run(url: str, out: Path, *extra: str) -> list[str]:
     ]
 
 
+@pytest.mark.slow
 def test_ctrl_c_snapshots_and_resume_completes_the_run_token_for_token(tiny_server, tmp_path):
     ref, cut = tmp_path / "ref", tmp_path / "cut"
     subprocess.run(_run(tiny_server, ref), env=ENV, cwd=REPO, check=True, timeout=240)

@@ -114,6 +114,7 @@ def test_tokenizer_config_loads_in_transformers_4():
     assert config["chat_template"] == (ASSET_DIR / "chat_template.jinja").read_text()
 
 
+@pytest.mark.slow
 def test_tokenizer_build_is_reproducible(tmp_path):
     subprocess.run(
         [sys.executable, "-m", "backends.tiny.build_tokenizer", "--out", tmp_path], cwd=REPO, check=True
@@ -220,6 +221,7 @@ def test_make_prompts():
 # --- model ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_training_smoke_run(tmp_path):
     cmd = [sys.executable, "-m", "backends.tiny.train", "--max-steps", "3", "--out", tmp_path]
     subprocess.run(cmd, cwd=REPO, check=True, capture_output=True)
@@ -229,6 +231,7 @@ def test_training_smoke_run(tmp_path):
     assert load_tokenizer(tmp_path).eos_token_id == model.generation_config.eos_token_id == 2
 
 
+@pytest.mark.slow
 def test_training_stops_partway_saves_checkpoints_and_flattens(tmp_path):
     """How assets/mid was made: a recipe stopped partway (its schedule unchanged), its logits divided by T."""
     cmd = [

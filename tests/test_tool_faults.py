@@ -152,6 +152,7 @@ async def test_thread_lane_accounting_and_its_cap():
     lane.close()
 
 
+@pytest.mark.slow
 def test_exit_and_ctrl_c_do_not_wait_for_hung_tool_threads(tmp_path):
     """In a fresh interpreter: a run whose tool hangs finishes; then a run hung in a tool without a timeout
     gets Ctrl-C. Neither the interrupt nor the exit waits for the stuck threads."""
@@ -208,6 +209,7 @@ def test_exit_and_ctrl_c_do_not_wait_for_hung_tool_threads(tmp_path):
         proc.kill()
 
 
+@pytest.mark.slow
 async def test_hung_sync_tool_does_not_slow_the_embedded_model(compile_yaml):
     """The tiny model's decode runs in the event loop's default executor. Twelve calls of a calculator that
     never answers (timeout 0.2 s) leave twelve threads stuck for good, more than that executor has; they
@@ -541,6 +543,7 @@ async def test_50_mb_answer_from_a_worker_is_cut_before_it_crosses(tok, compile_
         agent.tools.close()
 
 
+@pytest.mark.slow
 def test_ctrl_c_delivered_to_a_hung_tool_thread_wakes_the_loop(tmp_path):
     """The kernel hands a process's SIGINT to any of its threads. Sent to the thread of a hung tool, with the
     watchdog off (no timer due), the loop slept through it before: Python runs the handler on the main

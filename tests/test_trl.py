@@ -28,6 +28,7 @@ def spread(completions: list, **kwargs) -> list[float]:
     return [-(i % G) / 10 for i in range(len(completions))]
 
 
+@pytest.mark.slow
 def test_grpo_trainer_trains_on_the_engines_samples(tmp_path, monkeypatch):
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
     torch.manual_seed(0)

@@ -57,12 +57,14 @@ def test_a_client_process_that_ends_fails_its_rows(monkeypatch: pytest.MonkeyPat
     )
 
 
+@pytest.mark.slow
 def test_bench_gateway_with_the_client_in_its_own_process() -> None:
     out = bench.bench_gateway(sessions=(1, 4), repeats=1, calls_at_one=4, kinds=("native", "gateway"))
     for row in out["rows"].values():
         assert row["gateway_cpu_us_per_call"] > 0 and row["gateway_ratio"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not bench.placements_here(), reason="pinning needs Linux and two cores")
 def test_pinned_kinds_place_the_client_and_unpin_after(monkeypatch: pytest.MonkeyPatch) -> None:
     import os

@@ -44,6 +44,7 @@ def codex_cli() -> str:
     return found
 
 
+@pytest.mark.slow
 def test_the_codex_cli_runs_one_exchange_and_its_row_says_how_it_ended(
     tmp_path: Path, codex_cli: str
 ) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from aiohttp import ClientSession
 
 from bench.gateway import run_workers
@@ -13,6 +14,7 @@ from fsm.gateway import Gateway
 from fsm.gateway.front import Front
 
 
+@pytest.mark.slow
 def test_two_worker_processes_behind_one_front():
     out = asyncio.run(run_workers(workers=2, sessions=6))
     assert out["routed"] == {"w0": 6, "w1": 6}  # 3 sessions each, 2 model calls each, every one on its owner

@@ -18,6 +18,7 @@ NEEDS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SPECS)
 def test_harness_rows_are_token_exact(name, tokenizer):
     extra(NEEDS[name], "gateway")  # the harness itself, from PyPI

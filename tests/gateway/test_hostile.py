@@ -310,6 +310,7 @@ command_fails = harness(command=[sys.executable, "-c", SCRIPT, "3"], timeout_s=6
 command_hangs = harness(command=[sys.executable, "-c", SCRIPT, "hang"], timeout_s=3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name, outcome, code",
     [("command_ok", "exit", 0), ("command_fails", "exit", 3), ("command_hangs", "timeout", None)],
@@ -390,6 +391,7 @@ command_orphans_hangs = harness(
 )
 
 
+@pytest.mark.slow
 def test_a_harness_its_row_ends_leaves_no_process(tmp_path, tokenizer, monkeypatch):
     monkeypatch.setenv("ORPHANS_DIR", str(tmp_path))
     monkeypatch.setenv("ORPHANS_HANG", "1")

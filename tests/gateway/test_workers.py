@@ -65,6 +65,7 @@ def _batch(path: Path) -> dict:
     return torch.load(path, weights_only=False)
 
 
+@pytest.mark.slow
 def test_two_workers_write_the_run_one_process_writes(tmp_path):
     extra("openai", "gateway")  # examples/gateway/base.yaml's harness is the openai SDK
     greedy = ("--num-prompts", "6", "--temperature", "0", "--check-tokens", "-q")
@@ -102,6 +103,7 @@ def test_two_workers_write_the_run_one_process_writes(tmp_path):
         assert not _alive(_pid_file(out, tag))
 
 
+@pytest.mark.slow
 def test_a_worker_that_dies_fails_the_run_and_no_process_is_left(tmp_path):
     out = tmp_path / "run"
     proc = _agentfsm("--num-prompts", "32", "--workers", "2", "--out", str(out))
@@ -118,6 +120,7 @@ def test_a_worker_that_dies_fails_the_run_and_no_process_is_left(tmp_path):
     assert not any(_alive(pid) for pid in pids.values())
 
 
+@pytest.mark.slow
 def test_a_worker_that_never_registers_fails_the_run_in_time(tmp_path):
     out = tmp_path / "run"
     t0 = time.monotonic()
@@ -136,6 +139,7 @@ def test_a_worker_that_never_registers_fails_the_run_in_time(tmp_path):
     assert not any(_alive(pid) for pid in pids.values())
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_parent_stops_every_worker(tmp_path):
     out = tmp_path / "run"
     proc = _agentfsm("--num-prompts", "4", "--workers", "2", "--out", str(out))
@@ -184,6 +188,7 @@ states:
     return spec
 
 
+@pytest.mark.slow
 def test_a_harness_is_not_given_the_front_token(tmp_path):
     from fsm.gateway.front import TOKEN_ENV
 
@@ -265,6 +270,7 @@ def _stopped_worker(tmp_path: Path, *more: str) -> tuple[subprocess.Popen, dict[
     return proc, pids, out
 
 
+@pytest.mark.slow
 def test_a_stopped_worker_is_named_and_fails_the_run(tmp_path):
     proc, pids, out = _stopped_worker(tmp_path, "-q")
     t0 = time.monotonic()
@@ -280,6 +286,7 @@ def test_a_stopped_worker_is_named_and_fails_the_run(tmp_path):
     assert not any(_alive(pid) for pid in pids.values())
 
 
+@pytest.mark.slow
 def test_ctrl_c_with_a_stopped_worker_ends_the_run(tmp_path):
     proc, pids, out = _stopped_worker(tmp_path)
     proc.send_signal(signal.SIGINT)
