@@ -31,12 +31,15 @@ import dataclasses
 import json
 from array import array
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fsm.families.parsers import split_reasoning
 from fsm.run.actions import generate
 from fsm.run.context import RunContext
 from fsm.run.trajectory import Trajectory, first_segment
+
+if TYPE_CHECKING:
+    from fsm.gateway.tree import Node, Tree
 
 
 class GatewayError(Exception):
@@ -69,7 +72,8 @@ class Call:
     tools: list[dict[str, Any]] | None  # OpenAI function schemas ({"type": "function", "function": {...}})
     max_tokens: int | None = None
     stream: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)  # what an API needs to answer (stream options...)
+    extra: dict[str, Any] = field(default_factory=dict)
+    child: tuple[str, ...] = ()  # the child session it came through (fsm/gateway/tree.py), () for the session  # what an API needs to answer (stream options...)
 
 
 @dataclass(slots=True)
@@ -175,6 +179,24 @@ class Plan:
     )
 
 
+def ends_on_observation(messages: list[dict[str, Any]]) -> None:
+    """A request must end with a user turn or tool results: the model answers them."""
+    if not messages or messages[-1]["role"] not in ("tool", "user"):
+        last = messages[-1]["role"] if messages else "no"
+        raise GatewayError(
+            f"the request ends with {'an' if last == 'assistant' else 'a'} {last} message: the model "
+            "answers a user turn or tool results (continuing a message is not supported)"
+        )
+
+
+def too_many_segments(n: int, limit: int) -> GatewayError:
+    return GatewayError(
+        f"the request's history differs from the session's and would start segment {n + 1}, past the "
+        f"gateway's max_segments ({limit})",
+        code="too_many_segments",
+    )
+
+
 def _observations(messages: list[dict[str, Any]]) -> bool:
     return all(m["role"] in ("tool", "user") for m in messages)
 
@@ -183,7 +205,7 @@ class Recorder:
     """The recorded side of one session: per segment of its trajectory, the conversation keys and the tools its
     prompt was rendered with, and a mark after each model turn (where a branch can reattach)."""
 
-    __slots__ = ("keys", "sent", "tools", "turns", "max_segments", "segments", "marks")
+    __slots__ = ("keys", "sent", "tools", "turns", "max_segments", "segments", "marks", "seq")
 
     def __init__(self, max_segments: int = 32) -> None:
         self.keys: list[tuple] = []  # the current segment's conversation
@@ -193,18 +215,30 @@ class Recorder:
         self.tools: list[dict[str, Any]] | None = None  # the current segment's tools
         self.turns = 0
         self.max_segments = max_segments
-        self.segments: list[tuple[list[tuple], list[dict[str, Any]] | None]] = []  # (keys, tools) per segment
+        # (keys, tools) per segment, by its number in the session (fsm/gateway/tree.py numbers a tree's segments)
+        self.segments: dict[int, tuple[list[tuple], list[dict[str, Any]] | None]] = {}
         self.marks: list[tuple[int, int, int, int]] = []  # (segment, keys, messages, context tokens) per turn
+        self.seq = -1  # the current segment's number
 
     def match(self, call: Call) -> Plan:
         """How `call` is recorded (nothing changes here: `begin`/`extend` do once its tokens fit)."""
+        plan, keys = self.extends(call)
+        if plan is not None:
+            return plan
+        if not self.segments:
+            return Plan("first", call.messages, keys)
+        if len(self.segments) >= self.max_segments:
+            raise too_many_segments(len(self.segments), self.max_segments)
+        mark = self.branch_mark(call, keys)
+        if mark is not None:
+            return Plan("branch", call.messages[mark[1] :], keys, mark)
+        return Plan("history", call.messages, keys)
+
+    def extends(self, call: Call) -> tuple[Plan | None, list[tuple]]:
+        """The "extend" plan when `call` goes on with the current segment (else None), and the keys of its
+        messages (empty when the quick path matched: only the new ones were keyed)."""
         messages = call.messages
-        if not messages or messages[-1]["role"] not in ("tool", "user"):
-            last = messages[-1]["role"] if messages else "no"
-            raise GatewayError(
-                f"the request ends with {'an' if last == 'assistant' else 'a'} {last} message: the model "
-                "answers a user turn or tool results (continuing a message is not supported)"
-            )
+        ends_on_observation(messages)
         tools = call.tools or None  # dict equality below: the order of keys does not matter
         n = len(self.keys)
         if (
@@ -215,21 +249,19 @@ class Recorder:
         ):
             # the harness sent back exactly what it sent and got before (one C-level comparison of the dicts), so
             # only the new messages need keys: a call costs O(new messages), not O(history)
-            return Plan("extend", messages[n:], [message_key(m) for m in messages[n:]])
+            return Plan("extend", messages[n:], [message_key(m) for m in messages[n:]]), []
         keys = [message_key(m) for m in messages]
-        if not self.segments:
-            return Plan("first", messages, keys)
-        if tools == self.tools and keys[:n] == self.keys and _observations(messages[n:]):  # (nothing new: the
-            # recorded conversation ends with an observation no turn answered yet)
-            return Plan("extend", messages[n:], keys[n:])
-        if len(self.segments) >= self.max_segments:
-            raise GatewayError(
-                f"the request's history differs from the session's and would start segment "
-                f"{len(self.segments) + 1}, past the gateway's max_segments ({self.max_segments})",
-                code="too_many_segments",
-            )
+        if (
+            self.segments and tools == self.tools and keys[:n] == self.keys and _observations(messages[n:])
+        ):  # (nothing new: the recorded conversation ends with an observation no turn answered yet)
+            return Plan("extend", messages[n:], keys[n:]), keys
+        return None, keys
+
+    def branch_mark(self, call: Call, keys: list[tuple]) -> tuple[int, int, int, int] | None:
+        """The longest earlier model turn whose conversation `call` continues with observations (None: none)."""
+        tools = call.tools or None
         best = None
-        for mark in self.marks:  # the longest earlier turn whose conversation the request continues
+        for mark in self.marks:
             seg, nk = mark[0], mark[1]
             seg_keys, seg_tools = self.segments[seg]
             if (
@@ -237,19 +269,23 @@ class Recorder:
                 and (best is None or nk > best[1])
                 and tools == seg_tools
                 and keys[:nk] == seg_keys[:nk]
-                and _observations(messages[nk:])
+                and _observations(call.messages[nk:])
             ):
                 best = mark
-        if best is not None:
-            return Plan("branch", messages[best[1] :], keys, best)
-        return Plan("history", messages, keys)
+        return best
 
     def begin(
-        self, keys: list[tuple], tools: list[dict[str, Any]] | None, sent: list[dict[str, Any]]
+        self,
+        keys: list[tuple],
+        tools: list[dict[str, Any]] | None,
+        sent: list[dict[str, Any]],
+        seq: int | None = None,
     ) -> None:
-        """A new segment's conversation starts with `keys`, the keys of the messages `sent`."""
+        """A new segment's conversation starts with `keys`, the keys of the messages `sent`; `seq`: its number
+        in the session (default: the next of this recorder's)."""
         self.keys, self.tools, self.sent = list(keys), tools or None, list(sent)
-        self.segments.append((self.keys, self.tools))
+        self.seq = len(self.segments) if seq is None else seq
+        self.segments[self.seq] = (self.keys, self.tools)
 
     def extend(self, keys: list[tuple], sent: list[dict[str, Any]]) -> None:
         """The current segment goes on with the messages `sent` (their keys `keys`)."""
@@ -263,7 +299,7 @@ class Recorder:
         self.sent.append(message)
         self.marks.append(
             (
-                len(self.segments) - 1,
+                self.seq,
                 len(self.keys),
                 len(traj.messages),
                 len(traj.prompt_ids) + len(traj.response_ids),
@@ -280,38 +316,42 @@ def _too_long(ids: list[int] | array, limit: int) -> LimitReached:
 
 
 def _start(
-    ctx: RunContext, traj: Trajectory, recorder: Recorder, call: Call, plan: Plan
+    ctx: RunContext, traj: Trajectory, tree: Tree, node: Node, call: Call, plan: Plan
 ) -> list[dict[str, Any]]:
-    """Record the request's messages before the model's turn; the messages appended as observations."""
+    """Record the request's messages before the model's turn on `node` (fsm/gateway/tree.py); the messages
+    appended as observations."""
     limit = ctx.agent.limits.prompt_length
+    recorder = node.recorder
     if plan.kind in ("first", "history"):
         templ = [template_message(m) for m in plan.new]
         ids = ctx.codec.encode_prompt(templ, call.tools)
         if len(ids) > limit:
             raise _too_long(ids, limit)
-        if plan.kind == "first":
+        if plan.kind == "first" and node.kind == "root":
             traj.messages = templ
             traj.prompt_ids.extend(ids)
             traj.segment_start = first_segment(len(templ))
+            traj.tool_schemas = call.tools
+            seq = tree.begin_root(node, call.tools)
         else:
-            traj.start_segment(ids, "history", templ)
-        traj.tool_schemas = call.tools
-        recorder.begin(plan.keys, call.tools, plan.new)
+            reason = "child" if plan.kind == "first" else "history"
+            if plan.kind == "history":
+                tree.switch(traj, node)
+            seq = tree.begin(traj, node, list(ids), reason, templ, call.tools)
+        recorder.begin(plan.keys, call.tools, plan.new, seq)
         return []
     if plan.kind == "branch":
-        seg_index, nk, n_messages, n_tokens = plan.mark  # type: ignore[misc]
-        seg = traj.segments[seg_index]
+        seq, nk, n_messages, n_tokens = plan.mark  # type: ignore[misc]
+        seg = tree.segment(traj, seq)
         ids = seg.context_ids()[:n_tokens]  # the earlier turn's context, token for token
         if len(ids) > limit:
             raise _too_long(ids, limit)
-        messages = list(seg.messages[:n_messages])
-        seg_keys, seg_tools = recorder.segments[seg_index]
-        traj.start_segment(ids, "branch", messages)
-        traj.tool_schemas = seg_tools
+        seg_keys, seg_tools = node.parent.recorder.segments[seq]  # type: ignore[union-attr]
+        new = tree.begin(traj, node, ids, "branch", list(seg.messages[:n_messages]), seg_tools)
         traj.needs_tail = True  # the context ends with that model turn: its template closer is owed
-        recorder.begin(
-            seg_keys[:nk], seg_tools, call.messages[:nk]
-        )  # the request's, whose keys are seg_keys[:nk]
+        recorder.begin(seg_keys[:nk], seg_tools, call.messages[:nk], new)  # the request's: keys seg_keys[:nk]
+    else:
+        tree.switch(traj, node)
     return [template_message(m) for m in plan.new]
 
 
@@ -339,16 +379,19 @@ def _observe(ctx: RunContext, traj: Trajectory, templ: list[dict[str, Any]]) -> 
     return True
 
 
-async def record_call(
-    ctx: RunContext, traj: Trajectory, recorder: Recorder, call: Call, call_prefix: str
-) -> Answer:
+async def record_call(ctx: RunContext, traj: Trajectory, tree: Tree, call: Call, call_prefix: str) -> Answer:
     """Append the call's new messages to `traj`, generate the model's turn, and return it parsed.
 
     The first call encodes the prompt (the codec's render, tools included); later ones append only their new
     messages' observation suffix. The turn itself is the engine's `generate` action: budgets, pause/resume,
     per-token weight versions, the span and the parser are the same as a spec's GENERATING state."""
     limits = ctx.agent.limits
-    plan = recorder.match(call)
+    node, plan = tree.plan(traj, call)
+    recorder = node.recorder
+    if node.seqs and limits.max_assistant_turns is not None and node.turns >= limits.max_assistant_turns:
+        raise LimitReached(  # per node: a sub-agent or a branch has the spec's limits of its own
+            f"node {node.id} has made its limits.max_assistant_turns ({limits.max_assistant_turns}) model calls"
+        )
     if call.extra.get(
         "dropped_tools"
     ):  # noted once per distinct set (a harness sends its tools with every call)
@@ -359,7 +402,7 @@ async def record_call(
         notes = traj.extra.setdefault("gateway_notes", [])
         if note not in notes:
             notes.append(note)
-    templ = _start(ctx, traj, recorder, call, plan)
+    templ = _start(ctx, traj, tree, node, call, plan)
     if templ and not _observe(ctx, traj, templ):
         raise LimitReached(
             f"the new messages do not fit in what is left of limits.response_length {limits.response_length}",
@@ -396,6 +439,8 @@ async def record_call(
     if valid:
         content = content.strip()
     turn = recorder.turns
+    if node.kind != "root":  # call ids stay distinct over the tree's nodes
+        call_prefix = f"{call_prefix}_n{node.id.replace('.', '_')}"
     tool_calls = [
         {
             "id": c.id or f"{call_prefix}_{turn}_{k}",
