@@ -73,7 +73,9 @@ class Call:
     max_tokens: int | None = None
     stream: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
-    child: tuple[str, ...] = ()  # the child session it came through (fsm/gateway/tree.py), () for the session  # what an API needs to answer (stream options...)
+    child: tuple[
+        str, ...
+    ] = ()  # the child session it came through (fsm/gateway/tree.py), () for the session  # what an API needs to answer (stream options...)
 
 
 @dataclass(slots=True)

@@ -87,7 +87,7 @@ class Session:
         self.current: tuple[Call, asyncio.Future[Answer]] | None = (
             None  # taken: the GENERATING state records it
         )
-        self.busy: set[tuple[str, ...]] = set()  # lines with a call sent and not answered
+        self.busy = False  # the session itself has a call sent and not answered
         self.notes: list[str] = []  # refusals of the tree (unknown parent, cycle, depth) for the row's record
         self.timer: asyncio.TimerHandle | None = None  # wakes the harness state at its deadline (harness.py)
         self.refused = 0
@@ -114,22 +114,23 @@ class Session:
         except GatewayError as exc:
             self.note(str(exc))
             raise
-        if call.child in self.busy:
+        if (not call.child and self.busy) or len(self.pending) >= self.tree.max_nodes:
+            # a child session may have several (a harness runs sub-agents in parallel): each is its own node
             raise GatewayError(
-                "the session already has a model call in flight: one trajectory takes one call at a time"
-                + (f" on each child session ({call.child[-1]!r} has one)" if call.child else ""),
+                "the session already has a model call in flight: one trajectory takes one call at a time",
                 code="session_busy",
             )
         future: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
         entry = (call, future)
         self.pending.append(entry)
-        self.busy.add(call.child)
+        self.busy = self.busy or not call.child
         self.calls += 1
         self.wake.set()
         try:
             return await future
         finally:
-            self.busy.discard(call.child)
+            if not call.child:
+                self.busy = False
             if entry in self.pending:
                 self.pending.remove(entry)  # the caller went away before the driver took it
 

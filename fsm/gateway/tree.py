@@ -248,8 +248,16 @@ class Tree:
     def _load(self, traj: Trajectory, seq: int) -> None:
         seg = self.stored[seq]
         assert seg is not None
-        traj.prompt_ids, traj.response_ids, traj.response_mask = seg.prompt_ids, seg.response_ids, seg.response_mask
-        traj.response_logprobs, traj._version_runs, traj.runs = seg.response_logprobs, seg.version_runs, seg.runs
+        traj.prompt_ids, traj.response_ids, traj.response_mask = (
+            seg.prompt_ids,
+            seg.response_ids,
+            seg.response_mask,
+        )
+        traj.response_logprobs, traj._version_runs, traj.runs = (
+            seg.response_logprobs,
+            seg.version_runs,
+            seg.runs,
+        )
         traj.messages, traj.turn_rewards = seg.messages, seg.turn_rewards
         traj.needs_tail, traj.tool_schemas = self.tails[seq], self.tools[seq]
         traj.segment_start = (seg.reason, seg.prompt_messages, traj.assistant_turns - seg.turns, seg.at)
