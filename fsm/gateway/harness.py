@@ -39,8 +39,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from fsm.gateway.front import TOKEN_ENV
-from fsm.gateway.record import GatewayError, LimitReached, record_call
+from fsm.gateway.record import GatewayError, LimitReached
 from fsm.gateway.server import Session, gateway_for
+from fsm.gateway.turn import record_call
 from fsm.run.context import RunContext
 from fsm.run.engine import owned
 from fsm.run.trajectory import Trajectory

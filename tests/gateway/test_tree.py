@@ -94,7 +94,9 @@ async def retrying(call: HarnessCall) -> None:
     a2 = await turn(call, USER, a1, tool(a1))
     b2 = await turn(call, USER, a1, tool(a1, "Error: timeout"))  # from a1's context, not the latest turn
     await turn(call, USER, a1, tool(a1), a2, {"role": "user", "content": "And 2 + 2?"})  # the main line
-    await turn(call, USER, a1, tool(a1, "Error: timeout"), b2, {"role": "user", "content": "Retry."})  # the branch
+    await turn(
+        call, USER, a1, tool(a1, "Error: timeout"), b2, {"role": "user", "content": "Retry."}
+    )  # the branch
 
 
 retry_harness = harness(retrying, timeout_s=60)
