@@ -252,3 +252,28 @@ def test_agents_sdk_sub_agents_are_child_nodes(tokenizer):
         assert_nodes_exact(traj, backend)
         assert traj.reward_score == 1.0
     assert [r["node_kind"] for r in records[0]["segments"]] == ["child", "root"]
+
+
+async def crowding(call: HarnessCall) -> dict:
+    await turn(call, USER)
+    await turn(call.child("a"), USER)
+    status, body = await post(call, "chat/completions", chat(USER), base=call.child("b").base_url)
+    return {"status": status, "code": body["error"]["code"], "message": body["error"]["message"]}
+
+
+crowd_harness = harness(crowding, timeout_s=60)
+
+
+def test_nodes_per_tree_are_bounded(tmp_path, tokenizer):
+    gateway = Gateway(limits=GatewayLimits(max_nodes=2))
+    trajs, _, records = run(
+        spec(tmp_path, "tests.gateway.test_tree:crowd_harness", LIMITS),
+        tokenizer,
+        ByPrompt(tokenizer),
+        gateway,
+    )
+    out = trajs[0].extra["harness"]["result"]
+    message = "the session's tree holds 2 nodes, its max_nodes (2)"
+    assert out == {"status": 400, "code": "too_many_nodes", "message": message}
+    assert message in records[0]["gateway_notes"] and trajs[0].termination_reason == "done"
+    assert [r["node"] for r in trajs[0].extra["tree"]] == ["0", "0.0"]  # it ended on the child's call
