@@ -64,7 +64,7 @@ def run(path: Path, tokenizer: Any, backend: ScriptedBackend, gateway: Gateway |
     return trajs, batch, records
 
 
-def assert_nodes_exact(traj: Any, backend: ByPrompt) -> None:
+def assert_nodes_exact(traj: Any, backend: Any) -> None:
     """Every model turn of every row is one request the backend answered, and every request is one turn: its
     prompt is the row's context up to that turn, its answer the turn's ids (mask 1; observations mask 0)."""
     seen = [(prompt, out) for session, prompt, out in backend.seen if session == traj.session_id]
@@ -277,3 +277,92 @@ def test_nodes_per_tree_are_bounded(tmp_path, tokenizer):
     assert out == {"status": 400, "code": "too_many_nodes", "message": message}
     assert message in records[0]["gateway_notes"] and trajs[0].termination_reason == "done"
     assert [r["node"] for r in trajs[0].extra["tree"]] == ["0", "0.0"]  # it ended on the child's call
+
+
+# --- the Agents SDK's handoffs: the agent handed off to runs on a child session ---------------------------------
+
+TRANSFER = '<tool_call>\n{"name": "transfer_to_solver", "arguments": {}}\n</tool_call>'
+
+
+class Handing(ScriptedBackend):
+    """A planner that hands off at once, then a solver that calls the calculator and answers: the turn is chosen by
+    how many tool responses the prompt holds (0, 1, 2)."""
+
+    def __init__(self, tokenizer: Any):
+        ids = [
+            tokenizer.encode(t, add_special_tokens=False) + [tokenizer.eos_token_id]
+            for t in (TRANSFER, CALL, ANSWER)
+        ]
+        self.seen: list[tuple[str, list[int], list[int]]] = []
+
+        def turn(session: str, k: int, prompt: list[int]) -> list[int]:
+            out = ids[min(tokenizer.decode(prompt).count("<tool_response>"), 2)]
+            self.seen.append((session, list(prompt), out))
+            return out
+
+        super().__init__(turn)
+
+
+async def handing_off(call: HarnessCall) -> str:
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, RunConfig, Runner, function_tool
+    from openai import AsyncOpenAI
+
+    from examples.gateway.harnesses import SYSTEM_PROMPT, _run_tool
+
+    @function_tool(name_override="calculator")
+    def calc(expression: str) -> str:
+        """Evaluate an arithmetic expression."""
+        return _run_tool("calculator", {"expression": expression})
+
+    sub = call.child("solver")
+    clients = [AsyncOpenAI(base_url=c.base_url, api_key=c.api_key, max_retries=0) for c in (call, sub)]
+    settings = ModelSettings(store=False)
+    solver = Agent(
+        name="solver",
+        instructions=SYSTEM_PROMPT,
+        tools=[calc],
+        model=OpenAIResponsesModel(model=call.model, openai_client=clients[1]),
+        model_settings=settings,
+    )
+    planner = Agent(
+        name="planner",
+        instructions="Hand arithmetic to the solver.",
+        handoffs=[solver],
+        model=OpenAIResponsesModel(model=call.model, openai_client=clients[0]),
+        model_settings=settings,
+    )
+    try:
+        result = await Runner.run(
+            planner, USER["content"], max_turns=6, run_config=RunConfig(tracing_disabled=True)
+        )
+        return str(result.final_output)
+    finally:
+        for client in clients:
+            await client.close()
+
+
+handoff_harness = harness(handing_off, timeout_s=120)
+
+
+@pytest.mark.slow
+def test_agents_sdk_handoff_is_a_child_node(tmp_path, tokenizer):
+    extra("agents", "gateway")
+    backend = Handing(tokenizer)
+    trajs, _, records = run(
+        spec(tmp_path, "tests.gateway.test_tree:handoff_harness", LIMITS), tokenizer, backend
+    )
+    traj = trajs[0]
+    assert traj.extra["harness"]["outcome"] == "returned", traj.extra["harness"]
+    assert traj.extra["harness"]["result"] == ANSWER  # the solver's answer ends the run
+    rows = traj.extra["tree"]
+    assert [(r["node"], r["parent"], r["node_kind"]) for r in rows] == [
+        ("0", None, "root"),
+        ("0.0", "0", "child"),
+    ]
+    planner, solver = traj.segments
+    assert [s.turns for s in traj.segments] == [1, 2]
+    assert "transfer_to_solver" in tokenizer.decode(planner.response_ids.tolist())
+    # the solver was given the conversation the planner had: the question, under its own instructions and tools
+    assert "What is 1 + 2?" in tokenizer.decode(solver.prompt_ids.tolist())
+    assert [m["content"] for m in solver.messages if m["role"] == "tool"][-1] == "3"
+    assert_nodes_exact(traj, backend)
