@@ -119,6 +119,59 @@ async def agents_sdk(call: HarnessCall) -> str:
         await client.close()
 
 
+async def agents_sdk_tree(call: HarnessCall) -> str:
+    """Sub-agents: the planner's `calculator` tool is another agent (the SDK's agents-as-tools), the solver,
+    which has the real calculator. The solver's model is a child session of the row's (`call.child`), so its
+    calls are recorded as child nodes of the row's tree (docs/gateway.md, "Trees"); its final answer is the
+    planner's tool result."""
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, RunConfig, Runner, function_tool
+    from openai import AsyncOpenAI
+    from pydantic import BaseModel
+
+    class Expression(BaseModel):
+        expression: str
+
+    @function_tool(name_override="calculator")
+    def calc(expression: str) -> str:
+        """Evaluate an arithmetic expression."""
+        return _run_tool("calculator", {"expression": expression})
+
+    clients = [
+        AsyncOpenAI(base_url=c.base_url, api_key=c.api_key, max_retries=0)
+        for c in (call, call.child("solver"))
+    ]
+    settings = ModelSettings(store=False)
+    solver = Agent(
+        name="solver",
+        instructions=SYSTEM_PROMPT,
+        tools=[calc],
+        model=OpenAIResponsesModel(model=call.model, openai_client=clients[1]),
+        model_settings=settings,
+    )
+    planner = Agent(
+        name="planner",
+        instructions=SYSTEM_PROMPT,
+        tools=[
+            solver.as_tool(
+                tool_name="calculator",
+                tool_description="Evaluate an arithmetic expression.",
+                parameters=Expression,
+                max_turns=MAX_STEPS,
+            )
+        ],
+        model=OpenAIResponsesModel(model=call.model, openai_client=clients[0]),
+        model_settings=settings,
+    )
+    try:
+        result = await Runner.run(
+            planner, _question(call), max_turns=MAX_STEPS, run_config=RunConfig(tracing_disabled=True)
+        )
+        return str(result.final_output)
+    finally:
+        for client in clients:
+            await client.close()
+
+
 # --- LangGraph (langgraph + langchain-openai) ----------------------------------------------------------------
 
 
@@ -185,5 +238,6 @@ async def anthropic_messages(call: HarnessCall) -> str:
 chat_harness = harness(openai_chat, timeout_s=120)
 chat_stream_harness = harness(openai_chat_stream, timeout_s=120)
 agents_harness = harness(agents_sdk, timeout_s=120)
+agents_tree_harness = harness(agents_sdk_tree, timeout_s=120)
 langgraph_harness = harness(langgraph_agent, timeout_s=120)
 anthropic_harness = harness(anthropic_messages, timeout_s=120)

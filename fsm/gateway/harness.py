@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import inspect
 import json
 import os
@@ -38,8 +39,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from fsm.gateway.front import TOKEN_ENV
-from fsm.gateway.record import GatewayError, LimitReached, record_call
+from fsm.gateway.record import GatewayError, LimitReached
 from fsm.gateway.server import Session, gateway_for
+from fsm.gateway.turn import record_call
 from fsm.run.context import RunContext
 from fsm.run.engine import owned
 from fsm.run.trajectory import Trajectory
@@ -105,6 +107,12 @@ class HarnessCall:
     def messages(self) -> list[dict[str, Any]]:
         """The row's prompt (raw_prompt), as chat messages."""
         return list(self.row.get("raw_prompt") or self.row.get("prompt") or [])
+
+    def child(self, name: str) -> HarnessCall:
+        """The same call for a sub-agent: its base URLs are the child session `name` of this one, recorded as a
+        child node of the row's tree (fsm/gateway/tree.py); `call.child("a").child("b")` nests."""
+        root = f"{self.anthropic_base_url}/child/{name}"
+        return dataclasses.replace(self, base_url=f"{root}/v1", anthropic_base_url=root)
 
     @property
     def env(self) -> dict[str, str]:
@@ -182,18 +190,15 @@ async def _wait(
                 task.done()
             ):  # first: a call that came after the harness ended is refused (_end closes the session)
                 return task.result() if not task.cancelled() else {"outcome": "cancelled"}
-            if session.pending is not None and _exited(
-                session.pid
-            ):  # a call from what the harness left behind
+            if session.pending and _exited(session.pid):  # a call from what the harness left behind
                 session.close(ENDED)
                 continue
-            if session.pending is not None:
-                refusal = _past_limit(ctx, traj)
+            if session.pending:
+                refusal = _past_limit(ctx, traj, session)
                 if refusal is None and session.refused <= max_refused:
                     session.take()
                     return None
-                _call, future = session.pending
-                session.pending = None
+                _call, future = session.pending.popleft()
                 session.refused += 1
                 refusal = refusal or getattr(session, "last_refusal", "refused")
                 if not future.done():
@@ -219,7 +224,11 @@ async def _wait(
         raise
 
 
-def _past_limit(ctx: RunContext, traj: Trajectory) -> str | None:
+def _past_limit(ctx: RunContext, traj: Trajectory, session: Session) -> str | None:
+    """A call past the spec's limits, refused before it is taken. A session that is a tree (child sessions,
+    branches) has them per node: the call is checked once its node is known (fsm/gateway/record.py)."""
+    if session.pending[0][0].child or len(session.tree.nodes) > 1:
+        return None
     limits = ctx.agent.limits
     if limits.max_assistant_turns is not None and traj.assistant_turns >= limits.max_assistant_turns:
         return (
@@ -239,6 +248,8 @@ async def _end(traj: Trajectory, session: Session, task: asyncio.Task[Any], outc
     traj.extra["harness"] = outcome
     traj.extra["harness_calls"] = session.calls
     traj.extra["harness_session"] = session.id  # behind a front, its tag names the worker that served the row
+    session.tree.finalize(traj)  # every node's segments back in the trajectory, with their tree fields
+    _notes(traj, session)
     harnesses().live.pop(traj.session_id, None)
     session.close()
     if not task.done():
@@ -257,13 +268,16 @@ async def gateway_generate(ctx: RunContext, traj: Trajectory) -> None:
         raise RowError("gateway_generate runs after a harness state that took a model call (harness_calling)")
     call, future = session.current
     try:
-        answer = await record_call(ctx, traj, session.recorder, call, f"call_{session.id[:8]}")
+        answer = await record_call(ctx, traj, session.tree, call, f"call_{session.id[:8]}")
     except (
         GatewayError
     ) as exc:  # refused while recording (too_many_segments, a prefill...): counts as spinning
         session.current = None
         session.refused += 1
         session.last_refusal = str(exc)
+        if exc.code in TREE_REFUSALS:
+            session.note(str(exc))
+        _notes(traj, session)
         if not future.done():
             future.set_exception(exc)
         return
@@ -282,6 +296,15 @@ async def gateway_generate(ctx: RunContext, traj: Trajectory) -> None:
 
 
 action("gateway_generate")(gateway_generate)
+
+TREE_REFUSALS = ("unknown_parent", "tree_cycle", "tree_too_deep", "too_many_nodes", "invalid_child")
+
+
+def _notes(traj: Trajectory, session: Session) -> None:
+    """The session's refusals of its tree, on the row (`gateway_notes` in trajectories.jsonl)."""
+    if session.notes:
+        notes = traj.extra.setdefault("gateway_notes", [])
+        notes.extend(n for n in session.notes if n not in notes)
 
 
 @guard("harness_calling")

@@ -1,23 +1,22 @@
-"""One model call of a session, recorded on its trajectory: the request's conversation is matched against what
-the session has recorded, only the new messages' tokens are appended (the family codec's observation suffix),
-the model's turn is generated through the engine's own `generate` action, and the answer comes back parsed.
+"""How a model call of a session is matched against what the session recorded: the request's conversation in
+one canonical form, keyed, and the plan for recording it (fsm/gateway/turn.py records it on its node of the
+session's tree, fsm/gateway/tree.py).
 
 A conversation here is in one canonical form whatever API carried it (fsm/gateway/openai_api.py and
 anthropic_api.py convert): `{"role", "content": str}`, plus `tool_calls: [{"id", "name", "arguments"}]` on an
-assistant message and `tool_call_id` on a tool result. What the session recorded is a list of keys of that
-form per segment of the trajectory (fsm/run/trajectory.py); a request extends the current segment exactly when
-its messages start with that segment's keys and add only tool results or user turns. The model's own turns are
-never re-tokenized: the harness sends them back as text and calls, and the key only confirms they are the ones
+assistant message and `tool_call_id` on a tool result. What a node recorded is a list of keys of that
+form per segment (fsm/run/trajectory.py); a request extends a node's current segment exactly when its messages
+start with that segment's keys and add only tool results or user turns. The model's own turns are never
+re-tokenized: the harness sends them back as text and calls, and the key only confirms they are the ones
 recorded.
 
-A request that does not extend the current segment is never merged into it; it starts a new segment
-(`Recorder.match`):
+A request that does not extend a segment is never merged into it (`Recorder.match`, `Tree.plan`):
 - `branch`: its history is an earlier turn's conversation (any segment's, up to and including one of the
-  model's turns, with the same tools) followed by tool results or user turns. The segment is append-only, so
-  "reattaching" means the new segment's prompt is exactly the context that turn ended with (the tokens the
-  model was given and produced, copied token for token from the earlier segment) and the new messages are
-  appended to it as observations: the shared prefix is the same ids (a server's prefix cache hits it), the
-  earlier turn is trained once, in its own segment.
+  model's turns, with the same tools) followed by tool results or user turns. It becomes a branch node of the
+  tree whose segment's prompt is exactly the context that turn ended with (the tokens the model was given and
+  produced, copied token for token: a server's prefix cache hits them, and the row says how many it shares with
+  its parent) and the new messages are appended to it as observations; the earlier turn is trained once, in its
+  own segment.
 - `history`: anything else (the harness compacted, edited or reordered its history, edited a tool result,
   changed a role or the tools): the request's conversation is rendered by the family codec as the new
   segment's prompt, as a chat server would.
@@ -26,17 +25,11 @@ A session holds at most `max_segments` segments (GatewayLimits); a request past 
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import json
-from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
-from fsm.families.parsers import split_reasoning
-from fsm.run.actions import generate
-from fsm.run.context import RunContext
-from fsm.run.trajectory import Trajectory, first_segment
+from fsm.run.trajectory import Trajectory
 
 
 class GatewayError(Exception):
@@ -69,7 +62,10 @@ class Call:
     tools: list[dict[str, Any]] | None  # OpenAI function schemas ({"type": "function", "function": {...}})
     max_tokens: int | None = None
     stream: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)  # what an API needs to answer (stream options...)
+    extra: dict[str, Any] = field(default_factory=dict)
+    child: tuple[
+        str, ...
+    ] = ()  # the child session it came through (fsm/gateway/tree.py), () for the session  # what an API needs to answer (stream options...)
 
 
 @dataclass(slots=True)
@@ -175,6 +171,24 @@ class Plan:
     )
 
 
+def ends_on_observation(messages: list[dict[str, Any]]) -> None:
+    """A request must end with a user turn or tool results: the model answers them."""
+    if not messages or messages[-1]["role"] not in ("tool", "user"):
+        last = messages[-1]["role"] if messages else "no"
+        raise GatewayError(
+            f"the request ends with {'an' if last == 'assistant' else 'a'} {last} message: the model "
+            "answers a user turn or tool results (continuing a message is not supported)"
+        )
+
+
+def too_many_segments(n: int, limit: int) -> GatewayError:
+    return GatewayError(
+        f"the request's history differs from the session's and would start segment {n + 1}, past the "
+        f"gateway's max_segments ({limit})",
+        code="too_many_segments",
+    )
+
+
 def _observations(messages: list[dict[str, Any]]) -> bool:
     return all(m["role"] in ("tool", "user") for m in messages)
 
@@ -183,7 +197,7 @@ class Recorder:
     """The recorded side of one session: per segment of its trajectory, the conversation keys and the tools its
     prompt was rendered with, and a mark after each model turn (where a branch can reattach)."""
 
-    __slots__ = ("keys", "sent", "tools", "turns", "max_segments", "segments", "marks")
+    __slots__ = ("keys", "sent", "tools", "turns", "max_segments", "segments", "marks", "seq")
 
     def __init__(self, max_segments: int = 32) -> None:
         self.keys: list[tuple] = []  # the current segment's conversation
@@ -193,18 +207,30 @@ class Recorder:
         self.tools: list[dict[str, Any]] | None = None  # the current segment's tools
         self.turns = 0
         self.max_segments = max_segments
-        self.segments: list[tuple[list[tuple], list[dict[str, Any]] | None]] = []  # (keys, tools) per segment
+        # (keys, tools) per segment, by its number in the session (fsm/gateway/tree.py numbers a tree's segments)
+        self.segments: dict[int, tuple[list[tuple], list[dict[str, Any]] | None]] = {}
         self.marks: list[tuple[int, int, int, int]] = []  # (segment, keys, messages, context tokens) per turn
+        self.seq = -1  # the current segment's number
 
     def match(self, call: Call) -> Plan:
         """How `call` is recorded (nothing changes here: `begin`/`extend` do once its tokens fit)."""
+        plan, keys = self.extends(call)
+        if plan is not None:
+            return plan
+        if not self.segments:
+            return Plan("first", call.messages, keys)
+        if len(self.segments) >= self.max_segments:
+            raise too_many_segments(len(self.segments), self.max_segments)
+        mark = self.branch_mark(call, keys)
+        if mark is not None:
+            return Plan("branch", call.messages[mark[1] :], keys, mark)
+        return Plan("history", call.messages, keys)
+
+    def extends(self, call: Call) -> tuple[Plan | None, list[tuple]]:
+        """The "extend" plan when `call` goes on with the current segment (else None), and the keys of its
+        messages (empty when the quick path matched: only the new ones were keyed)."""
         messages = call.messages
-        if not messages or messages[-1]["role"] not in ("tool", "user"):
-            last = messages[-1]["role"] if messages else "no"
-            raise GatewayError(
-                f"the request ends with {'an' if last == 'assistant' else 'a'} {last} message: the model "
-                "answers a user turn or tool results (continuing a message is not supported)"
-            )
+        ends_on_observation(messages)
         tools = call.tools or None  # dict equality below: the order of keys does not matter
         n = len(self.keys)
         if (
@@ -215,21 +241,19 @@ class Recorder:
         ):
             # the harness sent back exactly what it sent and got before (one C-level comparison of the dicts), so
             # only the new messages need keys: a call costs O(new messages), not O(history)
-            return Plan("extend", messages[n:], [message_key(m) for m in messages[n:]])
+            return Plan("extend", messages[n:], [message_key(m) for m in messages[n:]]), []
         keys = [message_key(m) for m in messages]
-        if not self.segments:
-            return Plan("first", messages, keys)
-        if tools == self.tools and keys[:n] == self.keys and _observations(messages[n:]):  # (nothing new: the
-            # recorded conversation ends with an observation no turn answered yet)
-            return Plan("extend", messages[n:], keys[n:])
-        if len(self.segments) >= self.max_segments:
-            raise GatewayError(
-                f"the request's history differs from the session's and would start segment "
-                f"{len(self.segments) + 1}, past the gateway's max_segments ({self.max_segments})",
-                code="too_many_segments",
-            )
+        if (
+            self.segments and tools == self.tools and keys[:n] == self.keys and _observations(messages[n:])
+        ):  # (nothing new: the recorded conversation ends with an observation no turn answered yet)
+            return Plan("extend", messages[n:], keys[n:]), keys
+        return None, keys
+
+    def branch_mark(self, call: Call, keys: list[tuple]) -> tuple[int, int, int, int] | None:
+        """The longest earlier model turn whose conversation `call` continues with observations (None: none)."""
+        tools = call.tools or None
         best = None
-        for mark in self.marks:  # the longest earlier turn whose conversation the request continues
+        for mark in self.marks:
             seg, nk = mark[0], mark[1]
             seg_keys, seg_tools = self.segments[seg]
             if (
@@ -237,19 +261,23 @@ class Recorder:
                 and (best is None or nk > best[1])
                 and tools == seg_tools
                 and keys[:nk] == seg_keys[:nk]
-                and _observations(messages[nk:])
+                and _observations(call.messages[nk:])
             ):
                 best = mark
-        if best is not None:
-            return Plan("branch", messages[best[1] :], keys, best)
-        return Plan("history", messages, keys)
+        return best
 
     def begin(
-        self, keys: list[tuple], tools: list[dict[str, Any]] | None, sent: list[dict[str, Any]]
+        self,
+        keys: list[tuple],
+        tools: list[dict[str, Any]] | None,
+        sent: list[dict[str, Any]],
+        seq: int | None = None,
     ) -> None:
-        """A new segment's conversation starts with `keys`, the keys of the messages `sent`."""
+        """A new segment's conversation starts with `keys`, the keys of the messages `sent`; `seq`: its number
+        in the session (default: the next of this recorder's)."""
         self.keys, self.tools, self.sent = list(keys), tools or None, list(sent)
-        self.segments.append((self.keys, self.tools))
+        self.seq = len(self.segments) if seq is None else seq
+        self.segments[self.seq] = (self.keys, self.tools)
 
     def extend(self, keys: list[tuple], sent: list[dict[str, Any]]) -> None:
         """The current segment goes on with the messages `sent` (their keys `keys`)."""
@@ -263,147 +291,10 @@ class Recorder:
         self.sent.append(message)
         self.marks.append(
             (
-                len(self.segments) - 1,
+                self.seq,
                 len(self.keys),
                 len(traj.messages),
                 len(traj.prompt_ids) + len(traj.response_ids),
             )
         )
         self.turns += 1
-
-
-def _too_long(ids: list[int] | array, limit: int) -> LimitReached:
-    return LimitReached(
-        f"the prompt is {len(ids)} tokens, past the spec's limits.prompt_length {limit}",
-        code="context_length_exceeded",
-    )
-
-
-def _start(
-    ctx: RunContext, traj: Trajectory, recorder: Recorder, call: Call, plan: Plan
-) -> list[dict[str, Any]]:
-    """Record the request's messages before the model's turn; the messages appended as observations."""
-    limit = ctx.agent.limits.prompt_length
-    if plan.kind in ("first", "history"):
-        templ = [template_message(m) for m in plan.new]
-        ids = ctx.codec.encode_prompt(templ, call.tools)
-        if len(ids) > limit:
-            raise _too_long(ids, limit)
-        if plan.kind == "first":
-            traj.messages = templ
-            traj.prompt_ids.extend(ids)
-            traj.segment_start = first_segment(len(templ))
-        else:
-            traj.start_segment(ids, "history", templ)
-        traj.tool_schemas = call.tools
-        recorder.begin(plan.keys, call.tools, plan.new)
-        return []
-    if plan.kind == "branch":
-        seg_index, nk, n_messages, n_tokens = plan.mark  # type: ignore[misc]
-        seg = traj.segments[seg_index]
-        ids = seg.context_ids()[:n_tokens]  # the earlier turn's context, token for token
-        if len(ids) > limit:
-            raise _too_long(ids, limit)
-        messages = list(seg.messages[:n_messages])
-        seg_keys, seg_tools = recorder.segments[seg_index]
-        traj.start_segment(ids, "branch", messages)
-        traj.tool_schemas = seg_tools
-        traj.needs_tail = True  # the context ends with that model turn: its template closer is owed
-        recorder.begin(
-            seg_keys[:nk], seg_tools, call.messages[:nk]
-        )  # the request's, whose keys are seg_keys[:nk]
-    return [template_message(m) for m in plan.new]
-
-
-def _observe(ctx: RunContext, traj: Trajectory, templ: list[dict[str, Any]]) -> bool:
-    """Append `templ` (tool results or user turns) as the codec's observation suffix, mask 0: the template's
-    closer owed after the model turn the context ends with first (as RunContext.add_observation does, with that
-    turn's last token read from the context, which after a branch is the segment's prompt). False when they do
-    not fit in what is left of the response budget."""
-    role = "tool" if any(m["role"] == "tool" for m in templ) else "user"
-    owed = traj.needs_tail and ctx.agent.spec.turn_closer == "template"
-    last = (
-        (traj.response_ids[-1:] if len(traj.response_ids) else traj.prompt_ids[-1:]).tolist()
-        if owed
-        else None
-    )
-    closer, ids = ctx.codec.observation(templ, last, traj.messages)
-    if len(closer) + len(ids) >= ctx.agent.limits.response_length - len(traj.response_mask):
-        return False
-    traj.append_context(closer, "template")
-    traj.append_context(ids, role)
-    traj.needs_tail = False
-    traj.messages.extend(templ)
-    if role == "tool":
-        traj.user_turns += 1
-    return True
-
-
-async def record_call(
-    ctx: RunContext, traj: Trajectory, recorder: Recorder, call: Call, call_prefix: str
-) -> Answer:
-    """Append the call's new messages to `traj`, generate the model's turn, and return it parsed.
-
-    The first call encodes the prompt (the codec's render, tools included); later ones append only their new
-    messages' observation suffix. The turn itself is the engine's `generate` action: budgets, pause/resume,
-    per-token weight versions, the span and the parser are the same as a spec's GENERATING state."""
-    limits = ctx.agent.limits
-    plan = recorder.match(call)
-    if call.extra.get(
-        "dropped_tools"
-    ):  # noted once per distinct set (a harness sends its tools with every call)
-        note = (
-            f"tools left out (a local model serves function tools only): "
-            f"{', '.join(call.extra['dropped_tools'])}"
-        )
-        notes = traj.extra.setdefault("gateway_notes", [])
-        if note not in notes:
-            notes.append(note)
-    templ = _start(ctx, traj, recorder, call, plan)
-    if templ and not _observe(ctx, traj, templ):
-        raise LimitReached(
-            f"the new messages do not fit in what is left of limits.response_length {limits.response_length}",
-            code="context_length_exceeded",
-        )
-    if plan.kind == "extend":
-        recorder.extend(plan.keys, plan.new)
-    elif plan.kind == "branch":
-        recorder.extend(plan.keys[plan.mark[1] :], plan.new)  # type: ignore[index]
-    if len(traj.response_mask) >= limits.response_length:
-        raise LimitReached(f"the session has used its limits.response_length {limits.response_length} tokens")
-    sub = ctx
-    if call.max_tokens is not None:  # the request's own cap, within the spec's
-        cap = ctx.sampling.max_new_tokens
-        sub = copy.copy(ctx)
-        sub.sampling = dataclasses.replace(
-            ctx.sampling, max_new_tokens=call.max_tokens if cap is None else min(cap, call.max_tokens)
-        )
-    prompt_tokens = len(traj.prompt_ids) + len(traj.response_ids)
-    before = len(traj.response_ids)
-    await generate(sub, traj)
-    ids = traj.response_ids[before:].tolist()
-    text = traj.messages[-1]["content"] if traj.messages and traj.messages[-1]["role"] == "assistant" else ""
-    calls, traj.pending_calls = traj.pending_calls, []
-    family = getattr(ctx.codec, "family", None)
-    reasoning, rest = None, text
-    if family is not None and family.reasoning == "think":
-        reasoning, rest = split_reasoning(text, "think", family.think_tags)
-        rest = rest.lstrip("\n")
-    elif traj.messages and traj.messages[-1].get("reasoning_content"):
-        reasoning = traj.messages[-1]["reasoning_content"]
-    valid = [c for c in calls if c.error is None and c.name]
-    content = rest if len(valid) < len(calls) else ctx.parser.content(rest)
-    if valid:
-        content = content.strip()
-    turn = recorder.turns
-    tool_calls = [
-        {
-            "id": c.id or f"{call_prefix}_{turn}_{k}",
-            "name": c.name,
-            "arguments": json.dumps(c.arguments if c.arguments is not None else {}, ensure_ascii=False),
-        }
-        for k, c in enumerate(valid)
-    ]
-    finish = "tool_calls" if tool_calls else ("length" if traj.last_finish_reason == "length" else "stop")
-    recorder.turn(traj, {"role": "assistant", "content": content, "tool_calls": tool_calls})
-    return Answer(content, reasoning, tool_calls, finish, prompt_tokens, len(ids), turn)

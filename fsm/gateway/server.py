@@ -18,6 +18,7 @@ import logging
 import secrets
 import socket
 import weakref
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +26,8 @@ from typing import Any
 from aiohttp import web
 
 from fsm.gateway import anthropic_api, openai_api
-from fsm.gateway.record import Answer, Call, GatewayError, Recorder
+from fsm.gateway.record import Answer, Call, GatewayError
+from fsm.gateway.tree import Tree, child_line
 from fsm.run.engine import owned
 
 log = logging.getLogger("agentfsm.gateway")
@@ -57,6 +59,8 @@ class GatewayLimits:
     max_sessions: int = 10_000
     max_refused_calls: int = 8  # calls past a limit one harness may make before its row is ended
     max_segments: int = 32  # segments per session: histories that differ from the recorded one start one each
+    max_nodes: int = 64  # nodes of a session's tree: child sessions and branches (fsm/gateway/tree.py)
+    max_depth: int = 4  # how deep a child session or a branch may be under the session
     unsupported_tools: str = (
         "drop"  # tools other than functions: "drop" (left out, noted on the row) or "refuse"
     )
@@ -75,12 +79,16 @@ class Session:
         self.id = f"{gateway.tag}-{secrets.token_hex(12)}" if gateway.tag else secrets.token_hex(12)
         self.key = secrets.token_urlsafe(24)
         self.traj_id = traj_id
-        self.recorder = Recorder(gateway.limits.max_segments)
+        limits = gateway.limits
+        self.tree = Tree(limits.max_segments, limits.max_nodes, limits.max_depth)
         self.wake = asyncio.Event()  # a call arrived, or the harness ended
-        self.pending: tuple[Call, asyncio.Future[Answer]] | None = None  # sent, not yet taken by the driver
+        # sent, not yet taken by the driver: one per line at most (the session and each child session)
+        self.pending: deque[tuple[Call, asyncio.Future[Answer]]] = deque()
         self.current: tuple[Call, asyncio.Future[Answer]] | None = (
             None  # taken: the GENERATING state records it
         )
+        self.busy = False  # the session itself has a call sent and not answered
+        self.notes: list[str] = []  # refusals of the tree (unknown parent, cycle, depth) for the row's record
         self.timer: asyncio.TimerHandle | None = None  # wakes the harness state at its deadline (harness.py)
         self.refused = 0
         self.calls = 0
@@ -96,39 +104,54 @@ class Session:
 
     @property
     def anthropic_base_url(self) -> str:
-        return f"{self.gateway.public_url}/sessions/{self.id}"
+        return f"{self.gateway.public_url}/sessions/{self.id}"  # a child session's: + /child/{name}
 
     async def submit(self, call: Call) -> Answer:
         if self.closed:
             raise SessionClosed("the session has ended (its row is finished)")
-        if self.pending is not None or self.current is not None:
+        try:
+            self.tree.check_line(call.child)
+        except GatewayError as exc:
+            self.note(str(exc))
+            raise
+        if (not call.child and self.busy) or len(self.pending) >= self.tree.max_nodes:
+            # a child session may have several (a harness runs sub-agents in parallel): each is its own node
             raise GatewayError(
                 "the session already has a model call in flight: one trajectory takes one call at a time",
                 code="session_busy",
             )
         future: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
-        self.pending = (call, future)
+        entry = (call, future)
+        self.pending.append(entry)
+        self.busy = self.busy or not call.child
         self.calls += 1
         self.wake.set()
         try:
             return await future
         finally:
-            if self.pending is not None and self.pending[1] is future:
-                self.pending = None  # the caller went away before the driver took it
+            if not call.child:
+                self.busy = False
+            if entry in self.pending:
+                self.pending.remove(entry)  # the caller went away before the driver took it
 
     def take(self) -> tuple[Call, asyncio.Future[Answer]]:
-        """The driver takes the waiting call: from now on it is the current one."""
-        assert self.pending is not None
-        self.current, self.pending = self.pending, None
+        """The driver takes the first waiting call: from now on it is the current one."""
+        self.current = self.pending.popleft()
         return self.current
+
+    def note(self, line: str) -> None:
+        """A refusal the row's record keeps (`gateway_notes`), once each, at most 32."""
+        if line not in self.notes and len(self.notes) < 32:
+            self.notes.append(line)
 
     def close(self, reason: str = "the session has ended (its row is finished)") -> None:
         """End the session: a call still waiting gets an error; the id and key stop working."""
         self.closed = True
-        for entry in (self.pending, self.current):
+        for entry in (*self.pending, self.current):
             if entry is not None and not entry[1].done():
                 entry[1].set_exception(SessionClosed(reason))
-        self.pending = self.current = None
+        self.pending.clear()
+        self.current = None
         self.gateway.sessions.pop(self.id, None)
         self.wake.set()
 
@@ -240,6 +263,8 @@ class Gateway:
             parse, answer, stream = APIS[api][1]  # type: ignore[misc]
             body = _body(await read_body(request, self.limits.max_request_bytes))
             call = parse(body)
+            if "/child/" in request.path:
+                call.child = child_line(request.path.split("/", 3)[3])[0]
             if call.extra.get("dropped_tools") and self.limits.unsupported_tools == "refuse":
                 raise GatewayError(
                     f"{call.extra['dropped_tools'][0]}: only function tools are supported (the "
@@ -292,6 +317,7 @@ def route(request: web.BaseRequest, apis: dict[str, Any] | None = None) -> tuple
     sid, tail = parts[2], "/".join(parts[3:])
     if apis is None:
         return sid, tail
+    tail = child_line(tail)[1]  # a child session's path (fsm/gateway/tree.py) serves the same APIs
     api = tail[3:] if tail.startswith("v1/") else ""
     if api not in apis:
         raise GatewayError("Not Found", code="not_found", status=404)

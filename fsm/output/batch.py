@@ -33,6 +33,7 @@ import torch
 from tensordict import TensorDict
 
 from fsm.data.rows import is_dataproto
+from fsm.output.record import TREE_FIELDS, tree_fields
 from fsm.run.trajectory import Trajectory
 
 log = logging.getLogger("agentfsm.batch")
@@ -168,7 +169,26 @@ def collate(
     non_tensors["trajectory_id"] = _objects([t.session_id for t in owners])
     non_tensors["segment_index"] = np.asarray(seg_index, dtype=np.int32)
     non_tensors["num_segments"] = np.asarray([t.num_segments for t in owners], dtype=np.int32)
+    trees = [tree_fields(t, k) for t, k in zip(owners, seg_index)]
+    if any(trees):  # each row's place in its tree (fsm/output/record.py); a row outside one is a root alone
+        for key in TREE_FIELDS:
+            non_tensors[key] = _objects([(f or _alone(t))[key] for f, t in zip(trees, owners)])
     return RolloutBatch(batch, non_tensors, meta)
+
+
+def _alone(traj: Trajectory) -> dict[str, Any]:
+    """The tree fields of a row that is not in a tree: the root of its own, weighed over its rows."""
+    return {
+        "tree": traj.uid,
+        "node": "0",
+        "parent": None,
+        "node_kind": "root",
+        "branch_offset": 0,
+        "policy": "default",
+        "depth": 0,
+        "weight": 1.0 / traj.num_segments,
+        "shared_prefix": {"length": 0, "node": None},
+    }
 
 
 def _objects(values: list[Any]) -> np.ndarray:

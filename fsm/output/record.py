@@ -17,7 +17,9 @@ A trajectory whose context was rewritten (several segments, each a training row)
 
 A harness row (fsm/gateway/harness.py) also has `"harness"`: how its harness ended (`outcome`: returned, exit,
 error, timeout, spinning, cancelled; `error`: its error or stderr tail; `exit_code`; `result`: what it returned or
-printed). A row that `--check-tokens` found different from a re-render has `"token_check"`: its segment (when
+printed). A row of a tree (a gateway session with child sessions or branches, docs/gateway.md) has its place in
+it, at the top level and in each segment: `tree`, `node`, `parent`, `node_kind`, `branch_offset`, `policy`,
+`depth`, `weight`, `shared_prefix`. A row that `--check-tokens` found different from a re-render has `"token_check"`: its segment (when
 there are several), the first differing token position and the text on both sides there.
 
 `turns` are the trajectory's response token runs in order: "assistant" (the model's tokens, mask 1), "tool"
@@ -41,6 +43,28 @@ def _ground_truth(row: Any) -> Any:
     if truth is None or isinstance(truth, (str, int, float, bool)):
         return truth
     return str(truth.tolist() if hasattr(truth, "tolist") else truth)
+
+
+TREE_FIELDS = (
+    "tree",
+    "node",
+    "parent",
+    "node_kind",
+    "branch_offset",
+    "policy",
+    "depth",
+    "weight",
+    "shared_prefix",
+)
+
+
+def tree_fields(traj: Any, k: int) -> dict[str, Any] | None:
+    """Segment `k`'s place in its tree, where the trajectory has one (`extra["tree"]`, one dict per row: a gateway
+    session's tree, fsm/gateway/tree.py); None otherwise, or when the rows changed since (a row failed)."""
+    rows = getattr(traj, "extra", {}).get("tree")
+    if not rows or len(rows) != len(traj.closed) + 1:
+        return None
+    return rows[k]
 
 
 def trajectory_record(traj: Any, codec: Any = None) -> dict[str, Any]:
@@ -101,6 +125,8 @@ def trajectory_record(traj: Any, codec: Any = None) -> dict[str, Any]:
         record["harness"] = extra["harness"]
     if getattr(traj, "token_check", None):  # --check-tokens: the first difference from a re-render
         record["token_check"] = traj.token_check
+    if (last := tree_fields(traj, len(traj.closed))) is not None:  # the top-level row's place in its tree
+        record.update(last)
     if getattr(traj, "closed", ()):
         path = traj.path  # `state`: where the segment began (the state whose action started it)
         record["segments"] = [
@@ -111,6 +137,7 @@ def trajectory_record(traj: Any, codec: Any = None) -> dict[str, Any]:
                 "prompt": decode(seg.prompt_ids.tolist()),
                 "prompt_tokens": len(seg.prompt_ids),
                 "turns": runs(seg) if seg.index < len(traj.closed) else turns,
+                **(tree_fields(traj, seg.index) or {}),
             }
             for seg in traj.segments
         ]

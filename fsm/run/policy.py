@@ -67,6 +67,11 @@ def check_segments(codec: Any, traj: Trajectory, template: bool = False) -> str 
     Under the `template` policy the last segment is checked up to its last model turn: observations after it
     (a final user reply) were never part of a context the model was given, and a template that rewrites history
     renders the turns before them differently (which is why a next turn would start a new segment)."""
+    seg_tools = getattr(traj, "extra", {}).get(
+        "segment_tools"
+    )  # per segment where they differ (a gateway tree's nodes)
+    if seg_tools is not None and len(seg_tools) != traj.num_segments:
+        seg_tools = None
     for seg in traj.segments:
         messages, ids = seg.messages, seg.context_ids()
         last = seg.runs.last("assistant")
@@ -78,7 +83,8 @@ def check_segments(codec: Any, traj: Trajectory, template: bool = False) -> str 
             if last is not None
             else True
         )
-        found = codec.check(messages, traj.tool_schemas, ids, ended_on_observation)
+        tools = seg_tools[seg.index] if seg_tools else traj.tool_schemas
+        found = codec.check(messages, tools, ids, ended_on_observation)
         if found is not None:
             return f"segment {seg.index}: {found}" if traj.closed else found
     return None

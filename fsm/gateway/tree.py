@@ -1,0 +1,317 @@
+"""A gateway session as a tree of nodes: sub-agents (child sessions) and branches (a request that continues an
+earlier turn), each node a sequence of segments of the row's one trajectory, each segment one training row.
+
+A harness reaches a child session at `/sessions/{id}/child/{name}/v1/...` (`HarnessCall.child(name)`; nested:
+`/child/a/child/b/...`), with the session's own key. The names from the root to a session are its *line*; a
+child line's parent is the line without its last name. Each request on a line is recorded on a node of it:
+- it goes on with a node's conversation: that node ("extend"), whose segment is put back in the trajectory's
+  live fields if another node's was there (nothing is copied);
+- it continues an earlier model turn of a node of the line: a new **branch** node under it, whose segment's
+  prompt is that turn's context token for token (`branch_offset` tokens of the parent's row);
+- anything else on the root line is a rewrite of its latest node ("history", a new segment of the same node);
+  on a child line it is a new **child** node: the sub-agent's next invocation, under the parent line's latest
+  node, `branch_offset` the parent's context length when it began.
+
+The trajectory holds one node's open segment in its live fields at a time (fsm/run/trajectory.py); the others
+are parked here. `finalize` puts every segment back in the trajectory in the order they began (the segment the
+session ended on last, where a reward placed "last" goes) and writes the tree fields of each row in
+`traj.extra["tree"]` (fsm/output/record.py, fsm/output/batch.py copy them) and each row's tools in
+`traj.extra["segment_tools"]` (`--check-tokens` renders each row with its own).
+"""
+
+from __future__ import annotations
+
+import re
+from array import array
+from dataclasses import dataclass, field
+from typing import Any
+
+from fsm.gateway.record import (
+    Call,
+    GatewayError,
+    Plan,
+    Recorder,
+    ends_on_observation,
+    message_key,
+    too_many_segments,
+)
+from fsm.run.trajectory import Segment, TokenRuns, Trajectory
+
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
+POLICY = "default"  # the gateway serves one policy
+
+
+def child_line(tail: str) -> tuple[tuple[str, ...], str]:
+    """(the child names, the rest) of a path under a session: `child/a/child/b/v1/...` -> (("a", "b"), "v1/...")."""
+    names: list[str] = []
+    while tail.startswith("child/"):
+        name, _, tail = tail[6:].partition("/")
+        if not NAME.fullmatch(name):
+            raise GatewayError(
+                f"child name {name[:64]!r}: a child session is named by 1-64 letters, digits, '_' or '-'",
+                code="invalid_child",
+            )
+        names.append(name)
+    return tuple(names), tail
+
+
+def line_path(line: tuple[str, ...]) -> str:
+    return "".join(f"/child/{name}" for name in line) or "the session"
+
+
+@dataclass(eq=False)
+class Node:
+    """One node of the tree: its kind, its place, and the recorded conversation of its segments."""
+
+    kind: str  # "root" | "child" | "branch"
+    line: tuple[str, ...]  # the child names from the root session to it (a branch keeps its parent's)
+    parent: Node | None
+    offset: int  # branch_offset: where in the parent's row (segment `parent_seq`) it starts
+    parent_seq: int | None
+    recorder: Recorder
+    id: str = ""  # dotted: "0" the root, "0.1" its second child or branch; given when it is recorded
+    depth: int = 0
+    seq: int = -1  # its open segment (the one a request extends)
+    seqs: list[int] = field(default_factory=list)  # its segments, in order
+    children: int = 0
+
+    @property
+    def turns(self) -> int:
+        return self.recorder.turns
+
+
+class Tree:
+    """The nodes of one session and the segments parked while another node's is live in the trajectory."""
+
+    def __init__(self, max_segments: int = 32, max_nodes: int = 64, max_depth: int = 4) -> None:
+        self.max_segments, self.max_nodes, self.max_depth = max_segments, max_nodes, max_depth
+        self.root = Node("root", (), None, 0, None, Recorder(max_segments), id="0")
+        self.nodes: list[Node] = [self.root]
+        self.recent: dict[tuple[str, ...], Node] = {(): self.root}  # the latest node each line recorded on
+        self.known: set[tuple[str, ...]] = {()}  # lines a request has named (their children may come)
+        self.stored: list[Segment | None] = []  # by segment number; None: the live one
+        self.owner: list[Node] = []
+        self.tails: list[bool] = []  # needs_tail of each parked segment
+        self.tools: list[list[dict[str, Any]] | None] = []
+        self.live = -1
+        self.finalized = False
+
+    # --- which node a request is recorded on ------------------------------------------------------------
+
+    def check_line(self, line: tuple[str, ...]) -> None:
+        """A child request's line, checked when it arrives (an API error names what is wrong)."""
+        if not line:
+            return
+        path = line_path(line)
+        if len(line) > self.max_depth:
+            raise GatewayError(
+                f"{path}: a child session {len(line)} deep, past the gateway's max_depth ({self.max_depth})",
+                code="tree_too_deep",
+            )
+        if len(set(line)) < len(line):
+            raise GatewayError(
+                f"{path}: a cycle, a child session named again under itself", code="tree_cycle"
+            )
+        if line[:-1] not in self.known:
+            raise GatewayError(
+                f"{path}: unknown parent session {line_path(line[:-1])} (a child session exists once it has "
+                "made a call)",
+                code="unknown_parent",
+                status=404,
+            )
+        self.known.add(line)
+
+    def plan(self, traj: Trajectory, call: Call) -> tuple[Node, Plan]:
+        """The node `call` is recorded on (a new one is not in the tree until `begin`) and how."""
+        line = call.child
+        nodes = [n for n in self.nodes if n.line == line and n.seqs]
+        if not nodes:
+            if not line:
+                return self.root, self.root.recorder.match(call)
+            ends_on_observation(call.messages)
+            return self._new_child(traj, line), Plan("first", call.messages, _keys(call))
+        recent = self.recent[line]
+        keys: list[tuple] = []
+        for node in [recent, *(n for n in reversed(nodes) if n is not recent)]:
+            plan, keys = node.recorder.extends(call)
+            if plan is not None:
+                return node, plan
+        if len(self.stored) >= self.max_segments:
+            raise too_many_segments(len(self.stored), self.max_segments)
+        best: tuple[Node, tuple[int, int, int, int]] | None = None
+        for node in nodes:
+            mark = node.recorder.branch_mark(call, keys)
+            if mark is not None and (best is None or mark[1] > best[1][1]):
+                best = node, mark
+        if best is not None:
+            parent, mark = best
+            self._room(parent)
+            branch = Node("branch", line, parent, mark[3], mark[0], Recorder(self.max_segments))
+            return branch, Plan("branch", call.messages[mark[1] :], keys, mark)
+        if not line:
+            return recent, Plan("history", call.messages, keys)
+        return self._new_child(traj, line), Plan("first", call.messages, keys)
+
+    def _new_child(self, traj: Trajectory, line: tuple[str, ...]) -> Node:
+        parent = self.recent.get(line[:-1])
+        if parent is None or not parent.seqs:
+            raise GatewayError(
+                f"{line_path(line)}: unknown parent session {line_path(line[:-1])} (it has recorded no call)",
+                code="unknown_parent",
+                status=404,
+            )
+        if len(self.stored) >= self.max_segments:
+            raise too_many_segments(len(self.stored), self.max_segments)
+        self._room(parent)
+        seg = self.segment(traj, parent.seq)
+        offset = len(seg.prompt_ids) + len(seg.response_ids)
+        return Node("child", line, parent, offset, parent.seq, Recorder(self.max_segments))
+
+    def _room(self, parent: Node) -> None:
+        if len(self.nodes) >= self.max_nodes:
+            raise GatewayError(
+                f"the session's tree holds {len(self.nodes)} nodes, its max_nodes ({self.max_nodes})",
+                code="too_many_nodes",
+            )
+        if parent.depth + 1 > self.max_depth:
+            raise GatewayError(
+                f"a node under {parent.id} would be {parent.depth + 1} deep, past the gateway's max_depth "
+                f"({self.max_depth})",
+                code="tree_too_deep",
+            )
+
+    # --- the trajectory's live segment --------------------------------------------------------------------
+
+    def segment(self, traj: Trajectory, seq: int) -> Segment:
+        """Segment `seq`, live or parked."""
+        stored = self.stored[seq]
+        return traj.current_segment() if stored is None else stored
+
+    def switch(self, traj: Trajectory, node: Node) -> None:
+        """Put `node`'s open segment in the trajectory's live fields (the live one is parked as it is)."""
+        if node.seq != self.live:
+            self._park(traj)
+            self._load(traj, node.seq)
+        self.recent[node.line] = node
+
+    def begin_root(self, node: Node, tools: list[dict[str, Any]] | None) -> int:
+        """The session's first segment: the trajectory's own (its prompt is already in it)."""
+        return self._register(node, tools)
+
+    def begin(
+        self,
+        traj: Trajectory,
+        node: Node,
+        ids: list[int],
+        reason: str,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+    ) -> int:
+        """A new segment of `node` (registered in the tree if new) with prompt `ids`, the render of `messages`;
+        its number. The live one is parked; a history rewrite of the live node closes it as the trajectory's
+        rewrites do (fsm/run/trajectory.py `start_segment`: observations after its last turn are cut)."""
+        if self.live >= 0 and node.seqs and node.seq == self.live:
+            traj.start_segment(ids, reason, messages)
+            self.stored[self.live] = traj.closed.pop()  # type: ignore[union-attr]
+        else:
+            if self.live >= 0:
+                self._park(traj)
+            traj.prompt_ids, traj.messages = array("i", ids), messages
+            traj.response_ids, traj.response_mask = array("i"), array("b")
+            traj.response_logprobs, traj._version_runs, traj.runs = array("f"), array("i"), TokenRuns()
+            traj.turn_rewards, traj.needs_tail = [], False
+            traj.segment_start = (reason, len(messages), traj.assistant_turns, len(traj.path) - 1)
+        traj.tool_schemas = tools
+        return self._register(node, tools)
+
+    def _register(self, node: Node, tools: list[dict[str, Any]] | None) -> int:
+        if not node.id:
+            assert node.parent is not None
+            node.id, node.depth = f"{node.parent.id}.{node.parent.children}", node.parent.depth + 1
+            node.parent.children += 1
+            self.nodes.append(node)
+        seq = self.live = len(self.stored)
+        self.stored.append(None)
+        self.owner.append(node)
+        self.tails.append(False)
+        self.tools.append(tools)
+        node.seq = seq
+        node.seqs.append(seq)
+        self.recent[node.line] = node
+        return seq
+
+    def _park(self, traj: Trajectory) -> None:
+        seq = self.live
+        self.stored[seq] = traj.current_segment()
+        self.tails[seq], self.tools[seq] = traj.needs_tail, traj.tool_schemas
+
+    def _load(self, traj: Trajectory, seq: int) -> None:
+        seg = self.stored[seq]
+        assert seg is not None
+        traj.prompt_ids, traj.response_ids, traj.response_mask = (
+            seg.prompt_ids,
+            seg.response_ids,
+            seg.response_mask,
+        )
+        traj.response_logprobs, traj._version_runs, traj.runs = (
+            seg.response_logprobs,
+            seg.version_runs,
+            seg.runs,
+        )
+        traj.messages, traj.turn_rewards = seg.messages, seg.turn_rewards
+        traj.needs_tail, traj.tool_schemas = self.tails[seq], self.tools[seq]
+        traj.segment_start = (seg.reason, seg.prompt_messages, traj.assistant_turns - seg.turns, seg.at)
+        self.stored[seq], self.live = None, seq
+
+    # --- the rows -------------------------------------------------------------------------------------------
+
+    def finalize(self, traj: Trajectory) -> None:
+        """Every segment back in the trajectory, in the order they began (the session's last one last), and the
+        tree fields of each row. Once; nothing to do for a session that recorded no call."""
+        if self.finalized or self.live < 0:
+            return
+        self.finalized = True
+        last = self.live
+        self._park(traj)
+        order = [s for s in range(len(self.stored)) if s != last] + [last]
+        segs = [self.stored[s] for s in order]
+        for k, seg in enumerate(segs):
+            seg.index = k  # type: ignore[union-attr]
+        rows = [self._fields(traj, s, len(order)) for s in order]
+        traj.closed = segs[:-1] if len(segs) > 1 else ()  # type: ignore[assignment]
+        self._load(traj, last)
+        traj.extra["tree"] = rows
+        traj.extra["segment_tools"] = [self.tools[s] for s in order]
+
+    def _fields(self, traj: Trajectory, seq: int, n_rows: int) -> dict[str, Any]:
+        """One row's place in the tree (the field names the engine's trees use, docs/gateway.md)."""
+        node = self.owner[seq]
+        parent = node.parent
+        shared: dict[str, Any] = {"length": 0, "node": None}
+        if parent is not None and seq == node.seqs[0]:
+            mine, theirs = self.stored[seq], self.stored[node.parent_seq]  # type: ignore[index]
+            shared = {"length": _common(mine.context_ids(), theirs.context_ids()), "node": parent.id}  # type: ignore[union-attr]
+        return {
+            "tree": traj.uid,
+            "node": node.id,
+            "parent": parent.id if parent is not None else None,
+            "node_kind": node.kind,
+            "branch_offset": node.offset,
+            "policy": POLICY,
+            "depth": node.depth,
+            "weight": 1.0 / n_rows,  # per root: a root counts 1 in total, split over its rows
+            "shared_prefix": shared,
+        }
+
+
+def _keys(call: Call) -> list[tuple]:
+    return [message_key(m) for m in call.messages]
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    """The length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    k = 0
+    while k < n and a[k] == b[k]:
+        k += 1
+    return k

@@ -1,0 +1,166 @@
+"""One model call of a session, recorded on its node of the session's tree (fsm/gateway/tree.py): the request's
+new messages are appended as the family codec's observation suffix (or start the node's segment), the model's
+turn is generated through the engine's own `generate` action, and the answer comes back parsed. How a request
+is matched against what was recorded is fsm/gateway/record.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from array import array
+from typing import Any
+
+from fsm.families.parsers import split_reasoning
+from fsm.gateway.record import Answer, Call, LimitReached, Plan, template_message
+from fsm.gateway.tree import Node, Tree
+from fsm.run.actions import generate
+from fsm.run.context import RunContext
+from fsm.run.trajectory import Trajectory, first_segment
+
+
+def _too_long(ids: list[int] | array, limit: int) -> LimitReached:
+    return LimitReached(
+        f"the prompt is {len(ids)} tokens, past the spec's limits.prompt_length {limit}",
+        code="context_length_exceeded",
+    )
+
+
+def _start(
+    ctx: RunContext, traj: Trajectory, tree: Tree, node: Node, call: Call, plan: Plan
+) -> list[dict[str, Any]]:
+    """Record the request's messages before the model's turn on `node` (fsm/gateway/tree.py); the messages
+    appended as observations."""
+    limit = ctx.agent.limits.prompt_length
+    recorder = node.recorder
+    if plan.kind in ("first", "history"):
+        templ = [template_message(m) for m in plan.new]
+        ids = ctx.codec.encode_prompt(templ, call.tools)
+        if len(ids) > limit:
+            raise _too_long(ids, limit)
+        if plan.kind == "first" and node.kind == "root":
+            traj.messages = templ
+            traj.prompt_ids.extend(ids)
+            traj.segment_start = first_segment(len(templ))
+            traj.tool_schemas = call.tools
+            seq = tree.begin_root(node, call.tools)
+        else:
+            reason = "child" if plan.kind == "first" else "history"
+            if plan.kind == "history":
+                tree.switch(traj, node)
+            seq = tree.begin(traj, node, list(ids), reason, templ, call.tools)
+        recorder.begin(plan.keys, call.tools, plan.new, seq)
+        return []
+    if plan.kind == "branch":
+        seq, nk, n_messages, n_tokens = plan.mark  # type: ignore[misc]
+        seg = tree.segment(traj, seq)
+        ids = seg.context_ids()[:n_tokens]  # the earlier turn's context, token for token
+        if len(ids) > limit:
+            raise _too_long(ids, limit)
+        seg_keys, seg_tools = node.parent.recorder.segments[seq]  # type: ignore[union-attr]
+        new = tree.begin(traj, node, ids, "branch", list(seg.messages[:n_messages]), seg_tools)
+        traj.needs_tail = True  # the context ends with that model turn: its template closer is owed
+        recorder.begin(seg_keys[:nk], seg_tools, call.messages[:nk], new)  # the request's: keys seg_keys[:nk]
+    else:
+        tree.switch(traj, node)
+    return [template_message(m) for m in plan.new]
+
+
+def _observe(ctx: RunContext, traj: Trajectory, templ: list[dict[str, Any]]) -> bool:
+    """Append `templ` (tool results or user turns) as the codec's observation suffix, mask 0: the template's
+    closer owed after the model turn the context ends with first (as RunContext.add_observation does, with that
+    turn's last token read from the context, which after a branch is the segment's prompt). False when they do
+    not fit in what is left of the response budget."""
+    role = "tool" if any(m["role"] == "tool" for m in templ) else "user"
+    owed = traj.needs_tail and ctx.agent.spec.turn_closer == "template"
+    last = (
+        (traj.response_ids[-1:] if len(traj.response_ids) else traj.prompt_ids[-1:]).tolist()
+        if owed
+        else None
+    )
+    closer, ids = ctx.codec.observation(templ, last, traj.messages)
+    if len(closer) + len(ids) >= ctx.agent.limits.response_length - len(traj.response_mask):
+        return False
+    traj.append_context(closer, "template")
+    traj.append_context(ids, role)
+    traj.needs_tail = False
+    traj.messages.extend(templ)
+    if role == "tool":
+        traj.user_turns += 1
+    return True
+
+
+async def record_call(ctx: RunContext, traj: Trajectory, tree: Tree, call: Call, call_prefix: str) -> Answer:
+    """Append the call's new messages to `traj`, generate the model's turn, and return it parsed.
+
+    The first call encodes the prompt (the codec's render, tools included); later ones append only their new
+    messages' observation suffix. The turn itself is the engine's `generate` action: budgets, pause/resume,
+    per-token weight versions, the span and the parser are the same as a spec's GENERATING state."""
+    limits = ctx.agent.limits
+    node, plan = tree.plan(traj, call)
+    recorder = node.recorder
+    if node.seqs and limits.max_assistant_turns is not None and node.turns >= limits.max_assistant_turns:
+        raise LimitReached(  # per node: a sub-agent or a branch has the spec's limits of its own
+            f"node {node.id} has made its limits.max_assistant_turns ({limits.max_assistant_turns}) model calls"
+        )
+    if call.extra.get(
+        "dropped_tools"
+    ):  # noted once per distinct set (a harness sends its tools with every call)
+        note = (
+            f"tools left out (a local model serves function tools only): "
+            f"{', '.join(call.extra['dropped_tools'])}"
+        )
+        notes = traj.extra.setdefault("gateway_notes", [])
+        if note not in notes:
+            notes.append(note)
+    templ = _start(ctx, traj, tree, node, call, plan)
+    if templ and not _observe(ctx, traj, templ):
+        raise LimitReached(
+            f"the new messages do not fit in what is left of limits.response_length {limits.response_length}",
+            code="context_length_exceeded",
+        )
+    if plan.kind == "extend":
+        recorder.extend(plan.keys, plan.new)
+    elif plan.kind == "branch":
+        recorder.extend(plan.keys[plan.mark[1] :], plan.new)  # type: ignore[index]
+    if len(traj.response_mask) >= limits.response_length:
+        raise LimitReached(f"the session has used its limits.response_length {limits.response_length} tokens")
+    sub = ctx
+    if call.max_tokens is not None:  # the request's own cap, within the spec's
+        cap = ctx.sampling.max_new_tokens
+        sub = copy.copy(ctx)
+        sub.sampling = dataclasses.replace(
+            ctx.sampling, max_new_tokens=call.max_tokens if cap is None else min(cap, call.max_tokens)
+        )
+    prompt_tokens = len(traj.prompt_ids) + len(traj.response_ids)
+    before = len(traj.response_ids)
+    await generate(sub, traj)
+    ids = traj.response_ids[before:].tolist()
+    text = traj.messages[-1]["content"] if traj.messages and traj.messages[-1]["role"] == "assistant" else ""
+    calls, traj.pending_calls = traj.pending_calls, []
+    family = getattr(ctx.codec, "family", None)
+    reasoning, rest = None, text
+    if family is not None and family.reasoning == "think":
+        reasoning, rest = split_reasoning(text, "think", family.think_tags)
+        rest = rest.lstrip("\n")
+    elif traj.messages and traj.messages[-1].get("reasoning_content"):
+        reasoning = traj.messages[-1]["reasoning_content"]
+    valid = [c for c in calls if c.error is None and c.name]
+    content = rest if len(valid) < len(calls) else ctx.parser.content(rest)
+    if valid:
+        content = content.strip()
+    turn = recorder.turns
+    if node.kind != "root":  # call ids stay distinct over the tree's nodes
+        call_prefix = f"{call_prefix}_n{node.id.replace('.', '_')}"
+    tool_calls = [
+        {
+            "id": c.id or f"{call_prefix}_{turn}_{k}",
+            "name": c.name,
+            "arguments": json.dumps(c.arguments if c.arguments is not None else {}, ensure_ascii=False),
+        }
+        for k, c in enumerate(valid)
+    ]
+    finish = "tool_calls" if tool_calls else ("length" if traj.last_finish_reason == "length" else "stop")
+    recorder.turn(traj, {"role": "assistant", "content": content, "tool_calls": tool_calls})
+    return Answer(content, reasoning, tool_calls, finish, prompt_tokens, len(ids), turn)
