@@ -205,7 +205,7 @@ def engine_routers(servers: Sequence[str]) -> dict[str, list[str]]:
         "--prometheus-port",
         "{metrics}",
     ]
-    vllm += ["--log-level", "info", "--health-check-interval-secs", "5"]
+    vllm += ["--log-level", "warn", "--health-check-interval-secs", "5"]
     sgl = [str(bin_ / "python"), "-m", "sglang_router.launch_router", "--worker-urls", *servers]
     sgl += [
         "--host",
@@ -342,6 +342,7 @@ async def skew_keys(
     """Session ids of which 3/4 hash to the first server under vllm-router's consistent hash, found by asking
     it (one 1-token request per candidate; its log names the worker each key maps to)."""
     argv = engine_routers(servers)["vllm-router consistent_hash"]
+    argv[argv.index("warn")] = "info"  # its INFO lines name the worker of each key
     hot: list[str] = []
     cold: list[str] = []
     async with EngineRouter("calibrate", argv) as router:
