@@ -205,7 +205,7 @@ def engine_routers(servers: Sequence[str]) -> dict[str, list[str]]:
         "--prometheus-port",
         "{metrics}",
     ]
-    vllm += ["--log-level", "warn", "--health-check-interval-secs", "5"]
+    vllm += ["--log-level", "warning", "--health-check-interval-secs", "5"]
     sgl = [str(bin_ / "python"), "-m", "sglang_router.launch_router", "--worker-urls", *servers]
     sgl += [
         "--host",
@@ -342,7 +342,7 @@ async def skew_keys(
     """Session ids of which 3/4 hash to the first server under vllm-router's consistent hash, found by asking
     it (one 1-token request per candidate; its log names the worker each key maps to)."""
     argv = engine_routers(servers)["vllm-router consistent_hash"]
-    argv[argv.index("warn")] = "info"  # its INFO lines name the worker of each key
+    argv[argv.index("warning")] = "info"  # its INFO lines name the worker of each key
     hot: list[str] = []
     cold: list[str] = []
     async with EngineRouter("calibrate", argv) as router:
@@ -375,7 +375,9 @@ async def run_fleet(
     words = Words(model_dir)
     timeout = aiohttp.ClientTimeout(total=600)
     results: dict[str, dict[str, Any]] = {}
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as http:
+    # keep-alive under uvicorn's 5 s: a pooled connection the server closed would fail a request (a failover)
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
         async with http.get(servers[0] + "/v1/models") as r:
             model = (await r.json())["data"][0]["id"]
         if trace:
@@ -416,15 +418,14 @@ async def run_fleet(
                     await router.release(c.session)
 
             row = await measure(http, servers, calls, send, words)
-            row["bounded"] = router.counts["bounded"]
+            row.update({k: router.counts[k] for k in ("bounded", "moved", "failovers")})
             return row
 
         runs: dict[str, list[dict[str, Any]]] = defaultdict(list)
         ours_ = {"agentfsm": agentfsm(False), "agentfsm+priority": agentfsm(True)}
         theirs = engine_routers(servers)
-        for rep in range(
-            repeats
-        ):  # the order turns each repeat: no router always runs first on a cold machine
+        # the order turns each repeat: no router always runs first on a cold machine
+        for rep in range(repeats):
             names = [*ours_, *theirs]
             names = names[rep % len(names) :] + names[: rep % len(names)]
             for shape_name, calls in traffic.items():
@@ -434,8 +435,10 @@ async def run_fleet(
                     )
                     runs[f"{shape_name} | {name}"].append(row)
                     print_row(shape_name, name, row)
+        print(f"medians of {repeats} repeats:", file=sys.stderr)
         for key, rows in runs.items():  # the median of each number over the repeats
             results[key] = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+            print_row(*key.split(" | "), results[key])
     return {
         "servers": list(servers),
         "repeats": repeats,
@@ -447,7 +450,8 @@ async def run_fleet(
 def print_row(shape_name: str, router: str, r: dict[str, Any]) -> None:
     print(
         f"| {shape_name} | {router} | {r['hit_rate']:.3f} | {r['tokens_per_s']:.0f} | {r['p50_ms']:.0f} | "
-        f"{r['p99_ms']:.0f} | {r['makespan_s']:.2f} | {r['max_server_share']:.2f} | {r['errors']} |",
+        f"{r['p99_ms']:.0f} | {r['makespan_s']:.2f} | {r['max_server_share']:.2f} | {r['errors']} | "
+        f"{r.get('moved', '-')} |",
         file=sys.stderr,
         flush=True,
     )
@@ -464,10 +468,10 @@ def bench_fleet(
             f"bench fleet: no routers virtualenv at {ROUTERS_VENV}; build it with `bash .ci/routers_env.sh`"
         )
     print(
-        "| shape | router | hit rate | tok/s | p50 ms | p99 ms | makespan s | max share | errors |",
+        "| shape | router | hit rate | tok/s | p50 ms | p99 ms | makespan s | max share | errors | moved |",
         file=sys.stderr,
     )
-    print("|---|---|---|---|---|---|---|---|---|", file=sys.stderr)
+    print("|---|---|---|---|---|---|---|---|---|---|", file=sys.stderr)
     if servers:
         return asyncio.run(_given(list(servers), trace, repeats))
     return asyncio.run(_launched(n_servers, trace, repeats))
