@@ -158,6 +158,7 @@ class EngineRouter:
 
     name: str
     argv: list[str]
+    model: str = ""  # the served model's name: a ready router answers a 1-token completion for it
     url: str = ""
     proc: subprocess.Popen[bytes] | None = None
     log: Path | None = None
@@ -170,18 +171,21 @@ class EngineRouter:
         self.proc = subprocess.Popen(
             argv, stdout=self.log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True
         )
+        # Ready when it forwards: sglang-router answers /health before it has registered its workers (on a
+        # loaded machine its first requests then fail with 5xx).
+        probe = completion_body(self.model, " a", 1)
         async with aiohttp.ClientSession() as http:
-            for _ in range(300):  # 30 s
+            for _ in range(600):  # 60 s
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"bench fleet: router {self.name} exited; see {self.log}")
                 try:
-                    async with http.get(self.url + "/health") as r:
+                    async with http.post(self.url + "/v1/completions", json=probe) as r:
                         if r.status == 200:
                             return self
                 except aiohttp.ClientError:
                     pass
                 await asyncio.sleep(0.1)
-        raise RuntimeError(f"bench fleet: router {self.name} not healthy after 30 s; see {self.log}")
+        raise RuntimeError(f"bench fleet: router {self.name} not forwarding after 60 s; see {self.log}")
 
     async def __aexit__(self, *exc: object) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -345,7 +349,7 @@ async def skew_keys(
     argv[argv.index("warning")] = "info"  # its INFO lines name the worker of each key
     hot: list[str] = []
     cold: list[str] = []
-    async with EngineRouter("calibrate", argv) as router:
+    async with EngineRouter("calibrate", argv, model) as router:
         for i in range(8 * n):
             if len(hot) >= n * 3 // 4 and len(cold) >= n - n * 3 // 4:
                 break
@@ -371,6 +375,7 @@ async def run_fleet(
     trace: str | None = None,
     shapes: Sequence[str] = (),
     repeats: int = 3,
+    only: Sequence[str] = (),  # router names to run (default: all)
 ) -> dict[str, Any]:
     words = Words(model_dir)
     timeout = aiohttp.ClientTimeout(total=600)
@@ -396,7 +401,7 @@ async def run_fleet(
             return make
 
         async def engine(name: str, argv: list[str], calls: list[Call]) -> dict[str, Any]:
-            async with EngineRouter(name.replace(" ", "-"), argv) as router:
+            async with EngineRouter(name.replace(" ", "-"), argv, model) as router:
 
                 async def send(turns: list[Call], k: int, text: str) -> None:
                     headers = {"X-Session-ID": turns[0].session, "x-smg-routing-key": turns[0].session}
@@ -426,7 +431,7 @@ async def run_fleet(
         theirs = engine_routers(servers)
         # the order turns each repeat: no router always runs first on a cold machine
         for rep in range(repeats):
-            names = [*ours_, *theirs]
+            names = [n for n in [*ours_, *theirs] if not only or n in only]
             names = names[rep % len(names) :] + names[: rep % len(names)]
             for shape_name, calls in traffic.items():
                 for name in names:
