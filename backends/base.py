@@ -27,6 +27,8 @@ class GenerateRequest:
     timeout_s: float | None = None  # per-attempt deadline (the spec's request_timeout_s); None: the backend's
     resumed: int = 0  # how often this turn was aborted and resumed before this request (0: a fresh turn)
     vocab_size: int | None = None  # ids an answer may hold lie in [0, vocab_size); None: not checked
+    turn: int = 0  # model turns the trajectory made before this one (what a scheduling policy reads)
+    priority: int | None = None  # engine request priority, lower runs first (vLLM); None: not sent
 
 
 @dataclass(slots=True)

@@ -1,11 +1,22 @@
 """A Backend over several backends: sticky sessions, least-requests placement, group affinity.
 
 Placement, in order:
-1. a session already pinned to a healthy server stays there ("sticky"): every turn reuses its prefix cache;
+1. a session already pinned to a healthy server stays there ("sticky"): every turn reuses its prefix cache.
+   A running session never moves for load, only when its server is down;
 2. with `group_affinity`, a new session of a GRPO group goes where its group went ("group"), unless that
-   server has more than `group_imbalance` requests in flight above the least-loaded one;
-3. otherwise the healthy server with the fewest requests in flight ("new"). Ties go to the server with the
-   fewest pinned sessions, then the lowest index: placement is deterministic.
+   server has more than `group_imbalance` requests in flight above the least-loaded one (a group is one unit
+   of placement: the bound below places its first session, its samples follow to share their prompt);
+3. otherwise the healthy server with the fewest requests in flight ("new"), among those within their bounded
+   share. Ties go to the server with the fewest pinned sessions, then the lowest index: placement is
+   deterministic.
+Bounded load (consistent hashing with bounded loads, Mirrokni et al. 2018): a server takes a new session only
+while it holds at most `load_bound` times the fair share of the pinned sessions (ceil(load_bound * (pinned +
+1) / healthy servers)); a full server keeps its running sessions and the new ones go elsewhere.
+
+Scheduling by state: `priority` (e.g. `by_turn`) maps each request to the engine's request priority (lower
+runs first on a server started with vLLM's `--scheduling-policy priority`), from what the engine knows of its
+trajectory: its turn and its remaining budget. In a synchronous step the trajectories with many turns are
+the stragglers; serving their turns first shortens the step.
 A session whose server is down is re-pinned by rule 3 and counted as "moved". When no server is marked
 healthy, all of them are candidates again (a mark may be stale; a dead fleet then fails per request).
 
@@ -27,14 +38,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from backends.base import Backend, BackendError, BaseBackend, GenerateRequest, GenerateResult
 from backends.engines import ENGINES, one_kind
 from backends.retry import RetryPolicy, retry
+
+
+def by_turn(request: GenerateRequest, cap: int = 8) -> int:
+    """vLLM's priority (lower first) from the trajectory's progress: -turn, capped so that a request's
+    advantage is bounded and a first turn waits behind at most `cap` levels (no starvation: every waiting
+    trajectory's next turn climbs)."""
+    return -min(request.turn, cap)
 
 
 @dataclass(eq=False, slots=True)
@@ -71,6 +90,10 @@ class Router(BaseBackend):
         *,
         group_affinity: bool = False,
         group_imbalance: int = 8,  # in-flight excess over the least-loaded server a group may cause (≈ one group)
+        load_bound: float
+        | None = 1.25,  # a server takes new sessions up to this x its fair share; None: no bound
+        priority: Callable[[GenerateRequest], int | None]
+        | None = None,  # request -> engine priority (by_turn)
         max_retries: int = 2,  # re-routes after a retryable failure, each maybe to another server
         health_interval_s: float = 5.0,  # 0 disables the background health checks
         health_timeout_s: float = 30.0,  # SGLang's /health itself waits up to 20 s
@@ -88,6 +111,10 @@ class Router(BaseBackend):
         ]
         self.group_affinity = group_affinity
         self.group_imbalance = group_imbalance
+        if load_bound is not None and load_bound < 1.0:
+            raise ValueError(f"Router load_bound {load_bound}: must be >= 1.0 (the fair share) or None")
+        self.load_bound = load_bound
+        self.priority = priority
         # Re-route almost at once (another server is likely fine), backing off up to 2 s while the fleet fails.
         self.failover = failover or RetryPolicy(
             attempts=1 + max_retries,
@@ -118,6 +145,7 @@ class Router(BaseBackend):
             "retries": 0,
             "failovers": 0,
             "resumes": 0,
+            "bounded": 0,  # new sessions (or groups) sent past a server over its bounded share
         }
         self.prompt_tokens = 0
         self.cached_tokens = 0
@@ -183,11 +211,23 @@ class Router(BaseBackend):
 
     # -- placement -------------------------------------------------------------------------------
 
-    def _least_loaded(self) -> int:
+    def _cap(self) -> int | None:
+        """The most sessions a server may hold and still take a new one (None: no bound)."""
+        if self.load_bound is None:
+            return None
+        pinned = sum(s.sessions for s in self.servers)
+        healthy = sum(s.healthy for s in self.servers) or len(self.servers)
+        return math.ceil(self.load_bound * (pinned + 1) / healthy)
+
+    def _least_loaded(self, cap: int | None = None) -> int:
         best, best_key = -1, (0, 0)
         for i, s in enumerate(self.servers):
-            if s.healthy and (best < 0 or (s.in_flight, s.sessions) < best_key):
+            if not s.healthy or (cap is not None and s.sessions >= cap):
+                continue
+            if best < 0 or (s.in_flight, s.sessions) < best_key:
                 best, best_key = i, (s.in_flight, s.sessions)
+        if best < 0 and cap is not None:  # every healthy server at its bound (a rounding edge): no bound
+            return self._least_loaded(None)
         if best < 0:  # nothing marked healthy: the marks may be stale, so every server is a candidate
             best = min(
                 range(len(self.servers)), key=lambda i: (self.servers[i].in_flight, self.servers[i].sessions)
@@ -199,7 +239,8 @@ class Router(BaseBackend):
         pinned = self._sessions.get(session_id)
         if pinned is not None and self.servers[pinned.server].healthy:
             return pinned.server
-        least = self._least_loaded()
+        cap = self._cap() if pinned is None else None  # a moved session goes where load is least
+        least = self._least_loaded(cap)
         if self.group_affinity and group_id is not None and pinned is None:
             g = self._groups.get(group_id)
             if g is not None:
@@ -208,11 +249,20 @@ class Router(BaseBackend):
                     return g.server
         return least
 
+    def _over_bound(self, idx: int) -> bool:
+        """Did the bound send this new session past the server that load alone would have chosen?"""
+        cap = self._cap()
+        if cap is None:
+            return False
+        unbounded = self._least_loaded(None)
+        return unbounded != idx and self.servers[unbounded].sessions >= cap
+
     def _pin(self, request: GenerateRequest, idx: int) -> str:
         """Record that `request` goes to server `idx`; returns the route kind."""
         sid, gid = request.session_id, request.group_id
         s = self._sessions.get(sid)
         if s is None:
+            self.counts["bounded"] += self._over_bound(idx)
             self._sessions[sid] = _Session(idx, gid if self.group_affinity else None)
             self.servers[idx].sessions += 1
             route = "new"
@@ -243,6 +293,9 @@ class Router(BaseBackend):
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         previous: list[int] = []  # servers tried for this request, in order
+
+        if self.priority is not None and request.priority is None:
+            request.priority = self.priority(request)
 
         async def attempt(n: int) -> GenerateResult:
             idx = self.choose(request.session_id, request.group_id)

@@ -235,6 +235,8 @@ class VLLMBackend(ServerClient):
             "request_id": rid,
             "sampling_params": vllm_params(params, asked.return_logprob),
         }
+        if asked.priority is not None:  # honoured by a server started with --scheduling-policy priority
+            payload["priority"] = asked.priority
         body = await self._exchange(payload, rid, timeout_s, body_limit(asked))
         shaped = sglang_shape(body, server=self.url, rid=rid)
         result = parse_generate(

@@ -16,7 +16,7 @@ from backends.base import GenerateRequest, GenerateResult
 from backends.devserver import DevServer
 from backends.faults import FaultProxy
 from backends.launcher import SGLangLauncher
-from backends.router import Router
+from backends.router import Router, by_turn
 from backends.scripted import echo_backend
 from backends.sglang import SGLangBackend
 from bench.prefix_cache import bench_prefix_cache
@@ -305,3 +305,39 @@ def test_bench_prefix_cache_affinity_helps():
     on = bench_prefix_cache(n_groups=3, n=4, affinity=True, turns=2)
     assert on["first_turn_hit_rate"] > off["first_turn_hit_rate"] and on["group_routes"] == 9
     assert on["prompt_tokens"] == off["prompt_tokens"] > 0
+
+
+def test_bounded_load_sends_new_sessions_past_a_full_server_and_keeps_running_ones():
+    """Server 0 holds six sessions that are between turns (in their tools: nothing in flight), server 1 runs
+    two turns: least-loaded alone would give server 0 a seventh session, the bound gives it to server 1."""
+    router = Router([echo_backend(), echo_backend()], health_interval_s=0, load_bound=1.25)
+    router.servers[1].healthy = False
+    for i in range(6):
+        router._pin(GenerateRequest(f"run{i}", [], {}), router.choose(f"run{i}"))
+    router.servers[1].healthy = True
+    for i in range(2):
+        router._pin(GenerateRequest(f"busy{i}", [], {}), 1)
+    router.servers[1].in_flight = 2
+    assert [router.choose(f"run{i}") for i in range(6)] == [0] * 6  # running sessions never move for load
+    assert router.choose("new") == 1
+    router.load_bound = None
+    assert router.choose("new") == 0
+    with pytest.raises(ValueError, match="load_bound 0.5"):
+        Router([echo_backend()], load_bound=0.5)
+
+
+async def test_by_turn_sets_the_requests_priority_from_its_turn():
+    seen: list[int | None] = []
+    backend = echo_backend()
+    generate = backend.generate
+
+    async def spy(request: GenerateRequest) -> GenerateResult:
+        seen.append(request.priority)
+        return await generate(request)
+
+    backend.generate = spy  # type: ignore[method-assign]
+    async with Router([backend], health_interval_s=0, priority=by_turn) as router:
+        for turn in (0, 3, 20):
+            await router.generate(GenerateRequest("s", [1, 2, 3], {"max_new_tokens": 4}, turn=turn))
+        await router.generate(GenerateRequest("s", [1, 2, 3], {"max_new_tokens": 4}, turn=5, priority=2))
+    assert seen == [0, -3, -8, 2]  # capped at 8 levels; a priority the caller set is kept

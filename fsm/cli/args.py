@@ -381,6 +381,7 @@ def command_line(commands: Mapping[str, Callable[[argparse.Namespace], int]]) ->
             "vs-verl",
             "engines",
             "gateway",
+            "fleet",
         ],
         help="which benchmark",
     )
@@ -406,7 +407,14 @@ def command_line(commands: Mapping[str, Callable[[argparse.Namespace], int]]) ->
         action="append",
         type=server_url,
         metavar="URL",
-        help="engines: a server serving the tiny model (SGLang, vLLM or dev); two or more, run in turn",
+        help="engines: a server serving the tiny model (SGLang, vLLM or dev); two or more, run in turn; "
+        "fleet: a vLLM server of the fleet (default: two launched from .venv-vllm)",
+    )
+    p.add_argument(
+        "--trace",
+        metavar="FILE",
+        help="fleet: recorded calls to replay (JSON lines: session, group, turn, prompt_tokens, new_tokens, "
+        "tool_s); default: the generated shapes",
     )
     p.add_argument(
         "--workload",

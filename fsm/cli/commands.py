@@ -633,6 +633,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise CLIError("bench engines: give two servers or more (--server URL --server URL)")
         _quiet_transformers()
         result = bench.bench_engines(args.server, n=8 if args.n == 2000 else args.n, repeats=args.repeats)
+    elif what == "fleet":
+        result = bench.bench_fleet(args.server or (), trace=args.trace, repeats=args.repeats)
     else:  # argparse restricts the choices to the modules of bench/
         result = getattr(bench, f"bench_{what.replace('-', '_')}")()
     print(json.dumps(result, indent=2))

@@ -176,6 +176,7 @@ async def _resumed_turn(
             timeout_s=limits.request_timeout_s,
             resumed=attempt,
             vocab_size=ctx.codec.vocab_size,
+            turn=traj.assistant_turns,
         )
         if whole:  # a snapshot may take the row as it was before this turn (PauseGate.waiting)
             with ctx.gate.request():
