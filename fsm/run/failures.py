@@ -143,8 +143,7 @@ async def run_state(
                     traj.extra["caught"] = {"state": state, "error": error, "message": message}
                     catches = traj.extra.setdefault("state_catches", {})
                     catches[state] = catches.get(state, 0) + 1
-                    if not traj.pending_calls and pending and error.startswith(("tool", "heartbeat")):
-                        traj.pending_calls = list(pending)  # observe_error answers each call
+                    traj.pending_calls = list(pending)  # a failed tool round: observe_error answers each call
                     return edge
             if isinstance(exc, StateFailure):  # named by a rule that is now spent: the row ends as it says
                 raise RowError(f"{error} in {state}: {message}") from None

@@ -1,0 +1,198 @@
+"""Failures declared per state (fsm/spec/failures.py, fsm/run/failures.py): retry, catch, timeout_s,
+heartbeat_s and on_error, with real failures: a tool that raises, one that hangs, one that stops heartbeating.
+Each test checks the rows exactly: the path, the observation the model reads, masks and rewards."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fsm.output.batch import collate, summarize
+from tests.conftest import model_turn, observation_texts, run_agent, scripted, tool_turn, user_row
+from tests.fixtures import flaky
+
+FLAKY = "tests.fixtures.flaky"
+
+
+@pytest.fixture(autouse=True)
+def fresh_tools():
+    flaky.reset()
+    yield
+    flaky.RELEASE.set()
+
+
+def spec(processing: str, extra_states: str = "", top: str = "") -> str:
+    """tool_agent with the flaky tools, PROCESSING_TOOLS' failure rules, and a TOOL_DOWN state that tells the
+    model what failed and lets it answer."""
+    return f"""
+        name: failing
+        extends: {{specs}}/tool_agent.yaml
+        tools:
+          - function: {FLAKY}:flaky
+          - function: {FLAKY}:hang
+          - class: {FLAKY}:Heart
+            schema: {FLAKY}:HEART_SCHEMA
+        reward:
+          function: {FLAKY}:one
+        {top}
+        states:
+          PROCESSING_TOOLS:
+{processing}
+{TOOL_DOWN if "catch:" in processing else ""}{extra_states}
+        """
+
+
+TOOL_DOWN = """\
+          TOOL_DOWN:
+            action: observe_error
+            next:
+              - to: GENERATING
+"""
+
+
+CATCH_EXCEPTION = """\
+            catch:
+              - errors: [tool.exception]
+                to: TOOL_DOWN
+"""
+
+
+def script(tok, tool: str = "flaky") -> list[list[int]]:
+    return [tool_turn(tok, (tool, {"text": "hi"})), model_turn(tok, "done")]
+
+
+async def test_a_caught_tool_error_goes_to_the_catch_state_and_the_model_reads_it(tok, compile_yaml):
+    flaky.reset(fail_first=10)
+    agent = compile_yaml(spec(CATCH_EXCEPTION))
+    [traj] = await run_agent(agent, scripted(script(tok)), tok, [user_row()])
+    assert traj.error is None and traj.termination_reason == "done"
+    assert traj.path == ["PENDING", "GENERATING", "PROCESSING_TOOLS", "TOOL_DOWN", "GENERATING", "TERMINATED"]
+    assert traj.extra["caught"] == {
+        "state": "PROCESSING_TOOLS",
+        "error": "tool.exception",
+        "message": "Error executing tool 'flaky': sandbox down (call 1)",
+    }
+    assert traj.extra["state_catches"] == {"PROCESSING_TOOLS": 1}
+    [seen] = observation_texts(tok, traj)
+    assert "<tool_response>\nError executing tool 'flaky': sandbox down (call 1)\n</tool_response>" in seen
+    assert [m["content"] for m in traj.messages if m["role"] == "tool"] == [
+        "Error executing tool 'flaky': sandbox down (call 1)"
+    ]
+    assert flaky.CALLS == {"flaky": 1}
+    catch_edge = agent.catches["PROCESSING_TOOLS"][0]
+    assert catch_edge.index in traj.transitions_fired and catch_edge.label == "catch tool.exception"
+    assert traj.reward_score == 1.0
+
+
+async def test_a_retried_tool_error_runs_the_round_again_until_it_answers(tok, compile_yaml):
+    processing = """\
+            retry:
+              - errors: [tool.exception]
+                max_attempts: 3
+                backoff_s: 0.01
+                jitter: 0
+"""
+    agent = compile_yaml(spec(processing))
+    [traj] = await run_agent(agent, scripted(script(tok)), tok, [user_row()])
+    assert traj.error is None and flaky.CALLS == {"flaky": 3}
+    assert traj.extra["state_retries"] == {"PROCESSING_TOOLS": 2}
+    assert [m["content"] for m in traj.messages if m["role"] == "tool"] == ["echo hi"]
+    assert traj.path == ["PENDING", "GENERATING", "PROCESSING_TOOLS", "GENERATING", "TERMINATED"]
+
+
+RETRY_ONCE = """\
+            retry:
+              - errors: [tool]
+                max_attempts: 2
+                backoff_s: 0
+"""
+
+
+@pytest.mark.parametrize("on_error", ["mask", "zero_reward", "drop"])
+async def test_retries_spent_with_no_catch_fail_the_row_as_on_error_says(tok, compile_yaml, on_error):
+    flaky.reset(fail_first=10)
+    agent = compile_yaml(spec(RETRY_ONCE, top=f"failures: {{on_error: {on_error}}}"))
+    rows = [user_row(uid="bad"), user_row(uid="good")]
+    backend = scripted({0: script(tok), 1: [model_turn(tok, "done")]})
+    bad, good = await run_agent(agent, backend, tok, rows)
+    assert flaky.CALLS == {"flaky": 2}
+    assert bad.termination_reason == (
+        "error: tool.exception in PROCESSING_TOOLS: Error executing tool 'flaky': sandbox down (call 2)"
+    )
+    assert bad.reward_score == 0.0 and good.reward_score == 1.0
+    turn = tool_turn(tok, ("flaky", {"text": "hi"}))
+    if on_error == "zero_reward":  # the model's turn kept, trained towards reward 0
+        assert bad.response_ids.tolist() == turn and list(bad.response_mask) == [1] * len(turn)
+    else:
+        assert bad.response_ids.tolist() == [] and list(bad.response_mask) == []
+    out = collate([bad, good], prompt_length=1024, response_length=1024, pad_token_id=tok.pad_token_id)
+    mask = out.batch["response_mask"]
+    summary = summarize([bad, good])
+    if on_error == "drop":
+        assert mask.shape[0] == 1 and list(out.non_tensor_batch["uid"]) == ["good"]
+        assert summary["dropped"] == 1 and summary["dropped_rows"] == ["bad"]
+    else:
+        assert mask.shape[0] == 2 and summary["dropped"] == 0
+        assert int(np.asarray(mask[0]).sum()) == (len(turn) if on_error == "zero_reward" else 0)
+        assert np.asarray(out.batch["rm_scores"][0]).sum() == 0.0
+
+
+async def test_a_state_timeout_caught_tells_the_model_the_tool_hung(tok, compile_yaml):
+    processing = """\
+            timeout_s: 0.3
+            catch:
+              - errors: [timeout]
+                to: TOOL_DOWN
+"""
+    agent = compile_yaml(spec(processing))
+    [traj] = await run_agent(agent, scripted(script(tok, "hang")), tok, [user_row()])
+    assert traj.error is None and traj.extra["caught"]["error"] == "timeout"
+    assert [m["content"] for m in traj.messages if m["role"] == "tool"] == [
+        "Error: action of PROCESSING_TOOLS exceeded timeout_s 0.3s"
+    ]
+
+
+async def test_a_state_timeout_uncaught_ends_the_row_naming_it(tok, compile_yaml):
+    agent = compile_yaml(spec("            timeout_s: 0.2\n"))
+    [traj] = await run_agent(agent, scripted(script(tok, "hang")), tok, [user_row()])
+    assert traj.termination_reason == "error: timeout: action of PROCESSING_TOOLS exceeded timeout_s 0.2s"
+
+
+def heart_spec(beats: int, quiet: bool) -> str:
+    processing = """\
+            heartbeat_s: 0.3
+            catch:
+              - errors: [heartbeat]
+                to: TOOL_DOWN
+"""
+    text = spec(processing)
+    return text.replace(
+        f"schema: {FLAKY}:HEART_SCHEMA",
+        f"schema: {FLAKY}:HEART_SCHEMA\n            config: {{beats: {beats}, every_s: 0.1, quiet: {str(quiet).lower()}}}",
+    )
+
+
+async def test_a_tool_that_stops_heartbeating_is_failed_after_the_interval(tok, compile_yaml):
+    agent = compile_yaml(heart_spec(beats=3, quiet=True))
+    [traj] = await run_agent(agent, scripted(script(tok, "heart")), tok, [user_row()])
+    assert traj.extra["caught"]["error"] == "heartbeat"
+    assert [m["content"] for m in traj.messages if m["role"] == "tool"] == [
+        "Error: no heartbeat from the tools of PROCESSING_TOOLS for 0.3s (heartbeat_s)"
+    ]
+
+
+async def test_a_tool_that_heartbeats_runs_past_the_interval(tok, compile_yaml):
+    agent = compile_yaml(heart_spec(beats=6, quiet=False))  # 0.6 s of work, a beat every 0.1 s
+    [traj] = await run_agent(agent, scripted(script(tok, "heart")), tok, [user_row()])
+    assert "caught" not in traj.extra and traj.error is None
+    assert [m["content"] for m in traj.messages if m["role"] == "tool"] == ["beat 6 times"]
+
+
+def test_a_spec_without_failure_rules_hashes_as_before(compile_yaml):
+    plain = compile_yaml(spec("            description: tools\n"), "a.yaml")
+    explicit = compile_yaml(
+        spec("            description: tools\n            retry: []\n", top="failures: {on_error: mask}"), "b.yaml"
+    )
+    assert plain.hash == explicit.hash and not plain.ruled
+    ruled = compile_yaml(spec(CATCH_EXCEPTION), "c.yaml")
+    assert ruled.hash != plain.hash and ruled.ruled == {"PROCESSING_TOOLS"}
