@@ -124,8 +124,9 @@ class _Compiler:
                 self.error(exc.code, str(exc), "imports", i, key=False)
         self._check_limits()
         self._check_graph()
-        for diag in check_failures(self.spec, self._diagnostic):
-            self.diags.append(diag)
+        self.diags += check_failures(
+            self.spec, lambda code, message, *loc, key=True: self._diagnostic(code, message, loc, key)
+        )
         edges = self._edges()
         actions = self._actions()
         tools = self._tools()
