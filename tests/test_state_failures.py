@@ -196,3 +196,49 @@ def test_a_spec_without_failure_rules_hashes_as_before(compile_yaml):
     assert plain.hash == explicit.hash and not plain.ruled
     ruled = compile_yaml(spec(CATCH_EXCEPTION), "c.yaml")
     assert ruled.hash != plain.hash and ruled.ruled == {"PROCESSING_TOOLS"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("spec_rate", "flag", "code", "says"),
+    [
+        ("1.0", [], 0, "agentfsm: warning: all 2 rows failed"),
+        ("0.5", [], 1, "more than the spec's failures.max_error_rate 0.5"),
+        ("1.0", ["--max-error-rate", "0.5"], 1, "more than --max-error-rate 0.5"),
+    ],
+)
+def test_the_failure_budget_is_the_specs_unless_the_flag_overrides_it(
+    tmp_path, capsys, spec_rate, flag, code, says
+):
+    from fsm.cli.commands import main
+    from tests.test_cli import SPEC, _ThreadServer, run_argv
+
+    spec_path = tmp_path / "budget.yaml"
+    spec_path.write_text(f"name: budget\nextends: {SPEC}\nfailures:\n  max_error_rate: {spec_rate}\n")
+    server = _ThreadServer(scripted(lambda row, sample, turn, prompt: [999_999]))  # ids past the vocabulary
+    try:
+        argv = run_argv(server.url, tmp_path / "out", "--num-prompts", "2", "-q", "--retry-window", "1", *flag)
+        argv[1] = str(spec_path)
+        assert main(argv) == code
+    finally:
+        server.close()
+    assert says in capsys.readouterr().err
+
+
+async def test_render_run_shows_retries_and_catches_on_the_diagram(tok, compile_yaml):
+    from viz.diagram import diagram
+    from viz.stats import run_stats
+
+    flaky.reset(fail_first=10)
+    processing = RETRY_ONCE + CATCH_EXCEPTION.replace("tool.exception", "tool")
+    agent = compile_yaml(spec(processing))
+    trajs = await run_agent(agent, scripted(script(tok)), tok, [user_row(), user_row()])
+    assert [t.extra["state_retries"] for t in trajs] == [{"PROCESSING_TOOLS": 1}] * 2
+    stats = run_stats(agent, trajs)
+    assert stats["states"]["PROCESSING_TOOLS"]["retries"] == 2
+    assert stats["states"]["PROCESSING_TOOLS"]["catches"] == 2
+    catch = agent.catches["PROCESSING_TOOLS"][0]
+    assert stats["edges"][str(catch.index)]["count"] == 2
+    source = diagram(agent, stats).source
+    assert "retries: 2" in source and "caught: 2" in source
+    assert 'label="catch tool\n2× · 100%"' in source and "style=dotted" in source
