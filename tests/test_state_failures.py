@@ -191,7 +191,8 @@ async def test_a_tool_that_heartbeats_runs_past_the_interval(tok, compile_yaml):
 def test_a_spec_without_failure_rules_hashes_as_before(compile_yaml):
     plain = compile_yaml(spec("            description: tools\n"), "a.yaml")
     explicit = compile_yaml(
-        spec("            description: tools\n            retry: []\n", top="failures: {on_error: mask}"), "b.yaml"
+        spec("            description: tools\n            retry: []\n", top="failures: {on_error: mask}"),
+        "b.yaml",
     )
     assert plain.hash == explicit.hash and not plain.ruled
     ruled = compile_yaml(spec(CATCH_EXCEPTION), "c.yaml")
@@ -217,7 +218,9 @@ def test_the_failure_budget_is_the_specs_unless_the_flag_overrides_it(
     spec_path.write_text(f"name: budget\nextends: {SPEC}\nfailures:\n  max_error_rate: {spec_rate}\n")
     server = _ThreadServer(scripted(lambda row, sample, turn, prompt: [999_999]))  # ids past the vocabulary
     try:
-        argv = run_argv(server.url, tmp_path / "out", "--num-prompts", "2", "-q", "--retry-window", "1", *flag)
+        argv = run_argv(
+            server.url, tmp_path / "out", "--num-prompts", "2", "-q", "--retry-window", "1", *flag
+        )
         argv[1] = str(spec_path)
         assert main(argv) == code
     finally:
@@ -242,3 +245,107 @@ async def test_render_run_shows_retries_and_catches_on_the_diagram(tok, compile_
     source = diagram(agent, stats).source
     assert "retries: 2" in source and "caught: 2" in source
     assert 'label="catch tool\n2× · 100%"' in source and "style=dotted" in source
+
+
+def generating_spec(attempts: int, catch: bool) -> str:
+    rules = f"""\
+            retry:
+              - errors: [backend]
+                max_attempts: {attempts}
+                backoff_s: 0.01
+"""
+    if catch:
+        rules += """\
+            catch:
+              - errors: [backend]
+                to: TERMINATED
+                reason: server_down
+"""
+    return f"""
+        name: flaky_server
+        extends: {{specs}}/tool_agent.yaml
+        reward:
+          function: {FLAKY}:one
+        states:
+          GENERATING:
+{rules}
+        """
+
+
+@pytest.mark.parametrize(("outages", "catch"), [(3, False), (6, True)])
+async def test_a_server_that_fails_n_times_then_answers_is_retried_by_the_state(
+    tok, compile_yaml, outages, catch
+):
+    """Real HTTP: a dev server behind the fault proxy answers its first `outages` /generate 503; the client
+    and the router do not retry (max_retries 0), so each 503 reaches the state's retry rule."""
+    from backends.devserver import DevServer
+    from backends.faults import FaultProxy
+    from backends.router import Router
+    from backends.sglang import SGLangBackend
+
+    agent = compile_yaml(generating_spec(attempts=4, catch=catch))
+    answer = model_turn(tok, "done")
+    async with (
+        DevServer(scripted([answer])) as dev,
+        FaultProxy(dev.url, script=["http_503"] * outages) as proxy,
+    ):
+        backend = Router(
+            [SGLangBackend(proxy.url, max_retries=0)],
+            health_interval_s=0,
+            max_retries=0,
+            retry_window_s=0,
+            cooldown_s=0,
+        )
+        try:
+            [traj] = await run_agent(agent, backend, tok, [user_row()])
+        finally:
+            await backend.close()
+    if not catch:  # 3 outages, 4 attempts: the 4th answers
+        assert proxy.injected["http_503"] == 3 and traj.extra["state_retries"] == {"GENERATING": 3}
+        assert traj.error is None and traj.termination_reason == "done"
+        assert traj.response_ids.tolist() == answer and list(traj.response_mask) == [1] * len(answer)
+        assert traj.reward_score == 1.0
+    else:  # 6 outages, 4 attempts: caught to TERMINATED, with no model token
+        assert proxy.injected["http_503"] == 4 and traj.extra["state_retries"] == {"GENERATING": 3}
+        assert traj.error is None and traj.termination_reason == "server_down"
+        assert traj.path == ["PENDING", "GENERATING", "TERMINATED"]
+        assert traj.response_ids.tolist() == [] and traj.extra["caught"]["error"] == "backend"
+        assert "503" in traj.extra["caught"]["message"]
+
+
+async def test_spans_record_retries_and_catches(tok, compile_yaml):
+    import fsm
+    from fsm.telemetry import Telemetry
+
+    flaky.reset(fail_first=10)
+    agent = compile_yaml(spec(RETRY_ONCE + CATCH_EXCEPTION.replace("tool.exception", "tool")))
+    with Telemetry(otlp=False, memory=True) as tel:
+        await fsm.Runner(agent, scripted(script(tok)), tok, tracer=tel).run([user_row()])
+        spans = tel.finished_spans()
+    [root] = [s for s in spans if s.parent is None]
+    assert root.attributes["agentfsm.retries"] == 1 and root.attributes["agentfsm.catches"] == 1
+    events = [(e.name, dict(e.attributes)) for e in root.events]
+    message = "Error executing tool 'flaky': sandbox down (call {})"
+    assert events == [
+        (
+            "agentfsm.retry",
+            {
+                "agentfsm.failure.state": "PROCESSING_TOOLS",
+                "agentfsm.failure.error": "tool.exception",
+                "agentfsm.failure.attempt": 1,
+                "agentfsm.failure.message": message.format(1),
+            },
+        ),
+        (
+            "agentfsm.catch",
+            {
+                "agentfsm.failure.state": "PROCESSING_TOOLS",
+                "agentfsm.failure.error": "tool.exception",
+                "agentfsm.failure.attempt": 2,
+                "agentfsm.failure.message": message.format(2),
+                "agentfsm.failure.to": "TOOL_DOWN",
+            },
+        ),
+    ]
+    [catch] = [s for s in spans if s.name == "PROCESSING_TOOLS -> TOOL_DOWN"]
+    assert catch.attributes["fsm.catch.errors"] == "tool" and catch.attributes["fsm.guard"] == "catch tool"

@@ -106,6 +106,18 @@ async def _attempt(
             await call
 
 
+def _log(
+    traj: Any, what: str, state: str, error: str, message: str, attempt: int, to: str | None = None
+) -> None:
+    """One handled failure in `extra.failures`, in order: the telemetry's span events (fsm/telemetry/spans.py)
+    and the trajectory record read it."""
+    entry = {"handled": what, "state": state, "error": error, "attempt": attempt, "message": message[:500]}
+    if to is not None:
+        entry["to"] = to
+    entry["at_ns"] = time.time_ns()
+    traj.extra.setdefault("failures", []).append(entry)
+
+
 async def run_state(
     agent: CompiledAgent, state: str, ctx: Any, traj: Any, action_timeout: float | None
 ) -> Edge | None:
@@ -135,6 +147,7 @@ async def run_state(
                     attempts[k] = n + 1
                     retries = traj.extra.setdefault("state_retries", {})
                     retries[state] = retries.get(state, 0) + 1
+                    _log(traj, "retry", state, error, message, n)
                     traj.pending_calls = list(pending)
                     await asyncio.sleep(_policy(st.retry[k]).delay(n))
                     continue
@@ -143,6 +156,15 @@ async def run_state(
                     traj.extra["caught"] = {"state": state, "error": error, "message": message}
                     catches = traj.extra.setdefault("state_catches", {})
                     catches[state] = catches.get(state, 0) + 1
+                    _log(
+                        traj,
+                        "catch",
+                        state,
+                        error,
+                        message,
+                        attempts.get(k, 1) if k is not None else 1,
+                        edge.dest,
+                    )
                     traj.pending_calls = list(pending)  # a failed tool round: observe_error answers each call
                     return edge
             if isinstance(exc, StateFailure):  # named by a rule that is now spent: the row ends as it says
