@@ -349,3 +349,25 @@ async def test_spans_record_retries_and_catches(tok, compile_yaml):
     ]
     [catch] = [s for s in spans if s.name == "PROCESSING_TOOLS -> TOOL_DOWN"]
     assert catch.attributes["fsm.catch.errors"] == "tool" and catch.attributes["fsm.guard"] == "catch tool"
+
+
+async def test_every_row_dropped_is_an_empty_batch_and_the_summary_names_them(tok, compile_yaml):
+    flaky.reset(fail_first=10)
+    agent = compile_yaml(spec(RETRY_ONCE, top="failures: {on_error: drop}"))
+    trajs = await run_agent(agent, scripted(script(tok)), tok, [user_row(uid="a"), user_row(uid="b")])
+    out = collate(trajs, prompt_length=1024, response_length=1024, pad_token_id=tok.pad_token_id)
+    assert out.batch["response_mask"].shape[0] == 0
+    assert summarize(trajs)["dropped_rows"] == ["a", "b"]
+
+
+async def test_drop_under_verls_dataproto_is_refused_in_one_line(tok, compile_yaml):
+    from fsm.families import codec_for
+    from fsm.output.batch import to_batch
+    from tests.test_api import DataProto
+
+    flaky.reset(fail_first=10)
+    agent = compile_yaml(spec(RETRY_ONCE, top="failures: {on_error: drop}"))
+    trajs = await run_agent(agent, scripted(script(tok)), tok, [user_row(uid="a")])
+    like = DataProto(non_tensor_batch={}, meta_info={})
+    with pytest.raises(ValueError, match=r"^failures.on_error: drop left out rows \['a'\], but verl's"):
+        to_batch(trajs, agent, codec_for(tok), logprobs=True, like=like)
