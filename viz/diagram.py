@@ -81,6 +81,8 @@ def _pct(share: float) -> str:
 def edge_order(agent: CompiledAgent, edge: Edge) -> int | None:
     """1-based position among its state's edges (they are tried in this order), None for a lone edge."""
     siblings = agent.edges_from[edge.source]
+    if edge not in siblings:  # a catch rule: taken on a failure, not in the edges' order
+        return None
     return siblings.index(edge) + 1 if len(siblings) > 1 else None
 
 
@@ -112,6 +114,10 @@ def state_lines(agent: CompiledAgent, name: str, run_stats: dict[str, Any] | Non
             lines.append(f"{reason}: {count}")
         if s.get("failed"):
             lines.append(f"failed: {s['failed']}")
+        if s.get("retries"):
+            lines.append(f"retries: {s['retries']}")
+        if s.get("catches"):
+            lines.append(f"caught: {s['catches']}")
         if s.get("segments"):
             reasons = sorted(s["segment_reasons"].items(), key=lambda kv: -kv[1])
             why = ", ".join(f"{r} {n}" for r, n in reasons)
@@ -165,7 +171,9 @@ def diagram(agent: Any, run_stats: dict[str, Any] | None = None) -> graphviz.Dig
             "label": edge_label(edge, stats, order=edge_order(agent, edge)),
             "tooltip": f"edge #{edge.index}: {edge.source} -> {edge.dest}",
         }
-        if edge.guard is None:
+        if edge.catch is not None:
+            attrs.update(style="dotted", color=FAILED_COLOR, fontcolor=FAILED_COLOR)
+        elif edge.guard is None:
             attrs["style"] = "dashed"
         if stats is not None:
             attrs["penwidth"] = f"{1 + 4 * stats['count'] / top:.2f}"

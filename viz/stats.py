@@ -86,6 +86,10 @@ def run_stats(agent: Any, trajectories: Sequence[Any] | None = None) -> dict[str
             if k + 1 < len(times):  # left the state: it has a duration
                 s["total_s"] += times[k + 1] - times[k]
                 timed[state] = timed.get(state, 0) + 1
+        for key, counts in (("retries", "state_retries"), ("catches", "state_catches")):
+            for state, count in (getattr(traj, "extra", None) or {}).get(counts, {}).items():
+                s = states.setdefault(state, {"visits": 0, "total_s": 0.0, "failed": 0})
+                s[key] = s.get(key, 0) + count
         _count_segments(traj, edges, states)
         n_segments = getattr(traj, "num_segments", 1)
         per_trajectory[n_segments] = per_trajectory.get(n_segments, 0) + 1

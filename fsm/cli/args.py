@@ -279,9 +279,10 @@ def command_line(commands: Mapping[str, Callable[[argparse.Namespace], int]]) ->
     p.add_argument(
         "--max-error-rate",
         type=float_in(0.0, 1.0),
-        default=0.5,
+        default=None,
         metavar="RATE",
-        help="exit 1 when more than this share of rows end in error (the outputs are written anyway)",
+        help="exit 1 when more than this share of rows end in error (the outputs are written anyway); "
+        "overrides the spec's failures.max_error_rate (default 0.5)",
     )
     p.add_argument(
         "--otlp", metavar="URL", help="export spans to an OTLP/HTTP endpoint (Jaeger :4318, Phoenix :6006)"

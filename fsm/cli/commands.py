@@ -528,21 +528,32 @@ def _run_locked(
     if stopped is not None:
         raise stopped
     failed = [t.error or t.termination_reason for t in run.trajs if t.failed]
-    if len(failed) / len(run.trajs) > args.max_error_rate:
+    rate, budget = error_budget(args.max_error_rate, run.engine.agent.spec.failures.max_error_rate)
+    if len(failed) / len(run.trajs) > rate:
         common = " ".join(most_common_cause(failed)[0].split())  # names the server, row or tool
         common = common if len(common) <= 200 else common[:199] + "…"
         raise CLIError(
             f"{len(failed)} of {len(run.trajs)} rows ended in error ({len(failed) / len(run.trajs):.0%}), "
-            f"more than --max-error-rate {args.max_error_rate:g}; the most common: {common}; "
+            f"more than {budget} {rate:g}; the most common: {common}; "
             f"see {out}/summary.json"
         )
     if (differ := token_check_failures(run.trajs, out)) is not None:
         warn(differ)
     if (every := every_row_failed(run.trajs, out)) is not None:
-        if args.max_error_rate < 1.0:
+        if rate < 1.0:
             raise CLIError(every)
         warn(every)
     return 0
+
+
+def error_budget(flag: float | None, spec: float | None) -> tuple[float, str]:
+    """The run's failure budget and where it came from: --max-error-rate overrides the spec's
+    failures.max_error_rate; neither: 0.5."""
+    if flag is not None:
+        return flag, "--max-error-rate"
+    if spec is not None:
+        return spec, "the spec's failures.max_error_rate"
+    return 0.5, "--max-error-rate"
 
 
 # --- render / show -------------------------------------------------------------------------------------

@@ -70,9 +70,16 @@ def _place(out: np.ndarray, seqs: Sequence[np.ndarray], fill: float, left: bool)
 REWARD_PLACEMENTS = ("last", "every")
 
 
+def dropped(traj: Trajectory) -> bool:
+    """A failed row left out of the batch (the spec's `on_error: drop`)."""
+    return traj.error is not None and traj.extra.get("on_error") == "drop"
+
+
 def segment_rows(trajs: Sequence[Trajectory]) -> tuple[list[Any], list[Trajectory], list[int]]:
     """(rows, the trajectory of each row, each row's segment index): the trajectories themselves when none
-    was rewritten (nothing built), else every segment of each in order."""
+    was rewritten (nothing built), else every segment of each in order. A failed row the spec's
+    `failures.on_error: drop` names is left out (`dropped` counts and names it)."""
+    trajs = [t for t in trajs if not dropped(t)]
     if not any(t.closed for t in trajs):
         return list(trajs), list(trajs), [0] * len(trajs)
     rows, owners, index = [], [], []
@@ -255,6 +262,8 @@ def summarize(trajs: Sequence[Trajectory]) -> dict[str, Any]:
     return {
         "trajectories": len(trajs),
         "failed": sum(t.failed for t in trajs),
+        "dropped": sum(dropped(t) for t in trajs),  # failed rows left out of the batch (on_error: drop)
+        "dropped_rows": [t.row_name for t in trajs if dropped(t)],
         "termination_reasons": dict(sorted(reasons.items(), key=lambda kv: -kv[1])),
         "reward_mean": float(np.mean(scores)) if scores else None,
         "accuracy": float(np.mean([s > 0 for s in scores])) if scores else None,
@@ -312,6 +321,12 @@ def to_batch(
     (then, as verl's AgentLoopManager returns it: per-sample `metrics` popped, `reward_extra_keys` added).
     `meta`: the input's meta_info (e.g. verl's `global_steps`), carried to the output under agentfsm's keys."""
     limits = agent.limits
+    if like is not None and is_dataproto(like) and any(dropped(t) for t in trajs):
+        names = [t.row_name for t in trajs if dropped(t)]
+        raise ValueError(
+            f"failures.on_error: drop left out rows {names}, but verl's generate_sequences must return one row "
+            "per input (it unions the output with its batch): use on_error: mask or zero_reward under verl"
+        )
     out = collate(
         trajs,
         prompt_length=limits.prompt_length,

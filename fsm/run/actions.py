@@ -19,6 +19,7 @@ from backends.base import BackendTimeout, GenerateRequest, GenerationAborted
 from fsm.data.rows import RowError, encodable, prompt_messages
 from fsm.families.codec import UnknownRole
 from fsm.run.context import RunContext
+from fsm.run.failures import StateFailure
 from fsm.run.policy import sync_template
 from fsm.run.trajectory import Trajectory, first_segment
 
@@ -258,6 +259,13 @@ async def _call_tools(ctx: RunContext, traj: Trajectory, calls: list[Any]) -> No
         )
     traj.metrics.tool_calls += time.perf_counter() - t0
     traj.metrics.num_tool_calls += len(run)
+    named = ctx.agent.tool_rules.get(traj.state)
+    if named:  # the state's retry/catch names these errors: they fail the round instead of being observations
+        for outcome in outcomes:
+            if outcome.error in named:
+                traj.metrics.tool_errors += 1
+                traj.metrics.retries += max(outcome.attempts - 1, 0)
+                raise StateFailure(f"tool.{outcome.error}", outcome.text)
     answers: list[dict[str, Any]] = []
     for outcome in outcomes:
         for what, value in (("reward", outcome.reward), ("calc_reward score", outcome.score)):
@@ -335,9 +343,29 @@ async def interact(ctx: RunContext, traj: Trajectory) -> None:
         traj.user_turns += 1
 
 
+async def observe_error(ctx: RunContext, traj: Trajectory) -> None:
+    """After a catch (fsm/run/failures.py): the model reads what failed. Each call of a failed tool round gets
+    the error as its tool message; any other failure comes as a user message."""
+    caught = traj.extra.get("caught")
+    if caught is None:
+        raise RowError(
+            f"observe_error in {traj.state} with no caught failure: reach it through a state's catch"
+        )
+    message = str(caught["message"])
+    text = message if message.startswith("Error") else f"Error: {message}"
+    calls, traj.pending_calls = traj.pending_calls, []
+    if calls:
+        messages, role = [_tool_message(text, call.id) for call in calls], "tool"
+    else:
+        messages, role = [{"role": "user", "content": text}], "user"
+    if ctx.add_observation(traj, messages, role=role):
+        traj.user_turns += 1
+
+
 BUILTIN_ACTIONS: dict[str, Callable[[RunContext, Trajectory], Awaitable[None]]] = {
     "encode_prompt": encode_prompt,
     "generate": generate,
     "call_tools": call_tools,
     "interact": interact,
+    "observe_error": observe_error,
 }

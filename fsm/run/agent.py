@@ -16,6 +16,7 @@ from typing import Any
 
 from transitions import Machine, Transition
 
+from fsm.spec.failures import ERRORS, matches, without_default_failures
 from fsm.spec.guards import Predicate
 from fsm.spec.loader import LoadedSpec
 from fsm.spec.model import AgentSpec
@@ -24,7 +25,7 @@ from fsm.tools.base import ToolSet
 TRIGGER = "advance"
 # Built-in actions that start no spans of their own (only model and tool spans); every other action runs
 # user code (a user action, or `interact` calling the user's interaction).
-SPANLESS_ACTIONS = frozenset({"encode_prompt", "generate", "call_tools"})
+SPANLESS_ACTIONS = frozenset({"encode_prompt", "generate", "call_tools", "observe_error"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +38,7 @@ class Edge:
     guard: Predicate | None
     label: str  # the guard as written, or "default"
     reason: str | None
+    catch: tuple[str, ...] | None = None  # a state's `catch:` rule (the errors it names), not a guarded edge
 
 
 class _LeanTransition(Transition):
@@ -93,9 +95,26 @@ class CompiledAgent:
         self.final_states = frozenset(spec.final_states)
         self.edges = edges
         self.edges_from: dict[str, tuple[Edge, ...]] = {
-            s: tuple(e for e in edges if e.source == s) for s in spec.states
+            s: tuple(e for e in edges if e.source == s and e.catch is None) for s in spec.states
+        }
+        # Catch rules, in declared order: taken by fsm.run.failures when the action fails, never by `advance`.
+        self.catches: dict[str, tuple[Edge, ...]] = {
+            s: tuple(e for e in edges if e.source == s and e.catch is not None) for s in spec.states
         }
         self.actions = actions
+        # States with failure rules (run by fsm.run.failures.run_state), and the tool errors each one's rules
+        # name (CallOutcome.error values that then raise instead of being observations).
+        self.ruled = frozenset(
+            n for n, st in spec.states.items() if st.retry or st.catch or st.timeout_s or st.heartbeat_s
+        )
+        self.tool_rules: dict[str, frozenset[str]] = {
+            n: frozenset(
+                e.removeprefix("tool.")
+                for e in ERRORS
+                if e.startswith("tool.") and any(matches(r.errors, e) for r in (*st.retry, *st.catch))
+            )
+            for n, st in spec.states.items()
+        }
         # States whose action runs user code, which may start spans of its own: telemetry makes their
         # state span current.
         self.user_code_states = frozenset(
@@ -105,7 +124,9 @@ class CompiledAgent:
         self.interaction_cls = interaction_cls
         self.reward = reward
         self.hash = hashlib.sha256(
-            json.dumps(spec.model_dump(mode="json", by_alias=True), sort_keys=True).encode()
+            json.dumps(
+                without_default_failures(spec.model_dump(mode="json", by_alias=True)), sort_keys=True
+            ).encode()
         ).hexdigest()[:12]
         self.machine = _SharedMachine(
             model=None,
@@ -114,7 +135,7 @@ class CompiledAgent:
             auto_transitions=False,
             send_event=False,
         )
-        for edge in edges:
+        for edge in (e for e in edges if e.catch is None):
             self.machine.add_transition(TRIGGER, edge.source, edge.dest)
             self.machine.events[TRIGGER].transitions[edge.source][-1].edge = edge
         # The machine's own per-state transition lists, in declared order. `advance` walks them directly:

@@ -22,6 +22,7 @@ from fsm.run.actions import BUILTIN_ACTIONS
 from fsm.run.agent import REWARD_EXTRAS, CompiledAgent, Edge, Reward
 from fsm.run.interaction import REQUIRED_METHODS
 from fsm.run.rewrites import make_rewrite, rewrite_loops
+from fsm.spec.failures import check_failures
 from fsm.spec.guards import GuardError, compile_guard
 from fsm.spec.loader import Diagnostic, LoadedSpec, SpecError, load_spec
 from fsm.spec.model import AgentSpec
@@ -123,6 +124,9 @@ class _Compiler:
                 self.error(exc.code, str(exc), "imports", i, key=False)
         self._check_limits()
         self._check_graph()
+        self.diags += check_failures(
+            self.spec, lambda code, message, *loc, key=True: self._diagnostic(code, message, loc, key)
+        )
         edges = self._edges()
         actions = self._actions()
         tools = self._tools()
@@ -237,17 +241,18 @@ class _Compiler:
                         "next",
                         i,
                     )
-        reachable = _reach(spec.initial, {s: [t.to for t in st.next] for s, st in states.items()})
+        flow = {s: [t.to for t in st.next] + [c.to for c in st.catch] for s, st in states.items()}
+        reachable = _reach(spec.initial, flow)
         for name in states:
             if name not in reachable and spec.initial in states:
                 self.error(
                     "unreachable", f"state {name} cannot be reached from {spec.initial}", "states", name
                 )
         reverse: dict[str, list[str]] = {s: [] for s in states}
-        for s, st in states.items():
-            for t in st.next:
-                if t.to in reverse:
-                    reverse[t.to].append(s)
+        for s in states:
+            for dest in flow[s]:
+                if dest in reverse:
+                    reverse[dest].append(s)
         can_finish = (
             set().union(*(_reach(f, reverse) for f in spec.final_states)) if spec.final_states else set()
         )
@@ -304,6 +309,10 @@ class _Compiler:
                         if not (exc.code == "unknown-guard" and self.static and self.spec.imports):
                             self.error(exc.code, msg, "states", name, "next", i, "when", key=False)
                 edges.append(Edge(len(edges), name, t.to, guard, label, t.reason))
+        for name, st in self.spec.states.items():  # after every guarded edge: their indices stay as they were
+            for c in st.catch:
+                label = f"catch {', '.join(c.errors)}"
+                edges.append(Edge(len(edges), name, c.to, None, label, c.reason, tuple(c.errors)))
         return edges
 
     def _actions(self) -> dict[str, Any]:

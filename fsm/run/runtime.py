@@ -31,6 +31,7 @@ from fsm.families import Codec, codec_for
 from fsm.run import loopwatch
 from fsm.run.agent import CompiledAgent
 from fsm.run.context import TRACED, PauseGate, RunContext, Sampling
+from fsm.run.failures import run_state
 from fsm.run.interaction import call_lifecycle
 from fsm.run.policy import check_segments
 from fsm.run.signals import signals_wake_the_loop
@@ -220,12 +221,15 @@ class Runner:
                     )  # a cycle of actions that never await still lets Ctrl-C and others in
                 source = traj.state
                 try:
-                    if timeout is None:
+                    if source in agent.ruled:  # retry, catch, timeout_s, heartbeat_s: fsm/run/failures.py
+                        edge = await run_state(agent, source, ctx, traj, timeout) or agent.advance(traj)
+                    elif timeout is None:
                         await agent.actions[source](ctx, traj)
+                        edge = agent.advance(traj)
                     else:
                         async with asyncio.timeout(timeout):
                             await agent.actions[source](ctx, traj)
-                    edge = agent.advance(traj)
+                        edge = agent.advance(traj)
                 except BaseException as exc:
                     if root is not None:
                         root.state_failed(exc)
@@ -237,26 +241,27 @@ class Runner:
             task = asyncio.current_task()
             if task is None or task.cancelling():
                 raise  # the run itself is being cancelled: not this trajectory's failure
-            traj.fail(
+            self._fail(
+                traj,
                 f"CancelledError raised in {traj.state} by the action, not by a cancellation of the run"
-                f"{': ' + str(exc) if str(exc) else ''}"
+                f"{': ' + str(exc) if str(exc) else ''}",
             )
         except RowError as exc:
-            traj.fail(str(exc))
+            self._fail(traj, str(exc))
         except GenerationAborted as exc:
-            traj.fail(f"aborted: {exc}")
+            self._fail(traj, f"aborted: {exc}")
         except BackendTimeout as exc:
-            traj.fail(f"timeout: {exc}")
+            self._fail(traj, f"timeout: {exc}")
         except BackendError as exc:
-            traj.fail(f"backend: {exc}")
+            self._fail(traj, f"backend: {exc}")
         except TimeoutError:
-            traj.fail(f"timeout: action of {traj.state} exceeded {agent.limits.action_timeout_s}s")
+            self._fail(traj, f"timeout: action of {traj.state} exceeded {agent.limits.action_timeout_s}s")
         except Exception as exc:  # a user action or guard bug ends this trajectory only
-            traj.fail(f"{type(exc).__name__} in {traj.state}: {exc}")
+            self._fail(traj, f"{type(exc).__name__} in {traj.state}: {exc}")
         except KeyboardInterrupt:
             raise  # a real Ctrl-C cannot be told from a raised one; swallowing it would keep the run going
         except BaseException as exc:  # SystemExit, GeneratorExit... from user code: this trajectory only
-            traj.fail(f"{type(exc).__name__} in {traj.state}: {exc}")
+            self._fail(traj, f"{type(exc).__name__} in {traj.state}: {exc}")
         finally:
             self.live.pop(traj.session_id, None)
             self.driving.pop(task, None)  # type: ignore[arg-type]
@@ -269,6 +274,16 @@ class Runner:
                     root.finish()
                 if traced is not None:
                     TRACED.reset(traced)
+
+    def _fail(self, traj: Trajectory, reason: str) -> None:
+        """End `traj` as failed in its state, as the spec's `on_error` says (fsm/spec/failures.py): mask (an
+        empty response), zero_reward (its tokens kept; scored 0 as any failed row), drop (masked, and left
+        out of the batch by fsm/output/batch.py)."""
+        st = self.agent.spec.states.get(traj.state)
+        mode = (st.on_error if st is not None else None) or self.agent.spec.failures.on_error
+        traj.fail(reason, keep_tokens=mode == "zero_reward")
+        if mode != "mask":
+            traj.extra["on_error"] = mode
 
     async def _finish(self, ctx: RunContext, traj: Trajectory) -> None:
         """Release the session, close the interaction, score, and (optionally) check the tokens."""

@@ -237,6 +237,7 @@ class Trajectory:
         "assistant_turns",
         "user_turns",
         "pending_calls",
+        "heartbeat_at",
         "last_finish_reason",
         "should_terminate",
         "observation_overflow",
@@ -286,6 +287,7 @@ class Trajectory:
         self.assistant_turns = 0
         self.user_turns = 0
         self.pending_calls: list[ToolCall] = []
+        self.heartbeat_at = 0.0  # time.monotonic() of the last tool heartbeat (a state's heartbeat_s)
         self.last_finish_reason: str | None = None
         self.should_terminate = False
         self.observation_overflow = False
@@ -506,12 +508,15 @@ class Trajectory:
     def failed(self) -> bool:
         return self.error is not None
 
-    def fail(self, reason: str) -> None:
-        """Record a failure: the row keeps its place in the batch with an empty response and mask 0. The reason
-        may quote a server or a tool, so it is made encodable (fsm/data/rows.py) before it reaches any output."""
+    def fail(self, reason: str, keep_tokens: bool = False) -> None:
+        """Record a failure: the row keeps its place in the batch with an empty response and mask 0 (with
+        `keep_tokens`, the spec's `on_error: zero_reward`, with the tokens it had). The reason may quote a
+        server or a tool, so it is made encodable (fsm/data/rows.py) before it reaches any output."""
         reason = encodable(reason)
         self.error = reason
         self.termination_reason = reason if reason.startswith("error:") else f"error: {reason}"
+        if keep_tokens:
+            return
         del self.response_ids[:], self.response_mask[:], self.response_logprobs[:], self._version_runs[:]
         self.runs.clear()
         self.closed, self.segment_start = (), _FIRST  # one row: the failed one

@@ -20,6 +20,8 @@ from pydantic import (
     model_validator,
 )
 
+from fsm.spec.failures import FailuresSpec, StateFailures
+
 STANDARD_STATES = ("PENDING", "GENERATING", "PROCESSING_TOOLS", "INTERACTING", "TERMINATED")
 DEFAULT_TOOL_WORKERS = 8  # ToolSpec.workers
 
@@ -47,7 +49,7 @@ class TransitionSpec(_Strict):
     )
 
 
-class StateSpec(_Strict):
+class StateSpec(StateFailures):  # retry, catch, timeout_s, heartbeat_s, on_error: fsm/spec/failures.py
     action: str | None = Field(
         default=None,
         description="encode_prompt | generate | call_tools | interact | a registered name | module:function.",
@@ -455,6 +457,10 @@ class AgentSpec(_Strict):
     )
     trust: TrustSpec = Field(
         default_factory=TrustSpec, description="Opt-ins to what agentfsm refuses by default."
+    )
+    failures: FailuresSpec = Field(
+        default_factory=FailuresSpec,
+        description="What a failed row becomes and the run's failure budget (per-state rules: retry, catch).",
     )
 
     @property

@@ -73,5 +73,15 @@ MODEL_TOKENS = "agentfsm.tokens.model"
 ROUTE = "agentfsm.route"  # how a router placed the call: sticky | new | group | moved
 WEIGHT_VERSION = "agentfsm.weight_version"
 TOOL_ATTEMPTS = "agentfsm.tool.attempts"
+# A state's declared failure rules (fsm/spec/failures.py): a catch edge's errors; on the root, the retries and
+# catches of the trajectory, and one event per handled failure ("agentfsm.retry" / "agentfsm.catch").
+CATCH_ERRORS = "fsm.catch.errors"
+RETRIES = "agentfsm.retries"
+CATCHES = "agentfsm.catches"
+FAILURE_STATE = "agentfsm.failure.state"
+FAILURE_ERROR = "agentfsm.failure.error"
+FAILURE_ATTEMPT = "agentfsm.failure.attempt"
+FAILURE_MESSAGE = "agentfsm.failure.message"
+FAILURE_TO = "agentfsm.failure.to"
 INPUT_TOKEN_IDS = "agentfsm.input_token_ids"  # opt-in content
 OUTPUT_TOKEN_IDS = "agentfsm.output_token_ids"  # opt-in content

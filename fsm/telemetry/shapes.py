@@ -18,6 +18,7 @@ from opentelemetry.trace import SpanKind
 
 from fsm.telemetry.semconv import (
     AGENT_HASH,
+    CATCH_ERRORS,
     ERROR,
     ERROR_TYPE,
     FSM_DEST,
@@ -346,6 +347,7 @@ class _Shapes:
                     FSM_EDGE: e.index,
                     FSM_REASON: e.reason,
                     OPENINFERENCE_SPAN_KIND: OI_CHAIN,
+                    **({CATCH_ERRORS: ",".join(e.catch)} if e.catch is not None else {}),
                 },
                 _EDGE_SLOTS,
             )

@@ -501,6 +501,20 @@ class _Root(_Span):
         )
         if error is not None:
             self._x().status = Status(StatusCode.ERROR, error)
+        handled = traj.extra.get("failures")
+        if handled:  # the state rules' retries and catches, as counts and one event each
+            self.set_attribute(semconv.RETRIES, sum(f["handled"] == "retry" for f in handled))
+            self.set_attribute(semconv.CATCHES, sum(f["handled"] == "catch" for f in handled))
+            for f in handled:
+                attrs = {
+                    semconv.FAILURE_STATE: f["state"],
+                    semconv.FAILURE_ERROR: f["error"],
+                    semconv.FAILURE_ATTEMPT: f["attempt"],
+                    semconv.FAILURE_MESSAGE: f["message"],
+                }
+                if "to" in f:
+                    attrs[semconv.FAILURE_TO] = f["to"]
+                self.add_event(f"agentfsm.{f['handled']}", attrs, f["at_ns"])
         versions = traj.weight_versions()
         if versions is not None:  # which weights made its tokens (several when updated mid-trajectory)
             self.set_attribute(semconv.WEIGHT_VERSION_MIN, versions[0])

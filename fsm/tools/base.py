@@ -257,6 +257,11 @@ class AgentData:
         self._messages = messages  # verl's view of the conversation; default: the trajectory's own
 
     extra_fields = property(lambda self: self._traj.extra_fields)
+
+    def heartbeat(self) -> None:
+        """The tool is alive: a state with `heartbeat_s` fails a call that stops calling this (any thread)."""
+        self._traj.heartbeat_at = time.monotonic()
+
     request_id = property(lambda self: self._traj.session_id)
     tools_kwargs = property(lambda self: self._traj.tools_kwargs)
     messages = property(lambda self: self._messages() if self._messages else self._traj.messages)

@@ -1,0 +1,174 @@
+"""A state's action under its declared failure rules (fsm/spec/failures.py): timeout, heartbeat, retry, catch.
+
+The driver (fsm/run/runtime.py) runs a state with rules through `run_state`; a state without any keeps the
+driver's own two lines, so existing specs run exactly as before. A failure is named as the driver names it
+when it ends a row (`classify`), so a rule's `errors:` and a row's `error: ...` reason speak one vocabulary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from backends.base import BackendError, BackendTimeout, GenerationAborted
+from backends.retry import RetryPolicy
+from fsm.data.rows import RowError
+from fsm.run.agent import CompiledAgent, Edge
+from fsm.spec.failures import StateRetry, matches
+from fsm.tools.isolation import ToolCrashed
+
+
+class StateFailure(Exception):
+    """A failure a state's rules name, raised where no exception existed before: a tool error that a retry or
+    catch names (otherwise an observation) and a missed heartbeat."""
+
+    def __init__(self, error: str, message: str):
+        super().__init__(message)
+        self.error = error
+
+
+def classify(exc: BaseException) -> str | None:
+    """The error name of `exc` (fsm.spec.failures.ERRORS), None for what no rule may handle: a bad row or a
+    limit (RowError), and BaseExceptions (a cancellation, a Ctrl-C)."""
+    if isinstance(exc, StateFailure):
+        return exc.error
+    if isinstance(exc, RowError):
+        return None
+    if isinstance(exc, ToolCrashed):
+        return "tool.crashed"
+    if isinstance(exc, GenerationAborted):
+        return "backend.aborted"
+    if isinstance(exc, BackendTimeout):
+        return "backend.timeout"
+    if isinstance(exc, BackendError):
+        return "backend"
+    if isinstance(exc, TimeoutError):
+        return "timeout"
+    if isinstance(exc, Exception):
+        return "error"
+    return None
+
+
+def tool_errors(agent: CompiledAgent, state: str) -> frozenset[str]:
+    """The tool errors (CallOutcome.error values) that `state`'s rules name: these raise instead of being
+    observations."""
+    return agent.tool_rules.get(state, frozenset())
+
+
+def _policy(rule: StateRetry) -> RetryPolicy:
+    return RetryPolicy(
+        attempts=rule.max_attempts,
+        backoff_s=rule.backoff_s,
+        multiplier=rule.multiplier,
+        backoff_max_s=rule.backoff_max_s,
+        jitter=rule.jitter,
+    )
+
+
+async def _watched(action: Awaitable[None], traj: Any, heartbeat_s: float, state: str) -> None:
+    """`action` cancelled when no heartbeat came for `heartbeat_s` (the start counts as one)."""
+    traj.heartbeat_at = time.monotonic()
+    task = asyncio.ensure_future(action)
+    try:
+        while True:
+            left = traj.heartbeat_at + heartbeat_s - time.monotonic()
+            if left <= 0:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                raise StateFailure(
+                    "heartbeat", f"no heartbeat from the tools of {state} for {heartbeat_s:g}s (heartbeat_s)"
+                )
+            done, _ = await asyncio.wait({task}, timeout=left)
+            if done:
+                return task.result()
+    finally:
+        if not task.done():  # our own cancellation: the action goes with it
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+async def _attempt(
+    action: Callable[[Any, Any], Awaitable[None]], ctx: Any, traj: Any, state: str, timeout: float | None
+) -> None:
+    st = ctx.agent.spec.states[state]
+    call = action(ctx, traj)
+    if st.heartbeat_s is not None:
+        call = _watched(call, traj, st.heartbeat_s, state)
+    if timeout is None:
+        await call
+    else:
+        async with asyncio.timeout(timeout):
+            await call
+
+
+def _log(
+    traj: Any, what: str, state: str, error: str, message: str, attempt: int, to: str | None = None
+) -> None:
+    """One handled failure in `extra.failures`, in order: the telemetry's span events (fsm/telemetry/spans.py)
+    and the trajectory record read it."""
+    entry = {"handled": what, "state": state, "error": error, "attempt": attempt, "message": message[:500]}
+    if to is not None:
+        entry["to"] = to
+    entry["at_ns"] = time.time_ns()
+    traj.extra.setdefault("failures", []).append(entry)
+
+
+async def run_state(
+    agent: CompiledAgent, state: str, ctx: Any, traj: Any, action_timeout: float | None
+) -> Edge | None:
+    """Run `state`'s action under its rules: None when it succeeded (the driver picks the edge), the catch
+    edge to take when a caught failure ended it. A failure no rule handles raises, as without rules."""
+    st = agent.spec.states[state]
+    limits = [t for t in (st.timeout_s, action_timeout) if t is not None]
+    timeout = min(limits) if limits else None
+    action = agent.actions[state]
+    pending = list(getattr(traj, "pending_calls", []) or [])  # a retried tool round answers the same calls
+    attempts: dict[int, int] = {}  # retry rule -> attempts so far
+    while True:
+        try:
+            await _attempt(action, ctx, traj, state, timeout)
+            return None
+        except Exception as exc:
+            error = classify(exc)
+            if error is None:
+                raise
+            message = str(exc) or type(exc).__name__
+            if isinstance(exc, TimeoutError) and st.timeout_s is not None and timeout == st.timeout_s:
+                message = f"action of {state} exceeded timeout_s {st.timeout_s:g}s"
+            k = next((i for i, r in enumerate(st.retry) if matches(r.errors, error)), None)
+            if k is not None:
+                n = attempts[k] = attempts.get(k, 1)
+                if n < st.retry[k].max_attempts:
+                    attempts[k] = n + 1
+                    retries = traj.extra.setdefault("state_retries", {})
+                    retries[state] = retries.get(state, 0) + 1
+                    _log(traj, "retry", state, error, message, n)
+                    traj.pending_calls = list(pending)
+                    await asyncio.sleep(_policy(st.retry[k]).delay(n))
+                    continue
+            for edge in agent.catches.get(state, ()):
+                if edge.catch is not None and matches(list(edge.catch), error):
+                    traj.extra["caught"] = {"state": state, "error": error, "message": message}
+                    catches = traj.extra.setdefault("state_catches", {})
+                    catches[state] = catches.get(state, 0) + 1
+                    _log(
+                        traj,
+                        "catch",
+                        state,
+                        error,
+                        message,
+                        attempts.get(k, 1) if k is not None else 1,
+                        edge.dest,
+                    )
+                    traj.pending_calls = list(pending)  # a failed tool round: observe_error answers each call
+                    return edge
+            if isinstance(exc, StateFailure):  # named by a rule that is now spent: the row ends as it says
+                raise RowError(f"{error} in {state}: {message}") from None
+            if error == "timeout" and timeout == st.timeout_s:
+                raise RowError(f"timeout: {message}") from None
+            raise

@@ -1,0 +1,221 @@
+"""Failures declared per state, in Step Functions' vocabulary: `retry`, `catch`, `timeout_s`, `heartbeat_s`,
+what a failed row becomes (`on_error`) and the run's failure budget (`failures.max_error_rate`).
+
+The error names are the ones the engine already gives failures (docs/errors.md): a tool call's
+`CallOutcome.error` under `tool.`, and the classes `fsm.run.runtime` turns into `error: ...` reasons. A name
+matches itself and every name below it (`tool` matches `tool.timeout`); `all` matches every error.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# name -> what it is. Tool names are CallOutcome.error values (fsm/tools/base.py), which are observations
+# unless a state's retry or catch names them; the others end the row today unless caught.
+ERRORS: dict[str, str] = {
+    "tool.timeout": "a tool call ran past its timeout_s",
+    "tool.exception": "a tool raised an exception",
+    "tool.malformed_call": "the model's tool call could not be parsed (a parse error)",
+    "tool.bad_arguments": "the call's arguments do not match the tool's schema",
+    "tool.unknown_tool": "the model called a tool that does not exist",
+    "tool.crashed": "a tool raised a BaseException or its worker process died",
+    "heartbeat": "the state's tools sent no heartbeat within heartbeat_s",
+    "timeout": "the state's action ran past timeout_s (or limits.action_timeout_s)",
+    "backend": "a server error left after the client's retries and failover (BackendError)",
+    "backend.timeout": "a server request past its deadline on every server (BackendTimeout)",
+    "backend.aborted": "a model turn aborted past limits.max_resumes (GenerationAborted)",
+    "error": "any other exception raised by the state's action (a user action's bug)",
+}
+WILDCARD = "all"
+MAX_ATTEMPTS = 10  # per retry rule: more is a typo or an outage a catch should handle
+
+
+def known_error(name: str) -> bool:
+    """A name `errors:` may hold: an error, a prefix of some (`tool`), or the wildcard."""
+    return name == WILDCARD or any(e == name or e.startswith(name + ".") for e in ERRORS)
+
+
+def matches(names: list[str], error: str) -> bool:
+    """Whether a rule naming `names` applies to `error`."""
+    return any(n == WILDCARD or error == n or error.startswith(n + ".") for n in names)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class StateRetry(_Strict):
+    """One retry rule of a state: the action runs again after a failure it names (Step Functions' Retrier)."""
+
+    errors: list[str] = Field(min_length=1, description=f"Error names, or {WILDCARD!r}: {', '.join(ERRORS)}.")
+    max_attempts: int = Field(
+        default=3,
+        ge=1,
+        le=MAX_ATTEMPTS,
+        description="Attempts of the action for these errors, the first included (1 never retries).",
+    )
+    backoff_s: float = Field(default=1.0, ge=0, le=3600, description="Wait before the second attempt.")
+    multiplier: float = Field(
+        default=2.0, ge=1, le=10, description="Each later wait is this many times longer."
+    )
+    backoff_max_s: float = Field(default=30.0, ge=0, le=3600, description="No wait is longer than this.")
+    jitter: float = Field(
+        default=0.2,
+        ge=0,
+        le=1,
+        description="Each wait is scaled by a uniform factor in [1-jitter, 1+jitter].",
+    )
+
+
+class StateCatch(_Strict):
+    """One catch rule of a state: a failure it names (after the retries) moves the row to `to` instead of
+    ending it; the failure is in `extra.caught`, and the built-in `observe_error` action shows it the model."""
+
+    errors: list[str] = Field(min_length=1, description=f"Error names, or {WILDCARD!r}.")
+    to: str = Field(description="The state the row goes to.")
+    reason: str | None = Field(default=None, description="Recorded as termination_reason, as an edge's.")
+
+
+OnError = Literal["mask", "drop", "zero_reward"]
+
+
+class StateFailures(_Strict):
+    """The failure fields a state may declare (StateSpec inherits them)."""
+
+    retry: list[StateRetry] = Field(
+        default_factory=list, description="Retry rules, tried in order; the first naming the error applies."
+    )
+    catch: list[StateCatch] = Field(
+        default_factory=list, description="Catch rules, tried in order after the retries are spent."
+    )
+    timeout_s: float | None = Field(
+        default=None,
+        gt=0,
+        le=7 * 24 * 3600.0,
+        description="Wall-clock limit of this state's action, per attempt (error `timeout`).",
+    )
+    heartbeat_s: float | None = Field(
+        default=None,
+        gt=0,
+        le=24 * 3600.0,
+        description="A tool of this state must call agent_data.heartbeat() at least this often (the call's "
+        "start counts as one); past it the action is cancelled (error `heartbeat`).",
+    )
+    on_error: OnError | None = Field(
+        default=None, description="What a row that fails in this state becomes; default: failures.on_error."
+    )
+
+
+class FailuresSpec(_Strict):
+    """The run's failure policy (top-level `failures:`)."""
+
+    on_error: OnError = Field(
+        default="mask",
+        description="A failed row: mask (kept, empty response, response_mask 0: today's), drop (left out of the "
+        "batch, counted and named in the summary), zero_reward (kept with the tokens it had, reward 0).",
+    )
+    max_error_rate: float | None = Field(
+        default=None,
+        ge=0,
+        le=1,
+        description="`agentfsm run` exits 1 when more than this share of rows failed; --max-error-rate "
+        "overrides it; default 0.5.",
+    )
+
+
+def catch_loop(states: dict[str, Any], source: str, dest: str) -> list[str] | None:
+    """The path by which a catch from `source` to `dest` comes back to `source` with no guard deciding on the
+    way (each state's first edge unguarded, so it always fires), or None. Such a catch retries forever."""
+    path, here = [source, dest], dest
+    while here != source:
+        st = states.get(here)
+        if st is None or st.final or not st.next or st.next[0].when is not None or here in path[1:-1]:
+            return None
+        here = st.next[0].to
+        path.append(here)
+    return path
+
+
+def check_failures(spec: Any, diagnostic: Callable[..., Any]) -> list[Any]:
+    """Diagnostics for the states' failure rules: unknown states and error names, rules on final states,
+    catches that loop with no guard. `diagnostic(code, message, *loc, key=)` positions one."""
+    diags, states = [], spec.states
+    for name, st in states.items():
+        if st.final and (st.retry or st.catch or st.timeout_s or st.heartbeat_s or st.on_error):
+            diags.append(
+                diagnostic(
+                    "final-failures",
+                    f"final state {name} runs no action: it has nothing to retry, catch or time out",
+                    "states",
+                    name,
+                )
+            )
+        for kind, rules in (("retry", st.retry), ("catch", st.catch)):
+            for i, rule in enumerate(rules):
+                for j, error in enumerate(rule.errors):
+                    if not known_error(error):
+                        hint = difflib.get_close_matches(error, [*ERRORS, WILDCARD], n=1)
+                        diags.append(
+                            diagnostic(
+                                "unknown-error",
+                                f"unknown error name {error!r}"
+                                + (f" (did you mean {hint[0]!r}?)" if hint else "")
+                                + f"; known: {', '.join(ERRORS)}, {WILDCARD}",
+                                "states",
+                                name,
+                                kind,
+                                i,
+                                "errors",
+                                j,
+                                key=False,
+                            )
+                        )
+        for i, c in enumerate(st.catch):
+            if c.to not in states:
+                hint = difflib.get_close_matches(c.to, list(states), n=1)
+                diags.append(
+                    diagnostic(
+                        "unknown-state",
+                        f"catch to unknown state {c.to!r}"
+                        + (f" (did you mean {hint[0]!r}?)" if hint else ""),
+                        "states",
+                        name,
+                        "catch",
+                        i,
+                        "to",
+                        key=False,
+                    )
+                )
+            elif (loop := catch_loop(states, name, c.to)) is not None:
+                diags.append(
+                    diagnostic(
+                        "catch-loop",
+                        f"the catch of {name} to {c.to} comes back to {name} through unguarded edges only "
+                        f"({' -> '.join(loop)}): a failure that persists loops until limits.max_transitions; "
+                        "guard an edge on the way (e.g. max_assistant_turns) or catch to a final state",
+                        "states",
+                        name,
+                        "catch",
+                        i,
+                        "to",
+                        key=False,
+                    )
+                )
+    return diags
+
+
+def without_default_failures(dump: dict[str, Any]) -> dict[str, Any]:
+    """A spec's dump without the failure fields left at their defaults, so a spec that declares none hashes
+    as it did before they existed (run directories and snapshots name their spec by that hash)."""
+    defaults = StateFailures().model_dump(mode="json")
+    for st in dump.get("states", {}).values():
+        for key, value in defaults.items():
+            if st.get(key) == value:
+                st.pop(key, None)
+    if dump.get("failures") == FailuresSpec().model_dump(mode="json"):
+        dump.pop("failures")
+    return dump

@@ -1,0 +1,373 @@
+"""Failures declared per state (fsm/spec/failures.py, fsm/run/failures.py): retry, catch, timeout_s,
+heartbeat_s and on_error, with real failures: a tool that raises, one that hangs, one that stops heartbeating.
+Each test checks the rows exactly: the path, the observation the model reads, masks and rewards."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fsm.output.batch import collate, summarize
+from tests.conftest import model_turn, observation_texts, run_agent, scripted, tool_turn, user_row
+from tests.fixtures import flaky
+
+FLAKY = "tests.fixtures.flaky"
+
+
+@pytest.fixture(autouse=True)
+def fresh_tools():
+    flaky.reset()
+    yield
+    flaky.RELEASE.set()
+
+
+def spec(processing: str, extra_states: str = "", top: str = "") -> str:
+    """tool_agent with the flaky tools, PROCESSING_TOOLS' failure rules, and a TOOL_DOWN state that tells the
+    model what failed and lets it answer."""
+    return f"""
+        name: failing
+        extends: {{specs}}/tool_agent.yaml
+        tools:
+          - function: {FLAKY}:flaky
+          - function: {FLAKY}:hang
+          - class: {FLAKY}:Heart
+            schema: {FLAKY}:HEART_SCHEMA
+        reward:
+          function: {FLAKY}:one
+        {top}
+        states:
+          PROCESSING_TOOLS:
+{processing}
+{TOOL_DOWN if "catch:" in processing else ""}{extra_states}
+        """
+
+
+TOOL_DOWN = """\
+          TOOL_DOWN:
+            action: observe_error
+            next:
+              - to: GENERATING
+"""
+
+
+CATCH_EXCEPTION = """\
+            catch:
+              - errors: [tool.exception]
+                to: TOOL_DOWN
+"""
+
+
+def script(tok, tool: str = "flaky") -> list[list[int]]:
+    return [tool_turn(tok, (tool, {"text": "hi"})), model_turn(tok, "done")]
+
+
+async def test_a_caught_tool_error_goes_to_the_catch_state_and_the_model_reads_it(tok, compile_yaml):
+    flaky.reset(fail_first=10)
+    agent = compile_yaml(spec(CATCH_EXCEPTION))
+    [traj] = await run_agent(agent, scripted(script(tok)), tok, [user_row()])
+    assert traj.error is None and traj.termination_reason == "done"
+    assert traj.path == ["PENDING", "GENERATING", "PROCESSING_TOOLS", "TOOL_DOWN", "GENERATING", "TERMINATED"]
+    assert traj.extra["caught"] == {
+        "state": "PROCESSING_TOOLS",
+        "error": "tool.exception",
+        "message": "Error executing tool 'flaky': sandbox down (call 1)",
+    }
+    assert traj.extra["state_catches"] == {"PROCESSING_TOOLS": 1}
+    [seen] = observation_texts(tok, traj)
+    assert "<tool_response>\nError executing tool 'flaky': sandbox down (call 1)\n</tool_response>" in seen
+    assert [m["content"] for m in traj.messages if m["role"] == "tool"] == [
+        "Error executing tool 'flaky': sandbox down (call 1)"
+    ]
+    assert flaky.CALLS == {"flaky": 1}
+    catch_edge = agent.catches["PROCESSING_TOOLS"][0]
+    assert catch_edge.index in traj.transitions_fired and catch_edge.label == "catch tool.exception"
+    assert traj.reward_score == 1.0
+
+
+async def test_a_retried_tool_error_runs_the_round_again_until_it_answers(tok, compile_yaml):
+    processing = """\
+            retry:
+              - errors: [tool.exception]
+                max_attempts: 3
+                backoff_s: 0.01
+                jitter: 0
+"""
+    agent = compile_yaml(spec(processing))
+    [traj] = await run_agent(agent, scripted(script(tok)), tok, [user_row()])
+    assert traj.error is None and flaky.CALLS == {"flaky": 3}
+    assert traj.extra["state_retries"] == {"PROCESSING_TOOLS": 2}
+    assert [m["content"] for m in traj.messages if m["role"] == "tool"] == ["echo hi"]
+    assert traj.path == ["PENDING", "GENERATING", "PROCESSING_TOOLS", "GENERATING", "TERMINATED"]
+
+
+RETRY_ONCE = """\
+            retry:
+              - errors: [tool]
+                max_attempts: 2
+                backoff_s: 0
+"""
+
+
+@pytest.mark.parametrize("on_error", ["mask", "zero_reward", "drop"])
+async def test_retries_spent_with_no_catch_fail_the_row_as_on_error_says(tok, compile_yaml, on_error):
+    flaky.reset(fail_first=10)
+    agent = compile_yaml(spec(RETRY_ONCE, top=f"failures: {{on_error: {on_error}}}"))
+    rows = [user_row(uid="bad"), user_row(uid="good")]
+    backend = scripted({0: script(tok), 1: [model_turn(tok, "done")]})
+    bad, good = await run_agent(agent, backend, tok, rows)
+    assert flaky.CALLS == {"flaky": 2}
+    assert bad.termination_reason == (
+        "error: tool.exception in PROCESSING_TOOLS: Error executing tool 'flaky': sandbox down (call 2)"
+    )
+    assert bad.reward_score == 0.0 and good.reward_score == 1.0
+    turn = tool_turn(tok, ("flaky", {"text": "hi"}))
+    if on_error == "zero_reward":  # the model's turn kept, trained towards reward 0
+        assert bad.response_ids.tolist() == turn and list(bad.response_mask) == [1] * len(turn)
+    else:
+        assert bad.response_ids.tolist() == [] and list(bad.response_mask) == []
+    out = collate([bad, good], prompt_length=1024, response_length=1024, pad_token_id=tok.pad_token_id)
+    mask = out.batch["response_mask"]
+    summary = summarize([bad, good])
+    if on_error == "drop":
+        assert mask.shape[0] == 1 and list(out.non_tensor_batch["uid"]) == ["good"]
+        assert summary["dropped"] == 1 and summary["dropped_rows"] == ["bad"]
+    else:
+        assert mask.shape[0] == 2 and summary["dropped"] == 0
+        assert int(np.asarray(mask[0]).sum()) == (len(turn) if on_error == "zero_reward" else 0)
+        assert np.asarray(out.batch["rm_scores"][0]).sum() == 0.0
+
+
+async def test_a_state_timeout_caught_tells_the_model_the_tool_hung(tok, compile_yaml):
+    processing = """\
+            timeout_s: 0.3
+            catch:
+              - errors: [timeout]
+                to: TOOL_DOWN
+"""
+    agent = compile_yaml(spec(processing))
+    [traj] = await run_agent(agent, scripted(script(tok, "hang")), tok, [user_row()])
+    assert traj.error is None and traj.extra["caught"]["error"] == "timeout"
+    assert [m["content"] for m in traj.messages if m["role"] == "tool"] == [
+        "Error: action of PROCESSING_TOOLS exceeded timeout_s 0.3s"
+    ]
+
+
+async def test_a_state_timeout_uncaught_ends_the_row_naming_it(tok, compile_yaml):
+    agent = compile_yaml(spec("            timeout_s: 0.2\n"))
+    [traj] = await run_agent(agent, scripted(script(tok, "hang")), tok, [user_row()])
+    assert traj.termination_reason == "error: timeout: action of PROCESSING_TOOLS exceeded timeout_s 0.2s"
+
+
+def heart_spec(beats: int, quiet: bool) -> str:
+    processing = """\
+            heartbeat_s: 0.3
+            catch:
+              - errors: [heartbeat]
+                to: TOOL_DOWN
+"""
+    text = spec(processing)
+    return text.replace(
+        f"schema: {FLAKY}:HEART_SCHEMA",
+        f"schema: {FLAKY}:HEART_SCHEMA\n            config: {{beats: {beats}, every_s: 0.1, quiet: {str(quiet).lower()}}}",
+    )
+
+
+async def test_a_tool_that_stops_heartbeating_is_failed_after_the_interval(tok, compile_yaml):
+    agent = compile_yaml(heart_spec(beats=3, quiet=True))
+    [traj] = await run_agent(agent, scripted(script(tok, "heart")), tok, [user_row()])
+    assert traj.extra["caught"]["error"] == "heartbeat"
+    assert [m["content"] for m in traj.messages if m["role"] == "tool"] == [
+        "Error: no heartbeat from the tools of PROCESSING_TOOLS for 0.3s (heartbeat_s)"
+    ]
+
+
+async def test_a_tool_that_heartbeats_runs_past_the_interval(tok, compile_yaml):
+    agent = compile_yaml(heart_spec(beats=6, quiet=False))  # 0.6 s of work, a beat every 0.1 s
+    [traj] = await run_agent(agent, scripted(script(tok, "heart")), tok, [user_row()])
+    assert "caught" not in traj.extra and traj.error is None
+    assert [m["content"] for m in traj.messages if m["role"] == "tool"] == ["beat 6 times"]
+
+
+def test_a_spec_without_failure_rules_hashes_as_before(compile_yaml):
+    plain = compile_yaml(spec("            description: tools\n"), "a.yaml")
+    explicit = compile_yaml(
+        spec("            description: tools\n            retry: []\n", top="failures: {on_error: mask}"),
+        "b.yaml",
+    )
+    assert plain.hash == explicit.hash and not plain.ruled
+    ruled = compile_yaml(spec(CATCH_EXCEPTION), "c.yaml")
+    assert ruled.hash != plain.hash and ruled.ruled == {"PROCESSING_TOOLS"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("spec_rate", "flag", "code", "says"),
+    [
+        ("1.0", [], 0, "agentfsm: warning: all 2 rows failed"),
+        ("0.5", [], 1, "more than the spec's failures.max_error_rate 0.5"),
+        ("1.0", ["--max-error-rate", "0.5"], 1, "more than --max-error-rate 0.5"),
+    ],
+)
+def test_the_failure_budget_is_the_specs_unless_the_flag_overrides_it(
+    tmp_path, capsys, spec_rate, flag, code, says
+):
+    from fsm.cli.commands import main
+    from tests.test_cli import SPEC, _ThreadServer, run_argv
+
+    spec_path = tmp_path / "budget.yaml"
+    spec_path.write_text(f"name: budget\nextends: {SPEC}\nfailures:\n  max_error_rate: {spec_rate}\n")
+    server = _ThreadServer(scripted(lambda row, sample, turn, prompt: [999_999]))  # ids past the vocabulary
+    try:
+        argv = run_argv(
+            server.url, tmp_path / "out", "--num-prompts", "2", "-q", "--retry-window", "1", *flag
+        )
+        argv[1] = str(spec_path)
+        assert main(argv) == code
+    finally:
+        server.close()
+    assert says in capsys.readouterr().err
+
+
+async def test_render_run_shows_retries_and_catches_on_the_diagram(tok, compile_yaml):
+    from viz.diagram import diagram
+    from viz.stats import run_stats
+
+    flaky.reset(fail_first=10)
+    processing = RETRY_ONCE + CATCH_EXCEPTION.replace("tool.exception", "tool")
+    agent = compile_yaml(spec(processing))
+    trajs = await run_agent(agent, scripted(script(tok)), tok, [user_row(), user_row()])
+    assert [t.extra["state_retries"] for t in trajs] == [{"PROCESSING_TOOLS": 1}] * 2
+    stats = run_stats(agent, trajs)
+    assert stats["states"]["PROCESSING_TOOLS"]["retries"] == 2
+    assert stats["states"]["PROCESSING_TOOLS"]["catches"] == 2
+    catch = agent.catches["PROCESSING_TOOLS"][0]
+    assert stats["edges"][str(catch.index)]["count"] == 2
+    source = diagram(agent, stats).source
+    assert "retries: 2" in source and "caught: 2" in source
+    assert 'label="catch tool\n2× · 100%"' in source and "style=dotted" in source
+
+
+def generating_spec(attempts: int, catch: bool) -> str:
+    rules = f"""\
+            retry:
+              - errors: [backend]
+                max_attempts: {attempts}
+                backoff_s: 0.01
+"""
+    if catch:
+        rules += """\
+            catch:
+              - errors: [backend]
+                to: TERMINATED
+                reason: server_down
+"""
+    return f"""
+        name: flaky_server
+        extends: {{specs}}/tool_agent.yaml
+        reward:
+          function: {FLAKY}:one
+        states:
+          GENERATING:
+{rules}
+        """
+
+
+@pytest.mark.parametrize(("outages", "catch"), [(3, False), (6, True)])
+async def test_a_server_that_fails_n_times_then_answers_is_retried_by_the_state(
+    tok, compile_yaml, outages, catch
+):
+    """Real HTTP: a dev server behind the fault proxy answers its first `outages` /generate 503; the client
+    and the router do not retry (max_retries 0), so each 503 reaches the state's retry rule."""
+    from backends.devserver import DevServer
+    from backends.faults import FaultProxy
+    from backends.router import Router
+    from backends.sglang import SGLangBackend
+
+    agent = compile_yaml(generating_spec(attempts=4, catch=catch))
+    answer = model_turn(tok, "done")
+    async with (
+        DevServer(scripted([answer])) as dev,
+        FaultProxy(dev.url, script=["http_503"] * outages) as proxy,
+    ):
+        backend = Router(
+            [SGLangBackend(proxy.url, max_retries=0)],
+            health_interval_s=0,
+            max_retries=0,
+            retry_window_s=0,
+            cooldown_s=0,
+        )
+        try:
+            [traj] = await run_agent(agent, backend, tok, [user_row()])
+        finally:
+            await backend.close()
+    if not catch:  # 3 outages, 4 attempts: the 4th answers
+        assert proxy.injected["http_503"] == 3 and traj.extra["state_retries"] == {"GENERATING": 3}
+        assert traj.error is None and traj.termination_reason == "done"
+        assert traj.response_ids.tolist() == answer and list(traj.response_mask) == [1] * len(answer)
+        assert traj.reward_score == 1.0
+    else:  # 6 outages, 4 attempts: caught to TERMINATED, with no model token
+        assert proxy.injected["http_503"] == 4 and traj.extra["state_retries"] == {"GENERATING": 3}
+        assert traj.error is None and traj.termination_reason == "server_down"
+        assert traj.path == ["PENDING", "GENERATING", "TERMINATED"]
+        assert traj.response_ids.tolist() == [] and traj.extra["caught"]["error"] == "backend"
+        assert "503" in traj.extra["caught"]["message"]
+
+
+async def test_spans_record_retries_and_catches(tok, compile_yaml):
+    import fsm
+    from fsm.telemetry import Telemetry
+
+    flaky.reset(fail_first=10)
+    agent = compile_yaml(spec(RETRY_ONCE + CATCH_EXCEPTION.replace("tool.exception", "tool")))
+    with Telemetry(otlp=False, memory=True) as tel:
+        await fsm.Runner(agent, scripted(script(tok)), tok, tracer=tel).run([user_row()])
+        spans = tel.finished_spans()
+    [root] = [s for s in spans if s.parent is None]
+    assert root.attributes["agentfsm.retries"] == 1 and root.attributes["agentfsm.catches"] == 1
+    events = [(e.name, dict(e.attributes)) for e in root.events]
+    message = "Error executing tool 'flaky': sandbox down (call {})"
+    assert events == [
+        (
+            "agentfsm.retry",
+            {
+                "agentfsm.failure.state": "PROCESSING_TOOLS",
+                "agentfsm.failure.error": "tool.exception",
+                "agentfsm.failure.attempt": 1,
+                "agentfsm.failure.message": message.format(1),
+            },
+        ),
+        (
+            "agentfsm.catch",
+            {
+                "agentfsm.failure.state": "PROCESSING_TOOLS",
+                "agentfsm.failure.error": "tool.exception",
+                "agentfsm.failure.attempt": 2,
+                "agentfsm.failure.message": message.format(2),
+                "agentfsm.failure.to": "TOOL_DOWN",
+            },
+        ),
+    ]
+    [catch] = [s for s in spans if s.name == "PROCESSING_TOOLS -> TOOL_DOWN"]
+    assert catch.attributes["fsm.catch.errors"] == "tool" and catch.attributes["fsm.guard"] == "catch tool"
+
+
+async def test_every_row_dropped_is_an_empty_batch_and_the_summary_names_them(tok, compile_yaml):
+    flaky.reset(fail_first=10)
+    agent = compile_yaml(spec(RETRY_ONCE, top="failures: {on_error: drop}"))
+    trajs = await run_agent(agent, scripted(script(tok)), tok, [user_row(uid="a"), user_row(uid="b")])
+    out = collate(trajs, prompt_length=1024, response_length=1024, pad_token_id=tok.pad_token_id)
+    assert out.batch["response_mask"].shape[0] == 0
+    assert summarize(trajs)["dropped_rows"] == ["a", "b"]
+
+
+async def test_drop_under_verls_dataproto_is_refused_in_one_line(tok, compile_yaml):
+    from fsm.families import codec_for
+    from fsm.output.batch import to_batch
+    from tests.test_api import DataProto
+
+    flaky.reset(fail_first=10)
+    agent = compile_yaml(spec(RETRY_ONCE, top="failures: {on_error: drop}"))
+    trajs = await run_agent(agent, scripted(script(tok)), tok, [user_row(uid="a")])
+    like = DataProto(non_tensor_batch={}, meta_info={})
+    with pytest.raises(ValueError, match=r"^failures.on_error: drop left out rows \['a'\], but verl's"):
+        to_batch(trajs, agent, codec_for(tok), logprobs=True, like=like)
