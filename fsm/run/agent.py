@@ -12,13 +12,14 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from transitions import Machine, Transition
 
 from fsm.spec.guards import Predicate
 from fsm.spec.loader import LoadedSpec
-from fsm.spec.model import AgentSpec
+from fsm.spec.model import SPECS_DIR, AgentSpec
 from fsm.tools.base import ToolSet
 
 TRIGGER = "advance"
@@ -71,6 +72,18 @@ class Reward:
     extras: tuple[str, ...] = ()  # the REWARD_EXTRAS its signature names (a **kwargs alone gets none of them)
 
 
+def child_spec_path(ref: str, spec_path: Path | None) -> Path | None:
+    """Where a child machine's `spec:` points: None for `self`, a shipped spec's file for its name, else a path
+    relative to the spec file (or the working directory for a spec without one)."""
+    if ref == "self":
+        return None
+    shipped = SPECS_DIR / f"{ref}.yaml"
+    if "/" not in ref and not ref.endswith((".yaml", ".yml")) and shipped.is_file():
+        return shipped
+    base = spec_path.resolve().parent if spec_path is not None else Path.cwd()
+    return (base / ref).resolve()
+
+
 class CompiledAgent:
     """Immutable after construction; safe to share across trajectories, tasks and runs."""
 
@@ -104,6 +117,7 @@ class CompiledAgent:
         self.tools = tools
         self.interaction_cls = interaction_cls
         self.reward = reward
+        self.forks = {name: st.fork for name, st in spec.states.items() if st.fork is not None}
         self.hash = hashlib.sha256(
             json.dumps(spec.model_dump(mode="json", by_alias=True), sort_keys=True).encode()
         ).hexdigest()[:12]
@@ -121,6 +135,15 @@ class CompiledAgent:
         # `Event.trigger` would wrap each step in an EventData, a partial and empty callback lists.
         event = self.machine.events.get(TRIGGER)  # none when the initial state is final: no edges at all
         self._table: dict[str, list[_LeanTransition]] = dict(event.transitions) if event else {}
+
+    def child_agent(self, name: str) -> CompiledAgent:
+        """The compiled spec of child machine `name` (this agent itself for `spec: self`)."""
+        path = child_spec_path(self.spec.children[name].spec, self.path)
+        if path is None:
+            return self
+        from fsm.run.compile import compile_spec  # compile imports this module
+
+        return compile_spec(path)
 
     def advance(self, traj: Any, state: str | None = None) -> Edge:
         """The first edge out of `state` (default: the trajectory's) whose guard holds.

@@ -36,6 +36,7 @@ from fsm.spec.registry import (
     is_import_path,
     resolve,
 )
+from fsm.run.treecheck import check_tree, child_schema
 from fsm.tools.base import BoundTool, ToolSet, build_tool
 
 BUDGET_ACTIONS = ("generate", "call_tools", "interact")  # built-ins that append tokens to the response
@@ -126,6 +127,12 @@ class _Compiler:
         edges = self._edges()
         actions = self._actions()
         tools = self._tools()
+        check_tree(spec, self.loaded.path if self.loaded else None, self.error)  # fsm/run/treecheck.py
+        for name, child in spec.children.items():
+            schema = child.schema_
+            if isinstance(schema, str):
+                schema = self._ref(schema, "children", name, "schema")
+            tools.schemas.append(child_schema(name, child, schema))
         interaction_cls = self._interaction()
         reward = self._reward()
         if spec.demo_data is not None:

@@ -30,12 +30,13 @@ from fsm.data.rows import RowError, encodable_value, normalize_record, row_input
 from fsm.families import Codec, codec_for
 from fsm.run import loopwatch
 from fsm.run.agent import CompiledAgent
-from fsm.run.context import TRACED, PauseGate, RunContext, Sampling
+from fsm.run.context import TRACED, PauseGate, Policy, RunContext, Sampling
 from fsm.run.interaction import call_lifecycle
 from fsm.run.policy import check_segments
 from fsm.run.signals import signals_wake_the_loop
 from fsm.run.tracer import Tracer
 from fsm.run.trajectory import Trajectory
+from fsm.run.tree import fork, row_nodes, should_fork
 from fsm.spec.model import DEFAULT_TOOL_WORKERS
 from fsm.tools.isolation import CALLER, INLINE_STEPS, ThreadLane
 
@@ -102,6 +103,9 @@ class Runner:
         self._watchdog_task: asyncio.Task[None] | None = None
         self._moved_at = time.perf_counter()  # the last time a trajectory finished
         self._reward_lane: ThreadLane | None = None  # a sync reward function's own threads, made on first use
+        # the spec's policies (fsm/run/tree.py): name -> backend and codec; a policy not here, or with None, uses
+        # the run's backend and codec (RolloutEngine(policies=...) and the CLI fill it)
+        self.policies: dict[str, Policy] = {}
 
     def make_context(
         self,
@@ -110,9 +114,16 @@ class Runner:
         *,
         sampling: Sampling | None = None,
     ) -> RunContext:
+        policy = self.policies.get(self.agent.spec.policy)
         if sampling is None:
-            sampling = Sampling.resolve(self.agent, self.codec, sampling_params, validate=validate)
-        return RunContext(self.agent, self.backend, self.codec, sampling, tracer=self.tracer, gate=self.gate)
+            base = policy.sampling if policy is not None else None
+            sampling = Sampling.resolve(
+                self.agent, self.codec, sampling_params, validate=validate, base_spec=base
+            )
+        backend = (policy.backend if policy is not None else None) or self.backend
+        ctx = RunContext(self.agent, backend, self.codec, sampling, tracer=self.tracer, gate=self.gate)
+        ctx.policies, ctx.drive = self.policies, self.drive
+        return ctx
 
     def trajectories(self, rows: Iterable[Mapping[str, Any]], n: int = 1) -> list[Trajectory]:
         """Rows -> one trajectory per (row, sample); samples of a row share its uid (a GRPO group)."""
@@ -189,7 +200,7 @@ class Runner:
 
         `boundary`, when given, is awaited before each action: the trajectory is then between states, whole
         (fsm/run/snapshot.py parks trajectories there to take a consistent snapshot)."""
-        agent, tracer = self.agent, self.tracer
+        agent, tracer = ctx.agent, self.tracer  # a child machine's node runs its own agent
         timeout = agent.limits.action_timeout_s
         root = traced = None
         if tracer is not None:
@@ -219,6 +230,8 @@ class Runner:
                         0
                     )  # a cycle of actions that never await still lets Ctrl-C and others in
                 source = traj.state
+                if agent.forks and should_fork(ctx, traj) and await fork(ctx, traj, self.drive):
+                    break  # its branches went on from here (fsm/run/tree.py)
                 try:
                     if timeout is None:
                         await agent.actions[source](ctx, traj)
@@ -272,7 +285,16 @@ class Runner:
 
     async def _finish(self, ctx: RunContext, traj: Trajectory) -> None:
         """Release the session, close the interaction, score, and (optionally) check the tokens."""
-        if traj.state not in self.agent.final_states and not traj.failed:
+        agent = ctx.agent
+        node = traj.node
+        if node is not None and node.forked and not traj.failed:
+            traj.termination_reason = "forked"  # its branches are its rows; scored as the mean of theirs
+            scores = [t.reward_score for t in node.nodes if t.reward_score is not None]
+            traj.reward_score = sum(scores) / len(scores) if scores else None
+            await ctx.backend.release(traj.session_id)
+            self._tree_rewards(traj)
+            return
+        if traj.state not in agent.final_states and not traj.failed:
             traj.fail(f"ended in {traj.state}, which is not a final state")  # never a row that looks finished
         if traj.termination_reason is None:
             traj.termination_reason = traj.state.lower()
@@ -302,25 +324,36 @@ class Runner:
         except RewardError as exc:
             if traj.error is None:
                 traj.fail(f"reward: {exc}")
-            if self.agent.reward is not None:  # scored as any failed row is, so the batch keeps its rm_scores
+            if agent.reward is not None:  # scored as any failed row is, so the batch keeps its rm_scores
                 traj.reward_score = 0.0
         except Exception as exc:  # scoring/cleanup failures are recorded, never raised into the batch
             if traj.error is None:
                 traj.fail(f"{type(exc).__name__} while finishing: {exc}")
         if self.check_tokens and not traj.failed and traj.prompt_ids:
-            traj.token_check = check_segments(self.codec, traj, self.agent.spec.context.policy == "template")
+            traj.token_check = check_segments(ctx.codec, traj, agent.spec.context.policy == "template")
+        self._tree_rewards(traj)
+
+    @staticmethod
+    def _tree_rewards(traj: Trajectory) -> None:
+        """A finished root: each row of its tree without a reward of its own (a child machine whose spec has no
+        reward function) gets the root's, the tree's outcome."""
+        if traj.node is None or traj.node.kind != "root" or traj.reward_score is None:
+            return
+        for sub in row_nodes(traj):
+            if sub.reward_score is None:
+                sub.reward_score = traj.reward_score
 
     async def _score(self, ctx: RunContext, traj: Trajectory) -> None:
-        reward = self.agent.reward
-        if reward is None:
-            return
+        reward = ctx.agent.reward
+        if reward is None or (traj.node is not None and traj.node.kind == "child"):
+            return  # a child machine's row gets its tree's reward when the root finishes (_tree_rewards)
         if traj.failed:
             traj.reward_score = 0.0
             return
         row = traj.row
         kwargs = dict(
             data_source=row.get("data_source"),
-            solution_str=self.codec.decode(traj.response_ids.tolist()),
+            solution_str=ctx.codec.decode(traj.response_ids.tolist()),
             ground_truth=(row.get("reward_model") or {}).get("ground_truth"),
             extra_info=row.get("extra_info"),
             **reward.kwargs,
@@ -328,7 +361,7 @@ class Runner:
         for name in reward.extras:  # only what the function names: verl-style signatures see no change
             kwargs[name] = reward_extra(traj, name)
         t0 = time.perf_counter()
-        name, limit = self.agent.spec.reward.function, self.agent.limits.reward_timeout_s  # type: ignore[union-attr]
+        name, limit = ctx.agent.spec.reward.function, ctx.agent.limits.reward_timeout_s  # type: ignore[union-attr]
         try:
             async with asyncio.timeout(limit):
                 if inspect.iscoroutinefunction(reward.fn):
