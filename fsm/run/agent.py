@@ -118,6 +118,7 @@ class CompiledAgent:
         self.interaction_cls = interaction_cls
         self.reward = reward
         self.forks = {name: st.fork for name, st in spec.states.items() if st.fork is not None}
+        self.compile: Any = None  # fsm/run/compile.py's compile_spec, for child machines (set by it)
         self.hash = hashlib.sha256(
             json.dumps(spec.model_dump(mode="json", by_alias=True), sort_keys=True).encode()
         ).hexdigest()[:12]
@@ -141,9 +142,9 @@ class CompiledAgent:
         path = child_spec_path(self.spec.children[name].spec, self.path)
         if path is None:
             return self
-        from fsm.run.compile import compile_spec  # compile imports this module
-
-        return compile_spec(path)
+        if self.compile is None:
+            raise RuntimeError(f"{self.name}: child machine {name} needs an agent compiled by compile_spec")
+        return self.compile(path)
 
     def advance(self, traj: Any, state: str | None = None) -> Edge:
         """The first edge out of `state` (default: the trajectory's) whose guard holds.

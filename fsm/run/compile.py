@@ -22,6 +22,7 @@ from fsm.run.actions import BUILTIN_ACTIONS
 from fsm.run.agent import REWARD_EXTRAS, CompiledAgent, Edge, Reward
 from fsm.run.interaction import REQUIRED_METHODS
 from fsm.run.rewrites import make_rewrite, rewrite_loops
+from fsm.run.treecheck import check_tree, child_schema
 from fsm.spec.guards import GuardError, compile_guard
 from fsm.spec.loader import Diagnostic, LoadedSpec, SpecError, load_spec
 from fsm.spec.model import AgentSpec
@@ -36,7 +37,6 @@ from fsm.spec.registry import (
     is_import_path,
     resolve,
 )
-from fsm.run.treecheck import check_tree, child_schema
 from fsm.tools.base import BoundTool, ToolSet, build_tool
 
 BUDGET_ACTIONS = ("generate", "call_tools", "interact")  # built-ins that append tokens to the response
@@ -158,7 +158,9 @@ class _Compiler:
             raise SpecError(self.diags)
         if self.static:
             return None
-        return CompiledAgent(spec, self.loaded, edges, actions, tools, interaction_cls, reward)
+        agent = CompiledAgent(spec, self.loaded, edges, actions, tools, interaction_cls, reward)
+        agent.compile = compile_spec  # child machines compile their specs with it (fsm/run/tree.py)
+        return agent
 
     def _check_limits(self) -> None:
         lim = self.spec.limits

@@ -268,11 +268,21 @@ class RunContext:
         if codec is None:
             model = agent.spec.model
             codec = codec_for(
-                self.codec.tokenizer, model.family, model.chat_template_kwargs, model.special_tokens_in_observations
+                self.codec.tokenizer,
+                model.family,
+                model.chat_template_kwargs,
+                model.special_tokens_in_observations,
             )
         sampling = Sampling.resolve(agent, codec, {"seed": self.sampling.seed}, base_spec=known.sampling)
-        ctx = RunContext(agent, known.backend or self.backend, codec, sampling, tracer=self.tracer, gate=self.gate)
-        ctx.policies, ctx.root_agent, ctx.policy, ctx.drive = self.policies, self.root_agent, policy, self.drive
+        ctx = RunContext(
+            agent, known.backend or self.backend, codec, sampling, tracer=self.tracer, gate=self.gate
+        )
+        ctx.policies, ctx.root_agent, ctx.policy, ctx.drive = (
+            self.policies,
+            self.root_agent,
+            policy,
+            self.drive,
+        )
         ctx._nodes, ctx._child_agents = self._nodes, self._child_agents
         self._nodes[(id(agent), policy)] = ctx
         return ctx
@@ -294,10 +304,6 @@ class RunContext:
     async def run_tool(
         self, traj: Trajectory, call: ToolCall, instance_id: str, active: list[str] | None
     ) -> CallOutcome:
-        if call.name in self.agent.spec.children and call.error is None and self.drive is not None:
-            from fsm.run.tree import run_child  # a child machine (fsm/run/tree.py)
-
-            return await run_child(self, traj, call, self.drive)
         tools = self.agent.tools
         if self.tracer is None or TRACED.get() is None:
             return await tools.call(call, instance_id, traj.tools_kwargs, traj, active, self._tool_view(traj))

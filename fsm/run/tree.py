@@ -11,6 +11,7 @@ and branches run in tasks owned by the parent's action (a TaskGroup): cancelling
 from __future__ import annotations
 
 import asyncio
+import re
 from array import array
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -102,6 +103,34 @@ def row_nodes(traj: Trajectory) -> list[Trajectory]:
     return [t for t in nodes_of(traj) if t.node is None or not t.node.forked]
 
 
+def tree_record(t: Trajectory, segment: int = 0, default: str = "default") -> dict[str, Any]:
+    """Where a row sits in its tree (docs/trees.md): the fields of trajectories.jsonl and the batch's columns,
+    but `weight`. A linear trajectory is its tree's root."""
+    n = t.node
+    if n is None:
+        return {
+            "tree": t.session_id,
+            "node": "0",
+            "parent": None,
+            "node_kind": "root",
+            "branch_offset": 0,
+            "policy": default,
+            "depth": 0,
+            "shared_prefix": {"length": 0, "node": None},
+        }
+    shared = n.shared_length if segment == 0 and n.shared_length else 0
+    return {
+        "tree": n.tree,
+        "node": n.node,
+        "parent": n.parent,
+        "node_kind": n.kind,
+        "branch_offset": n.branch_offset,
+        "policy": n.policy,
+        "depth": n.depth,
+        "shared_prefix": {"length": shared, "node": n.parent if shared else None},
+    }
+
+
 # --- child machines ---------------------------------------------------------------------------------------
 
 
@@ -181,6 +210,8 @@ async def run_child(ctx: RunContext, traj: Trajectory, call: ToolCall, drive: Dr
             error="child_no_answer",
             call_id=call.id,
         )
+    if child_spec.answer is not None and (m := re.search(child_spec.answer, answer)) is not None:
+        answer = m.group(1) if m.groups() else m.group(0)
     return CallOutcome(name, answer, reward=None, call_id=call.id)
 
 

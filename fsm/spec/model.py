@@ -7,6 +7,7 @@ with file positions. This module only knows the shape of a spec.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
@@ -451,7 +452,8 @@ class PolicySpec(_Strict):
         default=None, description="This policy's sampling; default: the sampling of the spec that generates."
     )
     model: ModelSpec | None = Field(
-        default=None, description="This policy's model family and template kwargs; default: the spec's `model:`."
+        default=None,
+        description="This policy's model family and template kwargs; default: the spec's `model:`.",
     )
 
 
@@ -472,6 +474,11 @@ class ChildSpec(_Strict):
         description="The tool's description, as the parent's model reads it.",
     )
     system: str | None = Field(default=None, description="A system message put before the child's task.")
+    answer: str | None = Field(
+        default=None,
+        description="A regular expression over the child's final message: its first group (else the whole "
+        "match) is the answer the parent sees; no match: the whole message. Default: the whole message.",
+    )
     schema_: dict[str, Any] | str | None = Field(
         default=None,
         alias="schema",
@@ -480,6 +487,17 @@ class ChildSpec(_Strict):
     )
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+    @field_validator("answer")
+    @classmethod
+    def _answer(cls, v: str | None) -> str | None:
+        if v is not None:
+            try:
+                re.compile(v)
+            except re.error as exc:
+                raise ValueError(f"answer is not a regular expression: {exc}") from None
+        return v
 
 
 class TreeSpec(_Strict):
