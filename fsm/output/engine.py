@@ -242,7 +242,10 @@ class BaseEngine(ABC):
 
     def sampling(self, sampling_params: Mapping[str, Any] | None = None, validate: bool = False) -> Sampling:
         """The run's sampling, resolved once (pass it to `arun` and `to_batch`)."""
-        return Sampling.resolve(self.agent, self.codec, sampling_params, validate=validate)
+        runner = getattr(self, "runner", None)
+        policy = runner.policies.get(self.agent.spec.policy) if runner is not None else None
+        base = policy.sampling if policy is not None and not validate else None  # the root policy's own
+        return Sampling.resolve(self.agent, self.codec, sampling_params, validate=validate, base_spec=base)
 
     def generate_sequences(
         self,

@@ -488,7 +488,6 @@ class ChildSpec(_Strict):
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
-
     @field_validator("answer")
     @classmethod
     def _answer(cls, v: str | None) -> str | None:
