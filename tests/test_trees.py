@@ -90,7 +90,6 @@ def test_planner_solver_two_policies_on_the_tiny_model():
 async def test_solver_policy_over_real_http_gets_only_the_childrens_requests():
     """RolloutEngine(policies={"solver": ...}): the solver's turns go to its own server (the dev server over the
     tiny model, real HTTP), the planner's stay in process."""
-    tok_dir = model_tokenizer(tiny_model_dir())
     served = make_backend()
     async with DevServer(served) as dev:
         solver = make_backend(servers=[dev.url], engine="sglang")
@@ -99,7 +98,7 @@ async def test_solver_policy_over_real_http_gets_only_the_childrens_requests():
         ) as engine:
             trajs = await engine.arun(make_prompts(3, 1))
         rids = [e["rid"] for e in dev.log]
-    await served.close() if hasattr(served, "close") else None
+    await served.close()
     children = [n for t in trajs for n in nodes_of(t)[1:]]
     assert children, "the planner delegated nothing"
     assert _check_child_answers(trajs) >= 1

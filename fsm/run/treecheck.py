@@ -74,7 +74,7 @@ def check_tree(spec: AgentSpec, path: Path | None, error: Report) -> None:
             "policy",
             key=False,
         )
-    used = {spec.policy} if generating else set()
+    used = ({spec.policy} if generating else set()) | set(named)
     tool_names = {
         t.name or (t.schema_.get("function", {}).get("name") if isinstance(t.schema_, dict) else None)
         for t in spec.tools
