@@ -273,3 +273,38 @@ async def test_cancelling_the_parent_cancels_its_subtree(tmp_path):
                 break
             await asyncio.sleep(0.05)
         assert not runner.live, list(runner.live)
+
+
+@pytest.mark.slow
+def test_one_trace_per_tree():
+    """A child's spans are in its tree's trace, its root span under the span that started it."""
+    from fsm.telemetry import Telemetry
+
+    with Telemetry(otlp=False, memory=True) as tel:
+        with RolloutEngine("specs/planner_solver.yaml", tracer=tel) as engine:
+            trajs = engine._run_sync(engine.arun(make_prompts(2, 0)))
+        spans = tel.finished_spans()
+    roots = [s for s in spans if s.name.startswith("invoke_agent")]
+    by_id = {s.context.span_id: s for s in spans}
+    trees = {s.context.trace_id for s in roots}
+    assert len(trees) == len(trajs)  # one trace per tree, however many nodes
+    children = [s for s in roots if s.parent is not None]
+    assert len(children) == sum(len(nodes_of(t)) - 1 for t in trajs) > 0
+    for child in children:
+        parent = by_id[child.parent.span_id]
+        assert (
+            parent.name == "invoke_agent planner_solver" and parent.context.trace_id == child.context.trace_id
+        )
+    child_ids = {c.context.span_id for c in children}
+
+    def under_a_child(span) -> bool:
+        while span.parent is not None and span.parent.span_id in by_id:
+            if span.parent.span_id in child_ids:
+                return True
+            span = by_id[span.parent.span_id]
+        return False
+
+    models = [s for s in spans if s.name.startswith("text_completion")]
+    assert sum(under_a_child(s) for s in models) == sum(
+        n.assistant_turns for t in trajs for n in nodes_of(t)[1:]
+    )

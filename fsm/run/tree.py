@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import re
 from array import array
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from fsm.families.parsers import ToolCall
     from fsm.run.context import RunContext
 
-Drive = Callable[["RunContext", Trajectory], Awaitable[None]]
+Drive = Callable[["RunContext", Trajectory], Coroutine[Any, Any, None]]
 
 
 @dataclass(slots=True)
@@ -58,8 +58,9 @@ class Node:
 
 def root_node(traj: Trajectory, agent: Any) -> Node:
     """The root's Node, made when the tree grows (a linear trajectory never gets one)."""
-    if traj.node is None:
-        traj.node = Node(
+    node: Node | None = traj.node
+    if node is None:
+        node = traj.node = Node(
             traj.session_id,
             "0",
             None,
@@ -73,7 +74,7 @@ def root_node(traj: Trajectory, agent: Any) -> Node:
             TreeCount(),
             root_agent=agent,
         )
-    return traj.node
+    return node
 
 
 def _room(parent: Node, root_agent: Any) -> str | None:

@@ -48,7 +48,7 @@ def check_tree(spec: AgentSpec, path: Path | None, error: Report) -> None:
     """Every tree check of `spec` (loaded from `path`, None when built in memory)."""
     declared = set(spec.policies) or {"default"}
     generating = [(n, st) for n, st in spec.states.items() if st.action in GENERATING_ACTIONS or st.policy]
-    named = {}
+    named: dict[str, str] = {}
     for name, st in spec.states.items():
         if st.policy is None:
             continue
