@@ -308,3 +308,47 @@ def test_one_trace_per_tree():
     assert sum(under_a_child(s) for s in models) == sum(
         n.assistant_turns for t in trajs for n in nodes_of(t)[1:]
     )
+
+
+def test_render_draws_child_machines_and_forks():
+    from viz.diagram import diagram, to_mermaid
+
+    dot = diagram("specs/planner_solver.yaml").source
+    assert "cluster_calculator" in dot and "child_calculator__PENDING" in dot and "policy: planner" in dot
+    mmd = to_mermaid("specs/planner_solver.yaml")
+    assert "as child_calculator {" in mmd and "PROCESSING_TOOLS --> child_calculator" in mmd
+    stats = {"trees": {"nodes": 9, "children": {}, "branches": {"GENERATING": 8}}, "edges": {}, "states": {}}
+    assert "fork: 4 branches (1x per path), 8 made" in diagram("specs/fork_calculator.yaml", stats).source
+
+
+def test_show_prints_a_tree_outline():
+    from viz.transcript import tree_outline
+
+    records = [
+        {
+            "tree": "t",
+            "node": "0",
+            "node_kind": "root",
+            "policy": "planner",
+            "termination_reason": "done",
+            "reward_score": 1.0,
+            "weight": 0.5,
+        },
+        {
+            "tree": "t",
+            "node": "0.0",
+            "node_kind": "child",
+            "policy": "solver",
+            "termination_reason": "done",
+            "reward_score": 1.0,
+            "weight": 0.5,
+        },
+        {"tree": "u", "node": "0", "node_kind": "root"},
+    ]
+    text = tree_outline(records, "t")
+    assert text.splitlines() == [
+        "tree t: 2 nodes",
+        "  0 root [planner] done  reward 1  weight 0.5",
+        "    0.0 child [solver] done  reward 1  weight 0.5",
+    ]
+    assert tree_outline(records, "u") is None  # a linear trajectory has no outline

@@ -54,6 +54,7 @@ class Node:
     nodes: list[Trajectory] = field(default_factory=list)  # children and branches, in creation order
     forked: bool = False  # it split into branches: its tokens live on in theirs, it has no row of its own
     root_agent: Any = None  # the root's CompiledAgent: its `tree:` bounds the whole tree
+    origin: str | None = None  # what made it: its child machine's name, or the state that forked
 
 
 def root_node(traj: Trajectory, agent: Any) -> Node:
@@ -192,6 +193,7 @@ async def run_child(ctx: RunContext, traj: Trajectory, call: ToolCall, drive: Dr
         parent.count,
         ordinal=parent.count.nodes - 1,
         root_agent=root_agent,
+        origin=name,
     )
     parent.nodes.append(child)
     async with asyncio.TaskGroup() as tg:  # its own task: the parent's cancellation reaches it
@@ -295,6 +297,7 @@ async def fork(ctx: RunContext, traj: Trajectory, drive: Drive) -> bool:
             ordinal=parent.count.nodes - 1,
             forks={**parent.forks, traj.state: parent.forks.get(traj.state, 0) + 1},
             root_agent=root_agent,
+            origin=traj.state,
         )
         b.extra["row_name"] = f"{traj.row_name} node {path}"
         parent.nodes.append(b)
