@@ -381,6 +381,7 @@ def command_line(commands: Mapping[str, Callable[[argparse.Namespace], int]]) ->
             "vs-verl",
             "engines",
             "gateway",
+            "trees",
         ],
         help="which benchmark",
     )
