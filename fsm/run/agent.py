@@ -19,7 +19,7 @@ from transitions import Machine, Transition
 
 from fsm.spec.guards import Predicate
 from fsm.spec.loader import LoadedSpec
-from fsm.spec.model import SPECS_DIR, AgentSpec
+from fsm.spec.model import SPECS_DIR, AgentSpec, TreeSpec
 from fsm.tools.base import ToolSet
 
 TRIGGER = "advance"
@@ -84,6 +84,20 @@ def child_spec_path(ref: str, spec_path: Path | None) -> Path | None:
     return (base / ref).resolve()
 
 
+def _hashed(spec: AgentSpec) -> dict[str, Any]:
+    """The spec as its hash reads it: the tree keys (docs/trees.md) left out where they hold their defaults, so a
+    spec without trees keeps the hash it had before they existed (run statistics and snapshots compare it)."""
+    data = spec.model_dump(mode="json", by_alias=True)
+    for key, default in (("policies", {}), ("children", {}), ("tree", TreeSpec().model_dump(mode="json"))):
+        if data.get(key) == default:
+            data.pop(key)
+    for state in data["states"].values():
+        for key in ("policy", "fork"):
+            if state.get(key) is None:
+                state.pop(key, None)
+    return data
+
+
 class CompiledAgent:
     """Immutable after construction; safe to share across trajectories, tasks and runs."""
 
@@ -119,9 +133,7 @@ class CompiledAgent:
         self.reward = reward
         self.forks = {name: st.fork for name, st in spec.states.items() if st.fork is not None}
         self.compile: Any = None  # fsm/run/compile.py's compile_spec, for child machines (set by it)
-        self.hash = hashlib.sha256(
-            json.dumps(spec.model_dump(mode="json", by_alias=True), sort_keys=True).encode()
-        ).hexdigest()[:12]
+        self.hash = hashlib.sha256(json.dumps(_hashed(spec), sort_keys=True).encode()).hexdigest()[:12]
         self.machine = _SharedMachine(
             model=None,
             states=list(spec.states),
