@@ -41,7 +41,7 @@ from fsm.output.engine import BaseEngine, Rows, batch_of
 from fsm.output.metrics import FaultDelta
 from fsm.run.agent import CompiledAgent
 from fsm.run.compile import compile_spec
-from fsm.run.context import Sampling
+from fsm.run.context import Policy, Sampling
 from fsm.run.engine import StalePolicy
 from fsm.run.local import Local
 from fsm.run.runtime import WATCHDOG_S, Runner
@@ -162,6 +162,51 @@ def make_backend(
     return HFBackend(model_dir, **hf_options)
 
 
+def policy_runtimes(
+    agent: CompiledAgent, given: Mapping[str, Backend | Mapping[str, Any]], codec: Any
+) -> dict[str, Policy]:
+    """The spec's policies at run time (docs/trees.md): each one's backend is the one `given` for its name (a
+    Backend, or {"backend": ..., "tokenizer": ...} when its model has a tokenizer of its own), else its spec's
+    `servers` (a Router; the engine's tokenizer), else its `checkpoint` (the embedded model, its own tokenizer),
+    else None: the engine's backend and codec."""
+    from fsm.families import codec_for
+
+    spec = agent.spec
+    unknown = sorted(set(given) - (set(spec.policies) or {"default"}))
+    if unknown:
+        raise ValueError(
+            f"policies={unknown}: not policies of spec {spec.name} ({', '.join(spec.policies) or 'default'})"
+        )
+    out: dict[str, Policy] = {}
+    for name in set(spec.policies) | set(given):
+        pspec = spec.policies.get(name)
+        entry = given.get(name)
+        backend: Backend | None = None
+        tokenizer = None
+        if isinstance(entry, Mapping):
+            backend, tokenizer = entry.get("backend"), entry.get("tokenizer")
+        elif entry is not None:
+            backend = entry
+        elif pspec is not None and pspec.servers:
+            backend = make_backend(servers=pspec.servers, engine="sglang")
+        elif pspec is not None and pspec.checkpoint:
+            where = Path(pspec.checkpoint)
+            if not where.is_absolute() and agent.path is not None:
+                where = Path(agent.path).resolve().parent / where
+            backend, tokenizer = make_backend(model=where), model_tokenizer(where)
+        model = (pspec.model if pspec is not None else None) or spec.model
+        policy_codec = None
+        if tokenizer is not None or (pspec is not None and pspec.model is not None):
+            policy_codec = codec_for(
+                load_tokenizer(tokenizer) if tokenizer is not None else codec.tokenizer,
+                model.family,
+                model.chat_template_kwargs,
+                model.special_tokens_in_observations,
+            )
+        out[name] = Policy(name, backend, policy_codec, pspec.sampling if pspec is not None else None)
+    return out
+
+
 class ServerNotReady(Exception):
     """No server given by URL can serve (or, strict, one cannot): the message names each and why."""
 
@@ -248,6 +293,7 @@ class RolloutEngine(BaseEngine):
         tracer: Tracer | None = None,
         check_tokens: bool = False,
         watchdog_s: float | None = WATCHDOG_S,
+        policies: Mapping[str, Backend | Mapping[str, Any]] | None = None,
         **backend_options: Any,
     ):
         if backend is not None and servers:
@@ -277,6 +323,7 @@ class RolloutEngine(BaseEngine):
             check_tokens=check_tokens,
             watchdog_s=watchdog_s,
         )
+        self.runner.policies = policy_runtimes(self.agent, policies or {}, self.runner.codec)
         self.codec = self.runner.codec
         self.tracer = tracer
         # the fault counters start with the backend: a batch made after the run (the CLI's) still has its faults

@@ -104,6 +104,12 @@ def state_lines(agent: CompiledAgent, name: str, run_stats: dict[str, Any] | Non
     """The lines under a state's name: its action, then run figures."""
     spec = agent.spec.states[name]
     lines = [] if spec.final else [f"{spec.action}()"]
+    if spec.policy is not None:
+        lines.append(f"policy: {spec.policy}")
+    if spec.fork is not None:
+        times = "every entry" if spec.fork.times is None else f"{spec.fork.times}x per path"
+        made = ((run_stats or {}).get("trees") or {}).get("branches", {}).get(name)
+        lines.append(f"fork: {spec.fork.branches} branches ({times})" + (f", {made} made" if made else ""))
     s = (run_stats or {}).get("states", {}).get(name)
     if s:
         if s.get("mean_s") is not None:
@@ -123,6 +129,9 @@ def state_lines(agent: CompiledAgent, name: str, run_stats: dict[str, Any] | Non
             why = ", ".join(f"{r} {n}" for r, n in reasons)
             lines.append(f"segments started: {s['segments']} ({why})")
     return lines
+
+
+CHILD_COLOR = "#6a3d9a"  # child machines and the calls that start them
 
 
 def diagram(agent: Any, run_stats: dict[str, Any] | None = None) -> graphviz.Digraph:
@@ -182,7 +191,55 @@ def diagram(agent: Any, run_stats: dict[str, Any] | None = None) -> graphviz.Dig
             elif stats.get("segments"):
                 attrs.update(color=REWRITE_COLOR, fontcolor=REWRITE_COLOR)
         g.edge(edge.source, edge.dest, **attrs)
+    _child_clusters(g, agent, run_stats)
     return g
+
+
+def _callers(agent: CompiledAgent) -> list[str]:
+    """The states whose action may start a child machine: those that run tool calls."""
+    return [name for name, st in agent.spec.states.items() if st.action == "call_tools"] or [agent.initial]
+
+
+def child_label(agent: CompiledAgent, name: str, run_stats: dict[str, Any] | None) -> str:
+    child = agent.spec.children[name]
+    made = ((run_stats or {}).get("trees") or {}).get("children", {}).get(name)
+    policy = f", policy {child.policy}" if child.policy else ""
+    return f"child machine {name}({child.input}): {child.spec}{policy}" + (f"\n{made} nodes" if made else "")
+
+
+def _child_clusters(g: graphviz.Digraph, agent: CompiledAgent, run_stats: dict[str, Any] | None) -> None:
+    """Each child machine as a nested cluster of its own states (statecharts' invoked machine), entered from
+    the states that run its tool call; `spec: self` (recursion) as one node pointing back."""
+    for name in agent.spec.children:
+        label = child_label(agent, name, run_stats)
+        try:
+            child = agent.child_agent(name)
+        except Exception as exc:  # an unloadable child spec is validate's to report: drawn as a node
+            child, label = None, f"{label}\n({type(exc).__name__})"
+        prefix = f"child_{name}__"  # not "::", which DOT reads as node:port
+        with g.subgraph(name=f"cluster_{name}") as c:
+            c.attr(label=label, style="rounded,dashed", color=CHILD_COLOR, fontcolor=CHILD_COLOR)
+            if child is None or child is agent:
+                c.node(prefix + "self", "this machine (recursion)" if child is agent else name, shape="box")
+                entry = prefix + "self"
+            else:
+                for state in flow_order(child):
+                    st = child.spec.states[state]
+                    c.node(
+                        prefix + state,
+                        "\n".join([state, *state_lines(child, state, None)]),
+                        shape="doublecircle" if st.final else "box",
+                        style="rounded",
+                    )
+                for edge in child.edges:
+                    c.edge(
+                        prefix + edge.source,
+                        prefix + edge.dest,
+                        style="dashed" if edge.guard is None else "solid",
+                    )
+                entry = prefix + child.initial
+        for caller in _callers(agent):
+            g.edge(caller, entry, label=f"{name}()", style="dotted", color=CHILD_COLOR, fontcolor=CHILD_COLOR)
 
 
 def _title(agent: CompiledAgent, run_stats: dict[str, Any] | None) -> str:
@@ -229,6 +286,22 @@ def to_mermaid(agent: Any, run_stats: dict[str, Any] | None = None) -> str:
         lines.append(f"    {edge.source} --> {edge.dest}: {_mermaid_text(label)}")
     for name in agent.final_states:
         lines.append(f"    {name} --> [*]")
+    for name in agent.spec.children:  # child machines as composite states (statecharts' invoke)
+        try:
+            child = agent.child_agent(name)
+        except Exception:
+            child = None
+        box = f"child_{name}"
+        lines.append(f'    state "{_mermaid_text(child_label(agent, name, run_stats))}" as {box} {{')
+        if child is None or child is agent:
+            lines.append(f"        {box}_self: {'this machine (recursion)' if child is agent else name}")
+        else:
+            lines.append(f"        [*] --> {box}_{child.initial}")
+            for edge in child.edges:
+                lines.append(f"        {box}_{edge.source} --> {box}_{edge.dest}")
+        lines.append("    }")
+        for caller in _callers(agent):
+            lines.append(f"    {caller} --> {box}: {_mermaid_text(name + '()')}")
     custom = [s for s in flow_order(agent) if s not in STANDARD_STATES and s not in agent.final_states]
     lines.append(f"    classDef standard fill:{STANDARD_FILL}")
     lines.append(f"    classDef custom fill:{CUSTOM_FILL}")

@@ -118,6 +118,7 @@ def run_stats(agent: Any, trajectories: Sequence[Any] | None = None) -> dict[str
             "rewritten": sum(v for k, v in per_trajectory.items() if k > 1),
             "per_trajectory": {str(k): per_trajectory[k] for k in sorted(per_trajectory)},
         },
+        "trees": tree_stats(trajectories),
     }
 
 
@@ -137,6 +138,29 @@ def _count_segments(traj: Any, edges: dict[int, dict[str, Any]], states: dict[st
             if at not in entered:
                 entered.add(at)
                 e["rewrites"] = e.get("rewrites", 0) + 1
+
+
+def tree_stats(trajectories: Sequence[Any]) -> dict[str, Any]:
+    """How many nodes the trees of a run produced: in all, per child machine and per forking state."""
+    children: dict[str, int] = {}
+    branches: dict[str, int] = {}
+    nodes = 0
+
+    def walk(t: Any) -> None:
+        nonlocal nodes
+        nodes += 1
+        node = getattr(t, "node", None)
+        if node is None:
+            return
+        if node.kind != "root" and node.origin is not None:
+            into = children if node.kind == "child" else branches
+            into[node.origin] = into.get(node.origin, 0) + 1
+        for sub in node.nodes:
+            walk(sub)
+
+    for t in trajectories:
+        walk(t)
+    return {"nodes": nodes, "children": children, "branches": branches}
 
 
 def load_run_stats(run_dir: str | Path) -> dict[str, Any]:

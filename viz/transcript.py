@@ -48,6 +48,16 @@ def _header(record: dict[str, Any]) -> list[tuple[str, str]]:
             "",
         ),
     ]
+    if record.get("node") not in (None, "0") or record.get("node_kind") not in (None, "root"):
+        lines.insert(
+            1,
+            (
+                f"node {record['node']} ({record.get('node_kind')} of {record.get('parent')}, policy "
+                f"{record.get('policy')}, depth {record.get('depth')}, weight {record.get('weight', 0):.3g}, "
+                f"shares {record.get('shared_prefix', {}).get('length', 0)} tokens with its parent)",
+                "bold cyan",
+            ),
+        )
     answer = final_answer(record)
     if answer is not None or record.get("ground_truth") is not None:
         lines.append((f"answer: {_clip(answer)}   ground truth: {_clip(record.get('ground_truth'))}", "bold"))
@@ -137,6 +147,24 @@ def render_transcript(record: dict[str, Any], color: bool = True) -> str | Rende
     return Group(*parts)
 
 
+def tree_outline(records: list[dict[str, Any]], tree: str) -> str | None:
+    """The nodes of one tree as an indented outline (one line a node: kind, policy, end, reward); None for a
+    tree of one node (a linear trajectory)."""
+    nodes = [r for r in records if r.get("tree") == tree]
+    if len(nodes) < 2:
+        return None
+    lines = [f"tree {tree}: {len(nodes)} nodes"]
+    for r in sorted(nodes, key=lambda r: [int(x) for x in str(r.get("node", "0")).split(".")]):
+        depth = str(r.get("node", "0")).count(".")
+        reward = r.get("reward_score")
+        lines.append(
+            f"{'  ' * (depth + 1)}{r.get('node')} {r.get('node_kind')} [{r.get('policy')}] "
+            f"{r.get('termination_reason')}  reward {'-' if reward is None else f'{reward:g}'}  "
+            f"weight {r.get('weight', 0):.3g}"
+        )
+    return "\n".join(lines)
+
+
 def select(
     records: Iterable[dict[str, Any]], row: int | None = None, worst: bool = False, failed: bool = False
 ) -> list[dict[str, Any]]:
@@ -181,6 +209,9 @@ def show(
     shown = chosen[:limit] if limit is not None else chosen
     try:
         for record in shown:
+            outline = tree_outline(records, record["tree"]) if record.get("node") == "0" else None
+            if outline is not None:
+                say(outline)
             if color:
                 console.print(render_transcript(record, color=True))
                 console.print()

@@ -383,6 +383,7 @@ def command_line(commands: Mapping[str, Callable[[argparse.Namespace], int]]) ->
             "engines",
             "gateway",
             "fleet",
+            "trees",
         ],
         help="which benchmark",
     )

@@ -521,7 +521,9 @@ def _run_locked(
         to_stdout(lambda: print_summary(summary, console_cls()))
     to_stdout(
         lambda: print(
-            f"wrote {out}/batch.pt, trajectories.jsonl, summary.json"
+            f"wrote {out}/"
+            + (", ".join(f"batch.{p}.pt" for p in batch) if isinstance(batch, dict) else "batch.pt")
+            + ", trajectories.jsonl, summary.json"
             + (" (replacing the run there)" if replacing else "")
         )
     )

@@ -292,7 +292,7 @@ class Tree:
             mine, theirs = self.stored[seq], self.stored[node.parent_seq]  # type: ignore[index]
             shared = {"length": _common(mine.context_ids(), theirs.context_ids()), "node": parent.id}  # type: ignore[union-attr]
         return {
-            "tree": traj.uid,
+            "tree": traj.session_id,
             "node": node.id,
             "parent": parent.id if parent is not None else None,
             "node_kind": node.kind,

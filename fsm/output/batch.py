@@ -33,8 +33,8 @@ import torch
 from tensordict import TensorDict
 
 from fsm.data.rows import is_dataproto
-from fsm.output.record import TREE_FIELDS, tree_fields
 from fsm.run.trajectory import Trajectory
+from fsm.run.tree import row_nodes, tree_record
 
 log = logging.getLogger("agentfsm.batch")
 
@@ -75,10 +75,35 @@ def dropped(traj: Trajectory) -> bool:
     return traj.error is not None and traj.extra.get("on_error") == "drop"
 
 
+def node_policy(t: Trajectory, default: str) -> str:
+    """The policy that generated `t`'s rows (a linear trajectory's: its spec's, `default`)."""
+    return t.node.policy if t.node is not None else default
+
+
+def tree_nodes(
+    trajs: Sequence[Trajectory], policy: str | None = None, default: str = "default"
+) -> list[Trajectory]:
+    """Every node of the trajectories' trees that is a training row, tree by tree in preorder (a linear
+    trajectory is its own one node); with `policy`, only that policy's."""
+    if not any(t.node is not None for t in trajs):
+        nodes = list(trajs)
+    else:
+        nodes = [n for t in trajs for n in row_nodes(t)]
+    if policy is not None:
+        nodes = [n for n in nodes if node_policy(n, default) == policy]
+    return nodes
+
+
+def policies_of(trajs: Sequence[Trajectory], default: str) -> list[str]:
+    """The policies with rows among `trajs`' trees, in order of first appearance."""
+    return list(dict.fromkeys(node_policy(n, default) for n in tree_nodes(trajs, default=default)))
+
+
 def segment_rows(trajs: Sequence[Trajectory]) -> tuple[list[Any], list[Trajectory], list[int]]:
     """(rows, the trajectory of each row, each row's segment index): the trajectories themselves when none
-    was rewritten (nothing built), else every segment of each in order. A failed row the spec's
-    `failures.on_error: drop` names is left out (`dropped` counts and names it)."""
+    was rewritten (nothing built), else every segment of each in order. Trees are expanded before
+    (`tree_nodes`). A failed row the spec's `failures.on_error: drop` names is left out (`dropped` counts and
+    names it)."""
     trajs = [t for t in trajs if not dropped(t)]
     if not any(t.closed for t in trajs):
         return list(trajs), list(trajs), [0] * len(trajs)
@@ -99,10 +124,16 @@ def collate(
     pad_token_id: int,
     logprobs: bool = True,
     reward_placement: str = "last",
+    policy: str | None = None,
+    default_policy: str = "default",
+    weight: str = "per_root",
 ) -> RolloutBatch:
-    """Pad finished trajectories into verl's batch: one row per segment, in the trajectories' order."""
+    """Pad finished trajectories into verl's batch: one row per segment, in the trajectories' order; a tree's
+    nodes follow their root (preorder). `policy`: that policy's rows only (one batch per policy)."""
     if reward_placement not in REWARD_PLACEMENTS:
         raise ValueError(f"reward_placement must be one of {REWARD_PLACEMENTS}, got {reward_placement!r}")
+    weights = tree_weights(trajs, weight, default_policy)
+    trajs = tree_nodes(trajs, policy, default_policy)
     rows, owners, seg_index = segment_rows(trajs)
     P, R, B = prompt_length, response_length, len(rows)
 
@@ -149,7 +180,7 @@ def collate(
         tensors["rollout_log_probs"] = torch.from_numpy(
             right("response_logprobs", np.float32, 0.0, np.float32)
         )
-    if trajs and all(t.reward_score is not None for t in trajs):
+    if trajs and all(t.reward_score is not None for t in owners):
         every = reward_placement == "every"
         scores = [
             t.reward_score if every or k == t.num_segments - 1 else 0.0 for t, k in zip(owners, seg_index)
@@ -176,26 +207,42 @@ def collate(
     non_tensors["trajectory_id"] = _objects([t.session_id for t in owners])
     non_tensors["segment_index"] = np.asarray(seg_index, dtype=np.int32)
     non_tensors["num_segments"] = np.asarray([t.num_segments for t in owners], dtype=np.int32)
-    trees = [tree_fields(t, k) for t, k in zip(owners, seg_index)]
-    if any(trees):  # each row's place in its tree (fsm/output/record.py); a row outside one is a root alone
-        for key in TREE_FIELDS:
-            non_tensors[key] = _objects([(f or _alone(t))[key] for f, t in zip(trees, owners)])
+    non_tensors.update(tree_columns(owners, seg_index, weights, default_policy))
     return RolloutBatch(batch, non_tensors, meta)
 
 
-def _alone(traj: Trajectory) -> dict[str, Any]:
-    """The tree fields of a row that is not in a tree: the root of its own, weighed over its rows."""
-    return {
-        "tree": traj.uid,
-        "node": "0",
-        "parent": None,
-        "node_kind": "root",
-        "branch_offset": 0,
-        "policy": "default",
-        "depth": 0,
-        "weight": 1.0 / traj.num_segments,
-        "shared_prefix": {"length": 0, "node": None},
+def _rows_of_tree(root: Trajectory) -> int:
+    return sum(n.num_segments for n in row_nodes(root))
+
+
+def tree_weights(roots: Sequence[Trajectory], weight: str, default: str = "default") -> dict[int, float]:
+    """id(node) -> the weight of each of its rows: "per_root" splits 1.0 evenly over a root's rows (segments,
+    children and branches included, whatever their policy), "per_row" gives each 1.0."""
+    if weight not in ("per_root", "per_row"):
+        raise ValueError(f"tree.weight must be per_root or per_row, got {weight!r}")
+    out = {}
+    for root in roots:
+        nodes = row_nodes(root)
+        share = 1.0 if weight == "per_row" else 1.0 / max(sum(n.num_segments for n in nodes), 1)
+        for n in nodes:
+            out[id(n)] = share
+    return out
+
+
+def tree_columns(
+    owners: Sequence[Trajectory], seg_index: Sequence[int], weights: Mapping[int, float], default: str
+) -> dict[str, np.ndarray]:
+    """The batch's per-row tree columns (non-tensor, numpy): tree, node, parent, node_kind, branch_offset,
+    policy, depth, weight, shared_prefix."""
+    records = [tree_record(t, k, default) for t, k in zip(owners, seg_index)]
+    out = {
+        key: _objects([r[key] for r in records]) for key in ("tree", "node", "parent", "node_kind", "policy")
     }
+    out["branch_offset"] = np.asarray([r["branch_offset"] for r in records], dtype=np.int64)
+    out["depth"] = np.asarray([r["depth"] for r in records], dtype=np.int32)
+    out["weight"] = np.asarray([weights.get(id(t), 1.0) for t in owners], dtype=np.float64)
+    out["shared_prefix"] = _objects([r["shared_prefix"] for r in records])
+    return out
 
 
 def _objects(values: list[Any]) -> np.ndarray:
@@ -316,8 +363,10 @@ def to_batch(
     logprobs: bool,
     like: Any = None,
     meta: Mapping[str, Any] | None = None,
+    policy: str | None = None,
 ) -> Any:
-    """Finished trajectories of `agent` (a CompiledAgent) -> RolloutBatch padded with `codec`'s pad id, or a `DataProto` of the input's class when `like` is one
+    """`policy`: that policy's rows only (None: every row, whatever its policy).
+    Finished trajectories of `agent` (a CompiledAgent) -> RolloutBatch padded with `codec`'s pad id, or a `DataProto` of the input's class when `like` is one
     (then, as verl's AgentLoopManager returns it: per-sample `metrics` popped, `reward_extra_keys` added).
     `meta`: the input's meta_info (e.g. verl's `global_steps`), carried to the output under agentfsm's keys."""
     limits = agent.limits
@@ -327,15 +376,31 @@ def to_batch(
             f"failures.on_error: drop left out rows {names}, but verl's generate_sequences must return one row "
             "per input (it unions the output with its batch): use on_error: mask or zero_reward under verl"
         )
+    if policy is not None:  # a child machine's rows may hold more than the root's limits
+        agents = {
+            id(n.node.agent): n.node.agent for n in tree_nodes(trajs, policy, agent.spec.policy) if n.node
+        }
+        lims = [a.limits for a in agents.values()] or [limits]
+        prompt_length, response_length = (
+            max(x.prompt_length for x in lims),
+            max(x.response_length for x in lims),
+        )
+    else:
+        prompt_length, response_length = limits.prompt_length, limits.response_length
     out = collate(
         trajs,
-        prompt_length=limits.prompt_length,
-        response_length=limits.response_length,
+        prompt_length=prompt_length,
+        response_length=response_length,
         pad_token_id=codec.pad_id,
         logprobs=logprobs,
         reward_placement=agent.spec.context.reward_placement,
+        policy=policy,
+        default_policy=agent.spec.policy,
+        weight=agent.spec.tree.weight,
     )
     out.meta_info = {**(meta or {}), **out.meta_info}
+    if policy is not None:
+        out.meta_info["policy"] = policy
     if "rm_scores" in out.batch.keys():
         out.meta_info["reward_extra_keys"] = sorted(
             {k for t in trajs for k in t.extra.get("reward_extra_info", {})}

@@ -21,7 +21,7 @@ import numpy as np
 
 from fsm.data.rows import to_rows
 from fsm.families import Codec
-from fsm.output.batch import to_batch
+from fsm.output.batch import policies_of, to_batch
 from fsm.output.keep import RunDir, keep_batch
 from fsm.output.metrics import FaultDelta, rollout_metrics
 from fsm.output.sample import SampleBatch, to_samples
@@ -221,7 +221,15 @@ class BaseEngine(ABC):
         meta: Mapping[str, Any] | None = None,
         wall_s: float | None = None,
     ) -> Any:
-        """Finished trajectories -> verl's padded batch (`batch_of`), with this engine's backend counters."""
+        """Finished trajectories -> verl's padded batch (`batch_of`), with this engine's backend counters. A spec
+        whose trees generate with several policies gets one batch per policy: {policy: batch} (docs/trees.md)."""
+        policies = policies_of(trajs, self.agent.spec.policy)
+        if len(policies) > 1:
+            faults = self._fault_counters()
+            return {
+                p: batch_of(self.agent, self.codec, trajs, sampling, faults, like, meta, wall_s, policy=p)
+                for p in policies
+            }
         return batch_of(self.agent, self.codec, trajs, sampling, self._fault_counters(), like, meta, wall_s)
 
     def _fault_counters(self) -> FaultDelta:
@@ -234,7 +242,10 @@ class BaseEngine(ABC):
 
     def sampling(self, sampling_params: Mapping[str, Any] | None = None, validate: bool = False) -> Sampling:
         """The run's sampling, resolved once (pass it to `arun` and `to_batch`)."""
-        return Sampling.resolve(self.agent, self.codec, sampling_params, validate=validate)
+        runner = getattr(self, "runner", None)
+        policy = runner.policies.get(self.agent.spec.policy) if runner is not None else None
+        base = policy.sampling if policy is not None and not validate else None  # the root policy's own
+        return Sampling.resolve(self.agent, self.codec, sampling_params, validate=validate, base_spec=base)
 
     def generate_sequences(
         self,
@@ -490,12 +501,14 @@ def batch_of(
     like: Any = None,
     meta: Mapping[str, Any] | None = None,
     wall_s: float | None = None,
+    policy: str | None = None,
 ) -> Any:
-    """Finished trajectories -> verl's padded batch (fsm/output/batch.py `to_batch`), with the sampling that
+    """`policy`: that policy's rows only.
+    Finished trajectories -> verl's padded batch (fsm/output/batch.py `to_batch`), with the sampling that
     produced its logprobs (meta_info["sampling"]) and its metrics (meta_info["rollout_metrics"],
     fsm/output/metrics.py, with the backend counters `faults` moved since the last batch), which survive a
     DataProto's round trip."""
-    out = to_batch(trajs, agent, codec, logprobs=sampling.logprobs, like=like, meta=meta)
+    out = to_batch(trajs, agent, codec, logprobs=sampling.logprobs, like=like, meta=meta, policy=policy)
     out.meta_info["sampling"] = sampling.describe(codec.vocab_size)
     out.meta_info["rollout_metrics"] = rollout_metrics(
         trajs, faults=faults.take() if faults else None, wall_s=wall_s

@@ -27,6 +27,7 @@ from fsm.output.rundir import (
     fallback_dir,
     json_text,
     locked,
+    policy_batch_file,
     prepare,
     write_outputs,
     write_run,
@@ -35,6 +36,7 @@ from fsm.run.context import Sampling
 from fsm.run.interruptible import keep_rollout
 from fsm.run.signals import Interrupts
 from fsm.run.trajectory import Trajectory
+from fsm.run.tree import nodes_of
 
 SNAPSHOT = "snapshot.json"  # in the run directory: the rows in flight when a signal came, for `run --resume`
 
@@ -124,7 +126,14 @@ class RunDir:
                 "status": "interrupted" if run.interrupted else "completed",
                 "run_id": self.run_id,
                 "rows_expected": run.expected,
-                "files": {"batch.pt": {"rows": len(batch)}, "trajectories.jsonl": {"rows": len(run.trajs)}},
+                "files": {
+                    **(
+                        {policy_batch_file(p): {"rows": len(b)} for p, b in batch.items()}
+                        if isinstance(batch, dict)
+                        else {"batch.pt": {"rows": len(batch)}}
+                    ),
+                    "trajectories.jsonl": {"rows": sum(len(nodes_of(t)) for t in run.trajs)},
+                },
                 "error_rate": round(failed / len(run.trajs), 4),
                 "rollout_cpu_s": round(run.cpu, 3),
                 **summary,

@@ -35,6 +35,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from fsm.run.tree import tree_fields, tree_record  # the batch's tree columns, as one record's fields
+
 
 def _ground_truth(row: Any) -> Any:
     """The row's `reward_model.ground_truth`, JSON-ready (parquet rows may hold numpy values)."""
@@ -45,31 +47,13 @@ def _ground_truth(row: Any) -> Any:
     return str(truth.tolist() if hasattr(truth, "tolist") else truth)
 
 
-TREE_FIELDS = (
-    "tree",
-    "node",
-    "parent",
-    "node_kind",
-    "branch_offset",
-    "policy",
-    "depth",
-    "weight",
-    "shared_prefix",
-)
-
-
-def tree_fields(traj: Any, k: int) -> dict[str, Any] | None:
-    """Segment `k`'s place in its tree, where the trajectory has one (`extra["tree"]`, one dict per row: a gateway
-    session's tree, fsm/gateway/tree.py); None otherwise, or when the rows changed since (a row failed)."""
-    rows = getattr(traj, "extra", {}).get("tree")
-    if not rows or len(rows) != len(traj.closed) + 1:
-        return None
-    return rows[k]
-
-
-def trajectory_record(traj: Any, codec: Any = None) -> dict[str, Any]:
-    """The JSON-ready record of one finished trajectory; `codec` (fsm.families.Codec: the model's exact
-    text) decodes it, and without one only token counts are kept."""
+def trajectory_record(
+    traj: Any, codec: Any = None, *, weight: float | None = None, policy: str = "default"
+) -> dict[str, Any]:
+    """The JSON-ready record of one finished trajectory (or one node of a tree); `codec` (fsm.families.Codec: the
+    model's exact text) decodes it, and without one only token counts are kept. `weight`: each of its rows' (the
+    batch's `weight` column; default: a linear trajectory's per-root share, 1 / its segments); `policy`: a linear
+    trajectory's (its spec's)."""
 
     def decode(part: list[int]) -> str | None:
         if codec is None:
@@ -116,6 +100,9 @@ def trajectory_record(traj: Any, codec: Any = None) -> dict[str, Any]:
         "weight_version_max": span[1] if span else None,
         "turns": turns,
     }
+    if hasattr(traj, "node"):
+        record.update(tree_record(traj, 0, policy))
+        record["weight"] = weight if weight is not None else 1.0 / traj.num_segments
     extra = getattr(traj, "extra", {})
     if extra.get("harness_session"):  # a harness row's gateway session (fsm/gateway/harness.py)
         record["gateway_session"] = extra["harness_session"]

@@ -36,6 +36,14 @@ OUTPUT_FILES = (
 )  # summary.json last: it vouches for the rest
 
 
+POLICY_BATCHES = "batch.*.pt"
+
+
+def policy_batch_file(policy: str) -> str:
+    """The file of one policy's batch in a several-policy run."""
+    return f"batch.{policy}.pt"
+
+
 def json_text(value: Any, **options: Any) -> str:
     """JSON as the run's files hold it: strict (NaN and Infinity are not JSON and most readers refuse them), so
     a non-finite number raises ValueError here instead of reaching a file; rewards are checked where they enter
@@ -148,10 +156,14 @@ def write_run(out: Path, write: Callable[[Path], T]) -> T:
     committed = False
     try:
         result = write(staging)
+        # a several-policy run writes batch.<policy>.pt, one per policy, in place of batch.pt (docs/trees.md)
+        names = [n for n in OUTPUT_FILES if (staging / n).exists()]
+        names[:0] = sorted(p.name for p in staging.glob(POLICY_BATCHES))
         with ctrl_c_held():
-            for name in reversed(OUTPUT_FILES):  # summary.json first: without it, nothing here vouches
+            old = [*OUTPUT_FILES[:-1], *(p.name for p in out.glob(POLICY_BATCHES)), OUTPUT_FILES[-1]]
+            for name in reversed(old):  # summary.json first: without it, nothing here vouches
                 (out / name).unlink(missing_ok=True)
-            for name in OUTPUT_FILES:
+            for name in names:
                 os.replace(staging / name, out / name)
             committed = True
         return result
@@ -172,20 +184,34 @@ def write_outputs(
     tracer: Any,
 ) -> dict[str, Any]:
     """batch.pt, trajectories.jsonl and summary.json of a run, into `out`; the summary back."""
-    from fsm.output.batch import fault_summary, summarize
+    from fsm.output.batch import fault_summary, summarize, tree_weights
     from fsm.output.batchfile import save_batch
     from fsm.output.record import trajectory_record
+    from fsm.run.tree import nodes_of
     from viz.stats import run_stats
 
-    try:
-        save_batch(
-            batch, out / "batch.pt"
-        )  # loadable with torch.load's weights_only=True (fsm/output/batchfile.py)
-    except RuntimeError as exc:  # torch's writer reports a full disk as a RuntimeError
-        raise OSError(f"batch.pt: {str(exc).splitlines()[0] if str(exc) else 'write failed'}") from exc
+    files = (
+        {policy_batch_file(p): b for p, b in batch.items()}
+        if isinstance(batch, dict)
+        else {"batch.pt": batch}
+    )
+    for name, one in files.items():
+        try:
+            save_batch(
+                one, out / name
+            )  # loadable with torch.load's weights_only=True (fsm/output/batchfile.py)
+        except RuntimeError as exc:  # torch's writer reports a full disk as a RuntimeError
+            raise OSError(f"{name}: {str(exc).splitlines()[0] if str(exc) else 'write failed'}") from exc
+    if isinstance(batch, dict):
+        batch = next(iter(batch.values()))  # the root policy's: its timing goes in the summary
+    weights = tree_weights(trajs, agent.spec.tree.weight, agent.spec.policy)
     with (out / "trajectories.jsonl").open("w") as f:
-        for traj in trajs:
-            f.write(json_text(trajectory_record(traj, codec), ensure_ascii=False) + "\n")
+        for root in trajs:  # a tree's nodes follow its root, one record each (docs/trees.md)
+            for traj in nodes_of(root):
+                record = trajectory_record(
+                    traj, codec, weight=weights.get(id(traj), 0.0), policy=agent.spec.policy
+                )
+                f.write(json_text(record, ensure_ascii=False) + "\n")
     summary = summarize(trajs)
     summary.update(
         spec=str(agent.path),

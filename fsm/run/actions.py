@@ -22,6 +22,7 @@ from fsm.run.context import RunContext
 from fsm.run.failures import StateFailure
 from fsm.run.policy import sync_template
 from fsm.run.trajectory import Trajectory, first_segment
+from fsm.run.tree import run_child
 
 
 async def encode_prompt(ctx: RunContext, traj: Trajectory) -> None:
@@ -168,7 +169,9 @@ async def _resumed_turn(
             deadline.reschedule(deadline.when() + waited)  # type: ignore[operator]
         epoch, sent_to = ctx.gate.epoch, ctx.gate.version
         request = GenerateRequest(
-            session_id=traj.session_id,
+            session_id=traj.session_id
+            if traj.node is None
+            else traj.node.route,  # a branch: its parent's server
             prompt_ids=context + ids,
             sampling_params={**params, "max_new_tokens": max_new - len(ids)},
             rid=f"{rid}_r{attempt}" if attempt else rid,
@@ -249,11 +252,11 @@ async def _call_tools(ctx: RunContext, traj: Trajectory, calls: list[Any]) -> No
     active = traj.extra.get("active_tools")
     t0 = time.perf_counter()
     if len(run) == 1:  # the common case: no task and gather for one call
-        outcomes = [await ctx.run_tool(traj, run[0], f"{traj.session_id}_c{traj.user_turns}_0", active)]
+        outcomes = [await _run_call(ctx, traj, run[0], f"{traj.session_id}_c{traj.user_turns}_0", active)]
     else:
         outcomes = await asyncio.gather(
             *(
-                ctx.run_tool(traj, call, f"{traj.session_id}_c{traj.user_turns}_{k}", active)
+                _run_call(ctx, traj, call, f"{traj.session_id}_c{traj.user_turns}_{k}", active)
                 for k, call in enumerate(run)
             )
         )
@@ -299,6 +302,15 @@ async def _call_tools(ctx: RunContext, traj: Trajectory, calls: list[Any]) -> No
             messages.append(message)
     if messages and ctx.add_observation(traj, messages, role="tool"):
         traj.user_turns += 1
+
+
+async def _run_call(
+    ctx: RunContext, traj: Trajectory, call: Any, instance_id: str, active: list[str] | None
+) -> Any:
+    """One call: a tool's, or a child machine's run when the call names one (fsm/run/tree.py)."""
+    if call.error is None and call.name in ctx.agent.spec.children and ctx.drive is not None:
+        return await run_child(ctx, traj, call, ctx.drive)
+    return await ctx.run_tool(traj, call, instance_id, active)
 
 
 def _tool_message(text: str, call_id: str | None) -> dict[str, Any]:

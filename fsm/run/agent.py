@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from transitions import Machine, Transition
@@ -19,7 +20,7 @@ from transitions import Machine, Transition
 from fsm.spec.failures import ERRORS, matches, without_default_failures
 from fsm.spec.guards import Predicate
 from fsm.spec.loader import LoadedSpec
-from fsm.spec.model import AgentSpec
+from fsm.spec.model import SPECS_DIR, AgentSpec, TreeSpec
 from fsm.tools.base import ToolSet
 
 TRIGGER = "advance"
@@ -73,6 +74,33 @@ class Reward:
     extras: tuple[str, ...] = ()  # the REWARD_EXTRAS its signature names (a **kwargs alone gets none of them)
 
 
+def child_spec_path(ref: str, spec_path: Path | None) -> Path | None:
+    """Where a child machine's `spec:` points: None for `self`, a shipped spec's file for its name, else a path
+    relative to the spec file (or the working directory for a spec without one)."""
+    if ref == "self":
+        return None
+    shipped = SPECS_DIR / f"{ref}.yaml"
+    if "/" not in ref and not ref.endswith((".yaml", ".yml")) and shipped.is_file():
+        return shipped
+    base = spec_path.resolve().parent if spec_path is not None else Path.cwd()
+    return (base / ref).resolve()
+
+
+def _hashed(spec: AgentSpec) -> dict[str, Any]:
+    """The spec as its hash reads it: the tree keys (docs/trees.md) and the failure rules (fsm/spec/failures.py)
+    left out where they hold their defaults, so a spec without them keeps the hash it had before they existed
+    (run statistics and snapshots compare it)."""
+    data = without_default_failures(spec.model_dump(mode="json", by_alias=True))
+    for key, default in (("policies", {}), ("children", {}), ("tree", TreeSpec().model_dump(mode="json"))):
+        if data.get(key) == default:
+            data.pop(key)
+    for state in data["states"].values():
+        for key in ("policy", "fork"):
+            if state.get(key) is None:
+                state.pop(key, None)
+    return data
+
+
 class CompiledAgent:
     """Immutable after construction; safe to share across trajectories, tasks and runs."""
 
@@ -123,11 +151,9 @@ class CompiledAgent:
         self.tools = tools
         self.interaction_cls = interaction_cls
         self.reward = reward
-        self.hash = hashlib.sha256(
-            json.dumps(
-                without_default_failures(spec.model_dump(mode="json", by_alias=True)), sort_keys=True
-            ).encode()
-        ).hexdigest()[:12]
+        self.forks = {name: st.fork for name, st in spec.states.items() if st.fork is not None}
+        self.compile: Any = None  # fsm/run/compile.py's compile_spec, for child machines (set by it)
+        self.hash = hashlib.sha256(json.dumps(_hashed(spec), sort_keys=True).encode()).hexdigest()[:12]
         self.machine = _SharedMachine(
             model=None,
             states=list(spec.states),
@@ -142,6 +168,15 @@ class CompiledAgent:
         # `Event.trigger` would wrap each step in an EventData, a partial and empty callback lists.
         event = self.machine.events.get(TRIGGER)  # none when the initial state is final: no edges at all
         self._table: dict[str, list[_LeanTransition]] = dict(event.transitions) if event else {}
+
+    def child_agent(self, name: str) -> CompiledAgent:
+        """The compiled spec of child machine `name` (this agent itself for `spec: self`)."""
+        path = child_spec_path(self.spec.children[name].spec, self.path)
+        if path is None:
+            return self
+        if self.compile is None:
+            raise RuntimeError(f"{self.name}: child machine {name} needs an agent compiled by compile_spec")
+        return self.compile(path)
 
     def advance(self, traj: Any, state: str | None = None) -> Edge:
         """The first edge out of `state` (default: the trajectory's) whose guard holds.

@@ -22,6 +22,7 @@ from fsm.run.actions import BUILTIN_ACTIONS
 from fsm.run.agent import REWARD_EXTRAS, CompiledAgent, Edge, Reward
 from fsm.run.interaction import REQUIRED_METHODS
 from fsm.run.rewrites import make_rewrite, rewrite_loops
+from fsm.run.treecheck import check_tree, child_schema
 from fsm.spec.failures import check_failures
 from fsm.spec.guards import GuardError, compile_guard
 from fsm.spec.loader import Diagnostic, LoadedSpec, SpecError, load_spec
@@ -130,6 +131,12 @@ class _Compiler:
         edges = self._edges()
         actions = self._actions()
         tools = self._tools()
+        check_tree(spec, self.loaded.path if self.loaded else None, self.error)  # fsm/run/treecheck.py
+        for name, child in spec.children.items():
+            schema = child.schema_
+            if isinstance(schema, str):
+                schema = self._ref(schema, "children", name, "schema")
+            tools.schemas.append(child_schema(name, child, schema))
         interaction_cls = self._interaction()
         reward = self._reward()
         if spec.demo_data is not None:
@@ -155,7 +162,9 @@ class _Compiler:
             raise SpecError(self.diags)
         if self.static:
             return None
-        return CompiledAgent(spec, self.loaded, edges, actions, tools, interaction_cls, reward)
+        agent = CompiledAgent(spec, self.loaded, edges, actions, tools, interaction_cls, reward)
+        agent.compile = compile_spec  # child machines compile their specs with it (fsm/run/tree.py)
+        return agent
 
     def _check_limits(self) -> None:
         lim = self.spec.limits

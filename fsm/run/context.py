@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from backends.base import GREEDY_BELOW, Backend, GenerateRequest, GenerateResult
-from fsm.families import Codec, make_parser, parser_name
+from fsm.families import Codec, codec_for, make_parser, parser_name
 from fsm.families.parsers import PARSERS, ToolCall
 from fsm.run.agent import CompiledAgent
 from fsm.run.tracer import Tracer
@@ -46,10 +46,12 @@ class Sampling:
         overrides: Mapping[str, Any] | None = None,
         *,
         validate: bool = False,
+        base_spec: Any = None,
     ) -> Sampling:
-        """`overrides`: SGLang sampling names, plus `seed` and `logprobs`; `validate` picks val_sampling."""
+        """`overrides`: SGLang sampling names, plus `seed` and `logprobs`; `validate` picks val_sampling;
+        `base_spec` (a policy's SamplingSpec) replaces the spec's."""
         spec = agent.spec
-        base = (spec.val_sampling if validate else spec.sampling).model_dump()
+        base = (base_spec or (spec.val_sampling if validate else spec.sampling)).model_dump()
         overrides = check_sampling(dict(overrides or {}))
         seed = overrides.pop("seed", base.pop("seed"))
         logprobs = bool(overrides.pop("logprobs", base.pop("logprobs")))
@@ -96,7 +98,8 @@ class Sampling:
         max_new = budget if self.max_new_tokens is None else min(budget, self.max_new_tokens)
         params = {**self.params, "max_new_tokens": max_new}
         if self.seed is not None:
-            params["sampling_seed"] = self.seed + traj.index * 1000 + traj.sample
+            node = traj.node.ordinal if traj.node is not None else 0  # branches of one fork draw apart
+            params["sampling_seed"] = self.seed + traj.index * 1000 + traj.sample + 7919 * node
         return params
 
 
@@ -195,6 +198,16 @@ class PauseGate:
         return self.version if fallback is None else fallback
 
 
+@dataclass(slots=True)
+class Policy:
+    """One policy at run time (the spec's `policies:`): its backend (None: the run's) and its codec."""
+
+    name: str
+    backend: Backend | None
+    codec: Codec | None  # None: the run's codec, read with the generating spec's model family
+    sampling: Any = None  # its SamplingSpec, or None: the generating spec's
+
+
 class RunContext:
     """What actions share during one run: the agent, the backend, the codec, sampling, tools, tracing."""
 
@@ -227,6 +240,52 @@ class RunContext:
         # until the run ends; 1: nobody shares, nothing kept)
         self.prompt_cache: dict[str, list[Any]] = {}
         self.group_size: int | None = None
+        # trees (fsm/run/tree.py): the run's policies by name, the root's agent, the contexts of other (agent,
+        # policy) pairs its child machines run in, shared by every context of the run
+        self.policies: dict[str, Policy] = {}
+        self.root_agent = agent
+        self.policy = agent.spec.policy
+        self.drive: Callable[[RunContext, Trajectory], Any] | None = None  # Runner.drive, for children
+        self._nodes: dict[tuple[int, str], RunContext] = {(id(agent), self.policy): self}
+        self._child_agents: dict[tuple[int, str], CompiledAgent] = {}
+
+    def child_agent(self, name: str) -> CompiledAgent:
+        """The compiled spec of this agent's child machine `name` (compiled once per run, on first use)."""
+        key = (id(self.agent), name)
+        agent = self._child_agents.get(key)
+        if agent is None:
+            agent = self._child_agents[key] = self.agent.child_agent(name)
+        return agent
+
+    def for_node(self, agent: CompiledAgent, policy: str) -> RunContext:
+        """The context a node of `agent` generating with `policy` runs in: that policy's backend, codec and
+        sampling (made once per run and pair; the run's own for the root's pair)."""
+        ctx = self._nodes.get((id(agent), policy))
+        if ctx is not None:
+            return ctx
+        known = self.policies.get(policy) or Policy(policy, None, None)
+        codec = known.codec
+        if codec is None:
+            model = agent.spec.model
+            codec = codec_for(
+                self.codec.tokenizer,
+                model.family,
+                model.chat_template_kwargs,
+                model.special_tokens_in_observations,
+            )
+        sampling = Sampling.resolve(agent, codec, {"seed": self.sampling.seed}, base_spec=known.sampling)
+        ctx = RunContext(
+            agent, known.backend or self.backend, codec, sampling, tracer=self.tracer, gate=self.gate
+        )
+        ctx.policies, ctx.root_agent, ctx.policy, ctx.drive = (
+            self.policies,
+            self.root_agent,
+            policy,
+            self.drive,
+        )
+        ctx._nodes, ctx._child_agents = self._nodes, self._child_agents
+        self._nodes[(id(agent), policy)] = ctx
+        return ctx
 
     async def call_backend(self, traj: Trajectory, request: GenerateRequest) -> GenerateResult:
         if self.tracer is None or TRACED.get() is None:

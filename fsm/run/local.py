@@ -107,12 +107,26 @@ class Local:
         start = getattr(self.backend, "start", None)
         if start is not None:
             await start()
+        for other in self._policy_backends():  # the spec's other policies' models (fsm/run/tree.py)
+            start = getattr(other, "start", None)
+            if start is not None:
+                await start()
         # The servers' weight version, when they report an int: the counter goes on from there.
         reported = await self._reported_version()
         if reported is not None and reported > self.runner.gate.version:
             self.runner.gate.version = reported
         if self._on_started is not None:
             self._on_started()
+
+    def _policy_backends(self) -> list[Backend]:
+        """The backends of the spec's policies other than the runner's own, each once."""
+        seen = {id(self.backend)}
+        out = []
+        for policy in self.runner.policies.values():
+            if policy.backend is not None and id(policy.backend) not in seen:
+                seen.add(id(policy.backend))
+                out.append(policy.backend)
+        return out
 
     async def _reported_version(self) -> int | None:
         version = getattr(self.backend, "weight_version", None)
@@ -330,6 +344,10 @@ class Local:
             close = getattr(self.backend, "close", None)
             if close is not None and self._started is not None:
                 await close()
+            for other in self._policy_backends():
+                close = getattr(other, "close", None)
+                if close is not None and self._started is not None:
+                    await close()
             self.agent.tools.close()  # idle tool threads, loops and worker processes (tools restart on use)
         finally:  # the run's owner closes its tracer: every span ended is exported or counted as dropped
             close_tracer = getattr(self.tracer, "close", None)

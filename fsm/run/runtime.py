@@ -30,13 +30,14 @@ from fsm.data.rows import RowError, encodable_value, normalize_record, row_input
 from fsm.families import Codec, codec_for
 from fsm.run import loopwatch
 from fsm.run.agent import CompiledAgent
-from fsm.run.context import TRACED, PauseGate, RunContext, Sampling
+from fsm.run.context import TRACED, PauseGate, Policy, RunContext, Sampling
 from fsm.run.failures import run_state
 from fsm.run.interaction import call_lifecycle
 from fsm.run.policy import check_segments
 from fsm.run.signals import signals_wake_the_loop
 from fsm.run.tracer import Tracer
 from fsm.run.trajectory import Trajectory
+from fsm.run.tree import fork, row_nodes, should_fork
 from fsm.spec.model import DEFAULT_TOOL_WORKERS
 from fsm.tools.isolation import CALLER, INLINE_STEPS, ThreadLane
 
@@ -103,6 +104,9 @@ class Runner:
         self._watchdog_task: asyncio.Task[None] | None = None
         self._moved_at = time.perf_counter()  # the last time a trajectory finished
         self._reward_lane: ThreadLane | None = None  # a sync reward function's own threads, made on first use
+        # the spec's policies (fsm/run/tree.py): name -> backend and codec; a policy not here, or with None, uses
+        # the run's backend and codec (RolloutEngine(policies=...) and the CLI fill it)
+        self.policies: dict[str, Policy] = {}
 
     def make_context(
         self,
@@ -111,9 +115,16 @@ class Runner:
         *,
         sampling: Sampling | None = None,
     ) -> RunContext:
+        policy = self.policies.get(self.agent.spec.policy)
         if sampling is None:
-            sampling = Sampling.resolve(self.agent, self.codec, sampling_params, validate=validate)
-        return RunContext(self.agent, self.backend, self.codec, sampling, tracer=self.tracer, gate=self.gate)
+            base = policy.sampling if policy is not None else None
+            sampling = Sampling.resolve(
+                self.agent, self.codec, sampling_params, validate=validate, base_spec=base
+            )
+        backend = (policy.backend if policy is not None else None) or self.backend
+        ctx = RunContext(self.agent, backend, self.codec, sampling, tracer=self.tracer, gate=self.gate)
+        ctx.policies, ctx.drive = self.policies, self.drive
+        return ctx
 
     def trajectories(self, rows: Iterable[Mapping[str, Any]], n: int = 1) -> list[Trajectory]:
         """Rows -> one trajectory per (row, sample); samples of a row share its uid (a GRPO group)."""
@@ -190,7 +201,7 @@ class Runner:
 
         `boundary`, when given, is awaited before each action: the trajectory is then between states, whole
         (fsm/run/snapshot.py parks trajectories there to take a consistent snapshot)."""
-        agent, tracer = self.agent, self.tracer
+        agent, tracer = ctx.agent, self.tracer  # a child machine's node runs its own agent
         timeout = agent.limits.action_timeout_s
         root = traced = None
         if tracer is not None:
@@ -220,6 +231,8 @@ class Runner:
                         0
                     )  # a cycle of actions that never await still lets Ctrl-C and others in
                 source = traj.state
+                if agent.forks and should_fork(ctx, traj) and await fork(ctx, traj, self.drive):
+                    break  # its branches went on from here (fsm/run/tree.py)
                 try:
                     if source in agent.ruled:  # retry, catch, timeout_s, heartbeat_s: fsm/run/failures.py
                         edge = await run_state(agent, source, ctx, traj, timeout) or agent.advance(traj)
@@ -242,26 +255,29 @@ class Runner:
             if task is None or task.cancelling():
                 raise  # the run itself is being cancelled: not this trajectory's failure
             self._fail(
+                agent,
                 traj,
                 f"CancelledError raised in {traj.state} by the action, not by a cancellation of the run"
                 f"{': ' + str(exc) if str(exc) else ''}",
             )
         except RowError as exc:
-            self._fail(traj, str(exc))
+            self._fail(agent, traj, str(exc))
         except GenerationAborted as exc:
-            self._fail(traj, f"aborted: {exc}")
+            self._fail(agent, traj, f"aborted: {exc}")
         except BackendTimeout as exc:
-            self._fail(traj, f"timeout: {exc}")
+            self._fail(agent, traj, f"timeout: {exc}")
         except BackendError as exc:
-            self._fail(traj, f"backend: {exc}")
+            self._fail(agent, traj, f"backend: {exc}")
         except TimeoutError:
-            self._fail(traj, f"timeout: action of {traj.state} exceeded {agent.limits.action_timeout_s}s")
+            self._fail(
+                agent, traj, f"timeout: action of {traj.state} exceeded {agent.limits.action_timeout_s}s"
+            )
         except Exception as exc:  # a user action or guard bug ends this trajectory only
-            self._fail(traj, f"{type(exc).__name__} in {traj.state}: {exc}")
+            self._fail(agent, traj, f"{type(exc).__name__} in {traj.state}: {exc}")
         except KeyboardInterrupt:
             raise  # a real Ctrl-C cannot be told from a raised one; swallowing it would keep the run going
         except BaseException as exc:  # SystemExit, GeneratorExit... from user code: this trajectory only
-            self._fail(traj, f"{type(exc).__name__} in {traj.state}: {exc}")
+            self._fail(agent, traj, f"{type(exc).__name__} in {traj.state}: {exc}")
         finally:
             self.live.pop(traj.session_id, None)
             self.driving.pop(task, None)  # type: ignore[arg-type]
@@ -275,19 +291,29 @@ class Runner:
                 if traced is not None:
                     TRACED.reset(traced)
 
-    def _fail(self, traj: Trajectory, reason: str) -> None:
+    @staticmethod
+    def _fail(agent: CompiledAgent, traj: Trajectory, reason: str) -> None:
         """End `traj` as failed in its state, as the spec's `on_error` says (fsm/spec/failures.py): mask (an
         empty response), zero_reward (its tokens kept; scored 0 as any failed row), drop (masked, and left
         out of the batch by fsm/output/batch.py)."""
-        st = self.agent.spec.states.get(traj.state)
-        mode = (st.on_error if st is not None else None) or self.agent.spec.failures.on_error
+        st = agent.spec.states.get(traj.state)
+        mode = (st.on_error if st is not None else None) or agent.spec.failures.on_error
         traj.fail(reason, keep_tokens=mode == "zero_reward")
         if mode != "mask":
             traj.extra["on_error"] = mode
 
     async def _finish(self, ctx: RunContext, traj: Trajectory) -> None:
         """Release the session, close the interaction, score, and (optionally) check the tokens."""
-        if traj.state not in self.agent.final_states and not traj.failed:
+        agent = ctx.agent
+        node = traj.node
+        if node is not None and node.forked and not traj.failed:
+            traj.termination_reason = "forked"  # its branches are its rows; scored as the mean of theirs
+            scores = [t.reward_score for t in node.nodes if t.reward_score is not None]
+            traj.reward_score = sum(scores) / len(scores) if scores else None
+            await ctx.backend.release(traj.session_id)
+            self._tree_rewards(traj)
+            return
+        if traj.state not in agent.final_states and not traj.failed:
             traj.fail(f"ended in {traj.state}, which is not a final state")  # never a row that looks finished
         if traj.termination_reason is None:
             traj.termination_reason = traj.state.lower()
@@ -317,25 +343,36 @@ class Runner:
         except RewardError as exc:
             if traj.error is None:
                 traj.fail(f"reward: {exc}")
-            if self.agent.reward is not None:  # scored as any failed row is, so the batch keeps its rm_scores
+            if agent.reward is not None:  # scored as any failed row is, so the batch keeps its rm_scores
                 traj.reward_score = 0.0
         except Exception as exc:  # scoring/cleanup failures are recorded, never raised into the batch
             if traj.error is None:
                 traj.fail(f"{type(exc).__name__} while finishing: {exc}")
         if self.check_tokens and not traj.failed and traj.prompt_ids:
-            traj.token_check = check_segments(self.codec, traj, self.agent.spec.context.policy == "template")
+            traj.token_check = check_segments(ctx.codec, traj, agent.spec.context.policy == "template")
+        self._tree_rewards(traj)
+
+    @staticmethod
+    def _tree_rewards(traj: Trajectory) -> None:
+        """A finished root: each row of its tree without a reward of its own (a child machine whose spec has no
+        reward function) gets the root's, the tree's outcome."""
+        if traj.node is None or traj.node.kind != "root" or traj.reward_score is None:
+            return
+        for sub in row_nodes(traj):
+            if sub.reward_score is None:
+                sub.reward_score = traj.reward_score
 
     async def _score(self, ctx: RunContext, traj: Trajectory) -> None:
-        reward = self.agent.reward
-        if reward is None:
-            return
+        reward = ctx.agent.reward
+        if reward is None or (traj.node is not None and traj.node.kind == "child"):
+            return  # a child machine's row gets its tree's reward when the root finishes (_tree_rewards)
         if traj.failed:
             traj.reward_score = 0.0
             return
         row = traj.row
         kwargs = dict(
             data_source=row.get("data_source"),
-            solution_str=self.codec.decode(traj.response_ids.tolist()),
+            solution_str=ctx.codec.decode(traj.response_ids.tolist()),
             ground_truth=(row.get("reward_model") or {}).get("ground_truth"),
             extra_info=row.get("extra_info"),
             **reward.kwargs,
@@ -343,7 +380,7 @@ class Runner:
         for name in reward.extras:  # only what the function names: verl-style signatures see no change
             kwargs[name] = reward_extra(traj, name)
         t0 = time.perf_counter()
-        name, limit = self.agent.spec.reward.function, self.agent.limits.reward_timeout_s  # type: ignore[union-attr]
+        name, limit = ctx.agent.spec.reward.function, ctx.agent.limits.reward_timeout_s  # type: ignore[union-attr]
         try:
             async with asyncio.timeout(limit):
                 if inspect.iscoroutinefunction(reward.fn):

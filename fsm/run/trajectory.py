@@ -254,6 +254,8 @@ class Trajectory:
         "metrics",
         "extra",
         "extra_fields",
+        # its place in a tree (fsm/run/tree.py Node); None: a root without children or branches
+        "node",
     )
 
     def __init__(self, index: int, sample: int, session_id: str, uid: str, row: dict[str, Any], initial: str):
@@ -307,6 +309,7 @@ class Trajectory:
         # verl's agent_data.extra_fields: what tools (and, through fsm_agent, verl's server) put there;
         # exported with the trajectory's extra fields, and as batch columns, as verl exports them
         self.extra_fields: dict[str, Any] = {}
+        self.node: Any = None
 
     @property
     def row_name(self) -> str:

@@ -7,6 +7,7 @@ with file positions. This module only knows the shape of a spec.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
@@ -49,6 +50,19 @@ class TransitionSpec(_Strict):
     )
 
 
+class ForkSpec(_Strict):
+    """A state's fork into branches (docs/trees.md)."""
+
+    branches: int = Field(ge=2, le=64, description="K: the branches the trajectory splits into.")
+    times: int | None = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Forks at this state along one path (a branch inherits its parent's count); null: on every "
+        "entry, which `validate` refuses when the state is on a cycle.",
+    )
+
+
 class StateSpec(StateFailures):  # retry, catch, timeout_s, heartbeat_s, on_error: fsm/spec/failures.py
     action: str | None = Field(
         default=None,
@@ -57,6 +71,18 @@ class StateSpec(StateFailures):  # retry, catch, timeout_s, heartbeat_s, on_erro
     final: bool = Field(default=False, description="A final state ends the trajectory; it has no action.")
     next: list[TransitionSpec] = Field(default_factory=list, description="Outgoing edges, tried in order.")
     description: str | None = None
+    # trees (docs/trees.md): which policy generates here, and a fork into branches on entry
+    policy: str | None = Field(
+        default=None,
+        description="The policy (a name under `policies:`) whose model generates in this state. Every generating "
+        "state of one spec names the same one (start a child machine for another); default: the spec's default "
+        "policy. Not context.policy, which says how a turn's context is built.",
+    )
+    fork: ForkSpec | None = Field(
+        default=None,
+        description="On entering this state the trajectory forks into `branches` that share every token so far "
+        "and each run this state's action on their own.",
+    )
 
 
 class RetrySpec(_Strict):
@@ -414,6 +440,88 @@ class ModelSpec(_Strict):
     )
 
 
+class PolicySpec(_Strict):
+    """One model that generates in some states or child machines (docs/trees.md). Its backend is the one the API
+    or CLI gives for its name, else `servers`, else `checkpoint`, else the run's own backend."""
+
+    servers: list[str] = Field(
+        default_factory=list, description="SGLang/vLLM base URLs serving this policy's model (a Router)."
+    )
+    checkpoint: str | None = Field(
+        default=None, description="A model directory for the embedded backend (relative to the spec file)."
+    )
+    sampling: SamplingSpec | None = Field(
+        default=None, description="This policy's sampling; default: the sampling of the spec that generates."
+    )
+    model: ModelSpec | None = Field(
+        default=None,
+        description="This policy's model family and template kwargs; default: the spec's `model:`.",
+    )
+
+
+class ChildSpec(_Strict):
+    """A child machine started by a tool call of the same name: its final answer is that call's observation."""
+
+    spec: str = Field(
+        description="`self` (this spec), a shipped spec's name, or a spec file's path relative to this one."
+    )
+    policy: str | None = Field(
+        default=None, description="The policy generating in the child; default: the child spec's own."
+    )
+    input: str = Field(
+        default="task", description="The tool argument whose text becomes the child's user message."
+    )
+    description: str = Field(
+        default="Hand a sub-task to a sub-agent; returns its final answer.",
+        description="The tool's description, as the parent's model reads it.",
+    )
+    system: str | None = Field(default=None, description="A system message put before the child's task.")
+    answer: str | None = Field(
+        default=None,
+        description="A regular expression over the child's final message: its first group (else the whole "
+        "match) is the answer the parent sees; no match: the whole message. Default: the whole message.",
+    )
+    schema_: dict[str, Any] | str | None = Field(
+        default=None,
+        alias="schema",
+        description="The tool schema the parent's model sees, inline or module:NAME (it must take `input`); "
+        "default: one string argument `input` with `description`.",
+    )
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    @field_validator("answer")
+    @classmethod
+    def _answer(cls, v: str | None) -> str | None:
+        if v is not None:
+            try:
+                re.compile(v)
+            except re.error as exc:
+                raise ValueError(f"answer is not a regular expression: {exc}") from None
+        return v
+
+
+class TreeSpec(_Strict):
+    """Bounds on a tree of child machines and branches, and how its rows are weighted (docs/trees.md)."""
+
+    max_depth: int | None = Field(
+        default=3,
+        ge=1,
+        le=32,
+        description="Deepest node (the root is depth 0); a child past it is refused with an error observation, "
+        "a fork past it is skipped. null: none, which `validate` refuses for a recursive child machine.",
+    )
+    max_children: int = Field(
+        default=8, ge=1, le=1024, description="Child machines and branches one node may start."
+    )
+    max_nodes: int = Field(default=64, ge=1, le=100_000, description="Nodes of one tree, the root included.")
+    weight: Literal["per_root", "per_row"] = Field(
+        default="per_root",
+        description="The batch's `weight` column: per_root splits 1.0 evenly over a root's rows (segments, "
+        "children and branches included); per_row gives every row 1.0.",
+    )
+
+
 class AgentSpec(_Strict):
     """The whole agent. `extends:` is resolved by the loader before this model is built."""
 
@@ -462,6 +570,30 @@ class AgentSpec(_Strict):
         default_factory=FailuresSpec,
         description="What a failed row becomes and the run's failure budget (per-state rules: retry, catch).",
     )
+    # trees (docs/trees.md)
+    policies: dict[str, PolicySpec] = Field(
+        default_factory=dict,
+        description="Named models (policies). None declared: one implicit policy named `default`, the run's backend.",
+    )
+    children: dict[str, ChildSpec] = Field(
+        default_factory=dict,
+        description="Child machines, each started by a tool call of its name (a tool the model sees).",
+    )
+    tree: TreeSpec = Field(default_factory=TreeSpec, description="Bounds and row weights of trees.")
+
+    @property
+    def default_policy(self) -> str:
+        """The policy of a generating state that names none: `default` when declared (or none are), else the
+        first declared."""
+        if not self.policies or "default" in self.policies:
+            return "default"
+        return next(iter(self.policies))
+
+    @property
+    def policy(self) -> str:
+        """The policy that generates in this spec's states."""
+        named = [st.policy for st in self.states.values() if st.policy is not None]
+        return named[0] if named else self.default_policy
 
     @property
     def segmenting(self) -> bool:

@@ -356,12 +356,22 @@ class _Root(_Span):
         self.tel, self.shape, self.values = tel, shapes.root, ()
         self._trace_id, self._span_id, self._parent_id = _random_bits(128) or 1, _random_bits(64) or 1, 0
         self._extra = self._end = None
+        node = getattr(traj, "node", None)
+        if (
+            node is not None
+            and node.kind != "root"
+            and isinstance(ambient, _Span)
+            and ambient._trace_id in tel._live
+        ):
+            # a child machine or a branch (fsm/run/tree.py): its spans go under the span that started it, in
+            # its tree's one trace
+            self._trace_id, self._parent_id, ambient = ambient._trace_id, ambient._span_id, None
         if ambient is not None:
             ambient = ambient.get_span_context()
             if ambient.is_valid:
                 self._x().links.append(Link(ambient))
         self.traj, self.shapes, self.state_span, self.prompt_roles = traj, shapes, None, None
-        tel._live[self._trace_id] = self
+        tel._live.setdefault(self._trace_id, self)  # a tree's: its root's
         self._token = _attach(self, alone=True)
         self.state_mark = len(traj.runs)  # the span counts the tokens appended after this mark
         self.segments_seen = len(traj.closed)  # segments closed when the state's span began
@@ -524,7 +534,8 @@ class _Root(_Span):
             self.state_span.end()
             self.state_span = None
         _detach(self._token)
-        tel._live.pop(self._trace_id, None)
+        if tel._live.get(self._trace_id) is self:
+            del tel._live[self._trace_id]
         self.shape = self.shapes.named_root()  # the model's name, learnt meanwhile (shapes.UNKNOWN_MODEL)
         self.traj = None  # the root may wait in the export queue; the trajectory need not
         self.end()

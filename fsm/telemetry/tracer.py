@@ -262,6 +262,8 @@ class Telemetry:
 
     def _joined(self, current: Any) -> tuple[_Root | None, int]:
         """(root, parent span id) when the current span is in a trajectory this tracer traces."""
+        if isinstance(current, _Root):  # a tree's nodes share its trace: each node's own root
+            return current, current._span_id
         if isinstance(current, _Span):
             return self._live.get(current._trace_id), current._span_id
         if not current.is_recording():  # INVALID_SPAN, or a span another tracer sampled out

@@ -129,7 +129,7 @@ def test_a_retry_from_an_earlier_turn_is_a_branch_and_the_main_line_goes_on_in_p
     assert rows[1]["branch_offset"] == offset and rows[0]["branch_offset"] == 0
     assert rows[1]["shared_prefix"]["node"] == "0" and rows[1]["shared_prefix"]["length"] >= offset
     assert rows[0]["shared_prefix"] == {"length": 0, "node": None}
-    assert [r["weight"] for r in rows] == [0.5, 0.5] and {r["tree"] for r in rows} == {traj.uid}
+    assert [r["weight"] for r in rows] == [0.5, 0.5] and {r["tree"] for r in rows} == {traj.session_id}
     nt = batch.non_tensor_batch  # the batch's rows carry the same fields
     assert nt["node"].tolist() == ["0", "0.0"] and nt["node_kind"].tolist() == ["root", "branch"]
     assert nt["parent"].tolist() == [None, "0"] and nt["branch_offset"].tolist() == [0, offset]
