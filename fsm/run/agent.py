@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from transitions import Machine, Transition
 
@@ -116,11 +116,12 @@ class CompiledAgent:
         )
         for edge in edges:
             self.machine.add_transition(TRIGGER, edge.source, edge.dest)
-            self.machine.events[TRIGGER].transitions[edge.source][-1].edge = edge
+            added = self.machine.events[TRIGGER].transitions[edge.source][-1]
+            cast(_LeanTransition, added).edge = edge  # (the machine's transition_cls)
         # The machine's own per-state transition lists, in declared order. `advance` walks them directly:
         # `Event.trigger` would wrap each step in an EventData, a partial and empty callback lists.
         event = self.machine.events.get(TRIGGER)  # none when the initial state is final: no edges at all
-        self._table: dict[str, list[_LeanTransition]] = dict(event.transitions) if event else {}
+        self._table = cast(dict[str, list[_LeanTransition]], dict(event.transitions) if event else {})
 
     def advance(self, traj: Any, state: str | None = None) -> Edge:
         """The first edge out of `state` (default: the trajectory's) whose guard holds.
