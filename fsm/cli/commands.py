@@ -599,7 +599,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    import importlib
+    from fsm.cli.bundled import bench_module
 
     what = args.what
     if args.workload != "engine" and (what, args.workload) not in (
@@ -612,9 +612,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             f"bench {what}: no --workload {args.workload} (engine: engine | calculator | contexts; tracing: engine | "
             "calculator | embedded)"
         )
-    bench = importlib.import_module(
-        f"bench.{what.replace('-', '_')}"
-    )  # `async` is a keyword: no plain import
+    bench = bench_module(what.replace("-", "_"))
     _freeze_heap()  # as `agentfsm run` does: the benchmarks measure the rollout, not the collector on imports
     if what == "engine" and args.workload == "contexts":
         result = bench.bench_contexts(
