@@ -45,7 +45,8 @@ from backends.base import (
 )
 from backends.retry import RetryPolicy, retry
 
-GenerateFn = Callable[[list[int], dict[str, Any]], Awaitable[Any]]
+# generate(prompt_ids, sampling_params), or with a `request` keyword (the GenerateRequest) where it takes one
+GenerateFn = Callable[..., Awaitable[Any]]
 Hook = Callable[[], Any]
 FINISH_REASONS = ("stop", "length", "abort")
 

@@ -203,7 +203,7 @@ class HFBackend(BaseBackend):
             if self.device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16)
             else None
         )
-        config = self.model.config
+        config: Any = self.model.config  # a transformers config (the caller's module may be any nn.Module)
         self.model_name = served_model_name or model_name or _served_name(model, config)
         self.context_length = getattr(config, "max_position_embeddings", None)
         self.vocab_size: int = config.vocab_size
@@ -215,9 +215,8 @@ class HFBackend(BaseBackend):
             ]
         self.eos_token_ids = frozenset(eos_token_ids)
         config_pad = getattr(config, "pad_token_id", None)
-        self.pad_token_id = pad_token_id if pad_token_id is not None else config_pad
-        if self.pad_token_id is None:
-            self.pad_token_id = min(self.eos_token_ids, default=0)
+        pad = pad_token_id if pad_token_id is not None else config_pad
+        self.pad_token_id: int = pad if pad is not None else min(self.eos_token_ids, default=0)
         self.max_batch_size = max_batch_size
         self.weight_version = "default"
         self._rng = random.Random(seed)
@@ -444,9 +443,10 @@ class HFBackend(BaseBackend):
                                 continue
                             rows = joined
                         else:  # prefilled into the batch's slots: counted in (and dropped if done already)
-                            rows.merge(joined)
+                            running.merge(joined)
                         jobs += [job for job, _ in group]
                         if len(live) < len(group):
+                            assert rows is not None  # joined, or the running batch it merged into
                             live = list(range(len(jobs) - len(group))) + [
                                 len(jobs) - len(group) + row for row in live
                             ]

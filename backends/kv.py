@@ -18,7 +18,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import DynamicCache
@@ -48,13 +48,23 @@ def _pad_left(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
 
 
 def layers(cache: DynamicCache) -> KV:
-    return [(layer.keys, layer.values) for layer in cache.layers]
+    # the caches built here hold DynamicLayers (or subclasses), whose keys and values are set once filled
+    return [(cast(torch.Tensor, layer.keys), cast(torch.Tensor, layer.values)) for layer in _dynamic(cache)]
+
+
+def _dynamic(cache: DynamicCache) -> list[DynamicLayer]:
+    return cast(list[DynamicLayer], cache.layers)
+
+
+def _slots(cache: DynamicCache) -> list[SlotLayer]:
+    """A running batch's SlotCache layers (typed as such; `Rows` checks which cache it holds)."""
+    return cast(list[SlotLayer], cache.layers)
 
 
 def make_cache(kv: KV | None, config: Any) -> DynamicCache:
     """A DynamicCache holding `kv` as is (not copied)."""
     cache = DynamicCache(config=config)
-    for layer, (keys, values) in zip(cache.layers, kv, strict=True) if kv else ():
+    for layer, (keys, values) in zip(_dynamic(cache), kv, strict=True) if kv else ():
         layer.lazy_initialization(keys, values)
         layer.keys, layer.values = keys, values
     return cache
@@ -161,6 +171,7 @@ class SlotLayer(DynamicLayer):
         kb, vb = like.new_zeros(shape), like.new_zeros(shape)
         start = spare + (self.lo - lo)  # where the columns in use land
         if self.kb is not None and self.n:
+            assert self.keys is not None and self.values is not None  # set by _view with kb
             kb[: self.n, :, start : start + self.hi - self.lo] = self.keys
             vb[: self.n, :, start : start + self.hi - self.lo] = self.values
         self.kb, self.vb = kb, vb
@@ -248,8 +259,9 @@ class SlotCache(DynamicCache):
 
     def __init__(self, config: Any, max_rows: int, kv: KV | None = None):
         super().__init__(config=config)
-        self.layers = [SlotLayer(max_rows) for _ in self.layers]
-        for layer, (keys, values) in zip(self.layers, kv, strict=True) if kv else ():
+        slots = [SlotLayer(max_rows) for _ in self.layers]
+        self.layers = list(slots)
+        for layer, (keys, values) in zip(slots, kv, strict=True) if kv else ():
             layer.join(keys, values)
 
 
@@ -294,25 +306,24 @@ class Rows:
         trim = int(used[0]) if len(used) else 0
         self.mask = self.mask[:, trim:]
         pairs = list(zip(holes, movers, strict=True))
-        for layer in self.cache.layers:
-            layer.move(pairs, kept, trim)  # type: ignore[attr-defined]
+        for layer in _slots(self.cache):
+            layer.move(pairs, kept, trim)
         return order
 
     def opened(self, past: KV | None, rows: int, width: int, config: Any) -> DynamicCache:
         """A cache for the prefill of `rows` rows that join this batch, `width` columns each (see `Opened`)."""
         cache = DynamicCache(config=config)
         cache.layers = [
-            layer.open(past[i] if past else None, rows, width)  # type: ignore[attr-defined]
-            for i, layer in enumerate(self.cache.layers)
+            layer.open(past[i] if past else None, rows, width) for i, layer in enumerate(_slots(self.cache))
         ]
         return cache
 
     def merge(self, other: Rows) -> None:
         """Count in `other`'s rows, prefilled into this batch's slots (`opened`); the narrower side's mask is
         padded on the left."""
-        for layer in self.cache.layers:
-            layer.n += len(other)  # type: ignore[attr-defined]
-            layer._view()  # type: ignore[attr-defined]
+        for layer in _slots(self.cache):
+            layer.n += len(other)
+            layer._view()
         width = max(self.mask.shape[1], other.mask.shape[1])
         self.mask = torch.cat([_pad_left(self.mask, width, 1), _pad_left(other.mask, width, 1)])
         self.pos, self.tokens = torch.cat([self.pos, other.pos]), torch.cat([self.tokens, other.tokens])

@@ -150,12 +150,12 @@ class Router(BaseBackend):
         self.prompt_tokens = 0
         self.cached_tokens = 0
 
-    @property  # type: ignore[override]
-    def model_name(self) -> str:  # the served name, once the first server has read it from /model_info
+    @property
+    def model_name(self) -> str:  # type: ignore[override]  # read-only: the first server's served name, once the first server has read it from /model_info
         return self.servers[0].backend.model_name
 
-    @property  # type: ignore[override]
-    def context_length(self) -> int | None:
+    @property
+    def context_length(self) -> int | None:  # type: ignore[override]  # read-only: the smallest server's
         known = [s.backend.context_length for s in self.servers if s.backend.context_length]
         return min(known) if known else None
 

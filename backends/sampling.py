@@ -82,7 +82,8 @@ def validate(
         if key not in IMPLEMENTED and key not in TEXT_ONLY and key not in UNSUPPORTED:
             raise bad(f"unknown sampling param {key!r}")
     try:
-        max_new = int(params.get("max_new_tokens") if params.get("max_new_tokens") is not None else 128)
+        given = params.get("max_new_tokens")
+        max_new = int(given if given is not None else 128)
         temperature = float(params.get("temperature", 1.0))
         top_p = float(params.get("top_p", 1.0))
         top_k = int(params.get("top_k", -1))

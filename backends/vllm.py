@@ -230,7 +230,7 @@ class VLLMBackend(ServerClient):
                 prompt_tokens=len(asked.prompt_ids),
                 server=self.url,
             )
-        payload = {
+        payload: dict[str, object] = {
             "token_ids": list(asked.prompt_ids),
             "request_id": rid,
             "sampling_params": vllm_params(params, asked.return_logprob),

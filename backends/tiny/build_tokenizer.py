@@ -106,7 +106,8 @@ Thank you for your help. You are welcome. Let me check that for you. The total i
 
 def render(messages: list[dict], add_generation_prompt: bool = False) -> str:
     """Render with transformers' own jinja environment (its tojson keeps key order, jinja's sorts keys)."""
-    rendered, _ = render_jinja_template(
+    # transformers annotates `-> str`; it returns (rendered, generation_indices)
+    rendered, _ = render_jinja_template(  # type: ignore[str-unpack]
         conversations=[messages],
         tools=[TOOL_SCHEMA],
         chat_template=CHAT_TEMPLATE,

@@ -36,7 +36,7 @@ def fully_correct(traj) -> bool:
     )
     turns = [m["content"] for m in traj.messages if m["role"] == "assistant"]
     call = TOOL_CALL.search(turns[0]) if turns else None
-    return bool(call) and call.group(1) == expected and traj.reward_score == 1.0
+    return call is not None and call.group(1) == expected and traj.reward_score == 1.0
 
 
 def describe(traj) -> str:

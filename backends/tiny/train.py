@@ -101,9 +101,9 @@ class Episodes:
             suffixes.append((ids[len(self.prefix) :], self._assistant_mask(ids)[len(self.prefix) :]))
         width = max(len(ids) for ids, _ in suffixes)
         pad = self.tokenizer.pad_token_id
-        ids = torch.tensor([s + [pad] * (width - len(s)) for s, _ in suffixes])
+        batch = torch.tensor([s + [pad] * (width - len(s)) for s, _ in suffixes])
         mask = torch.tensor([m + [0.0] * (width - len(m)) for _, m in suffixes])
-        return ids, mask * self.token_weight[ids]
+        return batch, mask * self.token_weight[batch]
 
 
 def loss_fn(
@@ -228,7 +228,7 @@ def save(model: Qwen2ForCausalLM, tokenizer, out: Path, tokenizer_files: bool = 
     )
     device = next(model.parameters()).device
     model.cpu().save_pretrained(out)
-    model.to(device)
+    model.to(device)  # type: ignore[arg-type]  # transformers' wrapped `to` loses its bound self in the stubs
     if tokenizer_files and out.resolve() != ASSET_DIR:
         for name in TOKENIZER_FILES:
             shutil.copy(ASSET_DIR / name, out / name)

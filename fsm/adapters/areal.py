@@ -41,14 +41,13 @@ from fsm.api import RolloutEngine, SpecLike, load_tokenizer
 from fsm.output.sample import Sample
 
 log = logging.getLogger("agentfsm.areal")
-_WorkflowBase: Any
 try:  # AReaL's own base class where it is installed; the adapter is usable (and testable) without it
     from areal.api.workflow_api import RolloutWorkflow as _WorkflowBase
 except ImportError:  # pragma: no cover - without areal
     _WorkflowBase = object
 
 
-class FSMWorkflow(_WorkflowBase):  # type: ignore[misc,valid-type]
+class FSMWorkflow(_WorkflowBase):
     """AReaL's RolloutWorkflow running `spec` (see the module docstring). gconfig: AReaL's
     GenerationHyperparameters (temperature, top_p, top_k, greedy); None: the spec's sampling."""
 
@@ -87,11 +86,12 @@ class FSMWorkflow(_WorkflowBase):  # type: ignore[misc,valid-type]
         if g is None:
             return {}
         top_k = int(getattr(g, "top_k", -1))
+        assert self.engine is not None  # built by arun_episode before it asks
         return {
             "temperature": 0.0 if getattr(g, "greedy", False) else float(g.temperature),
             "top_p": float(g.top_p),
             "top_k": top_k if 0 < top_k < self.engine.codec.vocab_size else -1,
-        }  # type: ignore[union-attr]
+        }
 
     async def _generate(
         self, prompt_ids: list[int], params: dict[str, Any], request: GenerateRequest

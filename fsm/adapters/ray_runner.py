@@ -35,7 +35,7 @@ from collections import deque
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from backends.base import Backend
 from fsm.api import BaseEngine, SpecLike, load_agent, load_tokenizer, make_backend, tiny_model_dir
@@ -304,7 +304,9 @@ class RayRunner(BaseEngine):
                 for _job, trajs in await pool.poll():
                     for t in trajs:
                         row = rows[t.index // n]  # a non-dict row is wrapped as the Runner wraps it
-                        t.row = row if isinstance(row, Mapping) else {"__bad_row__": row}
+                        t.row = (
+                            cast(dict[str, Any], row) if isinstance(row, Mapping) else {"__bad_row__": row}
+                        )
                         out[t.index] = t
                         if on_done is not None:
                             on_done(t)

@@ -44,14 +44,13 @@ from fsm.api import RolloutEngine, SpecLike
 from fsm.output.sample import Sample
 
 log = logging.getLogger("agentfsm.skyrl")
-_GeneratorBase: Any
 try:  # SkyRL's own base class where it is installed; the adapter is usable (and testable) without it
     from skyrl_train.generators.base import GeneratorInterface as _GeneratorBase
 except ImportError:  # pragma: no cover - without skyrl_train
     _GeneratorBase = object
 
 
-class FSMGenerator(_GeneratorBase):  # type: ignore[misc,valid-type]
+class FSMGenerator(_GeneratorBase):
     """SkyRL's GeneratorInterface running `spec` (see the module docstring)."""
 
     def __init__(

@@ -204,7 +204,8 @@ def to_trl(samples: Sequence[Sample], *, pad_id: int) -> dict[str, list[Any]]:
         )
     }
     for s in samples:
-        ids, mask, logprobs = s.response_ids, s.mask, s.logprobs
+        ids, mask = s.response_ids, s.mask
+        logprobs: Sequence[float | None] | None = s.logprobs
         if not ids:  # TRL reads completion_ids[-1]: a failed row is one masked pad token
             ids, mask, logprobs = [pad_id], [0], [None]
         out["prompt_ids"].append(s.prompt_ids)

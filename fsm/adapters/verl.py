@@ -444,7 +444,8 @@ def _setting(config: Any, key: str, default: Any = None) -> Any:
 
 def _split_sampling(sampling_params: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """verl's sampling_params -> (what the engine takes, what goes to the server unchanged)."""
-    engine, extra = {}, {}
+    engine: dict[str, Any] = {}
+    extra: dict[str, Any] = {}
     for key, value in sampling_params.items():
         key = "max_new_tokens" if key == "max_tokens" else key
         (engine if key in _ENGINE_SAMPLING else extra)[key] = value
@@ -453,12 +454,12 @@ def _split_sampling(sampling_params: Mapping[str, Any]) -> tuple[dict[str, Any],
 
 def _check_multi_turn(multi_turn: Any, agent: CompiledAgent) -> None:
     """Name each verl multi_turn setting the spec overrides, once per worker config and agent."""
-    key = (id(multi_turn), id(agent))
-    if multi_turn is None or key in _checked:
+    seen = (id(multi_turn), id(agent))
+    if multi_turn is None or seen in _checked:
         return
-    _checked.add(key)
+    _checked.add(seen)
     lim = agent.limits
-    pairs = [
+    pairs: list[tuple[str, Any]] = [
         ("max_assistant_turns", lim.max_assistant_turns),
         ("max_user_turns", lim.max_user_turns),
         ("max_parallel_calls", lim.max_parallel_calls),

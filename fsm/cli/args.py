@@ -77,7 +77,7 @@ class Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
         self.checks: list[Callable[[argparse.Namespace], str | None]] = []
 
-    def parse_known_args(
+    def parse_known_args(  # type: ignore[override]  # one signature for argparse's overloads
         self, args: Any = None, namespace: Any = None
     ) -> tuple[argparse.Namespace, list[str]]:
         parsed, extras = super().parse_known_args(args, namespace)

@@ -357,6 +357,7 @@ async def _rollout(
                 kept.sampling,
             )
         else:
+            assert rows is not None  # None only with --resume, which refuses --ray (cmd_run)
             try:
                 trajs = await _with_progress(engine, rows, args, sampling, console, finished)
             except asyncio.CancelledError:  # Ctrl-C (interrupts, never armed here): keep what finished
@@ -364,7 +365,7 @@ async def _rollout(
                 interrupted = True
                 trajs = sorted(finished, key=lambda t: (t.index, t.sample))
         backend = getattr(engine, "backend", None)
-        router_stats = backend.stats() if hasattr(backend, "stats") else None
+        router_stats = backend.stats() if backend is not None and hasattr(backend, "stats") else None
     wall, cpu = time.perf_counter() - t_start, time.process_time() - c_start
     return Rollout(engine, sampling, trajs, expected, wall, router_stats, interrupted, cpu)
 
@@ -391,7 +392,12 @@ def _progress(args: argparse.Namespace, console: Any) -> Iterator[Callable[[int,
 
 
 async def _with_progress(
-    engine: Any, rows: list[dict], args: argparse.Namespace, sampling: Any, console: Any, finished: list
+    engine: Any,
+    rows: list[dict],
+    args: argparse.Namespace,
+    sampling: Any,
+    console: Any,
+    finished: list,
 ) -> list:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -606,7 +612,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    import importlib
+    from fsm.cli.bundled import bench_module
 
     what = args.what
     if args.workload != "engine" and (what, args.workload) not in (
@@ -619,9 +625,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             f"bench {what}: no --workload {args.workload} (engine: engine | calculator | contexts; tracing: engine | "
             "calculator | embedded)"
         )
-    bench = importlib.import_module(
-        f"bench.{what.replace('-', '_')}"
-    )  # `async` is a keyword: no plain import
+    bench = bench_module(what.replace("-", "_"))
     _freeze_heap()  # as `agentfsm run` does: the benchmarks measure the rollout, not the collector on imports
     if what == "engine" and args.workload == "contexts":
         result = bench.bench_contexts(

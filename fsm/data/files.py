@@ -48,7 +48,7 @@ def load_rows(path: str | Path, *, prompt_key: str = "raw_prompt") -> list[dict[
     return [SourcedRow(normalize_record(row, prompt_key), f"{path}:{where}") for where, row in rows]
 
 
-class SourcedRow(dict):  # type: ignore[type-arg]
+class SourcedRow(dict[str, Any]):
     """A row with where it was read (`path:line` of a .jsonl file, `path:row N` of a parquet file), so a message
     about the row can name the line to fix (fsm/run/runtime.py). Otherwise a plain dict."""
 
@@ -58,7 +58,8 @@ class SourcedRow(dict):  # type: ignore[type-arg]
 
 
 def _jsonl(path: Path) -> list[tuple[int | str, dict[str, Any]]]:
-    rows, problems = [], []
+    rows: list[tuple[int | str, dict[str, Any]]] = []
+    problems: list[str] = []
     with path.open("rb") as f:
         for lineno, raw in enumerate(_lines(f), 1):
             if len(problems) >= MAX_PROBLEMS:

@@ -172,7 +172,7 @@ def split_turn(text: str, family: Family, parser: Any) -> Turn:
     """A turn's reasoning, answer and calls (the answer is the text outside reasoning and call markup)."""
     if family.reasoning == "harmony":
         messages = parser.messages(text) if hasattr(parser, "messages") else []
-        reasoning = "\n".join(
+        reasoning: str | None = "\n".join(
             body for channel, rcpt, body, _ in messages if channel == "analysis" and not rcpt
         )
         content = "".join(body for channel, rcpt, body, _ in messages if channel == "final")

@@ -33,9 +33,10 @@ import contextlib
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from fsm.families.parsers import PARSERS, ToolCall, assistant_message, split_reasoning
+from fsm.families.parsers.harmony import HarmonyParser
 from fsm.families.pieces import PieceEncoder, decode
 
 
@@ -224,7 +225,7 @@ class Codec:
         for k, message in enumerate(messages):
             role = message.get("role") if isinstance(message, dict) else None
             known = self._roles.get(role) if isinstance(role, str) else False
-            if known is None:
+            if known is None and isinstance(role, str):  # (None only for a str role)
                 known = self._roles[role] = self._renders_role(role)
             if not known:
                 raise UnknownRole(k, role, self.family.name, [r for r, ok in self._roles.items() if ok])
@@ -261,7 +262,7 @@ class Codec:
         if self.family.history != "harmony":
             return {"role": "assistant", "content": text}
         final, analysis = "", []
-        for channel, recipient, body, _end in self._parser.messages(text):
+        for channel, recipient, body, _end in cast(HarmonyParser, self._parser).messages(text):
             if recipient:
                 continue
             if channel == "final":
@@ -294,7 +295,7 @@ class Codec:
         0.7.1); other families: `content`, the answer without the reasoning."""
         return {"role": "assistant", "content": self.decode(ids)} if self._verl_exact else message
 
-    def _call(self, name: str, arguments: Any, call_id: str | None, k: int) -> dict[str, Any]:
+    def _call(self, name: str | None, arguments: Any, call_id: str | None, k: int) -> dict[str, Any]:
         if self.family.call_arguments == "json" and not isinstance(arguments, str):
             arguments = json.dumps(arguments if arguments is not None else {}, ensure_ascii=False)
         elif self.family.call_arguments == "object" and not isinstance(arguments, dict):

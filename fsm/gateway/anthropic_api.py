@@ -78,7 +78,8 @@ def messages_call(body: dict[str, Any]) -> Call:
     max_tokens = body.get("max_tokens")
     if type(max_tokens) is not int or max_tokens <= 0:
         raise GatewayError("max_tokens: a positive integer is required")
-    tools, dropped = None, []
+    tools: list[dict[str, Any]] | None = None
+    dropped: list[str] = []
     if body.get("tools") is not None:
         if not isinstance(body["tools"], list):
             raise GatewayError("tools: must be a list")

@@ -155,12 +155,15 @@ def harness(
                 session.base_url, session.anthropic_base_url, session.key, model, dict(traj.row)
             )
             loop = asyncio.get_running_loop()
-            task = mine.spawn(
-                _run_command(command, call, session) if command is not None else _run_function(fn, call)
-            )
+            if command is not None:
+                work = _run_command(command, call, session)
+            else:
+                assert fn is not None  # exactly one of fn and command (checked above)
+                work = _run_function(fn, call)
+            task = mine.spawn(work)
             task.add_done_callback(lambda _t: session.wake.set())
             traj.extra["_harness_deadline"] = deadline = loop.time() + timeout_s
-            session.task = task  # type: ignore[attr-defined]
+            session.task = task
             session.timer = loop.call_at(deadline, session.wake.set)
         await _next_event(ctx, traj, session, timeout_s)
 
@@ -173,7 +176,8 @@ def harness(
 async def _next_event(ctx: RunContext, traj: Trajectory, session: Session, timeout_s: float) -> None:
     """Wait until the harness makes a model call within the limits (the state then moves to GENERATING) or
     ends; calls past a limit are answered with an API error here."""
-    task: asyncio.Task[dict[str, Any]] = session.task  # type: ignore[attr-defined]
+    task = session.task
+    assert task is not None  # set with the session (run_harness)
     outcome = await _wait(ctx, traj, session, task, timeout_s)
     if outcome is not None:
         await _end(traj, session, task, outcome)
@@ -200,7 +204,7 @@ async def _wait(
                     return None
                 _call, future = session.pending.popleft()
                 session.refused += 1
-                refusal = refusal or getattr(session, "last_refusal", "refused")
+                refusal = refusal or session.last_refusal
                 if not future.done():
                     future.set_exception(LimitReached(refusal))
                 if session.refused > max_refused:
@@ -282,7 +286,7 @@ async def gateway_generate(ctx: RunContext, traj: Trajectory) -> None:
             future.set_exception(exc)
         return
     except BaseException as exc:  # the row fails (a dead server, a timeout): the harness ends with it
-        task = getattr(session, "task", None)
+        task = session.task
         if task is not None:
             await _end(traj, session, task, {"outcome": "error", "error": f"model call failed: {exc}"})
         if not future.done():

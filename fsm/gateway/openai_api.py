@@ -101,7 +101,7 @@ def chat_call(body: dict[str, Any]) -> Call:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise GatewayError("messages must be a non-empty list", code="invalid_value")
-    out = []
+    out: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise GatewayError(f"messages[{i}] must be an object")
@@ -135,7 +135,9 @@ def chat_call(body: dict[str, Any]) -> Call:
     cap = _int(body.get("max_completion_tokens"), "max_completion_tokens") or _int(
         body.get("max_tokens"), "max_tokens"
     )
-    options = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
+    options = body.get("stream_options")
+    if not isinstance(options, dict):
+        options = {}
     dropped: list[str] = []
     return with_dropped(
         Call(
@@ -278,14 +280,14 @@ def responses_call(body: dict[str, Any]) -> Call:
             raise GatewayError(f"{where}: item type {kind!r} is not supported")
     cap = _int(body.get("max_output_tokens"), "max_output_tokens")
     dropped: list[str] = []
-    call = Call(
+    made = Call(
         out,
         _tools(body.get("tools"), dropped),
         cap,
         bool(body.get("stream")),
         {"model": str(body.get("model") or "")},
     )
-    return with_dropped(call, dropped)
+    return with_dropped(made, dropped)
 
 
 def _output_items(a: Answer, rid: str) -> list[dict[str, Any]]:

@@ -91,6 +91,8 @@ class Session:
         self.notes: list[str] = []  # refusals of the tree (unknown parent, cycle, depth) for the row's record
         self.timer: asyncio.TimerHandle | None = None  # wakes the harness state at its deadline (harness.py)
         self.refused = 0
+        self.last_refusal = "refused"  # the last refusal's message (harness.py)
+        self.task: asyncio.Task[Any] | None = None  # the harness's task (harness.py)
         self.calls = 0
         self.closed = False
         self.pid: int | None = (

@@ -410,8 +410,16 @@ class _Workers:
         }
         total_cpu = cpu + sum(r["cpu_s"] for r in got)
         return Rollout(
-            engine, sampling, trajs, self.rows * self.args.n, span, stats, interrupted, total_cpu, more
-        )  # type: ignore[arg-type]
+            engine,
+            sampling,  # type: ignore[arg-type]  # None only when no worker answered (no rows)
+            trajs,
+            self.rows * self.args.n,
+            span,
+            stats,
+            interrupted,
+            total_cpu,
+            more,
+        )
 
 
 def _kill_group(pgid: int) -> None:

@@ -192,7 +192,10 @@ def collate(
         tensors["rm_scores"] = torch.from_numpy(rm)
 
     batch = TensorDict(tensors, batch_size=[B])
-    meta = {"metrics": [t.metrics.as_dict() for t in owners], "timing": timing(owners, r_len, p_len)}
+    meta: dict[str, Any] = {
+        "metrics": [t.metrics.as_dict() for t in owners],
+        "timing": timing(owners, r_len, p_len),
+    }
     generated = versions[versions >= 0]
     meta["weight_version_min"] = int(generated.min()) if generated.size else None
     meta["weight_version_max"] = int(generated.max()) if generated.size else None

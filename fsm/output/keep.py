@@ -205,7 +205,7 @@ async def keep_batch(
             kept.trajs,
             kept.expected,
             time.perf_counter() - t_start,
-            backend.stats() if hasattr(backend, "stats") else None,
+            backend.stats() if backend is not None and hasattr(backend, "stats") else None,
             kept.interrupted,
             time.process_time() - c_start,
         )

@@ -243,7 +243,10 @@ async def call_tools(ctx: RunContext, traj: Trajectory) -> None:
 
 async def _call_tools(ctx: RunContext, traj: Trajectory, calls: list[Any]) -> None:
     limits = ctx.agent.limits
-    run, extra, order, valid = [], [], [], 0
+    run: list[Any] = []
+    extra: list[Any] = []
+    order: list[tuple[bool, int]] = []
+    valid = 0
     for call in calls:
         valid += call.error is None
         past = call.error is None and valid > limits.max_parallel_calls

@@ -13,7 +13,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from transitions import Machine, Transition
 
@@ -139,7 +139,10 @@ class CompiledAgent:
             n: frozenset(
                 e.removeprefix("tool.")
                 for e in ERRORS
-                if e.startswith("tool.") and any(matches(r.errors, e) for r in (*st.retry, *st.catch))
+                if e.startswith("tool.")
+                and (
+                    any(matches(r.errors, e) for r in st.retry) or any(matches(c.errors, e) for c in st.catch)
+                )
             )
             for n, st in spec.states.items()
         }
@@ -163,11 +166,12 @@ class CompiledAgent:
         )
         for edge in (e for e in edges if e.catch is None):
             self.machine.add_transition(TRIGGER, edge.source, edge.dest)
-            self.machine.events[TRIGGER].transitions[edge.source][-1].edge = edge
+            added = self.machine.events[TRIGGER].transitions[edge.source][-1]
+            cast(_LeanTransition, added).edge = edge  # (the machine's transition_cls)
         # The machine's own per-state transition lists, in declared order. `advance` walks them directly:
         # `Event.trigger` would wrap each step in an EventData, a partial and empty callback lists.
         event = self.machine.events.get(TRIGGER)  # none when the initial state is final: no edges at all
-        self._table: dict[str, list[_LeanTransition]] = dict(event.transitions) if event else {}
+        self._table = cast(dict[str, list[_LeanTransition]], dict(event.transitions) if event else {})
 
     def child_agent(self, name: str) -> CompiledAgent:
         """The compiled spec of child machine `name` (this agent itself for `spec: self`)."""

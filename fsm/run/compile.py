@@ -12,9 +12,10 @@ from __future__ import annotations
 import difflib
 import inspect
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from fsm.families import family_names
 from fsm.families.parsers import PARSERS
@@ -58,7 +59,7 @@ def _compile(
     loaded = spec_or_path if isinstance(spec_or_path, LoadedSpec) else None
     if isinstance(spec_or_path, (str, Path)):
         loaded = load_spec(spec_or_path)
-    spec = loaded.spec if loaded else spec_or_path
+    spec = loaded.spec if loaded else cast(AgentSpec, spec_or_path)
     compiler = _Compiler(spec, loaded, static)
     agent = compiler.compile()
     if warnings is not None:
@@ -303,7 +304,7 @@ class _Compiler:
                 )
 
     def _edges(self) -> list[Edge]:
-        edges = []
+        edges: list[Edge] = []
         for name, st in self.spec.states.items():
             for i, t in enumerate(st.next):
                 guard, label = None, "default"
@@ -439,7 +440,7 @@ class _Compiler:
         if fn is None:
             return None
         try:
-            named = inspect.signature(fn).parameters
+            named: Mapping[str, inspect.Parameter] = inspect.signature(fn).parameters
         except (TypeError, ValueError):  # a builtin or an UNCHECKED placeholder: verl's arguments only
             named = {}
         return Reward(

@@ -228,11 +228,10 @@ class RunContext:
         self.sampling = sampling
         self.tracer = tracer
         self.gate = gate if gate is not None else PauseGate()  # the engine's, shared by its runs
+        interaction = agent.spec.interaction  # set whenever interaction_cls is
         self.interaction = (
-            agent.interaction_cls(
-                dict(agent.spec.interaction.config, name=agent.spec.interaction.name or agent.spec.name)
-            )
-            if agent.interaction_cls
+            agent.interaction_cls(dict(interaction.config, name=interaction.name or agent.spec.name))
+            if agent.interaction_cls and interaction is not None
             else None
         )
         # Samples of a group share one prompt encoding: uid -> [(messages, tool schemas), ids, samples served],

@@ -129,7 +129,7 @@ class Runner:
     def trajectories(self, rows: Iterable[Mapping[str, Any]], n: int = 1) -> list[Trajectory]:
         """Rows -> one trajectory per (row, sample); samples of a row share its uid (a GRPO group)."""
         run_id = uuid.uuid4().hex[:8]
-        out = []
+        out: list[Trajectory] = []
         for i, row in enumerate(rows):
             source = getattr(row, "source", None)  # a data file's path:line (fsm/data/files.py SourcedRow)
             row = (
@@ -331,6 +331,7 @@ class Runner:
             await ctx.backend.release(traj.session_id)
             if traj.interaction_started:
                 inter = ctx.interaction
+                assert inter is not None  # started only with one
                 score = float(await call_lifecycle(inter.calculate_score, traj.session_id))
                 await call_lifecycle(inter.finalize_interaction, traj.session_id)
                 if not math.isfinite(score):

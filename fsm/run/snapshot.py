@@ -158,16 +158,19 @@ def decode_sampling(data: dict[str, Any]) -> Sampling:
 # --- what a restore relies on: each field's type, checked strictly ---------------------------------------------
 
 
-def _array_of(*codes: str) -> Any:
+def _typecodes(*codes: str) -> AfterValidator:
     def typed(value: array) -> array:
         if value.typecode not in codes:
             raise ValueError(f"an array of typecode {value.typecode!r}, not {' or '.join(map(repr, codes))}")
         return value
 
-    return Annotated[InstanceOf[array], AfterValidator(typed)]
+    return AfterValidator(typed)
 
 
-_Ids = _array_of("i", "l", "q")
+_Ids = Annotated[InstanceOf[array], _typecodes("i", "l", "q")]
+_Mask = Annotated[InstanceOf[array], _typecodes("b", "B")]
+_Logprobs = Annotated[InstanceOf[array], _typecodes("f", "d")]
+_Times = Annotated[InstanceOf[array], _typecodes("d")]
 _REWARD = TypeAdapter(tuple[Literal["tool", "interaction"], int, float])
 
 
@@ -194,8 +197,8 @@ class _Fields(BaseModel):
     interaction_started: bool
     prompt_ids: _Ids
     response_ids: _Ids
-    response_mask: _array_of("b", "B")
-    response_logprobs: _array_of("f", "d")
+    response_mask: _Mask
+    response_logprobs: _Logprobs
     runs: InstanceOf[TokenRuns]
     closed: list[InstanceOf[Segment]] | tuple[()]
     segment_start: tuple[str, int, int, int]
@@ -204,7 +207,7 @@ class _Fields(BaseModel):
     logprobs_missing: bool
     state: str
     path: list[str]
-    path_times: _array_of("d")
+    path_times: _Times
     transitions_fired: list[int]
     assistant_turns: int
     user_turns: int

@@ -301,7 +301,8 @@ def reached_from(d: Diagnostic, root: str | Path) -> Diagnostic:
 
 def load_spec(path: str | Path) -> LoadedSpec:
     """Parse and type-check a spec file (semantic checks live in fsm.validate). Raises SpecError."""
-    positions, diags = Positions(), []
+    positions = Positions()
+    diags: list[Diagnostic] = []
     doc = load_document(path, positions, diags)
     if doc is None or diags:
         raise SpecError([reached_from(d, Path(path)) for d in diags])
@@ -332,7 +333,8 @@ def _salvage(plain: dict[str, Any], err: ValidationError, rounds: int = 3) -> Ag
 
 def _drop(node: Any, loc: tuple[Any, ...]) -> None:
     """Delete the deepest existing key of `loc` (parts pydantic adds for union members are skipped)."""
-    parent, key = None, None
+    parent: dict | list | None = None
+    key: Any = None
     for part in loc:
         if isinstance(node, dict) and part in node:
             parent, key, node = node, part, node[part]

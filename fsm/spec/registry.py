@@ -191,7 +191,7 @@ def unsafe_module(module: str, allow: Iterable[str] = ()) -> str | None:
     parts = module.split(".")
     prefixes = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
     denied = next((p for p in prefixes if p in DENIED_MODULES or p in _UNSAFE_INSIDE_SAFE), None)
-    if denied is None or any(p in allow for p in (*prefixes, _PUBLIC.get(denied))):
+    if denied is None or any(p in allow for p in (*prefixes, _PUBLIC.get(denied, denied))):
         return None
     return _PUBLIC.get(denied, denied)
 

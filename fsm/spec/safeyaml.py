@@ -108,7 +108,7 @@ def load(text: str, budget: Budget) -> Any:
     yaml = YAML(typ="rt")
     yaml.allow_duplicate_keys = False
     yaml.Scanner, yaml.Parser = _BoundedScanner, _BoundedParser
-    bounds = yaml.spec_bounds = _Bounds(budget)
+    bounds = yaml.spec_bounds = _Bounds(budget)  # type: ignore[attr-defined]  # read by our scanner and parser
     try:
         return yaml.load(text)
     except YamlProblem:

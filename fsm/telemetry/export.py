@@ -22,7 +22,7 @@ import time
 import weakref
 import zlib
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -119,7 +119,9 @@ class SpanPipeline(SpanProcessor):
         self.append = self.queue.append  # what ended spans are queued with, from any thread
         self.ended_here = 0  # spans that came in through on_end (the tracer counts its own)
         self.submitted = self.exported = self.failed = 0
-        self.ended_total = lambda: self.ended_here  # replaced by the Telemetry that owns this pipeline
+        self.ended_total: Callable[[], int] = lambda: (
+            self.ended_here
+        )  # replaced by the Telemetry that owns this pipeline
         self._warned_evicted = 0
         self._closed = False
         self._final = False  # shut down: what is not exported by now never will be
@@ -245,7 +247,9 @@ class SdkPipeline(BatchSpanProcessor):
         )
         self.name, self.resource, self.scope, self.max_queue_size = name, resource, scope, max_queue_size
         self.ended_here = 0  # spans that came in through on_end (the tracer counts its own)
-        self.ended_total = lambda: self.ended_here  # replaced by the Telemetry that owns this pipeline
+        self.ended_total: Callable[[], int] = lambda: (
+            self.ended_here
+        )  # replaced by the Telemetry that owns this pipeline
         self.evicted = 0  # known after a flush: spans ended before it that the exporter never saw
         self._final = False
 
@@ -441,8 +445,9 @@ class OtlpHttpExporter(NativeExporter):
         self._ssl: ssl.SSLContext | None = None
         if self._https:
             self._ssl = ssl.create_default_context(cafile=setting("CERTIFICATE"))
-            if setting("CLIENT_CERTIFICATE"):
-                self._ssl.load_cert_chain(setting("CLIENT_CERTIFICATE"), setting("CLIENT_KEY"))
+            cert = setting("CLIENT_CERTIFICATE")
+            if cert:
+                self._ssl.load_cert_chain(cert, setting("CLIENT_KEY"))
         self._encoder = _Encoder(resource, scope)
         self._conn: http.client.HTTPConnection | None = None
         self._stop = threading.Event()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 from opentelemetry.trace import SpanKind
@@ -187,7 +187,7 @@ class _Shape:
     def encoded(self) -> tuple[bytes, bytes, list[tuple[bytes, int, dict | None]]]:
         if self._pb is None:
             head = _ld(b"\x2a", self.name.encode("utf-8", "replace")) + b"\x30" + _U8[self.kind + 1]
-            slots = [
+            slots: list[tuple[bytes, int, dict | None]] = [
                 (_ld(b"\x0a", k.encode()), h, {} if h in (_CACHED, _ONE) else None)
                 for k, h in zip(self.keys, self.hows)
             ]
@@ -240,7 +240,8 @@ def _lean_message(
         if cache is not None and (type(v) is str or type(v) is int):
             b = cache.get(v)
             if b is None:
-                b = _ld(b"\x4a", key + _ld(b"\x12", _any_value((v,) if how == _ONE else v)))
+                # a str or an int (or a one-item array of one) always encodes
+                b = _ld(b"\x4a", key + _ld(b"\x12", cast(bytes, _any_value((v,) if how == _ONE else v))))
                 if len(cache) >= _CACHE_MAX:  # ids: what recurs soon (a trajectory's spans) stays cached
                     cache.clear()
                 cache[v] = b

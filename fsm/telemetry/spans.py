@@ -16,6 +16,7 @@ import random
 import time
 import traceback
 from collections.abc import Sequence
+from contextvars import Token
 from typing import Any, Protocol
 
 from opentelemetry import context as otel_context
@@ -115,6 +116,10 @@ class _Span(otel_trace.Span):
         "_extra",
         "_token",
     )
+    # a call span's `values` hold its request (or tool call) until `done` lines them up with the shape
+    values: Any
+    _end: int | None
+    _token: Token[otel_context.Context]  # what `_detach` restores
 
     def __init__(
         self,
@@ -236,6 +241,7 @@ class _Span(otel_trace.Span):
     def _message(self) -> bytes:
         """The OTLP Span message (in the export thread)."""
         x, shape = self._extra, self.shape
+        assert self._end is not None  # queued when it ended
         if x is None:
             return _lean_message(
                 shape, self._trace_id, self._span_id, self._parent_id, self._start, self._end, self.values
@@ -268,6 +274,7 @@ class _Span(otel_trace.Span):
 
     def _readable(self, resource: Resource, scope: InstrumentationScope) -> ReadableSpan:
         x, shape = self._extra, self.shape
+        assert self._end is not None  # queued when it ended
         return _make_readable(
             shape,
             self._trace_id,
@@ -350,6 +357,7 @@ class _Root(_Span):
         "prompt_roles",
         "segments_seen",
     )
+    state_span: _Span | None
 
     def __init__(self, tel: _Owner, traj: Any, shapes: _Shapes):
         ambient = _current_span()  # a span the caller has open (a training step...) is linked, not a parent
@@ -563,6 +571,8 @@ class _ModelSpan(_CallSpan):
     # With content capture on (only then: `Telemetry.model_call` sets it), (tokenizer, the roles of the
     # request's tokens): what `_input_messages` / `_output_messages` decode the call's content with.
     __slots__ = ("_content", "_late")  # `_late`: (shapes, backend) for a span of an unresolved shape
+    _content: tuple[Any, list[tuple[str, int]]]  # (tokenizer, `_roles`)
+    _late: tuple[_Shapes, Any]
 
     def _request_values(self) -> tuple:
         request = self.values

@@ -13,7 +13,7 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
 from opentelemetry import context as otel_context
@@ -165,16 +165,15 @@ class Telemetry:
             "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", DEFAULT_MAX_EXPORT_BATCH_SIZE
         )
         delay = schedule_delay_millis or _env_int("OTEL_BSP_SCHEDULE_DELAY", 5000)
+        sizes: dict[str, Any] = {
+            "max_queue_size": queue,
+            "max_export_batch_size": batch,
+            "schedule_delay_millis": delay,
+        }
         self.processors: list[SpanPipeline | SdkPipeline] = [
-            (SpanPipeline if isinstance(e, NativeExporter) else SdkPipeline)(
-                e,
-                name,
-                self.resource,
-                self.scope,
-                max_queue_size=queue,
-                max_export_batch_size=batch,
-                schedule_delay_millis=delay,
-            )
+            SpanPipeline(e, name, self.resource, self.scope, **sizes)
+            if isinstance(e, NativeExporter)
+            else SdkPipeline(e, name, self.resource, self.scope, **sizes)
             for name, e in named
         ]
         for p in self.processors:
@@ -192,8 +191,12 @@ class Telemetry:
                     append(item)
 
             self._emit = emit_all
+
+        def ended_total(p: SpanPipeline | SdkPipeline) -> Callable[[], int]:
+            return lambda: self._ended + p.ended_here
+
         for p in self.processors:
-            p.ended_total = lambda p=p: self._ended + p.ended_here
+            p.ended_total = ended_total(p)
         # the driver wakes the native export threads when a batch is queued (they also wake every schedule
         # delay; the SDK's processor wakes its own)
         self._native = [p for p in self.processors if isinstance(p, SpanPipeline)]
@@ -254,9 +257,10 @@ class Telemetry:
                 id(codec),
                 *(sampling.get(name) for _, name in _SAMPLING_ATTRS),
             )
-            shapes = self._shapes.get(key)
-            if shapes is None:
-                shapes = self._shapes[key] = _Shapes(run.agent, run.backend, sampling, codec)
+            cached = self._shapes.get(key)
+            if cached is None:
+                cached = self._shapes[key] = _Shapes(run.agent, run.backend, sampling, codec)
+            shapes = cached
             self._last = (run, shapes)
         return _Root(self, traj, shapes)
 
@@ -352,7 +356,10 @@ class Telemetry:
                     "agentfsm telemetry: still exporting after %.0f s (%s); spans not sent by exit are "
                     "counted as dropped",
                     timeout_s,
-                    ", ".join(self.otlp_endpoint if p.name == "otlp" else p.name for p in self.processors),
+                    ", ".join(
+                        (self.otlp_endpoint or p.name) if p.name == "otlp" else p.name
+                        for p in self.processors
+                    ),
                 )
         stats = self.stats()
         full = stats["dropped_queue_full"]

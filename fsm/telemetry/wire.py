@@ -200,8 +200,8 @@ def _readable_message(span: ReadableSpan) -> bytes:
         ctx.trace_id,
         ctx.span_id,
         parent.span_id if parent else 0,
-        span.start_time,
-        span.end_time,
+        span.start_time or 0,  # set on every ended span (the SDK types them optional)
+        span.end_time or 0,
         span.attributes,
         span.events,
         span.links,

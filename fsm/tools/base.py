@@ -308,10 +308,10 @@ class StartTimeout:
         self._timer = self._loop.call_later(self.timeout_s, self._check)
         return self
 
-    async def __aexit__(self, *exc: Any) -> bool | None:
+    async def __aexit__(self, *exc: Any) -> None:
         self._timer.cancel()
         START_CLOCK.reset(self._token)
-        return await self._cm.__aexit__(*exc)
+        await self._cm.__aexit__(*exc)
 
     def _check(self) -> None:
         started, now = self.started, time.monotonic()
@@ -369,7 +369,9 @@ class BoundTool:
         try:
             return await self._run(call, instance_id, create_kwargs, agent_data)
         except asyncio.CancelledError as exc:
-            if asyncio.current_task().cancelling():
+            task = asyncio.current_task()
+            assert task is not None  # a coroutine's
+            if task.cancelling():
                 raise
             raise crashed(self.name, exc) from exc
         except Exception:
@@ -380,6 +382,7 @@ class BoundTool:
     async def _step(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """One lifecycle method, timed. A class tool's run on its lane; a FunctionTool's `execute` puts the
         function in the lane itself."""
+        assert self.lane is not None  # set in __post_init__
         call = method(*args, **kwargs) if self._ours else self.lane.call(method, *args, **kwargs)
         if self.timeout_s is None:
             return await call
@@ -430,6 +433,7 @@ class BoundTool:
         async def attempt(k: int) -> None:
             outcome.attempts = k
             if self._ready:
+                assert self.lane is not None  # set in __post_init__
                 await self.lane.ready()  # a worker process starts outside the timeout
             response, reward, metrics = await self._step(
                 self.tool.execute, instance_id, call.arguments, agent_data=agent_data
@@ -494,7 +498,8 @@ class ToolSet:
         """Stop the tools' idle threads and loops and kill their worker processes (stuck threads are
         daemons, abandoned). Optional: nothing here delays process exit. Tools start afresh when called."""
         for tool in self.by_name.values():
-            tool.lane.close()
+            if tool.lane is not None:  # always (set in __post_init__)
+                tool.lane.close()
 
     def active_names(self, selection: Any) -> list[str] | None:
         """verl's extra_info.tool_selection: the named tools that exist, in the selection's order; None (every
@@ -595,6 +600,7 @@ def build_tool(spec: ToolSpec, resolve_ref: Callable[[str], Any] = resolve) -> B
             raise TypeError(f"{spec.function!r} is not callable")
         schema = declared or infer_schema(fn)
     else:
+        assert spec.class_  # exactly one of the two (checked above)
         cls = resolve_ref(spec.class_)
         if declared is None:
             raise ValueError(f"tool class {spec.class_!r} needs a 'schema' (OpenAI function schema)")

@@ -315,7 +315,9 @@ class LoopLane:
         except Exception:
             raise
         except asyncio.CancelledError as exc:
-            if asyncio.current_task().cancelling():  # ours: the caller gave up
+            task = asyncio.current_task()
+            assert task is not None  # a coroutine's
+            if task.cancelling():  # ours: the caller gave up
                 raise
             raise crashed(self.name, exc) from exc
         except BaseException as exc:  # must not reach the loop: Task re-raises SystemExit out of run_forever

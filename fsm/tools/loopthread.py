@@ -33,8 +33,8 @@ def submit(
     def settle(task: asyncio.Task[T]) -> None:
         if task.cancelled():
             done.cancel()
-        elif task.exception() is not None:
-            done.set_exception(task.exception())  # type: ignore[arg-type]
+        elif (exc := task.exception()) is not None:
+            done.set_exception(exc)
         else:
             done.set_result(task.result())
 
@@ -42,8 +42,11 @@ def submit(
         tasks.append(loop.create_task(coro))
         tasks[0].add_done_callback(settle)
 
+    def cancel() -> None:
+        loop.call_soon_threadsafe(lambda: tasks and tasks[0].cancel())
+
     loop.call_soon_threadsafe(start)
-    return done, lambda: loop.call_soon_threadsafe(lambda: tasks and tasks[0].cancel())
+    return done, cancel
 
 
 def run(coro: Coroutine[Any, Any, T], loop: asyncio.AbstractEventLoop) -> T:

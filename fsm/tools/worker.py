@@ -23,6 +23,7 @@ import pickle
 import signal
 import socket
 import sys
+from typing import Any
 
 
 def resolve(path: str):
@@ -92,7 +93,7 @@ def call(fn, kwargs, keep):
         ret = fn(**kwargs)
         if asyncio.iscoroutine(ret):
             ret = asyncio.run(ret)
-        reply = ("ok", shrink(ret, keep))
+        reply: tuple[Any, ...] = ("ok", shrink(ret, keep))
     except Exception as exc:
         reply = ("raised", type(exc).__name__, str(exc), True)
     except BaseException as exc:  # SystemExit, KeyboardInterrupt...: reported, and this worker serves on

@@ -81,7 +81,7 @@ class HermesParser:
             body = start + len(_OPEN)
             nearest = text.find(_CLOSE, body)
             if nearest < 0:
-                error = f"unterminated {_OPEN}: missing {_CLOSE}"
+                error: str | None = f"unterminated {_OPEN}: missing {_CLOSE}"
                 yield start, -1, [ToolCall(None, None, text[body:], error=error)]
                 return
             end = _string_aware_close(text, body) if '"' in text[body:nearest] else nearest
@@ -141,7 +141,8 @@ class Llama3JsonParser:
             body = body[len("<|python_tag|>") :].strip()
         if not body.startswith("{"):
             return []
-        calls, pos = [], 0
+        calls: list[ToolCall] = []
+        pos = 0
         while pos < len(body) and (not calls or body[pos] == "{"):  # text after the calls is not a call
             read = decode_at(body, pos)
             if read is None:
@@ -237,7 +238,7 @@ class DeepSeekV3Parser:
     `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{json}\\n```<｜tool▁call▁end｜>`."""
 
     def __init__(self, tokenizer: object = None):
-        self.stop_token_ids = []
+        self.stop_token_ids: list[int] = []
 
     def parse(self, text: str) -> list[ToolCall]:
         if "<｜tool▁calls▁begin｜>" not in text and "<｜tool▁call▁begin｜>" not in text:

@@ -198,7 +198,7 @@ class SeedParser(SchemaTyped):
     Jinja's `| string` (Python's repr: `True`, `None`, `{'a': 1}`), which the typing reads back."""
 
     def __init__(self, tokenizer: object = None):
-        self.stop_token_ids = []
+        self.stop_token_ids: list[int] = []
         self.tools = []
 
     def parse(self, text: str) -> list[ToolCall]:
