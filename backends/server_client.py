@@ -3,9 +3,10 @@ faults counted by kind, deadlines and server messages. backends/sglang.py and ba
 what is SGLang's or vLLM's own (request and answer shapes, rids, aborts' routes, pause modes, weights, the
 context edge) stays in each engine's module.
 
-- `_send` is one exchange, unbounded in time (callers set the deadline) and bounded in size; a transport
-  failure becomes a retryable `BackendUnavailable` whose kind says when it happened (refused, before or
-  during the body). Every body is read by `backends.answer.read_json` (bounded in size and depth);
+- `_send` is one exchange (backends/wire.py: HTTP/1.1 on asyncio's transport, the request body written by
+  orjson), unbounded in time (callers set the deadline) and bounded in size; a transport failure becomes a
+  retryable `BackendUnavailable` whose kind says when it happened (refused, before or during the body).
+  Every body is read by `backends.answer.read_json` (bounded in size and depth);
 - `_call` is a control call with retries (`backends.retry` policy: jittered exponential backoff, Retry-After
   honoured): 408/429/5xx and transport faults are retried, 2xx and 4xx come back as (status, body);
 - `_attempts` runs a generate under the retry policy: each attempt has its own wire rid (the engine picks
@@ -18,7 +19,7 @@ context edge) stays in each engine's module.
   (backends/pause_clock.py) no deadline runs and no deadline abort is sent. A deadline that does expire
   never relies on its abort: without an answer in the grace time the connection is closed;
 - the server info (context length, model name) is read once (`_ensure_info`), shared by every waiter;
-- the connector's keep-alive is below uvicorn's 5 s (both engines serve through uvicorn), so a pooled
+- the connections' keep-alive is below uvicorn's 5 s (both engines serve through uvicorn), so a pooled
   connection is never reused as the server closes it.
 """
 

@@ -64,6 +64,7 @@ class _Connection(asyncio.Protocol):
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None  # the loop the connection lives on
         self.closed = False
         self.idle_since = 0.0
         self.waiter: asyncio.Future[tuple[int, Headers, bytes]] | None = None
@@ -80,6 +81,7 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
+        self.loop = asyncio.get_running_loop()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -240,9 +242,18 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
     def close(self) -> None:
+        """Close from any thread; a connection whose loop has ended went with it."""
         self.closed = True
-        if self.transport is not None:
+        if self.transport is None or self.loop is None or self.loop.is_closed():
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self.loop:
             self.transport.close()
+        else:
+            self.loop.call_soon_threadsafe(self.transport.close)
 
 
 class Wire:
@@ -300,13 +311,13 @@ class Wire:
 
     async def _acquire(self) -> _Connection:
         now = time.monotonic()
+        loop = asyncio.get_running_loop()
         while self._idle:
             conn = self._idle.pop()
-            if not conn.closed and now - conn.idle_since < self.keepalive_s:
+            if not conn.closed and conn.loop is loop and now - conn.idle_since < self.keepalive_s:
                 self._busy.add(conn)
                 return conn
-            conn.close()
-        loop = asyncio.get_running_loop()
+            conn.close()  # expired, closed by the server, or made on another event loop
         try:
             _, conn = await loop.create_connection(
                 _Connection,

@@ -632,7 +632,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if not args.server or len(args.server) < 2:
             raise CLIError("bench engines: give two servers or more (--server URL --server URL)")
         _quiet_transformers()
-        result = bench.bench_engines(args.server, n=8 if args.n == 2000 else args.n, repeats=args.repeats)
+        result = bench.bench_engines(
+            args.server,
+            n=8 if args.n == 2000 else args.n,
+            repeats=args.repeats,
+            in_flight=args.concurrency or 1000,
+            processes=args.processes or (),
+        )
     else:  # argparse restricts the choices to the modules of bench/
         result = getattr(bench, f"bench_{what.replace('-', '_')}")()
     print(json.dumps(result, indent=2))
