@@ -35,6 +35,8 @@ import re
 from itertools import accumulate
 from typing import Any
 
+import orjson
+
 from backends.base import BackendMalformed, GenerateRequest, GenerateResult
 
 # Kinds of malformed answers, counted in a client's stats()["faults"] beside the transport faults.
@@ -51,15 +53,45 @@ DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default when the key is absent
 MAX_JSON_DEPTH = 64
 _JSON_STRING = re.compile(rb'"[^"\\]*+(?:\\.[^"\\]*+)*+"')  # brackets inside strings do not nest
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+# digits -> "0", what a JSON number can follow (and "-") -> ",", anything else -> "x"
+_NUMBER_CLASSES = bytes(
+    ord("0") if b in b"0123456789" else ord(",") if b in b",:[- \t\n\r" else ord("x") for b in range(256)
+)
+_LONG_INT_REVERSED = b"0" * 19 + b","
+_SQUARE = bytes.maketrans(b"{}", b"[]")  # one kind of bracket: depth does not tell them apart
+_NOT_QUOTES_OR_BRACKETS = bytes(b for b in range(256) if b not in b'[]{}"')
 _BRACKET_STEP = [1 if b in b"[{" else -1 if b in b"]}" else 0 for b in range(256)]
 
 
 def _depth(data: bytes) -> int:
-    """How deep the JSON text `data` nests: strings dropped, then a running count over the brackets left.
+    """How deep the JSON text `data` nests: strings dropped, then the brackets left measured. Linear, C-speed.
 
-    Linear and mostly C-speed (about 10 ms for a 32k-token answer of 1 MB, a fifth of json.loads)."""
-    brackets = _JSON_STRING.sub(b"", data).translate(None, _NOT_BRACKETS)
+    Strings are dropped in the common case by keeping only quotes and brackets: when no string holds a bracket
+    or an escape, each string is then an adjacent pair of quotes, removed in one replace; otherwise a regex that
+    knows escapes drops them. Balanced brackets lose one level per pass of removing every innermost pair (a
+    few passes for an answer); unbalanced ones get a running count."""
+    outside = b""
+    if b"\\" not in data:
+        outside = data.translate(_SQUARE, _NOT_QUOTES_OR_BRACKETS).replace(b'""', b"")
+    if not outside or b'"' in outside:  # a bracket inside a string, an escape or a string left open
+        outside = _JSON_STRING.sub(b"", data).translate(_SQUARE, _NOT_BRACKETS)
+    brackets = outside.replace(b'"', b"")
+    left, passes = brackets, 0
+    while left and passes <= MAX_JSON_DEPTH:
+        shorter = left.replace(b"[]", b"")
+        if len(shorter) == len(left):
+            break
+        left, passes = shorter, passes + 1
+    if not left:
+        return passes
     return max(accumulate(map(_BRACKET_STEP.__getitem__, brackets)), default=0)
+
+
+def _long_number(data: bytes) -> bool:
+    """Whether `data` may hold an integer of 19 digits or more, which orjson reads as a float (json.loads as an
+    int): a run of 19 digits after a separator (a float's digits follow '.' or 'e'). Searched backwards, the
+    needle ends in the rarer separator, so the search skips along instead of matching every run of digits."""
+    return _LONG_INT_REVERSED in (b"," + data).translate(_NUMBER_CLASSES)[::-1]
 
 
 def read_json(
@@ -83,12 +115,17 @@ def read_json(
 
     if len(data) > max_bytes:
         raise bad("oversize", f"a body of {len(data)} bytes, past the {max_bytes}-byte bound")
-    text = data.decode("utf-8", errors="replace")
-    if not text:
+    if not data:
         return None
     depth = _depth(data)
     if depth > max_depth:
         raise bad("malformed", f"JSON nested {depth} levels deep, past the {max_depth}-level bound")
+    if not _long_number(data):  # orjson reads JSON 4x faster; what it refuses (NaN, 1e400, bad UTF-8) and
+        try:  # the integers it would read as floats go the old way
+            return orjson.loads(data)
+        except orjson.JSONDecodeError:
+            pass
+    text = data.decode("utf-8", errors="replace")
     try:
         return json.loads(text)
     except ValueError:

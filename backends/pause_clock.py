@@ -9,6 +9,7 @@ send it the deadline's abort: the clock of every wait below runs only while the 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 
@@ -19,16 +20,16 @@ class PauseClock:
         self.mode: str | None = None  # the /pause_generation mode in force; None: running
         self._running = asyncio.Event()
         self._running.set()
-        self._paused = asyncio.Event()  # the opposite event, to stop a clock the moment a pause begins
+        self._wakes: set[Callable[[], None]] = set()  # the running clocks, stopped the moment a pause begins
 
     def set(self, mode: str | None) -> None:
         self.mode = mode
         if mode is None:
-            self._paused.clear()
             self._running.set()
         else:
             self._running.clear()
-            self._paused.set()
+            for wake in list(self._wakes):
+                wake()
 
     async def wait(self, future: asyncio.Future[Any], timeout_s: float) -> bool:
         """Wait for `future` up to `timeout_s` seconds of unpaused time; True when it is done."""
@@ -41,9 +42,29 @@ class PauseClock:
             if left <= 0:
                 return False
             t0 = loop.time()
-            await _first(future, self._paused.wait(), timeout=left)
+            await self._unpaused(future, left)
             left -= loop.time() - t0
         return True
+
+    async def _unpaused(self, future: asyncio.Future[Any], timeout_s: float) -> None:
+        """Until `future` is done, `timeout_s` passed or a pause began: one future and one timer, no task (this
+        runs once per generate call)."""
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
+
+        def wake(_: object = None) -> None:
+            if not waiter.done():
+                waiter.set_result(None)
+
+        future.add_done_callback(wake)
+        timer = loop.call_later(timeout_s, wake)
+        self._wakes.add(wake)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            future.remove_done_callback(wake)
+            self._wakes.discard(wake)
 
 
 async def _first(future: asyncio.Future[Any], event_wait: Any, timeout: float | None = None) -> None:

@@ -3,9 +3,10 @@ faults counted by kind, deadlines and server messages. backends/sglang.py and ba
 what is SGLang's or vLLM's own (request and answer shapes, rids, aborts' routes, pause modes, weights, the
 context edge) stays in each engine's module.
 
-- `_send` is one exchange, unbounded in time (callers set the deadline) and bounded in size; a transport
-  failure becomes a retryable `BackendUnavailable` whose kind says when it happened (refused, before or
-  during the body). Every body is read by `backends.answer.read_json` (bounded in size and depth);
+- `_send` is one exchange (backends/wire.py: HTTP/1.1 on asyncio's transport, the request body written by
+  orjson), unbounded in time (callers set the deadline) and bounded in size; a transport failure becomes a
+  retryable `BackendUnavailable` whose kind says when it happened (refused, before or during the body).
+  Every body is read by `backends.answer.read_json` (bounded in size and depth);
 - `_call` is a control call with retries (`backends.retry` policy: jittered exponential backoff, Retry-After
   honoured): 408/429/5xx and transport faults are retried, 2xx and 4xx come back as (status, body);
 - `_attempts` runs a generate under the retry policy: each attempt has its own wire rid (the engine picks
@@ -18,7 +19,7 @@ context edge) stays in each engine's module.
   (backends/pause_clock.py) no deadline runs and no deadline abort is sent. A deadline that does expire
   never relies on its abort: without an answer in the grace time the connection is closed;
 - the server info (context length, model name) is read once (`_ensure_info`), shared by every waiter;
-- the connector's keep-alive is below uvicorn's 5 s (both engines serve through uvicorn), so a pooled
+- the connections' keep-alive is below uvicorn's 5 s (both engines serve through uvicorn), so a pooled
   connection is never reused as the server closes it.
 """
 
@@ -26,12 +27,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
 from typing import Any, TypeVar
 
 import aiohttp
+import orjson
 
 from backends.answer import DEFAULT_MAX_NEW_TOKENS, read_json, snippet
 from backends.base import (
@@ -46,6 +49,7 @@ from backends.base import (
 )
 from backends.pause_clock import PauseClock
 from backends.retry import RetryPolicy, parse_retry_after, retry
+from backends.wire import Wire, WireError
 
 T = TypeVar("T")
 
@@ -76,6 +80,17 @@ def error_message(body: Any, fallback: str) -> str:
         ):  # a validation error
             return "; ".join(f"{'.'.join(map(str, d.get('loc') or ()))}: {d.get('msg')}" for d in detail[:5])
     return fallback
+
+
+def encode_json(payload: Any) -> bytes:
+    """`payload` as JSON bytes, as json.dumps writes its values: orjson (20x faster on a prompt's ids) unless its
+    output holds a null, which is also how orjson writes NaN and infinities (json.dumps writes NaN, which the
+    server then refuses) or a value it cannot write; then json.dumps."""
+    try:
+        data = orjson.dumps(payload, option=orjson.OPT_NON_STR_KEYS)
+    except TypeError:  # orjson.JSONEncodeError: an integer past 64 bits, a type it does not know
+        data = b"null"
+    return json.dumps(payload).encode() if b"null" in data else data
 
 
 async def read_bounded(resp: aiohttp.ClientResponse, max_bytes: int, what: str) -> bytes:
@@ -140,7 +155,7 @@ class ServerClient(BaseBackend):
         self.model_name = model_name or "unknown"
         self._name_given = model_name is not None
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
-        self._session: aiohttp.ClientSession | None = None
+        self._wire: Wire | None = None
         self._info: dict[str, Any] | None = None
         self._info_task: asyncio.Future[dict[str, Any]] | None = None  # one read shared by every waiter
         self._live: dict[str, str] = {}  # wire request id -> session_id, for abort(session_id) and where()
@@ -152,20 +167,16 @@ class ServerClient(BaseBackend):
     # -- lifecycle ----------------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        if self._session is None or self._session.closed:
-            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=self.keepalive_s)
-            # No aiohttp timeout (its default is 5 min): every call here has its own deadline.
-            self._session = aiohttp.ClientSession(
-                connector=connector, headers=self._headers, timeout=aiohttp.ClientTimeout(total=None)
-            )
+        if self._wire is None:
+            self._wire = Wire(self.url, keepalive_s=self.keepalive_s, headers=self._headers)
 
     async def close(self) -> None:
         if self._info_task is not None and not self._info_task.done():
             self._info_task.cancel()
             await asyncio.wait({self._info_task})
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        if self._wire is not None:
+            self._wire.close()
+            self._wire = None
 
     # -- HTTP plumbing ------------------------------------------------------------------------------------
 
@@ -178,29 +189,20 @@ class ServerClient(BaseBackend):
         params: Any = None,
     ) -> tuple[int, Mapping[str, str], bytes]:
         """One HTTP exchange (see the module docstring)."""
-        await self.start()
-        assert self._session is not None
+        wire = self._wire or Wire(self.url, keepalive_s=self.keepalive_s, headers=self._headers)
+        self._wire = wire
         what = f"{self.url}: {method} {path}"
+        body = None if payload is None else encode_json(payload)
         try:
-            async with self._session.request(method, self.url + path, json=payload, params=params) as resp:
-                try:
-                    data = await read_bounded(resp, max_bytes, what)
-                except (aiohttp.ClientError, ConnectionError) as e:  # the headers came, the body did not
-                    raise BackendUnavailable(
-                        f"{what}: connection lost mid-response ({type(e).__name__} {e})",
-                        server=self.url,
-                        status=resp.status,
-                        kind="resets",
-                    ) from e
-                return resp.status, resp.headers, data
-        except aiohttp.ClientConnectorError as e:
-            raise BackendUnavailable(f"{what}: cannot connect ({e})", server=self.url, kind="refused") from e
-        except (aiohttp.ClientError, ConnectionError) as e:
-            raise BackendUnavailable(
-                f"{what}: connection dropped before a response ({type(e).__name__} {e})",
-                server=self.url,
-                kind="disconnects",
-            ) from e
+            return await wire.request(method, path, body, max_bytes=max_bytes, params=params)
+        except WireError as e:
+            if e.kind == "oversize":
+                raise BackendMalformed(
+                    f"{what}: {e}", server=self.url, status=e.status, kind="oversize"
+                ) from None
+            if e.kind == "refused":
+                raise BackendUnavailable(f"{what}: {e}", server=self.url, kind="refused") from None
+            raise BackendUnavailable(f"{what}: {e}", server=self.url, status=e.status, kind=e.kind) from None
 
     async def _retrying(
         self,

@@ -6,11 +6,17 @@ repeat, so a machine that gets busier does not favour one). Per engine: wall tim
 client's CPU time (this process: the engine, its HTTP client, the answer checks) per model call; then
 whether every trajectory's tokens were equal across engines. The servers must serve the same model (for
 vLLM on CPU, the tiny model with 32-dim heads: backends/tiny/head_pad.py, which computes the same function).
+
+Then the client under load: `in_flight` rows (1,000 by default) all in flight against each server, the
+client's CPU per model call (what one process pays per call when a fleet answers fast), and, with
+`processes`, the same rows split over 1, 2, ... processes started together: calls per second in all, and CPU
+per call summed over the processes. A server slower than the clients bounds the calls per second, not them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import statistics
 import sys
 import time
@@ -23,7 +29,9 @@ from backends.tiny import ASSET_DIR
 async def _run(url: str, rows: list[dict[str, Any]], tokenizer: Any) -> dict[str, Any]:
     from fsm.api import RolloutEngine
 
-    async with RolloutEngine("calculator", tokenizer, servers=[url]) as engine:
+    async with RolloutEngine(
+        "calculator", tokenizer, servers=[url], max_concurrency=max(1, len(rows))
+    ) as engine:
         await engine.start()
         wall, cpu = time.perf_counter(), time.process_time()
         trajs = await engine.arun(rows, sampling_params={"temperature": 0.0})
@@ -40,9 +48,51 @@ async def _run(url: str, rows: list[dict[str, Any]], tokenizer: Any) -> dict[str
         }
 
 
-def bench_engines(servers: Sequence[str], n: int = 8, repeats: int = 3) -> dict[str, Any]:
+def _load(url: str, rows: list[dict[str, Any]], ready: Any, out: Any) -> None:
+    """One process of the load: its rows against `url`, started with the others (`ready`, a barrier)."""
+    from fsm.api import load_tokenizer
+
+    tokenizer = load_tokenizer(str(ASSET_DIR))
+    ready.wait()
+    run = asyncio.run(_run(url, rows, tokenizer))
+    out.put({k: run[k] for k in ("wall_s", "client_cpu_s", "model_calls", "failed")})
+
+
+def load(url: str, rows: list[dict[str, Any]], processes: int) -> dict[str, Any]:
+    """`rows` all in flight against `url`, split over `processes` processes: calls/s and CPU per call."""
+    ctx = multiprocessing.get_context("spawn")
+    ready, out = ctx.Barrier(processes + 1), ctx.Queue()
+    shares = [rows[i::processes] for i in range(processes)]
+    procs = [ctx.Process(target=_load, args=(url, share, ready, out)) for share in shares]
+    for p in procs:
+        p.start()
+    ready.wait(600)  # every process has its tokenizer: they start together
+    runs = [out.get(timeout=3600) for _ in procs]
+    for p in procs:
+        p.join(60)
+    calls = sum(r["model_calls"] for r in runs)
+    wall = max(r["wall_s"] for r in runs)
+    return {
+        "processes": processes,
+        "in_flight": len(rows),
+        "model_calls": calls,
+        "failed": sum(r["failed"] for r in runs),
+        "calls_per_s": calls / wall,
+        "client_cpu_ms_per_call": sum(r["client_cpu_s"] for r in runs) / max(1, calls) * 1e3,
+    }
+
+
+def bench_engines(
+    servers: Sequence[str],
+    n: int = 8,
+    repeats: int = 3,
+    in_flight: int = 1000,
+    processes: Sequence[int] = (),
+) -> dict[str, Any]:
     """Per server: median wall time of the run and client CPU per model call over `repeats` alternated runs
-    of `n` calculator prompts at T=0; `tokens_equal` says whether every run gave the same token ids."""
+    of `n` calculator prompts at T=0; `tokens_equal` says whether every run gave the same token ids. Then
+    (`in_flight` > 0) the client's CPU per call with `in_flight` rows in flight in this process, median of
+    `repeats` alternated runs, and for each count in `processes` the load split over that many processes."""
     from fsm.api import load_tokenizer
     from specs.calculator import make_prompts
 
@@ -52,11 +102,10 @@ def bench_engines(servers: Sequence[str], n: int = 8, repeats: int = 3) -> dict[
     tokenizer = load_tokenizer(str(ASSET_DIR))
     runs: dict[str, list[dict[str, Any]]] = {url: [] for url in servers}
     for r in range(repeats):
-        order = list(servers[r % len(servers) :]) + list(servers[: r % len(servers)])
-        for url in order:
+        for url in _turns(servers, r):
             runs[url].append(asyncio.run(_run(url, rows, tokenizer)))
     first = runs[servers[0]][0]["tokens"]
-    out: dict[str, Any] = {"prompts": n, "repeats": repeats, "servers": {}}
+    out: dict[str, Any] = {"prompts": n, "repeats": repeats, "in_flight": in_flight, "servers": {}}
     out["tokens_equal"] = all(run["tokens"] == first for rs in runs.values() for run in rs)
     for url, rs in runs.items():
         calls = rs[0]["model_calls"]
@@ -65,10 +114,7 @@ def bench_engines(servers: Sequence[str], n: int = 8, repeats: int = 3) -> dict[
             "model_calls": calls,
             "failed": max(x["failed"] for x in rs),
             "wall_s": statistics.median(x["wall_s"] for x in rs),
-            "client_cpu_ms_per_call": statistics.median(
-                x["client_cpu_s"] / max(1, x["model_calls"]) for x in rs
-            )
-            * 1e3,
+            "client_cpu_ms_per_call": _median_ms(rs),
             "wall_ms_per_call": statistics.median(x["wall_s"] / max(1, x["model_calls"]) for x in rs) * 1e3,
         }
         s = out["servers"][url]
@@ -78,4 +124,39 @@ def bench_engines(servers: Sequence[str], n: int = 8, repeats: int = 3) -> dict[
             file=sys.stderr,
         )
     print(f"tokens equal across engines at T=0: {out['tokens_equal']}", file=sys.stderr)
+    if in_flight > 0:
+        many = make_prompts(in_flight, seed=1)
+        loaded: dict[str, list[dict[str, Any]]] = {url: [] for url in servers}
+        for r in range(repeats):
+            for url in _turns(servers, r):
+                loaded[url].append(asyncio.run(_run(url, many, tokenizer)))
+        for url, rs in loaded.items():
+            s = out["servers"][url]
+            s["in_flight_client_cpu_ms_per_call"] = _median_ms(rs)
+            s["in_flight_calls_per_s"] = statistics.median(x["model_calls"] / x["wall_s"] for x in rs)
+            s["in_flight_failed"] = max(x["failed"] for x in rs)
+            print(
+                f"{s['engine']:>6} {url}: {in_flight:,} in flight: client CPU "
+                f"{s['in_flight_client_cpu_ms_per_call']:.2f} ms per call, "
+                f"{s['in_flight_calls_per_s']:.0f} calls/s",
+                file=sys.stderr,
+            )
+            for p in processes:
+                scaled = load(url, many, p)
+                s.setdefault("processes", []).append(scaled)
+                print(
+                    f"{s['engine']:>6} {url}: {in_flight:,} in flight over {p} process(es): "
+                    f"{scaled['calls_per_s']:.0f} calls/s, client CPU {scaled['client_cpu_ms_per_call']:.2f} ms "
+                    "per call",
+                    file=sys.stderr,
+                )
     return out
+
+
+def _turns(servers: Sequence[str], r: int) -> list[str]:
+    """The servers in repeat `r`'s order (rotated each repeat)."""
+    return list(servers[r % len(servers) :]) + list(servers[: r % len(servers)])
+
+
+def _median_ms(runs: list[dict[str, Any]]) -> float:
+    return statistics.median(x["client_cpu_s"] / max(1, x["model_calls"]) for x in runs) * 1e3

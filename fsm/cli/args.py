@@ -395,7 +395,18 @@ def command_line(commands: Mapping[str, Callable[[argparse.Namespace], int]]) ->
         help="engine: trajectories; engines: prompts (default 8)",
     )
     p.add_argument(
-        "--concurrency", type=COUNT, metavar="N", help="engine: trajectories in flight (default: --n)"
+        "--concurrency",
+        type=COUNT,
+        metavar="N",
+        help="engine: trajectories in flight (default: --n); engines: rows in flight for the client's CPU "
+        "per call under load (default 1000)",
+    )
+    p.add_argument(
+        "--processes",
+        type=COUNT,
+        action="append",
+        metavar="N",
+        help="engines: also run the load split over N processes (repeatable: --processes 1 --processes 2)",
     )
     p.add_argument(
         "--tool-turns", type=int_in(0), default=4, metavar="N", help="engine: tool turns per trajectory"

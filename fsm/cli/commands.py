@@ -649,7 +649,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if not args.server or len(args.server) < 2:
             raise CLIError("bench engines: give two servers or more (--server URL --server URL)")
         _quiet_transformers()
-        result = bench.bench_engines(args.server, n=8 if args.n == 2000 else args.n, repeats=args.repeats)
+        result = bench.bench_engines(
+            args.server,
+            n=8 if args.n == 2000 else args.n,
+            repeats=args.repeats,
+            in_flight=args.concurrency or 1000,
+            processes=args.processes or (),
+        )
     elif what == "fleet":
         result = bench.bench_fleet(args.server or (), trace=args.trace, repeats=args.repeats)
     else:  # argparse restricts the choices to the modules of bench/
