@@ -254,10 +254,28 @@ def add_spec_folder(folder: str | Path) -> None:
         importlib.invalidate_caches()
 
 
+def _package_root(module: str, folder: str | Path) -> Path | None:
+    """The folder above the package a spec lives in, when the module it names is in that package
+    (examples/gateway/agent.yaml naming `examples.gateway.harnesses`: the checkout's root), so a spec inside
+    a package imports it from any working directory; None otherwise, or when that root is already importable."""
+    here = Path(folder).resolve()
+    packages = module.split(".")[:-1]
+    for depth in range(len(packages), 0, -1):
+        inside = packages[:depth]
+        if here.parts[-depth:] != tuple(inside):
+            continue
+        root = here.parents[depth - 1]
+        if all((root.joinpath(*packages[:k]) / "__init__.py").is_file() for k in range(1, depth + 1)):
+            return None if str(root) in sys.path else root
+    return None
+
+
 def import_module(module: str, allow: Iterable[str] = (), folder: str | Path | None = None) -> ModuleType:
     """Import a module a spec lists under `imports:` (this runs its code). Raises ImportPathError; a module
     not found says where it was looked for (`folder`: the spec's)."""
     check_module(module, allow)
+    if folder is not None and (root := _package_root(module, folder)) is not None:
+        add_spec_folder(root)
     try:
         return importlib.import_module(module)
     except ModuleNotFoundError as exc:
