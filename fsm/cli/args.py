@@ -306,8 +306,16 @@ def command_line(commands: Mapping[str, Callable[[argparse.Namespace], int]]) ->
     p.add_argument(
         "--resume",
         metavar="DIR",
-        help="complete the run that Ctrl-C or SIGTERM interrupted in DIR "
-        "(its snapshot.json names the spec; another one is refused); the outputs go to DIR",
+        help="complete the run in DIR that a signal, kill -9 or a crash interrupted, from its journal.log "
+        "(which names the spec; another one is refused); the outputs go to DIR",
+    )
+    p.add_argument(
+        "--journal-sync",
+        choices=("1s", "always", "off"),
+        default="1s",
+        help="when the run's journal reaches the disk: at most a second after each step (default: a power "
+        "cut loses at most the last second), after every batch of steps, or when the OS decides (kill -9 "
+        "loses nothing either way)",
     )
     p.add_argument(
         "-q",
