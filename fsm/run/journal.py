@@ -13,10 +13,10 @@ The records (one JSON object each, `t` its kind):
 - `run`: the run's identity, first: format, agent, spec hash and path, tokenizer, data file, groups, rows.
 - `group`: a group submitted: uid, sampling, its trajectories' session ids.
 - `traj`: one trajectory whole (fsm/run/snapshot.py's encoding, plus its version runs): when it is submitted,
-  after a rewrite closes a segment, after a resume, and wherever a delta would not do.
+  after a rewrite closes a segment, and at its first boundary after a resume.
 - `step`: what a trajectory changed since its last record, taken at each state boundary (before each action:
-  the trajectory is whole there): the appended part of each token array and list, the other slots that
-  changed. Each model turn (tokens, logprobs, weight versions, finish), tool result, rewrite, interaction
+  the trajectory is whole there): `a` the appended part of each token array and list ([offset, items]), `r`
+  what was replaced by a new object (whole), `v` the other slots that changed. Each model turn (tokens, logprobs, weight versions, finish), tool result, rewrite, interaction
   reply and reward is in the step after the action that made it; `done` on the last, after scoring.
 - `tool`: a side-effecting tool's result, as soon as it returns, keyed by its idempotency key.
 - `end`: the run's files are written: nothing is left to resume.
@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from fsm.run.snapshot import SnapshotError, _decode, _encode, decode_trajectory, encode_trajectory
-from fsm.run.trajectory import Trajectory
+from fsm.run.trajectory import TokenRuns, Trajectory
 
 JOURNAL = "journal.log"  # in the run directory
 FORMAT = 1
@@ -183,7 +183,7 @@ def _mark(traj: Trajectory, rest: dict[str, Any] | None = None) -> _Mark:
     objs = {n: getattr(traj, n) for n in _ARRAYS + _LISTS + _FIXED}
     objs["runs"] = traj.runs
     lens = {n: len(objs[n]) for n in _ARRAYS + _LISTS}
-    lens["runs"] = len(traj.runs._flat)
+    lens["runs"] = len(traj.runs._flat)  # TokenRuns: compared as its flat array
     if rest is None:
         rest = {n: _encode(getattr(traj, n), n) for n in _REST}
     return _Mark(objs, lens, rest, len(traj.closed))
@@ -220,45 +220,45 @@ class Recorder:
         self.writer.append(record)
 
     def step(self, traj: Trajectory, done: bool = False) -> None:
-        """What `traj` changed since its last record (whole when a delta would not do)."""
+        """What `traj` changed since its last record: the appended part of each array and list, whatever was
+        replaced (a new object: the conversation after encode_prompt) whole, the other slots that changed. A
+        rewrite that closed a segment writes the trajectory whole."""
         m = self._marks.get(traj.session_id)
-        if m is None or len(traj.closed) != m.closed or any(getattr(traj, n) is not m.objs[n] for n in _FIXED):
+        if m is None or len(traj.closed) != m.closed:
             self.whole(traj, done)
             return
-        arrays: dict[str, list[Any]] = {}
-        for n in (*_ARRAYS, "runs"):
-            a = traj.runs._flat if n == "runs" else getattr(traj, n)
-            if a is not (m.objs[n]._flat if n == "runs" else m.objs[n]) or len(a) < m.lens[n]:
-                self.whole(traj, done)
-                return
-            if len(a) > m.lens[n]:
-                arrays[n] = [m.lens[n], a[m.lens[n] :].tolist()]
-        lists: dict[str, list[Any]] = {}
-        for n in _LISTS:
-            a = getattr(traj, n)
-            if a is not m.objs[n] or len(a) < m.lens[n]:
-                self.whole(traj, done)
-                return
-            if len(a) > m.lens[n]:
-                lists[n] = [m.lens[n], _encode(a[m.lens[n] :], n)]
+        record: dict[str, Any] = {"t": "step", "s": traj.session_id}
+        grown: dict[str, list[Any]] = {}
+        replaced: dict[str, Any] = {}
+        for n in _FIXED:
+            v = getattr(traj, n)
+            if v is not m.objs[n]:
+                replaced[n] = _encode(v, n)
+                m.objs[n] = v
+        for n in (*_ARRAYS, "runs", *_LISTS):
+            v = getattr(traj, n)
+            a = v._flat if n == "runs" else v
+            was = m.objs[n]
+            if v is not was or len(a) < m.lens[n]:
+                replaced[n] = [a.typecode, a.tolist()] if n in _ARRAYS or n == "runs" else _encode(a, n)
+            elif len(a) > m.lens[n]:
+                tail = a[m.lens[n] :]
+                grown[n] = [m.lens[n], _encode(tail, n) if n in _LISTS else tail.tolist()]
+            m.objs[n], m.lens[n] = v, len(a)
         rest = {n: _encode(getattr(traj, n), n) for n in _REST}
         changed = {n: v for n, v in rest.items() if v != m.rest[n]}
-        record: dict[str, Any] = {"t": "step", "s": traj.session_id}
-        if arrays:
-            record["a"] = arrays
-        if lists:
-            record["l"] = lists
+        m.rest = rest
+        if grown:
+            record["a"] = grown
+        if replaced:
+            record["r"] = replaced
         if changed:
             record["v"] = changed
         if done:
             record["done"] = True
             self._marks.pop(traj.session_id, None)
-        else:
-            for n, (_, items) in arrays.items():
-                m.lens[n] += len(items)
-            for n, (_, items) in lists.items():
-                m.lens[n] += len(items)
-            m.rest = rest
+        elif len(record) == 2:  # nothing changed (the boundary before the first action)
+            return
         self.writer.append(record)
 
     def tool(self, key: str, outcome: dict[str, Any]) -> None:
@@ -358,6 +358,25 @@ def _extend(traj: Trajectory, n: str, at: int, items: list[Any], where: str) -> 
         target.extend(items)
 
 
+def _replace(traj: Trajectory, n: str, v: Any, where: str) -> None:
+    if n in _ARRAYS or n == "runs":
+        code, items = v
+        if code not in ("i", "l", "q", "b", "B", "f", "d") or not isinstance(items, list):
+            raise JournalError(f"{where}: {n} is not an array record")
+        a = array(code, items)
+        if n == "runs":
+            traj.runs = TokenRuns()
+            traj.runs._flat = a
+        else:
+            setattr(traj, n, a)
+    elif n in _LISTS or n in _FIXED:
+        if n in ("session_id", "index", "sample"):
+            raise JournalError(f"{where}: a step may not change a trajectory's {n}")
+        setattr(traj, n, _decode(v))
+    else:
+        raise JournalError(f"{where}: {n!r} is not a slot a step replaces")
+
+
 def rebuild(read: Read) -> Rebuilt:
     """Replay the records: each trajectory as its last record left it. JournalError (naming the record) for
     one that does not fit: no `run` record first, a step of an unknown trajectory, a delta that does not
@@ -386,6 +405,8 @@ def _apply(out: Rebuilt, rec: dict[str, Any], where: str) -> None:
         out.groups.append({"uid": rec["uid"], "sampling": rec["sampling"], "members": list(rec["members"])})
     elif kind == "traj":
         sid = rec["s"]
+        if sid in out.done:
+            raise JournalError(f"{where}: trajectory {sid!r} again after it finished (a row twice)")
         traj = _whole(rec["d"])
         if traj.session_id != sid:
             raise JournalError(f"{where}: a trajectory record of {sid!r} holds {traj.session_id!r}")
@@ -401,13 +422,11 @@ def _apply(out: Rebuilt, rec: dict[str, Any], where: str) -> None:
             raise JournalError(f"{where}: a step of trajectory {sid!r}, which no record started")
         if sid in out.done:
             raise JournalError(f"{where}: a step of trajectory {sid!r} after it finished")
+        for n, v in rec.get("r", {}).items():
+            _replace(traj, n, v, where)
         for n, (at, items) in rec.get("a", {}).items():
-            if n not in (*_ARRAYS, "runs"):
-                raise JournalError(f"{where}: {n!r} is not a token array of a trajectory")
-            _extend(traj, n, at, items, where)
-        for n, (at, items) in rec.get("l", {}).items():
-            if n not in _LISTS:
-                raise JournalError(f"{where}: {n!r} is not a list of a trajectory")
+            if n not in (*_ARRAYS, "runs", *_LISTS):
+                raise JournalError(f"{where}: {n!r} is not an array or list of a trajectory")
             _extend(traj, n, at, items, where)
         for n, v in rec.get("v", {}).items():
             if n not in _REST:
