@@ -123,7 +123,9 @@ def _check_run(ref: Path, out: Path) -> None:
 
 def _kill_test(tmp_path: Path, base: list[str], kills: int, seed: int) -> list[dict]:
     ref = tmp_path / "ref"
-    done = subprocess.run(run_args(ref, *base), env=ENV, cwd=REPO, capture_output=True, text=True, timeout=240)
+    done = subprocess.run(
+        run_args(ref, *base), env=ENV, cwd=REPO, capture_output=True, text=True, timeout=240
+    )
     assert done.returncode == 0, done.stderr
     rng, table, k = random.Random(seed), [], 0
     while len(table) < kills:
@@ -188,4 +190,3 @@ def test_twenty_kill_9s_over_http_each_resumed_equal_the_uninterrupted_run(tmp_p
 @pytest.mark.slow
 def test_kill_9s_of_the_embedded_model_each_resumed_equal_the_uninterrupted_run(tmp_path):
     _kill_test(tmp_path, [SPEC, "--batch-size", "1"], kills=4, seed=7)
-

@@ -450,15 +450,15 @@ def cmd_run(args: argparse.Namespace, rollout: Callable[..., Any] | None = None)
         args.run_id = uuid.uuid4().hex[:12]
     _check_run_flags(args)
     agent = compile_spec(args.spec)
-    if (
-        args.resume is not None
-    ):  # checked now (but the tokenizer, at restore): refused before anything starts
+    if args.resume is not None:  # checked now (but the tokenizer, at restore): refused before anything starts
         try:
             loaded = load(Path(args.resume) / JOURNAL, agent)
         except snap.SnapshotError as exc:
             raise CLIError(f"--resume: {exc}") from None
         if loaded.ended is not None:
-            raise CLIError(f"--resume: {Path(args.resume) / JOURNAL}: the run there has {loaded.ended}: nothing to resume")
+            raise CLIError(
+                f"--resume: {Path(args.resume) / JOURNAL}: the run there has {loaded.ended}: nothing to resume"
+            )
     rows = _rows(args, agent) if args.resume is None else None
     out = args.out = _out_dir(args)
     try:

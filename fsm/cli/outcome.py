@@ -54,7 +54,9 @@ def resume_spec(args: argparse.Namespace) -> None:
                 f"--resume: {Path(args.resume) / SNAPSHOT}: a snapshot of an agentfsm before the journal; "
                 "this version cannot resume it: resume it with the version that wrote it, or start the run again"
             )
-        raise CLIError(f"--resume {args.resume}: no {JOURNAL} there (every `agentfsm run --out DIR` writes one)")
+        raise CLIError(
+            f"--resume {args.resume}: no {JOURNAL} there (every `agentfsm run --out DIR` writes one)"
+        )
     try:
         ident = read_identity(path)
     except JournalError as exc:
@@ -68,14 +70,6 @@ def resume_spec(args: argparse.Namespace) -> None:
                 f"--resume: {path} names the spec {named!r}, which is not there; pass the spec too"
             )
         args.spec = named
-    summary = Path(args.resume) / "summary.json"
-    with contextlib.suppress(OSError, ValueError, AttributeError):
-        theirs = json.loads(summary.read_text()).get("run_id")
-        if theirs and run_id and theirs != run_id:
-            raise CLIError(
-                f"--resume: {path} belongs to run {run_id}, but {summary} to run {theirs}; the "
-                "journal is not this directory's run"
-            )
     args.run_id = run_id
 
 

@@ -72,7 +72,9 @@ class RunDir:
     out: Path
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     spec: str | None = None
-    sync: str = "1s"  # the journal's durability: "1s" (a power cut loses at most the last second), "always", "off"
+    sync: str = (
+        "1s"  # the journal's durability: "1s" (a power cut loses at most the last second), "always", "off"
+    )
     data: str | None = None  # the data file, recorded in the journal
 
     def __post_init__(self) -> None:

@@ -315,7 +315,9 @@ class RunContext:
 
 def has_side_effects(tool: Any) -> bool:
     """A tool declared with side effects: `side_effects = True` on its class, or on its function."""
-    return bool(getattr(tool, "side_effects", False) or getattr(getattr(tool, "fn", None), "side_effects", False))
+    return bool(
+        getattr(tool, "side_effects", False) or getattr(getattr(tool, "fn", None), "side_effects", False)
+    )
 
 
 def outcome_record(outcome: CallOutcome) -> dict[str, Any]:

@@ -61,7 +61,9 @@ _LISTS = (
 # slots set once (or replaced whole, a new object): compared by identity, written when replaced
 _FIXED = ("index", "sample", "session_id", "uid", "row", "tool_schemas", "tools_kwargs", "interaction_kwargs")
 _REST = tuple(
-    s for s in Trajectory.__slots__ if s not in _ARRAYS + _LISTS + _FIXED + ("runs", "closed", "_version_runs")
+    s
+    for s in Trajectory.__slots__
+    if s not in _ARRAYS + _LISTS + _FIXED + ("runs", "closed", "_version_runs")
 )
 
 
@@ -203,7 +205,9 @@ class Recorder:
 
     def group(self, uid: str, sampling: dict[str, Any], trajs: Iterable[Trajectory]) -> None:
         trajs = list(trajs)
-        self.writer.append({"t": "group", "uid": uid, "sampling": sampling, "members": [t.session_id for t in trajs]})
+        self.writer.append(
+            {"t": "group", "uid": uid, "sampling": sampling, "members": [t.session_id for t in trajs]}
+        )
         for t in trajs:
             self.whole(t)
 
@@ -315,7 +319,9 @@ def records(path: str | Path) -> Read:
             if end < 0 or data.find(b"\n", end + 1) < 0 and end + 1 == len(data):  # the last line
                 torn = f"{path}: record {n}, the last, was cut mid-way ({len(data) - at} bytes, a write a kill interrupted); dropped"
                 break
-            raise JournalError(f"{path}: record {n}: its checksum does not match (damaged or edited); the run cannot be resumed from it")
+            raise JournalError(
+                f"{path}: record {n}: its checksum does not match (damaged or edited); the run cannot be resumed from it"
+            )
         try:
             rec = json.loads(line[9:])
         except (ValueError, RecursionError):
@@ -392,8 +398,12 @@ def rebuild(read: Read) -> Rebuilt:
             _apply(out, rec, where)
         except JournalError:
             raise
+        except SnapshotError as exc:  # a value the snapshot encoding refuses (an unknown record type)
+            raise JournalError(f"{where}: {exc}") from None
         except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError) as exc:
-            raise JournalError(f"{where}: malformed {rec.get('t')!r} record ({type(exc).__name__}: {exc})") from None
+            raise JournalError(
+                f"{where}: malformed {rec.get('t')!r} record ({type(exc).__name__}: {exc})"
+            ) from None
     return out
 
 

@@ -193,7 +193,9 @@ class Local:
             thread = loopwatch.blocked(home.loop)
             if thread is not None and self._stream is not None:
                 try:
-                    return await asyncio.to_thread(self._snapshot_blocked, thread, None if path is None else Path(path), meta, fallback)
+                    return await asyncio.to_thread(
+                        self._snapshot_blocked, thread, None if path is None else Path(path), meta, fallback
+                    )
                 except snap.SnapshotError:  # it turned meanwhile: the loop takes the snapshot after all
                     continue
 
@@ -271,7 +273,11 @@ class Local:
         }
 
     def _snapshot_blocked(
-        self, thread: int, path: Path | None, meta: Mapping[str, Any] | None, fallback: Callable[[], Path] | None
+        self,
+        thread: int,
+        path: Path | None,
+        meta: Mapping[str, Any] | None,
+        fallback: Callable[[], Path] | None,
     ) -> dict[str, Any]:
         """`snapshot` while the loop is blocked (see `Stream.snapshot_blocked`), on a thread of the caller's. The
         engine is left `wedged`: nothing more can run on its loop, and closing it skips the loop."""

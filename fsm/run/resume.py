@@ -86,7 +86,9 @@ def load(path: str | Path, agent: CompiledAgent, codec: Any = None) -> Loaded:
     return Loaded(data, read.good_bytes, read.torn, rebuilt.tool_results, *counts, rebuilt.ended)
 
 
-def _snapshot_form(read: Read, rebuilt: Rebuilt, agent: CompiledAgent) -> tuple[dict[str, Any], tuple[int, int, int]]:
+def _snapshot_form(
+    read: Read, rebuilt: Rebuilt, agent: CompiledAgent
+) -> tuple[dict[str, Any], tuple[int, int, int]]:
     ident = rebuilt.identity
     groups, finished, in_flight, restarted = [], 0, 0, 0
     for g in rebuilt.groups:
