@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
-import json
 import os
 import re
 import signal
