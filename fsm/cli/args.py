@@ -389,6 +389,7 @@ def command_line(commands: Mapping[str, Callable[[argparse.Namespace], int]]) ->
             "vs-verl",
             "engines",
             "gateway",
+            "journal",
         ],
         help="which benchmark",
     )

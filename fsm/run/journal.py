@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from fsm.run.snapshot import SnapshotError, _decode, _encode, decode_trajectory, encode_trajectory
-from fsm.run.trajectory import TokenRuns, Trajectory
+from fsm.run.trajectory import Metrics, TokenRuns, Trajectory
 
 JOURNAL = "journal.log"  # in the run directory
 FORMAT = 1
@@ -60,11 +60,29 @@ _LISTS = (
 )
 # slots set once (or replaced whole, a new object): compared by identity, written when replaced
 _FIXED = ("index", "sample", "session_id", "uid", "row", "tool_schemas", "tools_kwargs", "interaction_kwargs")
-_REST = tuple(
-    s
-    for s in Trajectory.__slots__
-    if s not in _ARRAYS + _LISTS + _FIXED + ("runs", "closed", "_version_runs")
+# the rest, each compared as cheaply as its kind allows: scalars by value, tuples and lists that are only ever
+# replaced (never changed in place) by identity, dicts changed in place by a shallow copy, metrics by its values
+_SCALARS = (
+    "interaction_started",
+    "needs_tail",
+    "logprobs_missing",
+    "state",
+    "assistant_turns",
+    "user_turns",
+    "last_finish_reason",
+    "should_terminate",
+    "observation_overflow",
+    "termination_reason",
+    "error",
+    "reward_score",
+    "interaction_score",
+    "token_check",
 )
+_REPLACED = ("segment_start", "partial_turn", "pending_calls")
+_DICTS = ("extra", "extra_fields")
+_REST = (*_SCALARS, *_REPLACED, *_DICTS, "metrics")
+_PLAIN_LISTS = ("path", "transitions_fired", "tool_rewards", "tool_scores", "turn_scores", "turn_rewards")
+assert set(_REST) | set(_ARRAYS) | set(_LISTS) | set(_FIXED) | {"runs", "closed"} == set(Trajectory.__slots__)
 
 
 class JournalError(SnapshotError):
@@ -181,14 +199,24 @@ class _Mark:
     closed: int
 
 
-def _mark(traj: Trajectory, rest: dict[str, Any] | None = None) -> _Mark:
+def _values(traj: Trajectory) -> dict[str, Any]:
+    """What a step compares the rest against (see _REST)."""
+    rest: dict[str, Any] = {n: getattr(traj, n) for n in _SCALARS}
+    for n in _REPLACED:
+        rest[n] = getattr(traj, n)
+    for n in _DICTS:
+        rest[n] = dict(getattr(traj, n))
+    m = traj.metrics
+    rest["metrics"] = tuple(getattr(m, f) for f in m.__slots__)
+    return rest
+
+
+def _mark(traj: Trajectory) -> _Mark:
     objs = {n: getattr(traj, n) for n in _ARRAYS + _LISTS + _FIXED}
     objs["runs"] = traj.runs
     lens = {n: len(objs[n]) for n in _ARRAYS + _LISTS}
     lens["runs"] = len(traj.runs._flat)  # TokenRuns: compared as its flat array
-    if rest is None:
-        rest = {n: _encode(getattr(traj, n), n) for n in _REST}
-    return _Mark(objs, lens, rest, len(traj.closed))
+    return _Mark(objs, lens, _values(traj), len(traj.closed))
 
 
 class Recorder:
@@ -247,10 +275,24 @@ class Recorder:
                 replaced[n] = [a.typecode, a.tolist()] if n in _ARRAYS or n == "runs" else _encode(a, n)
             elif len(a) > m.lens[n]:
                 tail = a[m.lens[n] :]
-                grown[n] = [m.lens[n], _encode(tail, n) if n in _LISTS else tail.tolist()]
+                if n in _PLAIN_LISTS:
+                    grown[n] = [m.lens[n], tail]
+                else:
+                    grown[n] = [m.lens[n], _encode(tail, n) if n in _LISTS else tail.tolist()]
             m.objs[n], m.lens[n] = v, len(a)
-        rest = {n: _encode(getattr(traj, n), n) for n in _REST}
-        changed = {n: v for n, v in rest.items() if v != m.rest[n]}
+        rest, was = _values(traj), m.rest
+        changed: dict[str, Any] = {}
+        for n in _SCALARS:
+            if rest[n] != was[n] or type(rest[n]) is not type(was[n]):
+                changed[n] = rest[n]
+        for n in _REPLACED:
+            if rest[n] is not was[n]:
+                changed[n] = _encode(rest[n], n)
+        for n in _DICTS:  # whole at the end: a value changed deep inside is written then
+            if done or rest[n] != was[n]:
+                changed[n] = _encode(getattr(traj, n), n)
+        if done or rest["metrics"] != was["metrics"]:
+            changed["metrics"] = traj.metrics.as_dict()
         m.rest = rest
         if grown:
             record["a"] = grown
@@ -441,6 +483,10 @@ def _apply(out: Rebuilt, rec: dict[str, Any], where: str) -> None:
         for n, v in rec.get("v", {}).items():
             if n not in _REST:
                 raise JournalError(f"{where}: {n!r} is not a slot a step changes")
+            if n == "metrics":
+                if not isinstance(v, dict) or not set(v) <= set(Metrics.__slots__):
+                    raise JournalError(f"{where}: metrics is not a trajectory's metrics")
+                v = Metrics(**v)
             setattr(traj, n, _decode(v))
         out.steps += 1
         if rec.get("done"):
