@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import zlib
 from pathlib import Path
@@ -324,3 +325,27 @@ def test_a_side_effecting_tool_is_never_executed_again_for_a_journaled_call(tmp_
     for a, b in zip(ref, again):
         assert a.response_ids == b.response_ids and a.messages == b.messages
     assert key.endswith("_c0_0")  # (session: row and sample, turn, call): the same after the resume
+
+
+# --- replay and show, from the journal alone ------------------------------------------------------------------
+
+
+def test_replay_rebuilds_a_row_without_server_or_model(capsys, interrupted):
+    cut, _ = interrupted
+    assert main(["replay", str(cut), "--row", "0"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("== row 0 sample 0 (") and "finished" in out
+    assert "[user] " in out and "path: PENDING -> GENERATING -> " in out
+    assert re.search(r"token check: (exact|token \d+: trajectory has )", out), out  # random echo ids
+    recorded = re.search(r"reward: recorded (\S+), recomputed (\S+) \(difference \+0\)", out)
+    assert recorded and recorded.group(1) == recorded.group(2), out
+    line = one_line_error(capsys, ["replay", str(cut), "--row", "99"])
+    assert line == f"agentfsm: {cut / JOURNAL}: no row 99 in this run (its rows are 0..5)"
+
+
+def test_show_reads_the_journal_of_a_run_that_did_not_finish(capsys, interrupted):
+    cut, _ = interrupted
+    assert main(["show", str(cut)]) == 0
+    out = capsys.readouterr().out
+    assert f"{cut / JOURNAL}: 4 trajectories finished, 2 in flight; the run: not ended" in out
+    assert "in flight: " in out

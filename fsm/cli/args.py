@@ -370,7 +370,24 @@ def command_line(commands: Mapping[str, Callable[[argparse.Namespace], int]]) ->
         metavar="N",
         help=f"print at most N transcripts (default: {SHOW_LIMIT} with --worst or --failed, else all)",
     )
+    p.add_argument(
+        "--journal",
+        action="store_true",
+        help="read the run's journal.log (the default for a run still running or that died)",
+    )
     p.set_defaults(fn=commands["show"])
+
+    p = command(
+        "replay",
+        "rebuild a trajectory from a run's journal, without server or model: transcript, path, token check, "
+        "reward recomputed",
+    )
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a directory `agentfsm run --out DIR` wrote")
+    p.add_argument("--row", type=int_in(0), required=True, metavar="INDEX", help="the row (all its samples)")
+    p.add_argument("--sample", type=int_in(0), metavar="K", help="only this sample of the row")
+    p.add_argument("--spec", help="the spec (default: the one the journal names)")
+    p.add_argument("--tokenizer", help="the tokenizer (default: the one the journal names)")
+    p.set_defaults(fn=commands["replay"])
 
     p = command("bench", "benchmarks that print numbers (JSON)")
     p.add_argument(

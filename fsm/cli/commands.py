@@ -560,16 +560,36 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
+    """A run's transcripts: its trajectories.jsonl, or (a run still running or that died, `--journal`) its
+    journal's trajectories, finished and in flight (fsm/cli/replay.py)."""
+    from fsm.run.journal import JOURNAL, ended
     from viz.transcript import show
 
     limit = args.limit
     if limit is None and (args.worst or args.failed):
         limit = SHOW_LIMIT
+    run_dir, tmp = Path(args.run_dir), None
+    journal = run_dir / JOURNAL if run_dir.is_dir() else None
+    if journal is not None and journal.is_file() and (args.journal or ended(journal) is None):
+        from fsm.cli.replay import show_journal
+
+        run_dir = tmp = show_journal(Path(args.run_dir))
+    elif args.journal:
+        raise CLIError(f"{args.run_dir}: no {JOURNAL} there")
     try:
-        show(args.run_dir, row=args.row, worst=args.worst, failed=args.failed, limit=limit)
+        show(run_dir, row=args.row, worst=args.worst, failed=args.failed, limit=limit)
     except (FileNotFoundError, LookupError, ValueError) as exc:
         raise CLIError(str(exc)) from None
+    finally:
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
     return 0
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from fsm.cli.replay import cmd_replay as replay
+
+    return replay(args)
 
 
 # --- bench / dev-server --------------------------------------------------------------------------------
@@ -665,6 +685,7 @@ COMMANDS = {
     "bench": cmd_bench,
     "dev-server": cmd_dev_server,
     "gateway": cmd_gateway,
+    "replay": cmd_replay,
 }
 
 

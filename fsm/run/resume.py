@@ -38,11 +38,14 @@ class Loaded:
 
 def identity(agent: CompiledAgent, codec: Any, **more: Any) -> dict[str, Any]:
     """The journal's first record: what the run was (the spec, by hash; the tokenizer, by digest) and more."""
+    tok = tokenizer_id(codec) if codec is not None else None
+    if tok is not None and Path(tok["name"]).is_dir():  # a local one: found again from anywhere (replay)
+        tok["name"] = str(Path(tok["name"]).resolve())
     return {
         "agent": agent.name,
         "spec_hash": agent.hash,
-        "spec": str(agent.path) if agent.path else None,
-        "tokenizer": tokenizer_id(codec) if codec is not None else None,
+        "spec": str(Path(agent.path).resolve()) if agent.path else None,
+        "tokenizer": tok,
         **more,
     }
 
