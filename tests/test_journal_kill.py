@@ -187,6 +187,50 @@ def test_twenty_kill_9s_over_http_each_resumed_equal_the_uninterrupted_run(tmp_p
     assert any("model turn" in m for m in moments), moments
 
 
+EMBEDDED = """
+import sys
+
+from fsm import RolloutEngine, RunDir
+from fsm.spec.registry import resolve
+
+url, out = sys.argv[1], sys.argv[2]
+engine = RolloutEngine("specs/calculator_compact.yaml", tokenizer="backends/tiny/assets", servers=[url])
+rows = resolve(engine.agent.spec.demo_data, engine.agent.spec.trust.allow_modules)(2, seed=0)
+engine.generate_sequences(rows, {"temperature": 0, "seed": 0}, n=2, keep=RunDir(out))
+engine.close()
+"""
+
+
+@pytest.mark.slow
+def test_kill_9s_of_a_program_that_keeps_its_run_with_the_api_then_resumed(tmp_path, model_server):
+    """`keep=RunDir(out)` writes the same journal as `agentfsm run`: a program killed with -9 at a random moment
+    is resumed by `agentfsm run --resume out`, equal to an uninterrupted CLI run."""
+    base = [SPEC, "--server", model_server]
+    ref = tmp_path / "ref"
+    done = subprocess.run(
+        run_args(ref, *base), env=ENV, cwd=REPO, capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0, done.stderr
+    script = tmp_path / "embed.py"
+    script.write_text(EMBEDDED)
+    rng = random.Random(5)
+    for k in range(3):
+        out = tmp_path / f"api{k}"
+        proc = subprocess.Popen([sys.executable, str(script), model_server, str(out)], env=ENV, cwd=REPO)
+        target, deadline = rng.randint(8, 40), time.monotonic() + 120
+        while proc.poll() is None and _count(out / JOURNAL) < target:
+            assert time.monotonic() < deadline, "the program's journal did not grow"
+            time.sleep(0.002)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+        assert proc.returncode == -signal.SIGKILL, "the program finished before its kill"
+        resumed = subprocess.run(
+            run_args(out, "--resume", str(out), *base[1:]), env=ENV, cwd=REPO, capture_output=True, text=True
+        )
+        assert resumed.returncode == 0, resumed.stderr
+        _check_run(ref, out)
+
+
 @pytest.mark.slow
 def test_kill_9s_of_the_embedded_model_each_resumed_equal_the_uninterrupted_run(tmp_path):
     _kill_test(tmp_path, [SPEC, "--batch-size", "1"], kills=4, seed=7)

@@ -157,7 +157,7 @@ async def _reopen(engine: Any, keeper: Keeper) -> tuple[Loaded, Recorder]:
     return loaded, recorder
 
 
-async def _stop(engine: Any, recorder: Recorder) -> list:
+async def _stop(engine: Any, recorder: Recorder) -> list[Any]:
     """Flush the journal, pause, exit: every running trajectory parks at its next state boundary (model turns
     in flight end at once, their partial tokens kept), where the journal records it; the journal goes to disk
     and the run stops. The finished groups back. Every way it can fail is one warning: the journal holds every
@@ -188,5 +188,5 @@ async def _stop(engine: Any, recorder: Recorder) -> list:
     with contextlib.suppress(OSError):
         await asyncio.to_thread(recorder.writer.sync)
     if ready and not engine.wedged:
-        return await engine.atake_groups(ready)
+        return list(await engine.atake_groups(ready))
     return []

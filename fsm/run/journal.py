@@ -469,9 +469,10 @@ def _apply(out: Rebuilt, rec: dict[str, Any], where: str) -> None:
             out.done.add(sid)
     elif kind == "step":
         sid = rec["s"]
-        traj = out.trajs.get(sid)
-        if traj is None:
+        found = out.trajs.get(sid)
+        if found is None:
             raise JournalError(f"{where}: a step of trajectory {sid!r}, which no record started")
+        traj = found
         if sid in out.done:
             raise JournalError(f"{where}: a step of trajectory {sid!r} after it finished")
         for n, v in rec.get("r", {}).items():

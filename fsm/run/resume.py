@@ -134,7 +134,7 @@ def _snapshot_form(
         "tokenizer": ident.get("tokenizer"),
         "meta": {
             "groups": len(groups),
-            "rows_expected": ident.get("rows_expected", sum(len(g["trajectories"]) for g in groups)),
+            "rows_expected": ident.get("rows_expected", 0),
             "run_id": ident.get("run_id"),
             "spec": ident.get("spec"),
         },
@@ -142,8 +142,12 @@ def _snapshot_form(
         "next_index": max(indices) + 1 if indices else 0,
         "groups": groups,
     }
-    if not isinstance(data["meta"]["rows_expected"], int) or data["meta"]["rows_expected"] < 0:
-        raise JournalError(f"{read.path}: record 1: rows_expected is not a count")
+    expected = ident.get("rows_expected", 0)
+    held = sum(len(g["trajectories"]) for g in groups)
+    if not isinstance(expected, int) or isinstance(expected, bool) or expected < held:
+        raise JournalError(
+            f"{read.path}: record 1: rows_expected is not a count of at least its {held} trajectories"
+        )
     return data, (finished, in_flight, restarted)
 
 
