@@ -458,7 +458,9 @@ def test_ctrl_c_with_a_server_that_can_neither_pause_nor_abort_snapshots_within_
         assert proc.returncode == 130 and "Traceback" not in text, text
         assert took < 45, f"the snapshot took {took:.1f} s"
         assert _get(f"{url}/_deaf")["abort_request"] >= 6  # it was asked, and ignored it
-        assert ended(cut / "journal.log") is None and f"resume with: agentfsm run --resume {cut}" in text, text
+        assert ended(cut / "journal.log") is None and f"resume with: agentfsm run --resume {cut}" in text, (
+            text
+        )
     finally:
         deaf.terminate()
         deaf.wait(20)
