@@ -90,7 +90,17 @@ def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
 def test_every_numeric_flag_is_range_checked_and_every_argument_documented():
     parser = build_parser()
     commands = _subparsers(parser)
-    assert set(commands) == {"validate", "schema", "run", "render", "show", "bench", "dev-server", "gateway"}
+    assert set(commands) == {
+        "validate",
+        "schema",
+        "run",
+        "render",
+        "show",
+        "bench",
+        "dev-server",
+        "gateway",
+        "replay",
+    }
     for name, sub in commands.items():
         assert isinstance(sub, Parser) and sub.description, name  # one-line usage errors; a description
         for action in sub._actions:
