@@ -383,7 +383,7 @@ class RolloutEngine(BaseEngine):
 
     async def _snapshot(
         self,
-        path: str | Path,
+        path: str | Path | None,
         meta: Mapping[str, Any] | None,
         stop: bool,
         timeout: float | None,
@@ -392,8 +392,11 @@ class RolloutEngine(BaseEngine):
     ) -> dict[str, Any]:
         return await self._local.snapshot(path, meta, stop, timeout, abort_turns, fallback)
 
-    async def _restore(self, path: str | Path) -> dict[str, Any]:
+    async def _restore(self, path: str | Path | Mapping[str, Any]) -> dict[str, Any]:
         return await self._on_home(self._local.restore_here(path))
+
+    async def _journal(self, journal: Any) -> None:
+        await self._on_home(self._local.journal_here(journal))
 
     @property
     def weight_version(self) -> int:

@@ -90,7 +90,17 @@ def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
 def test_every_numeric_flag_is_range_checked_and_every_argument_documented():
     parser = build_parser()
     commands = _subparsers(parser)
-    assert set(commands) == {"validate", "schema", "run", "render", "show", "bench", "dev-server", "gateway"}
+    assert set(commands) == {
+        "validate",
+        "schema",
+        "run",
+        "render",
+        "show",
+        "bench",
+        "dev-server",
+        "gateway",
+        "replay",
+    }
     for name, sub in commands.items():
         assert isinstance(sub, Parser) and sub.description, name  # one-line usage errors; a description
         for action in sub._actions:
@@ -352,14 +362,16 @@ def assert_consistent(out, rows: int, status: str = "completed") -> dict:
     assert summary["files"] == {"batch.pt": {"rows": rows}, "trajectories.jsonl": {"rows": rows}}
     assert len((out / "trajectories.jsonl").read_text().splitlines()) == rows
     assert torch.load(out / "batch.pt", weights_only=False)["batch"]["responses"].shape[0] == rows
-    resume = ["snapshot.json"] if status == "interrupted" else []  # the rows in flight, for run --resume
-    assert sorted(p.name for p in out.iterdir()) == [
-        ".agentfsm.lock",
-        "batch.pt",
-        *resume,
-        "summary.json",
-        "trajectories.jsonl",
-    ]  # the lock: fsm/output/rundir.py's `locked`
+    assert (
+        sorted(p.name for p in out.iterdir())
+        == [
+            ".agentfsm.lock",
+            "batch.pt",
+            "journal.log",  # every step of the run (fsm/run/journal.py): ended when completed, else for run --resume
+            "summary.json",
+            "trajectories.jsonl",
+        ]
+    )  # the lock: fsm/output/rundir.py's `locked`
     return summary
 
 
@@ -438,8 +450,8 @@ def test_ctrl_c_during_the_rollout_writes_what_finished(capsys, tmp_path):
     stopping, wrote, interrupted = (
         captured.err.splitlines()
     )  # at once, when the snapshot is written, at the end
-    assert "SIGINT: stopping" in stopping and "Ctrl-C again to exit without" in stopping
-    assert wrote.startswith("agentfsm: wrote the snapshot")
+    assert "SIGINT: stopping" in stopping and "Ctrl-C again to exit at once" in stopping
+    assert wrote.startswith("agentfsm: flushed the journal")
     assert "interrupted:" in interrupted and "of 8 trajectories finished" in interrupted
     summary = read_summary(out)
     rows = summary["files"]["batch.pt"]["rows"]

@@ -1,5 +1,5 @@
 """`agentfsm run` interrupted as schedulers and people interrupt it: SIGTERM and Ctrl-C in the middle of a model
-turn that would last ten minutes, a second Ctrl-C while a tool hangs, a run resumed from its snapshot without
+turn that would last ten minutes, a second Ctrl-C while a tool hangs, a run resumed from its journal without
 repeating the spec; and the watchdog's report of a hung sync tool, in the path users run.
 
 The servers are dev servers (backends/devserver.py) serving HashLM, the deterministic toy model: one with a
@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from fsm.run.journal import ended, rebuild, records
 from tests.conftest import assert_same_batch_files
 from tests.test_snapshot import _get
 
@@ -183,7 +184,7 @@ def test_an_interrupt_mid_turn_snapshots_within_seconds_and_resume_gives_the_sam
     assert proc.returncode == 130, err
     assert took < 30, f"the snapshot took {took:.1f} s"
     assert f"resume with: agentfsm run --resume {cut}" in err and "Traceback" not in err
-    assert (cut / "snapshot.json").exists() and not (cut / "summary.json").exists()
+    assert ended(cut / "journal.log") is None and not (cut / "summary.json").exists()
     assert _in_flight(slow) == 0  # the aborted turns are gone from the server, which serves again
 
     again = subprocess.run(
@@ -194,7 +195,7 @@ def test_an_interrupt_mid_turn_snapshots_within_seconds_and_resume_gives_the_sam
         text=True,
         timeout=240,
     )
-    assert again.returncode == 1 and "holds the snapshot of an interrupted run" in again.stderr
+    assert again.returncode == 1 and "holds an unfinished run (journal.log)" in again.stderr
     other = subprocess.run(
         run_args(cut, "specs/tool_agent.yaml", "--resume", str(cut), "--server", fast),
         env=ENV,
@@ -203,7 +204,7 @@ def test_an_interrupt_mid_turn_snapshots_within_seconds_and_resume_gives_the_sam
         text=True,
         timeout=240,
     )
-    assert other.returncode == 1 and "restore it with the spec it was taken with" in other.stderr
+    assert other.returncode == 1 and "resume with the spec it was written with" in other.stderr
     assert len(other.stderr.strip().splitlines()) == 1
     resumed = subprocess.run(
         run_args(cut, "--resume", str(cut), "--server", fast),
@@ -214,7 +215,7 @@ def test_an_interrupt_mid_turn_snapshots_within_seconds_and_resume_gives_the_sam
         timeout=240,
     )
     assert resumed.returncode == 0, resumed.stderr
-    assert not (cut / "snapshot.json").exists()
+    assert ended(cut / "journal.log") == "completed"
     assert_same_batch_files(ref, cut)
 
 
@@ -258,7 +259,7 @@ def test_a_hung_sync_tool_gets_a_watchdog_line_and_a_second_ctrl_c_exits_at_once
         # a slow model turn (a loaded machine) may be reported first: the hung tool's row comes next
         assert "in PROCESSING_TOOLS for" in err.wait_for("in PROCESSING_TOOLS for", 240)
         proc.send_signal(signal.SIGINT)
-        err.wait_for("Ctrl-C again to exit without a snapshot", 10)
+        err.wait_for("Ctrl-C again to exit at once", 10)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGINT)
         proc.wait(10)
@@ -266,7 +267,7 @@ def test_a_hung_sync_tool_gets_a_watchdog_line_and_a_second_ctrl_c_exits_at_once
     finally:
         proc.kill()
     text = err.rest()
-    assert proc.returncode == 130 and "exiting without a snapshot" in text, text
+    assert proc.returncode == 130 and "exiting at once" in text, text
     assert took < 10 and "Traceback" not in text
 
 
@@ -315,9 +316,9 @@ def test_a_tool_that_blocks_the_event_loop_is_named_and_ctrl_c_still_snapshots(t
         proc.kill()
     text = err.rest()
     assert proc.returncode == 130, text
-    assert took < 30 and "Traceback" not in text and "exiting without a snapshot" not in text, text
-    assert "wrote the snapshot" in text and "last state boundary" in text, text
-    assert (out / "snapshot.json").exists()
+    assert took < 30 and "Traceback" not in text and "exiting at once" not in text, text
+    assert "flushed the journal" in text and "last state boundary" in text, text
+    assert ended(out / "journal.log") is None
     if (out / "summary.json").exists():  # rows that finished before the tool blocked are written
         assert '"status": "interrupted"' in (out / "summary.json").read_text()
 
@@ -330,7 +331,7 @@ def test_a_tool_that_blocks_the_event_loop_is_named_and_ctrl_c_still_snapshots(t
         timeout=240,
     )
     assert resumed.returncode == 0, resumed.stderr
-    assert not (out / "snapshot.json").exists()
+    assert ended(out / "journal.log") == "completed"
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["files"]["trajectories.jsonl"]["rows"] == 4
     reasons = [json.loads(line)["termination_reason"] for line in (out / "trajectories.jsonl").open()]
@@ -390,12 +391,12 @@ def test_sigterm_keeps_a_run_of_the_python_api_and_the_cli_resumes_it(servers, t
         proc.kill()
     err = err.rest()
     assert proc.returncode == 130 and "Traceback" not in err, err
-    assert "wrote the snapshot (3 groups running, 0 finished)" in err, err
+    assert "flushed the journal (3 groups running, 0 finished)" in err, err
     assert (
         f"kept: interrupted before any trajectory finished; {cut} holds what it held before; resume with: "
         f"agentfsm run --resume {cut}" in err
     ), err
-    assert (cut / "snapshot.json").exists() and not (cut / "summary.json").exists()
+    assert ended(cut / "journal.log") is None and not (cut / "summary.json").exists()
     assert _in_flight(slow) == 0  # the aborted turns are gone from the server, which serves again
     resumed = subprocess.run(
         run_args(cut, "--resume", str(cut), "--server", fast),
@@ -406,7 +407,7 @@ def test_sigterm_keeps_a_run_of_the_python_api_and_the_cli_resumes_it(servers, t
         timeout=240,
     )
     assert resumed.returncode == 0, resumed.stderr
-    assert not (cut / "snapshot.json").exists()
+    assert ended(cut / "journal.log") == "completed"
     assert json.loads((cut / "summary.json").read_text())["status"] == "completed"
     assert_same_batch_files(ref, cut)
 
@@ -457,7 +458,9 @@ def test_ctrl_c_with_a_server_that_can_neither_pause_nor_abort_snapshots_within_
         assert proc.returncode == 130 and "Traceback" not in text, text
         assert took < 45, f"the snapshot took {took:.1f} s"
         assert _get(f"{url}/_deaf")["abort_request"] >= 6  # it was asked, and ignored it
-        assert (cut / "snapshot.json").exists() and f"resume with: agentfsm run --resume {cut}" in text, text
+        assert ended(cut / "journal.log") is None and f"resume with: agentfsm run --resume {cut}" in text, (
+            text
+        )
     finally:
         deaf.terminate()
         deaf.wait(20)
@@ -532,9 +535,9 @@ def test_ctrl_c_while_a_rewrite_hangs_snapshots_at_once(tmp_path, kind):
         proc.kill()
     text = err.rest()
     assert proc.returncode == 130 and took < 30, (took, text)
-    assert "wrote the snapshot" in text and "Traceback" not in text and "start over" not in text, text
-    data = json.loads((out / "snapshot.json").read_text())
-    states = [t["state"] for g in data["groups"] for t in g["trajectories"] if not t["done"]]
+    assert "flushed the journal" in text and "Traceback" not in text and "start over" not in text, text
+    rb = rebuild(records(out / "journal.log"))
+    states = [t.state for s, t in rb.trajs.items() if s not in rb.done]
     assert "SQUASH" in states and set(states) <= {"SQUASH", "PENDING", "GENERATING"}, states
 
     resumed = subprocess.run(

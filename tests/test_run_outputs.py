@@ -1,6 +1,6 @@
 """What `agentfsm run` leaves behind, whatever happens around it: --out checked before the rollout, a lock
 against a second run, outputs kept when --out refuses them, a tool that moves the process or closes its
-stdout, and snapshots refused in one line when damaged or crafted (fsm/output/rundir.py, fsm/run/snapshot.py).
+stdout, and an old snapshot refused in one line (fsm/output/rundir.py, fsm/cli/outcome.py).
 """
 
 from __future__ import annotations
@@ -11,15 +11,13 @@ import signal
 import subprocess
 import sys
 import time
-import zlib
 from pathlib import Path
 
 import pytest
 
-from backends.scripted import ScriptedBackend, echo_backend
+from backends.scripted import echo_backend
 from fsm.cli.commands import main
 from fsm.output.rundir import locked
-from fsm.run import snapshot as snap
 from tests.conftest import ASSETS, REPO
 from tests.test_cli import _ThreadServer, assert_consistent, one_line_error, read_summary, run_argv
 
@@ -107,175 +105,11 @@ def test_a_tool_that_moves_the_process_and_closes_stdout_costs_nothing(tmp_path)
     assert summary["status"] == "completed" and summary["tool_errors"] == 0 and summary["trajectories"] == 2
 
 
-# --- snapshots: damaged or crafted, refused in one line -------------------------------------------------------
+# --- an old snapshot: refused in one line (the journal replaced it; crafted journals: tests/test_journal.py) ---
 
 
-@pytest.fixture(scope="module")
-def interrupted(tmp_path_factory):
-    """A run interrupted (a real SIGINT) after its third model request: its directory, with snapshot.json."""
-    calls = []
-
-    def turn(session_id, turn, prompt):
-        calls.append(session_id)
-        if len(calls) == 3:
-            os.kill(os.getpid(), signal.SIGINT)
-        seed = zlib.crc32(b",".join(str(t).encode() for t in prompt))
-        return [10 + (seed + 7919 * k) % 500 for k in range(8)] + [2]
-
-    server = _ThreadServer(ScriptedBackend(turn, latency_s=0.05, model_name="echo"))
-    out = tmp_path_factory.mktemp("cut")
-    try:
-        assert main(run_argv(server.url, out, "--num-prompts", "6", "--concurrency", "2", "-q")) == 130
-    finally:
-        server.close()
-    data = json.loads((out / "snapshot.json").read_text())
-    assert any(g["status"] == "running" for g in data["groups"])
-    return out, data
-
-
-def _first_running(data):
-    """A running trajectory past its prompt (one still queued has no tokens yet)."""
-    return next(
-        t
-        for g in data["groups"]
-        if g["status"] == "running"
-        for t in g["trajectories"]
-        if not t["done"] and t["prompt_ids"]["items"]
-    )
-
-
-def _unknown_dc(d):
-    _first_running(d)["metrics"]["__dc__"] = "os.system"
-
-
-def _no_groups(d):
-    del d["groups"]
-
-
-def _unknown_state(d):
-    _first_running(d)["state"] = "NOWHERE"
-
-
-def _oversized(d):
-    _first_running(d)["response_ids"]["items"] = [11] * 100_000
-
-
-def _out_of_vocab(d):
-    t = _first_running(d)
-    t["prompt_ids"]["items"][-1] = 10**6
-
-
-def _huge_id(d):
-    _first_running(d)["prompt_ids"]["items"][0] = 2**40
-
-
-def _with_response(d, done=None):
-    return next(
-        t
-        for g in d["groups"]
-        for t in g["trajectories"]
-        if t["response_mask"]["items"] and (done is None or t["done"] == done)
-    )
-
-
-def _meta_without_groups(d):
-    del d["meta"]["groups"]
-
-
-def _meta_groups_99(d):
-    d["meta"]["groups"] = 99  # resume waited for 99 groups, forever
-
-
-def _meta_not_a_dict(d):
-    d["meta"] = [1, 2]
-
-
-def _mask_7(d):
-    _with_response(d)["response_mask"]["items"][0] = 7
-
-
-def _mask_minus_3(d):
-    _with_response(d)["response_mask"]["items"][-1] = -3
-
-
-def _nan_logprob(d):
-    _with_response(d)["response_logprobs"]["items"][0] = float("nan")
-
-
-def _done_without_reason(d):
-    _with_response(d, done=True)["termination_reason"] = None
-
-
-def _sampling_not_a_dict(d):
-    d["groups"][0]["sampling"] = "greedy"
-
-
-def _group_not_a_dict(d):
-    d["groups"][0] = 5
-
-
-def _row_5(d):
-    _first_running(d)["row"] = 5  # issue 36 item 11: ran the whole rollout, then AttributeError at output
-
-
-def _running_group_ready(d):
-    # issue 36 item 11: rc 0 with rows whose termination reason was null
-    next(g for g in d["groups"] if g["status"] == "running")["status"] = "ready"
-
-
-def _turns_a_string(d):
-    _first_running(d)["assistant_turns"] = "2"
-
-
-def _messages_not_messages(d):
-    _first_running(d)["messages"] = [1, 2]
-
-
-@pytest.mark.parametrize(
-    "tamper, reason",
-    [
-        (_unknown_dc, "unknown record type 'os.system'"),
-        (_no_groups, "malformed snapshot (KeyError: 'groups')"),
-        (_unknown_state, "state 'NOWHERE' is not one of the agent's"),
-        (_oversized, "arrays differ in length"),
-        (_out_of_vocab, "token ids outside the tokenizer's vocabulary"),
-        (_huge_id, "malformed snapshot"),
-        (_meta_without_groups, "meta.groups: Field required"),
-        (_meta_groups_99, "meta.groups is 99, but it holds"),
-        (_meta_not_a_dict, "not a snapshot"),
-        (_mask_7, "response_mask holds values other than 0 and 1"),
-        (_mask_minus_3, "response_mask holds values other than 0 and 1"),
-        (_nan_logprob, "logprobs that are not finite numbers <= 0"),
-        (_done_without_reason, "finished without a termination reason"),
-        (_sampling_not_a_dict, "malformed snapshot"),
-        (_group_not_a_dict, "bad status or uid"),
-        (_row_5, "field 'row': Input should be a valid dictionary"),
-        (_running_group_ready, "is 'ready' but its trajectory"),
-        (_turns_a_string, "field 'assistant_turns': Input should be a valid integer"),
-        (_messages_not_messages, "field 'messages.0': Input should be a valid dictionary"),
-    ],
-)
-def test_a_crafted_snapshot_is_refused_in_one_line(
-    capsys, interrupted, echo_server, tmp_path, tamper, reason
-):
-    out, data = interrupted
-    data = json.loads(json.dumps(data))
-    tamper(data)
-    data.pop("checksum")
-    (tmp_path / "snapshot.json").write_text(json.dumps({**data, "checksum": snap._digest(data)}))
-    line = one_line_error(
-        capsys,
-        ["run", "--resume", str(tmp_path), "--server", echo_server.url, "--tokenizer", str(ASSETS), "-q"],
-    )
-    assert line.startswith("agentfsm: --resume: ") and reason in line
-
-
-def test_an_edited_snapshot_is_refused_by_its_checksum(capsys, interrupted, tmp_path):
-    out, data = interrupted
-    data = json.loads(json.dumps(data))
-    ids = _first_running(data)["prompt_ids"]["items"]
-    ids[-1] = (ids[-1] + 1) % 500  # still a token of the vocabulary: only the checksum can tell
-    (tmp_path / "snapshot.json").write_text(json.dumps(data))
+def test_an_old_snapshot_is_refused_in_one_line(capsys, tmp_path):
+    (tmp_path / "snapshot.json").write_text(json.dumps({"format": 2, "groups": []}))
     line = one_line_error(
         capsys,
         [
@@ -289,25 +123,10 @@ def test_an_edited_snapshot_is_refused_by_its_checksum(capsys, interrupted, tmp_
             "-q",
         ],
     )
-    assert "its checksum does not match its content" in line
-
-
-def test_a_deeply_nested_snapshot_is_refused_in_one_line(capsys, tmp_path):
-    (tmp_path / "snapshot.json").write_text("[" * 200_000 + "]" * 200_000)
-    line = one_line_error(
-        capsys,
-        [
-            "run",
-            "--resume",
-            str(tmp_path),
-            "--server",
-            "http://127.0.0.1:9",
-            "--tokenizer",
-            str(ASSETS),
-            "-q",
-        ],
+    assert line == (
+        f"agentfsm: --resume: {tmp_path / 'snapshot.json'}: a snapshot of an agentfsm before the journal; this "
+        "version cannot resume it: resume it with the version that wrote it, or start the run again"
     )
-    assert line.startswith("agentfsm: --resume: ") and "nested too deeply" in line
 
 
 # --- the lock: links, directories, forked children ------------------------------------------------------------

@@ -307,8 +307,16 @@ def command_line(commands: Mapping[str, Callable[[argparse.Namespace], int]]) ->
     p.add_argument(
         "--resume",
         metavar="DIR",
-        help="complete the run that Ctrl-C or SIGTERM interrupted in DIR "
-        "(its snapshot.json names the spec; another one is refused); the outputs go to DIR",
+        help="complete the run in DIR that a signal, kill -9 or a crash interrupted, from its journal.log "
+        "(which names the spec; another one is refused); the outputs go to DIR",
+    )
+    p.add_argument(
+        "--journal-sync",
+        choices=("1s", "always", "off"),
+        default="1s",
+        help="when the run's journal reaches the disk: at most a second after each step (default: a power "
+        "cut loses at most the last second), after every batch of steps, or when the OS decides (kill -9 "
+        "loses nothing either way)",
     )
     p.add_argument(
         "-q",
@@ -363,7 +371,24 @@ def command_line(commands: Mapping[str, Callable[[argparse.Namespace], int]]) ->
         metavar="N",
         help=f"print at most N transcripts (default: {SHOW_LIMIT} with --worst or --failed, else all)",
     )
+    p.add_argument(
+        "--journal",
+        action="store_true",
+        help="read the run's journal.log (the default for a run still running or that died)",
+    )
     p.set_defaults(fn=commands["show"])
+
+    p = command(
+        "replay",
+        "rebuild a trajectory from a run's journal, without server or model: transcript, path, token check, "
+        "reward recomputed",
+    )
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a directory `agentfsm run --out DIR` wrote")
+    p.add_argument("--row", type=int_in(0), required=True, metavar="INDEX", help="the row (all its samples)")
+    p.add_argument("--sample", type=int_in(0), metavar="K", help="only this sample of the row")
+    p.add_argument("--spec", help="the spec (default: the one the journal names)")
+    p.add_argument("--tokenizer", help="the tokenizer (default: the one the journal names)")
+    p.set_defaults(fn=commands["replay"])
 
     p = command("bench", "benchmarks that print numbers (JSON)")
     p.add_argument(
@@ -384,6 +409,7 @@ def command_line(commands: Mapping[str, Callable[[argparse.Namespace], int]]) ->
             "gateway",
             "fleet",
             "trees",
+            "journal",
         ],
         help="which benchmark",
     )

@@ -42,7 +42,7 @@ from fsm.cli.outcome import (
     token_check_failures,
 )
 from fsm.data.files import DataError, load_rows
-from fsm.output.keep import SNAPSHOT, Rollout, RunDir, RunInterrupted
+from fsm.output.keep import Rollout, RunDir, RunInterrupted, close_journal
 from fsm.run.compile import CompiledAgent, compile_spec
 from fsm.run.signals import Interrupts, say_now, term_is_ctrl_c, warn
 from fsm.spec.loader import SpecError
@@ -322,6 +322,7 @@ async def _rollout(
     params = {k: v for k, v in (("temperature", args.temperature), ("seed", args.seed)) if v is not None}
     finished: list = []
     interrupted = False
+    journal = None
     expected = len(rows) * args.n if rows is not None else 0
     interrupts = Interrupts()  # a signal cancels this task until the rollout runs, then stops it
     async with AsyncExitStack() as stack:
@@ -339,7 +340,13 @@ async def _rollout(
         t_start = time.perf_counter()  # the rollout's time: not launching servers, imports, loading the model
         c_start = time.process_time()
         if args.ray is None:
-            keep = RunDir(Path(args.out), args.run_id, str(Path(args.spec).resolve()))
+            keep = RunDir(
+                Path(args.out),
+                args.run_id,
+                str(Path(args.spec).resolve()),
+                sync=getattr(args, "journal_sync", "1s"),
+                data=str(Path(args.data).resolve()) if getattr(args, "data", None) else None,
+            )
             kept = await keep_rollout(
                 engine,
                 rows,
@@ -356,6 +363,7 @@ async def _rollout(
                 kept.expected,
                 kept.sampling,
             )
+            journal = kept.journal
         else:
             assert rows is not None  # None only with --resume, which refuses --ray (cmd_run)
             try:
@@ -367,7 +375,7 @@ async def _rollout(
         backend = getattr(engine, "backend", None)
         router_stats = backend.stats() if backend is not None and hasattr(backend, "stats") else None
     wall, cpu = time.perf_counter() - t_start, time.process_time() - c_start
-    return Rollout(engine, sampling, trajs, expected, wall, router_stats, interrupted, cpu)
+    return Rollout(engine, sampling, trajs, expected, wall, router_stats, interrupted, cpu, journal=journal)
 
 
 FLUSH_TIMEOUT_S = 10.0
@@ -433,6 +441,8 @@ def cmd_run(args: argparse.Namespace, rollout: Callable[..., Any] | None = None)
 
     from fsm.output.rundir import RunDirError, locked
     from fsm.run import snapshot as snap
+    from fsm.run.journal import JOURNAL
+    from fsm.run.resume import load
 
     term_is_ctrl_c()
     if args.resume is not None:
@@ -446,14 +456,15 @@ def cmd_run(args: argparse.Namespace, rollout: Callable[..., Any] | None = None)
         args.run_id = uuid.uuid4().hex[:12]
     _check_run_flags(args)
     agent = compile_spec(args.spec)
-    if (
-        args.resume is not None
-    ):  # checked now (but the vocabulary, at restore): refused before anything starts
+    if args.resume is not None:  # checked now (but the tokenizer, at restore): refused before anything starts
         try:
-            path = Path(args.resume) / SNAPSHOT
-            _check_resume_meta(snap.read(path, agent), path)
+            loaded = load(Path(args.resume) / JOURNAL, agent)
         except snap.SnapshotError as exc:
             raise CLIError(f"--resume: {exc}") from None
+        if loaded.ended is not None:
+            raise CLIError(
+                f"--resume: {Path(args.resume) / JOURNAL}: the run there has {loaded.ended}: nothing to resume"
+            )
     rows = _rows(args, agent) if args.resume is None else None
     out = args.out = _out_dir(args)
     try:
@@ -465,37 +476,6 @@ def cmd_run(args: argparse.Namespace, rollout: Callable[..., Any] | None = None)
         raise CLIError(f"--out {exc}") from None
     except snap.SnapshotError as exc:
         raise CLIError(f"--resume: {exc}") from None
-
-
-def _check_resume_meta(data: dict[str, Any], path: Path) -> None:
-    """The `meta` that `run` stores in its snapshot, checked as strictly as the rest (fsm/run/snapshot.py):
-    a count of groups that is not the snapshot's own would have the resumed run wait forever."""
-    from pydantic import BaseModel, ConfigDict, Field, ValidationError
-
-    from fsm.run import snapshot as snap
-
-    class Meta(BaseModel):
-        model_config = ConfigDict(strict=True)
-        groups: int = Field(ge=0, le=snap.MAX_GROUPS)
-        rows_expected: int = Field(ge=0, le=snap.MAX_GROUPS * 1024)
-        run_id: str | None = Field(default=None, max_length=64)
-        spec: str | None = Field(default=None, max_length=4096)
-
-    try:
-        meta = Meta.model_validate(data.get("meta"))
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        where = ".".join(["meta", *(str(p) for p in err["loc"])])
-        raise snap.SnapshotError(f"{path}: malformed snapshot ({where}: {err['msg']})") from None
-    if meta.groups != len(data["groups"]):
-        raise snap.SnapshotError(
-            f"{path}: malformed snapshot (meta.groups is {meta.groups}, but it holds "
-            f"{len(data['groups'])} groups)"
-        )
-    if meta.rows_expected < sum(len(g["trajectories"]) for g in data["groups"]):
-        raise snap.SnapshotError(
-            f"{path}: malformed snapshot (meta.rows_expected is less than its trajectories)"
-        )
 
 
 def _run_locked(
@@ -514,13 +494,16 @@ def _run_locked(
         raise Interrupted(f"interrupted before the rollout; {out} holds what it held before") from None
     finally:
         term_is_ctrl_c()
-    if not run.trajs:
-        raise keep.nothing_finished(run)
-    batch = run.engine.to_batch(run.trajs, run.sampling)
-    replacing = (out / "summary.json").exists()
-    summary = keep.write(run, batch)
-    hold_signals()  # written: a signal from here on keeps this outcome (main's `ended` exits with it)
-    stopped = keep.finish(run)  # the run is complete: nothing left to resume
+    try:
+        if not run.trajs:
+            raise keep.nothing_finished(run)
+        batch = run.engine.to_batch(run.trajs, run.sampling)
+        replacing = (out / "summary.json").exists()
+        summary = keep.write(run, batch)
+        hold_signals()  # written: a signal from here on keeps this outcome (main's `ended` exits with it)
+        stopped = keep.finish(run)  # the run is complete: its journal ends, nothing left to resume
+    finally:
+        close_journal(run, None)
     if not args.quiet:
         from fsm.output.rundir import print_summary
 
@@ -596,16 +579,36 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
+    """A run's transcripts: its trajectories.jsonl, or (a run still running or that died, `--journal`) its
+    journal's trajectories, finished and in flight (fsm/cli/replay.py)."""
+    from fsm.run.journal import JOURNAL, ended
     from viz.transcript import show
 
     limit = args.limit
     if limit is None and (args.worst or args.failed):
         limit = SHOW_LIMIT
+    run_dir, tmp = Path(args.run_dir), None
+    journal = run_dir / JOURNAL if run_dir.is_dir() else None
+    if journal is not None and journal.is_file() and (args.journal or ended(journal) is None):
+        from fsm.cli.replay import show_journal
+
+        run_dir = tmp = show_journal(Path(args.run_dir))
+    elif args.journal:
+        raise CLIError(f"{args.run_dir}: no {JOURNAL} there")
     try:
-        show(args.run_dir, row=args.row, worst=args.worst, failed=args.failed, limit=limit)
+        show(run_dir, row=args.row, worst=args.worst, failed=args.failed, limit=limit)
     except (FileNotFoundError, LookupError, ValueError) as exc:
         raise CLIError(str(exc)) from None
+    finally:
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
     return 0
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from fsm.cli.replay import cmd_replay as replay
+
+    return replay(args)
 
 
 # --- bench / dev-server --------------------------------------------------------------------------------
@@ -707,6 +710,7 @@ COMMANDS = {
     "bench": cmd_bench,
     "dev-server": cmd_dev_server,
     "gateway": cmd_gateway,
+    "replay": cmd_replay,
 }
 
 

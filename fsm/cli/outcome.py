@@ -8,12 +8,10 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
-import json
 import os
 import re
 import signal
 import sys
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -43,36 +41,35 @@ def to_stdout(show: Callable[[], None]) -> None:
 
 
 def resume_spec(args: argparse.Namespace) -> None:
-    """`run --resume DIR` needs no spec: the snapshot names it; one given must be the one it was taken with
-    (checked by hash when the snapshot is read)."""
-    path = Path(args.resume) / SNAPSHOT
+    """`run --resume DIR` needs no spec: the journal's first record names it; one given must be the one it was
+    written with (checked by hash when the journal is read). An old snapshot.json is refused in one line."""
+    from fsm.run.journal import JOURNAL, JournalError
+    from fsm.run.resume import read_identity
+
+    path = Path(args.resume) / JOURNAL
     if not path.is_file():
+        if (Path(args.resume) / SNAPSHOT).is_file():
+            raise CLIError(
+                f"--resume: {Path(args.resume) / SNAPSHOT}: a snapshot of an agentfsm before the journal; "
+                "this version cannot resume it: resume it with the version that wrote it, or start the run again"
+            )
         raise CLIError(
-            f"--resume {args.resume}: no {SNAPSHOT} there (a run interrupted with Ctrl-C leaves one)"
+            f"--resume {args.resume}: no {JOURNAL} there (every `agentfsm run --out DIR` writes one)"
         )
     try:
-        data = json.loads(path.read_text())
-        meta = data.get("meta") or {}
-        named, run_id = meta.get("spec") or data.get("spec"), meta.get("run_id")
-    except RecursionError:
-        raise CLIError(f"--resume: {path}: not a snapshot (nested too deeply)") from None
-    except (OSError, ValueError, AttributeError) as exc:
-        raise CLIError(f"--resume: {path}: not a snapshot ({exc})") from None
+        ident = read_identity(path)
+    except JournalError as exc:
+        raise CLIError(f"--resume: {exc}") from None
+    named, run_id = ident.get("spec"), ident.get("run_id")
+    if not isinstance(run_id, str) or not 0 < len(run_id) <= 64:
+        raise CLIError(f"--resume: {path}: record 1: run_id is not a run's id")
     if args.spec is None:
-        if not named or not Path(named).is_file():
+        if not isinstance(named, str) or not Path(named).is_file():
             raise CLIError(
                 f"--resume: {path} names the spec {named!r}, which is not there; pass the spec too"
             )
         args.spec = named
-    summary = Path(args.resume) / "summary.json"
-    with contextlib.suppress(OSError, ValueError, AttributeError):
-        theirs = json.loads(summary.read_text()).get("run_id")
-        if theirs and run_id and theirs != run_id:
-            raise CLIError(
-                f"--resume: {path} belongs to run {run_id}, but {summary} to run {theirs}; the "
-                "snapshot is not this directory's run"
-            )
-    args.run_id = run_id or uuid.uuid4().hex[:12]
+    args.run_id = run_id
 
 
 def hold_signals() -> None:

@@ -45,7 +45,7 @@ from typing import Any
 from fsm.api import batch_of, load_tokenizer
 from fsm.gateway.front import TOKEN_ENV, Front
 from fsm.gateway.server import GatewayLimits, configure
-from fsm.output.keep import SNAPSHOT, Rollout
+from fsm.output.keep import Rollout, RunDir
 from fsm.output.metrics import COUNTERS, FaultDelta
 from fsm.run.compile import CompiledAgent, compile_spec
 from fsm.run.context import Sampling
@@ -119,9 +119,9 @@ class _Workers:
     async def run(self) -> Rollout:
         agent = compile_spec(self.args.spec)
         for w in self.workers:
-            if (w.dir / SNAPSHOT).exists():
+            if RunDir(w.dir).unfinished():
                 raise WorkerError(
-                    f"{w.dir} holds the snapshot of an interrupted worker, which --workers cannot "
+                    f"{w.dir} holds the journal of an interrupted worker, which --workers cannot "
                     f"resume; remove {w.dir.parent} to start a new run in {self.args.out}"
                 )
             w.dir.mkdir(parents=True, exist_ok=True)
@@ -375,10 +375,10 @@ class _Workers:
             (r["ended"] - r["wall_s"] for r in got), default=0.0
         )
         interrupted = self.stopping or any(r["interrupted"] for r in got)
-        kept = [str(w.dir / SNAPSHOT) for w in self.workers if (w.dir / SNAPSHOT).exists()]
+        kept = [str(RunDir(w.dir).journal) for w in self.workers if RunDir(w.dir).unfinished()]
         if interrupted and kept:
             say_now(
-                f"agentfsm: the workers' snapshots of their running rows: {', '.join(kept)} (a run over "
+                f"agentfsm: the workers' journals of their running rows: {', '.join(kept)} (a run over "
                 "--workers is not resumed as a whole)"
             )
         more = {

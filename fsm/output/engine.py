@@ -110,7 +110,7 @@ class BaseEngine(ABC):
 
     async def _snapshot(
         self,
-        path: str | Path,
+        path: str | Path | None,
         meta: Mapping[str, Any] | None,
         stop: bool,
         timeout: float | None,
@@ -121,8 +121,11 @@ class BaseEngine(ABC):
             self, "asnapshot", "this engine cannot snapshot its running groups; use RolloutEngine"
         )
 
-    async def _restore(self, path: str | Path) -> dict[str, Any]:
+    async def _restore(self, path: str | Path | Mapping[str, Any]) -> dict[str, Any]:
         raise EngineRefused(self, "arestore", "this engine cannot restore a snapshot; use RolloutEngine")
+
+    async def _journal(self, journal: Any) -> None:
+        raise EngineRefused(self, "ajournal", "this engine cannot keep a journal; use RolloutEngine")
 
     # -- a batch -----------------------------------------------------------------------------------------------
 
@@ -363,7 +366,7 @@ class BaseEngine(ABC):
 
     async def asnapshot(
         self,
-        path: str | Path,
+        path: str | Path | None,
         *,
         meta: Mapping[str, Any] | None = None,
         stop: bool = False,
@@ -385,13 +388,20 @@ class BaseEngine(ABC):
         loop (the loop watch sees it not turning, fsm/run/loopwatch.py), the snapshot is taken from outside
         it, each trajectory as it was at its last state boundary (`Stream.snapshot_blocked`), and the engine
         is left `wedged`; "blocked" is then True and "finished" holds the finished groups, not taken.
-        EngineRefused on an engine that cannot snapshot (`snapshots` is False: RayRunner)."""
+        EngineRefused on an engine that cannot snapshot (`snapshots` is False: RayRunner).
+        `path=None`: no file; the running trajectories park at their next boundary, where the journal (see
+        `ajournal`) records them, the journal is flushed to disk, and (`stop`) the run stops: a signal's path."""
         return await self._snapshot(path, meta, stop, timeout, abort_turns, fallback)
 
-    async def arestore(self, path: str | Path) -> dict[str, Any]:
+    async def arestore(self, path: str | Path | Mapping[str, Any]) -> dict[str, Any]:
         """Put a snapshot's groups back into the continuous mode (same spec, checked by hash: SnapshotError
-        otherwise); ready groups can be taken, running ones run on. Returns the snapshot's `meta`."""
+        otherwise); ready groups can be taken, running ones run on. Returns the snapshot's `meta`. A mapping
+        is a snapshot read and checked already (a journal's, fsm/run/resume.py `load`)."""
         return await self._restore(path)
+
+    async def ajournal(self, journal: Any) -> None:
+        """Record every step of the continuous mode in `journal` (fsm/run/journal.py `Recorder`) from now on."""
+        await self._journal(journal)
 
     def snapshot(
         self, path: str | Path, *, meta: Mapping[str, Any] | None = None, stop: bool = False

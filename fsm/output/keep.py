@@ -1,6 +1,7 @@
 """A run kept in a directory: `RunDir(out)` is where `agentfsm run --out DIR` and a program that passes
 `keep=RunDir(out)` to RolloutEngine write the run's three files (fsm/output/rundir.py replaces them together)
-and, on SIGINT or SIGTERM, the snapshot of the rows still running, for `agentfsm run --resume DIR`.
+and the run's journal (fsm/run/journal.py), from which `agentfsm run --resume DIR` goes on after a signal
+or a `kill -9`.
 
     engine = RolloutEngine("calculator")
     batch = engine.generate_sequences(rows, n=8, keep=RunDir("out"))   # SIGTERM: RunInterrupted, out/ kept
@@ -34,11 +35,12 @@ from fsm.output.rundir import (
 )
 from fsm.run.context import Sampling
 from fsm.run.interruptible import keep_rollout
+from fsm.run.journal import JOURNAL, SYNCS, ended
 from fsm.run.signals import Interrupts
 from fsm.run.trajectory import Trajectory
 from fsm.run.tree import nodes_of
 
-SNAPSHOT = "snapshot.json"  # in the run directory: the rows in flight when a signal came, for `run --resume`
+SNAPSHOT = "snapshot.json"  # what an agentfsm before the journal left on a signal: refused by `run --resume`
 
 
 class RunInterrupted(Exception):
@@ -61,6 +63,7 @@ class Rollout:
     more: dict[str, Any] = field(
         default_factory=dict
     )  # more for the summary (a run over gateway workers: theirs)
+    journal: Any = None  # the run's journal (fsm/run/journal.py Recorder), open: `finish` ends and closes it
 
 
 @dataclass
@@ -71,31 +74,39 @@ class RunDir:
     out: Path
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     spec: str | None = None
+    sync: str = (
+        "1s"  # the journal's durability: "1s" (a power cut loses at most the last second), "always", "off"
+    )
+    data: str | None = None  # the data file, recorded in the journal
 
     def __post_init__(self) -> None:
         self.out = Path(self.out)
+        if self.sync not in SYNCS:
+            raise ValueError(f"RunDir sync must be one of {', '.join(SYNCS)}, not {self.sync!r}")
+
+    @property
+    def journal(self) -> Path:
+        return self.out / JOURNAL
 
     @property
     def snapshot(self) -> Path:
         return self.out / SNAPSHOT
 
-    def fallback(self) -> Path:
-        return fallback_dir()
+    def unfinished(self) -> bool:
+        """The directory holds a run that did not finish: its journal has no `end`, or an old snapshot."""
+        return self.snapshot.exists() or (self.journal.exists() and ended(self.journal) is None)
 
     def refuse_a_snapshot(self) -> None:
-        """A new run does not write over an interrupted one's snapshot (RunDirError, naming both ways on)."""
-        if self.snapshot.exists():
+        """A new run does not write over an unfinished one's journal (RunDirError, naming both ways on)."""
+        if self.unfinished():
+            held = self.snapshot if self.snapshot.exists() else self.journal
             raise RunDirError(
-                f"{self.out} holds the snapshot of an interrupted run; resume it with `agentfsm run "
-                f"--resume {self.out}`, or remove {self.snapshot} to start a new run there"
+                f"{self.out} holds an unfinished run ({held.name}); resume it with `agentfsm run "
+                f"--resume {self.out}`, or remove {held} to start a new run there"
             )
 
     def resume_hint(self, run: Rollout) -> str:
-        return (
-            f"; resume with: agentfsm run --resume {self.out}"
-            if self.snapshot.exists() and run.interrupted
-            else ""
-        )
+        return f"; resume with: agentfsm run --resume {self.out}" if run.interrupted else ""
 
     def nothing_finished(self, run: Rollout) -> RunInterrupted:
         return RunInterrupted(
@@ -163,14 +174,27 @@ class RunDir:
         raise RunDirError(f"{out}: cannot write the run's outputs ({reason}); they are kept in {kept}")
 
     def finish(self, run: Rollout) -> RunInterrupted | None:
-        """After `write`: a finished run leaves nothing to resume; an interrupted one, what to raise."""
+        """After `write`: a finished run's journal ends (kept, for `agentfsm replay`: nothing to resume); an
+        interrupted one's stays open-ended, and what to raise comes back."""
+        close_journal(run, "completed" if not run.interrupted else None)
         if not run.interrupted:
-            self.snapshot.unlink(missing_ok=True)
             return None
         return RunInterrupted(
             f"interrupted: {len(run.trajs)} of {run.expected} trajectories finished and are written "
             f'to {self.out} (summary.json: "status": "interrupted"){self.resume_hint(run)}'
         )
+
+
+def close_journal(run: Rollout, status: str | None) -> None:
+    """The run's journal, closed (once): with its `end` record when the run's files are written."""
+    journal, run.journal = run.journal, None
+    if journal is None:
+        return
+    try:
+        if status is not None:
+            journal.end(status)
+    finally:
+        journal.writer.close()
 
 
 async def keep_batch(
@@ -209,11 +233,15 @@ async def keep_batch(
             kept.interrupted,
             time.process_time() - c_start,
         )
-        if not run.trajs:
-            raise keep.nothing_finished(run)
-        batch = engine.to_batch(run.trajs, run.sampling, like=like, meta=meta, wall_s=run.wall)
-        keep.write(run, batch)
-        stopped = keep.finish(run)
+        run.journal = kept.journal
+        try:
+            if not run.trajs:
+                raise keep.nothing_finished(run)
+            batch = engine.to_batch(run.trajs, run.sampling, like=like, meta=meta, wall_s=run.wall)
+            keep.write(run, batch)
+            stopped = keep.finish(run)
+        finally:
+            close_journal(run, None)
     if stopped is not None:
         raise stopped
     return batch

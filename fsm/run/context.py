@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import dataclasses
+import json
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -238,6 +240,7 @@ class RunContext:
         # kept until the group's `group_size` samples have it (None: a group size the run does not know, so
         # until the run ends; 1: nobody shares, nothing kept)
         self.prompt_cache: dict[str, list[Any]] = {}
+        self.journal: Any = None  # a kept run's fsm/run/journal.py Recorder: side-effecting tools' results
         self.group_size: int | None = None
         # trees (fsm/run/tree.py): the run's policies by name, the root's agent, the contexts of other (agent,
         # policy) pairs its child machines run in, shared by every context of the run
@@ -303,6 +306,23 @@ class RunContext:
     async def run_tool(
         self, traj: Trajectory, call: ToolCall, instance_id: str, active: list[str] | None
     ) -> CallOutcome:
+        """One call; `instance_id` (session, turn, call) is its idempotency key, the same after a resume. A tool
+        declared with side effects (`side_effects = True` on its class or function) is never executed again for
+        a call whose result the journal holds: the journaled result is its answer."""
+        journal = self.journal
+        tool = self.agent.tools.by_name.get(call.name or "") if journal is not None else None
+        if tool is None or not has_side_effects(tool.tool):
+            return await self._run_tool(traj, call, instance_id, active)
+        kept = journal.tool_results.get(instance_id)
+        if kept is not None:
+            return CallOutcome(**kept)
+        outcome = await self._run_tool(traj, call, instance_id, active)
+        journal.tool(instance_id, outcome_record(outcome))
+        return outcome
+
+    async def _run_tool(
+        self, traj: Trajectory, call: ToolCall, instance_id: str, active: list[str] | None
+    ) -> CallOutcome:
         tools = self.agent.tools
         if self.tracer is None or TRACED.get() is None:
             return await tools.call(call, instance_id, traj.tools_kwargs, traj, active, self._tool_view(traj))
@@ -349,3 +369,20 @@ class RunContext:
         traj.needs_tail = False
         traj.messages.extend(messages)
         return True
+
+
+def has_side_effects(tool: Any) -> bool:
+    """A tool declared with side effects: `side_effects = True` on its class, or on its function."""
+    return bool(
+        getattr(tool, "side_effects", False) or getattr(getattr(tool, "fn", None), "side_effects", False)
+    )
+
+
+def outcome_record(outcome: CallOutcome) -> dict[str, Any]:
+    """A call's outcome as the journal keeps it (its metrics only when they are JSON)."""
+    record = dataclasses.asdict(outcome)
+    try:
+        json.dumps(record["metrics"], allow_nan=False)
+    except (TypeError, ValueError):
+        record["metrics"] = {}
+    return record

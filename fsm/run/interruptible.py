@@ -1,10 +1,11 @@
-"""A run that a signal keeps: rows rolled out in the engine's continuous mode (fsm/run/stream.py) until every
-group has finished, or until SIGINT/SIGTERM (fsm/run/signals.py `Interrupts`) stops it; then the running
-trajectories are parked at their next state boundary and written to a snapshot, and the finished ones come
-back to be written with it. `agentfsm run` and a program that passes `keep=` to RolloutEngine both go
+"""A kept run: rows rolled out in the engine's continuous mode (fsm/run/stream.py), every step appended to the
+run's journal as it happens (fsm/run/journal.py), until every group has finished, or until SIGINT/SIGTERM
+(fsm/run/signals.py `Interrupts`) stops it: then the running trajectories are parked at their next state
+boundary (recorded there), the journal is flushed to disk, and the finished ones come back to be written. A
+run that died without a signal (`kill -9`) resumes from the same journal (fsm/run/resume.py). `agentfsm run` and a program that passes `keep=` to RolloutEngine both go
 through `keep_rollout`, so a fix to one is a fix to both.
 
-Where the snapshot goes and what it records come from a `Keeper`, which the caller passes in: the run stage
+Where the journal goes and what it records come from a `Keeper`, which the caller passes in: the run stage
 writes no run directory itself (fsm/output/keep.py's `RunDir` is the one the CLI and the API pass).
 """
 
@@ -20,8 +21,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from fsm.run.context import Sampling
+from fsm.run.journal import Recorder, Writer
+from fsm.run.resume import Loaded, identity, load
 from fsm.run.signals import Interrupts, say_now, warn
-from fsm.run.snapshot import SnapshotError
+from fsm.run.snapshot import SnapshotError, encode_sampling
 from fsm.run.trajectory import Trajectory
 
 # waiting for every running trajectory to reach a state boundary; model turns do not count (they are aborted
@@ -32,17 +35,18 @@ Progress = Callable[[int, int], None]  # (groups finished, groups in all)
 
 
 class Keeper(Protocol):
-    """Where a kept run's snapshot goes and what it records (fsm/output/keep.py `RunDir`)."""
+    """Where a kept run's journal goes and what it records (fsm/output/keep.py `RunDir`)."""
 
     run_id: str
     spec: str | None  # the spec's path, stored for a resume that names none
+    data: str | None  # the data file's path, recorded in the journal's identity
+    sync: str  # the journal's durability (fsm/run/journal.py SYNCS)
+
+    @property
+    def journal(self) -> Path: ...
 
     @property
     def snapshot(self) -> Path: ...
-
-    def fallback(self) -> Path:
-        """A fresh directory for the snapshot when `snapshot`'s refuses it (a full disk)."""
-        ...
 
 
 @dataclass
@@ -53,6 +57,8 @@ class KeptRollout:
     interrupted: bool
     expected: int  # rows x n
     sampling: Sampling
+    journal: Recorder | None = None  # open: the caller writes its `end` once the files are written
+    resumed: Loaded | None = None  # what a resume found in the journal
 
 
 async def keep_rollout(
@@ -65,22 +71,46 @@ async def keep_rollout(
     progress: AbstractContextManager[Progress] | None = None,
     first_index: int | None = None,
 ) -> KeptRollout:
-    """Roll `rows` out `n` times each (or, `rows` None, the snapshot at `keeper.snapshot` again) in `engine`'s
-    continuous mode, from the caller's loop, while `interrupts` listens: a signal then parks the running
-    trajectories at their next state boundary and writes them, with the finished ones, to `keeper.snapshot`.
+    """Roll `rows` out `n` times each (or, `rows` None, the run in `keeper.journal` again) in `engine`'s
+    continuous mode, from the caller's loop, every step appended to the journal as it happens, while
+    `interrupts` listens: a signal then parks the running trajectories at their next state boundary (the
+    journal records each there), flushes the journal to disk and stops; the finished ones come back.
     `first_index`: the rows are a slice of a larger batch (see BaseEngine.asubmit, fsm/output/engine.py)."""
-    out = keeper.snapshot.parent
+    path = keeper.journal
+    resumed = None
     if rows is None:
-        meta = await engine.arestore(keeper.snapshot)
+        resumed, recorder = await _reopen(engine, keeper)
+        meta = await engine.arestore(resumed.data)
         groups, expected = int(meta["groups"]), int(meta["rows_expected"])
     else:
-        await engine.asubmit(rows, n=n, sampling=sampling, first_index=first_index)
+        recorder = Recorder(Writer(path, keeper.sync))
+        try:
+            recorder.header(
+                identity(
+                    engine.agent,
+                    engine.codec,
+                    run_id=keeper.run_id,
+                    data=keeper.data,
+                    sampling=encode_sampling(sampling),
+                    groups=len(rows),
+                    rows_expected=len(rows) * n,
+                    n=n,
+                    weight_version=getattr(engine, "weight_version", 0),
+                    spec=keeper.spec or (str(engine.agent.path) if engine.agent.path else None),
+                )
+            )
+            await engine.ajournal(recorder)
+            await engine.asubmit(rows, n=n, sampling=sampling, first_index=first_index)
+        except BaseException:
+            recorder.writer.close()
+            raise
         groups, expected = len(rows), len(rows) * n
     stop = interrupts.stop
     interrupts.arm(
         lambda name: (
-            f"agentfsm: {name}: stopping {len(engine.runner.live)} running trajectories and "
-            f"writing a snapshot to {keeper.snapshot}; Ctrl-C again to exit without a snapshot"
+            f"agentfsm: {name}: stopping {len(engine.runner.live)} running trajectories at their next state "
+            f"and flushing the journal {path}; Ctrl-C again to exit at once (the journal keeps all but the "
+            "steps in flight)"
         )
     )
     with progress if progress is not None else contextlib.nullcontext(lambda ready, total: None) as update:
@@ -93,66 +123,70 @@ async def keep_rollout(
                 await asyncio.wait_for(stop.wait(), 0.1)
     interrupted = stop.is_set()
     if interrupted:
-        meta = {"groups": groups, "rows_expected": expected, "run_id": keeper.run_id, "spec": keeper.spec}
-        taken = await _snapshot(engine, keeper, out, meta)
+        taken = await _stop(engine, recorder)
     else:
         taken = await engine.atake_groups(groups)
     trajs = sorted((t for g in taken for t in g.trajectories), key=lambda t: (t.index, t.sample))
-    return KeptRollout(trajs, interrupted, expected, taken[0].sampling if taken else sampling)
+    sampling = taken[0].sampling if taken else sampling
+    return KeptRollout(trajs, interrupted, expected, sampling, recorder, resumed)
 
 
-async def _snapshot(engine: Any, keeper: Keeper, out: Path, meta: dict[str, Any]) -> list:
-    """Stop the run into `keeper.snapshot` (its fallback when refused); the finished groups back. Every way
-    it can fail is one warning: the finished rows are written all the same."""
+async def _reopen(engine: Any, keeper: Keeper) -> tuple[Loaded, Recorder]:
+    """The journal read back and checked, and its writer going on after its last whole record."""
+    path = keeper.journal
+    if not path.exists() and keeper.snapshot.exists():
+        raise SnapshotError(
+            f"{keeper.snapshot}: a snapshot of an agentfsm before the journal ({path.name}); it cannot be "
+            "resumed by this version: resume it with the version that wrote it, or start the run again"
+        )
+    loaded = await asyncio.to_thread(load, path, engine.agent, engine.codec)
+    if loaded.ended is not None:
+        raise SnapshotError(f"{path}: the run there has {loaded.ended}: nothing to resume")
+    if loaded.torn:
+        warn(loaded.torn)
+    say_now(
+        f"agentfsm: resuming {path}: {loaded.finished} trajectories finished, {loaded.in_flight} go on from "
+        f"their last state (the step in flight runs again), {loaded.restarted} start over"
+    )
+    recorder = Recorder(Writer(path, keeper.sync, keep=loaded.good_bytes), loaded.tool_results)
+    try:
+        await engine.ajournal(recorder)
+    except BaseException:
+        recorder.writer.close()
+        raise
+    return loaded, recorder
+
+
+async def _stop(engine: Any, recorder: Recorder) -> list[Any]:
+    """Flush the journal, pause, exit: every running trajectory parks at its next state boundary (model turns
+    in flight end at once, their partial tokens kept), where the journal records it; the journal goes to disk
+    and the run stops. The finished groups back. Every way it can fail is one warning: the journal holds every
+    step up to then all the same, and the finished rows are written."""
     t0 = time.perf_counter()
-    try:  # abort_turns: model turns in flight end at once, their partial tokens kept in the snapshot
-        info = await engine.asnapshot(
-            keeper.snapshot,
-            meta=meta,
-            stop=True,
-            timeout=SNAPSHOT_TIMEOUT_S,
-            abort_turns=True,
-            fallback=keeper.fallback,
-        )
-        ready = info["ready_groups"]
-        where = Path(info["path"])
-        restarted = (
-            f"; {info['restarted']} trajectories start over on resume (inside their interaction, a user "
-            "action or the code that blocked the loop)"
-            if info["restarted"]
-            else ""
-        )
-        running = info["running_groups"]
+    try:
+        info = await engine.asnapshot(None, stop=True, timeout=SNAPSHOT_TIMEOUT_S, abort_turns=True)
+        ready, running = info["ready_groups"], info["running_groups"]
         say_now(
-            f"agentfsm: wrote the snapshot ({running} group{'s' * (running != 1)} running, {ready} finished) "
-            f"in {time.perf_counter() - t0:.1f} s{restarted}"
+            f"agentfsm: flushed the journal ({running} group{'s' * (running != 1)} running, {ready} finished) "
+            f"in {time.perf_counter() - t0:.1f} s"
         )
-        if where.parent != out:
-            warn(
-                f"--out {out} refused the snapshot; it is kept in {where.parent}: resume with agentfsm run "
-                f"--resume {where.parent}"
-            )
         if info.get("blocked"):  # the engine's loop runs nothing more: the finished groups come with it
             warn(
-                "the event loop was blocked (see the warning above): the snapshot holds each running "
+                "the event loop was blocked (see the warning above): the journal holds each running "
                 "trajectory as it was at its last state boundary"
             )
             return list(info["finished"])
     except TimeoutError:
         warn(
-            f"no snapshot: some trajectories did not reach a state boundary in {SNAPSHOT_TIMEOUT_S:g} s "
-            "(a tool or user action still running)"
+            f"some trajectories did not reach a state boundary in {SNAPSHOT_TIMEOUT_S:g} s (a tool or user "
+            "action still running): they go on from their last one on resume"
         )
         ready = engine.stream_stats.get("ready_groups", 0)
     except OSError as exc:
-        warn(
-            f"no snapshot: neither --out {out} nor a temporary directory could hold it "
-            f"({exc.strerror or exc}); the finished rows are written below"
-        )
+        warn(f"the journal could not be flushed ({exc.strerror or exc}); the finished rows are written below")
         ready = engine.stream_stats.get("ready_groups", 0)
-    except SnapshotError as exc:
-        warn(f"no snapshot: {exc}")
-        ready = engine.stream_stats.get("ready_groups", 0)
+    with contextlib.suppress(OSError):
+        await asyncio.to_thread(recorder.writer.sync)
     if ready and not engine.wedged:
-        return await engine.atake_groups(ready)
+        return list(await engine.atake_groups(ready))
     return []

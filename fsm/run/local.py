@@ -182,7 +182,7 @@ class Local:
 
     async def snapshot(
         self,
-        path: str | Path,
+        path: str | Path | None,
         meta: Mapping[str, Any] | None,
         stop: bool,
         timeout: float | None,
@@ -207,13 +207,15 @@ class Local:
             thread = loopwatch.blocked(home.loop)
             if thread is not None and self._stream is not None:
                 try:
-                    return await asyncio.to_thread(self._snapshot_blocked, thread, Path(path), meta, fallback)
+                    return await asyncio.to_thread(
+                        self._snapshot_blocked, thread, None if path is None else Path(path), meta, fallback
+                    )
                 except snap.SnapshotError:  # it turned meanwhile: the loop takes the snapshot after all
                     continue
 
     async def _snapshot_here(
         self,
-        path: str | Path,
+        path: str | Path | None,
         meta: Mapping[str, Any] | None,
         stop: bool,
         timeout: float | None,
@@ -226,6 +228,25 @@ class Local:
         if paused:
             gate.close()  # first: no new turn starts while the servers abort the running ones
             await self._pause_or_abort()
+        if path is None:  # journal only: park everyone at a boundary (each recorded there), flush, stop
+            try:
+                try:
+                    ready, running = await stream.park(timeout)
+                    if stream.journal is not None:
+                        await asyncio.to_thread(stream.journal.writer.sync)
+                finally:
+                    try:
+                        if stop:
+                            await self.stop_stream()
+                    finally:
+                        stream.boundary.open()
+            finally:
+                if paused:
+                    with contextlib.suppress(Exception):
+                        async with asyncio.timeout(PAUSE_TIMEOUT_S):
+                            await self.controls.call("continue_generation", (), {}, False)
+                    gate.open()
+            return {"ready_groups": ready, "running_groups": running, "restarted": 0, "path": None}
         written = Path(path)
         try:
             data = await stream.snapshot(
@@ -266,11 +287,29 @@ class Local:
         }
 
     def _snapshot_blocked(
-        self, thread: int, path: Path, meta: Mapping[str, Any] | None, fallback: Callable[[], Path] | None
+        self,
+        thread: int,
+        path: Path | None,
+        meta: Mapping[str, Any] | None,
+        fallback: Callable[[], Path] | None,
     ) -> dict[str, Any]:
         """`snapshot` while the loop is blocked (see `Stream.snapshot_blocked`), on a thread of the caller's. The
         engine is left `wedged`: nothing more can run on its loop, and closing it skips the loop."""
         assert self._stream is not None
+        if path is None:  # journal only: each trajectory is there as it was at its last state boundary
+            journal = self._stream.journal
+            if journal is not None:
+                journal.writer.sync()
+            self.wedged = True
+            ready = list(self._stream.groups.ready)
+            return {
+                "ready_groups": len(ready),
+                "running_groups": len(self._stream._running),
+                "restarted": 0,
+                "path": None,
+                "blocked": True,
+                "finished": ready,
+            }
         data, ready = self._stream.snapshot_blocked(
             {**snap.header(self.agent, self.codec), "meta": dict(meta or {})}, thread
         )
@@ -323,8 +362,15 @@ class Local:
             async with asyncio.timeout(PAUSE_TIMEOUT_S):
                 await asyncio.gather(*(abort(sid) for sid in list(self.runner.live)), return_exceptions=True)
 
-    async def restore_here(self, path: str | Path) -> dict[str, Any]:
-        data = await asyncio.to_thread(snap.read, path, self.agent, len(self.codec.tokenizer), self.codec)
+    async def journal_here(self, journal: Any) -> None:
+        """Record this engine's continuous mode in `journal` (fsm/run/journal.py Recorder; None: stop)."""
+        (await self.stream_here()).journal = journal
+
+    async def restore_here(self, path: str | Path | Mapping[str, Any]) -> dict[str, Any]:
+        if isinstance(path, Mapping):  # read and checked already (a journal's, fsm/run/resume.py)
+            data = path
+        else:
+            data = await asyncio.to_thread(snap.read, path, self.agent, len(self.codec.tokenizer), self.codec)
         await (await self.stream_here()).restore(data)
         return dict(data.get("meta") or {})
 

@@ -1,7 +1,8 @@
 """Signals during a run: SIGINT (Ctrl-C) and SIGTERM (a scheduler preempting the job) handled alike, by one
 handler for the whole run, whoever runs it (`agentfsm run`, or a program embedding the engine with
 `keep=`, fsm/output/keep.py). Before the rollout starts a signal cancels the caller's task; once it runs, the
-first one stops it, to be snapshotted and kept (fsm/run/interruptible.py), and a second one exits at once with 130.
+first one stops it, its journal flushed and its finished rows kept (fsm/run/interruptible.py), and a second one
+exits at once with 130.
 Also here: a signal wakes the engine's own loop at once, and the one-line notices a signal prints.
 """
 
@@ -41,7 +42,7 @@ class Interrupts:
     loop wakes whichever thread the signal hit (asyncio.run's own handler waits for the main thread to run
     Python, which it does not while it sleeps on a rollout in the engine's thread). Inside `listening(task)`
     a signal cancels `task`, until `arm(notice)`: from then the first one sets `stop` (and prints `notice(name)`)
-    and a second one exits the process at once with 130, without a snapshot. Leaving `listening` puts back the
+    and a second one exits the process at once with 130. Leaving `listening` puts back the
     handlers that were there. Main thread only: elsewhere no handler is set (signals stay the program's)."""
 
     def __init__(self) -> None:
@@ -63,8 +64,8 @@ class Interrupts:
             if self._task is not None:
                 self._task.cancel()
             return
-        if self.stop.is_set():  # the second one: no snapshot, now
-            say_now("agentfsm: exiting without a snapshot")
+        if self.stop.is_set():  # the second one: now (the journal holds every step but those in flight)
+            say_now("agentfsm: exiting at once; the journal keeps every step but those in flight")
             os._exit(130)
         self.stop.set()
         say_now(self._notice(name))

@@ -27,6 +27,7 @@ from fsm.run import snapshot as snap
 from fsm.run.actions import BUILTIN_ACTIONS
 from fsm.run.context import RunContext, Sampling
 from fsm.run.engine import StalePolicy
+from fsm.run.journal import Recorder
 from fsm.run.runtime import Owner, Runner
 from fsm.run.trajectory import Trajectory
 from fsm.tools.isolation import INLINE_STEPS
@@ -160,6 +161,7 @@ class Stream(Owner):
         self._running: dict[str, _Running] = {}  # uid -> group in flight
         self._active = 0  # trajectories past the gate, not finished
         self._next_index = 0
+        self.journal: Recorder | None = None  # the run's journal (fsm/run/journal.py), for a kept run
         self.stats = self.groups.stats
         self.stats.update(finished_trajectories=0, running_groups=0)
 
@@ -180,6 +182,7 @@ class Stream(Owner):
         await self._serving.wait()
         trajs = self.runner.trajectories(rows, n)
         ctx = self.runner.make_context(sampling=sampling)
+        ctx.journal = self.journal
         ctx.group_size = n
         base = self._next_index if first_index is None else first_index
         self._next_index = max(self._next_index, base + len(trajs))
@@ -194,6 +197,8 @@ class Stream(Owner):
                 uid += "+"
             for t in members:
                 t.uid = uid
+            if self.journal is not None:
+                self.journal.group(uid, snap.encode_sampling(sampling), members)
             self._start(_Running(Group(uid, members, sampling), ctx), members)
             uids.append(uid)
         return uids
@@ -210,11 +215,19 @@ class Stream(Owner):
             self._active += 1
             self.boundary.moved()
             try:
-                await self.runner.drive(run.ctx, traj, self.boundary)
+                await self.runner.drive(run.ctx, traj, self._boundary)
             finally:
                 self._active -= 1
                 self.boundary.moved()
+        if self.journal is not None:
+            self.journal.step(traj, done=True)
         self._finished(run, traj)
+
+    async def _boundary(self, traj: Trajectory) -> None:
+        """Between two states: the journal records what the last action changed, then a snapshot may park."""
+        if self.journal is not None:
+            self.journal.step(traj)
+        await self.boundary(traj)
 
     def _finished(self, run: _Running, traj: Trajectory) -> None:
         run.done += 1
@@ -257,6 +270,17 @@ class Stream(Owner):
         )
 
     # -- snapshots ---------------------------------------------------------------------------------------------
+
+    async def park(self, timeout_s: float | None = None) -> tuple[int, int]:
+        """Park every running trajectory at its next state boundary (each recorded there by the journal);
+        (ready groups, running groups). They stay parked until `boundary.open()`."""
+        gate = self.runner.gate
+        gate.on_wait = self.boundary.moved
+        try:
+            await self.boundary.close(lambda: self._active, timeout_s, lambda: gate.waiting)
+        finally:
+            gate.on_wait = None
+        return len(self.groups.ready), len(self._running)
 
     async def snapshot(self, header: Mapping[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
         """Park every running trajectory at a state boundary and write down every group, ready or running.
@@ -371,6 +395,7 @@ class Stream(Owner):
                 self.groups.finished(group)
                 continue
             run = _Running(group, self.runner.make_context(sampling=sampling))
+            run.ctx.journal = self.journal
             run.done = sum(done)
             run.versions = {t.sample: self.version() for t, d in zip(trajs, done) if d}
             self._running[group.uid] = run

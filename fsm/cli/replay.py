@@ -1,0 +1,134 @@
+"""`agentfsm replay OUT --row N` and `agentfsm show` of a run that is running or died: a run's trajectories rebuilt
+from its journal (fsm/run/journal.py) with no server and no model, only the spec and the tokenizer the journal
+names. Replay prints each sample's transcript, its path through the diagram, the token check (the tokens
+against a fresh render of the messages) and its reward recomputed with the spec's reward function as it is now,
+beside the recorded one."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from fsm.cli.outcome import CLIError
+from fsm.run.journal import JOURNAL, JournalError, Rebuilt, rebuild, records
+from fsm.run.signals import warn
+from fsm.run.trajectory import Trajectory
+
+
+def _load(out: Path, spec: str | None, tokenizer: str | None) -> tuple[Rebuilt, Any, Any]:
+    """The journal replayed, the agent (the spec it names, or `spec`) and its codec (the tokenizer it names)."""
+    from fsm.api import load_tokenizer
+    from fsm.run.compile import compile_spec
+    from fsm.run.runtime import agent_codec
+    from fsm.run.snapshot import tokenizer_id
+
+    try:
+        read = records(out / JOURNAL)
+        rebuilt = rebuild(read)
+    except JournalError as exc:
+        raise CLIError(str(exc)) from None
+    if read.torn:
+        warn(read.torn)
+    ident = rebuilt.identity
+    spec = spec or ident.get("spec")
+    if not isinstance(spec, str) or not Path(spec).is_file():
+        raise CLIError(f"{out / JOURNAL} names the spec {spec!r}, which is not there; pass --spec")
+    agent = compile_spec(spec)
+    if agent.hash != ident.get("spec_hash"):
+        warn(f"{spec} changed since the run (spec hash {ident.get('spec_hash')}, now {agent.hash})")
+    named = (ident.get("tokenizer") or {}).get("name")
+    tokenizer = tokenizer or named
+    if not tokenizer:
+        raise CLIError(f"{out / JOURNAL} names no tokenizer; pass --tokenizer")
+    try:
+        tok = load_tokenizer(tokenizer)
+    except (OSError, ValueError) as exc:
+        raise CLIError(f"--tokenizer {tokenizer}: cannot load it ({exc})") from None
+    codec = agent_codec(agent, tok)
+    if tokenizer_id(codec)["digest"] != (ident.get("tokenizer") or {}).get("digest"):
+        warn(f"the tokenizer {tokenizer} is not the one the run used ({named}): the token check may differ")
+    return rebuilt, agent, codec
+
+
+def _rescore(agent: Any, codec: Any, traj: Trajectory) -> float | None:
+    """The reward of `traj` by the spec's reward function as it is now (its recorded reward is left alone)."""
+    from fsm.run.runtime import Runner
+
+    if agent.reward is None:
+        return None
+    runner = Runner(agent, None, codec, watchdog_s=None)  # type: ignore[arg-type]  # no backend: never called
+    recorded = traj.reward_score
+    try:
+        asyncio.run(runner._score(None, traj))  # type: ignore[arg-type]
+        return traj.reward_score
+    finally:
+        traj.reward_score = recorded
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from fsm.run.policy import check_segments
+
+    out = Path(args.run_dir)
+    rebuilt, agent, codec = _load(out, args.spec, args.tokenizer)
+    chosen = [
+        (sid, t)
+        for sid, t in rebuilt.trajs.items()
+        if t.index == args.row and (args.sample is None or t.sample == args.sample)
+    ]
+    if not chosen:
+        rows = sorted({t.index for t in rebuilt.trajs.values()})
+        have = f"its rows are {rows[0]}..{rows[-1]}" if rows else "it has no trajectories"
+        raise CLIError(f"{out / JOURNAL}: no row {args.row} in this run ({have})")
+    for sid, traj in sorted(chosen, key=lambda st: st[1].sample):
+        done = sid in rebuilt.done
+        print(
+            f"== row {traj.index} sample {traj.sample} ({sid}): {'finished' if done else 'in flight'}, "
+            f"{traj.termination_reason or 'in ' + traj.state}"
+        )
+        for m in traj.messages:
+            content = m.get("content")
+            text = content if isinstance(content, str) else json.dumps(content, ensure_ascii=False)
+            calls = m.get("tool_calls")
+            print(
+                f"[{m.get('role')}] {text}" + (f" {json.dumps(calls, ensure_ascii=False)}" if calls else "")
+            )
+        print("path: " + " -> ".join(traj.path))
+        print(
+            f"tokens: {len(traj.prompt_ids)} prompt, {len(traj.response_ids)} response "
+            f"({sum(traj.response_mask)} the model's), {len(traj.closed) + 1} segment(s)"
+        )
+        if traj.failed or not traj.prompt_ids:
+            print("token check: none (no tokens to check)")
+        else:
+            differ = check_segments(codec, traj, agent.spec.context.policy == "template")
+            print(f"token check: {'exact' if differ is None else differ}")
+        if agent.reward is not None and (done or traj.prompt_ids):
+            now = _rescore(agent, codec, traj)
+            was = traj.reward_score
+            diff = "" if was is None or now is None else f" (difference {now - was:+g})"
+            print(f"reward: recorded {was}, recomputed {now}{diff}")
+    return 0
+
+
+def show_journal(out: Path, spec: str | None = None) -> Path:
+    """A trajectories.jsonl of the journal's trajectories (finished or not), in a temporary file, for `show`."""
+    from fsm.output.record import trajectory_record
+    from fsm.output.rundir import json_text
+
+    rebuilt, _, codec = _load(out, spec, None)
+    running = len(rebuilt.trajs) - len(rebuilt.done)
+    ended = rebuilt.ended or "not ended (running, or died: `agentfsm run --resume` goes on)"
+    print(
+        f"{out / JOURNAL}: {len(rebuilt.done)} trajectories finished, {running} in flight; the run: {ended}"
+    )
+    f = tempfile.NamedTemporaryFile("w", suffix=".jsonl", prefix="agentfsm-journal-", delete=False)
+    with f:
+        for t in sorted(rebuilt.trajs.values(), key=lambda t: (t.index, t.sample)):
+            if t.termination_reason is None:
+                t.termination_reason = f"in flight: {t.state}"
+            f.write(json_text(trajectory_record(t, codec), ensure_ascii=False) + "\n")
+    return Path(f.name)

@@ -1,0 +1,158 @@
+"""A run resumed from its journal (fsm/run/journal.py): the records replayed into the groups they describe, in
+the form a snapshot has, and checked as strictly as one (fsm/run/snapshot.py `_check`: states of this agent,
+token ids in the vocabulary, finite logprobs <= 0, consistent lengths...), whatever the checksums say (they
+are unkeyed: anyone can forge one).
+
+What runs again: every unfinished trajectory goes on from its last state boundary, so the action it was in
+when the run died (a model turn, a tool call, a rewrite) runs again; one whose interaction had started starts
+over (a user simulator's state is not ours to write), as with a snapshot. Finished trajectories are never run
+again: their groups come back ready.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fsm.run.agent import CompiledAgent
+from fsm.run.journal import FORMAT, JournalError, Read, Rebuilt, rebuild, records
+from fsm.run.snapshot import FORMAT as SNAPSHOT_FORMAT
+from fsm.run.snapshot import _check, decode_sampling, encode_trajectory, tokenizer_id
+from fsm.run.trajectory import Trajectory
+
+
+@dataclass
+class Loaded:
+    """A journal ready to be resumed: `data` in a snapshot's form (Stream.restore's input)."""
+
+    data: dict[str, Any]
+    good_bytes: int  # where the journal's writer goes on (a torn last record is cut off)
+    torn: str | None  # one line: what a torn last record lost
+    tool_results: dict[str, dict[str, Any]]
+    finished: int  # trajectories finished before
+    in_flight: int  # trajectories that go on from their last boundary: their current action runs again
+    restarted: int  # trajectories that start over (inside their interaction)
+    ended: str | None
+
+
+def identity(agent: CompiledAgent, codec: Any, **more: Any) -> dict[str, Any]:
+    """The journal's first record: what the run was (the spec, by hash; the tokenizer, by digest) and more."""
+    tok = tokenizer_id(codec) if codec is not None else None
+    if tok is not None and Path(tok["name"]).is_dir():  # a local one: found again from anywhere (replay)
+        tok["name"] = str(Path(tok["name"]).resolve())
+    return {
+        "agent": agent.name,
+        "spec_hash": agent.hash,
+        "spec": str(Path(agent.path).resolve()) if agent.path else None,
+        "tokenizer": tok,
+        **more,
+    }
+
+
+def read_identity(path: str | Path) -> dict[str, Any]:
+    """The journal's `run` record (for a resume that names no spec)."""
+    read = records(path)
+    if not read.records or read.records[0].get("t") != "run" or read.records[0].get("format") != FORMAT:
+        raise JournalError(f"{path}: not an agentfsm journal of format {FORMAT} (no 'run' record first)")
+    return read.records[0]
+
+
+def load(path: str | Path, agent: CompiledAgent, codec: Any = None) -> Loaded:
+    """The journal at `path`, checked against `agent` (spec hash), the tokenizer (`codec`'s digest) and its
+    content; JournalError of one line otherwise."""
+    read = records(path)
+    rebuilt = rebuild(read)
+    ident = rebuilt.identity
+    if ident.get("spec_hash") != agent.hash:
+        raise JournalError(
+            f"{path}: written by agent {ident.get('agent')!r} (spec hash {ident.get('spec_hash')}), but this "
+            f"engine runs {agent.name!r} (spec hash {agent.hash}); resume with the spec it was written with "
+            f"({ident.get('spec')})"
+        )
+    if codec is not None:
+        theirs, ours = ident.get("tokenizer"), tokenizer_id(codec)
+        if not isinstance(theirs, dict) or theirs.get("digest") != ours["digest"]:
+            named = theirs.get("name") if isinstance(theirs, dict) else None
+            raise JournalError(
+                f"{path}: written with the tokenizer {named!r}, but this engine's is {ours['name']!r} "
+                "(another vocabulary or chat template); resume with the tokenizer it was written with"
+            )
+    data, counts = _snapshot_form(read, rebuilt, agent)
+    vocab = len(codec.tokenizer) if codec is not None and hasattr(codec, "tokenizer") else None
+    try:
+        _check(data, agent, vocab)
+    except JournalError:
+        raise
+    except Exception as exc:  # SnapshotError and the malformed kinds: one line naming the journal
+        raise JournalError(f"{path}: {exc}") from None
+    return Loaded(data, read.good_bytes, read.torn, rebuilt.tool_results, *counts, rebuilt.ended)
+
+
+def _snapshot_form(
+    read: Read, rebuilt: Rebuilt, agent: CompiledAgent
+) -> tuple[dict[str, Any], tuple[int, int, int]]:
+    ident = rebuilt.identity
+    groups, finished, in_flight, restarted = [], 0, 0, 0
+    for g in rebuilt.groups:
+        members = []
+        for sid in g["members"]:
+            traj = rebuilt.trajs.get(sid)
+            if traj is None:
+                raise JournalError(f"{read.path}: group {g['uid']!r}: its trajectory {sid!r} has no record")
+            done = sid in rebuilt.done
+            if not done and traj.interaction_started:
+                traj = _fresh(rebuilt.first[sid])
+                restarted += 1
+            elif not done and len(traj.path_times) > 0:
+                in_flight += 1
+            finished += done
+            members.append({"done": done, **encode_trajectory(traj)})
+        if not members:
+            raise JournalError(f"{read.path}: group {g['uid']!r} has no trajectories")
+        spans = [rebuilt.trajs[s].weight_versions() for s in g["members"]]
+        lows = [s[0] for s in spans if s is not None] or [0]
+        highs = [s[1] for s in spans if s is not None] or [0]
+        decode_sampling(g["sampling"])  # checked again by _check
+        groups.append(
+            {
+                "status": "ready" if all(m["done"] for m in members) else "running",
+                "uid": g["uid"],
+                "reruns": 0,
+                "version_min": min(lows),
+                "version_max": max(highs),
+                "sampling": g["sampling"],
+                "trajectories": members,
+            }
+        )
+    indices = [t.index for t in rebuilt.trajs.values()]
+    data = {
+        "format": SNAPSHOT_FORMAT,
+        "agent": ident.get("agent"),
+        "spec_hash": ident.get("spec_hash"),
+        "spec": ident.get("spec"),
+        "tokenizer": ident.get("tokenizer"),
+        "meta": {
+            "groups": len(groups),
+            "rows_expected": ident.get("rows_expected", 0),
+            "run_id": ident.get("run_id"),
+            "spec": ident.get("spec"),
+        },
+        "weight_version": int(ident.get("weight_version", 0) or 0),
+        "next_index": max(indices) + 1 if indices else 0,
+        "groups": groups,
+    }
+    expected = ident.get("rows_expected", 0)
+    held = sum(len(g["trajectories"]) for g in groups)
+    if not isinstance(expected, int) or isinstance(expected, bool) or expected < held:
+        raise JournalError(
+            f"{read.path}: record 1: rows_expected is not a count of at least its {held} trajectories"
+        )
+    return data, (finished, in_flight, restarted)
+
+
+def _fresh(first: dict[str, Any]) -> Trajectory:
+    """A trajectory as its first record has it: before any action."""
+    from fsm.run.journal import _whole
+
+    return _whole(first)

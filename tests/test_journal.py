@@ -1,0 +1,351 @@
+"""The run's journal (fsm/run/journal.py): every step written as it happens and read back into the same
+trajectories; a torn last record dropped with one line; a damaged or forged journal refused in one line naming
+the file and the record, as strictly as a server's answer; a side-effecting tool never executed twice for a
+journaled call. The random `kill -9` test is tests/test_journal_kill.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import zlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from backends.scripted import ScriptedBackend
+from fsm import RolloutEngine
+from fsm.cli.commands import main
+from fsm.run.journal import JOURNAL, Recorder, Writer, frame, rebuild, records
+from fsm.run.resume import identity, load
+from fsm.run.snapshot import encode_trajectory
+from tests.conftest import ASSETS, REPO, model_turn, scripted, tool_turn, user_row
+from tests.test_cli import _ThreadServer, assert_consistent, one_line_error, run_argv
+
+SPEC = str(REPO / "specs" / "calculator.yaml")
+
+
+def _echo_turn(session_id: str, turn: int, prompt: list[int]) -> list[int]:
+    seed = zlib.crc32(b",".join(str(t).encode() for t in prompt))
+    return [10 + (seed + 7919 * k) % 500 for k in range(8)] + [2]  # plain ids of the tiny tokenizer
+
+
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory):
+    """A run interrupted (a real SIGINT) after its third model request, and the same run uninterrupted."""
+    calls: list[str] = []
+
+    def turn(session_id, n, prompt):
+        calls.append(session_id)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        return _echo_turn(session_id, n, prompt)
+
+    server = _ThreadServer(ScriptedBackend(turn, latency_s=0.02, model_name="echo"))
+    cut, ref = tmp_path_factory.mktemp("cut"), tmp_path_factory.mktemp("ref")
+    try:
+        assert main(run_argv(server.url, cut, "--num-prompts", "6", "--concurrency", "2", "-q")) == 130
+        assert main(run_argv(server.url, ref, "--num-prompts", "6", "--concurrency", "2", "-q")) == 0
+    finally:
+        server.close()
+    return cut, ref
+
+
+@pytest.fixture
+def echo_url():
+    server = _ThreadServer(ScriptedBackend(_echo_turn, model_name="echo"))
+    yield server.url
+    server.close()
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    dst.mkdir(exist_ok=True)
+    (dst / JOURNAL).write_bytes((src / JOURNAL).read_bytes())
+    return dst
+
+
+def _resume(out: Path, url: str) -> list[str]:
+    return ["run", "--resume", str(out), "--server", url, "--tokenizer", str(ASSETS), "-q"]
+
+
+def test_a_signal_flushes_the_journal_and_resume_completes_the_run_as_uninterrupted(
+    capsys, interrupted, echo_url, tmp_path
+):
+    cut, ref = interrupted
+    out = _copy(cut, tmp_path / "out")
+    assert main(_resume(out, echo_url)) == 0
+    err = capsys.readouterr().err
+    assert f"agentfsm: resuming {out / JOURNAL}: " in err and "go on from their last state" in err
+    assert_consistent(out, 6)
+    from tests.conftest import assert_same_batch_files
+
+    assert_same_batch_files(ref, out)
+    assert rebuild(records(out / JOURNAL)).ended == "completed"
+    line = one_line_error(capsys, _resume(out, echo_url))
+    assert line == f"agentfsm: --resume: {out / JOURNAL}: the run there has completed: nothing to resume"
+
+
+def test_a_new_run_into_an_unfinished_one_is_refused(capsys, interrupted, echo_url, tmp_path):
+    out = _copy(interrupted[0], tmp_path / "out")
+    line = one_line_error(capsys, run_argv(echo_url, out, "--num-prompts", "2", "-q"))
+    assert (
+        f"{out} holds an unfinished run (journal.log); resume it with `agentfsm run --resume {out}`" in line
+    )
+
+
+def test_a_torn_last_record_is_dropped_with_one_line(capsys, interrupted, echo_url, tmp_path):
+    out = _copy(interrupted[0], tmp_path / "out")
+    data = (out / JOURNAL).read_bytes()
+    last = frame({"t": "step", "s": "x", "v": {"assistant_turns": 1}})
+    (out / JOURNAL).write_bytes(data + last[: len(last) // 2])  # a write cut mid-way by a kill
+    n = data.count(b"\n") + 1
+    assert main(_resume(out, echo_url)) == 0
+    err = capsys.readouterr().err
+    assert (
+        f"agentfsm: warning: {out / JOURNAL}: record {n}, the last, was cut mid-way ({len(last) // 2} bytes, "
+        "a write a kill interrupted); dropped" in err
+    )
+    assert_consistent(out, 6)
+
+
+def test_a_damaged_record_is_refused_naming_the_file_and_the_record(capsys, interrupted, tmp_path):
+    out = _copy(interrupted[0], tmp_path / "out")
+    lines = (out / JOURNAL).read_bytes().split(b"\n")
+    lines[3] = lines[3].replace(b'"t":', b'"T":', 1)  # an edit the checksum catches
+    (out / JOURNAL).write_bytes(b"\n".join(lines))
+    line = one_line_error(capsys, _resume(out, "http://127.0.0.1:9"))
+    assert line == (
+        f"agentfsm: --resume: {out / JOURNAL}: record 4: its checksum does not match (damaged or edited); the "
+        "run cannot be resumed from it"
+    )
+
+
+def _recs(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(line[9:]) for line in (out / JOURNAL).read_bytes().splitlines()]
+
+
+def _whole_running(recs):
+    done = {r["s"] for r in recs if r.get("done")}
+    return next(r["d"] for r in recs if r["t"] == "traj" and r["s"] not in done)
+
+
+def _step(recs):
+    return next(r for r in recs if r["t"] == "step" and "a" in r and "response_ids" in r["a"])
+
+
+def _running_steps(recs):
+    done = {r["s"] for r in recs if r.get("done")}
+    return [r for r in recs if r["t"] == "step" and r["s"] not in done]
+
+
+def _state(recs):
+    [r for r in _running_steps(recs) if "state" in r.get("v", {})][-1]["v"]["state"] = "NOWHERE"
+
+
+def _out_of_vocab(recs):
+    step = next(
+        r for r in _running_steps(recs) if "prompt_ids" in r.get("a", {}) or "prompt_ids" in r.get("r", {})
+    )
+    (step.get("a") or step["r"])["prompt_ids"][1][-1] = 10**6
+
+
+def _delta_out_of_vocab(recs):
+    _step(recs)["a"]["response_ids"][1][0] = 10**6
+
+
+def _mask_7(recs):
+    _step(recs)["a"]["response_mask"][1][0] = 7
+
+
+def _nan_logprob(recs):
+    _step(recs)["a"]["response_logprobs"][1][0] = float("nan")
+
+
+def _offset(recs):
+    _step(recs)["a"]["response_ids"][0] += 3
+
+
+def _row_5(recs):
+    _whole_running(recs)["row"] = 5
+
+
+def _turns_a_string(recs):
+    next(r for r in recs if r["t"] == "step" and "assistant_turns" in r.get("v", {}))["v"][
+        "assistant_turns"
+    ] = "2"
+
+
+def _unknown_slot(recs):
+    _step(recs).setdefault("v", {})["__class__"] = "x"
+
+
+def _unknown_kind(recs):
+    recs.insert(2, {"t": "exec", "code": "os.system('x')"})
+
+
+def _second_run(recs):
+    recs.insert(2, dict(recs[0]))
+
+
+def _unknown_dc(recs):
+    _whole_running(recs)["metrics"]["__dc__"] = "os.system"
+
+
+def _orphan_step(recs):
+    recs.insert(2, {"t": "step", "s": "nobody", "v": {}})
+
+
+def _spec_hash(recs):
+    recs[0]["spec_hash"] = "000000000000"
+
+
+def _rows_expected(recs):
+    recs[0]["rows_expected"] = "12"
+
+
+@pytest.mark.parametrize(
+    "tamper, reason",
+    [
+        (_state, "state 'NOWHERE' is not one of the agent's"),
+        (_out_of_vocab, "token ids outside the tokenizer's vocabulary"),
+        (_delta_out_of_vocab, "token ids outside the tokenizer's vocabulary"),
+        (_mask_7, "response_mask holds values other than 0 and 1"),
+        (_nan_logprob, "logprobs that are not finite numbers <= 0"),
+        (_offset, "response_ids continues at"),
+        (_row_5, "field 'row': Input should be a valid dictionary"),
+        (_turns_a_string, "field 'assistant_turns': Input should be a valid integer"),
+        (_unknown_slot, "'__class__' is not a slot a step changes"),
+        (_unknown_kind, "unknown record kind 'exec'"),
+        (_second_run, "a second 'run' record"),
+        (_unknown_dc, "unknown record type 'os.system'"),
+        (_orphan_step, "a step of trajectory 'nobody', which no record started"),
+        (_spec_hash, "resume with the spec it was written with"),
+        (_rows_expected, "rows_expected is not a count"),
+    ],
+)
+def test_a_forged_journal_is_refused_in_one_line(capsys, interrupted, echo_url, tmp_path, tamper, reason):
+    """Forged: each record's checksum matches (it is unkeyed), so its content is checked as a snapshot's is."""
+    out = tmp_path / "out"
+    out.mkdir()
+    recs = _recs(interrupted[0])
+    tamper(recs)
+    body = b"".join(
+        b"%08x %s\n" % (zlib.crc32(b := json.dumps(r, separators=(",", ":")).encode()), b) for r in recs
+    )
+    (out / JOURNAL).write_bytes(body)
+    line = one_line_error(capsys, _resume(out, echo_url))
+    assert line.startswith(f"agentfsm: --resume: {out / JOURNAL}: ") and reason in line, line
+
+
+# --- written, read back: the same trajectories --------------------------------------------------------------
+
+
+async def _journaled(spec: Any, backend: Any, rows: list[dict], path: Path, n: int = 2) -> list:
+    async with RolloutEngine(spec, tokenizer=str(ASSETS), backend=backend) as engine:
+        recorder = Recorder(Writer(path, "off"))
+        recorder.header(
+            identity(engine.agent, engine.codec, run_id="t", groups=len(rows), rows_expected=len(rows) * n)
+        )
+        await engine.ajournal(recorder)
+        await engine.asubmit(rows, n=n, sampling=engine.sampling({"temperature": 0.0}))
+        groups = await engine.atake_groups(len(rows))
+        recorder.writer.close()
+    return sorted((t for g in groups for t in g.trajectories), key=lambda t: (t.index, t.sample))
+
+
+def _same(a, b) -> None:
+    x, y = encode_trajectory(a), encode_trajectory(b)
+    for slot in ("path_times",):  # this process's clock
+        x.pop(slot), y.pop(slot)
+    assert x == y
+
+
+def test_the_journal_reads_back_into_the_same_trajectories(tmp_path, tok):
+    rows = [user_row(f"What is {i} + {2 * i}?") for i in range(3)]
+    script = [tool_turn(tok, ("calculator", {"expression": "1 + 2"})), model_turn(tok, "The answer is 3.")]
+    trajs = asyncio.run(_journaled(SPEC, scripted(script), rows, tmp_path / JOURNAL))
+    rb = rebuild(records(tmp_path / JOURNAL))
+    assert len(rb.done) == len(trajs) == 6
+    for t in trajs:
+        _same(t, rb.trajs[t.session_id])
+    assert all(t.metrics.num_tool_calls == 1 for t in trajs)
+
+
+COUNTED_SPEC = """
+name: calculator_counted
+extends: {specs}/calculator.yaml
+tools:
+  - function: tests.fixtures.parts:counted
+    schema: specs.calculator:TOOL_SCHEMA
+"""
+
+
+def test_a_side_effecting_tool_is_never_executed_again_for_a_journaled_call(tmp_path, tok, monkeypatch):
+    """Killed right after the tool's result reached the journal (the step after the tool state never did): on
+    resume the call's state runs again, and the tool answers from the journal, by its idempotency key."""
+    count = tmp_path / "count.txt"
+    monkeypatch.setenv("AGENTFSM_TEST_COUNT", str(count))
+    spec = tmp_path / "counted.yaml"
+    spec.write_text(COUNTED_SPEC.format(specs=REPO / "specs"))
+    rows = [user_row(f"What is {i} + {i}?") for i in range(2)]
+
+    def script(row, sample, turn, prompt):
+        if "tool_response" not in tok.decode(prompt):  # by the prompt: a resumed session's turn counts anew
+            return tool_turn(tok, ("calculator", {"expression": f"{row} + {row} + {sample}"}))
+        return model_turn(tok, "Done.")
+
+    ref = asyncio.run(_journaled(str(spec), scripted(script), rows, tmp_path / "ref.log"))
+    assert sorted(count.read_text().split("\n")[:-1]) == sorted(
+        f"{r} + {r} + {s}" for r in range(2) for s in range(2)
+    )
+    journal = tmp_path / JOURNAL
+    data = (tmp_path / "ref.log").read_bytes()
+    lines = data.split(b"\n")
+    first_tool = next(i for i, line in enumerate(lines) if b'"t":"tool"' in line)
+    journal.write_bytes(b"\n".join(lines[: first_tool + 1]) + b"\n")  # killed just after it
+    key = json.loads(lines[first_tool][9:])["k"]
+    count.write_text("")
+
+    async def resume() -> list:
+        async with RolloutEngine(str(spec), tokenizer=str(ASSETS), backend=scripted(script)) as engine:
+            loaded = load(journal, engine.agent, engine.codec)
+            recorder = Recorder(Writer(journal, "off", keep=loaded.good_bytes), loaded.tool_results)
+            await engine.ajournal(recorder)
+            meta = await engine.arestore(loaded.data)
+            groups = await engine.atake_groups(meta["groups"])
+            recorder.writer.close()
+        return sorted((t for g in groups for t in g.trajectories), key=lambda t: (t.index, t.sample))
+
+    again = asyncio.run(resume())
+    executed = count.read_text().split("\n")[:-1]
+    assert len(executed) == 3  # the journaled call is not among them
+    for a, b in zip(ref, again):
+        assert a.response_ids == b.response_ids and a.messages == b.messages
+    assert key.endswith("_c0_0")  # (session: row and sample, turn, call): the same after the resume
+
+
+# --- replay and show, from the journal alone ------------------------------------------------------------------
+
+
+def test_replay_rebuilds_a_row_without_server_or_model(capsys, interrupted):
+    cut, _ = interrupted
+    assert main(["replay", str(cut), "--row", "0"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("== row 0 sample 0 (") and "finished" in out
+    assert "[user] " in out and "path: PENDING -> GENERATING -> " in out
+    assert re.search(r"token check: (exact|token \d+: trajectory has )", out), out  # random echo ids
+    recorded = re.search(r"reward: recorded (\S+), recomputed (\S+) \(difference \+0\)", out)
+    assert recorded and recorded.group(1) == recorded.group(2), out
+    line = one_line_error(capsys, ["replay", str(cut), "--row", "99"])
+    assert line == f"agentfsm: {cut / JOURNAL}: no row 99 in this run (its rows are 0..5)"
+
+
+def test_show_reads_the_journal_of_a_run_that_did_not_finish(capsys, interrupted):
+    cut, _ = interrupted
+    assert main(["show", str(cut)]) == 0
+    out = capsys.readouterr().out
+    assert f"{cut / JOURNAL}: 4 trajectories finished, 2 in flight; the run: not ended" in out
+    assert "in flight: " in out

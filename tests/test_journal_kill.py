@@ -1,0 +1,236 @@
+"""`kill -9` at random moments, then `agentfsm run --resume`: the journal (fsm/run/journal.py) loses at most the
+steps in flight. Each kill lands while the journal grows (model turns, tool calls, rewrites: the spec compacts
+its context) or while the run writes its files; each resume goes on from the journal, and is killed again,
+until the run completes. At temperature 0 every completed run equals the uninterrupted one (tokens, masks,
+logprobs, rewards), no row twice. The table of kills is printed (pytest -s) and written to $KILL_TABLE.
+
+The model is the tiny one, served over HTTP by the dev server (backends/devserver.py) or embedded in the CLI,
+one request at a time: a batch of other composition moves its logprobs by ~1e-6 (float sums in another
+order), which is the model's, not the journal's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fsm.run.journal import JOURNAL, rebuild, records
+from tests.conftest import assert_same_batch_files
+from tests.test_run_interrupts import ENV, REPO
+
+ASSETS = REPO / "backends/tiny/assets"
+SPEC = "specs/calculator_compact.yaml"
+KIND = {
+    "ENCODING": "prompt",
+    "GENERATING": "model turn",
+    "PROCESSING_TOOLS": "tool call",
+    "COMPACTING": "rewrite",
+}
+
+
+def run_args(out: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "fsm.cli.commands",
+        "run",
+        "--tokenizer",
+        str(ASSETS),
+        "--num-prompts",
+        "2",
+        "--n",
+        "2",
+        "--temperature",
+        "0",
+        "--out",
+        str(out),
+        "-q",
+        *extra,
+    ]
+
+
+def _count(path: Path) -> int:
+    try:
+        return path.read_bytes().count(b"\n")
+    except OSError:
+        return 0
+
+
+def _writing(out: Path) -> bool:
+    return any(p.name.startswith(".agentfsm-writing-") for p in out.iterdir())
+
+
+def _moment(out: Path) -> tuple[str, int, int]:
+    """What was in flight when the kill landed: the kind of step, trajectories finished, in flight."""
+    rb = rebuild(records(out / JOURNAL))
+    running = [t for s, t in rb.trajs.items() if s not in rb.done]
+    kinds = sorted({KIND.get(t.state, t.state) for t in running if len(t.path_times)})
+    what = ", ".join(kinds) if kinds else ("output writing" if not running else "queued")
+    return what, len(rb.done), len(running)
+
+
+def _kill_chain(out: Path, base: list[str], rng: random.Random, kills_left: int, table: list) -> None:
+    """Run into `out`, kill -9 it at random moments and resume it until it completes."""
+    first, pending = True, None
+    while True:
+        args = run_args(out, *base) if first else run_args(out, "--resume", str(out), *base[1:])
+        proc = subprocess.Popen(args, env=ENV, cwd=REPO, stderr=subprocess.PIPE, text=True)
+        killed = False
+        if len(table) < kills_left:
+            journal = out / JOURNAL
+            at_output = rng.random() < 0.2
+            target = _count(journal) + rng.randint(1, 6)
+            deadline = time.monotonic() + 120
+            while proc.poll() is None and time.monotonic() < deadline:
+                if journal.exists() and (_writing(out) if at_output else _count(journal) >= target):
+                    proc.send_signal(signal.SIGKILL)
+                    killed = True
+                    break
+                time.sleep(0.002)
+        err = proc.communicate(timeout=180)[1]
+        found = re.search(r"(\d+) trajectories finished, (\d+) go on from their last state", err)
+        if found and pending is not None:
+            table[pending]["redone"] = int(found.group(2))
+            pending = None
+        if killed and proc.returncode == -signal.SIGKILL:
+            what, done, running = _moment(out)
+            table.append({"moment": what, "finished": done, "running": running})
+            pending = len(table) - 1
+        else:
+            assert proc.returncode == 0, err
+            return
+        first = False
+
+
+def _check_run(ref: Path, out: Path) -> None:
+    assert_same_batch_files(ref, out)
+    rows = [json.loads(line) for line in (out / "trajectories.jsonl").open()]
+    keys = [(r["index"], r["sample"]) for r in rows]
+    assert len(keys) == len(set(keys)) == 4, keys  # no row twice, none missing
+    ref_rows = [json.loads(line) for line in (ref / "trajectories.jsonl").open()]
+    assert [r["reward_score"] for r in rows] == [r["reward_score"] for r in ref_rows]
+    assert rebuild(records(out / JOURNAL)).ended == "completed"
+
+
+def _kill_test(tmp_path: Path, base: list[str], kills: int, seed: int) -> list[dict]:
+    ref = tmp_path / "ref"
+    done = subprocess.run(
+        run_args(ref, *base), env=ENV, cwd=REPO, capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0, done.stderr
+    rng, table, k = random.Random(seed), [], 0
+    while len(table) < kills:
+        k += 1
+        out = tmp_path / f"cut{k}"
+        _kill_chain(out, base, rng, kills, table)
+        _check_run(ref, out)
+    lines = [f"{'kill':>4}  {'moment':<28} {'finished':>8} {'running':>7} {'redone':>6}"]
+    for i, row in enumerate(table, 1):
+        lines.append(
+            f"{i:>4}  {row['moment']:<28} {row['finished']:>8} {row['running']:>7} {row.get('redone', '-'):>6}"
+        )
+    text = "\n".join(lines)
+    print(text)
+    if os.environ.get("KILL_TABLE"):
+        with open(os.environ["KILL_TABLE"], "a") as f:
+            f.write(f"{base[-1] if '--server' in base else 'embedded'}\n{text}\n\n")
+    assert all(row.get("redone", 0) <= row["running"] for row in table)
+    return table
+
+
+@pytest.fixture(scope="module")
+def model_server():
+    proc, url = _serve_model()
+    yield url
+    proc.terminate()
+    proc.wait(20)
+
+
+def _serve_model() -> tuple[subprocess.Popen, str]:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "backends.devserver", "--model", str(ASSETS), "--device", "cpu"]
+        + ["--max-running-requests", "1", "--port", str(port), "--log-level", "warning"],
+        env=ENV,
+        cwd=REPO,
+    )
+    url = f"http://127.0.0.1:{port}"
+    from tests.test_snapshot import _get
+
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            _get(f"{url}/v1/loads")
+            return proc, url
+        except OSError:
+            assert proc.poll() is None and time.monotonic() < deadline, "the dev server did not come up"
+            time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_twenty_kill_9s_over_http_each_resumed_equal_the_uninterrupted_run(tmp_path, model_server):
+    table = _kill_test(tmp_path, [SPEC, "--server", model_server], kills=20, seed=39)
+    moments = {row["moment"] for row in table}
+    assert any("model turn" in m for m in moments), moments
+
+
+EMBEDDED = """
+import sys
+
+from fsm import RolloutEngine, RunDir
+from fsm.spec.registry import resolve
+
+url, out = sys.argv[1], sys.argv[2]
+engine = RolloutEngine("specs/calculator_compact.yaml", tokenizer="backends/tiny/assets", servers=[url])
+rows = resolve(engine.agent.spec.demo_data, engine.agent.spec.trust.allow_modules)(2, seed=0)
+engine.generate_sequences(rows, {"temperature": 0, "seed": 0}, n=2, keep=RunDir(out))
+engine.close()
+"""
+
+
+@pytest.mark.slow
+def test_kill_9s_of_a_program_that_keeps_its_run_with_the_api_then_resumed(tmp_path, model_server):
+    """`keep=RunDir(out)` writes the same journal as `agentfsm run`: a program killed with -9 at a random moment
+    is resumed by `agentfsm run --resume out`, equal to an uninterrupted CLI run."""
+    base = [SPEC, "--server", model_server]
+    ref = tmp_path / "ref"
+    done = subprocess.run(
+        run_args(ref, *base), env=ENV, cwd=REPO, capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0, done.stderr
+    script = tmp_path / "embed.py"
+    script.write_text(EMBEDDED)
+    rng = random.Random(5)
+    for k in range(3):
+        out = tmp_path / f"api{k}"
+        proc = subprocess.Popen([sys.executable, str(script), model_server, str(out)], env=ENV, cwd=REPO)
+        target, deadline = rng.randint(8, 40), time.monotonic() + 120
+        while proc.poll() is None and _count(out / JOURNAL) < target:
+            assert time.monotonic() < deadline, "the program's journal did not grow"
+            time.sleep(0.002)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+        assert proc.returncode == -signal.SIGKILL, "the program finished before its kill"
+        resumed = subprocess.run(
+            run_args(out, "--resume", str(out), *base[1:]), env=ENV, cwd=REPO, capture_output=True, text=True
+        )
+        assert resumed.returncode == 0, resumed.stderr
+        _check_run(ref, out)
+
+
+@pytest.mark.slow
+def test_kill_9s_of_the_embedded_model_each_resumed_equal_the_uninterrupted_run(tmp_path):
+    _kill_test(tmp_path, [SPEC, "--batch-size", "1"], kills=4, seed=7)
