@@ -349,3 +349,17 @@ def test_show_reads_the_journal_of_a_run_that_did_not_finish(capsys, interrupted
     out = capsys.readouterr().out
     assert f"{cut / JOURNAL}: 4 trajectories finished, 2 in flight; the run: not ended" in out
     assert "in flight: " in out
+
+
+def test_a_tree_run_is_refused_resume_in_one_line(interrupted):
+    """The journal keeps no tree nodes yet: resuming a spec with child machines or forks would lose their rows,
+    so it is refused before anything is read."""
+    from fsm.run.compile import compile_spec
+    from fsm.run.journal import JournalError
+
+    cut, _ = interrupted
+    for spec in ("planner_solver.yaml", "fork_calculator.yaml"):
+        agent = compile_spec(REPO / "specs" / spec)
+        with pytest.raises(JournalError, match=r"child machines or forks.*cannot be resumed") as err:
+            load(cut / JOURNAL, agent)
+        assert "\n" not in str(err.value)

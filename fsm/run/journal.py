@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from fsm.run.snapshot import SnapshotError, _decode, _encode, decode_trajectory, encode_trajectory
-from fsm.run.trajectory import Metrics, TokenRuns, Trajectory
+from fsm.run.trajectory import TRANSIENT, Metrics, TokenRuns, Trajectory
 
 JOURNAL = "journal.log"  # in the run directory
 FORMAT = 1
@@ -83,7 +83,9 @@ _REPLACED = ("segment_start", "partial_turn", "pending_calls")
 _DICTS = ("extra", "extra_fields")
 _REST = (*_SCALARS, *_REPLACED, *_DICTS, "metrics")
 _PLAIN_LISTS = ("path", "transitions_fired", "tool_rewards", "tool_scores", "turn_scores", "turn_rewards")
-assert set(_REST) | set(_ARRAYS) | set(_LISTS) | set(_FIXED) | {"runs", "closed"} == set(Trajectory.__slots__)
+assert set(_REST) | set(_ARRAYS) | set(_LISTS) | set(_FIXED) | {"runs", "closed", *TRANSIENT} == set(
+    Trajectory.__slots__
+)
 
 
 class JournalError(SnapshotError):

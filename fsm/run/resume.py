@@ -61,6 +61,11 @@ def read_identity(path: str | Path) -> dict[str, Any]:
 def load(path: str | Path, agent: CompiledAgent, codec: Any = None) -> Loaded:
     """The journal at `path`, checked against `agent` (spec hash), the tokenizer (`codec`'s digest) and its
     content; JournalError of one line otherwise."""
+    if agent.spec.children or agent.forks:
+        raise JournalError(
+            f"{path}: agent {agent.name!r} has child machines or forks, whose nodes the journal does not keep yet "
+            "(docs/trees.md): a tree run cannot be resumed; start it again with a fresh --out"
+        )
     read = records(path)
     rebuilt = rebuild(read)
     ident = rebuilt.identity

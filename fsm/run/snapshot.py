@@ -36,7 +36,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, InstanceOf, TypeAdap
 from fsm.families.parsers import ToolCall
 from fsm.run.agent import CompiledAgent
 from fsm.run.context import Sampling
-from fsm.run.trajectory import _FIRST, Metrics, Segment, TokenRun, TokenRuns, Trajectory
+from fsm.run.trajectory import _FIRST, TRANSIENT, Metrics, Segment, TokenRun, TokenRuns, Trajectory
 
 FORMAT = 2  # 2: the tokenizer is recorded (and checked on restore)
 MAX_GROUPS = 10_000_000  # a bound for a count read from a snapshot
@@ -104,7 +104,9 @@ def _decode(value: Any) -> Any:
 
 def encode_trajectory(traj: Trajectory) -> dict[str, Any]:
     """Every slot of `traj` as JSON-ready values (the weight versions expanded, one per token)."""
-    names = [name for name in type(traj).__slots__ if name != "_version_runs"] + ["response_versions"]
+    names = [n for n in type(traj).__slots__ if n != "_version_runs" and n not in TRANSIENT] + [
+        "response_versions"
+    ]
     return {
         name: _encode(getattr(traj, name), f"trajectory {traj.session_id}: {name}")
         for name in names
@@ -118,8 +120,9 @@ def decode_trajectory(data: dict[str, Any]) -> Trajectory:
     traj = Trajectory.__new__(Trajectory)
     traj.partial_turn = None  # older snapshots have no such slots
     traj.turn_rewards = []
+    traj.heartbeat_at, traj.node = 0.0, None  # TRANSIENT
     for name in Trajectory.__slots__:
-        if name in data:
+        if name in data and name not in TRANSIENT:
             setattr(traj, name, _decode(data[name]))
     traj.runs = TokenRuns(
         _decode(data["segments"]) if "runs" not in data and "segments" in data else getattr(traj, "runs", ())

@@ -199,6 +199,11 @@ class Metrics:
         return {name: getattr(self, name) for name in self.__slots__}
 
 
+# Slots that live only while a process drives the trajectory, never snapshotted or journaled: the last tool
+# heartbeat (a state's heartbeat_s, fsm/run/failures.py) and the tree node, which links live objects.
+TRANSIENT = ("heartbeat_at", "node")
+
+
 class Trajectory:
     """One rollout: identity, conversation, tokens, counters and outcome."""
 
