@@ -11,6 +11,7 @@ import asyncio
 import json
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from fsm.cli.outcome import CLIError
@@ -63,7 +64,8 @@ def _rescore(agent: Any, codec: Any, traj: Trajectory) -> float | None:
     runner = Runner(agent, None, codec, watchdog_s=None)  # type: ignore[arg-type]  # no backend: never called
     recorded = traj.reward_score
     try:
-        asyncio.run(runner._score(None, traj))  # type: ignore[arg-type]
+        scoring = SimpleNamespace(agent=agent, codec=codec)  # all `_score` reads of a run's context
+        asyncio.run(runner._score(scoring, traj))  # type: ignore[arg-type]
         return traj.reward_score
     finally:
         traj.reward_score = recorded
