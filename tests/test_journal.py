@@ -84,8 +84,10 @@ def test_a_signal_flushes_the_journal_and_resume_completes_the_run_as_uninterrup
 
     assert_same_batch_files(ref, out)
     assert rebuild(records(out / JOURNAL)).ended == "completed"
-    line = one_line_error(capsys, _resume(out, echo_url))
-    assert line == f"agentfsm: --resume: {out / JOURNAL}: the run there has completed: nothing to resume"
+    assert main(_resume(out, echo_url)) == 0  # a completed run (killed after its files were whole): done
+    assert capsys.readouterr().err.strip() == (
+        f"agentfsm: --resume: {out / JOURNAL}: the run there has completed: nothing to resume (its files are whole)"
+    )
 
 
 def test_a_new_run_into_an_unfinished_one_is_refused(capsys, interrupted, echo_url, tmp_path):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -24,6 +25,7 @@ from hypothesis import strategies as st
 from backends.base import BaseBackend, GenerateRequest, GenerateResult
 from backends.scripted import echo_backend
 from fsm import RolloutEngine
+from fsm.run.journal import JOURNAL, rebuild, records
 from fsm.run.snapshot import SnapshotError, decode_trajectory, encode_trajectory
 from specs.calculator import make_prompts
 from tests.conftest import ASSETS, assert_same_batch_files
@@ -200,7 +202,7 @@ def _run(url: str, out: Path, *extra: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_ctrl_c_snapshots_and_resume_completes_the_run_token_for_token(tiny_server, tmp_path):
+def test_ctrl_c_flushes_the_journal_and_resume_completes_the_run_token_for_token(tiny_server, tmp_path):
     ref, cut = tmp_path / "ref", tmp_path / "cut"
     subprocess.run(_run(tiny_server, ref), env=ENV, cwd=REPO, check=True, timeout=240)
     proc = subprocess.Popen(_run(tiny_server, cut), env=ENV, cwd=REPO, stderr=subprocess.PIPE, text=True)
@@ -219,8 +221,7 @@ def test_ctrl_c_snapshots_and_resume_completes_the_run_token_for_token(tiny_serv
     assert "--resume" in err, err
     if (cut / "summary.json").exists():  # some rows had finished: written, with the status saying so
         assert json.loads((cut / "summary.json").read_text())["status"] == "interrupted"
-    snap = json.loads((cut / "snapshot.json").read_text())
-    assert any(g["status"] == "running" for g in snap["groups"]), "nothing was in flight at the interrupt"
+    assert (cut / JOURNAL).is_file() and not (cut / "snapshot.json").exists()  # the journal is the one record
     resumed = subprocess.run(
         _run(tiny_server, tmp_path / "ignored", "--resume", str(cut)),
         env=ENV,
@@ -230,7 +231,11 @@ def test_ctrl_c_snapshots_and_resume_completes_the_run_token_for_token(tiny_serv
         timeout=240,
     )
     assert resumed.returncode == 0, resumed.stderr
-    assert not (cut / "snapshot.json").exists()
+    going_on = re.search(r"(\d+) go on from their last state", resumed.stderr)
+    assert going_on and int(going_on.group(1)) > 0, (
+        f"nothing was in flight at the interrupt: {resumed.stderr}"
+    )
+    assert rebuild(records(cut / JOURNAL)).ended == "completed"
     assert_same_batch_files(ref, cut)
     assert json.loads((cut / "summary.json").read_text())["status"] == "completed"
 

@@ -461,6 +461,13 @@ def cmd_run(args: argparse.Namespace, rollout: Callable[..., Any] | None = None)
             loaded = load(Path(args.resume) / JOURNAL, agent)
         except snap.SnapshotError as exc:
             raise CLIError(f"--resume: {exc}") from None
+        if loaded.ended == "completed":  # killed after its files were whole: resuming it is done already
+            print(
+                f"agentfsm: --resume: {Path(args.resume) / JOURNAL}: the run there has completed: nothing to "
+                "resume (its files are whole)",
+                file=sys.stderr,
+            )
+            return 0
         if loaded.ended is not None:
             raise CLIError(
                 f"--resume: {Path(args.resume) / JOURNAL}: the run there has {loaded.ended}: nothing to resume"
