@@ -25,7 +25,7 @@ def _load(out: Path, spec: str | None, tokenizer: str | None) -> tuple[Rebuilt, 
     from fsm.api import load_tokenizer
     from fsm.run.compile import compile_spec
     from fsm.run.runtime import agent_codec
-    from fsm.run.snapshot import tokenizer_id
+    from fsm.run.snapshot import other_tokenizer
 
     try:
         read = records(out / JOURNAL)
@@ -50,7 +50,7 @@ def _load(out: Path, spec: str | None, tokenizer: str | None) -> tuple[Rebuilt, 
     except (OSError, ValueError) as exc:
         raise CLIError(f"--tokenizer {tokenizer}: cannot load it ({exc})") from None
     codec = agent_codec(agent, tok)
-    if tokenizer_id(codec)["digest"] != (ident.get("tokenizer") or {}).get("digest"):
+    if other_tokenizer(ident.get("tokenizer"), codec) is not None:
         warn(f"the tokenizer {tokenizer} is not the one the run used ({named}): the token check may differ")
     return rebuilt, agent, codec
 

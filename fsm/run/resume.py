@@ -18,7 +18,7 @@ from typing import Any
 from fsm.run.agent import CompiledAgent
 from fsm.run.journal import FORMAT, JournalError, Read, Rebuilt, rebuild, records
 from fsm.run.snapshot import FORMAT as SNAPSHOT_FORMAT
-from fsm.run.snapshot import _check, decode_sampling, encode_trajectory, tokenizer_id
+from fsm.run.snapshot import _check, decode_sampling, encode_trajectory, other_tokenizer, tokenizer_id
 from fsm.run.trajectory import Trajectory
 
 
@@ -75,14 +75,12 @@ def load(path: str | Path, agent: CompiledAgent, codec: Any = None) -> Loaded:
             f"engine runs {agent.name!r} (spec hash {agent.hash}); resume with the spec it was written with "
             f"({ident.get('spec')})"
         )
-    if codec is not None:
-        theirs, ours = ident.get("tokenizer"), tokenizer_id(codec)
-        if not isinstance(theirs, dict) or theirs.get("digest") != ours["digest"]:
-            named = theirs.get("name") if isinstance(theirs, dict) else None
-            raise JournalError(
-                f"{path}: written with the tokenizer {named!r}, but this engine's is {ours['name']!r} "
-                "(another vocabulary or chat template); resume with the tokenizer it was written with"
-            )
+    if codec is not None and (names := other_tokenizer(ident.get("tokenizer"), codec)) is not None:
+        named, ours = names
+        raise JournalError(
+            f"{path}: written with the tokenizer {named!r}, but this engine's is {ours!r} "
+            "(another vocabulary or chat template); resume with the tokenizer it was written with"
+        )
     data, counts = _snapshot_form(read, rebuilt, agent)
     vocab = len(codec.tokenizer) if codec is not None and hasattr(codec, "tokenizer") else None
     try:

@@ -246,6 +246,15 @@ def _check_fields(traj: Trajectory, where: str) -> None:
 # --- files -------------------------------------------------------------------------------------------------
 
 
+def other_tokenizer(recorded: Any, codec: Any) -> tuple[str | None, str] | None:
+    """(the recorded tokenizer's name, this codec's) when `recorded` (a `tokenizer_id`) is not this codec's
+    tokenizer; None when it is. Snapshots and the run journal (fsm/run/resume.py) both refuse the first case."""
+    ours = tokenizer_id(codec)
+    if isinstance(recorded, dict) and recorded.get("digest") == ours["digest"]:
+        return None
+    return (recorded.get("name") if isinstance(recorded, dict) else None), ours["name"]
+
+
 def tokenizer_id(codec: Any) -> dict[str, Any]:
     """What identifies the tokenizer a snapshot's token ids belong to: its name, size, and a digest of its
     vocabulary and chat template (a ChatML prompt continued by a Llama tokenizer is refused on restore)."""
@@ -346,14 +355,12 @@ def read(
             f"but this engine runs {agent.name!r} (spec hash {agent.hash}); restore it with the "
             f"spec it was taken with ({data.get('spec')})"
         )
-    if codec is not None:
-        theirs, ours = data.get("tokenizer"), tokenizer_id(codec)
-        if not isinstance(theirs, dict) or theirs.get("digest") != ours["digest"]:
-            named = theirs.get("name") if isinstance(theirs, dict) else None
-            raise SnapshotError(
-                f"{path}: taken with the tokenizer {named!r}, but this engine's is {ours['name']!r} "
-                "(another vocabulary or chat template); resume with the tokenizer it was taken with"
-            )
+    if codec is not None and (names := other_tokenizer(data.get("tokenizer"), codec)) is not None:
+        named, ours = names
+        raise SnapshotError(
+            f"{path}: taken with the tokenizer {named!r}, but this engine's is {ours!r} "
+            "(another vocabulary or chat template); resume with the tokenizer it was taken with"
+        )
     try:
         _check(data, agent, vocab_size)
     except SnapshotError as exc:
