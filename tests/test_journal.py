@@ -222,6 +222,10 @@ def _rows_expected(recs):
     recs[0]["rows_expected"] = "12"
 
 
+def _done_unfinished(recs):
+    _running_steps(recs)[-1]["done"] = True  # a row mid-run called finished: no termination reason
+
+
 @pytest.mark.parametrize(
     "tamper, reason",
     [
@@ -240,6 +244,7 @@ def _rows_expected(recs):
         (_orphan_step, "a step of trajectory 'nobody', which no record started"),
         (_spec_hash, "resume with the spec it was written with"),
         (_rows_expected, "rows_expected is not a count"),
+        (_done_unfinished, "finished without a termination reason"),
     ],
 )
 def test_a_forged_journal_is_refused_in_one_line(capsys, interrupted, echo_url, tmp_path, tamper, reason):

@@ -469,6 +469,7 @@ def _apply(out: Rebuilt, rec: dict[str, Any], where: str) -> None:
         out.trajs[sid] = traj
         out.steps += 1
         if rec.get("done"):
+            _finished(traj, sid, where)
             out.done.add(sid)
     elif kind == "step":
         sid = rec["s"]
@@ -494,6 +495,7 @@ def _apply(out: Rebuilt, rec: dict[str, Any], where: str) -> None:
             setattr(traj, n, _decode(v))
         out.steps += 1
         if rec.get("done"):
+            _finished(traj, sid, where)
             out.done.add(sid)
     elif kind == "tool":
         if not isinstance(rec["k"], str) or not isinstance(rec["o"], dict):
@@ -505,6 +507,12 @@ def _apply(out: Rebuilt, rec: dict[str, Any], where: str) -> None:
         raise JournalError(f"{where}: a second 'run' record (two runs in one journal)")
     else:
         raise JournalError(f"{where}: unknown record kind {kind!r}")
+
+
+def _finished(traj: Trajectory, sid: str, where: str) -> None:
+    """A record saying a trajectory finished must hold a finished one: its row goes out as written."""
+    if not isinstance(traj.termination_reason, str) or not traj.termination_reason:
+        raise JournalError(f"{where}: trajectory {sid!r} finished without a termination reason")
 
 
 def iter_members(rebuilt: Rebuilt) -> Iterator[tuple[dict[str, Any], list[Trajectory]]]:
