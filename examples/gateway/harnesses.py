@@ -9,6 +9,7 @@ state's action.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from fsm.gateway import HarnessCall, harness
 from specs.calculator import SYSTEM_PROMPT, TOOL_SCHEMA, _format, evaluate
@@ -119,17 +120,12 @@ async def agents_sdk(call: HarnessCall) -> str:
         await client.close()
 
 
-async def agents_sdk_tree(call: HarnessCall) -> str:
-    """Sub-agents: the planner's `calculator` tool is another agent (the SDK's agents-as-tools), the solver,
-    which has the real calculator. The solver's model is a child session of the row's (`call.child`), so its
-    calls are recorded as child nodes of the row's tree (docs/gateway.md, "Trees"); its final answer is the
-    planner's tool result."""
-    from agents import Agent, ModelSettings, OpenAIResponsesModel, RunConfig, Runner, function_tool
+def agents_sdk_solver(call: HarnessCall) -> tuple[Any, list[Any]]:
+    """The solver agent of the two-agent harnesses (here and tests/gateway/test_tree.py): the real calculator as
+    its tool, its model a child session of the row's (`call.child`), so its calls are recorded as child nodes of
+    the row's tree (docs/gateway.md, "Trees"). Returns it and the clients to close, the row's own first."""
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, function_tool
     from openai import AsyncOpenAI
-    from pydantic import BaseModel
-
-    class Expression(BaseModel):
-        expression: str
 
     @function_tool(name_override="calculator")
     def calc(expression: str) -> str:
@@ -140,14 +136,26 @@ async def agents_sdk_tree(call: HarnessCall) -> str:
         AsyncOpenAI(base_url=c.base_url, api_key=c.api_key, max_retries=0)
         for c in (call, call.child("solver"))
     ]
-    settings = ModelSettings(store=False)
     solver = Agent(
         name="solver",
         instructions=SYSTEM_PROMPT,
         tools=[calc],
         model=OpenAIResponsesModel(model=call.model, openai_client=clients[1]),
-        model_settings=settings,
+        model_settings=ModelSettings(store=False),
     )
+    return solver, clients
+
+
+async def agents_sdk_tree(call: HarnessCall) -> str:
+    """Sub-agents: the planner's `calculator` tool is another agent (the SDK's agents-as-tools), the solver
+    (agents_sdk_solver); its final answer is the planner's tool result."""
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, RunConfig, Runner
+    from pydantic import BaseModel
+
+    class Expression(BaseModel):
+        expression: str
+
+    solver, clients = agents_sdk_solver(call)
     planner = Agent(
         name="planner",
         instructions=SYSTEM_PROMPT,
@@ -160,7 +168,7 @@ async def agents_sdk_tree(call: HarnessCall) -> str:
             )
         ],
         model=OpenAIResponsesModel(model=call.model, openai_client=clients[0]),
-        model_settings=settings,
+        model_settings=ModelSettings(store=False),
     )
     try:
         result = await Runner.run(

@@ -304,32 +304,17 @@ class Handing(ScriptedBackend):
 
 
 async def handing_off(call: HarnessCall) -> str:
-    from agents import Agent, ModelSettings, OpenAIResponsesModel, RunConfig, Runner, function_tool
-    from openai import AsyncOpenAI
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, RunConfig, Runner
 
-    from examples.gateway.harnesses import SYSTEM_PROMPT, _run_tool
+    from examples.gateway.harnesses import agents_sdk_solver
 
-    @function_tool(name_override="calculator")
-    def calc(expression: str) -> str:
-        """Evaluate an arithmetic expression."""
-        return _run_tool("calculator", {"expression": expression})
-
-    sub = call.child("solver")
-    clients = [AsyncOpenAI(base_url=c.base_url, api_key=c.api_key, max_retries=0) for c in (call, sub)]
-    settings = ModelSettings(store=False)
-    solver = Agent(
-        name="solver",
-        instructions=SYSTEM_PROMPT,
-        tools=[calc],
-        model=OpenAIResponsesModel(model=call.model, openai_client=clients[1]),
-        model_settings=settings,
-    )
+    solver, clients = agents_sdk_solver(call)
     planner = Agent(
         name="planner",
         instructions="Hand arithmetic to the solver.",
         handoffs=[solver],
         model=OpenAIResponsesModel(model=call.model, openai_client=clients[0]),
-        model_settings=settings,
+        model_settings=ModelSettings(store=False),
     )
     try:
         result = await Runner.run(
