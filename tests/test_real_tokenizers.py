@@ -173,7 +173,7 @@ def test_every_decode_keeps_the_models_spaces(real_tokenizer):
     from types import SimpleNamespace
 
     from fsm.families import codec_for
-    from fsm.telemetry.spans import _output_messages
+    from fsm.telemetry.content import _output_messages
 
     tok = real_tokenizer("llama3_1", "llama3_1.jinja")
     ids = tok.encode(TEXT, add_special_tokens=False)

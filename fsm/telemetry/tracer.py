@@ -24,6 +24,7 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import INVALID_SPAN
 
+from fsm.telemetry.calls import _ModelSpan, _ToolSpan
 from fsm.telemetry.content import _roles
 from fsm.telemetry.export import (
     DEFAULT_MAX_EXPORT_BATCH_SIZE,
@@ -44,13 +45,11 @@ from fsm.telemetry.shapes import _SAMPLING_ATTRS, _Shapes
 from fsm.telemetry.spans import (
     _attach_context,
     _in_context,
-    _ModelSpan,
     _random_bits,
     _Root,
     _Span,
     _span_of,
     _time_ns,
-    _ToolSpan,
 )
 
 log = logging.getLogger("agentfsm.telemetry")  # the package's one logger, whichever module logs
