@@ -16,8 +16,8 @@ model's answer and the tool's result stand in as words), so the cache can serve 
 engine: 128 tokens) of the turn before.
 
 Traffic is a list of `Call`s (per request: session, group, turn, prompt tokens, new tokens, tool latency
-before the next request): `--trace FILE` replays recorded ones (JSON lines of these fields), else four shapes
-are generated. Replay is closed-loop: a whole batch starts at once (one synchronous RL step), each session
+before the next request): `--trace FILE` replays recorded ones (JSON lines of these fields, or a run directory
+whose journal bench/traffic.py reads), else four shapes are generated. Replay is closed-loop: a whole batch starts at once (one synchronous RL step), each session
 sends its turns in order, waiting the recorded tool latency between them; the step's makespan is when its
 last session ends.
 """
@@ -95,7 +95,12 @@ def shape(name: str, skewed_keys: Sequence[str] = ()) -> list[Call]:
 
 
 def load_trace(path: str | os.PathLike[str]) -> list[Call]:
-    """Recorded calls, one JSON object per line with Call's fields."""
+    """Recorded calls, one JSON object per line with Call's fields; a run directory gives its own
+    (bench/traffic.py)."""
+    if Path(path).is_dir():
+        from bench.traffic import calls_of_run
+
+        return calls_of_run(path)
     calls = []
     for n, line in enumerate(Path(path).read_text().splitlines(), 1):
         if line.strip():

@@ -453,7 +453,7 @@ def command_line(commands: Mapping[str, Callable[[argparse.Namespace], int]]) ->
         "--trace",
         metavar="FILE",
         help="fleet: recorded calls to replay (JSON lines: session, group, turn, prompt_tokens, new_tokens, "
-        "tool_s); default: the generated shapes",
+        "tool_s), or a run directory whose journal holds them (bench/traffic.py); default: the generated shapes",
     )
     p.add_argument(
         "--workload",
