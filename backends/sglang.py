@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from bisect import bisect_left, insort
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -89,7 +90,8 @@ class SGLangBackend(ServerClient):
         self.max_input_len: int | None = None  # server's max_req_input_len when it reports one
         # rids whose attempt ended without an answer (deadline, cut connection, duplicate): the server may
         # still hold them until this monotonic time, so no new request reuses or prefixes one (`_wire_rid`)
-        self._held: dict[str, float] = {}
+        self._held: _Rids = _Rids()
+        self._live: _Rids = _Rids()  # ServerClient's, indexed: _wire_rid asks it once per attempt
 
     # -- what the server says about itself -------------------------------------------------------
 
@@ -197,7 +199,7 @@ class SGLangBackend(ServerClient):
             del self._held[held]
 
         def clash(r: str) -> bool:
-            return any(other.startswith(r) or r.startswith(other) for other in (*self._live, *self._held))
+            return self._live.prefix_related(r) or self._held.prefix_related(r)
 
         for _ in range(3):
             if not clash(rid):
@@ -311,3 +313,37 @@ class SGLangBackend(ServerClient):
         body = await self._control("POST", "/continue_generation", {})
         self._pause.set(None)
         return body
+
+
+class _Rids(dict[str, Any]):
+    """Request ids as a dict that also keeps them sorted, so whether a rid and one of them prefix one another
+    is a bisection and a walk over the rid's own prefixes, not a scan of every rid in flight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._sorted: list[str] = []
+
+    def __setitem__(self, rid: str, value: Any) -> None:
+        if rid not in self:
+            insort(self._sorted, rid)
+        super().__setitem__(rid, value)
+
+    def __delitem__(self, rid: str) -> None:
+        super().__delitem__(rid)
+        del self._sorted[bisect_left(self._sorted, rid)]
+
+    def pop(self, rid: str, *default: Any) -> Any:
+        if rid in self:
+            value = super().pop(rid)
+            del self._sorted[bisect_left(self._sorted, rid)]
+            return value
+        if default:
+            return default[0]
+        raise KeyError(rid)
+
+    def prefix_related(self, rid: str) -> bool:
+        """A rid here that starts with `rid` (or is it), or that `rid` starts with."""
+        at = bisect_left(self._sorted, rid)
+        if at < len(self._sorted) and self._sorted[at].startswith(rid):
+            return True
+        return any(rid[:k] in self for k in range(1, len(rid)))

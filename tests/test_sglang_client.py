@@ -403,6 +403,30 @@ async def test_generated_rid_is_not_a_prefix_of_turn_rids(fake):
     assert a != c and a.startswith("traj42_g") and not c.startswith(a) and not "traj42_t01".startswith(a)
 
 
+def test_the_rid_index_answers_prefix_relations_as_a_scan_of_every_rid_would():
+    """_wire_rid asks whether a rid and a live or held one prefix one another once per attempt; the index
+    answers it without a scan of every rid in flight (1,000 in flight: 1,000 comparisons a call)."""
+    import random
+
+    from backends.sglang import _Rids
+
+    rng = random.Random(7)
+    index, plain = _Rids(), {}
+    words = ["s1", "s1-1", "s1-10", "s2", "s12", "s1-1_t0", "s1-1_t01", "s1-10_t0_r1", "x"]
+    for _ in range(3000):
+        rid = rng.choice(words) + rng.choice(["", "_t0", "_t1", "_t0_r1", "0"])
+        if rng.random() < 0.6:
+            index[rid] = plain[rid] = rng.random()
+        elif rid in plain and rng.random() < 0.3:
+            del index[rid], plain[rid]
+        else:
+            assert index.pop(rid, None) == plain.pop(rid, None)
+        probe = rng.choice(words) + rng.choice(["", "_t0", "_t0_r", "1"])
+        scan = any(o.startswith(probe) or probe.startswith(o) for o in plain)
+        assert index.prefix_related(probe) == scan, (probe, sorted(plain))
+        assert index._sorted == sorted(plain) and dict(index) == plain
+
+
 async def test_launcher_surfaces_a_crash_with_the_log_tail(tmp_path):
     launcher = SGLangLauncher(
         "m", module="backends.no_such_server", log_dir=tmp_path, base_port=1, startup_timeout_s=30
