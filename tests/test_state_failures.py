@@ -137,6 +137,33 @@ async def test_retries_spent_with_no_catch_fail_the_row_as_on_error_says(tok, co
         assert np.asarray(out.batch["rm_scores"][0]).sum() == 0.0
 
 
+async def test_a_states_own_on_error_wins_over_the_spec_wide_one_for_rows_failing_there(tok, compile_yaml):
+    """PROCESSING_TOOLS says zero_reward, the spec says drop: a row failing in PROCESSING_TOOLS keeps its
+    tokens with reward 0; a row failing in GENERATING (its server has no turn for it) is dropped."""
+    flaky.reset(fail_first=10)
+    agent = compile_yaml(
+        spec(RETRY_ONCE + "            on_error: zero_reward\n", top="failures: {on_error: drop}")
+    )
+    assert agent.spec.states["PROCESSING_TOOLS"].on_error == "zero_reward"
+    rows = [user_row(uid="tools"), user_row(uid="server"), user_row(uid="good")]
+    backend = scripted({0: script(tok), 1: [], 2: [model_turn(tok, "done")]})
+    tools, server, good = await run_agent(agent, backend, tok, rows)
+    assert tools.termination_reason.startswith("error: tool.exception in PROCESSING_TOOLS")
+    assert server.error is not None and server.state == "GENERATING"
+    turn = tool_turn(tok, ("flaky", {"text": "hi"}))
+    assert tools.response_ids.tolist() == turn and list(tools.response_mask) == [1] * len(turn)
+    assert tools.extra["on_error"] == "zero_reward" and server.extra["on_error"] == "drop"
+    assert "on_error" not in good.extra and good.error is None
+    out = collate(
+        [tools, server, good], prompt_length=1024, response_length=1024, pad_token_id=tok.pad_token_id
+    )
+    assert list(out.non_tensor_batch["uid"]) == ["tools", "good"]
+    assert int(np.asarray(out.batch["response_mask"][0]).sum()) == len(turn)
+    assert np.asarray(out.batch["rm_scores"][0]).sum() == 0.0
+    summary = summarize([tools, server, good])
+    assert summary["dropped"] == 1 and summary["dropped_rows"] == ["server"]
+
+
 async def test_a_state_timeout_caught_tells_the_model_the_tool_hung(tok, compile_yaml):
     processing = """\
             timeout_s: 0.3
