@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,11 +63,12 @@ class Chunk:
     todo: list[Trajectory]
     recorder: Recorder
     path: Path
-    counts: dict[str, int] = field(default_factory=dict)  # resumed, restarted, recovered, refused
+    counts: dict[str, int] = field(default_factory=dict)  # resumed, restarted, recovered, refused, bytes
 
     def close(self) -> None:
         """The chunk is done: its journal is closed and removed (its trajectories go back to the driver)."""
-        self.recorder.writer.close()
+        self.recorder.writer.close(sync=False)  # removed next: no fsync
+        self.counts["bytes"] = self.recorder.writer.bytes
         remove([self.path])
 
 
@@ -131,3 +132,43 @@ def open_chunk(
     remove(earlier)
     todo = [t for t in trajs if t.index not in done]
     return Chunk(trajs, todo, recorder, path, counts)
+
+
+async def run_chunk(
+    owner: Any,
+    rank: int,
+    identity: Callable[[], dict[str, Any]],
+    tick: Callable[[Trajectory], Awaitable[None]],
+    finished: Callable[[Trajectory], None],
+    chunk: tuple[str, int, tuple[str, int, str]],
+    sampling: Sampling,
+    n: int,
+    fresh: list[Trajectory],
+) -> tuple[list[Trajectory], dict[str, int]]:
+    """An actor's chunk (`chunk`: the batch key, its first group id, and (directory, attempt, sync)) run under
+    `owner` (fsm/run/runtime.py Owner) with every state boundary journaled, going on from an earlier
+    attempt's journal if any; `tick` hears each boundary and `finished` each finished trajectory (the hang
+    detector's progress). Its trajectories come back without their rows, and the journal's counts."""
+    key, gid, (root, attempt, sync) = chunk
+    runner = owner.runner
+    opened = open_chunk(root, key, gid, attempt, rank, runner, identity, sampling, fresh, n, sync)
+    ctx = runner.make_context(sampling=sampling)  # its own: side-effecting tools read this chunk's journal
+    ctx.journal = recorder = opened.recorder
+
+    async def boundary(traj: Trajectory) -> None:
+        recorder.step(traj)
+        await tick(traj)
+
+    def done(traj: Trajectory) -> None:
+        recorder.step(traj, done=True)
+        finished(traj)
+
+    try:
+        await owner.run(opened.todo, ctx, on_done=done, boundary=boundary)
+    except BaseException:
+        recorder.writer.close()  # kept: the chunk's next attempt goes on from it
+        raise
+    opened.close()
+    for t in opened.trajs:
+        t.row = None  # type: ignore[assignment]
+    return opened.trajs, opened.counts

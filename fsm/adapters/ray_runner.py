@@ -125,7 +125,12 @@ class _Worker:
         for t in trajs:
             t.index = row_ids[t.index // n] * n + t.sample  # the batch-wide index: per-sample seeds match
         if journal is not None:
-            return await self._journaled(key, sampling, row_ids[0], n, journal, trajs)
+            from fsm.adapters.ray_journal import run_chunk
+
+            chunk = (key, row_ids[0], journal)
+            return await run_chunk(
+                self._owner, self.rank, self._identity, self._tick, self._done, chunk, sampling, n, trajs
+            )
         ctx = self._contexts.get(key)
         if ctx is None:
             ctx = self._contexts[key] = self.runner.make_context(sampling=sampling)
@@ -135,43 +140,6 @@ class _Worker:
         for t in trajs:
             t.row = None  # type: ignore[assignment]
         return trajs, {}
-
-    async def _journaled(
-        self,
-        key: str,
-        sampling: Sampling,
-        gid: int,
-        n: int,
-        journal: tuple[str, int, str],
-        fresh: list[Trajectory],
-    ) -> tuple[list[Trajectory], dict[str, int]]:
-        """`run` with every state boundary journaled, going on from an earlier attempt's journal if any."""
-        from fsm.adapters.ray_journal import open_chunk
-
-        root, attempt, sync = journal
-        chunk = open_chunk(
-            root, key, gid, attempt, self.rank, self.runner, self._identity, sampling, fresh, n, sync
-        )
-        ctx = self.runner.make_context(sampling=sampling)  # its own: side-effecting tools read its journal
-        ctx.journal = recorder = chunk.recorder
-
-        async def boundary(traj: Trajectory) -> None:
-            recorder.step(traj)
-            self.progress += 1
-
-        def done(traj: Trajectory) -> None:
-            recorder.step(traj, done=True)
-            self.progress += 1
-
-        try:
-            await self._owner.run(chunk.todo, ctx, on_done=done, boundary=boundary)
-        except BaseException:
-            recorder.writer.close()  # kept: the chunk's next attempt goes on from it
-            raise
-        chunk.close()
-        for t in chunk.trajs:
-            t.row = None  # type: ignore[assignment]
-        return chunk.trajs, chunk.counts
 
     def _identity(self) -> dict[str, Any]:
         """The journals' `run` record (the tokenizer's digest computed once per actor)."""
@@ -567,6 +535,7 @@ class _Pool:
             journal_restarted=0,  # ... that started over (inside their interaction)
             journal_recovered=0,  # ... that had finished: came back as journaled, not run again
             journal_refused=0,  # chunk journals that could not be read or were refused: run from the start
+            journal_bytes=0,  # written by the chunks that came back
         )
 
     def running(self) -> bool:
