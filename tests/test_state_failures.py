@@ -4,6 +4,8 @@ Each test checks the rows exactly: the path, the observation the model reads, ma
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -213,6 +215,46 @@ async def test_a_tool_that_heartbeats_runs_past_the_interval(tok, compile_yaml):
     [traj] = await run_agent(agent, scripted(script(tok, "heart")), tok, [user_row()])
     assert "caught" not in traj.extra and traj.error is None
     assert [m["content"] for m in traj.messages if m["role"] == "tool"] == ["beat 6 times"]
+
+
+def beat_spec(tool: str) -> str:
+    """heart_spec's rules, with the plain function `tool` in the class tool's place."""
+    return heart_spec(0, True).replace(
+        f"class: {FLAKY}:Heart\n            schema: {FLAKY}:HEART_SCHEMA\n            config: {{beats: 0, every_s: 0.1, quiet: true}}",
+        f"function: {FLAKY}:{tool}",
+    )
+
+
+@pytest.mark.parametrize("tool", ["fade", "afade"])
+async def test_a_function_tool_that_stops_calling_fsm_heartbeat_is_failed_within_the_interval(
+    tok, compile_yaml, tool
+):
+    agent = compile_yaml(beat_spec(tool))
+    assert tool in agent.tools.by_name and "heart" not in agent.tools.by_name
+    [traj] = await run_agent(agent, scripted(script(tok, tool)), tok, [user_row()])
+    ended = time.monotonic()
+    assert traj.extra["caught"]["error"] == "heartbeat"
+    assert [m["content"] for m in traj.messages if m["role"] == "tool"] == [
+        "Error: no heartbeat from the tools of PROCESSING_TOOLS for 0.3s (heartbeat_s)"
+    ]
+    beats = flaky.BEATS[tool]
+    assert [ok for _, ok in beats] == [True] * 3  # each reached the trajectory
+    assert ended - beats[-1][0] < 0.3 + 2.0  # failed 0.3 s after its last beat, not after its 30 s
+
+
+@pytest.mark.parametrize("tool", ["pulse", "apulse"])
+async def test_a_function_tool_that_calls_fsm_heartbeat_runs_past_the_interval(tok, compile_yaml, tool):
+    agent = compile_yaml(beat_spec(tool))
+    [traj] = await run_agent(agent, scripted(script(tok, tool)), tok, [user_row()])
+    assert "caught" not in traj.extra and traj.error is None
+    assert [m["content"] for m in traj.messages if m["role"] == "tool"] == ["pulsed 6 times"]
+    assert [ok for _, ok in flaky.BEATS[tool]] == [True] * 6
+
+
+def test_fsm_heartbeat_outside_a_tool_call_does_nothing():
+    import fsm
+
+    assert fsm.heartbeat() is False
 
 
 def test_a_spec_without_failure_rules_hashes_as_before(compile_yaml):
