@@ -91,3 +91,30 @@ async def test_a_killed_actors_trajectories_go_on_from_the_journal_elsewhere(clu
         redone <= 4
     )  # at most the turns in flight: one per trajectory the killed actor held (max_concurrency)
     assert list(journal_dir.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_a_hung_actors_trajectories_go_on_from_the_journal_in_the_continuous_mode(cluster, tmp_path):
+    """The first actor's server never answers: past hang_s the driver kills it, and its trajectories, journaled
+    waiting on their first model turn, go on from that boundary on the other actor (submit / take)."""
+    from tests.fixtures.hang import HangOnce
+
+    rows = make_prompts(6)
+    journal_dir = tmp_path / "journal"
+    with RayRunner(
+        "calculator",
+        tokenizer=str(ASSETS),
+        backend_factory=HangOnce(str(tmp_path / "hung")),
+        workers=2,
+        max_concurrency=2,
+        hang_s=5.0,
+        journal_dir=journal_dir,
+    ) as runner:
+        runner.submit(rows, n=2)
+        batch = runner.take(6, timeout=240)
+        stats = runner.stream_stats
+    assert sorted(batch.non_tensor_batch["uid"]) == sorted(r["uid"] for r in rows for _ in range(2))
+    assert all(r == "done" for r in batch.non_tensor_batch["termination_reason"])
+    assert stats["hung_actors"] == 1 and stats["actor_deaths"] == 1
+    assert stats["journal_resumed"] >= 1 and stats["journal_refused"] == 0
+    assert list(journal_dir.iterdir()) == []
