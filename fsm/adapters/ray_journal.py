@@ -95,25 +95,32 @@ def open_chunk(
     if earlier:
         try:
             loaded = load(earlier[-1], runner.agent, runner.codec)
-        except JournalError as exc:  # torn beyond its last record, forged, another spec: run it again
-            counts["refused"] = 1
-            log.warning("agentfsm: %s; its chunk runs again from the start", exc)
-        else:
-            tools = loaded.tool_results
             for g in loaded.data["groups"]:
                 for td in g["trajectories"]:
                     t = snap.decode_trajectory(td)
                     found[t.index] = (t, bool(td["done"]))
+            rows = {t.index: (t.uid, t.sample) for t in fresh}
+            if any(rows.get(i, (t.uid, t.sample)) != (t.uid, t.sample) for i, (t, _) in found.items()):
+                raise JournalError(f"{earlier[-1]}: its trajectories are not this chunk's rows")
+        except JournalError as exc:  # unreadable, forged, another spec's: the chunk runs again
+            counts["refused"], found = 1, {}
+            log.warning("agentfsm: %s; its chunk runs again from the start", exc)
+        else:
+            tools = loaded.tool_results
             counts["restarted"] = loaded.restarted
-    trajs, done = [], set()
+    # what each trajectory's first record holds: the fresh one (a restart inside an interaction starts over
+    # from it, whichever attempt it is in), then, for one that has begun, where it got to
+    trajs, firsts, done = [], [], set()
     for t in fresh:
         old = found.get(t.index)
+        firsts.append(t)
         if old is None:
             trajs.append(t)
             continue
+        t.session_id = old[0].session_id
         trajs.append(old[0])
         if old[1]:
-            done.add(old[0].index)
+            done.add(t.index)
             counts["recovered"] += 1
         elif len(old[0].path_times) > 0:
             counts["resumed"] += 1
@@ -121,11 +128,10 @@ def open_chunk(
     recorder.header({**identity(), "rows_expected": len(trajs), "chunk": f"{key}-{gid}", "attempt": attempt})
     sampled = snap.encode_sampling(sampling)
     for i in range(0, len(trajs), n):
-        members = trajs[i : i + n]
-        recorder.group(members[0].uid, sampled, members)
-        for t in members:
-            if t.index in done:
-                recorder.whole(t, done=True)
+        recorder.group(firsts[i].uid, sampled, firsts[i : i + n])
+        for t, first in zip(trajs[i : i + n], firsts[i : i + n]):
+            if t is not first:
+                recorder.whole(t, done=t.index in done)
     for k, outcome in tools.items():
         recorder.tool(k, outcome)
     recorder.writer.flush()  # on disk (the OS's) before the earlier attempts go
