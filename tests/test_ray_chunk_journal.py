@@ -93,3 +93,33 @@ async def test_a_chunk_stopped_twice_between_turns_goes_on_from_its_journal(tmp_
         assert a.response_logprobs.tolist() == b.response_logprobs.tolist()
         assert a.path == b.path and a.termination_reason == b.termination_reason
         assert a.reward_score == b.reward_score and a.assistant_turns == TURNS
+
+
+async def test_a_damaged_chunk_journal_is_refused_in_one_line_and_its_chunk_runs_from_the_start(
+    tmp_path, caplog
+):
+    log = tmp_path / "answers.log"
+    runner = Runner(
+        load_agent("calculator"),
+        LoggedTurns(str(log), str(ASSETS), 0.0)(),
+        load_tokenizer(str(ASSETS)),
+        max_concurrency=8,
+    )
+    await attempt(runner, tmp_path, "cut", 0, lambda t: t.assistant_turns >= 1)
+    [(_, path)] = chunk_files(tmp_path, "cut", 0)
+    lines = path.read_bytes().split(b"\n")
+    lines[2] = lines[2].replace(b'"uid"', b'"uix"', 1)  # an edit: its checksum no longer matches
+    path.write_bytes(b"\n".join(lines))
+    last = await attempt(runner, tmp_path, "cut", 1, None)
+    assert last is not None
+    trajs, counts = last
+    assert counts["refused"] == 1 and counts["resumed"] == counts["recovered"] == 0
+    [said] = [r.getMessage() for r in caplog.records if r.name == "agentfsm.ray"]
+    assert said == (
+        f"agentfsm: {path}: record 3: its checksum does not match (damaged or edited); the run cannot be "
+        "resumed from it; its chunk runs again from the start"
+    )
+    assert chunk_files(tmp_path, "cut", 0) == []
+    assert all(t.assistant_turns == TURNS and t.error is None for t in trajs)
+    answers = Counter(s.split()[1] for s in log.read_text().split("\n")[:-1])
+    assert answers == {"0": 2 * 2 * N, "1": 2 * N, "2": 2 * N}  # the first turns twice: run from the start
