@@ -43,6 +43,7 @@ _EXPORTS = {
     "AgentSpec": "fsm.spec.model",
     "BaseTool": "fsm.tools.base",
     "ToolResponse": "fsm.tools.base",
+    "heartbeat": "fsm.tools.base",
     "ToolCall": "fsm.families.parsers",
     "register_parser": "fsm.families.parsers",
     "Trajectory": "fsm.run.trajectory",
@@ -81,6 +82,7 @@ __all__ = [  # the documented surface (the module docstring); the rest of _EXPOR
     "action",
     "compile_spec",
     "guard",
+    "heartbeat",
     "load_batch",
     "load_rows",
     "load_spec",
@@ -131,4 +133,4 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from fsm.spec.loader import Diagnostic, SpecError, load_spec
     from fsm.spec.model import AgentSpec as AgentSpec
     from fsm.spec.registry import action, guard
-    from fsm.tools.base import BaseTool, ToolResponse
+    from fsm.tools.base import BaseTool, ToolResponse, heartbeat

@@ -4,6 +4,8 @@ Each test checks the rows exactly: the path, the observation the model reads, ma
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -137,6 +139,33 @@ async def test_retries_spent_with_no_catch_fail_the_row_as_on_error_says(tok, co
         assert np.asarray(out.batch["rm_scores"][0]).sum() == 0.0
 
 
+async def test_a_states_own_on_error_wins_over_the_spec_wide_one_for_rows_failing_there(tok, compile_yaml):
+    """PROCESSING_TOOLS says zero_reward, the spec says drop: a row failing in PROCESSING_TOOLS keeps its
+    tokens with reward 0; a row failing in GENERATING (its server has no turn for it) is dropped."""
+    flaky.reset(fail_first=10)
+    agent = compile_yaml(
+        spec(RETRY_ONCE + "            on_error: zero_reward\n", top="failures: {on_error: drop}")
+    )
+    assert agent.spec.states["PROCESSING_TOOLS"].on_error == "zero_reward"
+    rows = [user_row(uid="tools"), user_row(uid="server"), user_row(uid="good")]
+    backend = scripted({0: script(tok), 1: [], 2: [model_turn(tok, "done")]})
+    tools, server, good = await run_agent(agent, backend, tok, rows)
+    assert tools.termination_reason.startswith("error: tool.exception in PROCESSING_TOOLS")
+    assert server.error is not None and server.state == "GENERATING"
+    turn = tool_turn(tok, ("flaky", {"text": "hi"}))
+    assert tools.response_ids.tolist() == turn and list(tools.response_mask) == [1] * len(turn)
+    assert tools.extra["on_error"] == "zero_reward" and server.extra["on_error"] == "drop"
+    assert "on_error" not in good.extra and good.error is None
+    out = collate(
+        [tools, server, good], prompt_length=1024, response_length=1024, pad_token_id=tok.pad_token_id
+    )
+    assert list(out.non_tensor_batch["uid"]) == ["tools", "good"]
+    assert int(np.asarray(out.batch["response_mask"][0]).sum()) == len(turn)
+    assert np.asarray(out.batch["rm_scores"][0]).sum() == 0.0
+    summary = summarize([tools, server, good])
+    assert summary["dropped"] == 1 and summary["dropped_rows"] == ["server"]
+
+
 async def test_a_state_timeout_caught_tells_the_model_the_tool_hung(tok, compile_yaml):
     processing = """\
             timeout_s: 0.3
@@ -186,6 +215,46 @@ async def test_a_tool_that_heartbeats_runs_past_the_interval(tok, compile_yaml):
     [traj] = await run_agent(agent, scripted(script(tok, "heart")), tok, [user_row()])
     assert "caught" not in traj.extra and traj.error is None
     assert [m["content"] for m in traj.messages if m["role"] == "tool"] == ["beat 6 times"]
+
+
+def beat_spec(tool: str) -> str:
+    """heart_spec's rules, with the plain function `tool` in the class tool's place."""
+    return heart_spec(0, True).replace(
+        f"class: {FLAKY}:Heart\n            schema: {FLAKY}:HEART_SCHEMA\n            config: {{beats: 0, every_s: 0.1, quiet: true}}",
+        f"function: {FLAKY}:{tool}",
+    )
+
+
+@pytest.mark.parametrize("tool", ["fade", "afade"])
+async def test_a_function_tool_that_stops_calling_fsm_heartbeat_is_failed_within_the_interval(
+    tok, compile_yaml, tool
+):
+    agent = compile_yaml(beat_spec(tool))
+    assert tool in agent.tools.by_name and "heart" not in agent.tools.by_name
+    [traj] = await run_agent(agent, scripted(script(tok, tool)), tok, [user_row()])
+    ended = time.monotonic()
+    assert traj.extra["caught"]["error"] == "heartbeat"
+    assert [m["content"] for m in traj.messages if m["role"] == "tool"] == [
+        "Error: no heartbeat from the tools of PROCESSING_TOOLS for 0.3s (heartbeat_s)"
+    ]
+    beats = flaky.BEATS[tool]
+    assert [ok for _, ok in beats] == [True] * 3  # each reached the trajectory
+    assert ended - beats[-1][0] < 0.3 + 2.0  # failed 0.3 s after its last beat, not after its 30 s
+
+
+@pytest.mark.parametrize("tool", ["pulse", "apulse"])
+async def test_a_function_tool_that_calls_fsm_heartbeat_runs_past_the_interval(tok, compile_yaml, tool):
+    agent = compile_yaml(beat_spec(tool))
+    [traj] = await run_agent(agent, scripted(script(tok, tool)), tok, [user_row()])
+    assert "caught" not in traj.extra and traj.error is None
+    assert [m["content"] for m in traj.messages if m["role"] == "tool"] == ["pulsed 6 times"]
+    assert [ok for _, ok in flaky.BEATS[tool]] == [True] * 6
+
+
+def test_fsm_heartbeat_outside_a_tool_call_does_nothing():
+    import fsm
+
+    assert fsm.heartbeat() is False
 
 
 def test_a_spec_without_failure_rules_hashes_as_before(compile_yaml):

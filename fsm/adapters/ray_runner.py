@@ -16,7 +16,9 @@ How work moves:
   tie-breaks do not pile every actor onto server 0.
 - An actor that dies (ActorDiedError and other RayActorErrors) loses nothing: its unfinished chunks go back
   to the front of the queue and run on the survivors; `stats["rerun_rows"]` counts them. The next batch
-  replaces dead actors.
+  replaces dead actors. With `journal_dir`, each chunk journals its state boundaries as it runs
+  (fsm/adapters/ray_journal.py), and a dead actor's trajectories go on from their last boundary on a survivor:
+  at most the turns in flight are redone.
 - Trajectories come back pickled (slots and arrays pickle as they are), without their input row (the driver
   has it), and are collated on the driver in input order: the batch equals a single-process run's.
 
@@ -44,6 +46,7 @@ from fsm.families import Codec
 from fsm.run.context import Sampling
 from fsm.run.control import Controls
 from fsm.run.engine import EngineRefused, StalePolicy
+from fsm.run.journal import SYNCS
 from fsm.run.runtime import agent_codec
 from fsm.run.stream import Group, Groups, StreamEmpty, version_span
 from fsm.run.trajectory import Trajectory
@@ -96,6 +99,7 @@ class _Worker:
         )  # the one run path (fsm/run/runtime.py): serves while the actor lives
         self._serving: asyncio.Future[None] | None = None
         self._contexts: dict[str, Any] = {}  # batch key -> RunContext (a few recent batches)
+        self._ident: dict[str, Any] | None = None  # the chunk journals' identity record
 
     async def _start(self) -> None:
         if self._serving is None:
@@ -105,23 +109,45 @@ class _Worker:
                 await start()
 
     async def run(
-        self, key: str, sampling: Sampling, rows: list[Any], row_ids: list[int], n: int
-    ) -> list[Trajectory]:
-        """Run a chunk of groups; trajectories come back without their rows (the driver holds them)."""
+        self,
+        key: str,
+        sampling: Sampling,
+        rows: list[Any],
+        row_ids: list[int],
+        n: int,
+        journal: tuple[str, int, str] | None = None,
+    ) -> tuple[list[Trajectory], dict[str, int]]:
+        """Run a chunk of groups; trajectories come back without their rows (the driver holds them), with the
+        counts of its journal (`journal`: the directory, this dispatch's attempt, the sync mode; see
+        fsm/adapters/ray_journal.py)."""
         await self._start()
+        trajs = self.runner.trajectories(rows, n)
+        for t in trajs:
+            t.index = row_ids[t.index // n] * n + t.sample  # the batch-wide index: per-sample seeds match
+        if journal is not None:
+            from fsm.adapters.ray_journal import run_chunk
+
+            chunk = (key, row_ids[0], journal)
+            return await run_chunk(
+                self._owner, self.rank, self._identity, self._tick, self._done, chunk, sampling, n, trajs
+            )
         ctx = self._contexts.get(key)
         if ctx is None:
             ctx = self._contexts[key] = self.runner.make_context(sampling=sampling)
             while len(self._contexts) > 4:
                 del self._contexts[next(iter(self._contexts))]
-        trajs = self.runner.trajectories(rows, n)
-        for t in trajs:
-            t.index = row_ids[t.index // n] * n + t.sample  # the batch-wide index: per-sample seeds match
-
         await self._owner.run(trajs, ctx, on_done=self._done, boundary=self._tick)
         for t in trajs:
             t.row = None  # type: ignore[assignment]
-        return trajs
+        return trajs, {}
+
+    def _identity(self) -> dict[str, Any]:
+        """The journals' `run` record (the tokenizer's digest computed once per actor)."""
+        if self._ident is None:
+            from fsm.run.resume import identity
+
+            self._ident = identity(self.runner.agent, self.runner.codec)
+        return self._ident
 
     async def _tick(self, traj: Trajectory) -> None:
         self.progress += 1
@@ -168,6 +194,10 @@ class RayRunner(BaseEngine):
     actor_options: passed to `.options()` (num_cpus, runtime_env, ...).
     hang_s: an actor holding rows whose trajectories pass no state boundary for this long is killed and its
         rows re-run elsewhere, as a dead one's (None: off; make it longer than the slowest model turn).
+    journal_dir: a directory every actor sees, where each chunk in flight journals its state boundaries
+        (fsm/adapters/ray_journal.py): a dead or hung actor's trajectories then go on from their last boundary
+        on another actor instead of from the start. None (the default): they run again from the start.
+        journal_sync: its durability, as a run's ("1s", "always", "off"; a killed process loses nothing).
     The engine contract (fsm/run/engine.py) as RolloutEngine's: batches, the continuous mode (`submit` / `take` /
     `stream` / `stream_stats`, whose groups `Groups` takes as RolloutEngine's stream does), and the control
     calls, which each actor makes with the same `Controls` (shared servers hear them once, through actor 0; every
@@ -191,16 +221,29 @@ class RayRunner(BaseEngine):
         actor_options: Mapping[str, Any] | None = None,
         hang_s: float | None = None,
         engine: str | None = None,
+        journal_dir: str | Path | None = None,
+        journal_sync: str = "1s",
     ):
         if servers and backend_factory is not None:
             raise ValueError("give servers= or backend_factory=, not both")
         if workers < 1 or max_concurrency < 1 or chunk_rows < 1:
             raise ValueError("workers, max_concurrency and chunk_rows must be >= 1")
+        if journal_sync not in SYNCS:
+            raise ValueError(f"journal_sync must be one of {', '.join(SYNCS)}, not {journal_sync!r}")
         if tokenizer is None:
             if servers or backend_factory is not None:
                 raise ValueError("a tokenizer is needed with servers= or backend_factory= (a path is best)")
             tokenizer = tiny_model_dir()
         self.agent = load_agent(spec)
+        if journal_dir is not None and (self.agent.spec.children or self.agent.forks):
+            raise ValueError(
+                f"journal_dir=: agent {self.agent.name!r} has child machines or forks, whose nodes the journal "
+                "does not keep yet (docs/trees.md); leave journal_dir unset (a dead actor's rows then run again)"
+            )
+        self.journal_dir = str(Path(journal_dir).resolve()) if journal_dir is not None else None
+        self.journal_sync = journal_sync
+        if self.journal_dir is not None:
+            Path(self.journal_dir).mkdir(parents=True, exist_ok=True)
         # What each actor compiles: the spec file's absolute path when there is one (workers' cwd differs).
         self._spec = str(self.agent.path.resolve()) if self.agent.path else self.agent.spec
         self._tokenizer = str(tokenizer) if isinstance(tokenizer, Path) else tokenizer
@@ -312,6 +355,10 @@ class RayRunner(BaseEngine):
                             on_done(t)
         finally:
             pool.cancel()
+            if self.journal_dir is not None:  # a batch that failed leaves its chunks' journals: not kept
+                from fsm.adapters.ray_journal import remove
+
+                remove(list(Path(self.journal_dir).glob(f"{key}-*.log")))
         assert all(t is not None for t in out)
         return out  # type: ignore[return-value]
 
@@ -456,6 +503,7 @@ class _Job:
     n: int
     rows: list[Any]
     ids: list[int]
+    attempt: int = 0  # dispatches before this one (a dead actor's chunk goes on from its journal)
 
 
 class _Pool:
@@ -483,6 +531,11 @@ class _Pool:
             hung_actors=0,
             rows_per_actor=dict.fromkeys(self.alive, 0),
             rows_done=0,
+            journal_resumed=0,  # trajectories that went on from their last journaled boundary
+            journal_restarted=0,  # ... that started over (inside their interaction)
+            journal_recovered=0,  # ... that had finished: came back as journaled, not run again
+            journal_refused=0,  # chunk journals that could not be read or were refused: run from the start
+            journal_bytes=0,  # written by the chunks that came back
         )
 
     def running(self) -> bool:
@@ -493,7 +546,11 @@ class _Pool:
             for rank in self.alive:  # round robin over actors with a free slot
                 if self.pending and self.busy[rank] < self.slots:
                     job = self.pending.popleft()
-                    ref = self.runner.actors[rank].run.remote(job.key, job.sampling, job.rows, job.ids, job.n)
+                    root = self.runner.journal_dir
+                    journal = None if root is None else (root, job.attempt, self.runner.journal_sync)
+                    ref = self.runner.actors[rank].run.remote(
+                        job.key, job.sampling, job.rows, job.ids, job.n, journal
+                    )
                     self.inflight[ref] = (rank, job)
                     if self.busy[rank] == 0 and rank in self.moved:
                         self.moved[rank] = (self.moved[rank][0], time.monotonic())
@@ -519,12 +576,15 @@ class _Pool:
             rank, job = self.inflight.pop(ref)
             self.busy[rank] -= 1
             try:
-                trajs = ray.get(ref)
+                trajs, counts = ray.get(ref)
             except RayActorError as exc:
                 self._lost(rank, exc)
+                job.attempt += 1
                 self.pending.appendleft(job)
                 self.stats["rerun_rows"] += len(job.ids)
                 continue
+            for name, count in counts.items():
+                self.stats[f"journal_{name}"] += count
             if rank in self.moved:
                 self.moved[rank] = (self.moved[rank][0], time.monotonic())
             self.stats["chunks"] += 1
@@ -551,6 +611,7 @@ class _Pool:
             if r == rank:
                 del self.inflight[ref]
                 _ray().cancel(ref)
+                job.attempt += 1
                 self.pending.appendleft(job)
                 self.stats["rerun_rows"] += len(job.ids)
         self.busy[rank] = 0

@@ -180,9 +180,10 @@ class Writer:
                     if self._fd >= 0:
                         os.fsync(self._fd)
 
-    def close(self) -> None:
+    def close(self, sync: bool = True) -> None:
+        """Flush, fsync (unless `sync` is False: a journal about to be removed) and close."""
         with contextlib.suppress(OSError):
-            self.sync()
+            self.sync() if sync else self.flush()
         self._closed.set()
         if self._thread is not None:
             self._thread.join(timeout=5)

@@ -23,7 +23,7 @@ ERRORS: dict[str, str] = {
     "tool.bad_arguments": "the call's arguments do not match the tool's schema",
     "tool.unknown_tool": "the model called a tool that does not exist",
     "tool.crashed": "a tool raised a BaseException or its worker process died",
-    "heartbeat": "the state's tools sent no heartbeat within heartbeat_s",
+    "heartbeat": "the state's tools sent no heartbeat (agent_data.heartbeat(), fsm.heartbeat()) within heartbeat_s",
     "timeout": "the state's action ran past timeout_s (or limits.action_timeout_s)",
     "backend": "a server error left after the client's retries and failover (BackendError)",
     "backend.timeout": "a server request past its deadline on every server (BackendTimeout)",
@@ -102,8 +102,9 @@ class StateFailures(_Strict):
         default=None,
         gt=0,
         le=24 * 3600.0,
-        description="A tool of this state must call agent_data.heartbeat() at least this often (the call's "
-        "start counts as one); past it the action is cancelled (error `heartbeat`).",
+        description="A tool of this state must call agent_data.heartbeat() (a class tool) or fsm.heartbeat() (a "
+        "function tool) at least this often (the call's start counts as one); past it the action is cancelled "
+        "(error `heartbeat`).",
     )
     on_error: OnError | None = Field(
         default=None, description="What a row that fails in this state becomes; default: failures.on_error."

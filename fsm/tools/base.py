@@ -12,6 +12,7 @@ built once per compiled spec and shared.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import inspect
 import json
@@ -49,8 +50,27 @@ __all__ = [
     "ToolSet",
     "ToolUnavailable",
     "build_tool",
+    "heartbeat",
     "normalize_return",
 ]
+
+# the running call's heartbeat (its trajectory's AgentData.heartbeat): the lanes copy the caller's context into
+# the tool's thread or event loop, so a plain function reaches it with `fsm.heartbeat()`
+_BEAT: contextvars.ContextVar[Callable[[], None] | None] = contextvars.ContextVar(
+    "agentfsm_beat", default=None
+)
+
+
+def heartbeat() -> bool:
+    """The tool calling this is alive: `fsm.heartbeat()`, a plain function tool's `agent_data.heartbeat()`, from
+    its thread or coroutine. A state with `heartbeat_s` fails a call that goes that long without one (the call's
+    start counts). False, and nothing done, outside a tool call (a function called by hand) and under
+    `isolation: process` (another process: give such a tool `timeout_s` instead)."""
+    beat = _BEAT.get()
+    if beat is None:
+        return False
+    beat()
+    return True
 
 
 @dataclass
@@ -366,6 +386,7 @@ class BoundTool:
         An Exception from the tool is an error observation; a BaseException (SystemExit, KeyboardInterrupt,
         GeneratorExit, a CancelledError of its own) raises ToolCrashed. Only our caller's cancellation
         (the action's timeout, shutdown) passes through as such."""
+        beating = _BEAT.set(getattr(agent_data, "heartbeat", None))  # the lanes carry it into the tool's call
         try:
             return await self._run(call, instance_id, create_kwargs, agent_data)
         except asyncio.CancelledError as exc:
@@ -378,6 +399,8 @@ class BoundTool:
             raise
         except BaseException as exc:  # from lifecycle methods run outside a lane (a FunctionTool's own)
             raise crashed(self.name, exc) from exc
+        finally:
+            _BEAT.reset(beating)
 
     async def _step(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """One lifecycle method, timed. A class tool's run on its lane; a FunctionTool's `execute` puts the

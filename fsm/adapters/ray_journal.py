@@ -1,0 +1,180 @@
+"""A Ray actor's chunk journaled as it runs, so that when the actor dies (`ray.kill`, `kill -9`, the OOM killer,
+a hang the driver kills) its trajectories go on from their last state boundary on another actor instead of
+from the start.
+
+Each chunk (one Ray call: `chunk_rows` groups) has a journal of its own under the runner's `journal_dir`, in the
+run journal's format (fsm/run/journal.py: a `run` record, the groups, each trajectory whole, then the deltas
+of each state boundary, side-effecting tools' results): `{key}-{gid}.a{attempt}.r{rank}.log`, `attempt` the
+driver's count of the chunk's dispatches. An actor taking attempt k reads the newest earlier attempt's file
+(fsm/run/resume.py `load`: checked as strictly as a run's journal), writes what it found whole into its own
+file, removes the earlier ones, and runs only what is unfinished: a finished trajectory comes back as
+journaled, an unfinished one goes on from its last boundary (the action it was in runs again), one inside
+its interaction starts over. A file is removed when its chunk comes back, so the directory holds the chunks
+in flight, no more. Writes reach the OS at the end of each loop turn (a killed process loses none of them);
+`sync` as a run's (fsync at most a second later, for a node lost with a shared file system).
+
+The directory must be one every actor sees (one node, or a shared file system); a journal that cannot be
+read or is refused is said in one line and its chunk runs from the start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fsm.run import snapshot as snap
+from fsm.run.context import Sampling
+from fsm.run.journal import JournalError, Recorder, Writer
+from fsm.run.resume import load
+from fsm.run.trajectory import Trajectory
+
+log = logging.getLogger("agentfsm.ray")
+
+_NAME = re.compile(r"\.a(\d+)\.r\d+\.log$")
+
+
+def chunk_files(root: str | Path, key: str, gid: int) -> list[tuple[int, Path]]:
+    """(attempt, path) of every journal of the chunk `key`/`gid`, oldest attempt first."""
+    found = []
+    for p in Path(root).glob(f"{key}-{gid}.a*.r*.log"):
+        m = _NAME.search(p.name)
+        if m is not None:
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def remove(paths: list[Path]) -> None:
+    for p in paths:
+        with contextlib.suppress(FileNotFoundError):
+            p.unlink()
+
+
+@dataclass
+class Chunk:
+    """One chunk's trajectories and its journal: `todo` runs, the rest came back finished from an earlier
+    attempt's journal."""
+
+    trajs: list[Trajectory]
+    todo: list[Trajectory]
+    recorder: Recorder
+    path: Path
+    counts: dict[str, int] = field(default_factory=dict)  # resumed, restarted, recovered, refused, bytes
+
+    def close(self) -> None:
+        """The chunk is done: its journal is closed and removed (its trajectories go back to the driver)."""
+        self.recorder.writer.close(sync=False)  # removed next: no fsync
+        self.counts["bytes"] = self.recorder.writer.bytes
+        remove([self.path])
+
+
+def open_chunk(
+    root: str | Path,
+    key: str,
+    gid: int,
+    attempt: int,
+    rank: int,
+    runner: Any,
+    identity: Callable[[], dict[str, Any]],
+    sampling: Sampling,
+    fresh: list[Trajectory],
+    n: int,
+    sync: str,
+) -> Chunk:
+    """The chunk's journal for this attempt, with what earlier attempts journaled put back in `fresh`'s
+    place (matched by batch-wide index)."""
+    path = Path(root) / f"{key}-{gid}.a{attempt}.r{rank}.log"
+    earlier = [p for a, p in chunk_files(root, key, gid) if a < attempt]
+    counts = {"resumed": 0, "restarted": 0, "recovered": 0, "refused": 0}
+    found: dict[int, tuple[Trajectory, bool]] = {}
+    tools: dict[str, dict[str, Any]] = {}
+    if earlier:
+        try:
+            loaded = load(earlier[-1], runner.agent, runner.codec)
+            for g in loaded.data["groups"]:
+                for td in g["trajectories"]:
+                    t = snap.decode_trajectory(td)
+                    found[t.index] = (t, bool(td["done"]))
+            rows = {t.index: (t.uid, t.sample) for t in fresh}
+            if any(rows.get(i, (t.uid, t.sample)) != (t.uid, t.sample) for i, (t, _) in found.items()):
+                raise JournalError(f"{earlier[-1]}: its trajectories are not this chunk's rows")
+        except JournalError as exc:  # unreadable, forged, another spec's: the chunk runs again
+            counts["refused"], found = 1, {}
+            log.warning("agentfsm: %s; its chunk runs again from the start", exc)
+        else:
+            tools = loaded.tool_results
+            counts["restarted"] = loaded.restarted
+    # what each trajectory's first record holds: the fresh one (a restart inside an interaction starts over
+    # from it, whichever attempt it is in), then, for one that has begun, where it got to
+    trajs, firsts, done = [], [], set()
+    for t in fresh:
+        old = found.get(t.index)
+        firsts.append(t)
+        if old is None:
+            trajs.append(t)
+            continue
+        t.session_id = old[0].session_id
+        trajs.append(old[0])
+        if old[1]:
+            done.add(t.index)
+            counts["recovered"] += 1
+        elif len(old[0].path_times) > 0:
+            counts["resumed"] += 1
+    recorder = Recorder(Writer(path, sync))
+    recorder.header({**identity(), "rows_expected": len(trajs), "chunk": f"{key}-{gid}", "attempt": attempt})
+    sampled = snap.encode_sampling(sampling)
+    for i in range(0, len(trajs), n):
+        recorder.group(firsts[i].uid, sampled, firsts[i : i + n])
+        for t, first in zip(trajs[i : i + n], firsts[i : i + n]):
+            if t is not first:
+                recorder.whole(t, done=t.index in done)
+    for k, outcome in tools.items():
+        recorder.tool(k, outcome)
+    recorder.writer.flush()  # on disk (the OS's) before the earlier attempts go
+    remove(earlier)
+    todo = [t for t in trajs if t.index not in done]
+    return Chunk(trajs, todo, recorder, path, counts)
+
+
+async def run_chunk(
+    owner: Any,
+    rank: int,
+    identity: Callable[[], dict[str, Any]],
+    tick: Callable[[Trajectory], Awaitable[None]],
+    finished: Callable[[Trajectory], None],
+    chunk: tuple[str, int, tuple[str, int, str]],
+    sampling: Sampling,
+    n: int,
+    fresh: list[Trajectory],
+) -> tuple[list[Trajectory], dict[str, int]]:
+    """An actor's chunk (`chunk`: the batch key, its first group id, and (directory, attempt, sync)) run under
+    `owner` (fsm/run/runtime.py Owner) with every state boundary journaled, going on from an earlier
+    attempt's journal if any; `tick` hears each boundary and `finished` each finished trajectory (the hang
+    detector's progress). Its trajectories come back without their rows, and the journal's counts."""
+    key, gid, (root, attempt, sync) = chunk
+    runner = owner.runner
+    opened = open_chunk(root, key, gid, attempt, rank, runner, identity, sampling, fresh, n, sync)
+    ctx = runner.make_context(sampling=sampling)  # its own: side-effecting tools read this chunk's journal
+    ctx.journal = recorder = opened.recorder
+
+    async def boundary(traj: Trajectory) -> None:
+        recorder.step(traj)
+        await tick(traj)
+
+    def done(traj: Trajectory) -> None:
+        recorder.step(traj, done=True)
+        finished(traj)
+
+    try:
+        await owner.run(opened.todo, ctx, on_done=done, boundary=boundary)
+    except BaseException:
+        recorder.writer.close()  # kept: the chunk's next attempt goes on from it
+        raise
+    opened.close()
+    for t in opened.trajs:
+        t.row = None  # type: ignore[assignment]
+    return opened.trajs, opened.counts

@@ -1,0 +1,125 @@
+"""A Ray chunk's journal (fsm/adapters/ray_journal.py) without Ray: a chunk stopped twice while its trajectories
+sit between model turns goes on from its journal each time, in the actor's own code path (`run_chunk` under an
+Owner), and ends as the uninterrupted chunk does, with no model turn asked for twice and no file left behind."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+from fsm.adapters.ray_journal import chunk_files, run_chunk
+from fsm.api import load_agent, load_tokenizer
+from fsm.run.resume import identity
+from fsm.run.runtime import Owner, Runner
+from fsm.run.trajectory import Trajectory
+from specs.calculator import make_prompts
+from tests.conftest import ASSETS
+from tests.fixtures.turns import TURNS, LoggedTurns
+
+N = 2
+
+
+async def attempt(
+    runner: Runner, root: Path, key: str, k: int, park: Callable[[Trajectory], bool] | None
+) -> tuple[list[Trajectory], dict[str, int]] | None:
+    """Attempt `k` of chunk `key`-0 (2 rows x N): run to the end (None `park`), or until every trajectory is
+    parked at a boundary where `park` holds or has finished, then cancelled there, as a killed actor stops."""
+    ident = identity(runner.agent, runner.codec)
+    sampling = runner.make_context({"temperature": 0.0}).sampling
+    fresh = runner.trajectories(make_prompts(2), N)
+    waiting: set[str] = set()
+    finished: set[str] = set()
+    all_still = asyncio.Event()
+
+    def check() -> None:
+        if len(waiting) + len(finished) == len(fresh):
+            all_still.set()
+
+    async def tick(traj: Trajectory) -> None:
+        if park is not None and park(traj):
+            waiting.add(traj.session_id)
+            check()
+            await asyncio.Event().wait()  # parked: the boundary was journaled before this
+
+    def done(traj: Trajectory) -> None:
+        finished.add(traj.session_id)
+        check()
+
+    async with Owner(runner).serving() as owner:
+        job = asyncio.create_task(
+            run_chunk(owner, 0, lambda: ident, tick, done, (key, 0, (str(root), k, "1s")), sampling, N, fresh)
+        )
+        if park is None:
+            return await asyncio.wait_for(job, 60)
+        await asyncio.wait_for(all_still.wait(), 60)
+        job.cancel()
+        await asyncio.gather(job, return_exceptions=True)
+    return None
+
+
+async def test_a_chunk_stopped_twice_between_turns_goes_on_from_its_journal(tmp_path):
+    log = tmp_path / "answers.log"
+    runner = Runner(
+        load_agent("calculator"),
+        LoggedTurns(str(log), str(ASSETS), 0.0)(),
+        load_tokenizer(str(ASSETS)),
+        max_concurrency=8,
+    )
+    whole = await attempt(runner, tmp_path, "whole", 0, None)
+    assert whole is not None
+    reference, counts = whole
+    assert counts == {"resumed": 0, "restarted": 0, "recovered": 0, "refused": 0, "bytes": counts["bytes"]}
+    log.unlink()
+
+    await attempt(runner, tmp_path, "cut", 0, lambda t: t.assistant_turns >= 1)
+    assert [a for a, _ in chunk_files(tmp_path, "cut", 0)] == [0]  # kept for the next attempt
+    await attempt(runner, tmp_path, "cut", 1, lambda t: t.assistant_turns >= 2)
+    assert [a for a, _ in chunk_files(tmp_path, "cut", 0)] == [1]  # attempt 0's went once 1's held it all
+    last = await attempt(runner, tmp_path, "cut", 2, None)
+    assert last is not None
+    trajs, counts = last
+    assert counts["resumed"] == 2 * N and counts["refused"] == counts["restarted"] == counts["recovered"] == 0
+    assert chunk_files(tmp_path, "cut", 0) == []
+    answers = Counter(log.read_text().split("\n")[:-1])
+    assert sorted(answers.values()) == [1] * (2 * N * TURNS)  # every turn asked for once, over three attempts
+    assert len({s.split()[0] for s in answers}) == 2 * N  # each trajectory kept its session throughout
+    for a, b in zip(sorted(reference, key=lambda t: t.index), sorted(trajs, key=lambda t: t.index)):
+        assert a.row is None and b.row is None
+        assert (a.index, a.sample, a.uid) == (b.index, b.sample, b.uid)
+        assert a.response_ids.tolist() == b.response_ids.tolist()
+        assert a.response_mask.tolist() == b.response_mask.tolist()
+        assert a.response_logprobs.tolist() == b.response_logprobs.tolist()
+        assert a.path == b.path and a.termination_reason == b.termination_reason
+        assert a.reward_score == b.reward_score and a.assistant_turns == TURNS
+
+
+async def test_a_damaged_chunk_journal_is_refused_in_one_line_and_its_chunk_runs_from_the_start(
+    tmp_path, caplog
+):
+    log = tmp_path / "answers.log"
+    runner = Runner(
+        load_agent("calculator"),
+        LoggedTurns(str(log), str(ASSETS), 0.0)(),
+        load_tokenizer(str(ASSETS)),
+        max_concurrency=8,
+    )
+    await attempt(runner, tmp_path, "cut", 0, lambda t: t.assistant_turns >= 1)
+    [(_, path)] = chunk_files(tmp_path, "cut", 0)
+    lines = path.read_bytes().split(b"\n")
+    lines[2] = lines[2].replace(b'"uid"', b'"uix"', 1)  # an edit: its checksum no longer matches
+    path.write_bytes(b"\n".join(lines))
+    last = await attempt(runner, tmp_path, "cut", 1, None)
+    assert last is not None
+    trajs, counts = last
+    assert counts["refused"] == 1 and counts["resumed"] == counts["recovered"] == 0
+    [said] = [r.getMessage() for r in caplog.records if r.name == "agentfsm.ray"]
+    assert said == (
+        f"agentfsm: {path}: record 3: its checksum does not match (damaged or edited); the run cannot be "
+        "resumed from it; its chunk runs again from the start"
+    )
+    assert chunk_files(tmp_path, "cut", 0) == []
+    assert all(t.assistant_turns == TURNS and t.error is None for t in trajs)
+    answers = Counter(s.split()[1] for s in log.read_text().split("\n")[:-1])
+    assert answers == {"0": 2 * 2 * N, "1": 2 * N, "2": 2 * N}  # the first turns twice: run from the start
