@@ -45,22 +45,11 @@ import aiohttp
 
 from backends.base import BackendUnavailable, BaseBackend, GenerateRequest, GenerateResult
 from backends.router import Router, by_turn
+from bench.traffic import Call, calls_of_run
 
 ROOT = Path(__file__).resolve().parent.parent
 ROUTERS_VENV = Path(os.environ.get("AGENTFSM_ROUTERS_VENV") or ROOT / ".venv-routers")
 VLLM_VENV = Path(os.environ.get("VLLM_VENV") or ROOT / ".venv-vllm")
-
-
-@dataclass(frozen=True, slots=True)
-class Call:
-    """One recorded model request of an agent's trajectory."""
-
-    session: str
-    group: str | None
-    turn: int
-    prompt_tokens: int  # the whole context sent
-    new_tokens: int  # tokens generated
-    tool_s: float  # tool latency after this answer, before the session's next request
 
 
 # --- traffic -------------------------------------------------------------------------------------------------
@@ -98,8 +87,6 @@ def load_trace(path: str | os.PathLike[str]) -> list[Call]:
     """Recorded calls, one JSON object per line with Call's fields; a run directory gives its own
     (bench/traffic.py)."""
     if Path(path).is_dir():
-        from bench.traffic import calls_of_run
-
         return calls_of_run(path)
     calls = []
     for n, line in enumerate(Path(path).read_text().splitlines(), 1):

@@ -16,12 +16,24 @@ import dataclasses
 import json
 import sys
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
-from bench.fleet import Call
 from fsm.run.journal import JOURNAL, rebuild, records
 from fsm.run.trajectory import Trajectory
 from fsm.spec.loader import load_spec
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One recorded model request of an agent's trajectory."""
+
+    session: str
+    group: str | None
+    turn: int
+    prompt_tokens: int  # the whole context sent
+    new_tokens: int  # tokens generated
+    tool_s: float  # tool latency after this answer, before the session's next request
 
 
 def calls_of_run(out: str | Path) -> list[Call]:
