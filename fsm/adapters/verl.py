@@ -79,6 +79,7 @@ from verl.experimental.agent_loop.agent_loop import (
 from verl.utils.rollout_trace import rollout_trace_op
 
 from backends.base import BaseBackend, GenerateRequest, GenerateResult
+from fsm.adapters.bridge import TREES_ELSEWHERE, tree_parts
 from fsm.families import Codec, codec_for
 from fsm.run.compile import CompiledAgent, compile_spec
 from fsm.run.runtime import Runner
@@ -360,6 +361,14 @@ class FSMAgentLoop(AgentLoopBase):
                 f"{agent.spec.context.policy!r} or a rewrite state), so a trajectory may give several "
                 "rows; verl 0.9.1's agent-loop worker takes one output per input: use the append policy "
                 "without rewrites here, or RolloutEngine.generate_sequences (one row per segment)"
+            )
+        if (
+            parts := tree_parts(agent)
+        ) is not None:  # a tree gives several rows per input, of several policies
+            raise ValueError(
+                f"fsm_agent: spec {agent.name!r} makes trees ({parts}), so a sample gives several rows "
+                "(docs/trees.md); verl 0.9.1's agent-loop worker takes one output per input: "
+                f"{TREES_ELSEWHERE}, or RolloutEngine.generate_sequences (one row per node)"
             )
         verl_tools = list(tools.tools) if tools is not None else []
         if verl_tools and not agent.tools.by_name:
