@@ -14,7 +14,8 @@ layout of verl's AgentLoopOutput (prompt, then one response with a mask over it)
     turn_rewards           tool rewards and interaction turn scores, each at the response position of the
                            last token of the model turn it judges (empty on a failed row: no tokens left)
     termination_reason     why it ended ("answered", "max_turns", "error: ...")
-Failed rows keep their place (one sample per input row and k): empty response, `failed` True.
+Failed rows keep their place (one sample per input row and k): empty response (the tokens they had under
+`on_error: zero_reward`), `failed` True, `on_error` saying which; each adapter maps it to its trainer's form.
 
 A trajectory whose context was rewritten (fsm/run/trajectory.py segments) gives one sample per segment, in
 order: each exactly what the model was given and produced, with `segment` / `num_segments` / `trajectory_id`
@@ -67,6 +68,8 @@ class Sample:
     # where the row sits in its tree (docs/trees.md): tree, node, parent, node_kind, branch_offset, policy,
     # depth, weight, shared_prefix; a linear trajectory is its tree's root
     tree: dict[str, Any] = field(default_factory=dict)
+    # a failed row: what the spec's failures.on_error made of it (mask, zero_reward, drop); None otherwise
+    on_error: str | None = None
 
     @property
     def ids(self) -> list[int]:
@@ -124,6 +127,7 @@ def to_sample(
         num_segments=traj.num_segments,
         trajectory_id=traj.session_id,
         tree=tree or {},
+        on_error=str(traj.extra.get("on_error", "mask")) if traj.failed else None,
     )
 
 
