@@ -204,3 +204,22 @@ def test_a_segmenting_spec_is_refused_in_one_line(tok, tmp_path):
             fsm_entry(None, spec="specs/calculator_compact.yaml"), config, server, tok, load_tools("base")
         )
     assert "calculator_compact" in str(err.value) and "rewrites its context" in str(err.value)
+
+
+@needs_verl
+@pytest.mark.parametrize(
+    ("spec", "why"),
+    [("fork_calculator", "a fork at GENERATING"), ("planner_solver", "child machines calculator; policies")],
+)
+def test_a_tree_spec_is_refused_in_one_line(tok, spec, why):
+    """A fork or a child machine gives several rows per input row, of several policies (docs/trees.md): verl's
+    worker takes one AgentLoopOutput per row, so the entry refuses the spec when verl constructs it."""
+    from hydra.errors import InstantiationException
+
+    config = trainer_config(256)
+    server = ReplayServer([], eos=tok.eos_token_id, prompt_length=512, response_length=256)
+    with pytest.raises(InstantiationException) as err:
+        instantiate(fsm_entry(None, spec=f"specs/{spec}.yaml"), config, server, tok, load_tools("base"))
+    cause = str(err.value.__cause__ or err.value)
+    assert cause.startswith(f"fsm_agent: spec {spec!r} makes trees ({why}") and cause.count("\n") == 0
+    assert "takes one output per input: train trees with SkyRL" in cause
