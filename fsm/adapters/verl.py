@@ -370,6 +370,14 @@ class FSMAgentLoop(AgentLoopBase):
                 "(docs/trees.md); verl 0.9.1's agent-loop worker takes one output per input: "
                 f"{TREES_ELSEWHERE}, or RolloutEngine.generate_sequences (one row per node)"
             )
+        dropping = [f"state {n}" for n, st in agent.spec.states.items() if st.on_error == "drop"]
+        if agent.spec.failures.on_error == "drop":
+            dropping.insert(0, "failures")
+        if dropping:  # the worker returns one output per input row: a failed row cannot be left out
+            raise ValueError(
+                f"fsm_agent: spec {agent.name!r} sets on_error: drop ({dropping[0]}), but verl's agent-loop "
+                "worker returns one output per input row: use on_error: mask or zero_reward under verl"
+            )
         verl_tools = list(tools.tools) if tools is not None else []
         if verl_tools and not agent.tools.by_name:
             agent = agent_with_verl_tools(agent, verl_tools)
