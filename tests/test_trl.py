@@ -200,3 +200,65 @@ def test_a_segmenting_spec_is_refused_when_the_adapter_is_made():
     ):
         TRLRollout(SPEC, engine=engine)
     TRLRollout("calculator").close()  # append, no rewrites: accepted
+
+
+@pytest.mark.parametrize("on_error", ["mask", "zero_reward", "drop"])
+def test_a_failed_row_follows_the_specs_on_error(tok, compile_yaml, on_error):
+    """A real failing tool (tests/fixtures/flaky.py: raises on every call, retried once) fails row 0; what
+    TRLRollout hands TRL follows `failures.on_error`: mask is one masked token with reward 0.0, zero_reward the
+    model's turn kept (trained on, env_mask 1) with reward 0.0, drop one masked token with reward None (TRL leaves
+    it out of the group's baseline). Row 1 answers and keeps its reward."""
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    from fsm.api import RolloutEngine
+    from tests.conftest import model_turn, scripted, tool_turn, user_row
+    from tests.fixtures import flaky
+    from tests.test_state_failures import RETRY_ONCE, script, spec
+
+    flaky.reset(fail_first=10)
+    agent = compile_yaml(spec(RETRY_ONCE, top=f"failures: {{on_error: {on_error}}}"))
+    rows = [user_row("What is 1 + 2?"), user_row("What is 2 + 2?")]
+    backend = scripted({0: script(tok), 1: [model_turn(tok, "done")]})
+    trainer = SimpleNamespace(
+        state=SimpleNamespace(global_step=0),
+        model=SimpleNamespace(training=True),
+        args=SimpleNamespace(temperature=1.0, top_p=1.0, top_k=None, min_p=None, repetition_penalty=None),
+        _metrics={"train": defaultdict(list)},
+    )
+    try:
+        with RolloutEngine(agent, tok, backend=backend) as engine:
+            rollout = TRLRollout(agent, engine=engine, dataset=[{"prompt": r["raw_prompt"]} for r in rows])
+            out = rollout([r["raw_prompt"] for r in rows], trainer)
+    finally:
+        flaky.RELEASE.set()
+    assert flaky.CALLS == {"flaky": 2}
+    bad, good = rollout.last.samples
+    assert bad.failed and bad.on_error == on_error and not good.failed and good.on_error is None
+    assert out["termination_reason"][0].startswith("error: tool.exception in PROCESSING_TOOLS")
+    turn = tool_turn(tok, ("flaky", {"text": "hi"}))
+    if on_error == "zero_reward":
+        assert out["completion_ids"][0] == turn and out["env_mask"][0] == [1] * len(turn)
+    else:
+        assert out["completion_ids"][0] == [tok.pad_token_id] and out["env_mask"][0] == [0]
+    assert out["agentfsm_reward"] == [None if on_error == "drop" else 0.0, 1.0]
+    assert engine_reward(out["completion_ids"], out["agentfsm_reward"]) == out["agentfsm_reward"]
+
+
+def test_a_tree_spec_is_refused_in_one_line():
+    """TRL takes one completion per prompt: a fork or a child machine (several rows per sample, of several
+    policies) is refused when the adapter is made, naming the spec and where trees can train."""
+    with pytest.raises(ValueError) as fork:
+        TRLRollout("specs/fork_calculator.yaml")
+    assert str(fork.value) == (
+        "TRLRollout: spec 'fork_calculator' makes trees (a fork at GENERATING), so a sample gives several rows, "
+        "each tagged with its policy (docs/trees.md); TRL's GRPOTrainer takes exactly one completion per prompt "
+        "from rollout_func: train trees with SkyRL (FSMGenerator(step_wise=True)) or AReaL (FSMWorkflow), or "
+        "use a spec without forks and child machines here"
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"^TRLRollout: spec 'planner_solver' makes trees \(child machines calculator; policies planner, "
+        r"solver\)",
+    ):
+        TRLRollout("specs/planner_solver.yaml")

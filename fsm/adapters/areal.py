@@ -23,6 +23,13 @@ batches an episode's [B, L] tensors along B (`concat_padded_tensors`, as for its
 episodes), so each segment is one row, its reward placed as the spec's `context.reward_placement` says
 (`every` gives each row the trajectory's reward). AReaL's group-level advantage normalization (`group_size`)
 assumes a fixed number of rows per prompt: with segments, normalize at the batch level.
+
+A tree (forks, child machines: docs/trees.md) is one episode of all its rows the same way (a forked root has
+none: its branches are its rows), in preorder, each with its own reward (a branch's score; a child's, its
+tree's), plus `weight` ([B] float32: the row's share of its tree, per the spec's `tree.weight`) and `tree` (a
+list, one dict per row: fsm/run/tree.py TREE_FIELDS; AReaL's concat_padded_tensors concatenates lists). A
+failed row of a tree (a child or branch the engine failed) is left out; an episode with no row left is
+rejected. `policy=` keeps one policy's rows (AReaL trains one model; the others still run).
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ import torch
 
 from backends.base import GenerateRequest
 from backends.function import FunctionBackend
-from fsm.adapters.bridge import on_loop
+from fsm.adapters.bridge import on_loop, tree_parts
 from fsm.api import RolloutEngine, SpecLike, load_tokenizer
 from fsm.output.sample import Sample
 
@@ -51,35 +58,43 @@ class FSMWorkflow(_WorkflowBase):
     """AReaL's RolloutWorkflow running `spec` (see the module docstring). gconfig: AReaL's
     GenerationHyperparameters (temperature, top_p, top_k, greedy); None: the spec's sampling."""
 
-    def __init__(self, spec: SpecLike, tokenizer: Any, gconfig: Any = None, **engine_options: Any):
-        self.spec, self.gconfig, self.options = spec, gconfig, engine_options
+    def __init__(
+        self,
+        spec: SpecLike,
+        tokenizer: Any,
+        gconfig: Any = None,
+        *,
+        policy: str | None = None,
+        **engine_options: Any,
+    ):
+        self.spec, self.gconfig, self.options, self.policy = spec, gconfig, engine_options, policy
         self.tokenizer = load_tokenizer(tokenizer)
         self.engine: RolloutEngine | None = None
         self._areal: Any = None  # AReaL's inference engine, and the episode loop it is awaited on
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    async def arun_episode(self, engine: Any, data: Mapping[str, Any]) -> dict[str, torch.Tensor] | None:
+    async def arun_episode(self, engine: Any, data: Mapping[str, Any]) -> dict[str, Any] | None:
         self._areal, self._loop = engine, asyncio.get_running_loop()
         if self.engine is None:
             backend = FunctionBackend(self._generate, model_name="areal", provider="areal")
             self.engine = RolloutEngine(self.spec, tokenizer=self.tokenizer, backend=backend, **self.options)
         batch = await self.engine.agenerate_samples([to_row(data)], sampling_params=self._sampling())
-        samples = (
-            batch.samples
-        )  # one per segment of the episode's trajectory (one unless its context was rewritten)
-        if any(
-            s.logprobs is None for s in samples
-        ):  # AReaL's loss divides by them: never train on invented ones
+        # one per segment of each row node of the episode's tree (one unless rewritten, forked or delegating)
+        samples = [s for s in batch.samples if self.policy is None or s.tree["policy"] == self.policy]
+        if any(s.logprobs is None for s in samples):  # AReaL's loss divides by them: never invented ones
             log.warning("episode rejected: AReaL's engine returned no logprobs (row %s)", samples[0].uid)
             return None
-        if samples[0].failed:
+        trees = tree_parts(self.engine.agent) is not None
+        if trees:  # a failed child or branch was an error observation for its parent: no row to train on
+            samples = [s for s in samples if not s.failed]
+        if not samples or samples[0].failed:
             return None
         if len(samples) == 1:
-            return to_areal(samples[0])
+            return to_areal(samples[0], tree=trees)
         # AReaL's own batching, as for its multi-completion episodes
         from areal.utils.data import concat_padded_tensors
 
-        return concat_padded_tensors([to_areal(s) for s in samples])
+        return concat_padded_tensors([to_areal(s, tree=trees) for s in samples])
 
     def _sampling(self) -> dict[str, Any]:
         g = self.gconfig
@@ -141,9 +156,10 @@ def to_row(data: Mapping[str, Any]) -> dict[str, Any]:
     return row
 
 
-def to_areal(sample: Sample) -> dict[str, torch.Tensor]:
-    """A flat sample as AReaL's episode: [1, L] tensors over prompt + response. A sample without logprobs is
-    refused (ValueError): AReaL's loss divides by them, and zeros would read as probability 1."""
+def to_areal(sample: Sample, tree: bool = False) -> dict[str, Any]:
+    """A flat sample as AReaL's episode: [1, L] tensors over prompt + response (with `tree`, also its `weight`
+    [1] and its place in its tree, `tree`: [dict]). A sample without logprobs is refused (ValueError): AReaL's
+    loss divides by them, and zeros would read as probability 1."""
     P = len(sample.prompt_ids)
     logprobs = sample.logprobs
     if logprobs is None or len(logprobs) != len(sample.response_ids):
@@ -165,4 +181,8 @@ def to_areal(sample: Sample) -> dict[str, torch.Tensor]:
         "rewards": torch.tensor(0.0 if sample.reward is None else sample.reward, dtype=torch.float32),
         "attention_mask": torch.ones(P + len(sample.response_ids), dtype=torch.bool),
     }
-    return {k: v.unsqueeze(0) for k, v in out.items()}
+    episode: dict[str, Any] = {k: v.unsqueeze(0) for k, v in out.items()}
+    if tree:
+        episode["weight"] = torch.tensor([sample.tree["weight"]], dtype=torch.float32)
+        episode["tree"] = [dict(sample.tree)]
+    return episode

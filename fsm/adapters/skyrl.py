@@ -29,6 +29,15 @@ A spec whose trajectories may give several rows (segments, docs/contexts.md) nee
 row, with its trajectory's `trajectory_ids` entry and `is_last_step` on the last segment; SkyRL computes the
 advantages on the last steps, grouped by instance, and gives each trajectory's to all its rows (session-level
 GRPO). Without step_wise, such a spec is refused when the generator is made.
+
+A tree (forks and child machines, docs/trees.md) takes the same step-wise mode. Each branch, and each root
+that did not fork, is one SkyRL trajectory: its own `trajectory_ids` entry (the root keeps the input's; a
+branch gets a fresh repetition of the same instance), so GRPO compares sibling branches within their prompt's
+group. A child machine's rows are steps of the trajectory that started it (placed before that trajectory's
+last row), so they get its advantage, as a sub-agent's tokens share its caller's outcome. Every row carries
+its place in its tree in `tree_rows` (fsm/run/tree.py TREE_FIELDS: tree, node, parent, node_kind,
+branch_offset, policy, depth, weight, shared_prefix): SkyRL's trainer reads none of it (its loss has no
+per-row weight), a custom advantage or loss can. `policy=` keeps one policy's rows (the others still run).
 """
 
 from __future__ import annotations
@@ -60,6 +69,7 @@ class FSMGenerator(_GeneratorBase):
         inference_engine_client: Any,
         *,
         step_wise: bool = False,
+        policy: str | None = None,
         **engine_options: Any,
     ):
         if not step_wise:
@@ -68,8 +78,9 @@ class FSMGenerator(_GeneratorBase):
                 "FSMGenerator",
                 "SkyRL takes one response per prompt unless "
                 "generator.step_wise_trajectories is set (then pass step_wise=True)",
+                trees="each node's rows are then SkyRL steps",
             )
-        self.step_wise = step_wise
+        self.step_wise, self.policy = step_wise, policy
         self.client = inference_engine_client
         self._loop: asyncio.AbstractEventLoop | None = None  # the trainer's loop, where the client is awaited
         self._request: dict[str, Any] = {}  # SkyRL's sampling params of the batch in flight
@@ -89,14 +100,19 @@ class FSMGenerator(_GeneratorBase):
         ]
         params = engine_sampling(self._request)
         batch = await self.engine.agenerate_samples(rows, sampling_params=params, validate=phase == "eval")
-        out = to_skyrl(
-            batch.samples, pad_id=self.engine.codec.pad_id, with_logprobs=params.get("logprobs", True)
-        )
+        samples = batch.samples
+        if self.policy is not None:
+            samples = [s for s in samples if s.tree["policy"] == self.policy]
+        steps = trajectory_steps(samples, ids) if self.step_wise else None
+        if steps is not None:
+            samples = [samples[k] for k, _, _ in steps]
+        out = to_skyrl(samples, pad_id=self.engine.codec.pad_id, with_logprobs=params.get("logprobs", True))
         out["rollout_metrics"] = batch.meta_info["rollout_metrics"]
         out["trajectory_ids"] = ids
-        if self.step_wise:  # one row per segment: each names its trajectory, the last of them says so
-            out["trajectory_ids"] = [ids[s.index] for s in batch.samples] if ids else None
-            out["is_last_step"] = [s.segment == s.num_segments - 1 for s in batch.samples]
+        if steps is not None:  # one row per step: each names its trajectory, the last of them says so
+            out["trajectory_ids"] = [t for _, t, _ in steps] if ids else None
+            out["is_last_step"] = [last for _, _, last in steps]
+            out["tree_rows"] = [dict(s.tree) for s in samples]
         return out
 
     async def _generate(self, prompt_ids: list[int], params: dict[str, Any]) -> dict[str, Any]:
@@ -155,6 +171,38 @@ def to_row(prompt: Any, extras: Mapping[str, Any] | None, uid: str | None) -> di
     if uid is not None:
         row["uid"] = str(uid)
     return row
+
+
+def trajectory_steps(samples: Sequence[Sample], ids: Sequence[Any] | None) -> list[tuple[int, Any, bool]]:
+    """SkyRL's step-wise order: (sample index, its TrajectoryID, is_last_step) per row. A trajectory is a root
+    that did not fork or a branch (see the module docstring); a child's rows join the trajectory that started it,
+    placed before that one's own rows, so every trajectory's rows are contiguous and end with its last step."""
+    where = {(s.tree["tree"], s.tree["node"]): s.tree for s in samples}
+
+    def owner(t: Mapping[str, Any]) -> str:  # the node whose trajectory a row belongs to
+        while t["node_kind"] == "child" and (t["tree"], t["parent"]) in where:
+            t = where[(t["tree"], t["parent"])]
+        return str(t["node"])
+
+    groups: dict[tuple[str, str], list[int]] = {}
+    for k, s in enumerate(samples):  # preorder: a trajectory's node comes before the children it started
+        key = (s.tree["tree"], owner(s.tree))
+        groups.setdefault(key, []).append(k)
+    fresh: dict[str, int] = {}  # instance -> the next repetition id no input trajectory has
+    for tid in ids or []:
+        fresh[tid.instance_id] = max(fresh.get(tid.instance_id, 0), tid.repetition_id + 1)
+    out: list[tuple[int, Any, bool]] = []
+    for (_, node), rows in groups.items():
+        own = [k for k in rows if samples[k].tree["node"] == node]  # the trajectory's own segments, last
+        rows = [k for k in rows if k not in own] + own
+        tid: Any = None
+        if ids:
+            tid = ids[samples[rows[-1]].index]
+            if node != "0":  # a branch (or an orphaned child): a repetition of its own in the same group
+                tid = type(tid)(instance_id=tid.instance_id, repetition_id=fresh[tid.instance_id])
+                fresh[tid.instance_id] += 1
+        out += [(k, tid, i == len(rows) - 1) for i, k in enumerate(rows)]
+    return out
 
 
 def to_skyrl(samples: Sequence[Sample], *, pad_id: int, with_logprobs: bool) -> dict[str, Any]:

@@ -21,8 +21,11 @@ So this adapter:
   calls `engine.update_weights_from_disk` after saving);
 - returns the spec's reward as `agentfsm_reward` (the `engine_reward` reward function passes it on) beside
   `termination_reason`, `num_turns` and `turn_rewards`, and logs the batch's `rollout_metrics` with TRL's own
-  metrics. A failed row (the engine's error, not the model's) is one masked token with reward None: TRL
-  leaves it out of its group's baseline and gives it no advantage. A step whose rows all failed (a dataset
+  metrics. A failed row (the engine's error, not the model's) follows the spec's `failures.on_error`: `mask`
+  is one masked token with reward 0.0 (as verl's empty row: it trains nothing, its 0 counts in its group's
+  baseline), `zero_reward` keeps the tokens it had, masked as built, with reward 0.0 (trained towards 0), and
+  `drop`, since TRL takes one completion per prompt, is one masked token with reward None, which TRL 1.x
+  leaves out of its group's baseline and gives no advantage. A step whose rows all failed (a dataset
   without the ground truth the reward reads, a server down) stops the run: AllRowsFailed, naming the step
   and the most common reason.
 A spec whose trajectories may give several rows (segments, docs/contexts.md) is refused when the adapter is made:
@@ -51,7 +54,8 @@ TRL_ONE_ROW = "TRL's GRPOTrainer takes exactly one completion per prompt from ro
 def engine_reward(
     completions: list[Any], agentfsm_reward: list[float | None], **kwargs: Any
 ) -> list[float | None]:
-    """A TRL reward function: the spec's reward, as the rollout computed it (None: the row failed)."""
+    """A TRL reward function: the spec's reward, as the rollout computed it (None: a failed row the spec's
+    on_error drops)."""
     return list(agentfsm_reward)
 
 
@@ -213,11 +217,17 @@ def to_trl(samples: Sequence[Sample], *, pad_id: int) -> dict[str, list[Any]]:
         # None (NaN in TRL) where a server gave no logprob: never an invented 0.0
         out["logprobs"].append(list(logprobs) if logprobs is not None else [None] * len(ids))
         out["env_mask"].append(mask)
-        out[REWARD_KEY].append(None if s.failed else s.reward)
+        out[REWARD_KEY].append(failed_reward(s) if s.failed else s.reward)
         out["termination_reason"].append(s.termination_reason)
         out["num_turns"].append(s.num_turns)
         out["turn_rewards"].append([tuple(r) for r in s.turn_rewards])
     return out
+
+
+def failed_reward(sample: Sample) -> float | None:
+    """A failed row's reward as the spec's on_error says: None (TRL leaves the row out of its group's baseline)
+    for `drop`, 0.0 for `mask` and `zero_reward`."""
+    return None if sample.on_error == "drop" else 0.0
 
 
 def log_metrics(trainer: Any, metrics: Mapping[str, float], mode: str) -> None:

@@ -79,6 +79,7 @@ from verl.experimental.agent_loop.agent_loop import (
 from verl.utils.rollout_trace import rollout_trace_op
 
 from backends.base import BaseBackend, GenerateRequest, GenerateResult
+from fsm.adapters.bridge import TREES_ELSEWHERE, tree_parts
 from fsm.families import Codec, codec_for
 from fsm.run.compile import CompiledAgent, compile_spec
 from fsm.run.runtime import Runner
@@ -360,6 +361,22 @@ class FSMAgentLoop(AgentLoopBase):
                 f"{agent.spec.context.policy!r} or a rewrite state), so a trajectory may give several "
                 "rows; verl 0.9.1's agent-loop worker takes one output per input: use the append policy "
                 "without rewrites here, or RolloutEngine.generate_sequences (one row per segment)"
+            )
+        if (
+            parts := tree_parts(agent)
+        ) is not None:  # a tree gives several rows per input, of several policies
+            raise ValueError(
+                f"fsm_agent: spec {agent.name!r} makes trees ({parts}), so a sample gives several rows "
+                "(docs/trees.md); verl 0.9.1's agent-loop worker takes one output per input: "
+                f"{TREES_ELSEWHERE}, or RolloutEngine.generate_sequences (one row per node)"
+            )
+        dropping = [f"state {n}" for n, st in agent.spec.states.items() if st.on_error == "drop"]
+        if agent.spec.failures.on_error == "drop":
+            dropping.insert(0, "failures")
+        if dropping:  # the worker returns one output per input row: a failed row cannot be left out
+            raise ValueError(
+                f"fsm_agent: spec {agent.name!r} sets on_error: drop ({dropping[0]}), but verl's agent-loop "
+                "worker returns one output per input row: use on_error: mask or zero_reward under verl"
             )
         verl_tools = list(tools.tools) if tools is not None else []
         if verl_tools and not agent.tools.by_name:

@@ -201,9 +201,10 @@ class BaseEngine(ABC):
             "sampling": sampling.describe(self.codec.vocab_size),
             "rollout_metrics": rollout_metrics(trajs, faults=faults.take(), wall_s=time.perf_counter() - t0),
         }
+        spec = self.agent.spec  # one sample per segment of every row node of each tree
         return SampleBatch(
-            to_samples(trajs, self.agent.spec.context.reward_placement), info
-        )  # one per segment
+            to_samples(trajs, spec.context.reward_placement, spec.policy, spec.tree.weight), info
+        )
 
     def generate_samples(
         self,

@@ -14,13 +14,15 @@ layout of verl's AgentLoopOutput (prompt, then one response with a mask over it)
     turn_rewards           tool rewards and interaction turn scores, each at the response position of the
                            last token of the model turn it judges (empty on a failed row: no tokens left)
     termination_reason     why it ended ("answered", "max_turns", "error: ...")
-Failed rows keep their place (one sample per input row and k): empty response, `failed` True.
+Failed rows keep their place (one sample per input row and k): empty response (the tokens they had under
+`on_error: zero_reward`), `failed` True, `on_error` saying which; each adapter maps it to its trainer's form.
 
 A trajectory whose context was rewritten (fsm/run/trajectory.py segments) gives one sample per segment, in
 order: each exactly what the model was given and produced, with `segment` / `num_segments` / `trajectory_id`
 tying it to the others, its own turn rewards, and the reward placed as the spec's `context.reward_placement`
 says (on the last segment, the others 0.0; or on every segment). A one-segment trajectory gives one sample, as
-before.
+before. A tree (child machines, forks: docs/trees.md) gives its nodes' samples in preorder, as the padded batch
+does, each with `tree`: where it sits (fsm/run/tree.py TREE_FIELDS, its weight included).
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from fsm.output.batch import tree_nodes, tree_weights
 from fsm.run.trajectory import Trajectory
+from fsm.run.tree import tree_record
 
 
 class TurnReward(NamedTuple):
@@ -61,6 +65,11 @@ class Sample:
     segment: int = 0  # which segment of its trajectory (0 unless its context was rewritten)
     num_segments: int = 1
     trajectory_id: str = ""  # the trajectory's session id: its segments share it
+    # where the row sits in its tree (docs/trees.md): tree, node, parent, node_kind, branch_offset, policy,
+    # depth, weight, shared_prefix; a linear trajectory is its tree's root
+    tree: dict[str, Any] = field(default_factory=dict)
+    # a failed row: what the spec's failures.on_error made of it (mask, zero_reward, drop); None otherwise
+    on_error: str | None = None
 
     @property
     def ids(self) -> list[int]:
@@ -83,8 +92,14 @@ class SampleBatch:
         return iter(self.samples)
 
 
-def to_sample(traj: Trajectory, segment: Any = None, reward_placement: str = "last") -> Sample:
-    """A finished trajectory (or one `segment` of it, fsm/run/trajectory.py Segment) as a flat sample."""
+def to_sample(
+    traj: Trajectory,
+    segment: Any = None,
+    reward_placement: str = "last",
+    tree: dict[str, Any] | None = None,
+) -> Sample:
+    """A finished trajectory (or one `segment` of it, fsm/run/trajectory.py Segment) as a flat sample; `tree`:
+    its place in its tree (`to_samples` fills it)."""
     seg = segment if segment is not None else traj
     index = segment.index if segment is not None else traj.num_segments - 1
     last = index == traj.num_segments - 1
@@ -111,15 +126,25 @@ def to_sample(traj: Trajectory, segment: Any = None, reward_placement: str = "la
         segment=index,
         num_segments=traj.num_segments,
         trajectory_id=traj.session_id,
+        tree=tree or {},
+        on_error=str(traj.extra.get("on_error", "mask")) if traj.failed else None,
     )
 
 
-def to_samples(trajs: Sequence[Trajectory], reward_placement: str = "last") -> list[Sample]:
-    """One sample per segment of each trajectory, in order (one per trajectory when none was rewritten)."""
+def to_samples(
+    trajs: Sequence[Trajectory],
+    reward_placement: str = "last",
+    default_policy: str = "default",
+    weight: str = "per_root",
+) -> list[Sample]:
+    """One sample per segment of each trajectory's row nodes (its tree in preorder; itself when linear), in
+    order, each with its place in its tree and its weight (`weight`: the spec's tree.weight)."""
+    weights = tree_weights(trajs, weight, default_policy)
     out = []
-    for t in trajs:
-        if not t.closed:
-            out.append(to_sample(t))
-        else:
-            out.extend(to_sample(t, seg, reward_placement) for seg in t.segments)
+    for t in tree_nodes(trajs, default=default_policy):
+        segments = t.segments if t.closed else [None]
+        for k, seg in enumerate(segments):
+            where = tree_record(t, k, default_policy)
+            where["weight"] = weights.get(id(t), 1.0)
+            out.append(to_sample(t, seg, reward_placement, where))
     return out

@@ -177,3 +177,27 @@ def test_a_segmenting_spec_is_refused_when_the_executor_is_made():
     with pytest.raises(ValueError, match="OpenRLHFRollout: " + message):
         OpenRLHFRollout(SPEC)
     assert agent_executor("calculator").__name__ == "AgentExecutor"
+
+
+def test_a_tree_spec_is_refused_when_openrlhf_loads_the_agent_file(tmp_path):
+    """A fork or a child machine gives several rows per sample (docs/trees.md): OpenRLHF's own loader of
+    --train.agent_func_path fails on the agent file with one line naming the adapter, the spec and where
+    trees train."""
+    agent = tmp_path / "agent.py"
+    agent.write_text(
+        'from fsm.adapters.openrlhf import agent_executor\n\nAgentExecutor = agent_executor("specs/fork_calculator.yaml")\n'
+    )
+    with pytest.raises(ValueError) as err:
+        _load_agent_executor(str(agent))
+    assert str(err.value) == (
+        "agent_executor: spec 'fork_calculator' makes trees (a fork at GENERATING), so a sample gives several "
+        "rows, each tagged with its policy (docs/trees.md); OpenRLHF's AgentExecutor.execute answers one sample "
+        "with exactly one sequence: train trees with SkyRL (FSMGenerator(step_wise=True)) or AReaL "
+        "(FSMWorkflow), or use a spec without forks and child machines here"
+    )
+    from fsm.adapters.openrlhf import OpenRLHFRollout
+
+    with pytest.raises(
+        ValueError, match=r"^OpenRLHFRollout: spec 'planner_solver' makes trees \(child machines"
+    ):
+        OpenRLHFRollout("specs/planner_solver.yaml")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from fsm.spec.model import SPECS_DIR
 from tests.verl.harness import (
     ANSWER,
     Case,
@@ -204,3 +205,41 @@ def test_a_segmenting_spec_is_refused_in_one_line(tok, tmp_path):
             fsm_entry(None, spec="specs/calculator_compact.yaml"), config, server, tok, load_tools("base")
         )
     assert "calculator_compact" in str(err.value) and "rewrites its context" in str(err.value)
+
+
+@needs_verl
+@pytest.mark.parametrize(
+    ("spec", "why"),
+    [("fork_calculator", "a fork at GENERATING"), ("planner_solver", "child machines calculator; policies")],
+)
+def test_a_tree_spec_is_refused_in_one_line(tok, spec, why):
+    """A fork or a child machine gives several rows per input row, of several policies (docs/trees.md): verl's
+    worker takes one AgentLoopOutput per row, so the entry refuses the spec when verl constructs it."""
+    from hydra.errors import InstantiationException
+
+    config = trainer_config(256)
+    server = ReplayServer([], eos=tok.eos_token_id, prompt_length=512, response_length=256)
+    with pytest.raises(InstantiationException) as err:
+        instantiate(fsm_entry(None, spec=f"specs/{spec}.yaml"), config, server, tok, load_tools("base"))
+    cause = str(err.value.__cause__ or err.value)
+    assert cause.startswith(f"fsm_agent: spec {spec!r} makes trees ({why}") and cause.count("\n") == 0
+    assert "takes one output per input: train trees with SkyRL" in cause
+
+
+@needs_verl
+def test_a_spec_that_drops_failed_rows_is_refused_in_one_line(tok, tmp_path):
+    """verl's worker returns one AgentLoopOutput per input row, so `on_error: drop` cannot hold there: the entry
+    refuses it as generate_sequences refuses it under a DataProto (mask and zero_reward run as specified)."""
+    from hydra.errors import InstantiationException
+
+    path = tmp_path / "dropping.yaml"
+    path.write_text(f"name: dropping\nextends: {SPECS_DIR}/calculator.yaml\nfailures: {{on_error: drop}}\n")
+    config = trainer_config(256)
+    server = ReplayServer([], eos=tok.eos_token_id, prompt_length=512, response_length=256)
+    with pytest.raises(InstantiationException) as err:
+        instantiate(fsm_entry(None, spec=str(path)), config, server, tok, load_tools("base"))
+    cause = str(err.value.__cause__ or err.value)
+    assert cause == (
+        "fsm_agent: spec 'dropping' sets on_error: drop (failures), but verl's agent-loop worker returns one "
+        "output per input row: use on_error: mask or zero_reward under verl"
+    )
