@@ -189,8 +189,8 @@ def trajectory_steps(samples: Sequence[Sample], ids: Sequence[Any] | None) -> li
         key = (s.tree["tree"], owner(s.tree))
         groups.setdefault(key, []).append(k)
     fresh: dict[str, int] = {}  # instance -> the next repetition id no input trajectory has
-    for tid in ids or []:
-        fresh[tid.instance_id] = max(fresh.get(tid.instance_id, 0), tid.repetition_id + 1)
+    for given in ids or []:
+        fresh[given.instance_id] = max(fresh.get(given.instance_id, 0), given.repetition_id + 1)
     out: list[tuple[int, Any, bool]] = []
     for (_, node), rows in groups.items():
         own = [k for k in rows if samples[k].tree["node"] == node]  # the trajectory's own segments, last
