@@ -443,7 +443,12 @@ class BaseEngine(ABC):
         await self._control("resume", (policy,) if policy is not None else ())
 
     async def aupdate_weights_from_disk(
-        self, path: str | Path, weight_version: int | None = None, *, policy: str | None = None, **options: Any
+        self,
+        path: str | Path,
+        weight_version: int | None = None,
+        *,
+        policy: str | None = None,
+        **options: Any,
     ) -> int:
         """Reload weights on every server (or the in-process model) from a checkpoint directory, as version
         `weight_version` (default: the current one + 1), which is returned. `options` go to SGLang's
@@ -487,7 +492,12 @@ class BaseEngine(ABC):
         return self._run_sync(self.awake_up(tags))
 
     def update_weights_from_disk(
-        self, path: str | Path, weight_version: int | None = None, *, policy: str | None = None, **options: Any
+        self,
+        path: str | Path,
+        weight_version: int | None = None,
+        *,
+        policy: str | None = None,
+        **options: Any,
     ) -> int:
         self._refuse_in_loop("update_weights_from_disk", "aupdate_weights_from_disk")
         return self._run_sync(self.aupdate_weights_from_disk(path, weight_version, policy=policy, **options))
