@@ -70,6 +70,14 @@ def root_credit(solver, planner) -> tuple[torch.Tensor, torch.Tensor]:
     return reward, adv
 
 
+def by_policy(batch) -> dict:
+    """The engine's batches by policy: a step whose rows are all one policy's (no tree delegated) gives that
+    policy's batch alone, not a dict."""
+    if isinstance(batch, dict):
+        return batch
+    return {str(batch.non_tensor_batch["policy"][0]): batch}
+
+
 class SiblingGRPO(GRPO):
     """GRPO on fork_calculator: advantages relative to sibling branches, evaluated on the linear spec."""
 
@@ -102,10 +110,11 @@ class TwoPolicyGRPO(GRPO):
         )
 
     def rows(self, batch) -> int:
-        return sum(int(b.batch.batch_size[0]) for b in batch.values())
+        return sum(int(b.batch.batch_size[0]) for b in by_policy(batch).values())
 
     def train_on(self, batch, version: int, *_: object, **__: object):  # type: ignore[override]
         """One step of each policy on its own batch; (root reward, summed loss, clipped, stale, checked, diff)."""
+        batch = by_policy(batch)
         planner, solver = batch["planner"], batch.get(SOLVER)
         out = super().train_on(planner, version, rewards=advantages(planner))
         if solver is None or len(solver) == 0:  # no tree delegated this step: the solver has nothing to learn
@@ -137,7 +146,7 @@ class TwoPolicyGRPO(GRPO):
         out = self.evaluator.generate_sequences(
             self.held_out, {"seed": self.cfg.eval_seed}, n=self.cfg.eval_samples
         )
-        return float((out["planner"].batch["rm_scores"].sum(-1) == 1).float().mean())
+        return float((by_policy(out)["planner"].batch["rm_scores"].sum(-1) == 1).float().mean())
 
 
 def tree_trainer(cfg: Config, error: Callable[[str], object]) -> GRPO:
