@@ -3,6 +3,8 @@
     python -m examples.grpo --mode sync         # roll out a step's groups, then train on them
     python -m examples.grpo --mode continuous   # step s+1's groups roll out while the trainer trains on step s's
     python -m examples.grpo --spec specs/calculator_results.yaml --init backends/tiny/assets --advantages session
+    python -m examples.grpo --spec fork_calculator --advantages siblings --group 1   # trees: examples/grpo_tree.py
+    python -m examples.grpo --spec planner_solver                                 # two policies, two optimizers
 
 The trainer holds its own copy of the policy (the `mid` checkpoint, ~17% sampled accuracy) and the engine
 decodes with another, in this process; after every optimizer step the trainer's weights go to the engine with
@@ -195,6 +197,15 @@ def check_logprobs(
 # --- the trainer -------------------------------------------------------------------------------------------
 
 
+def make_optimizer(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+    """AdamW with each tensor's step scaled by its RMS. Adam moves every element by about its lr a step, whatever
+    the tensor's scale: a norm gain near 1 and a matrix entry near 0.05 alike. Scaled by each tensor's RMS (as
+    LARS and LAMB do), a step changes every tensor by about the same share, the final norm's gain (the logits'
+    scale, which GRPO sharpens) too."""
+    groups = [{"params": [p], "lr": lr * float(p.detach().pow(2).mean().sqrt())} for p in model.parameters()]
+    return torch.optim.AdamW(groups, lr=lr, weight_decay=0.0)
+
+
 class GRPO:
     """The policy, its optimizer, the rollout engine and an evaluation engine; `run()` trains and logs."""
 
@@ -202,23 +213,24 @@ class GRPO:
         torch.set_num_threads(cfg.threads)
         self.cfg, self.log = cfg, log
         self.policy = load_model(cfg.init).train()
-        # Adam moves every element by about its lr a step, whatever the tensor's scale: a norm gain near 1 and a
-        # matrix entry near 0.05 alike. Scaled by each tensor's RMS (as LARS and LAMB do), a step changes every
-        # tensor by about the same share, the final norm's gain (the logits' scale, which GRPO sharpens) too.
-        groups = [
-            {"params": [p], "lr": cfg.lr * float(p.detach().pow(2).mean().sqrt())}
-            for p in self.policy.parameters()
-        ]
-        self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=0.0)
-        options = {"tokenizer": ASSET_DIR, "max_batch_size": 64}
-        self.engine = RolloutEngine(cfg.spec, model=load_model(cfg.init), **options)
-        self.evaluator = RolloutEngine(cfg.spec, model=load_model(cfg.init), **options)
+        self.optimizer = make_optimizer(self.policy, cfg.lr)
+        self.engine = self.make_engine(cfg.spec)
+        self.evaluator = self.make_engine(self.eval_spec())
         self.temperature = self.engine.agent.spec.sampling.temperature  # what rollout_log_probs are over
         self.held_out = make_prompts(cfg.eval_prompts, seed=1000)
         self.past: dict[
             int, dict[str, torch.Tensor]
         ] = {}  # continuous: older versions' weights, for the check
         self.before = 0.0  # held-out accuracy before training (set by run)
+
+    def make_engine(self, spec: str) -> RolloutEngine:
+        return RolloutEngine(spec, model=load_model(self.cfg.init), tokenizer=ASSET_DIR, max_batch_size=64)
+
+    def eval_spec(self) -> str:
+        return self.cfg.spec
+
+    def advantages(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        return advantages(batch, session=self.cfg.advantages == "session")
 
     def close(self) -> None:
         self.engine.close()
@@ -240,11 +252,24 @@ class GRPO:
         ends = torch.from_numpy(last_segments(batch))  # one row per trajectory
         return float((batch.batch["rm_scores"].sum(-1)[ends] == 1).float().mean())
 
-    def train_on(self, batch, version: int) -> tuple[float, float, float, float, int, float]:
-        """One optimizer step on a batch: (mean reward, loss, clipped share, stale share, checked, max diff)."""
+    def train_on(
+        self,
+        batch,
+        version: int,
+        policy: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        temperature: float | None = None,
+        rewards: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[float, float, float, float, int, float]:
+        """One optimizer step on a batch: (mean reward, loss, clipped share, stale share, checked, max diff).
+        `policy`, `optimizer`, `temperature`, `rewards` ((reward, advantage per row)): another policy's
+        (examples/grpo_tree.py); default: this trainer's, and `self.advantages(batch)`."""
+        model = self.policy if policy is None else policy
+        optimizer = self.optimizer if optimizer is None else optimizer
+        temperature = self.temperature if temperature is None else temperature
         b = batch.batch
-        reward, adv = advantages(batch, session=self.cfg.advantages == "session")
-        logp = token_logprobs(self.policy, batch, self.temperature)
+        reward, adv = self.advantages(batch) if rewards is None else rewards
+        logp = token_logprobs(model, batch, temperature)
         width = logp.shape[1]
         mask = b["response_mask"][:, :width].bool()
         rollout, versions = b["rollout_log_probs"][:, :width], b["weight_versions"][:, :width]
@@ -255,7 +280,7 @@ class GRPO:
         for old in sorted(set(versions[stale].tolist())):  # the continuous form: older weights, kept
             rows = (stale & (versions == old)).any(1).nonzero().squeeze(1)[: self.cfg.check_rows]
             with torch.no_grad():
-                past = token_logprobs(self.policy, batch, self.temperature, rows, self.past[old])
+                past = token_logprobs(model, batch, temperature, rows, self.past[old])
             where = (versions[rows, : past.shape[1]] == old) & mask[rows, : past.shape[1]]
             n, d = check_logprobs(
                 past, rollout[rows, : past.shape[1]], where, self.cfg.logprob_tol, f"tokens of version {old}"
@@ -268,11 +293,14 @@ class GRPO:
         # (an evaluation between steps changed every later step). Older weights' tokens keep rollout_log_probs.
         old = torch.where(versions == version, logp.detach(), rollout)
         loss, clipped = clipped_loss(logp, old, adv, mask.float(), self.cfg.clip)
-        self.optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        self.optimizer.step()
+        optimizer.step()
         stale_share = float(stale.sum() / mask.sum())
         return float(reward.mean()), float(loss.detach()), clipped, stale_share, checked, diff
+
+    def rows(self, batch) -> int:
+        return int(batch.batch.batch_size[0])
 
     def weights(self) -> dict[str, torch.Tensor]:
         """A copy of the trainer's parameters (tied ones once), for functional calls."""
@@ -337,7 +365,7 @@ class GRPO:
                 accuracy = self.evaluate(version + 1)
                 eval_s += time.monotonic() - e0
             reward, loss, clipped, stale, checked, diff = result
-            rows = int(batch.batch.batch_size[0])
+            rows = self.rows(batch)
             s = StepLog(
                 step + 1, version, reward, accuracy, loss, clipped, stale, checked, diff, step_s, rows
             )
@@ -365,7 +393,7 @@ class GRPO:
         return logs
 
 
-CHOICES = {"mode": ["sync", "continuous"], "advantages": ["row", "session"]}
+CHOICES = {"mode": ["sync", "continuous"], "advantages": ["row", "session", "siblings"]}
 
 
 def main(argv: list[str] | None = None) -> list[StepLog]:
@@ -383,11 +411,20 @@ def main(argv: list[str] | None = None) -> list[StepLog]:
     cfg = Config(**vars(parser.parse_args(argv)))
     if not math.isfinite(cfg.lr) or cfg.steps < 1:
         parser.error("--lr must be finite and --steps >= 1")
-    trainer = GRPO(cfg)
+    trainer = trainer_for(cfg, parser.error)
     try:
         return trainer.run()
     finally:
         trainer.close()
+
+
+def trainer_for(cfg: Config, error: Callable[[str], object]) -> GRPO:
+    """The trainer for `cfg`: a tree spec's (examples/grpo_tree.py) or the linear one."""
+    from examples.grpo_tree import TREE_SPECS, tree_trainer
+
+    if cfg.spec in TREE_SPECS or cfg.advantages == "siblings":
+        return tree_trainer(cfg, error)
+    return GRPO(cfg)
 
 
 if __name__ == "__main__":

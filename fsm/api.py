@@ -41,7 +41,7 @@ from fsm.output.engine import BaseEngine, Rows, batch_of
 from fsm.output.metrics import FaultDelta
 from fsm.run.agent import CompiledAgent
 from fsm.run.compile import compile_spec
-from fsm.run.context import Policy, Sampling
+from fsm.run.context import PauseGate, Policy, Sampling
 from fsm.run.engine import StalePolicy
 from fsm.run.local import Local
 from fsm.run.runtime import WATCHDOG_S, Runner
@@ -203,7 +203,13 @@ def policy_runtimes(
                 model.chat_template_kwargs,
                 model.special_tokens_in_observations,
             )
-        out[name] = Policy(name, backend, policy_codec, pspec.sampling if pspec is not None else None)
+        out[name] = Policy(
+            name,
+            backend,
+            policy_codec,
+            pspec.sampling if pspec is not None else None,
+            PauseGate() if backend is not None and name != spec.policy else None,  # the root's: the run's
+        )
     return out
 
 
@@ -405,6 +411,11 @@ class RolloutEngine(BaseEngine):
     @property
     def paused(self) -> bool:
         return self.runner.gate.paused
+
+    def policy_version(self, policy: str) -> int:
+        """The weight version `policy` holds (a policy without a backend of its own: the root's); ValueError for
+        a policy the spec does not declare."""
+        return self._local.controls.version(policy)
 
     @property
     def stream_stats(self) -> dict[str, Any]:

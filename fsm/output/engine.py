@@ -427,45 +427,61 @@ class BaseEngine(ABC):
     async def aflush_cache(self) -> Any:
         return await self._control("call", ("flush_cache",))
 
-    async def apause(self, mode: str = "abort") -> None:
+    async def apause(self, mode: str = "abort", *, policy: str | None = None) -> None:
         """Stop generation: the engine issues no new model request (turns wait at its gate) and every server
         pauses (`/pause_generation`; the in-process model the same). `mode`: "abort" ends running requests
         with their partial output, which the engine keeps and resumes after `resume()`; "retract" requeues
         them at the server (recomputed after continue); "in_place" holds them mid-generation. Trajectories stay
-        alive with their partial turns; new runs may start meanwhile and wait at the gate."""
+        alive with their partial turns; new runs may start meanwhile and wait at the gate. `policy`: that
+        policy alone, when it has a backend of its own (docs/trees.md); default: every policy."""
         if mode not in PAUSE_MODES:
             raise ValueError(f"unknown pause mode {mode!r}; expected one of {', '.join(PAUSE_MODES)}")
-        await self._control("pause", (mode,))
+        await self._control("pause", (mode, policy) if policy is not None else (mode,))
 
-    async def aresume(self) -> None:
+    async def aresume(self, *, policy: str | None = None) -> None:
         """Continue: every server continues (`/continue_generation`), then the gate opens and paused
-        trajectories go on, on whatever weights the servers now hold."""
-        await self._control("resume", ())
+        trajectories go on, on whatever weights the servers now hold. `policy`: as for `apause`."""
+        await self._control("resume", (policy,) if policy is not None else ())
 
     async def aupdate_weights_from_disk(
-        self, path: str | Path, weight_version: int | None = None, **options: Any
+        self,
+        path: str | Path,
+        weight_version: int | None = None,
+        *,
+        policy: str | None = None,
+        **options: Any,
     ) -> int:
         """Reload weights on every server (or the in-process model) from a checkpoint directory, as version
         `weight_version` (default: the current one + 1), which is returned. `options` go to SGLang's
-        endpoint (load_format, abort_all_requests, flush_cache)."""
-        return await self._update("update_weights_from_disk", (str(path),), options, weight_version)
+        endpoint (load_format, abort_all_requests, flush_cache). `policy`: that policy's backend, when it has one
+        of its own (docs/trees.md), and its version (its tokens record it); default: the root policy's."""
+        return await self._update("update_weights_from_disk", (str(path),), options, weight_version, policy)
 
-    async def aupdate_weights_from_tensor(self, weight_version: int | None = None, **payload: Any) -> int:
+    async def aupdate_weights_from_tensor(
+        self, weight_version: int | None = None, *, policy: str | None = None, **payload: Any
+    ) -> int:
         """SGLang's `/update_weights_from_tensor` on every server (payload passed through:
-        serialized_named_tensors, load_format, flush_cache...); the new version is returned."""
-        return await self._update("update_weights_from_tensor", (), payload, weight_version)
+        serialized_named_tensors, load_format, flush_cache...); the new version is returned. `policy`: as for
+        `aupdate_weights_from_disk`."""
+        return await self._update("update_weights_from_tensor", (), payload, weight_version, policy)
 
     async def aupdate_weights_from_distributed(
-        self, weight_version: int | None = None, **payload: Any
+        self, weight_version: int | None = None, *, policy: str | None = None, **payload: Any
     ) -> int:
         """SGLang's `/update_weights_from_distributed` on every server (payload passed through: names, dtypes,
         shapes, group_name...); the new version is returned."""
-        return await self._update("update_weights_from_distributed", (), payload, weight_version)
+        return await self._update("update_weights_from_distributed", (), payload, weight_version, policy)
 
     async def _update(
-        self, method: str, args: tuple[Any, ...], options: dict[str, Any], weight_version: int | None
+        self,
+        method: str,
+        args: tuple[Any, ...],
+        options: dict[str, Any],
+        weight_version: int | None,
+        policy: str | None = None,
     ) -> int:
-        version = await self._control("update", (method, args, options, weight_version_of(weight_version)))
+        call = (method, args, options, weight_version_of(weight_version))
+        version = await self._control("update", call + (policy,) if policy is not None else call)
         return cast(int, version)
 
     def sleep(self, tags: list[str] | None = None) -> Any:
@@ -477,26 +493,35 @@ class BaseEngine(ABC):
         return self._run_sync(self.awake_up(tags))
 
     def update_weights_from_disk(
-        self, path: str | Path, weight_version: int | None = None, **options: Any
+        self,
+        path: str | Path,
+        weight_version: int | None = None,
+        *,
+        policy: str | None = None,
+        **options: Any,
     ) -> int:
         self._refuse_in_loop("update_weights_from_disk", "aupdate_weights_from_disk")
-        return self._run_sync(self.aupdate_weights_from_disk(path, weight_version, **options))
+        return self._run_sync(self.aupdate_weights_from_disk(path, weight_version, policy=policy, **options))
 
-    def update_weights_from_tensor(self, weight_version: int | None = None, **payload: Any) -> int:
+    def update_weights_from_tensor(
+        self, weight_version: int | None = None, *, policy: str | None = None, **payload: Any
+    ) -> int:
         self._refuse_in_loop("update_weights_from_tensor", "aupdate_weights_from_tensor")
-        return self._run_sync(self.aupdate_weights_from_tensor(weight_version, **payload))
+        return self._run_sync(self.aupdate_weights_from_tensor(weight_version, policy=policy, **payload))
 
-    def update_weights_from_distributed(self, weight_version: int | None = None, **payload: Any) -> int:
+    def update_weights_from_distributed(
+        self, weight_version: int | None = None, *, policy: str | None = None, **payload: Any
+    ) -> int:
         self._refuse_in_loop("update_weights_from_distributed", "aupdate_weights_from_distributed")
-        return self._run_sync(self.aupdate_weights_from_distributed(weight_version, **payload))
+        return self._run_sync(self.aupdate_weights_from_distributed(weight_version, policy=policy, **payload))
 
-    def pause(self, mode: str = "abort") -> None:
+    def pause(self, mode: str = "abort", *, policy: str | None = None) -> None:
         self._refuse_in_loop("pause", "apause")
-        self._run_sync(self.apause(mode))
+        self._run_sync(self.apause(mode, policy=policy))
 
-    def resume(self) -> None:
+    def resume(self, *, policy: str | None = None) -> None:
         self._refuse_in_loop("resume", "aresume")
-        self._run_sync(self.aresume())
+        self._run_sync(self.aresume(policy=policy))
 
     def flush_cache(self) -> Any:
         self._refuse_in_loop("flush_cache", "aflush_cache")

@@ -208,6 +208,9 @@ class Policy:
     backend: Backend | None
     codec: Codec | None  # None: the run's codec, read with the generating spec's model family
     sampling: Any = None  # its SamplingSpec, or None: the generating spec's
+    # A policy with a backend of its own has its own gate: its pause and its weight version (what its tokens
+    # record) are its own (fsm/run/control.py `policy=`); None: the run's, with the run's backend
+    gate: PauseGate | None = None
 
 
 class RunContext:
@@ -277,7 +280,12 @@ class RunContext:
             )
         sampling = Sampling.resolve(agent, codec, {"seed": self.sampling.seed}, base_spec=known.sampling)
         ctx = RunContext(
-            agent, known.backend or self.backend, codec, sampling, tracer=self.tracer, gate=self.gate
+            agent,
+            known.backend or self.backend,
+            codec,
+            sampling,
+            tracer=self.tracer,
+            gate=known.gate or self.gate,
         )
         ctx.policies, ctx.root_agent, ctx.policy, ctx.drive = (
             self.policies,

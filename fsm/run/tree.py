@@ -196,7 +196,7 @@ async def run_child(ctx: RunContext, traj: Trajectory, call: ToolCall, drive: Dr
     child_ctx = ctx.for_node(agent, policy)
     node_path = f"{parent.node}.{len(parent.nodes)}"
     messages = ([{"role": "system", "content": child_spec.system}] if child_spec.system else []) + [
-        {"role": "user", "content": task}
+        {"role": "user", "content": child_spec.task.replace("{input}", task)}
     ]
     row = {"raw_prompt": messages, "uid": traj.uid, "data_source": traj.row.get("data_source")}
     child = Trajectory(

@@ -476,6 +476,11 @@ class ChildSpec(_Strict):
         description="The tool's description, as the parent's model reads it.",
     )
     system: str | None = Field(default=None, description="A system message put before the child's task.")
+    task: str = Field(
+        default="{input}",
+        description="The child's user message: `{input}` stands for the argument's text (default: the text "
+        "itself), e.g. `What is {input}?` for a child trained on questions.",
+    )
     answer: str | None = Field(
         default=None,
         description="A regular expression over the child's final message: its first group (else the whole "
@@ -498,6 +503,13 @@ class ChildSpec(_Strict):
                 re.compile(v)
             except re.error as exc:
                 raise ValueError(f"answer is not a regular expression: {exc}") from None
+        return v
+
+    @field_validator("task")
+    @classmethod
+    def _task(cls, v: str) -> str:
+        if "{input}" not in v:
+            raise ValueError("task must contain {input} (where the argument's text goes)")
         return v
 
 
