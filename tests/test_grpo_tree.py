@@ -39,7 +39,7 @@ def test_sibling_advantages_are_relative_to_the_branches_of_one_fork():
         -0.25 / np.sqrt(0.1875),
     )  # rewards [1, 0, 0, 0]: mean 1/4, std sqrt(3)/4
     expected = [top, top, rest, rest, rest, 0.0, 0.0]  # both rows of branch 0.0 get its advantage
-    assert torch.allclose(adv, torch.tensor(expected), atol=1e-5)
+    assert torch.allclose(adv, torch.tensor(expected, dtype=adv.dtype), atol=1e-5)
 
 
 def test_siblings_are_grouped_by_tree_and_parent_not_by_prompt():
