@@ -21,20 +21,10 @@ from fsm.run.journal import JournalError, rebuild, records  # noqa: E402
 from specs.calculator import make_prompts  # noqa: E402
 from tests.conftest import ASSETS  # noqa: E402
 from tests.fixtures.turns import TURNS, LoggedTurns  # noqa: E402
-from tests.test_ray import same_batch  # noqa: E402
+from tests.test_ray import cluster, same_batch  # noqa: E402, F401  (cluster: the module's Ray fixture)
 
 LATENCY_S = 0.3  # per model turn: a trajectory spends most of its time waiting on one, so a kill finds some
 T0 = {"temperature": 0.0}
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    if started:
-        ray.shutdown()
 
 
 def turns_between(journal_dir: Path) -> tuple[int, dict[str, int]] | None:

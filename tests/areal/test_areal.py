@@ -60,20 +60,26 @@ def tiny_server():
         proc.wait(timeout=30)
 
 
-def test_workflow_through_areal_engine_batch_and_actor_loss(tiny_server):
-    tok = AutoTokenizer.from_pretrained(ASSETS)
+def areal_engine(server: str, trial: str) -> RemoteSGLangEngine:
+    """AReaL's own remote engine over `server`, at VERSION."""
     engine = RemoteSGLangEngine(
         InferenceEngineConfig(
             experiment_name="agentfsm",
-            trial_name="test",
+            trial_name=trial,
             backend="sglang:d1",
             max_concurrent_rollouts=4,
             consumer_batch_size=4,
             setup_timeout=60,
         )
     )
-    engine.initialize(addr=[tiny_server])
+    engine.initialize(addr=[server])
     engine.set_version(VERSION)
+    return engine
+
+
+def test_workflow_through_areal_engine_batch_and_actor_loss(tiny_server):
+    tok = AutoTokenizer.from_pretrained(ASSETS)
+    engine = areal_engine(tiny_server, "test")
     workflow = FSMWorkflow(
         "calculator",
         tok,

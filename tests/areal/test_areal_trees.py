@@ -10,33 +10,21 @@ import torch
 
 pytest.importorskip("areal", reason="runs in .venv-areal (bash .ci/areal_env.sh)")
 
-from areal.api.cli_args import GenerationHyperparameters, InferenceEngineConfig  # noqa: E402
-from areal.engine.sglang_remote import RemoteSGLangEngine  # noqa: E402
+from areal.api.cli_args import GenerationHyperparameters  # noqa: E402
 from areal.utils.data import concat_padded_tensors  # noqa: E402
 from areal.utils.functional import gather_logprobs  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from fsm.adapters.areal import FSMWorkflow  # noqa: E402
 from specs.calculator import compute_score, make_prompts  # noqa: E402
-from tests.areal.test_areal import TEMPERATURE, VERSION, tiny_server  # noqa: E402, F401
+from tests.areal.test_areal import TEMPERATURE, VERSION, areal_engine, tiny_server  # noqa: E402, F401
 from tests.conftest import ASSETS  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 
 def _episodes(server: str, spec: str, rows: list[dict], **kwargs) -> list[dict]:
-    engine = RemoteSGLangEngine(
-        InferenceEngineConfig(
-            experiment_name="agentfsm",
-            trial_name="trees",
-            backend="sglang:d1",
-            max_concurrent_rollouts=4,
-            consumer_batch_size=4,
-            setup_timeout=60,
-        )
-    )
-    engine.initialize(addr=[server])
-    engine.set_version(VERSION)
+    engine = areal_engine(server, "trees")
     tok = AutoTokenizer.from_pretrained(ASSETS)
     gconfig = GenerationHyperparameters(n_samples=1, max_new_tokens=64, temperature=TEMPERATURE)
     workflow = FSMWorkflow(spec, tok, gconfig=gconfig, **kwargs)

@@ -10,6 +10,7 @@ sampling."""
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -109,19 +110,7 @@ async def test_generator_through_skyrl_client_trainer_tensors_and_loss():
             },
         }
     )
-    sampling = get_sampling_params_for_backend(
-        "vllm",
-        OmegaConf.create(
-            {
-                "max_generate_length": 160,
-                "temperature": TEMPERATURE,
-                "top_p": 1.0,
-                "top_k": -1,
-                "min_p": 0.0,
-                "logprobs": 0,
-            }
-        ),
-    )
+    sampling = vllm_sampling()
     rows = make_prompts(2, seed=11)
     prompts = [
         {
@@ -291,19 +280,7 @@ async def test_step_wise_segments_get_their_trajectorys_advantage():
 
     tok = AutoTokenizer.from_pretrained(ASSETS)
     cfg = _skyrl_cfg(True)
-    sampling = get_sampling_params_for_backend(
-        "vllm",
-        OmegaConf.create(
-            {
-                "max_generate_length": 160,
-                "temperature": TEMPERATURE,
-                "top_p": 1.0,
-                "top_k": -1,
-                "min_p": 0.0,
-                "logprobs": 0,
-            }
-        ),
-    )
+    sampling = vllm_sampling()
     rows = [compact_row(), compact_row("What is 2 + 3 exactly?")]
     prompts = [
         {
@@ -363,4 +340,21 @@ async def test_step_wise_segments_get_their_trajectorys_advantage():
     assert sorted(rewards) == [0.0, 0.0, 1.0, 1.0]
     assert all(
         (rows_adv[3 * t] > 0.5) == (rewards[t] == 1.0) and abs(rows_adv[3 * t]) > 0.5 for t in range(n)
+    )
+
+
+def vllm_sampling() -> Any:
+    """SkyRL's sampling parameters for its vLLM backend, as its generator config gives them."""
+    return get_sampling_params_for_backend(
+        "vllm",
+        OmegaConf.create(
+            {
+                "max_generate_length": 160,
+                "temperature": TEMPERATURE,
+                "top_p": 1.0,
+                "top_k": -1,
+                "min_p": 0.0,
+                "logprobs": 0,
+            }
+        ),
     )

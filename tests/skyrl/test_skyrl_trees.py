@@ -11,10 +11,8 @@ import torch
 
 pytest.importorskip("skyrl_train", reason="runs in .venv-skyrl (bash .ci/skyrl_env.sh)")
 
-from omegaconf import OmegaConf  # noqa: E402
 from skyrl_train.generators.utils import prepare_generator_input  # noqa: E402
 from skyrl_train.inference_engines.inference_engine_client import InferenceEngineClient  # noqa: E402
-from skyrl_train.inference_engines.utils import get_sampling_params_for_backend  # noqa: E402
 from skyrl_train.trainer import RayPPOTrainer  # noqa: E402
 from skyrl_train.training_batch import TrainingInputBatch  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
@@ -23,25 +21,13 @@ from backends.hf import HFBackend  # noqa: E402
 from fsm.adapters.skyrl import FSMGenerator  # noqa: E402
 from specs.calculator import make_prompts  # noqa: E402
 from tests.conftest import ASSETS  # noqa: E402
-from tests.skyrl.test_skyrl import TEMPERATURE, N, TinyEngine, _skyrl_cfg  # noqa: E402
+from tests.skyrl.test_skyrl import N, TinyEngine, _skyrl_cfg, vllm_sampling  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 
 def _input(rows: list[dict]):
-    sampling = get_sampling_params_for_backend(
-        "vllm",
-        OmegaConf.create(
-            {
-                "max_generate_length": 160,
-                "temperature": TEMPERATURE,
-                "top_p": 1.0,
-                "top_k": -1,
-                "min_p": 0.0,
-                "logprobs": 0,
-            }
-        ),
-    )
+    sampling = vllm_sampling()
     prompts = [
         {
             "prompt": r["raw_prompt"],
