@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import fsm
-from fsm.tools.base import check_arguments, infer_schema
+from fsm.tools.schema import check_arguments, infer_schema
 from tests.conftest import (
     PARTS,
     SPECS,

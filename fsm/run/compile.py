@@ -39,7 +39,8 @@ from fsm.spec.registry import (
     is_import_path,
     resolve,
 )
-from fsm.tools.base import BoundTool, ToolSet, build_tool
+from fsm.tools.base import BoundTool, ToolSet
+from fsm.tools.build import build_tool
 
 BUDGET_ACTIONS = ("generate", "call_tools", "interact")  # built-ins that append tokens to the response
 

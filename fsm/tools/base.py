@@ -24,8 +24,7 @@ from typing import Any
 from backends.retry import RetryPolicy, retry
 from fsm.data.rows import encodable
 from fsm.families.parsers import ToolCall
-from fsm.spec.model import DEFAULT_TOOL_WORKERS, LimitsSpec, ToolPolicySpec, ToolSpec
-from fsm.spec.registry import resolve
+from fsm.spec.model import DEFAULT_TOOL_WORKERS, LimitsSpec, ToolPolicySpec
 from fsm.tools.isolation import (
     START_CLOCK,
     InlineLane,
@@ -37,6 +36,7 @@ from fsm.tools.isolation import (
     ToolUnavailable,
     crashed,
 )
+from fsm.tools.schema import check_arguments
 from fsm.tools.worker import shrink
 
 __all__ = [
@@ -49,7 +49,6 @@ __all__ = [
     "ToolResponse",
     "ToolSet",
     "ToolUnavailable",
-    "build_tool",
     "heartbeat",
     "normalize_return",
 ]
@@ -170,63 +169,6 @@ def _cut_return(fn: Callable[..., Any], keep: int, /, **parameters: Any) -> Any:
     """`fn`'s return with its text cut to its first and last `keep` characters, in the tool's own thread: a
     50 MB answer dies there instead of waiting whole for the event loop (16 rows held 1.1 GB)."""
     return shrink(fn(**parameters), keep)
-
-
-def infer_schema(fn: Callable[..., Any]) -> dict:
-    """OpenAI function schema from type hints and a Google-style docstring (transformers' helper)."""
-    from transformers.utils import get_json_schema
-
-    return get_json_schema(fn)
-
-
-_JSON_TYPES: dict[str, type | tuple[type, ...]] = {
-    "string": str,
-    "integer": int,
-    "number": (int, float),
-    "boolean": bool,
-    "array": list,
-    "object": dict,
-    "null": type(None),
-}
-
-
-def _json_type_ok(value: Any, type_: str) -> bool:
-    """`value` (from json.loads) is a JSON Schema `type_`; an unknown type name accepts anything."""
-    if not isinstance(type_, str) or type_ not in _JSON_TYPES:
-        return True
-    if isinstance(value, bool):  # a bool is an int in Python, never in JSON
-        return type_ == "boolean"
-    if type_ == "integer":  # JSON Schema: a number with no fractional part (2.0 included)
-        return isinstance(value, int) or (isinstance(value, float) and value.is_integer())
-    return isinstance(value, _JSON_TYPES[type_])
-
-
-def check_arguments(schema: dict, args: Any) -> str | None:
-    """A readable complaint about arguments that do not fit the schema, or None.
-
-    A property's `type` may be one name or a list of names (`int | float` is ["integer", "number"]); the
-    value must be one of them. `nullable: true` (transformers' Optional) also accepts null."""
-    if not isinstance(args, dict):
-        return f"arguments must be a JSON object, got {type(args).__name__}"
-    params = schema.get("function", schema).get("parameters") or {}
-    props: dict = params.get("properties") or {}
-    missing = [name for name in params.get("required", []) if name not in args]
-    if missing:
-        return f"missing required argument(s) {', '.join(map(repr, missing))}"
-    unknown = [name for name in args if props and name not in props]
-    if unknown:
-        return (
-            f"unexpected argument(s) {', '.join(map(repr, unknown))}; expected {', '.join(map(repr, props))}"
-        )
-    for name, value in args.items():
-        prop = props.get(name) or {}
-        types = prop.get("type")
-        if types is None or (value is None and prop.get("nullable")):
-            continue
-        types = [types] if isinstance(types, str) else list(types)
-        if not any(_json_type_ok(value, t) for t in types):
-            return f"argument {name!r} should be {' or '.join(map(str, types))}, got {type(value).__name__}"
-    return None
 
 
 def truncate(text: str, limit: int, side: str) -> str:
@@ -595,73 +537,3 @@ class ToolSet:
                 outcome.text, self.limits.max_tool_response_length, self.limits.tool_response_truncate_side
             )
         return outcome
-
-
-def _declared_schema(spec: ToolSpec, resolve_ref: Callable[[str], Any]) -> dict | None:
-    """The spec's schema: inline, or the dict an import path names."""
-    if isinstance(spec.schema_, str):
-        schema = resolve_ref(spec.schema_)
-        if not isinstance(schema, dict):
-            raise TypeError(
-                f"schema {spec.schema_!r} is a {type(schema).__name__}, not an OpenAI function schema dict"
-            )
-        return dict(schema)
-    return dict(spec.schema_) if spec.schema_ is not None else None
-
-
-def build_tool(spec: ToolSpec, resolve_ref: Callable[[str], Any] = resolve) -> BoundTool:
-    """ToolSpec -> BoundTool. Raises ImportPathError / TypeError / ValueError with a readable message.
-
-    `resolve_ref` turns import paths into objects (fsm.run.compile passes one with the spec's trust opt-ins).
-    """
-    if bool(spec.function) == bool(spec.class_):
-        raise ValueError("a tool needs exactly one of 'function' or 'class'")
-    declared = _declared_schema(spec, resolve_ref)
-    if spec.function:
-        fn = resolve_ref(spec.function)
-        if not callable(fn):
-            raise TypeError(f"{spec.function!r} is not callable")
-        schema = declared or infer_schema(fn)
-    else:
-        assert spec.class_  # exactly one of the two (checked above)
-        cls = resolve_ref(spec.class_)
-        if declared is None:
-            raise ValueError(f"tool class {spec.class_!r} needs a 'schema' (OpenAI function schema)")
-        schema = declared
-    name = spec.name or schema.get("function", {}).get("name")
-    if not name:
-        raise ValueError("the tool schema has no function name")
-    if spec.name and schema.get("function", {}).get("name") != spec.name:
-        schema = {**schema, "function": {**schema.get("function", {}), "name": spec.name}}
-    if spec.function:
-        if spec.isolation == "none" and not inspect.iscoroutinefunction(fn):
-            raise TypeError(
-                f"isolation: none runs coroutine functions only (they await on the run's event loop), "
-                f"and {spec.function!r} is a sync function: drop isolation: none to run it in its own "
-                "threads"
-            )
-        if spec.isolation == "process":
-            lane: Lane = ProcessLane(name, spec.function, spec.workers)
-        elif spec.isolation == "none":
-            lane = InlineLane(name)
-        elif inspect.iscoroutinefunction(fn):
-            lane = LoopLane(name)
-        else:
-            lane = ThreadLane(name, spec.workers)
-        tool: Any = FunctionTool(fn, schema, lane)
-    else:
-        tool = cls(dict(spec.config), schema)
-        for method in ("create", "execute", "calc_reward", "release"):
-            if not callable(getattr(tool, method, None)):
-                raise TypeError(f"tool class {spec.class_!r} lacks the lifecycle method {method!r}")
-            if spec.isolation == "none" and not inspect.iscoroutinefunction(getattr(tool, method)):
-                raise TypeError(
-                    f"isolation: none runs coroutines only, and {spec.class_!r}.{method} is not an "
-                    "async def: drop isolation: none to run it on the tool's own loop thread"
-                )
-        lane = InlineLane(name) if spec.isolation == "none" else LoopLane(name)
-    if hasattr(tool, "name"):
-        tool.name = name
-    return BoundTool(
-        name, tool, schema, spec.timeout_s, tool_retry(spec.retry.max_attempts, spec.retry.backoff_s), lane
-    )
