@@ -14,7 +14,7 @@ matched stop id is the last generated token.
 Device and dtype (`device=`, `dtype=`; `agentfsm run/dev-server --device --dtype`):
 - device: cuda when `torch.cuda.is_available()`, else cpu.
 - dtype, for a model loaded from a directory: float32 on CPU; on CUDA, float32 for models under
-  `SMALL_MODEL_PARAMS` parameters and bfloat16 above. Small models are bound by per-step overhead, not by
+  `SMALL_MODEL_PARAMS` (backends/hf_model.py) parameters and bfloat16 above. Small models are bound by per-step overhead, not by
   arithmetic, so bfloat16 buys them little, and it breaks the batching promise above: in bfloat16 a row's
   logprobs (and sometimes its greedy tokens) change with the batch it is decoded in, where float32 holds.
   Large models get bfloat16 for memory and speed; pass dtype="float32" to keep the promise with them. A model
@@ -38,12 +38,11 @@ import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from backends.base import (
     BackendError,
@@ -53,21 +52,18 @@ from backends.base import (
     GenerateRequest,
     GenerateResult,
 )
+from backends.hf_model import (
+    default_dtype,
+    parameter_count,
+    served_name,
+    to_dtype,
+    unfit_tensors,
+    untied_values,
+)
 from backends.kv import Rows, SessionCache, SlotCache, joinable, make_cache, prefill_inputs
 from backends.sampling import DecodeSampling, sample_next, validate
 
-SMALL_MODEL_PARAMS = 1_000_000_000  # below this, float32 on CUDA too (see the module docstring)
 SESSION_KV_BYTES = 1 << 30  # default bound on the KV kept between a trajectory's turns
-TINY_SERVED_NAME = "agentfsm-tiny-calculator"  # the served name of the bundled model (backends/tiny/assets)
-DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-}
 # SDPA kernels used in float16/bfloat16 on CUDA: all but cuDNN attention, which plans per shape
 _NO_CUDNN_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
@@ -97,57 +93,6 @@ class _Job:
 
 def _ids(value: int | list[int] | None) -> list[int]:
     return [value] if isinstance(value, int) else list(value or ())
-
-
-def _dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
-    """A torch dtype from a dtype or its name ("float32", "bf16"...); None for None or "auto"."""
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    name = str(dtype).strip().lower().removeprefix("torch.")
-    if name == "auto":
-        return None
-    if name not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}: expected auto or one of {', '.join(DTYPES)}")
-    return DTYPES[name]
-
-
-def default_dtype(device: torch.device, parameters: int | None) -> torch.dtype:
-    """float32 on CPU, and on CUDA for models under SMALL_MODEL_PARAMS; bfloat16 for larger (or unknown)
-    ones on CUDA. See the module docstring for why."""
-    if device.type != "cuda":
-        return torch.float32
-    return torch.float32 if parameters is not None and parameters < SMALL_MODEL_PARAMS else torch.bfloat16
-
-
-def _parameter_count(path: str | os.PathLike[str]) -> int | None:
-    """The model's parameter count, from its config alone (built on the meta device: no memory, no weights
-    read); None when it cannot be built."""
-    try:
-        config = AutoConfig.from_pretrained(path)
-        with torch.device("meta"):
-            skeleton = AutoModelForCausalLM.from_config(config)
-        return sum(p.numel() for p in skeleton.parameters())
-    except Exception:  # an unusual layout: fall back to the large-model default
-        return None
-
-
-def _served_name(model: Any, config: Any) -> str:
-    """The bundled tiny model's name, a `served_model_name` in the config, or the model folder's name."""
-    named = getattr(config, "served_model_name", None)
-    if isinstance(named, str) and named:
-        return named
-    path = model if not isinstance(model, torch.nn.Module) else config.name_or_path
-    if path:
-        from backends.tiny import ASSET_DIR
-
-        try:
-            if Path(path).resolve() == ASSET_DIR:
-                return TINY_SERVED_NAME
-        except OSError:
-            pass
-    if path and not os.path.isdir(path):
-        return str(path)  # a hub id ("Qwen/Qwen3-0.6B"), as SGLang names it
-    return os.path.basename(os.path.normpath(str(path or ""))) or "hf"
 
 
 class HFBackend(BaseBackend):
@@ -182,13 +127,13 @@ class HFBackend(BaseBackend):
         if torch_threads is not None:
             torch.set_num_threads(torch_threads)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        dtype = _dtype(dtype)
+        dtype = to_dtype(dtype)
         if isinstance(model, torch.nn.Module):  # decoded as is: the caller's module (weights shared)
             self.dtype = dtype or next(model.parameters()).dtype
             self.model = model
         else:
             if dtype is None:  # counting parameters builds a skeleton: only where the answer matters
-                count = _parameter_count(model) if self.device.type == "cuda" else None
+                count = parameter_count(model) if self.device.type == "cuda" else None
                 dtype = default_dtype(self.device, count)
             self.dtype = dtype
             self.model = AutoModelForCausalLM.from_pretrained(model, dtype=self.dtype)
@@ -204,7 +149,7 @@ class HFBackend(BaseBackend):
             else None
         )
         config: Any = self.model.config  # a transformers config (the caller's module may be any nn.Module)
-        self.model_name = served_model_name or model_name or _served_name(model, config)
+        self.model_name = served_model_name or model_name or served_name(model, config)
         self.context_length = getattr(config, "max_position_embeddings", None)
         self.vocab_size: int = config.vocab_size
         if eos_token_ids is None:  # like SGLang: the config's and the generation config's eos ids
@@ -635,25 +580,12 @@ class HFBackend(BaseBackend):
 
     def _load_weights(self, model_path: str) -> None:
         state = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).state_dict()
-        untied = self._untied(state)
+        untied = untied_values(self.model, state)
         if untied:
             raise ValueError(f"the checkpoint holds {untied}")
         with torch.no_grad(), self._step:
             self.model.load_state_dict(state)
             self.sessions.clear()  # KV computed by the old weights is never reused
-
-    def _untied(self, values: Any) -> str | None:
-        """What in `values` (name -> tensor) the served model cannot hold: different tensors for names that are
-        one tied parameter here (an output head tied to the embedding), of which only the last copied would
-        serve, silently."""
-        shared: dict[int, list[str]] = {}
-        for name, param in self.model.named_parameters(remove_duplicate=False):
-            shared.setdefault(id(param), []).append(name)
-        for names in shared.values():
-            given = [n for n in names if n in values]
-            if any(not torch.equal(values[given[0]], values[n]) for n in given[1:]):
-                return f"different {' and '.join(given)}, which the served model ties into one parameter"
-        return None
 
     async def update_weights_from_tensor(
         self,
@@ -669,17 +601,7 @@ class HFBackend(BaseBackend):
         from disk it lands between batches, or between two steps of a batch held by an in-place pause."""
         pairs = list(named_tensors.items() if hasattr(named_tensors, "items") else named_tensors or ())
         own = self.model.state_dict(keep_vars=True)
-        wrong = next(
-            (
-                f"the model has no parameter {name!r}"
-                if name not in own
-                else f"{name} has shape {tuple(t.shape)}, the model's {tuple(own[name].shape)}"
-                for name, t in pairs
-                if name not in own or t.shape != own[name].shape
-            ),
-            None,
-        )
-        wrong = wrong or self._untied(dict(pairs))
+        wrong = unfit_tensors(self.model, own, pairs)
         if serialized_named_tensors is not None:
             wrong = "pass named_tensors= (tensors in this process), not serialized_named_tensors"
         elif load_format not in (None, "direct"):

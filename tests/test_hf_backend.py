@@ -17,7 +17,9 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from backends.base import Backend, BackendRequestError, BackendUnavailable, GenerateRequest, GenerateResult
-from backends.hf import SMALL_MODEL_PARAMS, TINY_SERVED_NAME, HFBackend, _dtype, default_dtype
+from backends.hf import HFBackend
+from backends.hf_model import SMALL_MODEL_PARAMS, TINY_SERVED_NAME, default_dtype
+from backends.hf_model import to_dtype as _dtype
 from bench.hf import bench_hf, bench_rollout
 
 VOCAB, CONTEXT = 600, 256

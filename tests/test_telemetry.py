@@ -318,7 +318,8 @@ async def test_embedded_model_spans_over_otlp(receiver, tokenizer, agent):
     segments; the parts' texts join up to the decoded token ids); every span has its OpenInference kind."""
     import json
 
-    from backends.hf import TINY_SERVED_NAME, HFBackend
+    from backends.hf import HFBackend
+    from backends.hf_model import TINY_SERVED_NAME
     from backends.tiny import ASSET_DIR
 
     def text(messages: str) -> str:
