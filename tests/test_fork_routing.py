@@ -1,0 +1,67 @@
+"""A fork's tree stays on one server of several: the root's turns and every branch's (docs/trees.md, "Forks").
+
+Two dev servers over the tiny model (real HTTP, each with its own prefix cache that reports `cached_tokens` as
+SGLang does) behind the Router. Forked after its first model turn, a tree's root has run its prompt and output
+on one server before its branches start; each branch sends the root's routing key, so it lands there and its
+prompt is served from that cache up to the root's last sampled token. The real engines' numbers:
+tests/sglang/test_fork_cache.py and tests/vllm/test_fork_cache.py.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+
+import fsm
+from backends.devserver import DevServer
+from backends.sglang import SGLangBackend
+from bench.fork_cache import Recording, branch_prompts, spec_path
+from fsm.api import make_backend
+from fsm.run.tree import row_nodes
+from specs.calculator import make_prompts
+
+TREES = 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fork", ["after_call", "first_turn"])
+async def test_a_tree_and_its_branches_stay_on_one_of_two_servers(fork, tmp_path, tok):
+    served = make_backend()
+    async with DevServer(served) as a, DevServer(served) as b:
+        clients = [SGLangBackend(d.url, max_retries=1, backoff_s=0.01) for d in (a, b)]
+        async with Recording(clients, health_interval_s=0) as router:
+            runner = fsm.Runner(
+                fsm.compile_spec(spec_path(fork, tmp_path)),
+                router,
+                tok,
+                check_tokens=True,
+            )
+            trajs = await runner.run(make_prompts(TREES, 3), sampling_params={"seed": 1})
+            assert router.stats()["sessions"] == 0  # every pin released once its tree ended
+            counts = dict(router.counts)
+    await served.close()
+    servers_of: dict[str, set[str]] = defaultdict(set)
+    for request, result in router.calls:
+        servers_of[request.session_id].add(result.server or "?")
+        tree = (request.rid or "").split(":")[0].split("_t")[0]  # a branch's rid: <root>:<node>_tNN
+        assert request.session_id == tree, (request.rid, request.session_id)  # the root's routing key
+    for root in trajs:
+        assert root.node is not None and root.node.forked, (fork, root.termination_reason)
+        assert all(n.token_check is None for n in row_nodes(root))
+        assert len(servers_of[root.session_id]) == 1, (root.session_id, servers_of[root.session_id])
+    # the trees were spread over both servers, and each placed once: every later request was sticky
+    assert {s for where in servers_of.values() for s in where} == {a.url, b.url}
+    assert counts["new"] == TREES and counts["moved"] == 0 and counts["sticky"] == len(router.calls) - TREES
+    branches = branch_prompts(trajs, router.calls, block=1)
+    assert len(branches) == 4 * TREES
+    roots = {t.session_id: t for t in trajs}
+    for br in branches:
+        root = roots[br["node"].split()[0]]
+        assert br["server"] == next(iter(servers_of[root.session_id]))
+        assert br["shared"] == len(root.prompt_ids) + len(root.response_ids)
+        if fork == "after_call":  # the root's turn ran the prefix there: all of it but its last token is hit
+            assert len(root.response_ids) > 0 and br["cached"] >= br["full_blocks"] == br["shared"] - 1, br
+    if fork == "first_turn":  # K copies of one prompt sent at once: the dev server runs them one by one
+        hit = [br for br in branches if br["cached"] >= br["full_blocks"]]
+        assert len(hit) >= len(branches) - TREES, branches
