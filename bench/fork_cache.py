@@ -112,11 +112,30 @@ def branch_prompts(
     return out
 
 
+def padded_rows(prompts: int, seed: int, pad: int) -> list[dict[str, Any]]:
+    """`prompts` calculator rows, each question followed by `pad` repeats of a short sentence: a longer prompt
+    (about 12 tokens each: within the spec's prompt_length 320 up to pad 9), so that a prefix spans more than one of vLLM's CPU cache
+    blocks (128 tokens) and the second block holds the row's own question, which only its own tree shares."""
+    rows = make_prompts(prompts, seed)
+    for row in rows:
+        user = row["raw_prompt"][-1]
+        user["content"] += " Show your work." * pad
+    return rows
+
+
 async def fork_cache(
-    url: str, fork: str, tmp: Path, *, prompts: int = 4, seed: int = 0, tokenizer: Any = None
+    url: str,
+    fork: str,
+    tmp: Path,
+    *,
+    prompts: int = 4,
+    seed: int = 0,
+    pad: int = 0,
+    tokenizer: Any = None,
 ) -> dict[str, Any]:
-    """Run fork `fork` on `prompts` calculator rows against the server at `url` from a flushed cache; returns the
-    branch prompts (`branch_prompts`), their totals, every request's totals and, on vLLM, its counters' deltas."""
+    """Run fork `fork` on `prompts` calculator rows (`padded_rows`) against the server at `url` from a flushed
+    cache; returns the branch prompts (`branch_prompts`), their totals, every request's totals and, on vLLM, its
+    counters' deltas over the run."""
     engine = await detect_engine(url)
     server = client(engine, url, max_retries=1, backoff_s=0.01)
     if tokenizer is None:
@@ -130,7 +149,7 @@ async def fork_cache(
         runner = fsm.Runner(
             fsm.compile_spec(spec_path(fork, tmp)), router, tokenizer, max_concurrency=prompts
         )
-        trajs = await runner.run(make_prompts(prompts, seed), sampling_params={"seed": seed})
+        trajs = await runner.run(padded_rows(prompts, seed, pad), sampling_params={"seed": seed})
         after = await vllm_counters(url) if engine == "vllm" else {}
     failed = [t.error or t.termination_reason for t in trajs if t.failed]
     if failed:
@@ -144,6 +163,7 @@ async def fork_cache(
     out: dict[str, Any] = {
         "engine": engine,
         "fork": fork,
+        "pad": pad,
         "block_size": block,
         "branch_prompts": branches,
         "branches": {
@@ -169,11 +189,19 @@ async def fork_cache(
     return out
 
 
+RUNS = (
+    ("first_turn", 0),
+    ("after_call", 0),
+    ("first_turn", 7),
+)  # (fork, pad): the padded prompt spans 2 blocks
+
+
 async def bench_fork_cache(servers: Sequence[str], tmp: Path, prompts: int = 4) -> dict[str, Any]:
-    """Both forks against each server in turn."""
-    return {
-        url: {
-            fork: await fork_cache(url, fork, tmp, prompts=prompts) for fork in ("first_turn", "after_call")
-        }
-        for url in servers
-    }
+    """Each fork of RUNS against each server in turn; per run the branch prompts' totals and the whole run's."""
+    out: dict[str, Any] = {}
+    for url in servers:
+        for fork, pad in RUNS:
+            r = await fork_cache(url, fork, tmp, prompts=prompts, pad=pad)
+            name = f"{url} {r['engine']} {fork}" + (f" pad={pad}" if pad else "")
+            out[name] = r
+    return out
