@@ -27,6 +27,4 @@ async def test_branch_prompts_after_the_first_turn_are_served_from_cache(sglang,
         assert b["route"] == "sticky" and b["shared"] < b["prompt"], b
         assert b["full_blocks"] == b["shared"] - 1 and b["full_blocks"] <= b["cached"] <= b["shared"], b
     assert out["branches"]["cached_share"] > 0.9
-    # the root's own turns were new to the server: what is cached in the run is what the branches reused
-    assert out["all_requests"]["cached_tokens"] == out["branches"]["cached_tokens"]
 
