@@ -18,6 +18,7 @@ from bench.fork_cache import fork_cache
 pytestmark = pytest.mark.sglang
 
 
+@pytest.mark.slow
 async def test_branch_prompts_after_the_first_turn_are_served_from_cache(sglang, tok, tmp_path):
     out = await fork_cache(sglang.url, "after_call", tmp_path, prompts=4, tokenizer=tok)
     print(out["branches"], out["all_requests"], flush=True)  # the numbers docs/benchmarks.md reports (-s)

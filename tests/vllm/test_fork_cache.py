@@ -24,6 +24,7 @@ def _counted_as_metrics(out: dict) -> None:
     assert metrics["prefix_cache_hits"] == every["cached_tokens"], out
 
 
+@pytest.mark.slow
 async def test_branch_prompts_after_the_first_turn_are_served_from_cache(vllm, tok, tmp_path):
     """One tree from a flushed cache: what its branches find cached, only its own root's turn can have left."""
     out = await fork_cache(vllm.url, "after_call", tmp_path, prompts=1, tokenizer=tok)
