@@ -67,14 +67,14 @@ async def _run(spec: str, n: int) -> dict[str, Any]:
     }
 
 
-def bench_trees(servers: Sequence[str] = ()) -> dict[str, Any]:
+def bench_trees(servers: Sequence[str] = (), prompts: int = PROMPTS // 2) -> dict[str, Any]:
     """On the dev server; with `servers` (real SGLang or vLLM serving the tiny model), the cached share of the
-    branch prompts as each server counts it instead (bench/fork_cache.py)."""
+    branch prompts of `prompts` trees per run as each server counts it instead (bench/fork_cache.py)."""
     if servers:
         from bench.fork_cache import bench_fork_cache
 
         with tempfile.TemporaryDirectory() as tmp:
-            return asyncio.run(bench_fork_cache(servers, Path(tmp), prompts=PROMPTS // 2))
+            return asyncio.run(bench_fork_cache(servers, Path(tmp), prompts=prompts))
     fork = asyncio.run(_run("specs/fork_calculator.yaml", 1))
     independent = asyncio.run(_run("specs/calculator.yaml", K))
     planner = asyncio.run(_run("specs/planner_solver.yaml", 1))

@@ -9,6 +9,9 @@ tests/sglang/test_fork_cache.py and tests/vllm/test_fork_cache.py.
 
 from __future__ import annotations
 
+import asyncio
+import json
+import sys
 from collections import defaultdict
 
 import pytest
@@ -65,3 +68,37 @@ async def test_a_tree_and_its_branches_stay_on_one_of_two_servers(fork, tmp_path
     if fork == "first_turn":  # K copies of one prompt sent at once: the dev server runs them one by one
         hit = [br for br in branches if br["cached"] >= br["full_blocks"]]
         assert len(hit) >= len(branches) - TREES, branches
+
+
+@pytest.mark.slow
+async def test_bench_trees_with_a_server_reads_its_cached_tokens():
+    """`agentfsm bench trees --server URL --n 1` (its own process) against a dev server: the branch prompts of each run
+    with the server's `cached_tokens`; forked after the first turn, all but the root's last token is cached."""
+    served = make_backend()
+    async with DevServer(served) as dev:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "fsm.cli.commands",
+            "bench",
+            "trees",
+            "--server",
+            dev.url,
+            "--n",
+            "1",
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        async with asyncio.timeout(300):
+            out, err = await proc.communicate()
+    await served.close()
+    assert proc.returncode == 0, err.decode()[-2000:]
+    runs = json.loads(out)
+    assert list(runs) == [
+        f"{dev.url} sglang {fork}" for fork in ("first_turn", "after_call", "first_turn pad=7")
+    ]
+    after = runs[f"{dev.url} sglang after_call"]
+    assert after["branches"]["requests"] == 4 and after["branches"]["cached_share"] > 0.9
+    assert all(b["cached"] >= b["full_blocks"] == b["shared"] - 1 for b in after["branch_prompts"])
+    padded = runs[f"{dev.url} sglang first_turn pad=7"]["branch_prompts"]
+    assert len(padded) == 4 and min(b["prompt"] for b in padded) > 256  # two of vLLM's CPU blocks

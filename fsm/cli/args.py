@@ -418,7 +418,7 @@ def command_line(commands: Mapping[str, Callable[[argparse.Namespace], int]]) ->
         type=COUNT,
         default=2000,
         metavar="N",
-        help="engine: trajectories; engines: prompts (default 8)",
+        help="engine: trajectories; engines: prompts (default 8); trees with --server: trees per run (default 4)",
     )
     p.add_argument(
         "--concurrency",
