@@ -28,4 +28,3 @@ async def test_branch_prompts_after_the_first_turn_are_served_from_cache(sglang,
         assert b["route"] == "sticky" and b["shared"] < b["prompt"], b
         assert b["full_blocks"] == b["shared"] - 1 and b["full_blocks"] <= b["cached"] <= b["shared"], b
     assert out["branches"]["cached_share"] > 0.9
-
