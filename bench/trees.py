@@ -4,11 +4,15 @@ A K-way fork encodes and prefills its prefix once and sends every branch to the 
 independent samples of the same row (a GRPO group) each send the whole prompt. Both runs here use one dev server
 with a prefix cache, which reports `cached_tokens` as SGLang does. Then the training tokens a packing trainer
 stores for the shipped tree specs: every row in full, against each shared prefix once (`shared_prefix`).
+With `--server URL` (real SGLang or vLLM), the cached share of the branch prompts as the server counts it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from backends.devserver import DevServer
@@ -63,7 +67,14 @@ async def _run(spec: str, n: int) -> dict[str, Any]:
     }
 
 
-def bench_trees() -> dict[str, Any]:
+def bench_trees(servers: Sequence[str] = (), prompts: int = PROMPTS // 2) -> dict[str, Any]:
+    """On the dev server; with `servers` (real SGLang or vLLM serving the tiny model), the cached share of the
+    branch prompts of `prompts` trees per run as each server counts it instead (bench/fork_cache.py)."""
+    if servers:
+        from bench.fork_cache import bench_fork_cache
+
+        with tempfile.TemporaryDirectory() as tmp:
+            return asyncio.run(bench_fork_cache(servers, Path(tmp), prompts=prompts))
     fork = asyncio.run(_run("specs/fork_calculator.yaml", 1))
     independent = asyncio.run(_run("specs/calculator.yaml", K))
     planner = asyncio.run(_run("specs/planner_solver.yaml", 1))

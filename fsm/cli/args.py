@@ -418,7 +418,7 @@ def command_line(commands: Mapping[str, Callable[[argparse.Namespace], int]]) ->
         type=COUNT,
         default=2000,
         metavar="N",
-        help="engine: trajectories; engines: prompts (default 8)",
+        help="engine: trajectories; engines: prompts (default 8); trees with --server: trees per run (default 4)",
     )
     p.add_argument(
         "--concurrency",
@@ -447,7 +447,8 @@ def command_line(commands: Mapping[str, Callable[[argparse.Namespace], int]]) ->
         type=server_url,
         metavar="URL",
         help="engines: a server serving the tiny model (SGLang, vLLM or dev); two or more, run in turn; "
-        "fleet: a vLLM server of the fleet (default: two launched from .venv-vllm)",
+        "fleet: a vLLM server of the fleet (default: two launched from .venv-vllm); trees: a real SGLang or "
+        "vLLM server of the tiny model, whose own count of the branch prompts' cached tokens is read",
     )
     p.add_argument(
         "--trace",

@@ -668,6 +668,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         )
     elif what == "fleet":
         result = bench.bench_fleet(args.server or (), trace=args.trace, repeats=args.repeats)
+    elif what == "trees":
+        result = bench.bench_trees(args.server or (), prompts=4 if args.n == 2000 else args.n)
     else:  # argparse restricts the choices to the modules of bench/
         result = getattr(bench, f"bench_{what.replace('-', '_')}")()
     print(json.dumps(result, indent=2))
