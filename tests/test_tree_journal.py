@@ -6,6 +6,7 @@ embedded model are tests/test_tree_journal_kill.py."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -24,12 +25,15 @@ from tests.test_cli import _ThreadServer, one_line_error
 TREE_FIELDS = ("node", "parent", "node_kind", "branch_offset", "policy", "depth", "weight", "shared_prefix")
 
 
-def _ids(text: str) -> list[int]:
+@functools.cache
+def _tok() -> Any:
     from transformers import AutoTokenizer
 
-    tok = _ids.__dict__.setdefault("tok", None) or AutoTokenizer.from_pretrained(ASSETS)
-    _ids.__dict__["tok"] = tok
-    return tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
+    return AutoTokenizer.from_pretrained(ASSETS)
+
+
+def _ids(text: str) -> list[int]:
+    return _tok().encode(text, add_special_tokens=False) + [_tok().eos_token_id]
 
 
 def _echo(session_id: str, turn: int, prompt: list[int]) -> list[int]:
@@ -39,10 +43,11 @@ def _echo(session_id: str, turn: int, prompt: list[int]) -> list[int]:
 
 
 def _planner(session_id: str, turn: int, prompt: list[int]) -> list[int]:
-    """planner_solver's: the planner delegates 1 + <row> to the solver child, which answers; then it answers."""
+    """planner_solver's: the planner delegates 1 + <row> to the solver child, which answers; then it answers.
+    Decided by the prompt, not the turn number: a resumed run asks again for the turns in flight only."""
     if ":" in session_id:  # a child's routing key is its own session id, <root>:<path>
         return _ids("It is done.\n#### 3")
-    if turn == 0:
+    if "<tool_response>" not in _tok().decode(prompt):
         row = session_id.rsplit("-", 2)[1]
         return _ids(hermes_text([("calculator", {"expression": f"1 + {row}"})]))
     return _ids("The answer is 3.\n#### 3")

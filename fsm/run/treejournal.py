@@ -286,3 +286,17 @@ def restore_tree(
             if sub.reward_score is None:
                 sub.reward_score = root.reward_score
     return pending
+
+
+def tree_nodes(root: Trajectory) -> list[Trajectory]:
+    """Every node of `root`'s tree but the root, under their parents or pending, parents first."""
+    out: list[Trajectory] = []
+    todo = [root]
+    while todo:
+        node = todo.pop(0).node
+        if node is None:
+            continue
+        subs = [*node.nodes, *(node.pending or {}).values()]
+        out += subs
+        todo += subs
+    return out
