@@ -19,8 +19,8 @@ from fsm.run.resume import identity
 from fsm.run.runtime import Owner, Runner
 from fsm.run.tree import nodes_of, tree_record
 from specs.calculator import make_prompts
-from tests.conftest import ASSETS
-from tests.test_tree_journal import SPECS
+from tests.conftest import ASSETS, REPO, hermes_text
+from tests.test_tree_journal import SPECS, _ids, _tok
 
 
 async def _attempt(
@@ -69,7 +69,31 @@ def _rows(trajs: list[Any]) -> list[tuple[Any, ...]]:
     return out
 
 
-@pytest.mark.parametrize("spec", sorted(SPECS))
+RECURSIVE = """
+name: recursive
+extends: {specs}/planner_solver.yaml
+children:
+  calculator:
+    spec: self
+    policy: solver
+    input: expression
+    schema: specs.calculator:TOOL_SCHEMA
+tree:
+  max_depth: 2
+"""
+
+
+def _recursive(session_id: str, turn: int, prompt: list[int]) -> list[int]:
+    """A spec that starts itself, two levels deep: a node above the bottom delegates once, then answers."""
+    if session_id.count(":") < 2 and "<tool_response>" not in _tok().decode(prompt):
+        return _ids(hermes_text([("calculator", {"expression": "1 + 2"})]))
+    return _ids("It is done.\n#### 3")
+
+
+MODELS = {**SPECS, "recursive": _recursive}
+
+
+@pytest.mark.parametrize("spec", sorted(MODELS))
 async def test_a_tree_chunk_stopped_mid_tree_goes_on_from_its_journal(tmp_path, spec):
     asked: list[str] = []
     stop_after = {"n": -1}
@@ -79,14 +103,19 @@ async def test_a_tree_chunk_stopped_mid_tree_goes_on_from_its_journal(tmp_path, 
         asked.append(session_id)
         if len(asked) == stop_after["n"]:
             stop.set()
-        return SPECS[spec](session_id, n, prompt)
+        return MODELS[spec](session_id, n, prompt)
 
+    if spec == "recursive":
+        (tmp_path / "recursive.yaml").write_text(RECURSIVE.format(specs=REPO / "specs"))
+    agent = load_agent(str(tmp_path / "recursive.yaml") if spec == "recursive" else spec)
     backend = ScriptedBackend(turn, latency_s=0.02)
-    runner = Runner(load_agent(spec), backend, load_tokenizer(str(ASSETS)), max_concurrency=8)
+    runner = Runner(agent, backend, load_tokenizer(str(ASSETS)), max_concurrency=8)
     whole = await _attempt(runner, tmp_path, "whole", 0, None)
     assert whole is not None
     reference = _rows(whole[0])
     assert len(reference) > 2  # trees: more rows than roots
+    if spec == "recursive":
+        assert max(r[0]["depth"] for r in reference) == 2
     whole_asked = len(asked)
     asked.clear()
     stop_after["n"] = 3

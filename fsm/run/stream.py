@@ -234,8 +234,7 @@ class Stream(Owner):
     async def _node(self, ctx: RunContext, traj: Trajectory) -> None:
         """A tree node's run (a child machine's, a branch's: fsm/run/tree.py), journaled and parked at its
         boundaries as a root is; while a parent waits on its nodes they count as running in its stead."""
-        node = traj.node
-        parent = node.tree if node.parent == "0" else f"{node.tree}:{node.parent}"
+        parent = traj.session_id.rpartition(":")[0]  # a node's id is its parent's, ":", its path
         self._waits(parent, 1)
         try:
             await self.runner.drive(ctx, traj, self._boundary)

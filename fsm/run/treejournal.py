@@ -143,6 +143,7 @@ def tree_form(
         _shape(metas[sid], f"{path}: node {sid!r}")
     nodes.sort(key=lambda s: (len(metas[s]["node"]), _key(metas[s]["node"])))
     agents, agent_of = Agents(), {sid: agent for sid in roots}
+    root_of = {sid: sid for sid in roots if sid in trajs}  # session id -> its tree's root
     made: dict[str, list[int]] = {}  # session id -> the creation numbers of its nodes
     out: dict[str, tuple[dict[str, Any] | None, list[dict[str, Any]]]] = {
         sid: (metas.get(sid), []) for sid in roots
@@ -151,19 +152,20 @@ def tree_form(
     for sid in nodes:
         m, traj = metas[sid], trajs[sid]
         where = f"{path}: node {sid!r}"
-        tree, _, at = sid.rpartition(":")
+        parent_sid, _, at = sid.rpartition(":")  # a node's id is its parent's, ":", its path
         parent_path, _, number = m["node"].rpartition(".")
-        parent_sid = tree if parent_path == "0" else f"{tree}:{parent_path}"
-        root = trajs.get(tree)
+        tree = root_of.get(parent_sid)
+        parent_at = metas[parent_sid]["node"] if parent_sid in metas else "0"
         if (
             at != m["node"]
-            or tree not in roots
-            or root is None
+            or tree is None
             or m["parent"] != parent_path
-            or parent_sid not in agent_of
+            or parent_at != parent_path
             or m["depth"] != m["node"].count(".")
         ):
             raise ValueError(f"{where}: its path, parent or depth does not fit a tree of this run")
+        root = trajs[tree]
+        root_of[sid] = tree
         if (traj.index, traj.sample, traj.uid) != (root.index, root.sample, root.uid):
             raise ValueError(f"{where}: not of its root's row and sample")
         parent_agent, parent_meta = agent_of[parent_sid], metas.get(parent_sid)
