@@ -9,7 +9,7 @@ driver's count of the chunk's dispatches. An actor taking attempt k reads the ne
 (fsm/run/resume.py `load`: checked as strictly as a run's journal), writes what it found whole into its own
 file, removes the earlier ones, and runs only what is unfinished: a finished trajectory comes back as
 journaled, an unfinished one goes on from its last boundary (the action it was in runs again), one inside
-its interaction starts over. A file is removed when its chunk comes back, so the directory holds the chunks
+its interaction starts over; a tree's nodes likewise (fsm/run/treejournal.py). A file is removed when its chunk comes back, so the directory holds the chunks
 in flight, no more. Writes reach the OS at the end of each loop turn (a killed process loses none of them);
 `sync` as a run's (fsync at most a second later, for a node lost with a shared file system).
 
@@ -32,6 +32,7 @@ from fsm.run.context import Sampling
 from fsm.run.journal import JournalError, Recorder, Writer
 from fsm.run.resume import load
 from fsm.run.trajectory import Trajectory
+from fsm.run.treejournal import Agents, restore_tree, tree_nodes
 
 log = logging.getLogger("agentfsm.ray")
 
@@ -95,9 +96,13 @@ def open_chunk(
     if earlier:
         try:
             loaded = load(earlier[-1], runner.agent, runner.codec)
+            agents = Agents()
             for g in loaded.data["groups"]:
                 for td in g["trajectories"]:
                     t = snap.decode_trajectory(td)
+                    if "nodes" in td:  # a tree: its nodes as journaled (fsm/run/treejournal.py)
+                        nodes = [(snap.decode_trajectory(nd), nd["n"], nd["done"]) for nd in td["nodes"]]
+                        restore_tree(t, td["n"], nodes, runner.agent, agents.child, bool(td["done"]))
                     found[t.index] = (t, bool(td["done"]))
             rows = {t.index: (t.uid, t.sample) for t in fresh}
             if any(rows.get(i, (t.uid, t.sample)) != (t.uid, t.sample) for i, (t, _) in found.items()):
@@ -132,6 +137,8 @@ def open_chunk(
         for t, first in zip(trajs[i : i + n], firsts[i : i + n]):
             if t is not first:
                 recorder.whole(t, done=t.index in done)
+                for node in tree_nodes(t):  # a tree's nodes, each as journaled
+                    recorder.whole(node, done=node.node.finished)
     for k, outcome in tools.items():
         recorder.tool(k, outcome)
     recorder.writer.flush()  # on disk (the OS's) before the earlier attempts go
@@ -164,6 +171,12 @@ async def run_chunk(
     async def boundary(traj: Trajectory) -> None:
         recorder.step(traj)
         await tick(traj)
+
+    async def node(node_ctx: Any, traj: Trajectory) -> None:  # a tree's child or branch (fsm/run/tree.py)
+        await runner.drive(node_ctx, traj, boundary)
+        recorder.step(traj, done=True)
+
+    ctx.drive = node
 
     def done(traj: Trajectory) -> None:
         recorder.step(traj, done=True)

@@ -235,11 +235,6 @@ class RayRunner(BaseEngine):
                 raise ValueError("a tokenizer is needed with servers= or backend_factory= (a path is best)")
             tokenizer = tiny_model_dir()
         self.agent = load_agent(spec)
-        if journal_dir is not None and (self.agent.spec.children or self.agent.forks):
-            raise ValueError(
-                f"journal_dir=: agent {self.agent.name!r} has child machines or forks, whose nodes the journal "
-                "does not keep yet (docs/trees.md); leave journal_dir unset (a dead actor's rows then run again)"
-            )
         self.journal_dir = str(Path(journal_dir).resolve()) if journal_dir is not None else None
         self.journal_sync = journal_sync
         if self.journal_dir is not None:

@@ -294,6 +294,7 @@ class RunContext:
             self.drive,
         )
         ctx._nodes, ctx._child_agents = self._nodes, self._child_agents
+        ctx.journal = self.journal  # a node's side-effecting tools: journaled as the root's are
         self._nodes[(id(agent), policy)] = ctx
         return ctx
 

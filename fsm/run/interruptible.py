@@ -147,6 +147,12 @@ async def _reopen(engine: Any, keeper: Keeper) -> tuple[Loaded, Recorder]:
     say_now(
         f"agentfsm: resuming {path}: {loaded.finished} trajectories finished, {loaded.in_flight} go on from "
         f"their last state (the step in flight runs again), {loaded.restarted} start over"
+        + (
+            f"; tree nodes: {loaded.nodes_finished} finished (taken back as journaled), "
+            f"{loaded.nodes_in_flight} go on from their last state"
+            if loaded.nodes_finished or loaded.nodes_in_flight
+            else ""
+        )
     )
     recorder = Recorder(Writer(path, keeper.sync, keep=loaded.good_bytes), loaded.tool_results)
     try:

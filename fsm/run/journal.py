@@ -19,6 +19,8 @@ The records (one JSON object each, `t` its kind):
   the trajectory is whole there): `a` the appended part of each token array and list ([offset, items]), `r`
   what was replaced by a new object (whole), `v` the other slots that changed. Each model turn (tokens, logprobs, weight versions, finish), tool result, rewrite, interaction
   reply and reward is in the step after the action that made it; `done` on the last, after scoring.
+  A tree's nodes (child machines, branches) are trajectories too, with their place in the tree as `n` on their
+  `traj` records and on a `step` where it changed (fsm/run/treejournal.py).
 - `tool`: a side-effecting tool's result, as soon as it returns, keyed by its idempotency key.
 - `end`: the run's files are written: nothing is left to resume.
 """
@@ -41,6 +43,7 @@ from typing import Any
 
 from fsm.run.snapshot import SnapshotError, _decode, _encode, decode_trajectory, encode_trajectory
 from fsm.run.trajectory import TRANSIENT, Metrics, TokenRuns, Trajectory
+from fsm.run.treejournal import node_mark, node_meta
 
 JOURNAL = "journal.log"  # in the run directory
 FORMAT = 1
@@ -201,6 +204,7 @@ class _Mark:
     lens: dict[str, int]
     rest: dict[str, Any]
     closed: int
+    node: Any = None  # fsm/run/treejournal.py node_mark: what of its tree node the journal holds
 
 
 def _values(traj: Trajectory) -> dict[str, Any]:
@@ -220,7 +224,7 @@ def _mark(traj: Trajectory) -> _Mark:
     objs["runs"] = traj.runs
     lens = {n: len(objs[n]) for n in _ARRAYS + _LISTS}
     lens["runs"] = len(traj.runs._flat)  # TokenRuns: compared as its flat array
-    return _Mark(objs, lens, _values(traj), len(traj.closed))
+    return _Mark(objs, lens, _values(traj), len(traj.closed), node_mark(traj.node))
 
 
 class Recorder:
@@ -248,6 +252,8 @@ class Recorder:
         data["_version_runs"] = traj._version_runs.tolist()
         data["path_times"] = traj.path_times.tolist()
         record: dict[str, Any] = {"t": "traj", "s": traj.session_id, "d": data}
+        if traj.node is not None:
+            record["n"] = node_meta(traj.node)
         if done:
             record["done"] = True
             self._marks.pop(traj.session_id, None)
@@ -298,6 +304,9 @@ class Recorder:
         if done or rest["metrics"] != was["metrics"]:
             changed["metrics"] = traj.metrics.as_dict()
         m.rest = rest
+        if traj.node is not None and (mark := node_mark(traj.node)) != m.node:
+            record["n"] = node_meta(traj.node)
+            m.node = mark
         if grown:
             record["a"] = grown
         if replaced:
@@ -388,6 +397,7 @@ class Rebuilt:
     trajs: dict[str, Trajectory]  # session id -> as it last was
     first: dict[str, dict[str, Any]]  # session id -> its first whole record (before any action)
     done: set[str] = field(default_factory=set)
+    nodes: dict[str, Any] = field(default_factory=dict)  # session id -> its last tree record `n`
     tool_results: dict[str, dict[str, Any]] = field(default_factory=dict)
     ended: str | None = None  # "completed": its files are written
     steps: int = 0
@@ -468,6 +478,7 @@ def _apply(out: Rebuilt, rec: dict[str, Any], where: str) -> None:
             raise JournalError(f"{where}: a trajectory record of {sid!r} holds {traj.session_id!r}")
         out.first.setdefault(sid, rec["d"])
         out.trajs[sid] = traj
+        _node(out, rec, sid, where)
         out.steps += 1
         if rec.get("done"):
             _finished(traj, sid, where)
@@ -494,6 +505,7 @@ def _apply(out: Rebuilt, rec: dict[str, Any], where: str) -> None:
                     raise JournalError(f"{where}: metrics is not a trajectory's metrics")
                 v = Metrics(**v)
             setattr(traj, n, _decode(v))
+        _node(out, rec, sid, where)
         out.steps += 1
         if rec.get("done"):
             _finished(traj, sid, where)
@@ -508,6 +520,14 @@ def _apply(out: Rebuilt, rec: dict[str, Any], where: str) -> None:
         raise JournalError(f"{where}: a second 'run' record (two runs in one journal)")
     else:
         raise JournalError(f"{where}: unknown record kind {kind!r}")
+
+
+def _node(out: Rebuilt, rec: dict[str, Any], sid: str, where: str) -> None:
+    """A record's tree place `n` (checked against its tree by fsm/run/treejournal.py `tree_form`)."""
+    if "n" in rec:
+        if not isinstance(rec["n"], dict):
+            raise JournalError(f"{where}: its tree record 'n' is not an object")
+        out.nodes[sid] = rec["n"]
 
 
 def _finished(traj: Trajectory, sid: str, where: str) -> None:

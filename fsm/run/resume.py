@@ -6,7 +6,9 @@ are unkeyed: anyone can forge one).
 What runs again: every unfinished trajectory goes on from its last state boundary, so the action it was in
 when the run died (a model turn, a tool call, a rewrite) runs again; one whose interaction had started starts
 over (a user simulator's state is not ours to write), as with a snapshot. Finished trajectories are never run
-again: their groups come back ready.
+again: their groups come back ready. Trees resume node by node (fsm/run/treejournal.py): a finished node is
+taken back as journaled, an unfinished one goes on from its last boundary; a tree with a node inside its
+interaction starts over from its root.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from fsm.run.journal import FORMAT, JournalError, Read, Rebuilt, rebuild, record
 from fsm.run.snapshot import FORMAT as SNAPSHOT_FORMAT
 from fsm.run.snapshot import _check, decode_sampling, encode_trajectory, other_tokenizer, tokenizer_id
 from fsm.run.trajectory import Trajectory
+from fsm.run.treejournal import tree_form
 
 
 @dataclass
@@ -34,6 +37,8 @@ class Loaded:
     in_flight: int  # trajectories that go on from their last boundary: their current action runs again
     restarted: int  # trajectories that start over (inside their interaction)
     ended: str | None
+    nodes_finished: int = 0  # tree nodes (child machines, branches) finished before: taken back as they are
+    nodes_in_flight: int = 0  # tree nodes that go on from their last boundary
 
 
 def identity(agent: CompiledAgent, codec: Any, **more: Any) -> dict[str, Any]:
@@ -61,11 +66,6 @@ def read_identity(path: str | Path) -> dict[str, Any]:
 def load(path: str | Path, agent: CompiledAgent, codec: Any = None) -> Loaded:
     """The journal at `path`, checked against `agent` (spec hash), the tokenizer (`codec`'s digest) and its
     content; JournalError of one line otherwise."""
-    if agent.spec.children or agent.forks:
-        raise JournalError(
-            f"{path}: agent {agent.name!r} has child machines or forks, whose nodes the journal does not keep yet "
-            "(docs/trees.md): a tree run cannot be resumed; start it again with a fresh --out"
-        )
     read = records(path)
     rebuilt = rebuild(read)
     ident = rebuilt.identity
@@ -81,22 +81,41 @@ def load(path: str | Path, agent: CompiledAgent, codec: Any = None) -> Loaded:
             f"{path}: written with the tokenizer {named!r}, but this engine's is {ours!r} "
             "(another vocabulary or chat template); resume with the tokenizer it was written with"
         )
-    data, counts = _snapshot_form(read, rebuilt, agent)
     vocab = len(codec.tokenizer) if codec is not None and hasattr(codec, "tokenizer") else None
+    try:
+        trees = tree_form(path, rebuilt.trajs, rebuilt.nodes, rebuilt.done, rebuilt.groups, agent, vocab)
+    except JournalError:
+        raise
+    except Exception as exc:  # ValueError, SnapshotError and the malformed kinds: one line naming the journal
+        msg = str(exc)
+        raise JournalError(msg if msg.startswith(str(path)) else f"{path}: {msg}") from None
+    data, counts = _snapshot_form(read, rebuilt, agent, trees)
     try:
         _check(data, agent, vocab)
     except JournalError:
         raise
     except Exception as exc:  # SnapshotError and the malformed kinds: one line naming the journal
         raise JournalError(f"{path}: {exc}") from None
-    return Loaded(data, read.good_bytes, read.torn, rebuilt.tool_results, *counts, rebuilt.ended)
+    finished, in_flight, restarted, nodes_done, nodes_going = counts
+    return Loaded(
+        data,
+        read.good_bytes,
+        read.torn,
+        rebuilt.tool_results,
+        finished,
+        in_flight,
+        restarted,
+        rebuilt.ended,
+        nodes_done,
+        nodes_going,
+    )
 
 
 def _snapshot_form(
-    read: Read, rebuilt: Rebuilt, agent: CompiledAgent
-) -> tuple[dict[str, Any], tuple[int, int, int]]:
+    read: Read, rebuilt: Rebuilt, agent: CompiledAgent, trees: dict[str, Any]
+) -> tuple[dict[str, Any], tuple[int, int, int, int, int]]:
     ident = rebuilt.identity
-    groups, finished, in_flight, restarted = [], 0, 0, 0
+    groups, finished, in_flight, restarted, nodes_done, nodes_going = [], 0, 0, 0, 0, 0
     for g in rebuilt.groups:
         members = []
         for sid in g["members"]:
@@ -104,13 +123,19 @@ def _snapshot_form(
             if traj is None:
                 raise JournalError(f"{read.path}: group {g['uid']!r}: its trajectory {sid!r} has no record")
             done = sid in rebuilt.done
-            if not done and traj.interaction_started:
-                traj = _fresh(rebuilt.first[sid])
+            meta, nodes = trees.get(sid, (None, []))
+            inside = any(not e["done"] and e["interaction_started"] for e in nodes)
+            if not done and (traj.interaction_started or inside):
+                traj = _fresh(rebuilt.first[sid])  # a tree: from its root, all of it again
+                meta, nodes = None, []
                 restarted += 1
             elif not done and len(traj.path_times) > 0:
                 in_flight += 1
             finished += done
-            members.append({"done": done, **encode_trajectory(traj)})
+            nodes_done += sum(e["done"] for e in nodes)
+            nodes_going += sum(not e["done"] for e in nodes)
+            tree = {"n": meta, "nodes": nodes} if meta is not None or nodes else {}
+            members.append({"done": done, **encode_trajectory(traj), **tree})
         if not members:
             raise JournalError(f"{read.path}: group {g['uid']!r} has no trajectories")
         spans = [rebuilt.trajs[s].weight_versions() for s in g["members"]]
@@ -151,7 +176,7 @@ def _snapshot_form(
         raise JournalError(
             f"{read.path}: record 1: rows_expected is not a count of at least its {held} trajectories"
         )
-    return data, (finished, in_flight, restarted)
+    return data, (finished, in_flight, restarted, nodes_done, nodes_going)
 
 
 def _fresh(first: dict[str, Any]) -> Trajectory:

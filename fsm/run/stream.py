@@ -30,6 +30,7 @@ from fsm.run.engine import StalePolicy
 from fsm.run.journal import Recorder
 from fsm.run.runtime import Owner, Runner
 from fsm.run.trajectory import Trajectory
+from fsm.run.treejournal import Agents, restore_tree
 from fsm.tools.isolation import INLINE_STEPS
 
 
@@ -159,7 +160,8 @@ class Stream(Owner):
         self.boundary = snap.Boundary()
         self.groups = Groups(version, self._rerun)
         self._running: dict[str, _Running] = {}  # uid -> group in flight
-        self._active = 0  # trajectories past the gate, not finished
+        self._active = 0  # trajectories past the gate, not finished, not waiting on their tree nodes
+        self._waiting: dict[str, int] = {}  # session id -> its tree nodes running (fsm/run/tree.py)
         self._next_index = 0
         self.journal: Recorder | None = None  # the run's journal (fsm/run/journal.py), for a kept run
         self.stats = self.groups.stats
@@ -181,8 +183,7 @@ class Stream(Owner):
         """Start every row n times; the groups' uids. `first_index`: see BaseEngine.asubmit, fsm/output/engine.py."""
         await self._serving.wait()
         trajs = self.runner.trajectories(rows, n)
-        ctx = self.runner.make_context(sampling=sampling)
-        ctx.journal = self.journal
+        ctx = self._context(sampling)
         ctx.group_size = n
         base = self._next_index if first_index is None else first_index
         self._next_index = max(self._next_index, base + len(trajs))
@@ -203,6 +204,13 @@ class Stream(Owner):
             uids.append(uid)
         return uids
 
+    def _context(self, sampling: Sampling) -> RunContext:
+        """A run's context: journaled, and its tree nodes driven by `_node`."""
+        ctx = self.runner.make_context(sampling=sampling)
+        ctx.journal = self.journal
+        ctx.drive = self._node
+        return ctx
+
     def _start(self, run: _Running, trajs: Sequence[Trajectory]) -> None:
         self._running[run.group.uid] = run
         self.stats["submitted_groups"] += 1
@@ -222,6 +230,27 @@ class Stream(Owner):
         if self.journal is not None:
             self.journal.step(traj, done=True)
         self._finished(run, traj)
+
+    async def _node(self, ctx: RunContext, traj: Trajectory) -> None:
+        """A tree node's run (a child machine's, a branch's: fsm/run/tree.py), journaled and parked at its
+        boundaries as a root is; while a parent waits on its nodes they count as running in its stead."""
+        parent = traj.session_id.rpartition(":")[0]  # a node's id is its parent's, ":", its path
+        self._waits(parent, 1)
+        try:
+            await self.runner.drive(ctx, traj, self._boundary)
+        finally:
+            self._waits(parent, -1)
+        if self.journal is not None:
+            self.journal.step(traj, done=True)
+
+    def _waits(self, parent: str, delta: int) -> None:
+        n = self._waiting.get(parent, 0) + delta
+        if n:
+            self._waiting[parent] = n
+        else:
+            self._waiting.pop(parent, None)
+        self._active += delta - (delta > 0 and n == 1) + (delta < 0 and n == 0)
+        self.boundary.moved()
 
     async def _boundary(self, traj: Trajectory) -> None:
         """Between two states: the journal records what the last action changed, then a snapshot may park."""
@@ -250,7 +279,9 @@ class Stream(Owner):
         for new, old in zip(fresh, g.trajectories):
             new.index, new.uid = old.index, g.uid
         group = Group(g.uid, fresh, g.sampling, reruns=g.reruns + 1)
-        self._start(_Running(group, self.runner.make_context(sampling=g.sampling)), fresh)
+        ctx = self.runner.make_context(sampling=g.sampling)
+        ctx.drive = self._node
+        self._start(_Running(group, ctx), fresh)
 
     async def take(
         self,
@@ -386,16 +417,20 @@ class Stream(Owner):
         """Put a snapshot's groups back: ready ones to be taken, running ones running again. Groups restored."""
         await self._serving.wait()
         self._next_index = max(self._next_index, int(data.get("next_index", 0)))
+        agents = Agents()
         for gd in data["groups"]:
             sampling = snap.decode_sampling(gd["sampling"])
             trajs = [snap.decode_trajectory(td) for td in gd["trajectories"]]
             done = [bool(td["done"]) for td in gd["trajectories"]]
+            for t, td in zip(trajs, gd["trajectories"]):
+                if "nodes" in td:  # a journal's tree (fsm/run/treejournal.py)
+                    nodes = [(snap.decode_trajectory(nd), nd["n"], nd["done"]) for nd in td["nodes"]]
+                    restore_tree(t, td["n"], nodes, self.runner.agent, agents.child, td["done"])
             group = Group(gd["uid"], trajs, sampling, gd["version_min"], gd["version_max"], gd["reruns"])
             if gd["status"] == "ready":
                 self.groups.finished(group)
                 continue
-            run = _Running(group, self.runner.make_context(sampling=sampling))
-            run.ctx.journal = self.journal
+            run = _Running(group, self._context(sampling))
             run.done = sum(done)
             run.versions = {t.sample: self.version() for t, d in zip(trajs, done) if d}
             self._running[group.uid] = run

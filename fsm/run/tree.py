@@ -55,6 +55,11 @@ class Node:
     forked: bool = False  # it split into branches: its tokens live on in theirs, it has no row of its own
     root_agent: Any = None  # the root's CompiledAgent: its `tree:` bounds the whole tree
     origin: str | None = None  # what made it: its child machine's name, or the state that forked
+    # a resumed tree (fsm/run/treejournal.py): nodes the journal holds that were made after this node's last
+    # state boundary, by path, for its re-run action to take back instead of making them again; and whether
+    # this node had finished (taken back as it is, never run again)
+    pending: dict[str, Trajectory] | None = None
+    finished: bool = False
 
 
 def root_node(traj: Trajectory, agent: Any) -> Node:
@@ -171,6 +176,53 @@ def final_answer(traj: Trajectory) -> str | None:
     return None
 
 
+def _new_child(
+    traj: Trajectory, parent: Node, node_path: str, call: tuple[str, Any, str], agent: Any, policy: str
+) -> Trajectory:
+    """Child machine `call` = (name, its spec, the task)'s node, before its first action, appended to `parent`'s
+    nodes."""
+    name, child_spec, task = call
+    messages = ([{"role": "system", "content": child_spec.system}] if child_spec.system else []) + [
+        {"role": "user", "content": child_spec.task.replace("{input}", task)}
+    ]
+    row = {"raw_prompt": messages, "uid": traj.uid, "data_source": traj.row.get("data_source")}
+    child = Trajectory(
+        traj.index, traj.sample, f"{traj.session_id}:{node_path}", traj.uid, row, agent.initial
+    )
+    child.extra["row_name"] = f"{traj.row_name} node {node_path}"
+    child.tool_schemas = agent.tools.schemas_for(None)
+    parent.count.nodes += 1
+    child.node = Node(
+        parent.tree,
+        node_path,
+        parent.node,
+        "child",
+        len(traj.prompt_ids) + len(traj.response_ids),
+        policy,
+        parent.depth + 1,
+        0,
+        child.session_id,
+        agent,
+        parent.count,
+        ordinal=parent.count.nodes - 1,
+        root_agent=parent.root_agent,
+        origin=name,
+    )
+    parent.nodes.append(child)
+    return child
+
+
+def _taken_back(parent: Node, path: str, kind: str, origin: str | None) -> Trajectory | None:
+    """A resumed tree's node at `path` that the journal holds (made after `parent`'s last state boundary, which
+    its action, run again, reaches once more): None when there is none, or it is not what the action makes."""
+    if not parent.pending:
+        return None
+    traj = parent.pending.pop(path, None)
+    if traj is None or traj.node is None or traj.node.kind != kind or traj.node.origin != origin:
+        return None
+    return traj
+
+
 async def run_child(ctx: RunContext, traj: Trajectory, call: ToolCall, drive: Drive) -> CallOutcome:
     """The tool call `call` of `traj` names a child machine: run it and answer with its final answer, or with
     an error observation (refused by a bound, failed, no answer). Never raises for the child's own failures."""
@@ -195,35 +247,15 @@ async def run_child(ctx: RunContext, traj: Trajectory, call: ToolCall, drive: Dr
     policy = child_spec.policy or agent.spec.policy
     child_ctx = ctx.for_node(agent, policy)
     node_path = f"{parent.node}.{len(parent.nodes)}"
-    messages = ([{"role": "system", "content": child_spec.system}] if child_spec.system else []) + [
-        {"role": "user", "content": child_spec.task.replace("{input}", task)}
-    ]
-    row = {"raw_prompt": messages, "uid": traj.uid, "data_source": traj.row.get("data_source")}
-    child = Trajectory(
-        traj.index, traj.sample, f"{traj.session_id}:{node_path}", traj.uid, row, agent.initial
-    )
-    child.extra["row_name"] = f"{traj.row_name} node {node_path}"
-    child.tool_schemas = agent.tools.schemas_for(None)
-    parent.count.nodes += 1
-    child.node = Node(
-        parent.tree,
-        node_path,
-        parent.node,
-        "child",
-        len(traj.prompt_ids) + len(traj.response_ids),
-        policy,
-        parent.depth + 1,
-        0,
-        child.session_id,
-        agent,
-        parent.count,
-        ordinal=parent.count.nodes - 1,
-        root_agent=root_agent,
-        origin=name,
-    )
-    parent.nodes.append(child)
-    async with asyncio.TaskGroup() as tg:  # its own task: the parent's cancellation reaches it
-        tg.create_task(drive(child_ctx, child))
+    child = _taken_back(parent, node_path, "child", name)
+    if child is None:
+        child = _new_child(traj, parent, node_path, (name, child_spec, task), agent, policy)
+    else:
+        parent.count.nodes += 1
+        parent.nodes.append(child)
+    if not child.node.finished:
+        async with asyncio.TaskGroup() as tg:  # its own task: the parent's cancellation reaches it
+            tg.create_task(drive(child_ctx, child))
     if child.failed:
         return CallOutcome(
             name,
@@ -306,8 +338,13 @@ async def fork(ctx: RunContext, traj: Trajectory, drive: Drive) -> bool:
     branches = []
     for _ in range(k):
         path = f"{parent.node}.{len(parent.nodes)}"
-        b = _copy(traj, f"{traj.session_id}:{path}")
+        kept = _taken_back(parent, path, "branch", traj.state)
         parent.count.nodes += 1
+        if kept is not None:  # a resumed tree's branch: as the journal holds it
+            parent.nodes.append(kept)
+            branches.append(kept)
+            continue
+        b = _copy(traj, f"{traj.session_id}:{path}")
         b.node = Node(
             parent.tree,
             path,
@@ -329,7 +366,9 @@ async def fork(ctx: RunContext, traj: Trajectory, drive: Drive) -> bool:
         parent.nodes.append(b)
         branches.append(b)
     parent.forked = True
+    drive = ctx.drive or drive  # a kept run's: each branch journaled at its own boundaries
     async with asyncio.TaskGroup() as tg:
         for b in branches:
-            tg.create_task(drive(ctx, b))
+            if b.node is not None and not b.node.finished:
+                tg.create_task(drive(ctx, b))
     return True

@@ -1,0 +1,219 @@
+"""Tree runs in the journal (fsm/run/treejournal.py): a run of child machines or forks interrupted mid-tree (a
+real SIGINT from the model server's handler) resumes node by node, finished nodes taken back as journaled and
+never asked for again, and equals the uninterrupted run: tokens, masks, logprobs, rewards, the tree fields, rows
+in order. A forged tree record is refused in one line. The `kill -9` and SIGTERM runs through the CLI with the
+embedded model are tests/test_tree_journal_kill.py."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import signal
+import zlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from backends.scripted import ScriptedBackend
+from fsm.cli.commands import main
+from fsm.run.journal import JOURNAL, rebuild, records
+from tests.conftest import ASSETS, REPO, hermes_text
+from tests.test_cli import _ThreadServer, one_line_error
+
+TREE_FIELDS = ("node", "parent", "node_kind", "branch_offset", "policy", "depth", "weight", "shared_prefix")
+
+
+@functools.cache
+def _tok() -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(ASSETS)
+
+
+def _ids(text: str) -> list[int]:
+    return _tok().encode(text, add_special_tokens=False) + [_tok().eos_token_id]
+
+
+def _echo(session_id: str, turn: int, prompt: list[int]) -> list[int]:
+    """fork_calculator's model: a turn decided by its prompt alone (branches share their routing key)."""
+    seed = zlib.crc32(b",".join(str(t).encode() for t in prompt))
+    return [10 + (seed + 7919 * k) % 500 for k in range(6)] + [2]
+
+
+def _planner(session_id: str, turn: int, prompt: list[int]) -> list[int]:
+    """planner_solver's: the planner delegates 1 + <row> to the solver child, which answers; then it answers.
+    Decided by the prompt, not the turn number: a resumed run asks again for the turns in flight only."""
+    if ":" in session_id:  # a child's routing key is its own session id, <root>:<path>
+        return _ids("It is done.\n#### 3")
+    if "<tool_response>" not in _tok().decode(prompt):
+        row = session_id.rsplit("-", 2)[1]
+        return _ids(hermes_text([("calculator", {"expression": f"1 + {row}"})]))
+    return _ids("The answer is 3.\n#### 3")
+
+
+SPECS = {"fork_calculator": _echo, "planner_solver": _planner}
+
+
+def _argv(spec: str, url: str, out: Path, *extra: str) -> list[str]:
+    return [
+        "run",
+        str(REPO / "specs" / f"{spec}.yaml"),
+        "--server",
+        url,
+        "--tokenizer",
+        str(ASSETS),
+        "--num-prompts",
+        "2",
+        "--out",
+        str(out),
+        "-q",
+        *extra,
+    ]
+
+
+def _resume(out: Path, url: str) -> list[str]:
+    return ["run", "--resume", str(out), "--server", url, "--tokenizer", str(ASSETS), "-q"]
+
+
+@pytest.fixture(scope="module", params=sorted(SPECS))
+def tree_run(request, tmp_path_factory):
+    """(spec, the run interrupted mid-tree, the uninterrupted run, the server's url, the requests it saw)."""
+    spec, model = request.param, SPECS[request.param]
+    calls: list[str] = []
+    stop_at = {"n": -1}
+
+    def turn(session_id: str, n: int, prompt: list[int]) -> list[int]:
+        calls.append(session_id)
+        if len(calls) == stop_at["n"]:
+            os.kill(os.getpid(), signal.SIGINT)
+        return model(session_id, n, prompt)
+
+    server = _ThreadServer(ScriptedBackend(turn, latency_s=0.02, model_name="echo"))
+    try:
+        ref = tmp_path_factory.mktemp("ref")
+        assert main(_argv(spec, server.url, ref)) == 0
+        cut = tmp_path_factory.mktemp("cut")
+        calls.clear()
+        stop_at["n"] = 3
+        assert main(_argv(spec, server.url, cut, "--concurrency", "1")) == 130
+        stop_at["n"] = -1
+        yield spec, cut, ref, server.url, calls
+    finally:
+        server.close()
+
+
+def _rows(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (out / "trajectories.jsonl").open()]
+
+
+def _same_batches(ref: Path, out: Path) -> None:
+    """Every batch file (one per policy for planner_solver) holds the same rows: every tensor equal."""
+    import torch
+
+    names = sorted(p.name for p in ref.glob("batch*.pt"))
+    assert names and names == sorted(p.name for p in out.glob("batch*.pt"))
+    for name in names:
+        a, b = torch.load(ref / name, weights_only=False), torch.load(out / name, weights_only=False)
+        assert list(a["non_tensor_batch"]["uid"]) == list(b["non_tensor_batch"]["uid"])
+        assert a["batch"].keys() == b["batch"].keys()
+        for key, value in a["batch"].items():
+            assert torch.equal(value, b["batch"][key]), (name, key)
+
+
+def _same_trees(ref: Path, out: Path) -> None:
+    """The same rows in the same order with the same place in their trees (tree ids: each run's own)."""
+    a, b = _rows(ref), _rows(out)
+    assert len(a) == len(b)
+    trees: dict[str, str] = {}
+    for x, y in zip(a, b):
+        assert trees.setdefault(x["tree"], y["tree"]) == y["tree"]
+        assert {k: x[k] for k in TREE_FIELDS} == {k: y[k] for k in TREE_FIELDS}
+        assert (x["index"], x["sample"], x["reward_score"]) == (y["index"], y["sample"], y["reward_score"])
+    keys = [(r["index"], r["sample"], r["node"]) for r in b]
+    assert len(keys) == len(set(keys))  # no row twice
+
+
+def test_a_tree_interrupted_mid_tree_resumes_node_by_node_as_uninterrupted(capsys, tree_run, tmp_path):
+    spec, cut, ref, url, calls = tree_run
+    rb = rebuild(records(cut / JOURNAL))
+    nodes = [s for s in rb.trajs if ":" in s]
+    assert nodes and set(rb.nodes) >= set(nodes), "the interrupted run journaled no tree node"
+    finished = [s for s in nodes if s in rb.done]
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / JOURNAL).write_bytes((cut / JOURNAL).read_bytes())
+    calls.clear()
+    assert main(_resume(out, url)) == 0
+    assert "go on from their last state" in capsys.readouterr().err
+    _same_batches(ref, out)
+    _same_trees(ref, out)
+    asked = set(calls)
+    if spec == "planner_solver":  # a finished child is taken back: never asked again
+        assert not asked & set(finished), (asked, finished)
+    assert rebuild(records(out / JOURNAL)).ended == "completed"
+
+
+def _recs(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(line[9:]) for line in (out / JOURNAL).read_bytes().splitlines()]
+
+
+def _node_rec(recs: list[dict[str, Any]]) -> dict[str, Any]:
+    return next(r for r in recs if r["t"] == "traj" and isinstance(r.get("n"), dict) and ":" in r["s"])
+
+
+def _orphan(recs):
+    r = _node_rec(recs)
+    r["n"]["parent"] = "0.7"
+
+
+def _wrong_origin(recs):
+    _node_rec(recs)["n"]["origin"] = "__import__"
+
+
+def _deep(recs):
+    r = _node_rec(recs)
+    r["n"]["depth"] = 5
+
+
+def _policy(recs):
+    _node_rec(recs)["n"]["policy"] = "someone_else"
+
+
+def _extra_key(recs):
+    _node_rec(recs)["n"]["code"] = "os.system('x')"
+
+
+def _stray(recs):
+    r = dict(_node_rec(recs))
+    r.pop("n")
+    r["s"] = "somebody:0.0"
+    r["d"] = {**r["d"], "session_id": "somebody:0.0"}
+    recs.append(r)
+
+
+@pytest.mark.parametrize(
+    "tamper, reason",
+    [
+        (_orphan, "its path, parent or depth does not fit a tree of this run"),
+        (_wrong_origin, "is not a"),
+        (_deep, "its path, parent or depth does not fit"),
+        (_policy, "its policy, routing key or shared prefix is not its"),
+        (_extra_key, "its tree record 'n' is not a node's place"),
+        (_stray, "trajectory 'somebody:0.0' is in no group and is no tree node"),
+    ],
+)
+def test_a_forged_tree_record_is_refused_in_one_line(capsys, tree_run, tmp_path, tamper, reason):
+    """Each record's checksum matches (it is unkeyed): the node's place is checked against its tree and spec."""
+    _, cut, _, url, _ = tree_run
+    out = tmp_path / "out"
+    out.mkdir()
+    recs = _recs(cut)
+    tamper(recs)
+    body = b"".join(
+        b"%08x %s\n" % (zlib.crc32(b := json.dumps(r, separators=(",", ":")).encode()), b) for r in recs
+    )
+    (out / JOURNAL).write_bytes(body)
+    line = one_line_error(capsys, _resume(out, url))
+    assert line.startswith(f"agentfsm: --resume: {out / JOURNAL}: ") and reason in line, line
