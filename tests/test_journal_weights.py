@@ -2,8 +2,9 @@
 (fsm/run/resume.py): the resumed rows keep the weight version of every token they had, and a resume onto
 servers that now serve another version is refused in one line unless the caller opts in (`other_weights`).
 
-The program updates the dev server's weights (the same checkpoint, version 1) after the first model turn, as a
-trainer does between steps; the kill lands once the journal holds tokens of version 1 and a model turn in flight.
+The program updates the server's weights (version v0, then v0 + 1) after the first model turn, as a trainer does
+between steps; the kill lands once the journal holds tokens of version v0 + 1 and a model turn in flight. Over the
+dev server here (the same checkpoint reloaded), over real vLLM in tests/vllm/test_journal_weights.py.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -31,11 +33,11 @@ import asyncio, sys, time
 from fsm import RolloutEngine, RunDir
 from fsm.spec.registry import resolve
 
-url, out, model, spec = sys.argv[1:5]
+url, out, tokenizer, spec, checkpoint = sys.argv[1:6]
 
 
 async def main():
-    engine = RolloutEngine(spec, tokenizer=model, servers=[url])
+    engine = RolloutEngine(spec, tokenizer=tokenizer, servers=[url])
     rows = resolve(engine.agent.spec.demo_data, engine.agent.spec.trust.allow_modules)(2, seed=0)
     run = asyncio.ensure_future(
         engine.agenerate_sequences(rows, {"temperature": 0, "seed": 0}, n=2, keep=RunDir(out))
@@ -45,7 +47,7 @@ async def main():
         assert time.monotonic() < deadline and not run.done(), "no model turn finished"
         await asyncio.sleep(0.005)
     await engine.apause("abort")
-    await engine.aupdate_weights_from_disk(model, weight_version=engine.weight_version + 1)
+    await engine.aupdate_weights_from_disk(checkpoint, weight_version=engine.weight_version + 1)
     await engine.aresume()
     await run
 
@@ -54,9 +56,9 @@ asyncio.run(main())
 """
 
 
-def _set_version(url: str, version: int) -> None:
-    """The dev server reloads the same checkpoint and reports `version` from now on."""
-    body = json.dumps({"model_path": str(ASSETS), "weight_version": str(version)}).encode()
+def _set_version(url: str, checkpoint: Path, version: int) -> None:
+    """The dev server reloads `checkpoint` and reports `version` from now on."""
+    body = json.dumps({"model_path": str(checkpoint), "weight_version": str(version)}).encode()
     request = urllib.request.Request(
         f"{url}/update_weights_from_disk", body, {"Content-Type": "application/json"}
     )
@@ -74,38 +76,50 @@ def _made(rb: Rebuilt, sid: str) -> list[int]:
     ]
 
 
-def _cut(rb: Rebuilt) -> bool:
-    """An unfinished trajectory holds tokens of the updated weights, and a model turn is in flight: the moment
-    to kill."""
+def _cut(rb: Rebuilt, version: int) -> bool:
+    """An unfinished trajectory holds tokens of `version`, and a model turn is in flight: the moment to kill."""
     running = [s for s, t in rb.trajs.items() if s not in rb.done and len(t.path_times)]
-    return any(1 in _made(rb, s) for s in running) and any(rb.trajs[s].state == "GENERATING" for s in running)
+    return any(version in _made(rb, s) for s in running) and any(
+        rb.trajs[s].state == "GENERATING" for s in running
+    )
 
 
-def _resume(url: str, out: Path, other_weights: bool = False) -> None:
-    engine = RolloutEngine(SPEC, tokenizer=str(ASSETS), servers=[url])
+def _resume(url: str, tokenizer: Path, out: Path, other_weights: bool = False) -> None:
+    engine = RolloutEngine(SPEC, tokenizer=str(tokenizer), servers=[url])
     try:
         RunDir(out, other_weights=other_weights).resume(engine)
     finally:
         engine.close()
 
 
-@pytest.mark.slow
-def test_a_resume_keeps_each_tokens_weight_version_and_refuses_other_weights(tmp_path, model_server):  # noqa: F811
-    url = model_server
-    _set_version(url, 0)
-    out = tmp_path / "cut"
-    script = tmp_path / "program.py"
+def kill_across_an_update(
+    tmp: Path,
+    url: str,
+    tokenizer: Path,
+    shipped: Path,
+    updated: Path,
+    set_version: Callable[[Path, int], None],
+    v0: int,
+    opt_in: bool = True,
+) -> dict[str, list[int]]:
+    """The server at `shipped`, version v0; the program's run updates it to `updated`, v0 + 1, and is killed;
+    the resume is refused at v0 + 2, goes on at v0 + 1 with every version kept, and (`opt_in`) at v0 + 2 with the
+    new tokens carrying it. The server is left at `shipped`, v0 + 3. The versions journaled at the kill back."""
+    v1, v2 = v0 + 1, v0 + 2
+    set_version(shipped, v0)
+    out = tmp / "cut"
+    script = tmp / "program.py"
     script.write_text(PROGRAM)
     proc = subprocess.Popen(
-        [sys.executable, str(script), url, str(out), str(ASSETS), SPEC],
+        [sys.executable, str(script), url, str(out), str(tokenizer), SPEC, str(updated)],
         env=ENV,
         cwd=REPO,
         stderr=subprocess.PIPE,
     )
     deadline = time.monotonic() + 240
     while proc.poll() is None:
-        assert time.monotonic() < deadline, "the journal never held version-1 tokens and a turn in flight"
-        if (out / JOURNAL).exists() and _cut(rebuild(records(out / JOURNAL))):
+        assert time.monotonic() < deadline, f"the journal never held version-{v1} tokens and a turn in flight"
+        if (out / JOURNAL).exists() and _cut(rebuild(records(out / JOURNAL)), v1):
             proc.send_signal(signal.SIGKILL)
             break
         time.sleep(0.02)
@@ -114,36 +128,46 @@ def test_a_resume_keeps_each_tokens_weight_version_and_refuses_other_weights(tmp
     at_kill = rebuild(records(out / JOURNAL))
     going_on = [s for s, t in at_kill.trajs.items() if s not in at_kill.done and len(t.path_times)]
     kept = {s: _made(at_kill, s) for s in going_on}
-    assert any(1 in v for v in kept.values())
-    other = tmp_path / "other"
+    assert any(v1 in v for v in kept.values())
+    other = tmp / "other"
     shutil.copytree(out, other)
+    try:
+        # the server moved on to v2: refused, in one line naming the journal, the server and both versions
+        set_version(shipped, v2)
+        with pytest.raises(JournalError) as refused:
+            _resume(url, tokenizer, out)
+        line = str(refused.value)
+        assert "\n" not in line and str(out / JOURNAL) in line and url in line, line
+        assert f"weight version {v1}," in line and f"weight version {v2};" in line, line
 
-    # the servers moved on to version 2: refused, in one line naming the journal, the server and both versions
-    _set_version(url, 2)
-    with pytest.raises(JournalError) as refused:
-        _resume(url, out)
-    line = str(refused.value)
-    assert "\n" not in line and str(out / JOURNAL) in line and url in line, line
-    assert "weight version 1" in line and "weight version 2" in line, line
+        # back at v1: the rows go on with the weights they were generated with, every version kept
+        set_version(updated, v1)
+        _resume(url, tokenizer, out)
+        done = rebuild(records(out / JOURNAL))
+        assert done.ended == "completed" and len(done.done) == 4
+        for sid, before in kept.items():
+            assert _made(done, sid)[: len(before)] == before, sid  # the journaled tokens keep their versions
+            assert set(_made(done, sid)[len(before) :]) <= {v1}, sid
+        assert {v for s in done.trajs for v in _made(done, s)} == {v0, v1}  # the run spans the update
 
-    # back at version 1: the rows go on with the weights they were generated with, every version kept
-    _set_version(url, 1)
-    _resume(url, out)
-    done = rebuild(records(out / JOURNAL))
-    assert done.ended == "completed" and len(done.done) == 4
-    for sid, before in kept.items():
-        assert _made(done, sid)[: len(before)] == before, sid  # the journaled tokens keep their versions
-        assert set(_made(done, sid)[len(before) :]) <= {1}, sid
-    assert {v for s in done.trajs for v in _made(done, s)} == {0, 1}  # the run spans the update
+        if opt_in:  # opted in, on v2: the old tokens keep theirs, the new ones carry v2
+            set_version(shipped, v2)
+            _resume(url, tokenizer, other, other_weights=True)
+            done = rebuild(records(other / JOURNAL))
+            assert done.ended == "completed" and len(done.done) == 4
+            new = []
+            for sid, before in kept.items():
+                assert _made(done, sid)[: len(before)] == before, sid
+                new += _made(done, sid)[len(before) :]
+            assert new and set(new) == {v2}  # a model turn was in flight at the kill: it ran again, on v2
+    finally:
+        set_version(shipped, v0 + 3)
+    return kept
 
-    # opted in, on version 2: the old tokens keep theirs, the new ones carry 2
-    _set_version(url, 2)
-    _resume(url, other, other_weights=True)
-    done = rebuild(records(other / JOURNAL))
-    assert done.ended == "completed" and len(done.done) == 4
-    new = []
-    for sid, before in kept.items():
-        assert _made(done, sid)[: len(before)] == before, sid
-        new += _made(done, sid)[len(before) :]
-    assert new and set(new) == {2}  # a model turn was in flight at the kill: it ran again, on version 2
-    _set_version(url, 0)
+
+@pytest.mark.slow
+def test_a_resume_keeps_each_tokens_weight_version_and_refuses_other_weights(tmp_path, model_server):  # noqa: F811
+    url = model_server
+    kill_across_an_update(
+        tmp_path, url, ASSETS, ASSETS, ASSETS, lambda path, v: _set_version(url, path, v), v0=0
+    )
