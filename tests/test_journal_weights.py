@@ -119,9 +119,12 @@ def kill_across_an_update(
     deadline = time.monotonic() + 240
     while proc.poll() is None:
         assert time.monotonic() < deadline, f"the journal never held version-{v1} tokens and a turn in flight"
-        if (out / JOURNAL).exists() and _cut(rebuild(records(out / JOURNAL)), v1):
-            proc.send_signal(signal.SIGKILL)
-            break
+        try:
+            if _cut(rebuild(records(out / JOURNAL)), v1):
+                proc.send_signal(signal.SIGKILL)
+                break
+        except (FileNotFoundError, JournalError):  # not there yet, or its first record not whole yet
+            pass
         time.sleep(0.02)
     err = proc.communicate(timeout=60)[1]
     assert proc.returncode == -signal.SIGKILL, err[-2000:]
