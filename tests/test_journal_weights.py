@@ -174,3 +174,23 @@ def test_a_resume_keeps_each_tokens_weight_version_and_refuses_other_weights(tmp
     kill_across_an_update(
         tmp_path, url, ASSETS, ASSETS, ASSETS, lambda path, v: _set_version(url, path, v), v0=0
     )
+
+
+def test_the_weights_check_names_the_journal_the_servers_and_both_versions():
+    """fsm/run/resume.py `check_weights`: the newest of the unfinished rows' last versions against the servers'."""
+    from fsm.run.resume import Loaded, check_weights
+
+    loaded = Loaded({}, 0, None, {}, 0, 2, 0, None, {"a-0-0": 3, "a-0-1": 2})
+    assert check_weights(loaded, "out/journal.log", 3, "server http://h:1", False) is None
+    with pytest.raises(JournalError) as refused:
+        check_weights(loaded, "out/journal.log", 5, "server http://h:1", False)
+    assert str(refused.value).startswith(
+        "out/journal.log: 2 unfinished trajectories were generated with weight version 3, but server http://h:1 "
+        "now serves weight version 5; update the servers back to version 3"
+    )
+    warned = check_weights(loaded, "out/journal.log", 5, "server http://h:1", True)
+    assert warned is not None and warned.endswith(
+        "going on with version 5 (other weights allowed): their next tokens carry it"
+    )
+    none_made = Loaded({}, 0, None, {}, 0, 2, 0, None, {})  # no unfinished row has a model token yet
+    assert check_weights(none_made, "out/journal.log", 5, "server http://h:1", False) is None
