@@ -527,3 +527,11 @@ def test_bench_engine_calculator_workload_and_a_workload_it_has_not():
         timeout=300,
     )
     assert proc.returncode != 0 and "no --workload embedded" in proc.stderr and not proc.stdout
+
+
+def test_resume_of_a_ray_run_is_refused_in_one_line(capsys, tmp_path):
+    """A --ray run journals only its chunks in flight (fsm/cli/ray_run.py): --resume says why it cannot go on."""
+    (tmp_path / "ray-journal").mkdir()
+    for argv in (["run", "--resume", str(tmp_path)], ["run", "--resume", str(tmp_path), "--ray"]):
+        line = one_line_error(capsys, argv)
+        assert line.startswith(f"agentfsm: --resume {tmp_path}: a --ray run cannot be resumed"), line

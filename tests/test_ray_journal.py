@@ -108,3 +108,75 @@ def test_a_hung_actors_trajectories_go_on_from_the_journal_in_the_continuous_mod
     assert stats["hung_actors"] == 1 and stats["actor_deaths"] == 1
     assert stats["journal_resumed"] >= 1 and stats["journal_refused"] == 0
     assert list(journal_dir.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_run_ray_journals_its_chunks_under_out_and_a_killed_actors_rows_go_on(
+    cluster, tmp_path, monkeypatch, capsys
+):
+    """`agentfsm run --ray --out DIR` journals each chunk in flight under DIR/ray-journal (fsm/cli/ray_run.py):
+    an actor killed while it holds begun trajectories, the run completes, those go on from the journal, every
+    row once; what a killed --ray run left there is removed first, said in one line."""
+    import json
+    import threading
+
+    from backends.scripted import scripted_servers
+    from fsm.cli import ray_run
+    from fsm.cli.commands import main
+
+    out = tmp_path / "out"
+    (out / ray_run.RAY_JOURNAL).mkdir(parents=True)
+    (out / ray_run.RAY_JOURNAL / "dead0-0.a0.r0.log").write_text("left by a --ray run killed with -9\n")
+    made: list[RayRunner] = []
+    plain = ray_run.ray_runner
+    monkeypatch.setattr(ray_run, "ray_runner", lambda *a: made.append(plain(*a)) or made[-1])
+    killed: list[int] = []
+
+    def kill_one_between_turns() -> None:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            found = None
+            for path in sorted((out / ray_run.RAY_JOURNAL).glob("*.log")):
+                try:
+                    rebuilt = rebuild(records(path))
+                except (JournalError, FileNotFoundError):  # removed as its chunk came back, or not whole yet
+                    continue
+                if any(s not in rebuilt.done and len(t.path_times) for s, t in rebuilt.trajs.items()):
+                    found = int(path.name.rsplit(".r", 1)[1].split(".")[0])
+                    break
+            if found is not None and made and made[0].actors:
+                ray.kill(made[0].actors[found])
+                killed.append(found)
+                return
+            time.sleep(0.01)
+
+    with scripted_servers(1, latency_s=LATENCY_S) as urls:
+        killer = threading.Thread(target=kill_one_between_turns, daemon=True)
+        killer.start()
+        rc = main(
+            ["run", "specs/calculator.yaml", "--server", urls[0], "--tokenizer", str(ASSETS), "--ray"]
+            + [
+                "--workers",
+                "2",
+                "--concurrency",
+                "4",
+                "--num-prompts",
+                "12",
+                "--n",
+                "2",
+                "-q",
+                "--out",
+                str(out),
+            ]
+        )
+        killer.join(60)
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    assert "removing 1 chunk journal a killed --ray run left" in err
+    assert killed, "no chunk journal held a begun trajectory"
+    stats = made[0].stats
+    assert stats["actor_deaths"] == 1 and stats["journal_refused"] == 0 and stats["journal_resumed"] >= 1
+    rows = [json.loads(line) for line in (out / "trajectories.jsonl").open()]
+    keys = [(r["index"], r["sample"]) for r in rows]
+    assert len(keys) == len(set(keys)) == 24  # every row once
+    assert list((out / ray_run.RAY_JOURNAL).iterdir()) == []  # each chunk's journal went when it came back

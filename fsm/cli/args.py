@@ -311,6 +311,12 @@ def command_line(commands: Mapping[str, Callable[[argparse.Namespace], int]]) ->
         "(which names the spec; another one is refused); the outputs go to DIR",
     )
     p.add_argument(
+        "--resume-other-weights",
+        action="store_true",
+        help="with --resume: go on although the servers now serve another weight version than the unfinished "
+        "rows were generated with (refused otherwise); their next tokens carry the new version",
+    )
+    p.add_argument(
         "--journal-sync",
         choices=("1s", "always", "off"),
         default="1s",

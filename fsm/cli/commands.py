@@ -239,16 +239,9 @@ def _engine(args: argparse.Namespace, servers: list[str], tokenizer: str | None)
     _quiet_transformers()
     try:
         if args.ray is not None:
-            from fsm.adapters.ray_runner import RayRunner
+            from fsm.cli.ray_run import ray_runner
 
-            return RayRunner(
-                args.spec,
-                tokenizer=tokenizer,
-                servers=servers or None,
-                workers=args.workers,
-                address=args.ray or None,
-                engine=args.engine,
-            )
+            return ray_runner(args, servers, tokenizer)
         if servers:
             options = {"retry_window_s": args.retry_window, "engine": args.engine}
             if args.request_timeout is not None:
@@ -346,6 +339,7 @@ async def _rollout(
                 str(Path(args.spec).resolve()),
                 sync=getattr(args, "journal_sync", "1s"),
                 data=str(Path(args.data).resolve()) if getattr(args, "data", None) else None,
+                other_weights=getattr(args, "resume_other_weights", False),
             )
             kept = await keep_rollout(
                 engine,
@@ -439,6 +433,7 @@ def cmd_run(args: argparse.Namespace, rollout: Callable[..., Any] | None = None)
     processes and merges them, fsm/gateway/workers.py)."""
     from rich.console import Console
 
+    from fsm.cli.ray_run import refuse_resume
     from fsm.output.rundir import RunDirError, locked
     from fsm.run import snapshot as snap
     from fsm.run.journal import JOURNAL
@@ -446,8 +441,7 @@ def cmd_run(args: argparse.Namespace, rollout: Callable[..., Any] | None = None)
 
     term_is_ctrl_c()
     if args.resume is not None:
-        if args.ray is not None:
-            raise CLIError("--resume: resumes a single-process run; drop --ray")
+        refuse_resume(args)  # a --ray run (fsm/cli/ray_run.py says why)
         resume_spec(args)
         args.out = args.resume
     elif args.spec is None:

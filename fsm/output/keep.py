@@ -5,6 +5,7 @@ or a `kill -9`.
 
     engine = RolloutEngine("calculator")
     batch = engine.generate_sequences(rows, n=8, keep=RunDir("out"))   # SIGTERM: RunInterrupted, out/ kept
+    batch = RunDir("out").resume(engine)   # in a fresh process, after a signal or a kill -9: the whole run
 
 The roll-out and the snapshot are fsm/run/interruptible.py's (`RunDir` is its `Keeper`: the run stage cannot import
 this one); the files, the summary and the order of the end (write, then drop the snapshot of a finished run)
@@ -78,6 +79,10 @@ class RunDir:
         "1s"  # the journal's durability: "1s" (a power cut loses at most the last second), "always", "off"
     )
     data: str | None = None  # the data file, recorded in the journal
+    # a resume goes on although the servers now serve another weight version than the unfinished rows were
+    # generated with (their next tokens carry the new one); refused in one line otherwise (fsm/run/resume.py)
+    other_weights: bool = False
+    resumed: Any = field(default=None, init=False)  # after `resume`: what it found (fsm/run/resume.py Loaded)
 
     def __post_init__(self) -> None:
         self.out = Path(self.out)
@@ -104,6 +109,18 @@ class RunDir:
                 f"{self.out} holds an unfinished run ({held.name}); resume it with `agentfsm run "
                 f"--resume {self.out}`, or remove {held} to start a new run there"
             )
+
+    def resume(self, engine: Any) -> Any:
+        """Go on with the run kept here (stopped by a signal or killed) on `engine`, a RolloutEngine of the spec
+        and tokenizer it was written with, from a loop of the calling thread (the main one: signals reach it);
+        verl's batch of the whole run back, written here as `agentfsm run --resume` writes it."""
+        return asyncio.run(self.aresume(engine))
+
+    async def aresume(self, engine: Any) -> Any:
+        """`resume` from the caller's loop."""
+        if not self.unfinished():
+            raise RunDirError(f"{self.out}: no unfinished run to resume there (no {JOURNAL} without an end)")
+        return await keep_batch(engine, None, 1, engine.sampling(), self)
 
     def resume_hint(self, run: Rollout) -> str:
         return f"; resume with: agentfsm run --resume {self.out}" if run.interrupted else ""
@@ -199,7 +216,7 @@ def close_journal(run: Rollout, status: str | None) -> None:
 
 async def keep_batch(
     engine: Any,
-    rows: Sequence[Any],
+    rows: Sequence[Any] | None,
     n: int,
     sampling: Sampling,
     keep: RunDir,
@@ -208,13 +225,15 @@ async def keep_batch(
     meta: Mapping[str, Any] | None = None,
 ) -> Any:
     """RolloutEngine's `keep=` path (from the caller's loop, which must be the main thread's for signals to
-    reach it): roll `rows` out as `agentfsm run` does, write the directory, and return verl's batch; on SIGINT
-    or SIGTERM, write the snapshot and the finished rows and raise RunInterrupted."""
+    reach it): roll `rows` out as `agentfsm run` does (`rows` None: the unfinished run in `keep` goes on), write
+    the directory, and return verl's batch; on SIGINT or SIGTERM, flush the journal, write the finished rows
+    and raise RunInterrupted."""
     if keep.spec is None and engine.agent.path is not None:  # one built in memory: the resume names it
         keep.spec = str(Path(engine.agent.path).resolve())
     keep.out = prepare(keep.out)
     with locked(keep.out):
-        keep.refuse_a_snapshot()
+        if rows is not None:
+            keep.refuse_a_snapshot()
         interrupts = Interrupts()
         t_start, c_start = time.perf_counter(), time.process_time()
         with interrupts.listening(asyncio.current_task()):
@@ -233,7 +252,7 @@ async def keep_batch(
             kept.interrupted,
             time.process_time() - c_start,
         )
-        run.journal = kept.journal
+        run.journal, keep.resumed = kept.journal, kept.resumed
         try:
             if not run.trajs:
                 raise keep.nothing_finished(run)

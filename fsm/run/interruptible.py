@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 from fsm.run.context import Sampling
 from fsm.run.journal import Recorder, Writer
-from fsm.run.resume import Loaded, identity, load
+from fsm.run.resume import Loaded, check_weights, identity, load, served_by
 from fsm.run.signals import Interrupts, say_now, warn
 from fsm.run.snapshot import SnapshotError, encode_sampling
 from fsm.run.trajectory import Trajectory
@@ -41,6 +41,7 @@ class Keeper(Protocol):
     spec: str | None  # the spec's path, stored for a resume that names none
     data: str | None  # the data file's path, recorded in the journal's identity
     sync: str  # the journal's durability (fsm/run/journal.py SYNCS)
+    other_weights: bool  # a resume goes on on other weights than the unfinished rows' (fsm/run/resume.py)
 
     @property
     def journal(self) -> Path: ...
@@ -144,6 +145,14 @@ async def _reopen(engine: Any, keeper: Keeper) -> tuple[Loaded, Recorder]:
         raise SnapshotError(f"{path}: the run there has {loaded.ended}: nothing to resume")
     if loaded.torn:
         warn(loaded.torn)
+    start = getattr(engine, "start", None)
+    if start is not None:  # the servers' weight version, which the unfinished rows must go on with
+        await start()
+    other = check_weights(
+        loaded, path, engine.weight_version, served_by(engine.backend), keeper.other_weights
+    )
+    if other is not None:
+        warn(other)
     say_now(
         f"agentfsm: resuming {path}: {loaded.finished} trajectories finished, {loaded.in_flight} go on from "
         f"their last state (the step in flight runs again), {loaded.restarted} start over"

@@ -9,11 +9,17 @@ over (a user simulator's state is not ours to write), as with a snapshot. Finish
 again: their groups come back ready. Trees resume node by node (fsm/run/treejournal.py): a finished node is
 taken back as journaled, an unfinished one goes on from its last boundary; a tree with a node inside its
 interaction starts over from its root.
+
+Weights: every model token keeps the weight version that made it, in the journal as in the batch, and a resumed
+row keeps its tokens' versions. A row goes on only with the weights it was generated with: when the servers now
+serve another version than the unfinished rows' last tokens came from (an update between the kill and the
+resume), the resume is refused in one line (`check_weights`), unless the caller opts in (`other_weights`): then
+their next tokens carry the servers' version, as after an update in the continuous mode.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +45,43 @@ class Loaded:
     ended: str | None
     nodes_finished: int = 0  # tree nodes (child machines, branches) finished before: taken back as they are
     nodes_in_flight: int = 0  # tree nodes that go on from their last boundary
+    last_versions: dict[str, int] = field(default_factory=dict)  # session -> the weight version of the last
+    # model token of each trajectory that goes on (none for one without model tokens, or that starts over)
+
+
+def check_weights(
+    loaded: Loaded, path: str | Path, now: int, served_by: str, other_weights: bool
+) -> str | None:
+    """None when the unfinished rows go on with the weights they were generated with (the newest version among
+    their last tokens, as the continuous mode serves them); else JournalError of one line naming the journal,
+    the servers and both versions, or, with `other_weights`, that line back (for a warning)."""
+    if not loaded.last_versions:
+        return None
+    version = max(loaded.last_versions.values())
+    if version == now:
+        return None
+    line = (
+        f"{path}: {len(loaded.last_versions)} unfinished trajectories were generated with weight version "
+        f"{version}, but {served_by} now serves weight version {now}"
+    )
+    if other_weights:
+        return f"{line}; going on with version {now} (other weights allowed): their next tokens carry it"
+    raise JournalError(
+        f"{line}; update the servers back to version {version}, or resume with other weights "
+        f"(--resume-other-weights, RunDir(out, other_weights=True)): their next tokens then carry version {now}"
+    )
+
+
+def served_by(backend: Any) -> str:
+    """The servers (or the model) a backend reaches, for a message."""
+    servers = getattr(backend, "servers", None)
+    if servers:
+        names = [
+            str(getattr(s, "name", None) or getattr(getattr(s, "backend", None), "url", "?")) for s in servers
+        ]
+        return f"server{'s' * (len(names) > 1)} {', '.join(names)}"
+    url = getattr(backend, "url", None)
+    return f"server {url}" if url else f"the engine's model ({type(backend).__name__})"
 
 
 def identity(agent: CompiledAgent, codec: Any, **more: Any) -> dict[str, Any]:
@@ -89,7 +132,7 @@ def load(path: str | Path, agent: CompiledAgent, codec: Any = None) -> Loaded:
     except Exception as exc:  # ValueError, SnapshotError and the malformed kinds: one line naming the journal
         msg = str(exc)
         raise JournalError(msg if msg.startswith(str(path)) else f"{path}: {msg}") from None
-    data, counts = _snapshot_form(read, rebuilt, agent, trees)
+    data, counts, last = _snapshot_form(read, rebuilt, agent, trees)
     try:
         _check(data, agent, vocab)
     except JournalError:
@@ -108,14 +151,16 @@ def load(path: str | Path, agent: CompiledAgent, codec: Any = None) -> Loaded:
         rebuilt.ended,
         nodes_done,
         nodes_going,
+        last,
     )
 
 
 def _snapshot_form(
     read: Read, rebuilt: Rebuilt, agent: CompiledAgent, trees: dict[str, Any]
-) -> tuple[dict[str, Any], tuple[int, int, int, int, int]]:
+) -> tuple[dict[str, Any], tuple[int, int, int, int, int], dict[str, int]]:
     ident = rebuilt.identity
     groups, finished, in_flight, restarted, nodes_done, nodes_going = [], 0, 0, 0, 0, 0
+    last: dict[str, int] = {}
     for g in rebuilt.groups:
         members = []
         for sid in g["members"]:
@@ -131,6 +176,8 @@ def _snapshot_form(
                 restarted += 1
             elif not done and len(traj.path_times) > 0:
                 in_flight += 1
+                if (span := traj.weight_versions()) is not None:  # versions only grow along a trajectory
+                    last[sid] = span[1]
             finished += done
             nodes_done += sum(e["done"] for e in nodes)
             nodes_going += sum(not e["done"] for e in nodes)
@@ -176,7 +223,7 @@ def _snapshot_form(
         raise JournalError(
             f"{read.path}: record 1: rows_expected is not a count of at least its {held} trajectories"
         )
-    return data, (finished, in_flight, restarted, nodes_done, nodes_going)
+    return data, (finished, in_flight, restarted, nodes_done, nodes_going), last
 
 
 def _fresh(first: dict[str, Any]) -> Trajectory:
