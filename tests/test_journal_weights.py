@@ -180,7 +180,7 @@ def test_the_weights_check_names_the_journal_the_servers_and_both_versions():
     """fsm/run/resume.py `check_weights`: the newest of the unfinished rows' last versions against the servers'."""
     from fsm.run.resume import Loaded, check_weights
 
-    loaded = Loaded({}, 0, None, {}, 0, 2, 0, None, {"a-0-0": 3, "a-0-1": 2})
+    loaded = Loaded({}, 0, None, {}, 0, 2, 0, None, last_versions={"a-0-0": 3, "a-0-1": 2})
     assert check_weights(loaded, "out/journal.log", 3, "server http://h:1", False) is None
     with pytest.raises(JournalError) as refused:
         check_weights(loaded, "out/journal.log", 5, "server http://h:1", False)
@@ -192,5 +192,5 @@ def test_the_weights_check_names_the_journal_the_servers_and_both_versions():
     assert warned is not None and warned.endswith(
         "going on with version 5 (other weights allowed): their next tokens carry it"
     )
-    none_made = Loaded({}, 0, None, {}, 0, 2, 0, None, {})  # no unfinished row has a model token yet
+    none_made = Loaded({}, 0, None, {}, 0, 2, 0, None, last_versions={})  # no unfinished row has a model token yet
     assert check_weights(none_made, "out/journal.log", 5, "server http://h:1", False) is None
