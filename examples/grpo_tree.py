@@ -16,7 +16,8 @@ engine (`RolloutEngine(policies={"solver": backend})`), trains on its own batch 
 {policy: batch}), and its new weights go to its own backend (`update_weights_from_tensor(policy="solver")`), whose
 version its tokens then record. The planner's reward is the tree's (the root's final answer against the question);
 the solver's is the same root reward: a solver row is credited with the outcome of the tree it served (its own
-answer only reaches the question through the planner), normalised among the solver rows of its prompt's group.
+answer only reaches the question through the planner), normalised among the solver rows handed the same task
+(`root_credit`).
 Held-out accuracy is the root's reward on planner_solver.
 """
 
