@@ -16,7 +16,8 @@ engine (`RolloutEngine(policies={"solver": backend})`), trains on its own batch 
 {policy: batch}), and its new weights go to its own backend (`update_weights_from_tensor(policy="solver")`), whose
 version its tokens then record. The planner's reward is the tree's (the root's final answer against the question);
 the solver's is the same root reward: a solver row is credited with the outcome of the tree it served (its own
-answer only reaches the question through the planner), normalised among the solver rows of its prompt's group.
+answer only reaches the question through the planner), normalised among the solver rows handed the same task
+(`root_credit`).
 Held-out accuracy is the root's reward on planner_solver.
 """
 
@@ -55,16 +56,28 @@ def sibling_advantages(batch) -> tuple[torch.Tensor, torch.Tensor]:
     return per_branch, adv[torch.from_numpy(inverse)]
 
 
+def prompt_keys(batch) -> np.ndarray:
+    """Each row's prompt: its group (`uid`) and its prompt tokens, as one string per row."""
+    b, uids = batch.batch, batch.non_tensor_batch["uid"]
+    P = b["prompts"].shape[1]
+    attn = b["attention_mask"][:, :P].bool()
+    return np.array([f"{u}\0{b['prompts'][i][attn[i]].tolist()}" for i, u in enumerate(uids)])
+
+
 def root_credit(solver, planner) -> tuple[torch.Tensor, torch.Tensor]:
     """(reward per solver row, advantage per row): each solver row gets the reward of the planner row of its tree,
-    normalised among the solver rows of its group (`uid`, the prompt's)."""
+    normalised among the solver rows given the same prompt (the same task from the same question): a GRPO group
+    is samples of one prompt. Normalised over the question's group instead, a solver that solved the wrong task
+    it was handed (the planner miscopied the expression) would be scored against solvers that got the right one,
+    and that noise, at full Adam step size, drove the solver off its format within a few steps at 8 samples x 4
+    (docs/trainers.md)."""
     nt, pnt = solver.non_tensor_batch, planner.non_tensor_batch
     root_reward = planner.batch["rm_scores"].sum(-1)
     by_tree = {t: float(r) for t, r in zip(pnt["tree"], root_reward)}
     reward = torch.tensor([by_tree[t] for t in nt["tree"]], dtype=root_reward.dtype)
-    uids, adv = np.asarray(nt["uid"]), torch.zeros_like(reward)
-    for uid in np.unique(uids):
-        idx = torch.from_numpy(np.flatnonzero(uids == uid))
+    keys, adv = prompt_keys(solver), torch.zeros_like(reward)
+    for key in np.unique(keys):
+        idx = torch.from_numpy(np.flatnonzero(keys == key))
         r = reward[idx]
         adv[idx] = (r - r.mean()) / (r.std(unbiased=False) + 1e-6)
     return reward, adv

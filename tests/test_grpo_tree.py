@@ -53,14 +53,37 @@ def test_siblings_are_grouped_by_tree_and_parent_not_by_prompt():
     assert sibling_advantages(batch)[1].tolist() == [0.0, 0.0, 0.0, 0.0]
 
 
+def solver_rows(rm: list[list[float]], prompts: list[list[int]], **fields: list) -> SimpleNamespace:
+    """Hand-made solver rows: `rows` with left-padded prompt tokens (0 is the pad)."""
+    batch = rows(rm, **fields)
+    width = max(len(p) for p in prompts)
+    padded = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    batch.batch.update(prompts=padded, attention_mask=(padded != 0).long())
+    return batch
+
+
 def test_the_solver_is_credited_with_its_trees_root_reward():
     planner = rows([[1.0], [0.0], [0.0]], tree=["a", "b", "c"], uid=["q", "q", "q"])
-    solver = rows([[0.0]] * 3, tree=["a", "a", "b"], uid=["q", "q", "q"])  # tree c delegated nothing
+    # tree c delegated nothing; the three solver rows were handed the same task
+    solver = solver_rows([[0.0]] * 3, [[5, 6]] * 3, tree=["a", "a", "b"], uid=["q", "q", "q"])
     reward, adv = root_credit(solver, planner)
     assert reward.tolist() == [1.0, 1.0, 0.0]
     mean, std = 2 / 3, np.sqrt(2 / 9)
     expected = [(1 - mean) / std, (1 - mean) / std, -mean / std]
     assert torch.allclose(adv, torch.tensor(expected, dtype=adv.dtype), atol=1e-5)
+
+
+def test_solver_rows_are_compared_with_those_handed_the_same_task():
+    # one question, four trees: the planners of a and b handed over the question's expression (task [5, 6]), those
+    # of c and d a miscopied one ([5, 7], whose trees cannot be right); only a's tree came out right
+    planner = rows([[1.0], [0.0], [0.0], [0.0]], tree=["a", "b", "c", "d"], uid=["q"] * 4)
+    solver = solver_rows(
+        [[0.0]] * 4, [[5, 6], [5, 6], [5, 7], [3, 5, 7]], tree=["a", "b", "c", "d"], uid=["q"] * 4
+    )
+    reward, adv = root_credit(solver, planner)
+    assert reward.tolist() == [1.0, 0.0, 0.0, 0.0]
+    # a against b only; c and d (different tasks) are not pushed down for a planner's miscopy
+    assert torch.allclose(adv, torch.tensor([1.0, -1.0, 0.0, 0.0], dtype=adv.dtype), atol=1e-5)
 
 
 @pytest.fixture(scope="module")
