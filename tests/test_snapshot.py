@@ -371,3 +371,28 @@ def test_a_planted_link_in_place_of_the_temporary_is_replaced_not_followed(tmp_p
         and json.loads((out / "snapshot.json").read_text())["groups"] == []
     )
     assert not (out / ".snapshot.json.writing").exists()
+
+
+@pytest.mark.slow
+def test_a_snapshot_of_a_tree_with_nodes_is_refused_and_the_run_goes_on(tmp_path):
+    """Snapshot files keep roots only: a tree whose children exist is refused in one line (naming the journal,
+    which keeps trees), not written without its children's rows; the run goes on to both policies' batches."""
+    from fsm.api import make_backend
+
+    backend = Counting(make_backend(torch_threads=1), 6)  # the planner's turn, its children's, then the planner's
+    with RolloutEngine("specs/planner_solver.yaml", ASSETS, backend=backend) as engine:
+
+        async def after_children():
+            await engine.asubmit(make_prompts(2), n=1, sampling_params=GREEDY)
+            await engine._on_home(asyncio.wait_for(backend.reached.wait(), 120))
+            with pytest.raises(SnapshotError) as refused:
+                await engine.asnapshot(tmp_path / "s.json", stop=True)
+            return str(refused.value)
+
+        message = asyncio.run(after_children())
+        assert "tree nodes (child machines, branches), which snapshot files do not keep" in message
+        assert "keep=RunDir(dir)" in message and "\n" not in message
+        assert not (tmp_path / "s.json").exists()
+        batches = engine.take(2, timeout=300)  # the run went on: a batch per policy, each with its staleness
+    assert set(batches) == {"planner", "solver"}
+    assert all(b.meta_info["staleness"] == [0, 0] for b in batches.values())

@@ -331,7 +331,8 @@ class BaseEngine(ABC):
         if not all(g.sampling.logprobs for g in groups):
             sampling = dataclasses.replace(sampling, logprobs=False)
         batch = self.to_batch(trajs, sampling)
-        batch.meta_info["staleness"] = [g.staleness for g in groups]
+        for one in batch.values() if isinstance(batch, dict) else (batch,):  # a batch per policy (trees)
+            one.meta_info["staleness"] = [g.staleness for g in groups]
         return batch
 
     async def stream(

@@ -30,7 +30,7 @@ from fsm.run.engine import StalePolicy
 from fsm.run.journal import Recorder
 from fsm.run.runtime import Owner, Runner
 from fsm.run.trajectory import Trajectory
-from fsm.run.treejournal import Agents, restore_tree
+from fsm.run.treejournal import Agents, restore_tree, tree_nodes
 from fsm.tools.isolation import INLINE_STEPS
 
 
@@ -324,10 +324,17 @@ class Stream(Owner):
             gate.on_wait = None
         restarted = 0
         try:
-            groups = []
-            for status, g, done in [("ready", g, None) for g in self.groups.ready] + [
+            held = [("ready", g, None) for g in self.groups.ready] + [
                 ("running", r.group, r) for r in self._running.values()
-            ]:
+            ]
+            if trees := [t.session_id for _, g, _ in held for t in g.trajectories if tree_nodes(t)]:
+                raise snap.SnapshotError(
+                    f"snapshot: {len(trees)} trajectories (first {trees[0]!r}) have tree nodes (child machines, "
+                    "branches), which snapshot files do not keep; keep the run with a journal instead "
+                    "(keep=RunDir(dir), agentfsm run --out): its resume keeps trees node by node (docs/trees.md)"
+                )
+            groups = []
+            for status, g, done in held:
                 trajs = []
                 for t in g.trajectories:
                     finished = status == "ready" or (done is not None and _is_done(t, done))
