@@ -30,6 +30,7 @@ from typing import Any
 
 from fsm.cli.args import DEMO_PROMPTS, SHOW_LIMIT, command_line
 from fsm.cli.checks import port_free, same_spec
+from fsm.cli.launch import servers_of
 from fsm.cli.outcome import (
     CLIError,
     Interrupted,
@@ -137,91 +138,6 @@ def _rows(args: argparse.Namespace, agent: CompiledAgent) -> list[dict[str, Any]
     return resolve(agent.spec.demo_data, agent.spec.trust.allow_modules)(count, seed=args.seed)
 
 
-def _launch_failure(message: str, engine: str = "sglang") -> str:
-    """A LaunchError's message ("... log X ends with:\\n<tail>") as one line: the head and the log's last line,
-    which is where a Python process says why it died."""
-    head, _, tail = message.partition(" ends with:\n")
-    lines = [line.strip() for line in tail.splitlines() if line.strip()]
-    cause = lines[-1] if lines else "its log is empty"
-    install = (
-        "pip install sglang (on a GPU host)" if engine == "sglang" else "bash .ci/vllm_env.sh, --vllm-python"
-    )
-    hint = f"; {install}, or pass --server URL" if "No module named" in cause else ""
-    return f"--launch-{engine}: {head.strip()}: {cause}{hint}"
-
-
-async def _servers(args: argparse.Namespace, stack: AsyncExitStack) -> tuple[list[str], str | None]:
-    """The server URLs the flags name (launching SGLang first when asked), all ready; and the tokenizer
-    path that goes with them."""
-    servers = list(args.server or [])
-    tokenizer = args.tokenizer
-    if args.launch_sglang:
-        from backends.launcher import LaunchError, SGLangLauncher
-
-        launcher = SGLangLauncher(
-            args.launch_sglang,
-            dp=args.dp,
-            tp=args.tp,
-            base_port=args.port,
-            log_dir=Path(args.out) / "sglang_logs",
-            python=args.sglang_python,
-            device="cpu" if args.device == "cpu" else None,
-        )
-        try:
-            await stack.enter_async_context(launcher)
-        except LaunchError as exc:
-            raise CLIError(_launch_failure(str(exc))) from None
-        servers += launcher.urls
-        tokenizer = tokenizer or args.launch_sglang
-    if args.launch_vllm:
-        from backends.launcher import LaunchError, VLLMLauncher
-
-        try:
-            vllm = VLLMLauncher(
-                args.launch_vllm,
-                dp=args.dp,
-                tp=args.tp,
-                base_port=args.port,
-                log_dir=Path(args.out) / "vllm_logs",
-                python=args.vllm_python,
-                device="cpu" if args.device == "cpu" else None,
-            )
-            await stack.enter_async_context(vllm)
-        except ValueError as exc:
-            raise CLIError(f"--launch-vllm: {exc}") from None
-        except LaunchError as exc:
-            raise CLIError(_launch_failure(str(exc), "vllm")) from None
-        servers += vllm.urls
-        tokenizer = tokenizer or args.launch_vllm
-    if not servers:
-        return servers, tokenizer
-    from fsm.api import ServerNotReady, probe_servers
-
-    try:
-        probe = await probe_servers(
-            servers, strict=args.strict_servers, engine=args.engine or ("vllm" if args.launch_vllm else None)
-        )
-    except ServerNotReady as exc:
-        raise CLIError(
-            f"no usable server: {exc}; start it (agentfsm dev-server, sglang or vllm) or fix --server"
-            + ("" if args.strict_servers else " (every server failed)")
-        ) from None
-    for url, why in probe.left_out.items():
-        print(
-            f"warning: {url}: left out of this run: {why} (--strict-servers makes this an error)",
-            file=sys.stderr,
-        )
-    servers, served = probe.servers, probe.tokenizer
-    args.engine = probe.engine  # what they run, for the engine's clients
-    if tokenizer is None:
-        if not served or not Path(served).exists():
-            raise CLIError(
-                f"{servers[0]}: serves {served!r}, which is not a local directory; pass --tokenizer DIR"
-            )
-        tokenizer = served
-    return servers, tokenizer
-
-
 def _quiet_transformers() -> None:
     """No "Loading weights" progress bar or load-report chatter from transformers in our output."""
     from transformers.utils import logging as hf_logging
@@ -320,7 +236,7 @@ async def _rollout(
     interrupts = Interrupts()  # a signal cancels this task until the rollout runs, then stops it
     async with AsyncExitStack() as stack:
         stack.enter_context(interrupts.listening(asyncio.current_task()))
-        servers, tokenizer = await _servers(args, stack)
+        servers, tokenizer = await servers_of(args, stack)
         engine = _engine(args, servers, tokenizer)
         stack.push_async_callback(engine.aclose)
         try:
