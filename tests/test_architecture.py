@@ -3,7 +3,8 @@
 - no import cycles among the project's modules, counting every import: module level, under
   TYPE_CHECKING, and inside functions (a lazy import hides a cycle from Python, not from a reader);
 - `fsm` imports a concrete backend (anything in `backends` but the protocol, backends/base.py, and the
-  retry policy, backends/retry.py) only in its composition modules: fsm/api.py, fsm/cli/commands.py,
+  retry policy, backends/retry.py) only in its composition modules: fsm/api.py, fsm/cli/commands.py (and
+  fsm/cli/launch.py, the servers a run launches),
   fsm/adapters/verl.py and the trainer adapters beside it (fsm/adapters/);
 - `backends` never imports `fsm`, and no engine or backend module imports `bench`.
 """
@@ -20,6 +21,7 @@ PACKAGES = ("fsm", "backends", "viz", "bench", "specs")
 COMPOSITION = {
     "fsm.api",
     "fsm.cli.commands",
+    "fsm.cli.launch",  # the servers `run` launches (commands.py's, split out)
     "fsm.adapters.verl",
     "fsm.adapters.trl",
     "fsm.adapters.openrlhf",

@@ -192,5 +192,7 @@ def test_the_weights_check_names_the_journal_the_servers_and_both_versions():
     assert warned is not None and warned.endswith(
         "going on with version 5 (other weights allowed): their next tokens carry it"
     )
-    none_made = Loaded({}, 0, None, {}, 0, 2, 0, None, last_versions={})  # no unfinished row has a model token yet
+    none_made = Loaded(
+        {}, 0, None, {}, 0, 2, 0, None, last_versions={}
+    )  # no unfinished row has a model token yet
     assert check_weights(none_made, "out/journal.log", 5, "server http://h:1", False) is None

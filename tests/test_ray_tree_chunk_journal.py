@@ -133,4 +133,7 @@ async def test_a_tree_chunk_stopped_mid_tree_goes_on_from_its_journal(tmp_path, 
     assert _rows(trajs) == reference
     again = asked[before:]
     assert not set(again) & finished  # a finished child is taken back, never asked again
-    assert len(again) < whole_asked  # what the journal held was not asked for again
+    # the model turns the journal held (finished, up to each node's last boundary) are not asked for again; how
+    # many it held depends on how far the 8 concurrent turns got before the stop (none, on a loaded machine)
+    held = sum(t.assistant_turns for t in journaled.trajs.values())
+    assert len(again) <= whole_asked - held, (len(again), whole_asked, held)

@@ -379,7 +379,9 @@ def test_a_snapshot_of_a_tree_with_nodes_is_refused_and_the_run_goes_on(tmp_path
     which keeps trees), not written without its children's rows; the run goes on to both policies' batches."""
     from fsm.api import make_backend
 
-    backend = Counting(make_backend(torch_threads=1), 6)  # the planner's turn, its children's, then the planner's
+    backend = Counting(
+        make_backend(torch_threads=1), 6
+    )  # the planner's turn, its children's, then the planner's
     with RolloutEngine("specs/planner_solver.yaml", ASSETS, backend=backend) as engine:
 
         async def after_children():
