@@ -190,7 +190,8 @@ async def test_a_hung_generate_is_aborted_at_the_server_and_fails_over(agent, to
 async def test_the_spec_request_deadline_and_turn_deadline(compile_yaml, tok):
     async with fleet(1, rates={"hang": 1.0}) as (_, (proxy,)):
         agent = compile_yaml(SPEC % "      request_timeout_s: 0.2")
-        (traj,), _, stats = await run(agent, tok, router([proxy.url], reroutes=1), rows(1))
+        # a hung server sends no partial answer after the abort: wait 1 s for it, not SGLang's default 30 s
+        (traj,), _, stats = await run(agent, tok, router([proxy.url], reroutes=1, abort_grace_s=1.0), rows(1))
         assert traj.termination_reason.startswith(
             f"error: timeout: {proxy.url} unavailable after 1 attempt(s)"
         )
