@@ -20,8 +20,8 @@ import pytest
 import fsm
 from backends.base import GenerateRequest, GenerateResult
 from backends.prefix_cache import PrefixCache
-from backends.router import Router
 from backends.sglang import SGLangBackend
+from bench.fork_cache import Recording
 from specs.calculator import make_prompts
 from tests.conftest import REPO
 
@@ -41,19 +41,6 @@ states:
       - {{to: COMPACTING, when: {{context_tokens_over: 247}}}}
       - {{to: GENERATING}}
 """
-
-
-class Recording(Router):
-    """The router, keeping every model request with its answer."""
-
-    def __init__(self, *args: Any, **kw: Any):
-        super().__init__(*args, **kw)
-        self.calls: list[tuple[GenerateRequest, GenerateResult]] = []
-
-    async def generate(self, request: GenerateRequest) -> GenerateResult:
-        result = await super().generate(request)
-        self.calls.append((request, result))
-        return result
 
 
 def _common(ids: list[int], before: list[int]) -> int:
