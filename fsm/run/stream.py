@@ -244,12 +244,15 @@ class Stream(Owner):
             self.journal.step(traj, done=True)
 
     def _waits(self, parent: str, delta: int) -> None:
-        n = self._waiting.get(parent, 0) + delta
-        if n:
-            self._waiting[parent] = n
+        """A node of `parent` started (+1) or ended (-1): each node counts as active, and a parent counts as
+        active only while it waits on none (it is parked in its action until they end)."""
+        before = self._waiting.get(parent, 0)
+        after = before + delta
+        if after:
+            self._waiting[parent] = after
         else:
             self._waiting.pop(parent, None)
-        self._active += delta - (delta > 0 and n == 1) + (delta < 0 and n == 0)
+        self._active += delta + (before > 0) - (after > 0)
         self.boundary.moved()
 
     async def _boundary(self, traj: Trajectory) -> None:
