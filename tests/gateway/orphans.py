@@ -46,8 +46,10 @@ def grandchild(name: str, harness: int) -> None:
     while running(harness):
         time.sleep(0.001)
     status = call([{"role": "user", "content": "a call after the harness exited"}])
-    with open(os.path.join(OUT, f"{name}.status"), "w") as f:
+    # written whole or not at all: the row's end may SIGKILL this process between an open and its write
+    with open(os.path.join(OUT, f"{name}.status.part"), "w") as f:
         f.write(str(status))
+    os.replace(os.path.join(OUT, f"{name}.status.part"), os.path.join(OUT, f"{name}.status"))
     time.sleep(600)
 
 
