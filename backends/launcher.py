@@ -13,8 +13,9 @@ vLLM (`VLLMLauncher`, $AGENTFSM_VLLM_PYTHON) runs `vllm serve` with the token-in
 extension that makes weight updates exact (backends/vllm_reload.py, copied alone into the log directory, which
 the server's PYTHONPATH names). `device="cpu"`
 gives its CPU engine a KV cache of a fixed size (VLLM_CPU_KVCACHE_SPACE, GiB; its default takes most of the
-RAM), no graph compilation (minutes on a small machine, for little at these sizes) and the checkpoint's own
-dtype (vLLM would downcast float32 to bfloat16, and greedy tokens would then differ from other engines').
+RAM), no graph compilation (minutes on a small machine, for little at these sizes), the checkpoint's own
+dtype (vLLM would downcast float32 to bfloat16, and greedy tokens would then differ from other engines') and,
+with several replicas, cores of their own for each (`cpu_shares`).
 """
 
 from __future__ import annotations
@@ -149,9 +150,9 @@ class SGLangLauncher:
 
     async def __aenter__(self) -> SGLangLauncher:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **self.env}
         try:
             for i in range(self.dp):
+                env = {**os.environ, **self.env, **self.replica_env(i)}
                 path = self.log_dir / f"replica{i}_port{self.base_port + i}.log"
                 with open(path, "wb") as fh:
                     self.procs.append(
@@ -181,6 +182,10 @@ class SGLangLauncher:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
+
+    def replica_env(self, i: int) -> dict[str, str]:
+        """What replica `i`'s environment adds to the launcher's (nothing here; vLLM's CPU replicas take cores)."""
+        return {}
 
     async def _wait_healthy(self, i: int) -> None:
         proc, url = self.procs[i], self.urls[i]
@@ -255,6 +260,20 @@ def place_extension(root: Path) -> Path:
     return root
 
 
+# vLLM's CPU engine: the cores its OpenMP threads run on ("0,1", "2-3")
+BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def cpu_shares(replicas: int, cpus: Sequence[int]) -> list[str]:
+    """The cores of each of `replicas` CPU replicas: equal runs of `cpus` (the last takes what is left), or one
+    core each, in turn, when there are more replicas than cores."""
+    if replicas > len(cpus):
+        return [str(cpus[i % len(cpus)]) for i in range(replicas)]
+    k = len(cpus) // replicas
+    runs = [cpus[i * k : (i + 1) * k] for i in range(replicas - 1)] + [cpus[(replicas - 1) * k :]]
+    return [",".join(map(str, run)) for run in runs]
+
+
 class VLLMLauncher(SGLangLauncher):
     """Start one vLLM OpenAI-compatible server (`vllm serve`'s) per data-parallel replica (the process handling is SGLangLauncher's).
 
@@ -288,6 +307,14 @@ class VLLMLauncher(SGLangLauncher):
                 "--dp with vLLM on GPUs: one replica takes every visible GPU; pass vLLM's own "
                 "--data-parallel-size N instead"
             )
+
+    def replica_env(self, i: int) -> dict[str, str]:
+        """Several CPU replicas each bind their OpenMP threads to cores of their own (`cpu_shares`): vLLM's
+        default reserves a core for its front end and binds every replica to the rest, the same cores for all
+        (on 2 cores, every replica on core 0)."""
+        if self.device != "cpu" or self.dp < 2 or BIND_ENV in self.env or BIND_ENV in os.environ:
+            return {}
+        return {BIND_ENV: cpu_shares(self.dp, sorted(os.sched_getaffinity(0)))[i]}
 
     async def __aenter__(self) -> VLLMLauncher:
         place_extension(self.log_dir / "worker_extension")

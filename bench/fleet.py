@@ -44,6 +44,7 @@ from typing import Any
 import aiohttp
 
 from backends.base import BackendUnavailable, BaseBackend, GenerateRequest, GenerateResult
+from backends.launcher import die_with_parent
 from backends.router import Router, by_turn
 from bench.traffic import Call, calls_of_run
 
@@ -161,7 +162,11 @@ class EngineRouter:
         argv = [a.replace("{port}", str(port)).replace("{metrics}", str(free_port())) for a in self.argv]
         self.log = Path(os.environ.get("TMPDIR", "/tmp")) / f"agentfsm-fleet-{self.name}-{port}.log"
         self.proc = subprocess.Popen(
-            argv, stdout=self.log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True
+            argv,
+            stdout=self.log.open("wb"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=die_with_parent(),  # a bench killed mid-run leaves no router behind
         )
         # Ready when it forwards: sglang-router answers /health before it has registered its workers (on a
         # loaded machine its first requests then fail with 5xx).
