@@ -460,11 +460,21 @@ def print_row(shape_name: str, router: str, r: dict[str, Any]) -> None:
 
 
 def bench_fleet(
-    servers: Sequence[str] = (), trace: str | None = None, n_servers: int = 2, repeats: int = 3
+    servers: Sequence[str] = (),
+    trace: str | None = None,
+    n_servers: int = 2,
+    repeats: int = 3,
+    shapes: Sequence[str] = (),
+    routers: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """Replay every shape (or `trace`) through every router against `servers` (vLLM serving the padded tiny
-    model, started with `--scheduling-policy priority` and VLLM_SERVER_DEV_MODE=1, the model directory on this
-    machine), or against `n_servers` launched here from $VLLM_VENV. Prints the table's rows as they come."""
+    """Replay every shape (or `trace`, or `shapes`) through every router (or `routers`, by name) against
+    `servers` (vLLM serving the padded tiny model, started with `--scheduling-policy priority` and
+    VLLM_SERVER_DEV_MODE=1, the model directory on this machine), or against `n_servers` launched here from
+    $VLLM_VENV. Prints the table's rows as they come."""
+    known = ["agentfsm", "agentfsm+priority", *engine_routers([])]
+    unknown = [r for r in routers if r not in known]
+    if unknown:
+        raise ValueError(f"bench fleet: no router {unknown[0]!r}; the routers: {', '.join(known)}")
     if not (ROUTERS_VENV / "bin" / "vllm-router").exists():
         raise RuntimeError(
             f"bench fleet: no routers virtualenv at {ROUTERS_VENV}; build it with `bash .ci/routers_env.sh`"
@@ -474,18 +484,19 @@ def bench_fleet(
         file=sys.stderr,
     )
     print("|---|---|---|---|---|---|---|---|---|---|", file=sys.stderr)
+    which = {"shapes": shapes, "only": routers, "repeats": repeats}
     if servers:
-        return asyncio.run(_given(list(servers), trace, repeats))
-    return asyncio.run(_launched(n_servers, trace, repeats))
+        return asyncio.run(_given(list(servers), trace, which))
+    return asyncio.run(_launched(n_servers, trace, which))
 
 
-async def _given(servers: list[str], trace: str | None, repeats: int) -> dict[str, Any]:
+async def _given(servers: list[str], trace: str | None, which: dict[str, Any]) -> dict[str, Any]:
     async with aiohttp.ClientSession() as http, http.get(servers[0] + "/v1/models") as r:
         model_dir = Path((await r.json())["data"][0]["root"])  # the served directory: its tokenizer.json
-    return await run_fleet(servers, model_dir, trace, repeats=repeats)
+    return await run_fleet(servers, model_dir, trace, **which)
 
 
-async def _launched(n: int, trace: str | None, repeats: int) -> dict[str, Any]:
+async def _launched(n: int, trace: str | None, which: dict[str, Any]) -> dict[str, Any]:
     import tempfile
 
     from backends.launcher import VLLMLauncher
@@ -503,6 +514,6 @@ async def _launched(n: int, trace: str | None, repeats: int) -> dict[str, Any]:
             extra_args=["--scheduling-policy", "priority"],
         )
         async with launcher:
-            result = await run_fleet(launcher.urls, model, trace, repeats=repeats)
+            result = await run_fleet(launcher.urls, model, trace, **which)
     result["launched"] = n
     return result

@@ -62,3 +62,10 @@ def test_prompts_have_the_recorded_token_counts_and_a_group_shares_its_prompt():
     assert words.prompt(a, 0) == words.prompt(b, 0)  # the group's prompt
     if len(a) > 1:
         assert words.prompt(a, 1).split()[:shared] == words.prompt(a, 0).split()  # a turn extends the last
+
+
+def test_an_unknown_router_name_is_refused_with_the_names_there_are():
+    from bench.fleet import bench_fleet
+
+    with pytest.raises(ValueError, match="no router 'sglang cache_aware'; the routers: agentfsm, agentfsm"):
+        bench_fleet(routers=["agentfsm", "sglang cache_aware"])

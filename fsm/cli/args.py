@@ -463,6 +463,19 @@ def command_line(commands: Mapping[str, Callable[[argparse.Namespace], int]]) ->
         "tool_s), or a run directory whose journal holds them (bench/traffic.py); default: the generated shapes",
     )
     p.add_argument(
+        "--shape",
+        action="append",
+        choices=["calculator", "long", "groups", "skewed"],
+        help="fleet: replay only these generated shapes (repeatable; default: all four)",
+    )
+    p.add_argument(
+        "--router",
+        action="append",
+        metavar="NAME",
+        help="fleet: run only these routers, by their name in the table ('agentfsm', 'sglang-router "
+        "cache_aware', ...; repeatable; default: all)",
+    )
+    p.add_argument(
         "--workload",
         choices=["engine", "calculator", "contexts", "embedded"],
         default="engine",

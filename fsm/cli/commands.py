@@ -577,7 +577,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
             processes=args.processes or (),
         )
     elif what == "fleet":
-        result = bench.bench_fleet(args.server or (), trace=args.trace, repeats=args.repeats)
+        result = bench.bench_fleet(
+            args.server or (),
+            trace=args.trace,
+            repeats=args.repeats,
+            shapes=args.shape or (),
+            routers=args.router or (),
+        )
     elif what == "trees":
         result = bench.bench_trees(args.server or (), prompts=4 if args.n == 2000 else args.n)
     else:  # argparse restricts the choices to the modules of bench/
