@@ -19,7 +19,7 @@ import pytest
 from backends.scripted import ScriptedBackend
 from fsm import RolloutEngine
 from fsm.cli.commands import main
-from fsm.run.journal import JOURNAL, Recorder, Writer, frame, rebuild, records
+from fsm.run.journal import FORMAT, JOURNAL, JournalError, Recorder, Writer, frame, rebuild, records
 from fsm.run.resume import identity, load
 from fsm.run.snapshot import encode_trajectory
 from tests.conftest import ASSETS, REPO, model_turn, scripted, tool_turn, user_row
@@ -305,6 +305,72 @@ def test_the_journal_reads_back_into_the_same_trajectories(tmp_path, tok):
     for t in trajs:
         _same(t, rb.trajs[t.session_id])
     assert all(t.metrics.num_tool_calls == 1 for t in trajs)
+
+
+def test_a_stale_group_run_again_resumes_as_its_rerun(tmp_path, tok):
+    """`take(stale="rerun")` starts a stale group again under its uid: the journal records the rerun, and a
+    resume takes the rerun's trajectories back where it was cut, never the stale ones (which would come back
+    finished, the rerun's trajectories journaled under no group)."""
+    rows = [user_row(f"What is {i} + {i}?") for i in range(2)]
+    script = [tool_turn(tok, ("calculator", {"expression": "1 + 1"})), model_turn(tok, "#### 2")]
+    path = tmp_path / JOURNAL
+
+    async def run() -> tuple[Any, Any]:
+        async with RolloutEngine(SPEC, tokenizer=str(ASSETS), backend=scripted(script)) as engine:
+            recorder = Recorder(Writer(path, "off"))
+            recorder.header(identity(engine.agent, engine.codec, run_id="t", groups=2, rows_expected=4))
+            await engine.ajournal(recorder)
+            await engine.asubmit(rows, n=2, sampling=engine.sampling({"temperature": 0.0}))
+            first = await engine.atake_groups(1, timeout=30)
+            async with asyncio.timeout(30):
+                while engine.stream_stats["ready_groups"] < 1:  # the other group, finished at version 0
+                    await asyncio.sleep(0.01)
+            engine.runner.gate.version = 2  # two updates later (the scripted backend has no weights)
+            again = await engine.atake_groups(1, max_staleness=1, stale="rerun", timeout=30)
+            recorder.writer.close()
+        return first[0], again[0]
+
+    first, again = asyncio.run(run())
+    assert again.reruns == 1 and again.uid != first.uid
+    rb = rebuild(records(path))
+    assert [g["uid"] for g in rb.groups] == [first.uid, again.uid]
+    assert rb.groups[1]["members"] == [t.session_id for t in again.trajectories]
+    assert rb.groups[1]["reruns"] == 1
+
+    # cut right after the rerun started: its group record and its trajectories' first records
+    lines = path.read_bytes().split(b"\n")
+    at = next(i for i, line in enumerate(lines) if b'"reruns":1' in line)
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    (cut / JOURNAL).write_bytes(b"\n".join(lines[: at + 3]) + b"\n")
+
+    async def resume() -> list:
+        async with RolloutEngine(SPEC, tokenizer=str(ASSETS), backend=scripted(script)) as engine:
+            loaded = load(cut / JOURNAL, engine.agent, engine.codec)
+            recorder = Recorder(Writer(cut / JOURNAL, "off", keep=loaded.good_bytes), loaded.tool_results)
+            await engine.ajournal(recorder)
+            meta = await engine.arestore(loaded.data)
+            groups = await engine.atake_groups(meta["groups"], timeout=30)
+            recorder.writer.close()
+        return groups
+
+    resumed = {g.uid: g for g in asyncio.run(resume())}
+    assert sorted(resumed) == sorted([first.uid, again.uid])
+    back = resumed[again.uid]
+    assert [t.session_id for t in back.trajectories] == [t.session_id for t in again.trajectories]
+    assert back.reruns == 1
+    for a, b in zip(again.trajectories, back.trajectories):
+        assert a.response_ids == b.response_ids and a.messages == b.messages
+
+
+def test_a_rerun_of_a_group_no_record_started_is_refused(tmp_path):
+    path = tmp_path / JOURNAL
+    recorder = Recorder(Writer(path, "off"))
+    recorder.writer.append({"t": "run", "format": FORMAT})
+    recorder.writer.append({"t": "group", "uid": "u", "sampling": {}, "members": [], "reruns": 1})
+    recorder.writer.close()
+    with pytest.raises(JournalError, match=r"record 2: a rerun \(1\) of group 'u', which no record started"):
+        rebuild(records(path))
 
 
 COUNTED_SPEC = """

@@ -12,7 +12,8 @@ loop turn that made them (a `kill -9` loses none of them), and an fsync runs on 
 
 The records (one JSON object each, `t` its kind):
 - `run`: the run's identity, first: format, agent, spec hash and path, tokenizer, data file, groups, rows.
-- `group`: a group submitted: uid, sampling, its trajectories' session ids.
+- `group`: a group submitted: uid, sampling, its trajectories' session ids; a stale group run again
+  (`take(stale="rerun")`) writes its uid again with `reruns`, and its new trajectories replace the old.
 - `traj`: one trajectory whole (fsm/run/snapshot.py's encoding, plus its version runs): when it is submitted,
   after a rewrite closes a segment, and at its first boundary after a resume.
 - `step`: what a trajectory changed since its last record, taken at each state boundary (before each action:
@@ -239,11 +240,12 @@ class Recorder:
     def header(self, identity: Mapping[str, Any]) -> None:
         self.writer.append({"t": "run", "format": FORMAT, **identity})
 
-    def group(self, uid: str, sampling: dict[str, Any], trajs: Iterable[Trajectory]) -> None:
+    def group(self, uid: str, sampling: dict[str, Any], trajs: Iterable[Trajectory], reruns: int = 0) -> None:
         trajs = list(trajs)
-        self.writer.append(
-            {"t": "group", "uid": uid, "sampling": sampling, "members": [t.session_id for t in trajs]}
-        )
+        record = {"t": "group", "uid": uid, "sampling": sampling, "members": [t.session_id for t in trajs]}
+        if reruns:
+            record["reruns"] = reruns
+        self.writer.append(record)
         for t in trajs:
             self.whole(t)
 
@@ -468,7 +470,23 @@ def _apply(out: Rebuilt, rec: dict[str, Any], where: str) -> None:
     if kind == "group":
         if not isinstance(rec["uid"], str) or not isinstance(rec["members"], list):
             raise JournalError(f"{where}: a group without uid or members")
-        out.groups.append({"uid": rec["uid"], "sampling": rec["sampling"], "members": list(rec["members"])})
+        group = {"uid": rec["uid"], "sampling": rec["sampling"], "members": list(rec["members"])}
+        reruns = rec.get("reruns", 0)
+        if not reruns:
+            out.groups.append(group)
+            return
+        # a stale group run again: its new trajectories take the place of the last group of that uid
+        at = next((i for i in reversed(range(len(out.groups))) if out.groups[i]["uid"] == rec["uid"]), None)
+        if type(reruns) is not int or reruns < 1 or at is None:
+            raise JournalError(
+                f"{where}: a rerun ({reruns!r}) of group {rec['uid']!r}, which no record started"
+            )
+        gone = set(out.groups[at]["members"])  # the stale trajectories and their tree nodes (`<root>:<path>`)
+        for sid in [s for s in out.trajs if s.split(":", 1)[0] in gone]:
+            del out.trajs[sid]
+            out.first.pop(sid, None)
+            out.nodes.pop(sid, None)
+        out.groups[at] = {**group, "reruns": reruns}
     elif kind == "traj":
         sid = rec["s"]
         if sid in out.done:

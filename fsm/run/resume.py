@@ -193,7 +193,7 @@ def _snapshot_form(
             {
                 "status": "ready" if all(m["done"] for m in members) else "running",
                 "uid": g["uid"],
-                "reruns": 0,
+                "reruns": g.get("reruns", 0),
                 "version_min": min(lows),
                 "version_max": max(highs),
                 "sampling": g["sampling"],

@@ -282,8 +282,10 @@ class Stream(Owner):
         for new, old in zip(fresh, g.trajectories):
             new.index, new.uid = old.index, g.uid
         group = Group(g.uid, fresh, g.sampling, reruns=g.reruns + 1)
-        ctx = self.runner.make_context(sampling=g.sampling)
-        ctx.drive = self._node
+        ctx = self._context(g.sampling)
+        ctx.group_size = len(fresh)
+        if self.journal is not None:  # the new trajectories replace the stale ones on resume
+            self.journal.group(g.uid, snap.encode_sampling(g.sampling), fresh, reruns=group.reruns)
         self._start(_Running(group, ctx), fresh)
 
     async def take(
