@@ -242,7 +242,12 @@ class Recorder:
 
     def group(self, uid: str, sampling: dict[str, Any], trajs: Iterable[Trajectory], reruns: int = 0) -> None:
         trajs = list(trajs)
-        record = {"t": "group", "uid": uid, "sampling": sampling, "members": [t.session_id for t in trajs]}
+        record: dict[str, Any] = {
+            "t": "group",
+            "uid": uid,
+            "sampling": sampling,
+            "members": [t.session_id for t in trajs],
+        }
         if reruns:
             record["reruns"] = reruns
         self.writer.append(record)
