@@ -17,7 +17,8 @@ engine: 128 tokens) of the turn before.
 
 Traffic is a list of `Call`s (per request: session, group, turn, prompt tokens, new tokens, tool latency
 before the next request): `--trace FILE` replays recorded ones (JSON lines of these fields, or a run directory
-whose journal bench/traffic.py reads), else four shapes are generated. Replay is closed-loop: a whole batch starts at once (one synchronous RL step), each session
+whose journal bench/traffic.py reads), else four shapes are generated, their sessions' turn counts drawn anew
+each repeat (the same draw for every router of the repeat). Replay is closed-loop: a whole batch starts at once (one synchronous RL step), each session
 sends its turns in order, waiting the recorded tool latency between them; the step's makespan is when its
 last session ends.
 """
@@ -62,9 +63,11 @@ def _session(
     return [Call(sid, group, t, first + t * (grow + new), new, tool_s) for t in range(turns)]
 
 
-def shape(name: str, skewed_keys: Sequence[str] = ()) -> list[Call]:
-    """The generated shapes. `skewed_keys`: session ids of which most hash to one server (`skew_keys`)."""
-    rng = random.Random(name)
+def shape(name: str, skewed_keys: Sequence[str] = (), draw: int = 0) -> list[Call]:
+    """The generated shapes. `skewed_keys`: session ids of which most hash to one server (`skew_keys`).
+    `draw`: which draw of the sessions' turn counts (each repeat of the bench draws anew, the same for every
+    router: a router that places deterministically would otherwise meet one split of the work every time)."""
+    rng = random.Random(name if draw == 0 else f"{name}:{draw}")
     calls: list[Call] = []
     if name == "calculator":  # short tool sessions: a system prompt with the tool's schema, 2-4 turns
         for i in range(48):
@@ -383,11 +386,11 @@ async def run_fleet(
         async with http.get(servers[0] + "/v1/models") as r:
             model = (await r.json())["data"][0]["id"]
         if trace:
-            traffic = {Path(trace).stem: load_trace(trace)}
+            traces = [{Path(trace).stem: load_trace(trace)}] * repeats
         else:
             names = list(shapes) or ["calculator", "long", "groups", "skewed"]
             keys = await skew_keys(http, servers, model) if "skewed" in names else []
-            traffic = {name: shape(name, keys) for name in names}
+            traces = [{name: shape(name, keys, rep) for name in names} for rep in range(repeats)]
 
         def agentfsm(priority: bool) -> Callable[[], Any]:
             def make() -> Any:
@@ -430,7 +433,7 @@ async def run_fleet(
         for rep in range(repeats):
             names = [n for n in [*ours_, *theirs] if not only or n in only]
             names = names[rep % len(names) :] + names[: rep % len(names)]
-            for shape_name, calls in traffic.items():
+            for shape_name, calls in traces[rep].items():
                 for name in names:
                     row = await (
                         ours(ours_[name], calls) if name in ours_ else engine(name, theirs[name], calls)
@@ -445,7 +448,7 @@ async def run_fleet(
         "servers": list(servers),
         "repeats": repeats,
         "results": results,
-        "traffic": {k: len(v) for k, v in traffic.items()},
+        "traffic": {k: len(v) for k, v in traces[0].items()},
     }
 
 

@@ -69,3 +69,10 @@ def test_an_unknown_router_name_is_refused_with_the_names_there_are():
 
     with pytest.raises(ValueError, match="no router 'sglang cache_aware'; the routers: agentfsm, agentfsm"):
         bench_fleet(routers=["agentfsm", "sglang cache_aware"])
+
+
+def test_each_repeat_draws_the_turn_counts_anew_for_every_router_alike():
+    first, again, other = shape("calculator"), shape("calculator", draw=0), shape("calculator", draw=1)
+    assert first == again  # one draw is the same traffic for every router of a repeat
+    assert [c.session for c in first if c.turn == 0] == [c.session for c in other if c.turn == 0]
+    assert first != other  # the same sessions, other turn counts: a deterministic placement meets other splits
