@@ -75,4 +75,4 @@ def test_each_repeat_draws_the_turn_counts_anew_for_every_router_alike():
     first, again, other = shape("calculator"), shape("calculator", draw=0), shape("calculator", draw=1)
     assert first == again  # one draw is the same traffic for every router of a repeat
     assert [c.session for c in first if c.turn == 0] == [c.session for c in other if c.turn == 0]
-    assert first != other  # the same sessions, other turn counts: a deterministic placement meets other splits
+    assert first != other  # the same sessions, other turn counts: a fixed placement meets another split

@@ -164,7 +164,9 @@ def test_exit_and_ctrl_c_do_not_wait_for_hung_tool_threads(tmp_path):
     script = tmp_path / "hung.py"
     script.write_text(
         textwrap.dedent(f"""
-        import asyncio, json, threading, time
+        import asyncio, json, signal, threading, time
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as from a shell, whatever the test process's
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {{signal.SIGINT}})  # state was at the fork
         from transformers import AutoTokenizer
         import fsm
         from tests.conftest import model_turn, scripted, tool_turn, user_row
@@ -555,6 +557,8 @@ def test_ctrl_c_delivered_to_a_hung_tool_thread_wakes_the_loop(tmp_path):
     script.write_text(
         textwrap.dedent(f"""
         import asyncio, signal, threading, time
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as from a shell, whatever the test process's
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {{signal.SIGINT}})  # state was at the fork
         from transformers import AutoTokenizer
         import fsm
         from tests.conftest import model_turn, scripted, tool_turn, user_row
