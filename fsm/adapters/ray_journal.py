@@ -29,7 +29,7 @@ from typing import Any
 
 from fsm.run import snapshot as snap
 from fsm.run.context import Sampling
-from fsm.run.journal import JournalError, Recorder, Writer
+from fsm.run.journal import JournalError, Recorder, Writer, records
 from fsm.run.resume import load
 from fsm.run.trajectory import Trajectory
 from fsm.run.treejournal import Agents, restore_tree, tree_nodes
@@ -90,6 +90,9 @@ def open_chunk(
     place (matched by batch-wide index)."""
     path = Path(root) / f"{key}-{gid}.a{attempt}.r{rank}.log"
     earlier = [p for a, p in chunk_files(root, key, gid) if a < attempt]
+    with contextlib.suppress(JournalError):  # a damaged one is refused below
+        if earlier and not records(earlier[-1]).records:  # its actor died before a first record reached it:
+            earlier = []  # nothing was journaled, nothing refused
     counts = {"resumed": 0, "restarted": 0, "recovered": 0, "refused": 0}
     found: dict[int, tuple[Trajectory, bool]] = {}
     tools: dict[str, dict[str, Any]] = {}
