@@ -9,6 +9,8 @@ import json
 import os
 import pickle
 import signal
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -24,7 +26,7 @@ from fsm import DataError, RolloutEngine, load_rows
 from fsm.api import make_backend
 from fsm.data.rows import to_rows
 from specs.calculator import make_prompts
-from tests.conftest import ASSETS
+from tests.conftest import ASSETS, REPO
 
 
 def echo(latency_s: float = 0.0) -> ScriptedBackend:
@@ -135,6 +137,40 @@ def test_one_engine_serves_async_then_sync(tok):
     same_tensors(out, engine.generate_sequences(make_prompts(2)))
     engine.close()
     assert not [t for t in threading.enumerate() if t.name.startswith("agentfsm engine")]
+
+
+UNCLOSED = """
+import asyncio, sys
+
+from backends.scripted import echo_backend
+from fsm import RolloutEngine
+from specs.calculator import make_prompts
+
+
+async def main():
+    engine = RolloutEngine("calculator", sys.argv[1], backend=echo_backend())
+    assert len(await engine.agenerate_sequences(make_prompts(2))) == 2
+
+
+asyncio.run(main())  # the engine is never closed
+"""
+
+
+def test_an_engine_left_open_at_exit_ends_its_tasks_quietly(tmp_path):
+    """fsm/run/local.py: the exit stops an open engine's loop, whose tasks then end there; before, they were
+    destroyed pending, with a RuntimeError traceback per task."""
+    script = tmp_path / "unclosed.py"
+    script.write_text(UNCLOSED)
+    done = subprocess.run(
+        [sys.executable, str(script), str(ASSETS)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Task was destroyed" not in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
 
 
 def test_ctrl_c_interrupts_a_sync_call_promptly(tok):

@@ -29,6 +29,7 @@ from fsm.tools.loopthread import LoopThread
 
 T = TypeVar("T")
 PAUSE_TIMEOUT_S = 10.0  # a snapshot's pause of the servers (abort mode) waits at most this long
+AT_EXIT_S = 5.0  # an engine left open at exit (or dropped) waits this long for its loop's tasks to end
 log = logging.getLogger("agentfsm.stream")
 
 
@@ -71,7 +72,9 @@ class Local:
             raise RuntimeError("this RolloutEngine is closed")
         if self._home is None:
             self._home = home = LoopThread(f"agentfsm engine ({self.name})")
-            weakref.finalize(self, home.close).atexit = False  # an engine dropped unclosed stops its thread
+            # An engine dropped unclosed stops its thread; one still open at exit too, so that its tasks end on
+            # their loop (not as "Task was destroyed but it is pending!" tracebacks), within AT_EXIT_S.
+            weakref.finalize(self, home.close, AT_EXIT_S)
         return self._home
 
     async def call(self, coro: Coroutine[Any, Any, T]) -> T:

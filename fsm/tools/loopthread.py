@@ -144,8 +144,8 @@ class LoopThread:
             with contextlib.suppress(RuntimeError):  # closed meanwhile
                 self.loop.call_soon_threadsafe(self.loop.stop)
 
-    def close(self) -> None:
-        """Stop the loop and wait for its thread to end."""
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the loop and wait for its thread to end (at most `timeout` seconds when given)."""
         self.stop()
         if threading.current_thread() is not self.thread:
-            self.thread.join()
+            self.thread.join(timeout)
