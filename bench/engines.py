@@ -8,7 +8,8 @@ whether every trajectory's tokens were equal across engines. The servers must se
 vLLM on CPU, the tiny model with 32-dim heads: backends/tiny/head_pad.py, which computes the same function).
 
 Then the client under load: `in_flight` rows (1,000 by default) all in flight against each server, the
-client's CPU per model call (what one process pays per call when a fleet answers fast), and, with
+client's CPU per model call (what one process pays per call when a fleet answers fast) in an engine's first
+batch and in its second (a trainer's every later step), and, with
 `processes`, the same rows split over 1, 2, ... processes started together: calls per second in all, and CPU
 per call summed over the processes. A server slower than the clients bounds the calls per second, not them.
 """
@@ -26,25 +27,39 @@ from typing import Any
 from backends.tiny import ASSET_DIR
 
 
-async def _run(url: str, rows: list[dict[str, Any]], tokenizer: Any) -> dict[str, Any]:
+async def _run(url: str, rows: list[dict[str, Any]], tokenizer: Any, batches: int = 1) -> dict[str, Any]:
+    """`rows` through one engine, `batches` times in a row (a trainer's steps): the first batch's numbers, and
+    with `batches` > 1 the last one's under "steady" (the engine's connections, caches and frozen heap,
+    fsm/run/heap.py, set up by then)."""
     from fsm.api import RolloutEngine
 
     async with RolloutEngine(
         "calculator", tokenizer, servers=[url], max_concurrency=max(1, len(rows))
     ) as engine:
         await engine.start()
-        wall, cpu = time.perf_counter(), time.process_time()
-        trajs = await engine.arun(rows, sampling_params={"temperature": 0.0})
-        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-        stats = engine.backend.stats()  # type: ignore[attr-defined]
-        calls = sum(s["requests"] for s in stats["servers"])
+        measured = []
+        for _ in range(batches):
+            before = sum(s["requests"] for s in engine.backend.stats()["servers"])  # type: ignore[attr-defined]
+            wall, cpu = time.perf_counter(), time.process_time()
+            trajs = await engine.arun(rows, sampling_params={"temperature": 0.0})
+            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+            stats = engine.backend.stats()  # type: ignore[attr-defined]
+            calls = sum(s["requests"] for s in stats["servers"]) - before
+            measured.append(
+                {
+                    "wall_s": wall,
+                    "client_cpu_s": cpu,
+                    "model_calls": calls,
+                    "failed": sum(1 for t in trajs if t.failed),
+                }
+            )
+            if len(measured) == 1:
+                tokens = [(list(t.response_ids), list(t.response_mask)) for t in trajs]
         return {
             "engine": engine.backend.provider,
-            "wall_s": wall,
-            "client_cpu_s": cpu,
-            "model_calls": calls,
-            "tokens": [(list(t.response_ids), list(t.response_mask)) for t in trajs],
-            "failed": sum(1 for t in trajs if t.failed),
+            **measured[0],
+            "tokens": tokens,
+            **({"steady": measured[-1]} if batches > 1 else {}),
         }
 
 
@@ -129,15 +144,18 @@ def bench_engines(
         loaded: dict[str, list[dict[str, Any]]] = {url: [] for url in servers}
         for r in range(repeats):
             for url in _turns(servers, r):
-                loaded[url].append(asyncio.run(_run(url, many, tokenizer)))
+                loaded[url].append(asyncio.run(_run(url, many, tokenizer, batches=2)))
         for url, rs in loaded.items():
             s = out["servers"][url]
+            steady = [x["steady"] for x in rs]
             s["in_flight_client_cpu_ms_per_call"] = _median_ms(rs)
+            s["in_flight_steady_client_cpu_ms_per_call"] = _median_ms(steady)
             s["in_flight_calls_per_s"] = statistics.median(x["model_calls"] / x["wall_s"] for x in rs)
-            s["in_flight_failed"] = max(x["failed"] for x in rs)
+            s["in_flight_failed"] = max(x["failed"] for x in rs + steady)
             print(
                 f"{s['engine']:>6} {url}: {in_flight:,} in flight: client CPU "
-                f"{s['in_flight_client_cpu_ms_per_call']:.2f} ms per call, "
+                f"{s['in_flight_client_cpu_ms_per_call']:.2f} ms per call in an engine's first batch, "
+                f"{s['in_flight_steady_client_cpu_ms_per_call']:.2f} ms in its second, "
                 f"{s['in_flight_calls_per_s']:.0f} calls/s",
                 file=sys.stderr,
             )

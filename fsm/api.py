@@ -278,6 +278,9 @@ class RolloutEngine(BaseEngine):
     max_concurrency: trajectories in flight at once. tracer: e.g. `fsm.telemetry.Telemetry(...)`; the engine
         closes it when it closes (every span ended is then exported or counted as dropped).
     watchdog_s: when no trajectory has changed state for this long, the stuck rows are logged (None: never).
+    freeze_heap: when a run first puts hundreds of trajectories in flight, freeze the process's heap
+        (`gc.freeze()`, unfrozen when the last engine closes), so Python's full collections during a batch do not
+        walk every object of the process (fsm/run/heap.py).
     backend_options: for the backend it builds (`group_affinity`, `engine` for servers; `torch_threads`,
         `max_batch_size` for the in-process model).
     The engine owns its backend, given or built, and the thread whose event loop runs it (see the module
@@ -300,6 +303,7 @@ class RolloutEngine(BaseEngine):
         check_tokens: bool = False,
         watchdog_s: float | None = WATCHDOG_S,
         policies: Mapping[str, Backend | Mapping[str, Any]] | None = None,
+        freeze_heap: bool = True,
         **backend_options: Any,
     ):
         if backend is not None and servers:
@@ -333,7 +337,14 @@ class RolloutEngine(BaseEngine):
         self.codec = self.runner.codec
         self.tracer = tracer
         # the fault counters start with the backend: a batch made after the run (the CLI's) still has its faults
-        self._local = Local(self.runner, tracer, self.agent.name, build, on_started=self._fault_counters)
+        self._local = Local(
+            self.runner,
+            tracer,
+            self.agent.name,
+            build,
+            on_started=self._fault_counters,
+            freeze_heap=freeze_heap,
+        )
 
     async def _fleet(self, urls: list[str], options: dict[str, Any]) -> Backend:
         """servers= without engine=: at start, the servers are asked which engine they run (backends/engines.py

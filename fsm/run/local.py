@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from backends.base import Backend
-from fsm.run import loopwatch
+from fsm.run import heap, loopwatch
 from fsm.run import snapshot as snap
 from fsm.run.context import Sampling
 from fsm.run.control import Controls
@@ -45,8 +45,11 @@ class Local:
         name: str,
         build: Callable[[], Awaitable[Backend]] | None = None,
         on_started: Callable[[], object] | None = None,
+        freeze_heap: bool = True,
     ):
         self.runner, self.tracer, self.name = runner, tracer, name
+        self.freeze_heap = freeze_heap  # tried once, by the first run that puts heap.FREEZE_AT rows in flight
+        self._heap: heap.Held | None = None  # this engine's hold on the frozen heap (fsm/run/heap.py)
         self._on_started = (
             on_started  # hears that the backend has started (the engine's fault counters start)
         )
@@ -158,13 +161,24 @@ class Local:
             await self.stream_here()
         )  # the engine's one owner, the continuous mode's too (started: its backend)
         ctx, trajs = self.runner.prepare(rows, n, sampling=sampling)
+        self._freeze_for(len(trajs))
         await owner.run(trajs, ctx, on_done)
         return trajs
+
+    def _freeze_for(self, more: int) -> None:
+        """Freeze the heap (fsm/run/heap.py) once `more` trajectories join those in flight past FREEZE_AT: only
+        then do full collections cost a batch much, and only then is the one collection before it paid. On the
+        loop, at once: the collection holds the interpreter wherever it runs, and no await can lose the hold."""
+        if self.freeze_heap and len(self.runner.live) + more >= heap.FREEZE_AT:
+            self.freeze_heap = False
+            self._heap = heap.hold()
 
     async def submit_here(
         self, rows: Sequence[Any], n: int, sampling: Sampling, first_index: int | None
     ) -> list[str]:
-        return await (await self.stream_here()).submit(rows, n, sampling, first_index)
+        stream = await self.stream_here()
+        self._freeze_for(len(rows) * n)
+        return await stream.submit(rows, n, sampling, first_index)
 
     async def take_here(
         self,
@@ -399,6 +413,9 @@ class Local:
                     await close()
             self.agent.tools.close()  # idle tool threads, loops and worker processes (tools restart on use)
         finally:  # the run's owner closes its tracer: every span ended is exported or counted as dropped
+            held, self._heap = self._heap, None
+            if held is not None:
+                held.release()
             close_tracer = getattr(self.tracer, "close", None)
             if close_tracer is not None:
                 await asyncio.to_thread(close_tracer)

@@ -1,0 +1,55 @@
+"""The process's heap frozen while engines run, so the cyclic collector scans only what runs make.
+
+With a thousand trajectories in flight, their turns create enough long-lived objects that Python runs full
+(generation 2) collections during a batch, and each one walks every object of the process: torch's, transformers',
+the tokenizer's, the trainer's. That walk is a large share of the client's CPU per model call (docs/benchmarks.md,
+"The client under load"). `gc.freeze()` after a full collection moves what exists then out of the collector's sight
+(vLLM's and SGLang's servers freeze theirs after their start); objects freed by reference count are freed as ever.
+What the freeze defers is the collection of reference cycles among the frozen objects: those wait for the last
+engine's close, which unfreezes. An engine freezes when a run first puts FREEZE_AT trajectories in flight: below
+that, full collections are rare in a batch and the one collection before the freeze (a few hundred milliseconds
+with torch loaded) would cost more.
+
+A process that froze its heap itself (`gc.get_freeze_count()` not 0 when the first engine would freeze) is left to
+manage it: no freeze, no unfreeze. `RolloutEngine(freeze_heap=False)` opts an engine out.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+FREEZE_AT = 256  # trajectories in flight (with those joining) that make an engine freeze the heap
+_lock = threading.Lock()
+_holders = 0  # engines started and not closed, holding the freeze
+
+
+class Held:
+    """One engine's hold on the freeze: `release()` once, at its close (a second call does nothing)."""
+
+    def __init__(self) -> None:
+        self._released = False
+
+    def release(self) -> None:
+        global _holders
+        with _lock:
+            if self._released:
+                return
+            self._released = True
+            _holders -= 1
+            if _holders == 0:
+                gc.unfreeze()
+
+
+def hold() -> Held | None:
+    """Freeze the heap as it is (after a full collection: no garbage is frozen) unless it is frozen already by
+    another engine, which this one then shares, or by the process itself (None: nothing held)."""
+    global _holders
+    with _lock:
+        if _holders == 0:
+            if gc.get_freeze_count():
+                return None
+            gc.collect()
+            gc.freeze()
+        _holders += 1
+        return Held()

@@ -1,0 +1,100 @@
+"""fsm/run/heap.py: an engine whose run puts FREEZE_AT trajectories in flight freezes the heap (after a full
+collection), the last close unfreezes it, a process that froze its heap itself keeps it as it was, and
+`freeze_heap=False` leaves it alone."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+
+from backends.scripted import echo_backend
+from fsm import RolloutEngine
+from fsm.run import heap
+from specs.calculator import make_prompts
+
+
+@pytest.fixture(autouse=True)
+def thawed(monkeypatch):
+    monkeypatch.setattr(heap, "FREEZE_AT", 2)  # a run of two rows is one that freezes
+    gc.unfreeze()
+    yield
+    gc.unfreeze()
+
+
+def engine(tok, **options) -> RolloutEngine:
+    return RolloutEngine("calculator", tok, backend=echo_backend(), **options)
+
+
+def test_engines_share_one_freeze_until_the_last_closes(tok):
+    first, second = engine(tok), engine(tok)
+    try:
+        assert len(first.generate_sequences(make_prompts(2))) == 2
+        frozen = gc.get_freeze_count()  # objects in the permanent generation (each freed one leaves it)
+        assert frozen > 10_000
+        second.generate_sequences(make_prompts(2))  # shares the freeze: nothing more is frozen
+        assert gc.get_freeze_count() <= frozen
+        first.close()
+        assert gc.get_freeze_count() > frozen - 1_000  # the second still runs
+    finally:
+        first.close()
+        second.close()
+    assert gc.get_freeze_count() == 0
+    first.close()  # a second close releases nothing twice
+    assert gc.get_freeze_count() == 0
+
+
+def test_garbage_is_collected_before_the_freeze(tok):
+    class Node:
+        other: Node
+
+    gc.disable()  # the cycle stays until the engine's own collection
+    try:
+        a, b = Node(), Node()
+        a.other, b.other = b, a  # a cycle only the collector frees
+        alive = weakref.ref(a)
+        del a, b
+        assert alive() is not None
+        e = engine(tok)
+        try:
+            e.generate_sequences(make_prompts(2))
+            assert alive() is None  # collected, not frozen
+        finally:
+            e.close()
+    finally:
+        gc.enable()
+
+
+def test_a_process_that_froze_its_heap_keeps_it_and_an_opted_out_engine_freezes_nothing(tok):
+    gc.freeze()
+    e = engine(tok)
+    try:
+        e.generate_sequences(make_prompts(2))
+    finally:
+        e.close()
+    assert gc.get_freeze_count() > 10_000  # the process's own freeze: not undone by the engine
+    gc.unfreeze()
+    off = engine(tok, freeze_heap=False)
+    try:
+        off.generate_sequences(make_prompts(2))
+        assert gc.get_freeze_count() == 0
+    finally:
+        off.close()
+    held = heap.hold()  # the module's count is back at zero: this hold freezes
+    assert held is not None and gc.get_freeze_count() > 0
+    held.release()
+    assert gc.get_freeze_count() == 0
+
+
+def test_only_a_run_of_freeze_at_trajectories_freezes(tok, monkeypatch):
+    monkeypatch.setattr(heap, "FREEZE_AT", 8)
+    e = engine(tok)
+    try:
+        e.generate_sequences(make_prompts(3), n=2)  # 6 in flight
+        assert gc.get_freeze_count() == 0
+        e.generate_sequences(make_prompts(4), n=2)
+        assert gc.get_freeze_count() > 0
+    finally:
+        e.close()
+    assert gc.get_freeze_count() == 0
