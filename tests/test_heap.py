@@ -98,3 +98,20 @@ def test_only_a_run_of_freeze_at_trajectories_freezes(tok, monkeypatch):
     finally:
         e.close()
     assert gc.get_freeze_count() == 0
+
+
+async def test_a_ray_actor_freezes_its_process_heap_for_a_large_chunk_and_releases_it_at_close(tok):
+    """fsm/adapters/ray_runner.py `_Worker`, the actor's class, driven without Ray."""
+    from fsm.adapters.ray_runner import _Worker
+    from fsm.run.context import Sampling
+
+    worker = _Worker("calculator", tok, None, echo_backend, 0, 64)
+    sampling = Sampling.resolve(worker.runner.agent, worker.runner.codec)
+    try:
+        trajs, _ = await worker.run("k", sampling, make_prompts(1), [0], 1)
+        assert len(trajs) == 1 and gc.get_freeze_count() == 0  # one row: under FREEZE_AT (2 here)
+        trajs, _ = await worker.run("k", sampling, make_prompts(2), [1, 2], 1)
+        assert len(trajs) == 2 and gc.get_freeze_count() > 0
+    finally:
+        await worker.close()
+    assert gc.get_freeze_count() == 0

@@ -43,6 +43,7 @@ from backends.base import Backend
 from fsm.api import BaseEngine, SpecLike, load_agent, load_tokenizer, make_backend, tiny_model_dir
 from fsm.data.rows import normalize_record
 from fsm.families import Codec
+from fsm.run import heap
 from fsm.run.context import Sampling
 from fsm.run.control import Controls
 from fsm.run.engine import EngineRefused, StalePolicy
@@ -100,6 +101,9 @@ class _Worker:
         self._serving: asyncio.Future[None] | None = None
         self._contexts: dict[str, Any] = {}  # batch key -> RunContext (a few recent batches)
         self._ident: dict[str, Any] | None = None  # the chunk journals' identity record
+        self._heap: heap.Held | None = (
+            None  # the actor's hold on its frozen heap, as a RolloutEngine's (fsm/run/heap.py)
+        )
 
     async def _start(self) -> None:
         if self._serving is None:
@@ -122,6 +126,8 @@ class _Worker:
         fsm/adapters/ray_journal.py)."""
         await self._start()
         trajs = self.runner.trajectories(rows, n)
+        if self._heap is None and len(self.runner.live) + len(trajs) >= heap.FREEZE_AT:
+            self._heap = heap.hold()
         for t in trajs:
             t.index = row_ids[t.index // n] * n + t.sample  # the batch-wide index: per-sample seeds match
         if journal is not None:
@@ -172,6 +178,9 @@ class _Worker:
         return await self.controls.run(op, args, servers)
 
     async def close(self) -> None:
+        held, self._heap = self._heap, None
+        if held is not None:
+            held.release()
         serving, self._serving = self._serving, None
         if serving is not None:
             serving.cancel()

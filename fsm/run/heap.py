@@ -11,7 +11,8 @@ that, full collections are rare in a batch and the one collection before the fre
 with torch loaded) would cost more.
 
 A process that froze its heap itself (`gc.get_freeze_count()` not 0 when the first engine would freeze) is left to
-manage it: no freeze, no unfreeze. `RolloutEngine(freeze_heap=False)` opts an engine out.
+manage it: no freeze, no unfreeze. `RolloutEngine(freeze_heap=False)` opts an engine out. A Ray actor
+(fsm/adapters/ray_runner.py) freezes its own process the same way, for a chunk of FREEZE_AT trajectories.
 """
 
 from __future__ import annotations
