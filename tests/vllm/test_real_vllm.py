@@ -55,7 +55,7 @@ async def metric(c: VLLMBackend, name: str) -> float:
 
 
 async def running(
-    c: VLLMBackend, n: int = 1, tokens: int = 2, timeout_s: float = 120, turn: asyncio.Future | None = None
+    c: VLLMBackend, n: int = 1, tokens: int = 2, timeout_s: float = 300, turn: asyncio.Future | None = None
 ) -> None:
     """Until vLLM's scheduler runs `n` requests and has made `tokens` more tokens since this call (or `turn`,
     one that may end on its own, has ended)."""
@@ -184,9 +184,10 @@ async def test_pause_in_each_mode_with_a_request_in_flight_then_resume(vllm, mod
         )  # "wait" lets the turn finish; the others must catch it running
         session = f"pz{mode.replace('_', '')}"
         turn = asyncio.ensure_future(c.generate(req(f"{session}_t00", budget, ignore_eos=True)))
-        await running(
-            c, turn=turn if mode == "retract" else None
-        )  # "wait" is for turns that end on their own
+        await running(c, turn=turn)
+        # a BUSY turn ends only by the pause: one that ended already failed, and says why
+        if mode != "retract" and turn.done():
+            raise AssertionError(f"the turn ended before the pause: {turn.result()}")
         await c.pause_generation(mode)
         try:
             assert await c.is_paused() and not await c.ready()
