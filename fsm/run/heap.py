@@ -6,9 +6,10 @@ the tokenizer's, the trainer's. That walk is a large share of the client's CPU p
 "The client under load"). `gc.freeze()` after a full collection moves what exists then out of the collector's sight
 (vLLM's and SGLang's servers freeze theirs after their start); objects freed by reference count are freed as ever.
 What the freeze defers is the collection of reference cycles among the frozen objects: those wait for the last
-engine's close, which unfreezes. An engine freezes when a run first puts FREEZE_AT trajectories in flight: below
-that, full collections are rare in a batch and the one collection before the freeze (a few hundred milliseconds
-with torch loaded) would cost more.
+engine's close, which unfreezes (an engine dropped unclosed is itself frozen: its hold lasts as long as the
+process). An engine freezes when a run first puts FREEZE_AT trajectories in flight: below that, full collections
+are rare in a batch and the one collection before the freeze (a few hundred milliseconds with torch loaded) would
+cost more.
 
 A process that froze its heap itself (`gc.get_freeze_count()` not 0 when the first engine would freeze) is left to
 manage it: no freeze, no unfreeze. `RolloutEngine(freeze_heap=False)` opts an engine out. A Ray actor
@@ -47,10 +48,15 @@ def hold() -> Held | None:
     another engine, which this one then shares, or by the process itself (None: nothing held)."""
     global _holders
     with _lock:
-        if _holders == 0:
+        if _holders:
+            _holders += 1
+            return Held()
+    # Outside the lock: the finalizers the collection runs may release another engine's hold.
+    gc.collect()
+    with _lock:
+        if not _holders:
             if gc.get_freeze_count():
                 return None
-            gc.collect()
             gc.freeze()
         _holders += 1
         return Held()
