@@ -55,7 +55,8 @@ async def _run(url: str, rows: list[dict[str, Any]], tokenizer: Any, batches: in
             )
             if len(measured) == 1:
                 tokens = [(list(t.response_ids), list(t.response_mask)) for t in trajs]
-            del trajs  # a trainer drops a batch's trajectories once it has its tensors: not kept into the next
+            # a trainer drops a batch's trajectories once it has its tensors: not kept into the next batch
+            del trajs
         return {
             "engine": engine.backend.provider,
             **measured[0],
