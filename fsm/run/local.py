@@ -58,6 +58,7 @@ class Local:
         self.owned = Owned()  # services its runs start (a harness's gateway), closed with it
         self._build = build
         self._home: LoopThread | None = None
+        self._at_exit: Any = None  # the home loop's stop at exit (or when dropped)
         self._started: asyncio.Future[None] | None = None  # the backend's start(), on the home loop
         self._stream: Stream | None = None  # started by the first call
         self._stream_task: asyncio.Future[None] | None = None
@@ -77,7 +78,7 @@ class Local:
             self._home = home = LoopThread(f"agentfsm engine ({self.name})")
             # An engine dropped unclosed stops its thread; one still open at exit too, so that its tasks end on
             # their loop (not as "Task was destroyed but it is pending!" tracebacks), within AT_EXIT_S.
-            weakref.finalize(self, home.close, AT_EXIT_S)
+            self._at_exit = weakref.finalize(self, home.close, AT_EXIT_S)
         return self._home
 
     async def call(self, coro: Coroutine[Any, Any, T]) -> T:
@@ -303,6 +304,12 @@ class Local:
             "path": str(written),
         }
 
+    def _wedge(self) -> None:
+        """Code blocks the loop for good: nothing more runs there, and the exit does not wait for its thread."""
+        self.wedged = True
+        if self._at_exit is not None:
+            self._at_exit.detach()
+
     def _snapshot_blocked(
         self,
         thread: int,
@@ -317,7 +324,7 @@ class Local:
             journal = self._stream.journal
             if journal is not None:
                 journal.writer.sync()
-            self.wedged = True
+            self._wedge()
             ready = list(self._stream.groups.ready)
             return {
                 "ready_groups": len(ready),
@@ -331,7 +338,7 @@ class Local:
             {**snap.header(self.agent, self.codec), "meta": dict(meta or {})}, thread
         )
         restarted = data.pop("restarted")
-        self.wedged = True
+        self._wedge()
         written = path
         try:
             snap.write(written, data)

@@ -27,9 +27,9 @@ from tests.sglang.scenarios import PROMPT
 pytestmark = pytest.mark.sglang
 LONG = 300  # a turn that is still running when a test aborts or pauses it
 # logprobs of one checkpoint on two SGLang servers, or one server twice, differ by less: SGLang's CPU engine is
-# not batch-invariant (which requests share a batch, what its radix cache holds), and CI's machine measured up to
-# 7.6e-4 where this one stays under 1e-4; a stale output head moves them by ~2.5 (docs/engines.md)
-NOISE = 2e-3
+# not batch-invariant (which requests share a batch, what its radix cache holds): up to 7.6e-4 on CI's machine and
+# 3.4e-3 here in a full suite, under 1e-4 alone; a stale output head moves them by ~2.5 (docs/engines.md)
+NOISE = 2e-2
 MODES = ("abort", "retract", "in_place")
 
 
