@@ -119,7 +119,7 @@ def kill_across_an_update(
     """The server at `shipped`, version v0; the program's run updates it to `updated`, v0 + 1, and is killed;
     the resume is refused at v0 + 2, goes on at v0 + 1 with every version kept, and (`opt_in`) at v0 + 2 with the
     new tokens carrying it. The server is left at `shipped`, v0 + 3. The versions journaled at the kill back."""
-    v1 = v0 + 1
+    v1, v2 = v0 + 1, v0 + 2
     set_version(shipped, v0)
     out = tmp / "cut"
     script = tmp / "program.py"
@@ -145,62 +145,46 @@ def kill_across_an_update(
             time.sleep(0.02)
         err = proc.communicate(timeout=60)[1]
         assert proc.returncode == -signal.SIGKILL, err[-2000:]
-        return _resume_across(tmp, out, url, tokenizer, shipped, updated, set_version, v0, opt_in)
+        at_kill = rebuild(records(out / JOURNAL))
+        going_on = [s for s, t in at_kill.trajs.items() if s not in at_kill.done and len(t.path_times)]
+        kept = {s: _made(at_kill, s) for s in going_on}
+        assert any(v1 in v for v in kept.values())
+        other = tmp / "other"
+        shutil.copytree(out, other)
+        # the server moved on to v2: refused, in one line naming the journal, the server and both versions
+        set_version(shipped, v2)
+        with pytest.raises(JournalError) as refused:
+            _resume(url, tokenizer, out)
+        line = str(refused.value)
+        assert "\n" not in line and str(out / JOURNAL) in line and url in line, line
+        assert f"weight version {v1}," in line and f"weight version {v2};" in line, line
+
+        # back at v1: the rows go on with the weights they were generated with, every version kept
+        set_version(updated, v1)
+        _resume(url, tokenizer, out)
+        done = rebuild(records(out / JOURNAL))
+        assert done.ended == "completed" and len(done.done) == 4
+        for sid, before in kept.items():
+            assert _made(done, sid)[: len(before)] == before, sid  # the journaled tokens keep their versions
+            assert set(_made(done, sid)[len(before) :]) <= {v1}, sid
+        assert {v for s in done.trajs for v in _made(done, s)} == {v0, v1}  # the run spans the update
+
+        if opt_in:  # opted in, on v2: the old tokens keep theirs, the new ones carry v2
+            set_version(shipped, v2)
+            _resume(url, tokenizer, other, other_weights=True)
+            done = rebuild(records(other / JOURNAL))
+            assert done.ended == "completed" and len(done.done) == 4
+            new = []
+            for sid, before in kept.items():
+                assert _made(done, sid)[: len(before)] == before, sid
+                new += _made(done, sid)[len(before) :]
+            assert new and set(new) == {v2}  # a model turn was in flight at the kill: it ran again, on v2
+        return kept
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
         set_version(shipped, v0 + 3)
-
-
-def _resume_across(
-    tmp: Path,
-    out: Path,
-    url: str,
-    tokenizer: Path,
-    shipped: Path,
-    updated: Path,
-    set_version: Callable[[Path, int], None],
-    v0: int,
-    opt_in: bool,
-) -> dict[str, list[int]]:
-    """`kill_across_an_update`'s checks once the program is killed."""
-    v1, v2 = v0 + 1, v0 + 2
-    at_kill = rebuild(records(out / JOURNAL))
-    going_on = [s for s, t in at_kill.trajs.items() if s not in at_kill.done and len(t.path_times)]
-    kept = {s: _made(at_kill, s) for s in going_on}
-    assert any(v1 in v for v in kept.values())
-    other = tmp / "other"
-    shutil.copytree(out, other)
-    # the server moved on to v2: refused, in one line naming the journal, the server and both versions
-    set_version(shipped, v2)
-    with pytest.raises(JournalError) as refused:
-        _resume(url, tokenizer, out)
-    line = str(refused.value)
-    assert "\n" not in line and str(out / JOURNAL) in line and url in line, line
-    assert f"weight version {v1}," in line and f"weight version {v2};" in line, line
-
-    # back at v1: the rows go on with the weights they were generated with, every version kept
-    set_version(updated, v1)
-    _resume(url, tokenizer, out)
-    done = rebuild(records(out / JOURNAL))
-    assert done.ended == "completed" and len(done.done) == 4
-    for sid, before in kept.items():
-        assert _made(done, sid)[: len(before)] == before, sid  # the journaled tokens keep their versions
-        assert set(_made(done, sid)[len(before) :]) <= {v1}, sid
-    assert {v for s in done.trajs for v in _made(done, s)} == {v0, v1}  # the run spans the update
-
-    if opt_in:  # opted in, on v2: the old tokens keep theirs, the new ones carry v2
-        set_version(shipped, v2)
-        _resume(url, tokenizer, other, other_weights=True)
-        done = rebuild(records(other / JOURNAL))
-        assert done.ended == "completed" and len(done.done) == 4
-        new = []
-        for sid, before in kept.items():
-            assert _made(done, sid)[: len(before)] == before, sid
-            new += _made(done, sid)[len(before) :]
-        assert new and set(new) == {v2}  # a model turn was in flight at the kill: it ran again, on v2
-    return kept
 
 
 @pytest.mark.slow
