@@ -79,11 +79,14 @@ def shape(name: str, skewed_keys: Sequence[str] = (), draw: int = 0) -> list[Cal
         for g in range(8):
             for k in range(8):
                 calls += _session(f"g{g}s{k}", f"g{g}", 1024, 96, rng.randint(1, 3), 32, 0.05)
+    elif name == "crowded":  # more calculator sessions than the servers run at once: turns wait in queues
+        for i in range(640):
+            calls += _session(f"crowd{i}", None, 160, 40, rng.randint(2, 4), 24, 0.05)
     elif name == "skewed":  # 24 sessions, 18 of whose keys hash to one server under consistent hashing
         for sid in skewed_keys:
             calls += _session(sid, None, 384, 128, rng.randint(3, 5), 32, 0.05)
     else:
-        raise ValueError(f"bench fleet: no shape {name!r} (calculator, long, groups, skewed)")
+        raise ValueError(f"bench fleet: no shape {name!r} (calculator, long, groups, skewed, crowded)")
     return calls
 
 
@@ -119,6 +122,10 @@ class Words:
             rng = random.Random(f"{key}:{len(s)}")
             s += [rng.choice(self.words) for _ in range(n - len(s))]
         return s
+
+    def text(self, key: str, n: int) -> str:
+        """`n` tokens of `key`'s stream, as a prompt."""
+        return " " + " ".join(self._stream(key, n)[:n])
 
     def prompt(self, calls: list[Call], turn: int) -> str:
         """The session's context at `turn`: its group's prompt (its first turn's length), then its own."""
@@ -388,7 +395,7 @@ async def run_fleet(
         if trace:
             traces = [{Path(trace).stem: load_trace(trace)}] * repeats
         else:
-            names = list(shapes) or ["calculator", "long", "groups", "skewed"]
+            names = list(shapes) or ["calculator", "long", "groups", "skewed", "crowded"]
             keys = await skew_keys(http, servers, model) if "skewed" in names else []
             traces = [{name: shape(name, keys, rep) for name in names} for rep in range(repeats)]
 
@@ -469,16 +476,20 @@ def bench_fleet(
     repeats: int = 3,
     shapes: Sequence[str] = (),
     routers: Sequence[str] = (),
+    sim: int = 0,
 ) -> dict[str, Any]:
     """Replay every shape (or `trace`, or `shapes`) through every router (or `routers`, by name) against
     `servers` (vLLM serving the padded tiny model, started with `--scheduling-policy priority` and
     VLLM_SERVER_DEV_MODE=1, the model directory on this machine), or against `n_servers` launched here from
-    $VLLM_VENV. Prints the table's rows as they come."""
+    $VLLM_VENV, or against `sim` modeled servers (bench/fleet_sim.py). Prints the table's rows as they come."""
     known = ["agentfsm", "agentfsm+priority", *engine_routers([])]
     unknown = [r for r in routers if r not in known]
     if unknown:
         raise ValueError(f"bench fleet: no router {unknown[0]!r}; the routers: {', '.join(known)}")
-    if not (ROUTERS_VENV / "bin" / "vllm-router").exists():
+    ours = {"agentfsm", "agentfsm+priority"}
+    skewed = not trace and (not shapes or "skewed" in shapes)  # its keys are found by asking vllm-router
+    needs_theirs = skewed or not routers or any(r not in ours for r in routers)
+    if needs_theirs and not (ROUTERS_VENV / "bin" / "vllm-router").exists():
         raise RuntimeError(
             f"bench fleet: no routers virtualenv at {ROUTERS_VENV}; build it with `bash .ci/routers_env.sh`"
         )
@@ -490,6 +501,8 @@ def bench_fleet(
     which = {"shapes": shapes, "only": routers, "repeats": repeats}
     if servers:
         return asyncio.run(_given(list(servers), trace, which))
+    if sim:
+        return asyncio.run(_simulated(sim, trace, which))
     return asyncio.run(_launched(n_servers, trace, which))
 
 
@@ -519,4 +532,36 @@ async def _launched(n: int, trace: str | None, which: dict[str, Any]) -> dict[st
         async with launcher:
             result = await run_fleet(launcher.urls, model, trace, **which)
     result["launched"] = n
+    return result
+
+
+async def _simulated(n: int, trace: str | None, which: dict[str, Any]) -> dict[str, Any]:
+    from backends.tiny import ASSET_DIR
+
+    ports = [free_port() for _ in range(n)]
+    argv = [sys.executable, "-m", "bench.fleet_sim", "--root", str(ASSET_DIR), "--port"]
+    procs = [
+        subprocess.Popen([*argv, str(p)], cwd=ROOT, start_new_session=True, preexec_fn=die_with_parent())
+        for p in ports
+    ]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    try:
+        async with aiohttp.ClientSession() as http:
+            for url, proc in zip(urls, procs):
+                for _ in range(300):  # 30 s
+                    if proc.poll() is not None:
+                        raise RuntimeError(f"bench fleet: modeled server {url} exited ({proc.returncode})")
+                    try:
+                        async with http.get(url + "/health") as r:
+                            if r.status == 200:
+                                break
+                    except aiohttp.ClientError:
+                        pass
+                    await asyncio.sleep(0.1)
+        result = await run_fleet(urls, ASSET_DIR, trace, **which)
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(10)
+    result["simulated"] = n
     return result

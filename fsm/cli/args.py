@@ -465,7 +465,7 @@ def command_line(commands: Mapping[str, Callable[[argparse.Namespace], int]]) ->
     p.add_argument(
         "--shape",
         action="append",
-        choices=["calculator", "long", "groups", "skewed"],
+        choices=["calculator", "long", "groups", "skewed", "crowded"],
         help="fleet: replay only these generated shapes (repeatable; default: all four)",
     )
     p.add_argument(
@@ -474,6 +474,13 @@ def command_line(commands: Mapping[str, Callable[[argparse.Namespace], int]]) ->
         metavar="NAME",
         help="fleet: run only these routers, by their name in the table ('agentfsm', 'sglang-router "
         "cache_aware', ...; repeatable; default: all)",
+    )
+    p.add_argument(
+        "--sim",
+        type=COUNT,
+        metavar="N",
+        help="fleet: N modeled vLLM servers (bench/fleet_sim.py: vLLM's scheduling and prefix cache, compute "
+        "as sleeps fitted to a real server) instead of real ones",
     )
     p.add_argument(
         "--workload",

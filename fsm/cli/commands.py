@@ -583,6 +583,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             repeats=args.repeats,
             shapes=args.shape or (),
             routers=args.router or (),
+            sim=args.sim or 0,
         )
     elif what == "trees":
         result = bench.bench_trees(args.server or (), prompts=4 if args.n == 2000 else args.n)
