@@ -15,8 +15,9 @@ while it holds at most `load_bound` times the fair share of the pinned sessions 
 
 Scheduling by state: `priority` (e.g. `by_turn`) maps each request to the engine's request priority (lower
 runs first on a server started with vLLM's `--scheduling-policy priority`), from what the engine knows of its
-trajectory: its turn and its remaining budget. In a synchronous step the trajectories with many turns are
-the stragglers; serving their turns first shortens the step.
+trajectory: its turn and its remaining budget. Where turns wait in a server's queue, serving late turns first
+shortens a trajectory's wait per turn; it does not shorten a saturated synchronous step, whose end is set by
+the servers' throughput (docs/benchmarks.md, the modeled fleet), so it is off by default.
 A session whose server is down is re-pinned by rule 3 and counted as "moved". When no server is marked
 healthy, all of them are candidates again (a mark may be stale; a dead fleet then fails per request).
 

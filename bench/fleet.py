@@ -17,10 +17,13 @@ engine: 128 tokens) of the turn before.
 
 Traffic is a list of `Call`s (per request: session, group, turn, prompt tokens, new tokens, tool latency
 before the next request): `--trace FILE` replays recorded ones (JSON lines of these fields, or a run directory
-whose journal bench/traffic.py reads), else four shapes are generated, their sessions' turn counts drawn anew
+whose journal bench/traffic.py reads), else five shapes are generated, their sessions' turn counts drawn anew
 each repeat (the same draw for every router of the repeat). Replay is closed-loop: a whole batch starts at once (one synchronous RL step), each session
 sends its turns in order, waiting the recorded tool latency between them; the step's makespan is when its
 last session ends.
+
+`--sim N` replays against N modeled vLLM servers instead (bench/fleet_sim.py): vLLM's scheduling and prefix
+cache with the compute as sleeps, so that the servers compute apart from the client and the routers.
 """
 
 from __future__ import annotations
@@ -46,7 +49,9 @@ import aiohttp
 
 from backends.base import BackendUnavailable, BaseBackend, GenerateRequest, GenerateResult
 from backends.launcher import die_with_parent
+from backends.retry import retry
 from backends.router import Router, by_turn
+from backends.server_client import ServerClient
 from bench.traffic import Call, calls_of_run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -238,14 +243,21 @@ def engine_routers(servers: Sequence[str]) -> dict[str, list[str]]:
 
 
 class Completions(BaseBackend):
-    """A vLLM server's /v1/completions with a text prompt: the route every router is replayed through."""
+    """A vLLM server's /v1/completions with a text prompt: the route every router is replayed through. A
+    failure is retried on the same server under the engine's own client's default policy
+    (backends/server_client.py) before the router sees it, so a dropped connection does not fail a server over
+    here when it would not in a run."""
 
     provider = "vllm"
 
     def __init__(self, url: str, http: aiohttp.ClientSession, model: str):
         self.url, self.http, self.model_name = url, http, model
+        self.policy = ServerClient(url).retry_policy
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
+        return await retry(self.policy, lambda _: self._attempt(request))
+
+    async def _attempt(self, request: GenerateRequest) -> GenerateResult:
         body = completion_body(
             self.model_name, request.sampling_params["text"], request.sampling_params["max_new_tokens"]
         )
@@ -255,7 +267,7 @@ class Completions(BaseBackend):
             async with self.http.post(self.url + "/v1/completions", json=body) as r:
                 if r.status != 200:
                     raise BackendUnavailable(
-                        f"{self.url}: /v1/completions answered {r.status}", server=self.url
+                        f"{self.url}: /v1/completions answered {r.status}", server=self.url, status=r.status
                     )
                 answer = await r.json()
         except aiohttp.ClientError as e:

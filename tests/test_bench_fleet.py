@@ -12,7 +12,7 @@ from bench.fleet import Call, Words, load_trace, shape
 
 
 def test_shapes_are_sessions_of_growing_prompts():
-    for name in ("calculator", "long", "groups"):
+    for name in ("calculator", "long", "groups", "crowded"):
         calls = shape(name)
         by_session: dict[str, list[Call]] = {}
         for c in calls:
@@ -23,6 +23,7 @@ def test_shapes_are_sessions_of_growing_prompts():
     groups = shape("groups")
     assert len({c.group for c in groups}) == 8 and len({c.session for c in groups}) == 64
     assert max(c.prompt_tokens for c in shape("long")) > 5 * 128  # several of vLLM's CPU KV blocks
+    assert len({c.session for c in shape("crowded")}) > 2 * 128  # more than two servers run at once
     assert [c.session for c in shape("skewed", ["k1", "k2"]) if c.turn == 0] == ["k1", "k2"]
     with pytest.raises(ValueError, match="no shape 'nope'"):
         shape("nope")

@@ -182,7 +182,7 @@ def test_request_timeout_needs_servers(capsys, tmp_path):
     )
 
 
-def test_request_timeout_reaches_the_engine(monkeypatch, tmp_path):
+def test_request_timeout_and_group_affinity_reach_the_engine(monkeypatch, tmp_path):
     """Until backends take `request_timeout_s`, check that the CLI hands it to RolloutEngine's backend options
     (and only when given)."""
     import fsm.api
@@ -207,6 +207,11 @@ def test_request_timeout_reaches_the_engine(monkeypatch, tmp_path):
     with pytest.raises(Stop):
         cli._engine(ns, ["http://127.0.0.1:1"], str(ASSETS))
     assert seen[0]["request_timeout_s"] == 2.5 and "request_timeout_s" not in seen[1]
+    assert seen[1]["group_affinity"] is True  # on by default, as in the Python API
+    ns = build_parser().parse_args(["run", SPEC, "--server", "http://127.0.0.1:1", "--no-group-affinity"])
+    with pytest.raises(Stop):
+        cli._engine(ns, ["http://127.0.0.1:1"], str(ASSETS))
+    assert seen[2]["group_affinity"] is False
 
 
 def test_launch_sglang_without_sglang_shows_the_cause(capsys, tmp_path):

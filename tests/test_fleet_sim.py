@@ -8,6 +8,7 @@ import math
 
 import aiohttp
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from backends.tiny import ASSET_DIR
@@ -184,3 +185,32 @@ def test_the_engines_own_routers_forward_to_modeled_servers():
         assert row["errors"] == 0 and row["hit_rate"] > 0.5
     # the skewed keys are found by asking vllm-router: 18 of 24 sessions hash to the first server
     assert out["results"]["skewed | vllm-router consistent_hash"]["max_server_share"] > 0.65
+
+
+def test_the_bench_client_retries_a_dropped_connection_on_its_server_as_the_engine_does():
+    """A connection the server drops is retried on the same server (the engine's client's policy) before the
+    router sees a failure: otherwise one dropped connection would fail a whole server over in the bench."""
+    from backends.base import GenerateRequest
+
+    dropped = []
+
+    @web.middleware
+    async def drop_first(request, handler):
+        if not dropped:
+            dropped.append(request.path)
+            request.transport.close()  # the connection ends before an answer
+            raise web.HTTPInternalServerError
+        return await handler(request)
+
+    async def go():
+        e = Engine(FREE)
+        a = app(e, "tiny", str(ASSET_DIR))
+        a.middlewares.append(drop_first)
+        async with TestServer(a) as server, aiohttp.ClientSession() as http:
+            url = str(server.make_url("")).rstrip("/")
+            req = GenerateRequest("s", [], {"text": " a b c", "max_new_tokens": 2})
+            result = await Completions(url, http, "tiny").generate(req)
+        await e.close()
+        return result
+
+    assert len(run(go()).token_ids) == 2 and dropped == ["/v1/completions"]

@@ -220,7 +220,13 @@ def command_line(commands: Mapping[str, Callable[[argparse.Namespace], int]]) ->
     p.add_argument(
         "--tokenizer", metavar="DIR", help="tokenizer dir (default: the model's, or the one a server reports)"
     )
-    p.add_argument("--group-affinity", action="store_true", help="route a GRPO group's samples to one server")
+    p.add_argument(
+        "--group-affinity",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="route a GRPO group's samples to one server, sharing their prompt's cache (default: on, as the "
+        "Python API)",
+    )
     p.add_argument(
         "--temperature",
         type=float_in(0.0),
@@ -466,7 +472,7 @@ def command_line(commands: Mapping[str, Callable[[argparse.Namespace], int]]) ->
         "--shape",
         action="append",
         choices=["calculator", "long", "groups", "skewed", "crowded"],
-        help="fleet: replay only these generated shapes (repeatable; default: all four)",
+        help="fleet: replay only these generated shapes (repeatable; default: all five)",
     )
     p.add_argument(
         "--router",
