@@ -26,5 +26,8 @@ async def test_branch_prompts_after_the_first_turn_are_served_from_cache(sglang,
     assert out["engine"] == "sglang" and out["block_size"] == 1 and len(branches) == 16
     for b in branches:  # the root's prompt and output, but at most its last sampled token, were not prefilled
         assert b["route"] == "sticky" and b["shared"] < b["prompt"], b
-        assert b["full_blocks"] == b["shared"] - 1 and b["full_blocks"] <= b["cached"] <= b["shared"], b
+        # More may be: a node's branches send one prompt (forked after the call, the same tool result), and a
+        # branch that reaches the scheduler after a sibling's prefill is served from it, all but its last token
+        # (a suite run here: 245 of 246 cached, 229 shared with the root).
+        assert b["full_blocks"] == b["shared"] - 1 and b["full_blocks"] <= b["cached"] < b["prompt"], b
     assert out["branches"]["cached_share"] > 0.9
