@@ -114,7 +114,7 @@ def test_steps_take_the_prices_of_their_work():
 
     # 1 step of 100 prompt tokens (its first token), 20 of one decoding sequence
     expected = costs.step(Work(steps=21, prefilled=100, decoding=20))
-    assert expected <= run(timed()) < expected + 0.1
+    assert expected <= run(timed()) < expected + 2.0  # the sleeps happen; a loaded machine only adds to them
 
 
 def test_the_fit_recovers_known_prices_from_the_probes_work():
