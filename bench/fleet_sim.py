@@ -86,6 +86,7 @@ class Seq:
     priority: int
     arrival: int
     done: asyncio.Future[None]
+    keys: list[int]  # the chain of its prompt's full blocks, hashed once
     computed: int = 0  # prompt tokens in the KV cache (cached or prefilled)
     generated: int = 0
     cached: int = 0
@@ -123,15 +124,15 @@ class Engine:
     def _lookup(self, seq: Seq) -> int:
         """Tokens the cache serves: the longest run of cached full blocks, never the prompt's last token."""
         n = 0
-        for key in self._block_keys(seq.tokens[: len(seq.tokens) - 1]):
+        for key in seq.keys[: (len(seq.tokens) - 1) // self.costs.block]:
             if key not in self.cache:
                 break
             self.cache.move_to_end(key)
             n += self.costs.block
         return n
 
-    def _insert(self, tokens: list[str]) -> None:
-        for key in self._block_keys(tokens):
+    def _insert(self, keys: list[int]) -> None:
+        for key in keys:
             self.cache[key] = None
             self.cache.move_to_end(key)
         while len(self.cache) > self.costs.cache_blocks:
@@ -143,7 +144,12 @@ class Engine:
                 await asyncio.sleep(self.costs.frontend_s)
         loop = asyncio.get_running_loop()
         seq = Seq(
-            tokens, max(1, new), priority if self.priority else 0, next(self._arrivals), loop.create_future()
+            tokens,
+            max(1, new),
+            priority if self.priority else 0,
+            next(self._arrivals),
+            loop.create_future(),
+            self._block_keys(tokens),
         )
         self.waiting.append(seq)
         self._wake.set()
@@ -166,7 +172,7 @@ class Engine:
             budget -= n
             # vLLM caches a chunk's full blocks when it allocates them (vllm/v1/core/kv_cache_manager.py
             # allocate_slots): a request scheduled later in the same step already hits them
-            self._insert(seq.tokens[: seq.computed + n])
+            self._insert(seq.keys[: (seq.computed + n) // self.costs.block])
 
         for seq in self.running:
             if budget <= 0:
