@@ -548,32 +548,14 @@ async def _launched(n: int, trace: str | None, which: dict[str, Any]) -> dict[st
 
 
 async def _simulated(n: int, trace: str | None, which: dict[str, Any]) -> dict[str, Any]:
-    from backends.tiny import ASSET_DIR
+    import tempfile
 
-    ports = [free_port() for _ in range(n)]
-    argv = [sys.executable, "-m", "bench.fleet_sim", "--root", str(ASSET_DIR), "--port"]
-    procs = [
-        subprocess.Popen([*argv, str(p)], cwd=ROOT, start_new_session=True, preexec_fn=die_with_parent())
-        for p in ports
-    ]
-    urls = [f"http://127.0.0.1:{p}" for p in ports]
-    try:
-        async with aiohttp.ClientSession() as http:
-            for url, proc in zip(urls, procs):
-                for _ in range(300):  # 30 s
-                    if proc.poll() is not None:
-                        raise RuntimeError(f"bench fleet: modeled server {url} exited ({proc.returncode})")
-                    try:
-                        async with http.get(url + "/health") as r:
-                            if r.status == 200:
-                                break
-                    except aiohttp.ClientError:
-                        pass
-                    await asyncio.sleep(0.1)
-        result = await run_fleet(urls, ASSET_DIR, trace, **which)
-    finally:
-        for proc in procs:
-            proc.terminate()
-            proc.wait(10)
+    from backends.tiny import ASSET_DIR
+    from bench.fleet_sim import SimLauncher
+
+    with tempfile.TemporaryDirectory(prefix="agentfsm-fleet-sim-") as tmp:
+        launcher = SimLauncher(str(ASSET_DIR), dp=n, base_port=free_port(), log_dir=tmp, startup_timeout_s=60)
+        async with launcher:
+            result = await run_fleet(launcher.urls, ASSET_DIR, trace, **which)
     result["simulated"] = n
     return result
