@@ -57,6 +57,8 @@ from bench.traffic import Call, calls_of_run
 ROOT = Path(__file__).resolve().parent.parent
 ROUTERS_VENV = Path(os.environ.get("AGENTFSM_ROUTERS_VENV") or ROOT / ".venv-routers")
 VLLM_VENV = Path(os.environ.get("VLLM_VENV") or ROOT / ".venv-vllm")
+SHAPES = ("calculator", "long", "groups", "skewed", "crowded")
+OURS = ("agentfsm", "agentfsm+priority")  # agentfsm's router, and with `by_turn` priorities
 
 
 # --- traffic -------------------------------------------------------------------------------------------------
@@ -91,7 +93,7 @@ def shape(name: str, skewed_keys: Sequence[str] = (), draw: int = 0) -> list[Cal
         for sid in skewed_keys:
             calls += _session(sid, None, 384, 128, rng.randint(3, 5), 32, 0.05)
     else:
-        raise ValueError(f"bench fleet: no shape {name!r} (calculator, long, groups, skewed, crowded)")
+        raise ValueError(f"bench fleet: no shape {name!r} ({', '.join(SHAPES)})")
     return calls
 
 
@@ -407,7 +409,7 @@ async def run_fleet(
         if trace:
             traces = [{Path(trace).stem: load_trace(trace)}] * repeats
         else:
-            names = list(shapes) or ["calculator", "long", "groups", "skewed", "crowded"]
+            names = list(shapes) or list(SHAPES)
             keys = await skew_keys(http, servers, model) if "skewed" in names else []
             traces = [{name: shape(name, keys, rep) for name in names} for rep in range(repeats)]
 
@@ -494,13 +496,12 @@ def bench_fleet(
     `servers` (vLLM serving the padded tiny model, started with `--scheduling-policy priority` and
     VLLM_SERVER_DEV_MODE=1, the model directory on this machine), or against `n_servers` launched here from
     $VLLM_VENV, or against `sim` modeled servers (bench/fleet_sim.py). Prints the table's rows as they come."""
-    known = ["agentfsm", "agentfsm+priority", *engine_routers([])]
+    known = [*OURS, *engine_routers([])]
     unknown = [r for r in routers if r not in known]
     if unknown:
         raise ValueError(f"bench fleet: no router {unknown[0]!r}; the routers: {', '.join(known)}")
-    ours = {"agentfsm", "agentfsm+priority"}
     skewed = not trace and (not shapes or "skewed" in shapes)  # its keys are found by asking vllm-router
-    needs_theirs = skewed or not routers or any(r not in ours for r in routers)
+    needs_theirs = skewed or not routers or any(r not in OURS for r in routers)
     if needs_theirs and not (ROUTERS_VENV / "bin" / "vllm-router").exists():
         raise RuntimeError(
             f"bench fleet: no routers virtualenv at {ROUTERS_VENV}; build it with `bash .ci/routers_env.sh`"
