@@ -42,6 +42,7 @@ from aiohttp import web
 from backends.launcher import SGLangLauncher
 
 ROOT = Path(__file__).resolve().parent.parent
+MAX_MODEL_LEN = 32768
 
 WORK = ("steps", "prefilled", "pairs", "decoding", "context")
 
@@ -229,10 +230,23 @@ class Engine:
 def app(engine: Engine, model: str, root: str) -> web.Application:
     labels = f'{{engine="0",model_name="{model}"}}'
 
+    def refuse(message: str) -> web.Response:  # vLLM's shape of a 400
+        return web.json_response(
+            {"error": {"message": message, "type": "BadRequestError", "code": 400}}, status=400
+        )
+
     async def completions(request: web.Request) -> web.Response:
-        body = await request.json()
-        tokens = str(body["prompt"]).split()
-        seq = await engine.generate(tokens, int(body.get("max_tokens") or 16), int(body.get("priority") or 0))
+        try:
+            body = await request.json()
+            tokens = body["prompt"].split()
+            new, priority = int(body.get("max_tokens") or 16), int(body.get("priority") or 0)
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            return refuse(f"not a completion request with a text prompt ({type(e).__name__}: {e})")
+        if len(tokens) + new > MAX_MODEL_LEN:  # as vLLM: the whole sequence must fit the context
+            return refuse(
+                f"{len(tokens)} prompt tokens + max_tokens {new} exceed the context of {MAX_MODEL_LEN}"
+            )
+        seq = await engine.generate(tokens, new, priority)
         return web.json_response(
             {
                 "id": f"cmpl-{seq.arrival}",
@@ -279,7 +293,7 @@ def app(engine: Engine, model: str, root: str) -> web.Application:
                         "object": "model",
                         "root": root,
                         "owned_by": "agentfsm",
-                        "max_model_len": 32768,
+                        "max_model_len": MAX_MODEL_LEN,
                     }
                 ],
             }

@@ -214,3 +214,31 @@ def test_the_bench_client_retries_a_dropped_connection_on_its_server_as_the_engi
         return result
 
     assert len(run(go()).token_ids) == 2 and dropped == ["/v1/completions"]
+
+
+def test_a_malformed_or_oversized_request_is_refused_with_400_and_the_server_serves_on():
+    bad = [
+        b"{not json",
+        b'{"prompt": 7, "max_tokens": 4}',  # a token-id prompt: not the text route
+        b'{"max_tokens": 4}',
+        b'{"prompt": " a b", "max_tokens": "many"}',
+        b'{"prompt": " a b", "max_tokens": 100000}',  # past the context: it would never end
+    ]
+
+    async def go():
+        e = Engine(FREE)
+        async with TestServer(app(e, "tiny", str(ASSET_DIR))) as server, aiohttp.ClientSession() as http:
+            url = str(server.make_url("")).rstrip("/") + "/v1/completions"
+            answers = []
+            for body in bad:
+                async with http.post(url, data=body, headers={"Content-Type": "application/json"}) as r:
+                    answers.append((r.status, (await r.json())["error"]["message"]))
+            async with http.post(url, json={"prompt": " a b", "max_tokens": 2}) as r:
+                ok = (r.status, len((await r.json())["choices"][0]["token_ids"]))
+        await e.close()
+        return answers, ok
+
+    answers, ok = run(go())
+    assert [status for status, _ in answers] == [400] * len(bad)
+    assert "exceed the context of 32768" in answers[-1][1]
+    assert ok == (200, 2)
