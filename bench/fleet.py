@@ -48,7 +48,7 @@ from typing import Any
 import aiohttp
 
 from backends.base import BackendUnavailable, BaseBackend, GenerateRequest, GenerateResult
-from backends.launcher import die_with_parent
+from backends.launcher import SGLangLauncher, die_with_parent
 from backends.retry import retry
 from backends.router import Router, by_turn
 from backends.server_client import ServerClient
@@ -548,11 +548,24 @@ async def _launched(n: int, trace: str | None, which: dict[str, Any]) -> dict[st
     return result
 
 
+class SimLauncher(SGLangLauncher):
+    """`dp` modeled servers (bench/fleet_sim.py), launched as backends/launcher.py launches real ones: ports
+    from `base_port`, one log each, healthy on /health, stopped with a grace. `model_path` is the directory
+    their /v1/models names."""
+
+    def __init__(self, model_path: str, **options: Any):
+        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+        env = {"PYTHONPATH": path}  # `bench` is importable from its parent directory, checkout or bundle
+        super().__init__(model_path, mem_fraction=None, module="bench.fleet_sim", env=env, **options)
+
+    def command(self, i: int) -> list[str]:
+        return [self.python, "-m", self.module, "--port", str(self.base_port + i), "--root", self.model_path]
+
+
 async def _simulated(n: int, trace: str | None, which: dict[str, Any]) -> dict[str, Any]:
     import tempfile
 
     from backends.tiny import ASSET_DIR
-    from bench.fleet_sim import SimLauncher
 
     with tempfile.TemporaryDirectory(prefix="agentfsm-fleet-sim-") as tmp:
         launcher = SimLauncher(str(ASSET_DIR), dp=n, base_port=free_port(), log_dir=tmp, startup_timeout_s=60)

@@ -28,7 +28,6 @@ import asyncio
 import itertools
 import json
 import logging
-import os
 import statistics
 import time
 from collections import OrderedDict
@@ -39,9 +38,6 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from backends.launcher import SGLangLauncher
-
-ROOT = Path(__file__).resolve().parent.parent
 MAX_MODEL_LEN = 32768
 
 WORK = ("steps", "prefilled", "pairs", "decoding", "context")
@@ -317,19 +313,6 @@ def app(engine: Engine, model: str, root: str) -> web.Application:
         ]
     )
     return a
-
-
-class SimLauncher(SGLangLauncher):
-    """`dp` modeled servers as backends/launcher.py launches real ones (ports from `base_port`, one log each,
-    healthy on /health, stopped with a grace); `model_path` is the directory /v1/models names."""
-
-    def __init__(self, model_path: str, **options: Any):
-        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-        env = {"PYTHONPATH": path}  # `bench` is importable from its parent directory, checkout or bundle
-        super().__init__(model_path, mem_fraction=None, module=__name__, env=env, **options)
-
-    def command(self, i: int) -> list[str]:
-        return [self.python, "-m", self.module, "--port", str(self.base_port + i), "--root", self.model_path]
 
 
 # --- fitting the costs to a real server -----------------------------------------------------------------------
