@@ -225,7 +225,7 @@ def bench_vs_verl(n: int = 128, repeats: int = 5) -> dict[str, Any]:
         ) from None
     setup = Setup()
     runner = _native_runner(setup)
-    gc.freeze()  # verl, torch and the tokenizer, loaded by now, out of the collector's way (as `agentfsm run` does)
+    gc.freeze()  # verl, torch and the tokenizer, loaded by now, out of the collector's way (for both loops alike)
     times: dict[str, list[float]] = {kind: [] for kind in KINDS}
     responses: dict[str, list[list[int]]] = {}
     step = 0

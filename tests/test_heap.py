@@ -115,3 +115,27 @@ async def test_a_ray_actor_freezes_its_process_heap_for_a_large_chunk_and_releas
     finally:
         await worker.close()
     assert gc.get_freeze_count() == 0
+
+
+def test_the_cli_leaves_the_freeze_to_its_engine(monkeypatch, tmp_path):
+    """`agentfsm run` and `agentfsm bench` once froze the process's heap themselves, which made the engine's own
+    freeze (this module) see a frozen process and skip, leaving what loaded after the CLI's freeze (transformers,
+    the model) in the collector's view: now the engine's hold is the one mechanism, released at its close."""
+    from fsm.cli.commands import main
+    from tests.test_cli import _ThreadServer, run_argv
+
+    holds = []
+    real_hold = heap.hold
+
+    def hold():
+        holds.append(gc.get_freeze_count())  # what the process had frozen before the engine's hold
+        return real_hold()
+
+    monkeypatch.setattr(heap, "hold", hold)
+    server = _ThreadServer(echo_backend())
+    try:
+        assert main(run_argv(server.url, tmp_path / "out", "--num-prompts", "2", "-q")) == 0
+    finally:
+        server.close()
+    assert holds == [0]  # the engine froze a heap nobody had frozen
+    assert gc.get_freeze_count() == 0  # and its close unfroze it

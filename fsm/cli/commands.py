@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import gc
 import json
 import os
 import signal
@@ -194,13 +193,6 @@ def _engine(args: argparse.Namespace, servers: list[str], tokenizer: str | None)
         ) from None
 
 
-def _freeze_heap() -> None:
-    """Here the engine owns the process and everything loaded so far (torch, transformers, the model: some
-    230k objects) lives until exit: out of the garbage collector's way, so that full collections during the
-    rollout scan only what the rollout allocates (about 15% of the engine's CPU at thousands in flight)."""
-    gc.freeze()
-
-
 def _tracer(args: argparse.Namespace) -> Any:
     if not (args.otlp or args.trace) and not _env_tracing():
         return None
@@ -245,7 +237,6 @@ async def _rollout(
             ValueError
         ) as exc:  # one a spec's sampling holds that its model cannot take (a stop id past the vocabulary)
             raise CLIError(f"{args.spec}: {exc}") from None
-        _freeze_heap()
         t_start = time.perf_counter()  # the rollout's time: not launching servers, imports, loading the model
         c_start = time.process_time()
         if args.ray is None:
@@ -546,7 +537,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
             "calculator | embedded)"
         )
     bench = bench_module(what.replace("-", "_"))
-    _freeze_heap()  # as `agentfsm run` does: the benchmarks measure the rollout, not the collector on imports
     if what == "engine" and args.workload == "contexts":
         result = bench.bench_contexts(
             n=500 if args.n == 2000 else args.n, tool_turns=args.tool_turns, repeats=args.repeats
