@@ -394,7 +394,7 @@ class Local:
         if isinstance(path, Mapping):  # read and checked already (a journal's, fsm/run/resume.py)
             data = path
         else:
-            data = await asyncio.to_thread(snap.read, path, self.agent, len(self.codec.tokenizer), self.codec)
+            data = await asyncio.to_thread(snap.read, path, self.agent, self.codec.vocab_size, self.codec)
         await (await self.stream_here()).restore(data)
         return dict(data.get("meta") or {})
 

@@ -124,7 +124,9 @@ def load(path: str | Path, agent: CompiledAgent, codec: Any = None) -> Loaded:
             f"{path}: written with the tokenizer {named!r}, but this engine's is {ours!r} "
             "(another vocabulary or chat template); resume with the tokenizer it was written with"
         )
-    vocab = len(codec.tokenizer) if codec is not None and hasattr(codec, "tokenizer") else None
+    # the ids a model may sample: its embedding rows (576 for the tiny model, 151,936 for Qwen2.5), the bound its
+    # answers were checked against when they entered (fsm/families/codec.py `vocabulary_size`), not len(tokenizer)
+    vocab = getattr(codec, "vocab_size", None) if codec is not None else None
     try:
         trees = tree_form(path, rebuilt.trajs, rebuilt.nodes, rebuilt.done, rebuilt.groups, agent, vocab)
     except JournalError:
