@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -30,6 +31,26 @@ from fsm.run.trajectory import Trajectory
 # waiting for every running trajectory to reach a state boundary; model turns do not count (they are aborted
 # and kept partial), so only a tool or user action still running can take this long
 SNAPSHOT_TIMEOUT_S = 60.0
+STOP_TIMEOUT_ENV = "AGENTFSM_STOP_TIMEOUT_S"  # a stop's wait in seconds, where SNAPSHOT_TIMEOUT_S is too long
+
+
+def stop_timeout_s() -> float:
+    """How long a stop waits for running rows to reach a state boundary: $AGENTFSM_STOP_TIMEOUT_S, else
+    SNAPSHOT_TIMEOUT_S (a value that is not a positive number is named in a warning and ignored)."""
+    raw = os.environ.get(STOP_TIMEOUT_ENV)
+    if raw is None:
+        return SNAPSHOT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        warn(
+            f"${STOP_TIMEOUT_ENV}={raw!r} is not a positive number of seconds; waiting {SNAPSHOT_TIMEOUT_S:g} s"
+        )
+        return SNAPSHOT_TIMEOUT_S
+    return value
+
 
 Progress = Callable[[int, int], None]  # (groups finished, groups in all)
 
@@ -178,8 +199,9 @@ async def _stop(engine: Any, recorder: Recorder) -> list[Any]:
     and the run stops. The finished groups back. Every way it can fail is one warning: the journal holds every
     step up to then all the same, and the finished rows are written."""
     t0 = time.perf_counter()
+    wait_s = stop_timeout_s()
     try:
-        info = await engine.asnapshot(None, stop=True, timeout=SNAPSHOT_TIMEOUT_S, abort_turns=True)
+        info = await engine.asnapshot(None, stop=True, timeout=wait_s, abort_turns=True)
         ready, running = info["ready_groups"], info["running_groups"]
         say_now(
             f"agentfsm: flushed the journal ({running} group{'s' * (running != 1)} running, {ready} finished) "
@@ -193,7 +215,7 @@ async def _stop(engine: Any, recorder: Recorder) -> list[Any]:
             return list(info["finished"])
     except TimeoutError:
         warn(
-            f"some trajectories did not reach a state boundary in {SNAPSHOT_TIMEOUT_S:g} s (a tool or user "
+            f"some trajectories did not reach a state boundary in {wait_s:g} s (a tool or user "
             "action still running): they go on from their last one on resume"
         )
         ready = engine.stream_stats.get("ready_groups", 0)

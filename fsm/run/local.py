@@ -216,12 +216,14 @@ class Local:
         waiter = asyncio.wrap_future(done)
         while True:  # a loop that code blocks runs nothing we send it: snapshot from outside it then
             try:
-                return await asyncio.wait_for(asyncio.shield(waiter), loopwatch.TICK_S)
-            except TimeoutError:
-                pass
+                # `wait`, not `wait_for`: the snapshot's own TimeoutError (a row that did not reach a boundary in
+                # `timeout`) is its answer, not our tick running out, and it must reach the caller
+                await asyncio.wait((waiter,), timeout=loopwatch.TICK_S)
             except asyncio.CancelledError:
                 cancel()
                 raise
+            if waiter.done():
+                return waiter.result()
             thread = loopwatch.blocked(home.loop)
             if thread is not None and self._stream is not None:
                 try:
