@@ -315,15 +315,16 @@ class RunContext:
     async def run_tool(
         self, traj: Trajectory, call: ToolCall, instance_id: str, active: list[str] | None
     ) -> CallOutcome:
-        """One call; `instance_id` (session, turn, call) is its idempotency key, the same after a resume. A tool
-        declared with side effects (`side_effects = True` on its class or function) is never executed again for
-        a call whose result the journal holds: the journaled result is its answer."""
+        """One call; `instance_id` (session, turn, call) is its idempotency key, the same after a resume and on a
+        retry. A tool declared with side effects (`side_effects = True` on its class or function) is never
+        executed again for a call whose successful result the journal holds: that result is its answer. A failed
+        call is journaled as an attempt only, so a state's retry or a resume runs it again."""
         journal = self.journal
         tool = self.agent.tools.by_name.get(call.name or "") if journal is not None else None
         if tool is None or not has_side_effects(tool.tool):
             return await self._run_tool(traj, call, instance_id, active)
         kept = journal.tool_results.get(instance_id)
-        if kept is not None:
+        if kept is not None and kept.get("error") is None:
             return CallOutcome(**kept)
         outcome = await self._run_tool(traj, call, instance_id, active)
         journal.tool(instance_id, outcome_record(outcome))

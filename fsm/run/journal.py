@@ -22,7 +22,9 @@ The records (one JSON object each, `t` its kind):
   reply and reward is in the step after the action that made it; `done` on the last, after scoring.
   A tree's nodes (child machines, branches) are trajectories too, with their place in the tree as `n` on their
   `traj` records and on a `step` where it changed (fsm/run/treejournal.py).
-- `tool`: a side-effecting tool's result, as soon as it returns, keyed by its idempotency key.
+- `tool`: a side-effecting tool's call, as soon as it returns, keyed by its idempotency key: `o` its result when
+  it succeeded (answered from the journal on resume, never run again), else `attempt` (error, runs, text): a
+  failure is an attempt, never the call's result, so a retry or a resume runs the tool again.
 - `end`: the run's files are written: nothing is left to resume.
 """
 
@@ -328,12 +330,27 @@ class Recorder:
         self.writer.append(record)
 
     def tool(self, key: str, outcome: dict[str, Any]) -> None:
-        """A side-effecting tool's result, journaled as soon as it returns: never executed again for `key`."""
-        self.tool_results[key] = outcome
-        self.writer.append({"t": "tool", "k": key, "o": outcome})
+        """A side-effecting tool's call, journaled as soon as it returns. A success is the call's result, never
+        executed again for `key`; a failure is an attempt only (what failed), so a state's retry or a resume
+        runs the tool again rather than replaying the failure."""
+        if outcome.get("error") is None:
+            self.tool_results[key] = outcome
+            self.writer.append({"t": "tool", "k": key, "o": outcome})
+        else:
+            self.writer.append({"t": "tool", "k": key, "attempt": attempt_record(outcome)})
 
     def end(self, status: str) -> None:
         self.writer.append({"t": "end", "status": status})
+
+
+def attempt_record(outcome: Mapping[str, Any]) -> dict[str, Any]:
+    """What the journal keeps of a failed call: its error, the tool's runs and the start of its text."""
+    text = outcome.get("text")
+    return {
+        "error": outcome.get("error"),
+        "attempts": outcome.get("attempts", 0),
+        "text": text[:500] if isinstance(text, str) else None,
+    }
 
 
 # --- reading -------------------------------------------------------------------------------------------------
@@ -534,9 +551,11 @@ def _apply(out: Rebuilt, rec: dict[str, Any], where: str) -> None:
             _finished(traj, sid, where)
             out.done.add(sid)
     elif kind == "tool":
-        if not isinstance(rec["k"], str) or not isinstance(rec["o"], dict):
+        outcome = rec.get("o", rec.get("attempt"))
+        if not isinstance(rec["k"], str) or not isinstance(outcome, dict):
             raise JournalError(f"{where}: a tool record without key or outcome")
-        out.tool_results[rec["k"]] = rec["o"]
+        if "o" in rec and outcome.get("error") is None:  # a failure (an older journal's too) is no result
+            out.tool_results[rec["k"]] = outcome
     elif kind == "end":
         out.ended = str(rec["status"])
     elif kind == "run":
