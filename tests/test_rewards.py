@@ -8,15 +8,21 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
+import torch
 
 from backends.scripted import echo_backend
 from fsm.api import RolloutEngine
 from fsm.cli.commands import main
+from fsm.output.batchfile import load_batch
 from tests.conftest import (
     ASSETS,
     PARTS,
+    REPO,
     SPECS,
     model_turn,
     run_agent,
@@ -151,3 +157,61 @@ def test_the_json_writers_refuse_non_finite_numbers():
     for bad in (float("nan"), float("inf"), -math.inf):
         with pytest.raises(ValueError, match="Out of range float values are not JSON compliant"):
             json_text({"reward": bad})
+
+
+def test_a_reward_past_float32s_range_fails_its_row_and_the_run_keeps_its_batch(tmp_path):
+    """A live reward of 1e308 overflowed the run's mean into inf, so the summary write raised and batch.pt and
+    trajectories.jsonl were never written; 3.5e38 became inf in rm_scores (float32). Such a reward now fails
+    its row with the reason, as NaN does, and the run writes everything (a real `agentfsm run`, issue 50)."""
+    (tmp_path / "row_rewards.py").write_text(
+        "def from_row(extra_info=None, **kwargs):\n    return extra_info['score']\n"
+    )
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(
+        f"name: big\nextends: {SPECS / 'single_turn.yaml'}\nreward: {{function: 'row_rewards:from_row'}}\n"
+    )
+    scores = [1e308, 3.5e38, 1e308, -1e308, 3.4e38, 1.0]
+    data = tmp_path / "rows.jsonl"
+    data.write_text(
+        "".join(
+            json.dumps({"raw_prompt": f"Say {k}.", "uid": f"r{k}", "extra_info": {"score": s}}) + "\n"
+            for k, s in enumerate(scores)
+        )
+    )
+    out = tmp_path / "out"
+    server = _ThreadServer(echo_backend())
+    try:
+        argv = ["run", str(spec), "--data", str(data), "--server", server.url, "--tokenizer", str(ASSETS)]
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "fsm.cli.commands",
+                *argv,
+                "--out",
+                str(out),
+                "-q",
+                "--max-error-rate",
+                "1",
+            ],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])},
+            timeout=600,
+        )
+    finally:
+        server.close()
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    records = [strict_json(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
+    reasons = {r["uid"]: r["termination_reason"] for r in records}
+    for k in (0, 1, 2, 3):
+        assert reasons[f"r{k}"] == (
+            f"error: reward: reward function row_rewards:from_row on row r{k} ({data}:{k + 1}): returned {scores[k]!r}, "
+            "beyond float32's range (at most 3.4028235e+38 in size), which rm_scores holds"
+        ), reasons
+    assert reasons["r4"] == reasons["r5"] == "done", reasons
+    rm = load_batch(out / "batch.pt").batch["rm_scores"].sum(-1)
+    assert torch.isfinite(rm).all() and rm.tolist() == [0.0] * 4 + [pytest.approx(3.4e38, rel=1e-6), 1.0]
+    summary = strict_json((out / "summary.json").read_text())
+    assert summary["status"] == "completed" and math.isfinite(summary["reward_mean"])

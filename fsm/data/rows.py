@@ -10,6 +10,7 @@ never stops a batch and none is dropped.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -58,6 +59,21 @@ def _encodable_copy(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(_encodable_copy(v) for v in value)
     return value
+
+
+SCORE_LIMIT = float(np.finfo(np.float32).max)  # 3.4028235e38: rm_scores is float32
+
+
+def score_fault(value: float) -> str | None:
+    """Why `value` cannot be a reward or score (None when it can). Checked where a reward function, a tool or an
+    interaction hands one over: NaN would poison a trainer's loss and JSON cannot hold it, and a finite number
+    past float32's range becomes inf in rm_scores (and 1e308 overflows the run's mean into inf, which the
+    summary cannot hold either), so such a value fails its row instead."""
+    if not math.isfinite(value):
+        return "not a finite number"
+    if abs(value) > SCORE_LIMIT:
+        return f"beyond float32's range (at most {SCORE_LIMIT:.8g} in size), which rm_scores holds"
+    return None
 
 
 def is_dataproto(obj: Any) -> bool:

@@ -9,14 +9,13 @@ inherits the token rules for free.
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from array import array
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from backends.base import BackendTimeout, GenerateRequest, GenerationAborted
-from fsm.data.rows import RowError, encodable, prompt_messages
+from fsm.data.rows import RowError, encodable, prompt_messages, score_fault
 from fsm.families.codec import UnknownRole
 from fsm.run.context import RunContext
 from fsm.run.failures import StateFailure
@@ -275,10 +274,10 @@ async def _call_tools(ctx: RunContext, traj: Trajectory, calls: list[Any]) -> No
     answers: list[dict[str, Any]] = []
     for outcome in outcomes:
         for what, value in (("reward", outcome.reward), ("calc_reward score", outcome.score)):
-            if value is not None and not math.isfinite(value):  # checked before any is kept: the row's error
+            fault = None if value is None else score_fault(value)
+            if fault:  # checked before any is kept: the row's error
                 raise RowError(
-                    f"reward: tool {outcome.name} on row {traj.row_name}: returned {what} {value!r}, "
-                    "not a finite number"
+                    f"reward: tool {outcome.name} on row {traj.row_name}: returned {what} {value!r}, {fault}"
                 )
     for outcome in outcomes:
         if outcome.reward is not None:  # a BaseTool may return None as its reward; verl leaves it out
@@ -337,10 +336,10 @@ async def interact(ctx: RunContext, traj: Trajectory) -> None:
     content = encodable(content) if isinstance(content, str) else content
     if score is not None:
         score = float(score)
-        if not math.isfinite(score):
+        if fault := score_fault(score):
             raise RowError(
                 f"reward: interaction {ctx.agent.spec.interaction.class_} on row {traj.row_name}: "  # type: ignore[union-attr]
-                f"returned turn score {score!r}, not a finite number"
+                f"returned turn score {score!r}, {fault}"
             )
         traj.turn_scores.append(score)
         traj.add_turn_reward("interaction", score)

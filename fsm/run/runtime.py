@@ -19,14 +19,13 @@ import asyncio
 import contextlib
 import inspect
 import logging
-import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Mapping
 from typing import Any
 
 from backends.base import Backend, BackendError, BackendTimeout, GenerationAborted
-from fsm.data.rows import RowError, encodable_value, normalize_record, row_inputs
+from fsm.data.rows import RowError, encodable_value, normalize_record, row_inputs, score_fault
 from fsm.families import Codec, codec_for
 from fsm.run import loopwatch
 from fsm.run.agent import CompiledAgent
@@ -334,10 +333,10 @@ class Runner:
                 assert inter is not None  # started only with one
                 score = float(await call_lifecycle(inter.calculate_score, traj.session_id))
                 await call_lifecycle(inter.finalize_interaction, traj.session_id)
-                if not math.isfinite(score):
+                if fault := score_fault(score):
                     raise RewardError(
                         f"interaction {self.agent.spec.interaction.class_} on row {traj.row_name}: "  # type: ignore[union-attr]
-                        f"calculate_score returned {score!r}, not a finite number"
+                        f"calculate_score returned {score!r}, {fault}"
                     )
                 traj.interaction_score = score
             await self._score(ctx, traj)
@@ -405,10 +404,8 @@ class Runner:
             ) from None
         finally:
             traj.metrics.compute_score += time.perf_counter() - t0
-        if not math.isfinite(score):  # NaN in rm_scores would poison a trainer's loss; JSON cannot hold it
-            raise RewardError(
-                f"reward function {name} on row {traj.row_name}: returned {score!r}, not a finite number"
-            )
+        if fault := score_fault(score):
+            raise RewardError(f"reward function {name} on row {traj.row_name}: returned {score!r}, {fault}")
         traj.reward_score = score
 
     @contextlib.asynccontextmanager
