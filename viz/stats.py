@@ -14,6 +14,9 @@
 Edges are keyed by their global index (`Edge.index`, stable for a given spec; `fsm.edge` on the trace
 spans); `count` is how many times the edge fired, `share` the fraction of trajectories in which it fired
 at least once. A state's time runs from entering it to leaving it (the driver's `Trajectory.path_times`).
+A tree counts every node that runs this machine (`machine_nodes`): `trajectories` and `share` are per tree (the
+edge fired in any of its nodes), a fork's branches count from the fork on (the forking state's visit is the
+node's that forked; the branches' time in it is theirs), and a child machine of another spec is left out.
 
 Context rewrites (docs/contexts.md): a rewrite is a transition into a state whose action starts a new segment
 (a summary or window state, or `generate` under the `template` policy). Where segments started, the state has
@@ -25,7 +28,7 @@ entered it `rewrites` (its firings that led to a new segment) and `segments` (th
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -64,42 +67,49 @@ def run_stats(agent: Any, trajectories: Sequence[Any] | None = None) -> dict[str
     reasons: dict[str, int] = {}
     finals: dict[str, dict[str, int]] = {}
     per_trajectory: dict[int, int] = {}  # segments -> trajectories
-    for traj in trajectories:
-        path, times, fired = traj.path, getattr(traj, "path_times", ()), traj.transitions_fired
-        for k, index in enumerate(fired):
-            e = edges.get(index)
-            if e is None:  # no agent given: what the path says
-                e = edges[index] = {
-                    "source": path[k],
-                    "dest": path[k + 1],
-                    "guard": None,
-                    "reason": None,
-                    "count": 0,
-                    "trajectories": 0,
-                }
-            e["count"] += 1
-        for index in set(fired):
+    for root in trajectories:
+        in_tree: set[int] = set()  # edges that fired anywhere in this tree
+        for traj, start, parent in machine_nodes(root, agent):
+            path, times, fired = traj.path, getattr(traj, "path_times", ()), traj.transitions_fired
+            own = max(0, start - 1)  # a branch's first own edge and timed visit: the forking state's
+            # a branch's times hold one more entry per fork above it: its driver's start, the time it entered
+            # the forking state (the copied entry before it is its parent's)
+            shift = max(0, len(times) - len(path))
+            for k in range(own, len(fired)):
+                index = fired[k]
+                e = edges.get(index)
+                if e is None:  # no agent given: what the path says
+                    e = edges[index] = {
+                        "source": path[k],
+                        "dest": path[k + 1],
+                        "guard": None,
+                        "reason": None,
+                        "count": 0,
+                        "trajectories": 0,
+                    }
+                e["count"] += 1
+                in_tree.add(index)
+            for k in range(own, len(path)):
+                s = states.setdefault(path[k], {"visits": 0, "total_s": 0.0, "failed": 0})
+                s["visits"] += int(k >= start)  # the forking state was entered once, by the node that forked
+                if k + 1 + shift < len(times):  # left the state: it has a duration
+                    s["total_s"] += times[k + 1 + shift] - times[k + shift]
+                    timed[path[k]] = timed.get(path[k], 0) + 1
+            _count_retries(traj, parent, states)
+            _count_segments(traj, edges, states, own)
+            node = getattr(traj, "node", None)
+            if node is None or not node.forked:  # a training row
+                n_segments = getattr(traj, "num_segments", 1)
+                per_trajectory[n_segments] = per_trajectory.get(n_segments, 0) + 1
+            key = reason_key(traj.termination_reason)
+            reasons[key] = reasons.get(key, 0) + 1
+            if traj.error is not None:
+                states[traj.state]["failed"] += 1
+            else:
+                final = finals.setdefault(traj.state, {})
+                final[key] = final.get(key, 0) + 1
+        for index in in_tree:
             edges[index]["trajectories"] += 1
-        for k, state in enumerate(path):
-            s = states.setdefault(state, {"visits": 0, "total_s": 0.0, "failed": 0})
-            s["visits"] += 1
-            if k + 1 < len(times):  # left the state: it has a duration
-                s["total_s"] += times[k + 1] - times[k]
-                timed[state] = timed.get(state, 0) + 1
-        for key, counts in (("retries", "state_retries"), ("catches", "state_catches")):
-            for state, count in (getattr(traj, "extra", None) or {}).get(counts, {}).items():
-                s = states.setdefault(state, {"visits": 0, "total_s": 0.0, "failed": 0})
-                s[key] = s.get(key, 0) + count
-        _count_segments(traj, edges, states)
-        n_segments = getattr(traj, "num_segments", 1)
-        per_trajectory[n_segments] = per_trajectory.get(n_segments, 0) + 1
-        key = reason_key(traj.termination_reason)
-        reasons[key] = reasons.get(key, 0) + 1
-        if traj.error is not None:
-            states[traj.state]["failed"] += 1
-        else:
-            final = finals.setdefault(traj.state, {})
-            final[key] = final.get(key, 0) + 1
     n = len(trajectories)
     for e in edges.values():
         e["share"] = round(e["trajectories"] / n, 6) if n else 0.0
@@ -122,12 +132,51 @@ def run_stats(agent: Any, trajectories: Sequence[Any] | None = None) -> dict[str
     }
 
 
-def _count_segments(traj: Any, edges: dict[int, dict[str, Any]], states: dict[str, dict[str, Any]]) -> None:
+def machine_nodes(root: Any, agent: Any = None) -> Iterator[tuple[Any, int, Any]]:
+    """The nodes of `root`'s tree that run its machine, each with where its own path begins and the node it
+    forked from (None but for a branch): a fork's branch repeats its parent's path up to the fork, which the
+    parent counts (docs/trees.md). A child machine of
+    another spec (planner_solver's solver) is not drawn on this diagram, nor is its subtree."""
+    machine = getattr(agent, "hash", None)
+    if machine is None and getattr(root, "node", None) is not None:
+        machine = getattr(root.node.agent, "hash", None)
+
+    def walk(traj: Any, start: int, parent: Any) -> Iterator[tuple[Any, int, Any]]:
+        yield traj, start, parent
+        node = getattr(traj, "node", None)
+        for sub in node.nodes if node is not None else ():
+            if sub.node.kind == "branch":
+                yield from walk(sub, len(traj.path), traj)
+            elif getattr(sub.node.agent, "hash", None) == machine:
+                yield from walk(sub, 0, None)
+
+    yield from walk(root, 0, None)
+
+
+def _count_retries(traj: Any, parent: Any, states: dict[str, dict[str, Any]]) -> None:
+    """A state's retries and catches (the failure rules'). A branch starts with its `parent`'s record (the same
+    dict), which the parent counts."""
+    extra = getattr(traj, "extra", None) or {}
+    for key, counts in (("retries", "state_retries"), ("catches", "state_catches")):
+        record = extra.get(counts, {})
+        if parent is not None and record is (getattr(parent, "extra", None) or {}).get(counts):
+            continue
+        for state, count in record.items():
+            s = states.setdefault(state, {"visits": 0, "total_s": 0.0, "failed": 0})
+            s[key] = s.get(key, 0) + count
+
+
+def _count_segments(
+    traj: Any, edges: dict[int, dict[str, Any]], states: dict[str, dict[str, Any]], own: int = 0
+) -> None:
     """Each segment after the first: counted on the state that started it and on the edge that entered it
-    (a segment the initial state started has no edge)."""
+    (a segment the initial state started has no edge). `own`: where the node's own path begins (a branch's
+    segments before it are its parent's)."""
     starts = traj.segment_starts() if getattr(traj, "closed", ()) else ()
     entered: set[int] = set()  # path positions already counted as a rewrite of their edge
     for reason, at in starts:
+        if at < own:
+            continue
         s = states[traj.path[at]]
         s["segments"] = s.get("segments", 0) + 1
         by_reason = s.setdefault("segment_reasons", {})

@@ -33,6 +33,7 @@ import torch
 from tensordict import TensorDict
 
 from fsm.data.rows import is_dataproto
+from fsm.output.metrics import model_tokens
 from fsm.run.trajectory import Trajectory
 from fsm.run.tree import row_nodes, tree_record
 
@@ -302,7 +303,10 @@ def timing(trajs: Sequence[Trajectory], r_len: np.ndarray, p_len: np.ndarray) ->
 
 
 def summarize(trajs: Sequence[Trajectory]) -> dict[str, Any]:
-    """Counts a person reads after a run: termination reasons, failures, turns, rewards, tokens."""
+    """Counts a person reads after a run: termination reasons, failures, turns, rewards, tokens. `trajs` are the
+    roots (`trajectories`); the rest counts every node of their trees as fsm/output/metrics.py does: the
+    training rows (`rows`: a fork's branches, child machines' runs) and each generated token once."""
+    roots, trajs = trajs, [n for t in trajs for n in row_nodes(t)]
     reasons: dict[str, int] = {}
     for t in trajs:
         key = t.termination_reason or "?"
@@ -310,7 +314,8 @@ def summarize(trajs: Sequence[Trajectory]) -> dict[str, Any]:
         reasons[key] = reasons.get(key, 0) + 1
     scores = [t.reward_score for t in trajs if t.reward_score is not None]
     return {
-        "trajectories": len(trajs),
+        "trajectories": len(roots),
+        "rows": len(trajs),
         "failed": sum(t.failed for t in trajs),
         "dropped": sum(dropped(t) for t in trajs),  # failed rows left out of the batch (on_error: drop)
         "dropped_rows": [t.row_name for t in trajs if dropped(t)],
@@ -319,7 +324,7 @@ def summarize(trajs: Sequence[Trajectory]) -> dict[str, Any]:
         "accuracy": float(np.mean([s > 0 for s in scores])) if scores else None,
         "turns_mean": float(np.mean([t.num_turns for t in trajs])) if trajs else 0.0,
         "response_tokens_mean": float(np.mean([len(t.response_ids) for t in trajs])) if trajs else 0.0,
-        "model_tokens": int(sum(t.response_mask.count(1) for t in trajs)),
+        "model_tokens": model_tokens(roots),
         "tool_errors": int(sum(t.metrics.tool_errors for t in trajs)),
         "dropped_calls": int(sum(t.metrics.dropped_calls for t in trajs)),
         "token_check_failures": sum(t.token_check is not None for t in trajs),

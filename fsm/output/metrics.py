@@ -1,7 +1,11 @@
 """One batch's metrics as a flat dict of numbers, ready for `wandb.log` or a TensorBoard writer.
 
+A tree counts every node (docs/trees.md): `samples` are the roots, the rest are over the training rows (a fork's
+branches, child machines' runs; a forking node has no row) and `model_tokens` counts each generated token once
+(a branch's row repeats its parent's tokens before the fork). A linear row is a tree of one node.
+
 Keys are "rollout/..." paths (wandb groups them into one panel section):
-    rollout/samples, rollout/failed                      how many trajectories, how many ended in an error
+    rollout/samples, rollout/rows, rollout/failed        samples (roots), training rows (tree nodes), rows in error
     rollout/termination/<reason>                         count per termination reason (errors by their kind)
     rollout/turns/{mean,max}, rollout/assistant_turns/mean
     rollout/tool_calls, rollout/tool_errors, rollout/tool_dropped_calls, rollout/tool_retries
@@ -22,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from fsm.run.trajectory import Trajectory
+from fsm.run.tree import nodes_of, row_nodes
 
 COUNTERS = ("retries", "failovers", "aborts_sent", "client_retries")  # backend stats() keys that are counts
 
@@ -35,12 +40,28 @@ def reason_key(reason: str | None) -> str:
     return reason.replace(" ", "_")
 
 
+def generated_tokens(traj: Trajectory) -> int:
+    """The tokens the model generated in this node itself: a branch's row begins with its parent's tokens up to
+    the fork (`shared_length`), which the parent generated and counts."""
+    node = traj.node
+    if node is None or node.kind != "branch":
+        return traj.response_mask.count(1)
+    return traj.response_mask[max(0, node.shared_length - len(traj.prompt_ids)) :].count(1)
+
+
+def model_tokens(roots: Sequence[Trajectory]) -> int:
+    """Tokens the model generated for these trees, every node's, each token once."""
+    return sum(generated_tokens(n) for t in roots for n in nodes_of(t))
+
+
 def rollout_metrics(
     trajs: Sequence[Trajectory], *, faults: Mapping[str, float] | None = None, wall_s: float | None = None
 ) -> dict[str, float]:
-    """The batch's metrics (see the module docstring); `faults` from `FaultDelta.take()`."""
+    """The batch's metrics (see the module docstring); `trajs` the roots, `faults` from `FaultDelta.take()`."""
+    roots, trajs = trajs, [n for t in trajs for n in row_nodes(t)]
     out: dict[str, float] = {
-        "rollout/samples": float(len(trajs)),
+        "rollout/samples": float(len(roots)),
+        "rollout/rows": float(len(trajs)),
         "rollout/failed": float(sum(t.failed for t in trajs)),
     }
     for t in trajs:
@@ -62,7 +83,7 @@ def rollout_metrics(
             "rollout/preempted_samples": float(sum(x.num_preempted > 0 for x in m)),
             "rollout/response_length/mean": float(lengths.mean()),
             "rollout/response_length/max": float(lengths.max()),
-            "rollout/model_tokens": float(sum(t.response_mask.count(1) for t in trajs)),
+            "rollout/model_tokens": float(model_tokens(roots)),
         }
         for name, attr in (
             ("generate", "generate_sequences"),

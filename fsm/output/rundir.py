@@ -233,9 +233,9 @@ def print_summary(summary: dict[str, Any], console: Any) -> None:
     """The run table: rewards, how rows ended, turns and tokens, time, tracing, routing and server faults."""
     from rich.table import Table
 
-    table = Table(
-        title=f"{summary['agent']}: {summary['trajectories']} trajectories in {summary['wall_s']:.1f}s"
-    )
+    n, rows = summary["trajectories"], summary.get("rows", summary["trajectories"])
+    of_rows = f" ({rows} rows)" if rows != n else ""  # a tree run: every node that has a row
+    table = Table(title=f"{summary['agent']}: {n} trajectories{of_rows} in {summary['wall_s']:.1f}s")
     table.add_column("metric")
     table.add_column("value", justify="right")
 
