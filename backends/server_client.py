@@ -8,7 +8,8 @@ context edge) stays in each engine's module.
   retryable `BackendUnavailable` whose kind says when it happened (refused, before or during the body).
   Every body is read by `backends.answer.read_json` (bounded in size and depth);
 - `_call` is a control call with retries (`backends.retry` policy: jittered exponential backoff, Retry-After
-  honoured): 408/429/5xx and transport faults are retried, 2xx and 4xx come back as (status, body);
+  honoured): 408/429/5xx, redirects (never followed) and transport faults are retried, 2xx and 4xx come back
+  as (status, body);
 - `_attempts` runs a generate under the retry policy: each attempt has its own wire rid (the engine picks
   it), is live for `abort(session_id)` and `where()`, and counts its fault by kind; a `BackendTimeout` is
   not retried here (a hung server stays hung) but fails over in the router;
@@ -80,6 +81,25 @@ def error_message(body: Any, fallback: str) -> str:
         ):  # a validation error
             return "; ".join(f"{'.'.join(map(str, d.get('loc') or ()))}: {d.get('msg')}" for d in detail[:5])
     return fallback
+
+
+def _redirect(status: int) -> bool:
+    """A 3xx: never followed (a model server answers where it was asked; its Location may name any host, and the
+    request would carry this client's API key there), so a server fault, retried and failed over as a 5xx."""
+    return 300 <= status < 400
+
+
+def _server_fault(policy: RetryPolicy, status: int) -> bool:
+    """The server's fault, not the request's: the policy's statuses (408, 429...), a 5xx, a redirect."""
+    return policy.retryable_status(status) or status >= 500 or _redirect(status)
+
+
+def _fault_message(status: int, headers: Mapping[str, str], body: Any) -> str:
+    """A server fault's message, on one line: where a redirect pointed, or the server's own message."""
+    if _redirect(status):
+        where = snippet(headers.get("Location") or "nowhere")
+        return f"redirected to {where}, which is not followed; a server fault"
+    return " ".join(error_message(body, str(body)[:200]).split())
 
 
 def encode_json(payload: Any) -> bytes:
@@ -255,10 +275,9 @@ class ServerClient(BaseBackend):
                 status=status,
                 max_bytes=CONTROL_BODY_BYTES,
             )
-            if policy.retryable_status(status) or status >= 500:
-                message = " ".join(error_message(body, str(body)[:200]).split())  # one line
+            if _server_fault(policy, status):
                 raise BackendUnavailable(
-                    f"HTTP {status}: {message}",
+                    f"HTTP {status}: {_fault_message(status, headers, body)}",
                     server=self.url,
                     status=status,
                     kind="http_errors",
@@ -462,16 +481,17 @@ class ServerClient(BaseBackend):
         return body
 
     def _refusal(self, status: int, headers: Mapping[str, str], body: Any, rid: str) -> BackendError:
-        """A generate answered other than 200: a server fault (408/429/5xx, retried) or the request's error."""
-        message = " ".join(error_message(body, str(body)[:200]).split())  # validation errors may span lines
-        if self.retry_policy.retryable_status(status) or status >= 500:
+        """A generate answered other than 200: a server fault (408/429/5xx, a redirect: retried, then failed over)
+        or the request's error."""
+        if _server_fault(self.retry_policy, status):
             return BackendUnavailable(
-                f"HTTP {status} for rid {rid}: {message}",
+                f"HTTP {status} for rid {rid}: {_fault_message(status, headers, body)}",
                 server=self.url,
                 status=status,
                 kind="http_errors",
                 retry_after=parse_retry_after(headers.get("Retry-After")),
             )
+        message = " ".join(error_message(body, str(body)[:200]).split())  # validation errors may span lines
         return BackendRequestError(
             f"{self.url} rejected rid {rid}: {message}", server=self.url, status=status
         )
