@@ -17,7 +17,7 @@ from backends.scripted import ScriptedBackend
 from fsm.cli.commands import main
 from fsm.run.journal import JOURNAL, rebuild, records
 from tests.conftest import ASSETS, REPO
-from tests.test_cli import _ThreadServer, assert_consistent
+from tests.test_cli import _ThreadServer, assert_consistent, one_line_error
 
 PAD_ID = 550  # an embedding row of the tiny model (576) past its tokenizer (516): a token it may sample
 
@@ -87,3 +87,31 @@ def test_a_snapshot_holding_ids_of_the_models_vocabulary_restores(tmp_path):
         engine.restore(tmp_path / "s.json")
         groups = engine._run_sync(engine.atake_groups(2, timeout=60))
     assert any(PAD_ID in t.response_ids for g in groups for t in g.trajectories)
+
+
+@pytest.fixture
+def echo_url():
+    server = _ThreadServer(ScriptedBackend(_padded_turn, model_name="echo"))
+    yield server.url
+    server.close()
+
+
+def test_a_journal_cut_before_its_first_group_is_nothing_to_resume_and_a_new_run_takes_the_directory(
+    capsys, tmp_path, echo_url
+):
+    """A kill between the `run` record and the first `group` record: the journal a real run wrote, cut there."""
+    out = tmp_path / "out"
+    assert main(_argv("calculator", echo_url, out, "--num-prompts", "2")) == 0
+    for name in ("batch.pt", "trajectories.jsonl", "summary.json"):  # the kill came before any was written
+        (out / name).unlink()
+    data = (out / JOURNAL).read_bytes()
+    (out / JOURNAL).write_bytes(data[: data.index(b"\n") + 1])
+    capsys.readouterr()
+    line = one_line_error(capsys, _resume(out, echo_url))
+    assert line == (
+        f"agentfsm: --resume: {out / JOURNAL}: the run there stopped before its first row was recorded: nothing "
+        f"to resume; start it again (a new run into {out} replaces this journal)"
+    )
+    assert main(_argv("calculator", echo_url, out, "--num-prompts", "2")) == 0
+    assert_consistent(out, 2)
+    assert rebuild(records(out / JOURNAL)).ended == "completed"

@@ -344,7 +344,7 @@ def cmd_run(args: argparse.Namespace, rollout: Callable[..., Any] | None = None)
     from fsm.output.rundir import RunDirError, locked
     from fsm.run import snapshot as snap
     from fsm.run.journal import JOURNAL
-    from fsm.run.resume import load
+    from fsm.run.resume import load, refuse_unbegun
 
     term_is_ctrl_c()
     if args.resume is not None:
@@ -360,6 +360,7 @@ def cmd_run(args: argparse.Namespace, rollout: Callable[..., Any] | None = None)
     if args.resume is not None:  # checked now (but the tokenizer, at restore): refused before anything starts
         try:
             loaded = load(Path(args.resume) / JOURNAL, agent)
+            refuse_unbegun(loaded, Path(args.resume) / JOURNAL)
         except snap.SnapshotError as exc:
             raise CLIError(f"--resume: {exc}") from None
         if loaded.ended == "completed":  # killed after its files were whole: resuming it is done already

@@ -36,7 +36,7 @@ from fsm.output.rundir import (
 )
 from fsm.run.context import Sampling
 from fsm.run.interruptible import keep_rollout
-from fsm.run.journal import JOURNAL, SYNCS, ended
+from fsm.run.journal import JOURNAL, SYNCS, JournalError, begun, ended
 from fsm.run.signals import Interrupts
 from fsm.run.trajectory import Trajectory
 from fsm.run.tree import nodes_of
@@ -98,8 +98,17 @@ class RunDir:
         return self.out / SNAPSHOT
 
     def unfinished(self) -> bool:
-        """The directory holds a run that did not finish: its journal has no `end`, or an old snapshot."""
-        return self.snapshot.exists() or (self.journal.exists() and ended(self.journal) is None)
+        """The directory holds a run that did not finish: its journal has begun (a run killed before its first
+        group was recorded did nothing) and has no `end`, or an old snapshot. RunDirError for a journal that is
+        not a regular file (a FIFO, a directory), named."""
+        if self.snapshot.exists():
+            return True
+        if not self.journal.exists():
+            return False
+        try:
+            return ended(self.journal) is None and begun(self.journal)
+        except JournalError as exc:
+            raise RunDirError(str(exc)) from None
 
     def refuse_a_snapshot(self) -> None:
         """A new run does not write over an unfinished one's journal (RunDirError, naming both ways on)."""

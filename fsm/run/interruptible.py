@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 from fsm.run.context import Sampling
 from fsm.run.journal import Recorder, Writer
-from fsm.run.resume import Loaded, check_weights, identity, load, served_by
+from fsm.run.resume import Loaded, check_weights, identity, load, refuse_unbegun, served_by
 from fsm.run.signals import Interrupts, say_now, warn
 from fsm.run.snapshot import SnapshotError, encode_sampling
 from fsm.run.trajectory import Trajectory
@@ -164,6 +164,7 @@ async def _reopen(engine: Any, keeper: Keeper) -> tuple[Loaded, Recorder]:
     loaded = await asyncio.to_thread(load, path, engine.agent, engine.codec)
     if loaded.ended is not None:
         raise SnapshotError(f"{path}: the run there has {loaded.ended}: nothing to resume")
+    refuse_unbegun(loaded, path)
     if loaded.torn:
         warn(loaded.torn)
     start = getattr(engine, "start", None)

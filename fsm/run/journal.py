@@ -366,50 +366,100 @@ class Read:
     torn: str | None = None  # one line: what was dropped
 
 
-def records(path: str | Path) -> Read:
-    """Every record of the journal at `path`, checked line by line (CRC-32 and JSON). A last line cut mid-way
-    (no newline, or its checksum does not match) is a write a kill interrupted: dropped, and said in `torn`.
-    Anything else that does not check is a JournalError naming the file and the record's number."""
+def open_regular(path: str | Path, flags: int = os.O_RDONLY, mode: int = 0o644) -> int:
+    """A descriptor of the journal file at `path`, never blocking and never following a link: a FIFO, a device or a
+    directory planted in its place is refused (JournalError) before a byte is read or written (opening a FIFO
+    blocks until someone opens its other end; reading one, until someone writes)."""
     path = Path(path)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
     except FileNotFoundError:
         raise JournalError(f"{path}: no journal there") from None
     except OSError as exc:
+        if exc.errno in (errno.ENXIO, errno.EISDIR):  # a FIFO with no reader, a directory
+            raise JournalError(f"{path}: not a regular file; remove it") from None
         why = "it is a symbolic link" if exc.errno == errno.ELOOP else exc.strerror or str(exc)
-        raise JournalError(f"{path}: cannot read it ({why})") from None
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            raise JournalError(f"{path}: not a regular file")
-        data = f.read()
-    out: list[dict[str, Any]] = []
-    at, n, torn = 0, 0, None
-    while at < len(data):
-        end = data.find(b"\n", at)
-        line = data[at : len(data) if end < 0 else end]
-        n += 1
-        ok = end >= 0 and len(line) > 9 and line[8:9] == b" "
-        if ok:
-            try:
-                ok = int(line[:8], 16) == zlib.crc32(line[9:])
-            except ValueError:
-                ok = False
-        if not ok:
-            if end < 0 or data.find(b"\n", end + 1) < 0 and end + 1 == len(data):  # the last line
-                torn = f"{path}: record {n}, the last, was cut mid-way ({len(data) - at} bytes, a write a kill interrupted); dropped"
-                break
-            raise JournalError(
-                f"{path}: record {n}: its checksum does not match (damaged or edited); the run cannot be resumed from it"
-            )
-        try:
-            rec = json.loads(line[9:])
-        except (ValueError, RecursionError):
-            raise JournalError(f"{path}: record {n}: not JSON (forged: its checksum matches)") from None
-        if not isinstance(rec, dict) or not isinstance(rec.get("t"), str):
-            raise JournalError(f"{path}: record {n}: not a journal record (no kind 't')")
-        out.append(rec)
-        at = end + 1
-    return Read(path, out, at, torn)
+        raise JournalError(f"{path}: cannot open it ({why})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise JournalError(f"{path}: not a regular file; remove it")
+    os.set_blocking(fd, True)
+    return fd
+
+
+class Scan:
+    """The records of the journal at `path`, read one line at a time (a journal is never in memory whole: a resume
+    holds the trajectories it rebuilds, not the records that built them), each line checked (CRC-32 and JSON)
+    and bounded by MAX_RECORD. A last line cut mid-way (no newline, or its checksum does not match) is a write a
+    kill interrupted: dropped, and said in `torn`. Anything else that does not check is a JournalError naming
+    the file and the record's number. `good_bytes`: where the records read so far end."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.good_bytes = 0
+        self.torn: str | None = None
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        path, n = self.path, 0
+        with os.fdopen(open_regular(path), "rb") as f:
+            while line := f.readline(MAX_RECORD + 1):
+                n += 1
+                end = line.endswith(b"\n")
+                if len(line) > MAX_RECORD:
+                    raise JournalError(
+                        f"{path}: record {n} is longer than {MAX_RECORD >> 20} MiB, the bound of one record "
+                        "(damaged or forged); the run cannot be resumed from it"
+                    )
+                body = line[9:-1] if end else b""
+                ok = end and len(line) > 10 and line[8:9] == b" "
+                if ok:
+                    try:
+                        ok = int(line[:8], 16) == zlib.crc32(body)
+                    except ValueError:
+                        ok = False
+                if not ok:
+                    if not end or not f.peek(1):  # the last line
+                        self.torn = (
+                            f"{path}: record {n}, the last, was cut mid-way ({len(line)} bytes, a write a kill "
+                            "interrupted); dropped"
+                        )
+                        return
+                    raise JournalError(
+                        f"{path}: record {n}: its checksum does not match (damaged or edited); the run cannot be "
+                        "resumed from it"
+                    )
+                try:
+                    rec = json.loads(body)
+                except (ValueError, RecursionError):
+                    raise JournalError(
+                        f"{path}: record {n}: not JSON (forged: its checksum matches)"
+                    ) from None
+                if not isinstance(rec, dict) or not isinstance(rec.get("t"), str):
+                    raise JournalError(f"{path}: record {n}: not a journal record (no kind 't')")
+                self.good_bytes += len(line)
+                yield rec
+
+
+def records(path: str | Path) -> Read:
+    """Every record of the journal at `path`, as `Scan` reads them, in a list (for a small journal or a test)."""
+    scan = Scan(path)
+    out = list(scan)
+    return Read(scan.path, out, scan.good_bytes, scan.torn)
+
+
+def begun(path: str | Path) -> bool:
+    """Whether the journal holds a record past its `run` record: False for a run killed before its first group
+    was recorded (nothing of it was done: a new run may take the directory, a resume has nothing to go on
+    with); True for a damaged one (not ours to drop). JournalError for a file that cannot be a journal (see
+    `open_regular`)."""
+    os.close(open_regular(path))
+    try:
+        for k, _ in enumerate(Scan(path)):
+            if k:
+                return True
+    except JournalError:
+        return True
+    return False
 
 
 @dataclass
@@ -463,16 +513,17 @@ def _replace(traj: Trajectory, n: str, v: Any, where: str) -> None:
         raise JournalError(f"{where}: {n!r} is not a slot a step replaces")
 
 
-def rebuild(read: Read) -> Rebuilt:
+def rebuild(read: Read | Scan) -> Rebuilt:
     """Replay the records: each trajectory as its last record left it. JournalError (naming the record) for
     one that does not fit: no `run` record first, a step of an unknown trajectory, a delta that does not
     continue where the last left off, a slot that is not the trajectory's. The content is then checked as a
     snapshot's is (fsm/run/snapshot.py `_check`, by the caller)."""
-    recs = read.records
-    if not recs or recs[0].get("t") != "run" or recs[0].get("format") != FORMAT:
+    recs = iter(read.records if isinstance(read, Read) else read)
+    first = next(recs, None)
+    if first is None or first.get("t") != "run" or first.get("format") != FORMAT:
         raise JournalError(f"{read.path}: not an agentfsm journal of format {FORMAT} (no 'run' record first)")
-    out = Rebuilt(recs[0], [], {}, {})
-    for k, rec in enumerate(recs[1:], start=2):
+    out = Rebuilt(first, [], {}, {})
+    for k, rec in enumerate(recs, start=2):
         where = f"{read.path}: record {k}"
         try:
             _apply(out, rec, where)
@@ -585,10 +636,10 @@ def iter_members(rebuilt: Rebuilt) -> Iterator[tuple[dict[str, Any], list[Trajec
 
 def ended(path: str | Path) -> str | None:
     """The status of the journal's `end` record when it is the last record (its files written), else None;
-    read from the file's tail only."""
+    read from the file's tail only (None too for a file that cannot be a journal: `open_regular` says why)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
+        fd = open_regular(path)
+    except JournalError:
         return None
     with os.fdopen(fd, "rb") as f:
         size = os.fstat(f.fileno()).st_size

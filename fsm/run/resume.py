@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from fsm.run.agent import CompiledAgent
-from fsm.run.journal import FORMAT, JournalError, Read, Rebuilt, rebuild, records
+from fsm.run.journal import FORMAT, JournalError, Read, Rebuilt, Scan, rebuild
 from fsm.run.snapshot import FORMAT as SNAPSHOT_FORMAT
 from fsm.run.snapshot import _check, decode_sampling, encode_trajectory, other_tokenizer, tokenizer_id
 from fsm.run.trajectory import Trajectory
@@ -100,16 +100,16 @@ def identity(agent: CompiledAgent, codec: Any, **more: Any) -> dict[str, Any]:
 
 def read_identity(path: str | Path) -> dict[str, Any]:
     """The journal's `run` record (for a resume that names no spec)."""
-    read = records(path)
-    if not read.records or read.records[0].get("t") != "run" or read.records[0].get("format") != FORMAT:
+    first = next(iter(Scan(path)), None)  # the first record only: the rest is read by `load`
+    if first is None or first.get("t") != "run" or first.get("format") != FORMAT:
         raise JournalError(f"{path}: not an agentfsm journal of format {FORMAT} (no 'run' record first)")
-    return read.records[0]
+    return first
 
 
 def load(path: str | Path, agent: CompiledAgent, codec: Any = None) -> Loaded:
     """The journal at `path`, checked against `agent` (spec hash), the tokenizer (`codec`'s digest) and its
     content; JournalError of one line otherwise."""
-    read = records(path)
+    read = Scan(path)  # streamed: the records are applied as they are read, never held together
     rebuilt = rebuild(read)
     ident = rebuilt.identity
     if ident.get("spec_hash") != agent.hash:
@@ -157,8 +157,19 @@ def load(path: str | Path, agent: CompiledAgent, codec: Any = None) -> Loaded:
     )
 
 
+def refuse_unbegun(loaded: Loaded, path: str | Path) -> None:
+    """A run killed between its journal's `run` record and its first group's did nothing: there is nothing to go
+    on with (JournalError of one line), and a new run into its directory replaces the journal
+    (fsm/output/keep.py `RunDir.unfinished`)."""
+    if not loaded.data["groups"]:
+        raise JournalError(
+            f"{path}: the run there stopped before its first row was recorded: nothing to resume; start it "
+            f"again (a new run into {Path(path).parent} replaces this journal)"
+        )
+
+
 def _snapshot_form(
-    read: Read, rebuilt: Rebuilt, agent: CompiledAgent, trees: dict[str, Any]
+    read: Read | Scan, rebuilt: Rebuilt, agent: CompiledAgent, trees: dict[str, Any]
 ) -> tuple[dict[str, Any], tuple[int, int, int, int, int], dict[str, int]]:
     ident = rebuilt.identity
     groups, finished, in_flight, restarted, nodes_done, nodes_going = [], 0, 0, 0, 0, 0
