@@ -26,11 +26,12 @@ from fsm.output.keep import RunDir, keep_batch
 from fsm.output.metrics import FaultDelta, rollout_metrics
 from fsm.output.sample import SampleBatch, to_samples
 from fsm.run.agent import CompiledAgent
-from fsm.run.context import Sampling
+from fsm.run.context import Policy, Sampling, node_sampling
 from fsm.run.engine import PAUSE_MODES, EngineRefused, StalePolicy, weight_version_of
 from fsm.run.stream import Group
 from fsm.run.tracer import Tracer
 from fsm.run.trajectory import Trajectory
+from fsm.run.tree import row_nodes
 
 T = TypeVar("T")
 Rows = Sequence[Mapping[str, Any]] | Mapping[str, Sequence[Any] | np.ndarray] | Any  # Any: a verl DataProto
@@ -230,11 +231,25 @@ class BaseEngine(ABC):
         policies = policies_of(trajs, self.agent.spec.policy)
         if len(policies) > 1:
             faults = self._fault_counters()
-            return {
-                p: batch_of(self.agent, self.codec, trajs, sampling, faults, like, meta, wall_s, policy=p)
-                for p in policies
-            }
+            out = {}
+            for p in policies:  # each with the codec and sampling its rows were made with
+                codec, drawn = self._policy_sampling(trajs, sampling, p)
+                out[p] = batch_of(self.agent, codec, trajs, drawn, faults, like, meta, wall_s, policy=p)
+            return out
         return batch_of(self.agent, self.codec, trajs, sampling, self._fault_counters(), like, meta, wall_s)
+
+    def _policy_sampling(
+        self, trajs: Sequence[Trajectory], sampling: Sampling, policy: str
+    ) -> tuple[Codec, Sampling]:
+        """The codec and sampling `policy`'s rows were made with, for its batch (a trainer recomputes logprobs
+        from meta_info["sampling"]): the run's for the root's policy, else what its nodes generated with
+        (fsm/run/context.py `node_sampling`: its own `sampling:`, else its spec's)."""
+        runner = getattr(self, "runner", None)
+        known = runner.policies.get(policy) if runner is not None else None
+        node = next((n.node for t in trajs for n in row_nodes(t) if n.node and n.node.policy == policy), None)
+        if policy == self.agent.spec.policy or node is None:
+            return self.codec, sampling
+        return node_sampling(known or Policy(policy, None, None), self.codec, sampling, node.agent)
 
     def _fault_counters(self) -> FaultDelta:
         """The backend's fault counters, read per batch (first read: when the backend starts, or before the first
@@ -540,7 +555,7 @@ def batch_of(
     wall_s: float | None = None,
     policy: str | None = None,
 ) -> Any:
-    """`policy`: that policy's rows only.
+    """`policy`: that policy's rows only (`codec` and `sampling`: that policy's).
     Finished trajectories -> verl's padded batch (fsm/output/batch.py `to_batch`), with the sampling that
     produced its logprobs (meta_info["sampling"]) and its metrics (meta_info["rollout_metrics"],
     fsm/output/metrics.py, with the backend counters `faults` moved since the last batch), which survive a

@@ -213,6 +213,25 @@ class Policy:
     gate: PauseGate | None = None
 
 
+def node_sampling(
+    policy: Policy, run_codec: Codec, run: Sampling, agent: CompiledAgent
+) -> tuple[Codec, Sampling]:
+    """The codec and sampling a node of `agent` generating with `policy` (not the root's) uses: the policy's own
+    codec, else the run's tokenizer read with `agent`'s model family; the policy's `sampling:`, else `agent`'s
+    spec's, with the run's seed. One answer for the run (RunContext.for_node) and for the policy's batch, whose
+    meta_info["sampling"] a trainer recomputes logprobs with (fsm/output/engine.py)."""
+    codec = policy.codec
+    if codec is None:
+        model = agent.spec.model
+        codec = codec_for(
+            run_codec.tokenizer,
+            model.family,
+            model.chat_template_kwargs,
+            model.special_tokens_in_observations,
+        )
+    return codec, Sampling.resolve(agent, codec, {"seed": run.seed}, base_spec=policy.sampling)
+
+
 class RunContext:
     """What actions share during one run: the agent, the backend, the codec, sampling, tools, tracing."""
 
@@ -251,6 +270,9 @@ class RunContext:
         self.root_agent = agent
         self.policy = agent.spec.policy
         self.drive: Callable[[RunContext, Trajectory], Any] | None = None  # Runner.drive, for children
+        # the run's own backend, codec and gate, where a node whose policy has none of its own generates (not
+        # the root policy's: a root whose policy has a checkpoint or servers runs there, its children need not)
+        self.run_parts: tuple[Backend, Codec, PauseGate] = (backend, codec, self.gate)
         self._nodes: dict[tuple[int, str], RunContext] = {(id(agent), self.policy): self}
         self._child_agents: dict[tuple[int, str], CompiledAgent] = {}
 
@@ -269,24 +291,17 @@ class RunContext:
         if ctx is not None:
             return ctx
         known = self.policies.get(policy) or Policy(policy, None, None)
-        codec = known.codec
-        if codec is None:
-            model = agent.spec.model
-            codec = codec_for(
-                self.codec.tokenizer,
-                model.family,
-                model.chat_template_kwargs,
-                model.special_tokens_in_observations,
-            )
-        sampling = Sampling.resolve(agent, codec, {"seed": self.sampling.seed}, base_spec=known.sampling)
+        run_backend, run_codec, run_gate = self.run_parts
+        codec, sampling = node_sampling(known, run_codec, self.sampling, agent)
         ctx = RunContext(
             agent,
-            known.backend or self.backend,
+            known.backend or run_backend,
             codec,
             sampling,
             tracer=self.tracer,
-            gate=known.gate or self.gate,
+            gate=known.gate or run_gate,
         )
+        ctx.run_parts = self.run_parts
         ctx.policies, ctx.root_agent, ctx.policy, ctx.drive = (
             self.policies,
             self.root_agent,

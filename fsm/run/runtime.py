@@ -123,6 +123,8 @@ class Runner:
         backend = (policy.backend if policy is not None else None) or self.backend
         ctx = RunContext(self.agent, backend, self.codec, sampling, tracer=self.tracer, gate=self.gate)
         ctx.policies, ctx.drive = self.policies, self.drive
+        # where a policy with no backend of its own runs (the root's may have one: `backend` above)
+        ctx.run_parts = (self.backend, self.codec, self.gate)
         return ctx
 
     def trajectories(self, rows: Iterable[Mapping[str, Any]], n: int = 1) -> list[Trajectory]:
