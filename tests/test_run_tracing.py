@@ -129,3 +129,33 @@ def test_console_spans_go_to_stderr_never_among_the_table(tmp_path):
         == tracing["exported"]
         == sum(expected(tmp_path).values())
     )
+
+
+@pytest.mark.slow
+def test_an_otlp_endpoint_without_a_scheme_is_http(tmp_path):
+    """`--otlp localhost:4318` (issue 46 §4 ended in a traceback after the model loaded): http://, as the SDK
+    reads OTEL_EXPORTER_OTLP_ENDPOINT."""
+    with Receiver() as receiver:
+        bare = receiver.url.removeprefix("http://")
+        done = run_cli(
+            "specs/calculator.yaml", "--num-prompts", "1", "--otlp", bare, "--out", str(tmp_path), "-q"
+        )
+        assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
+        got = Counter(kind(s) for s in receiver.spans)
+    assert got == expected(tmp_path) and got["root"] == 1
+
+
+@pytest.mark.parametrize(
+    "flags, env",
+    [
+        (["--otlp", "ftp://collector:4318"], {}),
+        (["--otlp", "localhost:port"], {}),
+        ([], {"OTEL_EXPORTER_OTLP_ENDPOINT": "grpc://collector:4317"}),
+    ],
+)
+def test_an_endpoint_that_is_no_http_url_is_refused_before_the_model_loads(tmp_path, flags, env):
+    done = run_cli("specs/calculator.yaml", "--num-prompts", "1", *flags, "--out", str(tmp_path), env=env)
+    assert done.returncode in (1, 2) and "Traceback" not in done.stderr, done.stderr[-2000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "expected http(s)://host[:port]" in lines[0], lines
+    assert not (tmp_path / "summary.json").exists()

@@ -58,6 +58,17 @@ def server_url(text: str) -> str:
     return text
 
 
+def otlp_endpoint(text: str) -> str:
+    """An argparse type: --otlp's endpoint, checked when the flags are read (not after the model loads);
+    `localhost:4318` is http://localhost:4318, as the SDK reads OTEL_EXPORTER_OTLP_ENDPOINT."""
+    from fsm.telemetry.export import otlp_url
+
+    try:
+        return otlp_url(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _bounds(lo: float, hi: float | None) -> str:
     return f">= {lo:g}" if hi is None else f"from {lo:g} to {hi:g}"
 
@@ -291,7 +302,10 @@ def command_line(commands: Mapping[str, Callable[[argparse.Namespace], int]]) ->
         "overrides the spec's failures.max_error_rate (default 0.5)",
     )
     p.add_argument(
-        "--otlp", metavar="URL", help="export spans to an OTLP/HTTP endpoint (Jaeger :4318, Phoenix :6006)"
+        "--otlp",
+        type=otlp_endpoint,
+        metavar="URL",
+        help="export spans to an OTLP/HTTP endpoint (Jaeger :4318, Phoenix :6006; no scheme: http://)",
     )
     p.add_argument("--trace", choices=["console"], help="print spans to the console")
     p.add_argument(

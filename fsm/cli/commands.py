@@ -107,6 +107,14 @@ def _check_run_flags(args: argparse.Namespace) -> None:
         if args.request_timeout is not None:
             raise CLIError("--request-timeout: not passed to Ray actors yet; drop --ray or --request-timeout")
     tracing = bool(args.otlp or args.trace or _env_tracing())
+    for name in () if args.otlp else ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"):
+        if os.environ.get(name):  # checked now, not when the exporter starts after the model has loaded
+            from fsm.telemetry.export import otlp_url
+
+            try:
+                otlp_url(os.environ[name])
+            except ValueError as exc:
+                raise CLIError(f"{name}: {exc}") from None
     if args.trace_sample is not None and not tracing:
         warn("--trace-sample does nothing without --otlp URL, --trace console or OTEL_EXPORTER_OTLP_ENDPOINT")
     if args.ray is not None and tracing:

@@ -417,12 +417,10 @@ class OtlpHttpExporter(NativeExporter):
         if endpoint is None:
             base = env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or "http://localhost:4318"
             endpoint = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or base.removesuffix("/") + "/v1/traces"
-        self.endpoint = endpoint
+        self.endpoint = endpoint = otlp_url(endpoint)
         url = urlsplit(endpoint)
-        if url.scheme not in ("http", "https") or not url.hostname:
-            raise ValueError(f"OTLP endpoint {endpoint!r}: expected http(s)://host[:port]/path")
         self._https = url.scheme == "https"
-        self._host, self._port = url.hostname, url.port or (443 if self._https else 80)
+        self._host, self._port = url.hostname or "", url.port or (443 if self._https else 80)  # otlp_url: one
         self._path = (url.path or "/") + (f"?{url.query}" if url.query else "")
         try:
             self.timeout_s = float(timeout_s if timeout_s is not None else setting("TIMEOUT") or 10.0)
@@ -566,9 +564,24 @@ class OtlpHttpExporter(NativeExporter):
 # --- configuration from the standard OTEL_* variables ---------------------------------------------------------
 
 
+def otlp_url(url: str) -> str:
+    """An OTLP/HTTP endpoint as given, with http:// when it names no scheme (`localhost:4318`, as the SDK reads
+    OTEL_EXPORTER_OTLP_ENDPOINT); ValueError, in one line, for one that is no http(s)://host[:port] URL."""
+    text = url.strip()
+    text = text if "://" in text else f"http://{text}"
+    parts = urlsplit(text)
+    try:
+        parts.port  # noqa: B018 - a port that is no number raises here
+    except ValueError:
+        parts = parts._replace(netloc="")
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"OTLP endpoint {url!r}: expected http(s)://host[:port], e.g. http://localhost:4318")
+    return text
+
+
 def _traces_url(url: str) -> str:
-    """--otlp accepts a base URL (http://host:4318) or the full traces URL (.../v1/traces)."""
-    url = url.rstrip("/")
+    """--otlp accepts a base URL (http://host:4318, or localhost:4318) or the full traces URL (.../v1/traces)."""
+    url = otlp_url(url).rstrip("/")
     return url if url.endswith("/v1/traces") else f"{url}/v1/traces"
 
 
