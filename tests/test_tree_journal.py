@@ -163,26 +163,31 @@ def _node_rec(recs: list[dict[str, Any]]) -> dict[str, Any]:
     return next(r for r in recs if r["t"] == "traj" and isinstance(r.get("n"), dict) and ":" in r["s"])
 
 
+def _node_n(recs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The first node's place as a resume reads it: from its last record that carries one (a branch's `n` is
+    written again at its second boundary, when it is no longer at the entry it was copied at)."""
+    sid = _node_rec(recs)["s"]
+    return [r for r in recs if r.get("s") == sid and isinstance(r.get("n"), dict)][-1]["n"]
+
+
 def _orphan(recs):
-    r = _node_rec(recs)
-    r["n"]["parent"] = "0.7"
+    _node_n(recs)["parent"] = "0.7"
 
 
 def _wrong_origin(recs):
-    _node_rec(recs)["n"]["origin"] = "__import__"
+    _node_n(recs)["origin"] = "__import__"
 
 
 def _deep(recs):
-    r = _node_rec(recs)
-    r["n"]["depth"] = 5
+    _node_n(recs)["depth"] = 5
 
 
 def _policy(recs):
-    _node_rec(recs)["n"]["policy"] = "someone_else"
+    _node_n(recs)["policy"] = "someone_else"
 
 
 def _extra_key(recs):
-    _node_rec(recs)["n"]["code"] = "os.system('x')"
+    _node_n(recs)["code"] = "os.system('x')"
 
 
 def _stray(recs):

@@ -60,6 +60,9 @@ class Node:
     # this node had finished (taken back as it is, never run again)
     pending: dict[str, Trajectory] | None = None
     finished: bool = False
+    # a branch at the entry it was copied at: it runs that state's action, it does not fork there again (each copy
+    # would fork anew, 2 + 4 + 8 ... nodes where `branches: 2` was declared); journaled, so a resume knows it too
+    fresh: bool = False
 
 
 def root_node(traj: Trajectory, agent: Any) -> Node:
@@ -309,6 +312,9 @@ def _copy(traj: Trajectory, session_id: str) -> Trajectory:
 def should_fork(ctx: RunContext, traj: Trajectory) -> bool:
     """`traj`, entering its state, forks there now: the state has `fork:` and this path has not used it up."""
     fork = ctx.agent.forks.get(traj.state)
+    if traj.node is not None and traj.node.fresh:  # copied at this entry: the branch's own turn comes now
+        traj.node.fresh = False
+        return False
     if fork is None or traj.interaction_started:  # a user simulator's session cannot be split
         return False
     done = traj.node.forks.get(traj.state, 0) if traj.node is not None else 0
@@ -361,6 +367,7 @@ async def fork(ctx: RunContext, traj: Trajectory, drive: Drive) -> bool:
             forks={**parent.forks, traj.state: parent.forks.get(traj.state, 0) + 1},
             root_agent=root_agent,
             origin=traj.state,
+            fresh=True,
         )
         b.extra["row_name"] = f"{traj.row_name} node {path}"
         parent.nodes.append(b)

@@ -2,8 +2,9 @@
 
 Every node (child machine, branch) is journaled as a root is: whole at its first state boundary, then the deltas
 of each boundary, `done` when it finished; its place in the tree rides along as `n` (its path, parent, kind,
-branch offset, policy, depth, shared prefix, routing key, ordinal, fork counts, origin, and `k`: how many nodes
-it had made at that boundary), written again whenever `k`, its fork counts or `forked` changed. A node's session
+branch offset, policy, depth, shared prefix, routing key, ordinal, fork counts, origin, `k`: how many nodes it
+had made at that boundary, and `fresh`: a branch still at the entry it was copied at, which it does not fork at
+again), written again whenever `k`, its fork counts, `forked` or `fresh` changed. A node's session
 id is `<root's>:<path>`, and its path is the parent's plus its creation number, so ids are the same in any run
 of the same row.
 
@@ -39,6 +40,7 @@ META = (
     "origin",
     "k",
     "forked",
+    "fresh",
 )
 _PATH = re.compile(r"0(\.(0|[1-9]\d{0,5}))*")
 
@@ -59,12 +61,13 @@ def node_meta(node: Node) -> dict[str, Any]:
         "origin": node.origin,
         "k": len(node.nodes),
         "forked": node.forked,
+        "fresh": node.fresh,
     }
 
 
-def node_mark(node: Node | None) -> tuple[int, dict[str, int], bool] | None:
+def node_mark(node: Node | None) -> tuple[int, dict[str, int], bool, bool] | None:
     """What of a node changes between its boundaries (its `n` is written again when it does)."""
-    return None if node is None else (len(node.nodes), dict(node.forks), node.forked)
+    return None if node is None else (len(node.nodes), dict(node.forks), node.forked, node.fresh)
 
 
 def _count(v: Any) -> bool:
@@ -72,6 +75,8 @@ def _count(v: Any) -> bool:
 
 
 def _shape(m: Any, where: str) -> dict[str, Any]:
+    if isinstance(m, dict) and "fresh" not in m:  # a journal written before branches kept it
+        m = {**m, "fresh": False}
     if not isinstance(m, dict) or set(m) != set(META):
         raise ValueError(f"{where}: its tree record 'n' is not a node's place ({', '.join(META)})")
     ok = (
@@ -86,6 +91,8 @@ def _shape(m: Any, where: str) -> dict[str, Any]:
         and all(isinstance(s, str) and _count(c) for s, c in m["forks"].items())
         and (m["origin"] is None or isinstance(m["origin"], str))
         and isinstance(m["forked"], bool)
+        and isinstance(m["fresh"], bool)
+        and (m["kind"] == "branch" or not m["fresh"])
     )
     if not ok:
         raise ValueError(f"{where}: its tree record 'n' holds a value of the wrong kind")
@@ -273,6 +280,7 @@ def restore_tree(
             root_agent=agent,
             origin=m["origin"],
             finished=done,
+            fresh=m.get("fresh", False),
         )
         by_path[m["node"]], made[m["node"]] = traj, m["k"]
         if int(m["node"].rsplit(".", 1)[1]) < made[m["parent"]]:

@@ -1,0 +1,118 @@
+"""Forks through `agentfsm run` (docs/trees.md): a branch does not fork again at the entry it was copied at, in
+a run and in its resume from a journal cut there; `times: N` counts entries along a path."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.test_run_interrupts import ASSETS, ENV, REPO
+from tests.test_tree_journal import _same_batches, _same_trees
+
+SPECS = REPO / "specs"
+
+
+def agentfsm(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`agentfsm ARGS` as a real process."""
+    return subprocess.run(
+        [sys.executable, "-m", "fsm.cli.commands", *args],
+        env=ENV,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def run(spec: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
+    """`agentfsm run SPEC --out OUT` of one prompt at temperature 0 on the embedded tiny model."""
+    args = ["run", str(spec), "--out", str(out), "--tokenizer", str(ASSETS), "--temperature", "0", "-q"]
+    return agentfsm(*args, "--num-prompts", "1", *extra)
+
+
+def nodes(out: Path) -> list[tuple[str, str, int]]:
+    """(path, kind, branch offset) of every node in the run's trajectories.jsonl."""
+    rows = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
+    return [(r["node"], r["node_kind"], r["branch_offset"]) for r in rows]
+
+
+def spec(tmp_path: Path, name: str, body: str) -> Path:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(f"name: {name}\nextends: {SPECS}/calculator.yaml\n{body}")
+    return path
+
+
+@pytest.mark.slow
+def test_a_branch_does_not_fork_again_where_it_was_copied_nor_on_resume(tmp_path):
+    """`times: null` on a state off any cycle: one fork, 2 branches (the copies forked again at once: 15 nodes
+    up to max_depth 3). A journal cut when the first branch was made (it is at its copied entry) resumes to the
+    uninterrupted run's rows, 3 nodes."""
+    fork_null = spec(
+        tmp_path,
+        "fork_null",
+        "states:\n  PENDING:\n    fork: {branches: 2, times: null}\ntree: {max_depth: 3}\n",
+    )
+    ref = tmp_path / "ref"
+    done = run(fork_null, ref)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert nodes(ref) == [("0", "root", 0), ("0.0", "branch", 0), ("0.1", "branch", 0)]
+
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    lines = (ref / "journal.log").read_bytes().splitlines(keepends=True)
+    first = next(i for i, line in enumerate(lines) if b'"s":"' in line and b':0.0"' in line)
+    assert b'"fresh":true' in lines[first]  # the branch's first record: at the entry it was copied at
+    (cut / "journal.log").write_bytes(b"".join(lines[: first + 1]))  # as a kill -9 there leaves it
+    resumed = agentfsm("run", "--resume", str(cut), "-q")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert nodes(cut) == nodes(ref)
+    _same_batches(ref, cut)
+    _same_trees(ref, cut)
+
+
+@pytest.mark.slow
+def test_times_counts_entries_along_a_path(tmp_path):
+    """`times: 2` at GENERATING (on the tool loop): the root forks at its first turn, each branch at its own
+    second turn (after its tool call), never twice at one entry: every grandchild branched off past its
+    parent's own tokens."""
+    twice = spec(
+        tmp_path,
+        "fork_twice",
+        "states:\n  GENERATING:\n    fork: {branches: 2, times: 2}\ntree: {max_depth: 3}\n",
+    )
+    out = tmp_path / "out"
+    done = run(twice, out)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = nodes(out)
+    offset = {path: off for path, _, off in got}
+    assert [p for p, _, _ in got] == ["0", "0.0", "0.0.0", "0.0.1", "0.1", "0.1.0", "0.1.1"]
+    for path, kind, off in got[1:]:
+        assert kind == "branch"
+        if path.count(".") == 2:
+            assert off > offset[path.rsplit(".", 1)[0]], got  # a turn and a tool call of its own first
+
+
+def test_only_a_branch_record_may_be_fresh():
+    """A forged journal cannot make a root or a child 'fresh' (it would skip its fork)."""
+    from fsm.run.treejournal import META, _shape
+
+    m = {k: 0 for k in META} | {
+        "node": "0.0",
+        "parent": "0",
+        "kind": "child",
+        "policy": "p",
+        "route": "r",
+        "forks": {},
+        "origin": "c",
+        "forked": False,
+        "fresh": True,
+    }
+    with pytest.raises(ValueError, match="wrong kind"):
+        _shape(m, "j")
+    _shape({**m, "kind": "branch"}, "j")
+    old = {k: v for k, v in m.items() if k != "fresh"}  # a journal from before: not fresh
+    _shape(old, "j")
