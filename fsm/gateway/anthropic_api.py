@@ -47,8 +47,11 @@ def messages_call(body: dict[str, Any]) -> Call:
         raise GatewayError("messages: must be a non-empty list")
     for i, m in enumerate(messages):
         where = f"messages.{i}"
-        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-            raise GatewayError(f"{where}: role must be 'user' or 'assistant'")
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant", "system"):
+            raise GatewayError(f"{where}: role must be 'user', 'assistant' or 'system'")
+        if m["role"] == "system":  # Claude Code sends some so: the chat template renders it where it stands
+            out.append({"role": "system", "content": _block_text(m.get("content"), where)})
+            continue
         blocks = _blocks(m.get("content"), where)
         if m["role"] == "assistant":
             text, calls = [], []

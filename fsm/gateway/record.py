@@ -171,10 +171,17 @@ class Plan:
     )
 
 
+# what a harness sends that the model did not write: the observations a model turn answers. A system message
+# among them is rendered where it stands (Claude Code ends its requests with one, after the user's turn).
+OBSERVED = ("tool", "user", "system")
+
+
 def ends_on_observation(messages: list[dict[str, Any]]) -> None:
-    """A request must end with a user turn or tool results: the model answers them."""
-    if not messages or messages[-1]["role"] not in ("tool", "user"):
-        last = messages[-1]["role"] if messages else "no"
+    """A request must end with a user turn or tool results (system messages after them included): the model
+    answers them."""
+    answered = [m["role"] for m in messages if m["role"] != "system"]
+    if not answered or answered[-1] not in ("tool", "user"):
+        last = answered[-1] if answered else (messages[-1]["role"] if messages else "no")
         raise GatewayError(
             f"the request ends with {'an' if last == 'assistant' else 'a'} {last} message: the model "
             "answers a user turn or tool results (continuing a message is not supported)"
@@ -190,7 +197,7 @@ def too_many_segments(n: int, limit: int) -> GatewayError:
 
 
 def _observations(messages: list[dict[str, Any]]) -> bool:
-    return all(m["role"] in ("tool", "user") for m in messages)
+    return all(m["role"] in OBSERVED for m in messages)
 
 
 class Recorder:

@@ -310,19 +310,32 @@ APIS: dict[str, tuple[str, tuple[Callable[..., Any], ...] | None]] = {
 }
 
 
+def served(apis: dict[str, tuple[str, Any]] = APIS) -> str:
+    """The routes a session serves, for the one line a harness gets on any other path (a harness pointed at
+    an API the gateway does not speak, such as Gemini's `v1beta/models/...`, learns what to point it at)."""
+    return ", ".join(f"{method} /sessions/{{id}}/v1/{api}" for api, (method, _) in apis.items())
+
+
+def _not_found(path: str, apis: dict[str, Any]) -> GatewayError:
+    return GatewayError(
+        f"no API at {path[:200]}: this gateway serves {served(apis)}", code="not_found", status=404
+    )
+
+
 def route(request: web.BaseRequest, apis: dict[str, Any] | None = None) -> tuple[str, str]:
     """(session id, API path) of `/sessions/{id}/v1/{api}`; the API checked against `apis` and its method when
-    given. Anything else is a 404 (405: a known path, another method) in the API's error shape."""
+    given. Anything else is a 404 naming the routes served (405: a known path, another method) in the API's
+    error shape."""
     parts = request.path.split("/", 4)
     if len(parts) < 4 or parts[0] or parts[1] != "sessions" or not parts[2]:
-        raise GatewayError("Not Found", code="not_found", status=404)
+        raise _not_found(request.path, apis or APIS)
     sid, tail = parts[2], "/".join(parts[3:])
     if apis is None:
         return sid, tail
     tail = child_line(tail)[1]  # a child session's path (fsm/gateway/tree.py) serves the same APIs
     api = tail[3:] if tail.startswith("v1/") else ""
     if api not in apis:
-        raise GatewayError("Not Found", code="not_found", status=404)
+        raise _not_found(request.path, apis)
     if request.method != apis[api][0]:
         raise GatewayError("Method Not Allowed", code="http_error", status=405)
     return sid, api

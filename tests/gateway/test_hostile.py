@@ -167,6 +167,9 @@ def test_keys_isolation_and_bounds(tmp_path, tokenizer):
             )
         for name, status in (("unknown_api", 404), ("outside", 404), ("get", 405)):
             assert out[name][0] == status and out[name][1]["error"]["message"], (name, out[name])
+        for name in ("unknown_api", "outside"):  # one line naming the routes the gateway serves
+            assert "serves POST /sessions/{id}/v1/chat/completions" in out[name][1]["error"]["message"]
+            assert "/v1/messages" in out[name][1]["error"]["message"]
         assert out["too_many"][0] == 400 and "max_messages (20)" in out["too_many"][1]["error"]["message"]
         assert out["ok"][0] == 200 and out["ok"][1]["choices"][0]["message"]["tool_calls"]
         assert traj.assistant_turns == 1  # only the good call reached the model

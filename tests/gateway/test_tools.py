@@ -128,3 +128,67 @@ def test_tools_a_local_model_cannot_serve_can_be_refused(tmp_path: Path, tokeniz
         400,
     ]
     assert not backend.requests and "gateway_notes" not in trajs[0].extra
+
+
+# Claude Code 2.1.197's main request ends with a system message after the user's turn (its beta
+# `mid-conversation-system`), beside its top-level `system`, with cache_control on its blocks (captured)
+CLAUDE_CODE_MESSAGES = [
+    USER,
+    {
+        "role": "system",
+        "content": [{"type": "text", "text": "Reminder: be brief.", "cache_control": {"type": "ephemeral"}}],
+    },
+]
+
+
+async def system_in_messages(call: HarnessCall) -> Any:
+    body = {
+        "model": "claude-sonnet-4-5",
+        "max_tokens": 8,
+        "system": [{"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}}],
+        "messages": CLAUDE_CODE_MESSAGES,
+    }
+    status, answer = await post(call, "messages", body)
+    return status if status == 200 else answer
+
+
+system_in_messages_harness = harness(system_in_messages, timeout_s=60)
+
+
+def test_a_system_message_inside_messages_is_rendered_where_it_stands(tmp_path: Path, tokenizer: Any) -> None:
+    trajs, backend = run(
+        spec(tmp_path, "tests.gateway.test_tools:system_in_messages_harness"), tokenizer, [row()]
+    )
+    assert trajs[0].extra["harness"]["result"] == 200, trajs[0].extra["harness"]
+    expected = tokenizer.apply_chat_template(
+        [
+            {"role": "system", "content": "You are Claude Code."},
+            USER,
+            {"role": "system", "content": "Reminder: be brief."},
+        ],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+    )
+    assert backend.requests[0].prompt_ids == list(expected)
+
+
+def test_claude_codes_real_first_request_is_read() -> None:
+    """The request the real Claude Code 2.1.197 (npm) sent with its defaults (`claude -p`, captured; ids zeroed):
+    its mid-conversation system message, adaptive thinking, context management and cache fields are read,
+    not refused, and its 25 tools are function tools."""
+    import json
+
+    from fsm.gateway.anthropic_api import messages_call
+    from fsm.gateway.record import ends_on_observation
+
+    captured = json.loads(
+        (Path(__file__).parent.parent / "fixtures" / "claude_code_request.json").read_text()
+    )
+    body = captured["body"]
+    assert body["thinking"] == {"type": "adaptive"} and body["stream"] is True
+    call = messages_call(body)
+    assert [m["role"] for m in call.messages] == ["system", "user", "system"]
+    assert call.messages[1]["content"].endswith("Write hello.txt containing hi")
+    assert len(call.tools or []) == 25 and call.stream
+    ends_on_observation(call.messages)  # answered: the user's turn, then the system message
