@@ -483,6 +483,24 @@ def print_row(shape_name: str, router: str, r: dict[str, Any]) -> None:
     )
 
 
+def refusal(trace: str | None = None, shapes: Sequence[str] = (), routers: Sequence[str] = ()) -> str | None:
+    """Why `bench fleet` with these flags cannot start here, in one line that says what to do (None: it can);
+    checked before any server starts (`agentfsm bench fleet` prints it as its error)."""
+    known = [*OURS, *engine_routers([])]
+    unknown = [r for r in routers if r not in known]
+    if unknown:
+        return f"bench fleet: no router {unknown[0]!r}; the routers: {', '.join(known)}"
+    skewed = not trace and (not shapes or "skewed" in shapes)  # its keys are found by asking vllm-router
+    needs_theirs = skewed or not routers or any(r not in OURS for r in routers)
+    if needs_theirs and not (ROUTERS_VENV / "bin" / "vllm-router").exists():
+        ours = " ".join(f"--router {r}" for r in OURS)
+        return (
+            f"bench fleet: no routers virtualenv at {ROUTERS_VENV}; build it with `bash .ci/routers_env.sh` "
+            f"(or measure agentfsm's routers alone: --shape calculator {ours})"
+        )
+    return None
+
+
 def bench_fleet(
     servers: Sequence[str] = (),
     trace: str | None = None,
@@ -496,16 +514,9 @@ def bench_fleet(
     `servers` (vLLM serving the padded tiny model, started with `--scheduling-policy priority` and
     VLLM_SERVER_DEV_MODE=1, the model directory on this machine), or against `n_servers` launched here from
     $VLLM_VENV, or against `sim` modeled servers (bench/fleet_sim.py). Prints the table's rows as they come."""
-    known = [*OURS, *engine_routers([])]
-    unknown = [r for r in routers if r not in known]
-    if unknown:
-        raise ValueError(f"bench fleet: no router {unknown[0]!r}; the routers: {', '.join(known)}")
-    skewed = not trace and (not shapes or "skewed" in shapes)  # its keys are found by asking vllm-router
-    needs_theirs = skewed or not routers or any(r not in OURS for r in routers)
-    if needs_theirs and not (ROUTERS_VENV / "bin" / "vllm-router").exists():
-        raise RuntimeError(
-            f"bench fleet: no routers virtualenv at {ROUTERS_VENV}; build it with `bash .ci/routers_env.sh`"
-        )
+    problem = refusal(trace, shapes, routers)
+    if problem is not None:
+        raise ValueError(problem)
     print(
         "| shape | router | hit rate | tok/s | p50 ms | p99 ms | makespan s | max share | errors | moved |",
         file=sys.stderr,

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer
@@ -77,3 +81,27 @@ def test_each_repeat_draws_the_turn_counts_anew_for_every_router_alike():
     assert first == again  # one draw is the same traffic for every router of a repeat
     assert [c.session for c in first if c.turn == 0] == [c.session for c in other if c.turn == 0]
     assert first != other  # the same sessions, other turn counts: a fixed placement meets another split
+
+
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        ([], "build it with `bash .ci/routers_env.sh`"),
+        (["--router", "sglang cache_aware"], "no router 'sglang cache_aware'; the routers: agentfsm"),
+    ],
+)
+def test_bench_fleet_that_cannot_start_says_why_in_one_line(tmp_path, flags, says):
+    """The real command without the routers' virtualenv (issue 46 §4: a traceback): one line, before any server
+    starts."""
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(repo), "AGENTFSM_ROUTERS_VENV": str(tmp_path / "no-venv")}
+    done = subprocess.run(
+        [sys.executable, "-m", "fsm.cli.commands", "bench", "fleet", *flags],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and len(lines) == 1 and says in lines[0], done.stderr
+    assert lines[0].startswith("agentfsm: bench fleet: ") and not done.stdout

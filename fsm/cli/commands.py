@@ -576,6 +576,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             processes=args.processes or (),
         )
     elif what == "fleet":
+        if problem := bench.refusal(args.trace, args.shape or (), args.router or ()):
+            raise CLIError(problem)
         result = bench.bench_fleet(
             args.server or (),
             trace=args.trace,
