@@ -4,15 +4,19 @@ in `agentfsm show`, a run whose rows all fail for one cause names it on stderr i
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
+from rich.console import Console
 
 from backends.scripted import echo_backend
 from fsm.cli.commands import main
+from fsm.output.rundir import print_summary
 from tests.conftest import REPO, model_turn, scripted
 from tests.test_cli import _ThreadServer, run_argv
 
@@ -61,6 +65,12 @@ def test_the_readme_gateway_example_without_the_extra_says_why(tmp_path):
         f"No module named 'openai' (the harness needs the gateway extra: pip install 'agentfsm[gateway]'); "
         f"see agentfsm show {out} --failed"
     ), line
+    summary = json.loads((out / "summary.json").read_text())
+    table = io.StringIO()
+    print_summary(summary, Console(file=table, width=100))
+    assert summary["failed"] == 2 and re.search(r"failed rows\s*│\s*2\s*│", table.getvalue()), (
+        table.getvalue()
+    )
     for record in _records(out):  # the outputs are written all the same, each row with its harness's outcome
         assert record["termination_reason"] == "harness_failed"
         assert record["harness"]["outcome"] == "error"

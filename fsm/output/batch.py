@@ -34,6 +34,7 @@ from tensordict import TensorDict
 
 from fsm.data.rows import is_dataproto
 from fsm.output.metrics import model_tokens
+from fsm.output.record import harness_failure
 from fsm.run.trajectory import Trajectory
 from fsm.run.tree import row_nodes, tree_record
 
@@ -316,7 +317,10 @@ def summarize(trajs: Sequence[Trajectory]) -> dict[str, Any]:
     return {
         "trajectories": len(roots),
         "rows": len(trajs),
-        "failed": sum(t.failed for t in trajs),
+        # an engine error, or a gateway row whose harness failed (it ends `harness_failed`, no engine error)
+        "failed": sum(
+            t.failed or harness_failure({"harness": t.extra.get("harness")}) is not None for t in trajs
+        ),
         "dropped": sum(dropped(t) for t in trajs),  # failed rows left out of the batch (on_error: drop)
         "dropped_rows": [t.row_name for t in trajs if dropped(t)],
         "termination_reasons": dict(sorted(reasons.items(), key=lambda kv: -kv[1])),
