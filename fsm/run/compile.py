@@ -133,7 +133,8 @@ class _Compiler:
         edges = self._edges()
         actions = self._actions()
         tools = self._tools()
-        check_tree(spec, self.loaded.path if self.loaded else None, self.error)  # fsm/run/treecheck.py
+        built = None if self.static else set(tools.by_name)  # the names the model sees
+        check_tree(spec, self.loaded.path if self.loaded else None, self.error, built)  # fsm/run/treecheck.py
         for name, child in spec.children.items():
             schema = child.schema_
             if isinstance(schema, str):

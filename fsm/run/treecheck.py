@@ -44,8 +44,22 @@ def _load(path: Path) -> AgentSpec | None:
         return None
 
 
-def check_tree(spec: AgentSpec, path: Path | None, error: Report) -> None:
-    """Every tree check of `spec` (loaded from `path`, None when built in memory)."""
+def declared_tool_names(spec: AgentSpec) -> set[str]:
+    """The names `spec`'s tools go by, as far as is known without importing them (`validate --static`): `name:`,
+    an inline schema's, else for a schema inferred from the function its own name (`function: mod:calculator`)."""
+    names = set()
+    for t in spec.tools:
+        inline = t.schema_.get("function", {}).get("name") if isinstance(t.schema_, dict) else None
+        inferred = t.function.rpartition(":")[2] if t.function and t.schema_ is None else None
+        name = t.name or inline or inferred
+        if name:
+            names.add(name)
+    return names
+
+
+def check_tree(spec: AgentSpec, path: Path | None, error: Report, tool_names: set[str] | None = None) -> None:
+    """Every tree check of `spec` (loaded from `path`, None when built in memory); `tool_names`: its built tools'
+    names (default: `declared_tool_names`, what a static check knows)."""
     declared = set(spec.policies) or {"default"}
     generating = [(n, st) for n, st in spec.states.items() if st.action in GENERATING_ACTIONS or st.policy]
     named: dict[str, str] = {}
@@ -75,13 +89,17 @@ def check_tree(spec: AgentSpec, path: Path | None, error: Report) -> None:
             key=False,
         )
     used = ({spec.policy} if generating else set()) | set(named)
-    tool_names = {
-        t.name or (t.schema_.get("function", {}).get("name") if isinstance(t.schema_, dict) else None)
-        for t in spec.tools
-    }
+    if tool_names is None:
+        tool_names = declared_tool_names(spec)
     for name, child in spec.children.items():
         if name in tool_names:
-            error("duplicate", f"child machine {name!r} has the name of a tool", "children", name)
+            error(
+                "duplicate",
+                f"child machine {name!r} has the name of a tool: the model would see two tools named {name!r} "
+                "and a call could reach either; rename one (the tool's `name:` or the child's key)",
+                "children",
+                name,
+            )
         if child.policy is not None:
             if child.policy not in declared:
                 error(
