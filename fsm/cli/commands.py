@@ -133,8 +133,7 @@ def _out_dir(args: argparse.Namespace) -> Path:
 
 def _rows(args: argparse.Namespace, agent: CompiledAgent) -> list[dict[str, Any]]:
     if args.data:
-        rows = load_rows(args.data)
-        return rows[: args.num_prompts] if args.num_prompts is not None else rows
+        return load_rows(args.data, limit=args.num_prompts)  # the rows past them are never read
     if agent.spec.demo_data is None:
         raise CLIError(
             f"{args.spec}: no --data given and the spec declares no demo_data; pass --data FILE.jsonl"

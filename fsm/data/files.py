@@ -2,7 +2,10 @@
 
 A file that cannot be read as rows (missing, unknown type, a line that is not a JSON object, not UTF-8,
 nested past Python's recursion limit, or longer than MAX_LINE_BYTES) is refused, with every problem located
-as `path:line:col`; reading stops after MAX_PROBLEMS of them, so a binary file fails fast. A row that reads
+as `path:line:col`; reading stops after MAX_PROBLEMS of them, so a binary file fails fast. Asked for the first
+`limit` rows (`--num-prompts`), reading stops once they are read: the rest of a .jsonl file and the later row
+groups of a parquet file are never parsed, so four prompts of a million-row file cost what four rows do (lines
+past them are not checked either). A row that reads
 fine but cannot run (no prompt, messages of the wrong shape) is kept: the engine fails that row alone, with an
 `error: bad row` reason, so one bad row never stops a batch and none is silently dropped.
 """
@@ -18,6 +21,7 @@ from fsm.data.rows import normalize_record
 
 MAX_LINE_BYTES = 16 * 1024 * 1024  # one row: a long-context prompt, even inline images, fits
 MAX_PROBLEMS = 100
+PARQUET_BATCH = 4096  # rows converted to Python at a time
 
 
 class DataError(ValueError):
@@ -29,18 +33,21 @@ class DataError(ValueError):
         super().__init__("\n".join(shown))
 
 
-def load_rows(path: str | Path, *, prompt_key: str = "raw_prompt") -> list[dict[str, Any]]:
+def load_rows(
+    path: str | Path, *, prompt_key: str = "raw_prompt", limit: int | None = None
+) -> list[dict[str, Any]]:
     """Rows of a `.jsonl` (one JSON object per line) or `.parquet` file, normalised as every input is
-    (fsm/data/rows.py); the chat messages are read from `prompt_key`."""
+    (fsm/data/rows.py); the chat messages are read from `prompt_key`. `limit`: the first rows only, the rest
+    never read."""
     path = Path(path)
     if not path.is_file():
         raise DataError(
             [f"{path}: no such data file (give a .jsonl or .parquet file with a raw_prompt column)"]
         )
     if path.suffix == ".jsonl":
-        rows = _jsonl(path)
+        rows = _jsonl(path, limit)
     elif path.suffix == ".parquet":
-        rows = _parquet(path)
+        rows = _parquet(path, limit)
     else:
         raise DataError([f"{path}: unsupported file type {path.suffix!r}; use .jsonl or .parquet"])
     if not rows:
@@ -57,11 +64,13 @@ class SourcedRow(dict[str, Any]):
         self.source = source
 
 
-def _jsonl(path: Path) -> list[tuple[int | str, dict[str, Any]]]:
+def _jsonl(path: Path, limit: int | None) -> list[tuple[int | str, dict[str, Any]]]:
     rows: list[tuple[int | str, dict[str, Any]]] = []
     problems: list[str] = []
     with path.open("rb") as f:
         for lineno, raw in enumerate(_lines(f), 1):
+            if limit is not None and len(rows) >= limit:
+                break
             if len(problems) >= MAX_PROBLEMS:
                 problems.append(f"{path}:{lineno}: stopped reading after {MAX_PROBLEMS} problems")
                 break
@@ -122,14 +131,20 @@ def _lines(f: IO[bytes]) -> Iterator[bytes | None]:
             yield line
 
 
-def _parquet(path: Path) -> list[tuple[int | str, dict[str, Any]]]:
+def _parquet(path: Path, limit: int | None) -> list[tuple[int | str, dict[str, Any]]]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
         raise DataError(
             [f"{path}: reading parquet needs pyarrow (pip install 'agentfsm[parquet]')"]
         ) from None
+    rows: list[dict[str, Any]] = []
     try:
-        return [(f"row {k}", row) for k, row in enumerate(pq.read_table(path).to_pylist(), 1)]
+        with pq.ParquetFile(path) as f:  # batch by batch, within row groups: stops at `limit` rows
+            for batch in f.iter_batches(batch_size=min(limit or PARQUET_BATCH, PARQUET_BATCH)):
+                rows += batch.to_pylist()[: None if limit is None else limit - len(rows)]
+                if limit is not None and len(rows) >= limit:
+                    break
     except Exception as exc:  # pyarrow raises several types for corrupt files
         raise DataError([f"{path}: cannot read parquet: {exc}"]) from None
+    return [(f"row {k}", row) for k, row in enumerate(rows, 1)]
