@@ -115,3 +115,206 @@ def test_a_journal_cut_before_its_first_group_is_nothing_to_resume_and_a_new_run
     assert main(_argv("calculator", echo_url, out, "--num-prompts", "2")) == 0
     assert_consistent(out, 2)
     assert rebuild(records(out / JOURNAL)).ended == "completed"
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1 MiB tmpfs (where mount works: root), else None."""
+    import subprocess
+
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        yield None
+        return
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+@pytest.mark.parametrize("disk", ["tmpfs", "enospc"])
+def test_a_full_disk_stops_the_run_in_one_line_and_its_journal_stays_whole(
+    capsys, tmp_path, echo_url, small_disk, monkeypatch, disk
+):
+    """The disk fills mid-run (a real 1 MiB tmpfs filled up, or, where mount is not allowed, ENOSPC from every
+    write to the journal past 48 KiB): one line says so, the run stops, the journal stays whole up to its last
+    record, and once there is room `--resume` completes the run as an uninterrupted one."""
+    from tests.conftest import assert_same_batch_files
+
+    ref = tmp_path / "ref"
+    assert main(_argv("calculator", echo_url, ref, "--num-prompts", "16")) == 0
+    if disk == "tmpfs":
+        if small_disk is None:
+            pytest.skip("mount is not allowed here (the enospc case covers it)")
+        out = small_disk / "out"
+        out.mkdir()
+        free = os.statvfs(small_disk).f_bavail * os.statvfs(small_disk).f_frsize
+        (small_disk / "filler").write_bytes(b"x" * (free - 48 * 1024))
+    else:
+        out = tmp_path / "out"
+        pwrite, budget = os.pwrite, {"left": 48 * 1024}
+
+        def full(fd: int, data: bytes, at: int) -> int:
+            if os.readlink(f"/proc/self/fd/{fd}").endswith(JOURNAL):
+                budget["left"] -= len(data)
+                if budget["left"] < 0:
+                    raise OSError(28, os.strerror(28))
+            return pwrite(fd, data, at)
+
+        monkeypatch.setattr(os, "pwrite", full)
+    capsys.readouterr()
+    assert main(_argv("calculator", echo_url, out, "--num-prompts", "16", "--concurrency", "2")) != 0
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    assert err.count(f"{out / JOURNAL}: the journal cannot be written (No space left on device)") == 1, err
+    read = records(out / JOURNAL)  # whole: no damage mid-way, no torn record
+    assert read.torn is None
+    assert 0 < len(rebuild(read).done) < 16
+    if disk == "tmpfs":
+        (small_disk / "filler").unlink()
+    else:
+        monkeypatch.setattr(os, "pwrite", pwrite)
+    assert main(_resume(out, echo_url)) == 0, capsys.readouterr().err
+    assert_consistent(out, 16)
+    assert_same_batch_files(ref, out)
+
+
+def test_always_fsyncs_each_batch_off_the_event_loop_in_order(tmp_path, monkeypatch):
+    """`--journal-sync always`: every batch is fsynced, on the journal's own thread (the loop never waits on the
+    disk), after its write (an fsync covers what was written before it); `sync` is the barrier."""
+    import asyncio
+    import threading
+
+    from fsm.run.journal import Writer
+
+    fsync, seen = os.fsync, []
+
+    def watched(fd: int) -> None:
+        seen.append((threading.current_thread().name, os.fstat(fd).st_size))
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", watched)
+    writer = Writer(tmp_path / JOURNAL, "always")
+    written = []
+
+    async def run() -> str:
+        for k in range(20):
+            writer.append({"t": "step", "s": "x", "k": k})
+            await asyncio.sleep(0.01)  # one batch a loop turn
+            written.append(os.stat(tmp_path / JOURNAL).st_size)
+        return threading.current_thread().name
+
+    loop_thread = asyncio.run(run())
+    writer.close()
+    assert len(records(tmp_path / JOURNAL).records) == 20
+    on_loop = [size for name, size in seen if name == loop_thread]
+    assert on_loop == [written[-1]]  # only close's barrier, after the loop ended
+    synced = [size for name, size in seen if name == "agentfsm-journal-sync"]
+    # each batch's fsync came after its write (on a loaded machine, some batches share one)
+    assert len(synced) >= 5 and synced == sorted(synced)
+
+
+# --- hostile files where the journal should be (issue 50) ---------------------------------------------------
+
+
+def _cli(*args: str) -> tuple[int, str]:
+    """A real `agentfsm` process, bounded: a hang is a failure, not a stuck suite."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "fsm.cli.commands", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    return done.returncode, done.stderr
+
+
+def _one_line(code: int, err: str) -> str:
+    assert code != 0 and "Traceback" not in err, err
+    assert len(err.splitlines()) == 1, err
+    return err.strip()
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_a_fifo_or_a_directory_as_the_journal_is_refused_in_one_line_without_blocking(tmp_path, kind):
+    out = tmp_path / "out"
+    out.mkdir()
+    journal = out / JOURNAL
+    os.mkfifo(journal) if kind == "fifo" else journal.mkdir()
+    run = _one_line(*_cli(*_argv("calculator", "http://127.0.0.1:9", out, "--num-prompts", "1")))
+    assert run.endswith(f"{journal}: not a regular file; remove it"), run
+    replay = _one_line(*_cli("replay", str(out), "--row", "0"))
+    assert replay == f"agentfsm: {journal}: not a regular file; remove it", replay
+
+
+def test_a_sparse_20_gb_journal_is_refused_in_one_line_reading_a_bounded_record(capsys, tmp_path, echo_url):
+    """A real journal whose middle is 20 GB of holes: refused at the first record past the bound, in one line,
+    without reading the rest (was: MemoryError)."""
+    import resource
+
+    out = tmp_path / "out"
+    assert main(_argv("calculator", echo_url, out, "--num-prompts", "2")) == 0
+    data = (out / JOURNAL).read_bytes()
+    first = data.index(b"\n") + 1
+    with (out / JOURNAL).open("r+b") as f:
+        f.truncate(first)
+        f.truncate(20 << 30)  # a hole: the file reads 20 GB of zeros
+        f.seek(20 << 30)
+        f.write(data[first:])
+    code, err = _cli("run", "--resume", str(out), "--server", echo_url, "--tokenizer", str(ASSETS), "-q")
+    line = _one_line(code, err)
+    assert line == (
+        f"agentfsm: --resume: {out / JOURNAL}: record 2 is longer than 256 MiB, the bound of one record (damaged "
+        "or forged); the run cannot be resumed from it"
+    )
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    from fsm.run.journal import JournalError
+
+    with pytest.raises(JournalError, match="record 2 is longer than 256 MiB"):
+        rebuild(records(out / JOURNAL))
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 1 << 20  # KiB: under 1 GiB more
+
+
+def test_a_run_into_a_hard_linked_copy_never_writes_the_original_journal(capsys, tmp_path, echo_url):
+    """`cp -al runA runB`, then a new run into runB and a resume of an interrupted runB: runA's journal keeps
+    its bytes (was: the same inode, truncated and rewritten)."""
+    import shutil
+    import subprocess
+
+    calls: list[str] = []
+
+    def turn(session_id: str, n: int, prompt: list[int]) -> list[int]:
+        calls.append(session_id)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        return _padded_turn(session_id, n, prompt)
+
+    server = _ThreadServer(ScriptedBackend(turn, latency_s=0.02, model_name="echo"))
+    try:
+        for interrupted in (False, True):
+            a, b = tmp_path / f"runA{interrupted}", tmp_path / f"runB{interrupted}"
+            calls[:] = [] if interrupted else ["x"] * 10  # the SIGINT only in the interrupted run
+            code = main(_argv("calculator", server.url, a, "--num-prompts", "4", "--concurrency", "1"))
+            assert code == (130 if interrupted else 0)
+            subprocess.run(["cp", "-al", str(a), str(b)], check=True)
+            kept = (a / JOURNAL).read_bytes()
+            assert os.stat(a / JOURNAL).st_ino == os.stat(b / JOURNAL).st_ino
+            calls[:] = ["x"] * 10
+            if interrupted:
+                assert main(_resume(b, server.url)) == 0
+            else:
+                assert main(_argv("calculator", server.url, b, "--num-prompts", "4")) == 0
+            assert (a / JOURNAL).read_bytes() == kept
+            assert rebuild(records(b / JOURNAL)).ended == "completed"
+            assert_consistent(b, 4)
+            shutil.rmtree(b)
+    finally:
+        server.close()

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from fsm.cli.outcome import CLIError
-from fsm.run.journal import JOURNAL, JournalError, Rebuilt, rebuild, records
+from fsm.run.journal import JOURNAL, JournalError, Rebuilt, Scan, rebuild
 from fsm.run.signals import warn
 from fsm.run.trajectory import Trajectory
 
@@ -28,7 +28,7 @@ def _load(out: Path, spec: str | None, tokenizer: str | None) -> tuple[Rebuilt, 
     from fsm.run.snapshot import other_tokenizer
 
     try:
-        read = records(out / JOURNAL)
+        read = Scan(out / JOURNAL)  # streamed, each record bounded (fsm/run/journal.py)
         rebuilt = rebuild(read)
     except JournalError as exc:
         raise CLIError(str(exc)) from None

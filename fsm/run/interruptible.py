@@ -136,14 +136,14 @@ async def keep_rollout(
         )
     )
     with progress if progress is not None else contextlib.nullcontext(lambda ready, total: None) as update:
-        while not stop.is_set():
+        while not stop.is_set() and recorder.writer.failed is None:  # a journal the disk refuses: stop
             ready = engine.stream_stats.get("ready_groups", 0)
             update(ready, groups)
             if ready >= groups:
                 break
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 0.1)
-    interrupted = stop.is_set()
+    interrupted = stop.is_set() or recorder.writer.failed is not None
     if interrupted:
         taken = await _stop(engine, recorder)
     else:

@@ -36,6 +36,7 @@ import errno
 import json
 import os
 import stat
+import tempfile
 import threading
 import zlib
 from array import array
@@ -44,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fsm.run.signals import warn
 from fsm.run.snapshot import SnapshotError, _decode, _encode, decode_trajectory, encode_trajectory
 from fsm.run.trajectory import TRANSIENT, Metrics, TokenRuns, Trajectory
 from fsm.run.treejournal import node_mark, node_meta
@@ -109,22 +111,19 @@ def frame(record: Mapping[str, Any]) -> bytes:
 
 class Writer:
     """Appends records to the journal file: batched per loop turn (`append` from the loop schedules one
-    `flush`), fsynced per `sync` (see the module docstring). Owns its fsync thread; `close` stops it."""
+    `flush`), fsynced per `sync` (see the module docstring) on its own thread, never on the loop: with
+    "always" the thread fsyncs each batch as soon as it is written (in order: an fsync covers every write before
+    it), with "1s" at most a second later; `sync` is the barrier that waits. Owns that thread; `close` stops it.
+
+    A write the disk refuses (ENOSPC, EIO...) is said once in one line (`failed`): the journal is cut back to its
+    last whole batch and takes nothing more, so it stays whole (resumable once there is room) and the run that
+    owns it stops (fsm/run/interruptible.py) rather than making rows no journal holds."""
 
     def __init__(self, path: Path, sync: str = "1s", keep: int | None = None):
         if sync not in SYNCS:
             raise ValueError(f"journal sync must be one of {', '.join(SYNCS)}, not {sync!r}")
         self.path, self.sync_mode = Path(path), sync
-        flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
-        try:
-            self._fd = os.open(self.path, flags, 0o644)
-        except OSError as exc:
-            why = "a symbolic link" if exc.errno == errno.ELOOP else exc.strerror or str(exc)
-            raise JournalError(f"{self.path}: cannot write the journal ({why})") from None
-        if not stat.S_ISREG(os.fstat(self._fd).st_mode):
-            os.close(self._fd)
-            raise JournalError(f"{self.path}: not a regular file; remove it")
-        os.ftruncate(self._fd, keep or 0)  # a resume keeps what it read (a torn last record goes)
+        self._fd = self._open(keep or 0)
         self._at = keep or 0
         self._buf: list[bytes] = []
         self._lock = threading.Lock()
@@ -132,13 +131,62 @@ class Writer:
         self._dirty = threading.Event()
         self._closed = threading.Event()
         self.bytes = self.records = 0
+        self.failed: str | None = None  # one line: why the journal takes no more records
         self._thread: threading.Thread | None = None
-        if sync == "1s":
-            self._thread = threading.Thread(target=self._syncer, name="agentfsm-journal-sync", daemon=True)
+        if sync != "off":  # the thread's own descriptor: a close never pulls it from under an fsync
+            sync_fd = os.dup(self._fd)
+            self._thread = threading.Thread(
+                target=self._syncer, args=(sync_fd,), name="agentfsm-journal-sync", daemon=True
+            )
             self._thread.start()
 
+    def _open(self, keep: int) -> int:
+        """The journal file, ours alone, holding its first `keep` bytes (a resume keeps what it read; a torn last
+        record goes). A new run's journal is a new file: the one a finished run left there is unlinked, never
+        truncated, and a resumed one with other links (`cp -al runA runB`) is copied first, so that writing
+        here never changes another directory's journal through a shared inode."""
+        if not keep:
+            with contextlib.suppress(FileNotFoundError):
+                if stat.S_ISREG(os.lstat(self.path).st_mode):
+                    os.unlink(self.path)
+            return open_regular(self.path, os.O_WRONLY | os.O_CREAT)
+        fd = open_regular(self.path, os.O_RDWR)
+        try:
+            if os.fstat(fd).st_nlink > 1:
+                fd = self._own_copy(fd, keep)
+            os.ftruncate(fd, keep)
+        except OSError as exc:
+            os.close(fd)
+            raise JournalError(f"{self.path}: cannot write the journal ({exc.strerror or exc})") from None
+        return fd
+
+    def _own_copy(self, fd: int, keep: int) -> int:
+        """A copy of the first `keep` bytes of `fd` put in the journal's place (the other links keep the old
+        file); its descriptor, `fd` closed."""
+        copy, tmp = tempfile.mkstemp(prefix=".journal-", dir=self.path.parent)
+        try:
+            os.fchmod(copy, 0o644)
+            at = 0
+            while at < keep:
+                chunk = os.pread(fd, min(keep - at, 1 << 20), at)
+                if not chunk:
+                    break
+                at += os.write(copy, chunk)  # a regular file: written whole
+            os.fsync(copy)
+            os.replace(tmp, self.path)
+        except BaseException:
+            os.close(copy)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        os.close(fd)
+        return copy
+
     def append(self, record: Mapping[str, Any]) -> None:
-        """Queue one record; written at the end of this loop turn (at once outside a loop)."""
+        """Queue one record; written at the end of this loop turn (at once outside a loop); dropped once the
+        journal has `failed`."""
+        if self.failed is not None:
+            return
         line = frame(record)
         self.bytes += len(line)
         self.records += 1
@@ -154,43 +202,71 @@ class Writer:
         loop.call_soon(self.flush)
 
     def flush(self) -> None:
-        """Hand the queued records to the OS (one write); fsync too when `sync="always"`."""
+        """Hand the queued records to the OS (one write; the page cache: no wait for the disk), and wake the
+        fsync thread. A write that fails cuts the file back to the batch's start and fails the journal."""
         with self._lock:
             self._scheduled = False
-            if not self._buf or self._fd < 0:
+            if not self._buf or self._fd < 0 or self.failed is not None:
+                self._buf.clear()
                 return
             data = b"".join(self._buf)
             self._buf.clear()
-            view = memoryview(data)
-            while view:
-                n = os.pwrite(self._fd, view, self._at)
-                self._at += n
-                view = view[n:]
-            if self.sync_mode == "always":
-                os.fsync(self._fd)
-            else:
-                self._dirty.set()
+            view, start = memoryview(data), self._at
+            try:
+                while view:
+                    n = os.pwrite(self._fd, view, self._at)
+                    self._at += n
+                    view = view[n:]
+            except OSError as exc:
+                with contextlib.suppress(OSError):  # a part of a record would read as damage mid-journal
+                    os.ftruncate(self._fd, start)
+                self._at = start
+                self._fail(exc)
+                return
+        self._dirty.set()
+
+    def _fail(self, exc: OSError) -> None:
+        if self.failed is None:
+            self.failed = f"{self.path}: the journal cannot be written ({exc.strerror or exc})"
+            warn(
+                f"{self.failed}; the run stops here, its journal whole up to its last record (resume it "
+                "once the cause is gone)"
+            )
 
     def sync(self) -> None:
-        """Everything queued, on disk now (a signal's stop: flush the journal, pause, exit)."""
+        """Everything queued, on disk now (a signal's stop: flush the journal, pause, exit): the barrier."""
         self.flush()
         with self._lock:
-            if self._fd >= 0:
+            if self._fd >= 0 and self.failed is None:
                 os.fsync(self._fd)
 
-    def _syncer(self) -> None:
-        while not self._closed.wait(SYNC_EVERY_S):
-            if self._dirty.is_set():
-                self._dirty.clear()
-                with contextlib.suppress(OSError), self._lock:
-                    if self._fd >= 0:
-                        os.fsync(self._fd)
+    def _syncer(self, fd: int) -> None:
+        """The fsync thread: after each batch ("always") or at most every SYNC_EVERY_S ("1s")."""
+        wait = None if self.sync_mode == "always" else SYNC_EVERY_S
+        try:
+            while True:
+                if wait is None:
+                    self._dirty.wait()
+                elif self._closed.wait(wait):
+                    return
+                if self._closed.is_set():
+                    return
+                if self._dirty.is_set():
+                    self._dirty.clear()
+                    try:
+                        os.fsync(fd)
+                    except OSError as exc:
+                        self._fail(exc)
+                        return
+        finally:
+            os.close(fd)
 
     def close(self, sync: bool = True) -> None:
         """Flush, fsync (unless `sync` is False: a journal about to be removed) and close."""
         with contextlib.suppress(OSError):
             self.sync() if sync else self.flush()
         self._closed.set()
+        self._dirty.set()  # wakes an "always" thread to see it closed
         if self._thread is not None:
             self._thread.join(timeout=5)
         with self._lock:
