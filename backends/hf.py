@@ -128,6 +128,8 @@ class HFBackend(BaseBackend):
             torch.set_num_threads(torch_threads)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = to_dtype(dtype)
+        # where the weights came from (a directory or a hub id; None: the caller's module), which a resume checks
+        self.checkpoint: str | None = None if isinstance(model, torch.nn.Module) else os.fspath(model)
         if isinstance(model, torch.nn.Module):  # decoded as is: the caller's module (weights shared)
             self.dtype = dtype or next(model.parameters()).dtype
             self.model = model

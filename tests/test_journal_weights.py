@@ -1,6 +1,7 @@
 """A kept run in the continuous mode across a weight update, killed with -9, resumed from its journal
 (fsm/run/resume.py): the resumed rows keep the weight version of every token they had, and a resume onto
-servers that now serve another version is refused in one line unless the caller opts in (`other_weights`).
+servers that now serve another version is refused in one line unless the caller accepts changes
+(`accept_changes`; `other_weights` is its older name).
 
 The program updates the server's weights (version v0, then v0 + 1) after the first model turn, as a trainer does
 between steps; the kill lands once the journal holds tokens of version v0 + 1 and a model turn in flight. Over the
@@ -196,22 +197,26 @@ def test_a_resume_keeps_each_tokens_weight_version_and_refuses_other_weights(tmp
 
 
 def test_the_weights_check_names_the_journal_the_servers_and_both_versions():
-    """fsm/run/resume.py `check_weights`: the newest of the unfinished rows' last versions against the servers'."""
-    from fsm.run.resume import Loaded, check_weights
+    """fsm/run/resume.py `weights_change`: the newest of the unfinished rows' last versions against the servers'."""
+    from fsm.run.provenance import judge
+    from fsm.run.resume import Loaded, weights_change
 
     loaded = Loaded({}, 0, None, {}, 0, 2, 0, None, last_versions={"a-0-0": 3, "a-0-1": 2})
-    assert check_weights(loaded, "out/journal.log", 3, "server http://h:1", False) is None
-    with pytest.raises(JournalError) as refused:
-        check_weights(loaded, "out/journal.log", 5, "server http://h:1", False)
-    assert str(refused.value).startswith(
-        "out/journal.log: 2 unfinished trajectories were generated with weight version 3, but server http://h:1 "
-        "now serves weight version 5; update the servers back to version 3"
+    assert weights_change(loaded, 3, "server http://h:1") is None
+    change = weights_change(loaded, 5, "server http://h:1")
+    assert change is not None
+    with pytest.raises(JournalError) as refused:  # one mechanism, one form: fsm/run/provenance.py `judge`
+        judge("out/journal.log", [change], False)
+    assert str(refused.value) == (
+        "resume refused: out/journal.log: 2 unfinished trajectories were generated with weight version 3, but "
+        "server http://h:1 now serves weight version 5; update the servers back to version 3, or rerun with "
+        "--resume --accept-changes (RunDir(out, accept_changes=True)) to go on anyway"
     )
-    warned = check_weights(loaded, "out/journal.log", 5, "server http://h:1", True)
-    assert warned is not None and warned.endswith(
-        "going on with version 5 (other weights allowed): their next tokens carry it"
-    )
+    assert judge("out/journal.log", [change], True) == [
+        "2 unfinished trajectories were generated with weight version 3, but server http://h:1 now serves weight "
+        "version 5 (their next tokens carry version 5)"
+    ]
     none_made = Loaded(
         {}, 0, None, {}, 0, 2, 0, None, last_versions={}
     )  # no unfinished row has a model token yet
-    assert check_weights(none_made, "out/journal.log", 5, "server http://h:1", False) is None
+    assert weights_change(none_made, 5, "server http://h:1") is None

@@ -331,10 +331,13 @@ def command_line(commands: Mapping[str, Callable[[argparse.Namespace], int]]) ->
         "(which names the spec; another one is refused); the outputs go to DIR",
     )
     p.add_argument(
+        "--accept-changes",
         "--resume-other-weights",
+        dest="accept_changes",
         action="store_true",
-        help="with --resume: go on although the servers now serve another weight version than the unfinished "
-        "rows were generated with (refused otherwise); their next tokens carry the new version",
+        help="with --resume: go on although what makes the rows changed since the run started (the model's "
+        "weights, the servers' model or weight version, the code the spec names, --dtype, --device, "
+        "--check-tokens; refused otherwise), recording the changes in the journal",
     )
     p.add_argument(
         "--journal-sync",
@@ -516,6 +519,24 @@ def command_line(commands: Mapping[str, Callable[[argparse.Namespace], int]]) ->
     p = command("dev-server", "an SGLang-protocol server over the embedded model")
     p.add_argument("--model", metavar="DIR", help="model dir (default: the tiny calculator model)")
     p.add_argument("--scripted", action="store_true", help="a deterministic echo model, no weights")
+    p.add_argument(
+        "--scripted-tools",
+        action="store_true",
+        help="a scripted tool-calling model over --tokenizer, no weights: it writes a file with the harness's "
+        "own write tool, then finishes (docs/gateway.md, 'Real size')",
+    )
+    p.add_argument(
+        "--tokenizer", metavar="DIR", help="--scripted-tools: its tokenizer (default: the tiny model's)"
+    )
+    p.add_argument(
+        "--script", metavar="FILE", help="--scripted-tools: a JSON list of steps (backends/scripted.py)"
+    )
+    p.add_argument(
+        "--context-length",
+        type=int,
+        metavar="N",
+        help="the longest context served (default: the model's, or 4096)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=PORT, default=30000, help="port to listen on")
     p.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda if available)")

@@ -37,6 +37,7 @@ from fsm.cli.outcome import (
     every_row_failed,
     hold_signals,
     most_common_cause,
+    refuse_changed_code,
     resume_spec,
     to_stdout,
     token_check_failures,
@@ -91,6 +92,8 @@ def _check_run_flags(args: argparse.Namespace) -> None:
     launched = "sglang" if args.launch_sglang else "vllm" if args.launch_vllm else None
     if args.engine and launched and args.engine != launched:
         raise CLIError(f"--engine {args.engine} with --launch-{launched}: a fleet is one engine kind")
+    if getattr(args, "accept_changes", False) and getattr(args, "resume", None) is None:
+        raise CLIError("--accept-changes: it goes with --resume DIR (a new run has nothing to compare with)")
     if args.request_timeout is not None and not servers:
         raise CLIError(
             "--request-timeout: it times server requests; give --server URL, --launch-sglang MODEL or "
@@ -253,7 +256,7 @@ async def _rollout(
                 str(Path(args.spec).resolve()),
                 sync=getattr(args, "journal_sync", "1s"),
                 data=str(Path(args.data).resolve()) if getattr(args, "data", None) else None,
-                other_weights=getattr(args, "resume_other_weights", False),
+                accept_changes=getattr(args, "accept_changes", False),
             )
             kept = await keep_rollout(
                 engine,
@@ -351,6 +354,7 @@ def cmd_run(args: argparse.Namespace, rollout: Callable[..., Any] | None = None)
     from fsm.output.rundir import RunDirError, locked
     from fsm.run import snapshot as snap
     from fsm.run.journal import JOURNAL
+    from fsm.run.provenance import ResumeRefused
     from fsm.run.resume import load, refuse_unbegun
 
     term_is_ctrl_c()
@@ -381,6 +385,7 @@ def cmd_run(args: argparse.Namespace, rollout: Callable[..., Any] | None = None)
             raise CLIError(
                 f"--resume: {Path(args.resume) / JOURNAL}: the run there has {loaded.ended}: nothing to resume"
             )
+        refuse_changed_code(Path(args.resume) / JOURNAL, agent, loaded.made_by, args.accept_changes)
     rows = _rows(args, agent) if args.resume is None else None
     out = args.out = _out_dir(args)
     try:
@@ -390,6 +395,8 @@ def cmd_run(args: argparse.Namespace, rollout: Callable[..., Any] | None = None)
         raise Interrupted(str(exc)) from None
     except RunDirError as exc:
         raise CLIError(f"--out {exc}") from None
+    except ResumeRefused as exc:  # what made the rows changed: its own line (fsm/run/provenance.py)
+        raise CLIError(str(exc)) from None
     except snap.SnapshotError as exc:
         raise CLIError(f"--resume: {exc}") from None
 

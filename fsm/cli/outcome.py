@@ -70,6 +70,48 @@ def resume_spec(args: argparse.Namespace) -> None:
             )
         args.spec = named
     args.run_id = run_id
+    if (ignored := _flags_a_resume_ignores(args, ident)) is not None:
+        raise CLIError(f"resume refused: {path}: {ignored}")
+
+
+def refuse_changed_code(path: Path, agent: Any, made_by: dict[str, Any] | None, accept: bool) -> None:
+    """The code the spec names checked against the journal's before a model loads (the model and the engine's
+    options are checked once the engine has started: fsm/run/interruptible.py): CLIError `resume refused: ...`."""
+    from fsm.run.provenance import ResumeRefused, changes, code_digests, judge
+
+    if accept:
+        return
+    try:
+        judge(path, changes(made_by, {"code": code_digests(agent)}), False)
+    except ResumeRefused as exc:
+        raise CLIError(str(exc)) from None
+
+
+def _flags_a_resume_ignores(args: argparse.Namespace, ident: dict[str, Any]) -> str | None:
+    """A flag that shapes a new run's rows but not a resume's, given unlike the run's (the rows, their samples
+    and their sampling come from the journal): one line naming it, else None. The same command line with
+    --resume added passes."""
+    found = ident.get("sampling")
+    sampling: dict[str, Any] = found if isinstance(found, dict) else {}
+    params: dict[str, Any] = sampling["params"] if isinstance(sampling.get("params"), dict) else {}
+    data = args.data and str(Path(args.data).resolve())
+    groups = ident.get("groups") if isinstance(ident.get("groups"), int) else 0
+    # --num-prompts N of a --data file with fewer rows made fewer groups: only fewer than the run's is unlike it
+    fewer = args.num_prompts is not None and (not data or args.num_prompts < groups)
+    given = [
+        ("--temperature", args.temperature, params.get("temperature"), args.temperature is not None),
+        ("--seed", args.seed, sampling.get("seed"), args.seed != 0),  # 0: the flag's default
+        ("--n", args.n, ident.get("n"), args.n != 1),
+        ("--data", data, ident.get("data"), bool(data)),
+        ("--num-prompts", args.num_prompts, ident.get("groups"), fewer),
+    ]
+    for flag, ours, theirs, set_ in given:
+        if set_ and ours != theirs:
+            return (
+                f"{flag} {ours}, but the run's is {theirs} (a resume goes on with the run's own rows, samples and "
+                f"sampling); drop {flag}, or start a new run"
+            )
+    return None
 
 
 def hold_signals() -> None:

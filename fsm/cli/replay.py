@@ -85,6 +85,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         rows = sorted({t.index for t in rebuilt.trajs.values()})
         have = f"its rows are {rows[0]}..{rows[-1]}" if rows else "it has no trajectories"
         raise CLIError(f"{out / JOURNAL}: no row {args.row} in this run ({have})")
+    print_resumes(rebuilt)
     for sid, traj in sorted(chosen, key=lambda st: st[1].sample):
         done = sid in rebuilt.done
         print(
@@ -116,6 +117,17 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return 0
 
 
+def print_resumes(rebuilt: Rebuilt) -> None:
+    """Each resume that accepted changes in what made the rows (fsm/run/provenance.py), and how many
+    trajectories had finished before it: rows finished later were made after the change."""
+    for k, r in enumerate(rebuilt.resumes, start=1):
+        if r["accepted"]:
+            print(
+                f"resume {k} (after {r['finished_before']} trajectories finished) accepted changes: "
+                + "; ".join(map(str, r["accepted"]))
+            )
+
+
 def show_journal(out: Path, spec: str | None = None) -> Path:
     """A trajectories.jsonl of the journal's trajectories (finished or not), in a temporary file, for `show`."""
     from fsm.output.record import trajectory_record
@@ -127,6 +139,7 @@ def show_journal(out: Path, spec: str | None = None) -> Path:
     print(
         f"{out / JOURNAL}: {len(rebuilt.done)} trajectories finished, {running} in flight; the run: {ended}"
     )
+    print_resumes(rebuilt)
     f = tempfile.NamedTemporaryFile("w", suffix=".jsonl", prefix="agentfsm-journal-", delete=False)
     with f:
         for t in sorted(rebuilt.trajs.values(), key=lambda t: (t.index, t.sample)):

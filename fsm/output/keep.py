@@ -79,15 +79,18 @@ class RunDir:
         "1s"  # the journal's durability: "1s" (a power cut loses at most the last second), "always", "off"
     )
     data: str | None = None  # the data file, recorded in the journal
-    # a resume goes on although the servers now serve another weight version than the unfinished rows were
-    # generated with (their next tokens carry the new one); refused in one line otherwise (fsm/run/resume.py)
-    other_weights: bool = False
+    # a resume goes on although what makes the rows changed (the model's weights or the servers' model and weight
+    # version, the code the spec names, the engine's options: fsm/run/provenance.py), the changes recorded in
+    # the journal; refused in one line otherwise
+    accept_changes: bool = False
+    other_weights: bool = False  # the older name of accept_changes (it covered only the weight version)
     resumed: Any = field(default=None, init=False)  # after `resume`: what it found (fsm/run/resume.py Loaded)
 
     def __post_init__(self) -> None:
         self.out = Path(self.out)
         if self.sync not in SYNCS:
             raise ValueError(f"RunDir sync must be one of {', '.join(SYNCS)}, not {self.sync!r}")
+        self.accept_changes = self.accept_changes or self.other_weights
 
     @property
     def journal(self) -> Path:

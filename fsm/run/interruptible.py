@@ -23,7 +23,8 @@ from typing import Any, Protocol
 
 from fsm.run.context import Sampling
 from fsm.run.journal import Recorder, Writer
-from fsm.run.resume import Loaded, check_weights, identity, load, refuse_unbegun, served_by
+from fsm.run.provenance import changes, judge, made_by
+from fsm.run.resume import Loaded, identity, load, refuse_unbegun, served_by, weights_change
 from fsm.run.signals import Interrupts, say_now, warn
 from fsm.run.snapshot import SnapshotError, encode_sampling
 from fsm.run.trajectory import Trajectory
@@ -62,7 +63,7 @@ class Keeper(Protocol):
     spec: str | None  # the spec's path, stored for a resume that names none
     data: str | None  # the data file's path, recorded in the journal's identity
     sync: str  # the journal's durability (fsm/run/journal.py SYNCS)
-    other_weights: bool  # a resume goes on on other weights than the unfinished rows' (fsm/run/resume.py)
+    accept_changes: bool  # a resume goes on despite changes in what makes the rows (fsm/run/provenance.py)
 
     @property
     def journal(self) -> Path: ...
@@ -105,12 +106,14 @@ async def keep_rollout(
         meta = await engine.arestore(resumed.data)
         groups, expected = int(meta["groups"]), int(meta["rows_expected"])
     else:
+        made = await made_by(engine)  # before the journal exists: servers that cannot start leave none
         recorder = Recorder(Writer(path, keeper.sync))
         try:
             recorder.header(
                 identity(
                     engine.agent,
                     engine.codec,
+                    made_by=made,
                     run_id=keeper.run_id,
                     data=keeper.data,
                     sampling=encode_sampling(sampling),
@@ -167,14 +170,13 @@ async def _reopen(engine: Any, keeper: Keeper) -> tuple[Loaded, Recorder]:
     refuse_unbegun(loaded, path)
     if loaded.torn:
         warn(loaded.torn)
-    start = getattr(engine, "start", None)
-    if start is not None:  # the servers' weight version, which the unfinished rows must go on with
-        await start()
-    other = check_weights(
-        loaded, path, engine.weight_version, served_by(engine.backend), keeper.other_weights
-    )
-    if other is not None:
-        warn(other)
+    now = await made_by(engine)  # started: the servers' model and weight version, which the rows go on with
+    found = changes(loaded.made_by, now)
+    if (weights := weights_change(loaded, engine.weight_version, served_by(engine.backend))) is not None:
+        found.append(weights)
+    accepted = judge(path, found, keeper.accept_changes)
+    if accepted:
+        warn(f"{path}: going on with changes accepted (recorded in the journal): {'; '.join(accepted)}")
     say_now(
         f"agentfsm: resuming {path}: {loaded.finished} trajectories finished, {loaded.in_flight} go on from "
         f"their last state (the step in flight runs again), {loaded.restarted} start over"
@@ -187,6 +189,7 @@ async def _reopen(engine: Any, keeper: Keeper) -> tuple[Loaded, Recorder]:
     )
     recorder = Recorder(Writer(path, keeper.sync, keep=loaded.good_bytes), loaded.tool_results)
     try:
+        recorder.resumed(now, accepted)
         await engine.ajournal(recorder)
     except BaseException:
         recorder.writer.close()

@@ -11,7 +11,11 @@ loop turn that made them (a `kill -9` loses none of them), and an fsync runs on 
 (`"always"`) or never (`"off"`: the OS decides).
 
 The records (one JSON object each, `t` its kind):
-- `run`: the run's identity, first: format, agent, spec hash and path, tokenizer, data file, groups, rows.
+- `run`: the run's identity, first: format, agent, spec hash and path, tokenizer, data file, groups, rows, and
+  `made_by` (fsm/run/provenance.py: the model's weights or the servers' model, the code the spec names, the
+  engine's options).
+- `resume`: a resume began: what it runs on (`made_by`) and the changes from the last one it accepted
+  (`accepted`, lines; empty when nothing changed).
 - `group`: a group submitted: uid, sampling, its trajectories' session ids; a stale group run again
   (`take(stale="rerun")`) writes its uid again with `reruns`, and its new trajectories replace the old.
 - `traj`: one trajectory whole (fsm/run/snapshot.py's encoding, plus its version runs): when it is submitted,
@@ -418,6 +422,10 @@ class Recorder:
     def end(self, status: str) -> None:
         self.writer.append({"t": "end", "status": status})
 
+    def resumed(self, made_by: Mapping[str, Any], accepted: list[str]) -> None:
+        """A resume goes on: what it runs on, and the changes it accepted (fsm/run/provenance.py)."""
+        self.writer.append({"t": "resume", "made_by": dict(made_by), "accepted": accepted})
+
 
 def attempt_record(outcome: Mapping[str, Any]) -> dict[str, Any]:
     """What the journal keeps of a failed call: its error, the tool's runs and the start of its text."""
@@ -551,6 +559,8 @@ class Rebuilt:
     tool_results: dict[str, dict[str, Any]] = field(default_factory=dict)
     ended: str | None = None  # "completed": its files are written
     steps: int = 0
+    # its `resume` records, in order, each with `finished_before`: the trajectories finished before it
+    resumes: list[dict[str, Any]] = field(default_factory=list)
 
 
 def _whole(d: dict[str, Any]) -> Trajectory:
@@ -685,6 +695,10 @@ def _apply(out: Rebuilt, rec: dict[str, Any], where: str) -> None:
             out.tool_results[rec["k"]] = outcome
     elif kind == "end":
         out.ended = str(rec["status"])
+    elif kind == "resume":
+        if not isinstance(rec.get("made_by"), dict) or not isinstance(rec.get("accepted"), list):
+            raise JournalError(f"{where}: a resume record without made_by or accepted")
+        out.resumes.append({**rec, "finished_before": len(out.done)})
     elif kind == "run":
         raise JournalError(f"{where}: a second 'run' record (two runs in one journal)")
     else:

@@ -10,11 +10,15 @@ again: their groups come back ready. Trees resume node by node (fsm/run/treejour
 taken back as journaled, an unfinished one goes on from its last boundary; a tree with a node inside its
 interaction starts over from its root.
 
-Weights: every model token keeps the weight version that made it, in the journal as in the batch, and a resumed
-row keeps its tokens' versions. A row goes on only with the weights it was generated with: when the servers now
-serve another version than the unfinished rows' last tokens came from (an update between the kill and the
-resume), the resume is refused in one line (`check_weights`), unless the caller opts in (`other_weights`): then
-their next tokens carry the servers' version, as after an update in the continuous mode.
+What made the rows: the journal's `run` record holds `made_by` (fsm/run/provenance.py: the model's weights or
+the servers' model, the code the spec names, the engine's options), and every resume appends a `resume` record
+with what it runs on and the changes it accepted; a resume compares with the last of them. Weights: every model
+token keeps the weight version that made it, in the journal as in the batch, and a resumed row keeps its tokens'
+versions. A row goes on only with the weights it was generated with: when the servers now serve another version
+than the unfinished rows' last tokens came from (an update between the kill and the resume), that is a change
+too (`weights_change`). A change refuses the resume in one line, unless the caller accepts changes
+(`--accept-changes`, `RunDir(out, accept_changes=True)`): then their next tokens carry the servers' version, as
+after an update in the continuous mode, and the journal records what was accepted.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Any
 
 from fsm.run.agent import CompiledAgent
 from fsm.run.journal import FORMAT, JournalError, Read, Rebuilt, Scan, rebuild
+from fsm.run.provenance import Change
 from fsm.run.snapshot import FORMAT as SNAPSHOT_FORMAT
 from fsm.run.snapshot import _check, decode_sampling, encode_trajectory, other_tokenizer, tokenizer_id
 from fsm.run.trajectory import Trajectory
@@ -47,28 +52,25 @@ class Loaded:
     nodes_in_flight: int = 0  # tree nodes that go on from their last boundary
     last_versions: dict[str, int] = field(default_factory=dict)  # session -> the weight version of the last
     # model token of each trajectory that goes on (none for one without model tokens, or that starts over)
+    # what made the rows (fsm/run/provenance.py): the last resume's, else the run's; None in an older journal
+    made_by: dict[str, Any] | None = None
+    accepted: list[str] = field(default_factory=list)  # the changes earlier resumes accepted, in order
 
 
-def check_weights(
-    loaded: Loaded, path: str | Path, now: int, served_by: str, other_weights: bool
-) -> str | None:
+def weights_change(loaded: Loaded, now: int, served_by: str) -> Change | None:
     """None when the unfinished rows go on with the weights they were generated with (the newest version among
-    their last tokens, as the continuous mode serves them); else JournalError of one line naming the journal,
-    the servers and both versions, or, with `other_weights`, that line back (for a warning)."""
+    their last tokens, as the continuous mode serves them); else the change, naming the servers and both
+    versions (fsm/run/provenance.py `judge` refuses it, or records it accepted)."""
     if not loaded.last_versions:
         return None
     version = max(loaded.last_versions.values())
     if version == now:
         return None
-    line = (
-        f"{path}: {len(loaded.last_versions)} unfinished trajectories were generated with weight version "
-        f"{version}, but {served_by} now serves weight version {now}"
-    )
-    if other_weights:
-        return f"{line}; going on with version {now} (other weights allowed): their next tokens carry it"
-    raise JournalError(
-        f"{line}; update the servers back to version {version}, or resume with other weights "
-        f"(--resume-other-weights, RunDir(out, other_weights=True)): their next tokens then carry version {now}"
+    return Change(
+        f"{len(loaded.last_versions)} unfinished trajectories were generated with weight version {version}, but "
+        f"{served_by} now serves weight version {now}",
+        f"update the servers back to version {version}",
+        f"their next tokens carry version {now}",
     )
 
 
@@ -142,6 +144,9 @@ def load(path: str | Path, agent: CompiledAgent, codec: Any = None) -> Loaded:
     except Exception as exc:  # SnapshotError and the malformed kinds: one line naming the journal
         raise JournalError(f"{path}: {exc}") from None
     finished, in_flight, restarted, nodes_done, nodes_going = counts
+    last_made = rebuilt.resumes[-1] if rebuilt.resumes else ident
+    made_by = last_made.get("made_by")
+    accepted = [a for r in rebuilt.resumes for a in r.get("accepted") or [] if isinstance(a, str)]
     return Loaded(
         data,
         read.good_bytes,
@@ -154,6 +159,8 @@ def load(path: str | Path, agent: CompiledAgent, codec: Any = None) -> Loaded:
         nodes_done,
         nodes_going,
         last,
+        made_by if isinstance(made_by, dict) else None,
+        accepted,
     )
 
 
