@@ -318,3 +318,38 @@ def test_a_run_into_a_hard_linked_copy_never_writes_the_original_journal(capsys,
             shutil.rmtree(b)
     finally:
         server.close()
+
+
+def test_a_kill_while_the_outputs_are_written_leaves_no_staging_folder_after_the_resume(
+    capsys, tmp_path, echo_url
+):
+    """A real `agentfsm run` killed (-9) while its staging folder exists; `--resume` completes the run and
+    removes the folder (was: 23 MB left behind for good)."""
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "out"
+    args = _argv("calculator", echo_url, out, "--num-prompts", "32")
+    for _ in range(5):  # the window is a fraction of a second: on a loaded machine, the kill may miss it
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "fsm.cli.commands", *args],
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 300
+        while proc.poll() is None and time.monotonic() < deadline:
+            if out.is_dir() and any(p.name.startswith(".agentfsm-writing-") for p in out.iterdir()):
+                proc.kill()
+                break
+            time.sleep(0.001)
+        proc.wait(60)
+        if proc.returncode == -signal.SIGKILL:
+            break
+        for p in out.iterdir():  # it finished first: again, from nothing
+            p.unlink()
+    assert proc.returncode == -signal.SIGKILL, "five runs, none killed while writing"
+    assert any(p.name.startswith(".agentfsm-writing-") for p in out.iterdir())
+    assert main(_resume(out, echo_url)) == 0
+    assert_consistent(out, 32)  # the directory holds the run's files and nothing else

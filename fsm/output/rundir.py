@@ -119,12 +119,29 @@ def locked(out: Path) -> Iterator[None]:
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
         _HELD.add(out)
+        remove_leftovers(out)
         try:
             yield
         finally:
             _HELD.discard(out)
     finally:
         os.close(fd)
+
+
+LEFTOVERS = (".agentfsm-writing-*", ".journal-*")  # a killed run's temporaries (write_run's, Writer's copy)
+
+
+def remove_leftovers(out: Path) -> None:
+    """What a run killed while writing left in `out` (its outputs' staging directory, a journal's copy under
+    way): removed by the next holder of the directory's lock (`locked`), under which no other run writes there.
+    Only our own temporaries, by name; a link is removed, never followed."""
+    for pattern in LEFTOVERS:
+        for path in out.glob(pattern):
+            with contextlib.suppress(OSError):
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path)
+                else:
+                    path.unlink()
 
 
 def fallback_dir() -> Path:
