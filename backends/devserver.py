@@ -9,6 +9,8 @@ server keeps a prefix cache of what it has served (a radix tree bounded by an LR
     with scripted_servers(2) as urls: ...                      # scripted servers in subprocesses
     python -m backends.devserver --model DIR --port 30000      # the embedded transformers model
     python -m backends.devserver --scripted --port 30000       # a deterministic echo "model", no weights
+    python -m backends.devserver --scripted-tools --tokenizer DIR --context-length 65536
+                                                               # a scripted tool-calling model (ToolScript)
 
 Aborts on demand: a /generate carrying the header `X-Agentfsm-Fault: abort_waiting` is aborted in the waiting
 queue (SGLang's shape: no prompt_tokens, no cached_tokens); `abort_running[:K]` is aborted mid-generation
@@ -58,7 +60,7 @@ from backends.contract import (
     version_spans,
 )
 from backends.prefix_cache import PrefixCache
-from backends.scripted import HashLM, echo_backend
+from backends.scripted import HashLM, ToolScript, echo_backend, tool_script_backend
 
 log = logging.getLogger("agentfsm.devserver")
 
@@ -628,12 +630,38 @@ def serve_model(
     asyncio.run(_serve(backend, host, port, model_path=model_dir, **options))
 
 
+def _tool_script(tokenizer: str | None, script: str | None) -> ToolScript:
+    """The scripted tool-calling model over a real tokenizer (transformers is imported only here)."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    folder = tokenizer or str(Path(__file__).resolve().parent / "tiny" / "assets")
+    if not (
+        Path(folder) / "tokenizer_config.json"
+    ).is_file():  # never a name to fetch: this server is offline
+        raise ValueError(
+            f"--tokenizer {folder}: no tokenizer_config.json there (a tokenizer folder is needed)"
+        )
+    tok = AutoTokenizer.from_pretrained(folder)
+    return ToolScript.from_file(tok, script) if script else ToolScript(tok)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", "--model-path", dest="model", help="model directory (transformers format)")
     ap.add_argument("--scripted", action="store_true", help="serve the deterministic echo backend (no model)")
     ap.add_argument(
         "--hashlm", action="store_true", help="serve HashLM, the deterministic autoregressive toy"
+    )
+    ap.add_argument(
+        "--scripted-tools",
+        action="store_true",
+        help="serve a scripted tool-calling model over --tokenizer (backends/scripted.py: ToolScript)",
+    )
+    ap.add_argument("--tokenizer", help="scripted-tools: the tokenizer dir (default: the tiny model's)")
+    ap.add_argument(
+        "--script", help="scripted-tools: a JSON list of steps (default: write hello.txt, then finish)"
     )
     ap.add_argument("--vocab", type=int, default=1000, help="HashLM: vocabulary size")
     ap.add_argument("--stop-every", type=int, default=8, help="HashLM: mean tokens per turn")
@@ -655,6 +683,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.hashlm:
         model = HashLM(vocab=args.vocab, stop_every=args.stop_every, latency_s=args.latency)
         asyncio.run(_serve(model, args.host, args.port, **options))
+    elif args.scripted_tools:
+        try:
+            script = _tool_script(args.tokenizer, args.script)
+        except (
+            OSError,
+            ValueError,
+        ) as e:  # no such tokenizer or script, a script that is not a list of steps
+            raise SystemExit(f"dev server: --scripted-tools: {e}") from None
+        backend = tool_script_backend(script, latency_s=args.latency)
+        asyncio.run(_serve(backend, args.host, args.port, **options))
     elif args.scripted:
         asyncio.run(_serve(echo_backend(latency_s=args.latency), args.host, args.port, **options))
     elif args.model:
@@ -666,7 +704,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             **options,
         )
     else:
-        ap.error("give --model DIR, --scripted or --hashlm")
+        ap.error("give --model DIR, --scripted, --scripted-tools or --hashlm")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import os
+import re
 import socket
 import subprocess
 import sys
@@ -18,6 +21,7 @@ import time
 import urllib.request
 import zlib
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from backends.base import BackendUnavailable, BaseBackend, GenerateRequest, GenerateResult
 
@@ -170,6 +174,126 @@ class HashLM(BaseBackend):
             cached_tokens=0,
             server=self.model_name,
         )
+
+
+# -- a scripted tool-calling model over a real tokenizer ----------------------------------------------------
+
+# A harness's write-file tool, by the name it gives it: (path field, content field). Claude Code's `Write`,
+# qwen-code's and Gemini CLI's `write_file`, opencode's `write`.
+WRITE_TOOLS = {
+    "Write": ("file_path", "content"),
+    "write_file": ("file_path", "content"),
+    "write": ("filePath", "content"),
+}
+DEFAULT_TOOL_SCRIPT: list[dict[str, Any]] = [
+    {"write": {"path": "hello.txt", "content": "hi\n"}},
+    {"text": "Done."},
+]
+_WORKDIR = re.compile(r"[Ww]orking directory: (/[^\s<]+)")  # where a coding harness says it works
+
+
+def _step(step: Any) -> bool:
+    """Whether `step` is one of a tool script's three kinds."""
+    if not isinstance(step, dict) or len(step.keys() & {"write", "call", "text"}) != 1:
+        return False
+    if "write" in step:
+        return isinstance(step["write"], dict)
+    if "call" in step:
+        return isinstance(step["call"], str) and isinstance(step.get("arguments", {}), dict)
+    return isinstance(step["text"], str)
+
+
+class ToolScript:
+    """A scripted tool-calling model (a `TurnFn` for ScriptedBackend) whose turns are real text of a real tokenizer,
+    written in the tool-call format of its own chat template, so a gateway in front of it parses the calls and
+    a harness runs them. A real-size harness request (tens of thousands of tokens) is served on CPU at once.
+
+    The script is a list of steps; the k-th model turn of a conversation (k: the assistant turns its prompt
+    holds) takes step k (the last step once they run out):
+    - `{"write": {"path", "content"}}`: a call to the harness's own write-file tool (WRITE_TOOLS, the first of
+      them the prompt's tools name); a relative path is joined to the working directory the prompt states;
+    - `{"call": NAME, "arguments": {...}}`: a call to the tool NAME;
+    - `{"text": "..."}`: a plain answer, which ends a harness's loop.
+    A call to a tool the prompt does not offer (a title or summary request has no tools) is answered with the
+    script's last text instead.
+
+    Each turn is the template's own render of the assistant message (the render of a conversation with it,
+    less the render of the conversation before it with the generation prompt), tokenized with the tokenizer and
+    cut at the first stop token the request names (or the tokenizer's eos), as a model that writes exactly that
+    would have sampled it."""
+
+    def __init__(self, tokenizer: Any, steps: Sequence[dict[str, Any]] | None = None):
+        self.tokenizer = tokenizer
+        self.steps = list(steps or DEFAULT_TOOL_SCRIPT) if isinstance(steps, list | None) else []
+        if not self.steps or not all(map(_step, self.steps)):
+            raise ValueError(
+                'a tool script is a non-empty list of steps, each {"write": {"path", "content"}}, '
+                '{"call": NAME, "arguments": {...}} or {"text": TEXT}'
+            )
+        self.final = next((s["text"] for s in reversed(self.steps) if "text" in s), "Done.")
+        user = [{"role": "user", "content": "x"}]
+        bare = tokenizer.apply_chat_template(user, tokenize=False)
+        self._before = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
+        self.header = self._before[len(bare) :] if self._before.startswith(bare) else ""
+        if not self.header.strip():
+            raise ValueError(
+                "the tokenizer's chat template has no generation prompt: the scripted model cannot count turns"
+            )
+
+    @classmethod
+    def from_file(cls, tokenizer: Any, path: str) -> ToolScript:
+        with open(path, encoding="utf-8") as f:
+            return cls(tokenizer, json.load(f))
+
+    def _message(self, step: dict[str, Any], prompt: str) -> dict[str, Any]:
+        if "text" in step:
+            return {"role": "assistant", "content": str(step["text"])}
+        if "write" in step:
+            found = next((n for n in WRITE_TOOLS if re.search(rf'"name":\s*"{n}"', prompt)), None)
+            if found is None:
+                return {"role": "assistant", "content": self.final}
+            path, content = WRITE_TOOLS[found]
+            where = str(step["write"].get("path", "hello.txt"))
+            workdir = _WORKDIR.search(prompt)
+            if not os.path.isabs(where) and workdir is not None:
+                where = os.path.join(workdir.group(1), where)
+            name, arguments = found, {path: where, content: str(step["write"].get("content", ""))}
+        else:
+            name, arguments = str(step["call"]), dict(step.get("arguments") or {})
+            if not re.search(rf'"name":\s*"{re.escape(name)}"', prompt):
+                return {"role": "assistant", "content": self.final}
+        call = {"type": "function", "function": {"name": name, "arguments": arguments}}
+        return {"role": "assistant", "content": "", "tool_calls": [call]}
+
+    def turn_text(self, prompt: str) -> str:
+        """The text of the model's next turn after `prompt` (decoded, special tokens kept)."""
+        k = max(0, prompt.count(self.header.strip()) - 1)  # the assistant turns before this one
+        message = self._message(self.steps[min(k, len(self.steps) - 1)], prompt)
+        user = [{"role": "user", "content": "x"}]
+        full = self.tokenizer.apply_chat_template([*user, message], tokenize=False)
+        if not full.startswith(self._before):
+            raise ValueError(
+                "the chat template renders an assistant turn that does not follow its generation prompt"
+            )
+        return full[len(self._before) :]
+
+    def __call__(self, session_id: str, turn: int, prompt: list[int]) -> list[int]:
+        """The turn's ids, up to the tokenizer's eos (ScriptedBackend cuts at the request's own stops)."""
+        text = self.turn_text(self.tokenizer.decode(prompt, skip_special_tokens=False))
+        ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        eos = self.tokenizer.eos_token_id
+        return ids[: ids.index(eos) + 1] if eos in ids else ids
+
+
+def tool_script_backend(
+    script: ToolScript, *, latency_s: float = 0.0, context_length: int | None = None
+) -> ScriptedBackend:
+    """ScriptedBackend over a ToolScript: stops cut the turn as SGLang's do; a long-lived server keeps no requests."""
+    backend = ScriptedBackend(
+        script, latency_s=latency_s, model_name="scripted-tools", context_length=context_length
+    )
+    backend.record_requests = False
+    return backend
 
 
 # -- scripted servers in subprocesses ---------------------------------------------------------------

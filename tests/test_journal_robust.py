@@ -353,3 +353,80 @@ def test_a_kill_while_the_outputs_are_written_leaves_no_staging_folder_after_the
     assert any(p.name.startswith(".agentfsm-writing-") for p in out.iterdir())
     assert main(_resume(out, echo_url)) == 0
     assert_consistent(out, 32)  # the directory holds the run's files and nothing else
+
+
+# --- a trainer's taken groups --------------------------------------------------------------------------------
+
+TRAINER = """
+import asyncio, sys, zlib
+
+from backends.scripted import ScriptedBackend
+from fsm import RolloutEngine
+from fsm.run.journal import Recorder, Writer
+from fsm.run.resume import identity
+from specs.calculator import make_prompts
+
+
+def turn(session_id, n, prompt):
+    seed = zlib.crc32(b",".join(str(t).encode() for t in prompt))
+    return [10 + (seed + 7919 * k) % 500 for k in range(6)] + [2]
+
+
+async def main(path, tokenizer):
+    backend = ScriptedBackend(turn, latency_s=0.05)
+    async with RolloutEngine("calculator", tokenizer=tokenizer, backend=backend) as engine:
+        recorder = Recorder(Writer(path, "1s"))
+        recorder.header(identity(engine.agent, engine.codec, run_id="t", groups=4, rows_expected=8))
+        await engine.ajournal(recorder)
+        await engine.asubmit(make_prompts(4), n=2, sampling=engine.sampling({"temperature": 0.0}))
+        taken = await engine.atake_groups(2, timeout=120)
+        print(" ".join(g.uid for g in taken), flush=True)  # the trainer has them: killed from here on
+        await asyncio.sleep(600)
+
+
+asyncio.run(main(sys.argv[1], sys.argv[2]))
+"""
+
+
+def test_groups_a_trainer_took_are_not_handed_out_again_after_a_kill(tmp_path):
+    """A trainer takes 2 of 4 groups from a journaled continuous mode and is killed (-9); the resumed stream
+    hands out the other 2 only (was: all 4, the 2 trained on twice)."""
+    import asyncio
+    import subprocess
+    import sys
+
+    from fsm import RolloutEngine
+    from fsm.run.journal import Recorder, Writer
+    from fsm.run.resume import load
+
+    path = tmp_path / JOURNAL
+    program = subprocess.Popen(
+        [sys.executable, "-c", TRAINER, str(path), str(ASSETS)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    try:
+        line = program.stdout.readline()  # bounded by the program's own take timeout
+        assert line.strip(), "the trainer took nothing"
+        program.kill()
+        program.wait(60)
+    finally:
+        program.kill()
+    trained = set(line.split())
+    assert len(trained) == 2
+
+    async def resume() -> tuple[set[str], set[str]]:
+        async with RolloutEngine("calculator", str(ASSETS), backend=ScriptedBackend(_padded_turn)) as engine:
+            loaded = load(path, engine.agent, engine.codec)
+            recorder = Recorder(Writer(path, "off", keep=loaded.good_bytes), loaded.tool_results)
+            await engine.ajournal(recorder)
+            await engine.arestore(loaded.data)
+            again = await engine.atake_groups(4, timeout=120, exhausted_ok=True)
+            recorder.writer.close()
+        return {g["uid"] for g in loaded.data["groups"]}, {g.uid for g in again}
+
+    offered, again = asyncio.run(resume())
+    assert len(again) == 2 and not again & trained and offered == again
+    assert len(rebuild(records(path)).taken) == 4  # the trainer's 2, then the resumed stream's 2

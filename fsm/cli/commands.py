@@ -605,7 +605,15 @@ def cmd_dev_server(args: argparse.Namespace) -> int:
 
     port_free(args.host, args.port)  # before the model loads (tens of seconds), not after
     argv = ["--host", args.host, "--port", str(args.port)]
-    argv += ["--scripted"] if args.scripted else ["--model", args.model or _default_model()]
+    if args.scripted_tools:
+        argv += ["--scripted-tools"]
+        argv += [f"--{k}={v}" for k, v in (("tokenizer", args.tokenizer), ("script", args.script)) if v]
+    else:
+        argv += ["--scripted"] if args.scripted else ["--model", args.model or _default_model()]
+    if args.context_length is not None:
+        if args.context_length < 16:
+            raise CLIError(f"--context-length {args.context_length}: give at least 16 tokens")
+        argv += [f"--context-length={args.context_length}"]
     if not args.scripted:
         _quiet_transformers()
     argv += [f"--{k}={v}" for k, v in (("device", args.device), ("dtype", args.dtype)) if v]

@@ -107,7 +107,7 @@ async def keep_rollout(
         groups, expected = int(meta["groups"]), int(meta["rows_expected"])
     else:
         made = await made_by(engine)  # before the journal exists: servers that cannot start leave none
-        recorder = Recorder(Writer(path, keeper.sync))
+        recorder = Recorder(Writer(path, keeper.sync), takes=False)  # its rows are its files (`end`)
         try:
             recorder.header(
                 identity(
@@ -187,7 +187,7 @@ async def _reopen(engine: Any, keeper: Keeper) -> tuple[Loaded, Recorder]:
             else ""
         )
     )
-    recorder = Recorder(Writer(path, keeper.sync, keep=loaded.good_bytes), loaded.tool_results)
+    recorder = Recorder(Writer(path, keeper.sync, keep=loaded.good_bytes), loaded.tool_results, takes=False)
     try:
         recorder.resumed(now, accepted)
         await engine.ajournal(recorder)

@@ -29,6 +29,9 @@ The records (one JSON object each, `t` its kind):
 - `tool`: a side-effecting tool's call, as soon as it returns, keyed by its idempotency key: `o` its result when
   it succeeded (answered from the journal on resume, never run again), else `attempt` (error, runs, text): a
   failure is an attempt, never the call's result, so a retry or a resume runs the tool again.
+- `taken`: groups a consumer took from the continuous mode (a trainer's `take`), each by its first trajectory's
+  session id: a resume does not hand them out again. A kept run (fsm/run/interruptible.py) records none: its rows
+  are its files', written with `end`.
 - `end`: the run's files are written: nothing is left to resume.
 """
 
@@ -313,8 +316,15 @@ def _mark(traj: Trajectory) -> _Mark:
 class Recorder:
     """Turns trajectories into journal records: whole once, then the deltas of each state boundary."""
 
-    def __init__(self, writer: Writer, tool_results: Mapping[str, dict[str, Any]] | None = None):
+    def __init__(
+        self,
+        writer: Writer,
+        tool_results: Mapping[str, dict[str, Any]] | None = None,
+        takes: bool = True,
+    ):
+        """`takes`: record the groups a consumer takes (`taken`); False for a kept run, which takes its own."""
         self.writer = writer
+        self.takes = takes
         self._marks: dict[str, _Mark] = {}
         # side-effecting tools' results already journaled (a resumed run's): key -> CallOutcome fields
         self.tool_results: dict[str, dict[str, Any]] = dict(tool_results or {})
@@ -421,6 +431,12 @@ class Recorder:
 
     def end(self, status: str) -> None:
         self.writer.append({"t": "end", "status": status})
+
+    def taken(self, sessions: list[str]) -> None:
+        """Groups handed to a consumer (each by its first trajectory's session id): never handed out again."""
+        if self.takes and sessions:
+            self.writer.append({"t": "taken", "s": sessions})
+            self.writer.flush()  # in the OS before `take` returns: a kill -9 after it never hands them out twice
 
     def resumed(self, made_by: Mapping[str, Any], accepted: list[str]) -> None:
         """A resume goes on: what it runs on, and the changes it accepted (fsm/run/provenance.py)."""
@@ -559,6 +575,7 @@ class Rebuilt:
     tool_results: dict[str, dict[str, Any]] = field(default_factory=dict)
     ended: str | None = None  # "completed": its files are written
     steps: int = 0
+    taken: set[str] = field(default_factory=set)  # groups a consumer took, by their first session id
     # its `resume` records, in order, each with `finished_before`: the trajectories finished before it
     resumes: list[dict[str, Any]] = field(default_factory=list)
 
@@ -695,6 +712,11 @@ def _apply(out: Rebuilt, rec: dict[str, Any], where: str) -> None:
             out.tool_results[rec["k"]] = outcome
     elif kind == "end":
         out.ended = str(rec["status"])
+    elif kind == "taken":
+        sessions = rec["s"]
+        if not isinstance(sessions, list) or not all(s in out.trajs for s in sessions):
+            raise JournalError(f"{where}: a taken record of trajectories no record started")
+        out.taken.update(sessions)
     elif kind == "resume":
         if not isinstance(rec.get("made_by"), dict) or not isinstance(rec.get("accepted"), list):
             raise JournalError(f"{where}: a resume record without made_by or accepted")

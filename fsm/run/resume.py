@@ -182,6 +182,8 @@ def _snapshot_form(
     groups, finished, in_flight, restarted, nodes_done, nodes_going = [], 0, 0, 0, 0, 0
     last: dict[str, int] = {}
     for g in rebuilt.groups:
+        if g["members"] and g["members"][0] in rebuilt.taken:  # a consumer has it: not handed out again
+            continue
         members = []
         for sid in g["members"]:
             traj = rebuilt.trajs.get(sid)

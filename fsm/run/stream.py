@@ -301,9 +301,12 @@ class Stream(Owner):
             self.groups.news.clear()
             await self.groups.news.wait()
 
-        return await self.groups.take(
+        out = await self.groups.take(
             num_groups, max_staleness, stale, exhausted_ok, lambda: bool(self._running), wait
         )
+        if self.journal is not None:  # handed out: a resume does not hand them out again
+            self.journal.taken([g.trajectories[0].session_id for g in out if g.trajectories])
+        return out
 
     # -- snapshots ---------------------------------------------------------------------------------------------
 
