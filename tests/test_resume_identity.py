@@ -266,3 +266,24 @@ def test_an_http_run_killed_then_resumed_without_its_servers_is_refused(run, tmp
     finally:
         proc.terminate()
         proc.wait(20)
+
+
+def test_a_checkpoints_digest_reads_each_file_once_until_it_changes(tmp_path, monkeypatch):
+    """The sha256 of each weight file is cached by path, size and mtime (a 1 GiB file: 7.5 s on the loaded
+    2-core machine, then nothing); a file rewritten is read again, and files that are no weights are left out."""
+    from fsm.run import provenance
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "model.safetensors").write_bytes(b"a" * 1000)
+    (ckpt / "config.json").write_text("{}")
+    (ckpt / "README.md").write_text("not weights")
+    first = provenance.checkpoint_digest(ckpt)
+    read: list[str] = []
+    real = provenance.file_sha256
+    monkeypatch.setattr(provenance, "file_sha256", lambda p: read.append(p.name) or real(p))
+    (ckpt / "README.md").write_text("edited")
+    assert provenance.checkpoint_digest(ckpt) == first and read == []
+    (ckpt / "model.safetensors").write_bytes(b"b" * 1000)
+    assert provenance.checkpoint_digest(ckpt) != first and read == ["model.safetensors"]

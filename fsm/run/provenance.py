@@ -28,7 +28,6 @@ import re
 import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
@@ -137,31 +136,39 @@ def _refs(value: Any) -> Iterator[str]:
             yield from _refs(v)
 
 
-def code_digests(agent: CompiledAgent) -> dict[str, dict[str, str]]:
-    """module -> {"file", "sha256", "as"} for every module the spec names (by import path, or under
-    `imports:`), as compiled: the ones it imported. A module with no source file (built in) is left out."""
-    data = agent.spec.model_dump(by_alias=True, exclude_none=True)
-    found: dict[str, list[str]] = {}
-    for key, value in data.items():
-        role = _ROLES.get(key, key)
+def _named_modules(agent: CompiledAgent, whose: str, found: dict[str, list[str]], seen: set[int]) -> None:
+    """The modules `agent`'s spec names, each with its roles (`whose`: "" for the root, "child NAME's " for a
+    child machine's spec, read the same way), into `found`."""
+    seen.add(id(agent))
+    for key, value in agent.spec.model_dump(by_alias=True, exclude_none=True).items():
+        role = whose + _ROLES.get(key, key)
         for ref in _refs(value) if key != "imports" else value:
             module = ref.split(":", 1)[0] if is_import_path(ref) else ref if key == "imports" else None
             if module and _DOTTED.fullmatch(module) and role not in found.setdefault(module, []):
                 found[module].append(role)
+    for name in agent.spec.children:
+        child = agent.child_agent(name)
+        if id(child) not in seen:
+            _named_modules(child, f"child {name}'s ", found, seen)
+
+
+def code_digests(agent: CompiledAgent) -> dict[str, dict[str, str]]:
+    """module -> {"file", "sha256", "as"} for every module the spec names (by import path, or under
+    `imports:`), its child machines' specs included, as compiled: the ones it imported (nothing is imported
+    here). A module with no source file (built in) is left out. The file is read now: a process that imported a
+    module before it was edited is told apart by what is on disk, which is what a fresh process would run."""
+    found: dict[str, list[str]] = {}
+    _named_modules(agent, "", found, set())
     out = {}
     for module, roles in found.items():
-        loaded = sys.modules.get(module)
-        file = getattr(loaded, "__file__", None)
-        if file is None and loaded is None:  # named but not imported by this process: where it would be
-            with contextlib.suppress(ImportError, ValueError):
-                spec = find_spec(module)
-                file = spec.origin if spec is not None and spec.has_location else None
+        # compiling the spec imported every module it names; any other string (a prompt's "Note: ...") is none
+        file = getattr(sys.modules.get(module), "__file__", None)
         if file is None or not Path(file).is_file():
             continue
         out[module] = {
             "file": str(Path(file).resolve()),
             "sha256": file_sha256(Path(file)),
-            "as": " and ".join(roles),
+            "as": ", ".join(roles),
         }
     return out
 
@@ -263,7 +270,13 @@ def model_changes(before: Mapping[str, Any], now: Mapping[str, Any], whose: str 
         ]
     if now.get("kind") == "servers":
         out = []
-        if before.get("model") != now.get("model"):
+        unknown = (
+            "unknown",
+            "None",
+        )  # servers whose info could not be read at start: their name is not known
+        if before.get("model") != now.get("model") and not {before.get("model"), now.get("model")} & set(
+            unknown
+        ):
             out.append(
                 Change(
                     f"the servers{whose} serve model {now.get('model')!r}, but the run's rows were made by "
