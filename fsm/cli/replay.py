@@ -35,28 +35,99 @@ def _load(out: Path, spec: str | None, tokenizer: str | None) -> tuple[Rebuilt, 
     if read.torn:
         warn(read.torn)
     ident = rebuilt.identity
-    spec = spec or ident.get("spec")
-    if not isinstance(spec, str) or not Path(spec).is_file():
-        raise CLIError(f"{out / JOURNAL} names the spec {spec!r}, which is not there; pass --spec")
+    spec = spec or journal_spec(out / JOURNAL, ident.get("spec"), "pass --spec")
     agent = compile_spec(spec)
     if agent.hash != ident.get("spec_hash"):
         warn(f"{spec} changed since the run (spec hash {ident.get('spec_hash')}, now {agent.hash})")
     named = (ident.get("tokenizer") or {}).get("name")
-    tokenizer = tokenizer or named
-    if not tokenizer:
+    if not tokenizer and not named:
         raise CLIError(f"{out / JOURNAL} names no tokenizer; pass --tokenizer")
     try:
-        tok = load_tokenizer(tokenizer)
+        tok = load_tokenizer(tokenizer) if tokenizer else _local_tokenizer(str(named))
     except (OSError, ValueError) as exc:
+        if not tokenizer:  # the journal's: looked for on this machine only
+            raise CLIError(
+                f"{out / JOURNAL} names the tokenizer {named!r}, which is not on this machine (reading a run makes "
+                f"no request); pass --tokenizer {named} to download it, or --tokenizer DIR"
+            ) from None
         raise CLIError(f"--tokenizer {tokenizer}: cannot load it ({exc})") from None
+    tokenizer = tokenizer or named
     codec = agent_codec(agent, tok)
     if other_tokenizer(ident.get("tokenizer"), codec) is not None:
         warn(f"the tokenizer {tokenizer} is not the one the run used ({named}): the token check may differ")
+    _trees(out, rebuilt, agent)
     return rebuilt, agent, codec
 
 
+def journal_spec(journal: Path, named: Any, what_to_do: str) -> str:
+    """The spec a journal names, which compiling imports the code of: one inside the run directory is refused
+    (a run directory from elsewhere may ship a spec and its modules, and reading or resuming a run must not
+    run them); the user's own `--spec` (or `run SPEC --resume`) is never checked here: naming it asks for it."""
+    if not isinstance(named, str) or not Path(named).is_file():
+        raise CLIError(f"{journal} names the spec {named!r}, which is not there; {what_to_do}")
+    if Path(named).resolve().is_relative_to(journal.parent.resolve()):
+        raise CLIError(
+            f"{journal} names the spec {named}, inside the run directory: its code is not imported unless you "
+            f"name it yourself ({what_to_do}, if you trust it)"
+        )
+    return named
+
+
+def _local_tokenizer(name: str) -> Any:
+    """The tokenizer a journal names, from this machine only (a directory, or the Hugging Face cache): reading
+    a run makes no request, whatever HF_HUB_OFFLINE says."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(name, local_files_only=True)
+
+
+def _trees(out: Path, rebuilt: Rebuilt, agent: Any) -> None:
+    """Each tree's nodes put back in place as a resume would (fsm/run/treejournal.py `restore_tree`): a child
+    knows its own spec, a forked root its branches, so each is checked and scored as the run did it."""
+    from fsm.run.treejournal import Agents, restore_tree
+
+    by_root: dict[str, list[tuple[Trajectory, dict[str, Any], bool]]] = {}
+    for sid, m in rebuilt.nodes.items():
+        root, _, path = sid.partition(":")
+        if path and sid in rebuilt.trajs:
+            by_root.setdefault(root, []).append((rebuilt.trajs[sid], m, sid in rebuilt.done))
+    agents = Agents()
+    for root, entries in by_root.items():
+        if root not in rebuilt.trajs:
+            raise CLIError(f"{out / JOURNAL}: tree nodes of {root!r}, a trajectory it does not hold")
+        try:
+            restore_tree(
+                rebuilt.trajs[root],
+                rebuilt.nodes.get(root),
+                entries,
+                agent,
+                agents.child,
+                root in rebuilt.done,
+            )
+        except (KeyError, ValueError, TypeError) as exc:
+            raise CLIError(f"{out / JOURNAL}: the tree of {root!r} does not fit together ({exc!r})") from None
+
+
+def _order(traj: Trajectory) -> tuple[int, int, tuple[int, ...]]:
+    """Rows in the run's order: by row and sample, each tree in preorder (the root first)."""
+    path = traj.node.node if traj.node is not None else "0"
+    return traj.index, traj.sample, tuple(int(p) for p in path.split("."))
+
+
+def _recompute(rebuilt: Rebuilt, agent: Any, codec: Any, traj: Trajectory) -> float | None:
+    """The reward of `traj` by the spec's reward function as it is now, as the run gives it (Runner._finish): a
+    forked node's is its branches' mean, a child's its tree's (the root's), any other row's its own."""
+    node = traj.node
+    if node is not None and node.forked:
+        scores = [s for b in node.nodes if (s := _recompute(rebuilt, agent, codec, b)) is not None]
+        return sum(scores) / len(scores) if scores else None
+    if node is not None and node.kind == "child":
+        return _recompute(rebuilt, agent, codec, rebuilt.trajs[node.tree])
+    return _rescore(node.agent if node is not None else agent, codec, traj)
+
+
 def _rescore(agent: Any, codec: Any, traj: Trajectory) -> float | None:
-    """The reward of `traj` by the spec's reward function as it is now (its recorded reward is left alone)."""
+    """The reward of `traj` by `agent`'s reward function as it is now (its recorded reward is left alone)."""
     from fsm.run.runtime import Runner
 
     if agent.reward is None:
@@ -73,6 +144,7 @@ def _rescore(agent: Any, codec: Any, traj: Trajectory) -> float | None:
 
 def cmd_replay(args: argparse.Namespace) -> int:
     from fsm.run.policy import check_segments
+    from fsm.run.runtime import RewardError, agent_codec
 
     out = Path(args.run_dir)
     rebuilt, agent, codec = _load(out, args.spec, args.tokenizer)
@@ -86,12 +158,17 @@ def cmd_replay(args: argparse.Namespace) -> int:
         have = f"its rows are {rows[0]}..{rows[-1]}" if rows else "it has no trajectories"
         raise CLIError(f"{out / JOURNAL}: no row {args.row} in this run ({have})")
     print_resumes(rebuilt)
-    for sid, traj in sorted(chosen, key=lambda st: st[1].sample):
+    for sid, traj in sorted(chosen, key=lambda st: _order(st[1])):
         done = sid in rebuilt.done
+        node, where = traj.node, ""
+        if node is not None:  # its place in its tree, its own spec
+            origin = f" {node.origin}" if node.kind == "child" else ""
+            where = f" node {node.node} ({node.kind}{origin}, policy {node.policy})"
         print(
-            f"== row {traj.index} sample {traj.sample} ({sid}): {'finished' if done else 'in flight'}, "
+            f"== row {traj.index} sample {traj.sample}{where} ({sid}): {'finished' if done else 'in flight'}, "
             f"{traj.termination_reason or 'in ' + traj.state}"
         )
+        own = node.agent if node is not None else agent
         for m in traj.messages:
             content = m.get("content")
             text = content if isinstance(content, str) else json.dumps(content, ensure_ascii=False)
@@ -107,11 +184,16 @@ def cmd_replay(args: argparse.Namespace) -> int:
         if traj.failed or not traj.prompt_ids:
             print("token check: none (no tokens to check)")
         else:
-            differ = check_segments(codec, traj, agent.spec.context.policy == "template")
+            own_codec = codec if own is agent else agent_codec(own, codec.tokenizer)
+            differ = check_segments(own_codec, traj, own.spec.context.policy == "template")
             print(f"token check: {'exact' if differ is None else differ}")
-        if agent.reward is not None and (done or traj.prompt_ids):
-            now = _rescore(agent, codec, traj)
+        if agent.reward is not None and (done or traj.prompt_ids or (node is not None and node.forked)):
             was = traj.reward_score
+            try:
+                now = _recompute(rebuilt, agent, codec, traj)
+            except RewardError as exc:
+                print(f"reward: recorded {was}, not recomputed: {exc}")
+                continue
             diff = "" if was is None or now is None else f" (difference {now - was:+g})"
             print(f"reward: recorded {was}, recomputed {now}{diff}")
     return 0
@@ -142,7 +224,7 @@ def show_journal(out: Path, spec: str | None = None) -> Path:
     print_resumes(rebuilt)
     f = tempfile.NamedTemporaryFile("w", suffix=".jsonl", prefix="agentfsm-journal-", delete=False)
     with f:
-        for t in sorted(rebuilt.trajs.values(), key=lambda t: (t.index, t.sample)):
+        for t in sorted(rebuilt.trajs.values(), key=_order):
             if t.termination_reason is None:
                 t.termination_reason = f"in flight: {t.state}"
             f.write(json_text(trajectory_record(t, codec), ensure_ascii=False) + "\n")
