@@ -140,7 +140,8 @@ class RowInputs:
     tool_selection: list[str] | None  # verl's extra_info.tool_selection: the tools active for this row
 
 
-def _describe(value: Any) -> str:
+def describe(value: Any) -> str:
+    """A value in a message: its type and the start of its repr."""
     text = repr(value)
     return f"{type(value).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"
 
@@ -152,22 +153,22 @@ def check_prompt(row: Mapping[str, Any]) -> None:
     if messages is None:
         return
     if not isinstance(messages, list) or not messages:
-        raise RowError(f"'raw_prompt' must be a non-empty list of chat messages, got {_describe(messages)}")
+        raise RowError(f"'raw_prompt' must be a non-empty list of chat messages, got {describe(messages)}")
     for k, message in enumerate(messages):
         if not isinstance(message, Mapping):
             raise RowError(
                 f"'raw_prompt[{k}]' must be a chat message (a mapping with role and content), got "
-                f"{_describe(message)}"
+                f"{describe(message)}"
             )
         if not isinstance(message.get("role"), str):
-            raise RowError(f"'raw_prompt[{k}].role' must be a string, got {_describe(message.get('role'))}")
+            raise RowError(f"'raw_prompt[{k}].role' must be a string, got {describe(message.get('role'))}")
         content = message.get("content")
         parts = isinstance(content, (list, tuple, np.ndarray)) and all(
             isinstance(p, Mapping) for p in content
         )
         if not (content is None or isinstance(content, str) or parts):
             raise RowError(
-                f"'raw_prompt[{k}].content' must be text or a list of content parts, got {_describe(content)}"
+                f"'raw_prompt[{k}].content' must be text or a list of content parts, got {describe(content)}"
             )
 
 
@@ -176,7 +177,7 @@ def row_inputs(row: Mapping[str, Any]) -> RowInputs:
     check_prompt(row)
     extra = row.get("extra_info")
     if extra is not None and not isinstance(extra, Mapping):
-        raise RowError(f"'extra_info' must be a mapping, got {_describe(extra)}")
+        raise RowError(f"'extra_info' must be a mapping, got {describe(extra)}")
     extra = extra or {}
     tools_kwargs = row.get("tools_kwargs") or extra.get("tools_kwargs") or {}
     if not isinstance(tools_kwargs, Mapping) or not all(
@@ -184,20 +185,18 @@ def row_inputs(row: Mapping[str, Any]) -> RowInputs:
     ):
         raise RowError(
             f"'tools_kwargs' must map tool names to mappings (create_kwargs, ...), got "
-            f"{_describe(tools_kwargs)}"
+            f"{describe(tools_kwargs)}"
         )
     kwargs = row.get("interaction_kwargs", extra.get("interaction_kwargs"))
     if kwargs is not None and not isinstance(kwargs, Mapping):
-        raise RowError(f"'interaction_kwargs' must be a mapping, got {_describe(kwargs)}")
+        raise RowError(f"'interaction_kwargs' must be a mapping, got {describe(kwargs)}")
     selection = extra.get("tool_selection")
     if isinstance(selection, np.ndarray):
         selection = selection.tolist()
     if selection is not None and (
         not isinstance(selection, (list, tuple)) or not all(isinstance(n, str) for n in selection)
     ):
-        raise RowError(
-            f"'extra_info.tool_selection' must be a list of tool names, got {_describe(selection)}"
-        )
+        raise RowError(f"'extra_info.tool_selection' must be a list of tool names, got {describe(selection)}")
     return RowInputs(
         tools_kwargs=dict(tools_kwargs),
         interaction_kwargs=dict(kwargs) if kwargs is not None else None,
@@ -211,6 +210,6 @@ def prompt_messages(row: Mapping[str, Any], which: str = "bad row") -> list[dict
     if not isinstance(messages, list) or not messages or not all(isinstance(m, Mapping) for m in messages):
         raise RowError(
             f"{which}: 'raw_prompt' must be a non-empty list of chat messages, got "
-            f"{'nothing' if messages is None else _describe(messages)}"
+            f"{'nothing' if messages is None else describe(messages)}"
         )
     return [dict(m) for m in messages]

@@ -15,7 +15,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from fsm.data.rows import RowError
+from fsm.data.rows import RowError, describe
 from fsm.families.codec import UnknownRole
 from fsm.run.actions import _resumed_turn  # the one model-turn path (resumes, pause gate, versions)
 from fsm.run.context import RunContext
@@ -89,7 +89,14 @@ def make_rewrite(name: str, spec: RewriteSpec, fn: Any = None) -> Action:
                     f"a rewrite prompt of {chars} characters, more than prompt_length {limit} tokens hold",
                 )
             elif new != traj.messages:
-                _restart(ctx, traj, new, "rewrite")
+                try:
+                    _restart(ctx, traj, new, "rewrite")
+                except RowError:
+                    raise
+                except Exception as exc:  # a shape _check lets through that the template cannot take
+                    raise RowError(
+                        f"{where}: the chat template cannot render what it returned: {type(exc).__name__}: {exc}"
+                    ) from None
 
         function_action.__name__ = name
         return function_action
@@ -163,8 +170,10 @@ def _caller(name: str, spec: RewriteSpec, fn: Any) -> Callable[[list, float | No
 
 
 def _check(new: Any, where: str) -> int:
-    """A non-empty list of at most MAX_MESSAGES chat messages holding at most MAX_CHARS of text, checked before
-    anything walks or renders it; the characters it holds."""
+    """A non-empty list of at most MAX_MESSAGES chat messages of JSON values holding at most MAX_CHARS characters in
+    all (tool calls' arguments too: 20 MB of them once rendered into a 5.9 GB abort), nested at most MAX_DEPTH
+    deep, whose content is text or content parts with text: checked before anything walks or renders it (a part
+    whose text was a list was a raw TypeError in the template). The characters it holds."""
     if not isinstance(new, list) or not new:
         raise RowError(f"{where}: must return a non-empty list of chat messages, got {type(new).__name__}")
     if len(new) > MAX_MESSAGES:
@@ -176,16 +185,51 @@ def _check(new: Any, where: str) -> int:
                 f"{where}: must return a non-empty list of chat messages; message {k} is "
                 f"{type(m).__name__ if not isinstance(m, dict) else 'a mapping without a role string'}"
             )
-        for value in m.values():
-            if isinstance(value, str):
-                chars += len(value)
-            elif isinstance(value, list):
-                chars += sum(
-                    len(p["text"]) for p in value if isinstance(p, dict) and isinstance(p.get("text"), str)
-                )
-        if chars > MAX_CHARS:
-            raise RowError(f"{where}: returned more than {MAX_CHARS} characters of messages (at message {k})")
+        chars += _size(m, MAX_CHARS - chars, where, k)
+        content = m.get("content")
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or not isinstance(part.get("text", ""), str):
+                    raise RowError(
+                        f"{where}: message {k}'s content part {j} must be a mapping whose text is a string, "
+                        f"got {describe(part)}"
+                    )
+        elif not (content is None or isinstance(content, str)):
+            raise RowError(
+                f"{where}: message {k}'s content must be text or content parts, got {describe(content)}"
+            )
     return chars
+
+
+MAX_DEPTH = 32  # levels of nesting in a returned message (a tool call's arguments are a few)
+
+
+def _size(value: Any, budget: int, where: str, k: int) -> int:
+    """The characters of message `k`'s strings and keys, each other item counted as one; RowError once they pass
+    `budget` (the walk stops there), for a value nested past MAX_DEPTH, or for one that is not JSON."""
+    size, stack = 0, [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise RowError(f"{where}: message {k} is nested deeper than {MAX_DEPTH} levels")
+        if item is None or isinstance(item, (bool, int, float)):
+            size += 1
+        elif isinstance(item, str):
+            size += len(item)
+        elif isinstance(item, (dict, list, tuple)):
+            size += 1 + len(item) + sum(len(key) for key in item if isinstance(key, str))
+        else:
+            raise RowError(f"{where}: message {k} holds a {type(item).__name__}, which is not a JSON value")
+        if size > budget:  # before a container's items are stacked: a list of 10^7 costs nothing
+            raise RowError(f"{where}: returned more than {MAX_CHARS} characters of messages (at message {k})")
+        if isinstance(item, dict):
+            for key, sub in item.items():
+                if not isinstance(key, str):
+                    raise RowError(f"{where}: message {k} has a key that is not a string: {describe(key)}")
+                stack.append((sub, depth + 1))
+        elif isinstance(item, (list, tuple)):
+            stack.extend((sub, depth + 1) for sub in item)
+    return size
 
 
 def rewrite_loops(states: dict[str, Any], rewrites: dict[str, RewriteSpec]) -> list[list[str]]:
