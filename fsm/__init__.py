@@ -44,6 +44,7 @@ _EXPORTS = {
     "BaseTool": "fsm.tools.base",
     "ToolResponse": "fsm.tools.base",
     "heartbeat": "fsm.tools.base",
+    "idempotency_key": "fsm.tools.base",
     "ToolCall": "fsm.families.parsers",
     "register_parser": "fsm.families.parsers",
     "Trajectory": "fsm.run.trajectory",
@@ -83,6 +84,7 @@ __all__ = [  # the documented surface (the module docstring); the rest of _EXPOR
     "compile_spec",
     "guard",
     "heartbeat",
+    "idempotency_key",
     "load_batch",
     "load_rows",
     "load_spec",
@@ -133,4 +135,4 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from fsm.spec.loader import Diagnostic, SpecError, load_spec
     from fsm.spec.model import AgentSpec as AgentSpec
     from fsm.spec.registry import action, guard
-    from fsm.tools.base import BaseTool, ToolResponse, heartbeat
+    from fsm.tools.base import BaseTool, ToolResponse, heartbeat, idempotency_key

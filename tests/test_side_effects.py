@@ -12,15 +12,19 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+import fsm
 from backends.scripted import ScriptedBackend
 from fsm.run.journal import JOURNAL, rebuild, records
-from tests.conftest import ASSETS, REPO, model_turn, tool_turn
+from tests.conftest import ASSETS, REPO, model_turn, run_agent, scripted, tool_turn, user_row
+from tests.fixtures import effects
 from tests.test_cli import _ThreadServer
 from tests.test_run_interrupts import ENV
 
@@ -141,3 +145,76 @@ def test_a_state_retry_runs_a_failed_side_effecting_call_again_in_a_journaled_ru
             assert r["attempt"]["error"] == "exception" and "sandbox down" in r["attempt"]["text"]
     rebuilt = rebuild(records(out / JOURNAL))
     assert sorted(o["text"] for o in rebuilt.tool_results.values()) == [f"ok {i} + {i}" for i in range(ROWS)]
+
+
+KILLS = 3
+
+
+def _lines(path: Path, kind: str) -> list[list[str]]:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return []
+    return [line.split(" ", 2)[1:] for line in text.splitlines() if line.startswith(kind + " ")]
+
+
+def test_a_tool_that_dedups_by_its_key_has_each_effect_once_over_repeated_kill_9s(tmp_path, server, tok):
+    """A real `agentfsm run` is SIGKILLed three times, each time between a call's effect and the journal's
+    record of its result (the tool sleeps 1 s after its effect), and resumed until it completes. Each killed
+    call runs again (at least once: 2 runs of its key), and the tool, which dedups by the key it is given, has
+    made each effect exactly once."""
+    effects = tmp_path / "effects.txt"
+    env = {**ENV, "AGENTFSM_EFFECTS": str(effects), "AGENTFSM_EFFECT_DELAY_S": "1"}
+    out = tmp_path / "out"
+    spec, data = _spec(tmp_path, "deduped"), _data(tmp_path)
+    argv = _argv(spec, data, server, out, "--concurrency", "1")
+    resume = [*argv[:4], "--resume", str(out), *argv[7:]]  # no spec, no --data: the journal names them
+    kills = 0
+    while True:
+        proc = subprocess.Popen(argv, env=env, cwd=REPO, stderr=subprocess.PIPE, text=True)
+        made = len(_lines(effects, "effect"))
+        deadline = time.monotonic() + 300
+        killed = False
+        while kills < KILLS and proc.poll() is None and time.monotonic() < deadline:
+            if len(_lines(effects, "effect")) > made:  # an effect made; its result is not journaled for 1 s
+                proc.send_signal(signal.SIGKILL)
+                killed = True
+                break
+            time.sleep(0.01)
+        err = proc.communicate(timeout=300)[1]
+        if not killed:
+            assert proc.returncode == 0, err
+            break
+        assert proc.returncode == -signal.SIGKILL, err
+        kills, argv = kills + 1, resume
+    assert kills == KILLS
+    runs = [key for (key,) in _lines(effects, "run")]
+    made = _lines(effects, "effect")
+    keys = [key for key, _ in made]
+    assert len(keys) == len(set(keys)) == ROWS  # each effect exactly once
+    assert sorted(json.loads(e) for _, e in made) == [f"{i} + {i}" for i in range(ROWS)]
+    assert all(re.fullmatch(r"[0-9a-f]{8}-\d+-0_c0_0", key) for key in keys), keys  # {session}_c{turn}_{call}
+    assert sorted(runs.count(key) for key in keys) == [1] * (ROWS - KILLS) + [2] * KILLS  # at least once
+    rows = _rows(out)
+    assert [r["termination_reason"] for r in rows] == ["done"] * ROWS
+    assert [_tool_answers(r) for r in rows] == [[f"ok {i} + {i}"] for i in range(ROWS)]
+    assert sorted(rebuild(records(out / JOURNAL)).tool_results) == sorted(keys)
+
+
+async def test_a_class_tool_reads_the_calls_key_whatever_instance_create_named(tok, compile_yaml):
+    """`execute` gets the instance `create` returned; the key it reads (agent_data.idempotency_key, and
+    fsm.idempotency_key() on the tool's own loop) is still the call's, and nothing outside a call has one."""
+    effects.Keyed.SEEN.clear()
+    agent = compile_yaml(f"""
+        name: keyed
+        extends: {{specs}}/tool_agent.yaml
+        tools:
+          - class: {EFFECTS}:Keyed
+            schema: specs.calculator:TOOL_SCHEMA
+        """)
+    script = [tool_turn(tok, ("calculator", {"expression": "1 + 1"})), model_turn(tok, "Done.")]
+    [traj] = await run_agent(agent, scripted(script), tok, [user_row()])
+    key = f"{traj.session_id}_c0_0"
+    assert effects.Keyed.SEEN == [(f"sandbox-{key}", key, key)]
+    assert [m["content"] for m in traj.messages if m["role"] == "tool"] == [f"key {key}"]
+    assert fsm.idempotency_key() is None

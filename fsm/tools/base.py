@@ -50,6 +50,7 @@ __all__ = [
     "ToolSet",
     "ToolUnavailable",
     "heartbeat",
+    "idempotency_key",
     "normalize_return",
 ]
 
@@ -58,6 +59,20 @@ __all__ = [
 _BEAT: contextvars.ContextVar[Callable[[], None] | None] = contextvars.ContextVar(
     "agentfsm_beat", default=None
 )
+
+
+# the running call's idempotency key, carried into the tool's thread or event loop as _BEAT is
+_KEY: contextvars.ContextVar[str | None] = contextvars.ContextVar("agentfsm_key", default=None)
+
+
+def idempotency_key() -> str | None:
+    """The running tool call's idempotency key, `{session}_c{turn}_{call}`: `fsm.idempotency_key()` from a plain
+    function's thread or coroutine, `agent_data.idempotency_key` in a class tool. The same on every run of one
+    call (a tool's own retry, a state's retry, a resume after a kill), different for every other call of the
+    run. Execution is at least once (a kill between the tool's effect and the journal's record of its result
+    runs the call again); a tool that records its effect under this key and does nothing for a key it has seen
+    has each effect exactly once. None outside a tool call and under `isolation: process`."""
+    return _KEY.get()
 
 
 def heartbeat() -> bool:
@@ -211,12 +226,18 @@ class AgentData:
     `response_ids` the last model turn, as in verl. Text only: the multimodal fields are empty.
     """
 
-    __slots__ = ("_traj", "_messages")
+    __slots__ = ("_traj", "_messages", "_key")
     image_data = video_data = audio_data = routed_experts = mm_processor_output = None
 
-    def __init__(self, traj: Any, messages: Callable[[], list[dict[str, Any]]] | None = None):
+    def __init__(
+        self,
+        traj: Any,
+        messages: Callable[[], list[dict[str, Any]]] | None = None,
+        key: str | None = None,
+    ):
         self._traj = traj  # an fsm.run.trajectory.Trajectory (not imported: trajectory sits above tools)
         self._messages = messages  # verl's view of the conversation; default: the trajectory's own
+        self._key = key  # the call's idempotency key (one AgentData per call)
 
     extra_fields = property(lambda self: self._traj.extra_fields)
 
@@ -225,6 +246,9 @@ class AgentData:
         self._traj.heartbeat_at = time.monotonic()
 
     request_id = property(lambda self: self._traj.session_id)
+    # this call's idempotency key (fsm.idempotency_key() says what it promises): `execute` gets what `create`
+    # returned as its instance_id, which need not be the key
+    idempotency_key = property(lambda self: self._key)
     tools_kwargs = property(lambda self: self._traj.tools_kwargs)
     messages = property(lambda self: self._messages() if self._messages else self._traj.messages)
     turn_scores = property(lambda self: self._traj.turn_scores)
@@ -329,6 +353,7 @@ class BoundTool:
         GeneratorExit, a CancelledError of its own) raises ToolCrashed. Only our caller's cancellation
         (the action's timeout, shutdown) passes through as such."""
         beating = _BEAT.set(getattr(agent_data, "heartbeat", None))  # the lanes carry it into the tool's call
+        keyed = _KEY.set(instance_id)  # the call's idempotency key, as the caller named the instance
         try:
             return await self._run(call, instance_id, create_kwargs, agent_data)
         except asyncio.CancelledError as exc:
@@ -342,6 +367,7 @@ class BoundTool:
         except BaseException as exc:  # from lifecycle methods run outside a lane (a FunctionTool's own)
             raise crashed(self.name, exc) from exc
         finally:
+            _KEY.reset(keyed)
             _BEAT.reset(beating)
 
     async def _step(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -529,7 +555,10 @@ class ToolSet:
             call = dataclasses.replace(call, arguments=args)
         create_kwargs = (tools_kwargs.get(tool.name) or {}).get("create_kwargs", {})
         outcome = await tool.run(
-            call, instance_id, create_kwargs, AgentData(traj, messages) if traj is not None else None
+            call,
+            instance_id,
+            create_kwargs,
+            AgentData(traj, messages, instance_id) if traj is not None else None,
         )
         outcome.text = encodable(outcome.text) if isinstance(outcome.text, str) else outcome.text
         if outcome.error in (None, "calc_reward") or policy.truncate_errors:  # verl cuts results only
