@@ -7,17 +7,22 @@ forged journal is one a real run wrote, edited on disk.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from fsm.run.journal import ended
+from fsm.cli.commands import main
+from fsm.run.journal import JOURNAL, ended
 from tests.conftest import assert_same_batch_files
+from tests.test_cli import one_line_error
 from tests.test_run_interrupts import ENV, REPO, Lines
 
 SLEEPY_SPEC = """
@@ -108,3 +113,260 @@ def test_a_stop_wait_that_is_not_a_number_is_named_and_the_default_kept(monkeypa
         assert f"{STOP_TIMEOUT_ENV}={bad!r} is not a positive number" in capsys.readouterr().err
     monkeypatch.delenv(STOP_TIMEOUT_ENV)
     assert stop_timeout_s() == SNAPSHOT_TIMEOUT_S and os.environ.get(STOP_TIMEOUT_ENV) is None
+
+
+# --- forged journals: a real run's journal, edited on disk, resumed ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def compact_journal(tmp_path_factory) -> list[dict[str, Any]]:
+    """The records of a real `agentfsm run` of the compacting calculator (every trajectory has closed segments:
+    a summary starts a new one), without its `end` record: a run killed once every row had finished, which
+    `--resume` writes out as it stands."""
+    out = tmp_path_factory.mktemp("compact") / "out"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fsm.cli.commands",
+            "run",
+            "specs/calculator_compact.yaml",
+            "--num-prompts",
+            "2",
+        ]
+        + ["--out", str(out), "-q"],
+        env=ENV,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    recs = [json.loads(line[9:]) for line in (out / JOURNAL).read_bytes().splitlines()]
+    assert recs[-1]["t"] == "end" and len({r["uid"] for r in recs if r["t"] == "group"}) == 2
+    assert all(len(_last_whole(recs[:-1], s)["closed"]) for s in _sessions(recs))
+    return recs[:-1]
+
+
+def _written(out: Path, recs: list[dict[str, Any]]) -> None:
+    """The journal's records as a forger writes them: each line's CRC recomputed (it is unkeyed), NaN allowed."""
+    out.mkdir()
+    lines = [json.dumps(r, separators=(",", ":"), ensure_ascii=False).encode() for r in recs]
+    (out / JOURNAL).write_bytes(b"".join(b"%08x %s\n" % (zlib.crc32(b), b) for b in lines))
+
+
+def _sessions(recs: list[dict[str, Any]]) -> list[str]:
+    return [s for r in recs if r["t"] == "group" for s in r["members"]]
+
+
+def _last_whole(recs: list[dict[str, Any]], sid: str) -> dict[str, Any]:
+    """The trajectory's last whole record (after its last rewrite: it holds the closed segments)."""
+    return next(r["d"] for r in reversed(recs) if r["t"] == "traj" and r["s"] == sid)
+
+
+def _closed(recs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The first closed segment's fields of the first trajectory, as its last whole record holds them."""
+    return _last_whole(recs, _sessions(recs)[0])["closed"][0]["fields"]
+
+
+def _items(fields: dict[str, Any], name: str) -> list[Any]:
+    return fields[name]["items"]
+
+
+def _done_step(recs: list[dict[str, Any]], sid: str) -> dict[str, Any]:
+    return next(r for r in recs if r["t"] == "step" and r["s"] == sid and r.get("done"))
+
+
+def _every_whole(recs: list[dict[str, Any]], sid: str) -> list[dict[str, Any]]:
+    return [r["d"] for r in recs if r["t"] == "traj" and r["s"] == sid]
+
+
+def _group(recs: list[dict[str, Any]], k: int) -> dict[str, Any]:
+    return [r for r in recs if r["t"] == "group"][k]
+
+
+def _long(recs):
+    f = _closed(recs)
+    for name, value in (("response_ids", 300), ("response_mask", 1), ("response_logprobs", -0.5)):
+        _items(f, name).extend([value] * (5000 - len(_items(f, name))))
+
+
+def _second_group(recs):
+    at = recs.index(_group(recs, 1))
+    recs.insert(at + 1, dict(_group(recs, 0)))
+    recs[0]["rows_expected"] += 1  # as many rows as the groups hold
+
+
+def _session_twice(recs):
+    _group(recs, 1)["members"].append(_sessions(recs)[0])
+    recs[0]["rows_expected"] += 1
+
+
+def _same_index(recs):
+    first, second = _sessions(recs)[:2]
+    index = _every_whole(recs, first)[0]["index"]
+    for d in _every_whole(recs, second):
+        d["index"] = index
+
+
+def _negative_index(recs):
+    for d in _every_whole(recs, _sessions(recs)[0]):
+        d["index"] = -1
+
+
+def _last_versions(recs: list[dict[str, Any]]) -> list[int]:
+    """The weight version runs the first trajectory's last step appends (nothing after it replaces them)."""
+    sid = _sessions(recs)[0]
+    step = [r for r in recs if r["t"] == "step" and r["s"] == sid and "_version_runs" in r.get("a", {})][-1]
+    return step["a"]["_version_runs"][1]
+
+
+def _version(value: int):
+    def forge(recs):
+        _last_versions(recs)[1] = value
+
+    return forge
+
+
+def _odd_versions(recs):
+    _last_versions(recs).append(0)
+
+
+def _reward(value: float):
+    def forge(recs):
+        _done_step(recs, _sessions(recs)[0]).setdefault("v", {})["reward_score"] = value
+
+    return forge
+
+
+def _closed_reward(recs):
+    _closed(recs)["turn_rewards"] = [["tool", 3, float("nan")]]
+
+
+FORGED = [
+    (
+        lambda r: _items(_closed(r), "response_mask").__setitem__(0, 7),
+        "closed segment 0: response_mask holds",
+    ),
+    (
+        lambda r: _items(_closed(r), "response_mask").__setitem__(0, -3),
+        "closed segment 0: response_mask holds",
+    ),
+    (
+        lambda r: _items(_closed(r), "response_logprobs").__setitem__(0, float("nan")),
+        "closed segment 0: logprobs",
+    ),
+    (lambda r: _items(_closed(r), "response_logprobs").__setitem__(0, 1e30), "closed segment 0: logprobs"),
+    (lambda r: _items(_closed(r), "response_ids").__setitem__(0, -5), "closed segment 0: token ids outside"),
+    (
+        lambda r: _items(_closed(r), "prompt_ids").__setitem__(0, 99_999),
+        "closed segment 0: token ids outside",
+    ),
+    (
+        lambda r: _items(_closed(r), "response_mask").pop(),
+        "closed segment 0: its response arrays differ in length",
+    ),
+    (_long, "closed segment 0: more tokens than limits.prompt_length/response_length"),
+    (lambda r: _closed(r).__setitem__("turns", "2"), "closed segment 0: field 'turns'"),
+    (_closed_reward, "closed segment 0: field 'turn_rewards': nan is not a finite number"),
+    (_second_group, "a second group of that uid"),
+    (_session_twice, "and again in group"),
+    (_same_index, "sample 0 is trajectory"),
+    (_negative_index, "index -1, sample 0 is no row of the run"),
+    (_version(-7), "field 'response_versions': weight version -7 on a token of mask 1"),
+    (_odd_versions, "field 'version_runs'"),
+    (_reward(float("nan")), "field 'reward_score': nan is not a finite number"),
+    (_reward(float("inf")), "field 'reward_score': inf is not a finite number"),
+    (_reward(1e308), "field 'reward_score': 1e+308 is beyond float32's range"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("forge, words", FORGED, ids=[w[:40] for _, w in FORGED])
+def test_a_forged_journal_is_refused_in_one_line_naming_the_row_and_field(
+    compact_journal, tmp_path, capsys, forge, words
+):
+    """issue 50: each of these reached batch.pt (exit 0), or ended in a traceback; `--resume` now refuses the
+    journal in one line naming it, the trajectory (and closed segment) and the field, and writes nothing."""
+    recs = json.loads(json.dumps(compact_journal))
+    forge(recs)
+    out = tmp_path / "out"
+    _written(out, recs)
+    line = one_line_error(capsys, ["run", "--resume", str(out), "-q"])
+    assert line.startswith(f"agentfsm: --resume: {out / JOURNAL}: ") and words in line, line
+    assert not (out / "batch.pt").exists()
+
+
+def test_the_unforged_journal_resumes(compact_journal, tmp_path, capsys):
+    """The control: the same journal, written back untouched, resumes into a batch."""
+    out = tmp_path / "out"
+    _written(out, compact_journal)
+    assert main(["run", "--resume", str(out), "-q"]) == 0, capsys.readouterr().err
+    assert (out / "batch.pt").exists()
+
+
+# --- a forged snapshot of the continuous mode, restored through the API ------------------------------------------
+
+
+def _snapshot_forges() -> list[tuple[Any, str]]:
+    def closed(data):
+        return data["groups"][0]["trajectories"][0]["closed"][0]["fields"]
+
+    def traj(data):
+        return data["groups"][0]["trajectories"][0]
+
+    def set_item(name, value):
+        return lambda d: closed(d)[name]["items"].__setitem__(0, value)
+
+    def newer_version(data):
+        runs = traj(data)["response_versions"]["items"]
+        runs[:] = [2**31 - 1 if v >= 0 else v for v in runs]
+
+    return [
+        (set_item("response_mask", 7), "closed segment 0: response_mask holds values other than 0 and 1"),
+        (set_item("response_ids", 99_999), "closed segment 0: token ids outside the tokenizer's vocabulary"),
+        (set_item("response_logprobs", float("nan")), "closed segment 0: logprobs that are not finite"),
+        (
+            lambda d: traj(d).__setitem__("reward_score", float("nan")),
+            "field 'reward_score': nan is not a finite",
+        ),
+        (newer_version, "weight version 2147483647 on a token of mask 1"),
+        (
+            lambda d: d["groups"][0].__setitem__("version_max", 2**31 - 1),
+            "are not a span up to the run's weight",
+        ),
+        (lambda d: d["groups"].append(d["groups"][0]), "a second group of that uid"),
+    ]
+
+
+@pytest.mark.slow
+def test_a_forged_continuous_mode_snapshot_with_a_finished_group_is_refused(tmp_path):
+    """issue 50: through the API, a forged snapshot whose groups had finished (closed segments and all) gave its
+    rows back `done` with invalid masks, ids, logprobs and a NaN reward. Its groups are checked as the journal's."""
+    from fsm import RolloutEngine
+    from fsm.run import snapshot as snap
+    from fsm.run.snapshot import SnapshotError
+    from specs.calculator import make_prompts
+    from tests.conftest import ASSETS
+
+    spec, path = str(REPO / "specs/calculator_compact.yaml"), tmp_path / "s.json"
+    with RolloutEngine(spec, str(ASSETS)) as engine:
+        engine.submit(make_prompts(2), n=1)
+        deadline = time.monotonic() + 240
+        while engine.stream_stats.get("ready_groups", 0) < 2:
+            assert time.monotonic() < deadline, engine.stream_stats
+            time.sleep(0.2)
+        engine.snapshot(path)
+        real = json.loads(path.read_text())
+        assert [g["status"] for g in real["groups"]] == ["ready", "ready"]
+        assert all(t["closed"] for g in real["groups"] for t in g["trajectories"])
+        for forge, words in _snapshot_forges():
+            data = json.loads(json.dumps(real))
+            forge(data)
+            body = {k: v for k, v in data.items() if k != "checksum"}
+            path.write_text(json.dumps({**body, "checksum": snap._digest(body)}))  # it is unkeyed
+            with pytest.raises(SnapshotError) as refused:
+                engine.restore(path)
+            line = str(refused.value)
+            assert line.startswith(f"{path}: ") and words in line and "\n" not in line, line
+        assert engine.stream_stats.get("ready_groups") == 2  # nothing was restored

@@ -31,7 +31,14 @@ from fsm.run.agent import CompiledAgent
 from fsm.run.journal import FORMAT, JournalError, Read, Rebuilt, Scan, rebuild
 from fsm.run.provenance import Change
 from fsm.run.snapshot import FORMAT as SNAPSHOT_FORMAT
-from fsm.run.snapshot import _check, decode_sampling, encode_trajectory, other_tokenizer, tokenizer_id
+from fsm.run.snapshot import (
+    _check,
+    check_version_runs,
+    decode_sampling,
+    encode_trajectory,
+    other_tokenizer,
+    tokenizer_id,
+)
 from fsm.run.trajectory import Trajectory
 from fsm.run.treejournal import tree_form
 
@@ -136,8 +143,8 @@ def load(path: str | Path, agent: CompiledAgent, codec: Any = None) -> Loaded:
     except Exception as exc:  # ValueError, SnapshotError and the malformed kinds: one line naming the journal
         msg = str(exc)
         raise JournalError(msg if msg.startswith(str(path)) else f"{path}: {msg}") from None
-    data, counts, last = _snapshot_form(read, rebuilt, agent, trees)
     try:
+        data, counts, last = _snapshot_form(read, rebuilt, agent, trees)
         _check(data, agent, vocab)
     except JournalError:
         raise
@@ -180,6 +187,7 @@ def _snapshot_form(
 ) -> tuple[dict[str, Any], tuple[int, int, int, int, int], dict[str, int]]:
     ident = rebuilt.identity
     groups, finished, in_flight, restarted, nodes_done, nodes_going = [], 0, 0, 0, 0, 0
+    newest = 0  # the newest weight version of any token: the journal does not record weight updates
     last: dict[str, int] = {}
     for g in rebuilt.groups:
         if g["members"] and g["members"][0] in rebuilt.taken:  # a consumer has it: not handed out again
@@ -189,6 +197,8 @@ def _snapshot_form(
             traj = rebuilt.trajs.get(sid)
             if traj is None:
                 raise JournalError(f"{read.path}: group {g['uid']!r}: its trajectory {sid!r} has no record")
+            # its weight versions are expanded below, before `_check` reads them
+            check_version_runs(f"trajectory {sid!r}", traj._version_runs, len(traj.response_ids))
             done = sid in rebuilt.done
             meta, nodes = trees.get(sid, (None, []))
             inside = any(not e["done"] and e["interaction_started"] for e in nodes)
@@ -210,6 +220,7 @@ def _snapshot_form(
         spans = [rebuilt.trajs[s].weight_versions() for s in g["members"]]
         lows = [s[0] for s in spans if s is not None] or [0]
         highs = [s[1] for s in spans if s is not None] or [0]
+        newest = max(newest, *highs)
         decode_sampling(g["sampling"])  # checked again by _check
         groups.append(
             {
@@ -235,7 +246,7 @@ def _snapshot_form(
             "run_id": ident.get("run_id"),
             "spec": ident.get("spec"),
         },
-        "weight_version": int(ident.get("weight_version", 0) or 0),
+        "weight_version": max(int(ident.get("weight_version", 0) or 0), newest),
         "next_index": max(indices) + 1 if indices else 0,
         "groups": groups,
     }
