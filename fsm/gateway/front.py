@@ -28,9 +28,9 @@ from aiohttp import web
 from fsm.gateway.record import GatewayError
 from fsm.gateway.server import GatewayLimits, _error, listen, read_body, route
 
-TOKEN_ENV = (
-    "AGENTFSM_FRONT_TOKEN"  # a worker's registration token, in its environment (never on a command line)
-)
+# A name no worker or harness is given (stripped from what they inherit): a worker reads its registration token
+# from a pipe (fsm/gateway/workers.py), never its environment, which /proc/PID/environ shows for the process's life.
+TOKEN_ENV = "AGENTFSM_FRONT_TOKEN"
 FORWARDED = ("Authorization", "x-api-key", "Content-Type", "Accept", "anthropic-version", "anthropic-beta")
 
 

@@ -5,8 +5,9 @@ merged into the one run directory, as a single process would have written it.
 The parent (`over_workers`, the rollout of `agentfsm run` it replaces) starts the front, then each worker as
 `agentfsm gateway --worker-config OUT/workers/wK/config.json` in its own process group: the parent's flags,
 its tag, the front's URL and its slice of the rows (contiguous, so input order is the workers' order). A worker
-binds a loopback port and registers it with the front (`POST /workers/wK` with the run's token, passed in the
-environment) before anything else, so every session it opens is routed; then it runs its rows as a
+binds a loopback port and registers it with the front (`POST /workers/wK` with the run's token, read once from a
+pipe: never in its environment, which any process of the user can read in /proc/PID/environ for the process's
+whole life, `os.environ.pop` notwithstanding) before anything else, so every session it opens is routed; then it runs its rows as a
 single-process `agentfsm gateway` does, into OUT/workers/wK (its own three files, its snapshot on a signal),
 its trajectories indexed as in the whole batch (per-sample seeds included), and writes them to
 OUT/workers/wK/result.json. The parent decodes them all and `agentfsm run`'s own code pads and writes them
@@ -170,6 +171,7 @@ class _Workers:
         if given["threads"] is None and not given["server"]:  # the embedded model: its share of the cores
             given["threads"] = max(1, len(os.sched_getaffinity(0)) // len(self.workers))
         w.beats, beat = os.pipe()
+        token_fd = _token_pipe(self.token)
         config = {
             "tag": w.tag,
             "front": front.url,
@@ -178,6 +180,7 @@ class _Workers:
             "args": given,
             "parent": os.getpid(),
             "heartbeat_fd": beat,
+            "token_fd": token_fd,
         }
         (w.dir / CONFIG).write_text(json.dumps(config, default=str))
         try:
@@ -194,8 +197,8 @@ class _Workers:
                     stderr=asyncio.subprocess.PIPE,
                     limit=1 << 20,
                     start_new_session=True,
-                    env={**os.environ, TOKEN_ENV: self.token},
-                    pass_fds=(beat,),
+                    env={k: v for k, v in os.environ.items() if k != TOKEN_ENV},
+                    pass_fds=(beat, token_fd),
                 )
         except OSError as exc:
             raise WorkerError(
@@ -203,6 +206,7 @@ class _Workers:
             ) from None
         finally:
             os.close(beat)
+            os.close(token_fd)
         (w.dir / "pid").write_text(f"{w.proc.pid}\n")
         w.relay = asyncio.ensure_future(self._relay(w))
 
@@ -503,9 +507,7 @@ def worker(
     if os.getppid() != config["parent"]:
         raise WorkerError(f"gateway worker {tag}: its parent (pid {config['parent']}) is gone")
     _heartbeat(config["heartbeat_fd"])
-    sock = _register(
-        front, tag, os.environ.pop(TOKEN_ENV, "")
-    )  # read once: no harness of this worker inherits it
+    sock = _register(front, tag, _read_token(config["token_fd"]))
     configure("127.0.0.1", 0, limits, tag=tag, front=front, sock=sock)
 
     async def rows_of_mine(args: argparse.Namespace, rows: list[dict[str, Any]], console: Any) -> Rollout:
@@ -565,6 +567,25 @@ def _write_result(path: Path, run: Rollout) -> None:
     tmp = path.with_name(f".{path.name}.writing")
     tmp.write_text(json.dumps(data, default=str))
     os.replace(tmp, path)
+
+
+def _token_pipe(token: str) -> int:
+    """The read end of a pipe holding `token` (its write end closed): a worker reads it once and closes it."""
+    read, write = os.pipe()
+    os.write(write, token.encode())  # ~43 bytes: far below a pipe's buffer
+    os.close(write)
+    return read
+
+
+def _read_token(fd: int) -> str:
+    """The registration token from the parent's pipe, read to its end and closed, so no harness inherits it."""
+    chunks = []
+    with contextlib.suppress(OSError):
+        while chunk := os.read(fd, 4096):
+            chunks.append(chunk)
+    with contextlib.suppress(OSError):
+        os.close(fd)
+    return b"".join(chunks).decode()
 
 
 def _heartbeat(fd: int) -> None:
