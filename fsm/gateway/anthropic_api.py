@@ -12,6 +12,11 @@ from typing import Any
 from fsm.gateway.record import Answer, Call, GatewayError, unsupported_tool, with_dropped
 
 STOP_REASONS = {"stop": "end_turn", "tool_calls": "tool_use", "length": "max_tokens"}
+# Request fields a local model does not serve: read, left out, and noted on the row (`gateway_notes`). Claude Code
+# sends the first three by default: its thinking budget (reasoning is the spec's chat template's to decide),
+# context editing (the harness's history is recorded as sent) and effort; `cache_control` and `metadata` change
+# nothing a server does with the prompt and are not noted.
+UNSERVED = ("thinking", "context_management", "output_config", "stop_sequences", "mcp_servers", "container")
 
 
 def _blocks(content: Any, where: str) -> list[dict[str, Any]]:
@@ -105,6 +110,8 @@ def messages_call(body: dict[str, Any]) -> Call:
     return with_dropped(
         Call(out, tools, max_tokens, bool(body.get("stream")), {"model": str(body.get("model") or "")}),
         dropped,
+        body,
+        UNSERVED,
     )
 
 

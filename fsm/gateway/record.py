@@ -89,9 +89,20 @@ def unsupported_tool(where: str, tool: dict[str, Any]) -> str:
     )
 
 
-def with_dropped(call: Call, dropped: list[str]) -> Call:
+def with_dropped(
+    call: Call, dropped: list[str], body: dict[str, Any] | None = None, fields: tuple[str, ...] = ()
+) -> Call:
+    """`call` with the tools it left out, and the request `fields` of `body` no local model serves (a hosted
+    model's thinking budget, context editing, effort), each named with its value for the row's note."""
     if dropped:
         call.extra["dropped_tools"] = dropped
+    unserved = [
+        f"{name} {json.dumps(body[name], sort_keys=True)[:80]}"
+        for name in fields
+        if body and body.get(name) is not None
+    ]
+    if unserved:
+        call.extra["dropped_fields"] = unserved
     return call
 
 

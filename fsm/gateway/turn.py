@@ -19,6 +19,11 @@ from fsm.run.actions import generate
 from fsm.run.context import RunContext
 from fsm.run.trajectory import Trajectory, first_segment
 
+DROPPED = {  # what a call left out (record.with_dropped), as its note on the row says it
+    "dropped_tools": "tools left out (a local model serves function tools only)",
+    "dropped_fields": "request fields left out (a local model does not serve them)",
+}
+
 
 def _too_long(ids: list[int] | array, limit: int) -> LimitReached:
     return LimitReached(
@@ -104,16 +109,12 @@ async def record_call(ctx: RunContext, traj: Trajectory, tree: Tree, call: Call,
         raise LimitReached(  # per node: a sub-agent or a branch has the spec's limits of its own
             f"node {node.id} has made its limits.max_assistant_turns ({limits.max_assistant_turns}) model calls"
         )
-    if call.extra.get(
-        "dropped_tools"
-    ):  # noted once per distinct set (a harness sends its tools with every call)
-        note = (
-            f"tools left out (a local model serves function tools only): "
-            f"{', '.join(call.extra['dropped_tools'])}"
-        )
-        notes = traj.extra.setdefault("gateway_notes", [])
-        if note not in notes:
-            notes.append(note)
+    for key, why in DROPPED.items():  # noted once per distinct set (a harness sends the same with every call)
+        if call.extra.get(key):
+            note = f"{why}: {', '.join(call.extra[key])}"
+            notes = traj.extra.setdefault("gateway_notes", [])
+            if note not in notes:
+                notes.append(note)
     templ = _start(ctx, traj, tree, node, call, plan)
     if templ and not _observe(ctx, traj, templ):
         raise LimitReached(
