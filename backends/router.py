@@ -24,7 +24,9 @@ healthy, all of them are candidates again (a mark may be stale; a dead fleet the
 Failover: a retryable failure (a server fault the client already retried, or a timeout) marks the server
 down and re-runs placement, under the `failover` retry policy (`backends.retry`): a few re-routes, and
 more while the request is within `retry_window_s` of its first attempt, so an outage of the whole fleet
-shorter than that window is waited out. A server that failed stays
+shorter than that window is waited out. No re-route starts past the window (when it is not 0: then the few
+re-routes alone), so a request ends within the window and one attempt (a request timeout and its abort's
+grace) however slowly its servers fail. A server that failed stays
 out for a cooldown, whatever its /health says, that doubles with each consecutive incident (5 s, 10 s, ... up
 to 5 min): a server whose /health answers while its /generate hangs must not take new sessions every health
 interval. An incident is one strike however many requests it failed (a crash fails every request in flight),
@@ -325,8 +327,14 @@ class Router(BaseBackend):
 
         if request.resumed:
             self.counts["resumes"] += 1
+        window = self.failover.window_s
+        until = time.monotonic() + window if window else None  # no re-route starts past it
+
+        def retryable(e: BaseException) -> bool:
+            return self._retryable(e) and (until is None or time.monotonic() < until)
+
         try:
-            return await retry(self.failover, attempt, retryable=self._retryable)
+            return await retry(self.failover, attempt, retryable=retryable)
         except BackendError as e:
             if not (self._paused and e.retryable):
                 raise

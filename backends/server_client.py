@@ -15,8 +15,8 @@ context edge) stays in each engine's module.
   not retried here (a hung server stays hung) but fails over in the router;
 - `_exchange` is one generate attempt under its deadline (`request_timeout_s`, else the request's, else
   300 s). Past it the rid is aborted at the server (`_abort_route`); a live server then answers with its
-  partial output (finish_reason abort), which the engine resumes, awaited `_grace()` longer; a hung one
-  does not, and the attempt fails with `BackendTimeout`. While this client has the server paused
+  partial output (finish_reason abort), which the engine resumes, awaited `_grace()` longer (the abort's own
+  call included); a hung one does not, and the attempt fails with `BackendTimeout`. While this client has the server paused
   (backends/pause_clock.py) no deadline runs and no deadline abort is sent. A deadline that does expire
   never relies on its abort: without an answer in the grace time the connection is closed;
 - the server info (context length, model name) is read once (`_ensure_info`), shared by every waiter;
@@ -447,8 +447,11 @@ class ServerClient(BaseBackend):
         exchange = asyncio.ensure_future(self._send("POST", self.generate_path, payload, max_bytes))
         try:
             if not await self._pause.wait(exchange, timeout_s):
-                await self._abort_quietly(rid)
-                if not await self._pause.wait(exchange, self._grace(timeout_s)):
+                grace = self._grace(timeout_s)  # the abort's call and the partial answer's wait share it
+                loop = asyncio.get_running_loop()
+                grace_ends = loop.time() + grace
+                await self._abort_quietly(rid, grace)
+                if not await self._pause.wait(exchange, grace_ends - loop.time()):
                     raise BackendTimeout(
                         f"{self.url}: {self.generate_path} rid {rid} had no answer within "
                         f"{timeout_s:g} s (request_timeout_s); aborted at the server",
@@ -496,12 +499,13 @@ class ServerClient(BaseBackend):
             f"{self.url} rejected rid {rid}: {message}", server=self.url, status=status
         )
 
-    async def _abort_quietly(self, rid: str) -> None:
-        """Best effort abort of a rid past its deadline (the server may be the thing that hangs)."""
+    async def _abort_quietly(self, rid: str, within_s: float = 5.0) -> None:
+        """Best effort abort of a rid past its deadline (the server may be the thing that hangs), waited for at
+        most 5 s or `within_s`."""
         self.counts["aborts_sent"] += 1
         path, payload = self._abort_route(rid)
         with contextlib.suppress(BackendError):
-            await self._call("POST", path, payload, timeout_s=5, retries=0)
+            await self._call("POST", path, payload, timeout_s=max(0.01, min(5.0, within_s)), retries=0)
 
     # -- control ------------------------------------------------------------------------------------------
 

@@ -5,8 +5,8 @@ the memory and weight endpoints); backends/devserver.py serves the same contract
 (bounded bodies, retries, per-attempt deadlines with their abort and grace, pauses that stop the deadlines,
 fault counts) is backends/server_client.py's, shared with the vLLM client. What is SGLang's own:
 - `max_new_tokens` is clamped to the room left in the context (SGLang answers 400 instead of truncating);
-- after a deadline's `/abort_request` the partial answer is awaited up to `abort_grace_s`, 30 s by default
-  (a loaded CPU server takes seconds to answer it); an abort's answer (`finish_reason.type == "abort"`)
+- after a deadline's `/abort_request` the partial answer is awaited up to `abort_grace_s`, by default a tenth
+  of the deadline from 5 s to 30 s (a loaded CPU server takes seconds to answer it); an abort's answer (`finish_reason.type == "abort"`)
   keeps the tokens produced before it, and the engine resumes them;
 - a rid whose attempt ended without an answer (a deadline, a cut connection, SGLang's "Duplicate request
   ID", which is retried as a server fault) may still be held by the server, which refuses it again: no
@@ -52,6 +52,7 @@ _WEIGHTS_TIMEOUT_S = 600.0  # a weight reload may take minutes
 # (docs/engines.md). An abort not awaited loses the attempt's tokens and fails the server over; a hung server
 # costs this much more before the router fails over.
 DEFAULT_ABORT_GRACE_S = 30.0
+MIN_ABORT_GRACE_S = 5.0  # a loaded CPU SGLang answers an abort in 0.7-1.4 s (docs/engines.md)
 # How long a rid whose attempt ended without an answer is kept from reuse: past SGLang's own watchdog.
 _HELD_S = 600.0
 # SGLang 0.5.23 reports max_req_input_len = context length - 6 and refuses an input that long or longer.
@@ -185,7 +186,12 @@ class SGLangBackend(ServerClient):
             self._held[rid] = asyncio.get_running_loop().time() + _HELD_S
 
     def _grace(self, timeout_s: float) -> float:
-        return self.abort_grace_s if self.abort_grace_s is not None else DEFAULT_ABORT_GRACE_S
+        """A tenth of the deadline, at least MIN_ABORT_GRACE_S, at most DEFAULT_ABORT_GRACE_S: a loaded server's
+        partial answer is kept, and a hung server's row still ends within what its flags say (the retry window,
+        one request timeout and this grace: docs/engines.md)."""
+        if self.abort_grace_s is not None:
+            return self.abort_grace_s
+        return min(DEFAULT_ABORT_GRACE_S, max(MIN_ABORT_GRACE_S, timeout_s / 10))
 
     def _abort_route(self, rid: str) -> tuple[str, Any]:
         return "/abort_request", {"rid": rid}
