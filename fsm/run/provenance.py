@@ -9,12 +9,13 @@ the journal's `run` record, and compared with what the resume runs on:
   sha256; a file's sha256 is cached by its size and mtime, so a 15 GB checkpoint is read once), a model object in
   memory by its name only (its weights are the caller's); servers by the model name they serve and their engine
   (their weight version is checked per row, `weights_change`: an update between the kill and the resume moves it);
-- `code`: each module the spec names, by the sha256 of its source file;
+- `code`: each module the spec (and its child machines' specs) names, by the sha256 of its source file;
 - `engine`: the options that shape rows on resume (--check-tokens; the embedded model's dtype and device).
 
 Every difference is a `Change`; `judge` refuses the resume in one line naming the first (and counting the
 others), or, with changes accepted, hands them back to be warned about and recorded in the journal (a `resume`
-record, which `agentfsm show` reads), so rows made before and after can be told apart.
+record, which `agentfsm show --journal` and `agentfsm replay` print), so rows made before and after can be told
+apart.
 """
 
 from __future__ import annotations
