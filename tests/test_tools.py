@@ -356,3 +356,26 @@ def test_function_returns_verl_refuses_are_errors(ret, error):
     with pytest.raises((TypeError, ValueError)) as info:
         fsm.tools.base.normalize_return(ret)
     assert str(info.value).startswith(error)
+
+
+# --- a schema inferred from a docstring with a Returns: section --------------------------------------------
+
+
+@pytest.mark.slow
+def test_an_inferred_schema_leaves_out_the_return_and_the_tiny_model_calls_the_tool(tmp_path):
+    """Issue 46 §4: transformers' helper adds `"return"` from a `Returns:` section; rendered into the prompt, the
+    tiny model met a tool it was never trained on and every row scored 0. The OpenAI form has no `return`."""
+    from fsm import RolloutEngine
+    from specs.calculator import TOOL_SCHEMA, make_prompts
+    from tests.fixtures import documented_tools
+
+    assert infer_schema(documented_tools.calculator) == TOOL_SCHEMA
+    spec = tmp_path / "documented.yaml"
+    spec.write_text(
+        f"name: documented\nextends: {SPECS}/calculator.yaml\nsampling: {{temperature: 0}}\n"
+        "tools:\n  - function: tests.fixtures.documented_tools:calculator\n"
+    )
+    with RolloutEngine(str(spec)) as engine:
+        trajs = engine._run_sync(engine.arun(make_prompts(4, 0)))
+    assert sum(t.metrics.num_tool_calls for t in trajs) >= 4
+    assert sum(t.reward_score or 0 for t in trajs) >= 3, [t.reward_score for t in trajs]
