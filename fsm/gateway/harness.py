@@ -181,6 +181,14 @@ async def _next_event(ctx: RunContext, traj: Trajectory, session: Session, timeo
     outcome = await _wait(ctx, traj, session, task, timeout_s)
     if outcome is not None:
         await _end(traj, session, task, outcome)
+        # every call refused: nothing to train on, whatever the harness exited with
+        if session.answered_errors and not traj.assistant_turns:
+            from fsm.data.rows import RowError
+
+            raise RowError(
+                f"gateway: every model call of the harness was refused ({session.answered_errors}; the first: "
+                f"{session.first_error[:500]})"
+            )
 
 
 async def _wait(

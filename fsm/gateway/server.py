@@ -92,6 +92,8 @@ class Session:
         self.timer: asyncio.TimerHandle | None = None  # wakes the harness state at its deadline (harness.py)
         self.refused = 0
         self.last_refusal = "refused"  # the last refusal's message (harness.py)
+        self.answered_errors = 0  # requests answered with an API error, whatever refused them
+        self.first_error = ""  # the first of them: a row whose every call was refused names it (harness.py)
         self.task: asyncio.Task[Any] | None = None  # the harness's task (harness.py)
         self.calls = 0
         self.closed = False
@@ -140,6 +142,11 @@ class Session:
         """The driver takes the first waiting call: from now on it is the current one."""
         self.current = self.pending.popleft()
         return self.current
+
+    def answered_error(self, exc: GatewayError) -> None:
+        """A request of this session was answered with an API error (parsing, a limit, the tree, recording)."""
+        self.answered_errors += 1
+        self.first_error = self.first_error or f"{exc.status} {exc.code}: {exc}"
 
     def note(self, line: str) -> None:
         """A refusal the row's record keeps (`gateway_notes`), once each, at most 32."""
@@ -252,6 +259,7 @@ class Gateway:
     # --- HTTP -----------------------------------------------------------------------------------------------
 
     async def _serve(self, request: web.BaseRequest) -> web.StreamResponse:
+        session: Session | None = None
         try:
             sid, api = route(request, APIS)
             session = self._session(request, sid)
@@ -284,6 +292,8 @@ class Gateway:
                 return _json(answer(result, call, session.id))
             return await _sse(request, stream(result, call, session.id))
         except GatewayError as exc:
+            if session is not None:
+                session.answered_error(exc)
             return _error(request, exc)
 
     def _session(self, request: web.BaseRequest, sid: str) -> Session:
