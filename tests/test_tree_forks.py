@@ -116,3 +116,47 @@ def test_only_a_branch_record_may_be_fresh():
     _shape({**m, "kind": "branch"}, "j")
     old = {k: v for k, v in m.items() if k != "fresh"}  # a journal from before: not fresh
     _shape(old, "j")
+
+
+async def broken_calculator(expression: str) -> str:
+    """A calculator that always raises (a state's retry, then its catch, handles it)."""
+    raise RuntimeError(f"cannot evaluate {expression}")
+
+
+@pytest.mark.slow
+def test_each_branch_lists_its_own_handled_failures_in_trajectories_jsonl(tmp_path):
+    """docs/errors.md: `failures` in trajectories.jsonl lists the failures a state's retry or catch handled (it
+    was documented, never written); a branch's list is its own, not shared with its siblings'."""
+    failing = spec(
+        tmp_path,
+        "fork_failing",
+        "states:\n  GENERATING:\n    fork: {branches: 2, times: 1}\n"
+        "  PROCESSING_TOOLS:\n    retry:\n      - {errors: [tool.exception], max_attempts: 2, backoff_s: 0}\n"
+        "    catch:\n      - {errors: [tool.exception], to: TERMINATED, reason: tool_failed}\n"
+        "tools:\n  - {function: tests.test_tree_forks:broken_calculator, name: calculator, "
+        "schema: specs.calculator:TOOL_SCHEMA, isolation: none}\n",
+    )
+    out = tmp_path / "out"
+    done = run(failing, out)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
+    branches = [r for r in rows if r["node_kind"] == "branch"]
+    assert len(branches) == 2 and all(r["termination_reason"] == "tool_failed" for r in branches), rows
+    for r in branches:
+        handled = [(f["handled"], f["state"], f["error"], f["attempt"]) for f in r["failures"]]
+        assert handled == [
+            ("retry", "PROCESSING_TOOLS", "tool.exception", 1),
+            ("catch", "PROCESSING_TOOLS", "tool.exception", 2),
+        ], r["failures"]
+
+
+def test_a_branch_copies_its_parents_failures_into_a_list_of_its_own():
+    """A fork after a handled failure: what one branch handles later is not written into its siblings' list."""
+    from fsm.run.trajectory import Trajectory
+    from fsm.run.tree import _copy
+
+    parent = Trajectory(0, 0, "r", "u", {"raw_prompt": []}, "GENERATING")
+    parent.extra["failures"] = [{"handled": "retry"}]
+    a, b = _copy(parent, "r:0.0"), _copy(parent, "r:0.1")
+    a.extra["failures"].append({"handled": "catch"})
+    assert parent.extra["failures"] == b.extra["failures"] == [{"handled": "retry"}]

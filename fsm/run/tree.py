@@ -305,7 +305,9 @@ def _copy(traj: Trajectory, session_id: str) -> Trajectory:
     b.termination_reason = traj.termination_reason
     b.tool_rewards, b.tool_scores = list(traj.tool_rewards), list(traj.tool_scores)
     b.turn_scores, b.turn_rewards = list(traj.turn_scores), [list(r) for r in traj.turn_rewards]
-    b.metrics, b.extra, b.extra_fields = Metrics(), dict(traj.extra), dict(traj.extra_fields)
+    b.metrics, b.extra_fields = Metrics(), dict(traj.extra_fields)
+    # lists its own (a failure handled in one branch is not its siblings'); the rest is read only
+    b.extra = {k: list(v) if isinstance(v, list) else v for k, v in traj.extra.items()}
     return b
 
 
