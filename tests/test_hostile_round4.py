@@ -370,3 +370,110 @@ def test_a_forged_continuous_mode_snapshot_with_a_finished_group_is_refused(tmp_
             line = str(refused.value)
             assert line.startswith(f"{path}: ") and words in line and "\n" not in line, line
         assert engine.stream_stats.get("ready_groups") == 2  # nothing was restored
+
+
+# --- a run directory read or resumed runs none of its code and makes no request ----------------------------------
+
+SHIPPED_SPEC = """
+name: calculator_compact
+extends: {specs}/calculator_compact.yaml
+tools:
+  - function: shipped_tools:calculator
+    schema: specs.calculator:TOOL_SCHEMA
+"""
+SHIPPED_MODULE = """
+from pathlib import Path
+
+Path(__file__).with_name("IMPORTED").write_text("the run directory's code ran")
+from specs.calculator import calculator  # noqa: E402,F401
+"""
+
+
+def _cli(*argv: str, env: dict[str, str] = ENV) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "fsm.cli.commands", *argv],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.fixture
+def shipped(compact_journal, tmp_path) -> Path:
+    """A run directory as someone else ships it: its journal names a spec inside it, whose tool module writes
+    IMPORTED beside itself when imported."""
+    out = tmp_path / "shipped"
+    recs = json.loads(json.dumps(compact_journal))
+    recs[0]["spec"] = str(out / "spec.yaml")
+    _written(out, recs)
+    (out / "spec.yaml").write_text(SHIPPED_SPEC.format(specs=REPO / "specs"))
+    (out / "shipped_tools.py").write_text(SHIPPED_MODULE)
+    return out
+
+
+@pytest.mark.slow
+def test_reading_or_resuming_a_run_directory_imports_no_spec_module_shipped_in_it(shipped):
+    """issue 50: `replay`, `show --journal` and `run --resume` imported the spec module shipped inside the run
+    directory (resume before refusing). Each now refuses in one line, its code never imported; naming the spec
+    yourself (`--spec`) is asking for it."""
+    marker = shipped / "IMPORTED"
+    for argv in (
+        ["replay", str(shipped), "--row", "0"],
+        ["show", str(shipped), "--journal"],
+        ["run", "--resume", str(shipped), "-q"],
+    ):
+        done = _cli(*argv)
+        assert done.returncode == 1 and not marker.exists(), (argv, done.stderr)
+        (line,) = done.stderr.strip().splitlines()
+        assert f"names the spec {shipped / 'spec.yaml'}, inside the run directory" in line, line
+        assert "its code is not imported unless you name it yourself" in line
+    asked = _cli("replay", str(shipped), "--row", "0", "--spec", str(shipped / "spec.yaml"))
+    assert asked.returncode == 0, asked.stderr
+    assert marker.exists()  # the same spec, named by the user: its module is imported (the test can fail)
+
+
+class _Listener:
+    """A TCP port that counts the connections made to it (each closed at once): the Hugging Face endpoint a
+    tokenizer download would reach."""
+
+    def __init__(self) -> None:
+        import socket
+        import threading
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.count = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.count += 1
+            conn.close()
+
+
+@pytest.mark.slow
+def test_replay_asks_no_server_for_the_tokenizer_its_journal_names(compact_journal, tmp_path):
+    """issue 50: `replay` downloaded the tokenizer a journal names. Now it looks on this machine only (with or
+    without HF_HUB_OFFLINE) and says how to ask for the download; `--tokenizer NAME` asks for it."""
+    out = tmp_path / "out"
+    recs = json.loads(json.dumps(compact_journal))
+    recs[0]["tokenizer"]["name"] = "agentfsm-test/no-such-tokenizer"
+    _written(out, recs)
+    hub = _Listener()
+    env = {**ENV, "HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "0"}
+    env["HF_HOME"] = str(tmp_path / "hf")  # an empty cache: nothing is found there
+    done = _cli("replay", str(out), "--row", "0", env=env)
+    assert done.returncode == 1 and hub.count == 0, (hub.count, done.stderr)
+    (line,) = done.stderr.strip().splitlines()
+    assert "names the tokenizer 'agentfsm-test/no-such-tokenizer', which is not on this machine" in line, line
+    asked = _cli("replay", str(out), "--row", "0", "--tokenizer", "agentfsm-test/no-such-tokenizer", env=env)
+    assert asked.returncode == 1 and hub.count > 0, asked.stderr  # asked for: the request is made
+    hub.sock.close()

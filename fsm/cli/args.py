@@ -405,6 +405,10 @@ def command_line(commands: Mapping[str, Callable[[argparse.Namespace], int]]) ->
         action="store_true",
         help="read the run's journal.log (the default for a run still running or that died)",
     )
+    p.add_argument(
+        "--spec",
+        help="with a journal: the spec (default: the one the journal names, unless it lies in the run directory)",
+    )
     p.set_defaults(fn=commands["show"])
 
     p = command(

@@ -62,8 +62,18 @@ def cmd_validate(args: argparse.Namespace) -> int:
         errors = sum(d.severity == "error" for d in diags)
         problems += errors
         if not errors and not args.quiet:
-            print(f"{path}: ok" + (f" ({len(diags)} warning{'s' * (len(diags) > 1)})" if diags else ""))
+            warned = f" ({len(diags)} warning{'s' * (len(diags) > 1)})" if diags else ""
+            print(f"{path}: ok{warned}{_tree_size(path)}")
     return 2 if problems else 0  # as `run` exits on the same diagnostics
+
+
+def _tree_size(path: str) -> str:
+    """What one tree of a valid spec can expand to (fsm/run/treecheck.py `tree_size`), for `validate`'s ok line."""
+    from fsm.run.treecheck import tree_size
+    from fsm.spec.loader import load_spec
+
+    size = tree_size(load_spec(path).spec)
+    return "" if size is None else f"; a tree: up to {size} nodes, the root included"
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
@@ -515,7 +525,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     if journal is not None and journal.is_file() and (args.journal or ended(journal) is None):
         from fsm.cli.replay import show_journal
 
-        run_dir = tmp = show_journal(Path(args.run_dir))
+        run_dir = tmp = show_journal(Path(args.run_dir), args.spec)
     elif args.journal:
         raise CLIError(f"{args.run_dir}: no {JOURNAL} there")
     try:

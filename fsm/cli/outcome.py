@@ -63,12 +63,15 @@ def resume_spec(args: argparse.Namespace) -> None:
     named, run_id = ident.get("spec"), ident.get("run_id")
     if not isinstance(run_id, str) or not 0 < len(run_id) <= 64:
         raise CLIError(f"--resume: {path}: record 1: run_id is not a run's id")
-    if args.spec is None:
-        if not isinstance(named, str) or not Path(named).is_file():
-            raise CLIError(
-                f"--resume: {path} names the spec {named!r}, which is not there; pass the spec too"
+    if args.spec is None:  # the journal's, checked before compiling it imports any code (fsm/cli/replay.py)
+        from fsm.cli.replay import journal_spec
+
+        try:
+            args.spec = journal_spec(
+                path, named, f"pass the spec too: agentfsm run SPEC --resume {args.resume}"
             )
-        args.spec = named
+        except CLIError as exc:
+            raise CLIError(f"--resume: {exc}") from None
     args.run_id = run_id
     if (ignored := _flags_a_resume_ignores(args, ident)) is not None:
         raise CLIError(f"resume refused: {path}: {ignored}")

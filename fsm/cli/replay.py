@@ -75,10 +75,16 @@ def journal_spec(journal: Path, named: Any, what_to_do: str) -> str:
 
 def _local_tokenizer(name: str) -> Any:
     """The tokenizer a journal names, from this machine only (a directory, or the Hugging Face cache): reading
-    a run makes no request, whatever HF_HUB_OFFLINE says."""
+    a run makes no request, whatever HF_HUB_OFFLINE says. `local_files_only` alone is not enough: the hub client
+    still fetches a registry for its user agent unless it is offline, so it is, for this load."""
+    from huggingface_hub import constants
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(name, local_files_only=True)
+    was, constants.HF_HUB_OFFLINE = constants.HF_HUB_OFFLINE, True
+    try:
+        return AutoTokenizer.from_pretrained(name, local_files_only=True)
+    finally:
+        constants.HF_HUB_OFFLINE = was
 
 
 def _trees(out: Path, rebuilt: Rebuilt, agent: Any) -> None:
