@@ -107,12 +107,23 @@ def messages_call(body: dict[str, Any]) -> Call:
             fn["parameters"] = t.get("input_schema") or {"type": "object", "properties": {}}
             tools.append({"type": "function", "function": fn})
         tools = tools or None
+    extra: dict[str, Any] = {"model": str(body.get("model") or "")}
+    if _title_schema(body.get("output_config")):
+        extra["title_schema"] = True
     return with_dropped(
-        Call(out, tools, max_tokens, bool(body.get("stream")), {"model": str(body.get("model") or "")}),
+        Call(out, tools, max_tokens, bool(body.get("stream")), extra),
         dropped,
         body,
         UNSERVED,
     )
+
+
+def _title_schema(config: Any) -> bool:
+    """Whether `output_config` asks for a JSON answer with a `title` property (Claude Code's title request)."""
+    fmt = config.get("format") if isinstance(config, dict) else None
+    schema = fmt.get("schema") if isinstance(fmt, dict) and fmt.get("type") == "json_schema" else None
+    properties = schema.get("properties") if isinstance(schema, dict) else None
+    return isinstance(properties, dict) and "title" in properties
 
 
 def _content(a: Answer) -> list[dict[str, Any]]:

@@ -26,6 +26,7 @@ A session holds at most `max_segments` segments (GatewayLimits); a request past 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,6 +80,35 @@ class Answer:
     prompt_tokens: int
     completion_tokens: int
     turn: int
+
+
+AUX = "aux:"  # an auxiliary call's line ends with AUX + its kind (fsm/gateway/tree.py records it on a node of its own)
+AUX_KIND = re.compile(r"[a-z][a-z0-9_]{0,31}")
+# System prompts of calls that are not the agent's own turns, by what they hold: (kind, text). Configurable
+# (GatewayLimits.auxiliary_prompts); these are the harnesses' own (opencode's title agent, Claude Code's /compact,
+# Gemini CLI's and qwen-code's history compression).
+AUX_PROMPTS: tuple[tuple[str, str], ...] = (
+    ("title", "You are a title generator"),
+    ("compaction", "tasked with summarizing conversations"),
+    ("compaction", "summarizes internal chat history"),
+)
+
+
+def auxiliary(call: Call, header: str | None, prompts: tuple[tuple[str, str], ...]) -> str | None:
+    """The kind of a call that is not the agent's own turn (a title, a compaction), or None: the harness's
+    header (`x-agentfsm-call: KIND`) first, then a title schema the request asks its answer to follow (Claude
+    Code's `output_config.format`), then a system prompt holding one of `prompts`."""
+    if header:
+        kind = header.strip().lower()
+        if not AUX_KIND.fullmatch(kind):
+            raise GatewayError(
+                f"x-agentfsm-call: {header[:64]!r} is not a call kind (1-32 lowercase letters, digits or '_')"
+            )
+        return kind
+    if call.extra.get("title_schema"):
+        return "title"
+    system = [m.get("content") or "" for m in call.messages if m["role"] == "system"]
+    return next((kind for kind, text in prompts for prompt in system if text in prompt), None)
 
 
 def unsupported_tool(where: str, tool: dict[str, Any]) -> str:

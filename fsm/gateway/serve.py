@@ -105,6 +105,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "of the prompt and noted on the row (drop, the default), or answered 400 (refuse)",
     )
     p.add_argument(
+        "--auxiliary-calls",
+        choices=("keep", "separate", "drop"),
+        default=GatewayLimits.auxiliary_calls,
+        help="calls that are not the agent's own turns (a title, a compaction; docs/gateway.md): rows of their "
+        "own, trained apart (separate: their policy is their kind, the default), kept as any, or dropped",
+    )
+    p.add_argument(
         "--workers",
         dest="gateway_workers",
         type=_positive,
@@ -183,6 +190,7 @@ def cmd_gateway(args: argparse.Namespace, run: Any, rollout: Any = None) -> int:
         max_sessions=args.max_sessions,
         max_segments=args.max_segments,
         unsupported_tools=args.unsupported_tools,
+        auxiliary_calls=args.auxiliary_calls,
     )
     if config is not None:
         from fsm.gateway.workers import worker

@@ -26,11 +26,13 @@ from typing import Any
 from aiohttp import web
 
 from fsm.gateway import anthropic_api, openai_api
-from fsm.gateway.record import Answer, Call, GatewayError
+from fsm.gateway.record import AUX, AUX_PROMPTS, Answer, Call, GatewayError, auxiliary
 from fsm.gateway.tree import Tree, child_line
 from fsm.run.engine import owned
 
 log = logging.getLogger("agentfsm.gateway")
+# a harness names a call that is not its agent's own turn: `x-agentfsm-call: title`
+AUX_HEADER = "x-agentfsm-call"
 
 
 async def listen(
@@ -64,6 +66,15 @@ class GatewayLimits:
     unsupported_tools: str = (
         "drop"  # tools other than functions: "drop" (left out, noted on the row) or "refuse"
     )
+    # calls that are not the agent's own turns (a title, a compaction: record.auxiliary), each recorded on a node
+    # of its own: "keep" (a row like any, node_kind its kind), "separate" (the same, its policy its kind, so a
+    # trainer trains it apart) or "drop" (answered, left out of the rows)
+    auxiliary_calls: str = "separate"
+    auxiliary_prompts: tuple[tuple[str, str], ...] = AUX_PROMPTS  # (kind, text its system prompt holds)
+
+    def __post_init__(self) -> None:
+        if self.auxiliary_calls not in ("keep", "separate", "drop"):
+            raise ValueError(f"auxiliary_calls {self.auxiliary_calls!r}: keep, separate or drop")
 
 
 class SessionClosed(GatewayError):
@@ -80,7 +91,7 @@ class Session:
         self.key = secrets.token_urlsafe(24)
         self.traj_id = traj_id
         limits = gateway.limits
-        self.tree = Tree(limits.max_segments, limits.max_nodes, limits.max_depth)
+        self.tree = Tree(limits.max_segments, limits.max_nodes, limits.max_depth, limits.auxiliary_calls)
         self.wake = asyncio.Event()  # a call arrived, or the harness ended
         # sent, not yet taken by the driver: one per line at most (the session and each child session)
         self.pending: deque[tuple[Call, asyncio.Future[Answer]]] = deque()
@@ -275,6 +286,9 @@ class Gateway:
             call = parse(body)
             if "/child/" in request.path:
                 call.child = child_line(request.path.split("/", 3)[3])[0]
+            kind = auxiliary(call, request.headers.get(AUX_HEADER), self.limits.auxiliary_prompts)
+            if kind is not None:  # not the agent's own turn: a node of its own, beside the line's (tree.py)
+                call.child += (AUX + kind,)
             if call.extra.get("dropped_tools") and self.limits.unsupported_tools == "refuse":
                 raise GatewayError(
                     f"{call.extra['dropped_tools'][0]}: only function tools are supported (the "

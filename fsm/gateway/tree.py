@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fsm.gateway.record import (
+    AUX,
     Call,
     GatewayError,
     Plan,
@@ -39,6 +40,7 @@ from fsm.run.trajectory import Segment, TokenRuns, Trajectory
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 POLICY = "default"  # the gateway serves one policy
+NODE_KINDS = ("root", "child", "branch")  # any other node kind is an auxiliary call's ("title", "compaction")
 
 
 def child_line(tail: str) -> tuple[tuple[str, ...], str]:
@@ -83,8 +85,11 @@ class Node:
 class Tree:
     """The nodes of one session and the segments parked while another node's is live in the trajectory."""
 
-    def __init__(self, max_segments: int = 32, max_nodes: int = 64, max_depth: int = 4) -> None:
+    def __init__(
+        self, max_segments: int = 32, max_nodes: int = 64, max_depth: int = 4, auxiliary: str = "separate"
+    ) -> None:
         self.max_segments, self.max_nodes, self.max_depth = max_segments, max_nodes, max_depth
+        self.auxiliary = auxiliary  # GatewayLimits.auxiliary_calls: keep, separate or drop their rows
         self.root = Node("root", (), None, 0, None, Recorder(max_segments), id="0")
         self.nodes: list[Node] = [self.root]
         self.recent: dict[tuple[str, ...], Node] = {(): self.root}  # the latest node each line recorded on
@@ -154,6 +159,16 @@ class Tree:
 
     def _new_child(self, traj: Trajectory, line: tuple[str, ...]) -> Node:
         parent = self.recent.get(line[:-1])
+        if line[-1].startswith(AUX) and parent is not None:
+            # a call that is not the agent's own turn (a title, a compaction): a node of its own under the
+            # line's latest, even before that one's first call (a harness asks for a title beside its first)
+            self._room(parent)
+            offset = 0
+            if parent.seqs:
+                seg = self.segment(traj, parent.seq)
+                offset = len(seg.prompt_ids) + len(seg.response_ids)
+            seq = parent.seq if parent.seqs else None
+            return Node(line[-1][len(AUX) :], line, parent, offset, seq, Recorder(self.max_segments))
         if parent is None or not parent.seqs:
             raise GatewayError(
                 f"{line_path(line)}: unknown parent session {line_path(line[:-1])} (it has recorded no call)",
@@ -271,9 +286,12 @@ class Tree:
         if self.finalized or self.live < 0:
             return
         self.finalized = True
-        last = self.live
         self._park(traj)
-        order = [s for s in range(len(self.stored)) if s != last] + [last]
+        kept = [s for s in range(len(self.stored)) if not self._dropped(s)] or list(range(len(self.stored)))
+        last = (
+            self.live if self.live in kept else kept[-1]
+        )  # (a session of dropped calls only keeps its rows)
+        order = [s for s in kept if s != last] + [last]
         segs = [self.stored[s] for s in order]
         for k, seg in enumerate(segs):
             seg.index = k  # type: ignore[union-attr]
@@ -283,13 +301,19 @@ class Tree:
         traj.extra["tree"] = rows
         traj.extra["segment_tools"] = [self.tools[s] for s in order]
 
+    def _dropped(self, seq: int) -> bool:
+        """Whether segment `seq` is an auxiliary call's that GatewayLimits.auxiliary_calls leaves out."""
+        return self.auxiliary == "drop" and self.owner[seq].kind not in NODE_KINDS
+
     def _fields(self, traj: Trajectory, seq: int, n_rows: int) -> dict[str, Any]:
-        """One row's place in the tree (the field names the engine's trees use, docs/gateway.md)."""
+        """One row's place in the tree (the field names the engine's trees use, docs/gateway.md); an auxiliary
+        call's node_kind is its kind ("title", "compaction"), and its policy too when it is trained apart."""
         node = self.owner[seq]
         parent = node.parent
         shared: dict[str, Any] = {"length": 0, "node": None}
-        if parent is not None and seq == node.seqs[0]:
-            mine, theirs = self.stored[seq], self.stored[node.parent_seq]  # type: ignore[index]
+        aux = node.kind not in NODE_KINDS
+        if parent is not None and seq == node.seqs[0] and node.parent_seq is not None:
+            mine, theirs = self.stored[seq], self.stored[node.parent_seq]
             shared = {"length": _common(mine.context_ids(), theirs.context_ids()), "node": parent.id}  # type: ignore[union-attr]
         return {
             "tree": traj.session_id,
@@ -297,7 +321,7 @@ class Tree:
             "parent": parent.id if parent is not None else None,
             "node_kind": node.kind,
             "branch_offset": node.offset,
-            "policy": POLICY,
+            "policy": node.kind if aux and self.auxiliary == "separate" else POLICY,
             "depth": node.depth,
             "weight": 1.0 / n_rows,  # per root: a root counts 1 in total, split over its rows
             "shared_prefix": shared,

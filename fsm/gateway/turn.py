@@ -44,14 +44,15 @@ def _start(
         ids = ctx.codec.encode_prompt(templ, call.tools)
         if len(ids) > limit:
             raise _too_long(ids, limit)
-        if plan.kind == "first" and node.kind == "root":
+        if plan.kind == "first" and node.kind == "root" and tree.live < 0:  # the trajectory's own segment
             traj.messages = templ
             traj.prompt_ids.extend(ids)
             traj.segment_start = first_segment(len(templ))
             traj.tool_schemas = call.tools
             seq = tree.begin_root(node, call.tools)
         else:
-            reason = "child" if plan.kind == "first" else "history"
+            # (the root's first call after an auxiliary call's began the trajectory: its prompt, a segment of its own)
+            reason = ("prompt" if node.kind == "root" else "child") if plan.kind == "first" else "history"
             if plan.kind == "history":
                 tree.switch(traj, node)
             seq = tree.begin(traj, node, list(ids), reason, templ, call.tools)
