@@ -37,7 +37,7 @@ class RetryPolicy:
     attempts: int = 4  # total attempts, the first included: 1 means never retry
     backoff_s: float = 0.05  # wait before the second attempt
     multiplier: float = 2.0  # each later wait is this many times the one before...
-    backoff_max_s: float = 5.0  # ...up to this
+    backoff_max_s: float = 5.0  # ...up to this, jitter included
     jitter: float = 0.2  # ±20 % on every wait, so clients that failed together do not retry together
     statuses: frozenset[int] = RETRY_STATUSES  # HTTP statuses worth another attempt
     retry_after_max_s: float = 30.0  # a server's Retry-After is honoured up to this
@@ -52,12 +52,28 @@ class RetryPolicy:
             )
 
     def delay(self, attempt: int, retry_after: float | None = None) -> float:
-        """Seconds to wait after failed attempt number `attempt` (1-based) before the next one."""
-        base = min(self.backoff_max_s, self.backoff_s * self.multiplier ** (attempt - 1))
-        wait = base * random.uniform(1 - self.jitter, 1 + self.jitter) if base > 0 else 0.0
+        """Seconds to wait after failed attempt number `attempt` (1-based) before the next one: never more than
+        `backoff_max_s`, jitter included (capped after it), however large `attempt` grows; a server's
+        `Retry-After` may ask for longer, up to `retry_after_max_s`."""
+        base = self._base(attempt)
+        wait = (
+            min(self.backoff_max_s, base * random.uniform(1 - self.jitter, 1 + self.jitter))
+            if base > 0
+            else 0.0
+        )
         if retry_after is not None:
             wait = max(wait, min(retry_after, self.retry_after_max_s))
         return wait
+
+    def _base(self, attempt: int) -> float:
+        """backoff_s * multiplier ** (attempt - 1), for any attempt: 2.0 ** 1024 is past a float (attempt 1,025
+        once raised OverflowError, a backoff of 0 too), so a power that overflows is taken in logs."""
+        if self.backoff_s <= 0:
+            return 0.0
+        try:
+            return self.backoff_s * float(self.multiplier) ** (attempt - 1)
+        except OverflowError:
+            return math.exp(min(math.log(self.backoff_s) + (attempt - 1) * math.log(self.multiplier), 700.0))
 
     def retryable_status(self, status: int | None) -> bool:
         return status is not None and status in self.statuses

@@ -31,7 +31,13 @@ ERRORS: dict[str, str] = {
     "error": "any other exception raised by the state's action (a user action's bug)",
 }
 WILDCARD = "all"
-MAX_ATTEMPTS = 10  # per retry rule: more is a typo or an outage a catch should handle
+MAX_ATTEMPTS = (
+    10  # per retry rule, and per tool call's own retry: more is a typo or an outage a catch should handle
+)
+MAX_WAIT_S = 3600  # the longest wait between two attempts, a state's or a tool's
+# Runs of one tool call in a run: its tool's own attempts times the rounds its state's retry runs. Bounded as each
+# factor is (validate: `retry-runs`), so the product of two sane numbers cannot be an outage's worth of calls.
+MAX_CALL_RUNS = 10
 
 
 def known_error(name: str) -> bool:
@@ -49,25 +55,34 @@ class _Strict(BaseModel):
 
 
 class StateRetry(_Strict):
-    """One retry rule of a state: the action runs again after a failure it names (Step Functions' Retrier)."""
+    """One retry rule of a state: the action runs again after a failure it names (Step Functions' Retrier, but
+    `max_attempts` counts the first attempt: Step Functions' MaxAttempts counts retries only)."""
 
     errors: list[str] = Field(min_length=1, description=f"Error names, or {WILDCARD!r}: {', '.join(ERRORS)}.")
     max_attempts: int = Field(
         default=3,
         ge=1,
         le=MAX_ATTEMPTS,
-        description="Attempts of the action for these errors, the first included (1 never retries).",
+        description="Attempts of the action for these errors, the first included (1 never retries): Step "
+        "Functions' MaxAttempts counts retries only, so its MaxAttempts 2 is max_attempts 3 here. A tool round "
+        "run again runs each call with the tool's own retry again: the runs multiply, at most "
+        f"{MAX_CALL_RUNS} per call (validate).",
     )
-    backoff_s: float = Field(default=1.0, ge=0, le=3600, description="Wait before the second attempt.")
+    backoff_s: float = Field(
+        default=1.0, ge=0, le=MAX_WAIT_S, description="Wait before the second attempt (before jitter)."
+    )
     multiplier: float = Field(
         default=2.0, ge=1, le=10, description="Each later wait is this many times longer."
     )
-    backoff_max_s: float = Field(default=30.0, ge=0, le=3600, description="No wait is longer than this.")
+    backoff_max_s: float = Field(
+        default=30.0, ge=0, le=MAX_WAIT_S, description="No wait is longer than this, jitter included."
+    )
     jitter: float = Field(
         default=0.2,
         ge=0,
         le=1,
-        description="Each wait is scaled by a uniform factor in [1-jitter, 1+jitter].",
+        description="Each wait is scaled by a uniform factor in [1-jitter, 1+jitter], then capped at "
+        "backoff_max_s.",
     )
 
 
@@ -141,11 +156,43 @@ def catch_loop(states: dict[str, Any], source: str, dest: str) -> list[str] | No
     return path
 
 
+def rounds(rules: list[StateRetry]) -> int:
+    """The most times a state's action runs under its retry rules: the first attempt, then each rule's retries
+    (a rule counts only the failures it names, so a failure that changes kind spends another rule's too)."""
+    return 1 + sum(r.max_attempts - 1 for r in rules)
+
+
+def call_runs(spec: Any, name: str, diagnostic: Callable[..., Any]) -> list[Any]:
+    """A `retry-runs` diagnostic when a call of some tool may run more than MAX_CALL_RUNS times in state `name`
+    (a `call_tools` state): the tool's own attempts times the rounds its state's retry runs."""
+    st = spec.states[name]
+    if not st.retry or st.action != "call_tools":
+        return []
+    n = rounds(st.retry)
+    worst = max(spec.tools, key=lambda t: t.retry.max_attempts, default=None)
+    if worst is None or worst.retry.max_attempts * n <= MAX_CALL_RUNS:
+        return []
+    tool = worst.name or worst.function or worst.class_
+    return [
+        diagnostic(
+            "retry-runs",
+            f"a call of tool {tool!r} may run {worst.retry.max_attempts * n} times in {name}: its own "
+            f"retry.max_attempts {worst.retry.max_attempts} in each of the {n} rounds the state's retry runs (1 + "
+            f"each rule's max_attempts - 1); at most {MAX_CALL_RUNS}: lower one, and catch an outage instead",
+            "states",
+            name,
+            "retry",
+        )
+    ]
+
+
 def check_failures(spec: Any, diagnostic: Callable[..., Any]) -> list[Any]:
     """Diagnostics for the states' failure rules: unknown states and error names, rules on final states,
-    catches that loop with no guard. `diagnostic(code, message, *loc, key=)` positions one."""
+    catches that loop with no guard, tool calls that the tool's and the state's retries together would run
+    more than MAX_CALL_RUNS times. `diagnostic(code, message, *loc, key=)` positions one."""
     diags, states = [], spec.states
     for name, st in states.items():
+        diags += call_runs(spec, name, diagnostic)
         if st.final and (st.retry or st.catch or st.timeout_s or st.heartbeat_s or st.on_error):
             diags.append(
                 diagnostic(

@@ -21,7 +21,7 @@ from pydantic import (
     model_validator,
 )
 
-from fsm.spec.failures import FailuresSpec, StateFailures
+from fsm.spec.failures import MAX_ATTEMPTS, MAX_CALL_RUNS, MAX_WAIT_S, FailuresSpec, StateFailures
 
 STANDARD_STATES = ("PENDING", "GENERATING", "PROCESSING_TOOLS", "INTERACTING", "TERMINATED")
 DEFAULT_TOOL_WORKERS = 8  # ToolSpec.workers
@@ -86,8 +86,23 @@ class StateSpec(StateFailures):  # retry, catch, timeout_s, heartbeat_s, on_erro
 
 
 class RetrySpec(_Strict):
-    max_attempts: int = Field(default=1, ge=1, description="Total attempts, the first included.")
-    backoff_s: float = Field(default=0.0, ge=0, description="Sleep before attempt k is backoff_s * 2**(k-2).")
+    """A tool's own retry of one call (fsm/tools/base.py `tool_retry`): `execute` again after any exception or
+    timeout, bounded as a state's retry is (fsm/spec/failures.py)."""
+
+    max_attempts: int = Field(
+        default=1,
+        ge=1,
+        le=MAX_ATTEMPTS,
+        description="Runs of the tool for one call, the first included (1 never retries; Step Functions' "
+        "MaxAttempts counts retries only). A state's retry runs the whole tool round again, each time with "
+        f"these runs: the two multiply, and validate refuses more than {MAX_CALL_RUNS} runs of one call.",
+    )
+    backoff_s: float = Field(
+        default=0.0,
+        ge=0,
+        le=MAX_WAIT_S,
+        description=f"Sleep before run k is backoff_s * 2**(k-2), no jitter, and never more than {MAX_WAIT_S:g} s.",
+    )
 
 
 class ToolSpec(_Strict):

@@ -24,6 +24,7 @@ from typing import Any
 from backends.retry import RetryPolicy, retry
 from fsm.data.rows import encodable
 from fsm.families.parsers import ToolCall
+from fsm.spec.failures import MAX_WAIT_S
 from fsm.spec.model import DEFAULT_TOOL_WORKERS, LimitsSpec, ToolPolicySpec
 from fsm.tools.isolation import (
     START_CLOCK,
@@ -213,8 +214,9 @@ class CallOutcome:
 
 def tool_retry(attempts: int, backoff_s: float) -> RetryPolicy:
     """The spec's `retry:` as a policy: the wait before attempt k is backoff_s * 2**(k-2), exactly (no jitter:
-    one tool's calls are not a fleet of clients retrying together)."""
-    return RetryPolicy(attempts=attempts, backoff_s=backoff_s, backoff_max_s=float("inf"), jitter=0.0)
+    one tool's calls are not a fleet of clients retrying together), and never longer than a state's retry may
+    wait (MAX_WAIT_S), whatever a program that builds tools by hand asks."""
+    return RetryPolicy(attempts=attempts, backoff_s=backoff_s, backoff_max_s=MAX_WAIT_S, jitter=0.0)
 
 
 class AgentData:
