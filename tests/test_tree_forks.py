@@ -160,3 +160,36 @@ def test_a_branch_copies_its_parents_failures_into_a_list_of_its_own():
     a, b = _copy(parent, "r:0.0"), _copy(parent, "r:0.1")
     a.extra["failures"].append({"handled": "catch"})
     assert parent.extra["failures"] == b.extra["failures"] == [{"handled": "retry"}]
+
+
+BOMB = """states:
+  PENDING:
+    fork: {branches: 64, times: 1}
+  GENERATING:
+    fork: {branches: 64, times: 1}
+tree: {max_depth: 2, max_children: 64, max_nodes: 5000, max_run_nodes: 100}
+"""
+
+
+@pytest.mark.slow
+def test_a_fork_bomb_within_its_trees_bounds_stops_at_the_runs_node_bound(tmp_path):
+    """Issue 50: forks within each tree's bounds made 20,000 nodes from one prompt (2.4 GB; 100,000 crashed a
+    4 GB process). `validate` says what one tree can reach and warns past tree.max_run_nodes; the run makes the
+    first fork's 64 branches, and each branch's own fork of 64, past the run's 100, ends that row as an error
+    (one line naming the bound), before any model turn."""
+    bomb = spec(tmp_path, "bomb", BOMB)
+    checked = agentfsm("validate", str(bomb))
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert f"{bomb}: ok (1 warning); a tree: up to 4161 nodes, the root included" in checked.stdout
+    assert "warning: tree-size: one tree can reach 4161 nodes" in checked.stdout
+    out = tmp_path / "out"
+    done = run(bomb, out)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
+    assert len(rows) == 65 and rows[0]["termination_reason"] == "forked"
+    for r in rows[1:]:
+        assert r["node_kind"] == "branch" and r["depth"] == 1
+        assert r["error"].startswith("fork of 64 branches in GENERATING: tree.max_run_nodes 100 reached"), r
+        assert r["turns"] == [] or all(
+            t["role"] != "assistant" for t in r["turns"]
+        )  # no model turn was spent

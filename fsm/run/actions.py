@@ -21,7 +21,7 @@ from fsm.run.context import RunContext
 from fsm.run.failures import StateFailure
 from fsm.run.policy import sync_template
 from fsm.run.trajectory import Trajectory, first_segment
-from fsm.run.tree import run_child
+from fsm.run.tree import RUN_NODE_BOUND, run_child
 
 
 async def encode_prompt(ctx: RunContext, traj: Trajectory) -> None:
@@ -264,6 +264,9 @@ async def _call_tools(ctx: RunContext, traj: Trajectory, calls: list[Any]) -> No
         )
     traj.metrics.tool_calls += time.perf_counter() - t0
     traj.metrics.num_tool_calls += len(run)
+    for outcome in outcomes:  # a child past the run's node bound (fsm/run/tree.py): the row's error
+        if outcome.error == RUN_NODE_BOUND:
+            raise RowError(outcome.text)
     named = ctx.agent.tool_rules.get(traj.state)
     if named:  # the state's retry/catch names these errors: they fail the round instead of being observations
         for outcome in outcomes:

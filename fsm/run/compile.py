@@ -23,7 +23,7 @@ from fsm.run.actions import BUILTIN_ACTIONS
 from fsm.run.agent import REWARD_EXTRAS, CompiledAgent, Edge, Reward
 from fsm.run.interaction import REQUIRED_METHODS
 from fsm.run.rewrites import make_rewrite, rewrite_loops
-from fsm.run.treecheck import check_tree, child_schema
+from fsm.run.treecheck import check_tree, child_schema, tree_size
 from fsm.spec.failures import check_failures
 from fsm.spec.guards import GuardError, compile_guard
 from fsm.spec.loader import Diagnostic, LoadedSpec, SpecError, load_spec
@@ -135,6 +135,15 @@ class _Compiler:
         tools = self._tools()
         built = None if self.static else set(tools.by_name)  # the names the model sees
         check_tree(spec, self.loaded.path if self.loaded else None, self.error, built)  # fsm/run/treecheck.py
+        size = tree_size(spec)
+        if size is not None and size - 1 > spec.tree.max_run_nodes:
+            self.warn(
+                "tree-size",
+                f"one tree can reach {size} nodes (tree: max_nodes {spec.tree.max_nodes}, max_depth "
+                f"{spec.tree.max_depth}, max_children {spec.tree.max_children}), more than tree.max_run_nodes "
+                f"{spec.tree.max_run_nodes} for the whole run: such a tree ends as an error row",
+                "tree",
+            )
         for name, child in spec.children.items():
             schema = child.schema_
             if isinstance(schema, str):

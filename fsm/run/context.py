@@ -201,6 +201,14 @@ class PauseGate:
 
 
 @dataclass(slots=True)
+class NodeCount:
+    """The children and branches of a run's trees in flight, against the root spec's `tree.max_run_nodes`
+    (fsm/run/tree.py charges a tree's nodes as they are made and releases them when its root ends)."""
+
+    nodes: int = 0
+
+
+@dataclass(slots=True)
 class Policy:
     """One policy at run time (the spec's `policies:`): its backend (None: the run's) and its codec."""
 
@@ -273,6 +281,7 @@ class RunContext:
         # the run's own backend, codec and gate, where a node whose policy has none of its own generates (not
         # the root policy's: a root whose policy has a checkpoint or servers runs there, its children need not)
         self.run_parts: tuple[Backend, Codec, PauseGate] = (backend, codec, self.gate)
+        self.run_nodes = NodeCount()  # shared by every context of the run
         self._nodes: dict[tuple[int, str], RunContext] = {(id(agent), self.policy): self}
         self._child_agents: dict[tuple[int, str], CompiledAgent] = {}
 
@@ -301,7 +310,7 @@ class RunContext:
             tracer=self.tracer,
             gate=known.gate or run_gate,
         )
-        ctx.run_parts = self.run_parts
+        ctx.run_parts, ctx.run_nodes = self.run_parts, self.run_nodes
         ctx.policies, ctx.root_agent, ctx.policy, ctx.drive = (
             self.policies,
             self.root_agent,

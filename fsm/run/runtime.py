@@ -36,7 +36,7 @@ from fsm.run.policy import check_segments
 from fsm.run.signals import signals_wake_the_loop
 from fsm.run.tracer import Tracer
 from fsm.run.trajectory import Trajectory
-from fsm.run.tree import fork, row_nodes, should_fork
+from fsm.run.tree import fork, release_nodes, row_nodes, should_fork
 from fsm.spec.model import DEFAULT_TOOL_WORKERS
 from fsm.tools.isolation import CALLER, INLINE_STEPS, ThreadLane
 
@@ -287,6 +287,7 @@ class Runner:
             try:
                 await self._finish(ctx, traj)
             finally:  # the root span ends even when finishing is cancelled
+                release_nodes(ctx, traj)
                 if root is not None:
                     root.finish()
                 if traced is not None:

@@ -17,6 +17,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from fsm.data.rows import RowError
 from fsm.run.trajectory import Metrics, TokenRuns, Trajectory
 from fsm.tools.base import CallOutcome
 
@@ -32,6 +33,36 @@ class TreeCount:
     """What one tree shares: its node count, against the root spec's `tree.max_nodes`."""
 
     nodes: int = 1
+    run: int = 0  # of them, charged to the run's `tree.max_run_nodes` (released when the root ends)
+
+
+# a child call refused by the run's node bound: the row's error (fsm/run/actions.py), not the model's observation
+RUN_NODE_BOUND = "run_node_bound"
+
+
+def _charge(ctx: RunContext, count: TreeCount, k: int) -> str | None:
+    """Charge `k` new nodes of a tree to the run's bound: why not (None: charged). Unlike a tree's own bounds,
+    which the tree lives with, the run's protects the machine (a bomb of 100,000 nodes within one tree's), so
+    passing it ends the row as an error."""
+    limit = ctx.root_agent.spec.tree.max_run_nodes
+    held = ctx.run_nodes.nodes
+    if held + k > limit:
+        return (
+            f"tree.max_run_nodes {limit} reached: the run's trees in flight hold {held} children and branches, "
+            f"this one would add {k}; bound the spec's trees (agentfsm validate says how many nodes one can "
+            "reach) or raise tree.max_run_nodes"
+        )
+    ctx.run_nodes.nodes += k
+    count.run += k
+    return None
+
+
+def release_nodes(ctx: RunContext, traj: Trajectory) -> None:
+    """A root ended: its tree's nodes no longer count against the run's `tree.max_run_nodes`."""
+    node = traj.node
+    if node is not None and node.kind == "root":
+        ctx.run_nodes.nodes = max(ctx.run_nodes.nodes - node.count.run, 0)
+        node.count.run = 0
 
 
 @dataclass(slots=True)
@@ -246,6 +277,11 @@ async def run_child(ctx: RunContext, traj: Trajectory, call: ToolCall, drive: Dr
         return CallOutcome(
             name, f"Error: sub-agent {name} not started: {why}", error="tree_limit", call_id=call.id
         )
+    over = _charge(ctx, parent.count, 1)
+    if over is not None:
+        return CallOutcome(
+            name, f"sub-agent {name} not started: {over}", error=RUN_NODE_BOUND, call_id=call.id
+        )
     agent = ctx.child_agent(name)
     policy = child_spec.policy or agent.spec.policy
     child_ctx = ctx.for_node(agent, policy)
@@ -342,6 +378,9 @@ async def fork(ctx: RunContext, traj: Trajectory, drive: Drive) -> bool:
         )
         parent.forks[traj.state] = parent.forks.get(traj.state, 0) + 1
         return False
+    over = _charge(ctx, parent.count, k)
+    if over is not None:
+        raise RowError(f"fork of {k} branches in {traj.state}: {over}")
     offset = len(traj.prompt_ids) + len(traj.response_ids)
     branches = []
     for _ in range(k):

@@ -165,6 +165,29 @@ def check_tree(spec: AgentSpec, path: Path | None, error: Report, tool_names: se
             )
 
 
+def tree_size(spec: AgentSpec) -> int | None:
+    """The most nodes one tree of `spec` can reach, the root included (None: no child machine and no fork, so a
+    tree is its root): each node starts at most `max_children` nodes (a fork alone: its branches), down to
+    `max_depth` (forks alone: also the forks a path may take, `times` summed), within `max_nodes`."""
+    forks = [st.fork for st in spec.states.values() if st.fork is not None]
+    if not spec.children and not forks:
+        return None
+    tree = spec.tree
+    k, depth = tree.max_children, tree.max_depth
+    if not spec.children:
+        k = min(max(f.branches for f in forks), k)
+        if all(f.times is not None for f in forks):
+            times = sum(f.times or 0 for f in forks)
+            depth = times if depth is None else min(depth, times)
+    total, level = 1, 1
+    for _ in range(depth if depth is not None else tree.max_nodes):
+        level *= k
+        total += level
+        if total >= tree.max_nodes:
+            return tree.max_nodes
+    return total
+
+
 def _on_cycle(start: str, graph: dict[str, list[str]]) -> bool:
     seen, todo = set(), list(graph.get(start, ()))
     while todo:

@@ -542,6 +542,14 @@ class TreeSpec(_Strict):
         default=8, ge=1, le=1024, description="Child machines and branches one node may start."
     )
     max_nodes: int = Field(default=64, ge=1, le=100_000, description="Nodes of one tree, the root included.")
+    max_run_nodes: int = Field(
+        default=10_000,
+        ge=1,
+        le=1_000_000,
+        description="Children and branches of all the trees a run has in flight (the root spec's): a fork or "
+        "child bomb within each tree's bounds (100,000 nodes: gigabytes) ends the row that would pass it as an "
+        "error instead of taking the machine's memory. `validate` says how many nodes one tree can reach.",
+    )
     weight: Literal["per_root", "per_row"] = Field(
         default="per_root",
         description="The batch's `weight` column: per_root splits 1.0 evenly over a root's rows (segments, "
