@@ -218,3 +218,25 @@ async def test_a_class_tool_reads_the_calls_key_whatever_instance_create_named(t
     assert effects.Keyed.SEEN == [(f"sandbox-{key}", key, key)]
     assert [m["content"] for m in traj.messages if m["role"] == "tool"] == [f"key {key}"]
     assert fsm.idempotency_key() is None
+
+
+async def test_a_process_isolated_tool_reads_the_calls_key_in_its_worker(tok, compile_yaml):
+    """Under `isolation: process` the worker gets each call's key with its arguments; two rows, one worker: each
+    call reads its own, none the other's."""
+    agent = compile_yaml(f"""
+        name: keyed
+        extends: {{specs}}/tool_agent.yaml
+        tools:
+          - function: {EFFECTS}:key_echo
+            schema: specs.calculator:TOOL_SCHEMA
+            isolation: process
+            workers: 1
+        """)
+    script = [tool_turn(tok, ("calculator", {"expression": "1 + 1"})), model_turn(tok, "Done.")]
+    try:
+        trajs = await run_agent(agent, scripted(script), tok, [user_row(), user_row()])
+    finally:
+        agent.tools.close()
+    for traj in trajs:
+        answers = [m["content"] for m in traj.messages if m["role"] == "tool"]
+        assert answers == [f"key {traj.session_id}_c0_0"]

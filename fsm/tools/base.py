@@ -16,6 +16,7 @@ import contextvars
 import dataclasses
 import inspect
 import json
+import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -27,6 +28,8 @@ from fsm.families.parsers import ToolCall
 from fsm.spec.failures import MAX_WAIT_S
 from fsm.spec.model import DEFAULT_TOOL_WORKERS, LimitsSpec, ToolPolicySpec
 from fsm.tools.isolation import (
+    KEY,
+    KEY_ENV,
     START_CLOCK,
     InlineLane,
     Lane,
@@ -62,18 +65,16 @@ _BEAT: contextvars.ContextVar[Callable[[], None] | None] = contextvars.ContextVa
 )
 
 
-# the running call's idempotency key, carried into the tool's thread or event loop as _BEAT is
-_KEY: contextvars.ContextVar[str | None] = contextvars.ContextVar("agentfsm_key", default=None)
-
-
 def idempotency_key() -> str | None:
     """The running tool call's idempotency key, `{session}_c{turn}_{call}`: `fsm.idempotency_key()` from a plain
     function's thread or coroutine, `agent_data.idempotency_key` in a class tool. The same on every run of one
     call (a tool's own retry, a state's retry, a resume after a kill), different for every other call of the
     run. Execution is at least once (a kill between the tool's effect and the journal's record of its result
     runs the call again); a tool that records its effect under this key and does nothing for a key it has seen
-    has each effect exactly once. None outside a tool call and under `isolation: process`."""
-    return _KEY.get()
+    has each effect exactly once. None outside a tool call. Under `isolation: process` the worker has it in its
+    environment too (AGENTFSM_IDEMPOTENCY_KEY), for a program the tool starts."""
+    key = KEY.get()  # carried into the tool's thread or event loop as _BEAT is
+    return key if key is not None else os.environ.get(KEY_ENV)  # in an `isolation: process` worker
 
 
 def heartbeat() -> bool:
@@ -355,7 +356,7 @@ class BoundTool:
         GeneratorExit, a CancelledError of its own) raises ToolCrashed. Only our caller's cancellation
         (the action's timeout, shutdown) passes through as such."""
         beating = _BEAT.set(getattr(agent_data, "heartbeat", None))  # the lanes carry it into the tool's call
-        keyed = _KEY.set(instance_id)  # the call's idempotency key, as the caller named the instance
+        keyed = KEY.set(instance_id)  # the call's idempotency key, as the caller named the instance
         try:
             return await self._run(call, instance_id, create_kwargs, agent_data)
         except asyncio.CancelledError as exc:
@@ -369,7 +370,7 @@ class BoundTool:
         except BaseException as exc:  # from lifecycle methods run outside a lane (a FunctionTool's own)
             raise crashed(self.name, exc) from exc
         finally:
-            _KEY.reset(keyed)
+            KEY.reset(keyed)
             _BEAT.reset(beating)
 
     async def _step(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

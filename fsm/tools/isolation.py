@@ -121,6 +121,10 @@ class _Job:
 # fsm/tools/base.py's StartTimeout of the call being made: a ThreadLane's thread stamps its `started` when it takes
 # the call (a wait in the queue is not the tool's: thousands of calls in flight queue for a few threads)
 START_CLOCK: contextvars.ContextVar[Any] = contextvars.ContextVar("agentfsm_start", default=None)
+# the running tool call's idempotency key (fsm/tools/base.py `idempotency_key`); a ProcessLane sends it to its
+# worker, which sets KEY_ENV for the call (the worker imports no engine module)
+KEY: contextvars.ContextVar[str | None] = contextvars.ContextVar("agentfsm_key", default=None)
+KEY_ENV = "AGENTFSM_IDEMPOTENCY_KEY"
 # who calls (the run's driver sets the trajectory's session id): an InlineLane's step in progress records it
 CALLER: contextvars.ContextVar[str | None] = contextvars.ContextVar("agentfsm_caller", default=None)
 # thread ident -> (tool name, caller, start) of the InlineLane step running on that thread's loop now: a step
@@ -505,7 +509,7 @@ class ProcessLane:
         async with pool.slots:
             worker = self._idle_worker(pool) or await self._start(pool)
             try:
-                await worker.send((kwargs, self.keep_chars))
+                await worker.send((kwargs, self.keep_chars, KEY.get()))
                 reply = await worker.receive()
             except asyncio.IncompleteReadError:
                 self._discard(pool, worker)

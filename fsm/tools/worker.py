@@ -5,7 +5,7 @@ standard library and the tool's own module, not the engine (whose imports take s
 FD, in both directions, each frame is an 8-byte big-endian length and a pickle:
 
     worker -> parent, once:      ("ready", None) | ("failed", "ImportError: ...")
-    parent -> worker, per call:  (kwargs, keep_chars)
+    parent -> worker, per call:  (kwargs, keep_chars, idempotency key or None)
     worker -> parent, per call:  ("ok", value) | ("raised", type name, message, is an Exception)
 
 A long answer is cut here to its first and last `keep_chars` characters before it is sent (the engine's
@@ -88,7 +88,10 @@ def die_with_parent(parent_pid):
         os._exit(0)
 
 
-def call(fn, kwargs, keep):
+def call(fn, kwargs, keep, key=None):
+    # the call's idempotency key, which fsm.idempotency_key() reads here (fsm.tools.isolation.KEY_ENV)
+    if key is not None:
+        os.environ["AGENTFSM_IDEMPOTENCY_KEY"] = key
     try:
         ret = fn(**kwargs)
         if asyncio.iscoroutine(ret):
@@ -121,8 +124,9 @@ def main():
         message = receive(sock)
         if message is None:  # the parent closed the socket
             return
-        kwargs, keep = message
-        data = call(fn, kwargs, keep)
+        kwargs, keep, key = message
+        data = call(fn, kwargs, keep, key)
+        os.environ.pop("AGENTFSM_IDEMPOTENCY_KEY", None)
         sock.sendall(len(data).to_bytes(8, "big") + data)
 
 
