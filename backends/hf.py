@@ -95,6 +95,17 @@ def _ids(value: int | list[int] | None) -> list[int]:
     return [value] if isinstance(value, int) else list(value or ())
 
 
+def default_threads() -> int | None:
+    """The intra-op threads the embedded model takes on the CPU unless told: all of this process's cores but one,
+    so the engine's event loop (tools, renders, the dev server's HTTP) keeps a core. torch's own choice takes
+    every core, and on a busy 2-core machine the loop then waits on the model's threads: the main job's rollout
+    took 50-69 s where one thread took 9-12 s, the dev server served 0.85 calls/s where one thread served 11-15
+    (docs/benchmarks.md). None (torch's choice) when OMP_NUM_THREADS or MKL_NUM_THREADS says how many."""
+    if os.environ.get("OMP_NUM_THREADS") or os.environ.get("MKL_NUM_THREADS"):
+        return None
+    return max(1, len(os.sched_getaffinity(0)) - 1)
+
+
 class HFBackend(BaseBackend):
     """A transformers causal LM served token-in-token-out, with batching across concurrent calls."""
 
@@ -112,7 +123,8 @@ class HFBackend(BaseBackend):
         # bfloat16 (see the module docstring). Also by name: "float32", "bfloat16", "float16", "auto".
         dtype: torch.dtype | str | None = None,
         max_batch_size: int = 32,
-        torch_threads: int | None = None,  # sets torch's (process-wide) intra-op thread count
+        # torch's (process-wide) intra-op thread count; None: `default_threads()` for a model loaded on the CPU
+        torch_threads: int | None = None,
         eos_token_ids: Sequence[int] | None = None,  # default: the model config's eos ids
         pad_token_id: int | None = None,  # any id works (padding is masked); default: config's pad or eos
         # the model's name in spans (`text_completion {name}`) and /model_info; default: TINY_SERVED_NAME for
@@ -124,9 +136,11 @@ class HFBackend(BaseBackend):
         # used only when the next prompt extends exactly what it covers, under the same weights.
         session_kv_bytes: int = SESSION_KV_BYTES,
     ):
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if torch_threads is None and self.device.type == "cpu" and not isinstance(model, torch.nn.Module):
+            torch_threads = default_threads()  # a model in memory is the caller's: its process, its threads
         if torch_threads is not None:
             torch.set_num_threads(torch_threads)
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = to_dtype(dtype)
         # where the weights came from (a directory or a hub id; None: the caller's module), which a resume checks
         self.checkpoint: str | None = None if isinstance(model, torch.nn.Module) else os.fspath(model)

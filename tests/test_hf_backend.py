@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -374,3 +377,39 @@ async def test_a_seed_means_the_same_on_cpu_and_cuda(model_dir: Path):
         async with HFBackend(model_dir, device=device) as b:
             runs.append([r.token_ids for r in await asyncio.gather(*(b.generate(r) for r in requests))])
     assert runs[0] == runs[1]
+
+
+# --- threads: the engine's loop keeps a core (issue 49 §3) ---------------------------------------------------
+
+THREADS = """
+import os, sys, torch
+from backends.hf import HFBackend
+from backends.tiny import ASSET_DIR
+given = {"torch_threads": int(sys.argv[1])} if len(sys.argv) > 1 else {}
+HFBackend(ASSET_DIR, device="cpu", **given)
+print(torch.get_num_threads(), len(os.sched_getaffinity(0)))
+"""
+
+
+@pytest.mark.parametrize(
+    "env, argv, want",
+    [
+        ({}, [], lambda cores: max(1, cores - 1)),  # all cores but one: the event loop keeps one
+        ({"OMP_NUM_THREADS": "2"}, [], lambda cores: min(2, cores)),  # the user's, as torch reads it (capped)
+        ({}, ["2"], lambda cores: 2),  # torch_threads= (agentfsm run --threads)
+    ],
+)
+def test_the_embedded_model_leaves_the_event_loop_a_core(env, argv, want):
+    """A real process loading the tiny model on the CPU, as `agentfsm run` and `agentfsm dev-server` do."""
+    repo = Path(__file__).resolve().parents[1]
+    environ = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    done = subprocess.run(
+        [sys.executable, "-c", THREADS, *argv],
+        env={**environ, **env, "PYTHONPATH": str(repo)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    threads, cores = map(int, done.stdout.split())
+    assert threads == want(cores), (threads, cores)

@@ -252,7 +252,8 @@ def command_line(commands: Mapping[str, Callable[[argparse.Namespace], int]]) ->
         "--threads",
         type=COUNT,
         metavar="N",
-        help="torch threads for the embedded model (default: torch's choice)",
+        help="torch threads for the embedded model (default: OMP_NUM_THREADS if set, else all cores but one, "
+        "so the engine's loop keeps a core)",
     )
     p.add_argument(
         "--batch-size", type=COUNT, default=64, metavar="N", help="max batch of the embedded model"
