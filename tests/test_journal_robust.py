@@ -430,3 +430,24 @@ def test_groups_a_trainer_took_are_not_handed_out_again_after_a_kill(tmp_path):
     offered, again = asyncio.run(resume())
     assert len(again) == 2 and not again & trained and offered == again
     assert len(rebuild(records(path)).taken) == 4  # the trainer's 2, then the resumed stream's 2
+
+
+def test_a_record_past_the_bound_is_never_written_and_the_journal_stays_readable(
+    tmp_path, monkeypatch, capsys
+):
+    """The writer keeps the reader's bound: a record it could not read back fails the journal in one line."""
+    import fsm.run.journal as journal
+
+    monkeypatch.setattr(journal, "MAX_RECORD", 4096)
+    writer = journal.Writer(tmp_path / JOURNAL, "off")
+    writer.append({"t": "run", "format": journal.FORMAT})
+    writer.append({"t": "step", "s": "x", "v": {"extra": {"text": "y" * 8192}}})
+    writer.append({"t": "end", "status": "completed"})  # nothing more after a failure
+    writer.close()
+    assert (
+        writer.failed
+        == f"{tmp_path / JOURNAL}: the journal cannot be written (a record of 8,248 bytes, past "
+        "the bound of one record (4,096))"
+    )
+    assert capsys.readouterr().err.count("the journal cannot be written") == 1
+    assert [r["t"] for r in records(tmp_path / JOURNAL).records] == ["run"]

@@ -195,6 +195,10 @@ class Writer:
         if self.failed is not None:
             return
         line = frame(record)
+        if len(line) > MAX_RECORD:  # the reader would refuse it: the journal ends whole before it instead
+            why = f"a record of {len(line):,} bytes, past the bound of one record ({MAX_RECORD:,})"
+            self._fail(OSError(errno.EFBIG, why))
+            return
         self.bytes += len(line)
         self.records += 1
         self._buf.append(line)
