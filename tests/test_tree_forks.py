@@ -193,3 +193,20 @@ def test_a_fork_bomb_within_its_trees_bounds_stops_at_the_runs_node_bound(tmp_pa
         assert r["turns"] == [] or all(
             t["role"] != "assistant" for t in r["turns"]
         )  # no model turn was spent
+
+
+@pytest.mark.slow
+def test_a_tree_that_ended_gives_its_nodes_back_to_the_run(tmp_path):
+    """tree.max_run_nodes counts the trees in flight: one at a time (--concurrency 1), each prompt's fork of 2
+    fits a run bound of 2, because the tree before it ended and released its branches."""
+    one_at_a_time = spec(
+        tmp_path,
+        "fork_two",
+        "states:\n  PENDING:\n    fork: {branches: 2, times: 1}\ntree: {max_run_nodes: 2}\n",
+    )
+    out = tmp_path / "out"
+    done = run(one_at_a_time, out, "--num-prompts", "3", "--concurrency", "1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
+    assert [r["node_kind"] for r in rows] == ["root", "branch", "branch"] * 3
+    assert all(r["error"] is None for r in rows), [r["error"] for r in rows]
