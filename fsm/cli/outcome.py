@@ -40,6 +40,20 @@ def to_stdout(show: Callable[[], None]) -> None:
             sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (lives until exit: nothing else flushes to fd 1)
 
 
+def journal_spec(journal: Path, named: Any, what_to_do: str) -> str:
+    """The spec a journal names, which compiling imports the code of: one inside the run directory is refused
+    (a run directory from elsewhere may ship a spec and its modules, and reading or resuming a run must not
+    run them); the user's own `--spec` (or `run SPEC --resume`) is never checked here: naming it asks for it."""
+    if not isinstance(named, str) or not Path(named).is_file():
+        raise CLIError(f"{journal} names the spec {named!r}, which is not there; {what_to_do}")
+    if Path(named).resolve().is_relative_to(journal.parent.resolve()):
+        raise CLIError(
+            f"{journal} names the spec {named}, inside the run directory: its code is not imported unless you "
+            f"name it yourself ({what_to_do}, if you trust it)"
+        )
+    return named
+
+
 def resume_spec(args: argparse.Namespace) -> None:
     """`run --resume DIR` needs no spec: the journal's first record names it; one given must be the one it was
     written with (checked by hash when the journal is read). An old snapshot.json is refused in one line."""
@@ -64,8 +78,6 @@ def resume_spec(args: argparse.Namespace) -> None:
     if not isinstance(run_id, str) or not 0 < len(run_id) <= 64:
         raise CLIError(f"--resume: {path}: record 1: run_id is not a run's id")
     if args.spec is None:  # the journal's, checked before compiling it imports any code (fsm/cli/replay.py)
-        from fsm.cli.replay import journal_spec
-
         try:
             args.spec = journal_spec(
                 path, named, f"pass the spec too: agentfsm run SPEC --resume {args.resume}"

@@ -14,7 +14,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from fsm.cli.outcome import CLIError
+from fsm.cli.outcome import CLIError, journal_spec
 from fsm.run.journal import JOURNAL, JournalError, Rebuilt, Scan, rebuild
 from fsm.run.signals import warn
 from fsm.run.trajectory import Trajectory
@@ -57,20 +57,6 @@ def _load(out: Path, spec: str | None, tokenizer: str | None) -> tuple[Rebuilt, 
         warn(f"the tokenizer {tokenizer} is not the one the run used ({named}): the token check may differ")
     _trees(out, rebuilt, agent)
     return rebuilt, agent, codec
-
-
-def journal_spec(journal: Path, named: Any, what_to_do: str) -> str:
-    """The spec a journal names, which compiling imports the code of: one inside the run directory is refused
-    (a run directory from elsewhere may ship a spec and its modules, and reading or resuming a run must not
-    run them); the user's own `--spec` (or `run SPEC --resume`) is never checked here: naming it asks for it."""
-    if not isinstance(named, str) or not Path(named).is_file():
-        raise CLIError(f"{journal} names the spec {named!r}, which is not there; {what_to_do}")
-    if Path(named).resolve().is_relative_to(journal.parent.resolve()):
-        raise CLIError(
-            f"{journal} names the spec {named}, inside the run directory: its code is not imported unless you "
-            f"name it yourself ({what_to_do}, if you trust it)"
-        )
-    return named
 
 
 def _local_tokenizer(name: str) -> Any:
