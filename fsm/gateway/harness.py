@@ -31,6 +31,7 @@ import contextlib
 import dataclasses
 import inspect
 import json
+import logging
 import os
 import signal
 import sys
@@ -53,6 +54,9 @@ REAP_S = 5.0  # how long a stopped harness may take to end
 REAPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reaper.py")  # runs each command harness
 ENDED = "the session's harness has ended"
 SECRET_ENV = (TOKEN_ENV,)  # this process's secrets no harness is given (a worker's registration token)
+CONTAINED = "pid+proc"  # the reaper's word for a harness in a PID namespace with its own /proc (reaper.py)
+log = logging.getLogger("agentfsm.gateway")
+_warned: list[bool] = []  # the warning that harnesses run uncontained: once a process
 
 
 class Harnesses:
@@ -388,9 +392,10 @@ async def _run_command(command: Sequence[str], call: HarnessCall, session: Sessi
     finally:
         os.close(write_fd)
     status = os.fdopen(read_fd, "rb", 0)  # closed by its reader, or when dropped
+    said: dict[str, str] = {}
     try:
         exited, out, err = await asyncio.gather(
-            _exit_status(status, session), _bounded(proc.stdout), _bounded(proc.stderr)
+            _exit_status(status, session, said), _bounded(proc.stdout), _bounded(proc.stderr)
         )
         code = await proc.wait()
     except BaseException:
@@ -401,15 +406,24 @@ async def _run_command(command: Sequence[str], call: HarnessCall, session: Sessi
         "outcome": "exit",
         "exit_code": code,
         "result": out.decode(errors="replace").strip(),
+        "contained": said.get("contained", "no: the reaper said nothing"),
     }
+    if result["contained"] != CONTAINED and not _warned:
+        _warned.append(True)
+        log.warning(
+            "command harnesses run uncontained (%s): one can read another's session key in /proc and outlive "
+            "its row; this run is not isolated (docs/gateway.md)",
+            result["contained"].removeprefix("no: "),
+        )
     if code != 0:
         result["error"] = err.decode(errors="replace").strip()[-2000:]
     return result
 
 
-async def _exit_status(pipe: Any, session: Session) -> int | None:
+async def _exit_status(pipe: Any, session: Session, said: dict[str, str]) -> int | None:
     """The command's pid (`session.pid`) and exit status as the reaper writes them on `pipe` (None if the reaper
-    died first); the session is closed when the command exits."""
+    died first), and whether it is contained (`said["contained"]`); the session is closed when the command
+    exits."""
     reader = asyncio.StreamReader()
     loop = asyncio.get_running_loop()
     transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), pipe)
@@ -418,6 +432,8 @@ async def _exit_status(pipe: Any, session: Session) -> int | None:
             kind, _, value = line.decode(errors="replace").partition(" ")
             if kind == "pid":
                 session.pid = int(value)
+            elif kind == "contained":
+                said["contained"] = value.strip()
             elif kind == "exit":
                 return int(value)
         return None

@@ -6,6 +6,14 @@ the gateway closes the session then, and refuses a call taken after the harness 
 it ignores) and reaped, and the reaper exits with the harness's status. SIGTERM, SIGINT or SIGHUP to the
 reaper (the row ended first), or its parent's death, kill the whole tree the same way.
 
+Where Linux lets it (root, or an unprivileged user namespace), the harness is contained in a way it cannot undo:
+it runs as PID 1 of a PID namespace of its own with its own /proc. It sees no process but its own tree (no other
+harness's environment, key or base URL in /proc/PID/environ, no worker's), cannot signal the reaper (which is not in
+its namespace: a SIGKILL or SIGSTOP to it once left a detached grandchild alive after the run), and the kernel kills
+everything in the namespace the moment the harness exits or dies, the reaper's death killing the harness
+(PR_SET_PDEATHSIG). Whether it is contained is written to FD (`contained pid+proc`, or `contained no: why`; the
+row keeps it, fsm/gateway/harness.py).
+
 It is run by path with `-S` (no site, no agentfsm import: started in milliseconds) and uses only the standard
 library. Elsewhere than on Linux it only runs the command (no subreaper).
 """
@@ -19,6 +27,8 @@ import sys
 import time
 
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
+CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID = 0x00020000, 0x10000000, 0x20000000
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 2, 4, 8, 1 << 14, 1 << 18
 KILL_WAIT_S = 5.0  # at most this long to kill and reap what the harness left
 
 
@@ -27,6 +37,38 @@ def _prctl(option: int, value: int) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
     except (OSError, AttributeError):
         pass
+
+
+def _unshare() -> str | None:
+    """Enter new mount and PID namespaces (the next child is PID 1 of the new one), in a user namespace of our own
+    where that needs one (not root); None, or why not."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(CLONE_NEWNS | CLONE_NEWPID) == 0:
+        return None
+    uid, gid = os.getuid(), os.getgid()
+    if libc.unshare(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID) != 0:
+        return f"unshare: {os.strerror(ctypes.get_errno())}"
+    try:  # the same ids inside: files keep their owners
+        for name, text in (
+            ("setgroups", "deny"),
+            ("uid_map", f"{uid} {uid} 1"),
+            ("gid_map", f"{gid} {gid} 1"),
+        ):
+            with open(f"/proc/self/{name}", "w") as f:
+                f.write(text)
+    except OSError as exc:
+        return f"user namespace maps: {exc.strerror or exc}"
+    return None
+
+
+def _own_proc() -> str | None:
+    """In the harness (PID 1 of its namespace), before exec: /proc shows its own namespace only. None, or why not."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None) != 0:  # our mounts stay ours
+        return f"mount --make-rprivate /: {os.strerror(ctypes.get_errno())}"
+    if libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None) != 0:
+        return f"mount proc: {os.strerror(ctypes.get_errno())}"
+    return None
 
 
 def descendants(root: int) -> list[int]:
@@ -74,9 +116,11 @@ def kill_tree() -> None:
 
 def main(argv: list[str]) -> int:
     fd, command = int(argv[0]), argv[1:]
+    why: str | None = "not Linux"
     if sys.platform == "linux":
         _prctl(PR_SET_CHILD_SUBREAPER, 1)
         _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        why = _unshare()
     stopped = []
 
     def stop(signum: int, _frame: object) -> None:
@@ -92,6 +136,15 @@ def main(argv: list[str]) -> int:
         os.write(2, f"agentfsm harness: cannot start {command[0]}: {exc}\n".encode())
         return 127
     if child == 0:
+        if why is None:
+            _prctl(
+                PR_SET_PDEATHSIG, signal.SIGKILL
+            )  # the reaper's death ends the namespace, whoever killed it
+            why = _own_proc()
+        try:
+            os.write(fd, f"contained {'pid+proc' if why is None else 'no: ' + why}\n".encode())
+        except OSError:
+            pass
         os.close(fd)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, signal.SIG_DFL)

@@ -5,6 +5,10 @@ an attacker would read it.
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -13,7 +17,9 @@ from pathlib import Path
 import pytest
 
 from fsm.gateway import harness
-from tests.gateway.test_hostile import SCRIPT
+from tests.gateway.conftest import row
+from tests.gateway.isolation_attacks import INJECTED
+from tests.gateway.test_hostile import SCRIPT, run, spec
 from tests.gateway.test_workers import ENV, ROOT, _finish, _pid_file, _spec
 
 WAIT = """
@@ -61,3 +67,75 @@ def test_a_workers_environment_never_holds_the_front_token(tmp_path):
         (dumps / "go").touch()
     rc, said = _finish(proc)
     assert rc == 0, said
+
+
+ATTACKS = str(Path(__file__).with_name("isolation_attacks.py"))
+attack_harness = harness(command=[sys.executable, ATTACKS], timeout_s=180)
+escape_kill = harness(command=[sys.executable, ATTACKS, "escape", str(int(signal.SIGKILL))], timeout_s=60)
+escape_stop = harness(command=[sys.executable, ATTACKS, "escape", str(int(signal.SIGSTOP))], timeout_s=10)
+
+
+def _namespaces() -> bool:
+    """Whether this machine lets the reaper contain a harness (a PID namespace with its own /proc)."""
+    for argv in (["unshare", "-pf", "--mount-proc", "true"], ["unshare", "-Urpf", "--mount-proc", "true"]):
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            if subprocess.run(argv, capture_output=True, timeout=60).returncode == 0:
+                return True
+    return False
+
+
+contained = pytest.mark.skipif(
+    not _namespaces(), reason="no PID namespace here: the run says it is not contained"
+)
+
+
+def _left(mark: Path) -> list[int]:
+    """Live processes whose environment holds ISO_DIR=`mark`: what the test's harnesses left behind."""
+    needle = f"ISO_DIR={mark}".encode() + b"\0"
+    left = []
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            if entry.name.isdigit() and needle in (entry / "environ").read_bytes():
+                if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                    left.append(int(entry.name))
+    return left
+
+
+@contained
+def test_a_harness_cannot_read_another_harness_session_nor_call_into_it(tmp_path, tokenizer, monkeypatch):
+    """A harness read other harnesses' base URL and key from /proc/*/environ and called into their sessions
+    (3 of 3 answered, the injected message in the victims' rows). In its own PID namespace with its own /proc it
+    sees only its own tree: no session found, nothing injected."""
+    monkeypatch.setenv("ISO_DIR", str(tmp_path))
+    rows = [row(), row(), row()]
+    for r, role in zip(rows, ("victim", "thief", "victim")):
+        r["extra_info"] = {"role": role}
+    trajs, backend = run(spec(tmp_path, "tests.gateway.test_isolation:attack_harness"), tokenizer, rows)
+    stolen = json.loads((tmp_path / "thief.json").read_text())
+    assert stolen["sessions_found"] == 0 and stolen["statuses"] == [], stolen
+    assert 0 < stolen["processes_seen"] < 10  # its own tree only
+    for traj in trajs:
+        assert traj.extra["harness"]["contained"] == "pid+proc", traj.extra["harness"]
+        assert traj.termination_reason == "done" and traj.assistant_turns == 1, traj.extra["harness"]
+        assert INJECTED not in json.dumps(traj.messages)
+    assert len(backend.requests) == 3
+
+
+@contained
+@pytest.mark.parametrize("fn", ["escape_kill", "escape_stop"])
+def test_a_harness_cannot_signal_its_reaper_nor_leave_a_process_behind(tmp_path, tokenizer, monkeypatch, fn):
+    """A harness that SIGKILLed or SIGSTOPped its reaper left a detached grandchild alive after the run (PPID 1,
+    68 s later). The reaper is outside the harness's PID namespace, where no signal of the harness reaches it, and
+    the namespace ends with the harness: the grandchild is gone when the row is."""
+    monkeypatch.setenv("ISO_DIR", str(tmp_path))
+    try:
+        trajs, _ = run(spec(tmp_path, f"tests.gateway.test_isolation:{fn}"), tokenizer, [row()])
+        assert json.loads((tmp_path / "escape.json").read_text()) == {"signalled": []}
+        assert (tmp_path / "grandchild.pid").exists()  # it started, in the harness's namespace
+        got = trajs[0].extra["harness"]
+        assert got["outcome"] == "exit" and got["exit_code"] == 0 and got["contained"] == "pid+proc", got
+        _until(lambda: not _left(tmp_path), timeout=30)
+    finally:  # a failure here leaves no process either
+        for pid in _left(tmp_path):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
