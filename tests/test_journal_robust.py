@@ -253,6 +253,8 @@ def test_a_fifo_or_a_directory_as_the_journal_is_refused_in_one_line_without_blo
     assert run.endswith(f"{journal}: not a regular file; remove it"), run
     replay = _one_line(*_cli("replay", str(out), "--row", "0"))
     assert replay == f"agentfsm: {journal}: not a regular file; remove it", replay
+    resume = _one_line(*_cli("run", "--resume", str(out), "--server", "http://127.0.0.1:9", "-q"))
+    assert resume == f"agentfsm: --resume: {journal}: not a regular file; remove it", resume
 
 
 def test_a_sparse_20_gb_journal_is_refused_in_one_line_reading_a_bounded_record(capsys, tmp_path, echo_url):

@@ -62,6 +62,8 @@ def resume_spec(args: argparse.Namespace) -> None:
 
     path = Path(args.resume) / JOURNAL
     if not path.is_file():
+        if path.exists() or path.is_symlink():  # a FIFO, a directory, a link: never opened
+            raise CLIError(f"--resume: {path}: not a regular file; remove it")
         if (Path(args.resume) / SNAPSHOT).is_file():
             raise CLIError(
                 f"--resume: {Path(args.resume) / SNAPSHOT}: a snapshot of an agentfsm before the journal; "
