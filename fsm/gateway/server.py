@@ -1,10 +1,10 @@
 """The gateway's HTTP side: an aiohttp server that serves each session under `/sessions/{id}/` (OpenAI Chat
-Completions and Responses at `v1/chat/completions` and `v1/responses`, Anthropic Messages at `v1/messages`)
-and hands each model call to the trajectory that owns the session.
+Completions and Responses at `v1/chat/completions` and `v1/responses`, Anthropic Messages at `v1/messages`,
+Gemini at `v1beta/models/{model}:generateContent` and `:streamGenerateContent`) and hands each model call to the trajectory that owns the session.
 
 A session is opened by the harness state for one trajectory (fsm/gateway/harness.py) with a random id and a
 random key; a request must carry that key (`Authorization: Bearer` as the OpenAI SDK sends it, or
-`x-api-key` as the Anthropic SDK does), so one session can never read or write another. The server only
+`x-api-key` as the Anthropic SDK does, `x-goog-api-key` or `?key=` as Gemini's), so one session can never read or write another. The server only
 parses data: bodies are bounded in bytes, messages and depth before anything else reads them, and nothing in
 a request is executed or used as a path. Every refusal is an API error in the shape the caller's SDK reads.
 """
@@ -25,7 +25,7 @@ from typing import Any
 
 from aiohttp import web
 
-from fsm.gateway import anthropic_api, openai_api
+from fsm.gateway import anthropic_api, gemini_api, openai_api
 from fsm.gateway.record import AUX, AUX_PROMPTS, Answer, Call, GatewayError, auxiliary
 from fsm.gateway.tree import Tree, child_line
 from fsm.run.engine import owned
@@ -284,6 +284,9 @@ class Gateway:
             parse, answer, stream = APIS[api][1]  # type: ignore[misc]
             body = _body(await read_body(request, self.limits.max_request_bytes))
             call = parse(body)
+            gemini = gemini_api.split_path(child_line(request.path.split("/", 3)[3])[1])
+            if gemini is not None:  # Gemini names the model in the path
+                call.extra["model"] = gemini[1]
             if "/child/" in request.path:
                 call.child = child_line(request.path.split("/", 3)[3])[0]
             kind = auxiliary(call, request.headers.get(AUX_HEADER), self.limits.auxiliary_prompts)
@@ -304,6 +307,8 @@ class Gateway:
             result = await session.submit(call)
             if not call.stream:
                 return _json(answer(result, call, session.id))
+            if gemini is not None and request.query.get("alt") != "sse":  # Gemini without SSE: one array
+                return _json(gemini_api.stream_chunks(result, call, session.id))
             return await _sse(request, stream(result, call, session.id))
         except GatewayError as exc:
             if session is not None:
@@ -313,7 +318,12 @@ class Gateway:
     def _session(self, request: web.BaseRequest, sid: str) -> Session:
         session = self.sessions.get(sid)
         auth = request.headers.get("Authorization", "")
-        key = auth[7:] if auth.startswith("Bearer ") else request.headers.get("x-api-key", "")
+        key = (
+            (auth[7:] if auth.startswith("Bearer ") else "")
+            or request.headers.get("x-api-key")
+            or request.headers.get("x-goog-api-key")  # Gemini's SDK, or its `?key=`
+            or request.query.get("key", "")
+        )
         if session is None or not hmac.compare_digest(key.encode(), session.key.encode()):
             raise GatewayError("unknown session, or not its key", code="invalid_api_key", status=401)
         return session
@@ -331,13 +341,24 @@ APIS: dict[str, tuple[str, tuple[Callable[..., Any], ...] | None]] = {
         (anthropic_api.messages_call, anthropic_api.messages_answer, anthropic_api.messages_stream),
     ),
     "models": ("GET", None),
+    gemini_api.PREFIX + "{model}:generateContent": (
+        "POST",
+        (gemini_api.generate_call, gemini_api.generate_answer, gemini_api.generate_stream),
+    ),
+    gemini_api.PREFIX + "{model}:streamGenerateContent": (
+        "POST",
+        (gemini_api.stream_call, gemini_api.generate_answer, gemini_api.generate_stream),
+    ),
 }
 
 
 def served(apis: dict[str, tuple[str, Any]] = APIS) -> str:
     """The routes a session serves, for the one line a harness gets on any other path (a harness pointed at
     an API the gateway does not speak, such as Gemini's `v1beta/models/...`, learns what to point it at)."""
-    return ", ".join(f"{method} /sessions/{{id}}/v1/{api}" for api, (method, _) in apis.items())
+    return ", ".join(
+        f"{method} /sessions/{{id}}/{'' if api.startswith(gemini_api.PREFIX) else 'v1/'}{api}"
+        for api, (method, _) in apis.items()
+    )
 
 
 def _not_found(path: str, apis: dict[str, Any]) -> GatewayError:
@@ -357,7 +378,10 @@ def route(request: web.BaseRequest, apis: dict[str, Any] | None = None) -> tuple
     if apis is None:
         return sid, tail
     tail = child_line(tail)[1]  # a child session's path (fsm/gateway/tree.py) serves the same APIs
-    api = tail[3:] if tail.startswith("v1/") else ""
+    gemini = gemini_api.split_path(tail)
+    api = (
+        f"{gemini_api.PREFIX}{{model}}:{gemini[0]}" if gemini else tail[3:] if tail.startswith("v1/") else ""
+    )
     if api not in apis:
         raise _not_found(request.path, apis)
     if request.method != apis[api][0]:
@@ -425,10 +449,11 @@ def _json(data: Any, status: int = 200) -> web.Response:
 
 
 def _error(request: web.BaseRequest, exc: GatewayError) -> web.Response:
-    anthropic = request.path.endswith("/v1/messages")
-    return _json(
-        anthropic_api.anthropic_error(exc) if anthropic else openai_api.openai_error(exc), exc.status
-    )
+    if request.path.endswith("/v1/messages"):
+        return _json(anthropic_api.anthropic_error(exc), exc.status)
+    if "/v1beta/" in request.path:
+        return _json(gemini_api.gemini_error(exc), exc.status)
+    return _json(openai_api.openai_error(exc), exc.status)
 
 
 async def _sse(request: web.BaseRequest, events: Iterator[bytes]) -> web.StreamResponse:
