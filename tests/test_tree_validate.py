@@ -4,24 +4,16 @@ code and its `file:line:col: code: message` lines."""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
-from tests.test_run_interrupts import ENV, REPO
+from tests.test_run_interrupts import REPO
+from tests.test_tree_forks import agentfsm
 
 SPECS = REPO / "specs"
 
 
-def validate(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "fsm.cli.commands", "validate", *args],
-        env=ENV,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+def validate(*args: str):
+    return agentfsm("validate", *args, timeout=300)
 
 
 def test_a_child_named_like_a_function_tool_is_a_duplicate(tmp_path: Path):
