@@ -8,10 +8,49 @@ parameters use SGLang's names (`max_new_tokens`, `temperature`, `top_p`, `top_k`
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Self, runtime_checkable
 
+import orjson
+
 GREEDY_BELOW = 1e-6  # SGLang's rule: a smaller temperature means greedy decoding
+
+
+# A long-horizon trajectory sends its whole context each call (238k ids at turn 1,000): building that list again,
+# copying it and JSON-encoding all of it per call made the client's CPU per call grow with the context (issue 49).
+# The trajectory keeps one `PromptIds` per segment that it only appends to, and `server_client.encode_json` splices
+# its kept JSON into the body, so a call costs what its new tokens cost.
+class PromptIds(list[int]):
+    """Token ids that only grow (appended to, never changed in place), with `json()` their encoding."""
+
+    __slots__ = ("_json", "_json_n")
+
+    def __init__(self, ids: Iterable[int] = ()):
+        super().__init__(ids)
+        self._json = bytearray()  # the ids' JSON without its brackets: b"1,2,3"
+        self._json_n = 0  # how many ids it holds
+
+    def json(self) -> bytearray:
+        """`orjson.dumps(list(self))` without the brackets, encoding only the ids added since the last call.
+        The buffer is this object's own: read it before the list grows again."""
+        n = len(self)
+        if n < self._json_n:  # cut short: encode again from the start
+            del self._json[:]
+            self._json_n = 0
+        if n > self._json_n:
+            if self._json_n:
+                self._json += b","
+            self._json += orjson.dumps(self[self._json_n :])[1:-1]
+            self._json_n = n
+        return self._json
+
+    def copy(self) -> PromptIds:
+        """A copy that keeps the JSON encoded so far (one memory copy, no encoding)."""
+        out = PromptIds(self)
+        out._json[:] = self._json
+        out._json_n = self._json_n
+        return out
 
 
 @dataclass(slots=True)

@@ -47,6 +47,7 @@ from backends.base import (
     BaseBackend,
     GenerateRequest,
     GenerateResult,
+    PromptIds,
 )
 from backends.pause_clock import PauseClock
 from backends.retry import RetryPolicy, parse_retry_after, retry
@@ -105,12 +106,34 @@ def _fault_message(status: int, headers: Mapping[str, str], body: Any) -> str:
 def encode_json(payload: Any) -> bytes:
     """`payload` as JSON bytes, as json.dumps writes its values: orjson (20x faster on a prompt's ids) unless its
     output holds a null, which is also how orjson writes NaN and infinities (json.dumps writes NaN, which the
-    server then refuses) or a value it cannot write; then json.dumps."""
+    server then refuses) or a value it cannot write; then json.dumps. A request's `PromptIds` are not encoded
+    again: their kept JSON is spliced in (`_spliced`), the same bytes at the cost of the new ids alone."""
+    if isinstance(payload, dict) and payload:
+        key, value = next(iter(payload.items()))  # the ids come first in both engines' bodies
+        if type(value) is PromptIds:
+            return _spliced(payload, key, value)
     try:
         data = orjson.dumps(payload, option=orjson.OPT_NON_STR_KEYS)
     except TypeError:  # orjson.JSONEncodeError: an integer past 64 bits, a type it does not know
         data = b"null"
     return json.dumps(payload).encode() if b"null" in data else data
+
+
+def wire_ids(ids: Any) -> list[int]:
+    """A request's prompt ids as a body holds them: a list as it is (a `PromptIds` keeps its JSON; no copy of
+    238k ids per call), anything else (a tuple, an array) as a list."""
+    return ids if isinstance(ids, list) else list(ids)
+
+
+def _spliced(payload: dict[Any, Any], key: Any, ids: PromptIds) -> bytes:
+    """`encode_json(payload)` where `ids` is the first value, under `key`: the rest encoded with an empty list in
+    its place, then the ids' kept JSON written into it (one copy of the body, no list built or encoded whole)."""
+    rest = encode_json({**payload, key: []})
+    # orjson's form; json.dumps's (": [") means the slow path was taken
+    head = b"{" + orjson.dumps(key) + b":["
+    if not rest.startswith(head):
+        return encode_json({**payload, key: list(ids)})
+    return b"".join((head, ids.json(), rest[len(head) :]))
 
 
 async def read_bounded(resp: aiohttp.ClientResponse, max_bytes: int, what: str) -> bytes:
@@ -367,7 +390,7 @@ class ServerClient(BaseBackend):
 
         async def once(wire: str) -> GenerateResult:
             await self._ensure_info(timeout_s)
-            params = self._clamp(list(request.prompt_ids), dict(request.sampling_params))
+            params = self._clamp(request.prompt_ids, dict(request.sampling_params))  # it reads the length
             asked = replace(request, sampling_params=params, rid=wire)  # what the answer is held to
             return await self._generate_once(request, asked, timeout_s)
 

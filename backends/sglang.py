@@ -40,7 +40,7 @@ from backends.base import (
     GenerateRequest,
     GenerateResult,
 )
-from backends.server_client import ServerClient, error_message
+from backends.server_client import ServerClient, error_message, wire_ids
 
 __all__ = ["SGLangBackend", "parse_generate", "error_message", "FAULT_KINDS"]
 
@@ -168,7 +168,7 @@ class SGLangBackend(ServerClient):
     ) -> GenerateResult:
         rid = asked.rid or ""
         payload = {
-            "input_ids": list(asked.prompt_ids),
+            "input_ids": wire_ids(asked.prompt_ids),
             "sampling_params": asked.sampling_params,
             "return_logprob": asked.return_logprob,
             "rid": rid,

@@ -48,7 +48,7 @@ from backends.base import (
     GenerateRequest,
     GenerateResult,
 )
-from backends.server_client import ServerClient
+from backends.server_client import ServerClient, wire_ids
 
 __all__ = ["VLLMBackend", "FAULT_KINDS", "PAUSE_MODES", "sglang_shape", "vllm_params"]
 
@@ -231,7 +231,7 @@ class VLLMBackend(ServerClient):
                 server=self.url,
             )
         payload: dict[str, object] = {
-            "token_ids": list(asked.prompt_ids),
+            "token_ids": wire_ids(asked.prompt_ids),
             "request_id": rid,
             "sampling_params": vllm_params(params, asked.return_logprob),
         }

@@ -148,7 +148,7 @@ async def _resumed_turn(
     max_new = params["max_new_tokens"]
     want_logprobs = ctx.sampling.logprobs
     stops = set(params.get("stop_token_ids") or ())
-    context = traj.context_ids()
+    context = traj.context()  # the trajectory's own, grown per turn: its ids and JSON are not built again
     ids: list[int] = []
     logprobs: list[float] | None = [] if want_logprobs else None
     versions: list[int] = []
@@ -171,7 +171,7 @@ async def _resumed_turn(
             session_id=traj.session_id
             if traj.node is None
             else traj.node.route,  # a branch: its parent's server
-            prompt_ids=context + ids,
+            prompt_ids=context + ids if ids else context,
             sampling_params={**params, "max_new_tokens": max_new - len(ids)},
             rid=f"{rid}_r{attempt}" if attempt else rid,
             group_id=traj.uid,

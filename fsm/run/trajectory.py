@@ -12,12 +12,14 @@ versions as runs (one per model turn), because 10,000 trajectories may be in fli
 
 from __future__ import annotations
 
+import sys
 import time
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from backends.base import PromptIds
 from fsm.data.rows import encodable
 
 if TYPE_CHECKING:
@@ -200,8 +202,12 @@ class Metrics:
 
 
 # Slots that live only while a process drives the trajectory, never snapshotted or journaled: the last tool
-# heartbeat (a state's heartbeat_s, fsm/run/failures.py) and the tree node, which links live objects.
-TRANSIENT = ("heartbeat_at", "node")
+# heartbeat (a state's heartbeat_s, fsm/run/failures.py), the tree node, which links live objects, and the kept
+# context (`Trajectory.context`), built again from the ids when needed.
+TRANSIENT = ("heartbeat_at", "node", "_context")
+# references to a kept context while `Trajectory.context` looks at it: the trajectory's own, the local name and
+# getrefcount's argument. More: someone else holds it (a request kept past its call), so it is not grown in place.
+_UNSHARED = 3
 
 
 class Trajectory:
@@ -261,6 +267,8 @@ class Trajectory:
         "extra_fields",
         # its place in a tree (fsm/run/tree.py Node); None: a root without children or branches
         "node",
+        # (context, the prompt array, its length, the response array) as `context` last built it; None: not yet
+        "_context",
     )
 
     def __init__(self, index: int, sample: int, session_id: str, uid: str, row: dict[str, Any], initial: str):
@@ -315,6 +323,7 @@ class Trajectory:
         # exported with the trajectory's extra fields, and as batch columns, as verl exports them
         self.extra_fields: dict[str, Any] = {}
         self.node: Any = None
+        self._context: tuple[PromptIds, array, int, array] | None = None
 
     @property
     def row_name(self) -> str:
@@ -497,8 +506,33 @@ class Trajectory:
         return [(seg.index, r) for seg in self.segments for r in seg.turn_rewards]
 
     def context_ids(self) -> list[int]:
-        """Everything the model has seen so far in the current segment: the next request's input_ids."""
-        return self.prompt_ids.tolist() + self.response_ids.tolist()
+        """Everything the model has seen so far in the current segment: the next request's input_ids (a list of
+        the caller's own)."""
+        return list(self.context())
+
+    def context(self) -> PromptIds:
+        """`context_ids()` kept from call to call and grown by the tokens appended since (O(new tokens) per model
+        call, with its JSON kept: backends/prompt_ids.py), because rebuilding 238k ids per call made the client's
+        cost grow with the context (issue 49). Read it, never change it: it is the trajectory's. A list someone
+        still holds when the trajectory has grown (a request kept past its call) is left as it was: the
+        trajectory goes on with a copy. Built again when the segment's arrays were replaced or cut."""
+        prompt, response = self.prompt_ids, self.response_ids
+        kept = getattr(self, "_context", None)  # a restored trajectory has none yet
+        if kept is not None and kept[1] is prompt and kept[2] == len(prompt) and kept[3] is response:
+            ctx = kept[0]
+            done = len(ctx) - len(prompt)
+            if done == len(response):
+                return ctx
+            if done < len(response):
+                if sys.getrefcount(ctx) > _UNSHARED:
+                    ctx = ctx.copy()
+                ctx.extend(response[done:].tolist())
+                self._context = (ctx, prompt, len(prompt), response)
+                return ctx
+        ctx = PromptIds(prompt.tolist())
+        ctx.extend(response.tolist())
+        self._context = (ctx, prompt, len(prompt), response)
+        return ctx
 
     def weight_versions(self) -> tuple[int, int] | None:
         """(min, max) weight version over the generated tokens; None when there are none."""
@@ -526,6 +560,7 @@ class Trajectory:
         if keep_tokens:
             return
         del self.response_ids[:], self.response_mask[:], self.response_logprobs[:], self._version_runs[:]
+        self._context = None
         self.runs.clear()
         self.closed, self.segment_start = (), _FIRST  # one row: the failed one
         self.turn_rewards.clear()  # no tokens left to place them on (tool_rewards / turn_scores keep the values)
