@@ -25,7 +25,7 @@ from tests.gateway.test_workers import ENV, ROOT, _finish, _pid_file, _spec
 WAIT = """
 import os, sys, time
 here = os.environ["ENV_DIR"]
-open(os.path.join(here, "started-%d" % os.getpid()), "w").close()
+open(os.path.join(here, "started-" + os.environ["OPENAI_API_KEY"]), "w").close()  # each is PID 1 of its own
 deadline = time.monotonic() + 120
 while not os.path.exists(os.path.join(here, "go")) and time.monotonic() < deadline:
     time.sleep(0.05)

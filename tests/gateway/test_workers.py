@@ -172,7 +172,8 @@ def test_flags_that_cannot_go_with_workers_are_usage_errors(argv, problem, capsy
     assert err.startswith("agentfsm gateway: error: ") and problem in err, err
 
 
-DUMP_ENV = "import json, os; open(os.path.join(os.environ['ENV_DIR'], str(os.getpid())), 'w').write(json.dumps(dict(os.environ)))\n"
+# named by the session's key: each command harness is PID 1 of its own namespace (fsm/gateway/reaper.py)
+DUMP_ENV = "import json, os; open(os.path.join(os.environ['ENV_DIR'], os.environ['OPENAI_API_KEY']), 'w').write(json.dumps(dict(os.environ)))\n"
 env_harness = harness(command=[sys.executable, "-c", DUMP_ENV + SCRIPT, "0"], timeout_s=120)
 
 
