@@ -17,7 +17,7 @@ from backends.scripted import ScriptedBackend
 from fsm.cli.commands import main
 from fsm.run.journal import JOURNAL, rebuild, records
 from tests.conftest import ASSETS, REPO
-from tests.test_cli import _ThreadServer, assert_consistent, one_line_error
+from tests.test_cli import _ThreadServer, assert_consistent
 
 PAD_ID = 550  # an embedding row of the tiny model (576) past its tokenizer (516): a token it may sample
 
@@ -96,25 +96,31 @@ def echo_url():
     server.close()
 
 
-def test_a_journal_cut_before_its_first_group_is_nothing_to_resume_and_a_new_run_takes_the_directory(
+def test_a_journal_cut_before_its_first_group_starts_over_on_resume_and_a_new_run_takes_the_directory(
     capsys, tmp_path, echo_url
 ):
-    """A kill between the `run` record and the first `group` record: the journal a real run wrote, cut there."""
-    out = tmp_path / "out"
-    assert main(_argv("calculator", echo_url, out, "--num-prompts", "2")) == 0
+    """A kill between the `run` record and the first `group` record (the journal a real run wrote, cut there):
+    the run did nothing, so `--resume` starts it again, with the rows and sampling its `run` record names, to
+    the uninterrupted run's batch; a new run into the directory takes it too."""
+    from tests.conftest import assert_same_batch_files
+
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    argv = ("--num-prompts", "2", "--n", "2", "--temperature", "0.5", "--seed", "3")
+    assert main(_argv("calculator", echo_url, ref, *argv)) == 0
+    assert main(_argv("calculator", echo_url, out, *argv)) == 0
     for name in ("batch.pt", "trajectories.jsonl", "summary.json"):  # the kill came before any was written
         (out / name).unlink()
     data = (out / JOURNAL).read_bytes()
     (out / JOURNAL).write_bytes(data[: data.index(b"\n") + 1])
     capsys.readouterr()
-    line = one_line_error(capsys, _resume(out, echo_url))
-    assert line == (
-        f"agentfsm: --resume: {out / JOURNAL}: the run there stopped before its first row was recorded: nothing "
-        f"to resume; start it again (a new run into {out} replaces this journal)"
-    )
+    assert main(_resume(out, echo_url)) == 0
+    assert "the run stopped before its first row was recorded: starting it again" in capsys.readouterr().err
+    assert_consistent(out, 4)
+    assert_same_batch_files(ref, out)
+    assert rebuild(records(out / JOURNAL)).ended == "completed"
+    (out / JOURNAL).write_bytes(data[: data.index(b"\n") + 1])
     assert main(_argv("calculator", echo_url, out, "--num-prompts", "2")) == 0
     assert_consistent(out, 2)
-    assert rebuild(records(out / JOURNAL)).ended == "completed"
 
 
 @pytest.fixture

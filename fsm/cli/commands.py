@@ -381,6 +381,12 @@ def cmd_run(args: argparse.Namespace, rollout: Callable[..., Any] | None = None)
     if args.resume is not None:  # checked now (but the tokenizer, at restore): refused before anything starts
         try:
             loaded = load(Path(args.resume) / JOURNAL, agent)
+        except snap.SnapshotError as exc:
+            raise CLIError(f"--resume: {exc}") from None
+        if not loaded.data["groups"] and loaded.ended is None:
+            _start_over(args, Path(args.resume) / JOURNAL)
+    if args.resume is not None:
+        try:
             refuse_unbegun(loaded, Path(args.resume) / JOURNAL)
         except snap.SnapshotError as exc:
             raise CLIError(f"--resume: {exc}") from None
@@ -409,6 +415,31 @@ def cmd_run(args: argparse.Namespace, rollout: Callable[..., Any] | None = None)
         raise CLIError(str(exc)) from None
     except snap.SnapshotError as exc:
         raise CLIError(f"--resume: {exc}") from None
+
+
+def _start_over(args: argparse.Namespace, journal: Path) -> None:
+    """A run killed between its journal's `run` record and its first group's did nothing: `--resume` starts it
+    again into its directory, with the rows and sampling its `run` record names (the same run: its id too)."""
+    from fsm.run.resume import read_identity
+
+    ident = read_identity(journal)
+    found = ident.get("sampling")
+    sampling: dict[str, Any] = found if isinstance(found, dict) else {}
+    params: dict[str, Any] = sampling["params"] if isinstance(sampling.get("params"), dict) else {}
+    data, groups, n = ident.get("data"), ident.get("groups"), ident.get("n")
+    if not (isinstance(groups, int) and groups > 0 and isinstance(n, int) and n > 0):
+        return  # not a run record this version wrote: refused as nothing to resume
+    args.data = data if isinstance(data, str) else args.data
+    args.num_prompts, args.n = groups, n
+    if isinstance(sampling.get("seed"), int):
+        args.seed = sampling["seed"]
+    if isinstance(params.get("temperature"), (int, float)):
+        args.temperature = float(params["temperature"])
+    print(
+        f"agentfsm: --resume: {journal}: the run stopped before its first row was recorded: starting it again",
+        file=sys.stderr,
+    )
+    args.resume = None
 
 
 def _run_locked(
