@@ -59,17 +59,20 @@ def messages_call(body: dict[str, Any]) -> Call:
             continue
         blocks = _blocks(m.get("content"), where)
         if m["role"] == "assistant":
-            text, calls = [], []
+            text, calls, thought = [], [], []
             for k, b in enumerate(blocks):
                 if b["type"] == "text":
                     text.append(str(b.get("text") or ""))
+                elif b["type"] == "thinking":  # the model's reasoning sent back: its key compares it
+                    thought.append(str(b.get("thinking") or ""))
                 elif b["type"] == "tool_use":
                     if not isinstance(b.get("name"), str):
                         raise GatewayError(f"{where}.content.{k}: tool_use needs a name")
                     calls.append({"id": b.get("id"), "name": b["name"], "arguments": b.get("input")})
-                elif b["type"] not in ("thinking", "redacted_thinking"):
+                elif b["type"] != "redacted_thinking":
                     raise GatewayError(f"{where}.content.{k}: block type {b['type']!r} is not supported")
-            out.append({"role": "assistant", "content": "".join(text), "tool_calls": calls})
+            said = {"role": "assistant", "content": "".join(text), "tool_calls": calls}
+            out.append({**said, "reasoning": "".join(thought)} if thought else said)
             continue
         text = []
         for k, b in enumerate(blocks):

@@ -112,13 +112,13 @@ def chat_call(body: dict[str, Any]) -> Call:
         elif role == "user":
             out.append({"role": "user", "content": _text(m.get("content"), where)})
         elif role == "assistant":
-            out.append(
-                {
-                    "role": "assistant",
-                    "content": _text(m.get("content"), where),
-                    "tool_calls": _calls(m.get("tool_calls"), where),
-                }
-            )
+            said = {
+                "role": "assistant",
+                "content": _text(m.get("content"), where),
+                "tool_calls": _calls(m.get("tool_calls"), where),
+            }
+            reasoning = m.get("reasoning_content") or m.get("reasoning")  # as sent back (vLLM names it both)
+            out.append({**said, "reasoning": str(reasoning)} if reasoning else said)
         elif role == "tool":
             out.append(
                 {
@@ -258,8 +258,11 @@ def responses_call(body: dict[str, Any]) -> Call:
                 out.append(
                     {"role": role, "content": text, **({"tool_calls": []} if role == "assistant" else {})}
                 )
-        elif kind == "reasoning":
-            out.append({"role": "assistant", "content": "", "tool_calls": []})
+        elif kind == "reasoning":  # its text sent back (content, else its summary): the key compares it
+            parts = item.get("content") or item.get("summary") or []
+            said = {"role": "assistant", "content": "", "tool_calls": []}
+            text = "".join(str(p.get("text") or "") for p in parts if isinstance(p, dict))
+            out.append({**said, "reasoning": text} if text else said)
         elif kind == "function_call":
             call = {"id": item.get("call_id"), "name": item.get("name"), "arguments": item.get("arguments")}
             if not isinstance(call["name"], str):
@@ -393,6 +396,11 @@ def responses_stream(a: Answer, call: Call, session: str) -> Iterator[bytes]:
             yield event(
                 "response.content_part.done", item_id=item["id"], output_index=k, content_index=0, part=part
             )
+        elif item["type"] == "reasoning":
+            text = item["content"][0]["text"]
+            where = {"item_id": item["id"], "output_index": k, "content_index": 0}
+            yield event("response.reasoning_text.delta", **where, delta=text)
+            yield event("response.reasoning_text.done", **where, text=text)
         elif item["type"] == "function_call":
             yield event(
                 "response.function_call_arguments.delta",

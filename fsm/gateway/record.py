@@ -2,13 +2,13 @@
 one canonical form, keyed, and the plan for recording it (fsm/gateway/turn.py records it on its node of the
 session's tree, fsm/gateway/tree.py).
 
-A conversation here is in one canonical form whatever API carried it (fsm/gateway/openai_api.py and
-anthropic_api.py convert): `{"role", "content": str}`, plus `tool_calls: [{"id", "name", "arguments"}]` on an
-assistant message and `tool_call_id` on a tool result. What a node recorded is a list of keys of that
-form per segment (fsm/run/trajectory.py); a request extends a node's current segment exactly when its messages
-start with that segment's keys and add only tool results or user turns. The model's own turns are never
-re-tokenized: the harness sends them back as text and calls, and the key only confirms they are the ones
-recorded.
+A conversation here is in one canonical form whatever API carried it (fsm/gateway/openai_api.py,
+anthropic_api.py and gemini_api.py convert): `{"role", "content": str}`, plus `tool_calls: [{"id", "name",
+"arguments"}]` and `reasoning` on an assistant message and `tool_call_id` on a tool result. What a node
+recorded is a list of keys of that form per segment (fsm/run/trajectory.py); a request extends a node's current
+segment exactly when its messages start with that segment's keys and add only tool results or user turns. The
+model's own turns are never re-tokenized: the harness sends them back as text, calls and reasoning, and the key
+only confirms they are the ones recorded.
 
 A request that does not extend a segment is never merged into it (`Recorder.match`, `Tree.plan`):
 - `branch`: its history is an earlier turn's conversation (any segment's, up to and including one of the
@@ -148,14 +148,16 @@ def canonical_arguments(arguments: Any) -> str:
 
 def message_key(message: dict[str, Any]) -> tuple:
     """What must match for a message to be the one recorded: role, text, calls (ids, names, arguments) and
-    the call a tool result answers. Reasoning is not compared: harnesses drop it from history."""
+    the call a tool result answers, and the reasoning of a turn that has some: a harness that drops it holds
+    another conversation than the row (the template renders the turn without it), so it starts a segment."""
     role = message["role"]
     if role == "assistant":
         calls = tuple(
             (c.get("id"), c["name"], canonical_arguments(c.get("arguments")))
             for c in message.get("tool_calls") or ()
         )
-        return (role, message.get("content") or "", calls)
+        reasoning = message.get("reasoning")
+        return (role, message.get("content") or "", calls) + ((reasoning,) if reasoning else ())
     if role == "tool":
         return (role, message.get("content") or "", message.get("tool_call_id"))
     return (role, message.get("content") or "")
@@ -166,8 +168,8 @@ def template_message(message: dict[str, Any]) -> dict[str, Any]:
     role = message["role"]
     if role == "assistant":
         out: dict[str, Any] = {"role": "assistant", "content": message.get("content") or ""}
-        if message.get("reasoning"):
-            out["reasoning_content"] = message["reasoning"]
+        if message.get("reasoning"):  # as Qwen3's, GLM's... templates read it, and as gpt-oss's does
+            out["reasoning_content"] = out["thinking"] = message["reasoning"]
         if message.get("tool_calls"):
             out["tool_calls"] = [
                 {

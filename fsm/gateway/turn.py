@@ -12,7 +12,6 @@ import json
 from array import array
 from typing import Any
 
-from fsm.families.parsers import split_reasoning
 from fsm.gateway.record import Answer, Call, LimitReached, Plan, template_message
 from fsm.gateway.tree import Node, Tree
 from fsm.run.actions import generate
@@ -139,17 +138,16 @@ async def record_call(ctx: RunContext, traj: Trajectory, tree: Tree, call: Call,
     before = len(traj.response_ids)
     await generate(sub, traj)
     ids = traj.response_ids[before:].tolist()
-    text = traj.messages[-1]["content"] if traj.messages and traj.messages[-1]["role"] == "assistant" else ""
+    # the codec has split the turn already (fsm/families/codec.py assistant_message): the answer as `content`,
+    # the reasoning beside it (`reasoning_content`, Harmony's `thinking`); it is returned in each API's form
+    said = traj.messages[-1] if traj.messages and traj.messages[-1]["role"] == "assistant" else {}
+    rest = said.get("content") or ""
+    reasoning = said.get("reasoning_content") or said.get("thinking") or None
     calls, traj.pending_calls = traj.pending_calls, []
-    family = getattr(ctx.codec, "family", None)
-    reasoning, rest = None, text
-    if family is not None and family.reasoning == "think":
-        reasoning, rest = split_reasoning(text, "think", family.think_tags)
-        rest = rest.lstrip("\n")
-    elif traj.messages and traj.messages[-1].get("reasoning_content"):
-        reasoning = traj.messages[-1]["reasoning_content"]
     valid = [c for c in calls if c.error is None and c.name]
-    content = rest if len(valid) < len(calls) else ctx.parser.content(rest)
+    family = getattr(ctx.codec, "family", None)
+    harmony = family is not None and family.reasoning == "harmony"  # its message holds the final channel only
+    content = rest if harmony or len(valid) < len(calls) else ctx.parser.content(rest)
     if valid:
         content = content.strip()
     turn = recorder.turns
@@ -164,5 +162,10 @@ async def record_call(ctx: RunContext, traj: Trajectory, tree: Tree, call: Call,
         for k, c in enumerate(valid)
     ]
     finish = "tool_calls" if tool_calls else ("length" if traj.last_finish_reason == "length" else "stop")
-    recorder.turn(traj, {"role": "assistant", "content": content, "tool_calls": tool_calls})
+    message = {"role": "assistant", "content": content, "tool_calls": tool_calls}
+    if (
+        reasoning
+    ):  # recorded: a harness that sends it back goes on in this segment, one that drops it does not
+        message["reasoning"] = reasoning
+    recorder.turn(traj, message)
     return Answer(content, reasoning, tool_calls, finish, prompt_tokens, len(ids), turn)
