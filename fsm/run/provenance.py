@@ -6,8 +6,8 @@ the tokenizer are checked by hash already (fsm/run/resume.py `load`); the rest i
 the journal's `run` record, and compared with what the resume runs on:
 
 - `model`: the embedded model by a digest of its checkpoint (each weight and config file's name, size and
-  sha256; a file's sha256 is cached by its size and mtime, so a 15 GB checkpoint is read once), a model object in
-  memory by its name only (its weights are the caller's); servers by the model name they serve and their engine
+  sha256; a file's sha256 is cached by its size, mtime, ctime and inode, so a 15 GB checkpoint is read once), a
+  model object in memory by its name only (its weights are the caller's); servers by the model name they serve and their engine
   (their weight version is checked per row, `weights_change`: an update between the kill and the resume moves it);
 - `code`: each module the spec (and its child machines' specs) names, by the sha256 of its source file;
 - `engine`: the options that shape rows on resume (--check-tokens; the embedded model's dtype and device).
@@ -99,7 +99,7 @@ def _cache_file() -> Path:
 def checkpoint_digest(folder: Path) -> str:
     """One sha256 over the checkpoint's weight and config files (name, size, content), top level only (a
     checkpoint's own files; the folders beside them are other checkpoints). A file's sha256 is cached by its
-    path, size and mtime in ~/.cache/agentfsm/sha256.json: read once, whatever its size."""
+    path, size, mtime, ctime and inode in ~/.cache/agentfsm/sha256.json: read once, whatever its size."""
     cache_path = _cache_file()
     try:
         cache = json.loads(cache_path.read_text())
@@ -109,7 +109,8 @@ def checkpoint_digest(folder: Path) -> str:
     h, grew = hashlib.sha256(), False
     for f in sorted(p for p in folder.iterdir() if p.is_file() and WEIGHT_FILES.fullmatch(p.name)):
         st = f.stat()
-        key = f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+        # ctime and inode too: a copy that keeps the size and mtime (`cp -p`, shutil.copy2) still changes them
+        key = f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}|{st.st_ino}"
         digest = cache.get(key)
         if not isinstance(digest, str):
             digest, grew = file_sha256(f), True
