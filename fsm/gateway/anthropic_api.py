@@ -9,7 +9,7 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-from fsm.gateway.record import Answer, Call, GatewayError, unsupported_tool, with_dropped
+from fsm.gateway.record import Answer, Call, GatewayError, call_arguments, unsupported_tool, with_dropped
 
 STOP_REASONS = {"stop": "end_turn", "tool_calls": "tool_use", "length": "max_tokens"}
 # Request fields a local model does not serve: read, left out, and noted on the row (`gateway_notes`). Claude Code
@@ -136,17 +136,8 @@ def _content(a: Answer) -> list[dict[str, Any]]:
     if a.content or not a.tool_calls:
         blocks.append({"type": "text", "text": a.content})
     for c in a.tool_calls:
-        try:
-            args = json.loads(c["arguments"])
-        except ValueError:
-            args = {}
         blocks.append(
-            {
-                "type": "tool_use",
-                "id": c["id"],
-                "name": c["name"],
-                "input": args if isinstance(args, dict) else {},
-            }
+            {"type": "tool_use", "id": c["id"], "name": c["name"], "input": call_arguments(c["arguments"])}
         )
     return blocks
 

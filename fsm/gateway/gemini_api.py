@@ -11,7 +11,7 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-from fsm.gateway.record import Answer, Call, GatewayError, unsupported_tool, with_dropped
+from fsm.gateway.record import Answer, Call, GatewayError, call_arguments, unsupported_tool, with_dropped
 
 PREFIX = "v1beta/models/"
 METHODS = ("generateContent", "streamGenerateContent")
@@ -222,19 +222,8 @@ def _parts_of(a: Answer) -> list[dict[str, Any]]:
     if a.content or not a.tool_calls:
         parts.append({"text": a.content})
     for c in a.tool_calls:
-        try:
-            args = json.loads(c["arguments"])
-        except ValueError:
-            args = {}
-        parts.append(
-            {
-                "functionCall": {
-                    "id": c["id"],
-                    "name": c["name"],
-                    "args": args if isinstance(args, dict) else {},
-                }
-            }
-        )
+        call = {"id": c["id"], "name": c["name"], "args": call_arguments(c["arguments"])}
+        parts.append({"functionCall": call})
     return parts
 
 

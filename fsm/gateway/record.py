@@ -190,6 +190,16 @@ def template_message(message: dict[str, Any]) -> dict[str, Any]:
     return {"role": role, "content": message.get("content") or ""}
 
 
+def call_arguments(text: str) -> dict[str, Any]:
+    """An answer's call arguments (JSON text) as the object the Messages and Gemini APIs send: {} when the
+    text is not a JSON object."""
+    try:
+        args = json.loads(text)
+    except ValueError:
+        return {}
+    return args if isinstance(args, dict) else {}
+
+
 def _as_object(arguments: Any) -> Any:
     if isinstance(arguments, str):
         try:

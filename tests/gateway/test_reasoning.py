@@ -14,6 +14,7 @@ from backends.scripted import ScriptedBackend
 from fsm.api import RolloutEngine
 from fsm.gateway import HarnessCall, harness
 from fsm.run.policy import check_segments
+from specs.calculator import TOOL_SCHEMA
 from tests.conftest import extra
 from tests.gateway.conftest import row
 from tests.gateway.test_hostile import post, spec
@@ -43,18 +44,7 @@ MODELS = {
         "to=functions",
     ),
 }
-TOOL = {
-    "type": "function",
-    "function": {
-        "name": "calculator",
-        "description": "Evaluate an arithmetic expression.",
-        "parameters": {
-            "type": "object",
-            "properties": {"expression": {"type": "string"}},
-            "required": ["expression"],
-        },
-    },
-}
+TOOL = TOOL_SCHEMA
 QUESTION = "What is 1 + 2?"
 
 
