@@ -83,8 +83,20 @@ async def errors(call: HarnessCall) -> Any:
     return out
 
 
+async def bounded(call: HarnessCall) -> Any:
+    """Google's own tools and a thinking budget (left out, noted), a cap of 8 tokens (the turn is cut there)."""
+    declaration = {"name": "calculator", "parameters": {"type": "OBJECT", "properties": {}}}
+    body = {
+        "contents": [{"role": "user", "parts": [{"text": "What is 1 + 2?"}]}],
+        "tools": [{"googleSearch": {}}, {"functionDeclarations": [declaration]}],
+        "generationConfig": {"maxOutputTokens": 8, "thinkingConfig": {"thinkingBudget": 1024}},
+    }
+    return await post(call, "v1beta/models/m:streamGenerateContent", body, base=call.anthropic_base_url)
+
+
 sdk_harness = harness(sdk_loop, timeout_s=120)
 errors_harness = harness(errors, timeout_s=120)
+bounded_harness = harness(bounded, timeout_s=120)
 
 
 def test_the_google_genai_sdk_loop_is_token_exact(tmp_path: Path, tokenizer: Any) -> None:
@@ -124,3 +136,18 @@ def test_gemini_refusals_are_in_googles_shape(tmp_path: Path, tokenizer: Any) ->
     assert "POST /sessions/{id}/v1beta/models/{model}:streamGenerateContent" in body["error"]["message"]
     status, body = out["query_key"]
     assert status == 200 and body["candidates"][0]["content"]["role"] == "model", body
+
+
+def test_gemini_tools_it_cannot_serve_are_noted_and_its_cap_holds(tmp_path: Path, tokenizer: Any) -> None:
+    trajs, _ = run(spec(tmp_path, "tests.gateway.test_gemini:bounded_harness"), tokenizer, [row()])
+    (traj,) = trajs
+    status, chunks = traj.extra["harness"]["result"]  # streamed without alt=sse: one JSON array
+    assert status == 200 and isinstance(chunks, list), chunks
+    last = chunks[-1]
+    assert last["candidates"][0]["finishReason"] == "MAX_TOKENS"
+    assert last["usageMetadata"]["candidatesTokenCount"] == 8 == len(traj.response_ids)
+    assert traj.extra["gateway_notes"] == [
+        "tools left out (a local model serves function tools only): tools[0] (type 'googleSearch')",
+        "request fields left out (a local model does not serve them): generationConfig.thinkingConfig "
+        '{"thinkingBudget": 1024}',
+    ]
