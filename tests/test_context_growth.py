@@ -70,6 +70,14 @@ def test_a_kept_request_never_sees_its_prompt_change():
     assert now == traj.context_ids() and bytes(now.json()) == orjson.dumps(list(now))[1:-1]
 
 
+def test_a_backend_that_appends_to_its_prompt_does_not_change_the_next_one():
+    traj = _traj([5, 6, 7])
+    _turn(traj, 0)
+    traj.context().extend([999, 998])  # a careless backend's own bookkeeping on request.prompt_ids
+    _turn(traj, 1)
+    assert traj.context() == traj.prompt_ids.tolist() + traj.response_ids.tolist()
+
+
 def test_the_kept_context_follows_rewrites_failures_and_prompt_growth():
     traj = _traj([5, 6, 7])
     _turn(traj, 0)

@@ -267,7 +267,8 @@ class Trajectory:
         "extra_fields",
         # its place in a tree (fsm/run/tree.py Node); None: a root without children or branches
         "node",
-        # (context, the prompt array, its length, the response array) as `context` last built it; None: not yet
+        # (context, the prompt array, its length, the response array, the context's length) as `context` last
+        # left them; None: not yet
         "_context",
     )
 
@@ -323,7 +324,7 @@ class Trajectory:
         # exported with the trajectory's extra fields, and as batch columns, as verl exports them
         self.extra_fields: dict[str, Any] = {}
         self.node: Any = None
-        self._context: tuple[PromptIds, array, int, array] | None = None
+        self._context: tuple[PromptIds, array, int, array, int] | None = None
 
     @property
     def row_name(self) -> str:
@@ -512,13 +513,20 @@ class Trajectory:
 
     def context(self) -> PromptIds:
         """`context_ids()` kept from call to call and grown by the tokens appended since (O(new tokens) per model
-        call, with its JSON kept: backends/prompt_ids.py), because rebuilding 238k ids per call made the client's
-        cost grow with the context (issue 49). Read it, never change it: it is the trajectory's. A list someone
-        still holds when the trajectory has grown (a request kept past its call) is left as it was: the
-        trajectory goes on with a copy. Built again when the segment's arrays were replaced or cut."""
+        call, with its JSON kept: backends/base.py), because rebuilding 238k ids per call made the client's cost
+        grow with the context (issue 49). Read it, never change it: it is the trajectory's. A list someone still
+        holds when the trajectory has grown (a request kept past its call) is left as it was: the trajectory goes
+        on with a copy. Built again when the segment's arrays were replaced or cut, or the list's length changed
+        (a backend that appended to the prompt it was given)."""
         prompt, response = self.prompt_ids, self.response_ids
         kept = getattr(self, "_context", None)  # a restored trajectory has none yet
-        if kept is not None and kept[1] is prompt and kept[2] == len(prompt) and kept[3] is response:
+        if (
+            kept is not None
+            and kept[1] is prompt
+            and kept[2] == len(prompt)
+            and kept[3] is response
+            and kept[4] == len(kept[0])
+        ):
             ctx = kept[0]
             done = len(ctx) - len(prompt)
             if done == len(response):
@@ -527,11 +535,11 @@ class Trajectory:
                 if sys.getrefcount(ctx) > _UNSHARED:
                     ctx = ctx.copy()
                 ctx.extend(response[done:].tolist())
-                self._context = (ctx, prompt, len(prompt), response)
+                self._context = (ctx, prompt, len(prompt), response, len(ctx))
                 return ctx
         ctx = PromptIds(prompt.tolist())
         ctx.extend(response.tolist())
-        self._context = (ctx, prompt, len(prompt), response)
+        self._context = (ctx, prompt, len(prompt), response, len(ctx))
         return ctx
 
     def weight_versions(self) -> tuple[int, int] | None:
