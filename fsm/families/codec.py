@@ -173,6 +173,23 @@ class Codec:
                 [{"role": "user", "content": "U"}]
             )  # a template that cannot work fails now
 
+    def fewest_tokens(self, messages: list[dict[str, Any]]) -> int:
+        """A floor on the tokens the messages' render takes, without tokenizing: the text of their user, system and
+        tool contents (which a template renders, at most trimmed; an assistant's may be dropped) over the longest
+        token's UTF-8 bytes. A request far past the context is refused on it before tokenizing it whole."""
+        most = getattr(self, "_most_token_bytes", None)
+        if (
+            most is None
+        ):  # the vocabulary's longest token, once (a byte-level token's chars are its bytes, or more)
+            vocab = self.tokenizer.get_vocab()
+            most = self._most_token_bytes = max((len(t.encode()) for t in vocab), default=1) or 1
+        size = sum(
+            len(m["content"].strip().encode())
+            for m in messages
+            if m.get("role") in ("user", "system", "tool") and isinstance(m.get("content"), str)
+        )
+        return size // most
+
     def _ids(self, *tokens: str) -> list[int]:
         unk = getattr(self.tokenizer, "unk_token_id", None)
         ids = [self.tokenizer.convert_tokens_to_ids(t) for t in tokens]

@@ -40,6 +40,11 @@ def _start(
     recorder = node.recorder
     if plan.kind in ("first", "history"):
         templ = [template_message(m) for m in plan.new]
+        if (floor := ctx.codec.fewest_tokens(templ)) > limit:  # refused before the whole text is tokenized
+            raise LimitReached(
+                f"the prompt is at least {floor} tokens, past the spec's limits.prompt_length {limit}",
+                code="context_length_exceeded",
+            )
         ids = ctx.codec.encode_prompt(templ, call.tools)
         if len(ids) > limit:
             raise _too_long(ids, limit)
@@ -84,6 +89,8 @@ def _observe(ctx: RunContext, traj: Trajectory, templ: list[dict[str, Any]]) -> 
         if owed
         else None
     )
+    if ctx.codec.fewest_tokens(templ) >= ctx.agent.limits.response_length - len(traj.response_mask):
+        return False  # far past what is left: not tokenized
     closer, ids = ctx.codec.observation(templ, last, traj.messages)
     if len(closer) + len(ids) >= ctx.agent.limits.response_length - len(traj.response_mask):
         return False

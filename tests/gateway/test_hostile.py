@@ -431,3 +431,38 @@ def test_a_harness_its_row_ends_leaves_no_process(tmp_path, tokenizer, monkeypat
     assert all((tmp_path / f"{name}.pid").exists() for name in ("group", "setsid"))
     _none_left(tmp_path)
     assert len(backend.requests) == 1 and trajs[0].termination_reason == "harness_failed"
+
+
+HUGE = "word " * 1_400_000  # 7 MiB of text: far past any prompt_length, under the 8 MiB request bound
+
+
+async def huge_then_small(call: HarnessCall) -> Any:
+    huge = await post(call, "chat/completions", chat({"role": "user", "content": HUGE}))
+    small = await post(call, "chat/completions", chat(USER))
+    return [huge, small[0]]
+
+
+huge_harness = harness(huge_then_small, timeout_s=120)
+
+
+def test_a_request_far_past_the_context_is_refused_before_it_is_tokenized(tmp_path, tokenizer, monkeypatch):
+    """A ~7 MiB request was tokenized whole on the event loop (30 s, every session stalled, 3.4 GB): its text
+    alone puts it past the spec's prompt_length, so it is refused before the codec renders or tokenizes it."""
+    from fsm.families.codec import Codec
+
+    sizes: list[int] = []
+    encode = Codec.encode_prompt
+
+    def measured(self, messages, *args, **kwargs):
+        sizes.append(sum(len(str(m.get("content") or "")) for m in messages))
+        return encode(self, messages, *args, **kwargs)
+
+    monkeypatch.setattr(Codec, "encode_prompt", measured)
+    trajs, _ = run(spec(tmp_path, "tests.gateway.test_hostile:huge_harness"), tokenizer, [row()])
+    (status, body), small = trajs[0].extra["harness"]["result"]
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded", body
+    assert (
+        "the prompt is at least" in body["error"]["message"] and "prompt_length" in body["error"]["message"]
+    )
+    assert small == 200  # the session serves on
+    assert sizes and max(sizes) < 1_000  # only the small request was rendered
