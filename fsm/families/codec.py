@@ -119,6 +119,20 @@ class TemplateKwargs:
         return getattr(self._tokenizer, name)
 
 
+def _longest_token_bytes(tokenizer: Any) -> int:
+    """The most bytes of text one token decodes to. A vocabulary entry's own UTF-8 form is never shorter than
+    what it decodes to (a byte-level entry spells each byte with a char of one or two bytes; a SentencePiece
+    '▁' or '<0x0A>' is longer than its byte), so entries are decoded longest first until none left can beat
+    the longest found."""
+    entries = sorted(((len(t.encode()), t) for t in tokenizer.get_vocab()), reverse=True)
+    most = 1
+    for size, token in entries:
+        if size <= most:
+            break
+        most = max(most, len(tokenizer.convert_tokens_to_string([token]).encode()))
+    return most
+
+
 class Codec:
     """The chat codec of `tokenizer` for `family` (an fsm.families.Family); build it with fsm.families.codec_for."""
 
@@ -175,14 +189,11 @@ class Codec:
 
     def fewest_tokens(self, messages: list[dict[str, Any]]) -> int:
         """A floor on the tokens the messages' render takes, without tokenizing: the text of their user, system and
-        tool contents (which a template renders, at most trimmed; an assistant's may be dropped) over the longest
-        token's UTF-8 bytes. A request far past the context is refused on it before tokenizing it whole."""
+        tool contents (which a template renders, at most trimmed; an assistant's may be dropped) over the most
+        bytes one token decodes to. A request far past the context is refused on it before tokenizing it whole."""
         most = getattr(self, "_most_token_bytes", None)
-        if (
-            most is None
-        ):  # the vocabulary's longest token, once (a byte-level token's chars are its bytes, or more)
-            vocab = self.tokenizer.get_vocab()
-            most = self._most_token_bytes = max((len(t.encode()) for t in vocab), default=1) or 1
+        if most is None:
+            most = self._most_token_bytes = _longest_token_bytes(self.tokenizer)
         size = sum(
             len(m["content"].strip().encode())
             for m in messages
