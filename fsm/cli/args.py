@@ -538,7 +538,7 @@ def command_line(commands: Mapping[str, Callable[[argparse.Namespace], int]]) ->
     )
     p.add_argument(
         "--context-length",
-        type=int,
+        type=int_in(16),
         metavar="N",
         help="the longest context served (default: the model's, or 4096)",
     )
