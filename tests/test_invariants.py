@@ -13,6 +13,7 @@ import functools
 import json
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -131,7 +132,9 @@ def expected_layout(traj, requests, script, bye, eos, stops):
     return mask, lps
 
 
-@SETTINGS
+# derandomized: a fixed draw of 50, so CI never meets the known defect below by chance; the defect has its own
+# test, which fails until it is fixed
+@settings(SETTINGS, derandomize=True)
 @given(
     lim=limits(), scripts=st.lists(conversations, min_size=1, max_size=2), n=st.integers(1, 2), question=WORDS
 )
@@ -368,3 +371,26 @@ def test_segments_and_version_runs_read_back_per_token(turns, fail_at):
         assert t.runs.tokens_since(0) == (model, len(versions) - model)
         own = [v for v, m in zip(versions, mask) if m and v >= 0]
         assert t.weight_versions() == ((min(own), max(own)) if own else None)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known defect (found by the property above, present at e42daaf): whitespace the model writes before a "
+    "tool call is lost from the message the token check re-renders, so the check reports a difference",
+)
+def test_whitespace_before_a_tool_call_passes_the_token_check(tok):
+    lim = (
+        ("extra_calls", "error"),
+        ("max_assistant_turns", None),
+        ("max_new_tokens", None),
+        ("max_parallel_calls", 1),
+        ("max_tool_response_length", 4),
+        ("max_user_turns", None),
+        ("prompt_length", 1024),
+        ("response_length", 37),
+        ("tool_response_truncate_side", "left"),
+    )
+    script = [(' \n<tool_call>\n{"name": "echo", "arguments": {"text": ""}}\n</tool_call>', False)]
+    rows = [{"raw_prompt": [{"role": "user", "content": " 0"}], "reward_model": {"ground_truth": "bye"}}]
+    trajs, *_ = run(tok, agent_for(lim), rows, {0: script}, 1)
+    assert trajs[0].token_check is None, trajs[0].token_check
