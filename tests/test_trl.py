@@ -124,7 +124,7 @@ def test_grpo_trainer_trains_on_the_engines_samples(tmp_path, monkeypatch):
         diff = (step["logps"][on] - out["sampling_per_token_logps"][on]).abs().max().item()
         print(f"step {step['step']}: max |TRL logp - rollout logp| on trained tokens {diff:.1e}")
         # fp32 noise between the rollout's cached decode and TRL's full forward: 1e-6 to 8e-6 alone, 1.8e-4 once
-        # late in a full suite (docs/engines.md: a stale output head moves logprobs by ~2.5)
+        # late in a full suite (tests/sglang/test_real_sglang.py: a stale output head moves them by ~2.5)
         assert diff < 1e-3, diff
         # advantages: TRL's group normalisation of the spec's reward (plus spread's)
         rewards = torch.tensor([s.reward - (i % G) / 10 for i, s in enumerate(samples)]).view(-1, G)
