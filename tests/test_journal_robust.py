@@ -37,13 +37,8 @@ def _resume(out: Path, url: str) -> list[str]:
     return ["run", "--resume", str(out), "--server", url, "--tokenizer", str(ASSETS), "-q"]
 
 
-@pytest.mark.parametrize("spec", ["calculator", "fork_calculator"])
-def test_ids_of_the_models_vocabulary_past_the_tokenizer_are_resumed(capsys, tmp_path, spec):
-    """The server's answers are checked against the model's vocabulary (576 rows), so its journal holds ids the
-    tokenizer (516) does not name; a resume checks them against the same bound, linear or tree."""
-    import torch
-
-    calls: list[str] = []
+def _interrupted_at_the_third_call(calls: list[str]) -> _ThreadServer:
+    """A server of padded turns (ids past the tokenizer) that SIGINTs this process at its third call."""
 
     def turn(session_id: str, n: int, prompt: list[int]) -> list[int]:
         calls.append(session_id)
@@ -51,7 +46,17 @@ def test_ids_of_the_models_vocabulary_past_the_tokenizer_are_resumed(capsys, tmp
             os.kill(os.getpid(), signal.SIGINT)
         return _padded_turn(session_id, n, prompt)
 
-    server = _ThreadServer(ScriptedBackend(turn, latency_s=0.02, model_name="echo"))
+    return _ThreadServer(ScriptedBackend(turn, latency_s=0.02, model_name="echo"))
+
+
+@pytest.mark.parametrize("spec", ["calculator", "fork_calculator"])
+def test_ids_of_the_models_vocabulary_past_the_tokenizer_are_resumed(capsys, tmp_path, spec):
+    """The server's answers are checked against the model's vocabulary (576 rows), so its journal holds ids the
+    tokenizer (516) does not name; a resume checks them against the same bound, linear or tree."""
+    import torch
+
+    calls: list[str] = []
+    server = _interrupted_at_the_third_call(calls)
     try:
         out = tmp_path / "out"
         assert main(_argv(spec, server.url, out, "--num-prompts", "4", "--concurrency", "1")) == 130
@@ -298,14 +303,7 @@ def test_a_run_into_a_hard_linked_copy_never_writes_the_original_journal(capsys,
     import subprocess
 
     calls: list[str] = []
-
-    def turn(session_id: str, n: int, prompt: list[int]) -> list[int]:
-        calls.append(session_id)
-        if len(calls) == 3:
-            os.kill(os.getpid(), signal.SIGINT)
-        return _padded_turn(session_id, n, prompt)
-
-    server = _ThreadServer(ScriptedBackend(turn, latency_s=0.02, model_name="echo"))
+    server = _interrupted_at_the_third_call(calls)
     try:
         for interrupted in (False, True):
             a, b = tmp_path / f"runA{interrupted}", tmp_path / f"runB{interrupted}"
