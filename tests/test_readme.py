@@ -39,6 +39,7 @@ EXTRAS = {
     "anthropic": "gateway",
     "agents": "gateway",
     "langgraph": "gateway",
+    "google.genai": "gateway",
 }  # pyproject
 TIMEOUT_S = 600
 
@@ -176,9 +177,14 @@ def test_readme_block(block: Block, workdir: Path):
     if block.skip:
         pytest.skip(f"{block.id}: {block.skip}")
     if block.lang == "python":  # a block that imports an optional extra's package needs that extra
-        for module in re.findall(r"^\s*(?:from|import) (\w+)", block.text, re.M):
-            if module in EXTRAS:
-                extra(module, EXTRAS[module])
+        # `import a.b`, `from a.b import c` and `from a import b` (google-genai is `from google import genai`)
+        found = re.findall(r"^\s*(?:from ([\w.]+) import (\w+)|import ([\w.]+))", block.text, re.M)
+        for path, name, imported in found:
+            for module in (
+                (path.split(".")[0], path, f"{path}.{name}") if path else (imported.split(".")[0], imported)
+            ):
+                if module in EXTRAS:
+                    extra(module, EXTRAS[module])
     if "examples/gateway" in block.text:  # the shipped harnesses use the openai SDK
         extra("openai", "gateway")
     run_block(block, workdir)
