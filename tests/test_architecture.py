@@ -144,6 +144,16 @@ def test_backends_never_import_fsm_and_nothing_imports_bench(graph):
     }
 
 
+def test_viz_only_draws(graph):
+    """A run's results (summary.json's statistics among them) are made in fsm/output; viz draws them and only the
+    CLI's render and show commands import it."""
+    assert not {
+        n: sorted(t for t in ts if t.startswith("viz"))
+        for n, ts in graph.items()
+        if n.startswith("fsm") and n != "fsm.cli.commands" and any(t.startswith("viz") for t in ts)
+    }
+
+
 def test_every_package_is_in_the_wheel():
     """pyproject.toml lists its packages by hand: a package folder missing there is missing from a non-editable
     install (`pip install .`), where its imports fail."""

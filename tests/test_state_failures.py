@@ -298,8 +298,8 @@ def test_the_failure_budget_is_the_specs_unless_the_flag_overrides_it(
 
 
 async def test_render_run_shows_retries_and_catches_on_the_diagram(tok, compile_yaml):
+    from fsm.output.stats import run_stats
     from viz.diagram import diagram
-    from viz.stats import run_stats
 
     flaky.reset(fail_first=10)
     processing = RETRY_ONCE + CATCH_EXCEPTION.replace("tool.exception", "tool")

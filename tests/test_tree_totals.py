@@ -17,9 +17,9 @@ from fsm import RolloutEngine
 from fsm.output.batch import summarize
 from fsm.output.batchfile import load_batch
 from fsm.output.metrics import generated_tokens, rollout_metrics
+from fsm.output.stats import run_stats
 from fsm.run.tree import nodes_of, row_nodes
 from specs.calculator import make_prompts
-from viz.stats import run_stats
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**{k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}, "PYTHONPATH": str(REPO)}

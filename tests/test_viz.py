@@ -17,9 +17,9 @@ import fsm
 from backends.base import BackendUnavailable
 from backends.scripted import ScriptedBackend
 from fsm.output.record import trajectory_record
+from fsm.output.stats import load_run_stats, run_stats
 from specs.calculator import make_prompts
 from viz.diagram import RenderError, diagram, render, to_mermaid
-from viz.stats import load_run_stats, run_stats
 from viz.transcript import render_transcript, select, show
 
 REPO = Path(__file__).resolve().parents[1]

@@ -515,8 +515,8 @@ def error_budget(flag: float | None, spec: float | None) -> tuple[float, str]:
 
 
 def cmd_render(args: argparse.Namespace) -> int:
+    from fsm.output.stats import load_run_stats
     from viz.diagram import RenderError, render
-    from viz.stats import load_run_stats
 
     agent = compile_spec(args.spec)
     if args.run:

@@ -1,5 +1,5 @@
 """What comes out of a run: the padded batch in verl's layout (batch), the flat per-sample form trainers map
-from (sample), a batch's metrics (metrics), the run directory's files (rundir) and the record format of its
+from (sample), a batch's metrics (metrics), a run's statistics per edge and state (stats), the run directory's files (rundir) and the record format of its
 trajectories.jsonl (record), and a run kept there on
 SIGTERM, by the CLI and by `generate_sequences(keep=RunDir(out))` alike (keep); and `BaseEngine` (engine), the
 engine contract's shared half, which hands all of these out over each engine's primitives.

@@ -35,6 +35,7 @@ from tensordict import TensorDict
 from fsm.data.rows import is_dataproto
 from fsm.output.metrics import model_tokens
 from fsm.output.record import harness_failure
+from fsm.output.stats import reason_key
 from fsm.run.trajectory import Trajectory
 from fsm.run.tree import row_nodes, tree_record
 
@@ -310,8 +311,7 @@ def summarize(trajs: Sequence[Trajectory]) -> dict[str, Any]:
     roots, trajs = trajs, [n for t in trajs for n in row_nodes(t)]
     reasons: dict[str, int] = {}
     for t in trajs:
-        key = t.termination_reason or "?"
-        key = key.split(":", 2)[0] + ": " + key.split(":", 2)[1].strip() if key.startswith("error:") else key
+        key = reason_key(t.termination_reason)
         reasons[key] = reasons.get(key, 0) + 1
     scores = [t.reward_score for t in trajs if t.reward_score is not None]
     return {

@@ -204,8 +204,8 @@ def write_outputs(
     from fsm.output.batch import fault_summary, summarize, tree_weights
     from fsm.output.batchfile import save_batch
     from fsm.output.record import trajectory_record
+    from fsm.output.stats import run_stats
     from fsm.run.tree import nodes_of
-    from viz.stats import run_stats
 
     files = (
         {policy_batch_file(p): b for p, b in batch.items()}

@@ -496,7 +496,7 @@ class Trajectory:
 
     def segment_starts(self) -> list[tuple[str, int]]:
         """(reason, index in `path` of the state whose action started it) of every segment after the first:
-        where the rewrites happened (viz/stats.py counts them per state and per edge into it)."""
+        where the rewrites happened (fsm/output/stats.py counts them per state and per edge into it)."""
         if not self.closed:
             return []
         reason, _, _, at = self.segment_start

@@ -1,4 +1,5 @@
-"""Run statistics for annotated diagrams: how often each edge fired, how long each state took, how runs ended.
+"""A run's statistics: how often each edge fired, how long each state took, how runs ended. They are a run
+result (the "fsm" section of summary.json, written by fsm/output/rundir.py); viz/diagram.py only draws them.
 
 `run_stats(agent, trajectories)` is what `agentfsm run` stores as the "fsm" section of summary.json, and
 `load_run_stats(run_dir)` reads it back. The result is plain JSON:
@@ -34,8 +35,9 @@ from typing import Any
 
 
 def reason_key(reason: str | None) -> str:
-    """Group termination reasons as `summarize` does: errors by their kind ("error: backend")."""
-    if reason is None:
+    """A termination reason as summary.json groups it (here and in fsm/output/batch.py's `summarize`): errors by
+    their kind ("error: backend")."""
+    if not reason:
         return "?"
     if reason.startswith("error:"):
         parts = reason.split(":", 2)
