@@ -13,7 +13,6 @@ import functools
 import json
 
 import numpy as np
-import pytest
 import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -81,8 +80,8 @@ def model_turn(draw) -> tuple[str, bool]:
     """(text, ends with eos). Texts never contain '<', so only the calls drawn here are tool calls."""
     text = draw(WORDS)
     calls = draw(st.lists(CALL, max_size=3))
-    if calls:
-        text = "\n".join([text] + [f"<tool_call>\n{c}\n</tool_call>" for c in calls]).strip("\n")
+    if calls:  # text before calls without edge whitespace: a chat server strips it (the test below)
+        text = "\n".join([text.strip()] + [f"<tool_call>\n{c}\n</tool_call>" for c in calls]).strip("\n")
     return text, draw(st.booleans()) or not calls  # a cut turn only ever ends a tool call turn here
 
 
@@ -132,8 +131,7 @@ def expected_layout(traj, requests, script, bye, eos, stops):
     return mask, lps
 
 
-# derandomized: a fixed draw of 50, so CI never meets the known defect below by chance; the defect has its own
-# test, which fails until it is fixed
+# derandomized: a fixed draw of 50, the same in every CI run
 @settings(SETTINGS, derandomize=True)
 @given(
     lim=limits(), scripts=st.lists(conversations, min_size=1, max_size=2), n=st.integers(1, 2), question=WORDS
@@ -373,12 +371,11 @@ def test_segments_and_version_runs_read_back_per_token(turns, fail_at):
         assert t.weight_versions() == ((min(own), max(own)) if own else None)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known defect (found by the property above, present at e42daaf): whitespace the model writes before a "
-    "tool call is lost from the message the token check re-renders, so the check reports a difference",
-)
-def test_whitespace_before_a_tool_call_passes_the_token_check(tok):
+def test_whitespace_before_a_tool_call_is_a_difference_the_token_check_names(tok):
+    """The model writes ' \\n' before its call. A chat server parses that turn into content and calls (SGLang
+    strips the content to '', vLLM keeps ' \\n'), and the template renders either back without the ' ': the
+    next turn's context as a server builds it differs from the tokens the model saw. The row keeps the model's
+    tokens; the check names the difference (the property above draws only text a server renders back)."""
     lim = (
         ("extra_calls", "error"),
         ("max_assistant_turns", None),
@@ -393,4 +390,5 @@ def test_whitespace_before_a_tool_call_passes_the_token_check(tok):
     script = [(' \n<tool_call>\n{"name": "echo", "arguments": {"text": ""}}\n</tool_call>', False)]
     rows = [{"raw_prompt": [{"role": "user", "content": " 0"}], "reward_model": {"ground_truth": "bye"}}]
     trajs, *_ = run(tok, agent_for(lim), rows, {0: script}, 1)
-    assert trajs[0].token_check is None, trajs[0].token_check
+    assert trajs[0].token_check is not None
+    assert "trajectory has ' \\n<tool_call>" in trajs[0].token_check, trajs[0].token_check
