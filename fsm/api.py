@@ -42,7 +42,7 @@ from fsm.output.metrics import FaultDelta
 from fsm.run.agent import CompiledAgent
 from fsm.run.compile import compile_spec
 from fsm.run.context import PauseGate, Policy, Sampling
-from fsm.run.engine import StalePolicy
+from fsm.run.engine import Owned, StalePolicy, refuse_in_loop
 from fsm.run.local import Local
 from fsm.run.runtime import WATCHDOG_S, Runner
 from fsm.run.stream import Group
@@ -363,6 +363,12 @@ class RolloutEngine(BaseEngine):
         return self.runner.backend
 
     @property
+    def owned(self) -> Owned:
+        """What the engine owns beyond its backend and closes with it: services its runs start on first use (a
+        harness's gateway, its sessions and threads) or that are attached to it (fsm/gateway/serve.py `serve`)."""
+        return self._local.owned
+
+    @property
     def wedged(self) -> bool:
         """A snapshot was taken while code blocked the engine's loop: that loop runs nothing more."""
         return self._local.wedged
@@ -444,7 +450,7 @@ class RolloutEngine(BaseEngine):
 
     def close(self) -> None:
         """Close the backend, then stop the engine's thread."""
-        self._refuse_in_loop("close", "aclose")
+        refuse_in_loop(self, "close", "aclose")
         self._local.close()
 
     async def __aenter__(self) -> RolloutEngine:

@@ -27,7 +27,14 @@ from fsm.output.metrics import FaultDelta, rollout_metrics
 from fsm.output.sample import SampleBatch, to_samples
 from fsm.run.agent import CompiledAgent
 from fsm.run.context import Policy, Sampling, node_sampling
-from fsm.run.engine import PAUSE_MODES, EngineRefused, StalePolicy, weight_version_of
+from fsm.run.engine import (
+    PAUSE_MODES,
+    EngineRefused,
+    StalePolicy,
+    refuse_in_loop,
+    sync_form,
+    weight_version_of,
+)
 from fsm.run.stream import Group
 from fsm.run.tracer import Tracer
 from fsm.run.trajectory import Trajectory
@@ -207,16 +214,7 @@ class BaseEngine(ABC):
             to_samples(trajs, spec.context.reward_placement, spec.policy, spec.tree.weight), info
         )
 
-    def generate_samples(
-        self,
-        batch: Rows,
-        sampling_params: Mapping[str, Any] | None = None,
-        validate: bool = False,
-        n: int = 1,
-    ) -> SampleBatch:
-        """Sync form of `agenerate_samples`."""
-        self._refuse_in_loop("generate_samples", "agenerate_samples")
-        return self._run_sync(self.agenerate_samples(batch, sampling_params, validate, n))
+    generate_samples = sync_form(agenerate_samples)
 
     def to_batch(
         self,
@@ -277,20 +275,10 @@ class BaseEngine(ABC):
     ) -> Any:
         """Sync form of `agenerate_sequences`, on the engine's own event loop; blocks until the batch is back.
         With `keep`, the run is watched from a loop of the calling thread, where signals arrive."""
-        self._refuse_in_loop("generate_sequences", "agenerate_sequences")
+        refuse_in_loop(self, "generate_sequences", "agenerate_sequences")
         if keep is not None:
             return asyncio.run(self.agenerate_sequences(batch, sampling_params, validate, n, keep=keep))
         return self._run_sync(self.agenerate_sequences(batch, sampling_params, validate, n))
-
-    def _refuse_in_loop(self, name: str, async_name: str) -> None:
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            return
-        raise RuntimeError(
-            f"{type(self).__name__}.{name}() was called inside a running event loop, which it "
-            f"would block; use `await {async_name}(...)` there"
-        )
 
     # -- continuous mode (fsm/run/stream.py) -------------------------------------------------------------------
 
@@ -360,24 +348,8 @@ class BaseEngine(ABC):
                 return
             yield groups[0]
 
-    def submit(
-        self, rows: Any, n: int = 1, sampling_params: Mapping[str, Any] | None = None, validate: bool = False
-    ) -> list[str]:
-        self._refuse_in_loop("submit", "asubmit")
-        return self._run_sync(self.asubmit(rows, n, sampling_params, validate))
-
-    def take(
-        self,
-        num_groups: int,
-        *,
-        max_staleness: int | None = None,
-        stale: StalePolicy = "drop",
-        timeout: float | None = None,
-    ) -> Any:
-        self._refuse_in_loop("take", "atake")
-        return self._run_sync(
-            self.atake(num_groups, max_staleness=max_staleness, stale=stale, timeout=timeout)
-        )
+    submit = sync_form(asubmit)
+    take = sync_form(atake)
 
     # -- snapshots ---------------------------------------------------------------------------------------------
 
@@ -420,15 +392,8 @@ class BaseEngine(ABC):
         """Record every step of the continuous mode in `journal` (fsm/run/journal.py `Recorder`) from now on."""
         await self._journal(journal)
 
-    def snapshot(
-        self, path: str | Path, *, meta: Mapping[str, Any] | None = None, stop: bool = False
-    ) -> dict[str, int]:
-        self._refuse_in_loop("snapshot", "asnapshot")
-        return self._run_sync(self.asnapshot(path, meta=meta, stop=stop))
-
-    def restore(self, path: str | Path) -> dict[str, Any]:
-        self._refuse_in_loop("restore", "arestore")
-        return self._run_sync(self.arestore(path))
+    snapshot = sync_form(asnapshot)
+    restore = sync_form(arestore)
 
     # -- control calls (fsm/run/control.py) --------------------------------------------------------------------
 
@@ -461,6 +426,7 @@ class BaseEngine(ABC):
 
     async def aupdate_weights_from_disk(
         self,
+        /,
         path: str | Path,
         weight_version: int | None = None,
         *,
@@ -474,7 +440,7 @@ class BaseEngine(ABC):
         return await self._update("update_weights_from_disk", (str(path),), options, weight_version, policy)
 
     async def aupdate_weights_from_tensor(
-        self, weight_version: int | None = None, *, policy: str | None = None, **payload: Any
+        self, /, weight_version: int | None = None, *, policy: str | None = None, **payload: Any
     ) -> int:
         """SGLang's `/update_weights_from_tensor` on every server (payload passed through:
         serialized_named_tensors, load_format, flush_cache...); the new version is returned. `policy`: as for
@@ -482,7 +448,7 @@ class BaseEngine(ABC):
         return await self._update("update_weights_from_tensor", (), payload, weight_version, policy)
 
     async def aupdate_weights_from_distributed(
-        self, weight_version: int | None = None, *, policy: str | None = None, **payload: Any
+        self, /, weight_version: int | None = None, *, policy: str | None = None, **payload: Any
     ) -> int:
         """SGLang's `/update_weights_from_distributed` on every server (payload passed through: names, dtypes,
         shapes, group_name...); the new version is returned."""
@@ -500,48 +466,14 @@ class BaseEngine(ABC):
         version = await self._control("update", call + (policy,) if policy is not None else call)
         return cast(int, version)
 
-    def sleep(self, tags: list[str] | None = None) -> Any:
-        self._refuse_in_loop("sleep", "asleep")
-        return self._run_sync(self.asleep(tags))
-
-    def wake_up(self, tags: list[str] | None = None) -> Any:
-        self._refuse_in_loop("wake_up", "awake_up")
-        return self._run_sync(self.awake_up(tags))
-
-    def update_weights_from_disk(
-        self,
-        path: str | Path,
-        weight_version: int | None = None,
-        *,
-        policy: str | None = None,
-        **options: Any,
-    ) -> int:
-        self._refuse_in_loop("update_weights_from_disk", "aupdate_weights_from_disk")
-        return self._run_sync(self.aupdate_weights_from_disk(path, weight_version, policy=policy, **options))
-
-    def update_weights_from_tensor(
-        self, weight_version: int | None = None, *, policy: str | None = None, **payload: Any
-    ) -> int:
-        self._refuse_in_loop("update_weights_from_tensor", "aupdate_weights_from_tensor")
-        return self._run_sync(self.aupdate_weights_from_tensor(weight_version, policy=policy, **payload))
-
-    def update_weights_from_distributed(
-        self, weight_version: int | None = None, *, policy: str | None = None, **payload: Any
-    ) -> int:
-        self._refuse_in_loop("update_weights_from_distributed", "aupdate_weights_from_distributed")
-        return self._run_sync(self.aupdate_weights_from_distributed(weight_version, policy=policy, **payload))
-
-    def pause(self, mode: str = "abort", *, policy: str | None = None) -> None:
-        self._refuse_in_loop("pause", "apause")
-        self._run_sync(self.apause(mode, policy=policy))
-
-    def resume(self, *, policy: str | None = None) -> None:
-        self._refuse_in_loop("resume", "aresume")
-        self._run_sync(self.aresume(policy=policy))
-
-    def flush_cache(self) -> Any:
-        self._refuse_in_loop("flush_cache", "aflush_cache")
-        return self._run_sync(self.aflush_cache())
+    sleep = sync_form(asleep)
+    wake_up = sync_form(awake_up)
+    flush_cache = sync_form(aflush_cache)
+    pause = sync_form(apause)
+    resume = sync_form(aresume)
+    update_weights_from_disk = sync_form(aupdate_weights_from_disk)
+    update_weights_from_tensor = sync_form(aupdate_weights_from_tensor)
+    update_weights_from_distributed = sync_form(aupdate_weights_from_distributed)
 
 
 def batch_of(

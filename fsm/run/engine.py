@@ -21,13 +21,14 @@ import asyncio
 import contextvars
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, Protocol, TypeVar, cast, runtime_checkable
+from typing import Any, Concatenate, Literal, ParamSpec, Protocol, TypeVar, cast, runtime_checkable
 
 from fsm.run.agent import CompiledAgent
 from fsm.run.context import Sampling
 from fsm.run.trajectory import Trajectory
 
 T = TypeVar("T")
+P = ParamSpec("P")
 StalePolicy = Literal["drop", "rerun"]
 PAUSE_MODES = ("abort", "retract", "in_place")  # SGLang's /pause_generation modes
 
@@ -48,6 +49,43 @@ def weight_version_of(weight_version: int | None) -> int | None:
     ):
         raise TypeError(f"weight_version must be an int (the engine counts versions), got {weight_version!r}")
     return weight_version
+
+
+class Blocking(Protocol):
+    """An engine whose sync forms block on its own loop (`_run_sync`): the one way its async calls run from
+    synchronous code."""
+
+    def _run_sync(self, coro: Coroutine[Any, Any, T]) -> T: ...
+
+
+E = TypeVar("E", bound=Blocking)
+
+
+def sync_form(afn: Callable[Concatenate[E, P], Coroutine[Any, Any, T]]) -> Callable[Concatenate[E, P], T]:
+    """The sync form of an engine's async call (`asubmit` -> `submit`), made here for every one so that none
+    drifts from its async form: it runs the call on the engine's loop and blocks until it is done. Inside a
+    running event loop, which it would block, it refuses in one line naming the async form to await."""
+    name = afn.__name__.removeprefix("a")
+
+    def sync(self: E, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        refuse_in_loop(self, name, afn.__name__)
+        return self._run_sync(afn(self, *args, **kwargs))
+
+    sync.__name__ = sync.__qualname__ = name
+    sync.__doc__ = f"Sync form of `{afn.__name__}`: blocks until it is done."
+    return sync
+
+
+def refuse_in_loop(engine: object, name: str, async_name: str) -> None:
+    """RuntimeError when called inside a running event loop (a sync form there would block it)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    raise RuntimeError(
+        f"{type(engine).__name__}.{name}() was called inside a running event loop, which it "
+        f"would block; use `await {async_name}(...)` there"
+    )
 
 
 @runtime_checkable
