@@ -352,6 +352,7 @@ async def _worker_main(tag: str, front: str, n: int, max_sessions: int) -> None:
     import tempfile
 
     from fsm.gateway import Gateway, GatewayLimits
+    from fsm.run.engine import owned
 
     loop = asyncio.get_running_loop()
     stdin = asyncio.StreamReader()
@@ -362,7 +363,7 @@ async def _worker_main(tag: str, front: str, n: int, max_sessions: int) -> None:
     backend = _backend(tokenizer)
     backend.record_requests = True
     gateway = Gateway(limits=GatewayLimits(max_sessions=max_sessions), tag=tag, front=front)
-    await gateway.attach(backend).start()
+    await gateway.attach(owned()).start()  # this loop's: the Runner below runs on it
     print(json.dumps({"url": gateway.url}), flush=True)
     async with asyncio.timeout(ROW_TIMEOUT_S):
         await stdin.readline()

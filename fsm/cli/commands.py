@@ -251,6 +251,8 @@ async def _rollout(
         servers, tokenizer = await servers_of(args, stack)
         engine = _engine(args, servers, tokenizer)
         stack.push_async_callback(engine.aclose)
+        if getattr(args, "gateway", None) is not None and args.ray is None:  # `agentfsm gateway`'s (serve.py)
+            args.gateway.attach(engine.owned)
         try:
             sampling = engine.sampling(params)
         except (

@@ -147,7 +147,7 @@ def harness(
         mine = harnesses()
         session = mine.live.get(traj.session_id)
         if session is None:
-            gateway = await gateway_for(ctx.backend)
+            gateway = await gateway_for()
             try:
                 session = gateway.open(traj.session_id)
             except GatewayError as exc:

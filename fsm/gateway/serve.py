@@ -17,7 +17,7 @@ import ipaddress
 import logging
 from typing import Any
 
-from fsm.gateway.server import Gateway, GatewayLimits, configure
+from fsm.gateway.server import Gateway, GatewayLimits
 
 log = logging.getLogger("agentfsm.gateway")
 
@@ -25,9 +25,10 @@ log = logging.getLogger("agentfsm.gateway")
 def serve(
     engine: Any, host: str = "127.0.0.1", port: int = 0, limits: GatewayLimits | None = None
 ) -> Gateway:
-    """The gateway the harness states of `engine`'s runs use (started on the engine's loop at the first one)."""
+    """The gateway the harness states of `engine`'s runs use (started on the engine's loop at the first one,
+    closed with the engine)."""
     _warn_if_public(host)
-    return Gateway(host, port, limits).attach(engine.backend)
+    return Gateway(host, port, limits).attach(engine.owned)
 
 
 def _warn_if_public(host: str) -> None:
@@ -201,5 +202,5 @@ def cmd_gateway(args: argparse.Namespace, run: Any, rollout: Any = None) -> int:
         from fsm.gateway.workers import over_workers
 
         return run(args, rollout=over_workers(limits))
-    configure(args.host, args.gateway_port, limits)
+    args.gateway = Gateway(args.host, args.gateway_port, limits)  # the run's engine owns it (cmd_run)
     return run(args)

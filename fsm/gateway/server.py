@@ -17,7 +17,6 @@ import json
 import logging
 import secrets
 import socket
-import weakref
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from aiohttp import web
 from fsm.gateway import anthropic_api, gemini_api, openai_api
 from fsm.gateway.record import AUX, AUX_PROMPTS, Answer, Call, GatewayError, auxiliary
 from fsm.gateway.tree import Tree, child_line
-from fsm.run.engine import owned
+from fsm.run.engine import Owned, owned
 
 log = logging.getLogger("agentfsm.gateway")
 # a harness names a call that is not its agent's own turn: `x-agentfsm-call: title`
@@ -250,9 +249,11 @@ class Gateway:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    def attach(self, backend: Any) -> Gateway:
-        """Harness states of runs over `backend` use this gateway."""
-        _ATTACHED[backend] = self
+    def attach(self, owner: Owned) -> Gateway:
+        """Harness states of the runs `owner` serves (an engine's services, fsm/run/engine.py `Owned`) use this
+        gateway, which closes with them. An engine has one gateway: a second is refused."""
+        if owner.get("gateway", lambda: self) is not self:
+            raise ValueError("this engine has a gateway already: serve() one gateway per engine")
         return self
 
     def open(self, traj_id: str) -> Session:
@@ -416,26 +417,11 @@ def _body(raw: bytes) -> dict[str, Any]:
     return body
 
 
-_ATTACHED: weakref.WeakKeyDictionary[Any, Gateway] = weakref.WeakKeyDictionary()
-_CONFIG: dict[str, Any] = {}  # what a gateway started on first use binds to (configure)
-
-
-def configure(
-    host: str = "127.0.0.1", port: int = 0, limits: GatewayLimits | None = None, **worker: Any
-) -> None:
-    """Where gateways started on first use listen, and their limits (`agentfsm gateway` sets it); `worker`:
-    Gateway's `tag`, `front` and `sock` for one worker behind a front (`agentfsm gateway --workers N`)."""
-    _CONFIG.clear()
-    _CONFIG.update(host=host, port=port, limits=limits, **worker)
-
-
-async def gateway_for(backend: Any) -> Gateway:
-    """The gateway attached to `backend`, else the running engine's loopback one (fsm/run/engine.py `owned`:
-    started now if need be, closed with the engine, shared with no other engine)."""
-    attached = _ATTACHED.get(backend)
-    if attached is not None:
-        return await attached.start()
-    gateway = owned().get("gateway", lambda: Gateway(**_CONFIG))
+async def gateway_for() -> Gateway:
+    """The running engine's gateway (fsm/run/engine.py `owned`): the one attached to it (`serve`, `agentfsm
+    gateway`), else a loopback one on a free port; started now if need be, closed with the engine, shared with no
+    other engine."""
+    gateway = owned().get("gateway", Gateway)
     if gateway._runner is None:
         await gateway.start()
         log.info("gateway listening on %s (sessions under /sessions/{id}/v1)", gateway.url)

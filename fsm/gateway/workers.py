@@ -45,7 +45,7 @@ from typing import Any
 
 from fsm.api import batch_of, load_tokenizer
 from fsm.gateway.front import TOKEN_ENV, Front
-from fsm.gateway.server import GatewayLimits, configure
+from fsm.gateway.server import Gateway, GatewayLimits
 from fsm.output.keep import Rollout, RunDir
 from fsm.output.metrics import COUNTERS, FaultDelta
 from fsm.run.compile import CompiledAgent, compile_spec
@@ -508,7 +508,7 @@ def worker(
         raise WorkerError(f"gateway worker {tag}: its parent (pid {config['parent']}) is gone")
     _heartbeat(config["heartbeat_fd"])
     sock = _register(front, tag, _read_token(config["token_fd"]))
-    configure("127.0.0.1", 0, limits, tag=tag, front=front, sock=sock)
+    args.gateway = Gateway("127.0.0.1", 0, limits, tag=tag, front=front, sock=sock)  # its engine's (cmd_run)
 
     async def rows_of_mine(args: argparse.Namespace, rows: list[dict[str, Any]], console: Any) -> Rollout:
         if len(rows) != config["of"]:

@@ -15,6 +15,7 @@ import pytest
 
 from fsm.api import RolloutEngine
 from fsm.gateway import Gateway, GatewayLimits, HarnessCall, harness
+from fsm.run.engine import owned
 from tests.conftest import extra
 from tests.gateway.conftest import row, scripted
 
@@ -53,8 +54,9 @@ def run(
 
 
 async def _attach(gateway: Gateway, backend: Any) -> None:
+    """`gateway` is the running engine's (`backend`'s)."""
     await gateway.start()
-    gateway.attach(backend)
+    gateway.attach(owned())
 
 
 async def post(

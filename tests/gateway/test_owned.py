@@ -59,3 +59,22 @@ def test_two_engines_share_no_gateway_state_and_each_closes_its_own(tokenizer):
     assert _refused(gateway_b.port)
     with pytest.raises(RuntimeError, match="closed"):
         a._run_sync(_owned())
+
+
+def test_a_served_gateway_is_the_engines_and_closes_with_it(tokenizer):
+    """`serve(engine)` gives the engine its gateway (no process-wide table of attached gateways): its harnesses
+    call that one, a second is refused in one line, and the engine's close closes it."""
+    from fsm.gateway.serve import serve
+
+    extra("openai", "gateway")
+    engine = RolloutEngine("examples/gateway/base.yaml", tokenizer, backend=scripted(tokenizer))
+    try:
+        gateway = serve(engine)
+        (traj,) = engine._run_sync(engine.arun([row()]))
+        assert traj.extra["harness"]["outcome"] == "returned"
+        assert _mine(engine._run_sync(_owned()), "gateway") is gateway and gateway.port
+        with pytest.raises(ValueError, match="has a gateway already"):
+            serve(engine)
+    finally:
+        engine.close()
+    assert _refused(gateway.port)

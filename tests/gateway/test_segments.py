@@ -210,18 +210,17 @@ def test_segments_per_session_are_bounded(tmp_path, tokenizer):
     assert_segments_exact(trajs[0], backend)
 
 
-def test_the_cli_sets_max_segments(tmp_path, tokenizer, monkeypatch):
+def test_the_cli_sets_max_segments(tmp_path, tokenizer):
     from fsm.cli.commands import build_parser
-    from fsm.gateway import server
     from fsm.gateway.serve import cmd_gateway
 
-    monkeypatch.setattr(server, "_CONFIG", {})
     assert build_parser().parse_args(["gateway", "examples/gateway/base.yaml"]).max_segments == 32
     args = build_parser().parse_args(["gateway", "examples/gateway/base.yaml", "--max-segments", "3"])
     seen = []
 
-    def rows(_args) -> int:  # the run: its loopback gateway is started with what the CLI configured
-        trajs, backend, _ = run(spec(tmp_path, "tests.gateway.test_segments:many_harness", LIMITS), tokenizer)
+    def rows(cli: Any) -> int:  # the run: its engine owns the gateway the CLI configured
+        path = spec(tmp_path, "tests.gateway.test_segments:many_harness", LIMITS)
+        trajs, backend, _ = run(path, tokenizer, cli.gateway)
         seen.append(trajs[0])
         assert_segments_exact(trajs[0], backend)
         return 0
