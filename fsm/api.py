@@ -42,7 +42,7 @@ from fsm.output.metrics import FaultDelta
 from fsm.run.agent import CompiledAgent
 from fsm.run.compile import compile_spec
 from fsm.run.context import PauseGate, Policy, Sampling
-from fsm.run.engine import Owned, StalePolicy, refuse_in_loop
+from fsm.run.engine import Command, Owned, StalePolicy, refuse_in_loop
 from fsm.run.local import Local
 from fsm.run.runtime import WATCHDOG_S, Runner
 from fsm.run.stream import Group
@@ -401,8 +401,8 @@ class RolloutEngine(BaseEngine):
     ) -> list[Group]:
         return await self._local.take_here(num_groups, max_staleness, stale, timeout, exhausted_ok)
 
-    async def _control(self, op: str, args: tuple[Any, ...]) -> Any:
-        return await self._on_home(self._local.controls.run(op, args))
+    async def _control(self, command: Command) -> Any:
+        return await self._on_home(self._local.controls.run(command))
 
     async def _snapshot(
         self,

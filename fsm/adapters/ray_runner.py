@@ -46,7 +46,7 @@ from fsm.families import Codec
 from fsm.run import heap
 from fsm.run.context import Sampling
 from fsm.run.control import Controls
-from fsm.run.engine import EngineRefused, StalePolicy
+from fsm.run.engine import Call, Command, EngineRefused, Pause, Resume, StalePolicy, Update
 from fsm.run.journal import SYNCS
 from fsm.run.runtime import agent_codec
 from fsm.run.stream import Group, Groups, StreamEmpty, version_span
@@ -172,10 +172,10 @@ class _Worker:
     async def pid(self) -> int:
         return os.getpid()
 
-    async def control(self, op: str, args: tuple[Any, ...], servers: bool) -> Any:
-        """A control op (fsm/run/control.py `Controls.run`); `servers=False`: this actor's gate and version only
-        (another actor tells the shared servers)."""
-        return await self.controls.run(op, args, servers)
+    async def control(self, command: Command, servers: bool) -> Any:
+        """A control command (fsm/run/control.py `Controls.run`); `servers=False`: this actor's gate and version
+        only (another actor tells the shared servers)."""
+        return await self.controls.run(command, servers)
 
     async def close(self) -> None:
         held, self._heap = self._heap, None
@@ -417,25 +417,25 @@ class RayRunner(BaseEngine):
 
     # -- control calls (fsm/run/control.py, in every actor) ----------------------------------------------------
 
-    async def _control(self, op: str, args: tuple[Any, ...]) -> Any:
+    async def _control(self, command: Command) -> Any:
         """Shared servers hear it once (through the first live actor); per-actor backends each hear it. Every
         actor's gate pauses first and opens last, and every actor counts the version."""
         self.start()
         ranks = [r for r in range(len(self.actors)) if r not in self._dead]
         told = ranks[:1] if self.servers else ranks
-        rest = [r for r in ranks if r not in told] if op != "call" else []
+        rest = [r for r in ranks if r not in told] if not isinstance(command, Call) else []
 
         async def send(to: list[int], servers: bool) -> list[Any]:
-            refs = [self.actors[r].control.remote(op, args, servers) for r in to]
+            refs = [self.actors[r].control.remote(command, servers) for r in to]
             return list(await asyncio.gather(*(asyncio.wrap_future(ref.future()) for ref in refs)))
 
-        if op == "pause":
+        if isinstance(command, Pause):
             await send(rest, False)  # first: no actor issues a request while the servers pause
             try:
                 answers = await send(told, True)
             except BaseException:
                 if not self._paused:  # the other actors' gates open again
-                    refs = [self.actors[r].control.remote("resume", (), False) for r in rest]
+                    refs = [self.actors[r].control.remote(Resume(), False) for r in rest]
                     await asyncio.gather(
                         *(asyncio.wrap_future(ref.future()) for ref in refs), return_exceptions=True
                     )
@@ -443,9 +443,9 @@ class RayRunner(BaseEngine):
         else:
             answers = await send(told, True)
             await send(rest, False)
-        if op == "pause" or op == "resume":
-            self._paused = op == "pause"
-        if op == "update":
+        if isinstance(command, (Pause, Resume)):
+            self._paused = isinstance(command, Pause)
+        if isinstance(command, Update):
             self._version = answers[0]
             return answers[0]
         return answers[0] if self.servers else answers

@@ -28,12 +28,15 @@ from fsm.output.sample import SampleBatch, to_samples
 from fsm.run.agent import CompiledAgent
 from fsm.run.context import Policy, Sampling, node_sampling
 from fsm.run.engine import (
-    PAUSE_MODES,
+    Call,
+    Command,
     EngineRefused,
+    Pause,
+    Resume,
     StalePolicy,
+    Update,
     refuse_in_loop,
     sync_form,
-    weight_version_of,
 )
 from fsm.run.stream import Group
 from fsm.run.tracer import Tracer
@@ -89,8 +92,8 @@ class BaseEngine(ABC):
         """The first `num_groups` finished groups (fsm/run/stream.py `Groups.take`)."""
 
     @abstractmethod
-    async def _control(self, op: str, args: tuple[Any, ...]) -> Any:
-        """A control op of fsm/run/control.py `Controls` ("call", "pause", "resume", "update") on every server."""
+    async def _control(self, command: Command) -> Any:
+        """A control command (fsm/run/engine.py) on every server (fsm/run/control.py `Controls`)."""
 
     @property
     @abstractmethod
@@ -399,14 +402,14 @@ class BaseEngine(ABC):
 
     async def asleep(self, tags: list[str] | None = None) -> Any:
         """Release server memory (SGLang release_memory_occupation; tags "weights", "kv_cache")."""
-        return await self._control("call", ("sleep", (tags,)))
+        return await self._control(Call("sleep", (tags,)))
 
     async def awake_up(self, tags: list[str] | None = None) -> Any:
         """Take the memory back (SGLang resume_memory_occupation)."""
-        return await self._control("call", ("wake_up", (tags,)))
+        return await self._control(Call("wake_up", (tags,)))
 
     async def aflush_cache(self) -> Any:
-        return await self._control("call", ("flush_cache",))
+        return await self._control(Call("flush_cache"))
 
     async def apause(self, mode: str = "abort", *, policy: str | None = None) -> None:
         """Stop generation: the engine issues no new model request (turns wait at its gate) and every server
@@ -415,14 +418,12 @@ class BaseEngine(ABC):
         them at the server (recomputed after continue); "in_place" holds them mid-generation. Trajectories stay
         alive with their partial turns; new runs may start meanwhile and wait at the gate. `policy`: that
         policy alone, when it has a backend of its own (docs/trees.md); default: every policy."""
-        if mode not in PAUSE_MODES:
-            raise ValueError(f"unknown pause mode {mode!r}; expected one of {', '.join(PAUSE_MODES)}")
-        await self._control("pause", (mode, policy) if policy is not None else (mode,))
+        await self._control(Pause(mode, policy))
 
     async def aresume(self, *, policy: str | None = None) -> None:
         """Continue: every server continues (`/continue_generation`), then the gate opens and paused
         trajectories go on, on whatever weights the servers now hold. `policy`: as for `apause`."""
-        await self._control("resume", (policy,) if policy is not None else ())
+        await self._control(Resume(policy))
 
     async def aupdate_weights_from_disk(
         self,
@@ -437,7 +438,9 @@ class BaseEngine(ABC):
         `weight_version` (default: the current one + 1), which is returned. `options` go to SGLang's
         endpoint (load_format, abort_all_requests, flush_cache). `policy`: that policy's backend, when it has one
         of its own (docs/trees.md), and its version (its tokens record it); default: the root policy's."""
-        return await self._update("update_weights_from_disk", (str(path),), options, weight_version, policy)
+        return await self._update(
+            Update("update_weights_from_disk", (str(path),), options, weight_version, policy)
+        )
 
     async def aupdate_weights_from_tensor(
         self, /, weight_version: int | None = None, *, policy: str | None = None, **payload: Any
@@ -445,26 +448,19 @@ class BaseEngine(ABC):
         """SGLang's `/update_weights_from_tensor` on every server (payload passed through:
         serialized_named_tensors, load_format, flush_cache...); the new version is returned. `policy`: as for
         `aupdate_weights_from_disk`."""
-        return await self._update("update_weights_from_tensor", (), payload, weight_version, policy)
+        return await self._update(Update("update_weights_from_tensor", (), payload, weight_version, policy))
 
     async def aupdate_weights_from_distributed(
         self, /, weight_version: int | None = None, *, policy: str | None = None, **payload: Any
     ) -> int:
         """SGLang's `/update_weights_from_distributed` on every server (payload passed through: names, dtypes,
         shapes, group_name...); the new version is returned."""
-        return await self._update("update_weights_from_distributed", (), payload, weight_version, policy)
+        return await self._update(
+            Update("update_weights_from_distributed", (), payload, weight_version, policy)
+        )
 
-    async def _update(
-        self,
-        method: str,
-        args: tuple[Any, ...],
-        options: dict[str, Any],
-        weight_version: int | None,
-        policy: str | None = None,
-    ) -> int:
-        call = (method, args, options, weight_version_of(weight_version))
-        version = await self._control("update", call + (policy,) if policy is not None else call)
-        return cast(int, version)
+    async def _update(self, update: Update) -> int:
+        return cast(int, await self._control(update))
 
     sleep = sync_form(asleep)
     wake_up = sync_form(awake_up)

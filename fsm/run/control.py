@@ -20,11 +20,8 @@ from typing import Any
 
 from backends.base import Backend
 from fsm.run.context import PauseGate
-from fsm.run.engine import PAUSE_MODES
+from fsm.run.engine import Call, Command, Pause, Resume, Update
 from fsm.run.runtime import Runner
-
-OPS = ("call", "pause", "resume", "update")  # what `run` dispatches (a Ray actor's control call names one)
-__all__ = ["OPS", "PAUSE_MODES", "Controls"]
 
 
 class Controls:
@@ -34,11 +31,17 @@ class Controls:
         self.runner = runner
         self._start = start
 
-    async def run(self, op: str, args: tuple[Any, ...], servers: bool = True) -> Any:
-        """`op` (one of OPS) with its arguments: the form a call takes across a process boundary."""
-        if op not in OPS:
-            raise ValueError(f"unknown control op {op!r}; expected one of {', '.join(OPS)}")
-        return await getattr(self, op)(*args, servers=servers)
+    async def run(self, command: Command, servers: bool = True) -> Any:
+        """`command` (fsm/run/engine.py: the form a control call takes, across a process boundary too)."""
+        match command:
+            case Call(method, args):
+                return await self.call(method, args, servers=servers)
+            case Pause(mode, policy):
+                return await self.pause(mode, policy, servers=servers)
+            case Resume(policy):
+                return await self.resume(policy, servers=servers)
+            case Update(method, args, options, weight_version, policy):
+                return await self.update(method, args, dict(options), weight_version, policy, servers=servers)
 
     async def call(
         self,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Concatenate, Literal, ParamSpec, Protocol, TypeVar, cast, runtime_checkable
 
@@ -42,13 +43,58 @@ class EngineRefused(NotImplementedError):
         self.engine, self.call = type(engine).__name__, call
 
 
-def weight_version_of(weight_version: int | None) -> int | None:
-    """The version a weight update names, checked: an int (the engines count versions), or None for the next."""
-    if weight_version is not None and (
-        isinstance(weight_version, bool) or not isinstance(weight_version, int)
-    ):
-        raise TypeError(f"weight_version must be an int (the engine counts versions), got {weight_version!r}")
-    return weight_version
+# -- the control commands: what `apause`, `aupdate_weights_from_*` ... send to every server, checked when made, in a
+# form that crosses a process boundary as it is (a Ray actor's control call); fsm/run/control.py `Controls` runs them
+
+
+@dataclass(frozen=True)
+class Call:
+    """A server call that changes no count: release or take back memory, flush the cache. The answer is the
+    servers'; None where the backend has no such call (an in-process model has no memory to release)."""
+
+    method: Literal["sleep", "wake_up", "flush_cache"]
+    args: tuple[Any, ...] = ()
+
+
+@dataclass(frozen=True)
+class Pause:
+    """Stop generation (`mode`: one of PAUSE_MODES) for `policy`, None: every policy."""
+
+    mode: str = "abort"
+    policy: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in PAUSE_MODES:
+            raise ValueError(f"unknown pause mode {self.mode!r}; expected one of {', '.join(PAUSE_MODES)}")
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Continue generation for `policy`, None: every policy."""
+
+    policy: str | None = None
+
+
+@dataclass(frozen=True)
+class Update:
+    """New weights through `method` as version `weight_version` (None: the current one + 1) for `policy`'s backend
+    (None: the root policy's); `options` go to the server's endpoint as they are."""
+
+    method: Literal[
+        "update_weights_from_disk", "update_weights_from_tensor", "update_weights_from_distributed"
+    ]
+    args: tuple[Any, ...] = ()
+    options: Mapping[str, Any] = field(default_factory=dict)
+    weight_version: int | None = None
+    policy: str | None = None
+
+    def __post_init__(self) -> None:
+        version = self.weight_version
+        if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
+            raise TypeError(f"weight_version must be an int (the engine counts versions), got {version!r}")
+
+
+Command = Call | Pause | Resume | Update
 
 
 class Blocking(Protocol):
