@@ -6,7 +6,8 @@ start with `w1-` and the base URLs it hands its harnesses are the front's. The f
 `/sessions/{id}/` to the worker whose tag starts the id, body and key unchanged, and streams the answer back
 (SSE included), so a session always lands on the process that owns its trajectory: nothing is shared between
 workers, and one process's `max_sessions` bounds only its own share. The front only reads the tag: the key
-is checked by the worker, as without a front.
+is checked by the worker, as without a front, and so is the process the request comes from: the front names its
+caller's socket in a header (fsm/gateway/peer.py).
 
 Workers are registered by the program that owns the front (`register`), or, made with a `token`, register
 themselves: `POST /workers/{tag}` with `Authorization: Bearer <token>` and `{"port": N}` (the worker's gateway
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -25,6 +27,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from fsm.gateway import peer
 from fsm.gateway.record import GatewayError
 from fsm.gateway.server import GatewayLimits, _error, listen, read_body, route
 
@@ -55,6 +58,7 @@ class Front:
         self.routed: Counter[str] = Counter()  # requests forwarded per tag
         self._runner: web.BaseRunner | None = None
         self._http: aiohttp.ClientSession | None = None
+        self._callers: weakref.WeakKeyDictionary[Any, int | None] = weakref.WeakKeyDictionary()
 
     @property
     def url(self) -> str:
@@ -119,6 +123,9 @@ class Front:
         except GatewayError as exc:
             return _error(request, exc)
         headers = {k: request.headers[k] for k in FORWARDED if k in request.headers}
+        caller = self._caller(request)
+        if caller is not None:  # the worker checks that its session's harness holds it (fsm/gateway/peer.py)
+            headers[peer.PEER_HEADER] = str(caller)
         self.routed[tag] += 1
         assert self._http is not None
         response = None
@@ -146,6 +153,17 @@ class Front:
                     status=502,
                 ),
             )
+
+    def _caller(self, request: web.BaseRequest) -> int | None:
+        """The inode of the caller's socket, looked up once per connection."""
+        transport = request.transport
+        if transport is None:
+            return None
+        if transport not in self._callers:
+            self._callers[transport] = peer.socket_inode(
+                transport.get_extra_info("peername"), transport.get_extra_info("sockname")
+            )
+        return self._callers[transport]
 
 
 def _kept(headers: Any) -> dict[str, str]:

@@ -39,6 +39,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from fsm.gateway import peer
 from fsm.gateway.front import TOKEN_ENV
 from fsm.gateway.record import GatewayError, LimitReached
 from fsm.gateway.server import Session, gateway_for
@@ -155,6 +156,9 @@ def harness(
 
                 raise RowError(f"gateway: {exc}") from None
             mine.live[traj.session_id] = session
+            # its key works from this process's tree (a command's own tree, once started: _run_command)
+            if peer.available():
+                session.owner = os.getpid()
             call = HarnessCall(
                 session.base_url, session.anthropic_base_url, session.key, model, dict(traj.row)
             )
@@ -391,6 +395,8 @@ async def _run_command(command: Sequence[str], call: HarnessCall, session: Sessi
         raise
     finally:
         os.close(write_fd)
+    if session.owner is not None:  # from now on only the harness's tree (fsm/gateway/peer.py)
+        session.owner = proc.pid
     status = os.fdopen(read_fd, "rb", 0)  # closed by its reader, or when dropped
     said: dict[str, str] = {}
     try:

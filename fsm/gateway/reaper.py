@@ -71,13 +71,13 @@ def _own_proc() -> str | None:
     return None
 
 
-def descendants(root: int) -> list[int]:
-    """Every process under `root`, read from /proc (each one's parent pid)."""
-    children: dict[int, list[int]] = {}
+def children() -> dict[int, list[int]]:
+    """Each process's children, read from /proc (each one's parent pid); empty without /proc."""
+    found: dict[int, list[int]] = {}
     try:
         names = os.listdir("/proc")
     except OSError:  # no /proc (not Linux): only the command itself is ours to end
-        return []
+        return found
     for name in names:
         if not name.isdigit():
             continue
@@ -87,10 +87,16 @@ def descendants(root: int) -> list[int]:
         except OSError:
             continue
         ppid = int(stat.rsplit(b")", 1)[1].split()[1])  # the name in parentheses may hold spaces
-        children.setdefault(ppid, []).append(int(name))
+        found.setdefault(ppid, []).append(int(name))
+    return found
+
+
+def descendants(root: int) -> list[int]:
+    """Every process under `root`."""
+    kids = children()
     out, todo = [], [root]
     while todo:
-        for pid in children.get(todo.pop(), ()):
+        for pid in kids.get(todo.pop(), ()):
             out.append(pid)
             todo.append(pid)
     return out

@@ -15,8 +15,10 @@ import asyncio
 import hmac
 import json
 import logging
+import os
 import secrets
 import socket
+import weakref
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -24,7 +26,7 @@ from typing import Any
 
 from aiohttp import web
 
-from fsm.gateway import anthropic_api, gemini_api, openai_api
+from fsm.gateway import anthropic_api, gemini_api, openai_api, peer
 from fsm.gateway.record import AUX, AUX_PROMPTS, Answer, Call, GatewayError, auxiliary
 from fsm.gateway.tree import Tree, child_line
 from fsm.run.engine import Owned, owned
@@ -110,6 +112,10 @@ class Session:
         self.pid: int | None = (
             None  # a command harness's process, once started (harness.py refuses calls after it)
         )
+        # the process whose tree every request must come from (its harness's reaper, or this process for a function
+        # harness; fsm/gateway/peer.py); None: the key alone (a session opened by hand, or no /proc)
+        self.owner: int | None = None
+        self.peers: set[int] = set()  # the connections' socket inodes found in the owner's tree
 
     @property
     def base_url(self) -> str:
@@ -202,6 +208,8 @@ class Gateway:
         self.sessions: dict[str, Session] = {}
         self._runner: web.BaseRunner | None = None
         self._starting: asyncio.Future[None] | None = None  # the first start(); concurrent callers await it
+        # per connection: its peer's socket inode, and whether that peer is this worker's front (fsm/gateway/peer.py)
+        self._conns: weakref.WeakKeyDictionary[Any, tuple[int | None, bool]] = weakref.WeakKeyDictionary()
 
     @property
     def url(self) -> str:
@@ -274,7 +282,9 @@ class Gateway:
         session: Session | None = None
         try:
             sid, api = route(request, APIS)
-            session = self._session(request, sid)
+            found = self._session(request, sid)
+            self._from_owner(request, found)  # an intruder's refusal is not counted on the row
+            session = found
             if api == "models":
                 return _json(
                     {
@@ -328,6 +338,50 @@ class Gateway:
         if session is None or not hmac.compare_digest(key.encode(), session.key.encode()):
             raise GatewayError("unknown session, or not its key", code="invalid_api_key", status=401)
         return session
+
+    def _from_owner(self, request: web.BaseRequest, session: Session) -> None:
+        """Refuse a request of a bound session whose connection no process of its harness holds: its key was
+        learned by another process (fsm/gateway/peer.py). Looked up once per connection and session."""
+        if session.owner is None:
+            return
+        inode = self._peer_socket(request)
+        if inode is not None and inode in session.peers:
+            return
+        me = os.getpid()
+        # a function harness runs in this process: any process of ours but another session's command harness
+        skip = (
+            {s.owner for s in self.sessions.values() if s.owner not in (None, me)}
+            if session.owner == me
+            else ()
+        )
+        if inode is None or peer.holder(peer.tree(session.owner, skip), inode) is None:
+            whose = "this process's" if session.owner == me else f"process {session.owner}'s"
+            session.note("a request with this session's key came from another process, refused")
+            raise GatewayError(
+                f"this request comes from a process outside the session's harness ({whose} tree): a session's key "
+                "is accepted only from the harness it was given to",
+                code="not_the_sessions_process",
+                status=403,
+            )
+        session.peers.add(inode)
+
+    def _peer_socket(self, request: web.BaseRequest) -> int | None:
+        """The inode of the socket the request came over: its caller's, or behind a front, the socket the front
+        names (PEER_HEADER), believed only over a connection of the front (this worker's parent process)."""
+        transport = request.transport
+        if transport is None:
+            return None
+        known = self._conns.get(transport)
+        if known is None:
+            inode = peer.socket_inode(
+                transport.get_extra_info("peername"), transport.get_extra_info("sockname")
+            )
+            front = bool(self.front) and inode is not None and peer.holder([os.getppid()], inode) is not None
+            self._conns[transport] = known = (inode, front)
+        if not known[1]:
+            return known[0]
+        named = request.headers.get(peer.PEER_HEADER, "")
+        return int(named) if named.isdigit() else None
 
 
 # what each API path under /sessions/{id}/v1/ takes: its method, and (request -> Call, answer, SSE events)

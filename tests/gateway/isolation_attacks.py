@@ -2,10 +2,11 @@
 `python isolation_attacks.py [ROLE [SIG]]` (without ROLE: the row's `extra_info.role`), with $ISO_DIR shared by
 the test:
 
-- `victim`: says it is running, waits for the attacker to finish, then makes its own model call;
-- `thief`: waits for a victim, reads every /proc/PID/environ it can for another session's base URL and key, calls
-  each session found with an injected user message, writes what it found and got to thief.json, and lets the
-  victims go on;
+- `victim`: says it is running and leaks its base URL and key into $ISO_DIR (as a harness that logs its
+  command line or environment would), waits for the attacker to finish, then makes its own model call;
+- `thief`: waits for its row's `extra_info.victims` (1), reads every /proc/PID/environ it can for another session's base URL and key, and
+  every leaked one, calls each session found with an injected user message, writes what it found and got to
+  thief.json, and lets the victims go on;
 - `escape SIG`: starts a grandchild that leaves its tree (a double fork into a session of its own, SIGTERM ignored),
   then sends SIG to its reaper wherever it can find it (its parent, any process running reaper.py), writes what
   it could signal to escape.json, and exits.
@@ -38,9 +39,9 @@ def call(base: str, key: str, messages: list) -> int:
         return -1
 
 
-def wait_for(name: str) -> None:
+def wait_for(name: str, count: int = 1) -> None:
     deadline = time.monotonic() + 120
-    while not any(f.startswith(name) for f in os.listdir(HERE)) and time.monotonic() < deadline:
+    while sum(f.startswith(name) for f in os.listdir(HERE)) < count and time.monotonic() < deadline:
         time.sleep(0.02)
 
 
@@ -68,22 +69,43 @@ def environs() -> list[tuple[int, dict]]:
 
 
 def thief() -> None:
-    wait_for("victim-")
+    wait_for("victim-", json.loads(os.environ["AGENTFSM_ROW"])["extra_info"].get("victims", 1))
     mine = os.environ["OPENAI_API_KEY"]
     stolen = {
         (env["OPENAI_BASE_URL"], env["OPENAI_API_KEY"])
         for _, env in environs()
         if env.get("OPENAI_API_KEY", mine) != mine and "OPENAI_BASE_URL" in env
     }
-    statuses = [call(base, key, [{"role": "user", "content": INJECTED}]) for base, key in sorted(stolen)]
+    leaked = set()
+    for name in os.listdir(HERE):
+        if name.startswith("leak-"):
+            with open(os.path.join(HERE, name)) as f:
+                leaked.add(tuple(json.load(f)))
+    statuses = {
+        kind: [call(base, key, [{"role": "user", "content": INJECTED}]) for base, key in sorted(found)]
+        for kind, found in (("environ", stolen), ("leaked", leaked))
+    }
     with open(os.path.join(HERE, "thief.json"), "w") as f:
-        json.dump({"processes_seen": len(environs()), "sessions_found": len(stolen), "statuses": statuses}, f)
+        json.dump(
+            {
+                "processes_seen": len(environs()),
+                "sessions_found": len(stolen),
+                "statuses": statuses["environ"],
+                "leaked": len(leaked),
+                "leaked_statuses": statuses["leaked"],
+            },
+            f,
+        )
     open(os.path.join(HERE, "thief-done"), "w").close()
     own_call()
 
 
 def victim() -> None:
-    open(os.path.join(HERE, f"victim-{os.getpid()}"), "w").close()
+    leak = os.path.join(HERE, f"leak-{os.environ['OPENAI_API_KEY'][:8]}.json")
+    with open(leak + ".part", "w") as f:
+        json.dump([os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"]], f)
+    os.rename(leak + ".part", leak)  # whole when the thief reads it
+    open(os.path.join(HERE, f"victim-{os.environ['OPENAI_API_KEY'][:8]}"), "w").close()
     wait_for("thief-done")
     own_call()
 

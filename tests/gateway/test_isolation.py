@@ -105,19 +105,24 @@ def _left(mark: Path) -> list[int]:
 def test_a_harness_cannot_read_another_harness_session_nor_call_into_it(tmp_path, tokenizer, monkeypatch):
     """A harness read other harnesses' base URL and key from /proc/*/environ and called into their sessions
     (3 of 3 answered, the injected message in the victims' rows). In its own PID namespace with its own /proc it
-    sees only its own tree: no session found, nothing injected."""
+    sees only its own tree: no session found. The keys the victims leak (into a shared directory, as a harness that
+    logs its command line would) are refused, each with 403: the thief's connection is not the victims' harness's
+    (fsm/gateway/peer.py). Without that check both leaked keys were answered (200) and injected."""
     monkeypatch.setenv("ISO_DIR", str(tmp_path))
     rows = [row(), row(), row()]
     for r, role in zip(rows, ("victim", "thief", "victim")):
-        r["extra_info"] = {"role": role}
+        r["extra_info"] = {"role": role, "victims": 2}
     trajs, backend = run(spec(tmp_path, "tests.gateway.test_isolation:attack_harness"), tokenizer, rows)
     stolen = json.loads((tmp_path / "thief.json").read_text())
     assert stolen["sessions_found"] == 0 and stolen["statuses"] == [], stolen
+    assert stolen["leaked"] == 2 and stolen["leaked_statuses"] == [403, 403], stolen
     assert 0 < stolen["processes_seen"] < 10  # its own tree only
-    for traj in trajs:
+    for traj, r in zip(trajs, rows):
         assert traj.extra["harness"]["contained"] == "pid+proc", traj.extra["harness"]
         assert traj.termination_reason == "done" and traj.assistant_turns == 1, traj.extra["harness"]
         assert INJECTED not in json.dumps(traj.messages)
+        intruded = "came from another process" in json.dumps(traj.extra.get("gateway_notes"))
+        assert intruded == (r["extra_info"]["role"] == "victim"), traj.extra.get("gateway_notes")
     assert len(backend.requests) == 3
 
 
