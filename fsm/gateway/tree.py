@@ -37,6 +37,7 @@ from fsm.gateway.record import (
     too_many_segments,
 )
 from fsm.run.trajectory import Segment, TokenRuns, Trajectory
+from fsm.run.tree import Node
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 POLICY = "default"  # the gateway serves one policy
@@ -61,21 +62,17 @@ def line_path(line: tuple[str, ...]) -> str:
     return "".join(f"/child/{name}" for name in line) or "the session"
 
 
-@dataclass(eq=False)
-class Node:
-    """One node of the tree: its kind, its place, and the recorded conversation of its segments."""
+@dataclass(eq=False, slots=True, kw_only=True)
+class SessionNode(Node):
+    """A node of a session's tree (fsm/run/tree.py Node: its place, `node` given when it is recorded, its
+    children in `nodes`) and how it is recorded: its line and the conversation of its segments."""
 
-    kind: str  # "root" | "child" | "branch"
     line: tuple[str, ...]  # the child names from the root session to it (a branch keeps its parent's)
-    parent: Node | None
-    offset: int  # branch_offset: where in the parent's row (segment `parent_seq`) it starts
-    parent_seq: int | None
+    up: SessionNode | None  # its parent node
+    parent_seq: int | None  # the parent's segment it starts in, `branch_offset` tokens into its row
     recorder: Recorder
-    id: str = ""  # dotted: "0" the root, "0.1" its second child or branch; given when it is recorded
-    depth: int = 0
     seq: int = -1  # its open segment (the one a request extends)
     seqs: list[int] = field(default_factory=list)  # its segments, in order
-    children: int = 0
 
     @property
     def turns(self) -> int:
@@ -90,12 +87,13 @@ class Tree:
     ) -> None:
         self.max_segments, self.max_nodes, self.max_depth = max_segments, max_nodes, max_depth
         self.auxiliary = auxiliary  # GatewayLimits.auxiliary_calls: keep, separate or drop their rows
-        self.root = Node("root", (), None, 0, None, Recorder(max_segments), id="0")
-        self.nodes: list[Node] = [self.root]
-        self.recent: dict[tuple[str, ...], Node] = {(): self.root}  # the latest node each line recorded on
+        self.root = SessionNode("", line=(), up=None, parent_seq=None, recorder=Recorder(max_segments))
+        self.nodes: list[SessionNode] = [self.root]
+        # the latest node each line recorded on
+        self.recent: dict[tuple[str, ...], SessionNode] = {(): self.root}
         self.known: set[tuple[str, ...]] = {()}  # lines a request has named (their children may come)
         self.stored: list[Segment | None] = []  # by segment number; None: the live one
-        self.owner: list[Node] = []
+        self.owner: list[SessionNode] = []
         self.tails: list[bool] = []  # needs_tail of each parked segment
         self.tools: list[list[dict[str, Any]] | None] = []
         self.live = -1
@@ -126,7 +124,7 @@ class Tree:
             )
         self.known.add(line)
 
-    def plan(self, traj: Trajectory, call: Call) -> tuple[Node, Plan]:
+    def plan(self, traj: Trajectory, call: Call) -> tuple[SessionNode, Plan]:
         """The node `call` is recorded on (a new one is not in the tree until `begin`) and how."""
         line = call.child
         nodes = [n for n in self.nodes if n.line == line and n.seqs]
@@ -143,7 +141,7 @@ class Tree:
                 return node, plan
         if len(self.stored) >= self.max_segments:
             raise too_many_segments(len(self.stored), self.max_segments)
-        best: tuple[Node, tuple[int, int, int, int]] | None = None
+        best: tuple[SessionNode, tuple[int, int, int, int]] | None = None
         for node in nodes:
             mark = node.recorder.branch_mark(call, keys)
             if mark is not None and (best is None or mark[1] > best[1][1]):
@@ -151,13 +149,13 @@ class Tree:
         if best is not None:
             parent, mark = best
             self._room(parent)
-            branch = Node("branch", line, parent, mark[3], mark[0], Recorder(self.max_segments))
+            branch = self._node("branch", line, parent, mark[3], mark[0])
             return branch, Plan("branch", call.messages[mark[1] :], keys, mark)
         if not line:
             return recent, Plan("history", call.messages, keys)
         return self._new_child(traj, line), Plan("first", call.messages, keys)
 
-    def _new_child(self, traj: Trajectory, line: tuple[str, ...]) -> Node:
+    def _new_child(self, traj: Trajectory, line: tuple[str, ...]) -> SessionNode:
         parent = self.recent.get(line[:-1])
         if line[-1].startswith(AUX) and parent is not None:
             # a call that is not the agent's own turn (a title, a compaction): a node of its own under the
@@ -168,7 +166,7 @@ class Tree:
                 seg = self.segment(traj, parent.seq)
                 offset = len(seg.prompt_ids) + len(seg.response_ids)
             seq = parent.seq if parent.seqs else None
-            return Node(line[-1][len(AUX) :], line, parent, offset, seq, Recorder(self.max_segments))
+            return self._node(line[-1][len(AUX) :], line, parent, offset, seq)
         if parent is None or not parent.seqs:
             raise GatewayError(
                 f"{line_path(line)}: unknown parent session {line_path(line[:-1])} (it has recorded no call)",
@@ -180,9 +178,29 @@ class Tree:
         self._room(parent)
         seg = self.segment(traj, parent.seq)
         offset = len(seg.prompt_ids) + len(seg.response_ids)
-        return Node("child", line, parent, offset, parent.seq, Recorder(self.max_segments))
+        return self._node("child", line, parent, offset, parent.seq)
 
-    def _room(self, parent: Node) -> None:
+    def _node(
+        self, kind: str, line: tuple[str, ...], up: SessionNode, offset: int, parent_seq: int | None
+    ) -> SessionNode:
+        """A new node under `up`, numbered when it is recorded (`_register`); an auxiliary call's policy is its
+        kind when its rows are trained apart."""
+        policy = kind if kind not in NODE_KINDS and self.auxiliary == "separate" else POLICY
+        return SessionNode(
+            "",
+            "",
+            up.node,
+            kind,
+            offset,
+            policy,
+            up.depth + 1,
+            line=line,
+            up=up,
+            parent_seq=parent_seq,
+            recorder=Recorder(self.max_segments),
+        )
+
+    def _room(self, parent: SessionNode) -> None:
         if len(self.nodes) >= self.max_nodes:
             raise GatewayError(
                 f"the session's tree holds {len(self.nodes)} nodes, its max_nodes ({self.max_nodes})",
@@ -190,7 +208,7 @@ class Tree:
             )
         if parent.depth + 1 > self.max_depth:
             raise GatewayError(
-                f"a node under {parent.id} would be {parent.depth + 1} deep, past the gateway's max_depth "
+                f"a node under {parent.node} would be {parent.depth + 1} deep, past the gateway's max_depth "
                 f"({self.max_depth})",
                 code="tree_too_deep",
             )
@@ -202,21 +220,21 @@ class Tree:
         stored = self.stored[seq]
         return traj.current_segment() if stored is None else stored
 
-    def switch(self, traj: Trajectory, node: Node) -> None:
+    def switch(self, traj: Trajectory, node: SessionNode) -> None:
         """Put `node`'s open segment in the trajectory's live fields (the live one is parked as it is)."""
         if node.seq != self.live:
             self._park(traj)
             self._load(traj, node.seq)
         self.recent[node.line] = node
 
-    def begin_root(self, node: Node, tools: list[dict[str, Any]] | None) -> int:
+    def begin_root(self, node: SessionNode, tools: list[dict[str, Any]] | None) -> int:
         """The session's first segment: the trajectory's own (its prompt is already in it)."""
         return self._register(node, tools)
 
     def begin(
         self,
         traj: Trajectory,
-        node: Node,
+        node: SessionNode,
         ids: list[int],
         reason: str,
         messages: list[dict[str, Any]],
@@ -239,11 +257,11 @@ class Tree:
         traj.tool_schemas = tools
         return self._register(node, tools)
 
-    def _register(self, node: Node, tools: list[dict[str, Any]] | None) -> int:
-        if not node.id:
-            assert node.parent is not None
-            node.id, node.depth = f"{node.parent.id}.{node.parent.children}", node.parent.depth + 1
-            node.parent.children += 1
+    def _register(self, node: SessionNode, tools: list[dict[str, Any]] | None) -> int:
+        if not node.node:
+            assert node.up is not None
+            node.node = f"{node.up.node}.{len(node.up.nodes)}"
+            node.up.nodes.append(node)
             self.nodes.append(node)
         seq = self.live = len(self.stored)
         self.stored.append(None)
@@ -295,7 +313,9 @@ class Tree:
         segs = [self.stored[s] for s in order]
         for k, seg in enumerate(segs):
             seg.index = k  # type: ignore[union-attr]
-        rows = [self._fields(traj, s, len(order)) for s in order]
+        for node in self.nodes:
+            node.tree = traj.session_id
+        rows = [self._fields(s, len(order)) for s in order]
         traj.closed = segs[:-1] if len(segs) > 1 else ()  # type: ignore[assignment]
         self._load(traj, last)
         traj.extra["tree"] = rows
@@ -305,27 +325,18 @@ class Tree:
         """Whether segment `seq` is an auxiliary call's that GatewayLimits.auxiliary_calls leaves out."""
         return self.auxiliary == "drop" and self.owner[seq].kind not in NODE_KINDS
 
-    def _fields(self, traj: Trajectory, seq: int, n_rows: int) -> dict[str, Any]:
-        """One row's place in the tree (the field names the engine's trees use, docs/gateway.md); an auxiliary
-        call's node_kind is its kind ("title", "compaction"), and its policy too when it is trained apart."""
+    def _fields(self, seq: int, n_rows: int) -> dict[str, Any]:
+        """One row's place in the tree (its node's fields, docs/gateway.md) and its weight; an auxiliary call's
+        node_kind is its kind ("title", "compaction"), and its policy too when it is trained apart."""
         node = self.owner[seq]
-        parent = node.parent
-        shared: dict[str, Any] = {"length": 0, "node": None}
-        aux = node.kind not in NODE_KINDS
-        if parent is not None and seq == node.seqs[0] and node.parent_seq is not None:
+        row = node.fields()
+        shared = row.pop("shared_prefix")
+        if node.up is not None and seq == node.seqs[0] and node.parent_seq is not None:
             mine, theirs = self.stored[seq], self.stored[node.parent_seq]
-            shared = {"length": _common(mine.context_ids(), theirs.context_ids()), "node": parent.id}  # type: ignore[union-attr]
-        return {
-            "tree": traj.session_id,
-            "node": node.id,
-            "parent": parent.id if parent is not None else None,
-            "node_kind": node.kind,
-            "branch_offset": node.offset,
-            "policy": node.kind if aux and self.auxiliary == "separate" else POLICY,
-            "depth": node.depth,
-            "weight": 1.0 / n_rows,  # per root: a root counts 1 in total, split over its rows
-            "shared_prefix": shared,
-        }
+            shared = {"length": _common(mine.context_ids(), theirs.context_ids()), "node": node.parent}  # type: ignore[union-attr]
+        row["weight"] = 1.0 / n_rows  # per root: a root counts 1 in total, split over its rows
+        row["shared_prefix"] = shared
+        return row
 
 
 def _keys(call: Call) -> list[tuple]:

@@ -13,7 +13,7 @@ from array import array
 from typing import Any
 
 from fsm.gateway.record import Answer, Call, LimitReached, Plan, template_message
-from fsm.gateway.tree import Node, Tree
+from fsm.gateway.tree import SessionNode, Tree
 from fsm.run.actions import generate
 from fsm.run.context import RunContext
 from fsm.run.trajectory import Trajectory, first_segment
@@ -32,7 +32,7 @@ def _too_long(ids: list[int] | array, limit: int) -> LimitReached:
 
 
 def _start(
-    ctx: RunContext, traj: Trajectory, tree: Tree, node: Node, call: Call, plan: Plan
+    ctx: RunContext, traj: Trajectory, tree: Tree, node: SessionNode, call: Call, plan: Plan
 ) -> list[dict[str, Any]]:
     """Record the request's messages before the model's turn on `node` (fsm/gateway/tree.py); the messages
     appended as observations."""
@@ -68,7 +68,7 @@ def _start(
         ids = seg.context_ids()[:n_tokens]  # the earlier turn's context, token for token
         if len(ids) > limit:
             raise _too_long(ids, limit)
-        seg_keys, seg_tools = node.parent.recorder.segments[seq]  # type: ignore[union-attr]
+        seg_keys, seg_tools = node.up.recorder.segments[seq]  # type: ignore[union-attr]
         new = tree.begin(traj, node, ids, "branch", list(seg.messages[:n_messages]), seg_tools)
         traj.needs_tail = True  # the context ends with that model turn: its template closer is owed
         recorder.begin(seg_keys[:nk], seg_tools, call.messages[:nk], new)  # the request's: keys seg_keys[:nk]
@@ -114,7 +114,7 @@ async def record_call(ctx: RunContext, traj: Trajectory, tree: Tree, call: Call,
     recorder = node.recorder
     if node.seqs and limits.max_assistant_turns is not None and node.turns >= limits.max_assistant_turns:
         raise LimitReached(  # per node: a sub-agent or a branch has the spec's limits of its own
-            f"node {node.id} has made its limits.max_assistant_turns ({limits.max_assistant_turns}) model calls"
+            f"node {node.node} has made its limits.max_assistant_turns ({limits.max_assistant_turns}) model calls"
         )
     for key, why in DROPPED.items():  # noted once per distinct set (a harness sends the same with every call)
         if call.extra.get(key):
@@ -159,7 +159,7 @@ async def record_call(ctx: RunContext, traj: Trajectory, tree: Tree, call: Call,
         content = content.strip()
     turn = recorder.turns
     if node.kind != "root":  # call ids stay distinct over the tree's nodes
-        call_prefix = f"{call_prefix}_n{node.id.replace('.', '_')}"
+        call_prefix = f"{call_prefix}_n{node.node.replace('.', '_')}"
     tool_calls = [
         {
             "id": c.id or f"{call_prefix}_{turn}_{k}",

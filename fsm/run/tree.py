@@ -65,27 +65,31 @@ def release_nodes(ctx: RunContext, traj: Trajectory) -> None:
         node.count.run = 0
 
 
-@dataclass(slots=True)
+@dataclass(eq=False, slots=True)
 class Node:
-    """Where a trajectory sits in its tree (the row fields of fsm/output/batch.py `tree_columns`)."""
+    """A node of a tree: where its rows sit (`fields`: the row fields of docs/trees.md) and the nodes it made.
+    The one model of the engine's trees (child machines and forks, whose run state follows) and of the gateway's
+    session trees (fsm/gateway/tree.py adds how a session's segments are recorded)."""
 
-    tree: str  # the root trajectory's uid... its session id: unique per sample
-    node: str  # "0" the root, "0.1" its second child or branch, ...
-    parent: str | None
-    kind: str  # "root" | "child" | "branch"
-    branch_offset: int  # tokens of the parent (prompt + response) before this node began
-    policy: str
-    depth: int
-    shared_length: int  # tokens this node's row shares exactly with its parent's
-    route: str  # the sticky routing key: a branch keeps its parent's, so it goes to the same server
-    agent: Any  # the CompiledAgent this node runs
-    count: TreeCount
+    tree: str  # the root trajectory's session id: unique per sample
+    node: str = "0"  # "0" the root, "0.1" its second child or branch, ...
+    parent: str | None = None
+    kind: str = "root"  # "root" | "child" | "branch" (the gateway's auxiliary calls: their kind, "title" ...)
+    branch_offset: int = 0  # tokens of the parent (prompt + response) before this node began
+    policy: str = "default"
+    depth: int = 0
+    # children and branches, in creation order: their trajectories in the engine, their nodes in the gateway
+    nodes: list[Any] = field(default_factory=list)
+    origin: str | None = None  # what made it: its child machine's name, or the state that forked
+    # --- the engine's run state ---
+    shared_length: int = 0  # tokens this node's row shares exactly with its parent's
+    route: str = ""  # the sticky routing key: a branch keeps its parent's, so it goes to the same server
+    agent: Any = None  # the CompiledAgent this node runs
+    count: TreeCount = field(default_factory=TreeCount)
     ordinal: int = 0  # the node's number in its tree, creation order (distinct sampling seeds)
     forks: dict[str, int] = field(default_factory=dict)  # state -> forks there along this path
-    nodes: list[Trajectory] = field(default_factory=list)  # children and branches, in creation order
     forked: bool = False  # it split into branches: its tokens live on in theirs, it has no row of its own
     root_agent: Any = None  # the root's CompiledAgent: its `tree:` bounds the whole tree
-    origin: str | None = None  # what made it: its child machine's name, or the state that forked
     # a resumed tree (fsm/run/treejournal.py): nodes the journal holds that were made after this node's last
     # state boundary, by path, for its re-run action to take back instead of making them again; and whether
     # this node had finished (taken back as it is, never run again)
@@ -95,24 +99,27 @@ class Node:
     # would fork anew, 2 + 4 + 8 ... nodes where `branches: 2` was declared); journaled, so a resume knows it too
     fresh: bool = False
 
+    def fields(self, shared: int = 0) -> dict[str, Any]:
+        """Its rows' place in the tree (TREE_FIELDS but `weight`), for a row whose first `shared` tokens are
+        its parent's."""
+        return {
+            "tree": self.tree,
+            "node": self.node,
+            "parent": self.parent,
+            "node_kind": self.kind,
+            "branch_offset": self.branch_offset,
+            "policy": self.policy,
+            "depth": self.depth,
+            "shared_prefix": {"length": shared, "node": self.parent if shared else None},
+        }
+
 
 def root_node(traj: Trajectory, agent: Any) -> Node:
     """The root's Node, made when the tree grows (a linear trajectory never gets one)."""
     node: Node | None = traj.node
     if node is None:
         node = traj.node = Node(
-            traj.session_id,
-            "0",
-            None,
-            "root",
-            0,
-            agent.spec.policy,
-            0,
-            0,
-            traj.session_id,
-            agent,
-            TreeCount(),
-            root_agent=agent,
+            traj.session_id, policy=agent.spec.policy, route=traj.session_id, agent=agent, root_agent=agent
         )
     return node
 
@@ -185,17 +192,7 @@ def tree_record(t: Trajectory, segment: int = 0, default: str = "default") -> di
             "depth": 0,
             "shared_prefix": {"length": 0, "node": None},
         }
-    shared = n.shared_length if segment == 0 and n.shared_length else 0
-    return {
-        "tree": n.tree,
-        "node": n.node,
-        "parent": n.parent,
-        "node_kind": n.kind,
-        "branch_offset": n.branch_offset,
-        "policy": n.policy,
-        "depth": n.depth,
-        "shared_prefix": {"length": shared, "node": n.parent if shared else None},
-    }
+    return n.fields(n.shared_length if segment == 0 else 0)
 
 
 # --- child machines ---------------------------------------------------------------------------------------
@@ -234,13 +231,12 @@ def _new_child(
         len(traj.prompt_ids) + len(traj.response_ids),
         policy,
         parent.depth + 1,
-        0,
-        child.session_id,
-        agent,
-        parent.count,
+        origin=name,
+        route=child.session_id,
+        agent=agent,
+        count=parent.count,
         ordinal=parent.count.nodes - 1,
         root_agent=parent.root_agent,
-        origin=name,
     )
     parent.nodes.append(child)
     return child
@@ -400,14 +396,14 @@ async def fork(ctx: RunContext, traj: Trajectory, drive: Drive) -> bool:
             offset,
             parent.policy,
             parent.depth + 1,
-            offset,
-            parent.route,
-            parent.agent,
-            parent.count,
+            origin=traj.state,
+            shared_length=offset,
+            route=parent.route,
+            agent=parent.agent,
+            count=parent.count,
             ordinal=parent.count.nodes - 1,
             forks={**parent.forks, traj.state: parent.forks.get(traj.state, 0) + 1},
             root_agent=root_agent,
-            origin=traj.state,
             fresh=True,
         )
         b.extra["row_name"] = f"{traj.row_name} node {path}"
