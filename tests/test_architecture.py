@@ -154,6 +154,18 @@ def test_viz_only_draws(graph):
     }
 
 
+def test_no_cli_function_is_over_80_lines():
+    """The command line is read one command at a time (fsm/cli/args.py: one function per command's flags)."""
+    long = [
+        f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+        for path in sorted((ROOT / "fsm" / "cli").glob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and (node.end_lineno or node.lineno) - node.lineno + 1 > 80
+    ]
+    assert not long, long
+
+
 def test_every_package_is_in_the_wheel():
     """pyproject.toml lists its packages by hand: a package folder missing there is missing from a non-editable
     install (`pip install .`), where its imports fail."""
