@@ -25,6 +25,13 @@ Device and dtype (`device=`, `dtype=`; `agentfsm run/dev-server --device --dtype
 - seeds: each sampled row draws its uniforms from its own `torch.Generator` on the CPU, whatever the model's
   device, so a `sampling_seed` picks the same tokens on CPU and CUDA (only the logits' float differences
   between devices could flip a draw that lands on a boundary).
+
+Exact logprobs (`exact_logprobs=True`; `agentfsm run --exact-logprobs`): float sums run in an order that depends
+on the computation's shapes, so a token's logprob moves (~1e-5 in float32) with what the row was batched with and
+with whether its context came from kept KV or a fresh prefill, which a turn run again after a resume always is.
+In this mode the tokens are sampled as above, then each finished turn's logprobs are replaced by those of one
+forward pass over its whole context alone (batch of one, no padding, no cache): a computation that depends on the
+turn's tokens only, so an uninterrupted run and a resume give the same bits (`_rescore`).
 """
 
 from __future__ import annotations
@@ -135,6 +142,8 @@ class HFBackend(BaseBackend):
         # bound on the KV kept between a trajectory's turns (by its session id; 0: none kept). Kept KV is
         # used only when the next prompt extends exactly what it covers, under the same weights.
         session_kv_bytes: int = SESSION_KV_BYTES,
+        # each finished turn's logprobs from one forward pass over its context alone (module docstring)
+        exact_logprobs: bool = False,
     ):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if torch_threads is None and self.device.type == "cpu" and not isinstance(model, torch.nn.Module):
@@ -179,6 +188,7 @@ class HFBackend(BaseBackend):
         pad = pad_token_id if pad_token_id is not None else config_pad
         self.pad_token_id: int = pad if pad is not None else min(self.eos_token_ids, default=0)
         self.max_batch_size = max_batch_size
+        self.exact_logprobs = exact_logprobs
         self.weight_version = "default"
         self._rng = random.Random(seed)
         self._queue: deque[_Job] = (
@@ -386,6 +396,8 @@ class HFBackend(BaseBackend):
         the requests waiting are prefilled together and join the running batch (with a cache that cannot take
         rows mid-batch, only once the batch has ended). Runs in a thread."""
         kernels = sdpa_kernel(self._attention) if self._attention else contextlib.nullcontext()
+        if self.exact_logprobs:
+            finished = self._rescoring(finished)
         with torch.inference_mode(), kernels:
             jobs: list[_Job] = []
             rows: Rows | None = None
@@ -445,6 +457,32 @@ class HFBackend(BaseBackend):
                 live = self._advance(jobs, rows, logprobs, finished)
                 if len(live) < len(jobs):  # drop finished rows: the rest of the batch runs smaller
                     jobs = [jobs[row] for row in rows.select(live)]
+
+    def _rescoring(self, finished: Callable[[_Job, str], None]) -> Callable[[_Job, str], None]:
+        """`finished`, after the turn's logprobs are rescored (a retracted row is not finished: it goes on)."""
+
+        def rescored(job: _Job, finish: str) -> None:
+            if finish != "retract":
+                self._rescore(job)
+            finished(job, finish)
+
+        return rescored
+
+    def _rescore(self, job: _Job) -> None:
+        """Exact logprobs: the turn's logprobs from one forward pass over prompt + tokens alone, at the positions
+        that predicted each token, log_softmax(logits / temperature) as when sampled. Nothing but the tokens
+        decides this computation's shapes, so it gives the same bits whatever the row was batched with and
+        wherever its context came from. A turn that crossed a weight update keeps the logprobs each token
+        was sampled with (no single model made it)."""
+        n = len(job.tokens)
+        if not n or len(set(job.versions)) > 1:
+            return
+        ids = torch.tensor([job.request.prompt_ids + job.tokens[:-1]], device=self.device)
+        with self._step:
+            logits = self.model(input_ids=ids, use_cache=False, logits_to_keep=n).logits[0, -n:].float()
+        logp = torch.log_softmax(logits / (job.sampling.temperature or 1.0), dim=-1)
+        picked = torch.tensor(job.tokens, device=self.device)[:, None]
+        job.logprobs = logp.gather(-1, picked).squeeze(-1).tolist()
 
     def _prefill_groups(self, joining: list[_Job]) -> list[list[tuple[_Job, Any]]]:
         """The joining rows with their kept KV (or None), split into those that have one and those that do

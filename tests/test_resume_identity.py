@@ -287,3 +287,26 @@ def test_a_checkpoints_digest_reads_each_file_once_until_it_changes(tmp_path, mo
     assert provenance.checkpoint_digest(ckpt) == first and read == []
     (ckpt / "model.safetensors").write_bytes(b"b" * 1000)
     assert provenance.checkpoint_digest(ckpt) != first and read == ["model.safetensors"]
+
+
+def test_a_resume_under_another_exact_logprobs_setting_is_refused():
+    """`--exact-logprobs` is in `made_by`'s engine options (the embedded model's): a resume without it would
+    score the rows it runs again another way than the finished ones; refused in one line (the real kill and
+    resume with the flag: tests/test_journal_kill.py)."""
+    from types import SimpleNamespace
+
+    from fsm.run.provenance import changes, judge, options_of
+
+    def engine(exact: bool) -> SimpleNamespace:
+        backend = SimpleNamespace(checkpoint="m", dtype="torch.float32", device="cpu", exact_logprobs=exact)
+        return SimpleNamespace(runner=SimpleNamespace(check_tokens=False), backend=backend)
+
+    run, now = options_of(engine(True)), options_of(engine(False))
+    assert run["exact_logprobs"] is True and now["exact_logprobs"] is False
+    with pytest.raises(ResumeRefused) as refused:
+        judge("out/journal.log", changes({"engine": run}, {"engine": now}), False)
+    assert str(refused.value) == (
+        "resume refused: out/journal.log: --exact-logprobs is False, the run's was True; resume with "
+        "--exact-logprobs, or rerun with --resume --accept-changes (RunDir(out, accept_changes=True)) to go on anyway"
+    )
+    assert changes({"engine": run}, {"engine": options_of(engine(True))}) == []

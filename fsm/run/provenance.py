@@ -10,7 +10,8 @@ the journal's `run` record, and compared with what the resume runs on:
   model object in memory by its name only (its weights are the caller's); servers by the model name they serve and their engine
   (their weight version is checked per row, `weights_change`: an update between the kill and the resume moves it);
 - `code`: each module the spec (and its child machines' specs) names, by the sha256 of its source file;
-- `engine`: the options that shape rows on resume (--check-tokens; the embedded model's dtype and device).
+- `engine`: the options that shape rows on resume (--check-tokens; the embedded model's dtype, device and
+  --exact-logprobs).
 
 Every difference is a `Change`; `judge` refuses the resume in one line naming the first (and counting the
 others), or, with changes accepted, hands them back to be warned about and recorded in the journal (a `resume`
@@ -209,6 +210,7 @@ def options_of(engine: Any) -> dict[str, Any]:
     if hasattr(backend, "checkpoint"):
         out["dtype"] = str(backend.dtype).removeprefix("torch.")
         out["device"] = getattr(backend.device, "type", str(backend.device))
+        out["exact_logprobs"] = bool(getattr(backend, "exact_logprobs", False))
     return out
 
 
@@ -237,7 +239,12 @@ async def made_by(engine: Any) -> dict[str, Any]:
 
 # --- differences ---------------------------------------------------------------------------------------------
 
-_FLAGS = {"check_tokens": "--check-tokens", "dtype": "--dtype", "device": "--device"}
+_FLAGS = {
+    "check_tokens": "--check-tokens",
+    "dtype": "--dtype",
+    "device": "--device",
+    "exact_logprobs": "--exact-logprobs",
+}
 
 
 def _short(digest: Any) -> str:
