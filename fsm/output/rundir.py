@@ -240,10 +240,31 @@ def write_outputs(
     )
     summary["server_faults"] = fault_summary(trajs, router_stats)
     summary["fsm"] = run_stats(agent, trajs)
+    if (contained := containment(trajs)) is not None:
+        summary["containment"] = contained
     if tracer is not None:
         summary["tracing"] = tracer.stats()
     (out / "summary.json").write_text(json_text(summary, indent=2, default=str) + "\n")
     return summary
+
+
+def containment(trajs: list) -> dict[str, Any] | None:
+    """Whether the run's command harnesses were contained (fsm/gateway/reaper.py: each in a PID namespace with its
+    own /proc, its row's `extra.harness.contained`); None without command harnesses. A run with one that was not is
+    not isolated (a harness could read another's session key in /proc and outlive its row): the summary and the run
+    table say so, never a clean run."""
+    said = [
+        h["contained"] for t in trajs if isinstance(h := t.extra.get("harness"), dict) and "contained" in h
+    ]
+    if not said:
+        return None
+    why = [s.removeprefix("no: ") for s in said if s != "pid+proc"]  # the reaper's word for contained
+    return {
+        "rows": len(said),
+        "contained": len(said) - len(why),
+        "uncontained": len(why),
+        "why": sorted(set(why)),
+    }
 
 
 def print_summary(summary: dict[str, Any], console: Any) -> None:
@@ -269,6 +290,12 @@ def print_summary(summary: dict[str, Any], console: Any) -> None:
     add("model tokens / s", round(summary["model_tokens"] / max(summary["wall_s"], 1e-9)))
     add("failed rows", summary["failed"])
     add("tool errors", summary["tool_errors"])
+    contained = summary.get("containment")
+    if contained:
+        if contained["uncontained"]:
+            add("harnesses NOT contained", f"{contained['uncontained']} of {contained['rows']}: not isolated")
+        else:
+            add("harnesses contained", f"{contained['rows']} of {contained['rows']}")
     timing = summary["timing"]
     if timing:
         add(

@@ -144,3 +144,52 @@ def test_a_harness_cannot_signal_its_reaper_nor_leave_a_process_behind(tmp_path,
         for pid in _left(tmp_path):
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
+
+
+# a command run where no PID namespace can be made (its user namespace's max_pid_namespaces is 0), as on a machine
+# without them: its harnesses run uncontained
+UNCONTAINED = ["unshare", "-Ur", "sh", "-c", 'echo 0 > /proc/sys/user/max_pid_namespaces && exec "$@"', "sh"]
+
+
+def _uncontainable() -> bool:
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        works = subprocess.run([*UNCONTAINED, "true"], capture_output=True, timeout=60).returncode == 0
+        namespaces = subprocess.run([*UNCONTAINED, "unshare", "-pf", "true"], capture_output=True, timeout=60)
+        return works and namespaces.returncode != 0
+    return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _uncontainable(), reason="no user namespace here to run a run without PID namespaces")
+def test_an_uncontained_run_says_so_and_a_stolen_key_is_still_refused(tmp_path):
+    """Where no PID namespace can be made, harnesses run uncontained: the thief reads both victims' base URL and
+    key in /proc/*/environ, and each call is refused (403: its connection is not the victims' harness's), as are
+    the leaked ones. summary.json and the run table say the run is not contained (before, a log line only, and the
+    summary read as a clean run). A real `agentfsm gateway` run of 3 rows on the embedded model, the one end-to-end test of both:
+    20-30 s on a loaded 2-core machine."""
+    data = tmp_path / "rows.jsonl"
+    rows = [{**row(), "extra_info": {"role": role, "victims": 2}} for role in ("victim", "thief", "victim")]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "fsm.cli", "gateway", str(_spec(tmp_path, f"{__name__}:attack_harness"))]
+    done = subprocess.run(
+        [*UNCONTAINED, *argv, "--data", str(data), "--out", str(out)],
+        cwd=ROOT,
+        env={**ENV, "ISO_DIR": str(tmp_path), "COLUMNS": "200"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    stolen = json.loads((tmp_path / "thief.json").read_text())
+    assert stolen["sessions_found"] == 2 and stolen["statuses"] == [403, 403], stolen
+    assert stolen["leaked"] == 2 and stolen["leaked_statuses"] == [403, 403], stolen
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["containment"] == {
+        "rows": 3,
+        "contained": 0,
+        "uncontained": 3,
+        "why": ["unshare: No space left on device"],
+    }, summary.get("containment")
+    assert "harnesses NOT contained" in done.stdout and "3 of 3: not isolated" in done.stdout, done.stdout
+    assert INJECTED not in (out / "trajectories.jsonl").read_text()
