@@ -589,11 +589,12 @@ def test_from_env(monkeypatch):
     monkeypatch.setenv("OTEL_TRACES_SAMPLER", "traceidratio")
     monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", "0.25")
     tel = Telemetry.from_env()
-    assert tel.otlp_endpoint == "http://127.0.0.1:9/custom/path" and tel.sample == 0.25  # verbatim
+    assert tel.otlp_endpoint == "http://127.0.0.1:9/custom/path"  # verbatim
+    assert tel.sampler.get_description() == "TraceIdRatioBased{0.25}"  # the SDK's sampler from the variables
     assert tel.resource.attributes["service.name"] == "agentfsm"
     tel.close()
     explicit = Telemetry(otlp="http://127.0.0.1:9", sample=1.0)  # --otlp wins over the environment
-    assert explicit.otlp_endpoint == "http://127.0.0.1:9/v1/traces" and explicit.sample == 1.0
+    assert explicit.otlp_endpoint == "http://127.0.0.1:9/v1/traces" and explicit.sampler.rate == 1.0
     explicit.close()
     monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
     assert Telemetry.from_env(otlp="http://127.0.0.1:9") is None
@@ -890,8 +891,10 @@ async def test_an_unreachable_collector_is_one_line(tokenizer, agent, monkeypatc
 
 
 def test_sampler_variables(monkeypatch, caplog):
-    """OTEL_TRACES_SAMPLER as the SDK reads it: a trajectory's root has no parent, so parentbased_* decide as
-    their root sampler; an unreadable ratio traces everything, with one line saying so."""
+    """OTEL_TRACES_SAMPLER as the SDK reads it (its own sampler decides): a trajectory's root has no parent, so
+    parentbased_* decide as their root sampler; an unreadable or out-of-range ratio traces everything, with the
+    SDK's line saying so."""
+    keys = [f"session-{i}" for i in range(2000)]
     for sampler, arg, want in (
         ("parentbased_always_off", None, 0.0),
         ("parentbased_traceidratio", "0.3", 0.3),
@@ -902,13 +905,25 @@ def test_sampler_variables(monkeypatch, caplog):
         monkeypatch.setenv("OTEL_TRACES_SAMPLER", sampler)
         if arg is not None:
             monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", arg)
-        with caplog.at_level(logging.WARNING, logger="agentfsm.telemetry"):
+        with caplog.at_level(logging.WARNING):
             tel = Telemetry(otlp=False)
-        assert tel.sample == want, (sampler, arg)
+        kept = sum(map(tel.keeps, keys)) / len(keys)
+        assert abs(kept - want) < 0.04, (sampler, arg, kept)
         tel.close()
-    assert [r.getMessage() for r in caplog.records] == [
-        "agentfsm telemetry: OTEL_TRACES_SAMPLER_ARG='x' is not a fraction, tracing all"
+    assert [r.getMessage() for r in caplog.records] == 2 * [
+        "Could not convert TRACES_SAMPLER_ARG to float. Using default rate 1.0."
     ]
+
+
+def test_boolean_variables_are_true_only_when_they_say_true(monkeypatch):
+    """OTEL_SDK_DISABLED as the SDK reads it: "true" (any case) disables, "1" or "yes" do not."""
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:9")
+    for value, disabled in (("TRUE", True), ("1", False), ("yes", False)):
+        monkeypatch.setenv("OTEL_SDK_DISABLED", value)
+        tel = Telemetry.from_env()
+        assert (tel is None) == disabled, value
+        if tel is not None:
+            tel.close()
 
 
 def test_bench_tracing_sdk_runs():

@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import signal
 import sys
 import time
@@ -120,14 +119,14 @@ def _check_run_flags(args: argparse.Namespace) -> None:
         if args.request_timeout is not None:
             raise CLIError("--request-timeout: not passed to Ray actors yet; drop --ray or --request-timeout")
     tracing = bool(args.otlp or args.trace or _env_tracing())
-    for name in () if args.otlp else ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"):
-        if os.environ.get(name):  # checked now, not when the exporter starts after the model has loaded
-            from fsm.telemetry.export import otlp_url
+    if tracing and not args.otlp:  # checked now, not when the exporter starts after the model has loaded
+        from fsm.telemetry.config import OtlpSettings
+        from fsm.telemetry.export import otlp_url
 
-            try:
-                otlp_url(os.environ[name])
-            except ValueError as exc:
-                raise CLIError(f"{name}: {exc}") from None
+        try:
+            otlp_url(OtlpSettings.from_env().endpoint)
+        except ValueError as exc:
+            raise CLIError(f"OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT: {exc}") from None
     if args.trace_sample is not None and not tracing:
         warn("--trace-sample does nothing without --otlp URL, --trace console or OTEL_EXPORTER_OTLP_ENDPOINT")
     if args.ray is not None and tracing:
@@ -227,9 +226,10 @@ def _tracer(args: argparse.Namespace) -> Any:
 
 
 def _env_tracing() -> bool:
-    return bool(
-        os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-    )
+    """Whether the OTEL_* variables ask for OTLP export (read as the SDK reads them)."""
+    from fsm.telemetry.config import otlp_from_env
+
+    return otlp_from_env()
 
 
 async def _rollout(

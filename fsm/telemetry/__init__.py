@@ -50,6 +50,7 @@ exporter and sampling rate.
 """
 
 # The underscored names (`_Encoder as _Encoder`...) are internals tests/test_telemetry.py reaches here.
+from fsm.telemetry.config import otlp_from_env
 from fsm.telemetry.export import (
     DEFAULT_MAX_EXPORT_BATCH_SIZE,
     DEFAULT_MAX_QUEUE_SIZE,
@@ -59,7 +60,6 @@ from fsm.telemetry.export import (
     SdkPipeline,
     SpanCounts,
     SpanPipeline,
-    otlp_from_env,
 )
 from fsm.telemetry.export import _Encoder as _Encoder
 from fsm.telemetry.semconv import *  # noqa: F403  (the attribute names are public: fsm.telemetry.GEN_AI_...)

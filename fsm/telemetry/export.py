@@ -31,9 +31,9 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-from opentelemetry.util.re import parse_env_headers
 
 from backends.retry import RetryPolicy, parse_retry_after
+from fsm.telemetry.config import OtlpSettings, compression_name
 from fsm.telemetry.shapes import _SHAPES, _lean_message
 from fsm.telemetry.spans import _readable, _Span
 from fsm.telemetry.wire import _attributes, _ld, _readable_message, _scope
@@ -409,43 +409,26 @@ class OtlpHttpExporter(NativeExporter):
         compression_level: int = 1,
         max_request_size: int = 64 * 2**20,
     ):
-        env = os.environ
-
-        def setting(name: str) -> str | None:
-            return env.get(f"OTEL_EXPORTER_OTLP_TRACES_{name}") or env.get(f"OTEL_EXPORTER_OTLP_{name}")
-
-        if endpoint is None:
-            base = env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or "http://localhost:4318"
-            endpoint = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or base.removesuffix("/") + "/v1/traces"
-        self.endpoint = endpoint = otlp_url(endpoint)
+        env = OtlpSettings.from_env()  # the OTEL_EXPORTER_OTLP_* variables, read as the SDK reads them
+        self.endpoint = endpoint = otlp_url(endpoint or env.endpoint)
         url = urlsplit(endpoint)
         self._https = url.scheme == "https"
         self._host, self._port = url.hostname or "", url.port or (443 if self._https else 80)  # otlp_url: one
         self._path = (url.path or "/") + (f"?{url.query}" if url.query else "")
-        try:
-            self.timeout_s = float(timeout_s if timeout_s is not None else setting("TIMEOUT") or 10.0)
-        except ValueError:
-            log.warning("agentfsm telemetry: invalid OTLP timeout %r, using 10 s", setting("TIMEOUT"))
-            self.timeout_s = 10.0
-        self.compression = (compression or setting("COMPRESSION") or "none").strip().lower()
-        if self.compression not in ("none", "gzip", "deflate"):
-            log.warning(
-                "agentfsm telemetry: unknown OTLP compression %r, sending uncompressed", self.compression
-            )
-            self.compression = "none"
+        self.timeout_s = float(timeout_s if timeout_s is not None else env.timeout_s)
+        self.compression = compression_name(compression) if compression else env.compression or "none"
         self.compression_level = compression_level
         self.max_request_size = max_request_size
         self.headers = {"content-type": "application/x-protobuf", "user-agent": "agentfsm-otlp"}
-        self.headers.update(parse_env_headers(setting("HEADERS") or "", liberal=True))
+        self.headers.update(env.headers)
         self.headers.update({k.lower(): v for k, v in (headers or {}).items()})
         if self.compression != "none":
             self.headers.setdefault("content-encoding", self.compression)
         self._ssl: ssl.SSLContext | None = None
         if self._https:
-            self._ssl = ssl.create_default_context(cafile=setting("CERTIFICATE"))
-            cert = setting("CLIENT_CERTIFICATE")
-            if cert:
-                self._ssl.load_cert_chain(cert, setting("CLIENT_KEY"))
+            self._ssl = ssl.create_default_context(cafile=env.certificate)
+            if env.client_certificate:
+                self._ssl.load_cert_chain(env.client_certificate, env.client_key)
         self._encoder = _Encoder(resource, scope)
         self._conn: http.client.HTTPConnection | None = None
         self._stop = threading.Event()
@@ -561,9 +544,6 @@ class OtlpHttpExporter(NativeExporter):
         self._close()
 
 
-# --- configuration from the standard OTEL_* variables ---------------------------------------------------------
-
-
 def otlp_url(url: str) -> str:
     """An OTLP/HTTP endpoint as given, with http:// when it names no scheme (`localhost:4318`, as the SDK reads
     OTEL_EXPORTER_OTLP_ENDPOINT); ValueError, in one line, for one that is no http(s)://host[:port] URL."""
@@ -583,38 +563,3 @@ def _traces_url(url: str) -> str:
     """--otlp accepts a base URL (http://host:4318, or localhost:4318) or the full traces URL (.../v1/traces)."""
     url = otlp_url(url).rstrip("/")
     return url if url.endswith("/v1/traces") else f"{url}/v1/traces"
-
-
-def _truthy(value: str | None) -> bool:
-    return (value or "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def otlp_from_env() -> bool:
-    """Whether the standard variables ask for OTLP export (an endpoint set, OTEL_TRACES_EXPORTER not none)."""
-    env = os.environ
-    if _truthy(env.get("OTEL_SDK_DISABLED")) or env.get("OTEL_TRACES_EXPORTER", "").strip().lower() == "none":
-        return False
-    return bool(env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
-
-
-def _sample_from_env() -> float:
-    """The fraction of trajectories the standard sampler variables ask for (a trajectory's root has no parent,
-    so the parentbased_* samplers decide as their root sampler); an unreadable ratio is 1.0, as in the SDK."""
-    sampler = os.environ.get("OTEL_TRACES_SAMPLER", "").strip().lower().removeprefix("parentbased_")
-    if sampler == "always_off":
-        return 0.0
-    if sampler == "traceidratio":
-        arg = os.environ.get("OTEL_TRACES_SAMPLER_ARG", "1.0")
-        try:
-            return min(1.0, max(0.0, float(arg)))
-        except ValueError:
-            log.warning("agentfsm telemetry: OTEL_TRACES_SAMPLER_ARG=%r is not a fraction, tracing all", arg)
-    return 1.0
-
-
-def _env_int(name: str, default: int) -> int:
-    try:
-        return int(os.environ.get(name) or default)
-    except ValueError:
-        log.warning("agentfsm telemetry: %s=%r is not an integer, using %d", name, os.environ[name], default)
-        return default

@@ -10,21 +10,35 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import sys
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
 from opentelemetry import context as otel_context
+from opentelemetry.sdk.environment_variables import (
+    OTEL_BSP_MAX_EXPORT_BATCH_SIZE,
+    OTEL_BSP_MAX_QUEUE_SIZE,
+    OTEL_BSP_SCHEDULE_DELAY,
+)
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SpanExporter
-from opentelemetry.sdk.trace.sampling import ALWAYS_ON
+from opentelemetry.sdk.trace.sampling import ALWAYS_ON, TraceIdRatioBased
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import INVALID_SPAN
 
 from fsm.telemetry.calls import _ModelSpan, _ToolSpan
+from fsm.telemetry.config import (
+    CAPTURE_CONTENT,
+    OtlpSettings,
+    env_int,
+    flag,
+    otlp_from_env,
+    sampler_from_env,
+    samples,
+    sdk_disabled,
+)
 from fsm.telemetry.content import _roles
 from fsm.telemetry.export import (
     DEFAULT_MAX_EXPORT_BATCH_SIZE,
@@ -35,11 +49,7 @@ from fsm.telemetry.export import (
     SdkPipeline,
     SpanCounts,
     SpanPipeline,
-    _env_int,
-    _sample_from_env,
     _traces_url,
-    _truthy,
-    otlp_from_env,
 )
 from fsm.telemetry.shapes import _SAMPLING_ATTRS, _Shapes
 from fsm.telemetry.spans import (
@@ -95,7 +105,7 @@ class Telemetry:
     compression is set), OTEL_SERVICE_NAME names the service, OTEL_BSP_MAX_QUEUE_SIZE (16384 here) /
     OTEL_BSP_MAX_EXPORT_BATCH_SIZE (2048 here; the SDK's 2048/512 lose spans in bursts, see
     DEFAULT_MAX_QUEUE_SIZE) / OTEL_BSP_SCHEDULE_DELAY size the queues,
-    OTEL_TRACES_SAMPLER(_ARG) = always_off | traceidratio + fraction set `sample`, and
+    OTEL_TRACES_SAMPLER(_ARG) choose the sampler (the SDK's) when `sample` is not given, and
     OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=true sets `capture_content`.
 
     The driver's hooks are fsm/run/tracer.py's `Tracer`: `trajectory()` (per trajectory: its root, or None when
@@ -121,15 +131,17 @@ class Telemetry:
         schedule_delay_millis: float | None = None,  # the export thread wakes at least this often
         flush_timeout_s: float = 30.0,  # flush() waits at most this long for a slow collector
     ):
-        self.sample = _sample_from_env() if sample is None else float(sample)
-        self.sample_groups = sample_groups
-        if not 0.0 <= self.sample <= 1.0:
+        if sample is not None and not 0.0 <= sample <= 1.0:
             raise ValueError(f"sample must be a fraction in [0, 1], got {sample}")
+        # the SDK's sampler decides, from a trace id made of the session id (`keeps`): `sample`'s ratio, else
+        # the one OTEL_TRACES_SAMPLER(_ARG) configure; one that keeps the highest id keeps all (a ratio of 1)
+        self.sampler = sampler_from_env() if sample is None else TraceIdRatioBased(float(sample))
+        self._all, self._none = samples(self.sampler, 2**64 - 1), not samples(self.sampler, 0)
+        self.sample_groups = sample_groups
         if capture_content is None:
-            capture_content = _truthy(os.environ.get("OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT"))
+            capture_content = flag(CAPTURE_CONTENT)
         self.capture_content = capture_content
         self.flush_timeout_s = flush_timeout_s
-        self._threshold = int(self.sample * 2**64)
         resource = Resource.create({"service.name": service_name} if service_name else {})
         if str(resource.attributes.get("service.name", "")).startswith("unknown_service"):
             resource = resource.merge(Resource({"service.name": "agentfsm"}))
@@ -143,7 +155,7 @@ class Telemetry:
         self.otlp_endpoint: str | None = None
         named: list[tuple[str, SpanExporter | NativeExporter]] = []
         if isinstance(otlp, str) or (otlp is None and otlp_from_env()):
-            compressed = any(os.environ.get(f"OTEL_EXPORTER_OTLP_{k}COMPRESSION") for k in ("TRACES_", ""))
+            compressed = OtlpSettings.from_env().compression is not None
             exporter = OtlpHttpExporter(
                 self.resource,
                 self.scope,
@@ -159,11 +171,11 @@ class Telemetry:
         if self.memory is not None:
             named.append(("memory", self.memory))
         named.extend((f"{type(e).__name__}{i}", e) for i, e in enumerate(exporters))
-        queue = max_queue_size or _env_int("OTEL_BSP_MAX_QUEUE_SIZE", DEFAULT_MAX_QUEUE_SIZE)
-        batch = max_export_batch_size or _env_int(
-            "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", DEFAULT_MAX_EXPORT_BATCH_SIZE
+        queue = max_queue_size or env_int(OTEL_BSP_MAX_QUEUE_SIZE, DEFAULT_MAX_QUEUE_SIZE)
+        batch = max_export_batch_size or env_int(
+            OTEL_BSP_MAX_EXPORT_BATCH_SIZE, DEFAULT_MAX_EXPORT_BATCH_SIZE
         )
-        delay = schedule_delay_millis or _env_int("OTEL_BSP_SCHEDULE_DELAY", 5000)
+        delay = schedule_delay_millis or env_int(OTEL_BSP_SCHEDULE_DELAY, 5000)
         sizes: dict[str, Any] = {
             "max_queue_size": queue,
             "max_export_batch_size": batch,
@@ -212,7 +224,7 @@ class Telemetry:
     def from_env(cls, **options: Any) -> Telemetry | None:
         """A Telemetry when `otlp=`/`console=`/`memory=`/`exporters=` or the OTEL_* variables ask for one;
         None otherwise (tracing off costs nothing) and when OTEL_SDK_DISABLED=true."""
-        if _truthy(os.environ.get("OTEL_SDK_DISABLED")):
+        if sdk_disabled():
             return None
         wanted = any(options.get(k) for k in ("otlp", "console", "memory", "exporters"))
         if not wanted and not (options.get("otlp") is None and otlp_from_env()):
@@ -228,19 +240,17 @@ class Telemetry:
     def keeps(self, key: str) -> bool:
         """Whether the trajectory with this session id (or uid, with `sample_groups`) is traced: a hash of
         the key against the fraction, so every process and every re-run gives the same answer."""
-        if self.sample >= 1.0:
-            return True
-        if self.sample <= 0.0:
-            return False
+        if self._all or self._none:
+            return self._all
         digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
-        return int.from_bytes(digest, "big") < self._threshold
+        return samples(self.sampler, int.from_bytes(digest, "big"))
 
     # --- the hooks fsm/run/runtime.py calls --------------------------------------------------------------------
 
     def trajectory(self, traj: Any, run: Any) -> _Root | None:
         """The started root span of one trajectory, current in the calling task until its `finish()`; None
         when the trajectory is sampled out (then nothing of it is traced). `run` is the RunContext."""
-        if self.sample < 1.0 and not self.keeps(traj.uid if self.sample_groups else traj.session_id):
+        if not self._all and not self.keeps(traj.uid if self.sample_groups else traj.session_id):
             self._sampled_out += 1
             return None
         self._traced += 1
