@@ -21,7 +21,11 @@ import numpy as np
 
 class RowError(Exception):
     """The row itself is unusable (no usable raw_prompt, a field of the wrong type, prompt too long under the
-    'error' policy)."""
+    'error' policy); `kind` names it for metrics and spans (fsm/run/trajectory.py `Failure`)."""
+
+    def __init__(self, message: str, kind: str = "row"):
+        super().__init__(message)
+        self.kind = kind
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
