@@ -185,6 +185,13 @@ WRITE_TOOLS = {
     "write_file": ("file_path", "content"),
     "write": ("filePath", "content"),
 }
+# A harness's sub-agent tool, by the name it gives it: the arguments a call takes besides `description` and
+# `prompt`. Claude Code's `Agent`, opencode's and qwen-code's `task`.
+AGENT_TOOLS: dict[str, dict[str, Any]] = {
+    "Agent": {"subagent_type": "general-purpose"},
+    "Task": {"subagent_type": "general-purpose"},
+    "task": {"subagent_type": "general"},
+}
 DEFAULT_TOOL_SCRIPT: list[dict[str, Any]] = [
     {"write": {"path": "hello.txt", "content": "hi\n"}},
     {"text": "Done."},
@@ -193,11 +200,22 @@ _WORKDIR = re.compile(r"[Ww]orking directory: (/[^\s<]+)")  # where a coding har
 
 
 def _step(step: Any) -> bool:
-    """Whether `step` is one of a tool script's three kinds."""
-    if not isinstance(step, dict) or len(step.keys() & {"write", "call", "text"}) != 1:
+    """Whether `step` is one of a tool script's four kinds."""
+    if not isinstance(step, dict) or len(step.keys() & {"write", "call", "text", "agents"}) != 1:
         return False
     if "write" in step:
         return isinstance(step["write"], dict)
+    if "agents" in step:
+        agents = step["agents"]
+        return (
+            isinstance(agents, list)
+            and bool(agents)
+            and all(
+                isinstance(a, dict)
+                and {"prompt", "answer"} <= {k for k, v in a.items() if isinstance(v, str)}
+                for a in agents
+            )
+        )
     if "call" in step:
         return isinstance(step["call"], str) and isinstance(step.get("arguments", {}), dict)
     return isinstance(step["text"], str)
@@ -213,7 +231,11 @@ class ToolScript:
     - `{"write": {"path", "content"}}`: a call to the harness's own write-file tool (WRITE_TOOLS, the first of
       them the prompt's tools name); a relative path is joined to the working directory the prompt states;
     - `{"call": NAME, "arguments": {...}}`: a call to the tool NAME;
-    - `{"text": "..."}`: a plain answer, which ends a harness's loop.
+    - `{"text": "..."}`: a plain answer, which ends a harness's loop;
+    - `{"agents": [{"prompt", "answer"}, ...]}`: one turn that starts a sub-agent per entry with the harness's own
+      sub-agent tool (AGENT_TOOLS; the harness runs them in parallel where it can). A conversation with no model
+      turn yet whose prompt holds an entry's `prompt` is that sub-agent's: it answers `answer` at once (the
+      parent's first turn never holds it: its own prompt is the row's).
     A call to a tool the prompt does not offer (a title or summary request has no tools) is answered with the
     script's last text instead.
 
@@ -228,9 +250,10 @@ class ToolScript:
         if not self.steps or not all(map(_step, self.steps)):
             raise ValueError(
                 'a tool script is a non-empty list of steps, each {"write": {"path", "content"}}, '
-                '{"call": NAME, "arguments": {...}} or {"text": TEXT}'
+                '{"call": NAME, "arguments": {...}}, {"text": TEXT} or {"agents": [{"prompt", "answer"}, ...]}'
             )
         self.final = next((s["text"] for s in reversed(self.steps) if "text" in s), "Done.")
+        self.agents = [a for s in self.steps for a in s.get("agents", ())]
         user = [{"role": "user", "content": "x"}]
         bare = tokenizer.apply_chat_template(user, tokenize=False)
         self._before = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
@@ -248,6 +271,21 @@ class ToolScript:
     def _message(self, step: dict[str, Any], prompt: str) -> dict[str, Any]:
         if "text" in step:
             return {"role": "assistant", "content": str(step["text"])}
+        if "agents" in step:
+            found = next((n for n in AGENT_TOOLS if re.search(rf'"name":\s*"{n}"', prompt)), None)
+            if found is None:
+                return {"role": "assistant", "content": self.final}
+            calls = [
+                {"description": f"sub-agent {k}", "prompt": a["prompt"], **AGENT_TOOLS[found]}
+                for k, a in enumerate(step["agents"])
+            ]
+            return {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {"type": "function", "function": {"name": found, "arguments": a}} for a in calls
+                ],
+            }
         if "write" in step:
             found = next((n for n in WRITE_TOOLS if re.search(rf'"name":\s*"{n}"', prompt)), None)
             if found is None:
@@ -268,7 +306,11 @@ class ToolScript:
     def turn_text(self, prompt: str) -> str:
         """The text of the model's next turn after `prompt` (decoded, special tokens kept)."""
         k = max(0, prompt.count(self.header.strip()) - 1)  # the assistant turns before this one
-        message = self._message(self.steps[min(k, len(self.steps) - 1)], prompt)
+        agent = next((a for a in self.agents if k == 0 and a["prompt"] in prompt), None)
+        if agent is not None:  # a sub-agent's conversation: its answer, at once
+            message: dict[str, Any] = {"role": "assistant", "content": agent["answer"]}
+        else:
+            message = self._message(self.steps[min(k, len(self.steps) - 1)], prompt)
         user = [{"role": "user", "content": "x"}]
         full = self.tokenizer.apply_chat_template([*user, message], tokenize=False)
         if not full.startswith(self._before):

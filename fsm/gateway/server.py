@@ -12,6 +12,7 @@ a request is executed or used as a path. Every refusal is an API error in the sh
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
 import logging
@@ -28,7 +29,7 @@ from aiohttp import web
 
 from fsm.gateway import anthropic_api, gemini_api, openai_api, peer
 from fsm.gateway.record import AUX, AUX_PROMPTS, Answer, Call, GatewayError, auxiliary
-from fsm.gateway.tree import Tree, child_line
+from fsm.gateway.tree import NAME, Tree, child_line
 from fsm.run.engine import Owned, owned
 
 log = logging.getLogger("agentfsm.gateway")
@@ -72,6 +73,11 @@ class GatewayLimits:
     # trainer trains it apart) or "drop" (answered, left out of the rows)
     auxiliary_calls: str = "separate"
     auxiliary_prompts: tuple[tuple[str, str], ...] = AUX_PROMPTS  # (kind, text its system prompt holds)
+    # headers that name the agent a call is of (Claude Code's sub-agents send x-claude-code-agent-id, opencode
+    # each session's x-session-id): a value other than the session's first call's is a sub-agent, recorded as a
+    # child session of its own (`Session.line`); a parent header names the agent that started it (nesting)
+    child_headers: tuple[str, ...] = ("x-claude-code-agent-id", "x-session-id")
+    parent_headers: tuple[str, ...] = ("x-claude-code-parent-agent-id",)
 
     def __post_init__(self) -> None:
         if self.auxiliary_calls not in ("keep", "separate", "drop"):
@@ -99,7 +105,7 @@ class Session:
         self.current: tuple[Call, asyncio.Future[Answer]] | None = (
             None  # taken: the GENERATING state records it
         )
-        self.busy = False  # the session itself has a call sent and not answered
+        self.agents: dict[str, tuple[str, ...]] | None = None  # child header values -> their lines (`line`)
         self.notes: list[str] = []  # refusals of the tree (unknown parent, cycle, depth) for the row's record
         self.timer: asyncio.TimerHandle | None = None  # wakes the harness state at its deadline (harness.py)
         self.refused = 0
@@ -134,25 +140,42 @@ class Session:
         except GatewayError as exc:
             self.note(str(exc))
             raise
-        if (not call.child and self.busy) or len(self.pending) >= self.tree.max_nodes:
-            # a child session may have several (a harness runs sub-agents in parallel): each is its own node
+        if len(self.pending) >= self.tree.max_nodes:
+            # calls wait their turn, in order: sub-agents run in parallel, each on a node of its own (tree.py)
             raise GatewayError(
-                "the session already has a model call in flight: one trajectory takes one call at a time",
+                f"the session has {len(self.pending)} model calls waiting, its max_nodes: one trajectory "
+                "takes one call at a time",
                 code="session_busy",
             )
         future: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
         entry = (call, future)
         self.pending.append(entry)
-        self.busy = self.busy or not call.child
         self.calls += 1
         self.wake.set()
         try:
             return await future
         finally:
-            if not call.child:
-                self.busy = False
             if entry in self.pending:
                 self.pending.remove(entry)  # the caller went away before the driver took it
+
+    def line(self, headers: Any) -> tuple[str, ...]:
+        """The child session a call on the session's own URL is of, from the headers that name its agent
+        (GatewayLimits.child_headers): the agent of the session's first call is the session itself; any other
+        value is a sub-agent, a child of the agent its parent header names (the session, if none)."""
+        limits = self.gateway.limits
+        values = {h: headers.get(h) for h in (*limits.child_headers, *limits.parent_headers)}
+        if self.agents is None:  # the first call: its agent is the session's own
+            self.agents = {v: () for v in values.values() if v}
+            return ()
+        agent = next((v for h in limits.child_headers if (v := values[h])), None)
+        if agent is None:
+            return ()
+        if agent in self.agents:
+            return self.agents[agent]
+        parent = next((values[h] for h in limits.parent_headers if values[h] in self.agents), None)
+        name = agent if NAME.fullmatch(agent) else "h" + hashlib.sha256(agent.encode()).hexdigest()[:16]
+        self.agents[agent] = line = (*self.agents.get(parent, ()), name)  # type: ignore[arg-type]
+        return line
 
     def take(self) -> tuple[Call, asyncio.Future[Answer]]:
         """The driver takes the first waiting call: from now on it is the current one."""
@@ -300,6 +323,8 @@ class Gateway:
                 call.extra["model"] = gemini[1]
             if "/child/" in request.path:
                 call.child = child_line(request.path.split("/", 3)[3])[0]
+            else:  # a harness's sub-agent on the session's own URL, named by a header
+                call.child = session.line(request.headers)
             kind = auxiliary(call, request.headers.get(AUX_HEADER), self.limits.auxiliary_prompts)
             if kind is not None:  # not the agent's own turn: a node of its own, beside the line's (tree.py)
                 call.child += (AUX + kind,)
