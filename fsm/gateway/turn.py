@@ -6,6 +6,7 @@ is matched against what was recorded is fsm/gateway/record.py.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import dataclasses
 import json
@@ -24,6 +25,19 @@ DROPPED = {  # what a call left out (record.with_dropped), as its note on the ro
 }
 
 
+# a request whose text is at least this many tokens (its floor, Codec.fewest_tokens: ~32 KiB for Qwen2.5) is rendered
+# and tokenized in a thread: 170 KiB under the floor but past the context took 2.3 s on the loop, every session stalled
+OFF_LOOP_TOKENS = 256
+
+
+async def _tokenized(ctx: RunContext, templ: list[dict[str, Any]], fn: Any, *args: Any) -> Any:
+    """`fn(*args)`, the codec rendering and tokenizing `templ`: on the loop when it is small, in a thread when it is
+    large (the codec serves several threads, fsm/families/pieces.py; the session waits for this one call)."""
+    if ctx.codec.fewest_tokens(templ) < OFF_LOOP_TOKENS:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
+
+
 def _too_long(ids: list[int] | array, limit: int) -> LimitReached:
     return LimitReached(
         f"the prompt is {len(ids)} tokens, past the spec's limits.prompt_length {limit}",
@@ -31,7 +45,7 @@ def _too_long(ids: list[int] | array, limit: int) -> LimitReached:
     )
 
 
-def _start(
+async def _start(
     ctx: RunContext, traj: Trajectory, tree: Tree, node: SessionNode, call: Call, plan: Plan
 ) -> list[dict[str, Any]]:
     """Record the request's messages before the model's turn on `node` (fsm/gateway/tree.py); the messages
@@ -45,7 +59,7 @@ def _start(
                 f"the prompt is at least {floor} tokens, past the spec's limits.prompt_length {limit}",
                 code="context_length_exceeded",
             )
-        ids = ctx.codec.encode_prompt(templ, call.tools)
+        ids = await _tokenized(ctx, templ, ctx.codec.encode_prompt, templ, call.tools)
         if len(ids) > limit:
             raise _too_long(ids, limit)
         if plan.kind == "first" and node.kind == "root" and tree.live < 0:  # the trajectory's own segment
@@ -77,7 +91,7 @@ def _start(
     return [template_message(m) for m in plan.new]
 
 
-def _observe(ctx: RunContext, traj: Trajectory, templ: list[dict[str, Any]]) -> bool:
+async def _observe(ctx: RunContext, traj: Trajectory, templ: list[dict[str, Any]]) -> bool:
     """Append `templ` (tool results or user turns) as the codec's observation suffix, mask 0: the template's
     closer owed after the model turn the context ends with first (as RunContext.add_observation does, with that
     turn's last token read from the context, which after a branch is the segment's prompt). False when they do
@@ -91,7 +105,7 @@ def _observe(ctx: RunContext, traj: Trajectory, templ: list[dict[str, Any]]) -> 
     )
     if ctx.codec.fewest_tokens(templ) >= ctx.agent.limits.response_length - len(traj.response_mask):
         return False  # far past what is left: not tokenized
-    closer, ids = ctx.codec.observation(templ, last, traj.messages)
+    closer, ids = await _tokenized(ctx, templ, ctx.codec.observation, templ, last, traj.messages)
     if len(closer) + len(ids) >= ctx.agent.limits.response_length - len(traj.response_mask):
         return False
     traj.append_context(closer, "template")
@@ -122,8 +136,8 @@ async def record_call(ctx: RunContext, traj: Trajectory, tree: Tree, call: Call,
             notes = traj.extra.setdefault("gateway_notes", [])
             if note not in notes:
                 notes.append(note)
-    templ = _start(ctx, traj, tree, node, call, plan)
-    if templ and not _observe(ctx, traj, templ):
+    templ = await _start(ctx, traj, tree, node, call, plan)
+    if templ and not await _observe(ctx, traj, templ):
         raise LimitReached(
             f"the new messages do not fit in what is left of limits.response_length {limits.response_length}",
             code="context_length_exceeded",

@@ -468,3 +468,46 @@ def test_a_request_far_past_the_context_is_refused_before_it_is_tokenized(tmp_pa
     )
     assert small == 200  # the session serves on
     assert sizes and max(sizes) < 1_000  # only the small request was rendered
+
+
+# 170 KiB of distinct words: its floor (10,957 tokens: the tiny tokenizer's longest token is 16 bytes) is under a
+# 16k prompt_length, its tokens are not, so only tokenizing it says so (~2-3 s on a loaded 2-core machine)
+UNDER_FLOOR = " ".join(f"w{i % 99_991}x{i % 7}" for i in range(20_000))
+
+
+async def large_while_ticking(call: HarnessCall) -> Any:
+    """The large request, then a small one, while a task on the same loop measures how late its 10 ms sleeps wake."""
+    late: list[float] = []
+
+    async def tick() -> None:
+        while True:
+            t = time.perf_counter()
+            await asyncio.sleep(0.01)
+            late.append(time.perf_counter() - t - 0.01)
+
+    ticker = asyncio.get_running_loop().create_task(tick())
+    try:
+        large = await post(call, "chat/completions", chat({"role": "user", "content": UNDER_FLOOR}))
+        small = await post(call, "chat/completions", chat(USER))
+    finally:
+        ticker.cancel()
+    return [large, small[0], max(late)]
+
+
+large_harness = harness(large_while_ticking, timeout_s=120)
+
+
+def test_a_request_under_the_floor_but_past_the_context_is_tokenized_off_the_loop(tmp_path, tokenizer):
+    """A request whose text floor is under the spec's prompt_length is tokenized to learn it is past it: 170 KiB
+    tokenized on the event loop stalled every session (a 10 ms sleep woke 2.3 s late; 1.7 MiB, 28.6 s). A large one
+    is tokenized in a thread: the loop wakes 0.04 s late at most, and the request is refused in one line."""
+    trajs, _ = run(
+        spec(tmp_path, "tests.gateway.test_hostile:large_harness", "limits: {prompt_length: 16384}"),
+        tokenizer,
+        [row()],
+    )
+    (status, body), small, late = trajs[0].extra["harness"]["result"]
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded", body
+    assert "past the spec's limits.prompt_length 16384" in body["error"]["message"], body
+    assert small == 200  # the session serves on
+    assert late < 0.25, f"the loop was blocked {late:.3f} s"
