@@ -11,6 +11,7 @@ server keeps a prefix cache of what it has served (a radix tree bounded by an LR
     python -m backends.devserver --scripted --port 30000       # a deterministic echo "model", no weights
     python -m backends.devserver --scripted-tools --tokenizer DIR --context-length 65536
                                                                # a scripted tool-calling model (ToolScript)
+    python -m backends.devserver --scripted-calculator         # the calculator's turns, answered at once
 
 Aborts on demand: a /generate carrying the header `X-Agentfsm-Fault: abort_waiting` is aborted in the waiting
 queue (SGLang's shape: no prompt_tokens, no cached_tokens); `abort_running[:K]` is aborted mid-generation
@@ -30,6 +31,7 @@ import contextlib
 import datetime
 import json
 import logging
+import os
 import re
 import signal
 import time
@@ -60,7 +62,7 @@ from backends.contract import (
     version_spans,
 )
 from backends.prefix_cache import PrefixCache
-from backends.scripted import HashLM, ToolScript, echo_backend, tool_script_backend
+from backends.scripted import HashLM, ToolScript, calculator_backend, echo_backend, tool_script_backend
 
 log = logging.getLogger("agentfsm.devserver")
 
@@ -659,7 +661,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         action="store_true",
         help="serve a scripted tool-calling model over --tokenizer (backends/scripted.py: ToolScript)",
     )
-    ap.add_argument("--tokenizer", help="scripted-tools: the tokenizer dir (default: the tiny model's)")
+    ap.add_argument(
+        "--scripted-calculator",
+        action="store_true",
+        help="serve the calculator's real turns at once, a call then the answer (backends/scripted.py)",
+    )
+    ap.add_argument(
+        "--tokenizer",
+        help="scripted-tools, scripted-calculator: the tokenizer dir (default: the tiny model's)",
+    )
     ap.add_argument(
         "--script", help="scripted-tools: a JSON list of steps (default: write hello.txt, then finish)"
     )
@@ -693,6 +703,13 @@ def main(argv: Sequence[str] | None = None) -> None:
             raise SystemExit(f"dev server: --scripted-tools: {e}") from None
         backend = tool_script_backend(script, latency_s=args.latency)
         asyncio.run(_serve(backend, args.host, args.port, **options))
+    elif args.scripted_calculator:
+        folder = args.tokenizer or os.path.join(os.path.dirname(__file__), "tiny", "assets")
+        try:
+            backend = calculator_backend(folder, latency_s=args.latency)
+        except (OSError, ValueError, KeyError) as e:  # no such folder, not a tokenizer, no eos_token
+            raise SystemExit(f"dev server: --scripted-calculator --tokenizer {folder}: {e}") from None
+        asyncio.run(_serve(backend, args.host, args.port, **options))
     elif args.scripted:
         asyncio.run(_serve(echo_backend(latency_s=args.latency), args.host, args.port, **options))
     elif args.model:
@@ -704,7 +721,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             **options,
         )
     else:
-        ap.error("give --model DIR, --scripted, --scripted-tools or --hashlm")
+        ap.error("give --model DIR, --scripted, --scripted-tools, --scripted-calculator or --hashlm")
 
 
 if __name__ == "__main__":

@@ -119,6 +119,42 @@ def echo_backend(
     return backend
 
 
+_QUESTION = re.compile(r"What is ([-+*/%() 0-9.]+)\?")
+_RESULT = re.compile(r"<tool_response>\s*(.*?)\s*</tool_response>", re.S)
+
+
+def calculator_backend(folder: str, *, latency_s: float = 0.0) -> ScriptedBackend:
+    """The calculator's real turns (specs/calculator.yaml), answered at once: a calculator call on the question,
+    then, once its result is in the prompt, "The answer is N.\n#### N", as the tiny model writes them in its
+    template's tool-call format, over the tokenizer in `folder` (its tokenizer.json alone: a server that starts
+    in a fraction of a second, without transformers). Only the prompt's tail is decoded, so the server stays
+    faster than a client: a benchmark of the client's cost per call on the turn shape of a real agent
+    (`agentfsm bench engines`), where the echo model's one 9-token turn with no tool call is its cheapest shape."""
+    from tokenizers import Tokenizer
+
+    with open(os.path.join(folder, "tokenizer_config.json"), encoding="utf-8") as f:
+        eos_token = json.load(f)["eos_token"]
+    with open(os.path.join(folder, "tokenizer.json"), encoding="utf-8") as f:
+        tokenizer = Tokenizer.from_str(f.read())
+    eos = tokenizer.token_to_id(eos_token["content"] if isinstance(eos_token, dict) else eos_token)
+    if eos is None:
+        raise ValueError(f"the eos_token {eos_token!r} is not in the vocabulary")
+
+    def turn(session_id: str, turn: int, prompt: list[int]) -> list[int]:
+        tail = tokenizer.decode(prompt[-48:], skip_special_tokens=False)
+        if result := _RESULT.findall(tail):
+            text = f"The answer is {result[-1]}.\n#### {result[-1]}"
+        else:
+            found = _QUESTION.findall(tail)
+            expression = json.dumps({"expression": found[-1] if found else "0"})
+            text = f'<tool_call>\n{{"name": "calculator", "arguments": {expression}}}\n</tool_call>'
+        return [*tokenizer.encode(text, add_special_tokens=False).ids, eos]
+
+    backend = ScriptedBackend(turn, latency_s=latency_s, model_name="calculator", context_length=None)
+    backend.record_requests = False  # a long-lived server must not grow a request list
+    return backend
+
+
 class HashLM(BaseBackend):
     """A deterministic autoregressive toy language model: each token (and its logprob) is a hash of everything
     before it, prompt included. A generation aborted and resumed from its partial output therefore goes on
@@ -342,9 +378,12 @@ def tool_script_backend(
 
 
 @contextlib.contextmanager
-def scripted_servers(count: int = 2, latency_s: float = 0.0, timeout_s: float = 60.0) -> Iterator[list[str]]:
-    """`count` SGLang-protocol dev servers in scripted mode (`python -m backends.devserver --scripted`), as
-    subprocesses on free loopback ports; yields their URLs once each answers /health, stops them on exit.
+def scripted_servers(
+    count: int = 2, latency_s: float = 0.0, timeout_s: float = 60.0, mode: str = "--scripted"
+) -> Iterator[list[str]]:
+    """`count` SGLang-protocol dev servers in scripted mode (`python -m backends.devserver --scripted`, or
+    `mode`, e.g. `--scripted-calculator`), as subprocesses on free loopback ports; yields their URLs once each
+    answers /health, stops them on exit.
 
     Unlike `DevServer`, which serves from the caller's event loop, these keep serving while the caller blocks
     (a synchronous `generate_sequences`, a `ray.get`) and do not compete for the caller's GIL."""
@@ -358,7 +397,7 @@ def scripted_servers(count: int = 2, latency_s: float = 0.0, timeout_s: float = 
                 sys.executable,
                 "-m",
                 "backends.devserver",
-                "--scripted",
+                mode,
                 "--port",
                 str(port),
                 "--latency",

@@ -17,8 +17,10 @@ per call summed over the processes. A server slower than the clients bounds the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -27,14 +29,16 @@ from typing import Any
 from backends.tiny import ASSET_DIR
 
 
-async def _run(url: str, rows: list[dict[str, Any]], tokenizer: Any, batches: int = 1) -> dict[str, Any]:
+async def _run(
+    url: str, rows: list[dict[str, Any]], tokenizer: Any, batches: int = 1, tracer: Any = None
+) -> dict[str, Any]:
     """`rows` through one engine, `batches` times in a row (a trainer's steps): the first batch's numbers, and
     with `batches` > 1 the last one's under "steady" (the engine's connections, caches and frozen heap,
     fsm/run/heap.py, set up by then)."""
     from fsm.api import RolloutEngine
 
     async with RolloutEngine(
-        "calculator", tokenizer, servers=[url], max_concurrency=max(1, len(rows))
+        "calculator", tokenizer, servers=[url], max_concurrency=max(1, len(rows)), tracer=tracer
     ) as engine:
         await engine.start()
         measured = []
@@ -51,6 +55,7 @@ async def _run(url: str, rows: list[dict[str, Any]], tokenizer: Any, batches: in
                     "client_cpu_s": cpu,
                     "model_calls": calls,
                     "failed": sum(1 for t in trajs if t.failed),
+                    "reward_mean": statistics.fmean(t.reward_score or 0.0 for t in trajs) if trajs else 0.0,
                 }
             )
             if len(measured) == 1:
@@ -173,10 +178,112 @@ def bench_engines(
     return out
 
 
-def _turns(servers: Sequence[str], r: int) -> list[str]:
-    """The servers in repeat `r`'s order (rotated each repeat)."""
+def _turns(servers: Sequence[Any], r: int) -> list[Any]:
+    """The servers (or cases) in repeat `r`'s order (rotated each repeat)."""
     return list(servers[r % len(servers) :]) + list(servers[: r % len(servers)])
 
 
 def _median_ms(runs: list[dict[str, Any]]) -> float:
     return statistics.median(x["client_cpu_s"] / max(1, x["model_calls"]) for x in runs) * 1e3
+
+
+# The turn shapes an instant server answers (`agentfsm bench engines` without --server): its dev-server mode and
+# what one row costs in model calls.
+SHAPES = {
+    "calculator": (
+        "--scripted-calculator",
+        "the calculator's real turns: a calculator call, its result, then the answer (2 model calls a row)",
+    ),
+    "echo": (
+        "--scripted",
+        "the echo model: one 9-token turn and no tool call (1 model call a row; the cheapest shape)",
+    ),
+}
+
+
+def bench_instant(
+    shapes: Sequence[str] = ("calculator", "echo"),
+    in_flight: int = 1000,
+    repeats: int = 3,
+    processes: Sequence[int] = (),
+) -> dict[str, Any]:
+    """The client's CPU per model call against a server that answers at once (a dev server in its own process,
+    whose CPU is not counted: what a fast GPU fleet looks like to one client), `in_flight` calculator rows all in
+    flight, an engine's first batch and its second (the steady state). Per shape of SHAPES: tracing off, and for
+    the calculator also on (every trajectory traced, OTLP/HTTP to a collector that discards, in its own
+    process). The cases run alternated, `repeats` times; medians and ranges. With `processes`, the calculator's
+    rows split over that many processes too (`load`)."""
+    from backends.scripted import scripted_servers
+    from bench.tracing import _RECEIVER
+    from fsm.api import load_tokenizer
+    from fsm.telemetry import Telemetry
+    from specs.calculator import make_prompts
+
+    unknown = [s for s in shapes if s not in SHAPES]
+    if unknown:
+        raise ValueError(f"bench engines: no shape {unknown[0]!r} (known: {', '.join(SHAPES)})")
+    tokenizer = load_tokenizer(str(ASSET_DIR))
+    rows = make_prompts(in_flight, seed=1)
+    cases = [
+        (shape, traced) for shape in shapes for traced in (False, True) if shape == "calculator" or not traced
+    ]
+    runs: dict[tuple[str, bool], list[dict[str, Any]]] = {case: [] for case in cases}
+    collector = subprocess.Popen([sys.executable, "-c", _RECEIVER], stdout=subprocess.PIPE, text=True)
+    try:
+        otlp = f"http://127.0.0.1:{int(collector.stdout.readline())}"  # type: ignore[union-attr]
+        with contextlib.ExitStack() as stack:
+            urls = {s: stack.enter_context(scripted_servers(1, mode=SHAPES[s][0]))[0] for s in shapes}
+            for r in range(repeats):
+                for case in _turns(cases, r):
+                    shape, traced = case
+                    tracer = Telemetry(otlp=otlp) if traced else None
+                    runs[case].append(
+                        asyncio.run(_run(urls[shape], rows, tokenizer, batches=2, tracer=tracer))
+                    )
+            out: dict[str, Any] = {"in_flight": in_flight, "repeats": repeats, "shapes": {}}
+            for (shape, traced), rs in runs.items():
+                steady = [x["steady"] for x in rs]
+                name = f"{shape}, traced" if traced else shape
+                out["shapes"][name] = {
+                    "about": SHAPES[shape][1],
+                    "traced": traced,
+                    "model_calls_per_batch": rs[0]["model_calls"],
+                    "failed": max(x["failed"] for x in rs + steady),
+                    "reward_mean": min(x["reward_mean"] for x in rs + steady),
+                    "first_batch_client_cpu_ms_per_call": _spread(rs),
+                    "steady_client_cpu_ms_per_call": _spread(steady),
+                    "steady_calls_per_s": statistics.median(x["model_calls"] / x["wall_s"] for x in steady),
+                }
+                s = out["shapes"][name]
+                print(
+                    f"{name:>18}: {in_flight:,} in flight, an instant server: client CPU per model call "
+                    f"{_show(s['steady_client_cpu_ms_per_call'])} ms steady, "
+                    f"{_show(s['first_batch_client_cpu_ms_per_call'])} ms in an engine's first batch; "
+                    f"{s['steady_calls_per_s']:.0f} calls/s; reward {s['reward_mean']:.2f}",
+                    file=sys.stderr,
+                )
+            if processes and "calculator" in shapes:
+                out["processes"] = []
+                for p in processes:
+                    scaled = load(urls["calculator"], rows, p)
+                    out["processes"].append(scaled)
+                    print(
+                        f"        calculator: {in_flight:,} in flight over {p} process(es): "
+                        f"{scaled['calls_per_s']:.0f} calls/s, client CPU {scaled['client_cpu_ms_per_call']:.2f} "
+                        "ms per call",
+                        file=sys.stderr,
+                    )
+    finally:
+        collector.terminate()
+        collector.wait(10)
+    return out
+
+
+def _spread(runs: list[dict[str, Any]]) -> dict[str, float]:
+    """Median and range of the runs' client CPU per model call, in ms."""
+    each = sorted(x["client_cpu_s"] / max(1, x["model_calls"]) * 1e3 for x in runs)
+    return {"median": round(statistics.median(each), 3), "min": round(each[0], 3), "max": round(each[-1], 3)}
+
+
+def _show(spread: dict[str, float]) -> str:
+    return f"{spread['median']:.2f} ({spread['min']:.2f}-{spread['max']:.2f})"

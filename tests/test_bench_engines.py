@@ -3,7 +3,11 @@ across them, and the client under load in an engine's first batch and in its sec
 
 from __future__ import annotations
 
-from backends.scripted import scripted_servers
+import json
+import subprocess
+import sys
+
+from backends.scripted import calculator_backend, scripted_servers
 from bench.engines import bench_engines
 
 
@@ -19,3 +23,76 @@ def test_bench_engines_reports_first_and_steady_batches(capsys):
         assert s["in_flight_steady_client_cpu_ms_per_call"] > 0
     said = capsys.readouterr().err
     assert "in an engine's first batch" in said and "in its second" in said
+
+
+def test_the_calculator_server_answers_its_real_turns():
+    """The instant calculator model calls the calculator on the prompt's question, then answers with the tool's
+    result once it is in the prompt: the turn shape of a real calculator run, not the echo model's one turn."""
+    from backends.tiny import ASSET_DIR
+    from fsm.api import load_tokenizer
+    from specs.calculator import SYSTEM_PROMPT, TOOL_SCHEMA
+
+    tok = load_tokenizer(str(ASSET_DIR))
+    model = calculator_backend(str(ASSET_DIR))
+    asked = [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": "What is 37 * 12 + 5?"},
+    ]
+    first = model._turn_ids(_request(tok, asked, TOOL_SCHEMA), 0)
+    assert first[-1] == tok.eos_token_id
+    text = tok.decode(first[:-1])
+    assert (
+        text
+        == '<tool_call>\n{"name": "calculator", "arguments": {"expression": "37 * 12 + 5"}}\n</tool_call>'
+    )
+    call = {
+        "type": "function",
+        "function": {"name": "calculator", "arguments": {"expression": "37 * 12 + 5"}},
+    }
+    answered = [
+        *asked,
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "449"},
+    ]
+    second = model._turn_ids(_request(tok, answered, TOOL_SCHEMA), 1)
+    assert tok.decode(second[:-1]) == "The answer is 449.\n#### 449"
+
+
+def _request(tok, messages, schema):
+    from backends.base import GenerateRequest
+
+    text = tok.apply_chat_template(messages, tools=[schema], add_generation_prompt=True, tokenize=False)
+    return GenerateRequest(
+        session_id="s", prompt_ids=tok.encode(text, add_special_tokens=False), sampling_params={}
+    )
+
+
+def test_bench_engines_without_servers_runs_the_real_turn_shape_and_names_the_echo_one():
+    """`agentfsm bench engines` with no --server, as a user runs it (a real CLI process, its instant dev servers and
+    collector in processes of their own): the calculator's real turns, untraced and traced, and the echo shape,
+    each named, every row answered right (reward 1 on the calculator); a shape it does not have is one line.
+    ~12 s on a quiet machine, most of it the CLI process importing the engine: the real command is the point."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "fsm.cli.commands",
+        "bench",
+        "engines",
+        "--concurrency",
+        "4",
+        "--repeats",
+        "1",
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    shapes = json.loads(done.stdout)["shapes"]
+    assert set(shapes) == {"calculator", "calculator, traced", "echo"}
+    for name, s in shapes.items():
+        assert s["failed"] == 0 and s["steady_client_cpu_ms_per_call"]["median"] > 0, name
+    assert shapes["calculator"]["model_calls_per_batch"] == 8 and shapes["calculator"]["reward_mean"] == 1.0
+    assert shapes["calculator, traced"]["model_calls_per_batch"] == 8
+    assert shapes["echo"]["model_calls_per_batch"] == 4 and "cheapest shape" in shapes["echo"]["about"]
+    assert "calculator, traced: 4 in flight, an instant server" in done.stderr
+    refused = subprocess.run([*cmd[:5], "--shape", "long"], capture_output=True, text=True, timeout=300)
+    assert refused.returncode != 0 and "Traceback" not in refused.stderr
+    assert refused.stderr.strip().splitlines()[-1].endswith("no --shape long (engines: calculator | echo)")

@@ -420,8 +420,10 @@ def _fleet_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--shape",
         action="append",
-        choices=["calculator", "long", "groups", "skewed", "crowded"],
-        help="fleet: replay only these generated shapes (repeatable; default: all five)",
+        choices=["calculator", "long", "groups", "skewed", "crowded", "echo"],
+        help="fleet: replay only these generated shapes (repeatable; default: all five); engines without "
+        "--server: the turn shapes the instant servers answer, calculator (its real turns) and echo (one "
+        "turn, no tool call; default: both)",
     )
     p.add_argument(
         "--router",
