@@ -1,4 +1,5 @@
-"""`agentfsm`: validate, schema, run, render, show, bench, dev-server.
+"""`agentfsm`: run, gateway, replay, bench, dev-server here; validate, schema, render and show in
+fsm/cli/views.py.
 
 This module is the composition root: the one place in `fsm` that picks concrete backends (lazily, so
 `import fsm` never loads transformers models or aiohttp servers). Every user error ends as one line on
@@ -26,68 +27,24 @@ from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
 
-from fsm.cli.args import DEMO_PROMPTS, SHOW_LIMIT, command_line
-from fsm.cli.checks import port_free, same_spec
+from fsm.cli.args import DEMO_PROMPTS, command_line
+from fsm.cli.checks import port_free
 from fsm.cli.launch import servers_of
 from fsm.cli.outcome import (
     CLIError,
     Interrupted,
     ended,
-    every_row_failed,
-    hold_signals,
-    most_common_cause,
     refuse_changed_code,
     resume_spec,
-    to_stdout,
-    token_check_failures,
+    run_locked,
+    start_over,
 )
+from fsm.cli.views import cmd_render, cmd_schema, cmd_show, cmd_validate
 from fsm.data.files import DataError, load_rows
-from fsm.output.keep import Rollout, RunDir, RunInterrupted, close_journal
+from fsm.output.keep import Rollout, RunDir, RunInterrupted
 from fsm.run.compile import CompiledAgent, compile_spec
 from fsm.run.signals import Interrupts, say_now, term_is_ctrl_c, warn
 from fsm.spec.loader import SpecError
-
-# --- validate / schema ---------------------------------------------------------------------------------
-
-
-def cmd_validate(args: argparse.Namespace) -> int:
-    from fsm.run.compile import validate_file
-
-    problems = 0
-    for path in args.specs:
-        diags = validate_file(path, static=args.static)
-        for d in diags:
-            print(d)
-        errors = sum(d.severity == "error" for d in diags)
-        problems += errors
-        if not errors and not args.quiet:
-            warned = f" ({len(diags)} warning{'s' * (len(diags) > 1)})" if diags else ""
-            print(f"{path}: ok{warned}{_tree_size(path)}")
-    return 2 if problems else 0  # as `run` exits on the same diagnostics
-
-
-def _tree_size(path: str) -> str:
-    """What one tree of a valid spec can expand to (fsm/run/treecheck.py `tree_size`), for `validate`'s ok line."""
-    from fsm.run.treecheck import tree_size
-    from fsm.spec.loader import load_spec
-
-    size = tree_size(load_spec(path).spec)
-    return "" if size is None else f"; a tree: up to {size} nodes, the root included"
-
-
-def cmd_schema(args: argparse.Namespace) -> int:
-    from fsm.spec.model import json_schema
-
-    text = json.dumps(json_schema(), indent=2) + "\n"
-    if args.output:
-        try:
-            Path(args.output).write_text(text)
-        except OSError as exc:
-            raise CLIError(f"-o {args.output}: cannot write it ({exc.strerror or exc})") from None
-    else:
-        sys.stdout.write(text)
-    return 0
-
 
 # --- run -----------------------------------------------------------------------------------------------
 
@@ -386,7 +343,7 @@ def cmd_run(args: argparse.Namespace, rollout: Callable[..., Any] | None = None)
         except snap.SnapshotError as exc:
             raise CLIError(f"--resume: {exc}") from None
         if not loaded.data["groups"] and loaded.ended is None:
-            _start_over(args, Path(args.resume) / JOURNAL)
+            start_over(args, Path(args.resume) / JOURNAL)
     if args.resume is not None:
         try:
             refuse_unbegun(loaded, Path(args.resume) / JOURNAL)
@@ -408,7 +365,7 @@ def cmd_run(args: argparse.Namespace, rollout: Callable[..., Any] | None = None)
     out = args.out = _out_dir(args)
     try:
         with locked(out):
-            return _run_locked(args, rows, out, Console, rollout or _rollout)
+            return run_locked(args, rows, out, Console, rollout or _rollout)
     except RunInterrupted as exc:
         raise Interrupted(str(exc)) from None
     except RunDirError as exc:
@@ -417,168 +374,6 @@ def cmd_run(args: argparse.Namespace, rollout: Callable[..., Any] | None = None)
         raise CLIError(str(exc)) from None
     except snap.SnapshotError as exc:
         raise CLIError(f"--resume: {exc}") from None
-
-
-def _start_over(args: argparse.Namespace, journal: Path) -> None:
-    """A run killed between its journal's `run` record and its first group's did nothing: `--resume` starts it
-    again into its directory, with the rows and sampling its `run` record names (the same run: its id too)."""
-    from fsm.run.resume import read_identity
-
-    ident = read_identity(journal)
-    found = ident.get("sampling")
-    elif what == "engines" and not args.server:
-        if odd := [s for s in args.shape or () if s not in bench.SHAPES]:
-            raise CLIError(f"bench engines: no --shape {odd[0]} (engines: {' | '.join(bench.SHAPES)})")
-        _quiet_transformers()
-        result = bench.bench_instant(
-            shapes=args.shape or tuple(bench.SHAPES),
-            in_flight=args.concurrency or 1000,
-            repeats=args.repeats,
-            processes=args.processes or (),
-        )
-    sampling: dict[str, Any] = found if isinstance(found, dict) else {}
-    params: dict[str, Any] = sampling["params"] if isinstance(sampling.get("params"), dict) else {}
-    data, groups, n = ident.get("data"), ident.get("groups"), ident.get("n")
-    if not (isinstance(groups, int) and groups > 0 and isinstance(n, int) and n > 0):
-        return  # not a run record this version wrote: refused as nothing to resume
-    args.data = data if isinstance(data, str) else args.data
-    args.num_prompts, args.n = groups, n
-    if isinstance(sampling.get("seed"), int):
-        args.seed = sampling["seed"]
-    if isinstance(params.get("temperature"), (int, float)):
-        args.temperature = float(params["temperature"])
-    print(
-        f"agentfsm: --resume: {journal}: the run stopped before its first row was recorded: starting it again",
-        file=sys.stderr,
-    )
-    args.resume = None
-
-
-def _run_locked(
-    args: argparse.Namespace,
-    rows: list[dict[str, Any]] | None,
-    out: Path,
-    console_cls: Any,
-    rollout: Callable[..., Any],
-) -> int:
-    keep = RunDir(out, args.run_id)  # the files and their order of writing: the API's `keep=` path's too
-    if rows is not None:
-        keep.refuse_a_snapshot()
-    try:
-        run = asyncio.run(rollout(args, rows, console_cls(stderr=True)))
-    except asyncio.CancelledError:  # Ctrl-C before the rollout began (launching, probing, loading)
-        raise Interrupted(f"interrupted before the rollout; {out} holds what it held before") from None
-    finally:
-        term_is_ctrl_c()
-    try:
-        if not run.trajs:
-            raise keep.nothing_finished(run)
-        batch = run.engine.to_batch(run.trajs, run.sampling)
-        replacing = (out / "summary.json").exists()
-        summary = keep.write(run, batch)
-        hold_signals()  # written: a signal from here on keeps this outcome (main's `ended` exits with it)
-        stopped = keep.finish(run)  # the run is complete: its journal ends, nothing left to resume
-    finally:
-        close_journal(run, None)
-    if not args.quiet:
-        from fsm.output.rundir import print_summary
-
-        to_stdout(lambda: print_summary(summary, console_cls()))
-    to_stdout(
-        lambda: print(
-            f"wrote {out}/"
-            + (", ".join(f"batch.{p}.pt" for p in batch) if isinstance(batch, dict) else "batch.pt")
-            + ", trajectories.jsonl, summary.json"
-            + (" (replacing the run there)" if replacing else "")
-        )
-    )
-    if stopped is not None:
-        raise stopped
-    failed = [t.error or t.termination_reason for t in run.trajs if t.failed]
-    rate, budget = error_budget(args.max_error_rate, run.engine.agent.spec.failures.max_error_rate)
-    if len(failed) / len(run.trajs) > rate:
-        common = " ".join(most_common_cause(failed)[0].split())  # names the server, row or tool
-        common = common if len(common) <= 200 else common[:199] + "…"
-        raise CLIError(
-            f"{len(failed)} of {len(run.trajs)} rows ended in error ({len(failed) / len(run.trajs):.0%}), "
-            f"more than {budget} {rate:g}; the most common: {common}; "
-            f"see {out}/summary.json"
-        )
-    if (differ := token_check_failures(run.trajs, out)) is not None:
-        warn(differ)
-    if (every := every_row_failed(run.trajs, out)) is not None:
-        if rate < 1.0:
-            raise CLIError(every)
-        warn(every)
-    return 0
-
-
-def error_budget(flag: float | None, spec: float | None) -> tuple[float, str]:
-    """The run's failure budget and where it came from: --max-error-rate overrides the spec's
-    failures.max_error_rate; neither: 0.5."""
-    if flag is not None:
-        return flag, "--max-error-rate"
-    if spec is not None:
-        return spec, "the spec's failures.max_error_rate"
-    return 0.5, "--max-error-rate"
-
-
-# --- render / show -------------------------------------------------------------------------------------
-
-
-def cmd_render(args: argparse.Namespace) -> int:
-    from fsm.output.stats import load_run_stats
-    from viz.diagram import RenderError, render
-
-    agent = compile_spec(args.spec)
-    if args.run:
-        same_spec(args.run, args.spec, agent)
-    try:
-        stats = load_run_stats(args.run) if args.run else None
-    except json.JSONDecodeError as exc:
-        raise CLIError(
-            f"--run {args.run}: its summary.json is not JSON ({exc.msg}, line {exc.lineno})"
-        ) from None
-    except (FileNotFoundError, ValueError) as exc:
-        raise CLIError(str(exc)) from None
-    try:
-        Path(args.output).parent.mkdir(
-            parents=True, exist_ok=True
-        )  # `-o diagrams/agent.svg` on a fresh checkout
-        render(agent, args.output, run_stats=stats)
-    except RenderError as exc:
-        raise CLIError(str(exc)) from None
-    except OSError as exc:
-        raise CLIError(f"-o {args.output}: cannot write it ({exc.strerror or exc})") from None
-    print(args.output)
-    return 0
-
-
-def cmd_show(args: argparse.Namespace) -> int:
-    """A run's transcripts: its trajectories.jsonl, or (a run still running or that died, `--journal`) its
-    journal's trajectories, finished and in flight (fsm/cli/replay.py)."""
-    from fsm.run.journal import JOURNAL, ended
-    from viz.transcript import show
-
-    limit = args.limit
-    if limit is None and (args.worst or args.failed):
-        limit = SHOW_LIMIT
-    run_dir, tmp = Path(args.run_dir), None
-    journal = run_dir / JOURNAL if run_dir.is_dir() else None
-    if journal is not None and journal.is_file() and (args.journal or ended(journal) is None):
-        from fsm.cli.replay import show_journal
-
-        run_dir = tmp = show_journal(Path(args.run_dir), args.spec)
-    elif args.journal:
-        raise CLIError(f"{args.run_dir}: no {JOURNAL} there")
-    try:
-        show(run_dir, row=args.row, worst=args.worst, failed=args.failed, limit=limit)
-    except (FileNotFoundError, LookupError, ValueError) as exc:
-        raise CLIError(str(exc)) from None
-    finally:
-        if tmp is not None:
-            tmp.unlink(missing_ok=True)
-    return 0
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
@@ -624,11 +419,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     elif what == "tracing":
         result = bench.bench_tracing(workload=args.workload, repeats=args.repeats)
     elif what == "engines":
-        if len(args.server) < 2:
-            raise CLIError(
-                "bench engines: give two servers or more (--server URL --server URL), or none to measure the "
-                "client against instant servers"
-            )
+        if not args.server or len(args.server) < 2:
+            raise CLIError("bench engines: give two servers or more (--server URL --server URL)")
         _quiet_transformers()
         result = bench.bench_engines(
             args.server,

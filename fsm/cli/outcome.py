@@ -6,6 +6,7 @@ fsm/output/keep.py). fsm/cli/commands.py composes these."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import atexit
 import contextlib
 import os
@@ -238,3 +239,102 @@ def token_check_failures(trajs: list[Any], out: Path) -> str | None:
         f"--check-tokens: {rows} differ{'s' * (len(found) == 1)} from a re-render of their messages; row {first.index} (sample "
         f"{first.sample}): {first.token_check}; see agentfsm show {out} --failed"
     )
+
+
+def start_over(args: argparse.Namespace, journal: Path) -> None:
+    """A run killed between its journal's `run` record and its first group's did nothing: `--resume` starts it
+    again into its directory, with the rows and sampling its `run` record names (the same run: its id too)."""
+    from fsm.run.resume import read_identity
+
+    ident = read_identity(journal)
+    found = ident.get("sampling")
+    sampling: dict[str, Any] = found if isinstance(found, dict) else {}
+    params: dict[str, Any] = sampling["params"] if isinstance(sampling.get("params"), dict) else {}
+    data, groups, n = ident.get("data"), ident.get("groups"), ident.get("n")
+    if not (isinstance(groups, int) and groups > 0 and isinstance(n, int) and n > 0):
+        return  # not a run record this version wrote: refused as nothing to resume
+    args.data = data if isinstance(data, str) else args.data
+    args.num_prompts, args.n = groups, n
+    if isinstance(sampling.get("seed"), int):
+        args.seed = sampling["seed"]
+    if isinstance(params.get("temperature"), (int, float)):
+        args.temperature = float(params["temperature"])
+    print(
+        f"agentfsm: --resume: {journal}: the run stopped before its first row was recorded: starting it again",
+        file=sys.stderr,
+    )
+    args.resume = None
+
+
+def run_locked(
+    args: argparse.Namespace,
+    rows: list[dict[str, Any]] | None,
+    out: Path,
+    console_cls: Any,
+    rollout: Callable[..., Any],
+) -> int:
+    """`run` under the lock on its --out: roll the rows out (`rollout`), write the outputs, print the summary,
+    and end by the failure budget (`error_budget`)."""
+    from fsm.output.keep import RunDir, close_journal
+    from fsm.run.signals import term_is_ctrl_c, warn
+
+    keep = RunDir(out, args.run_id)  # the files and their order of writing: the API's `keep=` path's too
+    if rows is not None:
+        keep.refuse_a_snapshot()
+    try:
+        run = asyncio.run(rollout(args, rows, console_cls(stderr=True)))
+    except asyncio.CancelledError:  # Ctrl-C before the rollout began (launching, probing, loading)
+        raise Interrupted(f"interrupted before the rollout; {out} holds what it held before") from None
+    finally:
+        term_is_ctrl_c()
+    try:
+        if not run.trajs:
+            raise keep.nothing_finished(run)
+        batch = run.engine.to_batch(run.trajs, run.sampling)
+        replacing = (out / "summary.json").exists()
+        summary = keep.write(run, batch)
+        hold_signals()  # written: a signal from here on keeps this outcome (main's `ended` exits with it)
+        stopped = keep.finish(run)  # the run is complete: its journal ends, nothing left to resume
+    finally:
+        close_journal(run, None)
+    if not args.quiet:
+        from fsm.output.rundir import print_summary
+
+        to_stdout(lambda: print_summary(summary, console_cls()))
+    to_stdout(
+        lambda: print(
+            f"wrote {out}/"
+            + (", ".join(f"batch.{p}.pt" for p in batch) if isinstance(batch, dict) else "batch.pt")
+            + ", trajectories.jsonl, summary.json"
+            + (" (replacing the run there)" if replacing else "")
+        )
+    )
+    if stopped is not None:
+        raise stopped
+    failed = [t.error or t.termination_reason for t in run.trajs if t.failed]
+    rate, budget = error_budget(args.max_error_rate, run.engine.agent.spec.failures.max_error_rate)
+    if len(failed) / len(run.trajs) > rate:
+        common = " ".join(most_common_cause(failed)[0].split())  # names the server, row or tool
+        common = common if len(common) <= 200 else common[:199] + "…"
+        raise CLIError(
+            f"{len(failed)} of {len(run.trajs)} rows ended in error ({len(failed) / len(run.trajs):.0%}), "
+            f"more than {budget} {rate:g}; the most common: {common}; "
+            f"see {out}/summary.json"
+        )
+    if (differ := token_check_failures(run.trajs, out)) is not None:
+        warn(differ)
+    if (every := every_row_failed(run.trajs, out)) is not None:
+        if rate < 1.0:
+            raise CLIError(every)
+        warn(every)
+    return 0
+
+
+def error_budget(flag: float | None, spec: float | None) -> tuple[float, str]:
+    """The run's failure budget and where it came from: --max-error-rate overrides the spec's
+    failures.max_error_rate; neither: 0.5."""
+    if flag is not None:
+        return flag, "--max-error-rate"
+    if spec is not None:
+        return spec, "the spec's failures.max_error_rate"
+    return 0.5, "--max-error-rate"
