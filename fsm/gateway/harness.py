@@ -154,7 +154,7 @@ def harness(
             except GatewayError as exc:
                 from fsm.data.rows import RowError
 
-                raise RowError(f"gateway: {exc}") from None
+                raise RowError(f"gateway: {exc}", "gateway") from None
             mine.live[traj.session_id] = session
             # its key works from this process's tree (a command's own tree, once started: _run_command)
             if peer.available():
@@ -195,7 +195,8 @@ async def _next_event(ctx: RunContext, traj: Trajectory, session: Session, timeo
 
             raise RowError(
                 f"gateway: every model call of the harness was refused ({session.answered_errors}; the first: "
-                f"{session.first_error[:500]})"
+                f"{session.first_error[:500]})",
+                "gateway",
             )
 
 
@@ -285,7 +286,9 @@ async def gateway_generate(ctx: RunContext, traj: Trajectory) -> None:
     if session is None or session.current is None:
         from fsm.data.rows import RowError
 
-        raise RowError("gateway_generate runs after a harness state that took a model call (harness_calling)")
+        raise RowError(
+            "gateway_generate runs after a harness state that took a model call (harness_calling)", "gateway"
+        )
     call, future = session.current
     try:
         answer = await record_call(ctx, traj, session.tree, call, f"call_{session.id[:8]}")

@@ -58,6 +58,13 @@ def _restart(ctx: RunContext, traj: Trajectory, messages: list[dict[str, Any]], 
     begin(ctx, traj, ctx.codec.encode_prompt(messages, traj.tool_schemas), reason, messages)
 
 
+class RewriteError(RowError):
+    """A rewrite function failed or returned what no row can take: its row's error, of kind "rewrite"."""
+
+    def __init__(self, message: str):
+        super().__init__(message, "rewrite")
+
+
 def make_rewrite(name: str, spec: RewriteSpec, fn: Any = None) -> Action:
     """The action a named rewrite of the spec runs; `fn` is the resolved user function, if any."""
     if spec.keep_last is not None:
@@ -81,7 +88,7 @@ def make_rewrite(name: str, spec: RewriteSpec, fn: Any = None) -> Action:
             try:
                 ctx.codec.check_roles(new)
             except UnknownRole as exc:  # it would vanish from the prompt, and the task with it
-                raise RowError(f"{where}: returned {exc}") from None
+                raise RewriteError(f"{where}: returned {exc}") from None
             limit = ctx.agent.limits.prompt_length
             if chars > limit * CHARS_PER_TOKEN:  # bounded time: never rendered (see CHARS_PER_TOKEN)
                 overflow(
@@ -94,7 +101,7 @@ def make_rewrite(name: str, spec: RewriteSpec, fn: Any = None) -> Action:
                 except RowError:
                     raise
                 except Exception as exc:  # a shape _check lets through that the template cannot take
-                    raise RowError(
+                    raise RewriteError(
                         f"{where}: the chat template cannot render what it returned: {type(exc).__name__}: {exc}"
                     ) from None
 
@@ -153,18 +160,18 @@ def _caller(name: str, spec: RewriteSpec, fn: Any) -> Callable[[list, float | No
                     out = await out
                 return out
         except TimeoutError:
-            raise RowError(f"{where}: no result within {limit:g} s (limits.rewrite_timeout_s)") from None
+            raise RewriteError(f"{where}: no result within {limit:g} s (limits.rewrite_timeout_s)") from None
         except RowError:
             raise
         except asyncio.CancelledError as exc:
             task = asyncio.current_task()
             if task is None or task.cancelling():
                 raise  # the run cancels this row: not the function's doing
-            raise RowError(f"{where}: raised CancelledError: {exc}") from None
+            raise RewriteError(f"{where}: raised CancelledError: {exc}") from None
         except (
             BaseException
         ) as exc:  # KeyboardInterrupt, SystemExit, GeneratorExit from the function: its row
-            raise RowError(f"{where}: raised {type(exc).__name__}: {exc}") from None
+            raise RewriteError(f"{where}: raised {type(exc).__name__}: {exc}") from None
 
     return call
 
@@ -175,13 +182,15 @@ def _check(new: Any, where: str) -> int:
     deep, whose content is text or content parts with text: checked before anything walks or renders it (a part
     whose text was a list was a raw TypeError in the template). The characters it holds."""
     if not isinstance(new, list) or not new:
-        raise RowError(f"{where}: must return a non-empty list of chat messages, got {type(new).__name__}")
+        raise RewriteError(
+            f"{where}: must return a non-empty list of chat messages, got {type(new).__name__}"
+        )
     if len(new) > MAX_MESSAGES:
-        raise RowError(f"{where}: returned {len(new)} messages, past the bound of {MAX_MESSAGES}")
+        raise RewriteError(f"{where}: returned {len(new)} messages, past the bound of {MAX_MESSAGES}")
     chars = 0
     for k, m in enumerate(new):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise RowError(
+            raise RewriteError(
                 f"{where}: must return a non-empty list of chat messages; message {k} is "
                 f"{type(m).__name__ if not isinstance(m, dict) else 'a mapping without a role string'}"
             )
@@ -190,12 +199,12 @@ def _check(new: Any, where: str) -> int:
         if isinstance(content, list):
             for j, part in enumerate(content):
                 if not isinstance(part, dict) or not isinstance(part.get("text", ""), str):
-                    raise RowError(
+                    raise RewriteError(
                         f"{where}: message {k}'s content part {j} must be a mapping whose text is a string, "
                         f"got {describe(part)}"
                     )
         elif not (content is None or isinstance(content, str)):
-            raise RowError(
+            raise RewriteError(
                 f"{where}: message {k}'s content must be text or content parts, got {describe(content)}"
             )
     return chars
@@ -211,7 +220,7 @@ def _size(value: Any, budget: int, where: str, k: int) -> int:
     while stack:
         item, depth = stack.pop()
         if depth > MAX_DEPTH:
-            raise RowError(f"{where}: message {k} is nested deeper than {MAX_DEPTH} levels")
+            raise RewriteError(f"{where}: message {k} is nested deeper than {MAX_DEPTH} levels")
         if item is None or isinstance(item, (bool, int, float)):
             size += 1
         elif isinstance(item, str):
@@ -219,13 +228,19 @@ def _size(value: Any, budget: int, where: str, k: int) -> int:
         elif isinstance(item, (dict, list, tuple)):
             size += 1 + len(item) + sum(len(key) for key in item if isinstance(key, str))
         else:
-            raise RowError(f"{where}: message {k} holds a {type(item).__name__}, which is not a JSON value")
+            raise RewriteError(
+                f"{where}: message {k} holds a {type(item).__name__}, which is not a JSON value"
+            )
         if size > budget:  # before a container's items are stacked: a list of 10^7 costs nothing
-            raise RowError(f"{where}: returned more than {MAX_CHARS} characters of messages (at message {k})")
+            raise RewriteError(
+                f"{where}: returned more than {MAX_CHARS} characters of messages (at message {k})"
+            )
         if isinstance(item, dict):
             for key, sub in item.items():
                 if not isinstance(key, str):
-                    raise RowError(f"{where}: message {k} has a key that is not a string: {describe(key)}")
+                    raise RewriteError(
+                        f"{where}: message {k} has a key that is not a string: {describe(key)}"
+                    )
                 stack.append((sub, depth + 1))
         elif isinstance(item, (list, tuple)):
             stack.extend((sub, depth + 1) for sub in item)
