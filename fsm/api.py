@@ -31,27 +31,24 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, cast
 
 from backends.base import Backend
 from fsm.output.engine import BaseEngine, Rows, batch_of
 from fsm.output.metrics import FaultDelta
 from fsm.run.agent import CompiledAgent
 from fsm.run.compile import compile_spec
-from fsm.run.context import PauseGate, Policy, Sampling
-from fsm.run.engine import Command, Owned, StalePolicy, refuse_in_loop
+from fsm.run.context import PauseGate, Policy
+from fsm.run.engine import Owned
 from fsm.run.local import Local
 from fsm.run.runtime import WATCHDOG_S, Runner
-from fsm.run.stream import Group
 from fsm.run.tracer import Tracer
-from fsm.run.trajectory import Trajectory
 from fsm.spec.loader import LoadedSpec
 from fsm.spec.model import SPECS_DIR, AgentSpec
 
-T = TypeVar("T")
 DETECT_TIMEOUT_S = 5.0  # servers= without engine=: how long each server is asked which engine it runs
 SpecLike = CompiledAgent | AgentSpec | LoadedSpec | str | Path
 __all__ = [
@@ -288,8 +285,6 @@ class RolloutEngine(BaseEngine):
     Its working parts are fsm/run/local.py's `Local` (the loop thread, the stream, the control calls).
     """
 
-    snapshots = True
-
     def __init__(
         self,
         spec: SpecLike,
@@ -337,7 +332,7 @@ class RolloutEngine(BaseEngine):
         self.codec = self.runner.codec
         self.tracer = tracer
         # the fault counters start with the backend: a batch made after the run (the CLI's) still has its faults
-        self._local = Local(
+        self.core = self._local = Local(
             self.runner,
             tracer,
             self.agent.name,
@@ -373,70 +368,10 @@ class RolloutEngine(BaseEngine):
         """A snapshot was taken while code blocked the engine's loop: that loop runs nothing more."""
         return self._local.wedged
 
-    # -- the primitives: everything runs on the loop thread of `Local` -----------------------------------------
-
-    async def _on_home(self, coro: Coroutine[Any, Any, T]) -> T:
-        return await self._local.call(coro)
-
-    def _run_sync(self, coro: Coroutine[Any, Any, T]) -> T:
-        return self._local.run_sync(coro)
-
-    async def _arun(
-        self, rows: Sequence[Any], n: int, sampling: Sampling, on_done: Callable[[Trajectory], None] | None
-    ) -> list[Trajectory]:
-        return await self._local.run_here(rows, n, sampling, on_done)
-
-    async def _submit(
-        self, rows: Sequence[Any], n: int, sampling: Sampling, first_index: int | None
-    ) -> list[str]:
-        return await self._local.submit_here(rows, n, sampling, first_index)
-
-    async def _take(
-        self,
-        num_groups: int,
-        max_staleness: int | None,
-        stale: StalePolicy,
-        timeout: float | None,
-        exhausted_ok: bool,
-    ) -> list[Group]:
-        return await self._local.take_here(num_groups, max_staleness, stale, timeout, exhausted_ok)
-
-    async def _control(self, command: Command) -> Any:
-        return await self._on_home(self._local.controls.run(command))
-
-    async def _snapshot(
-        self,
-        path: str | Path | None,
-        meta: Mapping[str, Any] | None,
-        stop: bool,
-        timeout: float | None,
-        abort_turns: bool,
-        fallback: Callable[[], Path] | None,
-    ) -> dict[str, Any]:
-        return await self._local.snapshot(path, meta, stop, timeout, abort_turns, fallback)
-
-    async def _restore(self, path: str | Path | Mapping[str, Any]) -> dict[str, Any]:
-        return await self._on_home(self._local.restore_here(path))
-
-    async def _journal(self, journal: Any) -> None:
-        await self._on_home(self._local.journal_here(journal))
-
-    @property
-    def weight_version(self) -> int:
-        return self.runner.gate.version
-
-    @property
-    def paused(self) -> bool:
-        return self.runner.gate.paused
-
     def policy_version(self, policy: str) -> int:
         """The weight version `policy` holds (a policy without a backend of its own: the root's); ValueError for
         a policy the spec does not declare."""
         return self._local.controls.version(policy)
-
-    @property
-    def stream_stats(self) -> dict[str, Any]:
-        return self._local.stream_stats()
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
 
@@ -444,24 +379,6 @@ class RolloutEngine(BaseEngine):
         """Start the backend (connections, health checks) on the engine's loop. Called by the first use."""
         await self._on_home(self._local.start_here())
 
-    async def aclose(self) -> None:
-        """Close the backend, then stop the engine's thread."""
-        await self._local.aclose()
-
-    def close(self) -> None:
-        """Close the backend, then stop the engine's thread."""
-        refuse_in_loop(self, "close", "aclose")
-        self._local.close()
-
     async def __aenter__(self) -> RolloutEngine:
         await self.start()
         return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
-
-    def __enter__(self) -> RolloutEngine:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -51,6 +51,7 @@ from fsm.run.journal import SYNCS
 from fsm.run.runtime import agent_codec
 from fsm.run.stream import Group, Groups, StreamEmpty, version_span
 from fsm.run.trajectory import Trajectory
+from fsm.tools.loopthread import LoopThread
 
 T = TypeVar("T")
 
@@ -270,7 +271,8 @@ class RayRunner(BaseEngine):
         self._pool: _Pool | None = None  # the continuous mode's
         self._version = 0  # the weights the servers hold (counted here, told to every actor)
         self._paused = False
-        self._own_loop: asyncio.AbstractEventLoop | None = None  # the sync forms'
+        self._home: LoopThread | None = None  # the sync forms' loop
+        self.core = self  # its own core: the driver's state is its own
 
     # -- actors --------------------------------------------------------------------------------------------
 
@@ -314,19 +316,19 @@ class RayRunner(BaseEngine):
 
     # -- the batch -----------------------------------------------------------------------------------------
 
-    # -- the contract's primitives (fsm/api.py BaseEngine): the driver's state, awaited from any loop ----------
+    # -- its own core (fsm/output/engine.py `Core`): the driver's state, awaited from any loop ------------------
 
-    async def _on_home(self, coro: Coroutine[Any, Any, T]) -> T:
+    async def call(self, coro: Coroutine[Any, Any, T]) -> T:
         return await coro  # nothing here is bound to a loop: any caller's serves
 
-    def _run_sync(self, coro: Coroutine[Any, Any, T]) -> T:
-        if (
-            self._own_loop is None or self._own_loop.is_closed()
-        ):  # a private loop in this thread: the sync forms
-            self._own_loop = asyncio.new_event_loop()
-        return self._own_loop.run_until_complete(coro)
+    def run_sync(self, coro: Coroutine[Any, Any, T]) -> T:
+        """The sync forms, on the driver's loop thread (Ray is joined first, from the calling thread)."""
+        self.start()
+        if self._home is None:
+            self._home = LoopThread("agentfsm ray driver")
+        return self._home.run(coro)
 
-    async def _arun(
+    async def run_here(
         self, rows: Sequence[Any], n: int, sampling: Sampling, on_done: Callable[[Trajectory], None] | None
     ) -> list[Trajectory]:
         """Every row n times across the actors; trajectories in input order. The sampling is resolved once, by
@@ -368,7 +370,7 @@ class RayRunner(BaseEngine):
 
     # -- continuous mode -------------------------------------------------------------------------------------
 
-    async def _submit(
+    async def submit_here(
         self, rows: Sequence[Any], n: int, sampling: Sampling, first_index: int | None
     ) -> list[str]:
         """Start rolling out every row `n` times; groups stream back from the actors as they finish."""
@@ -395,7 +397,7 @@ class RayRunner(BaseEngine):
         pool.stats["submitted_groups"] += len(rows)
         return uids
 
-    async def _take(
+    async def take_here(
         self,
         num_groups: int,
         max_staleness: int | None,
@@ -417,7 +419,7 @@ class RayRunner(BaseEngine):
 
     # -- control calls (fsm/run/control.py, in every actor) ----------------------------------------------------
 
-    async def _control(self, command: Command) -> Any:
+    async def control_here(self, command: Command) -> Any:
         """Shared servers hear it once (through the first live actor); per-actor backends each hear it. Every
         actor's gate pauses first and opens last, and every actor counts the version."""
         self.start()
@@ -450,6 +452,9 @@ class RayRunner(BaseEngine):
             return answers[0]
         return answers[0] if self.servers else answers
 
+    backend = None  # each actor's own
+    policies: dict[str, Any] = {}  # the spec's policies live in the actors
+
     @property
     def weight_version(self) -> int:
         return self._version
@@ -475,27 +480,18 @@ class RayRunner(BaseEngine):
         for a in self.actors:
             ray.kill(a)
         self.actors, self._dead = [], set()
-        if self._own_loop is not None:
-            self._own_loop.close()
-            self._own_loop = None
+        if self._home is not None:
+            self._home.close()
+            self._home = None
         if self._owns_ray:
             ray.shutdown()
             self._owns_ray = False
-
-    def __enter__(self) -> RayRunner:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     async def __aenter__(self) -> RayRunner:
         return self
 
     async def aclose(self) -> None:
         await asyncio.to_thread(self.close)
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
 
 
 @dataclass

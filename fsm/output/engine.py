@@ -1,9 +1,9 @@
 """The engine contract's shared half (fsm/run/engine.py `Engine`): everything an engine hands out, written once
-over the few primitives each engine provides (its abstract methods: where its work runs, `_arun`, `_submit`,
-`_take`, `_control`, its weight version). Batches come back in verl's padded layout (or flat `Sample`s), the
-continuous mode's groups as batches, the control calls checked, and every call in a sync form too.
-RolloutEngine (fsm/api.py) and RayRunner (fsm/adapters/ray_runner.py) add only their I/O, as httpx's Client
-adds it to BaseClient. It sits in the output stage because what it adds to the run stage's contract is the
+over the engine's `Core` (where its work runs, its rows, its control calls, its weight version). Batches come back
+in verl's padded layout (or flat `Sample`s), the continuous mode's groups as batches, every call in a sync form
+too. RolloutEngine (fsm/api.py) composes fsm/run/local.py's `Local` as its core, and RayRunner
+(fsm/adapters/ray_runner.py) is its own, so a batch goes down the layers: this module calls its core and the
+output stage, never back up. It sits in the output stage because what it adds to the run stage's contract is the
 output: batches, samples and the run directory (`keep=`).
 """
 
@@ -12,13 +12,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, Protocol, Self, TypeVar, cast, runtime_checkable
 
 import numpy as np
 
+from backends.base import Backend
 from fsm.data.rows import to_rows
 from fsm.families import Codec
 from fsm.output.batch import policies_of, to_batch
@@ -47,79 +47,53 @@ T = TypeVar("T")
 Rows = Sequence[Mapping[str, Any]] | Mapping[str, Sequence[Any] | np.ndarray] | Any  # Any: a verl DataProto
 
 
-class BaseEngine(ABC):
-    """The engine contract's shared logic (fsm/run/engine.py `Engine`), written once over the primitives each
-    engine provides (the abstract methods below): batches shaped into verl's padded batch, the continuous mode's
-    batches, the control calls' checks, and every sync form. RolloutEngine and RayRunner add only their I/O, as
-    httpx's Client adds it to BaseClient."""
+class Core(Protocol):
+    """An engine's working parts, which the shared logic (`BaseEngine`) calls down into: where its state lives, how
+    its rows run, its control calls. fsm/run/local.py `Local` (one process: its loop thread, stream and backend)
+    and fsm/adapters/ray_runner.py `RayRunner` (Ray actors) are the two. The `_here` calls run where the state
+    lives: awaited through `call`."""
 
-    agent: CompiledAgent
-    codec: Codec
-    tracer: Tracer | None = None
-    _faults: FaultDelta | None = None
+    @property
+    def backend(self) -> Backend | None: ...  # None: the backends live elsewhere (Ray actors)
+    @property
+    def policies(self) -> Mapping[str, Policy]: ...  # the spec's policies at run time, by name
+    @property
+    def weight_version(
+        self,
+    ) -> int: ...  # the servers' weights: 0 at first (or the int they report), then each update's
+    @property
+    def paused(self) -> bool: ...  # between a pause and a resume: no model request is issued meanwhile
+    @property
+    def stream_stats(self) -> dict[str, Any]: ...  # the continuous mode's counters (`Groups.counters`)
 
-    # -- the primitives ----------------------------------------------------------------------------------------
-
-    @abstractmethod
-    async def _on_home(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Await `coro` where the engine's state lives, from whichever loop the caller runs."""
-
-    @abstractmethod
-    def _run_sync(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run `coro` to its end from a thread that runs no event loop (the sync forms)."""
-
-    @abstractmethod
-    async def _arun(
+    async def call(self, coro: Coroutine[Any, Any, T]) -> T: ...  # await `coro` where the state lives
+    def run_sync(self, coro: Coroutine[Any, Any, T]) -> T: ...  # the same from a thread that runs no loop
+    async def run_here(
         self, rows: Sequence[Any], n: int, sampling: Sampling, on_done: Callable[[Trajectory], None] | None
-    ) -> list[Trajectory]:
-        """Every row n times; the trajectories in input order."""
-
-    @abstractmethod
-    async def _submit(
+    ) -> list[Trajectory]: ...  # every row n times; the trajectories in input order
+    async def submit_here(
         self, rows: Sequence[Any], n: int, sampling: Sampling, first_index: int | None
-    ) -> list[str]:
-        """Start every row n times (the continuous mode); the groups' uids."""
-
-    @abstractmethod
-    async def _take(
+    ) -> list[str]: ...  # start every row n times (the continuous mode); the groups' uids
+    async def take_here(
         self,
         num_groups: int,
         max_staleness: int | None,
         stale: StalePolicy,
         timeout: float | None,
         exhausted_ok: bool,
-    ) -> list[Group]:
-        """The first `num_groups` finished groups (fsm/run/stream.py `Groups.take`)."""
-
-    @abstractmethod
-    async def _control(self, command: Command) -> Any:
-        """A control command (fsm/run/engine.py) on every server (fsm/run/control.py `Controls`)."""
-
-    @property
-    @abstractmethod
-    def weight_version(self) -> int:
-        """The weights the servers hold: 0 at first (or the int they report), then each update's version."""
-
-    @property
-    @abstractmethod
-    def paused(self) -> bool:
-        """True between `pause()` and `resume()`: no model request is issued meanwhile."""
-
-    @property
-    @abstractmethod
-    def stream_stats(self) -> dict[str, Any]:
-        """Counters of the continuous mode: groups submitted, finished, taken, dropped or re-run for staleness,
-        running and ready now; `staleness`: {staleness: groups taken}."""
-
-    @abstractmethod
+    ) -> list[Group]: ...  # the first `num_groups` finished groups (fsm/run/stream.py `Groups.take`)
+    async def control_here(
+        self, command: Command
+    ) -> Any: ...  # on every server (fsm/run/control.py `Controls`)
     async def aclose(self) -> None: ...
-
-    @abstractmethod
     def close(self) -> None: ...
 
-    snapshots = False  # whether `asnapshot` / `arestore` (and `keep=`) work; EngineRefused otherwise
 
-    async def _snapshot(
+@runtime_checkable
+class Snapshotting(Protocol):
+    """A core that snapshots, restores and journals its running groups (`Local`); EngineRefused on any other."""
+
+    async def take_snapshot(
         self,
         path: str | Path | None,
         meta: Mapping[str, Any] | None,
@@ -127,16 +101,75 @@ class BaseEngine(ABC):
         timeout: float | None,
         abort_turns: bool,
         fallback: Callable[[], Path] | None,
-    ) -> dict[str, Any]:
-        raise EngineRefused(
-            self, "asnapshot", "this engine cannot snapshot its running groups; use RolloutEngine"
-        )
+    ) -> dict[str, Any]: ...  # from any loop: it waits for the state's loop, or snapshots from outside it
+    async def restore_here(self, path: str | Path | Mapping[str, Any]) -> dict[str, Any]: ...
+    async def journal_here(self, journal: Any) -> None: ...
 
-    async def _restore(self, path: str | Path | Mapping[str, Any]) -> dict[str, Any]:
-        raise EngineRefused(self, "arestore", "this engine cannot restore a snapshot; use RolloutEngine")
 
-    async def _journal(self, journal: Any) -> None:
-        raise EngineRefused(self, "ajournal", "this engine cannot keep a journal; use RolloutEngine")
+class BaseEngine:
+    """The engine contract's shared logic (fsm/run/engine.py `Engine`), written once over an engine's `core`:
+    batches shaped into verl's padded batch, the continuous mode's batches, the control calls, and every sync
+    form. RolloutEngine and RayRunner only compose their core, as httpx's Client composes its transport."""
+
+    agent: CompiledAgent
+    codec: Codec
+    core: Core
+    tracer: Tracer | None = None
+    _faults: FaultDelta | None = None
+
+    async def _on_home(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Await `coro` where the engine's state lives, from whichever loop the caller runs."""
+        return await self.core.call(coro)
+
+    def _run_sync(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run `coro` to its end from a thread that runs no event loop (the sync forms)."""
+        return self.core.run_sync(coro)
+
+    @property
+    def weight_version(self) -> int:
+        """The weights the servers hold: 0 at first (or the int they report), then each update's version."""
+        return self.core.weight_version
+
+    @property
+    def paused(self) -> bool:
+        """True between `pause()` and `resume()`: no model request is issued meanwhile."""
+        return self.core.paused
+
+    @property
+    def stream_stats(self) -> dict[str, Any]:
+        """Counters of the continuous mode: groups submitted, finished, taken, dropped or re-run for staleness,
+        running and ready now; `staleness`: {staleness: groups taken}."""
+        return self.core.stream_stats
+
+    @property
+    def snapshots(self) -> bool:
+        """Whether `asnapshot` / `arestore` (and `keep=`) work; EngineRefused otherwise."""
+        return isinstance(self.core, Snapshotting)
+
+    def _snapshotting(self, call: str) -> Snapshotting:
+        if not isinstance(self.core, Snapshotting):
+            raise EngineRefused(
+                self,
+                call,
+                "this engine cannot snapshot, restore or journal its running groups; use RolloutEngine",
+            )
+        return self.core
+
+    async def aclose(self) -> None:
+        await self.core.aclose()
+
+    def close(self) -> None:
+        refuse_in_loop(self, "close", "aclose")
+        self.core.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
 
     # -- a batch -----------------------------------------------------------------------------------------------
 
@@ -154,7 +187,7 @@ class BaseEngine(ABC):
         `on_done` hears each trajectory as it finishes (RolloutEngine: on the engine's thread)."""
         if sampling is None:
             sampling = self.sampling(sampling_params, validate)
-        return await self._on_home(self._arun(rows, n, sampling, on_done))
+        return await self.core.call(self.core.run_here(rows, n, sampling, on_done))
 
     async def agenerate_sequences(
         self,
@@ -245,9 +278,9 @@ class BaseEngine(ABC):
         """The codec and sampling `policy`'s rows were made with, for its batch (a trainer recomputes logprobs
         from meta_info["sampling"]): the run's for the root's policy, else what its nodes generated with
         (fsm/run/context.py `node_sampling`: its own `sampling:`, else its spec's)."""
-        runner = getattr(self, "runner", None)
-        known = runner.policies.get(policy) if runner is not None else None
-        node = next((n.node for t in trajs for n in row_nodes(t) if n.node and n.node.policy == policy), None)
+        known = self.core.policies.get(policy)
+        nodes = [n.node for t in trajs for n in row_nodes(t) if n.node.kind != "root"]
+        node = next((n for n in nodes if n.policy == policy), None)
         if policy == self.agent.spec.policy or node is None:
             return self.codec, sampling
         return node_sampling(known or Policy(policy, None, None), self.codec, sampling, node.agent)
@@ -255,15 +288,14 @@ class BaseEngine(ABC):
     def _fault_counters(self) -> FaultDelta:
         """The backend's fault counters, read per batch (first read: when the backend starts, or before the first
         batch runs). A backend built at start (servers= without engine=) gets its own counters from there."""
-        backend = getattr(self, "backend", None)
+        backend = self.core.backend
         if self._faults is None or self._faults.backend is not backend:
             self._faults = FaultDelta(backend)
         return self._faults
 
     def sampling(self, sampling_params: Mapping[str, Any] | None = None, validate: bool = False) -> Sampling:
         """The run's sampling, resolved once (pass it to `arun` and `to_batch`)."""
-        runner = getattr(self, "runner", None)
-        policy = runner.policies.get(self.agent.spec.policy) if runner is not None else None
+        policy = self.core.policies.get(self.agent.spec.policy)
         base = policy.sampling if policy is not None and not validate else None  # the root policy's own
         return Sampling.resolve(self.agent, self.codec, sampling_params, validate=validate, base_spec=base)
 
@@ -303,7 +335,7 @@ class BaseEngine(ABC):
             raise ValueError(f"n must be >= 1, got {n}")
         if sampling is None:
             sampling = self.sampling(sampling_params, bool(validate or meta.get("validate", False)))
-        return await self._on_home(self._submit(rows, n, sampling, first_index))
+        return await self.core.call(self.core.submit_here(rows, n, sampling, first_index))
 
     async def atake_groups(
         self,
@@ -315,7 +347,9 @@ class BaseEngine(ABC):
         exhausted_ok: bool = False,
     ) -> list[Group]:
         """The first `num_groups` finished groups (see `atake`), as `Group`s of trajectories."""
-        return await self._on_home(self._take(num_groups, max_staleness, stale, timeout, exhausted_ok))
+        return await self.core.call(
+            self.core.take_here(num_groups, max_staleness, stale, timeout, exhausted_ok)
+        )
 
     async def atake(
         self,
@@ -383,17 +417,19 @@ class BaseEngine(ABC):
         EngineRefused on an engine that cannot snapshot (`snapshots` is False: RayRunner).
         `path=None`: no file; the running trajectories park at their next boundary, where the journal (see
         `ajournal`) records them, the journal is flushed to disk, and (`stop`) the run stops: a signal's path."""
-        return await self._snapshot(path, meta, stop, timeout, abort_turns, fallback)
+        return await self._snapshotting("asnapshot").take_snapshot(
+            path, meta, stop, timeout, abort_turns, fallback
+        )
 
     async def arestore(self, path: str | Path | Mapping[str, Any]) -> dict[str, Any]:
         """Put a snapshot's groups back into the continuous mode (same spec, checked by hash: SnapshotError
         otherwise); ready groups can be taken, running ones run on. Returns the snapshot's `meta`. A mapping
         is a snapshot read and checked already (a journal's, fsm/run/resume.py `load`)."""
-        return await self._restore(path)
+        return await self.core.call(self._snapshotting("arestore").restore_here(path))
 
     async def ajournal(self, journal: Any) -> None:
         """Record every step of the continuous mode in `journal` (fsm/run/journal.py `Recorder`) from now on."""
-        await self._journal(journal)
+        await self.core.call(self._snapshotting("ajournal").journal_here(journal))
 
     snapshot = sync_form(asnapshot)
     restore = sync_form(arestore)
@@ -402,14 +438,14 @@ class BaseEngine(ABC):
 
     async def asleep(self, tags: list[str] | None = None) -> Any:
         """Release server memory (SGLang release_memory_occupation; tags "weights", "kv_cache")."""
-        return await self._control(Call("sleep", (tags,)))
+        return await self.core.call(self.core.control_here(Call("sleep", (tags,))))
 
     async def awake_up(self, tags: list[str] | None = None) -> Any:
         """Take the memory back (SGLang resume_memory_occupation)."""
-        return await self._control(Call("wake_up", (tags,)))
+        return await self.core.call(self.core.control_here(Call("wake_up", (tags,))))
 
     async def aflush_cache(self) -> Any:
-        return await self._control(Call("flush_cache"))
+        return await self.core.call(self.core.control_here(Call("flush_cache")))
 
     async def apause(self, mode: str = "abort", *, policy: str | None = None) -> None:
         """Stop generation: the engine issues no new model request (turns wait at its gate) and every server
@@ -418,12 +454,12 @@ class BaseEngine(ABC):
         them at the server (recomputed after continue); "in_place" holds them mid-generation. Trajectories stay
         alive with their partial turns; new runs may start meanwhile and wait at the gate. `policy`: that
         policy alone, when it has a backend of its own (docs/trees.md); default: every policy."""
-        await self._control(Pause(mode, policy))
+        await self.core.call(self.core.control_here(Pause(mode, policy)))
 
     async def aresume(self, *, policy: str | None = None) -> None:
         """Continue: every server continues (`/continue_generation`), then the gate opens and paused
         trajectories go on, on whatever weights the servers now hold. `policy`: as for `apause`."""
-        await self._control(Resume(policy))
+        await self.core.call(self.core.control_here(Resume(policy)))
 
     async def aupdate_weights_from_disk(
         self,
@@ -460,7 +496,7 @@ class BaseEngine(ABC):
         )
 
     async def _update(self, update: Update) -> int:
-        return cast(int, await self._control(update))
+        return cast(int, await self.core.call(self.core.control_here(update)))
 
     sleep = sync_form(asleep)
     wake_up = sync_form(awake_up)

@@ -19,9 +19,9 @@ from typing import Any, TypeVar
 from backends.base import Backend
 from fsm.run import heap, loopwatch
 from fsm.run import snapshot as snap
-from fsm.run.context import Sampling
+from fsm.run.context import Policy, Sampling
 from fsm.run.control import Controls
-from fsm.run.engine import Owned, StalePolicy, under
+from fsm.run.engine import Command, Owned, StalePolicy, under
 from fsm.run.runtime import Runner
 from fsm.run.stream import Group, Stream
 from fsm.run.trajectory import Trajectory
@@ -68,6 +68,18 @@ class Local:
     @property
     def backend(self) -> Backend:
         return self.runner.backend
+
+    @property
+    def policies(self) -> dict[str, Policy]:
+        return self.runner.policies
+
+    @property
+    def weight_version(self) -> int:
+        return self.runner.gate.version
+
+    @property
+    def paused(self) -> bool:
+        return self.runner.gate.paused
 
     # -- the loop ----------------------------------------------------------------------------------------------
 
@@ -193,12 +205,16 @@ class Local:
         async with asyncio.timeout(timeout):
             return await stream.take(num_groups, max_staleness, stale, exhausted_ok)
 
+    @property
     def stream_stats(self) -> dict[str, Any]:
         return {} if self._stream is None else self._stream.groups.counters()
 
+    async def control_here(self, command: Command) -> Any:
+        return await self.controls.run(command)
+
     # -- snapshots ---------------------------------------------------------------------------------------------
 
-    async def snapshot(
+    async def take_snapshot(
         self,
         path: str | Path | None,
         meta: Mapping[str, Any] | None,
@@ -390,7 +406,7 @@ class Local:
 
     async def journal_here(self, journal: Any) -> None:
         """Record this engine's continuous mode in `journal` (fsm/run/journal.py Recorder; None: stop)."""
-        (await self.stream_here()).journal = journal
+        (await self.stream_here()).journal = self.controls.journal = journal
 
     async def restore_here(self, path: str | Path | Mapping[str, Any]) -> dict[str, Any]:
         if isinstance(path, Mapping):  # read and checked already (a journal's, fsm/run/resume.py)
