@@ -21,7 +21,7 @@ from fsm.run.actions import _resumed_turn  # the one model-turn path (resumes, p
 from fsm.run.context import RunContext
 from fsm.run.policy import begin, overflow
 from fsm.run.trajectory import Trajectory
-from fsm.spec.model import RewriteSpec
+from fsm.spec.contexts import RewriteSpec
 from fsm.tools.isolation import ThreadLane
 
 Action = Callable[[RunContext, Trajectory], Awaitable[None]]

@@ -1,4 +1,5 @@
-"""The spec as data: YAML read within bounds (safeyaml), validated into a typed `AgentSpec` (model) with
+"""The spec as data: YAML read within bounds (safeyaml), validated into a typed `AgentSpec` (model; its
+`context:` section in contexts, the strict base and numeric bounds every part shares in base) with
 `file:line:col` diagnostics (loader), the name registries for guards, actions and import paths (registry), and
 guards compiled from their YAML form (guards).
 

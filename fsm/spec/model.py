@@ -12,23 +12,19 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import (
-    BaseModel,
     ConfigDict,
     Field,
     ValidationError,
     ValidationInfo,
     field_validator,
-    model_validator,
 )
 
+from fsm.spec.base import MAX_SECONDS, MAX_TOKENS, MAX_TRANSITIONS, MAX_TURNS, Strict
+from fsm.spec.contexts import ContextSpec
 from fsm.spec.failures import MAX_ATTEMPTS, MAX_CALL_RUNS, MAX_WAIT_S, FailuresSpec, StateFailures
 
 STANDARD_STATES = ("PENDING", "GENERATING", "PROCESSING_TOOLS", "INTERACTING", "TERMINATED")
 DEFAULT_TOOL_WORKERS = 8  # ToolSpec.workers
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 # A guard expression: a name ("has_tool_calls"), a name with a parameter ({max_assistant_turns: 5}),
@@ -36,7 +32,7 @@ class _Strict(BaseModel):
 GuardExpr = Union[str, dict[str, Any]]
 
 
-class TransitionSpec(_Strict):
+class TransitionSpec(Strict):
     """One outgoing edge. Edges of a state are tried in order; the first whose guard holds fires."""
 
     to: str = Field(description="Destination state.")
@@ -50,7 +46,7 @@ class TransitionSpec(_Strict):
     )
 
 
-class ForkSpec(_Strict):
+class ForkSpec(Strict):
     """A state's fork into branches (docs/trees.md)."""
 
     branches: int = Field(ge=2, le=64, description="K: the branches the trajectory splits into.")
@@ -85,7 +81,7 @@ class StateSpec(StateFailures):  # retry, catch, timeout_s, heartbeat_s, on_erro
     )
 
 
-class RetrySpec(_Strict):
+class RetrySpec(Strict):
     """A tool's own retry of one call (fsm/tools/base.py `tool_retry`): `execute` again after any exception or
     timeout, bounded as a state's retry is (fsm/spec/failures.py)."""
 
@@ -105,7 +101,7 @@ class RetrySpec(_Strict):
     )
 
 
-class ToolSpec(_Strict):
+class ToolSpec(Strict):
     """A tool: a plain function (`function:`) or a verl-style BaseTool class (`class:`)."""
 
     name: str | None = Field(default=None, description="Defaults to the schema's function name.")
@@ -158,7 +154,7 @@ class ToolSpec(_Strict):
         return v
 
 
-class ToolPolicySpec(_Strict):
+class ToolPolicySpec(Strict):
     """How calls are checked and answered. The defaults are agentfsm's; `specs/tool_agent.yaml` sets verl's."""
 
     validate_arguments: bool = Field(
@@ -178,7 +174,7 @@ class ToolPolicySpec(_Strict):
     )
 
 
-class InteractionSpec(_Strict):
+class InteractionSpec(Strict):
     class_: str = Field(alias="class", description="module:Class implementing the interaction protocol.")
     name: str | None = None
     config: dict[str, Any] = Field(default_factory=dict)
@@ -197,7 +193,7 @@ class InteractionSpec(_Strict):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
 
-class RewardSpec(_Strict):
+class RewardSpec(Strict):
     function: str = Field(description="module:function(data_source, solution_str, ground_truth, extra_info).")
     kwargs: dict[str, Any] = Field(default_factory=dict)
 
@@ -208,7 +204,7 @@ def _check_top_k(v: int | None) -> int | None:
     return v
 
 
-class SamplingSpec(_Strict):
+class SamplingSpec(Strict):
     """Defaults sent to the backend (SGLang names). Call-site parameters override them."""
 
     temperature: float = Field(default=1.0, ge=0, allow_inf_nan=False)
@@ -224,7 +220,7 @@ class SamplingSpec(_Strict):
     _top_k = field_validator("top_k")(_check_top_k)
 
 
-class SamplingParams(_Strict):
+class SamplingParams(Strict):
     """A call site's sampling overrides (SGLang names, plus `seed` and `logprobs`), checked here once for every
     engine: vLLM would read top_k -2 as "off" and SGLang refuse it, so no engine sees a value none accepts."""
 
@@ -263,15 +259,7 @@ def check_sampling(params: dict[str, Any]) -> dict[str, Any]:
     return checked.model_dump(exclude_none=True)
 
 
-# Upper bounds a limit may take: past them a value is a typo (1e12 tokens), not a setting, and would fail
-# only at collation, after the whole rollout. A padded batch is rows x (prompt_length + response_length).
-MAX_TOKENS = 1 << 20
-MAX_TURNS = 100_000
-MAX_TRANSITIONS = 100_000  # a spinning cycle's path: ~2 MB a row, not the 180 MB 10**7 gave
-MAX_SECONDS = 7 * 24 * 3600.0
-
-
-class LimitsSpec(_Strict):
+class LimitsSpec(Strict):
     prompt_length: int = Field(
         default=1024, gt=0, le=MAX_TOKENS, description="P: prompts are left-padded to this."
     )
@@ -349,82 +337,7 @@ class LimitsSpec(_Strict):
     )
 
 
-class SummaryRewrite(_Strict):
-    """The model summarizes the conversation; the summary replaces everything after the task."""
-
-    instruction: str = Field(
-        default="Summarize the work so far: what was asked, what was tried, the intermediate results and what is "
-        "left to do. Be brief.",
-        description="Appended as a user message after the conversation; the model's answer is the summary.",
-    )
-    max_new_tokens: int | None = Field(
-        default=None,
-        gt=0,
-        le=MAX_TOKENS,
-        description="The summary turn's cap; default: limits.max_new_tokens.",
-    )
-    prefix: str = Field(
-        default="Summary of the work so far:\n",
-        description="Put before the summary in the user message that replaces the history.",
-    )
-
-
-class RewriteSpec(_Strict):
-    """One named rewrite, used as a state's `action`. Exactly one of summary, keep_last, function."""
-
-    summary: SummaryRewrite | None = Field(
-        default=None, description="A model-written summary: its own turn is a training segment too."
-    )
-    keep_last: int | None = Field(
-        default=None,
-        gt=0,
-        le=MAX_TURNS,
-        description="A window: keep the task (the messages up to the first user message) and the last N "
-        "exchanges (a model turn and the observations that answer it).",
-    )
-    function: str | None = Field(
-        default=None,
-        description="module:function(messages) -> messages (sync or async), the new conversation.",
-    )
-
-    @model_validator(mode="after")
-    def _one(self) -> RewriteSpec:
-        chosen = [k for k in ("summary", "keep_last", "function") if getattr(self, k) is not None]
-        if len(chosen) != 1:
-            raise ValueError(
-                f"a rewrite is exactly one of summary, keep_last, function; got {chosen or 'none'}"
-            )
-        return self
-
-    @property
-    def kind(self) -> str:
-        return (
-            "summary" if self.summary is not None else "window" if self.keep_last is not None else "function"
-        )
-
-
-class ContextSpec(_Strict):
-    """How each model turn's context is built, and what a rewrite does (docs/contexts.md)."""
-
-    policy: Literal["append", "template"] = Field(
-        default="append",
-        description="append: observations are appended to the tokens so far (one segment unless a rewrite "
-        "action runs). template: each model turn's prompt is the chat template's render of the conversation so "
-        "far, as a chat server builds it (earlier reasoning dropped where the template drops it); when that "
-        "render does not extend the current segment's tokens, a new segment starts with it as its prompt.",
-    )
-    rewrites: dict[str, RewriteSpec] = Field(
-        default_factory=dict,
-        description="Named rewrites, each usable as a state's action; each starts a new segment.",
-    )
-    reward_placement: Literal["last", "every"] = Field(
-        default="last",
-        description="A segmented trajectory's reward in the batch: on its last segment only (the others 0.0), "
-        "or on every segment (session-level GRPO).",
-    )
-
-
-class TrustSpec(_Strict):
+class TrustSpec(Strict):
     """What the spec's author vouches for. A spec is code; this only lifts agentfsm's guard-rail."""
 
     allow_modules: list[str] = Field(
@@ -436,7 +349,7 @@ class TrustSpec(_Strict):
     )
 
 
-class ModelSpec(_Strict):
+class ModelSpec(Strict):
     """The model family: its tool-call parser, reasoning and observation rendering (fsm/families)."""
 
     family: str = Field(
@@ -455,7 +368,7 @@ class ModelSpec(_Strict):
     )
 
 
-class PolicySpec(_Strict):
+class PolicySpec(Strict):
     """One model that generates in some states or child machines (docs/trees.md). Its backend is the one the API
     or CLI gives for its name, else `servers`, else `checkpoint`, else the run's own backend."""
 
@@ -474,7 +387,7 @@ class PolicySpec(_Strict):
     )
 
 
-class ChildSpec(_Strict):
+class ChildSpec(Strict):
     """A child machine started by a tool call of the same name: its final answer is that call's observation."""
 
     spec: str = Field(
@@ -528,7 +441,7 @@ class ChildSpec(_Strict):
         return v
 
 
-class TreeSpec(_Strict):
+class TreeSpec(Strict):
     """Bounds on a tree of child machines and branches, and how its rows are weighted (docs/trees.md)."""
 
     max_depth: int | None = Field(
@@ -557,7 +470,7 @@ class TreeSpec(_Strict):
     )
 
 
-class AgentSpec(_Strict):
+class AgentSpec(Strict):
     """The whole agent. `extends:` is resolved by the loader before this model is built."""
 
     name: str = Field(description="Agent name: spans are `invoke_agent {name}`.")
