@@ -182,6 +182,13 @@ def test_request_timeout_needs_servers(capsys, tmp_path):
     )
 
 
+def test_exact_logprobs_is_the_embedded_models_mode(capsys, tmp_path):
+    line = one_line_error(
+        capsys, ["run", SPEC, "--exact-logprobs", "--server", "http://127.0.0.1:1", "--out", str(tmp_path)]
+    )
+    assert line.startswith("agentfsm: --exact-logprobs: it is the embedded model's mode") and "docs/" in line
+
+
 def test_request_timeout_and_group_affinity_reach_the_engine(monkeypatch, tmp_path):
     """Until backends take `request_timeout_s`, check that the CLI hands it to RolloutEngine's backend options
     (and only when given)."""

@@ -234,3 +234,40 @@ def test_kill_9s_of_a_program_that_keeps_its_run_with_the_api_then_resumed(tmp_p
 @pytest.mark.slow
 def test_kill_9s_of_the_embedded_model_each_resumed_equal_the_uninterrupted_run(tmp_path):
     _kill_test(tmp_path, [SPEC, "--batch-size", "1"], kills=4, seed=7)
+
+
+def test_exact_logprobs_make_a_kill_9_resume_equal_the_uninterrupted_run_bit_for_bit(tmp_path):
+    """`--exact-logprobs` (backends/hf.py): the embedded model batching its rows (the default --batch-size),
+    killed with -9 mid-run and resumed, gives the uninterrupted run's batch with every tensor equal, logprobs
+    included (without the flag they differ by up to ~1e-5: the turns run again prefill fresh, in another
+    batch). Three real CLI processes (the uninterrupted run, the killed one, the resume): 40-60 s on the
+    2-core machine, more under load; the refusal of a resume without the flag is tested without processes
+    (tests/test_resume_identity.py)."""
+    base = [SPEC, "--exact-logprobs"]
+    ref = tmp_path / "ref"
+    done = subprocess.run(
+        run_args(ref, *base), env=ENV, cwd=REPO, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr
+    out = tmp_path / "out"
+    proc = subprocess.Popen(run_args(out, *base), env=ENV, cwd=REPO, stderr=subprocess.PIPE, text=True)
+    target, deadline = _count(ref / JOURNAL) // 2, time.monotonic() + 600
+    while proc.poll() is None and _count(out / JOURNAL) < target and time.monotonic() < deadline:
+        time.sleep(0.002)
+    proc.send_signal(signal.SIGKILL)
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == -signal.SIGKILL, f"the run ended before its kill: {err[-2000:]}"
+    what, finished, running = _moment(out)
+    assert running, (what, finished)  # rows in flight: their step runs again on resume
+    print(f"killed at record {_count(out / JOURNAL)} of {_count(ref / JOURNAL)}: {what}, {finished} finished")
+
+    resumed = subprocess.run(
+        run_args(out, "--resume", str(out), *base[1:]),
+        env=ENV,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    _check_run(ref, out)  # every tensor of batch.pt equal: tokens, masks and rollout_log_probs

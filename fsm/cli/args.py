@@ -188,6 +188,12 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
         choices=DTYPE_CHOICES,
         help="the embedded model's dtype (default: auto, see backends/hf.py)",
     )
+    g.add_argument(
+        "--exact-logprobs",
+        action="store_true",
+        help="the embedded model recomputes each turn's logprobs alone, so they do not depend on what the row "
+        "was batched with or on a resume: bit-identical on resume (costs one forward pass per turn)",
+    )
 
 
 def _watch_flags(p: argparse.ArgumentParser) -> None:
@@ -242,7 +248,7 @@ def _durable_flags(p: argparse.ArgumentParser, workers: bool) -> None:
         action="store_true",
         help="with --resume: go on although what makes the rows changed since the run started (the model's "
         "weights, the servers' model or weight version, the code the spec names, --dtype, --device, "
-        "--check-tokens; refused otherwise), recording the changes in the journal",
+        "--exact-logprobs, --check-tokens; refused otherwise), recording the changes in the journal",
     )
     g.add_argument(
         "--journal-sync",

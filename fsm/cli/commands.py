@@ -60,6 +60,11 @@ def _check_run_flags(args: argparse.Namespace) -> None:
         raise CLIError(f"--engine {args.engine} with --launch-{launched}: a fleet is one engine kind")
     if getattr(args, "accept_changes", False) and getattr(args, "resume", None) is None:
         raise CLIError("--accept-changes: it goes with --resume DIR (a new run has nothing to compare with)")
+    if getattr(args, "exact_logprobs", False) and servers:
+        raise CLIError(
+            "--exact-logprobs: it is the embedded model's mode; servers have their own deterministic modes "
+            "(docs/running.md, 'Logprobs on resume'): drop --exact-logprobs or --server/--launch-*"
+        )
     if args.request_timeout is not None and not servers:
         raise CLIError(
             "--request-timeout: it times server requests; give --server URL, --launch-sglang MODEL or "
@@ -75,6 +80,8 @@ def _check_run_flags(args: argparse.Namespace) -> None:
             ) from None
         if args.request_timeout is not None:
             raise CLIError("--request-timeout: not passed to Ray actors yet; drop --ray or --request-timeout")
+        if getattr(args, "exact_logprobs", False):
+            raise CLIError("--exact-logprobs: not passed to Ray actors; drop --ray or --exact-logprobs")
     tracing = bool(args.otlp or args.trace or _env_tracing())
     if tracing and not args.otlp:  # checked now, not when the exporter starts after the model has loaded
         from fsm.telemetry.config import OtlpSettings
@@ -160,6 +167,7 @@ def _engine(args: argparse.Namespace, servers: list[str], tokenizer: str | None)
             max_batch_size=args.batch_size,
             device=args.device,
             dtype=args.dtype,
+            exact_logprobs=args.exact_logprobs,
         )
     except FileNotFoundError as exc:
         raise CLIError(str(exc)) from None
