@@ -73,6 +73,8 @@ class SessionNode(Node):
     recorder: Recorder
     seq: int = -1  # its open segment (the one a request extends)
     seqs: list[int] = field(default_factory=list)  # its segments, in order
+    # a sub-agent found by its content (`Tree.plan`): the ids of the calls its parent's turn was waiting on
+    calls: tuple[str, ...] | None = None
 
     @property
     def turns(self) -> int:
@@ -152,8 +154,24 @@ class Tree:
             branch = self._node("branch", line, parent, mark[3], mark[0])
             return branch, Plan("branch", call.messages[mark[1] :], keys, mark)
         if not line:
-            return recent, Plan("history", call.messages, keys)
+            waiting = self._waiting(recent, nodes)
+            if waiting is None:
+                return recent, Plan("history", call.messages, keys)
+            # a new conversation while the agent waits on its calls: a sub-agent's, if its answer comes back as
+            # one of their results (`_link`)
+            child = self._child(traj, waiting, line)
+            child.calls = tuple(c["id"] for c in waiting.recorder.sent[-1]["tool_calls"])
+            return child, Plan("first", call.messages, keys)
         return self._new_child(traj, line), Plan("first", call.messages, keys)
+
+    def _waiting(self, recent: SessionNode, nodes: list[SessionNode]) -> SessionNode | None:
+        """The latest node of the session's own line whose last recorded message is a model turn with calls no
+        request has answered yet (not a sub-agent found by its content: its sub-agents are not told apart)."""
+        for node in [recent, *reversed(nodes)]:
+            sent = node.recorder.sent
+            if node.calls is None and sent and sent[-1]["role"] == "assistant" and sent[-1].get("tool_calls"):
+                return node
+        return None
 
     def _new_child(self, traj: Trajectory, line: tuple[str, ...]) -> SessionNode:
         parent = self.recent.get(line[:-1])
@@ -175,6 +193,10 @@ class Tree:
             )
         if len(self.stored) >= self.max_segments:
             raise too_many_segments(len(self.stored), self.max_segments)
+        return self._child(traj, parent, line)
+
+    def _child(self, traj: Trajectory, parent: SessionNode, line: tuple[str, ...]) -> SessionNode:
+        """A child node of `parent`'s latest turn: it begins where the parent's row is now."""
         self._room(parent)
         seg = self.segment(traj, parent.seq)
         offset = len(seg.prompt_ids) + len(seg.response_ids)
@@ -305,6 +327,7 @@ class Tree:
             return
         self.finalized = True
         self._park(traj)
+        self._link()
         kept = [s for s in range(len(self.stored)) if not self._dropped(s)] or list(range(len(self.stored)))
         last = (
             self.live if self.live in kept else kept[-1]
@@ -320,6 +343,37 @@ class Tree:
         self._load(traj, last)
         traj.extra["tree"] = rows
         traj.extra["segment_tools"] = [self.tools[s] for s in order]
+
+    def _link(self) -> None:
+        """Sub-agents found by their content (`calls`): one whose final answer (its last turn, without calls) is
+        in the text of a tool result its parent then sent for one of those calls is that call's child. Any other
+        was a new history of its parent after all (a compacted or edited conversation): its segments are the
+        parent's, as such a request's always were, and the nodes are numbered again."""
+        merged = False
+        for node in [n for n in self.nodes if n.calls is not None]:
+            up, last = node.up, node.recorder.sent[-1]
+            assert up is not None and node.calls is not None
+            answer = "" if last.get("tool_calls") else (last.get("content") or "").strip()
+            sent = (k for keys, _ in up.recorder.segments.values() for k in keys if k[0] == "tool")
+            if answer and any(k[2] in node.calls and answer in k[1] for k in sent):
+                continue
+            for seq in node.seqs:
+                self.owner[seq] = up
+                seg = self.stored[seq]
+                if seg is not None and seg.reason == "child":
+                    seg.reason = "history"
+            up.seqs = sorted(up.seqs + node.seqs)
+            up.nodes.remove(node)
+            for below in node.nodes:  # (a branch of its conversation)
+                below.up = up
+                up.nodes.append(below)
+            self.nodes.remove(node)
+            merged = True
+        if merged:
+            for node in self.nodes[1:]:  # in the order they were made: a parent before its nodes
+                assert node.up is not None
+                n = node.up.nodes.index(node)
+                node.node, node.parent, node.depth = f"{node.up.node}.{n}", node.up.node, node.up.depth + 1
 
     def _dropped(self, seq: int) -> bool:
         """Whether segment `seq` is an auxiliary call's that GatewayLimits.auxiliary_calls leaves out."""

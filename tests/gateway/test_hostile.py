@@ -223,19 +223,14 @@ def test_a_history_that_differs_is_never_merged(tmp_path, tokenizer):
     assert (
         out["branch"][0] == 400 and "ends with an assistant message" in out["branch"][1]["error"]["message"]
     )
-    # each differing history is a segment of its own ("extends" follows the first turn again: a branch)
-    assert [s.reason for s in traj.segments] == [
-        "prompt",
-        "history",
-        "history",
-        "history",
-        "history",
-        "branch",
-    ]
+    # each differing history is a segment of its own; "extends" answers the first turn's call: it goes on in that
+    # turn's own row, the session's last (nothing copied)
+    assert [s.reason for s in traj.segments] == ["history", "history", "history", "history", "prompt"]
+    assert [r["node"] for r in traj.extra["tree"]] == ["0"] * 5  # none is a sub-agent: no answer came back
     assert traj.assistant_turns == 6 and len(backend.requests) == 6
     # nothing the edited requests carried reached the recorded turn's row
-    assert "changed my mind" not in tokenizer.decode(traj.segments[0].context_ids())
-    assert "changed my mind" in tokenizer.decode(traj.segments[1].prompt_ids.tolist())
+    assert "changed my mind" not in tokenizer.decode(traj.segments[-1].context_ids())
+    assert "changed my mind" in tokenizer.decode(traj.segments[0].prompt_ids.tolist())
 
 
 async def spin(call: HarnessCall) -> None:

@@ -1,7 +1,8 @@
 """Sub-agents of a harness that knows nothing of the gateway's child sessions (issue 48 §3): they call on the
 session's own URL, and each is recorded as a child node of the model call that started it, found from the
 headers the harness sends (Claude Code's `x-claude-code-agent-id`, opencode's `x-session-id`:
-GatewayLimits.child_headers). Parallel
+GatewayLimits.child_headers) or, for a harness that sends none (qwen-code), from the content: a new conversation
+whose final answer is the text of a tool result its parent then sends for the calls it was waiting on. Parallel
 sub-agents are parallel children (never `session_busy`), the parent's next call extends its own row (nothing
 copied), and every row passes the token check.
 
@@ -92,6 +93,10 @@ claude_code_like = harness(
     lambda call: parent_and_sub_agents(call, "x-claude-code-agent-id", "{}"), timeout_s=60
 )
 opencode_like = harness(lambda call: parent_and_sub_agents(call, "x-session-id", "{}"), timeout_s=60)
+qwen_code_like = harness(
+    lambda call: parent_and_sub_agents(call, None, "Subagent finished.\n{}\n(2 tool calls)"), timeout_s=60
+)
+editing_parent = harness(lambda call: parent_and_sub_agents(call, None, "{}", edit=True), timeout_s=60)
 
 
 def run(tmp_path: Path, tokenizer: Any, name: str) -> Any:
@@ -123,7 +128,7 @@ def copied(traj: Any) -> int:
     return out
 
 
-@pytest.mark.parametrize("name", ["claude_code_like", "opencode_like"])
+@pytest.mark.parametrize("name", ["claude_code_like", "opencode_like", "qwen_code_like"])
 def test_parallel_sub_agents_are_children_of_the_call_and_the_parent_goes_on_in_place(
     tmp_path: Path, tokenizer: Any, name: str
 ) -> None:
@@ -146,3 +151,14 @@ def test_parallel_sub_agents_are_children_of_the_call_and_the_parent_goes_on_in_
     assert all(s.reason == "child" and s.turns == 1 for s in children)
     assert copied(traj) == 0
     assert traj.extra.get("gateway_notes") is None
+
+
+def test_a_new_conversation_whose_answer_the_parent_never_sends_is_a_history_of_the_parent(
+    tmp_path: Path, tokenizer: Any
+) -> None:
+    """The content rule links only what the parent then sends: a third conversation while it waits (a rewrite,
+    an edit) is recorded as before, a new segment of the parent's node."""
+    traj = run(tmp_path, tokenizer, "editing_parent")
+    kinds = sorted((r["node"], r["node_kind"]) for r in traj.extra["tree"])
+    assert kinds == [("0", "root"), ("0", "root"), ("0.0", "child"), ("0.1", "child")], kinds
+    assert sorted(s.reason for s in traj.segments) == ["child", "child", "history", "prompt"]
