@@ -29,6 +29,7 @@ class Controls:
 
     def __init__(self, runner: Runner, start: Callable[[], Awaitable[None]]):
         self.runner = runner
+        self.journal: Any = None  # a kept run's fsm/run/journal.py Recorder: each update is recorded in it
         self._start = start
 
     async def run(self, command: Command, servers: bool = True) -> Any:
@@ -145,6 +146,8 @@ class Controls:
         options = {**options, "weight_version": str(version)}
         await self.call(method, args, options, True, servers=servers, backend=backend)
         gate.version = version
+        if self.journal is not None:  # before a token of it is journaled (fsm/run/journal.py `weights`)
+            self.journal.weights(version, policy)
         attrs = {"agentfsm.weight_version": version, "agentfsm.weight_update.method": method}
         self.event("weight_update", {**attrs, **({"agentfsm.policy": policy} if policy else {})})
         return version

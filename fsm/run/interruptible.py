@@ -190,6 +190,7 @@ async def _reopen(engine: Any, keeper: Keeper) -> tuple[Loaded, Recorder]:
     recorder = Recorder(Writer(path, keeper.sync, keep=loaded.good_bytes), loaded.tool_results, takes=False)
     try:
         recorder.resumed(now, accepted)
+        recorder.weights(engine.weight_version)  # the version its new tokens carry
         await engine.ajournal(recorder)
     except BaseException:
         recorder.writer.close()

@@ -32,6 +32,9 @@ The records (one JSON object each, `t` its kind):
 - `taken`: groups a consumer took from the continuous mode (a trainer's `take`), each by its first trajectory's
   session id: a resume does not hand them out again. A kept run (fsm/run/interruptible.py) records none: its rows
   are its files', written with `end`.
+- `weights`: new weights are served (`v` their version, `policy` when not the root policy's): each update, and
+  the version a resume goes on with. A `run` record with `weight_updates` vouches that every version a token may
+  carry is the run's (`weight_version`) or one of these: a resume refuses any other (fsm/run/resume.py).
 - `end`: the run's files are written: nothing is left to resume.
 """
 
@@ -334,7 +337,11 @@ class Recorder:
         self.tool_results: dict[str, dict[str, Any]] = dict(tool_results or {})
 
     def header(self, identity: Mapping[str, Any]) -> None:
-        self.writer.append({"t": "run", "format": FORMAT, **identity})
+        self.writer.append({"t": "run", "format": FORMAT, "weight_updates": True, **identity})
+
+    def weights(self, version: int, policy: str | None = None) -> None:
+        """New weights, `version`, are served (for `policy`, None: the root policy): their tokens may carry it."""
+        self.writer.append({"t": "weights", "v": version, **({"policy": policy} if policy else {})})
 
     def group(self, uid: str, sampling: dict[str, Any], trajs: Iterable[Trajectory], reruns: int = 0) -> None:
         trajs = list(trajs)
@@ -582,6 +589,9 @@ class Rebuilt:
     taken: set[str] = field(default_factory=set)  # groups a consumer took, by their first session id
     # its `resume` records, in order, each with `finished_before`: the trajectories finished before it
     resumes: list[dict[str, Any]] = field(default_factory=list)
+    # the weight versions a token may carry (the run's and its `weights` records'); None: a journal from before
+    # they were recorded, whose versions are bounded only by the newest a token carries
+    versions: set[int] | None = None
 
 
 def _whole(d: dict[str, Any]) -> Trajectory:
@@ -630,6 +640,9 @@ def rebuild(read: Read | Scan) -> Rebuilt:
     if first is None or first.get("t") != "run" or first.get("format") != FORMAT:
         raise JournalError(f"{read.path}: not an agentfsm journal of format {FORMAT} (no 'run' record first)")
     out = Rebuilt(first, [], {}, {})
+    if first.get("weight_updates") is True:
+        out.versions = {first.get("weight_version", 0)}
+        _version(first.get("weight_version", 0), f"{read.path}: record 1: weight_version")
     for k, rec in enumerate(recs, start=2):
         where = f"{read.path}: record {k}"
         try:
@@ -714,6 +727,10 @@ def _apply(out: Rebuilt, rec: dict[str, Any], where: str) -> None:
             raise JournalError(f"{where}: a tool record without key or outcome")
         if "o" in rec and outcome.get("error") is None:  # a failure (an older journal's too) is no result
             out.tool_results[rec["k"]] = outcome
+    elif kind == "weights":
+        _version(rec["v"], f"{where}: a weights record's version")
+        if out.versions is not None:
+            out.versions.add(rec["v"])
     elif kind == "end":
         out.ended = str(rec["status"])
     elif kind == "taken":
@@ -729,6 +746,11 @@ def _apply(out: Rebuilt, rec: dict[str, Any], where: str) -> None:
         raise JournalError(f"{where}: a second 'run' record (two runs in one journal)")
     else:
         raise JournalError(f"{where}: unknown record kind {kind!r}")
+
+
+def _version(value: Any, what: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**31:
+        raise JournalError(f"{what} {value!r} is not a weight version (an int32 >= 0)")
 
 
 def _node(out: Rebuilt, rec: dict[str, Any], sid: str, where: str) -> None:

@@ -187,7 +187,8 @@ def _snapshot_form(
 ) -> tuple[dict[str, Any], tuple[int, int, int, int, int], dict[str, int]]:
     ident = rebuilt.identity
     groups, finished, in_flight, restarted, nodes_done, nodes_going = [], 0, 0, 0, 0, 0
-    newest = 0  # the newest weight version of any token: the journal does not record weight updates
+    known = rebuilt.versions  # every version the run served (journal.py `weights`); None: not recorded
+    newest = max(known) if known is not None else 0  # else the newest weight version of any token
     last: dict[str, int] = {}
     for g in rebuilt.groups:
         if g["members"] and g["members"][0] in rebuilt.taken:  # a consumer has it: not handed out again
@@ -199,6 +200,11 @@ def _snapshot_form(
                 raise JournalError(f"{read.path}: group {g['uid']!r}: its trajectory {sid!r} has no record")
             # its weight versions are expanded below, before `_check` reads them
             check_version_runs(f"trajectory {sid!r}", traj._version_runs, len(traj.response_ids))
+            if known is not None and (forged := {v for v in traj._version_runs[1::2] if v >= 0} - known):
+                raise JournalError(
+                    f"{read.path}: trajectory {sid!r}: field 'response_versions': weight version {min(forged)} "
+                    f"was never served in this run (its weights: {', '.join(map(str, sorted(known)))})"
+                )
             done = sid in rebuilt.done
             meta, nodes = trees.get(sid, (None, []))
             inside = any(not e["done"] and e["interaction_started"] for e in nodes)
@@ -220,7 +226,7 @@ def _snapshot_form(
         spans = [rebuilt.trajs[s].weight_versions() for s in g["members"]]
         lows = [s[0] for s in spans if s is not None] or [0]
         highs = [s[1] for s in spans if s is not None] or [0]
-        newest = max(newest, *highs)
+        newest = max(newest, *highs) if known is None else newest
         decode_sampling(g["sampling"])  # checked again by _check
         groups.append(
             {
