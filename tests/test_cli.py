@@ -221,25 +221,20 @@ def test_request_timeout_and_group_affinity_reach_the_engine(monkeypatch, tmp_pa
     assert seen[2]["group_affinity"] is False
 
 
-def test_launch_sglang_without_sglang_shows_the_cause(capsys, tmp_path):
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_launch_without_the_engine_shows_the_cause(capsys, tmp_path, engine):
+    """--launch-sglang and --launch-vllm (one launch path, fsm/cli/launch.py) end in one line naming the cause."""
     pytest.importorskip("aiohttp")
-    if importlib.util.find_spec("sglang") is not None:
-        pytest.skip("SGLang is installed here")
+    if importlib.util.find_spec(engine) is not None:
+        pytest.skip(f"{engine} is installed here")
+    python = [f"--{engine}-python", sys.executable]
     line = one_line_error(
         capsys,
-        [
-            "run",
-            SPEC,
-            "--launch-sglang",
-            str(tmp_path / "model"),
-            "--port",
-            "39871",
-            "--out",
-            str(tmp_path / "out"),
-        ],
+        ["run", SPEC, f"--launch-{engine}", str(tmp_path / "model"), *python, "--port", "39871"]
+        + ["--out", str(tmp_path / "out")],
     )
-    assert line.startswith("agentfsm: --launch-sglang: replica 0")
-    assert "No module named" in line and "sglang" in line  # the cause, not "ends with:"
+    assert line.startswith(f"agentfsm: --launch-{engine}: replica 0")
+    assert "No module named" in line and engine in line  # the cause, not "ends with:"
     assert not line.endswith(":")
 
 

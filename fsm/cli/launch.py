@@ -30,44 +30,11 @@ async def servers_of(args: argparse.Namespace, stack: AsyncExitStack) -> tuple[l
     path that goes with them."""
     servers = list(args.server or [])
     tokenizer = args.tokenizer
-    if args.launch_sglang:
-        from backends.launcher import LaunchError, SGLangLauncher
-
-        launcher = SGLangLauncher(
-            args.launch_sglang,
-            dp=args.dp,
-            tp=args.tp,
-            base_port=args.port,
-            log_dir=Path(args.out) / "sglang_logs",
-            python=args.sglang_python,
-            device="cpu" if args.device == "cpu" else None,
-        )
-        try:
-            await stack.enter_async_context(launcher)
-        except LaunchError as exc:
-            raise CLIError(_launch_failure(str(exc))) from None
-        servers += launcher.urls
-        tokenizer = tokenizer or args.launch_sglang
-    if args.launch_vllm:
-        from backends.launcher import LaunchError, VLLMLauncher
-
-        try:
-            vllm = VLLMLauncher(
-                args.launch_vllm,
-                dp=args.dp,
-                tp=args.tp,
-                base_port=args.port,
-                log_dir=Path(args.out) / "vllm_logs",
-                python=args.vllm_python,
-                device="cpu" if args.device == "cpu" else None,
-            )
-            await stack.enter_async_context(vllm)
-        except ValueError as exc:
-            raise CLIError(f"--launch-vllm: {exc}") from None
-        except LaunchError as exc:
-            raise CLIError(_launch_failure(str(exc), "vllm")) from None
-        servers += vllm.urls
-        tokenizer = tokenizer or args.launch_vllm
+    for engine in ("sglang", "vllm"):
+        model = getattr(args, f"launch_{engine}")
+        if model:
+            servers += await _launch(args, stack, engine, model)
+            tokenizer = tokenizer or model
     if not servers:
         return servers, tokenizer
     from fsm.api import ServerNotReady, probe_servers
@@ -95,3 +62,26 @@ async def servers_of(args: argparse.Namespace, stack: AsyncExitStack) -> tuple[l
             )
         tokenizer = served
     return servers, tokenizer
+
+
+async def _launch(args: argparse.Namespace, stack: AsyncExitStack, engine: str, model: str) -> list[str]:
+    """Launch `engine`'s servers for `model` (--launch-sglang, --launch-vllm) with the run's --dp, --tp, --port
+    and --device, logs in OUT/ENGINE_logs, stopped with `stack`; their URLs, once ready."""
+    from backends.launcher import LaunchError, SGLangLauncher, VLLMLauncher
+
+    try:
+        launcher = (SGLangLauncher if engine == "sglang" else VLLMLauncher)(
+            model,
+            dp=args.dp,
+            tp=args.tp,
+            base_port=args.port,
+            log_dir=Path(args.out) / f"{engine}_logs",
+            python=getattr(args, f"{engine}_python"),
+            device="cpu" if args.device == "cpu" else None,
+        )
+        await stack.enter_async_context(launcher)
+    except ValueError as exc:
+        raise CLIError(f"--launch-{engine}: {exc}") from None
+    except LaunchError as exc:
+        raise CLIError(_launch_failure(str(exc), engine)) from None
+    return launcher.urls
