@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable, Mapping
 
+from fsm.cli.gateway_args import gateway_only_flags
 from fsm.cli.usage import COUNT, PORT, Help, Parser, float_in, int_in, otlp_endpoint, server_url
 
 DEMO_PROMPTS = 64  # `run` without --data or --num-prompts
@@ -283,10 +284,8 @@ def run_flags(p: argparse.ArgumentParser, workers: bool = True) -> None:
 
 def gateway_flags(p: argparse.ArgumentParser) -> None:
     """`agentfsm gateway SPEC`: `run`'s flags, then where the gateway listens (fsm/gateway/serve.py)."""
-    from fsm.gateway.serve import add_arguments
-
     run_flags(p, workers=False)
-    add_arguments(p)
+    gateway_only_flags(p)
 
 
 def render_flags(p: argparse.ArgumentParser) -> None:

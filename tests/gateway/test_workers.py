@@ -159,11 +159,11 @@ def test_sigterm_to_the_parent_stops_every_worker(tmp_path):
 @pytest.mark.parametrize(
     ("argv", "problem"),
     [
-        (["--workers", "0"], "argument --workers: '0' is not a positive integer"),
+        (["--workers", "0"], "argument --workers: must be an integer >= 1, got 0"),
         (["--workers", "2", "--resume", "runs/x"], "--resume cannot resume a run over --workers 2"),
         (["--workers", "2", "--ray"], "--ray with --workers 2"),
         (["--workers", "2", "--launch-sglang", "m"], "--launch-sglang with --workers 2"),
-        (["--worker-start-timeout", "0"], "'0' is not a positive number of seconds"),
+        (["--worker-start-timeout", "0"], "argument --worker-start-timeout: must be a number > 0, got 0"),
     ],
 )
 def test_flags_that_cannot_go_with_workers_are_usage_errors(argv, problem, capsys):
