@@ -140,6 +140,12 @@ def _engine(args: argparse.Namespace, servers: list[str], tokenizer: str | None)
             from fsm.cli.ray_run import ray_runner
 
             return ray_runner(args, servers, tokenizer)
+        common: dict[str, Any] = {  # every engine's, whatever serves the model
+            "max_concurrency": args.concurrency,
+            "tracer": _tracer(args),
+            "check_tokens": args.check_tokens,
+            "watchdog_s": args.watchdog,
+        }
         if servers:
             options = {"retry_window_s": args.retry_window, "engine": args.engine}
             if args.request_timeout is not None:
@@ -148,26 +154,20 @@ def _engine(args: argparse.Namespace, servers: list[str], tokenizer: str | None)
                 args.spec,
                 tokenizer,
                 servers=servers,
-                max_concurrency=args.concurrency,
-                tracer=_tracer(args),
-                check_tokens=args.check_tokens,
-                watchdog_s=args.watchdog,
                 group_affinity=args.group_affinity,
+                **common,
                 **options,
             )
         return RolloutEngine(
             args.spec,
             tokenizer,
             model=args.model,
-            max_concurrency=args.concurrency,
-            tracer=_tracer(args),
-            check_tokens=args.check_tokens,
-            watchdog_s=args.watchdog,
             torch_threads=args.threads,
             max_batch_size=args.batch_size,
             device=args.device,
             dtype=args.dtype,
             exact_logprobs=args.exact_logprobs,
+            **common,
         )
     except FileNotFoundError as exc:
         raise CLIError(str(exc)) from None

@@ -21,35 +21,19 @@ def gateway_only_flags(p: argparse.ArgumentParser) -> None:
         metavar="PORT",
         help="the gateway's port (default: any free one)",
     )
-    p.add_argument(
-        "--max-sessions",
-        type=COUNT,
-        default=GatewayLimits.max_sessions,
-        metavar="N",
-        help="sessions open at once; past it a row ends in error",
-    )
-    p.add_argument(
-        "--max-request-bytes",
-        type=COUNT,
-        default=GatewayLimits.max_request_bytes,
-        metavar="BYTES",
-        help="the largest request body (413 past it)",
-    )
-    p.add_argument(
-        "--max-messages",
-        type=COUNT,
-        default=GatewayLimits.max_messages,
-        metavar="N",
-        help="messages in one request",
-    )
-    p.add_argument(
-        "--max-segments",
-        type=COUNT,
-        default=GatewayLimits.max_segments,
-        metavar="N",
-        help="segments per session (each history that differs from the recorded one starts one); "
-        "past it a request gets 400 too_many_segments",
-    )
+    for field, metavar, text in (
+        ("max_sessions", "N", "sessions open at once; past it a row ends in error"),
+        ("max_request_bytes", "BYTES", "the largest request body (413 past it)"),
+        ("max_messages", "N", "messages in one request"),
+        (
+            "max_segments",
+            "N",
+            "segments per session (each history that differs from the recorded one starts one); past it a "
+            "request gets 400 too_many_segments",
+        ),
+    ):  # GatewayLimits' bounds, each a flag of its name
+        flag = "--" + field.replace("_", "-")
+        p.add_argument(flag, type=COUNT, default=getattr(GatewayLimits, field), metavar=metavar, help=text)
     p.add_argument(
         "--unsupported-tools",
         choices=("drop", "refuse"),
