@@ -38,6 +38,7 @@ from typing import Any, cast
 from fsm.families.parsers import PARSERS, ToolCall, assistant_message, split_reasoning
 from fsm.families.parsers.harmony import HarmonyParser
 from fsm.families.pieces import PieceEncoder, decode
+from fsm.families.render import ChatRender
 
 
 class TemplateError(Exception):
@@ -101,24 +102,6 @@ def _texts(content: Any) -> list[str]:
     return []
 
 
-class TemplateKwargs:
-    """A tokenizer whose chat-template renders all get `kwargs` (e.g. Qwen3's enable_thinking): the spec's
-    `model.chat_template_kwargs` and verl's `data.apply_chat_template_kwargs` alike. Everything else, len()
-    included, is the tokenizer's."""
-
-    def __init__(self, tokenizer: Any, kwargs: dict[str, Any]):
-        self._tokenizer, self._kwargs = tokenizer, dict(kwargs)
-
-    def apply_chat_template(self, *args: Any, **kwargs: Any) -> Any:
-        return self._tokenizer.apply_chat_template(*args, **{**self._kwargs, **kwargs})
-
-    def __len__(self) -> int:
-        return len(self._tokenizer)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._tokenizer, name)
-
-
 def _longest_token_bytes(tokenizer: Any) -> int:
     """The most bytes of text one token decodes to. A vocabulary entry's own UTF-8 form is never shorter than
     what it decodes to (a byte-level entry spells each byte with a char of one or two bytes; a SentencePiece
@@ -141,6 +124,7 @@ class Codec:
         self.tokenizer = tokenizer
         self.family = family
         self.pieces = PieceEncoder(tokenizer)
+        self._render = ChatRender(tokenizer)  # the template compiled once, past transformers' wrapper
         self.eos_id: int = tokenizer.eos_token_id
         pad = tokenizer.pad_token_id
         self.pad_id: int = pad if pad is not None else 0
@@ -210,9 +194,7 @@ class Codec:
         return self.pieces.encode(text) if text else []
 
     def _text(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=False
-        )
+        return self._render.text(messages, None, add_generation_prompt)
 
     # --- renders ----------------------------------------------------------------------------------------------
 
@@ -241,9 +223,7 @@ class Codec:
             self._special_in(m) for m in messages if m.get("role") != "assistant"
         ):
             messages, shielded = self._shield(messages, skip_assistant=True)
-        text = self.tokenizer.apply_chat_template(
-            messages, tools=tools or None, add_generation_prompt=add_generation_prompt, tokenize=False
-        )
+        text = self._render.text(messages, tools, add_generation_prompt)
         return self.pieces.encode(text, shielded)
 
     def check_roles(self, messages: list[dict[str, Any]]) -> None:

@@ -1,0 +1,111 @@
+"""The chat template's text render, compiled once and called directly where transformers' wrapper would change
+nothing: about half of a calculator prompt's render (73 -> 34 µs) and of an observation's (70 -> 38 µs).
+
+`apply_chat_template` copies every message and tool schema into plain JSON types (`_plain_template_data`), drops
+the keys whose value is None, copies reasoning under its other names (`_alias_reasoning_fields`), picks the
+template (a tokenizer may have several) and passes the special tokens as variables; only then does it call the
+compiled jinja template. For the messages an engine builds (dicts of str, lists and numbers) the copies are the
+same data, so the render is the template's, called with the same variables. Anything else (a None value, a
+reasoning field, a tuple, an object, `continue_final_message`) goes through the wrapper as before; so does a
+transformers without the compiler this calls (`_compile_jinja_template`). tests/test_chat_render.py holds the
+two renders equal on every family's real template.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+try:
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+except ImportError:  # another transformers: every render goes through apply_chat_template
+    _compile_jinja_template = None  # type: ignore[assignment]
+
+# Keys the wrapper renames or copies (transformers' _REASONING_FIELDS): such a message goes through it.
+_REASONING = frozenset({"reasoning_content", "thinking", "reasoning"})
+
+
+def _plain(value: Any) -> bool:
+    """Whether `value` is JSON data of the exact built-in types, with None only inside (what the wrapper would
+    copy unchanged)."""
+    kind = type(value)
+    if kind is str or kind is int or kind is float or kind is bool or value is None:
+        return True
+    if kind is dict:
+        return all(type(k) is str and _plain(v) for k, v in value.items())
+    if kind is list:
+        return all(_plain(v) for v in value)
+    return False
+
+
+class TemplateKwargs:
+    """A tokenizer whose chat-template renders all get `kwargs` (e.g. Qwen3's enable_thinking): the spec's
+    `model.chat_template_kwargs` and verl's `data.apply_chat_template_kwargs` alike. Everything else, len()
+    included, is the tokenizer's."""
+
+    def __init__(self, tokenizer: Any, kwargs: dict[str, Any]):
+        self._tokenizer, self._kwargs = tokenizer, dict(kwargs)
+
+    def apply_chat_template(self, *args: Any, **kwargs: Any) -> Any:
+        return self._tokenizer.apply_chat_template(*args, **{**self._kwargs, **kwargs})
+
+    def __len__(self) -> int:
+        return len(self._tokenizer)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tokenizer, name)
+
+
+class ChatRender:
+    """`text(messages, tools, add_generation_prompt)`: the tokenizer's `apply_chat_template(..., tokenize=False)`,
+    past the wrapper when the inputs are plain. `tokenizer` may be a TemplateKwargs (its kwargs are rendered
+    too)."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self._templates: dict[bool, Any] = {}  # has tools -> the compiled template
+        wrapped = isinstance(tokenizer, TemplateKwargs)
+        inner = tokenizer._tokenizer if wrapped else tokenizer
+        kwargs = tokenizer._kwargs if wrapped else {}
+        specials = getattr(inner, "special_tokens_map", None)
+        self._variables: dict[str, Any] | None = None
+        if (
+            _compile_jinja_template is not None
+            and isinstance(specials, dict)
+            and callable(getattr(inner, "get_chat_template", None))
+            and _plain({**specials, **kwargs})
+        ):
+            self._variables = {**specials, **kwargs}
+        self._inner = inner
+
+    def text(
+        self, messages: list[dict[str, Any]], tools: list[dict] | None, add_generation_prompt: bool
+    ) -> str:
+        tools = tools or None
+        if self._variables is not None and self._direct(messages, tools):
+            template = self._templates.get(tools is not None)
+            if template is None:
+                source = self._inner.get_chat_template(None, tools)
+                template = self._templates[tools is not None] = _compile_jinja_template(source)
+            return template.render(
+                messages=messages,
+                tools=tools,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **self._variables,
+            )
+        return self.tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
+
+    @staticmethod
+    def _direct(messages: list[dict[str, Any]], tools: list[dict] | None) -> bool:
+        """Whether the wrapper would pass `messages` and `tools` to the template unchanged."""
+        if type(messages) is not list or not messages:
+            return False
+        for m in messages:
+            if type(m) is not dict or not _REASONING.isdisjoint(m):
+                return False
+            for key, value in m.items():
+                if value is None or type(key) is not str or not _plain(value):
+                    return False
+        return tools is None or (type(tools) is list and _plain(tools))
