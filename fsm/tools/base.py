@@ -34,12 +34,12 @@ from fsm.tools.isolation import (
     InlineLane,
     Lane,
     LoopLane,
-    ProcessLane,
     ThreadLane,
     ToolCrashed,
     ToolUnavailable,
     crashed,
 )
+from fsm.tools.processes import ProcessLane
 from fsm.tools.schema import check_arguments
 from fsm.tools.worker import shrink
 

@@ -10,7 +10,8 @@ from typing import Any
 from fsm.spec.model import ToolSpec
 from fsm.spec.registry import resolve
 from fsm.tools.base import BoundTool, FunctionTool, tool_retry
-from fsm.tools.isolation import InlineLane, Lane, LoopLane, ProcessLane, ThreadLane
+from fsm.tools.isolation import InlineLane, Lane, LoopLane, ThreadLane
+from fsm.tools.processes import ProcessLane
 from fsm.tools.schema import infer_schema
 
 
