@@ -77,7 +77,7 @@ class GatewayLimits:
     # each session's x-session-id): a value other than the session's first call's is a sub-agent, recorded as a
     # child session of its own (`Session.line`); a parent header names the agent that started it (nesting)
     child_headers: tuple[str, ...] = ("x-claude-code-agent-id", "x-session-id")
-    parent_headers: tuple[str, ...] = ("x-claude-code-parent-agent-id",)
+    parent_headers: tuple[str, ...] = ("x-claude-code-parent-agent-id", "x-parent-session-id")
 
     def __post_init__(self) -> None:
         if self.auxiliary_calls not in ("keep", "separate", "drop"):
