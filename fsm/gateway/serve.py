@@ -49,7 +49,7 @@ def cmd_gateway(args: argparse.Namespace, run: Any, rollout: Any = None) -> int:
     `run` over worker processes (each a `run` of its rows with `rollout`, the CLI's own) behind a front."""
     config = None
     if args.worker_config is not None:  # a worker process: its parent's flags first
-        from fsm.gateway.workers import worker_config
+        from fsm.gateway.worker import worker_config
 
         config = worker_config(args)
     limits = GatewayLimits(
@@ -61,7 +61,7 @@ def cmd_gateway(args: argparse.Namespace, run: Any, rollout: Any = None) -> int:
         auxiliary_calls=args.auxiliary_calls,
     )
     if config is not None:
-        from fsm.gateway.workers import worker
+        from fsm.gateway.worker import worker
 
         return worker(args, config, run, rollout, limits)
     _warn_if_public(args.host)

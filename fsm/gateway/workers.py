@@ -26,17 +26,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
 import json
 import os
 import secrets
 import signal
-import socket
 import sys
-import threading
 import time
-import urllib.error
-import urllib.request
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -45,7 +40,7 @@ from typing import Any
 
 from fsm.api import batch_of, load_tokenizer
 from fsm.gateway.front import TOKEN_ENV, Front
-from fsm.gateway.server import Gateway, GatewayLimits
+from fsm.gateway.server import GatewayLimits
 from fsm.output.keep import Rollout, RunDir
 from fsm.output.metrics import COUNTERS, FaultDelta
 from fsm.run.compile import CompiledAgent, compile_spec
@@ -53,7 +48,7 @@ from fsm.run.context import Sampling
 from fsm.run.interruptible import SNAPSHOT_TIMEOUT_S
 from fsm.run.runtime import agent_codec
 from fsm.run.signals import SIGNALS, say_now
-from fsm.run.snapshot import decode_sampling, decode_trajectory, encode_sampling, encode_trajectory
+from fsm.run.snapshot import decode_sampling, decode_trajectory
 from fsm.run.trajectory import Trajectory
 
 CONFIG, RESULT = "config.json", "result.json"  # in OUT/workers/wK: what the parent gave, what it rolled out
@@ -475,137 +470,9 @@ class Merged:
         return batch_of(self.agent, self.codec, trajs, sampling, self._faults, like, meta, wall_s)
 
 
-# --- a worker --------------------------------------------------------------------------------------------------
-
-
-def worker_config(args: argparse.Namespace) -> dict[str, Any]:
-    """A worker's config (its parent's flags put into `args`, its out dir OUT/workers/wK)."""
-    path = Path(args.worker_config)
-    config = json.loads(path.read_text())
-    for key, value in config["args"].items():
-        setattr(args, key, value)
-    args.out = str(Path(config["args"]["out"]) / "workers" / config["tag"])
-    args.quiet, args.max_error_rate, args.gateway_workers = (
-        True,
-        1.0,
-        1,
-    )  # the parent prints and judges the run
-    return config
-
-
-def worker(
-    args: argparse.Namespace,
-    config: dict[str, Any],
-    run: Callable[..., int],
-    rollout: Callable[..., Any],
-    limits: GatewayLimits,
-) -> int:
-    """A worker process: register with the front, then `run` its rows (`rollout`, the CLI's own) with a tagged
-    gateway on the registered port, and write what it rolled out for the parent."""
-    tag, front, (start, end) = config["tag"], config["front"], config["rows"]
-    _die_with_parent()
-    if os.getppid() != config["parent"]:
-        raise WorkerError(f"gateway worker {tag}: its parent (pid {config['parent']}) is gone")
-    _heartbeat(config["heartbeat_fd"])
-    sock = _register(front, tag, _read_token(config["token_fd"]))
-    args.gateway = Gateway("127.0.0.1", 0, limits, tag=tag, front=front, sock=sock)  # its engine's (cmd_run)
-
-    async def rows_of_mine(args: argparse.Namespace, rows: list[dict[str, Any]], console: Any) -> Rollout:
-        if len(rows) != config["of"]:
-            raise WorkerError(
-                f"gateway worker {tag}: {len(rows)} rows here, {config['of']} in the parent (does the "
-                "spec's demo_data give the same rows for the same seed?)"
-            )
-        done = await rollout(args, rows[start:end], console, first_index=start * args.n)
-        _write_result(Path(args.out) / RESULT, done)
-        return done
-
-    return run(args, rollout=rows_of_mine)
-
-
-def _register(front: str, tag: str, token: str) -> socket.socket:
-    """Bind a loopback port for this worker's gateway and register it with the front: from here every session
-    the worker opens is routed to it."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    body = json.dumps({"port": sock.getsockname()[1]}).encode()
-    request = urllib.request.Request(
-        f"{front}/workers/{tag}",
-        data=body,
-        method="POST",
-        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
-    )
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never through a proxy
-    try:
-        opener.open(request, timeout=REGISTER_TIMEOUT_S).read()
-    except urllib.error.HTTPError as exc:
-        sock.close()
-        raise WorkerError(
-            f"gateway worker {tag}: the front at {front} refused it: {exc.code} {exc.read()[:200]!r}"
-        ) from None
-    except OSError as exc:
-        sock.close()
-        raise WorkerError(
-            f"gateway worker {tag}: cannot register with the front at {front} ({exc})"
-        ) from None
-    return sock
-
-
-def _write_result(path: Path, run: Rollout) -> None:
-    """What the worker rolled out, for the parent: its trajectories as snapshots hold them (every slot)."""
-    codec = run.engine.codec
-    data = {
-        "trajectories": [encode_trajectory(t) for t in run.trajs],
-        "sampling": encode_sampling(run.sampling),
-        "tokenizer": str(getattr(getattr(codec, "tokenizer", codec), "name_or_path", "")),
-        "interrupted": run.interrupted,
-        "wall_s": run.wall,
-        "cpu_s": run.cpu,
-        "ended": time.time(),
-        "router": run.router_stats,
-    }
-    tmp = path.with_name(f".{path.name}.writing")
-    tmp.write_text(json.dumps(data, default=str))
-    os.replace(tmp, path)
-
-
 def _token_pipe(token: str) -> int:
     """The read end of a pipe holding `token` (its write end closed): a worker reads it once and closes it."""
     read, write = os.pipe()
     os.write(write, token.encode())  # ~43 bytes: far below a pipe's buffer
     os.close(write)
     return read
-
-
-def _read_token(fd: int) -> str:
-    """The registration token from the parent's pipe, read to its end and closed, so no harness inherits it."""
-    chunks = []
-    with contextlib.suppress(OSError):
-        while chunk := os.read(fd, 4096):
-            chunks.append(chunk)
-    with contextlib.suppress(OSError):
-        os.close(fd)
-    return b"".join(chunks).decode()
-
-
-def _heartbeat(fd: int) -> None:
-    """A byte on `fd` every HEARTBEAT_S from a thread of its own, for the parent's liveness check (`_silent`)."""
-    os.set_inheritable(fd, False)  # never passed on to a harness
-
-    def beat() -> None:
-        while True:
-            try:
-                os.write(fd, b".")
-            except OSError:  # the parent is gone
-                return
-            time.sleep(HEARTBEAT_S)
-
-    threading.Thread(target=beat, name="agentfsm-heartbeat", daemon=True).start()
-
-
-def _die_with_parent() -> None:
-    """Linux: the kernel sends this process SIGTERM (handled as Ctrl-C) when its parent dies, however it dies."""
-    if sys.platform != "linux":
-        return
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
