@@ -13,7 +13,7 @@ What lives here, one idea per module:
   serve.py          `agentfsm gateway SPEC` and its Python form, next to RolloutEngine
   front.py          one front address for several gateway processes: routes each session to its worker by tag
   workers.py        `agentfsm gateway SPEC --workers N`: a run's rows over N worker processes behind a front,
-                    merged into one run directory
+                    merged into one run directory; worker.py: a worker process's own side
 
 It sits with the composition layer, beside fsm/api.py: it may import fsm.run, fsm.output, fsm.spec, fsm.families,
 fsm.data, fsm.tools and fsm.api; nothing in fsm imports it (a spec names it in `imports:`).
