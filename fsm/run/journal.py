@@ -692,8 +692,7 @@ def _apply(out: Rebuilt, rec: dict[str, Any], where: str) -> None:
         _node(out, rec, sid, where)
         out.steps += 1
         if rec.get("done"):
-            _finished(traj, sid, where)
-            out.done.add(sid)
+            _finished(out, traj, sid, where)
     elif kind == "step":
         sid = rec["s"]
         found = out.trajs.get(sid)
@@ -719,8 +718,7 @@ def _apply(out: Rebuilt, rec: dict[str, Any], where: str) -> None:
         _node(out, rec, sid, where)
         out.steps += 1
         if rec.get("done"):
-            _finished(traj, sid, where)
-            out.done.add(sid)
+            _finished(out, traj, sid, where)
     elif kind == "tool":
         outcome = rec.get("o", rec.get("attempt"))
         if not isinstance(rec["k"], str) or not isinstance(outcome, dict):
@@ -761,10 +759,14 @@ def _node(out: Rebuilt, rec: dict[str, Any], sid: str, where: str) -> None:
         out.nodes[sid] = rec["n"]
 
 
-def _finished(traj: Trajectory, sid: str, where: str) -> None:
-    """A record saying a trajectory finished must hold a finished one: its row goes out as written."""
+def _finished(out: Rebuilt, traj: Trajectory, sid: str, where: str) -> None:
+    """A record saying a trajectory finished must hold a finished one: its row goes out as written. Its first
+    record is let go: only an unfinished one starts over from it, and a journal of finished rows held them all
+    (a fifth of what reading one back took)."""
     if not isinstance(traj.termination_reason, str) or not traj.termination_reason:
         raise JournalError(f"{where}: trajectory {sid!r} finished without a termination reason")
+    out.done.add(sid)
+    out.first.pop(sid, None)
 
 
 def iter_members(rebuilt: Rebuilt) -> Iterator[tuple[dict[str, Any], list[Trajectory]]]:
