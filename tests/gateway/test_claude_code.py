@@ -42,8 +42,17 @@ def claude_cli() -> str:
     return found
 
 
-def gateway(spec: Path, server: str, tokenizer: str, out: Path, workdir: Path, cli: str) -> dict[str, Any]:
-    """`agentfsm gateway SPEC` for one row against `server`; the row's record (the run must succeed)."""
+def gateway(
+    spec: Path,
+    server: str,
+    tokenizer: str,
+    out: Path,
+    workdir: Path,
+    cli: str,
+    cli_env: str = "AGENTFSM_CLAUDE_CODE",
+) -> dict[str, Any]:
+    """`agentfsm gateway SPEC` for one row against `server`, the harness's CLI at `cli` (named by `cli_env`); the
+    row's record (the run must succeed)."""
     proc = subprocess.run(
         [
             sys.executable,
@@ -66,7 +75,7 @@ def gateway(spec: Path, server: str, tokenizer: str, out: Path, workdir: Path, c
         env={
             **os.environ,
             "PYTHONPATH": str(ROOT),
-            "AGENTFSM_CLAUDE_CODE": cli,
+            cli_env: cli,
             "AGENTFSM_WORKDIR": str(workdir),
         },
         capture_output=True,
