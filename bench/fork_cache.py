@@ -87,7 +87,7 @@ def branch_prompts(
     out = []
     for root in trajs:
         for b in row_nodes(root):
-            if b.node is None or b.node.kind != "branch":
+            if b.node.kind != "branch":
                 continue
             first = min(
                 (rid for rid in by_rid if rid.startswith(b.session_id + "_t")), default=None

@@ -31,8 +31,8 @@ def packing(trajs: list[Any]) -> dict[str, Any]:
         seen: set[tuple[str | None, int]] = set()
         for n in row_nodes(root):
             full += len(n.prompt_ids) + len(n.response_ids)
-            shared = n.node.shared_length if n.node is not None else 0
-            key = (n.node.parent if n.node is not None else None, shared)
+            shared = n.node.shared_length
+            key = (n.node.parent, shared)
             if shared and key in seen:
                 saved += shared
             seen.add(key)

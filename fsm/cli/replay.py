@@ -102,7 +102,7 @@ def _trees(out: Path, rebuilt: Rebuilt, agent: Any) -> None:
 
 def _order(traj: Trajectory) -> tuple[int, int, tuple[int, ...]]:
     """Rows in the run's order: by row and sample, each tree in preorder (the root first)."""
-    path = traj.node.node if traj.node is not None else "0"
+    path = traj.node.node
     return traj.index, traj.sample, tuple(int(p) for p in path.split("."))
 
 
@@ -110,12 +110,12 @@ def _recompute(rebuilt: Rebuilt, agent: Any, codec: Any, traj: Trajectory) -> fl
     """The reward of `traj` by the spec's reward function as it is now, as the run gives it (Runner._finish): a
     forked node's is its branches' mean, a child's its tree's (the root's), any other row's its own."""
     node = traj.node
-    if node is not None and node.forked:
+    if node.forked:
         scores = [s for b in node.nodes if (s := _recompute(rebuilt, agent, codec, b)) is not None]
         return sum(scores) / len(scores) if scores else None
-    if node is not None and node.kind == "child":
+    if node.kind == "child":
         return _recompute(rebuilt, agent, codec, rebuilt.trajs[node.tree])
-    return _rescore(node.agent if node is not None else agent, codec, traj)
+    return _rescore(node.agent or agent, codec, traj)
 
 
 def _rescore(agent: Any, codec: Any, traj: Trajectory) -> float | None:
@@ -153,14 +153,14 @@ def cmd_replay(args: argparse.Namespace) -> int:
     for sid, traj in sorted(chosen, key=lambda st: _order(st[1])):
         done = sid in rebuilt.done
         node, where = traj.node, ""
-        if node is not None:  # its place in its tree, its own spec
+        if not node.alone:  # its place in its tree, its own spec
             origin = f" {node.origin}" if node.kind == "child" else ""
             where = f" node {node.node} ({node.kind}{origin}, policy {node.policy})"
         print(
             f"== row {traj.index} sample {traj.sample}{where} ({sid}): {'finished' if done else 'in flight'}, "
             f"{traj.termination_reason or 'in ' + traj.state}"
         )
-        own = node.agent if node is not None else agent
+        own = node.agent or agent
         for m in traj.messages:
             content = m.get("content")
             text = content if isinstance(content, str) else json.dumps(content, ensure_ascii=False)
@@ -179,7 +179,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
             own_codec = codec if own is agent else agent_codec(own, codec.tokenizer)
             differ = check_segments(own_codec, traj, own.spec.context.policy == "template")
             print(f"token check: {'exact' if differ is None else differ}")
-        if agent.reward is not None and (done or traj.prompt_ids or (node is not None and node.forked)):
+        if agent.reward is not None and (done or traj.prompt_ids or node.forked):
             was = traj.reward_score
             try:
                 now = _recompute(rebuilt, agent, codec, traj)

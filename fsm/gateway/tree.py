@@ -36,8 +36,8 @@ from fsm.gateway.record import (
     message_key,
     too_many_segments,
 )
+from fsm.run.node import Node
 from fsm.run.trajectory import Segment, TokenRuns, Trajectory
-from fsm.run.tree import Node
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 POLICY = "default"  # the gateway serves one policy

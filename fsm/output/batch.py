@@ -79,8 +79,8 @@ def dropped(traj: Trajectory) -> bool:
 
 
 def node_policy(t: Trajectory, default: str) -> str:
-    """The policy that generated `t`'s rows (a linear trajectory's: its spec's, `default`)."""
-    return t.node.policy if t.node is not None else default
+    """The policy that generated `t`'s rows (a root's: its run's spec's, `default`)."""
+    return t.node.policy if t.node.kind != "root" else default
 
 
 def tree_nodes(
@@ -88,10 +88,7 @@ def tree_nodes(
 ) -> list[Trajectory]:
     """Every node of the trajectories' trees that is a training row, tree by tree in preorder (a linear
     trajectory is its own one node); with `policy`, only that policy's."""
-    if not any(t.node is not None for t in trajs):
-        nodes = list(trajs)
-    else:
-        nodes = [n for t in trajs for n in row_nodes(t)]
+    nodes = [n for t in trajs for n in row_nodes(t)]
     if policy is not None:
         nodes = [n for n in nodes if node_policy(n, default) == policy]
     return nodes
@@ -389,9 +386,8 @@ def to_batch(
             "per input (it unions the output with its batch): use on_error: mask or zero_reward under verl"
         )
     if policy is not None:  # a child machine's rows may hold more than the root's limits
-        agents = {
-            id(n.node.agent): n.node.agent for n in tree_nodes(trajs, policy, agent.spec.policy) if n.node
-        }
+        nodes = tree_nodes(trajs, policy, agent.spec.policy)
+        agents = {id(n.node.agent): n.node.agent for n in nodes if n.node.agent}
         lims = [a.limits for a in agents.values()] or [limits]
         prompt_length, response_length = (
             max(x.prompt_length for x in lims),

@@ -44,7 +44,7 @@ def generated_tokens(traj: Trajectory) -> int:
     """The tokens the model generated in this node itself: a branch's row begins with its parent's tokens up to
     the fork (`shared_length`), which the parent generated and counts."""
     node = traj.node
-    if node is None or node.kind != "branch":
+    if node.kind != "branch":
         return traj.response_mask.count(1)
     return traj.response_mask[max(0, node.shared_length - len(traj.prompt_ids)) :].count(1)
 

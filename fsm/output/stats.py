@@ -99,8 +99,7 @@ def run_stats(agent: Any, trajectories: Sequence[Any] | None = None) -> dict[str
                     timed[path[k]] = timed.get(path[k], 0) + 1
             _count_retries(traj, parent, states)
             _count_segments(traj, edges, states, own)
-            node = getattr(traj, "node", None)
-            if node is None or not node.forked:  # a training row
+            if not traj.node.forked:  # a training row
                 n_segments = getattr(traj, "num_segments", 1)
                 per_trajectory[n_segments] = per_trajectory.get(n_segments, 0) + 1
             key = reason_key(traj.termination_reason)
@@ -140,13 +139,12 @@ def machine_nodes(root: Any, agent: Any = None) -> Iterator[tuple[Any, int, Any]
     parent counts (docs/trees.md). A child machine of
     another spec (planner_solver's solver) is not drawn on this diagram, nor is its subtree."""
     machine = getattr(agent, "hash", None)
-    if machine is None and getattr(root, "node", None) is not None:
+    if machine is None:
         machine = getattr(root.node.agent, "hash", None)
 
     def walk(traj: Any, start: int, parent: Any) -> Iterator[tuple[Any, int, Any]]:
         yield traj, start, parent
-        node = getattr(traj, "node", None)
-        for sub in node.nodes if node is not None else ():
+        for sub in traj.node.nodes:
             if sub.node.kind == "branch":
                 yield from walk(sub, len(traj.path), traj)
             elif getattr(sub.node.agent, "hash", None) == machine:
@@ -200,9 +198,7 @@ def tree_stats(trajectories: Sequence[Any]) -> dict[str, Any]:
     def walk(t: Any) -> None:
         nonlocal nodes
         nodes += 1
-        node = getattr(t, "node", None)
-        if node is None:
-            return
+        node = t.node
         if node.kind != "root" and node.origin is not None:
             into = children if node.kind == "child" else branches
             into[node.origin] = into.get(node.origin, 0) + 1

@@ -168,9 +168,7 @@ async def _resumed_turn(
             deadline.reschedule(deadline.when() + waited)  # type: ignore[operator]
         epoch, sent_to = ctx.gate.epoch, ctx.gate.version
         request = GenerateRequest(
-            session_id=traj.session_id
-            if traj.node is None
-            else traj.node.route,  # a branch: its parent's server
+            session_id=traj.node.route,  # a branch's: its parent's server
             prompt_ids=context + ids if ids else context,
             sampling_params={**params, "max_new_tokens": max_new - len(ids)},
             rid=f"{rid}_r{attempt}" if attempt else rid,

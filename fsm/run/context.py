@@ -100,7 +100,7 @@ class Sampling:
         max_new = budget if self.max_new_tokens is None else min(budget, self.max_new_tokens)
         params = {**self.params, "max_new_tokens": max_new}
         if self.seed is not None:
-            node = traj.node.ordinal if traj.node is not None else 0  # branches of one fork draw apart
+            node = traj.node.ordinal  # branches of one fork draw apart
             params["sampling_seed"] = self.seed + traj.index * 1000 + traj.sample + 7919 * node
         return params
 

@@ -362,7 +362,7 @@ class Recorder:
         data["_version_runs"] = traj._version_runs.tolist()
         data["path_times"] = traj.path_times.tolist()
         record: dict[str, Any] = {"t": "traj", "s": traj.session_id, "d": data}
-        if traj.node is not None:
+        if not traj.node.alone:
             record["n"] = node_meta(traj.node)
         if done:
             record["done"] = True
@@ -414,7 +414,7 @@ class Recorder:
         if done or rest["metrics"] != was["metrics"]:
             changed["metrics"] = traj.metrics.as_dict()
         m.rest = rest
-        if traj.node is not None and (mark := node_mark(traj.node)) != m.node:
+        if not traj.node.alone and (mark := node_mark(traj.node)) != m.node:
             record["n"] = node_meta(traj.node)
             m.node = mark
         if grown:

@@ -27,7 +27,7 @@ from typing import Any
 from backends.base import Backend, BackendError, BackendTimeout, GenerationAborted
 from fsm.data.rows import RowError, encodable_value, normalize_record, row_inputs, score_fault
 from fsm.families import Codec, codec_for
-from fsm.run import loopwatch
+from fsm.run import loopwatch, tree
 from fsm.run.agent import CompiledAgent
 from fsm.run.context import TRACED, PauseGate, Policy, RunContext, Sampling
 from fsm.run.failures import run_state
@@ -36,7 +36,6 @@ from fsm.run.policy import check_segments
 from fsm.run.signals import signals_wake_the_loop
 from fsm.run.tracer import Tracer
 from fsm.run.trajectory import Trajectory
-from fsm.run.tree import fork, release_nodes, row_nodes, should_fork
 from fsm.spec.model import DEFAULT_TOOL_WORKERS
 from fsm.tools.isolation import CALLER, INLINE_STEPS, ThreadLane
 
@@ -232,8 +231,8 @@ class Runner:
                         0
                     )  # a cycle of actions that never await still lets Ctrl-C and others in
                 source = traj.state
-                if agent.forks and should_fork(ctx, traj) and await fork(ctx, traj, self.drive):
-                    break  # its branches went on from here (fsm/run/tree.py)
+                if await tree.enter(ctx, traj, self.drive):
+                    break  # it forked: its branches went on from here
                 try:
                     if source in agent.ruled:  # retry, catch, timeout_s, heartbeat_s: fsm/run/failures.py
                         edge = await run_state(agent, source, ctx, traj, timeout) or agent.advance(traj)
@@ -287,7 +286,7 @@ class Runner:
             try:
                 await self._finish(ctx, traj)
             finally:  # the root span ends even when finishing is cancelled
-                release_nodes(ctx, traj)
+                tree.end(ctx, traj)
                 if root is not None:
                     root.finish()
                 if traced is not None:
@@ -307,13 +306,7 @@ class Runner:
     async def _finish(self, ctx: RunContext, traj: Trajectory) -> None:
         """Release the session, close the interaction, score, and (optionally) check the tokens."""
         agent = ctx.agent
-        node = traj.node
-        if node is not None and node.forked and not traj.failed:
-            traj.termination_reason = "forked"  # its branches are its rows; scored as the mean of theirs
-            scores = [t.reward_score for t in node.nodes if t.reward_score is not None]
-            traj.reward_score = sum(scores) / len(scores) if scores else None
-            await ctx.backend.release(traj.session_id)
-            self._tree_rewards(traj)
+        if await tree.finish(ctx, traj):
             return
         if traj.state not in agent.final_states and not traj.failed:
             traj.fail(f"ended in {traj.state}, which is not a final state")  # never a row that looks finished
@@ -353,22 +346,11 @@ class Runner:
                 traj.fail(f"{type(exc).__name__} while finishing: {exc}")
         if self.check_tokens and not traj.failed and traj.prompt_ids:
             traj.token_check = check_segments(ctx.codec, traj, agent.spec.context.policy == "template")
-        self._tree_rewards(traj)
-
-    @staticmethod
-    def _tree_rewards(traj: Trajectory) -> None:
-        """A finished root: each row of its tree without a reward of its own (a child machine whose spec has no
-        reward function) gets the root's, the tree's outcome."""
-        if traj.node is None or traj.node.kind != "root" or traj.reward_score is None:
-            return
-        for sub in row_nodes(traj):
-            if sub.reward_score is None:
-                sub.reward_score = traj.reward_score
 
     async def _score(self, ctx: RunContext, traj: Trajectory) -> None:
-        reward = ctx.agent.reward
-        if reward is None or (traj.node is not None and traj.node.kind == "child"):
-            return  # a child machine's row gets its tree's reward when the root finishes (_tree_rewards)
+        reward = tree.reward_of(ctx, traj)
+        if reward is None:
+            return
         if traj.failed:
             traj.reward_score = 0.0
             return

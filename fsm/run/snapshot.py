@@ -37,6 +37,7 @@ from fsm.data.rows import score_fault
 from fsm.families.parsers import ToolCall
 from fsm.run.agent import CompiledAgent
 from fsm.run.context import Sampling
+from fsm.run.node import Node
 from fsm.run.trajectory import _FIRST, TRANSIENT, Metrics, Segment, TokenRun, TokenRuns, Trajectory
 
 FORMAT = 2  # 2: the tokenizer is recorded (and checked on restore)
@@ -121,13 +122,14 @@ def decode_trajectory(data: dict[str, Any]) -> Trajectory:
     traj = Trajectory.__new__(Trajectory)
     traj.partial_turn = None  # older snapshots have no such slots
     traj.turn_rewards = []
-    traj.heartbeat_at, traj.node = 0.0, None  # TRANSIENT
+    traj.heartbeat_at = 0.0  # TRANSIENT
     for name in Trajectory.__slots__:
         if name in data and name not in TRANSIENT:
             setattr(traj, name, _decode(data[name]))
     traj.runs = TokenRuns(
         _decode(data["segments"]) if "runs" not in data and "segments" in data else getattr(traj, "runs", ())
     )
+    traj.node = Node(traj.session_id, route=traj.session_id)  # TRANSIENT: its tree is put back by the caller
     traj.closed = getattr(traj, "closed", None) or ()
     start = tuple(getattr(traj, "segment_start", _FIRST))
     traj.segment_start = start + (0,) * (4 - len(start))  # older snapshots: no path index

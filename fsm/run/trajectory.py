@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from backends.base import PromptIds
 from fsm.data.rows import encodable
+from fsm.run.node import Node
 
 if TYPE_CHECKING:
     from fsm.families.parsers import ToolCall
@@ -265,7 +266,7 @@ class Trajectory:
         "metrics",
         "extra",
         "extra_fields",
-        # its place in a tree (fsm/run/tree.py Node); None: a root without children or branches
+        # its place in its tree (fsm/run/node.py): a linear row's is a root alone
         "node",
         # (context, the prompt array, its length, the response array, the context's length) as `context` last
         # left them; None: not yet
@@ -323,7 +324,7 @@ class Trajectory:
         # verl's agent_data.extra_fields: what tools (and, through fsm_agent, verl's server) put there;
         # exported with the trajectory's extra fields, and as batch columns, as verl exports them
         self.extra_fields: dict[str, Any] = {}
-        self.node: Any = None
+        self.node = Node(session_id, route=session_id)
         self._context: tuple[PromptIds, array, int, array, int] | None = None
 
     @property

@@ -1,11 +1,13 @@
 """Trees: child machines and forks (docs/trees.md).
 
-A trajectory is a tree of nodes; a linear spec's tree is its root alone and carries no `Node` (nothing extra per
-trajectory). A child machine is started by a tool call named after it (`children:` in the spec): the child runs
-its own spec, policy and limits from the call's task and its final answer is the call's observation. A fork
+A trajectory is a tree of nodes (fsm/run/node.py); a linear spec's tree is its root alone. A child machine is
+started by a tool call named after it (`children:` in the spec): the child runs its own spec, policy and limits
+from the call's task and its final answer is the call's observation. A fork
 (`fork:` on a state) copies the trajectory into K branches on entering the state; the forking node stops there
 and every branch runs the state's action on its own, so the tokens before the fork are generated once. Children
 and branches run in tasks owned by the parent's action (a TaskGroup): cancelling the parent cancels its subtree.
+The runner calls this module at fixed points (`enter`, `finish`, `reward_of`, `end`, at the end of the file), so
+its driver loop reads the same for a linear row and a tree's node.
 """
 
 from __future__ import annotations
@@ -14,10 +16,10 @@ import asyncio
 import re
 from array import array
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from fsm.data.rows import RowError
+from fsm.run.node import Node, TreeCount
 from fsm.run.trajectory import Metrics, TokenRuns, Trajectory
 from fsm.tools.base import CallOutcome
 
@@ -26,14 +28,6 @@ if TYPE_CHECKING:
     from fsm.run.context import RunContext
 
 Drive = Callable[["RunContext", Trajectory], Coroutine[Any, Any, None]]
-
-
-@dataclass(slots=True)
-class TreeCount:
-    """What one tree shares: its node count, against the root spec's `tree.max_nodes`."""
-
-    nodes: int = 1
-    run: int = 0  # of them, charged to the run's `tree.max_run_nodes` (released when the root ends)
 
 
 # a child call refused by the run's node bound: the row's error (fsm/run/actions.py), not the model's observation
@@ -57,70 +51,11 @@ def _charge(ctx: RunContext, count: TreeCount, k: int) -> str | None:
     return None
 
 
-def release_nodes(ctx: RunContext, traj: Trajectory) -> None:
-    """A root ended: its tree's nodes no longer count against the run's `tree.max_run_nodes`."""
-    node = traj.node
-    if node is not None and node.kind == "root":
-        ctx.run_nodes.nodes = max(ctx.run_nodes.nodes - node.count.run, 0)
-        node.count.run = 0
-
-
-@dataclass(eq=False, slots=True)
-class Node:
-    """A node of a tree: where its rows sit (`fields`: the row fields of docs/trees.md) and the nodes it made.
-    The one model of the engine's trees (child machines and forks, whose run state follows) and of the gateway's
-    session trees (fsm/gateway/tree.py adds how a session's segments are recorded)."""
-
-    tree: str  # the root trajectory's session id: unique per sample
-    node: str = "0"  # "0" the root, "0.1" its second child or branch, ...
-    parent: str | None = None
-    kind: str = "root"  # "root" | "child" | "branch" (the gateway's auxiliary calls: their kind, "title" ...)
-    branch_offset: int = 0  # tokens of the parent (prompt + response) before this node began
-    policy: str = "default"
-    depth: int = 0
-    # children and branches, in creation order: their trajectories in the engine, their nodes in the gateway
-    nodes: list[Any] = field(default_factory=list)
-    origin: str | None = None  # what made it: its child machine's name, or the state that forked
-    # --- the engine's run state ---
-    shared_length: int = 0  # tokens this node's row shares exactly with its parent's
-    route: str = ""  # the sticky routing key: a branch keeps its parent's, so it goes to the same server
-    agent: Any = None  # the CompiledAgent this node runs
-    count: TreeCount = field(default_factory=TreeCount)
-    ordinal: int = 0  # the node's number in its tree, creation order (distinct sampling seeds)
-    forks: dict[str, int] = field(default_factory=dict)  # state -> forks there along this path
-    forked: bool = False  # it split into branches: its tokens live on in theirs, it has no row of its own
-    root_agent: Any = None  # the root's CompiledAgent: its `tree:` bounds the whole tree
-    # a resumed tree (fsm/run/treejournal.py): nodes the journal holds that were made after this node's last
-    # state boundary, by path, for its re-run action to take back instead of making them again; and whether
-    # this node had finished (taken back as it is, never run again)
-    pending: dict[str, Trajectory] | None = None
-    finished: bool = False
-    # a branch at the entry it was copied at: it runs that state's action, it does not fork there again (each copy
-    # would fork anew, 2 + 4 + 8 ... nodes where `branches: 2` was declared); journaled, so a resume knows it too
-    fresh: bool = False
-
-    def fields(self, shared: int = 0) -> dict[str, Any]:
-        """Its rows' place in the tree (TREE_FIELDS but `weight`), for a row whose first `shared` tokens are
-        its parent's."""
-        return {
-            "tree": self.tree,
-            "node": self.node,
-            "parent": self.parent,
-            "node_kind": self.kind,
-            "branch_offset": self.branch_offset,
-            "policy": self.policy,
-            "depth": self.depth,
-            "shared_prefix": {"length": shared, "node": self.parent if shared else None},
-        }
-
-
 def root_node(traj: Trajectory, agent: Any) -> Node:
-    """The root's Node, made when the tree grows (a linear trajectory never gets one)."""
-    node: Node | None = traj.node
-    if node is None:
-        node = traj.node = Node(
-            traj.session_id, policy=agent.spec.policy, route=traj.session_id, agent=agent, root_agent=agent
-        )
+    """The root's Node, bound to the agent it runs when its tree grows (a linear row's needs none)."""
+    node = traj.node
+    if node.agent is None:
+        node.policy, node.agent, node.root_agent = agent.spec.policy, agent, agent
     return node
 
 
@@ -138,8 +73,6 @@ def _room(parent: Node, root_agent: Any) -> str | None:
 
 def nodes_of(traj: Trajectory) -> list[Trajectory]:
     """The tree of `traj` in preorder (a node, then its children and branches, each with its own subtree)."""
-    if traj.node is None:
-        return [traj]
     out = [traj]
     for sub in traj.node.nodes:
         out += nodes_of(sub)
@@ -148,7 +81,7 @@ def nodes_of(traj: Trajectory) -> list[Trajectory]:
 
 def row_nodes(traj: Trajectory) -> list[Trajectory]:
     """The nodes of `traj`'s tree that are training rows: all but those that forked."""
-    return [t for t in nodes_of(traj) if t.node is None or not t.node.forked]
+    return [t for t in nodes_of(traj) if not t.node.forked]
 
 
 TREE_FIELDS = (
@@ -175,24 +108,16 @@ def tree_fields(traj: Any, k: int) -> dict[str, Any] | None:
 
 def tree_record(t: Trajectory, segment: int = 0, default: str = "default") -> dict[str, Any]:
     """Where a row sits in its tree (docs/trees.md): the fields of trajectories.jsonl and the batch's columns,
-    but `weight`. A linear trajectory is its tree's root; a gateway session's rows say where they sit
-    (`tree_fields`)."""
-    n = t.node
-    if n is None and (recorded := tree_fields(t, segment)) is not None:
+    but `weight`. A gateway session's rows say where they sit (`tree_fields`); a root's policy is its run's
+    spec's, `default` (a root read back from a journal is bound to no agent)."""
+    if (recorded := tree_fields(t, segment)) is not None:
         recorded.pop("weight")
         return recorded
-    if n is None:
-        return {
-            "tree": t.session_id,
-            "node": "0",
-            "parent": None,
-            "node_kind": "root",
-            "branch_offset": 0,
-            "policy": default,
-            "depth": 0,
-            "shared_prefix": {"length": 0, "node": None},
-        }
-    return n.fields(n.shared_length if segment == 0 else 0)
+    n = t.node
+    out = n.fields(n.shared_length if segment == 0 else 0)
+    if n.kind == "root":
+        out["policy"] = default
+    return out
 
 
 # --- child machines ---------------------------------------------------------------------------------------
@@ -248,7 +173,7 @@ def _taken_back(parent: Node, path: str, kind: str, origin: str | None) -> Traje
     if not parent.pending:
         return None
     traj = parent.pending.pop(path, None)
-    if traj is None or traj.node is None or traj.node.kind != kind or traj.node.origin != origin:
+    if traj is None or traj.node.kind != kind or traj.node.origin != origin:
         return None
     return traj
 
@@ -346,12 +271,12 @@ def _copy(traj: Trajectory, session_id: str) -> Trajectory:
 def should_fork(ctx: RunContext, traj: Trajectory) -> bool:
     """`traj`, entering its state, forks there now: the state has `fork:` and this path has not used it up."""
     fork = ctx.agent.forks.get(traj.state)
-    if traj.node is not None and traj.node.fresh:  # copied at this entry: the branch's own turn comes now
+    if traj.node.fresh:  # copied at this entry: the branch's own turn comes now
         traj.node.fresh = False
         return False
     if fork is None or traj.interaction_started:  # a user simulator's session cannot be split
         return False
-    done = traj.node.forks.get(traj.state, 0) if traj.node is not None else 0
+    done = traj.node.forks.get(traj.state, 0)
     return fork.times is None or done < fork.times
 
 
@@ -376,7 +301,7 @@ async def fork(ctx: RunContext, traj: Trajectory, drive: Drive) -> bool:
         return False
     over = _charge(ctx, parent.count, k)
     if over is not None:
-        raise RowError(f"fork of {k} branches in {traj.state}: {over}")
+        raise RowError(f"fork of {k} branches in {traj.state}: {over}", "fork")
     offset = len(traj.prompt_ids) + len(traj.response_ids)
     branches = []
     for _ in range(k):
@@ -413,6 +338,48 @@ async def fork(ctx: RunContext, traj: Trajectory, drive: Drive) -> bool:
     drive = ctx.drive or drive  # a kept run's: each branch journaled at its own boundaries
     async with asyncio.TaskGroup() as tg:
         for b in branches:
-            if b.node is not None and not b.node.finished:
+            if not b.node.finished:
                 tg.create_task(drive(ctx, b))
     return True
+
+
+# --- the runner's fixed points (fsm/run/runtime.py): a linear row passes each at the cost of a check ----------
+
+
+async def enter(ctx: RunContext, traj: Trajectory, drive: Drive) -> bool:
+    """`traj` enters its state: True when it forked there (its branches went on from here, to their ends)."""
+    return bool(ctx.agent.forks) and should_fork(ctx, traj) and await fork(ctx, traj, drive)
+
+
+async def finish(ctx: RunContext, traj: Trajectory) -> bool:
+    """A node that forked is finished by its branches (True): it has no row of its own, and is scored as their
+    mean. False for any other, which the runner finishes itself."""
+    node = traj.node
+    if not node.forked or traj.failed:
+        return False
+    traj.termination_reason = "forked"
+    scores = [t.reward_score for t in node.nodes if t.reward_score is not None]
+    traj.reward_score = sum(scores) / len(scores) if scores else None
+    await ctx.backend.release(traj.session_id)
+    return True
+
+
+def reward_of(ctx: RunContext, traj: Trajectory) -> Any:
+    """The reward function that scores `traj`: its spec's, but none for a child machine's row, which gets its
+    tree's when the root ends (`end`)."""
+    return None if traj.node.kind == "child" else ctx.agent.reward
+
+
+def end(ctx: RunContext, traj: Trajectory) -> None:
+    """`traj` was driven to its end. A root's tree is done: each of its rows without a reward of its own (a child
+    machine's) gets the root's, the tree's outcome, and its nodes no longer count against the run's
+    `tree.max_run_nodes`."""
+    if traj.node.kind != "root":
+        return
+    if traj.reward_score is not None:
+        for sub in row_nodes(traj):
+            if sub.reward_score is None:
+                sub.reward_score = traj.reward_score
+    count = traj.node.count
+    ctx.run_nodes.nodes = max(ctx.run_nodes.nodes - count.run, 0)
+    count.run = 0

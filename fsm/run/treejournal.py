@@ -22,9 +22,10 @@ import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from fsm.run.node import Node, TreeCount
 from fsm.run.snapshot import _check, encode_trajectory
 from fsm.run.trajectory import Trajectory
-from fsm.run.tree import Node, TreeCount, root_node, row_nodes
+from fsm.run.tree import root_node, row_nodes
 
 META = (
     "node",
@@ -65,9 +66,9 @@ def node_meta(node: Node) -> dict[str, Any]:
     }
 
 
-def node_mark(node: Node | None) -> tuple[int, dict[str, int], bool, bool] | None:
+def node_mark(node: Node) -> tuple[int, dict[str, int], bool, bool]:
     """What of a node changes between its boundaries (its `n` is written again when it does)."""
-    return None if node is None else (len(node.nodes), dict(node.forks), node.forked, node.fresh)
+    return len(node.nodes), dict(node.forks), node.forked, node.fresh
 
 
 def _count(v: Any) -> bool:
@@ -247,7 +248,7 @@ def restore_tree(
     """Put `root`'s tree back from its journaled nodes (`tree_form`'s, decoded: (trajectory, its `n`, finished)),
     each node as its last boundary left it: under its parent when the parent had made it by then, else pending,
     for the parent's action to take back. A finished root's rows get its reward where they have none, as when
-    it finished (Runner._tree_rewards: that came after their own last records). The nodes pending."""
+    it finished (fsm/run/tree.py `end`: that came after their own last records). The nodes pending."""
     entries = sorted(entries, key=lambda e: (len(e[1]["node"]), _key(e[1]["node"])))
     if meta is None and not entries:
         return 0
@@ -304,8 +305,6 @@ def tree_nodes(root: Trajectory) -> list[Trajectory]:
     todo = [root]
     while todo:
         node = todo.pop(0).node
-        if node is None:
-            continue
         subs = [*node.nodes, *(node.pending or {}).values()]
         out += subs
         todo += subs

@@ -363,13 +363,7 @@ class _Root(_Span):
         self.tel, self.shape, self.values = tel, shapes.root, ()
         self._trace_id, self._span_id, self._parent_id = _random_bits(128) or 1, _random_bits(64) or 1, 0
         self._extra = self._end = None
-        node = getattr(traj, "node", None)
-        if (
-            node is not None
-            and node.kind != "root"
-            and isinstance(ambient, _Span)
-            and ambient._trace_id in tel._live
-        ):
+        if traj.node.kind != "root" and isinstance(ambient, _Span) and ambient._trace_id in tel._live:
             # a child machine or a branch (fsm/run/tree.py): its spans go under the span that started it, in
             # its tree's one trace
             self._trace_id, self._parent_id, ambient = ambient._trace_id, ambient._span_id, None
