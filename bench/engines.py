@@ -80,16 +80,24 @@ def _load(url: str, rows: list[dict[str, Any]], ready: Any, out: Any) -> None:
     out.put({k: run[k] for k in ("wall_s", "client_cpu_s", "model_calls", "failed")})
 
 
-def load(url: str, rows: list[dict[str, Any]], processes: int) -> dict[str, Any]:
-    """`rows` all in flight against `url`, split over `processes` processes: calls/s and CPU per call."""
+def load(url: str | Sequence[str], rows: list[dict[str, Any]], processes: int) -> dict[str, Any]:
+    """`rows` all in flight against `url`, split over `processes` processes (given several URLs, process i uses
+    the i-th, round robin): calls/s and CPU per call, and the share of the machine's cores busy meanwhile (every
+    process's, the servers' and other load's: where it nears 1 the cores have run out)."""
+    urls = [url] if isinstance(url, str) else list(url)
     ctx = multiprocessing.get_context("spawn")
     ready, out = ctx.Barrier(processes + 1), ctx.Queue()
     shares = [rows[i::processes] for i in range(processes)]
-    procs = [ctx.Process(target=_load, args=(url, share, ready, out)) for share in shares]
+    procs = [
+        ctx.Process(target=_load, args=(urls[i % len(urls)], share, ready, out))
+        for i, share in enumerate(shares)
+    ]
     for p in procs:
         p.start()
     ready.wait(600)  # every process has its tokenizer: they start together
+    busy = _cpu_ticks()
     runs = [out.get(timeout=3600) for _ in procs]
+    busy = _busy_share(busy, _cpu_ticks())
     for p in procs:
         p.join(60)
     calls = sum(r["model_calls"] for r in runs)
@@ -101,7 +109,24 @@ def load(url: str, rows: list[dict[str, Any]], processes: int) -> dict[str, Any]
         "failed": sum(r["failed"] for r in runs),
         "calls_per_s": calls / wall,
         "client_cpu_ms_per_call": sum(r["client_cpu_s"] for r in runs) / max(1, calls) * 1e3,
+        "cores_busy_share": busy,
     }
+
+
+def _cpu_ticks() -> tuple[int, int]:
+    """(busy, total) CPU ticks of the whole machine since boot (/proc/stat); (0, 0) where there is none."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle + iowait
+    return sum(ticks) - idle, sum(ticks)
+
+
+def _busy_share(before: tuple[int, int], after: tuple[int, int]) -> float | None:
+    total = after[1] - before[1]
+    return round((after[0] - before[0]) / total, 3) if total > 0 else None
 
 
 def bench_engines(
@@ -212,7 +237,7 @@ def bench_instant(
     flight, an engine's first batch and its second (the steady state). Per shape of SHAPES: tracing off, and for
     the calculator also on (every trajectory traced, OTLP/HTTP to a collector that discards, in its own
     process). The cases run alternated, `repeats` times; medians and ranges. With `processes`, the calculator's
-    rows split over that many processes too (`load`)."""
+    rows split over that many processes too, each with an instant server of its own (`load`)."""
     from backends.scripted import scripted_servers
     from bench.tracing import _RECEIVER
     from fsm.api import load_tokenizer
@@ -264,13 +289,15 @@ def bench_instant(
                 )
             if processes and "calculator" in shapes:
                 out["processes"] = []
+                # a server per client process, so no one server process bounds the clients
+                servers = stack.enter_context(scripted_servers(max(processes), mode=SHAPES["calculator"][0]))
                 for p in processes:
-                    scaled = load(urls["calculator"], rows, p)
+                    scaled = load(servers, rows, p)
                     out["processes"].append(scaled)
                     print(
-                        f"        calculator: {in_flight:,} in flight over {p} process(es): "
+                        f"        calculator: {in_flight:,} in flight over {p} process(es), a server each: "
                         f"{scaled['calls_per_s']:.0f} calls/s, client CPU {scaled['client_cpu_ms_per_call']:.2f} "
-                        "ms per call",
+                        f"ms per call, the machine's cores {scaled['cores_busy_share']:.0%} busy",
                         file=sys.stderr,
                     )
     finally:
