@@ -13,6 +13,10 @@ from fsm.cli.usage import COUNT, PORT, Help, Parser, float_in, int_in, otlp_endp
 DEMO_PROMPTS = 64  # `run` without --data or --num-prompts
 SHOW_LIMIT = 5  # transcripts `show --worst/--failed` prints without --limit
 RAY_WORKERS = 2  # `run --ray`'s actors without --workers
+BENCHMARKS = (  # `bench WHAT`
+    "engine router hf prefix-cache tracing ray faults async families collate vs-verl engines gateway fleet "
+    "trees journal"
+).split()
 
 DTYPE_CHOICES = ["auto", "float32", "bfloat16", "float16"]  # the embedded model's (backends/hf.py)
 
@@ -345,24 +349,7 @@ def bench_flags(p: argparse.ArgumentParser) -> None:
     fleets in `_fleet_flags`."""
     p.add_argument(
         "what",
-        choices=[
-            "engine",
-            "router",
-            "hf",
-            "prefix-cache",
-            "tracing",
-            "ray",
-            "faults",
-            "async",
-            "families",
-            "collate",
-            "vs-verl",
-            "engines",
-            "gateway",
-            "fleet",
-            "trees",
-            "journal",
-        ],
+        choices=BENCHMARKS,
         help="which benchmark",
     )
     p.add_argument(

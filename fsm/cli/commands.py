@@ -466,9 +466,7 @@ def cmd_dev_server(args: argparse.Namespace) -> int:
         argv += [f"--{k}={v}" for k, v in (("tokenizer", args.tokenizer), ("script", args.script)) if v]
     else:
         argv += ["--scripted"] if args.scripted else ["--model", args.model or _default_model()]
-    if args.context_length is not None:
-        if args.context_length < 16:
-            raise CLIError(f"--context-length {args.context_length}: give at least 16 tokens")
+    if args.context_length is not None:  # at least 16: the parser's int_in(16)
         argv += [f"--context-length={args.context_length}"]
     if not args.scripted:
         _quiet_transformers()
