@@ -222,17 +222,19 @@ WRITE_TOOLS = {
     "write": ("filePath", "content"),
 }
 # A harness's sub-agent tool, by the name it gives it: the arguments a call takes besides `description` and
-# `prompt`. Claude Code's `Agent`, opencode's and qwen-code's `task`.
+# `prompt`. Claude Code's `Agent`, opencode's `task`, qwen-code's `agent`.
 AGENT_TOOLS: dict[str, dict[str, Any]] = {
     "Agent": {"subagent_type": "general-purpose"},
     "Task": {"subagent_type": "general-purpose"},
     "task": {"subagent_type": "general"},
+    "agent": {"subagent_type": "general-purpose"},
 }
 DEFAULT_TOOL_SCRIPT: list[dict[str, Any]] = [
     {"write": {"path": "hello.txt", "content": "hi\n"}},
     {"text": "Done."},
 ]
-_WORKDIR = re.compile(r"[Ww]orking directory: (/[^\s<]+)")  # where a coding harness says it works
+# where a coding harness says it works (qwen-code: "I'm currently working in the directory: /...")
+_WORKDIR = re.compile(r"[Ww]orking (?:in the )?directory: (/[^\s<]+)")
 
 
 def _step(step: Any) -> bool:

@@ -73,7 +73,7 @@ class SessionNode(Node):
     recorder: Recorder
     seq: int = -1  # its open segment (the one a request extends)
     seqs: list[int] = field(default_factory=list)  # its segments, in order
-    # a sub-agent found by its content (`Tree.plan`): the ids of the calls its parent's turn was waiting on
+    # a sub-agent found by its content (`Tree.plan`): the ids of the calls its parent had made when it began
     calls: tuple[str, ...] | None = None
 
     @property
@@ -154,23 +154,30 @@ class Tree:
             branch = self._node("branch", line, parent, mark[3], mark[0])
             return branch, Plan("branch", call.messages[mark[1] :], keys, mark)
         if not line:
-            waiting = self._waiting(recent, nodes)
-            if waiting is None:
+            caller = self._caller(recent, nodes)
+            if caller is None:
                 return recent, Plan("history", call.messages, keys)
-            # a new conversation while the agent waits on its calls: a sub-agent's, if its answer comes back as
-            # one of their results (`_link`)
-            child = self._child(traj, waiting, line)
-            child.calls = tuple(c["id"] for c in waiting.recorder.sent[-1]["tool_calls"])
+            # a new conversation once the agent has made calls: a sub-agent's, if its answer comes back to the
+            # agent for one of them (`_link`); else, at the end, a new history of the agent
+            child = self._child(traj, caller[0], line)
+            child.calls = caller[1]
             return child, Plan("first", call.messages, keys)
         return self._new_child(traj, line), Plan("first", call.messages, keys)
 
-    def _waiting(self, recent: SessionNode, nodes: list[SessionNode]) -> SessionNode | None:
-        """The latest node of the session's own line whose last recorded message is a model turn with calls no
-        request has answered yet (not a sub-agent found by its content: its sub-agents are not told apart)."""
+    def _caller(
+        self, recent: SessionNode, nodes: list[SessionNode]
+    ) -> tuple[SessionNode, tuple[str, ...]] | None:
+        """The latest node of the session's own line whose conversation holds model turns with calls, and their
+        ids (not a sub-agent found by its content: its own sub-agents are not told apart from it)."""
         for node in [recent, *reversed(nodes)]:
-            sent = node.recorder.sent
-            if node.calls is None and sent and sent[-1]["role"] == "assistant" and sent[-1].get("tool_calls"):
-                return node
+            ids = tuple(
+                c["id"]
+                for m in node.recorder.sent
+                if m["role"] == "assistant"
+                for c in m.get("tool_calls") or ()
+            )
+            if node.calls is None and ids:
+                return node, ids
         return None
 
     def _new_child(self, traj: Trajectory, line: tuple[str, ...]) -> SessionNode:
@@ -346,16 +353,23 @@ class Tree:
 
     def _link(self) -> None:
         """Sub-agents found by their content (`calls`): one whose final answer (its last turn, without calls) is
-        in the text of a tool result its parent then sent for one of those calls is that call's child. Any other
-        was a new history of its parent after all (a compacted or edited conversation): its segments are the
-        parent's, as such a request's always were, and the nodes are numbered again."""
+        in the text the parent then got back for one of those calls (a tool result for it, or a user turn that
+        names it: qwen-code's background agents report so) is that call's child. Any other was a new history of
+        its parent after all (a compacted or edited conversation): its segments are the parent's, as such a
+        request's always were, and the nodes are numbered again."""
         merged = False
         for node in [n for n in self.nodes if n.calls is not None]:
             up, last = node.up, node.recorder.sent[-1]
             assert up is not None and node.calls is not None
             answer = "" if last.get("tool_calls") else (last.get("content") or "").strip()
-            sent = (k for keys, _ in up.recorder.segments.values() for k in keys if k[0] == "tool")
-            if answer and any(k[2] in node.calls and answer in k[1] for k in sent):
+            back = (
+                k[1]
+                for keys, _ in up.recorder.segments.values()
+                for k in keys
+                if (k[0] == "tool" and k[2] in node.calls)
+                or (k[0] == "user" and any(c and c in k[1] for c in node.calls))
+            )
+            if answer and any(answer in text for text in back):
                 continue
             for seq in node.seqs:
                 self.owner[seq] = up

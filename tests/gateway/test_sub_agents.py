@@ -96,6 +96,43 @@ opencode_like = harness(lambda call: parent_and_sub_agents(call, "x-session-id",
 qwen_code_like = harness(
     lambda call: parent_and_sub_agents(call, None, "Subagent finished.\n{}\n(2 tool calls)"), timeout_s=60
 )
+
+
+async def background_sub_agents(call: HarnessCall) -> str:
+    """As qwen-code 0.24 runs its `agent` tool: each call's result says the agent was launched, the parent goes on
+    and ends its turn, and the answers come later in one user turn naming each call (`<task-notification>`)."""
+    first = await messages(call, {"messages": [TASK], "tools": [AGENT], "max_tokens": 400})
+    uses = [b for b in first["content"] if b["type"] == "tool_use"]
+    launched = [
+        {"type": "tool_result", "tool_use_id": u["id"], "content": "Background agent launched."} for u in uses
+    ]
+    history = [
+        TASK,
+        {"role": "assistant", "content": first["content"]},
+        {"role": "user", "content": launched},
+    ]
+    idle = await messages(call, {"messages": history, "tools": [AGENT]})
+    answers = [
+        text(
+            await messages(
+                call,
+                {
+                    "system": "You are a sub-agent.",
+                    "messages": [{"role": "user", "content": u["input"]["prompt"]}],
+                },
+            )
+        )
+        for u in uses
+    ]
+    notes = "\n".join(
+        f"<task-notification><tool-use-id>{u['id']}</tool-use-id><result>{a}</result></task-notification>"
+        for u, a in zip(uses, answers)
+    )
+    history += [{"role": "assistant", "content": idle["content"]}, {"role": "user", "content": notes}]
+    return text(await messages(call, {"messages": history, "tools": [AGENT]}))
+
+
+background_harness = harness(background_sub_agents, timeout_s=60)
 editing_parent = harness(lambda call: parent_and_sub_agents(call, None, "{}", edit=True), timeout_s=60)
 
 
@@ -151,6 +188,18 @@ def test_parallel_sub_agents_are_children_of_the_call_and_the_parent_goes_on_in_
     assert all(s.reason == "child" and s.turns == 1 for s in children)
     assert copied(traj) == 0
     assert traj.extra.get("gateway_notes") is None
+
+
+def test_background_sub_agents_answered_in_a_later_user_turn_are_children(
+    tmp_path: Path, tokenizer: Any
+) -> None:
+    """qwen-code's background agents: the parent's turn has ended when they start, and their answers come back in
+    a user turn that names each call: still that call's children, and the parent's row goes on in place."""
+    traj = run(tmp_path, tokenizer, "background_harness")
+    rows = sorted((r["node"], r["parent"], r["node_kind"]) for r in traj.extra["tree"])
+    assert rows == [("0", None, "root"), ("0.0", "0", "child"), ("0.1", "0", "child")], rows
+    root = traj.segments[-1]
+    assert root.reason == "prompt" and root.turns == 3 and copied(traj) == 0
 
 
 def test_a_new_conversation_whose_answer_the_parent_never_sends_is_a_history_of_the_parent(
