@@ -160,9 +160,38 @@ class Backend(Protocol):
         ...
 
 
-# Optional, looked up with getattr: `where(session_id) -> str | None` (the server and request a trajectory is
-# waiting on, for the watchdog's report) and `stats() -> dict` (counters for the run summary; a "faults"
-# entry holds the server faults seen, by kind).
+# What a backend may do beyond the contract: one small protocol per capability, asked with isinstance. Also
+# optional: `where(session_id) -> str | None`, the server and request a trajectory waits on (the watchdog's report).
+
+
+@runtime_checkable
+class Lifecycle(Protocol):
+    """Connections or background work: started before the first request, closed after the last (idempotent)."""
+
+    async def start(self) -> None: ...
+    async def close(self) -> None: ...
+
+
+@runtime_checkable
+class Pausable(Protocol):
+    """Servers that hold generation from `pause_generation(mode)` to `continue_generation()` (SGLang's modes)."""
+
+    async def pause_generation(self, mode: str = "abort") -> Any: ...
+    async def continue_generation(self) -> Any: ...
+
+
+@runtime_checkable
+class Abortable(Protocol):
+    """A trajectory's request in flight can be ended now, with its partial output (SGLang's /abort_request)."""
+
+    async def abort(self, session_id: str) -> None: ...
+
+
+@runtime_checkable
+class Counted(Protocol):
+    """Counters for the run summary (`stats()`); a "faults" entry holds the server faults seen, by kind."""
+
+    def stats(self) -> dict[str, Any]: ...
 
 
 class BaseBackend:

@@ -47,7 +47,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from backends.base import Backend, BackendError, BaseBackend, GenerateRequest, GenerateResult
+from backends.base import (
+    Abortable,
+    Backend,
+    BackendError,
+    BaseBackend,
+    Counted,
+    GenerateRequest,
+    GenerateResult,
+    Lifecycle,
+)
 from backends.engines import ENGINES, one_kind
 from backends.retry import RetryPolicy, retry
 
@@ -166,9 +175,8 @@ class Router(BaseBackend):
 
     async def start(self) -> None:
         for s in self.servers:
-            start = getattr(s.backend, "start", None)
-            if start is not None:
-                await start()
+            if isinstance(s.backend, Lifecycle):
+                await s.backend.start()
         if self._health_task is None and self.health_interval_s > 0:
             self._health_task = asyncio.create_task(self._health_loop(), name="router health checks")
 
@@ -179,9 +187,8 @@ class Router(BaseBackend):
                 await self._health_task
             self._health_task = None
         for s in self.servers:
-            close = getattr(s.backend, "close", None)
-            if close is not None:
-                await close()
+            if isinstance(s.backend, Lifecycle):
+                await s.backend.close()
 
     async def _health_loop(self) -> None:
         """One probe loop per server: a busy server's slow /health (SGLang's is a generate, queued behind
@@ -395,9 +402,9 @@ class Router(BaseBackend):
         """Abort the session's in-flight request on the one server that runs it."""
         s = self._sessions.get(session_id)
         if s is not None:
-            abort = getattr(self.servers[s.server].backend, "abort", None)
-            if abort is not None:
-                await abort(session_id)
+            backend = self.servers[s.server].backend
+            if isinstance(backend, Abortable):
+                await backend.abort(session_id)
 
     # -- control calls, to every server that has them -------------------------------------------
 
@@ -481,9 +488,8 @@ class Router(BaseBackend):
                 "failures": s.failures,
                 "sessions": s.sessions,
             }
-            backend_stats = getattr(s.backend, "stats", None)
-            if backend_stats is not None:
-                own = backend_stats()
+            if isinstance(s.backend, Counted):
+                own = s.backend.stats()
                 entry["faults"] = dict(own.get("faults", {}))
                 for kind, count in entry["faults"].items():
                     faults[kind] = faults.get(kind, 0) + count

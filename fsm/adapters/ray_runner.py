@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
-from backends.base import Backend
+from backends.base import Backend, Lifecycle
 from fsm.api import BaseEngine, SpecLike, load_agent, load_tokenizer, make_backend, tiny_model_dir
 from fsm.data.rows import normalize_record
 from fsm.families import Codec
@@ -109,9 +109,8 @@ class _Worker:
     async def _start(self) -> None:
         if self._serving is None:
             self._serving = asyncio.ensure_future(self._owner.serve())
-            start = getattr(self.runner.backend, "start", None)
-            if start is not None:
-                await start()
+            if isinstance(self.runner.backend, Lifecycle):
+                await self.runner.backend.start()
 
     async def run(
         self,
@@ -187,9 +186,8 @@ class _Worker:
             serving.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await serving
-        close = getattr(self.runner.backend, "close", None)
-        if close is not None and serving is not None:
-            await close()
+        if isinstance(self.runner.backend, Lifecycle) and serving is not None:
+            await self.runner.backend.close()
 
 
 class RayRunner(BaseEngine):

@@ -31,6 +31,7 @@ from fsm.run.engine import (
     Call,
     Command,
     EngineRefused,
+    LocalEngine,
     Pause,
     Resume,
     StalePolicy,
@@ -219,7 +220,8 @@ class BaseEngine:
                     "agenerate_sequences",
                     "keep= needs an engine that snapshots a run; use RolloutEngine",
                 )
-            return await keep_batch(self, rows, n, sampling, keep, like=batch, meta=meta)
+            local = cast(LocalEngine, self)  # one that snapshots (RolloutEngine)
+            return await keep_batch(local, rows, n, sampling, keep, like=batch, meta=meta)
         t0 = time.perf_counter()
         trajs = await self.arun(rows, n=n, sampling=sampling)
         return self.to_batch(trajs, sampling, like=batch, meta=meta, wall_s=time.perf_counter() - t0)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from backends.base import Counted
 from fsm.output.rundir import (
     RunDirError,
     WriteInterrupted,
@@ -35,6 +36,7 @@ from fsm.output.rundir import (
     write_run,
 )
 from fsm.run.context import Sampling
+from fsm.run.engine import LocalEngine
 from fsm.run.interruptible import keep_rollout
 from fsm.run.journal import JOURNAL, SYNCS, JournalError, begun, ended
 from fsm.run.signals import Interrupts
@@ -53,7 +55,7 @@ class Rollout:
     """What a run rolled out, as its files record it: every trajectory, or (interrupted) those that finished,
     in input order."""
 
-    engine: Any
+    engine: LocalEngine
     sampling: Sampling
     trajs: list[Trajectory]
     expected: int  # rows x n
@@ -122,13 +124,13 @@ class RunDir:
                 f"--resume {self.out}`, or remove {held} to start a new run there"
             )
 
-    def resume(self, engine: Any) -> Any:
+    def resume(self, engine: LocalEngine) -> Any:
         """Go on with the run kept here (stopped by a signal or killed) on `engine`, a RolloutEngine of the spec
         and tokenizer it was written with, from a loop of the calling thread (the main one: signals reach it);
         verl's batch of the whole run back, written here as `agentfsm run --resume` writes it."""
         return asyncio.run(self.aresume(engine))
 
-    async def aresume(self, engine: Any) -> Any:
+    async def aresume(self, engine: LocalEngine) -> Any:
         """`resume` from the caller's loop."""
         if not self.unfinished():
             raise RunDirError(f"{self.out}: no unfinished run to resume there (no {JOURNAL} without an end)")
@@ -159,7 +161,7 @@ class RunDir:
                 engine.codec,
                 run.wall,
                 run.router_stats,
-                getattr(engine, "tracer", None),
+                engine.tracer,
             )
             failed = sum(t.failed for t in run.trajs)
             summary = {
@@ -227,7 +229,7 @@ def close_journal(run: Rollout, status: str | None) -> None:
 
 
 async def keep_batch(
-    engine: Any,
+    engine: LocalEngine,
     rows: Sequence[Any] | None,
     n: int,
     sampling: Sampling,
@@ -250,17 +252,17 @@ async def keep_batch(
         t_start, c_start = time.perf_counter(), time.process_time()
         with interrupts.listening(asyncio.current_task()):
             kept = await keep_rollout(engine, rows, n, sampling, keep, interrupts)
-            tracer = getattr(engine, "tracer", None)
+            tracer = engine.tracer
             if tracer is not None:  # as every run's owner does (fsm/run/runtime.py): the summary counts them
                 await asyncio.to_thread(tracer.flush)
-        backend = getattr(engine, "backend", None)
+        backend = engine.backend
         run = Rollout(
             engine,
             kept.sampling,
             kept.trajs,
             kept.expected,
             time.perf_counter() - t_start,
-            backend.stats() if backend is not None and hasattr(backend, "stats") else None,
+            backend.stats() if isinstance(backend, Counted) else None,
             kept.interrupted,
             time.process_time() - c_start,
         )

@@ -24,8 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Concatenate, Literal, ParamSpec, Protocol, TypeVar, cast, runtime_checkable
 
+from backends.base import Backend
+from fsm.families import Codec
 from fsm.run.agent import CompiledAgent
 from fsm.run.context import Sampling
+from fsm.run.runtime import Runner
+from fsm.run.tracer import Tracer
 from fsm.run.trajectory import Trajectory
 
 T = TypeVar("T")
@@ -136,14 +140,18 @@ def refuse_in_loop(engine: object, name: str, async_name: str) -> None:
 
 @runtime_checkable
 class Engine(Protocol):
-    """The rollout engine contract (see the module docstring). Every async form has a sync form of the same name
-    without the `a` (`agenerate_sequences` / `generate_sequences`), which refuses to run inside a running event
-    loop (it would block it)."""
+    """The rollout engine contract (see the module docstring), complete: what fsm.output.engine.BaseEngine gives
+    RolloutEngine and RayRunner, and the type code written against any engine takes. Every async form has a sync
+    form of the same name without the `a` (made by `sync_form`), which refuses inside a running event loop."""
 
     agent: CompiledAgent
-    codec: Any  # fsm.families.Codec
+    codec: Codec
+    tracer: Tracer | None
 
     # -- a batch ---------------------------------------------------------------------------------------------
+    def sampling(
+        self, sampling_params: Mapping[str, Any] | None = None, validate: bool = False
+    ) -> Sampling: ...
     async def arun(
         self,
         rows: Sequence[Any],
@@ -152,6 +160,7 @@ class Engine(Protocol):
         sampling_params: Mapping[str, Any] | None = None,
         validate: bool = False,
         sampling: Sampling | None = None,
+        on_done: Callable[[Trajectory], None] | None = None,
     ) -> list[Trajectory]: ...
     async def agenerate_sequences(
         self, batch: Any, sampling_params: Mapping[str, Any] | None = None, validate: bool = False, n: int = 1
@@ -159,9 +168,32 @@ class Engine(Protocol):
     def generate_sequences(
         self, batch: Any, sampling_params: Mapping[str, Any] | None = None, validate: bool = False, n: int = 1
     ) -> Any: ...
+    async def agenerate_samples(
+        self, batch: Any, sampling_params: Mapping[str, Any] | None = None, validate: bool = False, n: int = 1
+    ) -> Any: ...
+    def generate_samples(
+        self, batch: Any, sampling_params: Mapping[str, Any] | None = None, validate: bool = False, n: int = 1
+    ) -> Any: ...
+    def to_batch(
+        self,
+        trajs: Sequence[Trajectory],
+        sampling: Sampling,
+        like: Any = None,
+        meta: Mapping[str, Any] | None = None,
+        wall_s: float | None = None,
+    ) -> Any: ...
 
     # -- continuous mode -------------------------------------------------------------------------------------
     async def asubmit(
+        self,
+        rows: Any,
+        n: int = 1,
+        sampling_params: Mapping[str, Any] | None = None,
+        validate: bool = False,
+        sampling: Sampling | None = None,
+        first_index: int | None = None,
+    ) -> list[str]: ...
+    def submit(
         self, rows: Any, n: int = 1, sampling_params: Mapping[str, Any] | None = None, validate: bool = False
     ) -> list[str]: ...
     async def atake_groups(
@@ -172,8 +204,16 @@ class Engine(Protocol):
         stale: StalePolicy = "drop",
         timeout: float | None = None,
         exhausted_ok: bool = False,
-    ) -> list[Any]: ...
+    ) -> list[Any]: ...  # fsm.run.stream.Group
     async def atake(
+        self,
+        num_groups: int,
+        *,
+        max_staleness: int | None = None,
+        stale: StalePolicy = "drop",
+        timeout: float | None = None,
+    ) -> Any: ...
+    def take(
         self,
         num_groups: int,
         *,
@@ -187,31 +227,88 @@ class Engine(Protocol):
     @property
     def stream_stats(self) -> dict[str, Any]: ...
 
-    # -- control ---------------------------------------------------------------------------------------------
+    # -- control: every server hears it ----------------------------------------------------------------------
     @property
     def weight_version(self) -> int: ...
     @property
     def paused(self) -> bool: ...
-    async def apause(self, mode: str = "abort") -> None: ...
-    async def aresume(self) -> None: ...
+    async def apause(self, mode: str = "abort", *, policy: str | None = None) -> None: ...
+    def pause(self, mode: str = "abort", *, policy: str | None = None) -> None: ...
+    async def aresume(self, *, policy: str | None = None) -> None: ...
+    def resume(self, *, policy: str | None = None) -> None: ...
     async def aupdate_weights_from_disk(
-        self, path: str | Path, weight_version: int | None = None, **options: Any
+        self,
+        path: str | Path,
+        weight_version: int | None = None,
+        *,
+        policy: str | None = None,
+        **options: Any,
     ) -> int: ...
-    async def aupdate_weights_from_tensor(self, weight_version: int | None = None, **payload: Any) -> int: ...
+    def update_weights_from_disk(
+        self,
+        path: str | Path,
+        weight_version: int | None = None,
+        *,
+        policy: str | None = None,
+        **options: Any,
+    ) -> int: ...
+    async def aupdate_weights_from_tensor(
+        self, weight_version: int | None = None, *, policy: str | None = None, **payload: Any
+    ) -> int: ...
+    def update_weights_from_tensor(
+        self, weight_version: int | None = None, *, policy: str | None = None, **payload: Any
+    ) -> int: ...
     async def aupdate_weights_from_distributed(
-        self, weight_version: int | None = None, **payload: Any
+        self, weight_version: int | None = None, *, policy: str | None = None, **payload: Any
+    ) -> int: ...
+    def update_weights_from_distributed(
+        self, weight_version: int | None = None, *, policy: str | None = None, **payload: Any
     ) -> int: ...
     async def asleep(self, tags: list[str] | None = None) -> Any: ...
+    def sleep(self, tags: list[str] | None = None) -> Any: ...
     async def awake_up(self, tags: list[str] | None = None) -> Any: ...
+    def wake_up(self, tags: list[str] | None = None) -> Any: ...
     async def aflush_cache(self) -> Any: ...
+    def flush_cache(self) -> Any: ...
 
-    # -- snapshots and lifecycle -----------------------------------------------------------------------------
+    # -- snapshots (EngineRefused where `snapshots` is False) and lifecycle ------------------------------------
+    @property
+    def snapshots(self) -> bool: ...
     async def asnapshot(
-        self, path: str | Path, *, meta: Mapping[str, Any] | None = None, stop: bool = False
+        self,
+        path: str | Path | None,
+        *,
+        meta: Mapping[str, Any] | None = None,
+        stop: bool = False,
+        timeout: float | None = None,
+        abort_turns: bool = False,
+        fallback: Callable[[], Path] | None = None,
     ) -> dict[str, Any]: ...
-    async def arestore(self, path: str | Path) -> dict[str, Any]: ...
+    def snapshot(
+        self, path: str | Path | None, *, meta: Mapping[str, Any] | None = None, stop: bool = False
+    ) -> dict[str, Any]: ...
+    async def arestore(self, path: str | Path | Mapping[str, Any]) -> dict[str, Any]: ...
+    def restore(self, path: str | Path | Mapping[str, Any]) -> dict[str, Any]: ...
+    async def ajournal(self, journal: Any) -> None: ...
     async def aclose(self) -> None: ...
     def close(self) -> None: ...
+
+
+class LocalEngine(Engine, Protocol):
+    """An engine whose rows run in this process, on its own loop (fsm.api.RolloutEngine): what a kept run
+    (fsm/run/interruptible.py), its journal's provenance and the gateway reach beyond the contract."""
+
+    runner: Runner
+
+    @property
+    def wedged(
+        self,
+    ) -> bool: ...  # a snapshot was taken while code blocked its loop: that loop runs nothing more
+    @property
+    def backend(self) -> Backend: ...
+    @property
+    def owned(self) -> Owned: ...
+    async def start(self) -> None: ...
 
 
 class Owned:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from fsm.run.context import Sampling
+from fsm.run.engine import LocalEngine
 from fsm.run.journal import Recorder, Writer
 from fsm.run.provenance import changes, judge, made_by
 from fsm.run.resume import Loaded, identity, load, refuse_unbegun, served_by, weights_change
@@ -85,7 +86,7 @@ class KeptRollout:
 
 
 async def keep_rollout(
-    engine: Any,
+    engine: LocalEngine,
     rows: Sequence[Any] | None,
     n: int,
     sampling: Sampling,
@@ -120,7 +121,7 @@ async def keep_rollout(
                     groups=len(rows),
                     rows_expected=len(rows) * n,
                     n=n,
-                    weight_version=getattr(engine, "weight_version", 0),
+                    weight_version=engine.weight_version,
                     spec=keeper.spec or (str(engine.agent.path) if engine.agent.path else None),
                 )
             )
@@ -156,7 +157,7 @@ async def keep_rollout(
     return KeptRollout(trajs, interrupted, expected, sampling, recorder, resumed)
 
 
-async def _reopen(engine: Any, keeper: Keeper) -> tuple[Loaded, Recorder]:
+async def _reopen(engine: LocalEngine, keeper: Keeper) -> tuple[Loaded, Recorder]:
     """The journal read back and checked, and its writer going on after its last whole record."""
     path = keeper.journal
     if not path.exists() and keeper.snapshot.exists():
@@ -198,7 +199,7 @@ async def _reopen(engine: Any, keeper: Keeper) -> tuple[Loaded, Recorder]:
     return loaded, recorder
 
 
-async def _stop(engine: Any, recorder: Recorder) -> list[Any]:
+async def _stop(engine: LocalEngine, recorder: Recorder) -> list[Any]:
     """Flush the journal, pause, exit: every running trajectory parks at its next state boundary (model turns
     in flight end at once, their partial tokens kept), where the journal records it; the journal goes to disk
     and the run stops. The finished groups back. Every way it can fail is one warning: the journal holds every

@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from backends.base import Backend
+from backends.base import Abortable, Backend, Lifecycle, Pausable
 from fsm.run import heap, loopwatch
 from fsm.run import snapshot as snap
 from fsm.run.context import Policy, Sampling
@@ -123,13 +123,9 @@ class Local:
         if self._build is not None:
             build, self._build = self._build, None
             self.runner.backend = await build()
-        start = getattr(self.backend, "start", None)
-        if start is not None:
-            await start()
-        for other in self._policy_backends():  # the spec's other policies' models (fsm/run/tree.py)
-            start = getattr(other, "start", None)
-            if start is not None:
-                await start()
+        for backend in [self.backend, *self._policy_backends()]:  # the spec's other policies' models too
+            if isinstance(backend, Lifecycle):
+                await backend.start()
         # The servers' weight version, when they report an int: the counter goes on from there.
         reported = await self._reported_version()
         if reported is not None and reported > self.runner.gate.version:
@@ -290,18 +286,7 @@ class Local:
             )
             restarted = data.pop("restarted")
             try:
-                try:
-                    await asyncio.to_thread(snap.write, written, data)
-                except OSError as exc:
-                    if fallback is None:
-                        raise
-                    log.warning(
-                        "snapshot: cannot write %s (%s); writing it to a fallback directory",
-                        written,
-                        exc.strerror or exc,
-                    )
-                    written = fallback() / written.name
-                    await asyncio.to_thread(snap.write, written, data)
+                written = await asyncio.to_thread(_write, written, data, fallback)
             finally:
                 try:
                     if stop:
@@ -357,19 +342,7 @@ class Local:
         )
         restarted = data.pop("restarted")
         self._wedge()
-        written = path
-        try:
-            snap.write(written, data)
-        except OSError as exc:
-            if fallback is None:
-                raise
-            log.warning(
-                "snapshot: cannot write %s (%s); writing it to a fallback directory",
-                written,
-                exc.strerror or exc,
-            )
-            written = fallback() / written.name
-            snap.write(written, data)
+        written = _write(path, data, fallback)
         running = sum(g["status"] == "running" for g in data["groups"])
         return {
             "ready_groups": len(ready),
@@ -386,13 +359,12 @@ class Local:
         try:
             async with asyncio.timeout(PAUSE_TIMEOUT_S):
                 done = await self.controls.call("pause_generation", ("abort",), {}, False)
-            if done is not None or getattr(self.backend, "pause_generation", None) is not None:
+            if done is not None or isinstance(self.backend, Pausable):
                 return
             why = "the backend has no pause_generation"
         except Exception as exc:
             why = f"{type(exc).__name__}: {exc}"
-        abort = getattr(self.backend, "abort", None)
-        if abort is None:
+        if not isinstance(self.backend, Abortable):
             log.warning(
                 "snapshot: pausing the servers failed (%s) and the backend cannot abort; waiting for "
                 "turns in flight",
@@ -402,7 +374,8 @@ class Local:
         log.warning("snapshot: pausing the servers failed (%s); aborting the requests in flight instead", why)
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(PAUSE_TIMEOUT_S):
-                await asyncio.gather(*(abort(sid) for sid in list(self.runner.live)), return_exceptions=True)
+                aborts = (self.backend.abort(sid) for sid in list(self.runner.live))
+                await asyncio.gather(*aborts, return_exceptions=True)
 
     async def journal_here(self, journal: Any) -> None:
         """Record this engine's continuous mode in `journal` (fsm/run/journal.py Recorder; None: stop)."""
@@ -429,13 +402,9 @@ class Local:
         try:
             await self.stop_stream()
             await self.owned.aclose()  # after the runs that used them: their sessions have ended
-            close = getattr(self.backend, "close", None)
-            if close is not None and self._started is not None:
-                await close()
-            for other in self._policy_backends():
-                close = getattr(other, "close", None)
-                if close is not None and self._started is not None:
-                    await close()
+            for backend in [self.backend, *self._policy_backends()] if self._started is not None else []:
+                if isinstance(backend, Lifecycle):
+                    await backend.close()
             self.agent.tools.close()  # idle tool threads, loops and worker processes (tools restart on use)
         finally:  # the run's owner closes its tracer: every span ended is exported or counted as dropped
             held, self._heap = self._heap, None
@@ -473,3 +442,20 @@ class Local:
                 home, self._home, self.closed = self._home, None, True
                 home.close()
         self.closed = True
+
+
+def _write(path: Path, data: dict[str, Any], fallback: Callable[[], Path] | None) -> Path:
+    """Write a snapshot to `path`, or where it cannot be written (a full disk), into the directory `fallback()`
+    makes; the path written."""
+    try:
+        snap.write(path, data)
+        return path
+    except OSError as exc:
+        if fallback is None:
+            raise
+        log.warning(
+            "snapshot: cannot write %s (%s); writing it to a fallback directory", path, exc.strerror or exc
+        )
+        kept = fallback() / path.name
+        snap.write(kept, data)
+        return kept

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from fsm.run.agent import CompiledAgent
+from fsm.run.engine import LocalEngine
 from fsm.run.journal import JournalError
 from fsm.spec.registry import is_import_path
 
@@ -203,10 +204,10 @@ def model_of(backend: Any) -> dict[str, Any]:
     return {"kind": type(backend).__name__, "model": str(getattr(backend, "model_name", None))}
 
 
-def options_of(engine: Any) -> dict[str, Any]:
+def options_of(engine: LocalEngine) -> dict[str, Any]:
     """The engine's options that shape rows on resume (the rows' sampling comes from the journal)."""
     out: dict[str, Any] = {"check_tokens": bool(engine.runner.check_tokens)}
-    backend = engine.backend
+    backend: Any = engine.backend  # the in-process model's options, where it is one (it has a checkpoint)
     if hasattr(backend, "checkpoint"):
         out["dtype"] = str(backend.dtype).removeprefix("torch.")
         out["device"] = getattr(backend.device, "type", str(backend.device))
@@ -214,12 +215,10 @@ def options_of(engine: Any) -> dict[str, Any]:
     return out
 
 
-async def made_by(engine: Any) -> dict[str, Any]:
+async def made_by(engine: LocalEngine) -> dict[str, Any]:
     """What `engine` makes rows with (started: servers have said what they serve), for the journal's `made_by`.
     A checkpoint's digest reads its files on a thread (once: then cached)."""
-    start = getattr(engine, "start", None)
-    if start is not None:
-        await start()
+    await engine.start()
 
     def collect() -> dict[str, Any]:
         policies = {
