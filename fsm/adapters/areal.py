@@ -27,7 +27,7 @@ assumes a fixed number of rows per prompt: with segments, normalize at the batch
 A tree (forks, child machines: docs/trees.md) is one episode of all its rows the same way (a forked root has
 none: its branches are its rows), in preorder, each with its own reward (a branch's score; a child's, its
 tree's), plus `weight` ([B] float32: the row's share of its tree, per the spec's `tree.weight`) and `tree` (a
-list, one dict per row: fsm/run/tree.py TREE_FIELDS; AReaL's concat_padded_tensors concatenates lists). A
+list, one dict per row: docs/trees.md, Rows; AReaL's concat_padded_tensors concatenates lists). A
 failed row of a tree (a child or branch the engine failed) is left out; an episode with no row left is
 rejected. `policy=` keeps one policy's rows (AReaL trains one model; the others still run).
 """

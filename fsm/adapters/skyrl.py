@@ -35,7 +35,7 @@ that did not fork, is one SkyRL trajectory: its own `trajectory_ids` entry (the 
 branch gets a fresh repetition of the same instance), so GRPO compares sibling branches within their prompt's
 group. A child machine's rows are steps of the trajectory that started it (placed before that trajectory's
 last row), so they get its advantage, as a sub-agent's tokens share its caller's outcome. Every row carries
-its place in its tree in `tree_rows` (fsm/run/tree.py TREE_FIELDS: tree, node, parent, node_kind,
+its place in its tree in `tree_rows` (docs/trees.md, Rows: tree, node, parent, node_kind,
 branch_offset, policy, depth, weight, shared_prefix): SkyRL's trainer reads none of it (its loss has no
 per-row weight), a custom advantage or loss can. `policy=` keeps one policy's rows (the others still run).
 """

@@ -76,10 +76,6 @@ class SessionNode(Node):
     # a sub-agent found by its content (`Tree.plan`): the ids of the calls its parent had made when it began
     calls: tuple[str, ...] | None = None
 
-    @property
-    def turns(self) -> int:
-        return self.recorder.turns
-
 
 class Tree:
     """The nodes of one session and the segments parked while another node's is live in the trajectory."""

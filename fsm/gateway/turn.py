@@ -126,7 +126,7 @@ async def record_call(ctx: RunContext, traj: Trajectory, tree: Tree, call: Call,
     limits = ctx.agent.limits
     node, plan = tree.plan(traj, call)
     recorder = node.recorder
-    if node.seqs and limits.max_assistant_turns is not None and node.turns >= limits.max_assistant_turns:
+    if node.seqs and limits.max_assistant_turns is not None and recorder.turns >= limits.max_assistant_turns:
         raise LimitReached(  # per node: a sub-agent or a branch has the spec's limits of its own
             f"node {node.node} has made its limits.max_assistant_turns ({limits.max_assistant_turns}) model calls"
         )

@@ -22,7 +22,7 @@ order: each exactly what the model was given and produced, with `segment` / `num
 tying it to the others, its own turn rewards, and the reward placed as the spec's `context.reward_placement`
 says (on the last segment, the others 0.0; or on every segment). A one-segment trajectory gives one sample, as
 before. A tree (child machines, forks: docs/trees.md) gives its nodes' samples in preorder, as the padded batch
-does, each with `tree`: where it sits (fsm/run/tree.py TREE_FIELDS, its weight included).
+does, each with `tree`: where it sits (docs/trees.md, Rows: its weight included).
 """
 
 from __future__ import annotations

@@ -138,9 +138,7 @@ def machine_nodes(root: Any, agent: Any = None) -> Iterator[tuple[Any, int, Any]
     forked from (None but for a branch): a fork's branch repeats its parent's path up to the fork, which the
     parent counts (docs/trees.md). A child machine of
     another spec (planner_solver's solver) is not drawn on this diagram, nor is its subtree."""
-    machine = getattr(agent, "hash", None)
-    if machine is None:
-        machine = getattr(root.node.agent, "hash", None)
+    machine = getattr(agent, "hash", None) or getattr(root.node.agent, "hash", None)
 
     def walk(traj: Any, start: int, parent: Any) -> Iterator[tuple[Any, int, Any]]:
         yield traj, start, parent

@@ -54,7 +54,7 @@ class Node:
     fresh: bool = False
 
     def fields(self, shared: int = 0) -> dict[str, Any]:
-        """Its rows' place in the tree (TREE_FIELDS but `weight`), for a row whose first `shared` tokens are
+        """Its rows' place in the tree (docs/trees.md, Rows, but `weight`), for a row whose first `shared` tokens are
         its parent's."""
         return {
             "tree": self.tree,

@@ -59,14 +59,14 @@ def root_node(traj: Trajectory, agent: Any) -> Node:
     return node
 
 
-def _room(parent: Node, root_agent: Any) -> str | None:
-    """Why `parent` may not grow one more node (None: it may)."""
+def _room(parent: Node, root_agent: Any, k: int = 1) -> str | None:
+    """Why `parent` may not grow `k` more nodes (None: it may)."""
     tree = root_agent.spec.tree
     if tree.max_depth is not None and parent.depth + 1 > tree.max_depth:
         return f"tree.max_depth {tree.max_depth} reached"
-    if len(parent.nodes) >= tree.max_children:
+    if len(parent.nodes) + k > tree.max_children:
         return f"tree.max_children {tree.max_children} reached"
-    if parent.count.nodes >= tree.max_nodes:
+    if parent.count.nodes + k > tree.max_nodes:
         return f"tree.max_nodes {tree.max_nodes} reached"
     return None
 
@@ -84,22 +84,9 @@ def row_nodes(traj: Trajectory) -> list[Trajectory]:
     return [t for t in nodes_of(traj) if not t.node.forked]
 
 
-TREE_FIELDS = (
-    "tree",
-    "node",
-    "parent",
-    "node_kind",
-    "branch_offset",
-    "policy",
-    "depth",
-    "weight",
-    "shared_prefix",
-)
-
-
 def tree_fields(traj: Any, k: int) -> dict[str, Any] | None:
     """Segment `k`'s place in a gateway session's tree, where the trajectory has one (`extra["tree"]`, one dict
-    per row, TREE_FIELDS: fsm/gateway/tree.py); None otherwise, or when the rows changed since (a row failed)."""
+    per row: fsm/gateway/tree.py); None otherwise, or when the rows changed since (a row failed)."""
     rows = getattr(traj, "extra", {}).get("tree")
     if not rows or len(rows) != len(traj.closed) + 1:
         return None
@@ -287,12 +274,8 @@ async def fork(ctx: RunContext, traj: Trajectory, drive: Drive) -> bool:
     root_agent = ctx.root_agent
     parent = root_node(traj, ctx.agent)
     k = spec.branches
-    tree = root_agent.spec.tree
-    if (
-        (tree.max_depth is not None and parent.depth + 1 > tree.max_depth)
-        or len(parent.nodes) + k > tree.max_children
-        or parent.count.nodes + k > tree.max_nodes
-    ):
+    if _room(parent, root_agent, k) is not None:
+        tree = root_agent.spec.tree
         traj.extra["fork_refused"] = (
             f"{traj.state}: {k} branches past tree bounds (max_depth {tree.max_depth}, max_children "
             f"{tree.max_children}, max_nodes {tree.max_nodes})"
