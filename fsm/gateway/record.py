@@ -86,11 +86,12 @@ AUX = "aux:"  # an auxiliary call's line ends with AUX + its kind (fsm/gateway/t
 AUX_KIND = re.compile(r"[a-z][a-z0-9_]{0,31}")
 # System prompts of calls that are not the agent's own turns, by what they hold: (kind, text). Configurable
 # (GatewayLimits.auxiliary_prompts); these are the harnesses' own (opencode's title agent, Claude Code's /compact,
-# Gemini CLI's and qwen-code's history compression).
+# Gemini CLI's and qwen-code's history compression, Gemini CLI's model router, which scores each request first).
 AUX_PROMPTS: tuple[tuple[str, str], ...] = (
     ("title", "You are a title generator"),
     ("compaction", "tasked with summarizing conversations"),
     ("compaction", "summarizes internal chat history"),
+    ("router", "You are a specialized Task Routing AI"),
 )
 
 
