@@ -381,17 +381,18 @@ def tool_script_backend(
 
 @contextlib.contextmanager
 def scripted_servers(
-    count: int = 2, latency_s: float = 0.0, timeout_s: float = 60.0, mode: str = "--scripted"
+    count: int = 2, latency_s: float = 0.0, timeout_s: float = 60.0, mode: str | Sequence[str] = "--scripted"
 ) -> Iterator[list[str]]:
     """`count` SGLang-protocol dev servers in scripted mode (`python -m backends.devserver --scripted`, or
-    `mode`, e.g. `--scripted-calculator`), as subprocesses on free loopback ports; yields their URLs once each
-    answers /health, stops them on exit.
+    `mode`, e.g. `--scripted-calculator`; given a list of modes, server i runs the i-th), as subprocesses on free
+    loopback ports, started together; yields their URLs once each answers /health, stops them on exit.
 
     Unlike `DevServer`, which serves from the caller's event loop, these keep serving while the caller blocks
     (a synchronous `generate_sequences`, a `ray.get`) and do not compete for the caller's GIL."""
     procs, urls = [], []
     try:
-        for _ in range(count):
+        modes = [mode] * count if isinstance(mode, str) else list(mode)
+        for k in range(count):
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
@@ -399,7 +400,7 @@ def scripted_servers(
                 sys.executable,
                 "-m",
                 "backends.devserver",
-                mode,
+                modes[k % len(modes)],
                 "--port",
                 str(port),
                 "--latency",

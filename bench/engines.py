@@ -257,7 +257,8 @@ def bench_instant(
     try:
         otlp = f"http://127.0.0.1:{int(collector.stdout.readline())}"  # type: ignore[union-attr]
         with contextlib.ExitStack() as stack:
-            urls = {s: stack.enter_context(scripted_servers(1, mode=SHAPES[s][0]))[0] for s in shapes}
+            started = scripted_servers(len(shapes), mode=[SHAPES[s][0] for s in shapes])
+            urls = dict(zip(shapes, stack.enter_context(started)))
             for r in range(repeats):
                 for case in _turns(cases, r):
                     shape, traced = case
