@@ -48,6 +48,7 @@ _EXPORTS = {
     "ToolCall": "fsm.families.parsers",
     "register_parser": "fsm.families.parsers",
     "Trajectory": "fsm.run.trajectory",
+    "Failure": "fsm.run.trajectory",
     "Family": "fsm.families",
     "register_family": "fsm.families",
     "Group": "fsm.run.stream",
@@ -131,6 +132,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from fsm.run.runtime import Runner as Runner
     from fsm.run.snapshot import SnapshotError
     from fsm.run.stream import Group, StreamEmpty
+    from fsm.run.trajectory import Failure as Failure
     from fsm.run.trajectory import Trajectory as Trajectory
     from fsm.spec.loader import Diagnostic, SpecError, load_spec
     from fsm.spec.model import AgentSpec as AgentSpec

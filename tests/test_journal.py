@@ -448,3 +448,29 @@ def test_show_reads_the_journal_of_a_run_that_did_not_finish(capsys, interrupted
     out = capsys.readouterr().out
     assert f"{cut / JOURNAL}: 3 trajectories finished, 3 in flight; the run: not ended" in out
     assert "in flight: " in out
+
+
+def test_failures_read_back_as_recorded_and_an_older_journals_error_as_a_failure(tmp_path, tok):
+    """A row's fsm.Failure is journaled as recorded (kind, state, cause). A journal written before Failure holds
+    a failed row's `error` text only: it reads back as a failure (kind "error"), never as a row that looks
+    finished."""
+    rows = [user_row("What is 1 + 2?"), user_row("x", tools_kwargs="abc")]
+    trajs = asyncio.run(_journaled(SPEC, scripted([]), rows, tmp_path / JOURNAL, n=1))
+    rb = rebuild(records(tmp_path / JOURNAL))
+    for t in trajs:
+        _same(t, rb.trajs[t.session_id])
+    assert [(t.failure.kind, t.failure.state) for t in rb.trajs.values()] == [
+        ("backend", "GENERATING"),
+        ("bad_row", "PENDING"),
+    ]
+    lines = []
+    for rec in records(tmp_path / JOURNAL).records:
+        for part in (rec.get("v"), rec.get("d")):  # as an older engine wrote them
+            if isinstance(part, dict) and "failure" in part:
+                failure, _ = part.pop("failure"), part.pop("failures", None)
+                part["error"] = failure and failure["fields"]["cause"]
+        lines.append(frame(rec))
+    (tmp_path / JOURNAL).write_bytes(b"".join(lines))
+    old = rebuild(records(tmp_path / JOURNAL))
+    for t in trajs:
+        assert old.trajs[t.session_id].failure.kind == "error" and old.trajs[t.session_id].error == t.error

@@ -4,6 +4,7 @@ Each test checks the rows exactly: the path, the observation the model reads, ma
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import numpy as np
@@ -69,12 +70,15 @@ async def test_a_caught_tool_error_goes_to_the_catch_state_and_the_model_reads_i
     [traj] = await run_agent(agent, scripted(script(tok)), tok, [user_row()])
     assert traj.error is None and traj.termination_reason == "done"
     assert traj.path == ["PENDING", "GENERATING", "PROCESSING_TOOLS", "TOOL_DOWN", "GENERATING", "TERMINATED"]
-    assert traj.extra["caught"] == {
-        "state": "PROCESSING_TOOLS",
-        "error": "tool.exception",
-        "message": "Error executing tool 'flaky': sandbox down (call 1)",
-    }
-    assert traj.extra["state_catches"] == {"PROCESSING_TOOLS": 1}
+    [caught] = traj.failures  # fsm.Failure: recorded once, read by the record, the spans and observe_error
+    assert (caught.handled, caught.state, caught.kind, caught.attempt, caught.to) == (
+        "catch",
+        "PROCESSING_TOOLS",
+        "tool.exception",
+        1,
+        "TOOL_DOWN",
+    )
+    assert caught.cause == "Error executing tool 'flaky': sandbox down (call 1)"
     [seen] = observation_texts(tok, traj)
     assert "<tool_response>\nError executing tool 'flaky': sandbox down (call 1)\n</tool_response>" in seen
     assert [m["content"] for m in traj.messages if m["role"] == "tool"] == [
@@ -97,7 +101,10 @@ async def test_a_retried_tool_error_runs_the_round_again_until_it_answers(tok, c
     agent = compile_yaml(spec(processing))
     [traj] = await run_agent(agent, scripted(script(tok)), tok, [user_row()])
     assert traj.error is None and flaky.CALLS == {"flaky": 3}
-    assert traj.extra["state_retries"] == {"PROCESSING_TOOLS": 2}
+    assert [(f.handled, f.state, f.attempt) for f in traj.failures] == [
+        ("retry", "PROCESSING_TOOLS", 1),
+        ("retry", "PROCESSING_TOOLS", 2),
+    ]
     assert [m["content"] for m in traj.messages if m["role"] == "tool"] == ["echo hi"]
     assert traj.path == ["PENDING", "GENERATING", "PROCESSING_TOOLS", "GENERATING", "TERMINATED"]
 
@@ -154,8 +161,9 @@ async def test_a_states_own_on_error_wins_over_the_spec_wide_one_for_rows_failin
     assert server.error is not None and server.state == "GENERATING"
     turn = tool_turn(tok, ("flaky", {"text": "hi"}))
     assert tools.response_ids.tolist() == turn and list(tools.response_mask) == [1] * len(turn)
-    assert tools.extra["on_error"] == "zero_reward" and server.extra["on_error"] == "drop"
-    assert "on_error" not in good.extra and good.error is None
+    assert tools.failure.on_error == "zero_reward" and server.failure.on_error == "drop"
+    assert (tools.failure.kind, tools.failure.attempt) == ("tool.exception", 2)  # past RETRY_ONCE's two
+    assert server.failure.kind == "backend" and good.failure is None and good.error is None
     out = collate(
         [tools, server, good], prompt_length=1024, response_length=1024, pad_token_id=tok.pad_token_id
     )
@@ -175,7 +183,7 @@ async def test_a_state_timeout_caught_tells_the_model_the_tool_hung(tok, compile
 """
     agent = compile_yaml(spec(processing))
     [traj] = await run_agent(agent, scripted(script(tok, "hang")), tok, [user_row()])
-    assert traj.error is None and traj.extra["caught"]["error"] == "timeout"
+    assert traj.error is None and traj.failures[-1].kind == "timeout"
     assert [m["content"] for m in traj.messages if m["role"] == "tool"] == [
         "Error: action of PROCESSING_TOOLS exceeded timeout_s 0.3s"
     ]
@@ -204,7 +212,7 @@ def heart_spec(beats: int, quiet: bool) -> str:
 async def test_a_tool_that_stops_heartbeating_is_failed_after_the_interval(tok, compile_yaml):
     agent = compile_yaml(heart_spec(beats=3, quiet=True))
     [traj] = await run_agent(agent, scripted(script(tok, "heart")), tok, [user_row()])
-    assert traj.extra["caught"]["error"] == "heartbeat"
+    assert traj.failures[-1].kind == "heartbeat"
     assert [m["content"] for m in traj.messages if m["role"] == "tool"] == [
         "Error: no heartbeat from the tools of PROCESSING_TOOLS for 0.3s (heartbeat_s)"
     ]
@@ -213,7 +221,7 @@ async def test_a_tool_that_stops_heartbeating_is_failed_after_the_interval(tok, 
 async def test_a_tool_that_heartbeats_runs_past_the_interval(tok, compile_yaml):
     agent = compile_yaml(heart_spec(beats=6, quiet=False))  # 0.6 s of work, a beat every 0.1 s
     [traj] = await run_agent(agent, scripted(script(tok, "heart")), tok, [user_row()])
-    assert "caught" not in traj.extra and traj.error is None
+    assert traj.failures == [] and traj.error is None
     assert [m["content"] for m in traj.messages if m["role"] == "tool"] == ["beat 6 times"]
 
 
@@ -233,7 +241,7 @@ async def test_a_function_tool_that_stops_calling_fsm_heartbeat_is_failed_within
     assert tool in agent.tools.by_name and "heart" not in agent.tools.by_name
     [traj] = await run_agent(agent, scripted(script(tok, tool)), tok, [user_row()])
     ended = time.monotonic()
-    assert traj.extra["caught"]["error"] == "heartbeat"
+    assert traj.failures[-1].kind == "heartbeat"
     assert [m["content"] for m in traj.messages if m["role"] == "tool"] == [
         "Error: no heartbeat from the tools of PROCESSING_TOOLS for 0.3s (heartbeat_s)"
     ]
@@ -246,7 +254,7 @@ async def test_a_function_tool_that_stops_calling_fsm_heartbeat_is_failed_within
 async def test_a_function_tool_that_calls_fsm_heartbeat_runs_past_the_interval(tok, compile_yaml, tool):
     agent = compile_yaml(beat_spec(tool))
     [traj] = await run_agent(agent, scripted(script(tok, tool)), tok, [user_row()])
-    assert "caught" not in traj.extra and traj.error is None
+    assert traj.failures == [] and traj.error is None
     assert [m["content"] for m in traj.messages if m["role"] == "tool"] == ["pulsed 6 times"]
     assert [ok for _, ok in flaky.BEATS[tool]] == [True] * 6
 
@@ -305,7 +313,9 @@ async def test_render_run_shows_retries_and_catches_on_the_diagram(tok, compile_
     processing = RETRY_ONCE + CATCH_EXCEPTION.replace("tool.exception", "tool")
     agent = compile_yaml(spec(processing))
     trajs = await run_agent(agent, scripted(script(tok)), tok, [user_row(), user_row()])
-    assert [t.extra["state_retries"] for t in trajs] == [{"PROCESSING_TOOLS": 1}] * 2
+    assert [[(f.handled, f.state) for f in t.failures] for t in trajs] == [
+        [("retry", "PROCESSING_TOOLS"), ("catch", "PROCESSING_TOOLS")]
+    ] * 2
     stats = run_stats(agent, trajs)
     assert stats["states"]["PROCESSING_TOOLS"]["retries"] == 2
     assert stats["states"]["PROCESSING_TOOLS"]["catches"] == 2
@@ -370,16 +380,16 @@ async def test_a_server_that_fails_n_times_then_answers_is_retried_by_the_state(
         finally:
             await backend.close()
     if not catch:  # 3 outages, 4 attempts: the 4th answers
-        assert proxy.injected["http_503"] == 3 and traj.extra["state_retries"] == {"GENERATING": 3}
+        assert proxy.injected["http_503"] == 3 and [f.handled for f in traj.failures][:3] == ["retry"] * 3
         assert traj.error is None and traj.termination_reason == "done"
         assert traj.response_ids.tolist() == answer and list(traj.response_mask) == [1] * len(answer)
         assert traj.reward_score == 1.0
     else:  # 6 outages, 4 attempts: caught to TERMINATED, with no model token
-        assert proxy.injected["http_503"] == 4 and traj.extra["state_retries"] == {"GENERATING": 3}
+        assert proxy.injected["http_503"] == 4 and [f.handled for f in traj.failures][:3] == ["retry"] * 3
         assert traj.error is None and traj.termination_reason == "server_down"
         assert traj.path == ["PENDING", "GENERATING", "TERMINATED"]
-        assert traj.response_ids.tolist() == [] and traj.extra["caught"]["error"] == "backend"
-        assert "503" in traj.extra["caught"]["message"]
+        assert traj.response_ids.tolist() == [] and traj.failures[-1].kind == "backend"
+        assert traj.failures[-1].handled == "catch" and "503" in traj.failures[-1].cause
 
 
 async def test_spans_record_retries_and_catches(tok, compile_yaml):
@@ -440,3 +450,48 @@ async def test_drop_under_verls_dataproto_is_refused_in_one_line(tok, compile_ya
     like = DataProto(non_tensor_batch={}, meta_info={})
     with pytest.raises(ValueError, match=r"^failures.on_error: drop left out rows \['a'\], but verl's"):
         to_batch(trajs, agent, codec_for(tok), logprobs=True, like=like)
+
+
+async def test_a_failure_is_one_value_that_every_output_reads_by_its_kind(tok, compile_yaml):
+    """A row's failure (fsm.Failure) is recorded once, where it happens; the metrics, the summary and the fault
+    summary group by its kind, as the root span's error.type does. Each parsed the message before, so one bad row
+    was `error_bad`, `error: bad row bad`, `bad row bad` and `bad_row`."""
+    from fsm.output.batch import fault_summary
+    from fsm.output.metrics import rollout_metrics
+
+    flaky.reset(fail_first=10)
+    agent = compile_yaml(spec(RETRY_ONCE))
+    rows = [user_row(uid="tools"), user_row(uid="server"), user_row(uid="bad", tools_kwargs="abc")]
+    trajs = await run_agent(agent, scripted({0: script(tok), 1: []}), tok, rows)
+    kinds = ["tool.exception", "backend", "bad_row"]
+    assert [(t.failure.kind, t.failure.state, t.failure.attempt) for t in trajs] == [
+        ("tool.exception", "PROCESSING_TOOLS", 2),  # past RETRY_ONCE's two attempts
+        ("backend", "GENERATING", 1),
+        ("bad_row", "PENDING", 1),
+    ]
+    assert trajs[2].error.startswith("bad row bad: 'tools_kwargs'") and trajs[2].failures == []
+    metrics = rollout_metrics(trajs)
+    assert [metrics[f"rollout/termination/error_{k}"] for k in kinds] == [1.0] * 3
+    assert summarize(trajs)["termination_reasons"] == {f"error: {k}": 1 for k in kinds}
+    assert fault_summary(trajs, {})["error_reasons"] == {k: 1 for k in kinds}
+
+
+async def test_a_states_retries_of_a_model_turn_stay_within_its_turn_timeout(tok, compile_yaml):
+    """limits.turn_timeout_s bounds a model turn end to end: a state's retry of the turn runs within its first
+    attempt's deadline. Each retry had a deadline of its own before, so a server failing after 0.3 s was asked
+    all 10 times (3 s) past a 1 s turn deadline, each retry re-opening the router's retry window."""
+    from backends.base import BackendUnavailable
+
+    agent = compile_yaml(generating_spec(attempts=10, catch=False) + "limits: {turn_timeout_s: 1.0}\n")
+    backend, asked = scripted([]), []
+
+    async def down(request):
+        await asyncio.sleep(0.3)
+        asked.append(request)
+        raise BackendUnavailable("503 from the only server")
+
+    backend.generate = down
+    [traj] = await run_agent(agent, backend, tok, [user_row()])
+    assert traj.failure.kind == "timeout" and "exceeded limits.turn_timeout_s 1 s" in traj.error, traj.error
+    assert 1 <= len(asked) <= 4 and len(traj.failures) == 9  # asked within 1 s; the rest timed out at once
+    assert [f.kind for f in traj.failures][-1] == "backend.timeout"

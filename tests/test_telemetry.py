@@ -625,9 +625,6 @@ def test_server_address_and_port():
     assert T._server("http://10.0.0.7:30000") == ("10.0.0.7", 30000)  # server.address, server.port
     assert T._server("https://gpu.example") == ("gpu.example", 443)
     assert T._server("hf-local") == ("hf-local", None)
-    assert T._error_type("error: backend: 503 from x") == "backend"
-    assert T._error_type("error: ValueError in GENERATING: boom") == "ValueError"
-    assert T._error_type("error: bad row: 'raw_prompt' must be ...") == "bad_row"
 
 
 def test_bench_tracing_runs():

@@ -152,14 +152,14 @@ def test_each_branch_lists_its_own_handled_failures_in_trajectories_jsonl(tmp_pa
 
 def test_a_branch_copies_its_parents_failures_into_a_list_of_its_own():
     """A fork after a handled failure: what one branch handles later is not written into its siblings' list."""
-    from fsm.run.trajectory import Trajectory
+    from fsm.run.trajectory import Failure, Trajectory
     from fsm.run.tree import _copy
 
     parent = Trajectory(0, 0, "r", "u", {"raw_prompt": []}, "GENERATING")
-    parent.extra["failures"] = [{"handled": "retry"}]
+    parent.failures.append(Failure("backend", "GENERATING", "503", 1, "retry"))
     a, b = _copy(parent, "r:0.0"), _copy(parent, "r:0.1")
-    a.extra["failures"].append({"handled": "catch"})
-    assert parent.extra["failures"] == b.extra["failures"] == [{"handled": "retry"}]
+    a.failures.append(Failure("backend", "GENERATING", "503", 2, "catch", "DOWN"))
+    assert parent.failures == b.failures == a.failures[:1] and len(a.failures) == 2
 
 
 BOMB = """states:

@@ -24,6 +24,7 @@ session-level GRPO, each segment weighted by its trajectory's advantage).
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,7 +76,7 @@ REWARD_PLACEMENTS = ("last", "every")
 
 def dropped(traj: Trajectory) -> bool:
     """A failed row left out of the batch (the spec's `on_error: drop`)."""
-    return traj.error is not None and traj.extra.get("on_error") == "drop"
+    return traj.failure is not None and traj.failure.on_error == "drop"
 
 
 def node_policy(t: Trajectory, default: str) -> str:
@@ -306,10 +307,7 @@ def summarize(trajs: Sequence[Trajectory]) -> dict[str, Any]:
     roots (`trajectories`); the rest counts every node of their trees as fsm/output/metrics.py does: the
     training rows (`rows`: a fork's branches, child machines' runs) and each generated token once."""
     roots, trajs = trajs, [n for t in trajs for n in row_nodes(t)]
-    reasons: dict[str, int] = {}
-    for t in trajs:
-        key = reason_key(t.termination_reason)
-        reasons[key] = reasons.get(key, 0) + 1
+    reasons = Counter(map(reason_key, trajs))
     scores = [t.reward_score for t in trajs if t.reward_score is not None]
     return {
         "trajectories": len(roots),
@@ -320,7 +318,7 @@ def summarize(trajs: Sequence[Trajectory]) -> dict[str, Any]:
         ),
         "dropped": sum(dropped(t) for t in trajs),  # failed rows left out of the batch (on_error: drop)
         "dropped_rows": [t.row_name for t in trajs if dropped(t)],
-        "termination_reasons": dict(sorted(reasons.items(), key=lambda kv: -kv[1])),
+        "termination_reasons": dict(reasons.most_common()),
         "reward_mean": float(np.mean(scores)) if scores else None,
         "accuracy": float(np.mean([s > 0 for s in scores])) if scores else None,
         "turns_mean": float(np.mean([t.num_turns for t in trajs])) if trajs else 0.0,
@@ -348,11 +346,7 @@ def fault_summary(trajs: Sequence[Trajectory], backend_stats: Mapping[str, Any] 
     reroutes = int(stats.get("retries", 0)) if "client_retries" in stats else 0  # a router's re-routes
     failovers = int(stats.get("failovers", 0))
     same_server = int(stats.get("client_retries", stats.get("retries", 0))) + reroutes - failovers
-    errors: dict[str, int] = {}
-    for t in trajs:
-        if t.failed:
-            kind = (t.termination_reason or "error: ?").removeprefix("error: ").split(":", 1)[0]
-            errors[kind] = errors.get(kind, 0) + 1
+    errors = Counter(t.failure.kind for t in trajs if t.failure is not None)
     return {
         "faults": dict(stats.get("faults", {})),
         "retries": same_server,
@@ -360,7 +354,7 @@ def fault_summary(trajs: Sequence[Trajectory], backend_stats: Mapping[str, Any] 
         "aborts_sent": int(stats.get("aborts_sent", 0)),
         "resumes": int(sum(t.metrics.num_preempted for t in trajs)),
         "error_rows": sum(t.failed for t in trajs),
-        "error_reasons": dict(sorted(errors.items(), key=lambda kv: -kv[1])),
+        "error_reasons": dict(errors.most_common()),
     }
 
 

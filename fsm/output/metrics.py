@@ -20,24 +20,17 @@ Keys are "rollout/..." paths (wandb groups them into one panel section):
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from fsm.output.stats import reason_key
 from fsm.run.trajectory import Trajectory
 from fsm.run.tree import nodes_of, row_nodes
 
 COUNTERS = ("retries", "failovers", "aborts_sent", "client_retries")  # backend stats() keys that are counts
-
-
-def reason_key(reason: str | None) -> str:
-    """A termination reason as a metric name: errors by their kind ("error: reward", not the whole message)."""
-    reason = reason or "unknown"
-    if reason.startswith("error:"):
-        kind = reason.removeprefix("error:").strip().split(":", 1)[0].split(" ", 1)[0]
-        return f"error_{kind or 'unknown'}"
-    return reason.replace(" ", "_")
 
 
 def generated_tokens(traj: Trajectory) -> int:
@@ -64,9 +57,8 @@ def rollout_metrics(
         "rollout/rows": float(len(trajs)),
         "rollout/failed": float(sum(t.failed for t in trajs)),
     }
-    for t in trajs:
-        key = f"rollout/termination/{reason_key(t.termination_reason)}"
-        out[key] = out.get(key, 0.0) + 1.0
+    reasons = Counter(reason_key(t).replace(": ", "_").replace(" ", "_") for t in trajs)  # error_backend
+    out |= {f"rollout/termination/{k}": float(n) for k, n in reasons.items()}
     if trajs:
         m = [t.metrics for t in trajs]
         turns = np.array([t.num_turns for t in trajs], dtype=np.float64)

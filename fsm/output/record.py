@@ -110,8 +110,8 @@ def trajectory_record(
         record["gateway_notes"] = list(extra["gateway_notes"])
     if isinstance(extra.get("harness"), dict):  # how its harness ended: outcome, error, exit_code, result
         record["harness"] = extra["harness"]
-    if extra.get("failures"):  # the failures a state's retry or catch handled, in order (fsm/run/failures.py)
-        record["failures"] = list(extra["failures"])
+    if getattr(traj, "failures", None):  # what a state's rules handled, in order (fsm/run/failures.py)
+        record["failures"] = [f.record() for f in traj.failures]
     if getattr(traj, "token_check", None):  # --check-tokens: the first difference from a re-render
         record["token_check"] = traj.token_check
     if (last := tree_fields(traj, len(traj.closed))) is not None:  # the top-level row's place in its tree

@@ -127,7 +127,7 @@ def to_sample(
         num_segments=traj.num_segments,
         trajectory_id=traj.session_id,
         tree=tree or {},
-        on_error=str(traj.extra.get("on_error", "mask")) if traj.failed else None,
+        on_error=None if traj.failure is None else traj.failure.on_error,
     )
 
 

@@ -34,15 +34,12 @@ from pathlib import Path
 from typing import Any
 
 
-def reason_key(reason: str | None) -> str:
-    """A termination reason as summary.json groups it (here and in fsm/output/batch.py's `summarize`): errors by
-    their kind ("error: backend")."""
-    if not reason:
-        return "?"
-    if reason.startswith("error:"):
-        parts = reason.split(":", 2)
-        return f"error: {parts[1].strip()}" if len(parts) > 1 else "error"
-    return reason
+def reason_key(traj: Any) -> str:
+    """A row's termination reason as summary.json groups it (here and in fsm/output/batch.py's `summarize`): a
+    failure by its kind ("error: backend", fsm/run/trajectory.py `Failure`)."""
+    if traj.failure is not None:
+        return f"error: {traj.failure.kind}"
+    return traj.termination_reason or "?"
 
 
 def run_stats(agent: Any, trajectories: Sequence[Any] | None = None) -> dict[str, Any]:
@@ -102,7 +99,7 @@ def run_stats(agent: Any, trajectories: Sequence[Any] | None = None) -> dict[str
             if not traj.node.forked:  # a training row
                 n_segments = getattr(traj, "num_segments", 1)
                 per_trajectory[n_segments] = per_trajectory.get(n_segments, 0) + 1
-            key = reason_key(traj.termination_reason)
+            key = reason_key(traj)
             reasons[key] = reasons.get(key, 0) + 1
             if traj.error is not None:
                 states[traj.state]["failed"] += 1
@@ -152,16 +149,12 @@ def machine_nodes(root: Any, agent: Any = None) -> Iterator[tuple[Any, int, Any]
 
 
 def _count_retries(traj: Any, parent: Any, states: dict[str, dict[str, Any]]) -> None:
-    """A state's retries and catches (the failure rules'). A branch starts with its `parent`'s record (the same
-    dict), which the parent counts."""
-    extra = getattr(traj, "extra", None) or {}
-    for key, counts in (("retries", "state_retries"), ("catches", "state_catches")):
-        record = extra.get(counts, {})
-        if parent is not None and record is (getattr(parent, "extra", None) or {}).get(counts):
-            continue
-        for state, count in record.items():
-            s = states.setdefault(state, {"visits": 0, "total_s": 0.0, "failed": 0})
-            s[key] = s.get(key, 0) + count
+    """A state's retries and catches (the failure rules'). A branch's list begins with its `parent`'s, which the
+    parent counts."""
+    for f in traj.failures[len(parent.failures) :] if parent is not None else traj.failures:
+        s = states.setdefault(f.state, {"visits": 0, "total_s": 0.0, "failed": 0})
+        key = "retries" if f.handled == "retry" else "catches"
+        s[key] = s.get(key, 0) + 1
 
 
 def _count_segments(

@@ -43,7 +43,7 @@ async def encode_prompt(ctx: RunContext, traj: Trajectory) -> None:
     limit = ctx.agent.limits.prompt_length
     if len(ids) > limit:
         if ctx.agent.limits.prompt_overflow == "error":
-            raise RowError(f"prompt_too_long: {len(ids)} tokens > prompt_length {limit}")
+            raise RowError(f"prompt_too_long: {len(ids)} tokens > prompt_length {limit}", "prompt_too_long")
         ids = ids[-limit:]
         traj.extra["prompt_truncated"] = True
     traj.prompt_ids.extend(ids)
@@ -60,7 +60,7 @@ def _render_prompt(ctx: RunContext, traj: Trajectory) -> list[int]:
     except RowError:
         raise
     except UnknownRole as exc:  # the message would vanish from the prompt without a word
-        raise RowError(f"bad row {traj.row_name}: 'raw_prompt[{exc.index}].role': {exc}") from None
+        raise RowError(f"bad row {traj.row_name}: 'raw_prompt[{exc.index}].role': {exc}", "bad_row") from None
     except Exception as exc:
         odd = next(
             (
@@ -72,7 +72,8 @@ def _render_prompt(ctx: RunContext, traj: Trajectory) -> list[int]:
         )
         raise RowError(
             f"bad row {traj.row_name}: the chat template cannot render 'raw_prompt': {type(exc).__name__}: "
-            f"{exc}{odd}"
+            f"{exc}{odd}",
+            "bad_row",
         ) from None
 
 
@@ -81,8 +82,9 @@ async def generate(ctx: RunContext, traj: Trajectory) -> None:
     `template` context policy the context is first the template's render of the conversation (a new segment
     when it does not extend the current one's tokens).
 
-    The turn runs under `limits.turn_timeout_s` (retries, failovers and resumes included). A turn the server
-    aborts is resumed rather than taken as output (`_resumed_turn`).
+    The turn runs under `limits.turn_timeout_s` (retries, failovers and resumes included, and a state's retries
+    of the turn: they run within its first attempt's deadline, so they never re-open the router's retry window
+    past it). A turn the server aborts is resumed rather than taken as output (`_resumed_turn`).
     """
     limits = ctx.agent.limits
     if ctx.agent.spec.context.policy == "template" and not sync_template(ctx, traj):  # fsm/run/policy.py
@@ -94,8 +96,12 @@ async def generate(ctx: RunContext, traj: Trajectory) -> None:
     params = ctx.sampling.for_turn(traj, budget)
     rid = f"{traj.session_id}_t{traj.assistant_turns:02d}"
     t0 = time.perf_counter()
+    at, key = traj.turn_deadline, (rid, len(traj.path))  # a state's retry of this turn: the same key
+    if at is None or at[:2] != key:
+        limit = limits.turn_timeout_s
+        at = traj.turn_deadline = (*key, None if limit is None else asyncio.get_running_loop().time() + limit)
     try:
-        async with asyncio.timeout(limits.turn_timeout_s) as deadline:
+        async with asyncio.timeout_at(at[2]) as deadline:
             ids, logprobs, versions, finish = await _resumed_turn(ctx, traj, params, rid, deadline)
     except TimeoutError:
         if not deadline.expired():
@@ -264,7 +270,7 @@ async def _call_tools(ctx: RunContext, traj: Trajectory, calls: list[Any]) -> No
     traj.metrics.num_tool_calls += len(run)
     for outcome in outcomes:  # a child past the run's node bound (fsm/run/tree.py): the row's error
         if outcome.error == RUN_NODE_BOUND:
-            raise RowError(outcome.text)
+            raise RowError(outcome.text, "tree")
     named = ctx.agent.tool_rules.get(traj.state)
     if named:  # the state's retry/catch names these errors: they fail the round instead of being observations
         for outcome in outcomes:
@@ -278,7 +284,8 @@ async def _call_tools(ctx: RunContext, traj: Trajectory, calls: list[Any]) -> No
             fault = None if value is None else score_fault(value)
             if fault:  # checked before any is kept: the row's error
                 raise RowError(
-                    f"reward: tool {outcome.name} on row {traj.row_name}: returned {what} {value!r}, {fault}"
+                    f"reward: tool {outcome.name} on row {traj.row_name}: returned {what} {value!r}, {fault}",
+                    "reward",
                 )
     for outcome in outcomes:
         if outcome.reward is not None:  # a BaseTool may return None as its reward; verl leaves it out
@@ -340,7 +347,8 @@ async def interact(ctx: RunContext, traj: Trajectory) -> None:
         if fault := score_fault(score):
             raise RowError(
                 f"reward: interaction {ctx.agent.spec.interaction.class_} on row {traj.row_name}: "  # type: ignore[union-attr]
-                f"returned turn score {score!r}, {fault}"
+                f"returned turn score {score!r}, {fault}",
+                "reward",
             )
         traj.turn_scores.append(score)
         traj.add_turn_reward("interaction", score)
@@ -361,12 +369,12 @@ async def interact(ctx: RunContext, traj: Trajectory) -> None:
 async def observe_error(ctx: RunContext, traj: Trajectory) -> None:
     """After a catch (fsm/run/failures.py): the model reads what failed. Each call of a failed tool round gets
     the error as its tool message; any other failure comes as a user message."""
-    caught = traj.extra.get("caught")
+    caught = next((f for f in reversed(traj.failures) if f.handled == "catch"), None)
     if caught is None:
         raise RowError(
             f"observe_error in {traj.state} with no caught failure: reach it through a state's catch"
         )
-    message = str(caught["message"])
+    message = caught.cause
     text = message if message.startswith("Error") else f"Error: {message}"
     calls, traj.pending_calls = traj.pending_calls, []
     if calls:

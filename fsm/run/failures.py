@@ -1,8 +1,9 @@
 """A state's action under its declared failure rules (fsm/spec/failures.py): timeout, heartbeat, retry, catch.
 
 The driver (fsm/run/runtime.py) runs a state with rules through `run_state`; a state without any keeps the
-driver's own two lines, so existing specs run exactly as before. A failure is named as the driver names it
-when it ends a row (`classify`), so a rule's `errors:` and a row's `error: ...` reason speak one vocabulary.
+driver's own two lines, so existing specs run exactly as before. Each failure a rule handles is recorded once,
+as a `Failure` in `traj.failures` (its kind as the rules name it: `classify`); one no rule handles goes up to the
+driver, which records the row's, with the attempt it failed at.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from backends.base import BackendError, BackendTimeout, GenerationAborted
 from backends.retry import RetryPolicy
 from fsm.data.rows import RowError
 from fsm.run.agent import CompiledAgent, Edge
+from fsm.run.trajectory import Failure
 from fsm.spec.failures import StateRetry, matches
 from fsm.tools.isolation import ToolCrashed
 
@@ -30,32 +32,23 @@ class StateFailure(Exception):
         self.error = error
 
 
+# what a rule names each exception (the first class it is an instance of), after StateFailure's own name
+_NAMES = (
+    (ToolCrashed, "tool.crashed"),
+    (GenerationAborted, "backend.aborted"),
+    (BackendTimeout, "backend.timeout"),
+    (BackendError, "backend"),
+    (TimeoutError, "timeout"),
+    (Exception, "error"),
+)
+
+
 def classify(exc: BaseException) -> str | None:
     """The error name of `exc` (fsm.spec.failures.ERRORS), None for what no rule may handle: a bad row or a
     limit (RowError), and BaseExceptions (a cancellation, a Ctrl-C)."""
     if isinstance(exc, StateFailure):
         return exc.error
-    if isinstance(exc, RowError):
-        return None
-    if isinstance(exc, ToolCrashed):
-        return "tool.crashed"
-    if isinstance(exc, GenerationAborted):
-        return "backend.aborted"
-    if isinstance(exc, BackendTimeout):
-        return "backend.timeout"
-    if isinstance(exc, BackendError):
-        return "backend"
-    if isinstance(exc, TimeoutError):
-        return "timeout"
-    if isinstance(exc, Exception):
-        return "error"
-    return None
-
-
-def tool_errors(agent: CompiledAgent, state: str) -> frozenset[str]:
-    """The tool errors (CallOutcome.error values) that `state`'s rules name: these raise instead of being
-    observations."""
-    return agent.tool_rules.get(state, frozenset())
+    return None if isinstance(exc, RowError) else next((n for c, n in _NAMES if isinstance(exc, c)), None)
 
 
 def _policy(rule: StateRetry) -> RetryPolicy:
@@ -106,18 +99,6 @@ async def _attempt(
             await call
 
 
-def _log(
-    traj: Any, what: str, state: str, error: str, message: str, attempt: int, to: str | None = None
-) -> None:
-    """One handled failure in `extra.failures`, in order: the telemetry's span events (fsm/telemetry/spans.py)
-    and the trajectory record read it."""
-    entry = {"handled": what, "state": state, "error": error, "attempt": attempt, "message": message[:500]}
-    if to is not None:
-        entry["to"] = to
-    entry["at_ns"] = time.time_ns()
-    traj.extra.setdefault("failures", []).append(entry)
-
-
 async def run_state(
     agent: CompiledAgent, state: str, ctx: Any, traj: Any, action_timeout: float | None
 ) -> Edge | None:
@@ -141,34 +122,21 @@ async def run_state(
             if isinstance(exc, TimeoutError) and st.timeout_s is not None and timeout == st.timeout_s:
                 message = f"action of {state} exceeded timeout_s {st.timeout_s:g}s"
             k = next((i for i, r in enumerate(st.retry) if matches(r.errors, error)), None)
-            if k is not None:
-                n = attempts[k] = attempts.get(k, 1)
-                if n < st.retry[k].max_attempts:
-                    attempts[k] = n + 1
-                    retries = traj.extra.setdefault("state_retries", {})
-                    retries[state] = retries.get(state, 0) + 1
-                    _log(traj, "retry", state, error, message, n)
-                    traj.pending_calls = list(pending)
-                    await asyncio.sleep(_policy(st.retry[k]).delay(n))
-                    continue
+            n = attempts.get(k, 1) if k is not None else 1
+            if k is not None and n < st.retry[k].max_attempts:
+                attempts[k] = n + 1
+                traj.failures.append(Failure(error, state, message, n, "retry"))
+                traj.pending_calls = list(pending)
+                await asyncio.sleep(_policy(st.retry[k]).delay(n))
+                continue
             for edge in agent.catches.get(state, ()):
                 if edge.catch is not None and matches(list(edge.catch), error):
-                    traj.extra["caught"] = {"state": state, "error": error, "message": message}
-                    catches = traj.extra.setdefault("state_catches", {})
-                    catches[state] = catches.get(state, 0) + 1
-                    _log(
-                        traj,
-                        "catch",
-                        state,
-                        error,
-                        message,
-                        attempts.get(k, 1) if k is not None else 1,
-                        edge.dest,
-                    )
+                    traj.failures.append(Failure(error, state, message, n, "catch", edge.dest))
                     traj.pending_calls = list(pending)  # a failed tool round: observe_error answers each call
                     return edge
             if isinstance(exc, StateFailure):  # named by a rule that is now spent: the row ends as it says
-                raise RowError(f"{error} in {state}: {message}") from None
-            if error == "timeout" and timeout == st.timeout_s:
-                raise RowError(f"timeout: {message}") from None
-            raise
+                exc = RowError(f"{error} in {state}: {message}", error)
+            elif error == "timeout" and timeout == st.timeout_s:
+                exc = RowError(f"timeout: {message}", "timeout")
+            exc.attempt = n  # type: ignore[attr-defined]  # the driver records the row's failure with it
+            raise exc from None

@@ -57,7 +57,7 @@ from typing import Any
 
 from fsm.run.signals import warn
 from fsm.run.snapshot import SnapshotError, _decode, _encode, decode_trajectory, encode_trajectory
-from fsm.run.trajectory import TRANSIENT, Metrics, TokenRuns, Trajectory
+from fsm.run.trajectory import TRANSIENT, Failure, Metrics, TokenRuns, Trajectory
 from fsm.run.treejournal import node_mark, node_meta
 
 JOURNAL = "journal.log"  # in the run directory
@@ -76,6 +76,7 @@ _LISTS = (
     "tool_scores",
     "turn_scores",
     "turn_rewards",
+    "failures",
 )
 # slots set once (or replaced whole, a new object): compared by identity, written when replaced
 _FIXED = ("index", "sample", "session_id", "uid", "row", "tool_schemas", "tools_kwargs", "interaction_kwargs")
@@ -92,12 +93,11 @@ _SCALARS = (
     "should_terminate",
     "observation_overflow",
     "termination_reason",
-    "error",
     "reward_score",
     "interaction_score",
     "token_check",
 )
-_REPLACED = ("segment_start", "partial_turn", "pending_calls")
+_REPLACED = ("segment_start", "partial_turn", "pending_calls", "failure")
 _DICTS = ("extra", "extra_fields")
 _REST = (*_SCALARS, *_REPLACED, *_DICTS, "metrics")
 _PLAIN_LISTS = ("path", "transitions_fired", "tool_rewards", "tool_scores", "turn_scores", "turn_rewards")
@@ -708,7 +708,9 @@ def _apply(out: Rebuilt, rec: dict[str, Any], where: str) -> None:
                 raise JournalError(f"{where}: {n!r} is not an array or list of a trajectory")
             _extend(traj, n, at, items, where)
         for n, v in rec.get("v", {}).items():
-            if n not in _REST:
+            if n == "error":  # written before `Failure`
+                n, v = "failure", Failure.legacy(v, traj.state, traj.extra)
+            elif n not in _REST:
                 raise JournalError(f"{where}: {n!r} is not a slot a step changes")
             if n == "metrics":
                 if not isinstance(v, dict) or not set(v) <= set(Metrics.__slots__):

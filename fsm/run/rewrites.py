@@ -58,11 +58,9 @@ def _restart(ctx: RunContext, traj: Trajectory, messages: list[dict[str, Any]], 
     begin(ctx, traj, ctx.codec.encode_prompt(messages, traj.tool_schemas), reason, messages)
 
 
-class RewriteError(RowError):
+def _refused(where: str, why: str) -> RowError:
     """A rewrite function failed or returned what no row can take: its row's error, of kind "rewrite"."""
-
-    def __init__(self, message: str):
-        super().__init__(message, "rewrite")
+    return RowError(f"{where}: {why}", "rewrite")
 
 
 def make_rewrite(name: str, spec: RewriteSpec, fn: Any = None) -> Action:
@@ -88,7 +86,7 @@ def make_rewrite(name: str, spec: RewriteSpec, fn: Any = None) -> Action:
             try:
                 ctx.codec.check_roles(new)
             except UnknownRole as exc:  # it would vanish from the prompt, and the task with it
-                raise RewriteError(f"{where}: returned {exc}") from None
+                raise _refused(where, f"returned {exc}") from None
             limit = ctx.agent.limits.prompt_length
             if chars > limit * CHARS_PER_TOKEN:  # bounded time: never rendered (see CHARS_PER_TOKEN)
                 overflow(
@@ -101,8 +99,9 @@ def make_rewrite(name: str, spec: RewriteSpec, fn: Any = None) -> Action:
                 except RowError:
                     raise
                 except Exception as exc:  # a shape _check lets through that the template cannot take
-                    raise RewriteError(
-                        f"{where}: the chat template cannot render what it returned: {type(exc).__name__}: {exc}"
+                    raise _refused(
+                        where,
+                        f"the chat template cannot render what it returned: {type(exc).__name__}: {exc}",
                     ) from None
 
         function_action.__name__ = name
@@ -160,18 +159,18 @@ def _caller(name: str, spec: RewriteSpec, fn: Any) -> Callable[[list, float | No
                     out = await out
                 return out
         except TimeoutError:
-            raise RewriteError(f"{where}: no result within {limit:g} s (limits.rewrite_timeout_s)") from None
+            raise _refused(where, f"no result within {limit:g} s (limits.rewrite_timeout_s)") from None
         except RowError:
             raise
         except asyncio.CancelledError as exc:
             task = asyncio.current_task()
             if task is None or task.cancelling():
                 raise  # the run cancels this row: not the function's doing
-            raise RewriteError(f"{where}: raised CancelledError: {exc}") from None
+            raise _refused(where, f"raised CancelledError: {exc}") from None
         except (
             BaseException
         ) as exc:  # KeyboardInterrupt, SystemExit, GeneratorExit from the function: its row
-            raise RewriteError(f"{where}: raised {type(exc).__name__}: {exc}") from None
+            raise _refused(where, f"raised {type(exc).__name__}: {exc}") from None
 
     return call
 
@@ -182,30 +181,30 @@ def _check(new: Any, where: str) -> int:
     deep, whose content is text or content parts with text: checked before anything walks or renders it (a part
     whose text was a list was a raw TypeError in the template). The characters it holds."""
     if not isinstance(new, list) or not new:
-        raise RewriteError(
-            f"{where}: must return a non-empty list of chat messages, got {type(new).__name__}"
-        )
+        raise _refused(where, f"must return a non-empty list of chat messages, got {type(new).__name__}")
     if len(new) > MAX_MESSAGES:
-        raise RewriteError(f"{where}: returned {len(new)} messages, past the bound of {MAX_MESSAGES}")
+        raise _refused(where, f"returned {len(new)} messages, past the bound of {MAX_MESSAGES}")
     chars = 0
     for k, m in enumerate(new):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise RewriteError(
-                f"{where}: must return a non-empty list of chat messages; message {k} is "
-                f"{type(m).__name__ if not isinstance(m, dict) else 'a mapping without a role string'}"
+            raise _refused(
+                where,
+                f"must return a non-empty list of chat messages; message {k} is "
+                f"{type(m).__name__ if not isinstance(m, dict) else 'a mapping without a role string'}",
             )
         chars += _size(m, MAX_CHARS - chars, where, k)
         content = m.get("content")
         if isinstance(content, list):
             for j, part in enumerate(content):
                 if not isinstance(part, dict) or not isinstance(part.get("text", ""), str):
-                    raise RewriteError(
-                        f"{where}: message {k}'s content part {j} must be a mapping whose text is a string, "
-                        f"got {describe(part)}"
+                    raise _refused(
+                        where,
+                        f"message {k}'s content part {j} must be a mapping whose text is a string, "
+                        f"got {describe(part)}",
                     )
         elif not (content is None or isinstance(content, str)):
-            raise RewriteError(
-                f"{where}: message {k}'s content must be text or content parts, got {describe(content)}"
+            raise _refused(
+                where, f"message {k}'s content must be text or content parts, got {describe(content)}"
             )
     return chars
 
@@ -220,7 +219,7 @@ def _size(value: Any, budget: int, where: str, k: int) -> int:
     while stack:
         item, depth = stack.pop()
         if depth > MAX_DEPTH:
-            raise RewriteError(f"{where}: message {k} is nested deeper than {MAX_DEPTH} levels")
+            raise _refused(where, f"message {k} is nested deeper than {MAX_DEPTH} levels")
         if item is None or isinstance(item, (bool, int, float)):
             size += 1
         elif isinstance(item, str):
@@ -228,19 +227,13 @@ def _size(value: Any, budget: int, where: str, k: int) -> int:
         elif isinstance(item, (dict, list, tuple)):
             size += 1 + len(item) + sum(len(key) for key in item if isinstance(key, str))
         else:
-            raise RewriteError(
-                f"{where}: message {k} holds a {type(item).__name__}, which is not a JSON value"
-            )
+            raise _refused(where, f"message {k} holds a {type(item).__name__}, which is not a JSON value")
         if size > budget:  # before a container's items are stacked: a list of 10^7 costs nothing
-            raise RewriteError(
-                f"{where}: returned more than {MAX_CHARS} characters of messages (at message {k})"
-            )
+            raise _refused(where, f"returned more than {MAX_CHARS} characters of messages (at message {k})")
         if isinstance(item, dict):
             for key, sub in item.items():
                 if not isinstance(key, str):
-                    raise RewriteError(
-                        f"{where}: message {k} has a key that is not a string: {describe(key)}"
-                    )
+                    raise _refused(where, f"message {k} has a key that is not a string: {describe(key)}")
                 stack.append((sub, depth + 1))
         elif isinstance(item, (list, tuple)):
             stack.extend((sub, depth + 1) for sub in item)

@@ -216,7 +216,7 @@ class Runner:
         steps, max_steps = 0, agent.limits.max_transitions
         try:
             if "row_error" in traj.extra:
-                raise RowError(traj.extra.pop("row_error"))
+                raise RowError(traj.extra.pop("row_error"), "bad_row")
             while traj.state not in agent.final_states:
                 if boundary is not None:
                     await boundary(traj)
@@ -224,7 +224,8 @@ class Runner:
                 if steps > max_steps:
                     raise RowError(
                         f"max_transitions: {max_steps} transitions without reaching a final state "
-                        f"(a cycle through {traj.state}; limits.max_transitions)"
+                        f"(a cycle through {traj.state}; limits.max_transitions)",
+                        "max_transitions",
                     )
                 if steps % 64 == 0:
                     await asyncio.sleep(
@@ -254,30 +255,23 @@ class Runner:
             task = asyncio.current_task()
             if task is None or task.cancelling():
                 raise  # the run itself is being cancelled: not this trajectory's failure
-            self._fail(
-                agent,
-                traj,
-                f"CancelledError raised in {traj.state} by the action, not by a cancellation of the run"
-                f"{': ' + str(exc) if str(exc) else ''}",
-            )
+            why = f"CancelledError raised in {traj.state} by the action, not by a cancellation of the run"
+            self._fail(agent, traj, exc, why + (f": {exc}" if str(exc) else ""))
         except RowError as exc:
-            self._fail(agent, traj, str(exc))
+            self._fail(agent, traj, exc, str(exc), exc.kind)
         except GenerationAborted as exc:
-            self._fail(agent, traj, f"aborted: {exc}")
+            self._fail(agent, traj, exc, f"aborted: {exc}", "aborted")
         except BackendTimeout as exc:
-            self._fail(agent, traj, f"timeout: {exc}")
+            self._fail(agent, traj, exc, f"timeout: {exc}", "timeout")
         except BackendError as exc:
-            self._fail(agent, traj, f"backend: {exc}")
-        except TimeoutError:
-            self._fail(
-                agent, traj, f"timeout: action of {traj.state} exceeded {agent.limits.action_timeout_s}s"
-            )
-        except Exception as exc:  # a user action or guard bug ends this trajectory only
-            self._fail(agent, traj, f"{type(exc).__name__} in {traj.state}: {exc}")
+            self._fail(agent, traj, exc, f"backend: {exc}", "backend")
+        except TimeoutError as exc:
+            why = f"timeout: action of {traj.state} exceeded {agent.limits.action_timeout_s}s"
+            self._fail(agent, traj, exc, why, "timeout")
         except KeyboardInterrupt:
             raise  # a real Ctrl-C cannot be told from a raised one; swallowing it would keep the run going
-        except BaseException as exc:  # SystemExit, GeneratorExit... from user code: this trajectory only
-            self._fail(agent, traj, f"{type(exc).__name__} in {traj.state}: {exc}")
+        except BaseException as exc:  # a user action's or guard's bug (SystemExit too): this row only
+            self._fail(agent, traj, exc, f"{type(exc).__name__} in {traj.state}: {exc}")
         finally:
             self.live.pop(traj.session_id, None)
             self.driving.pop(task, None)  # type: ignore[arg-type]
@@ -293,34 +287,27 @@ class Runner:
                     TRACED.reset(traced)
 
     @staticmethod
-    def _fail(agent: CompiledAgent, traj: Trajectory, reason: str) -> None:
-        """End `traj` as failed in its state, as the spec's `on_error` says (fsm/spec/failures.py): mask (an
-        empty response), zero_reward (its tokens kept; scored 0 as any failed row), drop (masked, and left
-        out of the batch by fsm/output/batch.py)."""
+    def _fail(agent: CompiledAgent, traj: Trajectory, exc: BaseException, why: str, kind: str = "") -> None:
+        """End `traj` as failed in its state by `exc`, of `kind` (its class's name by default), as the spec's
+        `on_error` says (fsm/spec/failures.py): mask (an empty response), zero_reward (its tokens kept; scored 0
+        as any failed row), drop (masked, and left out of the batch by fsm/output/batch.py)."""
         st = agent.spec.states.get(traj.state)
         mode = (st.on_error if st is not None else None) or agent.spec.failures.on_error
-        traj.fail(reason, keep_tokens=mode == "zero_reward")
-        if mode != "mask":
-            traj.extra["on_error"] = mode
+        traj.fail(why, kind or type(exc).__name__, getattr(exc, "attempt", 1), mode)  # attempt: run_state's
 
     async def _finish(self, ctx: RunContext, traj: Trajectory) -> None:
         """Release the session, close the interaction, score, and (optionally) check the tokens."""
         agent = ctx.agent
         if await tree.finish(ctx, traj):
             return
-        if traj.state not in agent.final_states and not traj.failed:
-            traj.fail(f"ended in {traj.state}, which is not a final state")  # never a row that looks finished
+        if traj.state not in agent.final_states and not traj.failed:  # never a row that looks finished
+            traj.fail(f"ended in {traj.state}, which is not a final state", "not_final")
         if traj.termination_reason is None:
             traj.termination_reason = traj.state.lower()
-        if (
-            traj.extra.get("context_cut")
-            and traj.last_finish_reason == "length"
-            and not traj.failed
-            and "spec_reason" not in traj.extra
-        ):  # finished again after a snapshot: once only
-            # its last turn stopped because the server's context (extra.context_cut tokens) was full, whatever
-            # the spec's edge calls the end; that name stays in extra.spec_reason
-            traj.extra["spec_reason"] = traj.termination_reason
+        if traj.extra.get("context_cut") and traj.last_finish_reason == "length" and not traj.failed:
+            # its last turn stopped because the server's context (extra.context_cut tokens) was full, whatever the
+            # spec's edge calls the end; that name stays in extra.spec_reason (the first: a resumed row ends again)
+            traj.extra.setdefault("spec_reason", traj.termination_reason)
             traj.termination_reason = "context_length"
         try:
             await ctx.backend.release(traj.session_id)
@@ -338,12 +325,12 @@ class Runner:
             await self._score(ctx, traj)
         except RewardError as exc:
             if traj.error is None:
-                traj.fail(f"reward: {exc}")
+                traj.fail(f"reward: {exc}", "reward")
             if agent.reward is not None:  # scored as any failed row is, so the batch keeps its rm_scores
                 traj.reward_score = 0.0
         except Exception as exc:  # scoring/cleanup failures are recorded, never raised into the batch
             if traj.error is None:
-                traj.fail(f"{type(exc).__name__} while finishing: {exc}")
+                traj.fail(f"{type(exc).__name__} while finishing: {exc}", type(exc).__name__)
         if self.check_tokens and not traj.failed and traj.prompt_ids:
             traj.token_check = check_segments(ctx.codec, traj, agent.spec.context.policy == "template")
 

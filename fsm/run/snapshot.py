@@ -38,13 +38,14 @@ from fsm.families.parsers import ToolCall
 from fsm.run.agent import CompiledAgent
 from fsm.run.context import Sampling
 from fsm.run.node import Node
-from fsm.run.trajectory import _FIRST, TRANSIENT, Metrics, Segment, TokenRun, TokenRuns, Trajectory
+from fsm.run.trajectory import _FIRST, TRANSIENT, Failure, Metrics, Segment, TokenRun, TokenRuns, Trajectory
 
 FORMAT = 2  # 2: the tokenizer is recorded (and checked on restore)
 MAX_GROUPS = 10_000_000  # a bound for a count read from a snapshot
 RECOUNT_S = 0.5  # how often a snapshot waiting at the boundary counts again without news
 _TAGS = {"__array__", "__set__", "__tuple__", "__items__", "__dc__"}
-_CLASSES = {cls.__name__: cls for cls in (TokenRun, Segment, Metrics, ToolCall)}
+_CLASSES = {cls.__name__: cls for cls in (TokenRun, Segment, Metrics, ToolCall, Failure)}
+_UNSET = object()  # a slot an older trajectory never set
 
 
 class SnapshotError(Exception):
@@ -121,8 +122,9 @@ def decode_trajectory(data: dict[str, Any]) -> Trajectory:
     this process's clock)."""
     traj = Trajectory.__new__(Trajectory)
     traj.partial_turn = None  # older snapshots have no such slots
-    traj.turn_rewards = []
-    traj.heartbeat_at = 0.0  # TRANSIENT
+    traj.turn_rewards, traj.failures = [], []
+    traj.failure = Failure.legacy(data.get("error"), data.get("state"), data.get("extra"))
+    traj.heartbeat_at, traj.turn_deadline = 0.0, None  # TRANSIENT
     for name in Trajectory.__slots__:
         if name in data and name not in TRANSIENT:
             setattr(traj, name, _decode(data[name]))
@@ -222,7 +224,8 @@ class _Fields(BaseModel):
     should_terminate: bool
     observation_overflow: bool
     termination_reason: str | None
-    error: str | None
+    failure: InstanceOf[Failure] | None
+    failures: list[InstanceOf[Failure]]
     reward_score: float | None
     tool_rewards: list[float]
     tool_scores: list[float]

@@ -16,7 +16,7 @@ import sys
 import time
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from backends.base import PromptIds
@@ -202,10 +202,42 @@ class Metrics:
         return {name: getattr(self, name) for name in self.__slots__}
 
 
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """One failure, recorded once where it happens: the one that ended a row (`Trajectory.failure`, by the
+    driver, fsm/run/runtime.py) or one a state's retry or catch handled (`Trajectory.failures`, by
+    fsm/run/failures.py). Metrics, spans, summaries, records and `on_error` read its fields; nothing parses a
+    message back for its kind."""
+
+    kind: str  # low-cardinality: "backend", "timeout", "aborted", "bad_row", "reward", "tool.exception", a class...
+    state: str  # the state it happened in
+    cause: str  # what happened, one message (a row's: its `error`, as `termination_reason` quotes it)
+    attempt: int = 1  # the attempt of the state's action that failed (its retry rules count them)
+    handled: str | None = None  # "retry" or "catch": a state's rule handled it; None: it ended the row
+    to: str | None = None  # a catch's target state
+    on_error: str = "mask"  # a row it ended: what the row became (fsm/spec/failures.py)
+    at_ns: int = field(default_factory=time.time_ns)
+
+    def record(self) -> dict[str, Any]:
+        """A handled failure as trajectories.jsonl's `failures` lists it."""
+        out = {"handled": self.handled, "state": self.state, "error": self.kind, "attempt": self.attempt}
+        out["message"] = self.cause[:500]
+        if self.to is not None:
+            out["to"] = self.to
+        return out | {"at_ns": self.at_ns}
+
+    @classmethod
+    def legacy(cls, error: Any, state: Any, extra: Any) -> Failure | None:
+        """A row's failure as engines before `Failure` wrote it (`error` text, `extra.on_error`), so that their runs
+        resume with their failed rows failed."""
+        on_error = str(extra.get("on_error", "mask")) if isinstance(extra, dict) else "mask"
+        return cls("error", str(state), error, on_error=on_error) if isinstance(error, str) else None
+
+
 # Slots that live only while a process drives the trajectory, never snapshotted or journaled: the last tool
-# heartbeat (a state's heartbeat_s, fsm/run/failures.py), the tree node, which links live objects, and the kept
-# context (`Trajectory.context`), built again from the ids when needed.
-TRANSIENT = ("heartbeat_at", "node", "_context")
+# heartbeat (a state's heartbeat_s, fsm/run/failures.py), a model turn's deadline, the tree node, which links live
+# objects, and the kept context (`Trajectory.context`), built again from the ids when needed.
+TRANSIENT = ("heartbeat_at", "turn_deadline", "node", "_context")
 # references to a kept context while `Trajectory.context` looks at it: the trajectory's own, the local name and
 # getrefcount's argument. More: someone else holds it (a request kept past its call), so it is not grown in place.
 _UNSHARED = 3
@@ -250,12 +282,14 @@ class Trajectory:
         "user_turns",
         "pending_calls",
         "heartbeat_at",
+        "turn_deadline",
         "last_finish_reason",
         "should_terminate",
         "observation_overflow",
         # outcome
         "termination_reason",
-        "error",
+        "failure",
+        "failures",
         "reward_score",
         "tool_rewards",
         "tool_scores",
@@ -305,11 +339,14 @@ class Trajectory:
         self.user_turns = 0
         self.pending_calls: list[ToolCall] = []
         self.heartbeat_at = 0.0  # time.monotonic() of the last tool heartbeat (a state's heartbeat_s)
+        # (rid, the state's entry in `path`, the loop's time it ends): a state's retry of a turn keeps its deadline
+        self.turn_deadline: tuple[str, int, float | None] | None = None
         self.last_finish_reason: str | None = None
         self.should_terminate = False
         self.observation_overflow = False
         self.termination_reason: str | None = None
-        self.error: str | None = None
+        self.failure: Failure | None = None  # what ended the row, when something did
+        self.failures: list[Failure] = []  # what a state's retry or catch handled, in order
         self.reward_score: float | None = None
         self.tool_rewards: list[float] = []
         self.tool_scores: list[float] = []
@@ -557,16 +594,21 @@ class Trajectory:
 
     @property
     def failed(self) -> bool:
-        return self.error is not None
+        return self.failure is not None
 
-    def fail(self, reason: str, keep_tokens: bool = False) -> None:
-        """Record a failure: the row keeps its place in the batch with an empty response and mask 0 (with
-        `keep_tokens`, the spec's `on_error: zero_reward`, with the tokens it had). The reason may quote a
-        server or a tool, so it is made encodable (fsm/data/rows.py) before it reaches any output."""
+    @property
+    def error(self) -> str | None:
+        """Why the row failed, as `termination_reason` quotes it; None when it did not."""
+        return None if self.failure is None else self.failure.cause
+
+    def fail(self, reason: str, kind: str = "error", attempt: int = 1, on_error: str = "mask") -> None:
+        """Record the failure that ends the row, of `kind` in its current state: the row keeps its place in the
+        batch with an empty response and mask 0 (`on_error: zero_reward`: with the tokens it had). The reason
+        may quote a server or a tool, so it is made encodable (fsm/data/rows.py) before it reaches any output."""
         reason = encodable(reason)
-        self.error = reason
+        self.failure = Failure(kind, self.state, reason, attempt, on_error=on_error)
         self.termination_reason = reason if reason.startswith("error:") else f"error: {reason}"
-        if keep_tokens:
+        if on_error == "zero_reward":
             return
         del self.response_ids[:], self.response_mask[:], self.response_logprobs[:], self._version_runs[:]
         self._context = None

@@ -245,6 +245,7 @@ def _copy(traj: Trajectory, session_id: str) -> Trajectory:
     b.transitions_fired = list(traj.transitions_fired)
     b.assistant_turns, b.user_turns = traj.assistant_turns, traj.user_turns
     b.pending_calls, b.last_finish_reason = list(traj.pending_calls), traj.last_finish_reason
+    b.failures = list(traj.failures)  # its own list: a failure handled in one branch is not its siblings'
     b.should_terminate, b.observation_overflow = traj.should_terminate, traj.observation_overflow
     b.termination_reason = traj.termination_reason
     b.tool_rewards, b.tool_scores = list(traj.tool_rewards), list(traj.tool_scores)

@@ -88,7 +88,7 @@ class StateRetry(_Strict):
 
 class StateCatch(_Strict):
     """One catch rule of a state: a failure it names (after the retries) moves the row to `to` instead of
-    ending it; the failure is in `extra.caught`, and the built-in `observe_error` action shows it the model."""
+    ending it; the failure is last in `traj.failures`, and the built-in `observe_error` action shows it the model."""
 
     errors: list[str] = Field(min_length=1, description=f"Error names, or {WILDCARD!r}.")
     to: str = Field(description="The state the row goes to.")

@@ -332,8 +332,8 @@ class LimitsSpec(Strict):
         default=1200.0,
         gt=0,
         le=MAX_SECONDS,
-        description="Deadline of one model turn, its retries, failovers and resumes included; past it the row "
-        "ends 'error: timeout: ...'. null: none.",
+        description="Deadline of one model turn, its retries, failovers and resumes included, and a state's "
+        "retries of it; past it the row ends 'error: timeout: ...'. null: none.",
     )
 
 

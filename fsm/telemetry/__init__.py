@@ -67,7 +67,6 @@ from fsm.telemetry.shapes import _CLIENT as _CLIENT
 from fsm.telemetry.shapes import _MODEL_SLOTS as _MODEL_SLOTS
 from fsm.telemetry.shapes import _server as _server
 from fsm.telemetry.shapes import _Shape as _Shape
-from fsm.telemetry.spans import _error_type as _error_type
 from fsm.telemetry.spans import _readable as _readable
 from fsm.telemetry.spans import _Root as _Root
 from fsm.telemetry.spans import _Span as _Span

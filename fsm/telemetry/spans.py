@@ -338,6 +338,9 @@ def _attribute_value(value: Any) -> Any:
     return None
 
 
+_NOT_ATTRS = ("handled", "at_ns")  # a handled failure's record fields its event carries otherwise
+
+
 class _Root(_Span):
     """`invoke_agent {agent}`, current in the trajectory's task from `trajectory()` to `finish()`.
 
@@ -507,25 +510,17 @@ class _Root(_Span):
             traj.metrics.cached_tokens,
             None if traj.reward_score is None else float(traj.reward_score),
             error,
-            None if error is None else _error_type(error),
+            None if traj.failure is None else traj.failure.kind,
             *content,
         )
         if error is not None:
             self._x().status = Status(StatusCode.ERROR, error)
-        handled = traj.extra.get("failures")
-        if handled:  # the state rules' retries and catches, as counts and one event each
-            self.set_attribute(semconv.RETRIES, sum(f["handled"] == "retry" for f in handled))
-            self.set_attribute(semconv.CATCHES, sum(f["handled"] == "catch" for f in handled))
-            for f in handled:
-                attrs = {
-                    semconv.FAILURE_STATE: f["state"],
-                    semconv.FAILURE_ERROR: f["error"],
-                    semconv.FAILURE_ATTEMPT: f["attempt"],
-                    semconv.FAILURE_MESSAGE: f["message"],
-                }
-                if "to" in f:
-                    attrs[semconv.FAILURE_TO] = f["to"]
-                self.add_event(f"agentfsm.{f['handled']}", attrs, f["at_ns"])
+        if traj.failures:  # the state rules' retries and catches, as counts and one event each
+            self.set_attribute(semconv.RETRIES, sum(f.handled == "retry" for f in traj.failures))
+            self.set_attribute(semconv.CATCHES, sum(f.handled == "catch" for f in traj.failures))
+            for f in traj.failures:  # its fields as trajectories.jsonl has them, each as semconv.FAILURE_*
+                attrs = {f"agentfsm.failure.{k}": v for k, v in f.record().items() if k not in _NOT_ATTRS}
+                self.add_event(f"agentfsm.{f.handled}", attrs, f.at_ns)
         versions = traj.weight_versions()
         if versions is not None:  # which weights made its tokens (several when updated mid-trajectory)
             self.set_attribute(semconv.WEIGHT_VERSION_MIN, versions[0])
@@ -540,9 +535,3 @@ class _Root(_Span):
         self.shape = self.shapes.named_root()  # the model's name, learnt meanwhile (shapes.UNKNOWN_MODEL)
         self.traj = None  # the root may wait in the export queue; the trajectory need not
         self.end()
-
-
-def _error_type(error: str) -> str:
-    """A low-cardinality error.type from a trajectory's error ('backend: ...' -> 'backend')."""
-    head = error.removeprefix("error:").strip().split(":", 1)[0].split(" in ", 1)[0].strip()
-    return head.replace(" ", "_") or "_OTHER"
