@@ -81,8 +81,12 @@ def main() -> int:
             os.environ.get("AGENTFSM_MODEL", "agentfsm"),
             sys.argv[1:],
         )
+        workdir = os.environ.get("AGENTFSM_WORKDIR") or home  # where it works (a test reads its files there)
         return subprocess.run(
-            argv, env={**os.environ, "CODEX_HOME": home}, stdin=subprocess.DEVNULL
+            argv,
+            env={**os.environ, "CODEX_HOME": home, "PWD": workdir},
+            cwd=workdir,
+            stdin=subprocess.DEVNULL,
         ).returncode
     finally:
         shutil.rmtree(home, ignore_errors=True)

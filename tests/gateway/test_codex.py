@@ -12,11 +12,15 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from examples.gateway import codex
 from fsm.gateway import harness
+from tests.fixtures.real_tokenizers import DIR as TOKENIZERS
+from tests.gateway.test_claude_code import gateway
+from tests.gateway.test_real_size import dev_server, stop
 
 ROOT = Path(__file__).resolve().parents[2]
 FIT = [
@@ -30,6 +34,10 @@ FIT = [
     "skills.include_instructions=false",
 ]
 small_codex = harness(command=[sys.executable, codex.__file__, *FIT], timeout_s=300)
+# Codex at its defaults, allowed to write in its working folder (`codex exec` is read-only otherwise)
+writing_codex = harness(
+    command=[sys.executable, codex.__file__, "--sandbox", "workspace-write"], timeout_s=300
+)
 
 
 @pytest.fixture
@@ -94,3 +102,52 @@ def test_the_codex_cli_runs_one_exchange_and_its_row_says_how_it_ended(
     )  # its function tools only
     (note,) = record["gateway_notes"]
     assert "type 'namespace', 'multi_agent_v1'" in note and "type 'web_search'" in note, note
+
+
+@pytest.mark.slow
+def test_codex_at_its_defaults_runs_a_command_through_the_gateway(
+    tmp_path: Path, codex_cli: str, real_tokenizer: Any
+) -> None:
+    """Codex's own prompt, whole (6,109-6,295 Qwen2.5 tokens), on the scripted tool-calling dev server: its
+    exec_command writes a file, then the model finishes; one row, --check-tokens clean. Its sub-agents' tools sit in
+    the `namespace` tool the gateway leaves out (noted on the row), so its tree has no child. 21 s measured at load
+    10 on the shared 2-core machine."""
+    real_tokenizer("qwen2_5")  # skips (or fails under CI) with the line that fetches it
+    tokenizer = str(TOKENIZERS / "qwen2_5")
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    script = tmp_path / "script.json"
+    script.write_text(
+        json.dumps(
+            [{"call": "exec_command", "arguments": {"cmd": "printf hi > hello.txt"}}, {"text": "Done."}]
+        )
+    )
+    spec = tmp_path / "codex.yaml"
+    spec.write_text(
+        (ROOT / "examples/gateway/codex.yaml")
+        .read_text()
+        .replace("extends: base.yaml", f"extends: {ROOT / 'examples/gateway/base.yaml'}")
+        .replace("examples.gateway.codex:codex_harness", "tests.gateway.test_codex:writing_codex")
+        .replace("prompt_length: 4000", "prompt_length: 60000")
+        .replace("response_length: 96", "response_length: 4096")
+        .replace("max_new_tokens: 32", "max_new_tokens: 1024")
+        .replace("max_assistant_turns: 2", "max_assistant_turns: 8")
+    )
+    server, url = dev_server(
+        "--scripted-tools", "--tokenizer", tokenizer, "--context-length", "65536", "--script", str(script)
+    )
+    try:
+        out = tmp_path / "run"
+        record = gateway(spec, url, tokenizer, out, workdir, codex_cli, "AGENTFSM_CODEX")
+    finally:
+        stop(server)
+    assert (workdir / "hello.txt").read_text() == "hi"  # written by the command Codex ran
+    assert record["termination_reason"] == "done", record
+    assert record["harness"]["outcome"] == "exit" and record["harness"]["exit_code"] == 0, record["harness"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["token_check_failures"] == 0 and summary["rows"] == 1
+    assert record["prompt_tokens"] > 5_000 and "segments" not in record  # one row: no child, no branch
+    said = [t["text"] for t in record["turns"] if t["role"] == "assistant"]
+    assert '"name": "exec_command"' in said[0] and said[-1].startswith("Done."), said
+    (note,) = record["gateway_notes"]
+    assert "type 'namespace', 'multi_agent_v1'" in note, note
