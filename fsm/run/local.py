@@ -260,39 +260,23 @@ class Local:
         if paused:
             gate.close()  # first: no new turn starts while the servers abort the running ones
             await self._pause_or_abort()
-        if path is None:  # journal only: park everyone at a boundary (each recorded there), flush, stop
-            try:
+        try:
+            if path is None:  # journal only: park everyone at a boundary (each recorded there), flush, stop
                 try:
                     ready, running = await stream.park(timeout)
                     if stream.journal is not None:
                         await asyncio.to_thread(stream.journal.writer.sync)
                 finally:
-                    try:
-                        if stop:
-                            await self.stop_stream()
-                    finally:
-                        stream.boundary.open()
-            finally:
-                if paused:
-                    with contextlib.suppress(Exception):
-                        async with asyncio.timeout(PAUSE_TIMEOUT_S):
-                            await self.controls.call("continue_generation", (), {}, False)
-                    gate.open()
-            return {"ready_groups": ready, "running_groups": running, "restarted": 0, "path": None}
-        written = Path(path)
-        try:
+                    await self._after_snapshot(stream, stop)
+                return {"ready_groups": ready, "running_groups": running, "restarted": 0, "path": None}
             data = await stream.snapshot(
                 {**snap.header(self.agent, self.codec), "meta": dict(meta or {})}, timeout
             )
             restarted = data.pop("restarted")
             try:
-                written = await asyncio.to_thread(_write, written, data, fallback)
+                written = await asyncio.to_thread(_write, Path(path), data, fallback)
             finally:
-                try:
-                    if stop:
-                        await self.stop_stream()
-                finally:
-                    stream.boundary.open()
+                await self._after_snapshot(stream, stop)
         finally:  # stopped or going on: the servers serve again (a stop has cancelled our turns by now)
             if paused:
                 with contextlib.suppress(Exception):
@@ -306,6 +290,14 @@ class Local:
             "restarted": restarted,
             "path": str(written),
         }
+
+    async def _after_snapshot(self, stream: Stream, stop: bool) -> None:
+        """The stream stops (`stop`: its running trajectories are cancelled) or goes on past its boundary."""
+        try:
+            if stop:
+                await self.stop_stream()
+        finally:
+            stream.boundary.open()
 
     def _wedge(self) -> None:
         """Code blocks the loop for good: nothing more runs there, and the exit does not wait for its thread."""
