@@ -369,6 +369,7 @@ def cmd_run(args: argparse.Namespace, rollout: Callable[..., Any] | None = None)
                 f"--resume: {Path(args.resume) / JOURNAL}: the run there has {loaded.ended}: nothing to resume"
             )
         refuse_changed_code(Path(args.resume) / JOURNAL, agent, loaded.made_by, args.accept_changes)
+        del loaded  # checked: the run reads the journal again (fsm/run/interruptible.py), not with this copy
     rows = _rows(args, agent) if args.resume is None else None
     out = args.out = _out_dir(args)
     try:

@@ -220,7 +220,7 @@ def _snapshot_form(
             nodes_done += sum(e["done"] for e in nodes)
             nodes_going += sum(not e["done"] for e in nodes)
             tree = {"n": meta, "nodes": nodes} if meta is not None or nodes else {}
-            members.append({"done": done, **encode_trajectory(traj), **tree})
+            members.append({"done": done, **encode_trajectory(traj, compact=True), **tree})
         if not members:
             raise JournalError(f"{read.path}: group {g['uid']!r} has no trajectories")
         spans = [rebuilt.trajs[s].weight_versions() for s in g["members"]]

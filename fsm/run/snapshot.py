@@ -45,7 +45,6 @@ MAX_GROUPS = 10_000_000  # a bound for a count read from a snapshot
 RECOUNT_S = 0.5  # how often a snapshot waiting at the boundary counts again without news
 _TAGS = {"__array__", "__set__", "__tuple__", "__items__", "__dc__"}
 _CLASSES = {cls.__name__: cls for cls in (TokenRun, Segment, Metrics, ToolCall, Failure)}
-_UNSET = object()  # a slot an older trajectory never set
 
 
 class SnapshotError(Exception):
@@ -55,29 +54,32 @@ class SnapshotError(Exception):
 # --- values ------------------------------------------------------------------------------------------------
 
 
-def _encode(value: Any, where: str) -> Any:
+def _encode(value: Any, where: str, compact: bool = False) -> Any:
+    """`value` as JSON-ready values; `compact`: its arrays kept as they are (see `encode_trajectory`)."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, array):
-        return {"__array__": value.typecode, "items": value.tolist()}
+        return {"__array__": value.typecode, "items": value if compact else value.tolist()}
     if isinstance(value, (set, frozenset)):
-        return {"__set__": [_encode(v, where) for v in sorted(value, key=repr)]}
+        return {"__set__": [_encode(v, where, compact) for v in sorted(value, key=repr)]}
     if isinstance(value, tuple):
-        return {"__tuple__": [_encode(v, where) for v in value]}
+        return {"__tuple__": [_encode(v, where, compact) for v in value]}
     if isinstance(value, list):
-        return [_encode(v, where) for v in value]
+        return [_encode(v, where, compact) for v in value]
     if isinstance(value, dict):
         if all(isinstance(k, str) for k in value) and not _TAGS & value.keys():
-            return {k: _encode(v, where) for k, v in value.items()}
-        return {"__items__": [[_encode(k, where), _encode(v, where)] for k, v in value.items()]}
+            return {k: _encode(v, where, compact) for k, v in value.items()}
+        return {
+            "__items__": [[_encode(k, where, compact), _encode(v, where, compact)] for k, v in value.items()]
+        }
     if isinstance(value, np.ndarray):
         return [_encode(v, where) for v in value.tolist()]
     if isinstance(value, np.generic):
         return value.item()
     if isinstance(value, TokenRuns):  # written as the list of TokenRun records it reads as
-        return [_encode(run, where) for run in value]
+        return [_encode(run, where, compact) for run in value]
     if dataclasses.is_dataclass(value) and type(value).__name__ in _CLASSES:
-        fields = {f.name: _encode(getattr(value, f.name), where) for f in dataclasses.fields(value)}
+        fields = {f.name: _encode(getattr(value, f.name), where, compact) for f in dataclasses.fields(value)}
         return {"__dc__": type(value).__name__, "fields": fields}
     raise SnapshotError(f"{where}: a {type(value).__name__} cannot be written to a snapshot")
 
@@ -105,16 +107,23 @@ def _decode(value: Any) -> Any:
     return {k: _decode(v) for k, v in value.items()}
 
 
-def encode_trajectory(traj: Trajectory) -> dict[str, Any]:
-    """Every slot of `traj` as JSON-ready values (the weight versions expanded, one per token)."""
+_UNSET = object()  # a slot an older trajectory never set
+
+
+def encode_trajectory(traj: Trajectory, compact: bool = False) -> dict[str, Any]:
+    """Every slot of `traj` as JSON-ready values (the weight versions expanded, one per token). `compact`: its
+    token arrays kept as arrays (shared with `traj`, not copied), for a form restored in this process and never
+    written as JSON (a journal's resume, fsm/run/resume.py): a token costs 4 bytes there rather than a Python
+    int and its list slot (36), and `decode_trajectory` copies an array at memory speed rather than a list."""
     names = [n for n in type(traj).__slots__ if n != "_version_runs" and n not in TRANSIENT] + [
         "response_versions"
     ]
-    return {
-        name: _encode(getattr(traj, name), f"trajectory {traj.session_id}: {name}")
-        for name in names
-        if hasattr(traj, name)
-    }
+    out = {}
+    for name in names:  # each read once: `response_versions` expands the runs each time it is read
+        value = getattr(traj, name, _UNSET)
+        if value is not _UNSET:
+            out[name] = _encode(value, f"trajectory {traj.session_id}: {name}", compact)
+    return out
 
 
 def decode_trajectory(data: dict[str, Any]) -> Trajectory:

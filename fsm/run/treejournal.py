@@ -209,7 +209,7 @@ def tree_form(
             raise ValueError(f"{where}: unfinished under a finished parent")
         agent_of[sid] = node_agent
         made.setdefault(parent_sid, []).append(int(number))
-        entry = {"done": sid in done, "n": m, **encode_trajectory(traj)}
+        entry = {"done": sid in done, "n": m, **encode_trajectory(traj, compact=True)}
         out[tree][1].append(entry)
         by_agent.setdefault(id(node_agent), (node_agent, roots[tree], []))[2].append(entry)
     for sid, numbers in made.items():

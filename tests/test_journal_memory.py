@@ -1,0 +1,71 @@
+"""Resuming a big journal in little memory (issue 50: resuming a 502 MB tree journal took 4.9 GB against 1.9 GB to
+write it). The snapshot form a journal's resume restores from keeps every token array of every trajectory and tree
+node as the array it was read into (4 bytes a token), never a list of Python ints (36), and restores the same
+trajectories as the snapshot form written as JSON. The measurements on a 50 MB and a 500 MB journal are in
+docs/running.md."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from array import array
+from typing import Any
+
+from backends.scripted import ScriptedBackend
+from fsm import RolloutEngine
+from fsm.api import load_agent
+from fsm.run.journal import JOURNAL, Recorder, Writer
+from fsm.run.resume import identity, load
+from fsm.run.snapshot import decode_trajectory, encode_trajectory
+from specs.calculator import make_prompts
+from tests.conftest import ASSETS, REPO
+from tests.test_tree_journal import _echo
+
+TOKEN_ARRAYS = ("prompt_ids", "response_ids", "response_mask", "response_logprobs", "response_versions")
+
+
+async def _journaled(spec: str, rows: list[dict[str, Any]], path: Any) -> None:
+    """A tree run journaled as `agentfsm run` journals it: its rows are its files' (no `taken` records)."""
+    async with RolloutEngine(
+        spec, tokenizer=str(ASSETS), backend=ScriptedBackend(_echo, model_name="echo")
+    ) as e:
+        recorder = Recorder(Writer(path, "off"), takes=False)
+        recorder.header(identity(e.agent, e.codec, run_id="t", groups=len(rows), rows_expected=len(rows)))
+        await e.ajournal(recorder)
+        await e.asubmit(rows, n=1, sampling=e.sampling({"temperature": 0.0}))
+        await e.atake_groups(len(rows))
+        recorder.writer.close()
+
+
+def _entries(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every trajectory of a snapshot form, tree nodes included."""
+    out = []
+    for g in data["groups"]:
+        for td in g["trajectories"]:
+            out += [td, *td.get("nodes", [])]
+    return out
+
+
+def _plain(traj: Any) -> dict[str, Any]:
+    x = encode_trajectory(traj)
+    x.pop("path_times")  # this process's clock
+    return x
+
+
+def test_a_resumed_tree_journal_keeps_its_tokens_as_arrays(tmp_path):
+    spec = str(REPO / "specs" / "fork_calculator.yaml")
+    rows = make_prompts(2, 0)  # the calculator's rows, with the answers its reward scores against
+    asyncio.run(_journaled(spec, rows, tmp_path / JOURNAL))
+    loaded = load(tmp_path / JOURNAL, load_agent(spec))
+    entries = _entries(loaded.data)
+    assert (
+        len(entries) == 2 * 5 and sum("nodes" in e for e in entries) == 2
+    )  # two roots of four branches each
+    for td in entries:
+        for name in TOKEN_ARRAYS:
+            assert isinstance(td[name]["items"], array), (td["session_id"], name)
+    assert sum(len(td["response_ids"]["items"]) for td in entries) > 0
+    # the same trajectories as the form a snapshot file holds (every array a JSON list)
+    for td in entries:
+        written = json.loads(json.dumps(encode_trajectory(decode_trajectory(td))))
+        assert _plain(decode_trajectory(td)) == _plain(decode_trajectory({**written, "done": td["done"]}))
