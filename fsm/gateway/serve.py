@@ -18,12 +18,13 @@ import logging
 from typing import Any
 
 from fsm.gateway.server import Gateway, GatewayLimits
+from fsm.run.engine import LocalEngine
 
 log = logging.getLogger("agentfsm.gateway")
 
 
 def serve(
-    engine: Any, host: str = "127.0.0.1", port: int = 0, limits: GatewayLimits | None = None
+    engine: LocalEngine, host: str = "127.0.0.1", port: int = 0, limits: GatewayLimits | None = None
 ) -> Gateway:
     """The gateway the harness states of `engine`'s runs use (started on the engine's loop at the first one,
     closed with the engine)."""

@@ -409,7 +409,7 @@ class _Workers:
         }
         total_cpu = cpu + sum(r["cpu_s"] for r in got)
         return Rollout(
-            engine,
+            engine,  # type: ignore[arg-type]  # None, as `sampling`, only when no worker answered (no rows)
             sampling,  # type: ignore[arg-type]  # None only when no worker answered (no rows)
             trajs,
             self.rows * self.args.n,

@@ -21,9 +21,10 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from backends.base import Counted
+from fsm.families import Codec
 from fsm.output.rundir import (
     RunDirError,
     WriteInterrupted,
@@ -35,11 +36,13 @@ from fsm.output.rundir import (
     write_outputs,
     write_run,
 )
+from fsm.run.agent import CompiledAgent
 from fsm.run.context import Sampling
 from fsm.run.engine import LocalEngine
 from fsm.run.interruptible import keep_rollout
 from fsm.run.journal import JOURNAL, SYNCS, JournalError, begun, ended
 from fsm.run.signals import Interrupts
+from fsm.run.tracer import Tracer
 from fsm.run.trajectory import Trajectory
 from fsm.run.tree import nodes_of
 
@@ -50,12 +53,25 @@ class RunInterrupted(Exception):
     """A kept run was ended by SIGINT or SIGTERM: the message says what its directory holds now."""
 
 
+class Made(Protocol):
+    """What a run's files read of what made its rows: a LocalEngine, or the gateway workers' merged run
+    (fsm/gateway/workers.py `Merged`, which runs nothing)."""
+
+    @property
+    def agent(self) -> CompiledAgent: ...
+    @property
+    def codec(self) -> Codec: ...
+    @property
+    def tracer(self) -> Tracer | None: ...
+    def to_batch(self, trajs: Sequence[Trajectory], sampling: Sampling, like: Any = None) -> Any: ...
+
+
 @dataclass
 class Rollout:
     """What a run rolled out, as its files record it: every trajectory, or (interrupted) those that finished,
     in input order."""
 
-    engine: LocalEngine
+    engine: Made
     sampling: Sampling
     trajs: list[Trajectory]
     expected: int  # rows x n
