@@ -275,8 +275,14 @@ FORGED = [
     (_negative_index, "index -1, sample 0 is no row of the run"),
     (_version(-7), "field 'response_versions': weight version -7 on a token of mask 1"),
     # the journal records every version the run served (`weights`): one it never served is forged, whatever it is
-    (_version(2**31 - 1), "field 'response_versions': weight version 2147483647 was never served in this run"),
-    (_version(1), "field 'response_versions': weight version 1 was never served in this run (its weights: 0)"),
+    (
+        _version(2**31 - 1),
+        "field 'response_versions': weight version 2147483647 was never served in this run",
+    ),
+    (
+        _version(1),
+        "field 'response_versions': weight version 1 was never served in this run (its weights: 0)",
+    ),
     (_odd_versions, "field 'version_runs'"),
     (_reward(float("nan")), "field 'reward_score': nan is not a finite number"),
     (_reward(float("inf")), "field 'reward_score': inf is not a finite number"),
