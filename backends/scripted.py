@@ -233,6 +233,18 @@ DEFAULT_TOOL_SCRIPT: list[dict[str, Any]] = [
     {"write": {"path": "hello.txt", "content": "hi\n"}},
     {"text": "Done."},
 ]
+# A harness's model router, by a field the JSON schema in its system prompt requires: the answer it parses, the
+# choice that keeps the model the harness would use anyway. Gemini CLI's classifier ("You are a specialized Task
+# Routing AI": `reasoning`, `model_choice` flash or pro) and its numerical classifier (`complexity_score` 1-100,
+# pro at or above its threshold) retry any other answer with backoff (five tries a turn) and then fall back to
+# the pro model: answered in its JSON, the router is one call a turn and picks the same model.
+ROUTER_ANSWERS: dict[str, dict[str, Any]] = {
+    '"model_choice"': {"reasoning": "A scripted model keeps the default model.", "model_choice": "pro"},
+    '"complexity_score"': {
+        "complexity_reasoning": "A scripted model keeps the default model.",
+        "complexity_score": 100,
+    },
+}
 # where a coding harness says it works (qwen-code: "I'm currently working in the directory: /...")
 _WORKDIR = re.compile(r"[Ww]orking (?:in the )?directory: (/[^\s<]+)")
 
@@ -275,7 +287,8 @@ class ToolScript:
       turn yet whose prompt holds an entry's `prompt` is that sub-agent's: it answers `answer` at once (the
       parent's first turn never holds it: its own prompt is the row's).
     A call to a tool the prompt does not offer (a title or summary request has no tools) is answered with the
-    script's last text instead.
+    script's last text instead. A model router's request (its system prompt's JSON schema requires a field of
+    ROUTER_ANSWERS) is answered in that JSON, whatever the step.
 
     Each turn is the template's own render of the assistant message (the render of a conversation with it,
     less the render of the conversation before it with the generation prompt), tokenized with the tokenizer and
@@ -345,8 +358,11 @@ class ToolScript:
         """The text of the model's next turn after `prompt` (decoded, special tokens kept)."""
         k = max(0, prompt.count(self.header.strip()) - 1)  # the assistant turns before this one
         agent = next((a for a in self.agents if k == 0 and a["prompt"] in prompt), None)
-        if agent is not None:  # a sub-agent's conversation: its answer, at once
-            message: dict[str, Any] = {"role": "assistant", "content": agent["answer"]}
+        router = next((answer for field, answer in ROUTER_ANSWERS.items() if field in prompt), None)
+        if router is not None:  # a model router's request: the JSON it asks for
+            message: dict[str, Any] = {"role": "assistant", "content": json.dumps(router)}
+        elif agent is not None:  # a sub-agent's conversation: its answer, at once
+            message = {"role": "assistant", "content": agent["answer"]}
         else:
             message = self._message(self.steps[min(k, len(self.steps) - 1)], prompt)
         user = [{"role": "user", "content": "x"}]
