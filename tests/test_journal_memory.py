@@ -1,7 +1,8 @@
 """Resuming a big journal in little memory (issue 50: resuming a 502 MB tree journal took 4.9 GB against 1.9 GB to
 write it). The snapshot form a journal's resume restores from keeps every token array of every trajectory and tree
-node as the array it was read into (4 bytes a token), never a list of Python ints (36), and restores the same
-trajectories as the snapshot form written as JSON. The measurements on a 50 MB and a 500 MB journal are in
+node as the array it was read into (4 bytes a token), never a list of Python ints (36), shares a row among its
+samples and tree nodes and a spec's tool schemas among all (as the run that wrote it did, rather than a copy per
+record), and restores the same trajectories as the snapshot form written as JSON. The measurements on a 50 MB and a 500 MB journal are in
 docs/running.md."""
 
 from __future__ import annotations
@@ -65,6 +66,9 @@ def test_a_resumed_tree_journal_keeps_its_tokens_as_arrays(tmp_path):
         for name in TOKEN_ARRAYS:
             assert isinstance(td[name]["items"], array), (td["session_id"], name)
     assert sum(len(td["response_ids"]["items"]) for td in entries) > 0
+    # one row object per row, shared by its tree's nodes, and one spec's tool schemas, as in the run that wrote it
+    decoded = [decode_trajectory(td) for td in entries]
+    assert len({id(t.row) for t in decoded}) == 2 and len({id(t.tool_schemas) for t in decoded}) == 1
     # the same trajectories as the form a snapshot file holds (every array a JSON list)
     for td in entries:
         written = json.loads(json.dumps(encode_trajectory(decode_trajectory(td))))

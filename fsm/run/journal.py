@@ -592,6 +592,7 @@ class Rebuilt:
     # the weight versions a token may carry (the run's and its `weights` records'); None: a journal from before
     # they were recorded, whose versions are bounded only by the newest a token carries
     versions: set[int] | None = None
+    shared: dict[tuple[str, Any], Any] = field(default_factory=dict)  # see `_share`
 
 
 def _whole(d: dict[str, Any]) -> Trajectory:
@@ -599,6 +600,20 @@ def _whole(d: dict[str, Any]) -> Trajectory:
     traj._version_runs = array("i", d["_version_runs"])
     traj.path_times = array("d", d["path_times"])
     return traj
+
+
+def _share(out: Rebuilt, traj: Trajectory) -> None:
+    """A row is one object in a run, shared by its samples and tree nodes, and so are a spec's tool schemas; read
+    back, each record holds its own copy (2 KB each for the calculator's, half of what a trajectory held): an
+    equal one read before is shared again."""
+    for name in ("row", "tool_schemas"):
+        value = getattr(traj, name)
+        key = (name, traj.index if name == "row" else None)
+        held = out.shared.get(key)
+        if held is not None and held == value:
+            setattr(traj, name, held)
+        else:
+            out.shared[key] = value
 
 
 def _extend(traj: Trajectory, n: str, at: int, items: list[Any], where: str) -> None:
@@ -687,6 +702,7 @@ def _apply(out: Rebuilt, rec: dict[str, Any], where: str) -> None:
         traj = _whole(rec["d"])
         if traj.session_id != sid:
             raise JournalError(f"{where}: a trajectory record of {sid!r} holds {traj.session_id!r}")
+        _share(out, traj)
         out.first.setdefault(sid, rec["d"])
         out.trajs[sid] = traj
         _node(out, rec, sid, where)

@@ -43,7 +43,7 @@ from fsm.run.trajectory import _FIRST, TRANSIENT, Failure, Metrics, Segment, Tok
 FORMAT = 2  # 2: the tokenizer is recorded (and checked on restore)
 MAX_GROUPS = 10_000_000  # a bound for a count read from a snapshot
 RECOUNT_S = 0.5  # how often a snapshot waiting at the boundary counts again without news
-_TAGS = {"__array__", "__set__", "__tuple__", "__items__", "__dc__"}
+_TAGS = {"__array__", "__set__", "__tuple__", "__items__", "__dc__", "__same__"}
 _CLASSES = {cls.__name__: cls for cls in (TokenRun, Segment, Metrics, ToolCall, Failure)}
 
 
@@ -91,6 +91,8 @@ def _decode(value: Any) -> Any:
         return value
     if "__array__" in value:
         return array(value["__array__"], value["items"])
+    if "__same__" in value:  # a compact form's shared value (see `encode_trajectory`): the same object
+        return value["__same__"]
     if "__set__" in value:
         return {_decode(v) for v in value["__set__"]}
     if "__tuple__" in value:
@@ -114,14 +116,18 @@ def encode_trajectory(traj: Trajectory, compact: bool = False) -> dict[str, Any]
     """Every slot of `traj` as JSON-ready values (the weight versions expanded, one per token). `compact`: its
     token arrays kept as arrays (shared with `traj`, not copied), for a form restored in this process and never
     written as JSON (a journal's resume, fsm/run/resume.py): a token costs 4 bytes there rather than a Python
-    int and its list slot (36), and `decode_trajectory` copies an array at memory speed rather than a list."""
+    int and its list slot (36), and `decode_trajectory` copies an array at memory speed rather than a list. Its
+    row and tool schemas are kept as the objects they are (`__same__`): a run shares them among trajectories (a
+    row's samples and tree nodes, a spec's tools), and so does the trajectory decoded from this form."""
     names = [n for n in type(traj).__slots__ if n != "_version_runs" and n not in TRANSIENT] + [
         "response_versions"
     ]
     out = {}
     for name in names:  # each read once: `response_versions` expands the runs each time it is read
         value = getattr(traj, name, _UNSET)
-        if value is not _UNSET:
+        if value is not _UNSET and compact and name in ("row", "tool_schemas"):
+            out[name] = {"__same__": value}
+        elif value is not _UNSET:
             out[name] = _encode(value, f"trajectory {traj.session_id}: {name}", compact)
     return out
 
