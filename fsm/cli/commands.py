@@ -427,9 +427,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
         result = {f"affinity={a}": bench.bench_prefix_cache(n=8, affinity=a) for a in (False, True)}
     elif what == "tracing":
         result = bench.bench_tracing(workload=args.workload, repeats=args.repeats)
+    elif what == "engines" and not args.server:
+        if odd := [s for s in args.shape or () if s not in bench.SHAPES]:
+            raise CLIError(f"bench engines: no --shape {odd[0]} (engines: {' | '.join(bench.SHAPES)})")
+        _quiet_transformers()
+        result = bench.bench_instant(
+            shapes=args.shape or tuple(bench.SHAPES),
+            in_flight=args.concurrency or 1000,
+            repeats=args.repeats,
+            processes=args.processes or (),
+        )
     elif what == "engines":
-        if not args.server or len(args.server) < 2:
-            raise CLIError("bench engines: give two servers or more (--server URL --server URL)")
+        if len(args.server) < 2:
+            raise CLIError(
+                "bench engines: give two servers or more (--server URL --server URL), or none to measure the "
+                "client against instant servers"
+            )
         _quiet_transformers()
         result = bench.bench_engines(
             args.server,
