@@ -96,7 +96,12 @@ def _kill_chain(out: Path, base: list[str], rng: random.Random, kills_left: int,
                     killed = True
                     break
                 time.sleep(0.002)
-        err = proc.communicate(timeout=180)[1]
+        try:
+            err = proc.communicate(timeout=300)[1]
+        except subprocess.TimeoutExpired:
+            proc.kill()  # never leave a run spinning beside the rest of the suite
+            proc.communicate()
+            raise
         found = re.search(r"(\d+) trajectories finished, (\d+) go on from their last state", err)
         if found and pending is not None:
             table[pending]["redone"] = int(found.group(2))
