@@ -33,10 +33,10 @@ from fsm.run.provenance import Change
 from fsm.run.snapshot import FORMAT as SNAPSHOT_FORMAT
 from fsm.run.snapshot import (
     _check,
+    check_identity,
     check_version_runs,
     decode_sampling,
     encode_trajectory,
-    other_tokenizer,
     tokenizer_id,
 )
 from fsm.run.trajectory import Trajectory
@@ -121,18 +121,7 @@ def load(path: str | Path, agent: CompiledAgent, codec: Any = None) -> Loaded:
     read = Scan(path)  # streamed: the records are applied as they are read, never held together
     rebuilt = rebuild(read)
     ident = rebuilt.identity
-    if ident.get("spec_hash") != agent.hash:
-        raise JournalError(
-            f"{path}: written by agent {ident.get('agent')!r} (spec hash {ident.get('spec_hash')}), but this "
-            f"engine runs {agent.name!r} (spec hash {agent.hash}); resume with the spec it was written with "
-            f"({ident.get('spec')})"
-        )
-    if codec is not None and (names := other_tokenizer(ident.get("tokenizer"), codec)) is not None:
-        named, ours = names
-        raise JournalError(
-            f"{path}: written with the tokenizer {named!r}, but this engine's is {ours!r} "
-            "(another vocabulary or chat template); resume with the tokenizer it was written with"
-        )
+    check_identity(path, ident, agent, codec, JournalError, "written")
     # the ids a model may sample: its embedding rows (576 for the tiny model, 151,936 for Qwen2.5), the bound its
     # answers were checked against when they entered (fsm/families/codec.py `vocabulary_size`), not len(tokenizer)
     vocab = getattr(codec, "vocab_size", None) if codec is not None else None

@@ -301,6 +301,29 @@ def other_tokenizer(recorded: Any, codec: Any) -> tuple[str | None, str] | None:
     return (recorded.get("name") if isinstance(recorded, dict) else None), ours["name"]
 
 
+def check_identity(
+    path: str | Path,
+    recorded: dict[str, Any],
+    agent: CompiledAgent,
+    codec: Any,
+    error: type[Exception],
+    made: str,
+) -> None:
+    """Refuse a file `made` ("taken", "written") by another spec or tokenizer than this engine's: its tokens
+    would continue another machine or vocabulary. A snapshot and the run journal (fsm/run/resume.py) both ask."""
+    if recorded.get("spec_hash") != agent.hash:
+        raise error(
+            f"{path}: {made} with agent {recorded.get('agent')!r} (spec hash {recorded.get('spec_hash')}), but "
+            f"this engine runs {agent.name!r} (spec hash {agent.hash}); resume with the spec it was {made} with "
+            f"({recorded.get('spec')})"
+        )
+    if codec is not None and (names := other_tokenizer(recorded.get("tokenizer"), codec)) is not None:
+        raise error(
+            f"{path}: {made} with the tokenizer {names[0]!r}, but this engine's is {names[1]!r} "
+            f"(another vocabulary or chat template); resume with the tokenizer it was {made} with"
+        )
+
+
 def tokenizer_id(codec: Any) -> dict[str, Any]:
     """What identifies the tokenizer a snapshot's token ids belong to: its name, size, and a digest of its
     vocabulary and chat template (a ChatML prompt continued by a Llama tokenizer is refused on restore)."""
@@ -395,18 +418,7 @@ def read(
             f"{path}: its checksum does not match its content (edited or damaged); it cannot be "
             "resumed, start the run again"
         )
-    if data.get("spec_hash") != agent.hash:
-        raise SnapshotError(
-            f"{path}: taken with agent {data.get('agent')!r} (spec hash {data.get('spec_hash')}), "
-            f"but this engine runs {agent.name!r} (spec hash {agent.hash}); restore it with the "
-            f"spec it was taken with ({data.get('spec')})"
-        )
-    if codec is not None and (names := other_tokenizer(data.get("tokenizer"), codec)) is not None:
-        named, ours = names
-        raise SnapshotError(
-            f"{path}: taken with the tokenizer {named!r}, but this engine's is {ours!r} "
-            "(another vocabulary or chat template); resume with the tokenizer it was taken with"
-        )
+    check_identity(path, data, agent, codec, SnapshotError, "taken")
     try:
         _check(data, agent, vocab_size)
     except SnapshotError as exc:
