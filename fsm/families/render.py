@@ -15,10 +15,17 @@ from __future__ import annotations
 
 from typing import Any
 
-try:
-    from transformers.utils.chat_template_utils import _compile_jinja_template
-except ImportError:  # another transformers: every render goes through apply_chat_template
-    _compile_jinja_template = None  # type: ignore[assignment]
+
+def _compiler() -> Any:
+    """transformers' template compiler, imported when a render is built (a tokenizer is loaded by then), so that
+    importing the package costs no transformers; None for another transformers: every render then goes through
+    apply_chat_template."""
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:
+        return None
+    return _compile_jinja_template
+
 
 # Keys the wrapper renames or copies (transformers' _REASONING_FIELDS): such a message goes through it.
 _REASONING = frozenset({"reasoning_content", "thinking", "reasoning"})
@@ -68,8 +75,9 @@ class ChatRender:
         kwargs = tokenizer._kwargs if wrapped else {}
         specials = getattr(inner, "special_tokens_map", None)
         self._variables: dict[str, Any] | None = None
+        self._compile = _compiler()
         if (
-            _compile_jinja_template is not None
+            self._compile is not None
             and isinstance(specials, dict)
             and callable(getattr(inner, "get_chat_template", None))
             and _plain({**specials, **kwargs})
@@ -85,7 +93,7 @@ class ChatRender:
             template = self._templates.get(tools is not None)
             if template is None:
                 source = self._inner.get_chat_template(None, tools)
-                template = self._templates[tools is not None] = _compile_jinja_template(source)
+                template = self._templates[tools is not None] = self._compile(source)
             return template.render(
                 messages=messages,
                 tools=tools,
