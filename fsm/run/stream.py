@@ -324,12 +324,7 @@ class Stream(Owner):
     async def snapshot(self, header: Mapping[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
         """Park every running trajectory at a state boundary and write down every group, ready or running.
         The trajectories stay parked until `boundary.open()` (the caller's, once written or stopped)."""
-        gate = self.runner.gate
-        gate.on_wait = self.boundary.moved
-        try:
-            await self.boundary.close(lambda: self._active, timeout_s, lambda: gate.waiting)
-        finally:
-            gate.on_wait = None
+        await self.park(timeout_s)
         restarted = 0
         try:
             held = [("ready", g, None) for g in self.groups.ready] + [
