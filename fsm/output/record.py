@@ -35,6 +35,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from fsm.output.stats import run_file
 from fsm.run.tree import tree_fields, tree_record  # the batch's tree columns, as one record's fields
 
 
@@ -150,13 +151,7 @@ def harness_failure(record: dict[str, Any]) -> str | None:
 
 def read_records(run_dir: str | Path) -> list[dict[str, Any]]:
     """The records of a run's trajectories.jsonl (`run_dir` is the run directory or the file itself)."""
-    path = Path(run_dir)
-    if path.is_dir():
-        path = path / "trajectories.jsonl"
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"{path}: no trajectories here; pass the directory `agentfsm run --out DIR` wrote"
-        )
+    path = run_file(run_dir, "trajectories.jsonl", "trajectories")
     records = []
     with path.open(encoding="utf-8", errors="replace") as f:
         for lineno, line in enumerate(f, 1):

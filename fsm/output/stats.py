@@ -201,15 +201,20 @@ def tree_stats(trajectories: Sequence[Any]) -> dict[str, Any]:
     return {"nodes": nodes, "children": children, "branches": branches}
 
 
-def load_run_stats(run_dir: str | Path) -> dict[str, Any]:
-    """The "fsm" section of a run's summary.json (`run_dir` is the run directory or the file itself)."""
+def run_file(run_dir: str | Path, name: str, what: str) -> Path:
+    """`run_dir`'s file `name` (`run_dir` is the run directory or the file itself); FileNotFoundError naming
+    `what` is missing when it is not there."""
     path = Path(run_dir)
     if path.is_dir():
-        path = path / "summary.json"
-    if not path.exists():
-        raise FileNotFoundError(
-            f"{path}: no run summary here; pass the directory `agentfsm run --out DIR` wrote"
-        )
+        path = path / name
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no {what} here; pass the directory `agentfsm run --out DIR` wrote")
+    return path
+
+
+def load_run_stats(run_dir: str | Path) -> dict[str, Any]:
+    """The "fsm" section of a run's summary.json (`run_dir` is the run directory or the file itself)."""
+    path = run_file(run_dir, "summary.json", "run summary")
     summary = json.loads(path.read_text(encoding="utf-8"))
     stats = summary.get("fsm")
     if not isinstance(stats, dict) or "edges" not in stats:
