@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import difflib
 import inspect
-from collections import deque
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -22,7 +21,7 @@ from fsm.families.parsers import PARSERS
 from fsm.run.actions import BUILTIN_ACTIONS
 from fsm.run.agent import REWARD_EXTRAS, CompiledAgent, Edge, Reward
 from fsm.run.interaction import REQUIRED_METHODS
-from fsm.run.rewrites import make_rewrite, rewrite_loops
+from fsm.run.rewrites import make_rewrite, reach, reversed_graph, rewrite_loops
 from fsm.run.treecheck import check_tree, child_schema, tree_size
 from fsm.spec.failures import check_failures
 from fsm.spec.guards import GuardError, compile_guard
@@ -263,7 +262,7 @@ class _Compiler:
                         i,
                     )
         flow = {s: [t.to for t in st.next] + [c.to for c in st.catch] for s, st in states.items()}
-        reachable = _reach(spec.initial, flow)
+        reachable = reach(spec.initial, flow)
         for name in states:
             if name not in reachable and spec.initial in states:
                 self.error(
@@ -275,7 +274,7 @@ class _Compiler:
                 if dest in reverse:
                     reverse[dest].append(s)
         can_finish = (
-            set().union(*(_reach(f, reverse) for f in spec.final_states)) if spec.final_states else set()
+            set().union(*(reach(f, reverse) for f in spec.final_states)) if spec.final_states else set()
         )
         for name in states:
             if name in reachable and name not in can_finish and spec.final_states:
@@ -298,7 +297,7 @@ class _Compiler:
         for name in states:
             if name in done:
                 continue
-            forward, backward = _reach(name, graph), _reach(name, _reversed(graph))
+            forward, backward = reach(name, graph), reach(name, reversed_graph(graph))
             loop = forward & backward
             done |= loop
             if len(loop) == 1 and name not in graph.get(name, ()):
@@ -457,24 +456,6 @@ class _Compiler:
         return Reward(
             fn, dict(spec.kwargs), tuple(x for x in REWARD_EXTRAS if x in named and x not in spec.kwargs)
         )
-
-
-def _reversed(graph: dict[str, list[str]]) -> dict[str, list[str]]:
-    out: dict[str, list[str]] = {s: [] for s in graph}
-    for s, nexts in graph.items():
-        for t in nexts:
-            out.setdefault(t, []).append(s)
-    return out
-
-
-def _reach(start: str, graph: dict[str, list[str]]) -> set[str]:
-    seen, todo = {start}, deque([start])
-    while todo:
-        for nxt in graph.get(todo.popleft(), ()):
-            if nxt not in seen:
-                seen.add(nxt)
-                todo.append(nxt)
-    return seen
 
 
 def _suggest(word: str, choices: Any) -> str:

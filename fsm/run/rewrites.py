@@ -252,20 +252,23 @@ def rewrite_loops(states: dict[str, Any], rewrites: dict[str, RewriteSpec]) -> l
     for name, st in states.items():
         if st.action not in rewrites or name in seen or name not in graph:
             continue
-        forward = _reach(name, graph)
-        reverse: dict[str, list[str]] = {s: [] for s in graph}
-        for s, outs in graph.items():
-            for d in outs:
-                reverse[d].append(s)
-        backward = _reach(name, reverse)
-        loop = forward & backward
+        loop = reach(name, graph) & reach(name, reversed_graph(graph))
         if name in graph[name] or len(loop) > 1:
             seen |= loop
             found.append([s for s in states if s in loop])
     return found
 
 
-def _reach(start: str, graph: dict[str, list[str]]) -> set[str]:
+def reversed_graph(graph: dict[str, list[str]]) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {s: [] for s in graph}
+    for s, nexts in graph.items():
+        for t in nexts:
+            out.setdefault(t, []).append(s)
+    return out
+
+
+def reach(start: str, graph: dict[str, list[str]]) -> set[str]:
+    """`start` and every state its edges lead to (the spec checks of fsm/run/compile.py ask too)."""
     seen, todo = {start}, [start]
     while todo:
         for nxt in graph.get(todo.pop(), ()):
