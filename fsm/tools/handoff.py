@@ -63,7 +63,10 @@ def mailbox(loop: asyncio.AbstractEventLoop) -> Mailbox:
     return box
 
 
-def _copy_state(source: concurrent.futures.Future, waiter: asyncio.Future) -> None:
+def copy_outcome(
+    source: concurrent.futures.Future | asyncio.Future, waiter: concurrent.futures.Future | asyncio.Future
+) -> None:
+    """`source`'s result, exception or cancellation onto `waiter`, across the two kinds of future."""
     if waiter.done():  # the caller stopped waiting
         return
     if source.cancelled():
@@ -83,7 +86,7 @@ async def settled(source: concurrent.futures.Future) -> Any:
 
     def back(done: concurrent.futures.Future) -> None:  # on whichever thread settled `source`
         try:
-            box.post(_copy_state, done, waiter)
+            box.post(copy_outcome, done, waiter)
         except RuntimeError:  # the caller's loop is closed: nobody is waiting any more
             pass
 

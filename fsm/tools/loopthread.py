@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from fsm.tools.handoff import Mailbox
+from fsm.tools.handoff import Mailbox, copy_outcome
 
 T = TypeVar("T")
 
@@ -30,17 +30,9 @@ def submit(
     done: concurrent.futures.Future[T] = concurrent.futures.Future()
     tasks: list[asyncio.Task[T]] = []
 
-    def settle(task: asyncio.Task[T]) -> None:
-        if task.cancelled():
-            done.cancel()
-        elif (exc := task.exception()) is not None:
-            done.set_exception(exc)
-        else:
-            done.set_result(task.result())
-
     def start() -> None:  # runs in the caller's context (contextvars: an open span carries over)
         tasks.append(loop.create_task(coro))
-        tasks[0].add_done_callback(settle)
+        tasks[0].add_done_callback(lambda task: copy_outcome(task, done))
 
     def cancel() -> None:
         loop.call_soon_threadsafe(lambda: tasks and tasks[0].cancel())
