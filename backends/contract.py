@@ -1,17 +1,24 @@
 """SGLang's wire contract as the dev server (backends/devserver.py) speaks it: the /generate request checks
 (SamplingParams fields, their types, the length limits and SGLang's error bodies and texts), so a client that
-passes the dev server sends what a real server accepts; and the fixed parts of SGLang's answers. Each shape
+passes the dev server sends what a real server accepts; and the bodies of SGLang's answers. Each shape
 here follows real SGLang 0.5.23's recorded answers (tests/fixtures/sglang, compared by
 tests/test_devserver_fidelity.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import datetime
 import json
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from backends.base import GenerateResult
+
+VERSION = "0.5.23"  # the SGLang release whose wire format the dev server speaks
 
 # SGLang's SamplingParams fields; anything else in `sampling_params` is a 400 contract violation.
 # (In SGLang's order: its "unknown field" message lists them so.)
@@ -75,6 +82,22 @@ class Refused(Exception):
         }
         return cls(status, body)
 
+    def event(self) -> dict[str, Any]:
+        """This refusal as the error event of a stream (SGLang sends it in the stream, with status 200)."""
+        err = (
+            self.body["error"]
+            if isinstance(self.body.get("error"), dict)
+            else {"message": self.body.get("message")}
+        )
+        return {
+            "error": {
+                **err,
+                "type": "invalid_request_error",
+                "code": self.status,
+                "retryable": self.status >= 500,
+            }
+        }
+
 
 def contract_error(params: Any) -> str | None:
     """SGLang's generated contract check of `sampling_params` (a 400 with `error` as a string)."""
@@ -136,6 +159,88 @@ def version_spans(versions: list[str], version: str) -> list[dict[str, Any]]:
     return spans or [{"version": version, "start": 0, "end": 0}]
 
 
+@dataclass(eq=False)
+class Live:
+    """A /generate request while the dev server holds it, and what its answer reports of it."""
+
+    rid: str
+    task: asyncio.Task[GenerateResult] | None = None
+    started: bool = False  # left the waiting queue
+    cached: int = 0
+    max_new: int = 128  # as run: cut to the room left in the context
+    t0: float = field(default_factory=time.time)
+
+
+def generate_answer(
+    rec: Live,
+    prompt_tokens: int,
+    res: GenerateResult | None,  # None: aborted before any output
+    version: str,  # the server's weight version now
+    logprob: bool,
+    upto: int | None = None,  # a streaming chunk's cumulative length; None for the final object
+) -> dict[str, Any]:
+    """The /generate answer object, key for key as SGLang 0.5.23 orders it (tests/fixtures/sglang)."""
+    rid, cached = rec.rid, rec.cached
+    out = list(res.token_ids) if res is not None else []
+    lps = (res.logprobs if res is not None else None) or []
+    if upto is not None:
+        out, lps = out[:upto], lps[:upto]
+    lp_keys: dict[str, Any] = {}
+    if logprob:
+        triples = [[lp, tok, None] for lp, tok in zip(lps, out)]
+        lp_keys = {
+            "input_token_logprobs": [],
+            "output_token_logprobs": triples,
+            "output_token_logprobs_length": len(triples),
+        }
+    latency = round(time.time() - rec.t0, 6)
+    versions = list(res.extra.get("token_versions") or []) if res is not None else []
+    versions = versions[: len(out)] if len(versions) >= len(out) else [version] * len(out)
+    spans = version_spans(versions, version)  # always there; one empty span for no tokens
+    if (res is None and not rec.started) or (res is not None and res.extra.get("waiting")):
+        # aborted in the waiting queue: "text" even without a tokenizer, no prompt/cached tokens
+        meta = {
+            "id": rid,
+            "finish_reason": {"type": "abort", "message": "Abort in waiting queue"},
+            "weight_version": version,
+            "e2e_latency": latency,
+            "weight_versions": spans,
+            **lp_keys,
+            "completion_tokens": 0,
+            "response_sent_to_client_ts": time.time(),
+        }
+        return {"text": "", "output_ids": [], "meta_info": meta}
+    if upto is not None:
+        finish: Any = None
+    elif res is None or res.finish_reason == "abort":
+        message = res.abort_message if res is not None and res.abort_message else "Aborted"
+        finish = {"type": "abort", "message": message, "status_code": None, "err_type": None}
+    elif res.finish_reason == "length":
+        finish = {"type": "length", "length": rec.max_new}
+    else:
+        finish = {"type": "stop", "matched": out[-1] if out else None}
+    meta = {
+        "id": rid,
+        "finish_reason": finish,
+        "prompt_tokens": prompt_tokens,
+        "weight_version": version,
+        "num_retractions": res.extra.get("num_retractions", 0) if res is not None else 0,
+        **lp_keys,
+        "reasoning_tokens": 0,
+        "completion_tokens": len(out),
+        "cached_tokens": cached,
+    }
+    if upto is None:
+        meta["weight_versions"] = spans
+    meta["cached_tokens_details"] = {"device": cached, "host": 0} if cached else None
+    meta["dp_rank"] = None
+    if upto is None:
+        meta["e2e_latency"] = latency
+    if upto is None or upto == 1:  # SGLang stamps the first chunk of a stream and the final answer
+        meta["response_sent_to_client_ts"] = time.time()
+    return {"output_ids": out, "meta_info": meta}
+
+
 # /model_info's `embedding`: what SGLang says of a generation model's embedding support (none).
 EMBEDDING_INFO: dict[str, Any] = {
     "family": "none",
@@ -167,9 +272,9 @@ EMBEDDING_INFO: dict[str, Any] = {
 }
 
 
-def load_entry(*, running: int, waiting: int, used: int, capacity: int, hit_rate: float) -> dict[str, Any]:
-    """One `/v1/loads` entry with SGLang's keys; what the dev server does not measure is 0."""
-    return {
+def loads(*, running: int, waiting: int, used: int, capacity: int, hit_rate: float) -> dict[str, Any]:
+    """`/v1/loads` with SGLang's keys, one entry; what the dev server does not measure is 0."""
+    entry = {
         "timestamp": time.time(),
         "dp_rank": 0,
         "num_running_reqs": running,
@@ -201,11 +306,36 @@ def load_entry(*, running: int, waiting: int, used: int, capacity: int, hit_rate
         },
         "queues": {"waiting": waiting, "grammar": 0, "paused": 0, "retracted": 0, "prealloc_ready": 0},
     }
+    stamp = datetime.datetime.now(datetime.UTC).isoformat()
+    return {
+        "timestamp": stamp,
+        "version": VERSION,
+        "accelerator": None,
+        "num_accelerators": 1,
+        "loads": [entry],
+    }
 
 
-def model_config(model_path: str) -> dict[str, Any]:
-    """The model's config.json (model_type, architectures for /model_info), or {} for a backend without one."""
+def model_info(model_path: str, served_model_name: str, tokenizer_path: str, version: str) -> dict[str, Any]:
+    """/model_info; model_type and architectures from the model's config.json (None for a backend without one)."""
+    config: Any = {}
     with contextlib.suppress(OSError, ValueError):
         config = json.loads((Path(model_path) / "config.json").read_text())
-        return config if isinstance(config, dict) else {}
-    return {}
+    config = config if isinstance(config, dict) else {}
+    return {
+        "model_path": model_path,
+        "served_model_name": served_model_name,
+        "tokenizer_path": tokenizer_path,
+        "is_generation": True,
+        "preferred_sampling_params": None,
+        "weight_version": version,
+        "load_format": "auto",
+        "reasoning_parser": None,
+        "tool_call_parser": None,
+        "disaggregation_mode": "null",
+        "has_image_understanding": False,
+        "has_audio_understanding": False,
+        "model_type": config.get("model_type"),
+        "architectures": config.get("architectures"),
+        "embedding": EMBEDDING_INFO,
+    }

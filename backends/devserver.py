@@ -28,17 +28,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import datetime
 import json
 import logging
-import os
 import re
 import signal
-import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -51,38 +49,28 @@ from backends.base import (
     GenerateResult,
 )
 from backends.contract import (
-    EMBEDDING_INFO,
     INPUT_MARGIN,
     OUTPUT_MARGIN,
+    VERSION,
+    Live,
     Refused,
     admit_lengths,
     contract_error,
-    load_entry,
-    model_config,
-    version_spans,
+    generate_answer,
+    loads,
+    model_info,
 )
 from backends.prefix_cache import PrefixCache
 from backends.scripted import HashLM, ToolScript, calculator_backend, echo_backend, tool_script_backend
+from backends.tiny import ASSET_DIR
 
 log = logging.getLogger("agentfsm.devserver")
-
-VERSION = "0.5.23"  # the SGLang release whose wire format this server speaks
 
 FAULT_HEADER = "X-Agentfsm-Fault"  # abort_waiting | abort_running[:K]: an abort on demand (module docstring)
 _TURN_SUFFIX = re.compile(r"_t\d+(_r\d+)?$")  # a turn, and a resume of it
 
 
 # -- the server ------------------------------------------------------------------------------------
-
-
-@dataclass(eq=False)
-class _Live:
-    rid: str
-    task: asyncio.Task[GenerateResult] | None = None
-    started: bool = False  # left the waiting queue
-    cached: int = 0
-    max_new: int = 128  # as run: cut to the room left in the context
-    t0: float = field(default_factory=time.time)
 
 
 class DevServer:
@@ -114,7 +102,7 @@ class DevServer:
         self.memory_released: set[str] = set()
         self.log: deque[dict[str, Any]] = deque(maxlen=100_000)  # one entry per finished /generate
         self.prompt_tokens = self.cached_tokens = 0
-        self._live: dict[str, _Live] = {}
+        self._live: dict[str, Live] = {}
         self._unpaused = asyncio.Event()
         self._unpaused.set()
         self._slots = asyncio.Semaphore(max_running_requests) if max_running_requests else None
@@ -197,7 +185,8 @@ class DevServer:
             rec, ids, res = await self._run(body, params, request.headers.get(FAULT_HEADER))
         except Refused as r:
             return _error(r)
-        return web.json_response(self._response(rec, ids, params, res, bool(body.get("return_logprob"))))
+        logprob = bool(body.get("return_logprob"))
+        return web.json_response(generate_answer(rec, len(ids), res, self.weight_version, logprob))
 
     async def _stream(
         self, request: web.Request, body: dict[str, Any], params: dict[str, Any]
@@ -208,22 +197,15 @@ class DevServer:
         try:
             rec, ids, res = await self._run(body, params)
         except Refused as r:
-            err = (
-                r.body["error"]
-                if isinstance(r.body.get("error"), dict)
-                else {"message": r.body.get("message")}
-            )
-            retryable = r.status >= 500
-            event = {
-                "error": {**err, "type": "invalid_request_error", "code": r.status, "retryable": retryable}
-            }
-            await resp.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+            await resp.write(b"data: " + json.dumps(r.event()).encode() + b"\n\n")
         else:
             logprob = bool(body.get("return_logprob"))
             n = len(res.token_ids) if res is not None else 0
             every = max(1, int(params.get("stream_interval") or 1))
             for upto in [i for i in range(1, n) if i % every == 0] + [n]:
-                chunk = self._response(rec, ids, params, res, logprob, upto=upto if upto < n else None)
+                chunk = generate_answer(
+                    rec, len(ids), res, self.weight_version, logprob, upto if upto < n else None
+                )
                 await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
@@ -260,11 +242,11 @@ class DevServer:
 
     async def _run(
         self, body: dict[str, Any], params: dict[str, Any], fault: str | None = None
-    ) -> tuple[_Live, list[int], GenerateResult | None]:
+    ) -> tuple[Live, list[int], GenerateResult | None]:
         """Run one request; the result is None when it was aborted (while waiting or running). `fault`: the
         FAULT_HEADER's abort on demand."""
         rid, ids = self._admit(body, params)
-        rec = self._live[rid] = _Live(rid)
+        rec = self._live[rid] = Live(rid)
         new = params.get("max_new_tokens")
         wanted = admit_lengths(len(ids), new, self.context_length)  # refuses what SGLang refuses
         if wanted is None:  # absent: SGLang's 128, cut to the room left
@@ -313,7 +295,7 @@ class DevServer:
         log.info("generate rid=%s prompt=%d cached=%d out=%d", rid, len(ids), rec.cached, n_out)
         return rec, ids, res
 
-    async def _work(self, rec: _Live, request: GenerateRequest) -> GenerateResult:
+    async def _work(self, rec: Live, request: GenerateRequest) -> GenerateResult:
         await self._unpaused.wait()
         async with self._slots or contextlib.nullcontext():
             await self._unpaused.wait()
@@ -322,76 +304,6 @@ class DevServer:
             rec.cached = max(0, min(self.cache.match(ids), len(ids) - 1))  # SGLang computes >= 1 token
             self.cache.insert(ids)  # concurrent requests with this prompt now hit, as in SGLang
             return await self.backend.generate(request)
-
-    def _response(
-        self,
-        rec: _Live,
-        ids: list[int],
-        params: dict[str, Any],
-        res: GenerateResult | None,
-        logprob: bool,
-        upto: int | None = None,  # a streaming chunk's cumulative length; None for the final object
-    ) -> dict[str, Any]:
-        """The response object, key for key as SGLang 0.5.23 orders it (tests/fixtures/sglang)."""
-        out = list(res.token_ids) if res is not None else []
-        lps = (res.logprobs if res is not None else None) or []
-        if upto is not None:
-            out, lps = out[:upto], lps[:upto]
-        lp_keys: dict[str, Any] = {}
-        if logprob:
-            triples = [[lp, tok, None] for lp, tok in zip(lps, out)]
-            lp_keys = {
-                "input_token_logprobs": [],
-                "output_token_logprobs": triples,
-                "output_token_logprobs_length": len(triples),
-            }
-        latency = round(time.time() - rec.t0, 6)
-        versions = list(res.extra.get("token_versions") or []) if res is not None else []
-        versions = versions[: len(out)] if len(versions) >= len(out) else [self.weight_version] * len(out)
-        spans = version_spans(versions, self.weight_version)  # always there; one empty span for no tokens
-        waiting = (res is None and not rec.started) or (res is not None and res.extra.get("waiting"))
-        if waiting:  # aborted in the waiting queue: "text" even without a tokenizer, no prompt/cached tokens
-            meta = {
-                "id": rec.rid,
-                "finish_reason": {"type": "abort", "message": "Abort in waiting queue"},
-                "weight_version": self.weight_version,
-                "e2e_latency": latency,
-                "weight_versions": spans,
-                **lp_keys,
-                "completion_tokens": 0,
-                "response_sent_to_client_ts": time.time(),
-            }
-            return {"text": "", "output_ids": [], "meta_info": meta}
-        if upto is not None:
-            finish: Any = None
-        elif res is None or res.finish_reason == "abort":
-            message = res.abort_message if res is not None and res.abort_message else "Aborted"
-            finish = {"type": "abort", "message": message, "status_code": None, "err_type": None}
-        elif res.finish_reason == "length":
-            finish = {"type": "length", "length": rec.max_new}
-        else:
-            finish = {"type": "stop", "matched": out[-1] if out else None}
-        retractions = res.extra.get("num_retractions", 0) if res is not None else 0
-        meta = {
-            "id": rec.rid,
-            "finish_reason": finish,
-            "prompt_tokens": len(ids),
-            "weight_version": self.weight_version,
-            "num_retractions": retractions,
-            **lp_keys,
-            "reasoning_tokens": 0,
-            "completion_tokens": len(out),
-            "cached_tokens": rec.cached,
-        }
-        if upto is None:
-            meta["weight_versions"] = spans
-        meta["cached_tokens_details"] = {"device": rec.cached, "host": 0} if rec.cached else None
-        meta["dp_rank"] = None
-        if upto is None:
-            meta["e2e_latency"] = latency
-        if upto is None or upto == 1:  # SGLang stamps the first chunk of a stream and the final answer
-            meta["response_sent_to_client_ts"] = time.time()
-        return {"output_ids": out, "meta_info": meta}
 
     # -- control endpoints -----------------------------------------------------------------------
 
@@ -402,26 +314,8 @@ class DevServer:
         return web.Response(status=503 if self.failing or self.paused else 200)
 
     async def _model_info(self, request: web.Request) -> web.Response:
-        config = model_config(self.model_path)
-        return web.json_response(
-            {
-                "model_path": self.model_path,
-                "served_model_name": self.served_model_name,
-                "tokenizer_path": self.tokenizer_path,
-                "is_generation": True,
-                "preferred_sampling_params": None,
-                "weight_version": self.weight_version,
-                "load_format": "auto",
-                "reasoning_parser": None,
-                "tool_call_parser": None,
-                "disaggregation_mode": "null",
-                "has_image_understanding": False,
-                "has_audio_understanding": False,
-                "model_type": config.get("model_type"),
-                "architectures": config.get("architectures"),
-                "embedding": EMBEDDING_INFO,
-            }
-        )
+        info = model_info(self.model_path, self.served_model_name, self.tokenizer_path, self.weight_version)
+        return web.json_response(info)
 
     async def _server_info(self, request: web.Request) -> web.Response:
         """The fields clients read (SGLang sends every server argument besides): `context_length` is null
@@ -445,23 +339,14 @@ class DevServer:
     async def _loads(self, request: web.Request) -> web.Response:
         rids = self.backend.running_rids() if hasattr(self.backend, "running_rids") else None  # in its batch
         running = sum(rec.started and (rids is None or rec.rid in rids) for rec in self._live.values())
-        entry = load_entry(
+        body = loads(
             running=running,
             waiting=len(self._live) - running,
             used=self.cache.size,
             capacity=self.cache.max_tokens,
             hit_rate=self.cached_tokens / max(1, self.prompt_tokens),
         )
-        stamp = datetime.datetime.now(datetime.UTC).isoformat()
-        return web.json_response(
-            {
-                "timestamp": stamp,
-                "version": VERSION,
-                "accelerator": None,
-                "num_accelerators": 1,
-                "loads": [entry],
-            }
-        )
+        return web.json_response(body)
 
     async def _flush_cache(self, request: web.Request) -> web.Response:
         """SGLang's texts, and no Content-Type: 400 "Flush cache failed." while requests run or wait."""
@@ -616,112 +501,76 @@ async def _serve(backend: Backend, host: str, port: int, **options: Any) -> None
         await close()
 
 
-def serve_model(
-    model_dir: str,
-    host: str = "127.0.0.1",
-    port: int = 30000,
-    *,
-    hf_options: dict[str, Any] | None = None,
-    **options: Any,
-) -> None:
-    """Serve the embedded transformers backend (`backends.hf`, imported only here) over the SGLang protocol;
-    `hf_options` go to HFBackend (device, dtype...)."""
-    from backends.hf import HFBackend
-
-    backend = HFBackend(model_dir, **(hf_options or {}))
-    asyncio.run(_serve(backend, host, port, model_path=model_dir, **options))
-
-
-def _tool_script(tokenizer: str | None, script: str | None) -> ToolScript:
+def _tool_script(tokenizer: str, script: str | None) -> ToolScript:
     """The scripted tool-calling model over a real tokenizer (transformers is imported only here)."""
-    from pathlib import Path
-
     from transformers import AutoTokenizer
 
-    folder = tokenizer or str(Path(__file__).resolve().parent / "tiny" / "assets")
-    if not (
-        Path(folder) / "tokenizer_config.json"
-    ).is_file():  # never a name to fetch: this server is offline
+    if not (Path(tokenizer) / "tokenizer_config.json").is_file():  # never a name to fetch: we are offline
         raise ValueError(
-            f"--tokenizer {folder}: no tokenizer_config.json there (a tokenizer folder is needed)"
+            f"--tokenizer {tokenizer}: no tokenizer_config.json there (a tokenizer folder is needed)"
         )
-    tok = AutoTokenizer.from_pretrained(folder)
+    tok = AutoTokenizer.from_pretrained(tokenizer)
     return ToolScript.from_file(tok, script) if script else ToolScript(tok)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", "--model-path", dest="model", help="model directory (transformers format)")
-    ap.add_argument("--scripted", action="store_true", help="serve the deterministic echo backend (no model)")
-    ap.add_argument(
-        "--hashlm", action="store_true", help="serve HashLM, the deterministic autoregressive toy"
-    )
-    ap.add_argument(
-        "--scripted-tools",
-        action="store_true",
-        help="serve a scripted tool-calling model over --tokenizer (backends/scripted.py: ToolScript)",
-    )
-    ap.add_argument(
-        "--scripted-calculator",
-        action="store_true",
-        help="serve the calculator's real turns at once, a call then the answer (backends/scripted.py)",
-    )
-    ap.add_argument(
-        "--tokenizer",
-        help="scripted-tools, scripted-calculator: the tokenizer dir (default: the tiny model's)",
-    )
-    ap.add_argument(
-        "--script", help="scripted-tools: a JSON list of steps (default: write hello.txt, then finish)"
-    )
-    ap.add_argument("--vocab", type=int, default=1000, help="HashLM: vocabulary size")
-    ap.add_argument("--stop-every", type=int, default=8, help="HashLM: mean tokens per turn")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=30000)
-    ap.add_argument("--context-length", type=int, default=None)
-    ap.add_argument("--max-running-requests", type=int, default=None)
-    ap.add_argument("--latency", type=float, default=0.0, help="scripted/hashlm: seconds per request")
-    ap.add_argument("--log-level", default="info")
-    ap.add_argument("--device", help="model mode: cpu, cuda, cuda:1 (default: cuda if available)")
-    ap.add_argument(
-        "--dtype", help="model mode: auto, float32, bfloat16, float16 (default auto: see backends/hf.py)"
-    )
-    args, ignored = ap.parse_known_args(argv)  # SGLang launch flags (--tp-size, ...) are accepted and ignored
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
-    if ignored:
-        log.info("ignoring SGLang flags: %s", " ".join(ignored))
-    options = {"context_length": args.context_length, "max_running_requests": args.max_running_requests}
+def _backend(args: argparse.Namespace) -> tuple[Backend, dict[str, Any]]:
+    """The backend the flags name, and what DevServer is told of it besides."""
+    tokenizer = args.tokenizer or str(ASSET_DIR)
     if args.hashlm:
-        model = HashLM(vocab=args.vocab, stop_every=args.stop_every, latency_s=args.latency)
-        asyncio.run(_serve(model, args.host, args.port, **options))
-    elif args.scripted_tools:
+        return HashLM(vocab=args.vocab, stop_every=args.stop_every, latency_s=args.latency), {}
+    if args.scripted_tools:
         try:
-            script = _tool_script(args.tokenizer, args.script)
+            script = _tool_script(tokenizer, args.script)
         except (
             OSError,
             ValueError,
         ) as e:  # no such tokenizer or script, a script that is not a list of steps
             raise SystemExit(f"dev server: --scripted-tools: {e}") from None
-        backend = tool_script_backend(script, latency_s=args.latency)
-        asyncio.run(_serve(backend, args.host, args.port, **options))
-    elif args.scripted_calculator:
-        folder = args.tokenizer or os.path.join(os.path.dirname(__file__), "tiny", "assets")
+        return tool_script_backend(script, latency_s=args.latency), {}
+    if args.scripted_calculator:
         try:
-            backend = calculator_backend(folder, latency_s=args.latency)
+            return calculator_backend(tokenizer, latency_s=args.latency), {}
         except (OSError, ValueError, KeyError) as e:  # no such folder, not a tokenizer, no eos_token
-            raise SystemExit(f"dev server: --scripted-calculator --tokenizer {folder}: {e}") from None
-        asyncio.run(_serve(backend, args.host, args.port, **options))
-    elif args.scripted:
-        asyncio.run(_serve(echo_backend(latency_s=args.latency), args.host, args.port, **options))
-    elif args.model:
-        serve_model(
-            args.model,
-            args.host,
-            args.port,
-            hf_options={"device": args.device, "dtype": args.dtype},
-            **options,
-        )
-    else:
+            raise SystemExit(f"dev server: --scripted-calculator --tokenizer {tokenizer}: {e}") from None
+    if args.scripted:
+        return echo_backend(latency_s=args.latency), {}
+    from backends.hf import HFBackend  # torch and transformers only for a model
+
+    return HFBackend(args.model, device=args.device, dtype=args.dtype), {"model_path": args.model}
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = ap.add_argument
+    add("--model", "--model-path", dest="model", help="model directory (transformers format)")
+    add("--scripted", action="store_true", help="serve the deterministic echo backend (no model)")
+    add("--hashlm", action="store_true", help="serve HashLM, the deterministic autoregressive toy")
+    add("--scripted-tools", action="store_true", help="serve a scripted tool-calling model (ToolScript)")
+    add("--scripted-calculator", action="store_true", help="serve the calculator's turns at once")
+    add(
+        "--tokenizer",
+        help="scripted-tools, scripted-calculator: the tokenizer dir (default: the tiny model's)",
+    )
+    add("--script", help="scripted-tools: a JSON list of steps (default: write hello.txt, then finish)")
+    add("--vocab", type=int, default=1000, help="HashLM: vocabulary size")
+    add("--stop-every", type=int, default=8, help="HashLM: mean tokens per turn")
+    add("--host", default="127.0.0.1")
+    add("--port", type=int, default=30000)
+    add("--context-length", type=int, default=None)
+    add("--max-running-requests", type=int, default=None)
+    add("--latency", type=float, default=0.0, help="scripted/hashlm: seconds per request")
+    add("--log-level", default="info")
+    add("--device", help="model mode: cpu, cuda, cuda:1 (default: cuda if available)")
+    add("--dtype", help="model mode: auto, float32, bfloat16, float16 (default auto: see backends/hf.py)")
+    args, ignored = ap.parse_known_args(argv)  # SGLang launch flags (--tp-size, ...) are accepted and ignored
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
+    if ignored:
+        log.info("ignoring SGLang flags: %s", " ".join(ignored))
+    if not (args.model or args.scripted or args.scripted_tools or args.scripted_calculator or args.hashlm):
         ap.error("give --model DIR, --scripted, --scripted-tools, --scripted-calculator or --hashlm")
+    backend, options = _backend(args)
+    options.update(context_length=args.context_length, max_running_requests=args.max_running_requests)
+    asyncio.run(_serve(backend, args.host, args.port, **options))
 
 
 if __name__ == "__main__":
