@@ -189,6 +189,24 @@ def test_exact_logprobs_is_the_embedded_models_mode(capsys, tmp_path):
     assert line.startswith("agentfsm: --exact-logprobs: it is the embedded model's mode") and "docs/" in line
 
 
+def test_a_run_builds_only_its_own_flags_and_no_otel_sdk(monkeypatch):
+    """A run's command line builds no other command's flags and parses as the whole one does; with no OTEL_*
+    variable set, deciding on tracing imports no SDK (fsm.telemetry.config made unimportable here)."""
+    from fsm.cli import commands as cli
+
+    argv = ["run", SPEC, "--server", "http://127.0.0.1:1"]
+    lean = _subparsers(build_parser(argv))
+    assert [a.dest for a in lean["gateway"]._actions] == ["help"] and len(lean["run"]._actions) > 20
+    assert vars(build_parser(argv).parse_args(argv)) == vars(build_parser().parse_args(argv))
+    for name in [k for k in os.environ if k.startswith("OTEL_")]:
+        monkeypatch.delenv(name)
+    with monkeypatch.context() as m:
+        m.setitem(sys.modules, "fsm.telemetry.config", None)
+        assert cli._env_tracing() is False
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4318")
+    assert cli._env_tracing() is True
+
+
 def test_request_timeout_and_group_affinity_reach_the_engine(monkeypatch, tmp_path):
     """Until backends take `request_timeout_s`, check that the CLI hands it to RolloutEngine's backend options
     (and only when given)."""

@@ -5,9 +5,8 @@ fsm/cli/usage.py."""
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
-from fsm.cli.gateway_args import gateway_only_flags
 from fsm.cli.usage import COUNT, PORT, Help, Parser, float_in, int_in, otlp_endpoint, server_url
 
 DEMO_PROMPTS = 64  # `run` without --data or --num-prompts
@@ -288,6 +287,8 @@ def run_flags(p: argparse.ArgumentParser, workers: bool = True) -> None:
 
 def gateway_flags(p: argparse.ArgumentParser) -> None:
     """`agentfsm gateway SPEC`: `run`'s flags, then where the gateway listens (fsm/gateway/serve.py)."""
+    from fsm.cli.gateway_args import gateway_only_flags
+
     run_flags(p, workers=False)
     gateway_only_flags(p)
 
@@ -484,8 +485,13 @@ COMMANDS: tuple[tuple[str, str, Callable[[argparse.ArgumentParser], None]], ...]
 )  # each command: its name, its one-line help, what adds its flags
 
 
-def command_line(commands: Mapping[str, Callable[[argparse.Namespace], int]]) -> argparse.ArgumentParser:
-    """The whole command line; `commands` maps each subcommand to the function that runs it (fsm/cli/commands.py)."""
+def command_line(
+    commands: Mapping[str, Callable[[argparse.Namespace], int]], argv: Sequence[str] | None = None
+) -> argparse.ArgumentParser:
+    """The whole command line; `commands` maps each subcommand to the function that runs it (fsm/cli/commands.py).
+    Given the `argv` it will parse, only the command named there gets its flags: parsing a run builds no
+    other command's."""
+    named = None if argv is None else next((a for a in argv if not a.startswith("-")), "")
     ap = Parser(
         prog="agentfsm",
         description="Declarative agent loops for RL rollouts.",
@@ -499,6 +505,7 @@ def command_line(commands: Mapping[str, Callable[[argparse.Namespace], int]]) ->
         p = sub.add_parser(
             name, help=text, description=text[0].upper() + text[1:] + ".", formatter_class=Help
         )
-        add_flags(p)
+        if named in (None, name):
+            add_flags(p)
         p.set_defaults(fn=commands[name])
     return ap

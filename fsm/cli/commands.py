@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import signal
 import sys
 import time
@@ -191,7 +192,10 @@ def _tracer(args: argparse.Namespace) -> Any:
 
 
 def _env_tracing() -> bool:
-    """Whether the OTEL_* variables ask for OTLP export (read as the SDK reads them)."""
+    """Whether the OTEL_* variables ask for OTLP export (read as the SDK reads them; with none set, nothing
+    does, and the SDK is not imported)."""
+    if not any(name.startswith("OTEL_") for name in os.environ):
+        return False
     from fsm.telemetry.config import otlp_from_env
 
     return otlp_from_env()
@@ -213,7 +217,10 @@ async def _rollout(
     interrupts = Interrupts()  # a signal cancels this task until the rollout runs, then stops it
     async with AsyncExitStack() as stack:
         stack.enter_context(interrupts.listening(asyncio.current_task()))
-        servers, tokenizer = await servers_of(args, stack)
+        servers: list[str] = []  # the embedded model: nothing to launch or probe
+        tokenizer = args.tokenizer
+        if args.server or args.launch_sglang or args.launch_vllm:
+            servers, tokenizer = await servers_of(args, stack)
         engine = _engine(args, servers, tokenizer)
         stack.push_async_callback(engine.aclose)
         if getattr(args, "gateway", None) is not None and args.ray is None:  # `agentfsm gateway`'s (serve.py)
@@ -244,6 +251,7 @@ async def _rollout(
                 interrupts,
                 _progress(args, console),
                 first_index=first_index,
+                resumed=vars(args).pop("resumed", None),  # cmd_run's: the journal is read once
             )
             trajs, interrupted, expected, sampling = (
                 kept.trajs,
@@ -369,7 +377,7 @@ def cmd_run(args: argparse.Namespace, rollout: Callable[..., Any] | None = None)
                 f"--resume: {Path(args.resume) / JOURNAL}: the run there has {loaded.ended}: nothing to resume"
             )
         refuse_changed_code(Path(args.resume) / JOURNAL, agent, loaded.made_by, args.accept_changes)
-        del loaded  # checked: the run reads the journal again (fsm/run/interruptible.py), not with this copy
+        args.resumed = loaded  # checked: the run goes on from it (fsm/run/interruptible.py `keep_rollout`)
     rows = _rows(args, agent) if args.resume is None else None
     out = args.out = _out_dir(args)
     try:
@@ -523,13 +531,13 @@ COMMANDS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    return command_line(COMMANDS)
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    return command_line(COMMANDS, argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser(sys.argv[1:] if argv is None else argv).parse_args(argv)
     except SystemExit as exc:  # --help, --version, or a usage error (printed as one line)
         return exc.code if isinstance(exc.code, int) else 1
     rc = 1
