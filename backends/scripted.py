@@ -222,13 +222,17 @@ WRITE_TOOLS = {
     "write": ("filePath", "content"),
 }
 # A harness's sub-agent tool, by the name it gives it: the arguments a call takes besides `description` and
-# `prompt`. Claude Code's `Agent`, opencode's `task`, qwen-code's `agent`.
+# `prompt`. Claude Code's `Agent`, opencode's `task`, qwen-code's `agent`; Codex's `spawn_agent` (its namespace's,
+# as the gateway renders it) takes the task as `message` alone, and its `wait_agent` the ids spawning returned.
+CODEX_SPAWN = "multi_agent_v1__spawn_agent"
 AGENT_TOOLS: dict[str, dict[str, Any]] = {
     "Agent": {"subagent_type": "general-purpose"},
     "Task": {"subagent_type": "general-purpose"},
     "task": {"subagent_type": "general"},
     "agent": {"subagent_type": "general-purpose"},
+    CODEX_SPAWN: {},
 }
+_AGENT_ID = re.compile(r'"agent_id":\s*"([^"]+)"')
 DEFAULT_TOOL_SCRIPT: list[dict[str, Any]] = [
     {"write": {"path": "hello.txt", "content": "hi\n"}},
     {"text": "Done."},
@@ -250,8 +254,8 @@ _WORKDIR = re.compile(r"[Ww]orking (?:in the )?directory: (/[^\s<]+)")
 
 
 def _step(step: Any) -> bool:
-    """Whether `step` is one of a tool script's four kinds."""
-    if not isinstance(step, dict) or len(step.keys() & {"write", "call", "text", "agents"}) != 1:
+    """Whether `step` is one of a tool script's five kinds."""
+    if not isinstance(step, dict) or len(step.keys() & {"write", "call", "text", "agents", "wait"}) != 1:
         return False
     if "write" in step:
         return isinstance(step["write"], dict)
@@ -268,7 +272,7 @@ def _step(step: Any) -> bool:
         )
     if "call" in step:
         return isinstance(step["call"], str) and isinstance(step.get("arguments", {}), dict)
-    return isinstance(step["text"], str)
+    return isinstance(step.get("text", step.get("wait")), str)
 
 
 class ToolScript:
@@ -285,7 +289,9 @@ class ToolScript:
     - `{"agents": [{"prompt", "answer"}, ...]}`: one turn that starts a sub-agent per entry with the harness's own
       sub-agent tool (AGENT_TOOLS; the harness runs them in parallel where it can). A conversation with no model
       turn yet whose prompt holds an entry's `prompt` is that sub-agent's: it answers `answer` at once (the
-      parent's first turn never holds it: its own prompt is the row's).
+      parent's first turn never holds it: its own prompt is the row's);
+    - `{"wait": NAME}`: a call to NAME with `{"targets": [...]}`, the agent ids the prompt's tool results name
+      (Codex's `wait_agent`, whose result is the sub-agents' answers).
     A call to a tool the prompt does not offer (a title or summary request has no tools) is answered with the
     script's last text instead. A model router's request (its system prompt's JSON schema requires a field of
     ROUTER_ANSWERS) is answered in that JSON, whatever the step.
@@ -301,7 +307,7 @@ class ToolScript:
         if not self.steps or not all(map(_step, self.steps)):
             raise ValueError(
                 'a tool script is a non-empty list of steps, each {"write": {"path", "content"}}, '
-                '{"call": NAME, "arguments": {...}}, {"text": TEXT} or {"agents": [{"prompt", "answer"}, ...]}'
+                '{"call": NAME, "arguments": {...}}, {"text": TEXT}, {"agents": [{"prompt", "answer"}, ...]} or {"wait": NAME}'
             )
         self.final = next((s["text"] for s in reversed(self.steps) if "text" in s), "Done.")
         self.agents = [a for s in self.steps for a in s.get("agents", ())]
@@ -327,7 +333,9 @@ class ToolScript:
             if found is None:
                 return {"role": "assistant", "content": self.final}
             calls = [
-                {"description": f"sub-agent {k}", "prompt": a["prompt"], **AGENT_TOOLS[found]}
+                {"message": a["prompt"]}
+                if found == CODEX_SPAWN
+                else {"description": f"sub-agent {k}", "prompt": a["prompt"], **AGENT_TOOLS[found]}
                 for k, a in enumerate(step["agents"])
             ]
             return {
@@ -336,6 +344,11 @@ class ToolScript:
                 "tool_calls": [
                     {"type": "function", "function": {"name": found, "arguments": a}} for a in calls
                 ],
+            }
+        if "wait" in step:
+            step = {
+                "call": step["wait"],
+                "arguments": {"targets": list(dict.fromkeys(_AGENT_ID.findall(prompt)))},
             }
         if "write" in step:
             found = next((n for n in WRITE_TOOLS if re.search(rf'"name":\s*"{n}"', prompt)), None)

@@ -54,12 +54,30 @@ def _int(value: Any, name: str) -> int | None:
 FUNCTION_FIELDS = ("name", "description", "parameters", "strict")  # what a chat server gives the template
 
 
-def _tools(tools: Any, dropped: list[str]) -> list[dict[str, Any]] | None:
-    """Function tools in Chat Completions form (the Responses API's flat form is converted), each function's
-    fields as sent, in the order sent, as vLLM and SGLang hand them to the chat template (`strict` included, so
-    a template that writes the schema as JSON writes it too); only `parameters` is filled in when absent (an
-    empty object schema, which templates that read it need). Tools of another type (a hosted `web_search`, a
-    `namespace` of tools, ...) are left out and named in `dropped` (the gateway drops or refuses them)."""
+def _function(fn: Any, where: str, prefix: str = "") -> dict[str, Any]:
+    """One function tool in Chat Completions form, its fields as sent (`strict` included, so a template that
+    writes the schema as JSON writes it too); only `parameters` is filled in when absent (an empty object
+    schema, which templates that read it need)."""
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise GatewayError(f"{where}: a function tool needs a name")
+    if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
+        raise GatewayError(f"{where}: strict must be true or false")
+    schema = {key: fn[key] for key in fn if key in FUNCTION_FIELDS and fn[key] is not None}
+    schema["name"] = prefix + fn["name"]
+    if "description" in schema:
+        schema["description"] = str(schema["description"])
+    schema.setdefault("parameters", {"type": "object", "properties": {}})
+    return {"type": "function", "function": schema}
+
+
+def _tools(
+    tools: Any, dropped: list[str], namespaces: dict[str, tuple[str, str]] | None = None
+) -> list[dict[str, Any]] | None:
+    """Function tools in Chat Completions form (the Responses API's flat form is converted), in the order sent,
+    as vLLM and SGLang hand them to the chat template. With `namespaces` (Responses), the functions of a
+    `namespace` tool (Codex's sub-agent tools) are served as vLLM serves them, each named `{namespace}__{name}`,
+    and `namespaces` maps that name back (the answer names the two apart, as Codex needs). Other tools (a hosted
+    `web_search`, ...) are left out and named in `dropped` (the gateway drops or refuses them)."""
     if tools is None:
         return None
     if not isinstance(tools, list):
@@ -68,19 +86,20 @@ def _tools(tools: Any, dropped: list[str]) -> list[dict[str, Any]] | None:
     for k, tool in enumerate(tools):
         if not isinstance(tool, dict):
             raise GatewayError(f"tools[{k}] must be an object")
-        if tool.get("type") != "function":
+        group, inner = tool.get("name"), tool.get("tools")
+        if namespaces is not None and tool.get("type") == "namespace" and isinstance(group, str):
+            for j, fn in enumerate(inner if isinstance(inner, list) else ()):
+                if not isinstance(fn, dict) or fn.get("type") != "function":
+                    dropped.append(
+                        unsupported_tool(f"tools[{k}].tools[{j}]", fn if isinstance(fn, dict) else {})
+                    )
+                    continue
+                out.append(_function(fn, f"tools[{k}].tools[{j}]", f"{group}__"))
+                namespaces[out[-1]["function"]["name"]] = (group, fn["name"])
+        elif tool.get("type") == "function":
+            out.append(_function(tool.get("function", tool), f"tools[{k}]"))
+        else:
             dropped.append(unsupported_tool(f"tools[{k}]", tool))
-            continue
-        fn = tool.get("function", tool)  # Responses: {"type": "function", "name", "parameters", ...}
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise GatewayError(f"tools[{k}]: a function tool needs a name")
-        if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
-            raise GatewayError(f"tools[{k}]: strict must be true or false")
-        schema = {key: fn[key] for key in fn if key in FUNCTION_FIELDS and fn[key] is not None}
-        if "description" in schema:
-            schema["description"] = str(schema["description"])
-        schema.setdefault("parameters", {"type": "object", "properties": {}})
-        out.append({"type": "function", "function": schema})
     return out or None
 
 
@@ -264,9 +283,13 @@ def responses_call(body: dict[str, Any]) -> Call:
             text = "".join(str(p.get("text") or "") for p in parts if isinstance(p, dict))
             out.append({**said, "reasoning": text} if text else said)
         elif kind == "function_call":
-            call = {"id": item.get("call_id"), "name": item.get("name"), "arguments": item.get("arguments")}
-            if not isinstance(call["name"], str):
+            name, group = item.get("name"), item.get("namespace")
+            if not isinstance(name, str):
                 raise GatewayError(f"{where}: a function_call needs a name")
+            name = (
+                f"{group}__{name}" if isinstance(group, str) and group else name
+            )  # as its tool was rendered
+            call = {"id": item.get("call_id"), "name": name, "arguments": item.get("arguments")}
             if out and out[-1]["role"] == "assistant":
                 out[-1]["tool_calls"].append(call)  # one model turn: its message and calls
             else:
@@ -283,17 +306,18 @@ def responses_call(body: dict[str, Any]) -> Call:
             raise GatewayError(f"{where}: item type {kind!r} is not supported")
     cap = _int(body.get("max_output_tokens"), "max_output_tokens")
     dropped: list[str] = []
+    namespaces: dict[str, tuple[str, str]] = {}
     made = Call(
         out,
-        _tools(body.get("tools"), dropped),
+        _tools(body.get("tools"), dropped, namespaces),
         cap,
         bool(body.get("stream")),
-        {"model": str(body.get("model") or "")},
+        {"model": str(body.get("model") or ""), "namespaces": namespaces},
     )
     return with_dropped(made, dropped)
 
 
-def _output_items(a: Answer, rid: str) -> list[dict[str, Any]]:
+def _output_items(a: Answer, rid: str, namespaces: dict[str, tuple[str, str]]) -> list[dict[str, Any]]:
     items: list[dict[str, Any]] = []
     if a.reasoning:
         items.append(
@@ -315,12 +339,14 @@ def _output_items(a: Answer, rid: str) -> list[dict[str, Any]]:
             }
         )
     for k, c in enumerate(a.tool_calls):
+        group, name = namespaces.get(c["name"], (None, c["name"]))
         items.append(
             {
                 "type": "function_call",
                 "id": f"fc_{rid}_{k}",
                 "call_id": c["id"],
-                "name": c["name"],
+                "name": name,
+                **({"namespace": group} if group else {}),  # a namespace's function: its two names apart
                 "arguments": c["arguments"],
                 "status": "completed",
             }
@@ -339,7 +365,7 @@ def responses_answer(a: Answer, call: Call, session: str) -> dict[str, Any]:
         "status": "incomplete" if incomplete else "completed",
         "error": None,
         "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
-        "output": _output_items(a, rid),
+        "output": _output_items(a, rid, call.extra.get("namespaces") or {}),
         "parallel_tool_calls": True,
         "tool_choice": "auto",
         "tools": [{"type": "function", **t["function"]} for t in call.tools or ()],

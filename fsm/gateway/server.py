@@ -74,10 +74,15 @@ class GatewayLimits:
     auxiliary_calls: str = "separate"
     auxiliary_prompts: tuple[tuple[str, str], ...] = AUX_PROMPTS  # (kind, text its system prompt holds)
     # headers that name the agent a call is of (Claude Code's sub-agents send x-claude-code-agent-id, opencode
-    # each session's x-session-id): a value other than the session's first call's is a sub-agent, recorded as a
-    # child session of its own (`Session.line`); a parent header names the agent that started it (nesting)
-    child_headers: tuple[str, ...] = ("x-claude-code-agent-id", "x-session-id")
-    parent_headers: tuple[str, ...] = ("x-claude-code-parent-agent-id", "x-parent-session-id")
+    # each session's x-session-id, Codex each thread's thread-id): a value other than the session's first call's
+    # is a sub-agent, recorded as a child session of its own (`Session.line`); a parent header names the agent
+    # that started it (nesting)
+    child_headers: tuple[str, ...] = ("x-claude-code-agent-id", "x-session-id", "thread-id")
+    parent_headers: tuple[str, ...] = (
+        "x-claude-code-parent-agent-id",
+        "x-parent-session-id",
+        "x-codex-parent-thread-id",
+    )
 
     def __post_init__(self) -> None:
         if self.auxiliary_calls not in ("keep", "separate", "drop"):

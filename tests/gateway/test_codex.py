@@ -1,9 +1,10 @@
 """The real Codex CLI (npm's @openai/codex, `codex exec`, installed by .ci/codex.sh) as a command harness on the
-embedded tiny model: its Responses API requests (SSE), its tools (functions rendered, its `namespace` and
-`web_search` tools left out and noted on the row), one exchange, and a row that ends with a recorded reason.
+embedded tiny model: its Responses API requests (SSE), its tools (functions rendered, those of its `namespace`
+tool as `{namespace}__{name}`, `web_search` left out and noted on the row), one exchange, and a row that ends
+with a recorded reason; then at its defaults on the scripted model, with sub-agents.
 
 Codex's own prompt (about 16,000 tiny-tokenizer tokens) is cut to fit the tiny model's 4,096 positions with
-Codex's own options: short instructions, no goal, image or skill instructions."""
+Codex's own options: short instructions, no goal, image, skill instructions or sub-agents."""
 
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ FIT = [
     "goals",
     "--disable",
     "view_image",
+    "--disable",
+    "multi_agent",  # its sub-agent tools (about 6,000 tiny-tokenizer tokens): the scripted test below serves them
     "-c",
     "skills.include_instructions=false",
 ]
@@ -97,21 +100,26 @@ def test_the_codex_cli_runs_one_exchange_and_its_row_says_how_it_ended(
         record
     )  # Codex's prompt, then the model's turn
     assert [t["role"] for t in record["turns"]][:1] == ["assistant"]
-    assert (
-        "exec_command" in record["prompt"] and "multi_agent_v1" not in record["prompt"]
-    )  # its function tools only
+    assert "exec_command" in record["prompt"]  # its function tools
     (note,) = record["gateway_notes"]
-    assert "type 'namespace', 'multi_agent_v1'" in note and "type 'web_search'" in note, note
+    assert "type 'web_search'" in note, note
+
+
+SUB_AGENTS = [
+    {"prompt": "Count the lines of README.", "answer": "README has 12 lines."},
+    {"prompt": "Name the license.", "answer": "The license is MIT."},
+]
 
 
 @pytest.mark.slow
-def test_codex_at_its_defaults_runs_a_command_through_the_gateway(
+def test_codex_at_its_defaults_runs_sub_agents_and_a_command_through_the_gateway(
     tmp_path: Path, codex_cli: str, real_tokenizer: Any
 ) -> None:
-    """Codex's own prompt, whole (6,109-6,295 Qwen2.5 tokens), on the scripted tool-calling dev server: its
-    exec_command writes a file, then the model finishes; one row, --check-tokens clean. Its sub-agents' tools sit in
-    the `namespace` tool the gateway leaves out (noted on the row), so its tree has no child. 21 s measured at load
-    10 on the shared 2-core machine."""
+    """Codex's own prompt, whole (6,109-6,295 Qwen2.5 tokens), on the scripted tool-calling dev server: two
+    sub-agents started in parallel with its namespaced `spawn_agent`, `wait_agent`, an exec_command that writes a
+    file, then the model finishes. Its sub-agents are child nodes (from Codex's `thread-id` headers), each answer
+    the text the parent got back, 0 tokens copied, --check-tokens clean. ~30 s at load 10: Codex's start and
+    six real-size calls, one run for the harness, its tree and its file."""
     real_tokenizer("qwen2_5")  # skips (or fails under CI) with the line that fetches it
     tokenizer = str(TOKENIZERS / "qwen2_5")
     workdir = tmp_path / "work"
@@ -119,7 +127,12 @@ def test_codex_at_its_defaults_runs_a_command_through_the_gateway(
     script = tmp_path / "script.json"
     script.write_text(
         json.dumps(
-            [{"call": "exec_command", "arguments": {"cmd": "printf hi > hello.txt"}}, {"text": "Done."}]
+            [
+                {"agents": SUB_AGENTS},
+                {"wait": "multi_agent_v1__wait_agent"},
+                {"call": "exec_command", "arguments": {"cmd": "printf hi > hello.txt"}},
+                {"text": "Done."},
+            ]
         )
     )
     spec = tmp_path / "codex.yaml"
@@ -145,9 +158,25 @@ def test_codex_at_its_defaults_runs_a_command_through_the_gateway(
     assert record["termination_reason"] == "done", record
     assert record["harness"]["outcome"] == "exit" and record["harness"]["exit_code"] == 0, record["harness"]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["token_check_failures"] == 0 and summary["rows"] == 1
-    assert record["prompt_tokens"] > 5_000 and "segments" not in record  # one row: no child, no branch
-    said = [t["text"] for t in record["turns"] if t["role"] == "assistant"]
-    assert '"name": "exec_command"' in said[0] and said[-1].startswith("Done."), said
-    (note,) = record["gateway_notes"]
-    assert "type 'namespace', 'multi_agent_v1'" in note, note
+    assert summary["token_check_failures"] == 0 and summary["rows"] == 1  # --check-tokens on every node
+    *children, root = record["segments"]  # the row the session ended on last
+    assert sorted((s["node"], s["parent"], s["node_kind"]) for s in record["segments"]) == [
+        ("0", None, "root"),
+        ("0.0", "0", "child"),
+        ("0.1", "0", "child"),
+    ]
+    said = [t["text"] for t in root["turns"] if t["role"] == "assistant"]
+    assert said[0].count('"name": "multi_agent_v1__spawn_agent"') == 2, said  # its namespace's function
+    assert '"name": "multi_agent_v1__wait_agent"' in said[1] and '"name": "exec_command"' in said[2], said
+    assert said[-1].startswith("Done."), said
+    # the parent's row goes on in place (no branch: nothing copied); each child's answer is what it got back
+    assert root["reason"] == "prompt" and root["prompt_tokens"] > 5_000
+    seen = "".join(t["text"] for t in root["turns"] if t["role"] != "assistant")
+    answers = []
+    for child in children:
+        (answer,) = [t["text"].removesuffix("<|im_end|>") for t in child["turns"] if t["role"] == "assistant"]
+        assert child["reason"] == "child" and json.dumps(answer)[1:-1] in seen, (answer, seen)
+        answers.append(answer)
+    assert sorted(answers) == sorted(a["answer"] for a in SUB_AGENTS)
+    notes = record["gateway_notes"]  # the parent's and its children's tools: web_search alone is left out
+    assert notes and all("(type 'web_search')" in n and "namespace" not in n for n in notes), notes

@@ -170,6 +170,6 @@ def test_a_bad_script_is_one_line(tmp_path: Path) -> None:
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines() == [
         'dev server: --scripted-tools: a tool script is a non-empty list of steps, each {"write": {"path", '
-        '"content"}}, {"call": NAME, "arguments": {...}}, {"text": TEXT} or {"agents": [{"prompt", "answer"}, '
-        "...]}"
+        '"content"}}, {"call": NAME, "arguments": {...}}, {"text": TEXT}, {"agents": [{"prompt", "answer"}, '
+        '...]} or {"wait": NAME}'
     ], proc.stderr

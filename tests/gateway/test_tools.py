@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from fsm.gateway import Gateway, GatewayLimits, HarnessCall, harness
+from fsm.gateway.openai_api import chat_call, responses_answer, responses_call
+from fsm.gateway.record import Answer
 from tests.gateway.conftest import row
 from tests.gateway.test_hostile import USER, chat, post, run, spec
 
@@ -74,6 +76,40 @@ CODEX_NAMESPACE = {
 }
 CODEX_WEB_SEARCH = {"type": "web_search", "external_web_access": False}
 FLAT_TOOL = {"type": "function", **PYDANTIC_AI_TOOL["function"]}
+# the namespace's function as vLLM renders it (vllm#47024): `{namespace}__{name}`
+FLAT_SPAWN = {
+    "type": "function",
+    "function": {"name": "multi_agent_v1__spawn_agent", "parameters": {"type": "object", "properties": {}}},
+}
+
+
+def test_a_namespace_tools_functions_are_served_and_answered_with_their_namespace() -> None:
+    """Codex calls a function of a `namespace` tool only when the answer names the two apart (`unsupported call:
+    multi_agent_v1spawn_agent` otherwise, measured with Codex 0.171.0), and sends the call back so."""
+    sent = {"type": "function_call", "call_id": "c1", "name": "spawn_agent", "namespace": "multi_agent_v1"}
+    body = {"model": "m", "input": [USER, {**sent, "arguments": "{}"}], "tools": [CODEX_NAMESPACE]}
+    call = responses_call(body)
+    assert (
+        call.tools == [FLAT_SPAWN]
+        and call.messages[-1]["tool_calls"][0]["name"] == FLAT_SPAWN["function"]["name"]
+    )
+    answer = Answer(
+        "",
+        None,
+        [{"id": "c2", "name": "multi_agent_v1__spawn_agent", "arguments": "{}"}],
+        "tool_calls",
+        1,
+        1,
+        1,
+    )
+    (item,) = responses_answer(answer, call, "s")["output"]
+    assert (item["name"], item["namespace"]) == ("spawn_agent", "multi_agent_v1")
+    chat = chat_call(
+        {"messages": [USER], "tools": [CODEX_NAMESPACE]}
+    )  # a namespace is the Responses API's own
+    assert chat.tools is None and chat.extra["dropped_tools"] == [
+        "tools[0] (type 'namespace', 'multi_agent_v1')"
+    ]
 
 
 async def codex_tools(call: HarnessCall) -> Any:
@@ -100,18 +136,17 @@ def test_tools_a_local_model_cannot_serve_are_dropped_and_noted(tmp_path: Path, 
     assert trajs[0].extra["harness"]["result"][0] == 200
     expected = tokenizer.apply_chat_template(
         [USER],
-        tools=[copy.deepcopy(PYDANTIC_AI_TOOL)],
+        tools=[copy.deepcopy(PYDANTIC_AI_TOOL), FLAT_SPAWN],
         add_generation_prompt=True,
         tokenize=True,
         return_dict=False,
     )
-    assert trajs[0].segments[0].prompt_ids.tolist() == list(expected)  # the function tool alone
+    assert trajs[0].segments[0].prompt_ids.tolist() == list(expected)  # the function tools alone
     assert "web_search" not in tokenizer.decode(
         trajs[0].prompt_ids.tolist()
     )  # the second call: no tools at all
     assert trajs[0].extra["gateway_notes"] == [
-        "tools left out (a local model serves function tools only): tools[1] (type 'namespace', 'multi_agent_v1'), "
-        "tools[2] (type 'web_search')",
+        "tools left out (a local model serves function tools only): tools[2] (type 'web_search')",
         "tools left out (a local model serves function tools only): tools.0 (type 'web_search_20250305', 'web_search')",
     ]
 
@@ -123,7 +158,7 @@ def test_tools_a_local_model_cannot_serve_can_be_refused(tmp_path: Path, tokeniz
     )
     assert trajs[0].extra["harness"]["result"] == [
         400,
-        "tools[1] (type 'namespace', 'multi_agent_v1'): only function tools are supported (the gateway's "
+        "tools[2] (type 'web_search'): only function tools are supported (the gateway's "
         "unsupported_tools is 'refuse')",
         400,
     ]
