@@ -47,23 +47,9 @@ def agent_executor(spec: SpecLike, **engine_options: Any) -> type:
     spec = one_row_per_sample(spec, "agent_executor", OPENRLHF_ONE_ROW)
     from openrlhf.utils.agent import AgentExecutorBase  # the trainer's own class: imported where it runs
 
-    class AgentExecutor(AgentExecutorBase):
+    class AgentExecutor(OpenRLHFRollout, AgentExecutorBase):  # OpenRLHF builds it without arguments
         def __init__(self) -> None:
-            self.rollout = OpenRLHFRollout(spec, **engine_options)
-
-        async def execute(
-            self,
-            prompt: Any,
-            label: Any,
-            sampling_params: Any,
-            max_length: int,
-            hf_tokenizer: Any,
-            llm_engine: Any,
-            images: Any = None,
-        ) -> dict[str, Any]:
-            return await self.rollout.execute(
-                prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine, images
-            )
+            super().__init__(spec, **engine_options)
 
     return AgentExecutor
 

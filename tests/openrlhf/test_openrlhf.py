@@ -110,7 +110,7 @@ async def test_agent_executor_through_openrlhf_loader_experience_and_loss():
                 for _ in range(2)
             )
         )
-    await executor.rollout.engine.aclose()
+    await executor.engine.aclose()
     assert all(
         r.temperature == TEMPERATURE and r.max_tokens <= 64 and tok.eos_token_id in r.stop_token_ids
         for r in llm.requests
