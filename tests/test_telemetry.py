@@ -31,6 +31,9 @@ from backends.base import BackendUnavailable
 from backends.scripted import ScriptedBackend
 from fsm import telemetry as T
 from fsm.telemetry import Telemetry
+from fsm.telemetry import export as tel_export
+from fsm.telemetry import shapes as tel_shapes
+from fsm.telemetry import spans as tel_spans
 from specs.calculator import make_prompts
 
 REPO = Path(__file__).resolve().parents[1]
@@ -537,7 +540,7 @@ async def test_tracing_off_calls_nothing(tokenizer, agent, monkeypatch):
 
     for name in ("trajectory", "model_call", "tool_call", "flush", "stats"):
         monkeypatch.setattr(Telemetry, name, boom)
-    monkeypatch.setattr(T._Span, "__init__", boom)
+    monkeypatch.setattr(tel_spans._Span, "__init__", boom)
     trajs = await fsm.Runner(agent, calculator_model(tokenizer), tokenizer).run(make_prompts(3))
     assert all(t.termination_reason == "done" and not t.failed for t in trajs)
 
@@ -622,9 +625,9 @@ def test_gen_ai_names_match_semconv():
 
 
 def test_server_address_and_port():
-    assert T._server("http://10.0.0.7:30000") == ("10.0.0.7", 30000)  # server.address, server.port
-    assert T._server("https://gpu.example") == ("gpu.example", 443)
-    assert T._server("hf-local") == ("hf-local", None)
+    assert tel_shapes._server("http://10.0.0.7:30000") == ("10.0.0.7", 30000)  # server.address, server.port
+    assert tel_shapes._server("https://gpu.example") == ("gpu.example", 443)
+    assert tel_shapes._server("hf-local") == ("hf-local", None)
 
 
 def test_bench_tracing_runs():
@@ -662,8 +665,8 @@ async def test_otlp_encoding_matches_the_sdk_encoder(tokenizer, agent):
     tel.flush()
     items = list(tel.memory._items)  # as queued: tuples, span objects, ReadableSpans
     assert {type(i).__name__ for i in items} >= {"tuple", "_ModelSpan", "_Span", "ReadableSpan"}
-    ours = T._Encoder(tel.resource, tel.scope).request(items)
-    sdk = encode_spans([T._readable(i, tel.resource, tel.scope) for i in items])
+    ours = tel_export._Encoder(tel.resource, tel.scope).request(items)
+    sdk = encode_spans([tel_spans._readable(i, tel.resource, tel.scope) for i in items])
     assert ExportTraceServiceRequest.FromString(ours) == sdk
     assert ours == sdk.SerializeToString()
     spans = tel.finished_spans()
@@ -685,8 +688,11 @@ def test_otlp_encoding_of_values():
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
-    shape = T._Shape(
-        "text_completion m", T._CLIENT, {"gen_ai.request.model": "m", "x.pi": 3.5}, T._MODEL_SLOTS
+    shape = tel_shapes._Shape(
+        "text_completion m",
+        tel_shapes._CLIENT,
+        {"gen_ai.request.model": "m", "x.pi": 3.5},
+        tel_shapes._MODEL_SLOTS,
     )
     params = {"temperature": 1, "top_p": 0.9, "top_k": -1, "max_new_tokens": 300, "sampling_seed": 2**63 - 1}
     values = (
@@ -708,12 +714,12 @@ def test_otlp_encoding_of_values():
         Resource.create({"service.name": "t", "x.list": (1.5, -2.0)}),
         InstrumentationScope("agentfsm"),
     )
-    readable = T._readable(item, resource, scope)
+    readable = tel_spans._readable(item, resource, scope)
     assert (
         readable.attributes["gen_ai.request.temperature"] == 1 and readable.attributes["server.port"] == 30000
     )
     assert readable.attributes["gen_ai.response.finish_reasons"] == ("length",)
-    ours = T._Encoder(resource, scope).request([item, item])  # the second from the caches
+    ours = tel_export._Encoder(resource, scope).request([item, item])  # the second from the caches
     assert ours == encode_spans([readable, readable]).SerializeToString()
 
 
@@ -748,7 +754,7 @@ async def test_sampled_out_trajectories_cost_no_spans(tokenizer, agent, monkeypa
     def boom(*args, **kwargs):
         raise AssertionError("a span was made for a sampled-out trajectory")
 
-    monkeypatch.setattr(T._Root, "__init__", boom)
+    monkeypatch.setattr(tel_spans._Root, "__init__", boom)
     monkeypatch.setattr("fsm.telemetry.tracer._new", boom)  # call spans are made with it
     with Telemetry(otlp=False, memory=True, sample=0.0) as tel:
         with tel.tracer.start_as_current_span("caller"):

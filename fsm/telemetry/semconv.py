@@ -71,7 +71,6 @@ PAUSE_MODE = "agentfsm.pause.mode"
 WEIGHT_VERSION = "agentfsm.weight_version"
 MODEL_TOKENS = "agentfsm.tokens.model"
 ROUTE = "agentfsm.route"  # how a router placed the call: sticky | new | group | moved
-WEIGHT_VERSION = "agentfsm.weight_version"
 TOOL_ATTEMPTS = "agentfsm.tool.attempts"
 # A state's declared failure rules (fsm/spec/failures.py): a catch edge's errors; on the root, the retries and
 # catches of the trajectory, and one event per handled failure ("agentfsm.retry" / "agentfsm.catch").

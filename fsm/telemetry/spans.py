@@ -239,53 +239,20 @@ class _Span(otel_trace.Span):
 
     def _message(self) -> bytes:
         """The OTLP Span message (in the export thread)."""
-        x, shape = self._extra, self.shape
-        assert self._end is not None  # queued when it ended
-        if x is None:
-            return _lean_message(
-                shape, self._trace_id, self._span_id, self._parent_id, self._start, self._end, self.values
-            )
-        if not x.attrs and not x.events and x.name is None:
-            return _lean_message(
-                shape,
-                self._trace_id,
-                self._span_id,
-                self._parent_id,
-                self._start,
-                self._end,
-                self.values,
-                _status(x.status),
-                _links(x.links),
-            )
-        return _span_message(
-            x.name or shape.name,
-            shape.kind,
-            self._trace_id,
-            self._span_id,
-            self._parent_id,
-            self._start,
-            self._end,
-            shape.attributes(self.values, x.attrs),
-            x.events,
-            x.links,
-            x.status,
-        )
+        x, shape, ids = self._extra, self.shape, self._ids()
+        if x is None or (not x.attrs and not x.events and x.name is None):
+            rest = () if x is None else (_status(x.status), _links(x.links))
+            return _lean_message(shape, *ids, self.values, *rest)
+        attributes = shape.attributes(self.values, x.attrs)
+        return _span_message(x.name or shape.name, shape.kind, *ids, attributes, x.events, x.links, x.status)
 
     def _readable(self, resource: Resource, scope: InstrumentationScope) -> ReadableSpan:
-        x, shape = self._extra, self.shape
+        return _make_readable(self.shape, *self._ids(), self.values, resource, scope, self._extra)
+
+    def _ids(self) -> tuple[int, int, int, int, int]:
+        """trace, span and parent ids, start and end: what every form of an ended span begins with."""
         assert self._end is not None  # queued when it ended
-        return _make_readable(
-            shape,
-            self._trace_id,
-            self._span_id,
-            self._parent_id,
-            self._start,
-            self._end,
-            self.values,
-            resource,
-            scope,
-            x,
-        )
+        return self._trace_id, self._span_id, self._parent_id, self._start, self._end
 
 
 def _make_readable(
