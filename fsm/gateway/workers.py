@@ -33,7 +33,7 @@ import signal
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -459,15 +459,9 @@ class Merged:
     def stats(self) -> dict[str, Any]:
         return self._stats
 
-    def to_batch(
-        self,
-        trajs: Sequence[Trajectory],
-        sampling: Sampling,
-        like: Any = None,
-        meta: Mapping[str, Any] | None = None,
-        wall_s: float | None = None,
-    ) -> Any:
-        return batch_of(self.agent, self.codec, trajs, sampling, self._faults, like, meta, wall_s)
+    def to_batch(self, trajs: Sequence[Trajectory], sampling: Sampling, **options: Any) -> Any:
+        """`options`: like, meta, wall_s, as the engines' `to_batch` takes them."""
+        return batch_of(self.agent, self.codec, trajs, sampling, self._faults, **options)
 
 
 def _token_pipe(token: str) -> int:
