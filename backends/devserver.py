@@ -561,7 +561,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     add("--latency", type=float, default=0.0, help="scripted/hashlm: seconds per request")
     add("--log-level", default="info")
     add("--device", help="model mode: cpu, cuda, cuda:1 (default: cuda if available)")
-    add("--dtype", help="model mode: auto, float32, bfloat16, float16 (default auto: see backends/hf.py)")
+    add("--dtype", help="model mode: auto, float32, bfloat16, float16 (default: backends/hf_model.py)")
     args, ignored = ap.parse_known_args(argv)  # SGLang launch flags (--tp-size, ...) are accepted and ignored
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
     if ignored:

@@ -1,37 +1,18 @@
 """The embedded default backend: a transformers causal LM in this process, on CPU or a CUDA GPU.
 
 Concurrent `generate()` calls queue up. One worker, owned by the backend, decodes them in a thread, so the
-event loop stays responsive: it prefills everything pending (up to `max_batch_size` rows) together, and
-between two decode steps the requests that arrived meanwhile are prefilled together and join the running
-batch (continuous batching), so the batch stays full across turns and trajectories. A trajectory's KV cache
-is kept between its turns (`session_kv_bytes`, backends/kv.py): its next turn prefills only the tokens it
-adds. Rows are left-padded and carry explicit position ids and an attention mask, so a request's greedy
-tokens do not depend on what it was batched with. Sampling follows SGLang's sampling parameters
-(backends/sampling.py): temperature < 1e-6 is greedy; the logprob of a token is log_softmax(logits /
-temperature) over the whole vocabulary (plain log_softmax when greedy), whatever top-k / top-p cut; the
-matched stop id is the last generated token.
-
-Device and dtype (`device=`, `dtype=`; `agentfsm run/dev-server --device --dtype`):
-- device: cuda when `torch.cuda.is_available()`, else cpu.
-- dtype, for a model loaded from a directory: float32 on CPU; on CUDA, float32 for models under
-  `SMALL_MODEL_PARAMS` (backends/hf_model.py) parameters and bfloat16 above. Small models are bound by per-step overhead, not by
-  arithmetic, so bfloat16 buys them little, and it breaks the batching promise above: in bfloat16 a row's
-  logprobs (and sometimes its greedy tokens) change with the batch it is decoded in, where float32 holds.
-  Large models get bfloat16 for memory and speed; pass dtype="float32" to keep the promise with them. A model
-  object passed in keeps its own dtype unless `dtype=` is given. (The README has the measurements.)
-- attention: in float16/bfloat16 on CUDA, PyTorch's SDPA would pick cuDNN attention, which builds a plan for
-  every new (batch, cache length) shape, and a decode step's shape is nearly always new. Decoding here
-  therefore excludes the cuDNN kernel (flash / memory-efficient / math SDPA, which need no plan).
-- seeds: each sampled row draws its uniforms from its own `torch.Generator` on the CPU, whatever the model's
-  device, so a `sampling_seed` picks the same tokens on CPU and CUDA (only the logits' float differences
-  between devices could flip a draw that lands on a boundary).
+event loop stays responsive: between two decode steps the requests that arrived meanwhile are prefilled together
+and join the running batch (continuous batching, up to `max_batch_size` rows), so the batch stays full across
+turns and trajectories. A trajectory's KV cache is kept between its turns (backends/kv.py): its next turn
+prefills only the tokens it adds. Rows are left-padded and carry explicit position ids and an attention mask, so
+a request's greedy tokens do not depend on what it was batched with. Sampling follows SGLang's sampling
+parameters (backends/sampling.py). Device, dtype and threads: backends/hf_model.py; measurements: docs/engines.md.
 
 Exact logprobs (`exact_logprobs=True`; `agentfsm run --exact-logprobs`): float sums run in an order that depends
-on the computation's shapes, so a token's logprob moves (~1e-5 in float32) with what the row was batched with and
-with whether its context came from kept KV or a fresh prefill, which a turn run again after a resume always is.
-In this mode the tokens are sampled as above, then each finished turn's logprobs are replaced by those of one
-forward pass over its whole context alone (batch of one, no padding, no cache): a computation that depends on the
-turn's tokens only, so an uninterrupted run and a resume give the same bits (`_rescore`).
+on the computation's shapes, so a token's logprob moves with what the row was batched with and with whether its
+context came from kept KV or a fresh prefill, which a turn run again after a resume always is. In this mode each
+finished turn's logprobs are replaced by those of one forward pass over its context alone (`_rescore`), so an
+uninterrupted run and a resume give the same bits.
 """
 
 from __future__ import annotations
@@ -59,14 +40,7 @@ from backends.base import (
     GenerateRequest,
     GenerateResult,
 )
-from backends.hf_model import (
-    default_dtype,
-    parameter_count,
-    served_name,
-    to_dtype,
-    unfit_tensors,
-    untied_values,
-)
+from backends.hf_model import eos_ids, load, served_name, unfit_tensors, untied_values
 from backends.kv import Rows, SessionCache, SlotCache, joinable, make_cache, prefill_inputs
 from backends.sampling import DecodeSampling, sample_next, validate
 
@@ -92,25 +66,8 @@ class _Job:
     logprobs: list[float] = field(default_factory=list)
     versions: list[str] = field(default_factory=list)  # the weight version that made each token
     running: bool = False  # in the decode loop's batch (else queued)
-    abort: bool = (
-        False  # /abort_request: the decode loop ends the row at its next step, with its partial output
-    )
+    abort: bool = False  # /abort_request: the row ends at the next decode step, with its partial output
     retractions: int = 0
-
-
-def _ids(value: int | list[int] | None) -> list[int]:
-    return [value] if isinstance(value, int) else list(value or ())
-
-
-def default_threads() -> int | None:
-    """The intra-op threads the embedded model takes on the CPU unless told: all of this process's cores but one,
-    so the engine's event loop (tools, renders, the dev server's HTTP) keeps a core. torch's own choice takes
-    every core, and on a busy 2-core machine the loop then waits on the model's threads: the main job's rollout
-    took 50-69 s where one thread took 9-12 s, the dev server served 0.85 calls/s where one thread served 11-15
-    (docs/benchmarks.md). None (torch's choice) when OMP_NUM_THREADS or MKL_NUM_THREADS says how many."""
-    if os.environ.get("OMP_NUM_THREADS") or os.environ.get("MKL_NUM_THREADS"):
-        return None
-    return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
 class HFBackend(BaseBackend):
@@ -120,17 +77,13 @@ class HFBackend(BaseBackend):
 
     def __init__(
         self,
-        model: str
-        | os.PathLike[str]
-        | PreTrainedModel
-        | torch.nn.Module,  # a directory, or a model in memory
+        model: str | os.PathLike[str] | PreTrainedModel | torch.nn.Module,  # a directory, or one in memory
         *,
         device: str | torch.device | None = None,  # default: cuda when available, else cpu
-        # default: a given model's own; loading: float32 on CPU, and on CUDA below SMALL_MODEL_PARAMS, else
-        # bfloat16 (see the module docstring). Also by name: "float32", "bfloat16", "float16", "auto".
+        # default: a given model's own, else by size (backends/hf_model.py); also by name: "float32", "auto"...
         dtype: torch.dtype | str | None = None,
         max_batch_size: int = 32,
-        # torch's (process-wide) intra-op thread count; None: `default_threads()` for a model loaded on the CPU
+        # torch's (process-wide) intra-op thread count; None: hf_model.default_threads() for a model loaded on CPU
         torch_threads: int | None = None,
         eos_token_ids: Sequence[int] | None = None,  # default: the model config's eos ids
         pad_token_id: int | None = None,  # any id works (padding is masked); default: config's pad or eos
@@ -145,24 +98,9 @@ class HFBackend(BaseBackend):
         # each finished turn's logprobs from one forward pass over its context alone (module docstring)
         exact_logprobs: bool = False,
     ):
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if torch_threads is None and self.device.type == "cpu" and not isinstance(model, torch.nn.Module):
-            torch_threads = default_threads()  # a model in memory is the caller's: its process, its threads
-        if torch_threads is not None:
-            torch.set_num_threads(torch_threads)
-        dtype = to_dtype(dtype)
         # where the weights came from (a directory or a hub id; None: the caller's module), which a resume checks
         self.checkpoint: str | None = None if isinstance(model, torch.nn.Module) else os.fspath(model)
-        if isinstance(model, torch.nn.Module):  # decoded as is: the caller's module (weights shared)
-            self.dtype = dtype or next(model.parameters()).dtype
-            self.model = model
-        else:
-            if dtype is None:  # counting parameters builds a skeleton: only where the answer matters
-                count = parameter_count(model) if self.device.type == "cuda" else None
-                dtype = default_dtype(self.device, count)
-            self.dtype = dtype
-            self.model = AutoModelForCausalLM.from_pretrained(model, dtype=self.dtype)
-        self.model.to(device=self.device, dtype=self.dtype).eval()
+        self.model, self.device, self.dtype = load(model, device, dtype, torch_threads)
         # transformers 5 renamed forward's past_key_values to cache (the old name warns); 4.x knows only the old
         self._cache_kw = (
             "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
@@ -177,13 +115,7 @@ class HFBackend(BaseBackend):
         self.model_name = served_model_name or model_name or served_name(model, config)
         self.context_length = getattr(config, "max_position_embeddings", None)
         self.vocab_size: int = config.vocab_size
-        if eos_token_ids is None:  # like SGLang: the config's and the generation config's eos ids
-            generation_config = getattr(self.model, "generation_config", None)
-            eos_token_ids = [
-                *_ids(config.eos_token_id),
-                *_ids(getattr(generation_config, "eos_token_id", None)),
-            ]
-        self.eos_token_ids = frozenset(eos_token_ids)
+        self.eos_token_ids = eos_ids(self.model) if eos_token_ids is None else frozenset(eos_token_ids)
         config_pad = getattr(config, "pad_token_id", None)
         pad = pad_token_id if pad_token_id is not None else config_pad
         self.pad_token_id: int = pad if pad is not None else min(self.eos_token_ids, default=0)
@@ -191,9 +123,7 @@ class HFBackend(BaseBackend):
         self.exact_logprobs = exact_logprobs
         self.weight_version = "default"
         self._rng = random.Random(seed)
-        self._queue: deque[_Job] = (
-            deque()
-        )  # waiting requests: the event loop appends, the decode thread takes
+        self._queue: deque[_Job] = deque()  # waiting requests: the loop appends, the decode thread takes
         self._wake = asyncio.Event()  # set when the queue gets a request (or the backend closes)
         self._model_lock = asyncio.Lock()  # decoding and a weight reload never overlap
         self._draining = 0  # weight updates waiting: the running batch admits no one and ends
@@ -236,7 +166,7 @@ class HFBackend(BaseBackend):
         if self._worker is not None:
             await self._worker
         while self._queue:
-            self._abort(self._queue.popleft())
+            self._resolve(self._queue.popleft(), "abort")
         self.sessions.clear()
 
     # -- requests ----------------------------------------------------------------------------------------
@@ -244,7 +174,13 @@ class HFBackend(BaseBackend):
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         if self._closed:
             raise BackendUnavailable(f"{self.model_name}: HFBackend is closed", server=self.model_name)
-        sampling = self._validate(request)
+        sampling = validate(  # as SGLang's server checks a request: BackendRequestError (HTTP 400) otherwise
+            request,
+            name=self.model_name,
+            vocab_size=self.vocab_size,
+            context_length=self.context_length,
+            eos_ids=self.eos_token_ids,
+        )
         if sampling.max_new_tokens == 0:
             return self._result(request, [], [], "length")
         await self.start()
@@ -277,16 +213,6 @@ class HFBackend(BaseBackend):
                 elif not job.future.done():
                     job.tokens, job.logprobs, job.versions = [], [], []
                     self._resolve(job, "abort", "Abort in waiting queue", waiting=True)
-
-    def _validate(self, request: GenerateRequest) -> DecodeSampling:
-        """Check a request the way SGLang's server would; raise BackendRequestError (HTTP 400) otherwise."""
-        return validate(
-            request,
-            name=self.model_name,
-            vocab_size=self.vocab_size,
-            context_length=self.context_length,
-            eos_ids=self.eos_token_ids,
-        )
 
     def _result(
         self,
@@ -329,10 +255,6 @@ class HFBackend(BaseBackend):
             )
             job.future.set_result(result)
 
-    def _abort(self, job: _Job | None, message: str | None = None) -> None:
-        if job is not None:
-            self._resolve(job, "abort", message)
-
     def _requeue(self, job: _Job) -> None:
         """A retracted row: back in the queue, with what it generated so far (as SGLang's retract: its context
         is recomputed and it goes on, on whatever weights are loaded then) once generation continues."""
@@ -350,12 +272,12 @@ class HFBackend(BaseBackend):
         loop = asyncio.get_running_loop()
 
         def finished(job: _Job, finish: str) -> None:  # called from the decode thread
-            if finish == "retract":
+            if finish == "retract":  # not finished: it goes on
                 loop.call_soon_threadsafe(self._requeue, job)
-            else:
-                loop.call_soon_threadsafe(
-                    self._resolve, job, finish, "Aborted" if finish == "abort" else None
-                )
+                return
+            if self.exact_logprobs:
+                self._rescore(job)
+            loop.call_soon_threadsafe(self._resolve, job, finish, "Aborted" if finish == "abort" else None)
 
         while not self._stopping:
             if not self._queue:
@@ -396,8 +318,6 @@ class HFBackend(BaseBackend):
         the requests waiting are prefilled together and join the running batch (with a cache that cannot take
         rows mid-batch, only once the batch has ended). Runs in a thread."""
         kernels = sdpa_kernel(self._attention) if self._attention else contextlib.nullcontext()
-        if self.exact_logprobs:
-            finished = self._rescoring(finished)
         with torch.inference_mode(), kernels:
             jobs: list[_Job] = []
             rows: Rows | None = None
@@ -457,16 +377,6 @@ class HFBackend(BaseBackend):
                 live = self._advance(jobs, rows, logprobs, finished)
                 if len(live) < len(jobs):  # drop finished rows: the rest of the batch runs smaller
                     jobs = [jobs[row] for row in rows.select(live)]
-
-    def _rescoring(self, finished: Callable[[_Job, str], None]) -> Callable[[_Job, str], None]:
-        """`finished`, after the turn's logprobs are rescored (a retracted row is not finished: it goes on)."""
-
-        def rescored(job: _Job, finish: str) -> None:
-            if finish != "retract":
-                self._rescore(job)
-            finished(job, finish)
-
-        return rescored
 
     def _rescore(self, job: _Job) -> None:
         """Exact logprobs: the turn's logprobs from one forward pass over prompt + tokens alone, at the positions
@@ -593,7 +503,7 @@ class HFBackend(BaseBackend):
         self._pause_mode = mode
         if mode == "abort":
             while self._queue:
-                self._abort(self._queue.popleft(), "Aborted")
+                self._resolve(self._queue.popleft(), "abort", "Aborted")
         # As SGLang's, the call returns once the pause took effect: the running batch has ended (its rows
         # answered or requeued) or is held, so a continue right after cannot overtake it.
         while self._model_lock.locked() and not self._parked.is_set() and not self._stopping:

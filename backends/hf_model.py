@@ -1,5 +1,14 @@
-"""What the embedded backend serves a model as: its dtype (float32 for small models, see backends/hf.py's
-docstring) and the name it is served under (in spans and /model_info)."""
+"""What the embedded backend (backends/hf.py) serves: the model loaded on its device, in its dtype, with torch's
+threads, and the name it is served under (in spans and /model_info).
+
+- device: cuda when `torch.cuda.is_available()`, else cpu.
+- dtype, for a model loaded from a directory: float32 on CPU, and on CUDA for models under SMALL_MODEL_PARAMS;
+  bfloat16 above. Small models are bound by per-step overhead, so bfloat16 buys them little, and in bfloat16 a
+  row's logprobs (sometimes its greedy tokens) change with the batch it is decoded in, where float32 holds. A model
+  object passed in keeps its dtype unless `dtype=` is given (docs/engines.md, "The embedded model on a GPU").
+- threads: on the CPU, all of this process's cores but one, so the engine's event loop keeps a core
+  (docs/benchmarks.md, "Threads of the embedded model and the dev server").
+"""
 
 from __future__ import annotations
 
@@ -23,6 +32,49 @@ DTYPES = {
 }
 
 
+def default_threads() -> int | None:
+    """torch's intra-op threads for a model loaded on the CPU: all cores but one; None (torch's choice) when
+    OMP_NUM_THREADS or MKL_NUM_THREADS says how many."""
+    if os.environ.get("OMP_NUM_THREADS") or os.environ.get("MKL_NUM_THREADS"):
+        return None
+    return max(1, len(os.sched_getaffinity(0)) - 1)
+
+
+def load(
+    model: str | os.PathLike[str] | torch.nn.Module,
+    device: str | torch.device | None,
+    dtype: torch.dtype | str | None,
+    torch_threads: int | None,
+) -> tuple[torch.nn.Module, torch.device, torch.dtype]:
+    """The model in eval mode on its device, in its dtype (module docstring). A module passed in is the caller's:
+    its weights are shared and its process's threads are left as they are."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if torch_threads is None and device.type == "cpu" and not isinstance(model, torch.nn.Module):
+        torch_threads = default_threads()
+    if torch_threads is not None:
+        torch.set_num_threads(torch_threads)
+    dtype = to_dtype(dtype)
+    if isinstance(model, torch.nn.Module):
+        dtype = dtype or next(model.parameters()).dtype
+    else:
+        if dtype is None:  # counting parameters builds a skeleton: only where the answer matters
+            dtype = default_dtype(device, parameter_count(model) if device.type == "cuda" else None)
+        model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype)
+    model.to(device=device, dtype=dtype).eval()
+    return model, device, dtype
+
+
+def eos_ids(model: Any) -> frozenset[int]:
+    """Like SGLang's: the config's and the generation config's eos ids."""
+    ids: list[int] = []
+    for value in (
+        model.config.eos_token_id,
+        getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+    ):
+        ids += [value] if isinstance(value, int) else list(value or ())
+    return frozenset(ids)
+
+
 def to_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     """A torch dtype from a dtype or its name ("float32", "bf16"...); None for None or "auto"."""
     if dtype is None or isinstance(dtype, torch.dtype):
@@ -37,7 +89,7 @@ def to_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
 
 def default_dtype(device: torch.device, parameters: int | None) -> torch.dtype:
     """float32 on CPU, and on CUDA for models under SMALL_MODEL_PARAMS; bfloat16 for larger (or unknown)
-    ones on CUDA. See the module docstring for why."""
+    ones on CUDA (module docstring)."""
     if device.type != "cuda":
         return torch.float32
     return torch.float32 if parameters is not None and parameters < SMALL_MODEL_PARAMS else torch.bfloat16
