@@ -29,8 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from fsm.cli.args import DEMO_PROMPTS, command_line
-from fsm.cli.checks import port_free
-from fsm.cli.launch import servers_of
+from fsm.cli.launch import port_free, servers_of
 from fsm.cli.outcome import (
     CLIError,
     Interrupted,

@@ -1,6 +1,7 @@
 """The servers `agentfsm run` drives: those --server names, plus SGLang or vLLM launched for the run
 (--launch-sglang, --launch-vllm), all probed ready; and the tokenizer that goes with them. A launch or probe
-that fails is one CLIError line (the log's last line, where a Python process says why it died)."""
+that fails is one CLIError line (the log's last line, where a Python process says why it died); and a port
+checked free before a server's model loads (`dev-server`)."""
 
 from __future__ import annotations
 
@@ -85,3 +86,23 @@ async def _launch(args: argparse.Namespace, stack: AsyncExitStack, engine: str, 
     except LaunchError as exc:
         raise CLIError(_launch_failure(str(exc), engine)) from None
     return launcher.urls
+
+
+def port_free(host: str, port: int) -> None:
+    """Bind host:port as the server will (SO_REUSEADDR, as aiohttp does), then let it go."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise CLIError(f"--host {host}: cannot serve there ({exc.strerror or exc})") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            raise CLIError(
+                f"--port {port}: cannot serve on {host}:{port} ({exc.strerror or exc}); stop what "
+                "holds it or pick another --port"
+            ) from None

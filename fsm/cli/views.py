@@ -7,11 +7,12 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from fsm.cli.args import SHOW_LIMIT
-from fsm.cli.checks import same_spec
 from fsm.cli.outcome import CLIError
 from fsm.run.compile import compile_spec
+from fsm.run.signals import warn
 
 # --- validate / schema ---------------------------------------------------------------------------------
 
@@ -56,6 +57,28 @@ def cmd_schema(args: argparse.Namespace) -> int:
 
 
 # --- render / show -------------------------------------------------------------------------------------
+
+
+def same_spec(run: str, spec_path: str, agent: Any) -> None:
+    """A run drawn over another spec's diagram would put its counts on edges it never took: refused; over its
+    own spec edited since, a warning (the counts are the run's, the edges today's)."""
+    path = Path(run) / "summary.json" if Path(run).is_dir() else Path(run)
+    try:
+        summary = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return  # load_run_stats says what is wrong with it
+    if not isinstance(summary, dict) or summary.get("spec_hash") in (None, agent.hash):
+        return
+    ran, spec = str(summary["spec_hash"]), summary.get("spec")
+    if spec and Path(spec).resolve() != Path(spec_path).resolve():
+        raise CLIError(
+            f"--run {run}: that run is of another spec ({spec}), not {spec_path}; render the run "
+            "with its own spec"
+        )
+    warn(
+        f"--run {run}: {spec_path} changed since that run (spec hash {ran[:12]}, now {agent.hash[:12]}); "
+        "its counts are drawn on today's edges"
+    )
 
 
 def cmd_render(args: argparse.Namespace) -> int:
