@@ -78,29 +78,23 @@ def read_text(path: Path, budget: Budget) -> str:
     except OSError as exc:
         raise YamlProblem("io", f"cannot read spec: {exc.strerror or exc}") from None
     if len(data) > budget.bytes:
-        line, col = _line_col(data, budget.bytes)
-        raise YamlProblem(
-            "too-large",
-            f"a spec (with its bases) may have at most {MAX_BYTES // 1024} KiB; this one goes on past here",
-            line,
-            col,
+        too_large = (
+            f"a spec (with its bases) may have at most {MAX_BYTES // 1024} KiB; this one goes on past here"
         )
+        raise _at_byte(data, budget.bytes, "too-large", too_large)
     budget.bytes -= len(data)
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        line, col = _line_col(data, exc.start)
-        raise YamlProblem(
-            "encoding",
-            f"not UTF-8: byte 0x{data[exc.start]:02x} cannot be decoded; save the spec as UTF-8",
-            line,
-            col,
-        ) from None
+        bad = f"not UTF-8: byte 0x{data[exc.start]:02x} cannot be decoded; save the spec as UTF-8"
+        raise _at_byte(data, exc.start, "encoding", bad) from None
 
 
-def _line_col(data: bytes, offset: int) -> tuple[int, int]:
+def _at_byte(data: bytes, offset: int, code: str, message: str) -> YamlProblem:
+    """The problem placed at byte `offset` of the file (line and column in characters)."""
     start = data.rfind(b"\n", 0, offset) + 1
-    return data.count(b"\n", 0, offset) + 1, len(data[start:offset].decode("utf-8", "replace")) + 1
+    line, col = data.count(b"\n", 0, offset) + 1, len(data[start:offset].decode("utf-8", "replace")) + 1
+    return YamlProblem(code, message, line, col)
 
 
 def load(text: str, budget: Budget) -> Any:
