@@ -58,9 +58,7 @@ class GenerateRequest:
     session_id: str  # trajectory id: the sticky routing key for every turn of one trajectory
     prompt_ids: list[int]  # the whole context so far (prompt + every earlier turn)
     sampling_params: dict[str, Any]  # SGLang names; max_new_tokens already clamped by the engine
-    rid: str | None = (
-        None  # per-turn request id, "{session_id}_t{turn:02d}": never a prefix of another live rid
-    )
+    rid: str | None = None  # per-turn request id, "{session_id}_t{turn:02d}": no prefix of another live rid
     group_id: str | None = None  # GRPO group (the row's uid): samples of a group share their prompt
     return_logprob: bool = True
     timeout_s: float | None = None  # per-attempt deadline (the spec's request_timeout_s); None: the backend's

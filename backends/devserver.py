@@ -521,10 +521,7 @@ def _backend(args: argparse.Namespace) -> tuple[Backend, dict[str, Any]]:
     if args.scripted_tools:
         try:
             script = _tool_script(tokenizer, args.script)
-        except (
-            OSError,
-            ValueError,
-        ) as e:  # no such tokenizer or script, a script that is not a list of steps
+        except (OSError, ValueError) as e:  # no such tokenizer or script; a script not a list of steps
             raise SystemExit(f"dev server: --scripted-tools: {e}") from None
         return tool_script_backend(script, latency_s=args.latency), {}
     if args.scripted_calculator:

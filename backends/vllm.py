@@ -55,9 +55,7 @@ __all__ = ["VLLMBackend", "FAULT_KINDS", "PAUSE_MODES", "sglang_shape", "vllm_pa
 log = logging.getLogger("agentfsm.vllm")
 
 _WEIGHTS_TIMEOUT_S = 600.0  # a weight reload may take minutes
-EXTENSION = (
-    "backends.vllm_reload.ExactReload"  # the worker extension exact updates need (--worker-extension-cls)
-)
+EXTENSION = "backends.vllm_reload.ExactReload"  # the worker extension exact updates need
 REQUEST_PREFIX = "generate-tokens-"  # what vLLM puts before a /inference/v1/generate request id
 # The engine's (SGLang's) pause modes -> vLLM's; vLLM's own names are taken as they are.
 PAUSE_MODES = {"abort": "abort", "in_place": "keep", "retract": "wait", "keep": "keep", "wait": "wait"}
@@ -151,9 +149,7 @@ class VLLMBackend(ServerClient):
     context_margin = 0  # vLLM takes prompt + max_tokens == max_model_len
 
     fault_kinds = FAULT_KINDS
-    _extension: bool | None = (
-        None  # whether the server runs backends/vllm_reload.py (read once, at the first update)
-    )
+    _extension: bool | None = None  # the server runs backends/vllm_reload.py (asked at the first update)
     _device = ""  # vLLM's device_config.device
 
     # -- what the server says about itself ----------------------------------------------------------------
