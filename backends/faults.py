@@ -40,22 +40,11 @@ from collections.abc import Mapping, Sequence
 import aiohttp
 from aiohttp import web
 
+from backends.contract import Refused
 from backends.devserver import FAULT_HEADER
 from backends.hostile import HOSTILE, rewrite
 
-FAULT_KINDS = (
-    "http_503",
-    "drop",
-    "reset",
-    "hang",
-    "non_json",
-    "html",
-    "wrong_schema",
-    "abort_waiting",
-    "abort_running",
-    *HOSTILE,
-)
-# Which counter of the client's stats()["faults"] each kind shows up in (None: a valid form it absorbs).
+# Each kind, and which counter of the client's stats()["faults"] each kind shows up in (None: a valid form it absorbs).
 CLIENT_COUNTER = {
     "http_503": "http_errors",
     "drop": "disconnects",
@@ -68,14 +57,9 @@ CLIENT_COUNTER = {
     "abort_running": "aborts_running",
     **{kind: counter for kind, (_, counter) in HOSTILE.items()},
 }
+FAULT_KINDS = tuple(CLIENT_COUNTER)
 
-_ERR_503 = {
-    "object": "error",
-    "message": "Request timed out in the waiting queue (fault injection)",
-    "type": "503",
-    "param": None,
-    "code": 503,
-}
+_ERR_503 = Refused.http(503, "Request timed out in the waiting queue (fault injection)").body
 _HTML = (
     "<html><head><title>502 Bad Gateway</title></head><body><center><h1>502 Bad Gateway</h1></center>"
     "<hr><center>nginx</center></body></html>\n"
@@ -212,25 +196,18 @@ class FaultProxy:
             return web.json_response(_ERR_503, status=503)
         kind = self._pick()
         body = await request.read()
-        if kind in HOSTILE:
-            status, ctype, data = await self._forward(request, body)
-            bad = rewrite(kind, data, body) if status == 200 else None
-            if bad is not None:
+        if kind is None or kind in HOSTILE or kind in ("abort_waiting", "abort_running"):  # forwarded
+            if kind == "abort_waiting":
+                self.injected[kind] += 1
+            header = {FAULT_HEADER: str(kind)} if kind in ("abort_waiting", "abort_running") else None
+            status, ctype, data = await self._forward(request, body, header)
+            if kind in HOSTILE and status == 200 and (bad := rewrite(kind, data, body)) is not None:
                 self.injected[kind] += 1
                 data = bad
-            return web.Response(status=status, body=data, headers={"Content-Type": ctype})
-        if kind is None:
-            status, ctype, data = await self._forward(request, body)
-            return web.Response(status=status, body=data, headers={"Content-Type": ctype})
-        if kind == "abort_running":
-            status, ctype, data = await self._forward(request, body, {FAULT_HEADER: kind})
-            if status == 200 and _finish_type(data) == "abort":
+            elif kind == "abort_running" and status == 200 and _finish_type(data) == "abort":
                 self.injected[kind] += 1
             return web.Response(status=status, body=data, headers={"Content-Type": ctype})
         self.injected[kind] += 1
-        if kind == "abort_waiting":
-            status, ctype, data = await self._forward(request, body, {FAULT_HEADER: kind})
-            return web.Response(status=status, body=data, headers={"Content-Type": ctype})
         if kind == "http_503":
             return web.json_response(_ERR_503, status=503)
         if kind == "non_json":

@@ -99,9 +99,7 @@ class SessionCache:
         """The session's kept KV when `prompt` extends its ids (at least one token more), under the current
         weights; it leaves the cache either way (the row that uses it keeps it again when it ends)."""
         with self._lock:
-            kept = self._entries.pop(session, None)
-            if kept is not None:
-                self.nbytes -= kept.nbytes
+            kept = self._pop(session)
         n = len(kept.ids) if kept is not None else 0
         if kept is None or kept.epoch != self.epoch or n >= len(prompt) or prompt[:n] != kept.ids:
             self.misses += kept is not None
@@ -112,9 +110,7 @@ class SessionCache:
     def keep(self, session: str, ids: list[int], kv: KV, epoch: int) -> None:
         nbytes = sum(k.nbytes + v.nbytes for k, v in kv)
         with self._lock:
-            old = self._entries.pop(session, None)
-            if old is not None:
-                self.nbytes -= old.nbytes
+            self._pop(session)
             if epoch != self.epoch or nbytes > self.max_bytes:
                 return
             while self._entries and self.nbytes + nbytes > self.max_bytes:
@@ -124,9 +120,14 @@ class SessionCache:
 
     def drop(self, session: str) -> None:
         with self._lock:
-            kept = self._entries.pop(session, None)
-            if kept is not None:
-                self.nbytes -= kept.nbytes
+            self._pop(session)
+
+    def _pop(self, session: str) -> KeptKV | None:
+        """The session's entry, out of the cache (the caller holds the lock)."""
+        kept = self._entries.pop(session, None)
+        if kept is not None:
+            self.nbytes -= kept.nbytes
+        return kept
 
     def clear(self) -> None:
         """Forget everything, and anything computed so far that is kept later (new weights)."""
@@ -291,17 +292,14 @@ class Rows:
         if not isinstance(self.cache, SlotCache):  # a model whose batch only shrinks (see `joinable`)
             index = torch.tensor(live, device=self.mask.device)
             self.cache.batch_select_indices(index)
-            self.mask, self.pos, self.tokens = self.mask[index], self.pos[index], self.tokens[index]
-            self.temp, self.top_p, self.top_k = self.temp[index], self.top_p[index], self.top_k[index]
+            self._reorder(index)
             return live
         kept, order, staying = len(live), list(range(len(live))), set(live)
         holes = [row for row in range(kept) if row not in staying]
         movers = [row for row in live if row >= kept]
         for hole, mover in zip(holes, movers, strict=True):
             order[hole] = mover
-        index = torch.tensor(order, device=self.mask.device)
-        self.mask, self.pos, self.tokens = self.mask[index], self.pos[index], self.tokens[index]
-        self.temp, self.top_p, self.top_k = self.temp[index], self.top_p[index], self.top_k[index]
+        self._reorder(torch.tensor(order, device=self.mask.device))
         used = self.mask.any(0).nonzero()
         trim = int(used[0]) if len(used) else 0
         self.mask = self.mask[:, trim:]
@@ -309,6 +307,10 @@ class Rows:
         for layer in _slots(self.cache):
             layer.move(pairs, kept, trim)
         return order
+
+    def _reorder(self, index: torch.Tensor) -> None:
+        self.mask, self.pos, self.tokens = self.mask[index], self.pos[index], self.tokens[index]
+        self.temp, self.top_p, self.top_k = self.temp[index], self.top_p[index], self.top_k[index]
 
     def opened(self, past: KV | None, rows: int, width: int, config: Any) -> DynamicCache:
         """A cache for the prefill of `rows` rows that join this batch, `width` columns each (see `Opened`)."""
