@@ -19,7 +19,7 @@ import pytest
 from backends.scripted import ScriptedBackend
 from fsm import RolloutEngine
 from fsm.cli.commands import main
-from fsm.run.journal import FORMAT, JOURNAL, JournalError, Recorder, Writer, frame, rebuild, records
+from fsm.run.journal import FORMAT, JOURNAL, JournalError, Recorder, Scan, Writer, frame, rebuild, records
 from fsm.run.resume import identity, load
 from fsm.run.snapshot import encode_trajectory
 from tests.conftest import ASSETS, REPO, model_turn, scripted, tool_turn, user_row
@@ -86,11 +86,15 @@ def _resume(out: Path, url: str) -> list[str]:
 
 
 def test_a_signal_flushes_the_journal_and_resume_completes_the_run_as_uninterrupted(
-    capsys, interrupted, echo_url, tmp_path
+    capsys, interrupted, echo_url, tmp_path, monkeypatch
 ):
     cut, ref = interrupted
     out = _copy(cut, tmp_path / "out")
+    read, scan = [], Scan.__iter__
+    monkeypatch.setattr(Scan, "__iter__", lambda self: (read.append(r) or r for r in scan(self)))
     assert main(_resume(out, echo_url)) == 0
+    assert len(_recs(cut)) < len(read) < 2 * len(_recs(cut))  # read once (and its first records), not twice
+    monkeypatch.undo()
     err = capsys.readouterr().err
     assert f"agentfsm: resuming {out / JOURNAL}: " in err and "go on from their last state" in err
     assert_consistent(out, 6)

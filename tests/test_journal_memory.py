@@ -1,9 +1,9 @@
 """Resuming a big journal in little memory (issue 50: resuming a 502 MB tree journal took 4.9 GB against 1.9 GB to
-write it). The snapshot form a journal's resume restores from keeps every token array of every trajectory and tree
-node as the array it was read into (4 bytes a token), never a list of Python ints (36), shares a row among its
-samples and tree nodes and a spec's tool schemas among all (as the run that wrote it did, rather than a copy per
-record), and restores the same trajectories as the snapshot form written as JSON. The measurements on a 50 MB and a 500 MB journal are in
-docs/running.md."""
+write it). The snapshot form a journal's resume restores from holds the trajectories it read back, not a copy
+(`decoded`): each token the 4 bytes of the array it was read into, a row shared by its samples and tree nodes and a
+spec's tool schemas by all (as in the run that wrote it), the same trajectories as the snapshot form written as
+JSON. `agentfsm run --resume` reads the journal once (tests/test_journal.py). The measurements on a 50 MB and a
+500 MB journal are in docs/running.md."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from specs.calculator import make_prompts
 from tests.conftest import ASSETS, REPO
 from tests.test_tree_journal import _echo
 
-TOKEN_ARRAYS = ("prompt_ids", "response_ids", "response_mask", "response_logprobs", "response_versions")
+TOKEN_ARRAYS = ("prompt_ids", "response_ids", "response_mask", "response_logprobs", "_version_runs")
 
 
 async def _journaled(spec: str, rows: list[dict[str, Any]], path: Any) -> None:
@@ -53,7 +53,7 @@ def _plain(traj: Any) -> dict[str, Any]:
     return x
 
 
-def test_a_resumed_tree_journal_keeps_its_tokens_as_arrays(tmp_path):
+def test_a_resumed_tree_journal_is_held_once_with_its_tokens_as_arrays(tmp_path):
     spec = str(REPO / "specs" / "fork_calculator.yaml")
     rows = make_prompts(2, 0)  # the calculator's rows, with the answers its reward scores against
     asyncio.run(_journaled(spec, rows, tmp_path / JOURNAL))
@@ -62,14 +62,16 @@ def test_a_resumed_tree_journal_keeps_its_tokens_as_arrays(tmp_path):
     assert (
         len(entries) == 2 * 5 and sum("nodes" in e for e in entries) == 2
     )  # two roots of four branches each
-    for td in entries:
-        for name in TOKEN_ARRAYS:
-            assert isinstance(td[name]["items"], array), (td["session_id"], name)
-    assert sum(len(td["response_ids"]["items"]) for td in entries) > 0
-    # one row object per row, shared by its tree's nodes, and one spec's tool schemas, as in the run that wrote it
     decoded = [decode_trajectory(td) for td in entries]
+    assert all(decode_trajectory(td) is t for td, t in zip(entries, decoded))  # restored as read, no copy
+    for t in decoded:
+        for name in TOKEN_ARRAYS:
+            assert isinstance(getattr(t, name), array), (t.session_id, name)
+    assert sum(len(t.response_ids) for t in decoded) > 0
+    # one row object per row, shared by its tree's nodes, and one spec's tool schemas, as in the run that wrote it
     assert len({id(t.row) for t in decoded}) == 2 and len({id(t.tool_schemas) for t in decoded}) == 1
+    assert loaded.top_id == max(max(t.prompt_ids) for t in decoded)  # what `with_codec` bounds
     # the same trajectories as the form a snapshot file holds (every array a JSON list)
-    for td in entries:
-        written = json.loads(json.dumps(encode_trajectory(decode_trajectory(td))))
-        assert _plain(decode_trajectory(td)) == _plain(decode_trajectory({**written, "done": td["done"]}))
+    for t in decoded:
+        written = json.loads(json.dumps(encode_trajectory(t)))
+        assert _plain(t) == _plain(decode_trajectory(written))

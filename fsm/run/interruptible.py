@@ -25,7 +25,7 @@ from fsm.run.context import Sampling
 from fsm.run.engine import LocalEngine
 from fsm.run.journal import Recorder, Writer
 from fsm.run.provenance import changes, judge, made_by
-from fsm.run.resume import Loaded, identity, load, refuse_unbegun, served_by, weights_change
+from fsm.run.resume import Loaded, identity, load, refuse_unbegun, served_by, weights_change, with_codec
 from fsm.run.signals import Interrupts, say_now, warn
 from fsm.run.snapshot import SnapshotError, encode_sampling
 from fsm.run.trajectory import Trajectory
@@ -94,16 +94,17 @@ async def keep_rollout(
     interrupts: Interrupts,
     progress: AbstractContextManager[Progress] | None = None,
     first_index: int | None = None,
+    resumed: Loaded | None = None,
 ) -> KeptRollout:
     """Roll `rows` out `n` times each (or, `rows` None, the run in `keeper.journal` again) in `engine`'s
     continuous mode, from the caller's loop, every step appended to the journal as it happens, while
     `interrupts` listens: a signal then parks the running trajectories at their next state boundary (the
     journal records each there), flushes the journal to disk and stops; the finished ones come back.
-    `first_index`: the rows are a slice of a larger batch (see BaseEngine.asubmit, fsm/output/engine.py)."""
+    `first_index`: the rows are a slice of a larger batch (see BaseEngine.asubmit, fsm/output/engine.py).
+    `resumed`: the journal loaded and checked already, without the codec (`agentfsm run --resume`'s)."""
     path = keeper.journal
-    resumed = None
     if rows is None:
-        resumed, recorder = await _reopen(engine, keeper)
+        resumed, recorder = await _reopen(engine, keeper, resumed)
         meta = await engine.arestore(resumed.data)
         groups, expected = int(meta["groups"]), int(meta["rows_expected"])
     else:
@@ -157,15 +158,18 @@ async def keep_rollout(
     return KeptRollout(trajs, interrupted, expected, sampling, recorder, resumed)
 
 
-async def _reopen(engine: LocalEngine, keeper: Keeper) -> tuple[Loaded, Recorder]:
-    """The journal read back and checked, and its writer going on after its last whole record."""
+async def _reopen(engine: LocalEngine, keeper: Keeper, loaded: Loaded | None) -> tuple[Loaded, Recorder]:
+    """The journal read back (unless `loaded`) and checked, and its writer going on after its last whole record."""
     path = keeper.journal
     if not path.exists() and keeper.snapshot.exists():
         raise SnapshotError(
             f"{keeper.snapshot}: a snapshot of an agentfsm before the journal ({path.name}); it cannot be "
             "resumed by this version: resume it with the version that wrote it, or start the run again"
         )
-    loaded = await asyncio.to_thread(load, path, engine.agent, engine.codec)
+    if loaded is None:
+        loaded = await asyncio.to_thread(load, path, engine.agent, engine.codec)
+    else:
+        await asyncio.to_thread(with_codec, loaded, path, engine.agent, engine.codec)
     if loaded.ended is not None:
         raise SnapshotError(f"{path}: the run there has {loaded.ended}: nothing to resume")
     refuse_unbegun(loaded, path)

@@ -36,7 +36,8 @@ from fsm.run.snapshot import (
     check_identity,
     check_version_runs,
     decode_sampling,
-    encode_trajectory,
+    decode_trajectory,
+    decoded,
     tokenizer_id,
 )
 from fsm.run.trajectory import Trajectory
@@ -62,6 +63,8 @@ class Loaded:
     # what made the rows (fsm/run/provenance.py): the last resume's, else the run's; None in an older journal
     made_by: dict[str, Any] | None = None
     accepted: list[str] = field(default_factory=list)  # the changes earlier resumes accepted, in order
+    ident: dict[str, Any] = field(default_factory=dict)  # its `run` record
+    top_id: int = -1  # the highest token id of its trajectories (`with_codec` bounds it by the vocabulary)
 
 
 def weights_change(loaded: Loaded, now: int, served_by: str) -> Change | None:
@@ -157,7 +160,30 @@ def load(path: str | Path, agent: CompiledAgent, codec: Any = None) -> Loaded:
         last,
         made_by if isinstance(made_by, dict) else None,
         accepted,
+        ident,
+        _top_id(data),
     )
+
+
+def with_codec(loaded: Loaded, path: str | Path, agent: CompiledAgent, codec: Any) -> None:
+    """What `load` checks with a codec, for a journal loaded without one (`agentfsm run --resume` checks it before
+    its servers start, and the run goes on with that copy rather than reading it again): the tokenizer it was
+    written with, and its token ids in the model's vocabulary (a load with the codec names the first past it)."""
+    check_identity(path, loaded.ident, agent, codec, JournalError, "written")
+    vocab = getattr(codec, "vocab_size", None)
+    if vocab is not None and loaded.top_id >= vocab:
+        load(path, agent, codec)
+        raise JournalError(f"{path}: token ids outside the tokenizer's vocabulary ({vocab})")
+
+
+def _top_id(data: dict[str, Any]) -> int:
+    """The highest token id of a journal's snapshot form (`decoded`'s): tree nodes, closed segments, partial turns."""
+    top = -1
+    for g in data["groups"]:
+        for t in (decode_trajectory(e) for td in g["trajectories"] for e in (td, *td.get("nodes", ()))):
+            ids = [seg.prompt_ids for seg in (t, *t.closed)] + [seg.response_ids for seg in (t, *t.closed)]
+            top = max(top, *(max(a, default=-1) for a in [*ids, (t.partial_turn or [()])[0]]))
+    return top
 
 
 def refuse_unbegun(loaded: Loaded, path: str | Path) -> None:
@@ -209,7 +235,7 @@ def _snapshot_form(
             nodes_done += sum(e["done"] for e in nodes)
             nodes_going += sum(not e["done"] for e in nodes)
             tree = {"n": meta, "nodes": nodes} if meta is not None or nodes else {}
-            members.append({"done": done, **encode_trajectory(traj, compact=True), **tree})
+            members.append({"done": done, **decoded(traj), **tree})
         if not members:
             raise JournalError(f"{read.path}: group {g['uid']!r} has no trajectories")
         spans = [rebuilt.trajs[s].weight_versions() for s in g["members"]]

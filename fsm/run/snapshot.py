@@ -43,7 +43,7 @@ from fsm.run.trajectory import _FIRST, TRANSIENT, Failure, Metrics, Segment, Tok
 FORMAT = 2  # 2: the tokenizer is recorded (and checked on restore)
 MAX_GROUPS = 10_000_000  # a bound for a count read from a snapshot
 RECOUNT_S = 0.5  # how often a snapshot waiting at the boundary counts again without news
-_TAGS = {"__array__", "__set__", "__tuple__", "__items__", "__dc__", "__same__"}
+_TAGS = {"__array__", "__set__", "__tuple__", "__items__", "__dc__"}
 _CLASSES = {cls.__name__: cls for cls in (TokenRun, Segment, Metrics, ToolCall, Failure)}
 
 
@@ -54,32 +54,29 @@ class SnapshotError(Exception):
 # --- values ------------------------------------------------------------------------------------------------
 
 
-def _encode(value: Any, where: str, compact: bool = False) -> Any:
-    """`value` as JSON-ready values; `compact`: its arrays kept as they are (see `encode_trajectory`)."""
+def _encode(value: Any, where: str) -> Any:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, array):
-        return {"__array__": value.typecode, "items": value if compact else value.tolist()}
+        return {"__array__": value.typecode, "items": value.tolist()}
     if isinstance(value, (set, frozenset)):
-        return {"__set__": [_encode(v, where, compact) for v in sorted(value, key=repr)]}
+        return {"__set__": [_encode(v, where) for v in sorted(value, key=repr)]}
     if isinstance(value, tuple):
-        return {"__tuple__": [_encode(v, where, compact) for v in value]}
+        return {"__tuple__": [_encode(v, where) for v in value]}
     if isinstance(value, list):
-        return [_encode(v, where, compact) for v in value]
+        return [_encode(v, where) for v in value]
     if isinstance(value, dict):
         if all(isinstance(k, str) for k in value) and not _TAGS & value.keys():
-            return {k: _encode(v, where, compact) for k, v in value.items()}
-        return {
-            "__items__": [[_encode(k, where, compact), _encode(v, where, compact)] for k, v in value.items()]
-        }
+            return {k: _encode(v, where) for k, v in value.items()}
+        return {"__items__": [[_encode(k, where), _encode(v, where)] for k, v in value.items()]}
     if isinstance(value, np.ndarray):
         return [_encode(v, where) for v in value.tolist()]
     if isinstance(value, np.generic):
         return value.item()
     if isinstance(value, TokenRuns):  # written as the list of TokenRun records it reads as
-        return [_encode(run, where, compact) for run in value]
+        return [_encode(run, where) for run in value]
     if dataclasses.is_dataclass(value) and type(value).__name__ in _CLASSES:
-        fields = {f.name: _encode(getattr(value, f.name), where, compact) for f in dataclasses.fields(value)}
+        fields = {f.name: _encode(getattr(value, f.name), where) for f in dataclasses.fields(value)}
         return {"__dc__": type(value).__name__, "fields": fields}
     raise SnapshotError(f"{where}: a {type(value).__name__} cannot be written to a snapshot")
 
@@ -91,8 +88,6 @@ def _decode(value: Any) -> Any:
         return value
     if "__array__" in value:
         return array(value["__array__"], value["items"])
-    if "__same__" in value:  # a compact form's shared value (see `encode_trajectory`): the same object
-        return value["__same__"]
     if "__set__" in value:
         return {_decode(v) for v in value["__set__"]}
     if "__tuple__" in value:
@@ -112,29 +107,39 @@ def _decode(value: Any) -> Any:
 _UNSET = object()  # a slot an older trajectory never set
 
 
-def encode_trajectory(traj: Trajectory, compact: bool = False) -> dict[str, Any]:
-    """Every slot of `traj` as JSON-ready values (the weight versions expanded, one per token). `compact`: its
-    token arrays kept as arrays (shared with `traj`, not copied), for a form restored in this process and never
-    written as JSON (a journal's resume, fsm/run/resume.py): a token costs 4 bytes there rather than a Python
-    int and its list slot (36), and `decode_trajectory` copies an array at memory speed rather than a list. Its
-    row and tool schemas are kept as the objects they are (`__same__`): a run shares them among trajectories (a
-    row's samples and tree nodes, a spec's tools), and so does the trajectory decoded from this form."""
+def encode_trajectory(traj: Trajectory) -> dict[str, Any]:
+    """Every slot of `traj` as JSON-ready values (the weight versions expanded, one per token)."""
     names = [n for n in type(traj).__slots__ if n != "_version_runs" and n not in TRANSIENT] + [
         "response_versions"
     ]
     out = {}
     for name in names:  # each read once: `response_versions` expands the runs each time it is read
         value = getattr(traj, name, _UNSET)
-        if value is not _UNSET and compact and name in ("row", "tool_schemas"):
-            out[name] = {"__same__": value}
-        elif value is not _UNSET:
-            out[name] = _encode(value, f"trajectory {traj.session_id}: {name}", compact)
+        if value is not _UNSET:
+            out[name] = _encode(value, f"trajectory {traj.session_id}: {name}")
     return out
 
 
+def decoded(traj: Trajectory) -> dict[str, Any]:
+    """The snapshot form of a trajectory read back already (a journal's, fsm/run/resume.py): `decode_trajectory`
+    gives this one back rather than a copy (a resume holds each trajectory once, as the run that wrote it did)."""
+    _clock_here(traj)
+    return {"__traj__": traj}
+
+
+def _clock_here(traj: Trajectory) -> None:
+    """Its state times moved to end now (durations kept, this process's clock)."""
+    if len(traj.path_times):
+        shift = time.perf_counter() - traj.path_times[-1]
+        traj.path_times = array("d", (t + shift for t in traj.path_times))
+        if len(traj.path_times) == len(traj.path):  # the driver's begin() records the current state's entry
+            traj.path_times.pop()
+
+
 def decode_trajectory(data: dict[str, Any]) -> Trajectory:
-    """A trajectory from `encode_trajectory`'s output; its state times are moved to end now (durations kept,
-    this process's clock)."""
+    """A trajectory from `encode_trajectory`'s output (or `decoded`'s: that one), on this process's clock."""
+    if isinstance(known := data.get("__traj__"), Trajectory):
+        return known
     traj = Trajectory.__new__(Trajectory)
     traj.partial_turn = None  # older snapshots have no such slots
     traj.turn_rewards, traj.failures = [], []
@@ -157,11 +162,7 @@ def decode_trajectory(data: dict[str, Any]) -> Trajectory:
     traj.response_versions = versions
     if not isinstance(traj.metrics, Metrics):
         traj.metrics = Metrics(**traj.metrics)
-    if len(traj.path_times):
-        shift = time.perf_counter() - traj.path_times[-1]
-        traj.path_times = array("d", (t + shift for t in traj.path_times))
-        if len(traj.path_times) == len(traj.path):  # the driver's begin() records the current state's entry
-            traj.path_times.pop()
+    _clock_here(traj)
     return traj
 
 

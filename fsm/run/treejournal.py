@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from fsm.run.node import Node, TreeCount
-from fsm.run.snapshot import _check, encode_trajectory
+from fsm.run.snapshot import _check, decoded
 from fsm.run.trajectory import Trajectory
 from fsm.run.tree import root_node, row_nodes
 
@@ -209,7 +209,7 @@ def tree_form(
             raise ValueError(f"{where}: unfinished under a finished parent")
         agent_of[sid] = node_agent
         made.setdefault(parent_sid, []).append(int(number))
-        entry = {"done": sid in done, "n": m, **encode_trajectory(traj, compact=True)}
+        entry = {"done": sid in done, "n": m, **decoded(traj)}
         out[tree][1].append(entry)
         by_agent.setdefault(id(node_agent), (node_agent, roots[tree], []))[2].append(entry)
     for sid, numbers in made.items():
