@@ -226,9 +226,8 @@ async def _rollout(
             args.gateway.attach(engine.owned)
         try:
             sampling = engine.sampling(params)
-        except (
-            ValueError
-        ) as exc:  # one a spec's sampling holds that its model cannot take (a stop id past the vocabulary)
+        # one a spec's sampling holds that its model cannot take (a stop id past the vocabulary)
+        except ValueError as exc:
             raise CLIError(f"{args.spec}: {exc}") from None
         t_start = time.perf_counter()  # the rollout's time: not launching servers, imports, loading the model
         c_start = time.process_time()
@@ -540,9 +539,8 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # --help, --version, or a usage error (printed as one line)
         return exc.code if isinstance(exc.code, int) else 1
     rc = 1
-    handlers = {
-        sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)
-    }  # SIGTERM as Ctrl-C: ours
+    # SIGTERM as Ctrl-C: ours
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         rc = args.fn(args)
         return rc
@@ -567,9 +565,8 @@ def main(argv: list[str] | None = None) -> int:
         if argv is None:  # the command line: the process ends with rc now, whatever signal comes
             ended(rc, exiting=True)
         else:
-            with contextlib.suppress(
-                ValueError, TypeError
-            ):  # not the main thread; a handler set outside Python
+            # not the main thread; a handler set outside Python
+            with contextlib.suppress(ValueError, TypeError):
                 for sig, handler in handlers.items():
                     signal.signal(sig, handler)
             ended(rc)

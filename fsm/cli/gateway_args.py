@@ -79,9 +79,8 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
         help="with --workers: how long a registered worker may go without its heartbeat (one a second, "
         "from a thread of its own) before it is taken for dead (stopped or frozen)",
     )
-    p.add_argument(
-        "--worker-config", help=argparse.SUPPRESS
-    )  # a worker process's own: what its parent gave it
+    # a worker process's own: what its parent gave it
+    p.add_argument("--worker-config", help=argparse.SUPPRESS)
     if isinstance(p, Parser):
         p.checks.append(_check_workers)
 

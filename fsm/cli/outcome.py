@@ -188,9 +188,8 @@ atexit.register(_ignore_signals_at_the_very_end)
 
 # --- what a finished run says about its failed rows ---------------------------------------------------------
 
-_ID = re.compile(
-    r"[0-9A-Za-z_-]*\d[0-9A-Za-z_-]*"
-)  # what differs between rows of one cause: ids, counts, ports
+# what differs between rows of one cause: ids, counts, ports
+_ID = re.compile(r"[0-9A-Za-z_-]*\d[0-9A-Za-z_-]*")
 GATEWAY_EXTRA = ("openai", "anthropic", "agents", "langgraph", "langchain_openai")  # pyproject's [gateway]
 
 

@@ -97,9 +97,8 @@ def cmd_render(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError) as exc:
         raise CLIError(str(exc)) from None
     try:
-        Path(args.output).parent.mkdir(
-            parents=True, exist_ok=True
-        )  # `-o diagrams/agent.svg` on a fresh checkout
+        # `-o diagrams/agent.svg` on a fresh checkout
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         render(agent, args.output, run_stats=stats)
     except RenderError as exc:
         raise CLIError(str(exc)) from None

@@ -50,16 +50,13 @@ class Family:
     name: str
     parser: str  # a name in fsm.families.parsers.PARSERS
     detect: tuple[str, ...]  # all of these in a chat template identify the family ("auto"); () never matches
-    reasoning: Literal["none", "think", "harmony"] = (
-        "none"  # <think>...</think>, or Harmony's analysis channel
-    )
+    # <think>...</think>, or Harmony's analysis channel
+    reasoning: Literal["none", "think", "harmony"] = "none"
     think_tags: tuple[str, str] = ("<think>", "</think>")  # a `think` family's reasoning block
-    turn_end: tuple[
-        str, ...
-    ] = ()  # what closes an assistant turn in the template (the observation starts after)
-    cut_closer: str = (
-        ""  # owed (mask 0) after a turn cut before its end token, so the context stays well formed
-    )
+    # what closes an assistant turn in the template (the observation starts after)
+    turn_end: tuple[str, ...] = ()
+    # owed (mask 0) after a turn cut before its end token, so the context stays well formed
+    cut_closer: str = ""
     strip_stops: tuple[str, ...] = ()  # stop tokens left out of the turn's text (they end it; no content)
     call_arguments: Literal["object", "json"] = "object"  # how the template wants structured calls' arguments
     history: Literal["raw", "harmony"] = "raw"  # the assistant message kept: the text, or Harmony's fields

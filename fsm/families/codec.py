@@ -164,12 +164,10 @@ class Codec:
             self.stop_ids = {self.eos_id, *self._parser.stop_token_ids}
             self._strip_ids = {self.eos_id, *self._ids(*family.strip_stops)}
             self.turn_closer = self._encode(family.cut_closer)
-            self._prefixes: dict[
-                tuple, str
-            ] = {}  # an observation's shape -> the render's text before its suffix
-            self.encode_observation(
-                [{"role": "user", "content": "U"}]
-            )  # a template that cannot work fails now
+            # an observation's shape -> the render's text before its suffix
+            self._prefixes: dict[tuple, str] = {}
+            # a template that cannot work fails now
+            self.encode_observation([{"role": "user", "content": "U"}])
 
     def fewest_tokens(self, messages: list[dict[str, Any]]) -> int:
         """A floor on the tokens the messages' render takes, without tokenizing: the text of their user, system and
@@ -479,9 +477,8 @@ class Codec:
             text = text.lstrip("\n") if reasoning is not None else text
         calls = self._parser.parse(text)
         if not calls or any(c.error is not None or not c.name for c in calls) or text != text.rstrip():
-            return (
-                message  # malformed, or text after the calls (a turn cut there): kept as the model wrote it
-            )
+            # malformed, or text after the calls (a turn cut there): kept as the model wrote it
+            return message
         starts = [k for k in (text.find(m) for m in CALL_OPENERS) if k >= 0]
         out: dict[str, Any] = {
             "role": "assistant",
@@ -517,14 +514,12 @@ class Codec:
         expected = self.encode_prompt(messages, tools, add_generation_prompt=ends_with_observation)
         if self._verl_exact:
             if not ends_with_observation and expected[len(ids) :] in (self.turn_closer[1:], self.turn_closer):
-                expected = expected[
-                    : len(ids)
-                ]  # a final model turn owes no closer (nor eos, if the budget cut it)
+                # a final model turn owes no closer (nor eos, if the budget cut it)
+                expected = expected[: len(ids)]
         else:
             if not ends_with_observation and ids and ids[-1] in self._strip_ids - {self.eos_id}:
-                ids = ids[
-                    :-1
-                ]  # GLM's last turn ends on the next turn's own token (<|user|>), which the template adds
+                # GLM's last turn ends on the next turn's own token (<|user|>), which the template adds
+                ids = ids[:-1]
             if not ends_with_observation and self._owes_nothing(expected, ids):
                 expected = expected[: len(ids)]
         if expected == ids:

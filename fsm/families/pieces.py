@@ -20,9 +20,8 @@ from typing import Any
 log = logging.getLogger("agentfsm.families")
 
 CACHE_CHARS = 4 << 20  # characters of pieces kept, all pieces together (least recently used go first)
-CACHE_ENTRIES = (
-    1 << 14
-)  # and pieces kept: each costs a few hundred bytes however short (a dict entry, a list)
+# and pieces kept: each costs a few hundred bytes however short (a dict entry, a list)
+CACHE_ENTRIES = 1 << 14
 CHECKED_TEXTS = 16  # texts compared with the whole text's tokenization before the split is trusted
 
 

@@ -31,9 +31,8 @@ ERRORS: dict[str, str] = {
     "error": "any other exception raised by the state's action (a user action's bug)",
 }
 WILDCARD = "all"
-MAX_ATTEMPTS = (
-    10  # per retry rule, and per tool call's own retry: more is a typo or an outage a catch should handle
-)
+# per retry rule, and per tool call's own retry: more is a typo or an outage a catch should handle
+MAX_ATTEMPTS = 10
 MAX_WAIT_S = 3600  # the longest wait between two attempts, a state's or a tool's
 # Runs of one tool call in a run: its tool's own attempts times the rounds its state's retry runs. Bounded as each
 # factor is (validate: `retry-runs`), so the product of two sane numbers cannot be an outage's worth of calls.

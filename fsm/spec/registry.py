@@ -337,9 +337,8 @@ def action(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
 
 
 def _user_guard_factory(fn: Callable[..., bool]) -> Callable[..., Callable[[Any], bool]]:
-    def factory(
-        param: Any, limits: Any
-    ) -> Callable[[Any], bool]:  # fsm.spec.guards checks fn's signature first
+    # fsm.spec.guards checks fn's signature first
+    def factory(param: Any, limits: Any) -> Callable[[Any], bool]:
         if param is None:
             return fn
         if isinstance(param, dict):

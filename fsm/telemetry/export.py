@@ -119,9 +119,8 @@ class SpanPipeline(SpanProcessor):
         self.append = self.queue.append  # what ended spans are queued with, from any thread
         self.ended_here = 0  # spans that came in through on_end (the tracer counts its own)
         self.submitted = self.exported = self.failed = 0
-        self.ended_total: Callable[[], int] = lambda: (
-            self.ended_here
-        )  # replaced by the Telemetry that owns this pipeline
+        # replaced by the Telemetry that owns this pipeline
+        self.ended_total: Callable[[], int] = lambda: self.ended_here
         self._warned_evicted = 0
         self._closed = False
         self._final = False  # shut down: what is not exported by now never will be
@@ -247,9 +246,8 @@ class SdkPipeline(BatchSpanProcessor):
         )
         self.name, self.resource, self.scope, self.max_queue_size = name, resource, scope, max_queue_size
         self.ended_here = 0  # spans that came in through on_end (the tracer counts its own)
-        self.ended_total: Callable[[], int] = lambda: (
-            self.ended_here
-        )  # replaced by the Telemetry that owns this pipeline
+        # replaced by the Telemetry that owns this pipeline
+        self.ended_total: Callable[[], int] = lambda: self.ended_here
         self.evicted = 0  # known after a flush: spans ended before it that the exporter never saw
         self._final = False
 

@@ -44,10 +44,8 @@ _MAX_ATTRIBUTES = 128  # the SDK's default span limit, for attributes and events
 # Through the OTel API only (attach/detach, set_span_in_context, get_current_span): whichever runtime context
 # is configured (OTEL_PYTHON_CONTEXT), spans of your code started inside one of ours are its children.
 
-_attach_context, _detach = (
-    otel_context.attach,
-    otel_context.detach,
-)  # detach logs a token from another context
+# detach logs a token from another context
+_attach_context, _detach = otel_context.attach, otel_context.detach
 _in_context, _span_of = otel_trace.set_span_in_context, otel_trace.get_current_span
 
 

@@ -175,9 +175,8 @@ class FunctionTool(BaseTool):
             call = self.fn if inspect.iscoroutinefunction(self.fn) else asyncio.to_thread
             name = f"{call.__module__}.{call.__qualname__}"
             raise TypeError(f"{name}() argument after ** must be a mapping, not {type(parameters).__name__}")
-        if self.keep_chars is not None and isinstance(
-            self.lane, ThreadLane
-        ):  # cut in the thread, as a worker
+        # cut in the thread, as a worker
+        if self.keep_chars is not None and isinstance(self.lane, ThreadLane):
             return normalize_return(await self.lane.call(_cut_return, self.fn, self.keep_chars, **parameters))
         return normalize_return(await self.lane.call(self.fn, **parameters))
 
@@ -392,9 +391,8 @@ class BoundTool:
                 created_id, _ = await self._step(self.tool.create, instance_id, create_kwargs=create_kwargs)
             except ToolCrashed:
                 raise
-            except (
-                Exception
-            ) as exc:  # e.g. a sandbox that cannot start: nothing was created, nothing to release
+            # e.g. a sandbox that cannot start: nothing was created, nothing to release
+            except Exception as exc:
                 outcome.error, outcome.text = (
                     "exception",
                     f"Error executing tool '{self.name}': {self._why(exc)}",

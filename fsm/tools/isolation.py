@@ -53,10 +53,9 @@ log = logging.getLogger("agentfsm.tools")
 STUCK_PER_WORKER = 4  # a ThreadLane refuses calls past workers * this many written-off threads
 WEDGED_AFTER_S = 1.0  # a LoopLane that has not run a cancellation this long after it was sent is wedged
 BLOCKING_STEP_S = 0.05  # an InlineLane tool step holding the event loop this long is a stall
-BLOCKING_STRIKES = (
-    3  # so many stalls within BLOCKING_WINDOW_S move the tool to a LoopLane (one alone may be a
-)
-BLOCKING_WINDOW_S = 60.0  # garbage collection or the process waiting for a core, not the tool's doing)
+# BLOCKING_STRIKES stalls within BLOCKING_WINDOW_S move the tool to a LoopLane (one alone may be garbage
+# collection or the process waiting for a core, not the tool's doing)
+BLOCKING_STRIKES, BLOCKING_WINDOW_S = 3, 60.0
 
 
 class ToolCrashed(Exception):

@@ -115,9 +115,8 @@ class ProcessLane:
                 self._discard(pool, worker)
                 code = await _exit_code(worker)
                 raise ToolCrashed(f"tool {self.name!r}: its worker process died (exit code {code})") from None
-            except (
-                BaseException
-            ):  # the timeout, a cancellation, a reply we refuse: the worker never serves again
+            # the timeout, a cancellation, a reply we refuse: the worker never serves again
+            except BaseException:
                 self._discard(pool, worker)
                 raise
             pool.idle.append(worker)
@@ -133,9 +132,8 @@ class ProcessLane:
             worker = pool.idle.pop()
             if worker.proc.returncode is None:
                 return worker
-            self._discard(
-                pool, worker
-            )  # died while idle (the OOM killer, a stray signal): not this call's fault
+            # died while idle (the OOM killer, a stray signal): not this call's fault
+            self._discard(pool, worker)
         return None
 
     async def _start(self, pool: _Pool) -> _Worker:
