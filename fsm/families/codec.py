@@ -19,12 +19,9 @@ adds to a conversation, cut one of two ways (`Family.verl_exact` picks):
 Either way the suffix's text is tokenized on its own (fsm/families/pieces.py): it starts at a control token or
 at the newline after one, which is also where the full render splits.
 
-A message's content comes from outside (a data row, a tool, a web page it fetched, a user simulator, a rewrite
-function, a harness through the gateway): the special-token strings in it (`<|im_end|>`, `<|start_header_id|>`)
-are tokenized as text, never as the control tokens they spell, so no message can end its own turn and plant an
-assistant turn. The one exception is the model's own turns, re-rendered as it wrote them. A spec that wants them
-as control tokens says `model: {special_tokens_in_observations: allow}` (the name is older than the rule: it
-covers every message). Every message's role must be one the template renders (`check_roles`).
+Special-token strings in a message's content are tokenized as text, so no message can plant a turn of its own
+(the model's own turns excepted); every role must be one the template renders (`check_roles`). Both rules:
+docs/families.md, "Codec, real tokenizers and what an observation may contain".
 """
 
 from __future__ import annotations
