@@ -44,7 +44,7 @@ from fsm.families import Codec
 from fsm.run import heap
 from fsm.run.context import Sampling
 from fsm.run.control import Controls
-from fsm.run.engine import Call, Command, EngineRefused, Pause, Resume, StalePolicy, Update
+from fsm.run.engine import Call, Command, EngineRefused, Pause, Resume, Take, Update
 from fsm.run.journal import SYNCS
 from fsm.run.runtime import agent_codec
 from fsm.run.stream import Group, StreamEmpty
@@ -383,20 +383,13 @@ class RayRunner(BaseEngine):
         pool.stats["submitted_groups"] += len(rows)
         return uids
 
-    async def take_here(
-        self,
-        num_groups: int,
-        max_staleness: int | None,
-        stale: StalePolicy,
-        timeout: float | None,
-        exhausted_ok: bool,
-    ) -> list[Group]:
+    async def take_here(self, ask: Take) -> list[Group]:
         pool = self._pool
         if pool is None:
-            raise StreamEmpty(f"take({num_groups}): nothing submitted; submit rows first")
-        async with asyncio.timeout(timeout):
+            raise StreamEmpty(f"take({ask.num_groups}): nothing submitted; submit rows first")
+        async with asyncio.timeout(ask.timeout):
             return await pool.groups.take(
-                num_groups, max_staleness, stale, exhausted_ok, pool.running, pool.deliver
+                ask.num_groups, ask.max_staleness, ask.stale, ask.exhausted_ok, pool.running, pool.deliver
             )
 
     @property

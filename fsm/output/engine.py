@@ -34,7 +34,9 @@ from fsm.run.engine import (
     LocalEngine,
     Pause,
     Resume,
+    SnapshotAsk,
     StalePolicy,
+    Take,
     Update,
     refuse_in_loop,
     sync_form,
@@ -76,12 +78,7 @@ class Core(Protocol):
         self, rows: Sequence[Any], n: int, sampling: Sampling, first_index: int | None
     ) -> list[str]: ...  # start every row n times (the continuous mode); the groups' uids
     async def take_here(
-        self,
-        num_groups: int,
-        max_staleness: int | None,
-        stale: StalePolicy,
-        timeout: float | None,
-        exhausted_ok: bool,
+        self, ask: Take
     ) -> list[Group]: ...  # the first `num_groups` finished groups (fsm/run/stream.py `Groups.take`)
     async def control_here(
         self, command: Command
@@ -95,13 +92,7 @@ class Snapshotting(Protocol):
     """A core that snapshots, restores and journals its running groups (`Local`); EngineRefused on any other."""
 
     async def take_snapshot(
-        self,
-        path: str | Path | None,
-        meta: Mapping[str, Any] | None,
-        stop: bool,
-        timeout: float | None,
-        abort_turns: bool,
-        fallback: Callable[[], Path] | None,
+        self, ask: SnapshotAsk
     ) -> dict[str, Any]: ...  # from any loop: it waits for the state's loop, or snapshots from outside it
     async def restore_here(self, path: str | Path | Mapping[str, Any]) -> dict[str, Any]: ...
     async def journal_here(self, journal: Any) -> None: ...
@@ -350,7 +341,7 @@ class BaseEngine:
     ) -> list[Group]:
         """The first `num_groups` finished groups (see `atake`), as `Group`s of trajectories."""
         return await self.core.call(
-            self.core.take_here(num_groups, max_staleness, stale, timeout, exhausted_ok)
+            self.core.take_here(Take(num_groups, max_staleness, stale, timeout, exhausted_ok))
         )
 
     async def atake(
@@ -420,7 +411,7 @@ class BaseEngine:
         `path=None`: no file; the running trajectories park at their next boundary, where the journal (see
         `ajournal`) records them, the journal is flushed to disk, and (`stop`) the run stops: a signal's path."""
         return await self._snapshotting("asnapshot").take_snapshot(
-            path, meta, stop, timeout, abort_turns, fallback
+            SnapshotAsk(path, meta, stop, timeout, abort_turns, fallback)
         )
 
     async def arestore(self, path: str | Path | Mapping[str, Any]) -> dict[str, Any]:

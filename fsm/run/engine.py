@@ -101,6 +101,29 @@ class Update:
 Command = Call | Pause | Resume | Update
 
 
+@dataclass(frozen=True)
+class Take:
+    """`atake_groups`'s question to an engine's core, passed down as one value (its parameters: there)."""
+
+    num_groups: int
+    max_staleness: int | None
+    stale: StalePolicy
+    timeout: float | None
+    exhausted_ok: bool
+
+
+@dataclass(frozen=True)
+class SnapshotAsk:
+    """`asnapshot`'s request to an engine's core, passed down as one value (its parameters: there)."""
+
+    path: str | Path | None
+    meta: Mapping[str, Any] | None
+    stop: bool
+    timeout: float | None
+    abort_turns: bool
+    fallback: Callable[[], Path] | None
+
+
 class Blocking(Protocol):
     """An engine whose sync forms block on its own loop (`_run_sync`): the one way its async calls run from
     synchronous code."""

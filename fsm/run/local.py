@@ -21,7 +21,7 @@ from fsm.run import heap, loopwatch
 from fsm.run import snapshot as snap
 from fsm.run.context import Policy, Sampling
 from fsm.run.control import Controls
-from fsm.run.engine import Command, Owned, StalePolicy, under
+from fsm.run.engine import Command, Owned, SnapshotAsk, Take, under
 from fsm.run.runtime import Runner
 from fsm.run.stream import Group, Stream
 from fsm.run.trajectory import Trajectory
@@ -189,17 +189,10 @@ class Local:
         self._freeze_for(len(rows) * n)
         return await stream.submit(rows, n, sampling, first_index)
 
-    async def take_here(
-        self,
-        num_groups: int,
-        max_staleness: int | None,
-        stale: StalePolicy,
-        timeout: float | None,
-        exhausted_ok: bool,
-    ) -> list[Group]:
+    async def take_here(self, ask: Take) -> list[Group]:
         stream = await self.stream_here()
-        async with asyncio.timeout(timeout):
-            return await stream.take(num_groups, max_staleness, stale, exhausted_ok)
+        async with asyncio.timeout(ask.timeout):
+            return await stream.take(ask.num_groups, ask.max_staleness, ask.stale, ask.exhausted_ok)
 
     @property
     def stream_stats(self) -> dict[str, Any]:
@@ -210,18 +203,10 @@ class Local:
 
     # -- snapshots ---------------------------------------------------------------------------------------------
 
-    async def take_snapshot(
-        self,
-        path: str | Path | None,
-        meta: Mapping[str, Any] | None,
-        stop: bool,
-        timeout: float | None,
-        abort_turns: bool,
-        fallback: Callable[[], Path] | None,
-    ) -> dict[str, Any]:
+    async def take_snapshot(self, ask: SnapshotAsk) -> dict[str, Any]:
         """RolloutEngine.asnapshot: through the loop, or from outside it when code blocks it."""
         home = self.home()
-        here = self._snapshot_here(path, meta, stop, timeout, abort_turns, fallback)
+        here = self._snapshot_here(ask)
         if home.current():
             return await here
         done, cancel = home.submit(under(self.owned, here))
@@ -239,24 +224,15 @@ class Local:
             thread = loopwatch.blocked(home.loop)
             if thread is not None and self._stream is not None:
                 try:
-                    return await asyncio.to_thread(
-                        self._snapshot_blocked, thread, None if path is None else Path(path), meta, fallback
-                    )
+                    return await asyncio.to_thread(self._snapshot_blocked, thread, ask)
                 except snap.SnapshotError:  # it turned meanwhile: the loop takes the snapshot after all
                     continue
 
-    async def _snapshot_here(
-        self,
-        path: str | Path | None,
-        meta: Mapping[str, Any] | None,
-        stop: bool,
-        timeout: float | None,
-        abort_turns: bool,
-        fallback: Callable[[], Path] | None,
-    ) -> dict[str, Any]:
+    async def _snapshot_here(self, ask: SnapshotAsk) -> dict[str, Any]:
         stream = await self.stream_here()
         gate = self.runner.gate
-        paused = abort_turns and not gate.paused
+        path, stop, timeout = ask.path, ask.stop, ask.timeout
+        paused = ask.abort_turns and not gate.paused
         if paused:
             gate.close()  # first: no new turn starts while the servers abort the running ones
             await self._pause_or_abort()
@@ -270,11 +246,11 @@ class Local:
                     await self._after_snapshot(stream, stop)
                 return {"ready_groups": ready, "running_groups": running, "restarted": 0, "path": None}
             data = await stream.snapshot(
-                {**snap.header(self.agent, self.codec), "meta": dict(meta or {})}, timeout
+                {**snap.header(self.agent, self.codec), "meta": dict(ask.meta or {})}, timeout
             )
             restarted = data.pop("restarted")
             try:
-                written = await asyncio.to_thread(_write, Path(path), data, fallback)
+                written = await asyncio.to_thread(_write, Path(path), data, ask.fallback)
             finally:
                 await self._after_snapshot(stream, stop)
         finally:  # stopped or going on: the servers serve again (a stop has cancelled our turns by now)
@@ -305,17 +281,11 @@ class Local:
         if self._at_exit is not None:
             self._at_exit.detach()
 
-    def _snapshot_blocked(
-        self,
-        thread: int,
-        path: Path | None,
-        meta: Mapping[str, Any] | None,
-        fallback: Callable[[], Path] | None,
-    ) -> dict[str, Any]:
+    def _snapshot_blocked(self, thread: int, ask: SnapshotAsk) -> dict[str, Any]:
         """`snapshot` while the loop is blocked (see `Stream.snapshot_blocked`), on a thread of the caller's. The
         engine is left `wedged`: nothing more can run on its loop, and closing it skips the loop."""
         assert self._stream is not None
-        if path is None:  # journal only: each trajectory is there as it was at its last state boundary
+        if ask.path is None:  # journal only: each trajectory is there as it was at its last state boundary
             journal = self._stream.journal
             if journal is not None:
                 journal.writer.sync()
@@ -330,11 +300,11 @@ class Local:
                 "finished": ready,
             }
         data, ready = self._stream.snapshot_blocked(
-            {**snap.header(self.agent, self.codec), "meta": dict(meta or {})}, thread
+            {**snap.header(self.agent, self.codec), "meta": dict(ask.meta or {})}, thread
         )
         restarted = data.pop("restarted")
         self._wedge()
-        written = _write(path, data, fallback)
+        written = _write(Path(ask.path), data, ask.fallback)
         running = sum(g["status"] == "running" for g in data["groups"])
         return {
             "ready_groups": len(ready),
