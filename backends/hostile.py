@@ -95,15 +95,6 @@ def string_count(answer: dict[str, Any], sent: dict[str, Any]) -> dict[str, Any]
     return answer
 
 
-def huge_logprob(answer: dict[str, Any], sent: dict[str, Any]) -> dict[str, Any] | None:
-    """A 400-digit integer as a logprob: valid JSON, an int to Python, too large for a float."""
-    _, triples = _ids_and_triples(answer)
-    if not triples:
-        return None
-    triples[len(triples) // 2][0] = -(10**399)
-    return answer
-
-
 def short_triples_phantom(answer: dict[str, Any], sent: dict[str, Any]) -> dict[str, Any] | None:
     """One-element logprob "triples", one more than the output ids (the leading phantom entry's shape)."""
     ids, triples = _ids_and_triples(answer)
@@ -171,7 +162,7 @@ HOSTILE: dict[str, tuple[Rewrite, str | None]] = {
     "huge_version_span": (huge_version_span, "bad_fields"),
     "string_count": (string_count, "bad_fields"),
     "oversize": (oversize, "oversize"),
-    "huge_logprob": (huge_logprob, "bad_logprobs"),
+    "huge_logprob": (_set_logprob(-(10**399)), "bad_logprobs"),  # valid JSON, too large for a float
     "short_triples_phantom": (short_triples_phantom, "bad_logprobs"),
     "deep_json": (deep_json, "malformed"),
     "mismatched_logprob_ids": (mismatched_logprob_ids, "bad_logprobs"),
