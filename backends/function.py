@@ -122,27 +122,19 @@ class FunctionBackend(BaseBackend):
         except BackendError as exc:
             self._count(exc.kind or "errors")
             raise
-        except Exception as exc:
-            self._count("errors")
-            raise BackendError(
-                f"{self.model_name}: generate function raised {type(exc).__name__}: {exc} "
-                f"(rid {request.rid})",
-                server=self.model_name,
-                kind="errors",
-            ) from exc
         except BaseException as exc:
             if isinstance(exc, asyncio.CancelledError) and _cancelling():
                 raise  # the engine cancelled this row: not the function's doing
             # KeyboardInterrupt, SystemExit, GeneratorExit or a CancelledError of its own, raised by the function:
             # let through, it would leave the event loop and end the engine's thread with every row on it.
+            base = not isinstance(exc, Exception)
             self._count("errors")
+            why = "; a BaseException from the function ends its row, never the engine" if base else ""
             raise BackendError(
-                f"{self.model_name}: generate function raised {type(exc).__name__}: {exc} "
-                f"(rid {request.rid}); a BaseException from the function ends its row, never the "
-                "engine",
+                f"{self.model_name}: generate function raised {type(exc).__name__}: {exc} (rid {request.rid}){why}",
                 server=self.model_name,
                 kind="errors",
-            ) from None
+            ) from (None if base else exc)
         try:
             result = parse_generate(
                 _as_body(answer, params),
