@@ -222,7 +222,7 @@ def _snapshot_form(
                 )
             done = sid in rebuilt.done
             meta, nodes = trees.get(sid, (None, []))
-            inside = any(not e["done"] and e["interaction_started"] for e in nodes)
+            inside = any(not e["done"] and decode_trajectory(e).interaction_started for e in nodes)
             if not done and (traj.interaction_started or inside):
                 traj = _fresh(rebuilt.first[sid])  # a tree: from its root, all of it again
                 meta, nodes = None, []
