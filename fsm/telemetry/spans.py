@@ -353,16 +353,13 @@ class _Root(_Span):
         """A user action runs in `source`: the state's span is a span object, current, so that spans the
         action starts are its children. (Built-in actions start no spans but model and tool calls, which
         are given their parent.)"""
-        span = self.state_span = _Span(
-            self.tel,
-            self.shapes.state(source),
-            self._trace_id,
-            self.state_id,
-            self._span_id,
-            (),
-            self.state_start,
-        )
+        span = self.state_span = self._state_span(source)
         span._token = _attach(span)
+
+    def _state_span(self, source: str) -> _Span:
+        """The span of the state `source` as an object: a user action's, or a failed state's."""
+        shape, ids = self.shapes.state(source), (self._trace_id, self.state_id, self._span_id)
+        return _Span(self.tel, shape, *ids, (), self.state_start)
 
     def transition(self, edge: Any) -> None:
         """`edge` fired: the span `{SOURCE} -> {DEST}` ends, with the tokens the state appended, and the
@@ -435,16 +432,7 @@ class _Root(_Span):
         """The state's action (or its guards) raised: the span is `{SOURCE} -> error`, status ERROR."""
         span = self.state_span
         if span is None:
-            source = self.traj.state
-            span = _Span(
-                self.tel,
-                self.shapes.state(source),
-                self._trace_id,
-                self.state_id,
-                self._span_id,
-                (),
-                self.state_start,
-            )
+            span = self._state_span(self.traj.state)
         else:
             self.state_span = None
             _detach(span._token)
