@@ -203,16 +203,10 @@ class VLLMBackend(ServerClient):
         """`/server_info?config_format=json`: vLLM's whole config, its VLLM_* environment and the system's."""
         return await self._control("GET", "/server_info", params={"config_format": "json"})
 
-    async def tokenizer_info(self) -> dict[str, Any]:
-        """`/tokenizer_info` (served only with --enable-tokenizer-info-endpoint)."""
-        return await self._control("GET", "/tokenizer_info")
-
     # -- generation ---------------------------------------------------------------------------------------
 
     def _wire_rid(self, rid: str, attempt: int, session_id: str) -> str:
-        return (
-            rid if attempt == 1 else f"{rid}_a{attempt}"
-        )  # exact-match aborts: a retry never shares a hung id
+        return rid if attempt == 1 else f"{rid}_a{attempt}"  # aborts match ids exactly: a retry gets its own
 
     async def _generate_once(
         self, request: GenerateRequest, asked: GenerateRequest, timeout_s: float
