@@ -15,7 +15,8 @@ from typing import Any
 from backends.scripted import ScriptedBackend
 from fsm import RolloutEngine
 from fsm.api import load_agent
-from fsm.run.journal import JOURNAL, Recorder, Writer
+from fsm.run.journal import JOURNAL
+from fsm.run.recorder import Recorder, Writer
 from fsm.run.resume import identity, load
 from fsm.run.snapshot import decode_trajectory, encode_trajectory
 from specs.calculator import make_prompts

@@ -29,7 +29,8 @@ from typing import Any
 
 from fsm.run import snapshot as snap
 from fsm.run.context import Sampling
-from fsm.run.journal import JournalError, Recorder, Writer, records
+from fsm.run.journal import JournalError, records
+from fsm.run.recorder import Recorder, Writer
 from fsm.run.resume import load
 from fsm.run.trajectory import Trajectory
 from fsm.run.treejournal import Agents, restore_tree, tree_nodes

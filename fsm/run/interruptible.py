@@ -23,8 +23,8 @@ from typing import Any, Protocol
 
 from fsm.run.context import Sampling
 from fsm.run.engine import LocalEngine
-from fsm.run.journal import Recorder, Writer
 from fsm.run.provenance import changes, judge, made_by
+from fsm.run.recorder import Recorder, Writer
 from fsm.run.resume import Loaded, identity, load, refuse_unbegun, served_by, weights_change, with_codec
 from fsm.run.signals import Interrupts, say_now, warn
 from fsm.run.snapshot import SnapshotError, encode_sampling

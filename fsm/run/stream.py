@@ -27,7 +27,7 @@ from fsm.run import snapshot as snap
 from fsm.run.actions import BUILTIN_ACTIONS
 from fsm.run.context import RunContext, Sampling
 from fsm.run.engine import StalePolicy
-from fsm.run.journal import Recorder
+from fsm.run.recorder import Recorder
 from fsm.run.runtime import Owner, Runner
 from fsm.run.trajectory import Trajectory
 from fsm.run.treejournal import Agents, restore_tree, tree_nodes
