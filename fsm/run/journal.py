@@ -1,5 +1,6 @@
-"""The run's journal: every durable step appended as it happens (fsm/run/recorder.py writes it), so that `agentfsm run --resume OUT` goes on
-after anything (SIGTERM, `kill -9`, the OOM killer, a power cut) with at most the turns in flight redone.
+"""The run's journal: every durable step appended as it happens (fsm/run/recorder.py writes it), so that
+`agentfsm run --resume OUT` goes on after anything (SIGTERM, `kill -9`, the OOM killer, a power cut) with at most
+the turns in flight redone. This module holds its format and reads it back.
 
 Why a log of our own rather than SQLite: the records are only ever appended and read whole, in order, once; a
 line per record, `crc32hex json`, costs one `write` per loop turn (the records of one turn batched), never a
