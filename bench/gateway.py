@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import itertools
 import json
 import os
 import statistics
@@ -449,6 +450,243 @@ async def run_workers(workers: int, sessions: int, max_sessions: int = 10_000) -
         "workers_cpu_us_per_call": workers_cpu / calls * 1e6,
         "cpu_us_per_call": (front_cpu + workers_cpu) / calls * 1e6,
     }
+
+
+# --- CPU per call as the context grows (issue 48 §6) ---------------------------------------------------------------
+
+# A coding harness's shape: a long system prompt, ten tools, the task, then one tool call and its result per call
+HARNESS_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": f"{name.replace('_', ' ').capitalize()} in the workspace. " * 4,
+            "parameters": {
+                "type": "object",
+                "properties": {"path": {"type": "string", "description": "A path in the workspace."}},
+                "required": ["path"],
+            },
+        },
+    }
+    for name in (
+        "read_file write_file edit_file list_dir glob grep run_shell web_fetch todo_write spawn_agent".split()
+    )
+]
+PARAGRAPH = (
+    "You are a coding agent. Read the files you need before you change them, keep each change small, run the "
+    "tests that cover what you touched, and say what you did in one short paragraph at the end.\n"
+)
+RESULT = "".join(f"{k:4d}| line {k} of the file, as the tool read it back\n" for k in range(1, 25))
+
+
+def _system(row: int, paragraphs: int) -> str:
+    """A system prompt of `paragraphs` numbered rules, its text the row's own (no tokenizer cache holds it)."""
+    return "".join(f"Rule {row}.{k}: {PARAGRAPH}" for k in range(paragraphs))
+
+
+def _api_body(api: str, system: str, task: str, said: list[tuple[str, str, dict]]) -> tuple[str, dict]:
+    """The request of `api` for the conversation so far (`said`: the model's calls, each (id, name, arguments),
+    each answered with RESULT): its path under the session and its body, as each SDK sends them."""
+    tools = [t["function"] for t in HARNESS_TOOLS]
+    if api == "chat":
+        messages: list[dict[str, Any]] = [
+            {"role": "system", "content": system},
+            {"role": "user", "content": task},
+        ]
+        for cid, name, args in said:
+            fn = {"name": name, "arguments": json.dumps(args)}
+            messages.append(
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [{"id": cid, "type": "function", "function": fn}],
+                }
+            )
+            messages.append({"role": "tool", "tool_call_id": cid, "content": RESULT})
+        return "/v1/chat/completions", {"model": "m", "messages": messages, "tools": HARNESS_TOOLS}
+    if api == "responses":
+        items: list[dict[str, Any]] = [{"role": "user", "content": task}]
+        for cid, name, args in said:
+            items.append(
+                {"type": "function_call", "call_id": cid, "name": name, "arguments": json.dumps(args)}
+            )
+            items.append({"type": "function_call_output", "call_id": cid, "output": RESULT})
+        body = {
+            "model": "m",
+            "instructions": system,
+            "input": items,
+            "tools": [{"type": "function", **t} for t in tools],
+        }
+        return "/v1/responses", body
+    if api == "anthropic":
+        turns: list[dict[str, Any]] = [{"role": "user", "content": task}]
+        for cid, name, args in said:
+            turns.append(
+                {
+                    "role": "assistant",
+                    "content": [{"type": "tool_use", "id": cid, "name": name, "input": args}],
+                }
+            )
+            turns.append(
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": cid, "content": RESULT}]}
+            )
+        schemas = [
+            {"name": t["name"], "description": t["description"], "input_schema": t["parameters"]}
+            for t in tools
+        ]
+        return "/v1/messages", {
+            "model": "m",
+            "max_tokens": 256,
+            "system": system,
+            "messages": turns,
+            "tools": schemas,
+        }
+    contents: list[dict[str, Any]] = [{"role": "user", "parts": [{"text": task}]}]
+    for cid, name, args in said:
+        contents.append(
+            {"role": "model", "parts": [{"functionCall": {"id": cid, "name": name, "args": args}}]}
+        )
+        reply = {"id": cid, "name": name, "response": {"output": RESULT}}
+        contents.append({"role": "user", "parts": [{"functionResponse": reply}]})
+    body = {
+        "systemInstruction": {"parts": [{"text": system}]},
+        "contents": contents,
+        "tools": [{"functionDeclarations": tools}],
+    }
+    return "/v1beta/models/m:generateContent", body
+
+
+def _api_call(api: str, answer: dict) -> tuple[str, str, dict]:
+    """The model's one call in `api`'s answer: (id, name, arguments)."""
+    if api == "chat":
+        tc = answer["choices"][0]["message"]["tool_calls"][0]
+        return tc["id"], tc["function"]["name"], json.loads(tc["function"]["arguments"])
+    if api == "responses":
+        fc = next(i for i in answer["output"] if i["type"] == "function_call")
+        return fc["call_id"], fc["name"], json.loads(fc["arguments"])
+    if api == "anthropic":
+        tu = next(b for b in answer["content"] if b["type"] == "tool_use")
+        return tu["id"], tu["name"], tu["input"]
+    fc = next(p["functionCall"] for p in answer["candidates"][0]["content"]["parts"] if "functionCall" in p)
+    return fc["id"], fc["name"], fc["args"]
+
+
+APIS_MEASURED = ("chat", "responses", "anthropic", "gemini")
+_SERVED: list[float] = []  # CPU seconds of each request the gateway served (bench_context's wrapper)
+
+
+async def context_harness(call: HarnessCall) -> list[float]:
+    """The row's API and size (`extra_info`): `calls` model calls, each the whole conversation again as the SDK
+    sends it; the gateway's CPU for each (process time from its handler's start to its answer: the HTTP client,
+    in this process too, is idle then at one call in flight)."""
+    import aiohttp
+
+    info = call.row["extra_info"]
+    api, calls = info["api"], info["calls"]
+    system, task = call.row["raw_prompt"][0]["content"], call.row["raw_prompt"][1]["content"]
+    said: list[tuple[str, str, dict]] = []
+    headers = {"Authorization": f"Bearer {call.api_key}"}
+    async with aiohttp.ClientSession() as http:
+        for _ in range(calls):
+            path, body = _api_body(api, system, task, said)
+            async with http.post(call.anthropic_base_url + path, json=body, headers=headers) as r:
+                answer = await r.json()
+                assert r.status == 200, answer
+            said.append(_api_call(api, answer))
+    return _SERVED[-calls:]
+
+
+context_bench_harness = harness(context_harness, timeout_s=600)
+
+
+def bench_context(
+    sizes: tuple[int, ...] = (1_000, 30_000),
+    calls: int = 6,
+    repeats: int = 3,
+    apis: tuple[str, ...] = APIS_MEASURED,
+) -> dict[str, Any]:
+    """The gateway's CPU per model call, per API, at each first-prompt size (Qwen2.5 tokens, its real template):
+    the first call of a session whose system prompt is new (`first_new_us`: all of it rendered and tokenized),
+    of one whose system prompt an earlier session sent (`first_seen_us`: as a harness's every session after its
+    first), and the later calls (`later_us`: each only its new messages); the median over `repeats` rounds,
+    after one that warms up. The model is scripted (zero latency): each turn calls one tool."""
+    import tempfile
+
+    from fsm.gateway import Gateway
+
+    tokenizer = load_tokenizer(str(ROOT / ".tokenizers" / "qwen2_5"))  # .ci/tokenizers.sh fetches it
+    text = '<tool_call>\n{"name": "read_file", "arguments": {"path": "src/app.py"}}\n</tool_call><|im_end|>'
+    turn = tokenizer.encode(text, add_special_tokens=False)
+    backend = ScriptedBackend(lambda session, k, prompt: turn)
+    backend.record_requests = False
+    per_rule = len(tokenizer.encode(_system(-99_999, 10), add_special_tokens=False)) / 10
+    product = itertools.product(range(repeats + 1), sizes, apis, (True, False))
+    rows = [
+        {
+            "raw_prompt": [
+                {
+                    "role": "system",
+                    "content": _system(k if new else -size, max(1, int((size - 900) / per_rule))),
+                },
+                {"role": "user", "content": "Fix the failing test in tests/test_app.py."},
+            ],
+            "extra_info": {"api": api, "calls": calls, "size": size, "new": new},
+        }
+        for k, (_, size, api, new) in enumerate(product)
+    ]
+    serve = Gateway._serve
+
+    async def timed(self: Gateway, request: Any) -> Any:
+        t0 = time.process_time()
+        try:
+            return await serve(self, request)
+        finally:
+            _SERVED.append(time.process_time() - t0)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = Path(tmp) / "context.yaml"
+        spec.write_text(
+            f"name: gateway_context\nextends: {ROOT / 'examples/gateway/base.yaml'}\n"
+            "limits: {prompt_length: 60000, response_length: 30000, max_new_tokens: 256, max_assistant_turns: 64}\n"
+            "states:\n  HARNESS:\n    action: bench.gateway:context_bench_harness\n"
+            "    next:\n      - {to: GENERATING, when: harness_calling}\n"
+            "      - {to: TERMINATED, when: harness_failed, reason: harness_failed}\n"
+            "      - {to: TERMINATED, reason: done}\n"
+        )
+        agent = _unscored(compile_spec(spec))
+        Gateway._serve = timed  # type: ignore[method-assign]
+        try:
+            runner = Runner(agent, backend, tokenizer, max_concurrency=1, watchdog_s=None)
+            trajs = asyncio.run(runner.run(rows))
+        finally:
+            Gateway._serve = serve  # type: ignore[method-assign]
+    cells: dict[str, dict[str, Any]] = {}
+    for traj, row in list(zip(trajs, rows))[2 * len(sizes) * len(apis) :]:  # past the warm-up round
+        result = traj.extra["harness"].get("result")
+        if not isinstance(result, list) or len(traj.extra.get("tree") or "1") != 1:  # one row: no history
+            raise RuntimeError(f"bench gateway --workload contexts: {traj.error or traj.extra['harness']}")
+        info = row["extra_info"]
+        cell = cells.setdefault(f"{info['api']}_{info['size']}", {"first_new_us": [], "first_seen_us": []})
+        cell["prompt_tokens"] = len(traj.prompt_ids)
+        cell["first_new_us" if info["new"] else "first_seen_us"].append(result[0] * 1e6)
+        cell.setdefault("later_us", []).extend(r * 1e6 for r in result[1:])
+    for cell in cells.values():
+        for key in ("first_new_us", "first_seen_us", "later_us"):
+            cell[key] = round(statistics.median(cell[key]))
+    out: dict[str, Any] = {"calls": calls, "repeats": repeats, "rows": cells}
+    for api in apis:
+        small, large = cells[f"{api}_{min(sizes)}"], cells[f"{api}_{max(sizes)}"]
+        ratios = {k: round(large[k] / small[k], 2) for k in ("first_new_us", "first_seen_us", "later_us")}
+        out[f"{api}_ratio"] = ratios
+        print(
+            f"bench gateway contexts: {api} at {small['prompt_tokens']} / {large['prompt_tokens']} tokens: first "
+            f"call {small['first_new_us']} / {large['first_new_us']} µs ({ratios['first_new_us']}x), its system "
+            f"prompt seen before {small['first_seen_us']} / {large['first_seen_us']} µs "
+            f"({ratios['first_seen_us']}x), later calls {small['later_us']} / {large['later_us']} µs "
+            f"({ratios['later_us']}x)",
+            file=sys.stderr,
+        )
+    return out
 
 
 def _main(argv: list[str]) -> None:

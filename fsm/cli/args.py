@@ -388,7 +388,8 @@ def bench_flags(p: argparse.ArgumentParser) -> None:
         help="engine: calculator is specs/calculator.yaml's prompt, tool and answer with a replayed model "
         "(CPU per trajectory at --n in flight); contexts: the template context policy's CPU per "
         "model turn against append's on the same calculator conversation (--n default 500); tracing: engine, calculator, or embedded "
-        "(`agentfsm run specs/calculator.yaml` without and with --otlp, alternated)",
+        "(`agentfsm run specs/calculator.yaml` without and with --otlp, alternated); gateway: contexts is its "
+        "CPU per call at a 1k- and a 30k-token prompt, per API (docs/gateway.md, 'Cost')",
     )
     _fleet_flags(p)
 

@@ -409,10 +409,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         ("engine", "contexts"),
         ("tracing", "calculator"),
         ("tracing", "embedded"),
+        ("gateway", "contexts"),
     ):
         raise CLIError(
             f"bench {what}: no --workload {args.workload} (engine: engine | calculator | contexts; tracing: engine | "
-            "calculator | embedded)"
+            "calculator | embedded; gateway: engine | contexts)"
         )
     bench = bench_module(what.replace("-", "_"))
     if what == "engine" and args.workload == "contexts":
@@ -433,6 +434,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         result = {f"affinity={a}": bench.bench_prefix_cache(n=8, affinity=a) for a in (False, True)}
     elif what == "tracing":
         result = bench.bench_tracing(workload=args.workload, repeats=args.repeats)
+    elif what == "gateway" and args.workload == "contexts":
+        result = bench.bench_context(repeats=args.repeats)
     elif what == "engines" and not args.server:
         if odd := [s for s in args.shape or () if s not in bench.SHAPES]:
             raise CLIError(f"bench engines: no --shape {odd[0]} (engines: {' | '.join(bench.SHAPES)})")

@@ -274,7 +274,8 @@ class Tree:
         else:
             if self.live >= 0:
                 self._park(traj)
-            traj.prompt_ids, traj.messages = array("i", ids), messages
+            traj.prompt_ids, traj.messages = array("i"), messages
+            traj.prompt_ids.fromlist(ids)  # a list's own path: twice as fast as array("i", a list)
             traj.response_ids, traj.response_mask = array("i"), array("b")
             traj.response_logprobs, traj._version_runs, traj.runs = array("f"), array("i"), TokenRuns()
             traj.turn_rewards, traj.needs_tail = [], False

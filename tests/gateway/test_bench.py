@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from typing import Any
 
 import pytest
 
@@ -86,3 +87,17 @@ def test_pinned_kinds_place_the_client_and_unpin_after(monkeypatch: pytest.Monke
     assert row["gateway_same_core_cpu_us_per_call"] > 0 and len(row["gateway_other_core_round_ratios"]) == 1
     assert placed[-2:] == [({0}, {0}), ({0}, {1})]  # the warm-up runs come first, placed alike
     assert os.sched_getaffinity(0) == before
+
+
+def test_bench_gateway_contexts_measures_each_api_at_each_size(real_tokenizer: Any) -> None:
+    """`agentfsm bench gateway --workload contexts` at small sizes: every API's rows succeed through the gateway
+    (the harness's calls on its own conversation, token-exact) and each size has its first and later calls."""
+    real_tokenizer("qwen2_5")  # skips (or fails under CI) with the line that fetches it
+    out = bench.bench_context(sizes=(300, 1500), calls=2, repeats=1)
+    for api in bench.APIS_MEASURED:
+        small, large = out["rows"][f"{api}_300"], out["rows"][f"{api}_1500"]
+        assert small["prompt_tokens"] < large["prompt_tokens"]
+        assert all(
+            cell[k] > 0 for cell in (small, large) for k in ("first_new_us", "first_seen_us", "later_us")
+        )
+        assert set(out[f"{api}_ratio"]) == {"first_new_us", "first_seen_us", "later_us"}
