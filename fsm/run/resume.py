@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from fsm.run.agent import CompiledAgent
-from fsm.run.journal import FORMAT, JournalError, Read, Rebuilt, Scan, rebuild
+from fsm.run.journal import FORMAT, JournalError, Read, Rebuilt, Scan, _whole, rebuild
 from fsm.run.provenance import Change
 from fsm.run.snapshot import FORMAT as SNAPSHOT_FORMAT
 from fsm.run.snapshot import (
@@ -40,7 +40,6 @@ from fsm.run.snapshot import (
     decoded,
     tokenizer_id,
 )
-from fsm.run.trajectory import Trajectory
 from fsm.run.treejournal import tree_form
 
 
@@ -224,7 +223,7 @@ def _snapshot_form(
             meta, nodes = trees.get(sid, (None, []))
             inside = any(not e["done"] and decode_trajectory(e).interaction_started for e in nodes)
             if not done and (traj.interaction_started or inside):
-                traj = _fresh(rebuilt.first[sid])  # a tree: from its root, all of it again
+                traj = _whole(rebuilt.first[sid])  # a tree: from its root, all of it again
                 meta, nodes = None, []
                 restarted += 1
             elif not done and len(traj.path_times) > 0:
@@ -278,10 +277,3 @@ def _snapshot_form(
             f"{read.path}: record 1: rows_expected is not a count of at least its {held} trajectories"
         )
     return data, (finished, in_flight, restarted, nodes_done, nodes_going), last
-
-
-def _fresh(first: dict[str, Any]) -> Trajectory:
-    """A trajectory as its first record has it: before any action."""
-    from fsm.run.journal import _whole
-
-    return _whole(first)
