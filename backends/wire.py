@@ -26,6 +26,7 @@ import asyncio
 import ssl
 import time
 from collections.abc import Iterator, Mapping
+from typing import cast
 from urllib.parse import urlencode, urlsplit
 
 MAX_HEAD_BYTES = 64 << 10  # an answer's status line and headers; a server's are a few hundred bytes
@@ -81,8 +82,7 @@ class _Connection(asyncio.Protocol):
     # -- asyncio.Protocol ---------------------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is one without subclassing it
         self.loop = asyncio.get_running_loop()
 
     def connection_lost(self, exc: Exception | None) -> None:

@@ -29,10 +29,12 @@ def engine(tok, **options) -> RolloutEngine:
 
 def test_engines_share_one_freeze_until_the_last_closes(tok):
     first, second = engine(tok), engine(tok)
+    before = gc.get_threshold()
     try:
         assert len(first.generate_sequences(make_prompts(2))) == 2
         frozen = gc.get_freeze_count()  # objects in the permanent generation (each freed one leaves it)
         assert frozen > 10_000
+        assert gc.get_threshold() == heap.RUN_THRESHOLD  # young objects collected less often while frozen
         second.generate_sequences(make_prompts(2))  # shares the freeze: nothing more is frozen
         assert gc.get_freeze_count() <= frozen
         first.close()
@@ -41,6 +43,7 @@ def test_engines_share_one_freeze_until_the_last_closes(tok):
         first.close()
         second.close()
     assert gc.get_freeze_count() == 0
+    assert gc.get_threshold() == before
     first.close()  # a second close releases nothing twice
     assert gc.get_freeze_count() == 0
 
@@ -74,6 +77,7 @@ def test_a_process_that_froze_its_heap_keeps_it_and_an_opted_out_engine_freezes_
     finally:
         e.close()
     assert gc.get_freeze_count() > 10_000  # the process's own freeze: not undone by the engine
+    assert gc.get_threshold() != heap.RUN_THRESHOLD  # nor its collector's settings changed
     gc.unfreeze()
     off = engine(tok, freeze_heap=False)
     try:

@@ -1,14 +1,35 @@
 """The piece cache of fsm/families/pieces.py is bounded in entries as well as characters: a million distinct
 2-character pieces (a dataset of short distinct turns, or a model that writes added tokens between short
-fragments) once cost 285 MB of dictionary entries under a 4 M-character bound (issue 27.20)."""
+fragments) once cost 285 MB of dictionary entries under a 4 M-character bound (issue 27.20). `decode` skips
+transformers' per-id checks only where its text is the same."""
 
 from __future__ import annotations
 
+import random
 import tracemalloc
 
 import pytest
 
-from fsm.families.pieces import CACHE_ENTRIES, PieceEncoder
+from fsm.families.pieces import CACHE_ENTRIES, PieceEncoder, decode
+
+
+def test_decode_is_transformers_decode_and_an_override_is_kept(tok):
+    rng = random.Random(0)
+    for _ in range(50):
+        ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(40))]
+        for skip in (True, False):
+            want = tok.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+            assert decode(tok, ids, skip_special_tokens=skip) == want
+
+    class Shouting(type(tok)):  # a tokenizer class with its own decode goes through it
+        def decode(self, ids, **kw):
+            return super().decode(ids, **kw).upper()
+
+    tok.__class__, cls = Shouting, tok.__class__
+    try:
+        assert decode(tok, tok.encode("abc", add_special_tokens=False)) == "ABC"
+    finally:
+        tok.__class__ = cls
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -29,8 +30,28 @@ def decode(tokenizer: Any, ids: Any, *, skip_special_tokens: bool = True) -> str
     """The text of `ids` exactly as the model wrote it: every decode of the engine goes through here. Never
     `clean_up_tokenization_spaces`: transformers 4.x applies a tokenizer's default, True for Llama-3.1, and
     turns "id , name" into "id, name" and "it 's" into "it's", so tools, parsers, interactions and rewards
-    would read text the model did not write."""
+    would read text the model did not write. A list through a fast tokenizer whose decode nobody overrides goes
+    straight to its Rust tokenizer, what transformers' decode calls after checking every id's type (~25 us)."""
+    if type(ids) is list and _plain_decode(type(tokenizer)):
+        return tokenizer._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
     return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+
+
+_PLAIN: dict[type, bool] = {}
+
+
+def _plain_decode(cls: type) -> bool:
+    """Whether `cls` decodes with transformers' fast tokenizer's own decode and _decode."""
+    plain = _PLAIN.get(cls)
+    if plain is None:
+        fast = getattr(sys.modules.get("transformers"), "PreTrainedTokenizerFast", None)
+        plain = _PLAIN[cls] = (
+            fast is not None
+            and issubclass(cls, fast)
+            and cls.decode is fast.decode  # type: ignore[attr-defined]
+            and cls._decode is fast._decode  # type: ignore[attr-defined]
+        )
+    return plain
 
 
 class PieceEncoder:

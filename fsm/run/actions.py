@@ -200,7 +200,8 @@ async def _resumed_turn(
         ids += new
         per_token = result.extra.get("token_versions")  # a request held across an update has two
         if per_token is not None and len(per_token) >= len(new):
-            versions += [ctx.gate.version_of(v, sent_to) for v in per_token[: len(new)]]
+            seen = {v: ctx.gate.version_of(v, sent_to) for v in set(per_token[: len(new)])}  # one or two
+            versions += map(seen.__getitem__, per_token[: len(new)])
         else:
             versions += [ctx.gate.version_of(result.weight_version, sent_to)] * len(new)
         if logprobs is not None:

@@ -11,6 +11,9 @@ process). An engine freezes when a run first puts FREEZE_AT trajectories in flig
 are rare in a batch and the one collection before the freeze (a few hundred milliseconds with torch loaded) would
 cost more.
 
+While frozen, the collector runs at RUN_THRESHOLD: a batch's turns allocate millions of short-lived objects, nearly
+none in cycles, and at the default (700, 10, 10) its collections cost ~20 % of the client's CPU per model call.
+
 A process that froze its heap itself (`gc.get_freeze_count()` not 0 when the first engine would freeze) is left to
 manage it: no freeze, no unfreeze. `RolloutEngine(freeze_heap=False)` opts an engine out. A Ray actor
 (fsm/adapters/ray_runner.py) freezes its own process the same way, for a chunk of FREEZE_AT trajectories.
@@ -22,8 +25,10 @@ import gc
 import threading
 
 FREEZE_AT = 256  # trajectories in flight (with those joining) that make an engine freeze the heap
+RUN_THRESHOLD = (50000, 20, 20)  # gc.set_threshold while frozen (docs/benchmarks.md: 700 to 100,000 measured)
 _lock = threading.Lock()
 _holders = 0  # engines started and not closed, holding the freeze
+_before: tuple[int, int, int] = (700, 10, 10)  # the thresholds the freeze replaced
 
 
 class Held:
@@ -41,12 +46,13 @@ class Held:
             _holders -= 1
             if _holders == 0:
                 gc.unfreeze()
+                gc.set_threshold(*_before)
 
 
 def hold() -> Held | None:
     """Freeze the heap as it is (after a full collection: no garbage is frozen) unless it is frozen already by
     another engine, which this one then shares, or by the process itself (None: nothing held)."""
-    global _holders
+    global _holders, _before
     with _lock:
         if _holders:
             _holders += 1
@@ -58,5 +64,7 @@ def hold() -> Held | None:
             if gc.get_freeze_count():
                 return None
             gc.freeze()
+            _before = gc.get_threshold()
+            gc.set_threshold(*RUN_THRESHOLD)
         _holders += 1
         return Held()
