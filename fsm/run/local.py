@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from backends.base import Abortable, Backend, Lifecycle, Pausable
-from fsm.run import heap, loopwatch
+from fsm.run import heap, loopwatch, snapcheck
 from fsm.run import snapshot as snap
 from fsm.run.context import Policy, Sampling
 from fsm.run.control import Controls
@@ -347,7 +347,9 @@ class Local:
         if isinstance(path, Mapping):  # read and checked already (a journal's, fsm/run/resume.py)
             data = path
         else:
-            data = await asyncio.to_thread(snap.read, path, self.agent, self.codec.vocab_size, self.codec)
+            data = await asyncio.to_thread(
+                snapcheck.read, path, self.agent, self.codec.vocab_size, self.codec
+            )
         await (await self.stream_here()).restore(data)
         return dict(data.get("meta") or {})
 

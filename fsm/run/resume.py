@@ -1,5 +1,5 @@
 """A run resumed from its journal (fsm/run/journal.py): the records replayed into the groups they describe, in
-the form a snapshot has, and checked as strictly as one (fsm/run/snapshot.py `_check`: states of this agent,
+the form a snapshot has, and checked as strictly as one (fsm/run/snapcheck.py `_check`: states of this agent,
 token ids in the vocabulary, finite logprobs <= 0, consistent lengths...), whatever the checksums say (they
 are unkeyed: anyone can forge one).
 
@@ -30,16 +30,9 @@ from typing import Any
 from fsm.run.agent import CompiledAgent
 from fsm.run.journal import FORMAT, JournalError, Read, Rebuilt, Scan, _whole, rebuild
 from fsm.run.provenance import Change
+from fsm.run.snapcheck import _check, check_identity, check_version_runs
 from fsm.run.snapshot import FORMAT as SNAPSHOT_FORMAT
-from fsm.run.snapshot import (
-    _check,
-    check_identity,
-    check_version_runs,
-    decode_sampling,
-    decode_trajectory,
-    decoded,
-    tokenizer_id,
-)
+from fsm.run.snapshot import decode_sampling, decode_trajectory, decoded, tokenizer_id
 from fsm.run.treejournal import tree_form
 
 

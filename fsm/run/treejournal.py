@@ -23,7 +23,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from fsm.run.node import Node, TreeCount
-from fsm.run.snapshot import _check, decoded
+from fsm.run.snapcheck import _check
+from fsm.run.snapshot import decoded
 from fsm.run.trajectory import Trajectory
 from fsm.run.tree import root_node, row_nodes
 
