@@ -77,6 +77,23 @@ def servers():
         proc.wait(20)
 
 
+@pytest.fixture(scope="module")
+def reference(servers, tmp_path_factory) -> Path:
+    """The uninterrupted greedy run every interrupted run here must resume to, made once: HashLM is deterministic,
+    so each test's reference run was this same run again."""
+    ref = tmp_path_factory.mktemp("reference") / "ref"
+    done = subprocess.run(
+        run_args(ref, "specs/calculator.yaml", "--server", servers[1]),
+        env=ENV,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr
+    return ref
+
+
 def run_args(out: Path, *extra: str) -> list[str]:
     return [
         sys.executable,
@@ -147,19 +164,10 @@ def _in_flight(url: str) -> int:
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_an_interrupt_mid_turn_snapshots_within_seconds_and_resume_gives_the_same_tokens(
-    servers, tmp_path, sig
+    servers, reference, tmp_path, sig
 ):
     slow, fast = servers
-    ref, cut = tmp_path / "ref", tmp_path / "cut"
-    done = subprocess.run(
-        run_args(ref, "specs/calculator.yaml", "--server", fast),
-        env=ENV,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert done.returncode == 0, done.stderr
+    cut = tmp_path / "cut"
     proc = subprocess.Popen(
         run_args(cut, "specs/calculator.yaml", "--server", slow),
         env=ENV,
@@ -216,7 +224,7 @@ def test_an_interrupt_mid_turn_snapshots_within_seconds_and_resume_gives_the_sam
     )
     assert resumed.returncode == 0, resumed.stderr
     assert ended(cut / "journal.log") == "completed"
-    assert_same_batch_files(ref, cut)
+    assert_same_batch_files(reference, cut)
 
 
 STUCK_SPEC = """
@@ -358,21 +366,12 @@ engine.close()
 
 
 @pytest.mark.slow
-def test_sigterm_keeps_a_run_of_the_python_api_and_the_cli_resumes_it(servers, tmp_path):
+def test_sigterm_keeps_a_run_of_the_python_api_and_the_cli_resumes_it(servers, reference, tmp_path):
     """issue 28: a program embedding RolloutEngine gets what `agentfsm run` gives, by passing `keep=RunDir(out)`:
     SIGTERM mid-turn stops the rows through the same code (fsm/run/interruptible.py, fsm/output/keep.py), writes the
     snapshot, and `agentfsm run --resume` finishes it with the tokens of an uninterrupted CLI run."""
     slow, fast = servers
-    ref, cut = tmp_path / "ref", tmp_path / "cut"
-    done = subprocess.run(
-        run_args(ref, "specs/calculator.yaml", "--server", fast),
-        env=ENV,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert done.returncode == 0, done.stderr
+    cut = tmp_path / "cut"
     script = tmp_path / "embed.py"
     script.write_text(EMBEDDED)
     proc = subprocess.Popen(
@@ -409,11 +408,13 @@ def test_sigterm_keeps_a_run_of_the_python_api_and_the_cli_resumes_it(servers, t
     assert resumed.returncode == 0, resumed.stderr
     assert ended(cut / "journal.log") == "completed"
     assert json.loads((cut / "summary.json").read_text())["status"] == "completed"
-    assert_same_batch_files(ref, cut)
+    assert_same_batch_files(reference, cut)
 
 
 @pytest.mark.slow
-def test_ctrl_c_with_a_server_that_can_neither_pause_nor_abort_snapshots_within_seconds(tmp_path, servers):
+def test_ctrl_c_with_a_server_that_can_neither_pause_nor_abort_snapshots_within_seconds(
+    tmp_path, servers, reference
+):
     """Issue 36 item 6: with a server that has no /pause_generation and ignores /abort_request, the run was alive
     150 s after SIGINT and a second one exited without a snapshot. The wait for turns in flight is bounded
     (fsm/run/context.py TURN_GRACE_S): past it each is taken as it was before its turn, which runs again on
@@ -424,7 +425,7 @@ def test_ctrl_c_with_a_server_that_can_neither_pause_nor_abort_snapshots_within_
         [sys.executable, "-m", "tests.fixtures.deaf_server", str(port)], env=ENV, cwd=REPO
     )
     url = f"http://127.0.0.1:{port}"
-    ref, cut = tmp_path / "ref", tmp_path / "cut"
+    cut = tmp_path / "cut"
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -464,15 +465,6 @@ def test_ctrl_c_with_a_server_that_can_neither_pause_nor_abort_snapshots_within_
     finally:
         deaf.terminate()
         deaf.wait(20)
-    done = subprocess.run(
-        run_args(ref, "specs/calculator.yaml", "--server", fast),
-        env=ENV,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert done.returncode == 0, done.stderr
     resumed = subprocess.run(
         run_args(cut, "--resume", str(cut), "--server", fast),
         env=ENV,
@@ -482,7 +474,7 @@ def test_ctrl_c_with_a_server_that_can_neither_pause_nor_abort_snapshots_within_
         timeout=240,
     )
     assert resumed.returncode == 0, resumed.stderr
-    assert_same_batch_files(ref, cut)
+    assert_same_batch_files(reference, cut)
 
 
 HANGING_REWRITE_SPEC = """
