@@ -17,6 +17,16 @@ from fsm.gateway.record import Answer, Call, GatewayError, unsupported_tool, wit
 TEXT_PARTS = ("text", "input_text", "output_text")
 
 
+def _assistant(content: str, calls: list[Any], reasoning: Any) -> dict[str, Any]:
+    """A model turn as sent back, in either API's form (its reasoning kept only where it has some)."""
+    said = {"role": "assistant", "content": content, "tool_calls": calls}
+    return {**said, "reasoning": str(reasoning)} if reasoning else said
+
+
+def _tool_reply(content: Any, call_id: Any, where: str) -> dict[str, Any]:
+    return {"role": "tool", "content": _text(content, where), "tool_call_id": call_id}
+
+
 def _text(content: Any, where: str) -> str:
     """A message's content as text: a string, or a list of text parts. Images and audio are refused."""
     if content is None:
@@ -131,21 +141,11 @@ def chat_call(body: dict[str, Any]) -> Call:
         elif role == "user":
             out.append({"role": "user", "content": _text(m.get("content"), where)})
         elif role == "assistant":
-            said = {
-                "role": "assistant",
-                "content": _text(m.get("content"), where),
-                "tool_calls": _calls(m.get("tool_calls"), where),
-            }
             reasoning = m.get("reasoning_content") or m.get("reasoning")  # as sent back (vLLM names it both)
-            out.append({**said, "reasoning": str(reasoning)} if reasoning else said)
+            calls = _calls(m.get("tool_calls"), where)
+            out.append(_assistant(_text(m.get("content"), where), calls, reasoning))
         elif role == "tool":
-            out.append(
-                {
-                    "role": "tool",
-                    "content": _text(m.get("content"), where),
-                    "tool_call_id": m.get("tool_call_id"),
-                }
-            )
+            out.append(_tool_reply(m.get("content"), m.get("tool_call_id"), where))
         else:
             raise GatewayError(f"{where}: unsupported role {role!r}")
     n = body.get("n")
@@ -279,9 +279,8 @@ def responses_call(body: dict[str, Any]) -> Call:
                 )
         elif kind == "reasoning":  # its text sent back (content, else its summary): the key compares it
             parts = item.get("content") or item.get("summary") or []
-            said = {"role": "assistant", "content": "", "tool_calls": []}
             text = "".join(str(p.get("text") or "") for p in parts if isinstance(p, dict))
-            out.append({**said, "reasoning": text} if text else said)
+            out.append(_assistant("", [], text))
         elif kind == "function_call":
             name, group = item.get("name"), item.get("namespace")
             if not isinstance(name, str):
@@ -293,15 +292,9 @@ def responses_call(body: dict[str, Any]) -> Call:
             if out and out[-1]["role"] == "assistant":
                 out[-1]["tool_calls"].append(call)  # one model turn: its message and calls
             else:
-                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                out.append(_assistant("", [call], None))
         elif kind == "function_call_output":
-            out.append(
-                {
-                    "role": "tool",
-                    "content": _text(item.get("output"), where),
-                    "tool_call_id": item.get("call_id"),
-                }
-            )
+            out.append(_tool_reply(item.get("output"), item.get("call_id"), where))
         else:
             raise GatewayError(f"{where}: item type {kind!r} is not supported")
     cap = _int(body.get("max_output_tokens"), "max_output_tokens")
