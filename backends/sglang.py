@@ -28,6 +28,7 @@ import asyncio
 import logging
 import uuid
 from bisect import bisect_left, insort
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -322,26 +323,34 @@ class SGLangBackend(ServerClient):
 
 
 class _Rids(dict[str, Any]):
-    """Request ids as a dict that also keeps them sorted, so whether a rid and one of them prefix one another
-    is a bisection and a walk over the rid's own prefixes, not a scan of every rid in flight."""
+    """Request ids as a dict that also keeps them sorted and counts their lengths, so whether a rid and one of
+    them prefix one another is a bisection and a lookup per length in use, not a scan of every rid in flight."""
 
     def __init__(self) -> None:
         super().__init__()
         self._sorted: list[str] = []
+        self._lengths: Counter[int] = Counter()
 
     def __setitem__(self, rid: str, value: Any) -> None:
         if rid not in self:
             insort(self._sorted, rid)
+            self._lengths[len(rid)] += 1
         super().__setitem__(rid, value)
 
     def __delitem__(self, rid: str) -> None:
         super().__delitem__(rid)
+        self._forget(rid)
+
+    def _forget(self, rid: str) -> None:
         del self._sorted[bisect_left(self._sorted, rid)]
+        self._lengths[len(rid)] -= 1
+        if not self._lengths[len(rid)]:
+            del self._lengths[len(rid)]
 
     def pop(self, rid: str, *default: Any) -> Any:
         if rid in self:
             value = super().pop(rid)
-            del self._sorted[bisect_left(self._sorted, rid)]
+            self._forget(rid)
             return value
         if default:
             return default[0]
@@ -352,4 +361,4 @@ class _Rids(dict[str, Any]):
         at = bisect_left(self._sorted, rid)
         if at < len(self._sorted) and self._sorted[at].startswith(rid):
             return True
-        return any(rid[:k] in self for k in range(1, len(rid)))
+        return any(rid[:k] in self for k in self._lengths if k < len(rid))

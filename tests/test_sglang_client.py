@@ -407,6 +407,7 @@ def test_the_rid_index_answers_prefix_relations_as_a_scan_of_every_rid_would():
     """_wire_rid asks whether a rid and a live or held one prefix one another once per attempt; the index
     answers it without a scan of every rid in flight (1,000 in flight: 1,000 comparisons a call)."""
     import random
+    from collections import Counter
 
     from backends.sglang import _Rids
 
@@ -425,6 +426,7 @@ def test_the_rid_index_answers_prefix_relations_as_a_scan_of_every_rid_would():
         scan = any(o.startswith(probe) or probe.startswith(o) for o in plain)
         assert index.prefix_related(probe) == scan, (probe, sorted(plain))
         assert index._sorted == sorted(plain) and dict(index) == plain
+        assert index._lengths == Counter(map(len, plain))  # a lookup per length in use, none left behind
 
 
 async def test_launcher_surfaces_a_crash_with_the_log_tail(tmp_path):
