@@ -169,7 +169,7 @@ class Local:
         owner = (
             await self.stream_here()
         )  # the engine's one owner, the continuous mode's too (started: its backend)
-        ctx, trajs = self.runner.prepare(rows, n, sampling=sampling)
+        ctx, trajs = self.runner.prepare(rows, n, self.runner.make_context(sampling=sampling))
         self._freeze_for(len(trajs))
         await owner.run(trajs, ctx, on_done)
         return trajs

@@ -160,15 +160,10 @@ class Runner:
             traj.extra["active_tools"] = active
 
     def prepare(
-        self,
-        rows: Iterable[Mapping[str, Any]],
-        n: int = 1,
-        sampling_params: Mapping[str, Any] | None = None,
-        validate: bool = False,
-        sampling: Sampling | None = None,
+        self, rows: Iterable[Mapping[str, Any]], n: int, ctx: RunContext
     ) -> tuple[RunContext, list[Trajectory]]:
-        """The context and the trajectories (one per row and sample, in input order) of a batch, not started."""
-        ctx = self.make_context(sampling_params, validate, sampling=sampling)
+        """`ctx` (`make_context`'s) made a batch's, and the trajectories (one per row and sample, in input order)
+        of the batch, not started."""
         ctx.group_size = n
         return ctx, self.trajectories(rows, n)
 
@@ -186,7 +181,7 @@ class Runner:
 
         `sampling`, when the caller has resolved it already, replaces `sampling_params` and `validate`.
         The rows go through an `Owner` of their own, for this call."""
-        ctx, trajs = self.prepare(rows, n, sampling_params, validate, sampling)
+        ctx, trajs = self.prepare(rows, n, self.make_context(sampling_params, validate, sampling=sampling))
         async with Owner(self).serving() as owner:
             await owner.run(trajs, ctx, on_done)
         return trajs
