@@ -387,37 +387,15 @@ def responses_stream(a: Answer, call: Call, session: str) -> Iterator[bytes]:
         if item["type"] == "message":
             start["content"] = []
         yield event("response.output_item.added", output_index=k, item=start)
+        where = {"item_id": item["id"], "output_index": k, "content_index": 0}
         if item["type"] == "message":
             part = item["content"][0]
-            yield event(
-                "response.content_part.added",
-                item_id=item["id"],
-                output_index=k,
-                content_index=0,
-                part={**part, "text": ""},
-            )
-            yield event(
-                "response.output_text.delta",
-                item_id=item["id"],
-                output_index=k,
-                content_index=0,
-                delta=part["text"],
-                logprobs=[],
-            )
-            yield event(
-                "response.output_text.done",
-                item_id=item["id"],
-                output_index=k,
-                content_index=0,
-                text=part["text"],
-                logprobs=[],
-            )
-            yield event(
-                "response.content_part.done", item_id=item["id"], output_index=k, content_index=0, part=part
-            )
+            yield event("response.content_part.added", **where, part={**part, "text": ""})
+            yield event("response.output_text.delta", **where, delta=part["text"], logprobs=[])
+            yield event("response.output_text.done", **where, text=part["text"], logprobs=[])
+            yield event("response.content_part.done", **where, part=part)
         elif item["type"] == "reasoning":
             text = item["content"][0]["text"]
-            where = {"item_id": item["id"], "output_index": k, "content_index": 0}
             yield event("response.reasoning_text.delta", **where, delta=text)
             yield event("response.reasoning_text.done", **where, text=text)
         elif item["type"] == "function_call":
