@@ -83,10 +83,11 @@ class Counting(BaseBackend):
 RESTORE = """
 import sys, json, torch
 from fsm import RolloutEngine
-with RolloutEngine("calculator", torch_threads=1) as engine:
-    meta = engine.restore(sys.argv[1])
-    batch = engine.take(meta["groups"], timeout=120)
-torch.save({k: v for k, v in batch.batch.items()} | {"uid": list(batch.non_tensor_batch["uid"])}, sys.argv[2])
+for snapshot, out in zip(sys.argv[1::2], sys.argv[2::2]):  # each into an engine of its own
+    with RolloutEngine("calculator", torch_threads=1) as engine:
+        meta = engine.restore(snapshot)
+        batch = engine.take(meta["groups"], timeout=120)
+    torch.save({k: v for k, v in batch.batch.items()} | {"uid": list(batch.non_tensor_batch["uid"])}, out)
 """
 
 
@@ -106,16 +107,11 @@ def same_groups(reference, got) -> None:
             assert torch.equal(reference.batch[key][j], got[key][i]), (key, uid)
 
 
-@pytest.mark.slow
-@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-# 3 rows x 2 samples x 2 model turns = 12 model calls: snapshot after the k-th, with some still to come.
-@given(k=st.integers(min_value=1, max_value=11))
-def test_snapshot_at_any_point_restores_in_a_new_process_to_the_greedy_result(greedy_reference, tmp_path, k):
-    rows, reference = greedy_reference
+def _snapshot_at(rows: list, k: int, path: Path) -> None:
+    """Run `rows` greedily on the embedded model; snapshot into `path` after the k-th model call, and stop."""
     from fsm.api import make_backend
 
     backend = Counting(make_backend(torch_threads=1), k)
-    path = tmp_path / f"s{k}.json"
     with RolloutEngine("calculator", ASSETS, backend=backend) as engine:
 
         async def at_k():
@@ -124,11 +120,22 @@ def test_snapshot_at_any_point_restores_in_a_new_process_to_the_greedy_result(gr
             return await engine.asnapshot(path, meta={"groups": len(rows)}, stop=True)
 
         asyncio.run(at_k())
-    out = tmp_path / f"b{k}.pt"
-    subprocess.run(
-        [sys.executable, "-c", RESTORE, str(path), str(out)], env=ENV, cwd=REPO, check=True, timeout=240
-    )
-    same_groups(reference, torch.load(out, weights_only=False))
+
+
+@pytest.mark.slow
+@settings(max_examples=1, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# 3 rows x 2 samples x 2 model turns = 12 model calls: snapshot after the k-th, with some still to come.
+@given(ks=st.lists(st.integers(min_value=1, max_value=11), min_size=3, max_size=3, unique=True))
+def test_snapshot_at_any_point_restores_in_a_new_process_to_the_greedy_result(greedy_reference, tmp_path, ks):
+    """Three points, each restored in a fresh engine of one new process (a process start each cost ~5 s)."""
+    rows, reference = greedy_reference
+    argv = []
+    for k in ks:
+        _snapshot_at(rows, k, tmp_path / f"s{k}.json")
+        argv += [str(tmp_path / f"s{k}.json"), str(tmp_path / f"b{k}.pt")]
+    subprocess.run([sys.executable, "-c", RESTORE, *argv], env=ENV, cwd=REPO, check=True, timeout=240)
+    for k in ks:
+        same_groups(reference, torch.load(tmp_path / f"b{k}.pt", weights_only=False))
 
 
 # --- agentfsm run: Ctrl-C, then --resume --------------------------------------------------------------------
