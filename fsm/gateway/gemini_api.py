@@ -88,6 +88,14 @@ def _result(response: Any) -> str:
     return json.dumps(response, ensure_ascii=False)
 
 
+def _named(part: dict[str, Any], kind: str, where: str) -> dict[str, Any]:
+    """A functionCall's or functionResponse's object, which must name its function."""
+    value = part[kind]
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        raise GatewayError(f"{where}: a {kind} needs a name")
+    return value
+
+
 def _model_turn(parts: list[dict[str, Any]], where: str) -> dict[str, Any]:
     text, thought, calls = [], [], []
     for k, part in enumerate(parts):
@@ -97,9 +105,7 @@ def _model_turn(parts: list[dict[str, Any]], where: str) -> dict[str, Any]:
         elif kind == "text":
             text.append(str(part.get("text") or ""))
         elif kind == "functionCall":
-            fc = part["functionCall"]
-            if not isinstance(fc, dict) or not isinstance(fc.get("name"), str):
-                raise GatewayError(f"{where}.parts[{k}]: a functionCall needs a name")
+            fc = _named(part, kind, f"{where}.parts[{k}]")
             calls.append({"id": fc.get("id"), "name": fc["name"], "arguments": fc.get("args") or {}})
         else:
             raise GatewayError(f"{where}.parts[{k}]: part {kind!r} is not supported (text, functionCall)")
@@ -116,17 +122,9 @@ def _user_turn(parts: list[dict[str, Any]], where: str, out: list[dict[str, Any]
         if kind == "text":
             text.append(str(part.get("text") or ""))
         elif kind == "functionResponse":
-            fr = part["functionResponse"]
-            if not isinstance(fr, dict) or not isinstance(fr.get("name"), str):
-                raise GatewayError(f"{where}.parts[{k}]: a functionResponse needs a name")
-            out.append(
-                {
-                    "role": "tool",
-                    "content": _result(fr.get("response")),
-                    "tool_call_id": fr.get("id"),
-                    "name": fr["name"],
-                }
-            )
+            fr = _named(part, kind, f"{where}.parts[{k}]")
+            result = _result(fr.get("response"))
+            out.append({"role": "tool", "content": result, "tool_call_id": fr.get("id"), "name": fr["name"]})
         else:
             raise GatewayError(f"{where}.parts[{k}]: part {kind!r} is not supported (text, functionResponse)")
     if text:
