@@ -95,6 +95,25 @@ def tree(root: int, skip: Iterable[int] = ()) -> Iterator[int]:
         todo.extend(kids)
 
 
+def descends(pid: int, root: int, skip: Iterable[int] = ()) -> bool:
+    """Whether `pid` is `root` or one of its descendants, not in the subtree of one of `skip`: what `pid in
+    tree(root, skip)` says, from `pid`'s parents (a file a level) instead of every thread's children below `root`."""
+    skipped = set(skip)
+    for _ in range(64):
+        if pid in skipped:
+            return False
+        if pid == root:
+            return True
+        if pid <= 1:
+            return False
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                pid = int(f.read().rsplit(b")", 1)[1].split()[1])  # after the name: state, then the parent
+        except (OSError, ValueError, IndexError):
+            return False
+    return False
+
+
 def _children(pid: int) -> list[int] | None:
     try:
         tids = os.listdir(f"/proc/{pid}/task")
