@@ -23,9 +23,9 @@ from tests.gateway.test_hostile import SCRIPT, run, spec
 from tests.gateway.test_workers import ENV, ROOT, _finish, _pid_file, _spec
 
 WAIT = """
-import os, sys, time
-here = os.environ["ENV_DIR"]
-open(os.path.join(here, "started-" + os.environ["OPENAI_API_KEY"]), "w").close()  # each is PID 1 of its own
+import json, os, sys, time
+here = os.environ["ENV_DIR"]  # named by the session's key: each is PID 1 of its own namespace; its environment in it
+open(os.path.join(here, "started-" + os.environ["OPENAI_API_KEY"]), "w").write(json.dumps(dict(os.environ)))
 deadline = time.monotonic() + 120
 while not os.path.exists(os.path.join(here, "go")) and time.monotonic() < deadline:
     time.sleep(0.05)
@@ -44,7 +44,10 @@ def _until(predicate, timeout: float = 120) -> None:
 def test_a_workers_environment_never_holds_the_front_token(tmp_path):
     """The token was in each worker's environment: `os.environ.pop` left it in the kernel's copy, readable in
     /proc/<worker pid>/environ by any process of the user (a harness too) for the worker's whole life, and the
-    front took it (409 for a registered tag, not 401). Now it comes down a pipe, read once."""
+    front took it (409 for a registered tag, not 401). Now it comes down a pipe, read once. Nor is it in a
+    harness's environment, which holds its own session's key instead."""
+    from fsm.gateway.front import TOKEN_ENV
+
     spec = _spec(tmp_path, "tests.gateway.test_isolation:waiting_harness")
     dumps, out = tmp_path / "env", tmp_path / "run"
     dumps.mkdir()
@@ -67,6 +70,9 @@ def test_a_workers_environment_never_holds_the_front_token(tmp_path):
         (dumps / "go").touch()
     rc, said = _finish(proc)
     assert rc == 0, said
+    envs = [json.loads(p.read_text()) for p in dumps.glob("started-*")]
+    assert len(envs) == 2 and all("OPENAI_API_KEY" in e for e in envs)  # one per row, each given its session
+    assert not [e for e in envs if TOKEN_ENV in e or any(k.startswith("AGENTFSM_FRONT") for k in e)]
 
 
 ATTACKS = str(Path(__file__).with_name("isolation_attacks.py"))
