@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -428,12 +429,14 @@ def test_reading_or_resuming_a_run_directory_imports_no_spec_module_shipped_in_i
     directory (resume before refusing). Each now refuses in one line, its code never imported; naming the spec
     yourself (`--spec`) is asking for it."""
     marker = shipped / "IMPORTED"
-    for argv in (
+    argvs = (
         ["replay", str(shipped), "--row", "0"],
         ["show", str(shipped), "--journal"],
         ["run", "--resume", str(shipped), "-q"],
-    ):
-        done = _cli(*argv)
+    )
+    with ThreadPoolExecutor() as each:  # side by side: none may import it
+        dones = list(each.map(lambda argv: _cli(*argv), argvs))
+    for argv, done in zip(argvs, dones):
         assert done.returncode == 1 and not marker.exists(), (argv, done.stderr)
         (line,) = done.stderr.strip().splitlines()
         assert f"names the spec {shipped / 'spec.yaml'}, inside the run directory" in line, line

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -169,12 +170,17 @@ def test_other_weights_in_the_checkpoint_are_refused(run, tmp_path):
 def test_an_engine_flag_and_a_sampling_flag_unlike_the_runs_are_refused(run, tmp_path):
     spec_dir, model, done = run
     out = _cut(done, tmp_path / "out")
-    line = _one_line(_cli("--resume", str(out), "--model", str(model), "--check-tokens", "-q"))
+    with ThreadPoolExecutor() as both:  # two refusals side by side: neither writes
+        tokens, temperature = both.map(
+            lambda flags: _cli("--resume", str(out), "--model", str(model), *flags, "-q"),
+            [("--check-tokens",), ("--temperature", "0.7")],
+        )
+    line = _one_line(tokens)
     assert line == (
         f"agentfsm: resume refused: {out / JOURNAL}: --check-tokens is True, the run's was False; resume without "
         "--check-tokens, or rerun with --resume --accept-changes (RunDir(out, accept_changes=True)) to go on anyway"
     )
-    line = _one_line(_cli("--resume", str(out), "--model", str(model), "--temperature", "0.7", "-q"))
+    line = _one_line(temperature)
     assert line == (
         f"agentfsm: resume refused: {out / JOURNAL}: --temperature 0.7, but the run's is 0.0 (a resume goes on with "
         "the run's own rows, samples and sampling); drop --temperature, or start a new run"

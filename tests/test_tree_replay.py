@@ -5,6 +5,7 @@ its tree's reward, a forked root by its branches' mean), so a faithful run shows
 from __future__ import annotations
 
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -22,7 +23,11 @@ def test_replay_of_a_tree_shows_each_node_as_the_run_made_it(tmp_path, spec, pla
     out = tmp_path / "run"
     done = run(SPECS / f"{spec}.yaml", out)
     assert done.returncode == 0, done.stderr[-3000:]
-    replay = agentfsm("replay", str(out), "--row", "0")
+    with ThreadPoolExecutor() as both:  # two readers of the finished run, side by side
+        replay, show = both.map(
+            lambda argv: agentfsm(*argv),
+            [("replay", str(out), "--row", "0"), ("show", str(out), "--journal")],
+        )
     text = replay.stdout + replay.stderr
     assert replay.returncode == 0 and "Traceback" not in text, text[-3000:]
     headers = re.findall(r"^== row 0 sample 0 node (\S+) \((\w+[^,]*),", text, re.M)
@@ -31,6 +36,5 @@ def test_replay_of_a_tree_shows_each_node_as_the_run_made_it(tmp_path, spec, pla
     assert len(rewards) == len(headers), text[-3000:]
     assert all(line.endswith("(difference +0)") for line in rewards), rewards  # none false, none missing
     assert text.count("token check: exact") == len(headers), text[-3000:]
-    show = agentfsm("show", str(out), "--journal")
     assert show.returncode == 0 and "Traceback" not in show.stderr, show.stderr[-3000:]
     assert re.search(r"^tree \S+: \d+ nodes$", show.stdout, re.M), show.stdout[:2000]
