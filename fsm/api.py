@@ -276,8 +276,8 @@ class RolloutEngine(BaseEngine):
         closes it when it closes (every span ended is then exported or counted as dropped).
     watchdog_s: when no trajectory has changed state for this long, the stuck rows are logged (None: never).
     freeze_heap: when a run first puts hundreds of trajectories in flight, freeze the process's heap
-        (`gc.freeze()`, unfrozen when the last engine closes), so Python's full collections during a batch do not
-        walk every object of the process (fsm/run/heap.py).
+        (`gc.freeze()` and the collector's thresholds raised, both undone when the last engine closes), so
+        Python's collections during a batch do not walk every object of the process (fsm/run/heap.py).
     backend_options: for the backend it builds (`group_affinity`, `engine` for servers; `torch_threads`,
         `max_batch_size` for the in-process model).
     The engine owns its backend, given or built, and the thread whose event loop runs it (see the module
