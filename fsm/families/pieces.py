@@ -32,26 +32,17 @@ def decode(tokenizer: Any, ids: Any, *, skip_special_tokens: bool = True) -> str
     turns "id , name" into "id, name" and "it 's" into "it's", so tools, parsers, interactions and rewards
     would read text the model did not write. A list through a fast tokenizer whose decode nobody overrides goes
     straight to its Rust tokenizer, what transformers' decode calls after checking every id's type (~25 us)."""
-    if type(ids) is list and _plain_decode(type(tokenizer)):
+    cls = type(tokenizer)
+    if (plain := _PLAIN.get(cls)) is None:  # decode and _decode are transformers' fast tokenizer's own
+        fast: Any = getattr(sys.modules.get("transformers"), "PreTrainedTokenizerFast", None)
+        own = (fast.decode, fast._decode) if fast is not None else None
+        plain = _PLAIN[cls] = own == (cls.decode, getattr(cls, "_decode", None))
+    if plain and type(ids) is list:
         return tokenizer._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
     return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
 
 
 _PLAIN: dict[type, bool] = {}
-
-
-def _plain_decode(cls: type) -> bool:
-    """Whether `cls` decodes with transformers' fast tokenizer's own decode and _decode."""
-    plain = _PLAIN.get(cls)
-    if plain is None:
-        fast = getattr(sys.modules.get("transformers"), "PreTrainedTokenizerFast", None)
-        plain = _PLAIN[cls] = (
-            fast is not None
-            and issubclass(cls, fast)
-            and cls.decode is fast.decode  # type: ignore[attr-defined]
-            and cls._decode is fast._decode  # type: ignore[attr-defined]
-        )
-    return plain
 
 
 class PieceEncoder:
