@@ -122,15 +122,15 @@ def test_an_edited_reward_module_is_refused_and_accepted_changes_are_recorded(ru
             json.loads(line)["reward_score"] for line in (out / "trajectories.jsonl").read_text().splitlines()
         )
         assert rewards == [0.5, 0.5, 1.0]  # what accepting means: rows made before and after the change
-        shown = subprocess.run(
-            [sys.executable, "-m", "fsm.cli.commands", "show", str(out), "--journal"],
-            env=ENV,
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=TIMEOUT,
-        )
-        assert "resume 1 (after 1 trajectories finished) accepted changes: the reward module" in shown.stdout
+        show = [
+            sys.executable,
+            "-m",
+            "fsm.cli.commands",
+            "show",
+            str(out),
+            "--journal",
+        ]  # beside the next run
+        shown = subprocess.Popen(show, env=ENV, cwd=REPO, stdout=subprocess.PIPE, text=True)
 
         # a second resume of the same run compares with what the first accepted: nothing changed since
         again = _cut(done, tmp_path / "again")
@@ -138,6 +138,8 @@ def test_an_edited_reward_module_is_refused_and_accepted_changes_are_recorded(ru
             b"".join((out / JOURNAL).read_bytes().splitlines(keepends=True)[: len(before.splitlines()) + 1])
         )
         assert _cli("--resume", str(again), "--model", str(model), "-q").returncode == 0
+        said = shown.communicate(timeout=TIMEOUT)[0]
+        assert "resume 1 (after 1 trajectories finished) accepted changes: the reward module" in said
     finally:
         module.write_text(REWARD.format(value=1.0))
 

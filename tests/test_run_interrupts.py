@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -195,23 +196,19 @@ def test_an_interrupt_mid_turn_snapshots_within_seconds_and_resume_gives_the_sam
     assert ended(cut / "journal.log") is None and not (cut / "summary.json").exists()
     assert _in_flight(slow) == 0  # the aborted turns are gone from the server, which serves again
 
-    again = subprocess.run(
-        run_args(cut, "specs/calculator.yaml", "--server", fast),
-        env=ENV,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    with ThreadPoolExecutor() as both:  # two refusals side by side: neither writes
+        again, other = both.map(
+            lambda extra: subprocess.run(
+                run_args(cut, *extra, "--server", fast),
+                env=ENV,
+                cwd=REPO,
+                capture_output=True,
+                text=True,
+                timeout=240,
+            ),
+            [("specs/calculator.yaml",), ("specs/tool_agent.yaml", "--resume", str(cut))],
+        )
     assert again.returncode == 1 and "holds an unfinished run (journal.log)" in again.stderr
-    other = subprocess.run(
-        run_args(cut, "specs/tool_agent.yaml", "--resume", str(cut), "--server", fast),
-        env=ENV,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
     assert other.returncode == 1 and "resume with the spec it was written with" in other.stderr
     assert len(other.stderr.strip().splitlines()) == 1
     resumed = subprocess.run(
