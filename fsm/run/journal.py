@@ -52,8 +52,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fsm.run.segments import TokenRuns
 from fsm.run.snapshot import SnapshotError, _decode, decode_trajectory
-from fsm.run.trajectory import TRANSIENT, Failure, Metrics, TokenRuns, Trajectory
+from fsm.run.trajectory import TRANSIENT, Failure, Metrics, Trajectory
 
 JOURNAL = "journal.log"  # in the run directory
 FORMAT = 1

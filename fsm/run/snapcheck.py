@@ -18,6 +18,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, InstanceOf, TypeAdap
 from fsm.data.rows import score_fault
 from fsm.families.parsers import ToolCall
 from fsm.run.agent import CompiledAgent
+from fsm.run.segments import Segment, TokenRuns
 from fsm.run.snapshot import (
     FORMAT,
     SnapshotError,
@@ -27,7 +28,7 @@ from fsm.run.snapshot import (
     decode_trajectory,
     other_tokenizer,
 )
-from fsm.run.trajectory import Failure, Metrics, Segment, TokenRuns, Trajectory
+from fsm.run.trajectory import Failure, Metrics, Trajectory
 
 MAX_GROUPS = 10_000_000  # a bound for a count read from a snapshot
 

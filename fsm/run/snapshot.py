@@ -35,7 +35,8 @@ from fsm.families.parsers import ToolCall
 from fsm.run.agent import CompiledAgent
 from fsm.run.context import Sampling
 from fsm.run.node import Node
-from fsm.run.trajectory import _FIRST, TRANSIENT, Failure, Metrics, Segment, TokenRun, TokenRuns, Trajectory
+from fsm.run.segments import _FIRST, Segment, TokenRun, TokenRuns
+from fsm.run.trajectory import TRANSIENT, Failure, Metrics, Trajectory
 
 FORMAT = 2  # 2: the tokenizer is recorded (and checked on restore)
 RECOUNT_S = 0.5  # how often a snapshot waiting at the boundary counts again without news

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 from fsm.data.rows import RowError
 from fsm.run.node import Node, TreeCount
-from fsm.run.trajectory import Metrics, TokenRuns, Trajectory
+from fsm.run.segments import TokenRuns
+from fsm.run.trajectory import Metrics, Trajectory
 from fsm.tools.base import CallOutcome
 
 if TYPE_CHECKING:
