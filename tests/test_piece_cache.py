@@ -1,7 +1,7 @@
 """The piece cache of fsm/families/pieces.py is bounded in entries as well as characters: a million distinct
 2-character pieces (a dataset of short distinct turns, or a model that writes added tokens between short
 fragments) once cost 285 MB of dictionary entries under a 4 M-character bound (issue 27.20). `decode` skips
-transformers' per-id checks only where its text is the same."""
+transformers' per-id checks only where its text is the same. A prompt seen before comes with its array."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import tracemalloc
 
 import pytest
 
-from fsm.families.pieces import CACHE_ENTRIES, PieceEncoder, decode
+from fsm.families.pieces import CACHE_ENTRIES, PieceEncoder, decode, to_array
+from fsm.run.trajectory import Trajectory
 
 
 def test_decode_is_transformers_decode_and_an_override_is_kept(tok):
@@ -47,3 +48,20 @@ def test_many_distinct_short_pieces_are_bounded_in_entries_and_memory(tok):
     assert len(encoder._cache) <= CACHE_ENTRIES
     assert kept < 8 << 20, f"{kept / 2**20:.1f} MB kept"
     assert encoder.encode(pieces[-1]) == tok.encode(pieces[-1], add_special_tokens=False)  # recent ones stay
+
+
+def test_a_prompt_seen_before_comes_with_its_array_and_seeds_the_context(tok):
+    """Its ids reach a trajectory's array and the engine's list without a per-id conversion (2 ms at 30k ids,
+    docs/gateway.md): the same ids, as the tokenizer gives them."""
+    encoder = PieceEncoder(tok)
+    text = "<|im_start|>system\nYou are a careful coder.<|im_end|>\n<|im_start|>user\nFix it.<|im_end|>\n"
+    want = tok.encode(text, add_special_tokens=False)
+    for _ in range(2):  # tokenized, then from the cache
+        ids = encoder.encode(text)
+        assert ids == want and ids.packed.tolist() == want and to_array(ids) is ids.packed
+    assert to_array(want).tolist() == want  # a plain list is converted
+    traj = Trajectory(0, 0, "s", "u", {}, "generating")
+    traj.set_prompt(ids)
+    assert traj.prompt_ids is ids.packed and traj.context() == want and traj.context() is not ids
+    traj.response_ids.extend([5, 6])
+    assert traj.context_ids() == want + [5, 6]

@@ -15,13 +15,14 @@ import logging
 import re
 import sys
 import threading
+from array import array
 from collections import OrderedDict
 from typing import Any
 
 log = logging.getLogger("agentfsm.families")
 
 CACHE_CHARS = 4 << 20  # characters of pieces kept, all pieces together (least recently used go first)
-# and pieces kept: each costs a few hundred bytes however short (a dict entry, a list)
+# and pieces kept: each costs a few hundred bytes however short (a dict entry, a list, an array)
 CACHE_ENTRIES = 1 << 14
 CHECKED_TEXTS = 16  # texts compared with the whole text's tokenization before the split is trusted
 
@@ -36,14 +37,30 @@ def decode(tokenizer: Any, ids: Any, *, skip_special_tokens: bool = True) -> str
     if (plain := _PLAIN.get(cls)) is None:  # decode and _decode are transformers' fast tokenizer's own
         fast: Any = getattr(sys.modules.get("transformers"), "PreTrainedTokenizerFast", None)
         own = (fast.decode, fast._decode) if fast is not None else None
-        # a wrapper that hands its tokenizer's attributes on (TemplateKwargs) has no decode of its own: not plain
-        plain = _PLAIN[cls] = own == (getattr(cls, "decode", None), getattr(cls, "_decode", None))
+        plain = _PLAIN[cls] = own == (cls.decode, getattr(cls, "_decode", None))
     if plain and type(ids) is list:
         return tokenizer._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
     return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
 
 
 _PLAIN: dict[type, bool] = {}
+
+
+class Ids(list[int]):
+    """A text's ids and `packed`, the same ids as array("i"), the caller's own: a cached piece keeps both, so a
+    prompt seen before reaches a trajectory's array without converting each id (docs/gateway.md)."""
+
+    __slots__ = ("packed",)
+    packed: array
+
+
+def to_array(ids: list[int]) -> array:
+    """`ids` as array("i"): an encode's own array when it has one."""
+    if isinstance(ids, Ids):
+        return ids.packed
+    out = array("i")
+    out.fromlist(ids)  # a list's own path: twice as fast as array("i", a list)
+    return out
 
 
 class PieceEncoder:
@@ -70,7 +87,7 @@ class PieceEncoder:
             alternatives = "|".join(re.escape(s) for s in sorted(self._ids, key=len, reverse=True))
             self._split = re.compile(f"({alternatives})").split
         self.cache_chars, self.cache_entries = cache_chars, cache_entries
-        self._cache: OrderedDict[str, list[int]] = OrderedDict()
+        self._cache: OrderedDict[str, tuple[list[int], array]] = OrderedDict()
         self._cached_chars = 0
         self._lock = threading.Lock()  # a codec may serve several threads (the adapter's workers, Ray actors)
 
@@ -81,24 +98,25 @@ class PieceEncoder:
     def _whole(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def _piece(self, text: str) -> list[int]:
-        """A piece's ids, from the cache when it was seen before. A piece longer than a quarter of the cache
-        (a 10 MB tool answer) is tokenized and not kept: it would push out the pieces that repeat."""
+    def _piece(self, text: str) -> tuple[list[int], array]:
+        """A piece's ids, as a list and an array, from the cache when it was seen before. A piece longer than a
+        quarter of the cache (a 10 MB tool answer) is tokenized and not kept: it would push out the pieces that
+        repeat."""
         with self._lock:
-            ids = self._cache.get(text)
-            if ids is not None:
+            if (kept := self._cache.get(text)) is not None:
                 self._cache.move_to_end(text)
-                return ids
+                return kept
         ids = self._whole(text)
+        both = ids, to_array(ids)
         if len(text) <= self.cache_chars // 4:
             with self._lock:
                 if text not in self._cache:
-                    self._cache[text] = ids
+                    self._cache[text] = both
                     self._cached_chars += len(text)
                 while self._cached_chars > self.cache_chars or len(self._cache) > self.cache_entries:
                     old, _ = self._cache.popitem(last=False)
                     self._cached_chars -= len(old)
-        return ids
+        return both
 
     @property
     def cached_chars(self) -> int:
@@ -112,12 +130,16 @@ class PieceEncoder:
             return self._encode_shielded(text, shielded)
         if self._split is None:
             return self._whole(text)
-        ids: list[int] = []
+        ids = Ids()
+        ids.packed = flat = array("i")
         for k, piece in enumerate(self._split(text)):
             if k % 2:
                 ids.append(self._ids[piece])
+                flat.append(self._ids[piece])
             elif piece:
-                ids.extend(self._piece(piece))
+                listed, arrayed = self._piece(piece)
+                ids.extend(listed)
+                flat.extend(arrayed)
         if self._unchecked:
             self._unchecked -= 1
             whole = self._whole(text)
@@ -142,5 +164,5 @@ class PieceEncoder:
                 plain = marks.sub(lambda m: shielded[m.group(0)], piece)
                 ids.extend(self.tokenizer.encode(plain, add_special_tokens=False, split_special_tokens=True))
             elif piece:
-                ids.extend(self._piece(piece) if self._split is not None else self._whole(piece))
+                ids.extend(self._piece(piece)[0] if self._split is not None else self._whole(piece))
         return ids

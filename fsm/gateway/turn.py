@@ -65,7 +65,7 @@ async def _start(
             raise _too_long(ids, limit)
         if plan.kind == "first" and node.kind == "root" and tree.live < 0:  # the trajectory's own segment
             traj.messages = templ
-            traj.prompt_ids.fromlist(ids)  # a list's own path: twice as fast as extend (2 ms at 30k tokens)
+            traj.set_prompt(ids)
             traj.segment_start = first_segment(len(templ))
             traj.tool_schemas = call.tools
             seq = tree.begin_root(node, call.tools)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from backends.base import PromptIds
 from fsm.data.rows import encodable
+from fsm.families.pieces import to_array
 from fsm.run.node import Node
 from fsm.run.segments import _FIRST, Segment, TokenRuns, _expand_versions
 
@@ -394,6 +395,12 @@ class Trajectory:
         """Everything the model has seen so far in the current segment: the next request's input_ids (a list of
         the caller's own)."""
         return list(self.context())
+
+    def set_prompt(self, ids: list[int]) -> None:
+        """The segment's prompt, `context()` made from the list, not from the array (a
+        list of 30k ids read back from an array is 2 ms: the gateway's first call, docs/gateway.md)."""
+        self.prompt_ids = to_array(ids)
+        self._context = (PromptIds(ids), self.prompt_ids, len(ids), self.response_ids, len(ids))
 
     def context(self) -> PromptIds:
         """`context_ids()` kept from call to call and grown by the tokens appended since (O(new tokens) per model
