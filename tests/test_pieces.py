@@ -114,10 +114,10 @@ def test_the_cache_is_bounded_and_a_huge_piece_is_not_kept(tok):
     system = "<|im_start|>system\nYou are a calculator." + "<|im_end|>\n"
     huge = "<|im_start|>tool\n" + "é 12345 " * 50_000 + "<|im_end|>"  # 400k characters, one piece
     assert encoder.encode(huge) == tok.encode(huge, add_special_tokens=False)
-    assert encoder.cached_chars < 1000  # the huge piece was tokenized, not kept
+    assert encoder._cached_chars < 1000  # the huge piece was tokenized, not kept
     for i in range(
         500
     ):  # distinct questions, as a dataset has: the oldest go, the repeated system piece stays
         text = system + f"<|im_start|>user\nWhat is {i} * 7?<|im_end|>\n"
         assert encoder.encode(text) == tok.encode(text, add_special_tokens=False)
-        assert encoder.cached_chars <= 4000
+        assert encoder._cached_chars <= 4000

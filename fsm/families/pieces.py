@@ -118,10 +118,6 @@ class PieceEncoder:
                     self._cached_chars -= len(old)
         return both
 
-    @property
-    def cached_chars(self) -> int:
-        return self._cached_chars
-
     def encode(self, text: str, shielded: dict[str, str] | None = None) -> list[int]:
         """`shielded`: placeholder -> the special-token string it stands for in the text (an observation's
         content, fsm/families/codec.py): the pieces holding one are tokenized with the strings restored as
