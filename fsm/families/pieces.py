@@ -37,7 +37,8 @@ def decode(tokenizer: Any, ids: Any, *, skip_special_tokens: bool = True) -> str
     if (plain := _PLAIN.get(cls)) is None:  # decode and _decode are transformers' fast tokenizer's own
         fast: Any = getattr(sys.modules.get("transformers"), "PreTrainedTokenizerFast", None)
         own = (fast.decode, fast._decode) if fast is not None else None
-        plain = _PLAIN[cls] = own == (cls.decode, getattr(cls, "_decode", None))
+        # a wrapper that hands its tokenizer's attributes on (TemplateKwargs) has no decode of its own: not plain
+        plain = _PLAIN[cls] = own == (getattr(cls, "decode", None), getattr(cls, "_decode", None))
     if plain and type(ids) is list:
         return tokenizer._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
     return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
