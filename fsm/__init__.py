@@ -59,7 +59,7 @@ _EXPORTS = {
     "RunDir": "fsm.output.keep",
     "RunInterrupted": "fsm.output.keep",
     "load_batch": "fsm.output.batchfile",
-    "Engine": "fsm.run.engine",
+    "Engine": "fsm.output.engine",
     "EngineRefused": "fsm.run.engine",
 }
 __all__ = [  # the documented surface (the module docstring); the rest of _EXPORTS is the lower level
@@ -121,13 +121,14 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from fsm.output.batch import collate as collate
     from fsm.output.batch import summarize as summarize
     from fsm.output.batchfile import load_batch
+    from fsm.output.engine import Engine
     from fsm.output.sample import Sample, SampleBatch
     from fsm.run.agent import CompiledAgent as CompiledAgent
     from fsm.run.agent import Edge as Edge
     from fsm.run.compile import compile_spec, validate_file
     from fsm.run.context import RunContext as RunContext
     from fsm.run.context import Sampling as Sampling
-    from fsm.run.engine import Engine, EngineRefused
+    from fsm.run.engine import EngineRefused
     from fsm.run.interaction import BaseInteraction
     from fsm.run.runtime import Runner as Runner
     from fsm.run.snapshot import SnapshotError

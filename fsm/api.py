@@ -14,8 +14,8 @@ interleave=True)` layout); `uid` marks the GRPO group. Control calls (`sleep`, `
 engine counts weight versions (`weight_version`) and records on each generated token the one that made it. Each has an `a`-prefixed async form, as
 `generate_sequences` has; the sync forms refuse to run inside a running event loop (they would block it).
 
-The engine contract these implement is fsm/run/engine.py's `Engine`; `BaseEngine` (fsm/output/engine.py) holds
-its shared logic over each engine's primitives, and code written against one engine (RolloutEngine, RayRunner) works against the
+The engine contract these implement is `BaseEngine` (fsm/output/engine.py, `fsm.Engine`), written once over
+each engine's primitives, and code written against one engine (RolloutEngine, RayRunner) works against the
 other or gets `EngineRefused`. A RolloutEngine's backend lives on one event loop that the engine owns, running in
 a daemon thread it starts on first use and stops on `close()`/`aclose()` (fsm/run/local.py): sync calls block
 on that loop, and async calls from any loop are bridged to it, so one engine serves both forms in any order.

@@ -1,4 +1,4 @@
-"""The engine contract (fsm/run/engine.py), one test per call, run against every implementation: RolloutEngine in
+"""The engine contract (fsm/output/engine.py `Engine`), one test per call, run against every implementation: RolloutEngine in
 this process and RayRunner on a real local Ray instance, each over its own scripted dev servers (subprocesses).
 Code written against one works against the other, or the difference is the typed refusal `EngineRefused`.
 
@@ -15,9 +15,9 @@ import urllib.request
 import pytest
 
 from backends.scripted import scripted_servers
-from fsm import RolloutEngine
+from fsm import Engine, RolloutEngine
 from fsm.api import BaseEngine
-from fsm.run.engine import Engine, EngineRefused
+from fsm.run.engine import EngineRefused
 from fsm.run.stream import StreamEmpty
 from specs.calculator import make_prompts
 from tests.conftest import ASSETS

@@ -1,10 +1,18 @@
-"""The engine contract's shared half (fsm/run/engine.py `Engine`): everything an engine hands out, written once
-over the engine's `Core` (where its work runs, its rows, its control calls, its weight version). Batches come back
-in verl's padded layout (or flat `Sample`s), the continuous mode's groups as batches, every call in a sync form
-too. RolloutEngine (fsm/api.py) composes fsm/run/local.py's `Local` as its core, and RayRunner
-(fsm/adapters/ray_runner.py) is its own, so a batch goes down the layers: this module calls its core and the
-output stage, never back up. It sits in the output stage because what it adds to the run stage's contract is the
-output: batches, samples and the run directory (`keep=`).
+"""The engine contract: what a trainer's code may call on any rollout engine (`fsm.Engine`), written once as
+`BaseEngine` over the engine's `Core` (where its work runs, its rows, its control calls, its weight version).
+
+    batch = engine.generate_sequences(rows, n=8)                  # a batch: rows in, verl's padded batch out
+    engine.submit(rows, n=8); batch = engine.take(4, max_staleness=1)   # continuous: groups as they finish
+    engine.pause(); engine.update_weights_from_disk(path); engine.resume()   # control: every server hears it
+    engine.snapshot(path); engine.restore(path)                   # the running groups, written and put back
+    engine.close()
+
+RolloutEngine (fsm/api.py) composes fsm/run/local.py's `Local` as its core, and RayRunner
+(fsm/adapters/ray_runner.py) is its own; the gateway's workers each run a RolloutEngine. A batch goes down the
+layers: this module calls its core and the output stage, never back up. It sits in the output stage because what
+it adds to the run stage's half (fsm/run/engine.py: refusals, commands, sync forms) is the output: batches,
+samples and the run directory (`keep=`). Every async call has a sync form without the `a` (`sync_form`), which
+refuses inside a running event loop.
 """
 
 from __future__ import annotations
@@ -99,9 +107,9 @@ class Snapshotting(Protocol):
 
 
 class BaseEngine:
-    """The engine contract's shared logic (fsm/run/engine.py `Engine`), written once over an engine's `core`:
-    batches shaped into verl's padded batch, the continuous mode's batches, the control calls, and every sync
-    form. RolloutEngine and RayRunner only compose their core, as httpx's Client composes its transport."""
+    """The engine contract (`fsm.Engine`), written once over an engine's `core`: batches shaped into verl's padded
+    batch, the continuous mode's batches, the control calls, and every sync form. RolloutEngine and RayRunner
+    only compose their core, as httpx's Client composes its transport."""
 
     agent: CompiledAgent
     codec: Codec
@@ -499,6 +507,9 @@ class BaseEngine:
     update_weights_from_disk = sync_form(aupdate_weights_from_disk)
     update_weights_from_tensor = sync_form(aupdate_weights_from_tensor)
     update_weights_from_distributed = sync_form(aupdate_weights_from_distributed)
+
+
+Engine = BaseEngine  # the contract's public name: code written against any engine takes an `Engine`
 
 
 def batch_of(

@@ -1,28 +1,19 @@
-"""The engine contract: what a trainer's code may call on any rollout engine, typed once.
-
-    batch = engine.generate_sequences(rows, n=8)                  # a batch: rows in, verl's padded batch out
-    engine.submit(rows, n=8); batch = engine.take(4, max_staleness=1)   # continuous: groups as they finish
-    engine.pause(); engine.update_weights_from_disk(path); engine.resume()   # control: every server hears it
-    engine.snapshot(path); engine.restore(path)                   # the running groups, written and put back
-    engine.close()
-
-Two implementations, each composed of its parts and neither a mixin: `fsm.api.RolloutEngine` (one process: its
-loop thread, its stream, its backend) and `fsm.adapters.ray_runner.RayRunner` (actors, each a Runner with the
-same control calls; its groups taken by the same `Groups`). The gateway's workers (`agentfsm gateway --workers`)
-each run a RolloutEngine, and their merged run is written by the same batch code. The shared logic over the
-contract's primitives is `fsm.output.engine.BaseEngine`. Where an engine cannot do a call it raises
-`EngineRefused`, a NotImplementedError naming the engine, the call and what to use instead; it never silently
-does less.
+"""The engine contract's run-stage half: its refusal (`EngineRefused`), its typed control commands, the sync forms
+made from the async calls (`sync_form`), what code running under an engine owns (`Owned`), and `LocalEngine`, the
+calls the run stage makes on an engine. The contract itself, what a trainer's code may call on any engine, is
+fsm/output/engine.py `BaseEngine` (`fsm.Engine`), which RolloutEngine and RayRunner compose over their cores.
+Where an engine cannot do a call it raises `EngineRefused`, a NotImplementedError naming the engine, the call and
+what to use instead; it never silently does less.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
-from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Concatenate, Literal, ParamSpec, Protocol, TypeVar, cast, runtime_checkable
+from typing import Any, Concatenate, Literal, ParamSpec, Protocol, TypeVar, cast
 
 from backends.base import Backend
 from fsm.families import Codec
@@ -161,166 +152,14 @@ def refuse_in_loop(engine: object, name: str, async_name: str) -> None:
     )
 
 
-@runtime_checkable
-class Engine(Protocol):
-    """The rollout engine contract (see the module docstring), complete: what fsm.output.engine.BaseEngine gives
-    RolloutEngine and RayRunner, and the type code written against any engine takes. Every async form has a sync
-    form of the same name without the `a` (made by `sync_form`), which refuses inside a running event loop."""
+class LocalEngine(Protocol):
+    """An engine whose rows run in this process, on its own loop (fsm.api.RolloutEngine): what a kept run
+    (fsm/run/interruptible.py), its journal's provenance and the gateway reach of it. The whole contract is
+    fsm/output/engine.py `BaseEngine` (`fsm.Engine`); this stage names only the calls it makes."""
 
     agent: CompiledAgent
     codec: Codec
     tracer: Tracer | None
-
-    # -- a batch ---------------------------------------------------------------------------------------------
-    def sampling(
-        self, sampling_params: Mapping[str, Any] | None = None, validate: bool = False
-    ) -> Sampling: ...
-    async def arun(
-        self,
-        rows: Sequence[Any],
-        *,
-        n: int = 1,
-        sampling_params: Mapping[str, Any] | None = None,
-        validate: bool = False,
-        sampling: Sampling | None = None,
-        on_done: Callable[[Trajectory], None] | None = None,
-    ) -> list[Trajectory]: ...
-    async def agenerate_sequences(
-        self, batch: Any, sampling_params: Mapping[str, Any] | None = None, validate: bool = False, n: int = 1
-    ) -> Any: ...
-    def generate_sequences(
-        self, batch: Any, sampling_params: Mapping[str, Any] | None = None, validate: bool = False, n: int = 1
-    ) -> Any: ...
-    async def agenerate_samples(
-        self, batch: Any, sampling_params: Mapping[str, Any] | None = None, validate: bool = False, n: int = 1
-    ) -> Any: ...
-    def generate_samples(
-        self, batch: Any, sampling_params: Mapping[str, Any] | None = None, validate: bool = False, n: int = 1
-    ) -> Any: ...
-    def to_batch(
-        self,
-        trajs: Sequence[Trajectory],
-        sampling: Sampling,
-        like: Any = None,
-        meta: Mapping[str, Any] | None = None,
-        wall_s: float | None = None,
-    ) -> Any: ...
-
-    # -- continuous mode -------------------------------------------------------------------------------------
-    async def asubmit(
-        self,
-        rows: Any,
-        n: int = 1,
-        sampling_params: Mapping[str, Any] | None = None,
-        validate: bool = False,
-        sampling: Sampling | None = None,
-        first_index: int | None = None,
-    ) -> list[str]: ...
-    def submit(
-        self, rows: Any, n: int = 1, sampling_params: Mapping[str, Any] | None = None, validate: bool = False
-    ) -> list[str]: ...
-    async def atake_groups(
-        self,
-        num_groups: int,
-        *,
-        max_staleness: int | None = None,
-        stale: StalePolicy = "drop",
-        timeout: float | None = None,
-        exhausted_ok: bool = False,
-    ) -> list[Any]: ...  # fsm.run.stream.Group
-    async def atake(
-        self,
-        num_groups: int,
-        *,
-        max_staleness: int | None = None,
-        stale: StalePolicy = "drop",
-        timeout: float | None = None,
-    ) -> Any: ...
-    def take(
-        self,
-        num_groups: int,
-        *,
-        max_staleness: int | None = None,
-        stale: StalePolicy = "drop",
-        timeout: float | None = None,
-    ) -> Any: ...
-    def stream(
-        self, *, max_staleness: int | None = None, stale: StalePolicy = "drop"
-    ) -> AsyncIterator[Any]: ...
-    @property
-    def stream_stats(self) -> dict[str, Any]: ...
-
-    # -- control: every server hears it ----------------------------------------------------------------------
-    @property
-    def weight_version(self) -> int: ...
-    @property
-    def paused(self) -> bool: ...
-    async def apause(self, mode: str = "abort", *, policy: str | None = None) -> None: ...
-    def pause(self, mode: str = "abort", *, policy: str | None = None) -> None: ...
-    async def aresume(self, *, policy: str | None = None) -> None: ...
-    def resume(self, *, policy: str | None = None) -> None: ...
-    async def aupdate_weights_from_disk(
-        self,
-        path: str | Path,
-        weight_version: int | None = None,
-        *,
-        policy: str | None = None,
-        **options: Any,
-    ) -> int: ...
-    def update_weights_from_disk(
-        self,
-        path: str | Path,
-        weight_version: int | None = None,
-        *,
-        policy: str | None = None,
-        **options: Any,
-    ) -> int: ...
-    async def aupdate_weights_from_tensor(
-        self, weight_version: int | None = None, *, policy: str | None = None, **payload: Any
-    ) -> int: ...
-    def update_weights_from_tensor(
-        self, weight_version: int | None = None, *, policy: str | None = None, **payload: Any
-    ) -> int: ...
-    async def aupdate_weights_from_distributed(
-        self, weight_version: int | None = None, *, policy: str | None = None, **payload: Any
-    ) -> int: ...
-    def update_weights_from_distributed(
-        self, weight_version: int | None = None, *, policy: str | None = None, **payload: Any
-    ) -> int: ...
-    async def asleep(self, tags: list[str] | None = None) -> Any: ...
-    def sleep(self, tags: list[str] | None = None) -> Any: ...
-    async def awake_up(self, tags: list[str] | None = None) -> Any: ...
-    def wake_up(self, tags: list[str] | None = None) -> Any: ...
-    async def aflush_cache(self) -> Any: ...
-    def flush_cache(self) -> Any: ...
-
-    # -- snapshots (EngineRefused where `snapshots` is False) and lifecycle ------------------------------------
-    @property
-    def snapshots(self) -> bool: ...
-    async def asnapshot(
-        self,
-        path: str | Path | None,
-        *,
-        meta: Mapping[str, Any] | None = None,
-        stop: bool = False,
-        timeout: float | None = None,
-        abort_turns: bool = False,
-        fallback: Callable[[], Path] | None = None,
-    ) -> dict[str, Any]: ...
-    def snapshot(
-        self, path: str | Path | None, *, meta: Mapping[str, Any] | None = None, stop: bool = False
-    ) -> dict[str, Any]: ...
-    async def arestore(self, path: str | Path | Mapping[str, Any]) -> dict[str, Any]: ...
-    def restore(self, path: str | Path | Mapping[str, Any]) -> dict[str, Any]: ...
-    async def ajournal(self, journal: Any) -> None: ...
-    async def aclose(self) -> None: ...
-    def close(self) -> None: ...
-
-
-class LocalEngine(Engine, Protocol):
-    """An engine whose rows run in this process, on its own loop (fsm.api.RolloutEngine): what a kept run
-    (fsm/run/interruptible.py), its journal's provenance and the gateway reach beyond the contract."""
-
     runner: Runner
 
     @property
@@ -331,7 +170,36 @@ class LocalEngine(Engine, Protocol):
     def backend(self) -> Backend: ...
     @property
     def owned(self) -> Owned: ...
+    @property
+    def weight_version(self) -> int: ...
+    @property
+    def stream_stats(self) -> dict[str, Any]: ...
     async def start(self) -> None: ...
+    def sampling(
+        self, sampling_params: Mapping[str, Any] | None = None, validate: bool = False
+    ) -> Sampling: ...
+    def to_batch(
+        self,
+        trajs: Sequence[Trajectory],
+        sampling: Sampling,
+        like: Any = None,
+        meta: Any = None,
+        wall_s: Any = None,
+    ) -> Any: ...
+    async def asubmit(
+        self, rows: Any, n: int = 1, *, sampling: Sampling | None = None, first_index: int | None = None
+    ) -> list[str]: ...
+    async def atake_groups(self, num_groups: int) -> list[Any]: ...  # fsm.run.stream.Group
+    async def asnapshot(
+        self,
+        path: str | Path | None,
+        *,
+        stop: bool = False,
+        timeout: float | None = None,
+        abort_turns: bool = False,
+    ) -> dict[str, Any]: ...
+    async def arestore(self, path: str | Path | Mapping[str, Any]) -> dict[str, Any]: ...
+    async def ajournal(self, journal: Any) -> None: ...
 
 
 class Owned:
