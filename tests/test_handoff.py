@@ -1,5 +1,6 @@
-"""fsm/tools/handoff.py: callbacks from other threads reach the loop in order, a burst in one wake-up; `settled` is
-`asyncio.wrap_future` (result, exception, cancellation both ways) with its answer handed back that way."""
+"""fsm/tools/loopthread.py's hand-offs: callbacks from other threads reach the loop in order, a burst in one
+wake-up; `settled` is `asyncio.wrap_future` (result, exception, cancellation both ways) with its answer handed
+back that way."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import threading
 
 import pytest
 
-from fsm.tools.handoff import Mailbox, mailbox, settled
+from fsm.tools.loopthread import Mailbox, mailbox, settled
 
 
 async def test_a_burst_runs_in_order_after_one_wake_up():

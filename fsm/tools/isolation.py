@@ -45,8 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from fsm.tools.handoff import settled
-from fsm.tools.loopthread import LoopThread
+from fsm.tools.loopthread import LoopThread, settled
 
 log = logging.getLogger("agentfsm.tools")
 
