@@ -17,7 +17,6 @@ refuses inside a running event loop.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
@@ -300,21 +299,7 @@ class BaseEngine:
         base = policy.sampling if policy is not None and not validate else None  # the root policy's own
         return Sampling.resolve(self.agent, self.codec, sampling_params, validate=validate, base_spec=base)
 
-    def generate_sequences(
-        self,
-        batch: Rows,
-        sampling_params: Mapping[str, Any] | None = None,
-        validate: bool = False,
-        n: int = 1,
-        *,
-        keep: RunDir | None = None,
-    ) -> Any:
-        """Sync form of `agenerate_sequences`, on the engine's own event loop; blocks until the batch is back.
-        With `keep`, the run is watched from a loop of the calling thread, where signals arrive."""
-        refuse_in_loop(self, "generate_sequences", "agenerate_sequences")
-        if keep is not None:
-            return asyncio.run(self.agenerate_sequences(batch, sampling_params, validate, n, keep=keep))
-        return self._run_sync(self.agenerate_sequences(batch, sampling_params, validate, n))
+    generate_sequences = sync_form(agenerate_sequences, kept_here=True)
 
     # -- continuous mode (fsm/run/stream.py) -------------------------------------------------------------------
 

@@ -125,14 +125,20 @@ class Blocking(Protocol):
 E = TypeVar("E", bound=Blocking)
 
 
-def sync_form(afn: Callable[Concatenate[E, P], Coroutine[Any, Any, T]]) -> Callable[Concatenate[E, P], T]:
+def sync_form(
+    afn: Callable[Concatenate[E, P], Coroutine[Any, Any, T]], *, kept_here: bool = False
+) -> Callable[Concatenate[E, P], T]:
     """The sync form of an engine's async call (`asubmit` -> `submit`), made here for every one so that none
     drifts from its async form: it runs the call on the engine's loop and blocks until it is done. Inside a
-    running event loop, which it would block, it refuses in one line naming the async form to await."""
+    running event loop, which it would block, it refuses in one line naming the async form to await.
+    `kept_here`: a call given `keep=` (a kept run, fsm/output/keep.py) is watched from a loop of the calling
+    thread instead, where signals arrive."""
     name = afn.__name__.removeprefix("a")
 
     def sync(self: E, /, *args: P.args, **kwargs: P.kwargs) -> T:
         refuse_in_loop(self, name, afn.__name__)
+        if kept_here and kwargs.get("keep") is not None:
+            return asyncio.run(afn(self, *args, **kwargs))
         return self._run_sync(afn(self, *args, **kwargs))
 
     sync.__name__ = sync.__qualname__ = name
