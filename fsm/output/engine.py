@@ -205,11 +205,7 @@ class BaseEngine:
         written there, and SIGINT or SIGTERM (to a caller on the main thread) snapshots the rows still running
         and writes the finished ones, then raises RunInterrupted; `agentfsm run --resume out` goes on.
         """
-        rows, meta = to_rows(batch)
-        validate = bool(validate or meta.get("validate", False))
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        sampling = self.sampling(sampling_params, validate)
+        rows, meta, sampling = self._rows(batch, n, sampling_params, validate)
         self._fault_counters()
         if keep is not None:
             if not self.snapshots:
@@ -233,10 +229,7 @@ class BaseEngine:
     ) -> SampleBatch:
         """As `agenerate_sequences`, unpadded: one flat `Sample` per trajectory (the form trainer adapters
         map from, fsm/output/sample.py), with the same meta_info."""
-        rows, meta = to_rows(batch)
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        sampling = self.sampling(sampling_params, bool(validate or meta.get("validate", False)))
+        rows, meta, sampling = self._rows(batch, n, sampling_params, validate)
         faults = self._fault_counters()
         t0 = time.perf_counter()
         trajs = await self.arun(rows, n=n, sampling=sampling)
@@ -299,6 +292,21 @@ class BaseEngine:
         base = policy.sampling if policy is not None and not validate else None  # the root policy's own
         return Sampling.resolve(self.agent, self.codec, sampling_params, validate=validate, base_spec=base)
 
+    def _rows(
+        self,
+        batch: Rows,
+        n: int,
+        sampling_params: Mapping[str, Any] | None,
+        validate: bool,
+        sampling: Sampling | None = None,
+    ) -> tuple[Sequence[Any], dict[str, Any], Sampling]:
+        """A call's rows, meta_info and sampling (a DataProto's meta_info["validate"] counts), checked once."""
+        rows, meta = to_rows(batch)
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        validate = bool(validate or meta.get("validate", False))
+        return rows, meta, sampling if sampling is not None else self.sampling(sampling_params, validate)
+
     generate_sequences = sync_form(agenerate_sequences, kept_here=True)
 
     # -- continuous mode (fsm/run/stream.py) -------------------------------------------------------------------
@@ -316,11 +324,7 @@ class BaseEngine:
         Their groups come back from `atake` / `stream` as they finish. `first_index`: the batch-wide index of
         the first row's first sample, when these rows are a slice of a batch run in several processes (the
         trajectories' `index`, and so their per-sample seeds, are then the whole batch's; default: next on)."""
-        rows, meta = to_rows(rows)
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        if sampling is None:
-            sampling = self.sampling(sampling_params, bool(validate or meta.get("validate", False)))
+        rows, _, sampling = self._rows(rows, n, sampling_params, validate, sampling)
         return await self.core.call(self.core.submit_here(rows, n, sampling, first_index))
 
     async def atake_groups(
