@@ -18,9 +18,9 @@ from typing import Any, cast
 from transitions import Machine, Transition
 
 from fsm.spec.failures import ERRORS, matches, without_default_failures
-from fsm.spec.guards import Predicate
 from fsm.spec.loader import LoadedSpec
 from fsm.spec.model import SPECS_DIR, AgentSpec, TreeSpec
+from fsm.spec.registry import Predicate
 from fsm.tools.base import ToolSet
 
 TRIGGER = "advance"

@@ -24,16 +24,17 @@ from fsm.run.interaction import REQUIRED_METHODS
 from fsm.run.rewrites import make_rewrite, reach, reversed_graph, rewrite_loops
 from fsm.run.treecheck import check_tree, child_schema, tree_size
 from fsm.spec.failures import check_failures
-from fsm.spec.guards import GuardError, compile_guard
 from fsm.spec.loader import Diagnostic, LoadedSpec, SpecError, load_spec
 from fsm.spec.model import AgentSpec
 from fsm.spec.registry import (
     ACTIONS,
     GUARDS,
+    GuardError,
     ImportPathError,
     add_spec_folder,
     check_import_path,
     check_module,
+    compile_guard,
     import_module,
     is_import_path,
     resolve,

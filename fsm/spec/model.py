@@ -28,7 +28,7 @@ DEFAULT_TOOL_WORKERS = 8  # ToolSpec.workers
 
 
 # A guard expression: a name ("has_tool_calls"), a name with a parameter ({max_assistant_turns: 5}),
-# or a combination ({all: [...]}, {any: [...]}, {not: ...}). Kept as plain data; fsm.spec.guards compiles it.
+# or a combination ({all: [...]}, {any: [...]}, {not: ...}). Kept as plain data; fsm.spec.registry compiles it.
 GuardExpr = Union[str, dict[str, Any]]
 
 
