@@ -1,5 +1,6 @@
 """Tools: verl's lifecycle (create -> execute -> calc_reward -> release, per call), plain functions,
-timeouts, retries, argument checks and response truncation.
+timeouts, retries, argument checks against the tool's JSON schema (a complaint the model reads instead of a
+TypeError in the tool) and response truncation.
 
 Every way a call can go wrong ends as text the model reads (an error observation) plus a counter, except a
 tool that raises a BaseException (SystemExit, KeyboardInterrupt, its own CancelledError) or whose worker
@@ -40,7 +41,6 @@ from fsm.tools.isolation import (
     crashed,
 )
 from fsm.tools.processes import ProcessLane
-from fsm.tools.schema import check_arguments
 from fsm.tools.worker import shrink
 
 __all__ = [
@@ -183,7 +183,7 @@ class FunctionTool(BaseTool):
 
 def _cut_return(fn: Callable[..., Any], keep: int, /, **parameters: Any) -> Any:
     """`fn`'s return with its text cut to its first and last `keep` characters, in the tool's own thread: a
-    50 MB answer dies there instead of waiting whole for the event loop (16 rows held 1.1 GB)."""
+    huge answer dies there instead of waiting whole for the event loop."""
     return shrink(fn(**parameters), keep)
 
 
@@ -393,10 +393,8 @@ class BoundTool:
                 raise
             # e.g. a sandbox that cannot start: nothing was created, nothing to release
             except Exception as exc:
-                outcome.error, outcome.text = (
-                    "exception",
-                    f"Error executing tool '{self.name}': {self._why(exc)}",
-                )
+                outcome.error = "exception"
+                outcome.text = f"Error executing tool '{self.name}': {self._why(exc)}"
                 return outcome
             instance_id = created_id  # verl passes what create returned, '' included
         if not (self._calc_reward or self._release):
@@ -430,13 +428,9 @@ class BoundTool:
             response, reward, metrics = await self._step(
                 self.tool.execute, instance_id, call.arguments, agent_data=agent_data
             )
-            outcome.text, outcome.reward, outcome.metrics, outcome.error = (
-                self._cut(response.text or ""),
-                reward,
-                metrics,
-                None,
-            )
-            # a 50 MB answer is not held while calc_reward and release run: `response` dies with this frame
+            outcome.text = self._cut(response.text or "")
+            outcome.reward, outcome.metrics, outcome.error = reward, metrics, None
+            # a huge answer is not held while calc_reward and release run: `response` dies with this frame
 
         try:
             if self.retry.attempts == 1 and self.retry.window_s is None:
@@ -520,38 +514,23 @@ class ToolSet:
         """Run one call of `traj` (its tool gets `agent_data=AgentData(traj)`); every failure becomes an
         observation with `error` set."""
         if call.error is not None:
-            return CallOutcome(
-                call.name or "?", f"Error: {call.error}", error="malformed_call", call_id=call.id
-            )
+            return _refused(call, call.name or "?", f"Error: {call.error}", "malformed_call")
         tool = self.by_name.get(call.name or "")
         if tool is None or (active is not None and call.name not in active):
             names = list(active if active is not None else self.by_name)  # verl: the tool list's order
-            return CallOutcome(
-                call.name or "?",
-                f"Unknown function '{call.name}'. Available tools: {names}",
-                error="unknown_tool",
-                call_id=call.id,
-            )
+            text = f"Unknown function '{call.name}'. Available tools: {names}"
+            return _refused(call, call.name or "?", text, "unknown_tool")
         policy, args = self.policy, call.arguments
         if isinstance(args, str) and policy.parse_string_arguments:
             try:
                 args = json.loads(args)
             except json.JSONDecodeError as exc:
-                return CallOutcome(
-                    tool.name,
-                    f"Error: Invalid JSON in arguments for '{tool.name}': {exc}",
-                    error="bad_arguments",
-                    call_id=call.id,
-                )
-        if policy.validate_arguments:
-            problem = check_arguments(tool.schema, args)
-            if problem:
-                return CallOutcome(
-                    tool.name,
-                    f"Error: invalid arguments for '{tool.name}': {problem}",
-                    error="bad_arguments",
-                    call_id=call.id,
-                )
+                text = f"Error: Invalid JSON in arguments for '{tool.name}': {exc}"
+                return _refused(call, tool.name, text, "bad_arguments")
+        if policy.validate_arguments and (problem := check_arguments(tool.schema, args)):
+            return _refused(
+                call, tool.name, f"Error: invalid arguments for '{tool.name}': {problem}", "bad_arguments"
+            )
         if args is not call.arguments:
             call = dataclasses.replace(call, arguments=args)
         create_kwargs = (tools_kwargs.get(tool.name) or {}).get("create_kwargs", {})
@@ -567,3 +546,51 @@ class ToolSet:
                 outcome.text, self.limits.max_tool_response_length, self.limits.tool_response_truncate_side
             )
         return outcome
+
+
+def _refused(call: ToolCall, name: str, text: str, error: str) -> CallOutcome:
+    """A call answered without running the tool: the model reads `text`."""
+    return CallOutcome(name, text, error=error, call_id=call.id)
+
+
+_JSON_TYPES: dict[str, type | tuple[type, ...]] = dict(
+    string=str, integer=int, number=(int, float), boolean=bool, array=list, object=dict, null=type(None)
+)
+
+
+def _json_type_ok(value: Any, type_: str) -> bool:
+    """`value` (from json.loads) is a JSON Schema `type_`; an unknown type name accepts anything."""
+    if not isinstance(type_, str) or type_ not in _JSON_TYPES:
+        return True
+    if isinstance(value, bool):  # a bool is an int in Python, never in JSON
+        return type_ == "boolean"
+    if type_ == "integer":  # JSON Schema: a number with no fractional part (2.0 included)
+        return isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    return isinstance(value, _JSON_TYPES[type_])
+
+
+def check_arguments(schema: dict, args: Any) -> str | None:
+    """A readable complaint about arguments that do not fit the schema, or None. A property's `type` may be
+    a list of names (`int | float` is ["integer", "number"]); `nullable: true` (transformers' Optional)
+    also accepts null."""
+    if not isinstance(args, dict):
+        return f"arguments must be a JSON object, got {type(args).__name__}"
+    params = schema.get("function", schema).get("parameters") or {}
+    props: dict = params.get("properties") or {}
+    missing = [name for name in params.get("required", []) if name not in args]
+    if missing:
+        return f"missing required argument(s) {', '.join(map(repr, missing))}"
+    unknown = [name for name in args if props and name not in props]
+    if unknown:
+        return (
+            f"unexpected argument(s) {', '.join(map(repr, unknown))}; expected {', '.join(map(repr, props))}"
+        )
+    for name, value in args.items():
+        prop = props.get(name) or {}
+        types = prop.get("type")
+        if types is None or (value is None and prop.get("nullable")):
+            continue
+        types = [types] if isinstance(types, str) else list(types)
+        if not any(_json_type_ok(value, t) for t in types):
+            return f"argument {name!r} should be {' or '.join(map(str, types))}, got {type(value).__name__}"
+    return None

@@ -12,7 +12,18 @@ from fsm.spec.registry import resolve
 from fsm.tools.base import BoundTool, FunctionTool, tool_retry
 from fsm.tools.isolation import InlineLane, Lane, LoopLane, ThreadLane
 from fsm.tools.processes import ProcessLane
-from fsm.tools.schema import infer_schema
+
+
+def infer_schema(fn: Callable[..., Any]) -> dict:
+    """OpenAI function schema from type hints and a Google-style docstring (transformers' helper), without the
+    `return` entry the helper makes of a `Returns:` section: the OpenAI form has none, chat templates render the
+    schema as given, and a model trained on that form meets a tool it never saw (the tiny calculator model then
+    stops calling it: reward 0 on every row, issue 46)."""
+    from transformers.utils import get_json_schema
+
+    schema = get_json_schema(fn)
+    schema["function"].pop("return", None)
+    return schema
 
 
 def _declared_schema(spec: ToolSpec, resolve_ref: Callable[[str], Any]) -> dict | None:
