@@ -151,8 +151,7 @@ def _is_int_list(value: Any) -> bool:
     return isinstance(value, list) and all(type(t) is int for t in value)
 
 
-def _real(x: Any) -> bool:
-    return type(x) is float or type(x) is int  # bools and strings are not numbers here
+_INT, _LIST, _REAL_TYPES = {int}, {list}, frozenset({float, int})  # bools are not numbers here
 
 
 def parse_generate(
@@ -263,7 +262,11 @@ def _logprobs(triples: Any, out: list[int], kind: str, extra: dict[str, Any], ba
     if triples is None:
         extra["logprobs_missing"] = True  # asked for, not given: never invent values
         return None
-    if not isinstance(triples, list) or not all(isinstance(t, list) and t and _real(t[0]) for t in triples):
+    if type(triples) is list and len(triples) == len(out) and (plain := _plain_logprobs(triples, out)):
+        return plain
+    if not isinstance(triples, list) or not all(
+        isinstance(t, list) and t and type(t[0]) in _REAL_TYPES for t in triples
+    ):
         raise bad(
             "bad_logprobs",
             f"output_token_logprobs that are not [logprob, id, text] triples: {snippet(triples)}",
@@ -285,6 +288,24 @@ def _logprobs(triples: Any, out: list[int], kind: str, extra: dict[str, Any], ba
         wrong = next(v for v in values if not math.isfinite(v) or v > 0.0)
         raise bad("bad_logprobs", f"logprob {wrong!r}: logprobs are finite and <= 0")
     return values
+
+
+def _plain_logprobs(triples: list[Any], out: list[int]) -> list[float] | None:
+    """The common answer's logprobs (one well-formed triple per output id) in C-speed passes, once per model call;
+    None for anything else, which `_logprobs` then reads closely to name the fault."""
+    if set(map(type, triples)) != _LIST:
+        return None
+    try:
+        ids, firsts = [t[1] for t in triples], [t[0] for t in triples]
+    except IndexError:  # a short triple
+        return None
+    if not firsts or ids != out or set(map(type, ids)) != _INT or not set(map(type, firsts)) <= _REAL_TYPES:
+        return None  # a bool is an int that == 1: types are checked, not only values
+    try:
+        values = list(map(float, firsts))
+    except OverflowError:
+        return None
+    return values if max(values) <= 0.0 and all(map(math.isfinite, values)) else None
 
 
 def _same_ids(triples: list[list[Any]], out: list[int], bad: Any) -> None:

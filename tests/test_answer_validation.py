@@ -133,6 +133,25 @@ def _answer(ids, logprobs=None, **meta):
     }
 
 
+def _triples(ids, triples):
+    body = _answer(ids)
+    body["meta_info"]["output_token_logprobs"] = triples
+    return body
+
+
+_BAD_TRIPLES = [
+    [[-0.5, 5, None], [-0.5, True, None]],  # True == 1: an id is an int
+    [[-0.5, 5, None], [True, 1, None]],
+    [[-0.5, 5, None], [float("nan"), 1, None]],
+    [[-0.5, 5, None], [0.5, 1, None]],
+    [[-0.5, 5, None], [-(10**400), 1, None]],
+    [[-0.5, 5, None], [-0.5]],
+    [[-0.5, 5, None], {"0": -0.5, "1": 1}],
+    [[-0.5, 5, None], "ab"],
+    [[-0.5, 5, None], [-0.5, 2, None]],
+]
+
+
 def test_the_check_accepts_exactly_what_sglang_may_send():
     ok = parse_generate(
         _answer([5, 7, 2], weight_version=3, cached_tokens=0), server="s", return_logprob=True, request=_req()
@@ -153,6 +172,7 @@ def test_the_check_accepts_exactly_what_sglang_may_send():
         (_answer([5, 7], weight_version="x" * 300), "bad_fields"),
         ({**_answer([5, 7]), "output_ids": [5, 8]}, "bad_logprobs"),  # right count, another token's logprob
         ({**_answer([5, 1]), "output_ids": [5, True]}, "malformed"),
+        *((_triples([5, 1], t), "bad_logprobs") for t in _BAD_TRIPLES),  # past the one-pass read of logprobs
     ]:
         with pytest.raises(BackendMalformed) as e:
             parse_generate(body, server="s", return_logprob=True, request=_req())
