@@ -37,95 +37,23 @@ ACTIONS: dict[str, Callable[..., Any]] = {}  # name -> async action(ctx, traj)
 # these, which compute and can neither run a process, touch a file or the network, nor run a string as code.
 # Every other standard-library module (sys.stdlib_module_names: private `_socket`, deprecated `imp` and
 # `distutils` included) is refused with its submodules unless the spec opts in with `trust: {allow_modules:
-# [...]}`: a tool's arguments are chosen by the model. The installers that ship with CPython and the modules
-# Python removed (still importable from setuptools' shim) are refused the same way.
+# [...]}`: a tool's arguments are chosen by the model.
 SAFE_STDLIB = frozenset(
-    {
-        "math",
-        "cmath",
-        "statistics",
-        "random",
-        "secrets",
-        "decimal",
-        "fractions",
-        "numbers",
-        "operator",
-        "functools",
-        "itertools",
-        "collections",
-        "heapq",
-        "bisect",
-        "graphlib",
-        "copy",
-        "enum",
-        "dataclasses",
-        "typing",
-        "abc",
-        "json",
-        "re",
-        "string",
-        "textwrap",
-        "difflib",
-        "unicodedata",
-        "stringprep",
-        "keyword",
-        "html",
-        "base64",
-        "binascii",
-        "hashlib",
-        "hmac",
-        "struct",
-        "array",
-        "datetime",
-        "calendar",
-        "time",
-        "ipaddress",
-        "colorsys",
-        "pprint",
-        "reprlib",
-        "errno",
-        "fnmatch",
+    (
+        "math cmath statistics random secrets decimal fractions numbers operator functools itertools "
+        "collections heapq bisect graphlib copy enum dataclasses typing abc json re string textwrap difflib "
+        "unicodedata stringprep keyword html base64 binascii hashlib hmac struct array datetime calendar time "
+        "ipaddress colorsys pprint reprlib errno fnmatch "
         # their C accelerators, where what they offer is defined (`heapq.heappush.__module__` is "_heapq")
-        "_abc",
-        "_bisect",
-        "_functools",
-        "_heapq",
-        "_operator",
-        "_struct",
-        "_hashlib",
-        "_blake2",
-        "_md5",
-        "_sha1",
-        "_sha256",
-        "_sha512",
-        "_sha3",
-        "_json",
-        "_random",
-        "_statistics",
-        "_datetime",
-        "_decimal",
-        "_pydecimal",
-        "_collections",
-        "_collections_abc",
-        "_sre",
-        "_string",
-        "_strptime",
-        "_typing",
-    }
+        "_abc _bisect _functools _heapq _operator _struct _hashlib _blake2 _md5 _sha1 _sha256 _sha512 _sha3 "
+        "_json _random _statistics _datetime _decimal _pydecimal _collections _collections_abc _sre _string "
+        "_strptime _typing"
+    ).split()
 )
 _UNSAFE_INSIDE_SAFE = frozenset({"json.tool"})  # a command-line entry point reading files named in argv
+# removed from the standard library but shimmed by setuptools, and the installers CPython ships (ensurepip)
 REFUSED_OUTSIDE_STDLIB = frozenset(
-    {
-        "distutils",
-        "imp",
-        "asynchat",
-        "asyncore",
-        "smtpd",  # removed from the standard library, shimmed
-        "setuptools",
-        "pkg_resources",
-        "_distutils_hack",
-        "pip",  # the installers CPython ships (ensurepip)
-    }
+    "distutils imp asynchat asyncore smtpd setuptools pkg_resources _distutils_hack pip".split()
 )
 # Third-party (de)serializers of code: a tool or reward naming one lets the model's arguments choose what runs.
 # Whole packages where that is what they are for; single callables in packages that are otherwise fine to name
@@ -133,24 +61,12 @@ REFUSED_OUTSIDE_STDLIB = frozenset(
 # in to the package (`trust: {allow_modules: [torch]}`) lifts them, as for the standard library.
 CODE_LOADING_PACKAGES = frozenset({"dill", "cloudpickle", "jsonpickle"})
 CODE_LOADERS = frozenset(
-    {
-        "yaml.load",
-        "yaml.load_all",
-        "yaml.unsafe_load",
-        "yaml.unsafe_load_all",  # YAML's !!python tags
-        "torch.load",
-        "torch.serialization.load",
-        "torch.jit.load",
-        "torch.jit._serialization.load",
-        "torch.hub.load",
-        "torch.hub.load_state_dict_from_url",
-        "numpy.load",
-        "numpy.lib.npyio.load",
-        "pandas.read_pickle",
-        "pandas.io.pickle.read_pickle",
-        "joblib.load",
-        "joblib.numpy_pickle.load",  # pickle underneath
-    }
+    (
+        "yaml.load yaml.load_all yaml.unsafe_load yaml.unsafe_load_all "  # YAML's !!python tags
+        "torch.load torch.serialization.load torch.jit.load torch.jit._serialization.load torch.hub.load "
+        "torch.hub.load_state_dict_from_url numpy.load numpy.lib.npyio.load pandas.read_pickle "
+        "pandas.io.pickle.read_pickle joblib.load joblib.numpy_pickle.load"  # joblib: pickle underneath
+    ).split()
 )
 DENIED_MODULES = (
     (frozenset(sys.stdlib_module_names) - SAFE_STDLIB) | REFUSED_OUTSIDE_STDLIB | CODE_LOADING_PACKAGES
