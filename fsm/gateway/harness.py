@@ -400,6 +400,7 @@ async def _run_command(command: Sequence[str], call: HarnessCall, session: Sessi
         os.close(write_fd)
     if session.owner is not None:  # from now on only the harness's tree (fsm/gateway/peer.py)
         session.owner = proc.pid
+        session.gateway.harnesses.add(proc.pid)
     status = os.fdopen(read_fd, "rb", 0)  # closed by its reader, or when dropped
     said: dict[str, str] = {}
     try:

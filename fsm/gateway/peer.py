@@ -24,7 +24,7 @@ import os
 import socket
 import struct
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Container, Iterable, Iterator
 
 from fsm.gateway.reaper import children
 
@@ -79,13 +79,13 @@ def _diag(family: int, src: str, sport: int, dst: str, dport: int) -> int | None
     return int(struct.unpack_from("=I", answer, 16 + 68)[0])  # inet_diag_msg.idiag_inode
 
 
-def tree(root: int, skip: Iterable[int] = ()) -> Iterator[int]:
+def tree(root: int, skip: Container[int] = ()) -> Iterator[int]:
     """`root` and its descendants, nearest first, leaving out the subtrees of `skip`."""
-    skipped, todo = set(skip), [root]
+    todo = [root]
     every: dict[int, list[int]] | None = None  # without /proc/PID/task/TID/children: each parent, read once
     while todo:
         pid = todo.pop(0)
-        if pid in skipped:
+        if pid in skip:
             continue
         yield pid
         kids = _children(pid)
@@ -95,12 +95,11 @@ def tree(root: int, skip: Iterable[int] = ()) -> Iterator[int]:
         todo.extend(kids)
 
 
-def descends(pid: int, root: int, skip: Iterable[int] = ()) -> bool:
+def descends(pid: int, root: int, skip: Container[int] = ()) -> bool:
     """Whether `pid` is `root` or one of its descendants, not in the subtree of one of `skip`: what `pid in
     tree(root, skip)` says, from `pid`'s parents (a file a level) instead of every thread's children below `root`."""
-    skipped = set(skip)
     for _ in range(64):
-        if pid in skipped:
+        if pid in skip:
             return False
         if pid == root:
             return True
@@ -133,19 +132,42 @@ def _children(pid: int) -> list[int] | None:
     return kids
 
 
-def holder(pids: Iterable[int], inode: int) -> int | None:
-    """The first of `pids` that has socket `inode` open, or None."""
-    needle = f"socket:[{inode}]"
-    for pid in pids:
-        where = f"/proc/{pid}/fd"
+class Holders:
+    """Which process holds which socket, as read from /proc/PID/fd. Reading every link of a process per new
+    connection costs its open files, and a function harness's tree is this process, a socket per session (O(n²) at
+    1,000 sessions): so every socket read is kept (inode -> pid, fd), a kept one is checked with one readlink, and
+    a walk reads only the files it has not read before, then (finding nothing: a number reused) all of them."""
+
+    def __init__(self) -> None:
+        self.at: dict[int, tuple[int, str]] = {}  # socket inode -> the process and fd last seen holding it
+        self.read: dict[int, set[str]] = {}  # pid -> the fds whose links are in `at`
+
+    def holds(self, pid: int, fd: str, inode: int) -> bool:
         try:
-            fds = os.listdir(where)
+            return os.readlink(f"/proc/{pid}/fd/{fd}") == f"socket:[{inode}]"
         except OSError:
-            continue
-        for fd in fds:
+            return False
+
+    def find(self, pids: Iterable[int], inode: int, again: bool = False) -> int | None:
+        """The first of `pids` that has socket `inode` open, or None; `again`: reading the files read before too."""
+        if len(self.at) >= 1 << 15:  # connections come and go: a bound, not a history
+            self.at.clear()
+            self.read.clear()
+        needle = f"socket:[{inode}]"
+        for pid in pids:
             try:
-                if os.readlink(f"{where}/{fd}") == needle:
-                    return pid
+                fds = os.listdir(f"/proc/{pid}/fd")
             except OSError:
                 continue
-    return None
+            read = self.read.setdefault(pid, set())
+            for fd in fds if again else set(fds) - read:
+                try:
+                    link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                except OSError:
+                    continue
+                read.add(fd)
+                if link.startswith("socket:["):
+                    self.at[int(link[8:-1])] = (pid, fd)
+                if link == needle:
+                    return pid
+        return None

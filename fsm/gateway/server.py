@@ -206,6 +206,7 @@ class Session:
         self.pending.clear()
         self.current = None
         self.gateway.sessions.pop(self.id, None)
+        self.gateway.harnesses.discard(self.owner or 0)
         self.wake.set()
 
 
@@ -238,10 +239,8 @@ class Gateway:
         self._starting: asyncio.Future[None] | None = None  # the first start(); concurrent callers await it
         # per connection: its peer's socket inode, and whether that peer is this worker's front (fsm/gateway/peer.py)
         self._conns: weakref.WeakKeyDictionary[Any, tuple[int | None, bool]] = weakref.WeakKeyDictionary()
-        # per peer socket inode: the process found holding it, checked first for the next session on it (a kept-alive
-        # client's): that pid's own files instead of every file of the harness's tree (this process's, for a function
-        # harness: 0.3-0.5 ms a session)
-        self._holders: dict[int, int] = {}
+        self._holders = peer.Holders()  # which process holds which peer socket (fsm/gateway/peer.py)
+        self.harnesses: set[int] = set()  # command harnesses' reapers (not a function harness's tree)
 
     @property
     def url(self) -> str:
@@ -383,11 +382,7 @@ class Gateway:
             return
         me = os.getpid()
         # a function harness runs in this process: any process of ours but another session's command harness
-        skip = (
-            {s.owner for s in self.sessions.values() if s.owner not in (None, me)}
-            if session.owner == me
-            else ()
-        )
+        skip = self.harnesses if session.owner == me else ()
         if inode is None or not self._held(session.owner, skip, inode):
             whose = "this process's" if session.owner == me else f"process {session.owner}'s"
             session.note("a request with this session's key came from another process, refused")
@@ -400,17 +395,13 @@ class Gateway:
         session.peers.add(inode)
 
     def _held(self, owner: int, skip: Any, inode: int) -> bool:
-        """Whether a process of `owner`'s tree (less `skip`'s) holds socket `inode`: the process that held it last
-        time first (it still holds it, and is of this tree), else a walk of the tree's open files."""
-        last = self._holders.get(inode)
-        if last is not None and peer.holder([last], inode) == last and peer.descends(last, owner, skip):
+        """Whether a process of `owner`'s tree (less `skip`'s) holds socket `inode`: the process seen holding it
+        first (it still holds it, and is of this tree), else a walk of the tree's open files (peer.Holders)."""
+        last = self._holders.at.get(inode)
+        if last is not None and self._holders.holds(*last, inode) and peer.descends(last[0], owner, skip):
             return True
-        found = peer.holder(peer.tree(owner, skip), inode)
-        if found is not None:
-            if len(self._holders) >= 4096:  # connections come and go: a bound, not a history
-                self._holders.clear()
-            self._holders[inode] = found
-        return found is not None
+        found = self._holders.find(peer.tree(owner, skip), inode)
+        return (found or self._holders.find(peer.tree(owner, skip), inode, again=True)) is not None
 
     def _peer_socket(self, request: web.BaseRequest) -> int | None:
         """The inode of the socket the request came over: its caller's, or behind a front, the socket the front
@@ -423,7 +414,7 @@ class Gateway:
             inode = peer.socket_inode(
                 transport.get_extra_info("peername"), transport.get_extra_info("sockname")
             )
-            front = bool(self.front) and inode is not None and peer.holder([os.getppid()], inode) is not None
+            front = bool(self.front and inode is not None and self._holders.find([os.getppid()], inode, True))
             self._conns[transport] = known = (inode, front)
         if not known[1]:
             return known[0]
