@@ -294,25 +294,16 @@ def _progress(args: argparse.Namespace, console: Any) -> Iterator[Callable[[int,
 
 
 async def _with_progress(
-    engine: Any,
-    rows: list[dict],
-    args: argparse.Namespace,
-    sampling: Any,
-    console: Any,
-    finished: list,
+    engine: Any, rows: list[dict], args: argparse.Namespace, sampling: Any, console: Any, finished: list
 ) -> list:
+    """Ray's rollout, its trajectories as a bar with the tokens per second and turns per row so far."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     total = len(rows) * args.n
     counters = {"tokens": 0, "turns": 0, "done": 0}
     t0 = time.perf_counter()
-    columns = [
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("{task.fields[rate]}"),
-    ]
+    columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
+    columns.append(TextColumn("{task.fields[rate]}"))
     with Progress(*columns, console=console, disable=args.quiet or not console.is_terminal) as progress:
         task = progress.add_task("trajectories", total=total, rate="")
 
@@ -546,24 +537,19 @@ def main(argv: list[str] | None = None) -> int:
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         rc = args.fn(args)
-        return rc
     except SpecError as err:
         for d in err.diagnostics:
             print(d, file=sys.stderr)
         rc = 2
-        return rc
     except DataError as exc:
         for problem in exc.problems:
             print(f"agentfsm: {problem}", file=sys.stderr)
-        return 1
     except CLIError as exc:
         say_now(f"agentfsm: {exc}")
         rc = exc.exit_code
-        return rc
     except KeyboardInterrupt:
         say_now("agentfsm: interrupted")
         rc = 130
-        return rc
     finally:
         if argv is None:  # the command line: the process ends with rc now, whatever signal comes
             ended(rc, exiting=True)
@@ -573,6 +559,7 @@ def main(argv: list[str] | None = None) -> int:
                 for sig, handler in handlers.items():
                     signal.signal(sig, handler)
             ended(rc)
+    return rc
 
 
 if __name__ == "__main__":
