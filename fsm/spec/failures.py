@@ -172,17 +172,17 @@ def call_runs(spec: Any, name: str, diagnostic: Callable[..., Any]) -> list[Any]
     if worst is None or worst.retry.max_attempts * n <= MAX_CALL_RUNS:
         return []
     tool = worst.name or worst.function or worst.class_
-    return [
-        diagnostic(
-            "retry-runs",
-            f"a call of tool {tool!r} may run {worst.retry.max_attempts * n} times in {name}: its own "
-            f"retry.max_attempts {worst.retry.max_attempts} in each of the {n} rounds the state's retry runs (1 + "
-            f"each rule's max_attempts - 1); at most {MAX_CALL_RUNS}: lower one, and catch an outage instead",
-            "states",
-            name,
-            "retry",
-        )
-    ]
+    message = (
+        f"a call of tool {tool!r} may run {worst.retry.max_attempts * n} times in {name}: its own "
+        f"retry.max_attempts {worst.retry.max_attempts} in each of the {n} rounds the state's retry runs (1 + "
+        f"each rule's max_attempts - 1); at most {MAX_CALL_RUNS}: lower one, and catch an outage instead"
+    )
+    return [diagnostic("retry-runs", message, "states", name, "retry")]
+
+
+def _mean(word: str, choices: list[str]) -> str:
+    hint = difflib.get_close_matches(word, choices, n=1)
+    return f" (did you mean {hint[0]!r}?)" if hint else ""
 
 
 def check_failures(spec: Any, diagnostic: Callable[..., Any]) -> list[Any]:
@@ -193,65 +193,29 @@ def check_failures(spec: Any, diagnostic: Callable[..., Any]) -> list[Any]:
     for name, st in states.items():
         diags += call_runs(spec, name, diagnostic)
         if st.final and (st.retry or st.catch or st.timeout_s or st.heartbeat_s or st.on_error):
-            diags.append(
-                diagnostic(
-                    "final-failures",
-                    f"final state {name} runs no action: it has nothing to retry, catch or time out",
-                    "states",
-                    name,
-                )
-            )
+            message = f"final state {name} runs no action: it has nothing to retry, catch or time out"
+            diags.append(diagnostic("final-failures", message, "states", name))
         for kind, rules in (("retry", st.retry), ("catch", st.catch)):
             for i, rule in enumerate(rules):
                 for j, error in enumerate(rule.errors):
                     if not known_error(error):
-                        hint = difflib.get_close_matches(error, [*ERRORS, WILDCARD], n=1)
-                        diags.append(
-                            diagnostic(
-                                "unknown-error",
-                                f"unknown error name {error!r}"
-                                + (f" (did you mean {hint[0]!r}?)" if hint else "")
-                                + f"; known: {', '.join(ERRORS)}, {WILDCARD}",
-                                "states",
-                                name,
-                                kind,
-                                i,
-                                "errors",
-                                j,
-                                key=False,
-                            )
-                        )
+                        message = f"unknown error name {error!r}{_mean(error, [*ERRORS, WILDCARD])}; known: "
+                        message += f"{', '.join(ERRORS)}, {WILDCARD}"
+                        where = ("states", name, kind, i, "errors", j)
+                        diags.append(diagnostic("unknown-error", message, *where, key=False))
         for i, c in enumerate(st.catch):
             if c.to not in states:
-                hint = difflib.get_close_matches(c.to, list(states), n=1)
+                message = f"catch to unknown state {c.to!r}{_mean(c.to, list(states))}"
                 diags.append(
-                    diagnostic(
-                        "unknown-state",
-                        f"catch to unknown state {c.to!r}"
-                        + (f" (did you mean {hint[0]!r}?)" if hint else ""),
-                        "states",
-                        name,
-                        "catch",
-                        i,
-                        "to",
-                        key=False,
-                    )
+                    diagnostic("unknown-state", message, "states", name, "catch", i, "to", key=False)
                 )
             elif (loop := catch_loop(states, name, c.to)) is not None:
-                diags.append(
-                    diagnostic(
-                        "catch-loop",
-                        f"the catch of {name} to {c.to} comes back to {name} through unguarded edges only "
-                        f"({' -> '.join(loop)}): a failure that persists loops until limits.max_transitions; "
-                        "guard an edge on the way (e.g. max_assistant_turns) or catch to a final state",
-                        "states",
-                        name,
-                        "catch",
-                        i,
-                        "to",
-                        key=False,
-                    )
+                message = (
+                    f"the catch of {name} to {c.to} comes back to {name} through unguarded edges only "
+                    f"({' -> '.join(loop)}): a failure that persists loops until limits.max_transitions; "
+                    "guard an edge on the way (e.g. max_assistant_turns) or catch to a final state"
                 )
+                diags.append(diagnostic("catch-loop", message, "states", name, "catch", i, "to", key=False))
     return diags
 
 
