@@ -4,7 +4,8 @@
     python -m bench.crossed path                     # modules on the path of a batch through generate_sequences
 
 `run` profiles one `agentfsm run` in this process, every thread: a file is crossed when a function of it is
-called outside an import (module and class bodies, and what they call while importing, are not counted).
+called outside an import (module and class bodies, and what they call while importing, are not counted);
+it prints them with their count per package.
 `path` follows a two-row `generate_sequences` of the embedded model down to each `Runner.drive`, across the
 engine's loop thread (`fsm.tools.loopthread.submit`) and its tasks (`create_task`), and names the steps that go
 back up the stages of tests/test_architecture.py. Both print JSON.
@@ -66,7 +67,20 @@ def crossed(argv: list[str]) -> dict[str, Any]:
     finally:
         sys.setprofile(None)
         threading.setprofile(None)
-    return {"rc": rc, "files": len(files), "crossed": sorted(files)}
+    packages: dict[str, int] = {}
+    for name in files:  # fsm's by stage package (fsm/api.py is one), backends and viz whole
+        package = (
+            "/".join(name.removesuffix(".py").split("/")[:2])
+            if name.startswith("fsm/")
+            else name.split("/")[0]
+        )
+        packages[package] = packages.get(package, 0) + 1
+    return {
+        "rc": rc,
+        "files": len(files),
+        "by_package": dict(sorted(packages.items())),
+        "crossed": sorted(files),
+    }
 
 
 def batch_path() -> dict[str, Any]:
@@ -76,7 +90,8 @@ def batch_path() -> dict[str, Any]:
     made_by: dict[int, list[str]] = {}  # id(coroutine) -> the files on the stack that started it
 
     def stack(skip: int) -> list[str]:
-        frame, files = sys._getframe(skip), []
+        frame: Any = sys._getframe(skip)
+        files: list[str] = []
         while frame is not None:
             files.append(frame.f_code.co_filename)
             frame = frame.f_back
@@ -114,7 +129,7 @@ def batch_path() -> dict[str, Any]:
 
     from fsm import RolloutEngine
 
-    loopthread.submit = traced_submit  # type: ignore[assignment]
+    loopthread.submit = traced_submit
     asyncio.base_events.BaseEventLoop.create_task = traced_create_task  # type: ignore[method-assign]
     engine = RolloutEngine(str(REPO / "specs" / "calculator.yaml"))
     row = {"raw_prompt": [{"role": "user", "content": "What is 2 + 3?"}], "extra_info": {"answer": "5"}}
