@@ -196,7 +196,7 @@ class RayRunner(BaseEngine):
         (fsm/adapters/ray_journal.py): a dead or hung actor's trajectories then go on from their last boundary
         on another actor instead of from the start. None (the default): they run again from the start.
         journal_sync: its durability, as a run's ("1s", "always", "off"; a killed process loses nothing).
-    The engine contract (fsm/run/engine.py) as RolloutEngine's: batches, the continuous mode (`submit` / `take` /
+    The engine contract (fsm/output/engine.py) as RolloutEngine's: batches, the continuous mode (`submit` / `take` /
     `stream` / `stream_stats`, whose groups `Groups` takes as RolloutEngine's stream does), and the control
     calls, which each actor makes with the same `Controls` (shared servers hear them once, through actor 0; every
     actor's gate pauses and counts the version). Refused (EngineRefused): `snapshot` / `restore` / `keep=` (the
@@ -406,9 +406,12 @@ class RayRunner(BaseEngine):
         told = ranks[:1] if self.servers else ranks
         rest = [r for r in ranks if r not in told] if not isinstance(command, Call) else []
 
-        async def send(to: list[int], servers: bool) -> list[Any]:
-            refs = [self.actors[r].control.remote(command, servers) for r in to]
-            return list(await asyncio.gather(*(asyncio.wrap_future(ref.future()) for ref in refs)))
+        async def send(
+            to: list[int], servers: bool, what: Command = command, quiet: bool = False
+        ) -> list[Any]:
+            refs = [self.actors[r].control.remote(what, servers) for r in to]
+            futures = (asyncio.wrap_future(ref.future()) for ref in refs)
+            return list(await asyncio.gather(*futures, return_exceptions=quiet))
 
         if isinstance(command, Pause):
             await send(rest, False)  # first: no actor issues a request while the servers pause
@@ -416,10 +419,7 @@ class RayRunner(BaseEngine):
                 answers = await send(told, True)
             except BaseException:
                 if not self._paused:  # the other actors' gates open again
-                    refs = [self.actors[r].control.remote(Resume(), False) for r in rest]
-                    await asyncio.gather(
-                        *(asyncio.wrap_future(ref.future()) for ref in refs), return_exceptions=True
-                    )
+                    await send(rest, False, Resume(), quiet=True)
                 raise
         else:
             answers = await send(told, True)

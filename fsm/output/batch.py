@@ -215,10 +215,6 @@ def collate(
     return RolloutBatch(batch, non_tensors, meta)
 
 
-def _rows_of_tree(root: Trajectory) -> int:
-    return sum(n.num_segments for n in row_nodes(root))
-
-
 def tree_weights(roots: Sequence[Trajectory], weight: str, default: str = "default") -> dict[int, float]:
     """id(node) -> the weight of each of its rows: "per_root" splits 1.0 evenly over a root's rows (segments,
     children and branches included, whatever their policy), "per_row" gives each 1.0."""

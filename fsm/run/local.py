@@ -50,9 +50,7 @@ class Local:
         self.runner, self.tracer, self.name = runner, tracer, name
         self.freeze_heap = freeze_heap  # tried once, by the first run that puts heap.FREEZE_AT rows in flight
         self._heap: heap.Held | None = None  # this engine's hold on the frozen heap (fsm/run/heap.py)
-        self._on_started = (
-            on_started  # hears that the backend has started (the engine's fault counters start)
-        )
+        self._on_started = on_started  # hears that the backend has started (the fault counters start)
         self.agent, self.codec = runner.agent, runner.codec
         self.controls = Controls(runner, self.start_here)
         self.owned = Owned()  # services its runs start (a harness's gateway), closed with it
@@ -83,8 +81,11 @@ class Local:
 
     # -- the loop ----------------------------------------------------------------------------------------------
 
-    def home(self) -> LoopThread:
+    def home(self, coro: Coroutine[Any, Any, Any] | None = None) -> LoopThread:
+        """The loop thread, started on first use; RuntimeError once closed (`coro`, never to run, is closed)."""
         if self.closed:
+            if coro is not None:
+                coro.close()
             raise RuntimeError("this RolloutEngine is closed")
         if self._home is None:
             self._home = home = LoopThread(f"agentfsm engine ({self.name})")
@@ -95,22 +96,13 @@ class Local:
 
     async def call(self, coro: Coroutine[Any, Any, T]) -> T:
         """Await `coro` on the engine's loop, from whichever loop the caller runs."""
-        try:
-            home = self.home()
-        except RuntimeError:
-            coro.close()
-            raise
+        home = self.home(coro)
         if home.current():
             return await coro
         return await home.call(under(self.owned, coro))
 
     def run_sync(self, coro: Coroutine[Any, Any, T]) -> T:
-        try:
-            home = self.home()
-        except RuntimeError:
-            coro.close()
-            raise
-        return home.run(under(self.owned, coro))
+        return self.home(coro).run(under(self.owned, coro))
 
     # -- on the loop -------------------------------------------------------------------------------------------
 
@@ -166,9 +158,7 @@ class Local:
     async def run_here(
         self, rows: Sequence[Any], n: int, sampling: Sampling, on_done: Callable[[Trajectory], None] | None
     ) -> list[Trajectory]:
-        owner = (
-            await self.stream_here()
-        )  # the engine's one owner, the continuous mode's too (started: its backend)
+        owner = await self.stream_here()  # the engine's one owner, the continuous mode's too
         ctx, trajs = self.runner.prepare(rows, n, self.runner.make_context(sampling=sampling))
         self._freeze_for(len(trajs))
         await owner.run(trajs, ctx, on_done)
@@ -244,10 +234,8 @@ class Local:
                         await asyncio.to_thread(stream.journal.writer.sync)
                 finally:
                     await self._after_snapshot(stream, stop)
-                return {"ready_groups": ready, "running_groups": running, "restarted": 0, "path": None}
-            data = await stream.snapshot(
-                {**snap.header(self.agent, self.codec), "meta": dict(ask.meta or {})}, timeout
-            )
+                return _counts(ready, running, 0, None)
+            data = await stream.snapshot(self._header(ask), timeout)
             restarted = data.pop("restarted")
             try:
                 written = await asyncio.to_thread(_write, Path(path), data, ask.fallback)
@@ -260,12 +248,10 @@ class Local:
                         await self.controls.call("continue_generation", (), {}, False)
                 gate.open()
         running = sum(g["status"] == "running" for g in data["groups"])
-        return {
-            "ready_groups": len(data["groups"]) - running,
-            "running_groups": running,
-            "restarted": restarted,
-            "path": str(written),
-        }
+        return _counts(len(data["groups"]) - running, running, restarted, written)
+
+    def _header(self, ask: SnapshotAsk) -> dict[str, Any]:
+        return {**snap.header(self.agent, self.codec), "meta": dict(ask.meta or {})}
 
     async def _after_snapshot(self, stream: Stream, stop: bool) -> None:
         """The stream stops (`stop`: its running trajectories are cancelled) or goes on past its boundary."""
@@ -291,29 +277,13 @@ class Local:
                 journal.writer.sync()
             self._wedge()
             ready = list(self._stream.groups.ready)
-            return {
-                "ready_groups": len(ready),
-                "running_groups": len(self._stream._running),
-                "restarted": 0,
-                "path": None,
-                "blocked": True,
-                "finished": ready,
-            }
-        data, ready = self._stream.snapshot_blocked(
-            {**snap.header(self.agent, self.codec), "meta": dict(ask.meta or {})}, thread
-        )
+            return _counts(len(ready), len(self._stream._running), 0, None, blocked=True, finished=ready)
+        data, ready = self._stream.snapshot_blocked(self._header(ask), thread)
         restarted = data.pop("restarted")
         self._wedge()
         written = _write(Path(ask.path), data, ask.fallback)
         running = sum(g["status"] == "running" for g in data["groups"])
-        return {
-            "ready_groups": len(ready),
-            "running_groups": running,
-            "restarted": restarted,
-            "path": str(written),
-            "blocked": True,
-            "finished": ready,
-        }
+        return _counts(len(ready), running, restarted, written, blocked=True, finished=ready)
 
     async def _pause_or_abort(self) -> None:
         """Every model turn in flight ends with its partial output: the servers pause in abort mode, or, where
@@ -406,6 +376,18 @@ class Local:
                 home, self._home, self.closed = self._home, None, True
                 home.close()
         self.closed = True
+
+
+def _counts(ready: int, running: int, restarted: int, path: Path | None, **blocked: Any) -> dict[str, Any]:
+    """A snapshot's answer (`asnapshot`): groups ready and running, trajectories restarted, the path written."""
+    where = None if path is None else str(path)
+    return {
+        "ready_groups": ready,
+        "running_groups": running,
+        "restarted": restarted,
+        "path": where,
+        **blocked,
+    }
 
 
 def _write(path: Path, data: dict[str, Any], fallback: Callable[[], Path] | None) -> Path:
