@@ -65,9 +65,8 @@ class Pool:
         self.moved: dict[int, tuple[int, float]] = {}  # rank -> (its progress counter, when it last changed)
         self.probes: dict[Any, int] = {}  # heartbeat ObjectRef -> rank
         self.rows: list[dict[str, Any]] = []  # continuous mode: group id -> its row
-        self.groups = Groups(
-            lambda: runner.weight_version, self._rerun
-        )  # continuous mode: finished ones, taken
+        # continuous mode: finished ones, taken
+        self.groups = Groups(lambda: runner.weight_version, self._rerun)
         self.stats = self.groups.stats
         self.stats.update(
             chunks=0,

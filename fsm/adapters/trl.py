@@ -148,9 +148,8 @@ class TRLRollout:
 
             model = trainer.accelerator.unwrap_model(trainer.model)
             training = model.training
-            backend = HFBackend(
-                model
-            )  # the trainer's module itself: sampling always sees the current weights
+            # the trainer's module itself: sampling always sees the current weights
+            backend = HFBackend(model)
             model.train(training)
             self.engine = RolloutEngine(
                 self.spec, tokenizer=trainer.processing_class, backend=backend, **self._options

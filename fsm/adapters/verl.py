@@ -411,9 +411,8 @@ class FSMAgentLoop(AgentLoopBase):
         ctx = runner.make_context(engine_params, validate=False)
         (traj,) = runner.trajectories([row])
         traj.session_id = request_id  # what tools read as agent_data.request_id, as in verl
-        backend.extra_fields = (
-            traj.extra_fields
-        )  # one dict for the server's fields and the tools', as in verl
+        # one dict for the server's fields and the tools', as in verl
+        backend.extra_fields = traj.extra_fields
         await runner.drive(ctx, traj)
         if traj.failed:
             logger.warning(

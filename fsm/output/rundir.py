@@ -29,11 +29,8 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 LOCK_FILE = ".agentfsm.lock"  # held by the run writing into the directory (fcntl.flock: freed when it exits)
-OUTPUT_FILES = (
-    "batch.pt",
-    "trajectories.jsonl",
-    "summary.json",
-)  # summary.json last: it vouches for the rest
+# summary.json last: it vouches for the rest
+OUTPUT_FILES = ("batch.pt", "trajectories.jsonl", "summary.json")
 
 
 POLICY_BATCHES = "batch.*.pt"
@@ -80,9 +77,8 @@ def prepare(path: str | Path) -> Path:
     return out
 
 
-_HELD: set[Path] = (
-    set()
-)  # directories this process holds the lock of (a POSIX lock does not refuse its owner)
+# directories this process holds the lock of (a POSIX lock does not refuse its owner)
+_HELD: set[Path] = set()
 
 
 @contextlib.contextmanager
@@ -214,9 +210,8 @@ def write_outputs(
     )
     for name, one in files.items():
         try:
-            save_batch(
-                one, out / name
-            )  # loadable with torch.load's weights_only=True (fsm/output/batchfile.py)
+            # loadable with torch.load's weights_only=True (fsm/output/batchfile.py)
+            save_batch(one, out / name)
         except RuntimeError as exc:  # torch's writer reports a full disk as a RuntimeError
             raise OSError(f"{name}: {str(exc).splitlines()[0] if str(exc) else 'write failed'}") from exc
     if isinstance(batch, dict):

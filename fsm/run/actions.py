@@ -48,9 +48,8 @@ async def encode_prompt(ctx: RunContext, traj: Trajectory) -> None:
         ids = ids[-limit:]
         traj.extra["prompt_truncated"] = True
     traj.prompt_ids.extend(ids)
-    traj.segment_start = first_segment(
-        len(traj.messages)
-    )  # the first segment's prompt renders these messages
+    # the first segment's prompt renders these messages
+    traj.segment_start = first_segment(len(traj.messages))
 
 
 def _render_prompt(ctx: RunContext, traj: Trajectory) -> list[int]:
@@ -123,9 +122,8 @@ async def generate(ctx: RunContext, traj: Trajectory) -> None:
     traj.assistant_turns += 1
     traj.last_finish_reason = finish
     text = ctx.codec.turn_text(ids)
-    traj.pending_calls = ctx.parser.parse(
-        text
-    )  # with no tools too: a call is answered "Unknown function" (verl)
+    # with no tools too: a call is answered "Unknown function" (verl)
+    traj.pending_calls = ctx.parser.parse(text)
     traj.messages.append(ctx.codec.assistant_message(text, traj.pending_calls))  # as the template reads it
 
 

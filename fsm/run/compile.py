@@ -82,9 +82,8 @@ class _Compiler:
     def __init__(self, spec: AgentSpec, loaded: LoadedSpec | None, static: bool = False):
         self.spec, self.loaded, self.static = spec, loaded, static
         self.allow = tuple(spec.trust.allow_modules)
-        self.folder = (
-            loaded.path.resolve().parent if loaded is not None else None
-        )  # its modules are importable
+        # its modules are importable
+        self.folder = loaded.path.resolve().parent if loaded is not None else None
         if self.folder is not None and not static:
             add_spec_folder(self.folder)
         self.diags: list[Diagnostic] = []

@@ -47,9 +47,8 @@ def begin(
     if len(prompt_ids) > limit:
         overflow(traj, f"a {reason} prompt of {len(prompt_ids)} tokens > prompt_length {limit}")
         return False
-    traj.start_segment(
-        prompt_ids, reason, messages
-    )  # a traced trajectory's root span gets an event (fsm/telemetry/spans.py)
+    # a traced trajectory's root span gets an event (fsm/telemetry/spans.py)
+    traj.start_segment(prompt_ids, reason, messages)
     return True
 
 
@@ -67,9 +66,8 @@ def check_segments(codec: Any, traj: Trajectory, template: bool = False) -> str 
     Under the `template` policy the last segment is checked up to its last model turn: observations after it
     (a final user reply) were never part of a context the model was given, and a template that rewrites history
     renders the turns before them differently (which is why a next turn would start a new segment)."""
-    seg_tools = getattr(traj, "extra", {}).get(
-        "segment_tools"
-    )  # per segment where they differ (a gateway tree's nodes)
+    # per segment where they differ (a gateway tree's nodes)
+    seg_tools = getattr(traj, "extra", {}).get("segment_tools")
     if seg_tools is not None and len(seg_tools) != traj.num_segments:
         seg_tools = None
     for seg in traj.segments:

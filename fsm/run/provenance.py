@@ -278,10 +278,8 @@ def model_changes(before: Mapping[str, Any], now: Mapping[str, Any], whose: str 
         ]
     if now.get("kind") == "servers":
         out = []
-        unknown = (
-            "unknown",
-            "None",
-        )  # servers whose info could not be read at start: their name is not known
+        # servers whose info could not be read at start: their name is not known
+        unknown = ("unknown", "None")
         if before.get("model") != now.get("model") and not {before.get("model"), now.get("model")} & set(
             unknown
         ):

@@ -227,9 +227,8 @@ def write(path: str | Path, data: dict[str, Any]) -> None:
     tmp = path.with_name(f".{path.name}.writing")
     text = json.dumps({**data, "checksum": _digest(data)}, ensure_ascii=False, allow_nan=False).encode()
     try:
-        os.unlink(
-            tmp
-        )  # a leftover of a killed writer, or a link someone planted: the link goes, not its target
+        # a leftover of a killed writer, or a link someone planted: the link goes, not its target
+        os.unlink(tmp)
     except FileNotFoundError:
         pass
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
