@@ -232,20 +232,21 @@ class ServerClient(BaseBackend):
         params: Any = None,
     ) -> tuple[int, Mapping[str, str], bytes]:
         """One HTTP exchange (see the module docstring)."""
-        wire = self._wire or Wire(self.url, keepalive_s=self.keepalive_s, headers=self._headers)
-        self._wire = wire
-        what = f"{self.url}: {method} {path}"
         body = None if payload is None else encode_json(payload)
         try:
-            return await wire.request(method, path, body, max_bytes=max_bytes, params=params)
+            return await self._connections().request(method, path, body, max_bytes=max_bytes, params=params)
         except WireError as e:
-            if e.kind == "oversize":
-                raise BackendMalformed(
-                    f"{what}: {e}", server=self.url, status=e.status, kind="oversize"
-                ) from None
-            if e.kind == "refused":
-                raise BackendUnavailable(f"{what}: {e}", server=self.url, kind="refused") from None
-            raise BackendUnavailable(f"{what}: {e}", server=self.url, status=e.status, kind=e.kind) from None
+            raise self._wire_fault(e, method, path) from None
+
+    def _connections(self) -> Wire:
+        if self._wire is None:
+            self._wire = Wire(self.url, keepalive_s=self.keepalive_s, headers=self._headers)
+        return self._wire
+
+    def _wire_fault(self, e: WireError, method: str, path: str) -> BackendError:
+        """A failed exchange as the retryable fault it is (a body past its bound: the server's malformed answer)."""
+        kind = BackendMalformed if e.kind == "oversize" else BackendUnavailable
+        return kind(f"{self.url}: {method} {path}: {e}", server=self.url, status=e.status, kind=e.kind)
 
     async def _retrying(
         self,
@@ -390,8 +391,10 @@ class ServerClient(BaseBackend):
 
         async def once(wire: str) -> GenerateResult:
             await self._ensure_info(timeout_s)
-            params = self._clamp(request.prompt_ids, dict(request.sampling_params))  # it reads the length
-            asked = replace(request, sampling_params=params, rid=wire)  # what the answer is held to
+            params = self._clamp(request.prompt_ids, request.sampling_params)  # a new dict when it cuts
+            asked = request  # what the answer is held to: the request itself, unless cut or renamed
+            if params is not request.sampling_params or wire != request.rid:
+                asked = replace(request, sampling_params=params, rid=wire)
             return await self._generate_once(request, asked, timeout_s)
 
         return await self._attempts(rid, request, lambda n: self._wire_rid(rid, n, request.session_id), once)
@@ -466,8 +469,10 @@ class ServerClient(BaseBackend):
         """One generate attempt under its deadline (module docstring) -> the 200 answer's JSON body, of one of
         `shapes`. Anything else raises: a body that is not JSON (malformed), a refusal (`_refusal`)."""
         self.counts["requests"] += 1
-        # owned: ends in `finally`
-        exchange = asyncio.ensure_future(self._send("POST", self.generate_path, payload, max_bytes))
+        path, wire, body = self.generate_path, self._connections(), encode_json(payload)
+        exchange = wire.pooled("POST", path, body, max_bytes=max_bytes)
+        if exchange is None:  # a connect too, under the deadline: a task, owned (ends in `finally`)
+            exchange = asyncio.ensure_future(wire.request("POST", path, body, max_bytes=max_bytes))
         try:
             if not await self._pause.wait(exchange, timeout_s):
                 grace = self._grace(timeout_s)  # the abort's call and the partial answer's wait share it
@@ -482,6 +487,8 @@ class ServerClient(BaseBackend):
                         kind="timeouts",
                     )
             status, headers, data = exchange.result()
+        except WireError as e:
+            raise self._wire_fault(e, "POST", path) from None
         finally:
             if not exchange.done():
                 exchange.cancel()  # closes the connection: both engines abort a request whose client went away

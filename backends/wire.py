@@ -58,6 +58,7 @@ class Headers(Mapping[str, str]):
         return len(self._items)
 
 
+Answer = tuple[int, Headers, bytes]  # status, headers, body
 _NO_BODY = frozenset({204, 304})
 
 
@@ -70,7 +71,7 @@ class _Connection(asyncio.Protocol):
         self.loop: asyncio.AbstractEventLoop | None = None  # the loop the connection lives on
         self.closed = False
         self.idle_since = 0.0
-        self.waiter: asyncio.Future[tuple[int, Headers, bytes]] | None = None
+        self.waiter: asyncio.Future[Answer] | None = None
         self._buf = bytearray()
         self._max = 0  # the body bound of the exchange in flight
         self._head: tuple[int, Headers] | None = None  # the answer's head, once it came
@@ -113,7 +114,7 @@ class _Connection(asyncio.Protocol):
 
     # -- one exchange -------------------------------------------------------------------------------------
 
-    def begin(self, request: bytes, max_bytes: int) -> asyncio.Future[tuple[int, Headers, bytes]]:
+    def begin(self, request: bytes, max_bytes: int) -> asyncio.Future[Answer]:
         assert self.transport is not None
         loop = asyncio.get_running_loop()
         self.waiter = loop.create_future()
@@ -230,7 +231,7 @@ class _Connection(asyncio.Protocol):
             self._status(),
         )
 
-    def _settle(self, result: tuple[int, Headers, bytes]) -> None:
+    def _settle(self, result: Answer) -> None:
         waiter, self.waiter = self.waiter, None
         if waiter is not None and not waiter.done():
             waiter.set_result(result)
@@ -288,30 +289,47 @@ class Wire:
         max_bytes: int,
         params: Mapping[str, str] | None = None,
         content_type: str = "application/json",
-    ) -> tuple[int, Headers, bytes]:
+    ) -> Answer:
         """One exchange -> (status, headers, body); WireError (module docstring) when it fails. No deadline of
         its own: a cancelled exchange closes its connection."""
+        request = self._request(method, path, body, params, content_type)
+        return await self._begin(await self._acquire(), request, max_bytes)
+
+    def pooled(self, method: str, path: str, body: bytes, *, max_bytes: int) -> asyncio.Future[Answer] | None:
+        """`request`'s exchange begun now on a pooled connection, as a future (no task: one a model call saves),
+        or None when none is idle (the caller then awaits `request`, whose connect its deadline must bound)."""
+        conn = self._pooled()
+        if conn is None:
+            return None
+        return self._begin(conn, self._request(method, path, body, None, "application/json"), max_bytes)
+
+    def _request(
+        self, method: str, path: str, body: bytes | None, params: Mapping[str, str] | None, content_type: str
+    ) -> bytes:
         target = self.prefix + path + ("?" + urlencode(params) if params else "")
         head = b"%s %s HTTP/1.1\r\n%s" % (method.encode("ascii"), target.encode("ascii"), self._common)
-        if body is not None:
-            head += b"Content-Type: %s\r\nContent-Length: %d\r\n" % (content_type.encode("ascii"), len(body))
-        request = head + b"\r\n" + body if body is not None else head + b"\r\n"
-        conn = await self._acquire()
-        try:
-            result = await conn.begin(request, max_bytes)
-        except BaseException:
-            self._busy.discard(conn)
-            conn.close()  # cancelled or failed: never reused
-            raise
-        self._busy.discard(conn)
-        if conn.keep and not conn.closed:
-            conn.idle_since = time.monotonic()
-            self._idle.append(conn)
-        else:
-            conn.close()
-        return result
+        if body is None:
+            return head + b"\r\n"
+        head += b"Content-Type: %s\r\nContent-Length: %d\r\n" % (content_type.encode("ascii"), len(body))
+        return head + b"\r\n" + body
 
-    async def _acquire(self) -> _Connection:
+    def _begin(self, conn: _Connection, request: bytes, max_bytes: int) -> asyncio.Future[Answer]:
+        """The exchange's future; once it is done the connection goes back to the pool, or is closed when the
+        exchange was cancelled or failed (never reused) or the answer said so."""
+
+        def release(waiter: asyncio.Future[Answer]) -> None:
+            self._busy.discard(conn)
+            if not waiter.cancelled() and waiter.exception() is None and conn.keep and not conn.closed:
+                conn.idle_since = time.monotonic()
+                self._idle.append(conn)
+            else:
+                conn.close()
+
+        waiter = conn.begin(request, max_bytes)
+        waiter.add_done_callback(release)
+        return waiter
+
+    def _pooled(self) -> _Connection | None:
         now = time.monotonic()
         loop = asyncio.get_running_loop()
         while self._idle:
@@ -320,8 +338,14 @@ class Wire:
                 self._busy.add(conn)
                 return conn
             conn.close()  # expired, closed by the server, or made on another event loop
+        return None
+
+    async def _acquire(self) -> _Connection:
+        conn = self._pooled()
+        if conn is not None:
+            return conn
         try:
-            _, conn = await loop.create_connection(
+            _, conn = await asyncio.get_running_loop().create_connection(
                 _Connection,
                 self.host,
                 self.port,
