@@ -12,7 +12,7 @@ number is the gateway's own CPU; `gateway_and_client` runs it in the gateway's p
 or to two (Linux, two cores or more), since at 1 in flight the cost of waking the gateway depends on it.
 `run_workers` runs N gateway processes behind a front (fsm/gateway/front.py). `--workload` is not used. CPU is
 the process's (time.process_time), divided by the model calls made; the median of `repeats` rounds, each
-running every kind once in turn.
+running every kind once in turn. From heap.FREEZE_AT in flight the heap is frozen as a RolloutEngine freezes it.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from typing import Any
 from backends.scripted import ScriptedBackend
 from fsm.api import load_tokenizer, tiny_model_dir
 from fsm.gateway import HarnessCall, harness
+from fsm.run import heap
 from fsm.run.compile import CompiledAgent, compile_spec
 from fsm.run.runtime import Runner
 from specs.calculator import SYSTEM_PROMPT, TOOL_SCHEMA, _format, evaluate
@@ -284,6 +285,7 @@ def bench_gateway(
         }
 
         async def one(kind: str, n: int, concurrency: int) -> tuple[float, int]:
+            held = heap.hold() if concurrency >= heap.FREEZE_AT else None
             runner = Runner(
                 _unscored(agents[kind]),
                 _backend(tokenizer),
@@ -298,6 +300,8 @@ def bench_gateway(
                 if http is not None:
                     await http.close()
                 await _stop_client()
+                if held is not None:
+                    held.release()
 
         def cpu_per_call(kind: str, n: int, concurrency: int) -> float:
             with _placed(kind):
