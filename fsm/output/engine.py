@@ -70,7 +70,7 @@ class Core(Protocol):
     @property
     def weight_version(
         self,
-    ) -> int: ...  # the servers' weights: 0 at first (or the int they report), then each update's
+    ) -> int: ...  # the servers': 0 at first (or the int they report), then each update's
     @property
     def paused(self) -> bool: ...  # between a pause and a resume: no model request is issued meanwhile
     @property
@@ -84,12 +84,8 @@ class Core(Protocol):
     async def submit_here(
         self, rows: Sequence[Any], n: int, sampling: Sampling, first_index: int | None
     ) -> list[str]: ...  # start every row n times (the continuous mode); the groups' uids
-    async def take_here(
-        self, ask: Take
-    ) -> list[Group]: ...  # the first `num_groups` finished groups (fsm/run/stream.py `Groups.take`)
-    async def control_here(
-        self, command: Command
-    ) -> Any: ...  # on every server (fsm/run/control.py `Controls`)
+    async def take_here(self, ask: Take) -> list[Group]: ...  # the first finished groups (`Groups.take`)
+    async def control_here(self, command: Command) -> Any: ...  # on every server (fsm/run/control.py)
     async def aclose(self) -> None: ...
     def close(self) -> None: ...
 
@@ -98,9 +94,8 @@ class Core(Protocol):
 class Snapshotting(Protocol):
     """A core that snapshots, restores and journals its running groups (`Local`); EngineRefused on any other."""
 
-    async def take_snapshot(
-        self, ask: SnapshotAsk
-    ) -> dict[str, Any]: ...  # from any loop: it waits for the state's loop, or snapshots from outside it
+    # from any loop: it waits for the state's loop, or snapshots from outside it
+    async def take_snapshot(self, ask: SnapshotAsk) -> dict[str, Any]: ...
     async def restore_here(self, path: str | Path | Mapping[str, Any]) -> dict[str, Any]: ...
     async def journal_here(self, journal: Any) -> None: ...
 

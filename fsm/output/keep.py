@@ -79,9 +79,7 @@ class Rollout:
     router_stats: Any
     interrupted: bool
     cpu: float  # this process's CPU seconds over the same window (all threads: the model's, the exporters')
-    more: dict[str, Any] = field(
-        default_factory=dict
-    )  # more for the summary (a run over gateway workers: theirs)
+    more: dict[str, Any] = field(default_factory=dict)  # more for the summary (gateway workers: theirs)
     journal: Any = None  # the run's journal (fsm/run/journal.py Recorder), open: `finish` ends and closes it
 
 

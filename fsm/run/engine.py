@@ -169,9 +169,7 @@ class LocalEngine(Protocol):
     runner: Runner
 
     @property
-    def wedged(
-        self,
-    ) -> bool: ...  # a snapshot was taken while code blocked its loop: that loop runs nothing more
+    def wedged(self) -> bool: ...  # a snapshot was taken while code blocked its loop: it runs nothing more
     @property
     def backend(self) -> Backend: ...
     @property
