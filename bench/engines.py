@@ -11,7 +11,9 @@ Then the client under load: `in_flight` rows (1,000 by default) all in flight ag
 client's CPU per model call (what one process pays per call when a fleet answers fast) in an engine's first
 batch and in its second (a trainer's every later step), and, with
 `processes`, the same rows split over 1, 2, ... processes started together: calls per second in all, and CPU
-per call summed over the processes. A server slower than the clients bounds the calls per second, not them.
+per call summed over the processes. A server slower than the clients bounds the calls per second, not them:
+without --server, each process has a modeled vLLM server of its own (bench/fleet_sim.py, its token route,
+compute free), and the servers' own CPU is counted beside the clients'.
 """
 
 from __future__ import annotations
@@ -19,14 +21,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import multiprocessing
+import os
+import queue
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from backends.tiny import ASSET_DIR
+from bench.fleet_sim import Costs
 
 
 async def _run(
@@ -70,14 +76,32 @@ async def _run(
         }
 
 
-def _load(url: str, rows: list[dict[str, Any]], ready: Any, out: Any) -> None:
-    """One process of the load: its rows against `url`, started with the others (`ready`, a barrier)."""
+def _load(url: str, rows: list[dict[str, Any]], go: Any, out: Any) -> None:
+    """One process of the load: its rows against `url`, once every process is ready (`out` says so; `go`)."""
     from fsm.api import load_tokenizer
 
     tokenizer = load_tokenizer(str(ASSET_DIR))
-    ready.wait()
+    out.put(None)
+    go.wait()
     run = asyncio.run(_run(url, rows, tokenizer))
     out.put({k: run[k] for k in ("wall_s", "client_cpu_s", "model_calls", "failed")})
+
+
+def _take(out: Any, procs: list[Any]) -> list[Any]:
+    """One message from each process, or a one-line error once one of them died (its traceback is above)."""
+    got: list[Any] = []
+    while len(got) < len(procs):
+        try:
+            got.append(out.get(timeout=1))
+        except queue.Empty:
+            if dead := [p for p in procs if p.exitcode not in (None, 0)]:
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(
+                    f"bench engines: client process {dead[0].pid} exited with code {dead[0].exitcode}; "
+                    "its error is printed above"
+                ) from None
+    return got
 
 
 def load(url: str | Sequence[str], rows: list[dict[str, Any]], processes: int) -> dict[str, Any]:
@@ -86,18 +110,19 @@ def load(url: str | Sequence[str], rows: list[dict[str, Any]], processes: int) -
     process's, the servers' and other load's: where it nears 1 the cores have run out)."""
     urls = [url] if isinstance(url, str) else list(url)
     ctx = multiprocessing.get_context("spawn")
-    ready, out = ctx.Barrier(processes + 1), ctx.Queue()
+    go, out = ctx.Event(), ctx.Queue()
     shares = [rows[i::processes] for i in range(processes)]
     procs = [
-        ctx.Process(target=_load, args=(urls[i % len(urls)], share, ready, out))
+        ctx.Process(target=_load, args=(urls[i % len(urls)], share, go, out))
         for i, share in enumerate(shares)
     ]
     for p in procs:
         p.start()
-    ready.wait(600)  # every process has its tokenizer: they start together
-    busy = _cpu_ticks()
-    runs = [out.get(timeout=3600) for _ in procs]
-    busy = _busy_share(busy, _cpu_ticks())
+    _take(out, procs)  # every process has its tokenizer: they start together
+    go.set()
+    ticks = _cpu_ticks()
+    runs = _take(out, procs)
+    busy = _busy_share(ticks, _cpu_ticks())
     for p in procs:
         p.join(60)
     calls = sum(r["model_calls"] for r in runs)
@@ -109,8 +134,83 @@ def load(url: str | Sequence[str], rows: list[dict[str, Any]], processes: int) -
         "failed": sum(r["failed"] for r in runs),
         "calls_per_s": calls / wall,
         "client_cpu_ms_per_call": sum(r["client_cpu_s"] for r in runs) / max(1, calls) * 1e3,
+        # one core is all a client's event loop can use: near 1, the loop is what bounds its calls
+        "client_loop_busy_share": statistics.fmean(r["client_cpu_s"] / r["wall_s"] for r in runs),
         "cores_busy_share": busy,
     }
+
+
+# The modeled servers' flags for `processes`: compute free (a server faster than any client) and the limits
+# vLLM's API server takes on an H100 (1,024 sequences, 8,192 batched tokens a step)
+FREE_COMPUTE = [
+    *(x for f in Costs.__dataclass_fields__ if f.endswith("_s") for x in ("--" + f.replace("_", "-"), "0")),
+    *("--max-num-seqs", "1024", "--max-batched-tokens", "8192"),
+]
+
+
+@contextlib.contextmanager
+def modeled_servers(n: int) -> Iterator[Any]:
+    """`n` modeled vLLM servers (bench/fleet_sim.py) with FREE_COMPUTE, as processes; yields their launcher
+    (`urls`, `procs`)."""
+    from bench.fleet import SimLauncher, free_port
+
+    with tempfile.TemporaryDirectory(prefix="agentfsm-bench-engines-") as tmp:
+        launcher = SimLauncher(
+            str(ASSET_DIR),
+            dp=n,
+            base_port=free_port(),
+            log_dir=tmp,
+            startup_timeout_s=120,
+            extra_args=FREE_COMPUTE,
+        )
+        asyncio.run(launcher.__aenter__())
+        try:
+            yield launcher
+        finally:
+            asyncio.run(launcher.stop())
+
+
+def bench_processes(
+    processes: Sequence[int], rows: list[dict[str, Any]], repeats: int
+) -> list[dict[str, Any]]:
+    """`rows` split over each count of `processes` client processes, a modeled server each (the counts
+    alternated over `repeats` rounds): calls/s and CPU per call of the clients and of the servers, medians and
+    ranges."""
+    runs: dict[int, list[dict[str, Any]]] = {p: [] for p in processes}
+    with modeled_servers(max(processes)) as fleet:
+        for r in range(repeats):
+            for p in _turns(list(processes), r):
+                before = _cpu_s(fleet.procs)
+                scaled = load(fleet.urls, rows, p)
+                scaled["server_cpu_ms_per_call"] = (
+                    (_cpu_s(fleet.procs) - before) / scaled["model_calls"] * 1e3
+                )
+                runs[p].append(scaled)
+    keys = ("calls_per_s", "client_cpu_ms_per_call", "server_cpu_ms_per_call", "client_loop_busy_share")
+    out = []
+    for p, rs in runs.items():
+        row = {"processes": p, "failed": max(x["failed"] for x in rs), "model_calls": rs[0]["model_calls"]}
+        row.update({k: _range([x[k] for x in rs]) for k in keys})
+        row["cores_busy_share"] = _range([x["cores_busy_share"] or 0.0 for x in rs])
+        out.append(row)
+        print(
+            f"        calculator: {len(rows):,} in flight over {p} process(es), a modeled vLLM server each: "
+            f"{_show(row['calls_per_s'], 0)} calls/s, client CPU {_show(row['client_cpu_ms_per_call'])} ms per "
+            f"call, servers' {_show(row['server_cpu_ms_per_call'])} ms; each client's loop "
+            f"{row['client_loop_busy_share']['median']:.0%} busy, the machine's cores "
+            f"{row['cores_busy_share']['median']:.0%}",
+            file=sys.stderr,
+        )
+    return out
+
+
+def _cpu_s(procs: Sequence[Any]) -> float:
+    """CPU seconds (user + system) the processes used so far (/proc/PID/stat)."""
+    total = 0
+    for proc in procs:
+        with open(f"/proc/{proc.pid}/stat", encoding="ascii") as f:
+            total += sum(int(x) for x in f.read().rsplit(")", 1)[1].split()[11:13])
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def _cpu_ticks() -> tuple[int, int]:
@@ -288,30 +388,23 @@ def bench_instant(
                     f"{s['steady_calls_per_s']:.0f} calls/s; reward {s['reward_mean']:.2f}",
                     file=sys.stderr,
                 )
-            if processes and "calculator" in shapes:
-                out["processes"] = []
-                # a server per client process, so no one server process bounds the clients
-                servers = stack.enter_context(scripted_servers(max(processes), mode=SHAPES["calculator"][0]))
-                for p in processes:
-                    scaled = load(servers, rows, p)
-                    out["processes"].append(scaled)
-                    print(
-                        f"        calculator: {in_flight:,} in flight over {p} process(es), a server each: "
-                        f"{scaled['calls_per_s']:.0f} calls/s, client CPU {scaled['client_cpu_ms_per_call']:.2f} "
-                        f"ms per call, the machine's cores {scaled['cores_busy_share']:.0%} busy",
-                        file=sys.stderr,
-                    )
     finally:
         collector.terminate()
         collector.wait(10)
+    if processes:  # a server per client process, so no one server process bounds the clients
+        out["processes"] = bench_processes(processes, rows, repeats)
     return out
 
 
 def _spread(runs: list[dict[str, Any]]) -> dict[str, float]:
     """Median and range of the runs' client CPU per model call, in ms."""
-    each = sorted(x["client_cpu_s"] / max(1, x["model_calls"]) * 1e3 for x in runs)
+    return _range([x["client_cpu_s"] / max(1, x["model_calls"]) * 1e3 for x in runs])
+
+
+def _range(values: list[float]) -> dict[str, float]:
+    each = sorted(values)
     return {"median": round(statistics.median(each), 3), "min": round(each[0], 3), "max": round(each[-1], 3)}
 
 
-def _show(spread: dict[str, float]) -> str:
-    return f"{spread['median']:.2f} ({spread['min']:.2f}-{spread['max']:.2f})"
+def _show(spread: dict[str, float], digits: int = 2) -> str:
+    return f"{spread['median']:.{digits}f} ({spread['min']:.{digits}f}-{spread['max']:.{digits}f})"

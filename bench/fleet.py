@@ -570,7 +570,8 @@ class SimLauncher(SGLangLauncher):
         super().__init__(model_path, mem_fraction=None, module="bench.fleet_sim", env=env, **options)
 
     def command(self, i: int) -> list[str]:
-        return [self.python, "-m", self.module, "--port", str(self.base_port + i), "--root", self.model_path]
+        port = ["--port", str(self.base_port + i)]
+        return [self.python, "-m", self.module, *port, "--root", self.model_path, *self.extra_args]
 
 
 async def _simulated(n: int, trace: str | None, which: dict[str, Any]) -> dict[str, Any]:

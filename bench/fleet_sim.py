@@ -4,7 +4,9 @@ On this machine the real fleet (bench/fleet.py) shares 2 cores between the serve
 the routers and the client, so which process a core serves decides a step's last seconds and no router's
 makespan reproduces. A fleet whose servers compute apart from the clients (GPUs) cannot run here; this model
 stands in for it. Each server is its own process that answers vLLM's routes (/v1/completions with a text
-prompt, /metrics, /health, /v1/models, /reset_prefix_cache) and runs vLLM v1's scheduling in outline:
+prompt; /inference/v1/generate with token ids, the route the engine's client drives, answered with the
+calculator's real turns over the tokenizer in --root; /metrics, /health, /v1/models, /reset_prefix_cache) and
+runs vLLM v1's scheduling in outline:
 
 - a running set of at most `max_num_seqs`, each engine step a token budget of `max_batched_tokens` spent on
   the running sequences first (one token per decoding sequence, chunks of pending prompts), then on admitting
@@ -16,7 +18,7 @@ prompt, /metrics, /health, /v1/models, /reset_prefix_cache) and runs vLLM v1's s
   token and a token it attends, per decoding sequence and per token of context it attends, constants fitted by `calibrate` against a real vLLM server (the defaults:
   vLLM 0.32's CPU engine on one core of this machine, the padded tiny model; docs/benchmarks.md).
 
-A prompt's tokens are its whitespace-separated words (bench/fleet.py replays words that are one token each).
+A text prompt's tokens are its whitespace-separated words (bench/fleet.py replays words that are one token each).
 What it leaves out: preemption when the KV cache is full (the shapes fit), sampling, and the front end's own
 CPU. The engine routers cannot tell it from vLLM: they forward the same bytes and read the same routes.
 """
@@ -83,7 +85,7 @@ class Costs:
 
 @dataclass(eq=False)
 class Seq:
-    tokens: list[str]
+    tokens: list[Any]  # words of a text prompt, or token ids
     new: int
     priority: int
     arrival: int
@@ -116,7 +118,7 @@ class Engine:
         self._wake = asyncio.Event()
         self._loop: asyncio.Task[None] | None = None
 
-    def _block_keys(self, tokens: list[str]) -> list[int]:
+    def _block_keys(self, tokens: list[Any]) -> list[int]:
         keys, h = [], 0
         for i in range(len(tokens) // self.costs.block):
             h = hash((h, *tokens[i * self.costs.block : (i + 1) * self.costs.block]))
@@ -140,7 +142,7 @@ class Engine:
         while len(self.cache) > self.costs.cache_blocks:
             self.cache.popitem(last=False)
 
-    async def generate(self, tokens: list[str], new: int, priority: int) -> Seq:
+    async def generate(self, tokens: list[Any], new: int, priority: int) -> Seq:
         if self.costs.frontend_s:
             async with self._frontend:
                 await asyncio.sleep(self.costs.frontend_s)
@@ -225,11 +227,26 @@ class Engine:
 
 def app(engine: Engine, model: str, root: str) -> web.Application:
     labels = f'{{engine="0",model_name="{model}"}}'
+    calculator: list[Any] = []  # the token route's model, made at its first request (root's tokenizer)
 
     def refuse(message: str) -> web.Response:  # vLLM's shape of a 400
         return web.json_response(
             {"error": {"message": message, "type": "BadRequestError", "code": 400}}, status=400
         )
+
+    def too_long(prompt: int, new: int) -> web.Response | None:  # as vLLM: the whole sequence must fit
+        if prompt + new <= MAX_MODEL_LEN:
+            return None
+        return refuse(f"{prompt} prompt tokens + max_tokens {new} exceed the context of {MAX_MODEL_LEN}")
+
+    def usage(seq: Seq) -> dict[str, Any]:
+        n = len(seq.tokens)
+        return {
+            "prompt_tokens": n,
+            "completion_tokens": seq.new,
+            "total_tokens": n + seq.new,
+            "prompt_tokens_details": {"cached_tokens": seq.cached},
+        }
 
     async def completions(request: web.Request) -> web.Response:
         try:
@@ -238,32 +255,50 @@ def app(engine: Engine, model: str, root: str) -> web.Application:
             new, priority = int(body.get("max_tokens") or 16), int(body.get("priority") or 0)
         except (ValueError, TypeError, KeyError, AttributeError) as e:
             return refuse(f"not a completion request with a text prompt ({type(e).__name__}: {e})")
-        if len(tokens) + new > MAX_MODEL_LEN:  # as vLLM: the whole sequence must fit the context
-            return refuse(
-                f"{len(tokens)} prompt tokens + max_tokens {new} exceed the context of {MAX_MODEL_LEN}"
-            )
+        if refused := too_long(len(tokens), new):
+            return refused
         seq = await engine.generate(tokens, new, priority)
+        choice = {"index": 0, "text": " a" * seq.new, "token_ids": [0] * seq.new, "finish_reason": "length"}
         return web.json_response(
             {
                 "id": f"cmpl-{seq.arrival}",
                 "object": "text_completion",
                 "created": int(time.time()),
                 "model": model,
-                "choices": [
-                    {
-                        "index": 0,
-                        "text": " a" * seq.new,
-                        "token_ids": [0] * seq.new,
-                        "finish_reason": "length",
-                        "logprobs": None,
-                    }
-                ],
-                "usage": {
-                    "prompt_tokens": len(tokens),
-                    "completion_tokens": seq.new,
-                    "total_tokens": len(tokens) + seq.new,
-                    "prompt_tokens_details": {"cached_tokens": seq.cached},
-                },
+                "choices": [{**choice, "logprobs": None}],
+                "usage": usage(seq),
+            }
+        )
+
+    async def generate(request: web.Request) -> web.Response:
+        """vLLM's token route (backends/vllm.py speaks it): the calculator model's turn, scheduled as its
+        tokens; the sampling parameters it reads are max_tokens, stop_token_ids and logprobs."""
+        from backends.base import GenerateRequest
+        from backends.scripted import calculator_backend
+
+        try:
+            body = await request.json()
+            ids, params = body["token_ids"], body.get("sampling_params") or {}
+            if not isinstance(ids, list) or not all(type(t) is int for t in ids):
+                raise TypeError("token_ids is not a list of integers")
+            new, priority = int(params.get("max_tokens") or 16), int(body.get("priority") or 0)
+            stops = list(params.get("stop_token_ids") or ())
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            return refuse(f"not a generate request with token_ids ({type(e).__name__}: {e})")
+        if refused := too_long(len(ids), new):
+            return refused
+        if not calculator:
+            calculator.append(calculator_backend(root))
+        asked = {"max_new_tokens": new, "stop_token_ids": stops}
+        said = await calculator[0].generate(GenerateRequest("", ids, asked, return_logprob=False))
+        seq = await engine.generate(ids, len(said.token_ids), priority)
+        logprobs = [{"token_id": t, "logprob": -0.5} for t in said.token_ids]
+        choice = {"index": 0, "token_ids": said.token_ids, "finish_reason": said.finish_reason}
+        return web.json_response(
+            {
+                "request_id": body.get("request_id"),
+                "choices": [{**choice, "logprobs": {"content": logprobs} if "logprobs" in params else None}],
+                "usage": usage(seq),
             }
         )
 
@@ -288,7 +323,7 @@ def app(engine: Engine, model: str, root: str) -> web.Application:
                         "id": model,
                         "object": "model",
                         "root": root,
-                        "owned_by": "agentfsm",
+                        "owned_by": "vllm",  # how the engine tells a vLLM server (backends/engines.py)
                         "max_model_len": MAX_MODEL_LEN,
                     }
                 ],
@@ -306,6 +341,7 @@ def app(engine: Engine, model: str, root: str) -> web.Application:
     a.add_routes(
         [
             web.post("/v1/completions", completions),
+            web.post("/inference/v1/generate", generate),
             web.get("/metrics", metrics),
             web.get("/v1/models", models),
             web.post("/reset_prefix_cache", reset),

@@ -70,9 +70,11 @@ def _request(tok, messages, schema):
 def test_bench_engines_without_servers_runs_the_real_turn_shape_and_names_the_echo_one():
     """`agentfsm bench engines` with no --server, as a user runs it (a real CLI process, its instant dev servers and
     collector in processes of their own): the calculator's real turns, untraced and traced, and the echo shape,
-    each named, every row answered right (reward 1 on the calculator); a shape it does not have is one line.
-    ~35 s at load 11 on 2 cores (the CLI process importing the engine, three engines started, two batches each):
-    the real command, as a user runs it, is the point."""
+    each named, every row answered right (reward 1 on the calculator); with --processes, the rows split over two
+    client processes, each against a modeled vLLM server of its own (bench/fleet_sim.py's token route), the
+    servers' CPU counted; a shape it does not have is one line. ~45 s at load 6 on 2 cores (the CLI process and
+    two clients importing the engine, three engines started, two batches each): the real command, as a user runs
+    it, is the point."""
     cmd = [
         sys.executable,
         "-m",
@@ -84,9 +86,15 @@ def test_bench_engines_without_servers_runs_the_real_turn_shape_and_names_the_ec
         "--repeats",
         "1",
     ]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([*cmd, "--processes", "2"], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    shapes = json.loads(done.stdout)["shapes"]
+    out = json.loads(done.stdout)
+    (scaled,) = out["processes"]
+    assert scaled["processes"] == 2 and scaled["failed"] == 0 and scaled["model_calls"] == 8
+    for key in ("calls_per_s", "client_cpu_ms_per_call", "server_cpu_ms_per_call"):
+        assert scaled[key]["median"] > 0, key
+    assert "over 2 process(es), a modeled vLLM server each" in done.stderr
+    shapes = out["shapes"]
     assert set(shapes) == {"calculator", "calculator, traced", "echo"}
     for name, s in shapes.items():
         assert s["failed"] == 0 and s["steady_client_cpu_ms_per_call"]["median"] > 0, name
@@ -97,3 +105,25 @@ def test_bench_engines_without_servers_runs_the_real_turn_shape_and_names_the_ec
     refused = subprocess.run([*cmd[:5], "--shape", "long"], capture_output=True, text=True, timeout=300)
     assert refused.returncode != 0 and "Traceback" not in refused.stderr
     assert refused.stderr.strip().splitlines()[-1].endswith("no --shape long (engines: calculator | echo)")
+
+
+def test_processes_are_counted_as_given_and_a_dead_one_is_one_line_not_a_hang():
+    """`--processes 1 2 4` (one flag, several counts); a client process that dies before it reports ends the load
+    with one line naming it, where the load used to wait an hour on its queue."""
+    import multiprocessing
+
+    import pytest
+
+    from bench.engines import _take
+    from fsm.cli.commands import build_parser
+
+    assert build_parser().parse_args(["bench", "engines", "--processes", "1", "2", "4"]).processes == [
+        1,
+        2,
+        4,
+    ]
+    ctx = multiprocessing.get_context("spawn")
+    dead = ctx.Process(target=sys.exit, args=(3,))
+    dead.start()
+    with pytest.raises(RuntimeError, match=rf"client process {dead.pid} exited with code 3; its error"):
+        _take(ctx.Queue(), [dead])

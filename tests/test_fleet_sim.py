@@ -242,3 +242,49 @@ def test_a_malformed_or_oversized_request_is_refused_with_400_and_the_server_ser
     assert [status for status, _ in answers] == [400] * len(bad)
     assert "exceed the context of 32768" in answers[-1][1]
     assert ok == (200, 2)
+
+
+def test_the_token_route_answers_the_engines_vllm_client_with_the_calculators_turns():
+    """The route the engine's client drives (vLLM's /inference/v1/generate, token ids in and out), as the engine
+    sees the server: told apart as vLLM, a real calculator prompt answered with its tool call, scheduled as its
+    tokens (a repeat of the prompt served from the prefix cache), and a request without token ids refused."""
+    from backends.base import GenerateRequest
+    from backends.engines import detect_engine
+    from backends.vllm import VLLMBackend
+    from fsm.api import load_tokenizer
+    from specs.calculator import SYSTEM_PROMPT, TOOL_SCHEMA
+
+    tok = load_tokenizer(str(ASSET_DIR))
+    asked = [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": "What is 37 * 12 + 5?"},
+    ]
+    text = tok.apply_chat_template(asked, tools=[TOOL_SCHEMA], add_generation_prompt=True, tokenize=False)
+    ids = tok.encode(text, add_special_tokens=False)
+
+    async def go():
+        e = Engine(FREE)
+        async with TestServer(app(e, "tiny", str(ASSET_DIR))) as server:
+            url = str(server.make_url("")).rstrip("/")
+            engine = await detect_engine(url)
+            client = VLLMBackend(url)
+            await client.start()
+            try:
+                params = {"max_new_tokens": 64, "stop_token_ids": [tok.eos_token_id]}
+                first, second = [await client.generate(GenerateRequest("s", ids, params)) for _ in range(2)]
+                status, refused = await client._call("POST", "/inference/v1/generate", {"token_ids": "37"})
+            finally:
+                await client.close()
+        await e.close()
+        return engine, first, second, status, refused
+
+    engine, first, second, status, refused = run(go())
+    assert engine == "vllm"
+    assert tok.decode(first.token_ids) == (
+        '<tool_call>\n{"name": "calculator", "arguments": {"expression": "37 * 12 + 5"}}\n</tool_call>'
+        + tok.eos_token
+    )
+    assert first.finish_reason == "stop" and len(first.logprobs) == len(first.token_ids)
+    assert (first.prompt_tokens, first.cached_tokens) == (len(ids), 0)
+    assert second.cached_tokens == (len(ids) - 1) // 128 * 128 > 0
+    assert status == 400 and "not a generate request with token_ids" in refused["error"]["message"]

@@ -370,9 +370,11 @@ def bench_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--processes",
         type=COUNT,
-        action="append",
+        nargs="+",
+        action="extend",
         metavar="N",
-        help="engines: also run the load split over N processes (repeatable: --processes 1 --processes 2)",
+        help="engines: also run the load split over N processes (--processes 1 2 4); without --server, each "
+        "with a modeled vLLM server of its own (bench/fleet_sim.py), the counts alternated over --repeats rounds",
     )
     p.add_argument(
         "--tool-turns", type=int_in(0), default=4, metavar="N", help="engine: tool turns per trajectory"
