@@ -1,32 +1,6 @@
-"""The record format of a run's trajectories.jsonl: what `agentfsm run` writes for each finished trajectory
-(fsm/output/rundir.py), and how it is read back (`agentfsm show`, viz/transcript.py, the CLI's outcome lines).
-
-`trajectory_record(traj, codec)` is one JSON line, one per trajectory:
-
-    {"index": 3, "uid": "calc-0-1", "sample": 1, "session_id": "...", "termination_reason": "done",
-     "reward_score": 1.0, "ground_truth": "449", "state_path": ["PENDING", "GENERATING", ...], "num_turns": 4,
-     "error": null,
-     "prompt": "<|im_start|>system ...", "prompt_tokens": 216,
-     "turns": [{"role": "assistant", "text": "<tool_call>...", "mask": 1, "n_tokens": 22},
-               {"role": "template", "text": "\\n", "mask": 0, "n_tokens": 1},
-               {"role": "tool", "text": "<|im_start|>user\\n<tool_response>...", "mask": 0, "n_tokens": 13}, ...]}
-
-A trajectory whose context was rewritten (several segments, each a training row) also has `"segments"`: one
-`{"index", "reason", "prompt", "prompt_tokens", "turns"}` per segment in order; the top-level `prompt` and
-`turns` are then its last segment's.
-
-A harness row (fsm/gateway/harness.py) also has `"harness"`: how its harness ended (`outcome`: returned, exit,
-error, timeout, spinning, cancelled; `error`: its error or stderr tail; `exit_code`; `result`: what it returned or
-printed). A row of a tree (a gateway session with child sessions or branches, docs/gateway.md) has its place in
-it, at the top level and in each segment: `tree`, `node`, `parent`, `node_kind`, `branch_offset`, `policy`,
-`depth`, `weight`, `shared_prefix`. A row that `--check-tokens` found different from a re-render has `"token_check"`: its segment (when
-there are several), the first differing token position and the text on both sides there.
-
-`turns` are the trajectory's response token runs in order: "assistant" (the model's tokens, mask 1), "tool"
-and "user" (observations, mask 0) and "template" (chat-template scaffolding the model did not generate,
-mask 0), decoded with special tokens kept; `ground_truth` is the row's `reward_model.ground_truth` (None
-when it has none). viz/transcript.py prints them
-(`agentfsm show`), with the answer beside the ground truth.
+"""The record format of a run's trajectories.jsonl (docs/contracts.md): what `agentfsm run` writes for each
+finished trajectory (fsm/output/rundir.py), and how it is read back (`agentfsm show`, viz/transcript.py, the CLI's
+outcome lines). `trajectory_record(traj, codec)` is one JSON line, one per trajectory.
 """
 
 from __future__ import annotations

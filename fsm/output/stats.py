@@ -1,29 +1,6 @@
 """A run's statistics: how often each edge fired, how long each state took, how runs ended. They are a run
-result (the "fsm" section of summary.json, written by fsm/output/rundir.py); viz/diagram.py only draws them.
-
-`run_stats(agent, trajectories)` is what `agentfsm run` stores as the "fsm" section of summary.json, and
-`load_run_stats(run_dir)` reads it back. The result is plain JSON:
-
-    {"trajectories": 40, "agent": "calculator", "agent_hash": "94ce80949a6e",
-     "edges": {"4": {"source": "GENERATING", "dest": "PROCESSING_TOOLS", "guard": "has_tool_calls",
-                     "reason": null, "count": 52, "trajectories": 38, "share": 0.95}, ...},
-     "states": {"GENERATING": {"visits": 90, "mean_s": 0.41, "total_s": 36.9, "failed": 2}, ...},
-     "termination_reasons": {"done": 30, "response_length": 8, "error: backend": 2},
-     "final_states": {"TERMINATED": {"done": 30, "response_length": 8}},
-     "segments": {"rows": 40, "rewritten": 0, "per_trajectory": {"1": 40}}}
-
-Edges are keyed by their global index (`Edge.index`, stable for a given spec; `fsm.edge` on the trace
-spans); `count` is how many times the edge fired, `share` the fraction of trajectories in which it fired
-at least once. A state's time runs from entering it to leaving it (the driver's `Trajectory.path_times`).
-A tree counts every node that runs this machine (`machine_nodes`): `trajectories` and `share` are per tree (the
-edge fired in any of its nodes), a fork's branches count from the fork on (the forking state's visit is the
-node's that forked; the branches' time in it is theirs), and a child machine of another spec is left out.
-
-Context rewrites (docs/contexts.md): a rewrite is a transition into a state whose action starts a new segment
-(a summary or window state, or `generate` under the `template` policy). Where segments started, the state has
-`segments` (how many started in it) and `segment_reasons` ({"summary": 8, "rewrite": 8}), and the edge that
-entered it `rewrites` (its firings that led to a new segment) and `segments` (the segments they started); the
-"segments" section counts the rows (one per segment) and how many segments each trajectory had.
+result (the "fsm" section of summary.json, written by fsm/output/rundir.py; its format: docs/contracts.md);
+viz/diagram.py only draws them. `run_stats(agent, trajectories)` makes it, `load_run_stats(run_dir)` reads it back.
 """
 
 from __future__ import annotations
