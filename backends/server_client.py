@@ -10,7 +10,7 @@ context edge) stays in each engine's module.
 - `_call` is a control call with retries (`backends.retry` policy: jittered exponential backoff, Retry-After
   honoured): 408/429/5xx, redirects (never followed) and transport faults are retried, 2xx and 4xx come back
   as (status, body);
-- `_attempts` runs a generate under the retry policy: each attempt has its own wire rid (the engine picks
+- `generate` runs a turn under the retry policy: each attempt has its own wire rid (the engine picks
   it), is live for `abort(session_id)` and `where()`, and counts its fault by kind; a `BackendTimeout` is
   not retried here (a hung server stays hung) but fails over in the router;
 - `_exchange` is one generate attempt under its deadline (`request_timeout_s`, else the request's, else
@@ -256,16 +256,13 @@ class ServerClient(BaseBackend):
         retryable: Callable[[BaseException], bool] | None = None,
     ) -> T:
         """`retry()` with this client's message: the last failure, named by server and attempt count."""
-        tries = 0
-
-        async def counted(n: int) -> T:
-            nonlocal tries
-            tries = n
-            return await attempt_fn(n)
-
+        retried = [0]  # the attempts retry() retried: counted by its hook, not by a coroutine around each
         try:
-            return await retry(policy, counted, retryable=retryable)
+            return await retry(
+                policy, attempt_fn, retryable=retryable, on_retry=lambda n, *_: retried.append(n)
+            )
         except BackendUnavailable as e:
+            tries = retried[-1] + 1
             message = f"{self.url} unavailable after {tries} attempt(s) of {what}: {str(e).removeprefix(self.url + ': ')}"
             raise type(e)(message, server=self.url, status=e.status, kind=e.kind) from e
 
@@ -389,15 +386,32 @@ class ServerClient(BaseBackend):
         rid = request.rid or f"{request.session_id}_g{uuid.uuid4().hex}"
         timeout_s = self.deadline(request)
 
-        async def once(wire: str) -> GenerateResult:
-            await self._ensure_info(timeout_s)
-            params = self._clamp(request.prompt_ids, request.sampling_params)  # a new dict when it cuts
-            asked = request  # what the answer is held to: the request itself, unless cut or renamed
-            if params is not request.sampling_params or wire != request.rid:
-                asked = replace(request, sampling_params=params, rid=wire)
-            return await self._generate_once(request, asked, timeout_s)
+        async def attempt(n: int) -> GenerateResult:
+            if n > 1:
+                self.counts["retries"] += 1
+            wire = self._wire_rid(rid, n, request.session_id)
+            self._live[wire] = request.session_id
+            try:
+                await self._ensure_info(timeout_s)
+                params = self._clamp(request.prompt_ids, request.sampling_params)  # a new dict when it cuts
+                asked = request  # what the answer is held to: the request itself, unless cut or renamed
+                if params is not request.sampling_params or wire != request.rid:
+                    asked = replace(request, sampling_params=params, rid=wire)
+                return await self._generate_once(request, asked, timeout_s)
+            except BackendError as e:
+                if e.kind in self.faults:
+                    self.faults[e.kind] += 1
+                self._attempt_failed(wire, e)
+                raise
+            finally:
+                self._live.pop(wire, None)
 
-        return await self._attempts(rid, request, lambda n: self._wire_rid(rid, n, request.session_id), once)
+        def retryable(e: BaseException) -> bool:  # a hung server stays hung: the router fails over instead
+            return self.retry_policy.retryable(e) and not isinstance(e, BackendTimeout)
+
+        return await self._retrying(
+            f"POST {self.generate_path} (rid {rid})", attempt, self.retry_policy, retryable
+        )
 
     def _context_cut(self, result: GenerateResult, request: GenerateRequest) -> GenerateResult:
         """Mark a turn that ended by "length" with fewer tokens than the engine asked for: the context was full
@@ -420,37 +434,6 @@ class ServerClient(BaseBackend):
         """One attempt of `request` as `asked` (its clamped budget, its wire rid): the engine's payload, sent
         by `_exchange`, and its answer checked by `backends.answer.parse_generate`."""
         raise NotImplementedError
-
-    async def _attempts(
-        self,
-        rid: str,
-        request: GenerateRequest,
-        wire: Callable[[int], str],
-        once: Callable[[str], Awaitable[GenerateResult]],
-    ) -> GenerateResult:
-        """Run `once(wire rid)` under the retry policy (module docstring); `wire(n)` names attempt n's rid."""
-
-        async def attempt(n: int) -> GenerateResult:
-            if n > 1:
-                self.counts["retries"] += 1
-            rid_n = wire(n)
-            self._live[rid_n] = request.session_id
-            try:
-                return await once(rid_n)
-            except BackendError as e:
-                if e.kind in self.faults:
-                    self.faults[e.kind] += 1
-                self._attempt_failed(rid_n, e)
-                raise
-            finally:
-                self._live.pop(rid_n, None)
-
-        def retryable(e: BaseException) -> bool:  # a hung server stays hung: the router fails over instead
-            return self.retry_policy.retryable(e) and not isinstance(e, BackendTimeout)
-
-        return await self._retrying(
-            f"POST {self.generate_path} (rid {rid})", attempt, self.retry_policy, retryable
-        )
 
     def _attempt_failed(self, rid: str, error: BackendError) -> None:
         """An attempt under `rid` ended in `error` (an engine may keep the rid from reuse)."""
