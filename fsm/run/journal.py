@@ -1,42 +1,13 @@
 """The run's journal: every durable step appended as it happens (fsm/run/recorder.py writes it), so that
 `agentfsm run --resume OUT` goes on after anything (SIGTERM, `kill -9`, the OOM killer, a power cut) with at most
-the turns in flight redone. This module holds its format and reads it back.
+the turns in flight redone. This module holds its format and reads it back; the records (`t`: run, resume, group,
+traj, step, tool, taken, weights, end) and their fields are listed in docs/running.md ("The format").
 
 Why a log of our own rather than SQLite: the records are only ever appended and read whole, in order, once; a
 line per record, `crc32hex json`, costs one `write` per loop turn (the records of one turn batched), never a
-page rewrite, and a record cut by a kill is plainly the last line (dropped, with one line saying so). SQLite in
-WAL mode (`synchronous=NORMAL`, a transaction per batch) measured 31-34 µs a record against 25-27 here, and 6 %
-more bytes (docs/benchmarks.md), for a durability we bound ourselves: the writes reach the OS at the end of the
-loop turn that made them (a `kill -9` loses none of them), and an fsync runs on its own thread at most
-`SYNC_EVERY_S` later (`sync="1s"`, the default: a power cut loses at most the last second), after every batch
-(`"always"`) or never (`"off"`: the OS decides).
-
-The records (one JSON object each, `t` its kind):
-- `run`: the run's identity, first: format, agent, spec hash and path, tokenizer, data file, groups, rows, and
-  `made_by` (fsm/run/provenance.py: the model's weights or the servers' model, the code the spec names, the
-  engine's options).
-- `resume`: a resume began: what it runs on (`made_by`) and the changes from the last one it accepted
-  (`accepted`, lines; empty when nothing changed).
-- `group`: a group submitted: uid, sampling, its trajectories' session ids; a stale group run again
-  (`take(stale="rerun")`) writes its uid again with `reruns`, and its new trajectories replace the old.
-- `traj`: one trajectory whole (fsm/run/snapshot.py's encoding, plus its version runs): when it is submitted,
-  after a rewrite closes a segment, and at its first boundary after a resume.
-- `step`: what a trajectory changed since its last record, taken at each state boundary (before each action:
-  the trajectory is whole there): `a` the appended part of each token array and list ([offset, items]), `r`
-  what was replaced by a new object (whole), `v` the other slots that changed. Each model turn (tokens, logprobs, weight versions, finish), tool result, rewrite, interaction
-  reply and reward is in the step after the action that made it; `done` on the last, after scoring.
-  A tree's nodes (child machines, branches) are trajectories too, with their place in the tree as `n` on their
-  `traj` records and on a `step` where it changed (fsm/run/treejournal.py).
-- `tool`: a side-effecting tool's call, as soon as it returns, keyed by its idempotency key: `o` its result when
-  it succeeded (answered from the journal on resume, never run again), else `attempt` (error, runs, text): a
-  failure is an attempt, never the call's result, so a retry or a resume runs the tool again.
-- `taken`: groups a consumer took from the continuous mode (a trainer's `take`), each by its first trajectory's
-  session id: a resume does not hand them out again. A kept run (fsm/run/interruptible.py) records none: its rows
-  are its files', written with `end`.
-- `weights`: new weights are served (`v` their version, `policy` when not the root policy's): each update, and
-  the version a resume goes on with. A `run` record with `weight_updates` vouches that every version a token may
-  carry is the run's (`weight_version`) or one of these: a resume refuses any other (fsm/run/resume.py).
-- `end`: the run's files are written: nothing is left to resume.
+page rewrite, and a record cut by a kill is plainly the last line (dropped, with one line saying so); it also
+measured cheaper (docs/benchmarks.md). The writes reach the OS at the end of the loop turn that made them (a
+`kill -9` loses none of them), and an fsync follows on its own thread as `sync` says (fsm/run/recorder.py).
 """
 
 from __future__ import annotations
