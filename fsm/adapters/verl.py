@@ -1,4 +1,5 @@
-"""Run an agentfsm spec as a verl 0.9.1 agent loop: `agent_name: fsm_agent`.
+"""Run an agentfsm spec as a verl 0.9.1 agent loop: `agent_name: fsm_agent` (docs/verl.md: the entry, a row, and
+where each setting comes from).
 
 verl's AgentLoopWorker builds one loop instance per sample with `hydra.utils.instantiate(entry,
 trainer_config=..., server_manager=..., tokenizer=..., processor=..., hf_model_type=..., dataset_cls=...,
@@ -7,51 +8,10 @@ the spec's compiled machine with verl's own server manager as the backend, verl'
 spec declares no tools) verl's tools, and returns verl's `AgentLoopOutput`. This is the only module of
 agentfsm that imports verl; `import fsm` never does.
 
-agent_loop_config.yaml (point `actor_rollout_ref.rollout.agent.agent_loop_config_path` at it):
-
-    - name: fsm_agent
-      _target_: fsm.adapters.verl.FSMAgentLoop
-      spec: specs/calculator.yaml     # absolute, relative to the cwd, or to the agentfsm checkout
-      limits:                         # optional: this deployment's overrides of the spec's limits
-        max_assistant_turns: 5
-      tool_policy:                    # optional: overrides of the spec's tool_policy
-        validate_arguments: true
-
-A dataset row (parquet; RLHFDataset turns `prompt` into `raw_prompt`, and `agent_name` picks the loop):
-
-    {"data_source": "calculator",
-     "agent_name": "fsm_agent",
-     "prompt": [{"role": "user", "content": "What is 37 * 12 + 5?"}],
-     "reward_model": {"style": "rule", "ground_truth": "449"},
-     "extra_info": {"index": 0, "tools_kwargs": {}}}
-
-Where each setting comes from:
-  - prompt_length, response_length: verl's rollout config, always. They are the padded batch's shapes, so
-    they replace the spec's; a longer prompt keeps its tail, as verl's agent loop does (limits.prompt_overflow
-    is truncate_left here whatever the spec says; only the entry's `limits:` may set it back to error).
-  - every other limit: the spec, then the entry's `limits:`. verl's `multi_turn.*` is not read; a warning
-    names each value that disagrees with the spec.
-  - tool_policy (argument checks, JSON-string arguments, error truncation): the spec's, then the entry's.
-  - sampling: verl's sampling_params (temperature, top_p, top_k, repetition_penalty, logprobs) override the
-    spec's `sampling`. A max_tokens/max_new_tokens there caps each turn as verl's servers do; otherwise the
-    cap is `limits.max_new_tokens`, and always at most the response budget left.
-  - tools: the spec's. A spec without tools gets verl's (`multi_turn.tool_config_path` BaseTools and
-    `function_tool_path` functions), with the engine's lifecycle, the spec's tool_policy and truncation.
-    Tools get `agent_data=` as verl's do: extra_fields, request_id (verl's), tools_kwargs, messages...
-  - parser: the spec's `parser`, else its model family's (`model.family`, auto: from the tokenizer's chat
-    template); verl's `multi_turn.format` is not read. `model.chat_template_kwargs` go on top of verl's.
-  - reward_score: the spec's `reward:` function if it has one; otherwise None, and verl's reward loop
-    scores the sample as usual.
-  - extra_fields: one dict per trajectory, as verl's agent_data.extra_fields: the server's (global_steps,
-    min/max_global_steps... merged across turns as verl does) and whatever tools put there, then
-    turn_scores, tool_rewards, tool_scores (calc_reward) and termination_reason.
-  - response_logprobs: the server's. When logprobs were asked for and a turn came back without them (or
-    with a count that is not the token count), the whole trajectory's are None, as verl returns when it has
-    none: never zeros, which a PPO ratio would read as probability 1.
-
 Importing this module also registers the class as `fsm_agent` when no entry of that name is loaded: a
 process that imports it can use `agent_name: fsm_agent` without an entry, and then runs
-specs/tool_agent.yaml (verl's ToolAgentLoop as a spec). A loaded entry is never replaced (`_register_default`). Text only: multimodal prompts and tool images are not supported.
+specs/tool_agent.yaml (verl's ToolAgentLoop as a spec). A loaded entry is never replaced (`_register_default`).
+Text only: multimodal prompts and tool images are not supported.
 """
 
 from __future__ import annotations
