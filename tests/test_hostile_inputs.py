@@ -66,6 +66,8 @@ def test_lone_surrogates_become_replacement_characters_where_they_enter():
     assert encodable("plain") == "plain" and encodable("é\ud800x\udfff") == "é\ufffdx\ufffd"
     row = encodable_value({"a": ["\ud800", ("x", "\udc00")], "\ud801": 1})
     assert row == {"a": ["\ufffd", ("x", "\ufffd")], "\ufffd": 1}
+    clean = {"a": ["é", ("x", 1.5)], 2: None, "o": object()}  # orjson's pass, and the walk past its refusal
+    assert encodable_value(clean) is clean and encodable_value(clean["a"]) is clean["a"]
     traj = fsm.Trajectory(0, 0, "s", "u", {}, "PENDING")
     traj.fail("server said \ud800")
     assert traj.termination_reason == "error: server said \ufffd"

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import orjson
 
 
 class RowError(Exception):
@@ -42,7 +43,11 @@ def encodable_value(value: Any) -> Any:
     """`encodable` through dicts, lists and tuples (a row's fields); other values as they are. A value with
     nothing to replace is returned itself, not copied (a row's copy would cost every trajectory a few hundred
     bytes for nothing)."""
-    return value if _encodable_already(value) else _encodable_copy(value)
+    try:  # orjson refuses a lone surrogate anywhere it walks: one C pass for the common row (5.6 -> 0.8 us)
+        orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS)
+        return value
+    except TypeError:  # a surrogate, or a value orjson cannot write: walk it
+        return value if _encodable_already(value) else _encodable_copy(value)
 
 
 def _encodable_already(value: Any) -> bool:
