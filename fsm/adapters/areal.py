@@ -1,9 +1,5 @@
-"""AReaL: the engine as a `RolloutWorkflow`, over AReaL's own inference engine.
-
-What a user writes (where AReaL takes a workflow: `rollout_batch(data, workflow=...)`, `prepare_batch`):
-
-    from fsm.adapters.areal import FSMWorkflow
-    workflow = FSMWorkflow("specs/calculator.yaml", tokenizer, gconfig=config.gconfig)
+"""AReaL: the engine as a `RolloutWorkflow`, over AReaL's own inference engine: `FSMWorkflow(spec, tokenizer,
+gconfig=config.gconfig)` wherever AReaL takes a workflow (`rollout_batch(data, workflow=...)`, docs/trainers.md).
 
 What AReaL (1.0) hands over and wants back: `arun_episode(engine, data)` runs one episode of one dataset row;
 every model call is `await engine.agenerate(ModelRequest(rid, input_ids, gconfig))` and answers with the output

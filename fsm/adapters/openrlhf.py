@@ -1,10 +1,5 @@
-"""OpenRLHF: the engine as the `AgentExecutor` of `--train.agent_func_path`, over OpenRLHF's own vLLM engines.
-
-The agent file a user writes (the whole of it):
-
-    # agent.py:  python -m openrlhf.cli.train_ppo_ray ... --train.agent_func_path agent.py
-    from fsm.adapters.openrlhf import agent_executor
-    AgentExecutor = agent_executor("specs/calculator.yaml")
+"""OpenRLHF: the engine as the `AgentExecutor` of `--train.agent_func_path`, over OpenRLHF's own vLLM engines: the
+agent file is `AgentExecutor = agent_executor("specs/calculator.yaml")` (docs/trainers.md).
 
 What OpenRLHF (0.11) hands over and wants back: each rollout actor makes one `AgentExecutor()` and awaits
 `execute(prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine)` once per sample; `llm_engine.

@@ -1,13 +1,5 @@
-"""SkyRL: the engine as a `GeneratorInterface` over SkyRL's own inference engines.
-
-The entrypoint a user writes (SkyRL's way of swapping the generator):
-
-    from skyrl_train.entrypoints.main_base import BasePPOExp
-    from fsm.adapters.skyrl import FSMGenerator
-
-    class FSMExp(BasePPOExp):
-        def get_generator(self, cfg, tokenizer, inference_engine_client):
-            return FSMGenerator("specs/calculator.yaml", tokenizer, inference_engine_client)
+"""SkyRL: the engine as a `GeneratorInterface` over SkyRL's own inference engines (docs/trainers.md: a
+`BasePPOExp.get_generator` that returns `FSMGenerator(spec, tokenizer, inference_engine_client)`).
 
 What SkyRL (skyrl-train 0.3) hands over and wants back: `generate(GeneratorInput)` gets `prompts` (chat
 messages), already repeated `n_samples_per_prompt` times, their `env_extras` (the dataset's other columns) and

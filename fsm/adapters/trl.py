@@ -1,8 +1,5 @@
-"""TRL: the engine as `GRPOTrainer(rollout_func=...)`, multi-turn agents with tools included.
-
-    rollout = TRLRollout("specs/calculator.yaml", dataset=train_dataset)
-    trainer = GRPOTrainer(model=model, processing_class=tokenizer, args=GRPOConfig(...), train_dataset=train_dataset,
-                          reward_funcs=[engine_reward], rollout_func=rollout)
+"""TRL: the engine as `GRPOTrainer(rollout_func=...)`, multi-turn agents with tools included (docs/trainers.md:
+`rollout_func=TRLRollout(spec, dataset=...)`, `reward_funcs=[engine_reward]`).
 
 What TRL hands over and wants back (trl 1.x, `GRPOTrainer._generate`): `rollout_func(prompts, trainer)` gets the
 prompts of this process's slice, each already repeated `num_generations` times (the trainer's RepeatSampler)
