@@ -201,15 +201,12 @@ class SGLangBackend(ServerClient):
         """Each attempt's rid is picked anew: the last one's may still be held. `rid`, unless it and a rid live here or held by the server would prefix one another (SGLang aborts
         by prefix and refuses a rid it still holds: a resume `{turn}_r1` while `{turn}` lives, a retry after a
         deadline): then `{session}_x<random>`, which extends no such rid and which none extends."""
-        now = asyncio.get_running_loop().time()
-        for held in [r for r, until in self._held.items() if until <= now]:
-            del self._held[held]
-
-        def clash(r: str) -> bool:
-            return self._live.prefix_related(r) or self._held.prefix_related(r)
-
+        if self._held:
+            now = asyncio.get_running_loop().time()
+            for held in [r for r, until in self._held.items() if until <= now]:
+                del self._held[held]
         for _ in range(3):
-            if not clash(rid):
+            if not self._live.prefix_related(rid) and not (self._held and self._held.prefix_related(rid)):
                 return rid
             rid = f"{session_id}_x{uuid.uuid4().hex[:12]}"
         return uuid.uuid4().hex  # a session id that is itself a prefix of a live rid: no lineage at all
@@ -361,4 +358,8 @@ class _Rids(dict[str, Any]):
         at = bisect_left(self._sorted, rid)
         if at < len(self._sorted) and self._sorted[at].startswith(rid):
             return True
-        return any(rid[:k] in self for k in self._lengths if k < len(rid))
+        n = len(rid)
+        for k in self._lengths:  # a loop, not any(): this runs once per model call
+            if k < n and rid[:k] in self:
+                return True
+        return False
