@@ -327,9 +327,7 @@ class Stream(Owner):
         await self.park(timeout_s)
         restarted = 0
         try:
-            held = [("ready", g, None) for g in self.groups.ready] + [
-                ("running", r.group, r) for r in self._running.values()
-            ]
+            held = self._held(list(self.groups.ready))
             if trees := [t.session_id for _, g, _ in held for t in g.trajectories if tree_nodes(t)]:
                 raise snap.SnapshotError(
                     f"snapshot: {len(trees)} trajectories (first {trees[0]!r}) have tree nodes (child machines, "
@@ -341,9 +339,7 @@ class Stream(Owner):
                 trajs = []
                 for t in g.trajectories:
                     finished = status == "ready" or (done is not None and _is_done(t, done))
-                    if (
-                        not finished and t.interaction_started
-                    ):  # its user simulator's state is not ours to write
+                    if not finished and t.interaction_started:  # its user simulator's state is not ours
                         t = self._fresh(t)
                         restarted += 1
                     trajs.append({"done": finished, **snap.encode_trajectory(t)})
@@ -351,12 +347,23 @@ class Stream(Owner):
         except BaseException:
             self.boundary.open()
             raise
+        return self._snapshot_data(header, groups, restarted)
+
+    def _held(self, ready: list[Group]) -> list[tuple[str, Group, Any]]:
+        """(status, group, its run: None when ready) of every group a snapshot writes down."""
+        return [("ready", g, None) for g in ready] + [
+            ("running", r.group, r) for r in list(self._running.values())
+        ]
+
+    def _snapshot_data(self, header: Mapping[str, Any], groups: list[Any], restarted: int) -> dict[str, Any]:
+        """A snapshot's content: `header`, the weight version, the next index, the groups and the counters."""
+        stats = {k: v for k, v in self.stats.items() if k != "staleness"}
         return {
             **header,
             "weight_version": self.version(),
             "next_index": self._next_index,
             "groups": groups,
-            "stats": {k: v for k, v in self.stats.items() if k != "staleness"},
+            "stats": stats,
             "restarted": restarted,
         }
 
@@ -381,9 +388,7 @@ class Stream(Owner):
             blocked = self.runner.driving.get(asyncio.current_task(loop)) if loop is not None else None  # type: ignore[arg-type]
         restarted, groups = 0, []
         ready = list(self.groups.ready)
-        for status, g, run in [("ready", g, None) for g in ready] + [
-            ("running", r.group, r) for r in list(self._running.values())
-        ]:
+        for status, g, run in self._held(ready):
             trajs = []
             for t in g.trajectories:
                 finished = run is None or t.sample in run.versions
@@ -402,15 +407,7 @@ class Stream(Owner):
         after = (INLINE_STEPS.get(thread), frame, frame.f_lasti if frame is not None else None)
         if after[0] is not before[0] or after[1] is not before[1] or after[2] != before[2]:
             raise snap.SnapshotError("the event loop moved while the snapshot was taken from outside it")
-        data = {
-            **header,
-            "weight_version": self.version(),
-            "next_index": self._next_index,
-            "groups": groups,
-            "stats": {k: v for k, v in self.stats.items() if k != "staleness"},
-            "restarted": restarted,
-        }
-        return data, ready
+        return self._snapshot_data(header, groups, restarted), ready
 
     def _fresh(self, traj: Trajectory) -> Trajectory:
         """The trajectory as it was before its first action: same row, sample, index and ids."""
