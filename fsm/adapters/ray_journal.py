@@ -1,20 +1,12 @@
 """A Ray actor's chunk journaled as it runs, so that when the actor dies (`ray.kill`, `kill -9`, the OOM killer,
 a hang the driver kills) its trajectories go on from their last state boundary on another actor instead of
-from the start.
+from the start (docs/trainers.md, "On Ray": what goes on, what starts over, what is refused).
 
 Each chunk (one Ray call: `chunk_rows` groups) has a journal of its own under the runner's `journal_dir`, in the
-run journal's format (fsm/run/journal.py: a `run` record, the groups, each trajectory whole, then the deltas
-of each state boundary, side-effecting tools' results): `{key}-{gid}.a{attempt}.r{rank}.log`, `attempt` the
-driver's count of the chunk's dispatches. An actor taking attempt k reads the newest earlier attempt's file
-(fsm/run/resume.py `load`: checked as strictly as a run's journal), writes what it found whole into its own
-file, removes the earlier ones, and runs only what is unfinished: a finished trajectory comes back as
-journaled, an unfinished one goes on from its last boundary (the action it was in runs again), one inside
-its interaction starts over; a tree's nodes likewise (fsm/run/treejournal.py). A file is removed when its chunk comes back, so the directory holds the chunks
-in flight, no more. Writes reach the OS at the end of each loop turn (a killed process loses none of them);
-`sync` as a run's (fsync at most a second later, for a node lost with a shared file system).
-
-The directory must be one every actor sees (one node, or a shared file system); a journal that cannot be
-read or is refused is said in one line and its chunk runs from the start.
+run journal's format (fsm/run/journal.py): `{key}-{gid}.a{attempt}.r{rank}.log`, `attempt` the driver's count of
+the chunk's dispatches. An actor taking attempt k reads the newest earlier attempt's file (fsm/run/resume.py
+`load`), writes what it found whole into its own file, removes the earlier ones, and runs only what is
+unfinished (a tree's nodes likewise, fsm/run/treejournal.py). A file is removed when its chunk comes back.
 """
 
 from __future__ import annotations
