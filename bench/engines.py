@@ -1,10 +1,10 @@
-"""`agentfsm bench engines --server URL --server URL`: the calculator spec over each inference engine's server.
+"""`agentfsm bench engines --server URL [--server URL]`: the calculator spec over each inference engine's server.
 
 Each server (SGLang, vLLM or the dev server, told apart by backends/engines.py) runs the same rows greedily
 through `RolloutEngine(servers=[url])` in this process, the servers taking turns (the order rotates every
 repeat, so a machine that gets busier does not favour one). Per engine: wall time of the run, and the
 client's CPU time (this process: the engine, its HTTP client, the answer checks) per model call; then
-whether every trajectory's tokens were equal across engines. The servers must serve the same model (for
+whether every trajectory's tokens were equal across runs and engines. The servers must serve the same model (for
 vLLM on CPU, the tiny model with 32-dim heads: backends/tiny/head_pad.py, which computes the same function).
 
 Then the client under load: `in_flight` rows (1,000 by default) all in flight against each server, the
@@ -237,14 +237,13 @@ def bench_engines(
     processes: Sequence[int] = (),
 ) -> dict[str, Any]:
     """Per server: median wall time of the run and client CPU per model call over `repeats` alternated runs
-    of `n` calculator prompts at T=0; `tokens_equal` says whether every run gave the same token ids. Then
+    of `n` calculator prompts at T=0; `tokens_equal` says whether every run (of every server) gave the same
+    token ids. Then
     (`in_flight` > 0) the client's CPU per call with `in_flight` rows in flight in this process, median of
     `repeats` alternated runs, and for each count in `processes` the load split over that many processes."""
     from fsm.api import load_tokenizer
     from specs.calculator import make_prompts
 
-    if len(servers) < 2:
-        raise ValueError("bench engines: give two servers or more (--server URL --server URL)")
     rows = make_prompts(n, seed=0)
     tokenizer = load_tokenizer(str(ASSET_DIR))
     runs: dict[str, list[dict[str, Any]]] = {url: [] for url in servers}
@@ -261,13 +260,13 @@ def bench_engines(
             "model_calls": calls,
             "failed": max(x["failed"] for x in rs),
             "wall_s": statistics.median(x["wall_s"] for x in rs),
-            "client_cpu_ms_per_call": _median_ms(rs),
+            "client_cpu_ms_per_call": _spread(rs),
             "wall_ms_per_call": statistics.median(x["wall_s"] / max(1, x["model_calls"]) for x in rs) * 1e3,
         }
         s = out["servers"][url]
         print(
             f"{s['engine']:>6} {url}: {s['wall_s']:.2f} s for {calls} model calls ({s['wall_ms_per_call']:.1f} ms "
-            f"each), client CPU {s['client_cpu_ms_per_call']:.2f} ms per call",
+            f"each), client CPU {_show(s['client_cpu_ms_per_call'])} ms per call",
             file=sys.stderr,
         )
     print(f"tokens equal across engines at T=0: {out['tokens_equal']}", file=sys.stderr)
@@ -280,14 +279,14 @@ def bench_engines(
         for url, rs in loaded.items():
             s = out["servers"][url]
             steady = [x["steady"] for x in rs]
-            s["in_flight_client_cpu_ms_per_call"] = _median_ms(rs)
-            s["in_flight_steady_client_cpu_ms_per_call"] = _median_ms(steady)
+            s["in_flight_client_cpu_ms_per_call"] = _spread(rs)
+            s["in_flight_steady_client_cpu_ms_per_call"] = _spread(steady)
             s["in_flight_calls_per_s"] = statistics.median(x["model_calls"] / x["wall_s"] for x in rs)
             s["in_flight_failed"] = max(x["failed"] for x in rs + steady)
             print(
                 f"{s['engine']:>6} {url}: {in_flight:,} in flight: client CPU "
-                f"{s['in_flight_client_cpu_ms_per_call']:.2f} ms per call in an engine's first batch, "
-                f"{s['in_flight_steady_client_cpu_ms_per_call']:.2f} ms in its second, "
+                f"{_show(s['in_flight_client_cpu_ms_per_call'])} ms per call in an engine's first batch, "
+                f"{_show(s['in_flight_steady_client_cpu_ms_per_call'])} ms in its second, "
                 f"{s['in_flight_calls_per_s']:.0f} calls/s",
                 file=sys.stderr,
             )
@@ -306,10 +305,6 @@ def bench_engines(
 def _turns(servers: Sequence[Any], r: int) -> list[Any]:
     """The servers (or cases) in repeat `r`'s order (rotated each repeat)."""
     return list(servers[r % len(servers) :]) + list(servers[: r % len(servers)])
-
-
-def _median_ms(runs: list[dict[str, Any]]) -> float:
-    return statistics.median(x["client_cpu_s"] / max(1, x["model_calls"]) for x in runs) * 1e3
 
 
 # The turn shapes an instant server answers (`agentfsm bench engines` without --server): its dev-server mode and

@@ -14,13 +14,20 @@ from bench.engines import bench_engines
 def test_bench_engines_reports_first_and_steady_batches(capsys):
     with scripted_servers(2) as urls:
         out = bench_engines(urls, n=2, repeats=1, in_flight=6)
+        alone = bench_engines(
+            urls[:1], n=1, repeats=1, in_flight=0
+        )  # one server is measured too (the dev server's row)
+    assert (
+        list(alone["servers"]) == urls[:1]
+        and alone["servers"][urls[0]]["client_cpu_ms_per_call"]["median"] > 0
+    )
     assert out["tokens_equal"] is True
     for url in urls:
         s = out["servers"][url]
         assert s["model_calls"] >= 2 and s["failed"] == 0 and s["in_flight_failed"] == 0
         for key in ("client_cpu_ms_per_call", "in_flight_client_cpu_ms_per_call"):
-            assert s[key] > 0, key
-        assert s["in_flight_steady_client_cpu_ms_per_call"] > 0
+            assert s[key]["median"] > 0, key
+        assert s["in_flight_steady_client_cpu_ms_per_call"]["min"] > 0
     said = capsys.readouterr().err
     assert "in an engine's first batch" in said and "in its second" in said
 

@@ -403,7 +403,7 @@ def _fleet_flags(p: argparse.ArgumentParser) -> None:
         action="append",
         type=server_url,
         metavar="URL",
-        help="engines: a server serving the tiny model (SGLang, vLLM or dev); two or more, run in turn; "
+        help="engines: a server serving the tiny model (SGLang, vLLM or dev); several run in turn, tokens compared; "
         "fleet: a vLLM server of the fleet (default: two launched from .venv-vllm); trees: a real SGLang or "
         "vLLM server of the tiny model, whose own count of the branch prompts' cached tokens is read",
     )

@@ -438,11 +438,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
             processes=args.processes or (),
         )
     elif what == "engines":
-        if len(args.server) < 2:
-            raise CLIError(
-                "bench engines: give two servers or more (--server URL --server URL), or none to measure the "
-                "client against instant servers"
-            )
         _quiet_transformers()
         result = bench.bench_engines(
             args.server,
