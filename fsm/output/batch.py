@@ -1,18 +1,9 @@
 """Trajectories -> verl's padded batch, vectorized over the batch (no per-sample tokenizer.pad).
 
-Layout (P = prompt_length, R = response_length), exactly verl's `_agent_loop_postprocess` + `_postprocess`:
-  prompts          [B, P]   int64  left-padded with pad_token_id
-  responses        [B, R]   int64  right-padded, cut to R
-  response_mask    [B, R]   int64  1 on generated tokens, times the response attention mask
-  input_ids        [B, P+R] int64  cat(prompts, responses)
-  attention_mask   [B, P+R] int64  0 on every pad
-  position_ids     [B, P+R] int64  clip(cumsum(attention_mask) - 1, 0)
-  rollout_log_probs[B, R]   float32 (when logprobs were requested and every row has them), 0.0 on pads
-                            and observations
-  rm_scores        [B, R]   float32 (when every row has a score): the score on the last valid response token
-                            (an empty response: column R-1, where verl's index -1 puts it)
-  weight_versions  [B, R]   int64  the weight version that generated each token; -1 on mask 0 and padding
-meta_info: weight_version_min / weight_version_max over the generated tokens (None when there are none).
+The layout is exactly verl's `_agent_loop_postprocess` + `_postprocess` (each key, shape and dtype: docs/contracts.md,
+"batch.pt"): prompts left-padded, responses right-padded and cut to R, position_ids
+`clip(cumsum(attention_mask) - 1, 0)`, the score on the last valid response token (an empty response: column R-1,
+where verl's index -1 puts it).
 
 One row per segment (fsm/run/trajectory.py): a trajectory whose context was rewritten gives several rows, in
 order, each exactly what the model was given and produced. Non-tensor `trajectory_id`, `segment_index` and
