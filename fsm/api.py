@@ -377,7 +377,7 @@ class RolloutEngine(BaseEngine):
 
     async def start(self) -> None:
         """Start the backend (connections, health checks) on the engine's loop. Called by the first use."""
-        await self._on_home(self._local.start_here())
+        await self.core.call(self._local.start_here())
 
     async def __aenter__(self) -> RolloutEngine:
         await self.start()

@@ -116,7 +116,7 @@ def _snapshot_at(rows: list, k: int, path: Path) -> None:
 
         async def at_k():
             await engine.asubmit(rows, n=2, sampling_params=GREEDY)
-            await engine._on_home(asyncio.wait_for(backend.reached.wait(), 120))
+            await engine.core.call(asyncio.wait_for(backend.reached.wait(), 120))
             return await engine.asnapshot(path, meta={"groups": len(rows)}, stop=True)
 
         asyncio.run(at_k())
@@ -397,7 +397,7 @@ def test_a_snapshot_of_a_tree_with_nodes_is_refused_and_the_run_goes_on(tmp_path
 
         async def after_children():
             await engine.asubmit(make_prompts(2), n=1, sampling_params=GREEDY)
-            await engine._on_home(asyncio.wait_for(backend.reached.wait(), 120))
+            await engine.core.call(asyncio.wait_for(backend.reached.wait(), 120))
             with pytest.raises(SnapshotError) as refused:
                 await engine.asnapshot(tmp_path / "s.json", stop=True)
             return str(refused.value)

@@ -111,10 +111,6 @@ class BaseEngine:
     tracer: Tracer | None = None
     _faults: FaultDelta | None = None
 
-    async def _on_home(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Await `coro` where the engine's state lives, from whichever loop the caller runs."""
-        return await self.core.call(coro)
-
     def _run_sync(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run `coro` to its end from a thread that runs no event loop (the sync forms)."""
         return self.core.run_sync(coro)
