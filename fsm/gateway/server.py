@@ -25,6 +25,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 from aiohttp import web
 
 from fsm.gateway import anthropic_api, gemini_api, openai_api, peer
@@ -491,6 +492,8 @@ async def read_body(request: web.BaseRequest, limit: int) -> bytes:
     )
     if (request.content_length or 0) > limit:
         raise too_large
+    if request.content.is_eof() and request.content_length is not None:  # it came whole: no read loop
+        return request.content.read_nowait()
     body = bytearray()
     async for chunk in request.content.iter_any():
         body += chunk
@@ -499,9 +502,19 @@ async def read_body(request: web.BaseRequest, limit: int) -> bytes:
     return bytes(body)
 
 
+# each byte a digit ('0') or not (','): a run of 19 '0's may be an integer orjson reads as a float (json as an int)
+_DIGITS = bytes(48 if 48 <= b <= 57 else 44 for b in range(256))
+
+
 def _body(raw: bytes) -> dict[str, Any]:
+    """The request's JSON: orjson's reading (~3x json's), json's for what orjson refuses (NaN, bad UTF-8, past
+    its depth) or may read otherwise (an integer of 19 digits or more) and for the refusal's words."""
     try:
-        body = json.loads(raw)
+        body = None if b"0" * 19 in raw.translate(_DIGITS) else orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        body = None
+    try:
+        body = json.loads(raw) if body is None else body
     except (ValueError, RecursionError) as exc:
         raise GatewayError(f"the body is not valid JSON: {str(exc)[:200]}") from None
     if not isinstance(body, dict):
@@ -521,9 +534,11 @@ async def gateway_for() -> Gateway:
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
-    return web.Response(
-        body=json.dumps(data, ensure_ascii=False).encode(), status=status, content_type="application/json"
-    )
+    try:
+        body = orjson.dumps(data)  # ~15x json's
+    except TypeError:  # an integer past 64 bits, a lone surrogate: json's
+        body = json.dumps(data, ensure_ascii=False).encode()
+    return web.Response(body=body, status=status, content_type="application/json")
 
 
 def _error(request: web.BaseRequest, exc: GatewayError) -> web.Response:

@@ -31,10 +31,10 @@ DROPPED = {  # what a call left out (record.with_dropped), as its note on the ro
 OFF_LOOP_TOKENS = 256
 
 
-async def _tokenized(ctx: RunContext, templ: list[dict[str, Any]], fn: Any, *args: Any) -> Any:
-    """`fn(*args)`, the codec rendering and tokenizing `templ`: on the loop when it is small, in a thread when it is
-    large (the codec serves several threads, fsm/families/pieces.py; the session waits for this one call)."""
-    if ctx.codec.fewest_tokens(templ) < OFF_LOOP_TOKENS:
+async def _tokenized(floor: int, fn: Any, *args: Any) -> Any:
+    """`fn(*args)`, the codec rendering and tokenizing messages of `floor` tokens at least: on the loop when small, in
+    a thread when large (the codec serves several threads, fsm/families/pieces.py; the session waits for it)."""
+    if floor < OFF_LOOP_TOKENS:
         return fn(*args)
     return await asyncio.to_thread(fn, *args)
 
@@ -60,7 +60,7 @@ async def _start(
                 f"the prompt is at least {floor} tokens, past the spec's limits.prompt_length {limit}",
                 code="context_length_exceeded",
             )
-        ids = await _tokenized(ctx, templ, ctx.codec.encode_prompt, templ, call.tools)
+        ids = await _tokenized(floor, ctx.codec.encode_prompt, templ, call.tools)
         if len(ids) > limit:
             raise _too_long(ids, limit)
         if plan.kind == "first" and node.kind == "root" and tree.live < 0:  # the trajectory's own segment
@@ -104,10 +104,11 @@ async def _observe(ctx: RunContext, traj: Trajectory, templ: list[dict[str, Any]
         if owed
         else None
     )
-    if ctx.codec.fewest_tokens(templ) >= ctx.agent.limits.response_length - len(traj.response_mask):
+    floor, left = ctx.codec.fewest_tokens(templ), ctx.agent.limits.response_length - len(traj.response_mask)
+    if floor >= left:
         return False  # far past what is left: not tokenized
-    closer, ids = await _tokenized(ctx, templ, ctx.codec.observation, templ, last, traj.messages)
-    if len(closer) + len(ids) >= ctx.agent.limits.response_length - len(traj.response_mask):
+    closer, ids = await _tokenized(floor, ctx.codec.observation, templ, last, traj.messages)
+    if len(closer) + len(ids) >= left:
         return False
     traj.append_context(closer, "template")
     traj.append_context(ids, role)

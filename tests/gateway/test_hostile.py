@@ -506,3 +506,14 @@ def test_a_request_under_the_floor_but_past_the_context_is_tokenized_off_the_loo
     assert "past the spec's limits.prompt_length 16384" in body["error"]["message"], body
     assert small == 200  # the session serves on
     assert late < 0.25, f"the loop was blocked {late:.3f} s"
+
+
+def test_a_body_is_read_and_written_as_json_reads_and_writes_it() -> None:
+    """orjson reads and writes the gateway's JSON; what it would read otherwise (an integer past 64 bits as a
+    float) or refuses (NaN, a lone surrogate) goes json's way, so a tool schema's numbers render as sent."""
+    from fsm.gateway.server import _body, _json
+
+    big = 123456789012345678901234
+    assert _body(b'{"a": 123456789012345678901234, "b": "\\u00e9"}') == {"a": big, "b": "é"}
+    assert _body(b'{"a": NaN}')["a"] != 0 and _body(b'{"s": "\\ud800"}') == {"s": "\ud800"}
+    assert json.loads(_json({"a": big, "b": "é"}).body) == {"a": big, "b": "é"}  # type: ignore[arg-type]
