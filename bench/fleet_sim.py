@@ -288,7 +288,12 @@ def app(engine: Engine, model: str, root: str) -> web.Application:
         if refused := too_long(len(ids), new):
             return refused
         if not calculator:
-            calculator.append(calculator_backend(root))
+            try:
+                calculator.append(calculator_backend(root))
+            except (OSError, ValueError, KeyError) as e:
+                return refuse(
+                    f"the token route speaks with the tokenizer in --root {root!r}, which failed: {e}"
+                )
         asked = {"max_new_tokens": new, "stop_token_ids": stops}
         said = await calculator[0].generate(GenerateRequest("", ids, asked, return_logprob=False))
         seq = await engine.generate(ids, len(said.token_ids), priority)

@@ -247,7 +247,8 @@ def test_a_malformed_or_oversized_request_is_refused_with_400_and_the_server_ser
 def test_the_token_route_answers_the_engines_vllm_client_with_the_calculators_turns():
     """The route the engine's client drives (vLLM's /inference/v1/generate, token ids in and out), as the engine
     sees the server: told apart as vLLM, a real calculator prompt answered with its tool call, scheduled as its
-    tokens (a repeat of the prompt served from the prefix cache), and a request without token ids refused."""
+    tokens (a repeat of the prompt served from the prefix cache); a request without token ids, or to a server
+    whose --root has no tokenizer, refused in one line."""
     from backends.base import GenerateRequest
     from backends.engines import detect_engine
     from backends.vllm import VLLMBackend
@@ -275,10 +276,14 @@ def test_the_token_route_answers_the_engines_vllm_client_with_the_calculators_tu
                 status, refused = await client._call("POST", "/inference/v1/generate", {"token_ids": "37"})
             finally:
                 await client.close()
+        async with TestServer(app(e, "tiny", "/nonexistent")) as server, aiohttp.ClientSession() as http:
+            url = str(server.make_url("/inference/v1/generate"))
+            async with http.post(url, json={"token_ids": ids, "sampling_params": {"max_tokens": 4}}) as r:
+                no_tokenizer = (r.status, (await r.json())["error"]["message"])
         await e.close()
-        return engine, first, second, status, refused
+        return engine, first, second, status, refused, no_tokenizer
 
-    engine, first, second, status, refused = run(go())
+    engine, first, second, status, refused, no_tokenizer = run(go())
     assert engine == "vllm"
     assert tok.decode(first.token_ids) == (
         '<tool_call>\n{"name": "calculator", "arguments": {"expression": "37 * 12 + 5"}}\n</tool_call>'
@@ -288,3 +293,4 @@ def test_the_token_route_answers_the_engines_vllm_client_with_the_calculators_tu
     assert (first.prompt_tokens, first.cached_tokens) == (len(ids), 0)
     assert second.cached_tokens == (len(ids) - 1) // 128 * 128 > 0
     assert status == 400 and "not a generate request with token_ids" in refused["error"]["message"]
+    assert no_tokenizer[0] == 400 and "the tokenizer in --root '/nonexistent'" in no_tokenizer[1]
