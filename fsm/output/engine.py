@@ -10,18 +10,19 @@
 RolloutEngine (fsm/api.py) composes fsm/run/local.py's `Local` as its core, and RayRunner
 (fsm/adapters/ray_runner.py) is its own; the gateway's workers each run a RolloutEngine. A batch goes down the
 layers: this module calls its core and the output stage, never back up. It sits in the output stage because what
-it adds to the run stage's half (fsm/run/engine.py: refusals, commands, sync forms) is the output: batches,
+it adds to the run stage's half (fsm/run/engine.py: refusals, commands, services) is the output: batches,
 samples and the run directory (`keep=`). Every async call has a sync form without the `a` (`sync_form`), which
 refuses inside a running event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol, Self, TypeVar, cast, runtime_checkable
+from typing import Any, Concatenate, ParamSpec, Protocol, Self, TypeVar, cast, runtime_checkable
 
 import numpy as np
 
@@ -45,8 +46,6 @@ from fsm.run.engine import (
     StalePolicy,
     Take,
     Update,
-    refuse_in_loop,
-    sync_form,
 )
 from fsm.run.stream import Group
 from fsm.run.tracer import Tracer
@@ -54,7 +53,42 @@ from fsm.run.trajectory import Trajectory
 from fsm.run.tree import row_nodes
 
 T = TypeVar("T")
+P = ParamSpec("P")
+E = TypeVar("E", bound="BaseEngine")
 Rows = Sequence[Mapping[str, Any]] | Mapping[str, Sequence[Any] | np.ndarray] | Any  # Any: a verl DataProto
+
+
+def sync_form(
+    afn: Callable[Concatenate[E, P], Coroutine[Any, Any, T]], *, kept_here: bool = False
+) -> Callable[Concatenate[E, P], T]:
+    """The sync form of an engine's async call (`asubmit` -> `submit`), made here for every one so that none
+    drifts from its async form: it runs the call on the engine's loop and blocks until it is done. Inside a
+    running event loop, which it would block, it refuses in one line naming the async form to await.
+    `kept_here`: a call given `keep=` (a kept run, fsm/output/keep.py) is watched from a loop of the calling
+    thread instead, where signals arrive."""
+    name = afn.__name__.removeprefix("a")
+
+    def sync(self: E, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        refuse_in_loop(self, name, afn.__name__)
+        if kept_here and kwargs.get("keep") is not None:
+            return asyncio.run(afn(self, *args, **kwargs))
+        return self._run_sync(afn(self, *args, **kwargs))
+
+    sync.__name__ = sync.__qualname__ = name
+    sync.__doc__ = f"Sync form of `{afn.__name__}`: blocks until it is done."
+    return sync
+
+
+def refuse_in_loop(engine: object, name: str, async_name: str) -> None:
+    """RuntimeError when called inside a running event loop (a sync form there would block it)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    raise RuntimeError(
+        f"{type(engine).__name__}.{name}() was called inside a running event loop, which it "
+        f"would block; use `await {async_name}(...)` there"
+    )
 
 
 class Core(Protocol):

@@ -1,6 +1,6 @@
-"""The engine contract's run-stage half: its refusal (`EngineRefused`), its typed control commands, the sync forms
-made from the async calls (`sync_form`), what code running under an engine owns (`Owned`), and `LocalEngine`, the
-calls the run stage makes on an engine. The contract itself, what a trainer's code may call on any engine, is
+"""The engine contract's run-stage half: its refusal (`EngineRefused`), its typed control commands, what code
+running under an engine owns (`Owned`), and `LocalEngine`, the calls the run stage makes on an engine. The
+contract itself, what a trainer's code may call on any engine, is
 fsm/output/engine.py `BaseEngine` (`fsm.Engine`), which RolloutEngine and RayRunner compose over their cores.
 Where an engine cannot do a call it raises `EngineRefused`, a NotImplementedError naming the engine, the call and
 what to use instead; it never silently does less.
@@ -13,7 +13,7 @@ import contextvars
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Concatenate, Literal, ParamSpec, Protocol, TypeVar, cast
+from typing import Any, Literal, Protocol, TypeVar, cast
 
 from backends.base import Backend
 from fsm.families import Codec
@@ -24,7 +24,6 @@ from fsm.run.tracer import Tracer
 from fsm.run.trajectory import Trajectory
 
 T = TypeVar("T")
-P = ParamSpec("P")
 StalePolicy = Literal["drop", "rerun"]
 PAUSE_MODES = ("abort", "retract", "in_place")  # SGLang's /pause_generation modes
 
@@ -113,49 +112,6 @@ class SnapshotAsk:
     timeout: float | None
     abort_turns: bool
     fallback: Callable[[], Path] | None
-
-
-class Blocking(Protocol):
-    """An engine whose sync forms block on its own loop (`_run_sync`): the one way its async calls run from
-    synchronous code."""
-
-    def _run_sync(self, coro: Coroutine[Any, Any, T]) -> T: ...
-
-
-E = TypeVar("E", bound=Blocking)
-
-
-def sync_form(
-    afn: Callable[Concatenate[E, P], Coroutine[Any, Any, T]], *, kept_here: bool = False
-) -> Callable[Concatenate[E, P], T]:
-    """The sync form of an engine's async call (`asubmit` -> `submit`), made here for every one so that none
-    drifts from its async form: it runs the call on the engine's loop and blocks until it is done. Inside a
-    running event loop, which it would block, it refuses in one line naming the async form to await.
-    `kept_here`: a call given `keep=` (a kept run, fsm/output/keep.py) is watched from a loop of the calling
-    thread instead, where signals arrive."""
-    name = afn.__name__.removeprefix("a")
-
-    def sync(self: E, /, *args: P.args, **kwargs: P.kwargs) -> T:
-        refuse_in_loop(self, name, afn.__name__)
-        if kept_here and kwargs.get("keep") is not None:
-            return asyncio.run(afn(self, *args, **kwargs))
-        return self._run_sync(afn(self, *args, **kwargs))
-
-    sync.__name__ = sync.__qualname__ = name
-    sync.__doc__ = f"Sync form of `{afn.__name__}`: blocks until it is done."
-    return sync
-
-
-def refuse_in_loop(engine: object, name: str, async_name: str) -> None:
-    """RuntimeError when called inside a running event loop (a sync form there would block it)."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return
-    raise RuntimeError(
-        f"{type(engine).__name__}.{name}() was called inside a running event loop, which it "
-        f"would block; use `await {async_name}(...)` there"
-    )
 
 
 class LocalEngine(Protocol):
