@@ -59,11 +59,13 @@ def test_a_new_connection_reads_only_the_files_not_read_before(monkeypatch: pyte
         monkeypatch.setattr(os, "readlink", lambda p: reads.append(p) or readlink(p))
         new = socket.socketpair()
         assert holders.find([me], os.fstat(new[1].fileno()).st_ino) == me and len(reads) <= 4, reads
-        fd = pairs[5][0].fileno()  # a number read before, now another socket's: found by reading all again
+        fd, other = pairs[5][0].fileno(), socket.socketpair()  # a number read before, now a new socket's
         pairs[5][0].close()
-        os.dup2(new[0].fileno(), fd)
-        assert holders.find([me], os.fstat(fd).st_ino) == me
-        os.close(fd)
+        os.dup2(other[0].fileno(), fd)
+        other[0].close()
+        with other[1], socket.socket(fileno=fd) as moved:
+            inode = os.fstat(moved.fileno()).st_ino
+            assert holders.find([me], inode) is None and holders.find([me], inode, again=True) == me
     finally:
         for a, b in [*pairs, *([new] if new else [])]:
             a.close()
