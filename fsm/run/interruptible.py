@@ -103,8 +103,18 @@ async def keep_rollout(
     `first_index`: the rows are a slice of a larger batch (see BaseEngine.asubmit, fsm/output/engine.py).
     `resumed`: the journal loaded and checked already, without the codec (`agentfsm run --resume`'s)."""
     path = keeper.journal
+
+    def notice(name: str) -> str:
+        return (
+            f"agentfsm: {name}: stopping {len(engine.runner.live)} running trajectories at their next state "
+            f"and flushing the journal {path}; Ctrl-C again to exit at once (the journal keeps all but the "
+            "steps in flight)"
+        )
+
+    # armed before a row can start: a signal while rows run stops them, never cancels the run as not begun
     if rows is None:
         resumed, recorder = await _reopen(engine, keeper, resumed)
+        interrupts.arm(notice)
         meta = await engine.arestore(resumed.data)
         groups, expected = int(meta["groups"]), int(meta["rows_expected"])
     else:
@@ -127,19 +137,13 @@ async def keep_rollout(
                 )
             )
             await engine.ajournal(recorder)
+            interrupts.arm(notice)
             await engine.asubmit(rows, n=n, sampling=sampling, first_index=first_index)
         except BaseException:
             recorder.writer.close()
             raise
         groups, expected = len(rows), len(rows) * n
     stop = interrupts.stop
-    interrupts.arm(
-        lambda name: (
-            f"agentfsm: {name}: stopping {len(engine.runner.live)} running trajectories at their next state "
-            f"and flushing the journal {path}; Ctrl-C again to exit at once (the journal keeps all but the "
-            "steps in flight)"
-        )
-    )
     with progress if progress is not None else contextlib.nullcontext(lambda ready, total: None) as update:
         while not stop.is_set() and recorder.writer.failed is None:  # a journal the disk refuses: stop
             ready = engine.stream_stats.get("ready_groups", 0)
