@@ -58,7 +58,7 @@ _EXPORTS = {
     "SampleBatch": "fsm.output.sample",
     "RunDir": "fsm.output.keep",
     "RunInterrupted": "fsm.output.keep",
-    "load_batch": "fsm.output.batchfile",
+    "load_batch": "fsm.output.batch",
     "Engine": "fsm.output.engine",
     "EngineRefused": "fsm.run.engine",
 }
@@ -119,8 +119,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from fsm.families.parsers import ToolCall, register_parser
     from fsm.output.batch import RolloutBatch as RolloutBatch
     from fsm.output.batch import collate as collate
+    from fsm.output.batch import load_batch
     from fsm.output.batch import summarize as summarize
-    from fsm.output.batchfile import load_batch
     from fsm.output.engine import Engine
     from fsm.output.sample import Sample, SampleBatch
     from fsm.run.agent import CompiledAgent as CompiledAgent

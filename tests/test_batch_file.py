@@ -12,7 +12,7 @@ import fsm
 from backends.scripted import echo_backend
 from fsm import RolloutEngine
 from fsm.cli.commands import main
-from fsm.output.batchfile import save_batch
+from fsm.output.batch import save_batch
 from specs.calculator import make_prompts
 from tests.conftest import REPO
 from tests.test_cli import echo_server, run_argv  # noqa: F401  (echo_server: a fixture)

@@ -18,7 +18,7 @@ import torch
 from backends.scripted import echo_backend
 from fsm.api import RolloutEngine
 from fsm.cli.commands import main
-from fsm.output.batchfile import load_batch
+from fsm.output.batch import load_batch
 from tests.conftest import (
     ASSETS,
     PARTS,

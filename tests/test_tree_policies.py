@@ -11,7 +11,7 @@ import pytest
 
 from backends.devserver import DevServer
 from fsm.api import make_backend
-from fsm.output.batchfile import load_batch
+from fsm.output.batch import load_batch
 from tests.test_run_interrupts import ASSETS, ENV, REPO
 
 SPECS = REPO / "specs"

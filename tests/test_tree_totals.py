@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 
 from fsm import RolloutEngine
-from fsm.output.batch import summarize
-from fsm.output.batchfile import load_batch
+from fsm.output.batch import load_batch, summarize
 from fsm.output.metrics import generated_tokens, rollout_metrics
 from fsm.output.stats import run_stats
 from fsm.run.tree import nodes_of, row_nodes

@@ -197,8 +197,7 @@ def write_outputs(
     tracer: Any,
 ) -> dict[str, Any]:
     """batch.pt, trajectories.jsonl and summary.json of a run, into `out`; the summary back."""
-    from fsm.output.batch import fault_summary, summarize, tree_weights
-    from fsm.output.batchfile import save_batch
+    from fsm.output.batch import fault_summary, save_batch, summarize, tree_weights
     from fsm.output.record import trajectory_record
     from fsm.output.stats import run_stats
     from fsm.run.tree import nodes_of
@@ -210,7 +209,7 @@ def write_outputs(
     )
     for name, one in files.items():
         try:
-            # loadable with torch.load's weights_only=True (fsm/output/batchfile.py)
+            # loadable with torch.load's weights_only=True (fsm/output/batch.py)
             save_batch(one, out / name)
         except RuntimeError as exc:  # torch's writer reports a full disk as a RuntimeError
             raise OSError(f"{name}: {str(exc).splitlines()[0] if str(exc) else 'write failed'}") from exc
