@@ -149,25 +149,39 @@ FREE_COMPUTE = [
 
 
 @contextlib.contextmanager
-def modeled_servers(n: int) -> Iterator[Any]:
-    """`n` modeled vLLM servers (bench/fleet_sim.py) with FREE_COMPUTE, as processes; yields their launcher
-    (`urls`, `procs`)."""
+def modeled_servers(n: int) -> Iterator[list[Any]]:
+    """`n` modeled vLLM servers (bench/fleet_sim.py) with FREE_COMPUTE, as processes, each on a free port of its
+    own (consecutive ports may be taken); yields their launchers (`urls`, `procs`). One that does not start is a
+    one-line RuntimeError with its log's last line."""
+    from backends.launcher import LaunchError
     from bench.fleet import SimLauncher, free_port
 
     with tempfile.TemporaryDirectory(prefix="agentfsm-bench-engines-") as tmp:
-        launcher = SimLauncher(
-            str(ASSET_DIR),
-            dp=n,
-            base_port=free_port(),
-            log_dir=tmp,
-            startup_timeout_s=120,
-            extra_args=FREE_COMPUTE,
-        )
-        asyncio.run(launcher.__aenter__())
+        fleet = [
+            SimLauncher(
+                str(ASSET_DIR),
+                base_port=free_port(),
+                log_dir=tmp,
+                startup_timeout_s=120,
+                extra_args=FREE_COMPUTE,
+            )
+            for _ in range(n)
+        ]
+
+        async def start() -> None:
+            await asyncio.gather(*(server.__aenter__() for server in fleet))
+
+        async def stop() -> None:
+            await asyncio.gather(*(server.stop() for server in fleet))
+
         try:
-            yield launcher
+            asyncio.run(start())
+            yield fleet
+        except LaunchError as e:
+            lines = str(e).strip().splitlines()
+            raise RuntimeError(f"bench engines: {lines[0].split(';')[0]}: {lines[-1]}") from None
         finally:
-            asyncio.run(launcher.stop())
+            asyncio.run(stop())
 
 
 def bench_processes(
@@ -178,13 +192,12 @@ def bench_processes(
     ranges."""
     runs: dict[int, list[dict[str, Any]]] = {p: [] for p in processes}
     with modeled_servers(max(processes)) as fleet:
+        urls, procs = [server.urls[0] for server in fleet], [server.procs[0] for server in fleet]
         for r in range(repeats):
             for p in _turns(list(processes), r):
-                before = _cpu_s(fleet.procs)
-                scaled = load(fleet.urls, rows, p)
-                scaled["server_cpu_ms_per_call"] = (
-                    (_cpu_s(fleet.procs) - before) / scaled["model_calls"] * 1e3
-                )
+                before = _cpu_s(procs)
+                scaled = load(urls, rows, p)
+                scaled["server_cpu_ms_per_call"] = (_cpu_s(procs) - before) / scaled["model_calls"] * 1e3
                 runs[p].append(scaled)
     keys = ("calls_per_s", "client_cpu_ms_per_call", "server_cpu_ms_per_call", "client_loop_busy_share")
     out = []

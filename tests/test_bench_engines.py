@@ -75,9 +75,9 @@ def test_bench_engines_without_servers_runs_the_real_turn_shape_and_names_the_ec
     collector in processes of their own): the calculator's real turns, untraced and traced, and the echo shape,
     each named, every row answered right (reward 1 on the calculator); with --processes, the rows split over two
     client processes, each against a modeled vLLM server of its own (bench/fleet_sim.py's token route), the
-    servers' CPU counted; a shape it does not have is one line. ~45 s at load 6 on 2 cores (the CLI process and
-    two clients importing the engine, three engines started, two batches each): the real command, as a user runs
-    it, is the point."""
+    servers' CPU counted; a shape it does not have is one line. ~40 s at load 5 on 2 cores, 77 s at load 11 (the
+    CLI process and two clients importing the engine, three engines started, two batches each): the real command,
+    as a user runs it, is the point."""
     cmd = [
         sys.executable,
         "-m",
@@ -130,3 +130,24 @@ def test_processes_are_counted_as_given_and_a_dead_one_is_one_line_not_a_hang():
     dead.start()
     with pytest.raises(RuntimeError, match=rf"client process {dead.pid} exited with code 3; its error"):
         _take(ctx.Queue(), [dead])
+
+
+def test_a_modeled_server_that_cannot_start_is_one_line(monkeypatch):
+    """`--processes`' modeled servers each take a free port of their own; one that cannot start (here: its port
+    taken) ends the bench with one line naming it and its log's last line, not a traceback."""
+    import socket
+
+    import pytest
+
+    import bench.fleet
+    from bench.engines import modeled_servers
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))  # bound, not listening: the launcher's health checks are refused at once
+        monkeypatch.setattr(bench.fleet, "free_port", lambda: taken.getsockname()[1])
+        with pytest.raises(RuntimeError) as e, modeled_servers(1):
+            pass
+    assert str(e.value).startswith(
+        "bench engines: replica 0 (http://127.0.0.1:"
+    ) and "address already in use" in str(e.value)
+    assert "\n" not in str(e.value)

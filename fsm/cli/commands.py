@@ -427,25 +427,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
         result = bench.bench_tracing(workload=args.workload, repeats=args.repeats)
     elif what == "gateway" and args.workload == "contexts":
         result = bench.bench_context(repeats=args.repeats)
-    elif what == "engines" and not args.server:
-        if odd := [s for s in args.shape or () if s not in bench.SHAPES]:
+    elif what == "engines":
+        if not args.server and (odd := [s for s in args.shape or () if s not in bench.SHAPES]):
             raise CLIError(f"bench engines: no --shape {odd[0]} (engines: {' | '.join(bench.SHAPES)})")
         _quiet_transformers()
-        result = bench.bench_instant(
-            shapes=args.shape or tuple(bench.SHAPES),
-            in_flight=args.concurrency or 1000,
-            repeats=args.repeats,
-            processes=args.processes or (),
-        )
-    elif what == "engines":
-        _quiet_transformers()
-        result = bench.bench_engines(
-            args.server,
-            n=8 if args.n == 2000 else args.n,
-            repeats=args.repeats,
-            in_flight=args.concurrency or 1000,
-            processes=args.processes or (),
-        )
+        load = {
+            "repeats": args.repeats,
+            "in_flight": args.concurrency or 1000,
+            "processes": args.processes or (),
+        }
+        try:
+            if args.server:
+                result = bench.bench_engines(args.server, n=8 if args.n == 2000 else args.n, **load)
+            else:
+                result = bench.bench_instant(shapes=args.shape or tuple(bench.SHAPES), **load)
+        except RuntimeError as exc:  # a server or client process that did not start, or died
+            raise CLIError(str(exc)) from None
     elif what == "fleet":
         if problem := bench.refusal(args.trace, args.shape or (), args.router or ()):
             raise CLIError(problem)
