@@ -38,7 +38,7 @@ from typing import Any, cast
 
 from backends.base import Backend
 from fsm.output.engine import BaseEngine, Rows, batch_of
-from fsm.output.metrics import FaultDelta
+from fsm.output.stats import FaultDelta
 from fsm.run.agent import CompiledAgent
 from fsm.run.compile import compile_spec
 from fsm.run.context import PauseGate, Policy

@@ -457,7 +457,7 @@ async def test_a_failure_is_one_value_that_every_output_reads_by_its_kind(tok, c
     summary group by its kind, as the root span's error.type does. Each parsed the message before, so one bad row
     was `error_bad`, `error: bad row bad`, `bad row bad` and `bad_row`."""
     from fsm.output.batch import fault_summary
-    from fsm.output.metrics import rollout_metrics
+    from fsm.output.stats import rollout_metrics
 
     flaky.reset(fail_first=10)
     agent = compile_yaml(spec(RETRY_ONCE))

@@ -15,8 +15,7 @@ import pytest
 
 from fsm import RolloutEngine
 from fsm.output.batch import load_batch, summarize
-from fsm.output.metrics import generated_tokens, rollout_metrics
-from fsm.output.stats import run_stats
+from fsm.output.stats import generated_tokens, rollout_metrics, run_stats
 from fsm.run.tree import nodes_of, row_nodes
 from specs.calculator import make_prompts
 

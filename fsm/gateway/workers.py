@@ -42,7 +42,7 @@ from fsm.api import batch_of, load_tokenizer
 from fsm.gateway.front import TOKEN_ENV, Front
 from fsm.gateway.server import GatewayLimits
 from fsm.output.keep import Rollout, RunDir
-from fsm.output.metrics import COUNTERS, FaultDelta
+from fsm.output.stats import COUNTERS, FaultDelta
 from fsm.run.compile import CompiledAgent, compile_spec
 from fsm.run.context import Sampling
 from fsm.run.interruptible import SNAPSHOT_TIMEOUT_S

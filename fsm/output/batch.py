@@ -29,9 +29,8 @@ import torch
 from tensordict import TensorDict
 
 from fsm.data.rows import is_dataproto
-from fsm.output.metrics import model_tokens
 from fsm.output.record import harness_failure
-from fsm.output.stats import reason_key
+from fsm.output.stats import model_tokens, reason_key
 from fsm.run.trajectory import Trajectory
 from fsm.run.tree import row_nodes, tree_record
 
@@ -295,7 +294,7 @@ def timing(trajs: Sequence[Trajectory], r_len: np.ndarray, p_len: np.ndarray) ->
 
 def summarize(trajs: Sequence[Trajectory]) -> dict[str, Any]:
     """Counts a person reads after a run: termination reasons, failures, turns, rewards, tokens. `trajs` are the
-    roots (`trajectories`); the rest counts every node of their trees as fsm/output/metrics.py does: the
+    roots (`trajectories`); the rest counts every node of their trees as fsm/output/stats.py does: the
     training rows (`rows`: a fork's branches, child machines' runs) and each generated token once."""
     roots, trajs = trajs, [n for t in trajs for n in row_nodes(t)]
     reasons = Counter(map(reason_key, trajs))

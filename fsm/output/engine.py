@@ -31,8 +31,8 @@ from fsm.data.rows import to_rows
 from fsm.families import Codec
 from fsm.output.batch import policies_of, to_batch
 from fsm.output.keep import RunDir, keep_batch
-from fsm.output.metrics import FaultDelta, rollout_metrics
 from fsm.output.sample import SampleBatch, to_samples
+from fsm.output.stats import FaultDelta, rollout_metrics
 from fsm.run.agent import CompiledAgent
 from fsm.run.context import Policy, Sampling, node_sampling
 from fsm.run.engine import (
@@ -540,7 +540,7 @@ def batch_of(
     """`policy`: that policy's rows only (`codec` and `sampling`: that policy's).
     Finished trajectories -> verl's padded batch (fsm/output/batch.py `to_batch`), with the sampling that
     produced its logprobs (meta_info["sampling"]) and its metrics (meta_info["rollout_metrics"],
-    fsm/output/metrics.py, with the backend counters `faults` moved since the last batch), which survive a
+    fsm/output/stats.py, with the backend counters `faults` moved since the last batch), which survive a
     DataProto's round trip."""
     out = to_batch(trajs, agent, codec, logprobs=sampling.logprobs, like=like, meta=meta, policy=policy)
     out.meta_info["sampling"] = sampling.describe(codec.vocab_size)
