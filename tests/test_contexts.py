@@ -329,7 +329,7 @@ def test_shipped_specs_validate():
 
 
 def test_transcript_record_lists_segments(tok):
-    from fsm.output.record import trajectory_record
+    from fsm.output.rundir import trajectory_record
     from viz.transcript import render_transcript
 
     t = _segmented(1.0)

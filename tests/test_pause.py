@@ -294,7 +294,7 @@ def test_unknown_pause_mode_is_refused():
 
 
 async def test_root_spans_and_records_carry_pause_events_and_versions(tok):
-    from fsm.output.record import trajectory_record
+    from fsm.output.rundir import trajectory_record
     from fsm.telemetry import Telemetry
 
     with Telemetry(otlp=False, memory=True) as tel:

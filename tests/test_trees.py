@@ -16,7 +16,7 @@ from backends.devserver import DevServer
 from fsm import RolloutEngine
 from fsm.api import make_backend, model_tokenizer, tiny_model_dir
 from fsm.output.batch import collate
-from fsm.output.record import trajectory_record
+from fsm.output.rundir import trajectory_record
 from fsm.run.tree import nodes_of, row_nodes
 from specs.calculator import make_prompts
 

@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 import fsm
 from backends.base import BackendUnavailable
 from backends.scripted import ScriptedBackend
-from fsm.output.record import trajectory_record
+from fsm.output.rundir import trajectory_record
 from fsm.output.stats import load_run_stats, run_stats
 from specs.calculator import make_prompts
 from viz.diagram import RenderError, diagram, render, to_mermaid

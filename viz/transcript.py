@@ -1,5 +1,5 @@
 """Transcripts of finished trajectories: what the model wrote (mask 1) and what it was shown (mask 0), drawn from
-the records of a run's trajectories.jsonl (their format: fsm/output/record.py). `render_transcript` and `show`
+the records of a run's trajectories.jsonl (their format: fsm/output/rundir.py). `render_transcript` and `show`
 print them, with the answer beside the ground truth.
 """
 
@@ -16,7 +16,8 @@ from rich.console import Console, Group, RenderableType
 from rich.rule import Rule
 from rich.text import Text
 
-from fsm.output.record import harness_failure, read_records
+from fsm.output.rundir import read_records
+from fsm.output.stats import harness_failure
 
 ROLE_STYLES = {"assistant": "bold green", "tool": "cyan", "user": "yellow", "template": "dim"}
 PROMPT_TAIL_CHARS = 400  # the prompt's end (the question); system prompts and tool schemas are long

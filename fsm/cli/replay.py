@@ -204,8 +204,7 @@ def print_resumes(rebuilt: Rebuilt) -> None:
 
 def show_journal(out: Path, spec: str | None = None) -> Path:
     """A trajectories.jsonl of the journal's trajectories (finished or not), in a temporary file, for `show`."""
-    from fsm.output.record import trajectory_record
-    from fsm.output.rundir import json_text
+    from fsm.output.rundir import json_text, trajectory_record
 
     rebuilt, _, codec = _load(out, spec, None)
     running = len(rebuilt.trajs) - len(rebuilt.done)

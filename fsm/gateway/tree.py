@@ -15,7 +15,7 @@ child line's parent is the line without its last name. Each request on a line is
 The trajectory holds one node's open segment in its live fields at a time (fsm/run/trajectory.py); the others
 are parked here. `finalize` puts every segment back in the trajectory in the order they began (the segment the
 session ended on last, where a reward placed "last" goes) and writes the tree fields of each row in
-`traj.extra["tree"]` (fsm/output/record.py, fsm/output/batch.py copy them) and each row's tools in
+`traj.extra["tree"]` (fsm/output/rundir.py, fsm/output/batch.py copy them) and each row's tools in
 `traj.extra["segment_tools"]` (`--check-tokens` renders each row with its own).
 """
 

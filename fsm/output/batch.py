@@ -29,8 +29,7 @@ import torch
 from tensordict import TensorDict
 
 from fsm.data.rows import is_dataproto
-from fsm.output.record import harness_failure
-from fsm.output.stats import model_tokens, reason_key
+from fsm.output.stats import harness_failure, model_tokens, reason_key
 from fsm.run.trajectory import Trajectory
 from fsm.run.tree import row_nodes, tree_record
 

@@ -44,6 +44,21 @@ def reason_key(traj: Any) -> str:
     return traj.termination_reason or "?"
 
 
+def harness_failure(record: dict[str, Any]) -> str | None:
+    """How a row's harness failed, one line (the last line of its error: a traceback's says why); None when it
+    returned or exited 0 (fsm/gateway/harness.py's `harness_failed`)."""
+    outcome = record.get("harness")
+    if (
+        not isinstance(outcome, dict)
+        or outcome.get("outcome") in (None, "returned")
+        or (outcome.get("outcome") == "exit" and outcome.get("exit_code") in (None, 0))
+    ):
+        return None
+    lines = [line.strip() for line in str(outcome.get("error") or "").splitlines() if line.strip()]
+    kind = outcome["outcome"] if outcome["outcome"] != "exit" else f"exit {outcome.get('exit_code')}"
+    return f"{kind}: {lines[-1]}" if lines else str(kind)
+
+
 def run_stats(agent: Any, trajectories: Sequence[Any] | None = None) -> dict[str, Any]:
     """Statistics of finished trajectories (`run_stats(agent, trajs)`, or `run_stats(trajs)` without the
     agent, which then leaves out guard labels and reasons)."""

@@ -14,7 +14,7 @@ from backends.scripted import ScriptedBackend
 from fsm.api import RolloutEngine
 from fsm.gateway import Gateway, GatewayLimits, HarnessCall, harness
 from fsm.output.batch import collate
-from fsm.output.record import trajectory_record
+from fsm.output.rundir import trajectory_record
 from fsm.run.policy import check_segments
 from tests.conftest import extra
 from tests.gateway.conftest import ANSWER, CALL, row
