@@ -37,7 +37,11 @@ class PauseClock:
         left = timeout_s
         while not future.done():
             if self.mode is not None:  # paused: wait for the answer or the continue, the clock stopped
-                await _first(future, self._running.wait())
+                resumed = asyncio.ensure_future(self._running.wait())
+                try:
+                    await asyncio.wait({future, resumed}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    resumed.cancel()
                 continue
             if left <= 0:
                 return False
@@ -65,11 +69,3 @@ class PauseClock:
             timer.cancel()
             future.remove_done_callback(wake)
             self._wakes.discard(wake)
-
-
-async def _first(future: asyncio.Future[Any], event_wait: Any, timeout: float | None = None) -> None:
-    waiter = asyncio.ensure_future(event_wait)
-    try:
-        await asyncio.wait({future, waiter}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        waiter.cancel()

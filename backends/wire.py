@@ -288,11 +288,10 @@ class Wire:
         *,
         max_bytes: int,
         params: Mapping[str, str] | None = None,
-        content_type: str = "application/json",
     ) -> Answer:
         """One exchange -> (status, headers, body); WireError (module docstring) when it fails. No deadline of
         its own: a cancelled exchange closes its connection."""
-        request = self._request(method, path, body, params, content_type)
+        request = self._request(method, path, body, params)
         return await self._begin(await self._acquire(), request, max_bytes)
 
     def pooled(self, method: str, path: str, body: bytes, *, max_bytes: int) -> asyncio.Future[Answer] | None:
@@ -301,17 +300,14 @@ class Wire:
         conn = self._pooled()
         if conn is None:
             return None
-        return self._begin(conn, self._request(method, path, body, None, "application/json"), max_bytes)
+        return self._begin(conn, self._request(method, path, body, None), max_bytes)
 
-    def _request(
-        self, method: str, path: str, body: bytes | None, params: Mapping[str, str] | None, content_type: str
-    ) -> bytes:
+    def _request(self, method: str, path: str, body: bytes | None, params: Mapping[str, str] | None) -> bytes:
         target = self.prefix + path + ("?" + urlencode(params) if params else "")
         head = b"%s %s HTTP/1.1\r\n%s" % (method.encode("ascii"), target.encode("ascii"), self._common)
         if body is None:
             return head + b"\r\n"
-        head += b"Content-Type: %s\r\nContent-Length: %d\r\n" % (content_type.encode("ascii"), len(body))
-        return head + b"\r\n" + body
+        return head + b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
 
     def _begin(self, conn: _Connection, request: bytes, max_bytes: int) -> asyncio.Future[Answer]:
         """The exchange's future; once it is done the connection goes back to the pool, or is closed when the
