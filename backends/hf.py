@@ -4,9 +4,8 @@ Concurrent `generate()` calls queue up. One worker, owned by the backend, decode
 event loop stays responsive: between two decode steps the requests that arrived meanwhile are prefilled together
 and join the running batch (continuous batching, up to `max_batch_size` rows), so the batch stays full across
 turns and trajectories. A trajectory's KV cache is kept between its turns (backends/kv.py): its next turn
-prefills only the tokens it adds. Rows are left-padded and carry explicit position ids and an attention mask, so
-a request's greedy tokens do not depend on what it was batched with. Sampling follows SGLang's sampling
-parameters (backends/sampling.py). Device, dtype and threads: backends/hf_model.py; measurements: docs/engines.md.
+prefills only the tokens it adds. Rows are left-padded with explicit position ids and an attention mask, so a
+request's greedy tokens do not depend on its batch. Device, dtype, threads, sampling: backends/hf_model.py.
 
 Exact logprobs (`exact_logprobs=True`; `agentfsm run --exact-logprobs`): float sums run in an order that depends
 on the computation's shapes, so a token's logprob moves with what the row was batched with and with whether its
@@ -40,9 +39,17 @@ from backends.base import (
     GenerateRequest,
     GenerateResult,
 )
-from backends.hf_model import eos_ids, load, served_name, unfit_tensors, untied_values
+from backends.hf_model import (
+    DecodeSampling,
+    eos_ids,
+    load,
+    sample_next,
+    served_name,
+    unfit_tensors,
+    untied_values,
+    validate,
+)
 from backends.kv import Rows, SessionCache, SlotCache, joinable, make_cache, prefill_inputs
-from backends.sampling import DecodeSampling, sample_next, validate
 
 SESSION_KV_BYTES = 1 << 30  # default bound on the KV kept between a trajectory's turns
 # SDPA kernels used in float16/bfloat16 on CUDA: all but cuDNN attention, which plans per shape
@@ -544,8 +551,7 @@ class HFBackend(BaseBackend):
 
     def _load_weights(self, model_path: str) -> None:
         state = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).state_dict()
-        untied = untied_values(self.model, state)
-        if untied:
+        if untied := untied_values(self.model, state):
             raise ValueError(f"the checkpoint holds {untied}")
         with torch.no_grad(), self._step:
             self.model.load_state_dict(state)
