@@ -43,8 +43,7 @@ from fsm.data.rows import normalize_record
 from fsm.families import Codec
 from fsm.run import heap
 from fsm.run.context import Sampling
-from fsm.run.control import Controls
-from fsm.run.engine import Call, Command, EngineRefused, Pause, Resume, Take, Update
+from fsm.run.engine import Call, Command, Controls, EngineRefused, Pause, Resume, Take, Update
 from fsm.run.journal import SYNCS
 from fsm.run.runtime import agent_codec
 from fsm.run.stream import Group, StreamEmpty
@@ -163,7 +162,7 @@ class _Worker:
         return os.getpid()
 
     async def control(self, command: Command, servers: bool) -> Any:
-        """A control command (fsm/run/control.py `Controls.run`); `servers=False`: this actor's gate and version
+        """A control command (fsm/run/engine.py `Controls.run`); `servers=False`: this actor's gate and version
         only (another actor tells the shared servers)."""
         return await self.controls.run(command, servers)
 
@@ -396,7 +395,7 @@ class RayRunner(BaseEngine):
     def stream_stats(self) -> dict[str, Any]:
         return {} if self._pool is None else self._pool.groups.counters()
 
-    # -- control calls (fsm/run/control.py, in every actor) ----------------------------------------------------
+    # -- control calls (fsm/run/engine.py, in every actor) -----------------------------------------------------
 
     async def control_here(self, command: Command) -> Any:
         """Shared servers hear it once (through the first live actor); per-actor backends each hear it. Every

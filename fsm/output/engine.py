@@ -119,7 +119,9 @@ class Core(Protocol):
         self, rows: Sequence[Any], n: int, sampling: Sampling, first_index: int | None
     ) -> list[str]: ...  # start every row n times (the continuous mode); the groups' uids
     async def take_here(self, ask: Take) -> list[Group]: ...  # the first finished groups (`Groups.take`)
-    async def control_here(self, command: Command) -> Any: ...  # on every server (fsm/run/control.py)
+    async def control_here(
+        self, command: Command
+    ) -> Any: ...  # on every server (fsm/run/engine.py `Controls`)
     async def aclose(self) -> None: ...
     def close(self) -> None: ...
 
@@ -449,7 +451,7 @@ class BaseEngine:
     snapshot = sync_form(asnapshot)
     restore = sync_form(arestore)
 
-    # -- control calls (fsm/run/control.py) --------------------------------------------------------------------
+    # -- control calls (fsm/run/engine.py) ---------------------------------------------------------------------
 
     async def asleep(self, tags: list[str] | None = None) -> Any:
         """Release server memory (SGLang release_memory_occupation; tags "weights", "kv_cache")."""

@@ -20,8 +20,7 @@ from backends.base import Abortable, Backend, Lifecycle, Pausable
 from fsm.run import heap, loopwatch, snapcheck
 from fsm.run import snapshot as snap
 from fsm.run.context import Policy, Sampling
-from fsm.run.control import Controls
-from fsm.run.engine import Command, Owned, SnapshotAsk, Take, under
+from fsm.run.engine import Command, Controls, Owned, SnapshotAsk, Take, under
 from fsm.run.runtime import Runner
 from fsm.run.stream import Group, Stream
 from fsm.run.trajectory import Trajectory
