@@ -104,7 +104,7 @@ def test_a_stop_while_a_tool_outlasts_its_wait_exits_promptly_and_resume_runs_th
 
 
 def test_a_stop_wait_that_is_not_a_number_is_named_and_the_default_kept(monkeypatch, capsys):
-    from fsm.run.interruptible import SNAPSHOT_TIMEOUT_S, STOP_TIMEOUT_ENV, stop_timeout_s
+    from fsm.output.keep import SNAPSHOT_TIMEOUT_S, STOP_TIMEOUT_ENV, stop_timeout_s
 
     monkeypatch.setenv(STOP_TIMEOUT_ENV, "2.5")
     assert stop_timeout_s() == 2.5

@@ -1,5 +1,5 @@
 """A signal once a kept run's rows have started stops them at their next state with the journal flushed
-(fsm/run/interruptible.py arms the run's interrupts before the rows start). Armed only after `asubmit` returned,
+(fsm/output/keep.py arms the run's interrupts before the rows start). Armed only after `asubmit` returned,
 a signal landing between the rows starting and the arming cancelled the whole run as if it had never begun
 (`agentfsm run` said "interrupted before the rollout" while rows were at the server: tests/test_snapshot.py
 saw it once under load)."""

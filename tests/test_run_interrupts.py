@@ -365,7 +365,7 @@ engine.close()
 @pytest.mark.slow
 def test_sigterm_keeps_a_run_of_the_python_api_and_the_cli_resumes_it(servers, reference, tmp_path):
     """issue 28: a program embedding RolloutEngine gets what `agentfsm run` gives, by passing `keep=RunDir(out)`:
-    SIGTERM mid-turn stops the rows through the same code (fsm/run/interruptible.py, fsm/output/keep.py), writes the
+    SIGTERM mid-turn stops the rows through the same code (fsm/output/keep.py), writes the
     snapshot, and `agentfsm run --resume` finishes it with the tokens of an uninterrupted CLI run."""
     slow, fast = servers
     cut = tmp_path / "cut"

@@ -6,7 +6,7 @@ This module is the composition root: the one place in `fsm` that picks concrete 
 stderr that names the file, flag, row or server and what to do, with a non-zero exit code and no traceback.
 Exit codes: 0 done; 1 a user error, or a run whose error rows exceed --max-error-rate; 2 a bad command
 line or spec diagnostics; 130 interrupted (Ctrl-C or SIGTERM). `run` is a thin caller of what every kept run
-does (the Python API's `keep=` too): signals (fsm/run/signals.py), the stop and the snapshot (fsm/run/interruptible.py),
+does (the Python API's `keep=` too): signals (fsm/run/signals.py), the stop and the snapshot (fsm/output/keep.py),
 the three output files, replaced together under a lock on --out (fsm/output/keep.py, fsm/output/rundir.py);
 how the command ends (errors, a signal after the outcome, a closed stdout): fsm/cli/outcome.py.
 
@@ -204,9 +204,9 @@ async def _rollout(
     args: argparse.Namespace, rows: list[dict[str, Any]] | None, console: Any, first_index: int | None = None
 ) -> Rollout:
     """Roll `rows` out (or, `rows` None, resume the snapshot in --resume DIR). A RolloutEngine runs them as
-    every kept run does (fsm/run/interruptible.py: Ctrl-C snapshots the rows in flight); Ray keeps what finished.
+    every kept run does (fsm/output/keep.py: Ctrl-C snapshots the rows in flight); Ray keeps what finished.
     `first_index`: `rows` are a slice of a batch, whose index (and seed) their first sample takes."""
-    from fsm.run.interruptible import keep_rollout
+    from fsm.output.keep import keep_rollout
 
     params = {k: v for k, v in (("temperature", args.temperature), ("seed", args.seed)) if v is not None}
     finished: list = []
@@ -277,7 +277,7 @@ FLUSH_TIMEOUT_S = 10.0
 
 @contextlib.contextmanager
 def _progress(args: argparse.Namespace, console: Any) -> Iterator[Callable[[int, int], None]]:
-    """The groups finished, as a bar on a terminal (fsm/run/interruptible.py updates it)."""
+    """The groups finished, as a bar on a terminal (fsm/output/keep.py updates it)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
@@ -366,7 +366,7 @@ def cmd_run(args: argparse.Namespace, rollout: Callable[..., Any] | None = None)
                 f"--resume: {Path(args.resume) / JOURNAL}: the run there has {loaded.ended}: nothing to resume"
             )
         refuse_changed_code(Path(args.resume) / JOURNAL, agent, loaded.made_by, args.accept_changes)
-        args.resumed = loaded  # checked: the run goes on from it (fsm/run/interruptible.py `keep_rollout`)
+        args.resumed = loaded  # checked: the run goes on from it (fsm/output/keep.py `keep_rollout`)
     rows = _rows(args, agent) if args.resume is None else None
     out = args.out = _out_dir(args)
     try:

@@ -1,6 +1,6 @@
 """How `agentfsm` ends: every user error as one line (CLIError), a signal after the command has ended (it exits
 at once with the command's code), a stdout that a tool may have closed, and what `run --resume` reads first.
-A run's own signals, snapshot and files are every kept run's (fsm/run/signals.py, fsm/run/interruptible.py,
+A run's own signals, snapshot and files are every kept run's (fsm/run/signals.py, fsm/output/keep.py,
 fsm/output/keep.py). fsm/cli/commands.py composes these."""
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def resume_spec(args: argparse.Namespace) -> None:
 
 def refuse_changed_code(path: Path, agent: Any, made_by: dict[str, Any] | None, accept: bool) -> None:
     """The code the spec names checked against the journal's before a model loads (the model and the engine's
-    options are checked once the engine has started: fsm/run/interruptible.py): CLIError `resume refused: ...`."""
+    options are checked once the engine has started: fsm/output/keep.py): CLIError `resume refused: ...`."""
     from fsm.run.provenance import ResumeRefused, changes, code_digests, judge
 
     if accept:

@@ -41,11 +41,10 @@ from typing import Any
 from fsm.api import batch_of, load_tokenizer
 from fsm.gateway.front import TOKEN_ENV, Front
 from fsm.gateway.server import GatewayLimits
-from fsm.output.keep import Rollout, RunDir
+from fsm.output.keep import SNAPSHOT_TIMEOUT_S, Rollout, RunDir
 from fsm.output.stats import COUNTERS, FaultDelta
 from fsm.run.compile import CompiledAgent, compile_spec
 from fsm.run.context import Sampling
-from fsm.run.interruptible import SNAPSHOT_TIMEOUT_S
 from fsm.run.runtime import agent_codec
 from fsm.run.signals import SIGNALS, say_now
 from fsm.run.snapshot import decode_sampling, decode_trajectory

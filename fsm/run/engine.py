@@ -262,7 +262,7 @@ class SnapshotAsk:
 
 class LocalEngine(Protocol):
     """An engine whose rows run in this process, on its own loop (fsm.api.RolloutEngine): what a kept run
-    (fsm/run/interruptible.py), its journal's provenance and the gateway reach of it. The whole contract is
+    (fsm/output/keep.py), its journal's provenance and the gateway reach of it. The whole contract is
     fsm/output/engine.py `BaseEngine` (`fsm.Engine`); this stage names only the calls it makes."""
 
     agent: CompiledAgent

@@ -46,7 +46,7 @@ class Writer:
 
     A write the disk refuses (ENOSPC, EIO...) is said once in one line (`failed`): the journal is cut back to its
     last whole batch and takes nothing more, so it stays whole (resumable once there is room) and the run that
-    owns it stops (fsm/run/interruptible.py) rather than making rows no journal holds."""
+    owns it stops (fsm/output/keep.py) rather than making rows no journal holds."""
 
     def __init__(self, path: Path, sync: str = "1s", keep: int | None = None):
         if sync not in SYNCS:

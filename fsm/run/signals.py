@@ -1,7 +1,7 @@
 """Signals during a run: SIGINT (Ctrl-C) and SIGTERM (a scheduler preempting the job) handled alike, by one
 handler for the whole run, whoever runs it (`agentfsm run`, or a program embedding the engine with
 `keep=`, fsm/output/keep.py). Before the rollout starts a signal cancels the caller's task; once it runs, the
-first one stops it, its journal flushed and its finished rows kept (fsm/run/interruptible.py), and a second one
+first one stops it, its journal flushed and its finished rows kept (fsm/output/keep.py), and a second one
 exits at once with 130.
 Also here: a signal wakes the engine's own loop at once, and the one-line notices a signal prints.
 """
