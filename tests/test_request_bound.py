@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -21,8 +22,14 @@ SLACK_S = 5.0 + 2.0 + 2.0
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("window_s, timeout_s", [(10, 3), (4, 2)])
-def test_rows_on_a_server_that_never_answers_end_when_the_flags_say(tmp_path, window_s, timeout_s):
+def test_rows_on_a_server_that_never_answers_end_when_the_flags_say(tmp_path):
+    """Two settings of the flags, each its own silent server and run, side by side (the runs mostly wait)."""
+    with ThreadPoolExecutor(2) as both:
+        list(both.map(_rows_end_when_the_flags_say, [tmp_path / "a", tmp_path / "b"], [10, 4], [3, 2]))
+
+
+def _rows_end_when_the_flags_say(tmp_path: Path, window_s: int, timeout_s: int) -> None:
+    tmp_path.mkdir()
     silent = subprocess.Popen(
         [sys.executable, "-m", "tests.fixtures.silent_server"],
         cwd=REPO,
