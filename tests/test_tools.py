@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import fsm
+from fsm.run.compile import infer_schema
 from fsm.tools.base import check_arguments
-from fsm.tools.build import infer_schema
 from tests.conftest import (
     PARTS,
     SPECS,
