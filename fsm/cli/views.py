@@ -34,8 +34,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _tree_size(path: str) -> str:
-    """What one tree of a valid spec can expand to (fsm/run/treecheck.py `tree_size`), for `validate`'s ok line."""
-    from fsm.run.treecheck import tree_size
+    """What one tree of a valid spec can expand to (fsm/run/tree.py `tree_size`), for `validate`'s ok line."""
+    from fsm.run.tree import tree_size
     from fsm.spec.loader import load_spec
 
     size = tree_size(load_spec(path).spec)

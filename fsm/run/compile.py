@@ -25,7 +25,7 @@ from fsm.run.actions import BUILTIN_ACTIONS
 from fsm.run.agent import REWARD_EXTRAS, CompiledAgent, Edge, Reward
 from fsm.run.interaction import REQUIRED_METHODS
 from fsm.run.rewrites import make_rewrite, reach, reversed_graph, rewrite_loops
-from fsm.run.treecheck import check_tree, child_schema, tree_size
+from fsm.run.tree import check_tree, child_schema, tree_size
 from fsm.spec.failures import check_failures
 from fsm.spec.loader import Diagnostic, LoadedSpec, SpecError, load_spec
 from fsm.spec.model import AgentSpec, ToolSpec
@@ -137,7 +137,7 @@ class _Compiler:
         actions = self._actions()
         tools = self._tools()
         built = None if self.static else set(tools.by_name)  # the names the model sees
-        check_tree(spec, self.loaded.path if self.loaded else None, self.error, built)  # fsm/run/treecheck.py
+        check_tree(spec, self.loaded.path if self.loaded else None, self.error, built)  # fsm/run/tree.py
         size = tree_size(spec)
         if size is not None and size - 1 > spec.tree.max_run_nodes:
             self.warn(
