@@ -145,27 +145,34 @@ def test_an_edited_reward_module_is_refused_and_accepted_changes_are_recorded(ru
 
 
 def test_other_weights_in_the_checkpoint_are_refused(run, tmp_path):
+    """Another checkpoint and the same one changed in place are refused; the same weights moved go on. The three
+    resumes run side by side, each on its own cut of the run (a run directory has one writer at a time)."""
     spec_dir, model, done = run
-    out = _cut(done, tmp_path / "out")
-    other = tmp_path / "model"
+    out, changed, again = (_cut(done, tmp_path / name) for name in ("out", "changed", "again"))
+    other, moved = tmp_path / "model", tmp_path / "moved"
     shutil.copytree(model, other)
     shutil.copy2(
         ASSETS / "early" / "model.safetensors", other / "model.safetensors"
     )  # a real other checkpoint
-    line = _one_line(_cli("--resume", str(out), "--model", str(other), "-q"))
+    shutil.copytree(model, moved)  # the same weights elsewhere: the same run
+    before = (changed / JOURNAL).read_bytes()
+    shutil.copy2(ASSETS / "early" / "model.safetensors", model / "model.safetensors")
+    try:  # the same checkpoint, its weights changed in place
+        with ThreadPoolExecutor() as three:
+            elsewhere, in_place, going = three.map(
+                lambda at: _cli("--resume", str(at[0]), "--model", str(at[1]), "-q"),
+                [(out, other), (changed, model), (again, moved)],
+            )
+    finally:
+        shutil.copy2(ASSETS / "model.safetensors", model / "model.safetensors")
+    line = _one_line(elsewhere)
     assert line.startswith(
         f"agentfsm: resume refused: {out / JOURNAL}: the run's rows were made by the embedded "
         f"model 'model' from {model}, but this resume runs the embedded model 'model' from {other}"
     ), line
-    shutil.copy2(ASSETS / "early" / "model.safetensors", model / "model.safetensors")
-    try:  # the same checkpoint, its weights changed in place
-        line = _one_line(_cli("--resume", str(out), "--model", str(model), "-q"))
-        assert f"the model's checkpoint {model} changed since the run started (sha256 " in line, line
-    finally:
-        shutil.copy2(ASSETS / "model.safetensors", model / "model.safetensors")
-    moved = tmp_path / "moved"  # the same weights elsewhere: the same run
-    shutil.copytree(model, moved)
-    going = _cli("--resume", str(out), "--model", str(moved), "-q")
+    line = _one_line(in_place)
+    assert f"the model's checkpoint {model} changed since the run started (sha256 " in line, line
+    assert (changed / JOURNAL).read_bytes() == before  # nothing written
     assert going.returncode == 0, going.stderr
 
 
