@@ -19,6 +19,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -126,18 +128,39 @@ def _check_run(ref: Path, out: Path) -> None:
     assert rebuild(records(out / JOURNAL)).ended == "completed"
 
 
-def _kill_test(tmp_path: Path, base: list[str], kills: int, seed: int) -> list[dict]:
-    ref = tmp_path / "ref"
-    done = subprocess.run(
-        run_args(ref, *base), env=ENV, cwd=REPO, capture_output=True, text=True, timeout=240
-    )
-    assert done.returncode == 0, done.stderr
-    rng, table, k = random.Random(seed), [], 0
-    while len(table) < kills:
-        k += 1
-        out = tmp_path / f"cut{k}"
-        _kill_chain(out, base, rng, kills, table)
-        _check_run(ref, out)
+def _reference(out: Path, base: list[str]) -> Callable[[], Path]:
+    """The uninterrupted run, started at once beside the killed ones; the callable waits for it (once)."""
+    proc = subprocess.Popen(run_args(out, *base), env=ENV, cwd=REPO, stderr=subprocess.PIPE, text=True)
+
+    def ready() -> Path:
+        if proc.returncode is None:
+            err = proc.communicate(timeout=240)[1]
+            assert proc.returncode == 0, err
+        return out
+
+    return ready
+
+
+def _kill_test(
+    tmp_path: Path, base: list[str], kills: int, seed: int, ref: Callable[[], Path], side_by_side: int = 2
+) -> list[dict]:
+    """`kills` kill -9s in `side_by_side` chains of runs at once (each its own seeded moments, each run its own
+    process): the waits on the processes overlap, and every chain's run is checked against the one reference."""
+
+    def chains(j: int) -> tuple[list[dict], list[Path]]:
+        rng, table, outs = random.Random(seed + j), [], []  # chain 0 draws the moments one chain drew
+        while len(table) < kills // side_by_side:
+            outs.append(tmp_path / f"cut{j}-{len(outs) + 1}")
+            _kill_chain(outs[-1], base, rng, kills // side_by_side, table)
+        return table, outs
+
+    with ThreadPoolExecutor(side_by_side) as pool:
+        done = list(pool.map(chains, range(side_by_side)))
+    for _, outs in done:
+        for out in outs:
+            _check_run(ref(), out)
+    table = [row for t, _ in done for row in t]
+    assert len(table) == kills
     lines = [f"{'kill':>4}  {'moment':<28} {'finished':>8} {'running':>7} {'redone':>6}"]
     for i, row in enumerate(table, 1):
         lines.append(
@@ -185,9 +208,15 @@ def _serve_model() -> tuple[subprocess.Popen, str]:
             time.sleep(0.1)
 
 
+@pytest.fixture(scope="module")
+def http_ref(model_server, tmp_path_factory) -> Callable[[], Path]:
+    """One uninterrupted run over HTTP for the module's tests (each made the same run again)."""
+    return _reference(tmp_path_factory.mktemp("http") / "ref", [SPEC, "--server", model_server])
+
+
 @pytest.mark.slow
-def test_twenty_kill_9s_over_http_each_resumed_equal_the_uninterrupted_run(tmp_path, model_server):
-    table = _kill_test(tmp_path, [SPEC, "--server", model_server], kills=20, seed=39)
+def test_twenty_kill_9s_over_http_each_resumed_equal_the_uninterrupted_run(tmp_path, model_server, http_ref):
+    table = _kill_test(tmp_path, [SPEC, "--server", model_server], kills=20, seed=39, ref=http_ref)
     moments = {row["moment"] for row in table}
     assert any("model turn" in m for m in moments), moments
 
@@ -207,22 +236,18 @@ engine.close()
 
 
 @pytest.mark.slow
-def test_kill_9s_of_a_program_that_keeps_its_run_with_the_api_then_resumed(tmp_path, model_server):
+def test_kill_9s_of_a_program_that_keeps_its_run_with_the_api_then_resumed(tmp_path, model_server, http_ref):
     """`keep=RunDir(out)` writes the same journal as `agentfsm run`: a program killed with -9 at a random moment
-    is resumed by `agentfsm run --resume out`, equal to an uninterrupted CLI run."""
-    base = [SPEC, "--server", model_server]
-    ref = tmp_path / "ref"
-    done = subprocess.run(
-        run_args(ref, *base), env=ENV, cwd=REPO, capture_output=True, text=True, timeout=240
-    )
-    assert done.returncode == 0, done.stderr
+    is resumed by `agentfsm run --resume out`, equal to an uninterrupted CLI run. The three programs run side by
+    side, each killed at its own moment."""
     script = tmp_path / "embed.py"
     script.write_text(EMBEDDED)
     rng = random.Random(5)
-    for k in range(3):
+
+    def killed_then_resumed(k: int, target: int) -> None:
         out = tmp_path / f"api{k}"
         proc = subprocess.Popen([sys.executable, str(script), model_server, str(out)], env=ENV, cwd=REPO)
-        target, deadline = rng.randint(8, 40), time.monotonic() + 120
+        deadline = time.monotonic() + 120
         while proc.poll() is None and _count(out / JOURNAL) < target:
             assert time.monotonic() < deadline, "the program's journal did not grow"
             time.sleep(0.002)
@@ -230,15 +255,25 @@ def test_kill_9s_of_a_program_that_keeps_its_run_with_the_api_then_resumed(tmp_p
         proc.wait(30)
         assert proc.returncode == -signal.SIGKILL, "the program finished before its kill"
         resumed = subprocess.run(
-            run_args(out, "--resume", str(out), *base[1:]), env=ENV, cwd=REPO, capture_output=True, text=True
+            run_args(out, "--resume", str(out), "--server", model_server),
+            env=ENV,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=240,
         )
         assert resumed.returncode == 0, resumed.stderr
-        _check_run(ref, out)
+
+    with ThreadPoolExecutor(3) as pool:
+        list(pool.map(killed_then_resumed, range(3), [rng.randint(8, 40) for _ in range(3)]))
+    for k in range(3):
+        _check_run(http_ref(), tmp_path / f"api{k}")
 
 
 @pytest.mark.slow
 def test_kill_9s_of_the_embedded_model_each_resumed_equal_the_uninterrupted_run(tmp_path):
-    _kill_test(tmp_path, [SPEC, "--batch-size", "1"], kills=4, seed=7)
+    base = [SPEC, "--batch-size", "1"]
+    _kill_test(tmp_path, base, kills=4, seed=7, ref=_reference(tmp_path / "ref", base), side_by_side=1)
 
 
 def test_exact_logprobs_make_a_kill_9_resume_equal_the_uninterrupted_run_bit_for_bit(tmp_path):
