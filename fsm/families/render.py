@@ -94,7 +94,7 @@ class ChatRender:
             if template is None:
                 source = self._inner.get_chat_template(None, tools)
                 # our own copy in transformers' environment, its globals a dict: jinja walks a ChainMap twice
-                # a render (new_context, Context), 24 us of a calculator prompt's 93
+                # a render (new_context, Context), a quarter of a calculator prompt's (docs/benchmarks.md)
                 template = self._compile(source).environment.from_string(source)
                 template.globals = dict(template.globals)
                 self._templates[tools is not None] = template
