@@ -42,8 +42,9 @@ from backends.base import (
     BaseBackend,
     GenerateRequest,
     GenerateResult,
+    RetryPolicy,
+    retry,
 )
-from backends.retry import RetryPolicy, retry
 
 # generate(prompt_ids, sampling_params), or with a `request` keyword (the GenerateRequest) where it takes one
 GenerateFn = Callable[..., Awaitable[Any]]

@@ -22,7 +22,7 @@ A session whose server is down is re-pinned by rule 3 and counted as "moved". Wh
 healthy, all of them are candidates again (a mark may be stale; a dead fleet then fails per request).
 
 Failover: a retryable failure (a server fault the client already retried, or a timeout) marks the server
-down and re-runs placement, under the `failover` retry policy (`backends.retry`): a few re-routes, and
+down and re-runs placement, under the `failover` retry policy (`backends.base.RetryPolicy`): a few re-routes, and
 more while the request is within `retry_window_s` of its first attempt, so an outage of the whole fleet
 shorter than that window is waited out. No re-route starts past the window (when it is not 0: then the few
 re-routes alone), so a request ends within the window and one attempt (a request timeout and its abort's
@@ -56,9 +56,10 @@ from backends.base import (
     GenerateRequest,
     GenerateResult,
     Lifecycle,
+    RetryPolicy,
+    retry,
 )
 from backends.engines import ENGINES, one_kind
-from backends.retry import RetryPolicy, retry
 
 
 def by_turn(request: GenerateRequest, cap: int = 8) -> int:

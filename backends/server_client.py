@@ -7,7 +7,7 @@ context edge) stays in each engine's module.
   orjson), unbounded in time (callers set the deadline) and bounded in size; a transport failure becomes a
   retryable `BackendUnavailable` whose kind says when it happened (refused, before or during the body).
   Every body is read by `backends.answer.read_json` (bounded in size and depth);
-- `_call` is a control call with retries (`backends.retry` policy: jittered exponential backoff, Retry-After
+- `_call` is a control call with retries (`backends.base.RetryPolicy`: jittered exponential backoff, Retry-After
   honoured): 408/429/5xx, redirects (never followed) and transport faults are retried, 2xx and 4xx come back
   as (status, body);
 - `generate` runs a turn under the retry policy: each attempt has its own wire rid (the engine picks
@@ -48,9 +48,11 @@ from backends.base import (
     GenerateRequest,
     GenerateResult,
     PromptIds,
+    RetryPolicy,
+    parse_retry_after,
+    retry,
 )
 from backends.pause_clock import PauseClock
-from backends.retry import RetryPolicy, parse_retry_after, retry
 from backends.wire import Wire, WireError
 
 T = TypeVar("T")

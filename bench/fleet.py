@@ -47,9 +47,8 @@ from typing import Any
 
 import aiohttp
 
-from backends.base import BackendUnavailable, BaseBackend, GenerateRequest, GenerateResult
+from backends.base import BackendUnavailable, BaseBackend, GenerateRequest, GenerateResult, retry
 from backends.launcher import SGLangLauncher, die_with_parent
-from backends.retry import retry
 from backends.router import Router, by_turn
 from backends.server_client import ServerClient
 from bench.traffic import Call, calls_of_run

@@ -1,5 +1,5 @@
 """Retries say what they do and stay bounded (fsm/spec/failures.py, fsm/tools/base.py `tool_retry`,
-backends/retry.py `RetryPolicy.delay`): a tool's own retry and its state's multiply, as documented, and
+backends/base.py `RetryPolicy.delay`): a tool's own retry and its state's multiply, as documented, and
 `validate` refuses more than MAX_CALL_RUNS runs of one call (tests/broken_specs/retry_runs_multiply.yaml); no
 wait is longer than `backoff_max_s`, jitter included; a tool's retry is bounded as a state's is
 (tests/broken_specs/tool_retry_unbounded.yaml), and its backoff never overflows into the model's observation."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from backends.retry import RetryPolicy
+from backends.base import RetryPolicy
 from fsm.families.parsers import ToolCall
 from fsm.run.failures import _policy
 from fsm.spec.failures import MAX_CALL_RUNS, MAX_WAIT_S, StateRetry

@@ -379,8 +379,13 @@ async def test_the_watchdog_names_stuck_rows_their_state_and_server(agent, tok, 
 
 
 async def test_retry_policy_backoff_retry_after_and_what_is_retried():
-    from backends.base import BackendRequestError, BackendUnavailable
-    from backends.retry import RetryPolicy, parse_retry_after, retry
+    from backends.base import (
+        BackendRequestError,
+        BackendUnavailable,
+        RetryPolicy,
+        parse_retry_after,
+        retry,
+    )
 
     policy = RetryPolicy(attempts=4, backoff_s=0.01, multiplier=2.0, backoff_max_s=0.03, jitter=0.2)
     for attempt, base in ((1, 0.01), (2, 0.02), (3, 0.03), (4, 0.03)):  # doubling, capped, ±20 % jitter

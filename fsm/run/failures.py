@@ -14,8 +14,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from backends.base import BackendError, BackendTimeout, GenerationAborted
-from backends.retry import RetryPolicy
+from backends.base import BackendError, BackendTimeout, GenerationAborted, RetryPolicy
 from fsm.data.rows import RowError
 from fsm.run.agent import CompiledAgent, Edge
 from fsm.run.trajectory import Failure

@@ -32,7 +32,7 @@ from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
-from backends.retry import RetryPolicy, parse_retry_after
+from backends.base import RetryPolicy, parse_retry_after
 from fsm.telemetry.config import OtlpSettings, compression_name
 from fsm.telemetry.shapes import _SHAPES, _lean_message
 from fsm.telemetry.spans import _readable, _Span

@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from backends.retry import RetryPolicy, retry
+from backends.base import RetryPolicy, retry
 from fsm.data.rows import encodable
 from fsm.families.parsers import ToolCall
 from fsm.spec.failures import MAX_WAIT_S
@@ -417,7 +417,7 @@ class BoundTool:
         return outcome
 
     async def _execute(self, outcome: CallOutcome, call: ToolCall, instance_id: str, agent_data: Any) -> None:
-        """`execute`, retried as the spec's `retry:` says (backends/retry.py runs the loop); the outcome holds
+        """`execute`, retried as the spec's `retry:` says (backends/base.py `retry` runs the loop); the outcome holds
         the answer, or the last failure as the text the model reads."""
 
         async def attempt(k: int) -> None:
