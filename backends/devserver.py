@@ -61,7 +61,7 @@ from backends.contract import (
     model_info,
 )
 from backends.prefix_cache import PrefixCache
-from backends.scripted import HashLM, ToolScript, calculator_backend, echo_backend, tool_script_backend
+from backends.scripted import HashLM, ScriptedBackend, ToolScript, calculator_backend, echo_backend
 from backends.tiny import ASSET_DIR
 
 log = logging.getLogger("agentfsm.devserver")
@@ -523,7 +523,9 @@ def _backend(args: argparse.Namespace) -> tuple[Backend, dict[str, Any]]:
             script = _tool_script(tokenizer, args.script)
         except (OSError, ValueError) as e:  # no such tokenizer or script; a script not a list of steps
             raise SystemExit(f"dev server: --scripted-tools: {e}") from None
-        return tool_script_backend(script, latency_s=args.latency), {}
+        return ScriptedBackend(
+            script, latency_s=args.latency, model_name="scripted-tools", record_requests=False
+        ), {}
     if args.scripted_calculator:
         try:
             return calculator_backend(tokenizer, latency_s=args.latency), {}

@@ -40,6 +40,7 @@ class ScriptedBackend(BaseBackend):
         latency_s: float = 0.0,
         model_name: str = "scripted",
         context_length: int | None = None,
+        record_requests: bool = True,  # False for a long-lived server, which must not grow a request list
     ):
         self._script = script
         self._logprob = logprob
@@ -48,7 +49,7 @@ class ScriptedBackend(BaseBackend):
         self.model_name = model_name
         self.context_length = context_length
         self.requests: list[GenerateRequest] = []  # every request seen, for assertions
-        self.record_requests = True
+        self.record_requests = record_requests
 
     def _turn_ids(self, request: GenerateRequest, turn: int) -> Sequence[int]:
         if callable(self._script):
@@ -114,9 +115,7 @@ def echo_backend(
         seed = zlib.crc32(b",".join(str(t).encode() for t in prompt))
         return [10 + (seed + 7919 * k) % (vocab - 10) for k in range(length)] + [eos]
 
-    backend = ScriptedBackend(turn, latency_s=latency_s, model_name="echo", context_length=None)
-    backend.record_requests = False  # a long-lived server must not grow a request list
-    return backend
+    return ScriptedBackend(turn, latency_s=latency_s, model_name="echo", record_requests=False)
 
 
 _QUESTION = re.compile(r"What is ([-+*/%() 0-9.]+)\?")
@@ -150,9 +149,7 @@ def calculator_backend(folder: str, *, latency_s: float = 0.0) -> ScriptedBacken
             text = f'<tool_call>\n{{"name": "calculator", "arguments": {expression}}}\n</tool_call>'
         return [*tokenizer.encode(text, add_special_tokens=False).ids, eos]
 
-    backend = ScriptedBackend(turn, latency_s=latency_s, model_name="calculator", context_length=None)
-    backend.record_requests = False  # a long-lived server must not grow a request list
-    return backend
+    return ScriptedBackend(turn, latency_s=latency_s, model_name="calculator", record_requests=False)
 
 
 class HashLM(BaseBackend):
@@ -237,11 +234,8 @@ DEFAULT_TOOL_SCRIPT: list[dict[str, Any]] = [
     {"write": {"path": "hello.txt", "content": "hi\n"}},
     {"text": "Done."},
 ]
-# A harness's model router, by a field the JSON schema in its system prompt requires: the answer it parses, the
-# choice that keeps the model the harness would use anyway. Gemini CLI's classifier ("You are a specialized Task
-# Routing AI": `reasoning`, `model_choice` flash or pro) and its numerical classifier (`complexity_score` 1-100,
-# pro at or above its threshold) retry any other answer with backoff (five tries a turn) and then fall back to
-# the pro model: answered in its JSON, the router is one call a turn and picks the same model.
+# A harness's model router (Gemini CLI's two classifiers), by a field its JSON schema requires: the answer that
+# keeps the model it would use anyway, so the router is one call a turn, not five retries (docs/gateway.md).
 ROUTER_ANSWERS: dict[str, dict[str, Any]] = {
     '"model_choice"': {"reasoning": "A scripted model keeps the default model.", "model_choice": "pro"},
     '"complexity_score"': {
@@ -276,30 +270,9 @@ def _step(step: Any) -> bool:
 
 
 class ToolScript:
-    """A scripted tool-calling model (a `TurnFn` for ScriptedBackend) whose turns are real text of a real tokenizer,
-    written in the tool-call format of its own chat template, so a gateway in front of it parses the calls and
-    a harness runs them. A real-size harness request (tens of thousands of tokens) is served on CPU at once.
-
-    The script is a list of steps; the k-th model turn of a conversation (k: the assistant turns its prompt
-    holds) takes step k (the last step once they run out):
-    - `{"write": {"path", "content"}}`: a call to the harness's own write-file tool (WRITE_TOOLS, the first of
-      them the prompt's tools name); a relative path is joined to the working directory the prompt states;
-    - `{"call": NAME, "arguments": {...}}`: a call to the tool NAME;
-    - `{"text": "..."}`: a plain answer, which ends a harness's loop;
-    - `{"agents": [{"prompt", "answer"}, ...]}`: one turn that starts a sub-agent per entry with the harness's own
-      sub-agent tool (AGENT_TOOLS; the harness runs them in parallel where it can). A conversation with no model
-      turn yet whose prompt holds an entry's `prompt` is that sub-agent's: it answers `answer` at once (the
-      parent's first turn never holds it: its own prompt is the row's);
-    - `{"wait": NAME}`: a call to NAME with `{"targets": [...]}`, the agent ids the prompt's tool results name
-      (Codex's `wait_agent`, whose result is the sub-agents' answers).
-    A call to a tool the prompt does not offer (a title or summary request has no tools) is answered with the
-    script's last text instead. A model router's request (its system prompt's JSON schema requires a field of
-    ROUTER_ANSWERS) is answered in that JSON, whatever the step.
-
-    Each turn is the template's own render of the assistant message (the render of a conversation with it,
-    less the render of the conversation before it with the generation prompt), tokenized with the tokenizer and
-    cut at the first stop token the request names (or the tokenizer's eos), as a model that writes exactly that
-    would have sampled it."""
+    """A scripted tool-calling model (a `TurnFn` for ScriptedBackend) whose turns are real text of a real tokenizer
+    in its chat template's tool-call format, so a gateway in front of it parses the calls and a harness runs them:
+    real-size harness requests served on CPU at once. The steps and how a turn picks one: docs/gateway.md."""
 
     def __init__(self, tokenizer: Any, steps: Sequence[dict[str, Any]] | None = None):
         self.tokenizer = tokenizer
@@ -394,17 +367,6 @@ class ToolScript:
         return ids[: ids.index(eos) + 1] if eos in ids else ids
 
 
-def tool_script_backend(
-    script: ToolScript, *, latency_s: float = 0.0, context_length: int | None = None
-) -> ScriptedBackend:
-    """ScriptedBackend over a ToolScript: stops cut the turn as SGLang's do; a long-lived server keeps no requests."""
-    backend = ScriptedBackend(
-        script, latency_s=latency_s, model_name="scripted-tools", context_length=context_length
-    )
-    backend.record_requests = False
-    return backend
-
-
 # -- scripted servers in subprocesses ---------------------------------------------------------------
 
 
@@ -425,18 +387,8 @@ def scripted_servers(
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
-            cmd = [
-                sys.executable,
-                "-m",
-                "backends.devserver",
-                modes[k % len(modes)],
-                "--port",
-                str(port),
-                "--latency",
-                str(latency_s),
-                "--log-level",
-                "warning",
-            ]
+            flags = f"--port {port} --latency {latency_s} --log-level warning".split()
+            cmd = [sys.executable, "-m", "backends.devserver", modes[k % len(modes)], *flags]
             procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL))
             urls.append(f"http://127.0.0.1:{port}")
         deadline = time.monotonic() + timeout_s
