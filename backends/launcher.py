@@ -8,14 +8,9 @@ machine without a GPU, with the flags and environment `.ci/sglang_env.sh` docume
 needs a `libcuda.so.1` to import, and the stand-in that script compiles beside the interpreter's virtualenv
 (`<venv>/cuda-stand-in`) goes on the server's LD_LIBRARY_PATH only.
 
-vLLM (`VLLMLauncher`, $AGENTFSM_VLLM_PYTHON) runs `vllm serve` with the token-in-token-out routes
-(`--enable-scale-out`), the RL control routes (pause, weights: VLLM_SERVER_DEV_MODE=1) and the worker
-extension that makes weight updates exact (backends/vllm_reload.py, copied alone into the log directory, which
-the server's PYTHONPATH names). `device="cpu"`
-gives its CPU engine a KV cache of a fixed size (VLLM_CPU_KVCACHE_SPACE, GiB; its default takes most of the
-RAM), no graph compilation (minutes on a small machine, for little at these sizes), the checkpoint's own
-dtype (vLLM would downcast float32 to bfloat16, and greedy tokens would then differ from other engines') and,
-with several replicas, cores of their own for each (`cpu_shares`).
+vLLM (`VLLMLauncher`, $AGENTFSM_VLLM_PYTHON) runs `vllm serve` with the token-in-token-out and RL control
+routes and the worker extension that makes weight updates exact (backends/vllm_reload.py, alone on the
+server's PYTHONPATH); what `device="cpu"` sets for it and why: docs/engines.md.
 """
 
 from __future__ import annotations
@@ -41,15 +36,8 @@ PYTHON_ENV = "AGENTFSM_SGLANG_PYTHON"  # the interpreter that has sglang, when i
 # SGLang's CPU engine: torch_native attention (no AMX kernels needed), a KV pool of a fixed size instead of a
 # share of free RAM, no tokenizer (agentfsm sends token ids), and a scheduler that sleeps when idle (it spins
 # otherwise, a whole core on a small machine).
-CPU_ARGS = (
-    "--device",
-    "cpu",
-    "--attention-backend",
-    "torch_native",
-    "--max-total-tokens",
-    "32768",
-    "--skip-tokenizer-init",
-    "--sleep-on-idle",
+CPU_ARGS = tuple(
+    "--device cpu --attention-backend torch_native --max-total-tokens 32768 --skip-tokenizer-init --sleep-on-idle".split()
 )
 
 
@@ -194,20 +182,19 @@ class SGLangLauncher:
         async with aiohttp.ClientSession(timeout=timeout) as http:
             while True:
                 if proc.poll() is not None:
-                    raise LaunchError(
-                        f"replica {i} ({url}) exited with code {proc.returncode} during startup; "
-                        f"log {self.logs[i]} ends with:\n{_tail(self.logs[i])}"
-                    )
+                    raise self._failed(i, f"exited with code {proc.returncode} during startup")
                 with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
                     async with http.get(url + "/health") as resp:
                         if resp.status == 200:
                             return
                 if asyncio.get_running_loop().time() > deadline:
-                    raise LaunchError(
-                        f"replica {i} ({url}) not healthy after {self.startup_timeout_s:.0f} s; "
-                        f"log {self.logs[i]} ends with:\n{_tail(self.logs[i])}"
-                    )
+                    raise self._failed(i, f"not healthy after {self.startup_timeout_s:.0f} s")
                 await asyncio.sleep(0.2)
+
+    def _failed(self, i: int, why: str) -> LaunchError:
+        return LaunchError(
+            f"replica {i} ({self.urls[i]}) {why}; log {self.logs[i]} ends with:\n{_tail(self.logs[i])}"
+        )
 
     def kill(self, i: int, sig: int = signal.SIGKILL) -> None:
         """Signal replica i's whole process group (tests use this to simulate a crash)."""
