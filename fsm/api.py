@@ -6,25 +6,11 @@
     batch = await engine.agenerate_sequences(rows, n=8)   # async: from any event loop, the same engine
     engine.submit(rows, n=8); batch = engine.take(16, max_staleness=1)   # continuous mode (fsm/run/stream.py)
 
-`rows` is what a verl dataset yields: a list of row dicts, a dict of columns (`non_tensor_batch`:
-{"raw_prompt": array([...]), "uid": ...}), or a verl `DataProto` (then a `DataProto` comes back). The result
-is one row per (input row, sample), samples of a row contiguous and in input order (verl's `repeat(n,
-interleave=True)` layout); `uid` marks the GRPO group. Control calls (`sleep`, `wake_up`, `pause`, `resume`,
-`update_weights_from_disk` / `_from_tensor` / `_from_distributed`, `flush_cache`) reach every server; the
-engine counts weight versions (`weight_version`) and records on each generated token the one that made it. Each has an `a`-prefixed async form, as
-`generate_sequences` has; the sync forms refuse to run inside a running event loop (they would block it).
-
-The engine contract these implement is `BaseEngine` (fsm/output/engine.py, `fsm.Engine`), written once over
-each engine's primitives, and code written against one engine (RolloutEngine, RayRunner) works against the
-other or gets `EngineRefused`. A RolloutEngine's backend lives on one event loop that the engine owns, running in
-a daemon thread it starts on first use and stops on `close()`/`aclose()` (fsm/run/local.py): sync calls block
-on that loop, and async calls from any loop are bridged to it, so one engine serves both forms in any order.
-
-This is the one `fsm` module (with fsm/cli/commands.py and the trainer adapters) that may import concrete
-backends, lazily, to compose them: `servers=` builds `Router([SGLangBackend(url), ...])` (or vLLM's clients;
-without `engine=`, once the servers have said at start which engine they run), no backend at all builds
-`HFBackend` over a model directory (by default the tiny model in backends/tiny/assets) or a model object
-(`model=<torch module>`).
+`rows` is what a verl dataset yields (row dicts, a dict of columns, or a `DataProto`, which then comes back);
+the result has one row per (input row, sample) in verl's `repeat(n, interleave=True)` layout. The contract is
+`BaseEngine` (fsm/output/engine.py); a RolloutEngine composes fsm/run/local.py's `Local`, whose own loop thread
+serves sync and async calls alike. This is the one `fsm` module (with fsm/cli and the trainer adapters) that
+composes concrete backends, lazily: a Router over `servers=`, else `HFBackend` over a model.
 """
 
 from __future__ import annotations
@@ -127,12 +113,10 @@ def make_backend(
     engine: str | None = None,
     **hf_options: Any,
 ) -> Backend:
-    """`Router` over SGLang or vLLM servers, or the in-process `HFBackend` over a model directory (default: tiny) or
-    a model object in memory (a transformers causal LM, e.g. the one a trainer trains); `hf_options` go to HFBackend (torch_threads, max_batch_size...). `request_timeout_s` is each server
-    request's deadline (overriding the spec's limits.request_timeout_s; default 300 s) and `retry_window_s`
-    how long a request keeps failing over while the whole fleet fails (a restart); servers only. `engine`:
-    "sglang" or "vllm" (None: SGLang clients until `RolloutEngine` starts and asks the servers which they run,
-    backends/engines.py)."""
+    """`Router` over SGLang or vLLM servers (`engine`, else SGLang's clients), or the in-process `HFBackend` over
+    a model directory (default: tiny) or a transformers model object; `hf_options` go to HFBackend.
+    `request_timeout_s` (each server request's deadline) and `retry_window_s` (how long a request fails over
+    while the whole fleet fails) are for servers only."""
     if servers:
         from backends.engines import client
         from backends.router import Router
@@ -264,25 +248,17 @@ async def probe_servers(
 
 
 class RolloutEngine(BaseEngine):
-    """One spec, one backend (or fleet), one event loop: the single-process rollout engine.
+    """One spec, one backend (or fleet), one event loop: the single-process rollout engine (docs/trainers.md).
 
     spec: a spec path, a shipped spec's name ("calculator"), an AgentSpec or a CompiledAgent.
-    tokenizer: a tokenizer object or a path to load one from; default: the model's (embedded backend only).
-    backend: any `backends.base.Backend`; or `servers`: SGLang or vLLM base URLs (one engine per fleet, asked
-        at start unless `engine="sglang"|"vllm"` says), routed by a sticky Router with group affinity; or neither: `HFBackend` in this process over `model` (default the tiny model): a
-        directory, or a transformers model object in memory (the engine decodes with that very module; a
-        trainer syncs its own copy with `update_weights_from_tensor(named_tensors=...)`).
-    max_concurrency: trajectories in flight at once. tracer: e.g. `fsm.telemetry.Telemetry(...)`; the engine
-        closes it when it closes (every span ended is then exported or counted as dropped).
-    watchdog_s: when no trajectory has changed state for this long, the stuck rows are logged (None: never).
-    freeze_heap: when a run first puts hundreds of trajectories in flight, freeze the process's heap
-        (`gc.freeze()` and the collector's thresholds raised, both undone when the last engine closes), so
-        Python's collections during a batch do not walk every object of the process (fsm/run/heap.py).
-    backend_options: for the backend it builds (`group_affinity`, `engine` for servers; `torch_threads`,
-        `max_batch_size` for the in-process model).
-    The engine owns its backend, given or built, and the thread whose event loop runs it (see the module
-    docstring): `close()` / `aclose()` / `with` / `async with` closes both. Sync and async forms mix freely.
-    Its working parts are fsm/run/local.py's `Local` (the loop thread, the stream, the control calls).
+    tokenizer: a tokenizer object or a path; default: the embedded model's.
+    backend: any `backends.base.Backend`; or `servers`: SGLang or vLLM base URLs (their engine asked at start
+        unless `engine=` says), behind a sticky Router; or neither: `HFBackend` in this process over `model`
+        (default the tiny model), a directory or a transformers model object (decoded with that very module).
+    tracer: e.g. `fsm.telemetry.Telemetry(...)`, closed with the engine. watchdog_s: stuck rows are logged
+        after this long without a state change (None: never). freeze_heap: `gc.freeze()` while hundreds of
+        trajectories are in flight (fsm/run/heap.py). backend_options: for the backend it builds.
+    The engine owns its backend and its loop thread: `close()` / `aclose()` / `with` / `async with` closes both.
     """
 
     def __init__(

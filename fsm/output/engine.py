@@ -101,10 +101,9 @@ class Core(Protocol):
     def backend(self) -> Backend | None: ...  # None: the backends live elsewhere (Ray actors)
     @property
     def policies(self) -> Mapping[str, Policy]: ...  # the spec's policies at run time, by name
+    # the servers': 0 at first (or the int they report), then each update's
     @property
-    def weight_version(
-        self,
-    ) -> int: ...  # the servers': 0 at first (or the int they report), then each update's
+    def weight_version(self) -> int: ...
     @property
     def paused(self) -> bool: ...  # between a pause and a resume: no model request is issued meanwhile
     @property
@@ -119,9 +118,8 @@ class Core(Protocol):
         self, rows: Sequence[Any], n: int, sampling: Sampling, first_index: int | None
     ) -> list[str]: ...  # start every row n times (the continuous mode); the groups' uids
     async def take_here(self, ask: Take) -> list[Group]: ...  # the first finished groups (`Groups.take`)
-    async def control_here(
-        self, command: Command
-    ) -> Any: ...  # on every server (fsm/run/engine.py `Controls`)
+    # on every server (fsm/run/engine.py `Controls`)
+    async def control_here(self, command: Command) -> Any: ...
     async def aclose(self) -> None: ...
     def close(self) -> None: ...
 
@@ -172,13 +170,11 @@ class BaseEngine:
         """Whether `asnapshot` / `arestore` (and `keep=`) work; EngineRefused otherwise."""
         return isinstance(self.core, Snapshotting)
 
-    def _snapshotting(self, call: str) -> Snapshotting:
+    def _snapshotting(
+        self, call: str, why: str = "cannot snapshot, restore or journal its running groups"
+    ) -> Snapshotting:
         if not isinstance(self.core, Snapshotting):
-            raise EngineRefused(
-                self,
-                call,
-                "this engine cannot snapshot, restore or journal its running groups; use RolloutEngine",
-            )
+            raise EngineRefused(self, call, f"this engine {why}; use RolloutEngine")
         return self.core
 
     async def aclose(self) -> None:
@@ -235,12 +231,7 @@ class BaseEngine:
         rows, meta, sampling = self._rows(batch, n, sampling_params, validate)
         self._fault_counters()
         if keep is not None:
-            if not self.snapshots:
-                raise EngineRefused(
-                    self,
-                    "agenerate_sequences",
-                    "keep= needs an engine that snapshots a run; use RolloutEngine",
-                )
+            self._snapshotting("agenerate_sequences", "cannot snapshot a run, which keep= needs")
             local = cast(LocalEngine, self)  # one that snapshots (RolloutEngine)
             return await keep_batch(local, rows, n, sampling, keep, like=batch, meta=meta)
         t0 = time.perf_counter()
@@ -418,22 +409,13 @@ class BaseEngine:
         fallback: Callable[[], Path] | None = None,
     ) -> dict[str, Any]:
         """Write the continuous mode's groups (finished but not taken, and running) to `path` as JSON, taken
-        at state boundaries: running trajectories pause at their next one while it is written. `stop=True`
-        then cancels the running ones (their groups live on in the file) instead of letting them go on, also
-        when the file cannot be written. `abort_turns=True` never waits for a model turn: the engine pauses
-        in abort mode first (`apause`), so turns in flight end with their partial output, which the snapshot
-        keeps and a restore goes on from; a server that cannot pause has its requests aborted one by one
-        (SGLang's /abort_request) instead. A trajectory inside its interaction (whose state the file cannot
-        hold) is written as it was at its start, to run again on restore (counted in "restarted").
-        When `path` cannot be written (a full disk) and `fallback` is given, the file goes into the
-        directory `fallback()` makes ("path" says where). `meta` is stored as is (JSON). Returns counts:
-        groups ready and running, trajectories restarted; and the path written. When code blocks the engine's
-        loop (the loop watch sees it not turning, fsm/run/loopwatch.py), the snapshot is taken from outside
-        it, each trajectory as it was at its last state boundary (`Stream.snapshot_blocked`), and the engine
-        is left `wedged`; "blocked" is then True and "finished" holds the finished groups, not taken.
-        EngineRefused on an engine that cannot snapshot (`snapshots` is False: RayRunner).
-        `path=None`: no file; the running trajectories park at their next boundary, where the journal (see
-        `ajournal`) records them, the journal is flushed to disk, and (`stop`) the run stops: a signal's path."""
+        at state boundaries (docs/trainers.md). `stop=True` then cancels the running ones (their groups live on
+        in the file), also when it cannot be written; `abort_turns=True` pauses in abort mode first, so no model
+        turn is waited for; a trajectory inside its interaction is written as at its start ("restarted").
+        `fallback()`: the directory for a file `path` cannot hold (a full disk). A blocked loop is snapshotted
+        from outside (`Stream.snapshot_blocked`, "blocked": True) and leaves the engine `wedged`. `path=None`:
+        no file; running trajectories park where the journal records them, and (`stop`) the run stops.
+        Returns counts (ready, running, restarted) and the path written."""
         return await self._snapshotting("asnapshot").take_snapshot(
             SnapshotAsk(path, meta, stop, timeout, abort_turns, fallback)
         )
@@ -465,12 +447,9 @@ class BaseEngine:
         return await self.core.call(self.core.control_here(Call("flush_cache")))
 
     async def apause(self, mode: str = "abort", *, policy: str | None = None) -> None:
-        """Stop generation: the engine issues no new model request (turns wait at its gate) and every server
-        pauses (`/pause_generation`; the in-process model the same). `mode`: "abort" ends running requests
-        with their partial output, which the engine keeps and resumes after `resume()`; "retract" requeues
-        them at the server (recomputed after continue); "in_place" holds them mid-generation. Trajectories stay
-        alive with their partial turns; new runs may start meanwhile and wait at the gate. `policy`: that
-        policy alone, when it has a backend of its own (docs/trees.md); default: every policy."""
+        """Stop generation: no new model request (turns wait at the gate) and every server pauses in `mode`
+        (SGLang's abort, retract, in_place: docs/trainers.md). `policy`: that policy alone, when it has a
+        backend of its own (docs/trees.md); default: every policy."""
         await self.core.call(self.core.control_here(Pause(mode, policy)))
 
     async def aresume(self, *, policy: str | None = None) -> None:
@@ -539,11 +518,8 @@ def batch_of(
     wall_s: float | None = None,
     policy: str | None = None,
 ) -> Any:
-    """`policy`: that policy's rows only (`codec` and `sampling`: that policy's).
-    Finished trajectories -> verl's padded batch (fsm/output/batch.py `to_batch`), with the sampling that
-    produced its logprobs (meta_info["sampling"]) and its metrics (meta_info["rollout_metrics"],
-    fsm/output/stats.py, with the backend counters `faults` moved since the last batch), which survive a
-    DataProto's round trip."""
+    """Finished trajectories -> verl's padded batch (`policy`: that policy's rows only), with the sampling that
+    made its logprobs and its metrics (with the backend counters moved since the last batch) in meta_info."""
     out = to_batch(trajs, agent, codec, logprobs=sampling.logprobs, like=like, meta=meta, policy=policy)
     out.meta_info["sampling"] = sampling.describe(codec.vocab_size)
     out.meta_info["rollout_metrics"] = rollout_metrics(
