@@ -1,37 +1,15 @@
 """Token-in-token-out client for a vLLM 0.32 server (backends/launcher.py starts one; `vllm serve` with
 `--enable-scale-out` and VLLM_SERVER_DEV_MODE=1 serves everything used here).
 
-The same Backend contract as backends/sglang.py over vLLM's own routes:
-- `/inference/v1/generate` (`token_ids`, `sampling_params` in vLLM's names, `request_id`) answers
-  `choices[0]` with `token_ids`, `logprobs.content[{token_id, logprob}]`, `finish_reason` ("stop", "length",
-  "abort"), `weight_versions` spans, and `usage` (`prompt_tokens`, `prompt_tokens_details.cached_tokens`).
-  Each answer is put in SGLang's shape and checked by the one validation step (backends/answer.py): ids in
-  the vocabulary, finite logprobs <= 0, no more than asked, nothing past a stop id, version spans that cover
-  the output;
-- the engine speaks SGLang's sampling names; they are renamed here (`max_new_tokens` -> `max_tokens`,
-  `sampling_seed` -> `seed`, `min_new_tokens` -> `min_tokens`) and an unknown one is refused before sending.
-  `max_new_tokens` 0 is answered here (vLLM refuses it; nothing is generated either way), and it is clamped
-  to the room left in `max_model_len` (vLLM answers 400 instead of truncating);
-- vLLM prefixes the request id it runs with `generate-tokens-`; an abort (`/inference/v1/abort_requests`)
-  names that full id and matches it exactly (SGLang matches by prefix), and an aborted request answers with
-  the tokens it made, which the engine resumes. Each attempt has its own wire id, so aborting a hung
-  attempt never reaches its retry;
-- pauses: `/pause?mode=abort|wait|keep`, `/resume`, `/is_paused`. The engine's SGLang mode names map to the
-  nearest vLLM mode: "abort" -> abort (requests end with their partial output), "in_place" -> keep (requests
-  are frozen with their KV cache and go on after resume), "retract" -> wait (vLLM cannot requeue a running
-  request: the pause lets the running ones finish first, so none is held across a weight update). While this
-  client has the server paused, the deadlines of its requests stand still (backends/pause_clock.py);
-- weights from a checkpoint directory: `/collective_rpc` `agentfsm_reload_weights(weights_path=...)` (the
-  worker extension backends/vllm_reload.py: vLLM's `reload_weights`, then the output head re-processed and
-  checked) then `/update_weight_version`, under a `keep` pause this client takes when it holds none, so no
-  token is made by new weights under the old version's label. vLLM's own `reload_weights` leaves a tied output
-  head computing with the old embedding on its CPU engine (backends/vllm_reload.py says why), so a CPU server
-  without the extension is refused an update, never served a mix; a GPU server without it gets the plain
-  reload (its head reads the reloaded weight in place). `/start_weight_update`, `/update_weights` and
-  `/finish_weight_update` pass a configured weight-transfer engine's payloads through (NCCL/IPC: GPU hosts),
-  the heads refreshed the same way after the last;
-- `/health` (200 once the engine runs), `/is_paused` for readiness, `/v1/models` for the served name, model
-  path and `max_model_len`, `/weight_info` for the version, `/reset_prefix_cache` for the cache.
+The same Backend contract as backends/sglang.py over vLLM's own routes (the table in docs/engines.md): each
+answer is put in SGLang's shape and checked by the one validation step (backends/answer.py); SGLang's sampling
+names are renamed (an unknown one refused before sending); `max_new_tokens` 0 is answered here and the rest
+clamped to the room left in `max_model_len` (vLLM answers 400 instead of truncating). Aborts name vLLM's full
+`generate-tokens-` id (matched exactly), one per attempt, so aborting a hung attempt never reaches its retry.
+Pause modes map to the nearest vLLM mode, and while this client has the server paused its requests' deadlines
+stand still (backends/pause_clock.py). An update from disk runs the worker extension's exact reload
+(backends/vllm_reload.py) under a `keep` pause, so no token is made by new weights under the old label; a CPU
+server without the extension is refused an update (its tied head would mix checkpoints), never served a mix.
 `vllm` itself is never imported.
 """
 

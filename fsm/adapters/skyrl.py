@@ -1,35 +1,15 @@
 """SkyRL: the engine as a `GeneratorInterface` over SkyRL's own inference engines (docs/trainers.md: a
 `BasePPOExp.get_generator` that returns `FSMGenerator(spec, tokenizer, inference_engine_client)`).
 
-What SkyRL (skyrl-train 0.3) hands over and wants back: `generate(GeneratorInput)` gets `prompts` (chat
-messages), already repeated `n_samples_per_prompt` times, their `env_extras` (the dataset's other columns) and
-`trajectory_ids` (the row's uid and the repetition), and SkyRL's backend-specific `sampling_params`. It returns
-a `GeneratorOutput`, one entry per prompt in order: `prompt_token_ids`, `response_ids`, `loss_masks` (what the
-policy loss sums over), `rewards` (one per response: SkyRL puts it on the last token), `rollout_logprobs`
-(aligned with `response_ids`; what its truncated importance sampling divides by), `stop_reasons`,
-`rollout_metrics` and the `trajectory_ids`.
+`generate(GeneratorInput)` runs each prompt (already repeated `n_samples_per_prompt` times) as one trajectory
+with its `env_extras` as the row, grouped by `trajectory_ids[i].instance_id`, every model turn sent to SkyRL's
+client (token in, token out, on the trainer's loop), and returns a `GeneratorOutput` in order (docs/trainers.md).
+A failed row is one masked token with reward 0.0: SkyRL reads the last response token.
 
-So this generator runs each prompt as one trajectory with its env_extras as the row (`reward_spec` or
-`reward_model` gives the ground truth), groups by `trajectory_ids[i].instance_id`, sends every model turn to
-SkyRL's client (`inference_engine_client.generate`, token in, token out, on the trainer's event loop) with
-SkyRL's temperature/top_p/top_k and the spec's budgets and stop ids, and samples with the spec's
-`val_sampling` in the eval phase. A failed row (the engine's error) is one masked token with reward 0.0:
-SkyRL reads the last response token.
-
-A spec whose trajectories may give several rows (segments, docs/contexts.md) needs SkyRL's step-wise training
-(`generator.step_wise_trajectories: true`, and `FSMGenerator(..., step_wise=True)`): each segment is then one
-row, with its trajectory's `trajectory_ids` entry and `is_last_step` on the last segment; SkyRL computes the
-advantages on the last steps, grouped by instance, and gives each trajectory's to all its rows (session-level
-GRPO). Without step_wise, such a spec is refused when the generator is made.
-
-A tree (forks and child machines, docs/trees.md) takes the same step-wise mode. Each branch, and each root
-that did not fork, is one SkyRL trajectory: its own `trajectory_ids` entry (the root keeps the input's; a
-branch gets a fresh repetition of the same instance), so GRPO compares sibling branches within their prompt's
-group. A child machine's rows are steps of the trajectory that started it (placed before that trajectory's
-last row), so they get its advantage, as a sub-agent's tokens share its caller's outcome. Every row carries
-its place in its tree in `tree_rows` (docs/trees.md, Rows: tree, node, parent, node_kind,
-branch_offset, policy, depth, weight, shared_prefix): SkyRL's trainer reads none of it (its loss has no
-per-row weight), a custom advantage or loss can. `policy=` keeps one policy's rows (the others still run).
+A spec whose trajectories give several rows (segments, trees) needs SkyRL's step-wise training
+(`generator.step_wise_trajectories: true` and `step_wise=True`): each segment is one row, `is_last_step` on the
+last, and SkyRL gives each trajectory's advantage to all its rows. How a tree's branches and children become
+SkyRL trajectories: docs/trainers.md. Without step_wise, such a spec is refused when the generator is made.
 """
 
 from __future__ import annotations
