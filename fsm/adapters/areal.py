@@ -1,31 +1,15 @@
 """AReaL: the engine as a `RolloutWorkflow`, over AReaL's own inference engine: `FSMWorkflow(spec, tokenizer,
 gconfig=config.gconfig)` wherever AReaL takes a workflow (`rollout_batch(data, workflow=...)`, docs/trainers.md).
 
-What AReaL (1.0) hands over and wants back: `arun_episode(engine, data)` runs one episode of one dataset row;
-every model call is `await engine.agenerate(ModelRequest(rid, input_ids, gconfig))` and answers with the output
-tokens, their logprobs and `output_versions` (the weight version of each token: AReaL's asynchronous training
-bounds staleness with them). The episode comes back as a dict of [1, L] tensors over the whole sequence:
-`input_ids`, `loss_mask` (1 on the model's tokens), `logprobs` and `versions` (0.0 and -1 elsewhere), `rewards`
-([1]) and `attention_mask`; None rejects the episode.
+AReaL 1.0's `arun_episode(engine, data)` runs one row as one trajectory: each model turn is one `agenerate` on
+AReaL's engine, on the episode's loop, under the trajectory's own rid (AReaL keeps a rid on one server), and
+every token keeps the version AReaL reported for it (its staleness control reads them). The episode is AReaL's
+dict of [1, L] tensors; a failed episode, or one without logprobs, is rejected (None).
 
-So this workflow runs the row (`messages` are the chat messages, `answer` the ground truth unless the row has
-`reward_model`) as one trajectory; each model turn is one `agenerate` on AReaL's engine, on the episode's
-event loop, under the trajectory's own rid (AReaL keeps a rid on one server, for its prefix cache), with
-`gconfig`'s sampling and the spec's budgets and stop ids; every token keeps the version AReaL reported for it.
-A failed episode (the engine's error, not the model's), or one without logprobs, is rejected: None.
-
-A trajectory whose context was rewritten (segments, docs/contexts.md) is one episode of several rows: AReaL
-batches an episode's [B, L] tensors along B (`concat_padded_tensors`, as for its own multi-completion
-episodes), so each segment is one row, its reward placed as the spec's `context.reward_placement` says
-(`every` gives each row the trajectory's reward). AReaL's group-level advantage normalization (`group_size`)
-assumes a fixed number of rows per prompt: with segments, normalize at the batch level.
-
-A tree (forks, child machines: docs/trees.md) is one episode of all its rows the same way (a forked root has
-none: its branches are its rows), in preorder, each with its own reward (a branch's score; a child's, its
-tree's), plus `weight` ([B] float32: the row's share of its tree, per the spec's `tree.weight`) and `tree` (a
-list, one dict per row: docs/trees.md, Rows; AReaL's concat_padded_tensors concatenates lists). A
-failed row of a tree (a child or branch the engine failed) is left out; an episode with no row left is
-rejected. `policy=` keeps one policy's rows (AReaL trains one model; the others still run).
+A trajectory with several rows (segments, docs/contexts.md; a tree, docs/trees.md) is one episode of [B, L]
+tensors, as AReaL batches its own multi-completion episodes, each row with its reward (the spec's
+`context.reward_placement`; a tree's rows also `weight` and `tree`, docs/trainers.md). AReaL's group-level
+advantage normalization assumes a fixed number of rows per prompt: with segments, normalize per batch.
 """
 
 from __future__ import annotations

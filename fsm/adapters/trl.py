@@ -1,32 +1,15 @@
 """TRL: the engine as `GRPOTrainer(rollout_func=...)`, multi-turn agents with tools included (docs/trainers.md:
 `rollout_func=TRLRollout(spec, dataset=...)`, `reward_funcs=[engine_reward]`).
 
-What TRL hands over and wants back (trl 1.x, `GRPOTrainer._generate`): `rollout_func(prompts, trainer)` gets the
-prompts of this process's slice, each already repeated `num_generations` times (the trainer's RepeatSampler)
-and none of the dataset's other columns; it returns, per prompt, `prompt_ids`, `completion_ids` and `logprobs`,
-and any other key is handed to the reward functions. `env_mask` is read as the tool mask: TRL's loss sums over
-`completion_mask * env_mask`, so observations (tool results, template tokens) are not trained on.
-
-So this adapter:
-- runs each prompt as one trajectory; consecutive equal prompts are one GRPO group (one `uid`, for routing);
-- finds each prompt's dataset row (ground truth, extra_info) in `dataset`, by its prompt, since TRL passes none;
-- samples with the trainer's `temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty`, so the logprobs TRL
-  recomputes are over the same distribution as the engine's (`log_softmax(logits / temperature)`);
-- by default generates with the trainer's own model in this process (`HFBackend` over the same module, so
-  every step samples from the weights being trained, with no copy); `engine=` takes any RolloutEngine
-  instead (SGLang servers: keeping their weights current is then the caller's, e.g. a TrainerCallback that
-  calls `engine.update_weights_from_disk` after saving);
-- returns the spec's reward as `agentfsm_reward` (the `engine_reward` reward function passes it on) beside
-  `termination_reason`, `num_turns` and `turn_rewards`, and logs the batch's `rollout_metrics` with TRL's own
-  metrics. A failed row (the engine's error, not the model's) follows the spec's `failures.on_error`: `mask`
-  is one masked token with reward 0.0 (as verl's empty row: it trains nothing, its 0 counts in its group's
-  baseline), `zero_reward` keeps the tokens it had, masked as built, with reward 0.0 (trained towards 0), and
-  `drop`, since TRL takes one completion per prompt, is one masked token with reward None, which TRL 1.x
-  leaves out of its group's baseline and gives no advantage. A step whose rows all failed (a dataset
-  without the ground truth the reward reads, a server down) stops the run: AllRowsFailed, naming the step
-  and the most common reason.
-A spec whose trajectories may give several rows (segments, docs/contexts.md) is refused when the adapter is made:
-TRL takes one completion per prompt.
+TRL 1.x (`GRPOTrainer._generate`) hands over only the prompts, each repeated `num_generations` times, and takes
+back per prompt `prompt_ids`, `completion_ids`, `logprobs` and any key for the reward functions; `env_mask` is
+read as the tool mask. So each prompt runs as one trajectory, consecutive equal prompts are one GRPO group,
+each prompt's dataset row (the ground truth) is found in `dataset` by its prompt, and sampling uses the
+trainer's own settings, so the logprobs TRL recomputes are over the same distribution. By default it
+generates with the trainer's own model (the same module, no copy); `engine=` takes any RolloutEngine.
+A failed row follows the spec's `failures.on_error` (docs/trainers.md's table); a step whose rows all failed
+stops the run (AllRowsFailed). A spec that gives several rows per prompt (segments, trees) is refused when
+the adapter is made: TRL takes one completion per prompt.
 """
 
 from __future__ import annotations
