@@ -1,28 +1,11 @@
 """One trajectory as one flat sample: the form every trainer adapter maps from.
 
-A trainer wants, per sample, the tokens it trains on and what it needs to weight them; a `Trajectory` holds
-far more (states, segments, counters used by guards). `Sample` is that subset in plain lists, unpadded, in the
-layout of verl's AgentLoopOutput (prompt, then one response with a mask over it):
-
-    prompt_ids      [P_i]  the rendered prompt (chat template, tools)
-    response_ids    [R_i]  every token after it: model turns (mask 1) and observations/template (mask 0)
-    mask            [R_i]  1 where the model generated the token: the tokens a policy loss sums over
-    logprobs        [R_i]  the engine's logprob of each token (0.0 where mask is 0), or None when a server gave
-                           none; what a PPO/GRPO ratio divides by, under the batch's meta_info["sampling"]
-    versions        [R_i]  the weight version that generated each token; -1 where mask is 0
-    reward                 the spec's reward function's score (None: the spec has none; 0.0 on a failed row)
-    turn_rewards           tool rewards and interaction turn scores, each at the response position of the
-                           last token of the model turn it judges (empty on a failed row: no tokens left)
-    termination_reason     why it ended ("answered", "max_turns", "error: ...")
-Failed rows keep their place (one sample per input row and k): empty response (the tokens they had under
-`on_error: zero_reward`), `failed` True, `on_error` saying which; each adapter maps it to its trainer's form.
-
-A trajectory whose context was rewritten (fsm/run/trajectory.py segments) gives one sample per segment, in
-order: each exactly what the model was given and produced, with `segment` / `num_segments` / `trajectory_id`
-tying it to the others, its own turn rewards, and the reward placed as the spec's `context.reward_placement`
-says (on the last segment, the others 0.0; or on every segment). A one-segment trajectory gives one sample, as
-before. A tree (child machines, forks: docs/trees.md) gives its nodes' samples in preorder, as the padded batch
-does, each with `tree`: where it sits (docs/trees.md, Rows: its weight included).
+A `Trajectory` holds far more than a trainer wants (states, segments, counters used by guards); `Sample` is
+the tokens it trains on and what weights them, in plain unpadded lists, in verl's AgentLoopOutput layout.
+Failed rows keep their place (one sample per input row and k): `failed`, `on_error` saying what the spec's
+`failures.on_error` made of it. A trajectory whose context was rewritten gives one sample per segment, in
+order, the reward placed as `context.reward_placement` says; a tree (docs/trees.md) gives its nodes' samples
+in preorder, as the padded batch does, each with `tree`: where it sits.
 """
 
 from __future__ import annotations
@@ -47,14 +30,14 @@ class Sample:
     uid: str  # the GRPO group: samples of one input row share it
     index: int  # its row in the batch (input row i, sample k of n: i * n + k)
     sample: int  # k: which of its input row's n samples
-    prompt_ids: list[int]
-    response_ids: list[int]
-    mask: list[int]
-    logprobs: list[float] | None
-    versions: list[int]
-    reward: float | None
-    turn_rewards: list[TurnReward]
-    termination_reason: str
+    prompt_ids: list[int]  # the rendered prompt (chat template, tools)
+    response_ids: list[int]  # every token after it: model turns and observations/template tokens
+    mask: list[int]  # 1 where the model generated the token: what a policy loss sums over
+    logprobs: list[float] | None  # the engine's (0.0 where mask is 0); None when a server gave none
+    versions: list[int]  # the weight version that generated each token; -1 where mask is 0
+    reward: float | None  # the spec's reward (None: the spec has none; 0.0 on a failed row)
+    turn_rewards: list[TurnReward]  # tool rewards and interaction scores, at the turns they judge
+    termination_reason: str  # why it ended ("answered", "max_turns", "error: ...")
     failed: bool
     truncated: bool  # the last model turn was cut by its token budget (finish reason "length")
     num_turns: int  # verl's count: user turns + assistant turns + 1

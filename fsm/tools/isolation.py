@@ -1,34 +1,20 @@
 """Containment for user tool code: where a tool's code runs so that its timeout is enforced and nothing it
-does (hang, spin, raise SystemExit, return 50 MB, die) reaches the event loop, the model or other rows.
+does (hang, spin, raise SystemExit, return 50 MB, die) reaches the event loop, the model or other rows
+(what a user sees: docs/errors.md, Tools).
 
-A rollout runs untrusted model output against user tools on shared servers for days, so every tool gets a
-*lane* of its own, and no lane uses the event loop's default executor (the embedded model's decode and
-reward scoring run there: a tool stuck in it once starved decode for a minute).
-
-- `ThreadLane` (sync functions): daemon threads owned by the tool, at most `workers` calls at once. Python
-  cannot stop a thread, so a call that outlives its timeout is *written off*: counted, no longer a slot,
-  and a replacement thread serves the next call. Past `max_stuck` written-off threads the lane refuses
-  calls (an error observation) instead of growing without bound. Daemon threads never delay process exit.
-  A CPU-bound call goes on spinning (and taking the GIL) after its timeout: use `isolation: process`.
-- `LoopLane` (coroutines: async function tools and class tools' lifecycle methods): the tool's own event
-  loop in a daemon thread. A coroutine that never awaits cannot be interrupted by the loop that runs it,
-  so measuring the main loop's lag would only notice the damage afterwards (and never, if it spins for
-  good); on its own loop a busy call blocks only that thread, and the caller's timeout fires on time. A
-  loop that has not run a cancellation `grace_s` after it was sent is wedged: it is written off like a
-  stuck thread and a fresh loop serves the next call (a class tool's loop-bound state stays behind).
-- `InlineLane` (`isolation: none`, coroutines that only await: an HTTP sandbox, a database): the run's own
-  event loop, under the call's timeout, with no hand-off at all (a hop to a lane costs more CPU than such a
-  tool's own work). It times every step of the coroutine (the code between two awaits); a few steps that
-  hold the loop past `blocking_s` within a minute move the tool to a `LoopLane` for the rest of the run,
-  with a warning. That catches a tool that blocks (a sync HTTP call, a slow parse) after a few stalls; one
-  that spins for good would hold the loop for good, which is why this lane is opted into, never a default.
-- `ProcessLane` (`isolation: process`, function tools by import path; fsm/tools/processes.py): worker processes running one call
-  at a time. A call past its timeout SIGKILLs its worker's process group; a fresh worker replaces it. The
-  worker (fsm/tools/worker.py) cuts a long answer before sending it back. This is fault containment
-  (CPU-bound loops, crashes, leaks, os._exit), not a security sandbox: same user, files and network.
-
-Whatever the tool raises that is not an `Exception` (SystemExit, KeyboardInterrupt, GeneratorExit, its
-own CancelledError) comes back as `ToolCrashed`, which ends that trajectory with the reason.
+Every tool gets a *lane* of its own, and no lane uses the loop's default executor (the embedded model's
+decode and reward scoring run there: a tool stuck in it once starved decode for a minute).
+- `ThreadLane` (sync functions): the tool's daemon threads. Python cannot stop a thread, so a call past its
+  timeout is *written off* and replaced; past `max_stuck` of them the lane refuses calls rather than grow.
+- `LoopLane` (coroutines, class tools' lifecycle): the tool's own loop in a daemon thread, because a
+  coroutine that never awaits cannot be interrupted by the loop that runs it; a loop that has not run a
+  cancellation `grace_s` after it was sent is wedged, written off and replaced.
+- `InlineLane` (`isolation: none`, coroutines that only await): the run's own loop, no hand-off (a hop costs
+  more CPU than such a tool's work); every step is timed, and a tool that holds the loop past `blocking_s`
+  a few times a minute moves to a `LoopLane`. Opt-in only: one that spins for good would hold the loop.
+- `ProcessLane` (`isolation: process`, fsm/tools/processes.py): worker processes, one call at a time, the
+  worker's process group SIGKILLed past the timeout. Fault containment, not a security sandbox.
+Whatever the tool raises that is not an `Exception` comes back as `ToolCrashed`, ending only its trajectory.
 """
 
 from __future__ import annotations
@@ -113,7 +99,7 @@ KEY_ENV = "AGENTFSM_IDEMPOTENCY_KEY"
 # who calls (the run's driver sets the trajectory's session id): an InlineLane's step in progress records it
 CALLER: contextvars.ContextVar[str | None] = contextvars.ContextVar("agentfsm_caller", default=None)
 # thread ident -> (tool name, caller, start) of the InlineLane step running on that thread's loop now: a step
-# that never returns blocks the loop, and the run's loop watch (fsm/run/loopwatch.py) reads here whom to name
+# that never returns blocks the loop, and the run's loop watch (fsm/run/signals.py) reads here whom to name
 INLINE_STEPS: dict[int, tuple[str, str | None, float]] = {}
 
 
