@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from backends.base import Abortable, Backend, Lifecycle, Pausable
-from fsm.run import heap, loopwatch, snapcheck
+from fsm.run import heap, signals, snapcheck
 from fsm.run import snapshot as snap
 from fsm.run.context import Policy, Sampling
 from fsm.run.engine import Command, Controls, Owned, SnapshotAsk, Take, under
@@ -204,13 +204,13 @@ class Local:
             try:
                 # `wait`, not `wait_for`: the snapshot's own TimeoutError (a row that did not reach a boundary in
                 # `timeout`) is its answer, not our tick running out, and it must reach the caller
-                await asyncio.wait((waiter,), timeout=loopwatch.TICK_S)
+                await asyncio.wait((waiter,), timeout=signals.TICK_S)
             except asyncio.CancelledError:
                 cancel()
                 raise
             if waiter.done():
                 return waiter.result()
-            thread = loopwatch.blocked(home.loop)
+            thread = signals.blocked(home.loop)
             if thread is not None and self._stream is not None:
                 try:
                     return await asyncio.to_thread(self._snapshot_blocked, thread, ask)

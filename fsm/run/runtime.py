@@ -27,13 +27,12 @@ from typing import Any
 from backends.base import Backend, BackendError, BackendTimeout, GenerationAborted
 from fsm.data.rows import RowError, encodable_value, normalize_record, row_inputs, score_fault
 from fsm.families import Codec, codec_for
-from fsm.run import loopwatch, tree
+from fsm.run import signals, tree
 from fsm.run.agent import CompiledAgent
 from fsm.run.context import TRACED, PauseGate, Policy, RunContext, Sampling
 from fsm.run.failures import run_state
 from fsm.run.interaction import call_lifecycle
 from fsm.run.policy import check_segments
-from fsm.run.signals import signals_wake_the_loop
 from fsm.run.tracer import Tracer
 from fsm.run.trajectory import Trajectory
 from fsm.spec.model import DEFAULT_TOOL_WORKERS
@@ -379,18 +378,18 @@ class Runner:
     async def watching(self) -> AsyncIterator[None]:
         """The watchdog runs while any run is inside this block: every run path (`run`, the continuous mode of
         fsm/run/stream.py, a Ray actor) enters it, so each gets the same stuck-row reports. So does the loop
-        watch (fsm/run/loopwatch.py), a thread that sees what the watchdog, a task on this loop, cannot: code
+        watch (fsm/run/signals.py), a thread that sees what the watchdog, a task on this loop, cannot: code
         that blocks the loop itself."""
         self._watchers += 1
         if self._watchers == 1 and self.watchdog_s:
             self._watchdog_task = asyncio.create_task(self._watchdog(), name="agentfsm watchdog")
         if self.watchdog_s:
-            loopwatch.watch(self.blocking, min(loopwatch.STALL_S, self.watchdog_s))
+            signals.watch(self.blocking, min(signals.STALL_S, self.watchdog_s))
         try:
             yield
         finally:
             if self.watchdog_s:
-                loopwatch.unwatch(self.blocking)
+                signals.unwatch(self.blocking)
             self._watchers -= 1
             task = self._watchdog_task
             if self._watchers == 0 and task is not None:
@@ -407,7 +406,7 @@ class Runner:
         if step is not None:
             traj = next((t for t, _ in list(self.live.values()) if t.session_id == step[1]), None)
         else:
-            loop = loopwatch.loop_of(thread)
+            loop = signals.loop_of(thread)
             traj = self.driving.get(asyncio.current_task(loop)) if loop is not None else None  # type: ignore[arg-type]
         if traj is None and self.live:
             return None  # another run's row on this loop, or none (the loop watch asks each run)
@@ -416,7 +415,7 @@ class Runner:
             if traj is not None
             else "no row's task"
         )
-        where = loopwatch.where(thread)
+        where = signals.where(thread)
         if step is not None:
             return (
                 f"tool {step[0]!r} (isolation: none) on {row}{where}; declare it isolation: thread, or make it "
@@ -484,7 +483,7 @@ class Owner:
     async def serve(self) -> None:
         """Own every trajectory task until cancelled (see the class docstring)."""
         try:
-            async with self.runner.watching(), signals_wake_the_loop(), asyncio.TaskGroup() as tg:
+            async with self.runner.watching(), signals.signals_wake_the_loop(), asyncio.TaskGroup() as tg:
                 self._tg = tg
                 self._serving.set()
                 await asyncio.Event().wait()

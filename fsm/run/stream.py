@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from fsm.run import loopwatch
+from fsm.run import signals
 from fsm.run import snapshot as snap
 from fsm.run.actions import BUILTIN_ACTIONS
 from fsm.run.context import RunContext, Sampling
@@ -384,7 +384,7 @@ class Stream(Owner):
         before = (INLINE_STEPS.get(thread), frame, frame.f_lasti if frame is not None else None)
         step, blocked = before[0], None
         if step is None:  # not a tool's step: whichever trajectory's task runs now is the one blocked
-            loop = loopwatch.loop_of(thread)
+            loop = signals.loop_of(thread)
             blocked = self.runner.driving.get(asyncio.current_task(loop)) if loop is not None else None  # type: ignore[arg-type]
         restarted, groups = 0, []
         ready = list(self.groups.ready)
