@@ -1,30 +1,16 @@
 """A Backend over any async token-in/token-out generate function: a trainer's own engine client, an
-OpenAI-style completions endpoint or an in-process model plugs in without subclassing.
+OpenAI-style completions endpoint or an in-process model plugs in without subclassing (docs/trainers.md).
 
     async def generate(prompt_ids: list[int], sampling_params: dict) -> dict: ...
     backend = FunctionBackend(generate, start=open_client, close=close_client)
-    engine = RolloutEngine(spec, tokenizer, backend=backend)   # the engine starts and closes it
 
-A function that also takes a `request` keyword gets the whole `GenerateRequest` (session_id, rid, group_id:
-keys for sticky routing). `sampling_params` uses SGLang's names (max_new_tokens, temperature, top_p, top_k, stop_token_ids,
-sampling_seed...). The function answers with one of:
-- `{"token_ids": [...], "logprobs": [...] | None, "finish_reason": "stop" | "length" | "abort",
-  "weight_version": ..., "versions": [...]}`: only `token_ids` is required; a missing finish_reason is "stop"
-  when the last id is a stop id and "length" otherwise; `versions` gives each token's weight version (an engine
-  that updates weights mid-request has several);
-- an SGLang `/generate` body (`output_ids`, `meta_info`), e.g. what `sglang.Engine.async_generate` returns;
-- a `GenerateResult`.
-Whatever it answers crosses the trust boundary the SGLang client's answers cross (backends/answer.py): ids in
-the vocabulary, finite logprobs <= 0, no more tokens than asked, nothing after a stop id. A violation, an
-exception or a missed deadline is a server fault, counted by kind; a retryable one (malformed answers,
-timeouts, and `BackendUnavailable` the function raises itself) is tried again (`retry_policy`), and past the
-budget, as any other, it ends its row with an error naming this backend. A BaseException the function raises
-(KeyboardInterrupt, SystemExit, a CancelledError of its own) ends its row the same way, never retried: left to
-propagate it would leave the event loop and kill the engine's thread, hanging every caller.
-
-`start` and `close` (sync or async, each optional) run on the engine's event loop, once each: open an
-aiohttp session in `start` and close it in `close`, and the session never outlives the engine (no
-"Unclosed client session" at exit) nor meets a second event loop.
+A function that also takes a `request` keyword gets the whole `GenerateRequest` (keys for sticky routing). It
+answers `{"token_ids", "logprobs"?, "finish_reason"?, "weight_version"?, "versions"?}` (a missing finish_reason
+is "stop" after a stop id, else "length"), an SGLang `/generate` body, or a `GenerateResult`. The answer crosses
+the trust boundary a server's does (backends/answer.py): a violation, an exception or a missed deadline is a
+counted server fault, retried when retryable. A BaseException it raises ends its row, never retried: left to
+propagate it would kill the engine's thread, hanging every caller. `start` and `close` run on the engine's
+loop, once each, so a session they hold never outlives the engine nor meets a second loop.
 """
 
 from __future__ import annotations
