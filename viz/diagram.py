@@ -5,14 +5,9 @@
     to_mermaid(agent, run_stats=None)   -> a `stateDiagram-v2` string (renders in GitHub markdown)
     render(agent, "fsm.svg")            -> .svg .png .pdf (Graphviz's `dot` program), .dot/.gv, .mmd (none)
 
-What it shows: an entry point into the initial state; standard states (fsm.spec.model.STANDARD_STATES) in blue
-and custom ones in amber, each with its action; final states as double circles; every edge with its guard
-as written (dashed and "default" for the unguarded last edge) and its reason. With run statistics, every
-edge also carries how many times it fired and in what share of trajectories (pen width by count), every
-state its mean time, final states how trajectories ended there, and states where trajectories failed how
-many. Where a run rewrote contexts (docs/contexts.md), each state that started segments says how many and
-why, and each edge into it (a rewrite: the transition that starts a new segment) how many segments it started
-on how many of its firings, drawn in violet; the title counts the rows (segments) against the trajectories.
+Standard states are blue and custom ones amber, final states double circles, each edge labelled with its
+guard (dashed: the unguarded default) and reason; with run statistics, each edge's count and share (pen width by
+count), each state's mean time, end reasons and failures, and where contexts were rewritten, in violet.
 `agent` is a CompiledAgent, an AgentSpec / LoadedSpec, or a spec file path (compiled here).
 """
 
@@ -102,28 +97,23 @@ def edge_label(
 
 def state_lines(agent: CompiledAgent, name: str, run_stats: dict[str, Any] | None) -> list[str]:
     """The lines under a state's name: its action, then run figures."""
-    spec = agent.spec.states[name]
+    spec, run_stats = agent.spec.states[name], run_stats or {}
     lines = [] if spec.final else [f"{spec.action}()"]
     if spec.policy is not None:
         lines.append(f"policy: {spec.policy}")
     if spec.fork is not None:
         times = "every entry" if spec.fork.times is None else f"{spec.fork.times}x per path"
-        made = ((run_stats or {}).get("trees") or {}).get("branches", {}).get(name)
+        made = (run_stats.get("trees") or {}).get("branches", {}).get(name)
         lines.append(f"fork: {spec.fork.branches} branches ({times})" + (f", {made} made" if made else ""))
-    s = (run_stats or {}).get("states", {}).get(name)
+    s = run_stats.get("states", {}).get(name)
     if s:
         if s.get("mean_s") is not None:
             lines.append(f"{s['visits']} visits, mean {_seconds(s['mean_s'])}")
-        for reason, count in sorted(
-            (run_stats.get("final_states", {}).get(name) or {}).items(), key=lambda kv: -kv[1]
-        ):
-            lines.append(f"{reason}: {count}")
-        if s.get("failed"):
-            lines.append(f"failed: {s['failed']}")
-        if s.get("retries"):
-            lines.append(f"retries: {s['retries']}")
-        if s.get("catches"):
-            lines.append(f"caught: {s['catches']}")
+        ends = run_stats.get("final_states", {}).get(name) or {}
+        lines += [f"{reason}: {count}" for reason, count in sorted(ends.items(), key=lambda kv: -kv[1])]
+        for key, word in (("failed", "failed"), ("retries", "retries"), ("catches", "caught")):
+            if s.get(key):
+                lines.append(f"{word}: {s[key]}")
         if s.get("segments"):
             reasons = sorted(s["segment_reasons"].items(), key=lambda kv: -kv[1])
             why = ", ".join(f"{r} {n}" for r, n in reasons)
@@ -224,19 +214,12 @@ def _child_clusters(g: graphviz.Digraph, agent: CompiledAgent, run_stats: dict[s
                 entry = prefix + "self"
             else:
                 for state in flow_order(child):
-                    st = child.spec.states[state]
-                    c.node(
-                        prefix + state,
-                        "\n".join([state, *state_lines(child, state, None)]),
-                        shape="doublecircle" if st.final else "box",
-                        style="rounded",
-                    )
+                    text = "\n".join([state, *state_lines(child, state, None)])
+                    shape = "doublecircle" if child.spec.states[state].final else "box"
+                    c.node(prefix + state, text, shape=shape, style="rounded")
                 for edge in child.edges:
-                    c.edge(
-                        prefix + edge.source,
-                        prefix + edge.dest,
-                        style="dashed" if edge.guard is None else "solid",
-                    )
+                    style = "dashed" if edge.guard is None else "solid"
+                    c.edge(prefix + edge.source, prefix + edge.dest, style=style)
                 entry = prefix + child.initial
         for caller in _callers(agent):
             g.edge(caller, entry, label=f"{name}()", style="dotted", color=CHILD_COLOR, fontcolor=CHILD_COLOR)
@@ -268,13 +251,8 @@ def _mermaid_text(text: str) -> str:
 def to_mermaid(agent: Any, run_stats: dict[str, Any] | None = None) -> str:
     """The spec as a Mermaid `stateDiagram-v2` (renders in GitHub markdown and mermaid.live)."""
     agent = _agent(agent)
-    lines = [
-        "---",
-        f"title: {_mermaid_text(_title(agent, run_stats))}",
-        "---",
-        "stateDiagram-v2",
-        "    direction LR",
-    ]
+    title = _mermaid_text(_title(agent, run_stats))
+    lines = ["---", f"title: {title}", "---", "stateDiagram-v2", "    direction LR"]
     for name in flow_order(agent):
         extra = state_lines(agent, name, run_stats)
         if extra:  # "S: S" first makes the name the box's title and each later description a line under it
