@@ -55,18 +55,9 @@ DEFAULT_SPEC = SPECS_DIR / "tool_agent.yaml"  # verl's ToolAgentLoop as a spec
 _BATCH_SHAPES = ("prompt_length", "response_length")
 # Sampling keys the engine takes from verl's sampling_params (vLLM's max_tokens is its max_new_tokens);
 # anything else goes to verl's server unchanged.
-_ENGINE_SAMPLING = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "repetition_penalty",
-    "min_p",
-    "frequency_penalty",
-    "presence_penalty",
-    "stop_token_ids",
-    "seed",
-    "logprobs",
-    "max_new_tokens",
+_ENGINE_SAMPLING = frozenset(
+    "temperature top_p top_k repetition_penalty min_p frequency_penalty presence_penalty stop_token_ids seed "
+    "logprobs max_new_tokens".split()
 )
 _LIFECYCLE = ("create", "execute", "calc_reward", "release")
 _SPEC_DECODE_KEYS = ("spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_num_verify_steps")
@@ -114,13 +105,8 @@ def compiled_agent(
     """The spec compiled once per process with verl's batch shapes, its prompt policy and the entry's overrides."""
     policy = dict(tool_policy or {})
     # the spec as written (and the cwd it is relative to): resolving the path is left to a miss
-    key = (
-        str(spec),
-        os.getcwd(),
-        json.dumps([dict(limits), policy], sort_keys=True, default=str),
-        prompt_length,
-        response_length,
-    )
+    overrides = json.dumps([dict(limits), policy], sort_keys=True, default=str)
+    key = (str(spec), os.getcwd(), overrides, prompt_length, response_length)
     with _lock:
         agent = _agents.get(key)
         if agent is None:
@@ -322,9 +308,8 @@ class FSMAgentLoop(AgentLoopBase):
                 "rows; verl 0.9.1's agent-loop worker takes one output per input: use the append policy "
                 "without rewrites here, or RolloutEngine.generate_sequences (one row per segment)"
             )
-        if (
-            parts := tree_parts(agent)
-        ) is not None:  # a tree gives several rows per input, of several policies
+        parts = tree_parts(agent)  # a tree gives several rows per input, of several policies
+        if parts is not None:
             raise ValueError(
                 f"fsm_agent: spec {agent.name!r} makes trees ({parts}), so a sample gives several rows "
                 "(docs/trees.md); verl 0.9.1's agent-loop worker takes one output per input: "
