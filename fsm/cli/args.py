@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable, Mapping, Sequence
 
-from fsm.cli.usage import COUNT, PORT, Help, Parser, float_in, int_in, otlp_endpoint, server_url
+from fsm.cli.usage import COUNT, PORT, Help, Parser, float_in, int_in, otlp_endpoint, seconds_flag, server_url
 
 DEMO_PROMPTS = 64  # `run` without --data or --num-prompts
 SHOW_LIMIT = 5  # transcripts `show --worst/--failed` prints without --limit
@@ -141,11 +141,8 @@ def _server_flags(p: argparse.ArgumentParser) -> None:
         help="route a GRPO group's samples to one server, sharing their prompt's cache (default: on, as the "
         "Python API)",
     )
-    g.add_argument(
-        "--request-timeout",
-        type=float_in(0.0, above=True),
-        metavar="SECONDS",
-        help="seconds per request attempt to a server (default: the backend's)",
+    seconds_flag(
+        g, "--request-timeout", None, "seconds per request attempt to a server (default: the backend's)"
     )
     g.add_argument(
         "--strict-servers",
@@ -204,13 +201,8 @@ def _watch_flags(p: argparse.ArgumentParser) -> None:
     """What a run checks and traces while it runs."""
     g = p.add_argument_group("checks and tracing")
     g.add_argument("--check-tokens", action="store_true", help="compare ids with a full re-render")
-    g.add_argument(
-        "--watchdog",
-        type=float_in(0.0, above=True),
-        default=90.0,
-        metavar="SECONDS",
-        help="when no row has changed state for this long, log the stuck rows (state, server, rid)",
-    )
+    text = "when no row has changed state for this long, log the stuck rows (state, server, rid)"
+    seconds_flag(g, "--watchdog", 90.0, text)
     g.add_argument(
         "--max-error-rate",
         type=float_in(0.0, 1.0),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from fsm.cli.usage import COUNT, Parser, float_in, int_in
+from fsm.cli.usage import COUNT, Parser, int_in, seconds_flag
 
 
 def gateway_only_flags(p: argparse.ArgumentParser) -> None:
@@ -48,12 +48,7 @@ def gateway_only_flags(p: argparse.ArgumentParser) -> None:
         help="calls that are not the agent's own turns (a title, a compaction; docs/gateway.md): rows of their "
         "own, trained apart (separate: their policy is their kind, the default), kept as any, or dropped",
     )
-    _worker_flags(p)
-
-
-def _worker_flags(p: argparse.ArgumentParser) -> None:
-    """--workers N: the rows over N worker processes behind one front (fsm/gateway/workers.py)."""
-    p.add_argument(
+    p.add_argument(  # the rows over N worker processes behind one front (fsm/gateway/workers.py)
         "--workers",
         dest="gateway_workers",
         type=COUNT,
@@ -64,21 +59,13 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
         "--host/--gateway-port; their outputs are merged into --out, each worker's own kept in "
         "OUT/workers/",
     )
-    p.add_argument(
-        "--worker-start-timeout",
-        type=float_in(0.0, above=True),
-        default=120.0,
-        metavar="SECONDS",
-        help="with --workers: how long a worker may take to start and register with the front",
+    text = "with --workers: how long a worker may take to start and register with the front"
+    seconds_flag(p, "--worker-start-timeout", 120.0, text)
+    text = (
+        "with --workers: how long a registered worker may go without its heartbeat (one a second, from a "
+        "thread of its own) before it is taken for dead (stopped or frozen)"
     )
-    p.add_argument(
-        "--worker-silent-timeout",
-        type=float_in(0.0, above=True),
-        default=30.0,
-        metavar="SECONDS",
-        help="with --workers: how long a registered worker may go without its heartbeat (one a second, "
-        "from a thread of its own) before it is taken for dead (stopped or frozen)",
-    )
+    seconds_flag(p, "--worker-silent-timeout", 30.0, text)
     # a worker process's own: what its parent gave it
     p.add_argument("--worker-config", help=argparse.SUPPRESS)
     if isinstance(p, Parser):

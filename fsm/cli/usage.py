@@ -78,6 +78,11 @@ COUNT = int_in(1)  # how many of something: at least one
 PORT = int_in(1, 65535)
 
 
+def seconds_flag(p: Any, flag: str, default: float | None, text: str) -> None:
+    """A flag of a duration: seconds, more than 0."""
+    p.add_argument(flag, type=float_in(0.0, above=True), default=default, metavar="SECONDS", help=text)
+
+
 class Parser(argparse.ArgumentParser):
     """Usage errors as one line (argparse prints the whole usage first). `checks`: what no single flag can
     check alone (flags that cannot go together), each a function of the parsed flags that returns the problem

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import logging
+from dataclasses import fields
 from typing import Any
 
 from fsm.gateway.server import Gateway, GatewayLimits
@@ -53,13 +54,9 @@ def cmd_gateway(args: argparse.Namespace, run: Any, rollout: Any = None) -> int:
         from fsm.gateway.worker import worker_config
 
         config = worker_config(args)
+    # the limits with a flag of their name (fsm/cli/gateway_args.py); the others keep their defaults
     limits = GatewayLimits(
-        max_request_bytes=args.max_request_bytes,
-        max_messages=args.max_messages,
-        max_sessions=args.max_sessions,
-        max_segments=args.max_segments,
-        unsupported_tools=args.unsupported_tools,
-        auxiliary_calls=args.auxiliary_calls,
+        **{f.name: getattr(args, f.name) for f in fields(GatewayLimits) if hasattr(args, f.name)}
     )
     if config is not None:
         from fsm.gateway.worker import worker
