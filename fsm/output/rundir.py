@@ -28,11 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fsm.output.stats import run_file, run_stats
-from fsm.run.tree import (  # the batch's tree columns, as one record's fields
-    nodes_of,
-    tree_fields,
-    tree_record,
-)
+from fsm.run.tree import nodes_of, tree_fields, tree_record
 
 if TYPE_CHECKING:
     from fsm.run.agent import CompiledAgent
@@ -111,17 +107,11 @@ def locked(out: Path) -> Iterator[None]:
             raise RunDirError(f"{out}: its lock file {LOCK_FILE} is not a regular file; remove it")
         holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "another process"
         if out in _HELD:
-            raise RunDirError(
-                f"{out}: another agentfsm run (pid {os.getpid()}) is writing there; wait for it or "
-                "pass another --out"
-            )
+            raise _busy(out, os.getpid())
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
-            raise RunDirError(
-                f"{out}: another agentfsm run (pid {holder}) is writing there; wait for it or "
-                "pass another --out"
-            ) from None
+            raise _busy(out, holder) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
         _HELD.add(out)
@@ -132,6 +122,12 @@ def locked(out: Path) -> Iterator[None]:
             _HELD.discard(out)
     finally:
         os.close(fd)
+
+
+def _busy(out: Path, pid: object) -> RunDirError:
+    return RunDirError(
+        f"{out}: another agentfsm run (pid {pid}) is writing there; wait for it or pass another --out"
+    )
 
 
 LEFTOVERS = (".agentfsm-writing-*", ".journal-*")  # a killed run's temporaries (write_run's, Writer's copy)
