@@ -1,4 +1,4 @@
-"""One tree model (issue 47 §2): every trajectory has a Node (fsm/run/node.py), a linear row's its root alone, and
+"""One tree model (issue 47 §2): every trajectory has a Node (fsm/run/trajectory.py), a linear row's its root alone, and
 the runner reaches trees only at fixed points (fsm/run/tree.py `enter`, `finish`, `reward_of`, `end`). In process
 on the scripted echo model: about a second."""
 

@@ -34,9 +34,8 @@ import numpy as np
 from fsm.families.parsers import ToolCall
 from fsm.run.agent import CompiledAgent
 from fsm.run.context import Sampling
-from fsm.run.node import Node
 from fsm.run.segments import _FIRST, Segment, TokenRun, TokenRuns
-from fsm.run.trajectory import TRANSIENT, Failure, Metrics, Trajectory
+from fsm.run.trajectory import TRANSIENT, Failure, Metrics, Node, Trajectory
 
 FORMAT = 2  # 2: the tokenizer is recorded (and checked on restore)
 RECOUNT_S = 0.5  # how often a snapshot waiting at the boundary counts again without news

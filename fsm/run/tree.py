@@ -1,6 +1,6 @@
 """Trees: child machines and forks (docs/trees.md).
 
-A trajectory is a tree of nodes (fsm/run/node.py); a linear spec's tree is its root alone. A child machine is
+A trajectory is a tree of nodes (`Node`, fsm/run/trajectory.py); a linear spec's tree is its root alone. A child machine is
 started by a tool call named after it (`children:` in the spec): the child runs its own spec, policy and limits
 from the call's task and its final answer is the call's observation. A fork
 (`fork:` on a state) copies the trajectory into K branches on entering the state; the forking node stops there
@@ -25,9 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 from fsm.data.rows import RowError
 from fsm.run.agent import child_spec_path
-from fsm.run.node import Node, TreeCount
 from fsm.run.segments import TokenRuns
-from fsm.run.trajectory import Metrics, Trajectory
+from fsm.run.trajectory import Metrics, Node, Trajectory, TreeCount
 from fsm.spec.loader import SpecError, load_spec
 from fsm.spec.model import AgentSpec
 from fsm.tools.base import CallOutcome

@@ -22,10 +22,9 @@ import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from fsm.run.node import Node, TreeCount
 from fsm.run.snapcheck import _check
 from fsm.run.snapshot import decoded
-from fsm.run.trajectory import Trajectory
+from fsm.run.trajectory import Node, Trajectory, TreeCount
 from fsm.run.tree import root_node, row_nodes
 
 META = (
