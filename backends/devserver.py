@@ -41,13 +41,7 @@ from typing import Any
 
 from aiohttp import web
 
-from backends.base import (
-    Backend,
-    BackendRequestError,
-    BackendUnavailable,
-    GenerateRequest,
-    GenerateResult,
-)
+from backends.base import Backend, BackendRequestError, BackendUnavailable, GenerateRequest, GenerateResult
 from backends.contract import (
     INPUT_MARGIN,
     OUTPUT_MARGIN,

@@ -19,12 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fsm.tools.isolation import (
-    KEY,
-    ToolCrashed,
-    ToolRaised,
-    ToolUnavailable,
-)
+from fsm.tools.isolation import KEY, ToolCrashed, ToolRaised, ToolUnavailable
 
 WORKER_START_TIMEOUT_S = 120.0  # a worker process's interpreter start and the tool module's imports
 MAX_REPLY_BYTES = 16 << 20  # a worker's reply beyond this (huge metrics) kills it: the answer is an error
