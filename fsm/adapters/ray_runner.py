@@ -82,18 +82,15 @@ class _Worker:
         self.runner.gate.version = version  # the driver's: an actor replacing a dead one goes on from there
         self.controls = Controls(self.runner, self._start)  # the same control calls as RolloutEngine's
         self.rank = rank
-        self.progress = (
-            0  # state boundaries passed and trajectories finished: the driver's hang detector reads it
-        )
+        # state boundaries passed and trajectories finished: the driver's hang detector reads it
+        self.progress = 0
         self._owner = Owner(
             self.runner
         )  # the one run path (fsm/run/runtime.py): serves while the actor lives
         self._serving: asyncio.Future[None] | None = None
         self._contexts: dict[str, Any] = {}  # batch key -> RunContext (a few recent batches)
         self._ident: dict[str, Any] | None = None  # the chunk journals' identity record
-        self._heap: heap.Held | None = (
-            None  # its hold on its frozen heap, as a RolloutEngine's (fsm/run/heap.py)
-        )
+        self._heap: heap.Held | None = None  # its hold on its frozen heap, as a RolloutEngine's
 
     async def _start(self) -> None:
         if self._serving is None:
@@ -183,9 +180,8 @@ class RayRunner(BaseEngine):
     """`workers` Ray actors rolling out one spec over one shared set of servers (or per-actor backends).
 
     spec, tokenizer: as for RolloutEngine (a path is best for the tokenizer: each actor loads it).
-    servers: SGLang or vLLM base URLs every actor routes over (`engine`: "sglang", the default, or "vllm");
-        or `backend_factory`: a picklable callable each
-        actor calls to build its own backend; or neither: each actor embeds the tiny model (backends.hf).
+    servers: SGLang or vLLM base URLs every actor routes over (`engine`: "sglang", the default, or "vllm"); or
+        `backend_factory`: a picklable callable each actor builds its own backend with; or neither: the tiny model.
     workers: actors. max_concurrency: trajectories in flight per actor. chunk_rows: groups per Ray call.
     address: a Ray cluster to join (default: the running one, else a new local instance).
     actor_options: passed to `.options()` (num_cpus, runtime_env, ...).
@@ -195,13 +191,9 @@ class RayRunner(BaseEngine):
         (fsm/adapters/ray_journal.py): a dead or hung actor's trajectories then go on from their last boundary
         on another actor instead of from the start. None (the default): they run again from the start.
         journal_sync: its durability, as a run's ("1s", "always", "off"; a killed process loses nothing).
-    The engine contract (fsm/output/engine.py) as RolloutEngine's: batches, the continuous mode (`submit` / `take` /
-    `stream` / `stream_stats`, whose groups `Groups` takes as RolloutEngine's stream does), and the control
-    calls, which each actor makes with the same `Controls` (shared servers hear them once, through actor 0; every
-    actor's gate pauses and counts the version). Refused (EngineRefused): `snapshot` / `restore` / `keep=` (the
-    running groups live in the actors), and `submit(first_index=...)`. A control call's answer is the servers'
-    (shared servers) or a list of each actor's (per-actor backends).
-    After each batch, `stats` holds per-run counters: chunks, rerun_rows, actor_deaths, rows per actor.
+    The engine contract (fsm/output/engine.py) as RolloutEngine's, with what it refuses (EngineRefused: the
+    running groups live in the actors) in docs/trainers.md; control calls reach shared servers once, through
+    actor 0, and every actor's gate. After each batch, `stats` holds per-run counters (chunks, rerun_rows...).
     """
 
     def __init__(
