@@ -1,20 +1,13 @@
 """OpenRLHF: the engine as the `AgentExecutor` of `--train.agent_func_path`, over OpenRLHF's own vLLM engines: the
 agent file is `AgentExecutor = agent_executor("specs/calculator.yaml")` (docs/trainers.md).
 
-What OpenRLHF (0.11) hands over and wants back: each rollout actor makes one `AgentExecutor()` and awaits
-`execute(prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine)` once per sample; `llm_engine.
-generate(prompt_token_ids, vllm.SamplingParams)` is its vLLM engine, token in, token out. The answer is a dict
-whose `observation_tokens` (prompt and everything after it) and `action_ranges` ([start, end) of each model
-turn in those tokens) become the Experience's `sequences` and `action_mask`, `rollout_log_probs` is aligned
-with `observation_tokens` (0.0 outside the actions; None unless OpenRLHF asked for logprobs), and `reward` /
-`scores` are the sample's reward.
-
-So this adapter runs one trajectory per `execute`: the prompt is the row's chat messages when it is a JSON list
-of them (or one user message; leave OpenRLHF's `--data.apply_chat_template` off, the engine renders the
-template itself), the label is the row's `reward_model.ground_truth` (or, when it is a JSON object, the row's
-columns). Every model turn goes to `llm_engine.generate` on the actor's event loop, with OpenRLHF's sampling
-parameters (its temperature is the one its actor divides logits by) and the engine's stop ids and budgets.
-A spec whose trajectories may give several rows (segments, docs/contexts.md) is refused: `execute` answers one.
+OpenRLHF 0.11 awaits `execute(prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine)` once per
+sample and makes one Experience of the answer: `observation_tokens` (prompt and everything after it),
+`action_ranges` (each model turn's [start, end)), `rollout_log_probs` aligned with them, and the reward. So
+one trajectory runs per `execute`: the prompt is the row's chat messages when it is a JSON list of them (the
+engine renders the template itself), the label the ground truth (or the row's columns, when a JSON object),
+and every model turn goes to `llm_engine.generate` on the actor's loop with OpenRLHF's sampling parameters.
+A spec whose trajectories may give several rows (segments, trees) is refused: `execute` answers one.
 """
 
 from __future__ import annotations
@@ -58,9 +51,7 @@ class OpenRLHFRollout:
         self.engine: RolloutEngine | None = None
         self._llm: Any = None  # OpenRLHF's rollout actor (its `generate`), and the loop it lives on
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._sampling: Any = (
-            None  # the latest vllm.SamplingParams OpenRLHF sent: the template of each request
-        )
+        self._sampling: Any = None  # the latest vllm.SamplingParams OpenRLHF sent: each request's template
         self._warned = False
 
     async def execute(
@@ -91,9 +82,7 @@ class OpenRLHFRollout:
         params = {
             "temperature": float(sampling_params.temperature),
             "top_p": float(sampling_params.top_p),
-            "top_k": int(sampling_params.top_k)
-            if sampling_params.top_k and sampling_params.top_k > 0
-            else -1,
+            "top_k": int(sampling_params.top_k) if (sampling_params.top_k or 0) > 0 else -1,
         }
         batch = await self.engine.agenerate_samples([to_row(prompt, label)], sampling_params=params)
         return to_openrlhf(
