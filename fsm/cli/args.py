@@ -1,13 +1,23 @@
 """The command line of `agentfsm`: one function per command adds its flags (`run`'s and `bench`'s in groups by
 topic), and `command_line` puts them under their commands; the number types and the parser they use are in
-fsm/cli/usage.py."""
+fsm/cli/outcome.py."""
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Callable, Mapping, Sequence
 
-from fsm.cli.usage import COUNT, PORT, Help, Parser, float_in, int_in, otlp_endpoint, seconds_flag, server_url
+from fsm.cli.outcome import (
+    COUNT,
+    PORT,
+    Help,
+    Parser,
+    float_in,
+    int_in,
+    otlp_endpoint,
+    seconds_flag,
+    server_url,
+)
 
 DEMO_PROMPTS = 64  # `run` without --data or --num-prompts
 SHOW_LIMIT = 5  # transcripts `show --worst/--failed` prints without --limit

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from fsm.cli.usage import COUNT, Parser, int_in, seconds_flag
+from fsm.cli.outcome import COUNT, Parser, int_in, seconds_flag
 
 
 def gateway_only_flags(p: argparse.ArgumentParser) -> None:
