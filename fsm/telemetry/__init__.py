@@ -20,29 +20,16 @@ its cost can be seen:
   names in semconv.py. `agentfsm bench tracing` measures what tracing costs.
 """
 
-from fsm.telemetry.config import otlp_from_env
-from fsm.telemetry.export import (
-    DEFAULT_MAX_EXPORT_BATCH_SIZE,
-    DEFAULT_MAX_QUEUE_SIZE,
-    MemoryExporter,
-    NativeExporter,
-    OtlpHttpExporter,
-    SdkPipeline,
-    SpanCounts,
-    SpanPipeline,
-)
+from fsm.telemetry import export
+from fsm.telemetry.config import DEFAULT_MAX_EXPORT_BATCH_SIZE, DEFAULT_MAX_QUEUE_SIZE, otlp_from_env
+from fsm.telemetry.export import *  # noqa: F403  (its __all__: the exporters and their pipelines)
 from fsm.telemetry.semconv import *  # noqa: F403  (the attribute names are public: fsm.telemetry.GEN_AI_...)
 from fsm.telemetry.tracer import Telemetry
 
 __all__ = [
+    *export.__all__,
     "DEFAULT_MAX_EXPORT_BATCH_SIZE",
     "DEFAULT_MAX_QUEUE_SIZE",
-    "MemoryExporter",
-    "NativeExporter",
-    "OtlpHttpExporter",
-    "SdkPipeline",
-    "SpanCounts",
-    "SpanPipeline",
     "Telemetry",
     "otlp_from_env",
 ]

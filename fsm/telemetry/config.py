@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from opentelemetry.environment_variables import OTEL_TRACES_EXPORTER
 from opentelemetry.exporter.otlp.proto.http import Compression
@@ -60,12 +61,34 @@ def samples(sampler: sampling.Sampler, trace_id: int) -> bool:
 
 def env_int(name: str, default: int) -> int:
     """An integer variable (OTEL_BSP_*) as the SDK's BatchSpanProcessor reads one: unset or unreadable is the
-    default (ours: the SDK's queue sizes lose spans in bursts, fsm/telemetry/export.py)."""
+    default."""
     try:
         return int(os.environ.get(name) or default)
     except ValueError:
         log.warning("agentfsm telemetry: %s=%r is not an integer, using %d", name, os.environ[name], default)
         return default
+
+
+# The SDK's defaults (2048 queued, 512 per request) lose spans when thousands of trajectories move in
+# lockstep on a CPU-bound run: the export thread waits for the GIL at every wake-up and every socket call,
+# so it keeps up only with bigger requests, and a deeper queue absorbs the bursts.
+DEFAULT_MAX_QUEUE_SIZE = 16384
+DEFAULT_MAX_EXPORT_BATCH_SIZE = 2048
+
+
+class QueueSizes(NamedTuple):
+    """An export pipeline's sizes, as the SDK's BatchSpanProcessor takes them."""
+
+    max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE  # spans waiting; a full queue drops its oldest, counted
+    max_export_batch_size: int = DEFAULT_MAX_EXPORT_BATCH_SIZE  # spans per export request (<= the queue)
+    schedule_delay_millis: float = 5000  # the export thread wakes at least this often
+
+    @classmethod
+    def from_env(cls, queue: int | None, batch: int | None, delay: float | None) -> QueueSizes:
+        """The arguments, else OTEL_BSP_MAX_QUEUE_SIZE, _MAX_EXPORT_BATCH_SIZE and _SCHEDULE_DELAY, else ours."""
+        queue = queue or env_int(sdk.OTEL_BSP_MAX_QUEUE_SIZE, DEFAULT_MAX_QUEUE_SIZE)
+        batch = batch or env_int(sdk.OTEL_BSP_MAX_EXPORT_BATCH_SIZE, DEFAULT_MAX_EXPORT_BATCH_SIZE)
+        return cls(queue, max(1, min(batch, queue)), delay or env_int(sdk.OTEL_BSP_SCHEDULE_DELAY, 5000))
 
 
 @dataclass

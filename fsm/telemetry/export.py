@@ -33,11 +33,19 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, Spa
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 from backends.base import RetryPolicy, parse_retry_after
-from fsm.telemetry.config import OtlpSettings, compression_name
+from fsm.telemetry.config import OtlpSettings, QueueSizes, compression_name
 from fsm.telemetry.shapes import _SHAPES, _lean_message
 from fsm.telemetry.spans import _readable, _Span
 from fsm.telemetry.wire import _attributes, _ld, _readable_message, _scope
 
+__all__ = [
+    "MemoryExporter",
+    "NativeExporter",
+    "OtlpHttpExporter",
+    "SdkPipeline",
+    "SpanCounts",
+    "SpanPipeline",
+]
 log = logging.getLogger("agentfsm.telemetry")  # the package's one logger, whichever module logs
 
 # The OTLP exporter retries as the OpenTelemetry SDK's does: 6 attempts on 429/502/503/504 and connection
@@ -45,12 +53,6 @@ log = logging.getLogger("agentfsm.telemetry")  # the package's one logger, which
 OTLP_RETRY = RetryPolicy(
     attempts=6, backoff_s=1.0, backoff_max_s=float("inf"), statuses=frozenset({429, 502, 503, 504})
 )
-
-# The SDK's defaults (2048 queued, 512 per request) lose spans when thousands of trajectories move in
-# lockstep on a CPU-bound run: the export thread waits for the GIL at every wake-up and every socket call,
-# so it keeps up only with bigger requests, and a deeper queue absorbs the bursts.
-DEFAULT_MAX_QUEUE_SIZE = 16384
-DEFAULT_MAX_EXPORT_BATCH_SIZE = 2048
 
 
 @dataclass
@@ -100,22 +102,10 @@ class SpanPipeline(SpanProcessor):
     Spans of `Telemetry.tracer` (SDK spans) come in through `on_end`, like any span processor's.
     """
 
-    def __init__(
-        self,
-        exporter: NativeExporter,
-        name: str,
-        resource: Resource,
-        scope: InstrumentationScope,
-        *,
-        max_queue_size: int = 16384,
-        max_export_batch_size: int = 2048,
-        schedule_delay_millis: float = 5000,
-    ):
-        self.exporter, self.name, self.resource, self.scope = exporter, name, resource, scope
-        self.max_queue_size = max_queue_size
-        self.batch_size = max(1, min(max_export_batch_size, max_queue_size))
-        self.delay_s = schedule_delay_millis / 1e3
-        self.queue: deque[Any] = deque(maxlen=max_queue_size)
+    def __init__(self, exporter: NativeExporter, name: str, sizes: QueueSizes):
+        self.exporter, self.name, self.max_queue_size = exporter, name, sizes.max_queue_size
+        self.batch_size, self.delay_s = sizes.max_export_batch_size, sizes.schedule_delay_millis / 1e3
+        self.queue: deque[Any] = deque(maxlen=sizes.max_queue_size)
         self.append = self.queue.append  # what ended spans are queued with, from any thread
         self.ended_here = 0  # spans that came in through on_end (the tracer counts its own)
         self.submitted = self.exported = self.failed = 0
@@ -232,19 +222,16 @@ class SdkPipeline(BatchSpanProcessor):
         name: str,
         resource: Resource,
         scope: InstrumentationScope,
-        *,
-        max_queue_size: int = 16384,
-        max_export_batch_size: int = 2048,
-        schedule_delay_millis: float = 5000,
+        sizes: QueueSizes,
     ):
         self.counted = _Counted(exporter)
-        super().__init__(
-            self.counted,
-            max_queue_size=max_queue_size,
-            schedule_delay_millis=schedule_delay_millis,
-            max_export_batch_size=max(1, min(max_export_batch_size, max_queue_size)),
+        super().__init__(self.counted, **sizes._asdict())
+        self.name, self.resource, self.scope, self.max_queue_size = (
+            name,
+            resource,
+            scope,
+            sizes.max_queue_size,
         )
-        self.name, self.resource, self.scope, self.max_queue_size = name, resource, scope, max_queue_size
         self.ended_here = 0  # spans that came in through on_end (the tracer counts its own)
         # replaced by the Telemetry that owns this pipeline
         self.ended_total: Callable[[], int] = lambda: self.ended_here

@@ -245,7 +245,7 @@ class _Span(otel_trace.Span):
         return _span_message(x.name or shape.name, shape.kind, *ids, attributes, x.events, x.links, x.status)
 
     def _readable(self, resource: Resource, scope: InstrumentationScope) -> ReadableSpan:
-        return _make_readable(self.shape, *self._ids(), self.values, resource, scope, self._extra)
+        return _make_readable(self.shape, self._ids(), self.values, resource, scope, self._extra)
 
     def _ids(self) -> tuple[int, int, int, int, int]:
         """trace, span and parent ids, start and end: what every form of an ended span begins with."""
@@ -255,16 +255,13 @@ class _Span(otel_trace.Span):
 
 def _make_readable(
     shape: _Shape,
-    trace_id: int,
-    span_id: int,
-    parent_id: int,
-    start: int,
-    end: int,
+    ids: Sequence[int],
     values: Sequence[Any],
     resource: Resource,
     scope: InstrumentationScope,
     x: _Extra | None = None,
 ) -> ReadableSpan:
+    trace_id, span_id, parent_id, start, end = ids  # as `_Span._ids()` has them
     return ReadableSpan(
         name=(x.name if x is not None else None) or shape.name,
         context=SpanContext(trace_id, span_id, False, _SAMPLED),
@@ -284,9 +281,7 @@ def _make_readable(
 def _readable(item: Any, resource: Resource, scope: InstrumentationScope) -> ReadableSpan:
     """The ReadableSpan (what SDK exporters take) of a queued span."""
     if type(item) is tuple:
-        return _make_readable(
-            _SHAPES[item[0]], item[1], item[2], item[3], item[4], item[5], item[6:], resource, scope
-        )
+        return _make_readable(_SHAPES[item[0]], item[1:6], item[6:], resource, scope)
     if isinstance(item, _Span):
         return item._readable(resource, scope)
     return item

@@ -16,11 +16,6 @@ from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
 from opentelemetry import context as otel_context
-from opentelemetry.sdk.environment_variables import (
-    OTEL_BSP_MAX_EXPORT_BATCH_SIZE,
-    OTEL_BSP_MAX_QUEUE_SIZE,
-    OTEL_BSP_SCHEDULE_DELAY,
-)
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SpanExporter
@@ -32,7 +27,7 @@ from fsm.telemetry.calls import _ModelSpan, _ToolSpan
 from fsm.telemetry.config import (
     CAPTURE_CONTENT,
     OtlpSettings,
-    env_int,
+    QueueSizes,
     flag,
     otlp_from_env,
     sampler_from_env,
@@ -41,8 +36,6 @@ from fsm.telemetry.config import (
 )
 from fsm.telemetry.content import _roles
 from fsm.telemetry.export import (
-    DEFAULT_MAX_EXPORT_BATCH_SIZE,
-    DEFAULT_MAX_QUEUE_SIZE,
     MemoryExporter,
     NativeExporter,
     OtlpHttpExporter,
@@ -171,20 +164,11 @@ class Telemetry:
         if self.memory is not None:
             named.append(("memory", self.memory))
         named.extend((f"{type(e).__name__}{i}", e) for i, e in enumerate(exporters))
-        queue = max_queue_size or env_int(OTEL_BSP_MAX_QUEUE_SIZE, DEFAULT_MAX_QUEUE_SIZE)
-        batch = max_export_batch_size or env_int(
-            OTEL_BSP_MAX_EXPORT_BATCH_SIZE, DEFAULT_MAX_EXPORT_BATCH_SIZE
-        )
-        delay = schedule_delay_millis or env_int(OTEL_BSP_SCHEDULE_DELAY, 5000)
-        sizes: dict[str, Any] = {
-            "max_queue_size": queue,
-            "max_export_batch_size": batch,
-            "schedule_delay_millis": delay,
-        }
+        sizes = QueueSizes.from_env(max_queue_size, max_export_batch_size, schedule_delay_millis)
         self.processors: list[SpanPipeline | SdkPipeline] = [
-            SpanPipeline(e, name, self.resource, self.scope, **sizes)
+            SpanPipeline(e, name, sizes)
             if isinstance(e, NativeExporter)
-            else SdkPipeline(e, name, self.resource, self.scope, **sizes)
+            else SdkPipeline(e, name, self.resource, self.scope, sizes)
             for name, e in named
         ]
         for p in self.processors:
