@@ -3,23 +3,11 @@
 The wire contract is SGLang's native HTTP API (`/generate` with `input_ids`, `/abort_request`, `/model_info`,
 the memory and weight endpoints); backends/devserver.py serves the same contract for tests. The HTTP plumbing
 (bounded bodies, retries, per-attempt deadlines with their abort and grace, pauses that stop the deadlines,
-fault counts) is backends/server_client.py's, shared with the vLLM client. What is SGLang's own:
-- `max_new_tokens` is clamped to the room left in the context (SGLang answers 400 instead of truncating);
-- after a deadline's `/abort_request` the partial answer is awaited up to `abort_grace_s`, by default a tenth
-  of the deadline from 5 s to 30 s (a loaded CPU server takes seconds to answer it); an abort's answer (`finish_reason.type == "abort"`)
-  keeps the tokens produced before it, and the engine resumes them;
-- a rid whose attempt ended without an answer (a deadline, a cut connection, SGLang's "Duplicate request
-  ID", which is retried as a server fault) may still be held by the server, which refuses it again: no
-  later attempt reuses or prefixes it;
-- SGLang aborts every live rid that starts with the rid it is asked to abort, so the rids this client has
-  live are kept prefix-free (`_wire_rid`): a resume `{turn}_r1` sent while `{turn}` still lives goes out
-  under another rid;
-- a turn cut short because the context is full ("length" with fewer tokens than asked: clamped here, cut
-  further by SGLang) says so: `extra["context_cut"]` holds the context length;
-- SGLang holds a request that arrives while paused in its front end, where an /abort_request never reaches
-  it: so no deadline runs while this client has the server paused (`pause_generation` until
-  `continue_generation`).
-`sglang` itself is never imported.
+fault counts) is backends/server_client.py's, shared with the vLLM client. What is SGLang's own, each where
+it is done: `max_new_tokens` clamped to the room left (`_clamp`); a deadline's abort awaited for its partial
+answer (`_grace`); rids kept prefix-free and never reused while the server may hold them (`_wire_rid`,
+SGLang aborts by prefix); no deadline running while paused (`pause_generation`: SGLang holds a request that
+arrives then where an abort never reaches it). `sglang` itself is never imported.
 """
 
 from __future__ import annotations
@@ -276,29 +264,26 @@ class SGLangBackend(ServerClient):
     async def update_weights_from_tensor(
         self, weight_version: str | None = None, **payload: Any
     ) -> dict[str, Any]:
-        """`/update_weights_from_tensor`: payload passed through (serialized_named_tensors, load_format,
-        flush_cache...)."""
-        if weight_version is not None:
-            payload["weight_version"] = weight_version
-        return await self._control(
-            "POST", "/update_weights_from_tensor", payload, timeout_s=_WEIGHTS_TIMEOUT_S
-        )
+        """`/update_weights_from_tensor`: payload passed through (serialized_named_tensors, load_format...)."""
+        return await self._weights("/update_weights_from_tensor", payload, weight_version)
 
     async def update_weights_from_distributed(
         self, weight_version: str | None = None, **payload: Any
     ) -> dict[str, Any]:
         """`/update_weights_from_distributed`: payload passed through (names, dtypes, shapes, group_name...)."""
-        if weight_version is not None:
-            payload["weight_version"] = weight_version
-        return await self._control(
-            "POST", "/update_weights_from_distributed", payload, timeout_s=_WEIGHTS_TIMEOUT_S
-        )
+        return await self._weights("/update_weights_from_distributed", payload, weight_version)
 
     async def init_weights_update_group(self, **payload: Any) -> dict[str, Any]:
         """`/init_weights_update_group` (master_address, master_port, rank_offset, world_size, group_name...)."""
-        return await self._control(
-            "POST", "/init_weights_update_group", payload, timeout_s=_WEIGHTS_TIMEOUT_S
-        )
+        return await self._weights("/init_weights_update_group", payload)
+
+    async def _weights(
+        self, path: str, payload: dict[str, Any], version: str | None = None
+    ) -> dict[str, Any]:
+        """A weights call, its payload passed through, under the weights' long timeout."""
+        if version is not None:
+            payload["weight_version"] = version
+        return await self._control("POST", path, payload, timeout_s=_WEIGHTS_TIMEOUT_S)
 
     async def destroy_weights_update_group(self, **payload: Any) -> dict[str, Any]:
         return await self._control("POST", "/destroy_weights_update_group", payload)
