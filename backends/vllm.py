@@ -38,18 +38,9 @@ REQUEST_PREFIX = "generate-tokens-"  # what vLLM puts before a /inference/v1/gen
 # The engine's (SGLang's) pause modes -> vLLM's; vLLM's own names are taken as they are.
 PAUSE_MODES = {"abort": "abort", "in_place": "keep", "retract": "wait", "keep": "keep", "wait": "wait"}
 _RENAMED = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "sampling_seed": "seed"}
-_SAME = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "frequency_penalty",
-    "presence_penalty",
-    "repetition_penalty",
-    "stop_token_ids",
-    "ignore_eos",
-    "n",
-    "logit_bias",
+_SAME = frozenset(
+    "temperature top_p top_k min_p frequency_penalty presence_penalty repetition_penalty stop_token_ids "
+    "ignore_eos n logit_bias".split()
 )
 FAULT_KINDS = ("http_errors", "refused", "disconnects", "resets", "timeouts", *ANSWER_FAULTS, "aborts")
 
