@@ -65,20 +65,10 @@ def run_stats(agent: Any, trajectories: Sequence[Any] | None = None) -> dict[str
     if trajectories is None:
         agent, trajectories = None, agent
     edges: dict[int, dict[str, Any]] = {}
-    if agent is not None:
-        for e in agent.edges:
-            edges[e.index] = {
-                "source": e.source,
-                "dest": e.dest,
-                "guard": e.label,
-                "reason": e.reason,
-                "count": 0,
-                "trajectories": 0,
-            }
     states: dict[str, dict[str, Any]] = {}
     if agent is not None:
-        for name in agent.spec.states:
-            states[name] = {"visits": 0, "total_s": 0.0, "failed": 0}
+        edges = {e.index: _edge(e.source, e.dest, e.label, e.reason) for e in agent.edges}
+        states = {name: _state() for name in agent.spec.states}
     timed: dict[str, int] = {}  # visits with a duration (not a final state, not the state a failure left)
     reasons: dict[str, int] = {}
     finals: dict[str, dict[str, int]] = {}
@@ -95,18 +85,11 @@ def run_stats(agent: Any, trajectories: Sequence[Any] | None = None) -> dict[str
                 index = fired[k]
                 e = edges.get(index)
                 if e is None:  # no agent given: what the path says
-                    e = edges[index] = {
-                        "source": path[k],
-                        "dest": path[k + 1],
-                        "guard": None,
-                        "reason": None,
-                        "count": 0,
-                        "trajectories": 0,
-                    }
+                    e = edges[index] = _edge(path[k], path[k + 1])
                 e["count"] += 1
                 in_tree.add(index)
             for k in range(own, len(path)):
-                s = states.setdefault(path[k], {"visits": 0, "total_s": 0.0, "failed": 0})
+                s = states.setdefault(path[k], _state())
                 s["visits"] += int(k >= start)  # the forking state was entered once, by the node that forked
                 if k + 1 + shift < len(times):  # left the state: it has a duration
                     s["total_s"] += times[k + 1 + shift] - times[k + shift]
@@ -147,6 +130,14 @@ def run_stats(agent: Any, trajectories: Sequence[Any] | None = None) -> dict[str
     }
 
 
+def _edge(source: str, dest: str, guard: str | None = None, reason: str | None = None) -> dict[str, Any]:
+    return {"source": source, "dest": dest, "guard": guard, "reason": reason, "count": 0, "trajectories": 0}
+
+
+def _state() -> dict[str, Any]:
+    return {"visits": 0, "total_s": 0.0, "failed": 0}
+
+
 def machine_nodes(root: Any, agent: Any = None) -> Iterator[tuple[Any, int, Any]]:
     """The nodes of `root`'s tree that run its machine, each with where its own path begins and the node it
     forked from (None but for a branch): a fork's branch repeats its parent's path up to the fork, which the
@@ -169,7 +160,7 @@ def _count_retries(traj: Any, parent: Any, states: dict[str, dict[str, Any]]) ->
     """A state's retries and catches (the failure rules'). A branch's list begins with its `parent`'s, which the
     parent counts."""
     for f in traj.failures[len(parent.failures) :] if parent is not None else traj.failures:
-        s = states.setdefault(f.state, {"visits": 0, "total_s": 0.0, "failed": 0})
+        s = states.setdefault(f.state, _state())
         key = "retries" if f.handled == "retry" else "catches"
         s[key] = s.get(key, 0) + 1
 
