@@ -73,3 +73,18 @@ def _same(tokenizer, render, messages, tools, gen):
             render.text(messages, tools, gen)
     else:
         assert render.text(messages, tools, gen) == want, (messages, tools, gen)
+
+
+def test_remembered_tojson_tells_values_apart():
+    """The direct render's tojson remembers texts (render.py `_environment`) yet never answers for another value:
+    None and NaN (both orjson's `null`), 1, 1.0 and True, each rendered after the others."""
+    tok = family_tokenizer("qwen2.5")
+    render = ChatRender(tok)
+    for value in (None, float("nan"), 1, 1.0, True, None, float("nan")):
+        call = dict(CALL, function={"name": "calculator", "arguments": {"x": value}})
+        messages = [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+        ]
+        for _ in range(2):
+            _same(tok, render, messages, [TOOL_SCHEMA], False)

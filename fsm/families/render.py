@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import orjson
+
 
 def _compiler() -> Any:
     """transformers' template compiler, imported when a render is built (a tokenizer is loaded by then), so that
@@ -25,6 +27,47 @@ def _compiler() -> Any:
     except ImportError:
         return None
     return _compile_jinja_template
+
+
+_DICT_NAMES = frozenset(dir(dict))
+# orjson options under which a value that json.dumps would not write the same way raises instead of dumping
+_STRICT = orjson.OPT_PASSTHROUGH_SUBCLASS | orjson.OPT_PASSTHROUGH_DATETIME | orjson.OPT_PASSTHROUGH_DATACLASS
+_REMEMBERED = 256, 16 << 10  # tojson texts a render keeps (forgotten together past it), and the longest kept
+
+
+def _environment(shared: Any) -> Any:
+    """transformers' sandboxed environment, overlaid with two shortcuts that change no render (the profile of a
+    model call: docs/benchmarks.md). `message.role` on a dict reads the item at once: the sandbox first tries
+    the attribute, which a dict lacks (an exception), then reads the item. `tojson` remembers the text of what
+    it has seen, keyed by orjson's exact bytes (the tool schemas, the same in every prompt); a value orjson
+    writes alike for two inputs (NaN and null, both `null`) or cannot write is dumped anew."""
+    env = shared.overlay()
+    sandboxed, tojson = env.getattr, env.filters["tojson"]
+    texts: dict[bytes, str] = {}
+
+    def getattr(obj: Any, attribute: str) -> Any:
+        if type(obj) is dict and attribute in obj and attribute not in _DICT_NAMES:
+            return obj[attribute]
+        return sandboxed(obj, attribute)
+
+    def remembered(value: Any, *args: Any, **kwargs: Any) -> str:
+        if args or kwargs:
+            return tojson(value, *args, **kwargs)
+        try:
+            key = orjson.dumps(value, option=_STRICT)
+        except TypeError:
+            return tojson(value)
+        if (text := texts.get(key)) is None:
+            text = tojson(value)
+            if b"null" not in key and len(key) <= _REMEMBERED[1]:
+                if len(texts) >= _REMEMBERED[0]:
+                    texts.clear()
+                texts[key] = text
+        return text
+
+    env.getattr = getattr
+    env.filters = {**env.filters, "tojson": remembered}
+    return env
 
 
 # Keys the wrapper renames or copies (transformers' _REASONING_FIELDS): such a message goes through it.
@@ -93,9 +136,9 @@ class ChatRender:
             template = self._templates.get(tools is not None)
             if template is None:
                 source = self._inner.get_chat_template(None, tools)
-                # our own copy in transformers' environment, its globals a dict: jinja walks a ChainMap twice
-                # a render (new_context, Context), a quarter of a calculator prompt's (docs/benchmarks.md)
-                template = self._compile(source).environment.from_string(source)
+                # our own copy in an overlay of transformers' environment, its globals a dict: jinja walks a
+                # ChainMap twice a render (new_context, Context), a quarter of a calculator prompt's
+                template = _environment(self._compile(source).environment).from_string(source)
                 template.globals = dict(template.globals)
                 self._templates[tools is not None] = template
             return template.render(
