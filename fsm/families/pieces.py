@@ -33,18 +33,24 @@ def decode(tokenizer: Any, ids: Any, *, skip_special_tokens: bool = True) -> str
     turns "id , name" into "id, name" and "it 's" into "it's", so tools, parsers, interactions and rewards
     would read text the model did not write. A list through a fast tokenizer whose decode nobody overrides goes
     straight to its Rust tokenizer, what transformers' decode calls after checking every id's type (~25 us)."""
-    cls = type(tokenizer)
-    if (plain := _PLAIN.get(cls)) is None:  # decode and _decode are transformers' fast tokenizer's own
-        fast: Any = getattr(sys.modules.get("transformers"), "PreTrainedTokenizerFast", None)
-        own = (fast.decode, fast._decode) if fast is not None else None
-        # a wrapper that hands its tokenizer's attributes on (TemplateKwargs) has no decode of its own: not plain
-        plain = _PLAIN[cls] = own == (getattr(cls, "decode", None), getattr(cls, "_decode", None))
-    if plain and type(ids) is list:
+    if type(ids) is list and _own(tokenizer, "decode", "_decode"):
         return tokenizer._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
     return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
 
 
-_PLAIN: dict[type, bool] = {}
+def _own(tokenizer: Any, *names: str) -> bool:
+    """Whether the methods `names` of the tokenizer's class are transformers' fast tokenizer's own (a wrapper
+    that hands its tokenizer's attributes on, like TemplateKwargs, has none of its own: not plain)."""
+    key = (type(tokenizer), names)
+    if (plain := _PLAIN.get(key)) is None:
+        fast: Any = getattr(sys.modules.get("transformers"), "PreTrainedTokenizerFast", None)
+        plain = _PLAIN[key] = fast is not None and all(
+            getattr(fast, n) is getattr(key[0], n, None) for n in names
+        )
+    return plain
+
+
+_PLAIN: dict[tuple[type, tuple[str, ...]], bool] = {}
 
 
 class Ids(list[int]):
@@ -91,6 +97,7 @@ class PieceEncoder:
         self._cache: OrderedDict[str, tuple[list[int], array]] = OrderedDict()
         self._cached_chars = 0
         self._lock = threading.Lock()  # a codec may serve several threads (the adapter's workers, Ray actors)
+        self._rust = tokenizer._tokenizer if _own(tokenizer, "encode", "_encode_plus") else None
 
     @property
     def splitting(self) -> bool:
@@ -98,6 +105,15 @@ class PieceEncoder:
 
     def _whole(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _new_piece(self, piece: str) -> list[int]:
+        """A piece's ids straight from the Rust tokenizer, where transformers' encode would only set its options
+        first (the piece holds no added token, so `split_special_tokens` changes nothing); through transformers
+        when truncation or padding is set on it."""
+        rust = self._rust
+        if rust is not None and rust.truncation is None and rust.padding is None:
+            return rust.encode(piece, add_special_tokens=False).ids
+        return self._whole(piece)
 
     def _piece(self, text: str) -> tuple[list[int], array]:
         """A piece's ids, as a list and an array, from the cache when it was seen before. A piece longer than a
@@ -107,7 +123,7 @@ class PieceEncoder:
             if (kept := self._cache.get(text)) is not None:
                 self._cache.move_to_end(text)
                 return kept
-        ids = self._whole(text)
+        ids = self._new_piece(text)
         both = ids, to_array(ids)
         if len(text) <= self.cache_chars // 4:
             with self._lock:
