@@ -357,10 +357,9 @@ def to_batch(
     meta: Mapping[str, Any] | None = None,
     policy: str | None = None,
 ) -> Any:
-    """`policy`: that policy's rows only (None: every row, whatever its policy).
-    Finished trajectories of `agent` (a CompiledAgent) -> RolloutBatch padded with `codec`'s pad id, or a `DataProto` of the input's class when `like` is one
-    (then, as verl's AgentLoopManager returns it: per-sample `metrics` popped, `reward_extra_keys` added).
-    `meta`: the input's meta_info (e.g. verl's `global_steps`), carried to the output under agentfsm's keys."""
+    """Finished trajectories of `agent` (a CompiledAgent) -> RolloutBatch padded with `codec`'s pad id, or a
+    `DataProto` of the input's class when `like` is one (as verl's AgentLoopManager returns it). `meta`: the
+    input's meta_info, carried under agentfsm's keys. `policy`: that policy's rows only (None: every row)."""
     limits = agent.limits
     if like is not None and is_dataproto(like) and any(dropped(t) for t in trajs):
         names = [t.row_name for t in trajs if dropped(t)]
@@ -372,10 +371,8 @@ def to_batch(
         nodes = tree_nodes(trajs, policy, agent.spec.policy)
         agents = {id(n.node.agent): n.node.agent for n in nodes if n.node.agent}
         lims = [a.limits for a in agents.values()] or [limits]
-        prompt_length, response_length = (
-            max(x.prompt_length for x in lims),
-            max(x.response_length for x in lims),
-        )
+        prompt_length = max(x.prompt_length for x in lims)
+        response_length = max(x.response_length for x in lims)
     else:
         prompt_length, response_length = limits.prompt_length, limits.response_length
     out = collate(
@@ -448,10 +445,5 @@ def load_batch(path: str | Path) -> RolloutBatch:
     non_tensors = {}
     for key, values in saved["non_tensor_batch"].items():
         dtype = saved["non_tensor_dtypes"][key]
-        if dtype == "object":
-            column = np.empty(len(values), dtype=object)
-            column[:] = values
-        else:
-            column = np.asarray(values, dtype=dtype)
-        non_tensors[key] = column
+        non_tensors[key] = _objects(values) if dtype == "object" else np.asarray(values, dtype=dtype)
     return RolloutBatch(TensorDict(tensors, batch_size=size), non_tensors, saved["meta_info"])
