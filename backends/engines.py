@@ -30,9 +30,8 @@ async def detect_engine(url: str, timeout_s: float = 10.0) -> str:
     answers as neither."""
     base = url.rstrip("/")
 
-    async def get(
-        http: aiohttp.ClientSession, path: str
-    ) -> Any:  # the 200 body, read as the clients read one
+    # the 200 body, read as the clients read one
+    async def get(http: aiohttp.ClientSession, path: str) -> Any:
         async with http.get(base + path) as resp:
             what = f"{base}: GET {path}"
             data = await read_bounded(resp, CONTROL_BODY_BYTES, what)
@@ -57,12 +56,8 @@ async def detect_engine(url: str, timeout_s: float = 10.0) -> str:
             f"{base}: cannot tell which engine it runs ({type(e).__name__}: {e})", server=base
         ) from None
     cards = body.get("data") if isinstance(body, dict) else None
-    if (
-        isinstance(cards, list)
-        and cards
-        and isinstance(cards[0], dict)
-        and cards[0].get("owned_by") == "vllm"
-    ):
+    first = cards[0] if isinstance(cards, list) and cards else None
+    if isinstance(first, dict) and first.get("owned_by") == "vllm":
         return "vllm"
     raise BackendUnavailable(
         f"{base}: answers as neither SGLang (no /model_info) nor vLLM (no /v1/models card "
