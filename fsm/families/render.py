@@ -13,6 +13,7 @@ two renders equal on every family's real template.
 
 from __future__ import annotations
 
+import builtins
 from typing import Any
 
 import orjson
@@ -30,6 +31,7 @@ def _compiler() -> Any:
 
 
 _DICT_NAMES = frozenset(dir(dict))
+_LOOP_NAMES = frozenset("depth first index index0 last length nextitem previtem revindex revindex0".split())
 # orjson options under which a value that json.dumps would not write the same way raises instead of dumping
 _STRICT = orjson.OPT_PASSTHROUGH_SUBCLASS | orjson.OPT_PASSTHROUGH_DATETIME | orjson.OPT_PASSTHROUGH_DATACLASS
 _REMEMBERED = 256, 16 << 10  # tojson texts a render keeps (forgotten together past it), and the longest kept
@@ -37,17 +39,23 @@ _REMEMBERED = 256, 16 << 10  # tojson texts a render keeps (forgotten together p
 
 def _environment(shared: Any) -> Any:
     """transformers' sandboxed environment, overlaid with two shortcuts that change no render (the profile of a
-    model call: docs/benchmarks.md). `message.role` on a dict reads the item at once: the sandbox first tries
-    the attribute, which a dict lacks (an exception), then reads the item. `tojson` remembers the text of what
-    it has seen, keyed by orjson's exact bytes (the tool schemas, the same in every prompt); a value orjson
-    writes alike for two inputs (NaN and null, both `null`) or cannot write is dumped anew."""
+    model call: docs/benchmarks.md). `message.role` on a dict reads the item at once (the sandbox first tries
+    the attribute, which a dict lacks: an exception), and `loop.first` without the sandbox's checks, which it
+    passes. `tojson` remembers the text of what it has seen, keyed by orjson's exact bytes (the tool schemas,
+    the same in every prompt); a value orjson writes alike for two inputs (NaN and null, both `null`) or cannot
+    write is dumped anew."""
+    from jinja2.runtime import LoopContext
+
     env = shared.overlay()
-    sandboxed, tojson = env.getattr, env.filters["tojson"]
+    sandboxed, tojson, undefined = env.getattr, env.filters["tojson"], env.undefined
     texts: dict[bytes, str] = {}
 
     def getattr(obj: Any, attribute: str) -> Any:
-        if type(obj) is dict and attribute in obj and attribute not in _DICT_NAMES:
-            return obj[attribute]
+        kind = type(obj)
+        if kind is dict and attribute not in _DICT_NAMES:
+            return obj[attribute] if attribute in obj else undefined(obj=obj, name=attribute)
+        if kind is LoopContext and attribute in _LOOP_NAMES:  # public, none a str.format: the sandbox allows
+            return builtins.getattr(obj, attribute)
         return sandboxed(obj, attribute)
 
     def remembered(value: Any, *args: Any, **kwargs: Any) -> str:
