@@ -41,7 +41,7 @@ from fsm.tools.isolation import (
     crashed,
 )
 from fsm.tools.processes import ProcessLane
-from fsm.tools.worker import shrink
+from fsm.tools.worker import cut, shrink
 
 __all__ = [
     "AgentData",
@@ -428,7 +428,7 @@ class BoundTool:
             response, reward, metrics = await self._step(
                 self.tool.execute, instance_id, call.arguments, agent_data=agent_data
             )
-            outcome.text = self._cut(response.text or "")
+            outcome.text = cut(response.text or "", self.keep_chars)
             outcome.reward, outcome.metrics, outcome.error = reward, metrics, None
             # a huge answer is not held while calc_reward and release run: `response` dies with this frame
 
@@ -459,10 +459,6 @@ class BoundTool:
         if isinstance(exc, TimeoutError) and self.timeout_s is not None:
             return f"timed out after {self.timeout_s:g}s"
         return str(exc)
-
-    def _cut(self, text: str) -> str:
-        keep = self.keep_chars
-        return text if keep is None or len(text) <= 2 * keep else text[:keep] + text[-keep:]
 
 
 class ToolSet:
@@ -528,18 +524,13 @@ class ToolSet:
                 text = f"Error: Invalid JSON in arguments for '{tool.name}': {exc}"
                 return _refused(call, tool.name, text, "bad_arguments")
         if policy.validate_arguments and (problem := check_arguments(tool.schema, args)):
-            return _refused(
-                call, tool.name, f"Error: invalid arguments for '{tool.name}': {problem}", "bad_arguments"
-            )
+            text = f"Error: invalid arguments for '{tool.name}': {problem}"
+            return _refused(call, tool.name, text, "bad_arguments")
         if args is not call.arguments:
             call = dataclasses.replace(call, arguments=args)
         create_kwargs = (tools_kwargs.get(tool.name) or {}).get("create_kwargs", {})
-        outcome = await tool.run(
-            call,
-            instance_id,
-            create_kwargs,
-            AgentData(traj, messages, instance_id) if traj is not None else None,
-        )
+        agent_data = AgentData(traj, messages, instance_id) if traj is not None else None
+        outcome = await tool.run(call, instance_id, create_kwargs, agent_data)
         outcome.text = encodable(outcome.text) if isinstance(outcome.text, str) else outcome.text
         if outcome.error in (None, "calc_reward") or policy.truncate_errors:  # verl cuts results only
             outcome.text = truncate(
