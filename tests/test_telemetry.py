@@ -918,6 +918,73 @@ def test_sampler_variables(monkeypatch, caplog):
     ]
 
 
+@pytest.mark.parametrize(
+    "env",
+    [
+        {
+            "OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318/base/",
+            "OTEL_EXPORTER_OTLP_HEADERS": "X-Team=rl,token=a%20b",
+            "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": "7",
+            "OTEL_EXPORTER_OTLP_TIMEOUT": "3",
+            "OTEL_EXPORTER_OTLP_COMPRESSION": "GZIP",
+            "OTEL_EXPORTER_OTLP_CERTIFICATE": "/ca.pem",
+            "OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE": "/client.pem",
+            "OTEL_EXPORTER_OTLP_TRACES_CLIENT_KEY": "/client.key",
+        },
+        {
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://collector:4318/custom",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": "http://other:4318",
+            "OTEL_EXPORTER_OTLP_TRACES_HEADERS": "a=1",
+            "OTEL_EXPORTER_OTLP_HEADERS": "b=2",
+            "OTEL_EXPORTER_OTLP_TIMEOUT": "2.5",
+            "OTEL_EXPORTER_OTLP_TRACES_COMPRESSION": "deflate",
+            "OTEL_EXPORTER_OTLP_COMPRESSION": "gzip",
+            "OTEL_EXPORTER_OTLP_TRACES_CLIENT_CERTIFICATE": "/client.pem",
+        },
+        {"OTEL_EXPORTER_OTLP_TIMEOUT": "soon", "OTEL_EXPORTER_OTLP_COMPRESSION": "zstd"},
+    ],
+)
+def test_otlp_variables_are_read_as_the_sdk_exporter_reads_them(monkeypatch, env):
+    """Our OTLP exporter, configured by the OTEL_EXPORTER_OTLP_* variables alone, sends where the SDK's own
+    exporter sends, with its headers, timeout, compression and TLS files (the SDK's seen through its public
+    `session=`: one empty export to a session that records the request)."""
+    import os
+
+    import requests
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+
+    class Recording(requests.Session):
+        def request(self, method, url, **kw):
+            self.seen = {"url": url, "headers": {**self.headers, **(kw.get("headers") or {})}, **kw}
+            answer = requests.Response()
+            answer.status_code = 200
+            return answer
+
+    for name in [k for k in os.environ if k.startswith("OTEL_EXPORTER_OTLP_")]:
+        monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    session = Recording()
+    assert OTLPSpanExporter(session=session).export([]).name == "SUCCESS"
+    sdk = session.seen
+    sent = {
+        k.lower(): v for k, v in sdk["headers"].items() if k.lower() not in ("user-agent", "content-length")
+    }
+    ours = tel_export.OtlpHttpExporter(Resource.create({}), InstrumentationScope("t"))
+    assert ours.endpoint == sdk["url"]
+    assert {k: v for k, v in ours.headers.items() if k != "user-agent"} == sent
+    assert ours.compression == sent.get("content-encoding", "none")
+    assert ours.timeout_s == pytest.approx(sdk["timeout"], abs=0.5)  # the SDK's: what is left of it
+    settings = tel_export.OtlpSettings.from_env()
+    verify, cert = sdk.get("verify", session.verify), sdk.get("cert", session.cert)
+    assert settings.certificate == (None if verify is True else verify)
+    assert (settings.client_certificate, settings.client_key) == (
+        cert if isinstance(cert, tuple) else (cert, None)
+    )
+
+
 def test_boolean_variables_are_true_only_when_they_say_true(monkeypatch):
     """OTEL_SDK_DISABLED as the SDK reads it: "true" (any case) disables, "1" or "yes" do not."""
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:9")
