@@ -239,12 +239,8 @@ class FaultProxy:
                 if "outage_s" in body:
                     self.outage(float(body["outage_s"]))
                 else:
-                    self.plan(
-                        script=body.get("script"),
-                        every=body.get("every"),
-                        rates=body.get("rates"),
-                        seed=int(body.get("seed", 0)),
-                    )
+                    plan = {key: body.get(key) for key in ("script", "every", "rates")}
+                    self.plan(**plan, seed=int(body.get("seed", 0)))
             except (ValueError, TypeError) as e:
                 return web.json_response({"error": str(e)}, status=400)
         return web.json_response(
