@@ -22,35 +22,11 @@ VERSION = "0.5.23"  # the SGLang release whose wire format the dev server speaks
 
 # SGLang's SamplingParams fields; anything else in `sampling_params` is a 400 contract violation.
 # (In SGLang's order: its "unknown field" message lists them so.)
-SAMPLING_KEYS = (
-    "max_new_tokens",
-    "stop",
-    "stop_token_ids",
-    "stop_regex",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "frequency_penalty",
-    "presence_penalty",
-    "repetition_penalty",
-    "min_new_tokens",
-    "n",
-    "json_schema",
-    "regex",
-    "ebnf",
-    "structural_tag",
-    "ignore_eos",
-    "skip_special_tokens",
-    "spaces_between_special_tokens",
-    "no_stop_trim",
-    "stream_interval",
-    "logit_bias",
-    "sampling_seed",
-    "custom_params",
-    "beam_width",
-    "watermark",
-    "choice",
+SAMPLING_KEYS = tuple(
+    "max_new_tokens stop stop_token_ids stop_regex temperature top_p top_k min_p frequency_penalty "
+    "presence_penalty repetition_penalty min_new_tokens n json_schema regex ebnf structural_tag "
+    "ignore_eos skip_special_tokens spaces_between_special_tokens no_stop_trim stream_interval logit_bias "
+    "sampling_seed custom_params beam_width watermark choice".split()
 )
 INPUT_MARGIN = 6  # SGLang's max_req_input_len is the context length - 6; an input that long is refused
 OUTPUT_MARGIN = 2  # and max_new_tokens is cut, silently, so that input + output <= context length - 2
@@ -84,19 +60,10 @@ class Refused(Exception):
 
     def event(self) -> dict[str, Any]:
         """This refusal as the error event of a stream (SGLang sends it in the stream, with status 200)."""
-        err = (
-            self.body["error"]
-            if isinstance(self.body.get("error"), dict)
-            else {"message": self.body.get("message")}
-        )
-        return {
-            "error": {
-                **err,
-                "type": "invalid_request_error",
-                "code": self.status,
-                "retryable": self.status >= 500,
-            }
-        }
+        error = self.body.get("error")
+        err = error if isinstance(error, dict) else {"message": self.body.get("message")}
+        err = {**err, "type": "invalid_request_error", "code": self.status, "retryable": self.status >= 500}
+        return {"error": err}
 
 
 def contract_error(params: Any) -> str | None:
