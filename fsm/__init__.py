@@ -53,7 +53,7 @@ _EXPORTS = {
     "register_family": "fsm.families",
     "Group": "fsm.run.stream",
     "StreamEmpty": "fsm.run.stream",
-    "SnapshotError": "fsm.run.snapshot",
+    "SnapshotError": "fsm.run.codec",
     "Sample": "fsm.output.sample",
     "SampleBatch": "fsm.output.sample",
     "RunDir": "fsm.output.keep",
@@ -131,7 +131,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from fsm.run.engine import EngineRefused
     from fsm.run.interaction import BaseInteraction
     from fsm.run.runtime import Runner as Runner
-    from fsm.run.snapshot import SnapshotError
+    from fsm.run.codec import SnapshotError
     from fsm.run.stream import Group, StreamEmpty
     from fsm.run.trajectory import Failure as Failure
     from fsm.run.trajectory import Trajectory as Trajectory

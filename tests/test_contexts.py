@@ -15,7 +15,7 @@ import pytest
 import fsm
 from fsm.output.batch import collate
 from fsm.output.sample import to_samples
-from fsm.run.snapshot import decode_trajectory, encode_trajectory
+from fsm.run.codec import decode_trajectory, encode_trajectory
 from fsm.run.trajectory import Trajectory
 from fsm.spec.loader import SpecError
 from tests.conftest import run_agent, scripted, user_row

@@ -149,11 +149,11 @@ def compact_journal(tmp_path_factory) -> list[dict[str, Any]]:
     return recs[:-1]
 
 
-def _written(out: Path, recs: list[dict[str, Any]]) -> None:
+def _written(out: Path, recs: list[dict[str, Any]], name: str = JOURNAL) -> None:
     """The journal's records as a forger writes them: each line's CRC recomputed (it is unkeyed), NaN allowed."""
-    out.mkdir()
+    out.mkdir(exist_ok=True)
     lines = [json.dumps(r, separators=(",", ":"), ensure_ascii=False).encode() for r in recs]
-    (out / JOURNAL).write_bytes(b"".join(b"%08x %s\n" % (zlib.crc32(b), b) for b in lines))
+    (out / name).write_bytes(b"".join(b"%08x %s\n" % (zlib.crc32(b), b) for b in lines))
 
 
 def _sessions(recs: list[dict[str, Any]]) -> list[str]:
@@ -319,43 +319,42 @@ def test_the_unforged_journal_resumes(compact_journal, tmp_path, capsys):
 
 
 def _snapshot_forges() -> list[tuple[Any, str]]:
-    def closed(data):
-        return data["groups"][0]["trajectories"][0]["closed"][0]["fields"]
+    """Forges of a snapshot's records (a compacted journal: `run`, `group`, its trajectories whole, ...)."""
 
-    def traj(data):
-        return data["groups"][0]["trajectories"][0]
+    def closed(recs):
+        return recs[2]["d"]["closed"][0]["fields"]
 
     def set_item(name, value):
-        return lambda d: closed(d)[name]["items"].__setitem__(0, value)
+        return lambda recs: closed(recs)[name]["items"].__setitem__(0, value)
 
-    def newer_version(data):
-        runs = traj(data)["response_versions"]["items"]
-        runs[:] = [2**31 - 1 if v >= 0 else v for v in runs]
+    def newer_version(recs):
+        runs = recs[2]["d"]["_version_runs"]
+        runs[1::2] = [2**31 - 1 if v >= 0 else v for v in runs[1::2]]
 
     return [
         (set_item("response_mask", 7), "closed segment 0: response_mask holds values other than 0 and 1"),
         (set_item("response_ids", 99_999), "closed segment 0: token ids outside the tokenizer's vocabulary"),
         (set_item("response_logprobs", float("nan")), "closed segment 0: logprobs that are not finite"),
         (
-            lambda d: traj(d).__setitem__("reward_score", float("nan")),
+            lambda r: r[2]["d"].__setitem__("reward_score", float("nan")),
             "field 'reward_score': nan is not a finite",
         ),
         (newer_version, "weight version 2147483647 on a token of mask 1"),
         (
-            lambda d: d["groups"][0].__setitem__("version_max", 2**31 - 1),
+            lambda r: r[1]["held"].__setitem__("version_max", 2**31 - 1),
             "are not a span up to the run's weight",
         ),
-        (lambda d: d["groups"].append(d["groups"][0]), "a second group of that uid"),
+        (lambda r: r.extend(r[1:3]), "again after it finished (a row twice)"),
     ]
 
 
 @pytest.mark.slow
 def test_a_forged_continuous_mode_snapshot_with_a_finished_group_is_refused(tmp_path):
     """issue 50: through the API, a forged snapshot whose groups had finished (closed segments and all) gave its
-    rows back `done` with invalid masks, ids, logprobs and a NaN reward. Its groups are checked as the journal's."""
+    rows back `done` with invalid masks, ids, logprobs and a NaN reward. A snapshot is a journal, checked as one."""
     from fsm import RolloutEngine
-    from fsm.run import snapshot as snap
-    from fsm.run.snapshot import SnapshotError
+    from fsm.run.codec import SnapshotError
+    from fsm.run.journal import records
     from specs.calculator import make_prompts
     from tests.conftest import ASSETS
 
@@ -367,14 +366,13 @@ def test_a_forged_continuous_mode_snapshot_with_a_finished_group_is_refused(tmp_
             assert time.monotonic() < deadline, engine.stream_stats
             time.sleep(0.2)
         engine.snapshot(path)
-        real = json.loads(path.read_text())
-        assert [g["status"] for g in real["groups"]] == ["ready", "ready"]
-        assert all(t["closed"] for g in real["groups"] for t in g["trajectories"])
+        real = records(path).records
+        assert [r["t"] for r in real] == ["run", "group", "traj", "group", "traj"]
+        assert all(r.get("done") and r["d"]["closed"] for r in real if r["t"] == "traj")
         for forge, words in _snapshot_forges():
-            data = json.loads(json.dumps(real))
-            forge(data)
-            body = {k: v for k, v in data.items() if k != "checksum"}
-            path.write_text(json.dumps({**body, "checksum": snap._digest(body)}))  # it is unkeyed
+            recs = json.loads(json.dumps(real))
+            forge(recs)
+            _written(tmp_path, recs, path.name)
             with pytest.raises(SnapshotError) as refused:
                 engine.restore(path)
             line = str(refused.value)

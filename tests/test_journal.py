@@ -19,10 +19,10 @@ import pytest
 from backends.scripted import ScriptedBackend
 from fsm import RolloutEngine
 from fsm.cli.commands import main
+from fsm.run.codec import encode_trajectory
 from fsm.run.journal import FORMAT, JOURNAL, JournalError, Scan, frame, rebuild, records
 from fsm.run.recorder import Recorder, Writer
 from fsm.run.resume import identity, load
-from fsm.run.snapshot import encode_trajectory
 from tests.conftest import ASSETS, REPO, model_turn, scripted, tool_turn, user_row
 from tests.test_cli import _ThreadServer, assert_consistent, one_line_error, run_argv
 

@@ -15,10 +15,10 @@ from typing import Any
 from backends.scripted import ScriptedBackend
 from fsm import RolloutEngine
 from fsm.api import load_agent
+from fsm.run.codec import decode_trajectory, encode_trajectory
 from fsm.run.journal import JOURNAL
 from fsm.run.recorder import Recorder, Writer
 from fsm.run.resume import identity, load
-from fsm.run.snapshot import decode_trajectory, encode_trajectory
 from specs.calculator import make_prompts
 from tests.conftest import ASSETS, REPO
 from tests.test_tree_journal import _echo

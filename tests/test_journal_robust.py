@@ -442,13 +442,13 @@ def test_a_record_past_the_bound_is_never_written_and_the_journal_stays_readable
     tmp_path, monkeypatch, capsys
 ):
     """The writer keeps the reader's bound: a record it could not read back fails the journal in one line."""
-    import fsm.run.journal as journal
+    import fsm.run.codec as codec
     import fsm.run.recorder as recorder
 
-    monkeypatch.setattr(journal, "MAX_RECORD", 4096)
+    monkeypatch.setattr(codec, "MAX_RECORD", 4096)
     monkeypatch.setattr(recorder, "MAX_RECORD", 4096)
     writer = recorder.Writer(tmp_path / JOURNAL, "off")
-    writer.append({"t": "run", "format": journal.FORMAT})
+    writer.append({"t": "run", "format": codec.FORMAT})
     writer.append({"t": "step", "s": "x", "v": {"extra": {"text": "y" * 8192}}})
     writer.append({"t": "end", "status": "completed"})  # nothing more after a failure
     writer.close()

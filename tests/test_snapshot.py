@@ -1,4 +1,5 @@
-"""Snapshots (fsm/run/snapshot.py): a trajectory round-trips through JSON slot for slot; a snapshot restores only
+"""Snapshots (a journal compacted, fsm/run/stream.py; its codec fsm/run/codec.py): a trajectory round-trips through
+JSON slot for slot; a snapshot restores only
 into the spec it was taken with; a continuous-mode snapshot taken at any point and restored in a new process
 gives the greedy result of an uninterrupted run; and `agentfsm run`, interrupted by a real SIGINT while rows
 are in flight, resumes with `--resume DIR` to the uninterrupted run's batch, token for token."""
@@ -25,8 +26,8 @@ from hypothesis import strategies as st
 from backends.base import BaseBackend, GenerateRequest, GenerateResult
 from backends.scripted import echo_backend
 from fsm import RolloutEngine
+from fsm.run.codec import SnapshotError, decode_trajectory, encode_trajectory
 from fsm.run.journal import JOURNAL, rebuild, records
-from fsm.run.snapshot import SnapshotError, decode_trajectory, encode_trajectory
 from specs.calculator import make_prompts
 from tests.conftest import ASSETS, assert_same_batch_files
 
@@ -322,15 +323,12 @@ def test_a_server_that_cannot_pause_has_its_turns_aborted_for_the_snapshot(tok, 
         )
         assert time.monotonic() - t0 < 15  # before the fix: a TimeoutError after the 20 s
     assert info["running_groups"] == 2
-    data = json.loads((tmp_path / "s.json").read_text())
-    partial = [t["partial_turn"] for g in data["groups"] for t in g["trajectories"]]
-    assert all(p and p["__tuple__"][0] == [11, 12, 13] for p in partial), (
-        partial
-    )  # the partial output is kept
+    partial = [t.partial_turn for t in rebuild(records(tmp_path / "s.json")).trajs.values()]
+    assert len(partial) == 2 and all(p and p[0] == [11, 12, 13] for p in partial), partial  # kept
 
 
 def test_a_snapshot_that_out_refuses_goes_to_the_fallback_and_leaves_no_temporary(tok, tmp_path, monkeypatch):
-    from fsm.run import snapshot as snap
+    from fsm.run import journal
 
     refused = tmp_path / "full"
     refused.mkdir()
@@ -341,7 +339,7 @@ def test_a_snapshot_that_out_refuses_goes_to_the_fallback_and_leaves_no_temporar
             raise OSError(28, "No space left on device")
         return real_replace(src, dst, *a, **k)
 
-    monkeypatch.setattr(snap.os, "replace", full_disk)
+    monkeypatch.setattr(journal.os, "replace", full_disk)
     with RolloutEngine("calculator", tok, backend=echo_backend(latency_s=0.2)) as engine:
         engine.submit(make_prompts(2), n=1)
         kept = tmp_path / "kept"
@@ -352,6 +350,18 @@ def test_a_snapshot_that_out_refuses_goes_to_the_fallback_and_leaves_no_temporar
     with RolloutEngine("calculator", tok, backend=echo_backend()) as engine:
         engine.restore(kept / "snapshot.json")
         assert len(engine._run_sync(engine.atake_groups(2, timeout=60))) == 2
+
+
+def test_a_json_snapshot_of_an_older_agentfsm_is_refused_in_one_line(tok, tmp_path):
+    """Snapshots were JSON files before they were journals: refused in one line saying what to do."""
+    old = tmp_path / "s.json"
+    old.write_text(json.dumps({"format": 2, "groups": [], "checksum": "0" * 64}))
+    with RolloutEngine("calculator", tok, backend=echo_backend()) as engine:
+        with pytest.raises(SnapshotError) as refused:
+            engine.restore(old)
+    line = str(refused.value)
+    assert line.startswith(f"{old}: a JSON snapshot of an agentfsm before") and "take it again" in line, line
+    assert "\n" not in line
 
 
 def test_restore_refuses_another_tokenizer(tok, tmp_path):
@@ -368,18 +378,17 @@ def test_restore_refuses_another_tokenizer(tok, tmp_path):
 
 
 def test_a_planted_link_in_place_of_the_temporary_is_replaced_not_followed(tmp_path):
-    from fsm.run import snapshot as snap
+    from fsm.run.journal import write
 
     victim = tmp_path / "victim.txt"
     victim.write_text("precious")
     out = tmp_path / "out"
     out.mkdir()
     (out / ".snapshot.json.writing").symlink_to(victim)
-    snap.write(out / "snapshot.json", {"format": snap.FORMAT, "groups": []})
+    write(out / "snapshot.json", [{"t": "run", "format": 1}])
     assert victim.read_text() == "precious"
     assert (
-        not (out / "snapshot.json").is_symlink()
-        and json.loads((out / "snapshot.json").read_text())["groups"] == []
+        not (out / "snapshot.json").is_symlink() and records(out / "snapshot.json").records[0]["t"] == "run"
     )
     assert not (out / ".snapshot.json.writing").exists()
 

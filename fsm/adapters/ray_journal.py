@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fsm.run import snapshot as snap
+from fsm.run.codec import JournalError, decode_trajectory, encode_sampling
 from fsm.run.context import Sampling
-from fsm.run.journal import JournalError, records
+from fsm.run.journal import records
 from fsm.run.recorder import Recorder, Writer
 from fsm.run.resume import load
 from fsm.run.trajectory import Trajectory
@@ -95,9 +95,9 @@ def open_chunk(
             agents = Agents()
             for g in loaded.data["groups"]:
                 for td in g["trajectories"]:
-                    t = snap.decode_trajectory(td)
+                    t = decode_trajectory(td)
                     if "nodes" in td:  # a tree: its nodes as journaled (fsm/run/treejournal.py)
-                        nodes = [(snap.decode_trajectory(nd), nd["n"], nd["done"]) for nd in td["nodes"]]
+                        nodes = [(decode_trajectory(nd), nd["n"], nd["done"]) for nd in td["nodes"]]
                         restore_tree(t, td["n"], nodes, runner.agent, agents.child, bool(td["done"]))
                     found[t.index] = (t, bool(td["done"]))
             rows = {t.index: (t.uid, t.sample) for t in fresh}
@@ -127,7 +127,7 @@ def open_chunk(
             counts["resumed"] += 1
     recorder = Recorder(Writer(path, sync))
     recorder.header({**identity(), "rows_expected": len(trajs), "chunk": f"{key}-{gid}", "attempt": attempt})
-    sampled = snap.encode_sampling(sampling)
+    sampled = encode_sampling(sampling)
     for i in range(0, len(trajs), n):
         recorder.group(firsts[i].uid, sampled, firsts[i : i + n])
         for t, first in zip(trajs[i : i + n], firsts[i : i + n]):

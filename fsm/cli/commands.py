@@ -326,7 +326,7 @@ def cmd_run(args: argparse.Namespace, rollout: Callable[..., Any] | None = None)
 
     from fsm.cli.ray_run import refuse_resume
     from fsm.output.rundir import RunDirError, locked
-    from fsm.run import snapshot as snap
+    from fsm.run import codec as snap
     from fsm.run.journal import JOURNAL
     from fsm.run.provenance import ResumeRefused
     from fsm.run.resume import load, refuse_unbegun

@@ -25,7 +25,7 @@ def _load(out: Path, spec: str | None, tokenizer: str | None) -> tuple[Rebuilt, 
     from fsm.api import load_tokenizer
     from fsm.run.compile import compile_spec
     from fsm.run.runtime import agent_codec
-    from fsm.run.snapshot import other_tokenizer
+    from fsm.run.codec import other_tokenizer
 
     try:
         read = Scan(out / JOURNAL)  # streamed, each record bounded (fsm/run/journal.py)

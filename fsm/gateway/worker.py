@@ -24,7 +24,7 @@ from typing import Any
 from fsm.gateway.server import Gateway, GatewayLimits
 from fsm.gateway.workers import HEARTBEAT_S, REGISTER_TIMEOUT_S, RESULT, WorkerError
 from fsm.output.keep import Rollout
-from fsm.run.snapshot import encode_sampling, encode_trajectory
+from fsm.run.codec import encode_sampling, encode_trajectory
 
 
 def worker_config(args: argparse.Namespace) -> dict[str, Any]:

@@ -47,7 +47,7 @@ from fsm.run.compile import CompiledAgent, compile_spec
 from fsm.run.context import Sampling
 from fsm.run.runtime import agent_codec
 from fsm.run.signals import SIGNALS, say_now
-from fsm.run.snapshot import decode_sampling, decode_trajectory
+from fsm.run.codec import decode_sampling, decode_trajectory
 from fsm.run.trajectory import Trajectory
 
 CONFIG, RESULT = "config.json", "result.json"  # in OUT/workers/wK: what the parent gave, what it rolled out

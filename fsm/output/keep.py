@@ -50,7 +50,7 @@ from fsm.run.provenance import changes, judge, made_by
 from fsm.run.recorder import Recorder, Writer
 from fsm.run.resume import Loaded, identity, load, refuse_unbegun, served_by, weights_change, with_codec
 from fsm.run.signals import Interrupts, say_now, warn
-from fsm.run.snapshot import SnapshotError, encode_sampling
+from fsm.run.codec import SnapshotError, encode_sampling
 from fsm.run.tracer import Tracer
 from fsm.run.trajectory import Trajectory
 from fsm.run.tree import nodes_of

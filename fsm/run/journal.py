@@ -12,162 +12,30 @@ measured cheaper (docs/benchmarks.md). The writes reach the OS at the end of the
 
 from __future__ import annotations
 
-import errno
-import json
+import contextlib
 import os
-import stat
-import zlib
-from array import array
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fsm.run.segments import TokenRuns
-from fsm.run.snapshot import SnapshotError, _decode, decode_trajectory
-from fsm.run.trajectory import TRANSIENT, Failure, Metrics, Trajectory
+from fsm.run.codec import (
+    FORMAT,
+    JournalError,
+    Read,
+    Scan,
+    SnapshotError,
+    apply_changes,
+    frame,
+    from_whole,
+    open_regular,
+    unframe,
+)
+from fsm.run.trajectory import Trajectory
 
 JOURNAL = "journal.log"  # in the run directory
-FORMAT = 1
 SYNCS = ("1s", "always", "off")  # durability: fsync at most a second later, after every batch, never
 SYNC_EVERY_S = 1.0
-MAX_RECORD = 256 * 1024 * 1024  # a bound for one line read back
-
-# slots written as deltas: token arrays (the appended part), append-only lists (the appended items)
-_ARRAYS = ("prompt_ids", "response_ids", "response_mask", "response_logprobs", "_version_runs", "path_times")
-_LISTS = (
-    "messages",
-    "path",
-    "transitions_fired",
-    "tool_rewards",
-    "tool_scores",
-    "turn_scores",
-    "turn_rewards",
-    "failures",
-)
-# slots set once (or replaced whole, a new object): compared by identity, written when replaced
-_FIXED = ("index", "sample", "session_id", "uid", "row", "tool_schemas", "tools_kwargs", "interaction_kwargs")
-# the rest, each compared as cheaply as its kind allows: scalars by value, tuples and lists that are only ever
-# replaced (never changed in place) by identity, dicts changed in place by a shallow copy, metrics by its values
-_SCALARS = (
-    "interaction_started",
-    "needs_tail",
-    "logprobs_missing",
-    "state",
-    "assistant_turns",
-    "user_turns",
-    "last_finish_reason",
-    "should_terminate",
-    "observation_overflow",
-    "termination_reason",
-    "reward_score",
-    "interaction_score",
-    "token_check",
-)
-_REPLACED = ("segment_start", "partial_turn", "pending_calls", "failure")
-_DICTS = ("extra", "extra_fields")
-_REST = (*_SCALARS, *_REPLACED, *_DICTS, "metrics")
-_PLAIN_LISTS = ("path", "transitions_fired", "tool_rewards", "tool_scores", "turn_scores", "turn_rewards")
-assert set(_REST) | set(_ARRAYS) | set(_LISTS) | set(_FIXED) | {"runs", "closed", *TRANSIENT} == set(
-    Trajectory.__slots__
-)
-
-
-class JournalError(SnapshotError):
-    """A journal that cannot be read or resumed here; one line naming the file and the record."""
-
-
-def frame(record: Mapping[str, Any]) -> bytes:
-    """One record as its line: the CRC-32 of the JSON, then the JSON (strict: no NaN)."""
-    body = json.dumps(record, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
-    return b"%08x %s\n" % (zlib.crc32(body), body)
-
-
-# --- reading -------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Read:
-    """A journal as read back: its records, the bytes they fill, and what a torn last record lost."""
-
-    path: Path
-    records: list[dict[str, Any]]
-    good_bytes: int
-    torn: str | None = None  # one line: what was dropped
-
-
-def open_regular(path: str | Path, flags: int = os.O_RDONLY, mode: int = 0o644) -> int:
-    """A descriptor of the journal file at `path`, never blocking and never following a link: a FIFO, a device or a
-    directory planted in its place is refused (JournalError) before a byte is read or written (opening a FIFO
-    blocks until someone opens its other end; reading one, until someone writes)."""
-    path = Path(path)
-    try:
-        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
-    except FileNotFoundError:
-        raise JournalError(f"{path}: no journal there") from None
-    except OSError as exc:
-        if exc.errno in (errno.ENXIO, errno.EISDIR):  # a FIFO with no reader, a directory
-            raise JournalError(f"{path}: not a regular file; remove it") from None
-        why = "it is a symbolic link" if exc.errno == errno.ELOOP else exc.strerror or str(exc)
-        raise JournalError(f"{path}: cannot open it ({why})") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise JournalError(f"{path}: not a regular file; remove it")
-    os.set_blocking(fd, True)
-    return fd
-
-
-class Scan:
-    """The records of the journal at `path`, read one line at a time (a journal is never in memory whole: a resume
-    holds the trajectories it rebuilds, not the records that built them), each line checked (CRC-32 and JSON)
-    and bounded by MAX_RECORD. A last line cut mid-way (no newline, or its checksum does not match) is a write a
-    kill interrupted: dropped, and said in `torn`. Anything else that does not check is a JournalError naming
-    the file and the record's number. `good_bytes`: where the records read so far end."""
-
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
-        self.good_bytes = 0
-        self.torn: str | None = None
-
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        path, n = self.path, 0
-        with os.fdopen(open_regular(path), "rb") as f:
-            while line := f.readline(MAX_RECORD + 1):
-                n += 1
-                end = line.endswith(b"\n")
-                if len(line) > MAX_RECORD:
-                    raise JournalError(
-                        f"{path}: record {n} is longer than {MAX_RECORD >> 20} MiB, the bound of one record "
-                        "(damaged or forged); the run cannot be resumed from it"
-                    )
-                body = line[9:-1] if end else b""
-                ok = end and len(line) > 10 and line[8:9] == b" "
-                if ok:
-                    try:
-                        ok = int(line[:8], 16) == zlib.crc32(body)
-                    except ValueError:
-                        ok = False
-                if not ok:
-                    if not end or not f.peek(1):  # the last line
-                        self.torn = (
-                            f"{path}: record {n}, the last, was cut mid-way ({len(line)} bytes, a write a kill "
-                            "interrupted); dropped"
-                        )
-                        return
-                    raise JournalError(
-                        f"{path}: record {n}: its checksum does not match (damaged or edited); the run cannot be "
-                        "resumed from it"
-                    )
-                try:
-                    rec = json.loads(body)
-                except (ValueError, RecursionError):
-                    raise JournalError(
-                        f"{path}: record {n}: not JSON (forged: its checksum matches)"
-                    ) from None
-                if not isinstance(rec, dict) or not isinstance(rec.get("t"), str):
-                    raise JournalError(f"{path}: record {n}: not a journal record (no kind 't')")
-                self.good_bytes += len(line)
-                yield rec
 
 
 def records(path: str | Path) -> Read:
@@ -175,6 +43,25 @@ def records(path: str | Path) -> Read:
     scan = Scan(path)
     out = list(scan)
     return Read(scan.path, out, scan.good_bytes, scan.torn)
+
+
+def write(path: str | Path, recs: Iterable[Mapping[str, Any]]) -> None:
+    """A journal written whole at once (a snapshot: fsm/run/stream.py `Stream.snapshot`), atomically: the file is
+    always whole. Its temporary is made afresh (O_EXCL, never through a link planted in its place; a leftover one
+    is removed first) and removed again when writing fails (a full disk): OSError passes through."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.writing")
+    with contextlib.suppress(FileNotFoundError):  # a leftover of a killed writer, or a planted link: it goes
+        os.unlink(tmp)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(b"".join(frame(r) for r in recs))
+        os.replace(tmp, path)  # replaces a link at `path` itself, never its target
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def begun(path: str | Path) -> bool:
@@ -214,13 +101,6 @@ class Rebuilt:
     shared: dict[tuple[str, Any], Any] = field(default_factory=dict)  # see `_share`
 
 
-def _whole(d: dict[str, Any]) -> Trajectory:
-    traj = decode_trajectory(d)
-    traj._version_runs = array("i", d["_version_runs"])
-    traj.path_times = array("d", d["path_times"])
-    return traj
-
-
 def _share(out: Rebuilt, traj: Trajectory) -> None:
     """A row is one object in a run, shared by its samples and tree nodes, and so are a spec's tool schemas; read
     back, each record holds its own copy (2 KB each for the calculator's, half of what a trajectory held): an
@@ -235,40 +115,11 @@ def _share(out: Rebuilt, traj: Trajectory) -> None:
             out.shared[key] = value
 
 
-def _extend(traj: Trajectory, n: str, at: int, items: list[Any], where: str) -> None:
-    target = traj.runs._flat if n == "runs" else getattr(traj, n)
-    if not isinstance(at, int) or at != len(target) or not isinstance(items, list):
-        raise JournalError(f"{where}: {n} continues at {at!r}, but it holds {len(target)}")
-    if n in _LISTS:
-        target.extend(_decode(items))
-    else:
-        target.extend(items)
-
-
-def _replace(traj: Trajectory, n: str, v: Any, where: str) -> None:
-    if n in _ARRAYS or n == "runs":
-        code, items = v
-        if code not in ("i", "l", "q", "b", "B", "f", "d") or not isinstance(items, list):
-            raise JournalError(f"{where}: {n} is not an array record")
-        a = array(code, items)
-        if n == "runs":
-            traj.runs = TokenRuns()
-            traj.runs._flat = a
-        else:
-            setattr(traj, n, a)
-    elif n in _LISTS or n in _FIXED:
-        if n in ("session_id", "index", "sample"):
-            raise JournalError(f"{where}: a step may not change a trajectory's {n}")
-        setattr(traj, n, _decode(v))
-    else:
-        raise JournalError(f"{where}: {n!r} is not a slot a step replaces")
-
-
 def rebuild(read: Read | Scan) -> Rebuilt:
     """Replay the records: each trajectory as its last record left it. JournalError (naming the record) for
     one that does not fit: no `run` record first, a step of an unknown trajectory, a delta that does not
     continue where the last left off, a slot that is not the trajectory's. The content is then checked as a
-    snapshot's is (fsm/run/snapshot.py `_check`, by the caller)."""
+    snapshot's is (fsm/run/snapcheck.py `_check`, by the caller)."""
     recs = iter(read.records if isinstance(read, Read) else read)
     first = next(recs, None)
     if first is None or first.get("t") != "run" or first.get("format") != FORMAT:
@@ -298,6 +149,8 @@ def _apply(out: Rebuilt, rec: dict[str, Any], where: str) -> None:
         if not isinstance(rec["uid"], str) or not isinstance(rec["members"], list):
             raise JournalError(f"{where}: a group without uid or members")
         group = {"uid": rec["uid"], "sampling": rec["sampling"], "members": list(rec["members"])}
+        if "held" in rec:  # a snapshot's: what its stream knew of the group (reruns, weight versions)
+            group["held"] = rec["held"]
         reruns = rec.get("reruns", 0)
         if not reruns:
             out.groups.append(group)
@@ -318,7 +171,7 @@ def _apply(out: Rebuilt, rec: dict[str, Any], where: str) -> None:
         sid = rec["s"]
         if sid in out.done:
             raise JournalError(f"{where}: trajectory {sid!r} again after it finished (a row twice)")
-        traj = _whole(rec["d"])
+        traj = from_whole(rec["d"])
         if traj.session_id != sid:
             raise JournalError(f"{where}: a trajectory record of {sid!r} holds {traj.session_id!r}")
         _share(out, traj)
@@ -336,22 +189,7 @@ def _apply(out: Rebuilt, rec: dict[str, Any], where: str) -> None:
         traj = found
         if sid in out.done:
             raise JournalError(f"{where}: a step of trajectory {sid!r} after it finished")
-        for n, v in rec.get("r", {}).items():
-            _replace(traj, n, v, where)
-        for n, (at, items) in rec.get("a", {}).items():
-            if n not in (*_ARRAYS, "runs", *_LISTS):
-                raise JournalError(f"{where}: {n!r} is not an array or list of a trajectory")
-            _extend(traj, n, at, items, where)
-        for n, v in rec.get("v", {}).items():
-            if n == "error":  # written before `Failure`
-                n, v = "failure", Failure.legacy(v, traj.state, traj.extra)
-            elif n not in _REST:
-                raise JournalError(f"{where}: {n!r} is not a slot a step changes")
-            if n == "metrics":
-                if not isinstance(v, dict) or not set(v) <= set(Metrics.__slots__):
-                    raise JournalError(f"{where}: metrics is not a trajectory's metrics")
-                v = Metrics(**v)
-            setattr(traj, n, _decode(v))
+        apply_changes(traj, rec, where)
         _node(out, rec, sid, where)
         out.steps += 1
         if rec.get("done"):
@@ -418,13 +256,5 @@ def ended(path: str | Path) -> str | None:
         f.seek(max(size - 4096, 0))
         tail = f.read()
     lines = tail.split(b"\n")
-    last = lines[-2] if len(lines) >= 2 and lines[-1] == b"" else b""
-    if len(last) < 10 or last[8:9] != b" ":
-        return None
-    try:
-        if int(last[:8], 16) != zlib.crc32(last[9:]):
-            return None
-        rec = json.loads(last[9:])
-    except ValueError:
-        return None
-    return str(rec.get("status")) if isinstance(rec, dict) and rec.get("t") == "end" else None
+    rec = unframe(lines[-2]) if len(lines) >= 2 and lines[-1] == b"" else None
+    return str(rec.get("status")) if rec is not None and rec.get("t") == "end" else None

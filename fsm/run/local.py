@@ -17,10 +17,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from backends.base import Abortable, Backend, Lifecycle, Pausable
-from fsm.run import heap, signals, snapcheck
-from fsm.run import snapshot as snap
+from fsm.run import heap, resume, signals
+from fsm.run.codec import SnapshotError
 from fsm.run.context import Policy, Sampling
 from fsm.run.engine import Command, Controls, Owned, SnapshotAsk, Take, under
+from fsm.run.journal import write as write_journal
 from fsm.run.runtime import Runner
 from fsm.run.stream import Group, Stream
 from fsm.run.trajectory import Trajectory
@@ -214,7 +215,7 @@ class Local:
             if thread is not None and self._stream is not None:
                 try:
                     return await asyncio.to_thread(self._snapshot_blocked, thread, ask)
-                except snap.SnapshotError:  # it turned meanwhile: the loop takes the snapshot after all
+                except SnapshotError:  # it turned meanwhile: the loop takes the snapshot after all
                     continue
 
     async def _snapshot_here(self, ask: SnapshotAsk) -> dict[str, Any]:
@@ -235,9 +236,8 @@ class Local:
                     await self._after_snapshot(stream, stop)
                 return _counts(ready, running, 0, None)
             data = await stream.snapshot(self._header(ask), timeout)
-            restarted = data.pop("restarted")
             try:
-                written = await asyncio.to_thread(_write, Path(path), data, ask.fallback)
+                written = await asyncio.to_thread(_write, Path(path), data["records"], ask.fallback)
             finally:
                 await self._after_snapshot(stream, stop)
         finally:  # stopped or going on: the servers serve again (a stop has cancelled our turns by now)
@@ -246,11 +246,10 @@ class Local:
                     async with asyncio.timeout(PAUSE_TIMEOUT_S):
                         await self.controls.call("continue_generation", (), {}, False)
                 gate.open()
-        running = sum(g["status"] == "running" for g in data["groups"])
-        return _counts(len(data["groups"]) - running, running, restarted, written)
+        return _counts(data["ready"], data["running"], data["restarted"], written)
 
     def _header(self, ask: SnapshotAsk) -> dict[str, Any]:
-        return {**snap.header(self.agent, self.codec), "meta": dict(ask.meta or {})}
+        return {**resume.identity(self.agent, self.codec), "meta": dict(ask.meta or {})}
 
     async def _after_snapshot(self, stream: Stream, stop: bool) -> None:
         """The stream stops (`stop`: its running trajectories are cancelled) or goes on past its boundary."""
@@ -278,11 +277,9 @@ class Local:
             ready = list(self._stream.groups.ready)
             return _counts(len(ready), len(self._stream._running), 0, None, blocked=True, finished=ready)
         data, ready = self._stream.snapshot_blocked(self._header(ask), thread)
-        restarted = data.pop("restarted")
         self._wedge()
-        written = _write(Path(ask.path), data, ask.fallback)
-        running = sum(g["status"] == "running" for g in data["groups"])
-        return _counts(len(ready), running, restarted, written, blocked=True, finished=ready)
+        written = _write(Path(ask.path), data["records"], ask.fallback)
+        return _counts(len(ready), data["running"], data["restarted"], written, blocked=True, finished=ready)
 
     async def _pause_or_abort(self) -> None:
         """Every model turn in flight ends with its partial output: the servers pause in abort mode, or, where
@@ -316,9 +313,7 @@ class Local:
         if isinstance(path, Mapping):  # read and checked already (a journal's, fsm/run/resume.py)
             data = path
         else:
-            data = await asyncio.to_thread(
-                snapcheck.read, path, self.agent, self.codec.vocab_size, self.codec
-            )
+            data = (await asyncio.to_thread(resume.load, path, self.agent, self.codec)).data
         await (await self.stream_here()).restore(data)
         return dict(data.get("meta") or {})
 
@@ -389,11 +384,11 @@ def _counts(ready: int, running: int, restarted: int, path: Path | None, **block
     }
 
 
-def _write(path: Path, data: dict[str, Any], fallback: Callable[[], Path] | None) -> Path:
+def _write(path: Path, data: list[dict[str, Any]], fallback: Callable[[], Path] | None) -> Path:
     """Write a snapshot to `path`, or where it cannot be written (a full disk), into the directory `fallback()`
     makes; the path written."""
     try:
-        snap.write(path, data)
+        write_journal(path, data)
         return path
     except OSError as exc:
         if fallback is None:
@@ -402,5 +397,5 @@ def _write(path: Path, data: dict[str, Any], fallback: Callable[[], Path] | None
             "snapshot: cannot write %s (%s); writing it to a fallback directory", path, exc.strerror or exc
         )
         kept = fallback() / path.name
-        snap.write(kept, data)
+        write_journal(kept, data)
         return kept

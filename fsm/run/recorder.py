@@ -12,28 +12,12 @@ import stat
 import tempfile
 import threading
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fsm.run.journal import (
-    _ARRAYS,
-    _DICTS,
-    _FIXED,
-    _LISTS,
-    _PLAIN_LISTS,
-    _REPLACED,
-    _SCALARS,
-    FORMAT,
-    MAX_RECORD,
-    SYNC_EVERY_S,
-    SYNCS,
-    JournalError,
-    frame,
-    open_regular,
-)
+from fsm.run.codec import FORMAT, MAX_RECORD, JournalError, Mark, changes, frame, mark, open_regular, whole
+from fsm.run.journal import SYNC_EVERY_S, SYNCS
 from fsm.run.signals import warn
-from fsm.run.snapshot import _encode, encode_trajectory
 from fsm.run.trajectory import Trajectory
 from fsm.run.treejournal import node_mark, node_meta
 
@@ -208,37 +192,6 @@ class Writer:
                 self._fd = -1
 
 
-@dataclass
-class _Mark:
-    """What the journal holds of one trajectory: the objects and lengths its next step continues from."""
-
-    objs: dict[str, Any]
-    lens: dict[str, int]
-    rest: dict[str, Any]
-    closed: int
-    node: Any = None  # fsm/run/treejournal.py node_mark: what of its tree node the journal holds
-
-
-def _values(traj: Trajectory) -> dict[str, Any]:
-    """What a step compares the rest against (see _REST)."""
-    rest: dict[str, Any] = {n: getattr(traj, n) for n in _SCALARS}
-    for n in _REPLACED:
-        rest[n] = getattr(traj, n)
-    for n in _DICTS:
-        rest[n] = dict(getattr(traj, n))
-    m = traj.metrics
-    rest["metrics"] = tuple(getattr(m, f) for f in m.__slots__)
-    return rest
-
-
-def _mark(traj: Trajectory) -> _Mark:
-    objs = {n: getattr(traj, n) for n in _ARRAYS + _LISTS + _FIXED}
-    objs["runs"] = traj.runs
-    lens = {n: len(objs[n]) for n in _ARRAYS + _LISTS}
-    lens["runs"] = len(traj.runs._flat)  # TokenRuns: compared as its flat array
-    return _Mark(objs, lens, _values(traj), len(traj.closed), node_mark(traj.node))
-
-
 class Recorder:
     """Turns trajectories into journal records: whole once, then the deltas of each state boundary."""
 
@@ -251,7 +204,7 @@ class Recorder:
         """`takes`: record the groups a consumer takes (`taken`); False for a kept run, which takes its own."""
         self.writer = writer
         self.takes = takes
-        self._marks: dict[str, _Mark] = {}
+        self._marks: dict[str, Mark] = {}
         # side-effecting tools' results already journaled (a resumed run's): key -> CallOutcome fields
         self.tool_results: dict[str, dict[str, Any]] = dict(tool_results or {})
 
@@ -277,17 +230,14 @@ class Recorder:
             self.whole(t)
 
     def whole(self, traj: Trajectory, done: bool = False) -> None:
-        data = encode_trajectory(traj)
-        data["_version_runs"] = traj._version_runs.tolist()
-        data["path_times"] = traj.path_times.tolist()
-        record: dict[str, Any] = {"t": "traj", "s": traj.session_id, "d": data}
+        record: dict[str, Any] = {"t": "traj", "s": traj.session_id, "d": whole(traj)}
         if not traj.node.alone:
             record["n"] = node_meta(traj.node)
         if done:
             record["done"] = True
             self._marks.pop(traj.session_id, None)
         else:
-            self._marks[traj.session_id] = _mark(traj)
+            self._marks[traj.session_id] = mark(traj, node_mark(traj.node))
         self.writer.append(record)
 
     def step(self, traj: Trajectory, done: bool = False) -> None:
@@ -298,50 +248,10 @@ class Recorder:
         if m is None or len(traj.closed) != m.closed:
             self.whole(traj, done)
             return
-        record: dict[str, Any] = {"t": "step", "s": traj.session_id}
-        grown: dict[str, list[Any]] = {}
-        replaced: dict[str, Any] = {}
-        for n in _FIXED:
-            v = getattr(traj, n)
-            if v is not m.objs[n]:
-                replaced[n] = _encode(v, n)
-                m.objs[n] = v
-        for n in (*_ARRAYS, "runs", *_LISTS):
-            v = getattr(traj, n)
-            a = v._flat if n == "runs" else v
-            was = m.objs[n]
-            if v is not was or len(a) < m.lens[n]:
-                replaced[n] = [a.typecode, a.tolist()] if n in _ARRAYS or n == "runs" else _encode(a, n)
-            elif len(a) > m.lens[n]:
-                tail = a[m.lens[n] :]
-                if n in _PLAIN_LISTS:
-                    grown[n] = [m.lens[n], tail]
-                else:
-                    grown[n] = [m.lens[n], _encode(tail, n) if n in _LISTS else tail.tolist()]
-            m.objs[n], m.lens[n] = v, len(a)
-        rest, was = _values(traj), m.rest
-        changed: dict[str, Any] = {}
-        for n in _SCALARS:
-            if rest[n] != was[n] or type(rest[n]) is not type(was[n]):
-                changed[n] = rest[n]
-        for n in _REPLACED:
-            if rest[n] is not was[n]:
-                changed[n] = _encode(rest[n], n)
-        for n in _DICTS:  # whole at the end: a value changed deep inside is written then
-            if done or rest[n] != was[n]:
-                changed[n] = _encode(getattr(traj, n), n)
-        if done or rest["metrics"] != was["metrics"]:
-            changed["metrics"] = traj.metrics.as_dict()
-        m.rest = rest
-        if not traj.node.alone and (mark := node_mark(traj.node)) != m.node:
+        record: dict[str, Any] = {"t": "step", "s": traj.session_id, **changes(traj, m, done)}
+        if not traj.node.alone and (node := node_mark(traj.node)) != m.node:
             record["n"] = node_meta(traj.node)
-            m.node = mark
-        if grown:
-            record["a"] = grown
-        if replaced:
-            record["r"] = replaced
-        if changed:
-            record["v"] = changed
+            m.node = node
         if done:
             record["done"] = True
             self._marks.pop(traj.session_id, None)

@@ -28,11 +28,10 @@ from pathlib import Path
 from typing import Any
 
 from fsm.run.agent import CompiledAgent
-from fsm.run.journal import FORMAT, JournalError, Read, Rebuilt, Scan, _whole, rebuild
+from fsm.run.codec import FORMAT, decode_sampling, decode_trajectory, decoded, from_whole, tokenizer_id
+from fsm.run.journal import JournalError, Read, Rebuilt, Scan, rebuild
 from fsm.run.provenance import Change
 from fsm.run.snapcheck import _check, check_identity, check_version_runs
-from fsm.run.snapshot import FORMAT as SNAPSHOT_FORMAT
-from fsm.run.snapshot import decode_sampling, decode_trajectory, decoded, tokenizer_id
 from fsm.run.treejournal import tree_form
 
 
@@ -116,7 +115,7 @@ def load(path: str | Path, agent: CompiledAgent, codec: Any = None) -> Loaded:
     read = Scan(path)  # streamed: the records are applied as they are read, never held together
     rebuilt = rebuild(read)
     ident = rebuilt.identity
-    check_identity(path, ident, agent, codec, JournalError, "written")
+    check_identity(path, ident, agent, codec, JournalError, _made(ident))
     # the ids a model may sample: its embedding rows (576 for the tiny model, 151,936 for Qwen2.5), the bound its
     # answers were checked against when they entered (fsm/families/codec.py `vocabulary_size`), not len(tokenizer)
     vocab = getattr(codec, "vocab_size", None) if codec is not None else None
@@ -161,11 +160,16 @@ def with_codec(loaded: Loaded, path: str | Path, agent: CompiledAgent, codec: An
     """What `load` checks with a codec, for a journal loaded without one (`agentfsm run --resume` checks it before
     its servers start, and the run goes on with that copy rather than reading it again): the tokenizer it was
     written with, and its token ids in the model's vocabulary (a load with the codec names the first past it)."""
-    check_identity(path, loaded.ident, agent, codec, JournalError, "written")
+    check_identity(path, loaded.ident, agent, codec, JournalError, _made(loaded.ident))
     vocab = getattr(codec, "vocab_size", None)
     if vocab is not None and loaded.top_id >= vocab:
         load(path, agent, codec)
         raise JournalError(f"{path}: token ids outside the tokenizer's vocabulary ({vocab})")
+
+
+def _made(ident: dict[str, Any]) -> str:
+    """How the journal came to be, for a message: a snapshot is "taken", a run's journal "written"."""
+    return "taken" if ident.get("compacted") is True else "written"
 
 
 def _top_id(data: dict[str, Any]) -> int:
@@ -195,7 +199,9 @@ def _snapshot_form(
     ident = rebuilt.identity
     groups, finished, in_flight, restarted, nodes_done, nodes_going = [], 0, 0, 0, 0, 0
     known = rebuilt.versions  # every version the run served (journal.py `weights`); None: not recorded
-    newest = max(known) if known is not None else 0  # else the newest weight version of any token
+    # a snapshot's tokens are bounded by its run's weight version when it was taken
+    bound = ident.get("weight_version", 0) if ident.get("compacted") is True else None
+    newest = max(known) if known is not None else bound or 0  # else the newest weight version of any token
     last: dict[str, int] = {}
     for g in rebuilt.groups:
         if g["members"] and g["members"][0] in rebuilt.taken:  # a consumer has it: not handed out again
@@ -216,7 +222,7 @@ def _snapshot_form(
             meta, nodes = trees.get(sid, (None, []))
             inside = any(not e["done"] and decode_trajectory(e).interaction_started for e in nodes)
             if not done and (traj.interaction_started or inside):
-                traj = _whole(rebuilt.first[sid])  # a tree: from its root, all of it again
+                traj = from_whole(rebuilt.first[sid])  # a tree: from its root, all of it again
                 meta, nodes = None, []
                 restarted += 1
             elif not done and len(traj.path_times) > 0:
@@ -233,34 +239,35 @@ def _snapshot_form(
         spans = [rebuilt.trajs[s].weight_versions() for s in g["members"]]
         lows = [s[0] for s in spans if s is not None] or [0]
         highs = [s[1] for s in spans if s is not None] or [0]
-        newest = max(newest, *highs) if known is None else newest
+        newest = max(newest, *highs) if known is None and bound is None else newest
         decode_sampling(g["sampling"])  # checked again by _check
+        held = g.get("held") or {}  # a snapshot's: what its stream knew of the group (checked by _check)
         groups.append(
             {
                 "status": "ready" if all(m["done"] for m in members) else "running",
                 "uid": g["uid"],
-                "reruns": g.get("reruns", 0),
-                "version_min": min(lows),
-                "version_max": max(highs),
+                "reruns": held.get("reruns", g.get("reruns", 0)),
+                "version_min": held.get("version_min", min(lows)),
+                "version_max": held.get("version_max", max(highs)),
                 "sampling": g["sampling"],
                 "trajectories": members,
             }
         )
     indices = [t.index for t in rebuilt.trajs.values()]
+    meta = ident.get("meta")  # a snapshot's: the caller's (`engine.snapshot(path, meta=...)`)
+    if meta is not None and not isinstance(meta, dict):
+        raise JournalError(f"{read.path}: record 1: meta is not an object")
     data = {
-        "format": SNAPSHOT_FORMAT,
-        "agent": ident.get("agent"),
-        "spec_hash": ident.get("spec_hash"),
-        "spec": ident.get("spec"),
-        "tokenizer": ident.get("tokenizer"),
-        "meta": {
+        "meta": meta
+        if meta is not None
+        else {
             "groups": len(groups),
             "rows_expected": ident.get("rows_expected", 0),
             "run_id": ident.get("run_id"),
             "spec": ident.get("spec"),
         },
         "weight_version": max(int(ident.get("weight_version", 0) or 0), newest),
-        "next_index": max(indices) + 1 if indices else 0,
+        "next_index": max(max(indices) + 1 if indices else 0, ident.get("next_index", 0)),
         "groups": groups,
     }
     expected = ident.get("rows_expected", 0)

@@ -194,7 +194,7 @@ class Runner:
         """Run one trajectory to a final state. Never raises for the trajectory's own failures.
 
         `boundary`, when given, is awaited before each action: the trajectory is then between states, whole
-        (fsm/run/snapshot.py parks trajectories there to take a consistent snapshot)."""
+        (fsm/run/stream.py `Boundary` parks trajectories there to take a consistent snapshot)."""
         agent, tracer = ctx.agent, self.tracer  # a child machine's node runs its own agent
         timeout = agent.limits.action_timeout_s
         root = traced = None

@@ -1,13 +1,11 @@
-"""A snapshot read back (fsm/run/snapshot.py writes it) and checked before anything is restored, as strictly as a
-server's answer whatever its checksum says (it is unkeyed: anyone can forge one): the spec and tokenizer it was
-taken with, every field's type, states of this agent, token arrays of consistent sizes within the limits, ids in
-the vocabulary, finite logprobs <= 0. A journal's resume (fsm/run/resume.py) checks its snapshot form here too."""
+"""A journal read back (a run's or a snapshot's: fsm/run/resume.py `load` replays it) checked before anything is
+restored, as strictly as a server's answer whatever its checksums say (they are unkeyed: anyone can forge one):
+the spec and tokenizer it was written with, every field's type, states of this agent, token arrays of consistent
+sizes within the limits, ids in the vocabulary, finite logprobs <= 0."""
 
 from __future__ import annotations
 
 import dataclasses
-import errno
-import json
 import math
 from array import array
 from pathlib import Path
@@ -18,16 +16,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, InstanceOf, TypeAdap
 from fsm.data.rows import score_fault
 from fsm.families.parsers import ToolCall
 from fsm.run.agent import CompiledAgent
+from fsm.run.codec import SnapshotError, decode_sampling, decode_trajectory, other_tokenizer
 from fsm.run.segments import Segment, TokenRuns
-from fsm.run.snapshot import (
-    FORMAT,
-    SnapshotError,
-    _digest,
-    _read_text,
-    decode_sampling,
-    decode_trajectory,
-    other_tokenizer,
-)
 from fsm.run.trajectory import Failure, Metrics, Trajectory
 
 MAX_GROUPS = 10_000_000  # a bound for a count read from a snapshot
@@ -170,56 +160,8 @@ def check_identity(
         )
 
 
-def read(
-    path: str | Path, agent: CompiledAgent, vocab_size: int | None = None, codec: Any = None
-) -> dict[str, Any]:
-    """A snapshot file, checked against `agent` (same format, same spec hash), the tokenizer (`codec`'s, when
-    given: the one it was taken with), its checksum, and its content, as strictly as a server's answer,
-    whatever the checksum says (it is unkeyed: anyone can forge one): states of this agent, token arrays of
-    consistent sizes within the limits, token ids below `vocab_size`, masks of 0 and 1, finite logprobs <= 0,
-    counts within bounds. Every refusal is a SnapshotError of one line."""
-    try:
-        data = json.loads(_read_text(Path(path)))
-    except FileNotFoundError:
-        raise SnapshotError(f"{path}: no snapshot there") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        why = "it is a symbolic link" if getattr(exc, "errno", None) == errno.ELOOP else str(exc)
-        raise SnapshotError(f"{path}: cannot read it ({why})") from None
-    except json.JSONDecodeError as exc:
-        raise SnapshotError(f"{path}: not a snapshot (bad JSON: {exc.msg}, line {exc.lineno})") from None
-    except RecursionError:
-        raise SnapshotError(f"{path}: not a snapshot (nested too deeply)") from None
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise SnapshotError(f"{path}: not an agentfsm snapshot of format {FORMAT}")
-    try:
-        digest = _digest(data)
-    except (RecursionError, ValueError, TypeError):
-        raise SnapshotError(f"{path}: not a snapshot (nested too deeply)") from None
-    if data.get("checksum") != digest:
-        raise SnapshotError(
-            f"{path}: its checksum does not match its content (edited or damaged); it cannot be "
-            "resumed, start the run again"
-        )
-    check_identity(path, data, agent, codec, SnapshotError, "taken")
-    try:
-        _check(data, agent, vocab_size)
-    except SnapshotError as exc:
-        raise SnapshotError(f"{path}: {exc}") from None
-    except (
-        KeyError,
-        TypeError,
-        ValueError,
-        AttributeError,
-        IndexError,
-        OverflowError,
-        RecursionError,
-    ) as exc:
-        raise SnapshotError(f"{path}: malformed snapshot ({type(exc).__name__}: {exc})") from None
-    return data
-
-
 def _check(data: dict[str, Any], agent: CompiledAgent, vocab_size: int | None) -> None:
-    """What a restore relies on, checked before anything is restored (see `read`): every group once, every
+    """What a restore relies on, checked before anything is restored: every group once, every
     trajectory once and in one group, every row's place (index, sample) once, and every segment of every
     trajectory, the closed ones as the current one (`_check_segment`)."""
     groups = data["groups"]

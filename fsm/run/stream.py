@@ -9,13 +9,15 @@ At take time, groups staler than `max_staleness` are dropped or re-run (`stale="
 counted. A group is always whole; each leaves `ready` exactly once.
 
 A Stream lives on its engine's event loop and is owned by it: `serve()` is the one long task under which
-every trajectory task runs, and the engine cancels it on close. Snapshots (fsm/run/snapshot.py) park the
-trajectories at their next state boundary and write the groups, finished and not.
+every trajectory task runs, and the engine cancels it on close. A snapshot parks the trajectories at their next
+state boundary (`Boundary`) and writes the groups, finished and not, as a journal compacted to one whole record
+per trajectory (fsm/run/codec.py); it is read back and checked as any journal is (fsm/run/resume.py `load`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -23,8 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fsm.run import signals
-from fsm.run import snapshot as snap
 from fsm.run.actions import BUILTIN_ACTIONS
+from fsm.run.codec import FORMAT, SnapshotError, decode_sampling, decode_trajectory, encode_sampling, whole
 from fsm.run.context import RunContext, Sampling
 from fsm.run.engine import StalePolicy
 from fsm.run.recorder import Recorder
@@ -32,6 +34,53 @@ from fsm.run.runtime import Owner, Runner
 from fsm.run.trajectory import Trajectory
 from fsm.run.treejournal import Agents, restore_tree, tree_nodes
 from fsm.tools.isolation import INLINE_STEPS
+
+RECOUNT_S = 0.5  # how often a snapshot waiting at the boundary counts again without news
+
+
+class Boundary:
+    """Where `Runner.drive` waits before each action while a snapshot is being taken."""
+
+    def __init__(self) -> None:
+        self._open = asyncio.Event()
+        self._open.set()
+        self._moved = asyncio.Event()
+        self.parked = 0
+
+    async def __call__(self, traj: Trajectory) -> None:
+        if self._open.is_set():
+            return
+        self.parked += 1
+        self._moved.set()
+        try:
+            await self._open.wait()
+        finally:
+            self.parked -= 1
+
+    def moved(self) -> None:
+        """A trajectory started or finished: the closer re-counts."""
+        self._moved.set()
+
+    async def close(
+        self, running: Callable[[], int], timeout_s: float | None = None, held: Callable[[], int] = lambda: 0
+    ) -> None:
+        """Hold every trajectory at its next boundary; return once the `running()` ones have all parked, here
+        or (`held()` of them) waiting elsewhere while whole (a model turn at a paused engine's gate)."""
+        self._open.clear()
+        try:
+            async with asyncio.timeout(timeout_s):
+                while self.parked + held() < running():
+                    self._moved.clear()
+                    with contextlib.suppress(
+                        TimeoutError
+                    ):  # `held()` also grows with time (PauseGate.waiting)
+                        await asyncio.wait_for(self._moved.wait(), RECOUNT_S)
+        except BaseException:
+            self._open.set()
+            raise
+
+    def open(self) -> None:
+        self._open.set()
 
 
 class StreamEmpty(RuntimeError):
@@ -157,7 +206,7 @@ class Stream(Owner):
     def __init__(self, runner: Runner, version: Callable[[], int]):
         super().__init__(runner)
         self.version = version  # the engine's current weight version
-        self.boundary = snap.Boundary()
+        self.boundary = Boundary()
         self.groups = Groups(version, self._rerun)
         self._running: dict[str, _Running] = {}  # uid -> group in flight
         self._active = 0  # trajectories past the gate, not finished, not waiting on their tree nodes
@@ -199,7 +248,7 @@ class Stream(Owner):
             for t in members:
                 t.uid = uid
             if self.journal is not None:
-                self.journal.group(uid, snap.encode_sampling(sampling), members)
+                self.journal.group(uid, encode_sampling(sampling), members)
             self._start(_Running(Group(uid, members, sampling), ctx), members)
             uids.append(uid)
         return uids
@@ -285,7 +334,7 @@ class Stream(Owner):
         ctx = self._context(g.sampling)
         ctx.group_size = len(fresh)
         if self.journal is not None:  # the new trajectories replace the stale ones on resume
-            self.journal.group(g.uid, snap.encode_sampling(g.sampling), fresh, reruns=group.reruns)
+            self.journal.group(g.uid, encode_sampling(g.sampling), fresh, reruns=group.reruns)
         self._start(_Running(group, ctx), fresh)
 
     async def take(
@@ -321,15 +370,16 @@ class Stream(Owner):
             gate.on_wait = None
         return len(self.groups.ready), len(self._running)
 
-    async def snapshot(self, header: Mapping[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
-        """Park every running trajectory at a state boundary and write down every group, ready or running.
-        The trajectories stay parked until `boundary.open()` (the caller's, once written or stopped)."""
+    async def snapshot(self, identity: Mapping[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
+        """Park every running trajectory at a state boundary and write down every group, ready or running, as a
+        compacted journal (`_compacted`). The trajectories stay parked until `boundary.open()` (the caller's,
+        once written or stopped)."""
         await self.park(timeout_s)
         restarted = 0
         try:
             held = self._held(list(self.groups.ready))
             if trees := [t.session_id for _, g, _ in held for t in g.trajectories if tree_nodes(t)]:
-                raise snap.SnapshotError(
+                raise SnapshotError(
                     f"snapshot: {len(trees)} trajectories (first {trees[0]!r}) have tree nodes (child machines, "
                     "branches), which snapshot files do not keep; keep the run with a journal instead "
                     "(keep=RunDir(dir), agentfsm run --out): its resume keeps trees node by node (docs/trees.md)"
@@ -342,12 +392,12 @@ class Stream(Owner):
                     if not finished and t.interaction_started:  # its user simulator's state is not ours
                         t = self._fresh(t)
                         restarted += 1
-                    trajs.append({"done": finished, **snap.encode_trajectory(t)})
-                groups.append(_group_record(status, g, trajs))
+                    trajs.append((t, finished))
+                groups.append((g, trajs))
         except BaseException:
             self.boundary.open()
             raise
-        return self._snapshot_data(header, groups, restarted)
+        return self._compacted(identity, groups, restarted)
 
     def _held(self, ready: list[Group]) -> list[tuple[str, Group, Any]]:
         """(status, group, its run: None when ready) of every group a snapshot writes down."""
@@ -355,19 +405,34 @@ class Stream(Owner):
             ("running", r.group, r) for r in list(self._running.values())
         ]
 
-    def _snapshot_data(self, header: Mapping[str, Any], groups: list[Any], restarted: int) -> dict[str, Any]:
-        """A snapshot's content: `header`, the weight version, the next index, the groups and the counters."""
-        stats = {k: v for k, v in self.stats.items() if k != "staleness"}
-        return {
-            **header,
-            "weight_version": self.version(),
-            "next_index": self._next_index,
-            "groups": groups,
-            "stats": stats,
-            "restarted": restarted,
-        }
+    def _compacted(
+        self,
+        identity: Mapping[str, Any],
+        groups: list[tuple[Group, list[tuple[Trajectory, bool]]]],
+        restarted: int,
+    ) -> dict[str, Any]:
+        """A snapshot: the journal records of a run that holds these groups (`run`, then per group its `group`
+        record, with what the stream knows of it in `held`, and each trajectory whole), and its counts."""
+        run = {"t": "run", "format": FORMAT, **identity, "compacted": True, "weight_version": self.version()}
+        run.update(next_index=self._next_index, rows_expected=sum(len(trajs) for _, trajs in groups))
+        records: list[dict[str, Any]] = [run]
+        for g, trajs in groups:
+            held = {"reruns": g.reruns, "version_min": g.version_min, "version_max": g.version_max}
+            members = [t.session_id for t, _ in trajs]
+            records.append(
+                {"t": "group", "uid": g.uid, "sampling": encode_sampling(g.sampling), "members": members}
+            )
+            records[-1]["held"] = held
+            for t, done in trajs:
+                records.append(
+                    {"t": "traj", "s": t.session_id, "d": whole(t), **({"done": True} if done else {})}
+                )
+        ready = sum(all(done for _, done in trajs) for _, trajs in groups)
+        return {"records": records, "ready": ready, "running": len(groups) - ready, "restarted": restarted}
 
-    def snapshot_blocked(self, header: Mapping[str, Any], thread: int) -> tuple[dict[str, Any], list[Group]]:
+    def snapshot_blocked(
+        self, identity: Mapping[str, Any], thread: int
+    ) -> tuple[dict[str, Any], list[Group]]:
         """`snapshot` for a loop that code blocks (an `isolation: none` tool that never returns): called from
         another thread, it cannot park anyone, so it writes each trajectory as it was at its last state boundary
         without the loop's help. While the loop is blocked, every other trajectory waits at an `await` inside a
@@ -388,7 +453,7 @@ class Stream(Owner):
             blocked = self.runner.driving.get(asyncio.current_task(loop)) if loop is not None else None  # type: ignore[arg-type]
         restarted, groups = 0, []
         ready = list(self.groups.ready)
-        for status, g, run in self._held(ready):
+        for _, g, run in self._held(ready):
             trajs = []
             for t in g.trajectories:
                 finished = run is None or t.sample in run.versions
@@ -401,13 +466,13 @@ class Stream(Owner):
                     if fresh:
                         t = self._fresh(t)
                         restarted += 1
-                trajs.append({"done": finished, **snap.encode_trajectory(t)})
-            groups.append(_group_record(status, g, trajs))
+                trajs.append((t, finished))
+            groups.append((g, trajs))
         frame = sys._current_frames().get(thread)
         after = (INLINE_STEPS.get(thread), frame, frame.f_lasti if frame is not None else None)
         if after[0] is not before[0] or after[1] is not before[1] or after[2] != before[2]:
-            raise snap.SnapshotError("the event loop moved while the snapshot was taken from outside it")
-        return self._snapshot_data(header, groups, restarted), ready
+            raise SnapshotError("the event loop moved while the snapshot was taken from outside it")
+        return self._compacted(identity, groups, restarted), ready
 
     def _fresh(self, traj: Trajectory) -> Trajectory:
         """The trajectory as it was before its first action: same row, sample, index and ids."""
@@ -426,12 +491,12 @@ class Stream(Owner):
         self._next_index = max(self._next_index, int(data.get("next_index", 0)))
         agents = Agents()
         for gd in data["groups"]:
-            sampling = snap.decode_sampling(gd["sampling"])
-            trajs = [snap.decode_trajectory(td) for td in gd["trajectories"]]
+            sampling = decode_sampling(gd["sampling"])
+            trajs = [decode_trajectory(td) for td in gd["trajectories"]]
             done = [bool(td["done"]) for td in gd["trajectories"]]
             for t, td in zip(trajs, gd["trajectories"]):
                 if "nodes" in td:  # a journal's tree (fsm/run/treejournal.py)
-                    nodes = [(snap.decode_trajectory(nd), nd["n"], nd["done"]) for nd in td["nodes"]]
+                    nodes = [(decode_trajectory(nd), nd["n"], nd["done"]) for nd in td["nodes"]]
                     restore_tree(t, td["n"], nodes, self.runner.agent, agents.child, td["done"])
             group = Group(gd["uid"], trajs, sampling, gd["version_min"], gd["version_max"], gd["reruns"])
             if gd["status"] == "ready":
@@ -448,19 +513,6 @@ class Stream(Owner):
         self.stats["running_groups"] = len(self._running)
         self.groups.news.set()
         return len(data["groups"])
-
-
-def _group_record(status: str, g: Any, trajs: list[dict[str, Any]]) -> dict[str, Any]:
-    """One group as a snapshot holds it (the loop's snapshot and the blocked-loop one write the same)."""
-    return {
-        "status": status,
-        "uid": g.uid,
-        "reruns": g.reruns,
-        "version_min": g.version_min,
-        "version_max": g.version_max,
-        "sampling": snap.encode_sampling(g.sampling),
-        "trajectories": trajs,
-    }
 
 
 def _is_done(traj: Trajectory, run: _Running) -> bool:

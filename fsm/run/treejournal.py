@@ -22,8 +22,8 @@ import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from fsm.run.codec import decoded
 from fsm.run.snapcheck import _check
-from fsm.run.snapshot import decoded
 from fsm.run.trajectory import Node, Trajectory, TreeCount
 from fsm.run.tree import root_node, row_nodes
 

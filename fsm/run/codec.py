@@ -1,0 +1,498 @@
+"""The one durable form of a trajectory: how a trajectory, its sampling and the run journal's records encode and
+decode, and how a record is framed on disk and read back. The journal (fsm/run/journal.py replays it,
+fsm/run/recorder.py writes it), a snapshot (a journal compacted to one whole record per trajectory: fsm/run/stream.py
+`Stream.snapshot`), a Ray actor's chunk journal (fsm/adapters/ray_journal.py) and the gateway's workers all go
+through this module; the records and their fields are listed in docs/running.md ("The format").
+
+A record is a line, `crc32hex json`: appended, never rewritten, and a record cut by a kill is plainly the last line
+(dropped, with one line saying so). A trajectory is written whole once (every slot, so slots added later come
+along, tagged where JSON has no type of its own: arrays, sets, tuples, the few dataclasses a trajectory holds), then
+as the deltas of each state boundary: token arrays and append-only lists by their appended part, the rest by what
+changed (the slot classes below).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import hashlib
+import json
+import os
+import stat
+import time
+import zlib
+from array import array
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fsm.families.parsers import ToolCall
+from fsm.run.context import Sampling
+from fsm.run.segments import _FIRST, Segment, TokenRun, TokenRuns
+from fsm.run.trajectory import TRANSIENT, Failure, Metrics, Node, Trajectory
+
+FORMAT = 1  # the journal's (a `run` record's `format`)
+MAX_RECORD = 256 * 1024 * 1024  # a bound for one line read back
+_TAGS = {"__array__", "__set__", "__tuple__", "__items__", "__dc__"}
+_CLASSES = {cls.__name__: cls for cls in (TokenRun, Segment, Metrics, ToolCall, Failure)}
+
+# slots written as deltas: token arrays (the appended part), append-only lists (the appended items)
+_ARRAYS = ("prompt_ids", "response_ids", "response_mask", "response_logprobs", "_version_runs", "path_times")
+_LISTS = (
+    "messages",
+    "path",
+    "transitions_fired",
+    "tool_rewards",
+    "tool_scores",
+    "turn_scores",
+    "turn_rewards",
+    "failures",
+)
+# slots set once (or replaced whole, a new object): compared by identity, written when replaced
+_FIXED = ("index", "sample", "session_id", "uid", "row", "tool_schemas", "tools_kwargs", "interaction_kwargs")
+# the rest, each compared as cheaply as its kind allows: scalars by value, tuples and lists that are only ever
+# replaced (never changed in place) by identity, dicts changed in place by a shallow copy, metrics by its values
+_SCALARS = (
+    "interaction_started",
+    "needs_tail",
+    "logprobs_missing",
+    "state",
+    "assistant_turns",
+    "user_turns",
+    "last_finish_reason",
+    "should_terminate",
+    "observation_overflow",
+    "termination_reason",
+    "reward_score",
+    "interaction_score",
+    "token_check",
+)
+_REPLACED = ("segment_start", "partial_turn", "pending_calls", "failure")
+_DICTS = ("extra", "extra_fields")
+_REST = (*_SCALARS, *_REPLACED, *_DICTS, "metrics")
+_PLAIN_LISTS = ("path", "transitions_fired", "tool_rewards", "tool_scores", "turn_scores", "turn_rewards")
+assert set(_REST) | set(_ARRAYS) | set(_LISTS) | set(_FIXED) | {"runs", "closed", *TRANSIENT} == set(
+    Trajectory.__slots__
+)
+
+
+class SnapshotError(Exception):
+    """A snapshot that cannot be taken or restored here; the message says why and what to do."""
+
+
+class JournalError(SnapshotError):
+    """A journal that cannot be read or resumed here; one line naming the file and the record."""
+
+
+# --- values ------------------------------------------------------------------------------------------------
+
+
+def encode_value(value: Any, where: str) -> Any:
+    """`value` as JSON-ready data, tagged where JSON has no type of its own."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, array):
+        return {"__array__": value.typecode, "items": value.tolist()}
+    if isinstance(value, (set, frozenset)):
+        return {"__set__": [encode_value(v, where) for v in sorted(value, key=repr)]}
+    if isinstance(value, tuple):
+        return {"__tuple__": [encode_value(v, where) for v in value]}
+    if isinstance(value, list):
+        return [encode_value(v, where) for v in value]
+    if isinstance(value, dict):
+        if all(isinstance(k, str) for k in value) and not _TAGS & value.keys():
+            return {k: encode_value(v, where) for k, v in value.items()}
+        return {"__items__": [[encode_value(k, where), encode_value(v, where)] for k, v in value.items()]}
+    if isinstance(value, np.ndarray):
+        return [encode_value(v, where) for v in value.tolist()]
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, TokenRuns):  # written as the list of TokenRun records it reads as
+        return [encode_value(run, where) for run in value]
+    if dataclasses.is_dataclass(value) and type(value).__name__ in _CLASSES:
+        fields = {f.name: encode_value(getattr(value, f.name), where) for f in dataclasses.fields(value)}
+        return {"__dc__": type(value).__name__, "fields": fields}
+    raise SnapshotError(f"{where}: a {type(value).__name__} cannot be written to a snapshot")
+
+
+def decode_value(value: Any) -> Any:
+    """What `encode_value` wrote, back."""
+    if isinstance(value, list):
+        return [decode_value(v) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if "__array__" in value:
+        return array(value["__array__"], value["items"])
+    if "__set__" in value:
+        return {decode_value(v) for v in value["__set__"]}
+    if "__tuple__" in value:
+        return tuple(decode_value(v) for v in value["__tuple__"])
+    if "__items__" in value:
+        return {decode_value(k): decode_value(v) for k, v in value["__items__"]}
+    if "__dc__" in value:
+        cls = _CLASSES.get(value["__dc__"])
+        if cls is Segment and "role" in value["fields"]:
+            cls = TokenRun  # written before token runs had their own name
+        if cls is None:
+            raise SnapshotError(f"unknown record type {value['__dc__']!r}")
+        return cls(**{k: decode_value(v) for k, v in value["fields"].items()})
+    return {k: decode_value(v) for k, v in value.items()}
+
+
+_UNSET = object()  # a slot an older trajectory never set
+
+
+def encode_trajectory(traj: Trajectory) -> dict[str, Any]:
+    """Every slot of `traj` as JSON-ready values (the weight versions expanded, one per token)."""
+    names = [n for n in type(traj).__slots__ if n != "_version_runs" and n not in TRANSIENT] + [
+        "response_versions"
+    ]
+    out = {}
+    for name in names:  # each read once: `response_versions` expands the runs each time it is read
+        value = getattr(traj, name, _UNSET)
+        if value is not _UNSET:
+            out[name] = encode_value(value, f"trajectory {traj.session_id}: {name}")
+    return out
+
+
+def decoded(traj: Trajectory) -> dict[str, Any]:
+    """The snapshot form of a trajectory read back already (a journal's, fsm/run/resume.py): `decode_trajectory`
+    gives this one back rather than a copy (a resume holds each trajectory once, as the run that wrote it did)."""
+    _clock_here(traj)
+    return {"__traj__": traj}
+
+
+def _clock_here(traj: Trajectory) -> None:
+    """Its state times moved to end now (durations kept, this process's clock)."""
+    if len(traj.path_times):
+        shift = time.perf_counter() - traj.path_times[-1]
+        traj.path_times = array("d", (t + shift for t in traj.path_times))
+        if len(traj.path_times) == len(traj.path):  # the driver's begin() records the current state's entry
+            traj.path_times.pop()
+
+
+def decode_trajectory(data: dict[str, Any]) -> Trajectory:
+    """A trajectory from `encode_trajectory`'s output (or `decoded`'s: that one), on this process's clock."""
+    if isinstance(known := data.get("__traj__"), Trajectory):
+        return known
+    traj = Trajectory.__new__(Trajectory)
+    traj.partial_turn = None  # older snapshots have no such slots
+    traj.turn_rewards, traj.failures = [], []
+    traj.failure = Failure.legacy(data.get("error"), data.get("state"), data.get("extra"))
+    traj.heartbeat_at, traj.turn_deadline = 0.0, None  # TRANSIENT
+    for name in Trajectory.__slots__:
+        if name in data and name not in TRANSIENT:
+            setattr(traj, name, decode_value(data[name]))
+    traj.runs = TokenRuns(
+        decode_value(data["segments"])
+        if "runs" not in data and "segments" in data
+        else getattr(traj, "runs", ())
+    )
+    traj.node = Node(traj.session_id, route=traj.session_id)  # TRANSIENT: its tree is put back by the caller
+    traj.closed = getattr(traj, "closed", None) or ()
+    start = tuple(getattr(traj, "segment_start", _FIRST))
+    traj.segment_start = start + (0,) * (4 - len(start))  # older snapshots: no path index
+    traj._version_runs = array("i")
+    versions = decode_value(data.get("response_versions", []))
+    if len(versions) != len(traj.response_ids):
+        raise SnapshotError(f"trajectory {traj.session_id!r}: its response arrays differ in length")
+    traj.response_versions = versions
+    if not isinstance(traj.metrics, Metrics):
+        traj.metrics = Metrics(**traj.metrics)
+    _clock_here(traj)
+    return traj
+
+
+def encode_sampling(sampling: Sampling) -> dict[str, Any]:
+    return {
+        "params": encode_value(dict(sampling.params), "sampling"),
+        "seed": sampling.seed,
+        "logprobs": sampling.logprobs,
+        "max_new_tokens": sampling.max_new_tokens,
+    }
+
+
+def decode_sampling(data: dict[str, Any]) -> Sampling:
+    return Sampling(decode_value(data["params"]), data["seed"], data["logprobs"], data["max_new_tokens"])
+
+
+def other_tokenizer(recorded: Any, codec: Any) -> tuple[str | None, str] | None:
+    """(the recorded tokenizer's name, this codec's) when `recorded` (a `tokenizer_id`) is not this codec's
+    tokenizer; None when it is. Snapshots and the run journal (fsm/run/resume.py) both refuse the first case."""
+    ours = tokenizer_id(codec)
+    if isinstance(recorded, dict) and recorded.get("digest") == ours["digest"]:
+        return None
+    return (recorded.get("name") if isinstance(recorded, dict) else None), ours["name"]
+
+
+def tokenizer_id(codec: Any) -> dict[str, Any]:
+    """What identifies the tokenizer a snapshot's token ids belong to: its name, size, and a digest of its
+    vocabulary and chat template (a ChatML prompt continued by a Llama tokenizer is refused on restore)."""
+    tok = getattr(codec, "tokenizer", codec)
+    vocab = tok.get_vocab() if hasattr(tok, "get_vocab") else {}
+    h = hashlib.sha256()
+    for piece, i in sorted(vocab.items(), key=lambda kv: kv[1]):
+        h.update(f"{i}\x00{piece}\x01".encode("utf-8", "surrogatepass"))
+    h.update(str(getattr(tok, "chat_template", None) or "").encode("utf-8", "surrogatepass"))
+    return {
+        "name": str(getattr(tok, "name_or_path", "") or type(tok).__name__),
+        "size": len(vocab),
+        "digest": h.hexdigest(),
+    }
+
+
+# --- a trajectory's records: whole, then the deltas of each state boundary ----------------------------------------
+
+
+def whole(traj: Trajectory) -> dict[str, Any]:
+    """A `traj` record's `d`: every slot, the weight versions as their runs, the state times as they are."""
+    data = encode_trajectory(traj)
+    data["_version_runs"] = traj._version_runs.tolist()
+    data["path_times"] = traj.path_times.tolist()
+    return data
+
+
+def from_whole(d: dict[str, Any]) -> Trajectory:
+    """The trajectory of a `traj` record's `d`."""
+    traj = decode_trajectory(d)
+    traj._version_runs = array("i", d["_version_runs"])
+    traj.path_times = array("d", d["path_times"])
+    return traj
+
+
+@dataclass
+class Mark:
+    """What the journal holds of one trajectory: the objects and lengths its next step continues from."""
+
+    objs: dict[str, Any]
+    lens: dict[str, int]
+    rest: dict[str, Any]
+    closed: int
+    node: Any = None  # fsm/run/treejournal.py node_mark: what of its tree node the journal holds
+
+
+def _values(traj: Trajectory) -> dict[str, Any]:
+    """What a step compares the rest against (see _REST)."""
+    rest: dict[str, Any] = {n: getattr(traj, n) for n in _SCALARS}
+    for n in _REPLACED:
+        rest[n] = getattr(traj, n)
+    for n in _DICTS:
+        rest[n] = dict(getattr(traj, n))
+    m = traj.metrics
+    rest["metrics"] = tuple(getattr(m, f) for f in m.__slots__)
+    return rest
+
+
+def mark(traj: Trajectory, node: Any = None) -> Mark:
+    objs = {n: getattr(traj, n) for n in _ARRAYS + _LISTS + _FIXED}
+    objs["runs"] = traj.runs
+    lens = {n: len(objs[n]) for n in _ARRAYS + _LISTS}
+    lens["runs"] = len(traj.runs._flat)  # TokenRuns: compared as its flat array
+    return Mark(objs, lens, _values(traj), len(traj.closed), node)
+
+
+def changes(traj: Trajectory, m: Mark, done: bool) -> dict[str, Any]:
+    """A `step` record's body (`a`: appended parts, `r`: slots replaced whole, `v`: other slots that changed)
+    since `m`, which moves on to `traj` as it is now."""
+    out: dict[str, Any] = {}
+    grown: dict[str, list[Any]] = {}
+    replaced: dict[str, Any] = {}
+    for n in _FIXED:
+        v = getattr(traj, n)
+        if v is not m.objs[n]:
+            replaced[n] = encode_value(v, n)
+            m.objs[n] = v
+    for n in (*_ARRAYS, "runs", *_LISTS):
+        v = getattr(traj, n)
+        a = v._flat if n == "runs" else v
+        was = m.objs[n]
+        if v is not was or len(a) < m.lens[n]:
+            replaced[n] = [a.typecode, a.tolist()] if n in _ARRAYS or n == "runs" else encode_value(a, n)
+        elif len(a) > m.lens[n]:
+            tail = a[m.lens[n] :]
+            if n in _PLAIN_LISTS:
+                grown[n] = [m.lens[n], tail]
+            else:
+                grown[n] = [m.lens[n], encode_value(tail, n) if n in _LISTS else tail.tolist()]
+        m.objs[n], m.lens[n] = v, len(a)
+    rest, was = _values(traj), m.rest
+    changed: dict[str, Any] = {}
+    for n in _SCALARS:
+        if rest[n] != was[n] or type(rest[n]) is not type(was[n]):
+            changed[n] = rest[n]
+    for n in _REPLACED:
+        if rest[n] is not was[n]:
+            changed[n] = encode_value(rest[n], n)
+    for n in _DICTS:  # whole at the end: a value changed deep inside is written then
+        if done or rest[n] != was[n]:
+            changed[n] = encode_value(getattr(traj, n), n)
+    if done or rest["metrics"] != was["metrics"]:
+        changed["metrics"] = traj.metrics.as_dict()
+    m.rest = rest
+    if grown:
+        out["a"] = grown
+    if replaced:
+        out["r"] = replaced
+    if changed:
+        out["v"] = changed
+    return out
+
+
+def apply_changes(traj: Trajectory, rec: dict[str, Any], where: str) -> None:
+    """A `step` record's body (`changes`) applied to `traj`; JournalError naming `where` when it does not fit."""
+    for n, v in rec.get("r", {}).items():
+        _replace(traj, n, v, where)
+    for n, (at, items) in rec.get("a", {}).items():
+        if n not in (*_ARRAYS, "runs", *_LISTS):
+            raise JournalError(f"{where}: {n!r} is not an array or list of a trajectory")
+        _extend(traj, n, at, items, where)
+    for n, v in rec.get("v", {}).items():
+        if n == "error":  # written before `Failure`
+            n, v = "failure", Failure.legacy(v, traj.state, traj.extra)
+        elif n not in _REST:
+            raise JournalError(f"{where}: {n!r} is not a slot a step changes")
+        if n == "metrics":
+            if not isinstance(v, dict) or not set(v) <= set(Metrics.__slots__):
+                raise JournalError(f"{where}: metrics is not a trajectory's metrics")
+            v = Metrics(**v)
+        setattr(traj, n, decode_value(v))
+
+
+def _extend(traj: Trajectory, n: str, at: int, items: list[Any], where: str) -> None:
+    target = traj.runs._flat if n == "runs" else getattr(traj, n)
+    if not isinstance(at, int) or at != len(target) or not isinstance(items, list):
+        raise JournalError(f"{where}: {n} continues at {at!r}, but it holds {len(target)}")
+    target.extend(decode_value(items) if n in _LISTS else items)
+
+
+def _replace(traj: Trajectory, n: str, v: Any, where: str) -> None:
+    if n in _ARRAYS or n == "runs":
+        code, items = v
+        if code not in ("i", "l", "q", "b", "B", "f", "d") or not isinstance(items, list):
+            raise JournalError(f"{where}: {n} is not an array record")
+        a = array(code, items)
+        if n == "runs":
+            traj.runs = TokenRuns()
+            traj.runs._flat = a
+        else:
+            setattr(traj, n, a)
+    elif n in _LISTS or n in _FIXED:
+        if n in ("session_id", "index", "sample"):
+            raise JournalError(f"{where}: a step may not change a trajectory's {n}")
+        setattr(traj, n, decode_value(v))
+    else:
+        raise JournalError(f"{where}: {n!r} is not a slot a step replaces")
+
+
+# --- the framing: a record per line ------------------------------------------------------------------------------
+
+
+def frame(record: Mapping[str, Any]) -> bytes:
+    """One record as its line: the CRC-32 of the JSON, then the JSON (strict: no NaN)."""
+    body = json.dumps(record, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+    return b"%08x %s\n" % (zlib.crc32(body), body)
+
+
+def unframe(line: bytes) -> dict[str, Any] | None:
+    """The record of one whole line (its newline stripped), or None when its checksum or JSON does not hold."""
+    if len(line) < 10 or line[8:9] != b" ":
+        return None
+    try:
+        if int(line[:8], 16) != zlib.crc32(line[9:]):
+            return None
+        rec = json.loads(line[9:])
+    except (ValueError, RecursionError):
+        return None
+    return rec if isinstance(rec, dict) else None
+
+
+@dataclass
+class Read:
+    """A journal as read back: its records, the bytes they fill, and what a torn last record lost."""
+
+    path: Path
+    records: list[dict[str, Any]]
+    good_bytes: int
+    torn: str | None = None  # one line: what was dropped
+
+
+def open_regular(path: str | Path, flags: int = os.O_RDONLY, mode: int = 0o644) -> int:
+    """A descriptor of the journal file at `path`, never blocking and never following a link: a FIFO, a device or a
+    directory planted in its place is refused (JournalError) before a byte is read or written (opening a FIFO
+    blocks until someone opens its other end; reading one, until someone writes)."""
+    path = Path(path)
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+    except FileNotFoundError:
+        raise JournalError(f"{path}: no journal there") from None
+    except OSError as exc:
+        if exc.errno in (errno.ENXIO, errno.EISDIR):  # a FIFO with no reader, a directory
+            raise JournalError(f"{path}: not a regular file; remove it") from None
+        why = "it is a symbolic link" if exc.errno == errno.ELOOP else exc.strerror or str(exc)
+        raise JournalError(f"{path}: cannot open it ({why})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise JournalError(f"{path}: not a regular file; remove it")
+    os.set_blocking(fd, True)
+    return fd
+
+
+class Scan:
+    """The records of the journal at `path`, read one line at a time (a journal is never in memory whole: a resume
+    holds the trajectories it rebuilds, not the records that built them), each line checked (CRC-32 and JSON)
+    and bounded by MAX_RECORD. A last line cut mid-way (no newline, or its checksum does not match) is a write a
+    kill interrupted: dropped, and said in `torn`. Anything else that does not check is a JournalError naming
+    the file and the record's number. `good_bytes`: where the records read so far end."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.good_bytes = 0
+        self.torn: str | None = None
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        path, n = self.path, 0
+        with os.fdopen(open_regular(path), "rb") as f:
+            while line := f.readline(MAX_RECORD + 1):
+                n += 1
+                if n == 1 and line[:1] == b"{":
+                    raise JournalError(
+                        f"{path}: a JSON snapshot of an agentfsm before snapshots were journals; this version "
+                        "cannot restore it: restore it with the version that took it, or take it again"
+                    )
+                end = line.endswith(b"\n")
+                if len(line) > MAX_RECORD:
+                    raise JournalError(
+                        f"{path}: record {n} is longer than {MAX_RECORD >> 20} MiB, the bound of one record "
+                        "(damaged or forged); the run cannot be resumed from it"
+                    )
+                body = line[9:-1] if end else b""
+                ok = end and len(line) > 10 and line[8:9] == b" "
+                if ok:
+                    try:
+                        ok = int(line[:8], 16) == zlib.crc32(body)
+                    except ValueError:
+                        ok = False
+                if not ok:
+                    if not end or not f.peek(1):  # the last line
+                        self.torn = (
+                            f"{path}: record {n}, the last, was cut mid-way ({len(line)} bytes, a write a kill "
+                            "interrupted); dropped"
+                        )
+                        return
+                    raise JournalError(
+                        f"{path}: record {n}: its checksum does not match (damaged or edited); the run cannot be "
+                        "resumed from it"
+                    )
+                try:
+                    rec = json.loads(body)
+                except (ValueError, RecursionError):
+                    raise JournalError(
+                        f"{path}: record {n}: not JSON (forged: its checksum matches)"
+                    ) from None
+                if not isinstance(rec, dict) or not isinstance(rec.get("t"), str):
+                    raise JournalError(f"{path}: record {n}: not a journal record (no kind 't')")
+                self.good_bytes += len(line)
+                yield rec
