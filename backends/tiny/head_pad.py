@@ -75,28 +75,11 @@ def pad_state(state: dict, config: dict, head_dim: int = HEAD_DIM) -> dict:
 def llama_config(config: dict, head_dim: int = HEAD_DIM) -> dict:
     """The Qwen2 config as a Llama config with `head_dim`-wide heads and biased attention."""
     keep = (
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "hidden_act",
-        "max_position_embeddings",
-        "rms_norm_eps",
-        "rope_parameters",
-        "rope_theta",
-        "rope_scaling",
-        "vocab_size",
-        "tie_word_embeddings",
-        "bos_token_id",
-        "eos_token_id",
-        "pad_token_id",
-        "initializer_range",
-        "use_cache",
-        "dtype",
-        "torch_dtype",
-        "transformers_version",
-    )
+        "hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads hidden_act "
+        "max_position_embeddings rms_norm_eps rope_parameters rope_theta rope_scaling vocab_size "
+        "tie_word_embeddings bos_token_id eos_token_id pad_token_id initializer_range use_cache dtype "
+        "torch_dtype transformers_version"
+    ).split()
     out = {k: config[k] for k in keep if k in config}
     return {
         **out,

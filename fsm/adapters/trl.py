@@ -173,19 +173,8 @@ def sampling_params(args: Any) -> dict[str, Any]:
 
 def to_trl(samples: Sequence[Sample], *, pad_id: int) -> dict[str, list[Any]]:
     """Flat samples -> rollout_func's return value."""
-    out: dict[str, list[Any]] = {
-        key: []
-        for key in (
-            "prompt_ids",
-            "completion_ids",
-            "logprobs",
-            "env_mask",
-            REWARD_KEY,
-            "termination_reason",
-            "num_turns",
-            "turn_rewards",
-        )
-    }
+    keys = ("prompt_ids", "completion_ids", "logprobs", "env_mask", REWARD_KEY, "termination_reason")
+    out: dict[str, list[Any]] = {key: [] for key in (*keys, "num_turns", "turn_rewards")}
     for s in samples:
         ids, mask = s.response_ids, s.mask
         logprobs: Sequence[float | None] | None = s.logprobs
