@@ -93,7 +93,8 @@ class QueueSizes(NamedTuple):
 
 @dataclass
 class OtlpSettings:
-    """What the OTEL_EXPORTER_OTLP_[TRACES_]* variables configure, with the SDK exporter's defaults."""
+    """What the OTEL_EXPORTER_OTLP_[TRACES_]* variables configure (the traces one, else the general one, whose
+    endpoint gets /v1/traces), with the SDK exporter's defaults (http://localhost:4318/v1/traces, 10 s)."""
 
     endpoint: str = ""
     headers: dict[str, str] = field(default_factory=dict)

@@ -368,13 +368,9 @@ class OtlpHttpExporter(NativeExporter):
     """OTLP/HTTP with protobuf bodies encoded here (`_Encoder`: the same bytes as the SDK's encoder, at a
     fraction of its cost), sent with http.client over one kept-alive connection.
 
-    Configured as the SDK's OTLPSpanExporter, argument first, then the variable for traces, then the general
-    one: endpoint (used verbatim; OTEL_EXPORTER_OTLP_ENDPOINT gets /v1/traces appended; default
-    http://localhost:4318/v1/traces), headers (OTEL_EXPORTER_OTLP_[TRACES_]HEADERS), timeout in seconds
-    (OTEL_EXPORTER_OTLP_[TRACES_]TIMEOUT, 10), compression none|gzip|deflate
-    (OTEL_EXPORTER_OTLP_[TRACES_]COMPRESSION), TLS files (OTEL_EXPORTER_OTLP_[TRACES_]CERTIFICATE,
-    _CLIENT_CERTIFICATE, _CLIENT_KEY). gzip runs at level 1, not the SDK's 9: the random ids and timestamps
-    that dominate a span do not compress further, so a higher level only costs CPU.
+    Configured as the SDK's OTLPSpanExporter: each argument, else its OTEL_EXPORTER_OTLP_[TRACES_]* variable
+    (config.py's OtlpSettings). gzip runs at level 1, not the SDK's 9: the random ids and timestamps that
+    dominate a span do not compress further, so a higher level only costs CPU.
     Retries as the SDK's: up to 6 attempts on 429/502/503/504 and connection errors, backing off
     2**attempt × U(0.8, 1.2) s or as the server's Retry-After says, never past the timeout; a kept-alive
     connection found broken is retried at once. A request over `max_request_size` bytes is dropped (counted).
