@@ -1,4 +1,4 @@
-"""fsm/families/render.py: the chat template called past transformers' wrapper renders what `apply_chat_template`
+"""fsm/families/pieces.py: the chat template called past transformers' wrapper renders what `apply_chat_template`
 renders, on every family's real template (tests/fixtures/chat_templates/), with tools, tool rounds, the model's
 own calls as the codec writes them back, and template kwargs; inputs the wrapper would change (a None value,
 reasoning under another name, a tuple) go through the wrapper."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from fsm.families import TemplateKwargs
-from fsm.families.render import ChatRender
+from fsm.families.pieces import ChatRender
 from specs.calculator import SYSTEM_PROMPT, TOOL_SCHEMA
 from tests.fixtures.family_tokenizers import FAMILIES, family_tokenizer
 
@@ -76,7 +76,7 @@ def _same(tokenizer, render, messages, tools, gen):
 
 
 def test_remembered_tojson_tells_values_apart():
-    """The direct render's tojson remembers texts (render.py `_environment`) yet never answers for another value:
+    """The direct render's tojson remembers texts (pieces.py `_environment`) yet never answers for another value:
     None and NaN (both orjson's `null`), 1, 1.0 and True, each rendered after the others."""
     tok = family_tokenizer("qwen2.5")
     render = ChatRender(tok)

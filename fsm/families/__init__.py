@@ -9,8 +9,8 @@ family whose codec does exactly what verl 0.9.1's agent loop does (`verl_exact`)
 unrecognised template gets.
 
 The package: this module (the registry, `codec_for`, the parser a run uses), codec.py (the Codec),
-render.py (the chat template rendered past transformers' wrapper; the TemplateKwargs wrapper), pieces.py (tokenizing text between added tokens; the one decode), parsers/ (every family's
-tool-call parser, one registry). It imports nothing of the engine outside this package.
+pieces.py (the chat template rendered past transformers' wrapper, the TemplateKwargs wrapper, tokenizing text
+between added tokens, the one decode), parsers/ (every family's tool-call parser, one registry). It imports nothing of the engine outside this package.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any, Literal
 from fsm.families import parsers as _parsers  # noqa: F401  (registers the families' parsers)
 from fsm.families.codec import CALL_OPENERS, Codec, TemplateError, vocabulary_size
 from fsm.families.parsers import PARSERS, ToolCall, split_reasoning
-from fsm.families.render import TemplateKwargs
+from fsm.families.pieces import TemplateKwargs
 
 __all__ = [
     "FAMILIES",

@@ -34,8 +34,7 @@ from typing import Any, cast
 
 from fsm.families.parsers import PARSERS, ToolCall, assistant_message, split_reasoning
 from fsm.families.parsers.harmony import HarmonyParser
-from fsm.families.pieces import PieceEncoder, decode
-from fsm.families.render import ChatRender
+from fsm.families.pieces import ChatRender, PieceEncoder, decode
 
 
 class TemplateError(Exception):
