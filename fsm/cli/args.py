@@ -102,9 +102,8 @@ def _rows_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _server_flags(p: argparse.ArgumentParser) -> None:
+def _server_flags(g: argparse._ArgumentGroup) -> None:
     """The inference servers a run calls or launches, and how it treats them."""
-    g = p.add_argument_group("servers")
     g.add_argument(
         "--server",
         action="append",
@@ -168,9 +167,8 @@ def _server_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _model_flags(p: argparse.ArgumentParser) -> None:
+def _model_flags(g: argparse._ArgumentGroup) -> None:
     """The embedded model (no servers) and the tokenizer."""
-    g = p.add_argument_group("embedded model")
     g.add_argument(
         "--model",
         metavar="DIR",
@@ -207,9 +205,8 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _watch_flags(p: argparse.ArgumentParser) -> None:
+def _watch_flags(g: argparse._ArgumentGroup) -> None:
     """What a run checks and traces while it runs."""
-    g = p.add_argument_group("checks and tracing")
     g.add_argument("--check-tokens", action="store_true", help="compare ids with a full re-render")
     text = "when no row has changed state for this long, log the stuck rows (state, server, rid)"
     seconds_flag(g, "--watchdog", 90.0, text)
@@ -279,11 +276,11 @@ def _durable_flags(p: argparse.ArgumentParser, workers: bool) -> None:
 
 
 def run_flags(p: argparse.ArgumentParser, workers: bool = True) -> None:
-    """`agentfsm run SPEC`; `gateway` takes the same but Ray's `--workers`."""
+    """`agentfsm run SPEC`, its flags in groups by topic; `gateway` takes the same but Ray's `--workers`."""
     _rows_flags(p)
-    _server_flags(p)
-    _model_flags(p)
-    _watch_flags(p)
+    _server_flags(p.add_argument_group("servers"))
+    _model_flags(p.add_argument_group("embedded model"))
+    _watch_flags(p.add_argument_group("checks and tracing"))
     _durable_flags(p, workers)
 
 
