@@ -212,17 +212,7 @@ class _Span(otel_trace.Span):
         tel, x = self.tel, self._extra
         tel._ended += 1
         if x is None or (x.status is _UNSET and not (x.attrs or x.events or x.links) and x.name is None):
-            tel._emit(
-                (
-                    self.shape.id,
-                    self._trace_id,
-                    self._span_id,
-                    self._parent_id,
-                    self._start,
-                    self._end,
-                    *self.values,
-                )
-            )
+            tel._emit((self.shape.id, *self._ids(), *self.values))
         else:
             tel._emit(self)
         if len(tel._queue) >= tel._batch:
