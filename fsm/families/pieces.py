@@ -1,7 +1,5 @@
 """The tokenizer's two calls on every prompt, made cheap and exact: the chat template's render, and the
-tokenization of its text piece by piece between the added tokens.
-
-Tokenize a text piece by piece between the tokenizer's added tokens, pieces seen before from a cache.
+tokenization of its text piece by piece between the added tokens, pieces seen before from a cache.
 
 Hugging Face tokenizers split a text at its added tokens (<|im_start|>, <tool_call>...) before normalizing or
 pre-tokenizing anything, so a text's ids are its pieces' ids, in order. Every prompt of a run repeats the same
@@ -11,17 +9,16 @@ neighbours' whitespace, matches only whole words or is matched after normalizati
 single_word, normalized). The first texts are also checked against the whole text's ids; a tokenizer where the
 two differ gets the whole-text path for good.
 
-The chat template's text render, compiled once and called directly where transformers' wrapper would change
-nothing: about half of a calculator prompt's render (73 -> 34 µs) and of an observation's (70 -> 38 µs).
-
-`apply_chat_template` copies every message and tool schema into plain JSON types (`_plain_template_data`), drops
-the keys whose value is None, copies reasoning under its other names (`_alias_reasoning_fields`), picks the
-template (a tokenizer may have several) and passes the special tokens as variables; only then does it call the
-compiled jinja template. For the messages an engine builds (dicts of str, lists and numbers) the copies are the
-same data, so the render is the template's, called with the same variables. Anything else (a None value, a
-reasoning field, a tuple, an object, `continue_final_message`) goes through the wrapper as before; so does a
-transformers without the compiler this calls (`_compile_jinja_template`). tests/test_chat_render.py holds the
-two renders equal on every family's real template.
+The chat template's render is compiled once and called directly where transformers' wrapper would change
+nothing (docs/benchmarks.md has what it saves). `apply_chat_template` copies every message and tool schema
+into plain JSON types (`_plain_template_data`), drops the keys whose value is None, copies reasoning under its
+other names (`_alias_reasoning_fields`), picks the template (a tokenizer may have several) and passes the
+special tokens as variables; only then does it call the compiled jinja template. For the messages an engine
+builds (dicts of str, lists and numbers) the copies are the same data, so the render is the template's, called
+with the same variables. Anything else (a None value, a reasoning field, a tuple, an object,
+`continue_final_message`) goes through the wrapper as before; so does a transformers without the compiler this
+calls (`_compile_jinja_template`). tests/test_chat_render.py holds the two renders equal on every family's
+real template.
 """
 
 from __future__ import annotations
