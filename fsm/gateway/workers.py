@@ -43,11 +43,11 @@ from fsm.gateway.front import TOKEN_ENV, Front
 from fsm.gateway.server import GatewayLimits
 from fsm.output.keep import SNAPSHOT_TIMEOUT_S, Rollout, RunDir
 from fsm.output.stats import COUNTERS, FaultDelta
+from fsm.run.codec import decode_sampling, decode_trajectory
 from fsm.run.compile import CompiledAgent, compile_spec
 from fsm.run.context import Sampling
 from fsm.run.runtime import agent_codec
-from fsm.run.signals import SIGNALS, say_now
-from fsm.run.codec import decode_sampling, decode_trajectory
+from fsm.run.signals import handling, say_now
 from fsm.run.trajectory import Trajectory
 
 CONFIG, RESULT = "config.json", "result.json"  # in OUT/workers/wK: what the parent gave, what it rolled out
@@ -292,25 +292,12 @@ class _Workers:
     @contextlib.contextmanager
     def _signals(self) -> Iterator[None]:
         """SIGINT/SIGTERM: the first stops the workers as Ctrl-C stops a run, the second kills them."""
-        loop = asyncio.get_running_loop()
-        previous = {sig: signal.getsignal(sig) for sig in SIGNALS}
         try:
-            for sig in SIGNALS:
-                loop.add_signal_handler(sig, self._signal, sig.name)
-        except (ValueError, RuntimeError, NotImplementedError):  # not the main thread
-            yield
-            return
-        try:
-            yield
+            with handling(self._signal):
+                yield
         finally:
             if self._deadline is not None:
                 self._deadline.cancel()
-            for sig in SIGNALS:
-                loop.remove_signal_handler(sig)
-            with contextlib.suppress(ValueError, TypeError):
-                for sig, handler in previous.items():
-                    if handler is not None:
-                        signal.signal(sig, handler)
 
     def _signal(self, name: str) -> None:
         live = [w for w in self.workers if w.proc is not None and w.proc.returncode is None]

@@ -82,23 +82,31 @@ class Interrupts:
     @contextlib.contextmanager
     def listening(self, task: asyncio.Task[Any] | None = None) -> Iterator[None]:
         self._task = task
-        loop = asyncio.get_running_loop()
-        previous = {sig: signal.getsignal(sig) for sig in SIGNALS}
-        try:
-            for sig in SIGNALS:
-                loop.add_signal_handler(sig, self._signal, sig.name)
-        except (ValueError, RuntimeError, NotImplementedError):  # not the main thread, or no signals here
+        with handling(self._signal):
             yield
-            return
-        try:
-            yield
-        finally:
-            for sig in SIGNALS:
-                loop.remove_signal_handler(sig)
-            with contextlib.suppress(ValueError, TypeError):  # remove_signal_handler left the defaults behind
-                for sig, handler in previous.items():
-                    if handler is not None:
-                        signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def handling(handler: Callable[[str], None]) -> Iterator[None]:
+    """SIGINT and SIGTERM call `handler(name)` on the running loop while inside, and the handlers from before are
+    back after; off the main thread (or where there are no signals) nothing is handled."""
+    loop = asyncio.get_running_loop()
+    previous = {sig: signal.getsignal(sig) for sig in SIGNALS}
+    try:
+        for sig in SIGNALS:
+            loop.add_signal_handler(sig, handler, sig.name)
+    except (ValueError, RuntimeError, NotImplementedError):
+        yield
+        return
+    try:
+        yield
+    finally:
+        for sig in SIGNALS:
+            loop.remove_signal_handler(sig)
+        with contextlib.suppress(ValueError, TypeError):  # remove_signal_handler left the defaults behind
+            for sig, was in previous.items():
+                if was is not None:
+                    signal.signal(sig, was)
 
 
 @contextlib.asynccontextmanager
