@@ -24,7 +24,7 @@ from fsm.families.parsers import PARSERS
 from fsm.run.actions import BUILTIN_ACTIONS
 from fsm.run.agent import REWARD_EXTRAS, CompiledAgent, Edge, Reward
 from fsm.run.interaction import REQUIRED_METHODS
-from fsm.run.rewrites import make_rewrite, reach, reversed_graph, rewrite_loops
+from fsm.run.rewrites import make_rewrite
 from fsm.run.tree import check_tree, child_schema, tree_size
 from fsm.spec.failures import check_failures
 from fsm.spec.loader import Diagnostic, LoadedSpec, SpecError, load_spec
@@ -86,9 +86,8 @@ class _Compiler:
     def __init__(self, spec: AgentSpec, loaded: LoadedSpec | None, static: bool = False):
         self.spec, self.loaded, self.static = spec, loaded, static
         self.allow = tuple(spec.trust.allow_modules)
-        # its modules are importable
         self.folder = loaded.path.resolve().parent if loaded is not None else None
-        if self.folder is not None and not static:
+        if self.folder is not None and not static:  # its modules are importable
             add_spec_folder(self.folder)
         self.diags: list[Diagnostic] = []
         self.warnings: list[Diagnostic] = []  # what `validate` points out but a run accepts
@@ -138,15 +137,15 @@ class _Compiler:
         tools = self._tools()
         built = None if self.static else set(tools.by_name)  # the names the model sees
         check_tree(spec, self.loaded.path if self.loaded else None, self.error, built)  # fsm/run/tree.py
-        size = tree_size(spec)
-        if size is not None and size - 1 > spec.tree.max_run_nodes:
-            self.warn(
-                "tree-size",
-                f"one tree can reach {size} nodes (tree: max_nodes {spec.tree.max_nodes}, max_depth "
-                f"{spec.tree.max_depth}, max_children {spec.tree.max_children}), more than tree.max_run_nodes "
-                f"{spec.tree.max_run_nodes} for the whole run: such a tree ends as an error row",
-                "tree",
+        self._check_forks()
+        size, tree = tree_size(spec), spec.tree
+        if size is not None and size - 1 > tree.max_run_nodes:
+            msg = (
+                f"one tree can reach {size} nodes (tree: max_nodes {tree.max_nodes}, max_depth "
+                f"{tree.max_depth}, max_children {tree.max_children}), more than tree.max_run_nodes "
+                f"{tree.max_run_nodes} for the whole run: such a tree ends as an error row"
             )
+            self.warn("tree-size", msg, "tree")
         for name, child in spec.children.items():
             schema = child.schema_
             if isinstance(schema, str):
@@ -156,23 +155,13 @@ class _Compiler:
         reward = self._reward()
         if spec.demo_data is not None:
             self._ref(spec.demo_data, "demo_data")
-        if spec.model.family not in family_names() and not (
-            self.static and spec.imports
-        ):  # imports may add it
-            self.error(
-                "unknown-family",
-                f"unknown model family {spec.model.family!r}{_suggest(spec.model.family, family_names())}",
-                "model",
-                "family",
-                key=False,
-            )
+        family = spec.model.family
+        if family not in family_names() and not (self.static and spec.imports):  # imports may add it
+            msg = f"unknown model family {family!r}{_suggest(family, family_names())}"
+            self.error("unknown-family", msg, "model", "family", key=False)
         if spec.parser is not None and spec.parser not in PARSERS:
-            self.error(
-                "unknown-parser",
-                f"unknown tool-call parser {spec.parser!r}{_suggest(spec.parser, PARSERS)}",
-                "parser",
-                key=False,
-            )
+            msg = f"unknown tool-call parser {spec.parser!r}{_suggest(spec.parser, PARSERS)}"
+            self.error("unknown-parser", msg, "parser", key=False)
         if self.diags:
             raise SpecError(self.diags)
         if self.static:
@@ -184,87 +173,49 @@ class _Compiler:
     def _check_limits(self) -> None:
         lim = self.spec.limits
         if lim.max_new_tokens is not None and lim.max_new_tokens > lim.response_length:
-            self.error(
-                "limits",
-                f"max_new_tokens ({lim.max_new_tokens}) exceeds response_length "
-                f"({lim.response_length}): a single turn could never use it",
-                "limits",
-                "max_new_tokens",
-            )
+            msg = f"max_new_tokens ({lim.max_new_tokens}) exceeds response_length ({lim.response_length})"
+            self.error("limits", f"{msg}: a single turn could never use it", "limits", "max_new_tokens")
         if (
             self.spec.tools and lim.max_tool_response_length >= lim.response_length * 8
-        ):  # only tools answer with it
-            self.error(
-                "limits",
-                f"max_tool_response_length ({lim.max_tool_response_length} characters) cannot fit "
-                f"in response_length ({lim.response_length} tokens)",
-                "limits",
-                "max_tool_response_length",
-            )
+        ):  # tools answer with it
+            msg = f"max_tool_response_length ({lim.max_tool_response_length} characters) cannot fit in "
+            msg += f"response_length ({lim.response_length} tokens)"
+            self.error("limits", msg, "limits", "max_tool_response_length")
 
     def _check_graph(self) -> None:
         spec, states = self.spec, self.spec.states
         if spec.initial not in states:
-            self.error(
-                "unknown-state",
-                f"initial state {spec.initial!r} is not declared{_suggest(spec.initial, states)}",
-                "initial",
-                key=False,
-            )
+            msg = f"initial state {spec.initial!r} is not declared{_suggest(spec.initial, states)}"
+            self.error("unknown-state", msg, "initial", key=False)
         if not spec.final_states:
             self.error("no-final", "no state is final: add e.g. `TERMINATED: {final: true}`", "states")
         for name, st in states.items():
+            where = ("states", name)
             if st.final:
                 if st.action:
-                    self.error(
-                        "final-action", f"final state {name} cannot have an action", "states", name, "action"
-                    )
+                    self.error("final-action", f"final state {name} cannot have an action", *where, "action")
                 if st.next:
                     self.error(
-                        "final-edges",
-                        f"final state {name} cannot have outgoing edges",
-                        "states",
-                        name,
-                        "next",
+                        "final-edges", f"final state {name} cannot have outgoing edges", *where, "next"
                     )
                 continue
             if not st.action:
-                self.error("missing-key", f"state {name} needs an action (or `final: true`)", "states", name)
+                self.error("missing-key", f"state {name} needs an action (or `final: true`)", *where)
             if not st.next:
-                self.error("no-default", f"state {name} has no outgoing edges", "states", name)
+                self.error("no-default", f"state {name} has no outgoing edges", *where)
                 continue
             for i, t in enumerate(st.next):
                 if t.to not in states:
-                    self.error(
-                        "unknown-state",
-                        f"edge to unknown state {t.to!r}{_suggest(t.to, states)}",
-                        "states",
-                        name,
-                        "next",
-                        i,
-                        "to",
-                        key=False,
-                    )
+                    msg = f"edge to unknown state {t.to!r}{_suggest(t.to, states)}"
+                    self.error("unknown-state", msg, *where, "next", i, "to", key=False)
             if st.next[-1].when is not None:
-                self.error(
-                    "no-default",
-                    f"the last edge out of {name} is guarded: add an unguarded default edge "
-                    "last, so every trajectory can leave the state",
-                    "states",
-                    name,
-                    "next",
-                    len(st.next) - 1,
-                )
+                msg = f"the last edge out of {name} is guarded: add an unguarded default edge last, so every "
+                msg += "trajectory can leave the state"
+                self.error("no-default", msg, *where, "next", len(st.next) - 1)
             for i, t in enumerate(st.next[:-1]):
                 if t.when is None:
-                    self.error(
-                        "shadowed",
-                        f"edge {i} out of {name} has no guard, so edges after it never fire",
-                        "states",
-                        name,
-                        "next",
-                        i,
-                    )
+                    msg = f"edge {i} out of {name} has no guard, so edges after it never fire"
+                    self.error("shadowed", msg, *where, "next", i)
         flow = {s: [t.to for t in st.next] + [c.to for c in st.catch] for s, st in states.items()}
         reachable = reach(spec.initial, flow)
         for name in states:
@@ -272,50 +223,43 @@ class _Compiler:
                 self.error(
                     "unreachable", f"state {name} cannot be reached from {spec.initial}", "states", name
                 )
-        reverse: dict[str, list[str]] = {s: [] for s in states}
-        for s in states:
-            for dest in flow[s]:
-                if dest in reverse:
-                    reverse[dest].append(s)
-        can_finish = (
-            set().union(*(reach(f, reverse) for f in spec.final_states)) if spec.final_states else set()
-        )
+        back = reversed_graph(flow)
+        can_finish = set().union(*(reach(f, back) for f in spec.final_states))
         for name in states:
             if name in reachable and name not in can_finish and spec.final_states:
                 self.error("dead-end", f"no path leads from {name} to a final state", "states", name)
         self._check_cycles({s: [t.to for t in st.next] for s, st in states.items()})
         for loop in rewrite_loops(states, spec.context.rewrites):
-            self.error(
-                "rewrite-loop",
-                f"the cycle through {', '.join(loop)} rewrites the context with no model turn "
-                "(a `generate` state) in it: it could rewrite forever; route it through GENERATING",
-                "states",
-                next(s for s in loop if states[s].action in spec.context.rewrites),
-                "action",
-            )
+            msg = f"the cycle through {', '.join(loop)} rewrites the context with no model turn "
+            msg += "(a `generate` state) in it: it could rewrite forever; route it through GENERATING"
+            first = next(s for s in loop if states[s].action in spec.context.rewrites)
+            self.error("rewrite-loop", msg, "states", first, "action")
 
     def _check_cycles(self, graph: dict[str, list[str]]) -> None:
         """Warn about a cycle none of whose states runs a built-in action that spends the response budget:
         unless its own actions do, only limits.max_transitions ends a trajectory caught in it."""
         states, done = self.spec.states, set()
         for name in states:
-            if name in done:
-                continue
-            forward, backward = reach(name, graph), reach(name, reversed_graph(graph))
-            loop = forward & backward
+            loop = set() if name in done else cycle(name, graph)
             done |= loop
-            if len(loop) == 1 and name not in graph.get(name, ()):
-                continue  # not on a cycle
-            if not any(states[s].action in BUDGET_ACTIONS for s in loop if s in states):
-                members = ", ".join(s for s in states if s in loop)
-                self.warn(
-                    "cycle-without-budget",
-                    f"the cycle through {members} runs no action that spends the "
-                    f"response budget ({', '.join(BUDGET_ACTIONS)}): unless its own actions do, a trajectory "
-                    f"caught in it ends only at limits.max_transitions ({self.spec.limits.max_transitions})",
-                    "states",
-                    name,
+            if loop and not any(states[s].action in BUDGET_ACTIONS for s in loop if s in states):
+                msg = f"the cycle through {', '.join(s for s in states if s in loop)} runs no action that "
+                msg += (
+                    f"spends the response budget ({', '.join(BUDGET_ACTIONS)}): unless its own actions do, a "
                 )
+                limit = self.spec.limits.max_transitions
+                msg += f"trajectory caught in it ends only at limits.max_transitions ({limit})"
+                self.warn("cycle-without-budget", msg, "states", name)
+
+    def _check_forks(self) -> None:
+        graph = {s: [t.to for t in st.next] for s, st in self.spec.states.items()}
+        for name, st in self.spec.states.items():
+            if st.fork is not None and st.final:
+                self.error("fork", f"final state {name} cannot fork", "states", name, "fork")
+            elif st.fork is not None and st.fork.times is None and cycle(name, graph):
+                msg = f"state {name} forks on every entry and is on a cycle: the branches would multiply "
+                msg += "each time round; give fork.times a bound"
+                self.error("fork-in-loop", msg, "states", name, "fork", key=False)
 
     def _edges(self) -> list[Edge]:
         edges: list[Edge] = []
@@ -347,14 +291,9 @@ class _Compiler:
                 continue
             rewrite = self.spec.context.rewrites.get(ref)
             if rewrite is not None:
-                fn = (
-                    self._ref(rewrite.function, "context", "rewrites", ref, "function")
-                    if rewrite.function
-                    else None
-                )
-                if rewrite.function and fn is None:
-                    continue
-                actions[name] = make_rewrite(ref, rewrite, fn)
+                fn = rewrite.function and self._ref(rewrite.function, "context", "rewrites", ref, "function")
+                if not rewrite.function or fn is not None:
+                    actions[name] = make_rewrite(ref, rewrite, fn or None)
             elif ref in BUILTIN_ACTIONS or ref in ACTIONS:
                 actions[name] = BUILTIN_ACTIONS.get(ref) or ACTIONS[ref]
             elif is_import_path(ref):
@@ -362,25 +301,13 @@ class _Compiler:
                 if fn is None:
                     continue
                 if fn is not UNCHECKED and not inspect.iscoroutinefunction(fn):
-                    self.error(
-                        "type",
-                        f"action {ref!r} must be an async function (ctx, traj)",
-                        "states",
-                        name,
-                        "action",
-                        key=False,
-                    )
+                    msg = f"action {ref!r} must be an async function (ctx, traj)"
+                    self.error("type", msg, "states", name, "action", key=False)
                 actions[name] = fn
             elif not (self.static and self.spec.imports):  # else the imports, not run here, may register it
                 known = [*BUILTIN_ACTIONS, *ACTIONS, *self.spec.context.rewrites]
-                self.error(
-                    "unknown-action",
-                    f"unknown action {ref!r}{_suggest(ref, known)}; built-in: {', '.join(BUILTIN_ACTIONS)}",
-                    "states",
-                    name,
-                    "action",
-                    key=False,
-                )
+                msg = f"unknown action {ref!r}{_suggest(ref, known)}; built-in: {', '.join(BUILTIN_ACTIONS)}"
+                self.error("unknown-action", msg, "states", name, "action", key=False)
         return actions
 
     def _tools(self) -> ToolSet:
@@ -415,12 +342,8 @@ class _Compiler:
                 if isinstance(ref, str):
                     self._ref(ref, "tools", i, field)
             if t.class_ and t.schema_ is None:
-                self.error(
-                    "tool",
-                    f"ValueError: tool class {t.class_!r} needs a 'schema' (OpenAI function schema)",
-                    "tools",
-                    i,
-                )
+                msg = f"ValueError: tool class {t.class_!r} needs a 'schema' (OpenAI function schema)"
+                self.error("tool", msg, "tools", i)
             name = t.name or (
                 t.schema_.get("function", {}).get("name") if isinstance(t.schema_, dict) else None
             )
@@ -437,13 +360,8 @@ class _Compiler:
             return cls
         missing = [m for m in REQUIRED_METHODS if not callable(getattr(cls, m, None))]
         if missing:
-            self.error(
-                "type",
-                f"interaction {spec.class_!r} lacks {', '.join(missing)}",
-                "interaction",
-                "class",
-                key=False,
-            )
+            msg = f"interaction {spec.class_!r} lacks {', '.join(missing)}"
+            self.error("type", msg, "interaction", "class", key=False)
         return cls
 
     def _reward(self) -> Reward | None:
@@ -460,6 +378,46 @@ class _Compiler:
         return Reward(
             fn, dict(spec.kwargs), tuple(x for x in REWARD_EXTRAS if x in named and x not in spec.kwargs)
         )
+
+
+def reach(start: str, graph: dict[str, list[str]]) -> set[str]:
+    """`start` and every state its edges lead to."""
+    seen, todo = {start}, [start]
+    while todo:
+        for nxt in graph.get(todo.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+def reversed_graph(graph: dict[str, list[str]]) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {s: [] for s in graph}
+    for s, nexts in graph.items():
+        for t in nexts:
+            out.setdefault(t, []).append(s)
+    return out
+
+
+def cycle(name: str, graph: dict[str, list[str]]) -> set[str]:
+    """The states on a cycle through `name` with it (its strongly connected part); empty when it is on none."""
+    loop = reach(name, graph) & reach(name, reversed_graph(graph))
+    return loop if len(loop) > 1 or name in graph.get(name, ()) else set()
+
+
+def rewrite_loops(states: dict[str, Any], rewrites: dict[str, Any]) -> list[list[str]]:
+    """Cycles through a rewrite state with no model turn (`generate`) in them: each would rewrite forever."""
+    graph = {
+        s: [t.to for t in st.next if t.to in states and states[t.to].action != "generate"]
+        for s, st in states.items()
+        if st.action != "generate"
+    }
+    found, seen = [], set()
+    for name, st in states.items():
+        if st.action in rewrites and name not in seen and name in graph and (loop := cycle(name, graph)):
+            seen |= loop
+            found.append([s for s in states if s in loop])
+    return found
 
 
 def _suggest(word: str, choices: Any) -> str:
@@ -493,9 +451,8 @@ def validate_file(path: str | Path, *, static: bool = False) -> list[Diagnostic]
 
 def infer_schema(fn: Callable[..., Any]) -> dict:
     """OpenAI function schema from type hints and a Google-style docstring (transformers' helper), without the
-    `return` entry the helper makes of a `Returns:` section: the OpenAI form has none, chat templates render the
-    schema as given, and a model trained on that form meets a tool it never saw (the tiny calculator model then
-    stops calling it: reward 0 on every row, issue 46)."""
+    `return` entry it makes of a `Returns:` section: templates render the schema as given, and a model trained
+    on the OpenAI form (which has none) would meet a tool it never saw."""
     from transformers.utils import get_json_schema
 
     schema = get_json_schema(fn)
@@ -508,18 +465,15 @@ def _declared_schema(spec: ToolSpec, resolve_ref: Callable[[str], Any]) -> dict 
     if isinstance(spec.schema_, str):
         schema = resolve_ref(spec.schema_)
         if not isinstance(schema, dict):
-            raise TypeError(
-                f"schema {spec.schema_!r} is a {type(schema).__name__}, not an OpenAI function schema dict"
-            )
+            kind = type(schema).__name__
+            raise TypeError(f"schema {spec.schema_!r} is a {kind}, not an OpenAI function schema dict")
         return dict(schema)
     return dict(spec.schema_) if spec.schema_ is not None else None
 
 
 def build_tool(spec: ToolSpec, resolve_ref: Callable[[str], Any] = resolve) -> BoundTool:
-    """ToolSpec -> BoundTool. Raises ImportPathError / TypeError / ValueError with a readable message.
-
-    `resolve_ref` turns import paths into objects (`_compile` passes one with the spec's trust opt-ins).
-    """
+    """ToolSpec -> BoundTool, or ImportPathError / TypeError / ValueError with a readable message. `resolve_ref`
+    turns import paths into objects (`_compile` passes one with the spec's trust opt-ins)."""
     if bool(spec.function) == bool(spec.class_):
         raise ValueError("a tool needs exactly one of 'function' or 'class'")
     declared = _declared_schema(spec, resolve_ref)
@@ -541,10 +495,10 @@ def build_tool(spec: ToolSpec, resolve_ref: Callable[[str], Any] = resolve) -> B
         schema = {**schema, "function": {**schema.get("function", {}), "name": spec.name}}
     if spec.function:
         if spec.isolation == "none" and not inspect.iscoroutinefunction(fn):
+            why = "drop isolation: none to run it in its own threads"
             raise TypeError(
-                f"isolation: none runs coroutine functions only (they await on the run's event loop), "
-                f"and {spec.function!r} is a sync function: drop isolation: none to run it in its own "
-                "threads"
+                "isolation: none runs coroutine functions only (they await on the run's event loop), "
+                f"and {spec.function!r} is a sync function: {why}"
             )
         if spec.isolation == "process":
             lane: Lane = ProcessLane(name, spec.function, spec.workers)
@@ -561,13 +515,12 @@ def build_tool(spec: ToolSpec, resolve_ref: Callable[[str], Any] = resolve) -> B
             if not callable(getattr(tool, method, None)):
                 raise TypeError(f"tool class {spec.class_!r} lacks the lifecycle method {method!r}")
             if spec.isolation == "none" and not inspect.iscoroutinefunction(getattr(tool, method)):
+                why = "drop isolation: none to run it on the tool's own loop thread"
                 raise TypeError(
-                    f"isolation: none runs coroutines only, and {spec.class_!r}.{method} is not an "
-                    "async def: drop isolation: none to run it on the tool's own loop thread"
+                    f"isolation: none runs coroutines only, and {spec.class_!r}.{method} is not an async def: {why}"
                 )
         lane = InlineLane(name) if spec.isolation == "none" else LoopLane(name)
     if hasattr(tool, "name"):
         tool.name = name
-    return BoundTool(
-        name, tool, schema, spec.timeout_s, tool_retry(spec.retry.max_attempts, spec.retry.backoff_s), lane
-    )
+    retry = tool_retry(spec.retry.max_attempts, spec.retry.backoff_s)
+    return BoundTool(name, tool, schema, spec.timeout_s, retry, lane)

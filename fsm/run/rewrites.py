@@ -25,13 +25,13 @@ from fsm.spec.contexts import RewriteSpec
 from fsm.tools.isolation import ThreadLane
 
 Action = Callable[[RunContext, Trajectory], Awaitable[None]]
-# What a rewrite function may return, as the gateway bounds a harness's request (GatewayLimits): a million
-# messages once held the event loop 117 s at 4 GB in the render that follows.
+# What a rewrite function may return, as the gateway bounds a harness's request (GatewayLimits): the render that
+# follows runs on the event loop, and its time grows with what it is given.
 MAX_MESSAGES = 4096
 MAX_CHARS = 8 << 20  # the text of every message together
+MAX_DEPTH = 32  # levels of nesting in a returned message (a tool call's arguments are a few)
 # Text past prompt_length x this cannot fit in prompt_length tokens (real tokenizers average 3-5 characters a
-# token): such a rewrite is not made, as one whose render is too long is not, without rendering it (8 MiB took
-# 66 s to render and tokenize on a loaded 2-core machine, all of it on the event loop).
+# token): such a rewrite is refused as one whose render is too long is, without rendering it.
 CHARS_PER_TOKEN = 16
 
 
@@ -89,20 +89,16 @@ def make_rewrite(name: str, spec: RewriteSpec, fn: Any = None) -> Action:
                 raise _refused(where, f"returned {exc}") from None
             limit = ctx.agent.limits.prompt_length
             if chars > limit * CHARS_PER_TOKEN:  # bounded time: never rendered (see CHARS_PER_TOKEN)
-                overflow(
-                    traj,
-                    f"a rewrite prompt of {chars} characters, more than prompt_length {limit} tokens hold",
-                )
+                why = f"a rewrite prompt of {chars} characters, more than prompt_length {limit} tokens hold"
+                overflow(traj, why)
             elif new != traj.messages:
                 try:
                     _restart(ctx, traj, new, "rewrite")
                 except RowError:
                     raise
                 except Exception as exc:  # a shape _check lets through that the template cannot take
-                    raise _refused(
-                        where,
-                        f"the chat template cannot render what it returned: {type(exc).__name__}: {exc}",
-                    ) from None
+                    why = f"the chat template cannot render what it returned: {type(exc).__name__}: {exc}"
+                    raise _refused(where, why) from None
 
         function_action.__name__ = name
         return function_action
@@ -167,9 +163,7 @@ def _caller(name: str, spec: RewriteSpec, fn: Any) -> Callable[[list, float | No
             if task is None or task.cancelling():
                 raise  # the run cancels this row: not the function's doing
             raise _refused(where, f"raised CancelledError: {exc}") from None
-        except (
-            BaseException
-        ) as exc:  # KeyboardInterrupt, SystemExit, GeneratorExit from the function: its row
+        except BaseException as exc:  # KeyboardInterrupt, SystemExit, GeneratorExit from the function
             raise _refused(where, f"raised {type(exc).__name__}: {exc}") from None
 
     return call
@@ -177,9 +171,8 @@ def _caller(name: str, spec: RewriteSpec, fn: Any) -> Callable[[list, float | No
 
 def _check(new: Any, where: str) -> int:
     """A non-empty list of at most MAX_MESSAGES chat messages of JSON values holding at most MAX_CHARS characters in
-    all (tool calls' arguments too: 20 MB of them once rendered into a 5.9 GB abort), nested at most MAX_DEPTH
-    deep, whose content is text or content parts with text: checked before anything walks or renders it (a part
-    whose text was a list was a raw TypeError in the template). The characters it holds."""
+    all (tool calls' arguments too), nested at most MAX_DEPTH deep, whose content is text or content parts with
+    text: checked before anything walks or renders it. The characters it holds."""
     if not isinstance(new, list) or not new:
         raise _refused(where, f"must return a non-empty list of chat messages, got {type(new).__name__}")
     if len(new) > MAX_MESSAGES:
@@ -187,29 +180,19 @@ def _check(new: Any, where: str) -> int:
     chars = 0
     for k, m in enumerate(new):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise _refused(
-                where,
-                f"must return a non-empty list of chat messages; message {k} is "
-                f"{type(m).__name__ if not isinstance(m, dict) else 'a mapping without a role string'}",
-            )
+            what = type(m).__name__ if not isinstance(m, dict) else "a mapping without a role string"
+            raise _refused(where, f"must return a non-empty list of chat messages; message {k} is {what}")
         chars += _size(m, MAX_CHARS - chars, where, k)
         content = m.get("content")
         if isinstance(content, list):
             for j, part in enumerate(content):
                 if not isinstance(part, dict) or not isinstance(part.get("text", ""), str):
-                    raise _refused(
-                        where,
-                        f"message {k}'s content part {j} must be a mapping whose text is a string, "
-                        f"got {describe(part)}",
-                    )
+                    why = f"must be a mapping whose text is a string, got {describe(part)}"
+                    raise _refused(where, f"message {k}'s content part {j} {why}")
         elif not (content is None or isinstance(content, str)):
-            raise _refused(
-                where, f"message {k}'s content must be text or content parts, got {describe(content)}"
-            )
+            why = f"must be text or content parts, got {describe(content)}"
+            raise _refused(where, f"message {k}'s content {why}")
     return chars
-
-
-MAX_DEPTH = 32  # levels of nesting in a returned message (a tool call's arguments are a few)
 
 
 def _size(value: Any, budget: int, where: str, k: int) -> int:
@@ -238,41 +221,3 @@ def _size(value: Any, budget: int, where: str, k: int) -> int:
         elif isinstance(item, (list, tuple)):
             stack.extend((sub, depth + 1) for sub in item)
     return size
-
-
-def rewrite_loops(states: dict[str, Any], rewrites: dict[str, RewriteSpec]) -> list[list[str]]:
-    """Cycles through a rewrite state with no model turn (`generate`) in them: each would rewrite forever.
-    Returns one member list per such cycle (the strongly connected part around each rewrite state)."""
-    graph = {
-        s: [t.to for t in st.next if t.to in states and states[t.to].action != "generate"]
-        for s, st in states.items()
-        if st.action != "generate"
-    }
-    found, seen = [], set()
-    for name, st in states.items():
-        if st.action not in rewrites or name in seen or name not in graph:
-            continue
-        loop = reach(name, graph) & reach(name, reversed_graph(graph))
-        if name in graph[name] or len(loop) > 1:
-            seen |= loop
-            found.append([s for s in states if s in loop])
-    return found
-
-
-def reversed_graph(graph: dict[str, list[str]]) -> dict[str, list[str]]:
-    out: dict[str, list[str]] = {s: [] for s in graph}
-    for s, nexts in graph.items():
-        for t in nexts:
-            out.setdefault(t, []).append(s)
-    return out
-
-
-def reach(start: str, graph: dict[str, list[str]]) -> set[str]:
-    """`start` and every state its edges lead to (the spec checks of fsm/run/compile.py ask too)."""
-    seen, todo = {start}, [start]
-    while todo:
-        for nxt in graph.get(todo.pop(), ()):
-            if nxt not in seen:
-                seen.add(nxt)
-                todo.append(nxt)
-    return seen

@@ -10,7 +10,7 @@ The runner calls this module at fixed points (`enter`, `finish`, `reward_of`, `e
 its driver loop reads the same for a linear row and a tree's node.
 
 `validate`'s checks of a spec's trees come first (`check_tree`, `tree_size`, `child_schema`): policies named and
-used, child machines that exist and cannot recurse without a bound, forks that cannot multiply without one, each
+used, child machines that exist and cannot recurse without a bound (forks on a cycle: fsm/run/compile.py), each
 reported at its line through the compiler's `error(code, message, *loc)`.
 """
 
@@ -36,12 +36,8 @@ if TYPE_CHECKING:
     from fsm.run.context import RunContext
 
 Drive = Callable[["RunContext", Trajectory], Coroutine[Any, Any, None]]
-
-
 # a child call refused by the run's node bound: the row's error (fsm/run/actions.py), not the model's observation
 RUN_NODE_BOUND = "run_node_bound"
-Report = Callable[..., None]
-GENERATING_ACTIONS = ("generate",)
 
 
 def child_schema(name: str, spec: Any, given: Any = None) -> dict[str, Any]:
@@ -85,60 +81,39 @@ def declared_tool_names(spec: AgentSpec) -> set[str]:
     return names
 
 
-def check_tree(spec: AgentSpec, path: Path | None, error: Report, tool_names: set[str] | None = None) -> None:
+def check_tree(
+    spec: AgentSpec, path: Path | None, error: Callable[..., None], tool_names: set[str] | None = None
+) -> None:
     """Every tree check of `spec` (loaded from `path`, None when built in memory); `tool_names`: its built tools'
     names (default: `declared_tool_names`, what a static check knows)."""
     declared = set(spec.policies) or {"default"}
-    generating = [(n, st) for n, st in spec.states.items() if st.action in GENERATING_ACTIONS or st.policy]
+    generating = any(st.action == "generate" or st.policy for st in spec.states.values())
     named: dict[str, str] = {}
     for name, st in spec.states.items():
         if st.policy is None:
             continue
         if st.policy not in declared:
-            error(
-                "unknown-policy",
-                f"state {name} names policy {st.policy!r}, not under policies: "
-                f"({', '.join(sorted(declared))})",
-                "states",
-                name,
-                "policy",
-                key=False,
-            )
+            msg = f"state {name} names policy {st.policy!r}, not under policies: ({', '.join(sorted(declared))})"
+            error("unknown-policy", msg, "states", name, "policy", key=False)
         named.setdefault(st.policy, name)
     if len(named) > 1:
         (a, sa), (b, sb) = list(named.items())[:2]
-        error(
-            "mixed-policy",
-            f"states {sa} and {sb} generate with two policies ({a}, {b}); one machine's rows "
-            "belong to one policy: start a child machine (children:) for the other",
-            "states",
-            sb,
-            "policy",
-            key=False,
-        )
+        msg = f"states {sa} and {sb} generate with two policies ({a}, {b}); one machine's rows belong to one "
+        msg += "policy: start a child machine (children:) for the other"
+        error("mixed-policy", msg, "states", sb, "policy", key=False)
     used = ({spec.policy} if generating else set()) | set(named)
     if tool_names is None:
         tool_names = declared_tool_names(spec)
     for name, child in spec.children.items():
         if name in tool_names:
-            error(
-                "duplicate",
-                f"child machine {name!r} has the name of a tool: the model would see two tools named {name!r} "
-                "and a call could reach either; rename one (the tool's `name:` or the child's key)",
-                "children",
-                name,
-            )
+            msg = f"child machine {name!r} has the name of a tool: the model would see two tools named {name!r} "
+            msg += "and a call could reach either; rename one (the tool's `name:` or the child's key)"
+            error("duplicate", msg, "children", name)
         if child.policy is not None:
             if child.policy not in declared:
-                error(
-                    "unknown-policy",
-                    f"child machine {name} names policy {child.policy!r}, not under "
-                    f"policies: ({', '.join(sorted(declared))})",
-                    "children",
-                    name,
-                    "policy",
-                    key=False,
-                )
+                msg = f"child machine {name} names policy {child.policy!r}, not under policies: "
+                msg += f"({', '.join(sorted(declared))})"
+                error("unknown-policy", msg, "children", name, "policy", key=False)
             used.add(child.policy)
         target = child_spec_path(child.spec, path)
         if target is None:
@@ -147,50 +122,17 @@ def check_tree(spec: AgentSpec, path: Path | None, error: Report, tool_names: se
         loaded = _load(target) if target.is_file() else None
         if loaded is None:
             why = "no such file" if not target.is_file() else "it does not load (run validate on it)"
-            error(
-                "unknown-child",
-                f"child machine {name}: spec {child.spec!r} ({target}): {why}",
-                "children",
-                name,
-                "spec",
-                key=False,
-            )
+            msg = f"child machine {name}: spec {child.spec!r} ({target}): {why}"
+            error("unknown-child", msg, "children", name, "spec", key=False)
         elif child.policy is None:
             used.add(loaded.policy)
-    if spec.policies:
-        for name in spec.policies:
-            if name not in used:
-                error(
-                    "unused-policy",
-                    f"policy {name} generates nowhere: no state or child machine uses it",
-                    "policies",
-                    name,
-                )
+    for name in spec.policies:
+        if name not in used:
+            msg = f"policy {name} generates nowhere: no state or child machine uses it"
+            error("unused-policy", msg, "policies", name)
     if spec.children and spec.tree.max_depth is None and _recursive(spec, path):
-        error(
-            "unbounded-recursion",
-            "a child machine starts this spec again (directly or through others) and "
-            "tree.max_depth is null: set a bound",
-            "tree",
-            "max_depth",
-            key=False,
-        )
-    graph = {s: [t.to for t in st.next] for s, st in spec.states.items()}
-    for name, st in spec.states.items():
-        if st.fork is None:
-            continue
-        if st.final:
-            error("fork", f"final state {name} cannot fork", "states", name, "fork")
-        elif st.fork.times is None and _on_cycle(name, graph):
-            error(
-                "fork-in-loop",
-                f"state {name} forks on every entry and is on a cycle: the branches would "
-                "multiply each time round; give fork.times a bound",
-                "states",
-                name,
-                "fork",
-                key=False,
-            )
+        msg = "a child machine starts this spec again (directly or through others) and tree.max_depth is null"
+        error("unbounded-recursion", f"{msg}: set a bound", "tree", "max_depth", key=False)
 
 
 def tree_size(spec: AgentSpec) -> int | None:
@@ -216,18 +158,6 @@ def tree_size(spec: AgentSpec) -> int | None:
     return total
 
 
-def _on_cycle(start: str, graph: dict[str, list[str]]) -> bool:
-    seen, todo = set(), list(graph.get(start, ()))
-    while todo:
-        s = todo.pop()
-        if s == start:
-            return True
-        if s not in seen:
-            seen.add(s)
-            todo += graph.get(s, ())
-    return False
-
-
 def _recursive(spec: AgentSpec, path: Path | None) -> bool:
     """A chain of child machines leads from `spec` back to it."""
     me = path.resolve() if path is not None else None
@@ -250,8 +180,7 @@ def _recursive(spec: AgentSpec, path: Path | None) -> bool:
 
 def _charge(ctx: RunContext, count: TreeCount, k: int) -> str | None:
     """Charge `k` new nodes of a tree to the run's bound: why not (None: charged). Unlike a tree's own bounds,
-    which the tree lives with, the run's protects the machine (a bomb of 100,000 nodes within one tree's), so
-    passing it ends the row as an error."""
+    which the tree lives with, the run's protects the machine, so passing it ends the row as an error."""
     limit = ctx.root_agent.spec.tree.max_run_nodes
     held = ctx.run_nodes.nodes
     if held + k > limit:
@@ -334,7 +263,7 @@ def final_answer(traj: Trajectory) -> str | None:
 
 
 def _new_child(
-    traj: Trajectory, parent: Node, node_path: str, call: tuple[str, Any, str], agent: Any, policy: str
+    traj: Trajectory, parent: Node, path: str, call: tuple[str, Any, str], agent: Any, policy: str
 ) -> Trajectory:
     """Child machine `call` = (name, its spec, the task)'s node, before its first action, appended to `parent`'s
     nodes."""
@@ -343,29 +272,24 @@ def _new_child(
         {"role": "user", "content": child_spec.task.replace("{input}", task)}
     ]
     row = {"raw_prompt": messages, "uid": traj.uid, "data_source": traj.row.get("data_source")}
-    child = Trajectory(
-        traj.index, traj.sample, f"{traj.session_id}:{node_path}", traj.uid, row, agent.initial
-    )
-    child.extra["row_name"] = f"{traj.row_name} node {node_path}"
+    child = Trajectory(traj.index, traj.sample, f"{traj.session_id}:{path}", traj.uid, row, agent.initial)
+    child.extra["row_name"] = f"{traj.row_name} node {path}"
     child.tool_schemas = agent.tools.schemas_for(None)
     parent.count.nodes += 1
-    child.node = Node(
-        parent.tree,
-        node_path,
-        parent.node,
-        "child",
-        len(traj.prompt_ids) + len(traj.response_ids),
-        policy,
-        parent.depth + 1,
-        origin=name,
-        route=child.session_id,
-        agent=agent,
-        count=parent.count,
-        ordinal=parent.count.nodes - 1,
-        root_agent=parent.root_agent,
+    offset = len(traj.prompt_ids) + len(traj.response_ids)
+    child.node = _node(
+        parent, path, "child", offset, policy, origin=name, route=child.session_id, agent=agent
     )
     parent.nodes.append(child)
     return child
+
+
+def _node(parent: Node, path: str, kind: str, offset: int, policy: str, **run: Any) -> Node:
+    """Node `path` below `parent`, in its tree, numbered there (counted already); `run`: its own run state, where
+    it is not its parent's."""
+    run = {"root_agent": parent.root_agent, "route": parent.route, "agent": parent.agent, **run}
+    run.update(count=parent.count, ordinal=parent.count.nodes - 1)
+    return Node(parent.tree, path, parent.node, kind, offset, policy, parent.depth + 1, **run)
 
 
 def _taken_back(parent: Node, path: str, kind: str, origin: str | None) -> Trajectory | None:
@@ -387,23 +311,18 @@ async def run_child(ctx: RunContext, traj: Trajectory, call: ToolCall, drive: Dr
     root_agent = ctx.root_agent
     parent = root_node(traj, ctx.agent)
     task = (call.arguments or {}).get(child_spec.input) if isinstance(call.arguments, dict) else None
+
+    def refused(text: str, error: str) -> CallOutcome:
+        return CallOutcome(name, text, error=error, call_id=call.id)
+
     if not isinstance(task, str) or not task.strip():
-        return CallOutcome(
-            name,
-            f"Error: {name} needs a text argument {child_spec.input!r}",
-            error="bad_arguments",
-            call_id=call.id,
-        )
+        return refused(f"Error: {name} needs a text argument {child_spec.input!r}", "bad_arguments")
     why = _room(parent, root_agent)
     if why is not None:
-        return CallOutcome(
-            name, f"Error: sub-agent {name} not started: {why}", error="tree_limit", call_id=call.id
-        )
+        return refused(f"Error: sub-agent {name} not started: {why}", "tree_limit")
     over = _charge(ctx, parent.count, 1)
     if over is not None:
-        return CallOutcome(
-            name, f"sub-agent {name} not started: {over}", error=RUN_NODE_BOUND, call_id=call.id
-        )
+        return refused(f"sub-agent {name} not started: {over}", RUN_NODE_BOUND)
     agent = ctx.child_agent(name)
     policy = child_spec.policy or agent.spec.policy
     child_ctx = ctx.for_node(agent, policy)
@@ -418,19 +337,11 @@ async def run_child(ctx: RunContext, traj: Trajectory, call: ToolCall, drive: Dr
         async with asyncio.TaskGroup() as tg:  # its own task: the parent's cancellation reaches it
             tg.create_task(drive(child_ctx, child))
     if child.failed:
-        return CallOutcome(
-            name,
-            f"Error: sub-agent {name} failed: {child.termination_reason}",
-            error="child_failed",
-            call_id=call.id,
-        )
+        return refused(f"Error: sub-agent {name} failed: {child.termination_reason}", "child_failed")
     answer = final_answer(child)
     if answer is None:
-        return CallOutcome(
-            name,
-            f"Error: sub-agent {name} ended ({child.termination_reason}) without an answer",
-            error="child_no_answer",
-            call_id=call.id,
+        return refused(
+            f"Error: sub-agent {name} ended ({child.termination_reason}) without an answer", "child_no_answer"
         )
     if child_spec.answer is not None and (m := re.search(child_spec.answer, answer)) is not None:
         answer = m.group(1) if m.groups() else m.group(0)
@@ -450,11 +361,8 @@ def _copy(traj: Trajectory, session_id: str) -> Trajectory:
     b.response_mask, b.response_logprobs = array("b", traj.response_mask), array("f", traj.response_logprobs)
     b._version_runs, b.runs = array("i", traj._version_runs), TokenRuns(traj.runs)
     b.closed = list(traj.closed) if traj.closed else ()
-    b.segment_start, b.needs_tail, b.logprobs_missing = (
-        traj.segment_start,
-        traj.needs_tail,
-        traj.logprobs_missing,
-    )
+    b.segment_start, b.needs_tail = traj.segment_start, traj.needs_tail
+    b.logprobs_missing = traj.logprobs_missing
     b.path, b.path_times = list(traj.path), array("d", traj.path_times)
     b.transitions_fired = list(traj.transitions_fired)
     b.assistant_turns, b.user_turns = traj.assistant_turns, traj.user_turns
@@ -470,18 +378,6 @@ def _copy(traj: Trajectory, session_id: str) -> Trajectory:
     return b
 
 
-def should_fork(ctx: RunContext, traj: Trajectory) -> bool:
-    """`traj`, entering its state, forks there now: the state has `fork:` and this path has not used it up."""
-    fork = ctx.agent.forks.get(traj.state)
-    if traj.node.fresh:  # copied at this entry: the branch's own turn comes now
-        traj.node.fresh = False
-        return False
-    if fork is None or traj.interaction_started:  # a user simulator's session cannot be split
-        return False
-    done = traj.node.forks.get(traj.state, 0)
-    return fork.times is None or done < fork.times
-
-
 async def fork(ctx: RunContext, traj: Trajectory, drive: Drive) -> bool:
     """Fork `traj` into its state's branches and drive them to their ends (concurrently, on the same server as
     `traj`: they share its routing key). False when a tree bound refuses it (then `traj` goes on alone)."""
@@ -491,10 +387,8 @@ async def fork(ctx: RunContext, traj: Trajectory, drive: Drive) -> bool:
     k = spec.branches
     if _room(parent, root_agent, k) is not None:
         tree = root_agent.spec.tree
-        traj.extra["fork_refused"] = (
-            f"{traj.state}: {k} branches past tree bounds (max_depth {tree.max_depth}, max_children "
-            f"{tree.max_children}, max_nodes {tree.max_nodes})"
-        )
+        bounds = f"max_depth {tree.max_depth}, max_children {tree.max_children}, max_nodes {tree.max_nodes}"
+        traj.extra["fork_refused"] = f"{traj.state}: {k} branches past tree bounds ({bounds})"
         parent.forks[traj.state] = parent.forks.get(traj.state, 0) + 1
         return False
     over = _charge(ctx, parent.count, k)
@@ -511,24 +405,9 @@ async def fork(ctx: RunContext, traj: Trajectory, drive: Drive) -> bool:
             branches.append(kept)
             continue
         b = _copy(traj, f"{traj.session_id}:{path}")
-        b.node = Node(
-            parent.tree,
-            path,
-            parent.node,
-            "branch",
-            offset,
-            parent.policy,
-            parent.depth + 1,
-            origin=traj.state,
-            shared_length=offset,
-            route=parent.route,
-            agent=parent.agent,
-            count=parent.count,
-            ordinal=parent.count.nodes - 1,
-            forks={**parent.forks, traj.state: parent.forks.get(traj.state, 0) + 1},
-            root_agent=root_agent,
-            fresh=True,
-        )
+        forks = {**parent.forks, traj.state: parent.forks.get(traj.state, 0) + 1}
+        run = dict(origin=traj.state, shared_length=offset, forks=forks, root_agent=root_agent, fresh=True)
+        b.node = _node(parent, path, "branch", offset, parent.policy, **run)
         b.extra["row_name"] = f"{traj.row_name} node {path}"
         parent.nodes.append(b)
         branches.append(b)
@@ -545,8 +424,19 @@ async def fork(ctx: RunContext, traj: Trajectory, drive: Drive) -> bool:
 
 
 async def enter(ctx: RunContext, traj: Trajectory, drive: Drive) -> bool:
-    """`traj` enters its state: True when it forked there (its branches went on from here, to their ends)."""
-    return bool(ctx.agent.forks) and should_fork(ctx, traj) and await fork(ctx, traj, drive)
+    """`traj` enters its state: True when it forked there (the state has `fork:` this path has not used up; its
+    branches went on from here, to their ends)."""
+    if not ctx.agent.forks:
+        return False
+    spec = ctx.agent.forks.get(traj.state)
+    if traj.node.fresh:  # copied at this entry: the branch's own turn comes now
+        traj.node.fresh = False
+        return False
+    if spec is None or traj.interaction_started:  # a user simulator's session cannot be split
+        return False
+    if spec.times is not None and traj.node.forks.get(traj.state, 0) >= spec.times:
+        return False
+    return await fork(ctx, traj, drive)
 
 
 async def finish(ctx: RunContext, traj: Trajectory) -> bool:
