@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.engine import _workload, bench_agent
-from fsm.run.recorder import Recorder, Writer
+from fsm.run.journal import Recorder, Writer
 from fsm.run.runtime import Runner
 from fsm.run.stream import Stream
 

@@ -20,8 +20,7 @@ from backends.scripted import ScriptedBackend
 from fsm import RolloutEngine
 from fsm.cli.commands import main
 from fsm.run.codec import encode_trajectory
-from fsm.run.journal import FORMAT, JOURNAL, JournalError, Scan, frame, rebuild, records
-from fsm.run.recorder import Recorder, Writer
+from fsm.run.journal import FORMAT, JOURNAL, JournalError, Recorder, Scan, Writer, frame, rebuild, records
 from fsm.run.resume import identity, load
 from tests.conftest import ASSETS, REPO, model_turn, scripted, tool_turn, user_row
 from tests.test_cli import _ThreadServer, assert_consistent, one_line_error, run_argv

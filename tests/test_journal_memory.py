@@ -16,8 +16,7 @@ from backends.scripted import ScriptedBackend
 from fsm import RolloutEngine
 from fsm.api import load_agent
 from fsm.run.codec import decode_trajectory, encode_trajectory
-from fsm.run.journal import JOURNAL
-from fsm.run.recorder import Recorder, Writer
+from fsm.run.journal import JOURNAL, Recorder, Writer
 from fsm.run.resume import identity, load
 from specs.calculator import make_prompts
 from tests.conftest import ASSETS, REPO

@@ -200,7 +200,7 @@ def test_always_fsyncs_each_batch_off_the_event_loop_in_order(tmp_path, monkeypa
     import asyncio
     import threading
 
-    from fsm.run.recorder import Writer
+    from fsm.run.journal import Writer
 
     fsync, seen = os.fsync, []
 
@@ -368,7 +368,7 @@ import asyncio, sys, zlib
 
 from backends.scripted import ScriptedBackend
 from fsm import RolloutEngine
-from fsm.run.recorder import Recorder, Writer
+from fsm.run.journal import Recorder, Writer
 from fsm.run.resume import identity
 from specs.calculator import make_prompts
 
@@ -402,7 +402,7 @@ def test_groups_a_trainer_took_are_not_handed_out_again_after_a_kill(tmp_path):
     import sys
 
     from fsm import RolloutEngine
-    from fsm.run.recorder import Recorder, Writer
+    from fsm.run.journal import Recorder, Writer
     from fsm.run.resume import load
 
     path = tmp_path / JOURNAL
@@ -443,11 +443,11 @@ def test_a_record_past_the_bound_is_never_written_and_the_journal_stays_readable
 ):
     """The writer keeps the reader's bound: a record it could not read back fails the journal in one line."""
     import fsm.run.codec as codec
-    import fsm.run.recorder as recorder
+    import fsm.run.journal as journal
 
     monkeypatch.setattr(codec, "MAX_RECORD", 4096)
-    monkeypatch.setattr(recorder, "MAX_RECORD", 4096)
-    writer = recorder.Writer(tmp_path / JOURNAL, "off")
+    monkeypatch.setattr(journal, "MAX_RECORD", 4096)
+    writer = journal.Writer(tmp_path / JOURNAL, "off")
     writer.append({"t": "run", "format": codec.FORMAT})
     writer.append({"t": "step", "s": "x", "v": {"extra": {"text": "y" * 8192}}})
     writer.append({"t": "end", "status": "completed"})  # nothing more after a failure

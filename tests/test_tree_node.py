@@ -10,7 +10,7 @@ from pathlib import Path
 
 from backends.scripted import echo_backend
 from fsm.api import load_agent
-from fsm.run.recorder import Recorder
+from fsm.run.journal import Recorder
 from fsm.run.tree import nodes_of, row_nodes, tree_record
 from specs.calculator import make_prompts
 from tests.conftest import run_agent

@@ -21,8 +21,7 @@ from typing import Any
 
 from fsm.run.codec import JournalError, decode_trajectory, encode_sampling
 from fsm.run.context import Sampling
-from fsm.run.journal import records
-from fsm.run.recorder import Recorder, Writer
+from fsm.run.journal import Recorder, Writer, records
 from fsm.run.resume import load
 from fsm.run.trajectory import Trajectory
 from fsm.run.treejournal import Agents, restore_tree, tree_nodes

@@ -43,14 +43,13 @@ from fsm.output.rundir import (
     write_run,
 )
 from fsm.run.agent import CompiledAgent
+from fsm.run.codec import SnapshotError, encode_sampling
 from fsm.run.context import Sampling
 from fsm.run.engine import LocalEngine
-from fsm.run.journal import JOURNAL, SYNCS, JournalError, begun, ended
+from fsm.run.journal import JOURNAL, SYNCS, JournalError, Recorder, Writer, begun, ended
 from fsm.run.provenance import changes, judge, made_by
-from fsm.run.recorder import Recorder, Writer
 from fsm.run.resume import Loaded, identity, load, refuse_unbegun, served_by, weights_change, with_codec
 from fsm.run.signals import Interrupts, say_now, warn
-from fsm.run.codec import SnapshotError, encode_sampling
 from fsm.run.tracer import Tracer
 from fsm.run.trajectory import Trajectory
 from fsm.run.tree import nodes_of

@@ -1,6 +1,6 @@
 """The one durable form of a trajectory: how a trajectory, its sampling and the run journal's records encode and
-decode, and how a record is framed on disk and read back. The journal (fsm/run/journal.py replays it,
-fsm/run/recorder.py writes it), a snapshot (a journal compacted to one whole record per trajectory: fsm/run/stream.py
+decode, and how a record is framed on disk and read back. The journal (fsm/run/journal.py writes and replays
+it), a snapshot (a journal compacted to one whole record per trajectory: fsm/run/stream.py
 `Stream.snapshot`), a Ray actor's chunk journal (fsm/adapters/ray_journal.py) and the gateway's workers all go
 through this module; the records and their fields are listed in docs/running.md ("The format").
 

@@ -29,7 +29,7 @@ from fsm.run.actions import BUILTIN_ACTIONS
 from fsm.run.codec import FORMAT, SnapshotError, decode_sampling, decode_trajectory, encode_sampling, whole
 from fsm.run.context import RunContext, Sampling
 from fsm.run.engine import StalePolicy
-from fsm.run.recorder import Recorder
+from fsm.run.journal import Recorder
 from fsm.run.runtime import Owner, Runner
 from fsm.run.trajectory import Trajectory
 from fsm.run.treejournal import Agents, restore_tree, tree_nodes
