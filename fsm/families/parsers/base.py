@@ -137,7 +137,7 @@ def load_json(raw: str) -> tuple[Any, str | None]:
     except RecursionError:
         return None, "JSON nested too deeply"
     except ValueError as exc:  # JSONDecodeError, a number out of range, an integer past Python's digit limit
-        return None, f"Invalid JSON: {exc}"
+        return None, str(exc)
 
 
 def decode_at(text: str, pos: int) -> tuple[Any, int] | None:
@@ -215,13 +215,13 @@ def capped(calls: list[ToolCall]) -> list[ToolCall]:
 def json_arguments(raw: str, name: str) -> ToolCall:
     value, error = load_json(raw)
     if error is not None:
-        return ToolCall(
-            name,
-            None,
-            raw,
-            error=f"Invalid JSON in arguments for '{name}': {error.removeprefix('Invalid JSON: ')}",
-        )
+        return ToolCall(name, None, raw, error=f"Invalid JSON in arguments for '{name}': {error}")
     return ToolCall(name, value, raw)
+
+
+def invalid_call(raw: str, why: str) -> ToolCall:
+    """A block whose JSON does not parse: a malformed call, answered with why."""
+    return ToolCall(None, None, raw, error=f"Invalid JSON in tool call: {why}")
 
 
 def blocks(text: str, opener: str, closer: str) -> Iterator[tuple[int, int, int]]:
@@ -295,6 +295,7 @@ class SchemaTyped:
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 _STRING_OR_CLOSE = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|(</tool_call>)', re.DOTALL)
 _SHAPE = 'a tool call must be a JSON object with a string "name" and "arguments" (or "parameters")'
+_LLAMA_SHAPE = 'a tool call must be a JSON object with a string "name" and "parameters"'
 
 
 def _string_aware_close(text: str, pos: int) -> int:
@@ -361,20 +362,7 @@ class HermesParser:
                 end = nearest
                 value, error = load_json(text[body:end])
             raw, pos = text[body:end], end + len(_CLOSE)
-            yield (
-                start,
-                pos,
-                self._calls(value, raw)
-                if error is None
-                else [
-                    ToolCall(
-                        None,
-                        None,
-                        raw,
-                        error=f"Invalid JSON in tool call: {error.removeprefix('Invalid JSON: ')}",
-                    )
-                ],
-            )
+            yield start, pos, self._calls(value, raw) if error is None else [invalid_call(raw, error)]
 
     @staticmethod
     def _calls(value: Any, raw: str) -> list[ToolCall]:
@@ -417,28 +405,13 @@ class Llama3JsonParser:
         while pos < len(body) and (not calls or body[pos] == "{"):  # text after the calls is not a call
             read = decode_at(body, pos)
             if read is None:
-                _value, error = load_json(body[pos:])
-                calls.append(
-                    ToolCall(
-                        None,
-                        None,
-                        body[pos:],
-                        error=f"Invalid JSON in tool call: {(error or '').removeprefix('Invalid JSON: ')}",
-                    )
-                )
+                calls.append(invalid_call(body[pos:], load_json(body[pos:])[1] or ""))
                 break
             obj, end = read
             raw = body[pos:end]
             args = obj.get("parameters", obj.get("arguments")) if isinstance(obj, dict) else None
             if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or args is None:
-                calls.append(
-                    ToolCall(
-                        None,
-                        None,
-                        raw,
-                        error='a tool call must be a JSON object with a string "name" and "parameters"',
-                    )
-                )
+                calls.append(ToolCall(None, None, raw, error=_LLAMA_SHAPE))
             else:
                 calls.append(ToolCall(obj["name"], args, raw))
             pos = end

@@ -19,6 +19,7 @@ from fsm.families.parsers.base import (
 )
 
 AMBIGUOUS = "<ambiguous>"  # the channel or recipient of a header that names two
+_TWO = "a Harmony message header names two channels or two recipients; write one <|channel|> and one to=functions.NAME"
 
 
 @register_parser("gpt_oss")
@@ -60,15 +61,7 @@ class HarmonyParser:
             if not recipient or channel == "analysis":  # calls in the reasoning channel are not made (verl)
                 continue
             if AMBIGUOUS in (channel, recipient):
-                calls.append(
-                    ToolCall(
-                        None,
-                        None,
-                        body,
-                        error="a Harmony message header names two channels or two "
-                        "recipients; write one <|channel|> and one to=functions.NAME",
-                    )
-                )
+                calls.append(ToolCall(None, None, body, error=_TWO))
                 continue
             if end != "<|call|>":
                 calls.append(

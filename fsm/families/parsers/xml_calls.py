@@ -52,18 +52,15 @@ def typed(raw: str, kind: str | None, *, strip: bool = True) -> Any:
         if number is not None and (number != number or number in (float("inf"), float("-inf"))):
             raise Malformed(f"the number {value[:20]!r} is out of range (not finite)")
         if number is not None:
-            return (
-                int(number)
-                if number.is_integer() and "." not in value and "e" not in value.lower()
-                else number
-            )
+            integral = number.is_integer() and "." not in value and "e" not in value.lower()
+            return int(number) if integral else number
     if kind is not None and kind.startswith("bool") and value.lower() in ("true", "false"):
         return value.lower() == "true"
     parsed, error = load_json(value)
     if error is None:
         return parsed
     if any(why in error for why in ("out of range", "not a JSON value", "too deeply", "digits")):
-        raise Malformed(error.removeprefix("Invalid JSON: "))
+        raise Malformed(error)
     if kind not in (None, "") and value[:1] in "{[(":  # an object or array written as a Python literal
         parsed, ok = literal(value)
         if ok:
@@ -149,6 +146,9 @@ class Qwen3CoderParser(SchemaTyped):
         return typed(value, kind or "string", strip=False)
 
 
+_GLM_PAIRS = "each <arg_key>k</arg_key> must be followed by <arg_value>v</arg_value>"
+
+
 @register_parser("glm45")
 class GLM45Parser(SchemaTyped):
     """GLM-4.5/4.6/4.7: `<tool_call>NAME<arg_key>k</arg_key><arg_value>v</arg_value></tool_call>`; values are
@@ -174,17 +174,11 @@ class GLM45Parser(SchemaTyped):
             v = raw.find("<arg_value>", k_end) if k_end >= 0 else -1
             v_end = raw.find("</arg_value>", v) if v >= 0 else -1
             if v_end < 0 or raw[k_end + len("</arg_key>") : v].strip():
-                return ToolCall(
-                    name,
-                    None,
-                    raw,
-                    error="each <arg_key>k</arg_key> must be followed by <arg_value>v</arg_value>",
-                )
+                return ToolCall(name, None, raw, error=_GLM_PAIRS)
             key = raw[k + len("<arg_key>") : k_end].strip()
+            kind = types.get(key, "") if types is not None else None
             try:
-                args[key] = typed(
-                    raw[v + len("<arg_value>") : v_end], types.get(key, "") if types is not None else None
-                )
+                args[key] = typed(raw[v + len("<arg_value>") : v_end], kind)
             except Malformed as exc:
                 return ToolCall(name, None, raw, error=f"argument '{key}' of '{name}': {exc}")
             pos = v_end + len("</arg_value>")
