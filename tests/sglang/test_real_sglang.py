@@ -54,9 +54,15 @@ async def running(c: SGLangBackend, n: int = 1, timeout_s: float = 180) -> None:
         await asyncio.sleep(0.01)
 
 
+_REFERENCES: dict[str, GenerateResult] = {}
+
+
 async def reference(c: SGLangBackend) -> GenerateResult:
-    """The uninterrupted greedy turn the interrupted ones must end up equal to."""
-    return await c.generate(req("ref_t00", LONG, ignore_eos=True))
+    """The uninterrupted greedy turn the interrupted ones must end up equal to: made once per server and shared
+    (greedy on the shipped weights, which every test that changes them puts back; a CPU turn of LONG tokens)."""
+    if c.url not in _REFERENCES:
+        _REFERENCES[c.url] = await c.generate(req("ref_t00", LONG, ignore_eos=True))
+    return _REFERENCES[c.url]
 
 
 # -- /generate --------------------------------------------------------------------------------------------
@@ -217,6 +223,17 @@ def agentfsm(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def launched(*args: str) -> subprocess.Popen[str]:
+    """`agentfsm(*args)` started, not awaited: a second process that runs beside this test's other work."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "fsm.cli.commands", *args],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
 def batch(out) -> Any:
     return torch.load(out / "batch.pt", weights_only=False)["batch"]
 
@@ -232,41 +249,24 @@ def assert_same_batch(got: Any, want: Any, rows: int | None = None) -> None:
 
 
 async def test_the_main_job_over_real_sglang_equals_the_dev_servers(sglang, tmp_path):
+    """The same CLI job over real SGLang and over the dev server (run side by side, each its own process)
+    gives the same batch."""
     from backends.devserver import DevServer
     from backends.hf import HFBackend
 
-    real = await asyncio.to_thread(
-        agentfsm,
-        "run",
-        "specs/calculator.yaml",
-        "--server",
-        sglang.url,
-        "--temperature",
-        "0",
-        "--num-prompts",
-        "8",
-        "--out",
-        str(tmp_path / "real"),
-    )
-    assert real.returncode == 0, real.stderr[-2000:]
+    def job(url: str, out: str) -> subprocess.CompletedProcess[str]:
+        argv = ("--server", url, "--temperature", "0", "--num-prompts", "8", "--out", str(tmp_path / out))
+        return agentfsm("run", "specs/calculator.yaml", *argv)
+
     model = HFBackend(ASSETS, device="cpu")
     try:
         async with DevServer(model, model_path=str(ASSETS)) as dev:
-            ours = await asyncio.to_thread(
-                agentfsm,
-                "run",
-                "specs/calculator.yaml",
-                "--server",
-                dev.url,
-                "--temperature",
-                "0",
-                "--num-prompts",
-                "8",
-                "--out",
-                str(tmp_path / "dev"),
+            real, ours = await asyncio.gather(
+                asyncio.to_thread(job, sglang.url, "real"), asyncio.to_thread(job, dev.url, "dev")
             )
     finally:
         await model.close()
+    assert real.returncode == 0, real.stderr[-2000:]
     assert ours.returncode == 0, ours.stderr[-2000:]
     assert_same_batch(batch(tmp_path / "real"), batch(tmp_path / "dev"))
 
@@ -275,7 +275,8 @@ def test_an_updated_server_serves_what_a_fresh_one_on_the_checkpoint_serves(tmp_
     """As a trainer needs it: `--launch-sglang` starts a fresh real SGLang on the early checkpoint through the
     CLI (the launcher's CPU engine, end to end), and the session's server, updated to that checkpoint, serves
     the same job: the same tokens, logprobs within the engine's own noise (the tiny model ties its output
-    head to the embedding, which the update must move too)."""
+    head to the embedding, which the update must move too). The fresh server starts while the updated one
+    serves the job: two processes, neither reads the other's state."""
     job = (
         "run",
         "specs/calculator.yaml",
@@ -286,31 +287,22 @@ def test_an_updated_server_serves_what_a_fresh_one_on_the_checkpoint_serves(tmp_
         "--num-prompts",
         "4",
     )
-    fresh = agentfsm(
-        *job,
-        "--launch-sglang",
-        str(EARLY_DIR),
-        "--device",
-        "cpu",
-        "--sglang-python",
-        str(PYTHON),
-        "--port",
-        str(free_port()),
-        "--out",
-        str(tmp_path / "fresh"),
-    )
-    assert fresh.returncode == 0, fresh.stderr[-2000:]
-    assert list((tmp_path / "fresh" / "sglang_logs").glob("replica0_port*.log"))
+    launch = ("--launch-sglang", str(EARLY_DIR), "--device", "cpu", "--sglang-python", str(PYTHON))
+    fresh = launched(*job, *launch, "--port", str(free_port()), "--out", str(tmp_path / "fresh"))
 
     async def update(path: Any, version: str) -> None:
         async with client(sglang.url) as c:
             await c.update_weights_from_disk(str(path), weight_version=version)
 
-    asyncio.run(update(EARLY_DIR, "301"))
-    try:
-        updated = agentfsm(*job, "--server", sglang.url, "--out", str(tmp_path / "updated"))
-    finally:
-        asyncio.run(update(ASSETS, "302"))
+    with fresh:
+        asyncio.run(update(EARLY_DIR, "301"))
+        try:
+            updated = agentfsm(*job, "--server", sglang.url, "--out", str(tmp_path / "updated"))
+        finally:
+            asyncio.run(update(ASSETS, "302"))
+        fresh_err = fresh.communicate(timeout=600)[1]
+    assert fresh.returncode == 0, fresh_err[-2000:]
+    assert list((tmp_path / "fresh" / "sglang_logs").glob("replica0_port*.log"))
     assert updated.returncode == 0, updated.stderr[-2000:]
     got, want = batch(tmp_path / "updated"), batch(tmp_path / "fresh")
     assert got["responses"].shape[0] == 4 and bool((got["response_mask"].sum(-1) > 0).all())
