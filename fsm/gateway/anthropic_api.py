@@ -12,6 +12,12 @@ from typing import Any
 from fsm.gateway.record import Answer, Call, GatewayError, call_arguments, unsupported_tool, with_dropped
 
 STOP_REASONS = {"stop": "end_turn", "tool_calls": "tool_use", "length": "max_tokens"}
+ERROR_TYPES = {
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+}
 # Request fields a local model does not serve: read, left out, and noted on the row (`gateway_notes`). Claude Code
 # sends the first three by default: its thinking budget (reasoning is the spec's chat template's to decide),
 # context editing (the harness's history is recorded as sent) and effort; `cache_control` and `metadata` change
@@ -96,10 +102,8 @@ def messages_call(body: dict[str, Any]) -> Call:
             raise GatewayError("tools: must be a list")
         tools = []
         for k, t in enumerate(body["tools"]):
-            if isinstance(t, dict) and t.get("type") not in (
-                None,
-                "custom",
-            ):  # a server tool (web_search_..., bash_...)
+            # a server tool (web_search_..., bash_...)
+            if isinstance(t, dict) and t.get("type") not in (None, "custom"):
                 dropped.append(unsupported_tool(f"tools.{k}", t))
                 continue
             if not isinstance(t, dict) or not isinstance(t.get("name"), str):
@@ -113,12 +117,8 @@ def messages_call(body: dict[str, Any]) -> Call:
     extra: dict[str, Any] = {"model": str(body.get("model") or "")}
     if _title_schema(body.get("output_config")):
         extra["title_schema"] = True
-    return with_dropped(
-        Call(out, tools, max_tokens, bool(body.get("stream")), extra),
-        dropped,
-        body,
-        UNSERVED,
-    )
+    call = Call(out, tools, max_tokens, bool(body.get("stream")), extra)
+    return with_dropped(call, dropped, body, UNSERVED)
 
 
 def _title_schema(config: Any) -> bool:
@@ -159,28 +159,13 @@ def messages_stream(a: Answer, call: Call, session: str) -> Iterator[bytes]:
     final = messages_answer(a, call, session)
 
     def event(kind: str, **data: Any) -> bytes:
-        return (
-            f"event: {kind}\ndata: ".encode()
-            + json.dumps({"type": kind, **data}, ensure_ascii=False).encode()
-            + b"\n\n"
-        )
+        return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False)}\n\n".encode()
 
-    yield event(
-        "message_start",
-        message={
-            **final,
-            "content": [],
-            "stop_reason": None,
-            "usage": {"input_tokens": a.prompt_tokens, "output_tokens": 0},
-        },
-    )
+    usage = {"input_tokens": a.prompt_tokens, "output_tokens": 0}
+    yield event("message_start", message={**final, "content": [], "stop_reason": None, "usage": usage})
     for k, block in enumerate(final["content"]):
         if block["type"] == "thinking":
-            yield event(
-                "content_block_start",
-                index=k,
-                content_block={"type": "thinking", "thinking": "", "signature": ""},
-            )
+            yield event("content_block_start", index=k, content_block={**block, "thinking": ""})
             yield event(
                 "content_block_delta",
                 index=k,
@@ -210,13 +195,5 @@ def messages_stream(a: Answer, call: Call, session: str) -> Iterator[bytes]:
 
 
 def anthropic_error(exc: GatewayError) -> dict[str, Any]:
-    kinds = {
-        401: "authentication_error",
-        404: "not_found_error",
-        413: "request_too_large",
-        429: "rate_limit_error",
-    }
-    return {
-        "type": "error",
-        "error": {"type": kinds.get(exc.status, "invalid_request_error"), "message": str(exc)},
-    }
+    kind = ERROR_TYPES.get(exc.status, "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": str(exc)}}

@@ -39,6 +39,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from fsm.data.rows import RowError
 from fsm.gateway import peer
 from fsm.gateway.front import TOKEN_ENV
 from fsm.gateway.record import GatewayError, LimitReached
@@ -65,9 +66,8 @@ class Harnesses:
     (never the loop's executor) and the harness tasks; closed with the engine, shared with no other."""
 
     def __init__(self) -> None:
-        self.live: dict[
-            str, Session
-        ] = {}  # trajectory session_id -> its gateway session, while its harness runs
+        # trajectory session_id -> its gateway session, while its harness runs
+        self.live: dict[str, Session] = {}
         self.lane: ThreadLane | None = None
         self.tasks: set[asyncio.Task[Any]] = set()
 
@@ -152,8 +152,6 @@ def harness(
             try:
                 session = gateway.open(traj.session_id)
             except GatewayError as exc:
-                from fsm.data.rows import RowError
-
                 raise RowError(f"gateway: {exc}", "gateway") from None
             mine.live[traj.session_id] = session
             # its key works from this process's tree (a command's own tree, once started: _run_command)
@@ -191,8 +189,6 @@ async def _next_event(ctx: RunContext, traj: Trajectory, session: Session, timeo
         await _end(traj, session, task, outcome)
         # every call refused: nothing to train on, whatever the harness exited with
         if session.answered_errors and not traj.assistant_turns:
-            from fsm.data.rows import RowError
-
             raise RowError(
                 f"gateway: every model call of the harness was refused ({session.answered_errors}; the first: "
                 f"{session.first_error[:500]})",
@@ -207,9 +203,8 @@ async def _wait(
     max_refused = session.gateway.limits.max_refused_calls
     try:
         while True:
-            if (
-                task.done()
-            ):  # first: a call that came after the harness ended is refused (_end closes the session)
+            # first: a call that came after the harness ended is refused (_end closes the session)
+            if task.done():
                 return task.result() if not task.cancelled() else {"outcome": "cancelled"}
             if session.pending and _exited(session.pid):  # a call from what the harness left behind
                 session.close(ENDED)
@@ -237,11 +232,8 @@ async def _wait(
             session.wake.clear()
             await session.wake.wait()  # a call, the harness's end, or its deadline (session.timer) sets it
     except BaseException:  # the action's own timeout, a cancelled run: the harness ends with the row
-        await asyncio.shield(
-            _end(
-                traj, session, task, {"outcome": "cancelled", "error": "the row ended while its harness ran"}
-            )
-        )
+        ended = {"outcome": "cancelled", "error": "the row ended while its harness ran"}
+        await asyncio.shield(_end(traj, session, task, ended))
         raise
 
 
@@ -284,17 +276,14 @@ async def gateway_generate(ctx: RunContext, traj: Trajectory) -> None:
     """The GENERATING state of a harness: record the call the harness state took and answer it."""
     session = harnesses().live.get(traj.session_id)
     if session is None or session.current is None:
-        from fsm.data.rows import RowError
-
         raise RowError(
             "gateway_generate runs after a harness state that took a model call (harness_calling)", "gateway"
         )
     call, future = session.current
     try:
         answer = await record_call(ctx, traj, session.tree, call, f"call_{session.id[:8]}")
-    except (
-        GatewayError
-    ) as exc:  # refused while recording (too_many_segments, a prefill...): counts as spinning
+    # refused while recording (too_many_segments, a prefill...): counts as spinning
+    except GatewayError as exc:
         session.current = None
         session.refused += 1
         session.last_refusal = str(exc)
@@ -341,10 +330,8 @@ def harness_calling(traj: Trajectory) -> bool:
 def harness_failed(traj: Trajectory) -> bool:
     """The harness raised, exited non-zero, timed out or kept calling past the limits."""
     outcome = traj.extra.get("harness") or {}
-    return outcome.get("outcome") not in (None, "returned", "exit") or outcome.get("exit_code") not in (
-        None,
-        0,
-    )
+    ok = outcome.get("outcome") in (None, "returned", "exit") and outcome.get("exit_code") in (None, 0)
+    return not ok
 
 
 # --- running one -------------------------------------------------------------------------------------------

@@ -5,8 +5,7 @@ reading /proc/PID/environ where harnesses run uncontained): the key alone does n
 the session's harness. So a session bound to its harness (`Session.owner`, fsm/gateway/harness.py) also asks the
 kernel which socket is at the other end of the connection, and whether a process of its harness holds it:
 
-- the connecting socket's inode, found by its address with one sock_diag request over netlink (~25 µs; reading
-  /proc/net/tcp walks the kernel's whole connection table, ~5 ms a read on a large host);
+- the connecting socket's inode, found by its address with one sock_diag request over netlink;
 - `socket:[inode]` among the open files (/proc/PID/fd) of the harness's tree: its reaper, the harness and their
   descendants (/proc/PID/task/TID/children), which in a PID namespace is everything the harness can start.
 
@@ -137,10 +136,9 @@ def _children(pid: int) -> list[int] | None:
 
 
 class Holders:
-    """Which process holds which socket, as read from /proc/PID/fd. Reading every link of a process per new
-    connection costs its open files, and a function harness's tree is this process, a socket per session (O(n²) at
-    1,000 sessions): so every socket read is kept (inode -> pid, fd), a kept one is checked with one readlink, and
-    a walk reads only the files it has not read before, then (finding nothing: a number reused) all of them."""
+    """Which process holds which socket, as read from /proc/PID/fd: every socket read is kept (inode -> pid, fd),
+    a kept one is checked with one readlink, and a walk reads only the files it has not read before, then (finding
+    nothing: a number reused) all of them (why: docs/gateway.md, "Cost")."""
 
     def __init__(self) -> None:
         self.at: dict[int, tuple[int, str]] = {}  # socket inode -> the process and fd last seen holding it

@@ -4,23 +4,9 @@ session's tree, fsm/gateway/tree.py).
 
 A conversation here is in one canonical form whatever API carried it (fsm/gateway/openai_api.py,
 anthropic_api.py and gemini_api.py convert): `{"role", "content": str}`, plus `tool_calls: [{"id", "name",
-"arguments"}]` and `reasoning` on an assistant message and `tool_call_id` on a tool result. What a node
-recorded is a list of keys of that form per segment (fsm/run/trajectory.py); a request extends a node's current
-segment exactly when its messages start with that segment's keys and add only tool results or user turns. The
-model's own turns are never re-tokenized: the harness sends them back as text, calls and reasoning, and the key
-only confirms they are the ones recorded.
-
-A request that does not extend a segment is never merged into it (`Recorder.match`, `Tree.plan`):
-- `branch`: its history is an earlier turn's conversation (any segment's, up to and including one of the
-  model's turns, with the same tools) followed by tool results or user turns. It becomes a branch node of the
-  tree whose segment's prompt is exactly the context that turn ended with (the tokens the model was given and
-  produced, copied token for token: a server's prefix cache hits them, and the row says how many it shares with
-  its parent) and the new messages are appended to it as observations; the earlier turn is trained once, in its
-  own segment.
-- `history`: anything else (the harness compacted, edited or reordered its history, edited a tool result,
-  changed a role or the tools): the request's conversation is rendered by the family codec as the new
-  segment's prompt, as a chat server would.
-A session holds at most `max_segments` segments (GatewayLimits); a request past that is an API error.
+"arguments"}]` and `reasoning` on an assistant message and `tool_call_id` on a tool result. The model's own
+turns are never re-tokenized: the key only confirms the harness sent back the ones recorded. A request either
+extends the current segment or starts a `branch` or `history` segment: docs/gateway.md, "Histories".
 """
 
 from __future__ import annotations
@@ -63,10 +49,8 @@ class Call:
     tools: list[dict[str, Any]] | None  # OpenAI function schemas ({"type": "function", "function": {...}})
     max_tokens: int | None = None
     stream: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
-    child: tuple[
-        str, ...
-    ] = ()  # the child session it came through (fsm/gateway/tree.py), () for the session  # what an API needs to answer (stream options...)
+    extra: dict[str, Any] = field(default_factory=dict)  # what an API needs to answer (stream options...)
+    child: tuple[str, ...] = ()  # the child session it came through (fsm/gateway/tree.py), () for the session
 
 
 @dataclass(slots=True)
@@ -220,9 +204,8 @@ class Plan:
     kind: str
     new: list[dict[str, Any]]
     keys: list[tuple]
-    mark: tuple[int, int, int, int] | None = (
-        None  # (segment, keys, messages, context tokens) after a model turn
-    )
+    # (segment, keys, messages, context tokens) after a model turn
+    mark: tuple[int, int, int, int] | None = None
 
 
 # what a harness sends that the model did not write: the observations a model turn answers. A system message
@@ -262,9 +245,8 @@ class Recorder:
 
     def __init__(self, max_segments: int = 32) -> None:
         self.keys: list[tuple] = []  # the current segment's conversation
-        self.sent: list[
-            dict[str, Any]
-        ] = []  # the same messages as last sent (and answered): keys[i] is sent[i]'s key
+        # the same messages as last sent (and answered): keys[i] is sent[i]'s key
+        self.sent: list[dict[str, Any]] = []
         self.tools: list[dict[str, Any]] | None = None  # the current segment's tools
         self.turns = 0
         self.max_segments = max_segments
@@ -294,19 +276,14 @@ class Recorder:
         ends_on_observation(messages)
         tools = call.tools or None  # dict equality below: the order of keys does not matter
         n = len(self.keys)
-        if (
-            self.segments
-            and tools == self.tools
-            and messages[:n] == self.sent
-            and _observations(messages[n:])
-        ):
+        same = bool(self.segments) and tools == self.tools and _observations(messages[n:])
+        if same and messages[:n] == self.sent:
             # the harness sent back exactly what it sent and got before (one C-level comparison of the dicts), so
             # only the new messages need keys: a call costs O(new messages), not O(history)
             return Plan("extend", messages[n:], [message_key(m) for m in messages[n:]]), []
         keys = [message_key(m) for m in messages]
-        if (
-            self.segments and tools == self.tools and keys[:n] == self.keys and _observations(messages[n:])
-        ):  # (nothing new: the recorded conversation ends with an observation no turn answered yet)
+        # (nothing new: the recorded conversation ends with an observation no turn answered yet)
+        if same and keys[:n] == self.keys:
             return Plan("extend", messages[n:], keys[n:]), keys
         return None, keys
 
@@ -350,12 +327,6 @@ class Recorder:
         branch can reattach to."""
         self.keys.append(message_key(message))
         self.sent.append(message)
-        self.marks.append(
-            (
-                self.seq,
-                len(self.keys),
-                len(traj.messages),
-                len(traj.prompt_ids) + len(traj.response_ids),
-            )
-        )
+        context = len(traj.prompt_ids) + len(traj.response_ids)
+        self.marks.append((self.seq, len(self.keys), len(traj.messages), context))
         self.turns += 1

@@ -66,9 +66,8 @@ class GatewayLimits:
     max_segments: int = 32  # segments per session: histories that differ from the recorded one start one each
     max_nodes: int = 64  # nodes of a session's tree: child sessions and branches (fsm/gateway/tree.py)
     max_depth: int = 4  # how deep a child session or a branch may be under the session
-    unsupported_tools: str = (
-        "drop"  # tools other than functions: "drop" (left out, noted on the row) or "refuse"
-    )
+    # tools other than functions: "drop" (left out, noted on the row) or "refuse"
+    unsupported_tools: str = "drop"
     # calls that are not the agent's own turns (a title, a compaction: record.auxiliary), each recorded on a node
     # of its own: "keep" (a row like any, node_kind its kind), "separate" (the same, its policy its kind, so a
     # trainer trains it apart) or "drop" (answered, left out of the rows)
@@ -108,9 +107,8 @@ class Session:
         self.wake = asyncio.Event()  # a call arrived, or the harness ended
         # sent, not yet taken by the driver: one per line at most (the session and each child session)
         self.pending: deque[tuple[Call, asyncio.Future[Answer]]] = deque()
-        self.current: tuple[Call, asyncio.Future[Answer]] | None = (
-            None  # taken: the GENERATING state records it
-        )
+        # taken: the GENERATING state records it
+        self.current: tuple[Call, asyncio.Future[Answer]] | None = None
         self.agents: dict[str, tuple[str, ...]] | None = None  # child header values -> their lines (`line`)
         self.notes: list[str] = []  # refusals of the tree (unknown parent, cycle, depth) for the row's record
         self.timer: asyncio.TimerHandle | None = None  # wakes the harness state at its deadline (harness.py)
@@ -121,9 +119,8 @@ class Session:
         self.task: asyncio.Task[Any] | None = None  # the harness's task (harness.py)
         self.calls = 0
         self.closed = False
-        self.pid: int | None = (
-            None  # a command harness's process, once started (harness.py refuses calls after it)
-        )
+        # a command harness's process, once started (harness.py refuses calls after it)
+        self.pid: int | None = None
         # the process whose tree every request must come from (its harness's reaper, or this process for a function
         # harness; fsm/gateway/peer.py); None: the key alone (a session opened by hand, or no /proc)
         self.owner: int | None = None

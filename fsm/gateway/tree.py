@@ -1,21 +1,13 @@
 """A gateway session as a tree of nodes: sub-agents (child sessions) and branches (a request that continues an
 earlier turn), each node a sequence of segments of the row's one trajectory, each segment one training row.
 
-A harness reaches a child session at `/sessions/{id}/child/{name}/v1/...` (`HarnessCall.child(name)`; nested:
-`/child/a/child/b/...`), with the session's own key. The names from the root to a session are its *line*; a
-child line's parent is the line without its last name. Each request on a line is recorded on a node of it:
-- it goes on with a node's conversation: that node ("extend"), whose segment is put back in the trajectory's
-  live fields if another node's was there (nothing is copied);
-- it continues an earlier model turn of a node of the line: a new **branch** node under it, whose segment's
-  prompt is that turn's context token for token (`branch_offset` tokens of the parent's row);
-- anything else on the root line is a rewrite of its latest node ("history", a new segment of the same node);
-  on a child line it is a new **child** node: the sub-agent's next invocation, under the parent line's latest
-  node, `branch_offset` the parent's context length when it began.
+A harness reaches a child session at `/sessions/{id}/child/{name}/v1/...` (`HarnessCall.child(name)`); the
+names from the root to a session are its *line*. Which node of its line a request is recorded on (extend,
+branch, history, child): docs/gateway.md, "Trees: sub-agents and retries".
 
 The trajectory holds one node's open segment in its live fields at a time (fsm/run/trajectory.py); the others
-are parked here. `finalize` puts every segment back in the trajectory in the order they began (the segment the
-session ended on last, where a reward placed "last" goes) and writes the tree fields of each row in
-`traj.extra["tree"]` (fsm/output/rundir.py, fsm/output/batch.py copy them) and each row's tools in
+are parked here. `finalize` puts every segment back in the order they began (the session's last one last, where
+a reward placed "last" goes) with each row's tree fields in `traj.extra["tree"]` and its tools in
 `traj.extra["segment_tools"]` (`--check-tokens` renders each row with its own).
 """
 
@@ -130,7 +122,9 @@ class Tree:
             if not line:
                 return self.root, self.root.recorder.match(call)
             ends_on_observation(call.messages)
-            return self._new_child(traj, line), Plan("first", call.messages, _keys(call))
+            return self._new_child(traj, line), Plan(
+                "first", call.messages, [message_key(m) for m in call.messages]
+            )
         recent = self.recent[line]
         keys: list[tuple] = []
         for node in [recent, *(n for n in reversed(nodes) if n is not recent)]:
@@ -182,12 +176,8 @@ class Tree:
             # a call that is not the agent's own turn (a title, a compaction): a node of its own under the
             # line's latest, even before that one's first call (a harness asks for a title beside its first)
             self._room(parent)
-            offset = 0
-            if parent.seqs:
-                seg = self.segment(traj, parent.seq)
-                offset = len(seg.prompt_ids) + len(seg.response_ids)
             seq = parent.seq if parent.seqs else None
-            return self._node(line[-1][len(AUX) :], line, parent, offset, seq)
+            return self._node(line[-1][len(AUX) :], line, parent, self._context(traj, seq), seq)
         if parent is None or not parent.seqs:
             raise GatewayError(
                 f"{line_path(line)}: unknown parent session {line_path(line[:-1])} (it has recorded no call)",
@@ -201,9 +191,14 @@ class Tree:
     def _child(self, traj: Trajectory, parent: SessionNode, line: tuple[str, ...]) -> SessionNode:
         """A child node of `parent`'s latest turn: it begins where the parent's row is now."""
         self._room(parent)
-        seg = self.segment(traj, parent.seq)
-        offset = len(seg.prompt_ids) + len(seg.response_ids)
-        return self._node("child", line, parent, offset, parent.seq)
+        return self._node("child", line, parent, self._context(traj, parent.seq), parent.seq)
+
+    def _context(self, traj: Trajectory, seq: int | None) -> int:
+        """The length of segment `seq`'s context now (0 for none): where a node begun from it starts."""
+        if seq is None:
+            return 0
+        seg = self.segment(traj, seq)
+        return len(seg.prompt_ids) + len(seg.response_ids)
 
     def _node(
         self, kind: str, line: tuple[str, ...], up: SessionNode, offset: int, parent_seq: int | None
@@ -252,10 +247,6 @@ class Tree:
             self._load(traj, node.seq)
         self.recent[node.line] = node
 
-    def begin_root(self, node: SessionNode, tools: list[dict[str, Any]] | None) -> int:
-        """The session's first segment: the trajectory's own (its prompt is already in it)."""
-        return self._register(node, tools)
-
     def begin(
         self,
         traj: Trajectory,
@@ -281,9 +272,10 @@ class Tree:
             traj.turn_rewards, traj.needs_tail = [], False
             traj.segment_start = (reason, len(messages), traj.assistant_turns, len(traj.path) - 1)
         traj.tool_schemas = tools
-        return self._register(node, tools)
+        return self.register(node, tools)
 
-    def _register(self, node: SessionNode, tools: list[dict[str, Any]] | None) -> int:
+    def register(self, node: SessionNode, tools: list[dict[str, Any]] | None) -> int:
+        """Segment number of `node`'s new segment, now live (the session's first: the trajectory's own)."""
         if not node.node:
             assert node.up is not None
             node.node = f"{node.up.node}.{len(node.up.nodes)}"
@@ -307,16 +299,9 @@ class Tree:
     def _load(self, traj: Trajectory, seq: int) -> None:
         seg = self.stored[seq]
         assert seg is not None
-        traj.prompt_ids, traj.response_ids, traj.response_mask = (
-            seg.prompt_ids,
-            seg.response_ids,
-            seg.response_mask,
-        )
-        traj.response_logprobs, traj._version_runs, traj.runs = (
-            seg.response_logprobs,
-            seg.version_runs,
-            seg.runs,
-        )
+        traj.prompt_ids, traj.response_ids = seg.prompt_ids, seg.response_ids
+        traj.response_mask, traj.response_logprobs = seg.response_mask, seg.response_logprobs
+        traj._version_runs, traj.runs = seg.version_runs, seg.runs
         traj.messages, traj.turn_rewards = seg.messages, seg.turn_rewards
         traj.needs_tail, traj.tool_schemas = self.tails[seq], self.tools[seq]
         traj.segment_start = (seg.reason, seg.prompt_messages, traj.assistant_turns - seg.turns, seg.at)
@@ -333,9 +318,8 @@ class Tree:
         self._park(traj)
         self._link()
         kept = [s for s in range(len(self.stored)) if not self._dropped(s)] or list(range(len(self.stored)))
-        last = (
-            self.live if self.live in kept else kept[-1]
-        )  # (a session of dropped calls only keeps its rows)
+        # (a session of dropped calls only keeps its rows)
+        last = self.live if self.live in kept else kept[-1]
         order = [s for s in kept if s != last] + [last]
         segs = [self.stored[s] for s in order]
         for k, seg in enumerate(segs):
@@ -402,10 +386,6 @@ class Tree:
         row["weight"] = 1.0 / n_rows  # per root: a root counts 1 in total, split over its rows
         row["shared_prefix"] = shared
         return row
-
-
-def _keys(call: Call) -> list[tuple]:
-    return [message_key(m) for m in call.messages]
 
 
 def _common(a: list[int], b: list[int]) -> int:

@@ -10,7 +10,6 @@ import asyncio
 import copy
 import dataclasses
 import json
-from array import array
 from typing import Any
 
 from fsm.gateway.record import Answer, Call, LimitReached, Plan, template_message
@@ -26,8 +25,8 @@ DROPPED = {  # what a call left out (record.with_dropped), as its note on the ro
 }
 
 
-# a request whose text is at least this many tokens (its floor, Codec.fewest_tokens: ~32 KiB for Qwen2.5) is rendered
-# and tokenized in a thread: 170 KiB under the floor but past the context took 2.3 s on the loop, every session stalled
+# a request of at least this many tokens (Codec.fewest_tokens) is rendered and tokenized in a thread, so that a
+# long one does not stall every session on the loop (docs/gateway.md, "Cost")
 OFF_LOOP_TOKENS = 256
 
 
@@ -39,11 +38,9 @@ async def _tokenized(floor: int, fn: Any, *args: Any) -> Any:
     return await asyncio.to_thread(fn, *args)
 
 
-def _too_long(ids: list[int] | array, limit: int) -> LimitReached:
-    return LimitReached(
-        f"the prompt is {len(ids)} tokens, past the spec's limits.prompt_length {limit}",
-        code="context_length_exceeded",
-    )
+def _too_long(tokens: int | str, limit: int) -> LimitReached:
+    message = f"the prompt is {tokens} tokens, past the spec's limits.prompt_length {limit}"
+    return LimitReached(message, code="context_length_exceeded")
 
 
 async def _start(
@@ -56,19 +53,16 @@ async def _start(
     if plan.kind in ("first", "history"):
         templ = [template_message(m) for m in plan.new]
         if (floor := ctx.codec.fewest_tokens(templ)) > limit:  # refused before the whole text is tokenized
-            raise LimitReached(
-                f"the prompt is at least {floor} tokens, past the spec's limits.prompt_length {limit}",
-                code="context_length_exceeded",
-            )
+            raise _too_long(f"at least {floor}", limit)
         ids = await _tokenized(floor, ctx.codec.encode_prompt, templ, call.tools)
         if len(ids) > limit:
-            raise _too_long(ids, limit)
+            raise _too_long(len(ids), limit)
         if plan.kind == "first" and node.kind == "root" and tree.live < 0:  # the trajectory's own segment
             traj.messages = templ
             traj.set_prompt(ids)
             traj.segment_start = first_segment(len(templ))
             traj.tool_schemas = call.tools
-            seq = tree.begin_root(node, call.tools)
+            seq = tree.register(node, call.tools)
         else:
             # (the root's first call after an auxiliary call's began the trajectory: its prompt, a segment of its own)
             reason = ("prompt" if node.kind == "root" else "child") if plan.kind == "first" else "history"
@@ -82,7 +76,7 @@ async def _start(
         seg = tree.segment(traj, seq)
         ids = seg.context_ids()[:n_tokens]  # the earlier turn's context, token for token
         if len(ids) > limit:
-            raise _too_long(ids, limit)
+            raise _too_long(len(ids), limit)
         seg_keys, seg_tools = node.up.recorder.segments[seq]  # type: ignore[union-attr]
         new = tree.begin(traj, node, ids, "branch", list(seg.messages[:n_messages]), seg_tools)
         traj.needs_tail = True  # the context ends with that model turn: its template closer is owed
@@ -99,11 +93,8 @@ async def _observe(ctx: RunContext, traj: Trajectory, templ: list[dict[str, Any]
     not fit in what is left of the response budget."""
     role = "tool" if any(m["role"] == "tool" for m in templ) else "user"
     owed = traj.needs_tail and ctx.agent.spec.turn_closer == "template"
-    last = (
-        (traj.response_ids[-1:] if len(traj.response_ids) else traj.prompt_ids[-1:]).tolist()
-        if owed
-        else None
-    )
+    context_end = traj.response_ids if len(traj.response_ids) else traj.prompt_ids
+    last = context_end[-1:].tolist() if owed else None
     floor, left = ctx.codec.fewest_tokens(templ), ctx.agent.limits.response_length - len(traj.response_mask)
     if floor >= left:
         return False  # far past what is left: not tokenized
@@ -186,9 +177,8 @@ async def record_call(ctx: RunContext, traj: Trajectory, tree: Tree, call: Call,
     ]
     finish = "tool_calls" if tool_calls else ("length" if traj.last_finish_reason == "length" else "stop")
     message = {"role": "assistant", "content": content, "tool_calls": tool_calls}
-    if (
-        reasoning
-    ):  # recorded: a harness that sends it back goes on in this segment, one that drops it does not
+    # recorded: a harness that sends it back goes on in this segment, one that drops it does not
+    if reasoning:
         message["reasoning"] = reasoning
     recorder.turn(traj, message)
     return Answer(content, reasoning, tool_calls, finish, prompt_tokens, len(ids), turn)
