@@ -4,10 +4,9 @@ A file that cannot be read as rows (missing, unknown type, a line that is not a 
 nested past Python's recursion limit, or longer than MAX_LINE_BYTES) is refused, with every problem located
 as `path:line:col`; reading stops after MAX_PROBLEMS of them, so a binary file fails fast. Asked for the first
 `limit` rows (`--num-prompts`), reading stops once they are read: the rest of a .jsonl file and the later row
-groups of a parquet file are never parsed, so four prompts of a million-row file cost what four rows do (lines
-past them are not checked either). A row that reads
-fine but cannot run (no prompt, messages of the wrong shape) is kept: the engine fails that row alone, with an
-`error: bad row` reason, so one bad row never stops a batch and none is silently dropped.
+groups of a parquet file are never parsed (nor checked). A row that reads fine but cannot run (no prompt, messages
+of the wrong shape) is kept: the engine fails that row alone, with an `error: bad row` reason, so one bad row never
+stops a batch and none is silently dropped.
 """
 
 from __future__ import annotations
@@ -69,39 +68,36 @@ def _jsonl(path: Path, limit: int | None) -> list[tuple[int | str, dict[str, Any
     problems: list[str] = []
     with path.open("rb") as f:
         for lineno, raw in enumerate(_lines(f), 1):
+            at = f"{path}:{lineno}"
             if limit is not None and len(rows) >= limit:
                 break
             if len(problems) >= MAX_PROBLEMS:
-                problems.append(f"{path}:{lineno}: stopped reading after {MAX_PROBLEMS} problems")
+                problems.append(f"{at}: stopped reading after {MAX_PROBLEMS} problems")
                 break
             if raw is None:
-                problems.append(
-                    f"{path}:{lineno}: line longer than {MAX_LINE_BYTES // 2**20} MiB; one row per line"
-                )
+                problems.append(f"{at}: line longer than {MAX_LINE_BYTES // 2**20} MiB; one row per line")
                 continue
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
                 col = len(raw[: exc.start].decode("utf-8", "replace")) + 1
-                problems.append(
-                    f"{path}:{lineno}:{col}: not UTF-8: byte 0x{raw[exc.start]:02x}; save the file as UTF-8"
-                )
+                problems.append(f"{at}:{col}: not UTF-8: byte 0x{raw[exc.start]:02x}; save the file as UTF-8")
                 continue
             if not line.strip():
                 continue
             try:
                 row = json.loads(line.rstrip("\r\n"))  # the line break is no part of a string
             except json.JSONDecodeError as exc:
-                problems.append(f"{path}:{lineno}:{exc.colno}: invalid JSON: {_json_problem(exc, line)}")
+                problems.append(f"{at}:{exc.colno}: invalid JSON: {_json_problem(exc, line)}")
                 continue
             except RecursionError:
-                problems.append(f"{path}:{lineno}: JSON nested too deeply to read")
+                problems.append(f"{at}: JSON nested too deeply to read")
                 continue
             except ValueError as exc:  # e.g. an integer of more than 4300 digits
-                problems.append(f"{path}:{lineno}: invalid JSON: {exc}")
+                problems.append(f"{at}: invalid JSON: {exc}")
                 continue
             if not isinstance(row, dict):
-                problems.append(f"{path}:{lineno}: a row must be a JSON object, got {type(row).__name__}")
+                problems.append(f"{at}: a row must be a JSON object, got {type(row).__name__}")
                 continue
             rows.append((lineno, row))
     if problems:
@@ -113,10 +109,7 @@ def _json_problem(exc: json.JSONDecodeError, line: str) -> str:
     """json's message, whole: some end in " at", the position being in the exception's fields."""
     if exc.msg.startswith("Invalid control character") and exc.pos < len(line):
         char = line[exc.pos]
-        return (
-            f"a raw control character U+{ord(char):04X} inside a string; JSON needs it escaped "
-            f"({json.dumps(char)})"
-        )
+        return f"a raw control character U+{ord(char):04X} inside a string; JSON needs it escaped ({json.dumps(char)})"
     return exc.msg[: -len(" at")] + " here" if exc.msg.endswith(" at") else exc.msg  # "here": path:line:col
 
 

@@ -132,9 +132,8 @@ def to_rows(batch: Any) -> tuple[list[Any], dict[str, Any]]:
     elif isinstance(batch, Sequence) and not isinstance(batch, (str, bytes)):
         rows = list(batch)
     else:
-        raise TypeError(
-            f"rows must be a list of dicts, a dict of columns or a DataProto, not {type(batch).__name__}"
-        )
+        what = type(batch).__name__
+        raise TypeError(f"rows must be a list of dicts, a dict of columns or a DataProto, not {what}")
     return rows, meta
 
 
@@ -143,9 +142,8 @@ class RowInputs:
     """What the engine reads from a row besides its prompt."""
 
     tools_kwargs: dict[str, Any]
-    interaction_kwargs: (
-        dict[str, Any] | None
-    )  # None: the row does not opt in to the interaction (verl's rule)
+    # None: the row does not opt in to the interaction (verl's rule)
+    interaction_kwargs: dict[str, Any] | None
     tool_selection: list[str] | None  # verl's extra_info.tool_selection: the tools active for this row
 
 
@@ -165,9 +163,9 @@ def check_prompt(row: Mapping[str, Any]) -> None:
         raise RowError(f"'raw_prompt' must be a non-empty list of chat messages, got {describe(messages)}")
     for k, message in enumerate(messages):
         if not isinstance(message, Mapping):
+            what = describe(message)
             raise RowError(
-                f"'raw_prompt[{k}]' must be a chat message (a mapping with role and content), got "
-                f"{describe(message)}"
+                f"'raw_prompt[{k}]' must be a chat message (a mapping with role and content), got {what}"
             )
         if not isinstance(message.get("role"), str):
             raise RowError(f"'raw_prompt[{k}].role' must be a string, got {describe(message.get('role'))}")
@@ -176,9 +174,8 @@ def check_prompt(row: Mapping[str, Any]) -> None:
             isinstance(p, Mapping) for p in content
         )
         if not (content is None or isinstance(content, str) or parts):
-            raise RowError(
-                f"'raw_prompt[{k}].content' must be text or a list of content parts, got {describe(content)}"
-            )
+            what = describe(content)
+            raise RowError(f"'raw_prompt[{k}].content' must be text or a list of content parts, got {what}")
 
 
 def row_inputs(row: Mapping[str, Any]) -> RowInputs:
@@ -192,10 +189,8 @@ def row_inputs(row: Mapping[str, Any]) -> RowInputs:
     if not isinstance(tools_kwargs, Mapping) or not all(
         isinstance(v, Mapping) for v in tools_kwargs.values()
     ):
-        raise RowError(
-            f"'tools_kwargs' must map tool names to mappings (create_kwargs, ...), got "
-            f"{describe(tools_kwargs)}"
-        )
+        what = describe(tools_kwargs)
+        raise RowError(f"'tools_kwargs' must map tool names to mappings (create_kwargs, ...), got {what}")
     kwargs = row.get("interaction_kwargs", extra.get("interaction_kwargs"))
     if kwargs is not None and not isinstance(kwargs, Mapping):
         raise RowError(f"'interaction_kwargs' must be a mapping, got {describe(kwargs)}")
@@ -217,8 +212,6 @@ def prompt_messages(row: Mapping[str, Any], which: str = "bad row") -> list[dict
     """The row's chat messages (copied), or RowError saying what is wrong with them, `which` row first."""
     messages = row.get("raw_prompt")
     if not isinstance(messages, list) or not messages or not all(isinstance(m, Mapping) for m in messages):
-        raise RowError(
-            f"{which}: 'raw_prompt' must be a non-empty list of chat messages, got "
-            f"{'nothing' if messages is None else describe(messages)}"
-        )
+        what = "nothing" if messages is None else describe(messages)
+        raise RowError(f"{which}: 'raw_prompt' must be a non-empty list of chat messages, got {what}")
     return [dict(m) for m in messages]

@@ -1,19 +1,14 @@
-"""The engine contract's run-stage half: its refusal (`EngineRefused`), its typed control commands, what code
-running under an engine owns (`Owned`), and `LocalEngine`, the calls the run stage makes on an engine. The
-contract itself, what a trainer's code may call on any engine, is
-fsm/output/engine.py `BaseEngine` (`fsm.Engine`), which RolloutEngine and RayRunner compose over their cores.
-Where an engine cannot do a call it raises `EngineRefused`, a NotImplementedError naming the engine, the call and
-what to use instead; it never silently does less.
+"""The engine contract's run-stage half: its refusal (`EngineRefused`), its typed control commands and `Controls`
+that runs them, what code running under an engine owns (`Owned`), and `LocalEngine`, the calls the run stage makes
+on an engine. The contract itself, what a trainer's code may call on any engine, is fsm/output/engine.py
+`BaseEngine` (`fsm.Engine`). Where an engine cannot do a call it raises `EngineRefused`, a NotImplementedError
+naming the engine, the call and what to use instead; it never silently does less.
 
-`Controls` runs the control commands where a runner and its backend live (pause and resume generation, weight
-updates from disk, tensors or a process group, memory release and reclaim, cache flush): RolloutEngine holds one
-on its loop (fsm/api.py), each Ray actor one (fsm/adapters/ray_runner.py), and `BaseEngine` writes the public
-calls over them once. The weight version lives at the run's gate (fsm/run/context.py `PauseGate`): a pause closes
-the gate first, so no model request slips past while the servers pause, and an update counts the version the next
-generated tokens record. Each call is an event on the root span of every traced trajectory in flight;
-`servers=False` does the gate's part only (a Ray actor whose servers another actor tells). With several policies
-(docs/trees.md) `policy=` pauses, resumes or updates that policy's own gate alone; without it a pause or resume is
-every policy's and an update the root policy's.
+The weight version lives at the run's gate (fsm/run/context.py `PauseGate`): a pause closes the gate first, so no
+model request slips past while the servers pause, and an update counts the version the next generated tokens
+record. Each control call is an event on the root span of every traced trajectory in flight. With several
+policies (docs/trees.md) `policy=` pauses, resumes or updates that policy's own gate alone; without it a pause or
+resume is every policy's and an update the root policy's.
 """
 
 from __future__ import annotations
@@ -102,7 +97,9 @@ Command = Call | Pause | Resume | Update
 
 
 class Controls:
-    """One runner's control calls, awaited on the loop its backend lives on; `start` starts that backend first."""
+    """One runner's control calls, awaited on the loop its backend lives on (RolloutEngine's, fsm/api.py; each Ray
+    actor's); `start` starts that backend first. `servers=False` does the gate's part only (a Ray actor whose
+    servers another actor tells)."""
 
     def __init__(self, runner: Runner, start: Callable[[], Awaitable[None]]):
         self.runner = runner
@@ -336,9 +333,8 @@ class Owned:
 
 
 _OWNED: contextvars.ContextVar[Owned | None] = contextvars.ContextVar("agentfsm_owned", default=None)
-_UNOWNED: dict[
-    Any, Owned
-] = {}  # event loop -> the services of code run outside any engine (a bare Runner) on it
+# event loop -> the services of code run outside any engine (a bare Runner) on it
+_UNOWNED: dict[Any, Owned] = {}
 
 
 def owned() -> Owned:

@@ -50,14 +50,8 @@ def classify(exc: BaseException) -> str | None:
     return None if isinstance(exc, RowError) else next((n for c, n in _NAMES if isinstance(exc, c)), None)
 
 
-def _policy(rule: StateRetry) -> RetryPolicy:
-    return RetryPolicy(
-        attempts=rule.max_attempts,
-        backoff_s=rule.backoff_s,
-        multiplier=rule.multiplier,
-        backoff_max_s=rule.backoff_max_s,
-        jitter=rule.jitter,
-    )
+def _policy(r: StateRetry) -> RetryPolicy:  # RetryPolicy's fields in order
+    return RetryPolicy(r.max_attempts, r.backoff_s, r.multiplier, r.backoff_max_s, r.jitter)
 
 
 async def _watched(action: Awaitable[None], traj: Any, heartbeat_s: float, state: str) -> None:
@@ -71,9 +65,8 @@ async def _watched(action: Awaitable[None], traj: Any, heartbeat_s: float, state
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-                raise StateFailure(
-                    "heartbeat", f"no heartbeat from the tools of {state} for {heartbeat_s:g}s (heartbeat_s)"
-                )
+                why = f"no heartbeat from the tools of {state} for {heartbeat_s:g}s (heartbeat_s)"
+                raise StateFailure("heartbeat", why)
             done, _ = await asyncio.wait({task}, timeout=left)
             if done:
                 return task.result()

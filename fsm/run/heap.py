@@ -1,18 +1,12 @@
 """The process's heap frozen while engines run, so the cyclic collector scans only what runs make.
 
-With a thousand trajectories in flight, their turns create enough long-lived objects that Python runs full
-(generation 2) collections during a batch, and each one walks every object of the process: torch's, transformers',
-the tokenizer's, the trainer's. That walk is a large share of the client's CPU per model call (docs/benchmarks.md,
-"The client under load"). `gc.freeze()` after a full collection moves what exists then out of the collector's sight
-(vLLM's and SGLang's servers freeze theirs after their start); objects freed by reference count are freed as ever.
-What the freeze defers is the collection of reference cycles among the frozen objects: those wait for the last
-engine's close, which unfreezes (an engine dropped unclosed is itself frozen: its hold lasts as long as the
-process). An engine freezes when a run first puts FREEZE_AT trajectories in flight: below that, full collections
-are rare in a batch and the one collection before the freeze (a few hundred milliseconds with torch loaded) would
-cost more.
-
-While frozen, the collector runs at RUN_THRESHOLD: a batch's turns allocate millions of short-lived objects, nearly
-none in cycles, and at the default (700, 10, 10) its collections cost ~20 % of the client's CPU per model call.
+With many trajectories in flight, Python runs full (generation 2) collections during a batch, and each walks every
+object of the process (torch's, transformers', the trainer's): a large share of the client's CPU per model call
+(docs/benchmarks.md, "The client under load"). `gc.freeze()` after a full collection moves what exists then out of
+the collector's sight, as vLLM's and SGLang's servers do; cycles among the frozen objects wait for the last engine's
+close, which unfreezes (an engine dropped unclosed holds it as long as the process). An engine freezes when a run
+first puts FREEZE_AT trajectories in flight: below that the collection before the freeze costs more than it saves.
+While frozen, the collector runs at RUN_THRESHOLD: a batch's short-lived objects are nearly none in cycles.
 
 A process that froze its heap itself (`gc.get_freeze_count()` not 0 when the first engine would freeze) is left to
 manage it: no freeze, no unfreeze. `RolloutEngine(freeze_heap=False)` opts an engine out. A Ray actor
@@ -25,7 +19,7 @@ import gc
 import threading
 
 FREEZE_AT = 256  # trajectories in flight (with those joining) that make an engine freeze the heap
-RUN_THRESHOLD = (50000, 20, 20)  # gc.set_threshold while frozen (docs/benchmarks.md: 700 to 100,000 measured)
+RUN_THRESHOLD = (50000, 20, 20)  # gc.set_threshold while frozen (docs/benchmarks.md)
 _lock = threading.Lock()
 _holders = 0  # engines started and not closed, holding the freeze
 _before: tuple[int, int, int] = (700, 10, 10)  # the thresholds the freeze replaced

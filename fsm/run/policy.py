@@ -35,11 +35,7 @@ def sync_template(ctx: RunContext, traj: Trajectory) -> bool:
 
 
 def begin(
-    ctx: RunContext,
-    traj: Trajectory,
-    prompt_ids: list[int],
-    reason: str,
-    messages: list[dict[str, Any]] | None = None,
+    ctx: RunContext, traj: Trajectory, prompt_ids: list[int], reason: str, messages: list | None = None
 ) -> bool:
     """Start a segment whose prompt is `prompt_ids`, the render of `messages` (None: `traj.messages` now),
     which become the conversation. False, and nothing started, when it does not fit in limits.prompt_length."""
@@ -47,8 +43,7 @@ def begin(
     if len(prompt_ids) > limit:
         overflow(traj, f"a {reason} prompt of {len(prompt_ids)} tokens > prompt_length {limit}")
         return False
-    # a traced trajectory's root span gets an event (fsm/telemetry/spans.py)
-    traj.start_segment(prompt_ids, reason, messages)
+    traj.start_segment(prompt_ids, reason, messages)  # a traced trajectory's root span gets an event
     return True
 
 
@@ -76,11 +71,7 @@ def check_segments(codec: Any, traj: Trajectory, template: bool = False) -> str 
         if template and last is not None and last.end < len(seg.response_ids):
             ids = ids[: len(seg.prompt_ids) + last.end]
             messages = messages[: max(i for i, m in enumerate(messages) if m.get("role") == "assistant") + 1]
-        ended_on_observation = (
-            len(ids) > len(seg.prompt_ids) + (last.end if last is not None else -1)
-            if last is not None
-            else True
-        )
+        ended_on_observation = last is None or len(ids) > len(seg.prompt_ids) + last.end
         tools = seg_tools[seg.index] if seg_tools else traj.tool_schemas
         found = codec.check(messages, tools, ids, ended_on_observation)
         if found is not None:

@@ -5,10 +5,9 @@ reward function, tools, guards, actions, the interaction), and its form from the
 the tokenizer are checked by hash already (fsm/run/resume.py `load`); the rest is recorded here, as `made_by` in
 the journal's `run` record, and compared with what the resume runs on:
 
-- `model`: the embedded model by a digest of its checkpoint (each weight and config file's name, size and
-  sha256; a file's sha256 is cached by its size, mtime, ctime and inode, so a 15 GB checkpoint is read once), a
-  model object in memory by its name only (its weights are the caller's); servers by the model name they serve and their engine
-  (their weight version is checked per row, `weights_change`: an update between the kill and the resume moves it);
+- `model`: the embedded model by a digest of its checkpoint (`checkpoint_digest`), a model object in memory by its
+  name only (its weights are the caller's); servers by the model name they serve and their engine (their weight
+  version is checked per row, `weights_change`: an update between the kill and the resume moves it);
 - `code`: each module the spec (and its child machines' specs) names, by the sha256 of its source file;
 - `engine`: the options that shape rows on resume (--check-tokens; the embedded model's dtype, device and
   --exact-logprobs).
@@ -43,16 +42,8 @@ ACCEPT = "rerun with --resume --accept-changes (RunDir(out, accept_changes=True)
 WEIGHT_FILES = re.compile(r".*\.(safetensors|bin|pt|pth|gguf|msgpack|h5)|(generation_)?config\.json")
 _DOTTED = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 # a spec's top-level keys, named for the message ("the reward module specs/calculator.py")
-_ROLES = {
-    "reward": "reward",
-    "tools": "tool",
-    "interaction": "interaction",
-    "states": "action or guard",
-    "context": "rewrite",
-    "imports": "imported",
-    "demo_data": "demo data",
-    "children": "child",
-}
+_ROLES = {"reward": "reward", "tools": "tool", "states": "action or guard", "context": "rewrite"}
+_ROLES |= {"imports": "imported", "demo_data": "demo data", "children": "child"}
 
 
 @dataclass(frozen=True)
@@ -167,13 +158,8 @@ def code_digests(agent: CompiledAgent) -> dict[str, dict[str, str]]:
     for module, roles in found.items():
         # compiling the spec imported every module it names; any other string (a prompt's "Note: ...") is none
         file = getattr(sys.modules.get(module), "__file__", None)
-        if file is None or not Path(file).is_file():
-            continue
-        out[module] = {
-            "file": str(Path(file).resolve()),
-            "sha256": file_sha256(Path(file)),
-            "as": ", ".join(roles),
-        }
+        if file is not None and (path := Path(file)).is_file():
+            out[module] = {"file": str(path.resolve()), "sha256": file_sha256(path), "as": ", ".join(roles)}
     return out
 
 
@@ -186,11 +172,8 @@ def model_of(backend: Any) -> dict[str, Any]:
     servers = getattr(backend, "servers", None)
     if servers is not None or getattr(backend, "url", None) is not None:
         clients = [s.backend for s in servers] if servers is not None else [backend]
-        return {
-            "kind": "servers",
-            "model": str(getattr(backend, "model_name", None)),
-            "engine": sorted({type(c).__name__ for c in clients}),
-        }
+        engines = sorted({type(c).__name__ for c in clients})
+        return {"kind": "servers", "model": str(getattr(backend, "model_name", None)), "engine": engines}
     if hasattr(backend, "checkpoint"):  # the embedded model (backends/hf.py)
         entry: dict[str, Any] = {"kind": "embedded", "model": str(backend.model_name)}
         where = backend.checkpoint
@@ -238,16 +221,9 @@ async def made_by(engine: LocalEngine) -> dict[str, Any]:
 
 # --- differences ---------------------------------------------------------------------------------------------
 
-_FLAGS = {
-    "check_tokens": "--check-tokens",
-    "dtype": "--dtype",
-    "device": "--device",
-    "exact_logprobs": "--exact-logprobs",
-}
 
-
-def _short(digest: Any) -> str:
-    return f"{str(digest)[:8]}.." if digest else "none"
+def _sha256s(was: Any, now: Any) -> str:
+    return "sha256 " + " -> ".join(f"{str(d)[:8]}.." if d else "none" for d in (was, now))
 
 
 def _shown(file: str) -> str:
@@ -268,32 +244,19 @@ def _describe(m: Mapping[str, Any]) -> str:
 
 
 def model_changes(before: Mapping[str, Any], now: Mapping[str, Any], whose: str = "") -> list[Change]:
+    other = f"the run's rows{whose} were made by {_describe(before)}, but this resume runs {_describe(now)}"
     if before.get("kind") != now.get("kind"):
         fix = "give the servers again with --server URL" if before.get("kind") == "servers" else None
-        return [
-            Change(
-                f"the run's rows{whose} were made by {_describe(before)}, but this resume runs {_describe(now)}",
-                fix,
-            )
-        ]
+        return [Change(other, fix)]
     if now.get("kind") == "servers":
         out = []
-        # servers whose info could not be read at start: their name is not known
-        unknown = ("unknown", "None")
-        if before.get("model") != now.get("model") and not {before.get("model"), now.get("model")} & set(
-            unknown
-        ):
-            out.append(
-                Change(
-                    f"the servers{whose} serve model {now.get('model')!r}, but the run's rows were made by "
-                    f"{before.get('model')!r}",
-                    f"give servers of {before.get('model')!r}",
-                )
-            )
+        was, serves = before.get("model"), now.get("model")
+        if was != serves and not {was, serves} & {"unknown", "None"}:  # "unknown": servers not read at start
+            msg = f"the servers{whose} serve model {serves!r}, but the run's rows were made by {was!r}"
+            out.append(Change(msg, f"give servers of {was!r}"))
         if before.get("engine") != now.get("engine"):
-            out.append(
-                Change(f"the servers{whose} run {now.get('engine')}, the run's ran {before.get('engine')}")
-            )
+            ran = f"the servers{whose} run {now.get('engine')}, the run's ran {before.get('engine')}"
+            out.append(Change(ran))
         return out
     if now.get("sha256") or before.get("sha256"):  # a checkpoint's files: the same, wherever they are now
         same = before.get("sha256") == now.get("sha256")
@@ -302,17 +265,10 @@ def model_changes(before: Mapping[str, Any], now: Mapping[str, Any], whose: str 
     if same:
         return []
     if before.get("checkpoint") == now.get("checkpoint") and before.get("checkpoint"):
-        return [
-            Change(
-                f"the model's checkpoint{whose} {now['checkpoint']} changed since the run started (sha256 "
-                f"{_short(before.get('sha256'))} -> {_short(now.get('sha256'))})"
-            )
-        ]
-    return [
-        Change(
-            f"the run's rows{whose} were made by {_describe(before)}, but this resume runs {_describe(now)}"
-        )
-    ]
+        digests = _sha256s(before.get("sha256"), now.get("sha256"))
+        msg = f"the model's checkpoint{whose} {now['checkpoint']} changed since the run started ({digests})"
+        return [Change(msg)]
+    return [Change(other)]
 
 
 def changes(before: Mapping[str, Any] | None, now: Mapping[str, Any]) -> list[Change]:
@@ -328,25 +284,18 @@ def changes(before: Mapping[str, Any] | None, now: Mapping[str, Any]) -> list[Ch
     for module, was in was_c.items() if "code" in now else ():
         cur = now_c.get(module)
         if cur is None:
-            out.append(
-                Change(f"the {was.get('as')} module {module} ({_shown(was.get('file', '?'))}) is gone")
-            )
+            gone = f"the {was.get('as')} module {module} ({_shown(was.get('file', '?'))}) is gone"
+            out.append(Change(gone))
         elif cur.get("sha256") != was.get("sha256"):
-            out.append(
-                Change(
-                    f"the {was.get('as')} module {_shown(cur.get('file', module))} changed since the run started "
-                    f"(sha256 {_short(was.get('sha256'))} -> {_short(cur.get('sha256'))})",
-                    f"put {_shown(cur.get('file', module))} back as it was",
-                )
-            )
+            file = _shown(cur.get("file", module))
+            digests = _sha256s(was.get("sha256"), cur.get("sha256"))
+            msg = f"the {was.get('as')} module {file} changed since the run started ({digests})"
+            out.append(Change(msg, f"put {file} back as it was"))
     was_e, now_e = before.get("engine") or {}, now.get("engine") or {}
     for key in sorted(set(was_e) & set(now_e)):
         if was_e[key] != now_e[key]:
-            flag, was = _FLAGS.get(key, key), was_e[key]
-            fix = (
-                f"resume {'with' if was else 'without'} {flag}"
-                if isinstance(was, bool)
-                else f"resume with {flag} {was}"
-            )
+            flag, was = "--" + key.replace("_", "-"), was_e[key]
+            fix = f"resume {'with' if was else 'without'} {flag}" if isinstance(was, bool) else None
+            fix = fix or f"resume with {flag} {was}"
             out.append(Change(f"{flag} is {now_e[key]!r}, the run's was {was!r}", fix))
     return out

@@ -30,9 +30,8 @@ class TracedRun(Protocol):
     agent: CompiledAgent  # its name, hash, states and edges name the spans
     backend: Backend  # the run's backend (a call may name another in `Tracer.model_call`)
     sampling: Any  # fsm/run/context.py's Sampling (typed Any: context imports this module); `.params` by SGLang names
-    codec: (
-        Any  # fsm/families/codec.py's Codec: its `.tokenizer` decodes opt-in content (model calls' messages)
-    )
+    # fsm/families/codec.py's Codec: its `.tokenizer` decodes opt-in content (model calls' messages)
+    codec: Any
 
 
 class RootSpan(Protocol):
