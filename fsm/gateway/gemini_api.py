@@ -25,6 +25,7 @@ UNSERVED_CONFIG = (
     "responseModalities",
 )
 UNSERVED = ("cachedContent", "toolConfig")
+_METADATA = ("thought", "thoughtSignature", "partMetadata", "videoMetadata")  # what sits beside a part's data
 # Google's error statuses by HTTP status (google.rpc.Code), as its SDKs read them
 STATUSES = {
     400: "INVALID_ARGUMENT",
@@ -61,9 +62,7 @@ def _parts(content: Any, where: str) -> list[dict[str, Any]]:
 
 def _kind(part: dict[str, Any]) -> str:
     """A part's data field (text, functionCall, ...), whatever metadata sits beside it (thought, thoughtSignature)."""
-    data = [
-        key for key in part if key not in ("thought", "thoughtSignature", "partMetadata", "videoMetadata")
-    ]
+    data = [key for key in part if key not in _METADATA]
     return data[0] if len(data) == 1 else ("text" if "text" in part else ",".join(data) or "empty")
 
 

@@ -62,19 +62,16 @@ def assistant_message(content: str, calls: list[ToolCall], max_calls: int) -> di
     message: dict[str, Any] = {"role": "assistant", "content": content}
     valid = [call for call in calls if call.error is None][:max_calls]
     if valid:
-        message["tool_calls"] = [
-            {
-                "type": "function",
-                "function": {
-                    "name": call.name,
-                    "arguments": call.arguments
-                    if isinstance(call.arguments, dict)
-                    else json.dumps(call.arguments, ensure_ascii=False),
-                },
-            }
-            for call in valid
-        ]
+        message["tool_calls"] = [{"type": "function", "function": _function(call)} for call in valid]
     return message
+
+
+def _function(call: ToolCall) -> dict[str, Any]:
+    args = call.arguments
+    return {
+        "name": call.name,
+        "arguments": args if isinstance(args, dict) else json.dumps(args, ensure_ascii=False),
+    }
 
 
 def token_ids(tokenizer: Any, *tokens: str) -> list[int]:
