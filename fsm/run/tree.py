@@ -44,21 +44,12 @@ def child_schema(name: str, spec: Any, given: Any = None) -> dict[str, Any]:
     """The tool schema the parent's model sees for child machine `name`: `given` (the spec's `schema:`, renamed
     to the child's name), else one text argument."""
     if isinstance(given, dict):
-        function = dict(given.get("function", given))
-        function["name"] = name
-        return {"type": "function", "function": function}
-    return {
-        "type": "function",
-        "function": {
-            "name": name,
-            "description": spec.description,
-            "parameters": {
-                "type": "object",
-                "properties": {spec.input: {"type": "string", "description": "The task for the sub-agent."}},
-                "required": [spec.input],
-            },
-        },
-    }
+        function = {**given.get("function", given), "name": name}
+    else:
+        task = {spec.input: {"type": "string", "description": "The task for the sub-agent."}}
+        parameters = {"type": "object", "properties": task, "required": [spec.input]}
+        function = {"name": name, "description": spec.description, "parameters": parameters}
+    return {"type": "function", "function": function}
 
 
 def _load(path: Path) -> AgentSpec | None:
