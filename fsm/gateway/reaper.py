@@ -2,8 +2,8 @@
 and is a child subreaper (Linux `PR_SET_CHILD_SUBREAPER`), so every descendant of the harness that loses its
 parent (a double fork, `setsid`, a daemon) is re-parented here rather than to PID 1 and cannot leave the tree.
 The harness's pid is written to FD when it starts (`pid N`), and its exit status the moment it exits (`exit N`:
-the gateway closes the session then, and refuses a call taken after the harness exited, fsm/gateway/harness.py), then every descendant left is killed (SIGKILL, whatever
-it ignores) and reaped, and the reaper exits with the harness's status. SIGTERM, SIGINT or SIGHUP to the
+the gateway closes the session then, fsm/gateway/harness.py), then every descendant left is killed (SIGKILL,
+whatever it ignores) and reaped, and the reaper exits with the harness's status. SIGTERM, SIGINT or SIGHUP to the
 reaper (the row ended first), or its parent's death, kill the whole tree the same way.
 
 Where Linux lets it (root, or an unprivileged user namespace), the harness is contained in a way it cannot undo:
@@ -32,7 +32,7 @@ MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 2, 4, 8, 1 << 14, 1 << 18
 KILL_WAIT_S = 5.0  # at most this long to kill and reap what the harness left
 
 
-def _prctl(option: int, value: int) -> None:
+def prctl(option: int, value: int) -> None:
     try:
         ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
     except (OSError, AttributeError):
@@ -49,11 +49,8 @@ def _unshare() -> str | None:
     if libc.unshare(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID) != 0:
         return f"unshare: {os.strerror(ctypes.get_errno())}"
     try:  # the same ids inside: files keep their owners
-        for name, text in (
-            ("setgroups", "deny"),
-            ("uid_map", f"{uid} {uid} 1"),
-            ("gid_map", f"{gid} {gid} 1"),
-        ):
+        maps = (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1"))
+        for name, text in maps:
             with open(f"/proc/self/{name}", "w") as f:
                 f.write(text)
     except OSError as exc:
@@ -124,8 +121,8 @@ def main(argv: list[str]) -> int:
     fd, command = int(argv[0]), argv[1:]
     why: str | None = "not Linux"
     if sys.platform == "linux":
-        _prctl(PR_SET_CHILD_SUBREAPER, 1)
-        _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        prctl(PR_SET_CHILD_SUBREAPER, 1)
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
         why = _unshare()
     stopped = []
 
@@ -142,10 +139,8 @@ def main(argv: list[str]) -> int:
         os.write(2, f"agentfsm harness: cannot start {command[0]}: {exc}\n".encode())
         return 127
     if child == 0:
-        if why is None:
-            _prctl(
-                PR_SET_PDEATHSIG, signal.SIGKILL
-            )  # the reaper's death ends the namespace, whoever killed it
+        if why is None:  # the reaper's death ends the namespace, whoever killed it
+            prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
             why = _own_proc()
         try:
             os.write(fd, f"contained {'pid+proc' if why is None else 'no: ' + why}\n".encode())

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import json
 import os
 import signal
@@ -21,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from fsm.gateway.reaper import PR_SET_PDEATHSIG, prctl
 from fsm.gateway.server import Gateway, GatewayLimits
 from fsm.gateway.workers import HEARTBEAT_S, REGISTER_TIMEOUT_S, RESULT, WorkerError
 from fsm.output.keep import Rollout
@@ -34,11 +34,8 @@ def worker_config(args: argparse.Namespace) -> dict[str, Any]:
     for key, value in config["args"].items():
         setattr(args, key, value)
     args.out = str(Path(config["args"]["out"]) / "workers" / config["tag"])
-    args.quiet, args.max_error_rate, args.gateway_workers = (
-        True,
-        1.0,
-        1,
-    )  # the parent prints and judges the run
+    # the parent prints and judges the run
+    args.quiet, args.max_error_rate, args.gateway_workers = True, 1.0, 1
     return config
 
 
@@ -146,7 +143,5 @@ def _heartbeat(fd: int) -> None:
 
 def _die_with_parent() -> None:
     """Linux: the kernel sends this process SIGTERM (handled as Ctrl-C) when its parent dies, however it dies."""
-    if sys.platform != "linux":
-        return
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if sys.platform == "linux":
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)

@@ -1,24 +1,15 @@
 """`agentfsm gateway SPEC --workers N`: one run's rows split over N worker processes, each its own engine with its
 own tagged gateway, behind one front (fsm/gateway/front.py) at the run's one public address; their trajectories
-merged into the one run directory, as a single process would have written it.
+merged into the one run directory, as a single process would have written it (docs/gateway.md, "Several gateway
+processes").
 
-The parent (`over_workers`, the rollout of `agentfsm run` it replaces) starts the front, then each worker as
-`agentfsm gateway --worker-config OUT/workers/wK/config.json` in its own process group: the parent's flags,
-its tag, the front's URL and its slice of the rows (contiguous, so input order is the workers' order). A worker
-binds a loopback port and registers it with the front (`POST /workers/wK` with the run's token, read once from a
-pipe: never in its environment, which any process of the user can read in /proc/PID/environ for the process's
-whole life, `os.environ.pop` notwithstanding) before anything else, so every session it opens is routed; then it runs its rows as a
-single-process `agentfsm gateway` does, into OUT/workers/wK (its own three files, its snapshot on a signal),
-its trajectories indexed as in the whole batch (per-sample seeds included), and writes them to
-OUT/workers/wK/result.json. The parent decodes them all and `agentfsm run`'s own code pads and writes them
-(fsm/output/keep.py): one batch.pt, trajectories.jsonl and summary.json for the whole run.
-
-A worker that exits otherwise than by the parent's stop, is killed, does not register in time, or once registered
-goes silent (no heartbeat, `_silent`: stopped or frozen) fails the run with one line naming it, its pid and the end
-of its stderr; every other worker's process group is then
-killed. SIGINT/SIGTERM to the parent reaches each worker as Ctrl-C (each snapshots its running rows into its
-own directory and writes its finished ones); the parent writes the finished rows of all. Such a run is not
-resumable as a whole (`--resume` with `--workers` is refused).
+The parent (`over_workers`, the rollout of `agentfsm run` it replaces) starts the front, then each worker
+(fsm/gateway/worker.py) in its own process group with its contiguous slice of the rows. A worker reads the run's
+token once from a pipe, never from its environment (which any process of the user can read in
+/proc/PID/environ for the process's whole life), and registers with the front before anything else. The parent
+decodes the workers' OUT/workers/wK/result.json and `agentfsm run`'s own code pads and writes them
+(fsm/output/keep.py). A worker that fails or goes silent fails the run in one line; a signal reaches each as
+Ctrl-C.
 """
 
 from __future__ import annotations
@@ -52,9 +43,8 @@ from fsm.run.trajectory import Trajectory
 
 CONFIG, RESULT = "config.json", "result.json"  # in OUT/workers/wK: what the parent gave, what it rolled out
 REGISTER_TIMEOUT_S = 10.0  # one worker's registration request
-HEARTBEAT_S = (
-    1.0  # a registered worker's heartbeat (a thread's write on a pipe): a stopped process sends none
-)
+# a registered worker's heartbeat (a thread's write on a pipe): a stopped process sends none
+HEARTBEAT_S = 1.0
 STOP_TIMEOUT_S = SNAPSHOT_TIMEOUT_S + 60.0  # after a signal: the workers' snapshot and write; then killed
 TAIL_LINES = 20
 
@@ -228,13 +218,9 @@ class _Workers:
             joined.cancel()
         if not done:
             exited.cancel()
-            raise WorkerError(
-                self._failed(
-                    w,
-                    f"did not register with the front within "
-                    f"{self.args.worker_start_timeout:g} s (--worker-start-timeout)",
-                )
-            )
+            wait = self.args.worker_start_timeout
+            how = f"did not register with the front within {wait:g} s (--worker-start-timeout)"
+            raise WorkerError(self._failed(w, how))
         registered = w.joined.is_set()
         if registered and not exited.done():
             silent = asyncio.ensure_future(self._silent(w))
@@ -394,17 +380,9 @@ class _Workers:
             }
         }
         total_cpu = cpu + sum(r["cpu_s"] for r in got)
-        return Rollout(
-            engine,  # type: ignore[arg-type]  # None, as `sampling`, only when no worker answered (no rows)
-            sampling,  # type: ignore[arg-type]  # None only when no worker answered (no rows)
-            trajs,
-            self.rows * self.args.n,
-            span,
-            stats,
-            interrupted,
-            total_cpu,
-            more,
-        )
+        # engine and sampling are None only when no worker answered (no rows)
+        made = (engine, sampling, trajs, self.rows * self.args.n, span, stats, interrupted, total_cpu, more)
+        return Rollout(*made)  # type: ignore[arg-type]
 
 
 def _kill_group(pgid: int) -> None:
@@ -437,9 +415,8 @@ class Merged:
         self.agent = agent
         self.codec = agent_codec(agent, load_tokenizer(tokenizer))
         self._stats: dict[str, Any] = {}
-        self._faults = FaultDelta(
-            self
-        )  # counted from nothing: the batch's metrics get the workers' whole counts
+        # counted from nothing: the batch's metrics get the workers' whole counts
+        self._faults = FaultDelta(self)
         self._stats = stats or {}
 
     def stats(self) -> dict[str, Any]:
