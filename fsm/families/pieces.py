@@ -85,6 +85,9 @@ def to_array(ids: list[int]) -> array:
     return out
 
 
+_HOLDS_GIL = 1024  # the longest piece tokenized by `encode`, which holds the GIL (a few ms at most)
+
+
 class PieceEncoder:
     """`encode(text)`: the ids `tokenizer.encode(text, add_special_tokens=False)` gives, cheaper on repeats."""
 
@@ -124,10 +127,13 @@ class PieceEncoder:
     def _new_piece(self, piece: str) -> list[int]:
         """A piece's ids straight from the Rust tokenizer, where transformers' encode would only set its options
         first (the piece holds no added token, so `split_special_tokens` changes nothing); through transformers
-        when truncation or padding is set on it."""
+        when truncation or padding is set on it. A long piece goes through `encode_batch`, which lets go of the GIL
+        as transformers' path does: `encode` holds it, and a large request tokenized off the loop would stall it."""
         rust = self._rust
         if rust is not None and rust.truncation is None and rust.padding is None:
-            return rust.encode(piece, add_special_tokens=False).ids
+            if len(piece) <= _HOLDS_GIL:
+                return rust.encode(piece, add_special_tokens=False).ids
+            return rust.encode_batch([piece], add_special_tokens=False)[0].ids
         return self._whole(piece)
 
     def _piece(self, text: str) -> tuple[list[int], array]:
