@@ -304,6 +304,17 @@ def agentfsm(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def launched(*args: str) -> subprocess.Popen[str]:
+    """`agentfsm(*args)` started, not awaited: a process that runs beside the test's other work."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "fsm.cli", *args],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
 def batch(out) -> Any:
     return torch.load(out / "batch.pt", weights_only=False)["batch"]
 
@@ -427,31 +438,23 @@ def test_an_updated_server_serves_what_a_fresh_one_on_the_checkpoint_serves(tmp_
         "--num-prompts",
         "4",
     )
-    fresh = agentfsm(
-        *job,
-        "--launch-vllm",
-        str(vllm.early),
-        "--device",
-        "cpu",
-        "--vllm-python",
-        str(PYTHON),
-        "--port",
-        str(free_port()),
-        "--out",
-        str(tmp_path / "fresh"),
-    )
-    assert fresh.returncode == 0, fresh.stderr[-2000:]
-    assert list((tmp_path / "fresh" / "vllm_logs").glob("replica0_port*.log"))
+    launch = ("--launch-vllm", str(vllm.early), "--device", "cpu", "--vllm-python", str(PYTHON))
+    fresh = launched(*job, *launch, "--port", str(free_port()), "--out", str(tmp_path / "fresh"))
 
     async def update(path: Path, version: str) -> None:
         async with client(vllm.url) as c:
             await c.update_weights_from_disk(str(path), weight_version=version)
 
-    asyncio.run(update(vllm.early, "301"))
-    try:
-        updated = agentfsm(*job, "--server", vllm.url, "--out", str(tmp_path / "updated"))
-    finally:
-        asyncio.run(update(vllm.model, "302"))
+    # the fresh server starts while the updated one serves the job: two processes, no shared state
+    with fresh:
+        asyncio.run(update(vllm.early, "301"))
+        try:
+            updated = agentfsm(*job, "--server", vllm.url, "--out", str(tmp_path / "updated"))
+        finally:
+            asyncio.run(update(vllm.model, "302"))
+        fresh_err = fresh.communicate(timeout=900)[1]
+    assert fresh.returncode == 0, fresh_err[-2000:]
+    assert list((tmp_path / "fresh" / "vllm_logs").glob("replica0_port*.log"))
     assert updated.returncode == 0, updated.stderr[-2000:]
     got, want = batch(tmp_path / "updated"), batch(tmp_path / "fresh")
     assert got["responses"].shape[0] == 4 and bool((got["response_mask"].sum(-1) > 0).all())
