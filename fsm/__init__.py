@@ -125,13 +125,13 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from fsm.output.sample import Sample, SampleBatch
     from fsm.run.agent import CompiledAgent as CompiledAgent
     from fsm.run.agent import Edge as Edge
+    from fsm.run.codec import SnapshotError
     from fsm.run.compile import compile_spec, validate_file
     from fsm.run.context import RunContext as RunContext
     from fsm.run.context import Sampling as Sampling
     from fsm.run.engine import EngineRefused
     from fsm.run.interaction import BaseInteraction
     from fsm.run.runtime import Runner as Runner
-    from fsm.run.codec import SnapshotError
     from fsm.run.stream import Group, StreamEmpty
     from fsm.run.trajectory import Failure as Failure
     from fsm.run.trajectory import Trajectory as Trajectory

@@ -23,9 +23,9 @@ from fsm.run.trajectory import Trajectory
 def _load(out: Path, spec: str | None, tokenizer: str | None) -> tuple[Rebuilt, Any, Any]:
     """The journal replayed, the agent (the spec it names, or `spec`) and its codec (the tokenizer it names)."""
     from fsm.api import load_tokenizer
+    from fsm.run.codec import other_tokenizer
     from fsm.run.compile import compile_spec
     from fsm.run.runtime import agent_codec
-    from fsm.run.codec import other_tokenizer
 
     try:
         read = Scan(out / JOURNAL)  # streamed, each record bounded (fsm/run/journal.py)
