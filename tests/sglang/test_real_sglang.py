@@ -249,24 +249,41 @@ def assert_same_batch(got: Any, want: Any, rows: int | None = None) -> None:
 
 
 async def test_the_main_job_over_real_sglang_equals_the_dev_servers(sglang, tmp_path):
-    """The same CLI job over real SGLang and over the dev server (run side by side, each its own process)
-    gives the same batch."""
     from backends.devserver import DevServer
     from backends.hf import HFBackend
 
-    def job(url: str, out: str) -> subprocess.CompletedProcess[str]:
-        argv = ("--server", url, "--temperature", "0", "--num-prompts", "8", "--out", str(tmp_path / out))
-        return agentfsm("run", "specs/calculator.yaml", *argv)
-
+    real = await asyncio.to_thread(
+        agentfsm,
+        "run",
+        "specs/calculator.yaml",
+        "--server",
+        sglang.url,
+        "--temperature",
+        "0",
+        "--num-prompts",
+        "8",
+        "--out",
+        str(tmp_path / "real"),
+    )
+    assert real.returncode == 0, real.stderr[-2000:]
     model = HFBackend(ASSETS, device="cpu")
     try:
         async with DevServer(model, model_path=str(ASSETS)) as dev:
-            real, ours = await asyncio.gather(
-                asyncio.to_thread(job, sglang.url, "real"), asyncio.to_thread(job, dev.url, "dev")
+            ours = await asyncio.to_thread(
+                agentfsm,
+                "run",
+                "specs/calculator.yaml",
+                "--server",
+                dev.url,
+                "--temperature",
+                "0",
+                "--num-prompts",
+                "8",
+                "--out",
+                str(tmp_path / "dev"),
             )
     finally:
         await model.close()
-    assert real.returncode == 0, real.stderr[-2000:]
     assert ours.returncode == 0, ours.stderr[-2000:]
     assert_same_batch(batch(tmp_path / "real"), batch(tmp_path / "dev"))
 
