@@ -112,30 +112,28 @@ async def test_a_crashed_server_takes_rows_again_within_seconds_of_answering_hea
 
 
 async def test_a_one_second_request_deadline_loses_no_row(sglang, second_sglang, tmp_path):
-    """48 rows over two real servers with a 1 s deadline per request (the CLI's --request-timeout 1). Turns
+    """96 rows over two real servers with a 1 s deadline per request (the CLI's --request-timeout 1). Turns
     run past it, are aborted at the server, answered with their partial output and resumed: every row ends
     done, every abort's answer is awaited (at most 1 in 10 is not, on a loaded machine), no retry meets
     "Duplicate request ID".
 
-    32 rows run at a time (max_concurrency): with all at once, one step of each CPU server takes longer than
+    32 rows run at a time (max_concurrency): with all 96 at once, one step of each CPU server takes longer than
     the deadline on a loaded 2-core machine, so most attempts are aborted before they make a token, whatever
-    the client does; the resume budget is raised for the same reason (a few tokens per attempt). 48 rows keep
-    32 in flight, each server's batch full, for most of the run; 96 took twice as long and proved no more."""
+    the client does; the resume budget is raised for the same reason (a few tokens per attempt)."""
     from fsm.api import RolloutEngine
     from specs.calculator import make_prompts
 
-    rows = 48
     spec = short_turns(tmp_path, max_resumes=1000)
     async with RolloutEngine(
         spec, str(ASSETS), servers=[sglang.url, second_sglang.url], request_timeout_s=1.0, max_concurrency=32
     ) as engine:
         t0 = time.monotonic()
-        trajs = await asyncio.wait_for(engine.arun(make_prompts(rows, seed=5), sampling_params=GREEDY), 1200)
+        trajs = await asyncio.wait_for(engine.arun(make_prompts(96, seed=5), sampling_params=GREEDY), 1200)
         wall = time.monotonic() - t0
         stats = engine.backend.stats()  # type: ignore[attr-defined]
     faults = stats["faults"]
     print(
-        f"{rows} rows in {wall:.0f} s: {stats['aborts_sent']} deadline aborts, {stats['resumes']} resumes, "
+        f"96 rows in {wall:.0f} s: {stats['aborts_sent']} deadline aborts, {stats['resumes']} resumes, "
         f"{faults['timeouts']} aborts unanswered, {faults['duplicate']} duplicate rids, "
         f"{stats['failovers']} failovers"
     )
