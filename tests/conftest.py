@@ -11,6 +11,8 @@ import importlib
 import inspect
 import json
 import os
+import subprocess
+import sys
 import textwrap
 import time
 from collections.abc import Callable, Sequence
@@ -26,6 +28,19 @@ from backends.scripted import ScriptedBackend
 REPO = Path(__file__).resolve().parents[1]
 SPECS = REPO / "specs"
 ASSETS = REPO / "backends" / "tiny" / "assets"
+
+
+def launched(*args: str) -> subprocess.Popen[str]:
+    """`agentfsm *args` started, not awaited: a second process that runs beside a test's other work."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "fsm.cli", *args],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
 PARTS = "tests.fixtures.parts"
 
 

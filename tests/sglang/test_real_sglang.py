@@ -20,7 +20,7 @@ from backends.base import BackendRequestError, GenerateRequest, GenerateResult
 from backends.router import Router
 from backends.sglang import SGLangBackend
 from backends.tiny import EARLY_DIR
-from tests.conftest import ASSETS, REPO
+from tests.conftest import ASSETS, REPO, launched
 from tests.sglang.conftest import PYTHON, free_port
 from tests.sglang.scenarios import PROMPT
 
@@ -220,17 +220,6 @@ def agentfsm(*args: str) -> subprocess.CompletedProcess[str]:
         capture_output=True,
         text=True,
         timeout=600,
-    )
-
-
-def launched(*args: str) -> subprocess.Popen[str]:
-    """`agentfsm(*args)` started, not awaited: a second process that runs beside this test's other work."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "fsm.cli.commands", *args],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
     )
 
 

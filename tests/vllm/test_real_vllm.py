@@ -22,7 +22,7 @@ from backends.base import BackendRequestError, GenerateRequest, GenerateResult
 from backends.engines import detect_engine
 from backends.router import Router
 from backends.vllm import VLLMBackend
-from tests.conftest import ASSETS, REPO
+from tests.conftest import ASSETS, REPO, launched
 from tests.sglang.scenarios import PROMPT
 
 pytestmark = pytest.mark.vllm
@@ -301,17 +301,6 @@ async def test_a_turn_the_context_cuts_ends_context_length(vllm, tmp_path):
 def agentfsm(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "fsm.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=900
-    )
-
-
-def launched(*args: str) -> subprocess.Popen[str]:
-    """`agentfsm(*args)` started, not awaited: a process that runs beside the test's other work."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "fsm.cli", *args],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
     )
 
 
