@@ -225,6 +225,21 @@ class Writer:
                 self._fd = -1
 
 
+def group_record(uid: str, sampling: dict[str, Any], trajs: Iterable[Trajectory]) -> dict[str, Any]:
+    """A `group` record: its sampling and its members (a run's journal and a snapshot write the same)."""
+    return {"t": "group", "uid": uid, "sampling": sampling, "members": [t.session_id for t in trajs]}
+
+
+def traj_record(traj: Trajectory, done: bool = False) -> dict[str, Any]:
+    """A `traj` record: the trajectory whole, its place in a tree, and `done` when it has finished."""
+    record: dict[str, Any] = {"t": "traj", "s": traj.session_id, "d": whole(traj)}
+    if not traj.node.alone:
+        record["n"] = node_meta(traj.node)
+    if done:
+        record["done"] = True
+    return record
+
+
 class Recorder:
     """Turns trajectories into journal records: whole once, then the deltas of each state boundary."""
 
@@ -250,12 +265,7 @@ class Recorder:
 
     def group(self, uid: str, sampling: dict[str, Any], trajs: Iterable[Trajectory], reruns: int = 0) -> None:
         trajs = list(trajs)
-        record: dict[str, Any] = {
-            "t": "group",
-            "uid": uid,
-            "sampling": sampling,
-            "members": [t.session_id for t in trajs],
-        }
+        record = group_record(uid, sampling, trajs)
         if reruns:
             record["reruns"] = reruns
         self.writer.append(record)
@@ -263,11 +273,8 @@ class Recorder:
             self.whole(t)
 
     def whole(self, traj: Trajectory, done: bool = False) -> None:
-        record: dict[str, Any] = {"t": "traj", "s": traj.session_id, "d": whole(traj)}
-        if not traj.node.alone:
-            record["n"] = node_meta(traj.node)
+        record = traj_record(traj, done)
         if done:
-            record["done"] = True
             self._marks.pop(traj.session_id, None)
         else:
             self._marks[traj.session_id] = mark(traj, node_mark(traj.node))

@@ -26,10 +26,10 @@ from typing import Any
 
 from fsm.run import signals
 from fsm.run.actions import BUILTIN_ACTIONS
-from fsm.run.codec import FORMAT, SnapshotError, decode_sampling, decode_trajectory, encode_sampling, whole
+from fsm.run.codec import FORMAT, SnapshotError, decode_sampling, decode_trajectory, encode_sampling
 from fsm.run.context import RunContext, Sampling
 from fsm.run.engine import StalePolicy
-from fsm.run.journal import Recorder
+from fsm.run.journal import Recorder, group_record, traj_record
 from fsm.run.runtime import Owner, Runner
 from fsm.run.trajectory import Trajectory
 from fsm.run.treejournal import Agents, restore_tree, tree_nodes
@@ -71,9 +71,8 @@ class Boundary:
             async with asyncio.timeout(timeout_s):
                 while self.parked + held() < running():
                     self._moved.clear()
-                    with contextlib.suppress(
-                        TimeoutError
-                    ):  # `held()` also grows with time (PauseGate.waiting)
+                    # `held()` also grows with time (PauseGate.waiting)
+                    with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self._moved.wait(), RECOUNT_S)
         except BaseException:
             self._open.set()
@@ -418,15 +417,10 @@ class Stream(Owner):
         records: list[dict[str, Any]] = [run]
         for g, trajs in groups:
             held = {"reruns": g.reruns, "version_min": g.version_min, "version_max": g.version_max}
-            members = [t.session_id for t, _ in trajs]
             records.append(
-                {"t": "group", "uid": g.uid, "sampling": encode_sampling(g.sampling), "members": members}
+                group_record(g.uid, encode_sampling(g.sampling), [t for t, _ in trajs]) | {"held": held}
             )
-            records[-1]["held"] = held
-            for t, done in trajs:
-                records.append(
-                    {"t": "traj", "s": t.session_id, "d": whole(t), **({"done": True} if done else {})}
-                )
+            records.extend(traj_record(t, done) for t, done in trajs)
         ready = sum(all(done for _, done in trajs) for _, trajs in groups)
         return {"records": records, "ready": ready, "running": len(groups) - ready, "restarted": restarted}
 
