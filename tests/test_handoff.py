@@ -1,4 +1,4 @@
-"""fsm/tools/loopthread.py's hand-offs: callbacks from other threads reach the loop in order, a burst in one
+"""fsm/tools/isolation.py's hand-offs: callbacks from other threads reach the loop in order, a burst in one
 wake-up; `settled` is `asyncio.wrap_future` (result, exception, cancellation both ways) with its answer handed
 back that way."""
 
@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from fsm.tools.loopthread import Mailbox, mailbox, settled
+from fsm.tools.isolation import Mailbox, mailbox, settled
 
 
 async def test_a_burst_runs_in_order_after_one_wake_up():

@@ -48,7 +48,7 @@ from fsm.run.journal import SYNCS
 from fsm.run.runtime import agent_codec
 from fsm.run.stream import Group, StreamEmpty
 from fsm.run.trajectory import Trajectory
-from fsm.tools.loopthread import LoopThread
+from fsm.tools.isolation import LoopThread
 
 T = TypeVar("T")
 

@@ -25,7 +25,7 @@ from fsm.run.journal import write as write_journal
 from fsm.run.runtime import Runner
 from fsm.run.stream import Group, Stream
 from fsm.run.trajectory import Trajectory
-from fsm.tools.loopthread import LoopThread
+from fsm.tools.isolation import LoopThread
 
 T = TypeVar("T")
 PAUSE_TIMEOUT_S = 10.0  # a snapshot's pause of the servers (abort mode) waits at most this long

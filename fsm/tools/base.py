@@ -39,9 +39,10 @@ from fsm.tools.isolation import (
     ToolCrashed,
     ToolUnavailable,
     crashed,
+    cut,
+    shrink,
 )
 from fsm.tools.processes import ProcessLane
-from fsm.tools.worker import cut, shrink
 
 __all__ = [
     "AgentData",

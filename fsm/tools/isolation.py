@@ -1,6 +1,6 @@
 """Containment for user tool code: where a tool's code runs so that its timeout is enforced and nothing it
 does (hang, spin, raise SystemExit, return 50 MB, die) reaches the event loop, the model or other rows
-(what a user sees: docs/errors.md, Tools).
+(what a user sees: docs/errors.md, Tools). Standard library only: a tool's worker process imports it.
 
 Every tool gets a *lane* of its own, and no lane uses the loop's default executor (the embedded model's
 decode and reward scoring run there: a tool stuck in it once starved decode for a minute).
@@ -14,24 +14,34 @@ decode and reward scoring run there: a tool stuck in it once starved decode for 
   a few times a minute moves to a `LoopLane`. Opt-in only: one that spins for good would hold the loop.
 - `ProcessLane` (`isolation: process`, fsm/tools/processes.py): worker processes, one call at a time, the
   worker's process group SIGKILLed past the timeout. Fault containment, not a security sandbox.
-Whatever the tool raises that is not an `Exception` comes back as `ToolCrashed`, ending only its trajectory.
+Whatever the tool raises that is not an `Exception` comes back as `ToolCrashed`, ending only its trajectory;
+a long answer is cut (`shrink`) where the tool ran, so a 50 MB string never crosses a hand-off.
+
+`LoopThread` is the one event loop in a thread (also a RolloutEngine's home, fsm/run/local.py, and a trainer
+adapter's way into its loop, fsm/adapters/bridge.py); cancelling a caller of `submit`/`call`/`run` cancels the
+task there and waits for it to unwind, so nothing it holds is closed under it. `call_soon_threadsafe` wakes
+the loop (a self-pipe write, a GIL contest) per call, and a lane's thousands of calls come in bursts: a
+`Mailbox` wakes its loop once per burst and runs it in order; `settled` is `asyncio.wrap_future` answered so.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import contextvars
+import copy
 import inspect
+import json
 import logging
 import queue
+import signal
 import threading
 import time
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any, Protocol
-
-from fsm.tools.loopthread import LoopThread, settled
+from typing import Any, Protocol, TypeVar
 
 log = logging.getLogger("agentfsm.tools")
 
@@ -53,25 +63,231 @@ class ToolUnavailable(Exception):
     start). The model reads it as an error observation."""
 
 
-class ToolRaised(Exception):
-    """An exception the tool raised in its worker process, by type name and message."""
-
-    def __init__(self, type_name: str, message: str):
-        super().__init__(message)
-        self.type_name = type_name
-
-
 def crashed(name: str, exc: BaseException) -> ToolCrashed:
     detail = f": {exc}" if str(exc) else ""
     return ToolCrashed(f"tool {name!r} raised {type(exc).__name__}{detail}")
 
 
+def cut(text: str, keep: int | None) -> str:
+    return text if keep is None or len(text) <= 2 * keep else text[:keep] + text[-keep:]
+
+
+def shrink(ret: Any, keep: int | None, outer: bool = True) -> Any:
+    """The tool's return with its text cut, shaped as fsm.tools.base.normalize_return reads it (a tuple inside
+    the (response, reward, metrics) tuple is text: its repr)."""
+    if isinstance(ret, str):
+        return cut(ret, keep)
+    if isinstance(ret, dict):
+        return cut(json.dumps(ret, ensure_ascii=False), keep)
+    if isinstance(ret, tuple) and outer:
+        return (shrink(ret[0], keep, outer=False), *ret[1:]) if 1 <= len(ret) <= 3 else ret
+    if type(ret).__name__ == "ToolResponse" and isinstance(getattr(ret, "text", None), str):
+        ret = copy.copy(ret)
+        ret.text = cut(ret.text, keep)
+        return ret
+    return cut(str(ret), keep)
+
+
 class Lane(Protocol):
     """Where one tool's code runs. `ready` is awaited outside the call's timeout (it may start a worker)."""
 
-    async def ready(self) -> None: ...
+    async def ready(self) -> None:
+        return None
+
     async def call(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any: ...
     def close(self) -> None: ...
+
+
+# --- a loop in a thread, and hand-offs between loops --------------------------------------------------
+
+
+T = TypeVar("T")
+AnyFuture = concurrent.futures.Future | asyncio.Future
+
+
+class Mailbox:
+    """Callbacks posted from any thread, run on `loop` in posting order, one loop wake-up per burst."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._posted: list[tuple[Callable[..., Any], tuple]] = []
+
+    def post(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run `fn(*args)` on the loop soon. RuntimeError when the loop is closed (as call_soon_threadsafe)."""
+        with self._lock:
+            self._posted.append((fn, args))
+            if len(self._posted) > 1:  # a wake-up is on its way and will take this one too
+                return
+        try:
+            self.loop.call_soon_threadsafe(self._run_posted)
+        except RuntimeError:  # closed: nothing will ever run what was posted
+            with self._lock:
+                self._posted.clear()
+            raise
+
+    def _run_posted(self) -> None:
+        with self._lock:
+            posted, self._posted = self._posted, []
+        for fn, args in posted:
+            try:
+                fn(*args)
+            except Exception as exc:  # as the loop treats a raising callback: reported, the others still run
+                self.loop.call_exception_handler({"message": f"exception in {fn!r}", "exception": exc})
+
+
+_mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Mailbox] = weakref.WeakKeyDictionary()
+_mailboxes_lock = threading.Lock()
+
+
+def mailbox(loop: asyncio.AbstractEventLoop) -> Mailbox:
+    """The loop's one Mailbox (one per loop, so every lane's answers share its wake-ups)."""
+    box = _mailboxes.get(loop)
+    if box is None:
+        with _mailboxes_lock:
+            box = _mailboxes.setdefault(loop, Mailbox(loop))
+    return box
+
+
+def copy_outcome(source: AnyFuture, waiter: AnyFuture) -> None:
+    """`source`'s result, exception or cancellation onto `waiter`, across the two kinds of future."""
+    if waiter.done():  # the caller stopped waiting
+        return
+    if source.cancelled():
+        waiter.cancel()
+    elif (exc := source.exception()) is not None:
+        waiter.set_exception(exc)
+    else:
+        waiter.set_result(source.result())
+
+
+async def settled(source: concurrent.futures.Future) -> Any:
+    """`await asyncio.wrap_future(source)`: its outcome, handed back through the running loop's Mailbox; the
+    caller's cancellation cancels `source` (a call that has not started never starts)."""
+    loop = asyncio.get_running_loop()
+    waiter = loop.create_future()
+    box = mailbox(loop)
+
+    def back(done: concurrent.futures.Future) -> None:  # on whichever thread settled `source`
+        with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody is waiting any more
+            box.post(copy_outcome, done, waiter)
+
+    source.add_done_callback(back)
+    try:
+        return await waiter
+    except asyncio.CancelledError:
+        source.cancel()
+        raise
+
+
+def submit(
+    coro: Coroutine[Any, Any, T], loop: asyncio.AbstractEventLoop
+) -> tuple[concurrent.futures.Future[T], Callable[[], None]]:
+    """Start `coro` as a task on `loop`: a future settled when the task has ended, and a canceller."""
+    done: concurrent.futures.Future[T] = concurrent.futures.Future()
+    tasks: list[asyncio.Task[T]] = []
+
+    def start() -> None:  # runs in the caller's context (contextvars: an open span carries over)
+        tasks.append(loop.create_task(coro))
+        tasks[0].add_done_callback(lambda task: copy_outcome(task, done))
+
+    def cancel() -> None:
+        loop.call_soon_threadsafe(lambda: tasks and tasks[0].cancel())
+
+    loop.call_soon_threadsafe(start)
+    return done, cancel
+
+
+def run(coro: Coroutine[Any, Any, T], loop: asyncio.AbstractEventLoop) -> T:
+    """Block this thread (which runs no loop) until `coro` has run on `loop`."""
+    done, cancel = submit(coro, loop)
+    try:
+        return done.result()
+    except BaseException:
+        if not done.done():  # interrupted while waiting: stop the task, let it unwind
+            cancel()
+            with contextlib.suppress(BaseException):
+                done.result()
+        raise
+
+
+async def call(coro: Coroutine[Any, Any, T], loop: asyncio.AbstractEventLoop | None) -> T:
+    """Await `coro` on `loop` (the caller's own when None or when already on it)."""
+    if loop is None or loop is asyncio.get_running_loop():
+        return await coro
+    done, cancel = submit(coro, loop)
+    waiter = asyncio.wrap_future(done)
+    try:
+        return await asyncio.shield(waiter)
+    except asyncio.CancelledError:
+        if not done.done():
+            cancel()
+            with contextlib.suppress(BaseException):
+                await asyncio.shield(waiter)
+        raise
+
+
+class LoopThread:
+    """A private event loop in a daemon thread. Unless `SIGINT`, SIGINT is blocked in the thread (Ctrl-C belongs
+    to the main thread; the loop's executor threads inherit the mask). Once stopped, it cancels what is left
+    and releases its executor."""
+
+    SIGINT = False
+
+    def __init__(self, name: str):
+        self.loop = asyncio.new_event_loop()
+        self.mailbox = Mailbox(self.loop)
+        self.thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self.thread.start()
+
+    def on_exit(self, exc: BaseException | None) -> None:
+        """How the loop ended, on its thread: None (stopped), or what a callback raised out of it (SystemExit)."""
+
+    def _main(self) -> None:
+        if not self.SIGINT and hasattr(signal, "pthread_sigmask"):
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        asyncio.set_event_loop(self.loop)
+        ended: BaseException | None = None
+        try:
+            self.loop.run_forever()
+        except BaseException as exc:  # a callback raised SystemExit/KeyboardInterrupt: the loop is gone
+            ended = exc
+        self.on_exit(ended)
+        if ended is None:  # stopped: cancel what is left (an unclosed backend's tasks), release the executor
+            tasks = asyncio.all_tasks(self.loop)
+            for task in tasks:
+                task.cancel()
+            self.loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+            self.loop.run_until_complete(self.loop.shutdown_default_executor())
+            self.loop.close()
+
+    def current(self) -> bool:
+        """Whether the caller runs on this loop."""
+        try:
+            return asyncio.get_running_loop() is self.loop
+        except RuntimeError:
+            return False
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> tuple[concurrent.futures.Future[T], Callable[[], None]]:
+        return submit(coro, self.loop)
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return run(coro, self.loop)
+
+    async def call(self, coro: Coroutine[Any, Any, T]) -> T:
+        return await call(coro, self.loop)
+
+    def stop(self) -> None:
+        """Ask the loop to stop (cancelling what still runs there), without waiting for its thread."""
+        with contextlib.suppress(RuntimeError):  # closed already
+            self.loop.call_soon_threadsafe(self.loop.stop)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the loop and wait for its thread to end (at most `timeout` seconds when given)."""
+        self.stop()
+        if threading.current_thread() is not self.thread:
+            self.thread.join(timeout)
 
 
 # --- threads: sync functions -----------------------------------------------------------------------------
@@ -92,8 +308,7 @@ class _Job:
 # fsm/tools/base.py's StartTimeout of the call being made: a ThreadLane's thread stamps its `started` when it takes
 # the call (a wait in the queue is not the tool's: thousands of calls in flight queue for a few threads)
 START_CLOCK: contextvars.ContextVar[Any] = contextvars.ContextVar("agentfsm_start", default=None)
-# the running tool call's idempotency key (fsm/tools/base.py `idempotency_key`); a ProcessLane sends it to its
-# worker, which sets KEY_ENV for the call (the worker imports no engine module)
+# the running tool call's idempotency key (fsm/tools/base.py `idempotency_key`); a ProcessLane's worker: KEY_ENV
 KEY: contextvars.ContextVar[str | None] = contextvars.ContextVar("agentfsm_key", default=None)
 KEY_ENV = "AGENTFSM_IDEMPOTENCY_KEY"
 # who calls (the run's driver sets the trajectory's session id): an InlineLane's step in progress records it
@@ -103,7 +318,7 @@ CALLER: contextvars.ContextVar[str | None] = contextvars.ContextVar("agentfsm_ca
 INLINE_STEPS: dict[int, tuple[str, str | None, float]] = {}
 
 
-class ThreadLane:
+class ThreadLane(Lane):
     """A sync tool's own daemon threads: at most `workers` running calls; a timed-out call's thread is
     written off (it no longer counts) and replaced, up to `max_stuck` written-off threads still running."""
 
@@ -117,9 +332,6 @@ class ThreadLane:
         self._backlog = 0  # queued jobs waiting for a thread to free up
         self.stuck = 0  # written-off threads still running their call
         self.written_off = 0  # over the lane's life
-
-    async def ready(self) -> None:
-        return None
 
     async def call(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         job = _Job(fn, args, kwargs, contextvars.copy_context(), clock=START_CLOCK.get())
@@ -208,17 +420,18 @@ def _run_job(name: str, job: _Job) -> None:
 # --- an event loop of its own: coroutines ----------------------------------------------------------------
 
 
-class _ToolLoop:
-    """One event loop in one daemon thread (`LoopThread`); `pending` futures fail if the loop dies under them."""
+class _ToolLoop(LoopThread):
+    """A tool's event loop thread; `pending` futures fail if the loop dies under them."""
+
+    SIGINT = True
 
     def __init__(self, name: str):
         self.name = name
         self.pending: set[concurrent.futures.Future] = set()
         self.cancel_sent: float | None = None  # a cancellation the loop has not run yet, sent at this time
-        self.home = LoopThread(f"agentfsm-tool-loop-{name}", sigint=True, on_exit=self._gone)
-        self.loop, self.mailbox = self.home.loop, self.home.mailbox  # calls to start, handed over in bursts
+        super().__init__(f"agentfsm-tool-loop-{name}")
 
-    def _gone(self, exc: BaseException | None) -> None:
+    def on_exit(self, exc: BaseException | None) -> None:
         if exc is not None:  # a tool's callback raised SystemExit/KeyboardInterrupt: the loop is gone
             gone = crashed(self.name, exc)
         else:  # close()
@@ -229,10 +442,10 @@ class _ToolLoop:
 
     def alive(self, grace_s: float) -> bool:
         sent = self.cancel_sent
-        return self.home.thread.is_alive() and (sent is None or time.monotonic() - sent < grace_s)
+        return self.thread.is_alive() and (sent is None or time.monotonic() - sent < grace_s)
 
 
-class LoopLane:
+class LoopLane(Lane):
     """Coroutines of one tool on the tool's own event loop thread, so a busy loop blocks only that thread."""
 
     def __init__(self, name: str, grace_s: float = WEDGED_AFTER_S):
@@ -240,9 +453,6 @@ class LoopLane:
         self._lock = threading.Lock()
         self._current: _ToolLoop | None = None
         self.written_off = 0  # wedged loops left behind
-
-    async def ready(self) -> None:
-        return None
 
     def _loop(self) -> _ToolLoop:
         with self._lock:
@@ -289,53 +499,37 @@ class LoopLane:
             return await result if inspect.isawaitable(result) else result
         except Exception:
             raise
-        except asyncio.CancelledError as exc:
-            task = asyncio.current_task()
-            assert task is not None  # a coroutine's
-            if task.cancelling():  # ours: the caller gave up
-                raise
-            raise crashed(self.name, exc) from exc
         except BaseException as exc:  # must not reach the loop: Task re-raises SystemExit out of run_forever
+            task = asyncio.current_task()
+            if isinstance(exc, asyncio.CancelledError) and task is not None and task.cancelling():
+                raise  # ours: the caller gave up
             raise crashed(self.name, exc) from exc
 
     def close(self) -> None:
         with self._lock:
             current, self._current = self._current, None
         if current is not None:
-            current.home.stop()
+            current.stop()
 
 
 def _settle(name: str, task: asyncio.Task, done: concurrent.futures.Future) -> None:
-    if done.done():
-        return
-    if task.cancelled():
+    if task.cancelled() and not done.done():
         done.set_exception(ToolCrashed(f"tool {name!r} was cancelled"))
-    elif task.exception() is not None:
-        done.set_exception(task.exception())
     else:
-        done.set_result(task.result())
+        copy_outcome(task, done)
 
 
 # --- the run's own loop: isolation: none -----------------------------------------------------------------
 
 
-class InlineLane:
-    """A coroutine tool awaited on the caller's loop, each step timed; `strikes` steps past `blocking_s`
-    within `window_s` move the tool to its own `LoopLane` (the call that stalled finishes where it is)."""
+class InlineLane(Lane):
+    """A coroutine tool awaited on the caller's loop, each step timed; BLOCKING_STRIKES stalls move the tool to
+    its own `LoopLane` (the call that stalled finishes where it is)."""
 
-    def __init__(
-        self,
-        name: str,
-        blocking_s: float = BLOCKING_STEP_S,
-        strikes: int = BLOCKING_STRIKES,
-        window_s: float = BLOCKING_WINDOW_S,
-    ):
-        self.name, self.blocking_s, self.strikes, self.window_s = name, blocking_s, strikes, window_s
+    def __init__(self, name: str):
+        self.name = name
         self.stalls: list[float] = []  # when recent stalls ended (time.monotonic)
         self.moved: LoopLane | None = None  # where the calls go once the tool has stalled the loop
-
-    async def ready(self) -> None:
-        return None
 
     async def call(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         if self.moved is not None:
@@ -344,10 +538,10 @@ class InlineLane:
         return await _Timed(self, result) if inspect.iscoroutine(result) else result
 
     def blocked(self, seconds: float) -> None:
-        """A step held the loop `seconds` (past `blocking_s`)."""
+        """A step held the loop `seconds` (past BLOCKING_STEP_S)."""
         now = time.monotonic()
-        self.stalls = [t for t in self.stalls if now - t < self.window_s] + [now]
-        if self.moved is None and len(self.stalls) >= self.strikes:
+        self.stalls = [t for t in self.stalls if now - t < BLOCKING_WINDOW_S] + [now]
+        if self.moved is None and len(self.stalls) >= BLOCKING_STRIKES:
             self.moved = LoopLane(self.name)
             log.warning(
                 "tool %r (isolation: none) held the event loop %d times in %g s, last for %.3f s in one "
@@ -355,7 +549,7 @@ class InlineLane:
                 "isolation: thread)",
                 self.name,
                 len(self.stalls),
-                self.window_s,
+                BLOCKING_WINDOW_S,
                 seconds,
             )
 
@@ -374,7 +568,7 @@ class _Timed:
         self.lane, self.coro = lane, coro
 
     def __await__(self) -> Any:
-        coro, lane, clock, limit = self.coro, self.lane, time.perf_counter, self.lane.blocking_s
+        coro, lane, clock, limit = self.coro, self.lane, time.perf_counter, BLOCKING_STEP_S
         steps, here, name, caller = INLINE_STEPS, threading.get_ident(), lane.name, CALLER.get()
         value: Any = None
         error: BaseException | None = None

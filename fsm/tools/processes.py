@@ -1,12 +1,26 @@
 """The process lane (`isolation: process`, fsm/tools/isolation.py says why lanes exist): function tools by
 import path run in worker processes, one call at a time each. A call past its timeout SIGKILLs its worker's
 process group and a fresh worker replaces it; a worker that dies, or answers more than MAX_REPLY_BYTES, is an
-error observation, never the run's end. Fault containment, not a security sandbox."""
+error observation, never the run's end. Fault containment, not a security sandbox.
+
+A worker (`serve`, below) imports the standard library, this module and fsm.tools.isolation (standard library
+only) and the tool's own module, not the engine (whose imports take seconds). Over the socket, in both
+directions, each frame is an 8-byte big-endian length and a pickle:
+
+    worker -> parent, once:      ("ready", None) | ("failed", "ImportError: ...")
+    parent -> worker, per call:  (kwargs, keep_chars, idempotency key or None)
+    worker -> parent, per call:  ("ok", value) | ("raised", type name, message, is an Exception)
+
+A long answer is cut in the worker (fsm.tools.isolation.shrink), so a 50 MB string never crosses the socket.
+The worker dies with its parent (PR_SET_PDEATHSIG on Linux) and runs in its own session, so a terminal's
+Ctrl-C reaches the engine only.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import atexit
+import importlib
 import json
 import os
 import pickle
@@ -16,14 +30,25 @@ import subprocess
 import sys
 import weakref
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-from fsm.tools.isolation import KEY, ToolCrashed, ToolRaised, ToolUnavailable
+from fsm.tools.isolation import KEY, KEY_ENV, ToolCrashed, ToolUnavailable, shrink
 
 WORKER_START_TIMEOUT_S = 120.0  # a worker process's interpreter start and the tool module's imports
 MAX_REPLY_BYTES = 16 << 20  # a worker's reply beyond this (huge metrics) kills it: the answer is an error
-WORKER_SCRIPT = Path(__file__).with_name("worker.py")
+# a worker's first lines: the parent's sys.path before anything of fsm is imported
+WORKER_BOOT = (
+    "import json, os, sys; sys.path[:] = json.loads(os.environ.pop('AGENTFSM_SYS_PATH')); "
+    "from fsm.tools.processes import serve; serve()"
+)
+
+
+class ToolRaised(Exception):
+    """An exception the tool raised in its worker process, by type name and message."""
+
+    def __init__(self, type_name: str, message: str):
+        super().__init__(message)
+        self.type_name = type_name
 
 
 class _Worker:
@@ -137,7 +162,8 @@ class ProcessLane:
         try:
             proc = await asyncio.create_subprocess_exec(
                 sys.executable,
-                str(WORKER_SCRIPT),
+                "-c",
+                WORKER_BOOT,
                 str(child.fileno()),
                 self.path,
                 str(os.getpid()),
@@ -206,3 +232,90 @@ _LANES: weakref.WeakSet[ProcessLane] = weakref.WeakSet()
 def _kill_workers() -> None:  # a busy worker would outlive us, burning a core: kill them all on the way out
     for lane in list(_LANES):
         lane.close()
+
+
+# --- the worker process's side (sync: one call at a time) ---------------------------------------------------
+
+
+def resolve(path: str) -> Any:
+    """`package.module:attr.sub` -> the object (fsm.spec.registry.resolve's rule, without the engine)."""
+    module_name, _, attr = path.partition(":")
+    obj: Any = importlib.import_module(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def send(sock: socket.socket, message: Any) -> None:
+    data = pickle.dumps(message)
+    sock.sendall(len(data).to_bytes(8, "big") + data)
+
+
+def receive(sock: socket.socket) -> Any:
+    header = _exactly(sock, 8)
+    body = None if header is None else _exactly(sock, int.from_bytes(header, "big"))
+    return None if body is None else pickle.loads(body)
+
+
+def _exactly(sock: socket.socket, n: int) -> bytes | None:
+    chunks, left = [], n
+    while left:
+        chunk = sock.recv(min(left, 1 << 20))
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def die_with_parent(parent_pid: int) -> None:
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent_pid:  # the parent died before the line above
+        os._exit(0)
+
+
+def call(fn: Callable[..., Any], kwargs: dict, keep: int | None, key: str | None = None) -> bytes:
+    if key is not None:  # the call's idempotency key, which fsm.idempotency_key() reads here
+        os.environ[KEY_ENV] = key
+    try:
+        ret = fn(**kwargs)
+        if asyncio.iscoroutine(ret):
+            ret = asyncio.run(ret)
+        reply: tuple[Any, ...] = ("ok", shrink(ret, keep))
+    except Exception as exc:
+        reply = ("raised", type(exc).__name__, str(exc), True)
+    except BaseException as exc:  # SystemExit, KeyboardInterrupt...: reported, and this worker serves on
+        reply = ("raised", type(exc).__name__, str(exc), False)
+    try:
+        return pickle.dumps(reply)
+    except Exception as exc:
+        return pickle.dumps(
+            ("raised", type(exc).__name__, f"the tool's result cannot be sent back: {exc}", True)
+        )
+
+
+def serve() -> None:
+    """A worker process's life (WORKER_BOOT): `python -c WORKER_BOOT FD MODULE:FUNCTION PARENT_PID`."""
+    fd, path, parent_pid = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    die_with_parent(parent_pid)
+    sock = socket.socket(fileno=fd)
+    try:
+        fn = resolve(path)
+    except BaseException as exc:
+        send(sock, ("failed", f"{type(exc).__name__}: {exc}"))
+        return
+    send(sock, ("ready", None))
+    while True:
+        message = receive(sock)
+        if message is None:  # the parent closed the socket
+            return
+        kwargs, keep, key = message
+        data = call(fn, kwargs, keep, key)
+        os.environ.pop(KEY_ENV, None)
+        sock.sendall(len(data).to_bytes(8, "big") + data)
