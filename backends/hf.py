@@ -3,15 +3,13 @@
 Concurrent `generate()` calls queue up. One worker, owned by the backend, decodes them in a thread, so the
 event loop stays responsive: between two decode steps the requests that arrived meanwhile are prefilled together
 and join the running batch (continuous batching, up to `max_batch_size` rows), so the batch stays full across
-turns and trajectories. A trajectory's KV cache is kept between its turns (backends/kv.py): its next turn
-prefills only the tokens it adds. Rows are left-padded with explicit position ids and an attention mask, so a
-request's greedy tokens do not depend on its batch. Device, dtype, threads, sampling: backends/hf_model.py.
+turns and trajectories. A trajectory's KV cache is kept between its turns: its next turn prefills only the
+tokens it adds. Rows are left-padded with explicit position ids and an attention mask, so a request's greedy
+tokens do not depend on its batch. Device, dtype, threads, sampling and the caches: backends/hf_model.py.
 
-Exact logprobs (`exact_logprobs=True`; `agentfsm run --exact-logprobs`): float sums run in an order that depends
-on the computation's shapes, so a token's logprob moves with what the row was batched with and with whether its
-context came from kept KV or a fresh prefill, which a turn run again after a resume always is. In this mode each
-finished turn's logprobs are replaced by those of one forward pass over its context alone (`_rescore`), so an
-uninterrupted run and a resume give the same bits.
+Exact logprobs (`exact_logprobs=True`; `agentfsm run --exact-logprobs`): each finished turn's logprobs are
+replaced by those of one forward pass over its context alone (`_rescore` says why), so an uninterrupted run and
+a resume give the same bits.
 """
 
 from __future__ import annotations
@@ -29,7 +27,7 @@ from typing import Any
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 from backends.base import (
     BackendError,
@@ -41,19 +39,33 @@ from backends.base import (
 )
 from backends.hf_model import (
     DecodeSampling,
-    eos_ids,
+    Rows,
+    SessionCache,
+    SlotCache,
+    joinable,
     load,
+    prefill_inputs,
     sample_next,
     served_name,
     unfit_tensors,
     untied_values,
     validate,
 )
-from backends.kv import Rows, SessionCache, SlotCache, joinable, make_cache, prefill_inputs
 
 SESSION_KV_BYTES = 1 << 30  # default bound on the KV kept between a trajectory's turns
 # SDPA kernels used in float16/bfloat16 on CUDA: all but cuDNN attention, which plans per shape
 _NO_CUDNN_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def eos_ids(model: Any) -> frozenset[int]:
+    """Like SGLang's: the config's and the generation config's eos ids."""
+    ids: list[int] = []
+    for value in (
+        model.config.eos_token_id,
+        getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+    ):
+        ids += [value] if isinstance(value, int) else list(value or ())
+    return frozenset(ids)
 
 
 @dataclass(slots=True, eq=False)
@@ -99,8 +111,7 @@ class HFBackend(BaseBackend):
         served_model_name: str | None = None,
         model_name: str | None = None,  # the same, by its older name
         seed: int | None = None,  # seeds the generators of requests that bring no sampling_seed
-        # bound on the KV kept between a trajectory's turns (by its session id; 0: none kept). Kept KV is
-        # used only when the next prompt extends exactly what it covers, under the same weights.
+        # bound on the KV kept between a trajectory's turns (by its session id; 0: none kept)
         session_kv_bytes: int = SESSION_KV_BYTES,
         # each finished turn's logprobs from one forward pass over its context alone (module docstring)
         exact_logprobs: bool = False,
@@ -139,10 +150,7 @@ class HFBackend(BaseBackend):
         self.sessions = SessionCache(session_kv_bytes if self._joinable else 0)
         self._admitted: set[_Job] = set()  # rows the decode thread holds (failed together if it raises)
         self._stopping = False  # read by the decode thread: abort the running batch at its next step
-        # Pause (SGLang's /pause_generation modes), read by the decode thread at each step: "abort" ends the
-        # running rows with their partial output, "retract" puts them back in the queue (started over after
-        # continue), "in_place" holds the batch where it is until `continue_generation`.
-        self._pause_mode: str | None = None
+        self._pause_mode: str | None = None  # read by the decode thread at each step (`pause_generation`)
         self._unpaused = asyncio.Event()  # the worker starts no batch while paused
         self._unpaused.set()
         self._held = threading.Event()  # an in-place-paused decode thread waits on it
@@ -179,8 +187,7 @@ class HFBackend(BaseBackend):
     # -- requests ----------------------------------------------------------------------------------------
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
-        if self._closed:
-            raise BackendUnavailable(f"{self.model_name}: HFBackend is closed", server=self.model_name)
+        await self.start()  # a closed backend refuses
         sampling = validate(  # as SGLang's server checks a request: BackendRequestError (HTTP 400) otherwise
             request,
             name=self.model_name,
@@ -190,7 +197,6 @@ class HFBackend(BaseBackend):
         )
         if sampling.max_new_tokens == 0:
             return self._result(request, [], [], "length")
-        await self.start()
         generator = None
         seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(63)
         if sampling.temperature > 0.0:
@@ -298,13 +304,12 @@ class HFBackend(BaseBackend):
                 try:
                     await asyncio.to_thread(self._decode, finished)
                 except Exception as e:  # keep serving; fail only the rows that were running
+                    error = BackendError(
+                        f"{self.model_name}: generation failed: {e!r}", server=self.model_name
+                    )
                     for job in self._admitted:
                         if not job.future.done():
-                            job.future.set_exception(
-                                BackendError(
-                                    f"{self.model_name}: generation failed: {e!r}", server=self.model_name
-                                )
-                            )
+                            job.future.set_exception(error)
                 finally:
                     self._admitted = set()
 
@@ -405,12 +410,7 @@ class HFBackend(BaseBackend):
         """The joining rows with their kept KV (or None), split into those that have one and those that do
         not: each group is one forward pass, as long as its longest uncached part."""
         kept = [
-            (
-                job,
-                self.sessions.take(job.request.session_id, job.request.prompt_ids + job.tokens)
-                if self.sessions.max_bytes
-                else None,
-            )
+            (job, self.sessions.take(job.request.session_id, job.request.prompt_ids + job.tokens))
             for job in joining
         ]
         return [g for g in ([x for x in kept if x[1] is not None], [x for x in kept if x[1] is None]) if g]
@@ -423,13 +423,13 @@ class HFBackend(BaseBackend):
         jobs = [job for job, _ in group]
         contexts = [job.request.prompt_ids + job.tokens for job in jobs]
         ids, mask, pos, past = prefill_inputs(contexts, [k for _, k in group], self.pad_token_id, self.device)
-        dev = self.device
+        dev, config = self.device, self.model.config
         rows = Rows(
-            cache=into.opened(past, len(jobs), mask.shape[1], self.model.config)
+            cache=into.opened(past, len(jobs), mask.shape[1], config)
             if into is not None
-            else SlotCache(self.model.config, self.max_batch_size, past)
+            else SlotCache(config, self.max_batch_size, past)
             if self._joinable
-            else make_cache(past, self.model.config),
+            else DynamicCache(config=config),  # type: ignore[arg-type]  # past is None: such a model keeps no KV
             mask=mask,
             pos=pos[:, -1:],
             tokens=pos[:, -1],
@@ -536,8 +536,7 @@ class HFBackend(BaseBackend):
             self._draining -= 1
 
     async def update_weights_from_disk(self, model_path: str, *, weight_version: str | None = None) -> None:
-        """Reload weights in place from a checkpoint of the same architecture: between batches, or between two
-        steps of a batch held by an in-place pause (which then goes on with the new weights)."""
+        """Reload weights in place from a checkpoint of the same architecture (landing as `_between_steps` says)."""
         async with self._between_steps():
             try:
                 await asyncio.to_thread(self._load_weights, model_path)
@@ -567,8 +566,7 @@ class HFBackend(BaseBackend):
         serialized_named_tensors: Any = None,
     ) -> None:
         """SGLang Engine's in-process `update_weights_from_tensor`: copy `named_tensors` ((name, tensor) pairs
-        or a mapping, e.g. a trainer's `model.state_dict()`) into the model, no disk round-trip. Like a reload
-        from disk it lands between batches, or between two steps of a batch held by an in-place pause."""
+        or a mapping, e.g. a trainer's `model.state_dict()`) into the model, no disk round-trip (`_between_steps`)."""
         pairs = list(named_tensors.items() if hasattr(named_tensors, "items") else named_tensors or ())
         own = self.model.state_dict(keep_vars=True)
         wrong = unfit_tensors(self.model, own, pairs)

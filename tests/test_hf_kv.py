@@ -1,4 +1,4 @@
-"""The embedded backend's KV handling (backends/kv.py): a trajectory's KV kept between its turns, and rows
+"""The embedded backend's KV handling (backends/hf_model.py): a trajectory's KV kept between its turns, and rows
 joining and leaving a running batch. Everything is checked against a backend that keeps nothing (every turn
 prefilled whole) and against a direct forward pass."""
 
@@ -14,7 +14,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from backends.base import GenerateRequest, GenerateResult
 from backends.hf import HFBackend
-from backends.kv import SlotLayer
+from backends.hf_model import SlotLayer
 from tests.test_hf_backend import GREEDY, VOCAB, make_model, prompt, reference_logprobs
 
 SAMPLED = {"temperature": 0.7, "top_p": 0.9, "ignore_eos": True}
