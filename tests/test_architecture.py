@@ -4,7 +4,7 @@
   TYPE_CHECKING, and inside functions (a lazy import hides a cycle from Python, not from a reader);
 - `fsm` imports a concrete backend (anything in `backends` but the protocol and retry policy,
   backends/base.py) only in its composition modules: fsm/api.py, fsm/cli/commands.py (and
-  fsm/cli/launch.py, the servers a run launches),
+  fsm/cli/launch.py, the servers a run launches; fsm/cli/bundled.py, bench and dev-server),
   fsm/adapters/verl.py and the trainer adapters beside it (fsm/adapters/);
 - `backends` never imports `fsm`, and no engine or backend module imports `bench`.
 """
@@ -22,6 +22,7 @@ COMPOSITION = {
     "fsm.api",
     "fsm.cli.commands",
     "fsm.cli.launch",  # the servers `run` launches (commands.py's, split out)
+    "fsm.cli.bundled",  # `bench` and `dev-server` (commands.py's, split out)
     "fsm.adapters.verl",
     "fsm.adapters.trl",
     "fsm.adapters.openrlhf",

@@ -192,7 +192,7 @@ def test_exact_logprobs_is_the_embedded_models_mode(capsys, tmp_path):
 def test_a_run_builds_only_its_own_flags_and_no_otel_sdk(monkeypatch):
     """A run's command line builds no other command's flags and parses as the whole one does; with no OTEL_*
     variable set, deciding on tracing imports no SDK (fsm.telemetry.config made unimportable here)."""
-    from fsm.cli import commands as cli
+    from fsm.cli.args import env_tracing
 
     argv = ["run", SPEC, "--server", "http://127.0.0.1:1"]
     lean = _subparsers(build_parser(argv))
@@ -202,9 +202,9 @@ def test_a_run_builds_only_its_own_flags_and_no_otel_sdk(monkeypatch):
         monkeypatch.delenv(name)
     with monkeypatch.context() as m:
         m.setitem(sys.modules, "fsm.telemetry.config", None)
-        assert cli._env_tracing() is False
+        assert env_tracing() is False
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4318")
-    assert cli._env_tracing() is True
+    assert env_tracing() is True
 
 
 def test_request_timeout_and_group_affinity_reach_the_engine(monkeypatch, tmp_path):
@@ -257,14 +257,14 @@ def test_launch_without_the_engine_shows_the_cause(capsys, tmp_path, engine):
 
 
 def test_trace_sample_without_tracing_warns(capsys, monkeypatch, tmp_path):
-    from fsm.cli import commands as cli
+    from fsm.cli.args import check_run_flags
 
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", raising=False)
-    cli._check_run_flags(build_parser().parse_args(["run", SPEC, "--trace-sample", "0.1"]))
+    check_run_flags(build_parser().parse_args(["run", SPEC, "--trace-sample", "0.1"]))
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "warning: --trace-sample does nothing" in err
-    cli._check_run_flags(
+    check_run_flags(
         build_parser().parse_args(["run", SPEC, "--trace-sample", "0.1", "--trace", "console"])
     )
     assert capsys.readouterr().err == ""

@@ -1,6 +1,6 @@
 """What `agentfsm run` leaves behind, whatever happens around it: --out checked before the rollout, a lock
 against a second run, outputs kept when --out refuses them, a tool that moves the process or closes its
-stdout, and an old snapshot refused in one line (fsm/output/rundir.py, fsm/cli/outcome.py).
+stdout, and an old snapshot refused in one line (fsm/output/rundir.py, fsm/cli/commands.py, fsm/cli/resume.py).
 """
 
 from __future__ import annotations

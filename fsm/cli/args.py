@@ -1,33 +1,205 @@
-"""The command line of `agentfsm`: one function per command adds its flags (`run`'s and `bench`'s in groups by
-topic), and `command_line` puts them under their commands; the number types and the parser they use are in
-fsm/cli/outcome.py."""
+"""The command line of `agentfsm`: one function per command adds its flags (`run`'s in groups by topic;
+`bench`'s and `dev-server`'s in fsm/cli/bundled.py), and `command_line` puts them under their commands.
+
+Every numeric flag takes a range-checked type (`--concurrency 0`, `--temperature nan` are refused before anything
+runs), a usage error is one line, help shows defaults, and every user error ends as one line (CLIError)."""
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Mapping, Sequence
+import math
+import os
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
-from fsm.cli.outcome import (
-    COUNT,
-    PORT,
-    Help,
-    Parser,
-    float_in,
-    int_in,
-    otlp_endpoint,
-    seconds_flag,
-    server_url,
-)
+from fsm.run.signals import warn
+
+
+def int_in(lo: int, hi: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer in [lo, hi]."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < lo or (hi is not None and value > hi):
+            raise argparse.ArgumentTypeError(f"must be an integer {_bounds(lo, hi)}, got {value}")
+        return value
+
+    return parse
+
+
+def float_in(lo: float, hi: float | None = None, *, above: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite number >= lo (> lo with `above`), <= hi."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if (
+            not math.isfinite(value)
+            or value < lo
+            or (above and value == lo)
+            or (hi is not None and value > hi)
+        ):
+            bound = f"> {lo:g}" if above else _bounds(lo, hi)
+            raise argparse.ArgumentTypeError(f"must be a number {bound}, got {text}")
+        return value
+
+    return parse
+
+
+def server_url(text: str) -> str:
+    """An argparse type: an http(s) URL; `localhost:30000` gets the line that fixes it."""
+    scheme, sep, rest = text.partition("://")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a URL; did you mean http://{text}?")
+    if scheme not in ("http", "https") or not rest.strip("/"):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected an http:// or https:// URL such as http://localhost:30000"
+        )
+    return text
+
+
+def otlp_endpoint(text: str) -> str:
+    """An argparse type: --otlp's endpoint, checked when the flags are read (not after the model loads);
+    `localhost:4318` is http://localhost:4318, as the SDK reads OTEL_EXPORTER_OTLP_ENDPOINT."""
+    from fsm.telemetry.export import otlp_url
+
+    try:
+        return otlp_url(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _bounds(lo: float, hi: float | None) -> str:
+    return f">= {lo:g}" if hi is None else f"from {lo:g} to {hi:g}"
+
+
+COUNT = int_in(1)  # how many of something: at least one
+
+PORT = int_in(1, 65535)
+
+
+def seconds_flag(p: Any, flag: str, default: float | None, text: str) -> None:
+    """A flag of a duration: seconds, more than 0."""
+    p.add_argument(flag, type=float_in(0.0, above=True), default=default, metavar="SECONDS", help=text)
+
+
+class Parser(argparse.ArgumentParser):
+    """Usage errors as one line (argparse prints the whole usage first). `checks`: what no single flag can
+    check alone (flags that cannot go together), each a function of the parsed flags that returns the problem
+    or None, reported as any usage error."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.checks: list[Callable[[argparse.Namespace], str | None]] = []
+
+    def parse_known_args(  # type: ignore[override]  # one signature for argparse's overloads
+        self, args: Any = None, namespace: Any = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        parsed, extras = super().parse_known_args(args, namespace)
+        for check in self.checks:
+            if problem := check(parsed):
+                self.error(problem)
+        return parsed, extras
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows "(default: X)" where there is a default worth showing (not None, not a False switch)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+class CLIError(Exception):
+    """A user-facing failure: printed as one line, exit code `exit_code`."""
+
+    exit_code = 1
+
+
+class Interrupted(CLIError):
+    exit_code = 130
+
 
 DEMO_PROMPTS = 64  # `run` without --data or --num-prompts
 SHOW_LIMIT = 5  # transcripts `show --worst/--failed` prints without --limit
 RAY_WORKERS = 2  # `run --ray`'s actors without --workers
-BENCHMARKS = (  # `bench WHAT`
-    "engine router hf prefix-cache tracing ray faults async families collate vs-verl engines gateway fleet "
-    "trees journal"
-).split()
 
 DTYPE_CHOICES = ["auto", "float32", "bfloat16", "float16"]  # the embedded model's (backends/hf.py)
+
+
+def check_run_flags(args: argparse.Namespace) -> None:
+    """What argparse cannot check alone: refuse flags that cannot work together, warn about ones that would
+    do nothing."""
+    servers = bool(args.server or args.launch_sglang or args.launch_vllm)
+    if args.launch_sglang and args.launch_vllm:
+        raise CLIError("--launch-sglang and --launch-vllm: a fleet is one engine kind; launch one of them")
+    launched = "sglang" if args.launch_sglang else "vllm" if args.launch_vllm else None
+    if args.engine and launched and args.engine != launched:
+        raise CLIError(f"--engine {args.engine} with --launch-{launched}: a fleet is one engine kind")
+    if getattr(args, "accept_changes", False) and getattr(args, "resume", None) is None:
+        raise CLIError("--accept-changes: it goes with --resume DIR (a new run has nothing to compare with)")
+    if getattr(args, "exact_logprobs", False) and servers:
+        raise CLIError(
+            "--exact-logprobs: it is the embedded model's mode; servers have their own deterministic modes "
+            "(docs/running.md, 'Logprobs on resume'): drop --exact-logprobs or --server/--launch-*"
+        )
+    if args.request_timeout is not None and not servers:
+        raise CLIError(
+            "--request-timeout: it times server requests; give --server URL, --launch-sglang MODEL or "
+            "--launch-vllm MODEL (the embedded model makes no requests)"
+        )
+    if args.ray is not None:
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            raise CLIError(
+                "--ray: Ray is not installed in this Python; pip install 'agentfsm[ray]', "
+                "or run without --ray"
+            ) from None
+        if args.request_timeout is not None:
+            raise CLIError("--request-timeout: not passed to Ray actors yet; drop --ray or --request-timeout")
+        if getattr(args, "exact_logprobs", False):
+            raise CLIError("--exact-logprobs: not passed to Ray actors; drop --ray or --exact-logprobs")
+    tracing = bool(args.otlp or args.trace or env_tracing())
+    if tracing and not args.otlp:  # checked now, not when the exporter starts after the model has loaded
+        from fsm.telemetry.config import OtlpSettings
+        from fsm.telemetry.export import otlp_url
+
+        try:
+            otlp_url(OtlpSettings.from_env().endpoint)
+        except ValueError as exc:
+            raise CLIError(f"OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT: {exc}") from None
+    if args.trace_sample is not None and not tracing:
+        warn("--trace-sample does nothing without --otlp URL, --trace console or OTEL_EXPORTER_OTLP_ENDPOINT")
+    if args.ray is not None and tracing:
+        warn("tracing is not passed to Ray actors yet: this --ray run exports no spans")
+
+
+def env_tracing() -> bool:
+    """Whether the OTEL_* variables ask for OTLP export (read as the SDK reads them; with none set, nothing
+    does, and the SDK is not imported)."""
+    if not any(name.startswith("OTEL_") for name in os.environ):
+        return False
+    from fsm.telemetry.config import otlp_from_env
+
+    return otlp_from_env()
+
+
+def quiet_transformers() -> None:
+    """No "Loading weights" progress bar or load-report chatter from transformers in our output."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
 
 
 def _version() -> str:
@@ -284,14 +456,6 @@ def run_flags(p: argparse.ArgumentParser, workers: bool = True) -> None:
     _durable_flags(p, workers)
 
 
-def gateway_flags(p: argparse.ArgumentParser) -> None:
-    """`agentfsm gateway SPEC`: `run`'s flags, then where the gateway listens (fsm/gateway/serve.py)."""
-    from fsm.cli.gateway_args import gateway_only_flags
-
-    run_flags(p, workers=False)
-    gateway_only_flags(p)
-
-
 def render_flags(p: argparse.ArgumentParser) -> None:
     """`agentfsm render SPEC -o FILE`."""
     p.add_argument("spec", metavar="SPEC", help="the spec file (YAML)")
@@ -344,155 +508,13 @@ def replay_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", help="the tokenizer (default: the one the journal names)")
 
 
-def bench_flags(p: argparse.ArgumentParser) -> None:
-    """`agentfsm bench WHAT`: the engine's own benchmarks' flags here, those of benchmarks against servers and
-    fleets in `_fleet_flags`."""
-    p.add_argument(
-        "what",
-        choices=BENCHMARKS,
-        help="which benchmark",
-    )
-    p.add_argument(
-        "--n",
-        type=COUNT,
-        default=2000,
-        metavar="N",
-        help="engine: trajectories; engines: prompts (default 8); trees with --server: trees per run (default 4)",
-    )
-    p.add_argument(
-        "--concurrency",
-        type=COUNT,
-        metavar="N",
-        help="engine: trajectories in flight (default: --n); engines: rows in flight for the client's CPU "
-        "per call under load (default 1000)",
-    )
-    p.add_argument(
-        "--processes",
-        type=COUNT,
-        nargs="+",
-        action="extend",
-        metavar="N",
-        help="engines: also run the load split over N processes (--processes 1 2 4); without --server, each "
-        "with a modeled vLLM server of its own (bench/fleet_sim.py), the counts alternated over --repeats rounds",
-    )
-    p.add_argument(
-        "--tool-turns", type=int_in(0), default=4, metavar="N", help="engine: tool turns per trajectory"
-    )
-    p.add_argument(
-        "--repeats", type=COUNT, default=3, metavar="N", help="engine, tracing: repeats (the median is kept)"
-    )
-    p.add_argument("--model", metavar="DIR", help="hf: model dir (default: the tiny model)")
-    p.add_argument(
-        "--workload",
-        choices=["engine", "calculator", "contexts", "embedded"],
-        default="engine",
-        help="engine: calculator is specs/calculator.yaml's prompt, tool and answer with a replayed model "
-        "(CPU per trajectory at --n in flight); contexts: the template context policy's CPU per "
-        "model turn against append's on the same calculator conversation (--n default 500); tracing: engine, calculator, or embedded "
-        "(`agentfsm run specs/calculator.yaml` without and with --otlp, alternated); gateway: contexts is its "
-        "CPU per call at a 1k- and a 30k-token prompt, per API (docs/gateway.md, 'Cost')",
-    )
-    _fleet_flags(p)
+Command = tuple[str, str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
 
 
-def _fleet_flags(p: argparse.ArgumentParser) -> None:
-    """`agentfsm bench engines|fleet|trees`: the servers, recorded traffic and routers they run."""
-    p.add_argument(
-        "--server",
-        action="append",
-        type=server_url,
-        metavar="URL",
-        help="engines: a server serving the tiny model (SGLang, vLLM or dev); several run in turn, tokens compared; "
-        "fleet: a vLLM server of the fleet (default: two launched from .venv-vllm); trees: a real SGLang or "
-        "vLLM server of the tiny model, whose own count of the branch prompts' cached tokens is read",
-    )
-    p.add_argument(
-        "--trace",
-        metavar="FILE",
-        help="fleet: recorded calls to replay (JSON lines: session, group, turn, prompt_tokens, new_tokens, "
-        "tool_s), or a run directory whose journal holds them (bench/traffic.py); default: the generated shapes",
-    )
-    p.add_argument(
-        "--shape",
-        action="append",
-        choices=["calculator", "long", "groups", "skewed", "crowded", "echo"],
-        help="fleet: replay only these generated shapes (repeatable; default: all five); engines without "
-        "--server: the turn shapes the instant servers answer, calculator (its real turns) and echo (one "
-        "turn, no tool call; default: both)",
-    )
-    p.add_argument(
-        "--router",
-        action="append",
-        metavar="NAME",
-        help="fleet: run only these routers, by their name in the table ('agentfsm', 'sglang-router "
-        "cache_aware', ...; repeatable; default: all)",
-    )
-    p.add_argument(
-        "--sim",
-        type=COUNT,
-        metavar="N",
-        help="fleet: N modeled vLLM servers (bench/fleet_sim.py: vLLM's scheduling and prefix cache, compute "
-        "as sleeps fitted to a real server) instead of real ones",
-    )
-
-
-def dev_server_flags(p: argparse.ArgumentParser) -> None:
-    """`agentfsm dev-server`."""
-    p.add_argument("--model", metavar="DIR", help="model dir (default: the tiny calculator model)")
-    p.add_argument("--scripted", action="store_true", help="a deterministic echo model, no weights")
-    p.add_argument(
-        "--scripted-tools",
-        action="store_true",
-        help="a scripted tool-calling model over --tokenizer, no weights: it writes a file with the harness's "
-        "own write tool, then finishes (docs/gateway.md, 'Real size')",
-    )
-    p.add_argument(
-        "--tokenizer", metavar="DIR", help="--scripted-tools: its tokenizer (default: the tiny model's)"
-    )
-    p.add_argument(
-        "--script", metavar="FILE", help="--scripted-tools: a JSON list of steps (backends/scripted.py)"
-    )
-    p.add_argument(
-        "--context-length",
-        type=int_in(16),
-        metavar="N",
-        help="the longest context served (default: the model's, or 4096)",
-    )
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=PORT, default=30000, help="port to listen on")
-    p.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda if available)")
-    p.add_argument("--dtype", choices=DTYPE_CHOICES, help="default: auto, see backends/hf.py")
-
-
-COMMANDS: tuple[tuple[str, str, Callable[[argparse.ArgumentParser], None]], ...] = (
-    ("validate", "check specs; prints path:line:col: code: message for each problem", validate_flags),
-    ("schema", "write the JSON Schema of the spec format (editors use it for completion)", schema_flags),
-    ("run", "run a spec over prompts and write the padded batch", run_flags),
-    (
-        "gateway",
-        "run a harness spec (an agent in another framework) through the gateway: `run`'s flags, "
-        "and where the gateway listens (docs/gateway.md)",
-        gateway_flags,
-    ),
-    ("render", "draw a spec (.svg .png .pdf .dot .mmd), optionally annotated by a run", render_flags),
-    ("show", "print a run's trajectories as transcripts", show_flags),
-    (
-        "replay",
-        "rebuild a trajectory from a run's journal, without server or model: transcript, path, token check, "
-        "reward recomputed",
-        replay_flags,
-    ),
-    ("bench", "benchmarks that print numbers (JSON)", bench_flags),
-    ("dev-server", "an SGLang-protocol server over the embedded model", dev_server_flags),
-)  # each command: its name, its one-line help, what adds its flags
-
-
-def command_line(
-    commands: Mapping[str, Callable[[argparse.Namespace], int]], argv: Sequence[str] | None = None
-) -> argparse.ArgumentParser:
-    """The whole command line; `commands` maps each subcommand to the function that runs it (fsm/cli/commands.py).
-    Given the `argv` it will parse, only the command named there gets its flags: parsing a run builds no
-    other command's."""
+def command_line(commands: Sequence[Command], argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The whole command line; `commands`: each subcommand's name, one-line help, what adds its flags and what
+    runs it (fsm/cli/commands.py). Given the `argv` it will parse, only the command named there gets its
+    flags: parsing a run builds no other command's."""
     named = None if argv is None else next((a for a in argv if not a.startswith("-")), "")
     ap = Parser(
         prog="agentfsm",
@@ -503,11 +525,11 @@ def command_line(
     )
     ap.add_argument("--version", action="version", version=f"agentfsm {_version()}")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, text, add_flags in COMMANDS:
+    for name, text, add_flags, run in commands:
         p = sub.add_parser(
             name, help=text, description=text[0].upper() + text[1:] + ".", formatter_class=Help
         )
         if named in (None, name):
             add_flags(p)
-        p.set_defaults(fn=commands[name])
+        p.set_defaults(fn=run)
     return ap

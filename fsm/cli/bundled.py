@@ -1,4 +1,5 @@
-"""Where `agentfsm bench` finds the benchmark code (bench/).
+"""`agentfsm bench` and `agentfsm dev-server`: their flags and commands, and where `bench` finds the benchmark
+code (bench/).
 
 bench/ sits beside fsm/ in a checkout. A wheel carries it inside fsm (fsm/_bundled/bench, pyproject.toml's
 package-dir), never as a top-level `bench` in site-packages, where another distribution's `bench` would
@@ -8,11 +9,16 @@ first on sys.path for the bench command's process (and, through PYTHONPATH, the 
 
 from __future__ import annotations
 
+import argparse
 import importlib
+import json
 import os
 import sys
 from pathlib import Path
 from types import ModuleType
+
+from fsm.cli.args import COUNT, DTYPE_CHOICES, PORT, CLIError, int_in, quiet_transformers, server_url
+from fsm.cli.launch import port_free
 
 FSM_DIR = Path(__file__).resolve().parents[1]
 PLACES = (FSM_DIR / "_bundled", FSM_DIR.parent)  # an installed wheel's copy, then a checkout's bench/
@@ -30,3 +36,228 @@ def bench_module(name: str) -> ModuleType:
                 os.environ["PYTHONPATH"] = os.pathsep.join([where, *filter(None, paths)])
             break
     return importlib.import_module(f"bench.{name}")
+
+
+BENCHMARKS = (  # `bench WHAT`
+    "engine router hf prefix-cache tracing ray faults async families collate vs-verl engines gateway fleet "
+    "trees journal"
+).split()
+
+
+def bench_flags(p: argparse.ArgumentParser) -> None:
+    """`agentfsm bench WHAT`: the engine's own benchmarks' flags here, those of benchmarks against servers and
+    fleets in `_fleet_flags`."""
+    p.add_argument(
+        "what",
+        choices=BENCHMARKS,
+        help="which benchmark",
+    )
+    p.add_argument(
+        "--n",
+        type=COUNT,
+        default=2000,
+        metavar="N",
+        help="engine: trajectories; engines: prompts (default 8); trees with --server: trees per run (default 4)",
+    )
+    p.add_argument(
+        "--concurrency",
+        type=COUNT,
+        metavar="N",
+        help="engine: trajectories in flight (default: --n); engines: rows in flight for the client's CPU "
+        "per call under load (default 1000)",
+    )
+    p.add_argument(
+        "--processes",
+        type=COUNT,
+        nargs="+",
+        action="extend",
+        metavar="N",
+        help="engines: also run the load split over N processes (--processes 1 2 4); without --server, each "
+        "with a modeled vLLM server of its own (bench/fleet_sim.py), the counts alternated over --repeats rounds",
+    )
+    p.add_argument(
+        "--tool-turns", type=int_in(0), default=4, metavar="N", help="engine: tool turns per trajectory"
+    )
+    p.add_argument(
+        "--repeats", type=COUNT, default=3, metavar="N", help="engine, tracing: repeats (the median is kept)"
+    )
+    p.add_argument("--model", metavar="DIR", help="hf: model dir (default: the tiny model)")
+    p.add_argument(
+        "--workload",
+        choices=["engine", "calculator", "contexts", "embedded"],
+        default="engine",
+        help="engine: calculator is specs/calculator.yaml's prompt, tool and answer with a replayed model "
+        "(CPU per trajectory at --n in flight); contexts: the template context policy's CPU per "
+        "model turn against append's on the same calculator conversation (--n default 500); tracing: engine, calculator, or embedded "
+        "(`agentfsm run specs/calculator.yaml` without and with --otlp, alternated); gateway: contexts is its "
+        "CPU per call at a 1k- and a 30k-token prompt, per API (docs/gateway.md, 'Cost')",
+    )
+    _fleet_flags(p)
+
+
+def _fleet_flags(p: argparse.ArgumentParser) -> None:
+    """`agentfsm bench engines|fleet|trees`: the servers, recorded traffic and routers they run."""
+    p.add_argument(
+        "--server",
+        action="append",
+        type=server_url,
+        metavar="URL",
+        help="engines: a server serving the tiny model (SGLang, vLLM or dev); several run in turn, tokens compared; "
+        "fleet: a vLLM server of the fleet (default: two launched from .venv-vllm); trees: a real SGLang or "
+        "vLLM server of the tiny model, whose own count of the branch prompts' cached tokens is read",
+    )
+    p.add_argument(
+        "--trace",
+        metavar="FILE",
+        help="fleet: recorded calls to replay (JSON lines: session, group, turn, prompt_tokens, new_tokens, "
+        "tool_s), or a run directory whose journal holds them (bench/traffic.py); default: the generated shapes",
+    )
+    p.add_argument(
+        "--shape",
+        action="append",
+        choices=["calculator", "long", "groups", "skewed", "crowded", "echo"],
+        help="fleet: replay only these generated shapes (repeatable; default: all five); engines without "
+        "--server: the turn shapes the instant servers answer, calculator (its real turns) and echo (one "
+        "turn, no tool call; default: both)",
+    )
+    p.add_argument(
+        "--router",
+        action="append",
+        metavar="NAME",
+        help="fleet: run only these routers, by their name in the table ('agentfsm', 'sglang-router "
+        "cache_aware', ...; repeatable; default: all)",
+    )
+    p.add_argument(
+        "--sim",
+        type=COUNT,
+        metavar="N",
+        help="fleet: N modeled vLLM servers (bench/fleet_sim.py: vLLM's scheduling and prefix cache, compute "
+        "as sleeps fitted to a real server) instead of real ones",
+    )
+
+
+def dev_server_flags(p: argparse.ArgumentParser) -> None:
+    """`agentfsm dev-server`."""
+    p.add_argument("--model", metavar="DIR", help="model dir (default: the tiny calculator model)")
+    p.add_argument("--scripted", action="store_true", help="a deterministic echo model, no weights")
+    p.add_argument(
+        "--scripted-tools",
+        action="store_true",
+        help="a scripted tool-calling model over --tokenizer, no weights: it writes a file with the harness's "
+        "own write tool, then finishes (docs/gateway.md, 'Real size')",
+    )
+    p.add_argument(
+        "--tokenizer", metavar="DIR", help="--scripted-tools: its tokenizer (default: the tiny model's)"
+    )
+    p.add_argument(
+        "--script", metavar="FILE", help="--scripted-tools: a JSON list of steps (backends/scripted.py)"
+    )
+    p.add_argument(
+        "--context-length",
+        type=int_in(16),
+        metavar="N",
+        help="the longest context served (default: the model's, or 4096)",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=PORT, default=30000, help="port to listen on")
+    p.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda if available)")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, help="default: auto, see backends/hf.py")
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    what = args.what
+    if args.workload != "engine" and (what, args.workload) not in (
+        ("engine", "calculator"),
+        ("engine", "contexts"),
+        ("tracing", "calculator"),
+        ("tracing", "embedded"),
+        ("gateway", "contexts"),
+    ):
+        raise CLIError(
+            f"bench {what}: no --workload {args.workload} (engine: engine | calculator | contexts; tracing: engine | "
+            "calculator | embedded; gateway: engine | contexts)"
+        )
+    bench = bench_module(what.replace("-", "_"))
+    if what == "engine" and args.workload == "contexts":
+        result = bench.bench_contexts(
+            n=500 if args.n == 2000 else args.n, tool_turns=args.tool_turns, repeats=args.repeats
+        )
+    elif what == "engine" and args.workload == "calculator":
+        result = bench.bench_calculator(n=args.n, concurrency=args.concurrency, repeats=args.repeats)
+    elif what == "engine":
+        result = bench.bench_engine(
+            n=args.n, concurrency=args.concurrency or args.n, tool_turns=args.tool_turns, repeats=args.repeats
+        )
+    elif what == "hf":
+        from backends.tiny import ASSET_DIR
+
+        result = bench.bench_hf(args.model or str(ASSET_DIR))
+    elif what == "prefix-cache":
+        result = {f"affinity={a}": bench.bench_prefix_cache(n=8, affinity=a) for a in (False, True)}
+    elif what == "tracing":
+        result = bench.bench_tracing(workload=args.workload, repeats=args.repeats)
+    elif what == "gateway" and args.workload == "contexts":
+        result = bench.bench_context(repeats=args.repeats)
+    elif what == "engines":
+        if not args.server and (odd := [s for s in args.shape or () if s not in bench.SHAPES]):
+            raise CLIError(f"bench engines: no --shape {odd[0]} (engines: {' | '.join(bench.SHAPES)})")
+        quiet_transformers()
+        load = {
+            "repeats": args.repeats,
+            "in_flight": args.concurrency or 1000,
+            "processes": args.processes or (),
+        }
+        try:
+            if args.server:
+                result = bench.bench_engines(args.server, n=8 if args.n == 2000 else args.n, **load)
+            else:
+                result = bench.bench_instant(shapes=args.shape or tuple(bench.SHAPES), **load)
+        except RuntimeError as exc:  # a server or client process that did not start, or died
+            raise CLIError(str(exc)) from None
+    elif what == "fleet":
+        if problem := bench.refusal(args.trace, args.shape or (), args.router or ()):
+            raise CLIError(problem)
+        result = bench.bench_fleet(
+            args.server or (),
+            trace=args.trace,
+            repeats=args.repeats,
+            shapes=args.shape or (),
+            routers=args.router or (),
+            sim=args.sim or 0,
+        )
+    elif what == "trees":
+        result = bench.bench_trees(args.server or (), prompts=4 if args.n == 2000 else args.n)
+    else:  # argparse restricts the choices to the modules of bench/
+        result = getattr(bench, f"bench_{what.replace('-', '_')}")()
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def cmd_dev_server(args: argparse.Namespace) -> int:
+    from backends.devserver import main as devserver_main
+
+    port_free(args.host, args.port)  # before the model loads (tens of seconds), not after
+    argv = ["--host", args.host, "--port", str(args.port)]
+    if args.scripted_tools:
+        argv += ["--scripted-tools"]
+        argv += [f"--{k}={v}" for k, v in (("tokenizer", args.tokenizer), ("script", args.script)) if v]
+    else:
+        argv += ["--scripted"] if args.scripted else ["--model", args.model or _default_model()]
+    if args.context_length is not None:  # at least 16: the parser's int_in(16)
+        argv += [f"--context-length={args.context_length}"]
+    if not args.scripted:
+        quiet_transformers()
+    argv += [f"--{k}={v}" for k, v in (("device", args.device), ("dtype", args.dtype)) if v]
+    try:
+        devserver_main(argv)
+    except OSError as exc:  # the port is taken, or the host is not ours
+        raise CLIError(
+            f"--port {args.port}: cannot serve on {args.host}:{args.port} ({exc.strerror or exc})"
+        ) from None
+    return 0
+
+
+def _default_model() -> str:
+    from backends.tiny import ASSET_DIR
+
+    return str(ASSET_DIR)

@@ -1,5 +1,5 @@
-"""`agentfsm`: run, gateway, replay, bench, dev-server here; validate, schema, render and show in
-fsm/cli/views.py.
+"""`agentfsm`: run, gateway and replay here; validate, schema, render and show in fsm/cli/views.py; bench and
+dev-server in fsm/cli/bundled.py; the flags in fsm/cli/args.py.
 
 This module is the composition root: the one place in `fsm` that picks concrete backends (lazily, so
 `import fsm` never loads transformers models or aiohttp servers). Every user error ends as one line on
@@ -8,17 +8,19 @@ Exit codes: 0 done; 1 a user error, or a run whose error rows exceed --max-error
 line or spec diagnostics; 130 interrupted (Ctrl-C or SIGTERM). `run` is a thin caller of what every kept run
 does (the Python API's `keep=` too): signals (fsm/run/signals.py), the stop and the snapshot (fsm/output/keep.py),
 the three output files, replaced together under a lock on --out (fsm/output/keep.py, fsm/output/rundir.py);
-how the command ends (errors, a signal after the outcome, a closed stdout): fsm/cli/outcome.py.
-
+`run --resume` reads the journal first (fsm/cli/resume.py). How a command ends is here too: a signal after the
+command has ended exits at once with the command's code, and a stdout that a tool may have closed costs only
+the printout.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import contextlib
-import json
 import os
+import re
 import signal
 import sys
 import time
@@ -28,73 +30,103 @@ from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
 
-from fsm.cli.args import DEMO_PROMPTS, command_line
-from fsm.cli.launch import port_free, servers_of
-from fsm.cli.outcome import (
+from fsm.cli.args import (
+    DEMO_PROMPTS,
     CLIError,
+    Command,
     Interrupted,
-    ended,
-    refuse_changed_code,
-    resume_spec,
-    run_locked,
-    start_over,
+    check_run_flags,
+    command_line,
+    env_tracing,
+    quiet_transformers,
+    render_flags,
+    replay_flags,
+    run_flags,
+    schema_flags,
+    show_flags,
+    validate_flags,
 )
+from fsm.cli.bundled import bench_flags, cmd_bench, cmd_dev_server, dev_server_flags
+from fsm.cli.gateway_args import gateway_flags
+from fsm.cli.launch import servers_of
+from fsm.cli.resume import check_journal, resume_spec
 from fsm.cli.views import cmd_render, cmd_schema, cmd_show, cmd_validate
 from fsm.data.files import DataError, load_rows
-from fsm.output.keep import Rollout, RunDir, RunInterrupted
+from fsm.output.keep import Rollout, RunDir, RunInterrupted, keep_rollout
 from fsm.run.compile import CompiledAgent, compile_spec
 from fsm.run.signals import Interrupts, say_now, term_is_ctrl_c, warn
 from fsm.spec.loader import SpecError
 
+# --- how a command ends --------------------------------------------------------------------------------
+
+
+def to_stdout(show: Callable[[], None]) -> None:
+    """Print to stdout, which a tool may have closed (or a reader gone): the outputs are on disk already, so
+    a broken stdout costs the printout, never the run."""
+    try:
+        show()
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        with contextlib.suppress(OSError):
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (lives until exit: nothing else flushes to fd 1)
+
+
+def hold_signals() -> None:
+    """From here the command's outcome is decided (its outputs are written): Ctrl-C or SIGTERM no longer
+    changes it. A signal is kept, and `ended` then exits at once with the command's code."""
+    with contextlib.suppress(ValueError):  # not the main thread
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda signum, frame: _PENDING.append(signum))
+
+
+def ended(rc: int, *, exiting: bool = False) -> None:
+    """The command has ended with `rc` (its outputs written, its message printed). When the interpreter then
+    shuts down (torch's and threads' atexit work), Ctrl-C or SIGTERM exits at once with `rc` instead of a
+    traceback from whatever ran then. `exiting` (the command line: the process ends now) installs that at
+    once, and exits now if a signal came while the outcome was held (`hold_signals`); otherwise (a process
+    that calls `main()` and goes on, a test) only at exit, so that it keeps its own handlers."""
+    if not _ENDED:
+        atexit.register(_exit_at_once_on_signals)
+    _ENDED[:] = [rc]
+    if exiting:
+        _exit_at_once_on_signals()
+        if _PENDING:
+            with contextlib.suppress(Exception):
+                sys.stdout.flush()
+            os._exit(rc)
+    _PENDING.clear()
+
+
+_ENDED: list[int] = []  # the last command's exit code, once one has ended in this process
+
+_PENDING: list[int] = []  # signals that came while the outcome was held
+
+
+def _exit_at_once_on_signals() -> None:
+    def now(signum: int, frame: Any) -> None:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+        os._exit(_ENDED[0])
+
+    with contextlib.suppress(ValueError):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, now)
+
+
+def _ignore_signals_at_the_very_end() -> None:
+    """Registered when this module is imported, before torch and others register theirs, so it runs after
+    them: from here on the interpreter finalizes, where Python puts a handled signal back to its default
+    (death by signal, no message). Ignored instead: the process ends with the command's code."""
+    if _ENDED:
+        with contextlib.suppress(ValueError):
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, signal.SIG_IGN)
+
+
+atexit.register(_ignore_signals_at_the_very_end)
+
+
 # --- run -----------------------------------------------------------------------------------------------
-
-
-def _check_run_flags(args: argparse.Namespace) -> None:
-    """What argparse cannot check alone: refuse flags that cannot work together, warn about ones that would
-    do nothing."""
-    servers = bool(args.server or args.launch_sglang or args.launch_vllm)
-    if args.launch_sglang and args.launch_vllm:
-        raise CLIError("--launch-sglang and --launch-vllm: a fleet is one engine kind; launch one of them")
-    launched = "sglang" if args.launch_sglang else "vllm" if args.launch_vllm else None
-    if args.engine and launched and args.engine != launched:
-        raise CLIError(f"--engine {args.engine} with --launch-{launched}: a fleet is one engine kind")
-    if getattr(args, "accept_changes", False) and getattr(args, "resume", None) is None:
-        raise CLIError("--accept-changes: it goes with --resume DIR (a new run has nothing to compare with)")
-    if getattr(args, "exact_logprobs", False) and servers:
-        raise CLIError(
-            "--exact-logprobs: it is the embedded model's mode; servers have their own deterministic modes "
-            "(docs/running.md, 'Logprobs on resume'): drop --exact-logprobs or --server/--launch-*"
-        )
-    if args.request_timeout is not None and not servers:
-        raise CLIError(
-            "--request-timeout: it times server requests; give --server URL, --launch-sglang MODEL or "
-            "--launch-vllm MODEL (the embedded model makes no requests)"
-        )
-    if args.ray is not None:
-        try:
-            import ray  # noqa: F401
-        except ImportError:
-            raise CLIError(
-                "--ray: Ray is not installed in this Python; pip install 'agentfsm[ray]', "
-                "or run without --ray"
-            ) from None
-        if args.request_timeout is not None:
-            raise CLIError("--request-timeout: not passed to Ray actors yet; drop --ray or --request-timeout")
-        if getattr(args, "exact_logprobs", False):
-            raise CLIError("--exact-logprobs: not passed to Ray actors; drop --ray or --exact-logprobs")
-    tracing = bool(args.otlp or args.trace or _env_tracing())
-    if tracing and not args.otlp:  # checked now, not when the exporter starts after the model has loaded
-        from fsm.telemetry.config import OtlpSettings
-        from fsm.telemetry.export import otlp_url
-
-        try:
-            otlp_url(OtlpSettings.from_env().endpoint)
-        except ValueError as exc:
-            raise CLIError(f"OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT: {exc}") from None
-    if args.trace_sample is not None and not tracing:
-        warn("--trace-sample does nothing without --otlp URL, --trace console or OTEL_EXPORTER_OTLP_ENDPOINT")
-    if args.ray is not None and tracing:
-        warn("tracing is not passed to Ray actors yet: this --ray run exports no spans")
 
 
 def _out_dir(args: argparse.Namespace) -> Path:
@@ -120,21 +152,13 @@ def _rows(args: argparse.Namespace, agent: CompiledAgent) -> list[dict[str, Any]
     return resolve(agent.spec.demo_data, agent.spec.trust.allow_modules)(count, seed=args.seed)
 
 
-def _quiet_transformers() -> None:
-    """No "Loading weights" progress bar or load-report chatter from transformers in our output."""
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
-
-
 def _engine(args: argparse.Namespace, servers: list[str], tokenizer: str | None) -> Any:
     """The engine the flags ask for: RayRunner, or RolloutEngine over servers or the embedded model."""
     from fsm.api import RolloutEngine
 
     if tokenizer is not None and not Path(tokenizer).is_dir():
         raise CLIError(f"{tokenizer}: no tokenizer directory there; pass --tokenizer DIR")
-    _quiet_transformers()
+    quiet_transformers()
     try:
         if args.ray is not None:
             from fsm.cli.ray_run import ray_runner
@@ -178,7 +202,7 @@ def _engine(args: argparse.Namespace, servers: list[str], tokenizer: str | None)
 
 
 def _tracer(args: argparse.Namespace) -> Any:
-    if not (args.otlp or args.trace) and not _env_tracing():
+    if not (args.otlp or args.trace) and not env_tracing():
         return None
     from fsm.telemetry import Telemetry
 
@@ -190,24 +214,12 @@ def _tracer(args: argparse.Namespace) -> Any:
     )
 
 
-def _env_tracing() -> bool:
-    """Whether the OTEL_* variables ask for OTLP export (read as the SDK reads them; with none set, nothing
-    does, and the SDK is not imported)."""
-    if not any(name.startswith("OTEL_") for name in os.environ):
-        return False
-    from fsm.telemetry.config import otlp_from_env
-
-    return otlp_from_env()
-
-
 async def _rollout(
     args: argparse.Namespace, rows: list[dict[str, Any]] | None, console: Any, first_index: int | None = None
 ) -> Rollout:
     """Roll `rows` out (or, `rows` None, resume the snapshot in --resume DIR). A RolloutEngine runs them as
     every kept run does (fsm/output/keep.py: Ctrl-C snapshots the rows in flight); Ray keeps what finished.
     `first_index`: `rows` are a slice of a batch, whose index (and seed) their first sample takes."""
-    from fsm.output.keep import keep_rollout
-
     params = {k: v for k, v in (("temperature", args.temperature), ("seed", args.seed)) if v is not None}
     finished: list = []
     interrupted = False
@@ -259,9 +271,11 @@ async def _rollout(
             )
             journal = kept.journal
         else:
+            from fsm.cli.ray_run import ray_rollout
+
             assert rows is not None  # None only with --resume, which refuses --ray (cmd_run)
             try:
-                trajs = await _with_progress(engine, rows, args, sampling, console, finished)
+                trajs = await ray_rollout(engine, rows, args, sampling, console, finished)
             except asyncio.CancelledError:  # Ctrl-C (interrupts, never armed here): keep what finished
                 asyncio.current_task().uncancel()  # type: ignore[union-attr]
                 interrupted = True
@@ -293,32 +307,6 @@ def _progress(args: argparse.Namespace, console: Any) -> Iterator[Callable[[int,
         yield update
 
 
-async def _with_progress(
-    engine: Any, rows: list[dict], args: argparse.Namespace, sampling: Any, console: Any, finished: list
-) -> list:
-    """Ray's rollout, its trajectories as a bar with the tokens per second and turns per row so far."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    total = len(rows) * args.n
-    counters = {"tokens": 0, "turns": 0, "done": 0}
-    t0 = time.perf_counter()
-    columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
-    columns.append(TextColumn("{task.fields[rate]}"))
-    with Progress(*columns, console=console, disable=args.quiet or not console.is_terminal) as progress:
-        task = progress.add_task("trajectories", total=total, rate="")
-
-        def done(traj: Any) -> None:  # on the engine's thread; rich's Progress takes its own lock
-            finished.append(traj)
-            counters["done"] += 1
-            counters["tokens"] += traj.response_mask.count(1)
-            counters["turns"] += traj.num_turns
-            elapsed = max(time.perf_counter() - t0, 1e-9)
-            rate = f"{counters['tokens'] / elapsed:,.0f} tok/s · {counters['turns'] / counters['done']:.1f} turns"
-            progress.update(task, advance=1, rate=rate)
-
-        return await engine.arun(rows, n=args.n, sampling=sampling, on_done=done)
-
-
 def cmd_run(args: argparse.Namespace, rollout: Callable[..., Any] | None = None) -> int:
     """`agentfsm run`; `rollout` replaces `_rollout` (`agentfsm gateway --workers N` rolls the rows out in worker
     processes and merges them, fsm/gateway/workers.py)."""
@@ -327,9 +315,7 @@ def cmd_run(args: argparse.Namespace, rollout: Callable[..., Any] | None = None)
     from fsm.cli.ray_run import refuse_resume
     from fsm.output.rundir import RunDirError, locked
     from fsm.run import codec as snap
-    from fsm.run.journal import JOURNAL
     from fsm.run.provenance import ResumeRefused
-    from fsm.run.resume import load, refuse_unbegun
 
     term_is_ctrl_c()
     if args.resume is not None:
@@ -340,33 +326,10 @@ def cmd_run(args: argparse.Namespace, rollout: Callable[..., Any] | None = None)
         raise CLIError("run: give a SPEC (or --resume DIR)")
     else:
         args.run_id = uuid.uuid4().hex[:12]
-    _check_run_flags(args)
+    check_run_flags(args)
     agent = compile_spec(args.spec)
-    if args.resume is not None:  # checked now (but the tokenizer, at restore): refused before anything starts
-        try:
-            loaded = load(Path(args.resume) / JOURNAL, agent)
-        except snap.SnapshotError as exc:
-            raise CLIError(f"--resume: {exc}") from None
-        if not loaded.data["groups"] and loaded.ended is None:
-            start_over(args, Path(args.resume) / JOURNAL)
-    if args.resume is not None:
-        try:
-            refuse_unbegun(loaded, Path(args.resume) / JOURNAL)
-        except snap.SnapshotError as exc:
-            raise CLIError(f"--resume: {exc}") from None
-        if loaded.ended == "completed":  # killed after its files were whole: resuming it is done already
-            print(
-                f"agentfsm: --resume: {Path(args.resume) / JOURNAL}: the run there has completed: nothing to "
-                "resume (its files are whole)",
-                file=sys.stderr,
-            )
-            return 0
-        if loaded.ended is not None:
-            raise CLIError(
-                f"--resume: {Path(args.resume) / JOURNAL}: the run there has {loaded.ended}: nothing to resume"
-            )
-        refuse_changed_code(Path(args.resume) / JOURNAL, agent, loaded.made_by, args.accept_changes)
-        args.resumed = loaded  # checked: the run goes on from it (fsm/output/keep.py `keep_rollout`)
+    if args.resume is not None and check_journal(args, agent):  # the run there has completed
+        return 0
     rows = _rows(args, agent) if args.resume is None else None
     out = args.out = _out_dir(args)
     try:
@@ -382,114 +345,138 @@ def cmd_run(args: argparse.Namespace, rollout: Callable[..., Any] | None = None)
         raise CLIError(f"--resume: {exc}") from None
 
 
+# --- what a finished run says about its failed rows ---------------------------------------------------------
+
+# what differs between rows of one cause: ids, counts, ports
+_ID = re.compile(r"[0-9A-Za-z_-]*\d[0-9A-Za-z_-]*")
+
+GATEWAY_EXTRA = ("openai", "anthropic", "agents", "langgraph", "langchain_openai")  # pyproject's [gateway]
+
+
+def failure_cause(traj: Any) -> str | None:
+    """Why a row failed, one line: its error, or how its harness failed (the harness's own error line: a
+    gateway row ends `harness_failed` with no engine error); None for a row that did not fail."""
+    if traj.error:
+        return " ".join(traj.error.split())
+    from fsm.output.stats import harness_failure
+
+    why = harness_failure({"harness": traj.extra.get("harness")})
+    if why is None:
+        return None
+    missing = next((m for m in GATEWAY_EXTRA if f"No module named '{m}" in why), None)
+    hint = " (the harness needs the gateway extra: pip install 'agentfsm[gateway]')" if missing else ""
+    return f"{traj.termination_reason}: {why}{hint}"
+
+
+def most_common_cause(causes: list[str]) -> tuple[str, int]:
+    """The most common of several failure lines, counted as one cause whatever row, line or request each names
+    (an example of it, and how many rows had it)."""
+    kinds = [_ID.sub("#", c) for c in causes]
+    kind = max(set(kinds), key=kinds.count)
+    return causes[kinds.index(kind)], kinds.count(kind)
+
+
+def every_row_failed(trajs: list[Any], out: Path) -> str | None:
+    """One line when no row succeeded: the cause, or the most common of several; None otherwise."""
+    causes = [failure_cause(t) for t in trajs]
+    if not causes or None in causes:
+        return None
+    common, n = most_common_cause(causes)  # type: ignore[arg-type]
+    common = common if len(common) <= 300 else common[:299] + "…"
+    how = "all for one cause" if n == len(causes) else f"the most common cause ({n} row{'s' * (n > 1)})"
+    return f"all {len(trajs)} rows failed, {how}: {common}; see agentfsm show {out} --failed"
+
+
+def token_check_failures(trajs: list[Any], out: Path) -> str | None:
+    """--check-tokens: one line naming the first row whose tokens differ from a re-render, and where."""
+    found = [t for t in trajs if t.token_check]
+    if not found:
+        return None
+    first = found[0]
+    rows = f"{len(found)} row{'s' * (len(found) > 1)}"
+    return (
+        f"--check-tokens: {rows} differ{'s' * (len(found) == 1)} from a re-render of their messages; row {first.index} (sample "
+        f"{first.sample}): {first.token_check}; see agentfsm show {out} --failed"
+    )
+
+
+def run_locked(
+    args: argparse.Namespace,
+    rows: list[dict[str, Any]] | None,
+    out: Path,
+    console_cls: Any,
+    rollout: Callable[..., Any],
+) -> int:
+    """`run` under the lock on its --out: roll the rows out (`rollout`), write the outputs, print the summary,
+    and end by the failure budget (`error_budget`)."""
+    from fsm.output.keep import close_journal
+
+    keep = RunDir(out, args.run_id)  # the files and their order of writing: the API's `keep=` path's too
+    if rows is not None:
+        keep.refuse_a_snapshot()
+    try:
+        run = asyncio.run(rollout(args, rows, console_cls(stderr=True)))
+    except asyncio.CancelledError:  # Ctrl-C before the rollout began (launching, probing, loading)
+        raise Interrupted(f"interrupted before the rollout; {out} holds what it held before") from None
+    finally:
+        term_is_ctrl_c()
+    try:
+        if not run.trajs:
+            raise keep.nothing_finished(run)
+        batch = run.engine.to_batch(run.trajs, run.sampling)
+        replacing = (out / "summary.json").exists()
+        summary = keep.write(run, batch)
+        hold_signals()  # written: a signal from here on keeps this outcome (main's `ended` exits with it)
+        stopped = keep.finish(run)  # the run is complete: its journal ends, nothing left to resume
+    finally:
+        close_journal(run, None)
+    if not args.quiet:
+        from fsm.output.rundir import print_summary
+
+        to_stdout(lambda: print_summary(summary, console_cls()))
+    to_stdout(
+        lambda: print(
+            f"wrote {out}/"
+            + (", ".join(f"batch.{p}.pt" for p in batch) if isinstance(batch, dict) else "batch.pt")
+            + ", trajectories.jsonl, summary.json"
+            + (" (replacing the run there)" if replacing else "")
+        )
+    )
+    if stopped is not None:
+        raise stopped
+    failed = [t.error or t.termination_reason for t in run.trajs if t.failed]
+    rate, budget = error_budget(args.max_error_rate, run.engine.agent.spec.failures.max_error_rate)
+    if len(failed) / len(run.trajs) > rate:
+        common = " ".join(most_common_cause(failed)[0].split())  # names the server, row or tool
+        common = common if len(common) <= 200 else common[:199] + "…"
+        raise CLIError(
+            f"{len(failed)} of {len(run.trajs)} rows ended in error ({len(failed) / len(run.trajs):.0%}), "
+            f"more than {budget} {rate:g}; the most common: {common}; "
+            f"see {out}/summary.json"
+        )
+    if (differ := token_check_failures(run.trajs, out)) is not None:
+        warn(differ)
+    if (every := every_row_failed(run.trajs, out)) is not None:
+        if rate < 1.0:
+            raise CLIError(every)
+        warn(every)
+    return 0
+
+
+def error_budget(flag: float | None, spec: float | None) -> tuple[float, str]:
+    """The run's failure budget and where it came from: --max-error-rate overrides the spec's
+    failures.max_error_rate; neither: 0.5."""
+    if flag is not None:
+        return flag, "--max-error-rate"
+    if spec is not None:
+        return spec, "the spec's failures.max_error_rate"
+    return 0.5, "--max-error-rate"
+
+
 def cmd_replay(args: argparse.Namespace) -> int:
     from fsm.cli.replay import cmd_replay as replay
 
     return replay(args)
-
-
-# --- bench / dev-server --------------------------------------------------------------------------------
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    from fsm.cli.bundled import bench_module
-
-    what = args.what
-    if args.workload != "engine" and (what, args.workload) not in (
-        ("engine", "calculator"),
-        ("engine", "contexts"),
-        ("tracing", "calculator"),
-        ("tracing", "embedded"),
-        ("gateway", "contexts"),
-    ):
-        raise CLIError(
-            f"bench {what}: no --workload {args.workload} (engine: engine | calculator | contexts; tracing: engine | "
-            "calculator | embedded; gateway: engine | contexts)"
-        )
-    bench = bench_module(what.replace("-", "_"))
-    if what == "engine" and args.workload == "contexts":
-        result = bench.bench_contexts(
-            n=500 if args.n == 2000 else args.n, tool_turns=args.tool_turns, repeats=args.repeats
-        )
-    elif what == "engine" and args.workload == "calculator":
-        result = bench.bench_calculator(n=args.n, concurrency=args.concurrency, repeats=args.repeats)
-    elif what == "engine":
-        result = bench.bench_engine(
-            n=args.n, concurrency=args.concurrency or args.n, tool_turns=args.tool_turns, repeats=args.repeats
-        )
-    elif what == "hf":
-        from backends.tiny import ASSET_DIR
-
-        result = bench.bench_hf(args.model or str(ASSET_DIR))
-    elif what == "prefix-cache":
-        result = {f"affinity={a}": bench.bench_prefix_cache(n=8, affinity=a) for a in (False, True)}
-    elif what == "tracing":
-        result = bench.bench_tracing(workload=args.workload, repeats=args.repeats)
-    elif what == "gateway" and args.workload == "contexts":
-        result = bench.bench_context(repeats=args.repeats)
-    elif what == "engines":
-        if not args.server and (odd := [s for s in args.shape or () if s not in bench.SHAPES]):
-            raise CLIError(f"bench engines: no --shape {odd[0]} (engines: {' | '.join(bench.SHAPES)})")
-        _quiet_transformers()
-        load = {
-            "repeats": args.repeats,
-            "in_flight": args.concurrency or 1000,
-            "processes": args.processes or (),
-        }
-        try:
-            if args.server:
-                result = bench.bench_engines(args.server, n=8 if args.n == 2000 else args.n, **load)
-            else:
-                result = bench.bench_instant(shapes=args.shape or tuple(bench.SHAPES), **load)
-        except RuntimeError as exc:  # a server or client process that did not start, or died
-            raise CLIError(str(exc)) from None
-    elif what == "fleet":
-        if problem := bench.refusal(args.trace, args.shape or (), args.router or ()):
-            raise CLIError(problem)
-        result = bench.bench_fleet(
-            args.server or (),
-            trace=args.trace,
-            repeats=args.repeats,
-            shapes=args.shape or (),
-            routers=args.router or (),
-            sim=args.sim or 0,
-        )
-    elif what == "trees":
-        result = bench.bench_trees(args.server or (), prompts=4 if args.n == 2000 else args.n)
-    else:  # argparse restricts the choices to the modules of bench/
-        result = getattr(bench, f"bench_{what.replace('-', '_')}")()
-    print(json.dumps(result, indent=2))
-    return 0
-
-
-def cmd_dev_server(args: argparse.Namespace) -> int:
-    from backends.devserver import main as devserver_main
-
-    port_free(args.host, args.port)  # before the model loads (tens of seconds), not after
-    argv = ["--host", args.host, "--port", str(args.port)]
-    if args.scripted_tools:
-        argv += ["--scripted-tools"]
-        argv += [f"--{k}={v}" for k, v in (("tokenizer", args.tokenizer), ("script", args.script)) if v]
-    else:
-        argv += ["--scripted"] if args.scripted else ["--model", args.model or _default_model()]
-    if args.context_length is not None:  # at least 16: the parser's int_in(16)
-        argv += [f"--context-length={args.context_length}"]
-    if not args.scripted:
-        _quiet_transformers()
-    argv += [f"--{k}={v}" for k, v in (("device", args.device), ("dtype", args.dtype)) if v]
-    try:
-        devserver_main(argv)
-    except OSError as exc:  # the port is taken, or the host is not ours
-        raise CLIError(
-            f"--port {args.port}: cannot serve on {args.host}:{args.port} ({exc.strerror or exc})"
-        ) from None
-    return 0
-
-
-def _default_model() -> str:
-    from backends.tiny import ASSET_DIR
-
-    return str(ASSET_DIR)
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
@@ -502,17 +489,46 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         raise CLIError(str(exc)) from None
 
 
-COMMANDS = {
-    "validate": cmd_validate,
-    "schema": cmd_schema,
-    "run": cmd_run,
-    "render": cmd_render,
-    "show": cmd_show,
-    "bench": cmd_bench,
-    "dev-server": cmd_dev_server,
-    "gateway": cmd_gateway,
-    "replay": cmd_replay,
-}
+COMMANDS: tuple[
+    Command, ...
+] = (  # each command: its name, its one-line help, what adds its flags, what runs it
+    (
+        "validate",
+        "check specs; prints path:line:col: code: message for each problem",
+        validate_flags,
+        cmd_validate,
+    ),
+    (
+        "schema",
+        "write the JSON Schema of the spec format (editors use it for completion)",
+        schema_flags,
+        cmd_schema,
+    ),
+    ("run", "run a spec over prompts and write the padded batch", run_flags, cmd_run),
+    (
+        "gateway",
+        "run a harness spec (an agent in another framework) through the gateway: `run`'s flags, "
+        "and where the gateway listens (docs/gateway.md)",
+        gateway_flags,
+        cmd_gateway,
+    ),
+    (
+        "render",
+        "draw a spec (.svg .png .pdf .dot .mmd), optionally annotated by a run",
+        render_flags,
+        cmd_render,
+    ),
+    ("show", "print a run's trajectories as transcripts", show_flags, cmd_show),
+    (
+        "replay",
+        "rebuild a trajectory from a run's journal, without server or model: transcript, path, token check, "
+        "reward recomputed",
+        replay_flags,
+        cmd_replay,
+    ),
+    ("bench", "benchmarks that print numbers (JSON)", bench_flags, cmd_bench),
+    ("dev-server", "an SGLang-protocol server over the embedded model", dev_server_flags, cmd_dev_server),
+)
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from fsm.cli.outcome import COUNT, Parser, int_in, seconds_flag
+from fsm.cli.args import COUNT, Parser, int_in, run_flags, seconds_flag
 
 
 def gateway_only_flags(p: argparse.ArgumentParser) -> None:
@@ -91,3 +91,9 @@ def _check_workers(args: argparse.Namespace) -> str | None:
             "worker would launch its own servers; launch them once and pass --server URL"
         )
     return None
+
+
+def gateway_flags(p: argparse.ArgumentParser) -> None:
+    """`agentfsm gateway SPEC`: `run`'s flags, then where the gateway listens (fsm/gateway/serve.py)."""
+    run_flags(p, workers=False)
+    gateway_only_flags(p)

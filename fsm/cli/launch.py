@@ -10,7 +10,7 @@ import sys
 from contextlib import AsyncExitStack
 from pathlib import Path
 
-from fsm.cli.outcome import CLIError
+from fsm.cli.args import CLIError
 
 
 def _launch_failure(message: str, engine: str = "sglang") -> str:

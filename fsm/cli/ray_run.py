@@ -12,10 +12,11 @@ would need; until then it is refused in one line, and a new `--ray` run into DIR
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 from typing import Any
 
-from fsm.cli.outcome import CLIError
+from fsm.cli.args import CLIError
 from fsm.run.journal import JOURNAL
 from fsm.run.signals import warn
 
@@ -63,3 +64,29 @@ def ray_runner(args: argparse.Namespace, servers: list[str], tokenizer: str | No
         journal_dir=journal_dir(args),
         journal_sync=getattr(args, "journal_sync", "1s"),
     )
+
+
+async def ray_rollout(
+    engine: Any, rows: list[dict], args: argparse.Namespace, sampling: Any, console: Any, finished: list
+) -> list:
+    """Ray's rollout, its trajectories as a bar with the tokens per second and turns per row so far."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    total = len(rows) * args.n
+    counters = {"tokens": 0, "turns": 0, "done": 0}
+    t0 = time.perf_counter()
+    columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
+    columns.append(TextColumn("{task.fields[rate]}"))
+    with Progress(*columns, console=console, disable=args.quiet or not console.is_terminal) as progress:
+        task = progress.add_task("trajectories", total=total, rate="")
+
+        def done(traj: Any) -> None:  # on the engine's thread; rich's Progress takes its own lock
+            finished.append(traj)
+            counters["done"] += 1
+            counters["tokens"] += traj.response_mask.count(1)
+            counters["turns"] += traj.num_turns
+            elapsed = max(time.perf_counter() - t0, 1e-9)
+            rate = f"{counters['tokens'] / elapsed:,.0f} tok/s · {counters['turns'] / counters['done']:.1f} turns"
+            progress.update(task, advance=1, rate=rate)
+
+        return await engine.arun(rows, n=args.n, sampling=sampling, on_done=done)

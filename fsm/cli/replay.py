@@ -14,7 +14,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from fsm.cli.outcome import CLIError, journal_spec
+from fsm.cli.args import CLIError
+from fsm.cli.resume import journal_spec
 from fsm.run.journal import JOURNAL, JournalError, Rebuilt, Scan, rebuild
 from fsm.run.signals import warn
 from fsm.run.trajectory import Trajectory

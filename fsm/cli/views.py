@@ -9,8 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fsm.cli.args import SHOW_LIMIT
-from fsm.cli.outcome import CLIError
+from fsm.cli.args import SHOW_LIMIT, CLIError
 from fsm.run.compile import compile_spec
 from fsm.run.signals import warn
 
