@@ -48,7 +48,7 @@ _EXPORTS = {
     "ToolCall": "fsm.families.parsers",
     "register_parser": "fsm.families.parsers",
     "Trajectory": "fsm.run.trajectory",
-    "Failure": "fsm.run.trajectory",
+    "Failure": "fsm.run.failures",
     "Family": "fsm.families",
     "register_family": "fsm.families",
     "Group": "fsm.run.stream",
@@ -130,10 +130,10 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from fsm.run.context import RunContext as RunContext
     from fsm.run.context import Sampling as Sampling
     from fsm.run.engine import EngineRefused
+    from fsm.run.failures import Failure as Failure
     from fsm.run.interaction import BaseInteraction
     from fsm.run.runtime import Runner as Runner
     from fsm.run.stream import Group, StreamEmpty
-    from fsm.run.trajectory import Failure as Failure
     from fsm.run.trajectory import Trajectory as Trajectory
     from fsm.spec.loader import Diagnostic, SpecError, load_spec
     from fsm.spec.model import AgentSpec as AgentSpec

@@ -340,7 +340,7 @@ def test_segments_and_version_runs_read_back_per_token(turns, fail_at):
     """Token runs (one int array) and weight versions (runs) give what lists of records and of per-token
     versions would: the same runs, versions, masks and logprobs, through fail() and a snapshot."""
     from fsm.run.codec import decode_trajectory, encode_trajectory
-    from fsm.run.segments import TokenRun
+    from fsm.run.trajectory import TokenRun
 
     traj = Trajectory(0, 0, "s", "u", {"raw_prompt": []}, "PENDING")
     runs, versions, mask = [], [], []

@@ -152,7 +152,8 @@ def test_each_branch_lists_its_own_handled_failures_in_trajectories_jsonl(tmp_pa
 
 def test_a_branch_copies_its_parents_failures_into_a_list_of_its_own():
     """A fork after a handled failure: what one branch handles later is not written into its siblings' list."""
-    from fsm.run.trajectory import Failure, Trajectory
+    from fsm.run.failures import Failure
+    from fsm.run.trajectory import Trajectory
     from fsm.run.tree import _copy
 
     parent = Trajectory(0, 0, "r", "u", {"raw_prompt": []}, "GENERATING")

@@ -28,8 +28,7 @@ from fsm.gateway.record import (
     message_key,
     too_many_segments,
 )
-from fsm.run.segments import Segment, TokenRuns
-from fsm.run.trajectory import Node, Trajectory
+from fsm.run.trajectory import Node, Segment, TokenRuns, Trajectory
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 POLICY = "default"  # the gateway serves one policy

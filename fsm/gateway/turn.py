@@ -16,8 +16,7 @@ from fsm.gateway.record import Answer, Call, LimitReached, Plan, template_messag
 from fsm.gateway.tree import SessionNode, Tree
 from fsm.run.actions import generate
 from fsm.run.context import RunContext
-from fsm.run.segments import first_segment
-from fsm.run.trajectory import Trajectory
+from fsm.run.trajectory import Trajectory, first_segment
 
 DROPPED = {  # what a call left out (record.with_dropped), as its note on the row says it
     "dropped_tools": "tools left out (a local model serves function tools only)",

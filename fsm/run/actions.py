@@ -20,8 +20,7 @@ from fsm.families.codec import UnknownRole
 from fsm.run.context import RunContext
 from fsm.run.failures import StateFailure
 from fsm.run.policy import sync_template
-from fsm.run.segments import first_segment
-from fsm.run.trajectory import Trajectory
+from fsm.run.trajectory import Trajectory, first_segment
 from fsm.run.tree import RUN_NODE_BOUND, run_child
 
 

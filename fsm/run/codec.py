@@ -31,8 +31,8 @@ import numpy as np
 
 from fsm.families.parsers import ToolCall
 from fsm.run.context import Sampling
-from fsm.run.segments import _FIRST, Segment, TokenRun, TokenRuns
-from fsm.run.trajectory import TRANSIENT, Failure, Metrics, Node, Trajectory
+from fsm.run.failures import Failure
+from fsm.run.trajectory import _FIRST, TRANSIENT, Metrics, Node, Segment, TokenRun, TokenRuns, Trajectory
 
 FORMAT = 1  # the journal's (a `run` record's `format`)
 MAX_RECORD = 256 * 1024 * 1024  # a bound for one line read back

@@ -12,12 +12,12 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from backends.base import BackendError, BackendTimeout, GenerationAborted, RetryPolicy
 from fsm.data.rows import RowError
 from fsm.run.agent import CompiledAgent, Edge
-from fsm.run.trajectory import Failure
 from fsm.spec.failures import StateRetry, matches
 from fsm.tools.isolation import ToolCrashed
 
@@ -29,6 +29,38 @@ class StateFailure(Exception):
     def __init__(self, error: str, message: str):
         super().__init__(message)
         self.error = error
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """One failure, recorded once where it happens: the one that ended a row (`Trajectory.failure`, by the
+    driver, fsm/run/runtime.py) or one a state's retry or catch handled (`Trajectory.failures`, by
+    fsm/run/failures.py). Metrics, spans, summaries, records and `on_error` read its fields; nothing parses a
+    message back for its kind."""
+
+    kind: str  # low-cardinality: "backend", "timeout", "aborted", "bad_row", "reward", "tool.exception", a class...
+    state: str  # the state it happened in
+    cause: str  # what happened, one message (a row's: its `error`, as `termination_reason` quotes it)
+    attempt: int = 1  # the attempt of the state's action that failed (its retry rules count them)
+    handled: str | None = None  # "retry" or "catch": a state's rule handled it; None: it ended the row
+    to: str | None = None  # a catch's target state
+    on_error: str = "mask"  # a row it ended: what the row became (fsm/spec/failures.py)
+    at_ns: int = field(default_factory=time.time_ns)
+
+    def record(self) -> dict[str, Any]:
+        """A handled failure as trajectories.jsonl's `failures` lists it."""
+        out = {"handled": self.handled, "state": self.state, "error": self.kind, "attempt": self.attempt}
+        out["message"] = self.cause[:500]
+        if self.to is not None:
+            out["to"] = self.to
+        return out | {"at_ns": self.at_ns}
+
+    @classmethod
+    def legacy(cls, error: Any, state: Any, extra: Any) -> Failure | None:
+        """A row's failure as engines before `Failure` wrote it (`error` text, `extra.on_error`), so that their runs
+        resume with their failed rows failed."""
+        on_error = str(extra.get("on_error", "mask")) if isinstance(extra, dict) else "mask"
+        return cls("error", str(state), error, on_error=on_error) if isinstance(error, str) else None
 
 
 # what a rule names each exception (the first class it is an instance of), after StateFailure's own name

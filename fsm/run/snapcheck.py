@@ -17,8 +17,8 @@ from fsm.data.rows import score_fault
 from fsm.families.parsers import ToolCall
 from fsm.run.agent import CompiledAgent
 from fsm.run.codec import SnapshotError, decode_sampling, decode_trajectory, other_tokenizer
-from fsm.run.segments import Segment, TokenRuns
-from fsm.run.trajectory import Failure, Metrics, Trajectory
+from fsm.run.failures import Failure
+from fsm.run.trajectory import Metrics, Segment, TokenRuns, Trajectory
 
 MAX_GROUPS = 10_000_000  # a bound for a count read from a snapshot
 

@@ -25,8 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from fsm.data.rows import RowError
 from fsm.run.agent import child_spec_path
-from fsm.run.segments import TokenRuns
-from fsm.run.trajectory import Metrics, Node, Trajectory, TreeCount
+from fsm.run.trajectory import Metrics, Node, TokenRuns, Trajectory, TreeCount
 from fsm.spec.loader import SpecError, load_spec
 from fsm.spec.model import AgentSpec
 from fsm.tools.base import CallOutcome
