@@ -87,9 +87,9 @@ def describe(value: Any) -> str:
     return f"string {json.dumps(value)}" if isinstance(value, str) else f"{type(value).__name__} `{value}`"
 
 
-def admit_lengths(n_input: int, max_new: int | None, context_length: int) -> int | None:
+def admit_lengths(n_input: int, max_new: int | None, context_length: int) -> int:
     """SGLang's length checks of one request: raises Refused with its words, else the max_new_tokens it runs
-    (cut to the room left, as SGLang cuts it without a word)."""
+    (absent: 128; cut to the room left, as SGLang cuts it without a word)."""
     if n_input >= context_length:
         raise Refused.value_error(
             f"The input ({n_input} tokens) is longer than the model's context length ({context_length} tokens)."
@@ -100,8 +100,9 @@ def admit_lengths(n_input: int, max_new: int | None, context_length: int) -> int
             f"Input length ({n_input} tokens) exceeds the maximum allowed length ({limit} "
             "tokens). Use a shorter input or enable --allow-auto-truncate."
         )
+    room = context_length - OUTPUT_MARGIN - n_input
     if max_new is None:
-        return None
+        return min(128, room)
     if max_new < 0:
         raise Refused.value_error(f"max_new_tokens must be at least 0, got {max_new}.")
     if max_new + n_input > context_length:
@@ -111,7 +112,7 @@ def admit_lengths(n_input: int, max_new: int | None, context_length: int) -> int
             f"{max_new} tokens for the completion. Please reduce the number of tokens in the input messages or the "
             f"completion to fit within the limit."
         )
-    return min(max_new, context_length - OUTPUT_MARGIN - n_input)
+    return min(max_new, room)
 
 
 def version_spans(versions: list[str], version: str) -> list[dict[str, Any]]:

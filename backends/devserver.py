@@ -44,7 +44,6 @@ from aiohttp import web
 from backends.base import Backend, BackendRequestError, BackendUnavailable, GenerateRequest, GenerateResult
 from backends.contract import (
     INPUT_MARGIN,
-    OUTPUT_MARGIN,
     VERSION,
     Live,
     Refused,
@@ -205,8 +204,8 @@ class DevServer:
         await resp.write_eof()
         return resp
 
-    def _admit(self, body: dict[str, Any], params: dict[str, Any]) -> tuple[str, list[int]]:
-        """The tokenizer manager's checks (ValueError -> 400 {"error": {"message"}})."""
+    def _admit(self, body: dict[str, Any], params: dict[str, Any]) -> tuple[str, list[int], int]:
+        """The tokenizer manager's checks (ValueError -> 400 {"error": {"message"}}); the max_new_tokens run."""
         ids = body.get("input_ids")
         if ids is None:
             raise Refused.value_error("the dev server takes input_ids only (it runs without a tokenizer)")
@@ -226,25 +225,21 @@ class DevServer:
                 f"stop={params['stop']!r} is unavailable when skip_tokenizer_init=True (requires "
                 "tokenizer to decode tokens to text for matching)."
             )
-        admit_lengths(len(ids), params.get("max_new_tokens"), self.context_length)
+        wanted = admit_lengths(len(ids), params.get("max_new_tokens"), self.context_length)
         rid = body.get("rid") or uuid.uuid4().hex
         if not isinstance(rid, str):
             raise Refused.value_error("rid must be a string (batches are not supported here)")
         if rid in self._live:
             raise Refused.value_error(f"Duplicate request ID detected: {rid}")
-        return rid, ids
+        return rid, ids, wanted
 
     async def _run(
         self, body: dict[str, Any], params: dict[str, Any], fault: str | None = None
     ) -> tuple[Live, list[int], GenerateResult | None]:
         """Run one request; the result is None when it was aborted (while waiting or running). `fault`: the
         FAULT_HEADER's abort on demand."""
-        rid, ids = self._admit(body, params)
+        rid, ids, wanted = self._admit(body, params)
         rec = self._live[rid] = Live(rid)
-        new = params.get("max_new_tokens")
-        wanted = admit_lengths(len(ids), new, self.context_length)  # refuses what SGLang refuses
-        if wanted is None:  # absent: SGLang's 128, cut to the room left
-            wanted = min(128, self.context_length - OUTPUT_MARGIN - len(ids))
         params = {**params, "max_new_tokens": wanted}  # cut to the room left, silently, as SGLang does
         rec.max_new = wanted
         if fault == "abort_waiting":

@@ -29,6 +29,7 @@ from backends.base import (
     GenerateRequest,
     GenerateResult,
 )
+from backends.contract import INPUT_MARGIN
 from backends.server_client import ServerClient, error_message, wire_ids
 
 __all__ = ["SGLangBackend", "parse_generate", "error_message", "FAULT_KINDS"]
@@ -44,8 +45,6 @@ DEFAULT_ABORT_GRACE_S = 30.0
 MIN_ABORT_GRACE_S = 5.0  # a loaded CPU SGLang answers an abort in 0.7-1.4 s (docs/engines.md)
 # How long a rid whose attempt ended without an answer is kept from reuse: past SGLang's own watchdog.
 _HELD_S = 600.0
-# SGLang 0.5.23 reports max_req_input_len = context length - 6 and refuses an input that long or longer.
-_INPUT_MARGIN = 6
 # SGLang's 400 for an update that loaded the weights but could not flush the cache (requests held or running)
 _UPDATED_NOT_FLUSHED = "Weights were updated, but the cache was not flushed"
 # Attempts that end this way may leave their rid at the server (a deadline, a cut connection, a duplicate).
@@ -102,11 +101,11 @@ class SGLangBackend(ServerClient):
             server.get("max_req_input_len") or state.get("max_req_input_len"), "max_req_input_len"
         )
         # Server args hold the context length when it was set at launch (else null); the input limit is
-        # always there, `_INPUT_MARGIN` below it.
+        # always there, `INPUT_MARGIN` below it.
         if self.context_length is None:
             ctx = server.get("context_length") or state.get("context_length") or info.get("context_length")
             ctx = self._count(ctx, "context_length")
-            self.context_length = ctx or (self.max_input_len + _INPUT_MARGIN if self.max_input_len else None)
+            self.context_length = ctx or (self.max_input_len + INPUT_MARGIN if self.max_input_len else None)
         if not self._name_given:
             name = info.get("served_model_name") or info.get("model_path")
             self.model_name = name if isinstance(name, str) and name else self.model_name
