@@ -57,6 +57,7 @@ MAX_BYTES = 128 * 1024  # a spec and its bases together
 MAX_NODES = 5_000  # mappings, sequences and scalars of a spec and its bases, aliases expanded
 MAX_DEPTH = 64  # nesting of mappings and sequences (guards and tool schemas need ~20)
 MAX_EXTENDS = 16  # files in one `extends:` chain (all within one Budget)
+TOO_DEEP = f"mappings and sequences nest at most {MAX_DEPTH} deep in a spec"
 CORE_TAGS = frozenset(f"tag:yaml.org,2002:{t}" for t in ("str", "int", "float", "bool", "null", "map", "seq"))
 
 
@@ -200,7 +201,7 @@ class _Bounds:
             self._place(ev, nodes, height, f" (alias *{ev.anchor} expands to {nodes} nodes)")
         elif isinstance(ev, CollectionStartEvent):
             if len(self.stack) >= MAX_DEPTH:
-                raise _at(ev, "too-deep", f"mappings and sequences nest at most {MAX_DEPTH} deep in a spec")
+                raise _at(ev, "too-deep", TOO_DEEP)
             self._place(ev, 1, 0)
             self.stack.append(_Frame(ev, self.counted - 1))
         elif isinstance(ev, CollectionEndEvent) and self.stack:
@@ -221,7 +222,7 @@ class _Bounds:
                 f"sequence and scalar nodes, aliases expanded{why}",
             )
         if len(self.stack) + height > MAX_DEPTH:
-            raise _at(ev, "too-deep", f"mappings and sequences nest at most {MAX_DEPTH} deep in a spec{why}")
+            raise _at(ev, "too-deep", TOO_DEEP + why)
         if self.stack:
             self.stack[-1].height = max(self.stack[-1].height, height + 1)
 
@@ -247,12 +248,7 @@ class _BoundedScanner(RoundTripScanner):
     def fetch_flow_collection_start(self, TokenClass: Any, to_push: str) -> None:
         if len(self.flow_context) >= MAX_DEPTH:
             mark = self.reader.get_mark()
-            raise YamlProblem(
-                "too-deep",
-                f"mappings and sequences nest at most {MAX_DEPTH} deep in a spec",
-                mark.line + 1,
-                mark.column + 1,
-            )
+            raise YamlProblem("too-deep", TOO_DEEP, mark.line + 1, mark.column + 1)
         super().fetch_flow_collection_start(TokenClass, to_push)
 
 
@@ -386,28 +382,21 @@ def load_document(
     searched = _bases(path, parent)
     base_path = next((p for p in searched if p.exists()), searched[0])
     if base_path.resolve() in _seen or base_path.resolve() == path.resolve():
-        diags.append(Diagnostic(file, line, col, "extends", f"extends cycle through {parent!r}"))
-        return doc
-    if not base_path.exists():
+        problem = f"extends cycle through {parent!r}"
+    elif not base_path.exists():
         where = ", ".join(str(p) for p in dict.fromkeys(searched))
-        diags.append(
-            Diagnostic(
-                file,
-                line,
-                col,
-                "extends",
-                f"base spec {parent!r} not found (looked for {where}; "
-                f"the shipped specs are named by file, e.g. extends: tool_agent.yaml)",
-            )
+        problem = (
+            f"base spec {parent!r} not found (looked for {where}; "
+            f"the shipped specs are named by file, e.g. extends: tool_agent.yaml)"
         )
-        return doc
-    if not base_path.is_file():
-        diags.append(Diagnostic(file, line, col, "extends", f"base spec {parent!r} is not a regular file"))
-        return doc
-    if len(_seen) + 1 >= MAX_EXTENDS:
-        diags.append(
-            Diagnostic(file, line, col, "extends", f"an extends chain may hold at most {MAX_EXTENDS} files")
-        )
+    elif not base_path.is_file():
+        problem = f"base spec {parent!r} is not a regular file"
+    elif len(_seen) + 1 >= MAX_EXTENDS:
+        problem = f"an extends chain may hold at most {MAX_EXTENDS} files"
+    else:
+        problem = None
+    if problem is not None:
+        diags.append(Diagnostic(file, line, col, "extends", problem))
         return doc
     base = load_document(base_path, positions, diags, (*_seen, path.resolve()), budget)
     if base is None:

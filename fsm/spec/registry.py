@@ -354,14 +354,6 @@ def _segments_at_least(param: Any, limits: LimitsSpec) -> Predicate:
     return lambda t: len(t.closed) + 1 >= param
 
 
-def _all(preds: list[Predicate]) -> Predicate:
-    return lambda t: all(p(t) for p in preds)
-
-
-def _any(preds: list[Predicate]) -> Predicate:
-    return lambda t: any(p(t) for p in preds)
-
-
 def compile_guard(
     expr: Any, limits: LimitsSpec, resolve_ref: Callable[[str], Any] = resolve
 ) -> tuple[Predicate, str]:
@@ -378,8 +370,8 @@ def compile_guard(
             if not isinstance(value, list) or not value:
                 raise GuardError("type", f"{key}: expects a non-empty list of guards")
             parts = [compile_guard(v, limits, resolve_ref) for v in value]
-            combine = _all if key == "all" else _any
-            return combine([p for p, _ in parts]), f" {'and' if key == 'all' else 'or'} ".join(
+            preds, either = [p for p, _ in parts], all if key == "all" else any
+            return (lambda t: either(p(t) for p in preds)), f" {'and' if key == 'all' else 'or'} ".join(
                 lbl for _, lbl in parts
             )
         if key == "not":

@@ -30,16 +30,18 @@ import subprocess
 import sys
 import weakref
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from fsm.tools.isolation import KEY, KEY_ENV, ToolCrashed, ToolUnavailable, shrink
 
 WORKER_START_TIMEOUT_S = 120.0  # a worker process's interpreter start and the tool module's imports
 MAX_REPLY_BYTES = 16 << 20  # a worker's reply beyond this (huge metrics) kills it: the answer is an error
-# a worker's first lines: the parent's sys.path before anything of fsm is imported
+# a worker's first lines: the parent's sys.path before anything of fsm is imported, then the folder this fsm
+# came from (last: the parent may have imported it from a working directory it has left since)
 WORKER_BOOT = (
-    "import json, os, sys; sys.path[:] = json.loads(os.environ.pop('AGENTFSM_SYS_PATH')); "
-    "from fsm.tools.processes import serve; serve()"
+    "import json, os, sys; sys.path[:] = json.loads(os.environ.pop('AGENTFSM_SYS_PATH')) + "
+    f"[{str(Path(__file__).resolve().parents[2])!r}]; from fsm.tools.processes import serve; serve()"
 )
 
 
