@@ -545,6 +545,16 @@ async def test_50_mb_answer_from_a_worker_is_cut_before_it_crosses(tok, compile_
         agent.tools.close()
 
 
+def test_a_worker_imports_the_standard_library_and_fsm_tools_only():
+    """A worker process imports fsm/tools/processes.py (and isolation.py): one of them importing the engine (a
+    spec, pydantic, torch) would add seconds to every worker's start."""
+    probe = "import sys, fsm.tools.processes; print(' '.join(sorted({m.split('.')[0] for m in sys.modules})))"
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
+    loaded = set(out.stdout.split())
+    assert "fsm" in loaded, out.stderr
+    assert not loaded & {"backends", "pydantic", "torch", "numpy", "ruamel", "transformers", "yaml", "orjson"}
+
+
 @pytest.mark.slow
 def test_ctrl_c_delivered_to_a_hung_tool_thread_wakes_the_loop(tmp_path):
     """The kernel hands a process's SIGINT to any of its threads. Sent to the thread of a hung tool, with the
