@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any, cast
 
 from backends.base import Backend
+from fsm.output.batch import FaultDelta
 from fsm.output.engine import BaseEngine, Rows, batch_of
-from fsm.output.stats import FaultDelta
 from fsm.run.agent import CompiledAgent
 from fsm.run.compile import compile_spec
 from fsm.run.context import PauseGate, Policy

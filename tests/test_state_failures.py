@@ -306,7 +306,7 @@ def test_the_failure_budget_is_the_specs_unless_the_flag_overrides_it(
 
 
 async def test_render_run_shows_retries_and_catches_on_the_diagram(tok, compile_yaml):
-    from fsm.output.stats import run_stats
+    from fsm.output.rundir import run_stats
     from viz.diagram import diagram
 
     flaky.reset(fail_first=10)
@@ -456,8 +456,7 @@ async def test_a_failure_is_one_value_that_every_output_reads_by_its_kind(tok, c
     """A row's failure (fsm.Failure) is recorded once, where it happens; the metrics, the summary and the fault
     summary group by its kind, as the root span's error.type does. Each parsed the message before, so one bad row
     was `error_bad`, `error: bad row bad`, `bad row bad` and `bad_row`."""
-    from fsm.output.batch import fault_summary
-    from fsm.output.stats import rollout_metrics
+    from fsm.output.batch import fault_summary, rollout_metrics
 
     flaky.reset(fail_first=10)
     agent = compile_yaml(spec(RETRY_ONCE))

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from fsm import RolloutEngine
-from fsm.output.batch import load_batch, summarize
-from fsm.output.stats import generated_tokens, rollout_metrics, run_stats
+from fsm.output.batch import generated_tokens, load_batch, rollout_metrics, summarize
+from fsm.output.rundir import run_stats
 from fsm.run.tree import nodes_of, row_nodes
 from specs.calculator import make_prompts
 

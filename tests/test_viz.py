@@ -16,8 +16,7 @@ from transformers import AutoTokenizer
 import fsm
 from backends.base import BackendUnavailable
 from backends.scripted import ScriptedBackend
-from fsm.output.rundir import trajectory_record
-from fsm.output.stats import load_run_stats, run_stats
+from fsm.output.rundir import load_run_stats, run_stats, trajectory_record
 from specs.calculator import make_prompts
 from viz.diagram import RenderError, diagram, render, to_mermaid
 from viz.transcript import render_transcript, select, show

@@ -16,8 +16,7 @@ from rich.console import Console, Group, RenderableType
 from rich.rule import Rule
 from rich.text import Text
 
-from fsm.output.rundir import read_records
-from fsm.output.stats import harness_failure
+from fsm.output.rundir import harness_failure, read_records
 
 ROLE_STYLES = {"assistant": "bold green", "tool": "cyan", "user": "yellow", "template": "dim"}
 PROMPT_TAIL_CHARS = 400  # the prompt's end (the question); system prompts and tool schemas are long

@@ -358,7 +358,7 @@ def failure_cause(traj: Any) -> str | None:
     gateway row ends `harness_failed` with no engine error); None for a row that did not fail."""
     if traj.error:
         return " ".join(traj.error.split())
-    from fsm.output.stats import harness_failure
+    from fsm.output.rundir import harness_failure
 
     why = harness_failure({"harness": traj.extra.get("harness")})
     if why is None:

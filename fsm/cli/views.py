@@ -81,7 +81,7 @@ def same_spec(run: str, spec_path: str, agent: Any) -> None:
 
 
 def cmd_render(args: argparse.Namespace) -> int:
-    from fsm.output.stats import load_run_stats
+    from fsm.output.rundir import load_run_stats
     from viz.diagram import RenderError, render
 
     agent = compile_spec(args.spec)

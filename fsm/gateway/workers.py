@@ -32,8 +32,8 @@ from typing import Any
 from fsm.api import batch_of, load_tokenizer
 from fsm.gateway.front import TOKEN_ENV, Front
 from fsm.gateway.server import GatewayLimits
+from fsm.output.batch import COUNTERS, FaultDelta
 from fsm.output.keep import SNAPSHOT_TIMEOUT_S, Rollout, RunDir
-from fsm.output.stats import COUNTERS, FaultDelta
 from fsm.run.codec import decode_sampling, decode_trajectory
 from fsm.run.compile import CompiledAgent, compile_spec
 from fsm.run.context import Sampling

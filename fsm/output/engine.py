@@ -29,10 +29,9 @@ import numpy as np
 from backends.base import Backend
 from fsm.data.rows import to_rows
 from fsm.families import Codec
-from fsm.output.batch import policies_of, to_batch
+from fsm.output.batch import FaultDelta, policies_of, rollout_metrics, to_batch
 from fsm.output.keep import RunDir, keep_batch
 from fsm.output.sample import SampleBatch, to_samples
-from fsm.output.stats import FaultDelta, rollout_metrics
 from fsm.run.agent import CompiledAgent
 from fsm.run.context import Policy, Sampling, node_sampling
 from fsm.run.engine import (

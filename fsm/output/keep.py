@@ -31,6 +31,7 @@ from typing import Any, Protocol
 
 from backends.base import Counted
 from fsm.families import Codec
+from fsm.output.batch import fault_summary, save_batch, summarize, tree_weights
 from fsm.output.rundir import (
     RunDirError,
     WriteInterrupted,
@@ -39,7 +40,8 @@ from fsm.output.rundir import (
     locked,
     policy_batch_file,
     prepare,
-    write_outputs,
+    run_stats,
+    trajectory_record,
     write_run,
 )
 from fsm.run.agent import CompiledAgent
@@ -461,6 +463,76 @@ def close_journal(run: Rollout, status: str | None) -> None:
             journal.end(status)
     finally:
         journal.writer.close()
+
+
+def write_outputs(
+    out: Path,
+    agent: CompiledAgent,
+    trajs: list,
+    batch: Any,
+    codec: Any,
+    wall: float,
+    router_stats: Any,
+    tracer: Any,
+) -> dict[str, Any]:
+    """batch.pt, trajectories.jsonl and summary.json of a run, into `out`; the summary back."""
+    files = (
+        {policy_batch_file(p): b for p, b in batch.items()}
+        if isinstance(batch, dict)
+        else {"batch.pt": batch}
+    )
+    for name, one in files.items():
+        try:
+            # loadable with torch.load's weights_only=True (fsm/output/batch.py)
+            save_batch(one, out / name)
+        except RuntimeError as exc:  # torch's writer reports a full disk as a RuntimeError
+            raise OSError(f"{name}: {str(exc).splitlines()[0] if str(exc) else 'write failed'}") from exc
+    if isinstance(batch, dict):
+        batch = next(iter(batch.values()))  # the root policy's: its timing goes in the summary
+    weights = tree_weights(trajs, agent.spec.tree.weight, agent.spec.policy)
+    with (out / "trajectories.jsonl").open("w") as f:
+        for root in trajs:  # a tree's nodes follow its root, one record each (docs/trees.md)
+            for traj in nodes_of(root):
+                record = trajectory_record(
+                    traj, codec, weight=weights.get(id(traj), 0.0), policy=agent.spec.policy
+                )
+                f.write(json_text(record, ensure_ascii=False) + "\n")
+    summary = summarize(trajs)
+    summary.update(
+        spec=str(agent.path),
+        agent=agent.name,
+        spec_hash=agent.hash,
+        wall_s=round(wall, 3),
+        timing=batch.meta_info["timing"],
+        router=router_stats,
+    )
+    summary["server_faults"] = fault_summary(trajs, router_stats)
+    summary["fsm"] = run_stats(agent, trajs)
+    if (contained := containment(trajs)) is not None:
+        summary["containment"] = contained
+    if tracer is not None:
+        summary["tracing"] = tracer.stats()
+    (out / "summary.json").write_text(json_text(summary, indent=2, default=str) + "\n")
+    return summary
+
+
+def containment(trajs: list) -> dict[str, Any] | None:
+    """Whether the run's command harnesses were contained (fsm/gateway/reaper.py: each in a PID namespace with its
+    own /proc, its row's `extra.harness.contained`); None without command harnesses. A run with one that was not is
+    not isolated (a harness could read another's session key in /proc and outlive its row): the summary and the run
+    table say so, never a clean run."""
+    said = [
+        h["contained"] for t in trajs if isinstance(h := t.extra.get("harness"), dict) and "contained" in h
+    ]
+    if not said:
+        return None
+    why = [s.removeprefix("no: ") for s in said if s != "pid+proc"]  # the reaper's word for contained
+    return {
+        "rows": len(said),
+        "contained": len(said) - len(why),
+        "uncontained": len(why),
+        "why": sorted(set(why)),
+    }
 
 
 async def keep_batch(

@@ -1,5 +1,6 @@
 """The run directory `agentfsm run --out DIR` writes: batch.pt, trajectories.jsonl and summary.json, replaced
-together so that DIR never holds a mix of two runs; and the summary those files get and the table it prints.
+together so that DIR never holds a mix of two runs; the records and statistics those files get and the table
+the summary prints.
 
 `write_run(out, write)` has `write(staging)` put the three files into a fresh temporary directory inside
 `out` (the same filesystem, so a rename is atomic). Then it removes the previous run's three files,
@@ -10,6 +11,10 @@ may hold other things (sglang_logs/, a rendered diagram) or be ".", which a swap
 
 trajectories.jsonl holds one record per finished trajectory or tree node, `trajectory_record(traj, codec)`
 (its format: docs/contracts.md), read back by `read_records` (`agentfsm show`, viz/transcript.py, the CLI).
+
+A run's statistics, the "fsm" section of summary.json (its format: docs/contracts.md): how often each edge fired,
+how long each state took, how runs ended; `run_stats(agent, trajectories)` makes it, `load_run_stats(run_dir)`
+reads it back, viz/diagram.py only draws it. A tree counts every node (docs/trees.md).
 """
 
 from __future__ import annotations
@@ -23,15 +28,11 @@ import signal
 import stat
 import tempfile
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
-from fsm.output.stats import run_file, run_stats
-from fsm.run.tree import nodes_of, tree_fields, tree_record
-
-if TYPE_CHECKING:
-    from fsm.run.agent import CompiledAgent
+from fsm.run.tree import tree_fields, tree_record
 
 T = TypeVar("T")
 LOCK_FILE = ".agentfsm.lock"  # held by the run writing into the directory (fcntl.flock: freed when it exits)
@@ -192,6 +193,200 @@ def write_run(out: Path, write: Callable[[Path], T]) -> T:
         shutil.rmtree(staging, ignore_errors=True)
 
 
+def reason_key(traj: Any) -> str:
+    """A row's termination reason as summary.json groups it (here and in fsm/output/batch.py's `summarize`): a
+    failure by its kind ("error: backend", fsm/run/trajectory.py `Failure`)."""
+    if traj.failure is not None:
+        return f"error: {traj.failure.kind}"
+    return traj.termination_reason or "?"
+
+
+def harness_failure(record: dict[str, Any]) -> str | None:
+    """How a row's harness failed, one line (the last line of its error: a traceback's says why); None when it
+    returned or exited 0 (fsm/gateway/harness.py's `harness_failed`)."""
+    outcome = record.get("harness")
+    if (
+        not isinstance(outcome, dict)
+        or outcome.get("outcome") in (None, "returned")
+        or (outcome.get("outcome") == "exit" and outcome.get("exit_code") in (None, 0))
+    ):
+        return None
+    lines = [line.strip() for line in str(outcome.get("error") or "").splitlines() if line.strip()]
+    kind = outcome["outcome"] if outcome["outcome"] != "exit" else f"exit {outcome.get('exit_code')}"
+    return f"{kind}: {lines[-1]}" if lines else str(kind)
+
+
+def run_stats(agent: Any, trajectories: Sequence[Any] | None = None) -> dict[str, Any]:
+    """Statistics of finished trajectories (`run_stats(agent, trajs)`, or `run_stats(trajs)` without the
+    agent, which then leaves out guard labels and reasons)."""
+    if trajectories is None:
+        agent, trajectories = None, agent
+    edges: dict[int, dict[str, Any]] = {}
+    states: dict[str, dict[str, Any]] = {}
+    if agent is not None:
+        edges = {e.index: _edge(e.source, e.dest, e.label, e.reason) for e in agent.edges}
+        states = {name: _state() for name in agent.spec.states}
+    timed: dict[str, int] = {}  # visits with a duration (not a final state, not the state a failure left)
+    reasons: dict[str, int] = {}
+    finals: dict[str, dict[str, int]] = {}
+    per_trajectory: dict[int, int] = {}  # segments -> trajectories
+    for root in trajectories:
+        in_tree: set[int] = set()  # edges that fired anywhere in this tree
+        for traj, start, parent in machine_nodes(root, agent):
+            path, times, fired = traj.path, getattr(traj, "path_times", ()), traj.transitions_fired
+            own = max(0, start - 1)  # a branch's first own edge and timed visit: the forking state's
+            # a branch's times hold one more entry per fork above it: its driver's start, the time it entered
+            # the forking state (the copied entry before it is its parent's)
+            shift = max(0, len(times) - len(path))
+            for k in range(own, len(fired)):
+                index = fired[k]
+                e = edges.get(index)
+                if e is None:  # no agent given: what the path says
+                    e = edges[index] = _edge(path[k], path[k + 1])
+                e["count"] += 1
+                in_tree.add(index)
+            for k in range(own, len(path)):
+                s = states.setdefault(path[k], _state())
+                s["visits"] += int(k >= start)  # the forking state was entered once, by the node that forked
+                if k + 1 + shift < len(times):  # left the state: it has a duration
+                    s["total_s"] += times[k + 1 + shift] - times[k + shift]
+                    timed[path[k]] = timed.get(path[k], 0) + 1
+            _count_retries(traj, parent, states)
+            _count_segments(traj, edges, states, own)
+            if not traj.node.forked:  # a training row
+                n_segments = getattr(traj, "num_segments", 1)
+                per_trajectory[n_segments] = per_trajectory.get(n_segments, 0) + 1
+            key = reason_key(traj)
+            reasons[key] = reasons.get(key, 0) + 1
+            if traj.error is not None:
+                states[traj.state]["failed"] += 1
+            else:
+                final = finals.setdefault(traj.state, {})
+                final[key] = final.get(key, 0) + 1
+        for index in in_tree:
+            edges[index]["trajectories"] += 1
+    n = len(trajectories)
+    for e in edges.values():
+        e["share"] = round(e["trajectories"] / n, 6) if n else 0.0
+    for name, s in states.items():
+        s["mean_s"] = s["total_s"] / timed[name] if timed.get(name) else None
+    return {
+        "trajectories": n,
+        "agent": getattr(agent, "name", None),
+        "agent_hash": getattr(agent, "hash", None),
+        "edges": {str(i): edges[i] for i in sorted(edges)},
+        "states": states,
+        "termination_reasons": dict(sorted(reasons.items(), key=lambda kv: -kv[1])),
+        "final_states": finals,
+        "segments": {
+            "rows": sum(k * v for k, v in per_trajectory.items()),
+            "rewritten": sum(v for k, v in per_trajectory.items() if k > 1),
+            "per_trajectory": {str(k): per_trajectory[k] for k in sorted(per_trajectory)},
+        },
+        "trees": tree_stats(trajectories),
+    }
+
+
+def _edge(source: str, dest: str, guard: str | None = None, reason: str | None = None) -> dict[str, Any]:
+    return {"source": source, "dest": dest, "guard": guard, "reason": reason, "count": 0, "trajectories": 0}
+
+
+def _state() -> dict[str, Any]:
+    return {"visits": 0, "total_s": 0.0, "failed": 0}
+
+
+def machine_nodes(root: Any, agent: Any = None) -> Iterator[tuple[Any, int, Any]]:
+    """The nodes of `root`'s tree that run its machine, each with where its own path begins and the node it
+    forked from (None but for a branch): a fork's branch repeats its parent's path up to the fork, which the
+    parent counts (docs/trees.md). A child machine of
+    another spec (planner_solver's solver) is not drawn on this diagram, nor is its subtree."""
+    machine = getattr(agent, "hash", None) or getattr(root.node.agent, "hash", None)
+
+    def walk(traj: Any, start: int, parent: Any) -> Iterator[tuple[Any, int, Any]]:
+        yield traj, start, parent
+        for sub in traj.node.nodes:
+            if sub.node.kind == "branch":
+                yield from walk(sub, len(traj.path), traj)
+            elif getattr(sub.node.agent, "hash", None) == machine:
+                yield from walk(sub, 0, None)
+
+    yield from walk(root, 0, None)
+
+
+def _count_retries(traj: Any, parent: Any, states: dict[str, dict[str, Any]]) -> None:
+    """A state's retries and catches (the failure rules'). A branch's list begins with its `parent`'s, which the
+    parent counts."""
+    for f in traj.failures[len(parent.failures) :] if parent is not None else traj.failures:
+        s = states.setdefault(f.state, _state())
+        key = "retries" if f.handled == "retry" else "catches"
+        s[key] = s.get(key, 0) + 1
+
+
+def _count_segments(
+    traj: Any, edges: dict[int, dict[str, Any]], states: dict[str, dict[str, Any]], own: int = 0
+) -> None:
+    """Each segment after the first: counted on the state that started it and on the edge that entered it
+    (a segment the initial state started has no edge). `own`: where the node's own path begins (a branch's
+    segments before it are its parent's)."""
+    starts = traj.segment_starts() if getattr(traj, "closed", ()) else ()
+    entered: set[int] = set()  # path positions already counted as a rewrite of their edge
+    for reason, at in starts:
+        if at < own:
+            continue
+        s = states[traj.path[at]]
+        s["segments"] = s.get("segments", 0) + 1
+        by_reason = s.setdefault("segment_reasons", {})
+        by_reason[reason] = by_reason.get(reason, 0) + 1
+        if at > 0:
+            e = edges[traj.transitions_fired[at - 1]]
+            e["segments"] = e.get("segments", 0) + 1
+            if at not in entered:
+                entered.add(at)
+                e["rewrites"] = e.get("rewrites", 0) + 1
+
+
+def tree_stats(trajectories: Sequence[Any]) -> dict[str, Any]:
+    """How many nodes the trees of a run produced: in all, per child machine and per forking state."""
+    children: dict[str, int] = {}
+    branches: dict[str, int] = {}
+    nodes = 0
+
+    def walk(t: Any) -> None:
+        nonlocal nodes
+        nodes += 1
+        node = t.node
+        if node.kind != "root" and node.origin is not None:
+            into = children if node.kind == "child" else branches
+            into[node.origin] = into.get(node.origin, 0) + 1
+        for sub in node.nodes:
+            walk(sub)
+
+    for t in trajectories:
+        walk(t)
+    return {"nodes": nodes, "children": children, "branches": branches}
+
+
+def run_file(run_dir: str | Path, name: str, what: str) -> Path:
+    """`run_dir`'s file `name` (`run_dir` is the run directory or the file itself); FileNotFoundError naming
+    `what` is missing when it is not there."""
+    path = Path(run_dir)
+    if path.is_dir():
+        path = path / name
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no {what} here; pass the directory `agentfsm run --out DIR` wrote")
+    return path
+
+
+def load_run_stats(run_dir: str | Path) -> dict[str, Any]:
+    """The "fsm" section of a run's summary.json (`run_dir` is the run directory or the file itself)."""
+    path = run_file(run_dir, "summary.json", "run summary")
+    summary = json.loads(path.read_text(encoding="utf-8"))
+    stats = summary.get("fsm")
+    if not isinstance(stats, dict) or "edges" not in stats:
+        raise ValueError(f'{path} has no "fsm" run statistics section (written by `agentfsm run`)')
+    return stats
+
+
 def _ground_truth(row: Any) -> Any:
     """The row's `reward_model.ground_truth`, JSON-ready (parquet rows may hold numpy values)."""
     reward_model = row.get("reward_model") if isinstance(row, dict) else None
@@ -306,78 +501,6 @@ def read_records(run_dir: str | Path) -> list[dict[str, Any]]:
                 raise ValueError(f"{path}:{lineno}: not a trajectory record (a JSON object per line)")
             records.append(record)
     return records
-
-
-def write_outputs(
-    out: Path,
-    agent: CompiledAgent,
-    trajs: list,
-    batch: Any,
-    codec: Any,
-    wall: float,
-    router_stats: Any,
-    tracer: Any,
-) -> dict[str, Any]:
-    """batch.pt, trajectories.jsonl and summary.json of a run, into `out`; the summary back."""
-    from fsm.output.batch import fault_summary, save_batch, summarize, tree_weights
-
-    files = (
-        {policy_batch_file(p): b for p, b in batch.items()}
-        if isinstance(batch, dict)
-        else {"batch.pt": batch}
-    )
-    for name, one in files.items():
-        try:
-            # loadable with torch.load's weights_only=True (fsm/output/batch.py)
-            save_batch(one, out / name)
-        except RuntimeError as exc:  # torch's writer reports a full disk as a RuntimeError
-            raise OSError(f"{name}: {str(exc).splitlines()[0] if str(exc) else 'write failed'}") from exc
-    if isinstance(batch, dict):
-        batch = next(iter(batch.values()))  # the root policy's: its timing goes in the summary
-    weights = tree_weights(trajs, agent.spec.tree.weight, agent.spec.policy)
-    with (out / "trajectories.jsonl").open("w") as f:
-        for root in trajs:  # a tree's nodes follow its root, one record each (docs/trees.md)
-            for traj in nodes_of(root):
-                record = trajectory_record(
-                    traj, codec, weight=weights.get(id(traj), 0.0), policy=agent.spec.policy
-                )
-                f.write(json_text(record, ensure_ascii=False) + "\n")
-    summary = summarize(trajs)
-    summary.update(
-        spec=str(agent.path),
-        agent=agent.name,
-        spec_hash=agent.hash,
-        wall_s=round(wall, 3),
-        timing=batch.meta_info["timing"],
-        router=router_stats,
-    )
-    summary["server_faults"] = fault_summary(trajs, router_stats)
-    summary["fsm"] = run_stats(agent, trajs)
-    if (contained := containment(trajs)) is not None:
-        summary["containment"] = contained
-    if tracer is not None:
-        summary["tracing"] = tracer.stats()
-    (out / "summary.json").write_text(json_text(summary, indent=2, default=str) + "\n")
-    return summary
-
-
-def containment(trajs: list) -> dict[str, Any] | None:
-    """Whether the run's command harnesses were contained (fsm/gateway/reaper.py: each in a PID namespace with its
-    own /proc, its row's `extra.harness.contained`); None without command harnesses. A run with one that was not is
-    not isolated (a harness could read another's session key in /proc and outlive its row): the summary and the run
-    table say so, never a clean run."""
-    said = [
-        h["contained"] for t in trajs if isinstance(h := t.extra.get("harness"), dict) and "contained" in h
-    ]
-    if not said:
-        return None
-    why = [s.removeprefix("no: ") for s in said if s != "pid+proc"]  # the reaper's word for contained
-    return {
-        "rows": len(said),
-        "contained": len(said) - len(why),
-        "uncontained": len(why),
-        "why": sorted(set(why)),
-    }
 
 
 def print_summary(summary: dict[str, Any], console: Any) -> None:

@@ -63,7 +63,7 @@ class Sample:
 @dataclass(slots=True)
 class SampleBatch:
     """`RolloutEngine.generate_samples`: the samples in verl's order (a row's n samples contiguous) and the
-    batch's meta_info ("sampling": what produced the logprobs; "rollout_metrics": fsm/output/stats.py)."""
+    batch's meta_info ("sampling": what produced the logprobs; "rollout_metrics": fsm/output/batch.py)."""
 
     samples: list[Sample]
     meta_info: dict[str, Any]
