@@ -15,18 +15,142 @@ from __future__ import annotations
 import sys
 import time
 from array import array
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import KW_ONLY, InitVar, dataclass, field
+from functools import cache, partial
 from typing import TYPE_CHECKING, Any
 
 from backends.base import PromptIds
 from fsm.data.rows import encodable
 from fsm.families.pieces import to_array
-from fsm.run.segments import _FIRST, Segment, TokenRuns, _expand_versions
+from fsm.run.failures import Failure
 
 if TYPE_CHECKING:
     from fsm.families.parsers import ToolCall
     from fsm.run.agent import Edge
+
+
+@dataclass(slots=True)
+class TokenRun:
+    """A run of response tokens with one origin, for transcripts and spans: response_ids[start:end]. (Not a
+    `Segment`, which is a whole training row, nor a codec's pieces of text between added tokens.)"""
+
+    role: str  # "assistant" (mask 1), "tool" / "user" (observations), "template" (scaffolding, mask 0)
+    start: int
+    end: int
+
+
+_ROLE_CODES: dict[str, int] = {"assistant": 0, "tool": 1, "user": 2, "template": 3}
+_ROLE_NAMES: list[str] = list(_ROLE_CODES)
+
+
+class TokenRuns:
+    """A response's token runs as one array of (role code, start, end), not ~60 bytes of TokenRun a run, of which a
+    tool-calling trajectory holds dozens; reads give TokenRun records."""
+
+    __slots__ = ("_flat",)
+
+    def __init__(self, runs: Iterable[TokenRun] = ()):
+        self._flat = array("i")
+        for run in runs:
+            self.add(run.role, run.start, run.end)
+
+    def add(self, role: str, start: int, end: int) -> None:
+        code = _ROLE_CODES.get(role)
+        if code is None:  # a role of a user action's own: coded once per process
+            code = _ROLE_CODES[role] = len(_ROLE_NAMES)
+            _ROLE_NAMES.append(role)
+        self._flat.extend((code, start, end))
+
+    def clear(self) -> None:
+        del self._flat[:]
+
+    def __len__(self) -> int:
+        return len(self._flat) // 3
+
+    def __getitem__(self, i: Any) -> Any:  # transcripts and tests only: the engine iterates or asks `last`
+        return list(self)[i]
+
+    def __iter__(self) -> Iterator[TokenRun]:
+        f, names = self._flat, _ROLE_NAMES
+        return (TokenRun(names[f[k]], f[k + 1], f[k + 2]) for k in range(0, len(f), 3))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, TokenRuns):
+            return self._flat == other._flat
+        if isinstance(other, Sequence):
+            return list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"TokenRuns({list(self)!r})"
+
+    def tokens_since(self, mark: int) -> tuple[int, int]:
+        """(model tokens, other tokens) in the runs from index `mark` on."""
+        f, ks = self._flat, range(3 * mark, len(self._flat), 3)
+        model = sum(f[k + 2] - f[k + 1] for k in ks if f[k] == 0)  # role code 0: "assistant"
+        return model, sum(f[k + 2] - f[k + 1] for k in ks) - model
+
+    def last(self, role: str) -> TokenRun | None:
+        """The last run of `role`, or None."""
+        code, f = _ROLE_CODES.get(role), self._flat
+        for k in range(len(f) - 3, -1, -3):
+            if f[k] == code:
+                return TokenRun(role, f[k + 1], f[k + 2])
+        return None
+
+
+def _expand_versions(runs: array, n: int) -> array:
+    """Per-token weight versions of `n` tokens from their runs [start, version, start, version...]."""
+    out = array("i")
+    for k in range(0, len(runs), 2):
+        end = runs[k + 2] if k + 2 < len(runs) else n
+        out.extend(array("i", (runs[k + 1],)) * (end - runs[k]))
+    return out
+
+
+@dataclass(slots=True, eq=False)
+class Segment:
+    """One training row of a trajectory: a prompt, then everything appended to it until the next rewrite.
+    `messages` is its own conversation (the first `prompt_messages` render its prompt), so `--check-tokens`
+    compares each segment with the template's render of it; `turn_rewards` sit at positions in its response."""
+
+    index: int
+    reason: str  # why it began: "prompt" (the first), "template", "summary", "rewrite" (window, function, after a summary)
+    prompt_ids: array
+    response_ids: array
+    response_mask: array
+    response_logprobs: array
+    version_runs: array  # [start, version, ...] as Trajectory._version_runs
+    runs: TokenRuns
+    messages: list[dict[str, Any]]
+    prompt_messages: int
+    turns: int  # model turns in it
+    turn_rewards: list[list[Any]]
+    logprobs_missing: bool = False
+    at: int = 0  # where in the trajectory's `path` it began: the state whose action started it
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.runs, TokenRuns):  # a snapshot writes the runs as a list of records
+            self.runs = TokenRuns(self.runs)
+
+    @property
+    def response_versions(self) -> array:
+        return _expand_versions(self.version_runs, len(self.response_ids))
+
+    def context_ids(self) -> list[int]:
+        return self.prompt_ids.tolist() + self.response_ids.tolist()
+
+
+@cache
+def first_segment(prompt_messages: int) -> tuple[str, int, int, int]:
+    """The first segment's `segment_start` for a prompt of that many messages: one shared tuple per count."""
+    return ("prompt", prompt_messages, 0, 0)
+
+
+_FIRST = first_segment(0)
 
 
 @dataclass(slots=True)
@@ -48,43 +172,6 @@ class Metrics:
         return {name: getattr(self, name) for name in self.__slots__}
 
 
-@dataclass(frozen=True, slots=True)
-class Failure:
-    """One failure, recorded once where it happens: the one that ended a row (`Trajectory.failure`, by the
-    driver, fsm/run/runtime.py) or one a state's retry or catch handled (`Trajectory.failures`, by
-    fsm/run/failures.py). Metrics, spans, summaries, records and `on_error` read its fields; nothing parses a
-    message back for its kind."""
-
-    kind: str  # low-cardinality: "backend", "timeout", "aborted", "bad_row", "reward", "tool.exception", a class...
-    state: str  # the state it happened in
-    cause: str  # what happened, one message (a row's: its `error`, as `termination_reason` quotes it)
-    attempt: int = 1  # the attempt of the state's action that failed (its retry rules count them)
-    handled: str | None = None  # "retry" or "catch": a state's rule handled it; None: it ended the row
-    to: str | None = None  # a catch's target state
-    on_error: str = "mask"  # a row it ended: what the row became (fsm/spec/failures.py)
-    at_ns: int = field(default_factory=time.time_ns)
-
-    def record(self) -> dict[str, Any]:
-        """A handled failure as trajectories.jsonl's `failures` lists it."""
-        out = {"handled": self.handled, "state": self.state, "error": self.kind, "attempt": self.attempt}
-        out["message"] = self.cause[:500]
-        if self.to is not None:
-            out["to"] = self.to
-        return out | {"at_ns": self.at_ns}
-
-    @classmethod
-    def legacy(cls, error: Any, state: Any, extra: Any) -> Failure | None:
-        """A row's failure as engines before `Failure` wrote it (`error` text, `extra.on_error`), so that their runs
-        resume with their failed rows failed."""
-        on_error = str(extra.get("on_error", "mask")) if isinstance(extra, dict) else "mask"
-        return cls("error", str(state), error, on_error=on_error) if isinstance(error, str) else None
-
-
-# Every trajectory has a Node: a linear row is a tree of one node, its root, so nothing that reads a place in a
-# tree asks whether there is one. The engine's trees (fsm/run/tree.py: child machines and forks) and the gateway's
-# session trees (fsm/gateway/tree.py) use it alike (docs/trees.md).
-
-
 @dataclass(slots=True)
 class TreeCount:
     """What one tree shares: its node count, against the root spec's `tree.max_nodes`."""
@@ -95,9 +182,9 @@ class TreeCount:
 
 @dataclass(eq=False, slots=True)
 class Node:
-    """A node of a tree: where its rows sit (`fields`: the row fields of docs/trees.md) and the nodes it made.
-    The one model of the engine's trees (child machines and forks, whose run state follows) and of the gateway's
-    session trees (fsm/gateway/tree.py adds how a session's segments are recorded)."""
+    """A node of a tree: where its rows sit (`fields`: the row fields of docs/trees.md) and the nodes it made. Every
+    trajectory has one (a linear row's is a root alone, so nothing asks whether there is a tree): the one model of
+    the engine's trees (fsm/run/tree.py) and of the gateway's session trees (fsm/gateway/tree.py)."""
 
     tree: str  # the root trajectory's session id: unique per sample
     node: str = "0"  # "0" the root, "0.1" its second child or branch, ...
@@ -144,140 +231,96 @@ class Node:
     @property
     def alone(self) -> bool:
         """A linear row's tree: a root that has made no node and met no fork (the journal keeps no place for it)."""
-        return (
-            self.kind == "root" and not self.nodes and not self.forks and not self.forked and not self.pending
-        )
+        return self.kind == "root" and not (self.nodes or self.forks or self.forked or self.pending)
 
 
-# Slots that live only while a process drives the trajectory, never snapshotted or journaled: the last tool
-# heartbeat (a state's heartbeat_s, fsm/run/failures.py), a model turn's deadline, the tree node, which links live
-# objects, and the kept context (`Trajectory.context`), built again from the ids when needed.
+# Slots that live only while a process drives the trajectory, never journaled: the last tool heartbeat, a model
+# turn's deadline, the tree node (it links live objects) and the kept context (built again from the ids).
 TRANSIENT = ("heartbeat_at", "turn_deadline", "node", "_context")
 # references to a kept context while `Trajectory.context` looks at it: the trajectory's own, the local name and
 # getrefcount's argument. More: someone else holds it (a request kept past its call), so it is not grown in place.
 _UNSHARED = 3
 
 
+@dataclass(eq=False, repr=False, slots=True)
 class Trajectory:
-    """One rollout: identity, conversation, tokens, counters and outcome."""
+    """One rollout: identity, conversation, tokens, counters and outcome. Constructed from its identity and initial
+    state; every other field starts empty. Slots, in this order, are what the journal's codec walks."""
 
-    __slots__ = (
-        # identity
-        "index",
-        "sample",
-        "session_id",
-        "uid",
-        "row",
-        # conversation
-        "messages",
-        "tool_schemas",
-        "tools_kwargs",
-        "interaction_kwargs",
-        "interaction_started",
-        # tokens
-        "prompt_ids",
-        "response_ids",
-        "response_mask",
-        "response_logprobs",
-        "_version_runs",
-        "runs",
-        # segments: those a rewrite closed (the current one is the fields above), how the current one began
-        "closed",
-        "segment_start",
-        "needs_tail",
-        "partial_turn",
-        "logprobs_missing",
-        # machine
-        "state",
-        "path",
-        "path_times",
-        "transitions_fired",
-        # counters used by guards
-        "assistant_turns",
-        "user_turns",
-        "pending_calls",
-        "heartbeat_at",
-        "turn_deadline",
-        "last_finish_reason",
-        "should_terminate",
-        "observation_overflow",
-        # outcome
-        "termination_reason",
-        "failure",
-        "failures",
-        "reward_score",
-        "tool_rewards",
-        "tool_scores",
-        "turn_scores",
-        "turn_rewards",
-        "interaction_score",
-        "token_check",
-        "metrics",
-        "extra",
-        "extra_fields",
-        # its place in its tree (`Node`): a linear row's is a root alone
-        "node",
-        # (context, the prompt array, its length, the response array, the context's length) as `context` last
-        # left them; None: not yet
-        "_context",
-    )
+    # identity
+    index: int
+    sample: int
+    session_id: str
+    uid: str
+    row: dict[str, Any]
+    initial: InitVar[str]
+    _: KW_ONLY
+    # conversation
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    tool_schemas: list[dict[str, Any]] | None = None
+    tools_kwargs: dict[str, Any] = field(default_factory=dict)
+    interaction_kwargs: dict[str, Any] | None = None
+    interaction_started: bool = False
+    # tokens
+    prompt_ids: array = field(default_factory=partial(array, "i"))
+    response_ids: array = field(default_factory=partial(array, "i"))
+    response_mask: array = field(default_factory=partial(array, "b"))
+    response_logprobs: array = field(default_factory=partial(array, "f"))
+    # each token's weight version (-1 on mask 0) as runs [start, version, ...], each up to the next run's start
+    _version_runs: array = field(default_factory=partial(array, "i"))
+    runs: TokenRuns = field(default_factory=TokenRuns)
+    # segments: those a rewrite closed (a shared empty tuple until one does; the current one is the fields above),
+    # and how the current one began: (reason, prompt messages, model turns before it, its state's index in `path`)
+    closed: list[Segment] | tuple[()] = ()
+    segment_start: tuple[str, int, int, int] = _FIRST
+    needs_tail: bool = False  # the last turn was the model's: the template's turn closer is still owed
+    # (ids, logprobs, versions) of a model turn that a pause aborted, while it waits at the engine's gate:
+    # a snapshot taken then keeps them, and the turn goes on from them (fsm/run/actions.py)
+    partial_turn: tuple[list[int], list[float] | None, list[int]] | None = None
+    # logprobs asked for and none given: placeholders, and the batch carries no rollout_log_probs
+    logprobs_missing: bool = False
+    # machine
+    state: str = field(init=False)
+    path: list[str] = field(init=False)
+    path_times: array = field(default_factory=partial(array, "d"))  # perf_counter() at each state of `path`
+    transitions_fired: list[int] = field(default_factory=list)  # global edge indices, in order
+    # counters used by guards
+    assistant_turns: int = 0
+    user_turns: int = 0
+    pending_calls: list[ToolCall] = field(default_factory=list)
+    heartbeat_at: float = 0.0  # time.monotonic() of the last tool heartbeat (a state's heartbeat_s)
+    # (rid, the state's entry in `path`, the loop's time it ends): a state's retry of a turn keeps its deadline
+    turn_deadline: tuple[str, int, float | None] | None = None
+    last_finish_reason: str | None = None
+    should_terminate: bool = False
+    observation_overflow: bool = False
+    # outcome
+    termination_reason: str | None = None
+    failure: Failure | None = None  # what ended the row, when something did
+    failures: list[Failure] = field(default_factory=list)  # what a state's retry or catch handled, in order
+    reward_score: float | None = None
+    tool_rewards: list[float] = field(default_factory=list)
+    tool_scores: list[float] = field(default_factory=list)
+    turn_scores: list[float] = field(default_factory=list)
+    # every tool reward and interaction turn score, with the response position of the last token of the
+    # model turn it judges: [source ("tool" | "interaction"), position (-1: before any model token), value]
+    turn_rewards: list[list[Any]] = field(default_factory=list)
+    interaction_score: float | None = None
+    token_check: str | None = None
+    metrics: Metrics = field(default_factory=Metrics)
+    extra: dict[str, Any] = field(default_factory=dict)
+    # verl's agent_data.extra_fields: what tools (and, through fsm_agent, verl's server) put there;
+    # exported with the trajectory's extra fields, and as batch columns, as verl exports them
+    extra_fields: dict[str, Any] = field(default_factory=dict)
+    # its place in its tree (`Node`): a linear row's is a root alone
+    node: Node = field(init=False)
+    # (context, the prompt array, its length, the response array, the context's length) as `context` last
+    # left them; None: not yet
+    _context: tuple[PromptIds, array, int, array, int] | None = None
 
-    def __init__(self, index: int, sample: int, session_id: str, uid: str, row: dict[str, Any], initial: str):
-        self.index, self.sample, self.session_id, self.uid, self.row = index, sample, session_id, uid, row
-        self.messages: list[dict[str, Any]] = []
-        self.tool_schemas: list[dict[str, Any]] | None = None
-        self.tools_kwargs: dict[str, Any] = {}
-        self.interaction_kwargs: dict[str, Any] | None = None
-        self.interaction_started = False
-        self.prompt_ids = array("i")
-        self.response_ids = array("i")
-        self.response_mask = array("b")
-        self.response_logprobs = array("f")
-        # the weight version that produced each token (-1 on mask 0), as runs: [start, version, start,
-        # version...], each version holding from its start to the next run's (`response_versions` expands them)
-        self._version_runs = array("i")
-        self.runs = TokenRuns()
-        self.closed: list[Segment] | tuple[()] = ()  # a shared empty tuple until a rewrite closes one
-        # (reason, prompt messages, model turns before it, index in `path` of the state that started it)
-        self.segment_start: tuple[str, int, int, int] = _FIRST
-        self.needs_tail = False  # the last turn was the model's: the template's turn closer is still owed
-        # (ids, logprobs, versions) of a model turn that a pause aborted, while it waits at the engine's gate:
-        # a snapshot taken then keeps them, and the turn goes on from them (fsm/run/actions.py)
-        self.partial_turn: tuple[list[int], list[float] | None, list[int]] | None = None
-        self.logprobs_missing = False  # logprobs were asked for and a server gave none: response_logprobs
-        # then holds placeholders, and the batch carries no rollout_log_probs
-        self.state = initial
-        self.path: list[str] = [initial]
-        self.path_times = array("d")  # perf_counter() when the driver entered each state of `path`
-        self.transitions_fired: list[int] = []  # global edge indices, in order
-        self.assistant_turns = 0
-        self.user_turns = 0
-        self.pending_calls: list[ToolCall] = []
-        self.heartbeat_at = 0.0  # time.monotonic() of the last tool heartbeat (a state's heartbeat_s)
-        # (rid, the state's entry in `path`, the loop's time it ends): a state's retry of a turn keeps its deadline
-        self.turn_deadline: tuple[str, int, float | None] | None = None
-        self.last_finish_reason: str | None = None
-        self.should_terminate = False
-        self.observation_overflow = False
-        self.termination_reason: str | None = None
-        self.failure: Failure | None = None  # what ended the row, when something did
-        self.failures: list[Failure] = []  # what a state's retry or catch handled, in order
-        self.reward_score: float | None = None
-        self.tool_rewards: list[float] = []
-        self.tool_scores: list[float] = []
-        self.turn_scores: list[float] = []
-        # every tool reward and interaction turn score, with the response position of the last token of the
-        # model turn it judges: [source ("tool" | "interaction"), position (-1: before any model token), value]
-        self.turn_rewards: list[list[Any]] = []
-        self.interaction_score: float | None = None
-        self.token_check: str | None = None
-        self.metrics = Metrics()
-        self.extra: dict[str, Any] = {}
-        # verl's agent_data.extra_fields: what tools (and, through fsm_agent, verl's server) put there;
-        # exported with the trajectory's extra fields, and as batch columns, as verl exports them
-        self.extra_fields: dict[str, Any] = {}
-        self.node = Node(session_id, route=session_id)
-        self._context: tuple[PromptIds, array, int, array, int] | None = None
+    def __post_init__(self, initial: str) -> None:
+        self.state, self.path = initial, [initial]
+        self.node = Node(self.session_id, route=self.session_id)
 
     @property
     def row_name(self) -> str:
@@ -363,14 +406,9 @@ class Trajectory:
         assistant run of the current segment (a prompt may hold assistant messages of its own)."""
         turns = [run for run in self.runs if run.role == "assistant"]
         out = list(self.messages)
-        k = len(turns)
-        for i in range(len(out) - 1, -1, -1):
-            if k == 0:
-                break
-            if out[i]["role"] == "assistant":
-                k -= 1
-                seg = turns[k]
-                out[i] = view(out[i], self.response_ids[seg.start : seg.end].tolist())
+        places = [i for i, m in enumerate(out) if m["role"] == "assistant"]
+        for i, run in zip(reversed(places), reversed(turns)):  # paired from the last
+            out[i] = view(out[i], self.response_ids[run.start : run.end].tolist())
         return out
 
     def add_turn_reward(self, source: str, value: float) -> None:
@@ -414,12 +452,10 @@ class Trajectory:
         self, prompt_ids: Iterable[int], reason: str, messages: list[dict[str, Any]] | None = None
     ) -> None:
         """A rewrite: the current segment is closed and a new one starts whose prompt is `prompt_ids`, the
-        render of `messages` (the new conversation; None: `self.messages` as they are now).
-
-        The closed segment ends with its last model turn: observations appended after it were never part of a
-        context the model saw in that segment (the next turn sees them in the new one), so they are cut, with
-        their messages, and the row is exactly what the model was given and produced. A segment with no model
-        turn is kept whole."""
+        render of `messages` (the new conversation; None: `self.messages` as they are now). The closed segment
+        ends with its last model turn (one with none is kept whole): observations after it were never in a context
+        the model saw there, so they are cut, with their messages, and the row is what the model was given and
+        produced."""
         done = self.current_segment()
         last = self.runs.last("assistant")
         kept = list(self.messages)
@@ -508,10 +544,6 @@ class Trajectory:
         )
         seen = [v for v in runs[1::2] if v >= 0]  # every run holds at least one token
         return (min(seen), max(seen)) if seen else None
-
-    @property
-    def response_length(self) -> int:
-        return len(self.response_ids)
 
     @property
     def failed(self) -> bool:
