@@ -114,7 +114,7 @@ class Front:
 
     async def _forward(self, request: web.BaseRequest) -> web.StreamResponse:
         try:
-            sid, _api = route(request)
+            sid = route(request)[0]
             tag = sid.split("-", 1)[0] if "-" in sid else ""
             worker = self.workers.get(tag)
             if worker is None:

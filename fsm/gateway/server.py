@@ -236,7 +236,9 @@ class Gateway:
         self._runner: web.BaseRunner | None = None
         self._starting: asyncio.Future[None] | None = None  # the first start(); concurrent callers await it
         # per connection: its peer's socket inode, and whether that peer is this worker's front (fsm/gateway/peer.py)
-        self._conns: weakref.WeakKeyDictionary[Any, tuple[int | None, bool]] = weakref.WeakKeyDictionary()
+        self._conns: weakref.WeakKeyDictionary[Any, tuple[int | None, bool, set[int]]] = (
+            weakref.WeakKeyDictionary()
+        )
         self._holders = peer.Holders()  # which process holds which peer socket (fsm/gateway/peer.py)
         self.harnesses: set[int] = set()  # command harnesses' reapers (not a function harness's tree)
 
@@ -310,7 +312,7 @@ class Gateway:
     async def _serve(self, request: web.BaseRequest) -> web.StreamResponse:
         session: Session | None = None
         try:
-            sid, api = route(request, APIS)
+            sid, api, line, model = route(request, APIS)
             found = self._session(request, sid)
             self._from_owner(request, found)  # an intruder's refusal is not counted on the row
             session = found
@@ -324,13 +326,10 @@ class Gateway:
             parse, answer, stream = APIS[api][1]  # type: ignore[misc]
             body = _body(await read_body(request, self.limits.max_request_bytes))
             call = parse(body)
-            gemini = gemini_api.split_path(child_line(request.path.split("/", 3)[3])[1])
-            if gemini is not None:  # Gemini names the model in the path
-                call.extra["model"] = gemini[1]
-            if "/child/" in request.path:
-                call.child = child_line(request.path.split("/", 3)[3])[0]
-            else:  # a harness's sub-agent on the session's own URL, named by a header
-                call.child = session.line(request.headers)
+            if model is not None:  # Gemini names the model in the path
+                call.extra["model"] = model
+            # a child session's path, else a harness's sub-agent on the session's own URL, named by a header
+            call.child = line or session.line(request.headers)
             kind = auxiliary(call, request.headers.get(AUX_HEADER), self.limits.auxiliary_prompts)
             if kind is not None:  # not the agent's own turn: a node of its own, beside the line's (tree.py)
                 call.child += (AUX + kind,)
@@ -349,7 +348,7 @@ class Gateway:
             result = await session.submit(call)
             if not call.stream:
                 return _json(answer(result, call, session.id))
-            if gemini is not None and request.query.get("alt") != "sse":  # Gemini without SSE: one array
+            if model is not None and request.query.get("alt") != "sse":  # Gemini without SSE: one array
                 return _json(gemini_api.stream_chunks(result, call, session.id))
             return await _sse(request, stream(result, call, session.id))
         except GatewayError as exc:
@@ -372,11 +371,12 @@ class Gateway:
 
     def _from_owner(self, request: web.BaseRequest, session: Session) -> None:
         """Refuse a request of a bound session whose connection no process of its harness holds: its key was
-        learned by another process (fsm/gateway/peer.py). Looked up once per connection and session."""
+        learned by another process (fsm/gateway/peer.py). Looked up once per connection and harness: a kept-alive
+        connection that a harness's tree was found holding serves that harness's later sessions unchecked."""
         if session.owner is None:
             return
-        inode = self._peer_socket(request)
-        if inode is not None and inode in session.peers:
+        inode, owners = self._peer_socket(request)
+        if inode is not None and (inode in session.peers or session.owner in owners):
             return
         me = os.getpid()
         # a function harness runs in this process: any process of ours but another session's command harness
@@ -391,6 +391,7 @@ class Gateway:
                 status=403,
             )
         session.peers.add(inode)
+        owners.add(session.owner)
 
     def _held(self, owner: int, skip: Any, inode: int) -> bool:
         """Whether a process of `owner`'s tree (less `skip`'s) holds socket `inode`: the process seen holding it
@@ -401,23 +402,25 @@ class Gateway:
         found = self._holders.find(peer.tree(owner, skip), inode)
         return (found or self._holders.find(peer.tree(owner, skip), inode, again=True)) is not None
 
-    def _peer_socket(self, request: web.BaseRequest) -> int | None:
+    def _peer_socket(self, request: web.BaseRequest) -> tuple[int | None, set[int]]:
         """The inode of the socket the request came over: its caller's, or behind a front, the socket the front
-        names (PEER_HEADER), believed only over a connection of the front (this worker's parent process)."""
+        names (PEER_HEADER), believed only over a connection of the front (this worker's parent process); and
+        the harnesses (owners) found holding the connection (always empty behind a front: each request names its
+        own socket)."""
         transport = request.transport
         if transport is None:
-            return None
+            return None, set()
         known = self._conns.get(transport)
         if known is None:
             inode = peer.socket_inode(
                 transport.get_extra_info("peername"), transport.get_extra_info("sockname")
             )
             front = bool(self.front and inode is not None and self._holders.find([os.getppid()], inode, True))
-            self._conns[transport] = known = (inode, front)
+            self._conns[transport] = known = (inode, front, set())
         if not known[1]:
-            return known[0]
+            return known[0], known[2]
         named = request.headers.get(peer.PEER_HEADER, "")
-        return int(named) if named.isdigit() else None
+        return int(named) if named.isdigit() else None, set()
 
 
 # what each API path under /sessions/{id}/v1/ takes: its method, and (request -> Call, answer, SSE events)
@@ -458,17 +461,20 @@ def _not_found(path: str, apis: dict[str, Any]) -> GatewayError:
     )
 
 
-def route(request: web.BaseRequest, apis: dict[str, Any] | None = None) -> tuple[str, str]:
-    """(session id, API path) of `/sessions/{id}/v1/{api}`; the API checked against `apis` and its method when
-    given. Anything else is a 404 naming the routes served (405: a known path, another method) in the API's
-    error shape."""
-    parts = request.path.split("/", 4)
+def route(
+    request: web.BaseRequest, apis: dict[str, Any] | None = None
+) -> tuple[str, str, tuple[str, ...], str | None]:
+    """(session id, API path, child line, Gemini's model) of `/sessions/{id}[/child/{name}...]/v1/{api}`, read
+    once per request; the API checked against `apis` and its method when given (else the path after the id).
+    Anything else is a 404 naming the routes served (405: a known path, another method) in the API's error
+    shape."""
+    parts = request.path.split("/", 3)
     if len(parts) < 4 or parts[0] or parts[1] != "sessions" or not parts[2]:
         raise _not_found(request.path, apis or APIS)
-    sid, tail = parts[2], "/".join(parts[3:])
+    sid, tail = parts[2], parts[3]
     if apis is None:
-        return sid, tail
-    tail = child_line(tail)[1]  # a child session's path (fsm/gateway/tree.py) serves the same APIs
+        return sid, tail, (), None
+    line, tail = child_line(tail)  # a child session's path (fsm/gateway/tree.py) serves the same APIs
     gemini = gemini_api.split_path(tail)
     api = (
         f"{gemini_api.PREFIX}{{model}}:{gemini[0]}" if gemini else tail[3:] if tail.startswith("v1/") else ""
@@ -477,7 +483,7 @@ def route(request: web.BaseRequest, apis: dict[str, Any] | None = None) -> tuple
         raise _not_found(request.path, apis)
     if request.method != apis[api][0]:
         raise GatewayError("Method Not Allowed", code="http_error", status=405)
-    return sid, api
+    return sid, api, line, gemini[1] if gemini else None
 
 
 async def read_body(request: web.BaseRequest, limit: int) -> bytes:

@@ -70,3 +70,32 @@ def test_a_new_connection_reads_only_the_files_not_read_before(monkeypatch: pyte
         for a, b in [*pairs, *([new] if new else [])]:
             a.close()
             b.close()
+
+
+def test_a_kept_alive_connection_is_looked_up_once_per_harness(
+    child: subprocess.Popen, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At 1 in flight every session of a function harness comes over the client's one kept-alive connection: the
+    walk of /proc that found this process holding it is not made again for each new session (issue 49), while a
+    session of another harness on that connection is still looked up, and refused."""
+    import asyncio
+
+    import aiohttp
+
+    async def main() -> list[int]:
+        async with Gateway() as gateway, aiohttp.ClientSession() as http:
+            held = gateway._held
+            looked: list[int] = []
+            monkeypatch.setattr(gateway, "_held", lambda owner, *a: looked.append(owner) or held(owner, *a))
+            sessions = [gateway.open(f"t{i}") for i in range(3)]
+            for session, owner in zip(sessions, (os.getpid(), os.getpid(), child.pid), strict=True):
+                session.owner = owner
+            statuses = []
+            for session in sessions:
+                headers = {"Authorization": f"Bearer {session.key}"}
+                async with http.get(f"{session.base_url}/models", headers=headers) as r:
+                    statuses.append(r.status)
+            assert looked == [os.getpid(), child.pid]
+            return statuses
+
+    assert asyncio.run(main()) == [200, 200, 403]
