@@ -230,20 +230,25 @@ async def retry(
     *,
     retryable: Callable[[BaseException], bool] | None = None,
     on_retry: Callable[[int, BaseException, float], None] | None = None,
+    failed: tuple[Exception, float] | None = None,
 ) -> T:
     """Await `attempt_fn(attempt)` (attempt is 1-based) until it returns, or raise its last failure.
 
     A failure is retried while `retryable(exc)` (default: `policy.retryable`) holds and attempts remain, or
     the policy's time window has room for the next attempt; `on_retry(attempt, exc, wait)` is called before
-    each wait (count retries there).
+    each wait (count retries there). `failed`: attempt 1 already ran and raised (its exception, and
+    `time.monotonic()` at its start), so a caller's fast path enters this loop only after a failure.
     """
     should = retryable or policy.retryable
     attempt = 1
-    start = time.monotonic()
+    first, start = failed or (None, time.monotonic())
     while True:
         try:
+            if first is not None:
+                raise first
             return await attempt_fn(attempt)
         except Exception as exc:
+            first = None
             if not should(exc):
                 raise
             wait = policy.delay(attempt, getattr(exc, "retry_after", None))

@@ -303,46 +303,29 @@ class Router(BaseBackend):
     # -- generation ------------------------------------------------------------------------------
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
-        previous: list[int] = []  # servers tried for this request, in order
-
         if self.priority is not None and request.priority is None:
             request.priority = self.priority(request)
-
-        async def attempt(n: int) -> GenerateResult:
-            idx = self.choose(request.session_id, request.group_id)
-            if n > 1:
-                self.counts["retries"] += 1
-                self.counts["failovers"] += int(idx != previous[-1])
-            previous.append(idx)
-            route = self._pin(request, idx)
-            s = self.servers[idx]
-            s.in_flight += 1
-            s.requests += 1
-            try:
-                result = await s.backend.generate(request)
-            except BackendError as e:
-                if e.retryable:
-                    self._failed(s)
-                raise
-            finally:
-                s.in_flight -= 1
-            s.streak = 0
-            result.route = route
-            result.server = result.server or s.name
-            self.prompt_tokens += len(request.prompt_ids)
-            self.cached_tokens += result.cached_tokens or 0
-            return result
-
         if request.resumed:
             self.counts["resumes"] += 1
+        tried: list[int] = []  # servers tried for this request, in order
+        start = time.monotonic()
+        try:  # the first attempt: the failover machinery below is entered only after a failure
+            return await self._attempt(request, 1, tried)
+        except Exception as exc:
+            failed = exc
         window = self.failover.window_s
-        until = time.monotonic() + window if window else None  # no re-route starts past it
+        until = start + window if window else None  # no re-route starts past it
 
         def retryable(e: BaseException) -> bool:
             return self._retryable(e) and (until is None or time.monotonic() < until)
 
         try:
-            return await retry(self.failover, attempt, retryable=retryable)
+            return await retry(
+                self.failover,
+                lambda n: self._attempt(request, n, tried),
+                retryable=retryable,
+                failed=(failed, start),
+            )
         except BackendError as e:
             if not (self._paused and e.retryable):
                 raise
@@ -357,6 +340,33 @@ class Router(BaseBackend):
                 abort_message=f"paused: {e}",
                 extra={"abort_kind": "waiting"},
             )
+
+    async def _attempt(self, request: GenerateRequest, n: int, tried: list[int]) -> GenerateResult:
+        """Attempt `n` of `request`: placed (`choose`, `_pin`), sent, and counted; a retryable failure takes
+        its server out (`_failed`)."""
+        idx = self.choose(request.session_id, request.group_id)
+        if n > 1:
+            self.counts["retries"] += 1
+            self.counts["failovers"] += int(idx != tried[-1])
+        tried.append(idx)
+        route = self._pin(request, idx)
+        s = self.servers[idx]
+        s.in_flight += 1
+        s.requests += 1
+        try:
+            result = await s.backend.generate(request)
+        except BackendError as e:
+            if e.retryable:
+                self._failed(s)
+            raise
+        finally:
+            s.in_flight -= 1
+        s.streak = 0
+        result.route = route
+        result.server = result.server or s.name
+        self.prompt_tokens += len(request.prompt_ids)
+        self.cached_tokens += result.cached_tokens or 0
+        return result
 
     def _retryable(self, e: BaseException) -> bool:
         return self.failover.retryable(e) and not self._paused

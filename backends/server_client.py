@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
@@ -256,12 +257,17 @@ class ServerClient(BaseBackend):
         attempt_fn: Callable[[int], Awaitable[T]],
         policy: RetryPolicy,
         retryable: Callable[[BaseException], bool] | None = None,
+        failed: tuple[Exception, float] | None = None,
     ) -> T:
         """`retry()` with this client's message: the last failure, named by server and attempt count."""
         retried = [0]  # the attempts retry() retried: counted by its hook, not by a coroutine around each
         try:
             return await retry(
-                policy, attempt_fn, retryable=retryable, on_retry=lambda n, *_: retried.append(n)
+                policy,
+                attempt_fn,
+                retryable=retryable,
+                on_retry=lambda n, *_: retried.append(n),
+                failed=failed,
             )
         except BackendUnavailable as e:
             tries = retried[-1] + 1
@@ -381,39 +387,49 @@ class ServerClient(BaseBackend):
         return params if clamped == wanted else {**params, "max_new_tokens": clamped}
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
-        """One turn under the retry policy (module docstring): each attempt reads the server's info once,
-        clamps the budget to the context and has the engine send it under its own wire rid."""
+        """One turn under the retry policy (module docstring), entered only after the first attempt failed."""
         # A fixed-width random suffix cannot be a prefix of another live rid: SGLang's abort matches rids
         # by prefix, so aborting one must never abort another.
         rid = request.rid or f"{request.session_id}_g{uuid.uuid4().hex}"
         timeout_s = self.deadline(request)
-
-        async def attempt(n: int) -> GenerateResult:
-            if n > 1:
-                self.counts["retries"] += 1
-            wire = self._wire_rid(rid, n, request.session_id)
-            self._live[wire] = request.session_id
-            try:
-                await self._ensure_info(timeout_s)
-                params = self._clamp(request.prompt_ids, request.sampling_params)  # a new dict when it cuts
-                asked = request  # what the answer is held to: the request itself, unless cut or renamed
-                if params is not request.sampling_params or wire != request.rid:
-                    asked = replace(request, sampling_params=params, rid=wire)
-                return await self._generate_once(request, asked, timeout_s)
-            except BackendError as e:
-                if e.kind in self.faults:
-                    self.faults[e.kind] += 1
-                self._attempt_failed(wire, e)
-                raise
-            finally:
-                self._live.pop(wire, None)
+        start = time.monotonic()
+        try:
+            return await self._attempt(request, rid, 1, timeout_s)
+        except Exception as exc:
+            failed = exc
 
         def retryable(e: BaseException) -> bool:  # a hung server stays hung: the router fails over instead
             return self.retry_policy.retryable(e) and not isinstance(e, BackendTimeout)
 
         return await self._retrying(
-            f"POST {self.generate_path} (rid {rid})", attempt, self.retry_policy, retryable
+            f"POST {self.generate_path} (rid {rid})",
+            lambda n: self._attempt(request, rid, n, timeout_s),
+            self.retry_policy,
+            retryable,
+            failed=(failed, start),
         )
+
+    async def _attempt(self, request: GenerateRequest, rid: str, n: int, timeout_s: float) -> GenerateResult:
+        """Attempt `n` of the turn `rid`: it reads the server's info once, clamps the budget to the context and
+        has the engine send it under its own wire rid, live for `abort` and `where` meanwhile."""
+        if n > 1:
+            self.counts["retries"] += 1
+        wire = self._wire_rid(rid, n, request.session_id)
+        self._live[wire] = request.session_id
+        try:
+            await self._ensure_info(timeout_s)
+            params = self._clamp(request.prompt_ids, request.sampling_params)  # a new dict when it cuts
+            asked = request  # what the answer is held to: the request itself, unless cut or renamed
+            if params is not request.sampling_params or wire != request.rid:
+                asked = replace(request, sampling_params=params, rid=wire)
+            return await self._generate_once(request, asked, timeout_s)
+        except BackendError as e:
+            if e.kind in self.faults:
+                self.faults[e.kind] += 1
+            self._attempt_failed(wire, e)
+            raise
+        finally:
+            self._live.pop(wire, None)
 
     def _context_cut(self, result: GenerateResult, request: GenerateRequest) -> GenerateResult:
         """Mark a turn that ended by "length" with fewer tokens than the engine asked for: the context was full
