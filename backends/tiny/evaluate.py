@@ -55,10 +55,8 @@ async def evaluate(args: argparse.Namespace) -> tuple[dict, list[str], list[str]
         f"demo (seed {DEMO_SEED})": make_prompts(DEMO_PROMPTS, seed=DEMO_SEED),
     }
     table = {}
-    has_tokenizer = (
-        args.model_dir / "tokenizer.json"
-    ).exists()  # else a checkpoint of the tiny model (early, mid)
-    tokenizer = args.model_dir if has_tokenizer else ASSET_DIR
+    # a checkpoint of the tiny model (early, mid) has no tokenizer of its own
+    tokenizer = args.model_dir if (args.model_dir / "tokenizer.json").exists() else ASSET_DIR
     async with RolloutEngine(args.spec, tokenizer=tokenizer, backend=backend) as engine:
         sampling = engine.agent.spec.sampling
         modes = {  # mode: (samples per prompt, sampling_params over the spec's)
