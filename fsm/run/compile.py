@@ -175,9 +175,8 @@ class _Compiler:
         if lim.max_new_tokens is not None and lim.max_new_tokens > lim.response_length:
             msg = f"max_new_tokens ({lim.max_new_tokens}) exceeds response_length ({lim.response_length})"
             self.error("limits", f"{msg}: a single turn could never use it", "limits", "max_new_tokens")
-        if (
-            self.spec.tools and lim.max_tool_response_length >= lim.response_length * 8
-        ):  # tools answer with it
+        # tools answer with it
+        if self.spec.tools and lim.max_tool_response_length >= lim.response_length * 8:
             msg = f"max_tool_response_length ({lim.max_tool_response_length} characters) cannot fit in "
             msg += f"response_length ({lim.response_length} tokens)"
             self.error("limits", msg, "limits", "max_tool_response_length")

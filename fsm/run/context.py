@@ -21,7 +21,7 @@ from fsm.families import Codec, codec_for, make_parser, parser_name
 from fsm.families.parsers import PARSERS, ToolCall
 from fsm.run.agent import CompiledAgent
 from fsm.run.tracer import Tracer
-from fsm.run.trajectory import Trajectory
+from fsm.run.trajectory import Trajectory, TreeCount
 from fsm.spec.model import check_sampling
 from fsm.tools.base import CallOutcome
 
@@ -123,9 +123,8 @@ class PauseGate:
         self._open.set()
         self.epoch = 0
         self.version = 0  # the weights the servers hold now (RolloutEngine.weight_version)
-        self._waiting = (
-            0  # model turns waiting here now (and rows awaiting a rewrite): whole, as at a boundary
-        )
+        # model turns waiting here now (and rows awaiting a rewrite): whole, as at a boundary
+        self._waiting = 0
         self.in_flight = 0  # model requests sent and not answered yet
         self._closed_at: float | None = None  # monotonic time the gate closed
         self.on_wait: Callable[[], None] | None = None  # told when one starts or stops waiting (snapshots)
@@ -201,14 +200,6 @@ class PauseGate:
 
 
 @dataclass(slots=True)
-class NodeCount:
-    """The children and branches of a run's trees in flight, against the root spec's `tree.max_run_nodes`
-    (fsm/run/tree.py charges a tree's nodes as they are made and releases them when its root ends)."""
-
-    nodes: int = 0
-
-
-@dataclass(slots=True)
 class Policy:
     """One policy at run time (the spec's `policies:`): its backend (None: the run's) and its codec."""
 
@@ -281,7 +272,9 @@ class RunContext:
         # the run's own backend, codec and gate, where a node whose policy has none of its own generates (not
         # the root policy's: a root whose policy has a checkpoint or servers runs there, its children need not)
         self.run_parts: tuple[Backend, Codec, PauseGate] = (backend, codec, self.gate)
-        self.run_nodes = NodeCount()  # shared by every context of the run
+        # the children and branches of the run's trees in flight, against `tree.max_run_nodes` (fsm/run/tree.py
+        # charges them as they are made, releases them when their root ends); shared by every context of the run
+        self.run_nodes = TreeCount(0)
         self._nodes: dict[tuple[int, str], RunContext] = {(id(agent), self.policy): self}
         self._child_agents: dict[tuple[int, str], CompiledAgent] = {}
 

@@ -84,16 +84,11 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _cache_file() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "agentfsm" / "sha256.json"
-
-
 def checkpoint_digest(folder: Path) -> str:
     """One sha256 over the checkpoint's weight and config files (name, size, content), top level only (a
     checkpoint's own files; the folders beside them are other checkpoints). A file's sha256 is cached by its
     path, size, mtime, ctime and inode in ~/.cache/agentfsm/sha256.json: read once, whatever its size."""
-    cache_path = _cache_file()
+    cache_path = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "agentfsm" / "sha256.json"
     try:
         cache = json.loads(cache_path.read_text())
         cache = cache if isinstance(cache, dict) else {}

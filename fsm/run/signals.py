@@ -62,13 +62,8 @@ class Interrupts:
     def arm(self, notice: Callable[[str], str]) -> None:
         self._notice = notice
 
-    @property
-    def armed(self) -> bool:
-        return self._notice is not None
-
-    def _signal(
-        self, name: str
-    ) -> None:  # on the caller's loop, free while the engine's thread runs the rows
+    # on the caller's loop, free while the engine's thread runs the rows
+    def _signal(self, name: str) -> None:
         if self._notice is None:
             if self._task is not None:
                 self._task.cancel()

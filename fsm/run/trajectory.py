@@ -174,7 +174,7 @@ class Metrics:
 
 @dataclass(slots=True)
 class TreeCount:
-    """What one tree shares: its node count, against the root spec's `tree.max_nodes`."""
+    """A node count against a bound: one tree's (`tree.max_nodes`), or its run's in flight (`tree.max_run_nodes`)."""
 
     nodes: int = 1
     run: int = 0  # of them, charged to the run's `tree.max_run_nodes` (released when the root ends)
