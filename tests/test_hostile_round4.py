@@ -215,22 +215,24 @@ def _negative_index(recs):
         d["index"] = -1
 
 
-def _last_versions(recs: list[dict[str, Any]]) -> list[int]:
-    """The weight version runs the first trajectory's last step appends (nothing after it replaces them)."""
+def _last_model_run(recs: list[dict[str, Any]]) -> list[Any]:
+    """The first trajectory's last model turn as its step appends it, [role, ids, logprobs, weight version]
+    (nothing after it replaces it)."""
     sid = _sessions(recs)[0]
-    step = [r for r in recs if r["t"] == "step" and r["s"] == sid and "_version_runs" in r.get("a", {})][-1]
-    return step["a"]["_version_runs"][1]
+    steps = [r for r in recs if r["t"] == "step" and r["s"] == sid and "tok" in r]
+    return [run for step in steps for run in step["tok"][1] if run[0] == "assistant"][-1]
 
 
 def _version(value: int):
     def forge(recs):
-        _last_versions(recs)[1] = value
+        _last_model_run(recs)[3] = value
 
     return forge
 
 
 def _odd_versions(recs):
-    _last_versions(recs).append(0)
+    """The weight version runs of the first trajectory's last whole record, one short of a pair."""
+    _every_whole(recs, _sessions(recs)[0])[-1]["_version_runs"].append(0)
 
 
 def _reward(value: float):

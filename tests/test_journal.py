@@ -61,11 +61,9 @@ def interrupted(tmp_path_factory):
 
 
 def _in_flight_turn(recs: list[dict[str, Any]]) -> bool:
-    """A step with a model turn's tokens, and a running trajectory's step that changed its state."""
+    """A step with a model turn's tokens, and a running trajectory's step that took an edge."""
     steps = [r for r in recs if r["t"] == "step"]
-    return any("response_ids" in r.get("a", {}) for r in steps) and any(
-        "state" in r.get("v", {}) for r in _running_steps(recs)
-    )
+    return any("tok" in r for r in steps) and any("e" in r for r in _running_steps(recs))
 
 
 @pytest.fixture
@@ -153,7 +151,12 @@ def _whole_running(recs):
 
 
 def _step(recs):
-    return next(r for r in recs if r["t"] == "step" and "a" in r and "response_ids" in r["a"])
+    return next(r for r in recs if r["t"] == "step" and "tok" in r)
+
+
+def _model_run(recs):
+    """The token run of the first model turn: [role, ids, logprobs, version]."""
+    return next(run for run in _step(recs)["tok"][1] if run[0] == "assistant")
 
 
 def _running_steps(recs):
@@ -162,7 +165,7 @@ def _running_steps(recs):
 
 
 def _state(recs):
-    [r for r in _running_steps(recs) if "state" in r.get("v", {})][-1]["v"]["state"] = "NOWHERE"
+    [r for r in _running_steps(recs) if "e" in r][-1]["e"][-1][1] = "NOWHERE"
 
 
 def _out_of_vocab(recs):
@@ -173,19 +176,31 @@ def _out_of_vocab(recs):
 
 
 def _delta_out_of_vocab(recs):
-    _step(recs)["a"]["response_ids"][1][0] = 10**6
+    _model_run(recs)[1][0] = 10**6
 
 
 def _mask_7(recs):
-    _step(recs)["a"]["response_mask"][1][0] = 7
+    """A model turn's tokens written as slots replaced (as a failed row's emptied response is), its mask 7s."""
+    step = _step(recs)
+    ids = [i for run in step.pop("tok")[1] for i in run[1]]
+    arrays = {
+        "response_ids": ("i", ids),
+        "response_mask": ("b", [7] * len(ids)),
+        "_version_runs": ("i", [0, 0]),
+    }
+    step["r"] = {**arrays, "response_logprobs": ("f", [0.0] * len(ids)), "runs": ("i", [0, 0, len(ids)])}
 
 
 def _nan_logprob(recs):
-    _step(recs)["a"]["response_logprobs"][1][0] = float("nan")
+    _model_run(recs)[2][0] = float("nan")
 
 
 def _offset(recs):
-    _step(recs)["a"]["response_ids"][0] += 3
+    _step(recs)["tok"][0] += 3
+
+
+def _unknown_event(recs):
+    _step(recs)["ev"] = "teleport"
 
 
 def _row_5(recs):
@@ -237,7 +252,13 @@ def _forged_node(recs):
     meta = {"node": "0.0", "parent": "0", "kind": "child", "offset": 0, "policy": "default", "depth": 1}
     meta |= {"shared": 0, "route": sid, "ordinal": 1, "forks": {}, "origin": "calculator", "k": 0}
     recs.append(
-        {"t": "traj", "s": sid, "d": {**root["d"], "session_id": sid}, "n": {**meta, "forked": False}}
+        {
+            "t": "traj",
+            "s": sid,
+            "ev": "child_started",
+            "d": {**root["d"], "session_id": sid},
+            "n": {**meta, "forked": False},
+        }
     )
 
 
@@ -253,6 +274,7 @@ def _forged_node(recs):
         (_row_5, "field 'row': Input should be a valid dictionary"),
         (_turns_a_string, "field 'assistant_turns': Input should be a valid integer"),
         (_unknown_slot, "'__class__' is not a slot a step changes"),
+        (_unknown_event, "unknown event 'teleport' (known: action, begin, "),
         (_unknown_kind, "unknown record kind 'exec'"),
         (_second_run, "a second 'run' record"),
         (_unknown_dc, "unknown record type 'os.system'"),
@@ -478,3 +500,29 @@ def test_failures_read_back_as_recorded_and_an_older_journals_error_as_a_failure
     old = rebuild(records(tmp_path / JOURNAL))
     for t in trajs:
         assert old.trajs[t.session_id].failure.kind == "error" and old.trajs[t.session_id].error == t.error
+
+
+def test_a_journal_of_format_1_reads_back_as_the_events_of_format_2_do(tmp_path, tok):
+    """A journal written before its steps were named events (format 1: slot diffs alone;
+    tests/fixtures/journal_format1.log, this run written by agentfsm at ce5d369) is folded by the same reader
+    into the trajectories the events of this version give: a tool call, its result, a final answer, and a row
+    whose second turn failed (its response emptied)."""
+    call = tool_turn(tok, ("calculator", {"expression": "1 + 2"}))
+    script = scripted({0: [call, model_turn(tok, "#### 3")], 1: [call]})
+    rows = [user_row("What is 1 + 2?", reward_model={"ground_truth": "3"}), user_row("And 2 + 2?")]
+    asyncio.run(_journaled(SPEC, script, rows, tmp_path / JOURNAL, n=1))
+    recs = records(tmp_path / JOURNAL).records
+    assert recs[0]["format"] == FORMAT == 2 and {r["ev"] for r in recs if r["t"] == "step"} == {
+        "begin",
+        "prompt",
+        "model_turn",
+        "tool_result",
+        "reward",
+    }
+    old = rebuild(records(REPO / "tests" / "fixtures" / "journal_format1.log")).trajs.values()
+    new = rebuild(records(tmp_path / JOURNAL)).trajs.values()
+    slots = ("prompt_ids", "response_ids", "response_mask", "response_logprobs", "response_versions", "runs")
+    slots += ("messages", "path", "transitions_fired", "reward_score", "termination_reason", "error")
+    for a, b in zip(sorted(old, key=lambda t: t.index), sorted(new, key=lambda t: t.index), strict=True):
+        assert [getattr(a, s) for s in slots] == [getattr(b, s) for s in slots]
+    assert [len(t.response_ids) for t in old] == [40, 0]

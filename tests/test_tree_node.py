@@ -24,7 +24,7 @@ def _journaled(trajs) -> list[dict]:
     records: list[dict] = []
     recorder = Recorder(types.SimpleNamespace(append=records.append))
     for t in trajs:
-        recorder.whole(t, done=True)
+        recorder.whole(t, "start", done=True)
     return records
 
 
@@ -45,7 +45,7 @@ def test_a_linear_row_is_a_tree_of_one_node(tok):
             "depth": 0,
             "shared_prefix": {"length": 0, "node": None},
         }
-    assert [sorted(r) for r in _journaled(trajs)] == [["d", "done", "s", "t"]] * 2
+    assert [sorted(r) for r in _journaled(trajs)] == [["d", "done", "ev", "s", "t"]] * 2  # no tree place `n`
 
 
 def test_a_fork_past_its_trees_bounds_is_refused_and_the_row_goes_on_alone(tok, tmp_path):

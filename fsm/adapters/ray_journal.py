@@ -16,6 +16,7 @@ import logging
 import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -131,9 +132,9 @@ def open_chunk(
         recorder.group(firsts[i].uid, sampled, firsts[i : i + n])
         for t, first in zip(trajs[i : i + n], firsts[i : i + n]):
             if t is not first:
-                recorder.whole(t, done=t.index in done)
+                recorder.whole(t, "resume", done=t.index in done)
                 for node in tree_nodes(t):  # a tree's nodes, each as journaled
-                    recorder.whole(node, done=node.node.finished)
+                    recorder.whole(node, "resume", done=node.node.finished)
     for k, outcome in tools.items():
         recorder.tool(k, outcome)
     recorder.writer.flush()  # on disk (the OS's) before the earlier attempts go
@@ -163,12 +164,12 @@ async def run_chunk(
     ctx = runner.make_context(sampling=sampling)  # its own: side-effecting tools read this chunk's journal
     ctx.journal = recorder = opened.recorder
 
-    async def boundary(traj: Trajectory) -> None:
-        recorder.step(traj)
+    async def boundary(traj: Trajectory, agent: Any = runner.agent) -> None:
+        recorder.step(traj, agent)
         await tick(traj)
 
     async def node(node_ctx: Any, traj: Trajectory) -> None:  # a tree's child or branch (fsm/run/tree.py)
-        await runner.drive(node_ctx, traj, boundary)
+        await runner.drive(node_ctx, traj, partial(boundary, agent=node_ctx.agent))
         recorder.step(traj, done=True)
 
     ctx.drive = node

@@ -7,8 +7,8 @@ through this module; the records and their fields are listed in docs/running.md 
 A record is a line, `crc32hex json`: appended, never rewritten, and a record cut by a kill is plainly the last line
 (dropped, with one line saying so). A trajectory is written whole once (every slot, so slots added later come
 along, tagged where JSON has no type of its own: arrays, sets, tuples, the few dataclasses a trajectory holds), then
-as the deltas of each state boundary: token arrays and append-only lists by their appended part, the rest by what
-changed (the slot classes below).
+as the event of each state boundary: the edge taken, the token runs appended, and the other slots by what changed
+(the slot classes below).
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ import numpy as np
 from fsm.families.parsers import ToolCall
 from fsm.run.context import Sampling
 from fsm.run.failures import Failure
-from fsm.run.trajectory import _FIRST, TRANSIENT, Metrics, Node, Segment, TokenRun, TokenRuns, Trajectory
+from fsm.run.trajectory import TRANSIENT, Metrics, Node, Segment, TokenRun, TokenRuns, Trajectory
 
-FORMAT = 1  # the journal's (a `run` record's `format`)
+FORMAT = 2  # the journal's (a `run` record's `format`); 1: steps as slot diffs alone, read as well
 MAX_RECORD = 256 * 1024 * 1024  # a bound for one line read back
 _TAGS = {"__array__", "__set__", "__tuple__", "__items__", "__dc__"}
 _CLASSES = {cls.__name__: cls for cls in (TokenRun, Segment, Metrics, ToolCall, Failure)}
@@ -74,6 +74,8 @@ _REPLACED = ("segment_start", "partial_turn", "pending_calls", "failure")
 _DICTS = ("extra", "extra_fields")
 _REST = (*_SCALARS, *_REPLACED, *_DICTS, "metrics")
 _PLAIN_LISTS = ("path", "transitions_fired", "tool_rewards", "tool_scores", "turn_scores", "turn_rewards")
+_TOKENS = ("response_ids", "response_mask", "response_logprobs", "_version_runs", "runs")  # a step's `tok`
+_EDGE = ("path", "transitions_fired")  # a step's `e`
 assert set(_REST) | set(_ARRAYS) | set(_LISTS) | set(_FIXED) | {"runs", "closed", *TRANSIENT} == set(
     Trajectory.__slots__
 )
@@ -134,8 +136,6 @@ def decode_value(value: Any) -> Any:
         return {decode_value(k): decode_value(v) for k, v in value["__items__"]}
     if "__dc__" in value:
         cls = _CLASSES.get(value["__dc__"])
-        if cls is Segment and "role" in value["fields"]:
-            cls = TokenRun  # written before token runs had their own name
         if cls is None:
             raise SnapshotError(f"unknown record type {value['__dc__']!r}")
         return cls(**{k: decode_value(v) for k, v in value["fields"].items()})
@@ -179,22 +179,15 @@ def decode_trajectory(data: dict[str, Any]) -> Trajectory:
     if isinstance(known := data.get("__traj__"), Trajectory):
         return known
     traj = Trajectory.__new__(Trajectory)
-    traj.partial_turn = None  # older snapshots have no such slots
-    traj.turn_rewards, traj.failures = [], []
+    traj.failures = []  # a journal written before they were kept has none
     traj.failure = Failure.legacy(data.get("error"), data.get("state"), data.get("extra"))
     traj.heartbeat_at, traj.turn_deadline = 0.0, None  # TRANSIENT
     for name in Trajectory.__slots__:
         if name in data and name not in TRANSIENT:
             setattr(traj, name, decode_value(data[name]))
-    traj.runs = TokenRuns(
-        decode_value(data["segments"])
-        if "runs" not in data and "segments" in data
-        else getattr(traj, "runs", ())
-    )
+    traj.runs = TokenRuns(traj.runs)
     traj.node = Node(traj.session_id, route=traj.session_id)  # TRANSIENT: its tree is put back by the caller
     traj.closed = getattr(traj, "closed", None) or ()
-    start = tuple(getattr(traj, "segment_start", _FIRST))
-    traj.segment_start = start + (0,) * (4 - len(start))  # older snapshots: no path index
     traj._version_runs = array("i")
     versions = decode_value(data.get("response_versions", []))
     if len(versions) != len(traj.response_ids):
@@ -244,7 +237,7 @@ def tokenizer_id(codec: Any) -> dict[str, Any]:
     }
 
 
-# --- a trajectory's records: whole, then the deltas of each state boundary ----------------------------------------
+# --- a trajectory's records: whole, then the event of each state boundary -----------------------------------------
 
 
 def whole(traj: Trajectory) -> dict[str, Any]:
@@ -295,8 +288,9 @@ def mark(traj: Trajectory, node: Any = None) -> Mark:
 
 
 def changes(traj: Trajectory, m: Mark, done: bool) -> dict[str, Any]:
-    """A `step` record's body (`a`: appended parts, `r`: slots replaced whole, `v`: other slots that changed)
-    since `m`, which moves on to `traj` as it is now."""
+    """A `step` record's body since `m`, which moves on to `traj` as it is now: `e` the edges fired, `tok` the
+    response tokens appended (`appended_runs`), and the rest as slots: `a` appended parts, `r` slots replaced
+    whole, `v` other slots that changed."""
     out: dict[str, Any] = {}
     grown: dict[str, list[Any]] = {}
     replaced: dict[str, Any] = {}
@@ -305,11 +299,18 @@ def changes(traj: Trajectory, m: Mark, done: bool) -> dict[str, Any]:
         if v is not m.objs[n]:
             replaced[n] = encode_value(v, n)
             m.objs[n] = v
+    if (tok := appended_runs(traj, m)) is not None:
+        out["tok"] = tok
+    k = len(traj.transitions_fired) - m.lens["transitions_fired"]
+    if k > 0 and len(traj.path) - m.lens["path"] == k and all(getattr(traj, n) is m.objs[n] for n in _EDGE):
+        out["e"] = [[i, d] for i, d in zip(traj.transitions_fired[-k:], traj.path[-k:])]
     for n in (*_ARRAYS, "runs", *_LISTS):
         v = getattr(traj, n)
         a = v._flat if n == "runs" else v
         was = m.objs[n]
-        if v is not was or len(a) < m.lens[n]:
+        if n in _EDGE and "e" in out or n in _TOKENS and tok is not None:
+            pass  # in `e`, in `tok`
+        elif v is not was or len(a) < m.lens[n]:
             replaced[n] = [a.typecode, a.tolist()] if n in _ARRAYS or n == "runs" else encode_value(a, n)
         elif len(a) > m.lens[n]:
             tail = a[m.lens[n] :]
@@ -323,6 +324,8 @@ def changes(traj: Trajectory, m: Mark, done: bool) -> dict[str, Any]:
     for n in _SCALARS:
         if rest[n] != was[n] or type(rest[n]) is not type(was[n]):
             changed[n] = rest[n]
+    if "e" in out and changed.get("state", traj.path[-1]) == traj.path[-1]:
+        changed.pop("state", None)  # the last edge's
     for n in _REPLACED:
         if rest[n] is not was[n]:
             changed[n] = encode_value(rest[n], n)
@@ -332,13 +335,33 @@ def changes(traj: Trajectory, m: Mark, done: bool) -> dict[str, Any]:
     if done or rest["metrics"] != was["metrics"]:
         changed["metrics"] = traj.metrics.as_dict()
     m.rest = rest
-    if grown:
-        out["a"] = grown
-    if replaced:
-        out["r"] = replaced
-    if changed:
-        out["v"] = changed
+    for key, part in (("a", grown), ("r", replaced), ("v", changed)):
+        if part:
+            out[key] = part
     return out
+
+
+def appended_runs(traj: Trajectory, m: Mark) -> list[Any] | None:
+    """The response tokens appended since `m`, `[offset, runs]`: each run as `Trajectory.append_context` took it,
+    `[role, ids]`, or `append_generated`, `[role, ids, logprobs, weight version(s)]`, so that a fold calls them
+    again. None when none was, or the arrays were replaced or cut (a failed row's emptied response: slots)."""
+    at = m.lens["response_ids"]
+    if len(traj.runs._flat) <= m.lens["runs"] or any(getattr(traj, n) is not m.objs[n] for n in _TOKENS):
+        return None
+    runs, versions = [], traj.response_versions
+    for run in traj.runs[m.lens["runs"] // 3 :]:
+        if run.start != at:
+            return None
+        ids, at = traj.response_ids[run.start : run.end].tolist(), run.end
+        if run.role != "assistant":
+            runs.append([run.role, ids])
+            continue
+        v = versions[run.start : run.end]
+        one = v and v.count(v[0]) == len(v)
+        runs.append(
+            [run.role, ids, traj.response_logprobs[run.start : run.end].tolist(), v[0] if one else v.tolist()]
+        )
+    return [m.lens["response_ids"], runs] if at == len(traj.response_ids) else None
 
 
 def apply_changes(traj: Trajectory, rec: dict[str, Any], where: str) -> None:
@@ -349,6 +372,23 @@ def apply_changes(traj: Trajectory, rec: dict[str, Any], where: str) -> None:
         if n not in (*_ARRAYS, "runs", *_LISTS):
             raise JournalError(f"{where}: {n!r} is not an array or list of a trajectory")
         _extend(traj, n, at, items, where)
+    for index, dest in rec.get("e", ()):
+        if type(index) is not int or not isinstance(dest, str):
+            raise JournalError(f"{where}: an edge that is not [index, state]")
+        traj.transitions_fired.append(index)
+        traj.path.append(dest)
+        traj.state = dest
+    if "tok" in rec:
+        at, runs = rec["tok"]
+        if at != len(traj.response_ids):
+            raise JournalError(
+                f"{where}: response_ids continues at {at!r}, but it holds {len(traj.response_ids)}"
+            )
+        for role, ids, *model in runs:  # lengths that do not match are refused by fsm/run/snapcheck.py
+            if role == "assistant":
+                traj.append_generated(ids, *model)
+            else:
+                traj.append_context(ids, role)
     for n, v in rec.get("v", {}).items():
         if n == "error":  # written before `Failure`
             n, v = "failure", Failure.legacy(v, traj.state, traj.extra)

@@ -1,7 +1,7 @@
 """The run's journal: every durable step appended as it happens, so that `agentfsm run --resume OUT` goes on after
 anything (SIGTERM, `kill -9`, the OOM killer, a power cut) with at most the turns in flight redone. `Writer`
 appends records to the file, batched per loop turn and fsynced on its own thread; `Recorder` turns trajectories
-into records, whole once, then the deltas of each state boundary; `rebuild` replays them. How a record encodes is
+into records, whole once, then the event of each state boundary; `rebuild` folds them. How a record encodes is
 fsm/run/codec.py; the records (`t`: run, resume, group, traj, step, tool, taken, weights, end) and their fields
 are listed in docs/running.md ("The format").
 
@@ -50,6 +50,18 @@ from fsm.run.treejournal import node_mark, node_meta
 JOURNAL = "journal.log"  # in the run directory
 SYNCS = ("1s", "always", "off")  # durability: fsync at most a second later, after every batch, never
 SYNC_EVERY_S = 1.0
+# what made a record, its `ev`: a step's event is its state's action's (a built-in's by this table, a rewrite's,
+# else a user action's `action`), `begin` (the driver started it), `reward` (a row ended and was scored) or
+# `child_ended` (a tree node ended); a whole `traj` record's is why it was written whole
+ACTION_EVENTS = {
+    "encode_prompt": "prompt",
+    "generate": "model_turn",
+    "call_tools": "tool_result",
+    "interact": "interaction",
+    "observe_error": "observation",
+}
+STEP_EVENTS = frozenset({*ACTION_EVENTS.values(), "rewrite", "action", "begin", "reward", "child_ended"})
+TRAJ_EVENTS = frozenset({"start", "rewrite", "resume", "child_started", "fork", "snapshot"})
 
 
 # --- writing ---------------------------------------------------------------------------------------------------
@@ -230,9 +242,9 @@ def group_record(uid: str, sampling: dict[str, Any], trajs: Iterable[Trajectory]
     return {"t": "group", "uid": uid, "sampling": sampling, "members": [t.session_id for t in trajs]}
 
 
-def traj_record(traj: Trajectory, done: bool = False) -> dict[str, Any]:
-    """A `traj` record: the trajectory whole, its place in a tree, and `done` when it has finished."""
-    record: dict[str, Any] = {"t": "traj", "s": traj.session_id, "d": whole(traj)}
+def traj_record(traj: Trajectory, ev: str, done: bool = False) -> dict[str, Any]:
+    """A `traj` record: the trajectory whole, why (`ev`), its place in a tree, and `done` when it has finished."""
+    record: dict[str, Any] = {"t": "traj", "s": traj.session_id, "ev": ev, "d": whole(traj)}
     if not traj.node.alone:
         record["n"] = node_meta(traj.node)
     if done:
@@ -241,7 +253,7 @@ def traj_record(traj: Trajectory, done: bool = False) -> dict[str, Any]:
 
 
 class Recorder:
-    """Turns trajectories into journal records: whole once, then the deltas of each state boundary."""
+    """Turns trajectories into journal records: whole once, then the event of each state boundary."""
 
     def __init__(
         self,
@@ -270,32 +282,49 @@ class Recorder:
             record["reruns"] = reruns
         self.writer.append(record)
         for t in trajs:
-            self.whole(t)
+            self.whole(t, "start")
 
-    def whole(self, traj: Trajectory, done: bool = False) -> None:
-        record = traj_record(traj, done)
+    def whole(self, traj: Trajectory, ev: str, done: bool = False) -> None:
+        record = traj_record(traj, ev, done)
         if done:
             self._marks.pop(traj.session_id, None)
         else:
             self._marks[traj.session_id] = mark(traj, node_mark(traj.node))
         self.writer.append(record)
 
-    def step(self, traj: Trajectory, done: bool = False) -> None:
-        """What `traj` changed since its last record: the appended part of each array and list, whatever was
-        replaced (a new object: the conversation after encode_prompt) whole, the other slots that changed. A
-        rewrite that closed a segment writes the trajectory whole."""
+    def step(self, traj: Trajectory, agent: Any = None, done: bool = False) -> None:
+        """The event that changed `traj` since its last record, named (`ev`) and with its payload (codec.py
+        `changes`): at a state boundary, the action of the state `traj` was in (of `agent`, its compiled agent)
+        and the edge it took; `done`, its end. A rewrite that closed a segment, a tree node's first boundary
+        and a trajectory's first after a resume write it whole."""
         m = self._marks.get(traj.session_id)
         if m is None or len(traj.closed) != m.closed:
-            self.whole(traj, done)
+            kind = traj.node.kind
+            if m is not None:
+                ev = "rewrite"
+            elif kind == "branch" and traj.node.fresh:
+                ev = "fork"
+            else:
+                ev = "child_started" if kind == "child" and not traj.transitions_fired else "resume"
+            self.whole(traj, ev, done)
             return
-        record: dict[str, Any] = {"t": "step", "s": traj.session_id, **changes(traj, m, done)}
+        source = m.rest["state"]
+        body = changes(traj, m, done)
+        if done:
+            ev = "reward" if traj.node.kind == "root" else "child_ended"
+        elif "e" in body:
+            ref = agent.spec.states[source].action
+            ev = ACTION_EVENTS.get(ref) or ("rewrite" if ref in agent.spec.context.rewrites else "action")
+        else:
+            ev = "begin"
+        record: dict[str, Any] = {"t": "step", "s": traj.session_id, "ev": ev, **body}
         if not traj.node.alone and (node := node_mark(traj.node)) != m.node:
             record["n"] = node_meta(traj.node)
             m.node = node
         if done:
             record["done"] = True
             self._marks.pop(traj.session_id, None)
-        elif len(record) == 2:  # nothing changed (the boundary before the first action)
+        elif len(record) == 3:  # nothing changed
             return
         self.writer.append(record)
 
@@ -306,8 +335,11 @@ class Recorder:
         if outcome.get("error") is None:
             self.tool_results[key] = outcome
             self.writer.append({"t": "tool", "k": key, "o": outcome})
-        else:
-            self.writer.append({"t": "tool", "k": key, "attempt": attempt_record(outcome)})
+        else:  # what failed: its error, the tool's runs and the start of its text
+            text = outcome.get("text")
+            attempt = {"error": outcome.get("error"), "attempts": outcome.get("attempts", 0)}
+            attempt["text"] = text[:500] if isinstance(text, str) else None
+            self.writer.append({"t": "tool", "k": key, "attempt": attempt})
 
     def end(self, status: str) -> None:
         self.writer.append({"t": "end", "status": status})
@@ -321,16 +353,6 @@ class Recorder:
     def resumed(self, made_by: Mapping[str, Any], accepted: list[str]) -> None:
         """A resume goes on: what it runs on, and the changes it accepted (fsm/run/provenance.py)."""
         self.writer.append({"t": "resume", "made_by": dict(made_by), "accepted": accepted})
-
-
-def attempt_record(outcome: Mapping[str, Any]) -> dict[str, Any]:
-    """What the journal keeps of a failed call: its error, the tool's runs and the start of its text."""
-    text = outcome.get("text")
-    return {
-        "error": outcome.get("error"),
-        "attempts": outcome.get("attempts", 0),
-        "text": text[:500] if isinstance(text, str) else None,
-    }
 
 
 def write(path: str | Path, recs: Iterable[Mapping[str, Any]]) -> None:
@@ -420,7 +442,7 @@ def rebuild(read: Read | Scan) -> Rebuilt:
     snapshot's is (fsm/run/snapcheck.py `_check`, by the caller)."""
     recs = iter(read.records if isinstance(read, Read) else read)
     first = next(recs, None)
-    if first is None or first.get("t") != "run" or first.get("format") != FORMAT:
+    if first is None or first.get("t") != "run" or first.get("format") not in (1, FORMAT):
         raise JournalError(f"{read.path}: not an agentfsm journal of format {FORMAT} (no 'run' record first)")
     out = Rebuilt(first, [], {}, {})
     if first.get("weight_updates") is True:
@@ -469,6 +491,7 @@ def _apply(out: Rebuilt, rec: dict[str, Any], where: str) -> None:
         sid = rec["s"]
         if sid in out.done:
             raise JournalError(f"{where}: trajectory {sid!r} again after it finished (a row twice)")
+        _event(out, rec, TRAJ_EVENTS, where)
         traj = from_whole(rec["d"])
         if traj.session_id != sid:
             raise JournalError(f"{where}: a trajectory record of {sid!r} holds {traj.session_id!r}")
@@ -487,6 +510,7 @@ def _apply(out: Rebuilt, rec: dict[str, Any], where: str) -> None:
         traj = found
         if sid in out.done:
             raise JournalError(f"{where}: a step of trajectory {sid!r} after it finished")
+        _event(out, rec, STEP_EVENTS, where)
         apply_changes(traj, rec, where)
         _node(out, rec, sid, where)
         out.steps += 1
@@ -517,6 +541,16 @@ def _apply(out: Rebuilt, rec: dict[str, Any], where: str) -> None:
         raise JournalError(f"{where}: a second 'run' record (two runs in one journal)")
     else:
         raise JournalError(f"{where}: unknown record kind {kind!r}")
+
+
+def _event(out: Rebuilt, rec: dict[str, Any], known: frozenset[str], where: str) -> None:
+    """A record's event is one this reader folds (a journal of format 1 names none: its steps are slots alone)."""
+    ev = rec.get("ev")
+    if ev not in known and (ev is not None or out.identity["format"] != 1):
+        raise JournalError(
+            f"{where}: unknown event {ev!r} (known: {', '.join(sorted(known))}); written by another agentfsm "
+            "version, or forged: resume it with the version that wrote it"
+        )
 
 
 def _version(value: Any, what: str) -> None:

@@ -104,7 +104,7 @@ def identity(agent: CompiledAgent, codec: Any, **more: Any) -> dict[str, Any]:
 def read_identity(path: str | Path) -> dict[str, Any]:
     """The journal's `run` record (for a resume that names no spec)."""
     first = next(iter(Scan(path)), None)  # the first record only: the rest is read by `load`
-    if first is None or first.get("t") != "run" or first.get("format") != FORMAT:
+    if first is None or first.get("t") != "run" or first.get("format") not in (1, FORMAT):
         raise JournalError(f"{path}: not an agentfsm journal of format {FORMAT} (no 'run' record first)")
     return first
 

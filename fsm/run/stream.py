@@ -22,10 +22,12 @@ import sys
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from fsm.run import signals
 from fsm.run.actions import BUILTIN_ACTIONS
+from fsm.run.agent import CompiledAgent
 from fsm.run.codec import FORMAT, SnapshotError, decode_sampling, decode_trajectory, encode_sampling
 from fsm.run.context import RunContext, Sampling
 from fsm.run.engine import StalePolicy
@@ -285,7 +287,7 @@ class Stream(Owner):
         parent = traj.session_id.rpartition(":")[0]  # a node's id is its parent's, ":", its path
         self._waits(parent, 1)
         try:
-            await self.runner.drive(ctx, traj, self._boundary)
+            await self.runner.drive(ctx, traj, partial(self._boundary, agent=ctx.agent))
         finally:
             self._waits(parent, -1)
         if self.journal is not None:
@@ -303,10 +305,11 @@ class Stream(Owner):
         self._active += delta + (before > 0) - (after > 0)
         self.boundary.moved()
 
-    async def _boundary(self, traj: Trajectory) -> None:
-        """Between two states: the journal records what the last action changed, then a snapshot may park."""
+    async def _boundary(self, traj: Trajectory, agent: CompiledAgent | None = None) -> None:
+        """Between two states: the journal records the last action's event (of `agent`, a tree node's; else the
+        runner's), then a snapshot may park."""
         if self.journal is not None:
-            self.journal.step(traj)
+            self.journal.step(traj, agent or self.runner.agent)
         await self.boundary(traj)
 
     def _finished(self, run: _Running, traj: Trajectory) -> None:
@@ -420,7 +423,7 @@ class Stream(Owner):
             records.append(
                 group_record(g.uid, encode_sampling(g.sampling), [t for t, _ in trajs]) | {"held": held}
             )
-            records.extend(traj_record(t, done) for t, done in trajs)
+            records.extend(traj_record(t, "snapshot", done) for t, done in trajs)
         ready = sum(all(done for _, done in trajs) for _, trajs in groups)
         return {"records": records, "ready": ready, "running": len(groups) - ready, "restarted": restarted}
 

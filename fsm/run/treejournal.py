@@ -1,10 +1,10 @@
 """Tree nodes in the run journal (fsm/run/journal.py), so that a tree run resumes as a linear one does.
 
-Every node (child machine, branch) is journaled as a root is: whole at its first state boundary, then the deltas
-of each boundary, `done` when it finished; its place in the tree rides along as `n` (its path, parent, kind,
-branch offset, policy, depth, shared prefix, routing key, ordinal, fork counts, origin, `k`: how many nodes it
-had made at that boundary, and `fresh`: a branch still at the entry it was copied at, which it does not fork at
-again), written again whenever `k`, its fork counts, `forked` or `fresh` changed. A node's session
+Every node (child machine, branch) is journaled as a root is: whole at its first state boundary (`child_started`,
+`fork`), then the event of each boundary, `done` when it finished; its place in the tree rides along as `n` (its
+path, parent, kind, branch offset, policy, depth, shared prefix, routing key, ordinal, fork counts, origin, `k`: how
+many nodes it had made at that boundary, and `fresh`: a branch still at the entry it was copied at, which it does
+not fork at again), written again whenever `k`, its fork counts, `forked` or `fresh` changed. A node's session
 id is `<root's>:<path>`, and its path is the parent's plus its creation number, so ids are the same in any run
 of the same row.
 
