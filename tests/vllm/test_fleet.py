@@ -1,9 +1,11 @@
-"""agentfsm's router over two real vLLM 0.32 servers (CPU, the padded tiny model), each launched on its own
-with `--scheduling-policy priority`: bounded-load placement (new sessions go elsewhere, running ones stay),
-a server killed and restarted (failover, then take-back), and request priority honoured by the engine.
+"""agentfsm's router over two real vLLM 0.32 servers (CPU, the padded tiny model): bounded-load placement (new
+sessions go elsewhere, running ones stay), a server killed and restarted (failover, then take-back), and request
+priority honoured by the engine.
 
-Two servers of their own (not the suite's shared one): one is killed and restarted, and `--max-num-seqs 2`
-makes a waiting queue the priority test can observe. Skipped without the vllm virtualenv, as tests/vllm.
+Server a is the suite's (`vllm`, tests/vllm/conftest.py), never killed; b is the module's own, started with
+`--scheduling-policy priority --max-num-seqs 2`: it is killed and restarted, and its two sequences make a waiting
+queue the priority test can observe (a vLLM server's start is 30-45 s; the fleet started two of its own before).
+Skipped without the vllm virtualenv, as tests/vllm.
 """
 
 from __future__ import annotations
@@ -40,33 +42,34 @@ def launcher(model: Path, port: int, logs: Path) -> VLLMLauncher:
 
 
 class Fleet:
-    """Two launched servers; `kill(i)` stops one, `restart(i)` launches it again on its port."""
+    """The suite's server (a) and one launched here (b); `kill()` stops b, `restart()` launches it again on its
+    port."""
 
-    def __init__(self, model: Path, logs: Path, loop: asyncio.AbstractEventLoop):
+    def __init__(self, suites: str, model: Path, logs: Path, loop: asyncio.AbstractEventLoop):
         self.model, self.logs, self.loop = model, logs, loop
-        self.ports = [free_port(), free_port()]
-        self.launchers = [launcher(model, p, logs / f"s{i}") for i, p in enumerate(self.ports)]
-        self.urls = [f"http://127.0.0.1:{p}" for p in self.ports]
+        self.port = free_port()
+        self.launcher = launcher(model, self.port, logs / "b")
+        self.urls = [suites, f"http://127.0.0.1:{self.port}"]
 
     async def start(self) -> None:
-        await asyncio.gather(*(lch.__aenter__() for lch in self.launchers))
+        await self.launcher.__aenter__()
 
-    async def kill(self, i: int) -> None:
-        await self.launchers[i].stop()
+    async def kill(self) -> None:
+        await self.launcher.stop()
 
-    async def restart(self, i: int) -> None:
-        self.launchers[i] = launcher(self.model, self.ports[i], self.logs / f"s{i}-again")
-        await self.launchers[i].__aenter__()
+    async def restart(self) -> None:
+        self.launcher = launcher(self.model, self.port, self.logs / "b-again")
+        await self.launcher.__aenter__()
 
     async def stop(self) -> None:
-        await asyncio.gather(*(lch.stop() for lch in self.launchers))
+        await self.launcher.stop()
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory, padded) -> Iterator[Fleet]:
+def fleet(tmp_path_factory, vllm) -> Iterator[Fleet]:
     need_venv()
     loop = asyncio.new_event_loop()
-    f = Fleet(padded, tmp_path_factory.mktemp("fleet"), loop)
+    f = Fleet(vllm.url, vllm.model, tmp_path_factory.mktemp("fleet"), loop)
     try:
         loop.run_until_complete(f.start())
         yield f
@@ -133,7 +136,7 @@ def test_bounded_load_moves_new_sessions_and_keeps_running_ones(fleet):
 
 
 def test_priority_reaches_the_engine_and_jumps_the_queue(fleet):
-    """`--max-num-seqs 2`: two turns run, the rest wait. A turn sent last with priority -8 (by_turn of a
+    """Server b's `--max-num-seqs 2`: two turns run, the rest wait. A turn sent last with priority -8 (by_turn of a
     trajectory at turn 8) is served before the turns of priority 0 that waited longer. The order is checked only
     once vLLM has shown three low turns waiting and then the high turn queued behind them (its waiting count at 4):
     on a loaded machine a low turn can end before either is seen, and the round is then run again."""
@@ -167,7 +170,7 @@ def test_priority_reaches_the_engine_and_jumps_the_queue(fleet):
         return done if queued else None
 
     async def go() -> None:
-        c = clients(fleet)[0]
+        c = clients(fleet)[1]
         async with c:
             for k in range(4):
                 done = await round_(k, c)
@@ -188,13 +191,13 @@ def test_a_killed_server_fails_over_and_is_taken_back_after_restart(fleet):
             first = [await router.generate(req(f"s{i}")) for i in range(4)]
             on_b = [f"s{i}" for i, r in enumerate(first) if r.server == b]
             assert on_b and len(on_b) < 4  # spread over both
-            await fleet.kill(1)
+            await fleet.kill()
             moved = [await router.generate(req(s, turn=1)) for s in on_b]  # failover: every turn answered
             assert {r.server for r in moved} == {a} and {r.route for r in moved} == {"moved"}
             assert router.counts["moved"] == len(
                 on_b
             )  # by a health check or a failed attempt, whichever came first
-            await fleet.restart(1)
+            await fleet.restart()
             await until(lambda: router.servers[1].healthy, 60, "the restarted server back in the router")
             # take-back: a new session goes to the restarted server; the moved ones stay where they run now
             assert (await router.generate(req("fresh"))).server == b
