@@ -83,22 +83,6 @@ def stop_timeout_s() -> float:
 Progress = Callable[[int, int], None]  # (groups finished, groups in all)
 
 
-class Keeper(Protocol):
-    """Where a kept run's journal goes and what it records (`RunDir` below)."""
-
-    run_id: str
-    spec: str | None  # the spec's path, stored for a resume that names none
-    data: str | None  # the data file's path, recorded in the journal's identity
-    sync: str  # the journal's durability (fsm/run/journal.py SYNCS)
-    accept_changes: bool  # a resume goes on despite changes in what makes the rows (fsm/run/provenance.py)
-
-    @property
-    def journal(self) -> Path: ...
-
-    @property
-    def snapshot(self) -> Path: ...
-
-
 @dataclass
 class KeptRollout:
     """What `keep_rollout` rolled out: every trajectory, or (interrupted) those that finished, in input order."""
@@ -116,7 +100,7 @@ async def keep_rollout(
     rows: Sequence[Any] | None,
     n: int,
     sampling: Sampling,
-    keeper: Keeper,
+    keeper: RunDir,
     interrupts: Interrupts,
     progress: AbstractContextManager[Progress] | None = None,
     first_index: int | None = None,
@@ -188,7 +172,7 @@ async def keep_rollout(
     return KeptRollout(trajs, interrupted, expected, sampling, recorder, resumed)
 
 
-async def _reopen(engine: LocalEngine, keeper: Keeper, loaded: Loaded | None) -> tuple[Loaded, Recorder]:
+async def _reopen(engine: LocalEngine, keeper: RunDir, loaded: Loaded | None) -> tuple[Loaded, Recorder]:
     """The journal read back (unless `loaded`) and checked, and its writer going on after its last whole record."""
     path = keeper.journal
     if not path.exists() and keeper.snapshot.exists():
