@@ -172,7 +172,7 @@ def _tools(tools: Any, dropped: list[str]) -> list[dict[str, Any]] | None:
     return out or None
 
 
-def _call(body: dict[str, Any], stream: bool) -> Call:
+def generate_call(body: dict[str, Any], stream: bool = False) -> Call:
     out: list[dict[str, Any]] = []
     if body.get("systemInstruction") is not None:
         out.append({"role": "system", "content": _system(body["systemInstruction"])})
@@ -202,14 +202,6 @@ def _call(body: dict[str, Any], stream: bool) -> Call:
     unserved = {k: body[k] for k in UNSERVED if k in body}
     unserved.update({f"generationConfig.{k}": config[k] for k in UNSERVED_CONFIG if k in config})
     return with_dropped(made, dropped, unserved, tuple(unserved))
-
-
-def generate_call(body: dict[str, Any]) -> Call:
-    return _call(body, stream=False)
-
-
-def stream_call(body: dict[str, Any]) -> Call:
-    return _call(body, stream=True)
 
 
 def _parts_of(a: Answer) -> list[dict[str, Any]]:

@@ -1,21 +1,9 @@
 """A harness as a state's action: an agent written in another framework runs for the row and reaches the model
 through its session of the gateway; each model call it makes is a GENERATING transition.
 
-A spec uses two actions and one guard:
-
-    imports: [fsm.gateway]
-    initial: HARNESS
-    states:
-      HARNESS:                                   # starts the harness, then waits for its next model call
-        action: examples.gateway.agents_calc:harness    # made by fsm.gateway.harness(fn) or harness(command=...)
-        next:
-          - {to: GENERATING, when: harness_calling}
-          - {to: TERMINATED, when: harness_failed, reason: harness_failed}
-          - {to: TERMINATED, reason: done}
-      GENERATING:
-        action: gateway_generate                 # records the call's new messages and the model's turn
-        next: [{to: HARNESS}]
-      TERMINATED: {final: true}
+A spec uses two actions and guards: a HARNESS state (this module's `harness(fn)` or `harness(command=...)`)
+that moves to GENERATING on `harness_calling` and ends on `harness_failed` or the harness's end, and a GENERATING
+state whose action is `gateway_generate` (examples/gateway/base.yaml).
 
 The harness is a Python callable (async or not) given a `HarnessCall` (the session's base URLs, key, the
 row), or a command given the same in its environment. The state ends on its outcome: the return value, the
@@ -76,11 +64,6 @@ class Harnesses:
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
         return task
-
-    def thread_lane(self) -> ThreadLane:
-        if self.lane is None:
-            self.lane = ThreadLane("harness", 64)
-        return self.lane
 
     async def aclose(self) -> None:
         """Stop the harnesses still running (their rows have ended) and let the lane's idle threads go."""
@@ -171,29 +154,25 @@ def harness(
             traj.extra["_harness_deadline"] = deadline = loop.time() + timeout_s
             session.task = task
             session.timer = loop.call_at(deadline, session.wake.set)
-        await _next_event(ctx, traj, session, timeout_s)
+        # until the harness makes a model call within the limits (the state then moves to GENERATING) or ends;
+        # calls past a limit are answered with an API error in _wait
+        running = session.task
+        assert running is not None  # set with the session (above)
+        outcome = await _wait(ctx, traj, session, running, timeout_s)
+        if outcome is not None:
+            await _end(traj, session, running, outcome)
+            # every call refused: nothing to train on, whatever the harness exited with
+            if session.answered_errors and not traj.assistant_turns:
+                raise RowError(
+                    f"gateway: every model call of the harness was refused ({session.answered_errors}; the first: "
+                    f"{session.first_error[:500]})",
+                    "gateway",
+                )
 
     run_harness.__name__ = run_harness.__qualname__ = (
         f"harness({getattr(fn, '__name__', None) or command[0]})"  # type: ignore[index]
     )
     return run_harness
-
-
-async def _next_event(ctx: RunContext, traj: Trajectory, session: Session, timeout_s: float) -> None:
-    """Wait until the harness makes a model call within the limits (the state then moves to GENERATING) or
-    ends; calls past a limit are answered with an API error here."""
-    task = session.task
-    assert task is not None  # set with the session (run_harness)
-    outcome = await _wait(ctx, traj, session, task, timeout_s)
-    if outcome is not None:
-        await _end(traj, session, task, outcome)
-        # every call refused: nothing to train on, whatever the harness exited with
-        if session.answered_errors and not traj.assistant_turns:
-            raise RowError(
-                f"gateway: every model call of the harness was refused ({session.answered_errors}; the first: "
-                f"{session.first_error[:500]})",
-                "gateway",
-            )
 
 
 async def _wait(
@@ -342,7 +321,9 @@ async def _run_function(fn: Callable[[HarnessCall], Any], call: HarnessCall) -> 
         if inspect.iscoroutinefunction(fn):
             result = await fn(call)
         else:
-            result = await harnesses().thread_lane().call(fn, call)
+            mine = harnesses()
+            mine.lane = mine.lane or ThreadLane("harness", 64)
+            result = await mine.lane.call(fn, call)
             if inspect.isawaitable(result):
                 result = await result
     except asyncio.CancelledError:

@@ -178,10 +178,7 @@ def template_message(message: dict[str, Any]) -> dict[str, Any]:
 def call_arguments(text: str) -> dict[str, Any]:
     """An answer's call arguments (JSON text) as the object the Messages and Gemini APIs send: {} when the
     text is not a JSON object."""
-    try:
-        args = json.loads(text)
-    except ValueError:
-        return {}
+    args = _as_object(text)
     return args if isinstance(args, dict) else {}
 
 
@@ -254,20 +251,6 @@ class Recorder:
         self.segments: dict[int, tuple[list[tuple], list[dict[str, Any]] | None]] = {}
         self.marks: list[tuple[int, int, int, int]] = []  # (segment, keys, messages, context tokens) per turn
         self.seq = -1  # the current segment's number
-
-    def match(self, call: Call) -> Plan:
-        """How `call` is recorded (nothing changes here: `begin`/`extend` do once its tokens fit)."""
-        plan, keys = self.extends(call)
-        if plan is not None:
-            return plan
-        if not self.segments:
-            return Plan("first", call.messages, keys)
-        if len(self.segments) >= self.max_segments:
-            raise too_many_segments(len(self.segments), self.max_segments)
-        mark = self.branch_mark(call, keys)
-        if mark is not None:
-            return Plan("branch", call.messages[mark[1] :], keys, mark)
-        return Plan("history", call.messages, keys)
 
     def extends(self, call: Call) -> tuple[Plan | None, list[tuple]]:
         """The "extend" plan when `call` goes on with the current segment (else None), and the keys of its

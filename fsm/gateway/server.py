@@ -23,6 +23,7 @@ import weakref
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import orjson
@@ -185,11 +186,6 @@ class Session:
         self.current = self.pending.popleft()
         return self.current
 
-    def answered_error(self, exc: GatewayError) -> None:
-        """A request of this session was answered with an API error (parsing, a limit, the tree, recording)."""
-        self.answered_errors += 1
-        self.first_error = self.first_error or f"{exc.status} {exc.code}: {exc}"
-
     def note(self, line: str) -> None:
         """A refusal the row's record keeps (`gateway_notes`), once each, at most 32."""
         if line not in self.notes and len(self.notes) < 32:
@@ -261,7 +257,7 @@ class Gateway:
             return self
         self._starting = asyncio.get_running_loop().create_future()
         try:
-            await self._listen()
+            self._runner, self.port = await listen(self._serve, self.host, self.port, self.sock)
         except BaseException as exc:
             self._starting.set_exception(exc)
             self._starting.exception()  # retrieved: a failed start is reported to each caller, never logged
@@ -269,9 +265,6 @@ class Gateway:
             raise
         self._starting.set_result(None)
         return self
-
-    async def _listen(self) -> None:
-        self._runner, self.port = await listen(self._serve, self.host, self.port, self.sock)
 
     async def close(self) -> None:
         for session in list(self.sessions.values()):
@@ -352,8 +345,9 @@ class Gateway:
                 return _json(gemini_api.stream_chunks(result, call, session.id))
             return await _sse(request, stream(result, call, session.id))
         except GatewayError as exc:
-            if session is not None:
-                session.answered_error(exc)
+            if session is not None:  # parsing, a limit, the tree, recording
+                session.answered_errors += 1
+                session.first_error = session.first_error or f"{exc.status} {exc.code}: {exc}"
             return _error(request, exc)
 
     def _session(self, request: web.BaseRequest, sid: str) -> Session:
@@ -441,24 +435,23 @@ APIS: dict[str, tuple[str, tuple[Callable[..., Any], ...] | None]] = {
     ),
     gemini_api.PREFIX + "{model}:streamGenerateContent": (
         "POST",
-        (gemini_api.stream_call, gemini_api.generate_answer, gemini_api.generate_stream),
+        (
+            partial(gemini_api.generate_call, stream=True),
+            gemini_api.generate_answer,
+            gemini_api.generate_stream,
+        ),
     ),
 }
 
 
-def served(apis: dict[str, tuple[str, Any]] = APIS) -> str:
-    """The routes a session serves, for the one line a harness gets on any other path (a harness pointed at
-    an API the gateway does not speak, such as Gemini's `v1beta/models/...`, learns what to point it at)."""
-    return ", ".join(
+def _not_found(path: str, apis: dict[str, Any]) -> GatewayError:
+    """The one line a harness gets on a path no session serves, naming the routes that are (a harness pointed at an
+    API the gateway does not speak learns what to point it at)."""
+    routes = ", ".join(
         f"{method} /sessions/{{id}}/{'' if api.startswith(gemini_api.PREFIX) else 'v1/'}{api}"
         for api, (method, _) in apis.items()
     )
-
-
-def _not_found(path: str, apis: dict[str, Any]) -> GatewayError:
-    return GatewayError(
-        f"no API at {path[:200]}: this gateway serves {served(apis)}", code="not_found", status=404
-    )
+    return GatewayError(f"no API at {path[:200]}: this gateway serves {routes}", code="not_found", status=404)
 
 
 def route(

@@ -13,6 +13,7 @@ a reward placed "last" goes) with each row's tree fields in `traj.extra["tree"]`
 
 from __future__ import annotations
 
+import os
 import re
 from array import array
 from dataclasses import dataclass, field
@@ -117,13 +118,10 @@ class Tree:
         """The node `call` is recorded on (a new one is not in the tree until `begin`) and how."""
         line = call.child
         nodes = [n for n in self.nodes if n.line == line and n.seqs]
-        if not nodes:
-            if not line:
-                return self.root, self.root.recorder.match(call)
+        if not nodes:  # the line's first call: the session's own, or a new child's
             ends_on_observation(call.messages)
-            return self._new_child(traj, line), Plan(
-                "first", call.messages, [message_key(m) for m in call.messages]
-            )
+            first = Plan("first", call.messages, [message_key(m) for m in call.messages])
+            return (self._new_child(traj, line) if line else self.root), first
         recent = self.recent[line]
         keys: list[tuple] = []
         for node in [recent, *(n for n in reversed(nodes) if n is not recent)]:
@@ -381,16 +379,9 @@ class Tree:
         shared = row.pop("shared_prefix")
         if node.up is not None and seq == node.seqs[0] and node.parent_seq is not None:
             mine, theirs = self.stored[seq], self.stored[node.parent_seq]
-            shared = {"length": _common(mine.context_ids(), theirs.context_ids()), "node": node.parent}  # type: ignore[union-attr]
+            assert mine is not None and theirs is not None  # parked: finalize parked the live one
+            common = os.path.commonprefix([mine.context_ids(), theirs.context_ids()])
+            shared = {"length": len(common), "node": node.parent}
         row["weight"] = 1.0 / n_rows  # per root: a root counts 1 in total, split over its rows
         row["shared_prefix"] = shared
         return row
-
-
-def _common(a: list[int], b: list[int]) -> int:
-    """The length of the longest common prefix of two token lists."""
-    n = min(len(a), len(b))
-    k = 0
-    while k < n and a[k] == b[k]:
-        k += 1
-    return k

@@ -244,8 +244,7 @@ def test_a_call_keys_only_its_new_messages(monkeypatch):
     monkeypatch.setattr(record, "message_key", lambda m: keyed.append(m) or key(m))
     history = [{"role": "system", "content": "S"}] + [{"role": "user", "content": f"q{k}"} for k in range(50)]
     recorder = Recorder()
-    plan = recorder.match(Call(list(history), None))
-    recorder.begin(plan.keys, None, plan.new)
+    recorder.begin([key(m) for m in history], None, history)
     answer = {
         "role": "assistant",
         "content": "",
@@ -257,9 +256,10 @@ def test_a_call_keys_only_its_new_messages(monkeypatch):
         dict(answer),
         {"role": "tool", "content": "1", "tool_call_id": "c0"},
     ]
-    assert recorder.match(Call(echoed, None)).kind == "extend" and keyed == [echoed[-1]]
+    plan, _keys = recorder.extends(Call(echoed, None))
+    assert plan is not None and plan.kind == "extend" and keyed == [echoed[-1]]
     echoed[3] = {"role": "user", "content": "edited"}
-    assert recorder.match(Call(echoed, None)).kind == "history"
+    assert recorder.extends(Call(echoed, None))[0] is None  # not this segment's: the tree starts another
 
 
 async def edit_forever(call: HarnessCall) -> dict:
