@@ -31,7 +31,6 @@ from typing import Any, Protocol
 
 from backends.base import Counted
 from fsm.families import Codec
-from fsm.output.batch import fault_summary, save_batch, summarize, tree_weights
 from fsm.output.rundir import (
     RunDirError,
     WriteInterrupted,
@@ -460,6 +459,9 @@ def write_outputs(
     tracer: Any,
 ) -> dict[str, Any]:
     """batch.pt, trajectories.jsonl and summary.json of a run, into `out`; the summary back."""
+    # imported here: torch stays out of the commands that never write a batch (`validate`, `show`)
+    from fsm.output.batch import fault_summary, save_batch, summarize, tree_weights
+
     files = (
         {policy_batch_file(p): b for p, b in batch.items()}
         if isinstance(batch, dict)
