@@ -90,8 +90,11 @@ def _kill_chain(out: Path, base: list[str], rng: random.Random, kills_left: int,
         if len(table) < kills_left:
             journal = out / JOURNAL
             at_output = rng.random() < 0.2
-            target = _count(journal) + rng.randint(1, 6)
-            deadline = time.monotonic() + 120
+            # 2-10 records on: a chain's kills spread over a whole run (~32 records); 1-6 put neighbours on the
+            # same moment (the table in docs/benchmarks.md: the same moment twice in a row, again and again)
+            target = _count(journal) + rng.randint(2, 10)
+            # a kill it did not reach in time lets the run complete unkilled: at load 20 many did in 120 s
+            deadline = time.monotonic() + 300
             while proc.poll() is None and time.monotonic() < deadline:
                 if journal.exists() and (_writing(out) if at_output else _count(journal) >= target):
                     proc.send_signal(signal.SIGKILL)
@@ -198,13 +201,16 @@ def _serve_model() -> tuple[subprocess.Popen, str]:
     url = f"http://127.0.0.1:{port}"
     from tests.test_snapshot import _get
 
-    deadline = time.monotonic() + 120
+    # more than 120 s at load 20 on the shared 2-core machine
+    deadline = time.monotonic() + 300
     while True:
         try:
             _get(f"{url}/v1/loads")
             return proc, url
         except OSError:
-            assert proc.poll() is None and time.monotonic() < deadline, "the dev server did not come up"
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()  # a start that failed leaves no server running beside the suite
+                pytest.fail("the dev server did not come up within 300 s")
             time.sleep(0.1)
 
 
@@ -215,8 +221,11 @@ def http_ref(model_server, tmp_path_factory) -> Callable[[], Path]:
 
 
 @pytest.mark.slow
-def test_twenty_kill_9s_over_http_each_resumed_equal_the_uninterrupted_run(tmp_path, model_server, http_ref):
-    table = _kill_test(tmp_path, [SPEC, "--server", model_server], kills=20, seed=39, ref=http_ref)
+def test_twelve_kill_9s_over_http_each_resumed_equal_the_uninterrupted_run(tmp_path, model_server, http_ref):
+    """Two chains of six kills, 2-10 journal records apart (`_kill_chain`): a chain spans as many records (~36) as
+    its ten kills 1-6 apart did (~35), whose neighbours often hit the same moment again. The module kills 20
+    processes in all (12 here, 4 of the embedded model, 3 programs of the API, 1 bit for bit)."""
+    table = _kill_test(tmp_path, [SPEC, "--server", model_server], kills=12, seed=39, ref=http_ref)
     moments = {row["moment"] for row in table}
     assert any("model turn" in m for m in moments), moments
 
