@@ -411,7 +411,6 @@ class Rebuilt:
     nodes: dict[str, Any] = field(default_factory=dict)  # session id -> its last tree record `n`
     tool_results: dict[str, dict[str, Any]] = field(default_factory=dict)
     ended: str | None = None  # "completed": its files are written
-    steps: int = 0
     taken: set[str] = field(default_factory=set)  # groups a consumer took, by their first session id
     # its `resume` records, in order, each with `finished_before`: the trajectories finished before it
     resumes: list[dict[str, Any]] = field(default_factory=list)
@@ -499,7 +498,6 @@ def _apply(out: Rebuilt, rec: dict[str, Any], where: str) -> None:
         out.first.setdefault(sid, rec["d"])
         out.trajs[sid] = traj
         _node(out, rec, sid, where)
-        out.steps += 1
         if rec.get("done"):
             _finished(out, traj, sid, where)
     elif kind == "step":
@@ -513,7 +511,6 @@ def _apply(out: Rebuilt, rec: dict[str, Any], where: str) -> None:
         _event(out, rec, STEP_EVENTS, where)
         apply_changes(traj, rec, where)
         _node(out, rec, sid, where)
-        out.steps += 1
         if rec.get("done"):
             _finished(out, traj, sid, where)
     elif kind == "tool":

@@ -474,12 +474,8 @@ class Stream(Owner):
     def _fresh(self, traj: Trajectory) -> Trajectory:
         """The trajectory as it was before its first action: same row, sample, index and ids."""
         (fresh,) = self.runner.trajectories([traj.row], 1)
-        fresh.index, fresh.sample, fresh.uid, fresh.session_id = (
-            traj.index,
-            traj.sample,
-            traj.uid,
-            traj.session_id,
-        )
+        fresh.index, fresh.sample = traj.index, traj.sample
+        fresh.uid, fresh.session_id = traj.uid, traj.session_id
         return fresh
 
     async def restore(self, data: Mapping[str, Any]) -> int:
