@@ -103,10 +103,9 @@ class Router(BaseBackend):
         *,
         group_affinity: bool = False,
         group_imbalance: int = 8,  # in-flight excess over the least-loaded server a group may cause (≈ one group)
-        load_bound: float
-        | None = 1.25,  # a server takes new sessions up to this x its fair share; None: no bound
-        priority: Callable[[GenerateRequest], int | None]
-        | None = None,  # request -> engine priority (by_turn)
+        # a server takes new sessions up to this x its fair share; None: no bound
+        load_bound: float | None = 1.25,
+        priority: Callable[[GenerateRequest], int | None] | None = None,  # request -> priority (by_turn)
         max_retries: int = 2,  # re-routes after a retryable failure, each maybe to another server
         health_interval_s: float = 5.0,  # 0 disables the background health checks
         health_timeout_s: float = 30.0,  # SGLang's /health itself waits up to 20 s

@@ -59,9 +59,8 @@ from backends.wire import Wire, WireError
 T = TypeVar("T")
 
 DEFAULT_REQUEST_TIMEOUT_S = 300.0  # per generate attempt, when neither the client nor the request sets one
-CONTROL_BODY_BYTES = (
-    16 << 20
-)  # info, health and control answers are small; generate answers have their own bound
+# info, health and control answers are small; generate answers have their own bound
+CONTROL_BODY_BYTES = 16 << 20
 
 
 def error_message(body: Any, fallback: str) -> str:
@@ -71,10 +70,8 @@ def error_message(body: Any, fallback: str) -> str:
         err = body.get("error")
         if isinstance(err, str):
             return err  # SGLang's contract violation, vLLM's /pause 400: {"error": "..."}
-        if isinstance(err, dict) and err.get("message"):
-            return str(
-                err["message"]
-            )  # SGLang's ValueError, vLLM's ErrorResponse: {"error": {"message": ...}}
+        if isinstance(err, dict) and err.get("message"):  # SGLang's ValueError, vLLM's ErrorResponse
+            return str(err["message"])
         if body.get("message"):
             return str(body["message"])  # FastAPI / scheduler abort: {"object": "error", "message": ...}
         detail = body.get("detail")
@@ -213,8 +210,7 @@ class ServerClient(BaseBackend):
     # -- lifecycle ----------------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        if self._wire is None:
-            self._wire = Wire(self.url, keepalive_s=self.keepalive_s, headers=self._headers)
+        self._connections()
 
     async def close(self) -> None:
         if self._info_task is not None and not self._info_task.done():
