@@ -23,7 +23,7 @@ class PauseClock:
         self._wakes: set[Callable[[], None]] = set()  # the running clocks, stopped the moment a pause begins
         # The clocks whose deadline is the latest so far (every attempt with the same timeout: nearly all), in
         # deadline order, served by one shared timer (`_expire`): asyncio's heap of a timer per call compares
-        # its entries in Python, ~8 us a model call at 1,000 in flight. Others get a timer of their own.
+        # its entries in Python (docs/benchmarks.md, the fifth pass). Others get a timer of their own.
         self._due: dict[Callable[[], None], float] = {}
         self._last = 0.0  # the latest deadline entered in `_due`
         self._timer: asyncio.TimerHandle | None = None
