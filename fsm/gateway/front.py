@@ -133,7 +133,10 @@ class Front:
             async with self._http.request(
                 request.method, worker + request.rel_url.path_qs, data=body, headers=headers
             ) as upstream:
-                response = web.StreamResponse(status=upstream.status, headers=_kept(upstream.headers))
+                kept = {
+                    k: upstream.headers[k] for k in ("Content-Type", "Cache-Control") if k in upstream.headers
+                }
+                response = web.StreamResponse(status=upstream.status, headers=kept)
                 try:
                     await response.prepare(request)
                     async for chunk in upstream.content.iter_any():
@@ -164,7 +167,3 @@ class Front:
                 transport.get_extra_info("peername"), transport.get_extra_info("sockname")
             )
         return self._callers[transport]
-
-
-def _kept(headers: Any) -> dict[str, str]:
-    return {k: headers[k] for k in ("Content-Type", "Cache-Control") if k in headers}

@@ -9,8 +9,8 @@ kernel which socket is at the other end of the connection, and whether a process
 - `socket:[inode]` among the open files (/proc/PID/fd) of the harness's tree: its reaper, the harness and their
   descendants (/proc/PID/task/TID/children), which in a PID namespace is everything the harness can start.
 
-The gateway caches the inode per connection and each session the inodes it has accepted (an HTTP client keeps its
-connection alive), so a session pays the lookup once per connection (docs/gateway.md). Behind a front
+The gateway caches the inode per connection, and the harnesses found holding it (an HTTP client keeps its
+connection alive), so a harness pays the lookup once per connection, not once per session (docs/gateway.md). Behind a front
 (fsm/gateway/front.py) the worker's peer is the front: the front names its caller's socket in PEER_HEADER, which
 a worker believes only over a connection its front process holds.
 
