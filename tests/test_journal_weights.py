@@ -198,14 +198,13 @@ def test_a_resume_keeps_each_tokens_weight_version_and_refuses_other_weights(tmp
 
 def test_the_weights_check_names_the_journal_the_servers_and_both_versions():
     """fsm/run/resume.py `weights_change`: the newest of the unfinished rows' last versions against the servers'."""
-    from fsm.run.provenance import judge
-    from fsm.run.resume import Loaded, weights_change
+    from fsm.run.resume import Loaded, judge, weights_change
 
     loaded = Loaded({}, 0, None, {}, 0, 2, 0, None, last_versions={"a-0-0": 3, "a-0-1": 2})
     assert weights_change(loaded, 3, "server http://h:1") is None
     change = weights_change(loaded, 5, "server http://h:1")
     assert change is not None
-    with pytest.raises(JournalError) as refused:  # one mechanism, one form: fsm/run/provenance.py `judge`
+    with pytest.raises(JournalError) as refused:  # one mechanism, one form: fsm/run/resume.py `judge`
         judge("out/journal.log", [change], False)
     assert str(refused.value) == (
         "resume refused: out/journal.log: 2 unfinished trajectories were generated with weight version 3, but "

@@ -1,4 +1,4 @@
-"""A resume continues the same run or refuses (issue 46, fsm/run/provenance.py): real `agentfsm run` processes
+"""A resume continues the same run or refuses (issue 46, fsm/run/resume.py): real `agentfsm run` processes
 whose journals are cut where a `kill -9` leaves them (or killed with -9 for real), then resumed after a change in
 what made the rows (the reward module the spec names, the checkpoint's weights, the servers, an engine flag, a
 sampling flag). Each change is refused in one line naming it; `--accept-changes` (`RunDir(out,
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from fsm.run.journal import JOURNAL, JournalError, rebuild, records
-from fsm.run.provenance import ResumeRefused
+from fsm.run.resume import ResumeRefused
 from tests.test_journal_kill import _serve_model
 from tests.test_run_interrupts import ENV, REPO
 
@@ -286,7 +286,7 @@ def test_an_http_run_killed_then_resumed_without_its_servers_is_refused(run, tmp
 def test_a_checkpoints_digest_reads_each_file_once_until_it_changes(tmp_path, monkeypatch):
     """The sha256 of each weight file is cached by path, size and mtime (a 1 GiB file: 7.5 s on the loaded
     2-core machine, then nothing); a file rewritten is read again, and files that are no weights are left out."""
-    from fsm.run import provenance
+    from fsm.run import resume as provenance
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     ckpt = tmp_path / "ckpt"
@@ -310,7 +310,7 @@ def test_a_resume_under_another_exact_logprobs_setting_is_refused():
     resume with the flag: tests/test_journal_kill.py)."""
     from types import SimpleNamespace
 
-    from fsm.run.provenance import changes, judge, options_of
+    from fsm.run.resume import changes, judge, options_of
 
     def engine(exact: bool) -> SimpleNamespace:
         backend = SimpleNamespace(checkpoint="m", dtype="torch.float32", device="cpu", exact_logprobs=exact)

@@ -315,7 +315,7 @@ def cmd_run(args: argparse.Namespace, rollout: Callable[..., Any] | None = None)
     from fsm.cli.ray_run import refuse_resume
     from fsm.output.rundir import RunDirError, locked
     from fsm.run import codec as snap
-    from fsm.run.provenance import ResumeRefused
+    from fsm.run.resume import ResumeRefused
 
     term_is_ctrl_c()
     if args.resume is not None:
@@ -339,7 +339,7 @@ def cmd_run(args: argparse.Namespace, rollout: Callable[..., Any] | None = None)
         raise Interrupted(str(exc)) from None
     except RunDirError as exc:
         raise CLIError(f"--out {exc}") from None
-    except ResumeRefused as exc:  # what made the rows changed: its own line (fsm/run/provenance.py)
+    except ResumeRefused as exc:  # what made the rows changed: its own line (fsm/run/resume.py)
         raise CLIError(str(exc)) from None
     except snap.SnapshotError as exc:
         raise CLIError(f"--resume: {exc}") from None

@@ -193,7 +193,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def print_resumes(rebuilt: Rebuilt) -> None:
-    """Each resume that accepted changes in what made the rows (fsm/run/provenance.py), and how many
+    """Each resume that accepted changes in what made the rows (fsm/run/resume.py), and how many
     trajectories had finished before it: rows finished later were made after the change."""
     for k, r in enumerate(rebuilt.resumes, start=1):
         if r["accepted"]:

@@ -67,7 +67,7 @@ def resume_spec(args: argparse.Namespace) -> None:
 def refuse_changed_code(path: Path, agent: Any, made_by: dict[str, Any] | None, accept: bool) -> None:
     """The code the spec names checked against the journal's before a model loads (the model and the engine's
     options are checked once the engine has started: fsm/output/keep.py): CLIError `resume refused: ...`."""
-    from fsm.run.provenance import ResumeRefused, changes, code_digests, judge
+    from fsm.run.resume import ResumeRefused, changes, code_digests, judge
 
     if accept:
         return

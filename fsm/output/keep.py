@@ -48,8 +48,18 @@ from fsm.run.codec import SnapshotError, encode_sampling
 from fsm.run.context import Sampling
 from fsm.run.engine import LocalEngine
 from fsm.run.journal import JOURNAL, SYNCS, JournalError, Recorder, Writer, begun, ended
-from fsm.run.provenance import changes, judge, made_by
-from fsm.run.resume import Loaded, identity, load, refuse_unbegun, served_by, weights_change, with_codec
+from fsm.run.resume import (
+    Loaded,
+    changes,
+    identity,
+    judge,
+    load,
+    made_by,
+    refuse_unbegun,
+    served_by,
+    weights_change,
+    with_codec,
+)
 from fsm.run.signals import Interrupts, say_now, warn
 from fsm.run.tracer import Tracer
 from fsm.run.trajectory import Trajectory
@@ -302,7 +312,7 @@ class RunDir:
     )
     data: str | None = None  # the data file, recorded in the journal
     # a resume goes on although what makes the rows changed (the model's weights or the servers' model and weight
-    # version, the code the spec names, the engine's options: fsm/run/provenance.py), the changes recorded in
+    # version, the code the spec names, the engine's options: fsm/run/resume.py), the changes recorded in
     # the journal; refused in one line otherwise
     accept_changes: bool = False
     other_weights: bool = False  # the older name of accept_changes (it covered only the weight version)

@@ -264,7 +264,7 @@ class Mark:
     lens: dict[str, int]
     rest: dict[str, Any]
     closed: int
-    node: Any = None  # fsm/run/treejournal.py node_mark: what of its tree node the journal holds
+    node: Any = None  # fsm/run/journal.py node_mark: what of its tree node the journal holds
 
 
 def _values(traj: Trajectory) -> dict[str, Any]:

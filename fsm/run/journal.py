@@ -44,8 +44,8 @@ from fsm.run.codec import (
     whole,
 )
 from fsm.run.signals import warn
-from fsm.run.trajectory import Trajectory
-from fsm.run.treejournal import node_mark, node_meta
+from fsm.run.trajectory import Node, Trajectory
+from fsm.run.treejournal import node_meta
 
 JOURNAL = "journal.log"  # in the run directory
 SYNCS = ("1s", "always", "off")  # durability: fsync at most a second later, after every batch, never
@@ -62,6 +62,11 @@ ACTION_EVENTS = {
 }
 STEP_EVENTS = frozenset({*ACTION_EVENTS.values(), "rewrite", "action", "begin", "reward", "child_ended"})
 TRAJ_EVENTS = frozenset({"start", "rewrite", "resume", "child_started", "fork", "snapshot"})
+
+
+def node_mark(node: Node) -> tuple[int, dict[str, int], bool, bool]:
+    """What of a node changes between its boundaries (the journal writes its `n` again when it does)."""
+    return len(node.nodes), dict(node.forks), node.forked, node.fresh
 
 
 # --- writing ---------------------------------------------------------------------------------------------------
@@ -351,7 +356,7 @@ class Recorder:
             self.writer.flush()  # in the OS before `take` returns: a kill -9 after it never hands them out twice
 
     def resumed(self, made_by: Mapping[str, Any], accepted: list[str]) -> None:
-        """A resume goes on: what it runs on, and the changes it accepted (fsm/run/provenance.py)."""
+        """A resume goes on: what it runs on, and the changes it accepted (fsm/run/resume.py)."""
         self.writer.append({"t": "resume", "made_by": dict(made_by), "accepted": accepted})
 
 

@@ -66,11 +66,6 @@ def node_meta(node: Node) -> dict[str, Any]:
     }
 
 
-def node_mark(node: Node) -> tuple[int, dict[str, int], bool, bool]:
-    """What of a node changes between its boundaries (its `n` is written again when it does)."""
-    return len(node.nodes), dict(node.forks), node.forked, node.fresh
-
-
 def _count(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**31
 
