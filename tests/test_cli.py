@@ -264,9 +264,7 @@ def test_trace_sample_without_tracing_warns(capsys, monkeypatch, tmp_path):
     check_run_flags(build_parser().parse_args(["run", SPEC, "--trace-sample", "0.1"]))
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "warning: --trace-sample does nothing" in err
-    check_run_flags(
-        build_parser().parse_args(["run", SPEC, "--trace-sample", "0.1", "--trace", "console"])
-    )
+    check_run_flags(build_parser().parse_args(["run", SPEC, "--trace-sample", "0.1", "--trace", "console"]))
     assert capsys.readouterr().err == ""
 
 
