@@ -69,7 +69,8 @@ class PauseClock:
 
         future.add_done_callback(wake)
         when, timer = loop.time() + timeout_s, None
-        if loop is not self._loop or not self._due:  # the shared timer, (re)armed for this first deadline
+        # the shared timer, (re)armed for this first deadline; none armed: the clocks left in `_due` are all woken
+        if loop is not self._loop or not self._due or self._timer is None:
             if self._timer is not None:
                 self._timer.cancel()
             self._loop, self._due, self._timer = loop, {}, loop.call_at(when, self._expire)

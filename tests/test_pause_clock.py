@@ -1,6 +1,7 @@
 """backends/pause_clock.py: deadlines served by one shared timer end each wait on time, in any order, on any loop."""
 
 import asyncio
+import time
 
 from backends.pause_clock import PauseClock
 
@@ -40,3 +41,29 @@ async def test_a_finished_answer_ends_the_wait_and_leaves_no_deadline():
     loop.call_later(0.01, done.set_result, None)
     assert await clock.wait(done, 30.0)
     assert not clock._due and not clock._wakes
+
+
+def test_a_wait_begun_while_expired_ones_are_still_waking_gets_its_deadline():
+    """The shared timer woke every clock due and armed nothing more; a wait that starts before those clocks have
+    left (its task was ready first, as a socket's answer makes it) must still end on time, not wait forever."""
+    clock = PauseClock()
+
+    async def main() -> float:
+        loop = asyncio.get_running_loop()
+        first = loop.create_task(clock.wait(loop.create_future(), 0.05))
+        go = loop.create_future()
+
+        async def second() -> float:
+            await go
+            start = loop.time()
+            assert not await clock.wait(loop.create_future(), 0.05)
+            return loop.time() - start
+
+        later = loop.create_task(second())
+        await asyncio.sleep(0)
+        loop.call_later(0.04, go.set_result, None)  # due with the first's deadline in one turn of the loop
+        time.sleep(0.1)  # the loop is late: both callbacks run in the same turn, `go` first
+        await first
+        return await asyncio.wait_for(later, 5)
+
+    assert 0.045 <= asyncio.run(main()) < 1.0
