@@ -25,7 +25,6 @@ class PauseClock:
         # deadline order, served by one shared timer (`_expire`): asyncio's heap of a timer per call compares
         # its entries in Python (docs/benchmarks.md, the fifth pass). Others get a timer of their own.
         self._due: dict[Callable[[], None], float] = {}
-        self._last = 0.0  # the latest deadline entered in `_due`
         self._timer: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop `_due` and `_timer` belong to
 
@@ -74,10 +73,10 @@ class PauseClock:
             if self._timer is not None:
                 self._timer.cancel()
             self._loop, self._due, self._timer = loop, {}, loop.call_at(when, self._expire)
-        elif when < self._last:  # out of order: its own timer
+        elif when < next(reversed(self._due.values())):  # before the latest waiting: a timer of its own
             timer = loop.call_at(when, wake)
         if timer is None:
-            self._due[wake] = self._last = when
+            self._due[wake] = when
         self._wakes.add(wake)
         try:
             await waiter
