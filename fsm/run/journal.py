@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fsm.run.agent import CompiledAgent
 from fsm.run.codec import (
     FORMAT,
     MAX_RECORD,
@@ -297,7 +298,7 @@ class Recorder:
             self._marks[traj.session_id] = mark(traj, node_mark(traj.node))
         self.writer.append(record)
 
-    def step(self, traj: Trajectory, agent: Any = None, done: bool = False) -> None:
+    def step(self, traj: Trajectory, agent: CompiledAgent | None = None, done: bool = False) -> None:
         """The event that changed `traj` since its last record, named (`ev`) and with its payload (codec.py
         `changes`): at a state boundary, the action of the state `traj` was in (of `agent`, its compiled agent)
         and the edge it took; `done`, its end. A rewrite that closed a segment, a tree node's first boundary
@@ -318,7 +319,8 @@ class Recorder:
         if done:
             ev = "reward" if traj.node.kind == "root" else "child_ended"
         elif "e" in body:
-            ref = agent.spec.states[source].action
+            assert agent is not None, "a step that took an edge names the agent whose state it left"
+            ref = agent.spec.states[source].action or ""  # a state without one: "action"
             ev = ACTION_EVENTS.get(ref) or ("rewrite" if ref in agent.spec.context.rewrites else "action")
         else:
             ev = "begin"
