@@ -77,13 +77,18 @@ def refuse_changed_code(path: Path, agent: Any, made_by: dict[str, Any] | None, 
         raise CLIError(str(exc)) from None
 
 
+def _sampling(ident: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The sampling a journal's `run` record names and its params, each {} where absent or malformed."""
+    found = ident.get("sampling")
+    sampling: dict[str, Any] = found if isinstance(found, dict) else {}
+    return sampling, sampling["params"] if isinstance(sampling.get("params"), dict) else {}
+
+
 def _flags_a_resume_ignores(args: argparse.Namespace, ident: dict[str, Any]) -> str | None:
     """A flag that shapes a new run's rows but not a resume's, given unlike the run's (the rows, their samples
     and their sampling come from the journal): one line naming it, else None. The same command line with
     --resume added passes."""
-    found = ident.get("sampling")
-    sampling: dict[str, Any] = found if isinstance(found, dict) else {}
-    params: dict[str, Any] = sampling["params"] if isinstance(sampling.get("params"), dict) else {}
+    sampling, params = _sampling(ident)
     data = args.data and str(Path(args.data).resolve())
     groups = ident.get("groups") if isinstance(ident.get("groups"), int) else 0
     # --num-prompts N of a --data file with fewer rows made fewer groups: only fewer than the run's is unlike it
@@ -110,9 +115,7 @@ def start_over(args: argparse.Namespace, journal: Path) -> None:
     from fsm.run.resume import read_identity
 
     ident = read_identity(journal)
-    found = ident.get("sampling")
-    sampling: dict[str, Any] = found if isinstance(found, dict) else {}
-    params: dict[str, Any] = sampling["params"] if isinstance(sampling.get("params"), dict) else {}
+    sampling, params = _sampling(ident)
     data, groups, n = ident.get("data"), ident.get("groups"), ident.get("n")
     if not (isinstance(groups, int) and groups > 0 and isinstance(n, int) and n > 0):
         return  # not a run record this version wrote: refused as nothing to resume
