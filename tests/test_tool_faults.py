@@ -18,6 +18,7 @@ import textwrap
 import threading
 import time
 import tracemalloc
+import venv
 
 import pytest
 
@@ -553,6 +554,28 @@ def test_a_worker_imports_the_standard_library_and_fsm_tools_only():
     loaded = set(out.stdout.split())
     assert "fsm" in loaded, out.stderr
     assert not loaded & {"backends", "pydantic", "torch", "numpy", "ruamel", "transformers", "yaml", "orjson"}
+
+
+def test_a_worker_starts_after_its_parent_left_the_folder_it_imported_fsm_from(tmp_path):
+    """A parent that imported fsm from its working directory ('' on sys.path) and moved away still starts
+    workers: a worker also looks in the folder fsm came from (1f9d9aa). The interpreter is a bare virtualenv's,
+    without agentfsm installed and without PYTHONPATH, so sys.path alone decides whether the worker finds fsm."""
+    venv.create(tmp_path / "venv")  # no pip, nothing installed
+    probe = (
+        "import asyncio, os, fsm.tools.processes as p; "
+        f"os.chdir({str(tmp_path)!r}); "
+        "print(asyncio.run(p.ProcessLane('dumps', 'json:dumps', 1).call(None, obj=[1, 2])))"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run(
+        [str(tmp_path / "venv" / "bin" / "python"), "-c", probe],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.stdout.strip() == "[1, 2]", out.stderr
 
 
 @pytest.mark.slow
