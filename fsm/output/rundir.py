@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from fsm.run.tree import tree_fields, tree_record
+from fsm.run.tree import nodes_of, tree_fields, tree_record
 
 T = TypeVar("T")
 LOCK_FILE = ".agentfsm.lock"  # held by the run writing into the directory (fcntl.flock: freed when it exits)
@@ -349,21 +349,12 @@ def tree_stats(trajectories: Sequence[Any]) -> dict[str, Any]:
     """How many nodes the trees of a run produced: in all, per child machine and per forking state."""
     children: dict[str, int] = {}
     branches: dict[str, int] = {}
-    nodes = 0
-
-    def walk(t: Any) -> None:
-        nonlocal nodes
-        nodes += 1
-        node = t.node
+    nodes = [n.node for t in trajectories for n in nodes_of(t)]
+    for node in nodes:
         if node.kind != "root" and node.origin is not None:
             into = children if node.kind == "child" else branches
             into[node.origin] = into.get(node.origin, 0) + 1
-        for sub in node.nodes:
-            walk(sub)
-
-    for t in trajectories:
-        walk(t)
-    return {"nodes": nodes, "children": children, "branches": branches}
+    return {"nodes": len(nodes), "children": children, "branches": branches}
 
 
 def run_file(run_dir: str | Path, name: str, what: str) -> Path:
