@@ -196,7 +196,7 @@ def show(
     records = read_records(run_dir)
     chosen = select(records, row=row, worst=worst, failed=failed)
     if row is not None and not chosen:
-        indices = sorted({r.get("index") for r in records if isinstance(r.get("index"), int)})
+        indices = sorted({r["index"] for r in records if isinstance(r.get("index"), int)})
         have = f"its rows are {indices[0]}..{indices[-1]}" if indices else "it has no trajectories"
         raise LookupError(f"{run_dir}: no row {row} in this run ({have})")
     console = console or Console(highlight=False)
@@ -216,7 +216,7 @@ def show(
                 console.print(render_transcript(record, color=True))
                 console.print()
             else:
-                sys.stdout.write(render_transcript(record, color=False) + "\n")
+                sys.stdout.write(f"{render_transcript(record, color=False)}\n")  # plain text: a str
         if len(shown) < len(chosen):
             say(f"(showed {len(shown)} of {len(chosen)}; --limit N shows more)")
         sys.stdout.flush()
