@@ -92,11 +92,6 @@ from fsm.telemetry.wire import (
 )
 
 _INTERNAL, _CLIENT = SpanKind.INTERNAL.value, SpanKind.CLIENT.value  # spans keep ints: enum access is slow
-_SAMPLING_ATTRS = (
-    (GEN_AI_REQUEST_TEMPERATURE, "temperature"),
-    (GEN_AI_REQUEST_TOP_P, "top_p"),
-    (GEN_AI_REQUEST_TOP_K, "top_k"),
-)
 _CACHE_MAX = 4096  # encoded attributes kept per shape slot (counts, names; recent ids), cleared when full
 # A backend's model_name until it knows it (backends/base.py; an SGLang client reads the served name from the
 # server's /model_info with its first call): spans of such a shape are named again when they end.
@@ -113,6 +108,7 @@ _PARAM_KEYS = (
     (GEN_AI_REQUEST_MAX_TOKENS, "max_new_tokens"),
     (GEN_AI_REQUEST_SEED, "sampling_seed"),
 )
+_SAMPLING_ATTRS = _PARAM_KEYS[:3]  # the root span's: the run's temperature, top_p and top_k
 # Every shape, by id. Queued spans name their shape by id: a tuple of ints and strings is one the garbage
 # collector stops tracking, and collection is a large part of the engine's own cost with thousands in flight.
 # Shapes are interned by content (`_shape`) and never freed: a few per spec, backend and sampling setting.
