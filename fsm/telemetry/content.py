@@ -16,17 +16,13 @@ from fsm.families.pieces import decode
 
 
 def _parts(messages: list[dict[str, Any]]) -> str:
-    """Chat messages in the GenAI JSON shape: [{"role", "parts": [{"type": "text", "content"}]}]."""
+    """Chat messages in the GenAI JSON shape (`_message`)."""
     return json.dumps(
-        [{"role": m.get("role"), "parts": [{"type": "text", "content": m.get("content")}]} for m in messages],
-        ensure_ascii=False,
-        default=str,
+        [_message(m.get("role"), m.get("content")) for m in messages], ensure_ascii=False, default=str
     )
 
 
 _NO_CONTENT = (None, None, None)
-
-
 _ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -68,7 +64,8 @@ def _prompt_roles(traj: Any, codec: Any) -> list[tuple[str, int]]:
     return roles
 
 
-def _message(role: str, text: str, **more: Any) -> dict[str, Any]:
+def _message(role: str | None, text: Any, **more: Any) -> dict[str, Any]:
+    """A GenAI JSON message: {"role", "parts": [{"type": "text", "content"}]}."""
     return {"role": role, "parts": [{"type": "text", "content": text}], **more}
 
 
