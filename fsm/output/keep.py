@@ -380,35 +380,59 @@ class RunDir:
         each file holds. When the directory refuses them (a full disk...), they go to a fallback directory,
         named in the error (RunDirError): a finished rollout is never lost to a write. RunInterrupted when
         Ctrl-C lands while they are written."""
-        engine, out = run.engine, self.out
+        # imported here: torch stays out of the commands that never write a batch (`validate`, `show`)
+        from fsm.output.batch import fault_summary, save_batch, summarize, tree_weights
+
+        engine, agent, out, trajs = run.engine, run.engine.agent, self.out, run.trajs
+        files = (
+            {policy_batch_file(p): b for p, b in batch.items()}
+            if isinstance(batch, dict)
+            else {"batch.pt": batch}
+        )
 
         def write(staging: Path) -> dict[str, Any]:
-            summary = write_outputs(
-                staging,
-                engine.agent,
-                run.trajs,
-                batch,
-                engine.codec,
-                run.wall,
-                run.router_stats,
-                engine.tracer,
+            for name, one in files.items():
+                try:
+                    # loadable with torch.load's weights_only=True (fsm/output/batch.py)
+                    save_batch(one, staging / name)
+                except RuntimeError as exc:  # torch's writer reports a full disk as a RuntimeError
+                    raise OSError(
+                        f"{name}: {str(exc).splitlines()[0] if str(exc) else 'write failed'}"
+                    ) from exc
+            weights = tree_weights(trajs, agent.spec.tree.weight, agent.spec.policy)
+            with (staging / "trajectories.jsonl").open("w") as f:
+                for root in trajs:  # a tree's nodes follow its root, one record each (docs/trees.md)
+                    for traj in nodes_of(root):
+                        record = trajectory_record(
+                            traj, engine.codec, weight=weights.get(id(traj), 0.0), policy=agent.spec.policy
+                        )
+                        f.write(json_text(record, ensure_ascii=False) + "\n")
+            counts = summarize(trajs)
+            counts.update(
+                spec=str(agent.path),
+                agent=agent.name,
+                spec_hash=agent.hash,
+                wall_s=round(run.wall, 3),
+                timing=next(iter(files.values())).meta_info["timing"],  # the root policy's batch
+                router=run.router_stats,
             )
-            failed = sum(t.failed for t in run.trajs)
+            counts["server_faults"] = fault_summary(trajs, run.router_stats)
+            counts["fsm"] = run_stats(agent, trajs)
+            if (contained := containment(trajs)) is not None:
+                counts["containment"] = contained
+            if engine.tracer is not None:
+                counts["tracing"] = engine.tracer.stats()
             summary = {
                 "status": "interrupted" if run.interrupted else "completed",
                 "run_id": self.run_id,
                 "rows_expected": run.expected,
                 "files": {
-                    **(
-                        {policy_batch_file(p): {"rows": len(b)} for p, b in batch.items()}
-                        if isinstance(batch, dict)
-                        else {"batch.pt": {"rows": len(batch)}}
-                    ),
-                    "trajectories.jsonl": {"rows": sum(len(nodes_of(t)) for t in run.trajs)},
+                    **{name: {"rows": len(b)} for name, b in files.items()},
+                    "trajectories.jsonl": {"rows": sum(len(nodes_of(t)) for t in trajs)},
                 },
-                "error_rate": round(failed / len(run.trajs), 4),
+                "error_rate": round(sum(t.failed for t in trajs) / len(trajs), 4),
                 "rollout_cpu_s": round(run.cpu, 3),
-                **summary,
+                **counts,
                 **run.more,
             }
             (staging / "summary.json").write_text(json_text(summary, indent=2, default=str) + "\n")
@@ -456,60 +480,6 @@ def close_journal(run: Rollout, status: str | None) -> None:
             journal.end(status)
     finally:
         journal.writer.close()
-
-
-def write_outputs(
-    out: Path,
-    agent: CompiledAgent,
-    trajs: list,
-    batch: Any,
-    codec: Any,
-    wall: float,
-    router_stats: Any,
-    tracer: Any,
-) -> dict[str, Any]:
-    """batch.pt, trajectories.jsonl and summary.json of a run, into `out`; the summary back."""
-    # imported here: torch stays out of the commands that never write a batch (`validate`, `show`)
-    from fsm.output.batch import fault_summary, save_batch, summarize, tree_weights
-
-    files = (
-        {policy_batch_file(p): b for p, b in batch.items()}
-        if isinstance(batch, dict)
-        else {"batch.pt": batch}
-    )
-    for name, one in files.items():
-        try:
-            # loadable with torch.load's weights_only=True (fsm/output/batch.py)
-            save_batch(one, out / name)
-        except RuntimeError as exc:  # torch's writer reports a full disk as a RuntimeError
-            raise OSError(f"{name}: {str(exc).splitlines()[0] if str(exc) else 'write failed'}") from exc
-    if isinstance(batch, dict):
-        batch = next(iter(batch.values()))  # the root policy's: its timing goes in the summary
-    weights = tree_weights(trajs, agent.spec.tree.weight, agent.spec.policy)
-    with (out / "trajectories.jsonl").open("w") as f:
-        for root in trajs:  # a tree's nodes follow its root, one record each (docs/trees.md)
-            for traj in nodes_of(root):
-                record = trajectory_record(
-                    traj, codec, weight=weights.get(id(traj), 0.0), policy=agent.spec.policy
-                )
-                f.write(json_text(record, ensure_ascii=False) + "\n")
-    summary = summarize(trajs)
-    summary.update(
-        spec=str(agent.path),
-        agent=agent.name,
-        spec_hash=agent.hash,
-        wall_s=round(wall, 3),
-        timing=batch.meta_info["timing"],
-        router=router_stats,
-    )
-    summary["server_faults"] = fault_summary(trajs, router_stats)
-    summary["fsm"] = run_stats(agent, trajs)
-    if (contained := containment(trajs)) is not None:
-        summary["containment"] = contained
-    if tracer is not None:
-        summary["tracing"] = tracer.stats()
-    (out / "summary.json").write_text(json_text(summary, indent=2, default=str) + "\n")
-    return summary
 
 
 def containment(trajs: list) -> dict[str, Any] | None:
