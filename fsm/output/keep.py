@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from backends.base import Counted
 from fsm.families import Codec
@@ -420,8 +420,8 @@ class RunDir:
             counts["fsm"] = run_stats(agent, trajs)
             if (contained := containment(trajs)) is not None:
                 counts["containment"] = contained
-            if engine.tracer is not None:
-                counts["tracing"] = engine.tracer.stats()
+            if (tracer := cast(Any, engine.tracer)) is not None:  # Telemetry's counts (fsm/telemetry)
+                counts["tracing"] = tracer.stats()
             summary = {
                 "status": "interrupted" if run.interrupted else "completed",
                 "run_id": self.run_id,
