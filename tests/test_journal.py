@@ -526,3 +526,25 @@ def test_a_journal_of_format_1_reads_back_as_the_events_of_format_2_do(tmp_path,
     for a, b in zip(sorted(old, key=lambda t: t.index), sorted(new, key=lambda t: t.index), strict=True):
         assert [getattr(a, s) for s in slots] == [getattr(b, s) for s in slots]
     assert [len(t.response_ids) for t in old] == [40, 0]
+
+
+def test_a_rows_last_action_is_its_own_event_before_its_reward(tmp_path, tok):
+    """The model turn that ends a row (its edge into a final state) is recorded as a `model_turn` with its tokens
+    and edge, then the reward as `reward`, which carries neither (before, the reward record held that turn's tokens
+    and edge). A row that failed mid-action has no last event of its own: its `reward` says how it ended."""
+    call = tool_turn(tok, ("calculator", {"expression": "1 + 2"}))
+    script = scripted({0: [call, model_turn(tok, "#### 3")], 1: [call]})
+    rows = [user_row("What is 1 + 2?", reward_model={"ground_truth": "3"}), user_row("And 2 + 2?")]
+    trajs = asyncio.run(_journaled(SPEC, script, rows, tmp_path / JOURNAL, n=1))
+    recs = records(tmp_path / JOURNAL).records
+    for t in trajs:
+        steps = [r for r in recs if r["t"] == "step" and r["s"] == t.session_id]
+        last = steps[-1]
+        assert last["ev"] == "reward" and last.get("done") and "tok" not in last and "e" not in last
+    ok = [r for r in recs if r["t"] == "step" and r["s"] == trajs[0].session_id]
+    assert [r["ev"] for r in ok][-2:] == ["model_turn", "reward"]
+    assert ok[-2]["e"][-1][1] == trajs[0].state == "TERMINATED" and ok[-2]["tok"][1][0][0] == "assistant"
+    assert [r["ev"] for r in recs if r["t"] == "step" and r["s"] == trajs[1].session_id][-1:] == ["reward"]
+    rb = rebuild(records(tmp_path / JOURNAL))
+    for t in trajs:
+        _same(t, rb.trajs[t.session_id])

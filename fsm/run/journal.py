@@ -301,8 +301,9 @@ class Recorder:
     def step(self, traj: Trajectory, agent: CompiledAgent | None = None, done: bool = False) -> None:
         """The event that changed `traj` since its last record, named (`ev`) and with its payload (codec.py
         `changes`): at a state boundary, the action of the state `traj` was in (of `agent`, its compiled agent)
-        and the edge it took; `done`, its end. A rewrite that closed a segment, a tree node's first boundary
-        and a trajectory's first after a resume write it whole."""
+        and the edge it took (the last one, into a final state, when the runner's `_finish` begins:
+        fsm/run/runtime.py); `done`, its end (the reward). A rewrite that closed a segment, a tree node's first
+        boundary and a trajectory's first after a resume write it whole."""
         m = self._marks.get(traj.session_id)
         if m is None or len(traj.closed) != m.closed:
             kind = traj.node.kind
