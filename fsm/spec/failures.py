@@ -12,7 +12,9 @@ import difflib
 from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from fsm.spec.base import MAX_SECONDS, Strict
 
 # name -> what it is. Tool names are CallOutcome.error values (fsm/tools/base.py), which are observations
 # unless a state's retry or catch names them; the others end the row today unless caught.
@@ -49,11 +51,7 @@ def matches(names: list[str], error: str) -> bool:
     return any(n == WILDCARD or error == n or error.startswith(n + ".") for n in names)
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class StateRetry(_Strict):
+class StateRetry(Strict):
     """One retry rule of a state: the action runs again after a failure it names (Step Functions' Retrier, but
     `max_attempts` counts the first attempt: Step Functions' MaxAttempts counts retries only)."""
 
@@ -85,7 +83,7 @@ class StateRetry(_Strict):
     )
 
 
-class StateCatch(_Strict):
+class StateCatch(Strict):
     """One catch rule of a state: a failure it names (after the retries) moves the row to `to` instead of
     ending it; the failure is last in `traj.failures`, and the built-in `observe_error` action shows it the model."""
 
@@ -97,7 +95,7 @@ class StateCatch(_Strict):
 OnError = Literal["mask", "drop", "zero_reward"]
 
 
-class StateFailures(_Strict):
+class StateFailures(Strict):
     """The failure fields a state may declare (StateSpec inherits them)."""
 
     retry: list[StateRetry] = Field(
@@ -109,7 +107,7 @@ class StateFailures(_Strict):
     timeout_s: float | None = Field(
         default=None,
         gt=0,
-        le=7 * 24 * 3600.0,
+        le=MAX_SECONDS,
         description="Wall-clock limit of this state's action, per attempt (error `timeout`).",
     )
     heartbeat_s: float | None = Field(
@@ -125,7 +123,7 @@ class StateFailures(_Strict):
     )
 
 
-class FailuresSpec(_Strict):
+class FailuresSpec(Strict):
     """The run's failure policy (top-level `failures:`)."""
 
     on_error: OnError = Field(
