@@ -371,21 +371,7 @@ class HFBackend(BaseBackend):
                 rows.mask = torch.cat([rows.mask, rows.mask.new_ones(len(jobs), 1)], dim=-1)
                 rows.pos = rows.pos + 1
                 with self._step:
-                    out = self.model(
-                        input_ids=rows.tokens[:, None],
-                        attention_mask=rows.mask,
-                        position_ids=rows.pos,
-                        **{self._cache_kw: rows.cache},
-                        use_cache=True,
-                        logits_to_keep=1,
-                    )
-                    rows.tokens, logprobs = sample_next(
-                        out.logits[:, -1].float(),
-                        [j.generator for j in jobs],
-                        rows.temp,
-                        rows.top_p,
-                        rows.top_k,
-                    )
+                    logprobs = self._forward(jobs, rows, rows.tokens[:, None], rows.mask, rows.pos)
                 live = self._advance(jobs, rows, logprobs, finished)
                 if len(live) < len(jobs):  # drop finished rows: the rest of the batch runs smaller
                     jobs = [jobs[row] for row in rows.select(live)]
@@ -443,18 +429,22 @@ class HFBackend(BaseBackend):
         with self._step:
             for job in jobs:
                 job.epoch = self.sessions.epoch
-            out = self.model(
-                input_ids=ids,
-                attention_mask=mask,
-                position_ids=pos,
-                **{self._cache_kw: rows.cache},
-                use_cache=True,
-                logits_to_keep=1,
-            )
-            rows.tokens, logprobs = sample_next(
-                out.logits[:, -1].float(), [j.generator for j in jobs], rows.temp, rows.top_p, rows.top_k
-            )
+            logprobs = self._forward(jobs, rows, ids, mask, pos)
         return rows, self._advance(jobs, rows, logprobs, finished)
+
+    def _forward(
+        self, jobs: list[_Job], rows: Rows, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor
+    ) -> torch.Tensor:
+        """One model step over `rows` (a prefill or a decode step; `_step` held): each row's next token sampled
+        into `rows.tokens`; their logprobs returned."""
+        cache = {self._cache_kw: rows.cache}
+        out = self.model(
+            input_ids=ids, attention_mask=mask, position_ids=pos, **cache, use_cache=True, logits_to_keep=1
+        )
+        rows.tokens, logprobs = sample_next(
+            out.logits[:, -1].float(), [j.generator for j in jobs], rows.temp, rows.top_p, rows.top_k
+        )
+        return logprobs
 
     def _advance(
         self, jobs: list[_Job], rows: Rows, logprobs: torch.Tensor, finished: Callable[[_Job, str], None]
