@@ -140,6 +140,15 @@ def test_render_missing_run_dir(capsys, tmp_path):
     assert "/missing" in line and "--out DIR" in line
 
 
+def test_render_run_whose_summary_is_not_an_object(capsys, tmp_path):
+    """A summary.json that is JSON but not an object (a list): one line naming it, not an AttributeError."""
+    (tmp_path / "summary.json").write_text("[]\n")
+    line = one_line_error(
+        capsys, ["render", TOOL_AGENT, "--run", str(tmp_path), "-o", str(tmp_path / "x.dot")]
+    )
+    assert "summary.json" in line and '"fsm"' in line
+
+
 def test_render_without_graphviz_dot(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))  # no `dot` there
     line = one_line_error(capsys, ["render", TOOL_AGENT, "-o", str(tmp_path / "x.svg")])

@@ -372,7 +372,7 @@ def load_run_stats(run_dir: str | Path) -> dict[str, Any]:
     """The "fsm" section of a run's summary.json (`run_dir` is the run directory or the file itself)."""
     path = run_file(run_dir, "summary.json", "run summary")
     summary = json.loads(path.read_text(encoding="utf-8"))
-    stats = summary.get("fsm")
+    stats = summary.get("fsm") if isinstance(summary, dict) else None  # `[]` is JSON too
     if not isinstance(stats, dict) or "edges" not in stats:
         raise ValueError(f'{path} has no "fsm" run statistics section (written by `agentfsm run`)')
     return stats
