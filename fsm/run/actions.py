@@ -17,11 +17,10 @@ from typing import Any
 from backends.base import BackendTimeout, GenerateRequest, GenerationAborted
 from fsm.data.rows import RowError, encodable, prompt_messages, score_fault
 from fsm.families.codec import UnknownRole
-from fsm.families.pieces import Ids
 from fsm.run.context import RunContext
 from fsm.run.failures import StateFailure
 from fsm.run.policy import sync_template
-from fsm.run.trajectory import Trajectory, first_segment
+from fsm.run.trajectory import Trajectory, extend_array, first_segment
 from fsm.run.tree import RUN_NODE_BOUND, run_child
 
 
@@ -47,14 +46,7 @@ async def encode_prompt(ctx: RunContext, traj: Trajectory) -> None:
             raise RowError(f"prompt_too_long: {len(ids)} tokens > prompt_length {limit}", "prompt_too_long")
         ids = ids[-limit:]
         traj.extra["prompt_truncated"] = True
-    prompt = traj.prompt_ids
-    # the encoder's array of the same ids copied whole: extending an array from a list converts each id in turn
-    if isinstance(ids, Ids) and ids.packed.typecode == prompt.typecode:
-        prompt.extend(ids.packed)
-    elif isinstance(ids, list):
-        prompt.fromlist(ids)  # a list's own path
-    else:
-        prompt.extend(ids)
+    extend_array(traj.prompt_ids, ids)  # the encoder's array copied whole, not each id of its list converted
     # the first segment's prompt renders these messages
     traj.segment_start = first_segment(len(traj.messages))
 

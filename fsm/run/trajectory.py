@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from backends.base import PromptIds
 from fsm.data.rows import encodable
-from fsm.families.pieces import to_array
+from fsm.families.pieces import Ids, to_array
 from fsm.run.failures import Failure
 
 if TYPE_CHECKING:
@@ -109,6 +109,17 @@ def _expand_versions(runs: array, n: int) -> array:
         end = runs[k + 2] if k + 2 < len(runs) else n
         out.extend(array("i", (runs[k + 1],)) * (end - runs[k]))
     return out
+
+
+def extend_array(out: array, items: Any) -> None:
+    """`out.extend(items)` by the fastest path: an encoder's own array of the ids (fsm/families/pieces.py Ids)
+    copied whole, a list through `fromlist` (`extend` converts a list's items one at a time, through its iterator)."""
+    if isinstance(items, Ids) and items.packed.typecode == out.typecode:
+        out.extend(items.packed)
+    elif isinstance(items, list):
+        out.fromlist(items)
+    else:
+        out.extend(items)
 
 
 @dataclass(slots=True, eq=False)
@@ -352,9 +363,9 @@ class Trajectory:
         not asked for, or `logprobs_missing`; never read as values then) and the weight version that produced
         them (one for all, or one per token: a turn resumed across a weight update has two)."""
         start = len(self.response_ids)
-        self.response_ids.extend(ids)
+        extend_array(self.response_ids, ids)
         self.response_mask.extend(b"\x01" * len(ids))
-        self.response_logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
+        extend_array(self.response_logprobs, logprobs if logprobs is not None else [0.0] * len(ids))
         if ids:
             if isinstance(version, int):
                 self._version_from(start, version)
@@ -372,7 +383,7 @@ class Trajectory:
         if not ids:
             return
         start = len(self.response_ids)
-        self.response_ids.extend(ids)
+        extend_array(self.response_ids, ids)
         self.response_mask.extend(bytes(len(ids)))
         self.response_logprobs.frombytes(bytes(self.response_logprobs.itemsize * len(ids)))  # 0.0: zero bytes
         self._version_from(start, -1)
