@@ -143,6 +143,8 @@ _BAD_TRIPLES = [
     [[-0.5, 5, None], [-0.5, True, None]],  # True == 1: an id is an int
     [[-0.5, 5, None], [True, 1, None]],
     [[-0.5, 5, None], [float("nan"), 1, None]],
+    [[-0.5, 5, None], [float("inf"), 1, None]],
+    [[float("-inf"), 5, None], [float("inf"), 1, None]],  # each alone bad; their sum NaN
     [[-0.5, 5, None], [0.5, 1, None]],
     [[-0.5, 5, None], [-(10**400), 1, None]],
     [[-0.5, 5, None], [-0.5]],
@@ -160,6 +162,10 @@ def test_the_check_accepts_exactly_what_sglang_may_send():
     assert parse_generate(
         _answer([5, 2], [0.0, -0.0]), server="s", return_logprob=True, request=_req()
     ).logprobs
+    # finite, though their sum overflows: the close read takes them
+    assert parse_generate(
+        _answer([5, 2], [-1e308, -1e308]), server="s", return_logprob=True, request=_req()
+    ).logprobs == [-1e308, -1e308]
     assert parse_generate(
         _answer([2, 5], ignore=1), server="s", return_logprob=True, request=_req(ignore_eos=True)
     ).token_ids == [2, 5]
