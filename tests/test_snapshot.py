@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -29,7 +30,7 @@ from fsm import RolloutEngine
 from fsm.run.codec import SnapshotError, decode_trajectory, encode_trajectory
 from fsm.run.journal import JOURNAL, rebuild, records
 from specs.calculator import make_prompts
-from tests.conftest import ASSETS, assert_same_batch_files
+from tests.conftest import ASSETS, assert_same_batch_files, scripted, tool_turn, user_row
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -418,3 +419,30 @@ def test_a_snapshot_of_a_tree_with_nodes_is_refused_and_the_run_goes_on(tmp_path
         batches = engine.take(2, timeout=300)  # the run went on: a batch per policy, each with its staleness
     assert set(batches) == {"planner", "solver"}
     assert all(b.meta_info["staleness"] == [0, 0] for b in batches.values())
+
+
+def test_the_sync_snapshot_of_a_blocked_loop_is_taken_from_outside_it_and_close_returns(tok, tmp_path):
+    """A sync `snapshot` while an `isolation: none` tool blocks the engine's loop for good is taken from outside
+    that loop, as `asnapshot`'s is (fsm/run/local.py `take_snapshot`), and `close()` on the engine it leaves wedged
+    returns at once, as `aclose()` does. Before, each was handed to the blocked loop itself, and waited forever."""
+    spec = tmp_path / "blocking.yaml"
+    spec.write_text(
+        f"name: calculator_blocking\nextends: {REPO / 'specs'}/calculator.yaml\ntools:\n"
+        "  - function: tests.fixtures.parts:blocks_the_loop\n    schema: specs.calculator:TOOL_SCHEMA\n"
+        "    isolation: none\n"
+    )
+    turns = [tool_turn(tok, ("calculator", {"expression": "1"}))]
+    engine = RolloutEngine(str(spec), tok, backend=scripted(turns, latency_s=0.05))
+    engine.submit([user_row()], n=1)
+    answer: dict = {}
+
+    def snapshot_then_close() -> None:
+        answer.update(engine.snapshot(tmp_path / "s.json"))
+        engine.close()
+        answer["closed"] = True
+
+    taking = threading.Thread(target=snapshot_then_close, daemon=True)  # the loop stays blocked: a daemon
+    taking.start()
+    taking.join(60)
+    assert answer.get("blocked") is True and answer["running_groups"] == 1, answer
+    assert engine.wedged and answer.get("closed") and (tmp_path / "s.json").exists()

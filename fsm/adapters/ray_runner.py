@@ -298,8 +298,9 @@ class RayRunner(BaseEngine):
     async def call(self, coro: Coroutine[Any, Any, T]) -> T:
         return await coro  # nothing here is bound to a loop: any caller's serves
 
-    def run_sync(self, coro: Coroutine[Any, Any, T]) -> T:
-        """The sync forms, on the driver's loop thread (Ray is joined first, from the calling thread)."""
+    def _run_sync(self, coro: Coroutine[Any, Any, T]) -> T:
+        """The sync forms, on the driver's loop thread, the one loop its continuous mode's groups wait on (Ray is
+        joined first, from the calling thread)."""
         self.start()
         if self._home is None:
             self._home = LoopThread("agentfsm ray driver")

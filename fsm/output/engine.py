@@ -57,20 +57,14 @@ E = TypeVar("E", bound="BaseEngine")
 Rows = Sequence[Mapping[str, Any]] | Mapping[str, Sequence[Any] | np.ndarray] | Any  # Any: a verl DataProto
 
 
-def sync_form(
-    afn: Callable[Concatenate[E, P], Coroutine[Any, Any, T]], *, kept_here: bool = False
-) -> Callable[Concatenate[E, P], T]:
+def sync_form(afn: Callable[Concatenate[E, P], Coroutine[Any, Any, T]]) -> Callable[Concatenate[E, P], T]:
     """The sync form of an engine's async call (`asubmit` -> `submit`), made here for every one so that none
-    drifts from its async form: it runs the call on the engine's loop and blocks until it is done. Inside a
-    running event loop, which it would block, it refuses in one line naming the async form to await.
-    `kept_here`: a call given `keep=` (a kept run, fsm/output/keep.py) is watched from a loop of the calling
-    thread instead, where signals arrive."""
+    drifts from its async form: it runs the call to its end from the calling thread (`BaseEngine._run_sync`).
+    Inside a running event loop, which it would block, it refuses in one line naming the async form to await."""
     name = afn.__name__.removeprefix("a")
 
     def sync(self: E, /, *args: P.args, **kwargs: P.kwargs) -> T:
         refuse_in_loop(self, name, afn.__name__)
-        if kept_here and kwargs.get("keep") is not None:
-            return asyncio.run(afn(self, *args, **kwargs))
         return self._run_sync(afn(self, *args, **kwargs))
 
     sync.__name__ = sync.__qualname__ = name
@@ -109,7 +103,6 @@ class Core(Protocol):
     def stream_stats(self) -> dict[str, Any]: ...  # the continuous mode's counters (`Groups.counters`)
 
     async def call(self, coro: Coroutine[Any, Any, T]) -> T: ...  # await `coro` where the state lives
-    def run_sync(self, coro: Coroutine[Any, Any, T]) -> T: ...  # the same from a thread that runs no loop
     async def run_here(
         self, rows: Sequence[Any], n: int, sampling: Sampling, on_done: Callable[[Trajectory], None] | None
     ) -> list[Trajectory]: ...  # every row n times; the trajectories in input order
@@ -145,8 +138,11 @@ class BaseEngine:
     _faults: FaultDelta | None = None
 
     def _run_sync(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run `coro` to its end from a thread that runs no event loop (the sync forms)."""
-        return self.core.run_sync(coro)
+        """Run `coro` to its end from a thread that runs no event loop (the sync forms): on a loop of this thread,
+        where signals arrive (a kept run's, fsm/output/keep.py), and whose calls into the core hop to the core's
+        loop, so that loop only ever runs the core's own coroutines. A core whose state is bound to a loop of its
+        own for good (RayRunner's) runs them there instead."""
+        return asyncio.run(coro)
 
     @property
     def weight_version(self) -> int:
@@ -324,7 +320,7 @@ class BaseEngine:
         validate = bool(validate or meta.get("validate", False))
         return rows, meta, sampling if sampling is not None else self.sampling(sampling_params, validate)
 
-    generate_sequences = sync_form(agenerate_sequences, kept_here=True)
+    generate_sequences = sync_form(agenerate_sequences)
 
     # -- continuous mode (fsm/run/stream.py) -------------------------------------------------------------------
 

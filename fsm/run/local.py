@@ -2,8 +2,8 @@
 the engine owns (`LoopThread`), the run's one owner on that loop (the `Stream`: batches and the continuous mode
 alike), and the control calls there (`Controls`). `fsm.api.RolloutEngine` is the contract over this.
 
-Sync calls block on the loop, and async calls from any other loop are bridged to it, so aiohttp sessions and the
-in-process model's batching task never see a second loop.
+Calls from any other loop (a sync form's own, fsm/output/engine.py `sync_form`) are bridged to it, so aiohttp
+sessions and the in-process model's batching task never see a second loop.
 """
 
 from __future__ import annotations
@@ -100,9 +100,6 @@ class Local:
         if home.current():
             return await coro
         return await home.call(under(self.owned, coro))
-
-    def run_sync(self, coro: Coroutine[Any, Any, T]) -> T:
-        return self.home(coro).run(under(self.owned, coro))
 
     # -- on the loop -------------------------------------------------------------------------------------------
 
@@ -362,6 +359,9 @@ class Local:
 
     def close(self) -> None:
         if self.closed:
+            return
+        if self.wedged:  # as `aclose`: nothing sent to its loop would ever run
+            self.closed, self._home = True, None
             return
         if self._home is not None:
             try:
