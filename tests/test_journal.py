@@ -19,7 +19,7 @@ import pytest
 from backends.scripted import ScriptedBackend
 from fsm import RolloutEngine
 from fsm.cli.commands import main
-from fsm.run.codec import encode_trajectory
+from fsm.run.codec import Read, encode_trajectory
 from fsm.run.journal import FORMAT, JOURNAL, JournalError, Recorder, Scan, Writer, frame, rebuild, records
 from fsm.run.resume import identity, load
 from tests.conftest import ASSETS, REPO, model_turn, scripted, tool_turn, user_row
@@ -207,10 +207,12 @@ def _row_5(recs):
     _whole_running(recs)["row"] = 5
 
 
-def _turns_a_string(recs):
-    next(r for r in recs if r["t"] == "step" and "assistant_turns" in r.get("v", {}))["v"][
-        "assistant_turns"
-    ] = "2"
+def _turns_a_string(recs):  # stated where a model turn's runs imply it
+    _step(recs).setdefault("v", {})["assistant_turns"] = "2"
+
+
+def _edge_time(recs):
+    _step(recs)["e"][-1][2] = "soon"
 
 
 def _unknown_slot(recs):
@@ -273,6 +275,7 @@ def _forged_node(recs):
         (_offset, "response_ids continues at"),
         (_row_5, "field 'row': Input should be a valid dictionary"),
         (_turns_a_string, "field 'assistant_turns': Input should be a valid integer"),
+        (_edge_time, "an edge that is not [index, state] or [index, state, time]"),
         (_unknown_slot, "'__class__' is not a slot a step changes"),
         (_unknown_event, "unknown event 'teleport' (known: action, begin, "),
         (_unknown_kind, "unknown record kind 'exec'"),
@@ -502,30 +505,38 @@ def test_failures_read_back_as_recorded_and_an_older_journals_error_as_a_failure
         assert old.trajs[t.session_id].failure.kind == "error" and old.trajs[t.session_id].error == t.error
 
 
-def test_a_journal_of_format_1_reads_back_as_the_events_of_format_2_do(tmp_path, tok):
+@pytest.mark.parametrize("old", ["journal_format1.log", "journal_format2.log"])
+def test_an_older_journal_reads_back_as_the_events_of_this_format_do(tmp_path, tok, old):
     """A journal written before its steps were named events (format 1: slot diffs alone;
-    tests/fixtures/journal_format1.log, this run written by agentfsm at ce5d369) is folded by the same reader
-    into the trajectories the events of this version give: a tool call, its result, a final answer, and a row
-    whose second turn failed (its response emptied)."""
+    tests/fixtures/journal_format1.log, this run written by agentfsm at ce5d369), or before their counters,
+    messages, times and reward were the events' payloads (format 2: journal_format2.log, written at 4e76e26,
+    its last model turn on the reward record) is folded by the same reader into the trajectories the events of
+    this version give: a tool call, its result, a final answer, and a row whose second turn failed (its
+    response emptied)."""
     call = tool_turn(tok, ("calculator", {"expression": "1 + 2"}))
     script = scripted({0: [call, model_turn(tok, "#### 3")], 1: [call]})
     rows = [user_row("What is 1 + 2?", reward_model={"ground_truth": "3"}), user_row("And 2 + 2?")]
     asyncio.run(_journaled(SPEC, script, rows, tmp_path / JOURNAL, n=1))
     recs = records(tmp_path / JOURNAL).records
-    assert recs[0]["format"] == FORMAT == 2 and {r["ev"] for r in recs if r["t"] == "step"} == {
+    assert recs[0]["format"] == FORMAT == 3 and {r["ev"] for r in recs if r["t"] == "step"} == {
         "begin",
         "prompt",
         "model_turn",
         "tool_result",
         "reward",
     }
-    old = rebuild(records(REPO / "tests" / "fixtures" / "journal_format1.log")).trajs.values()
+    read = rebuild(records(REPO / "tests" / "fixtures" / old))
+    assert read.identity["format"] == int(old[-5])
+    old = read.trajs.values()
     new = rebuild(records(tmp_path / JOURNAL)).trajs.values()
     slots = ("prompt_ids", "response_ids", "response_mask", "response_logprobs", "response_versions", "runs")
     slots += ("messages", "path", "transitions_fired", "reward_score", "termination_reason", "error")
+    slots += ("assistant_turns", "user_turns", "needs_tail", "last_finish_reason", "pending_calls")
     for a, b in zip(sorted(old, key=lambda t: t.index), sorted(new, key=lambda t: t.index), strict=True):
         assert [getattr(a, s) for s in slots] == [getattr(b, s) for s in slots]
     assert [len(t.response_ids) for t in old] == [40, 0]
+    assert [len(t.path_times) for t in old] == [len(t.path) for t in old]
+    assert [t.metrics.as_dict() for t in old][0].keys() == [t.metrics.as_dict() for t in new][0].keys()
 
 
 def test_a_rows_last_action_is_its_own_event_before_its_reward(tmp_path, tok):
@@ -546,5 +557,37 @@ def test_a_rows_last_action_is_its_own_event_before_its_reward(tmp_path, tok):
     assert ok[-2]["e"][-1][1] == trajs[0].state == "TERMINATED" and ok[-2]["tok"][1][0][0] == "assistant"
     assert [r["ev"] for r in recs if r["t"] == "step" and r["s"] == trajs[1].session_id][-1:] == ["reward"]
     rb = rebuild(records(tmp_path / JOURNAL))
+    for t in trajs:
+        _same(t, rb.trajs[t.session_id])
+
+
+def test_a_step_carries_its_events_payload_not_the_slots_it_implies(tmp_path, tok):
+    """Format 3: a model turn's counters follow from its token runs (each model run an assistant turn, the turn
+    closer owed after it), a tool's answer is a user turn; the messages appended are the event's `msg`, each edge
+    carries the time its state was entered, a reward its value. None of these is a slot diff any more, and the
+    journal folds back into the same trajectories. A journal of format 2 resumed by this version says so in its
+    `resume` record: the records after it fold by these rules, the ones before by format 2's."""
+    call = tool_turn(tok, ("calculator", {"expression": "1 + 2"}))
+    script = scripted({0: [call, model_turn(tok, "#### 3")], 1: [call, model_turn(tok, "#### 4")]})
+    rows = [user_row("What is 1 + 2?", reward_model={"ground_truth": "3"}), user_row("And 2 + 2?")]
+    trajs = asyncio.run(_journaled(SPEC, script, rows, tmp_path / JOURNAL, n=1))
+    recs = records(tmp_path / JOURNAL).records
+    steps = [r for r in recs if r["t"] == "step"]
+    implied = {"assistant_turns", "user_turns", "needs_tail", "reward_score", "messages", "path_times"}
+    for r in steps:
+        assert not implied & (r.get("v", {}).keys() | r.get("a", {}).keys()), r
+        assert all(len(edge) == 3 for edge in r.get("e", ()))
+    turns = [r for r in steps if r["ev"] == "model_turn"]
+    assert len(turns) == 4 and all(r["msg"][0]["role"] == "assistant" for r in turns)
+    assert {r["reward"] for r in steps if r["ev"] == "reward"} == {1.0, 0.0}
+    assert [(t.assistant_turns, t.user_turns, t.needs_tail) for t in trajs] == [(2, 1, True)] * 2
+    rb = rebuild(records(tmp_path / JOURNAL))
+    for t in trajs:
+        _same(t, rb.trajs[t.session_id])
+    # the same records under a format 2 header: the counters go uncounted, unless a resume record says format 3
+    as2 = [{**recs[0], "format": 2}, *recs[1:]]
+    assert [rebuild(Read(tmp_path, as2, 0)).trajs[t.session_id].assistant_turns for t in trajs] == [0, 0]
+    resumed = [as2[0], {"t": "resume", "format": 3, "made_by": {}, "accepted": []}, *recs[1:]]
+    rb = rebuild(Read(tmp_path, resumed, 0))
     for t in trajs:
         _same(t, rb.trajs[t.session_id])

@@ -7,8 +7,8 @@ through this module; the records and their fields are listed in docs/running.md 
 A record is a line, `crc32hex json`: appended, never rewritten, and a record cut by a kill is plainly the last line
 (dropped, with one line saying so). A trajectory is written whole once (every slot, so slots added later come
 along, tagged where JSON has no type of its own: arrays, sets, tuples, the few dataclasses a trajectory holds), then
-as the event of each state boundary: the edge taken, the token runs appended, and the other slots by what changed
-(the slot classes below).
+as the event of each state boundary: the edge taken, the token runs appended, what the event implies as its payload
+(`typed`: the counters its runs imply are left out), and the other slots by what changed (the slot classes below).
 """
 
 from __future__ import annotations
@@ -34,7 +34,11 @@ from fsm.run.context import Sampling
 from fsm.run.failures import Failure
 from fsm.run.trajectory import TRANSIENT, Metrics, Node, Segment, TokenRun, TokenRuns, Trajectory
 
-FORMAT = 2  # the journal's (a `run` record's `format`); 1: steps as slot diffs alone, read as well
+# the journal's (a `run` record's `format`, and a `resume` record's for the records after it); 2: a step's counters,
+# messages, times and reward as slot diffs (before `typed`); 1: steps as slot diffs alone, no events; both read
+FORMAT = 3
+FORMATS = (1, 2, FORMAT)
+OBSERVED = frozenset({"tool_result", "interaction", "observation"})  # answers to the model: user turns
 MAX_RECORD = 256 * 1024 * 1024  # a bound for one line read back
 _TAGS = {"__array__", "__set__", "__tuple__", "__items__", "__dc__"}
 _CLASSES = {cls.__name__: cls for cls in (TokenRun, Segment, Metrics, ToolCall, Failure)}
@@ -92,10 +96,15 @@ class JournalError(SnapshotError):
 # --- values ------------------------------------------------------------------------------------------------
 
 
+_PLAIN = frozenset({str, int, float, bool, type(None)})  # JSON's own: written as they are
+
+
 def encode_value(value: Any, where: str) -> Any:
     """`value` as JSON-ready data, tagged where JSON has no type of its own."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
+    if type(value) is dict and all(type(k) is str for k in value) and not _TAGS & value.keys():
+        return {k: v if type(v) in _PLAIN else encode_value(v, where) for k, v in value.items()}
     if isinstance(value, array):
         return {"__array__": value.typecode, "items": value.tolist()}
     if isinstance(value, (set, frozenset)):
@@ -332,8 +341,9 @@ def changes(traj: Trajectory, m: Mark, done: bool) -> dict[str, Any]:
     for n in _DICTS:  # whole at the end: a value changed deep inside is written then
         if done or rest[n] != was[n]:
             changed[n] = encode_value(getattr(traj, n), n)
-    if done or rest["metrics"] != was["metrics"]:
-        changed["metrics"] = traj.metrics.as_dict()
+    if rest["metrics"] != was["metrics"]:  # the fields that changed
+        fields = zip(Metrics.__slots__, rest["metrics"], was["metrics"])
+        changed["metrics"] = {f: x for f, x, y in fields if x != y or type(x) is not type(y)}
     m.rest = rest
     for key, part in (("a", grown), ("r", replaced), ("v", changed)):
         if part:
@@ -364,20 +374,72 @@ def appended_runs(traj: Trajectory, m: Mark) -> list[Any] | None:
     return [m.lens["response_ids"], runs] if at == len(traj.response_ids) else None
 
 
-def apply_changes(traj: Trajectory, rec: dict[str, Any], where: str) -> None:
-    """A `step` record's body (`changes`) applied to `traj`; JournalError naming `where` when it does not fit."""
+def implied(ev: str, tok: list[Any] | None, was: Mapping[str, Any]) -> dict[str, Any]:
+    """The counters a step's event implies from its token runs (`tok`) and their values before it (`was`): each
+    model run is an assistant turn and leaves the template's turn closer owed (`needs_tail`); a run after the
+    model's pays it; an answer to the model (a tool's, a user's: OBSERVED) is a user turn. Nothing without runs."""
+    runs = tok[1] if tok is not None else ()
+    if not runs:
+        return {}
+    out = {
+        "assistant_turns": was["assistant_turns"] + sum(r[0] == "assistant" for r in runs),
+        "needs_tail": runs[-1][0] == "assistant",
+    }
+    if ev in OBSERVED:
+        out["user_turns"] = was["user_turns"] + 1
+    return out
+
+
+def typed(ev: str, body: dict[str, Any], was: Mapping[str, Any], now: Mapping[str, Any]) -> None:
+    """`body` (a step's, from `changes`; `was` and `now` its scalars before and after) as its event's payload
+    (format 3): the counters its runs imply (`implied`) left out, or stated in `v` where they differ; the messages
+    appended as `msg`; each edge with the time its state was entered (`e`: [index, state, time]), a begin with its
+    start (`at`); a reward's value and the row's end as `reward` and `reason`."""
+    v = body.setdefault("v", {})
+    for n, value in implied(ev, body.get("tok"), was).items():
+        if now[n] == value and type(now[n]) is type(value):
+            v.pop(n, None)
+        else:
+            v[n] = now[n]
+    if (a := body.get("a")) is not None:
+        if "messages" in a:
+            body["msg"] = a.pop("messages")[1]
+        times = a.get("path_times")
+        if times is not None and "e" in body and len(times[1]) == len(body["e"]):
+            body["e"] = [[i, d, t] for (i, d), t in zip(body["e"], a.pop("path_times")[1])]
+        elif times is not None and ev == "begin" and "e" not in body and len(times[1]) == 1:
+            body["at"] = a.pop("path_times")[1][0]
+        if not a:
+            del body["a"]
+    if ev in ("reward", "child_ended"):
+        for key, n in (("reward", "reward_score"), ("reason", "termination_reason")):
+            if n in v:
+                body[key] = v.pop(n)
+    if not v:
+        del body["v"]
+
+
+def apply_changes(traj: Trajectory, rec: dict[str, Any], where: str, fmt: int = FORMAT) -> None:
+    """A `step` record's body (`changes`, `typed` from format 3 on) applied to `traj`; JournalError naming
+    `where` when it does not fit."""
     for n, v in rec.get("r", {}).items():
         _replace(traj, n, v, where)
     for n, (at, items) in rec.get("a", {}).items():
         if n not in (*_ARRAYS, "runs", *_LISTS):
             raise JournalError(f"{where}: {n!r} is not an array or list of a trajectory")
         _extend(traj, n, at, items, where)
-    for index, dest in rec.get("e", ()):
-        if type(index) is not int or not isinstance(dest, str):
-            raise JournalError(f"{where}: an edge that is not [index, state]")
+    for index, dest, *at in rec.get("e", ()):
+        if type(index) is not int or not isinstance(dest, str) or at and not _time(at[0]) or len(at) > 1:
+            raise JournalError(f"{where}: an edge that is not [index, state] or [index, state, time]")
         traj.transitions_fired.append(index)
         traj.path.append(dest)
         traj.state = dest
+        traj.path_times.extend(at)
+    if "at" in rec:
+        if not _time(rec["at"]):
+            raise JournalError(f"{where}: a begin's time {rec['at']!r} is not a number")
+        traj.path_times.append(rec["at"])
+    was = {"assistant_turns": traj.assistant_turns, "user_turns": traj.user_turns}
     if "tok" in rec:
         at, runs = rec["tok"]
         if at != len(traj.response_ids):
@@ -389,16 +451,32 @@ def apply_changes(traj: Trajectory, rec: dict[str, Any], where: str) -> None:
                 traj.append_generated(ids, *model)
             else:
                 traj.append_context(ids, role)
+    if fmt >= 3:
+        for n, value in implied(rec.get("ev", ""), rec.get("tok"), was).items():
+            setattr(traj, n, value)
+    if "msg" in rec:
+        if not isinstance(rec["msg"], list):
+            raise JournalError(f"{where}: its messages 'msg' are not a list")
+        traj.messages.extend(decode_value(rec["msg"]))
+    for key, n in (("reward", "reward_score"), ("reason", "termination_reason")):
+        if key in rec:
+            setattr(traj, n, rec[key])
     for n, v in rec.get("v", {}).items():
         if n == "error":  # written before `Failure`
             n, v = "failure", Failure.legacy(v, traj.state, traj.extra)
         elif n not in _REST:
             raise JournalError(f"{where}: {n!r} is not a slot a step changes")
-        if n == "metrics":
+        if n == "metrics":  # the fields that changed (a format 2 journal's: all of them)
             if not isinstance(v, dict) or not set(v) <= set(Metrics.__slots__):
                 raise JournalError(f"{where}: metrics is not a trajectory's metrics")
-            v = Metrics(**v)
+            for field, value in v.items():
+                setattr(traj.metrics, field, value)
+            continue
         setattr(traj, n, decode_value(v))
+
+
+def _time(t: Any) -> bool:
+    return isinstance(t, (int, float)) and not isinstance(t, bool)
 
 
 def _extend(traj: Trajectory, n: str, at: int, items: list[Any], where: str) -> None:

@@ -29,6 +29,7 @@ from typing import Any
 from fsm.run.agent import CompiledAgent
 from fsm.run.codec import (
     FORMAT,
+    FORMATS,
     MAX_RECORD,
     JournalError,
     Mark,
@@ -41,6 +42,7 @@ from fsm.run.codec import (
     from_whole,
     mark,
     open_regular,
+    typed,
     unframe,
     whole,
 )
@@ -315,7 +317,7 @@ class Recorder:
                 ev = "child_started" if kind == "child" and not traj.transitions_fired else "resume"
             self.whole(traj, ev, done)
             return
-        source = m.rest["state"]
+        source, was = m.rest["state"], m.rest
         body = changes(traj, m, done)
         if done:
             ev = "reward" if traj.node.kind == "root" else "child_ended"
@@ -325,6 +327,7 @@ class Recorder:
             ev = ACTION_EVENTS.get(ref) or ("rewrite" if ref in agent.spec.context.rewrites else "action")
         else:
             ev = "begin"
+        typed(ev, body, was, m.rest)
         record: dict[str, Any] = {"t": "step", "s": traj.session_id, "ev": ev, **body}
         if not traj.node.alone and (node := node_mark(traj.node)) != m.node:
             record["n"] = node_meta(traj.node)
@@ -360,7 +363,7 @@ class Recorder:
 
     def resumed(self, made_by: Mapping[str, Any], accepted: list[str]) -> None:
         """A resume goes on: what it runs on, and the changes it accepted (fsm/run/resume.py)."""
-        self.writer.append({"t": "resume", "made_by": dict(made_by), "accepted": accepted})
+        self.writer.append({"t": "resume", "format": FORMAT, "made_by": dict(made_by), "accepted": accepted})
 
 
 def write(path: str | Path, recs: Iterable[Mapping[str, Any]]) -> None:
@@ -426,6 +429,7 @@ class Rebuilt:
     # they were recorded, whose versions are bounded only by the newest a token carries
     versions: set[int] | None = None
     shared: dict[tuple[str, Any], Any] = field(default_factory=dict)  # see `_share`
+    format: int = FORMAT  # of the records read now: the `run` record's, then the last `resume` record's
 
 
 def _share(out: Rebuilt, traj: Trajectory) -> None:
@@ -449,9 +453,9 @@ def rebuild(read: Read | Scan) -> Rebuilt:
     snapshot's is (fsm/run/snapcheck.py `_check`, by the caller)."""
     recs = iter(read.records if isinstance(read, Read) else read)
     first = next(recs, None)
-    if first is None or first.get("t") != "run" or first.get("format") not in (1, FORMAT):
+    if first is None or first.get("t") != "run" or first.get("format") not in FORMATS:
         raise JournalError(f"{read.path}: not an agentfsm journal of format {FORMAT} (no 'run' record first)")
-    out = Rebuilt(first, [], {}, {})
+    out = Rebuilt(first, [], {}, {}, format=first["format"])
     if first.get("weight_updates") is True:
         out.versions = {first.get("weight_version", 0)}
         _version(first.get("weight_version", 0), f"{read.path}: record 1: weight_version")
@@ -517,7 +521,7 @@ def _apply(out: Rebuilt, rec: dict[str, Any], where: str) -> None:
         if sid in out.done:
             raise JournalError(f"{where}: a step of trajectory {sid!r} after it finished")
         _event(out, rec, STEP_EVENTS, where)
-        apply_changes(traj, rec, where)
+        apply_changes(traj, rec, where, out.format)
         _node(out, rec, sid, where)
         if rec.get("done"):
             _finished(out, traj, sid, where)
@@ -542,6 +546,8 @@ def _apply(out: Rebuilt, rec: dict[str, Any], where: str) -> None:
         if not isinstance(rec.get("made_by"), dict) or not isinstance(rec.get("accepted"), list):
             raise JournalError(f"{where}: a resume record without made_by or accepted")
         out.resumes.append({**rec, "finished_before": len(out.done)})
+        if rec.get("format") in FORMATS:  # the records after it are this version's (none: format 2's too)
+            out.format = rec["format"]
     elif kind == "run":
         raise JournalError(f"{where}: a second 'run' record (two runs in one journal)")
     else:
@@ -551,7 +557,7 @@ def _apply(out: Rebuilt, rec: dict[str, Any], where: str) -> None:
 def _event(out: Rebuilt, rec: dict[str, Any], known: frozenset[str], where: str) -> None:
     """A record's event is one this reader folds (a journal of format 1 names none: its steps are slots alone)."""
     ev = rec.get("ev")
-    if ev not in known and (ev is not None or out.identity["format"] != 1):
+    if ev not in known and (ev is not None or out.format != 1):
         raise JournalError(
             f"{where}: unknown event {ev!r} (known: {', '.join(sorted(known))}); written by another agentfsm "
             "version, or forged: resume it with the version that wrote it"

@@ -52,7 +52,15 @@ from pathlib import Path
 from typing import Any
 
 from fsm.run.agent import CompiledAgent
-from fsm.run.codec import FORMAT, decode_sampling, decode_trajectory, decoded, from_whole, tokenizer_id
+from fsm.run.codec import (
+    FORMAT,
+    FORMATS,
+    decode_sampling,
+    decode_trajectory,
+    decoded,
+    from_whole,
+    tokenizer_id,
+)
 from fsm.run.engine import LocalEngine
 from fsm.run.journal import JournalError, Read, Rebuilt, Scan, rebuild
 from fsm.run.snapcheck import _check, check_identity, check_version_runs
@@ -129,7 +137,7 @@ def identity(agent: CompiledAgent, codec: Any, **more: Any) -> dict[str, Any]:
 def read_identity(path: str | Path) -> dict[str, Any]:
     """The journal's `run` record (for a resume that names no spec)."""
     first = next(iter(Scan(path)), None)  # the first record only: the rest is read by `load`
-    if first is None or first.get("t") != "run" or first.get("format") not in (1, FORMAT):
+    if first is None or first.get("t") != "run" or first.get("format") not in FORMATS:
         raise JournalError(f"{path}: not an agentfsm journal of format {FORMAT} (no 'run' record first)")
     return first
 
