@@ -19,6 +19,7 @@ Linux only (`available`): elsewhere sessions are not bound, and the run says its
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import struct
@@ -32,8 +33,10 @@ NETLINK_SOCK_DIAG, SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST = 4, 20, 1
 NO_COOKIE = 0xFFFFFFFF  # INET_DIAG_NOCOOKIE: look the socket up by its addresses alone
 
 
+@functools.cache
 def available() -> bool:
-    """Whether this system tells which process holds a connection (Linux: netlink and /proc)."""
+    """Whether this system tells which process holds a connection (Linux: netlink and /proc); asked once a process,
+    where every session and every new connection asks it."""
     return sys.platform == "linux" and hasattr(socket, "AF_NETLINK") and os.path.isdir("/proc/self/fd")
 
 

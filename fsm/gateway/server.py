@@ -12,6 +12,7 @@ a request is executed or used as a path. Every refusal is an API error in the sh
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import hmac
 import json
@@ -100,8 +101,9 @@ class Session:
 
     def __init__(self, gateway: Gateway, traj_id: str):
         self.gateway = gateway
-        self.id = f"{gateway.tag}-{secrets.token_hex(12)}" if gateway.tag else secrets.token_hex(12)
-        self.key = secrets.token_urlsafe(24)
+        raw = secrets.token_bytes(36)  # the id's 12 random bytes, the key's 24: one read of the OS's
+        self.id = f"{gateway.tag}-{raw[:12].hex()}" if gateway.tag else raw[:12].hex()
+        self.key = base64.urlsafe_b64encode(raw[12:]).decode()  # as secrets.token_urlsafe(24): 32 characters
         self.traj_id = traj_id
         limits = gateway.limits
         self.tree = Tree(limits.max_segments, limits.max_nodes, limits.max_depth, limits.auxiliary_calls)
@@ -481,21 +483,24 @@ def route(
 
 async def read_body(request: web.BaseRequest, limit: int) -> bytes:
     """The request body, refused with 413 as soon as it is past `limit` bytes (declared or streamed)."""
-    too_large = GatewayError(
-        f"the request is larger than the gateway's max_request_bytes ({limit})",
-        code="request_too_large",
-        status=413,
-    )
     if (request.content_length or 0) > limit:
-        raise too_large
+        raise _too_large(limit)
     if request.content.is_eof() and request.content_length is not None:  # it came whole: no read loop
         return request.content.read_nowait()
     body = bytearray()
     async for chunk in request.content.iter_any():
         body += chunk
         if len(body) > limit:
-            raise too_large
+            raise _too_large(limit)
     return bytes(body)
+
+
+def _too_large(limit: int) -> GatewayError:
+    return GatewayError(
+        f"the request is larger than the gateway's max_request_bytes ({limit})",
+        code="request_too_large",
+        status=413,
+    )
 
 
 # each byte a digit ('0') or not (','): a run of 19 '0's may be an integer orjson reads as a float (json as an int)
