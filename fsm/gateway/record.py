@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,10 +80,16 @@ AUX_PROMPTS: tuple[tuple[str, str], ...] = (
 )
 
 
-def auxiliary(call: Call, header: str | None, prompts: tuple[tuple[str, str], ...]) -> str | None:
+def auxiliary(
+    call: Call,
+    header: str | None,
+    prompts: tuple[tuple[str, str], ...],
+    system_kind: Callable[[list[str], tuple[tuple[str, str], ...]], str | None] | None = None,
+) -> str | None:
     """The kind of a call that is not the agent's own turn (a title, a compaction), or None: the harness's
     header (`x-agentfsm-call: KIND`) first, then a title schema the request asks its answer to follow (Claude
-    Code's `output_config.format`), then a system prompt holding one of `prompts`."""
+    Code's `output_config.format`), then a system prompt holding one of `prompts` (`prompt_kind`, or
+    `system_kind` in its place: a session's, which keeps the answer for the system prompt it saw last)."""
     if header:
         kind = header.strip().lower()
         if not AUX_KIND.fullmatch(kind):
@@ -93,6 +100,11 @@ def auxiliary(call: Call, header: str | None, prompts: tuple[tuple[str, str], ..
     if call.extra.get("title_schema"):
         return "title"
     system = [m.get("content") or "" for m in call.messages if m["role"] == "system"]
+    return (system_kind or prompt_kind)(system, prompts)
+
+
+def prompt_kind(system: list[str], prompts: tuple[tuple[str, str], ...]) -> str | None:
+    """The kind of the first of `prompts` whose text one of the `system` prompts holds, or None."""
     return next((kind for kind, text in prompts for prompt in system if text in prompt), None)
 
 

@@ -31,7 +31,7 @@ import orjson
 from aiohttp import web
 
 from fsm.gateway import anthropic_api, gemini_api, openai_api, peer
-from fsm.gateway.record import AUX, AUX_PROMPTS, Answer, Call, GatewayError, auxiliary
+from fsm.gateway.record import AUX, AUX_PROMPTS, Answer, Call, GatewayError, auxiliary, prompt_kind
 from fsm.gateway.tree import NAME, Tree, child_line
 from fsm.run.engine import Owned, owned
 
@@ -128,6 +128,7 @@ class Session:
         # harness; fsm/gateway/peer.py); None: the key alone (a session opened by hand, or no /proc)
         self.owner: int | None = None
         self.peers: set[int] = set()  # the connections' socket inodes found in the owner's tree
+        self._system: tuple[list[str], str | None] | None = None  # the last call's system prompts, their kind
 
     @property
     def base_url(self) -> str:
@@ -182,6 +183,13 @@ class Session:
         name = agent if NAME.fullmatch(agent) else "h" + hashlib.sha256(agent.encode()).hexdigest()[:16]
         self.agents[agent] = line = (*self.agents.get(parent, ()), name)  # type: ignore[arg-type]
         return line
+
+    def system_kind(self, system: list[str], prompts: tuple[tuple[str, str], ...]) -> str | None:
+        """record.prompt_kind, kept for the system prompts the session's last call sent: a harness sends the same
+        with every call, and looking for each of `prompts` in them is O(their length), comparing them is less."""
+        if self._system is None or self._system[0] != system:
+            self._system = (system, prompt_kind(system, prompts))
+        return self._system[1]
 
     def take(self) -> tuple[Call, asyncio.Future[Answer]]:
         """The driver takes the first waiting call: from now on it is the current one."""
@@ -325,7 +333,9 @@ class Gateway:
                 call.extra["model"] = model
             # a child session's path, else a harness's sub-agent on the session's own URL, named by a header
             call.child = line or session.line(request.headers)
-            kind = auxiliary(call, request.headers.get(AUX_HEADER), self.limits.auxiliary_prompts)
+            kind = auxiliary(
+                call, request.headers.get(AUX_HEADER), self.limits.auxiliary_prompts, session.system_kind
+            )
             if kind is not None:  # not the agent's own turn: a node of its own, beside the line's (tree.py)
                 call.child += (AUX + kind,)
             if call.extra.get("dropped_tools") and self.limits.unsupported_tools == "refuse":
@@ -505,13 +515,35 @@ def _too_large(limit: int) -> GatewayError:
 
 # each byte a digit ('0') or not (','): a run of 19 '0's may be an integer orjson reads as a float (json as an int)
 _DIGITS = bytes(48 if 48 <= b <= 57 else 44 for b in range(256))
+# from this size a body is checked for such an integer in what orjson read (O(values)), not in its bytes (O(bytes)):
+# a long prompt is one value of many bytes
+SCAN_BELOW = 1 << 15
+
+
+def _as_float(value: Any) -> bool:
+    """Whether `value` holds a float of magnitude 2**63 or more: only there can orjson have read an integer that
+    json reads exactly (an integer past 64 bits, which orjson reads as a float)."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if type(v) is dict:
+            stack.extend(v.values())
+        elif type(v) is list:
+            stack.extend(v)
+        elif type(v) is float and not -(2.0**63) < v < 2.0**63:
+            return True
+    return False
 
 
 def _body(raw: bytes) -> dict[str, Any]:
     """The request's JSON: orjson's reading (~3x json's), json's for what orjson refuses (NaN, bad UTF-8, past
     its depth) or may read otherwise (an integer of 19 digits or more) and for the refusal's words."""
     try:
-        body = None if b"0" * 19 in raw.translate(_DIGITS) else orjson.loads(raw)
+        if len(raw) < SCAN_BELOW:
+            body = None if b"0" * 19 in raw.translate(_DIGITS) else orjson.loads(raw)
+        else:
+            body = orjson.loads(raw)
+            body = None if _as_float(body) else body
     except orjson.JSONDecodeError:
         body = None
     try:

@@ -174,3 +174,15 @@ def test_an_unknown_disposition_is_refused() -> None:
     with pytest.raises(ValueError, match="auxiliary_calls 'train': keep, separate or drop"):
         GatewayLimits(auxiliary_calls="train")
     assert json.dumps(TITLE)  # (the title request above is plain JSON, as Claude Code sends it)
+
+
+def test_a_sessions_system_prompt_kind_follows_the_prompt_each_call_sends() -> None:
+    """A session keeps the kind of the system prompt its last call sent (finding a prompt in a long one is
+    O(its length)); a call with another system prompt is looked at again, whichever came before it."""
+    from fsm.gateway.record import AUX_PROMPTS
+
+    session = Gateway().open("t")
+    agent, compaction = ["You are a coding agent."], [f"You are a helpful AI assistant {AUX_PROMPTS[1][1]}."]
+    kinds = [session.system_kind(system, AUX_PROMPTS) for system in (agent, agent, compaction, agent, [])]
+    assert kinds == [None, None, "compaction", None, None]
+    assert session.system_kind(list(compaction), AUX_PROMPTS) == "compaction"  # equal, another list: the same

@@ -511,9 +511,16 @@ def test_a_request_under_the_floor_but_past_the_context_is_tokenized_off_the_loo
 def test_a_body_is_read_and_written_as_json_reads_and_writes_it() -> None:
     """orjson reads and writes the gateway's JSON; what it would read otherwise (an integer past 64 bits as a
     float) or refuses (NaN, a lone surrogate) goes json's way, so a tool schema's numbers render as sent."""
-    from fsm.gateway.server import _body, _json
+    from fsm.gateway.server import SCAN_BELOW, _body, _json
 
     big = 123456789012345678901234
     assert _body(b'{"a": 123456789012345678901234, "b": "\\u00e9"}') == {"a": big, "b": "é"}
     assert _body(b'{"a": NaN}')["a"] != 0 and _body(b'{"s": "\\ud800"}') == {"s": "\ud800"}
+    pad = "x" * SCAN_BELOW  # a body this large is checked in what orjson read, not in its bytes
+    for n in (big, -(2**63) - 1, 2**64, 2**64 - 1, 7):
+        assert _body(b'{"p": "%s", "a": [0.5, {"n": %d}]}' % (pad.encode(), n)) == {
+            "p": pad,
+            "a": [0.5, {"n": n}],
+        }
+        assert type(_body(b'{"p": "%s", "n": %d}' % (pad.encode(), n))["n"]) is int
     assert json.loads(_json({"a": big, "b": "é"}).body) == {"a": big, "b": "é"}  # type: ignore[arg-type]
