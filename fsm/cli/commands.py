@@ -222,9 +222,6 @@ async def _rollout(
     `first_index`: `rows` are a slice of a batch, whose index (and seed) their first sample takes."""
     params = {k: v for k, v in (("temperature", args.temperature), ("seed", args.seed)) if v is not None}
     finished: list = []
-    interrupted = False
-    journal = None
-    expected = len(rows) * args.n if rows is not None else 0
     interrupts = Interrupts()  # a signal cancels this task until the rollout runs, then stops it
     async with AsyncExitStack() as stack:
         stack.enter_context(interrupts.listening(asyncio.current_task()))
@@ -252,7 +249,7 @@ async def _rollout(
                 data=str(Path(args.data).resolve()) if getattr(args, "data", None) else None,
                 accept_changes=getattr(args, "accept_changes", False),
             )
-            kept = await keep_rollout(
+            run = await keep_rollout(
                 engine,
                 rows,
                 args.n,
@@ -263,27 +260,21 @@ async def _rollout(
                 first_index=first_index,
                 resumed=vars(args).pop("resumed", None),  # cmd_run's: the journal is read once
             )
-            trajs, interrupted, expected, sampling = (
-                kept.trajs,
-                kept.interrupted,
-                kept.expected,
-                kept.sampling,
-            )
-            journal = kept.journal
         else:
             from fsm.cli.ray_run import ray_rollout
 
             assert rows is not None  # None only with --resume, which refuses --ray (cmd_run)
+            run = Rollout(engine, sampling, [], len(rows) * args.n, 0.0, None, False, 0.0)
             try:
-                trajs = await ray_rollout(engine, rows, args, sampling, console, finished)
+                run.trajs = await ray_rollout(engine, rows, args, sampling, console, finished)
             except asyncio.CancelledError:  # Ctrl-C (interrupts, never armed here): keep what finished
                 asyncio.current_task().uncancel()  # type: ignore[union-attr]
-                interrupted = True
-                trajs = sorted(finished, key=lambda t: (t.index, t.sample))
+                run.interrupted = True
+                run.trajs = sorted(finished, key=lambda t: (t.index, t.sample))
         backend = getattr(engine, "backend", None)
-        router_stats = backend.stats() if backend is not None and hasattr(backend, "stats") else None
-    wall, cpu = time.perf_counter() - t_start, time.process_time() - c_start
-    return Rollout(engine, sampling, trajs, expected, wall, router_stats, interrupted, cpu, journal=journal)
+        run.router_stats = backend.stats() if backend is not None and hasattr(backend, "stats") else None
+    run.wall, run.cpu = time.perf_counter() - t_start, time.process_time() - c_start
+    return run
 
 
 FLUSH_TIMEOUT_S = 10.0

@@ -92,18 +92,6 @@ def stop_timeout_s() -> float:
 Progress = Callable[[int, int], None]  # (groups finished, groups in all)
 
 
-@dataclass
-class KeptRollout:
-    """What `keep_rollout` rolled out: every trajectory, or (interrupted) those that finished, in input order."""
-
-    trajs: list[Trajectory]
-    interrupted: bool
-    expected: int  # rows x n
-    sampling: Sampling
-    journal: Recorder | None = None  # open: the caller writes its `end` once the files are written
-    resumed: Loaded | None = None  # what a resume found in the journal
-
-
 async def keep_rollout(
     engine: LocalEngine,
     rows: Sequence[Any] | None,
@@ -114,7 +102,7 @@ async def keep_rollout(
     progress: AbstractContextManager[Progress] | None = None,
     first_index: int | None = None,
     resumed: Loaded | None = None,
-) -> KeptRollout:
+) -> Rollout:
     """Roll `rows` out `n` times each (or, `rows` None, the run in `keeper.journal` again) in `engine`'s
     continuous mode, from the caller's loop, every step appended to the journal as it happens, while
     `interrupts` listens: a signal then parks the running trajectories at their next state boundary (the
@@ -178,7 +166,10 @@ async def keep_rollout(
         taken = await engine.atake_groups(groups)
     trajs = sorted((t for g in taken for t in g.trajectories), key=lambda t: (t.index, t.sample))
     sampling = taken[0].sampling if taken else sampling
-    return KeptRollout(trajs, interrupted, expected, sampling, recorder, resumed)
+    # wall, router_stats and cpu: the caller's, who owns the clock (and the engine's close)
+    return Rollout(
+        engine, sampling, trajs, expected, 0.0, None, interrupted, 0.0, journal=recorder, resumed=resumed
+    )
 
 
 async def _reopen(engine: LocalEngine, keeper: RunDir, loaded: Loaded | None) -> tuple[Loaded, Recorder]:
@@ -297,6 +288,7 @@ class Rollout:
     cpu: float  # this process's CPU seconds over the same window (all threads: the model's, the exporters')
     more: dict[str, Any] = field(default_factory=dict)  # more for the summary (gateway workers: theirs)
     journal: Any = None  # the run's journal (fsm/run/journal.py Recorder), open: `finish` ends and closes it
+    resumed: Loaded | None = None  # what a resume found in the journal
 
 
 @dataclass
@@ -524,22 +516,13 @@ async def keep_batch(
         interrupts = Interrupts()
         t_start, c_start = time.perf_counter(), time.process_time()
         with interrupts.listening(asyncio.current_task()):
-            kept = await keep_rollout(engine, rows, n, sampling, keep, interrupts)
+            run = await keep_rollout(engine, rows, n, sampling, keep, interrupts)
             tracer = engine.tracer
             if tracer is not None:  # as every run's owner does (fsm/run/runtime.py): the summary counts them
                 await asyncio.to_thread(tracer.flush)
-        backend = engine.backend
-        run = Rollout(
-            engine,
-            kept.sampling,
-            kept.trajs,
-            kept.expected,
-            time.perf_counter() - t_start,
-            backend.stats() if isinstance(backend, Counted) else None,
-            kept.interrupted,
-            time.process_time() - c_start,
-        )
-        run.journal, keep.resumed = kept.journal, kept.resumed
+        backend, run.wall = engine.backend, time.perf_counter() - t_start
+        run.router_stats = backend.stats() if isinstance(backend, Counted) else None
+        run.cpu, keep.resumed = time.process_time() - c_start, run.resumed
         try:
             if not run.trajs:
                 raise keep.nothing_finished(run)
