@@ -151,7 +151,7 @@ async def _resumed_turn(
     limits = ctx.agent.limits
     max_new = params["max_new_tokens"]
     want_logprobs = ctx.sampling.logprobs
-    stops = set(params.get("stop_token_ids") or ())
+    gate = ctx.gate
     context = traj.context()  # the trajectory's own, grown per turn: its ids and JSON are not built again
     ids: list[int] = []
     logprobs: list[float] | None = [] if want_logprobs else None
@@ -164,17 +164,19 @@ async def _resumed_turn(
         if want_logprobs and logprobs is None:
             ids, logprobs, versions = [], [], []
     while True:
-        if ctx.gate.paused:  # whole while it waits: a snapshot taken now keeps what the turn has so far
+        waited = 0.0
+        if gate.paused:  # whole while it waits: a snapshot taken now keeps what the turn has so far
             traj.partial_turn = (list(ids), None if logprobs is None else list(logprobs), list(versions))
-        waited = await ctx.gate.wait()
+            waited = await gate.wait()
         traj.partial_turn = None
         if waited and deadline is not None and deadline.when() is not None:
             deadline.reschedule(deadline.when() + waited)  # type: ignore[operator]
-        epoch, sent_to = ctx.gate.epoch, ctx.gate.version
+        epoch, sent_to = gate.epoch, gate.version
         request = GenerateRequest(
             session_id=traj.node.route,  # a branch's: its parent's server
             prompt_ids=context + ids if ids else context,
-            sampling_params={**params, "max_new_tokens": max_new - len(ids)},
+            # the turn's own params (`Sampling.for_turn` made them) until a resume shrinks max_new_tokens
+            sampling_params={**params, "max_new_tokens": max_new - len(ids)} if ids else params,
             rid=f"{rid}_r{attempt}" if attempt else rid,
             group_id=traj.uid,
             return_logprob=want_logprobs,
@@ -184,8 +186,11 @@ async def _resumed_turn(
             turn=traj.assistant_turns,
         )
         if whole:  # a snapshot may take the row as it was before this turn (PauseGate.waiting)
-            with ctx.gate.request():
+            gate.in_flight += 1  # a request in flight (`PauseGate.waiting` counts it once the gate is closed)
+            try:
                 result = await ctx.call_backend(traj, request)
+            finally:
+                gate.in_flight -= 1
         else:
             result = await ctx.call_backend(traj, request)
         traj.metrics.cached_tokens += result.cached_tokens or 0
@@ -198,10 +203,14 @@ async def _resumed_turn(
         ids += new
         per_token = result.extra.get("token_versions")  # a request held across an update has two
         if per_token is not None and len(per_token) >= len(new):
-            seen = {v: ctx.gate.version_of(v, sent_to) for v in set(per_token[: len(new)])}  # one or two
-            versions += map(seen.__getitem__, per_token[: len(new)])
+            per_token = per_token[: len(new)]
+            if new and per_token.count(per_token[0]) == len(new):  # one version: the usual case
+                versions += [gate.version_of(per_token[0], sent_to)] * len(new)
+            else:
+                seen = {v: gate.version_of(v, sent_to) for v in set(per_token)}  # one or two
+                versions += map(seen.__getitem__, per_token)
         else:
-            versions += [ctx.gate.version_of(result.weight_version, sent_to)] * len(new)
+            versions += [gate.version_of(result.weight_version, sent_to)] * len(new)
         if logprobs is not None:
             logprobs = logprobs + new_logprobs if new_logprobs is not None else None
         if not aborted:
@@ -215,12 +224,12 @@ async def _resumed_turn(
                 known = getattr(ctx.backend, "context_length", None)
                 traj.extra["context_cut"] = known or len(request.prompt_ids)
             return ids, logprobs, versions, result.finish_reason
-        if ids and ids[-1] in stops:
+        if ids and ids[-1] in (params.get("stop_token_ids") or ()):
             return ids, logprobs, versions, "stop"  # the abort raced the turn's own end
         if len(ids) >= max_new:
             return ids, logprobs, versions, "length"
         attempt += 1
-        if ctx.gate.paused or ctx.gate.epoch != epoch:
+        if gate.paused or gate.epoch != epoch:
             traj.metrics.num_preempted += 1
             continue  # the engine's own pause: resumed at the gate, free of the resume budget
         if resumes >= limits.max_resumes:

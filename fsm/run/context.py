@@ -147,15 +147,6 @@ class PauseGate:
             self._open.clear()
             self._closed_at = time.monotonic()
 
-    @contextlib.contextmanager
-    def request(self) -> Iterator[None]:
-        """A model request in flight (`waiting`)."""
-        self.in_flight += 1
-        try:
-            yield
-        finally:
-            self.in_flight -= 1
-
     def open(self) -> None:
         self._open.set()
         self._closed_at = None
