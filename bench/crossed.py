@@ -7,7 +7,7 @@
 called outside an import (module and class bodies, and what they call while importing, are not counted);
 it prints them with their count per package.
 `path` follows a two-row `generate_sequences` of the embedded model down to each `Runner.drive`, across the
-engine's loop thread (`fsm.tools.isolation.submit`) and its tasks (`create_task`), and names the steps that go
+engine's loop thread (`fsm.run.local.submit`) and its tasks (`create_task`), and names the steps that go
 back up the stages of tests/test_architecture.py. Both print JSON.
 """
 
@@ -85,7 +85,7 @@ def crossed(argv: list[str]) -> dict[str, Any]:
 
 def batch_path() -> dict[str, Any]:
     """The modules between `generate_sequences` and each `Runner.drive`, and the steps back up a stage."""
-    import fsm.tools.isolation as loopthread
+    import fsm.run.local as loopthread
 
     made_by: dict[int, list[str]] = {}  # id(coroutine) -> the files on the stack that started it
 
@@ -140,6 +140,8 @@ def batch_path() -> dict[str, Any]:
     finally:
         sys.setprofile(None)
         threading.setprofile(None)
+        loopthread.submit = submit
+        asyncio.base_events.BaseEventLoop.create_task = create_task  # type: ignore[method-assign]
         engine.close()
 
     def stage(module: str) -> int | None:

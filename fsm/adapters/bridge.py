@@ -5,14 +5,14 @@ takes one.
 A RolloutEngine runs its backend on an event loop of its own (fsm/api.py). A trainer's inference client (an
 OpenRLHF rollout actor, SkyRL's InferenceEngineClient) belongs to the trainer's loop: its futures, locks and
 sessions must be awaited there. So a generate function that calls it hands the call to that loop (`on_loop`:
-fsm/tools/isolation.py `call`, the engine's own hand-off between loops).
+fsm/run/local.py `call`, the engine's own hand-off between loops).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from fsm.tools.isolation import call
+from fsm.run.local import call
 
 if TYPE_CHECKING:
     from fsm.run.compile import CompiledAgent

@@ -45,10 +45,10 @@ from fsm.run import heap
 from fsm.run.context import Sampling
 from fsm.run.engine import Call, Command, Controls, EngineRefused, Pause, Resume, Take, Update
 from fsm.run.journal import SYNCS
+from fsm.run.local import LoopThread
 from fsm.run.runtime import agent_codec
 from fsm.run.stream import Group, StreamEmpty
 from fsm.run.trajectory import Trajectory
-from fsm.tools.isolation import LoopThread
 
 T = TypeVar("T")
 

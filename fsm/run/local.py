@@ -9,8 +9,11 @@ sessions and the in-process model's batching task never see a second loop.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
+import signal
+import threading
 import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
@@ -25,12 +28,119 @@ from fsm.run.journal import write as write_journal
 from fsm.run.runtime import Runner
 from fsm.run.stream import Group, Stream
 from fsm.run.trajectory import Trajectory
-from fsm.tools.isolation import LoopThread
+from fsm.tools.isolation import copy_outcome
 
 T = TypeVar("T")
 PAUSE_TIMEOUT_S = 10.0  # a snapshot's pause of the servers (abort mode) waits at most this long
 AT_EXIT_S = 5.0  # an engine left open at exit (or dropped) waits this long for its loop's tasks to end
 log = logging.getLogger("agentfsm.stream")
+
+
+# -- the engine's loop thread, and the hand-offs onto a loop ---------------------------------------------------
+# Here, in the stage that hands it coroutines, so that what runs on it is started by the code that made it (a
+# tool's own loop thread is fsm/tools/isolation.py `LoopLane`'s). Cancelling a caller of `submit`/`call`/`run`
+# cancels the task there and waits for it to unwind, so nothing it holds is closed under it.
+
+
+def submit(
+    coro: Coroutine[Any, Any, T], loop: asyncio.AbstractEventLoop
+) -> tuple[concurrent.futures.Future[T], Callable[[], None]]:
+    """Start `coro` as a task on `loop`: a future settled when the task has ended, and a canceller."""
+    done: concurrent.futures.Future[T] = concurrent.futures.Future()
+    tasks: list[asyncio.Task[T]] = []
+
+    def start() -> None:  # runs in the caller's context (contextvars: an open span carries over)
+        tasks.append(loop.create_task(coro))
+        tasks[0].add_done_callback(lambda task: copy_outcome(task, done))
+
+    def cancel() -> None:
+        loop.call_soon_threadsafe(lambda: tasks and tasks[0].cancel())
+
+    loop.call_soon_threadsafe(start)
+    return done, cancel
+
+
+def run(coro: Coroutine[Any, Any, T], loop: asyncio.AbstractEventLoop) -> T:
+    """Block this thread (which runs no loop) until `coro` has run on `loop`."""
+    done, cancel = submit(coro, loop)
+    try:
+        return done.result()
+    except BaseException:
+        if not done.done():  # interrupted while waiting: stop the task, let it unwind
+            cancel()
+            with contextlib.suppress(BaseException):
+                done.result()
+        raise
+
+
+async def call(coro: Coroutine[Any, Any, T], loop: asyncio.AbstractEventLoop | None) -> T:
+    """Await `coro` on `loop` (the caller's own when None or when already on it)."""
+    if loop is None or loop is asyncio.get_running_loop():
+        return await coro
+    done, cancel = submit(coro, loop)
+    waiter = asyncio.wrap_future(done)
+    try:
+        return await asyncio.shield(waiter)
+    except asyncio.CancelledError:
+        if not done.done():
+            cancel()
+            with contextlib.suppress(BaseException):
+                await asyncio.shield(waiter)
+        raise
+
+
+class LoopThread:
+    """A private event loop in a daemon thread: an engine's home (`Local`), RayRunner's sync forms'. SIGINT is
+    blocked in the thread (Ctrl-C belongs to the main thread; the loop's executor threads inherit the mask). Once
+    stopped, it cancels what is left (an unclosed backend's tasks) and releases its executor."""
+
+    def __init__(self, name: str):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self.thread.start()
+
+    def _main(self) -> None:
+        if hasattr(signal, "pthread_sigmask"):
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_forever()
+        except BaseException:  # a callback raised SystemExit/KeyboardInterrupt out of it: the loop is gone
+            return
+        tasks = asyncio.all_tasks(self.loop)
+        for task in tasks:
+            task.cancel()
+        self.loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+        self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+        self.loop.run_until_complete(self.loop.shutdown_default_executor())
+        self.loop.close()
+
+    def current(self) -> bool:
+        """Whether the caller runs on this loop."""
+        try:
+            return asyncio.get_running_loop() is self.loop
+        except RuntimeError:
+            return False
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> tuple[concurrent.futures.Future[T], Callable[[], None]]:
+        return submit(coro, self.loop)
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return run(coro, self.loop)
+
+    async def call(self, coro: Coroutine[Any, Any, T]) -> T:
+        return await call(coro, self.loop)
+
+    def stop(self) -> None:
+        """Ask the loop to stop (cancelling what still runs there), without waiting for its thread."""
+        with contextlib.suppress(RuntimeError):  # closed already
+            self.loop.call_soon_threadsafe(self.loop.stop)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the loop and wait for its thread to end (at most `timeout` seconds when given)."""
+        self.stop()
+        if threading.current_thread() is not self.thread:
+            self.thread.join(timeout)
 
 
 class Local:

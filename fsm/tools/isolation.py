@@ -17,11 +17,10 @@ decode and reward scoring run there: a tool stuck in it once starved decode for 
 Whatever the tool raises that is not an `Exception` comes back as `ToolCrashed`, ending only its trajectory;
 a long answer is cut (`shrink`) where the tool ran, so a 50 MB string never crosses a hand-off.
 
-`LoopThread` is the one event loop in a thread (also a RolloutEngine's home, fsm/run/local.py, and a trainer
-adapter's way into its loop, fsm/adapters/bridge.py); cancelling a caller of `submit`/`call`/`run` cancels the
-task there and waits for it to unwind, so nothing it holds is closed under it. `call_soon_threadsafe` wakes
-the loop (a self-pipe write, a GIL contest) per call, and a lane's thousands of calls come in bursts: a
-`Mailbox` wakes its loop once per burst and runs it in order; `settled` is `asyncio.wrap_future` answered so.
+A lane's answer crosses back to the caller's loop: `call_soon_threadsafe` wakes that loop (a self-pipe write, a
+GIL contest) per call, and a lane's thousands of calls come in bursts: a `Mailbox` wakes its loop once per burst
+and runs it in order; `settled` is `asyncio.wrap_future` answered so. (An engine's own loop thread, and the
+hand-offs onto it, are fsm/run/local.py's.)
 """
 
 from __future__ import annotations
@@ -35,13 +34,12 @@ import inspect
 import json
 import logging
 import queue
-import signal
 import threading
 import time
 import weakref
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 log = logging.getLogger("agentfsm.tools")
 
@@ -98,10 +96,9 @@ class Lane(Protocol):
     def close(self) -> None: ...
 
 
-# --- a loop in a thread, and hand-offs between loops --------------------------------------------------
+# --- answers back to the caller's loop -----------------------------------------------------------------
 
 
-T = TypeVar("T")
 AnyFuture = concurrent.futures.Future | asyncio.Future
 
 
@@ -178,116 +175,6 @@ async def settled(source: concurrent.futures.Future) -> Any:
     except asyncio.CancelledError:
         source.cancel()
         raise
-
-
-def submit(
-    coro: Coroutine[Any, Any, T], loop: asyncio.AbstractEventLoop
-) -> tuple[concurrent.futures.Future[T], Callable[[], None]]:
-    """Start `coro` as a task on `loop`: a future settled when the task has ended, and a canceller."""
-    done: concurrent.futures.Future[T] = concurrent.futures.Future()
-    tasks: list[asyncio.Task[T]] = []
-
-    def start() -> None:  # runs in the caller's context (contextvars: an open span carries over)
-        tasks.append(loop.create_task(coro))
-        tasks[0].add_done_callback(lambda task: copy_outcome(task, done))
-
-    def cancel() -> None:
-        loop.call_soon_threadsafe(lambda: tasks and tasks[0].cancel())
-
-    loop.call_soon_threadsafe(start)
-    return done, cancel
-
-
-def run(coro: Coroutine[Any, Any, T], loop: asyncio.AbstractEventLoop) -> T:
-    """Block this thread (which runs no loop) until `coro` has run on `loop`."""
-    done, cancel = submit(coro, loop)
-    try:
-        return done.result()
-    except BaseException:
-        if not done.done():  # interrupted while waiting: stop the task, let it unwind
-            cancel()
-            with contextlib.suppress(BaseException):
-                done.result()
-        raise
-
-
-async def call(coro: Coroutine[Any, Any, T], loop: asyncio.AbstractEventLoop | None) -> T:
-    """Await `coro` on `loop` (the caller's own when None or when already on it)."""
-    if loop is None or loop is asyncio.get_running_loop():
-        return await coro
-    done, cancel = submit(coro, loop)
-    waiter = asyncio.wrap_future(done)
-    try:
-        return await asyncio.shield(waiter)
-    except asyncio.CancelledError:
-        if not done.done():
-            cancel()
-            with contextlib.suppress(BaseException):
-                await asyncio.shield(waiter)
-        raise
-
-
-class LoopThread:
-    """A private event loop in a daemon thread. Unless `SIGINT`, SIGINT is blocked in the thread (Ctrl-C belongs
-    to the main thread; the loop's executor threads inherit the mask). Once stopped, it cancels what is left
-    and releases its executor."""
-
-    SIGINT = False
-
-    def __init__(self, name: str):
-        self.loop = asyncio.new_event_loop()
-        self.mailbox = Mailbox(self.loop)
-        self.thread = threading.Thread(target=self._main, name=name, daemon=True)
-        self.thread.start()
-
-    def on_exit(self, exc: BaseException | None) -> None:
-        """How the loop ended, on its thread: None (stopped), or what a callback raised out of it (SystemExit)."""
-
-    def _main(self) -> None:
-        if not self.SIGINT and hasattr(signal, "pthread_sigmask"):
-            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-        asyncio.set_event_loop(self.loop)
-        ended: BaseException | None = None
-        try:
-            self.loop.run_forever()
-        except BaseException as exc:  # a callback raised SystemExit/KeyboardInterrupt: the loop is gone
-            ended = exc
-        self.on_exit(ended)
-        if ended is None:  # stopped: cancel what is left (an unclosed backend's tasks), release the executor
-            tasks = asyncio.all_tasks(self.loop)
-            for task in tasks:
-                task.cancel()
-            self.loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
-            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
-            self.loop.run_until_complete(self.loop.shutdown_default_executor())
-            self.loop.close()
-
-    def current(self) -> bool:
-        """Whether the caller runs on this loop."""
-        try:
-            return asyncio.get_running_loop() is self.loop
-        except RuntimeError:
-            return False
-
-    def submit(self, coro: Coroutine[Any, Any, T]) -> tuple[concurrent.futures.Future[T], Callable[[], None]]:
-        return submit(coro, self.loop)
-
-    def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return run(coro, self.loop)
-
-    async def call(self, coro: Coroutine[Any, Any, T]) -> T:
-        return await call(coro, self.loop)
-
-    def stop(self) -> None:
-        """Ask the loop to stop (cancelling what still runs there), without waiting for its thread."""
-        with contextlib.suppress(RuntimeError):  # closed already
-            self.loop.call_soon_threadsafe(self.loop.stop)
-
-    def close(self, timeout: float | None = None) -> None:
-        """Stop the loop and wait for its thread to end (at most `timeout` seconds when given)."""
-        self.stop()
-        if threading.current_thread() is not self.thread:
-            self.thread.join(timeout)
 
 
 # --- threads: sync functions -----------------------------------------------------------------------------
@@ -420,25 +307,44 @@ def _run_job(name: str, job: _Job) -> None:
 # --- an event loop of its own: coroutines ----------------------------------------------------------------
 
 
-class _ToolLoop(LoopThread):
-    """A tool's event loop thread; `pending` futures fail if the loop dies under them."""
-
-    SIGINT = True
+class _ToolLoop:
+    """A tool's event loop in a daemon thread (SIGINT is not blocked there: it is the tool's own thread);
+    `pending` futures fail if the loop dies under them. Once stopped, it cancels what is left and releases its
+    executor."""
 
     def __init__(self, name: str):
         self.name = name
         self.pending: set[concurrent.futures.Future] = set()
         self.cancel_sent: float | None = None  # a cancellation the loop has not run yet, sent at this time
-        super().__init__(f"agentfsm-tool-loop-{name}")
+        self.loop = asyncio.new_event_loop()
+        self.mailbox = Mailbox(self.loop)
+        self.thread = threading.Thread(target=self._main, name=f"agentfsm-tool-loop-{name}", daemon=True)
+        self.thread.start()
 
-    def on_exit(self, exc: BaseException | None) -> None:
-        if exc is not None:  # a tool's callback raised SystemExit/KeyboardInterrupt: the loop is gone
-            gone = crashed(self.name, exc)
-        else:  # close()
-            gone = ToolCrashed(f"tool {self.name!r}: its event loop was stopped during the call")
+    def _main(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_forever()
+        except BaseException as exc:  # a tool's callback raised SystemExit/KeyboardInterrupt out of it
+            self._gone(crashed(self.name, exc))
+            return
+        self._gone(ToolCrashed(f"tool {self.name!r}: its event loop was stopped during the call"))
+        left = asyncio.all_tasks(self.loop)
+        for task in left:
+            task.cancel()
+        self.loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+        self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+        self.loop.run_until_complete(self.loop.shutdown_default_executor())
+        self.loop.close()
+
+    def _gone(self, exc: Exception) -> None:
         for future in list(self.pending):  # nobody else would ever answer their callers
             if not future.done():
-                future.set_exception(gone)
+                future.set_exception(exc)
+
+    def stop(self) -> None:
+        with contextlib.suppress(RuntimeError):  # closed already
+            self.loop.call_soon_threadsafe(self.loop.stop)
 
     def alive(self, grace_s: float) -> bool:
         sent = self.cancel_sent
