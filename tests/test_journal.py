@@ -591,3 +591,28 @@ def test_a_step_carries_its_events_payload_not_the_slots_it_implies(tmp_path, to
     rb = rebuild(Read(tmp_path, resumed, 0))
     for t in trajs:
         _same(t, rb.trajs[t.session_id])
+
+
+def test_a_snapshot_is_the_journal_compacted(tmp_path, tok):
+    """A snapshot taken while rows run holds each trajectory as the journal folds to at that moment (every one
+    parked at a boundary the journal recorded): the same slots, its `traj` record the compaction of the steps."""
+    call = tool_turn(tok, ("calculator", {"expression": "1 + 2"}))
+    script = scripted([call, call, model_turn(tok, "#### 3")], latency_s=0.05)
+    rows = [user_row(f"What is {i} + 2?") for i in range(3)]
+
+    async def go() -> None:
+        async with RolloutEngine(SPEC, tokenizer=str(ASSETS), backend=script) as engine:
+            recorder = Recorder(Writer(tmp_path / JOURNAL, "off"))
+            recorder.header(identity(engine.agent, engine.codec, run_id="t", groups=3, rows_expected=6))
+            await engine.ajournal(recorder)
+            await engine.asubmit(rows, n=2, sampling=engine.sampling({"temperature": 0.0}))
+            await asyncio.sleep(0.12)  # a turn or two in
+            await engine.asnapshot(tmp_path / "snap.log", stop=True)
+            recorder.writer.close()
+
+    asyncio.run(go())
+    journal, snap = rebuild(records(tmp_path / JOURNAL)), rebuild(records(tmp_path / "snap.log"))
+    assert set(journal.trajs) == set(snap.trajs) and len(snap.trajs) == 6
+    assert any(0 < len(t.response_ids) for t in snap.trajs.values())
+    for sid, t in snap.trajs.items():
+        _same(journal.trajs[sid], t)

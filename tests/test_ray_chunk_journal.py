@@ -123,3 +123,33 @@ async def test_a_damaged_chunk_journal_is_refused_in_one_line_and_its_chunk_runs
     assert all(t.assistant_turns == TURNS and t.error is None for t in trajs)
     answers = Counter(s.split()[1] for s in log.read_text().split("\n")[:-1])
     assert answers == {"0": 2 * 2 * N, "1": 2 * N, "2": 2 * N}  # the first turns twice: run from the start
+
+
+async def test_a_chunk_resumed_after_weight_updates_goes_on_from_its_journal(tmp_path):
+    """An actor's tokens carry the weight version it serves (its gate's, counted from the driver's updates). Each
+    attempt's journal says which versions its tokens may carry (its `run` record's `weight_version`, a `weights`
+    record for each older one a carried trajectory holds and for each new one served while it runs), so the next
+    attempt reads it back; before, every such token read as a version never served, and the chunk ran again from
+    the start (`refused`)."""
+    log = tmp_path / "answers.log"
+    runner = Runner(
+        load_agent("calculator"),
+        LoggedTurns(str(log), str(ASSETS), 0.0)(),
+        load_tokenizer(str(ASSETS)),
+        max_concurrency=8,
+    )
+
+    def new_weights_then_park(t: Trajectory) -> bool:
+        runner.gate.version = 5  # new weights while attempt 1 runs: its next turns carry them
+        return t.assistant_turns >= 2
+
+    runner.gate.version = 3
+    await attempt(runner, tmp_path, "cut", 0, lambda t: t.assistant_turns >= 1)
+    runner.gate.version = 4  # new weights between the attempts
+    await attempt(runner, tmp_path, "cut", 1, new_weights_then_park)
+    last = await attempt(runner, tmp_path, "cut", 2, None)
+    assert last is not None
+    trajs, counts = last
+    assert counts["resumed"] == 2 * N and counts["refused"] == counts["restarted"] == 0
+    assert {v for t in trajs for v in t.response_versions.tolist() if v >= 0} == {3, 5}
+    assert sorted(Counter(log.read_text().split("\n")[:-1]).values()) == [1] * (2 * N * TURNS)

@@ -6,7 +6,9 @@ Each chunk (one Ray call: `chunk_rows` groups) has a journal of its own under th
 run journal's format (fsm/run/journal.py): `{key}-{gid}.a{attempt}.r{rank}.log`, `attempt` the driver's count of
 the chunk's dispatches. An actor taking attempt k reads the newest earlier attempt's file (fsm/run/resume.py
 `load`), writes what it found whole into its own file, removes the earlier ones, and runs only what is
-unfinished (a tree's nodes likewise, fsm/run/treejournal.py). A file is removed when its chunk comes back.
+unfinished (a tree's nodes likewise, fsm/run/treejournal.py). A file is removed when its chunk comes back. Like
+a run's journal it records the weight versions its tokens may carry (the actor's gate's, as the driver's updates
+count them), so that the next attempt does not refuse them as never served.
 """
 
 from __future__ import annotations
@@ -125,8 +127,15 @@ def open_chunk(
             counts["recovered"] += 1
         elif len(old[0].path_times) > 0:
             counts["resumed"] += 1
+    # the versions its tokens may carry: the actor's now, and the older ones of the trajectories it carries on
+    version = runner.gate.version
+    carried = [x for t, first in zip(trajs, firsts) if t is not first for x in (t, *tree_nodes(t))]
+    older = {v for t in carried for v in t._version_runs[1::2] if 0 <= v != version}
     recorder = Recorder(Writer(path, sync))
-    recorder.header({**identity(), "rows_expected": len(trajs), "chunk": f"{key}-{gid}", "attempt": attempt})
+    chunk = {"chunk": f"{key}-{gid}", "attempt": attempt, "weight_version": version}
+    recorder.header({**identity(), "rows_expected": len(trajs), **chunk})
+    for v in sorted(older):
+        recorder.weights(v)
     sampled = encode_sampling(sampling)
     for i in range(0, len(trajs), n):
         recorder.group(firsts[i].uid, sampled, firsts[i : i + n])
@@ -163,18 +172,27 @@ async def run_chunk(
     opened = open_chunk(root, key, gid, attempt, rank, runner, identity, sampling, fresh, n, sync)
     ctx = runner.make_context(sampling=sampling)  # its own: side-effecting tools read this chunk's journal
     ctx.journal = recorder = opened.recorder
+    served = {runner.gate.version}  # the weight versions the journal says its tokens may carry
+
+    def weights() -> None:
+        if (version := runner.gate.version) not in served:  # new weights while the chunk runs
+            served.add(version)
+            recorder.weights(version)
 
     async def boundary(traj: Trajectory, agent: Any = runner.agent) -> None:
+        weights()
         recorder.step(traj, agent)
         await tick(traj)
 
     async def node(node_ctx: Any, traj: Trajectory) -> None:  # a tree's child or branch (fsm/run/tree.py)
         await runner.drive(node_ctx, traj, partial(boundary, agent=node_ctx.agent))
+        weights()
         recorder.step(traj, done=True)
 
     ctx.drive = node
 
     def done(traj: Trajectory) -> None:
+        weights()  # its last model turn's too (recorded as finishing began, fsm/run/runtime.py `_finish`)
         recorder.step(traj, done=True)
         finished(traj)
 
