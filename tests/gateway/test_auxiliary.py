@@ -125,7 +125,7 @@ def run(tmp_path: Path, tokenizer: Any, name: str, auxiliary: str) -> Any:
     backend = ScriptedBackend(ToolScript(tokenizer, steps))
     path = spec(tmp_path, f"tests.gateway.test_auxiliary:{name}_harness")
     with RolloutEngine(str(path), tokenizer, backend=backend, check_tokens=True) as engine:
-        engine._run_sync(_attach(gateway, backend))
+        _attach(gateway, engine)
         (traj,) = engine._run_sync(engine.arun([row()]))
     assert traj.extra["harness"]["outcome"] == "returned", traj.extra["harness"]
     assert traj.token_check is None, traj.token_check  # every row is the template's render of its own

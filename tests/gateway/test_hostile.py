@@ -15,7 +15,6 @@ import pytest
 
 from fsm.api import RolloutEngine
 from fsm.gateway import Gateway, GatewayLimits, HarnessCall, harness
-from fsm.run.engine import owned
 from tests.conftest import extra
 from tests.gateway.conftest import row, scripted
 
@@ -49,14 +48,14 @@ def run(
     backend = scripted(tokenizer, turns)
     with RolloutEngine(str(path), tokenizer, backend=backend) as engine:
         if gateway is not None:
-            engine._run_sync(_attach(gateway, backend))
+            _attach(gateway, engine)
         return engine._run_sync(engine.arun(rows)), backend
 
 
-async def _attach(gateway: Gateway, backend: Any) -> None:
-    """`gateway` is the running engine's (`backend`'s)."""
-    await gateway.start()
-    gateway.attach(owned())
+def _attach(gateway: Gateway, engine: Any) -> None:
+    """`gateway` is `engine`'s: its harness states use it (started on the engine's loop at the first, closed with
+    the engine), as fsm/gateway/serve.py `serve` attaches one."""
+    gateway.attach(engine.owned)
 
 
 async def post(

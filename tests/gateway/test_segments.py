@@ -39,7 +39,7 @@ def run(path: Path, tokenizer: Any, gateway: Gateway | None = None) -> tuple[lis
     backend = Recording(tokenizer)
     with RolloutEngine(str(path), tokenizer, backend=backend) as engine:
         if gateway is not None:
-            engine._run_sync(_attach(gateway, backend))
+            _attach(gateway, engine)
         trajs = engine._run_sync(engine.arun([row()]))
         limits = engine.agent.limits
         for traj in trajs:  # --check-tokens: each segment is the template's render of its own conversation

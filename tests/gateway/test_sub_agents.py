@@ -140,7 +140,7 @@ def run(tmp_path: Path, tokenizer: Any, name: str) -> Any:
     backend = ScriptedBackend(ToolScript(tokenizer, STEPS))
     path = spec(tmp_path, f"tests.gateway.test_sub_agents:{name}", LIMITS)
     with RolloutEngine(str(path), tokenizer, backend=backend, check_tokens=True) as engine:
-        engine._run_sync(_attach(Gateway(limits=GatewayLimits()), backend))
+        _attach(Gateway(limits=GatewayLimits()), engine)
         (traj,) = engine._run_sync(engine.arun([row()]))
     assert traj.extra["harness"] == {"outcome": "returned", "result": "Done."}, traj.extra
     assert traj.token_check is None, traj.token_check  # every row is the template's render of its own

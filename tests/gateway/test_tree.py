@@ -46,7 +46,7 @@ class ByPrompt(ScriptedBackend):
 def run(path: Path, tokenizer: Any, backend: ScriptedBackend, gateway: Gateway | None = None, rows: int = 1):
     with RolloutEngine(str(path), tokenizer, backend=backend) as engine:
         if gateway is not None:
-            engine._run_sync(_attach(gateway, backend))
+            _attach(gateway, engine)
         trajs = engine._run_sync(engine.arun([row() for _ in range(rows)]))
         for (
             traj
