@@ -9,13 +9,9 @@ import socket
 import pytest
 
 from fsm.api import RolloutEngine
-from fsm.run.engine import Owned, owned
+from fsm.run.engine import Owned
 from tests.conftest import extra
 from tests.gateway.conftest import row, scripted
-
-
-async def _owned() -> Owned:
-    return owned()
 
 
 def _mine(services: Owned, key: str):
@@ -40,7 +36,7 @@ def test_two_engines_share_no_gateway_state_and_each_closes_its_own(tokenizer):
     try:
         done = [a._run_sync(a.arun([row()])), b._run_sync(b.arun([row()]))]
         assert all(t.extra["harness"]["outcome"] == "returned" for trajs in done for t in trajs)
-        mine_a, mine_b = a._run_sync(_owned()), b._run_sync(_owned())
+        mine_a, mine_b = a.owned, b.owned  # what owned() is in each engine's runs
         assert mine_a is not mine_b
         gateway_a, gateway_b = _mine(mine_a, "gateway"), _mine(mine_b, "gateway")
         assert gateway_a is not gateway_b and gateway_a.port != gateway_b.port
@@ -58,7 +54,7 @@ def test_two_engines_share_no_gateway_state_and_each_closes_its_own(tokenizer):
         b.close()
     assert _refused(gateway_b.port)
     with pytest.raises(RuntimeError, match="closed"):
-        a._run_sync(_owned())
+        a._run_sync(a.arun([row()]))
 
 
 def test_a_served_gateway_is_the_engines_and_closes_with_it(tokenizer):
@@ -72,7 +68,7 @@ def test_a_served_gateway_is_the_engines_and_closes_with_it(tokenizer):
         gateway = serve(engine)
         (traj,) = engine._run_sync(engine.arun([row()]))
         assert traj.extra["harness"]["outcome"] == "returned"
-        assert _mine(engine._run_sync(_owned()), "gateway") is gateway and gateway.port
+        assert _mine(engine.owned, "gateway") is gateway and gateway.port
         with pytest.raises(ValueError, match="has a gateway already"):
             serve(engine)
     finally:
