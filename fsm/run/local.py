@@ -28,7 +28,7 @@ from fsm.run.journal import write as write_journal
 from fsm.run.runtime import Runner
 from fsm.run.stream import Group, Stream
 from fsm.run.trajectory import Trajectory
-from fsm.tools.isolation import copy_outcome
+from fsm.tools.isolation import close_loop, copy_outcome
 
 T = TypeVar("T")
 PAUSE_TIMEOUT_S = 10.0  # a snapshot's pause of the servers (abort mode) waits at most this long
@@ -107,13 +107,7 @@ class LoopThread:
             self.loop.run_forever()
         except BaseException:  # a callback raised SystemExit/KeyboardInterrupt out of it: the loop is gone
             return
-        tasks = asyncio.all_tasks(self.loop)
-        for task in tasks:
-            task.cancel()
-        self.loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
-        self.loop.run_until_complete(self.loop.shutdown_asyncgens())
-        self.loop.run_until_complete(self.loop.shutdown_default_executor())
-        self.loop.close()
+        close_loop(self.loop)
 
     def current(self) -> bool:
         """Whether the caller runs on this loop."""
