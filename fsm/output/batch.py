@@ -149,14 +149,7 @@ def collate(
     versions = right("response_versions", np.int32, -1, np.int64)
     versions[mask == 0] = -1  # a token the model did not generate has no version, whatever was recorded
 
-    # attention: 1 on the prompt's last p_len columns and the response's first r_len; positions count them
-    attention = np.empty((B, P + R), dtype=np.int64)
-    position = np.empty((B, P + R), dtype=np.int64)
-    counting = np.arange(P + R, dtype=np.int64)
-    for row, pos, pl, rl in zip(attention, position, (P - p_len).tolist(), (P + r_len).tolist()):
-        row[:pl], row[pl:rl], row[rl:] = 0, 1, 0
-        pos[:pl], pos[pl:rl], pos[rl:] = 0, counting[: rl - pl], max(rl - pl - 1, 0)
-
+    attention, position = _attention_positions(P, R, p_len, r_len)
     tensors: dict[str, torch.Tensor] = {
         "prompts": torch.from_numpy(input_ids[:, :P].copy()),
         "responses": torch.from_numpy(input_ids[:, P:].copy()),
@@ -177,15 +170,7 @@ def collate(
             right("response_logprobs", np.float32, 0.0, np.float32)
         )
     if trajs and all(t.reward_score is not None for t in owners):
-        every = reward_placement == "every"
-        scores = [
-            t.reward_score if every or k == t.num_segments - 1 else 0.0 for t, k in zip(owners, seg_index)
-        ]
-        rm = np.zeros((B, R), dtype=np.float32)
-        # verl: attention_mask[:, P:].sum(1) - 1, so an empty (failed) response's score lands at -1, the
-        # last column: its reward still counts in a group's sum (GRPO), on a masked position
-        rm[np.arange(B), r_len - 1] = np.asarray(scores, dtype=np.float32)
-        tensors["rm_scores"] = torch.from_numpy(rm)
+        tensors["rm_scores"] = torch.from_numpy(_reward_rows(owners, seg_index, r_len, R, reward_placement))
 
     batch = TensorDict(tensors, batch_size=[B])
     meta: dict[str, Any] = {
@@ -208,6 +193,33 @@ def collate(
     non_tensors["num_segments"] = np.asarray([t.num_segments for t in owners], dtype=np.int32)
     non_tensors.update(tree_columns(owners, seg_index, weights, default_policy))
     return RolloutBatch(batch, non_tensors, meta)
+
+
+def _attention_positions(
+    P: int, R: int, p_len: np.ndarray, r_len: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Attention 1 on the prompt's last p_len columns and the response's first r_len; positions count them."""
+    B = len(p_len)
+    attention = np.empty((B, P + R), dtype=np.int64)
+    position = np.empty((B, P + R), dtype=np.int64)
+    counting = np.arange(P + R, dtype=np.int64)
+    for row, pos, pl, rl in zip(attention, position, (P - p_len).tolist(), (P + r_len).tolist()):
+        row[:pl], row[pl:rl], row[rl:] = 0, 1, 0
+        pos[:pl], pos[pl:rl], pos[rl:] = 0, counting[: rl - pl], max(rl - pl - 1, 0)
+    return attention, position
+
+
+def _reward_rows(
+    owners: Sequence[Trajectory], seg_index: Sequence[int], r_len: np.ndarray, R: int, placement: str
+) -> np.ndarray:
+    """Each row's score on its last response token (`placement` "last": a trajectory's last segment only)."""
+    every = placement == "every"
+    scores = [t.reward_score if every or k == t.num_segments - 1 else 0.0 for t, k in zip(owners, seg_index)]
+    rm = np.zeros((len(owners), R), dtype=np.float32)
+    # verl: attention_mask[:, P:].sum(1) - 1, so an empty (failed) response's score lands at -1, the
+    # last column: its reward still counts in a group's sum (GRPO), on a masked position
+    rm[np.arange(len(owners)), r_len - 1] = np.asarray(scores, dtype=np.float32)
+    return rm
 
 
 def tree_weights(roots: Sequence[Trajectory], weight: str, default: str = "default") -> dict[int, float]:
