@@ -85,6 +85,27 @@ def to_array(ids: list[int]) -> array:
     return out
 
 
+def extend_array(out: array, items: Any) -> None:
+    """`out.extend(items)` by the fastest path: an encoder's own array of the ids (`Ids`) copied whole, a list
+    through `fromlist` (`extend` converts a list's items one at a time, through its iterator)."""
+    if isinstance(items, Ids) and items.packed.typecode == out.typecode:
+        out.extend(items.packed)
+    elif isinstance(items, list):
+        out.fromlist(items)
+    else:
+        out.extend(items)
+
+
+def expand_runs(runs: array, n: int) -> array:
+    """Per-token values of `n` tokens from their runs [start, value, start, value...]: a trajectory's weight
+    versions (fsm/run/trajectory.py), kept as one run per model turn."""
+    out = array("i")
+    for k in range(0, len(runs), 2):
+        end = runs[k + 2] if k + 2 < len(runs) else n
+        out.extend(array("i", (runs[k + 1],)) * (end - runs[k]))
+    return out
+
+
 _HOLDS_GIL = 1024  # the longest piece tokenized by `encode`, which holds the GIL (a few ms at most)
 
 

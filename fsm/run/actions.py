@@ -17,10 +17,11 @@ from typing import Any
 from backends.base import BackendTimeout, GenerateRequest, GenerationAborted
 from fsm.data.rows import RowError, encodable, prompt_messages, score_fault
 from fsm.families.codec import UnknownRole
+from fsm.families.pieces import extend_array
 from fsm.run.context import RunContext
 from fsm.run.failures import StateFailure
 from fsm.run.policy import sync_template
-from fsm.run.trajectory import Trajectory, extend_array, first_segment
+from fsm.run.trajectory import Trajectory, first_segment
 from fsm.run.tree import RUN_NODE_BOUND, run_child
 
 

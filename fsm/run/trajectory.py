@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from backends.base import PromptIds
 from fsm.data.rows import encodable
-from fsm.families.pieces import Ids, to_array
+from fsm.families.pieces import expand_runs, extend_array, to_array
 from fsm.run.failures import Failure
 
 if TYPE_CHECKING:
@@ -102,26 +102,6 @@ class TokenRuns:
         return None
 
 
-def _expand_versions(runs: array, n: int) -> array:
-    """Per-token weight versions of `n` tokens from their runs [start, version, start, version...]."""
-    out = array("i")
-    for k in range(0, len(runs), 2):
-        end = runs[k + 2] if k + 2 < len(runs) else n
-        out.extend(array("i", (runs[k + 1],)) * (end - runs[k]))
-    return out
-
-
-def extend_array(out: array, items: Any) -> None:
-    """`out.extend(items)` by the fastest path: an encoder's own array of the ids (fsm/families/pieces.py Ids)
-    copied whole, a list through `fromlist` (`extend` converts a list's items one at a time, through its iterator)."""
-    if isinstance(items, Ids) and items.packed.typecode == out.typecode:
-        out.extend(items.packed)
-    elif isinstance(items, list):
-        out.fromlist(items)
-    else:
-        out.extend(items)
-
-
 @dataclass(slots=True, eq=False)
 class Segment:
     """One training row of a trajectory: a prompt, then everything appended to it until the next rewrite.
@@ -149,7 +129,7 @@ class Segment:
 
     @property
     def response_versions(self) -> array:
-        return _expand_versions(self.version_runs, len(self.response_ids))
+        return expand_runs(self.version_runs, len(self.response_ids))
 
     def context_ids(self) -> list[int]:
         return self.prompt_ids.tolist() + self.response_ids.tolist()
@@ -398,7 +378,7 @@ class Trajectory:
     @property
     def response_versions(self) -> array:
         """The weight version that produced each response token, -1 on mask 0 (expanded from the runs)."""
-        return _expand_versions(self._version_runs, len(self.response_ids))
+        return expand_runs(self._version_runs, len(self.response_ids))
 
     @response_versions.setter
     def response_versions(self, versions: Iterable[int]) -> None:
