@@ -1,27 +1,18 @@
 """YAML -> AgentSpec with every problem reported as `path:line:col: code: message`.
 
-Positions come from ruamel.yaml's round-trip loader. `extends:` merges a child over its base (mappings
-merge key by key, lists and scalars replace); each merged key keeps the position of the file that defined
-it, so a problem inherited from a base spec points into the base file, and says which spec it was reached
-from.
+Positions come from ruamel.yaml's round-trip loader. `extends:` merges a child over its base (mappings key
+by key, lists and scalars replace); a merged key keeps the position of the file that defined it, so an
+inherited problem points into the base file and says which spec reached it.
 
-Reading is bounded, because `agentfsm validate` reads specs in editors and CI before anyone has decided to
-trust them, so reading one must cost little whatever it holds, and every way it can fail is a positioned
-problem, never a traceback:
-
-- bytes: the file (and its `extends:` bases, which share one budget) is read `MAX_BYTES + 1` at a time at
-  most, and only if it is a regular file (`/dev/zero` or a pipe would never end);
-- nodes: every mapping, sequence and scalar counts, aliases expanded, so a "billion laughs" fails at the
-  alias that crosses `MAX_NODES` instead of growing every walk of the document after it;
-- depth: mappings and sequences nest at most `MAX_DEPTH` deep (aliases expanded), which also keeps the
-  recursive walks after parsing (ruamel's composer, the position recorder, pydantic) far from the
-  recursion limit;
-- tags: a spec is data, so `!!python/...`, `!foo` and every tag beyond YAML's core scalars and
-  collections are refused where they stand.
-
-The counting happens in the parser's event stream as ruamel's composer pulls it, so the limits stop the
-parse itself and the document is parsed once; the scanner bounds `[` and `{` nesting itself (its look-ahead
-per open bracket makes deep unclosed nesting slow before the parser sees it).
+`agentfsm validate` reads specs in editors and CI before anyone trusts them, so reading is bounded and every
+failure is a positioned problem, never a traceback. Bytes: `MAX_BYTES + 1` at most for a spec and its bases
+together, of regular files only (`/dev/zero` or a pipe never ends). Nodes: aliases expanded, so a "billion
+laughs" fails at the alias that crosses `MAX_NODES`. Depth: `MAX_DEPTH`, aliases expanded, which also keeps
+the recursive walks after parsing (ruamel's composer, the position recorder, pydantic) far from the recursion
+limit. Tags: a spec is data, so every tag beyond YAML's core scalars and collections is refused where it
+stands. The counting happens in the parser's event stream as ruamel's composer pulls it, so the limits stop
+the parse itself; the scanner bounds `[` and `{` nesting itself (its look-ahead per open bracket makes deep
+unclosed nesting slow before the parser sees it).
 """
 
 from __future__ import annotations

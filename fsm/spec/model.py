@@ -1,8 +1,8 @@
-"""Agent specs: the YAML format as pydantic models, plus loading with `extends:` and JSON Schema export.
+"""Agent specs: the YAML format as pydantic models, and its JSON Schema (`json_schema`); loader.py reads files.
 
-A spec is data. Guards, actions, tools, interactions and reward functions are referenced by name (built-ins
-or registered) or by import path `package.module:attr`; `fsm.validate` resolves them and reports problems
-with file positions. This module only knows the shape of a spec.
+A spec is data: guards, actions, tools, interactions and reward functions are named (built-ins or registered)
+or given as import paths `package.module:attr`, which `fsm.validate` resolves. This module only knows the
+shape of a spec.
 """
 
 from __future__ import annotations

@@ -1,19 +1,15 @@
-"""Names the YAML can use: registries of guards and actions, and `module:attr` import paths.
+"""Names the YAML can use: registries of guards and actions (`@fsm.guard("name")`, `@fsm.action("name")` in a
+module the spec lists under `imports:`) and `module:attr` import paths. XState-style: the spec names
+behaviour, Python implements it.
 
-XState-style: the spec names behaviour, Python implements it. A user registers a guard with
-`@fsm.guard("name")` (or an action with `@fsm.action("name")`) in a module the spec lists under
-`imports:`, or references a callable directly by import path.
+A spec is code: its import paths run when it is compiled, and a tool's arguments come from the model. So the
+standard library but SAFE_STDLIB, and the loaders that run code hidden in their input (CODE_LOADERS), are
+refused unless the spec opts in: a guard-rail against a careless or model-suggested `function: os:system`,
+not a sandbox (any third-party module can do the same things).
 
-A spec is code: its import paths run when it is compiled, and a tool's arguments come from the model. So
-import paths into the standard library are refused, but for a short list of modules that only compute
-(SAFE_STDLIB), unless the spec opts in (`trust: {allow_modules: [os]}`): a guard-rail against a careless or
-model-suggested `function: os:system` or its aliases (`_socket`, `distutils.spawn`), not a sandbox (any
-third-party module can do the same things). The third-party loaders that run code hidden in their input
-(`torch:load`, `numpy:load`, `yaml:unsafe_load`, dill...) are refused the same way (CODE_LOADERS).
-
-Guards are pure, synchronous predicates over a trajectory. A guard expression in YAML is a name,
-`{name: param}`, or `{all: [...]}` / `{any: [...]}` / `{not: ...}`; `compile_guard` turns it into one closure
-once per spec, so nothing is parsed or looked up per trajectory.
+Guards are pure, synchronous predicates over a trajectory: a name, `{name: param}`, or `{all: [...]}` /
+`{any: [...]}` / `{not: ...}`, compiled once per spec into one closure (`compile_guard`), so nothing is
+parsed or looked up per trajectory.
 """
 
 from __future__ import annotations
