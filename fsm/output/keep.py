@@ -291,6 +291,28 @@ class Rollout:
     resumed: Loaded | None = None  # what a resume found in the journal
 
 
+def _write_rows(staging: Path, run: Rollout, files: dict[str, Any]) -> None:
+    """The batch files and trajectories.jsonl (a tree's nodes follow its root, one record each: docs/trees.md)."""
+    # imported here: torch stays out of the commands that never write a batch (`validate`, `show`)
+    from fsm.output.batch import save_batch, tree_weights
+
+    engine, agent, trajs = run.engine, run.engine.agent, run.trajs
+    for name, one in files.items():
+        try:
+            # loadable with torch.load's weights_only=True (fsm/output/batch.py)
+            save_batch(one, staging / name)
+        except RuntimeError as exc:  # torch's writer reports a full disk as a RuntimeError
+            raise OSError(f"{name}: {str(exc).splitlines()[0] if str(exc) else 'write failed'}") from exc
+    weights = tree_weights(trajs, agent.spec.tree.weight, agent.spec.policy)
+    with (staging / "trajectories.jsonl").open("w") as f:
+        for root in trajs:
+            for traj in nodes_of(root):
+                record = trajectory_record(
+                    traj, engine.codec, weight=weights.get(id(traj), 0.0), policy=agent.spec.policy
+                )
+                f.write(json_text(record, ensure_ascii=False) + "\n")
+
+
 @dataclass
 class RunDir:
     """The directory a run is kept in (see the module docstring); `run_id` names the run in its summary and
@@ -372,10 +394,7 @@ class RunDir:
         each file holds. When the directory refuses them (a full disk...), they go to a fallback directory,
         named in the error (RunDirError): a finished rollout is never lost to a write. RunInterrupted when
         Ctrl-C lands while they are written."""
-        # imported here: torch stays out of the commands that never write a batch (`validate`, `show`)
-        from fsm.output.batch import fault_summary, save_batch, summarize, tree_weights
-
-        engine, agent, out, trajs = run.engine, run.engine.agent, self.out, run.trajs
+        out = self.out
         files = (
             {policy_batch_file(p): b for p, b in batch.items()}
             if isinstance(batch, dict)
@@ -383,50 +402,8 @@ class RunDir:
         )
 
         def write(staging: Path) -> dict[str, Any]:
-            for name, one in files.items():
-                try:
-                    # loadable with torch.load's weights_only=True (fsm/output/batch.py)
-                    save_batch(one, staging / name)
-                except RuntimeError as exc:  # torch's writer reports a full disk as a RuntimeError
-                    raise OSError(
-                        f"{name}: {str(exc).splitlines()[0] if str(exc) else 'write failed'}"
-                    ) from exc
-            weights = tree_weights(trajs, agent.spec.tree.weight, agent.spec.policy)
-            with (staging / "trajectories.jsonl").open("w") as f:
-                for root in trajs:  # a tree's nodes follow its root, one record each (docs/trees.md)
-                    for traj in nodes_of(root):
-                        record = trajectory_record(
-                            traj, engine.codec, weight=weights.get(id(traj), 0.0), policy=agent.spec.policy
-                        )
-                        f.write(json_text(record, ensure_ascii=False) + "\n")
-            counts = summarize(trajs)
-            counts.update(
-                spec=str(agent.path),
-                agent=agent.name,
-                spec_hash=agent.hash,
-                wall_s=round(run.wall, 3),
-                timing=next(iter(files.values())).meta_info["timing"],  # the root policy's batch
-                router=run.router_stats,
-            )
-            counts["server_faults"] = fault_summary(trajs, run.router_stats)
-            counts["fsm"] = run_stats(agent, trajs)
-            if (contained := containment(trajs)) is not None:
-                counts["containment"] = contained
-            if (tracer := cast(Any, engine.tracer)) is not None:  # Telemetry's counts (fsm/telemetry)
-                counts["tracing"] = tracer.stats()
-            summary = {
-                "status": "interrupted" if run.interrupted else "completed",
-                "run_id": self.run_id,
-                "rows_expected": run.expected,
-                "files": {
-                    **{name: {"rows": len(b)} for name, b in files.items()},
-                    "trajectories.jsonl": {"rows": sum(len(nodes_of(t)) for t in trajs)},
-                },
-                "error_rate": round(sum(t.failed for t in trajs) / len(trajs), 4),
-                "rollout_cpu_s": round(run.cpu, 3),
-                **counts,
-                **run.more,
-            }
+            _write_rows(staging, run, files)
+            summary = self._summary(run, files)
             (staging / "summary.json").write_text(json_text(summary, indent=2, default=str) + "\n")
             return summary
 
@@ -449,6 +426,40 @@ class RunDir:
                 f"({getattr(exc2, 'strerror', None) or exc2}): the run is lost"
             ) from None
         raise RunDirError(f"{out}: cannot write the run's outputs ({reason}); they are kept in {kept}")
+
+    def _summary(self, run: Rollout, files: dict[str, Any]) -> dict[str, Any]:
+        """summary.json: how the run ended, how many rows each file holds, and the run's counts."""
+        from fsm.output.batch import fault_summary, summarize
+
+        engine, agent, trajs = run.engine, run.engine.agent, run.trajs
+        counts = summarize(trajs)
+        counts.update(
+            spec=str(agent.path),
+            agent=agent.name,
+            spec_hash=agent.hash,
+            wall_s=round(run.wall, 3),
+            timing=next(iter(files.values())).meta_info["timing"],  # the root policy's batch
+            router=run.router_stats,
+        )
+        counts["server_faults"] = fault_summary(trajs, run.router_stats)
+        counts["fsm"] = run_stats(agent, trajs)
+        if (contained := containment(trajs)) is not None:
+            counts["containment"] = contained
+        if (tracer := cast(Any, engine.tracer)) is not None:  # Telemetry's counts (fsm/telemetry)
+            counts["tracing"] = tracer.stats()
+        return {
+            "status": "interrupted" if run.interrupted else "completed",
+            "run_id": self.run_id,
+            "rows_expected": run.expected,
+            "files": {
+                **{name: {"rows": len(b)} for name, b in files.items()},
+                "trajectories.jsonl": {"rows": sum(len(nodes_of(t)) for t in trajs)},
+            },
+            "error_rate": round(sum(t.failed for t in trajs) / len(trajs), 4),
+            "rollout_cpu_s": round(run.cpu, 3),
+            **counts,
+            **run.more,
+        }
 
     def finish(self, run: Rollout) -> RunInterrupted | None:
         """After `write`: a finished run's journal ends (kept, for `agentfsm replay`: nothing to resume); an

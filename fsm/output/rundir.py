@@ -387,6 +387,46 @@ def _ground_truth(row: Any) -> Any:
     return str(truth.tolist() if hasattr(truth, "tolist") else truth)
 
 
+def _turns(seg: Any, decode: Callable[[list[int]], str | None]) -> list[dict[str, Any]]:
+    """A segment's token runs as turns: role, text, mask, token count, and a model turn's weight versions."""
+    ids = seg.response_ids.tolist()
+    versions = seg.response_versions.tolist() if hasattr(seg, "response_versions") else []
+
+    def turn_versions(run: Any) -> list[int] | None:
+        """The distinct weight versions of a model turn's tokens, in order (one unless updated mid-turn)."""
+        if run.role != "assistant" or not versions:
+            return None
+        return sorted(set(versions[run.start : run.end]))
+
+    return [
+        {
+            "role": run.role,
+            "text": decode(ids[run.start : run.end]),
+            "mask": 1 if run.role == "assistant" else 0,
+            "n_tokens": run.end - run.start,
+            **({"weight_versions": v} if (v := turn_versions(run)) else {}),
+        }
+        for run in seg.runs
+    ]
+
+
+def _notes(traj: Any) -> dict[str, Any]:
+    """The record's optional fields: a harness row's gateway session, notes and ending, failures, token check."""
+    notes: dict[str, Any] = {}
+    extra = getattr(traj, "extra", {})
+    if extra.get("harness_session"):  # a harness row's gateway session (fsm/gateway/harness.py)
+        notes["gateway_session"] = extra["harness_session"]
+    if extra.get("gateway_notes"):  # what the gateway changed in a harness's requests (fsm/gateway/record.py)
+        notes["gateway_notes"] = list(extra["gateway_notes"])
+    if isinstance(extra.get("harness"), dict):  # how its harness ended: outcome, error, exit_code, result
+        notes["harness"] = extra["harness"]
+    if getattr(traj, "failures", None):  # what a state's rules handled, in order (fsm/run/failures.py)
+        notes["failures"] = [f.record() for f in traj.failures]
+    if getattr(traj, "token_check", None):  # --check-tokens: the first difference from a re-render
+        notes["token_check"] = traj.token_check
+    return notes
+
+
 def trajectory_record(
     traj: Any, codec: Any = None, *, weight: float | None = None, policy: str = "default"
 ) -> dict[str, Any]:
@@ -400,28 +440,7 @@ def trajectory_record(
             return None
         return codec.decode(part, skip_special_tokens=False)
 
-    def runs(seg: Any) -> list[dict[str, Any]]:
-        ids = seg.response_ids.tolist()
-        versions = seg.response_versions.tolist() if hasattr(seg, "response_versions") else []
-
-        def turn_versions(run: Any) -> list[int] | None:
-            """The distinct weight versions of a model turn's tokens, in order (one unless updated mid-turn)."""
-            if run.role != "assistant" or not versions:
-                return None
-            return sorted(set(versions[run.start : run.end]))
-
-        return [
-            {
-                "role": run.role,
-                "text": decode(ids[run.start : run.end]),
-                "mask": 1 if run.role == "assistant" else 0,
-                "n_tokens": run.end - run.start,
-                **({"weight_versions": v} if (v := turn_versions(run)) else {}),
-            }
-            for run in seg.runs
-        ]
-
-    turns = runs(traj)
+    turns = _turns(traj, decode)
     span = traj.weight_versions() if hasattr(traj, "weight_versions") else None
     record = {
         "index": traj.index,
@@ -443,17 +462,7 @@ def trajectory_record(
     if hasattr(traj, "node"):
         record.update(tree_record(traj, 0, policy))
         record["weight"] = weight if weight is not None else 1.0 / traj.num_segments
-    extra = getattr(traj, "extra", {})
-    if extra.get("harness_session"):  # a harness row's gateway session (fsm/gateway/harness.py)
-        record["gateway_session"] = extra["harness_session"]
-    if extra.get("gateway_notes"):  # what the gateway changed in a harness's requests (fsm/gateway/record.py)
-        record["gateway_notes"] = list(extra["gateway_notes"])
-    if isinstance(extra.get("harness"), dict):  # how its harness ended: outcome, error, exit_code, result
-        record["harness"] = extra["harness"]
-    if getattr(traj, "failures", None):  # what a state's rules handled, in order (fsm/run/failures.py)
-        record["failures"] = [f.record() for f in traj.failures]
-    if getattr(traj, "token_check", None):  # --check-tokens: the first difference from a re-render
-        record["token_check"] = traj.token_check
+    record.update(_notes(traj))
     if (last := tree_fields(traj, len(traj.closed))) is not None:  # the top-level row's place in its tree
         record.update(last)
     if getattr(traj, "closed", ()):
@@ -465,7 +474,7 @@ def trajectory_record(
                 "state": path[min(seg.at, len(path) - 1)],
                 "prompt": decode(seg.prompt_ids.tolist()),
                 "prompt_tokens": len(seg.prompt_ids),
-                "turns": runs(seg) if seg.index < len(traj.closed) else turns,
+                "turns": _turns(seg, decode) if seg.index < len(traj.closed) else turns,
                 **(tree_fields(traj, seg.index) or {}),
             }
             for seg in traj.segments
