@@ -130,7 +130,7 @@ async def test_a_chunk_resumed_after_weight_updates_goes_on_from_its_journal(tmp
     attempt's journal says which versions its tokens may carry (its `run` record's `weight_version`, a `weights`
     record for each older one a carried trajectory holds and for each new one served while it runs), so the next
     attempt reads it back; before, every such token read as a version never served, and the chunk ran again from
-    the start (`refused`)."""
+    the start (`refused`). Its rows go on with the weights their last tokens came from, as a resumed run's."""
     log = tmp_path / "answers.log"
     runner = Runner(
         load_agent("calculator"),
@@ -145,7 +145,6 @@ async def test_a_chunk_resumed_after_weight_updates_goes_on_from_its_journal(tmp
 
     runner.gate.version = 3
     await attempt(runner, tmp_path, "cut", 0, lambda t: t.assistant_turns >= 1)
-    runner.gate.version = 4  # new weights between the attempts
     await attempt(runner, tmp_path, "cut", 1, new_weights_then_park)
     last = await attempt(runner, tmp_path, "cut", 2, None)
     assert last is not None
@@ -153,3 +152,36 @@ async def test_a_chunk_resumed_after_weight_updates_goes_on_from_its_journal(tmp
     assert counts["resumed"] == 2 * N and counts["refused"] == counts["restarted"] == 0
     assert {v for t in trajs for v in t.response_versions.tolist() if v >= 0} == {3, 5}
     assert sorted(Counter(log.read_text().split("\n")[:-1]).values()) == [1] * (2 * N * TURNS)
+
+
+async def test_a_chunk_resumed_under_newer_weights_is_refused_in_one_line_and_runs_from_the_start(
+    tmp_path, caplog
+):
+    """The check a resumed run makes (fsm/run/resume.py `weights_change`): an update between the actor's death and
+    the next attempt would have its rows go on with weights their last tokens did not come from. Before, the chunk
+    went on (resumed 2 * N, its rows' tokens of versions 3 and 4)."""
+    log = tmp_path / "answers.log"
+    runner = Runner(
+        load_agent("calculator"),
+        LoggedTurns(str(log), str(ASSETS), 0.0)(),
+        load_tokenizer(str(ASSETS)),
+        max_concurrency=8,
+    )
+    runner.gate.version = 3
+    await attempt(runner, tmp_path, "cut", 0, lambda t: t.assistant_turns >= 1)
+    [(_, path)] = chunk_files(tmp_path, "cut", 0)
+    runner.gate.version = 4  # new weights between the attempts
+    last = await attempt(runner, tmp_path, "cut", 1, None)
+    assert last is not None
+    trajs, counts = last
+    assert counts["refused"] == 1 and counts["resumed"] == counts["recovered"] == 0
+    [said] = [r.getMessage() for r in caplog.records if r.name == "agentfsm.ray"]
+    assert said == (
+        f"agentfsm: {path}: {2 * N} unfinished trajectories were generated with weight version 3, but the engine's "
+        f"model ({type(runner.backend).__name__}) now serves weight version 4; its chunk runs again from the start"
+    )
+    assert chunk_files(tmp_path, "cut", 0) == []
+    assert {v for t in trajs for v in t.response_versions.tolist() if v >= 0} == {4}
+    assert all(t.assistant_turns == TURNS and t.error is None for t in trajs)
+    answers = Counter(s.split()[1] for s in log.read_text().split("\n")[:-1])
+    assert answers == {"0": 2 * 2 * N, "1": 2 * N, "2": 2 * N}  # the first turns twice: run from the start

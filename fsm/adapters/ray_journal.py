@@ -8,7 +8,9 @@ the chunk's dispatches. An actor taking attempt k reads the newest earlier attem
 `load`), writes what it found whole into its own file, removes the earlier ones, and runs only what is
 unfinished (a tree's nodes likewise, fsm/run/treejournal.py). A file is removed when its chunk comes back. Like
 a run's journal it records the weight versions its tokens may carry (the actor's gate's, as the driver's updates
-count them), so that the next attempt does not refuse them as never served.
+count them), so that the next attempt does not refuse them as never served; and like a resumed run, its rows go
+on only with the weights their last tokens came from (fsm/run/resume.py `weights_change`): after an update between
+the attempts the chunk runs again from the start.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any
 from fsm.run.codec import JournalError, decode_trajectory, encode_sampling
 from fsm.run.context import Sampling
 from fsm.run.journal import Recorder, Writer, records
-from fsm.run.resume import load
+from fsm.run.resume import load, served_by, weights_change
 from fsm.run.trajectory import Trajectory
 from fsm.run.treejournal import Agents, restore_tree, tree_nodes
 
@@ -94,6 +96,9 @@ def open_chunk(
     if earlier:
         try:
             loaded = load(earlier[-1], runner.agent, runner.codec)
+            # a resumed run's check: its rows go on only with the weights their last tokens came from
+            if (change := weights_change(loaded, runner.gate.version, served_by(runner.backend))) is not None:
+                raise JournalError(f"{earlier[-1]}: {change.what}")
             agents = Agents()
             for g in loaded.data["groups"]:
                 for td in g["trajectories"]:
