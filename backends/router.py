@@ -182,9 +182,8 @@ class Router(BaseBackend):
 
     async def close(self) -> None:
         if self._health_task is not None:
-            self._health_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._health_task
+            self._health_task.cancel()  # awaited for its end, not its CancelledError: a caller's own stays
+            await asyncio.wait({self._health_task})
             self._health_task = None
         for s in self.servers:
             if isinstance(s.backend, Lifecycle):
@@ -205,8 +204,9 @@ class Router(BaseBackend):
         health = getattr(s.backend, "health", None)
         ok = True
         if health is not None:
-            try:
-                ok = bool(await asyncio.wait_for(health(), self.health_timeout_s))
+            try:  # not wait_for: on 3.11 it returns an answer that came as the probe was cancelled (close())
+                async with asyncio.timeout(self.health_timeout_s):
+                    ok = bool(await health())
             except Exception:
                 ok = False
         s.healthy = ok and time.monotonic() >= s.down_until  # a failed server sits out its cooldown

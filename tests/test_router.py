@@ -341,3 +341,26 @@ async def test_by_turn_sets_the_requests_priority_from_its_turn():
             await router.generate(GenerateRequest("s", [1, 2, 3], {"max_new_tokens": 4}, turn=turn))
         await router.generate(GenerateRequest("s", [1, 2, 3], {"max_new_tokens": 4}, turn=5, priority=2))
     assert seen == [0, -3, -8, 2]  # capped at 8 levels; a priority the caller set is kept
+
+
+async def test_close_returns_when_a_health_answer_arrives_as_it_closes():
+    """A /health answer that came in the loop iteration where close() cancels the probes: the probe must end,
+    not swallow the cancellation and probe on (asyncio.wait_for on 3.11 returned the answer instead), which
+    left close() waiting until something cancelled its caller (a benchmark's run that never returned)."""
+    answered = asyncio.Event()
+    probes = [0]
+
+    async def health() -> bool:
+        probes[0] += 1
+        await answered.wait()
+        return True
+
+    backend = echo_backend()
+    backend.health = health  # type: ignore[attr-defined]
+    router = Router([backend], health_interval_s=0.001)
+    await router.start()
+    await until(lambda: probes[0] == 1, "the first probe")
+    answered.set()  # the answer is ready when close() cancels the probe, in the same loop iteration
+    async with asyncio.timeout(5):
+        await router.close()
+    assert probes == [1]  # no probe after close() began (before the fix: probing on, ~1,000 more in 5 s)
