@@ -1,18 +1,16 @@
-"""The embedded tiny calculator model: a ~0.73M-parameter Qwen2 trained from scratch, shipped in assets/.
+"""The embedded tiny calculator model: a ~0.73M-parameter Qwen2 trained from scratch, shipped in assets/
+(built by build_tokenizer.py and train.py, checked by evaluate.py; everything loads offline).
 
-Built by build_tokenizer.py and train.py, checked by evaluate.py; everything loads offline.
+assets/early/ is an early checkpoint of the same architecture (config and weights only; `python -m
+backends.tiny.train --max-steps 300 --time-budget-s 1e9 --out DIR`), so that a weight update visibly changes
+what the model generates (tests/test_pause.py; its loss: docs/benchmarks.md).
 
-assets/early/ holds a second checkpoint of the same architecture (config and weights only): an early
-training step (`python -m backends.tiny.train --max-steps 300 --time-budget-s 1e9 --out DIR`, 300 steps,
-smoothed loss ~1.5 where the shipped model's is ~0.002), so that a weight update visibly changes what the
-model generates (tests/test_pause.py).
-
-assets/mid/ holds a checkpoint a binary reward can train from (examples/grpo.py), where `early` never gets a
-reward: step 1,800 of the shipped recipe, run on one CPU thread, its logits flattened by temperature 1.5
-(`train.flatten`: the final norm's gain divided by 1.5) so that it knows most answers but rarely samples
-them whole: the README's benchmark table has its accuracies. Made with
-`python -m backends.tiny.train --max-steps 9000 --time-budget-s 1e9 --stop-at-step 1800 --flatten 1.5
---out backends/tiny/assets/mid` (then the tokenizer files removed: it loads with ASSET_DIR's).
+assets/mid/ is one a binary reward can train from (examples/grpo.py), where `early` never gets a reward: step
+1,800 of the shipped recipe on one CPU thread, its logits flattened by temperature 1.5 (`train.flatten`: the
+final norm's gain divided by 1.5) so that it knows most answers but rarely samples them whole (accuracies:
+docs/benchmarks.md). Made with `python -m backends.tiny.train --max-steps 9000 --time-budget-s 1e9
+--stop-at-step 1800 --flatten 1.5 --out backends/tiny/assets/mid` (then the tokenizer files removed: it loads
+with ASSET_DIR's).
 """
 
 from __future__ import annotations

@@ -16,5 +16,5 @@ class Strict(BaseModel):
 # only at collation, after the whole rollout. A padded batch is rows x (prompt_length + response_length).
 MAX_TOKENS = 1 << 20
 MAX_TURNS = 100_000
-MAX_TRANSITIONS = 100_000  # a spinning cycle's path: ~2 MB a row, not the 180 MB 10**7 gave
+MAX_TRANSITIONS = 100_000  # a spinning cycle's path: what it costs a row, docs/errors.md ("Cycles")
 MAX_SECONDS = 7 * 24 * 3600.0
