@@ -1,8 +1,6 @@
-"""The standard OTEL_* variables, read through the OpenTelemetry SDK: its names for them
-(opentelemetry.sdk.environment_variables), its sampler from OTEL_TRACES_SAMPLER(_ARG), its header parser, its
-OTLP/HTTP exporter's defaults and compression names, and its precedence (the traces variable over the general
-one; a boolean is true only when it says "true"). Our OTLP exporter (fsm/telemetry/export.py) then sends what
-they configure with its own encoder."""
+"""The standard OTEL_* variables, read as the OpenTelemetry SDK reads them (its names, sampler, header parser,
+OTLP/HTTP defaults and precedence: the traces variable over the general one; a boolean is true only when it
+says "true"), so that our own OTLP exporter (export.py) sends what they configure."""
 
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
-"""The opt-in content of spans (content capture): a trajectory's conversation and a model call's token ids
-decoded, as GenAI JSON messages (`gen_ai.input.messages`, `gen_ai.output.messages`), one message per prompt
-message and per segment of the trajectory.
+"""Opt-in content capture: a trajectory's conversation and a model call's token ids decoded into GenAI JSON
+messages (`gen_ai.input.messages`, `gen_ai.output.messages`), one per prompt message and trajectory segment.
 
-Only with content capture on, when the call ends (on the event loop, where the engine's own tokenizer calls
-run: a tokenizer is not shared across threads). Special tokens are kept: the text is what the model saw.
-The spans that carry it are spans.py's; nothing here runs when capture is off.
+It runs only with capture on, when the call ends, on the event loop: the engine's tokenizer is not shared
+across threads. Special tokens are kept: the text is what the model saw.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
-"""Export: where ended spans go, and the rules they leave by, kept off the event loop.
+"""Export: where ended spans go, kept off the event loop, where the driver's spans end thousands a second.
 
-The driver's spans end on the event loop, thousands a second; anything slow there slows every trajectory.
-So for agentfsm's own exporters (`NativeExporter`: OTLP/HTTP, memory) an ended span is only appended to a
-queue (a bare `deque.append`), and one thread per exporter does the rest, with the rules of the SDK's
-BatchSpanProcessor (OTEL_BSP_*): a full queue evicts its oldest span, counted (`SpanCounts`, reported by the
-tracer's `flush()`/`stats()`), never silently. OTLP/HTTP is encoded straight from the queued spans (`_Encoder`,
-`OtlpHttpExporter`: the SDK's exporter costs several times more a span, docs/benchmarks.md). Any other
-exporter (console, the SDK's in-memory or OTLP one, yours) runs behind the SDK's own BatchSpanProcessor
-(`SdkPipeline`), which is given the SDK's ReadableSpan of each span as it ends.
+Our own exporters (`NativeExporter`: OTLP/HTTP, memory) get a queue that an ended span is only appended to,
+and a thread that does the rest (`SpanPipeline`); a dropped span is counted (`SpanCounts`, in the tracer's
+`flush()`/`stats()`), never silent. OTLP/HTTP is encoded straight from the queued spans (`OtlpHttpExporter`).
+Any other exporter (console, the SDK's, yours) runs behind the SDK's own BatchSpanProcessor (`SdkPipeline`).
 """
 
 from __future__ import annotations
@@ -93,13 +89,11 @@ class NativeExporter:
 class SpanPipeline(SpanProcessor):
     """One native exporter's queue and export thread, with the rules of the SDK's BatchSpanProcessor.
 
-    The queue is a deque(maxlen=max_queue_size) that the driver's spans are appended to as they end (a bare
-    `deque.append`, no Python call): appending to a full one evicts the oldest span, and the caller never
-    blocks. The thread wakes every `schedule_delay_millis`, or when the tracer sees a batch queued (it looks
-    after queueing each span), and exports everything queued in batches of
-    `max_export_batch_size`. The tracer counts the spans it queues, so evicted = ended - submitted - queued,
-    exact once the trajectories have finished (as after a flush).
-    Spans of `Telemetry.tracer` (SDK spans) come in through `on_end`, like any span processor's.
+    The driver appends each ended span to a deque(maxlen=max_queue_size) (a bare `deque.append`, no Python
+    call): a full one evicts its oldest span and the caller never blocks. The thread wakes every
+    `schedule_delay_millis`, or when the tracer sees a batch queued, and exports in batches of
+    `max_export_batch_size`. The tracer counts what it queues, so evicted = ended - submitted - queued, exact
+    after a flush. SDK spans (of `Telemetry.tracer`) come in through `on_end`.
     """
 
     def __init__(self, exporter: NativeExporter, name: str, sizes: QueueSizes):
@@ -365,17 +359,15 @@ class _Encoder:
 
 
 class OtlpHttpExporter(NativeExporter):
-    """OTLP/HTTP with protobuf bodies encoded here (`_Encoder`: the same bytes as the SDK's encoder, at a
-    fraction of its cost), sent with http.client over one kept-alive connection.
+    """OTLP/HTTP with protobuf bodies encoded here (`_Encoder`: the SDK's bytes at a fraction of its cost),
+    sent with http.client over one kept-alive connection.
 
-    Configured as the SDK's OTLPSpanExporter: each argument, else its OTEL_EXPORTER_OTLP_[TRACES_]* variable
-    (config.py's OtlpSettings). gzip runs at level 1, not the SDK's 9: the random ids and timestamps that
-    dominate a span do not compress further, so a higher level only costs CPU.
-    Retries as the SDK's: up to 6 attempts on 429/502/503/504 and connection errors, backing off
-    2**attempt × U(0.8, 1.2) s or as the server's Retry-After says, never past the timeout; a kept-alive
-    connection found broken is retried at once. A request over `max_request_size` bytes is dropped (counted).
-    Unlike the SDK's, a collector that is down costs one line and one timeout: the first failed export says
-    where and why, and later batches are tried once each, silently, until one is accepted (`down`).
+    Configured as the SDK's OTLPSpanExporter (each argument, else its OTEL_EXPORTER_OTLP_[TRACES_]* variable:
+    config.py's OtlpSettings). gzip runs at level 1, not the SDK's 9: the random ids and timestamps that
+    dominate a span do not compress further. Retries as the SDK's: up to 6 attempts on 429/502/503/504 and
+    connection errors, backing off 2**attempt × U(0.8, 1.2) s or per Retry-After, never past the timeout; a
+    broken kept-alive connection is retried at once. A request over `max_request_size` bytes is dropped
+    (counted). Unlike the SDK's, a collector that is down costs one line and one timeout (`send`, `down`).
     """
 
     def __init__(

@@ -1,11 +1,9 @@
-"""The attribute names agentfsm's spans carry, kept in one place so that spans, shapes and tests agree.
+"""The attribute names agentfsm's spans carry, in one place so that spans, shapes and tests agree.
 
-The `gen_ai.*` names follow the OpenTelemetry GenAI semantic conventions (Development stability). They are
-string literals here, not imports: the semconv package marks its GenAI constants deprecated (they moved to
-the semantic-conventions-genai repository; the strings are unchanged), and tests/test_telemetry.py checks
-that ours still equal them. `fsm.*` and `agentfsm.*` are this project's own. `openinference.span.kind` is
-OpenInference's (what Arize Phoenix and other LLM trace UIs classify spans by; they show a span without it as
-UNKNOWN): every span carries it beside its GenAI attributes, a constant of its shape.
+`gen_ai.*` follow the OpenTelemetry GenAI semantic conventions, as string literals: the semconv package marks
+its GenAI constants deprecated, and tests/test_telemetry.py checks that ours still equal them. `fsm.*` and
+`agentfsm.*` are ours. Every span also carries OpenInference's `openinference.span.kind`, a constant of its
+shape: Arize Phoenix and other LLM trace UIs show a span without it as UNKNOWN.
 """
 
 # GenAI semantic conventions

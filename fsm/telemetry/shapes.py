@@ -1,10 +1,8 @@
 """Span shapes: what the spans of one kind share, so that a span carries only the values that vary.
 
-A traced trajectory makes a span per transition and per call. Building an attribute dict for each, and
-encoding every key each time, is what makes SDK spans expensive; a `_Shape` holds the name, the kind, the
-constant attributes and the keys of the varying ones, made once per edge, backend, tool and agent (`_Shapes`,
-per run) and interned for the process. The export thread encodes a shape's constant part once and caches
-the encoded values that repeat (`_lean_message`), with wire.py's functions.
+Building and encoding an attribute dict per span is what makes SDK spans expensive; a `_Shape` is made once
+per edge, backend, tool and agent (`_Shapes`, per run) and interned for the process, and the export thread
+encodes its constant part once and caches the encoded values that repeat (with wire.py's functions).
 """
 
 from __future__ import annotations
@@ -147,9 +145,8 @@ def _span_attr(key: str, value: Any) -> bytes:
 class _Shape:
     """What the spans of one kind share: name, kind, constant attributes, and the keys of the varying ones.
 
-    A span of this shape carries only its values, lined up with `slots` (None: not set). The export thread
-    encodes the name, kind and constant attributes once, and keeps the encoded (key, value) of values that
-    repeat (counts, finish reasons, state names) per slot.
+    A span of this shape carries only its values, lined up with `slots` (None: not set); the export thread
+    keeps the encoded (key, value) of values that repeat (counts, finish reasons, state names) per slot.
     """
 
     __slots__ = ("id", "name", "kind", "const", "keys", "hows", "unresolved", "_pb")

@@ -1,11 +1,9 @@
 """The spans the driver opens: recording OpenTelemetry spans that are cheap enough for every transition.
 
-An SDK span builds dicts, locks and a ReadableSpan for each span, on the event loop. These keep ids, times
-and the values of their `_Shape` (shapes.py), and reach the export queues as a tuple when nothing else was
-set on them, so the export thread does the rest. They are still real spans to everything else: current in
-the context where the driver makes them so, settable through the Span API, and a ReadableSpan to an SDK
-exporter (`_readable`). The hot methods (`_Root.transition`, the call spans' `done`) are written flat, with
-`_queue` inlined: they run once per transition or call of every trajectory.
+An SDK span builds dicts, locks and a ReadableSpan on the event loop. These keep ids, times and their
+`_Shape`'s values (shapes.py) and reach the export queue as a tuple, so the export thread does the rest; to
+everything else they are real spans (`_Span`). The hot methods (`_Root.transition`, the call spans' `done`)
+are written flat, with `_queue` inlined: they run once per transition or call of every trajectory.
 """
 
 from __future__ import annotations
@@ -95,10 +93,9 @@ class _Extra:
 class _Span(otel_trace.Span):
     """A recording span of a `_Shape`: ids, times, values, and `_extra` once anything else is set.
 
-    It is a real span to everything else: current in the context where the driver makes it so (a span
-    started inside, by user code through `Telemetry.tracer` or the global provider, becomes a child),
-    attributes/events/status/links settable through the API (values set that way are checked as the SDK
-    does), and an exporter gets the SDK's ReadableSpan of it. Ended, it is queued as it is.
+    A real span to everything else: current where the driver makes it so (a span user code starts inside,
+    through `Telemetry.tracer` or the global provider, is its child), settable through the API (checked as
+    the SDK does), and an SDK ReadableSpan to an exporter (`_readable`). Ended, it is queued as it is.
     """
 
     __slots__ = (

@@ -92,18 +92,12 @@ class Telemetry:
         await Runner(agent, backend, tok, tracer=telemetry).run(rows)  # run() flushes at its end
     telemetry.stats()         # {"exported": ..., "dropped": ..., "by_exporter": {...}, ...}
 
-    Configuration follows the standard variables wherever an argument is left at None:
-    OTEL_EXPORTER_OTLP_TRACES_ENDPOINT (verbatim) or OTEL_EXPORTER_OTLP_ENDPOINT (+ /v1/traces) turn OTLP on,
-    OTEL_EXPORTER_OTLP_[TRACES_]HEADERS/TIMEOUT/COMPRESSION/CERTIFICATE apply to it (gzip unless a
-    compression is set), OTEL_SERVICE_NAME names the service, OTEL_BSP_MAX_QUEUE_SIZE (16384 here) /
-    OTEL_BSP_MAX_EXPORT_BATCH_SIZE (2048 here; the SDK's 2048/512 lose spans in bursts, see
-    DEFAULT_MAX_QUEUE_SIZE) / OTEL_BSP_SCHEDULE_DELAY size the queues,
-    OTEL_TRACES_SAMPLER(_ARG) choose the sampler (the SDK's) when `sample` is not given, and
-    OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=true sets `capture_content`.
-
-    The driver's hooks are fsm/run/tracer.py's `Tracer`: `trajectory()` (per trajectory: its root, or None when
-    it is not traced), the root's `transition`/`state_failed`/`finish`, and `model_call`/`tool_call` around
-    backend and tool calls, whose spans end with `done`/`fail`.
+    An argument left at None is read from its standard variable, as the SDK reads it (config.py):
+    OTEL_EXPORTER_OTLP_TRACES_ENDPOINT (verbatim) or OTEL_EXPORTER_OTLP_ENDPOINT (+ /v1/traces) turn OTLP on;
+    OTEL_EXPORTER_OTLP_[TRACES_]HEADERS/TIMEOUT/COMPRESSION (gzip if unset)/CERTIFICATE, OTEL_SERVICE_NAME,
+    OTEL_BSP_* (larger defaults here: config.DEFAULT_MAX_QUEUE_SIZE), OTEL_TRACES_SAMPLER(_ARG) when `sample`
+    is not given, OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=true for `capture_content`.
+    The hooks the driver calls are fsm/run/tracer.py's `Tracer`.
     """
 
     def __init__(

@@ -1,5 +1,4 @@
-"""OTLP protobuf, encoded by hand: the SDK's encoder builds a message object per span and per attribute, many
-times the cost of the span itself; writing the bytes straight avoids that.
+"""OTLP protobuf encoded by hand: the SDK's encoder builds a message object per span and per attribute.
 
 The wire format (protobuf encoding) of opentelemetry-proto's ExportTraceServiceRequest
   -> ResourceSpans{1 resource, 2 scope_spans, 3 schema_url} -> ScopeSpans{1 scope, 2 spans, 3 schema_url}
@@ -7,10 +6,8 @@ The wire format (protobuf encoding) of opentelemetry-proto's ExportTraceServiceR
           9 attributes, 10 dropped_attributes_count, 11 events, 12 ..., 13 links, 14 ..., 15 status, 16 flags}
 Every field is a tag byte ((number << 3) | wire type) then a varint, a fixed-width value, or a length and
 bytes. Fields are written in number order, as the SDK's encoder (upb) does, so a span encodes to the same
-bytes either way (tests/test_telemetry.py decodes ours with the official classes and compares).
-
-This module knows OTLP only; how agentfsm's own spans are laid out (shapes, cached attributes) is in
-shapes.py, which builds on these functions.
+bytes either way (tests/test_telemetry.py decodes ours with the official classes and compares). This module
+knows OTLP only; how our spans are laid out is shapes.py's.
 """
 
 from __future__ import annotations
