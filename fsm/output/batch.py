@@ -5,16 +5,12 @@ The layout is exactly verl's `_agent_loop_postprocess` + `_postprocess` (each ke
 `clip(cumsum(attention_mask) - 1, 0)`, the score on the last valid response token (an empty response: column R-1,
 where verl's index -1 puts it).
 
-One row per segment (fsm/run/trajectory.py): a trajectory whose context was rewritten gives several rows, in
-order, each exactly what the model was given and produced. Non-tensor `trajectory_id`, `segment_index` and
-`num_segments` tie rows to their trajectory (`uid` stays the GRPO group of the input row); the trajectory's
-reward goes on its last segment (`reward_placement="last"`; the others get 0.0) or on every segment ("every":
-session-level GRPO, each segment weighted by its trajectory's advantage).
-
-`summarize` and `rollout_metrics` count a batch for a person and for a trainer's logger.
-
-On disk (batch.pt, `save_batch` / `load_batch`) the batch loads with torch's default `weights_only=True`,
-which refuses numpy arrays: each non-tensor column is saved as a list with its numpy dtype beside it.
+One row per segment (fsm/run/trajectory.py), each exactly what the model was given and produced;
+`trajectory_id`, `segment_index` and `num_segments` tie rows to their trajectory (`uid` stays the GRPO group).
+The reward goes on the last segment (`reward_placement="last"`, the others 0.0) or on every one ("every":
+session-level GRPO). `summarize` and `rollout_metrics` count a batch for a person and for a trainer's logger.
+batch.pt (`save_batch`) loads with torch's default `weights_only=True`, which refuses numpy arrays: each
+non-tensor column is saved as a list with its numpy dtype beside it.
 """
 
 from __future__ import annotations

@@ -1,19 +1,16 @@
-"""A run kept in a directory: `RunDir(out)` is where `agentfsm run --out DIR` and a program that passes
-`keep=RunDir(out)` to RolloutEngine write the run's three files (fsm/output/rundir.py replaces them together)
-and the run's journal (fsm/run/journal.py), from which `agentfsm run --resume DIR` goes on after a signal
+"""A run kept in a directory: `RunDir(out)` is where `agentfsm run --out DIR` and `keep=RunDir(out)` write the
+run's three files (rundir.py) and its journal (fsm/run/journal.py), from which the run goes on after a signal
 or a `kill -9`.
 
     engine = RolloutEngine("calculator")
     batch = engine.generate_sequences(rows, n=8, keep=RunDir("out"))   # SIGTERM: RunInterrupted, out/ kept
     batch = RunDir("out").resume(engine)   # in a fresh process, after a signal or a kill -9: the whole run
 
-`keep_rollout` rolls the rows out in the engine's continuous mode (fsm/run/stream.py), every step appended to the
-journal as it happens, until every group has finished or SIGINT/SIGTERM (fsm/run/signals.py `Interrupts`) stops
-it: the running trajectories are parked at their next state boundary, the journal is flushed, and the finished
-ones come back to be written; a run killed without a signal resumes from the same journal (fsm/run/resume.py).
-The files, the summary and the order of the end (write, then drop the snapshot of a finished run) are here too,
-for both callers. `keep_batch` is the API's whole kept run; the CLI composes the same pieces around
-its own engine's close, progress bar and exit codes (fsm/cli/commands.py).
+`keep_rollout` runs the rows in the engine's continuous mode (fsm/run/stream.py), journaling every step, until
+they finish or SIGINT/SIGTERM (fsm/run/signals.py) parks them (`_stop`); a run killed without a signal resumes
+from the same journal (fsm/run/resume.py). The files, the summary and the order of the end (write, then drop a
+finished run's snapshot) are here for both callers: `keep_batch`, the API's whole kept run, and the CLI, which
+composes the same pieces around its own engine (fsm/cli/commands.py).
 """
 
 from __future__ import annotations
@@ -104,11 +101,10 @@ async def keep_rollout(
     resumed: Loaded | None = None,
 ) -> Rollout:
     """Roll `rows` out `n` times each (or, `rows` None, the run in `keeper.journal` again) in `engine`'s
-    continuous mode, from the caller's loop, every step appended to the journal as it happens, while
-    `interrupts` listens: a signal then parks the running trajectories at their next state boundary (the
-    journal records each there), flushes the journal to disk and stops; the finished ones come back.
-    `first_index`: the rows are a slice of a larger batch (see BaseEngine.asubmit, fsm/output/engine.py).
-    `resumed`: the journal loaded and checked already, without the codec (`agentfsm run --resume`'s)."""
+    continuous mode, from the caller's loop, every step journaled, until a signal from `interrupts` stops it
+    (`_stop`); the finished trajectories come back. `first_index`: the rows are a slice of a larger batch
+    (BaseEngine.asubmit, fsm/output/engine.py). `resumed`: the journal loaded and checked already, without the
+    codec (`agentfsm run --resume`'s)."""
     path = keeper.journal
 
     def notice(name: str) -> str:

@@ -1,20 +1,15 @@
 """The run directory `agentfsm run --out DIR` writes: batch.pt, trajectories.jsonl and summary.json, replaced
-together so that DIR never holds a mix of two runs; the records and statistics those files get and the table
-the summary prints.
+together so that DIR never holds a mix of two runs; the records and statistics in them and the summary's table.
 
-`write_run(out, write)` has `write(staging)` put the three files into a fresh temporary directory inside
-`out` (the same filesystem, so a rename is atomic). Then it removes the previous run's three files,
-summary.json first, and renames the new ones in, summary.json last, holding Ctrl-C off for those few
-renames. A summary.json therefore always describes the files beside it, and a directory without one holds
-no complete run. Why per-file renames rather than swapping the whole directory for the staging one: `out`
-may hold other things (sglang_logs/, a rendered diagram) or be ".", which a swap would drop.
+`write_run(out, write)` has `write(staging)` put the three files into a fresh directory inside `out` (the same
+filesystem: a rename is atomic), then removes the previous run's files, summary.json first, and renames the
+new ones in, summary.json last, with Ctrl-C held off: a summary.json always describes the files beside it, and
+a directory without one holds no complete run. Per-file renames, not a directory swap, because `out` may hold
+other things (sglang_logs/, a rendered diagram) or be ".".
 
-trajectories.jsonl holds one record per finished trajectory or tree node, `trajectory_record(traj, codec)`
-(its format: docs/contracts.md), read back by `read_records` (`agentfsm show`, viz/transcript.py, the CLI).
-
-A run's statistics, the "fsm" section of summary.json (its format: docs/contracts.md): how often each edge fired,
-how long each state took, how runs ended; `run_stats(agent, trajectories)` makes it, `load_run_stats(run_dir)`
-reads it back, viz/diagram.py only draws it. A tree counts every node (docs/trees.md).
+`trajectory_record` makes a trajectories.jsonl record and `read_records` reads them back; `run_stats` makes
+the "fsm" section of summary.json (edges fired, time per state, how runs ended; a tree counts every node) and
+`load_run_stats` reads it back for viz/diagram.py (formats: docs/contracts.md).
 """
 
 from __future__ import annotations
@@ -298,8 +293,8 @@ def _state() -> dict[str, Any]:
 def machine_nodes(root: Any, agent: Any = None) -> Iterator[tuple[Any, int, Any]]:
     """The nodes of `root`'s tree that run its machine, each with where its own path begins and the node it
     forked from (None but for a branch): a fork's branch repeats its parent's path up to the fork, which the
-    parent counts (docs/trees.md). A child machine of
-    another spec (planner_solver's solver) is not drawn on this diagram, nor is its subtree."""
+    parent counts (docs/trees.md). A child machine of another spec (planner_solver's solver) is not drawn on
+    this diagram, nor is its subtree."""
     machine = getattr(agent, "hash", None) or getattr(root.node.agent, "hash", None)
 
     def walk(traj: Any, start: int, parent: Any) -> Iterator[tuple[Any, int, Any]]:

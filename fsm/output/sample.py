@@ -1,11 +1,10 @@
 """One trajectory as one flat sample: the form every trainer adapter maps from.
 
-A `Trajectory` holds far more than a trainer wants (states, segments, counters used by guards); `Sample` is
-the tokens it trains on and what weights them, in plain unpadded lists, in verl's AgentLoopOutput layout.
-Failed rows keep their place (one sample per input row and k): `failed`, `on_error` saying what the spec's
-`failures.on_error` made of it. A trajectory whose context was rewritten gives one sample per segment, in
-order, the reward placed as `context.reward_placement` says; a tree (docs/trees.md) gives its nodes' samples
-in preorder, as the padded batch does, each with `tree`: where it sits.
+`Sample` is the tokens a trainer trains on and what weights them, in unpadded lists, in verl's AgentLoopOutput
+layout. Failed rows keep their place (one sample per input row and k): `failed`, and `on_error` says what the
+spec's `failures.on_error` made of it. A rewritten context gives one sample per segment, the reward placed as
+`context.reward_placement` says; a tree (docs/trees.md) gives its nodes' samples in preorder, as the padded
+batch does, each with `tree`: where it sits.
 """
 
 from __future__ import annotations
