@@ -1,16 +1,12 @@
-"""`agentfsm`: run, gateway and replay here; validate, schema, render and show in fsm/cli/views.py; bench and
-dev-server in fsm/cli/bundled.py; the flags in fsm/cli/args.py.
+"""`agentfsm`'s commands and how a command ends: run and gateway here; replay in replay.py; validate, schema,
+render and show in views.py; bench and dev-server in bundled.py; the flags in args.py.
 
-This module is the composition root: the one place in `fsm` that picks concrete backends (lazily, so
-`import fsm` never loads transformers models or aiohttp servers). Every user error ends as one line on
-stderr that names the file, flag, row or server and what to do, with a non-zero exit code and no traceback.
-Exit codes: 0 done; 1 a user error, or a run whose error rows exceed --max-error-rate; 2 a bad command
-line or spec diagnostics; 130 interrupted (Ctrl-C or SIGTERM). `run` is a thin caller of what every kept run
-does (the Python API's `keep=` too): signals (fsm/run/signals.py), the stop and the snapshot (fsm/output/keep.py),
-the three output files, replaced together under a lock on --out (fsm/output/keep.py, fsm/output/rundir.py);
-`run --resume` reads the journal first (fsm/cli/resume.py). How a command ends is here too: a signal after the
-command has ended exits at once with the command's code, and a stdout that a tool may have closed costs only
-the printout.
+The composition root: the one place in `fsm` that picks concrete backends, lazily, so `import fsm` never loads
+transformers models or aiohttp servers. Every user error ends as one line on stderr naming the file, flag, row
+or server and what to do, with no traceback. Exit codes: 0 done; 1 a user error, or error rows past
+--max-error-rate; 2 a bad command line or spec diagnostics; 130 interrupted (Ctrl-C or SIGTERM). `run` is a
+thin caller of what every kept run does (fsm/output/keep.py; `--resume` reads the journal first: resume.py).
+A signal after a command has ended exits at once with its code; a stdout a tool closed costs only the printout.
 """
 
 from __future__ import annotations

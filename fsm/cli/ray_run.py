@@ -1,12 +1,10 @@
 """`agentfsm run --ray --out DIR` and the journal: the actors journal each chunk in flight under DIR/ray-journal
 (fsm/adapters/ray_journal.py), so an actor that dies (`ray.kill`, `kill -9`, the OOM killer, a lost node with a
-shared file system) has its trajectories go on from their last state boundary on another actor, while the run
-lives.
+shared file system) has its trajectories go on from their last state boundary on another actor.
 
-Such a run is not resumed with `--resume`: the chunks that came back are in the driver's memory only (their
-journals are removed as they return), so a driver killed with -9 leaves the journals of the chunks in flight and
-nothing of the rows already finished. Making the driver journal the rows it holds is what `--resume` of a Ray run
-would need; until then it is refused in one line, and a new `--ray` run into DIR removes what a killed one left.
+`--resume` of such a run is refused in one line: the chunks that came back are in the driver's memory only
+(their journals are removed as they return), so a killed driver leaves nothing of the finished rows. A new
+`--ray` run into DIR removes what a killed one left.
 """
 
 from __future__ import annotations
