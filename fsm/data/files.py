@@ -3,10 +3,8 @@
 A file that cannot be read as rows (missing, unknown type, a line that is not a JSON object, not UTF-8,
 nested past Python's recursion limit, or longer than MAX_LINE_BYTES) is refused, with every problem located
 as `path:line:col`; reading stops after MAX_PROBLEMS of them, so a binary file fails fast. Asked for the first
-`limit` rows (`--num-prompts`), reading stops once they are read: the rest of a .jsonl file and the later row
-groups of a parquet file are never parsed (nor checked). A row that reads fine but cannot run (no prompt, messages
-of the wrong shape) is kept: the engine fails that row alone, with an `error: bad row` reason, so one bad row never
-stops a batch and none is silently dropped.
+`limit` rows (`--num-prompts`), reading stops once they are read (the rest is never parsed nor checked). A row
+that reads but cannot run is kept, to fail alone (fsm/data/rows.py).
 """
 
 from __future__ import annotations

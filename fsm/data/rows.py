@@ -1,10 +1,10 @@
 """Rows: every input form becomes the same row, in one place.
 
 A trainer hands rows as a list of dicts, verl's dict of columns, or a DataProto; `agentfsm run` reads them
-from files (fsm/data/files.py). Whatever the form, the same rules apply here: verl's `prompt` column is
-`raw_prompt`, a plain string is one user message, numpy object arrays become lists, and `tools_kwargs`,
-`interaction_kwargs` and `tool_selection` may sit at the top level or in `extra_info` (verl keeps them
-there). A row that cannot run is not refused here: it runs as an error row (`RowError`), so one bad row
+from files (fsm/data/files.py). Whatever the form: verl's `prompt` column is `raw_prompt`, a plain string is
+one user message, numpy object arrays become lists, and `tools_kwargs`, `interaction_kwargs` and
+`tool_selection` may sit at the top level or in `extra_info` (verl keeps them there). A row that cannot run
+(no prompt, messages of the wrong shape) runs as an error row (`RowError`, "error: bad row"), so one bad row
 never stops a batch and none is dropped.
 """
 
