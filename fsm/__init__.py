@@ -6,11 +6,9 @@
 
 `__all__` is the documented surface: the engine and its contract (`Engine`, `EngineRefused`, `RayRunner`), the
 run directory, authoring (specs, guards, actions, tools, interactions, families and parsers) and the errors to
-catch. The lower level the engine is built from (`Runner`, `collate`, `CompiledAgent`, `Trajectory`...) stays
-importable as `fsm.Runner` and from its module, for adapters and tests; it is not the way in.
-
-The names load on first use, so `agentfsm validate` (and `import fsm.spec.loader`) reads a spec without
-importing torch, tensordict or a backend (the CLI's validate stays light).
+catch. The lower level (`Runner`, `collate`, `CompiledAgent`, `Trajectory`...) stays importable, for adapters
+and tests; it is not the way in. Names load on first use, so `agentfsm validate` reads a spec without
+importing torch, tensordict or a backend.
 """
 
 from __future__ import annotations

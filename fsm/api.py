@@ -9,8 +9,8 @@
 `rows` is what a verl dataset yields (row dicts, a dict of columns, or a `DataProto`, which then comes back);
 the result has one row per (input row, sample) in verl's `repeat(n, interleave=True)` layout. The contract is
 `BaseEngine` (fsm/output/engine.py); a RolloutEngine composes fsm/run/local.py's `Local`, whose own loop thread
-serves sync and async calls alike. This is the one `fsm` module (with fsm/cli and the trainer adapters) that
-composes concrete backends, lazily: a Router over `servers=`, else `HFBackend` over a model.
+serves sync and async calls alike, and picks concrete backends lazily (as fsm/cli and the trainer adapters do):
+a Router over `servers=`, else `HFBackend` over a model.
 """
 
 from __future__ import annotations

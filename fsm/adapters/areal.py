@@ -2,14 +2,12 @@
 gconfig=config.gconfig)` wherever AReaL takes a workflow (`rollout_batch(data, workflow=...)`, docs/trainers.md).
 
 AReaL 1.0's `arun_episode(engine, data)` runs one row as one trajectory: each model turn is one `agenerate` on
-AReaL's engine, on the episode's loop, under the trajectory's own rid (AReaL keeps a rid on one server), and
-every token keeps the version AReaL reported for it (its staleness control reads them). The episode is AReaL's
-dict of [1, L] tensors; a failed episode, or one without logprobs, is rejected (None).
-
-A trajectory with several rows (segments, docs/contexts.md; a tree, docs/trees.md) is one episode of [B, L]
-tensors, as AReaL batches its own multi-completion episodes, each row with its reward (the spec's
-`context.reward_placement`; a tree's rows also `weight` and `tree`, docs/trainers.md). AReaL's group-level
-advantage normalization assumes a fixed number of rows per prompt: with segments, normalize per batch.
+the episode's loop, under the trajectory's own rid (AReaL keeps a rid on one server), and every token keeps
+the version AReaL reported for it (its staleness control reads them). The episode is AReaL's dict of [1, L]
+tensors, or [B, L] for a trajectory of several rows (segments, a tree), as AReaL batches its own
+multi-completion episodes, each row with its reward (a tree's also `weight` and `tree`); a failed episode, or
+one without logprobs, is rejected (None). AReaL's group-level advantage normalization assumes a fixed number
+of rows per prompt: with segments, normalize per batch.
 """
 
 from __future__ import annotations

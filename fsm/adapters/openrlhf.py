@@ -2,12 +2,11 @@
 agent file is `AgentExecutor = agent_executor("specs/calculator.yaml")` (docs/trainers.md).
 
 OpenRLHF 0.11 awaits `execute(prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine)` once per
-sample and makes one Experience of the answer: `observation_tokens` (prompt and everything after it),
-`action_ranges` (each model turn's [start, end)), `rollout_log_probs` aligned with them, and the reward. So
-one trajectory runs per `execute`: the prompt is the row's chat messages when it is a JSON list of them (the
-engine renders the template itself), the label the ground truth (or the row's columns, when a JSON object),
-and every model turn goes to `llm_engine.generate` on the actor's loop with OpenRLHF's sampling parameters.
-A spec whose trajectories may give several rows (segments, trees) is refused: `execute` answers one.
+sample and makes one Experience of the answer (`observation_tokens`, `action_ranges` of the model turns,
+`rollout_log_probs`, the reward), so one trajectory runs per `execute`: the prompt is the row's chat messages
+when it is a JSON list of them, the label the ground truth (or the row's columns, when a JSON object), and
+every model turn goes to `llm_engine.generate` on the actor's loop with OpenRLHF's sampling parameters. A spec
+whose trajectories may give several rows (segments, trees) is refused: `execute` answers one.
 """
 
 from __future__ import annotations

@@ -3,13 +3,11 @@
 
 `generate(GeneratorInput)` runs each prompt (already repeated `n_samples_per_prompt` times) as one trajectory
 with its `env_extras` as the row, grouped by `trajectory_ids[i].instance_id`, every model turn sent to SkyRL's
-client (token in, token out, on the trainer's loop), and returns a `GeneratorOutput` in order (docs/trainers.md).
-A failed row is one masked token with reward 0.0: SkyRL reads the last response token.
-
-A spec whose trajectories give several rows (segments, trees) needs SkyRL's step-wise training
-(`generator.step_wise_trajectories: true` and `step_wise=True`): each segment is one row, `is_last_step` on the
-last, and SkyRL gives each trajectory's advantage to all its rows. How a tree's branches and children become
-SkyRL trajectories: docs/trainers.md. Without step_wise, such a spec is refused when the generator is made.
+client (token in, token out, on the trainer's loop), and returns a `GeneratorOutput` in order. A failed row is
+one masked token with reward 0.0: SkyRL reads the last response token. A spec whose trajectories give several
+rows (segments, trees) needs SkyRL's step-wise training (`generator.step_wise_trajectories: true` and
+`step_wise=True`: each segment one row, `is_last_step` on the last; trees: docs/trainers.md), and is refused
+without it when the generator is made.
 """
 
 from __future__ import annotations

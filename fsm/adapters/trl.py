@@ -2,14 +2,13 @@
 `rollout_func=TRLRollout(spec, dataset=...)`, `reward_funcs=[engine_reward]`).
 
 TRL 1.x (`GRPOTrainer._generate`) hands over only the prompts, each repeated `num_generations` times, and takes
-back per prompt `prompt_ids`, `completion_ids`, `logprobs` and any key for the reward functions; `env_mask` is
-read as the tool mask. So each prompt runs as one trajectory, consecutive equal prompts are one GRPO group,
-each prompt's dataset row (the ground truth) is found in `dataset` by its prompt, and sampling uses the
-trainer's own settings, so the logprobs TRL recomputes are over the same distribution. By default it
-generates with the trainer's own model (the same module, no copy); `engine=` takes any RolloutEngine.
-A failed row follows the spec's `failures.on_error` (docs/trainers.md's table); a step whose rows all failed
-stops the run (AllRowsFailed). A spec that gives several rows per prompt (segments, trees) is refused when
-the adapter is made: TRL takes one completion per prompt.
+back per prompt `prompt_ids`, `completion_ids`, `logprobs` and any key for the reward functions (`env_mask`:
+the tool mask). So each prompt is one trajectory, consecutive equal prompts one GRPO group, its dataset row
+found in `dataset` by its prompt, and sampling uses the trainer's settings, so the logprobs TRL recomputes are
+over the same distribution; by default the trainer's own model generates (the same module, no copy). A failed
+row follows `failures.on_error` (docs/trainers.md); a step whose rows all failed stops the run
+(AllRowsFailed). A spec that gives several rows per prompt (segments, trees) is refused when the adapter is
+made: TRL takes one completion per prompt.
 """
 
 from __future__ import annotations
