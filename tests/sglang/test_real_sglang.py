@@ -54,6 +54,12 @@ async def running(c: SGLangBackend, n: int = 1, timeout_s: float = 180) -> None:
         await asyncio.sleep(0.01)
 
 
+async def used_tokens(c: SGLangBackend) -> int:
+    """The KV tokens SGLang holds (its /v1/loads): they grow while a request makes tokens."""
+    _, body = await c._call("GET", "/v1/loads")
+    return int(body["loads"][0]["num_used_tokens"])
+
+
 _REFERENCES: dict[str, GenerateResult] = {}
 
 
@@ -130,7 +136,8 @@ async def test_a_real_abort_returns_partial_output_and_the_turn_resumes_to_the_g
 
 async def test_live_rids_are_never_prefixes_of_one_another(sglang):
     """SGLang aborts every live rid a given rid prefixes: a resume sent while its turn still lives gets a
-    suffix, and aborting the old one leaves it alone."""
+    suffix, and aborting the old one leaves it alone: it goes on making tokens, the only request left, until
+    the test ends it (waiting for its LONG tokens was most of the test's time on a CPU server)."""
     async with client(sglang.url) as c:
         old = asyncio.ensure_future(c.generate(req("pfx_t00", LONG, ignore_eos=True)))
         await running(c)
@@ -141,7 +148,13 @@ async def test_live_rids_are_never_prefixes_of_one_another(sglang):
         assert not any(a != b and b.startswith(a) for a in live for b in live)
         await c.abort_request("pfx_t00")
         assert (await old).finish_reason == "abort"
-        assert (await new).finish_reason == "length"
+        start, deadline = await used_tokens(c), time.monotonic() + 120
+        while await used_tokens(c) < start + 8:  # made after the old one's abort: the new one lives
+            assert time.monotonic() < deadline and not new.done(), "the new request made no tokens"
+            await asyncio.sleep(0.05)
+        await c.abort_request(next(rid for rid in live if rid != "pfx_t00"))  # its suffixed rid
+        out = await new
+    assert out.finish_reason == "abort" and 8 <= len(out.token_ids) < LONG, out.finish_reason
 
 
 @pytest.mark.parametrize("mode", MODES)

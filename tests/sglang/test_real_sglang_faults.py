@@ -12,10 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from backends.sglang import SGLangBackend
 from backends.tiny import EARLY_DIR
 from tests.conftest import ASSETS, SPECS
-from tests.sglang.test_real_sglang import LONG, client, req, running
+from tests.sglang.test_real_sglang import LONG, client, req, running, used_tokens
 
 pytestmark = pytest.mark.sglang
 GREEDY = {"temperature": 0.0}
@@ -143,11 +142,6 @@ async def test_a_one_second_request_deadline_loses_no_row(sglang, second_sglang,
     assert faults["timeouts"] * 10 <= stats["aborts_sent"], faults  # aborts answered, not timed out
 
 
-async def _used_tokens(c: SGLangBackend) -> int:
-    _, body = await c._call("GET", "/v1/loads")
-    return int(body["loads"][0]["num_used_tokens"])
-
-
 async def test_a_turn_the_context_cuts_says_so(sglang):
     """A 4,079-token prompt in a 4,096-token context: the client clamps the turn and SGLang cuts it further;
     the result says the context cut it."""
@@ -166,9 +160,9 @@ async def test_retract_keeps_the_tokens_made_before_it(sglang):
     async with client(sglang.url) as c:
         turn = asyncio.ensure_future(c.generate(req("rtr_t00", LONG, ignore_eos=True)))
         await running(c)
-        start = await _used_tokens(c)
+        start = await used_tokens(c)
         deadline = time.monotonic() + 120
-        while await _used_tokens(c) < start + 8:  # some tokens made before the retraction
+        while await used_tokens(c) < start + 8:  # some tokens made before the retraction
             assert time.monotonic() < deadline, "the request made no tokens"
             await asyncio.sleep(0.05)
         await c.pause_generation("retract")
