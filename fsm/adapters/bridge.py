@@ -38,18 +38,31 @@ def tree_parts(agent: CompiledAgent) -> str | None:
     return "; ".join(parts) or None
 
 
+SEGMENTS_ELSEWHERE = "use the append policy without rewrites here"
+
+
 def one_row_per_sample(spec: Any, adapter: str, why: str, trees: str = TREES_ELSEWHERE) -> CompiledAgent:
-    """The compiled spec, or ValueError in one line when it may give several rows per trajectory (a context
-    policy or rewrite that makes segments, docs/contexts.md; a fork or a child machine, docs/trees.md) and
-    `adapter`'s trainer takes one per sample; `trees` says what to do with a tree spec."""
+    """The compiled spec, refused as `one_row` refuses it."""
     from fsm.api import load_agent
 
-    agent = load_agent(spec)
+    return one_row(load_agent(spec), adapter, why, trees)
+
+
+def one_row(
+    agent: CompiledAgent,
+    adapter: str,
+    why: str,
+    trees: str = TREES_ELSEWHERE,
+    segments: str = SEGMENTS_ELSEWHERE,
+) -> CompiledAgent:
+    """`agent`, or ValueError in one line when it may give several rows per trajectory (a context policy or
+    rewrite that makes segments, docs/contexts.md; a fork or a child machine, docs/trees.md) and `adapter`'s
+    trainer takes one per sample (`why`); `trees` and `segments` say what to do instead."""
     if agent.spec.segmenting:
         raise ValueError(
             f"{adapter}: spec {agent.name!r} rewrites its context (context.policy "
             f"{agent.spec.context.policy!r} or a rewrite state), so a trajectory may give several rows "
-            f"(segments); {why}: use the append policy without rewrites here"
+            f"(segments); {why}: {segments}"
         )
     if (parts := tree_parts(agent)) is not None:
         raise ValueError(

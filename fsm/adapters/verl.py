@@ -39,7 +39,7 @@ from verl.experimental.agent_loop.agent_loop import (
 from verl.utils.rollout_trace import rollout_trace_op
 
 from backends.base import BaseBackend, GenerateRequest, GenerateResult
-from fsm.adapters.bridge import TREES_ELSEWHERE, tree_parts
+from fsm.adapters.bridge import SEGMENTS_ELSEWHERE, TREES_ELSEWHERE, one_row
 from fsm.families import Codec, codec_for
 from fsm.run.compile import CompiledAgent, compile_spec
 from fsm.run.runtime import Runner
@@ -301,20 +301,13 @@ class FSMAgentLoop(AgentLoopBase):
         agent = compiled_agent(
             spec or DEFAULT_SPEC, overrides, self.prompt_length, self.response_length, _plain(tool_policy)
         )
-        if agent.spec.segmenting:  # verl 0.9.1's worker takes exactly one AgentLoopOutput per input row
-            raise ValueError(
-                f"fsm_agent: spec {agent.name!r} rewrites its context (context.policy "
-                f"{agent.spec.context.policy!r} or a rewrite state), so a trajectory may give several "
-                "rows; verl 0.9.1's agent-loop worker takes one output per input: use the append policy "
-                "without rewrites here, or RolloutEngine.generate_sequences (one row per segment)"
-            )
-        parts = tree_parts(agent)  # a tree gives several rows per input, of several policies
-        if parts is not None:
-            raise ValueError(
-                f"fsm_agent: spec {agent.name!r} makes trees ({parts}), so a sample gives several rows "
-                "(docs/trees.md); verl 0.9.1's agent-loop worker takes one output per input: "
-                f"{TREES_ELSEWHERE}, or RolloutEngine.generate_sequences (one row per node)"
-            )
+        one_row(  # verl 0.9.1's worker takes exactly one AgentLoopOutput per input row
+            agent,
+            "fsm_agent",
+            "verl 0.9.1's agent-loop worker takes one output per input",
+            f"{TREES_ELSEWHERE}, or RolloutEngine.generate_sequences (one row per node)",
+            f"{SEGMENTS_ELSEWHERE}, or RolloutEngine.generate_sequences (one row per segment)",
+        )
         dropping = [f"state {n}" for n, st in agent.spec.states.items() if st.on_error == "drop"]
         if agent.spec.failures.on_error == "drop":
             dropping.insert(0, "failures")
