@@ -350,10 +350,9 @@ def fault_summary(trajs: Sequence[Trajectory], backend_stats: Mapping[str, Any] 
 
     `faults`: what the clients met on /generate, by kind: failed attempts (http_errors, refused, disconnects,
     resets, timeouts, malformed; SGLang's duplicate rids) and abort answers (aborts_waiting, aborts_running).
-    Each failed attempt is followed by exactly one of: a retry on the same server (`retries`), a failover to
-    another (`failovers`), or the end of its row (an error row). Each abort is resumed (`resumes`) or ends its
-    row ("error: aborted").
-    `aborts_sent`: requests past their deadline aborted at the server.
+    Each failed attempt is followed by exactly one retry on the same server (`retries`), failover to another
+    (`failovers`) or end of its row (an error row); each abort is resumed (`resumes`) or ends its row ("error:
+    aborted"). `aborts_sent`: requests past their deadline aborted at the server.
     """
     stats = dict(backend_stats or {})
     reroutes = int(stats.get("retries", 0)) if "client_retries" in stats else 0  # a router's re-routes

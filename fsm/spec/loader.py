@@ -128,11 +128,9 @@ def load(text: str, budget: Budget) -> Any:
 
 
 def _syntax_problem(exc: MarkedYAMLError, bounds: _Bounds, text: str) -> YamlProblem:
-    """Point at the construct that opened the problem when the parser tells it, else at the problem.
-
-    An unclosed `{` or `[` is only noticed where the parser gives up, often the end of the file; the
-    flow collection still open then, when it started on an earlier line, is where the fix goes. Likewise
-    an unclosed quote: ruamel's context mark is its start.
+    """Point at the construct that opened the problem when the parser tells it, else at the problem: an
+    unclosed `{`, `[` or quote is only noticed where the parser gives up, often the end of the file, but the
+    fix goes where it opened (the flow collection still open, if on an earlier line; ruamel's context mark).
     """
     problem, context = exc.problem_mark, exc.context_mark
     where = f"line {problem.line + 1}:{problem.column + 1}" if problem else "the end"

@@ -556,12 +556,10 @@ class AgentSpec(Strict):
 
 
 def json_schema() -> dict[str, Any]:
-    """The JSON Schema editors use for completion (`# yaml-language-server: $schema=...`).
-
-    It describes a spec file as written. A file with `extends:` is merged over its base before it is
-    checked (mappings key by key), so it may leave out anything its base says: the keys AgentSpec requires,
-    and those required inside the mappings it merges (`interaction`, `reward`), are required only of a
-    file without `extends:`.
+    """The JSON Schema editors use for completion (`# yaml-language-server: $schema=...`), of a spec file as
+    written: a file with `extends:` may leave out anything its base says, so the keys AgentSpec requires, and
+    those required inside the mappings it merges (`interaction`, `reward`), are required only of a file
+    without `extends:`.
     """
     schema = AgentSpec.model_json_schema(by_alias=True)
     defs = schema["$defs"]
