@@ -15,6 +15,13 @@ from fsm.run.stream import Group, Groups, version_span
 from fsm.run.trajectory import Trajectory
 
 
+def chunk_slots(max_concurrency: int, chunk_rows: int, n: int = 1) -> int:
+    """Chunks in flight per actor: enough to keep `max_concurrency` trajectories busy, a chunk holding `chunk_rows`
+    groups of `n`. An actor is made before any batch's `n` is known, so its own concurrency takes n = 1, the most
+    chunks any batch puts on it (fsm/adapters/ray_runner.py); a batch's pool takes its `n`."""
+    return max(1, math.ceil(max_concurrency / (n * chunk_rows)))
+
+
 class Driver(Protocol):
     """What the pool reads of its RayRunner (typed here: the runner imports the pool)."""
 
@@ -56,8 +63,7 @@ class Pool:
     holds chunks: it is killed), go back to the front of the queue and run on the survivors."""
 
     def __init__(self, runner: Driver, n: int):
-        # chunks in flight per actor: enough to keep `max_concurrency` trajectories busy
-        self.runner, self.slots = runner, max(1, math.ceil(runner.max_concurrency / (n * runner.chunk_rows)))
+        self.runner, self.slots = runner, chunk_slots(runner.max_concurrency, runner.chunk_rows, n)
         self.pending: deque[Job] = deque()
         self.inflight: dict[Any, tuple[int, Job]] = {}  # ObjectRef -> (rank, job)
         self.alive = [r for r in range(len(runner.actors)) if r not in runner._dead]

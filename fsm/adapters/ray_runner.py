@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import os
 import uuid
 from collections.abc import Callable, Coroutine, Mapping, Sequence
@@ -37,7 +36,7 @@ from pathlib import Path
 from typing import Any, TypeVar, cast
 
 from backends.base import Backend, Lifecycle
-from fsm.adapters.ray_pool import Job, Pool, _ray
+from fsm.adapters.ray_pool import Job, Pool, _ray, chunk_slots
 from fsm.api import BaseEngine, SpecLike, load_agent, load_tokenizer, make_backend, tiny_model_dir
 from fsm.data.rows import normalize_record
 from fsm.families import Codec
@@ -263,7 +262,9 @@ class RayRunner(BaseEngine):
         if not ray.is_initialized():
             ray.init(address=self.address, include_dashboard=False, log_to_driver=False)
             self._owns_ray = True
-        actor = ray.remote(_Worker).options(max_concurrency=self._slots() + 8, **self.actor_options)
+        actor = ray.remote(_Worker).options(
+            max_concurrency=chunk_slots(self.max_concurrency, self.chunk_rows) + 8, **self.actor_options
+        )
         for rank in range(self.workers):
             if rank < len(self.actors) and rank not in self._dead:
                 continue
@@ -288,10 +289,6 @@ class RayRunner(BaseEngine):
         """Block until every actor is up; their process ids."""
         self.start()
         return _ray().get([a.pid.remote() for a in self.actors])
-
-    def _slots(self) -> int:
-        """Chunks in flight per actor: enough to keep `max_concurrency` trajectories busy."""
-        return max(1, math.ceil(self.max_concurrency / self.chunk_rows))
 
     # -- its own core (fsm/output/engine.py `Core`): the driver's state, awaited from any loop ------------------
 
