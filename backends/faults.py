@@ -17,9 +17,8 @@ Kinds, applied to /generate only (every other path, /abort_request and /health i
   abort_running  likewise: aborted mid-generation, answering the partial output_ids and logprobs; counted only
                  when the server did abort (a turn that ends by itself before the cut is not a fault)
 The abort kinds need backends/devserver.py upstream (a real SGLang ignores the header).
-Hostile answers (backends/hostile.py: out-of-vocabulary and negative ids, NaN/inf/positive/boolean logprobs,
-tokens past a stop id, more tokens than asked, a timestamp version, a huge version span, a string count, an
-oversize body) forward the request and rewrite the real answer; counted only when the answer could carry it.
+The hostile kinds (backends/hostile.py's HOSTILE) forward the request and rewrite the real answer; counted only
+when the answer could carry it.
 An outage (`outage(seconds)`, or `{"outage_s": s}` over HTTP) answers every /generate 503 for that long: a
 server restart as its clients see it.
 

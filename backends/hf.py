@@ -1,15 +1,11 @@
 """The embedded default backend: a transformers causal LM in this process, on CPU or a CUDA GPU.
 
-Concurrent `generate()` calls queue up. One worker, owned by the backend, decodes them in a thread, so the
-event loop stays responsive: between two decode steps the requests that arrived meanwhile are prefilled together
-and join the running batch (continuous batching, up to `max_batch_size` rows), so the batch stays full across
-turns and trajectories. A trajectory's KV cache is kept between its turns: its next turn prefills only the
-tokens it adds. Rows are left-padded with explicit position ids and an attention mask, so a request's greedy
-tokens do not depend on its batch. Device, dtype, threads, sampling and the caches: backends/hf_model.py.
-
-Exact logprobs (`exact_logprobs=True`; `agentfsm run --exact-logprobs`): each finished turn's logprobs are
-replaced by those of one forward pass over its context alone (`_rescore` says why), so an uninterrupted run and
-a resume give the same bits.
+Concurrent `generate()` calls queue up for one worker, owned by the backend, that decodes in a thread so the
+event loop stays responsive: between two decode steps the requests that arrived are prefilled together and
+join the running batch (continuous batching, up to `max_batch_size` rows). A trajectory's KV cache is kept
+between its turns, so its next turn prefills only the tokens it adds; rows are left-padded with explicit
+position ids, so a request's greedy tokens do not depend on its batch (backends/hf_model.py).
+`exact_logprobs=True` rescores each finished turn alone (`_rescore`): a run and its resume give the same bits.
 """
 
 from __future__ import annotations
@@ -488,8 +484,8 @@ class HFBackend(BaseBackend):
     async def pause_generation(self, mode: str = "abort") -> None:
         """SGLang's /pause_generation for the in-process model: no new batch starts until
         `continue_generation`; the running batch, at its next step, ends its rows as aborts with their partial
-        output ("abort", which also aborts the queued ones; requests arriving later wait), puts them back in the queue to
-        start over ("retract"), or holds them in place ("in_place")."""
+        output ("abort", which also aborts the queued ones; requests arriving later wait), puts them back in
+        the queue to start over ("retract"), or holds them in place ("in_place")."""
         if mode not in ("abort", "retract", "in_place"):
             raise BackendRequestError(
                 f"{self.model_name}: unknown pause mode {mode!r}", server=self.model_name

@@ -1,17 +1,14 @@
 """What the embedded backend (backends/hf.py) runs: the model, how it samples, and its KV caches.
 
-- The model on its device, in its dtype, with torch's threads (all cores but one on the CPU, so the engine's
-  event loop keeps a core), and the name it is served under. Why float32 for small models, even on CUDA:
-  docs/engines.md, "The embedded model on a GPU"; threads: docs/benchmarks.md.
-- Sampling as SGLang's: a request checked as SGLang's server checks it (`validate`), greedy or top-k / top-p
-  draws, and the picked token's logprob as log_softmax(logits / temperature) over the vocabulary (`sample_next`).
-- KV caches (docs/engines.md, "How the embedded model batches"): the running batch that requests join and leave
-  between decode steps (`Rows`, `SlotCache`), and each trajectory's cache kept from one turn to the next
-  (`SessionCache`): it covers all but that turn's last token (sampled, never fed), so the next turn prefills that
-  token and the observation. Rows are left-padded: each row's tokens fill the last columns of its cache,
-  contiguous, its newest token in the last column; the attention mask marks them and explicit position ids count
-  from 0 at each row's first token. Rows that join bring caches of their own width; the narrower side is padded
-  on the left.
+- The model on its device and dtype (float32 for small models, even on CUDA: docs/engines.md), with torch's
+  threads (all cores but one on the CPU, so the engine's event loop keeps a core), under its served name.
+- Sampling as SGLang's: requests checked as its server checks them (`validate`), greedy or top-k / top-p
+  draws, the picked token's logprob as log_softmax(logits / temperature) over the vocabulary (`sample_next`).
+- KV caches (docs/engines.md, "How the embedded model batches"): the running batch that rows join and leave
+  between decode steps (`Rows`, `SlotCache`), and each trajectory's cache kept between turns (`SessionCache`),
+  covering all but the turn's last token (sampled, never fed). Rows are left-padded: each row's tokens fill
+  the last columns of its cache, contiguous; the attention mask marks them and position ids count from 0 at
+  each row's first token. A joining cache and the batch's are padded on the left to the wider one.
 """
 
 from __future__ import annotations
@@ -559,11 +556,9 @@ def prefill_inputs(
     contexts: Sequence[Sequence[int]], kept: Sequence[KeptKV | None], pad_id: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, KV | None]:
     """Inputs to prefill rows together, each from its kept KV where it has one: (ids (G, S), attention mask
-    (G, P + S), position ids (G, S), past KV (G, heads, P, head_dim) per layer or None).
-
-    S is the longest part any row must compute (its context past what it kept). A row that kept more than its
-    context minus S computes its last S tokens anyway (uses less of what it kept), so the past and the new
-    columns of every row stay contiguous.
+    (G, P + S), position ids (G, S), past KV (G, heads, P, head_dim) per layer or None). S is the longest part
+    any row must compute (its context past what it kept); a row that kept more than its context minus S
+    computes its last S tokens anyway, so the past and the new columns of every row stay contiguous.
     """
     computed = [len(c) - (len(k.ids) if k is not None else 0) for c, k in zip(contexts, kept, strict=True)]
     width = max(computed)

@@ -1,12 +1,10 @@
 """Hostile /generate answers: a real answer, rewritten the way a buggy or malicious server would send it.
 
-backends/faults.py forwards a request to a real server and, for these kinds, passes the answer through one
-of the functions below before sending it on. Each returns the new body, or None when this answer cannot
-carry the fault (a one-token answer has no position after a stop id): nothing is injected then. What the
-client must make of each (backends/answer.py): "absorbed" kinds are valid forms it maps safely, the others
-are malformed-answer server faults (CUT_KINDS are valid forms that end their row `context_length`). Some are
-JSON edge cases rather than wrong values: a 400-digit logprob, logprob entries too short to index, a body nested
-50,000 levels deep.
+backends/faults.py passes a real server's answer through one of the functions below (HOSTILE) before sending
+it on. Each returns the new body, or None when this answer cannot carry the fault (a one-token answer has no
+position after a stop id): nothing is injected then. What the client must make of each is backends/answer.py's.
+Some are JSON edge cases rather than wrong values: a 400-digit logprob, logprob entries too short to index, a
+body nested 50,000 levels deep.
 """
 
 from __future__ import annotations

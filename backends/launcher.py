@@ -2,15 +2,13 @@
 per data-parallel replica on consecutive ports, each waited for until it answers, stopped on exit; a server
 that dies while starting is reported with the end of its log. Neither `sglang` nor `vllm` is imported here.
 
-SGLang may live in another virtualenv than agentfsm (it pins its own torch): `python` (default
-$AGENTFSM_SGLANG_PYTHON, else this interpreter) runs it. `device="cpu"` starts SGLang's CPU engine on a
-machine without a GPU, with the flags and environment `.ci/sglang_env.sh` documents: its CUDA kernel package
-needs a `libcuda.so.1` to import, and the stand-in that script compiles beside the interpreter's virtualenv
-(`<venv>/cuda-stand-in`) goes on the server's LD_LIBRARY_PATH only.
-
-vLLM (`VLLMLauncher`, $AGENTFSM_VLLM_PYTHON) runs `vllm serve` with the token-in-token-out and RL control
-routes and the worker extension that makes weight updates exact (backends/vllm_reload.py, alone on the
-server's PYTHONPATH); what `device="cpu"` sets for it and why: docs/engines.md.
+SGLang may live in another virtualenv (it pins its own torch): `python` (default $AGENTFSM_SGLANG_PYTHON, else
+this interpreter) runs it. `device="cpu"` starts SGLang's CPU engine with the flags and environment
+`.ci/sglang_env.sh` documents (its CUDA kernel package needs a `libcuda.so.1`: the script's stand-in,
+`<venv>/cuda-stand-in`, goes on the server's LD_LIBRARY_PATH only). vLLM (`VLLMLauncher`,
+$AGENTFSM_VLLM_PYTHON) runs `vllm serve` with the token-in-token-out and RL control routes and the worker
+extension that makes weight updates exact (backends/vllm_reload.py, alone on the server's PYTHONPATH); its
+`device="cpu"`: docs/engines.md.
 """
 
 from __future__ import annotations
@@ -259,7 +257,7 @@ def cpu_shares(replicas: int, cpus: Sequence[int]) -> list[str]:
 
 
 class VLLMLauncher(SGLangLauncher):
-    """Start one vLLM OpenAI-compatible server (`vllm serve`'s) per data-parallel replica (the process handling is SGLangLauncher's).
+    """Start one `vllm serve` server per data-parallel replica (the process handling is SGLangLauncher's).
 
     Replica i listens on `base_port + i`. vLLM has no --base-gpu-id, so on GPUs one replica takes them all
     (--tensor-parallel-size; data parallelism is vLLM's own --data-parallel-size, through `extra_args`);

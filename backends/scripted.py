@@ -101,11 +101,9 @@ def echo_backend(
     *, length: int = 8, vocab: int = 512, eos: int = 2, latency_s: float = 0.0
 ) -> ScriptedBackend:
     """A deterministic function of the prompt: `length` ids derived from a CRC of the prompt, then `eos`.
-    The default ids are plain tokens of the tiny tokenizer (backends/tiny/assets), so its answers pass the
-    client's vocabulary check (backends/answer.py) when served over HTTP.
-
-    The same prompt gives the same answer on every server and in every process, so a session's turns are
-    reproducible wherever the router sends them.
+    The default ids are plain tokens of the tiny tokenizer, so its answers pass the client's vocabulary check
+    (backends/answer.py) over HTTP. The same prompt gives the same answer on every server and in every process,
+    so a session's turns are reproducible wherever the router sends them.
     """
 
     def turn(session_id: str, turn: int, prompt: list[int]) -> list[int]:
@@ -122,10 +120,9 @@ _RESULT = re.compile(r"<tool_response>\s*(.*?)\s*</tool_response>", re.S)
 def calculator_backend(folder: str, *, latency_s: float = 0.0) -> ScriptedBackend:
     """The calculator's real turns (specs/calculator.yaml), answered at once: a calculator call on the question,
     then, once its result is in the prompt, "The answer is N.\n#### N", as the tiny model writes them in its
-    template's tool-call format, over the tokenizer in `folder` (its tokenizer.json alone: a server that starts
-    in a fraction of a second, without transformers). Only the prompt's tail is decoded, so the server stays
-    faster than a client: a benchmark of the client's cost per call on the turn shape of a real agent
-    (`agentfsm bench engines`), where the echo model's one 9-token turn with no tool call is its cheapest shape."""
+    template's tool-call format, over the tokenizer in `folder` (its tokenizer.json alone: no transformers). Only
+    the prompt's tail is decoded, so the server stays faster than a client: `agentfsm bench engines` measures
+    the client's cost per call on a real agent's turn shape with it (the echo model's is the cheapest)."""
     from tokenizers import Tokenizer
 
     with open(os.path.join(folder, "tokenizer_config.json"), encoding="utf-8") as f:
@@ -373,10 +370,9 @@ def scripted_servers(
 ) -> Iterator[list[str]]:
     """`count` SGLang-protocol dev servers in scripted mode (`python -m backends.devserver --scripted`, or
     `mode`, e.g. `--scripted-calculator`; given a list of modes, server i runs the i-th), as subprocesses on free
-    loopback ports, started together; yields their URLs once each answers /health, stops them on exit.
-
-    Unlike `DevServer`, which serves from the caller's event loop, these keep serving while the caller blocks
-    (a synchronous `generate_sequences`, a `ray.get`) and do not compete for the caller's GIL."""
+    loopback ports, started together; yields their URLs once each answers /health, stops them on exit. Unlike
+    `DevServer`, which serves from the caller's event loop, these keep serving while the caller blocks (a
+    synchronous `generate_sequences`, a `ray.get`) and do not compete for the caller's GIL."""
     procs, urls = [], []
     try:
         modes = [mode] * count if isinstance(mode, str) else list(mode)
