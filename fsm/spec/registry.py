@@ -175,7 +175,7 @@ def add_spec_folder(folder: str | Path) -> None:
 
 def _package_root(module: str, folder: str | Path) -> Path | None:
     """The folder above the package a spec lives in, when the module it names is in that package
-    (examples/gateway/agent.yaml naming `examples.gateway.harnesses`: the checkout's root), so a spec inside
+    (examples/gateway/base.yaml naming `examples.gateway.harnesses`: the checkout's root), so a spec inside
     a package imports it from any working directory; None otherwise, or when that root is already importable."""
     here = Path(folder).resolve()
     packages = module.split(".")[:-1]
