@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fsm.run.journal import JOURNAL, rebuild, records
+from fsm.run.fold import rebuild
+from fsm.run.journal import JOURNAL, records
 from tests.test_journal_kill import _count
 from tests.test_run_interrupts import ASSETS, ENV, REPO
 

@@ -19,8 +19,9 @@ import pytest
 from backends.scripted import ScriptedBackend
 from fsm import RolloutEngine
 from fsm.cli.commands import main
-from fsm.run.codec import Read, encode_trajectory
-from fsm.run.journal import FORMAT, JOURNAL, JournalError, Recorder, Scan, Writer, frame, rebuild, records
+from fsm.run.codec import encode_trajectory
+from fsm.run.fold import rebuild
+from fsm.run.journal import FORMAT, JOURNAL, JournalError, Read, Recorder, Scan, Writer, frame, records
 from fsm.run.resume import identity, load
 from tests.conftest import ASSETS, REPO, model_turn, scripted, tool_turn, user_row
 from tests.test_cli import _ThreadServer, assert_consistent, one_line_error, run_argv

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from fsm.run.journal import JOURNAL, rebuild, records
+from fsm.run.fold import rebuild
+from fsm.run.journal import JOURNAL, records
 from tests.conftest import assert_same_batch_files
 from tests.test_run_interrupts import ENV, REPO
 

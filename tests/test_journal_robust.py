@@ -15,7 +15,8 @@ import pytest
 
 from backends.scripted import ScriptedBackend
 from fsm.cli.commands import main
-from fsm.run.journal import JOURNAL, rebuild, records
+from fsm.run.fold import rebuild
+from fsm.run.journal import JOURNAL, records
 from tests.conftest import ASSETS, REPO
 from tests.test_cli import _ThreadServer, assert_consistent
 
@@ -445,7 +446,6 @@ def test_a_record_past_the_bound_is_never_written_and_the_journal_stays_readable
     import fsm.run.codec as codec
     import fsm.run.journal as journal
 
-    monkeypatch.setattr(codec, "MAX_RECORD", 4096)
     monkeypatch.setattr(journal, "MAX_RECORD", 4096)
     writer = journal.Writer(tmp_path / JOURNAL, "off")
     writer.append({"t": "run", "format": codec.FORMAT})

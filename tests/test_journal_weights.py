@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 
 from fsm import RolloutEngine, RunDir
-from fsm.run.journal import JOURNAL, JournalError, Rebuilt, rebuild, records
+from fsm.run.fold import Rebuilt, rebuild
+from fsm.run.journal import JOURNAL, JournalError, records
 from tests.test_journal_kill import model_server  # noqa: F401  (the module's dev server)
 from tests.test_run_interrupts import ASSETS, ENV, REPO
 

@@ -17,7 +17,8 @@ from tests.conftest import extra  # noqa: E402
 ray = extra("ray", "ray")
 
 from fsm import RayRunner  # noqa: E402
-from fsm.run.journal import JournalError, rebuild, records  # noqa: E402
+from fsm.run.fold import rebuild  # noqa: E402
+from fsm.run.journal import JournalError, records  # noqa: E402
 from specs.calculator import make_prompts  # noqa: E402
 from tests.conftest import ASSETS  # noqa: E402
 from tests.fixtures.turns import TURNS, LoggedTurns  # noqa: E402

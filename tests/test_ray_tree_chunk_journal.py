@@ -14,7 +14,8 @@ import pytest
 from backends.scripted import ScriptedBackend
 from fsm.adapters.ray_journal import chunk_files, run_chunk
 from fsm.api import load_agent, load_tokenizer
-from fsm.run.journal import rebuild, records
+from fsm.run.fold import rebuild
+from fsm.run.journal import records
 from fsm.run.resume import identity
 from fsm.run.runtime import Owner, Runner
 from fsm.run.tree import nodes_of, tree_record

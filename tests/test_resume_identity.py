@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from fsm.run.journal import JOURNAL, JournalError, rebuild, records
+from fsm.run.fold import rebuild
+from fsm.run.journal import JOURNAL, JournalError, records
 from fsm.run.resume import ResumeRefused
 from tests.test_journal_kill import _serve_model
 from tests.test_run_interrupts import ENV, REPO

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from fsm.run.journal import ended, rebuild, records
+from fsm.run.fold import rebuild
+from fsm.run.journal import ended, records
 from tests.conftest import assert_same_batch_files
 from tests.test_snapshot import _get
 

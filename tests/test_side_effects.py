@@ -22,7 +22,8 @@ import pytest
 
 import fsm
 from backends.scripted import ScriptedBackend
-from fsm.run.journal import JOURNAL, rebuild, records
+from fsm.run.fold import rebuild
+from fsm.run.journal import JOURNAL, records
 from tests.conftest import ASSETS, REPO, model_turn, run_agent, scripted, tool_turn, user_row
 from tests.fixtures import effects
 from tests.test_cli import _ThreadServer

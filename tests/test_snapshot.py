@@ -28,7 +28,8 @@ from backends.base import BaseBackend, GenerateRequest, GenerateResult
 from backends.scripted import echo_backend
 from fsm import RolloutEngine
 from fsm.run.codec import SnapshotError, decode_trajectory, encode_trajectory
-from fsm.run.journal import JOURNAL, rebuild, records
+from fsm.run.fold import rebuild
+from fsm.run.journal import JOURNAL, records
 from specs.calculator import make_prompts
 from tests.conftest import ASSETS, assert_same_batch_files, scripted, tool_turn, user_row
 

@@ -18,7 +18,8 @@ import pytest
 
 from backends.scripted import ScriptedBackend
 from fsm.cli.commands import main
-from fsm.run.journal import JOURNAL, rebuild, records
+from fsm.run.fold import rebuild
+from fsm.run.journal import JOURNAL, records
 from tests.conftest import ASSETS, REPO, hermes_text
 from tests.test_cli import _ThreadServer, one_line_error
 

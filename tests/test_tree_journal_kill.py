@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from fsm.run.journal import JOURNAL, rebuild, records
+from fsm.run.fold import rebuild
+from fsm.run.journal import JOURNAL, records
 from tests.test_run_interrupts import ENV, REPO
 from tests.test_tree_journal import _same_batches, _same_trees
 

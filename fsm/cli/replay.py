@@ -16,7 +16,8 @@ from typing import Any
 
 from fsm.cli.args import CLIError
 from fsm.cli.resume import journal_spec
-from fsm.run.journal import JOURNAL, JournalError, Rebuilt, Scan, rebuild
+from fsm.run.fold import Rebuilt, rebuild
+from fsm.run.journal import JOURNAL, JournalError, Scan
 from fsm.run.signals import warn
 from fsm.run.trajectory import Trajectory
 

@@ -1,30 +1,23 @@
 """The one durable form of a trajectory: how a trajectory, its sampling and the run journal's records encode and
-decode, and how a record is framed on disk and read back. The journal (fsm/run/journal.py writes and replays
-it), a snapshot (a journal compacted to one whole record per trajectory: fsm/run/stream.py
-`Stream.snapshot`), a Ray actor's chunk journal (fsm/adapters/ray_journal.py) and the gateway's workers all go
-through this module; the records and their fields are listed in docs/running.md ("The format").
+decode. The journal (fsm/run/journal.py writes it and frames each record on disk; fsm/run/fold.py folds it back),
+a snapshot (a journal compacted to one whole record per trajectory: fsm/run/stream.py `Stream.snapshot`), a Ray
+actor's chunk journal (fsm/adapters/ray_journal.py) and the gateway's workers all go through this module; the
+records and their fields are listed in docs/running.md ("The format").
 
-A record is a line, `crc32hex json`: appended, never rewritten, and a record cut by a kill is plainly the last line
-(dropped, with one line saying so). A trajectory is written whole once (every slot, so slots added later come
-along, tagged where JSON has no type of its own: arrays, sets, tuples, the few dataclasses a trajectory holds), then
-as the event of each state boundary: the edge taken, the token runs appended, what the event implies as its payload
-(`typed`: the counters its runs imply are left out), and the other slots by what changed (the slot classes below).
+A trajectory is written whole once (every slot, so slots added later come along, tagged where JSON has no type of
+its own: arrays, sets, tuples, the few dataclasses a trajectory holds), then as the event of each state boundary:
+the edge taken, the token runs appended, what the event implies as its payload (`typed`: the counters its runs
+imply are left out), and the other slots by what changed (the slot classes below).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import errno
 import hashlib
-import json
-import os
-import stat
 import time
-import zlib
 from array import array
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -39,7 +32,6 @@ from fsm.run.trajectory import TRANSIENT, Metrics, Node, Segment, TokenRun, Toke
 FORMAT = 3
 FORMATS = (1, 2, FORMAT)
 OBSERVED = frozenset({"tool_result", "interaction", "observation"})  # answers to the model: user turns
-MAX_RECORD = 256 * 1024 * 1024  # a bound for one line read back
 _TAGS = {"__array__", "__set__", "__tuple__", "__items__", "__dc__"}
 _CLASSES = {cls.__name__: cls for cls in (TokenRun, Segment, Metrics, ToolCall, Failure)}
 
@@ -503,114 +495,3 @@ def _replace(traj: Trajectory, n: str, v: Any, where: str) -> None:
         setattr(traj, n, decode_value(v))
     else:
         raise JournalError(f"{where}: {n!r} is not a slot a step replaces")
-
-
-# --- the framing: a record per line ------------------------------------------------------------------------------
-
-
-def frame(record: Mapping[str, Any]) -> bytes:
-    """One record as its line: the CRC-32 of the JSON, then the JSON (strict: no NaN)."""
-    body = json.dumps(record, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
-    return b"%08x %s\n" % (zlib.crc32(body), body)
-
-
-def unframe(line: bytes) -> dict[str, Any] | None:
-    """The record of one whole line (its newline stripped), or None when its checksum or JSON does not hold."""
-    if len(line) < 10 or line[8:9] != b" ":
-        return None
-    try:
-        if int(line[:8], 16) != zlib.crc32(line[9:]):
-            return None
-        rec = json.loads(line[9:])
-    except (ValueError, RecursionError):
-        return None
-    return rec if isinstance(rec, dict) else None
-
-
-@dataclass
-class Read:
-    """A journal as read back: its records, the bytes they fill, and what a torn last record lost."""
-
-    path: Path
-    records: list[dict[str, Any]]
-    good_bytes: int
-    torn: str | None = None  # one line: what was dropped
-
-
-def open_regular(path: str | Path, flags: int = os.O_RDONLY, mode: int = 0o644) -> int:
-    """A descriptor of the journal file at `path`, never blocking and never following a link: a FIFO, a device or a
-    directory planted in its place is refused (JournalError) before a byte is read or written (opening a FIFO
-    blocks until someone opens its other end; reading one, until someone writes)."""
-    path = Path(path)
-    try:
-        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
-    except FileNotFoundError:
-        raise JournalError(f"{path}: no journal there") from None
-    except OSError as exc:
-        if exc.errno in (errno.ENXIO, errno.EISDIR):  # a FIFO with no reader, a directory
-            raise JournalError(f"{path}: not a regular file; remove it") from None
-        why = "it is a symbolic link" if exc.errno == errno.ELOOP else exc.strerror or str(exc)
-        raise JournalError(f"{path}: cannot open it ({why})") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise JournalError(f"{path}: not a regular file; remove it")
-    os.set_blocking(fd, True)
-    return fd
-
-
-class Scan:
-    """The records of the journal at `path`, read one line at a time (a journal is never in memory whole: a resume
-    holds the trajectories it rebuilds, not the records that built them), each line checked (CRC-32 and JSON)
-    and bounded by MAX_RECORD. A last line cut mid-way (no newline, or its checksum does not match) is a write a
-    kill interrupted: dropped, and said in `torn`. Anything else that does not check is a JournalError naming
-    the file and the record's number. `good_bytes`: where the records read so far end."""
-
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
-        self.good_bytes = 0
-        self.torn: str | None = None
-
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        path, n = self.path, 0
-        with os.fdopen(open_regular(path), "rb") as f:
-            while line := f.readline(MAX_RECORD + 1):
-                n += 1
-                if n == 1 and line[:1] == b"{":
-                    raise JournalError(
-                        f"{path}: a JSON snapshot of an agentfsm before snapshots were journals; this version "
-                        "cannot restore it: restore it with the version that took it, or take it again"
-                    )
-                end = line.endswith(b"\n")
-                if len(line) > MAX_RECORD:
-                    raise JournalError(
-                        f"{path}: record {n} is longer than {MAX_RECORD >> 20} MiB, the bound of one record "
-                        "(damaged or forged); the run cannot be resumed from it"
-                    )
-                body = line[9:-1] if end else b""
-                ok = end and len(line) > 10 and line[8:9] == b" "
-                if ok:
-                    try:
-                        ok = int(line[:8], 16) == zlib.crc32(body)
-                    except ValueError:
-                        ok = False
-                if not ok:
-                    if not end or not f.peek(1):  # the last line
-                        self.torn = (
-                            f"{path}: record {n}, the last, was cut mid-way ({len(line)} bytes, a write a kill "
-                            "interrupted); dropped"
-                        )
-                        return
-                    raise JournalError(
-                        f"{path}: record {n}: its checksum does not match (damaged or edited); the run cannot be "
-                        "resumed from it"
-                    )
-                try:
-                    rec = json.loads(body)
-                except (ValueError, RecursionError):
-                    raise JournalError(
-                        f"{path}: record {n}: not JSON (forged: its checksum matches)"
-                    ) from None
-                if not isinstance(rec, dict) or not isinstance(rec.get("t"), str):
-                    raise JournalError(f"{path}: record {n}: not a journal record (no kind 't')")
-                self.good_bytes += len(line)
-                yield rec

@@ -62,7 +62,8 @@ from fsm.run.codec import (
     tokenizer_id,
 )
 from fsm.run.engine import LocalEngine
-from fsm.run.journal import JournalError, Read, Rebuilt, Scan, rebuild
+from fsm.run.fold import Rebuilt, rebuild
+from fsm.run.journal import JournalError, Read, Scan
 from fsm.run.snapcheck import _check, check_identity, check_version_runs
 from fsm.run.treejournal import tree_form
 from fsm.spec.registry import is_import_path
