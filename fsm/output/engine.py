@@ -18,7 +18,10 @@ refuses inside a running event loop.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
+import os
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
@@ -84,6 +87,35 @@ def refuse_in_loop(engine: object, name: str, async_name: str) -> None:
     )
 
 
+class SyncLoop:
+    """The loop a thread's sync forms run their async forms on, kept from call to call: `asyncio.run` made and
+    closed one per call, most of a control call's CPU. As there, each call runs in a copy of the caller's context
+    and what it leaves running is cancelled at its end; unlike it, the thread's current loop is left as it is.
+    Closed by an engine's `close()` in its thread, or when the thread ends (its `_sync_loop` goes)."""
+
+    __slots__ = ("runner", "loop", "pid")
+
+    def __init__(self) -> None:
+        self.runner = asyncio.Runner(loop_factory=asyncio.new_event_loop)
+        self.loop, self.pid = self.runner.get_loop(), os.getpid()
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        try:
+            return self.runner.run(coro, context=contextvars.copy_context())
+        finally:
+            if left := asyncio.all_tasks(self.loop):
+                for task in left:
+                    task.cancel()
+                self.loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+
+    def __del__(self) -> None:  # its thread ended: nothing runs on it
+        if not self.loop.is_closed() and not self.loop.is_running():
+            self.loop.close()
+
+
+_sync_loop = threading.local()  # .loop: the calling thread's SyncLoop
+
+
 class Core(Protocol):
     """An engine's working parts, which the shared logic (`BaseEngine`) calls down into: where its state lives, how
     its rows run, its control calls. fsm/run/local.py `Local` (one process: its loop thread, stream and backend)
@@ -138,11 +170,14 @@ class BaseEngine:
     _faults: FaultDelta | None = None
 
     def _run_sync(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run `coro` to its end from a thread that runs no event loop (the sync forms): on a loop of this thread,
+        """Run `coro` to its end from a thread that runs no event loop (the sync forms): on this thread's `SyncLoop`,
         where signals arrive (a kept run's, fsm/output/keep.py), and whose calls into the core hop to the core's
         loop, so that loop only ever runs the core's own coroutines. A core whose state is bound to a loop of its
         own for good (RayRunner's) runs them there instead."""
-        return asyncio.run(coro)
+        held = getattr(_sync_loop, "loop", None)
+        if held is None or held.pid != os.getpid() or held.loop.is_closed():  # a forked child makes its own
+            held = _sync_loop.loop = SyncLoop()
+        return held.run(coro)
 
     @property
     def weight_version(self) -> int:
@@ -178,6 +213,10 @@ class BaseEngine:
     def close(self) -> None:
         refuse_in_loop(self, "close", "aclose")
         self.core.close()
+        held = getattr(_sync_loop, "loop", None)
+        if held is not None:  # this thread's sync forms' loop, as asyncio.run closes its own
+            del _sync_loop.loop
+            held.runner.close()
 
     def __enter__(self) -> Self:
         return self
