@@ -25,7 +25,9 @@ from tests.sglang.conftest import PYTHON, free_port
 from tests.sglang.scenarios import PROMPT
 
 pytestmark = pytest.mark.sglang
-LONG = 300  # a turn that is still running when a test aborts or pauses it
+# a turn that is still running when a test aborts or pauses it; the tests that let it run to its end (the
+# reference, the pauses, a retract) wait for every token, several seconds each on a CPU server
+LONG = 100
 REST = 24  # tokens an aborted turn is resumed for: its first ones after the cut are where a resume goes wrong
 # logprobs of one checkpoint on two SGLang servers, or one server twice, differ by less: SGLang's CPU engine is
 # not batch-invariant (which requests share a batch, what its radix cache holds): up to 7.6e-4 on CI's machine and
