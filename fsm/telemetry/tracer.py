@@ -139,25 +139,7 @@ class Telemetry:
         self.tracer = self.provider.get_tracer("agentfsm")
         self.scope = getattr(self.tracer, "instrumentation_scope", None) or InstrumentationScope("agentfsm")
         self.memory = MemoryExporter(self.resource, self.scope) if memory else None
-        self.otlp_endpoint: str | None = None
-        named: list[tuple[str, SpanExporter | NativeExporter]] = []
-        if isinstance(otlp, str) or (otlp is None and otlp_from_env()):
-            compressed = OtlpSettings.from_env().compression is not None
-            exporter = OtlpHttpExporter(
-                self.resource,
-                self.scope,
-                _traces_url(otlp) if isinstance(otlp, str) else None,  # None: from the OTEL_* variables
-                headers=headers,
-                compression=None if compressed else "gzip",
-            )
-            self.otlp_endpoint = exporter.endpoint
-            named.append(("otlp", exporter))
-        if console:
-            # stderr: a program's stdout is its output (agentfsm's run table), never mixed with span dumps
-            named.append(("console", ConsoleSpanExporter(out=sys.stderr if console is True else console)))
-        if self.memory is not None:
-            named.append(("memory", self.memory))
-        named.extend((f"{type(e).__name__}{i}", e) for i, e in enumerate(exporters))
+        named = self._named_exporters(otlp, headers, console, exporters)
         sizes = QueueSizes.from_env(max_queue_size, max_export_batch_size, schedule_delay_millis)
         self.processors: list[SpanPipeline | SdkPipeline] = [
             SpanPipeline(e, name, sizes)
@@ -197,6 +179,35 @@ class Telemetry:
         self._traced = self._sampled_out = 0
         self._warned_dropped = 0
         self._closed = False
+
+    def _named_exporters(
+        self,
+        otlp: str | bool | None,
+        headers: dict[str, str] | None,
+        console: bool | TextIO,
+        exporters: Sequence[SpanExporter | NativeExporter],
+    ) -> list[tuple[str, SpanExporter | NativeExporter]]:
+        """The exporters `__init__`'s arguments and the OTEL_* variables ask for, each with its name."""
+        self.otlp_endpoint: str | None = None
+        named: list[tuple[str, SpanExporter | NativeExporter]] = []
+        if isinstance(otlp, str) or (otlp is None and otlp_from_env()):
+            compressed = OtlpSettings.from_env().compression is not None
+            exporter = OtlpHttpExporter(
+                self.resource,
+                self.scope,
+                _traces_url(otlp) if isinstance(otlp, str) else None,  # None: from the OTEL_* variables
+                headers=headers,
+                compression=None if compressed else "gzip",
+            )
+            self.otlp_endpoint = exporter.endpoint
+            named.append(("otlp", exporter))
+        if console:
+            # stderr: a program's stdout is its output (agentfsm's run table), never mixed with span dumps
+            named.append(("console", ConsoleSpanExporter(out=sys.stderr if console is True else console)))
+        if self.memory is not None:
+            named.append(("memory", self.memory))
+        named.extend((f"{type(e).__name__}{i}", e) for i, e in enumerate(exporters))
+        return named
 
     @classmethod
     def from_env(cls, **options: Any) -> Telemetry | None:
