@@ -125,7 +125,7 @@ def loss_fn(
     return (ce * w).sum() / w.sum()
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -163,8 +163,11 @@ def main() -> None:
     parser.add_argument(
         "--save-every", type=int, default=None, help="also save weights to OUT/step-N every N steps"
     )
-    args = parser.parse_args()
+    return parser.parse_args()
 
+
+def main() -> None:
+    args = parse_args()
     torch.set_num_threads(1)  # steadier than two on a shared 2-core machine
     torch.manual_seed(args.seed)
     tokenizer = load_tokenizer()
