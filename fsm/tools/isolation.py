@@ -30,10 +30,12 @@ import concurrent.futures
 import contextlib
 import contextvars
 import copy
+import functools
 import inspect
 import json
 import logging
 import queue
+import resource
 import threading
 import time
 import weakref
@@ -485,7 +487,7 @@ class _Timed:
         value: Any = None
         error: BaseException | None = None
         while True:
-            t0 = clock()
+            t0, used = clock(), _usage()
             steps[here] = (name, caller, t0)  # a new tuple per step: a reader can tell one step from the next
             try:
                 step = coro.send(value) if error is None else coro.throw(error)
@@ -493,7 +495,7 @@ class _Timed:
                 return stop.value
             finally:
                 steps.pop(here, None)
-                if (took := clock() - t0) >= limit:
+                if (took := clock() - t0) >= limit and _held(used, limit):
                     lane.blocked(took)
             value = error = None
             try:
@@ -503,3 +505,22 @@ class _Timed:
                 raise
             except BaseException as exc:  # a cancellation (the timeout's): the coroutine gets to handle it
                 error = exc
+
+
+# this thread's resource usage so far (Linux); None where the OS does not count it per thread
+_usage: Callable[[], Any] = (
+    functools.partial(resource.getrusage, resource.RUSAGE_THREAD)
+    if hasattr(resource, "RUSAGE_THREAD")
+    else lambda: None
+)
+
+
+def _held(before: Any, limit: float) -> bool:
+    """Whether a step that took `limit` or more held the loop itself: it blocked (a voluntary context switch: a
+    sleep, I/O, a lock, the GIL) or ran on the CPU that long. A step the OS only kept waiting for a core (a busy
+    machine: involuntary switches alone) did not, and a tool moved for it would be told to change its spec."""
+    if before is None:
+        return True
+    after = _usage()
+    ran = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    return after.ru_nvcsw > before.ru_nvcsw or ran >= limit
