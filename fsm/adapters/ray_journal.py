@@ -70,6 +70,37 @@ class Chunk:
         remove([self.path])
 
 
+def _earlier(
+    path: Path, runner: Any, fresh: list[Trajectory], counts: dict[str, int]
+) -> tuple[dict[int, tuple[Trajectory, bool]], dict[str, dict[str, Any]]]:
+    """What the last earlier attempt journaled: index -> (trajectory, done), and the tool results it recorded.
+    One that cannot go on here (unreadable, forged, another spec's or other weights') is refused, counted, and
+    the chunk runs again from the start."""
+    try:
+        loaded = load(path, runner.agent, runner.codec)
+        # a resumed run's check: its rows go on only with the weights their last tokens came from
+        if (change := weights_change(loaded, runner.gate.version, served_by(runner.backend))) is not None:
+            raise JournalError(f"{path}: {change.what}")
+        agents = Agents()
+        found: dict[int, tuple[Trajectory, bool]] = {}
+        for g in loaded.data["groups"]:
+            for td in g["trajectories"]:
+                t = decode_trajectory(td)
+                if "nodes" in td:  # a tree: its nodes as journaled (fsm/run/treejournal.py)
+                    nodes = [(decode_trajectory(nd), nd["n"], nd["done"]) for nd in td["nodes"]]
+                    restore_tree(t, td["n"], nodes, runner.agent, agents.child, bool(td["done"]))
+                found[t.index] = (t, bool(td["done"]))
+        rows = {t.index: (t.uid, t.sample) for t in fresh}
+        if any(rows.get(i, (t.uid, t.sample)) != (t.uid, t.sample) for i, (t, _) in found.items()):
+            raise JournalError(f"{path}: its trajectories are not this chunk's rows")
+    except JournalError as exc:
+        counts["refused"] = 1
+        log.warning("agentfsm: %s; its chunk runs again from the start", exc)
+        return {}, {}
+    counts["restarted"] = loaded.restarted
+    return found, loaded.tool_results
+
+
 def open_chunk(
     root: str | Path,
     key: str,
@@ -91,31 +122,7 @@ def open_chunk(
         if earlier and not records(earlier[-1]).records:  # its actor died before a first record reached it:
             earlier = []  # nothing was journaled, nothing refused
     counts = {"resumed": 0, "restarted": 0, "recovered": 0, "refused": 0}
-    found: dict[int, tuple[Trajectory, bool]] = {}
-    tools: dict[str, dict[str, Any]] = {}
-    if earlier:
-        try:
-            loaded = load(earlier[-1], runner.agent, runner.codec)
-            # a resumed run's check: its rows go on only with the weights their last tokens came from
-            if (change := weights_change(loaded, runner.gate.version, served_by(runner.backend))) is not None:
-                raise JournalError(f"{earlier[-1]}: {change.what}")
-            agents = Agents()
-            for g in loaded.data["groups"]:
-                for td in g["trajectories"]:
-                    t = decode_trajectory(td)
-                    if "nodes" in td:  # a tree: its nodes as journaled (fsm/run/treejournal.py)
-                        nodes = [(decode_trajectory(nd), nd["n"], nd["done"]) for nd in td["nodes"]]
-                        restore_tree(t, td["n"], nodes, runner.agent, agents.child, bool(td["done"]))
-                    found[t.index] = (t, bool(td["done"]))
-            rows = {t.index: (t.uid, t.sample) for t in fresh}
-            if any(rows.get(i, (t.uid, t.sample)) != (t.uid, t.sample) for i, (t, _) in found.items()):
-                raise JournalError(f"{earlier[-1]}: its trajectories are not this chunk's rows")
-        except JournalError as exc:  # unreadable, forged, another spec's: the chunk runs again
-            counts["refused"], found = 1, {}
-            log.warning("agentfsm: %s; its chunk runs again from the start", exc)
-        else:
-            tools = loaded.tool_results
-            counts["restarted"] = loaded.restarted
+    found, tools = _earlier(earlier[-1], runner, fresh, counts) if earlier else ({}, {})
     # what each trajectory's first record holds: the fresh one (a restart inside an interaction starts over
     # from it, whichever attempt it is in), then, for one that has begun, where it got to
     trajs, firsts, done = [], [], set()
