@@ -186,7 +186,7 @@ class _Connection(asyncio.Protocol):
             self._chunked = True
         elif "content-length" in items:
             text = items["content-length"]
-            if not text.isdigit():
+            if not (text.isascii() and text.isdigit()):  # str.isdigit also takes "²", which int() refuses
                 raise WireError(f"Content-Length {text[:40]!r}", "resets", status)
             self._length = int(text)
             if self._length > self._max:

@@ -144,6 +144,7 @@ async def test_an_idle_connection_past_keepalive_is_not_reused():
         (b'HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n4\r\n{"a"', "resets", 200),
         (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "resets", 200),
         (b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n", "resets", 200),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 1\xb2\r\n\r\nx", "resets", 200),  # a digit int() refuses
         (b"HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\nContent-Length: 1\r\n\r\nx", "resets", 200),
         (b"HTTP/1.1 200 OK\r\nContent-Length: 101\r\n\r\n", "oversize", 200),  # refused by its header
         (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n65\r\n" + b"x" * 101, "oversize", 200),
