@@ -14,7 +14,7 @@ from array import array
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from backends.base import BackendTimeout, GenerateRequest, GenerationAborted
+from backends.base import BackendTimeout, GenerateRequest, GenerateResult, GenerationAborted
 from fsm.data.rows import RowError, encodable, prompt_messages, score_fault
 from fsm.families.codec import UnknownRole
 from fsm.families.pieces import extend_array
@@ -127,6 +127,70 @@ async def generate(ctx: RunContext, traj: Trajectory) -> None:
     traj.messages.append(ctx.codec.assistant_message(text, traj.pending_calls))  # as the template reads it
 
 
+def _turn_request(
+    ctx: RunContext,
+    traj: Trajectory,
+    context: list[int],
+    ids: list[int],
+    params: dict[str, Any],
+    rid: str,
+    attempt: int,
+) -> GenerateRequest:
+    """A turn's request: its context, plus what aborted attempts made (`ids`) when it is resumed."""
+    return GenerateRequest(
+        session_id=traj.node.route,  # a branch's: its parent's server
+        prompt_ids=context + ids if ids else context,
+        # the turn's own params (`Sampling.for_turn` made them) until a resume shrinks max_new_tokens
+        sampling_params={**params, "max_new_tokens": params["max_new_tokens"] - len(ids)} if ids else params,
+        rid=rid,
+        group_id=traj.uid,
+        return_logprob=ctx.sampling.logprobs,
+        timeout_s=ctx.agent.limits.request_timeout_s,
+        resumed=attempt,
+        vocab_size=ctx.codec.vocab_size,
+        turn=traj.assistant_turns,
+    )
+
+
+def _token_versions(gate: Any, result: GenerateResult, n: int, sent_to: int) -> list[int] | map[int]:
+    """The weight version of each of the `n` new tokens (a request held across an update has two)."""
+    per_token = result.extra.get("token_versions")
+    if per_token is not None and len(per_token) >= n:
+        per_token = per_token[:n]
+        if n and per_token.count(per_token[0]) == n:  # one version: the usual case
+            return [gate.version_of(per_token[0], sent_to)] * n
+        seen = {v: gate.version_of(v, sent_to) for v in set(per_token)}  # one or two
+        return map(seen.__getitem__, per_token)
+    return [gate.version_of(result.weight_version, sent_to)] * n
+
+
+def _note_context_cut(
+    ctx: RunContext, traj: Trajectory, request: GenerateRequest, result: GenerateResult, made: bool
+) -> None:
+    """A finished turn that hit a full context says so on its row (`extra["context_cut"]`)."""
+    if result.extra.get("context_cut"):  # the server's context was full: the row says so
+        traj.extra["context_cut"] = result.extra["context_cut"]
+    elif not made and result.finish_reason == "length" and request.sampling_params["max_new_tokens"] > 0:
+        # nothing where tokens were asked, by "length": only a full context answers that (docs/engines.md),
+        # whatever the client knows of the server's context length (else: the tokens the request held)
+        known = getattr(ctx.backend, "context_length", None)
+        traj.extra["context_cut"] = known or len(request.prompt_ids)
+
+
+def _partial_turn(
+    traj: Trajectory, want_logprobs: bool
+) -> tuple[list[int], list[float] | None, list[int], int]:
+    """Where a turn starts: empty, or what a pause's abort left of it before a snapshot (then attempt 1, a fresh
+    rid: the aborted one may be known to the server); ids, logprobs, versions, attempt."""
+    partial = getattr(traj, "partial_turn", None)
+    if partial is None:
+        return [], [] if want_logprobs else None, [], 0
+    ids, logprobs, versions = list(partial[0]), partial[1] and list(partial[1]), list(partial[2])
+    if want_logprobs and logprobs is None:
+        return [], [], [], 1
+    return ids, logprobs, versions, 1
+
+
 async def _resumed_turn(
     ctx: RunContext,
     traj: Trajectory,
@@ -154,37 +218,17 @@ async def _resumed_turn(
     want_logprobs = ctx.sampling.logprobs
     gate = ctx.gate
     context = traj.context()  # the trajectory's own, grown per turn: its ids and JSON are not built again
-    ids: list[int] = []
-    logprobs: list[float] | None = [] if want_logprobs else None
-    versions: list[int] = []
-    resumes = attempt = 0
-    partial = getattr(traj, "partial_turn", None)  # a turn a pause aborted before a snapshot: go on from it
-    if partial is not None:
-        ids, logprobs, versions = list(partial[0]), partial[1] and list(partial[1]), list(partial[2])
-        attempt = 1  # a fresh rid: the aborted one may be known to the server
-        if want_logprobs and logprobs is None:
-            ids, logprobs, versions = [], [], []
+    ids, logprobs, versions, attempt = _partial_turn(traj, want_logprobs)
+    resumes = 0
     while True:
-        waited = 0.0
         if gate.paused:  # whole while it waits: a snapshot taken now keeps what the turn has so far
             traj.partial_turn = (list(ids), None if logprobs is None else list(logprobs), list(versions))
-            waited = await gate.wait()
+            if (waited := await gate.wait()) and deadline is not None and deadline.when() is not None:
+                deadline.reschedule(deadline.when() + waited)  # type: ignore[operator]
         traj.partial_turn = None
-        if waited and deadline is not None and deadline.when() is not None:
-            deadline.reschedule(deadline.when() + waited)  # type: ignore[operator]
         epoch, sent_to = gate.epoch, gate.version
-        request = GenerateRequest(
-            session_id=traj.node.route,  # a branch's: its parent's server
-            prompt_ids=context + ids if ids else context,
-            # the turn's own params (`Sampling.for_turn` made them) until a resume shrinks max_new_tokens
-            sampling_params={**params, "max_new_tokens": max_new - len(ids)} if ids else params,
-            rid=f"{rid}_r{attempt}" if attempt else rid,
-            group_id=traj.uid,
-            return_logprob=want_logprobs,
-            timeout_s=limits.request_timeout_s,
-            resumed=attempt,
-            vocab_size=ctx.codec.vocab_size,
-            turn=traj.assistant_turns,
+        request = _turn_request(
+            ctx, traj, context, ids, params, f"{rid}_r{attempt}" if attempt else rid, attempt
         )
         if whole:  # a snapshot may take the row as it was before this turn (PauseGate.waiting)
             gate.in_flight += 1  # a request in flight (`PauseGate.waiting` counts it once the gate is closed)
@@ -202,28 +246,11 @@ async def _resumed_turn(
         if aborted and want_logprobs and new_logprobs is None:
             new, new_logprobs = [], []  # an abort without its logprob payload: regenerate, never invent them
         ids += new
-        per_token = result.extra.get("token_versions")  # a request held across an update has two
-        if per_token is not None and len(per_token) >= len(new):
-            per_token = per_token[: len(new)]
-            if new and per_token.count(per_token[0]) == len(new):  # one version: the usual case
-                versions += [gate.version_of(per_token[0], sent_to)] * len(new)
-            else:
-                seen = {v: gate.version_of(v, sent_to) for v in set(per_token)}  # one or two
-                versions += map(seen.__getitem__, per_token)
-        else:
-            versions += [gate.version_of(result.weight_version, sent_to)] * len(new)
+        versions += _token_versions(gate, result, len(new), sent_to)
         if logprobs is not None:
             logprobs = logprobs + new_logprobs if new_logprobs is not None else None
         if not aborted:
-            if result.extra.get("context_cut"):  # the server's context was full: the row says so
-                traj.extra["context_cut"] = result.extra["context_cut"]
-            elif (
-                not new and result.finish_reason == "length" and request.sampling_params["max_new_tokens"] > 0
-            ):
-                # nothing where tokens were asked, by "length": only a full context answers that (docs/engines.md),
-                # whatever the client knows of the server's context length (else: the tokens the request held)
-                known = getattr(ctx.backend, "context_length", None)
-                traj.extra["context_cut"] = known or len(request.prompt_ids)
+            _note_context_cut(ctx, traj, request, result, bool(new))
             return ids, logprobs, versions, result.finish_reason
         if ids and ids[-1] in (params.get("stop_token_ids") or ()):
             return ids, logprobs, versions, "stop"  # the abort raced the turn's own end
