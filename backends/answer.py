@@ -159,7 +159,8 @@ def _is_int_list(value: Any) -> bool:
     return isinstance(value, list) and set(map(type, value)) <= _INT  # C-speed: no generator step per id
 
 
-_INT, _LIST, _REAL_TYPES = {int}, {list}, frozenset({float, int})  # bools are not numbers here
+_INT, _LIST, _FLOAT = {int}, {list}, {float}
+_REAL_TYPES = frozenset({float, int})  # bools are not numbers here
 _FIRST, _SECOND = itemgetter(0), itemgetter(1)
 
 
@@ -308,11 +309,17 @@ def _plain_logprobs(triples: list[Any], out: list[int]) -> list[float] | None:
         ids, firsts = list(map(_SECOND, triples)), list(map(_FIRST, triples))
     except IndexError:  # a short triple
         return None
-    if not firsts or ids != out or set(map(type, ids)) != _INT or not set(map(type, firsts)) <= _REAL_TYPES:
+    if not firsts or ids != out or set(map(type, ids)) != _INT:
         return None  # a bool is an int that == 1: types are checked, not only values
-    try:
-        values = list(map(float, firsts))
-    except OverflowError:
+    kinds = set(map(type, firsts))
+    if kinds == _FLOAT:
+        values = firsts  # floats already, as JSON's decoders read "-0.5": no second list
+    elif kinds <= _REAL_TYPES:
+        try:
+            values = list(map(float, firsts))
+        except OverflowError:
+            return None
+    else:
         return None
     # every value finite: their sum is (a NaN or an infinity makes it NaN or infinite; a sum that overflows
     # only sends the answer to the close read)

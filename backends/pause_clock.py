@@ -38,7 +38,10 @@ class PauseClock:
                 wake()
 
     async def wait(self, future: asyncio.Future[Any], timeout_s: float) -> bool:
-        """Wait for `future` up to `timeout_s` seconds of unpaused time; True when it is done."""
+        """Wait for `future` up to `timeout_s` seconds of unpaused time; True when it is done. Each unpaused
+        stretch is one future and no task, with no timer of its own unless its deadline comes before one
+        already waiting (this runs once per generate call, so the stretch is written here, not in a coroutine
+        of its own)."""
         loop = asyncio.get_running_loop()
         left = timeout_s
         while not future.done():
@@ -51,42 +54,37 @@ class PauseClock:
                 continue
             if left <= 0:
                 return False
+            # until `future` is done, `left` passed or a pause began
+            waiter = loop.create_future()
+
+            def wake(_: object = None, waiter: asyncio.Future[None] = waiter) -> None:
+                if not waiter.done():
+                    waiter.set_result(None)
+
+            future.add_done_callback(wake)
             t0 = loop.time()
-            await self._unpaused(future, left)
+            when, timer = t0 + left, None
+            # the shared timer, (re)armed for this first deadline; none armed: the clocks left in `_due` are woken
+            if loop is not self._loop or not self._due or self._timer is None:
+                if self._timer is not None:
+                    self._timer.cancel()
+                self._loop, self._due, self._timer = loop, {}, loop.call_at(when, self._expire)
+            elif when < next(reversed(self._due.values())):  # before the latest waiting: a timer of its own
+                timer = loop.call_at(when, wake)
+            if timer is None:
+                self._due[wake] = when
+            self._wakes.add(wake)
+            try:
+                await waiter
+            finally:
+                if timer is None:
+                    self._due.pop(wake, None)
+                else:
+                    timer.cancel()
+                future.remove_done_callback(wake)
+                self._wakes.discard(wake)
             left -= loop.time() - t0
         return True
-
-    async def _unpaused(self, future: asyncio.Future[Any], timeout_s: float) -> None:
-        """Until `future` is done, `timeout_s` passed or a pause began: one future, no task, and no timer of its
-        own unless its deadline comes before one already waiting (this runs once per generate call)."""
-        loop = asyncio.get_running_loop()
-        waiter = loop.create_future()
-
-        def wake(_: object = None) -> None:
-            if not waiter.done():
-                waiter.set_result(None)
-
-        future.add_done_callback(wake)
-        when, timer = loop.time() + timeout_s, None
-        # the shared timer, (re)armed for this first deadline; none armed: the clocks left in `_due` are all woken
-        if loop is not self._loop or not self._due or self._timer is None:
-            if self._timer is not None:
-                self._timer.cancel()
-            self._loop, self._due, self._timer = loop, {}, loop.call_at(when, self._expire)
-        elif when < next(reversed(self._due.values())):  # before the latest waiting: a timer of its own
-            timer = loop.call_at(when, wake)
-        if timer is None:
-            self._due[wake] = when
-        self._wakes.add(wake)
-        try:
-            await waiter
-        finally:
-            if timer is None:
-                self._due.pop(wake, None)
-            else:
-                timer.cancel()
-            future.remove_done_callback(wake)
-            self._wakes.discard(wake)
 
     def _expire(self) -> None:
         """The shared timer: wake each clock whose deadline passed, in order, then wait for the next one's."""

@@ -413,7 +413,8 @@ class ServerClient(BaseBackend):
         wire = self._wire_rid(rid, n, request.session_id)
         self._live[wire] = request.session_id
         try:
-            await self._ensure_info(timeout_s)
+            if self._info is None:  # read once: no coroutine a call after that
+                await self._ensure_info(timeout_s)
             params = self._clamp(request.prompt_ids, request.sampling_params)  # a new dict when it cuts
             asked = request  # what the answer is held to: the request itself, unless cut or renamed
             if params is not request.sampling_params or wire != request.rid:
