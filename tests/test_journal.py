@@ -495,6 +495,8 @@ def test_failures_read_back_as_recorded_and_an_older_journals_error_as_a_failure
     ]
     lines = []
     for rec in records(tmp_path / JOURNAL).records:
+        if "failure" in rec:  # a `failure` event's
+            rec.setdefault("v", {})["failure"] = {"fields": rec.pop("failure")}
         for part in (rec.get("v"), rec.get("d")):  # as an older engine wrote them
             if isinstance(part, dict) and "failure" in part:
                 failure, _ = part.pop("failure"), part.pop("failures", None)
@@ -524,6 +526,7 @@ def test_an_older_journal_reads_back_as_the_events_of_this_format_do(tmp_path, t
         "prompt",
         "model_turn",
         "tool_result",
+        "failure",
         "reward",
     }
     read = rebuild(records(REPO / "tests" / "fixtures" / old))
@@ -543,7 +546,9 @@ def test_an_older_journal_reads_back_as_the_events_of_this_format_do(tmp_path, t
 def test_a_rows_last_action_is_its_own_event_before_its_reward(tmp_path, tok):
     """The model turn that ends a row (its edge into a final state) is recorded as a `model_turn` with its tokens
     and edge, then the reward as `reward`, which carries neither (before, the reward record held that turn's tokens
-    and edge). A row that failed mid-action has no last event of its own: its `reward` says how it ended."""
+    and edge). A row that failed mid-action records its failure as its own event (`failure`: kind, state, attempt,
+    cause, with what the action left), then its `reward`, which carries neither (before, the reward record held
+    the failure and the emptied response)."""
     call = tool_turn(tok, ("calculator", {"expression": "1 + 2"}))
     script = scripted({0: [call, model_turn(tok, "#### 3")], 1: [call]})
     rows = [user_row("What is 1 + 2?", reward_model={"ground_truth": "3"}), user_row("And 2 + 2?")]
@@ -556,10 +561,27 @@ def test_a_rows_last_action_is_its_own_event_before_its_reward(tmp_path, tok):
     ok = [r for r in recs if r["t"] == "step" and r["s"] == trajs[0].session_id]
     assert [r["ev"] for r in ok][-2:] == ["model_turn", "reward"]
     assert ok[-2]["e"][-1][1] == trajs[0].state == "TERMINATED" and ok[-2]["tok"][1][0][0] == "assistant"
-    assert [r["ev"] for r in recs if r["t"] == "step" and r["s"] == trajs[1].session_id][-1:] == ["reward"]
+    failed = [r for r in recs if r["t"] == "step" and r["s"] == trajs[1].session_id]
+    assert [r["ev"] for r in failed][-2:] == ["failure", "reward"]
+    assert {k: failed[-2]["failure"][k] for k in ("kind", "state", "attempt")} == {
+        "kind": "backend",
+        "state": "GENERATING",
+        "attempt": 1,
+    }
+    assert failed[-2]["failure"]["cause"] == trajs[1].failure.cause and not trajs[1].response_ids
+    assert not {"failure", "r", "tok", "e"} & (failed[-1].keys() | failed[-1].get("v", {}).keys())
     rb = rebuild(records(tmp_path / JOURNAL))
     for t in trajs:
         _same(t, rb.trajs[t.session_id])
+    # a kill after the failure was journaled, before the reward (and the take): the row starts over, rather than
+    # run its failed action again with the failure on it
+    kept = [r for r in recs if r is not failed[-1] and r["t"] != "taken"]
+    (tmp_path / JOURNAL).write_bytes(b"".join(map(frame, kept)))
+    with RolloutEngine(SPEC, tokenizer=str(ASSETS), backend=script) as engine:
+        loaded = load(tmp_path / JOURNAL, engine.agent, engine.codec)
+    assert (loaded.finished, loaded.in_flight, loaded.restarted) == (1, 0, 1)
+    (again,) = [m for g in loaded.data["groups"] for m in g["trajectories"] if not m["done"]]
+    assert again["__traj__"].failure is None and again["__traj__"].state == "PENDING"
 
 
 def test_a_step_carries_its_events_payload_not_the_slots_it_implies(tmp_path, tok):

@@ -386,7 +386,7 @@ def typed(ev: str, body: dict[str, Any], was: Mapping[str, Any], now: Mapping[st
     """`body` (a step's, from `changes`; `was` and `now` its scalars before and after) as its event's payload
     (format 3): the counters its runs imply (`implied`) left out, or stated in `v` where they differ; the messages
     appended as `msg`; each edge with the time its state was entered (`e`: [index, state, time]), a begin with its
-    start (`at`); a reward's value and the row's end as `reward` and `reason`."""
+    start (`at`); a reward's value and the row's end as `reward` and `reason`; a failure's fields as `failure`."""
     v = body.setdefault("v", {})
     for n, value in implied(ev, body.get("tok"), was).items():
         if now[n] == value and type(now[n]) is type(value):
@@ -407,6 +407,8 @@ def typed(ev: str, body: dict[str, Any], was: Mapping[str, Any], now: Mapping[st
         for key, n in (("reward", "reward_score"), ("reason", "termination_reason")):
             if n in v:
                 body[key] = v.pop(n)
+    elif ev == "failure" and "failure" in v:
+        body["failure"] = v.pop("failure")["fields"]
     if not v:
         del body["v"]
 
@@ -453,6 +455,10 @@ def apply_changes(traj: Trajectory, rec: dict[str, Any], where: str, fmt: int = 
     for key, n in (("reward", "reward_score"), ("reason", "termination_reason")):
         if key in rec:
             setattr(traj, n, rec[key])
+    if "failure" in rec:
+        if not isinstance(rec["failure"], dict):
+            raise JournalError(f"{where}: its failure is not an object")
+        traj.failure = Failure(**rec["failure"])
     for n, v in rec.get("v", {}).items():
         if n == "error":  # written before `Failure`
             n, v = "failure", Failure.legacy(v, traj.state, traj.extra)

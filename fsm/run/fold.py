@@ -13,7 +13,9 @@ from fsm.run.journal import ACTION_EVENTS, Read, Scan
 from fsm.run.trajectory import Trajectory
 
 # the events a reader folds (fsm/run/journal.py names them as it writes: ACTION_EVENTS and `Recorder.step`)
-STEP_EVENTS = frozenset({*ACTION_EVENTS.values(), "rewrite", "action", "begin", "reward", "child_ended"})
+STEP_EVENTS = frozenset(
+    {*ACTION_EVENTS.values(), "rewrite", "action", "begin", "failure", "reward", "child_ended"}
+)
 TRAJ_EVENTS = frozenset({"start", "rewrite", "resume", "child_started", "fork", "snapshot"})
 
 

@@ -399,8 +399,9 @@ class Recorder:
         """The event that changed `traj` since its last record, named (`ev`) and with its payload (codec.py
         `changes`): at a state boundary, the action of the state `traj` was in (of `agent`, its compiled agent)
         and the edge it took (the last one, into a final state, when the runner's `_finish` begins:
-        fsm/run/runtime.py); `done`, its end (the reward). A rewrite that closed a segment, a tree node's first
-        boundary and a trajectory's first after a resume write it whole."""
+        fsm/run/runtime.py), or its failure there (`failure`: kind, state, attempt, cause); `done`, its end (the
+        reward). A rewrite that closed a segment, a tree node's first boundary and a trajectory's first after a
+        resume write it whole."""
         m = self._marks.get(traj.session_id)
         if m is None or len(traj.closed) != m.closed:
             kind = traj.node.kind
@@ -420,6 +421,8 @@ class Recorder:
             assert agent is not None, "a step that took an edge names the agent whose state it left"
             ref = agent.spec.states[source].action or ""  # a state without one: "action"
             ev = ACTION_EVENTS.get(ref) or ("rewrite" if ref in agent.spec.context.rewrites else "action")
+        elif traj.failure is not None and traj.failure is not was["failure"]:
+            ev = "failure"  # its action failed: what it did, and the Failure (fsm/run/failures.py)
         else:
             ev = "begin"
         typed(ev, body, was, m.rest)

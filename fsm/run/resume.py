@@ -79,7 +79,7 @@ class Loaded:
     tool_results: dict[str, dict[str, Any]]
     finished: int  # trajectories finished before
     in_flight: int  # trajectories that go on from their last boundary: their current action runs again
-    restarted: int  # trajectories that start over (inside their interaction)
+    restarted: int  # trajectories that start over (inside their interaction, or failed and not ended)
     ended: str | None
     nodes_finished: int = 0  # tree nodes (child machines, branches) finished before: taken back as they are
     nodes_in_flight: int = 0  # tree nodes that go on from their last boundary
@@ -255,7 +255,9 @@ def _snapshot_form(
             done = sid in rebuilt.done
             meta, nodes = trees.get(sid, (None, []))
             inside = any(not e["done"] and decode_trajectory(e).interaction_started for e in nodes)
-            if not done and (traj.interaction_started or inside):
+            # its failure journaled, its end not (a kill between them): it starts over, as one inside its
+            # interaction does, rather than run its failed action again with the failure on it
+            if not done and (traj.interaction_started or inside or traj.failure is not None):
                 traj = from_whole(rebuilt.first[sid])  # a tree: from its root, all of it again
                 meta, nodes = None, []
                 restarted += 1

@@ -292,8 +292,8 @@ class Runner:
     async def _finish(self, ctx: RunContext, traj: Trajectory) -> None:
         """Release the session, close the interaction, score, and (optionally) check the tokens."""
         agent = ctx.agent
-        if ctx.journal is not None and traj.state in agent.final_states:
-            ctx.journal.step(traj, agent)  # the edge in: its action's own event, before the reward's
+        if ctx.journal is not None and (traj.state in agent.final_states or traj.failed):
+            ctx.journal.step(traj, agent)  # its last edge's event, or its failure, before the reward
         if await tree.finish(ctx, traj):
             return
         if traj.state not in agent.final_states and not traj.failed:  # never a row that looks finished
