@@ -155,11 +155,9 @@ def collate(
         "position_ids": torch.from_numpy(position),
         "weight_versions": torch.from_numpy(versions),
     }
-    # A server that was asked for logprobs and gave none (an adapter without them, a misconfigured engine) must
-    # not have them invented: a 0.0 reads as probability 1 in a PPO ratio. Such rows keep their tokens, which
-    # are right, and the batch then carries no rollout_log_probs at all, as verl's does when a sample lacks
-    # them; a trainer that needs them fails on the missing key instead of training on made-up values. Failing
-    # the rows instead would throw away good samples for what is a fleet-wide setting, batch after batch.
+    # Logprobs a server did not give are never invented (0.0 reads as probability 1 in a PPO ratio): the rows
+    # keep their tokens and the batch has no rollout_log_probs, as verl's when a sample lacks them, so a trainer
+    # that needs them fails on the key; failing the rows would drop good samples for a fleet-wide setting.
     missing = [i for i, t in enumerate(owners) if t.logprobs_missing]
     if logprobs and not missing:
         tensors["rollout_log_probs"] = torch.from_numpy(
