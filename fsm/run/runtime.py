@@ -69,6 +69,24 @@ def agent_codec(agent: CompiledAgent, tokenizer: Any) -> Codec:
     )
 
 
+def _why(agent: CompiledAgent, traj: Trajectory, exc: BaseException) -> tuple[str, str]:
+    """Why `exc` failed `traj`, in one line, and the failure's kind ("": the exception's class name)."""
+    if isinstance(exc, asyncio.CancelledError):
+        why = f"CancelledError raised in {traj.state} by the action, not by a cancellation of the run"
+        return why + (f": {exc}" if str(exc) else ""), ""
+    if isinstance(exc, RowError):
+        return str(exc), exc.kind
+    if isinstance(exc, GenerationAborted):
+        return f"aborted: {exc}", "aborted"
+    if isinstance(exc, BackendTimeout):
+        return f"timeout: {exc}", "timeout"
+    if isinstance(exc, BackendError):
+        return f"backend: {exc}", "backend"
+    if isinstance(exc, TimeoutError):
+        return f"timeout: action of {traj.state} exceeded {agent.limits.action_timeout_s}s", "timeout"
+    return f"{type(exc).__name__} in {traj.state}: {exc}", ""
+
+
 class Runner:
     """Runs rows through a compiled agent. Reusable across batches; one per (agent, backend, tokenizer)."""
 
@@ -221,10 +239,8 @@ class Runner:
                         f"(a cycle through {traj.state}; limits.max_transitions)",
                         "max_transitions",
                     )
-                if steps % 64 == 0:
-                    await asyncio.sleep(
-                        0
-                    )  # a cycle of actions that never await still lets Ctrl-C and others in
+                if steps % 64 == 0:  # a cycle of actions that never await still lets Ctrl-C and others in
+                    await asyncio.sleep(0)
                 source = traj.state
                 if await tree.enter(ctx, traj, self.drive):
                     break  # it forked: its branches went on from here
@@ -249,23 +265,11 @@ class Runner:
             task = asyncio.current_task()
             if task is None or task.cancelling():
                 raise  # the run itself is being cancelled: not this trajectory's failure
-            why = f"CancelledError raised in {traj.state} by the action, not by a cancellation of the run"
-            self._fail(agent, traj, exc, why + (f": {exc}" if str(exc) else ""))
-        except RowError as exc:
-            self._fail(agent, traj, exc, str(exc), exc.kind)
-        except GenerationAborted as exc:
-            self._fail(agent, traj, exc, f"aborted: {exc}", "aborted")
-        except BackendTimeout as exc:
-            self._fail(agent, traj, exc, f"timeout: {exc}", "timeout")
-        except BackendError as exc:
-            self._fail(agent, traj, exc, f"backend: {exc}", "backend")
-        except TimeoutError as exc:
-            why = f"timeout: action of {traj.state} exceeded {agent.limits.action_timeout_s}s"
-            self._fail(agent, traj, exc, why, "timeout")
+            self._fail(agent, traj, exc, *_why(agent, traj, exc))
         except KeyboardInterrupt:
             raise  # a real Ctrl-C cannot be told from a raised one; swallowing it would keep the run going
         except BaseException as exc:  # a user action's or guard's bug (SystemExit too): this row only
-            self._fail(agent, traj, exc, f"{type(exc).__name__} in {traj.state}: {exc}")
+            self._fail(agent, traj, exc, *_why(agent, traj, exc))
         finally:
             self.live.pop(traj.session_id, None)
             self.driving.pop(task, None)  # type: ignore[arg-type]
