@@ -60,9 +60,7 @@ class Request:
         self.transport = transport
         self.content = payload
         length = message.headers.get("Content-Length")
-        self.content_length: int | None = (
-            int(length) if length is not None and length.isascii() and length.isdigit() else None
-        )
+        self.content_length: int | None = int(length) if length is not None and length.isdigit() else None
 
     @property
     def query(self) -> Any:
