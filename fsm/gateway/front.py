@@ -28,7 +28,6 @@ import aiohttp
 from aiohttp import web
 
 from fsm.gateway import peer
-from fsm.gateway.http import Reply
 from fsm.gateway.record import GatewayError
 from fsm.gateway.server import GatewayLimits, _error, listen, read_body, route
 
@@ -122,7 +121,7 @@ class Front:
                 raise GatewayError("unknown session, or not its key", code="invalid_api_key", status=401)
             body = await read_body(request, self.limits.max_request_bytes)
         except GatewayError as exc:
-            return _web(_error(request, exc))
+            return _error(request, exc)
         headers = {k: request.headers[k] for k in FORWARDED if k in request.headers}
         caller = self._caller(request)
         if caller is not None:  # the worker checks that its session's harness holds it (fsm/gateway/peer.py)
@@ -149,15 +148,13 @@ class Front:
         except (TimeoutError, aiohttp.ClientError) as exc:
             if response is not None:  # the answer had started: the connection is dropped, as the worker's was
                 raise
-            return _web(
-                _error(
-                    request,
-                    GatewayError(
-                        f"the gateway worker {tag!r} ({worker}) did not answer: {type(exc).__name__}: {exc}",
-                        code="server_error",
-                        status=502,
-                    ),
-                )
+            return _error(
+                request,
+                GatewayError(
+                    f"the gateway worker {tag!r} ({worker}) did not answer: {type(exc).__name__}: {exc}",
+                    code="server_error",
+                    status=502,
+                ),
             )
 
     def _caller(self, request: web.BaseRequest) -> int | None:
@@ -170,8 +167,3 @@ class Front:
                 transport.get_extra_info("peername"), transport.get_extra_info("sockname")
             )
         return self._callers[transport]
-
-
-def _web(reply: Reply) -> web.Response:
-    """The gateway's error reply (fsm/gateway/http.py) as the front's aiohttp server answers it."""
-    return web.Response(body=reply.body, status=reply.status, content_type=reply.content_type)

@@ -1,4 +1,4 @@
-"""The gateway's HTTP side: a server (its own HTTP/1.1, fsm/gateway/http.py) that serves each session under `/sessions/{id}/` (OpenAI Chat
+"""The gateway's HTTP side: an aiohttp server that serves each session under `/sessions/{id}/` (OpenAI Chat
 Completions and Responses at `v1/chat/completions` and `v1/responses`, Anthropic Messages at `v1/messages`,
 Gemini at `v1beta/models/{model}:generateContent` and `:streamGenerateContent`) and hands each model call to the trajectory that owns the session.
 
@@ -30,7 +30,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from fsm.gateway import anthropic_api, gemini_api, http, openai_api, peer
+from fsm.gateway import anthropic_api, gemini_api, openai_api, peer
 from fsm.gateway.record import AUX, AUX_PROMPTS, Answer, Call, GatewayError, auxiliary, prompt_kind
 from fsm.gateway.tree import NAME, Tree, child_line
 from fsm.run.engine import Owned, owned
@@ -47,9 +47,9 @@ async def listen(
     sock: socket.socket | None = None,
 ) -> tuple[web.BaseRunner, int]:
     """Serve `handler` on host:port (0: any free port), or on `sock`, a socket bound already; the runner to close
-    and the port it got: the front's (fsm/gateway/front.py), on aiohttp's low-level server, whose one handler
-    routes every request (`route`): no router, middleware chain or Application runs per request. The gateway
-    itself serves on fsm/gateway/http.py, cheaper per request still."""
+    and the port it got. The gateway and its front (fsm/gateway/front.py) listen alike, on aiohttp's low-level
+    server: every request goes to the one handler, which routes it (`route`), so no router, middleware chain or
+    Application is run per request."""
     runner = web.ServerRunner(web.Server(handler, access_log=None), handle_signals=False)
     await runner.setup()
     site = web.SockSite(runner, sock) if sock is not None else web.TCPSite(runner, host, port)
@@ -239,7 +239,7 @@ class Gateway:
             self.port = sock.getsockname()[1]
         self.limits = limits or GatewayLimits()
         self.sessions: dict[str, Session] = {}
-        self._runner: http.Server | None = None
+        self._runner: web.BaseRunner | None = None
         self._starting: asyncio.Future[None] | None = None  # the first start(); concurrent callers await it
         # per connection: its peer's socket inode, and whether that peer is this worker's front (fsm/gateway/peer.py)
         self._conns: weakref.WeakKeyDictionary[Any, tuple[int | None, bool, set[int]]] = (
@@ -267,7 +267,7 @@ class Gateway:
             return self
         self._starting = asyncio.get_running_loop().create_future()
         try:
-            self._runner, self.port = await http.serve(self._serve, self.host, self.port, self.sock)
+            self._runner, self.port = await listen(self._serve, self.host, self.port, self.sock)
         except BaseException as exc:
             self._starting.set_exception(exc)
             self._starting.exception()  # retrieved: a failed start is reported to each caller, never logged
@@ -312,7 +312,7 @@ class Gateway:
 
     # --- HTTP -----------------------------------------------------------------------------------------------
 
-    async def _serve(self, request: http.Request) -> http.Reply:
+    async def _serve(self, request: web.BaseRequest) -> web.StreamResponse:
         session: Session | None = None
         try:
             sid, api, line, model = route(request, APIS)
@@ -355,14 +355,14 @@ class Gateway:
                 return _json(answer(result, call, session.id))
             if model is not None and request.query.get("alt") != "sse":  # Gemini without SSE: one array
                 return _json(gemini_api.stream_chunks(result, call, session.id))
-            return _sse(stream(result, call, session.id))
+            return await _sse(request, stream(result, call, session.id))
         except GatewayError as exc:
             if session is not None:  # parsing, a limit, the tree, recording
                 session.answered_errors += 1
                 session.first_error = session.first_error or f"{exc.status} {exc.code}: {exc}"
             return _error(request, exc)
 
-    def _session(self, request: http.Request, sid: str) -> Session:
+    def _session(self, request: web.BaseRequest, sid: str) -> Session:
         session = self.sessions.get(sid)
         auth = request.headers.get("Authorization", "")
         key = (
@@ -375,7 +375,7 @@ class Gateway:
             raise GatewayError("unknown session, or not its key", code="invalid_api_key", status=401)
         return session
 
-    def _from_owner(self, request: http.Request, session: Session) -> None:
+    def _from_owner(self, request: web.BaseRequest, session: Session) -> None:
         """Refuse a request of a bound session whose connection no process of its harness holds: its key was
         learned by another process (fsm/gateway/peer.py). Looked up once per connection and harness: a kept-alive
         connection that a harness's tree was found holding serves that harness's later sessions unchecked."""
@@ -408,7 +408,7 @@ class Gateway:
         found = self._holders.find(peer.tree(owner, skip), inode)
         return (found or self._holders.find(peer.tree(owner, skip), inode, again=True)) is not None
 
-    def _peer_socket(self, request: http.Request) -> tuple[int | None, set[int]]:
+    def _peer_socket(self, request: web.BaseRequest) -> tuple[int | None, set[int]]:
         """The inode of the socket the request came over: its caller's, or behind a front, the socket the front
         names (PEER_HEADER), believed only over a connection of the front (this worker's parent process); and
         the harnesses (owners) found holding the connection (always empty behind a front: each request names its
@@ -467,7 +467,7 @@ def _not_found(path: str, apis: dict[str, Any]) -> GatewayError:
 
 
 def route(
-    request: web.BaseRequest | http.Request, apis: dict[str, Any] | None = None
+    request: web.BaseRequest, apis: dict[str, Any] | None = None
 ) -> tuple[str, str, tuple[str, ...], str | None]:
     """(session id, API path, child line, Gemini's model) of `/sessions/{id}[/child/{name}...]/v1/{api}`, read
     once per request; the API checked against `apis` and its method when given (else the path after the id).
@@ -491,7 +491,7 @@ def route(
     return sid, api, line, gemini[1] if gemini else None
 
 
-async def read_body(request: web.BaseRequest | http.Request, limit: int) -> bytes:
+async def read_body(request: web.BaseRequest, limit: int) -> bytes:
     """The request body, refused with 413 as soon as it is past `limit` bytes (declared or streamed)."""
     if (request.content_length or 0) > limit:
         raise _too_large(limit)
@@ -566,15 +566,15 @@ async def gateway_for() -> Gateway:
     return await gateway.start()
 
 
-def _json(data: Any, status: int = 200) -> http.Reply:
+def _json(data: Any, status: int = 200) -> web.Response:
     try:
         body = orjson.dumps(data)  # ~15x json's
     except TypeError:  # an integer past 64 bits, a lone surrogate: json's
         body = json.dumps(data, ensure_ascii=False).encode()
-    return http.Reply(body, status)
+    return web.Response(body=body, status=status, content_type="application/json")
 
 
-def _error(request: Any, exc: GatewayError) -> http.Reply:
+def _error(request: web.BaseRequest, exc: GatewayError) -> web.Response:
     if request.path.endswith("/v1/messages"):
         return _json(anthropic_api.anthropic_error(exc), exc.status)
     if "/v1beta/" in request.path:
@@ -582,7 +582,10 @@ def _error(request: Any, exc: GatewayError) -> http.Reply:
     return _json(openai_api.openai_error(exc), exc.status)
 
 
-def _sse(events: Iterator[bytes]) -> http.Reply:
-    return http.Reply(
-        content_type="text/event-stream", events=events, headers=(("Cache-Control", "no-cache"),)
-    )
+async def _sse(request: web.BaseRequest, events: Iterator[bytes]) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    for event in events:
+        await response.write(event)
+    await response.write_eof()
+    return response
