@@ -125,20 +125,7 @@ def tree_form(
     path order), each node checked against its tree and its own agent (states, limits, the vocabulary) as a
     root is; ValueError of one line naming the journal otherwise."""
     roots = {sid: g for g in groups for sid in g["members"]}
-    for sid, m in metas.items():
-        if sid in roots:
-            _shape(m, f"{path}: trajectory {sid!r}")
-            ok = (m["node"], m["parent"], m["kind"], m["depth"], m["offset"], m["shared"], m["ordinal"]) == (
-                "0",
-                None,
-                "root",
-                0,
-                0,
-                0,
-                0,
-            )
-            if not ok or m["route"] != sid or m["origin"] is not None or m["policy"] != agent.spec.policy:
-                raise ValueError(f"{path}: trajectory {sid!r}: its tree record is not its tree's root")
+    _check_roots(path, metas, roots, agent)
     nodes = [s for s in trajs if s not in roots]
     for sid in nodes:
         if sid not in metas:
@@ -171,7 +158,6 @@ def tree_form(
         root_of[sid] = tree
         if (traj.index, traj.sample, traj.uid) != (root.index, root.sample, root.uid):
             raise ValueError(f"{where}: not of its root's row and sample")
-        parent_agent, parent_meta = agent_of[parent_sid], metas.get(parent_sid)
         limits = agent.spec.tree
         if (
             (limits.max_depth is not None and m["depth"] > limits.max_depth)
@@ -179,27 +165,8 @@ def tree_form(
             or m["ordinal"] >= limits.max_nodes
         ):
             raise ValueError(f"{where}: past its tree's bounds (tree: in the spec)")
-        if m["kind"] == "child":
-            child = parent_agent.spec.children.get(m["origin"]) if m["origin"] is not None else None
-            if child is None:
-                raise ValueError(f"{where}: {m['origin']!r} is not a child machine of its parent's spec")
-            node_agent = agents.child(parent_agent, m["origin"])
-            if m["policy"] != (child.policy or node_agent.spec.policy) or m["route"] != sid or m["shared"]:
-                raise ValueError(
-                    f"{where}: its policy, routing key or shared prefix is not its child machine's"
-                )
-        elif m["kind"] == "branch":
-            node_agent = parent_agent
-            parent_policy = parent_meta["policy"] if parent_meta else agent.spec.policy
-            parent_route = parent_meta["route"] if parent_meta else tree
-            if m["origin"] not in parent_agent.forks:
-                raise ValueError(f"{where}: {m['origin']!r} is not a forking state of its parent's spec")
-            if m["policy"] != parent_policy or m["route"] != parent_route or m["shared"] != m["offset"]:
-                raise ValueError(f"{where}: its policy, routing key or shared prefix is not its parent's")
-            if m["offset"] > len(traj.prompt_ids) + len(traj.response_ids):
-                raise ValueError(f"{where}: it branched off past its own tokens")
-        else:
-            raise ValueError(f"{where}: a node of kind 'root' under another")
+        parent = (agent_of[parent_sid], metas.get(parent_sid))
+        node_agent = _node_agent(where, sid, m, traj, parent, agents, agent.spec.policy, tree)
         if parent_sid in done and sid not in done:
             raise ValueError(f"{where}: unfinished under a finished parent")
         agent_of[sid] = node_agent
@@ -207,6 +174,61 @@ def tree_form(
         entry = {"done": sid in done, "n": m, **decoded(traj)}
         out[tree][1].append(entry)
         by_agent.setdefault(id(node_agent), (node_agent, roots[tree], []))[2].append(entry)
+    _check_numbering(path, made, agent_of, metas)
+    for node_agent, group, entries in by_agent.values():  # what a root is checked for, with the node's agent
+        _check({"groups": [_group(group, entries)]}, node_agent, vocab)
+    return out
+
+
+def _check_roots(path: Any, metas: dict[str, Any], roots: dict[str, Any], agent: Any) -> None:
+    """Each root's tree record is a root's: node "0", no parent, origin or offset, its own route and policy."""
+    for sid, m in metas.items():
+        if sid in roots:
+            _shape(m, f"{path}: trajectory {sid!r}")
+            place = (m["node"], m["parent"], m["kind"], m["depth"], m["offset"], m["shared"], m["ordinal"])
+            ok = place == ("0", None, "root", 0, 0, 0, 0)
+            if not ok or m["route"] != sid or m["origin"] is not None or m["policy"] != agent.spec.policy:
+                raise ValueError(f"{path}: trajectory {sid!r}: its tree record is not its tree's root")
+
+
+def _node_agent(
+    where: str,
+    sid: str,
+    m: dict[str, Any],
+    traj: Trajectory,
+    parent: tuple[Any, dict[str, Any] | None],
+    agents: Agents,
+    root_policy: str,
+    tree: str,
+) -> Any:
+    """The agent a node runs: a child machine of its parent's spec, or (a branch) its parent's own; its
+    policy, routing key and shared prefix checked against that origin."""
+    parent_agent, parent_meta = parent
+    if m["kind"] == "child":
+        child = parent_agent.spec.children.get(m["origin"]) if m["origin"] is not None else None
+        if child is None:
+            raise ValueError(f"{where}: {m['origin']!r} is not a child machine of its parent's spec")
+        node_agent = agents.child(parent_agent, m["origin"])
+        if m["policy"] != (child.policy or node_agent.spec.policy) or m["route"] != sid or m["shared"]:
+            raise ValueError(f"{where}: its policy, routing key or shared prefix is not its child machine's")
+        return node_agent
+    if m["kind"] == "branch":
+        parent_policy = parent_meta["policy"] if parent_meta else root_policy
+        parent_route = parent_meta["route"] if parent_meta else tree
+        if m["origin"] not in parent_agent.forks:
+            raise ValueError(f"{where}: {m['origin']!r} is not a forking state of its parent's spec")
+        if m["policy"] != parent_policy or m["route"] != parent_route or m["shared"] != m["offset"]:
+            raise ValueError(f"{where}: its policy, routing key or shared prefix is not its parent's")
+        if m["offset"] > len(traj.prompt_ids) + len(traj.response_ids):
+            raise ValueError(f"{where}: it branched off past its own tokens")
+        return parent_agent
+    raise ValueError(f"{where}: a node of kind 'root' under another")
+
+
+def _check_numbering(
+    path: Any, made: dict[str, list[int]], agent_of: dict[str, Any], metas: dict[str, Any]
+) -> None:
+    """Each parent's nodes are numbered 0, 1, ... and as many as it says it made."""
     for sid, numbers in made.items():
         if sorted(numbers) != list(range(len(numbers))):
             raise ValueError(f"{path}: trajectory {sid!r}: its nodes are not numbered 0, 1, ... in order")
@@ -214,9 +236,6 @@ def tree_form(
         m = metas.get(sid)
         if m is not None and m["k"] > len(made.get(sid, ())):
             raise ValueError(f"{path}: trajectory {sid!r}: made {m['k']} nodes, but the journal holds fewer")
-    for node_agent, group, entries in by_agent.values():  # what a root is checked for, with the node's agent
-        _check({"groups": [_group(group, entries)]}, node_agent, vocab)
-    return out
 
 
 def _group(g: dict[str, Any], entries: list[dict[str, Any]]) -> dict[str, Any]:
