@@ -65,6 +65,7 @@ from fsm.run.engine import LocalEngine
 from fsm.run.fold import Rebuilt, rebuild
 from fsm.run.journal import JournalError, Read, Scan
 from fsm.run.snapcheck import _check, check_identity, check_version_runs
+from fsm.run.trajectory import Trajectory
 from fsm.run.treejournal import tree_form
 from fsm.spec.registry import is_import_path
 
@@ -245,13 +246,7 @@ def _snapshot_form(
             traj = rebuilt.trajs.get(sid)
             if traj is None:
                 raise JournalError(f"{read.path}: group {g['uid']!r}: its trajectory {sid!r} has no record")
-            # its weight versions are expanded below, before `_check` reads them
-            check_version_runs(f"trajectory {sid!r}", traj._version_runs, len(traj.response_ids))
-            if known is not None and (forged := {v for v in traj._version_runs[1::2] if v >= 0} - known):
-                raise JournalError(
-                    f"{read.path}: trajectory {sid!r}: field 'response_versions': weight version {min(forged)} "
-                    f"was never served in this run (its weights: {', '.join(map(str, sorted(known)))})"
-                )
+            _check_versions(read, sid, traj, known)
             done = sid in rebuilt.done
             meta, nodes = trees.get(sid, (None, []))
             inside = any(not e["done"] and decode_trajectory(e).interaction_started for e in nodes)
@@ -289,16 +284,42 @@ def _snapshot_form(
                 "trajectories": members,
             }
         )
+    data = _run_form(read, rebuilt, groups, newest)
+    return data, (finished, in_flight, restarted, nodes_done, nodes_going), last
+
+
+def _check_versions(read: Read | Scan, sid: str, traj: Trajectory, known: set[int] | None) -> None:
+    """A trajectory's weight versions are well formed and (when the run recorded them) each one it served."""
+    # its weight versions are expanded by the caller, before `_check` reads them
+    check_version_runs(f"trajectory {sid!r}", traj._version_runs, len(traj.response_ids))
+    if known is not None and (forged := {v for v in traj._version_runs[1::2] if v >= 0} - known):
+        raise JournalError(
+            f"{read.path}: trajectory {sid!r}: field 'response_versions': weight version {min(forged)} "
+            f"was never served in this run (its weights: {', '.join(map(str, sorted(known)))})"
+        )
+
+
+def _run_form(
+    read: Read | Scan, rebuilt: Rebuilt, groups: list[dict[str, Any]], newest: int
+) -> dict[str, Any]:
+    """The run around its groups, in the snapshot's form: its meta, weight version and next row index."""
+    ident = rebuilt.identity
     indices = [t.index for t in rebuilt.trajs.values()]
     meta = ident.get("meta")  # a snapshot's: the caller's (`engine.snapshot(path, meta=...)`)
     if meta is not None and not isinstance(meta, dict):
         raise JournalError(f"{read.path}: record 1: meta is not an object")
-    data = {
+    expected = ident.get("rows_expected", 0)
+    held = sum(len(g["trajectories"]) for g in groups)
+    if not isinstance(expected, int) or isinstance(expected, bool) or expected < held:
+        raise JournalError(
+            f"{read.path}: record 1: rows_expected is not a count of at least its {held} trajectories"
+        )
+    return {
         "meta": meta
         if meta is not None
         else {
             "groups": len(groups),
-            "rows_expected": ident.get("rows_expected", 0),
+            "rows_expected": expected,
             "run_id": ident.get("run_id"),
             "spec": ident.get("spec"),
         },
@@ -306,13 +327,6 @@ def _snapshot_form(
         "next_index": max(max(indices) + 1 if indices else 0, ident.get("next_index", 0)),
         "groups": groups,
     }
-    expected = ident.get("rows_expected", 0)
-    held = sum(len(g["trajectories"]) for g in groups)
-    if not isinstance(expected, int) or isinstance(expected, bool) or expected < held:
-        raise JournalError(
-            f"{read.path}: record 1: rows_expected is not a count of at least its {held} trajectories"
-        )
-    return data, (finished, in_flight, restarted, nodes_done, nodes_going), last
 
 
 # --- what made the rows -------------------------------------------------------------------------------------
