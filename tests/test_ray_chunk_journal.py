@@ -21,6 +21,16 @@ from tests.fixtures.turns import TURNS, LoggedTurns
 N = 2
 
 
+def logged_runner(log: Path) -> Runner:
+    """The calculator on a model that logs each turn it answers to `log` (which turns ran, and how often)."""
+    return Runner(
+        load_agent("calculator"),
+        LoggedTurns(str(log), str(ASSETS), 0.0)(),
+        load_tokenizer(str(ASSETS)),
+        max_concurrency=8,
+    )
+
+
 async def attempt(
     runner: Runner, root: Path, key: str, k: int, park: Callable[[Trajectory], bool] | None
 ) -> tuple[list[Trajectory], dict[str, int]] | None:
@@ -61,12 +71,7 @@ async def attempt(
 
 async def test_a_chunk_stopped_twice_between_turns_goes_on_from_its_journal(tmp_path):
     log = tmp_path / "answers.log"
-    runner = Runner(
-        load_agent("calculator"),
-        LoggedTurns(str(log), str(ASSETS), 0.0)(),
-        load_tokenizer(str(ASSETS)),
-        max_concurrency=8,
-    )
+    runner = logged_runner(log)
     whole = await attempt(runner, tmp_path, "whole", 0, None)
     assert whole is not None
     reference, counts = whole
@@ -99,12 +104,7 @@ async def test_a_damaged_chunk_journal_is_refused_in_one_line_and_its_chunk_runs
     tmp_path, caplog
 ):
     log = tmp_path / "answers.log"
-    runner = Runner(
-        load_agent("calculator"),
-        LoggedTurns(str(log), str(ASSETS), 0.0)(),
-        load_tokenizer(str(ASSETS)),
-        max_concurrency=8,
-    )
+    runner = logged_runner(log)
     await attempt(runner, tmp_path, "cut", 0, lambda t: t.assistant_turns >= 1)
     [(_, path)] = chunk_files(tmp_path, "cut", 0)
     lines = path.read_bytes().split(b"\n")
@@ -132,12 +132,7 @@ async def test_a_chunk_resumed_after_weight_updates_goes_on_from_its_journal(tmp
     attempt reads it back; before, every such token read as a version never served, and the chunk ran again from
     the start (`refused`). Its rows go on with the weights their last tokens came from, as a resumed run's."""
     log = tmp_path / "answers.log"
-    runner = Runner(
-        load_agent("calculator"),
-        LoggedTurns(str(log), str(ASSETS), 0.0)(),
-        load_tokenizer(str(ASSETS)),
-        max_concurrency=8,
-    )
+    runner = logged_runner(log)
 
     def new_weights_then_park(t: Trajectory) -> bool:
         runner.gate.version = 5  # new weights while attempt 1 runs: its next turns carry them
@@ -161,12 +156,7 @@ async def test_a_chunk_resumed_under_newer_weights_is_refused_in_one_line_and_ru
     the next attempt would have its rows go on with weights their last tokens did not come from. Before, the chunk
     went on (resumed 2 * N, its rows' tokens of versions 3 and 4)."""
     log = tmp_path / "answers.log"
-    runner = Runner(
-        load_agent("calculator"),
-        LoggedTurns(str(log), str(ASSETS), 0.0)(),
-        load_tokenizer(str(ASSETS)),
-        max_concurrency=8,
-    )
+    runner = logged_runner(log)
     runner.gate.version = 3
     await attempt(runner, tmp_path, "cut", 0, lambda t: t.assistant_turns >= 1)
     [(_, path)] = chunk_files(tmp_path, "cut", 0)
