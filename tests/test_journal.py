@@ -508,14 +508,15 @@ def test_failures_read_back_as_recorded_and_an_older_journals_error_as_a_failure
         assert old.trajs[t.session_id].failure.kind == "error" and old.trajs[t.session_id].error == t.error
 
 
-@pytest.mark.parametrize("old", ["journal_format1.log", "journal_format2.log"])
+@pytest.mark.parametrize("old", ["journal_format1.log", "journal_format2.log", "journal_format3.log"])
 def test_an_older_journal_reads_back_as_the_events_of_this_format_do(tmp_path, tok, old):
     """A journal written before its steps were named events (format 1: slot diffs alone;
-    tests/fixtures/journal_format1.log, this run written by agentfsm at ce5d369), or before their counters,
+    tests/fixtures/journal_format1.log, this run written by agentfsm at ce5d369), before their counters,
     messages, times and reward were the events' payloads (format 2: journal_format2.log, written at 4e76e26,
-    its last model turn on the reward record) is folded by the same reader into the trajectories the events of
-    this version give: a tool call, its result, a final answer, and a row whose second turn failed (its
-    response emptied)."""
+    its last model turn on the reward record), or before a model turn's finish reason and calls and a tool's
+    rewards were (format 3: journal_format3.log, written at 95780a6) is folded by the same reader into the
+    trajectories the events of this version give: a tool call, its result and reward, a final answer, and a
+    row whose second turn failed (its response emptied)."""
     call = tool_turn(tok, ("calculator", {"expression": "1 + 2"}))
     script = scripted({0: [call, model_turn(tok, "#### 3")], 1: [call]})
     rows = [user_row("What is 1 + 2?", reward_model={"ground_truth": "3"}), user_row("And 2 + 2?")]
@@ -536,6 +537,7 @@ def test_an_older_journal_reads_back_as_the_events_of_this_format_do(tmp_path, t
     slots = ("prompt_ids", "response_ids", "response_mask", "response_logprobs", "response_versions", "runs")
     slots += ("messages", "path", "transitions_fired", "reward_score", "termination_reason", "error")
     slots += ("assistant_turns", "user_turns", "needs_tail", "last_finish_reason", "pending_calls")
+    slots += ("tool_rewards", "tool_scores", "turn_scores", "turn_rewards")
     for a, b in zip(sorted(old, key=lambda t: t.index), sorted(new, key=lambda t: t.index), strict=True):
         assert [getattr(a, s) for s in slots] == [getattr(b, s) for s in slots]
     assert [len(t.response_ids) for t in old] == [40, 0]
