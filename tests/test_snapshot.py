@@ -32,6 +32,7 @@ from fsm.run.fold import rebuild
 from fsm.run.journal import JOURNAL, records
 from specs.calculator import make_prompts
 from tests.conftest import ASSETS, assert_same_batch_files, scripted, tool_turn, user_row
+from tests.fixtures import snapshot_tools
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -423,18 +424,20 @@ def test_a_snapshot_of_a_tree_with_nodes_is_refused_and_the_run_goes_on(tmp_path
 
 
 def test_the_sync_snapshot_of_a_blocked_loop_is_taken_from_outside_it_and_close_returns(tok, tmp_path):
-    """A sync `snapshot` while an `isolation: none` tool blocks the engine's loop for good is taken from outside
-    that loop, as `asnapshot`'s is (fsm/run/local.py `take_snapshot`), and `close()` on the engine it leaves wedged
-    returns at once, as `aclose()` does. Before, each was handed to the blocked loop itself, and waited forever."""
+    """A sync `snapshot` while an `isolation: none` tool blocks the engine's loop is taken from outside that loop,
+    as `asnapshot`'s is (fsm/run/local.py `take_snapshot`), and `close()` on the engine it leaves wedged returns at
+    once, as `aclose()` does. Before, each was handed to the blocked loop itself, and waited forever. At its end
+    the tool is released and the loop's thread joined: no stuck engine thread reaches the tests after it."""
     spec = tmp_path / "blocking.yaml"
     spec.write_text(
         f"name: calculator_blocking\nextends: {REPO / 'specs'}/calculator.yaml\ntools:\n"
-        "  - function: tests.fixtures.parts:blocks_the_loop\n    schema: specs.calculator:TOOL_SCHEMA\n"
-        "    isolation: none\n"
+        "  - function: tests.fixtures.snapshot_tools:blocks_until_released\n"
+        "    schema: specs.calculator:TOOL_SCHEMA\n    isolation: none\n"
     )
     turns = [tool_turn(tok, ("calculator", {"expression": "1"}))]
     engine = RolloutEngine(str(spec), tok, backend=scripted(turns, latency_s=0.05))
     engine.submit([user_row()], n=1)
+    home = engine.core.home()
     answer: dict = {}
 
     def snapshot_then_close() -> None:
@@ -443,7 +446,13 @@ def test_the_sync_snapshot_of_a_blocked_loop_is_taken_from_outside_it_and_close_
         answer["closed"] = True
 
     taking = threading.Thread(target=snapshot_then_close, daemon=True)  # the loop stays blocked: a daemon
-    taking.start()
-    taking.join(60)
-    assert answer.get("blocked") is True and answer["running_groups"] == 1, answer
-    assert engine.wedged and answer.get("closed") and (tmp_path / "s.json").exists()
+    try:
+        taking.start()
+        taking.join(60)
+        assert answer.get("blocked") is True and answer["running_groups"] == 1, answer
+        assert engine.wedged and answer.get("closed") and (tmp_path / "s.json").exists()
+    finally:
+        snapshot_tools.RELEASED.set()
+        home.close(30)
+        snapshot_tools.RELEASED.clear()
+    assert not home.thread.is_alive()
