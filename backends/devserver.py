@@ -53,6 +53,7 @@ from backends.contract import (
     loads,
     model_info,
 )
+from backends.devflags import Help, dev_server_flags
 from backends.prefix_cache import PrefixCache
 from backends.scripted import HashLM, ScriptedBackend, ToolScript, calculator_backend, echo_backend
 from backends.tiny import ASSET_DIR
@@ -524,38 +525,27 @@ def _backend(args: argparse.Namespace) -> tuple[Backend, dict[str, Any]]:
         return echo_backend(latency_s=args.latency), {}
     from backends.hf import HFBackend  # torch and transformers only for a model
 
-    return HFBackend(args.model, device=args.device, dtype=args.dtype), {"model_path": args.model}
+    model = args.model or str(ASSET_DIR)
+    return HFBackend(model, device=args.device, dtype=args.dtype), {"model_path": model}
+
+
+def parser() -> argparse.ArgumentParser:
+    """`python -m backends.devserver`'s command line: backends/devflags.py's flags, as `agentfsm dev-server`'s."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=Help)
+    dev_server_flags(ap)
+    return ap
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add = ap.add_argument
-    add("--model", "--model-path", dest="model", help="model directory (transformers format)")
-    add("--scripted", action="store_true", help="serve the deterministic echo backend (no model)")
-    add("--hashlm", action="store_true", help="serve HashLM, the deterministic autoregressive toy")
-    add("--scripted-tools", action="store_true", help="serve a scripted tool-calling model (ToolScript)")
-    add("--scripted-calculator", action="store_true", help="serve the calculator's turns at once")
-    add(
-        "--tokenizer",
-        help="scripted-tools, scripted-calculator: the tokenizer dir (default: the tiny model's)",
-    )
-    add("--script", help="scripted-tools: a JSON list of steps (default: write hello.txt, then finish)")
-    add("--vocab", type=int, default=1000, help="HashLM: vocabulary size")
-    add("--stop-every", type=int, default=8, help="HashLM: mean tokens per turn")
-    add("--host", default="127.0.0.1")
-    add("--port", type=int, default=30000)
-    add("--context-length", type=int, default=None)
-    add("--max-running-requests", type=int, default=None)
-    add("--latency", type=float, default=0.0, help="scripted/hashlm: seconds per request")
-    add("--log-level", default="info")
-    add("--device", help="model mode: cpu, cuda, cuda:1 (default: cuda if available)")
-    add("--dtype", help="model mode: auto, float32, bfloat16, float16 (default: backends/hf_model.py)")
-    args, ignored = ap.parse_known_args(argv)  # SGLang launch flags (--tp-size, ...) are accepted and ignored
+    args, ignored = parser().parse_known_args(argv)  # SGLang launch flags (--tp-size, ...) are ignored
+    serve(args, ignored)
+
+
+def serve(args: argparse.Namespace, ignored: Sequence[str] = ()) -> None:
+    """Serve what the flags (backends/devflags.py) name until SIGTERM or SIGINT."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
     if ignored:
         log.info("ignoring SGLang flags: %s", " ".join(ignored))
-    if not (args.model or args.scripted or args.scripted_tools or args.scripted_calculator or args.hashlm):
-        ap.error("give --model DIR, --scripted, --scripted-tools, --scripted-calculator or --hashlm")
     backend, options = _backend(args)
     options.update(context_length=args.context_length, max_running_requests=args.max_running_requests)
     asyncio.run(_serve(backend, args.host, args.port, **options))

@@ -223,10 +223,10 @@ def test_dev_server_on_a_port_in_use_fails_before_loading_the_model(capsys, monk
     import backends.devserver
     from tests.test_cli import one_line_error
 
-    def load_nothing(argv):
+    def load_nothing(args):
         raise AssertionError("the model was loaded before the port was checked")
 
-    monkeypatch.setattr(backends.devserver, "main", load_nothing)
+    monkeypatch.setattr(backends.devserver, "serve", load_nothing)
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()

@@ -286,3 +286,39 @@ def test_prefix_cache_radix_and_lru_budget():
     assert cache.size == 10 and cache.match([1, 2, 3, 9, 9]) == 4 and cache.match([1, 2, 3, 4, 5]) == 5
     cache.insert(list(range(100, 120)))  # bigger than the budget: older entries go first, then its tail
     assert cache.size == 10 and cache.match(list(range(100, 120))) == 10 and cache.match([1, 2, 3]) == 0
+
+
+def _flags(parser: Any) -> dict[str, tuple[Any, ...]]:
+    """Each flag of a parser: its dest, default, type, choices, metavar and help."""
+    import argparse
+
+    return {
+        "/".join(a.option_strings): (a.dest, a.default, a.type, a.choices, a.metavar, a.help)
+        for a in parser._actions
+        if not isinstance(a, argparse._HelpAction)
+    }
+
+
+def test_the_dev_server_and_agentfsm_dev_server_parse_the_same_flags():
+    """One declaration (backends/devflags.py): `python -m backends.devserver` and `agentfsm dev-server` accept
+    the same flags with the same defaults, checks and help; SGLang's launch flags still pass the dev server."""
+    import argparse
+
+    from backends import devserver
+    from fsm.cli.commands import build_parser
+
+    cli = build_parser(["dev-server"])
+    (sub,) = (a for a in cli._actions if isinstance(a, argparse._SubParsersAction))
+    own = devserver.parser()
+    assert _flags(own) == _flags(sub.choices["dev-server"])
+    assert (
+        own.format_help().split("options:")[1] == sub.choices["dev-server"].format_help().split("options:")[1]
+    )
+    assert {"--model/--model-path", "--hashlm", "--scripted-calculator", "--latency", "--port"} <= set(
+        _flags(own)
+    )
+    for bad in (["--port", "0"], ["--context-length", "8"], ["--dtype", "fp8"], ["--latency", "-1"]):
+        with pytest.raises(SystemExit):  # the CLI's checks, in both
+            own.parse_known_args(bad)
+    args, ignored = own.parse_known_args(["--model-path", "m", "--tp-size", "2", "--port", "31000"])
+    assert (args.model, args.port, args.log_level, ignored) == ("m", 31000, "info", ["--tp-size", "2"])

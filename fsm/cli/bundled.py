@@ -1,5 +1,5 @@
-"""`agentfsm bench` and `agentfsm dev-server`: their flags and commands, and where `bench` finds the benchmark
-code (bench/).
+"""`agentfsm bench` and `agentfsm dev-server`: their flags and commands (the dev server's flags are
+backends/devflags.py's, as `python -m backends.devserver`'s), and where `bench` finds the benchmark code (bench/).
 
 bench/ sits beside fsm/ in a checkout. A wheel carries it inside fsm (fsm/_bundled/bench, pyproject.toml's
 package-dir), never as a top-level `bench` in site-packages, where another distribution's `bench` would
@@ -17,7 +17,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from fsm.cli.args import COUNT, DTYPE_CHOICES, PORT, CLIError, int_in, quiet_transformers, server_url
+from backends.devflags import dev_server_flags as dev_server_flags  # `agentfsm dev-server`: the same flags
+from fsm.cli.args import COUNT, CLIError, int_in, quiet_transformers, server_url
 from fsm.cli.launch import port_free
 
 FSM_DIR = Path(__file__).resolve().parents[1]
@@ -136,34 +137,6 @@ def _fleet_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
-def dev_server_flags(p: argparse.ArgumentParser) -> None:
-    """`agentfsm dev-server`."""
-    p.add_argument("--model", metavar="DIR", help="model dir (default: the tiny calculator model)")
-    p.add_argument("--scripted", action="store_true", help="a deterministic echo model, no weights")
-    p.add_argument(
-        "--scripted-tools",
-        action="store_true",
-        help="a scripted tool-calling model over --tokenizer, no weights: it writes a file with the harness's "
-        "own write tool, then finishes (docs/gateway.md, 'Real size')",
-    )
-    p.add_argument(
-        "--tokenizer", metavar="DIR", help="--scripted-tools: its tokenizer (default: the tiny model's)"
-    )
-    p.add_argument(
-        "--script", metavar="FILE", help="--scripted-tools: a JSON list of steps (backends/scripted.py)"
-    )
-    p.add_argument(
-        "--context-length",
-        type=int_in(16),
-        metavar="N",
-        help="the longest context served (default: the model's, or 4096)",
-    )
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=PORT, default=30000, help="port to listen on")
-    p.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda if available)")
-    p.add_argument("--dtype", choices=DTYPE_CHOICES, help="default: auto, see backends/hf.py")
-
-
 def cmd_bench(args: argparse.Namespace) -> int:
     what = args.what
     if args.workload != "engine" and (what, args.workload) not in (
@@ -234,30 +207,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_dev_server(args: argparse.Namespace) -> int:
-    from backends.devserver import main as devserver_main
+    from backends.devserver import serve
 
     port_free(args.host, args.port)  # before the model loads (tens of seconds), not after
-    argv = ["--host", args.host, "--port", str(args.port)]
-    if args.scripted_tools:
-        argv += ["--scripted-tools"]
-        argv += [f"--{k}={v}" for k, v in (("tokenizer", args.tokenizer), ("script", args.script)) if v]
-    else:
-        argv += ["--scripted"] if args.scripted else ["--model", args.model or _default_model()]
-    if args.context_length is not None:  # at least 16: the parser's int_in(16)
-        argv += [f"--context-length={args.context_length}"]
     if not args.scripted:
         quiet_transformers()
-    argv += [f"--{k}={v}" for k, v in (("device", args.device), ("dtype", args.dtype)) if v]
     try:
-        devserver_main(argv)
+        serve(args)
     except OSError as exc:  # the port is taken, or the host is not ours
         raise CLIError(
             f"--port {args.port}: cannot serve on {args.host}:{args.port} ({exc.strerror or exc})"
         ) from None
     return 0
-
-
-def _default_model() -> str:
-    from backends.tiny import ASSET_DIR
-
-    return str(ASSET_DIR)
