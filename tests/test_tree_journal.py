@@ -223,3 +223,45 @@ def test_a_forged_tree_record_is_refused_in_one_line(capsys, tree_run, tmp_path,
     (out / JOURNAL).write_bytes(body)
     line = one_line_error(capsys, _resume(out, url))
     assert line.startswith(f"agentfsm: --resume: {out / JOURNAL}: ") and reason in line, line
+
+
+def test_a_child_killed_between_its_failure_and_its_end_restarts_its_tree(capsys, tmp_path):
+    """A child machine whose failure was journaled but not its `child_ended` (a kill -9 between the two) is not
+    taken back as it was, its failure set and its failed action to run again: its tree starts over from the
+    root's first record, as a root's row does (fsm/run/resume.py), and the run ends as the uninterrupted one."""
+    from backends.base import BackendRequestError
+    from fsm.run.journal import frame
+
+    calls: list[str] = []
+
+    def turn(session_id: str, n: int, prompt: list[int]) -> list[int]:
+        calls.append(session_id)
+        if ":" in session_id and "<tool_response>" in _tok().decode(prompt):  # the solver fails mid-action
+            raise BackendRequestError("the solver's server refuses its second turn")
+        if ":" in session_id:
+            return _ids(hermes_text([("calculator", {"expression": "1 + 2"})]))
+        return _planner(session_id, n, prompt)
+
+    server = _ThreadServer(ScriptedBackend(turn, model_name="echo"))
+    try:
+        ref, out = tmp_path / "ref", tmp_path / "out"
+        assert main(_argv("planner_solver", server.url, ref, "--concurrency", "1")) == 0
+        recs = records(ref / JOURNAL).records
+        cut = next(k for k, r in enumerate(recs) if r.get("ev") == "failure" and ":" in r["s"])
+        assert recs[cut + 1]["ev"] == "child_ended" and recs[cut]["failure"]["kind"] == "backend"
+        out.mkdir()
+        (out / JOURNAL).write_bytes(b"".join(map(frame, recs[: cut + 1])))
+        root = recs[cut]["s"].split(":")[0]
+        calls.clear()
+        assert main(_resume(out, server.url)) == 0
+    finally:
+        server.close()
+    err = capsys.readouterr().err
+    assert "0 go on from their last state (the step in flight runs again), 1 start over" in err, err
+    assert "tree nodes" not in err, err  # none taken back: its tree is made again
+    assert (calls.count(root), calls.count(f"{root}:0.0")) == (2, 2)  # its tree from the root's first turn
+    _same_batches(ref, out)
+    _same_trees(ref, out)
+    failed = [r for r in records(out / JOURNAL).records if r.get("ev") == "failure"]
+    assert len(failed) == 3  # the cut one, and each child's in the resumed run
+    assert rebuild(records(out / JOURNAL)).ended == "completed"

@@ -249,10 +249,11 @@ def _snapshot_form(
             _check_versions(read, sid, traj, known)
             done = sid in rebuilt.done
             meta, nodes = trees.get(sid, (None, []))
-            inside = any(not e["done"] and decode_trajectory(e).interaction_started for e in nodes)
+            inside = any(not e["done"] and _starts_over(decode_trajectory(e)) for e in nodes)
             # its failure journaled, its end not (a kill between them): it starts over, as one inside its
-            # interaction does, rather than run its failed action again with the failure on it
-            if not done and (traj.interaction_started or inside or traj.failure is not None):
+            # interaction does, rather than run its failed action again with the failure on it; a tree does
+            # when one of its unfinished nodes would (the node's parent is in flight: it runs again with it)
+            if not done and (inside or _starts_over(traj)):
                 traj = from_whole(rebuilt.first[sid])  # a tree: from its root, all of it again
                 meta, nodes = None, []
                 restarted += 1
@@ -286,6 +287,12 @@ def _snapshot_form(
         )
     data = _run_form(read, rebuilt, groups, newest)
     return data, (finished, in_flight, restarted, nodes_done, nodes_going), last
+
+
+def _starts_over(traj: Trajectory) -> bool:
+    """An unfinished trajectory that cannot go on from its last boundary: inside its interaction (a user
+    simulator's session is not resumed), or failed with its end not journaled."""
+    return traj.interaction_started or traj.failure is not None
 
 
 def _check_versions(read: Read | Scan, sid: str, traj: Trajectory, known: set[int] | None) -> None:
