@@ -11,6 +11,7 @@ from pathlib import Path
 
 from fsm.adapters.ray_journal import chunk_files, run_chunk
 from fsm.api import load_agent, load_tokenizer
+from fsm.run.journal import records
 from fsm.run.resume import identity
 from fsm.run.runtime import Owner, Runner
 from fsm.run.trajectory import Trajectory
@@ -32,10 +33,16 @@ def logged_runner(log: Path) -> Runner:
 
 
 async def attempt(
-    runner: Runner, root: Path, key: str, k: int, park: Callable[[Trajectory], bool] | None
+    runner: Runner,
+    root: Path,
+    key: str,
+    k: int,
+    park: Callable[[Trajectory], bool] | None,
+    accept: bool = False,
 ) -> tuple[list[Trajectory], dict[str, int]] | None:
     """Attempt `k` of chunk `key`-0 (2 rows x N): run to the end (None `park`), or until every trajectory is
-    parked at a boundary where `park` holds or has finished, then cancelled there, as a killed actor stops."""
+    parked at a boundary where `park` holds or has finished, then cancelled there, as a killed actor stops.
+    `accept`: the runner's `accept_changes`."""
     ident = identity(runner.agent, runner.codec)
     sampling = runner.make_context({"temperature": 0.0}).sampling
     fresh = runner.trajectories(make_prompts(2), N)
@@ -59,7 +66,17 @@ async def attempt(
 
     async with Owner(runner).serving() as owner:
         job = asyncio.create_task(
-            run_chunk(owner, 0, lambda: ident, tick, done, (key, 0, (str(root), k, "1s")), sampling, N, fresh)
+            run_chunk(
+                owner,
+                0,
+                lambda: ident,
+                tick,
+                done,
+                (key, 0, (str(root), k, "1s", accept)),
+                sampling,
+                N,
+                fresh,
+            )
         )
         if park is None:
             return await asyncio.wait_for(job, 60)
@@ -175,3 +192,34 @@ async def test_a_chunk_resumed_under_newer_weights_is_refused_in_one_line_and_ru
     assert all(t.assistant_turns == TURNS and t.error is None for t in trajs)
     answers = Counter(s.split()[1] for s in log.read_text().split("\n")[:-1])
     assert answers == {"0": 2 * 2 * N, "1": 2 * N, "2": 2 * N}  # the first turns twice: run from the start
+
+
+async def test_a_chunk_resumed_under_newer_weights_with_changes_accepted_goes_on_from_its_journal(
+    tmp_path, caplog
+):
+    """`RayRunner(accept_changes=True)`, as `--resume --accept-changes`: the chunk goes on under the new weights
+    instead of running from the start, says so in one line, records the change in its journal (a `resume`
+    record), and its rows carry both weight versions, each turn asked for once."""
+    log = tmp_path / "answers.log"
+    runner = logged_runner(log)
+    runner.gate.version = 3
+    await attempt(runner, tmp_path, "cut", 0, lambda t: t.assistant_turns >= 1)
+    [(_, path)] = chunk_files(tmp_path, "cut", 0)
+    runner.gate.version = 4  # new weights between the attempts
+    await attempt(runner, tmp_path, "cut", 1, lambda t: t.assistant_turns >= 2, accept=True)
+    [said] = [r.getMessage() for r in caplog.records if r.name == "agentfsm.ray"]
+    change = (
+        f"{2 * N} unfinished trajectories were generated with weight version 3, but the engine's model "
+        f"({type(runner.backend).__name__}) now serves weight version 4 (their next tokens carry version 4)"
+    )
+    assert said == f"agentfsm: {path}: going on with changes accepted (recorded in the journal): {change}"
+    [(_, kept)] = chunk_files(tmp_path, "cut", 0)
+    [resume] = [r for r in records(kept).records if r["t"] == "resume"]
+    assert resume["accepted"] == [change]
+    last = await attempt(runner, tmp_path, "cut", 2, None, accept=True)
+    assert last is not None
+    trajs, counts = last
+    assert counts["resumed"] == 2 * N and counts["refused"] == counts["restarted"] == 0
+    assert {v for t in trajs for v in t.response_versions.tolist() if v >= 0} == {3, 4}
+    assert all(t.assistant_turns == TURNS and t.error is None for t in trajs)
+    assert sorted(Counter(log.read_text().split("\n")[:-1]).values()) == [1] * (2 * N * TURNS)

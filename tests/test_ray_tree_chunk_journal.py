@@ -43,7 +43,7 @@ async def _attempt(
                 lambda: ident,
                 tick,
                 lambda t: None,
-                (key, 0, (str(root), k, "1s")),
+                (key, 0, (str(root), k, "1s", False)),
                 sampling,
                 1,
                 fresh,

@@ -10,7 +10,9 @@ unfinished (a tree's nodes likewise, fsm/run/treejournal.py). A file is removed 
 a run's journal it records the weight versions its tokens may carry (the actor's gate's, as the driver's updates
 count them), so that the next attempt does not refuse them as never served; and like a resumed run, its rows go
 on only with the weights their last tokens came from (fsm/run/resume.py `weights_change`): after an update between
-the attempts the chunk runs again from the start.
+the attempts the chunk runs again from the start, unless the runner accepts changes (`accept_changes`, as
+`--resume --accept-changes` does): then it goes on, its rows' next tokens carry the new version, and its journal
+records what was accepted.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Any
 from fsm.run.codec import JournalError, decode_trajectory, encode_sampling
 from fsm.run.context import Sampling
 from fsm.run.journal import Recorder, Writer, records
-from fsm.run.resume import load, served_by, weights_change
+from fsm.run.resume import judge, load, served_by, weights_change
 from fsm.run.trajectory import Trajectory
 from fsm.run.treejournal import Agents, restore_tree, tree_nodes
 
@@ -71,15 +73,16 @@ class Chunk:
 
 
 def _earlier(
-    path: Path, runner: Any, fresh: list[Trajectory], counts: dict[str, int]
-) -> tuple[dict[int, tuple[Trajectory, bool]], dict[str, dict[str, Any]]]:
-    """What the last earlier attempt journaled: index -> (trajectory, done), and the tool results it recorded.
-    One that cannot go on here (unreadable, forged, another spec's or other weights') is refused, counted, and
-    the chunk runs again from the start."""
+    path: Path, runner: Any, fresh: list[Trajectory], counts: dict[str, int], accept: bool
+) -> tuple[dict[int, tuple[Trajectory, bool]], dict[str, dict[str, Any]], list[str]]:
+    """What the last earlier attempt journaled: index -> (trajectory, done), the tool results it recorded, and
+    the changes accepted. One that cannot go on here (unreadable, forged, another spec's, or other weights' and
+    `accept` false) is refused, counted, and the chunk runs again from the start."""
     try:
         loaded = load(path, runner.agent, runner.codec)
         # a resumed run's check: its rows go on only with the weights their last tokens came from
-        if (change := weights_change(loaded, runner.gate.version, served_by(runner.backend))) is not None:
+        change = weights_change(loaded, runner.gate.version, served_by(runner.backend))
+        if change is not None and not accept:
             raise JournalError(f"{path}: {change.what}")
         agents = Agents()
         found: dict[int, tuple[Trajectory, bool]] = {}
@@ -96,9 +99,14 @@ def _earlier(
     except JournalError as exc:
         counts["refused"] = 1
         log.warning("agentfsm: %s; its chunk runs again from the start", exc)
-        return {}, {}
+        return {}, {}, []
     counts["restarted"] = loaded.restarted
-    return found, loaded.tool_results
+    accepted = [] if change is None else judge(path, [change], accept=True)
+    if accepted:
+        log.warning(
+            "agentfsm: %s: going on with changes accepted (recorded in the journal): %s", path, accepted[0]
+        )
+    return found, loaded.tool_results, accepted
 
 
 def open_chunk(
@@ -113,16 +121,17 @@ def open_chunk(
     fresh: list[Trajectory],
     n: int,
     sync: str,
+    accept: bool = False,
 ) -> Chunk:
     """The chunk's journal for this attempt, with what earlier attempts journaled put back in `fresh`'s
-    place (matched by batch-wide index)."""
+    place (matched by batch-wide index); `accept`: go on under other weights (`_earlier`)."""
     path = Path(root) / f"{key}-{gid}.a{attempt}.r{rank}.log"
     earlier = [p for a, p in chunk_files(root, key, gid) if a < attempt]
     with contextlib.suppress(JournalError):  # a damaged one is refused below
         if earlier and not records(earlier[-1]).records:  # its actor died before a first record reached it:
             earlier = []  # nothing was journaled, nothing refused
     counts = {"resumed": 0, "restarted": 0, "recovered": 0, "refused": 0}
-    found, tools = _earlier(earlier[-1], runner, fresh, counts) if earlier else ({}, {})
+    found, tools, accepted = _earlier(earlier[-1], runner, fresh, counts, accept) if earlier else ({}, {}, [])
     # what each trajectory's first record holds: the fresh one (a restart inside an interaction starts over
     # from it, whichever attempt it is in), then, for one that has begun, where it got to
     trajs, firsts, done = [], [], set()
@@ -146,6 +155,8 @@ def open_chunk(
     recorder = Recorder(Writer(path, sync))
     chunk = {"chunk": f"{key}-{gid}", "attempt": attempt, "weight_version": version}
     recorder.header({**identity(), "rows_expected": len(trajs), **chunk})
+    if accepted:  # as a resumed run records them (fsm/output/keep.py)
+        recorder.resumed({"weight_version": version}, accepted)
     for v in sorted(older):
         recorder.weights(v)
     sampled = encode_sampling(sampling)
@@ -170,18 +181,19 @@ async def run_chunk(
     identity: Callable[[], dict[str, Any]],
     tick: Callable[[Trajectory], Awaitable[None]],
     finished: Callable[[Trajectory], None],
-    chunk: tuple[str, int, tuple[str, int, str]],
+    chunk: tuple[str, int, tuple[str, int, str, bool]],
     sampling: Sampling,
     n: int,
     fresh: list[Trajectory],
 ) -> tuple[list[Trajectory], dict[str, int]]:
-    """An actor's chunk (`chunk`: the batch key, its first group id, and (directory, attempt, sync)) run under
+    """An actor's chunk (`chunk`: the batch key, its first group id, and (directory, attempt, sync, whether it
+    accepts changes)) run under
     `owner` (fsm/run/runtime.py Owner) with every state boundary journaled, going on from an earlier
     attempt's journal if any; `tick` hears each boundary and `finished` each finished trajectory (the hang
     detector's progress). Its trajectories come back without their rows, and the journal's counts."""
-    key, gid, (root, attempt, sync) = chunk
+    key, gid, (root, attempt, sync, accept) = chunk
     runner = owner.runner
-    opened = open_chunk(root, key, gid, attempt, rank, runner, identity, sampling, fresh, n, sync)
+    opened = open_chunk(root, key, gid, attempt, rank, runner, identity, sampling, fresh, n, sync, accept)
     ctx = runner.make_context(sampling=sampling)  # its own: side-effecting tools read this chunk's journal
     ctx.journal = recorder = opened.recorder
     served = {runner.gate.version}  # the weight versions the journal says its tokens may carry

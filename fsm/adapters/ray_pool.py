@@ -29,6 +29,7 @@ class Driver(Protocol):
     _dead: set[int]
     journal_dir: str | None
     journal_sync: str
+    accept_changes: bool
     hang_s: float | None
     max_concurrency: int
     chunk_rows: int
@@ -96,8 +97,12 @@ class Pool:
             for rank in self.alive:  # round robin over actors with a free slot
                 if self.pending and self.busy[rank] < self.slots:
                     job = self.pending.popleft()
-                    root = self.runner.journal_dir
-                    journal = None if root is None else (root, job.attempt, self.runner.journal_sync)
+                    root, driver = self.runner.journal_dir, self.runner
+                    journal = (
+                        None
+                        if root is None
+                        else (root, job.attempt, driver.journal_sync, driver.accept_changes)
+                    )
                     ref = self.runner.actors[rank].run.remote(
                         job.key, job.sampling, job.rows, job.ids, job.n, journal
                     )

@@ -104,10 +104,11 @@ class _Worker:
         rows: list[Any],
         row_ids: list[int],
         n: int,
-        journal: tuple[str, int, str] | None = None,
+        journal: tuple[str, int, str, bool] | None = None,
     ) -> tuple[list[Trajectory], dict[str, int]]:
         """Run a chunk of groups; trajectories come back without their rows (the driver holds them), with the
-        counts of its journal (`journal`: the directory, this dispatch's attempt, the sync mode; see
+        counts of its journal (`journal`: the directory, this dispatch's attempt, the sync mode, whether it accepts
+        changes; see
         fsm/adapters/ray_journal.py)."""
         await self._start()
         trajs = self.runner.trajectories(rows, n)
@@ -190,6 +191,9 @@ class RayRunner(BaseEngine):
         (fsm/adapters/ray_journal.py): a dead or hung actor's trajectories then go on from their last boundary
         on another actor instead of from the start. None (the default): they run again from the start.
         journal_sync: its durability, as a run's ("1s", "always", "off"; a killed process loses nothing).
+        accept_changes: a chunk whose unfinished rows were generated with other weights than the survivor now
+        serves goes on (their next tokens carry its version; the journal records it accepted) instead of
+        running again from the start, as `agentfsm run --resume --accept-changes` (default: False).
     The engine contract (fsm/output/engine.py) as RolloutEngine's, with what it refuses (EngineRefused: the
     running groups live in the actors) in docs/trainers.md; control calls reach shared servers once, through
     actor 0, and every actor's gate. After each batch, `stats` holds per-run counters (chunks, rerun_rows...).
@@ -211,6 +215,7 @@ class RayRunner(BaseEngine):
         engine: str | None = None,
         journal_dir: str | Path | None = None,
         journal_sync: str = "1s",
+        accept_changes: bool = False,
     ):
         if servers and backend_factory is not None:
             raise ValueError("give servers= or backend_factory=, not both")
@@ -225,6 +230,7 @@ class RayRunner(BaseEngine):
         self.agent = load_agent(spec)
         self.journal_dir = str(Path(journal_dir).resolve()) if journal_dir is not None else None
         self.journal_sync = journal_sync
+        self.accept_changes = accept_changes
         if self.journal_dir is not None:
             Path(self.journal_dir).mkdir(parents=True, exist_ok=True)
         # What each actor compiles: the spec file's absolute path when there is one (workers' cwd differs).
