@@ -54,11 +54,15 @@ DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default when the key is absent
 MAX_JSON_DEPTH = 64
 _JSON_STRING = re.compile(rb'"[^"\\]*+(?:\\.[^"\\]*+)*+"')  # brackets inside strings do not nest
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
-# digits -> "0", what a JSON number can follow (and "-") -> ",", anything else -> "x"
+_BEFORE_NUMBER = frozenset(b",:[- \t\n\r")  # what a JSON number can follow (and "-")
+# digits -> "0", what a JSON number can follow -> ",", anything else -> "x"
 _NUMBER_CLASSES = bytes(
-    ord("0") if b in b"0123456789" else ord(",") if b in b",:[- \t\n\r" else ord("x") for b in range(256)
+    ord("0") if b in b"0123456789" else ord(",") if b in _BEFORE_NUMBER else ord("x") for b in range(256)
 )
 _LONG_INT_REVERSED = b"0" * 19 + b","
+_RUNS_LOOKED_AT = (
+    32  # runs of 19 digits looked at one by one (a vLLM answer has a few); past them, one search
+)
 _DIGITS = bytes(ord("0") if b in b"0123456789" else ord("x") for b in range(256))  # digits -> "0", else "x"
 _NINETEEN_DIGITS = b"0" * 19
 _SQUARE = bytes.maketrans(b"{}", b"[]")  # one kind of bracket: depth does not tell them apart
@@ -92,12 +96,22 @@ def _depth(data: bytes) -> int:
 
 def _long_number(data: bytes) -> bool:
     """Whether `data` may hold an integer of 19 digits or more, which orjson reads as a float (json.loads as an
-    int): a run of 19 digits after a separator (a float's digits follow '.' or 'e'). Most bodies have no run of
-    19 digits at all, which one translation and search shows; only a body with one is read the exact way,
-    searched backwards, where the needle ends in the rarer separator and the search skips along."""
-    if _NINETEEN_DIGITS not in data.translate(_DIGITS):
-        return False
-    return _LONG_INT_REVERSED in (b"," + data).translate(_NUMBER_CLASSES)[::-1]
+    int): a run of 19 digits at the start or after a separator (a float's digits follow '.' or 'e'). One
+    translation shows where the runs of 19 digits are: most bodies have none, and a vLLM answer a few, each a
+    logprob's fraction, so each run's byte before is looked at; a body with more runs than that is searched
+    whole, backwards, where the needle ends in the rarer separator and the search skips along."""
+    digits = data.translate(_DIGITS)
+    at = digits.find(_NINETEEN_DIGITS)
+    for _ in range(_RUNS_LOOKED_AT):  # `at` starts a run: a digit before it would have matched there
+        if at < 0:
+            return False
+        if at == 0 or data[at - 1] in _BEFORE_NUMBER:
+            return True
+        end = digits.find(b"x", at)  # the run's end, then the next run of 19
+        if end < 0:
+            return False
+        at = digits.find(_NINETEEN_DIGITS, end)
+    return at >= 0 and _LONG_INT_REVERSED in (b"," + data).translate(_NUMBER_CLASSES)[::-1]
 
 
 def read_json(

@@ -6,10 +6,19 @@ from __future__ import annotations
 import itertools
 import json
 import random
+import re
 
 import pytest
 
-from backends.answer import _BRACKET_STEP, _JSON_STRING, _NOT_BRACKETS, _depth, read_json
+from backends.answer import (
+    _BRACKET_STEP,
+    _JSON_STRING,
+    _NOT_BRACKETS,
+    _RUNS_LOOKED_AT,
+    _depth,
+    _long_number,
+    read_json,
+)
 from backends.base import BackendMalformed
 
 
@@ -73,6 +82,29 @@ def test_read_json_matches_json_loads_on_random_documents():
     for _ in range(1000):
         text = json.dumps(value()).encode()
         assert repr(_read(text)) == repr(json.loads(text))
+
+
+def test_a_long_integer_is_found_among_the_fractions_vllms_logprobs_have():
+    """`_long_number` against its definition (19 digits at the start or after a separator), on texts with
+    up to twice the runs it looks at one by one: vLLM's logprobs (-0.00028248611488379542) put a run of 19
+    digits after each '.', and an integer may come after all of them."""
+    reference = re.compile(rb"(?:^|[,:\[\- \t\n\r])[0-9]{19}")
+    rng = random.Random(2)
+    pieces = [b"-0.0002824861148837954", b"1e-05", b"1.5e+1234567890123456789", b"12345678901234567890"]
+    pieces += [b"x1234567890123456789", b'"1234567890123456789"', b"123", b", ", b"[", b"]", b":"]
+    for _ in range(3000):
+        parts = [rng.choice(pieces) for _ in range(rng.randint(0, 2 * _RUNS_LOOKED_AT + 4))]
+        text = b"".join(parts)
+        assert _long_number(text) == bool(reference.search(text)), text
+    runs = b"[" + b", ".join([b"-0.0002824861148837954"] * (2 * _RUNS_LOOKED_AT)) + b"]"
+    assert not _long_number(runs)
+    assert _long_number(runs[:-1] + b", 12345678901234567890]")
+    assert (
+        read_json(
+            runs[:-1] + b", 12345678901234567890]", what="t", server="t", status=200, max_bytes=1 << 20
+        )[-1]
+        == 12345678901234567890
+    )
 
 
 def test_depth_is_the_running_count_of_brackets_outside_strings():
