@@ -10,7 +10,7 @@ import tracemalloc
 
 import pytest
 
-from fsm.families.pieces import CACHE_ENTRIES, PieceEncoder, decode, to_array
+from fsm.families.pieces import CACHE_ENTRIES, ByteDecoder, PieceEncoder, decode, to_array
 from fsm.run.trajectory import Trajectory
 
 
@@ -31,6 +31,48 @@ def test_decode_is_transformers_decode_and_an_override_is_kept(tok):
         assert decode(tok, tok.encode("abc", add_special_tokens=False)) == "ABC"
     finally:
         tok.__class__ = cls
+
+
+def _byte_tokenizers():
+    from tests.fixtures.family_tokenizers import FAMILIES, family_tokenizer
+    from tests.fixtures.real_tokenizers import DIR, PACKAGES, missing
+
+    yield from (family_tokenizer(f) for f in sorted(FAMILIES))
+    from transformers import PreTrainedTokenizerFast
+
+    yield from (PreTrainedTokenizerFast.from_pretrained(str(DIR / p)) for p in PACKAGES if missing(p) is None)
+
+
+def test_the_byte_decoder_is_the_rust_decode():
+    """Random ids, special tokens and bytes cut mid-character among them, both ways of skipping: the text read
+    from each id's bytes is the Rust decode's, on every family's byte-level tokenizer and the real ones
+    present; an id out of the vocabulary goes to the Rust decode, which drops it."""
+    rng = random.Random(1)
+    for tok in _byte_tokenizers():
+        byte_decoder = ByteDecoder.of(tok)
+        assert byte_decoder is not None, tok.name_or_path
+        byte_decoder._unchecked = 0  # no comparison inside: every text below must match on its own
+        rust, size = tok._tokenizer, len(tok)
+        added = list(tok.added_tokens_decoder)
+        high = [i for i in range(min(size, 600)) if any(ord(c) > 0x7E for c in rust.id_to_token(i) or "")]
+        for _ in range(300):
+            ids = [
+                rng.choice(added) if r < 0.2 else rng.choice(high) if r < 0.6 else rng.randrange(size)
+                for r in (rng.random() for _ in range(rng.randrange(30)))
+            ]
+            for skip in (True, False):
+                assert byte_decoder.decode(ids, skip) == rust.decode(ids, skip_special_tokens=skip), ids
+        assert byte_decoder.decode([5, size + 7, 6]) == rust.decode([5, size + 7, 6])
+    assert ByteDecoder.of(_sentencepiece()) is None
+
+
+def _sentencepiece():
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    inner = Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    inner.decoder = decoders.Metaspace()
+    return PreTrainedTokenizerFast(tokenizer_object=inner)
 
 
 @pytest.mark.slow

@@ -34,7 +34,7 @@ from typing import Any, cast
 
 from fsm.families.parsers import PARSERS, ToolCall, assistant_message, split_reasoning
 from fsm.families.parsers.harmony import HarmonyParser
-from fsm.families.pieces import ChatRender, PieceEncoder, decode
+from fsm.families.pieces import ByteDecoder, ChatRender, PieceEncoder, decode
 
 
 class TemplateError(Exception):
@@ -121,6 +121,7 @@ class Codec:
         self.family = family
         self.pieces = PieceEncoder(tokenizer)
         self._render = ChatRender(tokenizer)  # the template compiled once, past transformers' wrapper
+        self._bytes = ByteDecoder.of(tokenizer)  # decodes from each id's bytes where that is exact
         self.eos_id: int = tokenizer.eos_token_id
         pad = tokenizer.pad_token_id
         self.pad_id: int = pad if pad is not None else 0
@@ -243,6 +244,8 @@ class Codec:
 
     def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
         """Exactly the model's text (fsm/families/pieces.py decode: no clean-up of tokenization spaces)."""
+        if self._bytes is not None and type(ids) is list:
+            return self._bytes.decode(ids, skip_special_tokens)
         return decode(self.tokenizer, ids, skip_special_tokens=skip_special_tokens)
 
     # --- a model turn ---------------------------------------------------------------------------------------

@@ -68,6 +68,87 @@ def _own(tokenizer: Any, *names: str) -> bool:
 _PLAIN: dict[tuple[type, tuple[str, ...]], bool] = {}
 
 
+def _byte_chars() -> dict[str, int]:
+    """The byte-level alphabet's char -> byte (GPT-2's `bytes_to_unicode`, inverted): printable bytes stand
+    for themselves, the others for chars from U+0100 on, in byte order."""
+    shown = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in shown]
+    return {chr(b): b for b in shown} | {chr(0x100 + k): b for k, b in enumerate(others)}
+
+
+class ByteDecoder:
+    """The Rust decode of a fast tokenizer whose decoder is byte-level alone (Qwen, Llama-3, DeepSeek, gpt-oss),
+    computed as it does: each token's bytes (its chars mapped back, or its UTF-8 where one is outside the
+    alphabet), joined, read as UTF-8 with each invalid sequence replaced (`from_utf8_lossy` and Python's
+    "replace" replace the same maximal subparts); a special token left out when skipped. Why: between two turns
+    an engine's other work pushes the Rust decode's tables and code out of the CPU's caches, where these dicts
+    of the ids seen are read by the interpreter's hot code (docs/benchmarks.md). An id that is no vocabulary
+    entry's goes to the Rust decode (its error, or its dropping of unknown ids); the first texts are compared
+    with it, and a difference sends every later call there."""
+
+    def __init__(self, tokenizer: Any, checked: int = CHECKED_TEXTS):
+        self._rust = tokenizer._tokenizer
+        self.name = getattr(tokenizer, "name_or_path", "")
+        self._unchecked = checked
+        added = self._rust.get_added_tokens_decoder()
+        self._special = {t.content for t in added.values() if t.special}
+        self._chars = _byte_chars()
+        self._kept: dict[int, bytes] = {}  # id -> its bytes
+        self._skipping: dict[int, bytes] = {}  # the same, b"" for a special token
+        self.exact = True
+
+    @classmethod
+    def of(cls, tokenizer: Any) -> ByteDecoder | None:
+        """The tokenizer's ByteDecoder, None where its decode is not the byte-level one alone."""
+        if not _own(tokenizer, "decode", "_decode"):
+            return None
+        from tokenizers import decoders  # loaded with the tokenizer
+
+        rust = getattr(tokenizer, "_tokenizer", None)
+        return cls(tokenizer) if type(getattr(rust, "decoder", None)) is decoders.ByteLevel else None
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        kept = self._skipping if skip_special_tokens else self._kept
+        try:
+            raw = b"".join([kept[i] for i in ids])
+        except (KeyError, TypeError):
+            if not self._learn(ids):
+                return self._rust.decode(ids, skip_special_tokens=skip_special_tokens)
+            raw = b"".join([kept[i] for i in ids])
+        text = raw.decode("utf-8", "replace")
+        if self._unchecked:
+            self._unchecked -= 1
+            rust = self._rust.decode(ids, skip_special_tokens=skip_special_tokens)
+            if text != rust:
+                log.warning(
+                    "tokenizer %s: a decode from its tokens' bytes differs; its own from now on", self.name
+                )
+                self.exact = False
+                self._kept, self._skipping = {}, {}
+                return rust
+        return text
+
+    def _learn(self, ids: list[int]) -> bool:
+        """Keep the bytes of `ids` not kept yet; False when one is not a vocabulary entry's id (or after a
+        difference)."""
+        chars, kept = self._chars, self._kept
+        for i in ids:
+            if type(i) is not int or i < 0 or not self.exact:
+                return False
+            if i in kept:
+                continue
+            token = self._rust.id_to_token(i)
+            if token is None:
+                return False
+            try:
+                raw = bytes([chars[c] for c in token])
+            except KeyError:
+                raw = token.encode()
+            kept[i] = raw
+            self._skipping[i] = b"" if token in self._special else raw
+        return True
+
+
 class Ids(list[int]):
     """A text's ids and `packed`, the same ids as array("i"), the caller's own: a cached piece keeps both, so a
     prompt seen before reaches a trajectory's array without converting each id (docs/gateway.md)."""
