@@ -1,18 +1,16 @@
 """fsm/tools/isolation.py's hand-offs: callbacks from other threads reach the loop in order, a burst in one
-wake-up; `settled` is `asyncio.wrap_future` (result, exception, cancellation both ways) with its answer handed
-back that way."""
+wake-up; a `Hop` hands one call's result or exception back that way, and a call whose caller gave up before
+it started never starts."""
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import gc
 import threading
-from typing import Any
 
 import pytest
 
-from fsm.tools.isolation import Mailbox, mailbox, settled
+from fsm.tools.isolation import Hop, LoopLane, Mailbox, ThreadLane, mailbox
 
 
 async def test_a_burst_runs_in_order_after_one_wake_up():
@@ -69,53 +67,71 @@ async def test_one_mailbox_per_loop():
     assert mailbox(asyncio.get_running_loop()) is mailbox(asyncio.get_running_loop())
 
 
-async def test_settled_gives_the_result_or_the_exception_from_another_thread():
-    ok, bad = concurrent.futures.Future(), concurrent.futures.Future()
-    threading.Timer(0.01, ok.set_result, ("answer",)).start()
-    threading.Timer(0.01, bad.set_exception, (ValueError("no"),)).start()
-    assert await settled(ok) == "answer"
+async def test_a_hop_gives_the_result_or_the_exception_from_another_thread():
+    loop = asyncio.get_running_loop()
+    ok, bad = Hop(loop), Hop(loop)
+    threading.Timer(0.01, ok.answer, ("answer",)).start()
+    threading.Timer(0.01, bad.answer, (None, ValueError("no"))).start()
+    assert await ok.waiter == "answer"
     with pytest.raises(ValueError, match="no"):
-        await settled(bad)
-    done = concurrent.futures.Future()
-    done.set_result(3)  # already settled: its callback runs at once, on this thread
-    assert await settled(done) == 3
-
-
-async def test_cancellation_goes_both_ways():
-    source = concurrent.futures.Future()
-    task = asyncio.ensure_future(settled(source))
+        await bad.waiter
+    late = Hop(loop)
+    late.waiter.cancel()  # the caller stopped waiting: a late answer is dropped
+    late.answer(3)
     await asyncio.sleep(0.01)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    assert source.cancelled()  # a call that had not started never starts
 
-    source = concurrent.futures.Future()
-    threading.Timer(0.01, source.cancel).start()
-    with pytest.raises(asyncio.CancelledError):
-        await settled(source)
+
+@pytest.mark.parametrize("kind", ["thread", "loop"])
+async def test_a_call_cancelled_before_it_starts_never_starts(kind):
+    """A ThreadLane's one thread is busy, or a LoopLane's loop blocked, when the second call comes and is
+    cancelled: once they are free, the first call finishes and the second never runs."""
+    running, release, ran = threading.Event(), threading.Event(), []
+
+    def first() -> str:
+        running.set()
+        release.wait(30)
+        return "first"
+
+    async def first_on_loop() -> str:
+        return first()  # holds the tool's loop: the second call's start waits behind it
+
+    async def second_on_loop(name: str) -> None:
+        ran.append(name)
+
+    lane = ThreadLane("t", workers=1) if kind == "thread" else LoopLane("t")
+    try:
+        one = asyncio.ensure_future(lane.call(first if kind == "thread" else first_on_loop))
+        for _ in range(300):
+            if running.is_set():
+                break
+            await asyncio.sleep(0.01)
+        two = asyncio.ensure_future(lane.call(ran.append if kind == "thread" else second_on_loop, "second"))
+        await asyncio.sleep(0.05)
+        two.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await two
+        release.set()
+        assert await one == "first"
+        await asyncio.sleep(0.05)
+        assert ran == []
+    finally:
+        release.set()
+        lane.close()
 
 
 def test_an_answer_for_a_closed_loop_is_dropped_quietly(caplog):
-    """The caller's loop closes while `settled` waits; the answer that comes after is dropped, nothing raised on
-    the answering thread. `settled` is stepped by hand, not run as a Task: a Task left pending on a closed loop
-    logs "Task was destroyed but it is pending" whenever the garbage collector reaches it, in a later test."""
+    """The caller's loop closes while a call's Hop waits; the answer that comes after is dropped, nothing
+    raised on the answering thread, nothing left pending for the garbage collector to report in a later test."""
     outcome: list = []
 
     def scenario() -> None:
-        source = concurrent.futures.Future()
         loop = asyncio.new_event_loop()
-        waiting = settled(source)
-
-        async def start() -> Any:
-            return waiting.send(None)  # `settled` runs up to its `await waiter`, and yields the waiter
-
-        waiter = loop.run_until_complete(start())
-        loop.close()  # ...and its loop goes away under it
+        hop = Hop(loop)
+        loop.close()  # the caller's loop goes away under it
 
         def answer() -> None:
             try:
-                source.set_result(1)
+                hop.answer(1)
                 outcome.append("returned")
             except BaseException as exc:  # noqa: BLE001 - the test reports whatever escaped
                 outcome.append(exc)
@@ -123,8 +139,7 @@ def test_an_answer_for_a_closed_loop_is_dropped_quietly(caplog):
         thread = threading.Thread(target=answer)
         thread.start()
         thread.join(30)
-        outcome.append(waiter.done())
-        waiting.close()
+        outcome.append(hop.waiter.done())
 
     scenario()
     gc.collect()  # what the scenario left unreachable: a Task pending on a closed loop would log now

@@ -19,7 +19,7 @@ a long answer is cut (`shrink`) where the tool ran, so a 50 MB string never cros
 
 A lane's answer crosses back to the caller's loop: `call_soon_threadsafe` wakes that loop (a self-pipe write, a
 GIL contest) per call, and a lane's thousands of calls come in bursts: a `Mailbox` wakes its loop once per burst
-and runs it in order; `settled` is `asyncio.wrap_future` answered so. (An engine's own loop thread, and the
+and runs it in order; a `Hop` is one call's answer handed back so. (An engine's own loop thread, and the
 hand-offs onto it, are fsm/run/local.py's.)
 """
 
@@ -40,7 +40,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 log = logging.getLogger("agentfsm.tools")
@@ -172,23 +172,34 @@ def copy_outcome(source: AnyFuture, waiter: AnyFuture) -> None:
         waiter.set_result(source.result())
 
 
-async def settled(source: concurrent.futures.Future) -> Any:
-    """`await asyncio.wrap_future(source)`: its outcome, handed back through the running loop's Mailbox; the
-    caller's cancellation cancels `source` (a call that has not started never starts)."""
-    loop = asyncio.get_running_loop()
-    waiter = loop.create_future()
-    box = mailbox(loop)
+class Hop:
+    """One call's answer handed back to the caller's loop from the thread that ran it, through the loop's
+    Mailbox: what `asyncio.wrap_future` of a concurrent future does, without the future (a Condition and its
+    lock built per call, their locks taken for each callback). `cancelled`: the caller stopped waiting, so
+    a call that has not started never starts (the lane checks it under its own lock or on its own loop)."""
 
-    def back(done: concurrent.futures.Future) -> None:  # on whichever thread settled `source`
-        with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody is waiting any more
-            box.post(copy_outcome, done, waiter)
+    __slots__ = ("waiter", "box", "cancelled")
 
-    source.add_done_callback(back)
-    try:
-        return await waiter
-    except asyncio.CancelledError:
-        source.cancel()
-        raise
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.waiter: asyncio.Future = loop.create_future()
+        self.box = mailbox(loop)
+        self.cancelled = False
+
+    def answer(self, result: Any = None, error: BaseException | None = None) -> None:
+        """From any thread: the outcome onto the caller's waiter, through its loop's Mailbox."""
+        try:
+            self.box.post(_answer, self.waiter, result, error)
+        except RuntimeError:  # the caller's loop is closed: nobody is waiting any more
+            pass
+
+
+def _answer(waiter: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if waiter.done():  # the caller stopped waiting
+        return
+    if error is not None:
+        waiter.set_exception(error)
+    else:
+        waiter.set_result(result)
 
 
 # --- threads: sync functions -----------------------------------------------------------------------------
@@ -200,7 +211,8 @@ class _Job:
     args: tuple
     kwargs: dict
     context: contextvars.Context
-    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    hop: Hop
+    started: bool = False  # a thread took it (under the lane's lock; a cancelled hop is never started)
     finished: bool = False  # its thread is done with it (under the lane's lock)
     written_off: bool = False  # its caller gave up while it ran: the thread leaves the pool when done
     clock: Any = None  # the caller's StartTimeout: it counts from when a thread takes the job
@@ -235,12 +247,13 @@ class ThreadLane(Lane):
         self.written_off = 0  # over the lane's life
 
     async def call(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
-        job = _Job(fn, args, kwargs, contextvars.copy_context(), clock=START_CLOCK.get())
+        hop = Hop(asyncio.get_running_loop())
+        job = _Job(fn, args, kwargs, contextvars.copy_context(), hop, clock=START_CLOCK.get())
         if job.clock is not None:
             job.clock.started = None  # until a thread takes it
         self._submit(job)
         try:
-            return await settled(job.future)
+            return await hop.waiter
         except asyncio.CancelledError:  # a timeout (ours or the action's) or shutdown: stop waiting for it
             self._write_off(job)
             raise
@@ -269,7 +282,9 @@ class ThreadLane(Lane):
             job = self._queue.get()
             if job is None:  # close()
                 return
-            if job.future.set_running_or_notify_cancel():
+            with self._lock:
+                job.started = not job.hop.cancelled
+            if job.started:
                 if job.clock is not None:
                     job.clock.started = time.monotonic()
                 _run_job(self.name, job)
@@ -285,10 +300,9 @@ class ThreadLane(Lane):
             del job  # its result (a 50 MB answer) is not kept alive while this thread waits
 
     def _write_off(self, job: _Job) -> None:
-        if job.future.cancel():  # still queued: it will never run
-            return
         with self._lock:
-            if job.finished:
+            job.hop.cancelled = True
+            if not job.started or job.finished:  # still queued, it will never run; or done
                 return
             job.written_off = True
             self._threads -= 1
@@ -311,11 +325,11 @@ def _run_job(name: str, job: _Job) -> None:
     try:
         result = job.context.run(job.fn, *job.args, **job.kwargs)
     except Exception as exc:
-        job.future.set_exception(exc)
+        job.hop.answer(error=exc)
     except BaseException as exc:  # SystemExit, KeyboardInterrupt...: the tool's, never a signal to us
-        job.future.set_exception(crashed(name, exc))
+        job.hop.answer(error=crashed(name, exc))
     else:
-        job.future.set_result(result)
+        job.hop.answer(result)
 
 
 # --- an event loop of its own: coroutines ----------------------------------------------------------------
@@ -328,7 +342,7 @@ class _ToolLoop:
 
     def __init__(self, name: str):
         self.name = name
-        self.pending: set[concurrent.futures.Future] = set()
+        self.pending: set[Hop] = set()
         self.cancel_sent: float | None = None  # a cancellation the loop has not run yet, sent at this time
         self.loop = asyncio.new_event_loop()
         self.mailbox = Mailbox(self.loop)
@@ -346,9 +360,8 @@ class _ToolLoop:
         close_loop(self.loop)
 
     def _gone(self, exc: Exception) -> None:
-        for future in list(self.pending):  # nobody else would ever answer their callers
-            if not future.done():
-                future.set_exception(exc)
+        for hop in list(self.pending):  # nobody else would ever answer their callers
+            hop.answer(error=exc)
 
     def stop(self) -> None:
         with contextlib.suppress(RuntimeError):  # closed already
@@ -380,27 +393,29 @@ class LoopLane(Lane):
 
     async def call(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         tool_loop = self._loop()
-        done: concurrent.futures.Future = concurrent.futures.Future()
+        hop = Hop(asyncio.get_running_loop())
         context = contextvars.copy_context()
         tasks: list[asyncio.Task] = []
 
         def start() -> None:  # on the tool's loop
-            if done.set_running_or_notify_cancel():
-                task = tool_loop.loop.create_task(self._guarded(fn, args, kwargs), context=context)
-                task.add_done_callback(lambda t: _settle(self.name, t, done))
-                tasks.append(task)
+            if hop.cancelled:  # the caller gave up before the call started
+                tool_loop.pending.discard(hop)
+                return
+            task = tool_loop.loop.create_task(self._guarded(fn, args, kwargs), context=context)
+            task.add_done_callback(functools.partial(_settle, self.name, hop, tool_loop.pending))
+            tasks.append(task)
 
         def cancel() -> None:  # on the tool's loop: running it at all proves the loop is not wedged
             tool_loop.cancel_sent = None
             for task in tasks:
                 task.cancel()
 
-        tool_loop.pending.add(done)
-        done.add_done_callback(tool_loop.pending.discard)
+        tool_loop.pending.add(hop)
         tool_loop.mailbox.post(start)
         try:
-            return await settled(done)
+            return await hop.waiter
         except asyncio.CancelledError:  # our caller gave up: cancel the tool's task, if its loop still runs
+            hop.cancelled = True
             if tool_loop.cancel_sent is None:
                 tool_loop.cancel_sent = time.monotonic()
             if not tool_loop.loop.is_closed():
@@ -426,11 +441,12 @@ class LoopLane(Lane):
             current.stop()
 
 
-def _settle(name: str, task: asyncio.Task, done: concurrent.futures.Future) -> None:
-    if task.cancelled() and not done.done():
-        done.set_exception(ToolCrashed(f"tool {name!r} was cancelled"))
+def _settle(name: str, hop: Hop, pending: set[Hop], task: asyncio.Task) -> None:
+    pending.discard(hop)
+    if task.cancelled():
+        hop.answer(error=ToolCrashed(f"tool {name!r} was cancelled"))
     else:
-        copy_outcome(task, done)
+        hop.answer(task.result() if (error := task.exception()) is None else None, error)
 
 
 # --- the run's own loop: isolation: none -----------------------------------------------------------------
