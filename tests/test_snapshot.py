@@ -31,7 +31,7 @@ from fsm.run.codec import SnapshotError, decode_trajectory, encode_trajectory
 from fsm.run.fold import rebuild
 from fsm.run.journal import JOURNAL, records
 from specs.calculator import make_prompts
-from tests.conftest import ASSETS, assert_same_batch_files, scripted, tool_turn, user_row
+from tests.conftest import ASSETS, assert_same_batch_files, model_turn, scripted, tool_turn, user_row
 from tests.fixtures import snapshot_tools
 
 REPO = Path(__file__).resolve().parents[1]
@@ -397,9 +397,10 @@ def test_a_planted_link_in_place_of_the_temporary_is_replaced_not_followed(tmp_p
 
 
 @pytest.mark.slow
-def test_a_snapshot_of_a_tree_with_nodes_is_refused_and_the_run_goes_on(tmp_path):
-    """Snapshot files keep roots only: a tree whose children exist is refused in one line (naming the journal,
-    which keeps trees), not written without its children's rows; the run goes on to both policies' batches."""
+def test_a_snapshot_of_a_tree_with_nodes_keeps_them_and_restores_to_both_policies_batches(tmp_path):
+    """A tree whose children exist is written node by node (before, the snapshot was refused) and restored on the
+    embedded model to a batch per policy; tests/test_snapshot_trees.py compares such rows with an uninterrupted
+    run's, token for token."""
     from fsm.api import make_backend
 
     backend = Counting(
@@ -410,15 +411,14 @@ def test_a_snapshot_of_a_tree_with_nodes_is_refused_and_the_run_goes_on(tmp_path
         async def after_children():
             await engine.asubmit(make_prompts(2), n=1, sampling_params=GREEDY)
             await engine.core.call(asyncio.wait_for(backend.reached.wait(), 120))
-            with pytest.raises(SnapshotError) as refused:
-                await engine.asnapshot(tmp_path / "s.json", stop=True)
-            return str(refused.value)
+            return await engine.asnapshot(tmp_path / "s.json", stop=True)
 
-        message = asyncio.run(after_children())
-        assert "tree nodes (child machines, branches), which snapshot files do not keep" in message
-        assert "keep=RunDir(dir)" in message and "\n" not in message
-        assert not (tmp_path / "s.json").exists()
-        batches = engine.take(2, timeout=300)  # the run went on: a batch per policy, each with its staleness
+        info = asyncio.run(after_children())
+    assert info["ready_groups"] + info["running_groups"] == 2, info
+    assert any(r["t"] == "traj" and ":" in r["s"] for r in records(tmp_path / "s.json").records)  # its nodes
+    with RolloutEngine("specs/planner_solver.yaml", ASSETS, backend=make_backend(torch_threads=1)) as engine:
+        engine.restore(tmp_path / "s.json")
+        batches = engine.take(2, timeout=300)  # a batch per policy, each with its staleness
     assert set(batches) == {"planner", "solver"}
     assert all(b.meta_info["staleness"] == [0, 0] for b in batches.values())
 
@@ -456,3 +456,53 @@ def test_the_sync_snapshot_of_a_blocked_loop_is_taken_from_outside_it_and_close_
         home.close(30)
         snapshot_tools.RELEASED.clear()
     assert not home.thread.is_alive()
+
+
+def test_a_blocked_loops_snapshot_keeps_the_side_effecting_calls_its_step_finished(tok, tmp_path):
+    """One model turn calls a side-effecting tool, which answers, then a tool that blocks the loop: the snapshot
+    taken from outside the loop writes the row as it was before that step, and carries the finished call's result
+    (a `tool` record, as the journal keeps it), so that the restored row answers that call from it rather than run
+    its effect again; the blocking call runs again. Before, the effect ran twice."""
+    spec = tmp_path / "blocking.yaml"
+    spec.write_text(
+        f"name: calculator_blocking\nextends: {REPO / 'specs'}/calculator.yaml\ntools:\n"
+        "  - function: tests.fixtures.snapshot_tools:counted\n    isolation: none\n"
+        "  - function: tests.fixtures.snapshot_tools:blocks_until_released\n"
+        "    schema: specs.calculator:TOOL_SCHEMA\n    isolation: none\nlimits:\n  max_parallel_calls: 2\n"
+    )
+    calls = tool_turn(tok, ("counted", {"expression": "1"}), ("calculator", {"expression": "2"}))
+
+    def turns(row, sample, turn, prompt_ids):  # by the prompt: a restored row's backend counts turns anew
+        return model_turn(tok, "#### 3") if "released 2" in tok.decode(prompt_ids) else calls
+
+    snapshot_tools.RUNS.clear()
+    snapshot_tools.BLOCKING.clear()
+    engine = RolloutEngine(str(spec), tok, backend=scripted(turns, latency_s=0.05))
+    engine.submit([user_row(reward_model={"ground_truth": "3"})], n=1)
+    home = engine.core.home()
+    answer: dict = {}
+    taking = threading.Thread(target=lambda: answer.update(engine.snapshot(tmp_path / "s.json")), daemon=True)
+    try:
+        assert snapshot_tools.BLOCKING.wait(60), "the tool never blocked the loop"
+        taking.start()
+        taking.join(60)
+        assert answer.get("blocked") is True and answer["running_groups"] == 1, answer
+        ran = list(snapshot_tools.RUNS)
+        assert len(ran) == 1, ran  # the effect, before the loop blocked
+        engine.close()
+    finally:
+        snapshot_tools.RELEASED.set()
+        home.close(30)
+    try:
+        with RolloutEngine(str(spec), tok, backend=scripted(turns)) as restored:
+            restored.restore(tmp_path / "s.json")
+            (group,) = restored._run_sync(restored.atake_groups(1, timeout=60))
+    finally:
+        snapshot_tools.RELEASED.clear()
+    (traj,) = group.trajectories
+    assert not traj.failed, traj.termination_reason
+    tools = [m["content"] for m in traj.messages if m["role"] == "tool"]
+    assert tools == ["ran 1", "released 2"], tools
+    assert snapshot_tools.RUNS == ran  # not run again
+    kept = [r for r in records(tmp_path / "s.json").records if r["t"] == "tool"]
+    assert [(r["k"], r["o"]["text"]) for r in kept] == [(ran[0], "ran 1")], kept

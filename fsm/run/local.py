@@ -411,11 +411,13 @@ class Local:
         (await self.stream_here()).journal = self.controls.journal = journal
 
     async def restore_here(self, path: str | Path | Mapping[str, Any]) -> dict[str, Any]:
+        tools = None  # a snapshot's side-effecting calls (a journal's: its Recorder holds them, fsm/output/keep.py)
         if isinstance(path, Mapping):  # read and checked already (a journal's, fsm/run/resume.py)
             data = path
         else:
-            data = (await asyncio.to_thread(resume.load, path, self.agent, self.codec)).data
-        await (await self.stream_here()).restore(data)
+            loaded = await asyncio.to_thread(resume.load, path, self.agent, self.codec)
+            data, tools = loaded.data, loaded.tool_results
+        await (await self.stream_here()).restore(data, tools)
         return dict(data.get("meta") or {})
 
     # -- lifecycle ---------------------------------------------------------------------------------------------

@@ -11,7 +11,8 @@ counted. A group is always whole; each leaves `ready` exactly once.
 A Stream lives on its engine's event loop and is owned by it: `serve()` is the one long task under which
 every trajectory task runs, and the engine cancels it on close. A snapshot parks the trajectories at their next
 state boundary (`Boundary`) and writes the groups, finished and not, as a journal compacted to one whole record
-per trajectory (fsm/run/codec.py); it is read back and checked as any journal is (fsm/run/resume.py `load`).
+per trajectory and per tree node (fsm/run/codec.py, fsm/run/treejournal.py), with the side-effecting tool calls
+of the unfinished ones; it is read back and checked as any journal is (fsm/run/resume.py `load`).
 """
 
 from __future__ import annotations
@@ -31,10 +32,10 @@ from fsm.run.agent import CompiledAgent
 from fsm.run.codec import FORMAT, SnapshotError, decode_sampling, decode_trajectory, encode_sampling
 from fsm.run.context import RunContext, Sampling
 from fsm.run.engine import StalePolicy
-from fsm.run.journal import Recorder, group_record, traj_record
+from fsm.run.journal import Recorder, group_record, node_mark, traj_record
 from fsm.run.runtime import Owner, Runner
 from fsm.run.trajectory import Trajectory
-from fsm.run.treejournal import Agents, restore_tree, tree_nodes
+from fsm.run.treejournal import Agents, node_meta, restore_tree, tree_nodes
 from fsm.tools.isolation import INLINE_STEPS
 
 RECOUNT_S = 0.5  # how often a snapshot waiting at the boundary counts again without news
@@ -192,6 +193,37 @@ class Groups:
         return stats
 
 
+class ToolMemory:
+    """What a kept run's Recorder (fsm/run/journal.py) keeps of side-effecting tools, for a stream no journal
+    keeps: each successful call's result while its row runs, so that a snapshot carries the calls a step had
+    finished (the step runs again on restore) and the restored row answers them from `tool_results` rather than
+    run them again (fsm/run/context.py `run_tool` reads and writes it as it does the Recorder). A live run's
+    calls are answered only from what a snapshot brought back, so a state's retry still runs them."""
+
+    def __init__(self) -> None:
+        self.tool_results: dict[str, dict[str, Any]] = {}  # restored: answered without running the tool
+        self.kept: dict[str, dict[str, dict[str, Any]]] = {}  # root session id -> key -> outcome
+
+    def tool(self, key: str, outcome: dict[str, Any]) -> None:
+        if outcome.get("error") is None:
+            self.kept.setdefault(root_of(key), {})[key] = outcome
+
+    def step(self, traj: Trajectory, agent: CompiledAgent | None = None, done: bool = False) -> None:
+        """A journal's step (fsm/run/runtime.py `_finish` calls it): nothing is kept of it here."""
+
+    def forget(self, root: str) -> None:
+        """A row ended: its calls are never asked for again."""
+        self.kept.pop(root, None)
+        for key in [k for k in self.tool_results if root_of(k) == root] if self.tool_results else ():
+            del self.tool_results[key]
+
+
+def root_of(key: str) -> str:
+    """The root session id of a tool call's key, `<session id>_c<turn>_<call>` (fsm/run/actions.py), where a tree
+    node's session id is `<root's>:<path>`."""
+    return key.rsplit("_c", 1)[0].split(":", 1)[0]
+
+
 @dataclass
 class _Running:
     group: Group
@@ -214,6 +246,10 @@ class Stream(Owner):
         self._waiting: dict[str, int] = {}  # session id -> its tree nodes running (fsm/run/tree.py)
         self._next_index = 0
         self.journal: Recorder | None = None  # the run's journal (fsm/run/journal.py), for a kept run
+        self.tools = ToolMemory()  # side-effecting tools' results where no journal keeps them
+        agent = runner.agent
+        self._trees = bool(agent.forks or agent.spec.children)  # its rows may grow tree nodes
+        self._marks: dict[str, Any] = {}  # session id -> its node's `node_mark` at its last boundary (trees)
         self.stats = self.groups.stats
         self.stats.update(finished_trajectories=0, running_groups=0)
 
@@ -222,6 +258,8 @@ class Stream(Owner):
     def _stopped(self) -> None:
         """Cancelled, it has cancelled every running trajectory; ready groups stay, to be taken."""
         self._running.clear()
+        self._marks.clear()
+        self.tools.kept.clear()
         self.stats["running_groups"] = 0
         self.groups.news.set()
 
@@ -257,7 +295,7 @@ class Stream(Owner):
     def _context(self, sampling: Sampling) -> RunContext:
         """A run's context: journaled, and its tree nodes driven by `_node`."""
         ctx = self.runner.make_context(sampling=sampling)
-        ctx.journal = self.journal
+        ctx.journal = self.journal if self.journal is not None else self.tools
         ctx.drive = self._node
         return ctx
 
@@ -279,6 +317,8 @@ class Stream(Owner):
                 self.boundary.moved()
         if self.journal is not None:
             self.journal.step(traj, done=True)
+        self._marks.pop(traj.session_id, None)
+        self.tools.forget(traj.session_id)
         self._finished(run, traj)
 
     async def _node(self, ctx: RunContext, traj: Trajectory) -> None:
@@ -290,6 +330,8 @@ class Stream(Owner):
             await self.runner.drive(ctx, traj, partial(self._boundary, agent=ctx.agent))
         finally:
             self._waits(parent, -1)
+        traj.node.finished = True  # a snapshot writes it as ended (`_record`)
+        self._marks.pop(traj.session_id, None)
         if self.journal is not None:
             self.journal.step(traj, done=True)
 
@@ -310,6 +352,8 @@ class Stream(Owner):
         runner's), then a snapshot may park."""
         if self.journal is not None:
             self.journal.step(traj, agent or self.runner.agent)
+        if self._trees:  # where its tree stood, for a snapshot taken while it waits on nodes made after
+            self._marks[traj.session_id] = node_mark(traj.node)
         await self.boundary(traj)
 
     def _finished(self, run: _Running, traj: Trajectory) -> None:
@@ -379,19 +423,13 @@ class Stream(Owner):
         await self.park(timeout_s)
         restarted = 0
         try:
-            held = self._held(list(self.groups.ready))
-            if trees := [t.session_id for _, g, _ in held for t in g.trajectories if tree_nodes(t)]:
-                raise SnapshotError(
-                    f"snapshot: {len(trees)} trajectories (first {trees[0]!r}) have tree nodes (child machines, "
-                    "branches), which snapshot files do not keep; keep the run with a journal instead "
-                    "(keep=RunDir(dir), agentfsm run --out): its resume keeps trees node by node (docs/trees.md)"
-                )
             groups = []
-            for status, g, done in held:
+            for _, g, run in self._held(list(self.groups.ready)):
                 trajs = []
                 for t in g.trajectories:
-                    finished = status == "ready" or (done is not None and _is_done(t, done))
-                    if not finished and t.interaction_started:  # its user simulator's state is not ours
+                    finished = run is None or t.sample in run.versions
+                    # its user simulator's state is not ours (a node's: its tree starts over from its root)
+                    if not finished and any(n.interaction_started for n in _going(t)):
                         t = self._fresh(t)
                         restarted += 1
                     trajs.append((t, finished))
@@ -414,18 +452,43 @@ class Stream(Owner):
         restarted: int,
     ) -> dict[str, Any]:
         """A snapshot: the journal records of a run that holds these groups (`run`, then per group its `group`
-        record, with what the stream knows of it in `held`, and each trajectory whole), and its counts."""
+        record, with what the stream knows of it in `held`, each trajectory whole, each node of its tree whole,
+        and the `tool` records of side-effecting calls its unfinished rows made: those of a step in flight are
+        answered from them when the step runs again), and its counts."""
         run = {"t": "run", "format": FORMAT, **identity, "compacted": True, "weight_version": self.version()}
         run.update(next_index=self._next_index, rows_expected=sum(len(trajs) for _, trajs in groups))
         records: list[dict[str, Any]] = [run]
+        going: set[str] = set()  # the roots that go on from where they stand
         for g, trajs in groups:
             held = {"reruns": g.reruns, "version_min": g.version_min, "version_max": g.version_max}
             records.append(
                 group_record(g.uid, encode_sampling(g.sampling), [t for t, _ in trajs]) | {"held": held}
             )
-            records.extend(traj_record(t, "snapshot", done) for t, done in trajs)
+            for t, done in trajs:
+                records.append(self._record(t, done))
+                records.extend(self._record(n, n.node.finished) for n in tree_nodes(t))
+                if not done and t.path_times:
+                    going.add(t.session_id)
+        kept = self.journal.tool_results if self.journal is not None else self.tools.tool_results
+        calls = [*kept.items(), *(c for r in going for c in self.tools.kept.get(r, {}).items())]
+        records.extend({"t": "tool", "k": k, "o": o} for k, o in calls if root_of(k) in going)
         ready = sum(all(done for _, done in trajs) for _, trajs in groups)
         return {"records": records, "ready": ready, "running": len(groups) - ready, "restarted": restarted}
+
+    def _record(self, traj: Trajectory, done: bool) -> dict[str, Any]:
+        """A trajectory's or tree node's record, its place in its tree as the journal wrote it last: for one
+        waiting on its nodes, at its last boundary, so that the nodes made since are pending on restore, taken
+        back by its action when that runs again (fsm/run/treejournal.py)."""
+        record = traj_record(traj, "snapshot", done)
+        if traj.session_id not in self._waiting or not traj.path_times:  # (one started over: not begun)
+            return record
+        mark = self._marks.get(traj.session_id)
+        if mark is None:  # a root alone at its last boundary
+            record.pop("n", None)
+        else:
+            k, forks, forked, fresh = mark
+            record["n"] = {**node_meta(traj.node), "k": k, "forks": forks, "forked": forked, "fresh": fresh}
+        return record
 
     def snapshot_blocked(
         self, identity: Mapping[str, Any], thread: int
@@ -436,12 +499,13 @@ class Stream(Owner):
         built-in action, which before its last await changes it only in ways that running it again repeats
         exactly (a template render; `call_tools` keeps its pending calls until they are answered), so as it
         stands it is as it was before that action, which runs again on resume; so is the blocked one inside
-        its tool (its calls run again). One inside a user action, or
-        blocked anywhere else (a guard, a parser), starts over, as one inside its interaction does. Finished
+        its tool (its calls run again, but those of side-effecting tools that had answered: `_compacted` keeps
+        their results). Trees are written node by node, as `snapshot` writes them. One inside a user action, or
+        blocked anywhere else (a guard, a parser), starts over, as one inside its interaction does (a tree with
+        such a node: from its root). Finished
         groups come back too, for the caller to write. SnapshotError when the loop turned meanwhile (it was not
         blocked after all): the caller snapshots through the loop then."""
-        agent = self.runner.agent
-        final, actions, safe = agent.final_states, agent.actions, set(BUILTIN_ACTIONS.values())
+        safe = set(BUILTIN_ACTIONS.values())
         frame = sys._current_frames().get(thread)
         before = (INLINE_STEPS.get(thread), frame, frame.f_lasti if frame is not None else None)
         step, blocked = before[0], None
@@ -454,15 +518,9 @@ class Stream(Owner):
             trajs = []
             for t in g.trajectories:
                 finished = run is None or t.sample in run.versions
-                if not finished:
-                    begun = len(t.path_times) > 0
-                    inside = begun and t.state not in final and not t.failed  # in the action of t.state
-                    fresh = (
-                        t.interaction_started or t is blocked or (inside and actions.get(t.state) not in safe)
-                    )
-                    if fresh:
-                        t = self._fresh(t)
-                        restarted += 1
+                if not finished and any(self._unsafe(n, blocked, safe) for n in _going(t)):
+                    t = self._fresh(t)  # a tree: from its root, all of it again
+                    restarted += 1
                 trajs.append((t, finished))
             groups.append((g, trajs))
         frame = sys._current_frames().get(thread)
@@ -471,6 +529,17 @@ class Stream(Owner):
             raise SnapshotError("the event loop moved while the snapshot was taken from outside it")
         return self._compacted(identity, groups, restarted), ready
 
+    def _unsafe(self, traj: Trajectory, blocked: Trajectory | None, safe: set[Any]) -> bool:
+        """Whether a trajectory (or tree node) cannot be written as it was at its last boundary while the loop
+        is blocked (`snapshot_blocked`): inside its interaction, the blocked one, or inside a user action."""
+        agent = traj.node.agent or self.runner.agent  # a node's own; a root's is bound once its tree grows
+        inside = len(traj.path_times) > 0 and traj.state not in agent.final_states and not traj.failed
+        return (
+            traj.interaction_started
+            or traj is blocked
+            or (inside and agent.actions.get(traj.state) not in safe)
+        )
+
     def _fresh(self, traj: Trajectory) -> Trajectory:
         """The trajectory as it was before its first action: same row, sample, index and ids."""
         (fresh,) = self.runner.trajectories([traj.row], 1)
@@ -478,9 +547,11 @@ class Stream(Owner):
         fresh.uid, fresh.session_id = traj.uid, traj.session_id
         return fresh
 
-    async def restore(self, data: Mapping[str, Any]) -> int:
-        """Put a snapshot's groups back: ready ones to be taken, running ones running again. Groups restored."""
+    async def restore(self, data: Mapping[str, Any], tool_results: Mapping[str, Any] | None = None) -> int:
+        """Put a snapshot's groups back: ready ones to be taken, running ones running again, their side-effecting
+        calls' `tool_results` answered as kept. Groups restored."""
         await self._serving.wait()
+        (self.journal or self.tools).tool_results.update(tool_results or {})
         self._next_index = max(self._next_index, int(data.get("next_index", 0)))
         agents = Agents()
         for gd in data["groups"]:
@@ -508,7 +579,6 @@ class Stream(Owner):
         return len(data["groups"])
 
 
-def _is_done(traj: Trajectory, run: _Running) -> bool:
-    """Whether a trajectory of a running group has finished (its driver returned): parked and queued ones
-    are in a state that is not final; a finished one is in a final state, or failed."""
-    return traj.state in run.ctx.agent.final_states or traj.failed
+def _going(root: Trajectory) -> list[Trajectory]:
+    """An unfinished root and the nodes of its tree that have not ended."""
+    return [root, *(n for n in tree_nodes(root) if not n.node.finished)]
