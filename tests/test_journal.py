@@ -13,6 +13,7 @@ import signal
 import zlib
 from pathlib import Path
 from typing import Any
+from unittest.mock import ANY
 
 import pytest
 
@@ -522,7 +523,7 @@ def test_an_older_journal_reads_back_as_the_events_of_this_format_do(tmp_path, t
     rows = [user_row("What is 1 + 2?", reward_model={"ground_truth": "3"}), user_row("And 2 + 2?")]
     asyncio.run(_journaled(SPEC, script, rows, tmp_path / JOURNAL, n=1))
     recs = records(tmp_path / JOURNAL).records
-    assert recs[0]["format"] == FORMAT == 3 and {r["ev"] for r in recs if r["t"] == "step"} == {
+    assert recs[0]["format"] == FORMAT == 4 and {r["ev"] for r in recs if r["t"] == "step"} == {
         "begin",
         "prompt",
         "model_turn",
@@ -609,10 +610,16 @@ def test_a_step_carries_its_events_payload_not_the_slots_it_implies(tmp_path, to
     rb = rebuild(records(tmp_path / JOURNAL))
     for t in trajs:
         _same(t, rb.trajs[t.session_id])
-    # the same records under a format 2 header: the counters go uncounted, unless a resume record says format 3
+    # the same records under a format 2 header: the counters go uncounted, unless a `format` record (a resume's)
+    # says they are of this format
     as2 = [{**recs[0], "format": 2}, *recs[1:]]
     assert [rebuild(Read(tmp_path, as2, 0)).trajs[t.session_id].assistant_turns for t in trajs] == [0, 0]
-    resumed = [as2[0], {"t": "resume", "format": 3, "made_by": {}, "accepted": []}, *recs[1:]]
+    resumed = [
+        as2[0],
+        {"t": "format", "format": FORMAT},
+        {"t": "resume", "made_by": {}, "accepted": []},
+        *recs[1:],
+    ]
     rb = rebuild(Read(tmp_path, resumed, 0))
     for t in trajs:
         _same(t, rb.trajs[t.session_id])
@@ -660,3 +667,47 @@ def test_a_snapshot_is_the_journal_compacted(tmp_path, tok):
         assert t.partial_turn is None or not any(t.partial_turn), t.partial_turn
         t.partial_turn = None
         _same(journal.trajs[sid], t)
+
+
+def test_a_model_turns_finish_and_calls_a_tools_rewards_and_an_interactions_score_are_its_payload(
+    tmp_path, tok
+):
+    """Format 4: a model turn states its finish reason (`finish`) and the calls it asked for (`calls`, their
+    fields; none when it asked for none), a tool round its tool rewards and scores (`rewards`, `scores`: each
+    reward also a turn reward at the model's last token), an interaction its turn score (`score`); a tool round
+    answers the pending calls. None of these is a slot diff any more, and the journal folds back into the same
+    trajectories."""
+    slots = {
+        "last_finish_reason",
+        "pending_calls",
+        "tool_rewards",
+        "tool_scores",
+        "turn_scores",
+        "turn_rewards",
+    }
+    call = tool_turn(tok, ("calculator", {"expression": "1 + 2"}))
+    script = scripted([call, model_turn(tok, "#### 3")])
+    rows = [user_row("What is 1 + 2?", reward_model={"ground_truth": "3"})]
+    trajs = asyncio.run(_journaled(SPEC, script, rows, tmp_path / JOURNAL, n=1))
+    guess = [
+        {"raw_prompt": [{"role": "user", "content": "Guess my number."}], "interaction_kwargs": {"secret": 7}}
+    ]
+    script = scripted([model_turn(tok, "5"), model_turn(tok, "7")])
+    trajs += asyncio.run(_journaled("interaction_agent", script, guess, tmp_path / "guess.log", n=1))
+    steps = [r for p in (JOURNAL, "guess.log") for r in records(tmp_path / p).records if r["t"] == "step"]
+    for r in steps:
+        assert not slots & (r.get("v", {}).keys() | r.get("a", {}).keys() | r.get("r", {}).keys()), r
+    turns = [r for r in steps if r["ev"] == "model_turn"]
+    assert [r["finish"] for r in turns] == ["stop"] * 4 and [len(r.get("calls", ())) for r in turns] == [
+        1,
+        0,
+        0,
+        0,
+    ]
+    assert turns[0]["calls"] == [{"name": "calculator", "arguments": {"expression": "1 + 2"}, "raw": ANY}]
+    (tools,) = [r for r in steps if r["ev"] == "tool_result"]
+    assert (tools["rewards"], tools["scores"]) == ([0.0], [0.0])
+    assert [r["score"] for r in steps if r["ev"] == "interaction"] == [0.0, 1.0]
+    assert trajs[0].turn_rewards == [["tool", len(call) - 1, 0.0]] and trajs[1].turn_scores == [0.0, 1.0]
+    for t, p in zip(trajs, (JOURNAL, "guess.log")):
+        _same(t, rebuild(records(tmp_path / p)).trajs[t.session_id])

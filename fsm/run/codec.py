@@ -27,10 +27,12 @@ from fsm.run.context import Sampling
 from fsm.run.failures import Failure
 from fsm.run.trajectory import TRANSIENT, Metrics, Node, Segment, TokenRun, TokenRuns, Trajectory
 
-# the journal's (a `run` record's `format`, and a `resume` record's for the records after it); 2: a step's counters,
-# messages, times and reward as slot diffs (before `typed`); 1: steps as slot diffs alone, no events; both read
-FORMAT = 3
-FORMATS = (1, 2, FORMAT)
+# the journal's (a `run` record's `format`, and a `format` record's for the records after it: a resume's); 3: a
+# model turn's finish reason and calls, a tool's rewards and scores and an interaction's score as slot diffs; 2: a
+# step's counters, messages, times and reward as slot diffs too (before `typed`); 1: steps as slot diffs alone, no
+# events; all read
+FORMAT = 4
+FORMATS = (1, 2, 3, FORMAT)
 OBSERVED = frozenset({"tool_result", "interaction", "observation"})  # answers to the model: user turns
 _TAGS = {"__array__", "__set__", "__tuple__", "__items__", "__dc__"}
 _CLASSES = {cls.__name__: cls for cls in (TokenRun, Segment, Metrics, ToolCall, Failure)}
@@ -382,12 +384,17 @@ def implied(ev: str, tok: list[Any] | None, was: Mapping[str, Any]) -> dict[str,
     return out
 
 
-def typed(ev: str, body: dict[str, Any], was: Mapping[str, Any], now: Mapping[str, Any]) -> None:
-    """`body` (a step's, from `changes`; `was` and `now` its scalars before and after) as its event's payload
-    (format 3): the counters its runs imply (`implied`) left out, or stated in `v` where they differ; the messages
-    appended as `msg`; each edge with the time its state was entered (`e`: [index, state, time]), a begin with its
-    start (`at`); a reward's value and the row's end as `reward` and `reason`; a failure's fields as `failure`."""
+def typed(
+    ev: str, body: dict[str, Any], was: Mapping[str, Any], now: Mapping[str, Any], runs: Any = None
+) -> None:
+    """`body` (a step's, from `changes`; `was` and `now` its scalars before and after; `runs` the trajectory's
+    token runs now) as its event's payload: the counters its runs imply (`implied`) left out, or stated in `v`
+    where they differ; the messages appended as `msg`; each edge with the time its state was entered (`e`:
+    [index, state, time]), a begin with its start (`at`); a reward's value and the row's end as `reward` and
+    `reason`; a failure's fields as `failure` (format 3); a model turn's finish reason and calls, a tool's rewards
+    and scores, an interaction's score (`named`, format 4)."""
     v = body.setdefault("v", {})
+    named(ev, body, v, now, runs)
     for n, value in implied(ev, body.get("tok"), was).items():
         if now[n] == value and type(now[n]) is type(value):
             v.pop(n, None)
@@ -413,6 +420,91 @@ def typed(ev: str, body: dict[str, Any], was: Mapping[str, Any], now: Mapping[st
         del body["v"]
 
 
+def no_calls(ev: str, tok: list[Any] | None) -> bool:
+    """Whether the event leaves no pending calls (format 4 writes `calls` only where it does): a tool round
+    answers them (fsm/run/actions.py `call_tools`, `observe_error`), a model turn's run that asked for none."""
+    return ev in ("tool_result", "observation") or (
+        ev == "model_turn" and tok is not None and any(r[0] == "assistant" for r in tok[1])
+    )
+
+
+# format 4: an event's rewards and scores, `key: (slot, the turn rewards' source)` (see `named`)
+_SCORES = {
+    "rewards": ("tool_rewards", "tool"),
+    "scores": ("tool_scores", None),
+    "score": ("turn_scores", "interaction"),
+}
+
+
+def named(ev: str, body: dict[str, Any], v: dict[str, Any], now: Mapping[str, Any], runs: Any) -> None:
+    """Format 4: slots an event sets, as its payload. `finish`: a model turn's finish reason (whenever the model
+    ran, and wherever it changed); `calls`: the calls it asked for (their fields; none is implied, `no_calls`);
+    `rewards` and `scores`: a tool round's tool rewards (each also a turn reward at the last model token) and
+    scores; `score`: an interaction's turn score (a turn reward too). What does not fit stays a slot diff."""
+    none = no_calls(ev, body.get("tok"))
+    if "last_finish_reason" in v or ev == "model_turn" and none:
+        v.pop("last_finish_reason", None)
+        body["finish"] = now["last_finish_reason"]
+    if "pending_calls" in v or none and now["pending_calls"]:
+        v.pop("pending_calls", None)
+        if now["pending_calls"] or not none:
+            body["calls"] = [_call(c) for c in now["pending_calls"]]
+    a = body.get("a")
+    if not a or runs is None or ev not in ("tool_result", "interaction"):
+        return
+    last = runs.last("assistant")
+    turn_at = last.end - 1 if last is not None else -1  # Trajectory.add_turn_reward's position
+    for key in ("rewards", "scores") if ev == "tool_result" else ("score",):
+        slot, source = _SCORES[key]
+        got, turns = a.get(slot), a.get("turn_rewards") if source else None
+        if got is None or not all(_number(x) for x in got[1]) or key == "score" and len(got[1]) != 1:
+            continue
+        if source is not None:  # each value a turn reward too, as Trajectory.add_turn_reward keeps it
+            if turns is None or turns[1] != [[source, turn_at, float(x)] for x in got[1]]:
+                continue
+            if not all(type(t[2]) is float for t in turns[1]):
+                continue
+            del a["turn_rewards"]
+        body[key] = a.pop(slot)[1] if key != "score" else a.pop(slot)[1][0]
+    if not a:
+        del body["a"]
+
+
+def _call(call: ToolCall) -> dict[str, Any]:
+    """A tool call's fields (`id` and `error` only when set)."""
+    fields = encode_value(call, "calls")["fields"]
+    return {k: x for k, x in fields.items() if x is not None or k not in ("id", "error")}
+
+
+_CALL_FIELDS = frozenset(f.name for f in dataclasses.fields(ToolCall))
+
+
+def _named_back(traj: Trajectory, rec: dict[str, Any], where: str, fmt: int) -> None:
+    """What `named` wrote, applied (after the step's token runs: a turn reward sits at the last model token)."""
+    if fmt >= 4 and no_calls(rec.get("ev", ""), rec.get("tok")):
+        traj.pending_calls = []
+    if "finish" in rec:
+        if not isinstance(rec["finish"], (str, type(None))):
+            raise JournalError(f"{where}: its finish reason {rec['finish']!r} is not a string")
+        traj.last_finish_reason = rec["finish"]
+    if (calls := rec.get("calls")) is not None:
+        if not isinstance(calls, list) or not all(
+            isinstance(c, dict) and set(c) <= _CALL_FIELDS for c in calls
+        ):
+            raise JournalError(f"{where}: its calls are not a list of tool calls")
+        traj.pending_calls = [ToolCall(**{k: decode_value(x) for k, x in c.items()}) for c in calls]
+    for key, (slot, source) in _SCORES.items():
+        if key not in rec:
+            continue
+        values = [rec[key]] if key == "score" else rec[key]
+        if not isinstance(values, list) or not all(_number(x) for x in values):
+            raise JournalError(f"{where}: its {key} {rec[key]!r} is not a number or a list of numbers")
+        for x in values:
+            getattr(traj, slot).append(x)
+            if source is not None:
+                traj.add_turn_reward(source, x)
+
+
 def apply_changes(traj: Trajectory, rec: dict[str, Any], where: str, fmt: int = FORMAT) -> None:
     """A `step` record's body (`changes`, `typed` from format 3 on) applied to `traj`; JournalError naming
     `where` when it does not fit."""
@@ -423,14 +515,14 @@ def apply_changes(traj: Trajectory, rec: dict[str, Any], where: str, fmt: int = 
             raise JournalError(f"{where}: {n!r} is not an array or list of a trajectory")
         _extend(traj, n, at, items, where)
     for index, dest, *at in rec.get("e", ()):
-        if type(index) is not int or not isinstance(dest, str) or at and not _time(at[0]) or len(at) > 1:
+        if type(index) is not int or not isinstance(dest, str) or at and not _number(at[0]) or len(at) > 1:
             raise JournalError(f"{where}: an edge that is not [index, state] or [index, state, time]")
         traj.transitions_fired.append(index)
         traj.path.append(dest)
         traj.state = dest
         traj.path_times.extend(at)
     if "at" in rec:
-        if not _time(rec["at"]):
+        if not _number(rec["at"]):
             raise JournalError(f"{where}: a begin's time {rec['at']!r} is not a number")
         traj.path_times.append(rec["at"])
     was = {"assistant_turns": traj.assistant_turns, "user_turns": traj.user_turns}
@@ -448,6 +540,7 @@ def apply_changes(traj: Trajectory, rec: dict[str, Any], where: str, fmt: int = 
     if fmt >= 3:
         for n, value in implied(rec.get("ev", ""), rec.get("tok"), was).items():
             setattr(traj, n, value)
+    _named_back(traj, rec, where, fmt)
     if "msg" in rec:
         if not isinstance(rec["msg"], list):
             raise JournalError(f"{where}: its messages 'msg' are not a list")
@@ -473,7 +566,7 @@ def apply_changes(traj: Trajectory, rec: dict[str, Any], where: str, fmt: int = 
         setattr(traj, n, decode_value(v))
 
 
-def _time(t: Any) -> bool:
+def _number(t: Any) -> bool:
     return isinstance(t, (int, float)) and not isinstance(t, bool)
 
 

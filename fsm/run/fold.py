@@ -38,7 +38,7 @@ class Rebuilt:
     # they were recorded, whose versions are bounded only by the newest a token carries
     versions: set[int] | None = None
     shared: dict[tuple[str, Any], Any] = field(default_factory=dict)  # see `_share`
-    format: int = FORMAT  # of the records read now: the `run` record's, then the last `resume` record's
+    format: int = FORMAT  # of the records read now: the `run` record's, then the last `format` record's
 
 
 def _share(out: Rebuilt, traj: Trajectory) -> None:
@@ -61,9 +61,7 @@ def rebuild(read: Read | Scan) -> Rebuilt:
     continue where the last left off, a slot that is not the trajectory's. The content is then checked as a
     snapshot's is (fsm/run/snapcheck.py `_check`, by the caller)."""
     recs = iter(read.records if isinstance(read, Read) else read)
-    first = next(recs, None)
-    if first is None or first.get("t") != "run" or first.get("format") not in FORMATS:
-        raise JournalError(f"{read.path}: not an agentfsm journal of format {FORMAT} (no 'run' record first)")
+    first = run_record(read.path, next(recs, None))
     out = Rebuilt(first, [], {}, {}, format=first["format"])
     if first.get("weight_updates") is True:
         out.versions = {first.get("weight_version", 0)}
@@ -155,12 +153,36 @@ def _apply(out: Rebuilt, rec: dict[str, Any], where: str) -> None:
         if not isinstance(rec.get("made_by"), dict) or not isinstance(rec.get("accepted"), list):
             raise JournalError(f"{where}: a resume record without made_by or accepted")
         out.resumes.append({**rec, "finished_before": len(out.done)})
-        if rec.get("format") in FORMATS:  # the records after it are this version's (none: format 2's too)
-            out.format = rec["format"]
+        if "format" in rec:  # format 3's said the format of the records after it (format 2's did not)
+            out.format = _format(rec["format"], where)
+    elif kind == "format":  # the records after it are of this format (journal.py `Recorder.resumed`)
+        out.format = _format(rec["format"], where)
     elif kind == "run":
         raise JournalError(f"{where}: a second 'run' record (two runs in one journal)")
     else:
         raise JournalError(f"{where}: unknown record kind {kind!r}")
+
+
+def run_record(path: Any, first: dict[str, Any] | None) -> dict[str, Any]:
+    """A journal's first record, its `run` record of a format this version reads; JournalError of one line."""
+    if first is None or first.get("t") != "run":
+        raise JournalError(f"{path}: not an agentfsm journal of format {FORMAT} (no 'run' record first)")
+    _format(first.get("format"), f"{path}: record 1")
+    return first
+
+
+def _format(value: Any, where: str) -> int:
+    """A format this version reads; a newer agentfsm's records are refused, never folded by these rules."""
+    if value in FORMATS and type(value) is int:
+        return int(value)
+    if type(value) is int and value > FORMAT:
+        raise JournalError(
+            f"{where}: records of format {value}, written by a newer agentfsm; this version reads formats "
+            f"{FORMATS[0]}-{FORMAT}: read the journal with the version that wrote it"
+        )
+    raise JournalError(
+        f"{where}: format {value!r} is not an agentfsm journal's (this version reads {FORMATS})"
+    )
 
 
 def _event(out: Rebuilt, rec: dict[str, Any], known: frozenset[str], where: str) -> None:

@@ -425,7 +425,7 @@ class Recorder:
             ev = "failure"  # its action failed: what it did, and the Failure (fsm/run/failures.py)
         else:
             ev = "begin"
-        typed(ev, body, was, m.rest)
+        typed(ev, body, was, m.rest, traj.runs)
         record: dict[str, Any] = {"t": "step", "s": traj.session_id, "ev": ev, **body}
         if not traj.node.alone and (node := node_mark(traj.node)) != m.node:
             record["n"] = node_meta(traj.node)
@@ -460,8 +460,11 @@ class Recorder:
             self.writer.flush()  # in the OS before `take` returns: a kill -9 after it never hands them out twice
 
     def resumed(self, made_by: Mapping[str, Any], accepted: list[str]) -> None:
-        """A resume goes on: what it runs on, and the changes it accepted (fsm/run/resume.py)."""
-        self.writer.append({"t": "resume", "format": FORMAT, "made_by": dict(made_by), "accepted": accepted})
+        """A resume goes on: the format of the records after it, in a record of its own (an agentfsm older than
+        format 4 refuses that kind in one line, rather than fold them by its rules: tests/test_journal_older.py),
+        then what it runs on and the changes it accepted (fsm/run/resume.py)."""
+        self.writer.append({"t": "format", "format": FORMAT})
+        self.writer.append({"t": "resume", "made_by": dict(made_by), "accepted": accepted})
 
 
 def write(path: str | Path, recs: Iterable[Mapping[str, Any]]) -> None:
