@@ -225,10 +225,11 @@ def test_a_forged_tree_record_is_refused_in_one_line(capsys, tree_run, tmp_path,
     assert line.startswith(f"agentfsm: --resume: {out / JOURNAL}: ") and reason in line, line
 
 
-def test_a_child_killed_between_its_failure_and_its_end_restarts_its_tree(capsys, tmp_path):
-    """A child machine whose failure was journaled but not its `child_ended` (a kill -9 between the two) is not
-    taken back as it was, its failure set and its failed action to run again: its tree starts over from the
-    root's first record, as a root's row does (fsm/run/resume.py), and the run ends as the uninterrupted one."""
+def test_a_child_killed_between_its_failure_and_its_end_starts_over_alone(capsys, tmp_path):
+    """A child machine whose failure was journaled but not its `child_ended` (a kill -9 between the two) starts
+    over from its first record, as a failed row does (fsm/run/resume.py), rather than run its failed action again
+    with the failure on it; its finished sibling is taken back, its parent goes on from its last boundary, and the
+    run ends as the uninterrupted one, its journal read back whole."""
     from backends.base import BackendRequestError
     from fsm.run.journal import frame
 
@@ -236,11 +237,16 @@ def test_a_child_killed_between_its_failure_and_its_end_restarts_its_tree(capsys
 
     def turn(session_id: str, n: int, prompt: list[int]) -> list[int]:
         calls.append(session_id)
-        if ":" in session_id and "<tool_response>" in _tok().decode(prompt):  # the solver fails mid-action
+        text = _tok().decode(prompt)
+        if ":" not in session_id:  # the planner: two sums for the solver, then its answer
+            k = text.count("<tool_response>")
+            said = hermes_text([("calculator", {"expression": ("7 + 1", "9 + 1")[k]})]) if k < 2 else "#### 3"
+            return _ids(said)
+        if "What is 9 + 1" not in text:  # the first solver answers
+            return _ids("It is done.\n#### 8")
+        if "<tool_response>" in text:  # the second fails mid-action: its second turn refused
             raise BackendRequestError("the solver's server refuses its second turn")
-        if ":" in session_id:
-            return _ids(hermes_text([("calculator", {"expression": "1 + 2"})]))
-        return _planner(session_id, n, prompt)
+        return _ids(hermes_text([("calculator", {"expression": "9 + 1"})]))
 
     server = _ThreadServer(ScriptedBackend(turn, model_name="echo"))
     try:
@@ -251,17 +257,22 @@ def test_a_child_killed_between_its_failure_and_its_end_restarts_its_tree(capsys
         assert recs[cut + 1]["ev"] == "child_ended" and recs[cut]["failure"]["kind"] == "backend"
         out.mkdir()
         (out / JOURNAL).write_bytes(b"".join(map(frame, recs[: cut + 1])))
-        root = recs[cut]["s"].split(":")[0]
+        root, failed = recs[cut]["s"].split(":")[0], recs[cut]["s"]
         calls.clear()
         assert main(_resume(out, server.url)) == 0
     finally:
         server.close()
     err = capsys.readouterr().err
-    assert "0 go on from their last state (the step in flight runs again), 1 start over" in err, err
-    assert "tree nodes" not in err, err  # none taken back: its tree is made again
-    assert (calls.count(root), calls.count(f"{root}:0.0")) == (2, 2)  # its tree from the root's first turn
+    assert "1 go on from their last state (the step in flight runs again), 0 start over" in err, err
+    assert (
+        "; tree nodes: 1 finished (taken back as journaled), 0 go on from their last state, 1 start over"
+        in err
+    )
+    # the root's action in flight (its call of the child; then it ends, as uninterrupted) runs again, the child
+    # from its start, the sibling never
+    assert (calls.count(root), calls.count(failed), calls.count(f"{root}:0.0")) == (0, 2, 0), calls
     _same_batches(ref, out)
     _same_trees(ref, out)
-    failed = [r for r in records(out / JOURNAL).records if r.get("ev") == "failure"]
-    assert len(failed) == 3  # the cut one, and each child's in the resumed run
+    failures = [r for r in records(out / JOURNAL).records if r.get("ev") == "failure"]
+    assert len(failures) == 3  # the cut one, and each failing child's in the resumed run
     assert rebuild(records(out / JOURNAL)).ended == "completed"

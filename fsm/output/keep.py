@@ -198,7 +198,8 @@ async def _reopen(engine: LocalEngine, keeper: RunDir, loaded: Loaded | None) ->
         + (
             f"; tree nodes: {loaded.nodes_finished} finished (taken back as journaled), "
             f"{loaded.nodes_in_flight} go on from their last state"
-            if loaded.nodes_finished or loaded.nodes_in_flight
+            + (f", {loaded.nodes_restarted} start over" if loaded.nodes_restarted else "")
+            if loaded.nodes_finished or loaded.nodes_in_flight or loaded.nodes_restarted
             else ""
         )
     )

@@ -66,7 +66,7 @@ from fsm.run.fold import Rebuilt, rebuild
 from fsm.run.journal import JournalError, Read, Scan
 from fsm.run.snapcheck import _check, check_identity, check_version_runs
 from fsm.run.trajectory import Trajectory
-from fsm.run.treejournal import tree_form
+from fsm.run.treejournal import restart_failed, starts_over, tree_form
 from fsm.spec.registry import is_import_path
 
 
@@ -91,6 +91,7 @@ class Loaded:
     accepted: list[str] = field(default_factory=list)  # the changes earlier resumes accepted, in order
     ident: dict[str, Any] = field(default_factory=dict)  # its `run` record
     top_id: int = -1  # the highest token id of its trajectories (`with_codec` bounds it by the vocabulary)
+    nodes_restarted: int = 0  # tree nodes that start over (treejournal.py `restart_failed`)
 
 
 def weights_change(loaded: Loaded, now: int, served_by: str) -> Change | None:
@@ -168,7 +169,7 @@ def load(path: str | Path, agent: CompiledAgent, codec: Any = None) -> Loaded:
         raise
     except Exception as exc:  # SnapshotError and the malformed kinds: one line naming the journal
         raise JournalError(f"{path}: {exc}") from None
-    finished, in_flight, restarted, nodes_done, nodes_going = counts
+    finished, in_flight, restarted, nodes_done, nodes_going, nodes_again = counts
     last_made = rebuilt.resumes[-1] if rebuilt.resumes else ident
     made_by = last_made.get("made_by")
     accepted = [a for r in rebuilt.resumes for a in r.get("accepted") or [] if isinstance(a, str)]
@@ -188,6 +189,7 @@ def load(path: str | Path, agent: CompiledAgent, codec: Any = None) -> Loaded:
         accepted,
         ident,
         _top_id(data),
+        nodes_again,
     )
 
 
@@ -230,9 +232,9 @@ def refuse_unbegun(loaded: Loaded, path: str | Path) -> None:
 
 def _snapshot_form(
     read: Read | Scan, rebuilt: Rebuilt, agent: CompiledAgent, trees: dict[str, Any]
-) -> tuple[dict[str, Any], tuple[int, int, int, int, int], dict[str, int]]:
+) -> tuple[dict[str, Any], tuple[int, ...], dict[str, int]]:
     ident = rebuilt.identity
-    groups, finished, in_flight, restarted, nodes_done, nodes_going = [], 0, 0, 0, 0, 0
+    groups, finished, in_flight, restarted, nodes_done, nodes_going, nodes_again = [], 0, 0, 0, 0, 0, 0
     known = rebuilt.versions  # every version the run served (journal.py `weights`); None: not recorded
     # a snapshot's tokens are bounded by its run's weight version when it was taken
     bound = ident.get("weight_version", 0) if ident.get("compacted") is True else None
@@ -249,11 +251,12 @@ def _snapshot_form(
             _check_versions(read, sid, traj, known)
             done = sid in rebuilt.done
             meta, nodes = trees.get(sid, (None, []))
-            inside = any(not e["done"] and _starts_over(decode_trajectory(e)) for e in nodes)
+            nodes, again = restart_failed(nodes, rebuilt.first)
+            inside = any(not e["done"] and starts_over(decode_trajectory(e)) for e in nodes)
             # its failure journaled, its end not (a kill between them): it starts over, as one inside its
             # interaction does, rather than run its failed action again with the failure on it; a tree does
-            # when one of its unfinished nodes would (the node's parent is in flight: it runs again with it)
-            if not done and (inside or _starts_over(traj)):
+            # when one of its unfinished nodes would and cannot alone (`restart_failed`)
+            if not done and (inside or starts_over(traj)):
                 traj = from_whole(rebuilt.first[sid])  # a tree: from its root, all of it again
                 meta, nodes = None, []
                 restarted += 1
@@ -263,7 +266,8 @@ def _snapshot_form(
                     last[sid] = span[1]
             finished += done
             nodes_done += sum(e["done"] for e in nodes)
-            nodes_going += sum(not e["done"] for e in nodes)
+            nodes_going += sum(not e["done"] for e in nodes) - (again if nodes else 0)
+            nodes_again += again if nodes else 0
             tree = {"n": meta, "nodes": nodes} if meta is not None or nodes else {}
             members.append({"done": done, **decoded(traj), **tree})
         if not members:
@@ -286,13 +290,7 @@ def _snapshot_form(
             }
         )
     data = _run_form(read, rebuilt, groups, newest)
-    return data, (finished, in_flight, restarted, nodes_done, nodes_going), last
-
-
-def _starts_over(traj: Trajectory) -> bool:
-    """An unfinished trajectory that cannot go on from its last boundary: inside its interaction (a user
-    simulator's session is not resumed), or failed with its end not journaled."""
-    return traj.interaction_started or traj.failure is not None
+    return data, (finished, in_flight, restarted, nodes_done, nodes_going, nodes_again), last
 
 
 def _check_versions(read: Read | Scan, sid: str, traj: Trajectory, known: set[int] | None) -> None:

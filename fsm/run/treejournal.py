@@ -22,7 +22,7 @@ import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from fsm.run.codec import decoded
+from fsm.run.codec import decode_trajectory, decoded, from_whole
 from fsm.run.snapcheck import _check
 from fsm.run.trajectory import Node, Trajectory, TreeCount
 from fsm.run.tree import root_node, row_nodes
@@ -178,6 +178,32 @@ def tree_form(
     for node_agent, group, entries in by_agent.values():  # what a root is checked for, with the node's agent
         _check({"groups": [_group(group, entries)]}, node_agent, vocab)
     return out
+
+
+def starts_over(traj: Trajectory) -> bool:
+    """An unfinished trajectory that cannot go on from its last boundary: inside its interaction (a user
+    simulator's session is not resumed), or failed with its end not journaled (a kill between the two)."""
+    return traj.interaction_started or traj.failure is not None
+
+
+def restart_failed(
+    nodes: list[dict[str, Any]], first: dict[str, dict[str, Any]]
+) -> tuple[list[dict[str, Any]], int]:
+    """A tree's nodes (`tree_form`'s entries), each unfinished one whose failure was journaled but not its end put
+    back at its first record (`first`: the fold's), as a failed row is (fsm/run/resume.py): its parent's action,
+    run again, takes it back and it runs from its start. Only one that made no node and took or was refused no
+    fork since, whose place in the tree is still as it was made; another has its tree start over
+    (`starts_over`). The entries, and how many were put back."""
+    out, again = [], 0
+    for e in nodes:
+        m, traj = e["n"], decode_trajectory(e)
+        if e["done"] or traj.failure is None or m["k"] or m["forked"] or "fork_refused" in traj.extra:
+            out.append(e)
+            continue
+        again += 1
+        fresh = m["kind"] == "branch"  # a branch's first record is its copy at the entry it forked at
+        out.append({"done": False, "n": {**m, "fresh": fresh}, **decoded(from_whole(first[traj.session_id]))})
+    return out, again
 
 
 def _check_roots(path: Any, metas: dict[str, Any], roots: dict[str, Any], agent: Any) -> None:
