@@ -233,3 +233,73 @@ def test_a_tree_with_a_child_inside_its_interaction_starts_over_from_its_root(tm
         engine.restore(tmp_path / "s.json")
         (got,) = engine._run_sync(engine.atake_groups(1, timeout=120))
     _same_rows({got.uid: reference}, {got.uid: got}, 2)
+
+
+def _delegator(request: GenerateRequest) -> list[int]:
+    """A root that hands a task to a child, whose one turn calls a side-effecting tool and one that blocks the
+    loop (tests/fixtures/snapshot_tools.py); then each answers."""
+    if ":" in request.session_id:
+        if not _answered(request):
+            return _ids(hermes_text([("counted", {"expression": "1"}), ("calculator", {"expression": "2"})]))
+        return _ids("It is done.\n#### 4")
+    if not _answered(request):
+        return _ids(hermes_text([("solver", {"task": "Add them."})]))
+    return _ids("The answer is 6.\n#### 6")
+
+
+def test_a_blocked_loops_snapshot_keeps_a_tree_and_its_childs_finished_side_effecting_call(tmp_path):
+    """A child's tool blocks the loop: the snapshot taken from outside it writes the tree node by node (the child
+    as it was before its step, the root waiting on it), with the `tool` record of the child's side-effecting call
+    that had answered; restored, the child's step runs again without running that call again."""
+    import threading
+
+    from tests.fixtures import snapshot_tools
+
+    child = tmp_path / "child.yaml"
+    child.write_text(
+        f"name: blocking_child\nextends: {REPO / 'specs'}/calculator.yaml\ntools:\n"
+        "  - function: tests.fixtures.snapshot_tools:counted\n    isolation: none\n"
+        "  - function: tests.fixtures.snapshot_tools:blocks_until_released\n"
+        "    schema: specs.calculator:TOOL_SCHEMA\n    isolation: none\nlimits:\n  max_parallel_calls: 2\n"
+    )
+    spec = tmp_path / "delegates.yaml"
+    spec.write_text(
+        f"name: delegates\nextends: {REPO / 'specs'}/calculator.yaml\ntools: []\n"
+        f"children:\n  solver:\n    spec: {child}\n"
+        "tree:\n  max_depth: 1\n  max_children: 2\n  max_nodes: 4\n"
+    )
+    snapshot_tools.RUNS.clear()
+    snapshot_tools.BLOCKING.clear()
+    engine = RolloutEngine(str(spec), _tok(), backend=Model(_delegator))
+    engine.submit(ROWS[:1], n=1, sampling_params=GREEDY)
+    home = engine.core.home()
+    answer: dict[str, Any] = {}
+    taking = threading.Thread(target=lambda: answer.update(engine.snapshot(tmp_path / "s.json")), daemon=True)
+    try:
+        assert snapshot_tools.BLOCKING.wait(60), "the child's tool never blocked the loop"
+        taking.start()
+        taking.join(60)
+        assert answer.get("blocked") is True and answer["restarted"] == 0, answer
+        ran = list(snapshot_tools.RUNS)
+        assert len(ran) == 1 and ":" in ran[0], ran  # the child's effect, before the loop blocked
+        engine.close()
+    finally:
+        snapshot_tools.RELEASED.set()
+        home.close(30)
+    try:
+        recs = records(tmp_path / "s.json").records
+        assert [r["k"] for r in recs if r["t"] == "tool"] == ran
+        assert [r.get("done", False) for r in recs if r["t"] == "traj"] == [
+            False,
+            False,
+        ]  # the root, its child
+        with RolloutEngine(str(spec), _tok(), backend=Model(_delegator)) as restored:
+            restored.restore(tmp_path / "s.json")
+            (group,) = restored._run_sync(restored.atake_groups(1, timeout=60))
+    finally:
+        snapshot_tools.RELEASED.clear()
+    assert snapshot_tools.RUNS == ran  # not run again
+    (root,) = group.trajectories
+    nodes = nodes_of(root)
+    assert [n.node.node for n in nodes] == ["0", "0.0"] and not any(n.failed for n in nodes)
+    assert [m["content"] for m in nodes[1].messages if m["role"] == "tool"] == ["ran 1", "released 2"]
