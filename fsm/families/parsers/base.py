@@ -353,12 +353,14 @@ class HermesParser:
                 error: str | None = f"unterminated {_OPEN}: missing {_CLOSE}"
                 yield start, -1, [ToolCall(None, None, text[body:], error=error)]
                 return
-            end = _string_aware_close(text, body) if '"' in text[body:nearest] else nearest
-            value, error = load_json(text[body:end])
-            if error is not None and end != nearest:
-                end = nearest
-                value, error = load_json(text[body:end])
-            raw, pos = text[body:end], end + len(_CLOSE)
+            # JSON up to the nearest closer has no closer in a string: it is the string-aware one, not looked for
+            raw = text[body:nearest]
+            value, error = load_json(raw)
+            if error is not None and '"' in raw and (end := _string_aware_close(text, body)) != nearest:
+                other, other_error = load_json(text[body:end])
+                if other_error is None:
+                    value, error, raw, nearest = other, None, text[body:end], end
+            pos = nearest + len(_CLOSE)
             yield start, pos, self._calls(value, raw) if error is None else [invalid_call(raw, error)]
 
     @staticmethod
