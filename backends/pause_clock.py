@@ -27,6 +27,7 @@ class PauseClock:
         self._due: dict[Callable[[], None], float] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop `_due` and `_timer` belong to
+        self._last = 0.0  # no deadline in `_due` is later: a new one at or past it keeps the order
 
     def set(self, mode: str | None) -> None:
         self.mode = mode
@@ -42,7 +43,7 @@ class PauseClock:
         stretch is one future and no task, with no timer of its own unless its deadline comes before one
         already waiting (this runs once per generate call, so the stretch is written here, not in a coroutine
         of its own)."""
-        loop = asyncio.get_running_loop()
+        loop = future.get_loop()  # the running one, without get_running_loop's getpid() system call
         left = timeout_s
         while not future.done():
             if self.mode is not None:  # paused: wait for the answer or the continue, the clock stopped
@@ -69,10 +70,10 @@ class PauseClock:
                 if self._timer is not None:
                     self._timer.cancel()
                 self._loop, self._due, self._timer = loop, {}, loop.call_at(when, self._expire)
-            elif when < next(reversed(self._due.values())):  # before the latest waiting: a timer of its own
+            elif when < self._last:  # maybe before the latest waiting: a timer of its own
                 timer = loop.call_at(when, wake)
             if timer is None:
-                self._due[wake] = when
+                self._due[wake] = self._last = when
             self._wakes.add(wake)
             try:
                 await waiter

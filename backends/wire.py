@@ -115,9 +115,8 @@ class _Connection(asyncio.Protocol):
     # -- one exchange -------------------------------------------------------------------------------------
 
     def begin(self, request: bytes, max_bytes: int) -> asyncio.Future[Answer]:
-        assert self.transport is not None
-        loop = asyncio.get_running_loop()
-        self.waiter = loop.create_future()
+        assert self.transport is not None and self.loop is not None  # the running loop (Wire._pooled)
+        self.waiter = self.loop.create_future()
         self._max, self._head, self._length, self._chunked = max_bytes, None, None, False
         self._body.clear()
         self.transport.write(request)
