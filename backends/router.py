@@ -225,9 +225,11 @@ class Router(BaseBackend):
         """The most sessions a server may hold and still take a new one (None: no bound)."""
         if self.load_bound is None:
             return None
-        pinned = sum(s.sessions for s in self.servers)
-        healthy = sum(s.healthy for s in self.servers) or len(self.servers)
-        return math.ceil(self.load_bound * (pinned + 1) / healthy)
+        pinned = healthy = 0
+        for s in self.servers:  # one loop, not two generators: this runs for every new session
+            pinned += s.sessions
+            healthy += s.healthy
+        return math.ceil(self.load_bound * (pinned + 1) / (healthy or len(self.servers)))
 
     def _least_loaded(self, cap: int | None = None) -> int:
         best, best_key = -1, (0, 0)
@@ -261,11 +263,13 @@ class Router(BaseBackend):
 
     def _over_bound(self, idx: int) -> bool:
         """Did the bound send this new session past the server that load alone would have chosen?"""
-        cap = self._cap()
-        if cap is None:
+        if self.load_bound is None:
             return False
-        unbounded = self._least_loaded(None)
-        return unbounded != idx and self.servers[unbounded].sessions >= cap
+        unbounded = self._least_loaded(None)  # load alone chose `idx` (the usual case): no bound to read
+        if unbounded == idx:
+            return False
+        cap = self._cap()
+        return cap is not None and self.servers[unbounded].sessions >= cap
 
     def _pin(self, request: GenerateRequest, idx: int) -> str:
         """Record that `request` goes to server `idx`; returns the route kind."""
