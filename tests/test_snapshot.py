@@ -506,3 +506,44 @@ def test_a_blocked_loops_snapshot_keeps_the_side_effecting_calls_its_step_finish
     assert snapshot_tools.RUNS == ran  # not run again
     kept = [r for r in records(tmp_path / "s.json").records if r["t"] == "tool"]
     assert [(r["k"], r["o"]["text"]) for r in kept] == [(ran[0], "ran 1")], kept
+
+
+def test_a_row_the_snapshot_restarts_answers_its_side_effecting_calls_from_the_snapshot(tok, tmp_path):
+    """A row calls a side-effecting tool, which answers, then talks with its user simulator: a snapshot taken
+    during that interaction starts the row over on restore (its simulator's state is not ours), and writes that
+    call's result (a `tool` record), as a journal's resume answers the calls of a row that starts over by their
+    key. Restored, the row's first turn calls the tool again under the same key and is answered from it. Before,
+    a restarted row's calls were left out of the snapshot and the effect ran twice."""
+    spec = tmp_path / "talking.yaml"
+    spec.write_text(
+        f"name: calculator_talking\nextends: {REPO / 'specs'}/calculator.yaml\ntools:\n"
+        "  - function: tests.fixtures.snapshot_tools:counted\n    isolation: none\n"
+        "interaction:\n  class: specs.interactions:GuessNumber\n"
+        "limits:\n  max_assistant_turns: 12\n  response_length: 600\n"
+    )
+    calls = tool_turn(tok, ("counted", {"expression": "1"}))
+
+    def turns(row, sample, turn, prompt_ids):  # by the prompt: a restored row's backend counts turns anew
+        return model_turn(tok, "5") if "ran 1" in tok.decode(prompt_ids) else calls
+
+    row = user_row(interaction_kwargs={"secret": 7}, reward_model={"ground_truth": "7"})
+    snapshot_tools.RUNS.clear()
+    with RolloutEngine(str(spec), tok, backend=scripted(turns, latency_s=0.05)) as engine:
+        engine.submit([row], n=1)
+        deadline = time.monotonic() + 60
+        while not any(t.interaction_started for t, _ in list(engine.runner.live.values())):
+            assert time.monotonic() < deadline, "the row never reached its interaction"
+            time.sleep(0.01)
+        info = engine._run_sync(engine.asnapshot(tmp_path / "s.json", stop=True))
+    assert info["restarted"] == 1 and info["running_groups"] == 1, info
+    ran = list(snapshot_tools.RUNS)
+    assert len(ran) == 1, ran
+    kept = [r for r in records(tmp_path / "s.json").records if r["t"] == "tool"]
+    assert [(r["k"], r["o"]["text"]) for r in kept] == [(ran[0], "ran 1")], kept
+    with RolloutEngine(str(spec), tok, backend=scripted(turns)) as restored:
+        restored.restore(tmp_path / "s.json")
+        (group,) = restored._run_sync(restored.atake_groups(1, timeout=60))
+    (traj,) = group.trajectories
+    assert not traj.failed, traj.termination_reason
+    assert [m["content"] for m in traj.messages if m["role"] == "tool"] == ["ran 1"]
+    assert snapshot_tools.RUNS == ran  # answered from the snapshot, not run again

@@ -196,7 +196,7 @@ class Groups:
 class ToolMemory:
     """What a kept run's Recorder (fsm/run/journal.py) keeps of side-effecting tools, for a stream no journal
     keeps: each successful call's result while its row runs, so that a snapshot carries the calls a step had
-    finished (the step runs again on restore) and the restored row answers them from `tool_results` rather than
+    finished (the step runs again on restore, or its row starts over) and the restored row answers them from `tool_results` rather than
     run them again (fsm/run/context.py `run_tool` reads and writes it as it does the Recorder). A live run's
     calls are answered only from what a snapshot brought back, so a state's retry still runs them."""
 
@@ -453,12 +453,13 @@ class Stream(Owner):
     ) -> dict[str, Any]:
         """A snapshot: the journal records of a run that holds these groups (`run`, then per group its `group`
         record, with what the stream knows of it in `held`, each trajectory whole, each node of its tree whole,
-        and the `tool` records of side-effecting calls its unfinished rows made: those of a step in flight are
-        answered from them when the step runs again), and its counts."""
+        and the `tool` records of side-effecting calls its unfinished rows made: those of a step in flight, or of
+        a row that starts over, are answered from them by their key when they run again, as a journal's resume
+        answers them), and its counts."""
         run = {"t": "run", "format": FORMAT, **identity, "compacted": True, "weight_version": self.version()}
         run.update(next_index=self._next_index, rows_expected=sum(len(trajs) for _, trajs in groups))
         records: list[dict[str, Any]] = [run]
-        going: set[str] = set()  # the roots that go on from where they stand
+        going: set[str] = set()  # the unfinished roots, going on or starting over: their calls are answered
         for g, trajs in groups:
             held = {"reruns": g.reruns, "version_min": g.version_min, "version_max": g.version_max}
             records.append(
@@ -467,7 +468,7 @@ class Stream(Owner):
             for t, done in trajs:
                 records.append(self._record(t, done))
                 records.extend(self._record(n, n.node.finished) for n in tree_nodes(t))
-                if not done and t.path_times:
+                if not done:
                     going.add(t.session_id)
         kept = self.journal.tool_results if self.journal is not None else self.tools.tool_results
         calls = [*kept.items(), *(c for r in going for c in self.tools.kept.get(r, {}).items())]
@@ -502,7 +503,7 @@ class Stream(Owner):
         its tool (its calls run again, but those of side-effecting tools that had answered: `_compacted` keeps
         their results). Trees are written node by node, as `snapshot` writes them. One inside a user action, or
         blocked anywhere else (a guard, a parser), starts over, as one inside its interaction does (a tree with
-        such a node: from its root). Finished
+        such a node: from its root), its side-effecting calls answered from the snapshot as well. Finished
         groups come back too, for the caller to write. SnapshotError when the loop turned meanwhile (it was not
         blocked after all): the caller snapshots through the loop then."""
         safe = set(BUILTIN_ACTIONS.values())
