@@ -135,9 +135,8 @@ def test_an_edited_reward_module_is_refused_and_accepted_changes_are_recorded(ru
 
         # a second resume of the same run compares with what the first accepted: nothing changed since
         again = _cut(done, tmp_path / "again")
-        (again / JOURNAL).write_bytes(
-            b"".join((out / JOURNAL).read_bytes().splitlines(keepends=True)[: len(before.splitlines()) + 1])
-        )
+        lines = (out / JOURNAL).read_bytes().splitlines(keepends=True)  # and the resume's `format`, `resume`
+        (again / JOURNAL).write_bytes(b"".join(lines[: len(before.splitlines()) + 2]))
         assert _cli("--resume", str(again), "--model", str(model), "-q").returncode == 0
         said = shown.communicate(timeout=TIMEOUT)[0]
         assert "resume 1 (after 1 trajectories finished) accepted changes: the reward module" in said
