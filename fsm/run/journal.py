@@ -2,7 +2,7 @@
 anything (SIGTERM, `kill -9`, the OOM killer, a power cut) with at most the turns in flight redone. `Writer`
 appends records to the file, batched per loop turn and fsynced on its own thread; `Recorder` turns trajectories
 into records, whole once, then the event of each state boundary; `Scan` reads them back, and fsm/run/fold.py
-`rebuild` folds them. How a record encodes is fsm/run/codec.py; the records (`t`: run, resume, group, traj,
+`rebuild` folds them. How a record encodes is fsm/run/codec.py; the records (`t`: run, format, resume, group, traj,
 step, tool, taken, weights, end) and their fields are listed in docs/running.md ("The format").
 
 A record is a line, `crc32hex json`: appended, never rewritten, and a record cut by a kill is plainly the last line
@@ -459,12 +459,15 @@ class Recorder:
             self.writer.append({"t": "taken", "s": sessions})
             self.writer.flush()  # in the OS before `take` returns: a kill -9 after it never hands them out twice
 
-    def resumed(self, made_by: Mapping[str, Any], accepted: list[str]) -> None:
+    def resumed(self, made_by: Mapping[str, Any], accepted: list[str], over: Iterable[str] = ()) -> None:
         """A resume goes on: the format of the records after it, in a record of its own (an agentfsm older than
         format 4 refuses that kind in one line, rather than fold them by its rules: tests/test_journal_older.py),
-        then what it runs on and the changes it accepted (fsm/run/resume.py)."""
+        then what it runs on, the changes it accepted and the roots whose trees start over (fsm/run/resume.py
+        `Loaded.trees_over`: their nodes run again under the same session ids, so a reader lets the journaled ones
+        go, fsm/run/fold.py)."""
         self.writer.append({"t": "format", "format": FORMAT})
-        self.writer.append({"t": "resume", "made_by": dict(made_by), "accepted": accepted})
+        record = {"t": "resume", "made_by": dict(made_by), "accepted": accepted}
+        self.writer.append({**record, "trees_over": list(over)} if over else record)
 
 
 def write(path: str | Path, recs: Iterable[Mapping[str, Any]]) -> None:
