@@ -276,3 +276,53 @@ def test_a_child_killed_between_its_failure_and_its_end_starts_over_alone(capsys
     failures = [r for r in records(out / JOURNAL).records if r.get("ev") == "failure"]
     assert len(failures) == 3  # the cut one, and each failing child's in the resumed run
     assert rebuild(records(out / JOURNAL)).ended == "completed"
+
+
+def test_a_tree_started_over_after_a_node_finished_is_read_back(capsys, tmp_path):
+    """A tree that starts over from its root (here its root's failure journaled, not its end: a kill -9 between
+    the two) after one of its nodes had finished: the node runs again with its tree and is journaled again under
+    its session id; the resumed journal is read back whole, the finished node's first run let go (fsm/run/fold.py),
+    and a second --resume and `agentfsm replay` read it too."""
+    from backends.base import BackendRequestError
+    from fsm.run.journal import frame
+
+    calls: list[str] = []
+
+    def turn(session_id: str, n: int, prompt: list[int]) -> list[int]:
+        calls.append(session_id)
+        text = _tok().decode(prompt)
+        if ":" in session_id:  # the solver answers
+            return _ids("It is done.\n#### 8")
+        if "<tool_response>" not in text:
+            return _ids(hermes_text([("calculator", {"expression": "7 + 1"})]))
+        if session_id.rsplit("-", 2)[1] == "0":  # row 0's second turn, after its child finished, refused
+            raise BackendRequestError("the planner's server refuses its second turn")
+        return _ids("The answer is 8.\n#### 8")
+
+    server = _ThreadServer(ScriptedBackend(turn, model_name="echo"))
+    try:
+        ref, out = tmp_path / "ref", tmp_path / "out"
+        assert main(_argv("planner_solver", server.url, ref, "--concurrency", "1")) == 0
+        recs = records(ref / JOURNAL).records
+        cut = next(k for k, r in enumerate(recs) if r.get("ev") == "failure")
+        root = recs[cut]["s"]
+        assert ":" not in root and recs[cut + 1]["ev"] == "reward"
+        assert any(r.get("s") == f"{root}:0.0" and r.get("done") for r in recs[:cut])  # its child finished
+        out.mkdir()
+        (out / JOURNAL).write_bytes(b"".join(map(frame, recs[: cut + 1])))
+        calls.clear()
+        assert main(_resume(out, server.url)) == 0
+        err = capsys.readouterr().err
+        assert "0 go on from their last state (the step in flight runs again), 1 start over" in err, err
+        assert (calls.count(root), calls.count(f"{root}:0.0")) == (2, 1), calls  # its tree from the root
+        _same_batches(ref, out)
+        _same_trees(ref, out)
+        again = rebuild(records(out / JOURNAL))
+        assert again.ended == "completed" and f"{root}:0.0" in again.done
+        assert main(_resume(out, server.url)) == 0  # read again: "the run there has completed"
+        assert "has completed: nothing to resume" in capsys.readouterr().err
+    finally:
+        server.close()
+    assert main(["replay", str(out), "--row", "0", "--tokenizer", str(ASSETS)]) == 0
+    text = capsys.readouterr().out
+    assert text.count(f"({root}:0.0): finished, done") == 1 and text.count("token check: exact") == 1, text

@@ -205,7 +205,7 @@ async def _reopen(engine: LocalEngine, keeper: RunDir, loaded: Loaded | None) ->
     )
     recorder = Recorder(Writer(path, keeper.sync, keep=loaded.good_bytes), loaded.tool_results, takes=False)
     try:
-        recorder.resumed(now, accepted)
+        recorder.resumed(now, accepted, loaded.trees_over)
         recorder.weights(engine.weight_version)  # the version its new tokens carry
         await engine.ajournal(recorder)
     except BaseException:

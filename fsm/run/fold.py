@@ -153,6 +153,7 @@ def _apply(out: Rebuilt, rec: dict[str, Any], where: str) -> None:
         if not isinstance(rec.get("made_by"), dict) or not isinstance(rec.get("accepted"), list):
             raise JournalError(f"{where}: a resume record without made_by or accepted")
         out.resumes.append({**rec, "finished_before": len(out.done)})
+        _let_go(out, rec.get("trees_over", []), where)
         if "format" in rec:  # format 3's said the format of the records after it (format 2's did not)
             out.format = _format(rec["format"], where)
     elif kind == "format":  # the records after it are of this format (journal.py `Recorder.resumed`)
@@ -216,3 +217,16 @@ def _finished(out: Rebuilt, traj: Trajectory, sid: str, where: str) -> None:
         raise JournalError(f"{where}: trajectory {sid!r} finished without a termination reason")
     out.done.add(sid)
     out.first.pop(sid, None)
+
+
+def _let_go(out: Rebuilt, roots: Any, where: str) -> None:
+    """A resume's roots whose trees start over (fsm/run/journal.py `resumed`): their nodes journaled before it run
+    again under the same session ids, finished ones too, and are read from their new records alone."""
+    if not isinstance(roots, list) or not all(isinstance(r, str) and r in out.trajs for r in roots):
+        raise JournalError(f"{where}: a resume record's trees_over names trajectories no record started")
+    for root in roots:
+        for sid in [s for s in out.trajs if s.startswith(f"{root}:")]:
+            del out.trajs[sid]
+            out.first.pop(sid, None)
+            out.nodes.pop(sid, None)
+            out.done.discard(sid)

@@ -92,6 +92,7 @@ class Loaded:
     ident: dict[str, Any] = field(default_factory=dict)  # its `run` record
     top_id: int = -1  # the highest token id of its trajectories (`with_codec` bounds it by the vocabulary)
     nodes_restarted: int = 0  # tree nodes that start over (treejournal.py `restart_failed`)
+    trees_over: list[str] = field(default_factory=list)  # roots whose trees start over, nodes and all
 
 
 def weights_change(loaded: Loaded, now: int, served_by: str) -> Change | None:
@@ -162,8 +163,9 @@ def load(path: str | Path, agent: CompiledAgent, codec: Any = None) -> Loaded:
     except Exception as exc:  # ValueError, SnapshotError and the malformed kinds: one line naming the journal
         msg = str(exc)
         raise JournalError(msg if msg.startswith(str(path)) else f"{path}: {msg}") from None
+    over: list[str] = []
     try:
-        data, counts, last = _snapshot_form(read, rebuilt, agent, trees)
+        data, counts, last = _snapshot_form(read, rebuilt, agent, trees, over)
         _check(data, agent, vocab)
     except JournalError:
         raise
@@ -190,6 +192,7 @@ def load(path: str | Path, agent: CompiledAgent, codec: Any = None) -> Loaded:
         ident,
         _top_id(data),
         nodes_again,
+        over,
     )
 
 
@@ -231,7 +234,7 @@ def refuse_unbegun(loaded: Loaded, path: str | Path) -> None:
 
 
 def _snapshot_form(
-    read: Read | Scan, rebuilt: Rebuilt, agent: CompiledAgent, trees: dict[str, Any]
+    read: Read | Scan, rebuilt: Rebuilt, agent: CompiledAgent, trees: dict[str, Any], over: list[str]
 ) -> tuple[dict[str, Any], tuple[int, ...], dict[str, int]]:
     ident = rebuilt.identity
     groups, finished, in_flight, restarted, nodes_done, nodes_going, nodes_again = [], 0, 0, 0, 0, 0, 0
@@ -258,6 +261,7 @@ def _snapshot_form(
             # when one of its unfinished nodes would and cannot alone (`restart_failed`)
             if not done and (inside or starts_over(traj)):
                 traj = from_whole(rebuilt.first[sid])  # a tree: from its root, all of it again
+                over += [sid] if nodes else []  # its nodes' records let go on reading (journal.py `resumed`)
                 meta, nodes = None, []
                 restarted += 1
             elif not done and len(traj.path_times) > 0:
