@@ -199,6 +199,10 @@ def _stray(recs):
     recs.append(r)
 
 
+def _trees_over(recs):
+    recs.append({"t": "resume", "made_by": {}, "accepted": [], "trees_over": ["somebody"]})
+
+
 @pytest.mark.parametrize(
     "tamper, reason",
     [
@@ -208,6 +212,7 @@ def _stray(recs):
         (_policy, "its policy, routing key or shared prefix is not its"),
         (_extra_key, "its tree record 'n' is not a node's place"),
         (_stray, "trajectory 'somebody:0.0' is in no group and is no tree node"),
+        (_trees_over, "a resume record's trees_over names trajectories no record started"),
     ],
 )
 def test_a_forged_tree_record_is_refused_in_one_line(capsys, tree_run, tmp_path, tamper, reason):
