@@ -22,6 +22,7 @@ from backends.scripted import ScriptedBackend
 from fsm.cli.commands import main
 from fsm.run.fold import rebuild
 from fsm.run.journal import FORMAT, JOURNAL, JournalError, Read, frame, records
+from fsm.run.resume import read_identity
 from tests.conftest import ASSETS, REPO, model_turn, scripted, tool_turn, user_row
 from tests.test_cli import _ThreadServer
 from tests.test_journal import SPEC, _journaled
@@ -77,7 +78,7 @@ def test_an_older_reader_refuses_this_versions_journal_before_any_record_it_wrot
 
 
 @pytest.mark.parametrize("where", ["run", "format", "resume"])
-def test_a_newer_format_is_refused_in_one_line(where):
+def test_a_newer_format_is_refused_in_one_line(tmp_path, where):
     """This version, as the older reader of a newer one: a format it does not know, in the `run` record, a
     `format` record or a `resume` record (as format 3 wrote it), is refused in one line naming the record. Before,
     a `resume` record's unknown format was skipped, and the records after it folded by the older rules."""
@@ -94,3 +95,9 @@ def test_a_newer_format_is_refused_in_one_line(where):
     msg = str(err.value)
     assert "\n" not in msg and f"format {newer}, written by a newer agentfsm" in msg
     assert msg.startswith("j.log: record 1" if where == "run" else "j.log: record 4")
+    if where == "run":  # `agentfsm run --resume` reads the run record first, alone
+        (tmp_path / JOURNAL).write_bytes(b"".join(map(frame, recs)))
+        with pytest.raises(
+            JournalError, match=f"record 1: records of format {newer}, written by a newer agentfsm"
+        ):
+            read_identity(tmp_path / JOURNAL)

@@ -53,8 +53,6 @@ from typing import Any
 
 from fsm.run.agent import CompiledAgent
 from fsm.run.codec import (
-    FORMAT,
-    FORMATS,
     decode_sampling,
     decode_trajectory,
     decoded,
@@ -62,7 +60,7 @@ from fsm.run.codec import (
     tokenizer_id,
 )
 from fsm.run.engine import LocalEngine
-from fsm.run.fold import Rebuilt, rebuild
+from fsm.run.fold import Rebuilt, rebuild, run_record
 from fsm.run.journal import JournalError, Read, Scan
 from fsm.run.snapcheck import _check, check_identity, check_version_runs
 from fsm.run.trajectory import Trajectory
@@ -140,10 +138,7 @@ def identity(agent: CompiledAgent, codec: Any, **more: Any) -> dict[str, Any]:
 
 def read_identity(path: str | Path) -> dict[str, Any]:
     """The journal's `run` record (for a resume that names no spec)."""
-    first = next(iter(Scan(path)), None)  # the first record only: the rest is read by `load`
-    if first is None or first.get("t") != "run" or first.get("format") not in FORMATS:
-        raise JournalError(f"{path}: not an agentfsm journal of format {FORMAT} (no 'run' record first)")
-    return first
+    return run_record(path, next(iter(Scan(path)), None))  # the first record only: the rest is read by `load`
 
 
 def load(path: str | Path, agent: CompiledAgent, codec: Any = None) -> Loaded:
