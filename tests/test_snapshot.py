@@ -7,6 +7,7 @@ are in flight, resumes with `--resume DIR` to the uninterrupted run's batch, tok
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import re
@@ -17,6 +18,7 @@ import sys
 import threading
 import time
 import urllib.request
+import warnings
 from pathlib import Path
 
 import pytest
@@ -462,7 +464,8 @@ def test_a_blocked_loops_snapshot_keeps_the_side_effecting_calls_its_step_finish
     """One model turn calls a side-effecting tool, which answers, then a tool that blocks the loop: the snapshot
     taken from outside the loop writes the row as it was before that step, and carries the finished call's result
     (a `tool` record, as the journal keeps it), so that the restored row answers that call from it rather than run
-    its effect again; the blocking call runs again. Before, the effect ran twice."""
+    its effect again; the blocking call runs again. Before, the effect ran twice. No coroutine is left unawaited
+    when the loop's thread ends: before, the snapshot sent to the blocked loop was (`Local._snapshot_here`)."""
     spec = tmp_path / "blocking.yaml"
     spec.write_text(
         f"name: calculator_blocking\nextends: {REPO / 'specs'}/calculator.yaml\ntools:\n"
@@ -492,7 +495,14 @@ def test_a_blocked_loops_snapshot_keeps_the_side_effecting_calls_its_step_finish
         engine.close()
     finally:
         snapshot_tools.RELEASED.set()
-        home.close(30)
+        with warnings.catch_warnings(record=True) as caught:  # the loop's thread ends inside: it warns here
+            warnings.simplefilter("always")
+            home.close(30)
+            gc.collect()
+    unawaited = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert not unawaited, (
+        unawaited
+    )  # the snapshot sent to the blocked loop is never made there, or ends there
     try:
         with RolloutEngine(str(spec), tok, backend=scripted(turns)) as restored:
             restored.restore(tmp_path / "s.json")

@@ -43,18 +43,23 @@ log = logging.getLogger("agentfsm.stream")
 
 
 def submit(
-    coro: Coroutine[Any, Any, T], loop: asyncio.AbstractEventLoop
+    coro: Coroutine[Any, Any, T] | Callable[[], Coroutine[Any, Any, T]], loop: asyncio.AbstractEventLoop
 ) -> tuple[concurrent.futures.Future[T], Callable[[], None]]:
-    """Start `coro` as a task on `loop`: a future settled when the task has ended, and a canceller."""
+    """Start `coro` as a task on `loop`: a future settled when the task has ended, and a canceller. Given as a
+    function, the coroutine is made on `loop` as the task starts, and not at all when cancelled first: a loop
+    that code blocks may never get to it, or only as it stops (`Local.take_snapshot`), and none is unawaited."""
     done: concurrent.futures.Future[T] = concurrent.futures.Future()
     tasks: list[asyncio.Task[T]] = []
 
     def start() -> None:  # runs in the caller's context (contextvars: an open span carries over)
-        tasks.append(loop.create_task(coro))
+        if not done.set_running_or_notify_cancel():  # cancelled before it started
+            return
+        tasks.append(loop.create_task(coro() if callable(coro) else coro))
         tasks[0].add_done_callback(lambda task: copy_outcome(task, done))
 
     def cancel() -> None:
-        loop.call_soon_threadsafe(lambda: tasks and tasks[0].cancel())
+        if not done.cancel():  # started (or ended): the task is cancelled on its loop
+            loop.call_soon_threadsafe(lambda: tasks and tasks[0].cancel())
 
     loop.call_soon_threadsafe(start)
     return done, cancel
@@ -116,7 +121,9 @@ class LoopThread:
         except RuntimeError:
             return False
 
-    def submit(self, coro: Coroutine[Any, Any, T]) -> tuple[concurrent.futures.Future[T], Callable[[], None]]:
+    def submit(
+        self, coro: Coroutine[Any, Any, T] | Callable[[], Coroutine[Any, Any, T]]
+    ) -> tuple[concurrent.futures.Future[T], Callable[[], None]]:
         return submit(coro, self.loop)
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
@@ -297,10 +304,13 @@ class Local:
     async def take_snapshot(self, ask: SnapshotAsk) -> dict[str, Any]:
         """RolloutEngine.asnapshot: through the loop, or from outside it when code blocks it."""
         home = self.home()
-        here = self._snapshot_here(ask)
         if home.current():
-            return await here
-        done, cancel = home.submit(under(self.owned, here))
+            return await self._snapshot_here(ask)
+
+        async def there() -> dict[str, Any]:  # made on the loop, if ever it gets to it (`submit`)
+            return await under(self.owned, self._snapshot_here(ask))
+
+        done, cancel = home.submit(there)
         waiter = asyncio.wrap_future(done)
         while True:  # a loop that code blocks runs nothing we send it: snapshot from outside it then
             try:
@@ -315,9 +325,11 @@ class Local:
             thread = signals.blocked(home.loop)
             if thread is not None and self._stream is not None:
                 try:
-                    return await asyncio.to_thread(self._snapshot_blocked, thread, ask)
+                    taken = await asyncio.to_thread(self._snapshot_blocked, thread, ask)
                 except SnapshotError:  # it turned meanwhile: the loop takes the snapshot after all
                     continue
+                cancel()  # the one sent to the loop: never started now, or stopped there
+                return taken
 
     async def _snapshot_here(self, ask: SnapshotAsk) -> dict[str, Any]:
         stream = await self.stream_here()
