@@ -81,30 +81,34 @@ def rebuild(read: Read | Scan) -> Rebuilt:
     return out
 
 
+def _group(out: Rebuilt, rec: dict[str, Any], where: str) -> None:
+    """A `group` record: a new group, or a stale group run again (`reruns`), whose new trajectories take the place
+    of the last group of that uid, its old trajectories and their tree nodes dropped."""
+    if not isinstance(rec["uid"], str) or not isinstance(rec["members"], list):
+        raise JournalError(f"{where}: a group without uid or members")
+    group = {"uid": rec["uid"], "sampling": rec["sampling"], "members": list(rec["members"])}
+    if "held" in rec:  # a snapshot's: what its stream knew of the group (reruns, weight versions)
+        group["held"] = rec["held"]
+    reruns = rec.get("reruns", 0)
+    if not reruns:
+        out.groups.append(group)
+        return
+    # a stale group run again: its new trajectories take the place of the last group of that uid
+    at = next((i for i in reversed(range(len(out.groups))) if out.groups[i]["uid"] == rec["uid"]), None)
+    if type(reruns) is not int or reruns < 1 or at is None:
+        raise JournalError(f"{where}: a rerun ({reruns!r}) of group {rec['uid']!r}, which no record started")
+    gone = set(out.groups[at]["members"])  # the stale trajectories and their tree nodes (`<root>:<path>`)
+    for sid in [s for s in out.trajs if s.split(":", 1)[0] in gone]:
+        del out.trajs[sid]
+        out.first.pop(sid, None)
+        out.nodes.pop(sid, None)
+    out.groups[at] = {**group, "reruns": reruns}
+
+
 def _apply(out: Rebuilt, rec: dict[str, Any], where: str) -> None:
     kind = rec["t"]
     if kind == "group":
-        if not isinstance(rec["uid"], str) or not isinstance(rec["members"], list):
-            raise JournalError(f"{where}: a group without uid or members")
-        group = {"uid": rec["uid"], "sampling": rec["sampling"], "members": list(rec["members"])}
-        if "held" in rec:  # a snapshot's: what its stream knew of the group (reruns, weight versions)
-            group["held"] = rec["held"]
-        reruns = rec.get("reruns", 0)
-        if not reruns:
-            out.groups.append(group)
-            return
-        # a stale group run again: its new trajectories take the place of the last group of that uid
-        at = next((i for i in reversed(range(len(out.groups))) if out.groups[i]["uid"] == rec["uid"]), None)
-        if type(reruns) is not int or reruns < 1 or at is None:
-            raise JournalError(
-                f"{where}: a rerun ({reruns!r}) of group {rec['uid']!r}, which no record started"
-            )
-        gone = set(out.groups[at]["members"])  # the stale trajectories and their tree nodes (`<root>:<path>`)
-        for sid in [s for s in out.trajs if s.split(":", 1)[0] in gone]:
-            del out.trajs[sid]
-            out.first.pop(sid, None)
-            out.nodes.pop(sid, None)
-        out.groups[at] = {**group, "reruns": reruns}
+        _group(out, rec, where)
     elif kind == "traj":
         sid = rec["s"]
         if sid in out.done:
