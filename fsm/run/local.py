@@ -50,16 +50,18 @@ def submit(
     that code blocks may never get to it, or only as it stops (`Local.take_snapshot`), and none is unawaited."""
     done: concurrent.futures.Future[T] = concurrent.futures.Future()
     tasks: list[asyncio.Task[T]] = []
+    cancelled: list[bool] = []
 
     def start() -> None:  # runs in the caller's context (contextvars: an open span carries over)
-        if not done.set_running_or_notify_cancel():  # cancelled before it started
+        if cancelled:  # before it started: it never does
+            done.cancel()
             return
         tasks.append(loop.create_task(coro() if callable(coro) else coro))
         tasks[0].add_done_callback(lambda task: copy_outcome(task, done))
 
     def cancel() -> None:
-        if not done.cancel():  # started (or ended): the task is cancelled on its loop
-            loop.call_soon_threadsafe(lambda: tasks and tasks[0].cancel())
+        cancelled.append(True)
+        loop.call_soon_threadsafe(lambda: tasks and tasks[0].cancel())
 
     loop.call_soon_threadsafe(start)
     return done, cancel
