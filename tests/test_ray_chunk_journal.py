@@ -166,6 +166,16 @@ async def test_a_chunk_resumed_after_weight_updates_goes_on_from_its_journal(tmp
     assert sorted(Counter(log.read_text().split("\n")[:-1]).values()) == [1] * (2 * N * TURNS)
 
 
+async def cut_under_old_weights(runner: Runner, tmp_path: Path) -> Path:
+    """A chunk's first attempt cut after each row's first turn under weight version 3, then new weights (4)
+    before the next attempt; the cut chunk's journal."""
+    runner.gate.version = 3
+    await attempt(runner, tmp_path, "cut", 0, lambda t: t.assistant_turns >= 1)
+    [(_, path)] = chunk_files(tmp_path, "cut", 0)
+    runner.gate.version = 4  # new weights between the attempts
+    return path
+
+
 async def test_a_chunk_resumed_under_newer_weights_is_refused_in_one_line_and_runs_from_the_start(
     tmp_path, caplog
 ):
@@ -174,10 +184,7 @@ async def test_a_chunk_resumed_under_newer_weights_is_refused_in_one_line_and_ru
     went on (resumed 2 * N, its rows' tokens of versions 3 and 4)."""
     log = tmp_path / "answers.log"
     runner = logged_runner(log)
-    runner.gate.version = 3
-    await attempt(runner, tmp_path, "cut", 0, lambda t: t.assistant_turns >= 1)
-    [(_, path)] = chunk_files(tmp_path, "cut", 0)
-    runner.gate.version = 4  # new weights between the attempts
+    path = await cut_under_old_weights(runner, tmp_path)
     last = await attempt(runner, tmp_path, "cut", 1, None)
     assert last is not None
     trajs, counts = last
@@ -202,10 +209,7 @@ async def test_a_chunk_resumed_under_newer_weights_with_changes_accepted_goes_on
     record), and its rows carry both weight versions, each turn asked for once."""
     log = tmp_path / "answers.log"
     runner = logged_runner(log)
-    runner.gate.version = 3
-    await attempt(runner, tmp_path, "cut", 0, lambda t: t.assistant_turns >= 1)
-    [(_, path)] = chunk_files(tmp_path, "cut", 0)
-    runner.gate.version = 4  # new weights between the attempts
+    path = await cut_under_old_weights(runner, tmp_path)
     await attempt(runner, tmp_path, "cut", 1, lambda t: t.assistant_turns >= 2, accept=True)
     [said] = [r.getMessage() for r in caplog.records if r.name == "agentfsm.ray"]
     change = (

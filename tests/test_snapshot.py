@@ -483,12 +483,8 @@ def test_a_blocked_loops_snapshot_keeps_the_side_effecting_calls_its_step_finish
     engine = RolloutEngine(str(spec), tok, backend=scripted(turns, latency_s=0.05))
     engine.submit([user_row(reward_model={"ground_truth": "3"})], n=1)
     home = engine.core.home()
-    answer: dict = {}
-    taking = threading.Thread(target=lambda: answer.update(engine.snapshot(tmp_path / "s.json")), daemon=True)
     try:
-        assert snapshot_tools.BLOCKING.wait(60), "the tool never blocked the loop"
-        taking.start()
-        taking.join(60)
+        answer = snapshot_tools.snapshot_while_blocked(engine, tmp_path / "s.json")
         assert answer.get("blocked") is True and answer["running_groups"] == 1, answer
         ran = list(snapshot_tools.RUNS)
         assert len(ran) == 1, ran  # the effect, before the loop blocked

@@ -251,7 +251,6 @@ def test_a_blocked_loops_snapshot_keeps_a_tree_and_its_childs_finished_side_effe
     """A child's tool blocks the loop: the snapshot taken from outside it writes the tree node by node (the child
     as it was before its step, the root waiting on it), with the `tool` record of the child's side-effecting call
     that had answered; restored, the child's step runs again without running that call again."""
-    import threading
 
     from tests.fixtures import snapshot_tools
 
@@ -273,12 +272,8 @@ def test_a_blocked_loops_snapshot_keeps_a_tree_and_its_childs_finished_side_effe
     engine = RolloutEngine(str(spec), _tok(), backend=Model(_delegator))
     engine.submit(ROWS[:1], n=1, sampling_params=GREEDY)
     home = engine.core.home()
-    answer: dict[str, Any] = {}
-    taking = threading.Thread(target=lambda: answer.update(engine.snapshot(tmp_path / "s.json")), daemon=True)
     try:
-        assert snapshot_tools.BLOCKING.wait(60), "the child's tool never blocked the loop"
-        taking.start()
-        taking.join(60)
+        answer = snapshot_tools.snapshot_while_blocked(engine, tmp_path / "s.json")
         assert answer.get("blocked") is True and answer["restarted"] == 0, answer
         ran = list(snapshot_tools.RUNS)
         assert len(ran) == 1 and ":" in ran[0], ran  # the child's effect, before the loop blocked
