@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -14,6 +15,7 @@ import pytest
 import fsm
 from backends.scripted import echo_backend
 from fsm.api import RolloutEngine
+from fsm.tools.isolation import BLOCKING_STEP_S, BLOCKING_STRIKES, ThreadLane
 from tests.conftest import (
     ASSETS,
     PARTS,
@@ -26,6 +28,7 @@ from tests.conftest import (
     tool_turn,
     user_row,
 )
+from tests.fixtures import parts
 
 # --- rows ------------------------------------------------------------------------------------------------------
 
@@ -173,6 +176,55 @@ async def test_a_reward_that_hangs_or_fails_names_itself_and_the_row(tok, compil
             or words in traj.termination_reason
         ), traj.termination_reason
         assert f"reward function {PARTS}:{fn} on row {uid}" in traj.termination_reason
+
+
+INLINE_REWARD_SPEC = """
+    name: rewarded
+    extends: {specs}/single_turn.yaml
+    reward: {function: '{parts}:%s', isolation: none, kwargs: {seconds: %s}}
+"""
+
+
+async def test_a_reward_declared_isolation_none_runs_on_the_runs_loop(tok, compile_yaml):
+    parts.REWARD_THREADS.clear()
+    agent = compile_yaml(INLINE_REWARD_SPEC % ("sleepy_reward", 0))
+    trajs = await run_agent(agent, echo_backend(), tok, [user_row(), user_row()])
+    assert [t.reward_score for t in trajs] == [1.0, 1.0]
+    assert parts.REWARD_THREADS == [threading.current_thread().name] * 2  # no hand-off to another thread
+    default = compile_yaml(REWARD_SPEC % "thread_reward")  # isolation: thread, the default
+    parts.REWARD_THREADS.clear()
+    await run_agent(default, echo_backend(), tok, [user_row()])
+    assert parts.REWARD_THREADS == [f"agentfsm-tool-reward {PARTS}:thread_reward"]
+
+
+async def test_an_inline_reward_that_blocks_the_loop_moves_to_threads_of_its_own(tok, compile_yaml, caplog):
+    """Calls past BLOCKING_STEP_S (a sync sleep), BLOCKING_STRIKES of them, move the reward to threads of its
+    own, with a warning naming it: the run's loop is not blocked by it again."""
+    parts.REWARD_THREADS.clear()
+    agent = compile_yaml(INLINE_REWARD_SPEC % ("sleepy_reward", BLOCKING_STEP_S * 2))
+    rows = [user_row(uid=f"row-{k}") for k in range(BLOCKING_STRIKES + 1)]
+    trajs = await run_agent(agent, echo_backend(), tok, rows)
+    assert [t.reward_score for t in trajs] == [1.0] * len(rows)
+    loop_thread = threading.current_thread().name
+    assert parts.REWARD_THREADS == [loop_thread] * BLOCKING_STRIKES + [
+        f"agentfsm-tool-reward {PARTS}:sleepy_reward"
+    ]
+    assert isinstance(agent.reward.lane.moved, ThreadLane)
+    words = f"reward '{PARTS}:sleepy_reward' (isolation: none) held the event loop {BLOCKING_STRIKES} times"
+    assert words in caplog.text and "run on threads of its own from now on" in caplog.text
+
+
+@pytest.mark.parametrize("isolation", ["none", "thread"])
+async def test_a_reward_that_raises_system_exit_ends_its_row_only(tok, compile_yaml, isolation):
+    """What a reward raises that is not an Exception is its own, never a signal to the run, wherever it runs."""
+    declared = (REWARD_SPEC % "exiting_reward").replace("_reward'}", f"_reward', isolation: {isolation}}}")
+    agent = compile_yaml(declared)
+    trajs = await run_agent(agent, echo_backend(), tok, [user_row(uid="row-7")])
+    (traj,) = trajs
+    assert traj.termination_reason == (
+        f"error: reward: reward function {PARTS}:exiting_reward on row row-7: ToolCrashed: tool "
+        f"'reward {PARTS}:exiting_reward' raised SystemExit: 3"
+    ), traj.termination_reason
 
 
 async def test_a_row_without_ground_truth_is_an_error_whatever_the_model_wrote(tok):

@@ -72,6 +72,7 @@ class Reward:
     fn: Any
     kwargs: dict[str, Any]
     extras: tuple[str, ...] = ()  # the REWARD_EXTRAS its signature names (a **kwargs alone gets none of them)
+    lane: Any = None  # where a sync function runs (fsm/tools/isolation.py); None: a coroutine, awaited
 
 
 def child_spec_path(ref: str, spec_path: Path | None) -> Path | None:

@@ -28,7 +28,7 @@ from fsm.run.rewrites import make_rewrite
 from fsm.run.tree import check_tree, child_schema, tree_size
 from fsm.spec.failures import check_failures
 from fsm.spec.loader import Diagnostic, LoadedSpec, SpecError, load_spec
-from fsm.spec.model import AgentSpec, ToolSpec
+from fsm.spec.model import DEFAULT_TOOL_WORKERS, AgentSpec, ToolSpec
 from fsm.spec.registry import (
     ACTIONS,
     GUARDS,
@@ -374,9 +374,16 @@ class _Compiler:
             named: Mapping[str, inspect.Parameter] = inspect.signature(fn).parameters
         except (TypeError, ValueError):  # a builtin or an UNCHECKED placeholder: verl's arguments only
             named = {}
-        return Reward(
-            fn, dict(spec.kwargs), tuple(x for x in REWARD_EXTRAS if x in named and x not in spec.kwargs)
-        )
+        lane: Lane | None = None  # a coroutine function: awaited on the run's loop
+        if fn is not UNCHECKED and not inspect.iscoroutinefunction(fn):
+            name = f"reward {spec.function}"
+            lane = (
+                InlineLane(name, threads=DEFAULT_TOOL_WORKERS, label=f"reward {spec.function!r}")
+                if spec.isolation == "none"
+                else ThreadLane(name, DEFAULT_TOOL_WORKERS)
+            )
+        extras = tuple(x for x in REWARD_EXTRAS if x in named and x not in spec.kwargs)
+        return Reward(fn, dict(spec.kwargs), extras, lane)
 
 
 def reach(start: str, graph: dict[str, list[str]]) -> set[str]:

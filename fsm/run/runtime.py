@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import logging
 import time
 import uuid
@@ -35,8 +34,7 @@ from fsm.run.interaction import call_lifecycle
 from fsm.run.policy import check_segments
 from fsm.run.tracer import Tracer
 from fsm.run.trajectory import Trajectory
-from fsm.spec.model import DEFAULT_TOOL_WORKERS
-from fsm.tools.isolation import CALLER, INLINE_STEPS, ThreadLane
+from fsm.tools.isolation import CALLER, INLINE_STEPS
 
 log = logging.getLogger("agentfsm.runtime")
 
@@ -118,7 +116,6 @@ class Runner:
         ] = {}  # the task driving each trajectory (loop watch)
         self._watchdog_task: asyncio.Task[None] | None = None
         self._moved_at = time.perf_counter()  # the last time a trajectory finished
-        self._reward_lane: ThreadLane | None = None  # a sync reward function's own threads, made on first use
         # the spec's policies (fsm/run/tree.py): name -> backend and codec; a policy not here, or with None, uses
         # the run's backend and codec (RolloutEngine(policies=...) and the CLI fill it)
         self.policies: dict[str, Policy] = {}
@@ -355,12 +352,10 @@ class Runner:
         name, limit = ctx.agent.spec.reward.function, ctx.agent.limits.reward_timeout_s  # type: ignore[union-attr]
         try:
             async with asyncio.timeout(limit):
-                if inspect.iscoroutinefunction(reward.fn):
+                if reward.lane is None:  # a coroutine function
                     score = await reward.fn(**kwargs)
-                else:  # its own threads, never the loop's executor (the embedded model decodes there)
-                    if self._reward_lane is None:
-                        self._reward_lane = ThreadLane(f"reward {name}", DEFAULT_TOOL_WORKERS)
-                    score = await self._reward_lane.call(reward.fn, **kwargs)
+                else:  # its own threads (never the loop's executor: the embedded model decodes there), or inline
+                    score = await reward.lane.call(reward.fn, **kwargs)
             if isinstance(score, Mapping):
                 traj.extra["reward_extra_info"] = dict(score)
                 score = score["score"]
@@ -424,8 +419,8 @@ class Runner:
         where = signals.where(thread)
         if step is not None:
             return (
-                f"tool {step[0]!r} (isolation: none) on {row}{where}; declare it isolation: thread, or make it "
-                "await instead of block"
+                f"{step[0]} (isolation: none) on {row}{where}; declare it isolation: thread, or make it await "
+                "instead of block"
             )
         return f"{row}{where}"
 

@@ -127,7 +127,8 @@ class ToolSpec(Strict):
         "written off. process: worker processes (function tools only); a call past timeout_s kills its "
         "worker, which is replaced. Use process for CPU-bound or crash-prone tools. none: coroutines (async "
         "functions, or a class whose lifecycle methods are all async) awaited on the run's own event loop, no "
-        "hand-off; for tools that only await (an HTTP sandbox), which must let a cancellation through. Three "
+        "hand-off; for tools that only await (an HTTP sandbox), which must let a cancellation through, or only "
+        "compute briefly (specs/calculator.yaml's bounded parse: a hand-off costs more than its work). Three "
         "steps within a minute that hold the loop 50 ms each move the tool to its own loop thread, with a warning.",
     )
     workers: int = Field(
@@ -196,6 +197,14 @@ class InteractionSpec(Strict):
 class RewardSpec(Strict):
     function: str = Field(description="module:function(data_source, solution_str, ground_truth, extra_info).")
     kwargs: dict[str, Any] = Field(default_factory=dict)
+    isolation: Literal["none", "thread"] = Field(
+        default="thread",
+        description="Where a sync reward function runs. thread: its own daemon threads; a call past "
+        "limits.reward_timeout_s is abandoned. none: called on the run's own event loop, no hand-off, for a "
+        "function that only computes briefly (a regex, a comparison); nothing can interrupt it there, and three "
+        "calls within a minute that hold the loop 50 ms each move it to threads of its own, with a warning. A "
+        "coroutine function always runs on the run's loop.",
+    )
 
 
 def _check_top_k(v: int | None) -> int | None:

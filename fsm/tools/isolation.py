@@ -9,9 +9,10 @@ decode and reward scoring run there: a tool stuck in it once starved decode for 
 - `LoopLane` (coroutines, class tools' lifecycle): the tool's own loop in a daemon thread, because a
   coroutine that never awaits cannot be interrupted by the loop that runs it; a loop that has not run a
   cancellation `grace_s` after it was sent is wedged, written off and replaced.
-- `InlineLane` (`isolation: none`, coroutines that only await): the run's own loop, no hand-off (a hop costs
-  more CPU than such a tool's work); every step is timed, and a tool that holds the loop past `blocking_s`
-  a few times a minute moves to a `LoopLane`. Opt-in only: one that spins for good would hold the loop.
+- `InlineLane` (`isolation: none`: coroutines that only await, code that only computes briefly): the run's own
+  loop, no hand-off (a hop costs more CPU than such code's work); every step is timed, and code that holds the
+  loop past `blocking_s` a few times a minute moves to a lane of its own. Opt-in only: one that spins for good
+  would hold the loop.
 - `ProcessLane` (`isolation: process`, fsm/tools/processes.py): worker processes, one call at a time, the
   worker's process group SIGKILLed past the timeout. Fault containment, not a security sandbox.
 Whatever the tool raises that is not an `Exception` comes back as `ToolCrashed`, ending only its trajectory;
@@ -226,7 +227,7 @@ KEY: contextvars.ContextVar[str | None] = contextvars.ContextVar("agentfsm_key",
 KEY_ENV = "AGENTFSM_IDEMPOTENCY_KEY"
 # who calls (the run's driver sets the trajectory's session id): an InlineLane's step in progress records it
 CALLER: contextvars.ContextVar[str | None] = contextvars.ContextVar("agentfsm_caller", default=None)
-# thread ident -> (tool name, caller, start) of the InlineLane step running on that thread's loop now: a step
+# thread ident -> (label, caller, start) of the InlineLane step running on that thread's loop now: a step
 # that never returns blocks the loop, and the run's loop watch (fsm/run/signals.py) reads here whom to name
 INLINE_STEPS: dict[int, tuple[str, str | None, float]] = {}
 
@@ -453,17 +454,22 @@ def _settle(name: str, hop: Hop, pending: set[Hop], task: asyncio.Task) -> None:
 
 
 class InlineLane(Lane):
-    """A coroutine tool awaited on the caller's loop, each step timed; BLOCKING_STRIKES stalls move the tool to
-    its own `LoopLane` (the call that stalled finishes where it is)."""
+    """Code awaited on the caller's loop, no hand-off: a tool's coroutine, each step timed, or (`threads` > 0) a
+    sync function that only computes briefly (a reward's regex), timed whole. BLOCKING_STRIKES stalls move the
+    calls to a lane of their own: a `LoopLane` for coroutines, a `ThreadLane` of `threads` for a sync function
+    (the call that stalled finishes where it is). `label` names the code in warnings and the loop watch's report."""
 
-    def __init__(self, name: str):
-        self.name = name
+    def __init__(self, name: str, *, threads: int = 0, label: str | None = None):
+        self.name, self.threads = name, threads
+        self.label = label or f"tool {name!r}"
         self.stalls: list[float] = []  # when recent stalls ended (time.monotonic)
-        self.moved: LoopLane | None = None  # where the calls go once the tool has stalled the loop
+        self.moved: Lane | None = None  # where the calls go once the code has stalled the loop
 
     async def call(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         if self.moved is not None:
             return await self.moved.call(fn, *args, **kwargs)
+        if self.threads:
+            return _timed_call(self, fn, args, kwargs)
         result = fn(*args, **kwargs)
         return await _Timed(self, result) if inspect.iscoroutine(result) else result
 
@@ -472,20 +478,38 @@ class InlineLane(Lane):
         now = time.monotonic()
         self.stalls = [t for t in self.stalls if now - t < BLOCKING_WINDOW_S] + [now]
         if self.moved is None and len(self.stalls) >= BLOCKING_STRIKES:
-            self.moved = LoopLane(self.name)
+            self.moved = ThreadLane(self.name, self.threads) if self.threads else LoopLane(self.name)
             log.warning(
-                "tool %r (isolation: none) held the event loop %d times in %g s, last for %.3f s in one "
-                "step; its calls run on an event loop thread of its own from now on (declare it "
-                "isolation: thread)",
-                self.name,
+                "%s (isolation: none) held the event loop %d times in %g s, last for %.3f s in one step; its "
+                "calls run on %s of its own from now on (declare it isolation: thread)",
+                self.label,
                 len(self.stalls),
                 BLOCKING_WINDOW_S,
                 seconds,
+                "threads" if self.threads else "an event loop thread",
             )
 
     def close(self) -> None:
         if self.moved is not None:
             self.moved.close()
+
+
+def _timed_call(lane: InlineLane, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """A sync function called on the loop, timed as one step; what it raises that is not an `Exception` comes
+    back as `ToolCrashed`, as from a `ThreadLane`."""
+    here, clock = threading.get_ident(), time.perf_counter
+    t0, used = clock(), _usage()
+    INLINE_STEPS[here] = (lane.label, CALLER.get(), t0)
+    try:
+        return fn(*args, **kwargs)
+    except Exception:
+        raise
+    except BaseException as exc:  # SystemExit, KeyboardInterrupt...: the function's, never a signal to us
+        raise crashed(lane.name, exc) from None
+    finally:
+        INLINE_STEPS.pop(here, None)
+        if (took := clock() - t0) >= BLOCKING_STEP_S and _held(used, BLOCKING_STEP_S):
+            lane.blocked(took)
 
 
 class _Timed:
@@ -499,7 +523,7 @@ class _Timed:
 
     def __await__(self) -> Any:
         coro, lane, clock, limit = self.coro, self.lane, time.perf_counter, BLOCKING_STEP_S
-        steps, here, name, caller = INLINE_STEPS, threading.get_ident(), lane.name, CALLER.get()
+        steps, here, name, caller = INLINE_STEPS, threading.get_ident(), lane.label, CALLER.get()
         value: Any = None
         error: BaseException | None = None
         while True:
