@@ -28,6 +28,7 @@ from fsm.api import make_backend
 from fsm.families.parsers import ToolCall
 from fsm.tools.base import BaseTool, ToolResponse, truncate
 from fsm.tools.isolation import (
+    BLOCKING_AMONG,
     BLOCKING_STEP_S,
     BLOCKING_STRIKES,
     InlineLane,
@@ -333,6 +334,25 @@ async def test_isolation_none_tool_that_blocks_the_loop_moves_to_its_own(tok, co
     )
     assert isinstance(lane.moved, LoopLane)
     assert f"'ablock' (isolation: none) held the event loop {BLOCKING_STRIKES} times" in caplog.text
+    lane.close()
+
+
+async def test_an_inline_tool_that_stalls_now_and_then_stays_on_the_loop():
+    """A busy machine makes a well-behaved tool's step wait now and then (for the GIL, held by a thread the OS put
+    off): stalls further apart than BLOCKING_AMONG steps never add up to a move; BLOCKING_STRIKES close together
+    do (code that blocks stalls on most of its steps)."""
+    lane = InlineLane("now_and_then")
+
+    async def step(stall: bool) -> None:
+        if stall:
+            time.sleep(BLOCKING_STEP_S * 1.2)  # a voluntary switch past the limit: a stall
+
+    for k in range(BLOCKING_STRIKES * BLOCKING_AMONG):
+        await lane.call(step, k % BLOCKING_AMONG == 0)
+    assert lane.moved is None and len(lane.stalls) == 1
+    for _ in range(BLOCKING_STRIKES):
+        await lane.call(step, True)
+    assert isinstance(lane.moved, LoopLane)
     lane.close()
 
 

@@ -129,7 +129,8 @@ class ToolSpec(Strict):
         "functions, or a class whose lifecycle methods are all async) awaited on the run's own event loop, no "
         "hand-off; for tools that only await (an HTTP sandbox), which must let a cancellation through, or only "
         "compute briefly (specs/calculator.yaml's bounded parse: a hand-off costs more than its work). Three "
-        "steps within a minute that hold the loop 50 ms each move the tool to its own loop thread, with a warning.",
+        "of its last 20 steps within a minute that hold the loop 50 ms each move the tool to its own loop thread, "
+        "with a warning.",
     )
     workers: int = Field(
         default=DEFAULT_TOOL_WORKERS,
@@ -201,8 +202,9 @@ class RewardSpec(Strict):
         default="thread",
         description="Where a sync reward function runs. thread: its own daemon threads; a call past "
         "limits.reward_timeout_s is abandoned. none: called on the run's own event loop, no hand-off, for a "
-        "function that only computes briefly (a regex, a comparison); nothing can interrupt it there, and three "
-        "calls within a minute that hold the loop 50 ms each move it to threads of its own, with a warning. A "
+        "function that only computes briefly (a regex, a comparison); nothing can interrupt it there, and three of "
+        "its last 20 calls within a minute that hold the loop 50 ms each move it to threads of its own, with a "
+        "warning. A "
         "coroutine function always runs on the run's loop.",
     )
 

@@ -49,9 +49,10 @@ log = logging.getLogger("agentfsm.tools")
 STUCK_PER_WORKER = 4  # a ThreadLane refuses calls past workers * this many written-off threads
 WEDGED_AFTER_S = 1.0  # a LoopLane that has not run a cancellation this long after it was sent is wedged
 BLOCKING_STEP_S = 0.05  # an InlineLane tool step holding the event loop this long is a stall
-# BLOCKING_STRIKES stalls within BLOCKING_WINDOW_S move the tool to a LoopLane (one alone may be garbage
-# collection or the process waiting for a core, not the tool's doing)
-BLOCKING_STRIKES, BLOCKING_WINDOW_S = 3, 60.0
+# BLOCKING_STRIKES stalls within BLOCKING_WINDOW_S and within its last BLOCKING_AMONG steps move the code to a lane
+# of its own (one alone may be garbage collection, the process waiting for a core, or the GIL held by a thread the
+# OS put off: a busy machine strikes a well-behaved tool now and then, code that blocks strikes on most steps)
+BLOCKING_STRIKES, BLOCKING_WINDOW_S, BLOCKING_AMONG = 3, 60.0, 20
 
 
 class ToolCrashed(Exception):
@@ -455,14 +456,17 @@ def _settle(name: str, hop: Hop, pending: set[Hop], task: asyncio.Task) -> None:
 
 class InlineLane(Lane):
     """Code awaited on the caller's loop, no hand-off: a tool's coroutine, each step timed, or (`threads` > 0) a
-    sync function that only computes briefly (a reward's regex), timed whole. BLOCKING_STRIKES stalls move the
-    calls to a lane of their own: a `LoopLane` for coroutines, a `ThreadLane` of `threads` for a sync function
+    sync function that only computes briefly (a reward's regex), timed whole. BLOCKING_STRIKES stalls among its
+    recent steps move the calls to a lane of their own: a `LoopLane` for coroutines, a `ThreadLane` of `threads` for a sync function
     (the call that stalled finishes where it is). `label` names the code in warnings and the loop watch's report."""
 
     def __init__(self, name: str, *, threads: int = 0, label: str | None = None):
         self.name, self.threads = name, threads
         self.label = label or f"tool {name!r}"
-        self.stalls: list[float] = []  # when recent stalls ended (time.monotonic)
+        self.steps = 0  # steps timed so far
+        self.stalls: list[
+            tuple[float, int]
+        ] = []  # recent stalls: when they ended (time.monotonic), at which step
         self.moved: Lane | None = None  # where the calls go once the code has stalled the loop
 
     async def call(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
@@ -475,8 +479,9 @@ class InlineLane(Lane):
 
     def blocked(self, seconds: float) -> None:
         """A step held the loop `seconds` (past BLOCKING_STEP_S)."""
-        now = time.monotonic()
-        self.stalls = [t for t in self.stalls if now - t < BLOCKING_WINDOW_S] + [now]
+        now, step = time.monotonic(), self.steps
+        recent = [(t, k) for t, k in self.stalls if now - t < BLOCKING_WINDOW_S and step - k < BLOCKING_AMONG]
+        self.stalls = recent + [(now, step)]
         if self.moved is None and len(self.stalls) >= BLOCKING_STRIKES:
             self.moved = ThreadLane(self.name, self.threads) if self.threads else LoopLane(self.name)
             log.warning(
@@ -498,6 +503,7 @@ def _timed_call(lane: InlineLane, fn: Callable[..., Any], args: tuple, kwargs: d
     """A sync function called on the loop, timed as one step; what it raises that is not an `Exception` comes
     back as `ToolCrashed`, as from a `ThreadLane`."""
     here, clock = threading.get_ident(), time.perf_counter
+    lane.steps += 1
     t0, used = clock(), _usage()
     INLINE_STEPS[here] = (lane.label, CALLER.get(), t0)
     try:
@@ -527,6 +533,7 @@ class _Timed:
         value: Any = None
         error: BaseException | None = None
         while True:
+            lane.steps += 1
             t0, used = clock(), _usage()
             steps[here] = (name, caller, t0)  # a new tuple per step: a reader can tell one step from the next
             try:
