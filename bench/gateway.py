@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 from backends.scripted import ScriptedBackend
-from fsm.api import load_tokenizer, tiny_model_dir
 from fsm.gateway import HarnessCall, harness
 from fsm.run import heap
 from fsm.run.compile import CompiledAgent, compile_spec
@@ -273,6 +272,8 @@ def bench_gateway(
     calls, which bounds the run on a small machine). The pinned kinds run at 1 in flight only."""
     import tempfile
 
+    from fsm.api import load_tokenizer, tiny_model_dir  # here, not above: the client process needs no torch
+
     kinds = kinds or (*KINDS, *placements_here())
     tokenizer = load_tokenizer(tiny_model_dir())
     out: dict[str, Any] = {"repeats": repeats, "rows": {}}
@@ -356,6 +357,7 @@ async def _worker_main(tag: str, front: str, n: int, max_sessions: int) -> None:
     prompts the backend was given, and its CPU."""
     import tempfile
 
+    from fsm.api import load_tokenizer, tiny_model_dir
     from fsm.gateway import Gateway, GatewayLimits
     from fsm.run.engine import owned
 
@@ -616,6 +618,7 @@ def bench_context(
     after one that warms up. The model is scripted (zero latency): each turn calls one tool."""
     import tempfile
 
+    from fsm.api import load_tokenizer
     from fsm.gateway import Gateway
 
     tokenizer = load_tokenizer(str(ROOT / ".tokenizers" / "qwen2_5"))  # .ci/tokenizers.sh fetches it
