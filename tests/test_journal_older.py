@@ -13,6 +13,7 @@ These tests check the records against those rules; they do not run the older ver
 from __future__ import annotations
 
 import asyncio
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,18 @@ def _refused_at(recs: list[dict[str, Any]], formats: tuple[int, ...]) -> int | N
     return next((k for k, r in enumerate(recs, start=1) if r["t"] not in KINDS), None)
 
 
+def _spec_as_recorded(folder: Path) -> str:
+    """specs/calculator.yaml as tests/fixtures/journal_format2.log was written with (its spec hash): without the
+    `isolation: none` of its tool and reward, which came later; beside a copy of the spec it extends. Its hash
+    is the journal's only while the reward's default isolation stays out of it (fsm/run/agent.py `_hashed`)."""
+    shutil.copy2(REPO / "specs" / "tool_agent.yaml", folder / "tool_agent.yaml")
+    text = (REPO / "specs" / "calculator.yaml").read_text()
+    kept = [line for line in text.splitlines(keepends=True) if not line.strip().startswith("isolation: none")]
+    assert len(kept) == len(text.splitlines()) - 2, "specs/calculator.yaml's isolation lines moved"
+    (folder / "calculator.yaml").write_text("".join(kept))
+    return str(folder / "calculator.yaml")
+
+
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory, tok) -> tuple[list[dict[str, Any]], int]:
     """tests/fixtures/journal_format2.log with its first row cut before its last model turn, resumed by this
@@ -49,9 +62,10 @@ def resumed(tmp_path_factory, tok) -> tuple[list[dict[str, Any]], int]:
         r for r in recs if r["t"] != "taken" and not (r["t"] == "step" and r["s"] == first and r.get("done"))
     ]
     (out / JOURNAL).write_bytes(b"".join(map(frame, kept)))
+    spec = _spec_as_recorded(tmp_path_factory.mktemp("spec"))
     server = _ThreadServer(ScriptedBackend(lambda s, n, p: model_turn(tok, "#### 3"), model_name="echo"))
     try:
-        argv = ["run", SPEC, "--resume", str(out), "--server", server.url, "--tokenizer", str(ASSETS), "-q"]
+        argv = ["run", spec, "--resume", str(out), "--server", server.url, "--tokenizer", str(ASSETS), "-q"]
         assert main([*argv, "--accept-changes"]) == 0
     finally:
         server.close()

@@ -30,7 +30,7 @@ from tests.test_run_interrupts import ASSETS, ENV, REPO
 
 SPEC = "specs/calculator_compact.yaml"
 PROGRAM = """
-import asyncio, sys, time
+import asyncio, sys, threading, time
 
 from backends.router import Router
 from fsm import RolloutEngine, RunDir
@@ -40,6 +40,7 @@ url, out, tokenizer, spec, checkpoint = sys.argv[1:6]
 
 
 async def main():
+    updated = hold_the_second_row()
     engine = RolloutEngine(spec, tokenizer=tokenizer, servers=[url])
     rows = resolve(engine.agent.spec.demo_data, engine.agent.spec.trust.allow_modules)(2, seed=0)
     run = asyncio.ensure_future(
@@ -53,7 +54,24 @@ async def main():
     await engine.aupdate_weights_from_disk(checkpoint, weight_version=engine.weight_version + 1)
     slow_calls()
     await engine.aresume()
+    updated.set()
     await run
+
+
+def hold_the_second_row():
+    # The second row's first model calls wait until the update is done: whatever the first row's turns raced to,
+    # the second row makes two model turns after the update, so a turn follows version-1 tokens (the tool runs on
+    # the loop, specs/calculator.yaml: its next turn went out before this program's poll saw the first).
+    call, first, updated = Router.generate, [], threading.Event()
+
+    async def held(self, request):
+        first[:] = first or [request.group_id]
+        while request.turn == 0 and request.group_id != first[0] and not updated.is_set():
+            await asyncio.sleep(0.01)
+        return await call(self, request)
+
+    Router.generate = held
+    return updated
 
 
 def slow_calls():

@@ -88,10 +88,12 @@ def child_spec_path(ref: str, spec_path: Path | None) -> Path | None:
 
 
 def _hashed(spec: AgentSpec) -> dict[str, Any]:
-    """The spec as its hash reads it: the tree keys (docs/trees.md) and the failure rules (fsm/spec/failures.py)
-    left out where they hold their defaults, so a spec without them keeps the hash it had before they existed
-    (run statistics and snapshots compare it)."""
+    """The spec as its hash reads it: the tree keys (docs/trees.md), the failure rules (fsm/spec/failures.py) and
+    the reward's isolation left out where they hold their defaults, so a spec without them keeps the hash it had
+    before they existed (run statistics, snapshots and resumes compare it)."""
     data = without_default_failures(spec.model_dump(mode="json", by_alias=True))
+    if (data.get("reward") or {}).get("isolation") == "thread":
+        data["reward"].pop("isolation")
     for key, default in (("policies", {}), ("children", {}), ("tree", TreeSpec().model_dump(mode="json"))):
         if data.get(key) == default:
             data.pop(key)
