@@ -204,8 +204,7 @@ class RewardSpec(Strict):
         "limits.reward_timeout_s is abandoned. none: called on the run's own event loop, no hand-off, for a "
         "function that only computes briefly (a regex, a comparison); nothing can interrupt it there, and three of "
         "its last 20 calls within a minute that hold the loop 50 ms each move it to threads of its own, with a "
-        "warning. A "
-        "coroutine function always runs on the run's loop.",
+        "warning. A coroutine function always runs on the run's loop.",
     )
 
 

@@ -457,16 +457,16 @@ def _settle(name: str, hop: Hop, pending: set[Hop], task: asyncio.Task) -> None:
 class InlineLane(Lane):
     """Code awaited on the caller's loop, no hand-off: a tool's coroutine, each step timed, or (`threads` > 0) a
     sync function that only computes briefly (a reward's regex), timed whole. BLOCKING_STRIKES stalls among its
-    recent steps move the calls to a lane of their own: a `LoopLane` for coroutines, a `ThreadLane` of `threads` for a sync function
-    (the call that stalled finishes where it is). `label` names the code in warnings and the loop watch's report."""
+    recent steps move the calls to a lane of their own: a `LoopLane` for coroutines, a `ThreadLane` of `threads`
+    for a sync function (the call that stalled finishes where it is). `label` names the code in warnings and the
+    loop watch's report."""
 
     def __init__(self, name: str, *, threads: int = 0, label: str | None = None):
         self.name, self.threads = name, threads
         self.label = label or f"tool {name!r}"
         self.steps = 0  # steps timed so far
-        self.stalls: list[
-            tuple[float, int]
-        ] = []  # recent stalls: when they ended (time.monotonic), at which step
+        # recent stalls: when they ended (time.monotonic), at which step
+        self.stalls: list[tuple[float, int]] = []
         self.moved: Lane | None = None  # where the calls go once the code has stalled the loop
 
     async def call(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
