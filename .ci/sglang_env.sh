@@ -16,6 +16,7 @@ VENV="${SGLANG_VENV:-$ROOT/.venv-sglang}"
 PYTHON="${PYTHON:-python3}"
 LOCK="$ROOT/.ci/sglang-lock.txt"
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
+export PIP_NO_CACHE_DIR=1  # its CUDA wheels (GBs, downloaded where no local index is) serve no other virtualenv
 source "$ROOT/.ci/venv_lib.sh"
 # sglang 0.5.23 pins torch 2.14.1; the machine-wide cap (torch<=2.14.1) allows it, nothing else applies.
 export PIP_CONSTRAINT=""
@@ -58,4 +59,5 @@ LD_LIBRARY_PATH="$VENV/cuda-stand-in" SGLANG_USE_CPU_ENGINE=1 "$VENV/bin/python"
   "import sglang, sglang.srt.entrypoints.http_server; assert sglang.__version__ == '0.5.23', sglang.__version__"
 want="$(cat "$0" "$LOCK" | sha256sum | cut -d' ' -f1)"
 echo "$want" > "$stamp"
+venv_share "$VENV" "$PYTHON"
 echo "sglang env: built $VENV in $((SECONDS - start)) s, $(du -sh "$VENV" | cut -f1)"

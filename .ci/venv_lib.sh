@@ -23,7 +23,19 @@ venv_fresh() {  # NAME VENV PYTHON: a new, empty virtualenv; an old one is repla
   "$python" -m venv "$venv"
 }
 
-venv_done() {  # NAME VENV WANT START: stamp it, say how long it took
+venv_share() {  # VENV [PYTHON]: hardlink its files that are byte-identical to the main interpreter's packages
+  # Seven virtualenvs each hold the torch wheel the main interpreter has (~750 MiB each), and more alike; a CI
+  # machine's free disk varies, and a full disk fails the suite's tmp_path fixtures in bulk. Same name, mode and
+  # owner, 256 KiB and up (util-linux hardlink compares the bytes); skipped where hardlink or one filesystem is not.
+  local venv=$1 python=${2:-python3} main saved
+  command -v hardlink >/dev/null || return 0
+  main="$("$python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')"
+  saved="$(hardlink -f -t -s 256k "$venv" "$main" 2>&1 | awk '/^Saved:/ {print $2, $3}' || true)"
+  echo "$(basename "$venv"): ${saved:-nothing} shared with $main"
+}
+
+venv_done() {  # NAME VENV WANT START: stamp it, share its files with the main interpreter's, say how long it took
   echo "$3" > "$2/.agentfsm-$1-env"
+  venv_share "$2"
   echo "$1 env: built $2 in $((SECONDS - $4)) s"
 }

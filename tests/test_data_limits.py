@@ -33,12 +33,14 @@ def _line(k: int) -> bytes:
 
 @pytest.fixture(scope="module")
 def big_jsonl(tmp_path_factory):
-    """A million rows (~190 MB), written in blocks; row k's uid is u{k}."""
+    """A million rows (~190 MB), written in blocks; row k's uid is u{k}. Removed after the module: the suite
+    shares the CI machine's disk with virtualenvs still being built."""
     path = tmp_path_factory.mktemp("data") / "big.jsonl"
     with path.open("wb") as f:
         for start in range(0, ROWS, 10_000):
             f.write(b"".join(_line(k) for k in range(start, start + 10_000)))
-    return path
+    yield path
+    path.unlink()
 
 
 def _peak(argv: list[str], tmp_path) -> tuple[int, int, str]:
