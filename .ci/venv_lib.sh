@@ -30,7 +30,8 @@ venv_share() {  # VENV [PYTHON]: hardlink its files that are byte-identical to t
   local venv=$1 python=${2:-python3} main saved
   command -v hardlink >/dev/null || return 0
   main="$("$python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')"
-  saved="$(hardlink -f -t -s 256k "$venv" "$main" 2>&1 | awk '/^Saved:/ {print $2, $3}' || true)"
+  # -m: the copy with the most links stays, so every virtualenv links to one inode, not to the one shared last
+  saved="$(hardlink -m -f -t -s 256k "$main" "$venv" 2>&1 | awk '/^Saved:/ {print $2, $3}' || true)"
   echo "$(basename "$venv"): ${saved:-nothing} shared with $main"
 }
 
