@@ -57,7 +57,4 @@ C
 
 LD_LIBRARY_PATH="$VENV/cuda-stand-in" SGLANG_USE_CPU_ENGINE=1 "$VENV/bin/python" -c \
   "import sglang, sglang.srt.entrypoints.http_server; assert sglang.__version__ == '0.5.23', sglang.__version__"
-want="$(cat "$0" "$LOCK" | sha256sum | cut -d' ' -f1)"
-echo "$want" > "$stamp"
-venv_share "$VENV" "$PYTHON"
-echo "sglang env: built $VENV in $((SECONDS - start)) s, $(du -sh "$VENV" | cut -f1)"
+venv_done sglang "$VENV" "$(cat "$0" "$LOCK" | sha256sum | cut -d' ' -f1)" "$start"  # the stamp is "$stamp"

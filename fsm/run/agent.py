@@ -19,7 +19,7 @@ from transitions import Machine, Transition
 
 from fsm.spec.failures import ERRORS, matches, without_default_failures
 from fsm.spec.loader import LoadedSpec
-from fsm.spec.model import SPECS_DIR, AgentSpec, TreeSpec
+from fsm.spec.model import SPECS_DIR, AgentSpec, RewardSpec, TreeSpec
 from fsm.spec.registry import Predicate
 from fsm.tools.base import ToolSet
 
@@ -92,7 +92,7 @@ def _hashed(spec: AgentSpec) -> dict[str, Any]:
     the reward's isolation left out where they hold their defaults, so a spec without them keeps the hash it had
     before they existed (run statistics, snapshots and resumes compare it)."""
     data = without_default_failures(spec.model_dump(mode="json", by_alias=True))
-    if (data.get("reward") or {}).get("isolation") == "thread":
+    if (data.get("reward") or {}).get("isolation") == RewardSpec.model_fields["isolation"].default:
         data["reward"].pop("isolation")
     for key, default in (("policies", {}), ("children", {}), ("tree", TreeSpec().model_dump(mode="json"))):
         if data.get(key) == default:
