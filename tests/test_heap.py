@@ -143,3 +143,29 @@ def test_the_cli_leaves_the_freeze_to_its_engine(monkeypatch, tmp_path):
         server.close()
     assert holds == [0]  # the engine froze a heap nobody had frozen
     assert gc.get_freeze_count() == 0  # and its close unfroze it
+
+
+def test_a_batch_of_tool_calls_leaves_no_cycles_for_the_collector(tok):
+    """While frozen, the young generation is collected at RUN_THRESHOLD: what a batch leaves in reference cycles
+    waits for a collection that walks everything young. A tool call under a timeout (fsm/tools/base.py
+    StartTimeout) once left its task, coroutine, timer and context in one cycle per call (~20 objects a row);
+    now a batch leaves only the run's own few."""
+    from backends.scripted import calculator_backend
+    from backends.tiny import ASSET_DIR
+
+    rows = make_prompts(20, seed=1)
+    with RolloutEngine("calculator", tok, backend=calculator_backend(str(ASSET_DIR))) as runner:
+        runner.generate_sequences(rows)  # the engine's setup is not the batch's
+        gc.collect()
+        gc.set_debug(gc.DEBUG_SAVEALL)  # what the collector would free is kept in gc.garbage, to be named
+        try:
+            out = runner.generate_sequences(rows)
+            gc.collect()
+            kinds = sorted({type(o).__qualname__ for o in gc.garbage})
+            garbage = len(gc.garbage)
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+    assert [m["num_tool_calls"] for m in out.meta_info["metrics"]] == [1] * len(rows)  # each called the tool
+    assert "StartTimeout" not in kinds and "Task" not in kinds, kinds
+    assert garbage < len(rows), (garbage, kinds)

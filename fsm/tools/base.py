@@ -284,6 +284,7 @@ class StartTimeout:
     runs only when the timeout would have fired; one object per call, no closure."""
 
     __slots__ = ("timeout_s", "started", "_loop", "_cm", "_timer", "_token")
+    _timer: asyncio.TimerHandle | None
 
     def __init__(self, timeout_s: float):
         self.timeout_s = timeout_s
@@ -298,7 +299,11 @@ class StartTimeout:
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
+        assert self._timer is not None  # set by __aenter__, and by `_check` while the call runs
         self._timer.cancel()
+        # The timer's context holds this object (START_CLOCK): dropped here, the call's task, its timeout and
+        # its context are freed when the call ends rather than left to the cyclic collector.
+        self._timer = None
         START_CLOCK.reset(self._token)
         await self._cm.__aexit__(*exc)
 
