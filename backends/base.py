@@ -248,7 +248,7 @@ async def retry(
                 raise first
             return await attempt_fn(attempt)
         except Exception as exc:
-            first = None
+            first = failed = None  # raised here, it holds this frame: no cycle through `failed`
             if not should(exc):
                 raise
             wait = policy.delay(attempt, getattr(exc, "retry_after", None))

@@ -343,6 +343,8 @@ class Router(BaseBackend):
                 abort_message=f"paused: {e}",
                 extra={"abort_kind": "waiting"},
             )
+        finally:
+            del failed  # caught here, it holds this frame: kept, both wait for the collector
 
     async def _attempt(self, request: GenerateRequest, n: int, tried: list[int]) -> GenerateResult:
         """Attempt `n` of `request`: placed (`choose`, `_pin`), sent, and counted; a retryable failure takes

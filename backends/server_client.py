@@ -397,13 +397,16 @@ class ServerClient(BaseBackend):
         def retryable(e: BaseException) -> bool:  # a hung server stays hung: the router fails over instead
             return self.retry_policy.retryable(e) and not isinstance(e, BackendTimeout)
 
-        return await self._retrying(
-            f"POST {self.generate_path} (rid {rid})",
-            lambda n: self._attempt(request, rid, n, timeout_s),
-            self.retry_policy,
-            retryable,
-            failed=(failed, start),
-        )
+        try:
+            return await self._retrying(
+                f"POST {self.generate_path} (rid {rid})",
+                lambda n: self._attempt(request, rid, n, timeout_s),
+                self.retry_policy,
+                retryable,
+                failed=(failed, start),
+            )
+        finally:
+            del failed  # caught here, it holds this frame: kept, both wait for the collector
 
     async def _attempt(self, request: GenerateRequest, rid: str, n: int, timeout_s: float) -> GenerateResult:
         """Attempt `n` of the turn `rid`: it reads the server's info once, clamps the budget to the context and

@@ -138,6 +138,35 @@ async def test_each_fault_kind_is_counted_and_every_row_is_right(agent, tok, ref
     assert summary["error_rows"] == 0  # one fault in three is always absorbed by retries and failovers
 
 
+async def test_retried_faults_leave_nothing_for_the_cyclic_collector(agent, tok, reference):
+    """A caught failure kept in a local of the frame that caught it is a cycle (the frame is in its traceback):
+    each retried 503 left its attempt's frames, its exception and its request, prompt ids included, for the
+    collector, which the engine runs rarely (fsm/run/heap.py). A retried and failed-over batch leaves none."""
+    import gc
+
+    from fsm.api import RolloutEngine
+
+    async with (
+        fleet(2, every={"http_503": 3}) as (_, proxies),
+        RolloutEngine(agent, tok, backend=router([p.url for p in proxies])) as engine,
+    ):
+        sampling = engine.sampling({"temperature": 0.0})
+        await engine.arun(rows(4), sampling=sampling)  # connections and caches: not the batch's
+        gc.collect()
+        gc.set_debug(gc.DEBUG_SAVEALL)  # what the collector would free stays in gc.garbage, to be named
+        try:
+            trajs = await engine.arun(rows(16), sampling=sampling)
+            gc.collect()
+            kinds = Counter(type(o).__name__ for o in gc.garbage)
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+        batch = engine.to_batch(trajs, sampling)
+    assert injected(proxies)["http_503"] >= 5
+    assert_rows_right_or_errors(trajs, batch, reference)
+    assert not {"frame", "traceback", "GenerateRequest", "BackendUnavailable"} & set(kinds), kinds
+
+
 async def test_malformed_answers_everywhere_end_as_error_rows_naming_the_server(agent, tok):
     async with fleet(2, rates={"html": 1.0}) as (_, proxies):
         (traj,), batch, stats = await run(
