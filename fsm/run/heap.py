@@ -6,7 +6,10 @@ object of the process (torch's, transformers', the trainer's): a large share of 
 the collector's sight, as vLLM's and SGLang's servers do; cycles among the frozen objects wait for the last engine's
 close, which unfreezes (an engine dropped unclosed holds it as long as the process). An engine freezes when a run
 first puts FREEZE_AT trajectories in flight: below that the collection before the freeze costs more than it saves.
-While frozen, the collector runs at RUN_THRESHOLD: a batch's short-lived objects are nearly none in cycles.
+While frozen, the collector runs at RUN_THRESHOLD: a batch's short-lived objects are nearly none in cycles (a
+tool call's timeout and a retried failure once were: tests/test_heap.py, tests/test_server_faults.py), so they die
+by their reference counts and a steady run of batches needs no young collection at all, while each one would walk
+every young object, prompts' ids included.
 
 A process that froze its heap itself (`gc.get_freeze_count()` not 0 when the first engine would freeze) is left to
 manage it: no freeze, no unfreeze. `RolloutEngine(freeze_heap=False)` opts an engine out. A Ray actor
@@ -19,7 +22,7 @@ import gc
 import threading
 
 FREEZE_AT = 256  # trajectories in flight (with those joining) that make an engine freeze the heap
-RUN_THRESHOLD = (50000, 20, 20)  # gc.set_threshold while frozen (docs/benchmarks.md)
+RUN_THRESHOLD = (200000, 20, 20)  # gc.set_threshold while frozen (docs/benchmarks.md, the twelfth pass)
 _lock = threading.Lock()
 _holders = 0  # engines started and not closed, holding the freeze
 _before: tuple[int, int, int] = (700, 10, 10)  # the thresholds the freeze replaced
