@@ -345,11 +345,17 @@ async def test_continuous_mode_pause_update_resume_versions_match_sglangs(sglang
     from specs.calculator import make_prompts
 
     reported: dict[str, list[str]] = {}  # rid -> SGLang's per-token versions, as the client parsed them
+    resumed = asyncio.Event()
     async with RolloutEngine("calculator", tok, servers=[sglang.url]) as engine:
         sg: SGLangBackend = engine.backend.servers[0].backend  # type: ignore[attr-defined]
         plain = sg.generate
 
         async def generate(request: GenerateRequest) -> GenerateResult:
+            if reported and not resumed.is_set():
+                # A turn begun after the first answer waits for the update: under load every later turn
+                # could otherwise finish before the pause, all on the old weights (the vLLM twin's CI, once).
+                # Turns already at the server still meet the pause as sent.
+                await resumed.wait()
             result = await plain(request)
             reported[request.rid or ""] = result.extra.get("token_versions") or []
             return result
@@ -367,6 +373,7 @@ async def test_continuous_mode_pause_update_resume_versions_match_sglangs(sglang
             assert await engine.aupdate_weights_from_disk(EARLY_DIR, weight_version=start + 1) == start + 1
         finally:
             await engine.aresume()
+            resumed.set()
         groups = await engine.atake_groups(len(rows), timeout=300)
         await engine.apause("abort")
         try:

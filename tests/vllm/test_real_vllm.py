@@ -364,6 +364,7 @@ async def test_continuous_mode_pause_update_resume_versions_match_vllms(vllm, to
     from specs.calculator import make_prompts
 
     reported: dict[str, list[str]] = {}  # rid -> vLLM's per-token versions, as the client parsed them
+    resumed = asyncio.Event()
     async with RolloutEngine("calculator", tok, servers=[vllm.url]) as engine:
         await engine.start()
         vc = engine.backend.servers[0].backend  # type: ignore[attr-defined]
@@ -371,6 +372,11 @@ async def test_continuous_mode_pause_update_resume_versions_match_vllms(vllm, to
         plain = vc.generate
 
         async def generate(request: GenerateRequest) -> GenerateResult:
+            if reported and not resumed.is_set():
+                # A turn begun after the first answer waits for the update: under load every second turn
+                # could otherwise be sent before the pause, and "wait" (retract) lets them all finish on
+                # the old weights (CI, once). Turns already at the server still meet the pause as sent.
+                await resumed.wait()
             result = await plain(request)
             reported[request.rid or ""] = result.extra.get("token_versions") or []
             return result
@@ -388,6 +394,7 @@ async def test_continuous_mode_pause_update_resume_versions_match_vllms(vllm, to
             assert await engine.aupdate_weights_from_disk(vllm.early, weight_version=start + 1) == start + 1
         finally:
             await engine.aresume()
+            resumed.set()
         groups = await engine.atake_groups(len(rows), timeout=600)
         await engine.apause("abort")
         try:
